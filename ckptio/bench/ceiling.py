@@ -1,0 +1,169 @@
+"""The raw disk ceiling, measured from Python: what the storage gives to large O_DIRECT I/O.
+
+Owns: a timed O_DIRECT sequential write of N bytes (posix_fallocate, page-aligned mmap buffers of
+8 MiB, 4 threads doing os.pwrite, fsync) and a timed cold O_DIRECT sequential read of the same
+file, plus dropping the page cache. Does not own: any engine (engines.py) or the protocol
+(save_load.py). The write clock runs from creating the file to fsync returning, as an engine's
+would; the fallocate share is reported apart.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+BLOCK = 4096
+CHUNK = 8 << 20
+THREADS = 4
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def round_up(n: int, alignment: int = BLOCK) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def drop_page_cache(paths: Iterable[Path] = ()) -> str:
+    """sync + drop_caches as root; else POSIX_FADV_DONTNEED on every file under ``paths``.
+
+    Returns the method used, so results say how cold the load was.
+    """
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3")
+        return "drop_caches"
+    except OSError:
+        for root in paths:
+            for file in _files_under(Path(root)):
+                _fadvise_dontneed(file)
+        return "fadvise"
+
+
+def _files_under(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def _fadvise_dontneed(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class _Buffers:
+    """One page-aligned, pre-faulted 8 MiB buffer per worker thread, reused for every chunk."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = mmap.mmap(-1, CHUNK)
+            buf.write(bytes(range(256)) * (CHUNK // 256))  # fault every page before I/O
+            self._local.buf = buf
+            with self._lock:
+                self._all.append(buf)
+        return buf
+
+    def close(self) -> None:
+        for buf in self._all:
+            buf.close()
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) pairs covering ``nbytes`` rounded up to the O_DIRECT block."""
+    total = round_up(nbytes)
+    return [(off, min(CHUNK, total - off)) for off in range(0, total, CHUNK)]
+
+
+def _warm_buffers(pool: ThreadPoolExecutor, buffers: _Buffers) -> None:
+    """Start every pool thread and fault its buffer before the clock starts."""
+    barrier = threading.Barrier(THREADS)
+
+    def touch(_: int) -> None:
+        buffers.get()
+        barrier.wait()
+
+    list(pool.map(touch, range(THREADS)))
+
+
+def _io(fn: Callable[[int, memoryview, int], int], buffers: _Buffers) -> Callable[[int, tuple[int, int]], int]:
+    """Adapt a (fd, view, offset) transfer to one chunk through this thread's buffer."""
+
+    def run(fd: int, chunk: tuple[int, int]) -> int:
+        off, length = chunk
+        view = memoryview(buffers.get())[:length]
+        try:
+            return fn(fd, view, off)
+        finally:
+            view.release()
+
+    return run
+
+
+def write_ceiling(path: Path, nbytes: int) -> dict[str, float | str]:
+    """O_DIRECT sequential write of ``nbytes`` (rounded up to 4 KiB); timed to fsync done."""
+    buffers = _Buffers()
+    write = _io(_write_full, buffers)
+    with ThreadPoolExecutor(THREADS) as pool:
+        _warm_buffers(pool, buffers)
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, round_up(nbytes))
+            t_alloc = time.perf_counter() - t0
+            written = sum(pool.map(lambda c: write(fd, c), _chunks(nbytes)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        seconds = time.perf_counter() - t0
+    buffers.close()
+    return {"bytes": float(written), "seconds": seconds, "fallocate_s": t_alloc}
+
+
+def _write_full(fd: int, view: memoryview, offset: int) -> int:
+    """pwrite until done (a short O_DIRECT write is rare; a retry stays block-aligned)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def read_ceiling(path: Path) -> dict[str, float | str]:
+    """Cold O_DIRECT sequential read of the whole file written by write_ceiling."""
+    nbytes = path.stat().st_size
+    buffers = _Buffers()
+    read = _io(_read_full, buffers)
+    with ThreadPoolExecutor(THREADS) as pool:
+        _warm_buffers(pool, buffers)
+        method = drop_page_cache([path])
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            got = sum(pool.map(lambda c: read(fd, c), _chunks(nbytes)))
+        finally:
+            os.close(fd)
+        seconds = time.perf_counter() - t0
+    buffers.close()
+    return {"bytes": float(got), "seconds": seconds, "cache_drop": method}
+
+
+def _read_full(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += n
+    return done

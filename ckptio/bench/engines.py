@@ -1,0 +1,181 @@
+"""One timed durable save and one timed cold load per engine, in the calling process.
+
+Owns: how each peer is driven at its best documented settings, what "durable" costs each of them
+(os.sync() added inside the clock where an engine does not fsync), and copying a loaded state
+into existing tensors. Does not own: page-cache dropping (ceiling.py), memory accounting and the
+protocol (save_load.py), or the state (state.py).
+
+Every engine is a pair save(state, path) -> None / load(path, dest) -> object, where ``path`` is
+a directory that does not exist yet and ``dest`` is a destination built by
+state.empty_destination; load fills ``dest`` in place and may return a report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SaveFn = Callable[[Any, Path], None]
+LoadFn = Callable[[Path, Any], object]
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    save: SaveFn
+    load: LoadFn
+    note: str  # what "durable" means for it, printed under the results table
+
+
+# ---------------------------------------------------------------- copying into existing tensors
+
+
+def merge_into(dest: Any, src: Any) -> Any:
+    """Copy ``src`` into ``dest`` the way load_state_dict does: tensors in place (copy_), other
+    leaves replaced in their dict or list. Returns what the parent should now hold."""
+    if isinstance(dest, torch.Tensor) and isinstance(src, torch.Tensor):
+        if dest is not src:
+            with torch.no_grad():
+                dest.copy_(src)
+        return dest
+    if isinstance(dest, dict) and isinstance(src, dict):
+        for key, value in src.items():
+            dest[key] = merge_into(dest[key], value) if key in dest else value
+        return dest
+    if isinstance(dest, list) and isinstance(src, list) and len(dest) == len(src):
+        for i, value in enumerate(src):
+            dest[i] = merge_into(dest[i], value)
+        return dest
+    if isinstance(dest, tuple) and isinstance(src, tuple) and len(dest) == len(src):
+        return type(src)(merge_into(d, s) for d, s in zip(dest, src))  # type: ignore[call-arg]
+    return src
+
+
+# ---------------------------------------------------------------- torch.save
+
+
+def _torch_save(state: Any, path: Path) -> None:
+    path.mkdir(parents=True)
+    with open(path / "state.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.sync()
+
+
+def _torch_load(path: Path, dest: Any) -> None:
+    loaded = torch.load(path / "state.pt", mmap=False, weights_only=True)
+    merge_into(dest, loaded)
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def _dcp_save(threads: int) -> SaveFn:
+    def save(state: Any, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = dcp.FileSystemWriter(str(path), thread_count=threads, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=writer, no_dist=True)
+
+    return save
+
+
+def _dcp_load(path: Path, dest: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+
+
+# ---------------------------------------------------------------- TorchSnapshot
+
+
+class _DictStateful:
+    """TorchSnapshot saves Stateful objects only; this wraps a plain state dict."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        merge_into(self.state, state)
+
+
+def _snapshot_save(state: Any, path: Path) -> None:
+    from torchsnapshot import Snapshot
+
+    Snapshot.take(path=str(path), app_state={"state": _DictStateful(state)})
+    os.sync()  # take() writes through the page cache and never fsyncs
+
+
+def _snapshot_load(path: Path, dest: Any) -> None:
+    from torchsnapshot import Snapshot
+
+    Snapshot(path=str(path)).restore(app_state={"state": _DictStateful(dest)})
+
+
+# ---------------------------------------------------------------- ckptio
+
+
+def _ckptio_save(state: Any, path: Path) -> None:
+    ckptio = importlib.import_module("ckptio")
+    ckptio.save(state, str(path))
+
+
+def _ckptio_load(path: Path, dest: Any) -> object:
+    ckptio = importlib.import_module("ckptio")
+    return ckptio.load(str(path), dest)
+
+
+# ---------------------------------------------------------------- registry
+
+ENGINES: dict[str, Engine] = {
+    "torch_save": Engine(
+        "torch_save", _torch_save, _torch_load, "torch.save + fsync(file) + os.sync() timed"
+    ),
+    "dcp_t1": Engine("dcp_t1", _dcp_save(1), _dcp_load, "DCP FileSystemWriter(thread_count=1, sync_files=True)"),
+    "dcp_t2": Engine("dcp_t2", _dcp_save(2), _dcp_load, "DCP FileSystemWriter(thread_count=2, sync_files=True)"),
+    "dcp_t4": Engine("dcp_t4", _dcp_save(4), _dcp_load, "DCP FileSystemWriter(thread_count=4, sync_files=True)"),
+    "torchsnapshot": Engine(
+        "torchsnapshot", _snapshot_save, _snapshot_load, "Snapshot.take + os.sync() timed (it does not fsync)"
+    ),
+    "ckptio": Engine("ckptio", _ckptio_save, _ckptio_load, "ckptio.save (durable and committed on return)"),
+}
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when ``name`` can run here, else why not."""
+    if name not in ENGINES:
+        return f"unknown engine {name!r}; known: {', '.join(ENGINES)}"
+    if name == "torchsnapshot" and importlib.util.find_spec("torchsnapshot") is None:
+        return "torchsnapshot is not installed"
+    if name == "ckptio":
+        return _ckptio_unavailable()
+    return None
+
+
+def _ckptio_unavailable() -> str | None:
+    try:
+        ckptio = importlib.import_module("ckptio")
+    except (ImportError, SyntaxError, AttributeError, NameError, TypeError) as exc:
+        return f"import ckptio failed: {type(exc).__name__}: {exc}"
+    missing = [fn for fn in ("save", "load") if not callable(getattr(ckptio, fn, None))]
+    return f"ckptio has no {', '.join(missing)}" if missing else None
+
+
+def available() -> list[str]:
+    return [name for name in ENGINES if unavailable_reason(name) is None]

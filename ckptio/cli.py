@@ -1,0 +1,65 @@
+"""The ckptio command: inspect and verify checkpoints, run benchmarks and the demo.
+
+Owns: argument parsing and printing. Every action calls the library or a bench driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import commit, manifest
+from .errors import CkptError
+
+
+def _ls(args: argparse.Namespace) -> int:
+    path = args.path
+    record = manifest.decode(commit.read_committed(path), os.path.join(path, manifest.MANIFEST_NAME))
+    total = sum(t.nbytes for t in record.tensors)
+    print(f"{path}: save {record.save_id}, {len(record.tensors)} tensors ({total / 2**20:.1f} MiB), "
+          f"{len(record.objects)} values, {len(record.aliases)} aliases, {len(record.files)} file(s)")
+    for t in record.tensors:
+        print(f"  {t.key:60s} {t.kind:8s} {t.dtype:10s} {list(t.shape)!s:20s} {t.nbytes:>12d}")
+    for key, target in record.aliases:
+        print(f"  {key:60s} alias of {target}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .api import verify
+
+    nbytes = verify(args.path)
+    print(f"{args.path}: OK, every entry matches its checksum ({nbytes} bytes read)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckptio", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list what a checkpoint holds")
+    ls.add_argument("path")
+    verify = sub.add_parser("verify", help="read every byte and check it against its checksum")
+    verify.add_argument("path")
+    bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
+    bench.add_argument("which", choices=["save-load"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("demo", help="a small save-load benchmark printing its table")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "ls":
+            return _ls(args)
+        if args.command == "verify":
+            return _verify(args)
+        from .bench import save_load
+
+        if args.command == "demo":
+            return save_load.main(["--gb", "0.25", "--reps", "2"])
+        return save_load.main(args.rest)
+    except CkptError as exc:
+        print(f"ckptio: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

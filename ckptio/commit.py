@@ -1,0 +1,114 @@
+"""When a checkpoint exists: the commit protocol on a local directory.
+
+Protocol: data files get names unique to one save (data-<save_id>-...), are written and fsynced;
+the manifest is written to a temporary name, fsynced and renamed over manifest.json (the atomic
+commit point); the directory is fsynced. Only then are files no committed manifest names (an
+older save's, or an interrupted save's) removed. So a save into a directory that holds a
+checkpoint never harms it before the new one is committed, and a kill at any moment leaves the
+last committed manifest and every file it names intact.
+
+Owns: directory creation, the commit, finding a committed manifest, cleaning leftovers.
+Does not own: the manifest's content (manifest.py) or data bytes (persist.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageIOError
+from .manifest import MANIFEST_NAME
+
+log = logging.getLogger("ckptio")
+_TMP_PREFIX = ".manifest-"
+_DATA_PREFIX = "data-"
+
+
+def new_save_id() -> str:
+    """Time-ordered and unique: milliseconds since the epoch, then random bits."""
+    return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
+
+
+def prepare(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise StorageIOError(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
+    if not os.path.isdir(path):
+        raise StorageIOError(f"checkpoint path {path} exists and is not a directory")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(path: str, manifest_bytes: bytes, save_id: str) -> None:
+    """Make the save durable and visible in one rename."""
+    tmp = os.path.join(path, f"{_TMP_PREFIX}{save_id}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(manifest_bytes)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(path, MANIFEST_NAME))
+        _fsync_dir(path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        discard(path, [os.path.basename(tmp)])
+        raise StorageIOError(f"committing the manifest of {path} failed: {exc.strerror or exc}; "
+                             "the previous checkpoint there, if any, is untouched") from None
+
+
+def read_committed(path: str) -> bytes:
+    """The committed manifest's bytes, or an error saying why there is none."""
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path} is not a ckptio checkpoint directory")
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        leftovers = [n for n in os.listdir(path) if n.startswith((_DATA_PREFIX, _TMP_PREFIX))]
+        raise IncompleteCheckpointError(
+            f"{path} holds no committed manifest ({MANIFEST_NAME}): a save there was interrupted"
+            f" before its commit ({len(leftovers)} partial file(s) left). It never completed; "
+            "load an earlier checkpoint, and delete this directory or save over it"
+        ) from None
+
+
+def discard(path: str, names: list[str]) -> None:
+    """Remove files of a save that will not be committed."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def remove_unreferenced(path: str, keep: set[str]) -> list[str]:
+    """After a commit: delete data and temporary files the committed manifest does not name.
+
+    Failures are logged, not raised: the checkpoint is already committed and whole; a leftover
+    file is removed by the next save into this directory.
+    """
+    try:
+        removed = [
+            name for name in os.listdir(path)
+            if name.startswith((_DATA_PREFIX, _TMP_PREFIX)) and name not in keep
+        ]
+        discard(path, removed)
+    except OSError as exc:
+        log.warning("ckptio: could not remove superseded files in %s: %s", path, exc)
+        return []
+    return removed

@@ -1,0 +1,43 @@
+"""The one exception family ckptio raises.
+
+Owns: CkptError and its subclasses. Every message names what went wrong (key, file, rank where
+known) and how to fix it. Does not own: deciding when to raise (each module raises its own).
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base of every error ckptio raises on purpose."""
+
+
+class CheckpointNotFoundError(CkptError):
+    """The path holds no checkpoint at all."""
+
+
+class IncompleteCheckpointError(CkptError):
+    """A directory exists but no manifest was ever committed there (an interrupted save)."""
+
+
+class CorruptCheckpointError(CkptError):
+    """Bytes on storage disagree with the manifest: checksum, size or structure."""
+
+
+class ManifestError(CorruptCheckpointError):
+    """The manifest itself cannot be parsed, fails its checksum or breaks the schema."""
+
+
+class UnsupportedStateError(CkptError):
+    """The state to save holds something ckptio will not store (as asked)."""
+
+
+class StateMismatchError(CkptError):
+    """The destination state does not match the checkpoint (keys, dtypes, shapes)."""
+
+
+class PickleRefusedError(CkptError):
+    """Loading would unpickle, and the caller did not opt in."""
+
+
+class StorageIOError(CkptError):
+    """An I/O call failed; the message names the file and the operation."""

@@ -1,0 +1,46 @@
+"""The IOBackend contract: open files, submit positioned reads and writes, get futures back.
+
+Owns: the Protocol every backend implements and the FileHandle it hands out. A backend may run
+requests on threads (posix) or a ring (io_uring); callers only see futures, so both fit.
+Does not own: what is written (persist.py) or when a checkpoint counts (commit.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class FileHandle:
+    path: str
+    fd: int
+    direct: bool  # O_DIRECT: offsets, lengths and buffer addresses must be BLOCK-aligned
+
+
+@runtime_checkable
+class IOBackend(Protocol):
+    name: str
+
+    def open_write(self, path: str, nbytes: int) -> FileHandle:
+        """Create ``path`` (it must not exist) with ``nbytes`` preallocated."""
+        ...
+
+    def open_read(self, path: str) -> FileHandle: ...
+
+    def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
+        """Write all of ``data`` at ``offset``; the future gives len(data) or raises StorageIOError."""
+        ...
+
+    def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
+        """Fill ``into`` from ``offset``; the future gives the bytes read (fewer only at end of file)."""
+        ...
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        """Close, after fsync when ``sync`` (the data is durable when this returns)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop worker threads or rings; the backend may be used again afterwards."""
+        ...

@@ -1,0 +1,145 @@
+"""POSIX backend: pwrite/preadv on a small thread pool, O_DIRECT where the filesystem allows.
+
+Owns: file opening flags, preallocation, the buffered fallback (logged once per filesystem),
+short-transfer loops and turning OSError into StorageIOError naming file and offset.
+Threads are created on first use, never in __init__, so the backend can be pickled.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..errors import StorageIOError
+from .base import FileHandle
+
+log = logging.getLogger("ckptio")
+
+
+class PosixBackend:
+    name = "posix"
+
+    def __init__(self, *, depth: int = 4, direct_io: str = "auto") -> None:
+        self.depth = depth
+        self.direct_io = direct_io
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._warned_devices: set[int] = set()
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"depth": self.depth, "direct_io": self.direct_io}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(depth=state["depth"], direct_io=state["direct_io"])  # type: ignore[misc,arg-type]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ckptio-io")
+            return self._pool
+
+    def open_write(self, path: str, nbytes: int) -> FileHandle:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fh = self._open(path, flags, 0o644)
+        try:
+            if nbytes:
+                _preallocate(fh.fd, nbytes)
+        except OSError as exc:
+            os.close(fh.fd)
+            raise _error("preallocating", path, 0, exc) from None
+        return fh
+
+    def open_read(self, path: str) -> FileHandle:
+        return self._open(path, os.O_RDONLY | os.O_CLOEXEC, 0)
+
+    def _open(self, path: str, flags: int, mode: int) -> FileHandle:
+        if self.direct_io != "off":
+            try:
+                return FileHandle(path, os.open(path, flags | os.O_DIRECT, mode), True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self.direct_io == "on":
+                    raise _error("opening (O_DIRECT)", path, 0, exc) from None
+                self._warn_buffered(path)
+        try:
+            return FileHandle(path, os.open(path, flags, mode), False)
+        except OSError as exc:
+            raise _error("opening", path, 0, exc) from None
+
+    def _warn_buffered(self, path: str) -> None:
+        device = os.stat(os.path.dirname(os.path.abspath(path))).st_dev
+        with self._lock:
+            if device in self._warned_devices:
+                return
+            self._warned_devices.add(device)
+        log.warning("ckptio: the filesystem holding %s refuses O_DIRECT; using buffered I/O "
+                    "with fsync there", os.path.dirname(os.path.abspath(path)))
+
+    def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
+        return self._executor().submit(_pwrite_all, fh, offset, data)
+
+    def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
+        return self._executor().submit(_pread_all, fh, offset, into)
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        try:
+            if sync:
+                os.fsync(fh.fd)
+        except OSError as exc:
+            raise _error("fsync", fh.path, 0, exc) from None
+        finally:
+            os.close(fh.fd)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise  # ENOSPC here is the cheapest moment to learn the disk is full
+        os.ftruncate(fd, nbytes)
+
+
+def _pwrite_all(fh: FileHandle, offset: int, data: memoryview) -> int:
+    done = 0
+    try:
+        while done < len(data):
+            n = os.pwrite(fh.fd, data[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            done += n
+    except OSError as exc:
+        raise _error("writing", fh.path, offset + done, exc) from None
+    return done
+
+
+def _pread_all(fh: FileHandle, offset: int, into: memoryview) -> int:
+    done = 0
+    try:
+        while done < len(into):
+            n = os.preadv(fh.fd, [into[done:]], offset + done)
+            if n == 0:
+                break  # end of file: the caller compares against the expected length
+            done += n
+    except OSError as exc:
+        raise _error("reading", fh.path, offset + done, exc) from None
+    return done
+
+
+def _error(what: str, path: str, offset: int, exc: OSError) -> StorageIOError:
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or save elsewhere",
+        errno.EDQUOT: "the disk quota is exhausted",
+        errno.EACCES: "permission denied: check the directory's owner and mode",
+        errno.EROFS: "the filesystem is read-only",
+        errno.EEXIST: "a file of that name already exists (another save running?)",
+    }.get(exc.errno or 0, "see the OS error")
+    return StorageIOError(f"{what} {path} at byte {offset} failed: {exc.strerror or exc}; {hint}")

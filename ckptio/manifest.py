@@ -1,0 +1,194 @@
+"""The versioned on-disk manifest: encode, decode, validate. See docs/FORMAT.md.
+
+Owns: the byte format of manifest.json (a header line with the body's length and CRC-32, then
+the JSON body) and every check on what it claims: offsets, lengths, dtypes, file names, keys,
+with bounds on every number. Pure: bytes in, Manifest out; no file access, no torch, no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from typing import Any
+
+from .errors import ManifestError
+from .flatten import tree_keys
+from .types import DTYPE_ITEMSIZE, KINDS, Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+
+MAGIC = "ckptio-manifest"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_MAX_INT = 1 << 62
+_FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+
+
+def encode(manifest: Manifest) -> bytes:
+    body = json.dumps(_body(manifest), separators=(",", ":"), allow_nan=False).encode()
+    header = {"magic": MAGIC, "version": manifest.version, "body_nbytes": len(body),
+              "body_crc32": zlib.crc32(body)}
+    return json.dumps(header).encode() + b"\n" + body + b"\n"
+
+
+def _body(m: Manifest) -> dict[str, Any]:
+    return {
+        "format": "ckptio",
+        "version": m.version,
+        "save_id": m.save_id,
+        "checksum_algorithm": m.checksum_algorithm,
+        "world_size": m.world_size,
+        "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in m.files],
+        "tensors": [_tensor_json(t) for t in m.tensors],
+        "objects": [{"key": o.key, "value": o.value} for o in m.objects],
+        "aliases": [list(pair) for pair in m.aliases],
+        "tree": m.tree,
+        "meta": m.meta,
+    }
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    return {
+        "key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
+        "chunk": {"offsets": list(t.chunk.offsets), "sizes": list(t.chunk.sizes)},
+        "file": t.file, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum,
+    }
+
+
+def decode(data: bytes, where: str) -> Manifest:
+    """Parse and fully validate; ``where`` (the manifest path) goes into every error."""
+    newline = data.find(b"\n")
+    try:
+        header = json.loads(data[:newline]) if newline > 0 else None
+    except (ValueError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict) or header.get("magic") != MAGIC:
+        raise ManifestError(f"{where}: not a ckptio manifest (bad header line); the checkpoint "
+                            "is damaged: load an earlier one")
+    if header.get("version") != VERSION:
+        raise ManifestError(f"{where}: manifest version {header.get('version')!r}; this ckptio "
+                            f"reads version {VERSION}: upgrade ckptio")
+    body = data[newline + 1:].rstrip(b"\n")
+    if len(body) != header.get("body_nbytes") or zlib.crc32(body) != header.get("body_crc32"):
+        raise ManifestError(f"{where}: manifest body is truncated or altered (length/CRC-32 "
+                            "mismatch); the checkpoint is damaged: load an earlier one")
+    try:
+        raw = json.loads(body)
+    except ValueError as exc:
+        raise ManifestError(f"{where}: manifest body is not JSON ({exc})") from None
+    return _validate(raw, where)
+
+
+class _Check:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, what: str) -> ManifestError:
+        return ManifestError(f"{self.where}: {what}; the checkpoint is damaged or was written "
+                             "by something else: load an earlier one")
+
+    def int(self, value: Any, what: str) -> int:
+        if type(value) is not int or not 0 <= value < _MAX_INT:
+            raise self.fail(f"{what} must be an integer in [0, 2^62), got {value!r:.60}")
+        return value
+
+    def str(self, value: Any, what: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(f"{what} must be a string, got {value!r:.60}")
+        return value
+
+    def list(self, value: Any, what: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(f"{what} must be a list")
+        return value
+
+    def field(self, obj: Any, name: str, what: str) -> Any:
+        if not isinstance(obj, dict) or name not in obj:
+            raise self.fail(f"{what} lacks field {name!r}")
+        return obj[name]
+
+
+def _validate(raw: Any, where: str) -> Manifest:
+    c = _Check(where)
+    if c.field(raw, "format", "manifest") != "ckptio" or c.field(raw, "version", "manifest") != VERSION:
+        raise c.fail("format/version fields are wrong")
+    files = tuple(_file(c, f) for f in c.list(c.field(raw, "files", "manifest"), "files"))
+    sizes = {f.name: f.nbytes for f in files}
+    if len(sizes) != len(files):
+        raise c.fail("a data file is listed twice")
+    tensors = tuple(_tensor(c, t, sizes) for t in c.list(c.field(raw, "tensors", "manifest"), "tensors"))
+    objects = tuple(
+        ObjectEntry(c.str(c.field(o, "key", "object"), "object key"), c.field(o, "value", "object"))
+        for o in c.list(c.field(raw, "objects", "manifest"), "objects")
+    )
+    aliases = tuple(_alias(c, a) for a in c.list(c.field(raw, "aliases", "manifest"), "aliases"))
+    tree = c.field(raw, "tree", "manifest")
+    _check_keys(c, tensors, objects, aliases, tree)
+    meta = c.field(raw, "meta", "manifest")
+    return Manifest(
+        version=VERSION,
+        save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
+        checksum_algorithm=c.str(c.field(raw, "checksum_algorithm", "manifest"), "checksum_algorithm"),
+        world_size=c.int(c.field(raw, "world_size", "manifest"), "world_size"),
+        files=files, tensors=tensors, objects=objects, aliases=aliases, tree=tree,
+        meta=meta if isinstance(meta, dict) else {},
+    )
+
+
+def _file(c: _Check, raw: Any) -> FileInfo:
+    name = c.str(c.field(raw, "name", "file"), "file name")
+    if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+        raise c.fail(f"data file name {name!r:.60} is not a plain file name")
+    return FileInfo(name, c.int(c.field(raw, "nbytes", "file"), f"file {name} nbytes"),
+                    c.int(c.field(raw, "rank", "file"), f"file {name} rank"))
+
+
+def _tensor(c: _Check, raw: Any, sizes: dict[str, int]) -> TensorEntry:
+    key = c.str(c.field(raw, "key", "tensor"), "tensor key")
+    what = f"tensor {key!r}"
+    kind, dtype = c.field(raw, "kind", what), c.field(raw, "dtype", what)
+    if kind not in KINDS or dtype not in DTYPE_ITEMSIZE:
+        raise c.fail(f"{what} has unknown kind {kind!r:.30} or dtype {dtype!r:.30}")
+    shape = tuple(c.int(d, f"{what} shape") for d in c.list(c.field(raw, "shape", what), f"{what} shape"))
+    chunk_raw = c.field(raw, "chunk", what)
+    offsets = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "offsets", what), what))
+    chunk_sizes = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "sizes", what), what))
+    if len(offsets) != len(shape) or len(chunk_sizes) != len(shape) or any(
+        o + s > d for o, s, d in zip(offsets, chunk_sizes, shape)
+    ):
+        raise c.fail(f"{what}: chunk {offsets}+{chunk_sizes} does not fit shape {shape}")
+    chunk = Chunk(offsets, chunk_sizes)
+    file = c.str(c.field(raw, "file", what), f"{what} file")
+    offset = c.int(c.field(raw, "offset", what), f"{what} offset")
+    nbytes = c.int(c.field(raw, "nbytes", what), f"{what} nbytes")
+    if nbytes != chunk.numel * DTYPE_ITEMSIZE[dtype]:
+        raise c.fail(f"{what}: nbytes {nbytes} != {chunk.numel} elements of {dtype}")
+    if file not in sizes or offset + nbytes > sizes[file]:
+        raise c.fail(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside data file {file!r:.60}")
+    checksum = c.str(c.field(raw, "checksum", what), f"{what} checksum")
+    if not _CHECKSUM.fullmatch(checksum):
+        raise c.fail(f"{what}: checksum {checksum!r:.40} is not 16 hex digits")
+    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum)
+
+
+def _alias(c: _Check, raw: Any) -> tuple[str, str]:
+    pair = c.list(raw, "alias")
+    if len(pair) != 2:
+        raise c.fail("an alias must be [key, target]")
+    return c.str(pair[0], "alias key"), c.str(pair[1], "alias target")
+
+
+def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
+                aliases: tuple[tuple[str, str], ...], tree: Any) -> None:
+    tensor_keys = {t.key for t in tensors}
+    all_keys = [t.key for t in tensors] + [o.key for o in objects] + [a for a, _ in aliases]
+    if len(set(all_keys)) != len(all_keys):
+        raise c.fail("a key appears twice")
+    if any(target not in tensor_keys for _, target in aliases):
+        raise c.fail("an alias points at a key that holds no tensor")
+    try:
+        in_tree = tree_keys(tree)
+    except ManifestError as exc:
+        raise c.fail(str(exc)) from None
+    if sorted(in_tree) != sorted(all_keys):
+        raise c.fail("the tree and the entries name different keys")

@@ -1,0 +1,134 @@
+"""Flat state -> this rank's save plan: which bytes are written, which leaves go inline.
+
+Owns: classifying every leaf (tensor, numpy array, bytes, inline Python value, pickled object),
+refusing what cannot be stored without pickle, and writing each storage view once (tied weights
+become aliases). Produces frozen dataclasses plus the host-side tensors whose bytes the items
+name. Does not own: where bytes go (layout.py) or how they are copied (stage.py). No I/O.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import values
+from .errors import UnsupportedStateError
+from .flatten import FlatState
+from .types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    items: tuple[WriteItem, ...]
+    objects: tuple[ObjectEntry, ...]
+    aliases: tuple[tuple[str, str], ...]
+
+
+def dtype_name(dtype: torch.dtype, key: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise UnsupportedStateError(
+            f"key {key!r}: dtype {dtype} is not supported; convert it to a standard dtype first"
+        )
+    return name
+
+
+def _check_tensor(t: torch.Tensor, key: str) -> None:
+    if type(t).__name__ == "DTensor" or t.layout != torch.strided or t.is_quantized:
+        raise UnsupportedStateError(
+            f"key {key!r}: {type(t).__name__} with layout {t.layout} is not supported by a "
+            "single-process save; pass a dense tensor (e.g. t.full_tensor() or t.to_dense())"
+        )
+    if t.device.type == "meta":
+        raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
+
+
+def _view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Two tensors with equal identity are the same view of the same memory."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
+            tuple(t.shape), t.stride())
+
+
+def _numpy_source(value: Any, key: str) -> tuple[str, torch.Tensor] | None:
+    module = type(value).__module__
+    if not module.startswith("numpy"):
+        return None
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return "numpy_scalar", _from_numpy(np.asarray(value), key)
+    if isinstance(value, np.ndarray):
+        return "numpy", _from_numpy(value, key)
+    return None
+
+
+def _from_numpy(array: Any, key: str) -> torch.Tensor:
+    import numpy as np
+
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    except TypeError:
+        raise UnsupportedStateError(
+            f"key {key!r}: numpy dtype {array.dtype} has no torch equivalent; convert it, or "
+            "pass allow_pickle=True to store it pickled"
+        ) from None
+
+
+def _bytes_source(data: bytes | bytearray) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
+    """-> (kind, payload): payload is a tensor for data kinds, tagged JSON for 'object'."""
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, key)
+        return "tensor", value
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes", _bytes_source(value)
+    numpy_source = _numpy_source(value, key)
+    if numpy_source is not None:
+        return numpy_source
+    try:
+        return "object", values.encode(value)
+    except values.NotEncodable:
+        pass
+    if not allow_pickle:
+        raise UnsupportedStateError(
+            f"key {key!r}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
+            "stored without pickle; convert it to tensors/str/int/float/bytes, or pass "
+            "allow_pickle=True (loading it will then need allow_pickle=True too)"
+        )
+    return "pickle", _bytes_source(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def build_plan(flat: FlatState, *, allow_pickle: bool) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    """-> (plan, sources): sources maps each item's key to the tensor holding its bytes."""
+    items: list[WriteItem] = []
+    objects: list[ObjectEntry] = []
+    aliases: list[tuple[str, str]] = []
+    sources: dict[str, torch.Tensor] = {}
+    first_key_of_view: dict[tuple[Any, ...], str] = {}
+    for key, leaf in flat.leaves.items():
+        kind, payload = _classify(leaf.value, key, allow_pickle)
+        if kind == "object":
+            objects.append(ObjectEntry(key, payload))
+            continue
+        identity = _view_identity(payload) if kind == "tensor" else None
+        if identity is not None and identity in first_key_of_view:
+            aliases.append((key, first_key_of_view[identity]))
+            continue
+        if identity is not None:
+            first_key_of_view[identity] = key
+        shape = tuple(payload.shape)
+        name = dtype_name(payload.dtype, key)
+        nbytes = payload.numel() * DTYPE_ITEMSIZE[name]
+        items.append(WriteItem(key, kind, name, shape, Chunk.whole(shape), nbytes))
+        sources[key] = payload
+    return SavePlan(tuple(items), tuple(objects), tuple(aliases)), sources

@@ -1,0 +1,136 @@
+"""Load data path: read coalesced aligned ranges into the pool, verify, scatter into tensors.
+
+Owns: keeping reads in flight ahead of the copying, per-entry checksum verification (an entry
+that fits one read is verified before a byte of it reaches its destination; a larger one is
+verified when its last byte arrives), truncation checks. Does not own: which entries are wanted
+or where they go (api.py), nor coalescing (layout.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .checksum import Hasher, new_hasher
+from .errors import CorruptCheckpointError
+from .io import FileHandle, IOBackend
+from .layout import coalesce_reads
+from .stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from .types import DTYPE_ITEMSIZE, ReadRange, TensorEntry
+
+MAX_GAP = 512 << 10  # read through gaps up to this size rather than issue another request
+
+
+@dataclass
+class Target:
+    """An entry and the tensors (same dtype, shape = chunk sizes) its bytes are copied into."""
+
+    entry: TensorEntry
+    dests: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Progress:
+    hasher: Hasher | None
+    done: int = 0  # bytes of the entry handled so far
+
+
+class _Reader:
+    def __init__(self, directory: str, backend: IOBackend, algorithm: str | None) -> None:
+        self.directory, self.backend, self.algorithm = directory, backend, algorithm
+        self.handles: dict[str, FileHandle] = {}
+        self.progress: dict[int, _Progress] = {}
+
+    def handle(self, name: str) -> FileHandle:
+        if name not in self.handles:
+            self.handles[name] = self.backend.open_read(os.path.join(self.directory, name))
+        return self.handles[name]
+
+    def close(self) -> None:
+        for fh in self.handles.values():
+            self.backend.close(fh, sync=False)
+        self.handles.clear()
+
+    def consume(self, rng: ReadRange, buffer: Buffer, got: int, dests: dict[int, Target]) -> None:
+        if got < rng.nbytes:
+            raise CorruptCheckpointError(
+                f"data file {os.path.join(self.directory, rng.file)} is truncated: wanted bytes "
+                f"[{rng.offset}, {rng.offset + rng.nbytes}), file ends at {rng.offset + got}; "
+                "the checkpoint is damaged: load an earlier one"
+            )
+        for entry in rng.entries:
+            self._piece(entry, rng, buffer, dests[id(entry)])
+
+    def _piece(self, entry: TensorEntry, rng: ReadRange, buffer: Buffer, target: Target) -> None:
+        progress = self.progress.setdefault(
+            id(entry), _Progress(new_hasher(self.algorithm) if self.algorithm else None))
+        lo = max(entry.offset, rng.offset)
+        hi = min(entry.offset + entry.nbytes, rng.offset + rng.nbytes)
+        start = lo - rng.offset
+        last = hi == entry.offset + entry.nbytes
+        if progress.hasher is not None:
+            progress.hasher.update(buffer.view[start:start + hi - lo])
+            if last:  # checked before the copy: a whole-in-one-read entry never lands corrupt
+                self._verify(entry, progress.hasher.hexdigest())
+        itemsize = DTYPE_ITEMSIZE[entry.dtype]
+        src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
+        for dest in target.dests:
+            copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
+        progress.done += hi - lo
+        if last:
+            del self.progress[id(entry)]
+
+    def _verify(self, entry: TensorEntry, digest: str) -> None:
+        if digest != entry.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch for key {entry.key!r} in {os.path.join(self.directory, entry.file)}"
+                f" bytes [{entry.offset}, {entry.offset + entry.nbytes}): stored {entry.checksum}, "
+                f"read {digest}. The data file is corrupt; load an earlier checkpoint (any "
+                "destination tensors of this load may hold partial data)"
+            )
+
+
+def read_targets(
+    directory: str,
+    targets: Sequence[Target],
+    *,
+    pool: BufferPool,
+    backend: IOBackend,
+    algorithm: str | None,
+    depth: int,
+) -> int:
+    """Fill every target's destinations; ``algorithm`` None skips verification. -> bytes read."""
+    reader = _Reader(directory, backend, algorithm)
+    by_entry = {id(t.entry): t for t in targets}
+    for t in targets:
+        if t.entry.nbytes == 0 and algorithm:
+            reader._verify(t.entry, new_hasher(algorithm).hexdigest())
+    ranges = deque(coalesce_reads((t.entry for t in targets), max_read=pool.buffer_bytes,
+                                  max_gap=MAX_GAP))
+    ahead = max(1, min(pool.nbuffers, 2 * depth))
+    pending: deque[tuple[ReadRange, Buffer, Future[int]]] = deque()
+    nbytes = 0
+    try:
+        while ranges or pending:
+            while ranges and len(pending) < ahead:
+                rng = ranges.popleft()
+                buffer = pool.acquire()
+                pending.append((rng, buffer, backend.submit_read(
+                    reader.handle(rng.file), rng.offset, buffer.view[:rng.nbytes])))
+            rng, buffer, future = pending.popleft()
+            try:
+                reader.consume(rng, buffer, future.result(), by_entry)
+                nbytes += rng.nbytes
+            finally:
+                pool.release(buffer)
+    finally:
+        for _rng, buffer, future in pending:
+            future.exception()  # the read must finish before its buffer is reused
+            pool.release(buffer)
+        reader.close()
+    return nbytes

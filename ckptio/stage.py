@@ -1,0 +1,132 @@
+"""Host staging: a fixed pool of aligned, pre-faulted buffers reused by every save and load, and
+element-exact copies between tensors (any strides) and those buffers.
+
+Owns: staging memory (allocated once, pre-faulted because this kind of VM faults fresh pages
+slowly), its admission (acquire blocks while every buffer is in use) and tensor<->bytes copies.
+Does not own: what is copied where (persist.py, restore.py) or I/O (io/).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CkptError
+from .types import DTYPE_ITEMSIZE
+
+
+@dataclass
+class Buffer:
+    """One page-aligned staging buffer; ``data`` is a uint8 tensor over the same memory."""
+
+    index: int
+    view: memoryview
+    data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.view)
+
+
+class BufferPool:
+    """``nbuffers`` buffers of ``buffer_bytes`` in one mapping, made resident at creation."""
+
+    def __init__(self, nbuffers: int, buffer_bytes: int) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.nbuffers = nbuffers
+        self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
+        whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        whole.zero_()  # pre-fault every page now, not during the first save
+        self._all = [
+            Buffer(i, memoryview(self._mapping)[i * buffer_bytes:(i + 1) * buffer_bytes],
+                   whole[i * buffer_bytes:(i + 1) * buffer_bytes])
+            for i in range(nbuffers)
+        ]
+        self._free = list(reversed(self._all))
+        self._cond = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbuffers * self.buffer_bytes
+
+    def acquire(self) -> Buffer:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop()
+
+    def release(self, buffer: Buffer) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return len(self._free) == self.nbuffers
+
+    def close(self) -> None:
+        if not self.idle():
+            raise CkptError("BufferPool.close: buffers are still in use by a save or load")
+        self._all.clear()
+        self._free.clear()
+        self._mapping.close()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or name not in DTYPE_ITEMSIZE:
+        raise CkptError(f"dtype {name!r} is not available in this torch {torch.__version__}")
+    return dtype
+
+
+def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes [start, start+nbytes) of a buffer as a 1-D tensor of ``dtype``."""
+    return buffer.data[start:start + nbytes].view(dtype)
+
+
+def element_blocks(t: torch.Tensor, start: int, count: int) -> Iterator[torch.Tensor]:
+    """Views of ``t`` that together cover elements [start, start+count) in row-major order.
+
+    Lets a strided tensor of any size stream through fixed-size buffers without a contiguous
+    copy of the whole tensor: O(ndim) views per range.
+    """
+    if count <= 0:
+        return
+    if t.dim() <= 1 or t.is_contiguous():
+        yield t.reshape(-1)[start:start + count]
+        return
+    row = t[0].numel()
+    first, offset = divmod(start, row)
+    end_row, end_offset = divmod(start + count, row)
+    if first == end_row:
+        yield from element_blocks(t[first], offset, count)
+        return
+    if offset:
+        yield from element_blocks(t[first], offset, row - offset)
+        first += 1
+    if end_row > first:
+        yield t[first:end_row]
+    if end_offset:
+        yield from element_blocks(t[end_row], 0, end_offset)
+
+
+def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> None:
+    """Elements [start, start+count) of ``src`` -> contiguous 1-D ``dst`` of ``count`` elements."""
+    pos = 0
+    for block in element_blocks(src, start, count):
+        n = block.numel()
+        dst[pos:pos + n].view(block.shape).copy_(block)
+        pos += n
+
+
+def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:
+    """Contiguous 1-D ``src`` of ``count`` elements -> elements [start, start+count) of ``dst``."""
+    pos = 0
+    for block in element_blocks(dst, start, count):
+        n = block.numel()
+        block.copy_(src[pos:pos + n].view(block.shape))
+        pos += n

@@ -1,0 +1,130 @@
+"""Frozen dataclasses every layer shares: what is saved, where its bytes go, what is read back.
+
+Owns: the vocabulary (items, extents, entries, read ranges) and the torch-free dtype table.
+Does not own: how these are computed (plan, layout, reshard) or stored (manifest, io).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# name -> bytes per element. The manifest stores these names; readers need no torch to size data.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+}
+
+# How a stored byte range is turned back into a Python value on load.
+KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle")
+
+Json = Any  # a value json.dumps accepts
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The box of the global tensor a stored entry holds: offsets and sizes per dimension."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> Chunk:
+        return Chunk(offsets=(0,) * len(shape), sizes=tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.sizes:
+            n *= size
+        return n
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One chunk of bytes this rank will write, before it has a place in a file."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk: Chunk
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A WriteItem given its byte offset inside a data file."""
+
+    item: WriteItem
+    offset: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """One data file: its name, padded size and the items it holds in offset order."""
+
+    name: str
+    nbytes: int
+    placements: tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A stored chunk, as the manifest records it."""
+
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk: Chunk
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """A Python leaf stored inline in the manifest as tagged JSON (see values.py)."""
+
+    key: str
+    value: Json
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    nbytes: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about a checkpoint except the tensor bytes."""
+
+    version: int
+    save_id: str
+    checksum_algorithm: str
+    world_size: int
+    files: tuple[FileInfo, ...]
+    tensors: tuple[TensorEntry, ...]
+    objects: tuple[ObjectEntry, ...]
+    aliases: tuple[tuple[str, str], ...]  # (key, key of the entry whose tensor it shares)
+    tree: Json
+    meta: dict[str, Json]
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    """One aligned read of a data file and the entries whose bytes it covers (partly or wholly)."""
+
+    file: str
+    offset: int
+    nbytes: int
+    entries: tuple[TensorEntry, ...]
