@@ -69,11 +69,12 @@ class Checkpointer:
         """Free the staging pool and stop I/O threads; the Checkpointer stays usable."""
         with self._lock:
             self._finish_cleanup()
-            if self._backend is not None:
-                self._backend.shutdown()
-            if self._pool is not None:
-                self._pool.close()
+            pool, backend = self._pool, self._backend
             self._pool, self._backend = None, None
+            if backend is not None:
+                backend.shutdown()
+            if pool is not None:
+                pool.close()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> SaveResult:
         """Write ``state`` to directory ``path``; returns once every byte is durable and committed."""
@@ -84,24 +85,19 @@ class Checkpointer:
         save_id = commit.new_save_id()
         files = plan_files(plan.items, save_id=save_id, rank=0,
                            max_file_bytes=self.options.max_file_bytes)
-        commit.prepare(path)
         names = [f.name for f in files]
-        with self._lock:
+        with self._lock, commit.attempt(path, names):
             self._finish_cleanup()
             pool, backend = self._resources()
-            try:
-                entries, infos = persist.write_files(
-                    path, files, sources, pool=pool, backend=backend,
-                    algorithm=self.options.checksum, rank=0)
-            except BaseException:
-                commit.discard(path, names)
-                raise
-        record = Manifest(
-            version=manifest.VERSION, save_id=save_id, checksum_algorithm=self.options.checksum,
-            world_size=1, files=tuple(infos), tensors=tuple(entries), objects=plan.objects,
-            aliases=plan.aliases, tree=flat.tree, meta=_meta(),
-        )
-        commit.commit(path, manifest.encode(record), save_id)
+            entries, infos = persist.write_files(
+                path, files, sources, pool=pool, backend=backend,
+                algorithm=self.options.checksum, rank=0)
+            record = Manifest(
+                version=manifest.VERSION, save_id=save_id, checksum_algorithm=self.options.checksum,
+                world_size=1, files=tuple(infos), tensors=tuple(entries), objects=plan.objects,
+                aliases=plan.aliases, tree=flat.tree, meta=_meta(),
+            )
+            commit.commit(path, manifest.encode(record), save_id)
         self._cleanup = threading.Thread(target=commit.remove_unreferenced, args=(path, set(names)),
                                          name="ckptio-cleanup", daemon=True)
         self._cleanup.start()

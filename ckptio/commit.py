@@ -13,10 +13,12 @@ Does not own: the manifest's content (manifest.py) or data bytes (persist.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageIOError
 from .manifest import MANIFEST_NAME
@@ -31,13 +33,26 @@ def new_save_id() -> str:
     return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
 
 
-def prepare(path: str) -> None:
+@contextlib.contextmanager
+def attempt(path: str, names: list[str]) -> Iterator[None]:
+    """Create the checkpoint directory; if the body fails, remove the save's files ``names``
+    (and the directory, if this call created it and it is empty). Nothing else is touched."""
+    created = not os.path.exists(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise StorageIOError(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
     if not os.path.isdir(path):
-        raise StorageIOError(f"checkpoint path {path} exists and is not a directory")
+        raise StorageIOError(f"checkpoint path {path} exists and is not a directory; "
+                             "choose another path")
+    try:
+        yield
+    except BaseException:
+        discard(path, names)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
 
 
 def _fsync_dir(path: str) -> None:
@@ -79,12 +94,15 @@ def read_committed(path: str) -> bytes:
         with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
             return f.read()
     except FileNotFoundError:
-        leftovers = [n for n in os.listdir(path) if n.startswith((_DATA_PREFIX, _TMP_PREFIX))]
-        raise IncompleteCheckpointError(
-            f"{path} holds no committed manifest ({MANIFEST_NAME}): a save there was interrupted"
-            f" before its commit ({len(leftovers)} partial file(s) left). It never completed; "
-            "load an earlier checkpoint, and delete this directory or save over it"
-        ) from None
+        pass
+    except OSError as exc:
+        raise StorageIOError(f"cannot read {os.path.join(path, MANIFEST_NAME)}: "
+                             f"{exc.strerror or exc}") from None
+    leftovers = [n for n in os.listdir(path) if n.startswith((_DATA_PREFIX, _TMP_PREFIX))]
+    raise IncompleteCheckpointError(
+        f"{path} holds no committed manifest ({MANIFEST_NAME}): a save there was interrupted"
+        f" before its commit ({len(leftovers)} partial file(s) left). It never completed; "
+        "load an earlier checkpoint, and delete this directory or save over it")
 
 
 def discard(path: str, names: list[str]) -> None:

@@ -122,8 +122,8 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
 class _InPlace:
     targets: dict[str, Target] = field(default_factory=dict)
     casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
-    # (leaf, stored object or entry, tensor its bytes are read into): replaced, not copied into
-    assign: list[tuple[Leaf, Any]] = field(default_factory=list)
+    # (key, leaf, makes the stored value): values replaced in their container, not copied into
+    assign: list[tuple[str, Leaf, Callable[[], Any]]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     def target(self, entry: TensorEntry) -> Target:
@@ -156,6 +156,20 @@ def _numpy_dest(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _immutable(key: str, leaf: Leaf) -> str:
+    return (f"{key}: a {type(leaf.value).__name__} inside a tuple differs from the checkpoint and "
+            "cannot be replaced in place; hold it in a dict or list")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)  # numpy scalars, bytes, unpickled objects
+    except Exception:  # an object whose == is not a plain bool: treat as different
+        return False
+
+
 def _same(value: Any, source: ObjectEntry) -> bool:
     try:
         return bool(values.encode(value) == source.value)
@@ -177,18 +191,16 @@ def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: 
         dest = _numpy_dest(leaf.value) if isinstance(source, TensorEntry) and source.kind == "numpy" else None
         if dest is not None:
             _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
-        elif leaf.parent is None and isinstance(source, ObjectEntry) and _same(leaf.value, source):
-            continue  # an immutable container already holding the saved value
-        elif leaf.parent is None:
-            plan.problems.append(f"{key}: a {type(leaf.value).__name__} inside a tuple cannot be "
-                                 "replaced in place; hold it in a dict or list")
-        else:
+        elif leaf.parent is None and isinstance(source, ObjectEntry):
+            if not _same(leaf.value, source):
+                plan.problems.append(_immutable(key, leaf))
+        else:  # parent None here: a data entry, compared once read (see fill_in_place)
             if isinstance(source, TensorEntry):
                 staged = _empty(source)
                 plan.target(source).dests.append(staged)
-                plan.assign.append((leaf, lambda e=source, t=staged: _value(e, t)))
+                plan.assign.append((key, leaf, lambda e=source, t=staged: _value(e, t)))
             else:
-                plan.assign.append((leaf, lambda o=source: _decode_object(o)))
+                plan.assign.append((key, leaf, lambda o=source: _decode_object(o)))
     return plan
 
 
@@ -218,8 +230,12 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         nbytes = read(list(plan.targets.values()))
         for dest, staged in plan.casts:
             dest.copy_(staged)
-    for leaf, make_value in plan.assign:
-        leaf.parent[leaf.slot] = make_value()
+    for key, leaf, make_value in plan.assign:
+        value = make_value()
+        if leaf.parent is not None:
+            leaf.parent[leaf.slot] = value
+        elif not _equal(leaf.value, value):
+            raise StateMismatchError(_immutable(key, leaf))
     for _prefix, obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)
     return LoadReport(tuple(common), missing, unexpected, nbytes)

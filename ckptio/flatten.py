@@ -64,11 +64,17 @@ def _join(prefix: str, part: Any) -> str:
     return f"{prefix}.{part}" if prefix else str(part)
 
 
-def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json:
+MAX_DEPTH = 256  # manifest.MAX_TREE_DEPTH: deeper trees would not load
+
+
+def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: int = 0) -> Json:
+    if depth > MAX_DEPTH:
+        raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_DEPTH} levels")
+    depth += 1
     if is_stateful(value):
         inner = value.state_dict()
         flat.statefuls.append((key, value, inner))
-        return {"s": _walk(inner, key, None, None, flat)}
+        return {"s": _walk(inner, key, None, None, flat, depth)}
     if isinstance(value, dict):
         items = []
         for k, v in value.items():
@@ -77,12 +83,12 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json
                     f"key {_join(key, repr(k))}: dict keys must be str or int, got "
                     f"{type(k).__name__}; convert the key before saving"
                 )
-            items.append([k, _walk(v, _join(key, k), value, k, flat)])
+            items.append([k, _walk(v, _join(key, k), value, k, flat, depth)])
         return {"d": items}
     if isinstance(value, list):
-        return {"l": [_walk(v, _join(key, i), value, i, flat) for i, v in enumerate(value)]}
+        return {"l": [_walk(v, _join(key, i), value, i, flat, depth) for i, v in enumerate(value)]}
     if _is_container(value):  # tuple, not torch.Size
-        return {"t": [_walk(v, _join(key, i), None, i, flat) for i, v in enumerate(value)]}
+        return {"t": [_walk(v, _join(key, i), None, i, flat, depth) for i, v in enumerate(value)]}
     if key in flat.leaves:
         raise UnsupportedStateError(
             f"key {key!r} names two different leaves (a dict key containing '.' collides with "
@@ -120,25 +126,3 @@ def _build(node: Json, values: dict[str, Any]) -> Any:
         kept = [v for v in built if v is not _MISSING]
         return kept if tag == "l" else tuple(kept)
     raise ManifestError(f"manifest tree has an unknown node tag {tag!r}")
-
-
-def tree_keys(tree: Json) -> list[str]:
-    """Every leaf key in the tree, in order."""
-    out: list[str] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict) or len(node) != 1:
-            raise ManifestError(f"manifest tree node is malformed: {node!r:.120}")
-        (tag, body), = node.items()
-        if tag == "k":
-            out.append(body)
-        elif tag == "s":
-            stack.append(body)
-        elif tag == "d":
-            stack.extend(child for _, child in reversed(body))
-        elif tag in ("l", "t"):
-            stack.extend(reversed(body))
-        else:
-            raise ManifestError(f"manifest tree has an unknown node tag {tag!r}")
-    return out

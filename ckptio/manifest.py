@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections import Counter
 from typing import Any
 
 from .errors import ManifestError
-from .flatten import tree_keys
 from .types import DTYPE_ITEMSIZE, KINDS, Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
 
 MAGIC = "ckptio-manifest"
@@ -74,6 +74,8 @@ def decode(data: bytes, where: str) -> Manifest:
                             "mismatch); the checkpoint is damaged: load an earlier one")
     try:
         raw = json.loads(body)
+    except RecursionError:
+        raise ManifestError(f"{where}: manifest body nests too deeply to be a ckptio manifest") from None
     except ValueError as exc:
         raise ManifestError(f"{where}: manifest body is not JSON ({exc})") from None
     return _validate(raw, where)
@@ -186,9 +188,40 @@ def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[Obje
         raise c.fail("a key appears twice")
     if any(target not in tensor_keys for _, target in aliases):
         raise c.fail("an alias points at a key that holds no tensor")
-    try:
-        in_tree = tree_keys(tree)
-    except ManifestError as exc:
-        raise c.fail(str(exc)) from None
-    if sorted(in_tree) != sorted(all_keys):
+    if Counter(tree_keys(tree, c)) != Counter(all_keys):
         raise c.fail("the tree and the entries name different keys")
+
+
+MAX_TREE_DEPTH = 256
+
+
+def tree_keys(tree: Any, c: _Check) -> list[str]:
+    """Every leaf key of a tree, checking each node's shape (iteratively: hostile depth is an
+    error, not a RecursionError)."""
+    out: list[str] = []
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise c.fail(f"the tree nests deeper than {MAX_TREE_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise c.fail(f"tree node {node!r:.60} is not a one-field object")
+        (tag, body), = node.items()
+        if tag == "k" and isinstance(body, str):
+            out.append(body)
+        elif tag == "s":
+            stack.append((body, depth + 1))
+        elif tag in ("l", "t") and isinstance(body, list):
+            stack.extend((child, depth + 1) for child in reversed(body))
+        elif tag == "d" and isinstance(body, list):
+            for pair in reversed(body):
+                if not (isinstance(pair, list) and len(pair) == 2 and _dict_key(pair[0])):
+                    raise c.fail(f"tree dict item {pair!r:.60} is not [str or int key, node]")
+                stack.append((pair[1], depth + 1))
+        else:
+            raise c.fail(f"tree node {node!r:.60} has an unknown tag or a malformed body")
+    return out
+
+
+def _dict_key(key: Any) -> bool:
+    return isinstance(key, str) or (type(key) is int)

@@ -29,7 +29,13 @@ class _Writes:
         self.futures: list[Future[int]] = []
 
     def submit(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int) -> None:
-        future = self.backend.submit_write(fh, offset, buffer.view[:nbytes])
+        """Hand ``buffer`` to the backend; from here on it belongs to the write (or, if the
+        submission itself fails, back to the pool)."""
+        try:
+            future = self.backend.submit_write(fh, offset, buffer.view[:nbytes])
+        except BaseException:
+            self.pool.release(buffer)
+            raise
         future.add_done_callback(lambda _f: self.pool.release(buffer))
         self.futures.append(future)
 
@@ -63,7 +69,8 @@ class _FileStream:
     def _room(self) -> int:
         assert self.buffer is not None  # internal: finish() or abandon() ends the stream
         if self.filled == self.buffer.nbytes:
-            self.writes.submit(self.fh, self.start, self.buffer, self.filled)
+            full, self.buffer = self.buffer, None
+            self.writes.submit(self.fh, self.start, full, self.filled)
             self.start += self.filled
             self.filled = 0
             self.buffer = self.pool.acquire()

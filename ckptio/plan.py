@@ -9,6 +9,7 @@ name. Does not own: where bytes go (layout.py) or how they are copied (stage.py)
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +71,12 @@ def _numpy_source(value: Any, key: str) -> tuple[str, torch.Tensor] | None:
 def _from_numpy(array: Any, key: str) -> torch.Tensor:
     import numpy as np
 
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)  # (never on 0-d arrays: it would make them 1-d)
     try:
-        return torch.from_numpy(np.ascontiguousarray(array))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only arrays: we only ever read from them
+            return torch.from_numpy(array)
     except TypeError:
         raise UnsupportedStateError(
             f"key {key!r}: numpy dtype {array.dtype} has no torch equivalent; convert it, or "

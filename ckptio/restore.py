@@ -119,9 +119,14 @@ def read_targets(
         while ranges or pending:
             while ranges and len(pending) < ahead:
                 rng = ranges.popleft()
+                fh = reader.handle(rng.file)
                 buffer = pool.acquire()
-                pending.append((rng, buffer, backend.submit_read(
-                    reader.handle(rng.file), rng.offset, buffer.view[:rng.nbytes])))
+                try:
+                    future = backend.submit_read(fh, rng.offset, buffer.view[:rng.nbytes])
+                except BaseException:
+                    pool.release(buffer)
+                    raise
+                pending.append((rng, buffer, future))
             rng, buffer, future = pending.popleft()
             try:
                 reader.consume(rng, buffer, future.result(), by_entry)

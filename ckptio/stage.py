@@ -69,11 +69,13 @@ class BufferPool:
             return len(self._free) == self.nbuffers
 
     def close(self) -> None:
+        """Drop the pool's references; the memory is freed once no view of it is alive (an
+        exception's traceback may still hold one, so the mapping is never force-closed)."""
         if not self.idle():
             raise CkptError("BufferPool.close: buffers are still in use by a save or load")
         self._all.clear()
         self._free.clear()
-        self._mapping.close()
+        del self._mapping
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -8,6 +8,7 @@ stored as data entries), nor pickled objects (flatten decides when pickle is all
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
@@ -19,10 +20,21 @@ class NotEncodable(Exception):
     """Internal signal: this value has no pickle-free encoding."""
 
 
+_INT_LIMIT = 1 << 63
+
+
 def _float(value: float) -> str:
+    if math.isnan(value):  # keep the sign and payload bits of a NaN
+        return "nan:" + struct.pack(">d", value).hex()
     if math.isfinite(value):
         return value.hex()
-    return repr(value)  # 'nan', 'inf', '-inf' are what float() parses back
+    return repr(value)  # 'inf', '-inf'
+
+
+def _int(value: int) -> int | str:
+    """Beyond 64 bits, hex text: JSON readers lose such ints, and Python's decimal conversion
+    refuses more than 4300 digits; hex has no such limit."""
+    return value if -_INT_LIMIT <= value < _INT_LIMIT else hex(value)
 
 
 def encode(value: Any) -> Json:
@@ -32,7 +44,7 @@ def encode(value: Any) -> Json:
     if isinstance(value, bool):
         return ["bool", value]
     if isinstance(value, int):
-        return ["int", int(value)]
+        return ["int", _int(int(value))]
     if isinstance(value, float):
         return ["float", _float(value)]
     if isinstance(value, complex):
@@ -59,6 +71,8 @@ def decode(tagged: Json) -> Any:
         return payload
     if tag == "int" and isinstance(payload, int) and not isinstance(payload, bool):
         return payload
+    if tag == "int" and isinstance(payload, str):
+        return int(payload, 16)
     if tag == "float" and isinstance(payload, str):
         return _parse_float(payload)
     if tag == "complex" and isinstance(payload, list) and len(payload) == 2:
@@ -79,6 +93,8 @@ def decode(tagged: Json) -> Any:
 def _parse_float(text: Any) -> float:
     if not isinstance(text, str):
         raise ValueError(f"float payload must be a string, got {text!r:.80}")
+    if text.startswith("nan:"):
+        return struct.unpack(">d", bytes.fromhex(text[4:]))[0]
     if text in ("nan", "inf", "-inf"):
         return float(text)
     return float.fromhex(text)

@@ -98,7 +98,10 @@ def _warm_buffers(pool: ThreadPoolExecutor, buffers: _Buffers) -> None:
     list(pool.map(touch, range(THREADS)))
 
 
-def _io(fn: Callable[[int, memoryview, int], int], buffers: _Buffers) -> Callable[[int, tuple[int, int]], int]:
+Transfer = Callable[[int, memoryview, int], int]  # (fd, buffer, file offset) -> bytes moved
+
+
+def _io(fn: Transfer, buffers: _Buffers) -> Callable[[int, tuple[int, int]], int]:
     """Adapt a (fd, view, offset) transfer to one chunk through this thread's buffer."""
 
     def run(fd: int, chunk: tuple[int, int]) -> int:
@@ -140,14 +143,18 @@ def _write_full(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-def read_ceiling(path: Path) -> dict[str, float | str]:
-    """Cold O_DIRECT sequential read of the whole file written by write_ceiling."""
+def read_ceiling(path: Path, idle: float = 0.0) -> dict[str, float | str]:
+    """Cold O_DIRECT sequential read of the whole file written by write_ceiling.
+
+    Waits ``idle`` seconds after dropping the page cache, as the engines' loads do: right after a
+    drop this VM is busy handing the freed pages back to the host."""
     nbytes = path.stat().st_size
     buffers = _Buffers()
     read = _io(_read_full, buffers)
     with ThreadPoolExecutor(THREADS) as pool:
         _warm_buffers(pool, buffers)
         method = drop_page_cache([path])
+        time.sleep(idle)
         t0 = time.perf_counter()
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:

@@ -1,9 +1,10 @@
 """One timed durable save and one timed cold load per engine, in the calling process.
 
 Owns: how each peer is driven at its best documented settings, what "durable" costs each of them
-(os.sync() added inside the clock where an engine does not fsync), and copying a loaded state
-into existing tensors. Does not own: page-cache dropping (ceiling.py), memory accounting and the
-protocol (save_load.py), or the state (state.py).
+(os.sync() added inside the clock where an engine does not fsync), copying a loaded state into
+existing tensors, and timing one phase with its peak extra RSS (VmHWM, reset through
+/proc/self/clear_refs). Does not own: page-cache dropping (ceiling.py), the protocol and the
+fresh processes (save_load.py), or the state (state.py).
 
 Every engine is a pair save(state, path) -> None / load(path, dest) -> object, where ``path`` is
 a directory that does not exist yet and ``dest`` is a destination built by
@@ -12,9 +13,12 @@ state.empty_destination; load fills ``dest`` in place and may return a report.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import importlib.util
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,16 +148,18 @@ def _ckptio_load(path: Path, dest: Any) -> object:
 # ---------------------------------------------------------------- registry
 
 ENGINES: dict[str, Engine] = {
-    "torch_save": Engine(
-        "torch_save", _torch_save, _torch_load, "torch.save + fsync(file) + os.sync() timed"
-    ),
-    "dcp_t1": Engine("dcp_t1", _dcp_save(1), _dcp_load, "DCP FileSystemWriter(thread_count=1, sync_files=True)"),
-    "dcp_t2": Engine("dcp_t2", _dcp_save(2), _dcp_load, "DCP FileSystemWriter(thread_count=2, sync_files=True)"),
-    "dcp_t4": Engine("dcp_t4", _dcp_save(4), _dcp_load, "DCP FileSystemWriter(thread_count=4, sync_files=True)"),
-    "torchsnapshot": Engine(
-        "torchsnapshot", _snapshot_save, _snapshot_load, "Snapshot.take + os.sync() timed (it does not fsync)"
-    ),
-    "ckptio": Engine("ckptio", _ckptio_save, _ckptio_load, "ckptio.save (durable and committed on return)"),
+    "torch_save": Engine("torch_save", _torch_save, _torch_load,
+                         "torch.save, fsync of the file and os.sync() inside the clock; "
+                         "load = torch.load(mmap=False, weights_only=True) + copy_ into place"),
+    **{f"dcp_t{k}": Engine(f"dcp_t{k}", _dcp_save(k), _dcp_load,
+                           f"DCP save, FileSystemWriter(thread_count={k}, sync_files=True), "
+                           "no process group; load = dcp.load in place")
+       for k in (1, 2, 4)},
+    "torchsnapshot": Engine("torchsnapshot", _snapshot_save, _snapshot_load,
+                            "Snapshot.take + os.sync() inside the clock (take does not fsync); "
+                            "load = Snapshot.restore in place"),
+    "ckptio": Engine("ckptio", _ckptio_save, _ckptio_load,
+                     "ckptio.save (durable and committed when it returns); load = ckptio.load in place"),
 }
 
 
@@ -179,3 +185,62 @@ def _ckptio_unavailable() -> str | None:
 
 def available() -> list[str]:
     return [name for name in ENGINES if unavailable_reason(name) is None]
+
+
+# ---------------------------------------------------------------- one timed phase
+
+
+@dataclass(frozen=True)
+class Phase:
+    seconds: float
+    extra_rss_mib: float  # peak RSS during the phase minus RSS just before it
+    peak_reset: bool  # False: VmHWM could not be reset, so the peak may predate the phase
+    result: object
+
+
+def timed_save(engine: Engine, state: Any, path: Path, idle: float) -> Phase:
+    return timed_phase(lambda: engine.save(state, path), idle)
+
+
+def timed_load(engine: Engine, path: Path, dest: Any, idle: float) -> Phase:
+    return timed_phase(lambda: engine.load(path, dest), idle)
+
+
+def timed_phase(fn: Callable[[], object], idle: float) -> Phase:
+    """Release free heap, idle, then time ``fn`` and read the RSS peak it reached."""
+    gc.collect()
+    release_free_heap()
+    time.sleep(idle)
+    before = status_kib("VmRSS")
+    reset = reset_peak_rss()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return Phase(seconds, (status_kib("VmHWM") - before) / 1024, reset, out)
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return status_kib("VmHWM") <= status_kib("VmRSS") + 64
+
+
+def release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc malloc_trim), so a phase's extra RSS is memory
+    it needed, not a reuse of what the previous phase freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS+ may be understated by reused free heap

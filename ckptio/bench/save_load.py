@@ -12,7 +12,7 @@ JSON reports. Does not own: the state (state.py), the engines (engines.py), the 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -64,47 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------- memory accounting (worker side)
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak_rss() -> bool:
-    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return status_kib("VmHWM") <= status_kib("VmRSS") + 64
-
-
-def release_free_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc malloc_trim), so a phase's extra RSS is
-    memory it really needed, not reuse of what the previous phase freed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: RSS+ may then be understated by reused free heap
-
-
-def timed_phase(fn: Callable[[], object], idle: float) -> tuple[float, float, object, bool]:
-    """Idle, then time ``fn``: (seconds, peak extra RSS MiB, fn's result, peak was reset)."""
-    gc.collect()
-    release_free_heap()
-    time.sleep(idle)
-    before = status_kib("VmRSS")
-    reset = reset_peak_rss()
-    t0 = time.perf_counter()
-    out = fn()
-    seconds = time.perf_counter() - t0
-    return seconds, (status_kib("VmHWM") - before) / 1024, out, reset
+# ---------------------------------------------------------------- workers
 
 
 def disk_usage(root: Path) -> tuple[int, int, int]:
@@ -112,9 +72,6 @@ def disk_usage(root: Path) -> tuple[int, int, int]:
     files = [p for p in root.rglob("*") if p.is_file()]
     stats = [p.stat() for p in files]
     return len(files), sum(s.st_blocks * 512 for s in stats), sum(s.st_size for s in stats)
-
-
-# ---------------------------------------------------------------- workers
 
 
 def build(kind: str, gb: float, seed: int) -> Any:
@@ -125,6 +82,19 @@ def build(kind: str, gb: float, seed: int) -> Any:
     return state.build_state(gb, seed)
 
 
+def report_fields(report: object) -> object:
+    """A load report as JSON, compact: a dataclass's sequences become their lengths."""
+    if report is None or not dataclasses.is_dataclass(report):
+        return None if report is None else repr(report)[:300]
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        if isinstance(value, (list, tuple, dict, set)):
+            value = len(value)
+        out[f.name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+    return out
+
+
 def engine_worker(args: argparse.Namespace) -> Run:
     from . import ceiling, engines, state
 
@@ -132,27 +102,29 @@ def engine_worker(args: argparse.Namespace) -> Run:
     t0 = time.perf_counter()
     src = build(args.kind, args.gb, args.seed)
     build_s = time.perf_counter() - t0
-    nbytes, n_tensors, want = state.tensor_nbytes(src), len(state.tensor_leaves(src)), state.digest(src)
+    nbytes, want = state.tensor_nbytes(src), state.digest(src)
+    n_tensors = len(state.tensor_leaves(src))
     work = args.dir / f"{args.worker}-{args.kind}-r{args.rep}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     ckpt = work / "ckpt"
-    save_s, save_rss, _, reset = timed_phase(lambda: engine.save(src, ckpt), args.idle)
-    dest = state.empty_destination(src)  # torch.empty: no pages touched while src is alive
+    save = engines.timed_save(engine, src, ckpt, args.idle)
+    dest = state.empty_destination(src)  # torch.empty: no page is touched while src is alive
     del src
     gc.collect()
     state.prefault(dest)  # a freshly built model is initialised: its pages exist before load
     cache_drop = ceiling.drop_page_cache([work])
-    load_s, load_rss, report, reset2 = timed_phase(lambda: engine.load(ckpt, dest), args.idle)
+    load = engines.timed_load(engine, ckpt, dest, args.idle)
     ok = state.digest(dest) == want
     files, on_disk, apparent = disk_usage(work)
     shutil.rmtree(work)
     return {
         "engine": args.worker, "kind": args.kind, "rep": args.rep, "bytes": nbytes,
-        "tensors": n_tensors, "build_s": build_s, "save_s": save_s, "load_s": load_s,
-        "save_rss_mib": save_rss, "load_rss_mib": load_rss, "peak_reset": reset and reset2,
-        "cache_drop": cache_drop, "bitwise_ok": ok, "files": files, "disk_bytes": on_disk,
-        "apparent_bytes": apparent, "report": None if report is None else repr(report)[:300],
+        "tensors": n_tensors, "build_s": build_s, "save_s": save.seconds, "load_s": load.seconds,
+        "save_rss_mib": save.extra_rss_mib, "load_rss_mib": load.extra_rss_mib,
+        "peak_reset": save.peak_reset and load.peak_reset, "cache_drop": cache_drop,
+        "bitwise_ok": ok, "files": files, "disk_bytes": on_disk, "apparent_bytes": apparent,
+        "report": report_fields(load.result),
     }
 
 
@@ -165,8 +137,7 @@ def ceiling_worker(args: argparse.Namespace) -> Run:
     try:
         time.sleep(args.idle)
         w = ceiling.write_ceiling(path, nbytes)
-        time.sleep(args.idle)
-        r = ceiling.read_ceiling(path)
+        r = ceiling.read_ceiling(path, args.idle)
     finally:
         path.unlink(missing_ok=True)
     return {
@@ -185,21 +156,29 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- driver
 
 
+def worker_command(args: argparse.Namespace, engine: str, kind: str, rep: int) -> list[str]:
+    return [sys.executable, "-m", "ckptio.bench.save_load", "--worker", engine, "--kind", kind,
+            "--gb", repr(args.gb), "--dir", str(args.dir), "--rep", str(rep),
+            "--idle", repr(args.idle), "--seed", str(args.seed)]
+
+
 def spawn(args: argparse.Namespace, engine: str, kind: str, rep: int) -> Run:
-    """Run one worker in a fresh interpreter; its last JSON line on stdout is the result."""
-    cmd = [sys.executable, "-m", "ckptio.bench.save_load", "--worker", engine, "--kind", kind,
-           "--gb", repr(args.gb), "--dir", str(args.dir), "--rep", str(rep),
-           "--idle", repr(args.idle), "--seed", str(args.seed)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))}
+    """Run one worker in a fresh interpreter; its last JSON line on stdout is the result.
+    Its stderr (warnings, fallbacks an engine logs) is passed on, indented."""
+    path = [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    failed: Run = {"engine": engine, "kind": kind, "rep": rep}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = subprocess.run(worker_command(args, engine, kind, rep), capture_output=True,
+                              text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"engine": engine, "kind": kind, "rep": rep, "error": f"timed out after {args.timeout} s"}
+        return {**failed, "error": f"timed out after {args.timeout} s"}
+    for line in proc.stderr.strip().splitlines()[-20:]:
+        print(f"    | {line}", file=sys.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        return {"engine": engine, "kind": kind, "rep": rep, "error": f"exit {proc.returncode}: {tail}"}
+        return {**failed, "error": f"worker exited {proc.returncode} without a result (see above)"}
     run: Run = json.loads(lines[-1])
     run["wall_s"] = time.perf_counter() - t0
     return run
@@ -208,7 +187,7 @@ def spawn(args: argparse.Namespace, engine: str, kind: str, rep: int) -> Run:
 def schedule(engines: list[str], large: bool) -> list[tuple[str, str]]:
     items = [(e, "gpt") for e in engines]
     items += [(e, "large") for e in engines] if large else []
-    return items + [(CEILING, "gpt")]  # the ceiling writes S bytes of the gpt state
+    return items + [(CEILING, "gpt")]  # the ceiling moves S bytes of the gpt state
 
 
 def progress(run: Run, index: int, total: int) -> str:
@@ -217,13 +196,17 @@ def progress(run: Run, index: int, total: int) -> str:
         return f"{head} FAILED {run['error']}"
     gb = run["bytes"] / 1e9
     if run["engine"] == CEILING:
-        return f"{head} write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read {run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s)"
-    return (f"{head} save {run['save_s']:.2f} s ({gb / run['save_s']:.2f} GB/s), load {run['load_s']:.2f} s "
-            f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['save_rss_mib']:.0f}/{run['load_rss_mib']:.0f} MiB, "
-            f"bitwise {'ok' if run['bitwise_ok'] else 'MISMATCH'} (build {run['build_s']:.1f} s, wall {run['wall_s']:.1f} s)")
+        return (f"{head} write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), "
+                f"read {run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s)")
+    ok = "ok" if run["bitwise_ok"] else "MISMATCH"
+    return (f"{head} save {run['save_s']:.2f} s ({gb / run['save_s']:.2f} GB/s), "
+            f"load {run['load_s']:.2f} s ({gb / run['load_s']:.2f} GB/s), "
+            f"RSS+ {run['save_rss_mib']:.0f}/{run['load_rss_mib']:.0f} MiB, bitwise {ok} "
+            f"(build {run['build_s']:.1f} s, wall {run['wall_s']:.1f} s)")
 
 
 def run_all(args: argparse.Namespace, engines: list[str]) -> list[Run]:
+    """Every item once per repetition, the order reversed on odd repetitions."""
     items = schedule(engines, args.large)
     total, runs = args.reps * len(items), []
     for rep in range(args.reps):
@@ -255,44 +238,53 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def gbps(r: Run, seconds: str) -> float:
+    return r["bytes"] / 1e9 / r[seconds]
+
+
 def summarize(runs: list[Run], reps: int) -> dict[str, Any]:
+    """Per (engine, state): rep 1's save apart, medians of reps 2..N (of all when reps < 2)."""
     ceil = {r["rep"]: r for r in runs if r["engine"] == CEILING and "error" not in r}
-    ceil_rest = [r for rep, r in ceil.items() if rep > 0 or reps < 2]
+    rest = [r for rep, r in ceil.items() if rep > 0 or reps < 2]
     out: dict[str, Any] = {
-        "ceiling_write_gbps": median([r["bytes"] / 1e9 / r["write_s"] for r in ceil_rest]),
-        "ceiling_read_gbps": median([r["bytes"] / 1e9 / r["read_s"] for r in ceil_rest]),
-        "rows": [],
+        "ceiling_first_write_s": ceil[0]["write_s"] if 0 in ceil else None,
+        "ceiling_write_s": median([r["write_s"] for r in rest]),
+        "ceiling_read_s": median([r["read_s"] for r in rest]),
+        "ceiling_write_gbps": median([gbps(r, "write_s") for r in rest]),
+        "ceiling_read_gbps": median([gbps(r, "read_s") for r in rest]),
     }
     keys = sorted({(r["engine"], r["kind"]) for r in runs if r["engine"] != CEILING},
                   key=lambda k: (KINDS.index(k[1]), k[0]))
-    for engine, kind in keys:
-        mine = sorted((r for r in runs if (r["engine"], r["kind"]) == (engine, kind)), key=lambda r: r["rep"])
-        out["rows"].append(summarize_engine(engine, kind, mine, ceil, reps))
+    out["rows"] = [summarize_engine([r for r in runs if (r["engine"], r["kind"]) == key], ceil, reps)
+                   for key in keys]
     out["ratios"] = ratios(out["rows"])
     return out
 
 
-def summarize_engine(engine: str, kind: str, runs: list[Run], ceil: dict[int, Run], reps: int) -> dict[str, Any]:
+def summarize_engine(runs: list[Run], ceil: dict[int, Run], reps: int) -> dict[str, Any]:
     good = [r for r in runs if "error" not in r]
     rest = [r for r in good if r["rep"] > 0 or reps < 2]
     first = next((r for r in good if r["rep"] == 0), None)
 
-    def pct(r: Run, t: str, ct: str) -> float | None:
+    def pct(r: Run, seconds: str, ceil_seconds: str) -> float | None:
+        """% of the ceiling measured in the same repetition."""
         c = ceil.get(r["rep"])
-        return None if c is None else 100 * c[ct] / r[t] * r["bytes"] / c["bytes"]
+        return None if c is None else 100 * gbps(r, seconds) / gbps(c, ceil_seconds)
 
     def med(fn: Callable[[Run], float | None]) -> float | None:
         return median([v for r in rest if (v := fn(r)) is not None])
 
     return {
-        "engine": engine, "kind": kind, "runs": len(runs), "failed": len(runs) - len(good),
-        "first_save_s": None if first is None else first["save_s"],
-        "save_s": med(lambda r: r["save_s"]), "save_gbps": med(lambda r: r["bytes"] / 1e9 / r["save_s"]),
+        "engine": runs[0]["engine"], "kind": runs[0]["kind"], "runs": len(runs),
+        "failed": len(runs) - len(good), "first_save_s": first["save_s"] if first else None,
+        "save_s": med(lambda r: r["save_s"]), "save_gbps": med(lambda r: gbps(r, "save_s")),
         "save_pct": med(lambda r: pct(r, "save_s", "write_s")),
-        "load_s": med(lambda r: r["load_s"]), "load_gbps": med(lambda r: r["bytes"] / 1e9 / r["load_s"]),
+        "load_s": med(lambda r: r["load_s"]), "load_gbps": med(lambda r: gbps(r, "load_s")),
         "load_pct": med(lambda r: pct(r, "load_s", "read_s")),
-        "save_rss_mib": med(lambda r: r["save_rss_mib"]), "load_rss_mib": med(lambda r: r["load_rss_mib"]),
-        "files": med(lambda r: r["files"]), "bitwise_ok": bool(good) and all(r["bitwise_ok"] for r in good),
+        "save_rss_mib": med(lambda r: r["save_rss_mib"]),
+        "load_rss_mib": med(lambda r: r["load_rss_mib"]),
+        "files": med(lambda r: r["files"]), "disk_mb": med(lambda r: r["disk_bytes"] / 1e6),
+        "bitwise_ok": bool(good) and all(r["bitwise_ok"] for r in good),
         "bytes": good[0]["bytes"] if good else None, "tensors": good[0]["tensors"] if good else None,
     }
 
@@ -303,20 +295,39 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for kind in KINDS:
         mine = next((r for r in rows if r["engine"] == "ckptio" and r["kind"] == kind), None)
         dcp = [r for r in rows if r["engine"].startswith("dcp") and r["kind"] == kind]
-        if mine is None or not dcp:
-            continue
         for metric in ("save_gbps", "load_gbps"):
             best = max((r for r in dcp if r[metric]), key=lambda r: r[metric], default=None)
-            if best is not None and mine[metric]:
-                out.append({"kind": kind, "metric": metric, "vs": best["engine"], "ratio": mine[metric] / best[metric]})
+            if mine and mine[metric] and best:
+                out.append({"kind": kind, "metric": metric, "vs": best["engine"],
+                            "ratio": mine[metric] / best[metric]})
     return out
 
 
 # ---------------------------------------------------------------- markdown
 
+HEADER = ("| engine | state | 1st save s | save s | save GB/s | % write ceil | load s | load GB/s "
+          "| % read ceil | RSS+ save MiB | RSS+ load MiB | files | disk MB | bitwise |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
-def fmt(value: Any, spec: str = ".2f") -> str:
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def table_row(r: dict[str, Any]) -> str:
+    ok = ("ok" if r["bitwise_ok"] else "MISMATCH") + (f" ({r['failed']} failed)" if r["failed"] else "")
+    cells = [r["engine"], r["kind"], fmt(r["first_save_s"]), fmt(r["save_s"]), fmt(r["save_gbps"]),
+             fmt(r["save_pct"], ".0f"), fmt(r["load_s"]), fmt(r["load_gbps"]), fmt(r["load_pct"], ".0f"),
+             fmt(r["save_rss_mib"], ".0f"), fmt(r["load_rss_mib"], ".0f"), fmt(r["files"], ".0f"),
+             fmt(r["disk_mb"], ".0f"), ok]
+    return "| " + " | ".join(cells) + " |"
+
+
+def ceiling_row(c: dict[str, Any], nbytes: int) -> str:
+    cells = ["O_DIRECT ceiling", "-", fmt(c["ceiling_first_write_s"]), fmt(c["ceiling_write_s"]),
+             fmt(c["ceiling_write_gbps"]), "100", fmt(c["ceiling_read_s"]), fmt(c["ceiling_read_gbps"]),
+             "100", "-", "-", "1", f"{nbytes / 1e6:.0f}", "-"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str], engines: list[str]) -> str:
@@ -324,32 +335,25 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str],
     from . import engines as eng
 
     cfg = state.gpt_config(args.gb)
-    rest = "median of reps 2..N" if args.reps >= 2 else "median of all reps"
+    nbytes = state.state_nbytes(cfg)
+    command = shlex.join(["python", "-m", "ckptio.bench.save_load", *argv])
+    rest = "medians of reps 2..N" if args.reps >= 2 else "medians of all reps"
     lines = [
-        "## Durable save and cold load", "",
-        f"`{shlex.join([sys.executable.rsplit('/', 1)[-1], '-m', 'ckptio.bench.save_load', *argv])}`  ",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, reps {args.reps} ({rest}; first save apart)  ",
-        f"gpt: S = {state.state_nbytes(cfg):,} bytes, d_model {cfg.d_model}, {cfg.n_layers} blocks, vocab {cfg.vocab}, "
-        f"tied lm_head, fused AdamW after 1 step; large: {state.LARGE_TENSORS} fp32 tensors, same S  ",
-        f"ceiling (O_DIRECT, 8 MiB x {ceiling.THREADS} threads, same S): write {fmt(summary['ceiling_write_gbps'])} GB/s, "
-        f"read {fmt(summary['ceiling_read_gbps'])} GB/s", "",
-        "| engine | state | 1st save s | save s | save GB/s | % write ceil | load s | load GB/s | % read ceil "
-        "| RSS+ save MiB | RSS+ load MiB | files | bitwise |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "## Durable save and cold load", "", f"`{command}`  ",
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
+        f"{args.reps} reps ({rest}; 1st save = rep 1)  ",
+        f"gpt: S = {nbytes:,} bytes (tied weights once), d_model {cfg.d_model}, {cfg.n_layers} blocks, "
+        f"vocab {cfg.vocab}, fused AdamW after 1 step; large: {state.LARGE_TENSORS} fp32 tensors, same S  ",
+        f"ceiling: O_DIRECT, {ceiling.CHUNK >> 20} MiB x {ceiling.THREADS} threads, S bytes, every rep", "",
+        HEADER, *[table_row(r) for r in summary["rows"]], ceiling_row(summary, nbytes), "",
     ]
-    for r in summary["rows"]:
-        ok = ("ok" if r["bitwise_ok"] else "MISMATCH") + (f" ({r['failed']} failed)" if r["failed"] else "")
-        lines.append(
-            f"| {r['engine']} | {r['kind']} | {fmt(r['first_save_s'])} | {fmt(r['save_s'])} | {fmt(r['save_gbps'])} "
-            f"| {fmt(r['save_pct'], '.0f')} | {fmt(r['load_s'])} | {fmt(r['load_gbps'])} | {fmt(r['load_pct'], '.0f')} "
-            f"| {fmt(r['save_rss_mib'], '.0f')} | {fmt(r['load_rss_mib'], '.0f')} | {fmt(r['files'], '.0f')} | {ok} |")
-    lines.append("")
     for q in summary["ratios"]:
-        lines.append(f"- ckptio / best DCP ({q['kind']}, {q['metric'].split('_')[0]}): {q['ratio']:.2f}x vs {q['vs']}")
+        what = q["metric"].split("_")[0]
+        lines.append(f"- ckptio / best DCP, {q['kind']} {what}: {q['ratio']:.2f}x (vs {q['vs']})")
     lines += [f"- {e}: {eng.ENGINES[e].note}" for e in engines]
-    lines += ["- load: page cache dropped first, destination allocated and touched before the clock; "
-              "RSS+ = peak VmHWM (reset via clear_refs) minus VmRSS before the phase; bitwise = xxh3 digest "
-              "of every tensor byte and non-tensor leaf, untimed", ""]
+    lines += ["- load: page cache dropped, destination allocated and touched, then the clock; "
+              "RSS+ = peak VmHWM (reset via clear_refs) minus VmRSS before the phase; "
+              "bitwise = xxh3 of every tensor byte and non-tensor leaf (untimed)", ""]
     return "\n".join(lines)
 
 

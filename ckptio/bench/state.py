@@ -77,26 +77,26 @@ def state_nbytes(cfg: GPTConfig) -> int:
 
 
 class Block(nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, device: torch.device) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.fc_out = nn.Linear(4 * d, d)
+        self.ln1 = nn.LayerNorm(d, device=device)
+        self.qkv = nn.Linear(d, 3 * d, device=device)
+        self.proj = nn.Linear(d, d, device=device)
+        self.ln2 = nn.LayerNorm(d, device=device)
+        self.fc = nn.Linear(d, 4 * d, device=device)
+        self.fc_out = nn.Linear(4 * d, d, device=device)
 
 
 class GPT(nn.Module):
     """Structure only: no forward pass is needed to produce a realistic state dict."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, device: torch.device) -> None:
         super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False, device="meta")
+        self.tok_emb = _embedding(cfg.vocab, cfg.d_model, device)
+        self.pos_emb = _embedding(cfg.context, cfg.d_model, device)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, device) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, device=device)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False, device=device)
         self.lm_head.weight = self.tok_emb.weight
 
 
@@ -121,10 +121,14 @@ class Filler:
         return t
 
 
+def _embedding(rows: int, dim: int, device: torch.device) -> nn.Embedding:
+    """Skip Embedding's normal_ init: on the meta device it imports torch._dynamo (2 s)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim, device=device))
+
+
 def _build_model(cfg: GPTConfig, fill: Filler) -> GPT:
     """Allocate without the default (slow) init, then fill cheaply and deterministically."""
-    with torch.device("meta"):
-        model = GPT(cfg)
+    model = GPT(cfg, torch.device("meta"))
     model.to_empty(device="cpu")
     model.lm_head.weight = model.tok_emb.weight  # to_empty unties
     for name, p in model.named_parameters():
@@ -230,12 +234,13 @@ def empty_destination(state: Any, poison: bool = True) -> Any:
 
 def _empty(value: Any, aliases: dict[tuple[Any, ...], torch.Tensor], poison: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride())
+        storage = value.untyped_storage().data_ptr()
+        ident = (storage, value.storage_offset(), value.shape, value.stride())
         if ident not in aliases:
             aliases[ident] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
         return aliases[ident]
     if isinstance(value, dict):
-        out = type(value)() if type(value) in (dict,) or _default_constructible(value) else {}
+        out = type(value)() if _default_constructible(value) else {}
         for k, v in value.items():
             out[k] = _empty_child(v, aliases, poison)
         return out

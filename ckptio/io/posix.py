@@ -8,6 +8,7 @@ Threads are created on first use, never in __init__, so the backend can be pickl
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -56,17 +57,23 @@ class PosixBackend:
         return self._open(path, os.O_RDONLY | os.O_CLOEXEC, 0)
 
     def _open(self, path: str, flags: int, mode: int) -> FileHandle:
-        if self.direct_io != "off":
-            try:
-                return FileHandle(path, os.open(path, flags | os.O_DIRECT, mode), True)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or self.direct_io == "on":
-                    raise _error("opening (O_DIRECT)", path, 0, exc) from None
-                self._warn_buffered(path)
         try:
-            return FileHandle(path, os.open(path, flags, mode), False)
+            fd = os.open(path, flags, mode)
         except OSError as exc:
             raise _error("opening", path, 0, exc) from None
+        if self.direct_io == "off":
+            return FileHandle(path, fd, False)
+        # O_DIRECT is switched on after the open: a filesystem that refuses it at open() would
+        # already have created the file, and a retry with O_EXCL would then fail.
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            return FileHandle(path, fd, True)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self.direct_io == "on":
+                os.close(fd)
+                raise _error("enabling O_DIRECT on", path, 0, exc) from None
+        self._warn_buffered(path)
+        return FileHandle(path, fd, False)
 
     def _warn_buffered(self, path: str) -> None:
         device = os.stat(os.path.dirname(os.path.abspath(path))).st_dev

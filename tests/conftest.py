@@ -1,0 +1,78 @@
+"""Shared fixtures: a checkpoint directory under pytest's tmp_path and a small staging pool."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckptio
+
+MiB = 1 << 20
+
+# 1 MiB buffers in a 4 MiB pool: a tensor of a few MiB crosses several buffer boundaries, so
+# save and load both exercise splitting one tensor over several buffers and reads.
+SMALL_OPTIONS = ckptio.Options(buffer_bytes=1 * MiB, pool_bytes=4 * MiB)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A path (not yet existing) to save a checkpoint into."""
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def small_options() -> ckptio.Options:
+    return SMALL_OPTIONS
+
+
+def _float_bits(x: float) -> bytes:
+    import struct
+
+    return struct.pack("<d", x)
+
+
+def tensor_bytes(t):
+    """The elements' bytes in row-major order (a fresh dense copy: .contiguous() may keep odd
+    strides on size-1 dims, which .view(uint8) refuses)."""
+    import torch
+
+    dense = torch.empty(tuple(t.shape), dtype=t.dtype).copy_(t.detach())
+    return dense.reshape(-1).view(torch.uint8)
+
+
+def assert_same(got, want, where: str = "state") -> None:
+    """Exact equality: same structure, same Python types, same bits (NaN and -0.0 included)."""
+    import numpy as np
+    import torch
+
+    assert type(got) is type(want), f"{where}: type {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+        assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.equal(tensor_bytes(got), tensor_bytes(want)), f"{where}: tensor bytes differ"
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape}"
+        assert got.tobytes() == want.tobytes(), f"{where}: array bytes differ"
+    elif isinstance(want, np.generic):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{where}: {got!r} != {want!r}"
+    elif isinstance(want, float):
+        assert _float_bits(got) == _float_bits(want), f"{where}: {got!r} != {want!r} (bits)"
+    elif isinstance(want, complex):
+        assert _float_bits(got.real) == _float_bits(want.real), f"{where}: {got!r} != {want!r}"
+        assert _float_bits(got.imag) == _float_bits(want.imag), f"{where}: {got!r} != {want!r}"
+    elif isinstance(want, dict):
+        assert list(got.keys()) == list(want.keys()), f"{where}: keys {list(got)} != {list(want)}"
+        assert [type(k) for k in got] == [type(k) for k in want], f"{where}: key types differ"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)) and not isinstance(want, torch.Size):
+        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.fixture(name="assert_same")
+def assert_same_fixture():
+    """The exact-equality checker above (structure, types and bits)."""
+    return assert_same

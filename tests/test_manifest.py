@@ -1,0 +1,390 @@
+"""manifest.py alone: encode/decode round trip, and hostile manifests rejected with ManifestError."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from ckptio import manifest
+from ckptio.errors import CorruptCheckpointError, ManifestError
+from ckptio.types import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+
+WHERE = "/ckpts/step-9/manifest.json"
+F0 = "data-0123456789abcdef0123-r00000-0000.bin"
+F1 = "data-0123456789abcdef0123-r00000-0001.bin"
+
+
+def entry(key, dtype, shape, file, offset, nbytes, kind="tensor"):
+    return TensorEntry(key, kind, dtype, tuple(shape), Chunk.whole(tuple(shape)), file, offset,
+                       nbytes, "0123456789abcdef")
+
+
+def good_manifest() -> Manifest:
+    return Manifest(
+        version=manifest.VERSION,
+        save_id="0123456789abcdef0123",
+        checksum_algorithm="xxh3_64",
+        world_size=1,
+        files=(FileInfo(F0, 8192, 0), FileInfo(F1, 4096, 0)),
+        tensors=(
+            entry("model.w", "float32", (4, 8), F0, 0, 128),
+            entry("model.b", "bfloat16", (3,), F0, 128, 6),
+            entry("empty", "float64", (0, 3), F0, 4096, 0),
+            entry("arr", "int16", (2, 2), F1, 0, 8, kind="numpy"),
+            entry("blob", "uint8", (5,), F1, 64, 5, kind="bytes"),
+        ),
+        objects=(ObjectEntry("step", ["int", 7]), ObjectEntry("name", ["str", "ü"]),
+                 ObjectEntry("3.x", ["float", "0x1.8p+0"])),
+        aliases=(("tied", "model.w"),),
+        tree={"d": [
+            ["model", {"d": [["w", {"k": "model.w"}], ["b", {"k": "model.b"}]]}],
+            ["empty", {"k": "empty"}], ["arr", {"k": "arr"}], ["blob", {"k": "blob"}],
+            ["step", {"k": "step"}], ["name", {"k": "name"}], ["tied", {"k": "tied"}],
+            [3, {"t": [{"d": [["x", {"k": "3.x"}]]}, {"l": []}]}],
+        ]},
+        meta={"ckptio_version": "0.1.0", "created_unix": 1.5},
+    )
+
+
+def split(data: bytes) -> tuple[dict, dict]:
+    header, body = data.split(b"\n", 1)
+    return json.loads(header), json.loads(body)
+
+
+def wrap(body, *, version=manifest.VERSION) -> bytes:
+    """A manifest whose header matches its body: only the body's content is under test."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    header = {"magic": manifest.MAGIC, "version": version, "body_nbytes": len(raw),
+              "body_crc32": zlib.crc32(raw)}
+    return json.dumps(header).encode() + b"\n" + raw + b"\n"
+
+
+def good_body() -> dict:
+    return split(manifest.encode(good_manifest()))[1]
+
+
+def rejected(data: bytes) -> ManifestError:
+    with pytest.raises(ManifestError) as info:
+        manifest.decode(data, WHERE)
+    assert WHERE in str(info.value), "the error must name the manifest"
+    return info.value
+
+
+# --------------------------------------------------------------------------------------------
+# round trip
+
+
+def test_encode_decode_round_trip():
+    m = good_manifest()
+    data = manifest.encode(m)
+    decoded = manifest.decode(data, WHERE)
+    assert decoded == m
+    assert manifest.encode(decoded) == data
+    header, body = split(data)
+    assert header["magic"] == manifest.MAGIC and header["version"] == manifest.VERSION
+    assert body["format"] == "ckptio"
+    assert isinstance(decoded.tensors[0].shape, tuple) and isinstance(decoded.aliases[0], tuple)
+
+
+def test_wrap_helper_builds_an_accepted_manifest():
+    assert manifest.decode(wrap(good_body()), WHERE) == good_manifest()
+
+
+def test_empty_checkpoint_manifest_round_trips():
+    m = Manifest(version=manifest.VERSION, save_id="x", checksum_algorithm="xxh3_64", world_size=1,
+                 files=(), tensors=(), objects=(), aliases=(), tree={"d": []}, meta={})
+    assert manifest.decode(manifest.encode(m), WHERE) == m
+
+
+def test_manifest_of_a_real_save_decodes(tmp_path, small_options):
+    import torch
+
+    import ckptio
+
+    w = torch.randn(3, 3)
+    ckptio.save({"w": w, "tied": w, "n": 3, "b": b"xy"}, tmp_path / "c", options=small_options)
+    path = tmp_path / "c" / manifest.MANIFEST_NAME
+    m = manifest.decode(path.read_bytes(), str(path))
+    assert {t.key for t in m.tensors} == {"w", "b"}
+    assert m.aliases == (("tied", "w"),)
+    assert [o.key for o in m.objects] == ["n"]
+    assert manifest.decode(manifest.encode(m), WHERE) == m
+
+
+def test_manifest_error_is_a_corrupt_checkpoint_error():
+    assert issubclass(ManifestError, CorruptCheckpointError)
+
+
+# --------------------------------------------------------------------------------------------
+# damage to the bytes
+
+
+def test_every_flipped_byte_is_detected():
+    data = manifest.encode(good_manifest())
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0xFF
+        with pytest.raises(ManifestError):
+            manifest.decode(bytes(damaged), WHERE)
+
+
+def test_flipped_bit_in_body_fails_the_crc():
+    data = manifest.encode(good_manifest())
+    body_start = data.index(b"\n") + 1
+    i = body_start + data[body_start:].index(b'"model.w"') + 3
+    damaged = bytearray(data)
+    damaged[i] ^= 0x01  # 'o' -> 'n': still valid JSON, only the CRC can tell
+    json.loads(bytes(damaged[body_start:]))
+    assert "CRC" in str(rejected(bytes(damaged)))
+
+
+def test_every_truncation_is_detected():
+    data = manifest.encode(good_manifest())
+    for cut in range(len(data) - 1):  # cutting only the final newline leaves it whole
+        with pytest.raises(ManifestError):
+            manifest.decode(data[:cut], WHERE)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\n", b"{}\n{}", b"not json\n{}", b"\xff\xfe\x00\n{}", b"[1, 2]\n{}",
+    json.dumps({"magic": "other", "version": 1}).encode() + b"\n{}",
+], ids=["empty", "newline", "no-magic", "junk", "binary", "list", "wrong-magic"])
+def test_bad_header_line(data):
+    rejected(data)
+
+
+def test_body_that_is_not_json():
+    assert "not JSON" in str(rejected(wrap(b'{"format": "ckptio", ')))
+
+
+def test_future_version_says_to_upgrade():
+    body = good_body()
+    body["version"] = manifest.VERSION + 1
+    assert "upgrade" in str(rejected(wrap(body, version=manifest.VERSION + 1)))
+    data = manifest.encode(good_manifest())
+    header, rest = data.split(b"\n", 1)
+    bumped = json.loads(header)
+    bumped["version"] = 99
+    assert "upgrade" in str(rejected(json.dumps(bumped).encode() + b"\n" + rest))
+
+
+# --------------------------------------------------------------------------------------------
+# a well-formed envelope around a body that lies
+
+
+def _rename_file(body, old, new):
+    for f in body["files"]:
+        if f["name"] == old:
+            f["name"] = new
+    for t in body["tensors"]:
+        if t["file"] == old:
+            t["file"] = new
+
+
+def _tensor(body, key):
+    return next(t for t in body["tensors"] if t["key"] == key)
+
+
+def _set(key, field, value):
+    def mutate(body):
+        _tensor(body, key)[field] = value
+    return mutate
+
+
+def _set_chunk(offsets, sizes):
+    def mutate(body):
+        _tensor(body, "model.w")["chunk"] = {"offsets": offsets, "sizes": sizes}
+    return mutate
+
+
+def _top(field, value):
+    def mutate(body):
+        body[field] = value
+    return mutate
+
+
+def _drop(field):
+    def mutate(body):
+        del body[field]
+    return mutate
+
+
+def _file_field(index, field, value):
+    def mutate(body):
+        body["files"][index][field] = value
+    return mutate
+
+
+def _name(new):
+    return lambda body: _rename_file(body, F0, new)
+
+
+def _tree_drop(key):
+    def mutate(body):
+        body["tree"]["d"] = [kv for kv in body["tree"]["d"] if kv[0] != key]
+    return mutate
+
+
+def _both(*mutations):
+    def mutate(body):
+        for m in mutations:
+            m(body)
+    return mutate
+
+
+def _tree_add(body):
+    body["tree"]["d"].append(["ghost", {"k": "ghost"}])
+
+
+def _dup_tensor_key(body):
+    _tensor(body, "model.b")["key"] = "model.w"
+
+
+def _object_key_of_tensor(body):
+    body["objects"][0]["key"] = "model.w"
+
+
+def _alias_key_of_tensor(body):
+    body["aliases"] = [["model.b", "model.w"]]
+
+
+def _dup_file(body):
+    body["files"].append(dict(body["files"][0]))
+
+
+def _tensor_in_unlisted_file(body):
+    body["files"] = [f for f in body["files"] if f["name"] != F1]
+
+
+def _deep(body):
+    return b'{"format":"ckptio","version":1,"tree":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+HOSTILE = [
+    # data file names
+    pytest.param(_name("../" + F0), id="name-dotdot-slash"),
+    pytest.param(_name("sub/" + F0), id="name-slash"),
+    pytest.param(_name("/etc/passwd"), id="name-absolute"),
+    pytest.param(_name(".."), id="name-dotdot"),
+    pytest.param(_name("."), id="name-dot"),
+    pytest.param(_name(""), id="name-empty"),
+    pytest.param(_name("a\x00b"), id="name-nul"),
+    pytest.param(_name("a\\b"), id="name-backslash"),
+    pytest.param(_name("x" * 300), id="name-long"),
+    pytest.param(_name(5), id="name-not-str"),
+    pytest.param(_dup_file, id="file-listed-twice"),
+    pytest.param(_tensor_in_unlisted_file, id="tensor-in-unlisted-file"),
+    pytest.param(_file_field(0, "nbytes", -1), id="file-nbytes-negative"),
+    pytest.param(_file_field(0, "nbytes", 1 << 62), id="file-nbytes-huge"),
+    # byte ranges
+    pytest.param(_set("model.w", "offset", 8192 - 64), id="range-past-file-end"),
+    pytest.param(_set("model.b", "offset", 8192), id="range-starts-at-file-end"),
+    pytest.param(_set("model.w", "nbytes", 132), id="nbytes-not-shape-times-itemsize"),
+    pytest.param(_both(_set("model.w", "shape", [4, 9]), _set_chunk([0, 0], [4, 9])),
+                 id="shape-disagrees-with-nbytes"),
+    pytest.param(_set("model.w", "offset", -64), id="offset-negative"),
+    pytest.param(_set("model.w", "offset", 1 << 62), id="offset-2^62"),
+    pytest.param(_set("model.w", "offset", 10**30), id="offset-huge"),
+    pytest.param(_set("model.w", "nbytes", 1 << 63), id="nbytes-huge"),
+    pytest.param(_set("model.w", "offset", 64.0), id="offset-float"),
+    pytest.param(_set("model.w", "offset", True), id="offset-bool"),
+    pytest.param(_set("model.w", "offset", "0"), id="offset-str"),
+    pytest.param(_set("model.w", "shape", [-4, -8]), id="shape-negative"),
+    pytest.param(_set("model.w", "shape", [1 << 62, 0]), id="shape-huge"),
+    pytest.param(_set("model.w", "shape", 32), id="shape-not-list"),
+    # dtype, kind, checksum
+    pytest.param(_set("model.w", "dtype", "float128"), id="dtype-unknown"),
+    pytest.param(_set("model.w", "dtype", "object"), id="dtype-object"),
+    pytest.param(_set("model.w", "dtype", None), id="dtype-null"),
+    pytest.param(_set("model.w", "kind", "exe"), id="kind-unknown"),
+    pytest.param(_set("model.w", "checksum", "xyz"), id="checksum-not-hex"),
+    pytest.param(_set("model.w", "checksum", "0123456789ABCDEF"), id="checksum-upper"),
+    # chunks
+    pytest.param(_set_chunk([1, 0], [4, 8]), id="chunk-outside-shape"),
+    pytest.param(_set_chunk([0, 0, 0], [4, 8, 1]), id="chunk-rank-mismatch"),
+    pytest.param(_set_chunk([0], [4]), id="chunk-rank-short"),
+    pytest.param(_set_chunk([0, -1], [4, 8]), id="chunk-negative"),
+    # keys
+    pytest.param(_dup_tensor_key, id="duplicate-tensor-key"),
+    pytest.param(_object_key_of_tensor, id="object-key-of-tensor"),
+    pytest.param(_alias_key_of_tensor, id="alias-key-of-tensor"),
+    pytest.param(_top("aliases", [["tied", "missing"]]), id="alias-to-missing-key"),
+    pytest.param(_top("aliases", [["tied", "step"]]), id="alias-to-object"),
+    pytest.param(_top("aliases", [["tied"]]), id="alias-malformed"),
+    pytest.param(_top("aliases", [["tied", 3]]), id="alias-target-not-str"),
+    pytest.param(_top("objects", [{"key": 5, "value": ["int", 1]}]), id="object-key-not-str"),
+    # tree
+    pytest.param(_tree_drop("step"), id="tree-misses-a-key"),
+    pytest.param(_tree_add, id="tree-has-extra-key"),
+    pytest.param(_top("tree", {"x": []}), id="tree-unknown-tag"),
+    pytest.param(_top("tree", [1, 2]), id="tree-not-dict"),
+    pytest.param(_top("tree", None), id="tree-null"),
+    pytest.param(_top("tree", {"d": 5}), id="tree-dict-body-not-list"),
+    pytest.param(_top("tree", {"l": 5}), id="tree-list-body-not-list"),
+    pytest.param(_top("tree", {"d": [[1]]}), id="tree-dict-item-not-pair"),
+    pytest.param(_top("tree", {"d": [["a", {"k": 3}], ["b", {"k": "model.w"}]]}),
+                 id="tree-leaf-key-not-str"),
+    pytest.param(
+        lambda b: b["tree"]["d"].__setitem__(1, [["empty"], {"k": "empty"}]), id="tree-dict-key-list"),
+    # top level
+    pytest.param(_top("format", "other"), id="format-wrong"),
+    pytest.param(_top("version", manifest.VERSION + 1), id="body-version-disagrees"),
+    pytest.param(_top("world_size", -1), id="world-size-negative"),
+    pytest.param(_top("checksum_algorithm", 5), id="checksum-algorithm-not-str"),
+    pytest.param(_drop("tensors"), id="missing-tensors"),
+    pytest.param(_drop("tree"), id="missing-tree"),
+    pytest.param(_top("tensors", {"0": {}}), id="tensors-not-list"),
+    pytest.param(_top("files", [5]), id="file-not-object"),
+    pytest.param(lambda b: b"[]", id="body-a-list"),
+    pytest.param(lambda b: b"null", id="body-null"),
+    pytest.param(lambda b: b'"ckptio"', id="body-a-string"),
+    pytest.param(_deep, id="body-deeply-nested"),
+]
+
+
+@pytest.mark.parametrize("mutate", HOSTILE)
+def test_hostile_body_is_rejected(mutate):
+    body = good_body()
+    result = mutate(body)
+    rejected(wrap(body if result is None else result))
+
+
+def test_hostile_cases_start_from_an_accepted_body():
+    """Each case above fails because of its own change, not because the base is bad."""
+    body = good_body()
+    body["tree"]["d"].append(["extra", {"k": "extra"}])
+    body["objects"].append({"key": "extra", "value": ["none", None]})
+    assert manifest.decode(wrap(body), WHERE).objects[-1] == ObjectEntry("extra", ["none", None])
+    body = good_body()
+    _tensor(body, "model.b")["offset"] = 8192 - 6  # the last bytes of the file are fine
+    assert manifest.decode(wrap(body), WHERE).tensors[1].offset == 8192 - 6
+    body = good_body()
+    _tensor(body, "model.w")["chunk"] = {"offsets": [2, 0], "sizes": [2, 8]}
+    _tensor(body, "model.w")["nbytes"] = 64  # a partial chunk is allowed when it fits
+    assert manifest.decode(wrap(body), WHERE).tensors[0].chunk == Chunk((2, 0), (2, 8))
+
+
+def test_hostile_manifest_is_rejected_by_load(tmp_path, small_options):
+    import torch
+
+    import ckptio
+
+    path = tmp_path / "c"
+    ckptio.save({"w": torch.ones(4)}, path, options=small_options)
+    file = path / manifest.MANIFEST_NAME
+    header, body = split(file.read_bytes())
+    body["tensors"][0]["offset"] = 1 << 40
+    file.write_bytes(wrap(body))
+    with pytest.raises(ManifestError, match="outside"):
+        ckptio.load(path)
+    with pytest.raises(ManifestError):
+        ckptio.verify(path)
+    body["tensors"][0]["offset"] = 0
+    body["files"][0]["name"] = "../escape.bin"
+    body["tensors"][0]["file"] = "../escape.bin"
+    file.write_bytes(wrap(body))
+    with pytest.raises(ManifestError, match="plain file name"):
+        ckptio.load(path)
+
