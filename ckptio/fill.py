@@ -29,12 +29,15 @@ ReadFn = Callable[[list[Target]], int]
 @dataclass(frozen=True)
 class LoadReport:
     """What an in-place load did. ``missing``: in the state, not in the checkpoint;
-    ``unexpected``: in the checkpoint, not in the state (both only with strict=False)."""
+    ``unexpected``: in the checkpoint, not in the state; ``mismatched``: in both but not
+    loadable (dtype, shape, type), one "key: why" line each. All three stay empty under
+    strict=True, which raises instead."""
 
     loaded: tuple[str, ...]
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     nbytes_read: int
+    mismatched: tuple[str, ...] = ()
     seconds: float = 0.0
 
 
@@ -124,7 +127,7 @@ class _InPlace:
     casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
     # (key, leaf, makes the stored value): values replaced in their container, not copied into
     assign: list[tuple[str, Leaf, Callable[[], Any]]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    problems: dict[str, str] = field(default_factory=dict)  # key -> what does not match
 
     def target(self, entry: TensorEntry) -> Target:
         return self.targets.setdefault(entry.key, Target(entry, []))
@@ -132,8 +135,8 @@ class _InPlace:
 
 def _tensor_into(plan: _InPlace, key: str, dest: torch.Tensor, entry: TensorEntry, cast: bool) -> None:
     if tuple(dest.shape) != entry.chunk.sizes:
-        plan.problems.append(f"{key}: shape {tuple(dest.shape)} in the state, "
-                             f"{entry.chunk.sizes} in the checkpoint")
+        plan.problems[key] = (f"{key}: shape {tuple(dest.shape)} in the state, "
+                              f"{entry.chunk.sizes} in the checkpoint")
         return
     dtype = torch_dtype(entry.dtype)
     if dest.dtype == dtype:
@@ -143,8 +146,8 @@ def _tensor_into(plan: _InPlace, key: str, dest: torch.Tensor, entry: TensorEntr
         plan.target(entry).dests.append(staged)
         plan.casts.append((dest, staged))
     else:
-        plan.problems.append(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint "
-                             "(pass cast=True to convert)")
+        plan.problems[key] = (f"{key}: dtype {dest.dtype} in the state, {dtype} in the "
+                              "checkpoint (pass cast=True to convert)")
 
 
 def _numpy_dest(value: Any) -> torch.Tensor | None:
@@ -185,15 +188,15 @@ def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: 
             if isinstance(leaf.value, torch.Tensor):
                 _tensor_into(plan, key, leaf.value, source, cast)
                 continue
-            plan.problems.append(f"{key}: the checkpoint holds a tensor, the state a "
-                                 f"{type(leaf.value).__name__}")
+            plan.problems[key] = (f"{key}: the checkpoint holds a tensor, the state a "
+                                  f"{type(leaf.value).__name__}")
             continue
         dest = _numpy_dest(leaf.value) if isinstance(source, TensorEntry) and source.kind == "numpy" else None
         if dest is not None:
             _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
         elif leaf.parent is None and isinstance(source, ObjectEntry):
             if not _same(leaf.value, source):
-                plan.problems.append(_immutable(key, leaf))
+                plan.problems[key] = _immutable(key, leaf)
         else:  # parent None here: a data entry, compared once read (see fill_in_place)
             if isinstance(source, TensorEntry):
                 staged = _empty(source)
@@ -222,9 +225,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
             "have, or keys=... to choose which to load")
     common = [k for k in present if k in saved_set]
     plan = _plan_in_place(sources, flat, common, cast)
-    if plan.problems:
-        raise StateMismatchError(
-            f"{len(plan.problems)} key(s) do not match the checkpoint: " + "; ".join(plan.problems[:10]))
+    if plan.problems and strict:
+        raise _mismatch(plan.problems)
     _refuse_pickles((t.entry for t in plan.targets.values()), allow_pickle)
     with torch.no_grad():
         nbytes = read(list(plan.targets.values()))
@@ -235,7 +237,17 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         if leaf.parent is not None:
             leaf.parent[leaf.slot] = value
         elif not _equal(leaf.value, value):
-            raise StateMismatchError(_immutable(key, leaf))
+            plan.problems[key] = _immutable(key, leaf)
+            if strict:
+                raise _mismatch({key: plan.problems[key]})
     for _prefix, obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)
-    return LoadReport(tuple(common), missing, unexpected, nbytes)
+    loaded = tuple(k for k in common if k not in plan.problems)
+    return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
+
+
+def _mismatch(problems: dict[str, str]) -> StateMismatchError:
+    return StateMismatchError(
+        f"{len(problems)} key(s) do not match the checkpoint: "
+        + "; ".join(list(problems.values())[:10])
+        + ". Fix the state, or pass strict=False to load the rest and skip these")

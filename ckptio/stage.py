@@ -33,14 +33,19 @@ class Buffer:
 
 
 class BufferPool:
-    """``nbuffers`` buffers of ``buffer_bytes`` in one mapping, made resident at creation."""
+    """``nbuffers`` buffers of ``buffer_bytes`` in one anonymous mapping.
+
+    Pages become resident on a buffer's first use and stay resident: the mapping is never
+    unmapped or advised away while the pool lives, so later saves never fault. Free buffers are
+    handed out last-released-first, so a small checkpoint keeps touching the same few buffers
+    and its resident memory stays near its own size rather than the pool's.
+    """
 
     def __init__(self, nbuffers: int, buffer_bytes: int) -> None:
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
         self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        whole.zero_()  # pre-fault every page now, not during the first save
         self._all = [
             Buffer(i, memoryview(self._mapping)[i * buffer_bytes:(i + 1) * buffer_bytes],
                    whole[i * buffer_bytes:(i + 1) * buffer_bytes])

@@ -664,6 +664,22 @@ def test_shape_mismatch_is_always_an_error(ckpt_dir, small_options):
         assert torch.equal(dest["w"], torch.zeros(3, 5))
 
 
+def test_non_strict_load_skips_and_reports_mismatched_keys(ckpt_dir, small_options):
+    w, b = torch.randn(5, 3), torch.randn(3)
+    ckptio.save({"head": {"w": w, "b": b}, "step": 7}, ckpt_dir, options=small_options)
+    # a new head of another shape and dtype: fine-tuning loads what fits and says what did not
+    dest = {"head": {"w": torch.zeros(9, 3), "b": torch.zeros(3, dtype=torch.float16)}, "step": 0}
+    report = ckptio.load(ckpt_dir, dest, strict=False)
+    assert set(report.loaded) == {"step"}
+    assert len(report.mismatched) == 2
+    assert any(m.startswith("head.w:") and "shape" in m for m in report.mismatched)
+    assert any(m.startswith("head.b:") and "dtype" in m for m in report.mismatched)
+    assert torch.equal(dest["head"]["w"], torch.zeros(9, 3))  # skipped, untouched
+    assert dest["step"] == 7
+    with pytest.raises(StateMismatchError, match=r"head\.w.*strict=False"):
+        ckptio.load(ckpt_dir, dest)
+
+
 # --------------------------------------------------------------------------------------------
 # unsupported leaves and pickle
 

@@ -2,7 +2,7 @@
 
 Owns: a timed O_DIRECT sequential write of N bytes (posix_fallocate, page-aligned mmap buffers of
 8 MiB, 4 threads doing os.pwrite, fsync) and a timed cold O_DIRECT sequential read of the same
-file, plus dropping the page cache. Does not own: any engine (engines.py) or the protocol
+file, plus dropping the page cache. Chunk size and thread count are parameters (GEOMETRIES). Does not own: any engine (engines.py) or the protocol
 (save_load.py). The write clock runs from creating the file to fsync returning, as an engine's
 would; the fallocate share is reported apart.
 """
@@ -20,6 +20,9 @@ from pathlib import Path
 BLOCK = 4096
 CHUNK = 8 << 20
 THREADS = 4
+# Geometries tried every repetition; the ceiling is the best of them, so it is never weaker than
+# ckptio's own pattern (16 MiB x 4 in flight): fio's --bs=8M --iodepth=16 sits between these.
+GEOMETRIES: tuple[tuple[int, int], ...] = ((8 << 20, 4), (32 << 20, 8))
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
@@ -59,9 +62,10 @@ def _fadvise_dontneed(path: Path) -> None:
 
 
 class _Buffers:
-    """One page-aligned, pre-faulted 8 MiB buffer per worker thread, reused for every chunk."""
+    """One page-aligned, pre-faulted ``chunk``-byte buffer per worker thread, reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = CHUNK) -> None:
+        self.chunk = chunk
         self._local = threading.local()
         self._all: list[mmap.mmap] = []
         self._lock = threading.Lock()
@@ -69,8 +73,8 @@ class _Buffers:
     def get(self) -> mmap.mmap:
         buf = getattr(self._local, "buf", None)
         if buf is None:
-            buf = mmap.mmap(-1, CHUNK)
-            buf.write(bytes(range(256)) * (CHUNK // 256))  # fault every page before I/O
+            buf = mmap.mmap(-1, self.chunk)
+            buf.write(bytes(range(256)) * (self.chunk // 256))  # fault every page before I/O
             self._local.buf = buf
             with self._lock:
                 self._all.append(buf)
@@ -81,21 +85,21 @@ class _Buffers:
             buf.close()
 
 
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
+def _chunks(nbytes: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
     """(offset, length) pairs covering ``nbytes`` rounded up to the O_DIRECT block."""
     total = round_up(nbytes)
-    return [(off, min(CHUNK, total - off)) for off in range(0, total, CHUNK)]
+    return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
 
 
-def _warm_buffers(pool: ThreadPoolExecutor, buffers: _Buffers) -> None:
+def _warm_buffers(pool: ThreadPoolExecutor, buffers: _Buffers, threads: int) -> None:
     """Start every pool thread and fault its buffer before the clock starts."""
-    barrier = threading.Barrier(THREADS)
+    barrier = threading.Barrier(threads)
 
     def touch(_: int) -> None:
         buffers.get()
         barrier.wait()
 
-    list(pool.map(touch, range(THREADS)))
+    list(pool.map(touch, range(threads)))
 
 
 Transfer = Callable[[int, memoryview, int], int]  # (fd, buffer, file offset) -> bytes moved
@@ -115,18 +119,19 @@ def _io(fn: Transfer, buffers: _Buffers) -> Callable[[int, tuple[int, int]], int
     return run
 
 
-def write_ceiling(path: Path, nbytes: int) -> dict[str, float | str]:
+def write_ceiling(path: Path, nbytes: int, chunk: int = CHUNK,
+                  threads: int = THREADS) -> dict[str, float | str]:
     """O_DIRECT sequential write of ``nbytes`` (rounded up to 4 KiB); timed to fsync done."""
-    buffers = _Buffers()
+    buffers = _Buffers(chunk)
     write = _io(_write_full, buffers)
-    with ThreadPoolExecutor(THREADS) as pool:
-        _warm_buffers(pool, buffers)
+    with ThreadPoolExecutor(threads) as pool:
+        _warm_buffers(pool, buffers, threads)
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
             os.posix_fallocate(fd, 0, round_up(nbytes))
             t_alloc = time.perf_counter() - t0
-            written = sum(pool.map(lambda c: write(fd, c), _chunks(nbytes)))
+            written = sum(pool.map(lambda c: write(fd, c), _chunks(nbytes, chunk)))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -143,22 +148,23 @@ def _write_full(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-def read_ceiling(path: Path, idle: float = 0.0) -> dict[str, float | str]:
+def read_ceiling(path: Path, idle: float = 0.0, chunk: int = CHUNK,
+                 threads: int = THREADS) -> dict[str, float | str]:
     """Cold O_DIRECT sequential read of the whole file written by write_ceiling.
 
     Waits ``idle`` seconds after dropping the page cache, as the engines' loads do: right after a
     drop this VM is busy handing the freed pages back to the host."""
     nbytes = path.stat().st_size
-    buffers = _Buffers()
+    buffers = _Buffers(chunk)
     read = _io(_read_full, buffers)
-    with ThreadPoolExecutor(THREADS) as pool:
-        _warm_buffers(pool, buffers)
+    with ThreadPoolExecutor(threads) as pool:
+        _warm_buffers(pool, buffers, threads)
         method = drop_page_cache([path])
         time.sleep(idle)
         t0 = time.perf_counter()
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
-            got = sum(pool.map(lambda c: read(fd, c), _chunks(nbytes)))
+            got = sum(pool.map(lambda c: read(fd, c), _chunks(nbytes, chunk)))
         finally:
             os.close(fd)
         seconds = time.perf_counter() - t0
