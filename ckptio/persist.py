@@ -132,6 +132,22 @@ def write_files(
     writes = _Writes(pool, backend)
     handles: list[FileHandle] = []
     entries: list[TensorEntry] = []
+    try:
+        with torch.no_grad():  # sources may require grad; copying them must not build a graph
+            _write_all(directory, files, sources, writes, handles, entries, pool, backend, algorithm)
+        writes.wait()
+        for fh in list(handles):
+            handles.remove(fh)
+            backend.close(fh, sync=True)
+    except BaseException:
+        _abandon(writes, handles, backend)
+        raise
+    return entries, [FileInfo(f.name, f.nbytes, rank) for f in files]
+
+
+def _write_all(directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
+               writes: _Writes, handles: list[FileHandle], entries: list[TensorEntry],
+               pool: BufferPool, backend: IOBackend, algorithm: str) -> None:
     stream: _FileStream | None = None
     try:
         for layout in files:
@@ -144,16 +160,10 @@ def write_files(
                 entries.append(TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk,
                                            layout.name, placement.offset, item.nbytes, checksum))
             stream.finish(layout.nbytes)
-        writes.wait()
-        for fh in list(handles):
-            handles.remove(fh)
-            backend.close(fh, sync=True)
     except BaseException:
         if stream is not None:
             stream.abandon()
-        _abandon(writes, handles, backend)
         raise
-    return entries, [FileInfo(f.name, f.nbytes, rank) for f in files]
 
 
 def _abandon(writes: _Writes, handles: list[FileHandle], backend: IOBackend) -> None:

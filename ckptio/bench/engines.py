@@ -219,6 +219,7 @@ def timed_phase(fn: Callable[[], object], idle: float, reset_peak: bool = True) 
     previous reset, when ``reset_peak`` is False)."""
     gc.collect()
     release_free_heap()
+    settle_disk()
     time.sleep(idle)
     before = status_kib("VmRSS")
     reset = reset_peak_rss() if reset_peak else True
@@ -226,6 +227,13 @@ def timed_phase(fn: Callable[[], object], idle: float, reset_peak: bool = True) 
     out = fn()
     seconds = time.perf_counter() - t0
     return Phase(seconds, (status_kib("VmHWM") - before) / 1024, reset, out)
+
+
+def settle_disk() -> None:
+    """Start every timed phase from a quiet disk: sync commits the journal, and with ext4's
+    `discard` mount option (this VM's root) that waits for the discards of files an earlier
+    worker deleted, which otherwise slow whichever run comes next."""
+    os.sync()
 
 
 def status_kib(field: str) -> int:

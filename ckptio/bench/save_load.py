@@ -138,7 +138,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
 
 
 def ceiling_worker(args: argparse.Namespace) -> Run:
-    from . import ceiling, state
+    from . import ceiling, engines, state
 
     nbytes = state.state_nbytes(state.gpt_config(args.gb))
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +146,7 @@ def ceiling_worker(args: argparse.Namespace) -> Run:
     tries = []
     for chunk, threads in ceiling.GEOMETRIES:  # the best geometry of each direction counts
         try:
+            engines.settle_disk()
             time.sleep(args.idle)
             w = ceiling.write_ceiling(path, nbytes, chunk, threads)
             r = ceiling.read_ceiling(path, args.idle, chunk, threads)
