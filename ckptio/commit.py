@@ -48,6 +48,8 @@ def attempt(path: str, names: list[str]) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        if _references(path, names):
+            raise  # renamed into place before the failure (e.g. a directory fsync): keep its files
         discard(path, names)
         if created:
             with contextlib.suppress(OSError):
@@ -61,6 +63,16 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _references(path: str, names: list[str]) -> bool:
+    """Whether the committed manifest at ``path`` names any of ``names`` (unique per save)."""
+    try:
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return any(name.encode() in text for name in names)
 
 
 def commit(path: str, manifest_bytes: bytes, save_id: str) -> None:

@@ -23,6 +23,8 @@ import tempfile
 import types
 
 import pytest
+
+from ckptio.testing import accepts_o_direct
 import torch
 
 import ckptio.io.posix as posix_module
@@ -55,19 +57,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 def _refuses_o_direct(directory: str) -> bool:
-    probe = os.path.join(directory, ".o_direct_probe")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return True
-    else:
-        os.close(fd)
-        return False
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
+    return not accepts_o_direct(directory)
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

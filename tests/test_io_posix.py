@@ -9,25 +9,15 @@ import os
 
 import pytest
 
+from ckptio.testing import accepts_o_direct
+
 from ckptio.io import create
 from ckptio.io.posix import PosixBackend
 from ckptio.testing.io_conformance import IOBackendConformance
 
 
 def _accepts_o_direct(directory: str) -> bool:
-    probe = os.path.join(directory, ".o_direct_probe")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return False
-    else:
-        os.close(fd)
-        return True
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
+    return accepts_o_direct(directory)
 
 
 @pytest.fixture(params=["auto", "on", "off"])

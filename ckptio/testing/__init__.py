@@ -3,5 +3,28 @@
 Owns: ``io_conformance`` (the checks every IOBackend must pass, usable from pytest as a base class
 to subclass with a backend factory, or as plain functions) and ``faults`` (an IOBackend wrapper
 that fails chosen calls, to show that a failing save commits nothing and a failing load leaks
-nothing). Nothing here is imported by ckptio itself; pytest is needed only by the base class.
+nothing), and ``accepts_o_direct``. Nothing here is imported by ckptio itself; pytest is needed
+only by the base class.
 """
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+def accepts_o_direct(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs before Linux 6.6: no)."""
+    probe = os.path.join(directory, ".o_direct_probe")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    else:
+        os.close(fd)
+        return True
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
