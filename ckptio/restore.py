@@ -36,8 +36,9 @@ class Target:
 
 @dataclass
 class _Progress:
+    """An entry whose bytes span several reads: its checksum so far."""
+
     hasher: Hasher | None
-    done: int = 0  # bytes of the entry handled so far
 
 
 class _Reader:
@@ -76,16 +77,15 @@ class _Reader:
         if progress.hasher is not None:
             progress.hasher.update(buffer.view[start:start + hi - lo])
             if last:  # checked before the copy: a whole-in-one-read entry never lands corrupt
-                self._verify(entry, progress.hasher.hexdigest())
+                self.verify(entry, progress.hasher.hexdigest())
         itemsize = DTYPE_ITEMSIZE[entry.dtype]
         src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
         for dest in target.dests:
             copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
-        progress.done += hi - lo
         if last:
             del self.progress[id(entry)]
 
-    def _verify(self, entry: TensorEntry, digest: str) -> None:
+    def verify(self, entry: TensorEntry, digest: str) -> None:
         if digest != entry.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch for key {entry.key!r} in {os.path.join(self.directory, entry.file)}"
@@ -109,7 +109,7 @@ def read_targets(
     by_entry = {id(t.entry): t for t in targets}
     for t in targets:
         if t.entry.nbytes == 0 and algorithm:
-            reader._verify(t.entry, new_hasher(algorithm).hexdigest())
+            reader.verify(t.entry, new_hasher(algorithm).hexdigest())
     ranges = deque(coalesce_reads((t.entry for t in targets), max_read=pool.buffer_bytes,
                                   max_gap=MAX_GAP))
     ahead = max(1, min(pool.nbuffers, 2 * depth))
