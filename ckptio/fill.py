@@ -169,7 +169,7 @@ def _equal(a: Any, b: Any) -> bool:
         return False
     try:
         return bool(a == b)  # numpy scalars, bytes, unpickled objects
-    except Exception:  # an object whose == is not a plain bool: treat as different
+    except (TypeError, ValueError):  # == that is not a plain bool (arrays): treat as different
         return False
 
 
@@ -197,7 +197,7 @@ def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: 
         elif leaf.parent is None and isinstance(source, ObjectEntry):
             if not _same(leaf.value, source):
                 plan.problems[key] = _immutable(key, leaf)
-        else:  # parent None here: a data entry, compared once read (see fill_in_place)
+        else:  # replaced in its container once read; inside a tuple, compared (fill_in_place)
             if isinstance(source, TensorEntry):
                 staged = _empty(source)
                 plan.target(source).dests.append(staged)

@@ -36,7 +36,7 @@ class Target:
 
 @dataclass
 class _Progress:
-    """An entry whose bytes span several reads: its checksum so far."""
+    """An entry being read: its checksum so far (entries may span several reads)."""
 
     hasher: Hasher | None
 

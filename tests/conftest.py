@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import ckptio
 
@@ -10,6 +11,15 @@ MiB = 1 << 20
 
 # 1 MiB buffers in a 4 MiB pool: a tensor of a few MiB crosses several buffer boundaries, so
 # save and load both exercise splitting one tensor over several buffers and reads.
+# every dtype people train with; shared by the round-trip and property tests
+ALL_DTYPES = [
+    torch.float32, torch.float16, torch.float64, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool, torch.complex64, torch.complex128,
+]
+
 SMALL_OPTIONS = ckptio.Options(buffer_bytes=1 * MiB, pool_bytes=4 * MiB)
 
 

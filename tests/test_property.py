@@ -12,14 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ckptio
+from conftest import ALL_DTYPES
 
-DTYPES = [
-    torch.float32, torch.float16, torch.float64, torch.bfloat16,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
+DTYPES = ALL_DTYPES
 
 SETTINGS = settings(
     max_examples=40, deadline=None, derandomize=True,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import ckptio
+from conftest import ALL_DTYPES
 from ckptio import manifest
 from ckptio.errors import (
     CheckpointNotFoundError,
@@ -26,13 +27,6 @@ from ckptio.errors import (
 
 MiB = 1 << 20
 
-ALL_DTYPES = [
-    torch.float32, torch.float16, torch.float64, torch.bfloat16,
-    torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
 
 
 def rand(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
