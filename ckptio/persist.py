@@ -1,174 +1,268 @@
-"""Save data path: stream planned items through the staging pool into data files.
+"""Save data path: stream planned items through the staging pool into data files, in two halves.
 
-Owns: filling buffers in file order (copy the next tensors while earlier buffers are written),
-zeroed padding, checksums of the exact bytes written, waiting for every write, fsync.
-Does not own: where items go (layout.py), the files' commit (commit.py) or the pool (stage.py).
+``capture`` copies every item's bytes into pool buffers in file order (blocking only while the
+pool is full) and may run on any thread; once it returns the source tensors may change. Each full
+buffer goes to a hasher thread, which checksums the exact bytes and hands the buffer to the I/O
+backend; a finished write returns the buffer to the pool. ``finish`` waits for all of it and
+fsyncs. Keeping checksums off the capturing thread keeps the training loop's share to the copy.
+
+Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
+side stream with one event per buffer (no per-tensor synchronisation), progress counters,
+waiting for every write, fsync. Does not own: where items go (layout.py), the files' commit
+(commit.py), the pool (stage.py) or threads that run a whole save (background.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from collections.abc import Sequence
-from concurrent.futures import Future
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from .checksum import new_hasher
+from .checksum import Hasher, new_hasher
+from .errors import CkptError
 from .io import FileHandle, IOBackend
 from .layout import align_up
 from .options import BLOCK
 from .stage import Buffer, BufferPool, copy_out, torch_dtype, typed
-from .types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
+from .types import DTYPE_ITEMSIZE, FileInfo, FileLayout, TensorEntry
+
+Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
 
 
-class _Writes:
-    """Writes in flight; a finished write hands its buffer back to the pool."""
+class Progress:
+    """Bytes of one save: planned, copied into staging, durably written (updated from threads)."""
 
-    def __init__(self, pool: BufferPool, backend: IOBackend) -> None:
-        self.pool, self.backend = pool, backend
-        self.futures: list[Future[int]] = []
+    def __init__(self, nbytes_total: int) -> None:
+        self.nbytes_total = nbytes_total
+        self.nbytes_staged = 0
+        self.nbytes_written = 0
 
-    def submit(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int) -> None:
-        """Hand ``buffer`` to the backend; from here on it belongs to the write (or, if the
-        submission itself fails, back to the pool)."""
+    def __repr__(self) -> str:
+        return (f"Progress(staged={self.nbytes_staged}/{self.nbytes_total}, "
+                f"written={self.nbytes_written}/{self.nbytes_total})")
+
+
+class SaveJob:
+    """One save's bytes: ``capture()`` then ``finish()``; ``abandon()`` after any failure."""
+
+    def __init__(self, directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
+                 *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int) -> None:
+        self.directory, self.files, self.sources = directory, files, sources
+        self.pool, self.backend, self.rank = pool, backend, rank
+        self.algorithm = algorithm
+        self.progress = Progress(sum(p.item.nbytes for f in files for p in f.placements))
+        self.entries: list[TensorEntry] = []
+        self._hashers: list[Hasher] = []
+        self._handles: list[FileHandle] = []
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
+        self._pending: list[Future[None]] = []  # hash-then-submit tasks
+        self._writes: list[Future[int]] = []
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        self._streams = _side_streams(sources)
+
+    # ---------------------------------------------------------------- capture (any thread)
+
+    def capture(self) -> None:
+        """Copy every item into pool buffers; the sources are free to change once this returns."""
+        with torch.no_grad(), _on_streams(self._streams):
+            for layout in self.files:
+                fh = self.backend.open_write(os.path.join(self.directory, layout.name), layout.nbytes)
+                self._handles.append(fh)
+                window = _Window(self, fh)
+                try:
+                    for placement in layout.placements:
+                        item = placement.item
+                        self._hashers.append(new_hasher(self.algorithm))  # before its bytes are hashed
+                        self.entries.append(TensorEntry(item.key, item.kind, item.dtype, item.shape,
+                                                        item.chunk, layout.name, placement.offset,
+                                                        item.nbytes, ""))
+                        window.put(placement.offset, item, self.sources[item.key], len(self.entries) - 1)
+                    window.close(layout.nbytes)
+                finally:
+                    window.abandon()
+
+    def _hand_off(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
+        """A full buffer leaves the capturing thread: checksum, then write, in submission order."""
         try:
-            future = self.backend.submit_write(fh, offset, buffer.view[:nbytes])
+            self._raise_failure()
+            events = _record(self._streams)
+            task = self._hashing.submit(self._hash_and_write, fh, offset, buffer, nbytes, pieces, events)
         except BaseException:
             self.pool.release(buffer)
             raise
-        future.add_done_callback(lambda _f: self.pool.release(buffer))
-        self.futures.append(future)
+        self._pending.append(task)
+        self.progress.nbytes_staged += sum(n for _i, _s, n in pieces)
 
-    def check(self) -> None:
-        """Raise the first failed write, if any; forget finished ones."""
-        pending = []
-        for future in self.futures:
-            if not future.done():
-                pending.append(future)
-            elif future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-        self.futures = pending
+    def _hash_and_write(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int,
+                        pieces: list[Piece], events: list[Any]) -> None:
+        try:
+            if self._failure is not None:
+                raise CkptError("an earlier write of this save failed")
+            for event in events:
+                event.synchronize()  # the device->host copies into this buffer have landed
+            for index, start, n in pieces:
+                self._hashers[index].update(buffer.view[start:start + n])
+            future = self.backend.submit_write(fh, offset, buffer.view[:nbytes])
+        except BaseException as exc:
+            self.pool.release(buffer)
+            self._fail(exc)
+            raise
+        written = sum(n for _i, _s, n in pieces)
+        future.add_done_callback(lambda f: self._written(f, buffer, written))
+        with self._lock:
+            self._writes.append(future)
 
-    def wait(self) -> None:
-        futures, self.futures = self.futures, []
-        errors = [f.exception() for f in futures]  # waits for all, even after a failure
-        for error in errors:
-            if error is not None:
-                raise error
+    def _written(self, future: Future[int], buffer: Buffer, nbytes: int) -> None:
+        self.pool.release(buffer)
+        if future.exception() is not None:
+            self._fail(future.exception())  # type: ignore[arg-type]
+        else:
+            self.progress.nbytes_written += nbytes
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # ---------------------------------------------------------------- finish (any thread)
+
+    def finish(self) -> tuple[list[TensorEntry], list[FileInfo]]:
+        """Wait for every checksum and write, fsync and close the files; -> manifest rows."""
+        self._drain()
+        self._raise_failure()
+        while self._handles:
+            self.backend.close(self._handles.pop(0), sync=True)
+        entries = [_with_checksum(e, h.hexdigest()) for e, h in zip(self.entries, self._hashers)]
+        return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
+
+    def _drain(self) -> None:
+        """Every task and write has finished (failed or not); the pool has all its buffers back."""
+        for task in self._pending:
+            task.exception()
+        self._hashing.shutdown(wait=True)
+        with self._lock:
+            writes = list(self._writes)
+        for future in writes:
+            future.exception()
+
+    def abandon(self) -> None:
+        """After a failure: let in-flight work finish (its buffers return), close without fsync."""
+        self._drain()
+        while self._handles:
+            self.backend.close(self._handles.pop(0), sync=False)
 
 
-class _FileStream:
-    """Bytes of one file, in offset order, through a window of one buffer."""
+class _Window:
+    """Bytes of one file, in offset order, through one buffer at a time."""
 
-    def __init__(self, fh: FileHandle, writes: _Writes, pool: BufferPool) -> None:
-        self.fh, self.writes, self.pool = fh, writes, pool
-        self.buffer: Buffer | None = pool.acquire()
+    def __init__(self, job: SaveJob, fh: FileHandle) -> None:
+        self.job, self.fh = job, fh
+        self.buffer: Buffer | None = job.pool.acquire()
         self.start = 0  # file offset of the buffer's first byte
-        self.filled = 0  # bytes of the buffer written so far
+        self.filled = 0
+        self.pieces: list[Piece] = []
 
-    def _room(self) -> int:
-        assert self.buffer is not None  # internal: finish() or abandon() ends the stream
+    def _room(self) -> Buffer:
+        assert self.buffer is not None  # internal: close() or abandon() ends the window
         if self.filled == self.buffer.nbytes:
             full, self.buffer = self.buffer, None
-            self.writes.submit(self.fh, self.start, full, self.filled)
-            self.start += self.filled
-            self.filled = 0
-            self.buffer = self.pool.acquire()
-            self.writes.check()
-        return self.buffer.nbytes - self.filled
+            self.job._hand_off(self.fh, self.start, full, self.filled, self.pieces)
+            self.start, self.filled, self.pieces = self.start + self.filled, 0, []
+            self.buffer = self.job.pool.acquire()
+        return self.buffer
 
     def pad_to(self, offset: int) -> None:
         while self.start + self.filled < offset:
-            n = min(self._room(), offset - self.start - self.filled)
-            self.buffer.data[self.filled:self.filled + n].zero_()
+            buffer = self._room()
+            n = min(buffer.nbytes - self.filled, offset - self.start - self.filled)
+            buffer.data[self.filled:self.filled + n].zero_()
             self.filled += n
 
-    def put(self, placement: Placement, source: torch.Tensor, algorithm: str) -> str:
-        """Copy the item's elements in; returns the checksum of the bytes as written."""
-        self.pad_to(placement.offset)
-        item = placement.item
+    def put(self, offset: int, item: Any, source: torch.Tensor, index: int) -> None:
+        self.pad_to(offset)
         itemsize = DTYPE_ITEMSIZE[item.dtype]
         dtype = torch_dtype(item.dtype)
-        hasher = new_hasher(algorithm)
         done, total = 0, item.nbytes // itemsize
         while done < total:
-            count = min(self._room() // itemsize, total - done)
-            copy_out(source, done, count, typed(self.buffer, self.filled, count * itemsize, dtype))
-            hasher.update(self.buffer.view[self.filled:self.filled + count * itemsize])
+            buffer = self._room()
+            count = min((buffer.nbytes - self.filled) // itemsize, total - done)
+            copy_out(source, done, count, typed(buffer, self.filled, count * itemsize, dtype))
+            self.pieces.append((index, self.filled, count * itemsize))
             self.filled += count * itemsize
             done += count
-        return hasher.hexdigest()
 
-    def finish(self, file_nbytes: int) -> None:
-        """Zero the tail up to the padded file size and write the last (BLOCK-aligned) buffer."""
+    def close(self, file_nbytes: int) -> None:
+        """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""
         self.pad_to(file_nbytes)
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
-            self.writes.submit(self.fh, self.start, buffer, align_up(self.filled, BLOCK))
+            self.job._hand_off(self.fh, self.start, buffer, align_up(self.filled, BLOCK), self.pieces)
         elif buffer is not None:
-            self.pool.release(buffer)
+            self.job.pool.release(buffer)
 
     def abandon(self) -> None:
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
-            self.pool.release(buffer)
+            self.job.pool.release(buffer)
 
 
-def write_files(
-    directory: str,
-    files: Sequence[FileLayout],
-    sources: dict[str, torch.Tensor],
-    *,
-    pool: BufferPool,
-    backend: IOBackend,
-    algorithm: str,
-    rank: int,
-) -> tuple[list[TensorEntry], list[FileInfo]]:
-    """Write every file, fsync it, and return the manifest rows for what was written.
+def _with_checksum(entry: TensorEntry, checksum: str) -> TensorEntry:
+    return dataclasses.replace(entry, checksum=checksum)
 
-    On failure every write has finished and every file is closed before the error is raised;
-    removing the files is the caller's (commit.discard).
-    """
-    writes = _Writes(pool, backend)
-    handles: list[FileHandle] = []
-    entries: list[TensorEntry] = []
+
+def _side_streams(sources: dict[str, torch.Tensor]) -> list[Any]:
+    """One CUDA stream per device holding a source, for device->host copies (none on CPU).
+
+    Each waits for its device's current stream first, so work queued before the save (the
+    backward pass producing these values) is complete before a copy reads them."""
+    devices = sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
+    streams = []
+    for device in devices:
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        streams.append(stream)
+    return streams
+
+
+@contextlib.contextmanager
+def _on_streams(streams: list[Any]) -> Iterator[None]:
+    """Make each side stream current on its device (copies from a device run on its stream)."""
+    with contextlib.ExitStack() as stack:
+        for stream in streams:
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
+def _record(streams: list[Any]) -> list[Any]:
+    """Events marking every copy queued so far; a buffer is read only after they complete."""
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return events
+
+
+def write_files(directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor], *,
+                pool: BufferPool, backend: IOBackend, algorithm: str,
+                rank: int) -> tuple[list[TensorEntry], list[FileInfo]]:
+    """Capture and finish in one call. On failure every write has finished and every file is
+    closed before the error is raised; removing the files is the caller's (commit.discard)."""
+    job = SaveJob(directory, files, sources, pool=pool, backend=backend, algorithm=algorithm, rank=rank)
     try:
-        with torch.no_grad():  # sources may require grad; copying them must not build a graph
-            _write_all(directory, files, sources, writes, handles, entries, pool, backend, algorithm)
-        writes.wait()
-        for fh in list(handles):
-            handles.remove(fh)
-            backend.close(fh, sync=True)
+        job.capture()
+        return job.finish()
     except BaseException:
-        _abandon(writes, handles, backend)
+        job.abandon()
         raise
-    return entries, [FileInfo(f.name, f.nbytes, rank) for f in files]
-
-
-def _write_all(directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
-               writes: _Writes, handles: list[FileHandle], entries: list[TensorEntry],
-               pool: BufferPool, backend: IOBackend, algorithm: str) -> None:
-    stream: _FileStream | None = None
-    try:
-        for layout in files:
-            fh = backend.open_write(os.path.join(directory, layout.name), layout.nbytes)
-            handles.append(fh)
-            stream = _FileStream(fh, writes, pool)
-            for placement in layout.placements:
-                item = placement.item
-                checksum = stream.put(placement, sources[item.key], algorithm)
-                entries.append(TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk,
-                                           layout.name, placement.offset, item.nbytes, checksum))
-            stream.finish(layout.nbytes)
-    except BaseException:
-        if stream is not None:
-            stream.abandon()
-        raise
-
-
-def _abandon(writes: _Writes, handles: list[FileHandle], backend: IOBackend) -> None:
-    for future in writes.futures:
-        future.exception()  # let in-flight writes finish before their buffers are reused
-    writes.futures = []
-    for fh in handles:
-        backend.close(fh, sync=False)

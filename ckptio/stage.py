@@ -1,9 +1,11 @@
 """Host staging: a fixed pool of aligned, pre-faulted buffers reused by every save and load, and
-element-exact copies between tensors (any strides) and those buffers.
+element-exact copies between tensors (any strides, host or CUDA) and those buffers.
 
 Owns: staging memory (allocated once, pre-faulted because this kind of VM faults fresh pages
-slowly), its admission (acquire blocks while every buffer is in use) and tensor<->bytes copies.
-Does not own: what is copied where (persist.py, restore.py) or I/O (io/).
+slowly, page-locked with cudaHostRegister when CUDA is present so device copies run
+asynchronously), its admission (acquire blocks while every buffer is in use) and tensor<->bytes
+copies (device->host copies are non_blocking on whatever stream is current: the caller owns
+streams and events). Does not own: what is copied where (persist.py, restore.py) or I/O (io/).
 """
 
 from __future__ import annotations
@@ -35,17 +37,21 @@ class Buffer:
 class BufferPool:
     """``nbuffers`` buffers of ``buffer_bytes`` in one anonymous mapping.
 
-    Pages become resident on a buffer's first use and stay resident: the mapping is never
-    unmapped or advised away while the pool lives, so later saves never fault. Free buffers are
-    handed out last-released-first, so a small checkpoint keeps touching the same few buffers
-    and its resident memory stays near its own size rather than the pool's.
+    Every page is faulted in when the pool is made (``prefault``) and stays resident: the mapping
+    is never unmapped or advised away while the pool lives, so no save pays for page faults and
+    the resident set does not grow save after save. Free buffers are handed out
+    last-released-first. With CUDA present the mapping is page-locked (``pinned``), so
+    non_blocking device->host copies into it are truly asynchronous.
     """
 
-    def __init__(self, nbuffers: int, buffer_bytes: int) -> None:
+    def __init__(self, nbuffers: int, buffer_bytes: int, *, prefault: bool = True) -> None:
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
         self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if prefault:
+            whole.zero_()  # fault every page now, once, rather than inside a timed save
+        self.pinned = _pin(whole)
         self._all = [
             Buffer(i, memoryview(self._mapping)[i * buffer_bytes:(i + 1) * buffer_bytes],
                    whole[i * buffer_bytes:(i + 1) * buffer_bytes])
@@ -78,9 +84,22 @@ class BufferPool:
         exception's traceback may still hold one, so the mapping is never force-closed)."""
         if not self.idle():
             raise CkptError("BufferPool.close: buffers are still in use by a save or load")
+        if self.pinned and self._all:
+            torch.cuda.cudart().cudaHostUnregister(self._all[0].data.data_ptr())
+            self.pinned = False
         self._all.clear()
         self._free.clear()
         del self._mapping
+
+
+def _pin(whole: torch.Tensor) -> bool:
+    """Page-lock the pool for CUDA (no-op without it). The mapping stays ours; CUDA only pins it."""
+    if not torch.cuda.is_available() or whole.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), whole.numel(), 0)
+    if int(err) != 0:  # e.g. a memlock limit: copies still work, only synchronously
+        return False
+    return True
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -126,7 +145,9 @@ def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> No
     pos = 0
     for block in element_blocks(src, start, count):
         n = block.numel()
-        dst[pos:pos + n].view(block.shape).copy_(block)
+        # From a device: asynchronous into pinned memory on the current stream; the caller records
+        # an event and synchronizes before the bytes are read (persist.py).
+        dst[pos:pos + n].view(block.shape).copy_(block, non_blocking=block.is_cuda)
         pos += n
 
 

@@ -1,19 +1,42 @@
 """I/O backends behind one small contract (base.IOBackend), chosen by name.
 
-Owns: the registry of backend names; a backend's module is imported only when asked for.
+Owns: the registry of backend names and the fallback from io_uring to POSIX where io_uring is
+unavailable (logged once per process); a backend's module is imported only when asked for.
 """
 
 from __future__ import annotations
 
+import logging
+
 from ..errors import CkptError
 from .base import FileHandle, IOBackend
 
-__all__ = ["FileHandle", "IOBackend", "create"]
+__all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAMES"]
+
+NAMES = ("posix", "uring")
+log = logging.getLogger("ckptio")
+_reason: list[str | None] = []  # probed once per process
+
+
+def uring_unavailable_reason() -> str | None:
+    """None if io_uring works here, else why not (probed once, then remembered)."""
+    if not _reason:
+        from .ring import unavailable_reason
+
+        _reason.append(unavailable_reason())
+        if _reason[0] is not None:
+            log.warning("ckptio: io_uring is unavailable (%s); using the POSIX backend", _reason[0])
+    return _reason[0]
 
 
 def create(name: str, *, depth: int, direct_io: str) -> IOBackend:
-    if name == "posix":
+    """The backend called ``name``; "uring" falls back to "posix" where io_uring is unavailable."""
+    if name == "uring" and uring_unavailable_reason() is None:
+        from .uring import UringBackend
+
+        return UringBackend(depth=depth, direct_io=direct_io)
+    if name in NAMES:
         from .posix import PosixBackend
 
         return PosixBackend(depth=depth, direct_io=direct_io)
-    raise CkptError(f"io_backend {name!r} is unknown; available: 'posix'")
+    raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")
