@@ -9,7 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import Checkpointer, LoadReport, SaveResult, load, save, verify
+from .api import Checkpointer, LoadReport, SaveHandle, SaveResult, async_save, load, save, verify
+from .persist import Progress
 from .errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -24,8 +25,11 @@ from .errors import (
 from .options import Options
 
 __all__ = [
-    "Checkpointer", "LoadReport", "Options", "SaveResult", "load", "save", "verify", "__version__",
+    "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
+    "async_save", "load", "save", "verify", "__version__",
     "CkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "StateMismatchError", "StorageIOError",
     "UnsupportedStateError",
 ]
+
+AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's

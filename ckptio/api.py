@@ -10,30 +10,25 @@ import dataclasses
 import os
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import commit, io, manifest, persist, restore
-from .errors import CorruptCheckpointError
-from .flatten import flatten
+from .background import SaveHandle, SaveResult, optimizer_storages
+from .errors import CkptError, CorruptCheckpointError
+from .flatten import FlatState, flatten
 from .layout import plan_files
 from .options import Options
-from .plan import build_plan
+from .plan import SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, fill_fresh, fill_in_place
-from .types import Manifest
+from .types import FileLayout, Manifest, WriteItem
 
-__all__ = ["Checkpointer", "SaveResult", "LoadReport", "save", "load", "verify"]
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    path: str
-    nbytes: int  # tensor bytes written (aliases and inline values not counted)
-    files: tuple[str, ...]
-    seconds: float
+__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "save", "async_save",
+           "load", "verify"]
 
 
 class Checkpointer:
@@ -49,6 +44,8 @@ class Checkpointer:
         self._backend: io.IOBackend | None = None
         self._lock = threading.Lock()
         self._cleanup: threading.Thread | None = None
+        self._inflight: SaveHandle | None = None
+        self._thread: threading.Thread | None = None
 
     def _finish_cleanup(self) -> None:
         """Wait for the previous save's removal of superseded files (it runs in the background:
@@ -66,7 +63,14 @@ class Checkpointer:
         return self._pool, self._backend
 
     def close(self) -> None:
-        """Free the staging pool and stop I/O threads; the Checkpointer stays usable."""
+        """Wait for a save in flight, free the staging pool and stop I/O threads; the
+        Checkpointer stays usable. A background error nobody has waited for is raised here."""
+        try:
+            self._settle()
+        finally:
+            self._free()
+
+    def _free(self) -> None:
         with self._lock:
             self._finish_cleanup()
             pool, backend = self._pool, self._backend
@@ -78,31 +82,104 @@ class Checkpointer:
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> SaveResult:
         """Write ``state`` to directory ``path``; returns once every byte is durable and committed."""
+        return self.async_save(state, path, allow_pickle=allow_pickle).wait()
+
+    def async_save(
+        self,
+        state: Any,
+        path: str | os.PathLike[str],
+        *,
+        lazy: bool = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        if_busy: str = "wait",
+        allow_pickle: bool = False,
+    ) -> SaveHandle:
+        """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
+
+        Eager (default): returns once every tensor's bytes are copied into the staging pool (a
+        state larger than the pool waits for the disk while the pool is full); the state may
+        change from then on. Lazy (``lazy=True``): returns once the tensors that ``optimizers``
+        do not own are copied; the rest is copied in the background while forward and backward
+        run, and each optimizer's next step() waits until that copy is done. Do not change
+        tensors an optimizer owns other than through its step() before then.
+        if_busy: "wait" for a save still running, or "skip" (warn and return a skipped handle).
+        Call ``wait()`` on the handle for the result; a background error is raised there, or
+        else by the next save.
+        """
         started = time.perf_counter()
+        if if_busy not in ("wait", "skip"):
+            raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
+        if lazy and not optimizers:
+            raise CkptError("async_save(lazy=True) needs optimizers=[...]: their step() is what "
+                            "must wait for the capture")
         path = os.fspath(path)
+        previous = self._inflight
+        if previous is not None and not previous.done() and if_busy == "skip":
+            warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
+                          "running (if_busy='skip')", stacklevel=2)
+            return SaveHandle.skipped(path)
+        self._settle()
         flat = flatten(state)
         plan, sources = build_plan(flat, allow_pickle=allow_pickle)
+        items, eager_items = _lazy_order(plan.items, sources, optimizers) if lazy else (plan.items, len(plan.items))
         save_id = commit.new_save_id()
-        files = plan_files(plan.items, save_id=save_id, rank=0,
-                           max_file_bytes=self.options.max_file_bytes)
+        files = plan_files(items, save_id=save_id, rank=0, max_file_bytes=self.options.max_file_bytes)
+        progress = persist.Progress(sum(i.nbytes for i in items))
+        handle = SaveHandle(path, progress, tuple(f.name for f in files), started)
+        ready = persist.ready_events(sources)
+        job = threading.Thread(
+            target=self._run_save, name="ckptio-save",
+            args=(handle, path, files, sources, plan, flat, save_id, eager_items, ready))
+        job.start()  # not a daemon: a save running when the program ends is finished, not cut off
+        self._inflight, self._thread = handle, job
+        if lazy:
+            handle.hook_optimizers(optimizers)
+        handle.block_until_captured(lazy=lazy)
+        return handle
+
+    def _settle(self) -> None:
+        """Wait for the save in flight; raise its error if nobody has seen it yet."""
+        handle, thread = self._inflight, self._thread
+        if thread is not None:
+            thread.join()
+        if handle is not None:
+            handle.remove_hooks()
+            self._inflight, self._thread = None, None
+            error = handle.unreported_error()
+            if error is not None:
+                raise error
+
+    def _run_save(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
+                  sources: dict[str, torch.Tensor], plan: SavePlan, flat: FlatState, save_id: str,
+                  eager_items: int, ready: list[Any]) -> None:
         names = [f.name for f in files]
-        with self._lock, commit.attempt(path, names):
-            self._finish_cleanup()
-            pool, backend = self._resources()
-            entries, infos = persist.write_files(
-                path, files, sources, pool=pool, backend=backend,
-                algorithm=self.options.checksum, rank=0)
-            record = Manifest(
-                version=manifest.VERSION, save_id=save_id, checksum_algorithm=self.options.checksum,
-                world_size=1, files=tuple(infos), tensors=tuple(entries), objects=plan.objects,
-                aliases=plan.aliases, tree=flat.tree, meta=_meta(),
-            )
-            commit.commit(path, manifest.encode(record), save_id)
+        try:
+            with self._lock, commit.attempt(path, names):
+                self._finish_cleanup()
+                pool, backend = self._resources()
+                job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
+                                      algorithm=self.options.checksum, rank=0, ready=ready,
+                                      progress=handle.progress())
+                try:
+                    job.capture(eager_items, handle.eager_captured)
+                    handle.captured()
+                    entries, infos = job.finish()
+                except BaseException:
+                    job.abandon()
+                    raise
+                record = Manifest(
+                    version=manifest.VERSION, save_id=save_id, checksum_algorithm=self.options.checksum,
+                    world_size=1, files=tuple(infos), tensors=tuple(entries), objects=plan.objects,
+                    aliases=plan.aliases, tree=flat.tree, meta=_meta(),
+                )
+                commit.commit(path, manifest.encode(record), save_id)
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
+            handle.finished(0, exc)
+            return
         self._cleanup = threading.Thread(target=commit.remove_unreferenced, args=(path, set(names)),
                                          name="ckptio-cleanup", daemon=True)
         self._cleanup.start()
-        return SaveResult(path, sum(i.nbytes for i in plan.items), tuple(names),
-                          time.perf_counter() - started)
+        handle.finished(handle.progress().nbytes_total)
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Read every stored byte and check it against its checksum; -> bytes read.
@@ -159,6 +236,16 @@ class Checkpointer:
         return dataclasses.replace(report, seconds=time.perf_counter() - started)
 
 
+def _lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
+                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[WriteItem, ...], int]:
+    """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
+    -> (items, how many come first)."""
+    owned = optimizer_storages(optimizers)
+    lazy = [i for i in items if sources[i.key].untyped_storage().data_ptr() in owned]
+    eager = [i for i in items if sources[i.key].untyped_storage().data_ptr() not in owned]
+    return tuple(eager + lazy), len(eager)
+
+
 def _meta() -> dict[str, Any]:
     from . import __version__
 
@@ -200,6 +287,14 @@ def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False
          options: Options | None = None) -> SaveResult:
     """Save with the shared Checkpointer (or a one-off one when ``options`` is given)."""
     return _checkpointer(options).save(state, path, allow_pickle=allow_pickle)
+
+
+def async_save(state: Any, path: str | os.PathLike[str], *, lazy: bool = False,
+               optimizers: Sequence[torch.optim.Optimizer] = (), if_busy: str = "wait",
+               allow_pickle: bool = False, options: Options | None = None) -> SaveHandle:
+    """Start a background save with the shared Checkpointer; see Checkpointer.async_save."""
+    return _checkpointer(options).async_save(state, path, lazy=lazy, optimizers=optimizers,
+                                             if_busy=if_busy, allow_pickle=allow_pickle)
 
 
 def verify(path: str | os.PathLike[str]) -> int:

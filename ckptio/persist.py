@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,11 +52,14 @@ class SaveJob:
     """One save's bytes: ``capture()`` then ``finish()``; ``abandon()`` after any failure."""
 
     def __init__(self, directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
-                 *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int) -> None:
+                 *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int,
+                 ready: Sequence[Any] | None = None, progress: Progress | None = None) -> None:
+        """``ready``: events from ready_events() recorded on the caller's thread; None records
+        them here (the job is made on the caller's thread)."""
         self.directory, self.files, self.sources = directory, files, sources
         self.pool, self.backend, self.rank = pool, backend, rank
         self.algorithm = algorithm
-        self.progress = Progress(sum(p.item.nbytes for f in files for p in f.placements))
+        self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
         self.entries: list[TensorEntry] = []
         self._hashers: list[Hasher] = []
         self._handles: list[FileHandle] = []
@@ -65,12 +68,18 @@ class SaveJob:
         self._writes: list[Future[int]] = []
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
-        self._streams = _side_streams(sources)
+        self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
 
     # ---------------------------------------------------------------- capture (any thread)
 
-    def capture(self) -> None:
-        """Copy every item into pool buffers; the sources are free to change once this returns."""
+    def capture(self, eager_items: int = 0, on_eager: Callable[[], None] | None = None) -> None:
+        """Copy every item into pool buffers; the sources are free to change once this returns.
+
+        ``on_eager`` is called once the first ``eager_items`` items are copied (a lazy save's
+        caller waits only for those)."""
+        captured = 0
+        if eager_items == 0 and on_eager is not None:
+            on_eager()
         with torch.no_grad(), _on_streams(self._streams):
             for layout in self.files:
                 fh = self.backend.open_write(os.path.join(self.directory, layout.name), layout.nbytes)
@@ -84,9 +93,20 @@ class SaveJob:
                                                         item.chunk, layout.name, placement.offset,
                                                         item.nbytes, ""))
                         window.put(placement.offset, item, self.sources[item.key], len(self.entries) - 1)
+                        captured += 1
+                        if captured == eager_items and on_eager is not None:
+                            self._sync_streams()
+                            on_eager()
                     window.close(layout.nbytes)
                 finally:
                     window.abandon()
+        self._sync_streams()
+
+    def _sync_streams(self) -> None:
+        """Device->host copies queued so far have landed: their sources may change now. One
+        synchronisation per save (and one at a lazy save's eager boundary), never per tensor."""
+        for stream in self._streams:
+            stream.synchronize()
 
     def _hand_off(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
         """A full buffer leaves the capturing thread: checksum, then write, in submission order."""
@@ -221,17 +241,26 @@ def _with_checksum(entry: TensorEntry, checksum: str) -> TensorEntry:
     return dataclasses.replace(entry, checksum=checksum)
 
 
-def _side_streams(sources: dict[str, torch.Tensor]) -> list[Any]:
-    """One CUDA stream per device holding a source, for device->host copies (none on CPU).
+def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
+    """On the caller's thread: an event on its current stream of every device holding a source.
 
-    Each waits for its device's current stream first, so work queued before the save (the
-    backward pass producing these values) is complete before a copy reads them."""
+    Streams are per thread; the copies, made on another thread, wait for these so that work the
+    caller queued before the save (the backward pass producing these values) comes first."""
+    events = []
+    for device in sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _side_streams(sources: dict[str, torch.Tensor], ready: Sequence[Any]) -> list[Any]:
+    """One CUDA stream per device holding a source, for device->host copies (none on CPU)."""
     devices = sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
-    streams = []
-    for device in devices:
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        streams.append(stream)
+    streams = [torch.cuda.Stream(device=device) for device in devices]
+    for stream in streams:
+        for event in ready:
+            stream.wait_event(event)
     return streams
 
 

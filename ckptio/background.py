@@ -1,0 +1,165 @@
+"""What a caller holds while a save runs in the background: the handle, its result, and the
+optimizer pre-hooks of a lazy save.
+
+Owns: the handle's state machine (planned -> staged -> done or failed), timings (blocked,
+capture, persist, total), reporting a background error exactly once (on wait(), or else on the
+next save), and the hooks that make an optimizer step wait until a lazy capture has finished.
+Does not own: the save's steps (api.py) or its bytes (persist.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .persist import Progress
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A finished save. ``seconds`` is the whole save; the rest split it for async saves:
+    blocked_s: time the caller's thread waited (inside the save call and in optimizer hooks);
+    capture_s: planning until every byte was copied out of the state; persist_s: from then
+    until durable and committed. ``skipped``: an async save not taken (another was running)."""
+
+    path: str
+    nbytes: int  # tensor bytes written (aliases and inline values not counted)
+    files: tuple[str, ...]
+    seconds: float
+    blocked_s: float = 0.0
+    capture_s: float = 0.0
+    persist_s: float = 0.0
+    skipped: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds
+
+
+@dataclass
+class _Timings:
+    started: float
+    staged: float | None = None
+    blocked: float = 0.0
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` gives its SaveResult or raises what went wrong."""
+
+    def __init__(self, path: str, progress: Progress, files: tuple[str, ...], started: float) -> None:
+        self.path, self._progress, self._files = path, progress, files
+        self._times = _Timings(started)
+        self._eager = threading.Event()  # what must be captured before the call returns
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def skipped(cls, path: str) -> SaveHandle:
+        handle = cls(path, Progress(0), (), time.perf_counter())
+        handle._result = SaveResult(path, 0, (), 0.0, skipped=True)
+        for event in (handle._eager, handle._staged, handle._done):
+            event.set()
+        return handle
+
+    # ---------------------------------------------------------------- for the caller
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed."""
+        return self._done.is_set()
+
+    def staged(self) -> bool:
+        """True once every byte has been copied out of the state (the state may change)."""
+        return self._staged.is_set()
+
+    def progress(self) -> Progress:
+        return self._progress
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until durable and committed; the background error, if any, is raised here."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        self.remove_hooks()
+        with self._lock:
+            self._reported = True
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None  # internal: _done is set only with a result or an error
+        return self._result
+
+    def unreported_error(self) -> BaseException | None:
+        """The error of a finished save nobody has waited for (then it counts as reported)."""
+        with self._lock:
+            if self._error is None or self._reported or not self._done.is_set():
+                return None
+            self._reported = True
+            return self._error
+
+    # ---------------------------------------------------------------- for the save's threads
+
+    def block_until_captured(self, *, lazy: bool) -> None:
+        """The caller's wait inside async_save: for everything (eager) or the part no optimizer
+        owns (lazy)."""
+        (self._eager if lazy else self._staged).wait()
+        self._times.blocked += time.perf_counter() - self._times.started
+
+    def eager_captured(self) -> None:
+        self._eager.set()
+
+    def captured(self) -> None:
+        self._times.staged = time.perf_counter()
+        self._eager.set()
+        self._staged.set()
+
+    def finished(self, nbytes: int, error: BaseException | None = None) -> None:
+        end = time.perf_counter()
+        if error is None:
+            start, staged = self._times.started, self._times.staged or end
+            self._result = SaveResult(self.path, nbytes, self._files, end - start,
+                                      self._times.blocked, staged - start, end - staged)
+        self._error = error
+        self._eager.set()
+        self._staged.set()
+        self._done.set()
+
+    # ---------------------------------------------------------------- lazy saves
+
+    def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's next step wait until the capture has finished."""
+        for optimizer in optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self._staged.is_set():
+            return
+        began = time.perf_counter()
+        self._staged.wait()
+        self._times.blocked += time.perf_counter() - began
+
+    def remove_hooks(self) -> None:
+        """Called from the training thread (wait() or the next save): torch iterates the hook
+        dict during step(), so hooks are never removed from another thread or from inside one."""
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+
+def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
+    """Storage addresses of every tensor an optimizer's step changes: its parameters and state."""
+    storages: set[int] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            storages.update(p.untyped_storage().data_ptr() for p in group["params"])
+        for state in optimizer.state.values():
+            storages.update(v.untyped_storage().data_ptr() for v in state.values()
+                            if isinstance(v, torch.Tensor))
+    return storages
