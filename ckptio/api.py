@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import commit, io, manifest, persist, restore
+from . import commit, io, manifest, persist, profile, restore
 from .background import SaveHandle, SaveResult, optimizer_storages
 from .errors import CkptError, CorruptCheckpointError
 from .flatten import FlatState, flatten
@@ -44,6 +44,7 @@ class Checkpointer:
         self._backend: io.IOBackend | None = None
         self._lock = threading.Lock()
         self._cleanup: threading.Thread | None = None
+        self._active = self.options  # options the pool and backend were made with
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
 
@@ -54,12 +55,21 @@ class Checkpointer:
             self._cleanup.join()
             self._cleanup = None
 
-    def _resources(self) -> tuple[BufferPool, io.IOBackend]:
+    def _resources(self, path: str | None = None) -> tuple[BufferPool, io.IOBackend]:
+        """The pool and backend, made for the tuned profile of ``path``'s filesystem (if any);
+        remade only when a save or load goes to a filesystem tuned differently."""
+        wanted = self.options if path is None else tuned_options(self.options, path)
+        if _io_fields(wanted) != _io_fields(self._active) and (self._pool or self._backend):
+            self._release()
+        self._active = wanted
         if self._pool is None:
-            self._pool = BufferPool(self.options.nbuffers, self.options.buffer_bytes)
+            self._pool = BufferPool(wanted.nbuffers, wanted.buffer_bytes)
         if self._backend is None:
-            self._backend = io.create(self.options.io_backend, depth=self.options.io_depth,
-                                      direct_io=self.options.direct_io)
+            self._backend = io.create(wanted.io_backend, depth=wanted.io_depth,
+                                      direct_io=wanted.direct_io)
+            register = getattr(self._backend, "register_buffers", None)
+            if register is not None:  # fixed buffers: the pool is pre-faulted, so pinning is free
+                register(self._pool.whole_view())
         return self._pool, self._backend
 
     def close(self) -> None:
@@ -73,12 +83,15 @@ class Checkpointer:
     def _free(self) -> None:
         with self._lock:
             self._finish_cleanup()
-            pool, backend = self._pool, self._backend
-            self._pool, self._backend = None, None
-            if backend is not None:
-                backend.shutdown()
-            if pool is not None:
-                pool.close()
+            self._release()
+
+    def _release(self) -> None:
+        pool, backend = self._pool, self._backend
+        self._pool, self._backend = None, None
+        if backend is not None:
+            backend.shutdown()
+        if pool is not None:
+            pool.close()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> SaveResult:
         """Write ``state`` to directory ``path``; returns once every byte is durable and committed."""
@@ -156,7 +169,7 @@ class Checkpointer:
         try:
             with self._lock, commit.attempt(path, names):
                 self._finish_cleanup()
-                pool, backend = self._resources()
+                pool, backend = self._resources(path)
                 job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
                                       algorithm=self.options.checksum, rank=0, ready=ready,
                                       progress=handle.progress())
@@ -191,10 +204,10 @@ class Checkpointer:
                                  os.path.join(path, manifest.MANIFEST_NAME))
         _check_files(path, record)
         with self._lock:
-            pool, backend = self._resources()
+            pool, backend = self._resources(path)
             return restore.read_targets(
                 path, [restore.Target(e) for e in record.tensors], pool=pool, backend=backend,
-                algorithm=record.checksum_algorithm, depth=self.options.io_depth)
+                algorithm=record.checksum_algorithm, depth=self._active.io_depth)
 
     def load(
         self,
@@ -222,11 +235,11 @@ class Checkpointer:
         _check_files(path, record)
         verify = self.options.verify if verify is None else verify
         with self._lock:
-            pool, backend = self._resources()
+            pool, backend = self._resources(path)
 
             def read(targets: list[restore.Target]) -> int:
                 return restore.read_targets(
-                    path, targets, pool=pool, backend=backend, depth=self.options.io_depth,
+                    path, targets, pool=pool, backend=backend, depth=self._active.io_depth,
                     algorithm=record.checksum_algorithm if verify else None)
 
             if state is None:
@@ -234,6 +247,29 @@ class Checkpointer:
             report = fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
                                    cast=cast, allow_pickle=allow_pickle)
         return dataclasses.replace(report, seconds=time.perf_counter() - started)
+
+
+IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
+
+
+def _io_fields(options: Options) -> tuple[object, ...]:
+    return tuple(getattr(options, name) for name in IO_FIELDS)
+
+
+def tuned_options(options: Options, path: str) -> Options:
+    """``options`` with the I/O fields it leaves at their defaults taken from the tuned profile of
+    ``path``'s filesystem (``ckptio tune``); unchanged without a profile or with use_profile off."""
+    if not options.use_profile:
+        return options
+    found = profile.lookup(path)
+    if found is None:
+        return options
+    defaults = Options()
+    fields = {k: v for k, v in found.option_fields().items()
+              if k in IO_FIELDS and getattr(options, k) == getattr(defaults, k)}
+    if 2 * int(fields.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
+        fields.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    return dataclasses.replace(options, **fields)
 
 
 def _lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],

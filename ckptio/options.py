@@ -31,7 +31,10 @@ class Options:
     direct_io: "auto" uses O_DIRECT where the filesystem accepts it, else buffered (logged once).
     verify: check every loaded byte against its checksum.
     checksum: the algorithm recorded in the manifest.
-    io_backend: name of the IOBackend ("posix").
+    io_backend: name of the IOBackend: "posix" (thread pool) or "uring" (io_uring; falls back
+        to posix, logged once, where io_uring is unavailable).
+    use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
+        io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
     """
 
     buffer_bytes: int = 16 * MiB
@@ -42,6 +45,7 @@ class Options:
     verify: bool = True
     checksum: str = "xxh3_64"
     io_backend: str = "posix"
+    use_profile: bool = True
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -60,6 +64,8 @@ class Options:
             raise CkptError(
                 f"Options.max_file_bytes={self.max_file_bytes}: must be >= buffer_bytes"
             )
+        if self.io_backend not in ("posix", "uring"):
+            raise CkptError(f"Options.io_backend={self.io_backend!r}: use 'posix' or 'uring'")
         if self.direct_io not in ("auto", "on", "off"):
             raise CkptError(f"Options.direct_io={self.direct_io!r}: use 'auto', 'on' or 'off'")
 

@@ -64,6 +64,10 @@ class BufferPool:
     def nbytes(self) -> int:
         return self.nbuffers * self.buffer_bytes
 
+    def whole_view(self) -> memoryview:
+        """The whole mapping (for registering it with an I/O backend)."""
+        return memoryview(self._mapping)
+
     def acquire(self) -> Buffer:
         with self._cond:
             while not self._free:

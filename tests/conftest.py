@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 import ckptio
+
+# Tests never pick up a tuned profile of the machine they run on (`ckptio tune` writes one to
+# ~/.cache/ckptio): each run starts with an empty profile file of its own. Subprocesses inherit it.
+os.environ["CKPTIO_PROFILE_PATH"] = os.path.join(tempfile.mkdtemp(prefix="ckptio-profiles-"),
+                                                 "profiles.json")
 
 MiB = 1 << 20
 

@@ -141,14 +141,25 @@ def _snapshot_load(path: Path, dest: Any) -> None:
 # ---------------------------------------------------------------- ckptio
 
 
-def _ckptio_save(state: Any, path: Path) -> None:
-    ckptio = importlib.import_module("ckptio")
-    ckptio.save(state, str(path))
+def _ckptio_save(backend: str) -> SaveFn:
+    def save(state: Any, path: Path) -> None:
+        ckptio = importlib.import_module("ckptio")
+        ckptio.save(state, str(path), options=_ckptio_options(backend))
+    return save
 
 
-def _ckptio_load(path: Path, dest: Any) -> object:
+def _ckptio_load(backend: str) -> Callable[[Path, Any], object]:
+    def load(path: Path, dest: Any) -> object:
+        ckptio = importlib.import_module("ckptio")
+        return ckptio.load(str(path), dest, options=_ckptio_options(backend))
+    return load
+
+
+def _ckptio_options(backend: str) -> Any:
+    """Defaults (and CKPTIO_* env) with the backend fixed; no tuned profile, so runs compare
+    the engines, not whatever `ckptio tune` stored on this machine."""
     ckptio = importlib.import_module("ckptio")
-    return ckptio.load(str(path), dest)
+    return ckptio.Options.from_env(io_backend=backend, use_profile=False)
 
 
 # ---------------------------------------------------------------- registry
@@ -165,9 +176,11 @@ ENGINES: dict[str, Engine] = {
     "torchsnapshot": Engine("torchsnapshot", _snapshot_save, _snapshot_load,
                             "Snapshot.take + os.sync() inside the clock (take does not fsync); "
                             "load = Snapshot.restore in place", ("torchsnapshot",)),
-    "ckptio": Engine("ckptio", _ckptio_save, _ckptio_load,
-                     "ckptio.save (durable and committed when it returns); load = ckptio.load in place",
-                     ("ckptio",)),
+    "ckptio": Engine("ckptio", _ckptio_save("posix"), _ckptio_load("posix"),
+                     "ckptio.save (durable and committed when it returns); load = ckptio.load in "
+                     "place; POSIX thread-pool backend", ("ckptio",)),
+    "ckptio_uring": Engine("ckptio_uring", _ckptio_save("uring"), _ckptio_load("uring"),
+                           "ckptio as above through the io_uring backend", ("ckptio",)),
 }
 
 
@@ -179,6 +192,8 @@ def unavailable_reason(name: str) -> str | None:
         return "torchsnapshot is not installed"
     if name == "ckptio":
         return _ckptio_unavailable()
+    if name == "ckptio_uring":
+        return _ckptio_unavailable() or importlib.import_module("ckptio.io").uring_unavailable_reason()
     return None
 
 

@@ -34,3 +34,46 @@ def test_cuda_tensors_round_trip_fresh_and_in_place(tmp_path):
         assert dest[key].device.type == "cuda"
         assert torch.equal(dest[key], src[key])
     assert dest["step"] == 3
+
+
+def test_pool_is_pinned_with_cuda():
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
+    pool, _backend = ck._resources()
+    assert pool.pinned
+    assert torch.cuda.cudart().cudaHostUnregister is not None
+    ck.close()
+    assert not pool.pinned
+
+
+def test_async_save_from_device_then_mutate_on_the_stream(tmp_path):
+    """Values produced on the caller's stream just before the save are captured (the side stream
+    waits for them); a kernel queued on that stream right after async_save returns does not
+    reach the checkpoint (the copies had landed). The state is 8x the pool, so copies stream."""
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20))
+    big = torch.zeros(2 << 20, device="cuda")  # 8 MiB
+    big.add_(7.0)  # queued, perhaps not yet run, when the save starts
+    expected = torch.full((2 << 20,), 7.0)
+    handle = ck.async_save({"big": big}, tmp_path / "c")
+    big.mul_(0.0)  # queued right after return
+    handle.wait()
+    assert torch.equal(ckptio.load(tmp_path / "c")["big"], expected)
+    ck.close()
+
+
+def test_lazy_save_of_a_cuda_model(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20))
+    handle = ck.async_save(state, tmp_path / "c", lazy=True, optimizers=[opt])
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()  # waits for the capture
+    handle.wait()
+    loaded = ckptio.load(tmp_path / "c")
+    for key, value in before.items():
+        assert torch.equal(loaded["model"][key], value), key
+    ck.close()
