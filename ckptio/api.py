@@ -44,6 +44,8 @@ class Checkpointer:
         self._backend: io.IOBackend | None = None
         self._lock = threading.Lock()
         self._cleanup: threading.Thread | None = None
+        self._cleanup_listed = threading.Event()  # the cleanup has chosen what it removes
+        self._cleanup_listed.set()
         self._active = self.options  # options the pool and backend were made with
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
@@ -71,6 +73,12 @@ class Checkpointer:
             if register is not None:  # fixed buffers: the pool is pre-faulted, so pinning is free
                 register(self._pool.whole_view())
         return self._pool, self._backend
+
+    def prepare(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Allocate (and pre-fault) the staging pool and start the I/O backend now, for the
+        filesystem of ``path``: call at startup so the first save does not pay for it."""
+        with self._lock:
+            self._resources(None if path is None else os.fspath(path))
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -142,7 +150,7 @@ class Checkpointer:
         ready = persist.ready_events(sources)
         job = threading.Thread(
             target=self._run_save, name="ckptio-save",
-            args=(handle, path, files, sources, plan, flat, save_id, eager_items, ready))
+            args=(handle, path, files, sources, plan, flat, save_id, eager_items, ready, lazy))
         job.start()  # not a daemon: a save running when the program ends is finished, not cut off
         self._inflight, self._thread = handle, job
         if lazy:
@@ -164,17 +172,22 @@ class Checkpointer:
 
     def _run_save(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
                   sources: dict[str, torch.Tensor], plan: SavePlan, flat: FlatState, save_id: str,
-                  eager_items: int, ready: list[Any]) -> None:
+                  eager_items: int, ready: list[Any], lazy: bool) -> None:
         names = [f.name for f in files]
         try:
             with self._lock, commit.attempt(path, names):
-                self._finish_cleanup()
+                # The previous save's cleanup must have listed its directory before this save
+                # creates files there; its deleting may go on (ext4 frees ~0.2 s/GB).
+                self._cleanup_listed.wait()
                 pool, backend = self._resources(path)
                 job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
                                       algorithm=self.options.checksum, rank=0, ready=ready,
                                       progress=handle.progress())
                 try:
-                    job.capture(eager_items, handle.eager_captured)
+                    if lazy:
+                        job.capture(eager_items, handle.eager_captured)
+                    else:
+                        handle.run_on_caller(job.capture)
                     handle.captured()
                     entries, infos = job.finish()
                 except BaseException:
@@ -189,7 +202,12 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
             handle.finished(0, exc)
             return
-        self._cleanup = threading.Thread(target=commit.remove_unreferenced, args=(path, set(names)),
+        if self._cleanup is not None and not self._cleanup.is_alive():
+            self._cleanup = None
+        self._finish_cleanup()  # normally long finished: a save takes longer than a deletion
+        self._cleanup_listed = threading.Event()
+        self._cleanup = threading.Thread(target=commit.remove_unreferenced,
+                                         args=(path, set(names), self._cleanup_listed),
                                          name="ckptio-cleanup", daemon=True)
         self._cleanup.start()
         handle.finished(handle.progress().nbytes_total)

@@ -9,9 +9,10 @@ Does not own: the save's steps (api.py) or its bytes (persist.py).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,11 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._reported = False
         self._hooks: list[Any] = []
+        self._hooks_thread: int | None = None  # the thread that may remove them (the trainer's)
         self._lock = threading.Lock()
+        self._cond = threading.Condition()  # hands an eager capture to the caller's thread
+        self._task: Callable[[], None] | None = None
+        self._task_error: BaseException | None = None
 
     @classmethod
     def skipped(cls, path: str) -> SaveHandle:
@@ -85,16 +90,19 @@ class SaveHandle:
         return self._progress
 
     def wait(self, timeout: float | None = None) -> SaveResult:
-        """Block until durable and committed; the background error, if any, is raised here."""
+        """Block until durable and committed; the background error, if any, is raised here.
+        Safe from any thread."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        self.remove_hooks()
+        if threading.get_ident() == self._hooks_thread:
+            self.remove_hooks()
         with self._lock:
             self._reported = True
         if self._error is not None:
             raise self._error
         assert self._result is not None  # internal: _done is set only with a result or an error
-        return self._result
+        # blocked_s read now: an optimizer hook on this (training) thread has added its wait
+        return dataclasses.replace(self._result, blocked_s=self._times.blocked)
 
     def unreported_error(self) -> BaseException | None:
         """The error of a finished save nobody has waited for (then it counts as reported)."""
@@ -108,15 +116,49 @@ class SaveHandle:
 
     def block_until_captured(self, *, lazy: bool) -> None:
         """The caller's wait inside async_save: for everything (eager) or the part no optimizer
-        owns (lazy)."""
-        (self._eager if lazy else self._staged).wait()
+        owns (lazy). Eager captures run here, on the caller's thread, handed over by the save's
+        thread (run_on_caller): torch's intra-op threads belong to this thread, and a copy made
+        from another thread ran at less than half the speed (and below one core's) here."""
+        if lazy:
+            self._eager.wait()
+        else:
+            self._serve_caller()
         self._times.blocked += time.perf_counter() - self._times.started
+
+    def run_on_caller(self, fn: Callable[[], None]) -> None:
+        """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises."""
+        with self._cond:
+            self._task = fn
+            self._cond.notify_all()
+            while self._task is not None:
+                self._cond.wait()
+            error, self._task_error = self._task_error, None
+        if error is not None:
+            raise error
+
+    def _serve_caller(self) -> None:
+        with self._cond:
+            while self._task is None and not self._staged.is_set():
+                self._cond.wait()
+            task = self._task
+        if task is None:
+            return  # the save failed (or finished) without a capture to run here
+        error: BaseException | None = None
+        try:
+            task()
+            self.captured()  # before returning to the caller: staged() is true once it has
+        except BaseException as exc:  # noqa: BLE001 - handed back to the save's thread
+            error = exc
+        with self._cond:
+            self._task, self._task_error = None, error
+            self._cond.notify_all()
 
     def eager_captured(self) -> None:
         self._eager.set()
 
     def captured(self) -> None:
-        self._times.staged = time.perf_counter()
+        if self._times.staged is None:
+            self._times.staged = time.perf_counter()
         self._eager.set()
         self._staged.set()
 
@@ -127,14 +169,17 @@ class SaveHandle:
             self._result = SaveResult(self.path, nbytes, self._files, end - start,
                                       self._times.blocked, staged - start, end - staged)
         self._error = error
-        self._eager.set()
-        self._staged.set()
+        with self._cond:
+            self._eager.set()
+            self._staged.set()
+            self._cond.notify_all()
         self._done.set()
 
     # ---------------------------------------------------------------- lazy saves
 
     def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Make each optimizer's next step wait until the capture has finished."""
+        self._hooks_thread = threading.get_ident()
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
@@ -146,8 +191,9 @@ class SaveHandle:
         self._times.blocked += time.perf_counter() - began
 
     def remove_hooks(self) -> None:
-        """Called from the training thread (wait() or the next save): torch iterates the hook
-        dict during step(), so hooks are never removed from another thread or from inside one."""
+        """Only from the thread that registered them (wait() there, or the next save): torch
+        iterates the hook dict during step(), so hooks are never removed from another thread or
+        from inside a hook. A wait() on another thread leaves them (each returns at once)."""
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()

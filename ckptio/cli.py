@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from . import commit, manifest
+from . import commit, manifest, tune
 from .errors import CkptError
 
 
@@ -42,19 +42,31 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="read every byte and check it against its checksum")
     verify.add_argument("path")
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
-    bench.add_argument("which", choices=["save-load"])
+    bench.add_argument("which", choices=["save-load", "train", "io"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("demo", help="a small save-load benchmark printing its table")
+    tune.add_arguments(sub.add_parser("tune", help="measure a filesystem and store its fastest "
+                                      "I/O settings (--show prints them)"))
     args = parser.parse_args(argv)
     try:
         if args.command == "ls":
             return _ls(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "tune":
+            return tune.run(args)
         from .bench import save_load
 
         if args.command == "demo":
             return save_load.main(["--gb", "0.25", "--reps", "2"])
+        if args.which == "io":
+            from .bench import io_study
+
+            return io_study.main(args.rest)
+        if args.which == "train":
+            from .bench import train
+
+            return train.main(args.rest)
         return save_load.main(args.rest)
     except CkptError as exc:
         print(f"ckptio: error: {exc}", file=sys.stderr)

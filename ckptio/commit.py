@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 
@@ -126,17 +127,23 @@ def discard(path: str, names: list[str]) -> None:
             pass
 
 
-def remove_unreferenced(path: str, keep: set[str]) -> list[str]:
+def remove_unreferenced(path: str, keep: set[str], listed: threading.Event | None = None) -> list[str]:
     """After a commit: delete data and temporary files the committed manifest does not name.
 
-    Failures are logged, not raised: the checkpoint is already committed and whole; a leftover
-    file is removed by the next save into this directory.
+    ``listed`` is set once the files to remove are chosen (a later save into the same directory
+    may create files from then on: they are not on the list). Failures are logged, not raised:
+    the checkpoint is already committed and whole; a leftover file is removed by the next save
+    into this directory.
     """
     try:
-        removed = [
-            name for name in os.listdir(path)
-            if name.startswith((_DATA_PREFIX, _TMP_PREFIX)) and name not in keep
-        ]
+        try:
+            removed = [
+                name for name in os.listdir(path)
+                if name.startswith((_DATA_PREFIX, _TMP_PREFIX)) and name not in keep
+            ]
+        finally:
+            if listed is not None:
+                listed.set()
         discard(path, removed)
     except OSError as exc:
         log.warning("ckptio: could not remove superseded files in %s: %s", path, exc)

@@ -67,6 +67,9 @@ class SaveJob:
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
         self._writes: list[Future[int]] = []
         self._lock = threading.Lock()
+        # Checksums and writes start once the capture is done or the pool runs dry: until then
+        # the second core is left to the copy, which is all the caller waits for.
+        self._go = threading.Event()
         self._failure: BaseException | None = None
         self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
 
@@ -101,6 +104,15 @@ class SaveJob:
                 finally:
                     window.abandon()
         self._sync_streams()
+        self._go.set()
+
+    def acquire(self) -> Buffer:
+        """A free pool buffer; if none is free, let the writers run (they free buffers)."""
+        buffer = self.pool.try_acquire()
+        if buffer is None:
+            self._go.set()
+            buffer = self.pool.acquire()
+        return buffer
 
     def _sync_streams(self) -> None:
         """Device->host copies queued so far have landed: their sources may change now. One
@@ -123,6 +135,7 @@ class SaveJob:
     def _hash_and_write(self, fh: FileHandle, offset: int, buffer: Buffer, nbytes: int,
                         pieces: list[Piece], events: list[Any]) -> None:
         try:
+            self._go.wait()
             if self._failure is not None:
                 raise CkptError("an earlier write of this save failed")
             for event in events:
@@ -168,6 +181,7 @@ class SaveJob:
 
     def _drain(self) -> None:
         """Every task and write has finished (failed or not); the pool has all its buffers back."""
+        self._go.set()
         for task in self._pending:
             task.exception()
         self._hashing.shutdown(wait=True)
@@ -188,7 +202,7 @@ class _Window:
 
     def __init__(self, job: SaveJob, fh: FileHandle) -> None:
         self.job, self.fh = job, fh
-        self.buffer: Buffer | None = job.pool.acquire()
+        self.buffer: Buffer | None = job.acquire()
         self.start = 0  # file offset of the buffer's first byte
         self.filled = 0
         self.pieces: list[Piece] = []
@@ -199,7 +213,7 @@ class _Window:
             full, self.buffer = self.buffer, None
             self.job._hand_off(self.fh, self.start, full, self.filled, self.pieces)
             self.start, self.filled, self.pieces = self.start + self.filled, 0, []
-            self.buffer = self.job.pool.acquire()
+            self.buffer = self.job.acquire()
         return self.buffer
 
     def pad_to(self, offset: int) -> None:

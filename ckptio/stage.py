@@ -74,6 +74,11 @@ class BufferPool:
                 self._cond.wait()
             return self._free.pop()
 
+    def try_acquire(self) -> Buffer | None:
+        """A free buffer, or None at once if every buffer is in use."""
+        with self._cond:
+            return self._free.pop() if self._free else None
+
     def release(self, buffer: Buffer) -> None:
         with self._cond:
             self._free.append(buffer)
