@@ -22,7 +22,7 @@ from .errors import CkptError, CorruptCheckpointError
 from .flatten import FlatState, flatten
 from .layout import plan_files
 from .options import Options
-from .plan import SavePlan, build_plan
+from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, fill_fresh, fill_in_place
 from .types import FileLayout, Manifest, WriteItem
@@ -47,6 +47,7 @@ class Checkpointer:
         self._cleanup_listed = threading.Event()  # the cleanup has chosen what it removes
         self._cleanup_listed.set()
         self._active = self.options  # options the pool and backend were made with
+        self._plan_cache = PlanCache()
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
 
@@ -141,7 +142,7 @@ class Checkpointer:
             return SaveHandle.skipped(path)
         self._settle()
         flat = flatten(state)
-        plan, sources = build_plan(flat, allow_pickle=allow_pickle)
+        plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
         items, eager_items = _lazy_order(plan.items, sources, optimizers) if lazy else (plan.items, len(plan.items))
         save_id = commit.new_save_id()
         files = plan_files(items, save_id=save_id, rank=0, max_file_bytes=self.options.max_file_bytes)

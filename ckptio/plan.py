@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,14 +113,71 @@ def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
     return "pickle", _bytes_source(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def build_plan(flat: FlatState, *, allow_pickle: bool) -> tuple[SavePlan, dict[str, torch.Tensor]]:
-    """-> (plan, sources): sources maps each item's key to the tensor holding its bytes."""
+@dataclass
+class PlanCache:
+    """The tensor part of the last plan, reused while every tensor leaf is the same view of the
+    same memory with the same dtype (a training loop's state_dict, save after save).
+
+    Only metadata is reused: which keys are items or aliases, their dtype, shape and size. The
+    bytes always come from the state passed to this save (``sources`` is rebuilt every time), so
+    a reused plan can never write an earlier save's values. Non-tensor leaves are classified
+    afresh every time (their values and sizes may change).
+    """
+
+    signature: tuple[Any, ...] | None = None
+    tensor_items: dict[str, WriteItem] = field(default_factory=dict)
+    alias_of: dict[str, str] = field(default_factory=dict)
+    hits: int = 0
+
+
+def _signature(flat: FlatState) -> tuple[Any, ...]:
+    parts: list[Any] = []
+    for key, leaf in flat.leaves.items():
+        t = leaf.value
+        if isinstance(t, torch.Tensor):
+            parts.append((key, type(t), t.layout, t.device, t.dtype, tuple(t.shape), t.stride(),
+                          t.storage_offset(), t.untyped_storage().data_ptr() if t.numel() else 0))
+        else:
+            parts.append((key, None))
+    return tuple(parts)
+
+
+def build_plan(flat: FlatState, *, allow_pickle: bool,
+               cache: PlanCache | None = None) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    """-> (plan, sources): sources maps each item's key to the tensor holding its bytes.
+
+    With a ``cache``, an unchanged tensor layout skips re-planning its tensors."""
+    if cache is None:
+        return _build(flat, allow_pickle, None)
+    signature = _signature(flat)
+    if signature == cache.signature:
+        cache.hits += 1
+        return _build(flat, allow_pickle, cache)
+    cache.signature, cache.tensor_items, cache.alias_of = None, {}, {}
+    plan, sources = _build(flat, allow_pickle, None)
+    for item in plan.items:
+        if item.kind == "tensor":
+            cache.tensor_items[item.key] = item
+    cache.alias_of = dict(plan.aliases)
+    cache.signature = signature
+    return plan, sources
+
+
+def _build(flat: FlatState, allow_pickle: bool,
+           reuse: PlanCache | None) -> tuple[SavePlan, dict[str, torch.Tensor]]:
     items: list[WriteItem] = []
     objects: list[ObjectEntry] = []
     aliases: list[tuple[str, str]] = []
     sources: dict[str, torch.Tensor] = {}
     first_key_of_view: dict[tuple[Any, ...], str] = {}
     for key, leaf in flat.leaves.items():
+        if reuse is not None and isinstance(leaf.value, torch.Tensor):
+            if key in reuse.alias_of:
+                aliases.append((key, reuse.alias_of[key]))
+            else:
+                items.append(reuse.tensor_items[key])
+                sources[key] = leaf.value  # this save's tensor: never a cached one
+            continue
         kind, payload = _classify(leaf.value, key, allow_pickle)
         if kind == "object":
             objects.append(ObjectEntry(key, payload))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +28,18 @@ class Buffer:
     index: int
     view: memoryview
     data: torch.Tensor
+    _as: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # whole buffer per dtype
 
     @property
     def nbytes(self) -> int:
         return len(self.view)
+
+    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer as a 1-D tensor of ``dtype``, made once and kept."""
+        whole = self._as.get(dtype)
+        if whole is None:
+            whole = self._as[dtype] = self.data.view(dtype)
+        return whole
 
 
 class BufferPool:
@@ -120,6 +128,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     """Bytes [start, start+nbytes) of a buffer as a 1-D tensor of ``dtype``."""
+    itemsize = dtype.itemsize
+    if start % itemsize == 0 and nbytes % itemsize == 0:  # always, for ckptio's aligned entries
+        return buffer.as_dtype(dtype)[start // itemsize:(start + nbytes) // itemsize]
     return buffer.data[start:start + nbytes].view(dtype)
 
 

@@ -259,3 +259,28 @@ print(after - before)
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) >= 60 * MiB  # all 64 MiB faulted in, not 1 buffer
+
+
+def test_reused_plan_never_writes_stale_values(tmp_path: os.PathLike[str]) -> None:
+    """Later saves of an unchanged layout reuse the plan (NeMo-RL#3312 wrote the first save's
+    weights into every later checkpoint that way): each checkpoint holds its own save's values,
+    including for a fresh state_dict() each time, a tensor swapped for a new one of the same
+    shape, and a Python value that changed."""
+    model = torch.nn.Linear(64, 64)
+    ck = Checkpointer(SMALL_POOL)
+    expected = []
+    for step in range(4):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if step == 2:
+            model.bias = torch.nn.Parameter(torch.full((64,), 7.0))  # new storage, same shape
+        state = {"model": model.state_dict(), "step": step}
+        expected.append({k: v.clone() for k, v in state["model"].items()})
+        ck.save(state, tmp_path / f"s{step}")
+    assert ck._plan_cache.hits >= 2, "the layout was re-planned every time: reuse is untested"
+    for step in range(4):
+        loaded = ckptio.load(tmp_path / f"s{step}")
+        assert loaded["step"] == step
+        for key, value in expected[step].items():
+            assert torch.equal(loaded["model"][key], value), (step, key)
+    ck.close()
