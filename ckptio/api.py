@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ class Checkpointer:
         self._cleanup_listed.set()
         self._active = self.options  # options the pool and backend were made with
         self._plan_cache = PlanCache()
+        self._stale_hooks: list[SaveHandle] = []  # lazy hooks to remove from their own thread
+        _live.add(self)
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
 
@@ -141,6 +144,7 @@ class Checkpointer:
                           "running (if_busy='skip')", stacklevel=2)
             return SaveHandle.skipped(path)
         self._settle()
+        self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
         flat = flatten(state)
         plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
         items, eager_items = _lazy_order(plan.items, sources, optimizers) if lazy else (plan.items, len(plan.items))
@@ -156,6 +160,8 @@ class Checkpointer:
         self._inflight, self._thread = handle, job
         if lazy:
             handle.hook_optimizers(optimizers)
+            if eager_items == 0:  # nothing outside the optimizers: no need to wait for the thread
+                handle.eager_captured()
         handle.block_until_captured(lazy=lazy)
         return handle
 
@@ -165,7 +171,8 @@ class Checkpointer:
         if thread is not None:
             thread.join()
         if handle is not None:
-            handle.remove_hooks()
+            if not handle.remove_hooks():  # another thread: the trainer's next save removes them
+                self._stale_hooks.append(handle)
             self._inflight, self._thread = None, None
             error = handle.unreported_error()
             if error is not None:
@@ -203,15 +210,23 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
             handle.finished(0, exc)
             return
-        if self._cleanup is not None and not self._cleanup.is_alive():
-            self._cleanup = None
+        try:
+            self._start_cleanup(path, names)
+        finally:  # committed: the handle is done whatever happens to the cleanup
+            handle.finished(handle.progress().nbytes_total)
+
+    def _start_cleanup(self, path: str, names: list[str]) -> None:
+        """Remove the files the new manifest does not name, in the background."""
         self._finish_cleanup()  # normally long finished: a save takes longer than a deletion
-        self._cleanup_listed = threading.Event()
-        self._cleanup = threading.Thread(target=commit.remove_unreferenced,
-                                         args=(path, set(names), self._cleanup_listed),
-                                         name="ckptio-cleanup", daemon=True)
-        self._cleanup.start()
-        handle.finished(handle.progress().nbytes_total)
+        listed = threading.Event()
+        cleanup = threading.Thread(target=commit.remove_unreferenced, args=(path, set(names), listed),
+                                   name="ckptio-cleanup", daemon=True)
+        try:
+            cleanup.start()
+        except BaseException:
+            listed.set()  # nothing will list: later saves must not wait for it
+            raise
+        self._cleanup, self._cleanup_listed = cleanup, listed
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Read every stored byte and check it against its checksum; -> bytes read.
@@ -322,6 +337,21 @@ def _check_files(path: str, record: Manifest) -> None:
                 f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
                 "damaged: load an earlier one")
 
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """At interpreter exit, before concurrent.futures stops accepting work (threading runs
+    these callbacks newest first, and concurrent.futures registered its own at import): let
+    every save in flight finish and commit rather than fail half-way."""
+    for checkpointer in list(_live):
+        thread = checkpointer._thread
+        if thread is not None and thread.is_alive():
+            thread.join()
+
+
+threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
 
 _default: Checkpointer | None = None
 _default_lock = threading.Lock()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .errors import CkptError
 from .persist import Progress
 
 
@@ -67,6 +68,7 @@ class SaveHandle:
         self._cond = threading.Condition()  # hands an eager capture to the caller's thread
         self._task: Callable[[], None] | None = None
         self._task_error: BaseException | None = None
+        self._abandoned = False  # the caller left before taking the capture
 
     @classmethod
     def skipped(cls, path: str) -> SaveHandle:
@@ -94,8 +96,7 @@ class SaveHandle:
         Safe from any thread."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        if threading.get_ident() == self._hooks_thread:
-            self.remove_hooks()
+        self.remove_hooks()
         with self._lock:
             self._reported = True
         if self._error is not None:
@@ -126,32 +127,48 @@ class SaveHandle:
         self._times.blocked += time.perf_counter() - self._times.started
 
     def run_on_caller(self, fn: Callable[[], None]) -> None:
-        """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises."""
+        """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises.
+        If that thread was interrupted (Ctrl-C) and will never run it, raises CkptError."""
         with self._cond:
-            self._task = fn
-            self._cond.notify_all()
-            while self._task is not None:
+            if not self._abandoned:
+                self._task = fn
+                self._cond.notify_all()
+            while self._task is not None and not self._abandoned:
                 self._cond.wait()
+            if self._task is not None or (self._abandoned and self._task_error is None):
+                self._task = None
+                raise CkptError(f"save to {self.path} abandoned: the calling thread was "
+                                "interrupted before the state was captured")
             error, self._task_error = self._task_error, None
+        if error is not None and not isinstance(error, Exception):
+            raise CkptError(f"save to {self.path} abandoned: the calling thread was interrupted "
+                            f"({type(error).__name__}) while capturing") from error
         if error is not None:
             raise error
 
     def _serve_caller(self) -> None:
-        with self._cond:
-            while self._task is None and not self._staged.is_set():
-                self._cond.wait()
-            task = self._task
-        if task is None:
-            return  # the save failed (or finished) without a capture to run here
+        """Run the capture the save's thread hands over. An interrupt (KeyboardInterrupt) while
+        waiting or copying abandons the save (the save's thread cleans up) and is re-raised."""
         error: BaseException | None = None
+        task: Callable[[], None] | None = None
         try:
+            with self._cond:
+                while self._task is None and not self._staged.is_set():
+                    self._cond.wait()
+                task = self._task
+            if task is None:
+                return  # the save failed (or finished) without a capture to run here
             task()
             self.captured()  # before returning to the caller: staged() is true once it has
-        except BaseException as exc:  # noqa: BLE001 - handed back to the save's thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the save's thread, see below
             error = exc
         with self._cond:
+            if task is None:
+                self._abandoned = True
             self._task, self._task_error = None, error
             self._cond.notify_all()
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt / SystemExit belong to the caller too
 
     def eager_captured(self) -> None:
         self._eager.set()
@@ -190,13 +207,16 @@ class SaveHandle:
         self._staged.wait()
         self._times.blocked += time.perf_counter() - began
 
-    def remove_hooks(self) -> None:
+    def remove_hooks(self) -> bool:
         """Only from the thread that registered them (wait() there, or the next save): torch
         iterates the hook dict during step(), so hooks are never removed from another thread or
-        from inside a hook. A wait() on another thread leaves them (each returns at once)."""
+        from inside a hook. Elsewhere they stay (each returns at once): -> False."""
+        if self._hooks and threading.get_ident() != self._hooks_thread:
+            return False
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
+        return True
 
 
 def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:

@@ -69,8 +69,9 @@ class SaveJob:
         self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
-        self._writes: list[Future[int]] = []
         self._lock = threading.Lock()
+        self._writes_in_flight = 0
+        self._idle = threading.Condition(self._lock)
         # Checksums and writes start once the capture is done or the pool runs dry: until then
         # the second core is left to the copy, which is all the caller waits for.
         self._go = threading.Event()
@@ -99,6 +100,9 @@ class SaveJob:
                             self._sync_streams()
                             on_eager()
                     window.close(layout.nbytes)
+                except BaseException:
+                    self._sync_streams()  # copies into the window's buffer land before it is reused
+                    raise
                 finally:
                     window.abandon()
         self._sync_streams()
@@ -142,11 +146,11 @@ class SaveJob:
     def _hash_and_write(self, file: int, offset: int, buffer: Buffer, nbytes: int,
                         pieces: list[Piece], events: list[Any]) -> None:
         try:
+            for event in events:
+                event.synchronize()  # the device->host copies into this buffer have landed
             self._go.wait()
             if self._failure is not None:
                 raise CkptError("an earlier write of this save failed")
-            for event in events:
-                event.synchronize()  # the device->host copies into this buffer have landed
             for index, start, n in pieces:
                 self._hashers[index].update(buffer.view[start:start + n])
             future = self.backend.submit_write(self._handle(file), offset, buffer.view[:nbytes])
@@ -155,16 +159,23 @@ class SaveJob:
             self._fail(exc)
             raise
         written = sum(n for _i, _s, n in pieces)
-        future.add_done_callback(lambda f: self._written(f, buffer, written))
         with self._lock:
-            self._writes.append(future)
+            self._writes_in_flight += 1
+        future.add_done_callback(lambda f: self._written(f, buffer, written))
 
     def _written(self, future: Future[int], buffer: Buffer, nbytes: int) -> None:
+        """A write's end (its callback): record the outcome, return the buffer, then count it
+        done; _drain waits for this count, not for the futures, whose waiters wake before
+        their callbacks run."""
+        error = future.exception()
+        if error is not None:
+            self._fail(error)
         self.pool.release(buffer)
-        if future.exception() is not None:
-            self._fail(future.exception())  # type: ignore[arg-type]
-        else:
-            self.progress.nbytes_written += nbytes
+        with self._lock:
+            if error is None:
+                self.progress.nbytes_written += nbytes
+            self._writes_in_flight -= 1
+            self._idle.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -195,9 +206,8 @@ class SaveJob:
             task.exception()
         self._hashing.shutdown(wait=True)
         with self._lock:
-            writes = list(self._writes)
-        for future in writes:
-            future.exception()
+            while self._writes_in_flight:
+                self._idle.wait()
 
     def abandon(self) -> None:
         """After a failure: let in-flight work finish (its buffers return), close without fsync."""

@@ -284,3 +284,49 @@ def test_reused_plan_never_writes_stale_values(tmp_path: os.PathLike[str]) -> No
         for key, value in expected[step].items():
             assert torch.equal(loaded["model"][key], value), (step, key)
     ck.close()
+
+
+EXIT = r"""
+import sys, torch, ckptio
+state = {f"w{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 128 MiB
+ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
+ck.async_save(state, sys.argv[1])  # no wait(): the program ends with the save in flight
+"""
+
+
+def test_save_in_flight_at_exit_is_finished_and_committed(tmp_path: os.PathLike[str]) -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT, str(tmp_path / "ck")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = ckptio.load(tmp_path / "ck")
+    assert all(torch.equal(loaded[f"w{i}"], torch.full((4 << 20,), float(i))) for i in range(8))
+
+
+def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the caller copies: it reaches the caller, nothing is committed, nothing
+    hangs, and the Checkpointer saves again afterwards (the next save names the abandoned one)."""
+    from ckptio import persist
+
+    real_put = persist._Window.put
+    calls = {"n": 0}
+
+    def interrupted_put(self, *args, **kwargs):  # the signal lands in the middle of the copy
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_put(self, *args, **kwargs)
+
+    ck = Checkpointer(SMALL_POOL)
+    monkeypatch.setattr(persist._Window, "put", interrupted_put)
+    with pytest.raises(KeyboardInterrupt):
+        ck.async_save(_state(seed=1), tmp_path / "a")
+    monkeypatch.setattr(persist._Window, "put", real_put)
+    with pytest.raises(CkptError, match="abandoned: the calling thread was interrupted"):
+        ck.save(_state(seed=2), tmp_path / "b")
+    assert not os.path.exists(tmp_path / "a" / "manifest.json")
+    ck.save(_state(seed=2), tmp_path / "b")
+    _assert_bitwise(ckptio.load(tmp_path / "b"), _state(seed=2))
+    pool, _backend = ck._resources()
+    assert pool.idle()
+    ck.close()

@@ -105,3 +105,33 @@ def test_unknown_backend_name_is_refused() -> None:
 
     with pytest.raises(CkptError, match="'nvme_magic' is unknown; available: posix, uring"):
         io.create("nvme_magic", depth=1, direct_io="auto")
+
+
+def test_dead_reaper_fails_requests_then_shutdown_recovers(tmp_path: os.PathLike[str]) -> None:
+    """If the completion thread dies, in-flight and later requests fail at once (no hang) with
+    an error saying why; shutdown() gives a working backend again."""
+    from ckptio.errors import StorageIOError
+    from ckptio.io.uring import UringBackend
+
+    backend = UringBackend(depth=2, direct_io="off")
+    pool = BufferPool(2, MiB)
+    buffer = pool.acquire()
+    path = os.path.join(tmp_path, "f.bin")
+    fh = backend.open_write(path, 2 * MiB)
+    assert backend.submit_write(fh, 0, buffer.view).result(60) == MiB  # ring and reaper running
+
+    def broken_wait() -> None:
+        raise OSError(5, "injected failure of io_uring_enter")
+
+    backend._ring.wait = broken_wait  # type: ignore[union-attr,method-assign]
+    backend._ring.push(0, 0, 0, 0, 0, 0)  # a NOP wakes the reaper into the broken wait
+    backend._ring.submit()  # type: ignore[union-attr]
+    backend._reaper.join(30)  # type: ignore[union-attr]
+    with pytest.raises(StorageIOError, match="reaper stopped"):
+        backend.submit_write(fh, MiB, buffer.view).result(30)
+    backend.shutdown()
+    assert backend.submit_write(fh, MiB, buffer.view).result(60) == MiB
+    backend.close(fh, sync=True)
+    backend.shutdown()
+    pool.release(buffer)
+    pool.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from .base import FileHandle
 from .posix import PosixBackend, _error
 from .ring import MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of
 
+log = logging.getLogger("ckptio")
 _WAKE = 0  # user_data of the NOP that wakes the reaper for shutdown; requests count from 1
 _RETRY = (errno.EINTR, errno.EAGAIN)
 
@@ -57,6 +59,7 @@ class UringBackend:
         self._ids = itertools.count(1)
         self._registered: list[tuple[int, int]] = []  # (address, nbytes) per fixed buffer
         self._stopping = False
+        self._broken: str | None = None  # the reaper died: every later request fails at once
 
     def __getstate__(self) -> dict[str, object]:
         return {"depth": self.depth, "direct_io": self.direct_io}
@@ -106,6 +109,8 @@ class UringBackend:
         request_id = 0
         try:
             with self._lock:
+                if self._broken is not None:
+                    raise OSError(errno.EIO, f"{self._broken}; call shutdown() to start a new ring")
                 ring = self._started()
                 request_id = next(self._ids)
                 self._requests[request_id] = request
@@ -151,8 +156,10 @@ class UringBackend:
                     if self._stopping and not self._requests:
                         return
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, never swallowed
-            self._fail_all(f"the io_uring reaper stopped: {exc!r}")
-            raise
+            with self._lock:
+                self._broken = f"the io_uring reaper stopped: {exc!r}"
+            self._fail_all(self._broken)
+            log.error("ckptio: %s; requests on this backend fail until shutdown()", self._broken)
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -164,7 +171,9 @@ class UringBackend:
                 f"{request.offset} did not finish: {why}"))
 
     def _complete(self, ring: Ring, request_id: int, result: int) -> None:
-        request = self._requests[request_id]
+        request = self._requests.get(request_id)
+        if request is None:
+            return  # already failed by _fail_all: its completion arrives late
         if result < 0 and -result not in _RETRY:
             err = OSError(-result, os.strerror(-result))
             self._finish(request_id, request, error=_error(
@@ -200,9 +209,10 @@ class UringBackend:
             if ring is None or reaper is None:
                 return
             self._stopping = True
-            ring.push(OP_NOP, 0, 0, 0, 0, _WAKE)
-            ring.submit()
+            if reaper.is_alive():
+                ring.push(OP_NOP, 0, 0, 0, 0, _WAKE)
+                ring.submit()
         reaper.join()
         with self._lock:
             ring.close()
-            self._ring, self._reaper, self._registered = None, None, []
+            self._ring, self._reaper, self._registered, self._broken = None, None, [], None
