@@ -156,13 +156,22 @@ class Checkpointer:
         job = threading.Thread(
             target=self._run_save, name="ckptio-save",
             args=(handle, path, files, sources, plan, flat, save_id, eager_items, ready, lazy))
-        job.start()  # not a daemon: a save running when the program ends is finished, not cut off
-        self._inflight, self._thread = handle, job
-        if lazy:
+        if lazy:  # before the thread starts: no capture may begin unguarded
             handle.hook_optimizers(optimizers)
-            if eager_items == 0:  # nothing outside the optimizers: no need to wait for the thread
-                handle.eager_captured()
-        handle.block_until_captured(lazy=lazy)
+        try:
+            job.start()  # not a daemon: a save running at exit is finished (_finish_saves_at_exit)
+        except BaseException as exc:
+            handle.finished(0, exc)  # releases the hooks' wait
+            handle.remove_hooks()
+            raise
+        self._inflight, self._thread = handle, job
+        try:
+            if lazy:
+                if eager_items == 0:  # nothing outside the optimizers: no need to wait for the thread
+                    handle.eager_captured()
+            handle.block_until_captured(lazy=lazy)
+        finally:
+            handle.returned()
         return handle
 
     def _settle(self) -> None:
@@ -182,6 +191,8 @@ class Checkpointer:
                   sources: dict[str, torch.Tensor], plan: SavePlan, flat: FlatState, save_id: str,
                   eager_items: int, ready: list[Any], lazy: bool) -> None:
         names = [f.name for f in files]
+        if lazy and eager_items == 0:  # leave the GIL to the caller until async_save returns
+            handle.wait_returned()
         try:
             with self._lock, commit.attempt(path, names):
                 # The previous save's cleanup must have listed its directory before this save

@@ -69,6 +69,7 @@ class SaveHandle:
         self._task: Callable[[], None] | None = None
         self._task_error: BaseException | None = None
         self._abandoned = False  # the caller left before taking the capture
+        self._returned = threading.Event()
 
     @classmethod
     def skipped(cls, path: str) -> SaveHandle:
@@ -169,6 +170,14 @@ class SaveHandle:
             self._cond.notify_all()
         if error is not None and not isinstance(error, Exception):
             raise error  # KeyboardInterrupt / SystemExit belong to the caller too
+
+    def returned(self) -> None:
+        self._returned.set()
+
+    def wait_returned(self) -> None:
+        """A lazy save's thread starts its Python-heavy work only once async_save has returned
+        (it would take the GIL from the caller's last steps for no gain)."""
+        self._returned.wait()
 
     def eager_captured(self) -> None:
         self._eager.set()
