@@ -94,3 +94,13 @@ def assert_same(got, want, where: str = "state") -> None:
 def assert_same_fixture():
     """The exact-equality checker above (structure, types and bits)."""
     return assert_same
+
+
+@pytest.fixture(params=["auto", "on", "off"])
+def direct_io(request: pytest.FixtureRequest, tmp_path) -> str:
+    """Each direct_io mode for backend conformance tests; "on" skips where O_DIRECT is refused."""
+    from ckptio.testing import accepts_o_direct
+
+    if request.param == "on" and not accepts_o_direct(os.fspath(tmp_path)):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT; direct_io='on' cannot be tested here")
+    return request.param

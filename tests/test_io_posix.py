@@ -20,13 +20,6 @@ def _accepts_o_direct(directory: str) -> bool:
     return accepts_o_direct(directory)
 
 
-@pytest.fixture(params=["auto", "on", "off"])
-def direct_io(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
-    if request.param == "on" and not _accepts_o_direct(os.fspath(tmp_path)):
-        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT; direct_io='on' cannot be tested here")
-    return request.param
-
-
 class TestPosixConformance(IOBackendConformance):
     @pytest.fixture
     def backend_factory(self, direct_io: str):

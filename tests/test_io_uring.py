@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(io.uring_unavailable_reason() is not None,
                                 reason=f"io_uring unavailable: {io.uring_unavailable_reason()}")
 
 
-@pytest.fixture(params=["auto", "on", "off"])
-def direct_io(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> str:
-    if request.param == "on" and not accepts_o_direct(os.fspath(tmp_path)):
-        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
-    return request.param
-
-
 class TestUringConformance(IOBackendConformance):
     @pytest.fixture
     def backend_factory(self, direct_io: str):
@@ -39,6 +32,7 @@ class TestUringConformance(IOBackendConformance):
     @pytest.fixture
     def expect_direct(self, direct_io: str, tmp_path: os.PathLike[str]) -> bool:
         return direct_io != "off" and accepts_o_direct(os.fspath(tmp_path))
+
 
 
 class TestUringDepthOne(IOBackendConformance):
