@@ -9,7 +9,7 @@ fsyncs. Keeping checksums off the capturing thread keeps the training loop's sha
 Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
 side stream with one event per buffer (no per-tensor synchronisation), progress counters,
 waiting for every write, fsync. Does not own: where items go (layout.py), the files' commit
-(commit.py), the pool (stage.py) or threads that run a whole save (background.py).
+(commit.py), the pool (stage.py) or the thread that runs a whole save (api.py, background.py).
 """
 
 from __future__ import annotations
@@ -324,17 +324,3 @@ def _record(streams: list[Any]) -> list[Any]:
         event.record(stream)
         events.append(event)
     return events
-
-
-def write_files(directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor], *,
-                pool: BufferPool, backend: IOBackend, algorithm: str,
-                rank: int) -> tuple[list[TensorEntry], list[FileInfo]]:
-    """Capture and finish in one call. On failure every write has finished and every file is
-    closed before the error is raised; removing the files is the caller's (commit.discard)."""
-    job = SaveJob(directory, files, sources, pool=pool, backend=backend, algorithm=algorithm, rank=rank)
-    try:
-        job.capture()
-        return job.finish()
-    except BaseException:
-        job.abandon()
-        raise

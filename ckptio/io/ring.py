@@ -5,9 +5,10 @@ ctypes (which releases the GIL for the duration of each call), and the probe tha
 this kernel and sandbox let us use io_uring at all. It knows nothing of files, futures or errors
 beyond errno: uring.py builds the backend on top.
 
-Why ctypes and not a binding: measured in docs/BENCH_IO.md. In short: the kernel does the work,
-Python only fills 64-byte entries, so a C extension saves microseconds per request that nothing
-here is short of, while costing a build step that must not be required to install ckptio.
+Why ctypes and not a binding: measured in docs/PROBES.md. The liburing wheel dies with SIGILL on
+this machine's CPU; and since the kernel does the work and Python only fills 64-byte entries, a C
+extension would save CPU per request, not bandwidth, while adding a build step that installing
+ckptio must not need.
 
 Memory ordering: the submission ring is read by the kernel inside io_uring_enter on this same
 thread (no SQPOLL), so program order suffices. Completions are written by other CPUs; Python
