@@ -6,6 +6,7 @@ use, reused by every later save and load). The logic lives in the modules it cal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from . import commit, io, manifest, persist, profile, restore
+from . import collective, commit, io, manifest, persist, profile, restore
+from .dist import Group, Solo, TorchGroup, current_group
 from .background import SaveHandle, SaveResult, optimizer_storages
 from .errors import CkptError, CorruptCheckpointError
 from .flatten import FlatState, flatten
@@ -26,7 +28,9 @@ from .options import Options
 from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, fill_fresh, fill_in_place
-from .types import FileLayout, Manifest, WriteItem
+from .types import FileInfo, FileLayout, Manifest, TensorEntry, WriteItem
+
+BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
 __all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "save", "async_save",
            "load", "verify"]
@@ -49,6 +53,8 @@ class Checkpointer:
         self._cleanup_listed.set()
         self._active = self.options  # options the pool and backend were made with
         self._plan_cache = PlanCache()
+        self._memory = collective.Memory()
+        self._groups: dict[int, tuple[Any, Group]] = {}
         self._stale_hooks: list[SaveHandle] = []  # lazy hooks to remove from their own thread
         _live.add(self)
         self._inflight: SaveHandle | None = None
@@ -105,9 +111,12 @@ class Checkpointer:
         if pool is not None:
             pool.close()
 
-    def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> SaveResult:
-        """Write ``state`` to directory ``path``; returns once every byte is durable and committed."""
-        return self.async_save(state, path, allow_pickle=allow_pickle).wait()
+    def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+             process_group: Any = None) -> SaveResult:
+        """Write ``state`` to directory ``path``; returns once every byte is durable and committed
+        (with many ranks: a collective, see async_save)."""
+        return self.async_save(state, path, allow_pickle=allow_pickle,
+                               process_group=process_group).wait()
 
     def async_save(
         self,
@@ -118,6 +127,7 @@ class Checkpointer:
         optimizers: Sequence[torch.optim.Optimizer] = (),
         if_busy: str = "wait",
         allow_pickle: bool = False,
+        process_group: Any = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
 
@@ -130,6 +140,9 @@ class Checkpointer:
         if_busy: "wait" for a save still running, or "skip" (warn and return a skipped handle).
         Call ``wait()`` on the handle for the result; a background error is raised there, or
         else by the next save.
+        With torch.distributed initialised (or ``process_group`` given), every rank calls this
+        together: each writes its own part, replicas once, and the coordinator commits after
+        every rank's bytes are durable. A failure on any rank raises on every rank.
         """
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
@@ -145,17 +158,18 @@ class Checkpointer:
             return SaveHandle.skipped(path)
         self._settle()
         self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
-        flat = flatten(state)
-        plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
-        items, eager_items = _lazy_order(plan.items, sources, optimizers) if lazy else (plan.items, len(plan.items))
-        save_id = commit.new_save_id()
-        files = plan_files(items, save_id=save_id, rank=0, max_file_bytes=self.options.max_file_bytes)
+        group = self._group(process_group)
+        plan, sources, flat, agreement = self._agree(group, state, path, allow_pickle)
+        items = tuple(plan.items[i] for i in agreement.assignment.writes)
+        items, eager_items = _lazy_order(items, sources, optimizers) if lazy else (items, len(items))
+        files = plan_files(items, save_id=agreement.save_id, rank=group.rank,
+                           max_file_bytes=self.options.max_file_bytes)
         progress = persist.Progress(sum(i.nbytes for i in items))
         handle = SaveHandle(path, progress, tuple(f.name for f in files), started)
         ready = persist.ready_events(sources)
         job = threading.Thread(
             target=self._run_save, name="ckptio-save",
-            args=(handle, path, files, sources, plan, flat, save_id, eager_items, ready, lazy))
+            args=(handle, path, files, sources, group, agreement, eager_items, ready, lazy))
         if lazy:  # before the thread starts: no capture may begin unguarded
             handle.hook_optimizers(optimizers)
         try:
@@ -174,6 +188,34 @@ class Checkpointer:
             handle.returned()
         return handle
 
+    def _group(self, process_group: Any) -> Group:
+        """The ranks of this call: one process, or a private gloo group over the torch
+        process group (made on first use, a collective)."""
+        torch_group = current_group(process_group)
+        if torch_group is None:
+            return Solo()
+        if id(torch_group) not in self._groups:
+            self._groups[id(torch_group)] = (torch_group, TorchGroup(torch_group))
+        return self._groups[id(torch_group)][1]
+
+    def _agree(self, group: Group, state: Any, path: str, allow_pickle: bool) -> tuple[
+            SavePlan, dict[str, torch.Tensor], FlatState, collective.Agreement]:
+        """Plan this rank's part and agree with the other ranks on who writes what (collective:
+        a failure on any rank raises on every rank, before any byte is written)."""
+        mine: collective.RankPlan | None = None
+        error: BaseException | None = None
+        reuse = False
+        try:
+            flat = flatten(state)
+            hits = self._plan_cache.hits
+            plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
+            reuse = self._plan_cache.hits > hits
+            mine = collective.local_plan(group, plan, sources, flat)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by agree() once the peers know
+            error = exc
+        agreement = collective.agree(group, mine, error, self._memory, path, reuse)
+        return plan, sources, flat, agreement
+
     def _settle(self) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
         handle, thread = self._inflight, self._thread
@@ -188,43 +230,55 @@ class Checkpointer:
                 raise error
 
     def _run_save(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
-                  sources: dict[str, torch.Tensor], plan: SavePlan, flat: FlatState, save_id: str,
+                  sources: dict[str, torch.Tensor], group: Group, agreement: collective.Agreement,
                   eager_items: int, ready: list[Any], lazy: bool) -> None:
         names = [f.name for f in files]
         if lazy and eager_items == 0:  # leave the GIL to the caller until async_save returns
             handle.wait_returned()
+        concluded = False
         try:
             with self._lock, commit.attempt(path, names):
                 # The previous save's cleanup must have listed its directory before this save
                 # creates files there; its deleting may go on (ext4 frees ~0.2 s/GB).
                 self._cleanup_listed.wait()
-                pool, backend = self._resources(path)
-                job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
-                                      algorithm=self.options.checksum, rank=0, ready=ready,
-                                      progress=handle.progress())
-                try:
-                    if lazy:
-                        job.capture(eager_items, handle.eager_captured)
-                    else:
-                        handle.run_on_caller(job.capture)
-                    handle.captured()
-                    entries, infos = job.finish()
-                except BaseException:
-                    job.abandon()
-                    raise
-                record = Manifest(
-                    version=manifest.VERSION, save_id=save_id, checksum_algorithm=self.options.checksum,
-                    world_size=1, files=tuple(infos), tensors=tuple(entries), objects=plan.objects,
-                    aliases=plan.aliases, tree=flat.tree, meta=_meta(),
-                )
-                commit.commit(path, manifest.encode(record), save_id)
+                written, error = self._write(handle, path, files, sources, group.rank,
+                                             eager_items, ready, lazy)
+                concluded = True
+                self._conclude(group, agreement, written, error, path)
         except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
+            if not concluded:  # e.g. the directory could not be made: the peers still wait
+                with contextlib.suppress(BaseException):
+                    self._conclude(group, agreement, None, exc, path)
             handle.finished(0, exc)
             return
+        handle.finished(handle.progress().nbytes_total)
+
+    def _write(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
+               sources: dict[str, torch.Tensor], rank: int, eager_items: int, ready: list[Any],
+               lazy: bool) -> tuple[tuple[list[TensorEntry], list[FileInfo]] | None, BaseException | None]:
+        """This rank's bytes, captured and durable; -> (entries and files, None) or (None, why)."""
+        job: persist.SaveJob | None = None
         try:
-            self._start_cleanup(path, names)
-        finally:  # committed: the handle is done whatever happens to the cleanup
-            handle.finished(handle.progress().nbytes_total)
+            pool, backend = self._resources(path)
+            job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
+                                  algorithm=self.options.checksum, rank=rank, ready=ready,
+                                  progress=handle.progress(), block_nbytes=BLOCK_CHECKSUM_NBYTES)
+            if lazy:
+                job.capture(eager_items, handle.eager_captured)
+            else:
+                handle.run_on_caller(job.capture)
+            handle.captured()
+            return job.finish(), None
+        except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
+            if job is not None:
+                job.abandon()
+            return None, exc
+
+    def _conclude(self, group: Group, agreement: collective.Agreement,
+                  written: tuple[list[TensorEntry], list[FileInfo]] | None,
+                  error: BaseException | None, path: str) -> None:
+        collective.conclude(group, agreement, written, error, path, _meta(), self.options.checksum,
+                            BLOCK_CHECKSUM_NBYTES, lambda names: self._start_cleanup(path, names))
 
     def _start_cleanup(self, path: str, names: list[str]) -> None:
         """Remove the files the new manifest does not name, in the background."""
@@ -238,6 +292,7 @@ class Checkpointer:
             listed.set()  # nothing will list: later saves must not wait for it
             raise
         self._cleanup, self._cleanup_listed = cleanup, listed
+        listed.wait()  # before other ranks hear of the commit and may start the next save
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Read every stored byte and check it against its checksum; -> bytes read.
@@ -380,17 +435,20 @@ def _checkpointer(options: Options | None) -> Checkpointer:
 
 
 def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-         options: Options | None = None) -> SaveResult:
+         options: Options | None = None, process_group: Any = None) -> SaveResult:
     """Save with the shared Checkpointer (or a one-off one when ``options`` is given)."""
-    return _checkpointer(options).save(state, path, allow_pickle=allow_pickle)
+    return _checkpointer(options).save(state, path, allow_pickle=allow_pickle,
+                                       process_group=process_group)
 
 
 def async_save(state: Any, path: str | os.PathLike[str], *, lazy: bool = False,
                optimizers: Sequence[torch.optim.Optimizer] = (), if_busy: str = "wait",
-               allow_pickle: bool = False, options: Options | None = None) -> SaveHandle:
+               allow_pickle: bool = False, options: Options | None = None,
+               process_group: Any = None) -> SaveHandle:
     """Start a background save with the shared Checkpointer; see Checkpointer.async_save."""
     return _checkpointer(options).async_save(state, path, lazy=lazy, optimizers=optimizers,
-                                             if_busy=if_busy, allow_pickle=allow_pickle)
+                                             if_busy=if_busy, allow_pickle=allow_pickle,
+                                             process_group=process_group)
 
 
 def verify(path: str | os.PathLike[str]) -> int:

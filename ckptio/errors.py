@@ -41,3 +41,7 @@ class PickleRefusedError(CkptError):
 
 class StorageIOError(CkptError):
     """An I/O call failed; the message names the file and the operation."""
+
+
+class RankFailedError(CkptError):
+    """A collective save or load failed on one or more ranks; raised on every rank, naming them."""

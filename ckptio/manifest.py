@@ -17,7 +17,7 @@ from .errors import ManifestError
 from .types import DTYPE_ITEMSIZE, KINDS, Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
 
 MAGIC = "ckptio-manifest"
-VERSION = 1
+VERSION = 2  # 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
 MANIFEST_NAME = "manifest.json"
 _MAX_INT = 1 << 62
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -40,19 +40,34 @@ def _body(m: Manifest) -> dict[str, Any]:
         "world_size": m.world_size,
         "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in m.files],
         "tensors": [_tensor_json(t) for t in m.tensors],
-        "objects": [{"key": o.key, "value": o.value} for o in m.objects],
+        "objects": [_object_json(o) for o in m.objects],
         "aliases": [list(pair) for pair in m.aliases],
         "tree": m.tree,
         "meta": m.meta,
+        "block_nbytes": m.block_nbytes,
     }
 
 
 def _tensor_json(t: TensorEntry) -> dict[str, Any]:
-    return {
-        "key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
-        "chunk": {"offsets": list(t.chunk.offsets), "sizes": list(t.chunk.sizes)},
+    chunk: dict[str, Any] = {"offsets": list(t.chunk.offsets), "sizes": list(t.chunk.sizes)}
+    if t.chunk.flat:
+        chunk["flat"] = True
+    out = {
+        "key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "chunk": chunk,
         "file": t.file, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum,
     }
+    if t.rank is not None:
+        out["rank"] = t.rank
+    if t.blocks:
+        out["blocks"] = list(t.blocks)
+    return out
+
+
+def _object_json(o: ObjectEntry) -> dict[str, Any]:
+    out = {"key": o.key, "value": o.value}
+    if o.rank is not None:
+        out["rank"] = o.rank
+    return out
 
 
 def decode(data: bytes, where: str) -> Manifest:
@@ -118,11 +133,14 @@ def _validate(raw: Any, where: str) -> Manifest:
     sizes = {f.name: f.nbytes for f in files}
     if len(sizes) != len(files):
         raise c.fail("a data file is listed twice")
-    tensors = tuple(_tensor(c, t, sizes) for t in c.list(c.field(raw, "tensors", "manifest"), "tensors"))
-    objects = tuple(
-        ObjectEntry(c.str(c.field(o, "key", "object"), "object key"), c.field(o, "value", "object"))
-        for o in c.list(c.field(raw, "objects", "manifest"), "objects")
-    )
+    world_size = c.int(c.field(raw, "world_size", "manifest"), "world_size")
+    block_nbytes = c.int(c.field(raw, "block_nbytes", "manifest"), "block_nbytes")
+    if block_nbytes < 1:
+        raise c.fail("block_nbytes must be positive")
+    tensors = tuple(_tensor(c, t, sizes, world_size, block_nbytes)
+                    for t in c.list(c.field(raw, "tensors", "manifest"), "tensors"))
+    objects = tuple(_object(c, o, world_size)
+                    for o in c.list(c.field(raw, "objects", "manifest"), "objects"))
     aliases = tuple(_alias(c, a) for a in c.list(c.field(raw, "aliases", "manifest"), "aliases"))
     tree = c.field(raw, "tree", "manifest")
     _check_keys(c, tensors, objects, aliases, tree)
@@ -131,10 +149,24 @@ def _validate(raw: Any, where: str) -> Manifest:
         version=VERSION,
         save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
         checksum_algorithm=c.str(c.field(raw, "checksum_algorithm", "manifest"), "checksum_algorithm"),
-        world_size=c.int(c.field(raw, "world_size", "manifest"), "world_size"),
-        files=files, tensors=tensors, objects=objects, aliases=aliases, tree=tree,
-        meta=meta if isinstance(meta, dict) else {},
+        world_size=world_size, files=files, tensors=tensors, objects=objects, aliases=aliases,
+        tree=tree, meta=meta if isinstance(meta, dict) else {}, block_nbytes=block_nbytes,
     )
+
+
+def _rank(c: _Check, raw: dict[str, Any], world_size: int, what: str) -> int | None:
+    rank = raw.get("rank")
+    if rank is None:
+        return None
+    if c.int(rank, f"{what} rank") >= world_size:
+        raise c.fail(f"{what}: rank {rank} is not below world_size {world_size}")
+    return rank
+
+
+def _object(c: _Check, raw: Any, world_size: int) -> ObjectEntry:
+    key = c.str(c.field(raw, "key", "object"), "object key")
+    return ObjectEntry(key, c.field(raw, "value", "object"),
+                       _rank(c, raw, world_size, f"object {key!r}"))
 
 
 def _file(c: _Check, raw: Any) -> FileInfo:
@@ -145,7 +177,7 @@ def _file(c: _Check, raw: Any) -> FileInfo:
                     c.int(c.field(raw, "rank", "file"), f"file {name} rank"))
 
 
-def _tensor(c: _Check, raw: Any, sizes: dict[str, int]) -> TensorEntry:
+def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int, block_nbytes: int) -> TensorEntry:
     key = c.str(c.field(raw, "key", "tensor"), "tensor key")
     what = f"tensor {key!r}"
     kind, dtype = c.field(raw, "kind", what), c.field(raw, "dtype", what)
@@ -155,11 +187,13 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int]) -> TensorEntry:
     chunk_raw = c.field(raw, "chunk", what)
     offsets = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "offsets", what), what))
     chunk_sizes = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "sizes", what), what))
-    if len(offsets) != len(shape) or len(chunk_sizes) != len(shape) or any(
-        o + s > d for o, s, d in zip(offsets, chunk_sizes, shape)
-    ):
-        raise c.fail(f"{what}: chunk {offsets}+{chunk_sizes} does not fit shape {shape}")
-    chunk = Chunk(offsets, chunk_sizes)
+    flat = chunk_raw.get("flat", False)
+    if flat is not False and flat is not True:
+        raise c.fail(f"{what}: chunk flag 'flat' must be true or false")
+    if not _fits(offsets, chunk_sizes, shape, flat):
+        raise c.fail(f"{what}: {'flat ' if flat else ''}chunk {offsets}+{chunk_sizes} does not "
+                     f"fit shape {shape}")
+    chunk = Chunk(offsets, chunk_sizes, flat)
     file = c.str(c.field(raw, "file", what), f"{what} file")
     offset = c.int(c.field(raw, "offset", what), f"{what} offset")
     nbytes = c.int(c.field(raw, "nbytes", what), f"{what} nbytes")
@@ -167,10 +201,32 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int]) -> TensorEntry:
         raise c.fail(f"{what}: nbytes {nbytes} != {chunk.numel} elements of {dtype}")
     if file not in sizes or offset + nbytes > sizes[file]:
         raise c.fail(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside data file {file!r:.60}")
-    checksum = c.str(c.field(raw, "checksum", what), f"{what} checksum")
+    checksum = _checksum(c, c.field(raw, "checksum", what), what)
+    blocks = tuple(_checksum(c, b, what) for b in c.list(raw.get("blocks", []), f"{what} blocks"))
+    if len(blocks) != (-(-nbytes // block_nbytes) if nbytes > block_nbytes else 0):
+        raise c.fail(f"{what}: {len(blocks)} block checksums for {nbytes} bytes in blocks of "
+                     f"{block_nbytes}")
+    rank = _rank(c, raw, world_size, what)
+    if rank is not None and (flat or chunk != Chunk.whole(shape)):
+        raise c.fail(f"{what}: an entry of rank {rank}'s own value must hold the whole tensor")
+    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks)
+
+
+def _fits(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], flat: bool) -> bool:
+    if flat:
+        total = 1
+        for d in shape:
+            total *= d
+        return len(offsets) == 1 and len(sizes) == 1 and offsets[0] + sizes[0] <= total
+    return len(offsets) == len(shape) and len(sizes) == len(shape) and all(
+        o + s <= d for o, s, d in zip(offsets, sizes, shape))
+
+
+def _checksum(c: _Check, value: Any, what: str) -> str:
+    checksum = c.str(value, f"{what} checksum")
     if not _CHECKSUM.fullmatch(checksum):
         raise c.fail(f"{what}: checksum {checksum!r:.40} is not 16 hex digits")
-    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum)
+    return checksum
 
 
 def _alias(c: _Check, raw: Any) -> tuple[str, str]:
@@ -182,14 +238,36 @@ def _alias(c: _Check, raw: Any) -> tuple[str, str]:
 
 def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
                 aliases: tuple[tuple[str, str], ...], tree: Any) -> None:
-    tensor_keys = {t.key for t in tensors}
-    all_keys = [t.key for t in tensors] + [o.key for o in objects] + [a for a, _ in aliases]
+    tensor_keys = _check_groups(c, tensors, "tensor")
+    object_keys = _check_groups(c, objects, "object")
+    alias_keys = [a for a, _ in aliases]
+    all_keys = [*tensor_keys, *object_keys, *alias_keys]
     if len(set(all_keys)) != len(all_keys):
-        raise c.fail("a key appears twice")
+        raise c.fail("a key appears twice (as a tensor, object or alias)")
     if any(target not in tensor_keys for _, target in aliases):
         raise c.fail("an alias points at a key that holds no tensor")
     if Counter(tree_keys(tree, c)) != Counter(all_keys):
         raise c.fail("the tree and the entries name different keys")
+
+
+def _check_groups(c: _Check, entries: tuple[Any, ...], what: str) -> dict[str, Any]:
+    """A key's entries are either global (rank None: one object, or chunks of one tensor with
+    one kind, dtype and shape) or each rank's own (at most one per rank). -> key: first entry."""
+    first: dict[str, Any] = {}
+    ranks: set[tuple[str, int]] = set()
+    for e in entries:
+        head = first.setdefault(e.key, e)
+        if (head.rank is None) != (e.rank is None):
+            raise c.fail(f"{what} {e.key!r} has both global and per-rank entries")
+        if e.rank is not None:
+            if (e.key, e.rank) in ranks:
+                raise c.fail(f"{what} {e.key!r} has two entries of rank {e.rank}")
+            ranks.add((e.key, e.rank))
+        elif e is not head and (what == "object" or (e.kind, e.dtype, e.shape) !=
+                                (head.kind, head.dtype, head.shape)):
+            raise c.fail(f"{what} {e.key!r} has global entries that disagree (a global object is "
+                         "stored once; a tensor's chunks share kind, dtype and shape)")
+    return first
 
 
 MAX_TREE_DEPTH = 256

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .checksum import Hasher, new_hasher
+from .checksum import BlockHasher
 from .errors import CkptError
 from .io import FileHandle, IOBackend
 from .layout import align_up
@@ -53,7 +53,8 @@ class SaveJob:
 
     def __init__(self, directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
                  *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int,
-                 ready: Sequence[Any] | None = None, progress: Progress | None = None) -> None:
+                 ready: Sequence[Any] | None = None, progress: Progress | None = None,
+                 block_nbytes: int = 1 << 20) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread)."""
         self.directory, self.files, self.sources = directory, files, sources
@@ -65,7 +66,7 @@ class SaveJob:
         self.entries = [TensorEntry(p.item.key, p.item.kind, p.item.dtype, p.item.shape, p.item.chunk,
                                     f.name, p.offset, p.item.nbytes, "")
                         for f in files for p in f.placements]
-        self._hashers: list[Hasher] = [new_hasher(algorithm) for _ in self.entries]
+        self._hashers = [BlockHasher(algorithm, block_nbytes) for _ in self.entries]
         self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
@@ -196,7 +197,7 @@ class SaveJob:
             self._handle(index)  # a file of only empty items got no buffer: create it still
         while self._handles:
             self.backend.close(self._handles.pop(min(self._handles)), sync=True)
-        entries = [_with_checksum(e, h.hexdigest()) for e, h in zip(self.entries, self._hashers)]
+        entries = [_with_checksum(e, *h.digests()) for e, h in zip(self.entries, self._hashers)]
         return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
 
     def _drain(self) -> None:
@@ -280,8 +281,8 @@ class _Window:
             self.job.pool.release(buffer)
 
 
-def _with_checksum(entry: TensorEntry, checksum: str) -> TensorEntry:
-    return dataclasses.replace(entry, checksum=checksum)
+def _with_checksum(entry: TensorEntry, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
+    return dataclasses.replace(entry, checksum=checksum, blocks=blocks)
 
 
 def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:

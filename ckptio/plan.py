@@ -18,6 +18,7 @@ import torch
 from . import values
 from .errors import UnsupportedStateError
 from .flatten import FlatState
+from .sharding import FlatShard, TensorShard, held, is_dtensor
 from .types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
 
@@ -26,6 +27,9 @@ class SavePlan:
     items: tuple[WriteItem, ...]
     objects: tuple[ObjectEntry, ...]
     aliases: tuple[tuple[str, str], ...]
+    # keys held as shards (DTensor, TensorShard, FlatShard): ranks holding the same region are
+    # replicas. Every other item is this rank's whole value, replicated only if equal everywhere.
+    sharded: frozenset[str] = frozenset()
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -38,10 +42,10 @@ def dtype_name(dtype: torch.dtype, key: str) -> str:
 
 
 def _check_tensor(t: torch.Tensor, key: str) -> None:
-    if type(t).__name__ == "DTensor" or t.layout != torch.strided or t.is_quantized:
+    if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedStateError(
-            f"key {key!r}: {type(t).__name__} with layout {t.layout} is not supported by a "
-            "single-process save; pass a dense tensor (e.g. t.full_tensor() or t.to_dense())"
+            f"key {key!r}: {type(t).__name__} with layout {t.layout} is not supported; pass a "
+            "dense tensor (e.g. t.to_dense()), a DTensor, or a ckptio.TensorShard / FlatShard"
         )
     if t.device.type == "meta":
         raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
@@ -127,16 +131,32 @@ class PlanCache:
     signature: tuple[Any, ...] | None = None
     tensor_items: dict[str, WriteItem] = field(default_factory=dict)
     alias_of: dict[str, str] = field(default_factory=dict)
+    sharded: frozenset[str] = frozenset()
     hits: int = 0
+
+
+def _is_tensor_leaf(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (type(t), t.layout, t.device, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
+            t.untyped_storage().data_ptr() if t.numel() else 0)
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...]:
     parts: list[Any] = []
     for key, leaf in flat.leaves.items():
         t = leaf.value
-        if isinstance(t, torch.Tensor):
-            parts.append((key, type(t), t.layout, t.device, t.dtype, tuple(t.shape), t.stride(),
-                          t.storage_offset(), t.untyped_storage().data_ptr() if t.numel() else 0))
+        if is_dtensor(t):
+            parts.append((key, tuple(t.placements), id(t.device_mesh), tuple(t.shape),
+                          _tensor_signature(t.to_local())))
+        elif isinstance(t, TensorShard):
+            parts.append((key, "box", tuple(t.global_shape), tuple(t.offsets), _tensor_signature(t.local)))
+        elif isinstance(t, FlatShard):
+            parts.append((key, "flat", tuple(t.global_shape), t.start, _tensor_signature(t.local)))
+        elif isinstance(t, torch.Tensor):
+            parts.append((key, _tensor_signature(t)))
         else:
             parts.append((key, None))
     return tuple(parts)
@@ -159,6 +179,7 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
         if item.kind == "tensor":
             cache.tensor_items[item.key] = item
     cache.alias_of = dict(plan.aliases)
+    cache.sharded = plan.sharded
     cache.signature = signature
     return plan, sources
 
@@ -169,16 +190,22 @@ def _build(flat: FlatState, allow_pickle: bool,
     objects: list[ObjectEntry] = []
     aliases: list[tuple[str, str]] = []
     sources: dict[str, torch.Tensor] = {}
+    sharded: set[str] = set()
     first_key_of_view: dict[tuple[Any, ...], str] = {}
     for key, leaf in flat.leaves.items():
-        if reuse is not None and isinstance(leaf.value, torch.Tensor):
+        if reuse is not None and _is_tensor_leaf(leaf.value):
             if key in reuse.alias_of:
                 aliases.append((key, reuse.alias_of[key]))
             else:
                 items.append(reuse.tensor_items[key])
-                sources[key] = leaf.value  # this save's tensor: never a cached one
+                sources[key] = _local(leaf.value)  # this save's tensor: never a cached one
             continue
-        kind, payload = _classify(leaf.value, key, allow_pickle)
+        region = held(leaf.value, key)
+        if region is not None and region.sharded:
+            kind, payload = "tensor", region.local
+            _check_tensor(payload, key)
+        else:
+            kind, payload = _classify(leaf.value, key, allow_pickle)
         if kind == "object":
             objects.append(ObjectEntry(key, payload))
             continue
@@ -188,9 +215,23 @@ def _build(flat: FlatState, allow_pickle: bool,
             continue
         if identity is not None:
             first_key_of_view[identity] = key
-        shape = tuple(payload.shape)
         name = dtype_name(payload.dtype, key)
         nbytes = payload.numel() * DTYPE_ITEMSIZE[name]
-        items.append(WriteItem(key, kind, name, shape, Chunk.whole(shape), nbytes))
+        if region is not None and region.sharded:
+            sharded.add(key)
+            items.append(WriteItem(key, kind, name, region.shape, region.chunk, nbytes))
+        else:
+            shape = tuple(payload.shape)
+            items.append(WriteItem(key, kind, name, shape, Chunk.whole(shape), nbytes))
         sources[key] = payload
-    return SavePlan(tuple(items), tuple(objects), tuple(aliases)), sources
+    return SavePlan(tuple(items), tuple(objects), tuple(aliases),
+                    frozenset(sharded) if reuse is None else reuse.sharded), sources
+
+
+def _local(value: Any) -> torch.Tensor:
+    """The tensor holding a leaf's bytes (a DTensor's or wrapper's local shard)."""
+    if isinstance(value, (TensorShard, FlatShard)):
+        return value.local
+    if is_dtensor(value):
+        return value.to_local()
+    return value

@@ -28,10 +28,13 @@ Json = Any  # a value json.dumps accepts
 
 @dataclass(frozen=True)
 class Chunk:
-    """The box of the global tensor a stored entry holds: offsets and sizes per dimension."""
+    """The region of the global tensor a stored entry holds: a box (offsets and sizes per
+    dimension), or with ``flat`` elements [offsets[0], offsets[0] + sizes[0]) of the row-major
+    flattened tensor (a ZeRO / FSDP1 flat partition, not necessarily on row boundaries)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    flat: bool = False
 
     @staticmethod
     def whole(shape: tuple[int, ...]) -> Chunk:
@@ -87,6 +90,8 @@ class TensorEntry:
     offset: int
     nbytes: int
     checksum: str
+    rank: int | None = None  # the rank whose own value this is; None: part of one global tensor
+    blocks: tuple[str, ...] = ()  # checksums of each Manifest.block_nbytes of it, when larger
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class ObjectEntry:
 
     key: str
     value: Json
+    rank: int | None = None  # the rank whose own value this is; None: the same on every rank
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class Manifest:
     aliases: tuple[tuple[str, str], ...]  # (key, key of the entry whose tensor it shares)
     tree: Json
     meta: dict[str, Json]
+    block_nbytes: int = 1 << 20  # granularity of TensorEntry.blocks (partial reads verify blocks)
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def test_garbage_manifest_is_refused(saved, ck, kind):
                                                   "body_nbytes": len(raw),
                                                   "body_crc32": zlib.crc32(raw)}).encode()
                           + b"\n" + raw + b"\n")(b"{not json"),
-        "future-version": good.replace(b'"version": 1', b'"version": 99', 1),
+        "future-version": good.replace(b'"version": 2', b'"version": 99', 1),
     }[kind]
     _put_manifest(path, garbage)
     _refused(ck, path)

@@ -1,0 +1,252 @@
+"""The collective steps of a save, around the per-rank capture and writes: agree on a plan
+before any byte is copied, and commit after every rank's bytes are durable.
+
+agree(): each rank sends its compact plan (or its error) to the coordinator, which decides who
+writes what (globalplan.py) and answers each rank with its writes and the save id; a failure
+on any rank is answered with an error on every rank. An unchanged layout sends only item
+digests, and the coordinator reuses its previous decisions. conclude(): each rank sends what it
+wrote (or its error); the coordinator commits the manifest only if every rank succeeded, and
+tells every rank the outcome. With one process (dist.Solo) the same steps run without peers.
+
+Owns: the order of messages and the coordinator's cached plans. Does not own: planning rules
+(globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (commit.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from . import commit, manifest, wire
+from .dist import COORDINATOR, Group
+from .errors import CkptError, RankFailedError
+from .flatten import FlatState
+from .globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries,
+                         objects_of, per_rank_keys, plan_global)
+from .plan import SavePlan
+from .types import FileInfo, Manifest, TensorEntry, WriteItem
+
+
+@dataclass
+class Memory:
+    """Plans remembered between saves: this rank's last fingerprint, and on the coordinator
+    every rank's last plan and the decisions made from them."""
+
+    fingerprint: str | None = None
+    plans: dict[int, tuple[str, RankPlan]] = field(default_factory=dict)
+    last: tuple[frozenset[str], GlobalPlan] | None = None
+    pending: tuple[tuple[RankPlan, ...], GlobalPlan] | None = None  # this save's, until agreed
+    reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
+    tree: Any = None  # this rank's last tree (a reused layout must have the same one)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    save_id: str
+    assignment: Assignment
+    plans: tuple[RankPlan, ...] = ()  # on the coordinator
+    global_plan: GlobalPlan | None = None  # on the coordinator
+
+
+def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
+               flat: FlatState) -> RankPlan:
+    """This rank's RankPlan; plain items carry a digest of their bytes when there are peers."""
+    digests: tuple[str | None, ...]
+    if group.size == 1:
+        digests = (None,) * len(plan.items)
+    else:
+        digests = tuple(None if i.key in plan.sharded else _digest(sources[i.key]) for i in plan.items)
+    return RankPlan(group.rank, plan.items, plan.sharded, digests, plan.objects, plan.aliases,
+                    flat.tree)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """xxh3 of a plain tensor's bytes (copied to host if needed): equal on two ranks means the
+    same value, so it is stored once."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return xxhash.xxh3_64_hexdigest(b"")
+    return xxhash.xxh3_64_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
+
+
+def _fingerprint(plan: RankPlan) -> str:
+    shape = dataclasses.replace(plan, digests=(), objects=())
+    return xxhash.xxh3_64_hexdigest(wire.encode_plan(shape))
+
+
+def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
+          path: str, reuse: bool) -> Agreement:
+    """Collective. ``reuse``: this rank's layout is unchanged since its last save (plan cache
+    hit), so only digests and objects are sent. Raises on every rank if any rank failed."""
+    reuse = reuse and mine is not None and memory.tree == mine.tree
+    memory.tree = mine.tree if mine is not None else None
+    if group.size == 1:
+        return _agree_alone(mine, error, memory, reuse)
+    if mine is None:
+        message = wire.encode_plan(None, error=_describe(error))
+    else:
+        fingerprint = memory.fingerprint if reuse and memory.fingerprint else _fingerprint(mine)
+        same = fingerprint if fingerprint == memory.fingerprint else None
+        memory.fingerprint = fingerprint
+        message = wire.encode_plan(mine, same_as=same)
+    gathered = group.gather(message)
+    answers = _decide(gathered, memory, path) if gathered is not None else None
+    answer = group.scatter(answers)
+    if error is not None:
+        memory.fingerprint = None
+        raise error
+    try:
+        save_id, assignment = wire.decode_answer(answer)
+    except CkptError as exc:
+        memory.fingerprint = None
+        raise RankFailedError(str(exc)) from None
+    if group.rank != COORDINATOR:
+        return Agreement(save_id, assignment)
+    assert memory.pending is not None  # internal: _decide set it before answering
+    plans, global_plan = memory.pending
+    memory.pending = None
+    return Agreement(save_id, assignment, plans, global_plan)
+
+
+def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Memory,
+                 reuse: bool) -> Agreement:
+    """One process: the same decisions, without messages."""
+    if mine is None:
+        memory.last = None
+        raise error if error is not None else CkptError("planning failed")
+    if reuse and memory.last is not None:
+        memory.reused += 1
+        global_plan = dataclasses.replace(memory.last[1], objects=objects_of([mine]))
+    else:
+        global_plan = plan_global([mine])
+        memory.last = (frozenset(), global_plan)
+    return Agreement(commit.new_save_id(), global_plan.assignments[0], (mine,), global_plan)
+
+
+def _decide(gathered: list[bytes], memory: Memory, path: str) -> list[bytes]:
+    """On the coordinator: every rank's plan -> every rank's answer (or everyone's error)."""
+    plans: list[RankPlan] = []
+    failures: list[str] = []
+    all_same = True
+    for rank, data in enumerate(gathered):
+        cached = memory.plans.get(rank)
+        plan, error = wire.decode_plan(data, rank, cached[1] if cached else None,
+                                       cached[0] if cached else None)
+        if plan is None:
+            failures.append(f"rank {rank}: {error}")
+            continue
+        all_same = all_same and b'"same_as"' in data
+        plans.append(plan)
+        if b'"same_as"' not in data:
+            memory.plans[rank] = (_fingerprint(plan), plan)
+    if failures:
+        memory.plans.clear()
+        memory.last = None
+        return [_refusal(path, failures)] * len(gathered)
+    try:
+        own = per_rank_keys(plans)
+        if all_same and memory.last is not None and memory.last[0] == own:
+            memory.reused += 1
+            global_plan = dataclasses.replace(memory.last[1], objects=objects_of(plans))
+        else:
+            global_plan = plan_global(plans)
+            memory.last = (own, global_plan)
+    except CkptError as exc:
+        memory.plans.clear()
+        memory.last = None
+        return [_refusal(path, [f"ranks disagree: {exc}"])] * len(gathered)
+    save_id = commit.new_save_id()
+    memory.pending = (tuple(plans), global_plan)
+    return [wire.encode_answer(save_id, a, None) for a in global_plan.assignments]
+
+
+def _refusal(path: str, failures: list[str]) -> bytes:
+    return wire.encode_answer("", None, f"save to {path} failed before writing, on "
+                              f"{'; '.join(failures[:8])}{' ...' if len(failures) > 8 else ''}. "
+                              "Nothing was written; the previous checkpoint there is untouched")
+
+
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+
+
+def conclude(group: Group, agreement: Agreement, written: tuple[list[TensorEntry], list[FileInfo]] | None,
+             error: BaseException | None, path: str, meta: dict[str, Any], algorithm: str,
+             block_nbytes: int, committed: Callable[[list[str]], None]) -> None:
+    """Collective, after this rank's writes (``written``) or its failure (``error``): the
+    coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
+    ``committed(names)``: on the coordinator after the commit, with every data file's name.
+    Raises this rank's own error, else RankFailedError naming the failed ranks."""
+    entries, files = written if written is not None else (None, None)
+    if group.size == 1:
+        if error is not None:
+            raise error
+        assert entries is not None and files is not None  # internal: written when no error
+        failure = _commit([(entries, files, None)], agreement, path, meta, algorithm,
+                          block_nbytes, committed)
+        if failure is not None:
+            raise CkptError(failure)
+        return
+    gathered = group.gather(wire.encode_result(entries, files, _describe(error)))
+    outcome = None
+    if gathered is not None:
+        try:
+            results = [wire.decode_result(data, rank, _assigned(agreement, rank))
+                       for rank, data in enumerate(gathered)]
+            verdict = _commit(results, agreement, path, meta, algorithm, block_nbytes, committed)
+        except BaseException as exc:  # the peers wait for an outcome: tell them, then raise
+            group.broadcast(wire.encode_outcome(f"the coordinator (rank 0) failed: {_describe(exc)}"))
+            raise
+        outcome = wire.encode_outcome(verdict)
+    failure = wire.decode_outcome(group.broadcast(outcome))
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RankFailedError(failure)
+
+
+def _assigned(agreement: Agreement, rank: int) -> list[WriteItem]:
+    assert agreement.global_plan is not None  # internal: set on the coordinator
+    return [agreement.plans[rank].items[i] for i in agreement.global_plan.assignments[rank].writes]
+
+
+def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
+            agreement: Agreement, path: str, meta: dict[str, Any], algorithm: str,
+            block_nbytes: int, committed: Callable[[list[str]], None]) -> str | None:
+    """On the coordinator: the manifest, committed; -> None, or why nothing was committed."""
+    plan = agreement.global_plan
+    assert plan is not None  # internal: agree() set it on the coordinator
+    written: list[list[TensorEntry]] = []
+    files: list[FileInfo] = []
+    failures: list[str] = []
+    for rank, (entries, infos, error) in enumerate(results):
+        if error is not None:
+            failures.append(f"rank {rank}: {error}")
+        written.append(entries)
+        files.extend(infos)
+    if failures:
+        return (f"save to {path} failed on {'; '.join(failures[:8])}"
+                f"{' ...' if len(failures) > 8 else ''}. Nothing was committed; the previous "
+                "checkpoint there is untouched")
+    try:
+        check_files(files)
+        record = Manifest(
+            version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm=algorithm,
+            world_size=len(results), files=tuple(files),
+            tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
+            objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
+            block_nbytes=block_nbytes)
+        commit.commit(path, manifest.encode(record), agreement.save_id)
+    except CkptError as exc:
+        return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"
+    committed([f.name for f in files])
+    return None
+
