@@ -3,6 +3,9 @@
     ckptio.save(state, "ckpts/step-100")            # durable and committed when it returns
     report = ckptio.load("ckpts/step-100", state)   # in place; returns a LoadReport
     state = ckptio.load("ckpts/step-100")           # or fresh CPU tensors and values
+
+With torch.distributed initialised, every rank calls save and load together (DTensor / FSDP2 /
+tensor-parallel state, or ckptio.TensorShard / FlatShard); a load reshards into any layout.
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ from .errors import (
     ManifestError,
     PickleRefusedError,
     StateMismatchError,
+    RankFailedError,
     StorageIOError,
     UnsupportedStateError,
 )
 from .options import Options
+from .sharding import FlatShard, TensorShard
 
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
-    "async_save", "load", "save", "verify", "__version__",
+    "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard",
     "CkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "ManifestError", "PickleRefusedError", "StateMismatchError", "StorageIOError",
+    "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
     "UnsupportedStateError",
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import collective, commit, io, manifest, persist, profile, restore
+from . import assemble, collective, commit, io, manifest, persist, profile, restore
 from .dist import Group, Solo, TorchGroup, current_group
 from .background import SaveHandle, SaveResult, optimizer_storages
 from .errors import CkptError, CorruptCheckpointError
@@ -27,7 +27,7 @@ from .layout import plan_files
 from .options import Options
 from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
-from .fill import KeyFilter, LoadReport, fill_fresh, fill_in_place
+from .fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
 from .types import FileInfo, FileLayout, Manifest, TensorEntry, WriteItem
 
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
@@ -319,34 +319,66 @@ class Checkpointer:
         cast: bool = False,
         verify: bool | None = None,
         allow_pickle: bool = False,
+        per_rank_from: RankPolicy = None,
+        process_group: Any = None,
     ) -> Any:
         """Load into ``state`` in place (returns a LoadReport), or, with no state, return a new one.
 
+        Every tensor leaf (plain tensor, DTensor, TensorShard, FlatShard) gets the region of the
+        saved tensor it holds, whatever layout and number of ranks saved it; only the byte ranges
+        that overlap it are read. With torch.distributed initialised (or ``process_group``
+        given) an in-place load is a collective: a failure on any rank raises on every rank.
         strict: missing or unexpected keys raise (else they are only reported).
         keys: load only these keys (a key or a prefix of keys) or those a callable accepts.
         cast: allow a dtype conversion where the destination's dtype differs.
         verify: check checksums (default Options.verify).
         allow_pickle: unpickle objects saved with allow_pickle=True (only for trusted files).
+        per_rank_from: which saved rank's value a per-rank key (saved differently by each rank,
+        e.g. RNG state) gets on this rank: by default the same rank, which needs the same
+        number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
         """
         started = time.perf_counter()
         path = os.fspath(path)
-        where = os.path.join(path, manifest.MANIFEST_NAME)
-        record = manifest.decode(commit.read_committed(path), where)
+        group = self._group(process_group) if state is not None else Solo()
+        torch_group = current_group(process_group)
+        rank, world_size = (0, 1) if torch_group is None else (
+            torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
+        try:
+            result = self._load(path, state, strict=strict, keys=keys, cast=cast, verify=verify,
+                                allow_pickle=allow_pickle, per_rank_from=per_rank_from,
+                                rank=rank, world_size=world_size)
+        except BaseException as exc:
+            collective.agree_loaded(group, exc, path)
+            raise
+        collective.agree_loaded(group, None, path)
+        if state is None:
+            return result
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
+              verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
+              world_size: int) -> Any:
+        record = manifest.decode(commit.read_committed(path),
+                                 os.path.join(path, manifest.MANIFEST_NAME))
         _check_files(path, record)
         verify = self.options.verify if verify is None else verify
+        algorithm = record.checksum_algorithm if verify else None
         with self._lock:
             pool, backend = self._resources(path)
+            depth = self._active.io_depth
 
-            def read(targets: list[restore.Target]) -> int:
-                return restore.read_targets(
-                    path, targets, pool=pool, backend=backend, depth=self._active.io_depth,
-                    algorithm=record.checksum_algorithm if verify else None)
+            def read(targets: list[restore.Target], jobs: list[assemble.Job]) -> int:
+                nbytes = restore.read_targets(path, targets, pool=pool, backend=backend,
+                                              depth=depth, algorithm=algorithm)
+                return nbytes + assemble.read_jobs(path, jobs, pool=pool, backend=backend,
+                                                   algorithm=algorithm, depth=depth,
+                                                   block_nbytes=record.block_nbytes)
 
+            where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
             if state is None:
-                return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle)
-            report = fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
-                                   cast=cast, allow_pickle=allow_pickle)
-        return dataclasses.replace(report, seconds=time.perf_counter() - started)
+                return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
+            return fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
+                                 cast=cast, allow_pickle=allow_pickle, **where)
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
@@ -458,7 +490,9 @@ def verify(path: str | os.PathLike[str]) -> int:
 
 def load(path: str | os.PathLike[str], state: Any = None, *, strict: bool = True,
          keys: KeyFilter = None, cast: bool = False, verify: bool | None = None,
-         allow_pickle: bool = False, options: Options | None = None) -> Any:
+         allow_pickle: bool = False, per_rank_from: RankPolicy = None,
+         options: Options | None = None, process_group: Any = None) -> Any:
     """Load with the shared Checkpointer; see Checkpointer.load."""
     return _checkpointer(options).load(path, state, strict=strict, keys=keys, cast=cast,
-                                       verify=verify, allow_pickle=allow_pickle)
+                                       verify=verify, allow_pickle=allow_pickle,
+                                       per_rank_from=per_rank_from, process_group=process_group)

@@ -250,3 +250,16 @@ def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
     committed([f.name for f in files])
     return None
 
+
+
+def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:
+    """Collective, at the end of a load: if any other rank failed, raise here too (this rank's
+    own error is raised by the caller)."""
+    if group.size == 1:
+        return
+    reports = group.all_gather(b"" if error is None else _describe(error).encode())
+    failures = [f"rank {r}: {m.decode(errors='replace')}" for r, m in enumerate(reports) if m]
+    if failures and error is None:
+        raise RankFailedError(f"load of {path} failed on {'; '.join(failures[:8])}"
+                              f"{' ...' if len(failures) > 8 else ''}; this rank's state may be "
+                              "partly loaded: load again once the cause is fixed")

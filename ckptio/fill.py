@@ -9,7 +9,7 @@ handed a ``read`` function, see restore.py).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -18,12 +18,14 @@ import torch
 from . import values
 from .errors import ManifestError, PickleRefusedError, StateMismatchError
 from .flatten import FlatState, Leaf, unflatten
+from .assemble import Job
 from .restore import Target
+from .sharding import held
 from .stage import torch_dtype
-from .types import Manifest, ObjectEntry, TensorEntry
+from .types import Chunk, Manifest, ObjectEntry, TensorEntry
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
-ReadFn = Callable[[list[Target]], int]
+ReadFn = Callable[[list[Target], list[Job]], int]
 
 
 @dataclass(frozen=True)
@@ -50,21 +52,90 @@ def _selector(keys: KeyFilter) -> Callable[[str], bool]:
     return lambda k: any(k == w or k.startswith(w + ".") for w in wanted)
 
 
-class _Sources:
-    """The checkpoint's keys, each resolved to the entry or object that holds its value."""
+RankPolicy = Union[None, int, Mapping[int, int], Callable[[int], int]]
 
-    def __init__(self, record: Manifest) -> None:
-        self.tensors = {t.key: t for t in record.tensors}
-        self.objects = {o.key: o for o in record.objects}
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A key's stored chunks: parts of one global tensor, or one rank's own value."""
+
+    key: str
+    entries: tuple[TensorEntry, ...]
+
+    @property
+    def head(self) -> TensorEntry:
+        return self.entries[0]
+
+
+class _Sources:
+    """The checkpoint's keys as this rank sees them: each resolved to the chunks or object that
+    hold its value; per-rank values taken from the saved rank ``per_rank_from`` chooses (by
+    default the same rank, which needs the same world size)."""
+
+    def __init__(self, record: Manifest, rank: int = 0, world_size: int = 1,
+                 per_rank_from: RankPolicy = None) -> None:
+        chunks: dict[str, list[TensorEntry]] = {}
+        own: dict[str, dict[int, TensorEntry | ObjectEntry]] = {}
+        for t in record.tensors:
+            if t.rank is None:
+                chunks.setdefault(t.key, []).append(t)
+            else:
+                own.setdefault(t.key, {})[t.rank] = t
+        self.tensors = {k: TensorSource(k, tuple(v)) for k, v in chunks.items()}
+        self.objects: dict[str, ObjectEntry] = {}
+        for o in record.objects:
+            if o.rank is None:
+                self.objects[o.key] = o
+            else:
+                own.setdefault(o.key, {})[o.rank] = o
         self.aliases = dict(record.aliases)
+        self.own = own
+        self.saved_world = record.world_size
+        self.source_rank = _source_rank(per_rank_from, rank, world_size, record.world_size)
+        self.refused: list[str] = []  # per-rank keys asked for without a rule to pick a rank
 
     def keys(self) -> list[str]:
-        return [*self.tensors, *self.objects, *self.aliases]
+        return [*self.tensors, *self.objects, *self.own, *self.aliases]
 
-    def get(self, key: str) -> TensorEntry | ObjectEntry:
+    def get(self, key: str) -> TensorSource | ObjectEntry | None:
+        """The key's source; None for a per-rank key this rank cannot take (see ``refused``)."""
+        key = self.aliases.get(key, key)
         if key in self.objects:
             return self.objects[key]
-        return self.tensors[self.aliases.get(key, key)]
+        if key in self.tensors:
+            return self.tensors[key]
+        if self.source_rank is None:
+            self.refused.append(key)
+            return None
+        value = self.own[key].get(self.source_rank)
+        if value is None:
+            return None
+        return value if isinstance(value, ObjectEntry) else TensorSource(key, (value,))
+
+    def check_refused(self) -> None:
+        if self.refused:
+            raise StateMismatchError(
+                f"keys {sorted(self.refused)[:10]} hold each rank's own value (e.g. RNG or "
+                f"data-loader state), saved by {self.saved_world} ranks; this load runs on a "
+                "different number of ranks, so which rank's value to take is not known. Pass "
+                "per_rank_from=0 (take rank 0's), a mapping or function new rank -> saved rank, "
+                "or keys=... to leave them out")
+
+
+def _source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int) -> int | None:
+    if policy is None:
+        return rank if world_size == saved_world else None
+    if isinstance(policy, Mapping):
+        chosen = policy.get(rank)
+    elif callable(policy):
+        chosen = policy(rank)
+    else:
+        chosen = policy
+    if type(chosen) is not int or not 0 <= chosen < saved_world:
+        raise StateMismatchError(
+            f"per_rank_from gave saved rank {chosen!r} for rank {rank}; the checkpoint was saved "
+            f"by ranks 0..{saved_world - 1}")
+    return chosen
 
 
 def _refuse_pickles(entries: Iterable[TensorEntry], allow_pickle: bool) -> None:
@@ -94,56 +165,95 @@ def _value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     return pickle.loads(raw) if entry.kind == "pickle" else raw
 
 
-def _empty(entry: TensorEntry) -> torch.Tensor:
-    return torch.empty(entry.chunk.sizes, dtype=torch_dtype(entry.dtype))
+def _empty(entry: TensorEntry, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    return torch.empty(entry.chunk.sizes if sizes is None else sizes, dtype=torch_dtype(entry.dtype))
 
 
-def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle: bool) -> Any:
-    """Build the saved state as new CPU tensors and Python values."""
+@dataclass
+class _Reads:
+    """What a load reads: whole entries into tensors (Targets), or regions assembled from
+    several chunks or parts of them (Jobs); plus dtype conversions done afterwards."""
+
+    targets: dict[int, Target] = field(default_factory=dict)
+    jobs: list[Job] = field(default_factory=list)
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
+
+    def add(self, source: TensorSource, want: Chunk, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (the stored dtype; the region's shape) with region ``want``."""
+        entry = source.head
+        if len(source.entries) == 1 and entry.chunk == want:  # the same layout: whole entries
+            self.targets.setdefault(id(entry), Target(entry, [])).dests.append(dest)
+        else:
+            self.jobs.append(Job(source.key, source.entries, want, dest))
+
+    def entries(self) -> Iterable[TensorEntry]:
+        yield from (t.entry for t in self.targets.values())
+        for job in self.jobs:
+            yield from job.entries
+
+    def run(self, read: ReadFn) -> int:
+        with torch.no_grad():
+            nbytes = read(list(self.targets.values()), self.jobs)
+            for dest, staged in self.casts:
+                dest.copy_(staged)
+        return nbytes
+
+
+def _whole(source: TensorSource) -> torch.Tensor:
+    """A new tensor holding the source's whole value."""
+    return _empty(source.head, source.head.shape)
+
+
+def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle: bool,
+               rank: int = 0, world_size: int = 1, per_rank_from: RankPolicy = None) -> Any:
+    """Build the saved state as new CPU tensors and Python values (chunks saved by many ranks
+    are assembled into whole tensors)."""
     select = _selector(keys)
-    sources = _Sources(record)
-    wanted = [k for k in sources.keys() if select(k)]
-    entries = {}
-    for key in wanted:
-        source = sources.get(key)
-        if isinstance(source, TensorEntry):
-            entries[source.key] = source
-    _refuse_pickles(entries.values(), allow_pickle)
-    targets = {k: Target(e, [_empty(e)]) for k, e in entries.items()}
-    read(list(targets.values()))
+    sources = _Sources(record, rank, world_size, per_rank_from)
+    found = {k: sources.get(k) for k in sources.keys() if select(k)}
+    sources.check_refused()
+    reads = _Reads()
+    made: dict[str, torch.Tensor] = {}
+    for source in found.values():
+        if isinstance(source, TensorSource) and id(source.head) not in made:
+            made[id(source.head)] = tensor = _whole(source)
+            reads.add(source, Chunk.whole(source.head.shape), tensor)
+    _refuse_pickles(reads.entries(), allow_pickle)
+    reads.run(read)
     out: dict[str, Any] = {}
-    for key in wanted:
-        source = sources.get(key)
+    for key, source in found.items():
         if isinstance(source, ObjectEntry):
             out[key] = _decode_object(source)
-        else:
-            out[key] = _value(source, targets[source.key].dests[0])
+        elif source is not None:
+            out[key] = _value(source.head, made[id(source.head)])
     return unflatten(record.tree, out)
 
 
 @dataclass
-class _InPlace:
-    targets: dict[str, Target] = field(default_factory=dict)
-    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
+class _InPlace(_Reads):
     # (key, leaf, makes the stored value): values replaced in their container, not copied into
     assign: list[tuple[str, Leaf, Callable[[], Any]]] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)  # key -> what does not match
 
-    def target(self, entry: TensorEntry) -> Target:
-        return self.targets.setdefault(entry.key, Target(entry, []))
 
-
-def _tensor_into(plan: _InPlace, key: str, dest: torch.Tensor, entry: TensorEntry, cast: bool) -> None:
-    if tuple(dest.shape) != entry.chunk.sizes:
-        plan.problems[key] = (f"{key}: shape {tuple(dest.shape)} in the state, "
-                              f"{entry.chunk.sizes} in the checkpoint")
+def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool) -> None:
+    """Plan filling a state leaf (tensor, DTensor, TensorShard, FlatShard, numpy array) with
+    the region of the saved tensor it holds."""
+    region = held(value, key)
+    if region is None:
+        plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
         return
-    dtype = torch_dtype(entry.dtype)
+    entry = source.head
+    if region.shape != entry.shape:
+        plan.problems[key] = (f"{key}: shape {region.shape} in the state, {entry.shape} in the "
+                              "checkpoint")
+        return
+    dest, dtype = region.local, torch_dtype(entry.dtype)
     if dest.dtype == dtype:
-        plan.target(entry).dests.append(dest)
+        plan.add(source, region.chunk, dest)
     elif cast:
-        staged = _empty(entry)
-        plan.target(entry).dests.append(staged)
+        staged = _empty(entry, tuple(dest.shape))
+        plan.add(source, region.chunk, staged)
         plan.casts.append((dest, staged))
     else:
         plan.problems[key] = (f"{key}: dtype {dest.dtype} in the state, {dtype} in the "
@@ -184,34 +294,35 @@ def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: 
     plan = _InPlace()
     for key in common:
         leaf, source = flat.leaves[key], sources.get(key)
-        if isinstance(source, TensorEntry) and source.kind == "tensor":
-            if isinstance(leaf.value, torch.Tensor):
-                _tensor_into(plan, key, leaf.value, source, cast)
-                continue
-            plan.problems[key] = (f"{key}: the checkpoint holds a tensor, the state a "
-                                  f"{type(leaf.value).__name__}")
+        if source is None:
+            continue  # a per-rank key this rank cannot take: reported by check_refused
+        kind = source.head.kind if isinstance(source, TensorSource) else None
+        if kind == "tensor":
+            _tensor_into(plan, key, leaf.value, source, cast)  # type: ignore[arg-type]
             continue
-        dest = _numpy_dest(leaf.value) if isinstance(source, TensorEntry) and source.kind == "numpy" else None
+        dest = _numpy_dest(leaf.value) if kind == "numpy" else None
         if dest is not None:
             _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
         elif leaf.parent is None and isinstance(source, ObjectEntry):
             if not _same(leaf.value, source):
                 plan.problems[key] = _immutable(key, leaf)
         else:  # replaced in its container once read; inside a tuple, compared (fill_in_place)
-            if isinstance(source, TensorEntry):
-                staged = _empty(source)
-                plan.target(source).dests.append(staged)
-                plan.assign.append((key, leaf, lambda e=source, t=staged: _value(e, t)))
+            if isinstance(source, TensorSource):
+                staged = _whole(source)
+                plan.add(source, Chunk.whole(source.head.shape), staged)
+                plan.assign.append((key, leaf, lambda e=source.head, t=staged: _value(e, t)))
             else:
                 plan.assign.append((key, leaf, lambda o=source: _decode_object(o)))
     return plan
 
 
 def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyFilter,
-                  strict: bool, cast: bool, allow_pickle: bool) -> LoadReport:
-    """Copy the checkpoint into the tensors of ``flat``; put other values into their containers."""
+                  strict: bool, cast: bool, allow_pickle: bool, rank: int = 0,
+                  world_size: int = 1, per_rank_from: RankPolicy = None) -> LoadReport:
+    """Copy the checkpoint into the tensors of ``flat`` (each leaf gets the region of the saved
+    tensor it holds, whatever layout saved it); put other values into their containers."""
     select = _selector(keys)
-    sources = _Sources(record)
+    sources = _Sources(record, rank, world_size, per_rank_from)
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k)]
     saved_set = set(saved)
@@ -225,13 +336,11 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
             "have, or keys=... to choose which to load")
     common = [k for k in present if k in saved_set]
     plan = _plan_in_place(sources, flat, common, cast)
+    sources.check_refused()
     if plan.problems and strict:
         raise _mismatch(plan.problems)
-    _refuse_pickles((t.entry for t in plan.targets.values()), allow_pickle)
-    with torch.no_grad():
-        nbytes = read(list(plan.targets.values()))
-        for dest, staged in plan.casts:
-            dest.copy_(staged)
+    _refuse_pickles(plan.entries(), allow_pickle)
+    nbytes = plan.run(read)
     for key, leaf, make_value in plan.assign:
         value = make_value()
         if leaf.parent is not None:
@@ -242,7 +351,7 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
                 raise _mismatch({key: plan.problems[key]})
     for _prefix, obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)
-    loaded = tuple(k for k in common if k not in plan.problems)
+    loaded = tuple(k for k in common if k not in plan.problems and sources.get(k) is not None)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
 
 

@@ -1,0 +1,74 @@
+"""Run a function on N real torch.distributed processes (gloo over 127.0.0.1) and collect what
+each rank returned, or every rank's traceback.
+
+    results = run_ranks(4, my_case, tmp_path)   # my_case(rank, world_size, tmp_path) on 4 ranks
+
+``fn`` must be importable by name (a module-level function): ranks are spawned, not forked, so
+no thread or lock state of the parent leaks into them. Test support only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
+          results: Any, args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks raised (or hung); the message holds each one's traceback."""
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_main, args=(fn, r, world_size, port, timeout_s / 2, results, args),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(got) < world_size:
+            rank, ok, value = results.get(timeout=timeout_s)
+            got[rank] = (ok, value)
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    failed = {r: v for r, (ok, v) in got.items() if not ok}
+    missing = [r for r in range(world_size) if r not in got]
+    if failed or missing:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise RanksFailed(f"ranks failed: {sorted(failed)}; no answer from {missing}\n{text}")
+    return [got[r][1] for r in range(world_size)]
