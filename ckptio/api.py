@@ -262,7 +262,7 @@ class Checkpointer:
             pool, backend = self._resources(path)
             job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
                                   algorithm=self.options.checksum, rank=rank, ready=ready,
-                                  progress=handle.progress(), block_nbytes=BLOCK_CHECKSUM_NBYTES)
+                                  progress=handle.progress(), block_nbytes=self._block_nbytes())
             if lazy:
                 job.capture(eager_items, handle.eager_captured)
             else:
@@ -278,7 +278,12 @@ class Checkpointer:
                   written: tuple[list[TensorEntry], list[FileInfo]] | None,
                   error: BaseException | None, path: str) -> None:
         collective.conclude(group, agreement, written, error, path, _meta(), self.options.checksum,
-                            BLOCK_CHECKSUM_NBYTES, lambda names: self._start_cleanup(path, names))
+                            self._block_nbytes(), lambda names: self._start_cleanup(path, names))
+
+    def _block_nbytes(self) -> int:
+        """Checksum block of this save's entries: a quarter buffer at most, so a resharding
+        load with the same options reads pieces and their widening within one buffer."""
+        return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
     def _start_cleanup(self, path: str, names: list[str]) -> None:
         """Remove the files the new manifest does not name, in the background."""

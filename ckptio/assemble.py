@@ -69,8 +69,8 @@ class _Read:
 def plan_spans(jobs: Sequence[Job], block_nbytes: int, buffer_bytes: int) -> list[_Span]:
     """Every job's pieces, widened to whole blocks and grouped per entry into spans that fit
     one buffer with their alignment."""
-    limit = buffer_bytes - 2 * BLOCK
-    max_read = max(BLOCK, limit - 2 * block_nbytes)
+    limit = max(buffer_bytes - 2 * BLOCK, 4 * block_nbytes)  # larger than a buffer: a one-off
+    max_read = limit - 2 * block_nbytes
     by_entry: dict[int, tuple[TensorEntry, list[tuple[Piece, torch.Tensor]]]] = {}
     for job in jobs:
         head = job.entries[0]

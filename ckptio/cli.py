@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="read every byte and check it against its checksum")
     verify.add_argument("path")
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
-    bench.add_argument("which", choices=["save-load", "train", "io"])
+    bench.add_argument("which", choices=["save-load", "train", "io", "plan"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("demo", help="a small save-load benchmark printing its table")
     tune.add_arguments(sub.add_parser("tune", help="measure a filesystem and store its fastest "
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import io_study
 
             return io_study.main(args.rest)
+        if args.which == "plan":
+            from .bench import plan_scale
+
+            return plan_scale.main(args.rest)
         if args.which == "train":
             from .bench import train
 

@@ -48,12 +48,14 @@ def encode_plan(plan: RankPlan | None, error: str | None = None, same_as: str | 
     the plan whose fingerprint is ``same_as``."""
     if plan is None:
         return _dumps({"error": error})
-    body: dict[str, Any] = {"rank": plan.rank, "digests": list(plan.digests)}
+    # Values (digests of plain tensors, inline objects) go every time; only the layout may be
+    # replaced by a reference to the last one.
+    body: dict[str, Any] = {"rank": plan.rank, "digests": list(plan.digests),
+                            "objects": [[o.key, o.value] for o in plan.objects]}
     if same_as is not None:
         body["same_as"] = same_as
     else:
         body.update(items=[_item(i) for i in plan.items], sharded=sorted(plan.sharded),
-                    objects=[[o.key, o.value] for o in plan.objects],
                     aliases=[list(a) for a in plan.aliases], tree=plan.tree)
     return _dumps(body)
 
@@ -67,15 +69,17 @@ def decode_plan(data: bytes, rank: int, cached: RankPlan | None,
         if raw.get("error") is not None:
             return None, str(raw["error"])
         digests = tuple(raw["digests"])
+        objects = tuple(ObjectEntry(k, v) for k, v in raw["objects"])
         if "same_as" in raw:
             if cached is None or raw["same_as"] != fingerprint:
                 return None, "its cached plan does not match the coordinator's (internal)"
-            return RankPlan(rank, cached.items, cached.sharded, digests, cached.objects,
+            if len(digests) != len(cached.items):
+                raise ValueError(f"{len(digests)} digests for {len(cached.items)} items")
+            return RankPlan(rank, cached.items, cached.sharded, digests, objects,
                             cached.aliases, cached.tree), None
         return RankPlan(
             rank, tuple(_unitem(i) for i in raw["items"]), frozenset(raw["sharded"]), digests,
-            tuple(ObjectEntry(k, v) for k, v in raw["objects"]),
-            tuple((a, b) for a, b in raw["aliases"]), raw["tree"]), None
+            objects, tuple((a, b) for a, b in raw["aliases"]), raw["tree"]), None
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"rank {rank}'s plan is malformed ({exc!r}); do all ranks run the same "
                         "ckptio version?") from None

@@ -381,6 +381,10 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _ranks(argv) > 1:  # many ranks: ckptio vs DCP on a sharded state (ranks.py)
+        from . import ranks
+
+        return ranks.main(argv)
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -402,6 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"argv": argv, "runs": runs, "summary": summary}, indent=1))
     failed = any("error" in r or not r["bitwise_ok"] for r in runs)
     return 1 if failed else 0
+
+
+def _ranks(argv: list[str]) -> int:
+    """The value of --ranks N / --ranks=N (1 when absent or not a number)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--ranks=") else (
+            argv[i + 1] if arg == "--ranks" and i + 1 < len(argv) else None)
+        if value is not None:
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def cleanup(root: Path, created: bool) -> None:

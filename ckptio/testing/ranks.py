@@ -3,8 +3,9 @@ each rank returned, or every rank's traceback.
 
     results = run_ranks(4, my_case, tmp_path)   # my_case(rank, world_size, tmp_path) on 4 ranks
 
-``fn`` must be importable by name (a module-level function): ranks are spawned, not forked, so
-no thread or lock state of the parent leaks into them. Test support only.
+``fn`` must be importable by name (a module-level function): ranks are forked from a clean
+forkserver, never from the caller, so no thread or lock state of the caller leaks into them.
+Test support only.
 """
 
 from __future__ import annotations
@@ -41,13 +42,28 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
         results.put((rank, False, traceback.format_exc()))
 
 
+_CTX: Any = None
+
+
+def _context() -> Any:
+    """A forkserver with torch and ckptio imported once: each rank is a fork of that clean,
+    single-threaded server (no state of the caller's threads), without paying the ~2 s import
+    of torch per rank."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
+                                     "ckptio"])
+    return _CTX
+
+
 class RanksFailed(AssertionError):
     """One or more ranks raised (or hung); the message holds each one's traceback."""
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_main, args=(fn, r, world_size, port, timeout_s / 2, results, args),

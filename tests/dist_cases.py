@@ -1,0 +1,199 @@
+"""Per-rank bodies of the multi-rank tests (module-level: ranks are spawned and import them).
+
+Layouts build a state leaf holding part of a reference tensor: "full" (a plain tensor),
+"shard0" / "shard1" / "replicate" (DTensor on a 1-D mesh), "mesh2d" (DTensor on a 2 x W/2 mesh,
+Shard(0) x Shard(1)), "flat" / "flat2" (FlatShard slices cut off row boundaries, unevenly,
+some empty), "box" (TensorShard row blocks of uneven height).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+import ckptio
+
+# a small pool: each rank would otherwise allocate and pre-fault the default 256 MiB
+SMALL = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
+
+SHAPES = {"a": ((7, 5), torch.float32), "b": ((6, 10), torch.bfloat16), "c": ((13,), torch.int64)}
+
+
+def reference(name: str) -> torch.Tensor:
+    shape, dtype = SHAPES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)) + 7)  # not hash(): salted per process
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def _cuts(n: int, world: int, skew: float) -> list[int]:
+    """Uneven cut points 0 = c0 <= c1 <= ... <= cW = n (some pieces may be empty)."""
+    cuts = [0] + [min(n, int(n * (r + skew) / world)) for r in range(1, world)] + [n]
+    return sorted(cuts)
+
+
+def _mesh(world: int, two_d: bool) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, world // 2) if two_d else (world,))
+
+
+def leaf(layout: str, full: torch.Tensor, rank: int, world: int) -> Any:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if layout == "full":
+        return full.clone()
+    if layout in ("shard0", "shard1", "replicate"):
+        dim = 1 if layout == "shard1" and full.dim() > 1 else 0
+        placement = Replicate() if layout == "replicate" else Shard(dim)
+        return distribute_tensor(full.clone(), _mesh(world, False), [placement])
+    if layout == "mesh2d":
+        second = Shard(1) if full.dim() > 1 else Replicate()
+        return distribute_tensor(full.clone(), _mesh(world, True), [Shard(0), second])
+    if layout in ("flat", "flat2"):
+        cuts = _cuts(full.numel(), world, 0.37 if layout == "flat" else 0.81)
+        return ckptio.FlatShard(full.reshape(-1)[cuts[rank]:cuts[rank + 1]].clone(),
+                                tuple(full.shape), cuts[rank])
+    if layout == "box":
+        cuts = _cuts(full.shape[0], world, 0.6)
+        offsets = (cuts[rank],) + (0,) * (full.dim() - 1)
+        return ckptio.TensorShard(full[cuts[rank]:cuts[rank + 1]].clone(), tuple(full.shape), offsets)
+    raise ValueError(layout)
+
+
+def local(value: Any) -> torch.Tensor:
+    if isinstance(value, (ckptio.TensorShard, ckptio.FlatShard)):
+        return value.local
+    if type(value).__name__ == "DTensor":
+        return value.to_local()
+    return value
+
+
+def state_for(layout: str, rank: int, world: int, zeros: bool = False) -> dict[str, Any]:
+    out = {}
+    for name in SHAPES:
+        full = reference(name)
+        out[name] = leaf(layout, torch.zeros_like(full) if zeros else full, rank, world)
+    return out
+
+
+def save_layout(rank: int, world: int, path: str, layout: str) -> None:
+    ckptio.save({"model": state_for(layout, rank, world), "step": 5}, path, options=SMALL)
+
+
+def load_layout(rank: int, world: int, path: str, layout: str) -> int:
+    """Load into ``layout`` and compare every rank's part bitwise with the reference."""
+    state = {"model": state_for(layout, rank, world, zeros=True), "step": 0}
+    report = ckptio.load(path, state, options=SMALL)
+    for name in SHAPES:
+        expected = local(leaf(layout, reference(name), rank, world))
+        got = local(state["model"][name])
+        if not torch.equal(got, expected):
+            raise AssertionError(f"rank {rank}: {name} differs after loading into {layout}")
+    if state["step"] != 5:
+        raise AssertionError(f"step {state['step']}")
+    return report.nbytes_read
+
+
+# ------------------------------------------------------------------ round trip with every kind
+
+
+def mixed_state(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = _mesh(world, False)
+    torch.manual_seed(100 + rank)  # a per-rank RNG state
+    return {
+        "w": leaf("shard0", reference("a"), rank, world),
+        "r1": distribute_tensor(torch.full((64, 64), 1.5), mesh, [Replicate()]),
+        "r2": distribute_tensor(torch.full((64, 64), 2.5), mesh, [Replicate()]),
+        "same": torch.arange(4096, dtype=torch.float32),  # plain, equal everywhere
+        "rng": torch.get_rng_state(),  # plain, different on every rank
+        "mine": torch.full((3,), float(rank)),
+        "step": 7,
+        "loader": {"position": 1000 + rank},
+    }
+
+
+def roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
+    state = mixed_state(rank, world)
+    ckptio.save(state, path, options=SMALL)
+    fresh = mixed_state(rank, world)
+    for key in ("w", "r1", "r2"):
+        local(fresh[key]).zero_()
+    fresh["same"].zero_()
+    fresh["rng"] = torch.zeros_like(fresh["rng"])
+    fresh["mine"].zero_()
+    fresh["step"], fresh["loader"]["position"] = 0, 0
+    ckptio.load(path, fresh, options=SMALL)
+    for key in state:
+        a, b = state[key], fresh[key]
+        if isinstance(a, dict):
+            assert a == b, (key, a, b)
+        elif isinstance(a, int):
+            assert a == b, (key, a, b)
+        else:
+            assert torch.equal(local(a), local(b)), key
+    with open(os.path.join(path, "manifest.json")) as f:
+        f.readline()
+        return json.loads(f.readline())
+
+
+# ------------------------------------------------------------------ faults
+
+
+def fault_on_one_rank(rank: int, world: int, path: str, where: str) -> str:
+    """Save once (good), then a second save that fails on rank 1 only; -> this rank's error."""
+    from ckptio.testing.faults import inject
+
+    ck = ckptio.Checkpointer(SMALL)
+    ck.save(state_for("shard0", rank, world), path)
+    second = state_for("shard0", rank, world)
+    for value in second.values():
+        local(value).fill_(1)
+    if rank == 1 and where == "write":
+        inject(ck, fail_write=1)
+    if rank == 1 and where == "plan":
+        second["bad"] = {1, 2}  # a set: cannot be stored without pickle
+    try:
+        ck.save(second, path)
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# ------------------------------------------------------------------ plan reuse
+
+
+def reuse(rank: int, world: int, root: str) -> list[int]:
+    """Three saves through one Checkpointer, state changed in place between them (and a plain
+    tensor equal on all ranks at first, then different): each checkpoint holds its own values."""
+    ck = ckptio.Checkpointer(SMALL)
+    state = {"model": state_for("shard0", rank, world), "plain": torch.zeros(8), "step": 0}
+    for step in range(3):
+        for value in state["model"].values():
+            local(value).copy_(local(value) + 1)
+        if step == 2:
+            state["plain"].fill_(float(rank + 10))  # now per rank
+        state["step"] = step
+        ck.save(state, os.path.join(root, f"s{step}"))
+    return [ck._memory.reused]
+
+
+def check_reuse(rank: int, world: int, root: str) -> None:
+    for step in range(3):
+        state = {"model": state_for("shard0", rank, world, zeros=True), "plain": torch.zeros(8),
+                 "step": -1}
+        ckptio.load(os.path.join(root, f"s{step}"), state, options=SMALL)
+        for name in SHAPES:
+            expected = local(leaf("shard0", reference(name), rank, world))
+            for _ in range(step + 1):
+                expected = expected + 1  # as the saves did: step by step (float rounding)
+            assert torch.equal(local(state["model"][name]), expected), (step, name)
+        plain = float(rank + 10) if step == 2 else 0.0
+        assert torch.equal(state["plain"], torch.full((8,), plain)), (step, state["plain"])
+        assert state["step"] == step

@@ -1,0 +1,77 @@
+"""The plan-only scale benchmark (ckptio bench plan) at tiny sizes: the simulated layout is what
+ckptio would plan, every phase runs, the manifest it builds decodes and covers every tensor."""
+
+from __future__ import annotations
+
+import json
+
+from ckptio import cli, manifest
+from ckptio.bench import plan_scale
+from ckptio.types import Chunk
+
+
+def test_layout_regions_tile_each_tensor():
+    """The (dp, tp) chunks of every tensor cover it exactly once (replicas aside)."""
+    tensors = plan_scale.model_tensors(20, optim=False)
+    assert len(tensors) >= 20 and {t.tp for t in tensors} == {"0", "1", "r"}
+    dp, tp = 3, 4
+    for t in tensors:
+        regions = {plan_scale.region(t, dp, tp, d, p) for d in range(dp) for p in range(tp)}
+        covered = sum(c.numel for c in regions)
+        total = 1
+        for s in t.shape:
+            total *= s
+        assert covered == total, t
+        if t.tp == "r":
+            assert len(regions) == dp
+
+
+def test_measure_small_worlds():
+    tensors = plan_scale.model_tensors(30, optim=True)
+    rows = [plan_scale.measure(w, 8, tensors, "float32", reps=1) for w in (8, 16)]
+    n_rep = sum(t.tp == "r" for t in tensors)
+    n_shard = len(tensors) - n_rep
+    for row, dp in zip(rows, (1, 2)):
+        # sharded tensors: one chunk per rank; tp-replicated ones once per dp group; rng per rank
+        assert row["chunks"] == n_shard * row["world"] + n_rep * dp + row["world"]
+        for field in plan_scale.PHASES + ("load_s", "save_total_s"):
+            assert row[field] > 0, field
+        assert row["manifest_bytes"] > 0 and row["bytes_per_chunk"] > 0
+        assert row["reused"] == 0
+    assert rows[1]["chunks"] > rows[0]["chunks"]
+
+
+def test_manifest_is_valid_and_complete():
+    tensors = plan_scale.model_tensors(12, optim=False)
+    dp, tp = 2, 4
+    messages = [plan_scale.rank_plan(r, dp, tp, tensors, "bfloat16", plan_scale.tree_of(tensors))
+                for r in range(dp * tp)]
+    from ckptio import collective, wire
+
+    memory = collective.Memory()
+    answers = collective._decide([wire.encode_plan(p) for p in messages], memory, "/x")
+    plans, gplan = memory.pending
+    save_id, _ = wire.decode_answer(answers[0])
+    agreement = collective.Agreement(save_id, gplan.assignments[0], plans, gplan)
+    results = []
+    for p, a in zip(plans, gplan.assignments):
+        entries, files = plan_scale.written(p, a.writes, save_id)
+        results.append(wire.decode_result(wire.encode_result(entries, files, None), p.rank,
+                                          collective._assigned(agreement, p.rank)))
+    record = manifest.decode(plan_scale.commit_body(results, agreement), "m")
+    assert record.world_size == dp * tp
+    for t in tensors:
+        chunks = [e.chunk for e in record.tensors if e.key == t.key]
+        assert sum(c.numel for c in chunks) == Chunk.whole(t.shape).numel, t.key
+    assert sorted(e.rank for e in record.tensors if e.key == "rng") == list(range(dp * tp))
+
+
+def test_cli_report(tmp_path):
+    out = tmp_path / "p.json"
+    md = tmp_path / "p.md"
+    rc = cli.main(["bench", "plan", "--world", "8", "--tensors", "12", "--reps", "1",
+                   "--json", str(out), "--markdown", str(md)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["world"] == 8 and rows[0]["peak_rss_mib"] > 0
+    assert "| 8 | 1 x 8 |" in md.read_text()

@@ -1,0 +1,68 @@
+"""The many-rank save/load benchmark (ckptio bench save-load --ranks 2) at a tiny size, 1 rep.
+
+Checks the report's fields and that every load was bitwise-correct; no timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckptio.bench import ranks, save_load
+
+pytest.importorskip("torch.distributed.checkpoint")
+
+
+def test_ranks_smoke(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    data = tmp_path / "data"
+    argv = ["--ranks", "2", "--gb", "0.004", "--reps", "1", "--idle", "0", "--dcp-threads", "1",
+            "--loads", "same,to2n", "--dir", str(data), "--timeout", "120",
+            "--json", str(out / "r.json"), "--markdown", str(out / "r.md")]
+    # DCP saves (the ratio's peer) but is not loaded, to keep the test short: the real run's
+    # default --loads adds the DCP load and the N->1 load
+    rc = save_load.main(argv)  # the --ranks route of `ckptio bench save-load`
+    report = json.loads((out / "r.json").read_text())
+    errors = [r for r in report["runs"] if "error" in r]
+    assert not errors, errors
+    assert rc == 0
+    summary = report["summary"]
+    assert summary["bytes"] > 0 and summary["ranks"] == 2
+    assert summary["ceiling_write_gbps"] > 0 and summary["ceiling_read_gbps"] > 0
+    saves = {s["engine"]: s for s in summary["saves"]}
+    assert set(saves) == {"ckptio", "dcp_t1"}
+    for s in saves.values():
+        assert s["failed"] == 0
+        for field in ("first_save_s", "save_s", "save_gbps", "save_pct", "save_rss_mib"):
+            assert s[field] is not None, (s["engine"], field)
+    loads = {(l["engine"], l["layout"]): l for l in summary["loads"]}
+    assert set(loads) == {("ckptio", "2->2"), ("ckptio", "2->4")}
+    for l in loads.values():
+        assert l["bitwise_ok"] and l["failed"] == 0, l
+        assert l["load_s"] > 0 and l["load_gbps"] > 0 and l["load_pct"] is not None
+    load_runs = [r for r in report["runs"] if r["job"] == "load"]
+    assert len(load_runs) == 2 and all(all(r["bitwise_by_rank"]) for r in load_runs)
+    assert {len(r["bitwise_by_rank"]) for r in load_runs} == {2, 4}
+    checks = {c["what"]: c for c in summary["checks"]}
+    assert any(k.startswith("ckptio save / best DCP save") for k in checks)
+    assert "ckptio load 2->4 / 2->2 (time)" in checks
+    assert "ckptio save, % of write ceiling" in checks
+    text = (out / "r.md").read_text()
+    assert "2->4" in text and "dcp_t1" in text and "MISMATCH" not in text
+    assert not any(p.name.startswith(ranks.PREFIX) for p in data.glob("*")) if data.exists() else True
+
+
+def test_layout_helpers():
+    """Shard(0) pieces cover the dim exactly, as torch.chunk cuts it (trailing pieces empty)."""
+    import torch
+
+    for size in (1, 5, 8, 13):
+        for parts in (1, 2, 3, 4, 8):
+            pieces = [ranks.split(size, parts, i) for i in range(parts)]
+            assert sum(n for _, n in pieces) == size
+            chunks = torch.arange(size).chunk(parts)
+            for i, (start, n) in enumerate(pieces):
+                want = chunks[i].tolist() if i < len(chunks) else []
+                assert list(range(start, start + n)) == want

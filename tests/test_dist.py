@@ -1,0 +1,137 @@
+"""Many ranks on real gloo processes: round trips, resharding N -> M, replicas written once,
+per-rank values, failures raised everywhere, plan reuse. Bodies in dist_cases.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.testing.ranks import run_ranks
+
+import dist_cases as cases
+
+
+def _manifest(path) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        f.readline()
+        return json.loads(f.readline())
+
+
+def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
+    path = str(tmp_path / "ck")
+    body = run_ranks(2, cases.roundtrip, path)[0]
+    tensors = body["tensors"]
+    by_key: dict[str, list] = {}
+    for t in tensors:
+        by_key.setdefault(t["key"], []).append(t)
+    # replicated tensors: stored once each, by different ranks (spread by bytes)
+    assert len(by_key["r1"]) == 1 and len(by_key["r2"]) == 1 and len(by_key["same"]) == 1
+    writers = {by_key[k][0]["file"].split("-r")[1][:5] for k in ("r1", "r2")}
+    assert writers == {"00000", "00001"}
+    # sharded: one chunk per rank; per-rank plain tensors: one entry per rank, marked
+    assert sorted(t["chunk"]["offsets"][0] for t in by_key["w"]) == [0, 4]
+    assert sorted(t["rank"] for t in by_key["rng"]) == [0, 1]
+    assert sorted(t["rank"] for t in by_key["mine"]) == [0, 1]
+    objects = {(o["key"], o.get("rank")) for o in body["objects"]}
+    assert ("step", None) in objects and ("loader.position", 0) in objects
+    # bytes on disk: every stored byte once (no replica twice)
+    unique = sum(t["nbytes"] for t in tensors)
+    expected = 7 * 5 * 4 + 2 * 64 * 64 * 4 + 4096 * 4 + 2 * torch.get_rng_state().numel() + 2 * 3 * 4
+    assert unique == expected
+
+
+def test_per_rank_values_need_a_rule_on_another_world_size(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(2, cases.roundtrip, path)
+    with pytest.raises(ckptio.StateMismatchError, match="rng") as info:
+        ckptio.load(path)
+    assert "per_rank_from" in str(info.value)
+    taken = ckptio.load(path, per_rank_from=1)
+    assert torch.equal(taken["mine"], torch.full((3,), 1.0))
+    assert taken["loader"]["position"] == 1001
+    assert torch.equal(taken["w"], cases.reference("a"))  # consolidated from both shards
+
+
+MATRIX = [
+    (2, "shard0", 1, "full"),
+    (1, "full", 4, "shard0"),
+    (4, "shard0", 2, "shard1"),
+    (2, "shard0", 4, "mesh2d"),
+    (4, "mesh2d", 2, "replicate"),
+    (2, "flat", 4, "flat2"),
+    (4, "flat", 1, "full"),
+    (2, "shard1", 2, "flat"),
+    (4, "box", 2, "shard0"),
+]
+
+
+@pytest.mark.parametrize("saved_on,saved_as,loaded_on,loaded_as", MATRIX,
+                         ids=[f"{a}{b}-to-{c}{d}" for a, b, c, d in MATRIX])
+def test_reshard_matrix_bitwise(tmp_path, saved_on, saved_as, loaded_on, loaded_as):
+    path = str(tmp_path / "ck")
+    run_ranks(saved_on, cases.save_layout, path, saved_as)
+    run_ranks(loaded_on, cases.load_layout, path, loaded_as)
+    whole = ckptio.load(path)  # consolidation on one process, no torch.distributed
+    for name in cases.SHAPES:
+        assert torch.equal(whole["model"][name], cases.reference(name)), name
+
+
+def test_a_rank_reads_only_what_overlaps(tmp_path):
+    """Load one small box of a big sharded tensor: far fewer bytes are read than stored."""
+    path = str(tmp_path / "ck")
+    run_ranks(2, cases.save_layout, path, "shard0")
+    big = torch.arange(4096 * 1024, dtype=torch.float32).reshape(4096, 1024)
+    ckptio.save({"t": ckptio.TensorShard(big, (4096, 1024), (0, 0))}, str(tmp_path / "big"))
+    part = ckptio.TensorShard(torch.zeros(16, 1024), (4096, 1024), (2000, 0))
+    report = ckptio.load(str(tmp_path / "big"), {"t": part})
+    assert torch.equal(part.local, big[2000:2016])
+    assert report.nbytes_read <= 2 * (1 << 20)  # the 64 KiB wanted, widened to checksum blocks
+
+
+def test_flipped_byte_in_a_partial_read_is_caught(tmp_path):
+    big = torch.arange(4096 * 1024, dtype=torch.float32).reshape(4096, 1024)
+    path = tmp_path / "big"
+    ckptio.save({"t": big}, str(path))
+    entry = _manifest(path)["tensors"][0]
+    data = os.path.join(path, entry["file"])
+    wanted_byte = entry["offset"] + 2000 * 1024 * 4 + 100  # inside rows 2000..2015
+    far_byte = entry["offset"] + 100  # row 0: outside what the partial load reads
+    for where, should_fail in ((far_byte, False), (wanted_byte, True)):
+        with open(data, "r+b") as f:
+            f.seek(where)
+            old = f.read(1)
+            f.seek(where)
+            f.write(bytes([old[0] ^ 0xFF]))
+        part = ckptio.TensorShard(torch.zeros(16, 1024), (4096, 1024), (2000, 0))
+        if should_fail:
+            with pytest.raises(ckptio.CorruptCheckpointError, match="checksum mismatch"):
+                ckptio.load(str(path), {"t": part})
+        else:
+            ckptio.load(str(path), {"t": part})
+            assert torch.equal(part.local, big[2000:2016])
+
+
+@pytest.mark.parametrize("where", ["plan", "write"])
+def test_failure_on_one_rank_raises_everywhere_and_commits_nothing(tmp_path, where):
+    path = str(tmp_path / "ck")
+    errors = run_ranks(2, cases.fault_on_one_rank, path, where)
+    assert all(e != "no error" for e in errors), errors
+    assert "rank 1" in errors[0], errors[0]
+    assert "RankFailedError" in errors[0]
+    # the first checkpoint is intact and is what loads; the failed save left no data file
+    whole = ckptio.load(path)
+    for name in cases.SHAPES:
+        assert torch.equal(whole[name], cases.reference(name)), name
+    named = {f["name"] for f in _manifest(path)["files"]}
+    assert {n for n in os.listdir(path) if n.startswith("data-")} == named
+
+
+def test_plan_reuse_never_writes_stale_values(tmp_path):
+    root = str(tmp_path)
+    reused = run_ranks(2, cases.reuse, root)
+    assert reused[0] == [1]  # the second save reused the plan; the third re-planned (plain split)
+    run_ranks(2, cases.check_reuse, root)
