@@ -11,16 +11,25 @@ import sys
 
 from . import commit, manifest, tune
 from .errors import CkptError
+from .types import TensorEntry
 
 
 def _ls(args: argparse.Namespace) -> int:
     path = args.path
     record = manifest.decode(commit.read_committed(path), os.path.join(path, manifest.MANIFEST_NAME))
     total = sum(t.nbytes for t in record.tensors)
-    print(f"{path}: save {record.save_id}, {len(record.tensors)} tensors ({total / 2**20:.1f} MiB), "
-          f"{len(record.objects)} values, {len(record.aliases)} aliases, {len(record.files)} file(s)")
+    by_key: dict[str, list[TensorEntry]] = {}
     for t in record.tensors:
-        print(f"  {t.key:60s} {t.kind:8s} {t.dtype:10s} {list(t.shape)!s:20s} {t.nbytes:>12d}")
+        by_key.setdefault(t.key, []).append(t)
+    print(f"{path}: save {record.save_id} by {record.world_size} rank(s), {len(by_key)} tensors "
+          f"in {len(record.tensors)} chunks ({total / 2**20:.1f} MiB), {len(record.objects)} "
+          f"values, {len(record.aliases)} aliases, {len(record.files)} file(s)")
+    for key, chunks in by_key.items():
+        t = chunks[0]
+        where = (f"{len(chunks)} per-rank" if t.rank is not None else
+                 f"{len(chunks)} chunk(s)" if len(chunks) > 1 or t.chunk.flat else "")
+        print(f"  {key:60s} {t.kind:8s} {t.dtype:10s} {list(t.shape)!s:20s} "
+              f"{sum(c.nbytes for c in chunks):>12d} {where}")
     for key, target in record.aliases:
         print(f"  {key:60s} alias of {target}")
     return 0

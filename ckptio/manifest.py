@@ -185,6 +185,8 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int, block_n
         raise c.fail(f"{what} has unknown kind {kind!r:.30} or dtype {dtype!r:.30}")
     shape = tuple(c.int(d, f"{what} shape") for d in c.list(c.field(raw, "shape", what), f"{what} shape"))
     chunk_raw = c.field(raw, "chunk", what)
+    if not isinstance(chunk_raw, dict):
+        raise c.fail(f"{what}: chunk must be an object")
     offsets = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "offsets", what), what))
     chunk_sizes = tuple(c.int(d, f"{what} chunk") for d in c.list(c.field(chunk_raw, "sizes", what), what))
     flat = chunk_raw.get("flat", False)
@@ -255,8 +257,13 @@ def _check_groups(c: _Check, entries: tuple[Any, ...], what: str) -> dict[str, A
     one kind, dtype and shape) or each rank's own (at most one per rank). -> key: first entry."""
     first: dict[str, Any] = {}
     ranks: set[tuple[str, int]] = set()
+    chunks: set[tuple[str, Chunk]] = set()
     for e in entries:
         head = first.setdefault(e.key, e)
+        if what == "tensor" and e.rank is None:
+            if (e.key, e.chunk) in chunks:
+                raise c.fail(f"tensor {e.key!r} stores the same chunk twice")
+            chunks.add((e.key, e.chunk))
         if (head.rank is None) != (e.rank is None):
             raise c.fail(f"{what} {e.key!r} has both global and per-rank entries")
         if e.rank is not None:

@@ -44,18 +44,20 @@ RNG_SEED = 100  # + rank: each rank's RNG state in the checkpoint (a per-rank va
 # Tolerance for resuming on 1 or 4 ranks. The checkpoint restores the saved state exactly (checked
 # bitwise below), but the arithmetic after it is not the same arithmetic: with W ranks each rank's
 # backward sums its BATCH/W samples, FSDP2 reduce-scatters (sums) the W partial gradients and
-# divides by W, and the reported loss is an all-reduce of W partial sums. On 1 or 4 ranks these
-# float32 sums are taken in a different order, so each gradient and loss element differs from the
-# 2-rank run by a few ulps (relative ~1e-7). Adam divides by sqrt(exp_avg_sq), which after K steps
-# of history is not near zero, so the update differences stay relative ~1e-7 too, and over M = 3
-# steps they grow by at most a small factor. rtol 1e-5 / atol 1e-6 is ~100x that; a resume that
-# lost the optimizer state is off by far more (asserted in test_resume_needs_optimizer_state).
+# divides by W, and the reported loss is an all-reduce of W partial sums (the plain 1-rank model
+# sums all BATCH samples in one backward, no reduction). On 1 or 4 ranks these float32 sums are
+# taken in a different order, so each gradient and loss element differs from the 2-rank run by a
+# few ulps (relative ~1e-7). Adam divides by sqrt(exp_avg_sq), which after K steps of history is
+# not near zero, so the update differences stay relative ~1e-7 too, and over M = 3 steps they grow
+# by at most a small factor (measured here: losses and final parameters within 2e-7 relative).
+# rtol 1e-5 / atol 1e-6 is ~50x that; a resume that lost the optimizer state is off by ~1e-2
+# (asserted > 100 * RTOL in test_resume_needs_optimizer_state), so the check can tell them apart.
 RTOL = 1e-5
 ATOL = 1e-6
 
 
 # ------------------------------------------------------------------------------------------------
-# what every rank runs (module level: the ranks are spawned and import this module)
+# what every rank runs (module level: the ranks are other processes, which import this module)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +188,9 @@ def _resume_one(rank: int, world: int, path: str, layout: str, saved_world: int,
     model, opt = _build(layout, OTHER_SEED)
     state = _state(model, opt if restore_optim else None, 0, torch.zeros_like(_rng_of(0)))
     # "rng" is the only per-rank key (every rank saved its own); the model and optimizer state
-    # are DTensor chunks or equal on every rank (step). The same number of ranks gets its own
-    # rank's by default; another number must choose: here every rank takes saved rank 0's.
+    # are DTensor chunks or equal on every rank (Adam's step, param_groups, "step"). The same
+    # number of ranks gets its own rank's by default; another number must choose: here every
+    # rank takes saved rank 0's (per_rank_from=0).
     same = world == saved_world
     if not same:  # without a rule, every rank refuses (before reading anything) and can go on
         with pytest.raises(StateMismatchError, match="per_rank_from"):

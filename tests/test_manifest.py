@@ -242,6 +242,34 @@ def _dup_tensor_key(body):
     _tensor(body, "model.b")["key"] = "model.w"
 
 
+def _same_chunk_twice(body):
+    body["tensors"].append(dict(_tensor(body, "model.w")))
+
+
+def _both_global_and_per_rank(body):
+    copy = dict(_tensor(body, "model.w"))
+    copy["rank"] = 0
+    body["tensors"].append(copy)
+
+
+def _two_of_one_rank(body):
+    _tensor(body, "model.w")["rank"] = 0
+    copy = dict(_tensor(body, "model.w"))
+    body["tensors"].append(copy)
+
+
+def _per_rank_object_twice(body):
+    body["objects"][0]["rank"] = 0
+    body["objects"].append(dict(body["objects"][0]))
+
+
+def _big_entry(blocks):
+    def mutate(body):
+        body["block_nbytes"] = 64
+        _tensor(body, "model.w")["blocks"] = blocks
+    return mutate
+
+
 def _object_key_of_tensor(body):
     body["objects"][0]["key"] = "model.w"
 
@@ -306,6 +334,24 @@ HOSTILE = [
     pytest.param(_set_chunk([0, 0, 0], [4, 8, 1]), id="chunk-rank-mismatch"),
     pytest.param(_set_chunk([0], [4]), id="chunk-rank-short"),
     pytest.param(_set_chunk([0, -1], [4, 8]), id="chunk-negative"),
+    pytest.param(_set_chunk({"x": 1}, [4, 8]), id="chunk-offsets-not-list"),
+    pytest.param(lambda b: _tensor(b, "model.w")["chunk"].__setitem__("flat", 1), id="chunk-flat-not-bool"),
+    pytest.param(lambda b: _tensor(b, "model.w").__setitem__(
+        "chunk", {"offsets": [30], "sizes": [4], "flat": True}), id="flat-chunk-past-end"),
+    # many ranks
+    pytest.param(_set("model.w", "rank", 1), id="rank-not-below-world-size"),
+    pytest.param(_set("model.w", "rank", -1), id="rank-negative"),
+    pytest.param(_both(_set("model.w", "rank", 0), _set_chunk([0, 0], [2, 8]),
+                       _set("model.w", "nbytes", 64)), id="per-rank-entry-not-whole"),
+    pytest.param(_both_global_and_per_rank, id="key-both-global-and-per-rank"),
+    pytest.param(_two_of_one_rank, id="two-entries-of-one-rank"),
+    pytest.param(_same_chunk_twice, id="same-chunk-twice"),
+    pytest.param(_per_rank_object_twice, id="per-rank-object-twice"),
+    pytest.param(_top("block_nbytes", 0), id="block-nbytes-zero"),
+    pytest.param(_drop("block_nbytes"), id="block-nbytes-missing"),
+    pytest.param(_big_entry(["0123456789abcdef"]), id="too-few-block-checksums"),
+    pytest.param(_big_entry(["0123456789abcdef"] * 2 + ["xyz"]), id="block-checksum-not-hex"),
+    pytest.param(_set("model.b", "blocks", ["0123456789abcdef"]), id="blocks-on-a-small-entry"),
     # keys
     pytest.param(_dup_tensor_key, id="duplicate-tensor-key"),
     pytest.param(_object_key_of_tensor, id="object-key-of-tensor"),
@@ -349,6 +395,22 @@ def test_hostile_body_is_rejected(mutate):
     body = good_body()
     result = mutate(body)
     rejected(wrap(body if result is None else result))
+
+
+def test_many_rank_fields_round_trip():
+    m = good_manifest()
+    flat = TensorEntry("f", "tensor", "float32", (3, 5), Chunk((4,), (7,), flat=True), F1, 128,
+                       28, "0123456789abcdef")
+    own = TensorEntry("r", "tensor", "uint8", (4,), Chunk.whole((4,)), F1, 192, 4,
+                      "0123456789abcdef", rank=1)
+    big = TensorEntry("big", "tensor", "uint8", (300,), Chunk.whole((300,)), F1, 256, 300,
+                      "0123456789abcdef", blocks=("0123456789abcdef",) * 3)
+    tree = {"d": [*m.tree["d"], ["f", {"k": "f"}], ["r", {"k": "r"}], ["big", {"k": "big"}],
+                  ["o", {"k": "o"}]]}
+    many = Manifest(m.version, m.save_id, m.checksum_algorithm, 2, m.files,
+                    (*m.tensors, flat, own, big), (*m.objects, ObjectEntry("o", ["int", 1], 1)),
+                    m.aliases, tree, m.meta, block_nbytes=128)
+    assert manifest.decode(manifest.encode(many), WHERE) == many
 
 
 def test_hostile_cases_start_from_an_accepted_body():

@@ -115,13 +115,16 @@ def local_view(value: Any, rank: int, world: int, memo: dict[int, Any] | None = 
 
     memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        if id(value) not in memo:
+        # state_dict() detaches every entry: tied weights are distinct objects over one storage
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                 value.stride(), value.dtype)
+        if ident not in memo:
             if placement_of(value) == "shard" and world > 1:
                 start, length = split(value.shape[0], world, rank)
-                memo[id(value)] = value.narrow(0, start, length)
+                memo[ident] = value.narrow(0, start, length)
             else:
-                memo[id(value)] = value
-        return memo[id(value)]
+                memo[ident] = value
+        return memo[ident]
     if isinstance(value, dict):
         return type(value)({k: local_view(v, rank, world, memo) for k, v in value.items()})
     if isinstance(value, list):
@@ -386,7 +389,11 @@ def gather(value: Any) -> list[Any]:
 
 
 def ckpt_dir(args: argparse.Namespace, engine: str, rep: int) -> Path:
-    return args.dir / f"{PREFIX}{'ckptio' if engine == 'ckptio' else 'dcp'}-r{rep}"
+    """Where save engine ``engine`` writes in repetition ``rep``; the load engine "dcp" reads
+    what the first DCP variant wrote."""
+    if engine == "dcp":
+        engine = save_engines(args)[1]
+    return args.dir / f"{PREFIX}{engine}-r{rep}"
 
 
 def save_worker(args: argparse.Namespace, engine: str) -> Run:
@@ -438,10 +445,12 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
     seconds, rss, report = timed(lambda: load(args.ckpt, dest), args.idle)
     ok = local_digest(dest) == expect["digests"][args.world][args.rank]
     oks, rsses = gather(ok), gather(rss)
+    read = gather(getattr(report, "nbytes_read", None))
     return {"job": "load", "engine": engine, "rep": args.rep, "ranks": args.world,
             "saved_ranks": args.ranks, "bytes": expect["bytes"], "load_s": seconds,
             "load_rss_mib": max(rsses), "cache_drop": cache_drop, "bitwise_ok": all(oks),
-            "bitwise_by_rank": oks, "report": _report(report)}
+            "bitwise_by_rank": oks, "nbytes_read": None if None in read else sum(read),
+            "report": _report(report)}
 
 
 def _report(report: object) -> object:
@@ -583,7 +592,7 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             run["layout"] = f"{args.ranks}->{world}"
             runs.append(run)
             print(progress(run), file=sys.stderr, flush=True)
-        for engine in ("ckptio", "dcp"):
+        for engine in saves:
             shutil.rmtree(ckpt_dir(args, engine, rep), ignore_errors=True)
         if not args.no_ceiling:
             runs.append(run_ceiling(args, rep))
@@ -644,6 +653,7 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
             "load_gbps": med(rs, lambda r: gbps(r, "load_s")),
             "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
             "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
+            "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
             "bitwise_ok": bool(rs) and len(rs) == len(all_rs) and all(r["bitwise_ok"] for r in rs)})
     out["saves"], out["loads"] = saves, loads
     out["checks"] = checks(saves, loads, args)
@@ -707,14 +717,15 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
                      f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
     lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
                  f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
-    lines += ["", "| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | bitwise |",
-              "|---|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
+              "| bitwise |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
         ok = ("ok" if l["bitwise_ok"] else "MISMATCH") + (f" ({l['failed']} failed)" if l["failed"] else "")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
-                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} | {ok} |")
+                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
+                     f"| {fmt(l['read_mb'], '.0f')} | {ok} |")
     lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
-                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | - |")
+                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - |")
     lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
     for c in summary["checks"]:
         met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
@@ -730,6 +741,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         "process group; DCP loads the checkpoint of its first --dcp-threads variant; ckptio's "
         + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
            "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
+        "- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
+        "minimum; more means over-reading)",
         "- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
         "the same region of the reference state (untimed)", ""]
     return "\n".join(lines)

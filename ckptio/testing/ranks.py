@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import time
 import queue
 import socket
 import traceback
@@ -35,7 +37,9 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            # pickled here: a queue would pass tensors as shared-memory handles that vanish
+            # when this process exits
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
@@ -53,7 +57,8 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
-                                     "ckptio"])
+                                     "torch.distributed.fsdp",
+                                     "torch.distributed.checkpoint.state_dict", "ckptio"])
     return _CTX
 
 
@@ -71,19 +76,26 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world_size:
-            rank, ok, value = results.get(timeout=timeout_s)
-            got[rank] = (ok, value)
-    except queue.Empty:
-        pass
+        while len(got) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead and results.empty():
+                    time.sleep(1.0)  # a last answer may still be in flight
+                    if results.empty():
+                        break  # a rank died without answering: do not wait out the timeout
+                continue
+            got[rank] = (ok, pickle.loads(value) if ok else value)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     failed = {r: v for r, (ok, v) in got.items() if not ok}
-    missing = [r for r in range(world_size) if r not in got]
+    missing = [f"{r} (exit code {procs[r].exitcode})" for r in range(world_size) if r not in got]
     if failed or missing:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
         raise RanksFailed(f"ranks failed: {sorted(failed)}; no answer from {missing}\n{text}")

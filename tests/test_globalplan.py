@@ -1,0 +1,98 @@
+"""The coordinator's decisions, without processes: who writes replicas, what stays per rank,
+what ranks must agree on, and how trees merge."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptio import wire
+from ckptio.globalplan import PlanConflict, RankPlan, merge_trees, per_rank_keys, plan_global
+from ckptio.types import Chunk, ObjectEntry, WriteItem
+
+
+def item(key: str, nbytes: int, chunk: Chunk | None = None, shape=(4,)) -> WriteItem:
+    return WriteItem(key, "tensor", "uint8", shape, chunk or Chunk.whole(shape), nbytes)
+
+
+def rank_plan(rank: int, items, sharded=(), digests=None, objects=(), tree=None) -> RankPlan:
+    digests = digests if digests is not None else tuple(
+        None if i.key in sharded else "0" * 16 for i in items)
+    return RankPlan(rank, tuple(items), frozenset(sharded), tuple(digests), tuple(objects), (),
+                    tree if tree is not None else {"d": []})
+
+
+
+def test_replicas_written_once_and_spread_by_bytes():
+    # four replicated tensors of decreasing size on 2 ranks: each goes to the rank with fewer
+    # bytes so far, biggest first: 100 -> rank 0; 60, 50 -> rank 1; 10 -> rank 0
+    items = [item("a", 100, shape=(100,)), item("b", 60, shape=(60,)), item("c", 50, shape=(50,)),
+             item("d", 10, shape=(10,))]
+    plans = [rank_plan(r, items) for r in range(2)]
+    out = plan_global(plans)
+    keys = [[items[i].key for i in a.writes] for a in out.assignments]
+    assert sorted(keys[0] + keys[1]) == ["a", "b", "c", "d"]  # each once
+    loads = [sum(items[i].nbytes for i in a.writes) for a in out.assignments]
+    assert loads == [110, 110]
+
+
+def test_sharded_regions_are_replicas_only_when_the_same_region():
+    shape = (8, 4)
+    top, bottom = Chunk((0, 0), (4, 4)), Chunk((4, 0), (4, 4))
+    # 2-D mesh 2 x 2: ranks 0,1 hold the top half (replicas), ranks 2,3 the bottom half
+    plans = [rank_plan(r, [item("w", 16, top if r < 2 else bottom, shape)], sharded={"w"})
+             for r in range(4)]
+    out = plan_global(plans)
+    writers = [r for r, a in enumerate(out.assignments) if a.writes]
+    assert len(writers) == 2 and writers[0] in (0, 1) and writers[1] in (2, 3)
+
+
+def test_plain_tensors_differing_between_ranks_stay_per_rank():
+    plans = [rank_plan(r, [item("rng", 4), item("same", 4)],
+                       digests=(f"{r:016x}", "f" * 16)) for r in range(3)]
+    assert per_rank_keys(plans) == {"rng"}
+    out = plan_global(plans)
+    for rank, a in enumerate(out.assignments):
+        assert 0 in a.writes and 0 in a.own  # each rank writes its own rng
+    assert sum(1 in a.writes for a in out.assignments) == 1  # "same" once
+
+
+def test_objects_equal_everywhere_are_global_else_per_rank():
+    plans = [rank_plan(r, [], objects=[ObjectEntry("step", ["int", 5]),
+                                       ObjectEntry("pos", ["int", r])]) for r in range(2)]
+    objects = plan_global(plans).objects
+    assert ObjectEntry("step", ["int", 5]) in objects
+    assert {(o.key, o.rank) for o in objects if o.key == "pos"} == {("pos", 0), ("pos", 1)}
+
+
+def test_disagreeing_ranks_are_named():
+    a = rank_plan(0, [item("w", 16, Chunk((0,), (4,)), (8,))], sharded={"w"})
+    b = rank_plan(1, [WriteItem("w", "tensor", "float32", (8,), Chunk((4,), (4,)), 16)], sharded={"w"})
+    with pytest.raises(PlanConflict, match="rank 0.*rank 1"):
+        plan_global([a, b])
+    c = rank_plan(1, [item("w", 8)])  # plain on rank 1, sharded on rank 0
+    with pytest.raises(PlanConflict, match="sharded tensor on rank 0 but a plain tensor on rank 1"):
+        plan_global([a, c])
+
+
+def test_trees_merge_dicts_and_refuse_other_differences():
+    t0 = {"d": [["layers.0.w", {"k": "layers.0.w"}], ["step", {"k": "step"}]]}
+    t1 = {"d": [["layers.1.w", {"k": "layers.1.w"}], ["step", {"k": "step"}]]}
+    merged = merge_trees([t0, t1])
+    assert [k for k, _ in merged["d"]] == ["layers.0.w", "step", "layers.1.w"]
+    with pytest.raises(PlanConflict, match="structure"):
+        merge_trees([{"l": [{"k": "0"}]}, {"l": [{"k": "0"}, {"k": "1"}]}])
+
+
+def test_wire_round_trip_and_same_as():
+    plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,))], sharded={"w"},
+                     objects=[ObjectEntry("o", ["int", 1])], tree={"d": [["w", {"k": "w"}]]})
+    back, error = wire.decode_plan(wire.encode_plan(plan), 3, None, None)
+    assert error is None and back == plan
+    changed = RankPlan(3, plan.items, plan.sharded, plan.digests, (ObjectEntry("o", ["int", 2]),),
+                       plan.aliases, plan.tree)
+    again, _ = wire.decode_plan(wire.encode_plan(changed, same_as="fp"), 3, plan, "fp")
+    assert again == changed  # the layout from the cache, values from the message
+    _, error = wire.decode_plan(wire.encode_plan(changed, same_as="old"), 3, plan, "fp")
+    assert error is not None
+    with pytest.raises(wire.WireError):
+        wire.decode_plan(b'{"rank": 1}', 1, None, None)
