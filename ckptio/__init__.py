@@ -12,7 +12,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import Checkpointer, LoadReport, SaveHandle, SaveResult, async_save, load, save, verify
+from .api import Checkpointer, LoadReport, SaveHandle, SaveResult
+from .shared import async_save, load, save, verify
 from .persist import Progress
 from .errors import (
     CheckpointNotFoundError,

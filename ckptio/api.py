@@ -18,22 +18,22 @@ from typing import Any
 
 import torch
 
-from . import assemble, collective, commit, io, manifest, persist, profile, restore
+from . import assemble, collective, commit, io, manifest, persist, restore
 from .dist import Group, Solo, TorchGroup, current_group
-from .background import SaveHandle, SaveResult, optimizer_storages
-from .errors import CkptError, CorruptCheckpointError
+from .background import SaveHandle, SaveResult, lazy_order
+from .errors import CkptError
 from .flatten import FlatState, flatten
 from .layout import plan_files
 from .options import Options
+from .profile import io_fields, tuned_options
 from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
-from .types import FileInfo, FileLayout, Manifest, TensorEntry, WriteItem
+from .types import FileInfo, FileLayout, TensorEntry
 
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
-__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "save", "async_save",
-           "load", "verify"]
+__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport"]
 
 
 class Checkpointer:
@@ -71,7 +71,7 @@ class Checkpointer:
         """The pool and backend, made for the tuned profile of ``path``'s filesystem (if any);
         remade only when a save or load goes to a filesystem tuned differently."""
         wanted = self.options if path is None else tuned_options(self.options, path)
-        if _io_fields(wanted) != _io_fields(self._active) and (self._pool or self._backend):
+        if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backend):
             self._release()
         self._active = wanted
         if self._pool is None:
@@ -151,6 +151,10 @@ class Checkpointer:
             raise CkptError("async_save(lazy=True) needs optimizers=[...]: their step() is what "
                             "must wait for the capture")
         path = os.fspath(path)
+        group = self._group(process_group)
+        if group.size > 1 and if_busy == "skip":
+            raise CkptError("async_save(if_busy='skip') is not available with many ranks: ranks "
+                            "could decide differently and the save would hang; use 'wait'")
         previous = self._inflight
         if previous is not None and not previous.done() and if_busy == "skip":
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
@@ -158,10 +162,9 @@ class Checkpointer:
             return SaveHandle.skipped(path)
         self._settle()
         self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
-        group = self._group(process_group)
         plan, sources, flat, agreement = self._agree(group, state, path, allow_pickle)
         items = tuple(plan.items[i] for i in agreement.assignment.writes)
-        items, eager_items = _lazy_order(items, sources, optimizers) if lazy else (items, len(items))
+        items, eager_items = lazy_order(items, sources, optimizers) if lazy else (items, len(items))
         files = plan_files(items, save_id=agreement.save_id, rank=group.rank,
                            max_file_bytes=self.options.max_file_bytes)
         progress = persist.Progress(sum(i.nbytes for i in items))
@@ -307,7 +310,7 @@ class Checkpointer:
         path = os.fspath(path)
         record = manifest.decode(commit.read_committed(path),
                                  os.path.join(path, manifest.MANIFEST_NAME))
-        _check_files(path, record)
+        commit.check_files(path, record)
         with self._lock:
             pool, backend = self._resources(path)
             return restore.read_targets(
@@ -344,6 +347,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         path = os.fspath(path)
+        self._settle()  # a save of ours in flight finishes first (and uses the same group)
         group = self._group(process_group) if state is not None else Solo()
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
@@ -365,7 +369,7 @@ class Checkpointer:
               world_size: int) -> Any:
         record = manifest.decode(commit.read_committed(path),
                                  os.path.join(path, manifest.MANIFEST_NAME))
-        _check_files(path, record)
+        commit.check_files(path, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
         with self._lock:
@@ -386,59 +390,11 @@ class Checkpointer:
                                  cast=cast, allow_pickle=allow_pickle, **where)
 
 
-IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
-
-
-def _io_fields(options: Options) -> tuple[object, ...]:
-    return tuple(getattr(options, name) for name in IO_FIELDS)
-
-
-def tuned_options(options: Options, path: str) -> Options:
-    """``options`` with the I/O fields it leaves at their defaults taken from the tuned profile of
-    ``path``'s filesystem (``ckptio tune``); unchanged without a profile or with use_profile off."""
-    if not options.use_profile:
-        return options
-    found = profile.lookup(path)
-    if found is None:
-        return options
-    defaults = Options()
-    fields = {k: v for k, v in found.option_fields().items()
-              if k in IO_FIELDS and getattr(options, k) == getattr(defaults, k)}
-    if 2 * int(fields.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
-        fields.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
-    return dataclasses.replace(options, **fields)
-
-
-def _lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
-                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[WriteItem, ...], int]:
-    """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
-    -> (items, how many come first)."""
-    owned = optimizer_storages(optimizers)
-    lazy = [i for i in items if sources[i.key].untyped_storage().data_ptr() in owned]
-    eager = [i for i in items if sources[i.key].untyped_storage().data_ptr() not in owned]
-    return tuple(eager + lazy), len(eager)
-
-
 def _meta() -> dict[str, Any]:
     from . import __version__
 
     return {"ckptio_version": __version__, "torch_version": torch.__version__,
             "created_unix": time.time()}
-
-
-def _check_files(path: str, record: Manifest) -> None:
-    for info in record.files:
-        file = os.path.join(path, info.name)
-        try:
-            size = os.stat(file).st_size
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"data file {file} named by the manifest is missing; the checkpoint is damaged: "
-                "load an earlier one") from None
-        if size < info.nbytes:
-            raise CorruptCheckpointError(
-                f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
-                "damaged: load an earlier one")
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -455,49 +411,3 @@ def _finish_saves_at_exit() -> None:
 
 
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
-
-_default: Checkpointer | None = None
-_default_lock = threading.Lock()
-
-
-def _checkpointer(options: Options | None) -> Checkpointer:
-    """The shared Checkpointer; replaced (its pool freed) when called with different options."""
-    global _default
-    with _default_lock:
-        if _default is None or (options is not None and options != _default.options):
-            if _default is not None:
-                _default.close()
-            _default = Checkpointer(options)
-        return _default
-
-
-def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-         options: Options | None = None, process_group: Any = None) -> SaveResult:
-    """Save with the shared Checkpointer (or a one-off one when ``options`` is given)."""
-    return _checkpointer(options).save(state, path, allow_pickle=allow_pickle,
-                                       process_group=process_group)
-
-
-def async_save(state: Any, path: str | os.PathLike[str], *, lazy: bool = False,
-               optimizers: Sequence[torch.optim.Optimizer] = (), if_busy: str = "wait",
-               allow_pickle: bool = False, options: Options | None = None,
-               process_group: Any = None) -> SaveHandle:
-    """Start a background save with the shared Checkpointer; see Checkpointer.async_save."""
-    return _checkpointer(options).async_save(state, path, lazy=lazy, optimizers=optimizers,
-                                             if_busy=if_busy, allow_pickle=allow_pickle,
-                                             process_group=process_group)
-
-
-def verify(path: str | os.PathLike[str]) -> int:
-    """Check every stored byte of a checkpoint against its checksum; see Checkpointer.verify."""
-    return _checkpointer(None).verify(path)
-
-
-def load(path: str | os.PathLike[str], state: Any = None, *, strict: bool = True,
-         keys: KeyFilter = None, cast: bool = False, verify: bool | None = None,
-         allow_pickle: bool = False, per_rank_from: RankPolicy = None,
-         options: Options | None = None, process_group: Any = None) -> Any:
-    """Load with the shared Checkpointer; see Checkpointer.load."""
-    return _checkpointer(options).load(path, state, strict=strict, keys=keys, cast=cast,
-                                       verify=verify, allow_pickle=allow_pickle,
-                                       per_rank_from=per_rank_from, process_group=process_group)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from .errors import CkptError
 from .persist import Progress
+from .types import WriteItem
 
 
 @dataclass(frozen=True)
@@ -238,3 +239,13 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
             storages.update(v.untyped_storage().data_ptr() for v in state.values()
                             if isinstance(v, torch.Tensor))
     return storages
+
+
+def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
+                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[WriteItem, ...], int]:
+    """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
+    -> (items, how many come first)."""
+    owned = optimizer_storages(optimizers)
+    lazy = [i for i in items if sources[i.key].untyped_storage().data_ptr() in owned]
+    eager = [i for i in items if sources[i.key].untyped_storage().data_ptr() not in owned]
+    return tuple(eager + lazy), len(eager)

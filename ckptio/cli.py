@@ -36,7 +36,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .api import verify
+    from .shared import verify
 
     nbytes = verify(args.path)
     print(f"{args.path}: OK, every entry matches its checksum ({nbytes} bytes read)")

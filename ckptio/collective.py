@@ -98,7 +98,14 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
         memory.fingerprint = fingerprint
         message = wire.encode_plan(mine, same_as=same)
     gathered = group.gather(message)
-    answers = _decide(gathered, memory, path) if gathered is not None else None
+    answers = None
+    if gathered is not None:
+        try:
+            answers = _decide(gathered, memory, path)
+        except BaseException as exc:  # the peers wait for an answer: give them this one
+            group.scatter([_refusal(path, [f"the coordinator (rank 0): {_describe(exc)}"])]
+                          * len(gathered))
+            raise
     answer = group.scatter(answers)
     if error is not None:
         memory.fingerprint = None

@@ -21,8 +21,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageIOError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                     StorageIOError)
 from .manifest import MANIFEST_NAME
+from .types import Manifest
 
 log = logging.getLogger("ckptio")
 _TMP_PREFIX = ".manifest-"
@@ -149,3 +151,18 @@ def remove_unreferenced(path: str, keep: set[str], listed: threading.Event | Non
         log.warning("ckptio: could not remove superseded files in %s: %s", path, exc)
         return []
     return removed
+
+
+def check_files(path: str, record: Manifest) -> None:
+    for info in record.files:
+        file = os.path.join(path, info.name)
+        try:
+            size = os.stat(file).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"data file {file} named by the manifest is missing; the checkpoint is damaged: "
+                "load an earlier one") from None
+        if size < info.nbytes:
+            raise CorruptCheckpointError(
+                f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
+                "damaged: load an earlier one")

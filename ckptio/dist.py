@@ -69,9 +69,10 @@ class TorchGroup:
 
         self._dist = dist
         ranks = dist.get_process_group_ranks(group)
-        # new_group is collective over the whole world: every process calls this together (the
-        # first save or load is collective anyway).
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        # Collective over the group's members only (use_local_synchronization): the first save
+        # or load over this group, which every member calls anyway.
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                    use_local_synchronization=True)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
 

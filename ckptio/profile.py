@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .options import Options
+
 log = logging.getLogger("ckptio")
 
 VERSION = 1
@@ -208,3 +210,26 @@ def _warn_once(path: Path, exc: Exception) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
         log.warning("ckptio: ignoring the I/O profile file: %s; run `ckptio tune DIR` to rewrite it", exc)
+
+
+IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
+
+
+def io_fields(options: Options) -> tuple[object, ...]:
+    return tuple(getattr(options, name) for name in IO_FIELDS)
+
+
+def tuned_options(options: Options, path: str) -> Options:
+    """``options`` with the I/O fields it leaves at their defaults taken from the tuned profile of
+    ``path``'s filesystem (``ckptio tune``); unchanged without a profile or with use_profile off."""
+    if not options.use_profile:
+        return options
+    found = lookup(path)
+    if found is None:
+        return options
+    defaults = Options()
+    fields = {k: v for k, v in found.option_fields().items()
+              if k in IO_FIELDS and getattr(options, k) == getattr(defaults, k)}
+    if 2 * int(fields.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
+        fields.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    return dataclasses.replace(options, **fields)

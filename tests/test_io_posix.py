@@ -4,7 +4,6 @@ in each direct_io mode: "auto" (O_DIRECT where accepted), "on" (O_DIRECT or fail
 
 from __future__ import annotations
 
-import errno
 import os
 
 import pytest

@@ -4,7 +4,6 @@ registered as fixed buffers, and the fallback to POSIX where io_uring is unavail
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
