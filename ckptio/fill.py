@@ -192,8 +192,13 @@ class _Reads:
             yield from job.entries
 
     def run(self, read: ReadFn) -> int:
+        targets, jobs = list(self.targets.values()), self.jobs
+        if jobs:  # one read plan for all: each read's gaps could be another's data (read twice)
+            jobs = jobs + [Job(t.entry.key, (t.entry,), t.entry.chunk, dest)
+                           for t in targets for dest in t.dests]
+            targets = []
         with torch.no_grad():
-            nbytes = read(list(self.targets.values()), self.jobs)
+            nbytes = read(targets, jobs)
             for dest, staged in self.casts:
                 dest.copy_(staged)
         return nbytes

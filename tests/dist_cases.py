@@ -197,3 +197,23 @@ def check_reuse(rank: int, world: int, root: str) -> None:
         plain = float(rank + 10) if step == 2 else 0.0
         assert torch.equal(state["plain"], torch.full((8,), plain)), (step, state["plain"])
         assert state["step"] == step
+
+
+# ------------------------------------------------------------------ small plain between big shards
+
+INTERLEAVED_N = 50_000  # floats per shard: the gap a small entry's read could run through
+
+
+def interleaved_full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for i in range(8):  # in file order: a small plain tensor, a big sharded one, ...
+        out[f"l{i}.norm"] = torch.randn(16, generator=g)
+        out[f"l{i}.weight"] = torch.randn(2 * INTERLEAVED_N, generator=g)
+    return out
+
+
+def save_interleaved(rank: int, world: int, path: str) -> None:
+    state = {k: leaf("shard0", v, rank, world) if v.numel() > 16 else v
+             for k, v in interleaved_full().items()}
+    ckptio.save(state, path, options=SMALL)

@@ -27,6 +27,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import pstats
@@ -269,17 +270,17 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
     n_params = rows[0]["tensors"] if rows else 0
     lines = [
         "## Plan-only scale (simulated FSDP x TP)", "", f"`{command}`  ",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, one process, median of "
+        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, one process, median of "
         f"{args.reps}; {n_params} tensors ({'params + AdamW exp_avg, exp_avg_sq' if args.optim else 'params'}"
         f", {args.dtype}), Llama-70B-like shapes, mesh (dp, tp) with placements [Shard(0), "
-        "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  ",
-        "local: one rank's _fingerprint + encode_plan; decide: coordinator _decide (decode all, "
+        "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  "),
+        ("local: one rank's _fingerprint + encode_plan; decide: coordinator _decide (decode all, "
         "plan_global, answers); result: one rank's encode_result; manifest: coordinator "
         "decode_result of all + manifest_entries + manifest.encode; load: manifest.decode; "
         "peak RSS: of the fresh process measuring that world size (all ranks' plans in one "
-        "process: the coordinator's share plus the simulation's)", "",
-        "| world | dp x tp | chunks | manifest MB | bytes/chunk | plan msg kB | local s | decide s "
-        "| result s | manifest s | save total s | load decode s | peak RSS MiB |",
+        "process: the coordinator's share plus the simulation's)"), "",
+        ("| world | dp x tp | chunks | manifest MB | bytes/chunk | plan msg kB | local s | decide s "
+        "| result s | manifest s | save total s | load decode s | peak RSS MiB |"),
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -288,13 +289,25 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
             f"| {r['bytes_per_chunk']:.0f} | {r['plan_msg_bytes'] / 1e3:.1f} | {r['local_s']:.4f} "
             f"| {r['decide_s']:.3f} | {r['result_s']:.4f} | {r['manifest_s']:.3f} "
             f"| {r['save_total_s']:.3f} | {r['load_s']:.3f} | {r.get('peak_rss_mib', float('nan')):.0f} |")
-    for a, b in zip(rows, rows[1:]):
+    for a, b in itertools.pairwise(rows):
         slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["chunks"] - a["chunks"])
         lines.append(f"- {a['world']} -> {b['world']} ranks: {slope:.0f} manifest bytes per added "
                      "chunk (constant along the curve = linear growth; small worlds carry more 1 MiB "
                      "block checksums per chunk)")
     lines.append("")
     return "\n".join(lines)
+
+
+def cap_memory(gb: float) -> None:
+    """RLIMIT_AS = the current address space + ``gb`` GB (no cap when ``gb`` <= 0)."""
+    import resource
+
+    if gb <= 0:
+        return
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = vm + int(gb * 1e9)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
 def peak_rss_mib() -> float:
@@ -324,14 +337,15 @@ def spawn(argv: list[str], world: int, timeout: float) -> dict[str, Any] | None:
         rest.append(a)
     cmd = [sys.executable, "-m", "ckptio.bench.plan_scale", "--worker", "--world", str(world), *rest]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         print(f"world {world}: timed out after {timeout:.0f} s; stopping", file=sys.stderr)
         return None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        print(f"world {world}: worker exited {proc.returncode} (killed for memory if -9)\n{tail}",
+        print(f"world {world}: worker exited {proc.returncode} (MemoryError: over --mem-limit-gb; "
+              f"-9: killed for memory)\n{tail}",
               file=sys.stderr)
         return None
     return json.loads(lines[-1])
@@ -351,6 +365,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, help="cProfile the timed phases; write the top "
                    "functions (cumulative and internal time) here (runs in this process)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    p.add_argument("--mem-limit-gb", type=float, default=12.0, help="address-space cap for each "
+                   "world size's process beyond what it holds at start (default 12): a world too "
+                   "big for this machine fails with MemoryError instead of waking the OOM killer; "
+                   "0 = no cap")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.worlds = [int(w) for w in args.world.split(",") if w.strip()]
@@ -365,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = model_tensors(args.tensors, args.optim)
     profiler = cProfile.Profile() if args.profile else None
     if args.worker:
+        cap_memory(args.mem_limit_gb)
         row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
         row["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(row), flush=True)

@@ -24,6 +24,7 @@ between repetitions. Every timed phase starts and ends with a barrier; the time 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -255,8 +256,8 @@ def destination(skel: Any, rank: int, world: int, mesh: Any) -> Any:
 
 def local_digest(value: Any) -> str:
     """state.digest of the state with every DTensor replaced by its local tensor."""
-    from . import state
     from ..sharding import is_dtensor
+    from . import state
 
     def walk(v: Any) -> Any:
         if is_dtensor(v):
@@ -470,13 +471,11 @@ def worker_main(args: argparse.Namespace) -> int:
         run = load_worker(args, engine)
     if args.rank == 0:
         print(json.dumps(run), flush=True)
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # teardown only: the result is already out
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown only
-        pass
     return 0 if run["bitwise_ok"] else 3
 
 
@@ -699,12 +698,12 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
     nbytes = summary["bytes"] or 0
     lines = [
         f"## {args.ranks}-rank durable save and cold load (resharded)", "", f"`{command}`  ",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
-        f"{args.reps} reps, fresh gloo processes per job (OMP_NUM_THREADS=1), medians  ",
-        f"state: GPT+AdamW of state.py, S = {nbytes:,} bytes ({summary['tensors']} tensor leaves), "
+        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
+        f"{args.reps} reps, fresh gloo processes per job (OMP_NUM_THREADS=1), medians  "),
+        (f"state: GPT+AdamW of state.py, S = {nbytes:,} bytes ({summary['tensors']} tensor leaves), "
         f"d_model {cfg.d_model}, {cfg.n_layers} blocks, vocab {cfg.vocab}; 2+-dim tensors DTensor "
         f"Shard(0) over a 1-D CPU mesh of {args.ranks}, 1-D (norms, biases) Replicate, 0-dim and "
-        "RNG plain (same on every rank)  ",
+        "RNG plain (same on every rank)  "),
         "ceiling: save_load's O_DIRECT worker, S bytes, every rep, best of "
         + ", ".join(f"{c >> 20} MiB x {t} threads" for c, t in ceiling.GEOMETRIES), "",
         "| engine | ranks | 1st save s | save s | save GB/s | % write ceil | RSS+ MiB/rank | files | disk MB |",
@@ -717,8 +716,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
                      f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
     lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
                  f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
-    lines += ["", "| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
-              "| bitwise |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
+              "| bitwise |"), "|---|---|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
         ok = ("ok" if l["bitwise_ok"] else "MISMATCH") + (f" ({l['failed']} failed)" if l["failed"] else "")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
@@ -731,20 +730,20 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
         lines.append(f"| {c['what']} | {c['value']:.2f} | {c['target']} | {met} |")
     lines += [
-        "", "- save: barrier, clock, save, barrier (rank 0's clock: the slowest rank counts); 1st "
-        "save: the first in the process, save: a second one (what a training job pays every time)",
-        "- ckptio: ckptio.save, durable and committed when it returns (POSIX backend, no tuned "
+        "", ("- save: barrier, clock, save, barrier (rank 0's clock: the slowest rank counts); 1st "
+        "save: the first in the process, save: a second one (what a training job pays every time)"),
+        ("- ckptio: ckptio.save, durable and committed when it returns (POSIX backend, no tuned "
         "profile); DCP: dcp.save with FileSystemWriter(thread_count=k, sync_files=True), then "
-        "os.sync() on every rank inside the clock (.metadata and directory entries)",
+        "os.sync() on every rank inside the clock (.metadata and directory entries)"),
         "- load: fresh ranks allocate and zero the destination, rank 0 drops the page cache, idle, "
         f"then the clock; {args.ranks}->1 loads into plain full tensors in one process without a "
         "process group; DCP loads the checkpoint of its first --dcp-threads variant; ckptio's "
         + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
            "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
-        "- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
-        "minimum; more means over-reading)",
-        "- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
-        "the same region of the reference state (untimed)", ""]
+        ("- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
+        "minimum; more means over-reading)"),
+        ("- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
+        "the same region of the reference state (untimed)"), ""]
     return "\n".join(lines)
 
 
