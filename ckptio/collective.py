@@ -26,6 +26,7 @@ from . import commit, manifest, wire
 from .dist import COORDINATOR, Group
 from .errors import CkptError, RankFailedError
 from .flatten import FlatState
+from .gcpause import paused
 from .globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries,
                          objects_of, per_rank_keys, plan_global)
 from .plan import SavePlan
@@ -77,11 +78,6 @@ def _digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
 
 
-def _fingerprint(plan: RankPlan) -> str:
-    shape = dataclasses.replace(plan, digests=(), objects=())
-    return xxhash.xxh3_64_hexdigest(wire.encode_plan(shape))
-
-
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
           path: str, reuse: bool) -> Agreement:
     """Collective. ``reuse``: this rank's layout is unchanged since its last save (plan cache
@@ -93,15 +89,21 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     if mine is None:
         message = wire.encode_plan(None, error=_describe(error))
     else:
-        fingerprint = memory.fingerprint if reuse and memory.fingerprint else _fingerprint(mine)
-        same = fingerprint if fingerprint == memory.fingerprint else None
-        memory.fingerprint = fingerprint
-        message = wire.encode_plan(mine, same_as=same)
+        if reuse and memory.fingerprint is not None:
+            message = wire.encode_plan(mine, same_as=memory.fingerprint)
+        else:
+            layout = wire.layout_bytes(mine)
+            fingerprint = wire.fingerprint(layout)
+            same = fingerprint == memory.fingerprint
+            memory.fingerprint = fingerprint
+            message = (wire.encode_plan(mine, same_as=fingerprint) if same
+                       else wire.encode_plan(mine, layout=layout))
     gathered = group.gather(message)
     answers = None
     if gathered is not None:
         try:
-            answers = _decide(gathered, memory, path)
+            with paused():
+                answers = _decide(gathered, memory, path)
         except BaseException as exc:  # the peers wait for an answer: give them this one
             group.scatter([_refusal(path, [f"the coordinator (rank 0): {_describe(exc)}"])]
                           * len(gathered))
@@ -145,15 +147,15 @@ def _decide(gathered: list[bytes], memory: Memory, path: str) -> list[bytes]:
     all_same = True
     for rank, data in enumerate(gathered):
         cached = memory.plans.get(rank)
-        plan, error = wire.decode_plan(data, rank, cached[1] if cached else None,
-                                       cached[0] if cached else None)
+        plan, error, fingerprint, same = wire.decode_plan(data, rank, cached[1] if cached else None,
+                                                    cached[0] if cached else None)
         if plan is None:
             failures.append(f"rank {rank}: {error}")
             continue
-        all_same = all_same and b'"same_as"' in data
+        all_same = all_same and same
         plans.append(plan)
-        if b'"same_as"' not in data:
-            memory.plans[rank] = (_fingerprint(plan), plan)
+        if not same and fingerprint is not None:
+            memory.plans[rank] = (fingerprint, plan)
     if failures:
         memory.plans.clear()
         memory.last = None
@@ -206,8 +208,9 @@ def conclude(group: Group, agreement: Agreement, written: tuple[list[TensorEntry
     outcome = None
     if gathered is not None:
         try:
-            results = [wire.decode_result(data, rank, _assigned(agreement, rank))
-                       for rank, data in enumerate(gathered)]
+            with paused():
+                results = [wire.decode_result(data, rank, _assigned(agreement, rank))
+                           for rank, data in enumerate(gathered)]
             verdict = _commit(results, agreement, path, meta, algorithm, block_nbytes, committed)
         except BaseException as exc:  # the peers wait for an outcome: tell them, then raise
             group.broadcast(wire.encode_outcome(f"the coordinator (rank 0) failed: {_describe(exc)}"))
@@ -245,12 +248,13 @@ def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
                 "checkpoint there is untouched")
     try:
         check_files(files)
-        record = Manifest(
-            version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm=algorithm,
-            world_size=len(results), files=tuple(files),
-            tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
-            objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
-            block_nbytes=block_nbytes)
+        with paused():
+            record = Manifest(
+                version=manifest.VERSION, save_id=agreement.save_id,
+                checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
+                tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
+                objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
+                block_nbytes=block_nbytes)
         commit.commit(path, manifest.encode(record), agreement.save_id)
     except CkptError as exc:
         return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from .errors import ManifestError
+from .gcpause import paused
 from .types import DTYPE_ITEMSIZE, KINDS, Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
 
 MAGIC = "ckptio-manifest"
@@ -25,7 +26,8 @@ _CHECKSUM = re.compile(r"[0-9a-f]{16}")
 
 
 def encode(manifest: Manifest) -> bytes:
-    body = json.dumps(_body(manifest), separators=(",", ":"), allow_nan=False).encode()
+    with paused():
+        body = json.dumps(_body(manifest), separators=(",", ":"), allow_nan=False).encode()
     header = {"magic": MAGIC, "version": manifest.version, "body_nbytes": len(body),
               "body_crc32": zlib.crc32(body)}
     return json.dumps(header).encode() + b"\n" + body + b"\n"
@@ -88,12 +90,14 @@ def decode(data: bytes, where: str) -> Manifest:
         raise ManifestError(f"{where}: manifest body is truncated or altered (length/CRC-32 "
                             "mismatch); the checkpoint is damaged: load an earlier one")
     try:
-        raw = json.loads(body)
+        with paused():
+            raw = json.loads(body)
     except RecursionError:
         raise ManifestError(f"{where}: manifest body nests too deeply to be a ckptio manifest") from None
     except ValueError as exc:
         raise ManifestError(f"{where}: manifest body is not JSON ({exc})") from None
-    return _validate(raw, where)
+    with paused():
+        return _validate(raw, where)
 
 
 class _Check:

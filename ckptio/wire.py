@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import xxhash
+
 from .errors import CkptError
 from .globalplan import Assignment, RankPlan
 from .types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
@@ -43,43 +45,53 @@ def _unitem(raw: list[Any]) -> WriteItem:
                      nbytes)
 
 
-def encode_plan(plan: RankPlan | None, error: str | None = None, same_as: str | None = None) -> bytes:
-    """A rank's plan; or its error; or (``same_as``) only the digests of items unchanged since
-    the plan whose fingerprint is ``same_as``."""
+def layout_bytes(plan: RankPlan) -> bytes:
+    """The part of a rank's plan that stays the same while its layout does."""
+    return _dumps([[_item(i) for i in plan.items], sorted(plan.sharded),
+                   [list(a) for a in plan.aliases], plan.tree])
+
+
+def fingerprint(layout: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(layout)
+
+
+def encode_plan(plan: RankPlan | None, error: str | None = None, layout: bytes | None = None,
+                same_as: str | None = None) -> bytes:
+    """A rank's plan with its ``layout`` (layout_bytes), or with ``same_as`` (the fingerprint of
+    the layout it sent last) instead; or its error. Values (digests of plain tensors, inline
+    objects) go every time."""
     if plan is None:
         return _dumps({"error": error})
-    # Values (digests of plain tensors, inline objects) go every time; only the layout may be
-    # replaced by a reference to the last one.
-    body: dict[str, Any] = {"rank": plan.rank, "digests": list(plan.digests),
-                            "objects": [[o.key, o.value] for o in plan.objects]}
+    values = _dumps({"rank": plan.rank, "digests": list(plan.digests),
+                     "objects": [[o.key, o.value] for o in plan.objects]})
     if same_as is not None:
-        body["same_as"] = same_as
-    else:
-        body.update(items=[_item(i) for i in plan.items], sharded=sorted(plan.sharded),
-                    aliases=[list(a) for a in plan.aliases], tree=plan.tree)
-    return _dumps(body)
+        return values[:-1] + b',"same_as":' + _dumps(same_as) + b"}"
+    layout = layout_bytes(plan) if layout is None else layout
+    return values[:-1] + b',"fp":' + _dumps(fingerprint(layout)) + b',"layout":' + layout + b"}"
 
 
 def decode_plan(data: bytes, rank: int, cached: RankPlan | None,
-                fingerprint: str | None) -> tuple[RankPlan | None, str | None]:
-    """-> (plan, None) or (None, the rank's error). A ``same_as`` message is resolved against
-    ``cached`` (the coordinator's copy of that rank's last plan, of ``fingerprint``)."""
+                cached_fp: str | None) -> tuple[RankPlan | None, str | None, str | None, bool]:
+    """-> (plan, None, its layout's fingerprint, whether the layout was the cached one) or
+    (None, the rank's error, None, False). A ``same_as`` message is resolved against ``cached``
+    (the coordinator's copy of that rank's last plan, whose fingerprint is ``cached_fp``)."""
     raw = _loads(data, f"rank {rank}'s plan")
     try:
         if raw.get("error") is not None:
-            return None, str(raw["error"])
+            return None, str(raw["error"]), None, False
         digests = tuple(raw["digests"])
         objects = tuple(ObjectEntry(k, v) for k, v in raw["objects"])
         if "same_as" in raw:
-            if cached is None or raw["same_as"] != fingerprint:
-                return None, "its cached plan does not match the coordinator's (internal)"
+            if cached is None or raw["same_as"] != cached_fp:
+                return None, "its cached plan does not match the coordinator's (internal)", None, False
             if len(digests) != len(cached.items):
                 raise ValueError(f"{len(digests)} digests for {len(cached.items)} items")
             return RankPlan(rank, cached.items, cached.sharded, digests, objects,
-                            cached.aliases, cached.tree), None
+                            cached.aliases, cached.tree), None, cached_fp, True
+        items, sharded, aliases, tree = raw["layout"]
         return RankPlan(
-            rank, tuple(_unitem(i) for i in raw["items"]), frozenset(raw["sharded"]), digests,
-            objects, tuple((a, b) for a, b in raw["aliases"]), raw["tree"]), None
+            rank, tuple(_unitem(i) for i in items), frozenset(sharded), digests, objects,
+            tuple((a, b) for a, b in aliases), tree), None, str(raw["fp"]), False
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"rank {rank}'s plan is malformed ({exc!r}); do all ranks run the same "
                         "ckptio version?") from None

@@ -86,13 +86,16 @@ def test_trees_merge_dicts_and_refuse_other_differences():
 def test_wire_round_trip_and_same_as():
     plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,))], sharded={"w"},
                      objects=[ObjectEntry("o", ["int", 1])], tree={"d": [["w", {"k": "w"}]]})
-    back, error = wire.decode_plan(wire.encode_plan(plan), 3, None, None)
-    assert error is None and back == plan
-    changed = RankPlan(3, plan.items, plan.sharded, plan.digests, (ObjectEntry("o", ["int", 2]),),
-                       plan.aliases, plan.tree)
-    again, _ = wire.decode_plan(wire.encode_plan(changed, same_as="fp"), 3, plan, "fp")
-    assert again == changed  # the layout from the cache, values from the message
-    _, error = wire.decode_plan(wire.encode_plan(changed, same_as="old"), 3, plan, "fp")
+    back, error, fp, same = wire.decode_plan(wire.encode_plan(plan), 3, None, None)
+    assert error is None and back == plan and not same
+    assert fp == wire.fingerprint(wire.layout_bytes(plan))
+    changed = RankPlan(3, plan.items, plan.sharded, plan.digests,
+                       (ObjectEntry("same_as", ["str", "same_as"]),), plan.aliases, plan.tree)
+    again, _, _, same = wire.decode_plan(wire.encode_plan(changed, same_as=fp), 3, plan, fp)
+    assert again == changed and same  # the layout from the cache, values from the message
+    fresh = wire.decode_plan(wire.encode_plan(changed), 3, plan, fp)
+    assert fresh[0] == changed and not fresh[3]  # a value that looks like a marker: still fresh
+    _, error, _, _ = wire.decode_plan(wire.encode_plan(changed, same_as="old"), 3, plan, fp)
     assert error is not None
     with pytest.raises(wire.WireError):
         wire.decode_plan(b'{"rank": 1}', 1, None, None)

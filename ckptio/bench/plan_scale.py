@@ -8,7 +8,7 @@ size, as a curve over world sizes. Does not own: any planning rule (globalplan.p
 wire.py, manifest.py are called as they are, never copied).
 
 Phases timed (median of --reps):
-  local      one rank's message to the coordinator: _fingerprint + wire.encode_plan (every rank
+  local      one rank's message to the coordinator: layout_bytes + fingerprint + encode_plan (every rank
              does this in parallel, so it counts once)
   decide     the coordinator: collective._decide on every rank's message (decode_plan of all,
              per_rank_keys + plan_global, encode_answer of all) + one rank's decode_answer
@@ -186,8 +186,9 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
     off = profiler.disable if profiler else (lambda: None)
 
     def local() -> bytes:
-        collective._fingerprint(plan0)
-        return wire.encode_plan(plan0)
+        layout = wire.layout_bytes(plan0)
+        wire.fingerprint(layout)
+        return wire.encode_plan(plan0, layout=layout)
 
     def decide() -> tuple[list[bytes], collective.Memory]:
         memory = collective.Memory()  # a first save: nothing cached
@@ -274,7 +275,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         f"{args.reps}; {n_params} tensors ({'params + AdamW exp_avg, exp_avg_sq' if args.optim else 'params'}"
         f", {args.dtype}), Llama-70B-like shapes, mesh (dp, tp) with placements [Shard(0), "
         "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  "),
-        ("local: one rank's _fingerprint + encode_plan; decide: coordinator _decide (decode all, "
+        ("local: one rank's layout_bytes + fingerprint + encode_plan; decide: coordinator _decide (decode all, "
         "plan_global, answers); result: one rank's encode_result; manifest: coordinator "
         "decode_result of all + manifest_entries + manifest.encode; load: manifest.decode; "
         "peak RSS: of the fresh process measuring that world size (all ranks' plans in one "
