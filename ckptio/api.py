@@ -6,8 +6,8 @@ use, reused by every later save and load). The logic lives in the modules it cal
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import assemble, collective, commit, io, manifest, persist, restore
+from . import assemble, collective, commit, io, manifest, persist, restore, saverun
 from .dist import Group, Solo, TorchGroup, current_group
 from .background import SaveHandle, SaveResult, lazy_order
 from .errors import CkptError
@@ -29,8 +29,8 @@ from .profile import io_fields, tuned_options
 from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
-from .types import FileInfo, FileLayout, TensorEntry
 
+log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
 __all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport"]
@@ -160,19 +160,44 @@ class Checkpointer:
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
                           "running (if_busy='skip')", stacklevel=2)
             return SaveHandle.skipped(path)
-        self._settle()
+        settled: BaseException | None = None
+        try:
+            self._settle()
+        except BaseException as exc:  # noqa: BLE001 - with peers, raised by _agree once they know
+            if group.size == 1:
+                raise
+            settled = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
-        plan, sources, flat, agreement = self._agree(group, state, path, allow_pickle)
+        plan, sources, flat, agreement = self._agree(group, state, path, allow_pickle, settled)
+        try:
+            handle, job = self._start(group, agreement, plan, sources, path, started, lazy,
+                                      optimizers)
+        except BaseException as exc:
+            self._finish(group, agreement, path).failed(exc)  # the peers wait in conclude
+            raise
+        self._inflight, self._thread = handle, job
+        try:
+            handle.block_until_captured(lazy=lazy)
+        finally:
+            handle.returned()
+        return handle
+
+    def _start(self, group: Group, agreement: collective.Agreement, plan: SavePlan,
+               sources: dict[str, torch.Tensor], path: str, started: float, lazy: bool,
+               optimizers: Sequence[torch.optim.Optimizer]) -> tuple[SaveHandle, threading.Thread]:
+        """Lay out this rank's writes and start the save's thread."""
         items = tuple(plan.items[i] for i in agreement.assignment.writes)
+        order = [item.key for item in items]
         items, eager_items = lazy_order(items, sources, optimizers) if lazy else (items, len(items))
         files = plan_files(items, save_id=agreement.save_id, rank=group.rank,
                            max_file_bytes=self.options.max_file_bytes)
         progress = persist.Progress(sum(i.nbytes for i in items))
         handle = SaveHandle(path, progress, tuple(f.name for f in files), started)
         ready = persist.ready_events(sources)
-        job = threading.Thread(
-            target=self._run_save, name="ckptio-save",
-            args=(handle, path, files, sources, group, agreement, eager_items, ready, lazy))
+        task = saverun.SaveTask(handle, files, sources, eager_items, ready, lazy, order,
+                                self._finish(group, agreement, path), self._lock,
+                                lambda: self._cleanup_listed.wait(), self._resources)
+        job = threading.Thread(target=saverun.run, name="ckptio-save", args=(task,))
         if lazy:  # before the thread starts: no capture may begin unguarded
             handle.hook_optimizers(optimizers)
         try:
@@ -181,15 +206,9 @@ class Checkpointer:
             handle.finished(0, exc)  # releases the hooks' wait
             handle.remove_hooks()
             raise
-        self._inflight, self._thread = handle, job
-        try:
-            if lazy:
-                if eager_items == 0:  # nothing outside the optimizers: no need to wait for the thread
-                    handle.eager_captured()
-            handle.block_until_captured(lazy=lazy)
-        finally:
-            handle.returned()
-        return handle
+        if lazy and eager_items == 0:  # nothing outside the optimizers: no need to wait for it
+            handle.eager_captured()
+        return handle, job
 
     def _group(self, process_group: Any) -> Group:
         """The ranks of this call: one process, or a private gloo group over the torch
@@ -201,7 +220,8 @@ class Checkpointer:
             self._groups[id(torch_group)] = (torch_group, TorchGroup(torch_group))
         return self._groups[id(torch_group)][1]
 
-    def _agree(self, group: Group, state: Any, path: str, allow_pickle: bool) -> tuple[
+    def _agree(self, group: Group, state: Any, path: str, allow_pickle: bool,
+               settled: BaseException | None) -> tuple[
             SavePlan, dict[str, torch.Tensor], FlatState, collective.Agreement]:
         """Plan this rank's part and agree with the other ranks on who writes what (collective:
         a failure on any rank raises on every rank, before any byte is written)."""
@@ -209,6 +229,8 @@ class Checkpointer:
         error: BaseException | None = None
         reuse = False
         try:
+            if settled is not None:  # the previous save's error: this save does not start
+                raise settled
             flat = flatten(state)
             hits = self._plan_cache.hits
             plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
@@ -232,56 +254,9 @@ class Checkpointer:
             if error is not None:
                 raise error
 
-    def _run_save(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
-                  sources: dict[str, torch.Tensor], group: Group, agreement: collective.Agreement,
-                  eager_items: int, ready: list[Any], lazy: bool) -> None:
-        names = [f.name for f in files]
-        if lazy and eager_items == 0:  # leave the GIL to the caller until async_save returns
-            handle.wait_returned()
-        concluded = False
-        try:
-            with self._lock, commit.attempt(path, names):
-                # The previous save's cleanup must have listed its directory before this save
-                # creates files there; its deleting may go on (ext4 frees ~0.2 s/GB).
-                self._cleanup_listed.wait()
-                written, error = self._write(handle, path, files, sources, group.rank,
-                                             eager_items, ready, lazy)
-                concluded = True
-                self._conclude(group, agreement, written, error, path)
-        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
-            if not concluded:  # e.g. the directory could not be made: the peers still wait
-                with contextlib.suppress(BaseException):
-                    self._conclude(group, agreement, None, exc, path)
-            handle.finished(0, exc)
-            return
-        handle.finished(handle.progress().nbytes_total)
-
-    def _write(self, handle: SaveHandle, path: str, files: tuple[FileLayout, ...],
-               sources: dict[str, torch.Tensor], rank: int, eager_items: int, ready: list[Any],
-               lazy: bool) -> tuple[tuple[list[TensorEntry], list[FileInfo]] | None, BaseException | None]:
-        """This rank's bytes, captured and durable; -> (entries and files, None) or (None, why)."""
-        job: persist.SaveJob | None = None
-        try:
-            pool, backend = self._resources(path)
-            job = persist.SaveJob(path, files, sources, pool=pool, backend=backend,
-                                  algorithm=self.options.checksum, rank=rank, ready=ready,
-                                  progress=handle.progress(), block_nbytes=self._block_nbytes())
-            if lazy:
-                job.capture(eager_items, handle.eager_captured)
-            else:
-                handle.run_on_caller(job.capture)
-            handle.captured()
-            return job.finish(), None
-        except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
-            if job is not None:
-                job.abandon()
-            return None, exc
-
-    def _conclude(self, group: Group, agreement: collective.Agreement,
-                  written: tuple[list[TensorEntry], list[FileInfo]] | None,
-                  error: BaseException | None, path: str) -> None:
-        collective.conclude(group, agreement, written, error, path, _meta(), self.options.checksum,
-                            self._block_nbytes(), lambda names: self._start_cleanup(path, names))
+    def _finish(self, group: Group, agreement: collective.Agreement, path: str) -> saverun.Finish:
+        return saverun.Finish(group, agreement, path, self.options.checksum, self._block_nbytes(),
+                              _meta(), lambda names: self._start_cleanup(path, names))
 
     def _block_nbytes(self) -> int:
         """Checksum block of this save's entries: a quarter buffer at most, so a resharding
@@ -347,12 +322,12 @@ class Checkpointer:
         """
         started = time.perf_counter()
         path = os.fspath(path)
-        self._settle()  # a save of ours in flight finishes first (and uses the same group)
         group = self._group(process_group) if state is not None else Solo()
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
         try:
+            self._settle()  # a save of ours in flight finishes first (and uses the same group)
             result = self._load(path, state, strict=strict, keys=keys, cast=cast, verify=verify,
                                 allow_pickle=allow_pickle, per_rank_from=per_rank_from,
                                 rank=rank, world_size=world_size)

@@ -20,6 +20,7 @@ import torch
 
 from .errors import CkptError
 from .persist import Progress
+from .sharding import is_dtensor
 from .types import WriteItem
 
 
@@ -234,11 +235,17 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     storages: set[int] = set()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            storages.update(p.untyped_storage().data_ptr() for p in group["params"])
+            storages.update(_storage(p) for p in group["params"])
         for state in optimizer.state.values():
-            storages.update(v.untyped_storage().data_ptr() for v in state.values()
-                            if isinstance(v, torch.Tensor))
+            storages.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
     return storages
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of the memory holding ``t``'s bytes (a DTensor's: its local shard's)."""
+    if is_dtensor(t):
+        t = t.to_local()  # type: ignore[attr-defined]
+    return t.untyped_storage().data_ptr()
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],

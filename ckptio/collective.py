@@ -15,6 +15,7 @@ Owns: the order of messages and the coordinator's cached plans. Does not own: pl
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,8 @@ class Memory:
     last: tuple[frozenset[str], GlobalPlan] | None = None
     pending: tuple[tuple[RankPlan, ...], GlobalPlan] | None = None  # this save's, until agreed
     reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
-    tree: Any = None  # this rank's last tree (a reused layout must have the same one)
+    tree: Any = None  # this rank's last tree and items (a reused layout must have the same)
+    items: tuple[WriteItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,20 @@ class Agreement:
 def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
                flat: FlatState) -> RankPlan:
     """This rank's RankPlan; plain items carry a digest of their bytes when there are peers."""
-    digests: tuple[str | None, ...]
-    if group.size == 1:
-        digests = (None,) * len(plan.items)
-    else:
-        digests = tuple(None if i.key in plan.sharded else _digest(sources[i.key]) for i in plan.items)
+    domains = {index: plan.domains[i.key] for index, i in enumerate(plan.items)
+               if i.key in plan.domains}
+    digests: dict[int, str] = {}
+    if group.size > 1:
+        digests = {index: _digest(sources[i.key]) for index, i in enumerate(plan.items)
+                   if index not in domains}
     return RankPlan(group.rank, plan.items, plan.sharded, digests, plan.objects, plan.aliases,
-                    flat.tree)
+                    flat.tree, domains)
+
+
+def _valued_shards(plan: RankPlan) -> bool:
+    """Whether replicas of some sharded item are known only by its bytes (TensorShard,
+    FlatShard): then who writes what can change with the values, and is decided afresh."""
+    return any(plan.items[i].key in plan.sharded for i in plan.digests)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -82,8 +91,12 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
           path: str, reuse: bool) -> Agreement:
     """Collective. ``reuse``: this rank's layout is unchanged since its last save (plan cache
     hit), so only digests and objects are sent. Raises on every rank if any rank failed."""
-    reuse = reuse and mine is not None and memory.tree == mine.tree
+    # The plan cache matched the tensors; values of other kinds (numpy, bytes, pickled) may
+    # have changed size or kind, and the tree its shape: all must match the last plan.
+    reuse = (reuse and mine is not None and memory.tree == mine.tree
+             and memory.items == mine.items and not _valued_shards(mine))
     memory.tree = mine.tree if mine is not None else None
+    memory.items = mine.items if mine is not None else ()
     if group.size == 1:
         return _agree_alone(mine, error, memory, reuse)
     if mine is None:
@@ -255,7 +268,11 @@ def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
                 tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
                 objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
                 block_nbytes=block_nbytes)
-        commit.commit(path, manifest.encode(record), agreement.save_id)
+        encoded = manifest.encode(record)
+        # The reader's own checks, before the commit: a manifest that would not load must not
+        # replace one that does (its files are deleted once the new one is committed).
+        manifest.decode(encoded, os.path.join(path, manifest.MANIFEST_NAME))
+        commit.commit(path, encoded, agreement.save_id)
     except CkptError as exc:
         return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"
     committed([f.name for f in files])

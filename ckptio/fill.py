@@ -93,6 +93,7 @@ class _Sources:
         self.saved_world = record.world_size
         self.source_rank = _source_rank(per_rank_from, rank, world_size, record.world_size)
         self.refused: list[str] = []  # per-rank keys asked for without a rule to pick a rank
+        self.absent: list[str] = []  # per-rank keys the chosen saved rank did not save
 
     def keys(self) -> list[str]:
         return [*self.tensors, *self.objects, *self.own, *self.aliases]
@@ -109,6 +110,7 @@ class _Sources:
             return None
         value = self.own[key].get(self.source_rank)
         if value is None:
+            self.absent.append(key)
             return None
         return value if isinstance(value, ObjectEntry) else TensorSource(key, (value,))
 
@@ -342,6 +344,13 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     common = [k for k in present if k in saved_set]
     plan = _plan_in_place(sources, flat, common, cast)
     sources.check_refused()
+    if sources.absent:
+        if strict:
+            raise StateMismatchError(
+                f"keys {sorted(sources.absent)[:10]} hold each saved rank's own value, and saved "
+                f"rank {sources.source_rank} did not save them; choose another rank with "
+                "per_rank_from=..., or pass strict=False (or keys=...) to leave them out")
+        missing = (*missing, *sources.absent)
     if plan.problems and strict:
         raise _mismatch(plan.problems)
     _refuse_pickles(plan.entries(), allow_pickle)
@@ -356,7 +365,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
                 raise _mismatch({key: plan.problems[key]})
     for _prefix, obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)
-    loaded = tuple(k for k in common if k not in plan.problems and sources.get(k) is not None)
+    skipped = set(sources.absent) | set(sources.refused)
+    loaded = tuple(k for k in common if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
 
 

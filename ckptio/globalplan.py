@@ -14,7 +14,7 @@ torch, no collectives (dist.py moves the bytes, wire.py encodes them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .errors import CkptError
@@ -23,16 +23,19 @@ from .types import FileInfo, Json, ObjectEntry, TensorEntry, WriteItem
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank holds. ``digests[i]``: checksum of plain item i's bytes (None for sharded
-    items, and in single-rank saves, where nothing is compared)."""
+    """What one rank holds. ``domains[i]``: the device mesh of DTensor item i (replicas share
+    region and mesh). ``digests[i]``: checksum of item i's bytes, for every other item (plain
+    tensors, TensorShard, FlatShard: replicas share region and bytes); none in a single-process
+    save, where nothing is compared."""
 
     rank: int
     items: tuple[WriteItem, ...]
     sharded: frozenset[str]
-    digests: tuple[str | None, ...]
+    digests: Mapping[int, str]
     objects: tuple[ObjectEntry, ...]
     aliases: tuple[tuple[str, str], ...]
     tree: Json
+    domains: Mapping[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class _Group:
     """Ranks holding one region (or one plain key): the write goes to one of them."""
 
     nbytes: int
+    item: WriteItem  # the first holder's
     holders: list[tuple[int, int]] = field(default_factory=list)  # (rank, item index)
 
 
@@ -66,6 +70,8 @@ class PlanConflict(CkptError):
 def plan_global(ranks: Sequence[RankPlan]) -> GlobalPlan:
     """Decide every rank's writes; raise PlanConflict naming keys and ranks on disagreement."""
     _check_kinds(ranks)
+    _check_tensor_or_value(ranks)
+    aliases, skipped = _aliases(ranks)
     own = per_rank_keys(ranks)
     groups: dict[tuple[object, ...], _Group] = {}
     load = [0] * len(ranks)
@@ -73,14 +79,21 @@ def plan_global(ranks: Sequence[RankPlan]) -> GlobalPlan:
     owned: list[set[int]] = [set() for _ in ranks]
     for plan in ranks:
         for index, item in enumerate(plan.items):
+            if (plan.rank, index) in skipped:
+                continue
             if item.key in own:
                 writes[plan.rank].append(index)
                 owned[plan.rank].add(index)
                 load[plan.rank] += item.nbytes
                 continue
-            group_key = (item.key, item.chunk) if item.key in plan.sharded else (item.key,)
-            group = groups.setdefault(group_key, _Group(item.nbytes))
+            if item.key in plan.sharded:
+                replica_of = plan.domains.get(index) or plan.digests.get(index)
+                group_key: tuple[object, ...] = (item.key, item.chunk, replica_of)
+            else:
+                group_key = (item.key,)
+            group = groups.setdefault(group_key, _Group(item.nbytes, item))
             group.holders.append((plan.rank, index))
+    _check_coverage(groups)
     ordered = sorted(groups.items(), key=lambda kv: -kv[1].nbytes)  # stable: first-seen order
     for _key, group in ordered:
         if len(group.holders) == 1:
@@ -90,18 +103,58 @@ def plan_global(ranks: Sequence[RankPlan]) -> GlobalPlan:
         writes[rank].append(index)
         load[rank] += group.nbytes
     assignments = tuple(Assignment(tuple(sorted(w)), frozenset(o)) for w, o in zip(writes, owned))
-    return GlobalPlan(assignments, objects_of(ranks), _aliases(ranks), merge_trees([p.tree for p in ranks]))
+    return GlobalPlan(assignments, objects_of(ranks), aliases, merge_trees([p.tree for p in ranks]))
+
+
+def _check_coverage(groups: dict[tuple[object, ...], _Group]) -> None:
+    """The distinct regions of each global tensor add up to exactly its elements (fewer: a
+    rank's shard is missing or misplaced; more: regions overlap), checked before anything is
+    written rather than found by a load after the previous checkpoint is gone."""
+    covered: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in groups.values():
+        item = group.item
+        covered[item.key] = covered.get(item.key, 0) + item.chunk.numel
+        shapes[item.key] = item.shape
+    for key, count in covered.items():
+        total = 1
+        for d in shapes[key]:
+            total *= d
+        if count != total:
+            raise PlanConflict(
+                f"key {key!r}: the ranks' distinct shards hold {count} elements of a tensor of "
+                f"{total} (shape {shapes[key]}); {'a shard is missing or misplaced' if count < total else 'shards overlap'}"
+                ": check the offsets of every rank's TensorShard / FlatShard, or that every rank "
+                "passes this key")
+
+
+def _check_tensor_or_value(ranks: Sequence[RankPlan]) -> None:
+    """A key is a tensor on every rank holding it, or a Python value on every one."""
+    tensors = {item.key: plan.rank for plan in ranks for item in plan.items}
+    for plan in ranks:
+        for entry in plan.objects:
+            if entry.key in tensors:
+                raise PlanConflict(
+                    f"key {entry.key!r} is a tensor on rank {tensors[entry.key]} but a "
+                    f"{entry.value[0] if isinstance(entry.value, list) else 'value'} on rank "
+                    f"{plan.rank}; hold the same kind of value on every rank")
 
 
 def _check_kinds(ranks: Sequence[RankPlan]) -> None:
     """Every rank's chunks of a key agree on kind, dtype and global shape; a key is sharded on
-    every rank holding it or on none."""
-    seen: dict[str, tuple[int, WriteItem, bool]] = {}
+    every rank holding it or on none, on one device mesh; replicas of a hand-made shard hold
+    equal bytes; with peers, every item has what makes its replicas known."""
+    seen: dict[str, tuple[int, WriteItem, bool, str | None]] = {}
+    regions: dict[tuple[str, object], tuple[int, str | None]] = {}
     for plan in ranks:
-        for item in plan.items:
+        for index, item in enumerate(plan.items):
             sharded = item.key in plan.sharded
-            first = seen.setdefault(item.key, (plan.rank, item, sharded))
-            rank, head, head_sharded = first
+            domain = plan.domains.get(index)
+            if len(ranks) > 1 and domain is None and index not in plan.digests:
+                raise PlanConflict(f"rank {plan.rank} sent no checksum of its tensor "
+                                   f"{item.key!r}; do all ranks run the same ckptio version?")
+            rank, head, head_sharded, head_domain = seen.setdefault(
+                item.key, (plan.rank, item, sharded, domain))
             if sharded != head_sharded:
                 raise PlanConflict(
                     f"key {item.key!r} is a sharded tensor on rank {rank if head_sharded else plan.rank}"
@@ -111,18 +164,32 @@ def _check_kinds(ranks: Sequence[RankPlan]) -> None:
                 raise PlanConflict(
                     f"key {item.key!r}: rank {rank} holds a shard of a {head.dtype} tensor of shape "
                     f"{head.shape}, rank {plan.rank} of a {item.dtype} tensor of shape {item.shape}")
+            if domain != head_domain:
+                raise PlanConflict(
+                    f"key {item.key!r} is held on different device meshes by rank {rank} and rank "
+                    f"{plan.rank}: two different tensors under one key (pipeline stages?); give "
+                    "each stage's keys a prefix of their own")
+            if sharded and domain is None:
+                first = regions.setdefault((item.key, item.chunk), (plan.rank, plan.digests.get(index)))
+                if first[1] != plan.digests.get(index):
+                    raise PlanConflict(
+                        f"key {item.key!r}: rank {first[0]} and rank {plan.rank} hold the same "
+                        f"region {item.chunk.offsets}+{item.chunk.sizes} with different values; "
+                        "replicas must be equal (or give the tensors different keys)")
 
 
 def per_rank_keys(ranks: Sequence[RankPlan]) -> frozenset[str]:
-    """Plain keys whose bytes (or dtype, shape) differ between the ranks holding them."""
-    first: dict[str, tuple[str, str, tuple[int, ...], str | None]] = {}
+    """Plain keys whose bytes (or kind, dtype, shape) differ between the ranks holding them.
+    Visits plain items only (a handful per rank), so a reused plan costs O(ranks)."""
+    first: dict[str, tuple[str, str, tuple[int, ...], str]] = {}
     own: set[str] = set()
     for plan in ranks:
-        for item, digest in zip(plan.items, plan.digests):
+        for index, digest in plan.digests.items():
+            item = plan.items[index]
             if item.key in plan.sharded:
-                continue
+                continue  # a hand-made shard: its digest names its replicas (plan_global)
             value = (item.kind, item.dtype, item.shape, digest)
-            if first.setdefault(item.key, value) != value or (digest is None and len(ranks) > 1):
+            if first.setdefault(item.key, value) != value:
                 own.add(item.key)
     return frozenset(own)
 
@@ -142,15 +209,31 @@ def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
     return tuple(out)
 
 
-def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[str, str], ...]:
-    first = ranks[0].aliases
-    for plan in ranks[1:]:
-        if set(plan.aliases) != set(first):
-            differ = sorted(set(plan.aliases) ^ set(first))[:3]
-            raise PlanConflict(
-                f"tied tensors differ between rank {ranks[0].rank} and rank {plan.rank}: {differ} "
-                "share storage on one and not the other; tie (or untie) them on every rank")
-    return first
+def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], set[tuple[int, int]]]:
+    """Tied tensors, the same on every rank; -> (aliases, (rank, item index) pairs not written).
+
+    A rank whose shard of a tied tensor is empty cannot see the tie (an empty tensor has no
+    storage): its empty item of the alias key is dropped instead of failing the save."""
+    union: dict[tuple[str, str], None] = {}
+    for plan in ranks:
+        union.update(dict.fromkeys(plan.aliases))
+    skipped: set[tuple[int, int]] = set()
+    for plan in ranks:
+        mine = set(plan.aliases)
+        if len(mine) == len(union):
+            continue
+        index_of = {item.key: i for i, item in enumerate(plan.items)}
+        for key, target in union:
+            if (key, target) in mine:
+                continue
+            index = index_of.get(key)
+            if index is None or plan.items[index].nbytes:
+                holder = next(p.rank for p in ranks if (key, target) in set(p.aliases))
+                raise PlanConflict(
+                    f"key {key!r} is tied to {target!r} (shares its storage) on rank {holder} "
+                    f"but not on rank {plan.rank}; tie (or untie) them on every rank")
+            skipped.add((plan.rank, index))
+    return tuple(union), skipped
 
 
 def merge_trees(trees: Sequence[Json]) -> Json:

@@ -82,9 +82,12 @@ def decode(data: bytes, where: str) -> Manifest:
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise ManifestError(f"{where}: not a ckptio manifest (bad header line); the checkpoint "
                             "is damaged: load an earlier one")
-    if header.get("version") != VERSION:
-        raise ManifestError(f"{where}: manifest version {header.get('version')!r}; this ckptio "
-                            f"reads version {VERSION}: upgrade ckptio")
+    version = header.get("version")
+    if version != VERSION:
+        fix = ("load it with the ckptio that wrote it and save it again"
+               if type(version) is int and version < VERSION else "upgrade ckptio")
+        raise ManifestError(f"{where}: manifest version {version!r}; this ckptio reads version "
+                            f"{VERSION}: {fix}")
     body = data[newline + 1:].rstrip(b"\n")
     if len(body) != header.get("body_nbytes") or zlib.crc32(body) != header.get("body_crc32"):
         raise ManifestError(f"{where}: manifest body is truncated or altered (length/CRC-32 "

@@ -30,6 +30,10 @@ class SavePlan:
     # keys held as shards (DTensor, TensorShard, FlatShard): ranks holding the same region are
     # replicas. Every other item is this rank's whole value, replicated only if equal everywhere.
     sharded: frozenset[str] = frozenset()
+    # key -> the mesh of a DTensor item: ranks holding its region on the same mesh are
+    # replicas. Sharded items without one (TensorShard, FlatShard) are replicas only where
+    # their bytes are equal.
+    domains: dict[str, str] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -132,6 +136,7 @@ class PlanCache:
     tensor_items: dict[str, WriteItem] = field(default_factory=dict)
     alias_of: dict[str, str] = field(default_factory=dict)
     sharded: frozenset[str] = frozenset()
+    domains: dict[str, str] = field(default_factory=dict)
     hits: int = 0
 
 
@@ -179,7 +184,7 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
         if item.kind == "tensor":
             cache.tensor_items[item.key] = item
     cache.alias_of = dict(plan.aliases)
-    cache.sharded = plan.sharded
+    cache.sharded, cache.domains = plan.sharded, plan.domains
     cache.signature = signature
     return plan, sources
 
@@ -191,6 +196,7 @@ def _build(flat: FlatState, allow_pickle: bool,
     aliases: list[tuple[str, str]] = []
     sources: dict[str, torch.Tensor] = {}
     sharded: set[str] = set()
+    domains: dict[str, str] = {}
     first_key_of_view: dict[tuple[Any, ...], str] = {}
     for key, leaf in flat.leaves.items():
         if reuse is not None and _is_tensor_leaf(leaf.value):
@@ -219,13 +225,18 @@ def _build(flat: FlatState, allow_pickle: bool,
         nbytes = payload.numel() * DTYPE_ITEMSIZE[name]
         if region is not None and region.sharded:
             sharded.add(key)
+            if region.domain is not None:
+                domains[key] = region.domain
             items.append(WriteItem(key, kind, name, region.shape, region.chunk, nbytes))
         else:
             shape = tuple(payload.shape)
             items.append(WriteItem(key, kind, name, shape, Chunk.whole(shape), nbytes))
         sources[key] = payload
-    return SavePlan(tuple(items), tuple(objects), tuple(aliases),
-                    frozenset(sharded) if reuse is None else reuse.sharded), sources
+    if reuse is not None:
+        return SavePlan(tuple(items), tuple(objects), tuple(aliases), reuse.sharded,
+                        reuse.domains), sources
+    return SavePlan(tuple(items), tuple(objects), tuple(aliases), frozenset(sharded),
+                    domains), sources
 
 
 def _local(value: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ from math import prod
 from typing import Any
 
 import torch
+import xxhash
 
 from .errors import UnsupportedStateError
 from .types import Chunk
@@ -50,6 +51,7 @@ class Held:
     shape: tuple[int, ...]
     chunk: Chunk
     sharded: bool
+    domain: str | None = None  # a DTensor's mesh (its ranks): replicas share it
 
 
 def is_dtensor(value: Any) -> bool:
@@ -108,4 +110,18 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
         raise UnsupportedStateError(
             f"key {key!r}: DTensor local shard has shape {tuple(local.shape)}, its placements "
             f"give {tuple(sizes)}; a padded or hand-made local tensor cannot be saved as is")
-    return Held(local, shape, Chunk(tuple(offsets), tuple(sizes)), sharded=True)
+    domain = _mesh_domain(value.device_mesh)  # type: ignore[attr-defined]
+    return Held(local, shape, Chunk(tuple(offsets), tuple(sizes)), sharded=True, domain=domain)
+
+
+_DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)
+
+
+def _mesh_domain(mesh: Any) -> str:
+    """A short name of a device mesh's ranks: DTensors on the same mesh holding the same region
+    are replicas; on different meshes they are different tensors."""
+    domain = _DOMAINS.get(mesh)
+    if domain is None:
+        ranks = str(mesh.mesh.tolist()).encode()
+        domain = _DOMAINS[mesh] = f"mesh-{xxhash.xxh3_64_hexdigest(ranks)}"
+    return domain

@@ -48,7 +48,8 @@ def _unitem(raw: list[Any]) -> WriteItem:
 def layout_bytes(plan: RankPlan) -> bytes:
     """The part of a rank's plan that stays the same while its layout does."""
     return _dumps([[_item(i) for i in plan.items], sorted(plan.sharded),
-                   [list(a) for a in plan.aliases], plan.tree])
+                   [list(a) for a in plan.aliases], plan.tree,
+                   [[i, d] for i, d in plan.domains.items()]])
 
 
 def fingerprint(layout: bytes) -> str:
@@ -62,7 +63,7 @@ def encode_plan(plan: RankPlan | None, error: str | None = None, layout: bytes |
     objects) go every time."""
     if plan is None:
         return _dumps({"error": error})
-    values = _dumps({"rank": plan.rank, "digests": list(plan.digests),
+    values = _dumps({"rank": plan.rank, "digests": [[i, d] for i, d in plan.digests.items()],
                      "objects": [[o.key, o.value] for o in plan.objects]})
     if same_as is not None:
         return values[:-1] + b',"same_as":' + _dumps(same_as) + b"}"
@@ -79,19 +80,20 @@ def decode_plan(data: bytes, rank: int, cached: RankPlan | None,
     try:
         if raw.get("error") is not None:
             return None, str(raw["error"]), None, False
-        digests = tuple(raw["digests"])
+        digests = {int(i): str(d) for i, d in raw["digests"]}
         objects = tuple(ObjectEntry(k, v) for k, v in raw["objects"])
         if "same_as" in raw:
             if cached is None or raw["same_as"] != cached_fp:
                 return None, "its cached plan does not match the coordinator's (internal)", None, False
-            if len(digests) != len(cached.items):
-                raise ValueError(f"{len(digests)} digests for {len(cached.items)} items")
+            if any(not 0 <= i < len(cached.items) for i in digests):
+                raise ValueError(f"a digest for an item beyond its {len(cached.items)} items")
             return RankPlan(rank, cached.items, cached.sharded, digests, objects,
-                            cached.aliases, cached.tree), None, cached_fp, True
-        items, sharded, aliases, tree = raw["layout"]
+                            cached.aliases, cached.tree, cached.domains), None, cached_fp, True
+        items, sharded, aliases, tree, domains = raw["layout"]
         return RankPlan(
             rank, tuple(_unitem(i) for i in items), frozenset(sharded), digests, objects,
-            tuple((a, b) for a, b in aliases), tree), None, str(raw["fp"]), False
+            tuple((a, b) for a, b in aliases), tree, {int(i): str(d) for i, d in domains}), \
+            None, str(raw["fp"]), False
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"rank {rank}'s plan is malformed ({exc!r}); do all ranks run the same "
                         "ckptio version?") from None

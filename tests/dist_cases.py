@@ -217,3 +217,42 @@ def save_interleaved(rank: int, world: int, path: str) -> None:
     state = {k: leaf("shard0", v, rank, world) if v.numel() > 16 else v
              for k, v in interleaved_full().items()}
     ckptio.save(state, path, options=SMALL)
+
+
+# ------------------------------------------------------------------ lazy save of DTensor params
+
+
+def lazy_dtensor(rank: int, world: int, path: str) -> None:
+    """A lazy async save of DTensor parameters and their optimizer: the step right after the
+    call waits for the capture, so the checkpoint holds the values from before the step."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh(world, False)
+    weight = torch.nn.Parameter(distribute_tensor(reference("a"), mesh, [Shard(0)]))
+    opt = torch.optim.SGD([weight], lr=0.5, momentum=0.9)
+    weight.grad = distribute_tensor(torch.ones(SHAPES["a"][0]), mesh, [Shard(0)])
+    opt.step()  # momentum buffers exist now
+    before = {"w": local(weight).clone(), "m": local(opt.state[weight]["momentum_buffer"]).clone()}
+    # not the optimizer's: copied before async_save returns, and laid out first on disk (so
+    # the written order differs from the planned one)
+    buf = distribute_tensor(reference("a") * 3, mesh, [Shard(0)])
+    count = torch.tensor([rank + 1.0])
+    ck = ckptio.Checkpointer(SMALL)
+    handle = ck.async_save({"w": weight, "opt": opt.state_dict(), "buf": buf, "count": count},
+                           path, lazy=True, optimizers=[opt])
+    local(buf).zero_()
+    count.zero_()
+    opt.step()  # waits for the capture (a step pre-hook), then changes weight and momentum
+    handle.wait()
+    assert not torch.equal(local(weight), before["w"])
+    loaded = {"w": distribute_tensor(torch.zeros(SHAPES["a"][0]), mesh, [Shard(0)]),
+              "opt": {"state": {0: {"momentum_buffer": distribute_tensor(
+                  torch.zeros(SHAPES["a"][0]), mesh, [Shard(0)])}},
+                      "param_groups": opt.state_dict()["param_groups"]},
+              "buf": distribute_tensor(torch.zeros(SHAPES["a"][0]), mesh, [Shard(0)]),
+              "count": torch.zeros(1)}
+    ck.load(path, loaded)
+    assert torch.equal(local(loaded["buf"]), local(distribute_tensor(reference("a") * 3, mesh, [Shard(0)])))
+    assert torch.equal(loaded["count"], torch.tensor([rank + 1.0]))
+    assert torch.equal(local(loaded["w"]), before["w"])
+    assert torch.equal(local(loaded["opt"]["state"][0]["momentum_buffer"]), before["m"])

@@ -286,6 +286,26 @@ def test_reused_plan_never_writes_stale_values(tmp_path: os.PathLike[str]) -> No
     ck.close()
 
 
+def test_reused_plan_follows_values_that_change_kind_or_size(tmp_path: os.PathLike[str]) -> None:
+    """The tensors' layout is unchanged, but a value becomes bytes, a numpy array grows, then
+    the value goes back to None: every save writes what it holds, and every one loads."""
+    import numpy as np
+
+    weight = torch.arange(16.0)
+    ck = Checkpointer(SMALL_POOL)
+    values = [None, b"abc", np.arange(3), np.arange(5), None, 0.93]
+    for step, value in enumerate(values):
+        ck.save({"w": weight, "x": value}, tmp_path / f"s{step}")
+    for step, value in enumerate(values):
+        loaded = ckptio.load(tmp_path / f"s{step}")
+        assert torch.equal(loaded["w"], weight)
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(loaded["x"], value), step
+        else:
+            assert loaded["x"] == value, step
+    ck.close()
+
+
 EXIT = r"""
 import sys, torch, ckptio
 state = {f"w{i}": torch.full((4 << 20,), float(i)) for i in range(8)}  # 128 MiB

@@ -148,3 +148,7 @@ def test_consolidation_reads_each_stored_byte_once(tmp_path):
     assert all(torch.equal(state[k], v) for k, v in full.items())
     stored = sum(t["nbytes"] for t in _manifest(path)["tensors"])
     assert report.nbytes_read <= 1.05 * stored, (report.nbytes_read, stored)
+
+
+def test_lazy_save_of_dtensor_parameters_holds_the_values_before_the_step(tmp_path):
+    run_ranks(2, cases.lazy_dtensor, str(tmp_path / "ck"))

@@ -14,11 +14,14 @@ def item(key: str, nbytes: int, chunk: Chunk | None = None, shape=(4,)) -> Write
     return WriteItem(key, "tensor", "uint8", shape, chunk or Chunk.whole(shape), nbytes)
 
 
-def rank_plan(rank: int, items, sharded=(), digests=None, objects=(), tree=None) -> RankPlan:
-    digests = digests if digests is not None else tuple(
-        None if i.key in sharded else "0" * 16 for i in items)
-    return RankPlan(rank, tuple(items), frozenset(sharded), tuple(digests), tuple(objects), (),
-                    tree if tree is not None else {"d": []})
+def rank_plan(rank: int, items, sharded=(), digests=None, objects=(), tree=None, mesh="mesh-a",
+              aliases=()) -> RankPlan:
+    """Sharded items are DTensors on ``mesh`` (None: hand-made shards, known by digest)."""
+    domains = {n: mesh for n, i in enumerate(items) if i.key in sharded} if mesh else {}
+    digests = dict(enumerate(digests)) if digests is not None else {
+        n: "0" * 16 for n, i in enumerate(items) if n not in domains}
+    return RankPlan(rank, tuple(items), frozenset(sharded), digests, tuple(objects),
+                    tuple(aliases), tree if tree is not None else {"d": []}, domains)
 
 
 
@@ -74,6 +77,63 @@ def test_disagreeing_ranks_are_named():
         plan_global([a, c])
 
 
+def test_same_key_on_two_meshes_is_refused():
+    """Pipeline stages whose state uses the same keys (optimizer state indexed 0..n): DTensors
+    on different meshes are different tensors, never replicas."""
+    shape = (8,)
+    plans = [rank_plan(r, [item("0.w", 16, Chunk((0,), (8,)), shape)], sharded={"0.w"},
+                       mesh=f"stage{r}") for r in range(2)]
+    with pytest.raises(PlanConflict, match="different device meshes by rank 0 and rank 1"):
+        plan_global(plans)
+
+
+def test_hand_made_shards_are_replicas_only_with_equal_bytes():
+    region = Chunk((0,), (8,))
+    same = [rank_plan(r, [item("w", 8, region, (8,))], sharded={"w"}, mesh=None,
+                      digests=["a" * 16]) for r in range(2)]
+    assert sum(len(a.writes) for a in plan_global(same).assignments) == 1
+    differ = [rank_plan(r, [item("w", 8, region, (8,))], sharded={"w"}, mesh=None,
+                        digests=[f"{r:016x}"]) for r in range(2)]
+    with pytest.raises(PlanConflict, match="same region .* different values"):
+        plan_global(differ)
+
+
+def test_missing_or_overlapping_shards_are_refused_before_writing():
+    top = Chunk((0, 0), (4, 4))
+    gap = [rank_plan(r, [item("w", 16, top, (8, 4))], sharded={"w"}) for r in range(2)]
+    # both ranks hold the top half on one mesh: replicas; the bottom half is nobody's
+    with pytest.raises(PlanConflict, match="16 elements of a tensor of 32.*missing"):
+        plan_global(gap)
+    overlap = [rank_plan(0, [item("w", 24, Chunk((0, 0), (6, 4)), (8, 4))], sharded={"w"}),
+               rank_plan(1, [item("w", 16, Chunk((4, 0), (4, 4)), (8, 4))], sharded={"w"})]
+    with pytest.raises(PlanConflict, match="overlap"):
+        plan_global(overlap)
+
+
+def test_a_key_that_is_a_tensor_here_and_a_value_there_is_refused():
+    plans = [rank_plan(0, [item("x", 4)]), rank_plan(1, [], objects=[ObjectEntry("x", ["none", None])])]
+    with pytest.raises(PlanConflict, match="tensor on rank 0 but a none on rank 1"):
+        plan_global(plans)
+
+
+def test_a_tie_unseen_on_an_empty_shard_is_kept():
+    """Uneven sharding can leave a rank an empty shard of a tied weight: it cannot see the tie
+    (no storage), so its empty item of the alias key is not written; a non-empty one fails."""
+    shape = (4, 2)
+    full = [item("emb", 8, Chunk((0, 0), (4, 2)), shape)]
+    empty = [item("emb", 0, Chunk((4, 0), (0, 2)), shape), item("head", 0, Chunk((4, 0), (0, 2)), shape)]
+    plans = [rank_plan(0, full, sharded={"emb", "head"}, aliases=[("head", "emb")]),
+             rank_plan(1, empty, sharded={"emb", "head"})]
+    out = plan_global(plans)
+    assert out.aliases == (("head", "emb"),)
+    assert 1 not in out.assignments[1].writes  # rank 1's empty "head" item is not written
+    wrong = [plans[0], rank_plan(1, [item("emb", 8, Chunk((0, 0), (4, 2)), shape),
+                                     item("head", 8, Chunk((0, 0), (4, 2)), shape)],
+                                 sharded={"emb", "head"})]
+    with pytest.raises(PlanConflict, match="tied to 'emb'.* on rank 0 but not on rank 1"):
+        plan_global(wrong)
+
+
 def test_trees_merge_dicts_and_refuse_other_differences():
     t0 = {"d": [["layers.0.w", {"k": "layers.0.w"}], ["step", {"k": "step"}]]}
     t1 = {"d": [["layers.1.w", {"k": "layers.1.w"}], ["step", {"k": "step"}]]}
@@ -84,13 +144,14 @@ def test_trees_merge_dicts_and_refuse_other_differences():
 
 
 def test_wire_round_trip_and_same_as():
-    plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,))], sharded={"w"},
+    plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,)), item("p", 4)], sharded={"w"},
                      objects=[ObjectEntry("o", ["int", 1])], tree={"d": [["w", {"k": "w"}]]})
     back, error, fp, same = wire.decode_plan(wire.encode_plan(plan), 3, None, None)
     assert error is None and back == plan and not same
     assert fp == wire.fingerprint(wire.layout_bytes(plan))
     changed = RankPlan(3, plan.items, plan.sharded, plan.digests,
-                       (ObjectEntry("same_as", ["str", "same_as"]),), plan.aliases, plan.tree)
+                       (ObjectEntry("same_as", ["str", "same_as"]),), plan.aliases, plan.tree,
+                       plan.domains)
     again, _, _, same = wire.decode_plan(wire.encode_plan(changed, same_as=fp), 3, plan, fp)
     assert again == changed and same  # the layout from the cache, values from the message
     fresh = wire.decode_plan(wire.encode_plan(changed), 3, plan, fp)
