@@ -29,6 +29,7 @@ from .profile import io_fields, tuned_options
 from .plan import PlanCache, SavePlan, build_plan
 from .stage import BufferPool
 from .fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
+from .types import Job, Target
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
@@ -53,7 +54,7 @@ class Checkpointer:
         self._cleanup_listed.set()
         self._active = self.options  # options the pool and backend were made with
         self._plan_cache = PlanCache()
-        self._memory = collective.Memory()
+        self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
         self._groups: dict[int, tuple[Any, Group]] = {}
         self._stale_hooks: list[SaveHandle] = []  # lazy hooks to remove from their own thread
         _live.add(self)
@@ -238,7 +239,9 @@ class Checkpointer:
             mine = collective.local_plan(group, plan, sources, flat)
         except BaseException as exc:  # noqa: BLE001 - re-raised by agree() once the peers know
             error = exc
-        agreement = collective.agree(group, mine, error, self._memory, path, reuse)
+        memory = self._memories.setdefault(None if isinstance(group, Solo) else id(group),
+                                           collective.Memory())
+        agreement = collective.agree(group, mine, error, memory, path, reuse)
         return plan, sources, flat, agreement
 
     def _settle(self) -> None:
@@ -289,7 +292,7 @@ class Checkpointer:
         with self._lock:
             pool, backend = self._resources(path)
             return restore.read_targets(
-                path, [restore.Target(e) for e in record.tensors], pool=pool, backend=backend,
+                path, [Target(e) for e in record.tensors], pool=pool, backend=backend,
                 algorithm=record.checksum_algorithm, depth=self._active.io_depth)
 
     def load(
@@ -351,7 +354,7 @@ class Checkpointer:
             pool, backend = self._resources(path)
             depth = self._active.io_depth
 
-            def read(targets: list[restore.Target], jobs: list[assemble.Job]) -> int:
+            def read(targets: list[Target], jobs: list[Job]) -> int:
                 nbytes = restore.read_targets(path, targets, pool=pool, backend=backend,
                                               depth=depth, algorithm=algorithm)
                 return nbytes + assemble.read_jobs(path, jobs, pool=pool, backend=backend,

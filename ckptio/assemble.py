@@ -26,26 +26,11 @@ from .errors import CorruptCheckpointError
 from .io import IOBackend
 from .layout import align_down, align_up
 from .options import BLOCK
-from .reshard import FlatRange, Piece, Region, Stored, execute, plan_reads
+from .reshard import Piece, execute, plan_reads, region_of, stored_from_entry
 from .stage import Buffer, BufferPool, torch_dtype
-from .types import DTYPE_ITEMSIZE, Chunk, TensorEntry
+from .types import DTYPE_ITEMSIZE, Job, TensorEntry
 
 MAX_GAP = 512 << 10  # read through gaps up to this size rather than issue another request
-
-
-def region_of(chunk: Chunk) -> Region:
-    return FlatRange(chunk.offsets[0], chunk.sizes[0]) if chunk.flat else chunk
-
-
-@dataclass
-class Job:
-    """Fill ``dest`` (the wanted region: shape ``want.sizes`` for a box, 1-D for a flat range;
-    the stored dtype) from ``entries``, chunks of one global tensor."""
-
-    key: str
-    entries: Sequence[TensorEntry]
-    want: Chunk
-    dest: torch.Tensor
 
 
 @dataclass
@@ -74,7 +59,7 @@ def plan_spans(jobs: Sequence[Job], block_nbytes: int, buffer_bytes: int) -> lis
     by_entry: dict[int, tuple[TensorEntry, list[tuple[Piece, torch.Tensor]]]] = {}
     for job in jobs:
         head = job.entries[0]
-        stored = [Stored(region_of(e.chunk), e.file, e.offset) for e in job.entries]
+        stored = [stored_from_entry(e) for e in job.entries]
         try:
             pieces = plan_reads(stored, region_of(job.want), head.shape,
                                 DTYPE_ITEMSIZE[head.dtype], max_read)

@@ -20,7 +20,7 @@ import torch
 
 from .errors import CkptError
 from .persist import Progress
-from .sharding import is_dtensor
+from .sharding import local_tensor
 from .types import WriteItem
 
 
@@ -243,9 +243,7 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
 
 def _storage(t: torch.Tensor) -> int:
     """The address of the memory holding ``t``'s bytes (a DTensor's: its local shard's)."""
-    if is_dtensor(t):
-        t = t.to_local()  # type: ignore[attr-defined]
-    return t.untyped_storage().data_ptr()
+    return local_tensor(t).untyped_storage().data_ptr()
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],

@@ -179,7 +179,7 @@ def _decide(gathered: list[bytes], memory: Memory, path: str) -> list[bytes]:
             memory.reused += 1
             global_plan = dataclasses.replace(memory.last[1], objects=objects_of(plans))
         else:
-            global_plan = plan_global(plans)
+            global_plan = plan_global(plans, own)
             memory.last = (own, global_plan)
     except CkptError as exc:
         memory.plans.clear()

@@ -18,11 +18,9 @@ import torch
 from . import values
 from .errors import ManifestError, PickleRefusedError, StateMismatchError
 from .flatten import FlatState, Leaf, unflatten
-from .assemble import Job
-from .restore import Target
 from .sharding import held
 from .stage import torch_dtype
-from .types import Chunk, Manifest, ObjectEntry, TensorEntry
+from .types import Chunk, Job, Manifest, ObjectEntry, Target, TensorEntry
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ReadFn = Callable[[list[Target], list[Job]], int]

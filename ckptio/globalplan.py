@@ -67,12 +67,13 @@ class PlanConflict(CkptError):
     """Ranks disagree about the state (dtypes, shapes, ties, tree structure)."""
 
 
-def plan_global(ranks: Sequence[RankPlan]) -> GlobalPlan:
-    """Decide every rank's writes; raise PlanConflict naming keys and ranks on disagreement."""
+def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) -> GlobalPlan:
+    """Decide every rank's writes; raise PlanConflict naming keys and ranks on disagreement.
+    ``own``: per_rank_keys(ranks), when the caller has it already."""
     _check_kinds(ranks)
     _check_tensor_or_value(ranks)
     aliases, skipped = _aliases(ranks)
-    own = per_rank_keys(ranks)
+    own = per_rank_keys(ranks) if own is None else own
     groups: dict[tuple[object, ...], _Group] = {}
     load = [0] * len(ranks)
     writes: list[list[int]] = [[] for _ in ranks]

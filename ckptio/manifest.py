@@ -199,10 +199,10 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int, block_n
     flat = chunk_raw.get("flat", False)
     if flat is not False and flat is not True:
         raise c.fail(f"{what}: chunk flag 'flat' must be true or false")
-    if not _fits(offsets, chunk_sizes, shape, flat):
+    chunk = Chunk(offsets, chunk_sizes, flat)
+    if not chunk.fits(shape):
         raise c.fail(f"{what}: {'flat ' if flat else ''}chunk {offsets}+{chunk_sizes} does not "
                      f"fit shape {shape}")
-    chunk = Chunk(offsets, chunk_sizes, flat)
     file = c.str(c.field(raw, "file", what), f"{what} file")
     offset = c.int(c.field(raw, "offset", what), f"{what} offset")
     nbytes = c.int(c.field(raw, "nbytes", what), f"{what} nbytes")
@@ -219,16 +219,6 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int, block_n
     if rank is not None and (flat or chunk != Chunk.whole(shape)):
         raise c.fail(f"{what}: an entry of rank {rank}'s own value must hold the whole tensor")
     return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks)
-
-
-def _fits(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], flat: bool) -> bool:
-    if flat:
-        total = 1
-        for d in shape:
-            total *= d
-        return len(offsets) == 1 and len(sizes) == 1 and offsets[0] + sizes[0] <= total
-    return len(offsets) == len(shape) and len(sizes) == len(shape) and all(
-        o + s <= d for o, s, d in zip(offsets, sizes, shape))
 
 
 def _checksum(c: _Check, value: Any, what: str) -> str:

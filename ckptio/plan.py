@@ -18,7 +18,7 @@ import torch
 from . import values
 from .errors import UnsupportedStateError
 from .flatten import FlatState
-from .sharding import FlatShard, TensorShard, held, is_dtensor
+from .sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
 from .types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
 
@@ -204,7 +204,7 @@ def _build(flat: FlatState, allow_pickle: bool,
                 aliases.append((key, reuse.alias_of[key]))
             else:
                 items.append(reuse.tensor_items[key])
-                sources[key] = _local(leaf.value)  # this save's tensor: never a cached one
+                sources[key] = local_tensor(leaf.value)  # this save's tensor: never a cached one
             continue
         region = held(leaf.value, key)
         if region is not None and region.sharded:
@@ -238,11 +238,3 @@ def _build(flat: FlatState, allow_pickle: bool,
     return SavePlan(tuple(items), tuple(objects), tuple(aliases), frozenset(sharded),
                     domains), sources
 
-
-def _local(value: Any) -> torch.Tensor:
-    """The tensor holding a leaf's bytes (a DTensor's or wrapper's local shard)."""
-    if isinstance(value, (TensorShard, FlatShard)):
-        return value.local
-    if is_dtensor(value):
-        return value.to_local()
-    return value

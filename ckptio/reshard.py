@@ -91,15 +91,20 @@ class Piece:
         return prod(self.sizes)
 
 
+def region_of(chunk: Chunk) -> Region:
+    """A manifest chunk as a region: a box, or a flat range when ``chunk.flat``."""
+    return FlatRange(chunk.offsets[0], chunk.sizes[0]) if chunk.flat else chunk
+
+
 def stored_from_entry(entry: TensorEntry) -> Stored:
-    """The Stored form of a manifest entry (a box); checks its byte length against its chunk."""
+    """The Stored form of a manifest entry; checks its byte length against its chunk."""
     itemsize = DTYPE_ITEMSIZE.get(entry.dtype)
     if itemsize is not None and entry.nbytes != entry.chunk.numel * itemsize:
         raise ValueError(
             f"tensor {entry.key!r}: entry in {entry.file} holds {entry.nbytes} bytes but its chunk "
             f"{_describe(entry.chunk)} of {entry.dtype} needs {entry.chunk.numel * itemsize}"
         )
-    return Stored(region=entry.chunk, file=entry.file, offset=entry.offset)
+    return Stored(region=region_of(entry.chunk), file=entry.file, offset=entry.offset)
 
 
 # ------------------------------------------------------------------------------------------------

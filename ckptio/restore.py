@@ -12,26 +12,17 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 
 from .checksum import Hasher, new_hasher
 from .errors import CorruptCheckpointError
 from .io import FileHandle, IOBackend
 from .layout import coalesce_reads
 from .stage import Buffer, BufferPool, copy_in, torch_dtype, typed
-from .types import DTYPE_ITEMSIZE, ReadRange, TensorEntry
+from .types import DTYPE_ITEMSIZE, ReadRange, Target, TensorEntry
 
 MAX_GAP = 512 << 10  # read through gaps up to this size rather than issue another request
-
-
-@dataclass
-class Target:
-    """An entry and the tensors (same dtype, shape = chunk sizes) its bytes are copied into."""
-
-    entry: TensorEntry
-    dests: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass

@@ -10,7 +10,6 @@ who writes which region (globalplan.py) or reading regions back (assemble.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import torch
@@ -58,6 +57,15 @@ def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
 
 
+def local_tensor(value: Any) -> torch.Tensor:
+    """The tensor holding a leaf's bytes: a DTensor's or wrapper's local shard, else itself."""
+    if isinstance(value, (TensorShard, FlatShard)):
+        return value.local
+    if is_dtensor(value):
+        return value.to_local()
+    return value
+
+
 def held(value: Any, key: str) -> Held | None:
     """The region ``value`` holds, or None when it is not a tensor leaf."""
     if isinstance(value, (TensorShard, FlatShard)):
@@ -77,19 +85,18 @@ def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
         raise UnsupportedStateError(f"key {key!r}: {type(value).__name__}.local must be a plain "
                                     "tensor")
     if isinstance(value, FlatShard):
-        if local.dim() != 1 or value.start < 0 or value.start + local.numel() > prod(shape):
+        chunk = Chunk((int(value.start),), (local.numel(),), flat=True)
+        if local.dim() != 1 or not chunk.fits(shape):
             raise UnsupportedStateError(
                 f"key {key!r}: FlatShard of {local.numel()} elements at {value.start} does not fit "
                 f"a tensor of shape {shape} (local must be 1-D)")
-        return Held(local, shape, Chunk((value.start,), (local.numel(),), flat=True), sharded=True)
-    offsets = tuple(int(o) for o in value.offsets)
-    sizes = tuple(local.shape)
-    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-            o < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)):
+        return Held(local, shape, chunk, sharded=True)
+    chunk = Chunk(tuple(int(o) for o in value.offsets), tuple(local.shape))
+    if not chunk.fits(shape):
         raise UnsupportedStateError(
-            f"key {key!r}: TensorShard of shape {sizes} at offsets {offsets} does not fit a "
-            f"tensor of shape {shape}")
-    return Held(local, shape, Chunk(offsets, sizes), sharded=True)
+            f"key {key!r}: TensorShard of shape {chunk.sizes} at offsets {chunk.offsets} does not "
+            f"fit a tensor of shape {shape}")
+    return Held(local, shape, chunk, sharded=True)
 
 
 def _dtensor(value: torch.Tensor, key: str) -> Held:

@@ -6,7 +6,8 @@ Does not own: how these are computed (plan, layout, reshard) or stored (manifest
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # name -> bytes per element. The manifest stores these names; readers need no torch to size data.
@@ -46,6 +47,16 @@ class Chunk:
         for size in self.sizes:
             n *= size
         return n
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether this region lies inside a tensor of ``shape``."""
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
+            return False
+        if self.flat:
+            return (len(self.offsets) == len(self.sizes) == 1
+                    and self.offsets[0] + self.sizes[0] <= Chunk.whole(shape).numel)
+        return len(self.offsets) == len(shape) == len(self.sizes) and all(
+            o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape))
 
 
 @dataclass(frozen=True)
@@ -135,3 +146,22 @@ class ReadRange:
     offset: int
     nbytes: int
     entries: tuple[TensorEntry, ...]
+
+
+@dataclass
+class Target:
+    """A load's whole entry and the tensors (its dtype, shape = chunk sizes) its bytes go into."""
+
+    entry: TensorEntry
+    dests: list[Any] = field(default_factory=list)  # torch.Tensor
+
+
+@dataclass
+class Job:
+    """A load's region ``want`` of a global tensor, assembled from ``entries`` (its chunks)
+    into ``dest`` (the stored dtype; shape ``want.sizes``, or 1-D for a flat range)."""
+
+    key: str
+    entries: Sequence[TensorEntry]
+    want: Chunk
+    dest: Any  # torch.Tensor
