@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ckptio.bench import ranks, save_load
+from ckptio.bench import ranks, ranks_state, save_load
 
 pytest.importorskip("torch.distributed.checkpoint")
 
@@ -61,7 +61,7 @@ def test_layout_helpers():
 
     for size in (1, 5, 8, 13):
         for parts in (1, 2, 3, 4, 8):
-            pieces = [ranks.split(size, parts, i) for i in range(parts)]
+            pieces = [ranks_state.split(size, parts, i) for i in range(parts)]
             assert sum(n for _, n in pieces) == size
             chunks = torch.arange(size).chunk(parts)
             for i, (start, n) in enumerate(pieces):

@@ -1,14 +1,12 @@
 """Many-rank save/load benchmark: ckptio vs DCP on the same FSDP2-like DTensor state, every run a
 fresh set of gloo processes, resharded loads (N -> 1, N -> 2N) against the same-layout load.
 
-Owns: the sharded state (state.py's GPT+AdamW state, every tensor of 2+ dims a DTensor
-Shard(0) over a 1-D CPU mesh of N ranks, 1-D tensors (norms, biases) Replicate, 0-dim tensors
-and Python values plain), the rank launcher (N fresh `python -m ckptio.bench.ranks --worker`
-processes joined over tcp://127.0.0.1), the timed collective save and cold load, the bitwise
-check of every load against digests computed from the reference state, and the summary. Reuses
-(does not copy): state.py (state, digest, empty destination), engines.py (RSS, heap release,
-disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker, medians, report
-helpers).
+Owns: the rank launcher (N fresh `python -m ckptio.bench.ranks --worker` processes joined over
+tcp://127.0.0.1), the timed collective save and cold load, and the bitwise check of every load
+against digests of the reference state. The sharded state is ranks_state.py's; the job list and
+the report are ranks_report.py's. Reuses (does not copy): state.py, engines.py (RSS, heap
+release, disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker,
+medians, report helpers).
 
     python -m ckptio.bench.ranks --ranks 2 --gb 2 --reps 3
     ckptio bench save-load --ranks 2 --gb 2 --reps 3     # the same
@@ -29,18 +27,18 @@ import gc
 import json
 import os
 import pickle
-import shlex
 import shutil
 import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-Run = dict[str, Any]
+from .ranks_report import Run, load_worlds, markdown, save_engines, schedule, summarize
+from .ranks_state import destination, local_digest, local_view, sharded_state, skeleton
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
 EXPECT = PREFIX + "expect.pkl"
@@ -86,196 +84,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n")]:
         p.error(f"unknown --loads {bad}")
     return args
-
-
-# ---------------------------------------------------------------- the sharded state
-
-
-def split(size: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, length) of piece ``index`` of dim ``size`` cut in ``parts`` as Shard(0) does
-    (torch.chunk: pieces of ceil(size / parts); trailing ones smaller or empty)."""
-    full = -(-size // parts)
-    start = min(full * index, size)
-    return start, min(size, full * (index + 1)) - start
-
-
-def placement_of(t: Any) -> str:
-    """'shard' (2+ dims: weights, embeddings, their AdamW moments), 'replicate' (1-D: norms,
-    biases), 'plain' (0-dim step counters, and any non-float leaf such as the RNG state)."""
-    if t.dim() >= 2:
-        return "shard"
-    if t.dim() == 1 and t.is_floating_point():
-        return "replicate"
-    return "plain"
-
-
-def local_view(value: Any, rank: int, world: int, memo: dict[int, Any] | None = None) -> Any:
-    """The same nesting with each tensor replaced by the plain tensor rank ``rank`` of ``world``
-    holds (a view: no copy). Tied tensors stay tied."""
-    import torch
-
-    memo = {} if memo is None else memo
-    if isinstance(value, torch.Tensor):
-        # state_dict() detaches every entry: tied weights are distinct objects over one storage
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-                 value.stride(), value.dtype)
-        if ident not in memo:
-            if placement_of(value) == "shard" and world > 1:
-                start, length = split(value.shape[0], world, rank)
-                memo[ident] = value.narrow(0, start, length)
-            else:
-                memo[ident] = value
-        return memo[ident]
-    if isinstance(value, dict):
-        return type(value)({k: local_view(v, rank, world, memo) for k, v in value.items()})
-    if isinstance(value, list):
-        return [local_view(v, rank, world, memo) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(local_view(v, rank, world, memo) for v in value)
-    return value
-
-
-def to_dtensors(full: Any, local: Any, mesh: Any, memo: dict[int, Any] | None = None) -> Any:
-    """Wrap each local tensor of ``local`` (from local_view of ``full``) as a DTensor with the
-    placement of its full twin; plain leaves stay as they are."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    memo = {} if memo is None else memo
-    if isinstance(full, torch.Tensor):
-        if id(local) not in memo:
-            kind = placement_of(full)
-            if kind == "plain":
-                memo[id(local)] = local
-            else:
-                memo[id(local)] = DTensor.from_local(
-                    local, mesh, [Shard(0) if kind == "shard" else Replicate()], run_check=False,
-                    shape=full.shape, stride=full.stride())
-        return memo[id(local)]
-    if isinstance(full, dict):
-        return type(full)({k: to_dtensors(v, local[k], mesh, memo) for k, v in full.items()})
-    if isinstance(full, list):
-        return [to_dtensors(f, l, mesh, memo) for f, l in zip(full, local)]
-    if isinstance(full, tuple) and type(full) is tuple:
-        return tuple(to_dtensors(f, l, mesh, memo) for f, l in zip(full, local))
-    return local
-
-
-def sharded_state(full: Any, rank: int, world: int, mesh: Any) -> Any:
-    """This rank's DTensor state, its local shards copied out of ``full`` (which may be freed)."""
-    memo: dict[int, Any] = {}
-    local = local_view(full, rank, world)
-    copies = _copy_tensors(local, memo)
-    return to_dtensors(full, copies, mesh)
-
-
-def _copy_tensors(value: Any, memo: dict[int, Any]) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if id(value) not in memo:
-            memo[id(value)] = value.clone()
-        return memo[id(value)]
-    if isinstance(value, dict):
-        return type(value)({k: _copy_tensors(v, memo) for k, v in value.items()})
-    if isinstance(value, list):
-        return [_copy_tensors(v, memo) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_copy_tensors(v, memo) for v in value)
-    return value
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A tensor leaf of the destination skeleton: shape, stride and dtype, and which of the
-    source's tensors it is (tied tensors share ``ident``)."""
-
-    ident: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: Any
-    kind: str  # placement_of
-
-
-def skeleton(full: Any) -> Any:
-    """state.empty_destination(full) (scalars poisoned) with tensors replaced by Specs."""
-    import torch
-
-    from . import state
-
-    empty = state.empty_destination(full)
-    ids: dict[int, int] = {}
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            n = ids.setdefault(id(value), len(ids))
-            return Spec(n, tuple(value.shape), tuple(value.stride()), value.dtype, placement_of(value))
-        if isinstance(value, dict):
-            return type(value)({k: walk(v) for k, v in value.items()})
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple) and type(value) is tuple:
-            return tuple(walk(v) for v in value)
-        return value
-
-    return walk(empty)
-
-
-def destination(skel: Any, rank: int, world: int, mesh: Any) -> Any:
-    """A touched (zeroed) destination for rank ``rank`` of ``world``: DTensors on ``mesh``, or
-    plain full tensors when ``mesh`` is None."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    made: dict[int, Any] = {}
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, Spec):
-            if value.ident not in made:
-                if value.kind == "shard" and mesh is not None:
-                    shape = (split(value.shape[0], world, rank)[1], *value.shape[1:])
-                    local = torch.zeros(shape, dtype=value.dtype)
-                else:
-                    local = torch.empty_strided(value.shape, value.stride, dtype=value.dtype).zero_()
-                if mesh is not None and value.kind != "plain":
-                    placement = Shard(0) if value.kind == "shard" else Replicate()
-                    local = DTensor.from_local(local, mesh, [placement], run_check=False,
-                                               shape=torch.Size(value.shape), stride=value.stride)
-                made[value.ident] = local
-            return made[value.ident]
-        if isinstance(value, dict):
-            return type(value)({k: walk(v) for k, v in value.items()})
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple) and type(value) is tuple:
-            return tuple(walk(v) for v in value)
-        return value
-
-    return walk(skel)
-
-
-def local_digest(value: Any) -> str:
-    """state.digest of the state with every DTensor replaced by its local tensor."""
-    from ..sharding import is_dtensor
-    from . import state
-
-    def walk(v: Any) -> Any:
-        if is_dtensor(v):
-            return v.to_local()
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if isinstance(v, tuple) and type(v) is tuple:
-            return tuple(walk(x) for x in v)
-        return v
-
-    return state.digest(walk(value))
-
-
-def load_worlds(args: argparse.Namespace) -> dict[str, int]:
-    worlds = {"same": args.ranks, "to1": 1, "to2n": 2 * args.ranks}
-    return {k: worlds[k] for k in args.load_kinds if k in worlds}
 
 
 # ---------------------------------------------------------------- workers
@@ -537,18 +345,6 @@ def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
     return run
 
 
-def save_engines(args: argparse.Namespace) -> list[str]:
-    return ["ckptio", *[f"dcp_t{t}" for t in args.threads]]
-
-
-def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]]:
-    saves = save_engines(args)
-    loads = [("ckptio", w) for w in load_worlds(args).values()]
-    if args.threads and "dcp" in args.load_kinds:
-        loads.insert(1, ("dcp", args.ranks))
-    return saves, loads
-
-
 def progress(run: Run) -> str:
     head = f"[rep {run.get('rep', 0) + 1}] {run.get('job')} {run.get('engine', '')}"
     if "error" in run:
@@ -597,154 +393,6 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             runs.append(run_ceiling(args, rep))
             print(progress(runs[-1]), file=sys.stderr, flush=True)
     return runs
-
-
-# ---------------------------------------------------------------- summary
-
-TARGET_SAVE_PCT = 90.0
-TARGET_SAVE_VS_DCP = 3.0
-TARGET_RESHARD = 1.15
-
-
-def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
-    from .save_load import gbps, median
-
-    good = [r for r in runs if "error" not in r]
-    expect = next((r for r in good if r["job"] == "expect"), None)
-    ceil = {r["rep"]: r for r in good if r["job"] == "ceiling"}
-    out: dict[str, Any] = {
-        "ranks": args.ranks, "bytes": expect["bytes"] if expect else None,
-        "tensors": expect["tensors"] if expect else None,
-        "ceiling_write_gbps": median([gbps(r, "write_s") for r in ceil.values()]),
-        "ceiling_read_gbps": median([gbps(r, "read_s") for r in ceil.values()]),
-        "ceiling_write_s": median([r["write_s"] for r in ceil.values()]),
-        "ceiling_read_s": median([r["read_s"] for r in ceil.values()]),
-    }
-
-    def pct(r: Run, seconds: str, ceil_seconds: str) -> float | None:
-        c = ceil.get(r["rep"])
-        return None if c is None else 100 * gbps(r, seconds) / gbps(c, ceil_seconds)
-
-    def med(rs: list[Run], fn: Any) -> float | None:
-        return median([v for r in rs if (v := fn(r)) is not None])
-
-    saves = []
-    for engine in save_engines(args):
-        all_rs = [r for r in runs if r.get("job") == "save" and r.get("engine") == engine]
-        rs = [r for r in all_rs if "error" not in r]
-        saves.append({
-            "engine": engine, "ranks": args.ranks, "runs": len(all_rs), "failed": len(all_rs) - len(rs),
-            "first_save_s": med(rs, lambda r: r["first_save_s"]), "save_s": med(rs, lambda r: r["save_s"]),
-            "save_gbps": med(rs, lambda r: gbps(r, "save_s")),
-            "save_pct": med(rs, lambda r: pct(r, "save_s", "write_s")),
-            "save_rss_mib": med(rs, lambda r: r["save_rss_mib"]),
-            "files": med(rs, lambda r: r["files"]), "disk_mb": med(rs, lambda r: r["disk_bytes"] / 1e6)})
-    loads = []
-    _, planned = schedule(args)
-    for engine, world in planned:
-        layout = f"{args.ranks}->{world}"
-        all_rs = [r for r in runs if r.get("job") == "load" and r.get("engine") == engine
-                  and r.get("layout") == layout]
-        rs = [r for r in all_rs if "error" not in r]
-        loads.append({
-            "engine": engine, "layout": layout, "ranks": world, "runs": len(all_rs),
-            "failed": len(all_rs) - len(rs), "load_s": med(rs, lambda r: r["load_s"]),
-            "load_gbps": med(rs, lambda r: gbps(r, "load_s")),
-            "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
-            "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
-            "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
-            "bitwise_ok": bool(rs) and len(rs) == len(all_rs) and all(r["bitwise_ok"] for r in rs)})
-    out["saves"], out["loads"] = saves, loads
-    out["checks"] = checks(saves, loads, args)
-    return out
-
-
-def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
-           args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The issue's targets, each as value vs target (medians; ratios of medians)."""
-    out: list[dict[str, Any]] = []
-    mine = next((s for s in saves if s["engine"] == "ckptio"), None)
-    dcp = [s for s in saves if s["engine"] != "ckptio" and s["save_gbps"]]
-    best = max(dcp, key=lambda s: s["save_gbps"], default=None)
-    if mine and mine["save_pct"] is not None:
-        out.append({"what": "ckptio save, % of write ceiling", "value": mine["save_pct"],
-                    "target": f">= {TARGET_SAVE_PCT:.0f}", "ok": mine["save_pct"] >= TARGET_SAVE_PCT})
-    if mine and mine["save_gbps"] and best:
-        ratio = mine["save_gbps"] / best["save_gbps"]
-        out.append({"what": f"ckptio save / best DCP save ({best['engine']})", "value": ratio,
-                    "target": f">= {TARGET_SAVE_VS_DCP:.0f}", "ok": ratio >= TARGET_SAVE_VS_DCP})
-    same = next((l for l in loads if l["engine"] == "ckptio" and l["ranks"] == args.ranks), None)
-    dcp_load = next((l for l in loads if l["engine"] == "dcp"), None)
-    if same and same["load_s"] and dcp_load and dcp_load["load_s"]:
-        out.append({"what": f"ckptio / DCP load GB/s, {same['layout']}",
-                    "value": dcp_load["load_s"] / same["load_s"], "target": "-", "ok": None})
-    for l in loads:
-        if l["engine"] == "ckptio" and l is not same and same and same["load_s"] and l["load_s"]:
-            ratio = l["load_s"] / same["load_s"]
-            out.append({"what": f"ckptio load {l['layout']} / {same['layout']} (time)", "value": ratio,
-                        "target": f"<= {TARGET_RESHARD}", "ok": ratio <= TARGET_RESHARD})
-    return out
-
-
-# ---------------------------------------------------------------- markdown
-
-
-def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str]) -> str:
-    from . import ceiling, state
-    from .save_load import fmt
-
-    cfg = state.gpt_config(args.gb)
-    command = shlex.join(["python", "-m", "ckptio.bench.ranks", *argv])
-    nbytes = summary["bytes"] or 0
-    lines = [
-        f"## {args.ranks}-rank durable save and cold load (resharded)", "", f"`{command}`  ",
-        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
-        f"{args.reps} reps, fresh gloo processes per job (OMP_NUM_THREADS=1), medians  "),
-        (f"state: GPT+AdamW of state.py, S = {nbytes:,} bytes ({summary['tensors']} tensor leaves), "
-        f"d_model {cfg.d_model}, {cfg.n_layers} blocks, vocab {cfg.vocab}; 2+-dim tensors DTensor "
-        f"Shard(0) over a 1-D CPU mesh of {args.ranks}, 1-D (norms, biases) Replicate, 0-dim and "
-        "RNG plain (same on every rank)  "),
-        "ceiling: save_load's O_DIRECT worker, S bytes, every rep, best of "
-        + ", ".join(f"{c >> 20} MiB x {t} threads" for c, t in ceiling.GEOMETRIES), "",
-        "| engine | ranks | 1st save s | save s | save GB/s | % write ceil | RSS+ MiB/rank | files | disk MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in summary["saves"]:
-        fail = f" ({s['failed']} failed)" if s["failed"] else ""
-        lines.append(f"| {s['engine']}{fail} | {s['ranks']} | {fmt(s['first_save_s'])} | {fmt(s['save_s'])} "
-                     f"| {fmt(s['save_gbps'])} | {fmt(s['save_pct'], '.0f')} | {fmt(s['save_rss_mib'], '.0f')} "
-                     f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
-    lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
-                 f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
-    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
-              "| bitwise |"), "|---|---|---:|---:|---:|---:|---:|---|"]
-    for l in summary["loads"]:
-        ok = ("ok" if l["bitwise_ok"] else "MISMATCH") + (f" ({l['failed']} failed)" if l["failed"] else "")
-        lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
-                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
-                     f"| {fmt(l['read_mb'], '.0f')} | {ok} |")
-    lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
-                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - |")
-    lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
-    for c in summary["checks"]:
-        met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
-        lines.append(f"| {c['what']} | {c['value']:.2f} | {c['target']} | {met} |")
-    lines += [
-        "", ("- save: barrier, clock, save, barrier (rank 0's clock: the slowest rank counts); 1st "
-        "save: the first in the process, save: a second one (what a training job pays every time)"),
-        ("- ckptio: ckptio.save, durable and committed when it returns (POSIX backend, no tuned "
-        "profile); DCP: dcp.save with FileSystemWriter(thread_count=k, sync_files=True), then "
-        "os.sync() on every rank inside the clock (.metadata and directory entries)"),
-        "- load: fresh ranks allocate and zero the destination, rank 0 drops the page cache, idle, "
-        f"then the clock; {args.ranks}->1 loads into plain full tensors in one process without a "
-        "process group; DCP loads the checkpoint of its first --dcp-threads variant; ckptio's "
-        + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
-           "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
-        ("- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
-        "minimum; more means over-reading)"),
-        ("- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
-        "the same region of the reference state (untimed)"), ""]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- entry point
