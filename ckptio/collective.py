@@ -268,11 +268,10 @@ def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
                 tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
                 objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
                 block_nbytes=block_nbytes)
-        encoded = manifest.encode(record)
-        # The reader's own checks, before the commit: a manifest that would not load must not
+        # The reader's key rules, before the commit: a manifest that would not load must not
         # replace one that does (its files are deleted once the new one is committed).
-        manifest.decode(encoded, os.path.join(path, manifest.MANIFEST_NAME))
-        commit.commit(path, encoded, agreement.save_id)
+        manifest.check_keys(record, os.path.join(path, manifest.MANIFEST_NAME))
+        commit.commit(path, manifest.encode(record), agreement.save_id)
     except CkptError as exc:
         return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"
     committed([f.name for f in files])

@@ -235,6 +235,13 @@ def _alias(c: _Check, raw: Any) -> tuple[str, str]:
     return c.str(pair[0], "alias key"), c.str(pair[1], "alias target")
 
 
+def check_keys(manifest: Manifest, where: str) -> None:
+    """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
+    or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
+    to be written: a save must not commit what its own reader would refuse."""
+    _check_keys(_Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree)
+
+
 def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
                 aliases: tuple[tuple[str, str], ...], tree: Any) -> None:
     tensor_keys = _check_groups(c, tensors, "tensor")

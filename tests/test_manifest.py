@@ -397,6 +397,21 @@ def test_hostile_body_is_rejected(mutate):
     rejected(wrap(body if result is None else result))
 
 
+def test_check_keys_refuses_what_the_reader_would_refuse():
+    """The coordinator runs the reader's key rules before committing a manifest."""
+    import dataclasses
+
+    m = good_manifest()
+    manifest.check_keys(m, WHERE)
+    w = m.tensors[0]
+    mixed = dataclasses.replace(m, tensors=(*m.tensors, dataclasses.replace(w, rank=0)))
+    with pytest.raises(ManifestError, match="both global and per-rank"):
+        manifest.check_keys(mixed, WHERE)
+    clash = dataclasses.replace(m, objects=(*m.objects, ObjectEntry(w.key, ["int", 1])))
+    with pytest.raises(ManifestError, match="appears twice"):
+        manifest.check_keys(clash, WHERE)
+
+
 def test_many_rank_fields_round_trip():
     m = good_manifest()
     flat = TensorEntry("f", "tensor", "float32", (3, 5), Chunk((4,), (7,), flat=True), F1, 128,

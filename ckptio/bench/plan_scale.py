@@ -271,6 +271,7 @@ def commit_body(results: list[tuple[list[TensorEntry], list[Any], str | None]],
         objects=plan.objects, aliases=plan.aliases, tree=plan.tree,
         meta={"ckptio_version": "bench", "torch_version": "-", "created_unix": 0.0},
         block_nbytes=BLOCK_NBYTES)
+    manifest.check_keys(record, "simulated/manifest.json")
     return manifest.encode(record)
 
 
