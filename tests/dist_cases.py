@@ -256,3 +256,40 @@ def lazy_dtensor(rank: int, world: int, path: str) -> None:
     assert torch.equal(loaded["count"], torch.tensor([rank + 1.0]))
     assert torch.equal(local(loaded["w"]), before["w"])
     assert torch.equal(local(loaded["opt"]["state"][0]["momentum_buffer"]), before["m"])
+
+
+# ------------------------------------------------------------------ errors seen on some ranks only
+
+
+def unreported_error_on_one_rank(rank: int, world: int, path: str) -> str:
+    """A failed async save whose error rank 0 has seen (wait()) and rank 1 has not: the next
+    save raises rank 1's old error there and RankFailedError on rank 0, instead of hanging."""
+    from ckptio.testing.faults import inject
+
+    ck = ckptio.Checkpointer(SMALL)
+    ck.save(state_for("shard0", rank, world), path)  # resources made, a checkpoint exists
+    if rank == 1:
+        inject(ck, fail_write=1)
+    handle = ck.async_save(state_for("shard0", rank, world), path)
+    if rank == 0:
+        try:
+            handle.wait()
+        except ckptio.CkptError:
+            pass
+    try:
+        ck.save(state_for("shard0", rank, world), path)
+    except ckptio.CkptError as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def load_fails_on_one_rank(rank: int, world: int, path: str) -> str:
+    ckptio.save(state_for("shard0", rank, world), path, options=SMALL)
+    state = state_for("shard0", rank, world, zeros=True)
+    if rank == 1:
+        state["extra"] = torch.zeros(1)  # a key the checkpoint lacks: strict load refuses
+    try:
+        ckptio.load(path, state, options=SMALL)
+    except ckptio.CkptError as exc:
+        return type(exc).__name__
+    return "no error"

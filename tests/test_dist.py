@@ -152,3 +152,13 @@ def test_consolidation_reads_each_stored_byte_once(tmp_path):
 
 def test_lazy_save_of_dtensor_parameters_holds_the_values_before_the_step(tmp_path):
     run_ranks(2, cases.lazy_dtensor, str(tmp_path / "ck"))
+
+
+def test_an_error_seen_by_some_ranks_only_does_not_hang_the_next_save(tmp_path):
+    outcome = run_ranks(2, cases.unreported_error_on_one_rank, str(tmp_path / "ck"), timeout_s=120)
+    assert outcome == ["RankFailedError", "StorageIOError"], outcome
+
+
+def test_a_load_failing_on_one_rank_raises_on_every_rank(tmp_path):
+    outcome = run_ranks(2, cases.load_fails_on_one_rank, str(tmp_path / "ck"))
+    assert outcome == ["RankFailedError", "StateMismatchError"], outcome
