@@ -22,7 +22,7 @@ from . import assemble, collective, commit, io, manifest, persist, restore, save
 from .dist import Group, Solo, TorchGroup, current_group
 from .background import SaveHandle, SaveResult, lazy_order
 from .errors import CkptError
-from .flatten import FlatState, flatten
+from .flatten import flatten
 from .layout import plan_files
 from .options import Options
 from .profile import io_fields, tuned_options
@@ -169,7 +169,7 @@ class Checkpointer:
                 raise
             settled = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
-        plan, sources, flat, agreement = self._agree(group, state, path, allow_pickle, settled)
+        plan, sources, agreement = self._agree(group, state, path, allow_pickle, settled)
         try:
             handle, job = self._start(group, agreement, plan, sources, path, started, lazy,
                                       optimizers)
@@ -223,7 +223,7 @@ class Checkpointer:
 
     def _agree(self, group: Group, state: Any, path: str, allow_pickle: bool,
                settled: BaseException | None) -> tuple[
-            SavePlan, dict[str, torch.Tensor], FlatState, collective.Agreement]:
+            SavePlan, dict[str, torch.Tensor], collective.Agreement]:
         """Plan this rank's part and agree with the other ranks on who writes what (collective:
         a failure on any rank raises on every rank, before any byte is written)."""
         mine: collective.RankPlan | None = None
@@ -242,7 +242,7 @@ class Checkpointer:
         memory = self._memories.setdefault(None if isinstance(group, Solo) else id(group),
                                            collective.Memory())
         agreement = collective.agree(group, mine, error, memory, path, reuse)
-        return plan, sources, flat, agreement
+        return plan, sources, agreement
 
     def _settle(self) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
