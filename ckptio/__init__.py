@@ -16,6 +16,7 @@ from .api import Checkpointer, LoadReport, SaveHandle, SaveResult
 from .shared import async_save, load, save, verify
 from .persist import Progress
 from .errors import (
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
@@ -25,17 +26,21 @@ from .errors import (
     StateMismatchError,
     RankFailedError,
     StorageIOError,
+    UnsupportedPathError,
     UnsupportedStateError,
 )
 from .options import Options
+from .rng import RNGState
+from .manager import CheckpointManager
 from .sharding import FlatShard, TensorShard
 
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
-    "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard",
-    "CkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
+    "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard", "RNGState", "CheckpointManager",
+    "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-    "UnsupportedStateError",
+    "UnsupportedStateError", "UnsupportedPathError",
 ]
 
 AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's
+

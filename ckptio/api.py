@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -21,7 +22,7 @@ import torch
 from . import assemble, collective, commit, io, manifest, persist, restore, saverun
 from .dist import Group, Solo, TorchGroup, current_group
 from .background import SaveHandle, SaveResult, lazy_order
-from .errors import CkptError
+from .errors import CkptError, UnsupportedPathError
 from .flatten import flatten
 from .layout import plan_files
 from .options import Options
@@ -89,7 +90,7 @@ class Checkpointer:
         """Allocate (and pre-fault) the staging pool and start the I/O backend now, for the
         filesystem of ``path``: call at startup so the first save does not pay for it."""
         with self._lock:
-            self._resources(None if path is None else os.fspath(path))
+            self._resources(None if path is None else local_path(path))
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -151,7 +152,7 @@ class Checkpointer:
         if lazy and not optimizers:
             raise CkptError("async_save(lazy=True) needs optimizers=[...]: their step() is what "
                             "must wait for the capture")
-        path = os.fspath(path)
+        path = local_path(path)
         group = self._group(process_group)
         if group.size > 1 and if_busy == "skip":
             raise CkptError("async_save(if_busy='skip') is not available with many ranks: ranks "
@@ -160,7 +161,7 @@ class Checkpointer:
         if previous is not None and not previous.done() and if_busy == "skip":
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
                           "running (if_busy='skip')", stacklevel=2)
-            return SaveHandle.skipped(path)
+            return SaveHandle._skipped(path)
         settled: BaseException | None = None
         try:
             self._settle()
@@ -168,7 +169,7 @@ class Checkpointer:
             if group.size == 1:
                 raise
             settled = exc
-        self._stale_hooks = [h for h in self._stale_hooks if not h.remove_hooks()]
+        self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
         plan, sources, agreement = self._agree(group, state, path, allow_pickle, settled)
         try:
             handle, job = self._start(group, agreement, plan, sources, path, started, lazy,
@@ -178,9 +179,9 @@ class Checkpointer:
             raise
         self._inflight, self._thread = handle, job
         try:
-            handle.block_until_captured(lazy=lazy)
+            handle._block_until_captured(lazy=lazy)
         finally:
-            handle.returned()
+            handle._mark_returned()
         return handle
 
     def _start(self, group: Group, agreement: collective.Agreement, plan: SavePlan,
@@ -200,15 +201,15 @@ class Checkpointer:
                                 lambda: self._cleanup_listed.wait(), self._resources)
         job = threading.Thread(target=saverun.run, name="ckptio-save", args=(task,))
         if lazy:  # before the thread starts: no capture may begin unguarded
-            handle.hook_optimizers(optimizers)
+            handle._hook_optimizers(optimizers)
         try:
             job.start()  # not a daemon: a save running at exit is finished (_finish_saves_at_exit)
         except BaseException as exc:
-            handle.finished(0, exc)  # releases the hooks' wait
-            handle.remove_hooks()
+            handle._finished(0, exc)  # releases the hooks' wait
+            handle._remove_hooks()
             raise
         if lazy and eager_items == 0:  # nothing outside the optimizers: no need to wait for it
-            handle.eager_captured()
+            handle._eager_captured()
         return handle, job
 
     def _group(self, process_group: Any) -> Group:
@@ -250,16 +251,17 @@ class Checkpointer:
         if thread is not None:
             thread.join()
         if handle is not None:
-            if not handle.remove_hooks():  # another thread: the trainer's next save removes them
+            if not handle._remove_hooks():  # another thread: the trainer's next save removes them
                 self._stale_hooks.append(handle)
             self._inflight, self._thread = None, None
-            error = handle.unreported_error()
+            error = handle._unreported_error()
             if error is not None:
                 raise error
 
     def _finish(self, group: Group, agreement: collective.Agreement, path: str) -> saverun.Finish:
         return saverun.Finish(group, agreement, path, self.options.checksum, self._block_nbytes(),
-                              _meta(), lambda names: self._start_cleanup(path, names))
+                              _meta(), lambda names: self._start_cleanup(path, names),
+                              self.options.if_locked)
 
     def _block_nbytes(self) -> int:
         """Checksum block of this save's entries: a quarter buffer at most, so a resharding
@@ -281,19 +283,25 @@ class Checkpointer:
         listed.wait()  # before other ranks hear of the commit and may start the next save
 
     def verify(self, path: str | os.PathLike[str]) -> int:
-        """Read every stored byte and check it against its checksum; -> bytes read.
+        """Check everything a load checks, without loading; -> bytes read.
 
-        Nothing is copied out or unpickled; memory stays within the staging pool.
+        The manifest (decoded and validated: bounds, chunks tiling each tensor, keys, tree),
+        every inline value (decoded), every data file's size, and every stored byte against its
+        checksum and its block checksums. So a checkpoint that verifies loads (pickled values
+        still need allow_pickle=True, and per-rank values on another number of ranks
+        per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         """
-        path = os.fspath(path)
-        record = manifest.decode(commit.read_committed(path),
-                                 os.path.join(path, manifest.MANIFEST_NAME))
+        path = local_path(path)
+        where = os.path.join(path, manifest.MANIFEST_NAME)
+        record = manifest.decode(commit.read_committed(path), where)
+        manifest.check_values(record, where)
         commit.check_files(path, record)
         with self._lock:
             pool, backend = self._resources(path)
             return restore.read_targets(
                 path, [Target(e) for e in record.tensors], pool=pool, backend=backend,
-                algorithm=record.checksum_algorithm, depth=self._active.io_depth)
+                algorithm=record.checksum_algorithm, depth=self._active.io_depth,
+                block_nbytes=record.block_nbytes)
 
     def load(
         self,
@@ -324,17 +332,20 @@ class Checkpointer:
         number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
         """
         started = time.perf_counter()
-        path = os.fspath(path)
+        path = local_path(path)
         group = self._group(process_group) if state is not None else Solo()
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
+        key_step = collective.UnexpectedKeys(group, path)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             result = self._load(path, state, strict=strict, keys=keys, cast=cast, verify=verify,
                                 allow_pickle=allow_pickle, per_rank_from=per_rank_from,
-                                rank=rank, world_size=world_size)
+                                rank=rank, world_size=world_size, key_step=key_step)
         except BaseException as exc:
+            if state is not None:
+                key_step.fail(exc)
             collective.agree_loaded(group, exc, path)
             raise
         collective.agree_loaded(group, None, path)
@@ -344,9 +355,10 @@ class Checkpointer:
 
     def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
-              world_size: int) -> Any:
-        record = manifest.decode(commit.read_committed(path),
-                                 os.path.join(path, manifest.MANIFEST_NAME))
+              world_size: int, key_step: collective.UnexpectedKeys) -> Any:
+        where = os.path.join(path, manifest.MANIFEST_NAME)
+        record = manifest.decode(commit.read_committed(path), where)
+        manifest.check_values(record, where)
         commit.check_files(path, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
@@ -365,7 +377,25 @@ class Checkpointer:
             if state is None:
                 return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
             return fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
-                                 cast=cast, allow_pickle=allow_pickle, **where)
+                                 cast=cast, allow_pickle=allow_pickle, agree_unexpected=key_step,
+                                 **where)
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """The checkpoint path as a local directory; a URL (``s3://...``) is refused rather than
+    taken for a local folder named ``s3:``."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    scheme = _URL.match(text)
+    if scheme:
+        raise UnsupportedPathError(
+            f"{text}: ckptio does not serve {scheme.group(1)}:// URLs yet (only local and "
+            "mounted filesystems); pass a directory path, e.g. a mounted bucket")
+    return text
 
 
 def _meta() -> dict[str, Any]:

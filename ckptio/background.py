@@ -53,7 +53,14 @@ class _Timings:
 
 
 class SaveHandle:
-    """A save in flight. ``wait()`` gives its SaveResult or raises what went wrong."""
+    """A save in flight, as ``async_save`` returns it.
+
+    ``wait(timeout=None)``: block until it is durable and committed; returns its SaveResult or
+    raises what went wrong (once). ``done()``: committed or failed. ``staged()``: every byte has
+    been copied out of the state, which may change again. ``progress()``: bytes staged and
+    written so far. ``path``: where it saves. Methods starting with ``_`` belong to the save's
+    own threads.
+    """
 
     def __init__(self, path: str, progress: Progress, files: tuple[str, ...], started: float) -> None:
         self.path, self._progress, self._files = path, progress, files
@@ -74,7 +81,7 @@ class SaveHandle:
         self._returned = threading.Event()
 
     @classmethod
-    def skipped(cls, path: str) -> SaveHandle:
+    def _skipped(cls, path: str) -> SaveHandle:
         handle = cls(path, Progress(0), (), time.perf_counter())
         handle._result = SaveResult(path, 0, (), 0.0, skipped=True)
         for event in (handle._eager, handle._staged, handle._done):
@@ -99,7 +106,7 @@ class SaveHandle:
         Safe from any thread."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        self.remove_hooks()
+        self._remove_hooks()
         with self._lock:
             self._reported = True
         if self._error is not None:
@@ -108,7 +115,7 @@ class SaveHandle:
         # blocked_s read now: an optimizer hook on this (training) thread has added its wait
         return dataclasses.replace(self._result, blocked_s=self._times.blocked)
 
-    def unreported_error(self) -> BaseException | None:
+    def _unreported_error(self) -> BaseException | None:
         """The error of a finished save nobody has waited for (then it counts as reported)."""
         with self._lock:
             if self._error is None or self._reported or not self._done.is_set():
@@ -118,7 +125,7 @@ class SaveHandle:
 
     # ---------------------------------------------------------------- for the save's threads
 
-    def block_until_captured(self, *, lazy: bool) -> None:
+    def _block_until_captured(self, *, lazy: bool) -> None:
         """The caller's wait inside async_save: for everything (eager) or the part no optimizer
         owns (lazy). Eager captures run here, on the caller's thread, handed over by the save's
         thread (run_on_caller): torch's intra-op threads belong to this thread, and a copy made
@@ -129,7 +136,7 @@ class SaveHandle:
             self._serve_caller()
         self._times.blocked += time.perf_counter() - self._times.started
 
-    def run_on_caller(self, fn: Callable[[], None]) -> None:
+    def _run_on_caller(self, fn: Callable[[], None]) -> None:
         """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises.
         If that thread was interrupted (Ctrl-C) and will never run it, raises CkptError."""
         with self._cond:
@@ -162,7 +169,7 @@ class SaveHandle:
             if task is None:
                 return  # the save failed (or finished) without a capture to run here
             task()
-            self.captured()  # before returning to the caller: staged() is true once it has
+            self._captured()  # before returning to the caller: staged() is true once it has
         except BaseException as exc:  # noqa: BLE001 - handed to the save's thread, see below
             error = exc
         with self._cond:
@@ -173,24 +180,24 @@ class SaveHandle:
         if error is not None and not isinstance(error, Exception):
             raise error  # KeyboardInterrupt / SystemExit belong to the caller too
 
-    def returned(self) -> None:
+    def _mark_returned(self) -> None:
         self._returned.set()
 
-    def wait_returned(self) -> None:
+    def _wait_returned(self) -> None:
         """A lazy save's thread starts its Python-heavy work only once async_save has returned
         (it would take the GIL from the caller's last steps for no gain)."""
         self._returned.wait()
 
-    def eager_captured(self) -> None:
+    def _eager_captured(self) -> None:
         self._eager.set()
 
-    def captured(self) -> None:
+    def _captured(self) -> None:
         if self._times.staged is None:
             self._times.staged = time.perf_counter()
         self._eager.set()
         self._staged.set()
 
-    def finished(self, nbytes: int, error: BaseException | None = None) -> None:
+    def _finished(self, nbytes: int, error: BaseException | None = None) -> None:
         end = time.perf_counter()
         if error is None:
             start, staged = self._times.started, self._times.staged or end
@@ -205,7 +212,7 @@ class SaveHandle:
 
     # ---------------------------------------------------------------- lazy saves
 
-    def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    def _hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Make each optimizer's next step wait until the capture has finished."""
         self._hooks_thread = threading.get_ident()
         for optimizer in optimizers:
@@ -218,7 +225,7 @@ class SaveHandle:
         self._staged.wait()
         self._times.blocked += time.perf_counter() - began
 
-    def remove_hooks(self) -> bool:
+    def _remove_hooks(self) -> bool:
         """Only from the thread that registered them (wait() there, or the next save): torch
         iterates the hook dict during step(), so hooks are never removed from another thread or
         from inside a hook. Elsewhere they stay (each returns at once): -> False."""

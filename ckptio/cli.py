@@ -1,6 +1,8 @@
-"""The ckptio command: inspect and verify checkpoints, run benchmarks and the demo.
+"""ckptio: fast, verified PyTorch checkpoints.
 
-Owns: argument parsing and printing. Every action calls the library or a bench driver.
+Commands: ls (what a checkpoint holds), verify (check every byte), demo (train a small model,
+kill it mid-save, resume it bit-exactly), bench (against torch.save, DCP and the disk),
+tune (measure a filesystem's fastest I/O settings). Errors are one line naming the fix.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ from .errors import CkptError
 from .types import TensorEntry
 
 
+def _shown(tagged: object) -> str:
+    """An inline value as the user wrote it (the tagged JSON if it does not decode)."""
+    from . import values
+
+    try:
+        return repr(values.decode(tagged))
+    except ValueError:
+        return f"<malformed {tagged!r:.40}>"
+
+
 def _ls(args: argparse.Namespace) -> int:
     path = args.path
     record = manifest.decode(commit.read_committed(path), os.path.join(path, manifest.MANIFEST_NAME))
@@ -24,14 +36,18 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"{path}: save {record.save_id} by {record.world_size} rank(s), {len(by_key)} tensors "
           f"in {len(record.tensors)} chunks ({total / 2**20:.1f} MiB), {len(record.objects)} "
           f"values, {len(record.aliases)} aliases, {len(record.files)} file(s)")
+    print(f"  {'KEY':60s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':20s} {'BYTES':>12s} WHERE / VALUE")
     for key, chunks in by_key.items():
         t = chunks[0]
         where = (f"{len(chunks)} per-rank" if t.rank is not None else
                  f"{len(chunks)} chunk(s)" if len(chunks) > 1 or t.chunk.flat else "")
         print(f"  {key:60s} {t.kind:8s} {t.dtype:10s} {list(t.shape)!s:20s} "
               f"{sum(c.nbytes for c in chunks):>12d} {where}")
+    for o in record.objects:
+        rank = f" (rank {o.rank})" if o.rank is not None else ""
+        print(f"  {o.key:60s} {'value':8s} {'':10s} {'':20s} {'':>12s} {_shown(o.value)}{rank}")
     for key, target in record.aliases:
-        print(f"  {key:60s} alias of {target}")
+        print(f"  {key:60s} {'alias':8s} {'':10s} {'':20s} {'':>12s} same tensor as {target}")
     return 0
 
 
@@ -44,6 +60,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # all its options are its own (ckptio demo --help)
+        from .demo import main as demo_main
+
+        return demo_main.main(argv[1:])
     parser = argparse.ArgumentParser(prog="ckptio", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("ls", help="list what a checkpoint holds")
@@ -53,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
     bench.add_argument("which", choices=["save-load", "train", "io", "plan"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    sub.add_parser("demo", help="a small save-load benchmark printing its table")
+    sub.add_parser("demo", help="train a small GPT, SIGKILL it mid-save, resume it in a new "
+                   "process and compare every loss bit for bit (--quick: seconds; ckptio demo "
+                   "--help for its options)")
     tune.add_arguments(sub.add_parser("tune", help="measure a filesystem and store its fastest "
                                       "I/O settings (--show prints them)"))
     args = parser.parse_args(argv)
@@ -66,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             return tune.run(args)
         from .bench import save_load
 
-        if args.command == "demo":
-            return save_load.main(["--gb", "0.25", "--reps", "2"])
         if args.which == "io":
             from .bench import io_study
 
@@ -84,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except CkptError as exc:
         print(f"ckptio: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ckptio ls ... | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -4,9 +4,13 @@ before any byte is copied, and commit after every rank's bytes are durable.
 agree(): each rank sends its compact plan (or its error) to the coordinator, which decides who
 writes what (globalplan.py) and answers each rank with its writes and the save id; a failure
 on any rank is answered with an error on every rank. An unchanged layout sends only item
-digests, and the coordinator reuses its previous decisions. conclude(): each rank sends what it
-wrote (or its error); the coordinator commits the manifest only if every rank succeeded, and
-tells every rank the outcome. With one process (dist.Solo) the same steps run without peers.
+digests, and the coordinator reuses its previous decisions. exclusive(): in each rank's save
+thread, before any file is created, the coordinator takes the lock of the checkpoint directory
+(commit.lock: one save at a time per path, across processes) and tells every rank whether it
+has it. conclude(): each rank sends what it wrote (or its error); the coordinator commits the
+manifest only if every rank succeeded, and tells every rank the outcome; it lets go of the lock
+once its cleanup has chosen what to remove. With one process (dist.Solo) the same steps run
+without peers.
 
 Owns: the order of messages and the coordinator's cached plans. Does not own: planning rules
 (globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (commit.py).
@@ -14,9 +18,11 @@ Owns: the order of messages and the coordinator's cached plans. Does not own: pl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +31,7 @@ import xxhash
 
 from . import commit, manifest, wire
 from .dist import COORDINATOR, Group
-from .errors import CkptError, RankFailedError
+from .errors import CheckpointLockedError, CkptError, RankFailedError
 from .flatten import FlatState
 from .gcpause import paused
 from .globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries,
@@ -200,20 +206,83 @@ def _describe(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {error}" if error is not None else "unknown error"
 
 
+@contextlib.contextmanager
+def exclusive(group: Group, path: str, if_locked: str) -> Iterator[commit.DirLock | None]:
+    """Collective, in the save's thread before any rank creates a file in ``path``: the
+    coordinator takes the directory lock (commit.lock; waits or raises per ``if_locked``) and
+    tells every rank whether it has it; if not, raises on every rank (CheckpointLockedError
+    where another save holds it). Only the coordinator commits, so only it holds the lock; the
+    other ranks create their files after this step, so inside its hold. The body runs holding
+    it; the lock is let go when the body ends. Yields the lock on the coordinator, else None.
+
+    In the save's thread rather than in agree(): a save that waits for the lock or is refused
+    reports it where every background error is reported (wait()), on every rank alike. While
+    the coordinator waits (if_locked="wait"), the other ranks wait in the broadcast, up to the
+    process group's timeout."""
+    held: commit.DirLock | None = None
+    failure: BaseException | None = None
+    if group.rank == COORDINATOR:
+        try:
+            held = commit.lock(path, if_locked)
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the peers know
+            failure = exc
+    try:
+        _lock_outcome(group, path, failure, raise_it=True)
+        if failure is not None:
+            raise failure
+        yield held
+    except BaseException:
+        if held is not None:
+            commit.unlock(held, failed=True)
+        raise
+    if held is not None:
+        commit.unlock(held)
+
+
+def skip_exclusive(group: Group, path: str, error: BaseException) -> None:
+    """Take part in exclusive() for a rank that failed before its save thread ran (the peers'
+    threads wait in it); the coordinator then takes no lock and tells the peers why."""
+    _lock_outcome(group, path, error if group.rank == COORDINATOR else None, raise_it=False)
+
+
+def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
+                  raise_it: bool) -> None:
+    """The coordinator's lock outcome on every rank; a failure is raised on the other ranks
+    (``raise_it``): CheckpointLockedError if the path was locked, else RankFailedError."""
+    if group.size == 1:
+        return
+    mine = None
+    if group.rank == COORDINATOR:
+        mine = json.dumps({"error": None if failure is None else _describe(failure),
+                           "locked": isinstance(failure, CheckpointLockedError)}).encode()
+    outcome = json.loads(group.broadcast(mine))
+    if group.rank == COORDINATOR or outcome["error"] is None or not raise_it:
+        return
+    if outcome["locked"]:  # the message says what to do
+        raise CheckpointLockedError(f"save to {path} refused on the coordinator (rank 0): "
+                                    f"{outcome['error']}")
+    raise RankFailedError(f"save to {path} failed before writing, on the coordinator (rank 0): "
+                          f"{outcome['error']}. Nothing was written; the previous checkpoint "
+                          "there is untouched")
+
+
 def conclude(group: Group, agreement: Agreement, written: tuple[list[TensorEntry], list[FileInfo]] | None,
              error: BaseException | None, path: str, meta: dict[str, Any], algorithm: str,
-             block_nbytes: int, committed: Callable[[list[str]], None]) -> None:
+             block_nbytes: int, committed: Callable[[list[str]], None],
+             held: commit.DirLock | None = None) -> None:
     """Collective, after this rank's writes (``written``) or its failure (``error``): the
     coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
     ``committed(names)``: on the coordinator after the commit, with every data file's name.
-    Raises this rank's own error, else RankFailedError naming the failed ranks."""
+    ``held``: the coordinator's directory lock (the commit is conditional on it).
+    Raises this rank's own error, else RankFailedError naming the failed ranks; with one
+    process, the commit's own error."""
     entries, files = written if written is not None else (None, None)
     if group.size == 1:
         if error is not None:
             raise error
         assert entries is not None and files is not None  # internal: written when no error
         failure = _commit([(entries, files, None)], agreement, path, meta, algorithm,
-                          block_nbytes, committed)
+                          block_nbytes, committed, held)
         if failure is not None:
             raise CkptError(failure)
         return
@@ -224,7 +293,8 @@ def conclude(group: Group, agreement: Agreement, written: tuple[list[TensorEntry
             with paused():
                 results = [wire.decode_result(data, rank, _assigned(agreement, rank))
                            for rank, data in enumerate(gathered)]
-            verdict = _commit(results, agreement, path, meta, algorithm, block_nbytes, committed)
+            verdict = _commit(results, agreement, path, meta, algorithm, block_nbytes, committed,
+                              held)
         except BaseException as exc:  # the peers wait for an outcome: tell them, then raise
             group.broadcast(wire.encode_outcome(f"the coordinator (rank 0) failed: {_describe(exc)}"))
             raise
@@ -243,8 +313,10 @@ def _assigned(agreement: Agreement, rank: int) -> list[WriteItem]:
 
 def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
             agreement: Agreement, path: str, meta: dict[str, Any], algorithm: str,
-            block_nbytes: int, committed: Callable[[list[str]], None]) -> str | None:
-    """On the coordinator: the manifest, committed; -> None, or why nothing was committed."""
+            block_nbytes: int, committed: Callable[[list[str]], None],
+            held: commit.DirLock | None) -> str | None:
+    """On the coordinator: the manifest, committed; -> None, or why nothing was committed.
+    With one rank, a commit error is raised as it is (no coordinator to speak of)."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
     written: list[list[TensorEntry]] = []
@@ -271,8 +343,10 @@ def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
         # The reader's key rules, before the commit: a manifest that would not load must not
         # replace one that does (its files are deleted once the new one is committed).
         manifest.check_keys(record, os.path.join(path, manifest.MANIFEST_NAME))
-        commit.commit(path, manifest.encode(record), agreement.save_id)
+        commit.commit(path, manifest.encode(record), agreement.save_id, held)
     except CkptError as exc:
+        if len(results) == 1:
+            raise
         return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"
     committed([f.name for f in files])
     return None
@@ -290,3 +364,34 @@ def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:
         raise RankFailedError(f"load of {path} failed on {'; '.join(failures[:8])}"
                               f"{' ...' if len(failures) > 8 else ''}; this rank's state may be "
                               "partly loaded: load again once the cause is fixed")
+
+
+class UnexpectedKeys:
+    """The key step of an in-place load with peers: a checkpoint key that this rank's state
+    lacks is unexpected only if no rank asks for it (ranks may hold different keys: per-rank
+    values under distinct names, pipeline stages). Every rank runs it exactly once: with its
+    own unexpected keys (``__call__``), or with its error if it failed before (``fail``)."""
+
+    def __init__(self, group: Group, path: str) -> None:
+        self.group, self.path, self.done = group, path, False
+
+    def __call__(self, mine: tuple[str, ...]) -> tuple[str, ...]:
+        replies = self._exchange({"unexpected": list(mine)})
+        failures = [f"rank {r}: {m['error']}" for r, m in enumerate(replies) if "error" in m]
+        if failures:
+            raise RankFailedError(f"load of {self.path} failed on {'; '.join(failures[:8])}"
+                                  f"{' ...' if len(failures) > 8 else ''}")
+        nobody = set(mine)
+        for reply in replies:
+            nobody &= set(reply["unexpected"])
+        return tuple(k for k in mine if k in nobody)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self._exchange({"error": _describe(error)})
+
+    def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        self.done = True
+        if self.group.size == 1:
+            return [message]
+        return [json.loads(b) for b in self.group.all_gather(json.dumps(message).encode())]

@@ -39,9 +39,19 @@ class PickleRefusedError(CkptError):
     """Loading would unpickle, and the caller did not opt in."""
 
 
+class UnsupportedPathError(CkptError):
+    """The path names storage ckptio does not serve (a URL scheme such as s3://)."""
+
+
 class StorageIOError(CkptError):
     """An I/O call failed; the message names the file and the operation."""
 
 
 class RankFailedError(CkptError):
     """A collective save or load failed on one or more ranks; raised on every rank, naming them."""
+
+
+class CheckpointLockedError(CkptError):
+    """Another save holds the path (Options.if_locked="raise"), or committed there while this
+    save ran because the path's lock is not honoured; the message names the path and the
+    holder. Nothing of this save was committed; the checkpoint there is untouched."""

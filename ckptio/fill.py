@@ -9,15 +9,16 @@ handed a ``read`` function, see restore.py).
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 
-from . import values
+from . import merge, values
 from .errors import ManifestError, PickleRefusedError, StateMismatchError
-from .flatten import FlatState, Leaf, unflatten
+from .flatten import FlatState, unflatten
 from .sharding import held
 from .stage import torch_dtype
 from .types import Chunk, Job, Manifest, ObjectEntry, Target, TensorEntry
@@ -236,8 +237,9 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
 
 @dataclass
 class _InPlace(_Reads):
-    # (key, leaf, makes the stored value): values replaced in their container, not copied into
-    assign: list[tuple[str, Leaf, Callable[[], Any]]] = field(default_factory=list)
+    # (key, makes the stored value): values replaced in their container, not copied into
+    assign: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    create: list[str] = field(default_factory=list)  # keys the state lacks, created in a Stateful
     problems: dict[str, str] = field(default_factory=dict)  # key -> what does not match
 
 
@@ -246,7 +248,10 @@ def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cas
     the region of the saved tensor it holds."""
     region = held(value, key)
     if region is None:
-        plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
+        if isinstance(value, torch.Tensor):
+            plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
+        else:  # a Python value (None, a number) where the checkpoint has a tensor: replaced
+            _replace(plan, key, source)
         return
     entry = source.head
     if region.shape != entry.shape:
@@ -274,28 +279,18 @@ def _numpy_dest(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _immutable(key: str, leaf: Leaf) -> str:
-    return (f"{key}: a {type(leaf.value).__name__} inside a tuple differs from the checkpoint and "
-            "cannot be replaced in place; hold it in a dict or list")
+def _replace(plan: _InPlace, key: str, source: TensorSource | ObjectEntry) -> None:
+    """Plan reading a stored value whole, to replace the state's leaf in its container."""
+    if isinstance(source, TensorSource):
+        staged = _whole(source)
+        plan.add(source, Chunk.whole(source.head.shape), staged)
+        plan.assign.append((key, lambda e=source.head, t=staged: _value(e, t)))
+    else:
+        plan.assign.append((key, lambda o=source: _decode_object(o)))
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)  # numpy scalars, bytes, unpickled objects
-    except (TypeError, ValueError):  # == that is not a plain bool (arrays): treat as different
-        return False
-
-
-def _same(value: Any, source: ObjectEntry) -> bool:
-    try:
-        return bool(values.encode(value) == source.value)
-    except values.NotEncodable:
-        return False
-
-
-def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: bool) -> _InPlace:
+def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: bool,
+                   created: list[str]) -> _InPlace:
     plan = _InPlace()
     for key in common:
         leaf, source = flat.leaves[key], sources.get(key)
@@ -308,39 +303,43 @@ def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: 
         dest = _numpy_dest(leaf.value) if kind == "numpy" else None
         if dest is not None:
             _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
-        elif leaf.parent is None and isinstance(source, ObjectEntry):
-            if not _same(leaf.value, source):
-                plan.problems[key] = _immutable(key, leaf)
-        else:  # replaced in its container once read; inside a tuple, compared (fill_in_place)
-            if isinstance(source, TensorSource):
-                staged = _whole(source)
-                plan.add(source, Chunk.whole(source.head.shape), staged)
-                plan.assign.append((key, leaf, lambda e=source.head, t=staged: _value(e, t)))
-            else:
-                plan.assign.append((key, leaf, lambda o=source: _decode_object(o)))
+        else:  # replaced in its container (tuples rebuilt) once read: merge.put_back
+            _replace(plan, key, source)
+    for key in created:  # inside a Stateful that lacks them (a fresh optimizer's state)
+        source = sources.get(key)
+        if source is not None:
+            plan.create.append(key)
+            _replace(plan, key, source)
     return plan
+
+
+AgreeFn = Callable[[tuple[str, ...]], tuple[str, ...]]
 
 
 def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyFilter,
                   strict: bool, cast: bool, allow_pickle: bool, rank: int = 0,
-                  world_size: int = 1, per_rank_from: RankPolicy = None) -> LoadReport:
+                  world_size: int = 1, per_rank_from: RankPolicy = None,
+                  agree_unexpected: AgreeFn | None = None) -> LoadReport:
     """Copy the checkpoint into the tensors of ``flat`` (each leaf gets the region of the saved
-    tensor it holds, whatever layout saved it); put other values into their containers."""
+    tensor it holds, whatever layout saved it); put other values into their containers,
+    rebuilding tuples; create the entries a Stateful lacks; call each Stateful's
+    load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
+    those no rank asks for."""
     select = _selector(keys)
     sources = _Sources(record, rank, world_size, per_rank_from)
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k)]
     saved_set = set(saved)
     missing = tuple(k for k in present if k not in saved_set)
-    unexpected = tuple(k for k in saved if k not in flat.leaves)
-    if strict and (missing or unexpected):
-        raise StateMismatchError(
-            f"state and checkpoint keys differ: missing from the checkpoint {list(missing[:10])}"
-            f"{'...' if len(missing) > 10 else ''}, not in the state {list(unexpected[:10])}"
-            f"{'...' if len(unexpected) > 10 else ''}. Pass strict=False to load the keys both "
-            "have, or keys=... to choose which to load")
+    extra = [k for k in saved if k not in flat.leaves]
+    may_create = merge.creatable(flat)
+    created = [k for k in extra if may_create(k)]
+    unexpected = tuple(k for k in extra if not may_create(k))
+    if agree_unexpected is not None:
+        unexpected = agree_unexpected(unexpected)
+    _check_keys(flat, missing, unexpected, strict)
     common = [k for k in present if k in saved_set]
-    plan = _plan_in_place(sources, flat, common, cast)
+    plan = _plan_in_place(sources, flat, common, cast, created)
     sources.check_refused()
     if sources.absent:
         if strict:
@@ -353,19 +352,41 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         raise _mismatch(plan.problems)
     _refuse_pickles(plan.entries(), allow_pickle)
     nbytes = plan.run(read)
-    for key, leaf, make_value in plan.assign:
-        value = make_value()
-        if leaf.parent is not None:
-            leaf.parent[leaf.slot] = value
-        elif not _equal(leaf.value, value):
-            plan.problems[key] = _immutable(key, leaf)
-            if strict:
-                raise _mismatch({key: plan.problems[key]})
-    for _prefix, obj, inner in reversed(flat.statefuls):
-        obj.load_state_dict(inner)
+    values = {key: make_value() for key, make_value in plan.assign}
+    made = {key: values.pop(key) for key in plan.create}
+    merge.put_back(flat, record.tree, values, made)
     skipped = set(sources.absent) | set(sources.refused)
-    loaded = tuple(k for k in common if k not in plan.problems and k not in skipped)
+    loaded = tuple(k for k in (*common, *plan.create)
+                   if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
+
+
+def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
+    """A fix for the commonest cause of unexpected keys: a freshly built optimizer's empty
+    per-parameter state, passed as opt.state_dict()."""
+    for key in unexpected:
+        prefix, _, rest = key.partition(".state.")
+        if rest and f"{prefix}.param_groups.0.lr" in flat.leaves:
+            return (f" Keys such as {key!r} are an optimizer's per-parameter state, which a "
+                    "freshly built optimizer does not have until its first step: put the "
+                    f"optimizer object itself in the state (e.g. {{{prefix.rsplit('.', 1)[-1]!r}: "
+                    "opt}), and ckptio loads it through opt.load_state_dict, creating that "
+                    "state.")
+    return ""
+
+
+def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str, ...],
+                strict: bool) -> None:
+    hint = _optimizer_hint(flat, unexpected)
+    if strict and (missing or unexpected):
+        raise StateMismatchError(
+            f"state and checkpoint keys differ: missing from the checkpoint {list(missing[:10])}"
+            f"{'...' if len(missing) > 10 else ''}, not in the state {list(unexpected[:10])}"
+            f"{'...' if len(unexpected) > 10 else ''}.{hint} Otherwise pass strict=False to "
+            "load the keys both have, or keys=... to choose which to load")
+    if hint:
+        warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
+                      stacklevel=4)
 
 
 def _mismatch(problems: dict[str, str]) -> StateMismatchError:

@@ -32,6 +32,7 @@ class FlatState:
     tree: Json = None
     # (key prefix, object, the dict its state_dict() returned), outermost first
     statefuls: list[tuple[str, Any, dict[Any, Any]]] = field(default_factory=list)
+    root: Any = None  # the state that was flattened
 
 
 def is_stateful(value: Any) -> bool:
@@ -55,7 +56,7 @@ def flatten(state: Any) -> FlatState:
             f"state must be a dict, list, tuple or an object with state_dict(); got "
             f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
         )
-    flat = FlatState()
+    flat = FlatState(root=state)
     flat.tree = _walk(state, "", None, None, flat)
     return flat
 

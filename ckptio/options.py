@@ -18,6 +18,7 @@ GiB = 1 << 30
 BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addresses
 
 DirectIO = Literal["auto", "on", "off"]
+IfLocked = Literal["wait", "raise"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Options:
         to posix, logged once, where io_uring is unavailable).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
         io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
+    if_locked: what a save does when another save (another process, job or machine sharing the
+        filesystem) is saving into the same path: "wait" until it has finished (logged), or
+        "raise" CheckpointLockedError at once (from wait() for an async save).
     """
 
     buffer_bytes: int = 16 * MiB
@@ -46,6 +50,7 @@ class Options:
     checksum: str = "xxh3_64"
     io_backend: str = "posix"
     use_profile: bool = True
+    if_locked: IfLocked = "wait"
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -68,6 +73,9 @@ class Options:
             raise CkptError(f"Options.io_backend={self.io_backend!r}: use 'posix' or 'uring'")
         if self.direct_io not in ("auto", "on", "off"):
             raise CkptError(f"Options.direct_io={self.direct_io!r}: use 'auto', 'on' or 'off'")
+        if self.if_locked not in ("wait", "raise"):
+            raise CkptError(f"Options.if_locked={self.if_locked!r}: use 'wait' (until the other "
+                            "save into the path has finished) or 'raise'")
 
     @property
     def nbuffers(self) -> int:

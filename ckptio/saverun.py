@@ -1,9 +1,11 @@
-"""One save on this rank, as its background thread runs it: capture and write this rank's part,
-then conclude with the other ranks (the coordinator commits).
+"""One save on this rank, as its background thread runs it: wait until the coordinator holds
+the lock of the checkpoint directory, capture and write this rank's part, then conclude with
+the other ranks (the coordinator commits, then lets go of the lock).
 
 Owns: the order of those steps, and that every failure on this rank reaches the other ranks
 (they wait for it in a collective). Does not own: planning and agreement (api.py,
-collective.py), the bytes (persist.py), the commit (collective.py, commit.py).
+collective.py), the bytes (persist.py), the directory lock and the commit (collective.py,
+commit.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +41,22 @@ class Finish:
     block_nbytes: int
     meta: dict[str, Any]
     committed: Callable[[list[str]], None]  # on the coordinator, after the commit
+    if_locked: str = "wait"  # Options.if_locked
 
-    def conclude(self, written: Written | None, error: BaseException | None) -> None:
+    def exclusive(self) -> AbstractContextManager[commit.DirLock | None]:
+        return collective.exclusive(self.group, self.path, self.if_locked)
+
+    def conclude(self, written: Written | None, error: BaseException | None,
+                 held: commit.DirLock | None = None) -> None:
         collective.conclude(self.group, self.agreement, written, error, self.path, self.meta,
-                            self.algorithm, self.block_nbytes, self.committed)
+                            self.algorithm, self.block_nbytes, self.committed, held)
 
-    def failed(self, exc: BaseException) -> None:
-        """Tell the peers this rank failed (conclude re-raises ``exc`` itself: expected)."""
+    def failed(self, exc: BaseException, *, locked: bool = False) -> None:
+        """Tell the peers this rank failed (conclude re-raises ``exc`` itself: expected).
+        ``locked``: this rank has taken part in exclusive() (else it does so first)."""
         try:
+            if not locked:
+                collective.skip_exclusive(self.group, self.path, exc)
             self.conclude(None, exc)
         except BaseException as other:  # noqa: BLE001 - exc is what the caller reports
             if other is not exc:
@@ -72,22 +83,25 @@ def run(task: SaveTask) -> None:
     """The save thread: write, conclude, and report the outcome on the handle."""
     handle, path = task.handle, task.finish.path
     if task.lazy and task.eager_items == 0:  # leave the GIL to the caller until it returns
-        handle.wait_returned()
+        handle._wait_returned()
     concluded = False
     try:
-        with task.lock, commit.attempt(path, [f.name for f in task.files]):
+        # exclusive() first: it runs on every rank (a collective), and no rank creates a file
+        # before the coordinator holds the lock; attempt() removes this rank's files on failure.
+        with (task.lock, task.finish.exclusive() as held,
+              commit.attempt(path, [f.name for f in task.files])):
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on (ext4 frees ~0.2 s/GB).
             task.wait_listed()
             written, error = _write(task)
             concluded = True
-            task.finish.conclude(written, error)
+            task.finish.conclude(written, error, held)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
         if not concluded:  # e.g. the directory could not be made: the peers still wait
-            task.finish.failed(exc)
-        handle.finished(0, exc)
+            task.finish.failed(exc, locked=True)
+        handle._finished(0, exc)
         return
-    handle.finished(handle.progress().nbytes_total)
+    handle._finished(handle.progress().nbytes_total)
 
 
 def _write(task: SaveTask) -> tuple[Written | None, BaseException | None]:
@@ -101,10 +115,10 @@ def _write(task: SaveTask) -> tuple[Written | None, BaseException | None]:
                               ready=task.ready, progress=handle.progress(),
                               block_nbytes=task.finish.block_nbytes)
         if task.lazy:
-            job.capture(task.eager_items, handle.eager_captured)
+            job.capture(task.eager_items, handle._eager_captured)
         else:
-            handle.run_on_caller(job.capture)
-        handle.captured()
+            handle._run_on_caller(job.capture)
+        handle._captured()
         entries, infos = job.finish()
         # In the agreed order (a lazy save wrote them in another): the coordinator pairs the
         # reported entries with its copy of this rank's items by position.

@@ -1,6 +1,8 @@
 """Frozen dataclasses every layer shares: what is saved, where its bytes go, what is read back.
 
-Owns: the vocabulary (items, extents, entries, read ranges) and the torch-free dtype table.
+Owns: the vocabulary (items, extents, entries, read ranges), the torch-free dtype table and
+which of those dtypes numpy has; ``show``, a bounded description of a manifest value for
+error messages.
 Does not own: how these are computed (plan, layout, reshard) or stored (manifest, io).
 """
 
@@ -24,7 +26,24 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 # How a stored byte range is turned back into a Python value on load.
 KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle")
 
+# The dtypes a "numpy" / "numpy_scalar" entry may have: those numpy itself has (not bfloat16,
+# float8 or complex32, which Tensor.numpy() refuses).
+NUMPY_DTYPES = frozenset(DTYPE_ITEMSIZE) - {
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu", "complex32"}
+
 Json = Any  # a value json.dumps accepts
+
+
+def show(value: Any) -> str:
+    """A short description of a JSON value for an error message: never the repr of a whole
+    (possibly huge or deeply nested) container."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} field(s)"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 @dataclass(frozen=True)

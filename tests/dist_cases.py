@@ -293,3 +293,78 @@ def load_fails_on_one_rank(rank: int, world: int, path: str) -> str:
     except ckptio.CkptError as exc:
         return type(exc).__name__
     return "no error"
+
+
+# ------------------------------------------------------------------ CheckpointManager
+
+
+def _manager_state(rank: int, world: int, step: int) -> dict[str, Any]:
+    model = state_for("box", rank, world)  # TensorShard row blocks: each rank reads its own file
+    for value in model.values():
+        local(value).add_(step)
+    return {"model": model, "step": step}
+
+
+def _flip_rank_part(path: str, key: str, writer: int) -> None:
+    """Flip a byte of ``key``'s chunk in the file ``writer`` wrote (only that rank reads it)."""
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        body = json.loads(f.read().split(b"\n", 1)[1])
+    entry = next(t for t in body["tensors"] if t["key"] == key and f"-r{writer:05d}-" in t["file"])
+    with open(os.path.join(path, entry["file"]), "r+b") as f:
+        f.seek(entry["offset"] + 1)
+        byte = f.read(1)[0]
+        f.seek(entry["offset"] + 1)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def manager_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Both ranks save steps 1-3 through a CheckpointManager (keep_last=2), restore,
+    then restore again after rank 0 damaged rank 1's part of step 3: -> what each rank saw."""
+    import warnings
+
+    from ckptio.manager import CheckpointManager
+
+    hidden: list[str] = []  # steps this rank renamed away (retention)
+    rename = os.rename
+
+    def spy(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if ".deleting-" in os.fspath(dst):
+            hidden.append(os.path.basename(os.fspath(src)))
+        rename(src, dst, *args, **kwargs)
+
+    os.rename = spy  # this rank's process only
+    try:
+        mgr = CheckpointManager(root, keep_last=2, options=SMALL)
+        for step in (1, 2, 3):
+            # 2 and 3 async: 2's retention runs while 3's save talks to the other rank
+            mgr.save(step, _manager_state(rank, world, step), asynchronous=step > 1)
+        mgr.wait()
+        steps = mgr.steps()
+        restored, same, caught = [], [], []
+        for damage in (False, True):
+            if damage and rank == 0:
+                _flip_rank_part(mgr.path(3), "model.a", writer=1)
+            torch.distributed.barrier()
+            state = _manager_state(rank, world, 0)
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                restored.append(mgr.restore(state))
+            caught += [str(w.message) for w in record]
+            want = _manager_state(rank, world, restored[-1])
+            same.append(state["step"] == restored[-1] and all(
+                torch.equal(local(state["model"][n]), local(want["model"][n])) for n in SHAPES))
+        # rank 0 finds damage, rank 1 a state mismatch: no rank falls back, each raises its own
+        if rank == 0:
+            _flip_rank_part(mgr.path(3), "model.a", writer=0)
+        torch.distributed.barrier()
+        state = _manager_state(rank, world, 0) | ({"extra": torch.zeros(1)} if rank else {})
+        try:
+            mgr.restore(state)
+            mixed = "no error"
+        except ckptio.CkptError as exc:
+            mixed = type(exc).__name__
+        mgr.close()
+    finally:
+        os.rename = rename
+    return {"steps": steps, "hidden": hidden, "restored": restored, "same": same,
+            "warnings": caught, "mixed": mixed}

@@ -11,18 +11,29 @@ killed save never harms the checkpoint already at that path, and leftovers are c
 (3) while a save over an existing checkpoint runs, the old manifest and all its files stay.
 (4) the order of durable steps: data fsynced -> manifest temp fsynced -> rename -> directory
     fsynced; afterwards manifest.json exists and no .manifest-*.tmp remains.
+(5) a failed save whose cleanup fails too (unlink refused) raises the save's own error, with the
+    cleanup's failure as a note and a log line; the old checkpoint loads.
+(6) messages: a one-process commit error names no coordinator; a path that is a file is refused
+    as such before mkdir.
+(7) a directory without manifest.json is described as what it is (DCP, torch.save files,
+    safetensors, a parent of checkpoints, a ckptio save interrupted, empty or unknown), and no
+    message advises deleting it.
+(Saves into one path from several processes: test_concurrent.py.)
 """
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -475,3 +486,191 @@ def test_concurrent_cleanup_is_joined_by_close(tmp_path):
     assert not set(first.files) & _listing(path)
     assert _listing(path) == set(second.files) | {"manifest.json"}
     assert not [t for t in threading.enumerate() if t.name == "ckptio-cleanup" and t.is_alive()]
+
+
+# -- (5) a failing cleanup never hides the failure ------------------------------------------
+
+def _refusing_unlink(monkeypatch, prefix: str) -> list[str]:
+    """os.unlink fails (read-only filesystem) for names starting with ``prefix``."""
+    refused: list[str] = []
+    real = os.unlink
+
+    def unlink(target, *args, **kwargs):
+        if os.path.basename(os.fspath(target)).startswith(prefix):
+            refused.append(os.fspath(target))
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(target))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    return refused
+
+
+def test_failed_cleanup_after_failed_save_keeps_the_real_error(committed, b_profile, monkeypatch,
+                                                                caplog):
+    ck, path, manifest_a, _listing_a = committed
+    faulty = inject(ck, fail_write=b_profile["nwrites"] // 2)
+    refused = _refusing_unlink(monkeypatch, "data-")
+    caplog.set_level(logging.WARNING, logger="ckptio")
+    with pytest.raises(StorageIOError) as info:
+        ck.save(state_b(), path)
+    monkeypatch.undo()
+    assert faulty.injected and refused, "the write fault or the refused unlink was never reached"
+    assert faulty.injected[0].split(" ", 2)[2] in str(info.value), "not the write's own error"
+    notes = getattr(info.value, "__notes__", [])
+    assert any("could not be removed" in n and str(path) in n for n in notes), notes
+    assert "could not be removed" in caplog.text
+    assert _manifest_bytes(path) == manifest_a
+    assert_same(ck.load(path), state_a())
+    result = ck.save(state_b(), path)  # and the next save removes what was left
+    ck._finish_cleanup()
+    assert _listing(path) == set(result.files) | {"manifest.json"}
+
+
+# -- (6) messages ----------------------------------------------------------------------------
+
+def test_one_process_commit_error_names_no_coordinator(committed, monkeypatch):
+    ck, path, manifest_a, listing_a = committed
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if os.path.basename(os.fspath(dst)) == "manifest.json":
+            raise OSError(errno.EIO, "Input/output error")
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    refused = _refusing_unlink(monkeypatch, ".manifest-")  # the temp manifest stays, noted
+    with pytest.raises(StorageIOError) as info:
+        ck.save(state_b(), path)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert str(path) in message and "Input/output error" in message, message
+    assert "rank" not in message and "coordinator" not in message, message
+    assert refused and any("could not be removed" in n for n in info.value.__notes__)
+    assert _manifest_bytes(path) == manifest_a
+    assert _listing(path) - listing_a == {os.path.basename(refused[0])}
+    assert_same(ck.load(path), state_a())
+
+
+def test_path_that_is_a_file_is_refused_as_such(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_bytes(b"mine")
+    ck = Checkpointer(FAULT_OPTIONS)
+    try:
+        with pytest.raises(StorageIOError) as info:
+            ck.save(state_b(), path)
+    finally:
+        _close(ck)
+    assert "exists and is not a directory" in str(info.value) and str(path) in str(info.value)
+    assert "File exists" not in str(info.value)
+    assert path.read_bytes() == b"mine"
+
+
+# -- (7) what a directory without a manifest holds -------------------------------------------
+
+def _refusal(path) -> ckptio.CkptError:
+    errors = []
+    for call in (ckptio.load, ckptio.verify):
+        with pytest.raises(ckptio.CkptError) as info:
+            call(path)
+        errors.append(info.value)
+    assert str(errors[0]) == str(errors[1]) and type(errors[0]) is type(errors[1])
+    message = str(errors[0])
+    assert str(path) in message and "delete" not in message.lower(), message
+    return errors[0]
+
+
+def test_dcp_checkpoint_is_named_as_such(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():  # no process group: DCP saves as one process, and says so
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path))
+    assert ".metadata" in _listing(path)
+    error = _refusal(path)
+    assert type(error) is CheckpointNotFoundError
+    assert "torch.distributed.checkpoint (DCP) checkpoint, not a ckptio one" in str(error)
+    assert "torch.distributed.checkpoint.load" in str(error)
+
+
+def test_folder_of_torch_save_files_is_named_as_such(tmp_path):
+    path = tmp_path / "pt"
+    path.mkdir()
+    torch.save({"w": torch.ones(2)}, path / "model.pt")
+    torch.save({"lr": 0.1}, path / "optim.pth")
+    error = _refusal(path)
+    assert type(error) is CheckpointNotFoundError
+    assert "holds torch.save files (model.pt, optim.pth)" in str(error)
+    assert "load them with torch.load" in str(error)
+    file_error = _refusal(path / "model.pt")
+    assert type(file_error) is CheckpointNotFoundError and "torch.load" in str(file_error)
+
+
+def test_hugging_face_folder_is_named_as_such(tmp_path):
+    path = tmp_path / "hf"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 16)
+    (path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 16)
+    error = _refusal(path)
+    assert type(error) is CheckpointNotFoundError
+    assert "holds safetensors files (model-00001-of-00002.safetensors" in str(error)
+    assert "safetensors.torch.load_file" in str(error)
+
+
+def test_parent_of_checkpoints_is_named_as_such(tmp_path):
+    ck = Checkpointer(FAULT_OPTIONS)
+    try:
+        for step in (300, 100, 200):
+            ck.save({"step": step, "w": torch.full((8,), float(step))}, tmp_path / f"step-{step}")
+    finally:
+        _close(ck)
+    error = _refusal(tmp_path)
+    assert type(error) is CheckpointNotFoundError
+    assert "holds 3 ckptio checkpoints (step-100, step-200, step-300)" in str(error)
+    assert "pass one of them, or use ckptio.CheckpointManager" in str(error)
+    for step in (400, 500, 1000):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "manifest.json").write_bytes(b"")
+    assert "holds 6 ckptio checkpoints (step-100 ... step-1000)" in str(_refusal(tmp_path))
+
+
+def test_interrupted_ckptio_save_is_incomplete_and_says_so(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "data-0123456789a00000000-r00000-0000.bin").write_bytes(b"\0" * 8192)
+    error = _refusal(path)
+    assert type(error) is IncompleteCheckpointError
+    message = str(error)
+    assert "data-0123456789a00000000-r00000-0000.bin" in message and "interrupted" in message
+    assert "no committed checkpoint exists here" in message
+    assert "load an earlier checkpoint" in message.lower()
+    assert "saving into this path again replaces the leftovers" in message
+
+
+@pytest.mark.parametrize("content", [[], ["notes.txt", "sub"]], ids=["empty", "unknown"])
+def test_empty_or_unknown_directory_holds_no_checkpoint(tmp_path, content):
+    path = tmp_path / "dir"
+    path.mkdir()
+    for name in content:
+        (path / name).mkdir() if name == "sub" else (path / name).write_text("x")
+    error = _refusal(path)
+    assert type(error) is CheckpointNotFoundError
+    assert "holds no ckptio checkpoint (no manifest.json)" in str(error)
+    assert ("it is empty" if not content else "notes.txt, sub") in str(error)
+
+
+def test_cleanup_removes_only_files_a_ckptio_save_creates(tmp_path):
+    import torch
+
+    import ckptio
+
+    path = tmp_path / "ck"
+    path.mkdir()
+    (path / "data-00000-of-00001.arrow").write_bytes(b"a user's dataset")
+    (path / "data-notes.txt").write_text("mine")
+    ckptio.save({"a": torch.ones(2)}, path)
+    ckptio.save({"a": torch.zeros(2)}, path)  # the second save's cleanup removes the first's
+    names = sorted(p.name for p in path.iterdir())
+    assert "data-00000-of-00001.arrow" in names and "data-notes.txt" in names
+    assert len([n for n in names if n.endswith(".bin")]) == 1

@@ -5,7 +5,9 @@ Covers: a flipped byte in a data file (tensor, numpy array, bytes value; an entr
 read and one spanning several staging buffers), caught by load and by verify; verify=False
 skipping the check (documented below); a truncated or deleted data file; a missing manifest
 (an interrupted save); a damaged manifest (every single-bit flip, every truncation, garbage,
-schema violations under a valid CRC); a path holding no checkpoint.
+schema violations under a valid CRC); a path holding no checkpoint; verify raising exactly
+when load does, for every one of those; a wrong block checksum, which only verify and a load of
+part of a tensor read.
 """
 
 from __future__ import annotations
@@ -422,3 +424,145 @@ def test_close_after_failed_load_while_its_error_is_alive(saved):
     threading.Thread(target=save_again, daemon=True).start()
     assert done.wait(120), "the save after close() never finished (staging pool left empty)"
     ck.close()
+
+
+# -- verify agrees with load -----------------------------------------------------------------
+# Every corruption above, applied again: verify raises exactly when load does (both a
+# CkptError), so "verify OK" means "loads" and a checkpoint that fails to load fails verify.
+
+
+def _truncate(cut: str):
+    def damage(path) -> None:
+        entry = _entry(path, "model.big")
+        data_file = os.path.join(path, entry["file"])
+        size = {"empty": 0, "mid-small": _entry(path, "model.w")["offset"] + 10,
+                "mid-big-unaligned": entry["offset"] + BUFFER + 1001,
+                "last-byte": os.path.getsize(data_file) - 1}[cut]
+        os.truncate(data_file, size)
+    return damage
+
+
+def _flip_entry(key: str, pos: int):
+    def damage(path) -> None:
+        entry = _entry(path, key)
+        _flip(os.path.join(path, entry["file"]), entry["offset"] + pos)
+    return damage
+
+
+def _delete_data_file(path) -> None:
+    (name,) = {t["file"] for t in _manifest(path)["tensors"]}
+    os.unlink(os.path.join(path, name))
+
+
+def _garbage(kind: str):
+    def damage(path) -> None:
+        good = _manifest_bytes(path)
+        header, _body = good.split(b"\n", 1)
+        raw = b"{not json"
+        noise = np.random.default_rng(1).integers(0, 256, len(good), dtype=np.uint8).tobytes()
+        _put_manifest(path, {
+            "empty": b"", "zeros": b"\0" * len(good), "random": noise,
+            "json-object": b'{"hello": "world"}\n', "header-only": header + b"\n",
+            "not-json-body": json.dumps({"magic": "ckptio-manifest", "version": 2,
+                                         "body_nbytes": len(raw), "body_crc32": zlib.crc32(raw)}
+                                        ).encode() + b"\n" + raw + b"\n",
+            "future-version": good.replace(b'"version": 2', b'"version": 99', 1),
+        }[kind])
+    return damage
+
+
+def _schema(violation: str):
+    def damage(path) -> None:
+        body = _manifest(path)
+        t = next(t for t in body["tensors"] if t["key"] == "model.w")
+        if violation == "offset-outside-file":
+            t["offset"] = body["files"][0]["nbytes"]
+        elif violation == "negative-nbytes":
+            t["nbytes"] = -4
+        elif violation == "path-in-name":
+            body["files"][0]["name"] = "../" + body["files"][0]["name"]
+        elif violation == "tree-mismatch":
+            body["tensors"].remove(t)
+        elif violation == "bad-block-checksum":
+            big = next(t for t in body["tensors"] if t["key"] == "model.big")
+            big["blocks"][-1] = "0123456789abcdef"
+        elif violation == "chunk-short-of-shape":
+            t["shape"] = [128, 64]  # the one chunk holds rows 0-63 only
+        raw = json.dumps(body).encode()
+        header = {"magic": "ckptio-manifest", "version": 2, "body_nbytes": len(raw),
+                  "body_crc32": zlib.crc32(raw)}
+        _put_manifest(path, json.dumps(header).encode() + b"\n" + raw + b"\n")
+    return damage
+
+
+CORRUPTIONS = [
+    *(pytest.param(_flip_entry(key, pos), id=f"flip-{key}-{pos}") for key, pos in FLIPS),
+    *(pytest.param(_truncate(cut), id=f"truncate-{cut}")
+      for cut in ("empty", "mid-small", "mid-big-unaligned", "last-byte")),
+    pytest.param(_delete_data_file, id="deleted-data-file"),
+    pytest.param(lambda path: os.unlink(os.path.join(path, "manifest.json")), id="no-manifest"),
+    *(pytest.param(_garbage(kind), id=f"garbage-{kind}")
+      for kind in ("empty", "zeros", "random", "json-object", "header-only", "not-json-body",
+                   "future-version")),
+    *(pytest.param(_schema(v), id=f"schema-{v}")
+      for v in ("offset-outside-file", "negative-nbytes", "path-in-name", "tree-mismatch",
+                "chunk-short-of-shape")),
+]
+
+
+def _error(call) -> CkptError | None:
+    try:
+        call()
+    except CkptError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("damage", CORRUPTIONS)
+def test_verify_raises_exactly_when_load_raises(saved, ck, damage):
+    path, _state = saved
+    assert _error(lambda: ck.verify(path)) is None and _error(lambda: ck.load(path)) is None
+    damage(path)
+    verify_error = _error(lambda: ck.verify(path))
+    for load in (ck.load, lambda p: ck.load(p, _make_state())):
+        load_error = _error(lambda: load(path))
+        assert load_error is not None, "every case here is damage a load must refuse"
+        assert verify_error is not None, f"load raised {load_error!r}, verify passed"
+    assert _pool_idle(ck)
+
+
+def test_verify_agrees_with_load_on_damaged_manifest_bytes(saved, ck):
+    """Bit flips and truncations of the manifest (a sample of the positions the tests above
+    try every one of): verify and load both refuse each."""
+    path, _state = saved
+    good = _manifest_bytes(path)
+    damaged = [bytes(good[:n]) for n in range(0, len(good) - 1, 37)]
+    for pos in range(0, len(good), 11):
+        for mask in (0x01, 0x80):
+            bad = bytearray(good)
+            bad[pos] ^= mask
+            damaged.append(bytes(bad))
+    for data in damaged:
+        _put_manifest(path, data)
+        load_error = _error(lambda: ck.load(path))
+        verify_error = _error(lambda: ck.verify(path))
+        assert (load_error is None) == (verify_error is None), (load_error, verify_error)
+        assert isinstance(load_error, ManifestError), f"{data[:80]!r}... loaded"
+
+
+def test_verify_refuses_a_bad_block_checksum_that_a_partial_load_hits(saved, ck):
+    """A block checksum that disagrees with intact bytes: a load that reads the entry whole
+    checks only its whole checksum and succeeds; a load of part of it (a shard) checks the
+    blocks it reads and fails, and so does verify, which checks every block."""
+    path, state = saved
+    big = state["model"]["big"]
+    shard = ckptio.TensorShard(torch.empty(BIG_NUMEL - 1000), (BIG_NUMEL,), (1000,))
+    ck.load(path, {"model": {"big": shard}}, strict=False)  # intact: the shard loads
+    assert torch.equal(shard.local, big[1000:])
+    _schema("bad-block-checksum")(path)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch for key 'model.big'"):
+        ck.load(path, {"model": {"big": shard}}, strict=False)
+    with pytest.raises(CorruptCheckpointError, match="block checksum .* of key 'model.big'"):
+        ck.verify(path)
+    assert torch.equal(_bits(ck.load(path)["model"]["big"]), _bits(big))
+    assert _pool_idle(ck)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 
@@ -150,7 +151,10 @@ def test_every_truncation_is_detected():
 @pytest.mark.parametrize("data", [
     b"", b"\n", b"{}\n{}", b"not json\n{}", b"\xff\xfe\x00\n{}", b"[1, 2]\n{}",
     json.dumps({"magic": "other", "version": 1}).encode() + b"\n{}",
-], ids=["empty", "newline", "no-magic", "junk", "binary", "list", "wrong-magic"])
+    b"[" * 100_000 + b"]" * 100_000 + b"\n{}",
+    b'{"magic": "ckptio-manifest", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}\n{}",
+], ids=["empty", "newline", "no-magic", "junk", "binary", "list", "wrong-magic", "deep",
+        "deep-field"])
 def test_bad_header_line(data):
     rejected(data)
 
@@ -290,6 +294,34 @@ def _deep(body):
     return b'{"format":"ckptio","version":1,"tree":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 
+def _nested_meta(depth):
+    """The body with "meta" nested ``depth`` arrays deep (the body itself is one more)."""
+    def mutate(body):
+        body["meta"] = "DEEP"
+        return json.dumps(body).replace('"DEEP"', "[" * depth + "]" * depth).encode()
+    return mutate
+
+
+def _two_chunks(first, second):
+    """model.w (4 x 8 float32) as two chunks of 16 elements each, in its own bytes."""
+    def mutate(body):
+        w = _tensor(body, "model.w")
+        w.update(first, nbytes=64)
+        body["tensors"].append(dict(w, **second, offset=64, nbytes=64))
+    return mutate
+
+
+def _empty_shape(shape):
+    return _both(_set("empty", "shape", shape),
+                 lambda b: _tensor(b, "empty").__setitem__(
+                     "chunk", {"offsets": [0] * len(shape), "sizes": shape}))
+
+
+def _tree_dup_key(body):
+    body["tree"]["d"].append(["step", {"k": "dup"}])
+    body["objects"].append({"key": "dup", "value": ["int", 1]})
+
+
 HOSTILE = [
     # data file names
     pytest.param(_name("../" + F0), id="name-dotdot-slash"),
@@ -397,10 +429,129 @@ def test_hostile_body_is_rejected(mutate):
     rejected(wrap(body if result is None else result))
 
 
+# issue 11: each class a load once met as another exception (TypeError, RuntimeError, ...), a
+# hang or a huge allocation; each refused by its own rule, which the message names
+ISSUE_11 = [
+    pytest.param(_nested_meta(manifest.MAX_JSON_DEPTH), "nests deeper than", id="body-too-deep"),
+    pytest.param(_set("model.w", "offset", 2), "offset 2 in data-", id="offset-not-multiple"),
+    pytest.param(_set("model.b", "offset", 129), "of the 2-byte elements of bfloat16",
+                 id="offset-odd-for-bfloat16"),
+    pytest.param(_set("model.w", "dtype", ["float32"]), "dtype must be a string, got a list",
+                 id="dtype-list-unhashable"),
+    pytest.param(_set("model.w", "dtype", {"float32": 1}), "dtype must be a string",
+                 id="dtype-dict-unhashable"),
+    pytest.param(_set("model.w", "kind", ["tensor"]), "kind must be a string", id="kind-list"),
+    pytest.param(_set("model.b", "kind", "numpy"), "'numpy' cannot hold dtype bfloat16",
+                 id="bfloat16-as-numpy"),
+    pytest.param(_set("model.b", "kind", "numpy_scalar"), "cannot hold dtype bfloat16",
+                 id="bfloat16-as-numpy-scalar"),
+    pytest.param(_set("model.w", "kind", "numpy_scalar"), "with shape (), not (4, 8)",
+                 id="numpy-scalar-not-0d"),
+    pytest.param(_set("model.w", "kind", "bytes"), "stored as 1-D uint8, not float32",
+                 id="float32-as-bytes"),
+    pytest.param(_set("arr", "kind", "pickle"), "stored as 1-D uint8, not int16",
+                 id="int16-2d-as-pickle"),
+    pytest.param(_both(_set("model.w", "shape", [1 << 40]), _set_chunk([0], [32])),
+                 "hold 32 of the 1099511627776 elements", id="shape-far-larger-than-its-chunk"),
+    pytest.param(_both(_set_chunk([0, 0], [2, 8]), _set("model.w", "nbytes", 64)),
+                 "hold 16 of the 32 elements", id="chunks-miss-part-of-the-tensor"),
+    pytest.param(_two_chunks({"chunk": {"offsets": [0, 0], "sizes": [2, 8]}},
+                             {"chunk": {"offsets": [1, 0], "sizes": [2, 8]}}),
+                 "chunks overlap at index 1 of dimension 0", id="chunks-overlap-and-leave-a-gap"),
+    pytest.param(_two_chunks({"chunk": {"offsets": [0], "sizes": [16], "flat": True}},
+                             {"chunk": {"offsets": [8], "sizes": [16], "flat": True}}),
+                 "flat chunks overlap at element 8", id="flat-chunks-overlap"),
+    pytest.param(_two_chunks({"chunk": {"offsets": [0, 0], "sizes": [4, 4]}},
+                             {"chunk": {"offsets": [8], "sizes": [16], "flat": True}}),
+                 "leave a gap at index 0 of dimension 0", id="box-and-flat-chunks-overlap"),
+    pytest.param(_empty_shape([0] + [1] * manifest.MAX_NDIM), "more than 128",
+                 id="shape-too-many-dims"),
+    pytest.param(_empty_shape([2 ** 61, 2 ** 61, 0]), "too large", id="shape-overflows-strides"),
+    pytest.param(_set("model.b", "offset", 64), "claim the same bytes [64, 70)",
+                 id="entries-share-bytes"),
+    pytest.param(_top("world_size", 0), "world_size must be at least 1", id="world-size-zero"),
+    pytest.param(_file_field(0, "rank", 1), "rank 1 is not below world_size 1",
+                 id="file-rank-not-below-world-size"),
+    pytest.param(_tree_dup_key, "holds key 'step' twice", id="tree-dict-key-twice"),
+]
+
+
+@pytest.mark.parametrize("mutate,says", ISSUE_11)
+def test_issue_11_class_is_refused_by_its_own_rule(mutate, says):
+    body = good_body()
+    result = mutate(body)
+    message = str(rejected(wrap(body if result is None else result)))
+    assert says in message, message
+    assert "load an earlier one" in message, message
+
+
+def test_nesting_up_to_the_limit_is_accepted():
+    """The depth limit leaves room for the deepest state a save writes (MAX_TREE_DEPTH dict
+    levels, 3 brackets each); one level more is refused (above)."""
+    assert manifest.MAX_JSON_DEPTH > 3 * manifest.MAX_TREE_DEPTH + 2
+    body = good_body()
+    deep = _nested_meta(manifest.MAX_JSON_DEPTH - 1)(body)
+    assert manifest.json_depth(deep) == manifest.MAX_JSON_DEPTH
+    assert manifest.decode(wrap(deep), WHERE).tensors == good_manifest().tensors
+
+
+def test_deepest_state_a_save_writes_loads(tmp_path, small_options):
+    import torch
+
+    import ckptio
+
+    state = {"x": torch.ones(1)}
+    for _ in range(manifest.MAX_TREE_DEPTH - 1):
+        state = {"a": state}
+    ckptio.save(state, tmp_path / "c", options=small_options)
+    data = (tmp_path / "c" / manifest.MANIFEST_NAME).read_bytes()
+    assert manifest.json_depth(data.split(b"\n", 1)[1]) > 3 * (manifest.MAX_TREE_DEPTH - 1)
+    loaded = ckptio.load(tmp_path / "c")
+    for _ in range(manifest.MAX_TREE_DEPTH - 1):
+        loaded = loaded["a"]
+    assert torch.equal(loaded["x"], torch.ones(1))
+
+
+@pytest.mark.parametrize("value,says", [
+    (["float", "nan:00"], "16 hex digits"), (["float", "nan:3ff0000000000000"], "not a NaN"),
+    (["float", "0x1p99999"], "too large"), (["float", "1e5"], "not float.hex() text"),
+    (["float", 1.5], "must be a string"), (["complex", ["0x1p0"]], "[real, imag]"),
+    (["device", "cuda:abc"], "Invalid device string"), (["device", ""], "must not be empty"),
+    (["size", [-1]], "[0, 2^63)"), (["size", [2 ** 63]], "[0, 2^63)"),
+    (["dtype", "_dynamo"], "not a dtype"), (["dtype", "Tensor"], "not a dtype"),
+    (["int", "12"], "hex text"), (["int", True], "integer"), (["none", 0], "null"),
+    (["bool", 1], "true or false"), (["tuple", []], "unknown value type"),
+    ([["int"], 1], "expected [type, value]"), ("x", "expected [type, value]"),
+])
+def test_malformed_inline_value_is_refused_by_check_values(value, says):
+    """decode leaves inline values to check_values (which verify runs, and which a load's
+    values.decode matches): ManifestError naming the key and what is wrong."""
+    body = good_body()
+    body["objects"][0]["value"] = value
+    m = manifest.decode(wrap(body), WHERE)
+    with pytest.raises(ManifestError) as info:
+        manifest.check_values(m, WHERE)
+    assert "object 'step'" in str(info.value) and says in str(info.value), str(info.value)
+    assert WHERE in str(info.value)
+
+
+def test_check_values_accepts_every_encodable_value():
+    import torch
+
+    from ckptio import values
+
+    m = good_manifest()
+    leaves = [None, True, -(2 ** 70), 3, 0.1, float("-inf"), float("nan"), complex(1, -0.0), "ü",
+              torch.Size([2, 0]), torch.float8_e4m3fn, torch.device("cuda", 3)]
+    objects = tuple(ObjectEntry(f"v{i}", values.encode(v)) for i, v in enumerate(leaves))
+    manifest.check_values(dataclasses.replace(m, objects=objects), WHERE)
+    for v, o in zip(leaves, objects):
+        got = values.decode(o.value)
+        assert type(got) is type(v) and (got == v or v != v), (got, v)
+
+
 def test_check_keys_refuses_what_the_reader_would_refuse():
     """The coordinator runs the reader's key rules before committing a manifest."""
-    import dataclasses
-
     m = good_manifest()
     manifest.check_keys(m, WHERE)
     w = m.tensors[0]
@@ -416,6 +567,10 @@ def test_many_rank_fields_round_trip():
     m = good_manifest()
     flat = TensorEntry("f", "tensor", "float32", (3, 5), Chunk((4,), (7,), flat=True), F1, 128,
                        28, "0123456789abcdef")
+    head = TensorEntry("f", "tensor", "float32", (3, 5), Chunk((0,), (4,), flat=True), F1, 576,
+                       16, "0123456789abcdef")
+    tail = TensorEntry("f", "tensor", "float32", (3, 5), Chunk((11,), (4,), flat=True), F1, 640,
+                       16, "0123456789abcdef")
     own = TensorEntry("r", "tensor", "uint8", (4,), Chunk.whole((4,)), F1, 192, 4,
                       "0123456789abcdef", rank=1)
     big = TensorEntry("big", "tensor", "uint8", (300,), Chunk.whole((300,)), F1, 256, 300,
@@ -423,7 +578,8 @@ def test_many_rank_fields_round_trip():
     tree = {"d": [*m.tree["d"], ["f", {"k": "f"}], ["r", {"k": "r"}], ["big", {"k": "big"}],
                   ["o", {"k": "o"}]]}
     many = Manifest(m.version, m.save_id, m.checksum_algorithm, 2, m.files,
-                    (*m.tensors, flat, own, big), (*m.objects, ObjectEntry("o", ["int", 1], 1)),
+                    (*m.tensors, flat, head, tail, own, big),
+                    (*m.objects, ObjectEntry("o", ["int", 1], 1)),
                     m.aliases, tree, m.meta, block_nbytes=128)
     assert manifest.decode(manifest.encode(many), WHERE) == many
 
@@ -439,7 +595,9 @@ def test_hostile_cases_start_from_an_accepted_body():
     assert manifest.decode(wrap(body), WHERE).tensors[1].offset == 8192 - 6
     body = good_body()
     _tensor(body, "model.w")["chunk"] = {"offsets": [2, 0], "sizes": [2, 8]}
-    _tensor(body, "model.w")["nbytes"] = 64  # a partial chunk is allowed when it fits
+    _tensor(body, "model.w")["nbytes"] = 64  # a partial chunk is allowed when the chunks tile
+    other = dict(_tensor(body, "model.w"), chunk={"offsets": [0, 0], "sizes": [2, 8]}, offset=192)
+    body["tensors"].append(other)
     assert manifest.decode(wrap(body), WHERE).tensors[0].chunk == Chunk((2, 0), (2, 8))
 
 

@@ -776,7 +776,7 @@ def test_missing_and_incomplete_checkpoints_raise(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         ckptio.load(tmp_path / "nothing")
     (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "data-x.bin").write_bytes(b"\0" * 10)
+    (tmp_path / "half" / "data-0000000000000000000-r00000-0000.bin").write_bytes(b"\0" * 10)
     with pytest.raises(IncompleteCheckpointError):
         ckptio.load(tmp_path / "half")
     assert issubclass(IncompleteCheckpointError, CkptError)

@@ -150,7 +150,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
     lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
               "| bitwise |"), "|---|---|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
-        ok = ("ok" if l["bitwise_ok"] else "MISMATCH") + (f" ({l['failed']} failed)" if l["failed"] else "")
+        ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
+              else "ok" if l["bitwise_ok"] else "MISMATCH")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
                      f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
                      f"| {fmt(l['read_mb'], '.0f')} | {ok} |")

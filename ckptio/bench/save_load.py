@@ -194,10 +194,18 @@ def spawn(args: argparse.Namespace, engine: str, kind: str, rep: int) -> Run:
         print(f"    | {line}", file=sys.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        return {**failed, "error": f"worker exited {proc.returncode} without a result (see above)"}
+        return {**failed, "error": worker_error(proc.returncode, proc.stderr)}
     run: Run = json.loads(lines[-1])
     run["wall_s"] = time.perf_counter() - t0
     return run
+
+
+def worker_error(returncode: int, stderr: str) -> str:
+    """What went wrong in a worker that left no result: its exit and the last line of its
+    stderr (the exception, for a Python error), on one line."""
+    last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+    how = f"killed by signal {-returncode}" if returncode < 0 else f"exited {returncode}"
+    return f"worker {how}: {last}" if last else f"worker {how} without a result or an error"
 
 
 def schedule(engines: list[str], large: bool) -> list[tuple[str, str]]:
@@ -209,7 +217,7 @@ def schedule(engines: list[str], large: bool) -> list[tuple[str, str]]:
 def progress(run: Run, index: int, total: int) -> str:
     head = f"[{index}/{total} rep {run['rep'] + 1}] {run['engine']} {run['kind']}:"
     if "error" in run:
-        return f"{head} FAILED {run['error']}"
+        return f"{head} FAILED: {run['error']}"
     gb = run["bytes"] / 1e9
     if run["engine"] == CEILING:
         return (f"{head} write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), "
@@ -301,6 +309,7 @@ def summarize_engine(runs: list[Run], ceil: dict[int, Run], reps: int) -> dict[s
         "load_rss_mib": med(lambda r: r["load_rss_mib"]),
         "files": med(lambda r: r["files"]), "disk_mb": med(lambda r: r["disk_bytes"] / 1e6),
         "bitwise_ok": bool(good) and all(r["bitwise_ok"] for r in good),
+        "error": next((r["error"] for r in runs if "error" in r), None),
         "bytes": good[0]["bytes"] if good else None, "tensors": good[0]["tensors"] if good else None,
     }
 
@@ -330,8 +339,18 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def outcome(r: dict[str, Any]) -> str:
+    """The bitwise cell: ok, MISMATCH (loaded bytes differ), or FAILED: the first error (a
+    worker that crashed compared nothing: it is not a mismatch)."""
+    if r["failed"]:
+        share = "" if r["failed"] == r["runs"] else f" ({r['failed']} of {r['runs']} runs)"
+        error = str(r.get("error") or "no result").replace("|", "/").replace("\n", " ")
+        return f"FAILED{share}: {error}"
+    return "ok" if r["bitwise_ok"] else "MISMATCH"
+
+
 def table_row(r: dict[str, Any]) -> str:
-    ok = ("ok" if r["bitwise_ok"] else "MISMATCH") + (f" ({r['failed']} failed)" if r["failed"] else "")
+    ok = outcome(r)
     cells = [r["engine"], r["kind"], fmt(r["first_save_s"]), fmt(r["save_s"]), fmt(r["save_gbps"]),
              fmt(r["save_pct"], ".0f"), fmt(r["load_s"]), fmt(r["load_gbps"]), fmt(r["load_pct"], ".0f"),
              fmt(r["save_rss_mib"], ".0f"), fmt(r["load_rss_mib"], ".0f"), fmt(r["files"], ".0f"),
@@ -388,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if (missing := missing_numpy()) is not None:
+        print(missing, file=sys.stderr)
+        return 2
     engines = choose_engines(args.engines)
     created = not args.dir.exists()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -406,6 +428,17 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"argv": argv, "runs": runs, "summary": summary}, indent=1))
     failed = any("error" in r or not r["bitwise_ok"] for r in runs)
     return 1 if failed else 0
+
+
+def missing_numpy() -> str | None:
+    """Why the benchmark cannot run without numpy, or None when numpy is there: its bitwise
+    check hashes every tensor's bytes through Tensor.numpy() (bench/state.py)."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return ("ckptio bench save-load needs numpy, which is not installed (its bitwise check "
+                "reads tensor bytes through it): pip install 'ckptio[bench]' (or pip install numpy)")
+    return None
 
 
 def _ranks(argv: list[str]) -> int:

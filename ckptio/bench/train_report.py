@@ -147,8 +147,8 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def table_row(r: dict[str, Any]) -> str:
-    ok = "ok" if r["bitwise_ok"] else "MISMATCH"
-    ok += f" ({r['failed']} failed)" if r["failed"] else ""
+    ok = (f"FAILED ({r['failed']} run(s) failed; see the log)" if r["failed"]
+          else "ok" if r["bitwise_ok"] else "MISMATCH")
     self_count = (r["blocked_first_s"], r["blocked_s"])
     blocked = " / ".join(map(fmt, self_count)) if self_count != (None, None) else "-"
     cells = [r["engine"], fmt(r["t_block_first_s"]), fmt(r["t_block_s"]), blocked, fmt(r["call_s"]),

@@ -1,0 +1,7 @@
+"""python -m ckptio: the ckptio command (see cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

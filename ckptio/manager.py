@@ -1,0 +1,494 @@
+"""A directory of checkpoints, one per training step: when to save, which to keep, which to load.
+
+    mgr = ckptio.CheckpointManager("ckpts", keep_last=3, keep_every=10_000, save_every=500)
+    start = mgr.restore(state) if mgr.latest() is not None else 0   # the newest loadable step
+    for step in range(start + 1, total_steps + 1):
+        ...
+        mgr.save(step, state, asynchronous=True)   # None unless step % save_every == 0
+    mgr.close()                                    # waits for the last save, applies retention
+
+Layout: ``<directory>/step-<N>`` (N without leading zeros), each an ordinary ckptio checkpoint.
+A step is committed when its manifest.json exists (the commit's atomic rename creates it).
+
+Owns: naming and listing the step directories; the interval policy; retention (which committed
+steps to delete, and deleting them crash-safely); choosing the step to restore and falling back
+past damaged ones; agreeing on all of that across ranks. Does not own: saving, loading and
+verifying one checkpoint (Checkpointer, api.py) or the commit protocol (commit.py).
+
+Choices:
+- Retention runs only after a save of ours has committed (sync: on return; async: in wait(),
+  the next save() or close(), as SaveHandle has no done-callback), so a failed save never costs
+  an older step. Kept: the last ``keep_last`` committed steps, steps divisible by ``keep_every``,
+  the newest committed step, and the newest step restore()/verify() succeeded on (until a newer
+  one does). A dropped step is renamed to ``.deleting-step-<N>-<hex>``, the directory fsynced,
+  and only then removed, in a thread joined by the next retention and close(): a kill never
+  leaves a half-deleted step listed, and the next retention finishes such leftovers.
+- Only real directories named ``step-<N>`` and our hidden leftovers are ever deleted. Incomplete
+  step directories (no manifest: an interrupted save, or one still running elsewhere) never
+  are: incomplete() lists them, restore() passes them with a warning, a save of that step
+  saves over them.
+- A committed step is never saved over (CkptError naming it), except one restore() found
+  damaged in this process: the atomic commit replaces it safely.
+- restore() falls back on damage only (CorruptCheckpointError and ManifestError, a missing or
+  truncated data file, IncompleteCheckpointError, a vanished directory). Anything else (a
+  StateMismatchError is the caller's bug; an I/O error) is raised at once. A failed attempt may
+  have filled part of ``state``: with ``strict=False`` or ``keys=``, a key only the damaged step
+  holds keeps what it got from it.
+- Many ranks (torch.distributed initialised, or ``process_group``): every method but
+  should_save() and path() is a collective. Rank 0 lists and decides and broadcasts (JSON over
+  the manager's own gloo group, not the Checkpointer's, which a background save may be using);
+  only rank 0 renames and deletes. After a failed load the ranks all-gather why, and all fall
+  back together (damage seen by one rank makes the others raise RankFailedError).
+Not safe for concurrent use from several threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+import os
+import re
+import secrets
+import shutil
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .api import Checkpointer, local_path
+from .background import SaveHandle, SaveResult
+from .dist import COORDINATOR, Group, Solo, TorchGroup, current_group
+from .errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                     IncompleteCheckpointError, RankFailedError, StorageIOError)
+from .manifest import MANIFEST_NAME
+from .options import Options
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("ckptio")
+_STEP = re.compile(r"step-(\d+)$", re.ASCII)
+_HIDDEN_PREFIX = ".deleting-step-"
+_HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
+# a load failing with one of these found the checkpoint damaged (or gone): try the previous step
+_DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
+_TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
+
+
+class CheckpointManager:
+    """Saves training steps into ``directory/step-<N>``, keeps a bounded number, restores the
+    newest loadable one. See the module docstring for the policies; with many ranks, create and
+    call it on every rank together."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, keep_last: int | None = 3,
+                 keep_every: int | None = None, save_every: int = 1,
+                 options: Options | None = None, checkpointer: Checkpointer | None = None,
+                 process_group: Any = None) -> None:
+        self.keep_last = _optional("keep_last", keep_last)
+        self.keep_every = _optional("keep_every", keep_every)
+        self.save_every = _positive("save_every", save_every)
+        if options is not None and checkpointer is not None:
+            raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
+                            "a Checkpointer already has its options")
+        self.directory = local_path(directory)
+        self._owns_checkpointer = checkpointer is None
+        self._ck = checkpointer if checkpointer is not None else Checkpointer(options)
+        self._process_group = process_group
+        self._group: Group | None = None  # made by the first collective call
+        self._pending: tuple[int, SaveHandle] | None = None  # an async save of ours
+        self._verified: int | None = None  # newest step restore() or verify() succeeded on
+        self._damaged: set[int] = set()  # committed steps restore() found damaged
+        self._removal: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- queries
+
+    def should_save(self, step: int) -> bool:
+        """The interval policy: ``step % save_every == 0``."""
+        return _check_step(step) % self.save_every == 0
+
+    def path(self, step: int) -> str:
+        """The directory of ``step`` (whether or not it exists)."""
+        return os.path.join(self.directory, f"step-{_check_step(step)}")
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending (collective with many ranks)."""
+        return list(self._agreed(lambda: _scan(self.directory))["committed"])
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None (collective with many ranks)."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def incomplete(self) -> list[int]:
+        """Step directories with no committed manifest: interrupted saves, or saves still
+        running (this manager's own async save included). Never deleted by the manager."""
+        return list(self._agreed(lambda: _scan(self.directory))["incomplete"])
+
+    # ---------------------------------------------------------------- saving
+
+    def save(self, step: int, state: Any, *, asynchronous: bool = False, lazy: bool = False,
+             optimizers: Sequence[torch.optim.Optimizer] = (), force: bool = False,
+             allow_pickle: bool = False) -> SaveResult | SaveHandle | None:
+        """Save ``state`` as ``step`` if ``should_save(step)`` or ``force``; else -> None.
+
+        -> SaveResult once committed, or a SaveHandle (``asynchronous=True``: eager; ``lazy=True``
+        implies asynchronous, see Checkpointer.async_save). An unseen error of the previous async
+        save is raised here instead, and this save does not start.
+        """
+        step = _check_step(step)
+        if not force and step % self.save_every:
+            return None
+        refusal = self._agreed(lambda: self._refusal(step))
+        if refusal is not None:
+            raise CkptError(refusal)
+        previous, path, group = self._pending, self.path(step), self._process_group
+        try:  # either call first settles the previous save (raising its unseen error)
+            if not (asynchronous or lazy):
+                result = self._ck.save(state, path, allow_pickle=allow_pickle, process_group=group)
+            else:
+                handle = self._ck.async_save(state, path, lazy=lazy, optimizers=optimizers,
+                                             allow_pickle=allow_pickle, process_group=group)
+        finally:
+            if previous is not None and self._pending is previous and previous[1].done():
+                self._pending = None
+        if not (asynchronous or lazy):
+            self._committed(step)
+            return result
+        self._pending = (step, handle)
+        if previous is not None and _committed_ok(previous[1]):
+            self._committed(previous[0])
+        return handle
+
+    def _refusal(self, step: int) -> str | None:
+        """Rank 0: why ``step`` may not be saved now, or None."""
+        path, pending = self.path(step), self._pending
+        if pending is not None and pending[0] == step and not pending[1].done():
+            return f"step {step} is being saved already ({path}): wait() for it, or save another"
+        if step in self._damaged or not _is_committed(path):
+            return None
+        return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
+                f"over: save under another step number, or remove {path} first to replace it")
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the async save in flight (None if there is none), then apply retention.
+        Its error is raised here (and not again by close() or the next save)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        result = pending[1].wait()
+        self._committed(pending[0])
+        return result
+
+    def close(self) -> None:
+        """wait(), finish removing old steps, and free the Checkpointer if the manager made it."""
+        try:
+            self.wait()
+        finally:
+            self._join_removal()
+            if self._owns_checkpointer:
+                self._ck.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- retention
+
+    def _committed(self, step: int) -> list[int]:
+        """Collective, after a save of ours committed: rank 0 hides the steps the policy drops
+        and removes them in the background. -> the steps dropped (the same on every rank)."""
+        self._damaged.discard(step)
+        return list(self._agreed(self._drop_old))
+
+    def _drop_old(self) -> list[int]:
+        self._join_removal()  # one removal at a time: it may still hold hidden directories
+        hidden = [step for step in self._doomed(_scan(self.directory)["committed"])
+                  if self._hide(step)]
+        leftovers = _hidden(self.directory)
+        if leftovers and _fsync_dir(self.directory):  # the renames are durable before removal
+            self._removal = threading.Thread(target=_remove, args=(leftovers,),
+                                             name="ckptio-retention")
+            self._removal.start()  # not a daemon: a removal running at exit is finished
+        if hidden:
+            log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
+        return hidden
+
+    def _doomed(self, committed: list[int]) -> list[int]:
+        """The committed steps the policy does not keep."""
+        keep = set(committed if self.keep_last is None else committed[-self.keep_last:])
+        if self.keep_every is not None:
+            keep.update(s for s in committed if s % self.keep_every == 0)
+        keep.update(committed[-1:])
+        if self._verified is not None:
+            keep.add(self._verified)
+        return [s for s in committed if s not in keep]
+
+    def _hide(self, step: int) -> bool:
+        """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
+        hidden = os.path.join(self.directory, f"{_HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
+        try:
+            os.rename(self.path(step), hidden)
+        except OSError as exc:
+            _warn(f"ckptio: retention could not remove {self.path(step)} ({exc.strerror or exc});"
+                  " it is kept and tried again after the next save")
+            return False
+        return True
+
+    def _join_removal(self) -> None:
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None
+
+    # ---------------------------------------------------------------- restoring
+
+    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int:
+        """Load a step into ``state`` in place (ckptio.load semantics; ``load_kwargs`` such as
+        strict, keys, cast, per_rank_from go to it) -> the step restored.
+
+        ``step=None``: the newest committed step; if it is damaged (or newer step directories
+        are incomplete) falls back to the previous one, with a warning naming each step passed
+        over and why. ``step=N``: exactly that step, no fallback.
+        """
+        if state is None:
+            raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
+                            "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
+        if "process_group" in load_kwargs:
+            raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
+        self.wait()
+        if step is not None:
+            step = _check_step(step)
+            self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
+            self._succeeded(step)
+            return step
+        plan = self._agreed(self._restore_plan)
+        if not plan["steps"]:
+            raise CheckpointNotFoundError(plan["missing"])
+        passed: list[str] = []
+        for candidate, committed in plan["steps"]:
+            why = self._try_load(candidate, state, load_kwargs) if committed else (
+                f"incomplete: no committed {MANIFEST_NAME} (an interrupted save, or one running)")
+            if why is None:
+                self._passed_over(candidate, passed)
+                self._succeeded(candidate)
+                return int(candidate)
+            passed.append(f"step {candidate}: {why}")
+            if committed:
+                self._damaged.add(candidate)
+        damaged = any(committed for _, committed in plan["steps"])
+        error = CorruptCheckpointError if damaged else IncompleteCheckpointError
+        raise error(f"no step in {self.directory} could be restored: {'; '.join(passed)}. The "
+                    "directories are left as they are; restore(state, step=N) loads one step")
+
+    def verify(self, step: int | None = None) -> int:
+        """Read back every byte of ``step`` (default: the newest committed) and check it; on
+        success it counts as verified for retention. -> bytes read (rank 0 reads)."""
+        self.wait()
+        target = self.latest() if step is None else _check_step(step)
+        if target is None:
+            raise CheckpointNotFoundError(f"no committed step in {self.directory} to verify")
+        nbytes = int(self._agreed(lambda: self._ck.verify(self.path(target))))
+        self._succeeded(target)
+        return nbytes
+
+    def _succeeded(self, step: int) -> None:
+        self._verified = step if self._verified is None else max(self._verified, step)
+        self._damaged.discard(step)
+
+    def _restore_plan(self) -> dict[str, Any]:
+        """Rank 0: every step directory, newest first, with whether it is committed."""
+        listing = _scan(self.directory)
+        steps = sorted([[s, True] for s in listing["committed"]]
+                       + [[s, False] for s in listing["incomplete"]], reverse=True)
+        return {"steps": steps, "missing": None if steps else _nothing_here(self.directory)}
+
+    def _try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+        """Load ``step``; -> None, or why it is damaged (the same on every rank). Other errors
+        are raised (on every rank: the load is a collective)."""
+        try:
+            self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
+        except Exception as exc:
+            damaged, why = self._verdict(exc)
+            if not damaged:
+                raise
+            return why
+        return None
+
+    def _verdict(self, error: Exception) -> tuple[bool, str]:
+        """Collective after a failed load (which raised on every rank): fall back only if some
+        rank found damage and none failed otherwise; -> (fall back, every rank's reason)."""
+        kind = ("damaged" if isinstance(error, _DAMAGE) else
+                "peer" if isinstance(error, RankFailedError) else "other")
+        mine = [kind, f"{type(error).__name__}: {error}"]
+        group = self._ranks()
+        if group.size == 1:
+            return kind == "damaged", mine[1]
+        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        kinds = {k for k, _ in reports}
+        why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
+        return "damaged" in kinds and "other" not in kinds, why
+
+    def _passed_over(self, step: int, passed: list[str]) -> None:
+        if passed:
+            _warn(f"ckptio: restored step {step} from {self.directory}, not a newer one: "
+                  f"{'; '.join(passed)}. Those directories are left in place; a later save of "
+                  "the same step replaces one", stacklevel=3)  # restore()'s caller
+
+    # ---------------------------------------------------------------- ranks
+
+    def _ranks(self) -> Group:
+        if self._group is None:
+            torch_group = current_group(self._process_group)
+            self._group = Solo() if torch_group is None else TorchGroup(torch_group)
+        return self._group
+
+    def _agreed(self, decide: Callable[[], Any]) -> Any:
+        """Collective: ``decide()`` (JSON-able) runs on rank 0 and every rank gets its answer.
+        If it raises, rank 0 raises that and the others a RankFailedError quoting it."""
+        group = self._ranks()
+        if group.size == 1:
+            return decide()
+        if group.rank != COORDINATOR:
+            answer = json.loads(group.broadcast(None))
+            if "error" in answer:
+                raise RankFailedError(f"checkpoint manager of {self.directory}: rank 0 failed: "
+                                      f"{answer['error']}")
+            return answer["value"]
+        try:
+            value = decide()
+        except Exception as exc:
+            group.broadcast(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            raise
+        data = json.dumps({"value": value}).encode()
+        group.broadcast(data)
+        return json.loads(data)["value"]  # exactly what the other ranks got
+
+
+# -------------------------------------------------------------------- the directory
+
+
+def _scan(directory: str) -> dict[str, list[int]]:
+    """The step directories in ``directory``, committed and incomplete, ascending."""
+    out: dict[str, list[int]] = {"committed": [], "incomplete": []}
+    for entry in _entries(directory):
+        step = _step_of(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            out["committed" if _is_committed(entry.path) else "incomplete"].append(step)
+    return {kind: sorted(steps) for kind, steps in out.items()}
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StorageIOError(f"cannot list checkpoint directory {directory}: "
+                             f"{exc.strerror or exc}") from None
+
+
+def _step_of(name: str) -> int | None:
+    """N for a directory named ``step-N`` exactly (no leading zeros), else None."""
+    match = _STEP.match(name)
+    if match is None or name != f"step-{int(match.group(1))}":
+        return None
+    return int(match.group(1))
+
+
+def _is_committed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def _hidden(directory: str) -> list[str]:
+    """Steps hidden by a retention and not yet removed (by a removal killed half-way, say)."""
+    return [e.path for e in _entries(directory)
+            if _HIDDEN.match(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+def _remove(paths: list[str]) -> None:
+    """The removal thread: failures are logged; the leftover is removed by the next retention."""
+    for path in paths:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("ckptio: could not remove %s (an old step, already out of the listing): "
+                        "%s; the next retention tries again", path, exc)
+
+
+def _fsync_dir(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _warn(f"ckptio: could not fsync {path} ({exc.strerror or exc}): old steps already out of "
+              "the listing are removed by the next retention")
+        return False
+    return True
+
+
+def _nothing_here(directory: str) -> str:
+    """Why there is no step to restore, and what the directory holds instead."""
+    if not os.path.isdir(directory):
+        return f"no checkpoint to restore: {directory} does not exist (nothing saved there yet)"
+    names = sorted(n for n in os.listdir(directory) if not _HIDDEN.match(n))
+    torch_files = [n for n in names if n.endswith(_TORCH_FILES)]
+    others = [n for n in names if _is_committed(os.path.join(directory, n))]
+    hints = [text for found, text in [
+        (MANIFEST_NAME in names, f"it is itself a ckptio checkpoint, not a directory of steps: "
+                                 f"load it with ckptio.load({directory!r}, state)"),
+        (".metadata" in names, "it holds a torch.distributed.checkpoint (DCP) checkpoint "
+                               "(.metadata): load it with torch.distributed.checkpoint.load"),
+        (torch_files, f"it holds torch.save files ({', '.join(torch_files[:3])}): load them with "
+                      "torch.load, then save through this manager"),
+        (others, f"it holds ckptio checkpoints not named step-<N> ({', '.join(others[:3])}): "
+                 "rename them step-<N>, or load them with ckptio.load")] if found]
+    return (f"no checkpoint to restore in {directory}: "
+            f"{'; '.join(hints) or 'it holds no step-<N> directory'}")
+
+
+# -------------------------------------------------------------------- small helpers
+
+
+def _committed_ok(handle: SaveHandle) -> bool:
+    """Whether a finished async save committed. Its error, if any, has been reported already:
+    async_save raises an error nobody has seen, so reaching here means the caller's own wait()
+    raised it. It is only looked at here, not raised a second time."""
+    if not handle.done():
+        return False
+    try:
+        handle.wait()
+    except Exception:  # noqa: BLE001 - reported already (see above)
+        return False
+    return True
+
+
+def _check_step(step: Any) -> int:
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or value < 0:
+        raise CkptError(f"step must be an integer >= 0, got {step!r}")
+    return value
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CkptError(f"CheckpointManager({name}={value!r}): must be an integer >= 1")
+    return value
+
+
+def _optional(name: str, value: Any) -> int | None:
+    return None if value is None else _positive(name, value)
+
+
+def _warn(message: str, stacklevel: int = 2) -> None:
+    log.warning("%s", message)
+    warnings.warn(message, stacklevel=stacklevel + 1)

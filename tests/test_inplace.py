@@ -1,0 +1,196 @@
+"""In-place loads restore every value the state holds, the way resuming jobs write them:
+tuples and namedtuples rebuilt in their parents, Python values replaced, fresh optimizers and
+schedulers (as objects) given the state they lack, all RNGs, ranks holding different keys."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import ckptio
+from ckptio.testing.ranks import run_ranks
+
+import inplace_cases as cases
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def _model_and_optim(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Dropout(0.1), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 6)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return losses
+
+
+def test_every_python_value_differs_and_is_restored(tmp_path):
+    saved = {"t": (1, 2.5, "x", None, Pair(3, (4, 5.0))), "s": "hello", "n": None, "i": 7,
+             "v": 3, "nested": [(1, 2), {"k": (True, b"raw")}], "tensor_in_tuple": (torch.ones(2), 9)}
+    ckptio.save(saved, tmp_path / "c")
+    keep = torch.zeros(2)
+    state = {"t": (0, 0.0, "y", 5, Pair(0, (0, 0.0))), "s": "other", "n": 4, "i": None,
+             "v": torch.zeros(3), "nested": [(0, 0), {"k": (False, b"")}], "tensor_in_tuple": (keep, 0)}
+    report = ckptio.load(tmp_path / "c", state)
+    assert state["t"] == saved["t"] and type(state["t"][4]) is Pair
+    assert (state["s"], state["n"], state["i"], state["v"]) == ("hello", None, 7, 3)
+    assert state["nested"] == [(1, 2), {"k": (True, b"raw")}]
+    assert state["tensor_in_tuple"][0] is keep and torch.equal(keep, torch.ones(2))
+    assert state["tensor_in_tuple"][1] == 9
+    assert not report.missing and not report.unexpected and not report.mismatched
+
+
+def test_python_and_numpy_rng_state_tuples_load_in_place(tmp_path):
+    random.seed(3)
+    np.random.seed(4)
+    saved = {"py": random.getstate(), "np": np.random.get_state()}
+    ckptio.save(saved, tmp_path / "c")
+    random.seed(99)
+    np.random.seed(99)
+    state = {"py": random.getstate(), "np": np.random.get_state()}
+    ckptio.load(tmp_path / "c", state)
+    random.setstate(state["py"])
+    np.random.set_state(state["np"])
+    random.seed(3)
+    expected = random.random()
+    random.setstate(saved["py"])
+    assert random.random() == expected
+    assert state["py"] == saved["py"]
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(state["np"], saved["np"]))
+
+
+def test_root_tuple_fills_tensors_and_refuses_differing_values(tmp_path):
+    ckptio.save((torch.ones(2), 3), tmp_path / "c")
+    same = (torch.zeros(2), 3)
+    ckptio.load(tmp_path / "c", same)
+    assert torch.equal(same[0], torch.ones(2))
+    with pytest.raises(ckptio.StateMismatchError, match="pass a dict or list"):
+        ckptio.load(tmp_path / "c", (torch.zeros(2), 4))
+
+
+def test_rng_state_round_trip_python_numpy_torch(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    ckptio.save({"rng": ckptio.RNGState()}, tmp_path / "c")
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(),
+                torch.rand(3).tolist())
+    random.seed(8)
+    np.random.seed(8)
+    torch.manual_seed(8)
+    ckptio.load(tmp_path / "c", {"rng": ckptio.RNGState()})
+    got = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(),
+           torch.rand(3).tolist())
+    assert got == expected
+
+
+def test_rng_state_is_stored_compactly(tmp_path):
+    ckptio.save({"rng": ckptio.RNGState()}, tmp_path / "c")
+    fresh = ckptio.load(tmp_path / "c")
+    assert fresh["rng"]["python"]["mt"].shape == (625,)
+    assert fresh["rng"]["numpy"]["mt"].shape == (624,)
+    assert isinstance(fresh["rng"]["torch"], torch.Tensor)
+
+
+@pytest.mark.parametrize("as_objects", [True, False])
+def test_fresh_optimizer_and_scheduler_resume_bit_exactly(tmp_path, as_objects):
+    model, opt, sched = _model_and_optim()
+    _train(model, opt, sched, 3)
+    torch.manual_seed(42)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": ckptio.RNGState()}
+    ckptio.save(state if as_objects else {k: v.state_dict() for k, v in state.items()},
+                tmp_path / "c")
+    expected = _train(model, opt, sched, 3)
+
+    model2, opt2, sched2 = _model_and_optim(seed=7)  # fresh: different weights, no Adam state
+    assert not opt2.state
+    fresh = {"model": model2, "optim": opt2, "sched": sched2, "rng": ckptio.RNGState()}
+    if as_objects:
+        report = ckptio.load(tmp_path / "c", fresh)
+        assert any(k.startswith("optim.state.") for k in report.loaded)
+    else:
+        plain = {k: v.state_dict() for k, v in fresh.items()}
+        with pytest.raises(ckptio.StateMismatchError, match="put the optimizer object itself"):
+            ckptio.load(tmp_path / "c", plain)
+        with pytest.warns(UserWarning, match="optimizer's per-parameter state"):
+            ckptio.load(tmp_path / "c", plain, strict=False)
+        # the documented plain-dict path: load fresh, hand each object its state
+        loaded = ckptio.load(tmp_path / "c")
+        for name, obj in fresh.items():
+            obj.load_state_dict(loaded[name])
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
+    assert _train(model2, opt2, sched2, 3) == expected
+
+
+def test_optimizer_with_other_parameter_groups_fails_loudly(tmp_path):
+    model, opt, sched = _model_and_optim()
+    _train(model, opt, sched, 1)
+    ckptio.save({"optim": opt}, tmp_path / "c")
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ckptio.CkptError):
+        ckptio.load(tmp_path / "c", {"optim": other})
+
+
+def test_grad_scaler_and_user_stateful(tmp_path):
+    class Loader:
+        def __init__(self) -> None:
+            self.position, self.order = 0, (3, 1, 2)
+
+        def state_dict(self) -> dict:
+            return {"position": self.position, "order": self.order}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.position, self.order = state["position"], state["order"]
+
+    loader = Loader()
+    loader.position, loader.order = 17, (2, 3, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    ckptio.save({"loader": loader, "scaler": scaler}, tmp_path / "c")
+    loader2, scaler2 = Loader(), torch.amp.GradScaler("cpu", init_scale=2.0)
+    ckptio.load(tmp_path / "c", {"loader": loader2, "scaler": scaler2})
+    assert (loader2.position, loader2.order) == (17, (2, 3, 1))
+    assert scaler2.state_dict() == scaler.state_dict()
+
+
+def test_module_with_extra_checkpoint_keys_is_unexpected_not_created(tmp_path):
+    ckptio.save({"m": torch.nn.Linear(2, 2)}, tmp_path / "c")
+    with pytest.raises(ckptio.StateMismatchError, match="not in the state"):
+        ckptio.load(tmp_path / "c", {"m": torch.nn.Linear(2, 2, bias=False)})
+
+
+def test_ranks_holding_different_keys_load_strictly(tmp_path):
+    results = run_ranks(2, cases.distinct_keys, str(tmp_path / "c"))
+    assert all(r["same"] and r["unexpected"] == [] for r in results)
+
+
+def test_a_key_no_rank_asks_for_is_unexpected_everywhere(tmp_path):
+    assert run_ranks(2, cases.nobody_asks, str(tmp_path / "c")) == ["StateMismatchError"] * 2
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "gs://b/y", "file:///tmp/z"])
+def test_urls_are_refused_not_saved_to_a_local_folder(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ckptio.UnsupportedPathError, match="URLs"):
+        ckptio.save({"a": torch.ones(1)}, url)
+    with pytest.raises(ckptio.UnsupportedPathError):
+        ckptio.load(url)
+    with pytest.raises(ckptio.UnsupportedPathError):
+        ckptio.verify(url)
+    assert list(tmp_path.iterdir()) == []
