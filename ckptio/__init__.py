@@ -12,27 +12,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import Checkpointer, LoadReport, SaveHandle, SaveResult
-from .shared import async_save, load, save, verify
-from .persist import Progress
-from .errors import (
-    CheckpointLockedError,
-    CheckpointNotFoundError,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    PickleRefusedError,
-    StateMismatchError,
-    RankFailedError,
-    StorageIOError,
-    UnsupportedPathError,
-    UnsupportedStateError,
-)
-from .options import Options
-from .rng import RNGState
-from .manager import CheckpointManager
-from .sharding import FlatShard, TensorShard
+from ckptio.api import Checkpointer, LoadReport, SaveHandle, SaveResult
+from ckptio.shared import async_save, load, save, verify
+from ckptio.saving.persist import Progress
+from ckptio.errors import (CheckpointLockedError, CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, PickleRefusedError, StateMismatchError, RankFailedError, StorageIOError, UnsupportedPathError, UnsupportedStateError)
+from ckptio.options import Options
+from ckptio.rng import RNGState
+from ckptio.manager import CheckpointManager
+from ckptio.planning.sharding import FlatShard, TensorShard
 
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",

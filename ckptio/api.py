@@ -19,18 +19,25 @@ from typing import Any
 
 import torch
 
-from . import assemble, collective, commit, io, manifest, persist, restore, saverun
-from .dist import Group, Solo, TorchGroup, current_group
-from .background import SaveHandle, SaveResult, lazy_order
-from .errors import CkptError, UnsupportedPathError
-from .flatten import flatten
-from .layout import plan_files
-from .options import Options
-from .profile import io_fields, tuned_options
-from .plan import PlanCache, SavePlan, build_plan
-from .stage import BufferPool
-from .fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
-from .types import Job, Target
+from ckptio import io
+from ckptio.loading import assemble
+from ckptio.distributed import collective
+from ckptio.storage import commit
+from ckptio.format import manifest
+from ckptio.saving import persist
+from ckptio.loading import restore
+from ckptio.saving import session as saverun
+from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
+from ckptio.saving.handle import SaveHandle, SaveResult, lazy_order
+from ckptio.errors import CkptError, UnsupportedPathError
+from ckptio.format.flatten import flatten
+from ckptio.planning.layout import plan_files
+from ckptio.options import Options
+from ckptio.tuning.profile import io_fields, tuned_options
+from ckptio.planning.plan import PlanCache, SavePlan, build_plan
+from ckptio.io.stage import BufferPool
+from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
+from ckptio.format.types import Job, Target
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
@@ -399,7 +406,7 @@ def local_path(path: str | os.PathLike[str]) -> str:
 
 
 def _meta() -> dict[str, Any]:
-    from . import __version__
+    from ckptio import __version__
 
     return {"ckptio_version": __version__, "torch_version": torch.__version__,
             "created_unix": time.time()}

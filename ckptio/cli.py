@@ -11,14 +11,16 @@ import argparse
 import os
 import sys
 
-from . import commit, manifest, tune
-from .errors import CkptError
-from .types import TensorEntry
+from ckptio.storage import commit
+from ckptio.format import manifest
+from ckptio.tuning import tune
+from ckptio.errors import CkptError
+from ckptio.format.types import TensorEntry
 
 
 def _shown(tagged: object) -> str:
     """An inline value as the user wrote it (the tagged JSON if it does not decode)."""
-    from . import values
+    from ckptio.format import values
 
     try:
         return repr(values.decode(tagged))
@@ -52,7 +54,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .shared import verify
+    from ckptio.shared import verify
 
     nbytes = verify(args.path)
     print(f"{args.path}: OK, every entry matches its checksum ({nbytes} bytes read)")
@@ -62,7 +64,7 @@ def _verify(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # all its options are its own (ckptio demo --help)
-        from .demo import main as demo_main
+        from ckptio.demo import main as demo_main
 
         return demo_main.main(argv[1:])
     parser = argparse.ArgumentParser(prog="ckptio", description=__doc__)
@@ -87,18 +89,18 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args)
         if args.command == "tune":
             return tune.run(args)
-        from .bench import save_load
+        from benchmarks import save_load
 
         if args.which == "io":
-            from .bench import io_study
+            from ckptio.tuning import io_study
 
             return io_study.main(args.rest)
         if args.which == "plan":
-            from .bench import plan_scale
+            from benchmarks import plan_scale
 
             return plan_scale.main(args.rest)
         if args.which == "train":
-            from .bench import train
+            from benchmarks import train
 
             return train.main(args.rest)
         return save_load.main(args.rest)

@@ -58,13 +58,12 @@ from typing import Any
 
 import torch
 
-from .api import Checkpointer, local_path
-from .background import SaveHandle, SaveResult
-from .dist import COORDINATOR, Group, Solo, TorchGroup, current_group
-from .errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
-                     IncompleteCheckpointError, RankFailedError, StorageIOError)
-from .manifest import MANIFEST_NAME
-from .options import Options
+from ckptio.api import Checkpointer, local_path
+from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.distributed.dist import COORDINATOR, Group, Solo, TorchGroup, current_group
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError, StorageIOError)
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.options import Options
 
 __all__ = ["CheckpointManager"]
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import CkptError
+from ckptio.errors import CkptError
 
 MiB = 1 << 20
 GiB = 1 << 30

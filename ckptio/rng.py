@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import StateMismatchError
+from ckptio.errors import StateMismatchError
 
 __all__ = ["RNGState"]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .api import Checkpointer
-from .background import SaveHandle, SaveResult
-from .fill import KeyFilter, RankPolicy
-from .options import Options
+from ckptio.api import Checkpointer
+from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.loading.fill import KeyFilter, RankPolicy
+from ckptio.options import Options
 
 _default: Checkpointer | None = None
 _default_lock = threading.Lock()

@@ -326,7 +326,7 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the caller copies: it reaches the caller, nothing is committed, nothing
     hangs, and the Checkpointer saves again afterwards (the next save names the abandoned one)."""
-    from ckptio import persist
+    from ckptio.saving import persist
 
     real_put = persist._Window.put
     calls = {"n": 0}

@@ -10,8 +10,9 @@ import os
 import pytest
 
 from ckptio import cli
-from ckptio.bench import io_study, state
-from ckptio.bench.io_study import BLOCK, Cell, build_plan
+from ckptio.tuning import io_study
+from ckptio.tuning import state
+from ckptio.tuning.io_study import BLOCK, Cell, build_plan
 
 KiB = 1 << 10
 

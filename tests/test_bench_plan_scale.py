@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
-from ckptio import cli, manifest
-from ckptio.bench import plan_scale
-from ckptio.types import Chunk
+from ckptio import cli
+from ckptio.format import manifest
+from benchmarks import plan_scale
+from ckptio.format.types import Chunk
 
 
 def test_layout_regions_tile_each_tensor():
@@ -46,7 +47,8 @@ def test_manifest_is_valid_and_complete():
     dp, tp = 2, 4
     messages = [plan_scale.rank_plan(r, dp, tp, tensors, "bfloat16", plan_scale.tree_of(tensors))
                 for r in range(dp * tp)]
-    from ckptio import collective, wire
+    from ckptio.distributed import collective
+    from ckptio.distributed import wire
 
     memory = collective.Memory()
     answers = collective._decide([wire.encode_plan(p) for p in messages], memory, "/x")

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from ckptio.bench import ranks, ranks_state, save_load
+from benchmarks import ranks
+from benchmarks import ranks_state
+from benchmarks import save_load
 
 pytest.importorskip("torch.distributed.checkpoint")
 

@@ -1,4 +1,4 @@
-"""The training benchmark (ckptio.bench.train): a tiny end-to-end run through fresh worker
+"""The training benchmark (benchmarks.train): a tiny end-to-end run through fresh worker
 processes, the T_block arithmetic, and the training loop with engines in process.
 No timing is asserted: only that every number is there, finite and sane, and the check passes."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.bench import train
-from ckptio.bench import train_engines as te
+from benchmarks import train
+from benchmarks import train_engines as te
 
 PEERS = ["none"]  # the peers run in process below: a fresh worker costs ~6 s of imports
 CKPTIO = ["ckptio_eager", "ckptio_lazy"]

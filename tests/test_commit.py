@@ -39,13 +39,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import (
-    CheckpointNotFoundError,
-    Checkpointer,
-    IncompleteCheckpointError,
-    Options,
-    StorageIOError,
-)
+from ckptio import (CheckpointNotFoundError, Checkpointer, IncompleteCheckpointError, Options, StorageIOError)
 from ckptio.testing.faults import FaultyBackend, inject
 
 MiB = 1 << 20

@@ -36,7 +36,8 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import Checkpointer, Options, commit
+from ckptio import Checkpointer, Options
+from ckptio.storage import commit
 from ckptio.errors import CheckpointLockedError
 from ckptio.testing.faults import FaultyBackend
 from ckptio.testing.ranks import run_ranks

@@ -23,15 +23,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import (
-    CheckpointNotFoundError,
-    Checkpointer,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    Options,
-)
+from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, Options)
 
 MiB = 1 << 20
 BUFFER = MiB  # staging buffer (and largest read) in these tests

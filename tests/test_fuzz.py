@@ -45,11 +45,12 @@ import xxhash
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ckptio import Checkpointer, Options, manifest, values
-from ckptio.errors import (CkptError, CorruptCheckpointError, ManifestError, PickleRefusedError,
-                           StateMismatchError)
-from ckptio.reshard import FlatRange, flat_boxes
-from ckptio.types import DTYPE_ITEMSIZE, KINDS, Chunk
+from ckptio import Checkpointer, Options
+from ckptio.format import manifest
+from ckptio.format import values
+from ckptio.errors import (CkptError, CorruptCheckpointError, ManifestError, PickleRefusedError, StateMismatchError)
+from ckptio.planning.reshard import FlatRange, flat_boxes
+from ckptio.format.types import DTYPE_ITEMSIZE, KINDS, Chunk
 from conftest import assert_same
 
 MiB = 1 << 20

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckptio import wire
-from ckptio.globalplan import PlanConflict, RankPlan, merge_trees, per_rank_keys, plan_global
-from ckptio.types import Chunk, ObjectEntry, WriteItem
+from ckptio.distributed import wire
+from ckptio.planning.globalplan import PlanConflict, RankPlan, merge_trees, per_rank_keys, plan_global
+from ckptio.format.types import Chunk, ObjectEntry, WriteItem
 
 
 def item(key: str, nbytes: int, chunk: Chunk | None = None, shape=(4,)) -> WriteItem:

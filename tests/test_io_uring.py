@@ -13,7 +13,7 @@ import pytest
 from ckptio import io
 from ckptio.io.ring import address_of
 from ckptio.options import MiB
-from ckptio.stage import BufferPool
+from ckptio.io.stage import BufferPool
 from ckptio.testing import accepts_o_direct
 from ckptio.testing.io_conformance import IOBackendConformance
 

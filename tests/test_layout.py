@@ -5,18 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio import layout, manifest
-from ckptio.layout import (
-    SMALL_ALIGN,
-    align_down,
-    align_up,
-    coalesce_reads,
-    data_file_name,
-    item_alignment,
-    plan_files,
-)
+from ckptio.planning import layout
+from ckptio.format import manifest
+from ckptio.planning.layout import (SMALL_ALIGN, align_down, align_up, coalesce_reads, data_file_name, item_alignment, plan_files)
 from ckptio.options import BLOCK
-from ckptio.types import Chunk, TensorEntry, WriteItem
+from ckptio.format.types import Chunk, TensorEntry, WriteItem
 
 KiB, MiB = 1 << 10, 1 << 20
 SAVE_ID = "0123456789abcdef0123"

@@ -22,9 +22,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
-                    ManifestError, Options, SaveHandle, SaveResult, StateMismatchError,
-                    StorageIOError)
+from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, ManifestError, Options, SaveHandle, SaveResult, StateMismatchError, StorageIOError)
 from ckptio.manager import CheckpointManager
 from ckptio.testing.faults import inject
 from ckptio.testing.ranks import run_ranks

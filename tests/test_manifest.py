@@ -8,9 +8,9 @@ import zlib
 
 import pytest
 
-from ckptio import manifest
+from ckptio.format import manifest
 from ckptio.errors import CorruptCheckpointError, ManifestError
-from ckptio.types import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptio.format.types import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
 
 WHERE = "/ckpts/step-9/manifest.json"
 F0 = "data-0123456789abcdef0123-r00000-0000.bin"
@@ -538,7 +538,7 @@ def test_malformed_inline_value_is_refused_by_check_values(value, says):
 def test_check_values_accepts_every_encodable_value():
     import torch
 
-    from ckptio import values
+    from ckptio.format import values
 
     m = good_manifest()
     leaves = [None, True, -(2 ** 70), 3, 0.1, float("-inf"), float("nan"), complex(1, -0.0), "ü",

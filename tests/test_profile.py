@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import cli, profile
-from ckptio.tune import Candidate, choose, choose_mode
+from ckptio import cli
+from ckptio.tuning import profile
+from ckptio.tuning.tune import Candidate, choose, choose_mode
 
 MiB = 1 << 20
 

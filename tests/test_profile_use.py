@@ -8,7 +8,8 @@ import os
 import torch
 
 import ckptio
-from ckptio import Checkpointer, Options, profile
+from ckptio import Checkpointer, Options
+from ckptio.tuning import profile
 from ckptio.api import tuned_options
 
 MiB = 1 << 20

@@ -13,21 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio.reshard import (
-    FlatRange,
-    Piece,
-    Region,
-    Stored,
-    dest_view,
-    execute,
-    flat_boxes,
-    flat_index,
-    intersect,
-    plan_reads,
-    stored_from_entry,
-    subtract,
-)
-from ckptio.types import Chunk, TensorEntry
+from ckptio.planning.reshard import (FlatRange, Piece, Region, Stored, dest_view, execute, flat_boxes, flat_index, intersect, plan_reads, stored_from_entry, subtract)
+from ckptio.format.types import Chunk, TensorEntry
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True)
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int64,

@@ -14,16 +14,8 @@ from torch import nn
 
 import ckptio
 from conftest import ALL_DTYPES
-from ckptio import manifest
-from ckptio.errors import (
-    CheckpointNotFoundError,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    PickleRefusedError,
-    StateMismatchError,
-    UnsupportedStateError,
-)
+from ckptio.format import manifest
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, PickleRefusedError, StateMismatchError, UnsupportedStateError)
 
 MiB = 1 << 20
 

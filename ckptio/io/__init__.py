@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import CkptError
-from .base import FileHandle, IOBackend
+from ckptio.errors import CkptError
+from ckptio.io.base import FileHandle, IOBackend
 
 __all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAMES"]
 
@@ -21,7 +21,7 @@ _reason: list[str | None] = []  # probed once per process
 def uring_unavailable_reason() -> str | None:
     """None if io_uring works here, else why not (probed once, then remembered)."""
     if not _reason:
-        from .ring import unavailable_reason
+        from ckptio.io.ring import unavailable_reason
 
         _reason.append(unavailable_reason())
         if _reason[0] is not None:
@@ -32,11 +32,11 @@ def uring_unavailable_reason() -> str | None:
 def create(name: str, *, depth: int, direct_io: str) -> IOBackend:
     """The backend called ``name``; "uring" falls back to "posix" where io_uring is unavailable."""
     if name == "uring" and uring_unavailable_reason() is None:
-        from .uring import UringBackend
+        from ckptio.io.uring import UringBackend
 
         return UringBackend(depth=depth, direct_io=direct_io)
     if name in NAMES:
-        from .posix import PosixBackend
+        from ckptio.io.posix import PosixBackend
 
         return PosixBackend(depth=depth, direct_io=direct_io)
     raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")

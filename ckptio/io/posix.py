@@ -14,8 +14,8 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..errors import StorageIOError
-from .base import FileHandle
+from ckptio.errors import StorageIOError
+from ckptio.io.base import FileHandle
 
 log = logging.getLogger("ckptio")
 

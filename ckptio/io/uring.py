@@ -18,10 +18,10 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..errors import StorageIOError
-from .base import FileHandle
-from .posix import PosixBackend, _error
-from .ring import MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of
+from ckptio.errors import StorageIOError
+from ckptio.io.base import FileHandle
+from ckptio.io.posix import PosixBackend, _error
+from ckptio.io.ring import (MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of)
 
 log = logging.getLogger("ckptio")
 _WAKE = 0  # user_data of the NOP that wakes the reaper for shutdown; requests count from 1

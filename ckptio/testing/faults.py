@@ -28,8 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Union
 
-from ..errors import StorageIOError
-from ..io.base import FileHandle, IOBackend
+from ckptio.errors import StorageIOError
+from ckptio.io.base import FileHandle, IOBackend
 
 ErrorSpec = Union[str, int, Callable[[str, str, int], BaseException]]
 

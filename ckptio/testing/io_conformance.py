@@ -15,7 +15,7 @@ Two ways to use it:
 * plain functions: each ``check_*(factory, directory)`` runs one group of checks and raises
   AssertionError (or the backend's own error) on a failure; ``run_all`` runs them all.
 
-Buffers come from ckptio.stage.BufferPool, as in real saves and loads, so they are page-aligned
+Buffers come from ckptio.io.stage.BufferPool, as in real saves and loads, so they are page-aligned
 and O_DIRECT-valid; offsets and lengths are multiples of BLOCK. Every byte written is compared
 with an independent reader (plain ``open``) as well as read back through the backend, so a
 backend that misplaces bytes symmetrically on write and read still fails. No check measures time.
@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 
-from ..errors import StorageIOError
-from ..io.base import FileHandle, IOBackend
-from ..options import BLOCK, MiB
-from ..stage import BufferPool
+from ckptio.errors import StorageIOError
+from ckptio.io.base import FileHandle, IOBackend
+from ckptio.options import BLOCK, MiB
+from ckptio.io.stage import BufferPool
 
 Factory = Callable[[], IOBackend]
 TIMEOUT = 120.0  # seconds a single request may take before the check gives up (a hang, not speed)

@@ -1,0 +1,442 @@
+"""Plan-only scale benchmark: ckptio's coordinator logic for a simulated FSDP x TP job, no processes.
+
+Owns: a synthetic layout (a Llama-like model of ~1000 tensors, every tensor a DTensor sharded
+Shard(0) over dp ranks and Shard(0) / Shard(1) / Replicate over tp ranks, plus per-rank RNG
+state and a step counter), the RankPlans that ranks would build for it, and the timing of each
+planning phase of a many-rank save and of the manifest decode of a load, with the manifest's
+size, as a curve over world sizes. Does not own: any planning rule (globalplan.py, collective.py,
+wire.py, manifest.py are called as they are, never copied).
+
+Phases timed (median of --reps):
+  local      one rank's message to the coordinator: layout_bytes + fingerprint + encode_plan (every rank
+             does this in parallel, so it counts once)
+  decide     the coordinator: collective._decide on every rank's message (decode_plan of all,
+             per_rank_keys + plan_global, encode_answer of all) + one rank's decode_answer
+  result     one rank's wire.encode_result of what it wrote (parallel: counts once)
+  manifest   the coordinator: decode_result of every rank + the body of collective._commit
+             (check_files, manifest_entries, Manifest, manifest.encode), without the file write
+  load       manifest.decode of the committed bytes (every loading rank does this)
+
+    python -m benchmarks.plan_scale --world 8,64,512,4096 --tp 8 --reps 3
+    python -m benchmarks.plan_scale --world 512 --profile prof.txt   # cProfile of one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import itertools
+import json
+import os
+import pstats
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptio.distributed import collective
+from ckptio.format import manifest
+from ckptio.distributed import wire
+from ckptio.format.flatten import flatten
+from ckptio.planning.globalplan import RankPlan, check_files, manifest_entries
+from ckptio.planning.layout import plan_files
+from ckptio.format.types import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry, WriteItem
+
+BLOCK_NBYTES = 1 << 20  # api.BLOCK_CHECKSUM_NBYTES (not imported: api pulls in the I/O stack)
+MAX_FILE_BYTES = 1 << 40  # one data file per rank, as the default options give
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+# Llama-3-70B-like dimensions; the layer count is set by --tensors.
+D_MODEL, KV_DIM, FFN, VOCAB = 8192, 1024, 28672, 128256
+
+# (name, shape(d), tp placement): "0" Shard(0) column-parallel, "1" Shard(1) row-parallel,
+# "r" Replicate on tp. The dp mesh dim is always Shard(0) (FSDP2).
+LAYER = (("attn_norm.weight", (D_MODEL,), "r"), ("attn.wq.weight", (D_MODEL, D_MODEL), "0"),
+         ("attn.wk.weight", (KV_DIM, D_MODEL), "0"), ("attn.wv.weight", (KV_DIM, D_MODEL), "0"),
+         ("attn.wo.weight", (D_MODEL, D_MODEL), "1"), ("ffn_norm.weight", (D_MODEL,), "r"),
+         ("ffn.w1.weight", (FFN, D_MODEL), "0"), ("ffn.w3.weight", (FFN, D_MODEL), "0"),
+         ("ffn.w2.weight", (D_MODEL, FFN), "1"))
+OUTER = (("tok_embeddings.weight", (VOCAB, D_MODEL), "0"), ("norm.weight", (D_MODEL,), "r"),
+         ("output.weight", (VOCAB, D_MODEL), "0"))
+
+
+# ---------------------------------------------------------------- the synthetic layout
+
+
+@dataclass(frozen=True)
+class Tensor:
+    key: str
+    shape: tuple[int, ...]
+    tp: str  # "0", "1" or "r"
+
+
+def model_tensors(n_tensors: int, optim: bool) -> list[Tensor]:
+    """At least ``n_tensors`` parameter tensors (whole layers), with AdamW's exp_avg and
+    exp_avg_sq of each (same shape and sharding) when ``optim``."""
+    layers = max(1, -(-(n_tensors - len(OUTER)) // len(LAYER)))
+    params = [Tensor(f"model.{OUTER[0][0]}", OUTER[0][1], OUTER[0][2])]
+    for i in range(layers):
+        params += [Tensor(f"model.layers.{i}.{n}", s, p) for n, s, p in LAYER]
+    params += [Tensor(f"model.{n}", s, p) for n, s, p in OUTER[1:]]
+    if not optim:
+        return params
+    out = list(params)
+    for slot in ("exp_avg", "exp_avg_sq"):
+        out += [Tensor(f"optim.{slot}.{t.key[len('model.'):]}", t.shape, t.tp) for t in params]
+    return out
+
+
+def split(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of piece ``index`` of ``size`` in ``parts``, as torch's Shard does
+    (torch.chunk: pieces of ceil(size / parts), trailing ones smaller or empty)."""
+    full = -(-size // parts)
+    start = min(full * index, size)
+    return start, min(size, full * (index + 1)) - start
+
+
+def region(t: Tensor, dp: int, tp: int, dp_rank: int, tp_rank: int) -> Chunk:
+    """The chunk a rank at (dp_rank, tp_rank) of a (dp, tp) mesh holds: placements
+    [Shard(0), tp placement], applied mesh dim by mesh dim as torch computes them."""
+    offsets, sizes = [0] * len(t.shape), list(t.shape)
+    for dim, parts, index in ((0, dp, dp_rank), (None if t.tp == "r" else int(t.tp), tp, tp_rank)):
+        if dim is None or parts == 1:
+            continue
+        start, length = split(sizes[dim], parts, index)
+        offsets[dim] += start
+        sizes[dim] = length
+    return Chunk(tuple(offsets), tuple(sizes))
+
+
+def tree_of(tensors: list[Tensor]) -> Any:
+    """The manifest tree of the nested state these dotted keys come from (flatten's own)."""
+    root: dict[str, Any] = {}
+    for key in [t.key for t in tensors] + ["rng", "step"]:
+        node = root
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(int(part) if part.isdigit() else part, {})
+        node[int(leaf) if leaf.isdigit() else leaf] = 0
+    return flatten(root).tree
+
+
+def rank_plan(rank: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tree: Any) -> RankPlan:
+    """What ckptio's build_plan + local_plan give rank ``rank`` (rank = dp_rank * tp + tp_rank):
+    one sharded item per tensor, a per-rank RNG state (plain, digest differs by rank), a step."""
+    dp_rank, tp_rank = divmod(rank, tp)
+    size = ITEMSIZE[dtype]
+    items = [WriteItem(t.key, "tensor", dtype, t.shape, c, c.numel * size)
+             for t in tensors for c in [region(t, dp, tp, dp_rank, tp_rank)]]
+    items.append(WriteItem("rng", "tensor", "uint8", (5056,), Chunk.whole((5056,)), 5056))
+    digests = {len(tensors): f"{rank:016x}"}  # only the RNG state is plain
+    domains = dict.fromkeys(range(len(tensors)), "mesh-0123456789abcdef")  # all on one mesh
+    return RankPlan(rank, tuple(items), frozenset(t.key for t in tensors), digests,
+                    (ObjectEntry("step", 1000),), (), tree, domains)
+
+
+def written(plan: RankPlan, writes: tuple[int, ...], save_id: str) -> tuple[list[TensorEntry], list[Any]]:
+    """What a rank reports after writing its assigned items: layout.plan_files offsets,
+    a checksum per entry and per 1 MiB block (as persist computes them; values made up)."""
+    items = [plan.items[i] for i in writes]
+    files = plan_files(items, save_id=save_id, rank=plan.rank, max_file_bytes=MAX_FILE_BYTES)
+    entries, infos = [], []
+    n = 0
+    for f in files:
+        infos.append(FileInfo(f.name, f.nbytes, plan.rank))
+        for p in f.placements:
+            it = p.item
+            n += 1
+            blocks = tuple(f"{(plan.rank << 40) + (n << 20) + b:016x}"
+                           for b in range(-(-it.nbytes // BLOCK_NBYTES))) if it.nbytes > BLOCK_NBYTES else ()
+            entries.append(TensorEntry(it.key, it.kind, it.dtype, it.shape, it.chunk, f.name,
+                                       p.offset, it.nbytes, f"{(plan.rank << 32) + n:016x}", None,
+                                       blocks))
+    return entries, infos
+
+
+# ---------------------------------------------------------------- one world size
+
+
+def median_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
+            profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Every phase at one world size; the profiler, when given, runs around the timed calls."""
+    if world % tp:
+        raise SystemExit(f"world size {world} is not a multiple of tp {tp}")
+    dp = world // tp
+    tree = tree_of(tensors)
+    t0 = time.perf_counter()
+    # Every rank's message, as the coordinator gathers them (RankPlans of other ranks are dropped
+    # as soon as encoded: only the coordinator's decode should hold them all, as in a real job).
+    messages = [wire.encode_plan(rank_plan(r, dp, tp, tensors, dtype, tree)) for r in range(world)]
+    setup_s = time.perf_counter() - t0
+    plan0 = rank_plan(0, dp, tp, tensors, dtype, tree)
+    on = profiler.enable if profiler else (lambda: None)
+    off = profiler.disable if profiler else (lambda: None)
+
+    def local() -> bytes:
+        layout = wire.layout_bytes(plan0)
+        wire.fingerprint(layout)
+        return wire.encode_plan(plan0, layout=layout)
+
+    def decide() -> tuple[list[bytes], collective.Memory]:
+        memory = collective.Memory()  # a first save: nothing cached
+        answers = collective._decide(messages, memory, "/simulated")
+        wire.decode_answer(answers[0])
+        return answers, memory
+
+    on()
+    local_s, _ = median_time(local, reps)
+    decide_s, (answers, memory) = median_time(decide, reps)
+    off()
+    assert memory.pending is not None
+    plans, global_plan = memory.pending
+    # a later save of the same layout: every rank sends only its values and the fingerprint
+    again = [wire.encode_plan(plan, same_as=memory.plans[r][0]) for r, plan in enumerate(plans)]
+
+    def decide_reused() -> list[bytes]:
+        return collective._decide(again, memory, "/simulated")
+
+    on()
+    reused_s, _ = median_time(decide_reused, reps)
+    off()
+    if memory.reused < 1:
+        raise RuntimeError("the repeated save did not reuse the plan")
+    save_id, _ = wire.decode_answer(answers[0])
+    agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
+    # every rank's result message (untimed, but rank 0's encode is timed below)
+    t0 = time.perf_counter()
+    reports = [written(p, a.writes, save_id) for p, a in zip(plans, global_plan.assignments)]
+    results = [wire.encode_result(e, f, None) for e, f in reports]
+    setup_s += time.perf_counter() - t0
+    del reports[1:]
+
+    def result() -> bytes:
+        return wire.encode_result(reports[0][0], reports[0][1], None)
+
+    def build_manifest() -> bytes:
+        decoded = [wire.decode_result(data, rank, collective._assigned(agreement, rank))
+                   for rank, data in enumerate(results)]
+        return commit_body(decoded, agreement)
+
+    on()
+    result_s, _ = median_time(result, reps)
+    manifest_s, blob = median_time(build_manifest, reps)
+    load_s, record = median_time(lambda: manifest.decode(blob, "simulated/manifest.json"), reps)
+    off()
+    chunks = len(record.tensors)
+    return {
+        "world": world, "dp": dp, "tp": tp, "tensors": len(tensors), "chunks": chunks,
+        "written_bytes": sum(t.nbytes for t in record.tensors),
+        "plan_msg_bytes": len(messages[0]), "plan_msgs_bytes": sum(len(m) for m in messages),
+        "result_msg_bytes": len(results[0]), "manifest_bytes": len(blob),
+        "bytes_per_chunk": len(blob) / chunks, "local_s": local_s, "decide_s": decide_s,
+        "result_s": result_s, "manifest_s": manifest_s, "load_s": load_s,
+        "decide_reused_s": reused_s,
+        "save_total_s": local_s + decide_s + result_s + manifest_s, "setup_s": setup_s,
+        "reused": memory.reused,
+    }
+
+
+def commit_body(results: list[tuple[list[TensorEntry], list[Any], str | None]],
+                agreement: collective.Agreement) -> bytes:
+    """collective._commit up to the bytes it would commit (its file write and fsync are I/O,
+    not planning): the same calls, in the same order."""
+    plan = agreement.global_plan
+    assert plan is not None
+    done: list[list[TensorEntry]] = []
+    files: list[Any] = []
+    for entries, infos, error in results:
+        if error is not None:
+            raise RuntimeError(error)
+        done.append(entries)
+        files.extend(infos)
+    check_files(files)
+    record = Manifest(
+        version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm="xxh3",
+        world_size=len(results), files=tuple(files),
+        tensors=tuple(manifest_entries(agreement.plans, plan.assignments, done)),
+        objects=plan.objects, aliases=plan.aliases, tree=plan.tree,
+        meta={"ckptio_version": "bench", "torch_version": "-", "created_unix": 0.0},
+        block_nbytes=BLOCK_NBYTES)
+    manifest.check_keys(record, "simulated/manifest.json")
+    return manifest.encode(record)
+
+
+# ---------------------------------------------------------------- report
+
+PHASES = ("local_s", "decide_s", "result_s", "manifest_s")
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> str:
+    command = shlex.join(["python", "-m", "benchmarks.plan_scale", *argv])
+    n_params = rows[0]["tensors"] if rows else 0
+    lines = [
+        "## Plan-only scale (simulated FSDP x TP)", "", f"`{command}`  ",
+        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, one process, median of "
+        f"{args.reps}; {n_params} tensors ({'params + AdamW exp_avg, exp_avg_sq' if args.optim else 'params'}"
+        f", {args.dtype}), Llama-70B-like shapes, mesh (dp, tp) with placements [Shard(0), "
+        "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  "),
+        ("local: one rank's layout_bytes + fingerprint + encode_plan; decide: coordinator _decide (decode all, "
+        "plan_global, answers; a first save); decide again: the same for a later save of the same "
+        "layout (fingerprints only, decisions reused); result: one rank's encode_result; manifest: coordinator "
+        "decode_result of all + manifest_entries + manifest.encode; load: manifest.decode; "
+        "peak RSS: of the fresh process measuring that world size (all ranks' plans in one "
+        "process: the coordinator's share plus the simulation's)"), "",
+        ("| world | dp x tp | chunks | manifest MB | bytes/chunk | plan msg kB | local s | decide s "
+        "| decide again s | result s | manifest s | save total s | load decode s | peak RSS MiB |"),
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['world']} | {r['dp']} x {r['tp']} | {r['chunks']:,} | {r['manifest_bytes'] / 1e6:.2f} "
+            f"| {r['bytes_per_chunk']:.0f} | {r['plan_msg_bytes'] / 1e3:.1f} | {r['local_s']:.4f} "
+            f"| {r['decide_s']:.3f} | {r.get('decide_reused_s', float('nan')):.3f} "
+            f"| {r['result_s']:.4f} | {r['manifest_s']:.3f} "
+            f"| {r['save_total_s']:.3f} | {r['load_s']:.3f} | {r.get('peak_rss_mib', float('nan')):.0f} |")
+    for a, b in itertools.pairwise(rows):
+        slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["chunks"] - a["chunks"])
+        lines.append(f"- {a['world']} -> {b['world']} ranks: {slope:.0f} manifest bytes per added "
+                     "chunk (constant along the curve = linear growth; small worlds carry more 1 MiB "
+                     "block checksums per chunk)")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def cap_memory(gb: float) -> None:
+    """RLIMIT_AS = the current address space + ``gb`` GB (no cap when ``gb`` <= 0)."""
+    import resource
+
+    if gb <= 0:
+        return
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = vm + int(gb * 1e9)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def spawn(argv: list[str], world: int, timeout: float) -> dict[str, Any] | None:
+    """One world size in a fresh interpreter (its own peak RSS); None if it failed."""
+    import subprocess
+
+    drop_next = {"--world", "--json", "--markdown", "--timeout"}
+    rest: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in drop_next:
+            skip = True
+            continue
+        if a.split("=")[0] in drop_next:
+            continue
+        rest.append(a)
+    cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--worker", "--world", str(world), *rest]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"world {world}: timed out after {timeout:.0f} s; stopping", file=sys.stderr)
+        return None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        print(f"world {world}: worker exited {proc.returncode} (MemoryError: over --mem-limit-gb; "
+              f"-9: killed for memory)\n{tail}",
+              file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="8,64,512,4096", help="comma list of world sizes")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (default 8)")
+    p.add_argument("--tensors", type=int, default=1000, help="parameter tensors (default 1000)")
+    p.add_argument("--optim", action="store_true", help="add AdamW exp_avg and exp_avg_sq (x3)")
+    p.add_argument("--dtype", choices=sorted(ITEMSIZE), default="float32")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--profile", type=Path, help="cProfile the timed phases; write the top "
+                   "functions (cumulative and internal time) here (runs in this process)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    p.add_argument("--mem-limit-gb", type=float, default=12.0, help="address-space cap for each "
+                   "world size's process beyond what it holds at start (default 12): a world too "
+                   "big for this machine fails with MemoryError instead of waking the OOM killer; "
+                   "0 = no cap")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.worlds = [int(w) for w in args.world.split(",") if w.strip()]
+    if args.reps < 1 or not args.worlds:
+        p.error("--reps >= 1 and at least one --world")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    tensors = model_tensors(args.tensors, args.optim)
+    profiler = cProfile.Profile() if args.profile else None
+    if args.worker:
+        cap_memory(args.mem_limit_gb)
+        row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
+        row["peak_rss_mib"] = peak_rss_mib()
+        print(json.dumps(row), flush=True)
+        return 0
+    rows = []
+    for world in args.worlds:
+        if profiler is not None:
+            row = measure(world, args.tp, tensors, args.dtype, args.reps, profiler)
+            row["peak_rss_mib"] = peak_rss_mib()
+        else:
+            row = spawn(argv, world, args.timeout)
+            if row is None:
+                break
+        rows.append(row)
+        print(f"world {world}: {row['chunks']:,} chunks, manifest {row['manifest_bytes'] / 1e6:.2f} MB, "
+              f"save planning {row['save_total_s']:.3f} s (decide {row['decide_s']:.3f}, manifest "
+              f"{row['manifest_s']:.3f}), load decode {row['load_s']:.3f} s, setup {row['setup_s']:.1f} s, "
+              f"peak RSS {row['peak_rss_mib']:.0f} MiB", 
+              file=sys.stderr, flush=True)
+        gc.collect()
+    text = markdown(rows, args, argv)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"argv": argv, "rows": rows}, indent=1))
+    if profiler is not None:
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(30)
+        args.profile.write_text(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""Many-rank save/load benchmark: ckptio vs DCP on the same FSDP2-like DTensor state, every run a
+fresh set of gloo processes, resharded loads (N -> 1, N -> 2N) against the same-layout load.
+
+Owns: the rank launcher (N fresh `python -m benchmarks.ranks --worker` processes joined over
+tcp://127.0.0.1), the timed collective save and cold load, and the bitwise check of every load
+against digests of the reference state. The sharded state is ranks_state.py's; the job list and
+the report are ranks_report.py's. Reuses (does not copy): state.py, engines.py (RSS, heap
+release, disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker,
+medians, report helpers).
+
+    python -m benchmarks.ranks --ranks 2 --gb 2 --reps 3
+    ckptio bench save-load --ranks 2 --gb 2 --reps 3     # the same
+
+Per repetition: one job per save engine (ckptio; DCP per --dcp-threads), each N fresh ranks that
+build the state, save once untimed-for-the-median ("1st save") and once timed; then one job per
+load (ckptio N->N, DCP N->N, ckptio N->1 into plain tensors without a process group, ckptio
+N->2N into a 2N-rank mesh), each fresh ranks that allocate and touch the destination, drop the
+page cache, idle, then load; then the O_DIRECT ceiling (save_load's worker). Order alternates
+between repetitions. Every timed phase starts and ends with a barrier; the time is rank 0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from benchmarks.ranks_report import Run, load_worlds, markdown, save_engines, schedule, summarize
+from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
+EXPECT = PREFIX + "expect.pkl"
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.ranks",
+        description="Durable N-rank save and cold loads (same layout and resharded) of a sharded "
+        "GPT+AdamW state: ckptio vs DCP vs the raw O_DIRECT ceiling, fresh processes per run.")
+    p.add_argument("--ranks", type=int, default=2, help="ranks that save (default 2)")
+    p.add_argument("--gb", type=float, default=2.0, help="state size in GB (1e9 bytes); default 2")
+    p.add_argument("--dir", type=Path, default=Path("bench-data"), help="scratch directory on the "
+                   "disk under test (default ./bench-data); what this driver writes there is deleted")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    p.add_argument("--dcp-threads", default="1,2,4", help="DCP FileSystemWriter thread_count "
+                   "variants, comma list (default 1,2,4); the first one's checkpoint is loaded")
+    p.add_argument("--loads", default="same,dcp,to1,to2n", help="loads: same (ckptio N->N), dcp "
+                   "(DCP N->N), to1 (ckptio N->1, plain tensors), to2n (ckptio N->2N); default all")
+    p.add_argument("--json", type=Path, help="write runs and summary as JSON here")
+    p.add_argument("--markdown", type=Path, help="write the markdown report here")
+    p.add_argument("--idle", type=float, default=2.0, help="idle seconds before each timed phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per job")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the O_DIRECT ceiling")
+    p.add_argument("--cold-pool", action="store_true", help="ckptio loads also pay for making "
+                   "their staging pool and I/O threads inside the clock (default: made before)")
+    # worker side
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # save:ENGINE | load:ENGINE:WORLD | expect
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.reps < 1 or args.gb <= 0 or args.ranks < 1:
+        p.error("--reps and --ranks must be >= 1 and --gb > 0")
+    args.threads = [int(t) for t in args.dcp_threads.split(",") if t.strip()]
+    args.load_kinds = [k.strip() for k in args.loads.split(",") if k.strip()]
+    if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n")]:
+        p.error(f"unknown --loads {bad}")
+    return args
+
+
+# ---------------------------------------------------------------- workers
+
+
+def expect_worker(args: argparse.Namespace) -> Run:
+    """Build the reference state once; store the destination skeleton and, for every world size
+    a load uses, each rank's expected digest."""
+    from ckptio.tuning import state
+
+    t0 = time.perf_counter()
+    full = state.build_state(args.gb, args.seed)
+    worlds = sorted({args.ranks, *load_worlds(args).values()})
+    digests = {w: [state.digest(local_view(full, r, w)) for r in range(w)] for w in worlds}
+    record = {"skeleton": skeleton(full), "digests": digests, "bytes": state.tensor_nbytes(full),
+              "tensors": len(state.tensor_leaves(full))}
+    with open(args.dir / EXPECT, "wb") as f:
+        pickle.dump(record, f)
+    return {"job": "expect", "bytes": record["bytes"], "tensors": record["tensors"],
+            "seconds": time.perf_counter() - t0, "bitwise_ok": True}
+
+
+def init_group(args: argparse.Namespace) -> Any:
+    """The gloo group and a 1-D CPU mesh over it (None, None for a single unjoined process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if args.port == 0:
+        return None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=timedelta(seconds=args.timeout))
+    return init_device_mesh("cpu", (args.world,))
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed(fn: Any, idle: float, reset_peak: bool = True) -> tuple[float, float, Any]:
+    """engines.timed_phase with barriers: every rank settles, idles, then all start together
+    and the clock stops when the last rank is done. -> (seconds, extra RSS MiB, result)."""
+    from benchmarks import engines
+
+    gc.collect()
+    engines.release_free_heap()
+    engines.settle_disk()
+    barrier()
+    time.sleep(idle)
+    before = engines.status_kib("VmRSS")
+    if reset_peak:
+        engines.reset_peak_rss()
+    barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    barrier()
+    seconds = time.perf_counter() - t0
+    return seconds, (engines.status_kib("VmHWM") - before) / 1024, out
+
+
+def ckptio_save(state: Any, path: Path) -> None:
+    from benchmarks import engines
+
+    engines.ENGINES["ckptio"].save(state, path)  # durable + committed when it returns
+
+
+def dcp_save(threads: int) -> Any:
+    def save(state: Any, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = dcp.FileSystemWriter(str(path), thread_count=threads, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer)
+        os.sync()  # .metadata and the directory entries: sync_files fsyncs only the data files
+    return save
+
+
+def ckptio_loader(path: Path, warm_pool: bool) -> Any:
+    """ckptio.load with the engines' options (POSIX backend, no tuned profile) through its own
+    Checkpointer; with ``warm_pool`` its staging pool and I/O threads are made before the clock
+    (as in save_load.py, where the process saved before it loads)."""
+    import ckptio
+
+    from benchmarks import engines
+
+    checkpointer = ckptio.Checkpointer(engines._ckptio_options("posix"))
+    if warm_pool:
+        checkpointer.prepare(path)
+    return lambda path, dest: checkpointer.load(str(path), dest)
+
+
+def dcp_load(path: Path, dest: Any) -> object:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
+    return None
+
+
+def gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def ckpt_dir(args: argparse.Namespace, engine: str, rep: int) -> Path:
+    """Where save engine ``engine`` writes in repetition ``rep``; the load engine "dcp" reads
+    what the first DCP variant wrote."""
+    if engine == "dcp":
+        engine = save_engines(args)[1]
+    return args.dir / f"{PREFIX}{engine}-r{rep}"
+
+
+def save_worker(args: argparse.Namespace, engine: str) -> Run:
+    from benchmarks import engines
+    from benchmarks import save_load
+    from ckptio.tuning import state
+
+    engines.ENGINES["ckptio" if engine == "ckptio" else "dcp_t1"].prepare()
+    mesh = init_group(args)
+    t0 = time.perf_counter()
+    full = state.build_state(args.gb, args.seed)
+    nbytes = state.tensor_nbytes(full)
+    src = sharded_state(full, args.rank, args.world, mesh)
+    del full
+    gc.collect()
+    build_s = time.perf_counter() - t0
+    save = ckptio_save if engine == "ckptio" else dcp_save(int(engine.removeprefix("dcp_t")))
+    ckpt = args.ckpt
+    first_dir = ckpt.with_name(ckpt.name + "-first")
+    if args.rank == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(first_dir, ignore_errors=True)
+    barrier()
+    rss_before = engines.status_kib("VmRSS")
+    first_s, _, _ = timed(lambda: save(src, first_dir), args.idle)
+    barrier()
+    if args.rank == 0:
+        shutil.rmtree(first_dir)
+    save_s, _, _ = timed(lambda: save(src, ckpt), args.idle, reset_peak=False)
+    rss = (engines.status_kib("VmHWM") - rss_before) / 1024
+    rsses = gather(rss)
+    files, on_disk, apparent = save_load.disk_usage(ckpt) if args.rank == 0 else (0, 0, 0)
+    return {"job": "save", "engine": engine, "rep": args.rep, "ranks": args.world, "bytes": nbytes,
+            "build_s": build_s, "first_save_s": first_s, "save_s": save_s,
+            "save_rss_mib": max(rsses), "files": files, "disk_bytes": on_disk,
+            "apparent_bytes": apparent, "bitwise_ok": True}
+
+
+def load_worker(args: argparse.Namespace, engine: str) -> Run:
+    from ckptio.tuning import ceiling
+    from benchmarks import engines
+
+    engines.ENGINES["ckptio" if engine == "ckptio" else "dcp_t1"].prepare()
+    mesh = init_group(args)
+    with open(args.dir / EXPECT, "rb") as f:
+        expect = pickle.load(f)
+    dest = destination(expect["skeleton"], args.rank, args.world, mesh)
+    gc.collect()
+    barrier()
+    cache_drop = ceiling.drop_page_cache([args.ckpt]) if args.rank == 0 else ""
+    load = ckptio_loader(args.ckpt, not args.cold_pool) if engine == "ckptio" else dcp_load
+    seconds, rss, report = timed(lambda: load(args.ckpt, dest), args.idle)
+    ok = local_digest(dest) == expect["digests"][args.world][args.rank]
+    oks, rsses = gather(ok), gather(rss)
+    read = gather(getattr(report, "nbytes_read", None))
+    return {"job": "load", "engine": engine, "rep": args.rep, "ranks": args.world,
+            "saved_ranks": args.ranks, "bytes": expect["bytes"], "load_s": seconds,
+            "load_rss_mib": max(rsses), "cache_drop": cache_drop, "bitwise_ok": all(oks),
+            "bitwise_by_rank": oks, "nbytes_read": None if None in read else sum(read),
+            "report": _report(report)}
+
+
+def _report(report: object) -> object:
+    from benchmarks.save_load import report_fields
+
+    return report_fields(report)
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    kind, _, engine = args.worker.partition(":")
+    if kind == "expect":
+        run = expect_worker(args)
+    elif kind == "save":
+        run = save_worker(args, engine)
+    else:
+        run = load_worker(args, engine)
+    if args.rank == 0:
+        print(json.dumps(run), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # teardown only: the result is already out
+            dist.destroy_process_group()
+    return 0 if run["bitwise_ok"] else 3
+
+
+# ---------------------------------------------------------------- driver
+
+
+def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Path | None,
+           joined: bool = True) -> Run:
+    """``world`` fresh worker processes (joined in one gloo group unless ``joined`` is False);
+    rank 0's JSON line is the result."""
+    from ckptio.testing.ranks import free_port
+
+    path = [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    port = free_port() if joined else 0
+    base = [sys.executable, "-m", "benchmarks.ranks", "--worker", worker, "--world", str(world),
+            "--port", str(port), "--ranks", str(args.ranks), "--gb", repr(args.gb), "--dir",
+            str(args.dir), "--rep", str(rep), "--idle", repr(args.idle), "--seed", str(args.seed),
+            "--timeout", repr(args.timeout), "--loads", args.loads]
+    if args.cold_pool:
+        base.append("--cold-pool")
+    if ckpt is not None:
+        base += ["--ckpt", str(ckpt)]
+    failed: Run = {"job": worker, "rep": rep, "ranks": world}
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(world)]
+    outs: list[tuple[str, str]] = []
+    try:
+        for p in procs:
+            remaining = max(1.0, args.timeout - (time.perf_counter() - t0))
+            outs.append(p.communicate(timeout=remaining))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+        return {**failed, "error": f"timed out after {args.timeout} s"}
+    for r, (_, err) in enumerate(outs):
+        for line in err.strip().splitlines()[-12:]:
+            print(f"    | r{r} {line}", file=sys.stderr)
+    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("{")]
+    codes = [p.returncode for p in procs]
+    if not lines:
+        return {**failed, "error": f"workers exited {codes} without a result (see above)"}
+    run: Run = json.loads(lines[-1])
+    run["wall_s"] = time.perf_counter() - t0
+    if any(c not in (0, 3) for c in codes):
+        run["error"] = f"workers exited {codes}"
+    return run
+
+
+def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
+    from benchmarks import save_load
+
+    run = save_load.spawn(args, save_load.CEILING, "gpt", rep)
+    run["job"] = "ceiling"
+    return run
+
+
+def progress(run: Run) -> str:
+    head = f"[rep {run.get('rep', 0) + 1}] {run.get('job')} {run.get('engine', '')}"
+    if "error" in run:
+        return f"{head}: FAILED {run['error']}"
+    gb = run.get("bytes", 0) / 1e9
+    if run["job"] == "save":
+        return (f"{head} {run['ranks']} ranks: save {run['save_s']:.2f} s ({gb / run['save_s']:.2f} "
+                f"GB/s), 1st {run['first_save_s']:.2f} s, RSS+ {run['save_rss_mib']:.0f} MiB, "
+                f"wall {run['wall_s']:.1f} s")
+    if run["job"] == "load":
+        ok = "ok" if run["bitwise_ok"] else "MISMATCH"
+        return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
+                f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
+                f"wall {run['wall_s']:.1f} s")
+    if run["job"] == "ceiling":
+        return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
+                f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s)")
+    return f"{head}: {run}"
+
+
+def run_all(args: argparse.Namespace) -> list[Run]:
+    saves, loads = schedule(args)
+    runs = [launch(args, "expect", 1, 0, None, joined=False)]
+    print(progress(runs[-1]), file=sys.stderr, flush=True)
+    if "error" in runs[-1]:
+        return runs
+    for rep in range(args.reps):
+        order = 1 if rep % 2 == 0 else -1
+        for engine in saves[::order]:
+            ckpt = ckpt_dir(args, engine, rep)
+            keep = engine in saves[:2]  # ckptio and the DCP variant whose checkpoint is loaded
+            runs.append(launch(args, f"save:{engine}", args.ranks, rep, ckpt))
+            print(progress(runs[-1]), file=sys.stderr, flush=True)
+            if not keep:
+                shutil.rmtree(ckpt, ignore_errors=True)
+        for engine, world in loads[::order]:
+            ckpt = ckpt_dir(args, engine, rep)
+            run = launch(args, f"load:{engine}", world, rep, ckpt, joined=world > 1)
+            run.setdefault("engine", engine)
+            run["layout"] = f"{args.ranks}->{world}"
+            runs.append(run)
+            print(progress(run), file=sys.stderr, flush=True)
+        for engine in saves:
+            shutil.rmtree(ckpt_dir(args, engine, rep), ignore_errors=True)
+        if not args.no_ceiling:
+            runs.append(run_ceiling(args, rep))
+            print(progress(runs[-1]), file=sys.stderr, flush=True)
+    return runs
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    created = not args.dir.exists()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        runs = run_all(args)
+    finally:
+        cleanup(args.dir, created)
+    print(f"{len(runs)} runs in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    summary = summarize(runs, args)
+    text = markdown(summary, args, argv)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"argv": argv, "runs": runs, "summary": summary}, indent=1))
+    failed = any("error" in r or not r.get("bitwise_ok", True) for r in runs)
+    return 1 if failed else 0
+
+
+def cleanup(root: Path, created: bool) -> None:
+    """Remove what this driver (and the ceiling worker) left under ``root``."""
+    from benchmarks.save_load import cleanup as save_load_cleanup
+
+    for p in root.glob(PREFIX + "*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    save_load_cleanup(root, created)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The jobs of the many-rank benchmark (ranks.py) and the summary and markdown report of their
+runs: medians, GB/s, % of the disk ceiling, and the issue's targets checked.
+
+Owns: which jobs a run holds (schedule) and how runs become tables. Does not own: running them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+from typing import Any
+
+Run = dict[str, Any]
+
+
+def load_worlds(args: argparse.Namespace) -> dict[str, int]:
+    worlds = {"same": args.ranks, "to1": 1, "to2n": 2 * args.ranks}
+    return {k: worlds[k] for k in args.load_kinds if k in worlds}
+
+
+def save_engines(args: argparse.Namespace) -> list[str]:
+    return ["ckptio", *[f"dcp_t{t}" for t in args.threads]]
+
+
+def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]]:
+    saves = save_engines(args)
+    loads = [("ckptio", w) for w in load_worlds(args).values()]
+    if args.threads and "dcp" in args.load_kinds:
+        loads.insert(1, ("dcp", args.ranks))
+    return saves, loads
+
+
+TARGET_SAVE_PCT = 90.0
+TARGET_SAVE_VS_DCP = 3.0
+TARGET_RESHARD = 1.15
+
+
+def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.save_load import gbps, median
+
+    good = [r for r in runs if "error" not in r]
+    expect = next((r for r in good if r["job"] == "expect"), None)
+    ceil = {r["rep"]: r for r in good if r["job"] == "ceiling"}
+    out: dict[str, Any] = {
+        "ranks": args.ranks, "bytes": expect["bytes"] if expect else None,
+        "tensors": expect["tensors"] if expect else None,
+        "ceiling_write_gbps": median([gbps(r, "write_s") for r in ceil.values()]),
+        "ceiling_read_gbps": median([gbps(r, "read_s") for r in ceil.values()]),
+        "ceiling_write_s": median([r["write_s"] for r in ceil.values()]),
+        "ceiling_read_s": median([r["read_s"] for r in ceil.values()]),
+    }
+
+    def pct(r: Run, seconds: str, ceil_seconds: str) -> float | None:
+        c = ceil.get(r["rep"])
+        return None if c is None else 100 * gbps(r, seconds) / gbps(c, ceil_seconds)
+
+    def med(rs: list[Run], fn: Any) -> float | None:
+        return median([v for r in rs if (v := fn(r)) is not None])
+
+    saves = []
+    for engine in save_engines(args):
+        all_rs = [r for r in runs if r.get("job") == "save" and r.get("engine") == engine]
+        rs = [r for r in all_rs if "error" not in r]
+        saves.append({
+            "engine": engine, "ranks": args.ranks, "runs": len(all_rs), "failed": len(all_rs) - len(rs),
+            "first_save_s": med(rs, lambda r: r["first_save_s"]), "save_s": med(rs, lambda r: r["save_s"]),
+            "save_gbps": med(rs, lambda r: gbps(r, "save_s")),
+            "save_pct": med(rs, lambda r: pct(r, "save_s", "write_s")),
+            "save_rss_mib": med(rs, lambda r: r["save_rss_mib"]),
+            "files": med(rs, lambda r: r["files"]), "disk_mb": med(rs, lambda r: r["disk_bytes"] / 1e6)})
+    loads = []
+    _, planned = schedule(args)
+    for engine, world in planned:
+        layout = f"{args.ranks}->{world}"
+        all_rs = [r for r in runs if r.get("job") == "load" and r.get("engine") == engine
+                  and r.get("layout") == layout]
+        rs = [r for r in all_rs if "error" not in r]
+        loads.append({
+            "engine": engine, "layout": layout, "ranks": world, "runs": len(all_rs),
+            "failed": len(all_rs) - len(rs), "load_s": med(rs, lambda r: r["load_s"]),
+            "load_gbps": med(rs, lambda r: gbps(r, "load_s")),
+            "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
+            "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
+            "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
+            "bitwise_ok": bool(rs) and len(rs) == len(all_rs) and all(r["bitwise_ok"] for r in rs)})
+    out["saves"], out["loads"] = saves, loads
+    out["checks"] = checks(saves, loads, args)
+    return out
+
+
+def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
+           args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The issue's targets, each as value vs target (medians; ratios of medians)."""
+    out: list[dict[str, Any]] = []
+    mine = next((s for s in saves if s["engine"] == "ckptio"), None)
+    dcp = [s for s in saves if s["engine"] != "ckptio" and s["save_gbps"]]
+    best = max(dcp, key=lambda s: s["save_gbps"], default=None)
+    if mine and mine["save_pct"] is not None:
+        out.append({"what": "ckptio save, % of write ceiling", "value": mine["save_pct"],
+                    "target": f">= {TARGET_SAVE_PCT:.0f}", "ok": mine["save_pct"] >= TARGET_SAVE_PCT})
+    if mine and mine["save_gbps"] and best:
+        ratio = mine["save_gbps"] / best["save_gbps"]
+        out.append({"what": f"ckptio save / best DCP save ({best['engine']})", "value": ratio,
+                    "target": f">= {TARGET_SAVE_VS_DCP:.0f}", "ok": ratio >= TARGET_SAVE_VS_DCP})
+    same = next((l for l in loads if l["engine"] == "ckptio" and l["ranks"] == args.ranks), None)
+    dcp_load = next((l for l in loads if l["engine"] == "dcp"), None)
+    if same and same["load_s"] and dcp_load and dcp_load["load_s"]:
+        out.append({"what": f"ckptio / DCP load GB/s, {same['layout']}",
+                    "value": dcp_load["load_s"] / same["load_s"], "target": "-", "ok": None})
+    for l in loads:
+        if l["engine"] == "ckptio" and l is not same and same and same["load_s"] and l["load_s"]:
+            ratio = l["load_s"] / same["load_s"]
+            out.append({"what": f"ckptio load {l['layout']} / {same['layout']} (time)", "value": ratio,
+                        "target": f"<= {TARGET_RESHARD}", "ok": ratio <= TARGET_RESHARD})
+    return out
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str]) -> str:
+    from ckptio.tuning import ceiling
+    from ckptio.tuning import state
+    from benchmarks.save_load import fmt
+
+    cfg = state.gpt_config(args.gb)
+    command = shlex.join(["python", "-m", "benchmarks.ranks", *argv])
+    nbytes = summary["bytes"] or 0
+    lines = [
+        f"## {args.ranks}-rank durable save and cold load (resharded)", "", f"`{command}`  ",
+        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
+        f"{args.reps} reps, fresh gloo processes per job (OMP_NUM_THREADS=1), medians  "),
+        (f"state: GPT+AdamW of state.py, S = {nbytes:,} bytes ({summary['tensors']} tensor leaves), "
+        f"d_model {cfg.d_model}, {cfg.n_layers} blocks, vocab {cfg.vocab}; 2+-dim tensors DTensor "
+        f"Shard(0) over a 1-D CPU mesh of {args.ranks}, 1-D (norms, biases) Replicate, 0-dim and "
+        "RNG plain (same on every rank)  "),
+        "ceiling: save_load's O_DIRECT worker, S bytes, every rep, best of "
+        + ", ".join(f"{c >> 20} MiB x {t} threads" for c, t in ceiling.GEOMETRIES), "",
+        "| engine | ranks | 1st save s | save s | save GB/s | % write ceil | RSS+ MiB/rank | files | disk MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summary["saves"]:
+        fail = f" ({s['failed']} failed)" if s["failed"] else ""
+        lines.append(f"| {s['engine']}{fail} | {s['ranks']} | {fmt(s['first_save_s'])} | {fmt(s['save_s'])} "
+                     f"| {fmt(s['save_gbps'])} | {fmt(s['save_pct'], '.0f')} | {fmt(s['save_rss_mib'], '.0f')} "
+                     f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
+    lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
+                 f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
+    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
+              "| bitwise |"), "|---|---|---:|---:|---:|---:|---:|---|"]
+    for l in summary["loads"]:
+        ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
+              else "ok" if l["bitwise_ok"] else "MISMATCH")
+        lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
+                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
+                     f"| {fmt(l['read_mb'], '.0f')} | {ok} |")
+    lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
+                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - |")
+    lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
+    for c in summary["checks"]:
+        met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
+        lines.append(f"| {c['what']} | {c['value']:.2f} | {c['target']} | {met} |")
+    lines += [
+        "", ("- save: barrier, clock, save, barrier (rank 0's clock: the slowest rank counts); 1st "
+        "save: the first in the process, save: a second one (what a training job pays every time)"),
+        ("- ckptio: ckptio.save, durable and committed when it returns (POSIX backend, no tuned "
+        "profile); DCP: dcp.save with FileSystemWriter(thread_count=k, sync_files=True), then "
+        "os.sync() on every rank inside the clock (.metadata and directory entries)"),
+        "- load: fresh ranks allocate and zero the destination, rank 0 drops the page cache, idle, "
+        f"then the clock; {args.ranks}->1 loads into plain full tensors in one process without a "
+        "process group; DCP loads the checkpoint of its first --dcp-threads variant; ckptio's "
+        + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
+           "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
+        ("- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
+        "minimum; more means over-reading)"),
+        ("- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
+        "the same region of the reference state (untimed)"), ""]
+    return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""Checkpoint engines as a training loop drives them: start a save, learn when it is durable,
+load it back.
+
+Owns: how each engine is started from a training loop (blocking or asynchronous) at its best
+documented settings, what "durable" costs each one (os.sync() added where an engine does not
+fsync), the 1-rank gloo process group DCP's async_save needs, the ckptio staging-pool size, and
+why an engine cannot run here. Does not own: the training loop, timing and protocol (train.py),
+or the loaders, which are those of the save/load benchmark (engines.py).
+
+Every engine is a factory make(Context) -> Saver. Saver.start(state, path) returns when the
+training loop may continue, with a Pending: how to learn that the save is durable and what the
+engine reports about itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import socket
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from benchmarks import engines
+
+LoadFn = Callable[[Path, Any], object]
+DCP_THREADS = 2  # FileSystemWriter thread_count: one per core of this 2-core machine
+CKPTIO_FIELDS = ("blocked_s", "capture_s", "persist_s", "total_s", "skipped", "nbytes")
+
+
+@dataclass(frozen=True)
+class Context:
+    optimizer: torch.optim.Optimizer  # ckptio_lazy hooks its step
+    pool_bytes: int  # ckptio's staging pool
+
+
+def _nothing() -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A started save. ``durable`` blocks until every byte is durable and is safe to run on a
+    helper thread, which timestamps it; None where only the training thread may wait (ckptio:
+    its wait() removes optimizer hooks) and the engine's own total_s is the time. ``report``
+    runs on the training thread once durable: what the engine says about itself; it raises the
+    save's error."""
+
+    durable: Callable[[], object] | None
+    report: Callable[[], dict[str, Any]] = _nothing
+
+
+class Saver(Protocol):
+    def start(self, state: Any, path: Path) -> Pending: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainEngine:
+    name: str
+    make: Callable[[Context], Saver] | None  # None: never checkpoints (the baseline)
+    load: LoadFn | None
+    is_async: bool  # the training loop may run on while the save is still in progress
+    note: str
+    modules: tuple[str, ...] = ()  # imported before anything is timed
+
+    def prepare(self) -> None:
+        for module in self.modules:
+            importlib.import_module(module)
+
+
+# ---------------------------------------------------------------- torch.save (blocking)
+
+
+class BlockingSaver:
+    """torch.save + fsync + os.sync(), durable when start returns (engines.py's save)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.save = engines.ENGINES["torch_save"].save
+
+    def start(self, state: Any, path: Path) -> Pending:
+        self.save(state, path)
+        return Pending(durable=_nothing)
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- DCP async_save
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class DcpAsyncSaver:
+    """dcp.async_save on a 1-rank gloo group: the process executor reads the group's rank and
+    world size and re-creates the group in its helper process from MASTER_ADDR/MASTER_PORT."""
+
+    def __init__(self, ctx: Context, process: bool) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        port = free_port()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+
+    def start(self, state: Any, path: Path) -> Pending:
+        import torch.distributed.checkpoint as dcp
+
+        writer = dcp.FileSystemWriter(str(path), thread_count=DCP_THREADS, sync_files=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            response = dcp.async_save(state, storage_writer=writer,
+                                      async_checkpointer_type=self.kind)
+        # an AsyncSaveResponse only with an asynchronous stager; the default one is synchronous
+        future = getattr(response, "upload_completion", response)
+        return Pending(durable=future.result)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- TorchSnapshot async_take
+
+
+class SnapshotSaver:
+    """Snapshot.async_take clones CPU tensors before returning; the rest runs in its thread.
+    It never fsyncs, so durable() adds os.sync()."""
+
+    def __init__(self, ctx: Context) -> None:
+        pass
+
+    def start(self, state: Any, path: Path) -> Pending:
+        from torchsnapshot import Snapshot
+
+        pending = Snapshot.async_take(path=str(path),
+                                      app_state={"state": engines._DictStateful(state)})
+
+        def durable() -> None:
+            pending.wait()
+            os.sync()
+
+        return Pending(durable=durable)
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- ckptio async_save
+
+
+class CkptioSaver:
+    """One Checkpointer for the run; its staging pool is allocated and pre-faulted at setup
+    (Checkpointer.prepare, as a training job would at startup) and reused by every save."""
+
+    def __init__(self, ctx: Context, lazy: bool) -> None:
+        ckptio = importlib.import_module("ckptio")
+        # No tuned profile: runs compare engines, not what `ckptio tune` stored on this machine.
+        self.checkpointer = ckptio.Checkpointer(
+            ckptio.Options.from_env(pool_bytes=ctx.pool_bytes, use_profile=False))
+        self.checkpointer.prepare()
+        self.lazy = lazy
+        self.optimizers = [ctx.optimizer] if lazy else []
+
+    def start(self, state: Any, path: Path) -> Pending:
+        handle = self.checkpointer.async_save(state, str(path), lazy=self.lazy,
+                                              optimizers=self.optimizers)
+
+        def report() -> dict[str, Any]:
+            result = handle.wait()  # on the training thread, as ckptio requires
+            return {f: getattr(result, f) for f in CKPTIO_FIELDS if hasattr(result, f)}
+
+        return Pending(durable=None, report=report)
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+def pool_bytes_for(nbytes: int, pool_gb: float | None) -> int:
+    """--pool-gb, else enough for the whole state: S plus 1% (per-tensor alignment) plus two
+    buffers, rounded up to whole buffers."""
+    ckptio = importlib.import_module("ckptio")
+    buffer = int(ckptio.Options().buffer_bytes)
+    want = int(pool_gb * 1e9) if pool_gb else int(nbytes * 1.01) + 2 * buffer
+    return max(2, math.ceil(want / buffer)) * buffer
+
+
+# ---------------------------------------------------------------- registry
+
+_LOADERS = {name: engines.ENGINES[key].load for name, key in (
+    ("torch_save", "torch_save"), ("dcp", "dcp_t1"), ("torchsnapshot", "torchsnapshot"),
+    ("ckptio", "ckptio"))}
+_DCP = ("torch.distributed.checkpoint",)
+
+ENGINES: dict[str, TrainEngine] = {
+    "none": TrainEngine("none", None, None, False, "no checkpoints: the baseline step time"),
+    "torch_save": TrainEngine("torch_save", BlockingSaver, _LOADERS["torch_save"], False,
+                              "torch.save + fsync + os.sync(), blocking"),
+    "dcp_async_thread": TrainEngine(
+        "dcp_async_thread", lambda c: DcpAsyncSaver(c, process=False), _LOADERS["dcp"], True,
+        f"dcp.async_save, thread executor, default (synchronous) stager, FileSystemWriter("
+        f"thread_count={DCP_THREADS}, sync_files=True), 1-rank gloo group", _DCP),
+    "dcp_async_process": TrainEngine(
+        "dcp_async_process", lambda c: DcpAsyncSaver(c, process=True), _LOADERS["dcp"], True,
+        "as dcp_async_thread with AsyncCheckpointerType.PROCESS (helper process started by the "
+        "first save; its memory is in the helper RSS column)", _DCP),
+    "torchsnapshot": TrainEngine("torchsnapshot", SnapshotSaver, _LOADERS["torchsnapshot"], True,
+                                 "Snapshot.async_take; durable = wait() + os.sync()",
+                                 ("torchsnapshot",)),
+    "ckptio_eager": TrainEngine("ckptio_eager", lambda c: CkptioSaver(c, lazy=False),
+                                _LOADERS["ckptio"], True,
+                                "Checkpointer(Options(pool_bytes)).async_save(state, path); "
+                                "wait() before the next save; T_persist = the result's total_s",
+                                ("ckptio",)),
+    "ckptio_lazy": TrainEngine("ckptio_lazy", lambda c: CkptioSaver(c, lazy=True),
+                               _LOADERS["ckptio"], True,
+                               "as ckptio_eager with lazy=True, optimizers=[opt] (capture "
+                               "overlaps forward/backward; the optimizer step waits for it)",
+                               ("ckptio",)),
+}
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when ``name`` can run here, else why not."""
+    if name not in ENGINES:
+        return f"unknown engine {name!r}; known: {', '.join(ENGINES)}"
+    if name.startswith("dcp") and not _gloo_available():
+        return "torch.distributed with gloo is not available"
+    if name == "torchsnapshot" and importlib.util.find_spec("torchsnapshot") is None:
+        return "torchsnapshot is not installed"
+    if name.startswith("ckptio"):
+        return _ckptio_async_unavailable()
+    return None
+
+
+def _gloo_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def _ckptio_async_unavailable() -> str | None:
+    if (why := engines.unavailable_reason("ckptio")) is not None:
+        return why
+    ckptio = importlib.import_module("ckptio")
+    if not callable(getattr(ckptio, "async_save", None)):
+        return "ckptio has no async_save yet"
+    if not callable(getattr(ckptio.Checkpointer, "async_save", None)):
+        return "ckptio.Checkpointer has no async_save yet"
+    return None

@@ -1,0 +1,129 @@
+"""Nested state <-> flat {key: leaf}, and the tree that rebuilds the nesting.
+
+Owns: traversal of dicts, lists, tuples and Stateful objects (anything with state_dict and
+load_state_dict); dotted keys ("model.layers.0.weight"); the JSON tree recorded in the manifest
+(dict keys keep their type: "0" and 0 stay different). Does not own: what a leaf is stored as
+(plan.py) or how a leaf is filled on load (api.py, restore.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptio.errors import ManifestError, UnsupportedStateError
+from ckptio.format.types import Json
+
+
+@dataclass
+class Leaf:
+    """A leaf and where it lives, so an in-place load can replace immutable values."""
+
+    value: Any
+    parent: Any  # the dict or list holding it; None when it cannot be assigned (tuple, root)
+    slot: Any
+
+
+@dataclass
+class FlatState:
+    leaves: dict[str, Leaf] = field(default_factory=dict)
+    tree: Json = None
+    # (key prefix, object, the dict its state_dict() returned), outermost first
+    statefuls: list[tuple[str, Any, dict[Any, Any]]] = field(default_factory=list)
+    root: Any = None  # the state that was flattened
+
+
+def is_stateful(value: Any) -> bool:
+    return (
+        not isinstance(value, (torch.Tensor, dict, list, tuple))
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (dict, list)) or (
+        isinstance(value, tuple) and not isinstance(value, torch.Size)
+    )
+
+
+def flatten(state: Any) -> FlatState:
+    """Walk ``state``; every non-container value becomes a leaf under its dotted key."""
+    if not (_is_container(state) or is_stateful(state)):
+        raise UnsupportedStateError(
+            f"state must be a dict, list, tuple or an object with state_dict(); got "
+            f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
+        )
+    flat = FlatState(root=state)
+    flat.tree = _walk(state, "", None, None, flat)
+    return flat
+
+
+def _join(prefix: str, part: Any) -> str:
+    return f"{prefix}.{part}" if prefix else str(part)
+
+
+MAX_DEPTH = 256  # manifest.MAX_TREE_DEPTH: deeper trees would not load
+
+
+def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: int = 0) -> Json:
+    if depth > MAX_DEPTH:
+        raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_DEPTH} levels")
+    depth += 1
+    if is_stateful(value):
+        inner = value.state_dict()
+        flat.statefuls.append((key, value, inner))
+        return {"s": _walk(inner, key, None, None, flat, depth)}
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise UnsupportedStateError(
+                    f"key {_join(key, repr(k))}: dict keys must be str or int, got "
+                    f"{type(k).__name__}; convert the key before saving"
+                )
+            items.append([k, _walk(v, _join(key, k), value, k, flat, depth)])
+        return {"d": items}
+    if isinstance(value, list):
+        return {"l": [_walk(v, _join(key, i), value, i, flat, depth) for i, v in enumerate(value)]}
+    if _is_container(value):  # tuple, not torch.Size
+        return {"t": [_walk(v, _join(key, i), None, i, flat, depth) for i, v in enumerate(value)]}
+    if key in flat.leaves:
+        raise UnsupportedStateError(
+            f"key {key!r} names two different leaves (a dict key containing '.' collides with "
+            "a nested key); rename one of them"
+        )
+    flat.leaves[key] = Leaf(value, parent, slot)
+    return {"k": key}
+
+
+def unflatten(tree: Json, values: dict[str, Any]) -> Any:
+    """Rebuild the nested state from a manifest tree; keys absent from ``values`` are dropped."""
+    return _build(tree, values)
+
+
+_MISSING = object()
+
+
+def _build(node: Json, values: dict[str, Any]) -> Any:
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ManifestError(f"manifest tree node is malformed: {node!r:.120}")
+    (tag, body), = node.items()
+    if tag == "k":
+        return values.get(body, _MISSING)
+    if tag == "s":
+        return _build(body, values)
+    if tag == "d":
+        out = {}
+        for k, child in body:
+            v = _build(child, values)
+            if v is not _MISSING:
+                out[k] = v
+        return out
+    if tag in ("l", "t"):
+        built = [_build(child, values) for child in body]
+        kept = [v for v in built if v is not _MISSING]
+        return kept if tag == "l" else tuple(kept)
+    raise ManifestError(f"manifest tree has an unknown node tag {tag!r}")

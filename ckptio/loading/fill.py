@@ -1,0 +1,397 @@
+"""Match a manifest to what a load should produce: fresh objects, or the caller's own state.
+
+Owns: key selection, the strict/missing/unexpected/mismatch rules, dtype and shape checks,
+building fresh tensors and Python values, assigning immutable values back into the caller's
+containers, the pickle opt-in on load, and the LoadReport. Does not own: reading bytes (it is
+handed a ``read`` function, see restore.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from ckptio.loading import merge
+from ckptio.format import values
+from ckptio.errors import ManifestError, PickleRefusedError, StateMismatchError
+from ckptio.format.flatten import FlatState, unflatten
+from ckptio.planning.sharding import held
+from ckptio.io.stage import torch_dtype
+from ckptio.format.types import Chunk, Job, Manifest, ObjectEntry, Target, TensorEntry
+
+KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
+ReadFn = Callable[[list[Target], list[Job]], int]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What an in-place load did. ``missing``: in the state, not in the checkpoint;
+    ``unexpected``: in the checkpoint, not in the state; ``mismatched``: in both but not
+    loadable (dtype, shape, type), one "key: why" line each. All three stay empty under
+    strict=True, which raises instead."""
+
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    nbytes_read: int
+    mismatched: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+def _selector(keys: KeyFilter) -> Callable[[str], bool]:
+    if keys is None:
+        return lambda _k: True
+    if callable(keys):
+        return keys
+    wanted = (keys,) if isinstance(keys, str) else tuple(keys)
+    return lambda k: any(k == w or k.startswith(w + ".") for w in wanted)
+
+
+RankPolicy = Union[None, int, Mapping[int, int], Callable[[int], int]]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """A key's stored chunks: parts of one global tensor, or one rank's own value."""
+
+    key: str
+    entries: tuple[TensorEntry, ...]
+
+    @property
+    def head(self) -> TensorEntry:
+        return self.entries[0]
+
+
+class _Sources:
+    """The checkpoint's keys as this rank sees them: each resolved to the chunks or object that
+    hold its value; per-rank values taken from the saved rank ``per_rank_from`` chooses (by
+    default the same rank, which needs the same world size)."""
+
+    def __init__(self, record: Manifest, rank: int = 0, world_size: int = 1,
+                 per_rank_from: RankPolicy = None) -> None:
+        chunks: dict[str, list[TensorEntry]] = {}
+        own: dict[str, dict[int, TensorEntry | ObjectEntry]] = {}
+        for t in record.tensors:
+            if t.rank is None:
+                chunks.setdefault(t.key, []).append(t)
+            else:
+                own.setdefault(t.key, {})[t.rank] = t
+        self.tensors = {k: TensorSource(k, tuple(v)) for k, v in chunks.items()}
+        self.objects: dict[str, ObjectEntry] = {}
+        for o in record.objects:
+            if o.rank is None:
+                self.objects[o.key] = o
+            else:
+                own.setdefault(o.key, {})[o.rank] = o
+        self.aliases = dict(record.aliases)
+        self.own = own
+        self.saved_world = record.world_size
+        self.source_rank = _source_rank(per_rank_from, rank, world_size, record.world_size)
+        self.refused: list[str] = []  # per-rank keys asked for without a rule to pick a rank
+        self.absent: list[str] = []  # per-rank keys the chosen saved rank did not save
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.objects, *self.own, *self.aliases]
+
+    def get(self, key: str) -> TensorSource | ObjectEntry | None:
+        """The key's source; None for a per-rank key this rank cannot take (see ``refused``)."""
+        key = self.aliases.get(key, key)
+        if key in self.objects:
+            return self.objects[key]
+        if key in self.tensors:
+            return self.tensors[key]
+        if self.source_rank is None:
+            self.refused.append(key)
+            return None
+        value = self.own[key].get(self.source_rank)
+        if value is None:
+            self.absent.append(key)
+            return None
+        return value if isinstance(value, ObjectEntry) else TensorSource(key, (value,))
+
+    def check_refused(self) -> None:
+        if self.refused:
+            raise StateMismatchError(
+                f"keys {sorted(self.refused)[:10]} hold each rank's own value (e.g. RNG or "
+                f"data-loader state), saved by {self.saved_world} ranks; this load runs on a "
+                "different number of ranks, so which rank's value to take is not known. Pass "
+                "per_rank_from=0 (take rank 0's), a mapping or function new rank -> saved rank, "
+                "or keys=... to leave them out")
+
+
+def _source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int) -> int | None:
+    if policy is None:
+        return rank if world_size == saved_world else None
+    if isinstance(policy, Mapping):
+        chosen = policy.get(rank)
+    elif callable(policy):
+        chosen = policy(rank)
+    else:
+        chosen = policy
+    if type(chosen) is not int or not 0 <= chosen < saved_world:
+        raise StateMismatchError(
+            f"per_rank_from gave saved rank {chosen!r} for rank {rank}; the checkpoint was saved "
+            f"by ranks 0..{saved_world - 1}")
+    return chosen
+
+
+def _refuse_pickles(entries: Iterable[TensorEntry], allow_pickle: bool) -> None:
+    pickled = sorted(e.key for e in entries if e.kind == "pickle")
+    if pickled and not allow_pickle:
+        raise PickleRefusedError(
+            f"keys {pickled[:10]} were saved pickled; unpickling runs arbitrary code, so it needs "
+            "load(..., allow_pickle=True) for a file you trust (or exclude them with keys=...)")
+
+
+def _decode_object(entry: ObjectEntry) -> Any:
+    try:
+        return values.decode(entry.value)
+    except ValueError as exc:
+        raise ManifestError(f"key {entry.key!r}: stored value is malformed: {exc}") from None
+
+
+def _value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
+    """The stored Python value of a data entry, from the tensor its bytes were read into."""
+    if entry.kind == "tensor":
+        return tensor
+    if entry.kind == "numpy":
+        return tensor.numpy()
+    if entry.kind == "numpy_scalar":
+        return tensor.numpy()[()]
+    raw = tensor.numpy().tobytes()
+    return pickle.loads(raw) if entry.kind == "pickle" else raw
+
+
+def _empty(entry: TensorEntry, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    return torch.empty(entry.chunk.sizes if sizes is None else sizes, dtype=torch_dtype(entry.dtype))
+
+
+@dataclass
+class _Reads:
+    """What a load reads: whole entries into tensors (Targets), or regions assembled from
+    several chunks or parts of them (Jobs); plus dtype conversions done afterwards."""
+
+    targets: dict[int, Target] = field(default_factory=dict)
+    jobs: list[Job] = field(default_factory=list)
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
+
+    def add(self, source: TensorSource, want: Chunk, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (the stored dtype; the region's shape) with region ``want``."""
+        entry = source.head
+        if len(source.entries) == 1 and entry.chunk == want:  # the same layout: whole entries
+            self.targets.setdefault(id(entry), Target(entry, [])).dests.append(dest)
+        else:
+            self.jobs.append(Job(source.key, source.entries, want, dest))
+
+    def entries(self) -> Iterable[TensorEntry]:
+        yield from (t.entry for t in self.targets.values())
+        for job in self.jobs:
+            yield from job.entries
+
+    def run(self, read: ReadFn) -> int:
+        targets, jobs = list(self.targets.values()), self.jobs
+        if jobs:  # one read plan for all: each read's gaps could be another's data (read twice)
+            jobs = jobs + [Job(t.entry.key, (t.entry,), t.entry.chunk, dest)
+                           for t in targets for dest in t.dests]
+            targets = []
+        with torch.no_grad():
+            nbytes = read(targets, jobs)
+            for dest, staged in self.casts:
+                dest.copy_(staged)
+        return nbytes
+
+
+def _whole(source: TensorSource) -> torch.Tensor:
+    """A new tensor holding the source's whole value."""
+    return _empty(source.head, source.head.shape)
+
+
+def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle: bool,
+               rank: int = 0, world_size: int = 1, per_rank_from: RankPolicy = None) -> Any:
+    """Build the saved state as new CPU tensors and Python values (chunks saved by many ranks
+    are assembled into whole tensors)."""
+    select = _selector(keys)
+    sources = _Sources(record, rank, world_size, per_rank_from)
+    found = {k: sources.get(k) for k in sources.keys() if select(k)}
+    sources.check_refused()
+    reads = _Reads()
+    made: dict[str, torch.Tensor] = {}
+    for source in found.values():
+        if isinstance(source, TensorSource) and id(source.head) not in made:
+            made[id(source.head)] = tensor = _whole(source)
+            reads.add(source, Chunk.whole(source.head.shape), tensor)
+    _refuse_pickles(reads.entries(), allow_pickle)
+    reads.run(read)
+    out: dict[str, Any] = {}
+    for key, source in found.items():
+        if isinstance(source, ObjectEntry):
+            out[key] = _decode_object(source)
+        elif source is not None:
+            out[key] = _value(source.head, made[id(source.head)])
+    return unflatten(record.tree, out)
+
+
+@dataclass
+class _InPlace(_Reads):
+    # (key, makes the stored value): values replaced in their container, not copied into
+    assign: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    create: list[str] = field(default_factory=list)  # keys the state lacks, created in a Stateful
+    problems: dict[str, str] = field(default_factory=dict)  # key -> what does not match
+
+
+def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool) -> None:
+    """Plan filling a state leaf (tensor, DTensor, TensorShard, FlatShard, numpy array) with
+    the region of the saved tensor it holds."""
+    region = held(value, key)
+    if region is None:
+        if isinstance(value, torch.Tensor):
+            plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
+        else:  # a Python value (None, a number) where the checkpoint has a tensor: replaced
+            _replace(plan, key, source)
+        return
+    entry = source.head
+    if region.shape != entry.shape:
+        plan.problems[key] = (f"{key}: shape {region.shape} in the state, {entry.shape} in the "
+                              "checkpoint")
+        return
+    dest, dtype = region.local, torch_dtype(entry.dtype)
+    if dest.dtype == dtype:
+        plan.add(source, region.chunk, dest)
+    elif cast:
+        staged = _empty(entry, tuple(dest.shape))
+        plan.add(source, region.chunk, staged)
+        plan.casts.append((dest, staged))
+    else:
+        plan.problems[key] = (f"{key}: dtype {dest.dtype} in the state, {dtype} in the "
+                              "checkpoint (pass cast=True to convert)")
+
+
+def _numpy_dest(value: Any) -> torch.Tensor | None:
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray" and value.flags.writeable:
+        try:
+            return torch.from_numpy(value)
+        except TypeError:
+            return None
+    return None
+
+
+def _replace(plan: _InPlace, key: str, source: TensorSource | ObjectEntry) -> None:
+    """Plan reading a stored value whole, to replace the state's leaf in its container."""
+    if isinstance(source, TensorSource):
+        staged = _whole(source)
+        plan.add(source, Chunk.whole(source.head.shape), staged)
+        plan.assign.append((key, lambda e=source.head, t=staged: _value(e, t)))
+    else:
+        plan.assign.append((key, lambda o=source: _decode_object(o)))
+
+
+def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: bool,
+                   created: list[str]) -> _InPlace:
+    plan = _InPlace()
+    for key in common:
+        leaf, source = flat.leaves[key], sources.get(key)
+        if source is None:
+            continue  # a per-rank key this rank cannot take: reported by check_refused
+        kind = source.head.kind if isinstance(source, TensorSource) else None
+        if kind == "tensor":
+            _tensor_into(plan, key, leaf.value, source, cast)  # type: ignore[arg-type]
+            continue
+        dest = _numpy_dest(leaf.value) if kind == "numpy" else None
+        if dest is not None:
+            _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
+        else:  # replaced in its container (tuples rebuilt) once read: merge.put_back
+            _replace(plan, key, source)
+    for key in created:  # inside a Stateful that lacks them (a fresh optimizer's state)
+        source = sources.get(key)
+        if source is not None:
+            plan.create.append(key)
+            _replace(plan, key, source)
+    return plan
+
+
+AgreeFn = Callable[[tuple[str, ...]], tuple[str, ...]]
+
+
+def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyFilter,
+                  strict: bool, cast: bool, allow_pickle: bool, rank: int = 0,
+                  world_size: int = 1, per_rank_from: RankPolicy = None,
+                  agree_unexpected: AgreeFn | None = None) -> LoadReport:
+    """Copy the checkpoint into the tensors of ``flat`` (each leaf gets the region of the saved
+    tensor it holds, whatever layout saved it); put other values into their containers,
+    rebuilding tuples; create the entries a Stateful lacks; call each Stateful's
+    load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
+    those no rank asks for."""
+    select = _selector(keys)
+    sources = _Sources(record, rank, world_size, per_rank_from)
+    saved = [k for k in sources.keys() if select(k)]
+    present = [k for k in flat.leaves if select(k)]
+    saved_set = set(saved)
+    missing = tuple(k for k in present if k not in saved_set)
+    extra = [k for k in saved if k not in flat.leaves]
+    may_create = merge.creatable(flat)
+    created = [k for k in extra if may_create(k)]
+    unexpected = tuple(k for k in extra if not may_create(k))
+    if agree_unexpected is not None:
+        unexpected = agree_unexpected(unexpected)
+    _check_keys(flat, missing, unexpected, strict)
+    common = [k for k in present if k in saved_set]
+    plan = _plan_in_place(sources, flat, common, cast, created)
+    sources.check_refused()
+    if sources.absent:
+        if strict:
+            raise StateMismatchError(
+                f"keys {sorted(sources.absent)[:10]} hold each saved rank's own value, and saved "
+                f"rank {sources.source_rank} did not save them; choose another rank with "
+                "per_rank_from=..., or pass strict=False (or keys=...) to leave them out")
+        missing = (*missing, *sources.absent)
+    if plan.problems and strict:
+        raise _mismatch(plan.problems)
+    _refuse_pickles(plan.entries(), allow_pickle)
+    nbytes = plan.run(read)
+    values = {key: make_value() for key, make_value in plan.assign}
+    made = {key: values.pop(key) for key in plan.create}
+    merge.put_back(flat, record.tree, values, made)
+    skipped = set(sources.absent) | set(sources.refused)
+    loaded = tuple(k for k in (*common, *plan.create)
+                   if k not in plan.problems and k not in skipped)
+    return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
+
+
+def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
+    """A fix for the commonest cause of unexpected keys: a freshly built optimizer's empty
+    per-parameter state, passed as opt.state_dict()."""
+    for key in unexpected:
+        prefix, _, rest = key.partition(".state.")
+        if rest and f"{prefix}.param_groups.0.lr" in flat.leaves:
+            return (f" Keys such as {key!r} are an optimizer's per-parameter state, which a "
+                    "freshly built optimizer does not have until its first step: put the "
+                    f"optimizer object itself in the state (e.g. {{{prefix.rsplit('.', 1)[-1]!r}: "
+                    "opt}), and ckptio loads it through opt.load_state_dict, creating that "
+                    "state.")
+    return ""
+
+
+def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str, ...],
+                strict: bool) -> None:
+    hint = _optimizer_hint(flat, unexpected)
+    if strict and (missing or unexpected):
+        raise StateMismatchError(
+            f"state and checkpoint keys differ: missing from the checkpoint {list(missing[:10])}"
+            f"{'...' if len(missing) > 10 else ''}, not in the state {list(unexpected[:10])}"
+            f"{'...' if len(unexpected) > 10 else ''}.{hint} Otherwise pass strict=False to "
+            "load the keys both have, or keys=... to choose which to load")
+    if hint:
+        warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
+                      stacklevel=4)
+
+
+def _mismatch(problems: dict[str, str]) -> StateMismatchError:
+    return StateMismatchError(
+        f"{len(problems)} key(s) do not match the checkpoint: "
+        + "; ".join(list(problems.values())[:10])
+        + ". Fix the state, or pass strict=False to load the rest and skip these")

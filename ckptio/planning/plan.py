@@ -1,0 +1,240 @@
+"""Flat state -> this rank's save plan: which bytes are written, which leaves go inline.
+
+Owns: classifying every leaf (tensor, numpy array, bytes, inline Python value, pickled object),
+refusing what cannot be stored without pickle, and writing each storage view once (tied weights
+become aliases). Produces frozen dataclasses plus the host-side tensors whose bytes the items
+name. Does not own: where bytes go (layout.py) or how they are copied (stage.py). No I/O.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptio.format import values
+from ckptio.errors import UnsupportedStateError
+from ckptio.format.flatten import FlatState
+from ckptio.planning.sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    items: tuple[WriteItem, ...]
+    objects: tuple[ObjectEntry, ...]
+    aliases: tuple[tuple[str, str], ...]
+    # keys held as shards (DTensor, TensorShard, FlatShard): ranks holding the same region are
+    # replicas. Every other item is this rank's whole value, replicated only if equal everywhere.
+    sharded: frozenset[str] = frozenset()
+    # key -> the mesh of a DTensor item: ranks holding its region on the same mesh are
+    # replicas. Sharded items without one (TensorShard, FlatShard) are replicas only where
+    # their bytes are equal.
+    domains: dict[str, str] = field(default_factory=dict)
+
+
+def dtype_name(dtype: torch.dtype, key: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise UnsupportedStateError(
+            f"key {key!r}: dtype {dtype} is not supported; convert it to a standard dtype first"
+        )
+    return name
+
+
+def _check_tensor(t: torch.Tensor, key: str) -> None:
+    if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedStateError(
+            f"key {key!r}: {type(t).__name__} with layout {t.layout} is not supported; pass a "
+            "dense tensor (e.g. t.to_dense()), a DTensor, or a ckptio.TensorShard / FlatShard"
+        )
+    if t.device.type == "meta":
+        raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
+
+
+def _view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Two tensors with equal identity are the same view of the same memory."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
+            tuple(t.shape), t.stride())
+
+
+def _numpy_source(value: Any, key: str) -> tuple[str, torch.Tensor] | None:
+    module = type(value).__module__
+    if not module.startswith("numpy"):
+        return None
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return "numpy_scalar", _from_numpy(np.asarray(value), key)
+    if isinstance(value, np.ndarray):
+        return "numpy", _from_numpy(value, key)
+    return None
+
+
+def _from_numpy(array: Any, key: str) -> torch.Tensor:
+    import numpy as np
+
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)  # (never on 0-d arrays: it would make them 1-d)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only arrays: we only ever read from them
+            return torch.from_numpy(array)
+    except TypeError:
+        raise UnsupportedStateError(
+            f"key {key!r}: numpy dtype {array.dtype} has no torch equivalent; convert it, or "
+            "pass allow_pickle=True to store it pickled"
+        ) from None
+
+
+def _bytes_source(data: bytes | bytearray) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
+    """-> (kind, payload): payload is a tensor for data kinds, tagged JSON for 'object'."""
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, key)
+        return "tensor", value
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes", _bytes_source(value)
+    numpy_source = _numpy_source(value, key)
+    if numpy_source is not None:
+        return numpy_source
+    try:
+        return "object", values.encode(value)
+    except values.NotEncodable:
+        pass
+    if not allow_pickle:
+        raise UnsupportedStateError(
+            f"key {key!r}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
+            "stored without pickle; convert it to tensors/str/int/float/bytes, or pass "
+            "allow_pickle=True (loading it will then need allow_pickle=True too)"
+        )
+    return "pickle", _bytes_source(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@dataclass
+class PlanCache:
+    """The tensor part of the last plan, reused while every tensor leaf is the same view of the
+    same memory with the same dtype (a training loop's state_dict, save after save).
+
+    Only metadata is reused: which keys are items or aliases, their dtype, shape and size. The
+    bytes always come from the state passed to this save (``sources`` is rebuilt every time), so
+    a reused plan can never write an earlier save's values. Non-tensor leaves are classified
+    afresh every time (their values and sizes may change).
+    """
+
+    signature: tuple[Any, ...] | None = None
+    tensor_items: dict[str, WriteItem] = field(default_factory=dict)
+    alias_of: dict[str, str] = field(default_factory=dict)
+    sharded: frozenset[str] = frozenset()
+    domains: dict[str, str] = field(default_factory=dict)
+    hits: int = 0
+
+
+def _is_tensor_leaf(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (type(t), t.layout, t.device, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
+            t.untyped_storage().data_ptr() if t.numel() else 0)
+
+
+def _signature(flat: FlatState) -> tuple[Any, ...]:
+    parts: list[Any] = []
+    for key, leaf in flat.leaves.items():
+        t = leaf.value
+        if is_dtensor(t):
+            parts.append((key, tuple(t.placements), id(t.device_mesh), tuple(t.shape),
+                          _tensor_signature(t.to_local())))
+        elif isinstance(t, TensorShard):
+            parts.append((key, "box", tuple(t.global_shape), tuple(t.offsets), _tensor_signature(t.local)))
+        elif isinstance(t, FlatShard):
+            parts.append((key, "flat", tuple(t.global_shape), t.start, _tensor_signature(t.local)))
+        elif isinstance(t, torch.Tensor):
+            parts.append((key, _tensor_signature(t)))
+        else:
+            parts.append((key, None))
+    return tuple(parts)
+
+
+def build_plan(flat: FlatState, *, allow_pickle: bool,
+               cache: PlanCache | None = None) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    """-> (plan, sources): sources maps each item's key to the tensor holding its bytes.
+
+    With a ``cache``, an unchanged tensor layout skips re-planning its tensors."""
+    if cache is None:
+        return _build(flat, allow_pickle, None)
+    signature = _signature(flat)
+    if signature == cache.signature:
+        cache.hits += 1
+        return _build(flat, allow_pickle, cache)
+    cache.signature, cache.tensor_items, cache.alias_of = None, {}, {}
+    plan, sources = _build(flat, allow_pickle, None)
+    for item in plan.items:
+        if item.kind == "tensor":
+            cache.tensor_items[item.key] = item
+    cache.alias_of = dict(plan.aliases)
+    cache.sharded, cache.domains = plan.sharded, plan.domains
+    cache.signature = signature
+    return plan, sources
+
+
+def _build(flat: FlatState, allow_pickle: bool,
+           reuse: PlanCache | None) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    items: list[WriteItem] = []
+    objects: list[ObjectEntry] = []
+    aliases: list[tuple[str, str]] = []
+    sources: dict[str, torch.Tensor] = {}
+    sharded: set[str] = set()
+    domains: dict[str, str] = {}
+    first_key_of_view: dict[tuple[Any, ...], str] = {}
+    for key, leaf in flat.leaves.items():
+        if reuse is not None and _is_tensor_leaf(leaf.value):
+            if key in reuse.alias_of:
+                aliases.append((key, reuse.alias_of[key]))
+            else:
+                items.append(reuse.tensor_items[key])
+                sources[key] = local_tensor(leaf.value)  # this save's tensor: never a cached one
+            continue
+        region = held(leaf.value, key)
+        if region is not None and region.sharded:
+            kind, payload = "tensor", region.local
+            _check_tensor(payload, key)
+        else:
+            kind, payload = _classify(leaf.value, key, allow_pickle)
+        if kind == "object":
+            objects.append(ObjectEntry(key, payload))
+            continue
+        identity = _view_identity(payload) if kind == "tensor" else None
+        if identity is not None and identity in first_key_of_view:
+            aliases.append((key, first_key_of_view[identity]))
+            continue
+        if identity is not None:
+            first_key_of_view[identity] = key
+        name = dtype_name(payload.dtype, key)
+        nbytes = payload.numel() * DTYPE_ITEMSIZE[name]
+        if region is not None and region.sharded:
+            sharded.add(key)
+            if region.domain is not None:
+                domains[key] = region.domain
+            items.append(WriteItem(key, kind, name, region.shape, region.chunk, nbytes))
+        else:
+            shape = tuple(payload.shape)
+            items.append(WriteItem(key, kind, name, shape, Chunk.whole(shape), nbytes))
+        sources[key] = payload
+    if reuse is not None:
+        return SavePlan(tuple(items), tuple(objects), tuple(aliases), reuse.sharded,
+                        reuse.domains), sources
+    return SavePlan(tuple(items), tuple(objects), tuple(aliases), frozenset(sharded),
+                    domains), sources
+

@@ -1,0 +1,134 @@
+"""Which part of a global tensor a state leaf holds: DTensor shards, TensorShard boxes,
+FlatShard slices, or (a plain tensor) all of it.
+
+Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
+(DTensor placements through torch's own local-shape computation, so uneven shards come out as
+torch made them), and refusing what is not a region (Partial, strided shards). Does not own:
+who writes which region (globalplan.py) or reading regions back (assemble.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from ckptio.errors import UnsupportedStateError
+from ckptio.format.types import Chunk
+
+
+@dataclass
+class TensorShard:
+    """This rank's box of a global tensor: ``local`` is the block at ``offsets`` of a tensor of
+    ``global_shape`` (e.g. a tensor-parallel shard made by hand). Save it and load any layout."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass
+class FlatShard:
+    """Elements [start, start + local.numel()) of the row-major flattened global tensor of
+    ``global_shape``; ``local`` is 1-D. A ZeRO / FSDP1 flat-parameter partition, which need not
+    start or end on a row boundary."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """A tensor leaf as stored: ``local`` holds ``chunk`` of a global tensor of ``shape``.
+    ``sharded``: from a DTensor / TensorShard / FlatShard (replicas are ranks holding the same
+    region); else a plain tensor (replicated only where every rank holds the same bytes)."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    chunk: Chunk
+    sharded: bool
+    domain: str | None = None  # a DTensor's mesh (its ranks): replicas share it
+
+
+def is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
+
+
+def local_tensor(value: Any) -> torch.Tensor:
+    """The tensor holding a leaf's bytes: a DTensor's or wrapper's local shard, else itself."""
+    if isinstance(value, (TensorShard, FlatShard)):
+        return value.local
+    if is_dtensor(value):
+        return value.to_local()
+    return value
+
+
+def held(value: Any, key: str) -> Held | None:
+    """The region ``value`` holds, or None when it is not a tensor leaf."""
+    if isinstance(value, (TensorShard, FlatShard)):
+        return _wrapped(value, key)
+    if not isinstance(value, torch.Tensor):
+        return None
+    if is_dtensor(value):
+        return _dtensor(value, key)
+    shape = tuple(value.shape)
+    return Held(value, shape, Chunk.whole(shape), sharded=False)
+
+
+def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
+    shape = tuple(int(d) for d in value.global_shape)
+    local = value.local
+    if not isinstance(local, torch.Tensor) or is_dtensor(local):
+        raise UnsupportedStateError(f"key {key!r}: {type(value).__name__}.local must be a plain "
+                                    "tensor")
+    if isinstance(value, FlatShard):
+        chunk = Chunk((int(value.start),), (local.numel(),), flat=True)
+        if local.dim() != 1 or not chunk.fits(shape):
+            raise UnsupportedStateError(
+                f"key {key!r}: FlatShard of {local.numel()} elements at {value.start} does not fit "
+                f"a tensor of shape {shape} (local must be 1-D)")
+        return Held(local, shape, chunk, sharded=True)
+    chunk = Chunk(tuple(int(o) for o in value.offsets), tuple(local.shape))
+    if not chunk.fits(shape):
+        raise UnsupportedStateError(
+            f"key {key!r}: TensorShard of shape {chunk.sizes} at offsets {chunk.offsets} does not "
+            f"fit a tensor of shape {shape}")
+    return Held(local, shape, chunk, sharded=True)
+
+
+def _dtensor(value: torch.Tensor, key: str) -> Held:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:  # type: ignore[attr-defined]
+        name = type(placement).__name__
+        if placement.is_partial() or name not in ("Shard", "Replicate"):
+            raise UnsupportedStateError(
+                f"key {key!r}: DTensor placement {placement} is not a region of the tensor "
+                "(only Shard and Replicate are); redistribute it first, e.g. "
+                "t.redistribute(placements=[Shard(0)]) or t.full_tensor()")
+    shape = tuple(value.shape)
+    local = value.to_local()  # type: ignore[attr-defined]
+    sizes, offsets = compute_local_shape_and_global_offset(
+        shape, value.device_mesh, value.placements)  # type: ignore[attr-defined]
+    if tuple(local.shape) != tuple(sizes):
+        raise UnsupportedStateError(
+            f"key {key!r}: DTensor local shard has shape {tuple(local.shape)}, its placements "
+            f"give {tuple(sizes)}; a padded or hand-made local tensor cannot be saved as is")
+    domain = _mesh_domain(value.device_mesh)  # type: ignore[attr-defined]
+    return Held(local, shape, Chunk(tuple(offsets), tuple(sizes)), sharded=True, domain=domain)
+
+
+_DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)
+
+
+def _mesh_domain(mesh: Any) -> str:
+    """A short name of a device mesh's ranks: DTensors on the same mesh holding the same region
+    are replicas; on different meshes they are different tensors."""
+    domain = _DOMAINS.get(mesh)
+    if domain is None:
+        ranks = str(mesh.mesh.tolist()).encode()
+        domain = _DOMAINS[mesh] = f"mesh-{xxhash.xxh3_64_hexdigest(ranks)}"
+    return domain

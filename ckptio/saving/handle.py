@@ -1,0 +1,263 @@
+"""What a caller holds while a save runs in the background: the handle, its result, and the
+optimizer pre-hooks of a lazy save.
+
+Owns: the handle's state machine (planned -> staged -> done or failed), timings (blocked,
+capture, persist, total), reporting a background error exactly once (on wait(), or else on the
+next save), and the hooks that make an optimizer step wait until a lazy capture has finished.
+Does not own: the save's steps (api.py) or its bytes (persist.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptio.errors import CkptError
+from ckptio.saving.persist import Progress
+from ckptio.planning.sharding import local_tensor
+from ckptio.format.types import WriteItem
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A finished save. ``seconds`` is the whole save; the rest split it for async saves:
+    blocked_s: time the caller's thread waited (inside the save call and in optimizer hooks);
+    capture_s: planning until every byte was copied out of the state; persist_s: from then
+    until durable and committed. ``skipped``: an async save not taken (another was running)."""
+
+    path: str
+    nbytes: int  # tensor bytes written (aliases and inline values not counted)
+    files: tuple[str, ...]
+    seconds: float
+    blocked_s: float = 0.0
+    capture_s: float = 0.0
+    persist_s: float = 0.0
+    skipped: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds
+
+
+@dataclass
+class _Timings:
+    started: float
+    staged: float | None = None
+    blocked: float = 0.0
+
+
+class SaveHandle:
+    """A save in flight, as ``async_save`` returns it.
+
+    ``wait(timeout=None)``: block until it is durable and committed; returns its SaveResult or
+    raises what went wrong (once). ``done()``: committed or failed. ``staged()``: every byte has
+    been copied out of the state, which may change again. ``progress()``: bytes staged and
+    written so far. ``path``: where it saves. Methods starting with ``_`` belong to the save's
+    own threads.
+    """
+
+    def __init__(self, path: str, progress: Progress, files: tuple[str, ...], started: float) -> None:
+        self.path, self._progress, self._files = path, progress, files
+        self._times = _Timings(started)
+        self._eager = threading.Event()  # what must be captured before the call returns
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self._hooks: list[Any] = []
+        self._hooks_thread: int | None = None  # the thread that may remove them (the trainer's)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()  # hands an eager capture to the caller's thread
+        self._task: Callable[[], None] | None = None
+        self._task_error: BaseException | None = None
+        self._abandoned = False  # the caller left before taking the capture
+        self._returned = threading.Event()
+
+    @classmethod
+    def _skipped(cls, path: str) -> SaveHandle:
+        handle = cls(path, Progress(0), (), time.perf_counter())
+        handle._result = SaveResult(path, 0, (), 0.0, skipped=True)
+        for event in (handle._eager, handle._staged, handle._done):
+            event.set()
+        return handle
+
+    # ---------------------------------------------------------------- for the caller
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed."""
+        return self._done.is_set()
+
+    def staged(self) -> bool:
+        """True once every byte has been copied out of the state (the state may change)."""
+        return self._staged.is_set()
+
+    def progress(self) -> Progress:
+        return self._progress
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until durable and committed; the background error, if any, is raised here.
+        Safe from any thread."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        self._remove_hooks()
+        with self._lock:
+            self._reported = True
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None  # internal: _done is set only with a result or an error
+        # blocked_s read now: an optimizer hook on this (training) thread has added its wait
+        return dataclasses.replace(self._result, blocked_s=self._times.blocked)
+
+    def _unreported_error(self) -> BaseException | None:
+        """The error of a finished save nobody has waited for (then it counts as reported)."""
+        with self._lock:
+            if self._error is None or self._reported or not self._done.is_set():
+                return None
+            self._reported = True
+            return self._error
+
+    # ---------------------------------------------------------------- for the save's threads
+
+    def _block_until_captured(self, *, lazy: bool) -> None:
+        """The caller's wait inside async_save: for everything (eager) or the part no optimizer
+        owns (lazy). Eager captures run here, on the caller's thread, handed over by the save's
+        thread (run_on_caller): torch's intra-op threads belong to this thread, and a copy made
+        from another thread ran at less than half the speed (and below one core's) here."""
+        if lazy:
+            self._eager.wait()
+        else:
+            self._serve_caller()
+        self._times.blocked += time.perf_counter() - self._times.started
+
+    def _run_on_caller(self, fn: Callable[[], None]) -> None:
+        """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises.
+        If that thread was interrupted (Ctrl-C) and will never run it, raises CkptError."""
+        with self._cond:
+            if not self._abandoned:
+                self._task = fn
+                self._cond.notify_all()
+            while self._task is not None and not self._abandoned:
+                self._cond.wait()
+            if self._task is not None or (self._abandoned and self._task_error is None):
+                self._task = None
+                raise CkptError(f"save to {self.path} abandoned: the calling thread was "
+                                "interrupted before the state was captured")
+            error, self._task_error = self._task_error, None
+        if error is not None and not isinstance(error, Exception):
+            raise CkptError(f"save to {self.path} abandoned: the calling thread was interrupted "
+                            f"({type(error).__name__}) while capturing") from error
+        if error is not None:
+            raise error
+
+    def _serve_caller(self) -> None:
+        """Run the capture the save's thread hands over. An interrupt (KeyboardInterrupt) while
+        waiting or copying abandons the save (the save's thread cleans up) and is re-raised."""
+        error: BaseException | None = None
+        task: Callable[[], None] | None = None
+        try:
+            with self._cond:
+                while self._task is None and not self._staged.is_set():
+                    self._cond.wait()
+                task = self._task
+            if task is None:
+                return  # the save failed (or finished) without a capture to run here
+            task()
+            self._captured()  # before returning to the caller: staged() is true once it has
+        except BaseException as exc:  # noqa: BLE001 - handed to the save's thread, see below
+            error = exc
+        with self._cond:
+            if task is None:
+                self._abandoned = True
+            self._task, self._task_error = None, error
+            self._cond.notify_all()
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt / SystemExit belong to the caller too
+
+    def _mark_returned(self) -> None:
+        self._returned.set()
+
+    def _wait_returned(self) -> None:
+        """A lazy save's thread starts its Python-heavy work only once async_save has returned
+        (it would take the GIL from the caller's last steps for no gain)."""
+        self._returned.wait()
+
+    def _eager_captured(self) -> None:
+        self._eager.set()
+
+    def _captured(self) -> None:
+        if self._times.staged is None:
+            self._times.staged = time.perf_counter()
+        self._eager.set()
+        self._staged.set()
+
+    def _finished(self, nbytes: int, error: BaseException | None = None) -> None:
+        end = time.perf_counter()
+        if error is None:
+            start, staged = self._times.started, self._times.staged or end
+            self._result = SaveResult(self.path, nbytes, self._files, end - start,
+                                      self._times.blocked, staged - start, end - staged)
+        self._error = error
+        with self._cond:
+            self._eager.set()
+            self._staged.set()
+            self._cond.notify_all()
+        self._done.set()
+
+    # ---------------------------------------------------------------- lazy saves
+
+    def _hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's next step wait until the capture has finished."""
+        self._hooks_thread = threading.get_ident()
+        for optimizer in optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self._staged.is_set():
+            return
+        began = time.perf_counter()
+        self._staged.wait()
+        self._times.blocked += time.perf_counter() - began
+
+    def _remove_hooks(self) -> bool:
+        """Only from the thread that registered them (wait() there, or the next save): torch
+        iterates the hook dict during step(), so hooks are never removed from another thread or
+        from inside a hook. Elsewhere they stay (each returns at once): -> False."""
+        if self._hooks and threading.get_ident() != self._hooks_thread:
+            return False
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+        return True
+
+
+def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
+    """Storage addresses of every tensor an optimizer's step changes: its parameters and state."""
+    storages: set[int] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            storages.update(_storage(p) for p in group["params"])
+        for state in optimizer.state.values():
+            storages.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return storages
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of the memory holding ``t``'s bytes (a DTensor's: its local shard's)."""
+    return local_tensor(t).untyped_storage().data_ptr()
+
+
+def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
+                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[WriteItem, ...], int]:
+    """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
+    -> (items, how many come first)."""
+    owned = optimizer_storages(optimizers)
+    lazy = [i for i in items if sources[i.key].untyped_storage().data_ptr() in owned]
+    eager = [i for i in items if sources[i.key].untyped_storage().data_ptr() not in owned]
+    return tuple(eager + lazy), len(eager)

@@ -1,0 +1,327 @@
+"""Save data path: stream planned items through the staging pool into data files, in two halves.
+
+``capture`` copies every item's bytes into pool buffers in file order (blocking only while the
+pool is full) and may run on any thread; once it returns the source tensors may change. Each full
+buffer goes to a hasher thread, which checksums the exact bytes and hands the buffer to the I/O
+backend; a finished write returns the buffer to the pool. ``finish`` waits for all of it and
+fsyncs. Keeping checksums off the capturing thread keeps the training loop's share to the copy.
+
+Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
+side stream with one event per buffer (no per-tensor synchronisation), progress counters,
+waiting for every write, fsync. Does not own: where items go (layout.py), the files' commit
+(commit.py), the pool (stage.py) or the thread that runs a whole save (api.py, background.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckptio.format.checksum import BlockHasher
+from ckptio.errors import CkptError
+from ckptio.io import FileHandle, IOBackend
+from ckptio.planning.layout import align_up
+from ckptio.options import BLOCK
+from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
+from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, TensorEntry
+
+Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
+
+
+class Progress:
+    """Bytes of one save: planned, copied into staging, durably written (updated from threads)."""
+
+    def __init__(self, nbytes_total: int) -> None:
+        self.nbytes_total = nbytes_total
+        self.nbytes_staged = 0
+        self.nbytes_written = 0
+
+    def __repr__(self) -> str:
+        return (f"Progress(staged={self.nbytes_staged}/{self.nbytes_total}, "
+                f"written={self.nbytes_written}/{self.nbytes_total})")
+
+
+class SaveJob:
+    """One save's bytes: ``capture()`` then ``finish()``; ``abandon()`` after any failure."""
+
+    def __init__(self, directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
+                 *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int,
+                 ready: Sequence[Any] | None = None, progress: Progress | None = None,
+                 block_nbytes: int = 1 << 20) -> None:
+        """``ready``: events from ready_events() recorded on the caller's thread; None records
+        them here (the job is made on the caller's thread)."""
+        self.directory, self.files, self.sources = directory, files, sources
+        self.pool, self.backend, self.rank = pool, backend, rank
+        self.algorithm = algorithm
+        self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
+        # Manifest rows (checksums filled in by finish) and hashers, made here on the save's
+        # thread so the capturing thread only copies.
+        self.entries = [TensorEntry(p.item.key, p.item.kind, p.item.dtype, p.item.shape, p.item.chunk,
+                                    f.name, p.offset, p.item.nbytes, "")
+                        for f in files for p in f.placements]
+        self._hashers = [BlockHasher(algorithm, block_nbytes) for _ in self.entries]
+        self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
+        self._pending: list[Future[None]] = []  # hash-then-submit tasks
+        self._lock = threading.Lock()
+        self._writes_in_flight = 0
+        self._idle = threading.Condition(self._lock)
+        # Checksums and writes start once the capture is done or the pool runs dry: until then
+        # the second core is left to the copy, which is all the caller waits for.
+        self._go = threading.Event()
+        self._failure: BaseException | None = None
+        self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
+
+    # ---------------------------------------------------------------- capture (any thread)
+
+    def capture(self, eager_items: int = 0, on_eager: Callable[[], None] | None = None) -> None:
+        """Copy every item into pool buffers; the sources are free to change once this returns.
+
+        ``on_eager`` is called once the first ``eager_items`` items are copied (a lazy save's
+        caller waits only for those)."""
+        captured = 0
+        if eager_items == 0 and on_eager is not None:
+            on_eager()
+        with torch.no_grad(), _on_streams(self._streams):
+            for index, layout in enumerate(self.files):
+                window = _Window(self, index)
+                try:
+                    for placement in layout.placements:
+                        window.put(placement.offset, placement.item, self.sources[placement.item.key],
+                                   captured)
+                        captured += 1
+                        if captured == eager_items and on_eager is not None:
+                            self._sync_streams()
+                            on_eager()
+                    window.close(layout.nbytes)
+                except BaseException:
+                    self._sync_streams()  # copies into the window's buffer land before it is reused
+                    raise
+                finally:
+                    window.abandon()
+        self._sync_streams()
+        self._go.set()
+
+    def acquire(self) -> Buffer:
+        """A free pool buffer; if none is free, let the writers run (they free buffers)."""
+        buffer = self.pool.try_acquire()
+        if buffer is None:
+            self._go.set()
+            buffer = self.pool.acquire()
+        return buffer
+
+    def _sync_streams(self) -> None:
+        """Device->host copies queued so far have landed: their sources may change now. One
+        synchronisation per save (and one at a lazy save's eager boundary), never per tensor."""
+        for stream in self._streams:
+            stream.synchronize()
+
+    def _handle(self, index: int) -> FileHandle:
+        """The file's handle, created and preallocated on first use: on the hasher's thread,
+        so a save's caller never waits for fallocate (45 ms per 0.5 GB file here)."""
+        if index not in self._handles:
+            layout = self.files[index]
+            self._handles[index] = self.backend.open_write(
+                os.path.join(self.directory, layout.name), layout.nbytes)
+        return self._handles[index]
+
+    def _hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
+        """A full buffer leaves the capturing thread: checksum, then write, in submission order."""
+        try:
+            self._raise_failure()
+            events = _record(self._streams)
+            task = self._hashing.submit(self._hash_and_write, file, offset, buffer, nbytes, pieces, events)
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        self._pending.append(task)
+        self.progress.nbytes_staged += sum(n for _i, _s, n in pieces)
+
+    def _hash_and_write(self, file: int, offset: int, buffer: Buffer, nbytes: int,
+                        pieces: list[Piece], events: list[Any]) -> None:
+        try:
+            for event in events:
+                event.synchronize()  # the device->host copies into this buffer have landed
+            self._go.wait()
+            if self._failure is not None:
+                raise CkptError("an earlier write of this save failed")
+            for index, start, n in pieces:
+                self._hashers[index].update(buffer.view[start:start + n])
+            future = self.backend.submit_write(self._handle(file), offset, buffer.view[:nbytes])
+        except BaseException as exc:
+            self.pool.release(buffer)
+            self._fail(exc)
+            raise
+        written = sum(n for _i, _s, n in pieces)
+        with self._lock:
+            self._writes_in_flight += 1
+        future.add_done_callback(lambda f: self._written(f, buffer, written))
+
+    def _written(self, future: Future[int], buffer: Buffer, nbytes: int) -> None:
+        """A write's end (its callback): record the outcome, return the buffer, then count it
+        done; _drain waits for this count, not for the futures, whose waiters wake before
+        their callbacks run."""
+        error = future.exception()
+        if error is not None:
+            self._fail(error)
+        self.pool.release(buffer)
+        with self._lock:
+            if error is None:
+                self.progress.nbytes_written += nbytes
+            self._writes_in_flight -= 1
+            self._idle.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # ---------------------------------------------------------------- finish (any thread)
+
+    def finish(self) -> tuple[list[TensorEntry], list[FileInfo]]:
+        """Wait for every checksum and write, fsync and close the files; -> manifest rows."""
+        self._drain()
+        self._raise_failure()
+        for index in range(len(self.files)):
+            self._handle(index)  # a file of only empty items got no buffer: create it still
+        while self._handles:
+            self.backend.close(self._handles.pop(min(self._handles)), sync=True)
+        entries = [_with_checksum(e, *h.digests()) for e, h in zip(self.entries, self._hashers)]
+        return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
+
+    def _drain(self) -> None:
+        """Every task and write has finished (failed or not); the pool has all its buffers back."""
+        self._go.set()
+        for task in self._pending:
+            task.exception()
+        self._hashing.shutdown(wait=True)
+        with self._lock:
+            while self._writes_in_flight:
+                self._idle.wait()
+
+    def abandon(self) -> None:
+        """After a failure: let in-flight work finish (its buffers return), close without fsync."""
+        self._drain()
+        while self._handles:
+            self.backend.close(self._handles.pop(min(self._handles)), sync=False)
+
+
+class _Window:
+    """Bytes of one file, in offset order, through one buffer at a time."""
+
+    def __init__(self, job: SaveJob, file: int) -> None:
+        self.job, self.file = job, file
+        self.buffer: Buffer | None = job.acquire()
+        self.start = 0  # file offset of the buffer's first byte
+        self.filled = 0
+        self.pieces: list[Piece] = []
+
+    def _room(self) -> Buffer:
+        assert self.buffer is not None  # internal: close() or abandon() ends the window
+        if self.filled == self.buffer.nbytes:
+            full, self.buffer = self.buffer, None
+            self.job._hand_off(self.file, self.start, full, self.filled, self.pieces)
+            self.start, self.filled, self.pieces = self.start + self.filled, 0, []
+            self.buffer = self.job.acquire()
+        return self.buffer
+
+    def pad_to(self, offset: int) -> None:
+        while self.start + self.filled < offset:
+            buffer = self._room()
+            n = min(buffer.nbytes - self.filled, offset - self.start - self.filled)
+            buffer.data[self.filled:self.filled + n].zero_()
+            self.filled += n
+
+    def put(self, offset: int, item: Any, source: torch.Tensor, index: int) -> None:
+        self.pad_to(offset)
+        itemsize = DTYPE_ITEMSIZE[item.dtype]
+        dtype = torch_dtype(item.dtype)
+        buffer = self.buffer
+        if (buffer is not None and source.is_contiguous() and item.nbytes
+                and self.filled + item.nbytes <= buffer.nbytes):
+            # The common case in one copy and three views (a state has thousands of small
+            # tensors: per-tensor Python work is what the caller waits for after the copy).
+            typed(buffer, self.filled, item.nbytes, dtype).view(source.shape).copy_(
+                source, non_blocking=source.is_cuda)
+            self.pieces.append((index, self.filled, item.nbytes))
+            self.filled += item.nbytes
+            return
+        done, total = 0, item.nbytes // itemsize
+        while done < total:
+            buffer = self._room()
+            count = min((buffer.nbytes - self.filled) // itemsize, total - done)
+            copy_out(source, done, count, typed(buffer, self.filled, count * itemsize, dtype))
+            self.pieces.append((index, self.filled, count * itemsize))
+            self.filled += count * itemsize
+            done += count
+
+    def close(self, file_nbytes: int) -> None:
+        """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""
+        self.pad_to(file_nbytes)
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None and self.filled:
+            self.job._hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK), self.pieces)
+        elif buffer is not None:
+            self.job.pool.release(buffer)
+
+    def abandon(self) -> None:
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            self.job.pool.release(buffer)
+
+
+def _with_checksum(entry: TensorEntry, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
+    return dataclasses.replace(entry, checksum=checksum, blocks=blocks)
+
+
+def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
+    """On the caller's thread: an event on its current stream of every device holding a source.
+
+    Streams are per thread; the copies, made on another thread, wait for these so that work the
+    caller queued before the save (the backward pass producing these values) comes first."""
+    events = []
+    for device in sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _side_streams(sources: dict[str, torch.Tensor], ready: Sequence[Any]) -> list[Any]:
+    """One CUDA stream per device holding a source, for device->host copies (none on CPU)."""
+    devices = sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
+    streams = [torch.cuda.Stream(device=device) for device in devices]
+    for stream in streams:
+        for event in ready:
+            stream.wait_event(event)
+    return streams
+
+
+@contextlib.contextmanager
+def _on_streams(streams: list[Any]) -> Iterator[None]:
+    """Make each side stream current on its device (copies from a device run on its stream)."""
+    with contextlib.ExitStack() as stack:
+        for stream in streams:
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
+
+
+def _record(streams: list[Any]) -> list[Any]:
+    """Events marking every copy queued so far; a buffer is read only after they complete."""
+    events = []
+    for stream in streams:
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    return events

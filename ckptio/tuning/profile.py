@@ -1,0 +1,235 @@
+"""Tuned I/O profiles, one per filesystem, stored in a small JSON file.
+
+Owns: the Profile record, the filesystem key (st_dev + type from /proc/self/mountinfo), the file
+they live in ($CKPTIO_PROFILE_PATH or ~/.cache/ckptio/profiles.json), its atomic rewrite and its
+validation. Does not own: measuring (tune.py) or deciding when a profile applies over explicit
+options (options/api). lookup() is called on every save and load, so it never raises: a missing
+or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too.
+
+File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields}}}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptio.options import Options
+
+log = logging.getLogger("ckptio")
+
+VERSION = 1
+PATH_ENV = "CKPTIO_PROFILE_PATH"
+MOUNTINFO = "/proc/self/mountinfo"
+MiB = 1 << 20
+BLOCK = 4096
+# Paths already warned about, so a corrupt file is logged once per process, not on every save.
+_warned: set[str] = set()
+
+
+class ProfileError(ValueError):
+    """The profile file exists but cannot be used (bad JSON, wrong version or field)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    io_backend: str  # "posix" | "uring"
+    direct_io: str  # "auto" (O_DIRECT measured best and accepted) | "off" (buffered best)
+    buffer_bytes: int  # bytes of one staging buffer = one write; >= 1 MiB, multiple of 4096
+    io_depth: int  # writes or reads in flight
+    fs_type: str
+    device: int  # st_dev of the tuned directory
+    measured_at: str  # ISO 8601, UTC
+    write_gbps: float  # durable write throughput of the chosen settings (1 GB = 1e9 bytes)
+    read_gbps: float  # cold read throughput of the chosen settings
+
+    @property
+    def key(self) -> str:
+        return f"{self.fs_type}:{self.device}"
+
+    def option_fields(self) -> dict[str, object]:
+        """The Options fields this profile sets (for dataclasses.replace / Options(**...))."""
+        return {"io_backend": self.io_backend, "direct_io": self.direct_io,
+                "buffer_bytes": self.buffer_bytes, "io_depth": self.io_depth}
+
+
+def profile_path() -> Path:
+    override = os.environ.get(PATH_ENV)
+    return Path(override) if override else Path.home() / ".cache" / "ckptio" / "profiles.json"
+
+
+# ---------------------------------------------------------------- filesystem key
+
+
+def filesystem_key(directory: str | os.PathLike[str]) -> tuple[int, str]:
+    """(st_dev, filesystem type) of ``directory``, or of its nearest existing parent: a
+    checkpoint path usually does not exist yet when its profile is looked up."""
+    path = _existing(Path(directory).absolute())
+    device = os.stat(path).st_dev
+    return device, fs_type(path, device)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def fs_type(path: Path, device: int) -> str:
+    """The type of the mount holding ``path``: the longest mount point above it, preferring
+    mounts of the same device (bind mounts and btrfs subvolumes make st_dev ambiguous)."""
+    try:
+        lines = Path(MOUNTINFO).read_text().splitlines()
+    except OSError:
+        return "unknown"
+    real = os.path.realpath(path)
+    best: tuple[bool, int, str] = (False, -1, "unknown")
+    for line in lines:
+        mount = _parse_mount(line)
+        if mount is None or not _is_under(real, mount[1]):
+            continue
+        rank = (mount[0] == device, len(mount[1]), mount[2])
+        best = max(best, rank)
+    return best[2]
+
+
+def _parse_mount(line: str) -> tuple[int, str, str] | None:
+    """(device, mount point, fs type) of one mountinfo line (see proc(5))."""
+    left, sep, right = line.partition(" - ")
+    fields, tail = left.split(), right.split()
+    if not sep or len(fields) < 5 or not tail:
+        return None
+    major, _, minor = fields[2].partition(":")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: space
+    return os.makedev(int(major), int(minor)), mount_point, tail[0]
+
+
+def _is_under(path: str, mount_point: str) -> bool:
+    return mount_point == "/" or path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+
+
+# ---------------------------------------------------------------- reading and writing
+
+
+def lookup(directory: str | os.PathLike[str]) -> Profile | None:
+    """The stored profile of the filesystem holding ``directory``, or None. Never raises."""
+    path = profile_path()
+    try:
+        device, kind = filesystem_key(directory)
+        profiles = read_all(path)
+    except ProfileError as exc:
+        _warn_once(path, exc)
+        return None
+    except OSError:
+        return None  # no file, unreadable file or directory: run on the defaults
+    return profiles.get(f"{kind}:{device}")
+
+
+def read_all(path: Path | None = None) -> dict[str, Profile]:
+    """Every profile in the file. Raises OSError (missing, unreadable) or ProfileError."""
+    path = profile_path() if path is None else path
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path} is not valid JSON: {exc}") from None
+    profiles = doc.get("profiles") if isinstance(doc, dict) else None
+    if not isinstance(profiles, dict) or doc.get("version") != VERSION:
+        raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file")
+    return {key: _from_dict(value, path) for key, value in profiles.items()}
+
+
+def _from_dict(value: Any, path: Path) -> Profile:
+    fields = {f.name: f.type for f in dataclasses.fields(Profile)}
+    if not isinstance(value, dict) or set(value) != set(fields):
+        raise ProfileError(f"{path}: a profile must have exactly the fields {sorted(fields)}")
+    kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
+    for name, kind in fields.items():
+        if not isinstance(value[name], kinds[str(kind)]) or isinstance(value[name], bool):
+            raise ProfileError(f"{path}: profile field {name}={value[name]!r} is not a {kind}")
+    profile = Profile(**value)
+    problem = _invalid(profile)
+    if problem:
+        raise ProfileError(f"{path}: {problem}")
+    return profile
+
+
+def _invalid(p: Profile) -> str | None:
+    if p.direct_io not in ("auto", "on", "off"):
+        return f"direct_io={p.direct_io!r} is not auto, on or off"
+    if p.buffer_bytes < MiB or p.buffer_bytes % BLOCK:
+        return f"buffer_bytes={p.buffer_bytes} is not a multiple of {BLOCK} of at least 1 MiB"
+    if p.io_depth < 1 or not p.io_backend:
+        return f"io_depth={p.io_depth} / io_backend={p.io_backend!r} is invalid"
+    return None
+
+
+def store(profile: Profile) -> str:
+    """Add or replace the profile of its filesystem; the file is rewritten atomically (temp file,
+    fsync, rename) so a concurrent lookup sees the old file or the new one. Returns its path."""
+    problem = _invalid(profile)
+    if problem:
+        raise ProfileError(problem)
+    path = profile_path()
+    try:
+        profiles = read_all(path)
+    except FileNotFoundError:
+        profiles = {}
+    except ProfileError as exc:
+        log.warning("ckptio: replacing the unusable profile file (%s)", exc)
+        profiles = {}
+    profiles[profile.key] = profile
+    doc = {"version": VERSION, "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
+    _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
+    return str(path)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _warn_once(path: Path, exc: Exception) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("ckptio: ignoring the I/O profile file: %s; run `ckptio tune DIR` to rewrite it", exc)
+
+
+IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
+
+
+def io_fields(options: Options) -> tuple[object, ...]:
+    return tuple(getattr(options, name) for name in IO_FIELDS)
+
+
+def tuned_options(options: Options, path: str) -> Options:
+    """``options`` with the I/O fields it leaves at their defaults taken from the tuned profile of
+    ``path``'s filesystem (``ckptio tune``); unchanged without a profile or with use_profile off."""
+    if not options.use_profile:
+        return options
+    found = lookup(path)
+    if found is None:
+        return options
+    defaults = Options()
+    fields = {k: v for k, v in found.option_fields().items()
+              if k in IO_FIELDS and getattr(options, k) == getattr(defaults, k)}
+    if 2 * int(fields.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
+        fields.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    return dataclasses.replace(options, **fields)

@@ -1,0 +1,215 @@
+"""`ckptio tune DIR`: measure the filesystem holding DIR briefly, pick ckptio's fastest I/O
+settings there, and store them as that filesystem's profile; `ckptio tune --show [DIR]` prints it.
+
+Owns: the short study (O_DIRECT vs buffered first, then write size x depth for posix and, where it
+runs, uring), the choice (choose(), pure) and what the command prints. Does not own: measuring
+(bench/io_study.py), the profile file (profile.py), or applying a profile to Options (api/options).
+
+The choice scores a configuration by the bytes of one save plus one load over their time (the
+harmonic mean of write and read GB/s). Among scores within TIE of the best, the fewest threads
+(io_depth), then the smallest buffer wins; uring is chosen only when its best beats posix's best by
+more than URING_MARGIN. Only settings ckptio can run with its default pool are tried:
+io_depth x buffer_bytes <= Options().pool_bytes (each write in flight holds one staging buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptio.tuning import profile
+from ckptio.errors import CkptError
+
+if TYPE_CHECKING:  # the study imports the bench package: only when tuning, not for --show
+    from ckptio.tuning.io_study import Cell, Study
+
+MiB = 1 << 20
+TIE = 0.03  # scores closer than this are equal on a shared VM (run-to-run drift is larger)
+URING_MARGIN = 0.03
+SIZES = "1M,4M,16M,64M"
+POOL_DEPTHS = "1,2,4,8"
+URING_DEPTHS = "4,16,32"
+MODE_PROBE = (4, 16 * MiB)  # depth and write size at which O_DIRECT and buffered are compared
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine: str  # ckptio io_backend name: "posix" | "uring"
+    mode: str  # "direct" | "buffered"
+    buffer_bytes: int
+    io_depth: int
+    write_gbps: float
+    read_gbps: float
+
+    @property
+    def score(self) -> float:
+        return 2 / (1 / self.write_gbps + 1 / self.read_gbps)
+
+
+def best_of(candidates: Sequence[Candidate]) -> Candidate:
+    """The highest score, ties (within TIE) broken toward fewer threads, then less memory."""
+    top = max(c.score for c in candidates)
+    near = [c for c in candidates if c.score >= top * (1 - TIE)]
+    return min(near, key=lambda c: (c.io_depth, c.buffer_bytes, -c.score))
+
+
+def choose(candidates: Sequence[Candidate]) -> Candidate:
+    """posix's best unless uring's best is more than URING_MARGIN faster."""
+    posix = [c for c in candidates if c.engine == "posix"]
+    uring = [c for c in candidates if c.engine == "uring"]
+    if not posix or not uring:
+        return best_of(posix or uring)
+    if max(c.score for c in uring) > max(c.score for c in posix) * (1 + URING_MARGIN):
+        return best_of(uring)
+    return best_of(posix)
+
+
+def choose_mode(candidates: Sequence[Candidate]) -> str:
+    """O_DIRECT unless buffered is more than TIE faster (or O_DIRECT failed here)."""
+    by_mode = {c.mode: c.score for c in candidates}
+    if "direct" not in by_mode:
+        return "buffered"
+    return "buffered" if by_mode.get("buffered", 0.0) > by_mode["direct"] * (1 + TIE) else "direct"
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(study: Study, cells: Sequence[Cell]) -> list[Candidate]:
+    """Median write and read GB/s of every cell over the study's repetitions; failed cells
+    (O_DIRECT refused, say) are left out."""
+    from ckptio.tuning import io_report
+    from ckptio.tuning import io_study
+
+    runs, _ = io_study.run_study(study, cells, with_ceiling=False)
+    names = {"posix_pool": "posix", "uring": "uring"}
+    return [Candidate(names[r["engine"]], r["mode"], r["write_nbytes"], r["depth"], r["write_gbps"],
+                      r["read_gbps"])
+            for r in io_report.summarize(runs, [])["rows"] if r["write_gbps"] and r["read_gbps"]]
+
+
+def grid(sizes: Sequence[int], depths: Sequence[int], pool_bytes: int) -> list[tuple[int, int]]:
+    return [(n, d) for n in sizes for d in depths if n * d <= pool_bytes]
+
+
+def tune(directory: Path, total_nbytes: int, sizes: Sequence[int], pool_depths: Sequence[int],
+         uring_depths: Sequence[int], reps: int) -> tuple[profile.Profile, list[Candidate]]:
+    """Run the short study in ``directory`` and return the chosen profile and every candidate."""
+    from ckptio.tuning.io_study import MODES, Cell, Study, StudyConfig, engine_unavailable
+    from ckptio.options import Options
+
+    probe_depth, probe_size = MODE_PROBE
+    config = StudyConfig(total_nbytes=total_nbytes, sizes=tuple(sizes), pool_depths=tuple(pool_depths),
+                         uring_depths=tuple(uring_depths), modes=MODES, sections=(), align_sizes=(),
+                         layout_sizes=(), extend_sizes=(), mix_chunk_nbytes=probe_size, reps=reps,
+                         idle_s=0.0)
+    pool_bytes = Options().pool_bytes
+    with Study(directory, config) as study:
+        probe = [Cell("equal", "aggregated", "posix_pool", probe_depth, m, probe_size) for m in MODES]
+        mode = choose_mode(measure(study, probe))
+        print(f"tune: {'O_DIRECT' if mode == 'direct' else 'buffered'} chosen; sweeping write size "
+              "x depth", file=sys.stderr)
+        engines = [("posix_pool", pool_depths)]
+        if (why := engine_unavailable("uring", study.root)) is None:
+            engines.append(("uring", uring_depths))
+        else:
+            print(f"tune: uring skipped: {why}", file=sys.stderr)
+        cells = [Cell("equal", "aggregated", engine, d, mode, n)
+                 for engine, depths in engines for n, d in grid(sizes, depths, pool_bytes)]
+        candidates = measure(study, cells)
+    if not candidates:
+        raise CkptError(f"ckptio tune: no configuration could write and read {directory}; "
+                        "see the errors above")
+    return to_profile(choose(candidates), directory), candidates
+
+
+def to_profile(c: Candidate, directory: Path) -> profile.Profile:
+    device, fs_type = profile.filesystem_key(directory)
+    return profile.Profile(
+        io_backend=c.engine, direct_io="auto" if c.mode == "direct" else "off",
+        buffer_bytes=c.buffer_bytes, io_depth=c.io_depth, fs_type=fs_type, device=device,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        write_gbps=round(c.write_gbps, 3), read_gbps=round(c.read_gbps, 3))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", nargs="?", type=Path, help="a directory on the filesystem to tune")
+    p.add_argument("--show", action="store_true", help="print the stored profile(s) and exit")
+    p.add_argument("--total", default="256M", help="bytes per measurement (default 256M)")
+    p.add_argument("--sizes", default=SIZES, help=f"write sizes, >= 1M (default {SIZES})")
+    p.add_argument("--pool-depths", default=POOL_DEPTHS, help=f"posix threads ({POOL_DEPTHS})")
+    p.add_argument("--uring-depths", default=URING_DEPTHS, help=f"uring depths ({URING_DEPTHS})")
+    p.add_argument("--reps", type=int, default=2, help="repetitions, median taken (default 2)")
+
+
+def describe(p: profile.Profile) -> str:
+    direct = "O_DIRECT" if p.direct_io != "off" else "buffered"
+    return (f"{p.fs_type} (st_dev {p.device}): io_backend={p.io_backend} direct_io={p.direct_io} "
+            f"({direct}) buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB) "
+            f"io_depth={p.io_depth}; write {p.write_gbps:.2f} GB/s, read {p.read_gbps:.2f} GB/s, "
+            f"measured {p.measured_at}")
+
+
+def show(directory: Path | None) -> int:
+    path = profile.profile_path()
+    try:
+        profiles = profile.read_all(path)
+    except FileNotFoundError:
+        print(f"no ckptio I/O profile stored ({path} does not exist); run `ckptio tune DIR` to "
+              "measure one")
+        return 0
+    except (OSError, profile.ProfileError) as exc:
+        print(f"ckptio: cannot read the profile file: {exc}", file=sys.stderr)
+        return 1
+    if directory is not None:
+        device, fs_type = profile.filesystem_key(directory)
+        key = f"{fs_type}:{device}"
+        profiles = {k: v for k, v in profiles.items() if k == key}
+        if not profiles:
+            print(f"no profile for {directory} ({fs_type}, st_dev {device}) in {path}; run "
+                  f"`ckptio tune {directory}`")
+            return 0
+    print(f"{path}:")
+    for p in profiles.values():
+        print(f"  {describe(p)}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from ckptio.tuning.io_study import parse_list, parse_nbytes
+
+    if args.show:
+        return show(args.dir)
+    if args.dir is None:
+        print("ckptio tune: a directory is required (or --show)", file=sys.stderr)
+        return 2
+    sizes = parse_list(args.sizes, parse_nbytes)
+    if any(n < MiB or n % 4096 for n in sizes):
+        print("ckptio tune: --sizes must be >= 1M and multiples of 4K", file=sys.stderr)
+        return 2
+    chosen, candidates = tune(args.dir, parse_nbytes(args.total), sizes, parse_list(args.pool_depths),
+                              parse_list(args.uring_depths), args.reps)
+    for c in sorted(candidates, key=lambda c: -c.score):
+        print(f"  {c.engine:5s} d{c.io_depth:<3d} {c.buffer_bytes / MiB:5g} MiB {c.mode:8s} "
+              f"write {c.write_gbps:5.2f} read {c.read_gbps:5.2f} score {c.score:5.2f} GB/s")
+    where = profile.store(chosen)
+    print(f"stored in {where}: {describe(chosen)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ckptio tune", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
