@@ -139,12 +139,14 @@ def rank_plan(rank: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tr
                     (ObjectEntry("step", 1000),), (), tree, domains)
 
 
-def written(plan: RankPlan, writes: tuple[int, ...], save_id: str) -> tuple[list[TensorEntry], list[Any]]:
+def written(plan: RankPlan, writes: tuple[int, ...], save_id: str) -> tuple[dict[int, TensorEntry], list[Any]]:
     """What a rank reports after writing its assigned items: layout.plan_files offsets,
     a checksum per entry and per 1 MiB block (as persist computes them; values made up)."""
     items = [plan.items[i] for i in writes]
     files = plan_files(items, save_id=save_id, rank=plan.rank, max_file_bytes=MAX_FILE_BYTES)
-    entries, infos = [], []
+    index_of = {plan.items[i].key: i for i in writes}
+    entries: dict[int, TensorEntry] = {}
+    infos: list[Any] = []
     n = 0
     for f in files:
         infos.append(FileInfo(f.name, f.nbytes, plan.rank))
@@ -153,9 +155,9 @@ def written(plan: RankPlan, writes: tuple[int, ...], save_id: str) -> tuple[list
             n += 1
             blocks = tuple(f"{(plan.rank << 40) + (n << 20) + b:016x}"
                            for b in range(-(-it.nbytes // BLOCK_NBYTES))) if it.nbytes > BLOCK_NBYTES else ()
-            entries.append(TensorEntry(it.key, it.kind, it.dtype, it.shape, it.chunk, f.name,
-                                       p.offset, it.nbytes, f"{(plan.rank << 32) + n:016x}", None,
-                                       blocks))
+            entries[index_of[it.key]] = TensorEntry(
+                it.key, it.kind, it.dtype, it.shape, it.chunk, f.name, p.offset, it.nbytes,
+                f"{(plan.rank << 32) + n:016x}", None, blocks)
     return entries, infos
 
 
@@ -193,23 +195,22 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
         wire.fingerprint(layout)
         return wire.encode_plan(plan0, layout=layout)
 
-    def decide() -> tuple[list[bytes], collective.Memory]:
+    def decide() -> tuple[collective.Decision, collective.Memory]:
         memory = collective.Memory()  # a first save: nothing cached
-        answers = collective._decide(messages, memory, "/simulated")
-        wire.decode_answer(answers[0])
-        return answers, memory
+        decision = collective._decide(messages, memory)
+        wire.decode_answer(decision.answers[0])
+        return decision, memory
 
     on()
     local_s, _ = median_time(local, reps)
-    decide_s, (answers, memory) = median_time(decide, reps)
+    decide_s, (decision, memory) = median_time(decide, reps)
     off()
-    assert memory.pending is not None
-    plans, global_plan = memory.pending
+    answers, plans, global_plan = decision.answers, decision.plans, decision.global_plan
     # a later save of the same layout: every rank sends only its values and the fingerprint
     again = [wire.encode_plan(plan, same_as=memory.plans[r][0]) for r, plan in enumerate(plans)]
 
-    def decide_reused() -> list[bytes]:
-        return collective._decide(again, memory, "/simulated")
+    def decide_reused() -> collective.Decision:
+        return collective._decide(again, memory)
 
     on()
     reused_s, _ = median_time(decide_reused, reps)
@@ -252,13 +253,13 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
     }
 
 
-def commit_body(results: list[tuple[list[TensorEntry], list[Any], str | None]],
+def commit_body(results: list[tuple[dict[int, TensorEntry], list[Any], str | None]],
                 agreement: collective.Agreement) -> bytes:
     """collective._commit up to the bytes it would commit (its file write and fsync are I/O,
     not planning): the same calls, in the same order."""
     plan = agreement.global_plan
     assert plan is not None
-    done: list[list[TensorEntry]] = []
+    done: list[dict[int, TensorEntry]] = []
     files: list[Any] = []
     for entries, infos, error in results:
         if error is not None:

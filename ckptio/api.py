@@ -196,14 +196,14 @@ class Checkpointer:
                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[SaveHandle, threading.Thread]:
         """Lay out this rank's writes and start the save's thread."""
         items = tuple(plan.items[i] for i in agreement.assignment.writes)
-        order = [item.key for item in items]
+        index_of = {plan.items[i].key: i for i in agreement.assignment.writes}
         items, eager_items = lazy_order(items, sources, optimizers) if lazy else (items, len(items))
         files = plan_files(items, save_id=agreement.save_id, rank=group.rank,
                            max_file_bytes=self.options.max_file_bytes)
         progress = persist.Progress(sum(i.nbytes for i in items))
         handle = SaveHandle(path, progress, tuple(f.name for f in files), started)
         ready = persist.ready_events(sources)
-        task = saverun.SaveTask(handle, files, sources, eager_items, ready, lazy, order,
+        task = saverun.SaveTask(handle, files, sources, eager_items, ready, lazy, index_of,
                                 self._finish(group, agreement, path), self._lock,
                                 lambda: self._cleanup_listed.wait(), self._resources)
         job = threading.Thread(target=saverun.run, name="ckptio-save", args=(task,))

@@ -51,8 +51,8 @@ def test_manifest_is_valid_and_complete():
     from ckptio.distributed import wire
 
     memory = collective.Memory()
-    answers = collective._decide([wire.encode_plan(p) for p in messages], memory, "/x")
-    plans, gplan = memory.pending
+    decision = collective._decide([wire.encode_plan(p) for p in messages], memory)
+    answers, plans, gplan = decision.answers, decision.plans, decision.global_plan
     save_id, _ = wire.decode_answer(answers[0])
     agreement = collective.Agreement(save_id, gplan.assignments[0], plans, gplan)
     results = []

@@ -160,3 +160,27 @@ def test_wire_round_trip_and_same_as():
     assert error is not None
     with pytest.raises(wire.WireError):
         wire.decode_plan(b'{"rank": 1}', 1, None, None)
+
+
+def test_written_results_are_keyed_by_item_not_position():
+    from ckptio.format.types import FileInfo, TensorEntry
+
+    assigned = {0: item("a", 8), 2: item("c", 16)}
+    files = [FileInfo("data-f", 64, 1)]
+
+    def entry(key: str, offset: int) -> TensorEntry:
+        return TensorEntry(key, "tensor", "float32", (4,), Chunk.whole((4,)), "data-f", offset, 8,
+                           f"{offset:016x}", None, ())
+
+    forward = wire.encode_result({0: entry("a", 0), 2: entry("c", 32)}, files, None)
+    backward = wire.encode_result({2: entry("c", 32), 0: entry("a", 0)}, files, None)
+    for data in (forward, backward):
+        entries, _files, error = wire.decode_result(data, 1, assigned)
+        assert error is None
+        assert (entries[0].key, entries[0].offset) == ("a", 0)
+        assert (entries[2].key, entries[2].offset) == ("c", 32)
+    with pytest.raises(wire.WireError, match="no entry"):
+        wire.decode_result(wire.encode_result({0: entry("a", 0)}, files, None), 1, assigned)
+    with pytest.raises(wire.WireError):  # an index the rank was not assigned
+        wire.decode_result(wire.encode_result({0: entry("a", 0), 1: entry("b", 8)}, files, None),
+                           1, assigned)

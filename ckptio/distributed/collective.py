@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +33,16 @@ from ckptio.storage import commit
 from ckptio.format import manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.flatten import FlatState
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
 from ckptio.planning.plan import SavePlan
 from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
+
+# what a rank wrote: its entries keyed by item index in its plan, and its files
+Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
 
 
 @dataclass
@@ -49,7 +53,6 @@ class Memory:
     fingerprint: str | None = None
     plans: dict[int, tuple[str, RankPlan]] = field(default_factory=dict)
     last: tuple[frozenset[str], GlobalPlan] | None = None
-    pending: tuple[tuple[RankPlan, ...], GlobalPlan] | None = None  # this save's, until agreed
     reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
     tree: Any = None  # this rank's last tree and items (a reused layout must have the same)
     items: tuple[WriteItem, ...] = ()
@@ -96,8 +99,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
           path: str, reuse: bool) -> Agreement:
-    """Collective. ``reuse``: this rank's layout is unchanged since its last save (plan cache
-    hit), so only digests and objects are sent. Raises on every rank if any rank failed."""
+    """Collective step. ``reuse``: this rank's layout is unchanged since its last save (plan
+    cache hit), so only digests and objects are sent. Raises on every rank if any rank failed."""
     # The plan cache matched the tensors; values of other kinds (numpy, bytes, pickled) may
     # have changed size or kind, and the tree its shape: all must match the last plan.
     reuse = (reuse and mine is not None and memory.tree == mine.tree
@@ -106,43 +109,45 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     memory.items = mine.items if mine is not None else ()
     if group.size == 1:
         return _agree_alone(mine, error, memory, reuse)
-    if mine is None:
-        message = wire.encode_plan(None, error=_describe(error))
-    else:
-        if reuse and memory.fingerprint is not None:
-            message = wire.encode_plan(mine, same_as=memory.fingerprint)
-        else:
-            layout = wire.layout_bytes(mine)
-            fingerprint = wire.fingerprint(layout)
-            same = fingerprint == memory.fingerprint
-            memory.fingerprint = fingerprint
-            message = (wire.encode_plan(mine, same_as=fingerprint) if same
-                       else wire.encode_plan(mine, layout=layout))
-    gathered = group.gather(message)
-    answers = None
-    if gathered is not None:
-        try:
-            with paused():
-                answers = _decide(gathered, memory, path)
-        except BaseException as exc:  # the peers wait for an answer: give them this one
-            group.scatter([_refusal(path, [f"the coordinator (rank 0): {_describe(exc)}"])]
-                          * len(gathered))
-            raise
-    answer = group.scatter(answers)
-    if error is not None:
-        memory.fingerprint = None
-        raise error
+    message = None if mine is None else _plan_message(mine, memory, reuse)
+    decided: list[Decision] = []  # the coordinator's decision (it answers the others)
+
+    def decide(messages: list[bytes]) -> list[bytes]:
+        with paused():
+            decided.append(_decide(messages, memory))
+        return decided[0].answers
+
     try:
-        save_id, assignment = wire.decode_answer(answer)
-    except CkptError as exc:
-        memory.fingerprint = None
-        raise RankFailedError(str(exc)) from None
-    if group.rank != COORDINATOR:
+        answer = coordinate(group, message, error, decide, lambda failures: _refusal(path, failures))
+    except BaseException:
+        _forget(memory)
+        raise
+    if answer is None:
+        _forget(memory)
+        raise error  # type: ignore[misc]  # answer is None only when this rank brought one
+    save_id, assignment = wire.decode_answer(answer)
+    if not decided:
         return Agreement(save_id, assignment)
-    assert memory.pending is not None  # internal: _decide set it before answering
-    plans, global_plan = memory.pending
-    memory.pending = None
-    return Agreement(save_id, assignment, plans, global_plan)
+    return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan)
+
+
+def _plan_message(mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
+    """This rank's plan: its whole layout, or only the fingerprint of the one sent last."""
+    if reuse and memory.fingerprint is not None:
+        return wire.encode_plan(mine, same_as=memory.fingerprint)
+    layout = wire.layout_bytes(mine)
+    fingerprint = wire.fingerprint(layout)
+    same = fingerprint == memory.fingerprint
+    memory.fingerprint = fingerprint
+    return (wire.encode_plan(mine, same_as=fingerprint) if same
+            else wire.encode_plan(mine, layout=layout))
+
+
+def _forget(memory: Memory) -> None:
+    """After a failed agreement: the next save sends and decides everything afresh."""
+    memory.fingerprint = None
+    memory.plans.clear()
+    memory.last = None
 
 
 def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -160,26 +165,30 @@ def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Mem
     return Agreement(commit.new_save_id(), global_plan.assignments[0], (mine,), global_plan)
 
 
-def _decide(gathered: list[bytes], memory: Memory, path: str) -> list[bytes]:
-    """On the coordinator: every rank's plan -> every rank's answer (or everyone's error)."""
+@dataclass(frozen=True)
+class Decision:
+    """The coordinator's decision for one save: every rank's answer, and what it decided from."""
+
+    answers: list[bytes]
+    plans: tuple[RankPlan, ...]
+    global_plan: GlobalPlan
+
+
+def _decide(gathered: list[bytes], memory: Memory) -> Decision:
+    """On the coordinator: every rank's plan -> every rank's answer; raises CkptError when the
+    ranks' plans cannot be combined (every rank then fails)."""
     plans: list[RankPlan] = []
-    failures: list[str] = []
     all_same = True
     for rank, data in enumerate(gathered):
         cached = memory.plans.get(rank)
         plan, error, fingerprint, same = wire.decode_plan(data, rank, cached[1] if cached else None,
                                                     cached[0] if cached else None)
         if plan is None:
-            failures.append(f"rank {rank}: {error}")
-            continue
+            raise CkptError(f"rank {rank}: {error}")
         all_same = all_same and same
         plans.append(plan)
         if not same and fingerprint is not None:
             memory.plans[rank] = (fingerprint, plan)
-    if failures:
-        memory.plans.clear()
-        memory.last = None
-        return [_refusal(path, failures)] * len(gathered)
     try:
         own = per_rank_keys(plans)
         if all_same and memory.last is not None and memory.last[0] == own:
@@ -189,22 +198,15 @@ def _decide(gathered: list[bytes], memory: Memory, path: str) -> list[bytes]:
             global_plan = plan_global(plans, own)
             memory.last = (own, global_plan)
     except CkptError as exc:
-        memory.plans.clear()
-        memory.last = None
-        return [_refusal(path, [f"ranks disagree: {exc}"])] * len(gathered)
+        raise CkptError(f"ranks disagree: {exc}") from None
     save_id = commit.new_save_id()
-    memory.pending = (tuple(plans), global_plan)
-    return [wire.encode_answer(save_id, a, None) for a in global_plan.assignments]
+    answers = [wire.encode_answer(save_id, a, None) for a in global_plan.assignments]
+    return Decision(answers, tuple(plans), global_plan)
 
 
-def _refusal(path: str, failures: list[str]) -> bytes:
-    return wire.encode_answer("", None, f"save to {path} failed before writing, on "
-                              f"{'; '.join(failures[:8])}{' ...' if len(failures) > 8 else ''}. "
-                              "Nothing was written; the previous checkpoint there is untouched")
-
-
-def _describe(error: BaseException | None) -> str:
-    return f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+def _refusal(path: str, failures: list[str]) -> str:
+    return (f"save to {path} failed before writing, on {listed(failures)}. Nothing was written; "
+            "the previous checkpoint there is untouched")
 
 
 @contextlib.contextmanager
@@ -254,7 +256,7 @@ def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
         return
     mine = None
     if group.rank == COORDINATOR:
-        mine = json.dumps({"error": None if failure is None else _describe(failure),
+        mine = json.dumps({"error": None if failure is None else describe(failure),
                            "locked": isinstance(failure, CheckpointLockedError)}).encode()
     outcome = json.loads(group.broadcast(mine))
     if group.rank == COORDINATOR or outcome["error"] is None or not raise_it:
@@ -267,104 +269,72 @@ def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
                           "there is untouched")
 
 
-def conclude(group: Group, agreement: Agreement, written: tuple[list[TensorEntry], list[FileInfo]] | None,
+def conclude(group: Group, agreement: Agreement, written: Written | None,
              error: BaseException | None, path: str, meta: dict[str, Any], algorithm: str,
              block_nbytes: int, committed: Callable[[list[str]], None],
              held: commit.DirLock | None = None) -> None:
-    """Collective, after this rank's writes (``written``) or its failure (``error``): the
+    """Collective step, after this rank's writes (``written``) or its failure (``error``): the
     coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
     ``committed(names)``: on the coordinator after the commit, with every data file's name.
     ``held``: the coordinator's directory lock (the commit is conditional on it).
-    Raises this rank's own error, else RankFailedError naming the failed ranks; with one
-    process, the commit's own error."""
-    entries, files = written if written is not None else (None, None)
-    if group.size == 1:
-        if error is not None:
-            raise error
-        assert entries is not None and files is not None  # internal: written when no error
-        failure = _commit([(entries, files, None)], agreement, path, meta, algorithm,
-                          block_nbytes, committed, held)
-        if failure is not None:
-            raise CkptError(failure)
-        return
-    gathered = group.gather(wire.encode_result(entries, files, _describe(error)))
-    outcome = None
-    if gathered is not None:
-        try:
-            with paused():
-                results = [wire.decode_result(data, rank, _assigned(agreement, rank))
-                           for rank, data in enumerate(gathered)]
-            verdict = _commit(results, agreement, path, meta, algorithm, block_nbytes, committed,
-                              held)
-        except BaseException as exc:  # the peers wait for an outcome: tell them, then raise
-            group.broadcast(wire.encode_outcome(f"the coordinator (rank 0) failed: {_describe(exc)}"))
-            raise
-        outcome = wire.encode_outcome(verdict)
-    failure = wire.decode_outcome(group.broadcast(outcome))
-    if error is not None:
-        raise error
-    if failure is not None:
-        raise RankFailedError(failure)
+    Raises this rank's own error, else RankFailedError naming the failed ranks (with one
+    process, or on the coordinator, the commit's own error)."""
+    mine = None
+    if written is not None and error is None:
+        mine = wire.encode_result(written[0], written[1], None)
+
+    def decide(messages: list[bytes]) -> list[bytes]:
+        with paused():
+            results = [wire.decode_result(data, rank, _assigned(agreement, rank))
+                       for rank, data in enumerate(messages)]
+        _commit(results, agreement, path, meta, algorithm, block_nbytes, committed, held)
+        return [b""] * len(messages)
+
+    def failed(failures: list[str]) -> str:
+        return (f"save to {path} failed on {listed(failures)}. Nothing was committed; the "
+                "previous checkpoint there is untouched")
+
+    if coordinate(group, mine, error, decide, failed) is None:
+        raise error  # type: ignore[misc]  # None only when this rank brought one
 
 
-def _assigned(agreement: Agreement, rank: int) -> list[WriteItem]:
+def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
+    """Rank ``rank``'s assigned items by their index in its plan (what its result is keyed by)."""
     assert agreement.global_plan is not None  # internal: set on the coordinator
-    return [agreement.plans[rank].items[i] for i in agreement.global_plan.assignments[rank].writes]
+    items = agreement.plans[rank].items
+    return {i: items[i] for i in agreement.global_plan.assignments[rank].writes}
 
 
-def _commit(results: list[tuple[list[TensorEntry], list[FileInfo], str | None]],
+def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
             agreement: Agreement, path: str, meta: dict[str, Any], algorithm: str,
             block_nbytes: int, committed: Callable[[list[str]], None],
-            held: commit.DirLock | None) -> str | None:
-    """On the coordinator: the manifest, committed; -> None, or why nothing was committed.
-    With one rank, a commit error is raised as it is (no coordinator to speak of)."""
+            held: commit.DirLock | None) -> None:
+    """On the coordinator, once every rank has written: build, check and commit the manifest."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
-    written: list[list[TensorEntry]] = []
-    files: list[FileInfo] = []
-    failures: list[str] = []
-    for rank, (entries, infos, error) in enumerate(results):
-        if error is not None:
-            failures.append(f"rank {rank}: {error}")
-        written.append(entries)
-        files.extend(infos)
-    if failures:
-        return (f"save to {path} failed on {'; '.join(failures[:8])}"
-                f"{' ...' if len(failures) > 8 else ''}. Nothing was committed; the previous "
-                "checkpoint there is untouched")
-    try:
-        check_files(files)
-        with paused():
-            record = Manifest(
-                version=manifest.VERSION, save_id=agreement.save_id,
-                checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
-                tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
-                objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
-                block_nbytes=block_nbytes)
-        # The reader's key rules, before the commit: a manifest that would not load must not
-        # replace one that does (its files are deleted once the new one is committed).
-        manifest.check_keys(record, os.path.join(path, manifest.MANIFEST_NAME))
-        commit.commit(path, manifest.encode(record), agreement.save_id, held)
-    except CkptError as exc:
-        if len(results) == 1:
-            raise
-        return f"save to {path} failed at the commit on the coordinator (rank 0): {exc}"
+    written = [entries for entries, _files, _error in results]
+    files = [info for _entries, infos, _error in results for info in infos]
+    check_files(files)
+    with paused():
+        record = Manifest(
+            version=manifest.VERSION, save_id=agreement.save_id,
+            checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
+            tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
+            objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
+            block_nbytes=block_nbytes)
+    # The reader's key rules, before the commit: a manifest that would not load must not
+    # replace one that does (its files are deleted once the new one is committed).
+    manifest.check_keys(record, os.path.join(path, manifest.MANIFEST_NAME))
+    commit.commit(path, manifest.encode(record), agreement.save_id, held)
     committed([f.name for f in files])
-    return None
-
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:
-    """Collective, at the end of a load: if any other rank failed, raise here too (this rank's
-    own error is raised by the caller)."""
-    if group.size == 1:
-        return
-    reports = group.all_gather(b"" if error is None else _describe(error).encode())
-    failures = [f"rank {r}: {m.decode(errors='replace')}" for r, m in enumerate(reports) if m]
-    if failures and error is None:
-        raise RankFailedError(f"load of {path} failed on {'; '.join(failures[:8])}"
-                              f"{' ...' if len(failures) > 8 else ''}; this rank's state may be "
-                              "partly loaded: load again once the cause is fixed")
+    """Collective step, at the end of a load: if any other rank failed, raise here too (this
+    rank's own error is raised by the caller)."""
+    coordinate(group, b"", error, lambda messages: [b""] * len(messages),
+               lambda failures: f"load of {path} failed on {listed(failures)}; this rank's "
+               "state may be partly loaded: load again once the cause is fixed")
 
 
 class UnexpectedKeys:
@@ -377,22 +347,25 @@ class UnexpectedKeys:
         self.group, self.path, self.done = group, path, False
 
     def __call__(self, mine: tuple[str, ...]) -> tuple[str, ...]:
-        replies = self._exchange({"unexpected": list(mine)})
-        failures = [f"rank {r}: {m['error']}" for r, m in enumerate(replies) if "error" in m]
-        if failures:
-            raise RankFailedError(f"load of {self.path} failed on {'; '.join(failures[:8])}"
-                                  f"{' ...' if len(failures) > 8 else ''}")
-        nobody = set(mine)
-        for reply in replies:
-            nobody &= set(reply["unexpected"])
+        self.done = True
+        answer = coordinate(self.group, json.dumps(list(mine)).encode(), None, _nobody_asks,
+                            self._failed)
+        nobody = set(json.loads(answer or b"[]"))
         return tuple(k for k in mine if k in nobody)
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
-            self._exchange({"error": _describe(error)})
+            self.done = True
+            coordinate(self.group, None, error, _nobody_asks, self._failed)
 
-    def _exchange(self, message: dict[str, Any]) -> list[dict[str, Any]]:
-        self.done = True
-        if self.group.size == 1:
-            return [message]
-        return [json.loads(b) for b in self.group.all_gather(json.dumps(message).encode())]
+    def _failed(self, failures: list[str]) -> str:
+        return f"load of {self.path} failed on {listed(failures)}"
+
+
+def _nobody_asks(messages: list[bytes]) -> list[bytes]:
+    """On the coordinator: the keys every rank found unexpected, for every rank."""
+    nobody: set[str] | None = None
+    for message in messages:
+        keys = set(json.loads(message))
+        nobody = keys if nobody is None else nobody & keys
+    return [json.dumps(sorted(nobody or ())).encode()] * len(messages)

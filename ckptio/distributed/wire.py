@@ -9,6 +9,7 @@ own: what they mean (globalplan.py) or moving them (dist.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import xxhash
@@ -114,29 +115,38 @@ def decode_answer(data: bytes) -> tuple[str, Assignment]:
     return raw["save_id"], Assignment(tuple(raw["writes"]), frozenset(raw["own"]))
 
 
-def encode_result(entries: list[TensorEntry] | None, files: list[FileInfo] | None,
+def encode_result(entries: Mapping[int, TensorEntry] | None, files: list[FileInfo] | None,
                   error: str | None) -> bytes:
-    """What a rank wrote (positions and checksums; the coordinator knows the rest) or its error."""
+    """What a rank wrote, keyed by the index of each item in its plan (positions and checksums;
+    the coordinator knows the rest), or its error. Nothing depends on the order of entries."""
     if entries is None or files is None:
         return _dumps({"error": error})
     names = {f.name: i for i, f in enumerate(files)}
     return _dumps({"files": [[f.name, f.nbytes] for f in files],
-                   "entries": [[names[e.file], e.offset, e.checksum, list(e.blocks)] for e in entries]})
+                   "entries": [[index, names[e.file], e.offset, e.checksum, list(e.blocks)]
+                               for index, e in entries.items()]})
 
 
-def decode_result(data: bytes, rank: int, items: list[WriteItem]) -> tuple[
-        list[TensorEntry], list[FileInfo], str | None]:
-    """-> (entries for ``items``, the rank's files, None) or ([], [], the rank's error)."""
+def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> tuple[
+        dict[int, TensorEntry], list[FileInfo], str | None]:
+    """-> (an entry for every item index in ``assigned``, the rank's files, None) or
+    ({}, [], the rank's error). An index not assigned, reported twice or missing is refused."""
     raw = _loads(data, f"rank {rank}'s result")
     try:
         if raw.get("error") is not None:
-            return [], [], str(raw["error"])
+            return {}, [], str(raw["error"])
         files = [FileInfo(name, nbytes, rank) for name, nbytes in raw["files"]]
-        if len(raw["entries"]) != len(items):
-            raise ValueError(f"{len(raw['entries'])} entries for {len(items)} items")
-        entries = [TensorEntry(i.key, i.kind, i.dtype, i.shape, i.chunk, files[f].name, offset,
-                               i.nbytes, checksum, None, tuple(blocks))
-                   for i, (f, offset, checksum, blocks) in zip(items, raw["entries"])]
+        entries: dict[int, TensorEntry] = {}
+        for index, f, offset, checksum, blocks in raw["entries"]:
+            item = assigned[index]
+            if index in entries:
+                raise ValueError(f"item {index} ({item.key}) reported twice")
+            entries[index] = TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk,
+                                         files[f].name, offset, item.nbytes, checksum, None,
+                                         tuple(blocks))
+        if len(entries) != len(assigned):
+            missing = sorted(set(assigned) - set(entries))[:5]
+            raise ValueError(f"no entry for assigned items {missing}")
         return entries, files, None
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"rank {rank}'s result is malformed ({exc!r})") from None

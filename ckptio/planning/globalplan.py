@@ -273,15 +273,16 @@ def _dict_key(key: str | int) -> tuple[str, str | int]:
 
 
 def manifest_entries(plans: Sequence[RankPlan], assignments: Sequence[Assignment],
-                     written: Sequence[Sequence[TensorEntry]]) -> list[TensorEntry]:
-    """Each rank's written entries (in its ``writes`` order), marked with the rank where they
-    are that rank's own value."""
+                     written: Sequence[Mapping[int, TensorEntry]]) -> list[TensorEntry]:
+    """Each rank's written entries, keyed by item index (in its ``writes`` order), marked with
+    the rank where they are that rank's own value."""
     out: list[TensorEntry] = []
     for plan, assignment, entries in zip(plans, assignments, written):
-        if len(entries) != len(assignment.writes):
-            raise CkptError(f"rank {plan.rank} reported {len(entries)} written entries for "
-                            f"{len(assignment.writes)} assigned writes")
-        for index, entry in zip(assignment.writes, entries):
+        if set(entries) != set(assignment.writes):
+            raise CkptError(f"rank {plan.rank} reported written items {sorted(entries)[:5]}... "
+                            f"for assigned items {list(assignment.writes)[:5]}...")
+        for index in assignment.writes:
+            entry = entries[index]
             if index in assignment.own:
                 entry = TensorEntry(entry.key, entry.kind, entry.dtype, entry.shape, entry.chunk,
                                     entry.file, entry.offset, entry.nbytes, entry.checksum,

@@ -29,7 +29,7 @@ from ckptio.io.stage import BufferPool
 from ckptio.format.types import FileInfo, FileLayout, TensorEntry
 
 log = logging.getLogger("ckptio")
-Written = tuple[list[TensorEntry], list[FileInfo]]
+Written = collective.Written
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class SaveTask:
     eager_items: int
     ready: list[Any]
     lazy: bool
-    order: list[str]  # this rank's keys in the agreed order of its writes
+    index_of: dict[str, int]  # this rank's keys -> their item index in its plan (results are keyed by it)
     finish: Finish
     lock: threading.Lock  # the Checkpointer's: one save or load at a time
     wait_listed: Callable[[], None]  # the previous cleanup has listed the directory
@@ -122,11 +122,7 @@ def _write(task: SaveTask) -> tuple[Written | None, BaseException | None]:
             handle._run_on_caller(job.capture)
         handle._captured()
         entries, infos = job.finish()
-        # In the agreed order (a lazy save wrote them in another): the coordinator pairs the
-        # reported entries with its copy of this rank's items by position.
-        position = {key: n for n, key in enumerate(task.order)}
-        entries.sort(key=lambda e: position[e.key])
-        return (entries, infos), None
+        return ({task.index_of[e.key]: e for e in entries}, infos), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
         if job is not None:
             job.abandon()

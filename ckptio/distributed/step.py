@@ -1,0 +1,84 @@
+"""One collective step: each rank computes, the coordinator decides, and every rank gets its
+answer or every rank fails.
+
+    answer = coordinate(group, mine, error, decide, failed)
+
+Every rank sends its message (``mine``) or the error it met computing it. The coordinator, if
+no rank failed, calls ``decide`` with every rank's message (in rank order) and sends each rank
+its answer. If any rank failed, or ``decide`` raised, every rank instead gets one failure
+message (``failed`` phrases it from "rank r: why" lines) and raises RankFailedError with it;
+a rank that brought its own error gets None back and raises that error itself; a coordinator
+whose ``decide`` raised raises that. So a step never leaves a rank waiting and never lets one
+rank go on while another stops. Save planning, the commit and the load's key and outcome steps
+are all this one step (DCP's reduce_scatter / all_reduce play the same part).
+
+Owns: the envelope (one tag byte, then the payload) and the failure rules. Does not own: what
+the messages say (wire.py, collective.py) or moving bytes (dist.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckptio.distributed.dist import Group
+from ckptio.errors import RankFailedError
+
+__all__ = ["coordinate", "describe", "listed"]
+
+_OK, _ERROR, _FAILED = b"O", b"E", b"F"
+
+Decide = Callable[[list[bytes]], list[bytes]]
+Phrase = Callable[[list[str]], str]
+
+
+def describe(error: BaseException | None) -> str:
+    """An error as one line for the other ranks."""
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown error"
+
+
+def coordinate(group: Group, mine: bytes | None, error: BaseException | None, decide: Decide,
+               failed: Phrase) -> bytes | None:
+    """This rank's answer; None if this rank brought ``error`` (the caller raises it). Raises
+    RankFailedError when another rank failed, or the coordinator's own error from ``decide``."""
+    if group.size == 1:
+        return None if error is not None else decide([_payload(mine)])[0]
+    sent = _ERROR + describe(error).encode() if error is not None else _OK + _payload(mine)
+    gathered = group.gather(sent)
+    answers: list[bytes] | None = None
+    own: BaseException | None = None
+    if gathered is not None:
+        answers, own = _decide_all(gathered, decide, failed)
+    answer = group.scatter(answers)
+    if own is not None:
+        raise own
+    if error is not None:
+        return None
+    if answer[:1] == _FAILED:
+        raise RankFailedError(answer[1:].decode(errors="replace"))
+    return answer[1:]
+
+
+def _payload(mine: bytes | None) -> bytes:
+    if mine is None:
+        raise TypeError("coordinate(): a rank with no error must send a message")  # internal
+    return mine
+
+
+def _decide_all(gathered: list[bytes], decide: Decide,
+                failed: Phrase) -> tuple[list[bytes], BaseException | None]:
+    """On the coordinator: every rank's answer, and the error ``decide`` raised (if any)."""
+    failures = [f"rank {rank}: {message[1:].decode(errors='replace')}"
+                for rank, message in enumerate(gathered) if message[:1] != _OK]
+    if failures:
+        return [_FAILED + failed(failures).encode()] * len(gathered), None
+    try:
+        answers = decide([message[1:] for message in gathered])
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller once the peers know
+        why = failed([f"the coordinator (rank 0): {describe(exc)}"])
+        return [_FAILED + why.encode()] * len(gathered), exc
+    return [_OK + answer for answer in answers], None
+
+
+def listed(failures: list[str], limit: int = 8) -> str:
+    """'rank 1: why; rank 3: why ...' with at most ``limit`` entries."""
+    return "; ".join(failures[:limit]) + (" ..." if len(failures) > limit else "")

@@ -1,0 +1,30 @@
+"""Rank bodies for tests/test_step.py."""
+
+from __future__ import annotations
+
+import ckptio
+from ckptio.distributed.dist import TorchGroup
+from ckptio.distributed.step import coordinate
+
+
+def _group() -> TorchGroup:
+    import torch.distributed as dist
+
+    return TorchGroup(dist.group.WORLD)
+
+
+def one_step(rank: int, world: int, case: str) -> str:
+    group = _group()
+    error = ValueError("bad input") if case == "rank1 fails" and rank == 1 else None
+    mine = None if error is not None else f"from {rank}".encode()
+
+    def decide(messages: list[bytes]) -> list[bytes]:
+        if case == "decide fails":
+            raise ckptio.CkptError("cannot decide")
+        return [b"to %d after %s" % (r, b",".join(messages)) for r in range(len(messages))]
+
+    try:
+        answer = coordinate(group, mine, error, decide, lambda f: "step failed on " + "; ".join(f))
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "own error" if answer is None else answer.decode()

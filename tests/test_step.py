@@ -1,0 +1,38 @@
+"""The one collective step (ckptio.distributed.step.coordinate) on real gloo ranks: every rank
+gets its own answer, or every rank fails, naming the rank that failed."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptio.distributed.dist import Solo
+from ckptio.distributed.step import coordinate
+from ckptio.testing.ranks import run_ranks
+
+import step_cases as cases
+
+
+def test_each_rank_gets_its_own_answer():
+    assert run_ranks(3, cases.one_step, "ok") == [
+        f"to {r} after from 0,from 1,from 2" for r in range(3)]
+
+
+def test_a_failed_rank_fails_every_rank_and_is_named():
+    results = run_ranks(3, cases.one_step, "rank1 fails")
+    assert results[1] == "own error"  # the failing rank raises its own error itself
+    for r in (0, 2):
+        assert results[r].startswith("RankFailedError: step failed on rank 1: ValueError: bad input")
+
+
+def test_the_coordinator_failing_to_decide_fails_every_rank():
+    results = run_ranks(3, cases.one_step, "decide fails")
+    assert results[0] == "CkptError: cannot decide"
+    for r in (1, 2):
+        assert "the coordinator (rank 0): CkptError: cannot decide" in results[r]
+
+
+def test_one_process_decides_alone():
+    assert coordinate(Solo(), b"x", None, lambda m: [m[0] + b"!"], str) == b"x!"
+    assert coordinate(Solo(), None, ValueError("own"), lambda m: m, str) is None
+    with pytest.raises(KeyError):
+        coordinate(Solo(), b"x", None, lambda m: [{}["missing"]], str)
