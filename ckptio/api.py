@@ -7,6 +7,7 @@ use, reused by every later save and load). The logic lives in the modules it cal
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 import re
@@ -24,17 +25,16 @@ from ckptio.loading import assemble
 from ckptio.distributed import collective
 from ckptio.storage import commit
 from ckptio.format import manifest
-from ckptio.saving import persist
 from ckptio.loading import restore
-from ckptio.saving import session as saverun
+from ckptio.saving import session
+from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
-from ckptio.saving.handle import SaveHandle, SaveResult, lazy_order
+from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.format.flatten import flatten
-from ckptio.planning.layout import plan_files
 from ckptio.options import Options
 from ckptio.tuning.profile import io_fields, tuned_options
-from ckptio.planning.plan import PlanCache, SavePlan, build_plan
+from ckptio.planning.plan import PlanCache
 from ckptio.io.stage import BufferPool
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
 from ckptio.format.types import Job, Target
@@ -57,9 +57,7 @@ class Checkpointer:
         self._pool: BufferPool | None = None
         self._backend: io.IOBackend | None = None
         self._lock = threading.Lock()
-        self._cleanup: threading.Thread | None = None
-        self._cleanup_listed = threading.Event()  # the cleanup has chosen what it removes
-        self._cleanup_listed.set()
+        self._cleanup = Cleanup()  # removal of superseded files, behind the next save
         self._active = self.options  # options the pool and backend were made with
         self._plan_cache = PlanCache()
         self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
@@ -70,11 +68,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
 
     def _finish_cleanup(self) -> None:
-        """Wait for the previous save's removal of superseded files (it runs in the background:
-        deleting a multi-GB file costs ext4 ~0.2 s/GB, which need not block the caller)."""
-        if self._cleanup is not None:
-            self._cleanup.join()
-            self._cleanup = None
+        """Wait for the previous save's removal of superseded files (saving/cleanup.py)."""
+        self._cleanup.finish()
 
     def _resources(self, path: str | None = None) -> tuple[BufferPool, io.IOBackend]:
         """The pool and backend, made for the tuned profile of ``path``'s filesystem (if any);
@@ -169,55 +164,24 @@ class Checkpointer:
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
                           "running (if_busy='skip')", stacklevel=2)
             return SaveHandle._skipped(path)
-        settled: BaseException | None = None
+        previous_error: BaseException | None = None
         try:
             self._settle()
-        except BaseException as exc:  # noqa: BLE001 - with peers, raised by _agree once they know
+        except BaseException as exc:  # noqa: BLE001 - with peers, raised in agree once they know
             if group.size == 1:
                 raise
-            settled = exc
+            previous_error = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
-        plan, sources, agreement = self._agree(group, state, path, allow_pickle, settled)
-        try:
-            handle, job = self._start(group, agreement, plan, sources, path, started, lazy,
-                                      optimizers)
-        except BaseException as exc:
-            self._finish(group, agreement, path).failed(exc)  # the peers wait in conclude
-            raise
-        self._inflight, self._thread = handle, job
-        try:
-            handle._block_until_captured(lazy=lazy)
-        finally:
-            handle._mark_returned()
-        return handle
-
-    def _start(self, group: Group, agreement: collective.Agreement, plan: SavePlan,
-               sources: dict[str, torch.Tensor], path: str, started: float, lazy: bool,
-               optimizers: Sequence[torch.optim.Optimizer]) -> tuple[SaveHandle, threading.Thread]:
-        """Lay out this rank's writes and start the save's thread."""
-        items = tuple(plan.items[i] for i in agreement.assignment.writes)
-        index_of = {plan.items[i].key: i for i in agreement.assignment.writes}
-        items, eager_items = lazy_order(items, sources, optimizers) if lazy else (items, len(items))
-        files = plan_files(items, save_id=agreement.save_id, rank=group.rank,
-                           max_file_bytes=self.options.max_file_bytes)
-        progress = persist.Progress(sum(i.nbytes for i in items))
-        handle = SaveHandle(path, progress, tuple(f.name for f in files), started)
-        ready = persist.ready_events(sources)
-        task = saverun.SaveTask(handle, files, sources, eager_items, ready, lazy, index_of,
-                                self._finish(group, agreement, path), self._lock,
-                                lambda: self._cleanup_listed.wait(), self._resources)
-        job = threading.Thread(target=saverun.run, name="ckptio-save", args=(task,))
-        if lazy:  # before the thread starts: no capture may begin unguarded
-            handle._hook_optimizers(optimizers)
-        try:
-            job.start()  # not a daemon: a save running at exit is finished (_finish_saves_at_exit)
-        except BaseException as exc:
-            handle._finished(0, exc)  # releases the hooks' wait
-            handle._remove_hooks()
-            raise
-        if lazy and eager_items == 0:  # nothing outside the optimizers: no need to wait for it
-            handle._eager_captured()
-        return handle, job
+        context = session.SaveContext(
+            group=group, path=path, options=self.options, staging=_Staging(self),
+            cleanup=self._cleanup, memory=self._memory(group), plan_cache=self._plan_cache,
+            meta=_meta(), block_nbytes=self._block_nbytes(), allow_pickle=allow_pickle,
+            lazy=lazy, optimizers=tuple(optimizers), started=started,
+            previous_error=previous_error)
+        save = session.begin(context, state)
+        self._inflight, self._thread = save.handle, save.thread
+        save.capture_here()
+        return save.handle
 
     def _group(self, process_group: Any) -> Group:
         """The ranks of this call: one process, or a private gloo group over the torch
@@ -229,28 +193,10 @@ class Checkpointer:
             self._groups[id(torch_group)] = (torch_group, TorchGroup(torch_group))
         return self._groups[id(torch_group)][1]
 
-    def _agree(self, group: Group, state: Any, path: str, allow_pickle: bool,
-               settled: BaseException | None) -> tuple[
-            SavePlan, dict[str, torch.Tensor], collective.Agreement]:
-        """Plan this rank's part and agree with the other ranks on who writes what (collective:
-        a failure on any rank raises on every rank, before any byte is written)."""
-        mine: collective.RankPlan | None = None
-        error: BaseException | None = None
-        reuse = False
-        try:
-            if settled is not None:  # the previous save's error: this save does not start
-                raise settled
-            flat = flatten(state)
-            hits = self._plan_cache.hits
-            plan, sources = build_plan(flat, allow_pickle=allow_pickle, cache=self._plan_cache)
-            reuse = self._plan_cache.hits > hits
-            mine = collective.local_plan(group, plan, sources, flat)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by agree() once the peers know
-            error = exc
-        memory = self._memories.setdefault(None if isinstance(group, Solo) else id(group),
-                                           collective.Memory())
-        agreement = collective.agree(group, mine, error, memory, path, reuse)
-        return plan, sources, agreement
+    def _memory(self, group: Group) -> collective.Memory:
+        """The plans of the last save over ``group`` (reused while the layout is unchanged)."""
+        return self._memories.setdefault(None if isinstance(group, Solo) else id(group),
+                                         collective.Memory())
 
     def _settle(self) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
@@ -265,29 +211,10 @@ class Checkpointer:
             if error is not None:
                 raise error
 
-    def _finish(self, group: Group, agreement: collective.Agreement, path: str) -> saverun.Finish:
-        return saverun.Finish(group, agreement, path, self.options.checksum, self._block_nbytes(),
-                              _meta(), lambda names: self._start_cleanup(path, names),
-                              self.options.if_locked)
-
     def _block_nbytes(self) -> int:
         """Checksum block of this save's entries: a quarter buffer at most, so a resharding
         load with the same options reads pieces and their widening within one buffer."""
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
-
-    def _start_cleanup(self, path: str, names: list[str]) -> None:
-        """Remove the files the new manifest does not name, in the background."""
-        self._finish_cleanup()  # normally long finished: a save takes longer than a deletion
-        listed = threading.Event()
-        cleanup = threading.Thread(target=commit.remove_unreferenced, args=(path, set(names), listed),
-                                   name="ckptio-cleanup", daemon=True)
-        try:
-            cleanup.start()
-        except BaseException:
-            listed.set()  # nothing will list: later saves must not wait for it
-            raise
-        self._cleanup, self._cleanup_listed = cleanup, listed
-        listed.wait()  # before other ranks hear of the commit and may start the next save
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
@@ -403,6 +330,20 @@ def local_path(path: str | os.PathLike[str]) -> str:
             f"{text}: ckptio does not serve {scheme.group(1)}:// URLs yet (only local and "
             "mounted filesystems); pass a directory path, e.g. a mounted bucket")
     return text
+
+
+@dataclass(frozen=True)
+class _Staging:
+    """The Checkpointer's pool and backend as a save sees them (session.Staging)."""
+
+    checkpointer: Checkpointer
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self.checkpointer._lock
+
+    def for_path(self, path: str) -> tuple[BufferPool, io.IOBackend]:
+        return self.checkpointer._resources(path)
 
 
 def _meta() -> dict[str, Any]:

@@ -330,12 +330,12 @@ def ranks_save(rank: int, world: int, path: str, if_locked: str, fail_start_on: 
     its save thread (after agreement, before the lock step). -> "ok" or the error."""
     ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=2 * MiB, if_locked=if_locked))
     if rank == fail_start_on:
-        from ckptio import api
+        from ckptio.saving import session
 
         def fail(*args: object, **kwargs: object) -> None:
             raise ckptio.CkptError(f"rank {rank} fails to start")
 
-        api.plan_files = fail
+        session.plan_files = fail
     try:
         ck.save(state(7), path)
     except ckptio.CkptError as exc:

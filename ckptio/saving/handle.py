@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
 from ckptio.planning.sharding import local_tensor
 from ckptio.format.types import WriteItem
@@ -74,10 +74,7 @@ class SaveHandle:
         self._hooks: list[Any] = []
         self._hooks_thread: int | None = None  # the thread that may remove them (the trainer's)
         self._lock = threading.Lock()
-        self._cond = threading.Condition()  # hands an eager capture to the caller's thread
-        self._task: Callable[[], None] | None = None
-        self._task_error: BaseException | None = None
-        self._abandoned = False  # the caller left before taking the capture
+        self._handover = Handover(path)  # an eager capture, to the caller's thread
         self._returned = threading.Event()
 
     @classmethod
@@ -127,58 +124,19 @@ class SaveHandle:
 
     def _block_until_captured(self, *, lazy: bool) -> None:
         """The caller's wait inside async_save: for everything (eager) or the part no optimizer
-        owns (lazy). Eager captures run here, on the caller's thread, handed over by the save's
-        thread (run_on_caller): torch's intra-op threads belong to this thread, and a copy made
-        from another thread ran at less than half the speed (and below one core's) here."""
+        owns (lazy). An eager capture runs here, on the caller's thread, handed over by the
+        save's thread (handover.py says why)."""
         if lazy:
             self._eager.wait()
         else:
-            self._serve_caller()
+            if self._handover.take():
+                self._captured()  # before returning to the caller: staged() is true once it has
         self._times.blocked += time.perf_counter() - self._times.started
 
-    def _run_on_caller(self, fn: Callable[[], None]) -> None:
-        """From the save's thread: have the thread blocked in async_save run ``fn``; re-raises.
-        If that thread was interrupted (Ctrl-C) and will never run it, raises CkptError."""
-        with self._cond:
-            if not self._abandoned:
-                self._task = fn
-                self._cond.notify_all()
-            while self._task is not None and not self._abandoned:
-                self._cond.wait()
-            if self._task is not None or (self._abandoned and self._task_error is None):
-                self._task = None
-                raise CkptError(f"save to {self.path} abandoned: the calling thread was "
-                                "interrupted before the state was captured")
-            error, self._task_error = self._task_error, None
-        if error is not None and not isinstance(error, Exception):
-            raise CkptError(f"save to {self.path} abandoned: the calling thread was interrupted "
-                            f"({type(error).__name__}) while capturing") from error
-        if error is not None:
-            raise error
-
-    def _serve_caller(self) -> None:
-        """Run the capture the save's thread hands over. An interrupt (KeyboardInterrupt) while
-        waiting or copying abandons the save (the save's thread cleans up) and is re-raised."""
-        error: BaseException | None = None
-        task: Callable[[], None] | None = None
-        try:
-            with self._cond:
-                while self._task is None and not self._staged.is_set():
-                    self._cond.wait()
-                task = self._task
-            if task is None:
-                return  # the save failed (or finished) without a capture to run here
-            task()
-            self._captured()  # before returning to the caller: staged() is true once it has
-        except BaseException as exc:  # noqa: BLE001 - handed to the save's thread, see below
-            error = exc
-        with self._cond:
-            if task is None:
-                self._abandoned = True
-            self._task, self._task_error = None, error
-            self._cond.notify_all()
-        if error is not None and not isinstance(error, Exception):
-            raise error  # KeyboardInterrupt / SystemExit belong to the caller too
+    def _run_on_caller(self, capture: Callable[[], None]) -> None:
+        """From the save's thread: have the caller (waiting in async_save) run ``capture``;
+        returns once it has, raises what it raised (CkptError if the caller was interrupted)."""
+        self._handover.give(capture)
 
     def _mark_returned(self) -> None:
         self._returned.set()
@@ -204,10 +162,9 @@ class SaveHandle:
             self._result = SaveResult(self.path, nbytes, self._files, end - start,
                                       self._times.blocked, staged - start, end - staged)
         self._error = error
-        with self._cond:
-            self._eager.set()
-            self._staged.set()
-            self._cond.notify_all()
+        self._eager.set()
+        self._staged.set()
+        self._handover.close()
         self._done.set()
 
     # ---------------------------------------------------------------- lazy saves

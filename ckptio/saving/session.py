@@ -1,129 +1,250 @@
-"""One save on this rank, as its background thread runs it: wait until the coordinator holds
-the lock of the checkpoint directory, capture and write this rank's part, then conclude with
-the other ranks (the coordinator commits, then lets go of the lock).
+"""One save, from start to end, in the order it happens.
 
-Owns: the order of those steps, and that every failure on this rank reaches the other ranks
-(they wait for it in a collective). Does not own: planning and agreement (api.py,
-collective.py), the bytes (persist.py), the directory lock and the commit (collective.py,
-commit.py).
+    save = session.begin(context, state)      # the caller's thread, inside async_save:
+        1 flatten    the state -> leaves and the tree that rebuilds it
+        2 plan       this rank's writes and inline values (reused for an unchanged layout)
+        3 agree      collective: who writes what; if one rank fails, every rank fails
+        4 lay out    this rank's files, named for this save only; the save's thread starts
+    save.capture_here()                        # still the caller's thread:
+        5 capture    eager: the state copied into the staging pool, here (handed over by the
+                     save's thread once the files are open); lazy: only the tensors no
+                     optimizer owns, the rest copied by the save's thread while the next
+                     optimizer step waits for it
+    _run(...)                                  # the save's thread:
+        - claim      collective: the coordinator holds the checkpoint directory's lock
+        - open       the directory (on failure this save's files are removed again)
+        6 drain      every checksum and write finished
+        7 fsync      every file durable
+        8 conclude   collective: every rank's keyed result to the coordinator
+        9 commit     the coordinator writes the manifest last, atomically
+       10 clean up   files no committed manifest names, in the background (cleanup.py)
+
+Everything the save needs is fixed in one SaveContext when it starts. A failure anywhere on
+any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
+
+Owns: the order of those steps. Does not own: planning (planning/), the collective steps
+(distributed/collective.py), the bytes (persist.py), the commit (storage/commit.py), the
+handle and its hand-over (handle.py, handover.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ckptio.distributed import collective
-from ckptio.storage import commit
-from ckptio.saving import persist
-from ckptio.saving.handle import SaveHandle
 from ckptio.distributed.dist import Group
+from ckptio.format.flatten import flatten
+from ckptio.format.types import FileLayout
 from ckptio.io import IOBackend
 from ckptio.io.stage import BufferPool
-from ckptio.format.types import FileInfo, FileLayout, TensorEntry
+from ckptio.options import Options
+from ckptio.planning.layout import plan_files
+from ckptio.planning.plan import PlanCache, SavePlan, build_plan
+from ckptio.saving import persist
+from ckptio.saving.cleanup import Cleanup
+from ckptio.saving.handle import SaveHandle, lazy_order
+from ckptio.storage import commit
+
+__all__ = ["Save", "SaveContext", "Staging", "begin"]
 
 log = logging.getLogger("ckptio")
-Written = collective.Written
+
+
+class Staging(Protocol):
+    """The Checkpointer's staging pool and I/O backend, and its lock (one save or load at a
+    time uses them)."""
+
+    lock: threading.Lock
+
+    def for_path(self, path: str) -> tuple[BufferPool, IOBackend]: ...
 
 
 @dataclass(frozen=True)
-class Finish:
-    """What concluding a save with the other ranks needs."""
+class SaveContext:
+    """What one save needs, fixed when it starts."""
 
     group: Group
-    agreement: collective.Agreement
     path: str
-    algorithm: str
-    block_nbytes: int
+    options: Options
+    staging: Staging
+    cleanup: Cleanup
+    memory: collective.Memory  # this group's plans of the last save
+    plan_cache: PlanCache
     meta: dict[str, Any]
-    committed: Callable[[list[str]], None]  # on the coordinator, after the commit
-    if_locked: str = "wait"  # Options.if_locked
-
-    def exclusive(self) -> AbstractContextManager[commit.DirLock | None]:
-        return collective.exclusive(self.group, self.path, self.if_locked)
-
-    def conclude(self, written: Written | None, error: BaseException | None,
-                 held: commit.DirLock | None = None) -> None:
-        collective.conclude(self.group, self.agreement, written, error, self.path, self.meta,
-                            self.algorithm, self.block_nbytes, self.committed, held)
-
-    def failed(self, exc: BaseException, *, locked: bool = False) -> None:
-        """Tell the peers this rank failed (conclude re-raises ``exc`` itself: expected).
-        ``locked``: this rank has taken part in exclusive() (else it does so first)."""
-        try:
-            if not locked:
-                collective.skip_exclusive(self.group, self.path, exc)
-            self.conclude(None, exc)
-        except BaseException as other:  # noqa: BLE001 - exc is what the caller reports
-            if other is not exc:
-                log.warning("ckptio: rank %d could not report its failed save of %s to the "
-                            "other ranks: %s", self.group.rank, self.path, other)
+    block_nbytes: int
+    allow_pickle: bool
+    lazy: bool
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    started: float
+    previous_error: BaseException | None = None  # the last save's, unseen: this one fails
 
 
 @dataclass(frozen=True)
-class SaveTask:
-    handle: SaveHandle
+class _Part:
+    """This rank's part of the save, as agreed."""
+
+    agreement: collective.Agreement
     files: tuple[FileLayout, ...]
     sources: dict[str, torch.Tensor]
-    eager_items: int
-    ready: list[Any]
+    index_of: dict[str, int]  # key -> index of its item in this rank's plan (results keyed by it)
+    eager_items: int  # items copied before a lazy save returns
+    nbytes: int  # bytes of the items this rank writes
+    ready: list[Any]  # CUDA events the copies wait for
+
+
+@dataclass(frozen=True)
+class Save:
+    handle: SaveHandle
+    thread: threading.Thread
     lazy: bool
-    index_of: dict[str, int]  # this rank's keys -> their item index in its plan (results are keyed by it)
-    finish: Finish
-    lock: threading.Lock  # the Checkpointer's: one save or load at a time
-    wait_listed: Callable[[], None]  # the previous cleanup has listed the directory
-    resources: Callable[[str], tuple[BufferPool, IOBackend]]
+
+    def capture_here(self) -> None:
+        """Step 5 on the caller's thread (see the module docstring)."""
+        try:
+            self.handle._block_until_captured(lazy=self.lazy)
+        finally:
+            self.handle._mark_returned()
 
 
-def run(task: SaveTask) -> None:
-    """The save thread: write, conclude, and report the outcome on the handle."""
-    handle, path = task.handle, task.finish.path
-    if task.lazy and task.eager_items == 0:  # leave the GIL to the caller until it returns
+def begin(ctx: SaveContext, state: Any) -> Save:
+    """Steps 1-4 on the caller's thread; the save's thread started. Collective with peers."""
+    plan, sources, agreement = _agree(ctx, state)
+    try:
+        part = _lay_out(ctx, plan, sources, agreement)
+        handle = SaveHandle(ctx.path, persist.Progress(part.nbytes),
+                            tuple(f.name for f in part.files), ctx.started)
+        thread = _start_thread(ctx, part, handle)
+    except BaseException as exc:
+        _report_failure(ctx, agreement, exc)  # the peers wait for this rank in the next steps
+        raise
+    return Save(handle, thread, ctx.lazy)
+
+
+def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tensor],
+                                                  collective.Agreement]:
+    """1 flatten, 2 plan, 3 agree. A failure here is raised on every rank before any byte is
+    written (the peers learn of it in agree())."""
+    mine: collective.RankPlan | None = None
+    error: BaseException | None = None
+    reuse = False
+    plan, sources = SavePlan((), (), ()), {}  # replaced, unless agree() raises
+    try:
+        if ctx.previous_error is not None:
+            raise ctx.previous_error
+        flat = flatten(state)
+        hits = ctx.plan_cache.hits
+        plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
+        reuse = ctx.plan_cache.hits > hits
+        mine = collective.local_plan(ctx.group, plan, sources, flat)
+    except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
+        error = exc
+    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.path, reuse)
+    return plan, sources, agreement
+
+
+def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
+             agreement: collective.Agreement) -> _Part:
+    """4: the files this rank writes (a lazy save's non-optimizer items first)."""
+    writes: Sequence[int] = agreement.assignment.writes
+    items = tuple(plan.items[i] for i in writes)
+    eager_items = len(items)
+    if ctx.lazy:
+        items, eager_items = lazy_order(items, sources, ctx.optimizers)
+    files = plan_files(items, save_id=agreement.save_id, rank=ctx.group.rank,
+                       max_file_bytes=ctx.options.max_file_bytes)
+    return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
+                 eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
+
+
+def _start_thread(ctx: SaveContext, part: _Part, handle: SaveHandle) -> threading.Thread:
+    thread = threading.Thread(target=_run, name="ckptio-save", args=(ctx, part, handle))
+    if ctx.lazy:  # before the thread starts: no capture may begin unguarded
+        handle._hook_optimizers(ctx.optimizers)
+    try:
+        thread.start()  # not a daemon: a save running at exit is finished (api.py)
+    except BaseException as exc:
+        handle._finished(0, exc)  # releases the hooks' wait
+        handle._remove_hooks()
+        raise
+    if ctx.lazy and part.eager_items == 0:  # nothing outside the optimizers to wait for
+        handle._eager_captured()
+    return thread
+
+
+def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
+    """The save's thread: claim, open, 5-7 write (_write), 8-9 conclude and commit."""
+    if ctx.lazy and part.eager_items == 0:  # leave the GIL to the caller until it returns
         handle._wait_returned()
     concluded = False
     try:
-        # exclusive() first: it runs on every rank (a collective), and no rank creates a file
-        # before the coordinator holds the lock; attempt() removes this rank's files on failure.
-        with (task.lock, task.finish.exclusive() as held,
-              commit.attempt(path, [f.name for f in task.files])):
+        # claim first: a collective on every rank, and no rank creates a file before the
+        # coordinator holds the lock; attempt() removes this rank's files on failure.
+        with (ctx.staging.lock,
+              collective.exclusive(ctx.group, ctx.path, ctx.options.if_locked) as held,
+              commit.attempt(ctx.path, [f.name for f in part.files])):
             # The previous save's cleanup must have listed its directory before this save
-            # creates files there; its deleting may go on (ext4 frees ~0.2 s/GB).
-            task.wait_listed()
-            written, error = _write(task)
+            # creates files there; its deleting may go on.
+            ctx.cleanup.wait_listed()
+            written, error = _write(ctx, part, handle)
             concluded = True
-            task.finish.conclude(written, error, held)
+            _conclude(ctx, part.agreement, written, error, held)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
         if not concluded:  # e.g. the directory could not be made: the peers still wait
-            task.finish.failed(exc, locked=True)
+            _report_failure(ctx, part.agreement, exc, claimed=True)
         handle._finished(0, exc)
         return
     handle._finished(handle.progress().nbytes_total)
 
 
-def _write(task: SaveTask) -> tuple[Written | None, BaseException | None]:
-    """This rank's bytes, captured and durable; -> (entries and files, None) or (None, why)."""
+def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
+        collective.Written | None, BaseException | None]:
+    """5 capture, 6 drain, 7 fsync: this rank's bytes durable; -> (its results keyed by item
+    index, None) or (None, why)."""
     job: persist.SaveJob | None = None
-    handle, path = task.handle, task.finish.path
     try:
-        pool, backend = task.resources(path)
-        job = persist.SaveJob(path, task.files, task.sources, pool=pool, backend=backend,
-                              algorithm=task.finish.algorithm, rank=task.finish.group.rank,
-                              ready=task.ready, progress=handle.progress(),
-                              block_nbytes=task.finish.block_nbytes)
-        if task.lazy:
-            job.capture(task.eager_items, handle._eager_captured)
+        pool, backend = ctx.staging.for_path(ctx.path)
+        job = persist.SaveJob(ctx.path, part.files, part.sources, pool=pool, backend=backend,
+                              algorithm=ctx.options.checksum, rank=ctx.group.rank,
+                              ready=part.ready, progress=handle.progress(),
+                              block_nbytes=ctx.block_nbytes)
+        if ctx.lazy:
+            job.capture(part.eager_items, handle._eager_captured)
         else:
             handle._run_on_caller(job.capture)
         handle._captured()
         entries, infos = job.finish()
-        return ({task.index_of[e.key]: e for e in entries}, infos), None
+        return ({part.index_of[e.key]: e for e in entries}, infos), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
         if job is not None:
             job.abandon()
         return None, exc
+
+
+def _conclude(ctx: SaveContext, agreement: collective.Agreement,
+              written: collective.Written | None, error: BaseException | None,
+              held: commit.DirLock | None) -> None:
+    """8 conclude, 9 commit (on the coordinator), 10 clean up started after the commit."""
+    collective.conclude(ctx.group, agreement, written, error, ctx.path, ctx.meta,
+                        ctx.options.checksum, ctx.block_nbytes,
+                        lambda names: ctx.cleanup.start(ctx.path, names), held)
+
+
+def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: BaseException, *,
+                    claimed: bool = False) -> None:
+    """Take part in the steps the peers wait in, with this rank's failure (the caller raises
+    ``exc`` itself). ``claimed``: this rank has already taken part in the claim."""
+    try:
+        if not claimed:
+            collective.skip_exclusive(ctx.group, ctx.path, exc)
+        collective.conclude(ctx.group, agreement, None, exc, ctx.path, ctx.meta,
+                            ctx.options.checksum, ctx.block_nbytes, lambda _names: None)
+    except BaseException as other:  # noqa: BLE001 - exc is what the caller reports
+        if other is not exc:
+            log.warning("ckptio: rank %d could not report its failed save of %s to the other "
+                        "ranks: %s", ctx.group.rank, ctx.path, other)

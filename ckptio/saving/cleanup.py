@@ -1,0 +1,49 @@
+"""Removing the files a new commit superseded, in the background, one removal at a time.
+
+Deleting a multi-GB file costs ext4 about 0.2 s/GB, which need not block the caller. A removal
+lists the directory first; the next save into any directory waits only for that listing (its
+new files must not be listed as superseded), never for the deleting.
+
+Owns: the removal thread and its "listed" event. Does not own: which files are superseded or
+how they are removed (storage/commit.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ckptio.storage import commit
+
+__all__ = ["Cleanup"]
+
+
+class Cleanup:
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._listed = threading.Event()  # the running removal has chosen what it removes
+        self._listed.set()
+
+    def start(self, path: str, keep: list[str]) -> None:
+        """Remove the files in ``path`` that neither ``keep`` nor the committed manifest names;
+        returns once they are listed (before other ranks hear of the commit)."""
+        self.finish()  # normally long finished: a save takes longer than a deletion
+        listed = threading.Event()
+        thread = threading.Thread(target=commit.remove_unreferenced,
+                                  args=(path, set(keep), listed), name="ckptio-cleanup",
+                                  daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            listed.set()  # nothing will list: later saves must not wait for it
+            raise
+        self._thread, self._listed = thread, listed
+        listed.wait()
+
+    def wait_listed(self) -> None:
+        self._listed.wait()
+
+    def finish(self) -> None:
+        """Wait for the removal in progress, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
