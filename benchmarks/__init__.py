@@ -1,0 +1,29 @@
+"""ckptio's peer benchmarks: ckptio against torch.save, DCP and the disk's ceiling.
+
+They live in the repository, not in the installed package (ckptio never imports them; ``ckptio
+bench save-load/train/plan`` runs them from a checkout). Run them from the repository root:
+
+    python -m benchmarks.save_load --gb 2 --reps 3        # docs/BENCH_SAVE_LOAD.md
+    python -m benchmarks.ranks --ranks 2 --gb 2 --reps 3  # docs/BENCH_RANKS.md
+    python -m benchmarks.plan_scale --world 8,64,512      # docs/BENCH_RANKS.md
+    python -m benchmarks.train --gb 1 --steps 50          # docs/BENCH_TRAIN.md
+
+Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
+puts this checkout first on PYTHONPATH, so they work from any working directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["REPO_ROOT", "worker_env"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout holding benchmarks/ and ckptio/
+
+
+def worker_env() -> dict[str, str]:
+    """os.environ with REPO_ROOT first on PYTHONPATH: a worker started as ``python -m
+    benchmarks.X`` imports this checkout's benchmarks (and its ckptio) whatever its cwd."""
+    path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}

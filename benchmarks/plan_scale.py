@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import worker_env
 from ckptio.distributed import collective
 from ckptio.format import manifest
 from ckptio.distributed import wire
@@ -357,7 +358,8 @@ def spawn(argv: list[str], world: int, timeout: float) -> dict[str, Any] | None:
         rest.append(a)
     cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--worker", "--world", str(world), *rest]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                              env=worker_env())
     except subprocess.TimeoutExpired:
         print(f"world {world}: timed out after {timeout:.0f} s; stopping", file=sys.stderr)
         return None

@@ -36,10 +36,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from benchmarks import worker_env
 from benchmarks.ranks_report import Run, load_worlds, markdown, save_engines, schedule, summarize
 from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
 EXPECT = PREFIX + "expect.pkl"
 
@@ -299,8 +299,7 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
     rank 0's JSON line is the result."""
     from ckptio.testing.ranks import free_port
 
-    path = [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = worker_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     port = free_port() if joined else 0
     base = [sys.executable, "-m", "benchmarks.ranks", "--worker", worker, "--world", str(world),

@@ -27,10 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import worker_env
+
 Run = dict[str, Any]
 CEILING = "ceiling"
 KINDS = ("gpt", "large")
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = re.compile(r"^(\w+-(gpt|large)-r\d+|ceiling-r\d+\.bin)$")  # what workers create
 
 
@@ -185,8 +186,7 @@ def worker_command(args: argparse.Namespace, engine: str, kind: str, rep: int) -
 def spawn(args: argparse.Namespace, engine: str, kind: str, rep: int) -> Run:
     """Run one worker in a fresh interpreter; its last JSON line on stdout is the result.
     Its stderr (warnings, fallbacks an engine logs) is passed on, indented."""
-    path = [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = worker_env()
     failed: Run = {"engine": engine, "kind": kind, "rep": rep}
     t0 = time.perf_counter()
     try:

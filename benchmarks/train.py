@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import worker_env
 # t_block is not used here: it stays importable from train (the tests use train.t_block).
 from benchmarks.train_report import (BASELINE, annotate, markdown, progress,  # noqa: F401
                                      summarize, t_block)
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from benchmarks.train_engines import Pending, Saver, TrainEngine
 
 Run = dict[str, Any]
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 SCRATCH = re.compile(r"^\w+-r\d+$")  # what workers create
 HEAD_DIM = 64
 
@@ -320,8 +320,7 @@ def verify_last(engine: TrainEngine, last: dict[str, Any]) -> Run:
 
 def spawn(args: argparse.Namespace, engine: str, rep: int) -> Run:
     """One worker in a fresh interpreter; its last JSON line on stdout is the result."""
-    path = [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = worker_env()
     cmd = [sys.executable, "-m", "benchmarks.train", "--worker", engine, "--rep", str(rep),
            "--gb", repr(args.gb), "--steps", str(args.steps), "--every", str(args.every),
            "--batch", str(args.batch), "--seq", str(args.seq), "--dir", str(args.dir),

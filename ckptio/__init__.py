@@ -6,6 +6,10 @@
 
 With torch.distributed initialised, every rank calls save and load together (DTensor / FSDP2 /
 tensor-parallel state, or ckptio.TensorShard / FlatShard); a load reshards into any layout.
+
+The public surface is ``__all__`` below and nothing else: the sub-packages (format, planning, io,
+storage, distributed, saving, loading, tuning, testing, demo) are internal layers whose modules
+may change without notice (tests/test_layers.py pins this list and the layer order).
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from ckptio import io
-from ckptio.loading import assemble
 from ckptio.distributed import collective
-from ckptio.storage import commit
+from ckptio.storage import steps
+from ckptio.storage.base import Store
+from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
-from ckptio.loading import restore
+from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
@@ -37,12 +38,12 @@ from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
 from ckptio.io.stage import BufferPool
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
-from ckptio.format.types import Job, Target
+from ckptio.format.types import Manifest, Read
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
-__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport"]
+__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "local_path", "store_for"]
 
 
 class Checkpointer:
@@ -173,7 +174,7 @@ class Checkpointer:
             previous_error = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
         context = session.SaveContext(
-            group=group, path=path, options=self.options, staging=_Staging(self),
+            group=group, store=store_for(path), options=self.options, staging=_Staging(self),
             cleanup=self._cleanup, memory=self._memory(group), plan_cache=self._plan_cache,
             meta=_meta(), block_nbytes=self._block_nbytes(), allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), started=started,
@@ -225,17 +226,15 @@ class Checkpointer:
         still need allow_pickle=True, and per-rank values on another number of ranks
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         """
-        path = local_path(path)
-        where = os.path.join(path, manifest.MANIFEST_NAME)
-        record = manifest.decode(commit.read_committed(path), where)
-        manifest.check_values(record, where)
-        commit.check_files(path, record)
+        store = store_for(path)
+        record = _committed(store)
         with self._lock:
-            pool, backend = self._resources(path)
-            return restore.read_targets(
-                path, [Target(e) for e in record.tensors], pool=pool, backend=backend,
+            pool, backend = self._resources(store.directory)
+            return read_regions(
+                _data_dir(store, record), [Read.of(e) for e in record.tensors], pool=pool,
+                backend=backend,
                 algorithm=record.checksum_algorithm, depth=self._active.io_depth,
-                block_nbytes=record.block_nbytes)
+                block_nbytes=record.block_nbytes, check_blocks=True)
 
     def load(
         self,
@@ -290,22 +289,18 @@ class Checkpointer:
     def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
-        where = os.path.join(path, manifest.MANIFEST_NAME)
-        record = manifest.decode(commit.read_committed(path), where)
-        manifest.check_values(record, where)
-        commit.check_files(path, record)
+        store = store_for(path)
+        record = _committed(store)
+        files = _data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
         with self._lock:
-            pool, backend = self._resources(path)
+            pool, backend = self._resources(store.directory)
             depth = self._active.io_depth
 
-            def read(targets: list[Target], jobs: list[Job]) -> int:
-                nbytes = restore.read_targets(path, targets, pool=pool, backend=backend,
-                                              depth=depth, algorithm=algorithm)
-                return nbytes + assemble.read_jobs(path, jobs, pool=pool, backend=backend,
-                                                   algorithm=algorithm, depth=depth,
-                                                   block_nbytes=record.block_nbytes)
+            def read(reads: list[Read]) -> int:
+                return read_regions(files, reads, pool=pool, backend=backend, depth=depth,
+                                    algorithm=algorithm, block_nbytes=record.block_nbytes)
 
             where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
             if state is None:
@@ -330,6 +325,33 @@ def local_path(path: str | os.PathLike[str]) -> str:
             f"{text}: ckptio does not serve {scheme.group(1)}:// URLs yet (only local and "
             "mounted filesystems); pass a directory path, e.g. a mounted bucket")
     return text
+
+
+def store_for(path: str | os.PathLike[str]) -> LocalStore:
+    """The Store of checkpoint ``path``: its local (or mounted) directory (a URL is refused
+    by local_path until a store serves its scheme)."""
+    return LocalStore(local_path(path))
+
+
+def _committed(store: Store) -> Manifest:
+    """The committed manifest of ``store``, decoded, its inline values checked, and every
+    data file it names there and long enough (what every read relies on)."""
+    where = store.path_of(manifest.MANIFEST_NAME)
+    record = manifest.decode(store.read_manifest(), where)
+    manifest.check_values(record, where)
+    steps.check_files(store, record)
+    return record
+
+
+def _data_dir(store: Store, record: Manifest) -> str:
+    """The ``directory`` loading/read.py and saving/persist.py take: they reach a data file as
+    ``os.path.join(directory, name)``, which must be the store's ``path_of(name)``."""
+    for info in record.files:
+        if os.path.join(store.location, info.name) != store.path_of(info.name):
+            raise CkptError(f"{store.location}: its data files are not reached by directory and "
+                            f"name ({store.path_of(info.name)}), which loading needs until it "
+                            "takes path_of; load it from a local directory")
+    return store.location
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,29 @@
 """ckptio: fast, verified PyTorch checkpoints.
 
 Commands: ls (what a checkpoint holds), verify (check every byte), demo (train a small model,
-kill it mid-save, resume it bit-exactly), bench (against torch.save, DCP and the disk),
-tune (measure a filesystem's fastest I/O settings). Errors are one line naming the fix.
+kill it mid-save, resume it bit-exactly), bench (io: the I/O study of ckptio.tuning; save-load,
+train, plan: the peer benchmarks of a ckptio checkout's benchmarks/ folder), tune (measure a
+filesystem's fastest I/O settings). Errors are one line naming the fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import shlex
 import sys
 
-from ckptio.storage import commit
 from ckptio.format import manifest
 from ckptio.tuning import tune
 from ckptio.errors import CkptError
 from ckptio.format.types import TensorEntry
+
+__all__ = ["main"]
+
+# `ckptio bench WHICH`: the peer benchmarks, modules of the repository's benchmarks/ folder (not
+# installed with ckptio, which never imports them otherwise); "io" is ckptio.tuning.io_study.
+PEER_BENCHMARKS = {"save-load": "save_load", "train": "train", "plan": "plan_scale"}
 
 
 def _shown(tagged: object) -> str:
@@ -29,8 +37,11 @@ def _shown(tagged: object) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from ckptio.api import store_for
+
     path = args.path
-    record = manifest.decode(commit.read_committed(path), os.path.join(path, manifest.MANIFEST_NAME))
+    store = store_for(path)
+    record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
     total = sum(t.nbytes for t in record.tensors)
     by_key: dict[str, list[TensorEntry]] = {}
     for t in record.tensors:
@@ -61,6 +72,34 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkout(module: str) -> str | None:
+    """The ckptio checkout holding benchmarks/``module``.py: the one this ckptio was imported from
+    (an editable install), else the working directory; None if neither holds it."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (here, os.getcwd()):
+        if all(os.path.isfile(os.path.join(root, *part)) for part in
+               (("benchmarks", "__init__.py"), ("benchmarks", f"{module}.py"))):
+            return root
+    return None
+
+
+def _bench(which: str, rest: list[str]) -> int:
+    if which == "io":
+        from ckptio.tuning import io_study
+
+        return io_study.main(rest)
+    module = PEER_BENCHMARKS[which]
+    root = _checkout(module)
+    if root is None:
+        print(f"ckptio bench {which}: the peer benchmarks are not installed with ckptio; from a "
+              f"checkout of its repository run: python -m benchmarks.{module} {shlex.join(rest)}"
+              .rstrip(), file=sys.stderr)
+        return 2
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"benchmarks.{module}").main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # all its options are its own (ckptio demo --help)
@@ -74,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="read every byte and check it against its checksum")
     verify.add_argument("path")
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
-    bench.add_argument("which", choices=["save-load", "train", "io", "plan"])
+    bench.add_argument("which", choices=[*PEER_BENCHMARKS, "io"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("demo", help="train a small GPT, SIGKILL it mid-save, resume it in a new "
                    "process and compare every loss bit for bit (--quick: seconds; ckptio demo "
@@ -89,21 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args)
         if args.command == "tune":
             return tune.run(args)
-        from benchmarks import save_load
-
-        if args.which == "io":
-            from ckptio.tuning import io_study
-
-            return io_study.main(args.rest)
-        if args.which == "plan":
-            from benchmarks import plan_scale
-
-            return plan_scale.main(args.rest)
-        if args.which == "train":
-            from benchmarks import train
-
-            return train.main(args.rest)
-        return save_load.main(args.rest)
+        return _bench(args.which, args.rest)
     except CkptError as exc:
         print(f"ckptio: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,11 @@ known) and how to fix it. Does not own: deciding when to raise (each module rais
 
 from __future__ import annotations
 
+__all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
+           "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
+           "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
+           "UnsupportedPathError", "UnsupportedStateError"]
+
 
 class CkptError(Exception):
     """Base of every error ckptio raises on purpose."""

@@ -8,12 +8,15 @@
     mgr.close()                                    # waits for the last save, applies retention
 
 Layout: ``<directory>/step-<N>`` (N without leading zeros), each an ordinary ckptio checkpoint.
-A step is committed when its manifest.json exists (the commit's atomic rename creates it).
+A step is committed when its Store holds a committed manifest (storage.steps.is_committed: the
+commit's atomic rename creates manifest.json). Each step is reached through its Store
+(api.store_for); the directory of steps itself (listing step-<N>, hiding a dropped step by a
+rename, removing it) is a local directory's, outside the per-checkpoint Store contract.
 
 Owns: naming and listing the step directories; the interval policy; retention (which committed
 steps to delete, and deleting them crash-safely); choosing the step to restore and falling back
 past damaged ones; agreeing on all of that across ranks. Does not own: saving, loading and
-verifying one checkpoint (Checkpointer, api.py) or the commit protocol (commit.py).
+verifying one checkpoint (Checkpointer, api.py) or the commit protocol (storage/).
 
 Choices:
 - Retention runs only after a save of ours has committed (sync: on return; async: in wait(),
@@ -48,9 +51,7 @@ import json
 import logging
 import operator
 import os
-import re
 import secrets
-import shutil
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,22 +59,19 @@ from typing import Any
 
 import torch
 
+from ckptio import stepdir
 from ckptio.api import Checkpointer, local_path
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.distributed.dist import COORDINATOR, Group, Solo, TorchGroup, current_group
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError, StorageIOError)
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError)
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptio")
-_STEP = re.compile(r"step-(\d+)$", re.ASCII)
-_HIDDEN_PREFIX = ".deleting-step-"
-_HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
 # a load failing with one of these found the checkpoint damaged (or gone): try the previous step
 _DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
-_TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
 
 
 class CheckpointManager:
@@ -113,7 +111,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (collective with many ranks)."""
-        return list(self._agreed(lambda: _scan(self.directory))["committed"])
+        return list(self._agreed(lambda: stepdir.scan(self.directory))["committed"])
 
     def latest(self) -> int | None:
         """The newest committed step, or None (collective with many ranks)."""
@@ -123,7 +121,7 @@ class CheckpointManager:
     def incomplete(self) -> list[int]:
         """Step directories with no committed manifest: interrupted saves, or saves still
         running (this manager's own async save included). Never deleted by the manager."""
-        return list(self._agreed(lambda: _scan(self.directory))["incomplete"])
+        return list(self._agreed(lambda: stepdir.scan(self.directory))["incomplete"])
 
     # ---------------------------------------------------------------- saving
 
@@ -165,7 +163,7 @@ class CheckpointManager:
         path, pending = self.path(step), self._pending
         if pending is not None and pending[0] == step and not pending[1].done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
-        if step in self._damaged or not _is_committed(path):
+        if step in self._damaged or not stepdir.is_committed(path):
             return None
         return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
                 f"over: save under another step number, or remove {path} first to replace it")
@@ -205,11 +203,11 @@ class CheckpointManager:
 
     def _drop_old(self) -> list[int]:
         self._join_removal()  # one removal at a time: it may still hold hidden directories
-        hidden = [step for step in self._doomed(_scan(self.directory)["committed"])
+        hidden = [step for step in self._doomed(stepdir.scan(self.directory)["committed"])
                   if self._hide(step)]
-        leftovers = _hidden(self.directory)
-        if leftovers and _fsync_dir(self.directory):  # the renames are durable before removal
-            self._removal = threading.Thread(target=_remove, args=(leftovers,),
+        leftovers = stepdir.hidden(self.directory)
+        if leftovers and stepdir.fsync_dir(self.directory):  # the renames are durable before removal
+            self._removal = threading.Thread(target=stepdir.remove, args=(leftovers,),
                                              name="ckptio-retention")
             self._removal.start()  # not a daemon: a removal running at exit is finished
         if hidden:
@@ -228,7 +226,7 @@ class CheckpointManager:
 
     def _hide(self, step: int) -> bool:
         """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
-        hidden = os.path.join(self.directory, f"{_HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
+        hidden = os.path.join(self.directory, f"{stepdir.HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
         try:
             os.rename(self.path(step), hidden)
         except OSError as exc:
@@ -299,10 +297,10 @@ class CheckpointManager:
 
     def _restore_plan(self) -> dict[str, Any]:
         """Rank 0: every step directory, newest first, with whether it is committed."""
-        listing = _scan(self.directory)
+        listing = stepdir.scan(self.directory)
         steps = sorted([[s, True] for s in listing["committed"]]
                        + [[s, False] for s in listing["incomplete"]], reverse=True)
-        return {"steps": steps, "missing": None if steps else _nothing_here(self.directory)}
+        return {"steps": steps, "missing": None if steps else stepdir.nothing_here(self.directory)}
 
     def _try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """Load ``step``; -> None, or why it is damaged (the same on every rank). Other errors
@@ -364,92 +362,6 @@ class CheckpointManager:
         data = json.dumps({"value": value}).encode()
         group.broadcast(data)
         return json.loads(data)["value"]  # exactly what the other ranks got
-
-
-# -------------------------------------------------------------------- the directory
-
-
-def _scan(directory: str) -> dict[str, list[int]]:
-    """The step directories in ``directory``, committed and incomplete, ascending."""
-    out: dict[str, list[int]] = {"committed": [], "incomplete": []}
-    for entry in _entries(directory):
-        step = _step_of(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            out["committed" if _is_committed(entry.path) else "incomplete"].append(step)
-    return {kind: sorted(steps) for kind, steps in out.items()}
-
-
-def _entries(directory: str) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(directory) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise StorageIOError(f"cannot list checkpoint directory {directory}: "
-                             f"{exc.strerror or exc}") from None
-
-
-def _step_of(name: str) -> int | None:
-    """N for a directory named ``step-N`` exactly (no leading zeros), else None."""
-    match = _STEP.match(name)
-    if match is None or name != f"step-{int(match.group(1))}":
-        return None
-    return int(match.group(1))
-
-
-def _is_committed(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
-
-
-def _hidden(directory: str) -> list[str]:
-    """Steps hidden by a retention and not yet removed (by a removal killed half-way, say)."""
-    return [e.path for e in _entries(directory)
-            if _HIDDEN.match(e.name) and e.is_dir(follow_symlinks=False)]
-
-
-def _remove(paths: list[str]) -> None:
-    """The removal thread: failures are logged; the leftover is removed by the next retention."""
-    for path in paths:
-        try:
-            shutil.rmtree(path)
-        except OSError as exc:
-            log.warning("ckptio: could not remove %s (an old step, already out of the listing): "
-                        "%s; the next retention tries again", path, exc)
-
-
-def _fsync_dir(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        _warn(f"ckptio: could not fsync {path} ({exc.strerror or exc}): old steps already out of "
-              "the listing are removed by the next retention")
-        return False
-    return True
-
-
-def _nothing_here(directory: str) -> str:
-    """Why there is no step to restore, and what the directory holds instead."""
-    if not os.path.isdir(directory):
-        return f"no checkpoint to restore: {directory} does not exist (nothing saved there yet)"
-    names = sorted(n for n in os.listdir(directory) if not _HIDDEN.match(n))
-    torch_files = [n for n in names if n.endswith(_TORCH_FILES)]
-    others = [n for n in names if _is_committed(os.path.join(directory, n))]
-    hints = [text for found, text in [
-        (MANIFEST_NAME in names, f"it is itself a ckptio checkpoint, not a directory of steps: "
-                                 f"load it with ckptio.load({directory!r}, state)"),
-        (".metadata" in names, "it holds a torch.distributed.checkpoint (DCP) checkpoint "
-                               "(.metadata): load it with torch.distributed.checkpoint.load"),
-        (torch_files, f"it holds torch.save files ({', '.join(torch_files[:3])}): load them with "
-                      "torch.load, then save through this manager"),
-        (others, f"it holds ckptio checkpoints not named step-<N> ({', '.join(others[:3])}): "
-                 "rename them step-<N>, or load them with ckptio.load")] if found]
-    return (f"no checkpoint to restore in {directory}: "
-            f"{'; '.join(hints) or 'it holds no step-<N> directory'}")
 
 
 # -------------------------------------------------------------------- small helpers

@@ -1,6 +1,8 @@
 """Every tunable of ckptio in one frozen dataclass, and the only reader of environment variables.
 
-Owns: defaults, validation of option values, CKPTIO_* environment overrides.
+Owns: defaults, validation of option values, CKPTIO_* environment overrides, and the constants
+every layer shares: the byte units (KiB, MiB, GiB), BLOCK (the O_DIRECT granularity), the I/O
+backend names (IO_BACKENDS; ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
 Does not own: what the options do (stage, io, layout and restore read them).
 """
 
@@ -9,15 +11,20 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from ckptio.errors import CkptError
 
+__all__ = ["BLOCK", "DIRECT_IO_MODES", "GiB", "IO_BACKENDS", "KiB", "MiB", "Options"]
+
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addresses
+IO_BACKENDS = ("posix", "uring")  # Options.io_backend; ckptio.io.create builds each
 
 DirectIO = Literal["auto", "on", "off"]
+DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
 
 
@@ -69,9 +76,10 @@ class Options:
             raise CkptError(
                 f"Options.max_file_bytes={self.max_file_bytes}: must be >= buffer_bytes"
             )
-        if self.io_backend not in ("posix", "uring"):
-            raise CkptError(f"Options.io_backend={self.io_backend!r}: use 'posix' or 'uring'")
-        if self.direct_io not in ("auto", "on", "off"):
+        if self.io_backend not in IO_BACKENDS:
+            raise CkptError(f"Options.io_backend={self.io_backend!r}: use "
+                            + " or ".join(map(repr, IO_BACKENDS)))
+        if self.direct_io not in DIRECT_IO_MODES:
             raise CkptError(f"Options.direct_io={self.direct_io!r}: use 'auto', 'on' or 'off'")
         if self.if_locked not in ("wait", "raise"):
             raise CkptError(f"Options.if_locked={self.if_locked!r}: use 'wait' (until the other "

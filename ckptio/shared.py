@@ -20,6 +20,8 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.loading.fill import KeyFilter, RankPolicy
 from ckptio.options import Options
 
+__all__ = ["async_save", "load", "save", "verify"]
+
 _default: Checkpointer | None = None
 _default_lock = threading.Lock()
 

@@ -37,7 +37,8 @@ import torch
 
 import ckptio
 from ckptio import Checkpointer, Options
-from ckptio.storage import commit
+from ckptio.storage import dirlock, steps
+from ckptio.storage.local import LocalStore
 from ckptio.errors import CheckpointLockedError
 from ckptio.testing.faults import FaultyBackend
 from ckptio.testing.ranks import run_ranks
@@ -255,7 +256,7 @@ def test_raise_when_another_process_holds_the_path(tmp_path):
     holder = Holder(path, tmp_path)
     ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=4 * MiB, if_locked="raise"))
     try:
-        assert os.path.exists(path / commit.LOCK_NAME)
+        assert os.path.exists(path / dirlock.LOCK_NAME)
         listing = set(os.listdir(path))
         with pytest.raises(CheckpointLockedError) as info:
             ck.save(state(3), path)
@@ -312,7 +313,7 @@ def test_holder_killed_with_sigkill_does_not_block_the_next_save(tmp_path):
     os.kill(holder.proc.pid, signal.SIGKILL)
     holder.stop()
     assert holder.proc.returncode == -signal.SIGKILL
-    assert os.path.exists(path / commit.LOCK_NAME), "the killed holder's lock file stays"
+    assert os.path.exists(path / dirlock.LOCK_NAME), "the killed holder's lock file stays"
     partial = {n for n in os.listdir(path) if n.startswith("data-")} - _manifest_files(path)
     assert partial, "the killed save had created data files"
     ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=4 * MiB, if_locked="raise"))
@@ -420,8 +421,8 @@ def test_unhonoured_lock_commit_check_keeps_the_other_checkpoint(tmp_path, monke
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(commit.fcntl, "flock", no_locks)
-    monkeypatch.setattr(commit, "_unlockable_warned", set())
+    monkeypatch.setattr(dirlock.fcntl, "flock", no_locks)
+    monkeypatch.setattr(dirlock, "_unlockable_warned", set())
     caplog.set_level(logging.WARNING, logger="ckptio")
     path = tmp_path / "ckpt"
     slow, fast = Checkpointer(OPTIONS), Checkpointer(OPTIONS)
@@ -466,7 +467,7 @@ def test_cleanup_never_removes_files_the_committed_manifest_names(tmp_path):
         ck.close()
     stray = "data-0123456789a00000000-r00000-0000.bin"
     (path / stray).write_bytes(b"\0" * 4096)
-    removed = commit.remove_unreferenced(str(path), keep=set())  # told to keep nothing
+    removed = steps.remove_unreferenced(LocalStore(str(path)), keep=set())  # told to keep nothing
     assert removed == [stray]
     assert set(os.listdir(path)) == set(result.files) | {"manifest.json"}
     assert_same(ckptio.load(path), state(1))

@@ -46,10 +46,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ckptio import Checkpointer, Options
-from ckptio.format import manifest
+from ckptio.format import manifest, tiling
 from ckptio.format import values
 from ckptio.errors import (CkptError, CorruptCheckpointError, ManifestError, PickleRefusedError, StateMismatchError)
-from ckptio.planning.reshard import FlatRange, flat_boxes
+from ckptio.format.geometry import FlatRange, flat_boxes
 from ckptio.format.types import DTYPE_ITEMSIZE, KINDS, Chunk
 from conftest import assert_same
 
@@ -696,9 +696,9 @@ def test_tiling_check_is_linear_for_the_layouts_saves_make():
 
 def test_tiling_check_refuses_rather_than_exceed_its_budget(monkeypatch):
     grid = [Chunk((i, j), (1, 1)) for i in range(4) for j in range(4)]
-    assert manifest.tiling_problem(grid, (4, 4)) is None
-    monkeypatch.setattr(manifest, "_TILING_WORK", 0)
-    assert "too irregularly" in manifest.tiling_problem(grid, (4, 4))
+    assert tiling.tiling_problem(grid, (4, 4)) is None
+    monkeypatch.setattr(tiling, "_TILING_WORK", 0)
+    assert "too irregularly" in tiling.tiling_problem(grid, (4, 4))
 
 
 # --------------------------------------------------------------------------------------------

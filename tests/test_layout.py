@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptio.planning import layout
-from ckptio.format import manifest
+from ckptio.format import validate
 from ckptio.planning.layout import (SMALL_ALIGN, align_down, align_up, coalesce_reads, data_file_name, item_alignment, plan_files)
 from ckptio.options import BLOCK
 from ckptio.format.types import Chunk, TensorEntry, WriteItem
@@ -59,7 +59,7 @@ def test_data_file_names_are_unique_and_pass_manifest_validation():
     names = {data_file_name(SAVE_ID, rank, index) for rank in (0, 7, 99999) for index in range(20)}
     assert len(names) == 60
     for name in names:
-        assert manifest._FILE_NAME.fullmatch(name), name
+        assert validate.FILE_NAME.fullmatch(name), name
         assert "/" not in name and name not in (".", "..")
 
 

@@ -9,4 +9,9 @@ they wrote), ``main`` (the orchestration, the table, the plot).
 
 Needs only torch and tqdm (matplotlib, if installed, draws the plot); no numpy, no download: the
 text is Python's own documentation (``pydoc_data.topics``).
+
+A driver (the top layer, beside api and cli), and internal: it uses only ckptio's public surface
+(``ckptio`` itself, ckptio/__init__.py's ``__all__``), which is all that ``ckptio`` promises.
 """
+
+__all__: list[str] = []

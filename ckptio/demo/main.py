@@ -28,6 +28,8 @@ from typing import Any
 
 from ckptio.demo.runs import DemoError, Training, bits, run_training, same_bits, start_training
 
+__all__ = ["main"]
+
 QUICK_ENV = "CKPTIO_DEMO_QUICK"
 
 

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+__all__ = ["PRESETS", "build", "n_params"]
+
 VOCAB = 256  # bytes
 
 

@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+__all__ = ["DemoError", "Training", "bits", "run_training", "same_bits", "start_training"]
+
 
 class DemoError(Exception):
     """A training process failed, or did not do what the demo needs (the message says which)."""

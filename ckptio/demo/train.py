@@ -34,6 +34,8 @@ from tqdm import tqdm
 import ckptio
 from ckptio.demo import model as gpt
 
+__all__ = ["main"]
+
 # staging memory for the background saves: small, allocated once per process
 OPTIONS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 KILL_NOTE_BYTES = 4096

@@ -6,14 +6,14 @@ writes what (globalplan.py) and answers each rank with its writes and the save i
 on any rank is answered with an error on every rank. An unchanged layout sends only item
 digests, and the coordinator reuses its previous decisions. exclusive(): in each rank's save
 thread, before any file is created, the coordinator takes the lock of the checkpoint directory
-(commit.lock: one save at a time per path, across processes) and tells every rank whether it
+(Store.exclusive: one save at a time per location, across processes) and tells every rank whether it
 has it. conclude(): each rank sends what it wrote (or its error); the coordinator commits the
 manifest only if every rank succeeded, and tells every rank the outcome; it lets go of the lock
 once its cleanup has chosen what to remove. With one process (dist.Solo) the same steps run
 without peers.
 
 Owns: the order of messages and the coordinator's cached plans. Does not own: planning rules
-(globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (commit.py).
+(globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (storage/).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ckptio.storage import commit
+from ckptio.storage.base import Exclusive, Store, new_save_id
 from ckptio.format import manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
@@ -40,6 +39,9 @@ from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
 from ckptio.planning.plan import SavePlan
 from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
+
+__all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
+           "agree_loaded", "conclude", "exclusive", "local_plan", "skip_exclusive"]
 
 # what a rank wrote: its entries keyed by item index in its plan, and its files
 Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
@@ -162,7 +164,7 @@ def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Mem
     else:
         global_plan = plan_global([mine])
         memory.last = (frozenset(), global_plan)
-    return Agreement(commit.new_save_id(), global_plan.assignments[0], (mine,), global_plan)
+    return Agreement(new_save_id(), global_plan.assignments[0], (mine,), global_plan)
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ def _decide(gathered: list[bytes], memory: Memory) -> Decision:
             memory.last = (own, global_plan)
     except CkptError as exc:
         raise CkptError(f"ranks disagree: {exc}") from None
-    save_id = commit.new_save_id()
+    save_id = new_save_id()
     answers = [wire.encode_answer(save_id, a, None) for a in global_plan.assignments]
     return Decision(answers, tuple(plans), global_plan)
 
@@ -210,36 +212,36 @@ def _refusal(path: str, failures: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def exclusive(group: Group, path: str, if_locked: str) -> Iterator[commit.DirLock | None]:
-    """Collective, in the save's thread before any rank creates a file in ``path``: the
-    coordinator takes the directory lock (commit.lock; waits or raises per ``if_locked``) and
+def exclusive(group: Group, store: Store, if_locked: str) -> Iterator[Exclusive | None]:
+    """Collective, in the save's thread before any rank creates a file in ``store``: the
+    coordinator claims the location (Store.exclusive: waits or raises per ``if_locked``) and
     tells every rank whether it has it; if not, raises on every rank (CheckpointLockedError
-    where another save holds it). Only the coordinator commits, so only it holds the lock; the
+    where another save holds it). Only the coordinator commits, so only it holds the claim; the
     other ranks create their files after this step, so inside its hold. The body runs holding
-    it; the lock is let go when the body ends. Yields the lock on the coordinator, else None.
+    it; the claim is released when the body ends. Yields the claim on the coordinator, else None.
 
-    In the save's thread rather than in agree(): a save that waits for the lock or is refused
+    In the save's thread rather than in agree(): a save that waits for the claim or is refused
     reports it where every background error is reported (wait()), on every rank alike. While
     the coordinator waits (if_locked="wait"), the other ranks wait in the broadcast, up to the
     process group's timeout."""
-    held: commit.DirLock | None = None
+    held: Exclusive | None = None
     failure: BaseException | None = None
     if group.rank == COORDINATOR:
         try:
-            held = commit.lock(path, if_locked)
+            held = store.exclusive(if_locked)
         except BaseException as exc:  # noqa: BLE001 - raised below, once the peers know
             failure = exc
     try:
-        _lock_outcome(group, path, failure, raise_it=True)
+        _lock_outcome(group, store.location, failure, raise_it=True)
         if failure is not None:
             raise failure
         yield held
     except BaseException:
         if held is not None:
-            commit.unlock(held, failed=True)
+            held.release(failed=True)
         raise
     if held is not None:
-        commit.unlock(held)
+        held.release()
 
 
 def skip_exclusive(group: Group, path: str, error: BaseException) -> None:
@@ -270,13 +272,13 @@ def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
 
 
 def conclude(group: Group, agreement: Agreement, written: Written | None,
-             error: BaseException | None, path: str, meta: dict[str, Any], algorithm: str,
+             error: BaseException | None, store: Store, meta: dict[str, Any], algorithm: str,
              block_nbytes: int, committed: Callable[[list[str]], None],
-             held: commit.DirLock | None = None) -> None:
+             held: Exclusive | None = None) -> None:
     """Collective step, after this rank's writes (``written``) or its failure (``error``): the
     coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
     ``committed(names)``: on the coordinator after the commit, with every data file's name.
-    ``held``: the coordinator's directory lock (the commit is conditional on it).
+    ``held``: the coordinator's claim on the store (the commit is conditional on it).
     Raises this rank's own error, else RankFailedError naming the failed ranks (with one
     process, or on the coordinator, the commit's own error)."""
     mine = None
@@ -287,11 +289,11 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
         with paused():
             results = [wire.decode_result(data, rank, _assigned(agreement, rank))
                        for rank, data in enumerate(messages)]
-        _commit(results, agreement, path, meta, algorithm, block_nbytes, committed, held)
+        _commit(results, agreement, store, meta, algorithm, block_nbytes, committed, held)
         return [b""] * len(messages)
 
     def failed(failures: list[str]) -> str:
-        return (f"save to {path} failed on {listed(failures)}. Nothing was committed; the "
+        return (f"save to {store.location} failed on {listed(failures)}. Nothing was committed; the "
                 "previous checkpoint there is untouched")
 
     if coordinate(group, mine, error, decide, failed) is None:
@@ -306,9 +308,9 @@ def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
 
 
 def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
-            agreement: Agreement, path: str, meta: dict[str, Any], algorithm: str,
+            agreement: Agreement, store: Store, meta: dict[str, Any], algorithm: str,
             block_nbytes: int, committed: Callable[[list[str]], None],
-            held: commit.DirLock | None) -> None:
+            held: Exclusive | None) -> None:
     """On the coordinator, once every rank has written: build, check and commit the manifest."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
@@ -324,8 +326,8 @@ def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str |
             block_nbytes=block_nbytes)
     # The reader's key rules, before the commit: a manifest that would not load must not
     # replace one that does (its files are deleted once the new one is committed).
-    manifest.check_keys(record, os.path.join(path, manifest.MANIFEST_NAME))
-    commit.commit(path, manifest.encode(record), agreement.save_id, held)
+    manifest.check_keys(record, store.path_of(manifest.MANIFEST_NAME))
+    store.commit(manifest.encode(record), agreement.save_id, held)
     committed([f.name for f in files])
 
 

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+__all__ = ["COORDINATOR", "Group", "Solo", "TorchGroup", "current_group"]
+
 COORDINATOR = 0
 
 

@@ -18,6 +18,9 @@ from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
 from ckptio.format.types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
 
+__all__ = ["WireError", "decode_answer", "decode_plan", "decode_result", "encode_answer",
+           "encode_plan", "encode_result", "fingerprint", "layout_bytes"]
+
 
 class WireError(CkptError):
     """A peer sent a message this rank cannot read (mixed ckptio versions?)."""

@@ -12,6 +12,8 @@ import xxhash
 
 from ckptio.errors import CkptError
 
+__all__ = ["ALGORITHMS", "BlockHasher", "Hasher", "new_hasher"]
+
 ALGORITHMS = ("xxh3_64",)
 
 

@@ -3,7 +3,7 @@
 Owns: traversal of dicts, lists, tuples and Stateful objects (anything with state_dict and
 load_state_dict); dotted keys ("model.layers.0.weight"); the JSON tree recorded in the manifest
 (dict keys keep their type: "0" and 0 stay different). Does not own: what a leaf is stored as
-(plan.py) or how a leaf is filled on load (api.py, restore.py).
+(plan.py) or how a leaf is filled on load (loading/).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from ckptio.errors import ManifestError, UnsupportedStateError
-from ckptio.format.types import Json
+from ckptio.format.types import MAX_TREE_DEPTH, Json
+
+__all__ = ["FlatState", "Leaf", "flatten", "is_stateful", "unflatten"]
 
 
 @dataclass
@@ -65,12 +67,10 @@ def _join(prefix: str, part: Any) -> str:
     return f"{prefix}.{part}" if prefix else str(part)
 
 
-MAX_DEPTH = 256  # manifest.MAX_TREE_DEPTH: deeper trees would not load
-
-
 def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: int = 0) -> Json:
-    if depth > MAX_DEPTH:
-        raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_DEPTH} levels")
+    if depth > MAX_TREE_DEPTH:
+        raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_TREE_DEPTH} "
+                                    "levels")
     depth += 1
     if is_stateful(value):
         inner = value.state_dict()

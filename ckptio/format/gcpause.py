@@ -12,6 +12,8 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+__all__ = ["paused"]
+
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:

@@ -1,16 +1,19 @@
 """Frozen dataclasses every layer shares: what is saved, where its bytes go, what is read back.
 
-Owns: the vocabulary (items, extents, entries, read ranges), the torch-free dtype table and
-which of those dtypes numpy has; ``show``, a bounded description of a manifest value for
-error messages.
+Owns: the vocabulary (items, extents, entries, read ranges, what a load reads), the torch-free
+dtype table and which of those dtypes numpy has; ``show``, a bounded description of a manifest
+value for error messages.
 Does not own: how these are computed (plan, layout, reshard) or stored (manifest, io).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Chunk", "DTYPE_ITEMSIZE", "FileInfo", "FileLayout", "Json", "KINDS",
+           "MAX_TREE_DEPTH", "Manifest", "NUMPY_DTYPES", "ObjectEntry", "Placement", "Read",
+           "ReadRange", "TensorEntry", "WriteItem", "show"]
 
 # name -> bytes per element. The manifest stores these names; readers need no torch to size data.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -22,6 +25,10 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bool": 1,
     "complex128": 16, "complex64": 8, "complex32": 4,
 }
+
+# The deepest tree of containers a manifest holds: flatten refuses deeper state on save, and
+# validate refuses a deeper tree on load.
+MAX_TREE_DEPTH = 256
 
 # How a stored byte range is turned back into a Python value on load.
 KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle")
@@ -157,30 +164,40 @@ class Manifest:
     block_nbytes: int = 1 << 20  # granularity of TensorEntry.blocks (partial reads verify blocks)
 
 
+E = TypeVar("E")
+
+
 @dataclass(frozen=True)
-class ReadRange:
-    """One aligned read of a data file and the entries whose bytes it covers (partly or wholly)."""
+class ReadRange(Generic[E]):
+    """One aligned read of a data file and the extents whose bytes it covers (partly or wholly):
+    stored entries, or the parts of them a load reads."""
 
     file: str
     offset: int
     nbytes: int
-    entries: tuple[TensorEntry, ...]
+    entries: tuple[E, ...]
 
 
-@dataclass
-class Target:
-    """A load's whole entry and the tensors (its dtype, shape = chunk sizes) its bytes go into."""
-
-    entry: TensorEntry
-    dests: list[Any] = field(default_factory=list)  # torch.Tensor
-
-
-@dataclass
-class Job:
-    """A load's region ``want`` of a global tensor, assembled from ``entries`` (its chunks)
-    into ``dest`` (the stored dtype; shape ``want.sizes``, or 1-D for a flat range)."""
+@dataclass(frozen=True, eq=False)
+class Read:
+    """What a load reads into one tensor: region ``region`` of global tensor ``key``, from the
+    stored chunks ``entries`` that hold it, into ``dest`` (the stored dtype; shape
+    ``region.sizes``, or 1-D for a flat region; None: read and verified only). The same layout
+    is the one-piece case: one entry whose chunk is the region, read whole (``whole``)."""
 
     key: str
-    entries: Sequence[TensorEntry]
-    want: Chunk
-    dest: Any  # torch.Tensor
+    entries: tuple[TensorEntry, ...]
+    region: Chunk
+    dest: Any = None  # torch.Tensor
+
+    @staticmethod
+    def of(entry: TensorEntry, dest: Any = None) -> Read:
+        """The read of one whole stored entry."""
+        return Read(entry.key, (entry,), entry.chunk, dest)
+
+    @property
+    def whole(self) -> TensorEntry | None:
+        """The entry this read takes whole (its bytes are the region's, in order), or None."""
+        if len(self.entries) == 1 and self.entries[0].chunk == self.region:
+            return self.entries[0]
+        return None

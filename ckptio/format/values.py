@@ -19,6 +19,8 @@ import torch
 
 from ckptio.format.types import Json, show
 
+__all__ = ["NotEncodable", "decode", "encode"]
+
 
 class NotEncodable(Exception):
     """Internal signal: this value has no pickle-free encoding."""

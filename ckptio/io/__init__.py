@@ -1,7 +1,12 @@
-"""I/O backends behind one small contract (base.IOBackend), chosen by name.
+"""The io layer: I/O backends behind one small contract (base.IOBackend), chosen by name, and the
+staging buffers (stage.py). Internal: the public surface is ``ckptio`` itself
+(ckptio/__init__.py's ``__all__``); testing/io_conformance.py states the backend contract.
 
-Owns: the registry of backend names and the fallback from io_uring to POSIX where io_uring is
-unavailable (logged once per process); a backend's module is imported only when asked for.
+Owns: building a backend from its name (the names are options.IO_BACKENDS, re-exported here as
+NAMES) and the fallback from io_uring to POSIX where io_uring is unavailable (logged once per
+process); a backend's module is imported only when asked for.
+Layer: above format, options and errors; beside planning, which it does not import (nor planning
+it). tests/test_layers.py enforces the layer order.
 """
 
 from __future__ import annotations
@@ -10,10 +15,10 @@ import logging
 
 from ckptio.errors import CkptError
 from ckptio.io.base import FileHandle, IOBackend
+from ckptio.options import IO_BACKENDS as NAMES
 
 __all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAMES"]
 
-NAMES = ("posix", "uring")
 log = logging.getLogger("ckptio")
 _reason: list[str | None] = []  # probed once per process
 

@@ -2,7 +2,7 @@
 
 Owns: the Protocol every backend implements and the FileHandle it hands out. A backend may run
 requests on threads (posix) or a ring (io_uring); callers only see futures, so both fit.
-Does not own: what is written (persist.py) or when a checkpoint counts (commit.py).
+Does not own: what is written (persist.py) or when a checkpoint counts (the Store, storage/).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+__all__ = ["FileHandle", "IOBackend"]
 
 
 @dataclass

@@ -17,6 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ckptio.errors import StorageIOError
 from ckptio.io.base import FileHandle
 
+# _error (an OSError as the StorageIOError every backend raises) is shared with uring.py.
+__all__ = ["PosixBackend", "_error"]
+
 log = logging.getLogger("ckptio")
 
 

@@ -25,6 +25,9 @@ import os
 import platform
 import struct
 
+__all__ = ["MAX_REGISTERED", "OP_NOP", "OP_READ", "OP_READ_FIXED", "OP_WRITE", "OP_WRITE_FIXED",
+           "Ring", "address_of", "unavailable_reason"]
+
 SYS_SETUP, SYS_ENTER, SYS_REGISTER = 425, 426, 427  # same numbers on every architecture
 OP_NOP, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 4, 5, 22, 23
 ENTER_GETEVENTS = 1

@@ -5,7 +5,7 @@ Owns: staging memory (allocated once, pre-faulted because this kind of VM faults
 slowly, page-locked with cudaHostRegister when CUDA is present so device copies run
 asynchronously), its admission (acquire blocks while every buffer is in use) and tensor<->bytes
 copies (device->host copies are non_blocking on whatever stream is current: the caller owns
-streams and events). Does not own: what is copied where (persist.py, restore.py) or I/O (io/).
+streams and events). Does not own: what is copied where (saving/persist.py, loading/read.py) or I/O (io/).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 
 from ckptio.errors import CkptError
 from ckptio.format.types import DTYPE_ITEMSIZE
+
+__all__ = ["Buffer", "BufferPool", "copy_in", "copy_out", "torch_dtype", "typed"]
 
 
 @dataclass

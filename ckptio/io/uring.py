@@ -23,6 +23,8 @@ from ckptio.io.base import FileHandle
 from ckptio.io.posix import PosixBackend, _error
 from ckptio.io.ring import (MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of)
 
+__all__ = ["UringBackend"]
+
 log = logging.getLogger("ckptio")
 _WAKE = 0  # user_data of the NOP that wakes the reaper for shutdown; requests count from 1
 _RETRY = (errno.EINTR, errno.EAGAIN)

@@ -3,7 +3,7 @@
 Owns: key selection, the strict/missing/unexpected/mismatch rules, dtype and shape checks,
 building fresh tensors and Python values, assigning immutable values back into the caller's
 containers, the pickle opt-in on load, and the LoadReport. Does not own: reading bytes (it is
-handed a ``read`` function, see restore.py).
+handed a ``read`` function, see read.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from ckptio.errors import ManifestError, PickleRefusedError, StateMismatchError
 from ckptio.format.flatten import FlatState, unflatten
 from ckptio.planning.sharding import held
 from ckptio.io.stage import torch_dtype
-from ckptio.format.types import Chunk, Job, Manifest, ObjectEntry, Target, TensorEntry
+from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
+
+__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "fill_fresh", "fill_in_place"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
-ReadFn = Callable[[list[Target], list[Job]], int]
+ReadFn = Callable[[list[Read]], int]
 
 
 @dataclass(frozen=True)
@@ -173,34 +175,29 @@ def _empty(entry: TensorEntry, sizes: tuple[int, ...] | None = None) -> torch.Te
 
 @dataclass
 class _Reads:
-    """What a load reads: whole entries into tensors (Targets), or regions assembled from
-    several chunks or parts of them (Jobs); plus dtype conversions done afterwards."""
+    """What a load reads: one Read per destination (a whole entry in the same layout, or a
+    region assembled from several chunks or parts of them: one read plan for all, see read.py);
+    plus dtype conversions done afterwards."""
 
-    targets: dict[int, Target] = field(default_factory=dict)
-    jobs: list[Job] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
     casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (dest, staged)
 
     def add(self, source: TensorSource, want: Chunk, dest: torch.Tensor) -> None:
         """Fill ``dest`` (the stored dtype; the region's shape) with region ``want``."""
-        entry = source.head
-        if len(source.entries) == 1 and entry.chunk == want:  # the same layout: whole entries
-            self.targets.setdefault(id(entry), Target(entry, [])).dests.append(dest)
-        else:
-            self.jobs.append(Job(source.key, source.entries, want, dest))
+        self.reads.append(Read(source.key, source.entries, want, dest))
 
     def entries(self) -> Iterable[TensorEntry]:
-        yield from (t.entry for t in self.targets.values())
-        for job in self.jobs:
-            yield from job.entries
+        """Every stored entry the reads touch, once each."""
+        seen: set[int] = set()
+        for read in self.reads:
+            for entry in read.entries:
+                if id(entry) not in seen:
+                    seen.add(id(entry))
+                    yield entry
 
     def run(self, read: ReadFn) -> int:
-        targets, jobs = list(self.targets.values()), self.jobs
-        if jobs:  # one read plan for all: each read's gaps could be another's data (read twice)
-            jobs = jobs + [Job(t.entry.key, (t.entry,), t.entry.chunk, dest)
-                           for t in targets for dest in t.dests]
-            targets = []
         with torch.no_grad():
-            nbytes = read(targets, jobs)
+            nbytes = read(self.reads)
             for dest, staged in self.casts:
                 dest.copy_(staged)
         return nbytes

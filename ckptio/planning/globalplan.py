@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from ckptio.errors import CkptError
 from ckptio.format.types import FileInfo, Json, ObjectEntry, TensorEntry, WriteItem
 
+__all__ = ["Assignment", "GlobalPlan", "PlanConflict", "RankPlan", "check_files",
+           "manifest_entries", "merge_trees", "objects_of", "per_rank_keys", "plan_global"]
+
 
 @dataclass(frozen=True)
 class RankPlan:

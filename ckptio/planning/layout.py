@@ -1,19 +1,26 @@
 """Where bytes go: pack write items into a few large files at aligned offsets, and coalesce the
-entries a load needs into a few large aligned reads.
+byte extents a load needs into a few large aligned reads.
 
-Owns: the alignment rule, the file-splitting rule, data file names and read coalescing.
+Owns: the alignment rule, the file-splitting rule, data file names and read coalescing (the one
+loop every load's reads go through, and how far it reads through a gap: ``MAX_GAP``).
+Does not own: which extents a load needs or how they are verified (loading/read.py).
 Pure: dataclasses in, dataclasses out; no I/O, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from ckptio.options import BLOCK
-from ckptio.format.types import FileLayout, Placement, ReadRange, TensorEntry, WriteItem
+from ckptio.format.types import FileLayout, Placement, ReadRange, WriteItem
+
+__all__ = ["Extent", "MAX_GAP", "SMALL_ALIGN", "align_down", "align_up", "coalesce_reads",
+           "data_file_name", "item_alignment", "plan_files"]
 
 SMALL_ALIGN = 64  # small items: cache-line aligned, so thousands of them waste little space
+MAX_GAP = 512 << 10  # a load reads through gaps up to this size rather than issue another request
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -60,45 +67,80 @@ def _close(save_id: str, rank: int, index: int, end: int, placements: list[Place
     return FileLayout(name=name, nbytes=align_up(end, BLOCK), placements=tuple(placements))
 
 
+class Extent(Protocol):
+    """Bytes [offset, offset + nbytes) of one data file a load needs: a stored entry (TensorEntry),
+    or a part of one."""
+
+    @property
+    def file(self) -> str: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+E = TypeVar("E", bound=Extent)
+
+
 @dataclass
-class _OpenRange:
+class _OpenRange(Generic[E]):
     file: str
     start: int
     end: int
-    entries: list[TensorEntry] = field(default_factory=list)
+    entries: list[E] = field(default_factory=list)
 
-    def freeze(self) -> ReadRange:
+    def freeze(self) -> ReadRange[E]:
         return ReadRange(self.file, self.start, self.end - self.start, tuple(self.entries))
 
+    def add(self, extent: E, stop: int) -> None:
+        self.end = max(self.end, stop)
+        if not self.entries or self.entries[-1] is not extent:
+            self.entries.append(extent)
 
-def coalesce_reads(
-    entries: Iterable[TensorEntry], *, max_read: int, max_gap: int
-) -> list[ReadRange]:
-    """Cover every non-empty entry with BLOCK-aligned reads of at most ``max_read`` bytes.
 
-    Neighbouring entries (gap <= max_gap) share a read; an entry larger than max_read spans
-    several consecutive reads. Reads come out sorted by (file, offset).
+def _never(_extent: Extent) -> bool:
+    return False
+
+
+def coalesce_reads(extents: Iterable[E], *, max_read: int, max_gap: int,
+                   in_one_read: Callable[[E], bool] = _never) -> list[ReadRange[E]]:
+    """Cover every non-empty extent with BLOCK-aligned reads of at most ``max_read`` bytes.
+
+    Neighbouring extents (gap <= max_gap) share a read. An extent larger than max_read spans
+    several consecutive reads, unless ``in_one_read(extent)``: such an extent is never split (a
+    read that cannot take it whole ends before it), and one larger than max_read gets one read of
+    its own, larger than max_read. Reads come out sorted by (file, offset).
     """
-    ranges: list[ReadRange] = []
-    current: _OpenRange | None = None
-    for entry in sorted(entries, key=lambda e: (e.file, e.offset)):
-        pos, end = entry.offset, entry.offset + entry.nbytes
+    ranges: list[ReadRange[E]] = []
+    current: _OpenRange[E] | None = None
+    for extent in sorted(extents, key=lambda e: (e.file, e.offset)):
+        pos, end = extent.offset, extent.offset + extent.nbytes
+        unsplit = in_one_read(extent)
         while pos < end:
-            if not (
-                current is not None
-                and current.file == entry.file
-                and pos <= current.end + max_gap
-                and current.start + max_read > max(pos, current.end)
-            ):
+            if current is None or not _joins(current, extent.file, pos, end, unsplit, max_read,
+                                             max_gap):
                 if current is not None:
                     ranges.append(current.freeze())
                 start = align_down(pos, BLOCK)
-                current = _OpenRange(entry.file, start, start)
-            stop = min(align_up(end, BLOCK), current.start + max_read)
-            current.end = max(current.end, stop)
-            if not current.entries or current.entries[-1] is not entry:
-                current.entries.append(entry)
+                current = _OpenRange(extent.file, start, start)
+            stop = align_up(end, BLOCK)
+            if not unsplit:
+                stop = min(stop, current.start + max_read)
+            current.add(extent, stop)
             pos = stop
     if current is not None:
         ranges.append(current.freeze())
     return ranges
+
+
+def _joins(current: _OpenRange[E], file: str, pos: int, end: int, unsplit: bool,
+           max_read: int, max_gap: int) -> bool:
+    """Whether bytes from ``pos`` (up to ``end``: all of them when ``unsplit``) go into
+    ``current``."""
+    if current.file != file or pos > current.end + max_gap:
+        return False
+    if unsplit:
+        return align_up(end, BLOCK) - current.start <= max_read
+    return current.start + max_read > max(pos, current.end)

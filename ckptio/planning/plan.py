@@ -21,6 +21,8 @@ from ckptio.format.flatten import FlatState
 from ckptio.planning.sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
+__all__ = ["PlanCache", "SavePlan", "build_plan"]
+
 
 @dataclass(frozen=True)
 class SavePlan:

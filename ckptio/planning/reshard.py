@@ -15,10 +15,11 @@ whatever the region kinds, is ONE strided copy: the read bytes viewed as a row-m
 narrowed the same way. The number of pieces is O(ndim) per overlapping pair of regions plus
 whatever ``max_read`` splitting needs, never O(rows) or O(elements).
 
-Owns: box intersection and subtraction, flat<->box decomposition, coverage checking (each
-destination element is read exactly once, from the first stored entry that holds it) and splitting
-reads to ``max_read``. Does not own: coalescing pieces into large aligned reads (layout),
-issuing them (io), checksums (restore), or which regions a rank wants (api / dist).
+Owns: box intersection and subtraction, coverage checking (each destination element is read
+exactly once, from the first stored entry that holds it) and splitting reads to ``max_read``. The
+flat<->box decomposition (``FlatRange``, ``flat_boxes``, ``flat_index``) is format/geometry.py's,
+since the manifest's tiling check needs it too; it is re-exported here. Does not own: coalescing pieces into large aligned reads (layout),
+issuing them (io), checksums (loading/read), or which regions a rank wants (api / dist).
 Pure: dataclasses in, dataclasses out; no I/O. ``execute`` is the only function that touches
 tensors, and only through their methods (no torch import).
 """
@@ -30,23 +31,15 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
 
+from ckptio.format.geometry import FlatRange, flat_boxes, flat_index
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, TensorEntry
 
 if TYPE_CHECKING:
     import torch
 
-
-@dataclass(frozen=True)
-class FlatRange:
-    """Elements [start, start+length) of the row-major flattened global tensor."""
-
-    start: int
-    length: int
-
-    @property
-    def numel(self) -> int:
-        return self.length
-
+__all__ = ["FlatRange", "Piece", "Region", "Stored", "dest_view", "execute", "flat_boxes",
+           "flat_index", "intersect", "plan_reads", "region_of", "source_view",
+           "stored_from_entry", "subtract"]
 
 Region = Chunk | FlatRange
 
@@ -138,47 +131,6 @@ def subtract(box: Chunk, hole: Chunk) -> list[Chunk]:
                                     tuple(sizes[:dim]) + (b - a,) + tuple(sizes[dim + 1:])))
         offsets[dim], sizes[dim] = lo, size
     return pieces
-
-
-def flat_index(index: Sequence[int], shape: Sequence[int]) -> int:
-    """Row-major flat index of ``index`` in a tensor of ``shape``."""
-    flat = 0
-    for i, size in zip(index, shape):
-        flat = flat * size + i
-    return flat
-
-
-def flat_boxes(flat: FlatRange, shape: tuple[int, ...]) -> list[tuple[int, Chunk]]:
-    """``flat`` as (first flat index, box) pairs in order: at most 2*ndim-1 boxes, each contiguous
-    in the flattened tensor and in the same element order (leading dims of size 1, one partial
-    dim, full trailing dims)."""
-    out: list[tuple[int, Chunk]] = []
-    _flat_boxes(flat.start, flat.length, shape, (), out)
-    return [(flat_index(box.offsets, shape), box) for box in out]
-
-
-def _flat_boxes(start: int, count: int, shape: tuple[int, ...], prefix: tuple[int, ...],
-                out: list[Chunk]) -> None:
-    if count <= 0:
-        return
-    lead = (1,) * len(prefix)
-    if len(shape) <= 1:
-        out.append(Chunk(prefix + (start,) * len(shape), lead + (count,) * len(shape)))
-        return
-    inner = shape[1:]
-    row = prod(inner)
-    first, head = divmod(start, row)
-    last, tail = divmod(start + count, row)
-    if first == last:
-        _flat_boxes(head, count, inner, prefix + (first,), out)
-        return
-    if head:
-        _flat_boxes(head, row - head, inner, prefix + (first,), out)
-        first += 1
-    if last > first:
-        out.append(Chunk(prefix + (first,) + (0,) * len(inner), lead + (last - first,) + inner))
-    if tail:
-        _flat_boxes(0, tail, inner, prefix + (last,), out)
 
 
 # ------------------------------------------------------------------------------------------------

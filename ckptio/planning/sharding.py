@@ -4,7 +4,7 @@ FlatShard slices, or (a plain tensor) all of it.
 Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
 (DTensor placements through torch's own local-shape computation, so uneven shards come out as
 torch made them), and refusing what is not a region (Partial, strided shards). Does not own:
-who writes which region (globalplan.py) or reading regions back (assemble.py).
+who writes which region (globalplan.py) or reading regions back (loading/read.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import xxhash
 
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
+
+__all__ = ["FlatShard", "TensorShard", "held", "is_dtensor", "local_tensor"]
 
 
 @dataclass

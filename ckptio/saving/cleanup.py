@@ -5,14 +5,15 @@ lists the directory first; the next save into any directory waits only for that 
 new files must not be listed as superseded), never for the deleting.
 
 Owns: the removal thread and its "listed" event. Does not own: which files are superseded or
-how they are removed (storage/commit.py).
+how they are removed (storage/steps.py).
 """
 
 from __future__ import annotations
 
 import threading
 
-from ckptio.storage import commit
+from ckptio.storage import steps
+from ckptio.storage.base import Store
 
 __all__ = ["Cleanup"]
 
@@ -23,13 +24,13 @@ class Cleanup:
         self._listed = threading.Event()  # the running removal has chosen what it removes
         self._listed.set()
 
-    def start(self, path: str, keep: list[str]) -> None:
-        """Remove the files in ``path`` that neither ``keep`` nor the committed manifest names;
+    def start(self, store: Store, keep: list[str]) -> None:
+        """Remove the files in ``store`` that neither ``keep`` nor the committed manifest names;
         returns once they are listed (before other ranks hear of the commit)."""
         self.finish()  # normally long finished: a save takes longer than a deletion
         listed = threading.Event()
-        thread = threading.Thread(target=commit.remove_unreferenced,
-                                  args=(path, set(keep), listed), name="ckptio-cleanup",
+        thread = threading.Thread(target=steps.remove_unreferenced,
+                                  args=(store, set(keep), listed), name="ckptio-cleanup",
                                   daemon=True)
         try:
             thread.start()

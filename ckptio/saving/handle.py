@@ -23,6 +23,8 @@ from ckptio.saving.persist import Progress
 from ckptio.planning.sharding import local_tensor
 from ckptio.format.types import WriteItem
 
+__all__ = ["SaveHandle", "SaveResult", "lazy_order"]
+
 
 @dataclass(frozen=True)
 class SaveResult:

@@ -9,7 +9,7 @@ fsyncs. Keeping checksums off the capturing thread keeps the training loop's sha
 Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
 side stream with one event per buffer (no per-tensor synchronisation), progress counters,
 waiting for every write, fsync. Does not own: where items go (layout.py), the files' commit
-(commit.py), the pool (stage.py) or the thread that runs a whole save (api.py, background.py).
+(the Store, storage/), the pool (io/stage.py) or the order of a whole save (session.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
 from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, TensorEntry
+
+__all__ = ["Progress", "SaveJob", "ready_events"]
 
 Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
 

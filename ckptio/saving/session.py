@@ -23,15 +23,16 @@ Everything the save needs is fixed in one SaveContext when it starts. A failure 
 any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
 
 Owns: the order of those steps. Does not own: planning (planning/), the collective steps
-(distributed/collective.py), the bytes (persist.py), the commit (storage/commit.py), the
+(distributed/collective.py), the bytes (persist.py), the commit (the Store, storage/), the
 handle and its hand-over (handle.py, handover.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,7 +50,8 @@ from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import SaveHandle, lazy_order
-from ckptio.storage import commit
+from ckptio.storage import steps
+from ckptio.storage.base import Exclusive, Store
 
 __all__ = ["Save", "SaveContext", "Staging", "begin"]
 
@@ -70,7 +72,7 @@ class SaveContext:
     """What one save needs, fixed when it starts."""
 
     group: Group
-    path: str
+    store: Store  # where the checkpoint goes (its location names it in messages)
     options: Options
     staging: Staging
     cleanup: Cleanup
@@ -117,7 +119,7 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
-        handle = SaveHandle(ctx.path, persist.Progress(part.nbytes),
+        handle = SaveHandle(ctx.store.location, persist.Progress(part.nbytes),
                             tuple(f.name for f in part.files), ctx.started)
         thread = _start_thread(ctx, part, handle)
     except BaseException as exc:
@@ -144,7 +146,7 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
         mine = collective.local_plan(ctx.group, plan, sources, flat)
     except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
         error = exc
-    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.path, reuse)
+    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse)
     return plan, sources, agreement
 
 
@@ -186,8 +188,8 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
         # claim first: a collective on every rank, and no rank creates a file before the
         # coordinator holds the lock; attempt() removes this rank's files on failure.
         with (ctx.staging.lock,
-              collective.exclusive(ctx.group, ctx.path, ctx.options.if_locked) as held,
-              commit.attempt(ctx.path, [f.name for f in part.files])):
+              collective.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
+              _opened(ctx.store, [f.name for f in part.files])):
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
@@ -202,14 +204,24 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
     handle._finished(handle.progress().nbytes_total)
 
 
+@contextlib.contextmanager
+def _opened(store: Store, names: list[str]) -> Iterator[None]:
+    """The location made (every rank: only the coordinator claimed it); if the body fails, this
+    save's files ``names`` are removed again (storage/steps.attempt)."""
+    store.prepare()
+    with steps.attempt(store, names):
+        yield
+
+
 def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
         collective.Written | None, BaseException | None]:
     """5 capture, 6 drain, 7 fsync: this rank's bytes durable; -> (its results keyed by item
     index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        pool, backend = ctx.staging.for_path(ctx.path)
-        job = persist.SaveJob(ctx.path, part.files, part.sources, pool=pool, backend=backend,
+        location = ctx.store.location
+        pool, backend = ctx.staging.for_path(location)
+        job = persist.SaveJob(location, part.files, part.sources, pool=pool, backend=backend,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
                               block_nbytes=ctx.block_nbytes)
@@ -228,11 +240,11 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
 
 def _conclude(ctx: SaveContext, agreement: collective.Agreement,
               written: collective.Written | None, error: BaseException | None,
-              held: commit.DirLock | None) -> None:
+              held: Exclusive | None) -> None:
     """8 conclude, 9 commit (on the coordinator), 10 clean up started after the commit."""
-    collective.conclude(ctx.group, agreement, written, error, ctx.path, ctx.meta,
+    collective.conclude(ctx.group, agreement, written, error, ctx.store, ctx.meta,
                         ctx.options.checksum, ctx.block_nbytes,
-                        lambda names: ctx.cleanup.start(ctx.path, names), held)
+                        lambda names: ctx.cleanup.start(ctx.store, names), held)
 
 
 def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: BaseException, *,
@@ -241,10 +253,10 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
     ``exc`` itself). ``claimed``: this rank has already taken part in the claim."""
     try:
         if not claimed:
-            collective.skip_exclusive(ctx.group, ctx.path, exc)
-        collective.conclude(ctx.group, agreement, None, exc, ctx.path, ctx.meta,
+            collective.skip_exclusive(ctx.group, ctx.store.location, exc)
+        collective.conclude(ctx.group, agreement, None, exc, ctx.store, ctx.meta,
                             ctx.options.checksum, ctx.block_nbytes, lambda _names: None)
     except BaseException as other:  # noqa: BLE001 - exc is what the caller reports
         if other is not exc:
             log.warning("ckptio: rank %d could not report its failed save of %s to the other "
-                        "ranks: %s", ctx.group.rank, ctx.path, other)
+                        "ranks: %s", ctx.group.rank, ctx.store.location, other)

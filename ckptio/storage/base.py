@@ -1,61 +1,133 @@
 """The storage contract: where one checkpoint's files live and how it is committed.
 
-A ``Store`` is one checkpoint location (a local directory; later a prefix in an S3 bucket, a
-host-memory tier). Data bytes move through an ``IOBackend`` made for that kind of store
-(positioned reads and writes from the staging pool: O_DIRECT/io_uring for a directory,
-multipart uploads and ranged GETs for an object store) on the paths ``path_of(name)`` gives;
-the store itself does the few whole-checkpoint operations:
+A ``Store`` is one checkpoint location (a local directory: local.py; host memory: memory.py;
+later a prefix in an S3 bucket). Data bytes move through an ``IOBackend`` the store makes
+(``backend()``: positioned reads and writes from the staging pool; O_DIRECT/io_uring for a
+directory, a dict for host memory, multipart uploads and ranged GETs for an object store) on
+the paths ``path_of(name)`` gives; the store itself does the few whole-checkpoint operations:
 
     prepare()           make the location; refuse one that cannot hold a checkpoint
     exclusive(...)      serialise saves into this location across processes and machines
     commit(manifest)    make the manifest visible atomically, after every data file is durable
-                        (conditional: refused if another save committed meanwhile)
+                        (conditional where supports_conditional_commit: refused if another
+                        save committed since exclusive() was taken)
     read_manifest()     the committed manifest's bytes, or an error saying what is there instead
-    sizes(names)        the stored size of each named file (bounds checks before reading)
+    sizes(names)        the stored size of each named file (bounds checks before reading;
+                        ``MANIFEST_NAME in sizes([MANIFEST_NAME])``: "is a manifest committed")
     names()             every file a ckptio save created there (for cleanup and leftovers)
     remove(names)       delete files, never raising: the failures are returned
 
-The order that makes a checkpoint crash-safe is the caller's (the save session): data files
-with names unique to the save, durable; then commit; then remove what the new manifest does not
-name. A store only promises each step's own atomicity and durability.
+The order that makes a checkpoint crash-safe is the caller's (the save session; the generic
+steps over any store are in steps.py): data files with names unique to the save, durable; then
+commit; then remove what the new manifest does not name. A store only promises each step's own
+atomicity and durability.
 
-Owns: the Protocol. Does not own: any implementation (local.py), the manifest's content
-(format/manifest.py) or the order of a save (saving/session.py).
+Names: a store holds plain file names (no path separator, not "." or ".."); ``is_ours`` says
+which of them a ckptio save creates (cleanup never touches anything else), ``new_save_id`` makes
+the part that keeps one save's names apart from every other save's.
+
+Owns: the Protocol, the naming rules every store lists and cleans by. Does not own: any
+implementation (local.py, memory.py), the manifest's content (format/manifest.py), the order of
+a save (saving/session.py, steps.py).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
+import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Store", "Exclusive"]
+from ckptio.errors import CkptError
+from ckptio.io.base import IOBackend
+from ckptio.options import Options
+
+__all__ = [
+    "IF_LOCKED",
+    "TMP_PREFIX",
+    "Exclusive",
+    "Store",
+    "check_if_locked",
+    "is_ours",
+    "new_save_id",
+    "plain_name",
+]
+
+IF_LOCKED = ("wait", "raise")
+TMP_PREFIX = ".manifest-"  # a manifest being committed (stores that commit by rename)
+# exactly the names a ckptio save creates (layout.data_file_name, the manifest's temporary
+# name): a cleanup never touches anything else, e.g. a dataset's "data-00000-of-00001.arrow"
+_OURS = re.compile(r"(data-[0-9a-f]{19,}-r\d{5}-\d{4}\.bin|\.manifest-[0-9a-f]{19,}\.tmp)", re.ASCII)
+_PLAIN = re.compile(r"[^/\\\x00]{1,255}")
+
+
+def is_ours(name: str) -> bool:
+    """True for a file name a ckptio save creates."""
+    return _OURS.fullmatch(name) is not None
+
+
+def new_save_id() -> str:
+    """Time-ordered and unique: milliseconds since the epoch, then random bits."""
+    return f"{int(time.time() * 1000):011x}{secrets.token_hex(4)}"
+
+
+def plain_name(name: str, location: str) -> str:
+    """``name`` if it is a plain file name (no path separator, not "." or ".."); else
+    CkptError: a store never reaches outside its location."""
+    if not isinstance(name, str) or not _PLAIN.fullmatch(name) or name in (".", ".."):
+        raise CkptError(f"{name!r} is not a plain file name, so it names no file of the "
+                        f"checkpoint at {location}: pass a name from its manifest")
+    return name
+
+
+def check_if_locked(if_locked: str) -> str:
+    if if_locked not in IF_LOCKED:
+        raise CkptError(f"if_locked={if_locked!r}: use 'wait' or 'raise'")
+    return if_locked
 
 
 class Exclusive(Protocol):
     """A held claim on a location: no other save commits there until released."""
 
-    def release(self, *, failed: bool = False) -> None: ...
+    def release(self, *, failed: bool = False) -> None:
+        """Let go (never raises). ``failed``: the save did not commit; a location that
+        exclusive() created and that holds nothing is removed again."""
+        ...
 
 
 @runtime_checkable
 class Store(Protocol):
     location: str  # what error messages name: a directory path, an s3:// URL
 
+    @property
+    def supports_conditional_commit(self) -> bool:
+        """Whether commit(held=...) is refused (CheckpointLockedError) when another save
+        committed since exclusive() was taken; False: the claim alone protects the commit."""
+        ...
+
     def prepare(self) -> None:
         """Create the location if needed; StorageIOError if it cannot hold a checkpoint."""
         ...
 
     def exclusive(self, if_locked: str) -> Exclusive:
-        """Claim the location for one save ("wait" for another save, or "raise"
-        CheckpointLockedError naming its holder)."""
+        """Prepare the location and claim it for one save ("wait" for another save, or
+        "raise" CheckpointLockedError naming its holder)."""
         ...
 
     def path_of(self, name: str) -> str:
-        """The backend's path for a data file ``name`` of this checkpoint."""
+        """The backend's path for a file ``name`` of this checkpoint (CkptError for a name
+        that is not plain)."""
+        ...
+
+    def backend(self, options: Options) -> IOBackend:
+        """A new IOBackend that reaches path_of()'s paths (those of every store of this type),
+        made for ``options``' I/O fields; the caller owns it and shuts it down."""
         ...
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
-        """Make ``manifest`` the committed one, atomically and durably."""
+        """Make ``manifest`` the committed one, atomically and durably; ``held`` (this
+        store's claim) makes it conditional. On failure the previous manifest stays."""
         ...
 
     def read_manifest(self) -> bytes:
@@ -68,7 +140,7 @@ class Store(Protocol):
         ...
 
     def names(self) -> list[str]:
-        """Every file a ckptio save created at this location (committed or not)."""
+        """Every file a ckptio save created at this location (committed or not), sorted."""
         ...
 
     def remove(self, names: Iterable[str]) -> list[str]:

@@ -5,12 +5,18 @@ to subclass with a backend factory, or as plain functions) and ``faults`` (an IO
 that fails chosen calls, to show that a failing save commits nothing and a failing load leaks
 nothing), and ``accepts_o_direct``. Nothing here is imported by ckptio itself; pytest is needed
 only by the base class.
+
+Test support, not ckptio's public API (that is ``ckptio`` itself, ckptio/__init__.py's
+``__all__``): it may import any layer, and no other part of ckptio imports it
+(tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+
+__all__ = ["accepts_o_direct"]
 
 
 def accepts_o_direct(directory: str) -> bool:

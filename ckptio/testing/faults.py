@@ -31,6 +31,8 @@ from typing import Any, Union
 from ckptio.errors import StorageIOError
 from ckptio.io.base import FileHandle, IOBackend
 
+__all__ = ["FaultyBackend", "inject"]
+
 ErrorSpec = Union[str, int, Callable[[str, str, int], BaseException]]
 
 _ERRNOS = {"eio": errno_mod.EIO, "enospc": errno_mod.ENOSPC, "edquot": errno_mod.EDQUOT}

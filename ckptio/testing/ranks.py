@@ -21,6 +21,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+__all__ = ["free_port", "run_ranks"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -2,9 +2,11 @@
 
 Owns: a timed O_DIRECT sequential write of N bytes (posix_fallocate, page-aligned mmap buffers of
 8 MiB, 4 threads doing os.pwrite, fsync) and a timed cold O_DIRECT sequential read of the same
-file, plus dropping the page cache. Chunk size and thread count are parameters (GEOMETRIES). Does not own: any engine (engines.py) or the protocol
-(save_load.py). The write clock runs from creating the file to fsync returning, as an engine's
-would; the fallocate share is reported apart.
+file, plus dropping the page cache. Chunk size and thread count are parameters (GEOMETRIES).
+Does not own: any engine or the protocol of the peer benchmarks (benchmarks/engines.py,
+benchmarks/save_load.py, which call this module, as the I/O study does). The write clock runs
+from creating the file to fsync returning, as an engine's would; the fallocate share is reported
+apart.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-BLOCK = 4096
+from ckptio.options import BLOCK
+
+__all__ = ["GEOMETRIES", "drop_page_cache", "read_ceiling", "round_up", "write_ceiling"]
+
 CHUNK = 8 << 20
 THREADS = 4
 # Geometries tried every repetition; the ceiling is the best of them, so it is never weaker than

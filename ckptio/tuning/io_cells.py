@@ -27,10 +27,16 @@ from typing import Any
 from ckptio import io as ckpt_io
 from ckptio.errors import CkptError
 from ckptio.io.base import FileHandle, IOBackend
+from ckptio.options import BLOCK
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-BLOCK = 4096
+__all__ = ["BACKEND_OF", "ENGINES", "MODES", "Cell", "PhaseTimes", "Plan", "Run", "build_plan",
+           "engine_unavailable", "equal_sizes", "gpt_sizes", "make_backend",
+           "probe_unaligned_direct", "round_up", "run_phase"]
+
 Run = dict[str, Any]
+ENGINES = ("posix1", "posix_pool", "uring")  # the study's engines, in the order tables list them
+MODES = ("direct", "buffered")  # Cell.mode
+BACKEND_OF = {"posix_pool": "posix", "uring": "uring"}  # engine -> ckptio io_backend name
 
 
 
@@ -188,8 +194,8 @@ def _done(fn: Any) -> Future[int]:
 def make_backend(engine: str, depth: int, mode: str) -> IOBackend:
     if engine == "posix1":
         return SyncBackend(mode == "direct")
-    name = {"posix_pool": "posix", "uring": "uring"}[engine]
-    return ckpt_io.create(name, depth=depth, direct_io="on" if mode == "direct" else "off")
+    return ckpt_io.create(BACKEND_OF[engine], depth=depth,
+                          direct_io="on" if mode == "direct" else "off")
 
 
 def engine_unavailable(engine: str, directory: Path) -> str | None:

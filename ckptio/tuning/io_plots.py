@@ -14,6 +14,8 @@ from typing import Any
 
 from ckptio.tuning.io_report import Row, configs, engine_label, fmt_nbytes, select
 
+__all__ = ["plots"]
+
 ENGINE_COLORS = {"posix1": "black", "posix_pool": "tab:blue", "uring": "tab:red"}
 
 def plots(summary: dict[str, Any], prefix: Path) -> list[Path]:

@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptio.tuning.profile import filesystem_key
-from ckptio.tuning.io_cells import GiB, KiB, MiB, Cell, Run
+from ckptio.options import GiB, KiB, MiB
+from ckptio.tuning.io_cells import ENGINES, MODES, Cell, Run
+
+__all__ = ["Row", "configs", "engine_label", "fmt_nbytes", "machine", "mix_stats", "progress",
+           "select", "summarize", "write_all"]
 
 Row = dict[str, Any]
 CELL_FIELDS = tuple(Cell.__dataclass_fields__)
@@ -90,9 +94,8 @@ def summarize(runs: Sequence[Run], ceilings: Sequence[Run]) -> dict[str, Any]:
 
 
 def row_order(row: Row) -> tuple[Any, ...]:
-    engines, modes = ("posix1", "posix_pool", "uring"), ("direct", "buffered")
-    return (row["workload"], row["layout"], modes.index(row["mode"]) if row["mode"] in modes else 9,
-            engines.index(row["engine"]) if row["engine"] in engines else 9, row["depth"],
+    return (row["workload"], row["layout"], MODES.index(row["mode"]) if row["mode"] in MODES else 9,
+            ENGINES.index(row["engine"]) if row["engine"] in ENGINES else 9, row["depth"],
             row["write_nbytes"], not row["aligned"], not row["prealloc"])
 
 
@@ -131,7 +134,7 @@ def engine_label(row: Row) -> str:
 
 
 def configs(rows: Sequence[Row]) -> list[tuple[str, int]]:
-    order = {"posix1": 0, "posix_pool": 1, "uring": 2}
+    order = {engine: i for i, engine in enumerate(ENGINES)}
     return sorted({(r["engine"], r["depth"]) for r in rows}, key=lambda e: (order.get(e[0], 9), e[1]))
 
 

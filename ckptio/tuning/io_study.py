@@ -37,12 +37,17 @@ from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.io.base import IOBackend
+from ckptio.options import BLOCK, GiB, KiB, MiB
 from ckptio.tuning import ceiling
-# BLOCK, Cell, build_plan, gpt_sizes, engine_unavailable: also imported from here (tests, tune.py).
-from ckptio.tuning.io_cells import (BLOCK, GiB, KiB, MiB, Cell, PhaseTimes, Plan, Run, build_plan, engine_unavailable, equal_sizes, gpt_sizes, make_backend, probe_unaligned_direct, round_up, run_phase)
+# Cell, build_plan, gpt_sizes, engine_unavailable: also imported from here (tests, tune.py).
+from ckptio.tuning.io_cells import (ENGINES, MODES, Cell, PhaseTimes, Plan, Run, build_plan,
+                                    engine_unavailable, equal_sizes, gpt_sizes, make_backend,
+                                    probe_unaligned_direct, round_up, run_phase)
 
-ENGINES = ("posix1", "posix_pool", "uring")
-MODES = ("direct", "buffered")
+__all__ = ["ENGINES", "MODES", "SECTIONS", "Cell", "Study", "StudyConfig", "build_plan",
+           "config_from", "engine_unavailable", "gpt_sizes", "main", "make_cells", "parse_args",
+           "parse_list", "parse_nbytes", "run_study"]
+
 SECTIONS = ("sweep", "align", "layout", "mix", "extend")
 
 

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptio.options import Options
+from ckptio.options import BLOCK, DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
+
+__all__ = ["PATH_ENV", "Profile", "ProfileError", "filesystem_key", "io_fields", "lookup",
+           "profile_path", "read_all", "store", "tuned_options"]
 
 log = logging.getLogger("ckptio")
 
 VERSION = 1
 PATH_ENV = "CKPTIO_PROFILE_PATH"
 MOUNTINFO = "/proc/self/mountinfo"
-MiB = 1 << 20
-BLOCK = 4096
 # Paths already warned about, so a corrupt file is logged once per process, not on every save.
 _warned: set[str] = set()
 
@@ -163,11 +164,11 @@ def _from_dict(value: Any, path: Path) -> Profile:
 
 
 def _invalid(p: Profile) -> str | None:
-    if p.direct_io not in ("auto", "on", "off"):
+    if p.direct_io not in DIRECT_IO_MODES:
         return f"direct_io={p.direct_io!r} is not auto, on or off"
     if p.buffer_bytes < MiB or p.buffer_bytes % BLOCK:
         return f"buffer_bytes={p.buffer_bytes} is not a multiple of {BLOCK} of at least 1 MiB"
-    if p.io_depth < 1 or not p.io_backend:
+    if p.io_depth < 1 or p.io_backend not in IO_BACKENDS:
         return f"io_depth={p.io_depth} / io_backend={p.io_backend!r} is invalid"
     return None
 

@@ -18,6 +18,10 @@ import torch
 import xxhash
 from torch import nn
 
+__all__ = ["Filler", "GB", "GPT", "GPTConfig", "LARGE_TENSORS", "build_large_state", "build_state",
+           "digest", "empty_destination", "gpt_config", "prefault", "rng_nbytes", "state_nbytes",
+           "tensor_leaves", "tensor_nbytes"]
+
 GB = 1e9
 VOCAB = 32768
 CONTEXT = 1024

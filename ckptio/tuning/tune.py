@@ -3,7 +3,8 @@ settings there, and store them as that filesystem's profile; `ckptio tune --show
 
 Owns: the short study (O_DIRECT vs buffered first, then write size x depth for posix and, where it
 runs, uring), the choice (choose(), pure) and what the command prints. Does not own: measuring
-(bench/io_study.py), the profile file (profile.py), or applying a profile to Options (api/options).
+(io_study.py, io_cells.py), the profile file (profile.py), or applying a profile to Options
+(api/options).
 
 The choice scores a configuration by the bytes of one save plus one load over their time (the
 harmonic mean of write and read GB/s). Among scores within TIE of the best, the fewest threads
@@ -22,13 +23,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptio.tuning import profile
 from ckptio.errors import CkptError
+from ckptio.options import BLOCK, MiB
+from ckptio.tuning import profile
 
-if TYPE_CHECKING:  # the study imports the bench package: only when tuning, not for --show
+if TYPE_CHECKING:  # the study is imported only when tuning, not for --show
     from ckptio.tuning.io_study import Cell, Study
 
-MiB = 1 << 20
+__all__ = ["Candidate", "add_arguments", "choose", "choose_mode", "main", "run"]
+
 TIE = 0.03  # scores closer than this are equal on a shared VM (run-to-run drift is larger)
 URING_MARGIN = 0.03
 SIZES = "1M,4M,16M,64M"
@@ -85,11 +88,11 @@ def measure(study: Study, cells: Sequence[Cell]) -> list[Candidate]:
     (O_DIRECT refused, say) are left out."""
     from ckptio.tuning import io_report
     from ckptio.tuning import io_study
+    from ckptio.tuning.io_cells import BACKEND_OF
 
     runs, _ = io_study.run_study(study, cells, with_ceiling=False)
-    names = {"posix_pool": "posix", "uring": "uring"}
-    return [Candidate(names[r["engine"]], r["mode"], r["write_nbytes"], r["depth"], r["write_gbps"],
-                      r["read_gbps"])
+    return [Candidate(BACKEND_OF[r["engine"]], r["mode"], r["write_nbytes"], r["depth"],
+                      r["write_gbps"], r["read_gbps"])
             for r in io_report.summarize(runs, [])["rows"] if r["write_gbps"] and r["read_gbps"]]
 
 
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         print("ckptio tune: a directory is required (or --show)", file=sys.stderr)
         return 2
     sizes = parse_list(args.sizes, parse_nbytes)
-    if any(n < MiB or n % 4096 for n in sizes):
+    if any(n < MiB or n % BLOCK for n in sizes):
         print("ckptio tune: --sizes must be >= 1M and multiples of 4K", file=sys.stderr)
         return 2
     chosen, candidates = tune(args.dir, parse_nbytes(args.total), sizes, parse_list(args.pool_depths),

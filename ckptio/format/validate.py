@@ -1,0 +1,348 @@
+"""Field-by-field validation of a manifest's body: what a decoded manifest claims is what a load
+can carry out. See docs/FORMAT.md.
+
+Owns: every check on a parsed manifest body (manifest.decode calls from_body after the framing,
+CRC and depth checks): every field's type and range, offsets (inside their file, aligned to their
+element size, no two entries sharing bytes), lengths, dtypes and the kinds that can hold them,
+shapes, chunks (a key's chunks tile its shape exactly, tiling.py, so a load never allocates more
+than the data files hold), block checksums, file names, keys and the tree. check_keys runs the
+key rules on a Manifest about to be written; check_values decodes every inline value
+(values.decode, which a load runs on each value it returns). Pure: no file access, no pickle.
+Does not own: the byte framing (manifest.py), whether the data files hold the bytes the manifest
+claims (storage/steps.check_files, loading/read.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+from ckptio.errors import ManifestError
+from ckptio.format import values
+from ckptio.format.tiling import tiling_problem
+from ckptio.format.types import (DTYPE_ITEMSIZE, KINDS, MAX_TREE_DEPTH, NUMPY_DTYPES, Chunk,
+                                 FileInfo, Manifest, ObjectEntry, TensorEntry, show)
+
+__all__ = ["FILE_NAME", "MAX_NDIM", "check_keys", "check_values", "from_body"]
+
+_MAX_INT = 1 << 62
+MAX_NDIM = 128
+FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # a data file's name: plain, no path
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+
+
+class _Check:
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, what: str) -> ManifestError:
+        return ManifestError(f"{self.where}: {what}; the checkpoint is damaged or was written "
+                             "by something else: load an earlier one")
+
+    def int(self, value: Any, what: str) -> int:
+        if type(value) is not int or not 0 <= value < _MAX_INT:
+            raise self.fail(f"{what} must be an integer in [0, 2^62), got {show(value)}")
+        return value
+
+    def str(self, value: Any, what: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(f"{what} must be a string, got {show(value)}")
+        return value
+
+    def list(self, value: Any, what: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(f"{what} must be a list, got {show(value)}")
+        return value
+
+    def field(self, obj: Any, name: str, what: str) -> Any:
+        if not isinstance(obj, dict) or name not in obj:
+            raise self.fail(f"{what} lacks field {name!r}")
+        return obj[name]
+
+
+def from_body(raw: Any, where: str, version: int) -> Manifest:
+    """The Manifest that the parsed JSON body ``raw`` of a manifest of ``version`` describes,
+    every field checked (module docstring); ManifestError naming ``where`` otherwise."""
+    c = _Check(where)
+    if not isinstance(raw, dict) or raw.get("format") != "ckptio" or raw.get("version") != version:
+        raise c.fail("the body is not a ckptio object of this version (format/version fields)")
+    world_size = c.int(c.field(raw, "world_size", "manifest"), "world_size")
+    if world_size < 1:
+        raise c.fail("world_size must be at least 1")
+    files = tuple(_file(c, f, world_size)
+                  for f in c.list(c.field(raw, "files", "manifest"), "files"))
+    sizes = {f.name: f.nbytes for f in files}
+    if len(sizes) != len(files):
+        raise c.fail("a data file is listed twice")
+    algorithm = c.str(c.field(raw, "checksum_algorithm", "manifest"), "checksum_algorithm")
+    block_nbytes = c.int(c.field(raw, "block_nbytes", "manifest"), "block_nbytes")
+    if block_nbytes < 1:
+        raise c.fail("block_nbytes must be positive")
+    tensors = tuple(_tensor(c, t, sizes, world_size, block_nbytes)
+                    for t in c.list(c.field(raw, "tensors", "manifest"), "tensors"))
+    _check_shared_bytes(c, tensors)
+    objects = tuple(_object(c, o, world_size)
+                    for o in c.list(c.field(raw, "objects", "manifest"), "objects"))
+    aliases = tuple(_alias(c, a) for a in c.list(c.field(raw, "aliases", "manifest"), "aliases"))
+    tree = c.field(raw, "tree", "manifest")
+    _check_keys(c, tensors, objects, aliases, tree)
+    _check_tilings(c, tensors)
+    meta = c.field(raw, "meta", "manifest")
+    return Manifest(
+        version=version, save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
+        checksum_algorithm=algorithm, world_size=world_size, files=files, tensors=tensors,
+        objects=objects, aliases=aliases, tree=tree, meta=meta if isinstance(meta, dict) else {},
+        block_nbytes=block_nbytes,
+    )
+
+
+def _rank(c: _Check, raw: dict[str, Any], world_size: int, what: str) -> int | None:
+    rank = raw.get("rank")
+    if rank is None:
+        return None
+    if c.int(rank, f"{what} rank") >= world_size:
+        raise c.fail(f"{what}: rank {rank} is not below world_size {world_size}")
+    return rank
+
+
+def _object(c: _Check, raw: Any, world_size: int) -> ObjectEntry:
+    key = c.str(c.field(raw, "key", "object"), "object key")
+    what = f"object {show(key)}"
+    return ObjectEntry(key, c.field(raw, "value", what), _rank(c, raw, world_size, what))
+
+
+def check_values(manifest: Manifest, where: str) -> None:
+    """Decode every inline value as a load would (values.decode), so a malformed one is found
+    without loading: ManifestError naming the key."""
+    c = _Check(where)
+    for o in manifest.objects:
+        try:
+            values.decode(o.value)
+        except ValueError as exc:
+            raise c.fail(f"object {show(o.key)}: its stored value is malformed ({exc})") from None
+
+
+def _file(c: _Check, raw: Any, world_size: int) -> FileInfo:
+    name = c.str(c.field(raw, "name", "file"), "file name")
+    if not FILE_NAME.fullmatch(name) or name in (".", ".."):
+        raise c.fail(f"data file name {show(name)} is not a plain file name")
+    rank = c.int(c.field(raw, "rank", "file"), f"file {name} rank")
+    if rank >= world_size:
+        raise c.fail(f"file {name}: rank {rank} is not below world_size {world_size}")
+    return FileInfo(name, c.int(c.field(raw, "nbytes", "file"), f"file {name} nbytes"), rank)
+
+
+def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int,
+            block_nbytes: int) -> TensorEntry:
+    key = c.str(c.field(raw, "key", "tensor"), "tensor key")
+    what = f"tensor {show(key)}"
+    kind = c.str(c.field(raw, "kind", what), f"{what} kind")
+    dtype = c.str(c.field(raw, "dtype", what), f"{what} dtype")
+    if kind not in KINDS or dtype not in DTYPE_ITEMSIZE:
+        raise c.fail(f"{what} has unknown kind {show(kind)} or dtype {show(dtype)}")
+    shape = _shape(c, raw, what)
+    chunk = _chunk(c, raw, shape, what)
+    _check_kind(c, kind, dtype, shape, chunk, what)
+    file = c.str(c.field(raw, "file", what), f"{what} file")
+    offset = c.int(c.field(raw, "offset", what), f"{what} offset")
+    nbytes = c.int(c.field(raw, "nbytes", what), f"{what} nbytes")
+    if nbytes != chunk.numel * DTYPE_ITEMSIZE[dtype]:
+        raise c.fail(f"{what}: nbytes {nbytes} != {chunk.numel} elements of {dtype}")
+    if file not in sizes or offset + nbytes > sizes[file]:
+        raise c.fail(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside data file "
+                     f"{show(file)}")
+    if offset % DTYPE_ITEMSIZE[dtype]:
+        raise c.fail(f"{what}: offset {offset} in {file} is not a multiple of the "
+                     f"{DTYPE_ITEMSIZE[dtype]}-byte elements of {dtype}")
+    checksum = _checksum(c, c.field(raw, "checksum", what), what)
+    blocks = tuple(_checksum(c, b, what) for b in c.list(raw.get("blocks", []), f"{what} blocks"))
+    if len(blocks) != (-(-nbytes // block_nbytes) if nbytes > block_nbytes else 0):
+        raise c.fail(f"{what}: {len(blocks)} block checksums for {nbytes} bytes in blocks of "
+                     f"{block_nbytes}")
+    rank = _rank(c, raw, world_size, what)
+    if rank is not None and (chunk.flat or chunk != Chunk.whole(shape)):
+        raise c.fail(f"{what}: an entry of rank {rank}'s own value must hold the whole tensor")
+    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks)
+
+
+def _shape(c: _Check, raw: dict[str, Any], what: str) -> tuple[int, ...]:
+    """At most MAX_NDIM dims, each in [0, 2^62), whose product (zero dims counted as 1, as
+    torch's strides do) stays below 2^62: a shape torch can allocate without overflow."""
+    dims = c.list(c.field(raw, "shape", what), f"{what} shape")
+    if len(dims) > MAX_NDIM:
+        raise c.fail(f"{what}: shape has {len(dims)} dimensions, more than {MAX_NDIM}")
+    shape = tuple(c.int(d, f"{what} shape") for d in dims)
+    product = 1
+    for d in shape:
+        product *= max(d, 1)
+        if product >= _MAX_INT:
+            raise c.fail(f"{what}: shape {shape} is too large (2^62 elements or more)")
+    return shape
+
+
+def _chunk(c: _Check, raw: dict[str, Any], shape: tuple[int, ...], what: str) -> Chunk:
+    chunk_raw = c.field(raw, "chunk", what)
+    if not isinstance(chunk_raw, dict):
+        raise c.fail(f"{what}: chunk must be an object")
+    flat = chunk_raw.get("flat", False)
+    if flat is not False and flat is not True:
+        raise c.fail(f"{what}: chunk flag 'flat' must be true or false")
+    ndim = 1 if flat else len(shape)
+    offsets, chunk_sizes = (c.list(c.field(chunk_raw, name, what), f"{what} chunk {name}")
+                            for name in ("offsets", "sizes"))
+    if len(offsets) != ndim or len(chunk_sizes) != ndim:
+        raise c.fail(f"{what}: a {'flat ' if flat else ''}chunk of a tensor of shape {shape} has "
+                     f"{ndim} offset(s) and size(s), not {len(offsets)} and {len(chunk_sizes)}")
+    chunk = Chunk(tuple(c.int(d, f"{what} chunk offsets") for d in offsets),
+                  tuple(c.int(d, f"{what} chunk sizes") for d in chunk_sizes), flat)
+    if not chunk.fits(shape):
+        raise c.fail(f"{what}: {'flat ' if flat else ''}chunk {chunk.offsets}+{chunk.sizes} does "
+                     f"not fit shape {shape}")
+    return chunk
+
+
+def _check_kind(c: _Check, kind: str, dtype: str, shape: tuple[int, ...], chunk: Chunk,
+                what: str) -> None:
+    """What a load turns the bytes into must be able to hold them (types.KINDS)."""
+    if kind in ("numpy", "numpy_scalar") and dtype not in NUMPY_DTYPES:
+        raise c.fail(f"{what}: kind {kind!r} cannot hold dtype {dtype} (numpy has no {dtype})")
+    if kind in ("bytes", "pickle") and (dtype != "uint8" or len(shape) != 1):
+        raise c.fail(f"{what}: kind {kind!r} is stored as 1-D uint8, not {dtype} of shape {shape}")
+    if kind == "numpy_scalar" and shape != ():
+        raise c.fail(f"{what}: kind 'numpy_scalar' is stored with shape (), not {shape}")
+    if kind != "tensor" and (chunk.flat or chunk != Chunk.whole(shape)):
+        raise c.fail(f"{what}: a {kind!r} value is stored whole, not as chunk "
+                     f"{chunk.offsets}+{chunk.sizes}")
+
+
+def _checksum(c: _Check, value: Any, what: str) -> str:
+    checksum = c.str(value, f"{what} checksum")
+    if not _CHECKSUM.fullmatch(checksum):
+        raise c.fail(f"{what}: checksum {show(checksum)} is not 16 hex digits")
+    return checksum
+
+
+def _alias(c: _Check, raw: Any) -> tuple[str, str]:
+    pair = c.list(raw, "alias")
+    if len(pair) != 2:
+        raise c.fail("an alias must be [key, target]")
+    return c.str(pair[0], "alias key"), c.str(pair[1], "alias target")
+
+
+def _check_shared_bytes(c: _Check, tensors: tuple[TensorEntry, ...]) -> None:
+    """No two entries claim the same bytes of a file (a save gives each its own), so what a
+    load allocates is bounded by the size of the data files."""
+    by_file: dict[str, list[TensorEntry]] = {}
+    for t in tensors:
+        if t.nbytes:
+            by_file.setdefault(t.file, []).append(t)
+    for file, entries in by_file.items():
+        entries.sort(key=lambda e: e.offset)
+        for a, b in zip(entries, entries[1:]):
+            if b.offset < a.offset + a.nbytes:
+                raise c.fail(f"tensors {show(a.key)} and {show(b.key)} claim the same bytes "
+                             f"[{b.offset}, {min(a.offset + a.nbytes, b.offset + b.nbytes)}) "
+                             f"of data file {file}")
+
+
+def _check_tilings(c: _Check, tensors: tuple[TensorEntry, ...]) -> None:
+    """Each key's global chunks tile its shape: every element in exactly one chunk (a load
+    fills the whole tensor; a shape larger than its chunks is refused before any allocation)."""
+    chunks: dict[str, list[Chunk]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in tensors:
+        if t.rank is None:
+            chunks.setdefault(t.key, []).append(t.chunk)
+            shapes[t.key] = t.shape
+    for key, of_key in chunks.items():
+        problem = tiling_problem(of_key, shapes[key])
+        if problem is not None:
+            raise c.fail(f"tensor {show(key)}: {problem}")
+
+
+def check_keys(manifest: Manifest, where: str) -> None:
+    """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
+    or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
+    to be written: a save must not commit what its own reader would refuse."""
+    _check_keys(_Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree)
+
+
+def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
+                aliases: tuple[tuple[str, str], ...], tree: Any) -> None:
+    tensor_keys = _check_groups(c, tensors, "tensor")
+    object_keys = _check_groups(c, objects, "object")
+    alias_keys = [a for a, _ in aliases]
+    all_keys = [*tensor_keys, *object_keys, *alias_keys]
+    if len(set(all_keys)) != len(all_keys):
+        raise c.fail("a key appears twice (as a tensor, object or alias)")
+    if any(target not in tensor_keys for _, target in aliases):
+        raise c.fail("an alias points at a key that holds no tensor")
+    if Counter(tree_keys(tree, c)) != Counter(all_keys):
+        raise c.fail("the tree and the entries name different keys")
+
+
+def _check_groups(c: _Check, entries: tuple[Any, ...], what: str) -> dict[str, Any]:
+    """A key's entries are either global (rank None: one object, or chunks of one tensor with
+    one kind, dtype and shape) or each rank's own (at most one per rank). -> key: first entry."""
+    first: dict[str, Any] = {}
+    ranks: set[tuple[str, int]] = set()
+    chunks: set[tuple[str, Chunk]] = set()
+    for e in entries:
+        head = first.setdefault(e.key, e)
+        if what == "tensor" and e.rank is None:
+            if (e.key, e.chunk) in chunks:
+                raise c.fail(f"tensor {show(e.key)} stores the same chunk twice")
+            chunks.add((e.key, e.chunk))
+        if (head.rank is None) != (e.rank is None):
+            raise c.fail(f"{what} {show(e.key)} has both global and per-rank entries")
+        if e.rank is not None:
+            if (e.key, e.rank) in ranks:
+                raise c.fail(f"{what} {show(e.key)} has two entries of rank {e.rank}")
+            ranks.add((e.key, e.rank))
+        elif e is not head and (what == "object" or (e.kind, e.dtype, e.shape) !=
+                                (head.kind, head.dtype, head.shape)):
+            raise c.fail(f"{what} {show(e.key)} has global entries that disagree (a global object "
+                         "is stored once; a tensor's chunks share kind, dtype and shape)")
+    return first
+
+
+def tree_keys(tree: Any, c: _Check) -> list[str]:
+    """Every leaf key of a tree, checking each node's shape and that no dict node holds a key
+    twice (iteratively: hostile depth is an error, not a RecursionError)."""
+    out: list[str] = []
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise c.fail(f"the tree nests deeper than {MAX_TREE_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise c.fail(f"tree node {show(node)} is not a one-field object")
+        (tag, body), = node.items()
+        if tag == "k" and isinstance(body, str):
+            out.append(body)
+        elif tag == "s":
+            stack.append((body, depth + 1))
+        elif tag in ("l", "t") and isinstance(body, list):
+            stack.extend((child, depth + 1) for child in reversed(body))
+        elif tag == "d" and isinstance(body, list):
+            stack.extend((child, depth + 1) for child in reversed(_dict_children(c, body)))
+        else:
+            raise c.fail(f"tree node with tag {show(tag)} and body {show(body)} has an unknown "
+                         "tag or a malformed body")
+    return out
+
+
+def _dict_children(c: _Check, items: list[Any]) -> list[Any]:
+    seen: set[str | int] = set()
+    for pair in items:
+        if not (isinstance(pair, list) and len(pair) == 2 and _dict_key(pair[0])):
+            raise c.fail(f"tree dict item {show(pair)} is not [str or int key, node]")
+        if pair[0] in seen:
+            raise c.fail(f"a dict of the tree holds key {show(pair[0])} twice")
+        seen.add(pair[0])
+    return [pair[1] for pair in items]
+
+
+def _dict_key(key: Any) -> bool:
+    return isinstance(key, str) or (type(key) is int)

@@ -1,0 +1,346 @@
+"""Load data path: every load's reads, whole entries and resharded regions alike, in one pass.
+
+A load hands over Reads (format/types.py): a region of a global tensor, the stored chunks that
+hold it, a destination. Each becomes spans of stored entries, the unit one checksum covers:
+
+* a Read of one whole entry (the same layout) is one span over the entry, checked against the
+  entry's whole checksum; it may spread over several reads, and its bytes are copied in as they
+  arrive (an entry within one read is checked before a byte of it is copied);
+* any other Read is cut into pieces (reshard.plan_reads), each widened to whole checksum blocks
+  of its entry (Manifest.block_nbytes) and grouped per entry into spans that fit one buffer,
+  whose blocks are checked before a byte of them is copied out.
+
+An entry one Read wants whole and another in part is read in part (block by block) only, so no
+byte is read twice. All spans of a load then go through one coalescing (layout.coalesce_reads:
+neighbours within MAX_GAP share one aligned read of up to a pool buffer) and one read-ahead loop
+over the staging pool, up to ``2 * depth`` reads in flight.
+
+Owns: Reads -> spans, the read-ahead loop, checksum verification (whole-entry, block, and with
+``check_blocks``, as verify asks, the block checksums of whole entries too), truncation checks,
+copying into destinations. Does not own: which regions are wanted (fill.py), the piece
+arithmetic (reshard.py), coalescing (layout.py), the I/O (io).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptio.errors import CorruptCheckpointError
+from ckptio.format.checksum import BlockHasher, Hasher, new_hasher
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
+from ckptio.io import FileHandle, IOBackend
+from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from ckptio.options import BLOCK
+from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
+from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
+
+__all__ = ["read_regions"]
+
+Dest = torch.Tensor | None  # None: read and verified, copied nowhere
+Parts = dict[int, tuple[TensorEntry, list[tuple[Piece, Dest]]]]  # id(entry) -> its pieces
+
+
+@dataclass(eq=False)
+class _Span:
+    """Bytes [offset, offset + nbytes) of stored entry ``entry`` that one check covers: the whole
+    entry (``whole``: its checksum; copied into each of ``dests``, maybe over several reads) or
+    whole checksum blocks of it (within one read; copied out as ``pieces``)."""
+
+    entry: TensorEntry
+    offset: int
+    nbytes: int
+    whole: bool
+    dests: list[torch.Tensor] = field(default_factory=list)
+    pieces: list[tuple[Piece, Dest]] = field(default_factory=list)
+
+    @property
+    def file(self) -> str:
+        return self.entry.file
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+# ------------------------------------------------------------------------------------------------
+# planning: Reads -> spans
+
+
+def plan_spans(reads: Sequence[Read], block_nbytes: int, buffer_bytes: int) -> list[_Span]:
+    """Every read as spans: a whole entry as one span (however many reads want it), other
+    regions as pieces widened to whole blocks and grouped per entry into spans that fit one
+    buffer with their alignment. An entry wanted whole and in part is planned in part only."""
+    limit = max(buffer_bytes - 2 * BLOCK, 4 * block_nbytes)  # larger than a buffer: a one-off
+    max_read = limit - 2 * block_nbytes
+    wholes: dict[int, _Span] = {}
+    parts: Parts = {}
+    for read in reads:
+        entry = read.whole
+        if entry is None:
+            _add_pieces(parts, read.key, read.entries, read.region, read.dest, max_read)
+            continue
+        span = wholes.setdefault(id(entry), _Span(entry, entry.offset, entry.nbytes, True))
+        if read.dest is not None:
+            span.dests.append(read.dest)
+    for key in [key for key in wholes if key in parts]:  # one plan for the entry: none read twice
+        span = wholes.pop(key)
+        for dest in span.dests or [None]:
+            _add_pieces(parts, span.entry.key, (span.entry,), span.entry.chunk, dest, max_read)
+    return [*wholes.values(), *_block_spans(parts, block_nbytes, limit)]
+
+
+def _add_pieces(parts: Parts, key: str, entries: tuple[TensorEntry, ...], region: Chunk,
+                dest: Dest, max_read: int) -> None:
+    """The pieces (reshard.plan_reads) that fill ``region`` of ``key`` from ``entries``."""
+    head = entries[0]
+    try:
+        stored = [stored_from_entry(e) for e in entries]
+        pieces = plan_reads(stored, region_of(region), head.shape, DTYPE_ITEMSIZE[head.dtype],
+                            max_read)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"key {key!r}: {exc}") from None
+    for piece in pieces:
+        entry = entries[piece.source]
+        parts.setdefault(id(entry), (entry, []))[1].append((piece, dest))
+
+
+def _block_spans(parts: Parts, block_nbytes: int, limit: int) -> list[_Span]:
+    """Each entry's pieces, widened to whole blocks, as spans of at most ``limit`` bytes."""
+    spans: list[_Span] = []
+    for entry, pieces in parts.values():
+        current: _Span | None = None
+        for piece, dest in sorted(pieces, key=lambda pd: pd[0].offset):
+            lo, hi = _blocks(entry, piece, block_nbytes)
+            if current is not None and max(hi, current.end) - current.offset <= limit:
+                current.nbytes = max(hi, current.end) - current.offset
+            else:
+                current = _Span(entry, lo, hi - lo, False)
+                spans.append(current)
+            current.pieces.append((piece, dest))
+    return spans
+
+
+def _blocks(entry: TensorEntry, piece: Piece, block_nbytes: int) -> tuple[int, int]:
+    """The piece's byte range widened to whole blocks of its entry (file offsets)."""
+    start = piece.offset - entry.offset
+    lo = start // block_nbytes * block_nbytes
+    hi = min(-(-(start + piece.nbytes) // block_nbytes) * block_nbytes, entry.nbytes)
+    return entry.offset + lo, entry.offset + hi
+
+
+def _in_one_read(span: _Span) -> bool:
+    """Block spans are checked whole within one read; a whole entry may spread over several."""
+    return not span.whole
+
+
+# ------------------------------------------------------------------------------------------------
+# verification
+
+
+class _Checker:
+    """The checksums of spans as their bytes arrive, against the manifest's."""
+
+    def __init__(self, directory: str, algorithm: str | None, block_nbytes: int,
+                 check_blocks: bool) -> None:
+        self.directory, self.algorithm = directory, algorithm
+        self.block_nbytes, self.check_blocks = block_nbytes, check_blocks
+        self.progress: dict[int, Hasher | BlockHasher] = {}  # id(whole span) -> its hash so far
+
+    def path(self, entry: TensorEntry) -> str:
+        return os.path.join(self.directory, entry.file)
+
+    def whole(self, span: _Span, view: memoryview, last: bool) -> None:
+        """The next bytes of a whole-entry span; at its last, its checksum (and with
+        ``check_blocks`` its block checksums) must match."""
+        if self.algorithm is None:
+            return
+        hasher = self.progress.get(id(span))
+        if hasher is None:
+            hasher = self.progress[id(span)] = self._start(span.entry, self.algorithm)
+        hasher.update(view)
+        if not last:
+            return
+        del self.progress[id(span)]
+        entry = span.entry
+        if isinstance(hasher, BlockHasher):
+            digest, blocks = hasher.digests()
+            self._compare(entry, entry.offset, entry.nbytes, entry.checksum, digest)
+            self._compare_blocks(entry, blocks)
+        else:
+            self._compare(entry, entry.offset, entry.nbytes, entry.checksum, hasher.hexdigest())
+
+    def _start(self, entry: TensorEntry, algorithm: str) -> Hasher | BlockHasher:
+        if self.check_blocks and entry.blocks:
+            return BlockHasher(algorithm, self.block_nbytes)
+        return new_hasher(algorithm)
+
+    def blocks(self, span: _Span, view: memoryview) -> None:
+        """A block span's bytes against its entry's block checksums (its whole checksum when
+        the entry is one block: the span is then the whole entry)."""
+        if self.algorithm is None:
+            return
+        entry = span.entry
+        if not entry.blocks:
+            expected = [(entry.offset, entry.nbytes, entry.checksum)]
+        else:
+            first = (span.offset - entry.offset) // self.block_nbytes
+            count = -(-span.nbytes // self.block_nbytes)
+            expected = [(entry.offset + i * self.block_nbytes,
+                         min(self.block_nbytes, entry.nbytes - i * self.block_nbytes),
+                         entry.blocks[i]) for i in range(first, first + count)]
+        for offset, n, checksum in expected:
+            hasher = new_hasher(self.algorithm)
+            hasher.update(view[offset - span.offset:offset - span.offset + n])
+            self._compare(entry, offset, n, checksum, hasher.hexdigest())
+
+    def _compare(self, entry: TensorEntry, offset: int, nbytes: int, stored: str,
+                 read: str) -> None:
+        if read != stored:
+            raise CorruptCheckpointError(
+                f"checksum mismatch for key {entry.key!r} in {self.path(entry)} bytes [{offset}, "
+                f"{offset + nbytes}): stored {stored}, read {read}. The data file is corrupt; "
+                "load an earlier checkpoint (any destination tensors of this load may hold "
+                "partial data)")
+
+    def _compare_blocks(self, entry: TensorEntry, digests: tuple[str, ...]) -> None:
+        """The entry's block checksums (what a load of part of it checks) against its bytes,
+        whose whole checksum has already matched."""
+        if digests == entry.blocks:
+            return
+        i = next((i for i, pair in enumerate(zip(entry.blocks, digests)) if pair[0] != pair[1]),
+                 min(len(digests), len(entry.blocks)))
+        stored = entry.blocks[i] if i < len(entry.blocks) else "none"
+        read = digests[i] if i < len(digests) else "none"
+        raise CorruptCheckpointError(
+            f"block checksum {i} of key {entry.key!r} in {self.path(entry)} (bytes from "
+            f"{entry.offset + i * self.block_nbytes}) disagrees with its bytes: stored {stored}, "
+            f"read {read}, though the entry's whole checksum matches. The manifest is damaged (a "
+            "load of part of this tensor would fail); load an earlier checkpoint")
+
+
+# ------------------------------------------------------------------------------------------------
+# the read-ahead loop
+
+
+def read_regions(directory: str, reads: Sequence[Read], *, pool: BufferPool, backend: IOBackend,
+                 algorithm: str | None, block_nbytes: int, depth: int,
+                 check_blocks: bool = False) -> int:
+    """Fill every read's destination from the data files in ``directory``. ``algorithm`` None
+    skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
+    entries' block checksums are checked too. -> bytes read."""
+    spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
+    checker = _Checker(directory, algorithm, block_nbytes, check_blocks)
+    for span in spans:
+        if span.whole and span.nbytes == 0:  # no read covers it
+            checker.whole(span, memoryview(b""), last=True)
+    ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
+                            in_one_read=_in_one_read)
+    return _run(ranges, pool, backend, depth, checker)
+
+
+@dataclass
+class _InFlight:
+    """A submitted read, the buffer it fills and the pool that buffer came from (its own pool
+    when the read is larger than a pool buffer: closed on release)."""
+
+    range: ReadRange[_Span]
+    pool: BufferPool
+    own: bool
+    buffer: Buffer
+    future: Future[int]
+
+    def release(self) -> None:
+        _give_back(self.pool, self.own, self.buffer)
+
+
+def _give_back(pool: BufferPool, own: bool, buffer: Buffer) -> None:
+    pool.release(buffer)
+    if own:
+        pool.close()
+
+
+def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, backend: IOBackend, depth: int,
+         checker: _Checker) -> int:
+    """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers),
+    applying each in order as it completes. -> bytes read."""
+    todo = deque(ranges)
+    handles: dict[str, FileHandle] = {}
+    pending: deque[_InFlight] = deque()
+    ahead = max(1, min(pool.nbuffers, 2 * depth))
+    nbytes = 0
+    try:
+        while todo or pending:
+            while todo and len(pending) < ahead:
+                pending.append(_submit(todo.popleft(), handles, pool, backend, checker.directory))
+            flight = pending.popleft()
+            try:
+                _apply(flight.range, flight.buffer, flight.future.result(), checker)
+                nbytes += flight.range.nbytes
+            finally:
+                flight.release()
+    finally:
+        for flight in pending:
+            flight.future.exception()  # the read must finish before its buffer is reused
+            flight.release()
+        for fh in handles.values():
+            backend.close(fh, sync=False)
+    return nbytes
+
+
+def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
+            backend: IOBackend, directory: str) -> _InFlight:
+    if rng.file not in handles:
+        handles[rng.file] = backend.open_read(os.path.join(directory, rng.file))
+    own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
+    source = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
+    buffer = source.acquire()
+    try:
+        future = backend.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
+    except BaseException:
+        _give_back(source, own, buffer)
+        raise
+    return _InFlight(rng, source, own, buffer, future)
+
+
+def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: _Checker) -> None:
+    """Check and copy out each span's part of a completed read of ``got`` bytes."""
+    for span in rng.entries:
+        lo, hi = max(span.offset, rng.offset), min(span.end, rng.offset + rng.nbytes)
+        if rng.offset + got < hi:
+            raise CorruptCheckpointError(
+                f"data file {checker.path(span.entry)} is truncated: wanted bytes [{lo}, {hi}), "
+                f"file ends at {rng.offset + got}; the checkpoint is damaged: load an earlier one")
+        start = lo - rng.offset
+        view = buffer.view[start:start + hi - lo]
+        if span.whole:  # checked before the copy: an entry within one read never lands corrupt
+            checker.whole(span, view, last=hi == span.end)
+            _copy_whole(span, buffer, start, lo, hi)
+        else:
+            checker.blocks(span, view)
+            _copy_pieces(span, buffer.data[start:start + hi - lo])
+
+
+def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> None:
+    """File bytes [lo, hi) of a whole entry, at ``start`` of the buffer, into its destinations."""
+    if not span.dests:
+        return
+    entry = span.entry
+    itemsize = DTYPE_ITEMSIZE[entry.dtype]
+    src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
+    for dest in span.dests:
+        copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
+
+
+def _copy_pieces(span: _Span, data: torch.Tensor) -> None:
+    """A block span's bytes (``data``, uint8) into the destinations of its pieces."""
+    dtype = torch_dtype(span.entry.dtype)
+    for piece, dest in span.pieces:
+        if dest is not None:
+            at = piece.offset - span.offset
+            execute(piece, data[at:at + piece.nbytes].view(dtype), dest)

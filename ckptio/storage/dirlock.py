@@ -1,0 +1,224 @@
+"""The lock that lets only one save at a time commit into one local directory.
+
+Two processes saving into one path at once each removed, in their cleanup, the files the
+other's manifest named, and left no checkpoint at all. So the committing process (the
+coordinator, rank 0) holds an exclusive lock on ``<dir>/.ckptio.lock`` from before any data
+file of its save is created until its cleanup has chosen what to remove.
+
+Why flock(2) on a lock file inside the directory:
+- the kernel drops it when its holder exits, however (SIGKILL, OOM; on NFS, once the server
+  learns the client is gone: NFSv4 lease expiry, NLM reboot notice), so a crashed save never
+  leaves the path locked;
+- it belongs to the open file, not the process: two Checkpointers (or threads) of one process
+  exclude each other too, and opening the lock file again (to read the holder) does not release
+  it. fcntl/lockf locks belong to the process: a second lock from the same process is granted,
+  and closing any descriptor of the file drops them (a trap here);
+- on NFS, Linux (since 2.6.12) implements flock as a whole-file fcntl lock, so it is seen by
+  every client. Where a filesystem has no locks at all (ENOLCK, ENOSYS, EOPNOTSUPP: NFS without
+  lockd, Lustre without -o flock) the save goes on unlocked, with a warning (once per
+  filesystem), and leaves no lock file.
+The lock file is removed by its holder before it lets go (a checkpoint directory holds only
+manifest.json and data files); so a process that gets the lock of a file already removed (it
+waited on it) drops it and locks the file now at that name. A file left by a killed holder is
+reused, and removed by the next save. (On NFS that check relies on the client's lookup cache
+being current: a stale entry could let two waiters through, which the commit check of
+local.py then catches.) The lock file holds the holder's host, pid and start time, for the
+message of a save that waits or is refused.
+
+Owns: creating the directory it locks, the lock file, taking and letting go of the lock, the
+holder's name in messages. Does not own: what the lock protects (local.py: the conditional
+commit, LocalStore.exclusive), which rank takes it (distributed/collective.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from ckptio.errors import CheckpointLockedError, StorageIOError
+from ckptio.storage.base import check_if_locked
+
+__all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "unlock"]
+
+log = logging.getLogger("ckptio")
+LOCK_NAME = ".ckptio.lock"
+# flock() errors that mean "this filesystem has no locks" (NFS without lockd, Lustre mounted
+# without -o flock, some FUSE filesystems), not "the lock is taken"
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_HOLDER_READS = 20  # x 10 ms
+_unlockable_warned: set[int] = set()  # st_dev of filesystems already reported without locks
+
+
+def make_dir(path: str) -> bool:
+    """Create the checkpoint directory if needed; -> whether this call created it. A path that
+    is something else is refused first (mkdir would only say "File exists")."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise StorageIOError(f"checkpoint path {path} exists and is not a directory; "
+                             "choose another path")
+    created = not os.path.exists(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise StorageIOError(f"cannot create checkpoint directory {path}: "
+                             f"{exc.strerror or exc}") from None
+    return created
+
+
+@dataclass
+class DirLock:
+    """The lock of one checkpoint directory, as held by the process that commits there."""
+
+    path: str
+    fd: int | None  # None: the filesystem has no locks (logged); the commit check still runs
+    created: bool  # lock() created the directory
+
+
+def lock(path: str, if_locked: str) -> DirLock:
+    """Create the directory ``path`` if needed and take its exclusive lock: at once, or, if
+    another save holds it, after that save (``if_locked="wait"``, logged) or not at all
+    (``"raise"``: CheckpointLockedError naming the holder's host and pid)."""
+    check_if_locked(if_locked)
+    created = make_dir(path)
+    return DirLock(path, _acquire(path, if_locked), created)
+
+
+def unlock(held: DirLock, *, failed: bool = False) -> None:
+    """Let go of the lock (removing the lock file first, still holding it); after a failed save
+    into a directory lock() created, remove the directory if nothing else is in it. Never
+    raises: a failure here is logged (the save's own outcome is what the caller reports)."""
+    if held.fd is not None:
+        _let_go(held.path, held.fd)
+        held.fd = None
+    if failed and held.created:
+        with contextlib.suppress(OSError):  # not empty: it holds other files and stays
+            os.rmdir(held.path)
+
+
+def _acquire(path: str, if_locked: str) -> int | None:
+    """The descriptor of the lock file now at ``path``/LOCK_NAME, locked; None: no locks."""
+    file = os.path.join(path, LOCK_NAME)
+    while True:
+        fd = _open_lock_file(path, file)
+        try:
+            taken = _take(fd, path, if_locked)
+            if taken and _still_linked(fd, file):
+                _record_holder(fd)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        if not taken:  # no locks here, for anyone: the file would only be left behind
+            _let_go(path, fd)
+            return None
+        os.close(fd)  # the holder we waited for removed the file: lock the one now there
+
+
+def _open_lock_file(path: str, file: str) -> int:
+    try:
+        os.makedirs(path, exist_ok=True)  # again: a failed first save may have removed it
+        return os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise StorageIOError(f"cannot open the lock file {file} of checkpoint {path}: "
+                             f"{exc.strerror or exc}") from None
+
+
+def _take(fd: int, path: str, if_locked: str) -> bool:
+    """flock ``fd`` exclusively; -> False where the filesystem has no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        return _no_locks(fd, path, exc)
+    holder = _holder(fd)
+    if if_locked == "raise":
+        raise CheckpointLockedError(
+            f"{path} is being saved by another save ({holder}); this save did not start and "
+            "the checkpoint there is untouched: wait for that save to finish, save to another "
+            "path, or use Options(if_locked='wait') to wait for it")
+    log.warning("ckptio: waiting for the lock of %s: another save is running there (%s)",
+                path, holder)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        return _no_locks(fd, path, exc)
+    return True
+
+
+def _no_locks(fd: int, path: str, exc: OSError) -> bool:
+    if exc.errno not in _NO_LOCKS:
+        raise StorageIOError(f"cannot lock {os.path.join(path, LOCK_NAME)}: "
+                             f"{exc.strerror or exc}") from None
+    device = os.fstat(fd).st_dev
+    if device not in _unlockable_warned:
+        _unlockable_warned.add(device)
+        log.warning("ckptio: the filesystem of %s has no file locks (%s): saves into one path "
+                    "from several processes are not serialised there; only the commit check "
+                    "protects the checkpoint", path, exc.strerror or exc)
+    return False
+
+
+def _still_linked(fd: int, file: str) -> bool:
+    try:
+        now = os.stat(file)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino) and mine.st_nlink > 0
+
+
+def _record_holder(fd: int) -> None:
+    """Who holds the lock, for the message of a save refused or waiting (best effort)."""
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError as exc:  # only the message of a waiting save loses the holder's name
+        log.debug("ckptio: could not record the lock holder: %s", exc)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock of ``fd``'s file; a holder that has just taken it writes its name
+    right after, so an empty file is read again for a moment."""
+    for _ in range(_HOLDER_READS):
+        try:
+            who = json.loads(os.pread(fd, 4096, 0))
+            host, pid, since = str(who["host"]), int(who["pid"]), str(who["since"])
+            break
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.01)
+    else:
+        return "holder unknown"
+    this = " (this process)" if host == socket.gethostname() and pid == os.getpid() else ""
+    return f"held by host {host}, pid {pid}{this}, since {since}"
+
+
+def _let_go(path: str, fd: int) -> None:
+    file = os.path.join(path, LOCK_NAME)
+    try:
+        os.unlink(file)  # still holding it: who locks this file next sees it removed
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("ckptio: could not remove the lock file %s: %s (it is reused by the next "
+                    "save)", file, exc.strerror or exc)
+    try:
+        # Explicitly: a process forked meanwhile (a DataLoader worker) shares this open file,
+        # and close() alone would leave the lock held until that process exits.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as exc:
+        if exc.errno not in _NO_LOCKS:
+            log.warning("ckptio: unlocking %s failed: %s", file, exc.strerror or exc)
+    try:
+        os.close(fd)
+    except OSError as exc:
+        log.warning("ckptio: closing the lock file %s failed: %s", file, exc.strerror or exc)

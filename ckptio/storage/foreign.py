@@ -1,0 +1,92 @@
+"""What a location without a committed manifest holds instead, said as the error a load raises.
+
+A directory given to load may be an interrupted ckptio save, another library's checkpoint (DCP,
+torch.save files, safetensors, a Hugging Face model folder), a parent of ckptio checkpoints, or
+nothing. Each is named as what it is, with how to load it. No message advises deleting anything:
+it may be another library's good checkpoint.
+
+Owns: those messages, from a listing of the location (any store's). Does not own: the listing
+(each store's), finding the manifest (local.py, memory.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.base import is_ours
+from ckptio.storage.dirlock import LOCK_NAME
+
+__all__ = ["file_hint", "no_manifest"]
+
+_DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def file_hint(name: str) -> str:
+    """How to load a single file named ``name`` that was given as a checkpoint ("" if unknown)."""
+    if name.endswith(".safetensors"):
+        return ": a safetensors file, load it with safetensors.torch.load_file"
+    if name.endswith(_TORCH_SUFFIXES):
+        return ": a torch.save file? load it with torch.load"
+    return ""
+
+
+def no_manifest(location: str, names: list[str],
+                is_checkpoint: Callable[[str], bool] = lambda name: False) -> CkptError:
+    """The error for ``location`` holding ``names`` (every entry, sorted) and no committed
+    manifest: IncompleteCheckpointError for a ckptio save's leftovers, else
+    CheckpointNotFoundError saying what it is. ``is_checkpoint(name)``: whether the entry
+    ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints)."""
+    partial = [n for n in names if is_ours(n) or n == LOCK_NAME]
+    if partial:
+        return IncompleteCheckpointError(
+            f"{location} holds no committed manifest ({MANIFEST_NAME}), only {len(partial)} "
+            f"partial file(s) of a ckptio save that was interrupted before its commit, or is "
+            f"still running ({_some(partial)}): no committed checkpoint exists here. Load an "
+            "earlier checkpoint; saving into this path again replaces the leftovers")
+    return CheckpointNotFoundError(f"{location} {_what_it_holds(names, is_checkpoint)}")
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _what_it_holds(names: list[str], is_checkpoint: Callable[[str], bool]) -> str:
+    other = _other_library(names)
+    if other:
+        return other
+    checkpoints = _natural([n for n in names if is_checkpoint(n)])
+    if checkpoints:
+        shown = (", ".join(checkpoints) if len(checkpoints) <= 3
+                 else f"{checkpoints[0]} ... {checkpoints[-1]}")
+        plural = "s" if len(checkpoints) > 1 else ""
+        return (f"holds {len(checkpoints)} ckptio checkpoint{plural} ({shown}) but is not one "
+                "itself: pass one of them, or use ckptio.CheckpointManager")
+    found = f"; it holds {_some(names)}" if names else "; it is empty"
+    return f"holds no ckptio checkpoint (no {MANIFEST_NAME}){found}"
+
+
+def _other_library(names: list[str]) -> str:
+    """What another library's checkpoint among ``names`` is and how to load it ("" if none)."""
+    if ".metadata" in names or any(_DCP_FILE.match(n) for n in names):
+        return ("is a torch.distributed.checkpoint (DCP) checkpoint, not a ckptio one: load it "
+                "with torch.distributed.checkpoint.load")
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    if safetensors:
+        return (f"holds safetensors files ({_some(safetensors)}), not a ckptio checkpoint: load "
+                "them with safetensors.torch.load_file (a Hugging Face model folder: with "
+                "from_pretrained)")
+    torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
+    if torch_files:
+        return (f"holds torch.save files ({_some(torch_files)}), not a ckptio checkpoint: load "
+                "them with torch.load")
+    return ""
+
+
+def _natural(names: list[str]) -> list[str]:
+    """step-9 before step-10."""
+    return sorted(names, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p)
+                                        for p in re.split(r"(\d+)", n)])

@@ -1,0 +1,238 @@
+"""The Store of a checkpoint in a local (or mounted) directory: the first implementation of
+the contract in base.py, for O_DIRECT / io_uring backends.
+
+Commit: data files get names unique to one save (data-<save_id>-...), are written and fsynced
+by the backend; the manifest is written to a temporary name, fsynced and renamed over
+manifest.json (the atomic commit point); the directory (and its parent) is fsynced. So a save
+into a directory that holds a checkpoint never harms it before the new one is committed, and a
+kill at any moment leaves the last committed manifest and every file it names intact.
+
+One save at a time per directory: exclusive() takes the flock lock of dirlock.py. Behind it,
+two more rules keep the committed checkpoint whole where the lock is not honoured (no locks,
+locks local to one client such as NFS with local_lock=flock or Lustre with localflock, or a
+writer that ignores it): the commit is conditional (the manifest is replaced only if it is
+still the one seen when the lock was taken), and a cleanup never removes a file the manifest
+committed at that moment names (steps.remove_unreferenced). One window stays open: a commit
+between another save's check and its rename. An object store needs the same rule as a
+conditional write of the manifest (If-Match on its ETag, If-None-Match: * when there is none).
+
+Owns: the directory's layout (path_of), the atomic commit, reading the committed manifest,
+listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), the
+messages about what a directory holds instead (foreign.py), the order of a save (steps.py,
+saving/session.py), data bytes (the IOBackend, saving/persist.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckptio import io
+from ckptio.errors import (
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CkptError,
+    StorageIOError,
+)
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.options import Options
+from ckptio.storage import dirlock, foreign, steps
+from ckptio.storage.base import TMP_PREFIX, Exclusive, is_ours, plain_name
+
+__all__ = ["LocalClaim", "LocalStore"]
+
+
+@dataclass
+class LocalClaim:
+    """LocalStore.exclusive()'s claim: the directory lock, and the manifest seen under it."""
+
+    lock: dirlock.DirLock
+    seen: bytes | None  # digest of the manifest committed when the lock was taken; None: none
+
+    def release(self, *, failed: bool = False) -> None:
+        dirlock.unlock(self.lock, failed=failed)
+
+
+class LocalStore:
+    """One checkpoint directory. Cheap to make (no I/O until a method is called)."""
+
+    supports_conditional_commit = True
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        text = os.fspath(directory)
+        self.directory = os.fsdecode(text) if isinstance(text, bytes) else text
+        self.location = self.directory
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.directory!r})"
+
+    # -- the location ---------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        self.make()
+
+    def make(self) -> bool:
+        """prepare(); -> whether this call created the directory."""
+        return dirlock.make_dir(self.directory)
+
+    def remove_if_empty(self) -> None:
+        """Remove the directory if it holds nothing (after a failed first save into it)."""
+        try:
+            os.rmdir(self.directory)
+        except OSError:  # not empty (another save's files, the user's) or gone: it stays
+            pass
+
+    def exclusive(self, if_locked: str) -> LocalClaim:
+        held = dirlock.lock(self.directory, if_locked)
+        try:
+            return LocalClaim(held, self._digest())
+        except BaseException:
+            dirlock.unlock(held)
+            raise
+
+    def path_of(self, name: str) -> str:
+        return os.path.join(self.directory, plain_name(name, self.location))
+
+    def backend(self, options: Options) -> io.IOBackend:
+        return io.create(options.io_backend, depth=options.io_depth,
+                         direct_io=options.direct_io)
+
+    # -- the commit -----------------------------------------------------------------------
+
+    def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
+        """Make the save durable and visible in one rename; with ``held``, only if the manifest
+        there is still the one seen when the lock was taken."""
+        claim = self._own(held)
+        tmp_name = f"{TMP_PREFIX}{save_id}.tmp"
+        tmp = self.path_of(tmp_name)
+        try:
+            _write_durably(tmp, manifest)
+            if claim is not None:
+                self._check_unchanged(claim)
+            os.rename(tmp, os.path.join(self.directory, MANIFEST_NAME))
+            _fsync_dir(self.directory)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
+        except OSError as exc:
+            error = StorageIOError(f"committing the manifest of {self.location} failed: "
+                                   f"{exc.strerror or exc}; the previous checkpoint there, if "
+                                   "any, is untouched")
+            steps.remove_quietly(self, [tmp_name], error)
+            raise error from None
+        except CheckpointLockedError as exc:
+            steps.remove_quietly(self, [tmp_name], exc)
+            raise
+
+    def _own(self, held: Exclusive | None) -> LocalClaim | None:
+        if held is None:
+            return None
+        if not isinstance(held, LocalClaim) or (
+                os.path.abspath(held.lock.path) != os.path.abspath(self.directory)):
+            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) was not "
+                            "taken by exclusive() of this directory; pass the claim its "
+                            "LocalStore.exclusive() returned")
+        return held
+
+    def _check_unchanged(self, claim: LocalClaim) -> None:
+        """Refuse if another save has committed here since the lock was taken, which only a
+        save that does not honour the lock can have done."""
+        if self._digest() != claim.seen:
+            raise CheckpointLockedError(
+                f"another save committed {self.location} while this one was writing, so the "
+                f"lock {os.path.join(self.directory, dirlock.LOCK_NAME)} is not honoured there "
+                "(a filesystem whose locks are local to one machine, e.g. NFS mounted with "
+                "local_lock, or a writer that is not ckptio); this save was not committed and "
+                "the checkpoint there is kept: give each job its own path, or make them save "
+                "one at a time")
+
+    def _digest(self) -> bytes | None:
+        try:
+            with open(os.path.join(self.directory, MANIFEST_NAME), "rb") as f:
+                text = f.read()
+        except OSError:  # none (or unreadable): any manifest committed later differs from this
+            return None
+        return hashlib.blake2b(text, digest_size=16).digest()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def read_manifest(self) -> bytes:
+        path = self.directory
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"{path} is a file, not a ckptio checkpoint directory"
+                                          f"{foreign.file_hint(os.path.basename(path))}")
+        file = os.path.join(path, MANIFEST_NAME)
+        try:
+            with open(file, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StorageIOError(f"cannot read {file}: {exc.strerror or exc}") from None
+        raise self._no_manifest()
+
+    def _no_manifest(self) -> CkptError:
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
+        return foreign.no_manifest(self.location, names, lambda name: os.path.isfile(
+            os.path.join(self.directory, name, MANIFEST_NAME)))
+
+    def sizes(self, names: Iterable[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in names:
+            file = self.path_of(name)
+            try:
+                info = os.stat(file)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise StorageIOError(f"cannot stat {file}: {exc.strerror or exc}") from None
+            if stat.S_ISREG(info.st_mode):
+                out[name] = info.st_size
+        return out
+
+    def names(self) -> list[str]:
+        try:
+            listing = os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise StorageIOError(f"cannot list checkpoint directory {self.location}: "
+                                 f"{exc.strerror or exc}") from None
+        return sorted(name for name in listing if is_ours(name))
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        failed: list[str] = []
+        for name in names:
+            try:
+                os.unlink(self.path_of(name))
+            except FileNotFoundError:
+                pass
+            except (OSError, CkptError) as exc:
+                failed.append(f"{name}: {getattr(exc, 'strerror', None) or exc}")
+        return failed
+
+
+def _write_durably(file: str, data: bytes) -> None:
+    """Create ``file`` (it must not exist), write ``data``, fsync it."""
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

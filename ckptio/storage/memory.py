@@ -1,0 +1,350 @@
+"""A Store in host memory (``mem://`` locations), with the IOBackend that reaches its files.
+
+For tests, and as the seed of a host-memory tier (a checkpoint kept in RAM, drained to a slower
+store later). It is the second implementation of base.Store and shows the contract is not
+directory-shaped: there are no directories, no rename, no fsync and no flock. A location
+``mem://<anything>`` holds files ``<location>/<name>``; all of one process's memory files
+live in one HostMemory (``HOST``), so every MemoryStore and MemoryBackend of the process sees
+the same files, as every LocalStore and PosixBackend sees one filesystem. Nothing survives the
+process.
+
+- commit: the manifest's bytes replace the previous ones in one step under the host's lock
+  (readers see the old or the new, never a mix); conditional on the commit counter seen by
+  exclusive().
+- exclusive: a claim per location, held by a thread of this process ("wait" waits on a
+  condition, "raise" names the holder); released by release().
+- data files: MemoryBackend writes into and reads from bytearrays (positioned, synchronous:
+  its futures are already done).
+
+Owns: HOST, MemoryStore, MemoryBackend. Does not own: the contract (base.py), the messages about
+what a location holds instead (foreign.py), the order of a save (steps.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptio.errors import (
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CkptError,
+    StorageIOError,
+)
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io.base import FileHandle
+from ckptio.options import Options
+from ckptio.storage import foreign
+from ckptio.storage.base import Exclusive, check_if_locked, is_ours, plain_name
+
+__all__ = ["HOST", "SCHEME", "HostMemory", "MemoryBackend", "MemoryClaim", "MemoryStore"]
+
+log = logging.getLogger("ckptio")
+SCHEME = "mem://"
+
+
+class HostMemory:
+    """One process's memory files (path -> bytes), locations, commit counters and claims."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()  # guards everything below; claims wait on it
+        self.files: dict[str, bytearray | bytes] = {}
+        self.locations: set[str] = set()  # prepared (or claimed) locations, even empty ones
+        self.commits: dict[str, int] = {}  # location -> manifests committed there so far
+        self.claims: dict[str, MemoryClaim] = {}
+
+    def read(self, path: str) -> bytes | None:
+        """A file's bytes (a copy), or None (for tests and tools)."""
+        with self.lock:
+            data = self.files.get(path)
+            return None if data is None else bytes(data)
+
+    def write(self, path: str, data: bytes) -> None:
+        """Create or replace a file (for tests and tools)."""
+        _check_scheme(path)
+        with self.lock:
+            self.files[path] = bytearray(data)
+
+    def entries(self, location: str) -> list[str]:
+        """The names directly under ``location``: its files, and the first part of deeper
+        paths (as a directory's subdirectories), sorted."""
+        prefix = location + "/"
+        with self.lock:
+            return sorted({path[len(prefix):].split("/", 1)[0] for path in self.files
+                           if path.startswith(prefix)})
+
+    def exists(self, location: str) -> bool:
+        with self.lock:
+            return location in self.locations or any(
+                path.startswith(location + "/") for path in self.files)
+
+
+HOST = HostMemory()
+
+
+def _check_scheme(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith(SCHEME):
+        raise StorageIOError(f"{path!r} is not a memory path: the memory backend and store reach "
+                             f"only {SCHEME}... paths; use a LocalStore for a directory")
+    return path
+
+
+@dataclass
+class MemoryClaim:
+    """MemoryStore.exclusive()'s claim on one location."""
+
+    location: str
+    seen: int  # commits at the location when claimed
+    created: bool  # the claim made the location
+    holder: str
+    released: bool = field(default=False)
+
+    def release(self, *, failed: bool = False) -> None:
+        with HOST.lock:
+            if self.released:
+                return
+            self.released = True
+            if HOST.claims.get(self.location) is self:
+                del HOST.claims[self.location]
+            if failed and self.created and not HOST.entries(self.location):
+                HOST.locations.discard(self.location)
+            HOST.lock.notify_all()
+
+
+class MemoryStore:
+    """A checkpoint location ``mem://...`` in this process's memory."""
+
+    supports_conditional_commit = True
+
+    def __init__(self, location: str) -> None:
+        _check_scheme(location)
+        if location.endswith("/") or location == SCHEME:
+            raise CkptError(f"memory location {location!r} must name something after {SCHEME} "
+                            "and not end with '/', e.g. mem://job/step-100")
+        self.location = location
+
+    def __repr__(self) -> str:
+        return f"MemoryStore({self.location!r})"
+
+    def prepare(self) -> None:
+        if HOST.read(self.location) is not None:
+            raise StorageIOError(f"checkpoint location {self.location} is a file; choose "
+                                 "another location")
+        with HOST.lock:
+            HOST.locations.add(self.location)
+
+    def forget(self) -> None:
+        """Drop every file at this location and the location itself (tests' cleanup)."""
+        prefix = self.location + "/"
+        with HOST.lock:
+            for path in [p for p in HOST.files if p.startswith(prefix)]:
+                del HOST.files[path]
+            HOST.locations.discard(self.location)
+            HOST.commits.pop(self.location, None)
+
+    def exclusive(self, if_locked: str) -> MemoryClaim:
+        check_if_locked(if_locked)
+        with HOST.lock:
+            waited = False
+            while self.location in HOST.claims:
+                holder = HOST.claims[self.location].holder
+                if if_locked == "raise":
+                    raise CheckpointLockedError(
+                        f"{self.location} is being saved by another save ({holder}); this save "
+                        "did not start and the checkpoint there is untouched: wait for that "
+                        "save to finish, save to another location, or use "
+                        "Options(if_locked='wait') to wait for it")
+                if not waited:
+                    log.warning("ckptio: waiting for the claim of %s: another save is running "
+                                "there (%s)", self.location, holder)
+                    waited = True
+                HOST.lock.wait()
+            created = not HOST.exists(self.location)
+            HOST.locations.add(self.location)
+            claim = MemoryClaim(self.location, HOST.commits.get(self.location, 0), created,
+                                _holder())
+            HOST.claims[self.location] = claim
+            return claim
+
+    def path_of(self, name: str) -> str:
+        return f"{self.location}/{plain_name(name, self.location)}"
+
+    def backend(self, options: Options) -> MemoryBackend:
+        return MemoryBackend(depth=options.io_depth)
+
+    def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
+        claim = self._own(held)
+        with HOST.lock:
+            if self.location not in HOST.locations:
+                raise StorageIOError(f"committing the manifest of {self.location} failed: the "
+                                     "location was never prepared; call prepare() first")
+            if claim is not None and HOST.commits.get(self.location, 0) != claim.seen:
+                raise CheckpointLockedError(
+                    f"another save committed {self.location} while this one was writing, so "
+                    "its claim is not honoured there (a writer that did not call exclusive()); "
+                    "this save was not committed and the checkpoint there is kept: make the "
+                    "saves take the claim, or give each its own location")
+            HOST.files[self.path_of(MANIFEST_NAME)] = bytes(manifest)
+            HOST.commits[self.location] = HOST.commits.get(self.location, 0) + 1
+
+    def _own(self, held: Exclusive | None) -> MemoryClaim | None:
+        if held is None:
+            return None
+        if not isinstance(held, MemoryClaim) or held.location != self.location or held.released:
+            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) is not a "
+                            "held claim of this location; pass the claim its "
+                            "MemoryStore.exclusive() returned, before releasing it")
+        return held
+
+    def read_manifest(self) -> bytes:
+        manifest = HOST.read(self.path_of(MANIFEST_NAME))
+        if manifest is not None:
+            return manifest
+        if HOST.read(self.location) is not None:
+            raise CheckpointNotFoundError(
+                f"{self.location} is a file, not a ckptio checkpoint location"
+                f"{foreign.file_hint(self.location.rsplit('/', 1)[-1])}")
+        if not HOST.exists(self.location):
+            raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
+                                          "there in this process's memory")
+        raise foreign.no_manifest(
+            self.location, HOST.entries(self.location),
+            lambda name: HOST.read(f"{self.location}/{name}/{MANIFEST_NAME}") is not None)
+
+    def sizes(self, names: Iterable[str]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with HOST.lock:
+            for name in names:
+                data = HOST.files.get(self.path_of(name))
+                if data is not None:
+                    out[name] = len(data)
+        return out
+
+    def names(self) -> list[str]:
+        prefix = self.location + "/"
+        with HOST.lock:
+            return sorted(path[len(prefix):] for path in HOST.files
+                          if path.startswith(prefix) and is_ours(path[len(prefix):]))
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        failed: list[str] = []
+        for name in names:
+            try:
+                path = self.path_of(name)
+            except CkptError as exc:
+                failed.append(f"{name}: {exc}")
+                continue
+            with HOST.lock:
+                HOST.files.pop(path, None)
+        return failed
+
+
+def _holder() -> str:
+    return (f"held by thread {threading.current_thread().name} of pid {os.getpid()} (this "
+            f"process), since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
+
+
+# -- the backend ----------------------------------------------------------------------------------
+
+@dataclass
+class _Open:
+    data: bytearray | bytes
+    writable: bool
+
+
+class MemoryBackend:
+    """An IOBackend over HOST: positioned writes into and reads from memory files. Requests
+    complete in submit (the futures it returns are done); there is nothing to shut down."""
+
+    name = "memory"
+
+    def __init__(self, depth: int = 1, direct_io: str = "off") -> None:
+        self.depth = depth  # accepted like every backend's; nothing is queued
+        self._handles: dict[int, _Open] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"depth": self.depth}  # open handles are not carried across
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(depth=state["depth"])  # type: ignore[misc]
+
+    def open_write(self, path: str, nbytes: int) -> FileHandle:
+        with HOST.lock:
+            if _check_scheme(path) in HOST.files:
+                raise StorageIOError(f"cannot create {path}: it exists (a data file is never "
+                                     "overwritten); save into a new location")
+            data = HOST.files[path] = bytearray(nbytes)
+        return self._handle(path, _Open(data, writable=True))
+
+    def open_read(self, path: str) -> FileHandle:
+        with HOST.lock:
+            data = HOST.files.get(_check_scheme(path))
+        if data is None:
+            raise StorageIOError(f"cannot open {path} for reading: no such file in memory")
+        return self._handle(path, _Open(data, writable=False))
+
+    def _handle(self, path: str, opened: _Open) -> FileHandle:
+        with self._lock:
+            self._next += 1
+            self._handles[self._next] = opened
+            return FileHandle(path, self._next, direct=False)
+
+    def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
+        opened = self._opened(fh, "writing", offset, writable=True)
+        if isinstance(opened, BaseException):
+            return _done(error=opened)
+        target = opened.data
+        assert isinstance(target, bytearray)  # internal: writable handles hold bytearrays
+        end = offset + len(data)
+        with HOST.lock:
+            if len(target) < end:
+                target.extend(bytes(end - len(target)))
+            target[offset:end] = data
+        return _done(len(data))
+
+    def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
+        opened = self._opened(fh, "reading", offset, writable=False)
+        if isinstance(opened, BaseException):
+            return _done(error=opened)
+        with HOST.lock:
+            n = max(0, min(len(into), len(opened.data) - offset))
+            into[:n] = opened.data[offset:offset + n]
+        return _done(n)
+
+    def _opened(self, fh: FileHandle, what: str, offset: int,
+                writable: bool) -> _Open | StorageIOError:
+        with self._lock:
+            opened = self._handles.get(fh.fd)
+        if opened is None:
+            return StorageIOError(f"{what} {fh.path} at byte {offset} failed: the file is not "
+                                  "open in this backend (closed already?)")
+        if opened.writable != writable:
+            mode = "writing" if opened.writable else "reading"
+            return StorageIOError(f"{what} {fh.path} at byte {offset} failed: it is open for "
+                                  f"{mode} only")
+        return opened
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        with self._lock:
+            self._handles.pop(fh.fd, None)
+
+    def shutdown(self) -> None:
+        """Nothing runs in the background; open handles stay usable."""
+
+
+def _done(result: int = 0, error: BaseException | None = None) -> Future[int]:
+    future: Future[int] = Future()
+    future.set_running_or_notify_cancel()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future

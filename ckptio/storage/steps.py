@@ -1,0 +1,143 @@
+"""The save's and load's steps over any Store: what is built from the contract's few operations.
+
+- attempt(): prepare the location; if the save fails, remove its files, unless a manifest that
+  names them was committed before the failure (a failed directory fsync after the rename).
+- remove_unreferenced(): after a commit, delete the files a ckptio save created that neither
+  the new manifest nor the manifest committed at that moment names. Where the claim of
+  exclusive() is not honoured, another save may have committed meanwhile: its files are kept.
+- check_files(): every data file a committed manifest names is there, and long enough.
+- is_committed(): whether a manifest is committed at a location (without reading it).
+
+Owns: those steps' rules and messages. Does not own: how a store does each operation (local.py,
+memory.py), the order of a save (saving/session.py), the manifest's content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+from collections.abc import Iterable, Iterator
+
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.format.types import Manifest
+from ckptio.storage.base import Store
+
+__all__ = [
+    "attempt",
+    "check_files",
+    "committed_or_none",
+    "is_committed",
+    "named",
+    "references",
+    "remove_quietly",
+    "remove_unreferenced",
+]
+
+log = logging.getLogger("ckptio")
+_NAMED = re.compile(rb'"(data-[^"\\]*)"')  # file names in manifest.json (and any such string)
+
+
+def named(manifest: bytes) -> set[str]:
+    """Every file name the manifest bytes mention (a superset: any "data-..." string)."""
+    return {m.decode(errors="replace") for m in _NAMED.findall(manifest)}
+
+
+def committed_or_none(store: Store) -> bytes | None:
+    """The committed manifest's bytes; None if there is none or it cannot be read (the caller
+    then keeps every file: nothing is known to be superseded)."""
+    try:
+        return store.read_manifest()
+    except CkptError:
+        return None
+
+
+def references(store: Store, names: Iterable[str]) -> bool:
+    """Whether the committed manifest names any of ``names`` (unique to one save)."""
+    text = committed_or_none(store)
+    return text is not None and not named(text).isdisjoint(names)
+
+
+def is_committed(store: Store) -> bool:
+    """Whether a manifest is committed at ``store`` (its size only: the manifest is not read)."""
+    return MANIFEST_NAME in store.sizes([MANIFEST_NAME])
+
+
+@contextlib.contextmanager
+def attempt(store: Store, names: list[str]) -> Iterator[None]:
+    """Prepare the location; if the body fails, remove the save's files ``names``. Nothing else
+    is touched. A failure of that removal is logged and noted on the error, never raised in
+    its place."""
+    store.prepare()
+    try:
+        yield
+    except BaseException as exc:
+        if not references(store, names):  # else committed before the failure: keep its files
+            remove_quietly(store, names, exc)
+        raise
+
+
+def remove_quietly(store: Store, names: list[str], cause: BaseException) -> None:
+    """store.remove() after a failure: what cannot be removed is logged and noted on ``cause``."""
+    failed = store.remove(names)
+    if failed:
+        note = (f"ckptio: after this failure, {len(failed)} file(s) of the failed save could not "
+                f"be removed from {store.location} ({failed[0]}); the next save there removes "
+                "them")
+        log.warning("%s", note)
+        add_note = getattr(cause, "add_note", None)  # Python >= 3.11; the log line suffices before
+        if add_note is not None:
+            add_note(note)
+
+
+def remove_unreferenced(store: Store, keep: set[str],
+                        listed: threading.Event | None = None) -> list[str]:
+    """After a commit: delete data and temporary files the committed manifest does not name.
+
+    ``listed`` is set once the files to remove are chosen: the committing save holds its claim
+    on the location until then, so no other save has files there yet (a later save may create
+    files from then on: they are not on the list). Before removing, the manifest committed at
+    that moment is read again and every file it names is kept as well: where the claim is not
+    honoured, another save may have committed since. Failures are logged, not raised: the
+    checkpoint is already committed and whole; a leftover file is removed by the next save.
+    -> the names chosen for removal.
+    """
+    try:
+        try:
+            chosen = [name for name in store.names() if name not in keep]
+        finally:
+            if listed is not None:
+                listed.set()
+    except StorageIOError as exc:
+        log.warning("ckptio: could not remove superseded files in %s: %s", store.location, exc)
+        return []
+    text = committed_or_none(store)
+    if text is None:  # no manifest readable: nothing is known to be superseded
+        log.warning("ckptio: %s has no readable %s after a commit; removing nothing",
+                    store.location, MANIFEST_NAME)
+        return []
+    superseded = named(text)
+    removed = [name for name in chosen if name not in superseded]
+    failed = store.remove(removed)
+    if failed:
+        log.warning("ckptio: could not remove superseded files in %s: %s", store.location,
+                    "; ".join(failed))
+    return removed
+
+
+def check_files(store: Store, record: Manifest) -> None:
+    """CorruptCheckpointError if a data file ``record`` names is missing or shorter than it says."""
+    sizes = store.sizes(info.name for info in record.files)
+    for info in record.files:
+        file = store.path_of(info.name)
+        size = sizes.get(info.name)
+        if size is None:
+            raise CorruptCheckpointError(
+                f"data file {file} named by the manifest is missing; the checkpoint is damaged: "
+                "load an earlier one")
+        if size < info.nbytes:
+            raise CorruptCheckpointError(
+                f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
+                "damaged: load an earlier one")

@@ -1,0 +1,518 @@
+"""ckptio's layers, checked from its source (ast: nothing of ckptio is imported for these checks,
+and no dependency is added).
+
+Layers, bottom to top; a module may import its own layer and the layers below it:
+
+    0  ckptio.errors, ckptio.options
+    1  ckptio.format
+    2  ckptio.planning, ckptio.io            (planning and io do not import each other)
+    3  ckptio.storage
+    4  ckptio.distributed
+    5  ckptio.saving, ckptio.loading         (saving and loading do not import each other)
+    6  ckptio.tuning
+    7  drivers: ckptio (its __init__), ckptio.__main__, api, shared, manager, stepdir, rng, cli, demo
+
+ckptio.testing may import anything, and nothing else in ckptio imports it. Nothing in ckptio
+imports the repository's benchmarks/ (not installed with ckptio) except ckptio.cli, which runs
+them for ``ckptio bench``. Every import counts for the layers: module level, inside functions
+and under ``if TYPE_CHECKING``. The imports that run when a module is imported (module level,
+not under TYPE_CHECKING, with the package __init__ each one runs first) must form no cycle.
+
+Every module declares ``__all__`` (what other modules may use), naming only what it binds; a
+ckptio module takes from another ckptio module only what that one's ``__all__`` lists (or a
+submodule). ckptio/__init__.py's ``__all__`` is the public surface, pinned below.
+
+A failure names the importing module and line, the imported module and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ckptio"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("ckptio.errors", "ckptio.options"),
+    ("ckptio.format",),
+    ("ckptio.planning", "ckptio.io"),
+    ("ckptio.storage",),
+    ("ckptio.distributed",),
+    ("ckptio.saving", "ckptio.loading"),
+    ("ckptio.tuning",),
+    ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
+     "ckptio.cli", "ckptio.demo"),
+)
+APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
+TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio
+BENCHMARKS = "benchmarks"  # the repository's peer benchmarks, outside the package
+MAY_IMPORT_BENCHMARKS = {"ckptio.cli"}
+
+PUBLIC = {
+    "Checkpointer", "CheckpointManager", "save", "async_save", "load", "verify", "Options",
+    "RNGState", "TensorShard", "FlatShard", "SaveHandle", "SaveResult", "AsyncSaveResult",
+    "LoadReport", "Progress", "__version__",
+    "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
+    "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
+}
+
+RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "
+         "tuning < drivers (api, shared, manager, rng, cli, demo, ckptio/__init__)")
+
+
+# ------------------------------------------------------------------------------------------------
+# reading the source
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str  # a module (or, for names taken from an unknown module, that module)
+    line: int
+    runtime: bool  # runs when ``importer`` is imported: module level, not under TYPE_CHECKING
+    name: str | None = None  # the name taken by ``from imported import name`` (not a module)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package: dotted name -> file."""
+    return {module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))
+            if "__pycache__" not in p.parts}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(node: ast.AST, runtime: bool) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node below ``node``, with whether it runs at import time."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield child, runtime
+            for grand in ast.iter_child_nodes(child):  # decorators and defaults run; bodies not
+                if grand not in child.body:
+                    yield from _walk_one(grand, runtime)
+            for stmt in child.body:
+                yield from _walk_one(stmt, False)
+            continue
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield from _walk_one(stmt, False)
+            for stmt in child.orelse:
+                yield from _walk_one(stmt, runtime)
+            continue
+        yield from _walk_one(child, runtime)
+
+
+def _walk_one(node: ast.AST, runtime: bool) -> Iterator[tuple[ast.AST, bool]]:
+    yield node, runtime
+    yield from _walk(node, runtime)
+
+
+def _resolve(importer: str, is_package: bool, module: str | None, level: int) -> str:
+    if not level:
+        return module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> list[Import]:
+    """The imports in module ``name`` (file ``path``) of ckptio modules and of benchmarks."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    out: list[Import] = []
+    for node, runtime in _walk_one(tree, True):
+        if isinstance(node, ast.Import):
+            out += [Import(name, alias.name, node.lineno, runtime) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(name, is_package, node.module, node.level)
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in modules or source == BENCHMARKS:
+                    out.append(Import(name, full, node.lineno, runtime))
+                else:
+                    out.append(Import(name, source, node.lineno, runtime, alias.name))
+    return [i for i in out if _ours(i.imported)]
+
+
+def _ours(module: str) -> bool:
+    top = module.split(".")[0]
+    return top in ("ckptio", BENCHMARKS)
+
+
+def all_imports(package: Path = PACKAGE) -> list[Import]:
+    modules = package_modules(package)
+    found: list[Import] = []
+    for name, path in modules.items():
+        found += imports_of(name, path, set(modules))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# the rules
+
+
+def group_of(module: str) -> str | None:
+    """The LAYERS entry ``module`` belongs to (the longest that holds it), or None."""
+    if module == TESTING or module.startswith(TESTING + "."):
+        return TESTING
+    best = None
+    for layer in LAYERS:
+        for group in layer:
+            inside = module == group or (group != "ckptio" and module.startswith(group + "."))
+            if inside and (best is None or len(group) > len(best)):
+                best = group
+    return best
+
+
+def layer_of(group: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if group in layer)
+
+
+def violation(imp: Import) -> str | None:
+    """Why ``imp`` breaks the layer rules, or None."""
+    where = f"{imp.importer} imports {imp.imported} (line {imp.line})"
+    if imp.imported == BENCHMARKS or imp.imported.startswith(BENCHMARKS + "."):
+        if imp.importer in MAY_IMPORT_BENCHMARKS:
+            return None
+        return (f"{where}: nothing in ckptio imports the repository's benchmarks/ (they are not "
+                f"installed) except {', '.join(sorted(MAY_IMPORT_BENCHMARKS))}; move what it "
+                "needs into ckptio")
+    mine, theirs = group_of(imp.importer), group_of(imp.imported)
+    for module, group in ((imp.importer, mine), (imp.imported, theirs)):
+        if group is None:
+            return (f"{where}: {module} is in no layer; add it to LAYERS in "
+                    "tests/test_layers.py")
+    assert mine is not None and theirs is not None
+    if mine == TESTING:
+        return None
+    if theirs == TESTING:
+        return (f"{where}: nothing in ckptio imports {TESTING} (test support; it imports ckptio, "
+                "not the other way)")
+    if layer_of(mine) < layer_of(theirs):
+        return (f"{where}: layer {mine} may not import layer {theirs}, which is above it "
+                f"({RULES}); move what it needs down to {mine}'s layer or below")
+    for pair in APART:
+        if mine != theirs and {mine, theirs} == set(pair):
+            return (f"{where}: {pair[0]} and {pair[1]} do not import each other; move what "
+                    f"both need to a layer below them")
+    return None
+
+
+def runtime_graph(imports: list[Import], modules: set[str]) -> dict[str, dict[str, int]]:
+    """importer -> {imported module: line}, for the imports that run on import, each with the
+    package __init__ files it runs first: not ckptio's own (every import runs it) nor those of
+    packages holding the importer (Python has begun them before the importer runs)."""
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for imp in imports:
+        if not imp.runtime or imp.imported not in modules or imp.imported == imp.importer:
+            continue
+        graph[imp.importer].setdefault(imp.imported, imp.line)
+        parts = imp.imported.split(".")
+        for n in range(2, len(parts)):
+            package = ".".join(parts[:n])
+            if package in modules and not imp.importer.startswith(package + "."):
+                graph[imp.importer].setdefault(package, imp.line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (a list of modules, the first repeated at the end) per strongly connected
+    component of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, {})))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+    return [_cycle_in(sorted(c), graph) for c in components]
+
+
+def _cycle_in(component: list[str], graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest cycle from the component's first module back to itself, inside it (BFS)."""
+    members = set(component)
+    first = component[0]
+    parent: dict[str, str | None] = {first: None}
+    frontier = [first]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node]):
+                if nxt == first:
+                    path = [node]
+                    while (up := parent[path[-1]]) is not None:
+                        path.append(up)
+                    return [*reversed(path), first]
+                if nxt in members and nxt not in parent:
+                    parent[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle through {first}")
+
+
+def show_cycle(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    steps = [f"{a} imports {b} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+    return "import cycle: " + ", which ".join(steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# __all__
+
+
+def module_all(path: Path) -> list[str] | None:
+    """The module's literal ``__all__``, or None when it declares none at module level."""
+    for node in ast.parse(path.read_text()).body:
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            value = ast.literal_eval(node.value)  # type: ignore[union-attr, arg-type]
+            assert isinstance(value, (list, tuple)), f"{path}: __all__ is not a list"
+            return list(value)
+    return None
+
+
+def bound_names(path: Path) -> set[str]:
+    """Names a module binds at module level (defs, classes, assignments, imports)."""
+    names: set[str] = set()
+    for node, runtime in _walk_one(ast.parse(path.read_text()), True):
+        if not runtime and not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _module_aliases(tree: ast.Module, name: str, is_package: bool,
+                    modules: set[str]) -> dict[str, str]:
+    """Local name -> ckptio module, for names bound to a module by an import."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules and (a.asname or "." not in a.name):
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(name, is_package, node.module, node.level)
+            for a in node.names:
+                if f"{source}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{source}.{a.name}"
+    return aliases
+
+
+def _rebound(tree: ast.Module, alias: str) -> bool:
+    """Whether ``alias`` is also bound as a variable or argument somewhere (then its attributes
+    need not be the module's)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == alias and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, ast.arg) and node.arg == alias:
+            return True
+    return False
+
+
+def uses_outside_all(package: Path = PACKAGE) -> list[str]:
+    """Every name a ckptio module takes from another that the other's __all__ does not list."""
+    modules = package_modules(package)
+    declared = {m: module_all(p) for m, p in modules.items()}
+    problems: list[str] = []
+
+    def check(importer: str, module: str, attr: str, line: int) -> None:
+        if module == importer or f"{module}.{attr}" in modules or attr.startswith("__"):
+            return
+        listed = declared.get(module)
+        if listed is not None and attr not in listed:
+            problems.append(f"{importer} uses {module}.{attr} (line {line}), which {module}'s "
+                            f"__all__ does not list: add it there or stop using it")
+
+    for name, path in modules.items():
+        for imp in imports_of(name, path, set(modules)):
+            if imp.name is not None and imp.name != "*" and imp.imported in modules:
+                check(name, imp.imported, imp.name, imp.line)
+        tree = ast.parse(path.read_text())
+        aliases = _module_aliases(tree, name, path.name == "__init__.py", set(modules))
+        aliases = {a: m for a, m in aliases.items() if not _rebound(tree, a)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases):
+                check(name, aliases[node.value.id], node.attr, node.lineno)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# the tests
+
+
+def test_every_module_is_in_a_layer_and_imports_only_down():
+    problems = list(dict.fromkeys(v for imp in all_imports() if (v := violation(imp)) is not None))
+    problems += [f"{m} is in no layer; add it to LAYERS in tests/test_layers.py"
+                 for m in package_modules() if group_of(m) is None]
+    assert not problems, "layer rules broken:\n  " + "\n  ".join(problems)
+
+
+def test_no_import_cycle():
+    modules = package_modules()
+    graph = runtime_graph(all_imports(), set(modules))
+    found = [show_cycle(c, graph) for c in cycles(graph)]
+    assert not found, "\n".join(found)
+
+
+def test_every_module_declares_all_of_names_it_binds():
+    problems = []
+    for name, path in package_modules().items():
+        listed = module_all(path)
+        if listed is None:
+            problems.append(f"{name} ({path.relative_to(ROOT)}) declares no __all__")
+            continue
+        submodules = {m.rsplit(".", 1)[1] for m in package_modules() if m.startswith(name + ".")
+                      and "." not in m[len(name) + 1:]} if path.name == "__init__.py" else set()
+        unbound = sorted(set(listed) - bound_names(path) - submodules)
+        if unbound:
+            problems.append(f"{name}: __all__ lists {unbound}, which it does not define")
+        if len(set(listed)) != len(listed):
+            problems.append(f"{name}: __all__ lists a name twice")
+    assert not problems, "\n  ".join(["__all__ problems:", *problems])
+
+
+def test_ckptio_modules_use_only_what_others_list_in_all():
+    problems = uses_outside_all()
+    assert not problems, "\n  ".join(["names used across modules but not in __all__:", *problems])
+
+
+def test_the_public_surface_is_ckptio_all():
+    listed = module_all(PACKAGE / "__init__.py")
+    extra, missing = sorted(set(listed or ()) - PUBLIC), sorted(PUBLIC - set(listed or ()))
+    assert listed is not None and not extra and not missing, (
+        f"ckptio.__all__ differs from the public surface: extra {extra}, missing {missing}; "
+        "change both on purpose (tests/test_layers.py PUBLIC)")
+
+
+def test_sub_packages_say_they_are_internal():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "public" in doc and "``ckptio`` itself" in doc, (
+            f"{init.relative_to(ROOT)}: its docstring should say what the layer holds, that it is "
+            "internal, and that the public surface is ``ckptio`` itself")
+
+
+def test_ckptio_bench_outside_a_checkout_says_how_to_run_the_peer_benchmarks(monkeypatch, capsys):
+    """benchmarks/ is not installed: without a checkout, `ckptio bench save-load` says in one
+    line how to run it (``ckptio bench io`` is installed: ckptio.tuning.io_study)."""
+    from ckptio import cli
+
+    monkeypatch.setattr(cli, "_checkout", lambda module: None)
+    assert cli.main(["bench", "save-load", "--gb", "2", "--engines", "a b"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["ckptio bench save-load: the peer benchmarks are not installed with ckptio; "
+                     "from a checkout of its repository run: python -m benchmarks.save_load "
+                     "--gb 2 --engines 'a b'"], lines
+    monkeypatch.undo()
+    assert cli._checkout("save_load") == str(ROOT)  # this checkout (editable install or cwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# the checker itself, on made-up imports
+
+
+@pytest.mark.parametrize(("importer", "imported", "says"), [
+    ("ckptio.format.manifest", "ckptio.planning.reshard",
+     "layer ckptio.format may not import layer ckptio.planning"),
+    ("ckptio.saving.persist", "ckptio.loading.restore",
+     "ckptio.saving and ckptio.loading do not import each other"),
+    ("ckptio.io.stage", "ckptio.planning.layout",
+     "ckptio.planning and ckptio.io do not import each other"),
+    ("ckptio.tuning.io_study", "benchmarks.save_load", "nothing in ckptio imports the repository"),
+    ("ckptio.api", "ckptio.testing.faults", "nothing in ckptio imports ckptio.testing"),
+    ("ckptio.format.values", "ckptio", "layer ckptio.format may not import layer ckptio"),
+    ("ckptio.newthing", "ckptio.errors", "ckptio.newthing is in no layer"),
+])
+def test_a_wrong_way_import_is_named(importer, imported, says):
+    message = violation(Import(importer, imported, 7, True))
+    assert message is not None and says in message, message
+    assert message.startswith(f"{importer} imports {imported} (line 7)"), message
+
+
+@pytest.mark.parametrize(("importer", "imported"), [
+    ("ckptio.cli", "benchmarks.save_load"), ("ckptio.api", "ckptio.tuning.profile"),
+    ("ckptio.testing.faults", "ckptio.api"), ("ckptio.options", "ckptio.errors"),
+    ("ckptio.saving.session", "ckptio.distributed.collective"),
+    ("ckptio.planning.reshard", "ckptio.format.geometry"), ("ckptio.demo.train", "ckptio"),
+])
+def test_a_right_way_import_passes(importer, imported):
+    assert violation(Import(importer, imported, 1, True)) is None
+
+
+def test_a_cycle_is_found_and_named():
+    graph = {"a": {"b": 3}, "b": {"c": 5}, "c": {"a": 9, "d": 1}, "d": {}}
+    (cycle,) = cycles(graph)
+    assert cycle == ["a", "b", "c", "a"]
+    assert show_cycle(cycle, graph) == ("import cycle: a imports b (line 3), which b imports c "
+                                        "(line 5), which c imports a (line 9)")
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_imports_are_read_with_where_they_run(tmp_path):
+    pkg = tmp_path / "ckptio"
+    (pkg / "format").mkdir(parents=True)
+    for rel in ("__init__.py", "errors.py", "format/__init__.py", "format/types.py"):
+        (pkg / rel).write_text("")
+    (pkg / "format" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from ckptio.format import types\n"
+        "from ckptio.errors import CkptError\n"
+        "if TYPE_CHECKING:\n"
+        "    from ckptio import api\n"
+        "def f():\n"
+        "    from benchmarks import save_load\n")
+    found = {(i.imported, i.runtime, i.name) for i in all_imports(pkg)}
+    assert found == {("ckptio.format.types", True, None), ("ckptio.errors", True, "CkptError"),
+                     ("ckptio", False, "api"), ("benchmarks.save_load", False, None)}

@@ -1,0 +1,168 @@
+"""loading/read.py: one read path for every load. A same-layout load (whole entries) and a
+resharded one (regions, parts of entries) are planned as spans by the same function and read by
+the same read-ahead loop; whole entries come in full-buffer coalesced reads checked by their
+whole checksum, parts in reads widened to checksum blocks; no byte is read twice. Also the
+coalescing rule the loop relies on (layout.coalesce_reads with ``in_one_read``)."""
+
+from __future__ import annotations
+
+import os
+from itertools import pairwise
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.format import manifest
+from ckptio.format.types import Chunk, Read, TensorEntry
+from ckptio.loading import read as read_module
+from ckptio.options import BLOCK
+from ckptio.planning.layout import align_up, coalesce_reads
+from ckptio.testing.faults import inject
+
+MiB, KiB = 1 << 20, 1 << 10
+
+
+@pytest.fixture
+def ck(small_options):
+    checkpointer = ckptio.Checkpointer(small_options)
+    yield checkpointer
+    checkpointer.close()
+
+
+class Spy:
+    """Records every call of read._run (the one read-ahead loop): the spans of its reads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[object]] = []
+        self.nbytes = 0
+        real = read_module._run
+
+        def run(ranges, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls.append(list(dict.fromkeys(s for r in ranges for s in r.entries)))
+            self.nbytes += sum(r.nbytes for r in ranges)
+            return real(ranges, *args, **kwargs)
+
+        monkeypatch.setattr(read_module, "_run", run)
+
+    def kinds(self) -> list[set[bool]]:
+        """Per call: which kinds of spans it read (True: whole entries, False: block spans)."""
+        return [{span.whole for span in call} for call in self.calls]  # type: ignore[attr-defined]
+
+
+def _submits(ck: ckptio.Checkpointer) -> list[tuple[int, int]]:
+    """(offset, nbytes) of every read submitted to ``ck``'s backend from now on."""
+    backend = inject(ck)
+    seen: list[tuple[int, int]] = []
+    real = backend.submit_read
+
+    def submit_read(fh, offset, into):  # type: ignore[no-untyped-def]
+        seen.append((offset, len(into)))
+        return real(fh, offset, into)
+
+    backend.submit_read = submit_read  # type: ignore[method-assign]
+    return seen
+
+
+def _entries(path: str) -> list[TensorEntry]:
+    with open(os.path.join(path, manifest.MANIFEST_NAME), "rb") as f:
+        return list(manifest.decode(f.read(), path).tensors)
+
+
+def test_whole_and_resharded_loads_go_through_the_same_loop(tmp_path, monkeypatch, ck):
+    """A fresh load, an in-place same-layout load and a load of a shard each make exactly one
+    call of the read-ahead loop, which reads every byte the load reports."""
+    big = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)  # 2 MiB
+    path = str(tmp_path / "ck")
+    state = {"big": big, "small": torch.arange(10), "x": 3}
+    ck.save(state, path)
+    spy = Spy(monkeypatch)
+    fresh = ck.load(path)
+    assert torch.equal(fresh["big"], big) and fresh["x"] == 3
+    dest = {"big": torch.zeros_like(big), "small": torch.zeros(10, dtype=torch.int64), "x": 0}
+    same = ck.load(path, dest)
+    assert torch.equal(dest["big"], big) and torch.equal(dest["small"], torch.arange(10))
+    shard = ckptio.TensorShard(torch.zeros(16, 1024), (512, 1024), (100, 0))
+    part = ck.load(path, {"big": shard}, strict=False)
+    assert torch.equal(shard.local, big[100:116])
+    assert len(spy.calls) == 3, "a load read through something else than the one loop"
+    assert spy.kinds() == [{True}, {True}, {False}]  # whole entries, whole entries, blocks
+    # the fresh load reads what the same-layout in-place one does
+    assert spy.nbytes == same.nbytes_read + part.nbytes_read + same.nbytes_read
+
+
+def test_a_whole_entry_is_read_in_full_coalesced_buffers(tmp_path, ck, small_options):
+    """Ten entries of 400 KiB, contiguous in one file, and a small one: read in reads of one
+    whole pool buffer each (entries split across them), not one or two entries per read as
+    block-widened spans would be, and every stored byte exactly once."""
+    state = {f"t{i}": torch.full((100 * 1024,), float(i)) for i in range(10)}
+    state["small"] = torch.arange(7)
+    path = str(tmp_path / "ck")
+    ck.save(state, path)
+    seen = _submits(ck)
+    loaded = ck.load(path)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    entries = _entries(path)
+    end = align_up(max(e.offset + e.nbytes for e in entries), BLOCK)
+    buffer = small_options.buffer_bytes
+    assert len({e.file for e in entries}) == 1
+    assert sorted(seen) == [(at, min(buffer, end - at)) for at in range(0, end, buffer)], seen
+
+
+def test_an_entry_wanted_whole_and_in_part_is_read_once(tmp_path, monkeypatch, ck):
+    """Tied keys share one entry: one key takes it whole, the other a shard of it. The entry is
+    planned in part only (block spans), so its bytes are read once."""
+    w = torch.randn(1024, 1024)  # 4 MiB
+    path = str(tmp_path / "ck")
+    ck.save({"w": w, "tied": w}, path)
+    spy = Spy(monkeypatch)
+    shard = ckptio.TensorShard(torch.zeros(512, 1024), (1024, 1024), (256, 0))
+    dest = {"w": torch.zeros_like(w), "tied": shard}
+    report = ck.load(path, dest)
+    assert torch.equal(dest["w"], w) and torch.equal(shard.local, w[256:768])
+    (entry,) = _entries(path)
+    assert spy.kinds() == [{False}]
+    assert report.nbytes_read <= align_up(entry.nbytes, BLOCK), report.nbytes_read
+
+
+def test_plan_spans_whole_entry_is_one_span_and_a_region_block_spans():
+    entry = TensorEntry("w", "tensor", "float32", (1024, 1024), Chunk.whole((1024, 1024)), "f",
+                        BLOCK, 4 * MiB, "00", blocks=tuple("0" * 16 for _ in range(16)))
+    a, b = torch.empty(1024, 1024), torch.empty(1024, 1024)
+    (whole,) = read_module.plan_spans([Read.of(entry, a), Read.of(entry, b)], 256 * KiB, MiB)
+    assert whole.whole and (whole.offset, whole.nbytes) == (entry.offset, entry.nbytes)
+    assert whole.dests == [a, b]  # two destinations, one read of the entry
+    rows = Read("w", (entry,), Chunk((100, 0), (10, 1024)), torch.empty(10, 1024))
+    (span,) = read_module.plan_spans([rows], 256 * KiB, MiB)
+    assert not span.whole and (span.offset, span.nbytes) == (entry.offset + 256 * KiB, 256 * KiB)
+    both = read_module.plan_spans([Read.of(entry, a), rows], 256 * KiB, MiB)
+    assert not any(s.whole for s in both)
+    covered = sorted((s.offset, s.end) for s in both)
+    assert covered[0][0] == entry.offset and covered[-1][1] == entry.offset + entry.nbytes
+    assert all(x[1] <= y[0] for x, y in pairwise(covered)), "a byte planned twice"
+
+
+# ------------------------------------------------------------------------------------------------
+# layout.coalesce_reads with in_one_read
+
+
+def _extent(offset: int, nbytes: int, file: str = "f") -> TensorEntry:
+    return TensorEntry("k", "tensor", "uint8", (nbytes,), Chunk.whole((nbytes,)), file, offset,
+                       nbytes, "00")
+
+
+def test_an_unsplit_extent_is_never_spread_over_reads():
+    a, b = _extent(0, 3 * BLOCK), _extent(3 * BLOCK, 3 * BLOCK)
+    split = coalesce_reads([a, b], max_read=4 * BLOCK, max_gap=0)
+    assert [(r.offset, r.nbytes) for r in split] == [(0, 4 * BLOCK), (4 * BLOCK, 2 * BLOCK)]
+    kept = coalesce_reads([a, b], max_read=4 * BLOCK, max_gap=0, in_one_read=lambda e: True)
+    assert [(r.offset, r.nbytes, r.entries) for r in kept] == [(0, 3 * BLOCK, (a,)),
+                                                               (3 * BLOCK, 3 * BLOCK, (b,))]
+
+
+def test_an_unsplit_extent_larger_than_max_read_gets_a_read_of_its_own():
+    small, big, after = _extent(0, 100), _extent(BLOCK, 9 * BLOCK), _extent(10 * BLOCK, 100)
+    ranges = coalesce_reads([small, big, after], max_read=4 * BLOCK, max_gap=MiB,
+                            in_one_read=lambda e: e is big)
+    assert [(r.offset, r.nbytes, r.entries) for r in ranges] == [
+        (0, BLOCK, (small,)), (BLOCK, 9 * BLOCK, (big,)), (10 * BLOCK, BLOCK, (after,))]

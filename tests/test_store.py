@@ -1,0 +1,241 @@
+"""The storage contract (ckptio/storage/base.py) on both of its implementations.
+
+(1) The Store conformance suite (ckptio/testing/store_conformance.py) on LocalStore (a
+    directory) and MemoryStore (host memory): prepare, commit round trip, atomic replacement
+    under a concurrent reader, never-committed locations named as what they hold, conditional
+    commit, exclusive claims, names() only ckptio's, remove() never raising, sizes(), path_of
+    and the store's backend.
+(2) MemoryBackend against the IOBackend conformance suite, with its "independent reader"
+    (plain open / os.stat) pointed at host memory instead of the disk.
+(3) The store-generic steps (storage/steps.py) over a MemoryStore: the rules of the local
+    commit protocol hold on a store that is not a directory.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import io as stdio
+import os
+import secrets
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ckptio.api import store_for
+from ckptio.errors import StorageIOError, UnsupportedPathError
+from ckptio.options import BLOCK
+from ckptio.storage import steps
+from ckptio.storage.base import Store
+from ckptio.storage.local import LocalStore
+from ckptio.storage.memory import HOST, MemoryBackend, MemoryStore
+from ckptio.testing import io_conformance
+from ckptio.testing.io_conformance import IOBackendConformance
+from ckptio.testing.store_conformance import (
+    StoreConformance,
+    data_name,
+    read_file,
+    write_file,
+)
+
+# -- (1) the Store conformance suite ------------------------------------------------------------
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def store_factory(self, tmp_path):
+        return lambda key: LocalStore(tmp_path / key)
+
+    @pytest.fixture
+    def refuse_removal(self, monkeypatch):
+        @contextlib.contextmanager
+        def refuse(store: Store, name: str) -> Iterator[None]:
+            real = os.unlink
+
+            def unlink(target: Any, *args: Any, **kwargs: Any) -> None:
+                if os.path.basename(os.fspath(target)) == name:
+                    raise OSError(errno.EROFS, "Read-only file system", os.fspath(target))
+                real(target, *args, **kwargs)
+
+            monkeypatch.setattr(os, "unlink", unlink)
+            try:
+                yield
+            finally:
+                monkeypatch.setattr(os, "unlink", real)
+
+        return refuse
+
+
+def _memory_root() -> str:
+    return f"mem://test-{secrets.token_hex(6)}"
+
+
+def _forget_under(root: str) -> None:
+    with HOST.lock:
+        for path in [p for p in HOST.files if p.startswith(root + "/")]:
+            del HOST.files[path]
+        for location in [loc for loc in HOST.locations if loc.startswith(root + "/")]:
+            HOST.locations.discard(location)
+
+
+class TestMemoryStore(StoreConformance):
+    @pytest.fixture
+    def store_factory(self):
+        root = _memory_root()
+        yield lambda key: MemoryStore(f"{root}/{key}")
+        _forget_under(root)
+
+
+def test_local_store_messages_keep_the_path_as_given(tmp_path):
+    """Errors name the directory as the caller wrote it, and URLs are refused before any store
+    is made."""
+    store = store_for(tmp_path / "ckpt")
+    assert isinstance(store, LocalStore) and store.location == str(tmp_path / "ckpt")
+    with pytest.raises(UnsupportedPathError):
+        store_for("s3://bucket/ckpt")
+
+
+def test_memory_store_refuses_other_locations():
+    with pytest.raises(StorageIOError):
+        MemoryStore("/tmp/not-memory")
+    with pytest.raises(StorageIOError):
+        MemoryBackend().open_read("/etc/hostname")
+
+
+# -- (2) MemoryBackend against the IOBackend conformance suite --------------------------------
+
+class _MemoryWriter(stdio.BytesIO):
+    """open(path, "wb") on a memory path: the bytes land in HOST on close."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def close(self) -> None:
+        if not self.closed:
+            HOST.write(self.path, self.getvalue())
+        super().close()
+
+
+def _memory_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+    path = os.fspath(file) if not isinstance(file, int) else file
+    if not (isinstance(path, str) and path.startswith("mem://")):
+        return builtins.open(file, mode, *args, **kwargs)
+    if mode == "wb":
+        return _MemoryWriter(path)
+    data = HOST.read(path)
+    if data is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file in memory", path)
+    return stdio.BytesIO(data)
+
+
+class _MemoryPath:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os.path, name)
+
+    @staticmethod
+    def exists(path: Any) -> bool:
+        text = os.fspath(path)
+        if isinstance(text, str) and text.startswith("mem://"):
+            return HOST.read(text) is not None
+        return os.path.exists(text)
+
+
+class _MemoryOS:
+    """The ``os`` io_conformance sees: stat and path.exists of memory paths look in HOST."""
+
+    path = _MemoryPath()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def stat(path: Any) -> Any:
+        text = os.fspath(path)
+        if isinstance(text, str) and text.startswith("mem://"):
+            data = HOST.read(text)
+            if data is None:
+                raise FileNotFoundError(errno.ENOENT, "No such file in memory", text)
+            return SimpleNamespace(st_size=len(data))
+        return os.stat(text)
+
+
+class TestMemoryBackendIO(IOBackendConformance):
+    @pytest.fixture(autouse=True)
+    def memory_reader(self, monkeypatch):
+        monkeypatch.setattr(io_conformance, "open", _memory_open, raising=False)
+        monkeypatch.setattr(io_conformance, "os", _MemoryOS())
+
+    @pytest.fixture
+    def io_dir(self):
+        root = _memory_root()
+        yield root
+        _forget_under(root)
+
+    @pytest.fixture
+    def backend_factory(self):
+        return MemoryBackend
+
+    @pytest.fixture
+    def expect_direct(self):
+        return False
+
+    def test_offsets_past_4gib(self, backend_factory, io_dir):
+        pytest.skip("a memory file is dense: 5 GiB of RAM for a check of 32-bit offset "
+                    "truncation, which Python's integers cannot do")
+
+
+# -- (3) the store-generic steps over a store that is not a directory --------------------------
+
+@pytest.fixture
+def memory_store():
+    root = _memory_root()
+    yield MemoryStore(f"{root}/ckpt")
+    _forget_under(root)
+
+
+def _manifest_naming(names: list[str]) -> bytes:
+    return ('{"files": [' + ", ".join(f'{{"name": "{n}"}}' for n in names) + "]}").encode()
+
+
+def test_cleanup_keeps_what_the_committed_manifest_names(memory_store):
+    old, new, stray = data_name(0), data_name(1), data_name(2)
+    memory_store.prepare()
+    for name in (old, new, stray):
+        write_file(memory_store, name, b"\0" * BLOCK)
+    memory_store.commit(_manifest_naming([new]), "0" * 19)
+    removed = steps.remove_unreferenced(memory_store, keep=set())  # told to keep nothing
+    assert sorted(removed) == sorted([old, stray])
+    assert memory_store.names() == [new]
+    assert read_file(memory_store, new, BLOCK) == b"\0" * BLOCK
+
+
+def test_failed_attempt_removes_its_files_unless_committed(memory_store):
+    mine = [data_name(0), data_name(1)]
+    with pytest.raises(RuntimeError), steps.attempt(memory_store, mine):
+        write_file(memory_store, mine[0], b"\1" * BLOCK)
+        raise RuntimeError("the save failed")
+    assert memory_store.names() == []
+    with pytest.raises(RuntimeError), steps.attempt(memory_store, mine):
+        write_file(memory_store, mine[1], b"\2" * BLOCK)
+        memory_store.commit(_manifest_naming(mine[1:]), "1" * 19)
+        raise RuntimeError("failed after its commit")
+    assert memory_store.names() == [mine[1]], "a committed save's files must stay"
+
+
+def test_check_files_names_the_missing_or_truncated_file(memory_store):
+    from ckptio.errors import CorruptCheckpointError
+    from ckptio.format.types import FileInfo
+
+    name = data_name()
+    memory_store.prepare()
+    write_file(memory_store, name, b"\3" * BLOCK)
+    record = SimpleNamespace(files=(FileInfo(name, BLOCK, 0),))
+    steps.check_files(memory_store, record)  # type: ignore[arg-type]
+    for files, word in [((FileInfo(name, 2 * BLOCK, 0),), "truncated"),
+                        ((FileInfo(data_name(), 1, 0),), "missing")]:
+        with pytest.raises(CorruptCheckpointError) as info:
+            steps.check_files(memory_store, SimpleNamespace(files=files))  # type: ignore[arg-type]
+        assert word in str(info.value) and memory_store.location in str(info.value)
