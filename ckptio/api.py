@@ -34,6 +34,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.format.flatten import flatten
 from ckptio.options import Options
+from ckptio.io.s3client import S3Settings, is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
 from ckptio.io.stage import BufferPool
@@ -43,7 +44,8 @@ from ckptio.format.types import Manifest, Read
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
-__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "local_path", "store_for"]
+__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "checkpoint_path", "local_path",
+           "store_for"]
 
 
 class Checkpointer:
@@ -57,6 +59,7 @@ class Checkpointer:
         self.options = options or Options.from_env()
         self._pool: BufferPool | None = None
         self._backend: io.IOBackend | None = None
+        self._backend_kind = "local"  # the kind of store self._backend reaches
         self._lock = threading.Lock()
         self._cleanup = Cleanup()  # removal of superseded files, behind the next save
         self._active = self.options  # options the pool and backend were made with
@@ -72,18 +75,25 @@ class Checkpointer:
         """Wait for the previous save's removal of superseded files (saving/cleanup.py)."""
         self._cleanup.finish()
 
-    def _resources(self, path: str | None = None) -> tuple[BufferPool, io.IOBackend]:
-        """The pool and backend, made for the tuned profile of ``path``'s filesystem (if any);
-        remade only when a save or load goes to a filesystem tuned differently."""
-        wanted = self.options if path is None else tuned_options(self.options, path)
+    def _resources(self, store: Store | None = None) -> tuple[BufferPool, io.IOBackend]:
+        """The pool and the backend that reaches ``store`` (a local one: made for the tuned
+        profile of its filesystem, if any); remade only when a save or load goes to another
+        kind of store, or a filesystem tuned differently."""
+        wanted = self.options
+        if isinstance(store, LocalStore):
+            wanted = tuned_options(self.options, store.directory)
+        kind = "local" if store is None else type(store).__name__
         if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backend):
             self._release()
+        elif kind != self._backend_kind and self._backend is not None:
+            self._backend.shutdown()
+            self._backend = None
         self._active = wanted
         if self._pool is None:
             self._pool = BufferPool(wanted.nbuffers, wanted.buffer_bytes)
         if self._backend is None:
-            self._backend = io.create(wanted.io_backend, depth=wanted.io_depth,
-                                      direct_io=wanted.direct_io)
+            self._backend = (LocalStore(".") if store is None else store).backend(wanted)
+            self._backend_kind = kind
             register = getattr(self._backend, "register_buffers", None)
             if register is not None:  # fixed buffers: the pool is pre-faulted, so pinning is free
                 register(self._pool.whole_view())
@@ -93,7 +103,7 @@ class Checkpointer:
         """Allocate (and pre-fault) the staging pool and start the I/O backend now, for the
         filesystem of ``path``: call at startup so the first save does not pay for it."""
         with self._lock:
-            self._resources(None if path is None else local_path(path))
+            self._resources(None if path is None else store_for(path, self.options))
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -155,7 +165,7 @@ class Checkpointer:
         if lazy and not optimizers:
             raise CkptError("async_save(lazy=True) needs optimizers=[...]: their step() is what "
                             "must wait for the capture")
-        path = local_path(path)
+        path = checkpoint_path(path)
         group = self._group(process_group)
         if group.size > 1 and if_busy == "skip":
             raise CkptError("async_save(if_busy='skip') is not available with many ranks: ranks "
@@ -174,7 +184,7 @@ class Checkpointer:
             previous_error = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
         context = session.SaveContext(
-            group=group, store=store_for(path), options=self.options, staging=_Staging(self),
+            group=group, store=store_for(path, self.options), options=self.options, staging=_Staging(self),
             cleanup=self._cleanup, memory=self._memory(group), plan_cache=self._plan_cache,
             meta=_meta(), block_nbytes=self._block_nbytes(), allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), started=started,
@@ -226,10 +236,10 @@ class Checkpointer:
         still need allow_pickle=True, and per-rank values on another number of ranks
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         """
-        store = store_for(path)
+        store = store_for(path, self.options)
         record = _committed(store)
         with self._lock:
-            pool, backend = self._resources(store.directory)
+            pool, backend = self._resources(store)
             return read_regions(
                 _data_dir(store, record), [Read.of(e) for e in record.tensors], pool=pool,
                 backend=backend,
@@ -265,7 +275,7 @@ class Checkpointer:
         number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
         """
         started = time.perf_counter()
-        path = local_path(path)
+        path = checkpoint_path(path)
         group = self._group(process_group) if state is not None else Solo()
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
@@ -289,13 +299,13 @@ class Checkpointer:
     def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
-        store = store_for(path)
+        store = store_for(path, self.options)
         record = _committed(store)
         files = _data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
         with self._lock:
-            pool, backend = self._resources(store.directory)
+            pool, backend = self._resources(store)
             depth = self._active.io_depth
 
             def read(reads: list[Read]) -> int:
@@ -322,15 +332,29 @@ def local_path(path: str | os.PathLike[str]) -> str:
     scheme = _URL.match(text)
     if scheme:
         raise UnsupportedPathError(
-            f"{text}: ckptio does not serve {scheme.group(1)}:// URLs yet (only local and "
+            f"{text}: ckptio does not serve {scheme.group(1)}:// URLs (only s3:// and local or "
             "mounted filesystems); pass a directory path, e.g. a mounted bucket")
     return text
 
 
-def store_for(path: str | os.PathLike[str]) -> LocalStore:
-    """The Store of checkpoint ``path``: its local (or mounted) directory (a URL is refused
-    by local_path until a store serves its scheme)."""
-    return LocalStore(local_path(path))
+def checkpoint_path(path: str | os.PathLike[str]) -> str:
+    """The checkpoint path as a string: an ``s3://`` URL, or a local directory (another URL
+    scheme is refused rather than taken for a local folder named ``gs:``)."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    return text if is_s3(text) else local_path(text)
+
+
+def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:
+    """The Store of checkpoint ``path``: a prefix in an S3 bucket (``s3://bucket/prefix``), or
+    a local (or mounted) directory."""
+    text = checkpoint_path(path)
+    if is_s3(text):
+        from ckptio.storage.s3 import S3Store
+
+        return S3Store(text, S3Settings.of(options or Options.from_env()))
+    return LocalStore(text)
 
 
 def _committed(store: Store) -> Manifest:
@@ -364,8 +388,8 @@ class _Staging:
     def lock(self) -> threading.Lock:
         return self.checkpointer._lock
 
-    def for_path(self, path: str) -> tuple[BufferPool, io.IOBackend]:
-        return self.checkpointer._resources(path)
+    def for_store(self, store: Store) -> tuple[BufferPool, io.IOBackend]:
+        return self.checkpointer._resources(store)
 
 
 def _meta() -> dict[str, Any]:

@@ -26,6 +26,7 @@ IO_BACKENDS = ("posix", "uring")  # Options.io_backend; ckptio.io.create builds 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
+S3Conditional = Literal["require", "off"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,20 @@ class Options:
     if_locked: what a save does when another save (another process, job or machine sharing the
         filesystem) is saving into the same path: "wait" until it has finished (logged), or
         "raise" CheckpointLockedError at once (from wait() for an async save).
+
+    For ``s3://bucket/prefix`` paths (``pip install 'ckptio[s3]'``); left at None, each comes
+    the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
+    the standard credential chain):
+    s3_endpoint_url: an S3-compatible endpoint (MinIO, SeaweedFS, Ceph RGW), e.g.
+        "http://127.0.0.1:8333".
+    s3_region, s3_profile: the region and the named profile of ~/.aws/config.
+    s3_concurrency: requests in flight per process (parts uploaded, ranges read).
+    s3_retry_deadline_s: how long a request is retried (throttling, 5xx, resets) before the
+        save or load fails naming the object.
+    s3_lock_lease_s: a save's claim on a prefix expires this long after its holder stopped
+        renewing it (a killed save delays the next one by at most this).
+    s3_conditional: "require" refuses a store without conditional writes (If-None-Match /
+        If-Match), which the commit relies on; "off" commits without them (last writer wins).
     """
 
     buffer_bytes: int = 16 * MiB
@@ -58,6 +73,13 @@ class Options:
     io_backend: str = "posix"
     use_profile: bool = True
     if_locked: IfLocked = "wait"
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_profile: str | None = None
+    s3_concurrency: int = 16
+    s3_retry_deadline_s: float = 120.0
+    s3_lock_lease_s: float = 30.0
+    s3_conditional: S3Conditional = "require"
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -84,6 +106,20 @@ class Options:
         if self.if_locked not in ("wait", "raise"):
             raise CkptError(f"Options.if_locked={self.if_locked!r}: use 'wait' (until the other "
                             "save into the path has finished) or 'raise'")
+        self._check_s3()
+
+    def _check_s3(self) -> None:
+        if self.s3_concurrency < 1:
+            raise CkptError(f"Options.s3_concurrency={self.s3_concurrency}: must be >= 1")
+        if not self.s3_retry_deadline_s >= 0:
+            raise CkptError(f"Options.s3_retry_deadline_s={self.s3_retry_deadline_s}: must be "
+                            ">= 0 seconds")
+        if not self.s3_lock_lease_s > 0:
+            raise CkptError(f"Options.s3_lock_lease_s={self.s3_lock_lease_s}: must be > 0 "
+                            "seconds")
+        if self.s3_conditional not in ("require", "off"):
+            raise CkptError(f"Options.s3_conditional={self.s3_conditional!r}: use 'require' or "
+                            "'off'")
 
     @property
     def nbuffers(self) -> int:
@@ -109,6 +145,11 @@ def _parse(name: str, raw: str, annotation: object) -> object:
             return int(raw)
         except ValueError:
             raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected an integer") from None
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected a number") from None
     if kind == "bool":
         if raw.lower() in ("1", "true", "yes", "on"):
             return True

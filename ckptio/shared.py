@@ -27,13 +27,15 @@ _default_lock = threading.Lock()
 
 
 def _checkpointer(options: Options | None) -> Checkpointer:
-    """The shared Checkpointer; replaced (its pool freed) when called with different options."""
+    """The shared Checkpointer; replaced (its pool freed) when called with other options than
+    it has (no options: the defaults and CKPTIO_* environment, not a previous call's)."""
     global _default
+    wanted = options if options is not None else Options.from_env()
     with _default_lock:
-        if _default is None or (options is not None and options != _default.options):
+        if _default is None or wanted != _default.options:
             if _default is not None:
                 _default.close()
-            _default = Checkpointer(options)
+            _default = Checkpointer(wanted)
         return _default
 
 

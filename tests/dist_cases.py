@@ -99,6 +99,21 @@ def load_layout(rank: int, world: int, path: str, layout: str) -> int:
     return report.nbytes_read
 
 
+def with_env(env: dict[str, str], fn_name: str, rank: int, world: int, *args: Any) -> Any:
+    """``fn_name(rank, world, *args)`` with ``env`` set first (an S3 server's endpoint and
+    keys: ranks fork from a server started before the test set them)."""
+    os.environ.update(env)
+    return globals()[fn_name](rank, world, *args)
+
+
+def s3_save_layout(rank: int, world: int, env: dict[str, str], path: str, layout: str) -> None:
+    with_env(env, "save_layout", rank, world, path, layout)
+
+
+def s3_load_layout(rank: int, world: int, env: dict[str, str], path: str, layout: str) -> int:
+    return with_env(env, "load_layout", rank, world, path, layout)
+
+
 # ------------------------------------------------------------------ round trip with every kind
 
 

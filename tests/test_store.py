@@ -94,7 +94,9 @@ def test_local_store_messages_keep_the_path_as_given(tmp_path):
     store = store_for(tmp_path / "ckpt")
     assert isinstance(store, LocalStore) and store.location == str(tmp_path / "ckpt")
     with pytest.raises(UnsupportedPathError):
-        store_for("s3://bucket/ckpt")
+        store_for("gs://bucket/ckpt")
+    assert type(store_for("s3://bucket/run/step-1/")).__name__ == "S3Store"
+    assert store_for("s3://bucket/run/step-1/").location == "s3://bucket/run/step-1"
 
 
 def test_memory_store_refuses_other_locations():

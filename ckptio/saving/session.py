@@ -64,7 +64,7 @@ class Staging(Protocol):
 
     lock: threading.Lock
 
-    def for_path(self, path: str) -> tuple[BufferPool, IOBackend]: ...
+    def for_store(self, store: Store) -> tuple[BufferPool, IOBackend]: ...
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
     job: persist.SaveJob | None = None
     try:
         location = ctx.store.location
-        pool, backend = ctx.staging.for_path(location)
+        pool, backend = ctx.staging.for_store(ctx.store)
         job = persist.SaveJob(location, part.files, part.sources, pool=pool, backend=backend,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),

@@ -1,0 +1,365 @@
+"""The IOBackend for S3-compatible object storage: multipart uploads and ranged GETs.
+
+A data file ``s3://bucket/key`` is one object. Writing it:
+
+- a file of at most one part goes up in one PutObject, from the staging buffer that covers it;
+- a larger one is a multipart upload of parts of ``part_nbytes`` (the staging buffer size, or a
+  multiple of it so that parts stay >= 5 MiB and a file needs at most 10,000 of them). A save
+  writes each file in buffer-sized, in-order pieces, so with the default part size every write
+  is one whole part and is uploaded straight from the (pre-faulted, page-locked) staging buffer:
+  no copy, no temporary file. The write's future resolves when the store acknowledged the part;
+  only then does the buffer go back to the pool.
+- any other write (a part larger than a buffer, odd offsets) is copied into that part's
+  assembly buffer and uploaded once the part is covered, or at close with zeros in the gaps.
+
+``close(sync=True)`` waits for every part and completes the upload: the object is durable and
+whole when it returns (S3 makes an object visible only complete). ``close(sync=False)`` aborts
+the upload (a failed save leaves no multipart upload behind). Reads are ranged GETs into the
+caller's buffer, pinned to the object's ETag seen at open (a replaced object fails the read
+instead of mixing two versions). Every request goes through s3client.call (retries).
+
+Owns: S3Backend. Does not own: URLs, the client, retries (s3client.py), which objects make a
+checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptio.errors import StorageIOError
+from ckptio.io.base import FileHandle
+from ckptio.io.s3client import S3Path, S3Settings, call, client, code, describe, failed, status
+from ckptio.options import MiB
+
+__all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
+
+MIN_PART = 5 * MiB  # S3: every part but the last is at least this
+MAX_PART = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+
+
+def part_nbytes_for(nbytes: int, buffer_nbytes: int) -> int:
+    """The part size of a file of ``nbytes`` written in ``buffer_nbytes`` pieces: the buffer
+    size when S3's limits allow (every write is then a whole part), else a multiple of it."""
+    multiple = max(-(-MIN_PART // buffer_nbytes), -(-nbytes // (MAX_PARTS * buffer_nbytes)), 1)
+    part = buffer_nbytes * multiple
+    if part > MAX_PART:
+        raise StorageIOError(f"a file of {nbytes} bytes needs parts over S3's 5 GiB limit; "
+                             "lower Options.max_file_bytes")
+    return part
+
+
+@dataclass
+class _Upload:
+    """One object being written."""
+
+    where: S3Path
+    nbytes: int
+    part_nbytes: int
+    upload_id: str | None  # None: a single PutObject at the first whole write or at close
+    etags: dict[int, str] = field(default_factory=dict)  # part number -> ETag
+    inflight: list[Future[int]] = field(default_factory=list)
+    assembly: dict[int, bytearray] = field(default_factory=dict)  # copy path, per part
+    covered: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def part_span(self, number: int) -> tuple[int, int]:
+        start = (number - 1) * self.part_nbytes
+        return start, min(self.part_nbytes, self.nbytes - start)
+
+    @property
+    def nparts(self) -> int:
+        return max(1, -(-self.nbytes // self.part_nbytes))
+
+
+@dataclass(frozen=True)
+class _Object:
+    """One object open for reading."""
+
+    where: S3Path
+    size: int
+    etag: str
+
+
+class S3Backend:
+    """Positioned writes and reads of s3:// objects through one client and a thread pool of
+    ``settings.concurrency`` requests."""
+
+    name = "s3"
+
+    def __init__(self, settings: S3Settings, buffer_nbytes: int) -> None:
+        self.settings, self.buffer_nbytes = settings, buffer_nbytes
+        self._open: dict[int, _Upload | _Object] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.parts_uploaded_whole = 0  # writes sent straight from the caller's buffer
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self.settings, "buffer_nbytes": self.buffer_nbytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"], state["buffer_nbytes"])  # type: ignore[misc]
+
+    @property
+    def _client(self) -> Any:
+        return client(self.settings)
+
+    def _submit(self, work: Any, *args: Any) -> Future[Any]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.settings.concurrency,
+                                                thread_name_prefix="ckptio-s3")
+            return self._pool.submit(work, *args)
+
+    def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
+        with self._lock:
+            self._next += 1
+            self._open[self._next] = opened
+            return FileHandle(url, self._next, direct=False)
+
+    def _opened(self, fh: FileHandle) -> _Upload | _Object:
+        with self._lock:
+            opened = self._open.get(fh.fd)
+        if opened is None:
+            raise StorageIOError(f"{fh.path} is not open in this S3 backend (closed already?)")
+        return opened
+
+    # ------------------------------------------------------------------------------- writes
+
+    def open_write(self, path: str, nbytes: int) -> FileHandle:
+        where = S3Path.parse(path)
+        if self._head(where) is not None:
+            raise StorageIOError(f"cannot create {path}: it exists (a data file is never "
+                                 "overwritten); save into a new location")
+        part = part_nbytes_for(nbytes, self.buffer_nbytes)
+        upload_id = None
+        if nbytes > part:
+            created = self._call(f"starting the upload of {path}", lambda: self._client
+                                 .create_multipart_upload(Bucket=where.bucket, Key=where.key))
+            upload_id = created["UploadId"]
+        return self._handle(path, _Upload(where, nbytes, part, upload_id))
+
+    def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
+        try:
+            upload = self._opened(fh)
+            if not isinstance(upload, _Upload):
+                raise StorageIOError(f"writing {fh.path} failed: it is open for reading")
+            if offset < 0 or offset + len(data) > upload.nbytes:
+                raise StorageIOError(f"writing {len(data)} bytes at {offset} of {fh.path} "
+                                     f"failed: the file was opened for {upload.nbytes} bytes")
+            number, rest = divmod(offset, upload.part_nbytes)
+            if not rest and len(data) and upload.part_span(number + 1)[1] == len(data):
+                return self._send_part(upload, number + 1, data)
+            self._assemble(upload, offset, data)
+            return _done(len(data))
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the future
+            return _done(error=exc)
+
+    def _send_part(self, upload: _Upload, number: int, data: memoryview) -> Future[int]:
+        with self._lock:
+            self.parts_uploaded_whole += 1
+        future: Future[int] = self._submit(self._put_part, upload, number, data)
+        with upload.lock:
+            upload.inflight.append(future)
+        return future
+
+    def _put_part(self, upload: _Upload, number: int, data: memoryview | bytes) -> int:
+        where, c = upload.where, self._client
+        if upload.upload_id is None:
+            self._call(f"uploading {where.url}", lambda: c.put_object(
+                Bucket=where.bucket, Key=where.key, Body=data))
+            return len(data)
+        answer = self._call(f"uploading part {number} of {upload.nparts} of {where.url}",
+                            lambda: c.upload_part(Bucket=where.bucket, Key=where.key,
+                                                  UploadId=upload.upload_id, PartNumber=number,
+                                                  Body=data))
+        with upload.lock:
+            upload.etags[number] = answer["ETag"]
+        return len(data)
+
+    def _assemble(self, upload: _Upload, offset: int, data: memoryview) -> None:
+        """Copy a write that is not one whole part into its parts' assembly buffers; a part
+        whose bytes are all there is uploaded."""
+        done = 0
+        while done < len(data):
+            number = (offset + done) // upload.part_nbytes + 1
+            start, length = upload.part_span(number)
+            at = offset + done - start
+            n = min(len(data) - done, length - at)
+            with upload.lock:
+                buffer = upload.assembly.setdefault(number, bytearray(length))
+                buffer[at:at + n] = data[done:done + n]
+                upload.covered[number] = upload.covered.get(number, 0) + n
+                full = upload.covered[number] >= length
+                if full:
+                    del upload.assembly[number]
+            if full:
+                future = self._submit(self._put_part, upload, number, bytes(buffer))
+                with upload.lock:
+                    upload.inflight.append(future)
+            done += n
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        with self._lock:
+            opened = self._open.pop(fh.fd, None)
+        if not isinstance(opened, _Upload):
+            return
+        if not sync:
+            self._abandon(opened)
+            return
+        errors = [f.exception() for f in _wait(opened)]
+        first_error = next((e for e in errors if e is not None), None)
+        if first_error is not None:
+            self._abandon(opened)
+            raise first_error
+        try:
+            self._flush(opened)
+            if opened.upload_id is not None:
+                self._complete(opened)
+        except BaseException:
+            self._abandon(opened)
+            raise
+
+    def _flush(self, upload: _Upload) -> None:
+        """Upload what the writes left: partly written parts (zeros in the gaps) and parts
+        never written (zeros, as a preallocated file reads)."""
+        if upload.upload_id is None:
+            missing = [] if upload.inflight else [1]
+        else:
+            missing = [n for n in range(1, upload.nparts + 1) if n not in upload.etags]
+        pending = []
+        for number in missing:
+            body = bytes(upload.assembly.pop(number, bytearray(upload.part_span(number)[1])))
+            pending.append(self._submit(self._put_part, upload, number, body))
+        for future in pending:
+            future.result()
+
+    def _complete(self, upload: _Upload) -> None:
+        where, c = upload.where, self._client
+        parts = [{"PartNumber": n, "ETag": upload.etags[n]} for n in sorted(upload.etags)]
+        try:
+            call(self.settings, f"completing the upload of {where.url}", lambda: c.complete_multipart_upload(
+                Bucket=where.bucket, Key=where.key, UploadId=upload.upload_id,
+                MultipartUpload={"Parts": parts}))
+        except Exception as exc:  # noqa: BLE001 - a retried Complete may find its own result
+            if code(exc) != "NoSuchUpload":
+                raise failed(f"completing the upload of {where.url}", exc) from exc
+            stored = self._head(where)
+            if stored is None or stored[0] != upload.nbytes:
+                raise failed(f"completing the upload of {where.url}", exc) from exc
+
+    def _abandon(self, upload: _Upload) -> None:
+        """Wait for parts in flight, then abort the upload (never raises: a failed save's
+        cleanup also aborts uploads it finds)."""
+        _wait(upload)
+        if upload.upload_id is None:
+            return
+        where, c = upload.where, self._client
+        try:
+            self._call(f"aborting the upload of {where.url}", lambda: c.abort_multipart_upload(
+                Bucket=where.bucket, Key=where.key, UploadId=upload.upload_id))
+        except StorageIOError:  # NoSuchUpload, or left for the next save's cleanup to abort
+            pass
+
+    # -------------------------------------------------------------------------------- reads
+
+    def open_read(self, path: str) -> FileHandle:
+        where = S3Path.parse(path)
+        stored = self._head(where)
+        if stored is None:
+            raise StorageIOError(f"cannot open {path} for reading: no such object")
+        return self._handle(path, _Object(where, *stored))
+
+    def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
+        try:
+            opened = self._opened(fh)
+            if not isinstance(opened, _Object):
+                raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
+        except StorageIOError as exc:
+            return _done(error=exc)
+        n = max(0, min(len(into), opened.size - offset))
+        if n == 0:
+            return _done(0)
+        return self._submit(self._get, opened, offset, into[:n])
+
+    def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
+        """Fill ``into`` from ``offset``; a body cut short resumes where it stopped."""
+        got = 0
+        where = opened.where
+        what = f"reading bytes {offset}-{offset + len(into) - 1} of {where.url}"
+        while got < len(into):
+            first = offset + got
+
+            def request() -> int:
+                answer = self._client.get_object(
+                    Bucket=where.bucket, Key=where.key, IfMatch=opened.etag,
+                    Range=f"bytes={first}-{offset + len(into) - 1}")
+                return _read_body(answer["Body"], into[got:])
+
+            n = self._call(what, request)
+            if n == 0:
+                raise StorageIOError(f"{what} failed: the store sent no bytes at {first} "
+                                     f"though the object has {opened.size}")
+            got += n
+        return got
+
+    def _head(self, where: S3Path) -> tuple[int, str] | None:
+        """(size, ETag) of an object, or None if there is none."""
+        c = self._client
+        try:
+            answer = call(self.settings, f"looking up {where.url}",
+                          lambda: c.head_object(Bucket=where.bucket, Key=where.key))
+        except Exception as exc:  # noqa: BLE001 - 404 is an answer; the rest is re-raised mapped
+            if status(exc) == 404:
+                return None
+            raise failed(f"looking up {where.url}", exc) from exc
+        return int(answer["ContentLength"]), str(answer["ETag"])
+
+    def _call(self, what: str, request: Any) -> Any:
+        """call() with every failure as StorageIOError naming ``what``."""
+        try:
+            return call(self.settings, what, request)
+        except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
+            raise failed(what, exc) from exc
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _read_body(body: Any, into: memoryview) -> int:
+    """Read a GET's body into ``into``; the bytes read (fewer if the body ended early)."""
+    got = 0
+    try:
+        while got < len(into):
+            n = body.readinto(into[got:])
+            if not n:
+                break
+            got += n
+    finally:
+        body.close()
+    return got
+
+
+def _wait(upload: _Upload) -> list[Future[int]]:
+    with upload.lock:
+        futures = list(upload.inflight)
+    for future in futures:
+        future.exception()
+    return futures
+
+
+def _done(result: int = 0, error: BaseException | None = None) -> Future[int]:
+    future: Future[int] = Future()
+    future.set_running_or_notify_cancel()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future

@@ -1,0 +1,223 @@
+"""Talking to an S3-compatible store: URLs, the client, retries and what an error means.
+
+``s3://bucket/prefix`` locations are parsed here; the boto3 client is made here (imported
+lazily: the base install never needs it; without it an s3:// path raises CkptError naming
+``pip install 'ckptio[s3]'``), one per process and settings, shared by threads (botocore
+clients are thread-safe). Endpoint, region and credentials come the way every AWS tool takes
+them (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3, AWS_REGION, AWS_PROFILE, ~/.aws/config and
+credentials, instance roles) unless Options name them.
+
+Retries are ours, not botocore's (its are turned off): throttling (503 SlowDown), 5xx,
+409 ConditionalRequestConflict, timeouts and connection resets are retried with full-jitter
+backoff until ``s3_retry_deadline_s``; anything else (403, 404, 412, a bad request) is not.
+Giving up raises StorageIOError naming the object, the attempts and the last cause.
+
+Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
+Does not own: what is written or read (io/s3.py: the backend; storage/s3.py: the store).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.options import Options
+
+__all__ = ["S3Path", "S3Settings", "SCHEME", "call", "client", "code", "describe", "failed", "is_s3",
+           "status"]
+
+log = logging.getLogger("ckptio")
+SCHEME = "s3://"
+T = TypeVar("T")
+_AWS = "AWS S3 (default endpoint)"
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
+                "ConditionalRequestConflict", "OperationAborted", "RequestLimitExceeded"}
+
+
+def is_s3(path: str) -> bool:
+    return path.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class S3Path:
+    """``s3://bucket/key``: a location (key = its prefix, no trailing '/') or an object."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, url: str) -> S3Path:
+        if not is_s3(url):
+            raise CkptError(f"{url!r} is not an s3:// URL")
+        bucket, _, key = url[len(SCHEME):].partition("/")
+        if not _BUCKET.fullmatch(bucket):
+            raise CkptError(f"{url}: {bucket!r} is not an S3 bucket name; write "
+                            "s3://BUCKET/PREFIX, e.g. s3://my-bucket/run-7/step-100")
+        key = key.rstrip("/")
+        if "//" in key or any(part in (".", "..") for part in key.split("/")):
+            raise CkptError(f"{url}: the key prefix {key!r} has an empty, '.' or '..' part; "
+                            "write s3://BUCKET/PREFIX with plain parts")
+        return cls(bucket, key)
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
+
+    def child(self, name: str) -> S3Path:
+        return S3Path(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+    @property
+    def dir_prefix(self) -> str:
+        """The prefix that lists what is inside this location ("" for a whole bucket)."""
+        return f"{self.key}/" if self.key else ""
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """What makes a client and its retry policy (from Options; hashable, picklable)."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    concurrency: int = 16
+    retry_deadline_s: float = 120.0
+    lock_lease_s: float = 30.0
+    conditional: str = "require"
+
+    @classmethod
+    def of(cls, options: Options) -> S3Settings:
+        return cls(options.s3_endpoint_url, options.s3_region, options.s3_profile,
+                   options.s3_concurrency, options.s3_retry_deadline_s,
+                   options.s3_lock_lease_s, options.s3_conditional)
+
+    def endpoint(self) -> str:
+        """For messages: the endpoint as configured (or AWS's default)."""
+        return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or _AWS)
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+_ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION",
+                "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+
+
+def client(settings: S3Settings) -> Any:
+    """The process's boto3 S3 client for ``settings`` and the AWS environment variables it
+    reads (made once per process: never shared across a fork)."""
+    key = (settings, os.getpid(), *(os.environ.get(name) for name in _ENVIRONMENT))
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = _make_client(settings)
+        return _clients[key]
+
+
+def _make_client(settings: S3Settings) -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:
+        raise CkptError("s3:// paths need boto3: pip install 'ckptio[s3]' "
+                        f"(importing it failed: {exc})") from None
+    config = Config(
+        request_checksum_calculation="when_required",  # our xxh3 covers every byte at load
+        response_checksum_validation="when_required",
+        s3={"payload_signing_enabled": False, "addressing_style": "path"
+            if settings.endpoint() != _AWS else "auto"},
+        retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
+        max_pool_connections=settings.concurrency + 8,
+        connect_timeout=5, read_timeout=120, tcp_keepalive=True,
+        parameter_validation=False,  # lets a Body be a staging buffer's memoryview
+    )
+    try:
+        session = boto3.session.Session(profile_name=settings.profile,
+                                        region_name=settings.region)
+        return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+    except Exception as exc:  # noqa: BLE001 - botocore's config errors have no common base
+        raise CkptError(f"cannot make an S3 client for {settings.endpoint()} (profile "
+                        f"{settings.profile!r}, region {settings.region!r}): {exc}") from exc
+
+
+def status(exc: BaseException) -> int | None:
+    """The HTTP status of a botocore ClientError, else None."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return value if isinstance(value, int) else None
+
+
+def code(exc: BaseException) -> str:
+    """The S3 error code of a ClientError ("NoSuchKey", "PreconditionFailed", ...), or ""."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def _retryable(exc: BaseException) -> bool:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(exc, ClientError):
+        http = status(exc) or 0
+        return http >= 500 or http == 429 or code(exc) in _RETRY_CODES
+    if isinstance(exc, BotoCoreError):  # connection refused/reset, timeouts, short bodies
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def describe(exc: BaseException) -> str:
+    http = status(exc)
+    if http is not None:
+        message = getattr(exc, "response", {}).get("Error", {}).get("Message", "")
+        return f"{http} {code(exc)}" + (f" ({message})" if message else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def failed(what: str, exc: BaseException) -> CkptError:
+    """``exc`` as the CkptError to raise for ``what`` (a CkptError stays as it is)."""
+    if isinstance(exc, CkptError):
+        return exc
+    return StorageIOError(f"{what} failed: {describe(exc)}")
+
+
+def call(settings: S3Settings, what: str, request: Callable[[], T],
+         *, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``request()`` retried while its failure is transient, until the deadline.
+
+    ``what`` names the operation and object ("uploading part 3 of s3://b/k"). A failure that
+    is not transient is raised as it is (the caller maps 404/412); one that outlasts the
+    retries becomes StorageIOError naming ``what``, the attempts and the cause."""
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return request()
+        except Exception as exc:  # noqa: BLE001 - classified below; the rest re-raised
+            if not _retryable(exc):
+                raise
+            attempt += 1
+            elapsed = time.monotonic() - started
+            if elapsed >= settings.retry_deadline_s:
+                raise StorageIOError(
+                    f"{what} failed after {attempt} attempts in {elapsed:.0f} s: "
+                    f"{describe(exc)}; the store at {settings.endpoint()} kept refusing or "
+                    "dropping the request: check that it is up and reachable (raise "
+                    "Options.s3_retry_deadline_s to wait longer)") from exc
+            base = 0.5 if code(exc) == "SlowDown" else 0.1
+            pause = random.uniform(0, min(5.0, base * 2 ** attempt))
+            pause = min(pause, max(0.0, settings.retry_deadline_s - elapsed))
+            log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, describe(exc),
+                     pause, attempt + 1)
+            sleep(pause)

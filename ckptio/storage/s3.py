@@ -1,0 +1,343 @@
+"""A Store in an S3-compatible bucket: a checkpoint is the prefix ``s3://bucket/run/step-N``.
+
+Data files are objects ``<prefix>/data-...bin`` (written by io/s3.py's backend: multipart
+uploads straight from the staging pool, ranged GETs); the commit is one PutObject of
+``<prefix>/manifest.json``, made only after every rank's uploads completed. What it relies on:
+
+- data objects are never overwritten: their names are unique to one save;
+- the manifest PUT is conditional (``If-Match`` on the manifest's ETag seen when the save took
+  its claim, ``If-None-Match: *`` where there was none), atomic on the server: a save racing
+  another, or one that outlived its lock, can never replace a newer checkpoint (412 ->
+  CheckpointLockedError, nothing committed). AWS S3, MinIO and SeaweedFS support both
+  conditions; a store is probed once per process and bucket (``s3_conditional="require"``
+  refuses one that ignores them; "off" commits without, last writer wins);
+- read-after-write consistency of objects and listings (AWS S3 and a single-gateway
+  SeaweedFS or MinIO; check yours);
+- S3 makes an object visible only whole: a killed save leaves at most open multipart uploads,
+  which names() lists and remove() aborts, so the next save's cleanup removes them.
+
+Owns: S3Store, S3Claim, the probe. Does not own: the lock object's protocol (s3lock.py), URLs,
+the client and retries (io/s3client.py), the data path (io/s3.py), the order of a save.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io.s3 import S3Backend
+from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
+from ckptio.options import Options
+from ckptio.storage import foreign, s3lock
+from ckptio.storage.base import Exclusive, check_if_locked, is_ours, new_save_id, plain_name
+
+__all__ = ["S3Claim", "S3Store"]
+
+log = logging.getLogger("ckptio")
+_probed: dict[tuple[S3Settings, str], bool] = {}
+_probed_lock = threading.Lock()
+
+
+@dataclass
+class S3Claim:
+    """S3Store.exclusive()'s claim: the lock object, and the manifest ETag seen under it."""
+
+    location: str
+    lock: s3lock.S3Lock
+    seen: str | None  # the committed manifest's ETag when claimed (None: none committed)
+    released: bool = field(default=False)
+
+    def release(self, *, failed: bool = False) -> None:
+        if not self.released:
+            self.released = True
+            self.lock.release()
+
+
+class S3Store:
+    """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called)."""
+
+    def __init__(self, location: str, settings: S3Settings) -> None:
+        self.where = S3Path.parse(location)
+        self.location = self.where.url
+        self.settings = settings
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.location!r})"
+
+    @property
+    def _client(self) -> Any:
+        return client(self.settings)
+
+    def _call(self, what: str, request: Any) -> Any:
+        try:
+            return call(self.settings, what, request)
+        except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
+            raise failed(what, exc) from exc
+
+    @property
+    def supports_conditional_commit(self) -> bool:
+        return self.settings.conditional == "require"
+
+    # -- the location ---------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        bucket, c = self.where.bucket, self._client
+        try:
+            call(self.settings, f"looking up bucket {bucket}", lambda: c.head_bucket(Bucket=bucket))
+        except Exception as exc:  # noqa: BLE001 - each status gets its own message
+            http = status(exc)
+            if http == 404:
+                raise StorageIOError(f"bucket {bucket!r} does not exist at "
+                                     f"{self.settings.endpoint()} (for {self.location}): create "
+                                     "it, or fix the bucket name or the endpoint") from None
+            if http == 403:
+                raise StorageIOError(f"access to bucket {bucket!r} at {self.settings.endpoint()} "
+                                     "was denied: check the credentials (AWS_ACCESS_KEY_ID, "
+                                     "AWS_PROFILE) and their permissions") from None
+            raise failed(f"looking up bucket {bucket}", exc) from exc
+        if self.where.key and self._head(self.where.key) is not None:
+            raise StorageIOError(f"checkpoint location {self.location} is an object (a file); "
+                                 "choose another location")
+        if self.supports_conditional_commit:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Check once per process and bucket that the store honours If-None-Match."""
+        key = (self.settings, self.where.bucket)
+        with _probed_lock:
+            if key in _probed:
+                return
+            probe = self.where.child(f".ckptio-probe-{new_save_id()}")
+            c = self._client
+            put = lambda: c.put_object(Bucket=probe.bucket, Key=probe.key, Body=b"probe",  # noqa: E731
+                                       IfNoneMatch="*")
+            self._call(f"probing conditional writes with {probe.url}", put)
+            try:
+                call(self.settings, f"probing conditional writes with {probe.url}", put)
+                honoured = False
+            except Exception as exc:  # noqa: BLE001 - 412 is the answer hoped for
+                if status(exc) != 412:
+                    raise failed(f"probing conditional writes with {probe.url}", exc) from exc
+                honoured = True
+            finally:
+                self._call(f"removing {probe.url}",
+                           lambda: c.delete_object(Bucket=probe.bucket, Key=probe.key))
+            if not honoured:
+                raise StorageIOError(
+                    f"the store at {self.settings.endpoint()} ignores conditional writes "
+                    "(If-None-Match), which ckptio's commit relies on to never replace a newer "
+                    "checkpoint: use a store that supports them (AWS S3, MinIO, SeaweedFS >= "
+                    "3.97), or Options(s3_conditional='off') if only one save ever writes a "
+                    "location at a time")
+            _probed[key] = True
+
+    def exclusive(self, if_locked: str) -> S3Claim:
+        self.prepare()
+        lock = s3lock.take(self.where, self.settings, check_if_locked(if_locked),
+                           save=new_save_id())
+        try:
+            head = self._head(self.where.child(MANIFEST_NAME).key)
+            return S3Claim(self.location, lock, None if head is None else head[1])
+        except BaseException:
+            lock.release()
+            raise
+
+    def path_of(self, name: str) -> str:
+        return self.where.child(plain_name(name, self.location)).url
+
+    def backend(self, options: Options) -> S3Backend:
+        return S3Backend(self.settings, options.buffer_bytes)
+
+    # -- the commit -----------------------------------------------------------------------
+
+    def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
+        """One PutObject of the manifest; with ``held``, conditional on the ETag seen then."""
+        claim = self._own(held)
+        target, c = self.where.child(MANIFEST_NAME), self._client
+        condition: dict[str, str] = {}
+        if claim is not None and self.supports_conditional_commit:
+            condition = {"IfMatch": claim.seen} if claim.seen else {"IfNoneMatch": "*"}
+        what = f"committing the manifest {target.url}"
+        try:
+            call(self.settings, what, lambda: c.put_object(
+                Bucket=target.bucket, Key=target.key, Body=manifest, **condition))
+        except Exception as exc:  # noqa: BLE001 - 412: decided below; the rest mapped
+            if status(exc) not in (404, 412) or not condition:
+                raise StorageIOError(f"{what} failed: {describe(exc)}; the previous checkpoint "
+                                     "there, if any, is untouched") from exc
+            if self._manifest_or_none() == bytes(manifest):
+                return  # a retried PUT whose first attempt landed: ours
+            raise CheckpointLockedError(
+                f"another save committed {self.location} while this one was writing, so its "
+                "claim was not honoured there (a writer that does not take ckptio's lock, or "
+                "this save outlived its lock's lease); this save was not committed and the "
+                "checkpoint there is kept: make the saves take the claim, or give each its own "
+                "location") from None
+
+    def _own(self, held: Exclusive | None) -> S3Claim | None:
+        if held is None:
+            return None
+        if not isinstance(held, S3Claim) or held.location != self.location or held.released:
+            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) is not a "
+                            "held claim of this location; pass the claim its "
+                            "S3Store.exclusive() returned, before releasing it")
+        return held
+
+    def read_manifest(self) -> bytes:
+        manifest = self._manifest_or_none()
+        if manifest is not None:
+            return manifest
+        entries = self._entries()
+        if not entries:
+            if self.where.key and self._head(self.where.key) is not None:
+                raise CheckpointNotFoundError(
+                    f"{self.location} is an object (a file), not a ckptio checkpoint prefix"
+                    f"{foreign.file_hint(self.where.key.rsplit('/', 1)[-1])}")
+            raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
+                                          f"under that prefix at {self.settings.endpoint()}")
+        raise foreign.no_manifest(
+            self.location, entries,
+            lambda name: self._head(self.where.child(f"{name}/{MANIFEST_NAME}").key) is not None)
+
+    def _manifest_or_none(self) -> bytes | None:
+        target, c = self.where.child(MANIFEST_NAME), self._client
+        what = f"reading the manifest {target.url}"
+
+        def request() -> bytes:
+            return bytes(c.get_object(Bucket=target.bucket, Key=target.key)["Body"].read())
+
+        try:
+            return call(self.settings, what, request)
+        except Exception as exc:  # noqa: BLE001 - 404: none; the rest mapped
+            if status(exc) == 404:
+                return None
+            raise failed(what, exc) from exc
+
+    def _head(self, key: str) -> tuple[int, str] | None:
+        c, bucket = self._client, self.where.bucket
+        what = f"looking up s3://{bucket}/{key}"
+        try:
+            answer = call(self.settings, what, lambda: c.head_object(Bucket=bucket, Key=key))
+        except Exception as exc:  # noqa: BLE001 - 404: none; the rest mapped
+            if status(exc) == 404:
+                return None
+            raise failed(what, exc) from exc
+        return int(answer["ContentLength"]), str(answer["ETag"])
+
+    # -- listing and removal --------------------------------------------------------------
+
+    def _list(self, delimiter: bool) -> Iterator[dict[str, Any]]:
+        """Pages of ListObjectsV2 under the prefix."""
+        c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
+        token: str | None = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            if delimiter:
+                extra["Delimiter"] = "/"
+            page = self._call(f"listing {self.location}", lambda: c.list_objects_v2(
+                Bucket=bucket, Prefix=prefix, **extra))
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def _entries(self) -> list[str]:
+        """Names directly under the prefix: objects, and first parts of deeper keys."""
+        cut = len(self.where.dir_prefix)
+        found: set[str] = set()
+        for page in self._list(delimiter=True):
+            found.update(o["Key"][cut:] for o in page.get("Contents", []))
+            found.update(p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return sorted(n for n in found if n)
+
+    def _objects(self) -> dict[str, int]:
+        cut = len(self.where.dir_prefix)
+        return {o["Key"][cut:]: int(o["Size"]) for page in self._list(delimiter=True)
+                for o in page.get("Contents", []) if "/" not in o["Key"][cut:]}
+
+    def _uploads(self) -> list[tuple[str, str]]:
+        """(name, upload id) of every open multipart upload directly under the prefix."""
+        c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
+        cut, out, marker = len(prefix), [], {}
+        while True:
+            page = self._call(f"listing the uploads under {self.location}", lambda: c
+                              .list_multipart_uploads(Bucket=bucket, Prefix=prefix, **marker))
+            out += [(u["Key"][cut:], u["UploadId"]) for u in page.get("Uploads", [])
+                    if "/" not in u["Key"][cut:]]
+            if not page.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def sizes(self, names: Iterable[str]) -> dict[str, int]:
+        wanted = [plain_name(n, self.location) for n in names]
+        if len(wanted) <= 2:
+            found = {n: self._head(self.where.child(n).key) for n in wanted}
+            return {n: head[0] for n, head in found.items() if head is not None}
+        stored = self._objects()
+        return {n: stored[n] for n in wanted if n in stored}
+
+    def names(self) -> list[str]:
+        ours = {n for n in self._objects() if is_ours(n)}
+        ours.update(n for n, _ in self._uploads() if is_ours(n))
+        return sorted(ours)
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        problems: list[str] = []
+        keys: dict[str, str] = {}
+        for name in names:
+            try:
+                keys[self.where.child(plain_name(name, self.location)).key] = name
+            except CkptError as exc:
+                problems.append(f"{name}: {exc}")
+        if not keys:
+            return problems
+        problems += self._abort_uploads(keys)
+        batch = list(keys)
+        for start in range(0, len(batch), 1000):
+            problems += self._delete(batch[start:start + 1000], keys)
+        return problems
+
+    def _delete(self, batch: list[str], names: dict[str, str]) -> list[str]:
+        """DeleteObjects of ``batch``; where the store refuses the batch request as a whole
+        (not every S3-compatible store has it), one DeleteObject per key."""
+        c, bucket = self._client, self.where.bucket
+        request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        try:
+            answer = self._call(f"deleting {len(batch)} objects under {self.location}",
+                                lambda: c.delete_objects(Bucket=bucket, Delete=request))
+        except CkptError:
+            return [problem for key in batch for problem in self._delete_one(key, names[key])]
+        return [f"{names.get(e.get('Key', ''), e.get('Key'))}: {e.get('Code')} {e.get('Message')}"
+                for e in answer.get("Errors", [])]
+
+    def _delete_one(self, key: str, name: str) -> list[str]:
+        c, bucket = self._client, self.where.bucket
+        try:
+            self._call(f"deleting {name} of {self.location}",
+                       lambda: c.delete_object(Bucket=bucket, Key=key))
+        except CkptError as exc:
+            return [f"{name}: {exc}"]
+        return []
+
+    def _abort_uploads(self, keys: dict[str, str]) -> list[str]:
+        c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
+        try:
+            uploads = self._uploads()
+        except CkptError as exc:
+            return [f"open uploads under {self.location}: {exc}"]
+        problems = []
+        for name, upload_id in uploads:
+            if prefix + name not in keys:
+                continue
+            try:
+                self._call(f"aborting the upload of {name}", lambda: c.abort_multipart_upload(
+                    Bucket=bucket, Key=prefix + name, UploadId=upload_id))
+            except CkptError as exc:
+                problems.append(f"{name}: {exc}")
+        return problems

@@ -1,0 +1,181 @@
+"""A save's claim on an S3 prefix: a lock object with a lease, renewed while the save runs.
+
+``<prefix>/.ckptio.lock`` is created with ``If-None-Match: *`` (one creator wins), its body
+naming the holder. The holder renews it every lease/3 with ``If-Match: <its ETag>`` (each
+renewal changes the body, hence the ETag), and deletes it with ``If-Match`` when the save ends.
+A lock whose server-side age (the store's ``Date`` minus the object's ``Last-Modified``: the
+server's clock only) exceeds the lease was left by a save that died; it is taken over with
+``If-Match: <its ETag>`` (one taker wins).
+
+The lock makes a second save wait (or raise) instead of uploading everything and failing at
+the end; it is not what keeps a checkpoint safe. That is the commit's condition (storage/s3.py:
+the manifest is written with If-Match on the ETag seen when the claim was taken), so a holder
+that stalled past its lease and a taker cannot both commit.
+
+Owns: S3Lock (take, renew, release), the holder text. Does not own: the manifest's condition
+and the store's other operations (s3.py), the client and retries (io/s3client.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from ckptio.errors import CheckpointLockedError
+from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
+from ckptio.storage.dirlock import LOCK_NAME
+
+__all__ = ["LOCK_NAME", "S3Lock", "take"]
+
+log = logging.getLogger("ckptio")
+_POLL_FIRST_S, _POLL_MAX_S = 0.2, 5.0
+
+
+@dataclass
+class S3Lock:
+    """A held lock object; ``release()`` lets it go (never raises)."""
+
+    where: S3Path
+    settings: S3Settings
+    etag: str
+    holder: dict[str, Any]
+    lost: str | None = None  # why a renewal failed (another save took the lock over)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, name="ckptio-s3-lock",
+                                        daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        period = self.settings.lock_lease_s / 3
+        while not self._stop.wait(period):
+            try:
+                self._renew()
+            except Exception as exc:  # noqa: BLE001 - recorded; the commit's condition decides
+                with self._lock:
+                    self.lost = describe(exc)
+                log.warning("ckptio: renewing the lock of %s failed (%s); this save's commit "
+                            "will still refuse to overwrite a newer checkpoint",
+                            self.where.url, describe(exc))
+                return
+
+    def _renew(self) -> None:
+        self.holder["renewed"] = self.holder.get("renewed", 0) + 1
+        body = json.dumps(self.holder).encode()
+        c, where = client(self.settings), self.where
+        with self._lock:
+            answer = call(self.settings, f"renewing the lock {where.url}", lambda: c.put_object(
+                Bucket=where.bucket, Key=where.key, Body=body, IfMatch=self.etag))
+            self.etag = answer["ETag"]
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        c, where = client(self.settings), self.where
+        try:
+            call(self.settings, f"releasing the lock {where.url}", lambda: c.delete_object(
+                Bucket=where.bucket, Key=where.key, IfMatch=self.etag))
+        except Exception as exc:  # noqa: BLE001 - a lock left behind expires after its lease
+            if status(exc) not in (404, 412):
+                log.warning("ckptio: releasing the lock %s failed (%s); the next save waits "
+                            "at most %.0f s for it to expire", where.url, describe(exc),
+                            self.settings.lock_lease_s)
+
+
+def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S3Lock:
+    """Take the lock of ``location`` ("wait" until free or stale, or "raise")."""
+    where = location.child(LOCK_NAME)
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "save": save,
+              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "lease_s": settings.lock_lease_s}
+    waited, pause = False, _POLL_FIRST_S
+    while True:
+        etag = _create(where, settings, holder)
+        if etag is None:
+            etag = _take_stale(where, settings, holder)
+        if etag is not None:
+            lock = S3Lock(where, settings, etag, holder)
+            lock.start_renewing()
+            return lock
+        other = _holder_text(where, settings)
+        if if_locked == "raise":
+            raise CheckpointLockedError(
+                f"{location.url} is being saved by another save ({other}); this save did not "
+                "start and the checkpoint there is untouched: wait for that save to finish, "
+                "save to another location, or use Options(if_locked='wait') to wait for it")
+        if not waited:
+            log.warning("ckptio: waiting for the lock of %s: another save is running there "
+                        "(%s); a lock is taken over once its holder stops renewing it for "
+                        "%.0f s", location.url, other, settings.lock_lease_s)
+            waited = True
+        time.sleep(pause)
+        pause = min(_POLL_MAX_S, pause * 1.5)
+
+
+def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
+    """The new lock's ETag, or None if a lock exists."""
+    c, body = client(settings), json.dumps(holder).encode()
+    try:
+        answer = call(settings, f"taking the lock {where.url}", lambda: c.put_object(
+            Bucket=where.bucket, Key=where.key, Body=body, IfNoneMatch="*"))
+    except Exception as exc:  # noqa: BLE001 - 412: held; the rest mapped
+        if status(exc) == 412:
+            return None
+        raise failed(f"taking the lock {where.url}", exc) from exc
+    return str(answer["ETag"])
+
+
+def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
+    """Take over a lock whose holder stopped renewing it; None if it is live (or just went:
+    the caller tries to create it again)."""
+    c = client(settings)
+    try:
+        head = call(settings, f"looking up the lock {where.url}",
+                    lambda: c.head_object(Bucket=where.bucket, Key=where.key))
+    except Exception as exc:  # noqa: BLE001 - 404: released meanwhile; the rest mapped
+        if status(exc) == 404:
+            return None
+        raise failed(f"looking up the lock {where.url}", exc) from exc
+    if _age_s(head) <= settings.lock_lease_s:
+        return None
+    body = json.dumps(holder).encode()
+    try:
+        answer = call(settings, f"taking over the lock {where.url}", lambda: c.put_object(
+            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=head["ETag"]))
+    except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
+        if status(exc) in (404, 412):
+            return None
+        raise failed(f"taking over the lock {where.url}", exc) from exc
+    log.warning("ckptio: took over the lock %s: its holder stopped renewing it over %.0f s ago "
+                "(a save that died)", where.url, settings.lock_lease_s)
+    return str(answer["ETag"])
+
+
+def _age_s(head: dict[str, Any]) -> float:
+    """Seconds since the object was last written, by the server's clock."""
+    date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    modified = head.get("LastModified")
+    if not date or modified is None:
+        return 0.0
+    return (parsedate_to_datetime(date) - modified).total_seconds()
+
+
+def _holder_text(where: S3Path, settings: S3Settings) -> str:
+    c = client(settings)
+    try:
+        answer = c.get_object(Bucket=where.bucket, Key=where.key)
+        holder = json.loads(answer["Body"].read())
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"its lock is {where.url}"
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; "
+            f"lock {where.url}")
