@@ -192,28 +192,38 @@ def failed(what: str, exc: BaseException) -> CkptError:
     return StorageIOError(f"{what} failed: {describe(exc)}")
 
 
+_gave_up: dict[str, float] = {}  # endpoint -> when a request to it last outlasted its retries
+_gave_up_lock = threading.Lock()
+
+
 def call(settings: S3Settings, what: str, request: Callable[[], T],
          *, sleep: Callable[[float], None] = time.sleep) -> T:
     """``request()`` retried while its failure is transient, until the deadline.
 
     ``what`` names the operation and object ("uploading part 3 of s3://b/k"). A failure that
     is not transient is raised as it is (the caller maps 404/412); one that outlasts the
-    retries becomes StorageIOError naming ``what``, the attempts and the cause."""
+    retries becomes StorageIOError naming ``what``, the attempts and the cause. Once one
+    request to an endpoint has given up, the others (in flight, or started within the next
+    deadline: a failed save's cleanup) give up at their next transient failure instead of
+    waiting out a deadline each; a success to the endpoint ends that."""
+    endpoint = settings.endpoint()
     started = time.monotonic()
     attempt = 0
     while True:
         try:
-            return request()
+            answer = request()
         except Exception as exc:  # noqa: BLE001 - classified below; the rest re-raised
             if not _retryable(exc):
                 raise
             attempt += 1
             elapsed = time.monotonic() - started
-            if elapsed >= settings.retry_deadline_s:
+            if elapsed >= settings.retry_deadline_s or _down(endpoint, started, settings):
+                with _gave_up_lock:
+                    _gave_up[endpoint] = time.monotonic()
                 raise StorageIOError(
-                    f"{what} failed after {attempt} attempts in {elapsed:.0f} s: "
-                    f"{describe(exc)}; the store at {settings.endpoint()} kept refusing or "
-                    "dropping the request: check that it is up and reachable (raise "
+                    f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
+                    f"{describe(exc)}; the store at {endpoint} kept refusing or dropping "
+                    "requests: check that it is up and reachable (raise "
                     "Options.s3_retry_deadline_s to wait longer)") from exc
             base = 0.5 if code(exc) == "SlowDown" else 0.1
             pause = random.uniform(0, min(5.0, base * 2 ** attempt))
@@ -221,3 +231,16 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
             log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, describe(exc),
                      pause, attempt + 1)
             sleep(pause)
+        else:
+            if _gave_up:
+                with _gave_up_lock:
+                    _gave_up.pop(endpoint, None)
+            return answer
+
+
+def _down(endpoint: str, started: float, settings: S3Settings) -> bool:
+    """Whether a request to ``endpoint`` gave up after this one started, or less than a
+    deadline before it."""
+    with _gave_up_lock:
+        when = _gave_up.get(endpoint)
+    return when is not None and when > started - settings.retry_deadline_s

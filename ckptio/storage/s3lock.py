@@ -146,7 +146,7 @@ def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> 
         if status(exc) == 404:
             return None
         raise failed(f"looking up the lock {where.url}", exc) from exc
-    if _age_s(head) <= settings.lock_lease_s:
+    if _age_s(head) <= _lease_s(where, settings):
         return None
     body = json.dumps(holder).encode()
     try:
@@ -161,6 +161,13 @@ def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> 
     return str(answer["ETag"])
 
 
+def _lease_s(where: S3Path, settings: S3Settings) -> float:
+    """The lease its holder renews the lock within (recorded in it), else ours."""
+    holder = _holder(where, settings)
+    lease = holder.get("lease_s") if holder else None
+    return float(lease) if isinstance(lease, (int, float)) and lease > 0 else settings.lock_lease_s
+
+
 def _age_s(head: dict[str, Any]) -> float:
     """Seconds since the object was last written, by the server's clock."""
     date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
@@ -170,12 +177,20 @@ def _age_s(head: dict[str, Any]) -> float:
     return (parsedate_to_datetime(date) - modified).total_seconds()
 
 
-def _holder_text(where: S3Path, settings: S3Settings) -> str:
+def _holder(where: S3Path, settings: S3Settings) -> dict[str, Any] | None:
+    """What the lock object says of its holder (None if gone or unreadable)."""
     c = client(settings)
     try:
         answer = c.get_object(Bucket=where.bucket, Key=where.key)
         holder = json.loads(answer["Body"].read())
-    except Exception:  # noqa: BLE001 - only for the message
+    except Exception:  # noqa: BLE001 - advisory: the caller falls back to its own settings
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _holder_text(where: S3Path, settings: S3Settings) -> str:
+    holder = _holder(where, settings)
+    if holder is None:
         return f"its lock is {where.url}"
     return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; "
             f"lock {where.url}")

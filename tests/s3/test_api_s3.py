@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.api import store_for
 from ckptio.io.s3client import S3Path
 from ckptio.testing.ranks import run_ranks
 
@@ -74,7 +75,7 @@ def test_damage_is_found_by_verify_and_load(s3_env, s3_client):
     url = f"{s3_env}/damaged"
     state = {"w": torch.arange(3 << 20, dtype=torch.float32)}
     ckptio.save(state, url, options=SMALL)
-    store = ckptio.api.store_for(url)
+    store = store_for(url)
     (name,) = store.names()
     where = S3Path.parse(store.path_of(name))
     body = bytearray(s3_client.get_object(Bucket=where.bucket, Key=where.key)["Body"].read())
@@ -115,7 +116,7 @@ def test_ranks_save_and_reshard_through_s3(s3_server, s3_env, saved_as, loaded_o
 def test_a_second_saver_waits_or_is_refused_and_nothing_mixes(s3_env):
     url = f"{s3_env}/contended"
     ckptio.save({"w": torch.zeros(4)}, url)
-    first = ckptio.api.store_for(url)
+    first = store_for(url)
     claim = first.exclusive("raise")
     try:
         refusing = ckptio.Checkpointer(ckptio.Options(if_locked="raise"))
