@@ -59,7 +59,7 @@ class Checkpointer:
         self.options = options or Options.from_env()
         self._pool: BufferPool | None = None
         self._backend: io.IOBackend | None = None
-        self._backend_kind = "local"  # the kind of store self._backend reaches
+        self._backend_kind = LocalStore.__name__  # the kind of store self._backend reaches
         self._lock = threading.Lock()
         self._cleanup = Cleanup()  # removal of superseded files, behind the next save
         self._active = self.options  # options the pool and backend were made with
@@ -82,7 +82,7 @@ class Checkpointer:
         wanted = self.options
         if isinstance(store, LocalStore):
             wanted = tuned_options(self.options, store.directory)
-        kind = "local" if store is None else type(store).__name__
+        kind = type(store).__name__ if store is not None else LocalStore.__name__
         if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backend):
             self._release()
         elif kind != self._backend_kind and self._backend is not None:

@@ -1,4 +1,5 @@
-"""A directory of checkpoints, one per training step: when to save, which to keep, which to load.
+"""A directory (or S3 prefix) of checkpoints, one per training step: when to save, which to
+keep, which to load.
 
     mgr = ckptio.CheckpointManager("ckpts", keep_last=3, keep_every=10_000, save_every=500)
     start = mgr.restore(state) if mgr.latest() is not None else 0   # the newest loadable step
@@ -7,11 +8,12 @@
         mgr.save(step, state, asynchronous=True)   # None unless step % save_every == 0
     mgr.close()                                    # waits for the last save, applies retention
 
-Layout: ``<directory>/step-<N>`` (N without leading zeros), each an ordinary ckptio checkpoint.
-A step is committed when its Store holds a committed manifest (storage.steps.is_committed: the
-commit's atomic rename creates manifest.json). Each step is reached through its Store
-(api.store_for); the directory of steps itself (listing step-<N>, hiding a dropped step by a
-rename, removing it) is a local directory's, outside the per-checkpoint Store contract.
+Layout: ``<directory>/step-<N>`` (N without leading zeros), each an ordinary ckptio checkpoint;
+``directory`` may be ``s3://bucket/prefix`` (steps ``s3://bucket/prefix/step-<N>``). A step is
+committed when its Store holds a committed manifest (storage.steps.is_committed). Each step is
+reached through its Store (api.store_for); the root of the steps (listing step-<N>, hiding a
+dropped step, removing it) is a stepdir.StepRoot, outside the per-checkpoint Store contract:
+stepdir/local.py for a directory, stepdir/s3.py for a prefix.
 
 Owns: naming and listing the step directories; the interval policy; retention (which committed
 steps to delete, and deleting them crash-safely); choosing the step to restore and falling back
@@ -23,12 +25,15 @@ Choices:
   the next save() or close(), as SaveHandle has no done-callback), so a failed save never costs
   an older step. Kept: the last ``keep_last`` committed steps, steps divisible by ``keep_every``,
   the newest committed step, and the newest step restore()/verify() succeeded on (until a newer
-  one does). A dropped step is renamed to ``.deleting-step-<N>-<hex>``, the directory fsynced,
-  and only then removed, in a thread joined by the next retention and close(): a kill never
-  leaves a half-deleted step listed, and the next retention finishes such leftovers.
-- Only real directories named ``step-<N>`` and our hidden leftovers are ever deleted. Incomplete
-  step directories (no manifest: an interrupted save, or one still running elsewhere) never
-  are: incomplete() lists them, restore() passes them with a warning, a save of that step
+  one does). A dropped step is first hidden from the listing (a directory: renamed to
+  ``.deleting-step-<N>-<hex>``, the directory fsynced; a prefix: a marker object
+  ``step-<N>/.deleting``, then its manifest deleted), and only then removed, in a thread joined
+  by the next retention and close(): a kill never leaves a half-deleted step listed, and the
+  next retention finishes such leftovers. A save into a step whose removal is pending (a
+  marker) finishes that removal first.
+- Only real directories (prefixes) named ``step-<N>`` and our hidden leftovers are ever
+  deleted. Incomplete steps (no manifest: an interrupted save, or one still running elsewhere)
+  never are: incomplete() lists them, restore() passes them with a warning, a save of that step
   saves over them.
 - A committed step is never saved over (CkptError naming it), except one restore() found
   damaged in this process: the atomic commit replaces it safely.
@@ -40,7 +45,7 @@ Choices:
 - Many ranks (torch.distributed initialised, or ``process_group``): every method but
   should_save() and path() is a collective. Rank 0 lists and decides and broadcasts (JSON over
   the manager's own gloo group, not the Checkpointer's, which a background save may be using);
-  only rank 0 renames and deletes. After a failed load the ranks all-gather why, and all fall
+  only rank 0 hides and deletes. After a failed load the ranks all-gather why, and all fall
   back together (damage seen by one rank makes the others raise RankFailedError).
 Not safe for concurrent use from several threads.
 """
@@ -51,7 +56,6 @@ import json
 import logging
 import operator
 import os
-import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -60,7 +64,7 @@ from typing import Any
 import torch
 
 from ckptio import stepdir
-from ckptio.api import Checkpointer, local_path
+from ckptio.api import Checkpointer
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.distributed.dist import COORDINATOR, Group, Solo, TorchGroup, current_group
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError)
@@ -89,7 +93,11 @@ class CheckpointManager:
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
                             "a Checkpointer already has its options")
-        self.directory = local_path(directory)
+        if checkpointer is not None:
+            options = checkpointer.options
+        options = options or Options.from_env()
+        self._root = stepdir.root_for(directory, options)
+        self.directory = self._root.location
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer if checkpointer is not None else Checkpointer(options)
         self._process_group = process_group
@@ -106,12 +114,12 @@ class CheckpointManager:
         return _check_step(step) % self.save_every == 0
 
     def path(self, step: int) -> str:
-        """The directory of ``step`` (whether or not it exists)."""
-        return os.path.join(self.directory, f"step-{_check_step(step)}")
+        """The directory (or s3:// prefix) of ``step`` (whether or not it exists)."""
+        return self._root.path(_check_step(step))
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (collective with many ranks)."""
-        return list(self._agreed(lambda: stepdir.scan(self.directory))["committed"])
+        return list(self._agreed(self._root.scan)["committed"])
 
     def latest(self) -> int | None:
         """The newest committed step, or None (collective with many ranks)."""
@@ -119,9 +127,9 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def incomplete(self) -> list[int]:
-        """Step directories with no committed manifest: interrupted saves, or saves still
-        running (this manager's own async save included). Never deleted by the manager."""
-        return list(self._agreed(lambda: stepdir.scan(self.directory))["incomplete"])
+        """Steps (directories, prefixes) with no committed manifest: interrupted saves, or saves
+        still running (this manager's own async save included). Never deleted by the manager."""
+        return list(self._agreed(self._root.scan)["incomplete"])
 
     # ---------------------------------------------------------------- saving
 
@@ -159,11 +167,16 @@ class CheckpointManager:
         return handle
 
     def _refusal(self, step: int) -> str | None:
-        """Rank 0: why ``step`` may not be saved now, or None."""
+        """Rank 0: why ``step`` may not be saved now, or None. Finishes a removal of ``step``
+        still pending there first (an S3 marker would hide the new checkpoint)."""
         path, pending = self.path(step), self._pending
         if pending is not None and pending[0] == step and not pending[1].done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
-        if step in self._damaged or not stepdir.is_committed(path):
+        finish = self._root.removal(step)
+        if finish is not None:
+            self._join_removal()  # it may be removing this very step
+            finish()
+        if step in self._damaged or not self._root.is_committed(step):
             return None
         return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
                 f"over: save under another step number, or remove {path} first to replace it")
@@ -203,12 +216,11 @@ class CheckpointManager:
 
     def _drop_old(self) -> list[int]:
         self._join_removal()  # one removal at a time: it may still hold hidden directories
-        hidden = [step for step in self._doomed(stepdir.scan(self.directory)["committed"])
-                  if self._hide(step)]
-        leftovers = stepdir.hidden(self.directory)
-        if leftovers and stepdir.fsync_dir(self.directory):  # the renames are durable before removal
-            self._removal = threading.Thread(target=stepdir.remove, args=(leftovers,),
-                                             name="ckptio-retention")
+        hidden = [step for step in self._doomed(self._root.scan()["committed"])
+                  if self._root.hide(step)]
+        removal = self._root.removal()  # None until the hiding is durable
+        if removal is not None:
+            self._removal = threading.Thread(target=removal, name="ckptio-retention")
             self._removal.start()  # not a daemon: a removal running at exit is finished
         if hidden:
             log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
@@ -223,17 +235,6 @@ class CheckpointManager:
         if self._verified is not None:
             keep.add(self._verified)
         return [s for s in committed if s not in keep]
-
-    def _hide(self, step: int) -> bool:
-        """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
-        hidden = os.path.join(self.directory, f"{stepdir.HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
-        try:
-            os.rename(self.path(step), hidden)
-        except OSError as exc:
-            _warn(f"ckptio: retention could not remove {self.path(step)} ({exc.strerror or exc});"
-                  " it is kept and tried again after the next save")
-            return False
-        return True
 
     def _join_removal(self) -> None:
         if self._removal is not None:
@@ -296,11 +297,11 @@ class CheckpointManager:
         self._damaged.discard(step)
 
     def _restore_plan(self) -> dict[str, Any]:
-        """Rank 0: every step directory, newest first, with whether it is committed."""
-        listing = stepdir.scan(self.directory)
+        """Rank 0: every step, newest first, with whether it is committed."""
+        listing = self._root.scan()
         steps = sorted([[s, True] for s in listing["committed"]]
                        + [[s, False] for s in listing["incomplete"]], reverse=True)
-        return {"steps": steps, "missing": None if steps else stepdir.nothing_here(self.directory)}
+        return {"steps": steps, "missing": None if steps else self._root.nothing_here()}
 
     def _try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """Load ``step``; -> None, or why it is damaged (the same on every rank). Other errors

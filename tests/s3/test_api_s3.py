@@ -18,7 +18,7 @@ from ckptio.io.s3client import S3Path
 from ckptio.testing.ranks import run_ranks
 
 import dist_cases as cases
-from s3_models import build, train
+from s3.s3_models import build, train
 
 SMALL = ckptio.Options(buffer_bytes=5 << 20, pool_bytes=20 << 20)
 

@@ -1,0 +1,90 @@
+"""The root a CheckpointManager keeps its steps in, as a small protocol: StepRoot.
+
+A root is a local directory (local.py: ``<dir>/step-<N>`` directories) or an S3 prefix (s3.py:
+``s3://bucket/run/step-<N>/`` prefixes). The manager only ever goes through these methods:
+
+- ``path(step)``: the step's checkpoint location (a Store's, see api.store_for);
+- ``scan()``: the steps there, committed and incomplete (steps being removed are not listed);
+- ``is_committed(step)``: whether that step holds a committed manifest;
+- ``hide(step)``: take a committed step out of the listing at once, crash-safely (local: a
+  rename; S3: a marker object, then the manifest deleted); False, with a warning, if it failed;
+- ``removal(step=None)``: the work that finishes removing the hidden steps (all of them, or
+  only ``step``'s, before a save into it), to run on a thread or at once; None if none is due;
+- ``nothing_here()``: why the root holds no step, and what it holds instead.
+
+Owns: the protocol, which names are steps (``step-N`` exactly), and the wording of
+nothing_here() shared by both roots. Does not own: which steps to keep or restore (manager.py),
+how a root lists, hides and removes (local.py, s3.py), one checkpoint's files (storage/).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Protocol
+
+__all__ = [
+    "TORCH_FILES",
+    "Listing",
+    "Removal",
+    "StepRoot",
+    "nothing_message",
+    "step_name",
+    "step_of",
+]
+
+Listing = dict[str, list[int]]  # "committed" and "incomplete": steps, ascending
+Removal = Callable[[], None]  # finishes removing hidden steps; its failures are logged
+TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
+_STEP = re.compile(r"step-(\d+)$", re.ASCII)
+
+
+class StepRoot(Protocol):
+    """Where a CheckpointManager's steps live (see the module docstring)."""
+
+    location: str  # the directory or the s3:// URL, as messages name it
+
+    def path(self, step: int) -> str: ...
+
+    def scan(self) -> Listing: ...
+
+    def is_committed(self, step: int) -> bool: ...
+
+    def hide(self, step: int) -> bool: ...
+
+    def removal(self, step: int | None = None) -> Removal | None: ...
+
+    def nothing_here(self) -> str: ...
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def step_of(name: str) -> int | None:
+    """N for a name ``step-N`` exactly (no leading zeros), else None."""
+    match = _STEP.match(name)
+    if match is None or name != step_name(int(match.group(1))):
+        return None
+    return int(match.group(1))
+
+
+def nothing_message(location: str, names: list[str], *, itself: bool, checkpoints: list[str],
+                    noun: str, move: str = "rename them step-<N>") -> str:
+    """Why ``location`` (holding ``names``) has no step to restore: ``itself`` says it is a
+    ckptio checkpoint, ``checkpoints`` are the names that are; ``noun`` is "directory" or
+    "prefix"; ``move`` says how to make them steps. Nothing here advises deleting anything: it
+    may be another library's checkpoint."""
+    torch_files = [n for n in names if n.endswith(TORCH_FILES)]
+    hints = [text for found, text in [
+        (itself, "it is itself a ckptio checkpoint, not a directory of "
+                 f"steps: load it with ckptio.load({location!r}, state)"),
+        (".metadata" in names, "it holds a torch.distributed.checkpoint (DCP) checkpoint "
+                               "(.metadata): load it with torch.distributed.checkpoint.load"),
+        (torch_files, f"it holds torch.save files ({', '.join(torch_files[:3])}): load them with "
+                      "torch.load, then save through this manager"),
+        (checkpoints, f"it holds ckptio checkpoints not named step-<N> "
+                      f"({', '.join(checkpoints[:3])}): {move}, or load them with ckptio.load"),
+    ] if found]
+    return (f"no checkpoint to restore in {location}: "
+            f"{'; '.join(hints) or f'it holds no step-<N> {noun}'}")

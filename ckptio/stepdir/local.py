@@ -1,0 +1,141 @@
+"""A CheckpointManager's steps in a local (or mounted) directory: LocalRoot.
+
+Steps are real directories named ``step-N``; whether each is committed its Store says. A
+retention hides a dropped step by renaming it ``.deleting-step-<N>-<hex>`` (atomic), fsyncs
+the directory, and only then removes it (shutil.rmtree, on the manager's thread): a kill never
+leaves a half-deleted step listed, and the next retention finishes such leftovers.
+
+Owns: LocalRoot (listing, the hidden names, the rename, the fsync, the removal, what a
+directory holds instead of steps). Does not own: which steps to keep or restore (manager.py)
+or one checkpoint's files (storage/).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import secrets
+import shutil
+import warnings
+
+from ckptio.api import store_for
+from ckptio.errors import StorageIOError
+from ckptio.stepdir.base import Listing, Removal, nothing_message, step_name, step_of
+from ckptio.storage import steps as storage_steps
+
+__all__ = ["HIDDEN_PREFIX", "LocalRoot", "fsync_dir", "hidden", "is_committed", "remove"]
+
+log = logging.getLogger("ckptio")
+HIDDEN_PREFIX = ".deleting-step-"
+_HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
+
+
+class LocalRoot:
+    """A directory of ``step-N`` directories (see the module docstring)."""
+
+    def __init__(self, directory: str) -> None:
+        self.location = directory
+
+    def __repr__(self) -> str:
+        return f"LocalRoot({self.location!r})"
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.location, step_name(step))
+
+    def scan(self) -> Listing:
+        """The step directories, committed and incomplete, ascending."""
+        out: Listing = {"committed": [], "incomplete": []}
+        for entry in _entries(self.location):
+            step = step_of(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                out["committed" if is_committed(entry.path) else "incomplete"].append(step)
+        return {kind: sorted(steps) for kind, steps in out.items()}
+
+    def is_committed(self, step: int) -> bool:
+        return is_committed(self.path(step))
+
+    def hide(self, step: int) -> bool:
+        """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
+        path = self.path(step)
+        target = os.path.join(self.location, f"{HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, target)
+        except OSError as exc:
+            _warn(f"ckptio: retention could not remove {path} ({exc.strerror or exc}); it is "
+                  "kept and tried again after the next save")
+            return False
+        return True
+
+    def removal(self, step: int | None = None) -> Removal | None:
+        """Removing every hidden leftover, once the renames are durable (the directory fsynced).
+        A hidden step has another name, so a save into ``step`` never waits for it: None."""
+        if step is not None:
+            return None
+        leftovers = hidden(self.location)
+        if leftovers and fsync_dir(self.location):
+            return functools.partial(remove, leftovers)
+        return None
+
+    def nothing_here(self) -> str:
+        """Why there is no step to restore, and what the directory holds instead."""
+        directory = self.location
+        if not os.path.isdir(directory):
+            return (f"no checkpoint to restore: {directory} does not exist (nothing saved there "
+                    "yet)")
+        names = sorted(n for n in os.listdir(directory) if not _HIDDEN.match(n))
+        return nothing_message(
+            directory, names, itself=is_committed(directory), noun="directory",
+            checkpoints=[n for n in names if is_committed(os.path.join(directory, n))])
+
+
+def _warn(message: str) -> None:
+    log.warning("%s", message)
+    warnings.warn(message, stacklevel=4)
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise StorageIOError(f"cannot list checkpoint directory {directory}: "
+                             f"{exc.strerror or exc}") from None
+
+
+def is_committed(path: str) -> bool:
+    """Whether the checkpoint at ``path`` has a committed manifest (its Store says)."""
+    return storage_steps.is_committed(store_for(path))
+
+
+def hidden(directory: str) -> list[str]:
+    """Steps hidden by a retention and not yet removed (by a removal killed half-way, say)."""
+    return [e.path for e in _entries(directory)
+            if _HIDDEN.match(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+def remove(paths: list[str]) -> None:
+    """The removal thread: failures are logged; the leftover is removed by the next retention."""
+    for path in paths:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("ckptio: could not remove %s (an old step, already out of the listing): "
+                        "%s; the next retention tries again", path, exc)
+
+
+def fsync_dir(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _warn(f"ckptio: could not fsync {path} ({exc.strerror or exc}): old steps already out of "
+              "the listing are removed by the next retention")
+        return False
+    return True

@@ -1,0 +1,294 @@
+"""A CheckpointManager's steps under an S3 prefix: S3Root.
+
+Steps are the CommonPrefixes ``<root>/step-N/`` of a ListObjectsV2 (Delimiter "/"); a step is
+committed when ``step-N/manifest.json`` exists (HEAD), incomplete when it holds other objects
+only (an empty prefix, which some servers keep listing after its objects went, is no step).
+
+S3 has no rename, so a retention removes a step in an order that is safe at every point:
+
+1. PUT the marker ``step-N/.deleting``: from then on the prefix is hidden from every listing
+   (as ``.deleting-step-*`` directories are), so a kill leaves no half-deleted step listed;
+2. DELETE the manifest: the step is no longer committed, whatever reads it directly;
+3. on the manager's removal thread: DELETE the manifest (again: a kill may have come between 1
+   and 2), every object under ``step-N/`` (DeleteObjects, 1000 a batch) and abort the open
+   multipart uploads there; check the prefix holds nothing but the marker; DELETE the marker last.
+
+A marker left by a kill is found by the next scan and its removal finished by the next
+retention; a save into step N first finishes a removal pending there (else the marker would
+hide the new checkpoint). Only prefixes named ``step-N`` that a scan found committed get a
+marker, and only marked ones are emptied: nothing unidentified is ever deleted. Incomplete steps
+are never deleted.
+
+Owns: S3Root (listing, the marker, the order of a removal, what a prefix holds instead of
+steps). Does not own: which steps to keep or restore (manager.py), one checkpoint's objects and
+its commit (storage/s3.py), URLs, the client and retries (io/s3client.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.stepdir.base import Listing, Removal, nothing_message, step_name, step_of
+
+__all__ = ["MARKER", "S3Root"]
+
+log = logging.getLogger("ckptio")
+T = TypeVar("T")
+MARKER = ".deleting"
+_MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
+_BATCH = 1000  # DeleteObjects' limit
+_NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
+
+
+class S3Root:
+    """A prefix of ``step-N/`` prefixes (see the module docstring). Not thread-safe, except
+    that the removal it hands out may run on another thread."""
+
+    def __init__(self, location: str, settings: S3Settings) -> None:
+        self.where = S3Path.parse(location)
+        self.location = self.where.url
+        self.settings = settings
+        self._marked: set[int] = set()  # marked steps seen, not yet handed to a removal
+
+    def __repr__(self) -> str:
+        return f"S3Root({self.location!r})"
+
+    def path(self, step: int) -> str:
+        return self.where.child(step_name(step)).url
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def scan(self) -> Listing:
+        """The step prefixes, committed and incomplete, ascending; marked ones left out (and
+        remembered for the next removal())."""
+        steps = sorted({s for s in map(step_of, self._entries()[1]) if s is not None})
+        states = dict(zip(steps, self._each(self._state, steps)))
+        self._marked.update(s for s, state in states.items() if state == "marked")
+        return {kind: [s for s in steps if states[s] == kind]
+                for kind in ("committed", "incomplete")}
+
+    def _state(self, step: int) -> str:
+        """"marked", "committed", "incomplete" or "empty" (a prefix left listed, no step)."""
+        base = self._base(step)
+        if self._exists(base + MARKER):
+            return "marked"
+        if self._exists(base + MANIFEST_NAME):
+            return "committed"
+        return "incomplete" if next(self._keys(base, limit=1), None) is not None else "empty"
+
+    def is_committed(self, step: int) -> bool:
+        return self._exists(self._base(step) + MANIFEST_NAME)
+
+    # -- removal ----------------------------------------------------------------------------
+
+    def hide(self, step: int) -> bool:
+        """Mark the step (hidden from listings), then delete its manifest; False (and a
+        warning) if the marker could not be written: the step is then kept whole."""
+        base, url, c, bucket = self._base(step), self.path(step), self._client, self.where.bucket
+        try:
+            self._call(f"marking {url} for removal", lambda: c.put_object(
+                Bucket=bucket, Key=base + MARKER, Body=_MARKER_BODY))
+        except CkptError as exc:
+            _warn(f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
+                  "again after the next save")
+            return False
+        self._marked.add(step)
+        problems = self._delete([base + MANIFEST_NAME], url)
+        if problems:  # hidden all the same: the removal deletes the manifest first
+            log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
+                        "of the listing and its removal tries again", url, "; ".join(problems))
+        return True
+
+    def removal(self, step: int | None = None) -> Removal | None:
+        """``step=None``: finishing every marked step the last scan() or hide() saw (failures
+        logged; the next retention tries again). ``step=N``: finishing N's removal if one is
+        pending (a marker there), raising if it cannot; None if there is nothing to do."""
+        if step is None:
+            todo, self._marked = sorted(self._marked), set()
+            return functools.partial(self._finish_quietly, todo) if todo else None
+        self._marked.discard(step)
+        if not self._exists(self._base(step) + MARKER):
+            return None
+        return functools.partial(self._finish_now, step)
+
+    def _finish_quietly(self, steps: list[int]) -> None:
+        """The removal thread."""
+        for step in steps:
+            try:
+                problems = self._finish(step)
+            except CkptError as exc:
+                problems = [str(exc)]
+            if problems:
+                log.warning("ckptio: could not finish removing %s (an old step, already out of "
+                            "the listing): %s; the next retention tries again", self.path(step),
+                            "; ".join(problems[:5]))
+
+    def _finish_now(self, step: int) -> None:
+        """Before a save into ``step``: its pending removal, finished or raised."""
+        problems = self._finish(step)
+        if problems:
+            url = self.path(step)
+            raise StorageIOError(
+                f"cannot save into {url}: the removal of the old step there (marked by "
+                f"{url}/{MARKER}, out of the listing) could not be finished: "
+                f"{'; '.join(problems[:5])}. Nothing was saved; check the access to the bucket "
+                f"at {self.settings.endpoint()} (DeleteObject, ListBucket, "
+                "AbortMultipartUpload) and save again")
+
+    def _finish(self, step: int) -> list[str]:
+        """Delete the manifest, then every object and open upload under the marked ``step``,
+        then the marker -> the problems (the marker is kept if there are any)."""
+        base, url = self._base(step), self.path(step)
+        problems = self._delete([base + MANIFEST_NAME], url)
+        if problems:
+            return problems
+        keys = [k for k in self._keys(base) if k != base + MARKER]
+        for start in range(0, len(keys), _BATCH):
+            problems += self._delete(keys[start:start + _BATCH], url)
+        problems += self._abort_uploads(base, url)
+        if problems:
+            return problems
+        left = [k for k in self._keys(base) if k != base + MARKER]
+        if left:
+            return [f"{len(left)} objects appeared under {url} while it was removed (another "
+                    f"writer there?), e.g. {left[0]}"]
+        return self._delete([base + MARKER], url)
+
+    def _delete(self, keys: list[str], url: str) -> list[str]:
+        c, bucket = self._client, self.where.bucket
+        request = {"Objects": [{"Key": k} for k in keys], "Quiet": True}
+        try:
+            answer = self._call(f"deleting {len(keys)} objects under {url}",
+                                lambda: c.delete_objects(Bucket=bucket, Delete=request))
+        except CkptError as exc:
+            return [str(exc)]
+        return [f"s3://{bucket}/{e.get('Key')}: {e.get('Code')} {e.get('Message')}"
+                for e in answer.get("Errors", [])]
+
+    def _abort_uploads(self, base: str, url: str) -> list[str]:
+        c, bucket = self._client, self.where.bucket
+        marker: dict[str, str] = {}
+        problems: list[str] = []
+        while True:
+            page = self._call(f"listing the open uploads under {url}", functools.partial(
+                c.list_multipart_uploads, Bucket=bucket, Prefix=base, **marker))
+            for upload in page.get("Uploads", []):
+                key, upload_id = upload["Key"], upload["UploadId"]
+                try:
+                    self._call(f"aborting the upload of s3://{bucket}/{key}",
+                               functools.partial(c.abort_multipart_upload, Bucket=bucket,
+                                                 Key=key, UploadId=upload_id))
+                except CkptError as exc:
+                    problems.append(str(exc))
+            if not page.get("IsTruncated"):
+                return problems
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    # -- what is here instead ---------------------------------------------------------------
+
+    def nothing_here(self) -> str:
+        """Why there is no step to restore, and what the prefix holds instead."""
+        objects, prefixes = self._entries()
+        prefixes = [p for p in prefixes if next(self._keys(self._base_of(p), limit=1), None)]
+        if not objects and not prefixes:
+            return (f"no checkpoint to restore: nothing is stored under {self.location} at "
+                    f"{self.settings.endpoint()} (nothing saved there yet)")
+        probed = prefixes[:_NAMES_PROBED]
+        found = self._each(lambda p: self._exists(self._base_of(p) + MANIFEST_NAME), probed)
+        return nothing_message(
+            self.location, sorted(objects + prefixes), itself=MANIFEST_NAME in objects,
+            checkpoints=[p for p, yes in zip(probed, found) if yes], noun="prefix",
+            move="copy them under step-<N>/")
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @property
+    def _client(self) -> Any:
+        return client(self.settings)
+
+    def _base(self, step: int) -> str:
+        return self._base_of(step_name(step))
+
+    def _base_of(self, name: str) -> str:
+        return self.where.child(name).dir_prefix
+
+    def _call(self, what: str, request: Callable[[], T]) -> T:
+        try:
+            return call(self.settings, what, request)
+        except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
+            raise self._failed(what, exc) from exc
+
+    def _failed(self, what: str, exc: BaseException) -> CkptError:
+        bucket, endpoint = self.where.bucket, self.settings.endpoint()
+        if code(exc) == "NoSuchBucket":
+            return StorageIOError(f"bucket {bucket!r} does not exist at {endpoint} (for "
+                                  f"{self.location}): create it, or fix the bucket name or the "
+                                  "endpoint")
+        if status(exc) == 403:
+            return StorageIOError(f"{what}: access to bucket {bucket!r} at {endpoint} was "
+                                  "denied: check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) "
+                                  "and their permissions")
+        return failed(what, exc)
+
+    def _exists(self, key: str) -> bool:
+        c, bucket = self._client, self.where.bucket
+        what = f"looking up s3://{bucket}/{key}"
+        try:
+            call(self.settings, what, lambda: c.head_object(Bucket=bucket, Key=key))
+        except Exception as exc:  # noqa: BLE001 - 404: absent; the rest mapped
+            if status(exc) == 404 and code(exc) != "NoSuchBucket":
+                return False
+            raise self._failed(what, exc) from exc
+        return True
+
+    def _pages(self, prefix: str, **extra: Any) -> Iterator[dict[str, Any]]:
+        """Pages of ListObjectsV2 under ``prefix``."""
+        c, bucket = self._client, self.where.bucket
+        token: dict[str, str] = {}
+        while True:
+            page = self._call(f"listing s3://{bucket}/{prefix}", functools.partial(
+                c.list_objects_v2, Bucket=bucket, Prefix=prefix, **extra, **token))
+            yield page
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def _entries(self) -> tuple[list[str], list[str]]:
+        """(object names, prefix names) directly under the root."""
+        cut = len(self.where.dir_prefix)
+        objects: list[str] = []
+        prefixes: list[str] = []
+        for page in self._pages(self.where.dir_prefix, Delimiter="/"):
+            objects += [o["Key"][cut:] for o in page.get("Contents", [])]
+            prefixes += [p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return [n for n in objects if n], [n for n in prefixes if n]
+
+    def _keys(self, prefix: str, limit: int | None = None) -> Iterator[str]:
+        """Every object key under ``prefix`` (at most ``limit``: one request)."""
+        extra = {} if limit is None else {"MaxKeys": limit}
+        for page in self._pages(prefix, **extra):
+            yield from (o["Key"] for o in page.get("Contents", []))
+            if limit is not None:
+                return
+
+    def _each(self, probe: Callable[[Any], T], items: list[Any]) -> list[T]:
+        """``probe`` over ``items``, up to s3_concurrency at a time (one HEAD each, say)."""
+        if len(items) <= 1:
+            return [probe(item) for item in items]
+        workers = min(len(items), self.settings.concurrency)
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckptio-steps") as pool:
+            return list(pool.map(probe, items))
+
+
+def _warn(message: str) -> None:
+    log.warning("%s", message)
+    warnings.warn(message, stacklevel=4)
