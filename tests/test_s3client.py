@@ -13,7 +13,7 @@ from ckptio.io import s3client
 from ckptio.io.s3client import S3Path, S3Settings, call
 
 botocore = pytest.importorskip("botocore")
-from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402
+from botocore.exceptions import ClientError, EndpointConnectionError
 
 
 def _error(http: int, code: str) -> ClientError:

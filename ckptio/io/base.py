@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["FileHandle", "IOBackend"]
+__all__ = ["FileHandle", "IOBackend", "completed"]
 
 
 @dataclass
@@ -46,3 +46,15 @@ class IOBackend(Protocol):
     def shutdown(self) -> None:
         """Stop worker threads or rings; the backend may be used again afterwards."""
         ...
+
+
+def completed(result: int = 0, error: BaseException | None = None) -> Future[int]:
+    """A future already done with ``result`` (or failed with ``error``): for backends whose
+    request finished, or failed, inside submit."""
+    future: Future[int] = Future()
+    future.set_running_or_notify_cancel()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future

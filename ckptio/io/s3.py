@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle
-from ckptio.io.s3client import S3Path, S3Settings, call, client, code, describe, failed, status
+from ckptio.io.base import FileHandle, completed
+from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
 
 __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
@@ -155,9 +155,9 @@ class S3Backend:
             if not rest and len(data) and upload.part_span(number + 1)[1] == len(data):
                 return self._send_part(upload, number + 1, data)
             self._assemble(upload, offset, data)
-            return _done(len(data))
+            return completed(len(data))
         except Exception as exc:  # noqa: BLE001 - every failure goes to the future
-            return _done(error=exc)
+            return completed(error=exc)
 
     def _send_part(self, upload: _Upload, number: int, data: memoryview) -> Future[int]:
         with self._lock:
@@ -280,10 +280,10 @@ class S3Backend:
             if not isinstance(opened, _Object):
                 raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
         except StorageIOError as exc:
-            return _done(error=exc)
+            return completed(error=exc)
         n = max(0, min(len(into), opened.size - offset))
         if n == 0:
-            return _done(0)
+            return completed(0)
         return self._submit(self._get, opened, offset, into[:n])
 
     def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
@@ -353,13 +353,3 @@ def _wait(upload: _Upload) -> list[Future[int]]:
     for future in futures:
         future.exception()
     return futures
-
-
-def _done(result: int = 0, error: BaseException | None = None) -> Future[int]:
-    future: Future[int] = Future()
-    future.set_running_or_notify_cancel()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-    return future

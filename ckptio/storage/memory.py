@@ -38,7 +38,7 @@ from ckptio.errors import (
     StorageIOError,
 )
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io.base import FileHandle
+from ckptio.io.base import FileHandle, completed
 from ckptio.options import Options
 from ckptio.storage import foreign
 from ckptio.storage.base import Exclusive, check_if_locked, is_ours, plain_name
@@ -300,7 +300,7 @@ class MemoryBackend:
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         opened = self._opened(fh, "writing", offset, writable=True)
         if isinstance(opened, BaseException):
-            return _done(error=opened)
+            return completed(error=opened)
         target = opened.data
         assert isinstance(target, bytearray)  # internal: writable handles hold bytearrays
         end = offset + len(data)
@@ -308,16 +308,16 @@ class MemoryBackend:
             if len(target) < end:
                 target.extend(bytes(end - len(target)))
             target[offset:end] = data
-        return _done(len(data))
+        return completed(len(data))
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         opened = self._opened(fh, "reading", offset, writable=False)
         if isinstance(opened, BaseException):
-            return _done(error=opened)
+            return completed(error=opened)
         with HOST.lock:
             n = max(0, min(len(into), len(opened.data) - offset))
             into[:n] = opened.data[offset:offset + n]
-        return _done(n)
+        return completed(n)
 
     def _opened(self, fh: FileHandle, what: str, offset: int,
                 writable: bool) -> _Open | StorageIOError:
@@ -338,13 +338,3 @@ class MemoryBackend:
 
     def shutdown(self) -> None:
         """Nothing runs in the background; open handles stay usable."""
-
-
-def _done(result: int = 0, error: BaseException | None = None) -> Future[int]:
-    future: Future[int] = Future()
-    future.set_running_or_notify_cancel()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-    return future
