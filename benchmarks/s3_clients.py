@@ -200,15 +200,16 @@ def main() -> int:
         client = makers[name]()
         got = measure(client, args, source, target)
         gb = nbytes / 1e9
-
-        def rate(key: str) -> str:
-            values = sorted(gb / s for s in got[key])
-            return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
-
-        print(f"| {client.name} | {rate('write_s')} | "
-              f"{statistics.median(got['write_cpu']) / gb:.2f} | {rate('read_s')} | "
+        print(f"| {client.name} | {_rate(gb, got['write_s'])} | "
+              f"{statistics.median(got['write_cpu']) / gb:.2f} | {_rate(gb, got['read_s'])} | "
               f"{statistics.median(got['read_cpu']) / gb:.2f} |", flush=True)
     return 0
+
+
+def _rate(gb: float, seconds: list[float]) -> str:
+    """Median GB/s of several runs, with their range."""
+    values = sorted(gb / s for s in seconds)
+    return f"{statistics.median(values):.2f} ({values[0]:.2f}-{values[-1]:.2f})"
 
 
 if __name__ == "__main__":

@@ -334,7 +334,50 @@ class S3Backend:
 
 
 def _read_body(body: Any, into: memoryview) -> int:
-    """Read a GET's body into ``into``; the bytes read (fewer if the body ended early)."""
+    """Read a GET's body into ``into``; the bytes read (fewer if the body ended early).
+
+    The bytes go from the socket straight into ``into`` (http.client's readinto) when botocore's
+    body is the plain urllib3 response over http.client that it is today: urllib3 2.x's own
+    readinto reads into a new bytes object and copies it, one extra copy of every byte and one
+    temporary the size of the read per GET in flight, outside the staging pool (measured:
+    docs/BENCH_S3.md). Any other body (content-encoded, another urllib3) is read through its
+    own readinto. A connection cut before the first byte raises ConnectionResetError (retried);
+    one cut later returns the bytes that arrived (the caller asks for the rest)."""
+    socket_reader = _socket_reader(body)
+    if socket_reader is None:
+        return _read_through(body, into)
+    got = 0
+    try:
+        while got < len(into):
+            n = socket_reader.readinto(into[got:])
+            if not n:
+                break
+            got += n
+    except BaseException:
+        body.close()
+        raise
+    if got == len(into):
+        body._raw_stream.release_conn()  # fully read: the connection goes back to the pool
+        return got
+    body.close()
+    if got == 0:
+        raise ConnectionResetError("the connection closed before the body's first byte")
+    return got
+
+
+def _socket_reader(body: Any) -> Any:
+    """The http.client response under botocore's body, or None where that is not the shape."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None)
+    if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
+        return None
+    if headers is None or headers.get("content-encoding"):
+        return None  # urllib3 would decode it; the raw bytes are not the object's
+    return fp
+
+
+def _read_through(body: Any, into: memoryview) -> int:
     got = 0
     try:
         while got < len(into):

@@ -18,6 +18,7 @@ Does not own: what is written or read (io/s3.py: the backend; storage/s3.py: the
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import random
@@ -170,11 +171,12 @@ def _retryable(exc: BaseException) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError
 
     if isinstance(exc, ClientError):
-        http = status(exc) or 0
-        return http >= 500 or http == 429 or code(exc) in _RETRY_CODES
+        answer = status(exc) or 0
+        return answer >= 500 or answer == 429 or code(exc) in _RETRY_CODES
     if isinstance(exc, BotoCoreError):  # connection refused/reset, timeouts, short bodies
         return True
-    return isinstance(exc, (ConnectionError, TimeoutError))
+    # http.client's own (IncompleteRead, RemoteDisconnected): bodies read from the socket, s3.py
+    return isinstance(exc, (ConnectionError, TimeoutError, http.client.HTTPException))
 
 
 def describe(exc: BaseException) -> str:

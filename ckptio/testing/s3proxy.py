@@ -86,7 +86,7 @@ class Rule:
     """A fault or hook: ``fired`` counts the requests it acted on, ``times`` how many are left
     (None: forever)."""
 
-    kind: str  # "fail", "reset", "drop_response", "delay", "on_request"
+    kind: str  # "fail", "reset", "drop_response", "cut_response", "delay", "on_request"
     match: Match
     times: int | None
     fired: int = 0
@@ -99,7 +99,7 @@ class Rule:
 
     @property
     def terminal(self) -> bool:
-        return self.kind in ("fail", "reset", "drop_response")
+        return self.kind in ("fail", "reset", "drop_response", "cut_response")
 
 
 class _Reset(Exception):
@@ -114,7 +114,7 @@ class _Connection:
         self.proxy = proxy
         self.client = client
         self.upstream: socket.socket | None = None
-        self.pending: deque[tuple[Request, bool]] = deque()  # (request, drop its answer)
+        self.pending: deque[tuple[Request, Rule | None]] = deque()  # (request, its answer's rule)
         self.lock = threading.Lock()
         self.write_lock = threading.Lock()
         self.closed = False
@@ -162,7 +162,8 @@ class _Connection:
                 continue
             left = rule.after_bytes if rule is not None and rule.kind == "reset" else None
             with self.lock:
-                self.pending.append((req, rule is not None and rule.kind == "drop_response"))
+                answer_rule = rule if rule is not None and rule.kind.endswith("_response") else None
+                self.pending.append((req, answer_rule))
             assert self.upstream is not None
             for piece in self._chain(head, reader.body(req.headers, length)):
                 if left is not None and len(piece) >= left:
@@ -215,19 +216,27 @@ class _Connection:
                 self._to_client(head)
                 continue
             with self.lock:
-                req, drop = self.pending.popleft() if self.pending else (None, False)
+                req, rule = self.pending.popleft() if self.pending else (None, None)
             if req is not None:
                 req.status = status
                 if status == 206 and req.range and range_nbytes(req.range) is None:
                     self.proxy._add_range_bytes(int(headers.get("content-length", "0")))
-            if drop:  # the server has acted; the client never hears of it
-                return
+            if rule is not None and rule.kind == "drop_response":
+                return  # the server has acted; the client never hears of it
             self._to_client(head)
             if (req is not None and req.method == "HEAD") or status in (204, 304):
                 continue  # no body, whatever the head says
             length = headers.get("content-length")
+            left = rule.after_bytes if rule is not None else None  # cut_response
             for piece in reader.body(headers, length):
+                if left is not None and len(piece) >= left:
+                    self._to_client(piece[:left])
+                    raise _Reset
+                if left is not None:
+                    left -= len(piece)
                 self._to_client(piece)
+            if left is not None:
+                raise _Reset
             if length is None and "chunked" not in headers.get("transfer-encoding", "").lower():
                 return  # the body ended with the connection
 
@@ -324,6 +333,11 @@ class FaultProxy:
         """Forward the request, wait for the server's answer, close the client's connection
         without it."""
         return self._add(Rule("drop_response", Match(**match), times))
+
+    def cut_response(self, *, times: int | None = 1, after_bytes: int = 0, **match: Any) -> Rule:
+        """Forward the request and the head of the server's answer and the first
+        ``after_bytes`` bytes of its body, then reset both connections (RST)."""
+        return self._add(Rule("cut_response", Match(**match), times, after_bytes=after_bytes))
 
     def delay(self, seconds: float, *, times: int | None = 1, **match: Any) -> Rule:
         return self._add(Rule("delay", Match(**match), times, seconds=seconds))

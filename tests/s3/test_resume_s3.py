@@ -21,7 +21,10 @@ def test_a_job_killed_mid_upload_resumes_bitwise_from_s3(s3_env, tmp_path: Path)
                   str(tmp_path / "killed.json")], killed=True, capture=True, timeout_s=300)
     resumed = run_training([*BASE, "--dir", prefix, "--resume", "--out",
                             str(tmp_path / "resumed.json")], capture=True, timeout_s=300)[0]
-    assert resumed["incomplete"] == [KILL], resumed  # killed mid-save: never committed
+    # killed mid-save: never committed. Its prefix holds objects unless the kill came before the
+    # save's thread sent its first request (the lock); both happen, depending on scheduling
+    # (tests/s3/test_faults_s3.py kills a saver whose upload is known to be under way)
+    assert KILL not in resumed["found"] and resumed["incomplete"] in ([KILL], []), resumed
     assert resumed["start"] == KILL - EVERY
     after = {step: loss for step, loss in resumed["losses"].items()
              if int(step) > KILL - EVERY}
