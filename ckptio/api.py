@@ -249,6 +249,11 @@ class Checkpointer:
         _data_dir(store, record)
         return record
 
+    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
+        """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
+        the one made of a DCP checkpoint there (``ckptio ls``)."""
+        return self._open(store_for(path, self.options), allow_pickle=allow_pickle)
+
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
 

@@ -7,7 +7,8 @@ unpickler (format/dcpmeta.py), then every tensor item's first bytes are read to 
 value item (BYTE_IO: optimizer hyper-parameters, Python numbers and containers) is read whole
 and decoded with ``torch.load(weights_only=True)`` (``weights_only=False`` only with
 ``allow_pickle=True``). The result is a Manifest whose tensor entries point at those bytes
-(checksum algorithm ``crc32``), whose values are expanded by ckptio's flatten rules (a DCP
+(checksum algorithm ``crc32``; a value item's zip records are checked against their CRC-32s
+when it is decoded), whose values are expanded by ckptio's flatten rules (a DCP
 ``optim.param_groups.0.betas`` tuple becomes ``...betas.0`` and ``...betas.1``), and whose tree is
 DCP's planner_data, so fill.py, reshard.py and read.py load it into any layout unchanged.
 
@@ -30,6 +31,7 @@ import dataclasses
 import io
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -182,6 +184,13 @@ def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle:
     if raw[:4] != b"PK\x03\x04":
         raise CkptError(f"{where} is not a torch.save zip; ckptio reads only FileSystemWriter's "
                         "default items: load it with torch.distributed.checkpoint.load")
+    try:  # the records' CRC-32s first: a value item has no checksum a read checks
+        bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable zip: {exc}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
+                                     "file is damaged: load an earlier checkpoint")
     try:
         return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
     except pickle.UnpicklingError as exc:
