@@ -345,3 +345,16 @@ def test_fsdp2_dcp_checkpoint_loads_on_1_and_2_ranks(tmp_path: Path) -> None:
     # the saving layout: 2 ranks, FSDP2 DTensors
     for got in run_ranks(2, fsdp_load, path, timeout_s=300):
         _assert_same(got, want, "2 ranks")
+
+
+def test_ckptio_ls_shows_a_dcp_checkpoint(saved: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(saved["path"])],
+                         capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    assert "DCP checkpoint by 1 rank(s)" in out.stdout, out.stdout
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[2:]}
+    assert "float32" in lines["model.0.weight"] and "[30, 12]" in lines["model.0.weight"]
+    assert "0.95" in lines["optim.param_groups.0.betas.1"]
