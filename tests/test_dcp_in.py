@@ -250,7 +250,7 @@ def test_rank_local_metadata_is_refused(saved: dict[str, Any], tmp_path: Path) -
 
 def test_an_item_that_is_not_a_zip_is_refused(saved: dict[str, Any], tmp_path: Path) -> None:
     path = _copy(saved, tmp_path)
-    file, offset = _data_offset(path, "model.0.bias")
+    file, _offset = _data_offset(path, "model.0.bias")
     meta = pickle.loads((path / ".metadata").read_bytes())
     start = next(v.offset for k, v in meta.storage_data.items() if k.fqn == "model.0.bias")
     raw = bytearray(file.read_bytes())
@@ -331,8 +331,8 @@ def load_state(path: str, fsdp: bool) -> dict[str, Any]:
     return _snapshot(model, opt)
 
 
-def fsdp_load(rank: int, world: int, path: str) -> dict[str, Any]:
-    return load_state(path, fsdp=True)
+def fsdp_load(rank: int, world: int, paths: list[str]) -> list[dict[str, Any]]:
+    return [load_state(path, fsdp=True) for path in paths]
 
 
 def test_fsdp2_dcp_checkpoint_loads_on_1_and_2_ranks(tmp_path: Path) -> None:
@@ -342,9 +342,17 @@ def test_fsdp2_dcp_checkpoint_loads_on_1_and_2_ranks(tmp_path: Path) -> None:
     assert want["param_groups"][0]["betas"] == BETAS
     # one process, no process group, plain (unsharded) model: each tensor from 2 chunks
     _assert_same(load_state(path, fsdp=False), want, "1 process")
-    # the saving layout: 2 ranks, FSDP2 DTensors
-    for got in run_ranks(2, fsdp_load, path, timeout_s=300):
+    # and the other way: a plain model's DCP checkpoint (one process) into FSDP2 on 2 ranks
+    plain = str(tmp_path / "plain")
+    model, opt, sched = _build(0)
+    for step in range(K):
+        _step(model, opt, sched, step)
+    _dcp_save(_dcp_state(model, opt), plain)
+    want_plain = _snapshot(model, opt)
+    # the saving layout (2 ranks, FSDP2 DTensors), and the plain checkpoint resharded into it
+    for got, got_plain in run_ranks(2, fsdp_load, [path, plain], timeout_s=300):
         _assert_same(got, want, "2 ranks")
+        _assert_same(got_plain, want_plain, "1 process -> 2 ranks")
 
 
 def test_ckptio_ls_shows_a_dcp_checkpoint(saved: dict[str, Any]) -> None:
@@ -352,7 +360,7 @@ def test_ckptio_ls_shows_a_dcp_checkpoint(saved: dict[str, Any]) -> None:
     import sys
 
     out = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(saved["path"])],
-                         capture_output=True, text=True, timeout=120, env=os.environ.copy())
+                         capture_output=True, text=True, timeout=120, env=os.environ.copy(), check=False)
     assert out.returncode == 0, out.stderr
     assert "DCP checkpoint by 1 rank(s)" in out.stdout, out.stdout
     lines = {line.split()[0]: line for line in out.stdout.splitlines()[2:]}

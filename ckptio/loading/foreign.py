@@ -94,7 +94,8 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
              for t in meta.tensors for _chunk, item in t.chunks}
     whole = {id(item): _raw(item.file, item.offset, item.length) for item in meta.values}
     read([*heads.values(), *whole.values()])
-    tensors, descriptors = [], {}
+    tensors: list[TensorEntry] = []
+    descriptors: dict[int, Read] = {}  # index in tensors -> read of its data descriptor
     for t in meta.tensors:
         for chunk, item in t.chunks:
             entry, record = _entry(store, t, chunk, item, _bytes(heads[id(item)]))
