@@ -26,12 +26,13 @@ from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
+from ckptio.loading import foreign
 from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.errors import CkptError, UnsupportedPathError
+from ckptio.errors import CheckpointNotFoundError, CkptError, UnsupportedPathError
 from ckptio.format.flatten import flatten
 from ckptio.options import Options
 from ckptio.io.s3client import S3Settings, is_s3
@@ -227,6 +228,32 @@ class Checkpointer:
         load with the same options reads pieces and their widening within one buffer."""
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
+    def _open(self, store: Store, *, allow_pickle: bool) -> Manifest:
+        """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
+        manifest) the Manifest loading/foreign.py makes of it, reading through this
+        Checkpointer's pool and the store's backend."""
+        try:
+            return _committed(store)
+        except CheckpointNotFoundError:
+            if not foreign.holds_dcp(store):
+                raise
+        with self._lock:
+            pool, backend = self._resources(store)
+            depth = self._active.io_depth
+
+            def read(reads: list[Read]) -> int:
+                return read_regions(store.location, reads, pool=pool, backend=backend,
+                                    algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
+
+            record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
+        _data_dir(store, record)
+        return record
+
+    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
+        """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
+        the one made of a DCP checkpoint there (``ckptio ls``)."""
+        return self._open(store_for(path, self.options), allow_pickle=allow_pickle)
+
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
 
@@ -237,7 +264,7 @@ class Checkpointer:
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         """
         store = store_for(path, self.options)
-        record = _committed(store)
+        record = self._open(store, allow_pickle=False)
         with self._lock:
             pool, backend = self._resources(store)
             return read_regions(
@@ -300,7 +327,7 @@ class Checkpointer:
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
         store = store_for(path, self.options)
-        record = _committed(store)
+        record = self._open(store, allow_pickle=allow_pickle)
         files = _data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None

@@ -16,7 +16,7 @@ import sys
 
 from ckptio.format import manifest
 from ckptio.tuning import tune
-from ckptio.errors import CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.format.types import TensorEntry
 
 __all__ = ["main"]
@@ -41,12 +41,19 @@ def _ls(args: argparse.Namespace) -> int:
 
     path = args.path
     store = store_for(path)
-    record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
+    try:
+        record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
+    except CheckpointNotFoundError:  # a DCP checkpoint is shown as ckptio.load reads it
+        from ckptio.api import Checkpointer
+        from ckptio.options import Options
+
+        record = Checkpointer(Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)).manifest(path)
     total = sum(t.nbytes for t in record.tensors)
     by_key: dict[str, list[TensorEntry]] = {}
     for t in record.tensors:
         by_key.setdefault(t.key, []).append(t)
-    print(f"{path}: save {record.save_id} by {record.world_size} rank(s), {len(by_key)} tensors "
+    what = "DCP checkpoint" if "dcp" in record.meta else f"save {record.save_id}"
+    print(f"{path}: {what} by {record.world_size} rank(s), {len(by_key)} tensors "
           f"in {len(record.tensors)} chunks ({total / 2**20:.1f} MiB), {len(record.objects)} "
           f"values, {len(record.aliases)} aliases, {len(record.files)} file(s)")
     print(f"  {'KEY':60s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':20s} {'BYTES':>12s} WHERE / VALUE")

@@ -581,10 +581,14 @@ def test_dcp_checkpoint_is_named_as_such(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.ones(4)}, checkpoint_id=str(path))
     assert ".metadata" in _listing(path)
+    # a complete DCP checkpoint is read (tests/test_dcp_in.py); without its .metadata (a
+    # dcp.save that did not finish) it is named as such
+    assert torch.equal(ckptio.load(path)["w"], torch.ones(4)) and ckptio.verify(path) > 0
+    (path / ".metadata").unlink()
     error = _refusal(path)
     assert type(error) is CheckpointNotFoundError
-    assert "torch.distributed.checkpoint (DCP) checkpoint, not a ckptio one" in str(error)
-    assert "torch.distributed.checkpoint.load" in str(error)
+    assert "torch.distributed.checkpoint (DCP) data files but no .metadata" in str(error)
+    assert "dcp.save that did not finish" in str(error)
 
 
 def test_folder_of_torch_save_files_is_named_as_such(tmp_path):

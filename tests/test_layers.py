@@ -516,3 +516,30 @@ def test_imports_are_read_with_where_they_run(tmp_path):
     found = {(i.imported, i.runtime, i.name) for i in all_imports(pkg)}
     assert found == {("ckptio.format.types", True, None), ("ckptio.errors", True, "CkptError"),
                      ("ckptio", False, "api"), ("benchmarks.save_load", False, None)}
+
+
+# Modules that never import torch, directly or through the ckptio modules they import (the
+# package __init__s aside, which a torch-free reader bypasses: tests/test_dcpmeta.py runs them so).
+# DCP's .metadata and item heads are decoded here, before anything decides to import torch.
+TORCH_FREE = {"ckptio.errors", "ckptio.format.types", "ckptio.format.tiling",
+              "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip"}
+
+
+def test_torch_free_modules_import_no_torch():
+    modules = package_modules()
+    problems = []
+    for name in sorted(TORCH_FREE):
+        tree = ast.parse(modules[name].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found = [node.module]
+            else:
+                continue
+            problems += [f"{name}:{node.lineno} imports {m}" for m in found
+                         if m.split(".")[0] == "torch"]
+        for imp in imports_of(name, modules[name], set(modules)):
+            if imp.imported not in TORCH_FREE and imp.imported not in ("ckptio", "ckptio.format"):
+                problems.append(f"{name}:{imp.line} imports {imp.imported}, which may import torch")
+    assert not problems, "\n".join(problems)

@@ -133,7 +133,8 @@ def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.
     itemsize = dtype.itemsize
     if start % itemsize == 0 and nbytes % itemsize == 0:  # always, for ckptio's aligned entries
         return buffer.as_dtype(dtype)[start // itemsize:(start + nbytes) // itemsize]
-    return buffer.data[start:start + nbytes].view(dtype)
+    raw = buffer.data[start:start + nbytes]
+    return raw.clone().view(dtype) if start % itemsize else raw.view(dtype)  # foreign entries
 
 
 def element_blocks(t: torch.Tensor, start: int, count: int) -> Iterator[torch.Tensor]:

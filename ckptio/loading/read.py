@@ -135,8 +135,17 @@ def _blocks(entry: TensorEntry, piece: Piece, block_nbytes: int) -> tuple[int, i
 
 
 def _in_one_read(span: _Span) -> bool:
-    """Block spans are checked whole within one read; a whole entry may spread over several."""
-    return not span.whole
+    """Block spans are checked whole within one read; a whole entry may spread over several,
+    except one at an offset that is not a multiple of its itemsize (a foreign checkpoint's, e.g.
+    DCP's) going to a non-contiguous destination: read boundaries would cut its elements, which
+    only a contiguous destination takes byte by byte (_copy_whole)."""
+    if not span.whole:
+        return True
+    return _misaligned(span.entry) and any(not d.is_contiguous() for d in span.dests)
+
+
+def _misaligned(entry: TensorEntry) -> bool:
+    return entry.offset % DTYPE_ITEMSIZE[entry.dtype] != 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,6 +341,12 @@ def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> No
         return
     entry = span.entry
     itemsize = DTYPE_ITEMSIZE[entry.dtype]
+    at = lo - entry.offset
+    if at % itemsize or (hi - lo) % itemsize:  # a misaligned entry cut by a read boundary
+        for dest in span.dests:  # contiguous (_in_one_read): its bytes, in order
+            dest.reshape(-1).view(torch.uint8)[at:at + hi - lo].copy_(
+                buffer.data[start:start + hi - lo])
+        return
     src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
     for dest in span.dests:
         copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
@@ -343,4 +358,7 @@ def _copy_pieces(span: _Span, data: torch.Tensor) -> None:
     for piece, dest in span.pieces:
         if dest is not None:
             at = piece.offset - span.offset
-            execute(piece, data[at:at + piece.nbytes].view(dtype), dest)
+            raw = data[at:at + piece.nbytes]
+            if raw.storage_offset() % dtype.itemsize:  # a foreign entry at a misaligned offset
+                raw = raw.clone()
+            execute(piece, raw.view(dtype), dest)

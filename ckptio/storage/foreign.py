@@ -71,9 +71,13 @@ def _what_it_holds(names: list[str], is_checkpoint: Callable[[str], bool]) -> st
 
 def _other_library(names: list[str]) -> str:
     """What another library's checkpoint among ``names`` is and how to load it ("" if none)."""
-    if ".metadata" in names or any(_DCP_FILE.match(n) for n in names):
-        return ("is a torch.distributed.checkpoint (DCP) checkpoint, not a ckptio one: load it "
-                "with torch.distributed.checkpoint.load")
+    if ".metadata" in names:
+        return ("is a torch.distributed.checkpoint (DCP) checkpoint, not a ckptio one: "
+                "ckptio.load and ckptio.verify read it (or torch.distributed.checkpoint.load)")
+    if any(_DCP_FILE.match(n) for n in names):
+        return ("holds torch.distributed.checkpoint (DCP) data files but no .metadata: a "
+                "dcp.save that did not finish, so no complete checkpoint exists here; load an "
+                "earlier one")
     safetensors = [n for n in names if n.endswith(".safetensors")]
     if safetensors:
         return (f"holds safetensors files ({_some(safetensors)}), not a ckptio checkpoint: load "

@@ -135,7 +135,12 @@ def test_a_location_that_is_not_a_checkpoint_says_what_it_holds(s3_env, s3_clien
     ckptio.save({"w": torch.zeros(4)}, f"{s3_env}/parent/step-1")
     with pytest.raises(ckptio.CheckpointNotFoundError, match="step-1"):
         ckptio.load(f"{s3_env}/parent")
+    where = S3Path.parse(f"{s3_env}/dcp/__0_0.distcp")
+    s3_client.put_object(Bucket=where.bucket, Key=where.key, Body=b"x")
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="DCP.*no .metadata"):
+        ckptio.load(f"{s3_env}/dcp")
+    # with a .metadata it is read as a DCP checkpoint (tests/s3/test_dcp_s3.py): this one is not
     where = S3Path.parse(f"{s3_env}/dcp/.metadata")
     s3_client.put_object(Bucket=where.bucket, Key=where.key, Body=b"x")
-    with pytest.raises(ckptio.CheckpointNotFoundError, match="DCP"):
+    with pytest.raises(ckptio.ManifestError, match="dcp/.metadata: .*DCP metadata is damaged"):
         ckptio.load(f"{s3_env}/dcp")

@@ -1,0 +1,277 @@
+"""A torch.distributed.checkpoint (DCP) directory, seen as a ckptio Manifest.
+
+``ckptio.load`` and ``ckptio.verify`` on a directory written by DCP's FileSystemWriter (no
+``manifest.json``, a ``.metadata``) come here: the metadata is decoded with the allow-list
+unpickler (format/dcpmeta.py), then every tensor item's first bytes are read to find where its
+``data/0`` record's bytes start and the CRC-32 that follows them (format/torchzip.py), and every
+value item (BYTE_IO: optimizer hyper-parameters, Python numbers and containers) is read whole
+and decoded with ``torch.load(weights_only=True)`` (``weights_only=False`` only with
+``allow_pickle=True``). The result is a Manifest whose tensor entries point at those bytes
+(checksum algorithm ``crc32``; a value item's zip records are checked against their CRC-32s
+when it is decoded), whose values are expanded by ckptio's flatten rules (a DCP
+``optim.param_groups.0.betas`` tuple becomes ``...betas.0`` and ``...betas.1``), and whose tree is
+DCP's planner_data, so fill.py, reshard.py and read.py load it into any layout unchanged.
+
+Every read goes through the store's backend (``read``: the caller's read_regions over the
+store), so an ``s3://`` DCP prefix is read the same way.
+
+Refused, each with a CkptError naming the path and the fix: per-rank ``__{rank}.metadata``
+layouts, items written through stream transforms, items that are not torch.save zips (e.g.
+``serialization_format=SAFETENSORS``), tensors DCP stored as a strided view (a transposed or
+channels-last tensor it did not copy), and values that decode to something ckptio cannot hold
+inline (bytes, tensors or arrays inside a value).
+
+Owns: detecting a DCP directory, the phase-1 reads, the synthesized Manifest. Does not own: the
+pickle and zip parsing (format/), reading bytes (read.py), matching keys (fill.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import re
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
+from ckptio.format import dcpmeta, torchzip, validate, values
+from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
+                                 Manifest, ObjectEntry, Read, TensorEntry)
+from ckptio.storage.base import Store
+
+__all__ = ["BLOCK_NBYTES", "holds_dcp", "open_dcp"]
+
+ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
+BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
+_RANK_METADATA = "__0.metadata"
+_CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def holds_dcp(store: Store) -> bool:
+    """Whether ``store`` holds a DCP checkpoint ckptio reads (a ``.metadata``); CkptError for a
+    per-rank metadata layout (``use_collectives=False``), which it does not."""
+    found = store.sizes([dcpmeta.METADATA_NAME, _RANK_METADATA])
+    if dcpmeta.METADATA_NAME in found:
+        return True
+    if _RANK_METADATA in found:
+        raise CkptError(
+            f"{store.location} is a DCP checkpoint saved without collectives: one "
+            "__<rank>.metadata per rank and no .metadata, which ckptio does not read. Load it "
+            "with torch.distributed.checkpoint.load, or save with collectives")
+    return False
+
+
+def _raw(file: str, offset: int, nbytes: int) -> Read:
+    """A read of ``nbytes`` bytes of ``file`` from ``offset``, unverified, into a new tensor."""
+    entry = TensorEntry(key=f"{file}@{offset}", kind="tensor", dtype="uint8", shape=(nbytes,),
+                        chunk=Chunk((0,), (nbytes,)), file=file, offset=offset, nbytes=nbytes,
+                        checksum="")
+    return Read.of(entry, torch.empty(nbytes, dtype=torch.uint8))
+
+
+def _bytes(read: Read) -> bytes:
+    return bytes(read.dest.numpy().tobytes())
+
+
+def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manifest:
+    """The Manifest of the DCP checkpoint in ``store`` (see the module docstring)."""
+    where = store.path_of(dcpmeta.METADATA_NAME)
+    size = store.sizes([dcpmeta.METADATA_NAME]).get(dcpmeta.METADATA_NAME)
+    if size is None:
+        raise CorruptCheckpointError(f"{where} disappeared while it was being opened")
+    if size > dcpmeta.MAX_METADATA_NBYTES:
+        raise CorruptCheckpointError(f"{where} is {size} bytes, more than the "
+                                     f"{dcpmeta.MAX_METADATA_NBYTES} ckptio reads")
+    metadata = _raw(dcpmeta.METADATA_NAME, 0, size)
+    read([metadata])
+    meta = dcpmeta.decode(_bytes(metadata), where)
+    files = _files(store, meta)
+    heads = {id(item): _raw(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
+             for t in meta.tensors for _chunk, item in t.chunks}
+    whole = {id(item): _raw(item.file, item.offset, item.length) for item in meta.values}
+    read([*heads.values(), *whole.values()])
+    tensors: list[TensorEntry] = []
+    descriptors: dict[int, Read] = {}  # index in tensors -> read of its data descriptor
+    for t in meta.tensors:
+        for chunk, item in t.chunks:
+            entry, record = _entry(store, t, chunk, item, _bytes(heads[id(item)]))
+            tensors.append(entry)
+            if record.crc32 is None:
+                end = entry.offset + entry.nbytes
+                descriptors[len(tensors) - 1] = _raw(
+                    item.file, end, min(torchzip.DESCRIPTOR_NBYTES, item.offset + item.length - end))
+    read(list(descriptors.values()))
+    for i, raw in descriptors.items():
+        entry = tensors[i]
+        crc = torchzip.parse_descriptor(_bytes(raw), entry.nbytes, _item_name(store, entry.key,
+                                                                              entry.file))
+        tensors[i] = dataclasses.replace(entry, checksum=f"{crc:08x}")
+    objects: list[ObjectEntry] = []
+    nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
+    for item in meta.values:
+        value = _decode_value(store, item, _bytes(whole[id(item)]), allow_pickle)
+        nodes[item.fqn] = _expand(value, item.fqn, objects, 0)
+    manifest = Manifest(
+        version=2, save_id="dcp", checksum_algorithm="crc32",
+        world_size=1 + max((f.rank for f in files), default=0), files=files,
+        tensors=tuple(tensors), objects=tuple(objects), aliases=(),
+        tree=_tree(meta, nodes, where), meta={"dcp": {"version": meta.version}},
+        block_nbytes=BLOCK_NBYTES)
+    validate.check_keys(manifest, where)
+    validate.check_values(manifest, where)
+    return manifest
+
+
+def _item_name(store: Store, key: str, file: str) -> str:
+    return f"{store.path_of(file)} (item of key {key!r})"
+
+
+def _files(store: Store, meta: dcpmeta.DcpMeta) -> tuple[FileInfo, ...]:
+    """The data files the metadata names: present, and long enough for every item in them."""
+    items = [item for t in meta.tensors for _chunk, item in t.chunks] + list(meta.values)
+    ends: dict[str, int] = {}
+    for item in items:
+        ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+    sizes = store.sizes(sorted(ends))
+    out = []
+    for name, end in sorted(ends.items()):
+        size = sizes.get(name)
+        if size is None:
+            raise CorruptCheckpointError(
+                f"data file {store.path_of(name)} named by {dcpmeta.METADATA_NAME} is missing; "
+                "the DCP checkpoint is incomplete or damaged: load an earlier one")
+        if size < end:
+            raise CorruptCheckpointError(
+                f"data file {store.path_of(name)} is truncated: {size} bytes, its items end at "
+                f"{end}; the DCP checkpoint is damaged: load an earlier one")
+        out.append(FileInfo(name, size, dcpmeta.file_rank(name) or 0))
+    return tuple(out)
+
+
+def _entry(store: Store, t: dcpmeta.DcpTensor, chunk: Chunk, item: dcpmeta.DcpItem,
+           head: bytes) -> tuple[TensorEntry, torchzip.TensorRecord]:
+    """The entry of one tensor item, from its head (the checksum filled in later when the
+    CRC-32 follows the data)."""
+    where = _item_name(store, t.fqn, item.file)
+    if head[:4] != b"PK\x03\x04":
+        raise CkptError(f"{where} is not a torch.save zip (DCP's serialization_format="
+                        "SAFETENSORS, or another writer); ckptio reads only FileSystemWriter's "
+                        "default items: load it with torch.distributed.checkpoint.load")
+    record = torchzip.parse_head(head, item.length, where)
+    nbytes = chunk.numel * DTYPE_ITEMSIZE[t.dtype]
+    if record.dtype != t.dtype or record.size != chunk.sizes:
+        raise CorruptCheckpointError(
+            f"{where} holds a {record.dtype} tensor of size {record.size}; the metadata says "
+            f"{t.dtype} of size {chunk.sizes}: the DCP checkpoint is damaged")
+    if (record.storage_offset != 0 or record.storage_nbytes != nbytes
+            or not torchzip.row_major(record.size, record.stride)):
+        raise CkptError(
+            f"{where} was stored as a strided view (storage offset {record.storage_offset}, "
+            f"stride {record.stride}, {record.storage_nbytes} storage bytes for {nbytes}): DCP "
+            "saved a transposed or channels-last tensor without copying it, which ckptio does not "
+            "read yet; load it with torch.distributed.checkpoint.load (or save .contiguous())")
+    checksum = "" if record.crc32 is None else f"{record.crc32:08x}"
+    return TensorEntry(key=t.fqn, kind="tensor", dtype=t.dtype, shape=t.shape, chunk=chunk,
+                       file=item.file, offset=item.offset + record.data_offset, nbytes=nbytes,
+                       checksum=checksum), record
+
+
+def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: bool) -> Any:
+    where = _item_name(store, item.fqn, item.file)
+    if raw[:4] != b"PK\x03\x04":
+        raise CkptError(f"{where} is not a torch.save zip; ckptio reads only FileSystemWriter's "
+                        "default items: load it with torch.distributed.checkpoint.load")
+    try:  # the records' CRC-32s first: a value item has no checksum a read checks
+        bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable zip: {exc}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
+                                     "file is damaged: load an earlier checkpoint")
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if allow_pickle:
+            raise CorruptCheckpointError(f"{where} cannot be decoded: {exc}") from None
+        raise PickleRefusedError(
+            f"{where} holds a Python object that torch.load(weights_only=True) refuses "
+            f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
+            "load(..., allow_pickle=True) for a checkpoint you trust (or keys=... to leave it "
+            "out is not enough: values are decoded when the checkpoint is opened)") from None
+    except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{where} is not a readable torch.save value: "
+                                     f"{type(exc).__name__}: {exc}") from None
+
+
+def _expand(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Json:
+    """``value`` as ckptio's flatten would hold it under ``key``: containers as tree nodes,
+    every other value an inline object entry."""
+    if depth > MAX_TREE_DEPTH:
+        raise CkptError(f"key {key!r}: the value nests deeper than {MAX_TREE_DEPTH} levels")
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CkptError(f"key {key!r}: a dict key of type {type(k).__name__} in a DCP "
+                                "value; ckptio holds str and int keys only")
+            items.append([k, _expand(v, f"{key}.{k}", objects, depth + 1)])
+        return {"d": items}
+    if isinstance(value, list):
+        return {"l": [_expand(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return {"t": [_expand(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+    try:
+        objects.append(ObjectEntry(key, values.encode(value)))
+    except values.NotEncodable:
+        raise CkptError(
+            f"key {key!r}: a DCP value holds a {type(value).__name__}, which ckptio does not "
+            "load from DCP checkpoints yet (only None, bool, int, float, complex, str, "
+            "torch.Size, dtype, device and containers of them); load it with "
+            "torch.distributed.checkpoint.load, or leave it out of the saved state") from None
+    return {"k": key}
+
+
+def _tree(meta: dcpmeta.DcpMeta, nodes: dict[str, Json], where: str) -> Json:
+    """The saved state's nesting, from DCP's planner_data (a key it lacks sits at the top).
+    A dict key DCP stored as a canonical decimal string ("0", "17") comes back as an int:
+    DCP turns every dict key into a str, and optimizer state is keyed by int."""
+    root: dict[Any, Any] = {}
+    for fqn, node in nodes.items():
+        path = meta.paths.get(fqn, (fqn,))
+        parent = root
+        for part in path[:-1]:
+            child = parent.setdefault(_part(part), {})
+            if not isinstance(child, dict):
+                raise CorruptCheckpointError(f"{where}: key {fqn!r} lies inside another key's "
+                                             "value in the metadata's planner_data")
+            parent = child
+        last = _part(path[-1])
+        if last in parent:
+            raise CorruptCheckpointError(f"{where}: key {fqn!r} is named twice by planner_data")
+        parent[last] = _Leaf(node)
+    return _node(root)
+
+
+class _Leaf:
+    def __init__(self, node: Json) -> None:
+        self.node = node
+
+
+def _part(part: str | int) -> tuple[str, str | int]:
+    """(container kind, key): ("l", index) for a list index, ("d", key) for a dict key."""
+    if isinstance(part, int):
+        return ("l", part)
+    return ("d", int(part) if _CANONICAL_INT.fullmatch(part) else part)
+
+
+def _node(level: dict[Any, Any] | _Leaf) -> Json:
+    if isinstance(level, _Leaf):
+        return level.node
+    kinds = {kind for kind, _key in level}
+    if kinds == {"l"}:
+        return {"l": [_node(child) for (_kind, _i), child in sorted(level.items())]}
+    return {"d": [[key, _node(child)] for (_kind, key), child in level.items()]}
