@@ -31,6 +31,7 @@ import io
 import pickle
 import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from ckptio.errors import CkptError, ManifestError, PickleRefusedError
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, show
 
-__all__ = ["DType", "DcpItem", "DcpMeta", "DcpTensor", "MAX_METADATA_NBYTES", "METADATA_NAME",
+__all__ = ["AllowListUnpickler", "DType", "DcpItem", "DcpMeta", "DcpTensor", "MAX_METADATA_NBYTES", "METADATA_NAME",
            "PICKLE_ERRORS", "decode", "file_rank"]
 
 METADATA_NAME = ".metadata"
@@ -171,24 +172,33 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str) -> None:
+class AllowListUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals in ``allowed`` (to stand-ins, never the real
+    classes or functions) and refuses every other global and every persistent id with a
+    PickleRefusedError; ``refusal(module, name)`` says why, naming the file."""
+
+    def __init__(self, data: bytes, where: str, allowed: dict[tuple[str, str], Any],
+                 refusal: Callable[[str, str], str]) -> None:
         super().__init__(io.BytesIO(data))
-        self.where = where
+        self.where, self.allowed, self.refusal = where, allowed, refusal
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
+        found = self.allowed.get((module, name))
         if found is None:
-            raise PickleRefusedError(
-                f"{self.where} refers to the Python global {module}.{name}, which is not one "
-                "that DCP metadata holds (ckptio decodes it with an allow-list and runs nothing "
-                "else); the file is damaged or not DCP metadata of a torch version ckptio "
-                "knows: load it with torch.distributed.checkpoint.load if you trust it")
+            raise PickleRefusedError(self.refusal(module, name))
         return found
 
     def persistent_load(self, pid: Any) -> Any:
         raise PickleRefusedError(f"{self.where} holds a pickle persistent id ({show(pid)}), which "
                                  "DCP metadata never does; refused, nothing was loaded")
+
+
+def _refusal(where: str) -> Callable[[str, str], str]:
+    return lambda module, name: (
+        f"{where} refers to the Python global {module}.{name}, which is not one that DCP "
+        "metadata holds (ckptio decodes it with an allow-list and runs nothing else); the file "
+        "is damaged or not DCP metadata of a torch version ckptio knows: load it with "
+        "torch.distributed.checkpoint.load if you trust it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,7 +261,7 @@ def decode(data: bytes, where: str) -> DcpMeta:
     if len(data) > MAX_METADATA_NBYTES:
         raise c.fail(f"it is {len(data)} bytes, more than the {MAX_METADATA_NBYTES} ckptio reads")
     try:
-        root = _Unpickler(data, where).load()
+        root = AllowListUnpickler(data, where, _ALLOWED, _refusal(where)).load()
     except CkptError:
         raise
     except PICKLE_ERRORS as exc:

@@ -18,15 +18,13 @@ bytes (loading/foreign.py), what a load does with the result.
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
-from ckptio.format.dcpmeta import PICKLE_ERRORS, DType
+from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
 __all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TensorRecord", "parse_descriptor", "parse_head",
@@ -123,19 +121,14 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self.where = where
+class _Unpickler(AllowListUnpickler):
+    """data.pkl of one DCP tensor item: the tensor rebuild functions over storage references."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
-        if found is None:
-            raise PickleRefusedError(
-                f"{self.where}: its data.pkl refers to {module}.{name}, which a DCP tensor item "
-                "never does (ckptio decodes it with an allow-list); load the checkpoint with "
-                "torch.distributed.checkpoint.load if you trust it")
-        return found
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(data, where, _ALLOWED, lambda module, name: (
+            f"{where}: its data.pkl refers to {module}.{name}, which a DCP tensor item never "
+            "does (ckptio decodes it with an allow-list); load the checkpoint with "
+            "torch.distributed.checkpoint.load if you trust it"))
 
     def persistent_load(self, pid: Any) -> Any:
         if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage"

@@ -25,6 +25,7 @@ checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,13 +347,8 @@ def _read_body(body: Any, into: memoryview) -> int:
     socket_reader = _socket_reader(body)
     if socket_reader is None:
         return _read_through(body, into)
-    got = 0
     try:
-        while got < len(into):
-            n = socket_reader.readinto(into[got:])
-            if not n:
-                break
-            got += n
+        got = _fill(socket_reader.readinto, into)
     except BaseException:
         body.close()
         raise
@@ -378,15 +374,20 @@ def _socket_reader(body: Any) -> Any:
 
 
 def _read_through(body: Any, into: memoryview) -> int:
-    got = 0
     try:
-        while got < len(into):
-            n = body.readinto(into[got:])
-            if not n:
-                break
-            got += n
+        return _fill(body.readinto, into)
     finally:
         body.close()
+
+
+def _fill(readinto: Callable[[memoryview], int], into: memoryview) -> int:
+    """Read into ``into`` until it is full or the source ends; -> the bytes read."""
+    got = 0
+    while got < len(into):
+        n = readinto(into[got:])
+        if not n:
+            break
+        got += n
     return got
 
 
