@@ -26,13 +26,14 @@ from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
-from ckptio.loading import foreign
+from ckptio.loading import foreign, torchsave
 from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.errors import CheckpointNotFoundError, CkptError, UnsupportedPathError
+from ckptio.errors import (CheckpointNotFoundError, CkptError, PickleRefusedError,
+                           UnsupportedPathError)
 from ckptio.format.flatten import flatten
 from ckptio.options import Options
 from ckptio.io.s3client import S3Settings, is_s3
@@ -228,15 +229,17 @@ class Checkpointer:
         load with the same options reads pieces and their widening within one buffer."""
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
-    def _open(self, store: Store, *, allow_pickle: bool) -> Manifest:
+    def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
         """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
-        manifest) the Manifest loading/foreign.py makes of it, reading through this
-        Checkpointer's pool and the store's backend."""
-        try:
-            return _committed(store)
-        except CheckpointNotFoundError:
-            if not foreign.holds_dcp(store):
-                raise
+        manifest) the Manifest loading/foreign.py makes of it, and for a torch.save ``file``
+        in it the one loading/torchsave.py makes, reading through this Checkpointer's pool and
+        the store's backend."""
+        if file is None:
+            try:
+                return _committed(store)
+            except CheckpointNotFoundError:
+                if not foreign.holds_dcp(store):
+                    raise
         with self._lock:
             pool, backend = self._resources(store)
             depth = self._active.io_depth
@@ -245,14 +248,18 @@ class Checkpointer:
                 return read_regions(store.location, reads, pool=pool, backend=backend,
                                     algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
 
-            record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
+            if file is not None:
+                record = torchsave.open_torch_save(store, file, read)
+            else:
+                record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
         _data_dir(store, record)
         return record
 
     def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
         the one made of a DCP checkpoint there (``ckptio ls``)."""
-        return self._open(store_for(path, self.options), allow_pickle=allow_pickle)
+        store, file = _target(path, self.options)
+        return self._open(store, allow_pickle=allow_pickle, file=file)
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
@@ -263,8 +270,8 @@ class Checkpointer:
         still need allow_pickle=True, and per-rank values on another number of ranks
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         """
-        store = store_for(path, self.options)
-        record = self._open(store, allow_pickle=False)
+        store, file = _target(path, self.options)
+        record = self._open(store, allow_pickle=False, file=file)
         with self._lock:
             pool, backend = self._resources(store)
             return read_regions(
@@ -297,6 +304,12 @@ class Checkpointer:
         cast: allow a dtype conversion where the destination's dtype differs.
         verify: check checksums (default Options.verify).
         allow_pickle: unpickle objects saved with allow_pickle=True (only for trusted files).
+        ``path`` may be a file written by ``torch.save(obj, path)`` (default zip format): its
+        pickle is decoded with an allow-list (like ``torch.load(weights_only=True)``) and its
+        tensors are read like any checkpoint's, checked against the zip's CRC-32s. A file
+        holding other Python objects is refused (PickleRefusedError) unless
+        ``allow_pickle=True`` and no ``state``: then this returns
+        ``torch.load(path, weights_only=False, map_location="cpu")``, which runs its pickle.
         per_rank_from: which saved rank's value a per-rank key (saved differently by each rank,
         e.g. RNG state) gets on this rank: by default the same rank, which needs the same
         number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
@@ -326,8 +339,19 @@ class Checkpointer:
     def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
-        store = store_for(path, self.options)
-        record = self._open(store, allow_pickle=allow_pickle)
+        store, file = _target(path, self.options)
+        try:
+            record = self._open(store, allow_pickle=allow_pickle, file=file)
+        except PickleRefusedError:
+            if file is None or not allow_pickle:
+                raise
+            if state is not None:
+                raise CkptError(
+                    f"{path}: a torch.save file holding Python objects beyond plain training "
+                    "state loads only fresh with allow_pickle=True (ckptio.load(path, "
+                    "allow_pickle=True) returns torch.load(path, weights_only=False)), not in "
+                    "place") from None
+            return torch.load(store.path_of(file), weights_only=False, map_location="cpu")
         files = _data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
@@ -382,6 +406,15 @@ def store_for(path: str | os.PathLike[str], options: Options | None = None) -> S
 
         return S3Store(text, S3Settings.of(options or Options.from_env()))
     return LocalStore(text)
+
+
+def _target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str | None]:
+    """The store of checkpoint ``path`` and None; for a local file (a ``torch.save`` file), the
+    store of its directory and its name."""
+    text = checkpoint_path(path)
+    if not is_s3(text) and os.path.isfile(text):
+        return LocalStore(os.path.dirname(os.path.abspath(text))), os.path.basename(text)
+    return store_for(text, options), None
 
 
 def _committed(store: Store) -> Manifest:

@@ -42,6 +42,8 @@ def _ls(args: argparse.Namespace) -> int:
     path = args.path
     store = store_for(path)
     try:
+        if os.path.isfile(path):  # a torch.save file, shown as ckptio.load reads it
+            raise CheckpointNotFoundError(path)
         record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
     except CheckpointNotFoundError:  # a DCP checkpoint is shown as ckptio.load reads it
         from ckptio.api import Checkpointer
@@ -52,7 +54,8 @@ def _ls(args: argparse.Namespace) -> int:
     by_key: dict[str, list[TensorEntry]] = {}
     for t in record.tensors:
         by_key.setdefault(t.key, []).append(t)
-    what = "DCP checkpoint" if "dcp" in record.meta else f"save {record.save_id}"
+    what = ("DCP checkpoint" if "dcp" in record.meta else "torch.save file"
+            if "torch.save" in record.meta else f"save {record.save_id}")
     print(f"{path}: {what} by {record.world_size} rank(s), {len(by_key)} tensors "
           f"in {len(record.tensors)} chunks ({total / 2**20:.1f} MiB), {len(record.objects)} "
           f"values, {len(record.aliases)} aliases, {len(record.files)} file(s)")

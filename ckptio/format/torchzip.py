@@ -27,8 +27,8 @@ from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
-__all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TensorRecord", "parse_descriptor", "parse_head",
-           "row_major"]
+__all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TENSOR_GLOBALS", "TensorRecord", "TensorRef",
+           "parse_descriptor", "parse_head", "row_major", "storage_ref"]
 
 HEAD_NBYTES = 4096  # the records before data/0 fit here (data/0 starts at 704 in torch 2.13)
 DESCRIPTOR_NBYTES = 24  # the largest data descriptor (zip64)
@@ -111,14 +111,26 @@ def _ordered_dict(*args: Any) -> dict[Any, Any]:
     return {}
 
 
-_ALLOWED: dict[tuple[str, str], Any] = {
+# The globals a pickled tensor refers to, as torch-free stand-ins (shared with torchsave.py).
+TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     ("torch.storage", "UntypedStorage"): _StorageType(None),
-    ("collections", "OrderedDict"): _ordered_dict,
     **{("torch", name): _StorageType(dtype) for name, dtype in _STORAGES.items()},
     **{("torch", name): DType(name) for name in DTYPE_ITEMSIZE},
 }
+TensorRef = _Tensor  # a tensor data.pkl rebuilds: its storage (kind, key, numel) and its view
+_ALLOWED: dict[tuple[str, str], Any] = {**TENSOR_GLOBALS, ("collections", "OrderedDict"): _ordered_dict}
+
+
+def storage_ref(pid: Any) -> Any:
+    """The storage a persistent id ``("storage", type, key, location, numel)`` names; TypeError
+    when it is malformed."""
+    if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage"
+            or type(pid[1]) is not _StorageType or type(pid[2]) is not str
+            or type(pid[3]) is not str or type(pid[4]) is not int or pid[4] < 0):
+        raise TypeError(f"storage reference {show(pid)} is malformed")
+    return _Storage(pid[1], pid[2], pid[4])
 
 
 class _Unpickler(AllowListUnpickler):
@@ -131,11 +143,7 @@ class _Unpickler(AllowListUnpickler):
             "torch.distributed.checkpoint.load if you trust it"))
 
     def persistent_load(self, pid: Any) -> Any:
-        if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage"
-                or type(pid[1]) is not _StorageType or type(pid[2]) is not str
-                or type(pid[3]) is not str or type(pid[4]) is not int or pid[4] < 0):
-            raise TypeError(f"storage reference {show(pid)} is malformed")
-        return _Storage(pid[1], pid[2], pid[4])
+        return storage_ref(pid)
 
 
 def _fail(where: str, what: str) -> CorruptCheckpointError:
