@@ -1,0 +1,226 @@
+"""ckptio.load and ckptio.verify on files written by ``torch.save(obj, path)``.
+
+As users meet them: a small model (Linear + LayerNorm), AdamW after some steps and a StepLR,
+saved with ``torch.save({"model": ..., "optim": ..., "sched": ..., "step": 7}, path)``; loaded by
+ckptio in a fresh process into freshly built objects (AdamW with no state yet), checked bitwise,
+then one more training step matches the reference's. Then the refusals: a flipped byte in a
+tensor record (its zip CRC-32), a pickle naming a disallowed global (nothing runs), a truncated
+file, a legacy-format file, and ``ckptio ls``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import subprocess
+import sys
+import zipfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
+
+K = 3  # training steps before the save
+BETAS = (0.9, 0.95)
+
+
+def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 30), torch.nn.LayerNorm(30), torch.nn.GELU(),
+                                torch.nn.Linear(30, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, i: int) -> None:
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 12, generator=g)
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    sched.step()
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": pickle.loads(pickle.dumps(opt.state_dict())),
+            "sched": dict(sched.state_dict())}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    path = tmp_path_factory.mktemp("tsave") / "model.pt"
+    model, opt, sched = _build(0)
+    for i in range(K):
+        _train_step(model, opt, sched, i)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                "sched": sched.state_dict(), "step": 7}, path)
+    want = _snapshot(model, opt, sched)
+    _train_step(model, opt, sched, K)
+    return {"path": path, "want": want, "after": _snapshot(model, opt, sched)}
+
+
+def load_fresh(path: str) -> bytes:
+    """In a fresh process: build fresh objects, load in place, snapshot, train one step."""
+    model, opt, sched = _build(1)
+    state = {"model": model, "optim": opt, "sched": sched, "step": 0}
+    report = ckptio.load(path, state)
+    got = _snapshot(model, opt, sched)
+    got["step"] = state["step"]
+    got["report"] = (report.missing, report.unexpected, report.mismatched)
+    _train_step(model, opt, sched, K)
+    got["after"] = _snapshot(model, opt, sched)
+    return pickle.dumps(got)
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
+                           b.view(-1).view(torch.uint8) if b.numel() else b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}.{i}")
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+def test_load_in_place_fresh_process_bitwise(saved: dict[str, Any]) -> None:
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        got = pickle.loads(pool.submit(load_fresh, str(saved["path"])).result(timeout=300))
+    assert got["report"] == ((), (), ()), got["report"]
+    assert got["step"] == 7
+    want = saved["want"]
+    _same(want["model"], got["model"], "model")
+    _same(want["optim"], got["optim"], "optim")  # exp_avg, exp_avg_sq, step, betas tuple
+    assert got["optim"]["param_groups"][0]["betas"] == BETAS
+    assert len(got["optim"]["state"]) == 6 and got["optim"]["state"][0]["step"].item() == K
+    _same(want["sched"], got["sched"], "sched")
+    _same(saved["after"], got["after"], "after one more step")
+
+
+def test_verify_and_fresh_load(saved: dict[str, Any]) -> None:
+    size = saved["path"].stat().st_size
+    assert 0 < ckptio.verify(saved["path"]) <= size
+    fresh = ckptio.load(saved["path"])
+    _same(saved["want"]["model"], dict(fresh["model"]), "model")
+    assert fresh["step"] == 7 and fresh["optim"]["param_groups"][0]["betas"] == BETAS
+
+
+def _record_offset(path: Path, name: str) -> int:
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(name)
+    raw = path.read_bytes()
+    nlen, elen = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    return info.header_offset + 30 + nlen + elen
+
+
+def test_flipped_byte_in_tensor_record_is_caught(saved: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "bad.pt"
+    raw = bytearray(saved["path"].read_bytes())
+    at = _record_offset(saved["path"], "model/data/0") + 5
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ckptio.verify(path)
+    model, opt, sched = _build(1)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ckptio.load(path, {"model": model, "optim": opt, "sched": sched, "step": 0})
+
+
+class Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+        return (os.system, (f"touch {MARKER[0]}",))
+
+
+MARKER: list[str] = [""]
+
+
+def test_disallowed_global_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    MARKER[0] = str(marker)
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(3), "x": Evil()}, path)  # torch.save pickles os.system
+    assert not marker.exists()
+    with pytest.raises(PickleRefusedError, match="system"):
+        ckptio.load(path, {"w": torch.zeros(3), "x": 0})
+    with pytest.raises(PickleRefusedError):
+        ckptio.verify(path)
+    with pytest.raises(CkptError, match="not in place"):
+        ckptio.load(path, {"w": torch.zeros(3), "x": 0}, allow_pickle=True)
+    assert not marker.exists()
+    # a trusted file: allow_pickle=True with no state falls back to torch.load(weights_only=False)
+    ckptio.load(path, allow_pickle=True)
+    assert marker.exists()
+
+
+class Custom:
+    def __init__(self) -> None:
+        self.a = 1
+
+
+def test_custom_class_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "custom.pt"
+    torch.save({"c": Custom()}, path)
+    with pytest.raises(PickleRefusedError, match="Custom"):
+        ckptio.load(path)
+
+
+def test_truncated_file_names_it(saved: dict[str, Any], tmp_path: Path) -> None:
+    raw = saved["path"].read_bytes()
+    for cut in (len(raw) - 10, len(raw) // 2, 100):
+        path = tmp_path / f"cut{cut}.pt"
+        path.write_bytes(raw[:cut])
+        with pytest.raises(CkptError, match=str(path)):
+            ckptio.load(path)
+
+
+def test_legacy_format_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CkptError, match="legacy torch.save file.*re-save"):
+        ckptio.load(path, {"w": torch.zeros(3)})
+
+
+def test_tied_weights_alias_and_views(tmp_path: Path) -> None:
+    emb = torch.arange(12.0).view(4, 3)
+    path = tmp_path / "tied.pt"
+    torch.save({"emb": emb, "head": emb, "n": None, "size": torch.Size([2, 3]),
+                "dt": torch.bfloat16, "half": torch.arange(4, dtype=torch.float16)}, path)
+    state = {"emb": torch.zeros(4, 3), "head": torch.zeros(4, 3), "n": 1, "size": None,
+             "dt": None, "half": torch.zeros(4, dtype=torch.float16)}
+    ckptio.load(path, state)
+    assert torch.equal(state["emb"], emb) and torch.equal(state["head"], emb)
+    assert state["n"] is None and state["size"] == torch.Size([2, 3])
+    assert state["dt"] is torch.bfloat16 and torch.equal(state["half"], torch.arange(4.0).half())
+    view = tmp_path / "view.pt"
+    torch.save({"t": emb.t()}, view)
+    with pytest.raises(CkptError, match="view"):
+        ckptio.load(view)
+
+
+def test_ls_shows_the_file(saved: dict[str, Any]) -> None:
+    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(saved["path"])],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "torch.save file" in out.stdout and "optim.state.0.exp_avg_sq" in out.stdout
+
+
+def test_not_a_torch_save_file(tmp_path: Path) -> None:
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"hello world, not a zip")
+    with pytest.raises(CkptError, match="not a torch.save file|nor a torch.save file"):
+        ckptio.load(path)
