@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format import torchsave as fmt
 from ckptio.format import torchzip, validate, values
 from ckptio.format.dcpmeta import DType
@@ -71,8 +71,9 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
                 f"{where} is a legacy torch.save file (_use_new_zipfile_serialization=False), "
                 "which ckptio does not read: re-save it in the default format, e.g. "
                 f"torch.save(torch.load({where!r}, weights_only=True), {where!r})")
-        raise CkptError(f"{where} is neither a ckptio or DCP checkpoint directory nor a "
-                        "torch.save file (no zip header at its start)")
+        raise CheckpointNotFoundError(f"{where} is neither a ckptio or DCP checkpoint "
+                                      "directory nor a torch.save file (no zip header at "
+                                      "its start)")
     records = _directory(store, name, size, _bytes(tail), read, where)
     prefix = next(iter(records)).partition("/")[0]
     pkl = records.get(f"{prefix}/data.pkl")
