@@ -43,7 +43,7 @@ from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo
                                  Manifest, ObjectEntry, Read, TensorEntry)
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "holds_dcp", "open_dcp"]
+__all__ = ["BLOCK_NBYTES", "holds_dcp", "open_dcp", "raw_read", "read_bytes"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -65,7 +65,7 @@ def holds_dcp(store: Store) -> bool:
     return False
 
 
-def _raw(file: str, offset: int, nbytes: int) -> Read:
+def raw_read(file: str, offset: int, nbytes: int) -> Read:
     """A read of ``nbytes`` bytes of ``file`` from ``offset``, unverified, into a new tensor."""
     entry = TensorEntry(key=f"{file}@{offset}", kind="tensor", dtype="uint8", shape=(nbytes,),
                         chunk=Chunk((0,), (nbytes,)), file=file, offset=offset, nbytes=nbytes,
@@ -73,7 +73,7 @@ def _raw(file: str, offset: int, nbytes: int) -> Read:
     return Read.of(entry, torch.empty(nbytes, dtype=torch.uint8))
 
 
-def _bytes(read: Read) -> bytes:
+def read_bytes(read: Read) -> bytes:
     return bytes(read.dest.numpy().tobytes())
 
 
@@ -86,34 +86,34 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
     if size > dcpmeta.MAX_METADATA_NBYTES:
         raise CorruptCheckpointError(f"{where} is {size} bytes, more than the "
                                      f"{dcpmeta.MAX_METADATA_NBYTES} ckptio reads")
-    metadata = _raw(dcpmeta.METADATA_NAME, 0, size)
+    metadata = raw_read(dcpmeta.METADATA_NAME, 0, size)
     read([metadata])
-    meta = dcpmeta.decode(_bytes(metadata), where)
+    meta = dcpmeta.decode(read_bytes(metadata), where)
     files = _files(store, meta)
-    heads = {id(item): _raw(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
+    heads = {id(item): raw_read(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
              for t in meta.tensors for _chunk, item in t.chunks}
-    whole = {id(item): _raw(item.file, item.offset, item.length) for item in meta.values}
+    whole = {id(item): raw_read(item.file, item.offset, item.length) for item in meta.values}
     read([*heads.values(), *whole.values()])
     tensors: list[TensorEntry] = []
     descriptors: dict[int, Read] = {}  # index in tensors -> read of its data descriptor
     for t in meta.tensors:
         for chunk, item in t.chunks:
-            entry, record = _entry(store, t, chunk, item, _bytes(heads[id(item)]))
+            entry, record = _entry(store, t, chunk, item, read_bytes(heads[id(item)]))
             tensors.append(entry)
             if record.crc32 is None:
                 end = entry.offset + entry.nbytes
-                descriptors[len(tensors) - 1] = _raw(
+                descriptors[len(tensors) - 1] = raw_read(
                     item.file, end, min(torchzip.DESCRIPTOR_NBYTES, item.offset + item.length - end))
     read(list(descriptors.values()))
     for i, raw in descriptors.items():
         entry = tensors[i]
-        crc = torchzip.parse_descriptor(_bytes(raw), entry.nbytes, _item_name(store, entry.key,
+        crc = torchzip.parse_descriptor(read_bytes(raw), entry.nbytes, _item_name(store, entry.key,
                                                                               entry.file))
         tensors[i] = dataclasses.replace(entry, checksum=f"{crc:08x}")
     objects: list[ObjectEntry] = []
     nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
     for item in meta.values:
-        value = _decode_value(store, item, _bytes(whole[id(item)]), allow_pickle)
+        value = _decode_value(store, item, read_bytes(whole[id(item)]), allow_pickle)
         nodes[item.fqn] = _expand(value, item.fqn, objects, 0)
     manifest = Manifest(
         version=2, save_id="dcp", checksum_algorithm="crc32",

@@ -36,6 +36,7 @@ from ckptio.format import torchzip, validate, values
 from ckptio.format.dcpmeta import DType
 from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
                                  Manifest, ObjectEntry, Read, TensorEntry)
+from ckptio.loading.foreign import raw_read, read_bytes
 from ckptio.storage.base import Store
 
 __all__ = ["BLOCK_NBYTES", "open_torch_save"]
@@ -44,27 +45,16 @@ ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, u
 BLOCK_NBYTES = 1 << 61  # no block checksums: a partial read widens to the whole record
 
 
-def _raw(file: str, offset: int, nbytes: int) -> Read:
-    entry = TensorEntry(key=f"{file}@{offset}", kind="tensor", dtype="uint8", shape=(nbytes,),
-                        chunk=Chunk((0,), (nbytes,)), file=file, offset=offset, nbytes=nbytes,
-                        checksum="")
-    return Read.of(entry, torch.empty(nbytes, dtype=torch.uint8))
-
-
-def _bytes(read: Read) -> bytes:
-    return bytes(read.dest.numpy().tobytes())
-
-
 def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
     """The Manifest of torch.save file ``name`` in ``store`` (see the module docstring)."""
     where = store.path_of(name)
     size = store.sizes([name]).get(name)
     if size is None:
         raise CorruptCheckpointError(f"{where} disappeared while it was being opened")
-    head, tail = _raw(name, 0, min(size, 8)), _raw(name, max(0, size - fmt.TAIL_NBYTES),
+    head, tail = raw_read(name, 0, min(size, 8)), raw_read(name, max(0, size - fmt.TAIL_NBYTES),
                                                    min(size, fmt.TAIL_NBYTES))
     read([head, tail])
-    first = _bytes(head)
+    first = read_bytes(head)
     if not fmt.is_zip(first):
         if fmt.is_legacy(first):
             raise CkptError(
@@ -74,7 +64,7 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
         raise CheckpointNotFoundError(f"{where} is neither a ckptio or DCP checkpoint "
                                       "directory nor a torch.save file (no zip header at "
                                       "its start)")
-    records = _directory(store, name, size, _bytes(tail), read, where)
+    records = _directory(store, name, size, read_bytes(tail), read, where)
     prefix = next(iter(records)).partition("/")[0]
     pkl = records.get(f"{prefix}/data.pkl")
     if pkl is None:
@@ -86,21 +76,21 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
     storages = {n.removeprefix(f"{prefix}/data/"): r for n, r in records.items()
                 if n.startswith(f"{prefix}/data/")}
     small = [r for r in (pkl, records.get(f"{prefix}/byteorder")) if r is not None]
-    locals_ = {r.name: _raw(name, r.local_offset, min(fmt.LOCAL_NBYTES, size - r.local_offset))
+    locals_ = {r.name: raw_read(name, r.local_offset, min(fmt.LOCAL_NBYTES, size - r.local_offset))
                for r in [*small, *storages.values()]}
     read(list(locals_.values()))
-    starts = {n: fmt.data_offset(_bytes(r), records[n], size, where) for n, r in locals_.items()}
-    whole = {r.name: _raw(name, starts[r.name], r.nbytes) for r in small}
+    starts = {n: fmt.data_offset(read_bytes(r), records[n], size, where) for n, r in locals_.items()}
+    whole = {r.name: raw_read(name, starts[r.name], r.nbytes) for r in small}
     read(list(whole.values()))
     for r in small:
-        if zlib.crc32(_bytes(whole[r.name])) != r.crc32:
+        if zlib.crc32(read_bytes(whole[r.name])) != r.crc32:
             raise CorruptCheckpointError(f"{where}: record {r.name!r} fails its CRC-32; the "
                                          "torch.save file is damaged")
     order = whole.get(f"{prefix}/byteorder")
-    if order is not None and _bytes(order) != b"little":
-        raise CkptError(f"{where} was saved {_bytes(order)!r}-endian; ckptio reads "
+    if order is not None and read_bytes(order) != b"little":
+        raise CkptError(f"{where} was saved {read_bytes(order)!r}-endian; ckptio reads "
                         "little-endian data only")
-    obj = fmt.decode_pickle(_bytes(whole[pkl.name]), where)
+    obj = fmt.decode_pickle(read_bytes(whole[pkl.name]), where)
     if not isinstance(obj, (dict, list, tuple)) or isinstance(obj, fmt.TorchSize):
         raise CkptError(f"{where} holds a {type(obj).__name__}, not a dict, list or tuple: "
                         "ckptio loads a torch.save file of a state dict (load it with torch.load)")
@@ -123,9 +113,9 @@ def _directory(store: Store, name: str, size: int, tail: bytes, read: ReadFn,
     if offset >= start:
         cd = tail[offset - start:offset - start + nbytes]
     else:
-        raw = _raw(name, offset, nbytes)
+        raw = raw_read(name, offset, nbytes)
         read([raw])
-        cd = _bytes(raw)
+        cd = read_bytes(raw)
     records = fmt.parse_directory(cd, where)
     if not records:
         raise CorruptCheckpointError(f"{where}: an empty zip, not a torch.save file")
