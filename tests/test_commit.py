@@ -599,9 +599,9 @@ def test_folder_of_torch_save_files_is_named_as_such(tmp_path):
     error = _refusal(path)
     assert type(error) is CheckpointNotFoundError
     assert "holds torch.save files (model.pt, optim.pth)" in str(error)
-    assert "load them with torch.load" in str(error)
-    file_error = _refusal(path / "model.pt")
-    assert type(file_error) is CheckpointNotFoundError and "torch.load" in str(file_error)
+    assert "pass one of the files to ckptio.load" in str(error)
+    loaded = ckptio.load(path / "model.pt")  # the file itself now loads (tests/test_torch_save_in.py)
+    assert torch.equal(loaded["w"], torch.ones(2))
 
 
 def test_hugging_face_folder_is_named_as_such(tmp_path):

@@ -30,7 +30,7 @@ def file_hint(name: str) -> str:
     if name.endswith(".safetensors"):
         return ": a safetensors file, load it with safetensors.torch.load_file"
     if name.endswith(_TORCH_SUFFIXES):
-        return ": a torch.save file? load it with torch.load"
+        return ": a torch.save file? ckptio.load reads it, or load it with torch.load"
     return ""
 
 
@@ -85,8 +85,8 @@ def _other_library(names: list[str]) -> str:
                 "from_pretrained)")
     torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
     if torch_files:
-        return (f"holds torch.save files ({_some(torch_files)}), not a ckptio checkpoint: load "
-                "them with torch.load")
+        return (f"holds torch.save files ({_some(torch_files)}), not a ckptio checkpoint: pass "
+                "one of the files to ckptio.load (or load it with torch.load)")
     return ""
 
 
