@@ -180,3 +180,238 @@ def test_a_fresh_model_is_not_already_equal(fsdp_saved: dict[str, Any]) -> None:
     model, _opt = _build(1, fsdp=False)
     fresh = model.state_dict()["0.weight"].numpy()
     assert not np.array_equal(fresh, fsdp_saved["want"]["model.0.weight"])
+
+
+# ------------------------------------------------------------------------------------------------
+# (2) FlatShard partitions and per-rank values saved on 2 ranks, loaded by dcp.load on 1 process
+
+FLAT_SHAPE = (5, 7)
+FLAT_SPLIT = 13  # not a multiple of the row length 7: rank 0 ends inside row 1
+
+
+def _flat_global() -> torch.Tensor:
+    return torch.arange(35, dtype=torch.float32).reshape(FLAT_SHAPE) * 1.5 - 7
+
+
+def flat_save(rank: int, world: int, path: str) -> None:
+    whole = _flat_global().reshape(-1)
+    lo, hi = (0, FLAT_SPLIT) if rank == 0 else (FLAT_SPLIT, whole.numel())
+    ckptio.save({"w": ckptio.FlatShard(whole[lo:hi].clone(), FLAT_SHAPE, lo),
+                 "rng": torch.full((3,), float(rank)), "seen": 10 + rank}, path)
+
+
+def test_flat_shards_and_per_rank_values_load_through_dcp_load(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "flat")
+    run_ranks(2, flat_save, path, timeout_s=120)
+    calls = _count_read_passes(monkeypatch)
+    state = {"w": torch.zeros(FLAT_SHAPE), "rng": torch.zeros(3), "seen": 0}
+    dcp.load(state, storage_reader=ckptio.DcpReader(path, per_rank_from=1))
+    _same(state["w"], _flat_global(), "w")
+    _same(state["rng"], torch.full((3,), 1.0), "rng: saved rank 1's")
+    assert state["seen"] == 11
+    assert calls == [1]  # every tensor item of the plan in one read pass
+    # the flat ranges became boxes: at most 2*ndim-1 per range, tiling the tensor
+    md = ckptio.DcpReader(path, per_rank_from=0).read_metadata().state_dict_metadata["w"]
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+    assert boxes == [((0, 0), (1, 7)), ((1, 0), (1, 6)), ((1, 6), (1, 1)), ((2, 0), (3, 7))]
+    # a destination of another dtype: read staged in the stored dtype, then converted
+    wide = {"w": torch.zeros(FLAT_SHAPE, dtype=torch.float64)}
+    dcp.load(wide, storage_reader=ckptio.DcpReader(path))
+    _same(wide["w"], _flat_global().double(), "w as float64")
+    # a sub-box of the tensor (a resharded destination) through the planner's narrowing
+    part = _flat_global()[1:4, 2:6]
+    got = _load_region(path, (1, 2), part.shape)
+    _same(got, part, "w[1:4, 2:6]")
+
+
+def _load_region(path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """Load a box of "w" through DCP's own resharding (a ShardedTensor-free way: a planner
+    that asks for the box as a read of the global tensor)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import (
+        create_read_items_for_chunk_list,
+    )
+
+    dest = torch.zeros(sizes)
+
+    class Box(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            md = self.metadata.state_dict_metadata["w"]
+            want = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            return LoadPlan(create_read_items_for_chunk_list("w", md, [want]))
+
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+            return dest
+
+    dcp.load({"w": torch.zeros(FLAT_SHAPE)}, storage_reader=ckptio.DcpReader(path), planner=Box())
+    return dest
+
+
+def test_per_rank_values_on_another_world_size_need_per_rank_from(tmp_path: Path) -> None:
+    path = str(tmp_path / "flat")
+    run_ranks(2, flat_save, path, timeout_s=120)
+    state = {"w": torch.zeros(FLAT_SHAPE), "rng": torch.zeros(3)}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(state, storage_reader=ckptio.DcpReader(path))
+    error = _ckpt_error(info.value)
+    assert isinstance(error, ckptio.StateMismatchError)
+    assert "'rng'" in str(error) and "per_rank_from" in str(error)
+    # without the per-rank key, the rest loads
+    state = {"w": torch.zeros(FLAT_SHAPE)}
+    dcp.load(state, storage_reader=ckptio.DcpReader(path))
+    _same(state["w"], _flat_global(), "w")
+
+
+def _count_read_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many loading/read.read_regions passes each Checkpointer.read makes (appended)."""
+    import ckptio.api
+
+    calls: list[int] = []
+    real = ckptio.api.read_regions
+
+    def counting(*args: Any, **kwargs: Any) -> int:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckptio.api, "read_regions", counting)
+    calls.clear()
+    return calls
+
+
+def _ckpt_error(exc: CheckpointException) -> BaseException:
+    """The exception a rank raised, from DCP's CheckpointException (rank -> (exc, trace))."""
+    (error, _trace), = exc.failures.values()
+    return error
+
+
+# ------------------------------------------------------------------------------------------------
+# (3) inline values, aliases, nested containers; (4) _EmptyStateDictLoadPlanner
+
+
+def _values_state() -> dict[str, Any]:
+    shared = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    return {
+        "step": 7, "lr": 0.1 + 0.2, "betas": (0.9, 0.999), "name": "run-3", "none": None,
+        "flags": [True, False], "nest": [[1, 2], [3, [4.5, None]]], "tup": (1, ("a", 2.5)),
+        "big": 1 << 70, "inf": float("-inf"),
+        "tied": {"a": shared, "b": shared},  # one tensor under two keys: an alias
+        "mixed": [torch.tensor([1.5, -2.0], dtype=torch.bfloat16), 5, {"x": torch.ones(2)}],
+        "np": np.arange(4, dtype=np.int16), "raw": b"\x00\x01\xff",
+        "group": {"params": [0, 1], "lr": 1e-3},
+    }
+
+
+def _blank(value: Any) -> Any:
+    """The same structure with other values (what a fresh state holds before a load)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, dict):
+        return {k: _blank(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blank(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return np.zeros_like(value)
+    return None
+
+
+def test_inline_values_and_aliases_come_back_equal(tmp_path: Path) -> None:
+    path = str(tmp_path / "values")
+    ckptio.save(_values_state(), path)
+    state = _blank(_values_state())
+    dcp.load(state, storage_reader=ckptio.DcpReader(path))
+    _same(state, _values_state())
+    md = ckptio.DcpReader(path).read_metadata()
+    assert "betas" in md.state_dict_metadata and "betas.0" not in md.state_dict_metadata
+    assert md.planner_data["mixed.2.x"] == ("mixed", 2, "x")
+
+
+def test_empty_state_dict_planner_loads_everything_as_dcp_would(tmp_path: Path) -> None:
+    """DCP's _EmptyStateDictLoadPlanner (dcp_to_torch_save) rebuilds the state from our
+    metadata; the result equals what it rebuilds from dcp.save of the same state."""
+    ck, stock = str(tmp_path / "ck"), str(tmp_path / "dcp")
+    state = {k: v for k, v in _values_state().items() if k not in ("np", "raw")}
+    ckptio.save(state, ck)
+    dcp.save(state, checkpoint_id=stock)
+    ours = _load_state_dict_from_keys(storage_reader=ckptio.DcpReader(ck))
+    theirs = _load_state_dict_from_keys(storage_reader=FileSystemReader(stock))
+    _same(ours, theirs)
+    _same(ours["tied"]["b"], state["tied"]["b"], "alias")
+    only = _load_state_dict_from_keys(keys={"tied"}, storage_reader=ckptio.DcpReader(ck))
+    _same(only, {"tied": state["tied"]})
+
+
+# ------------------------------------------------------------------------------------------------
+# (6) corruption, (7) missing keys, and the reader's own contract
+
+
+def test_a_flipped_data_byte_raises_corrupt_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    ckptio.save({"w": torch.arange(1000, dtype=torch.float32)}, str(path))
+    (data,) = path.glob("data-*.bin")
+    raw = bytearray(data.read_bytes())
+    raw[123] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptio.DcpReader(str(path)))
+    error = _ckpt_error(info.value)
+    assert isinstance(error, ckptio.CorruptCheckpointError), error
+    assert "'w'" in str(error) and data.name in str(error)
+    assert "CorruptCheckpointError" in str(info.value)  # DCP's text names it too
+    # verify=False reads it unchecked (the byte is wrong, the load completes)
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, storage_reader=ckptio.DcpReader(str(path), verify=False))
+    assert not torch.equal(out["w"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_a_flipped_byte_of_a_stock_dcp_item_raises_corrupt_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "dcp"
+    want = torch.arange(1000, dtype=torch.float32)
+    dcp.save({"w": want}, checkpoint_id=str(path))
+    (data,) = path.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    at = raw.find(want.numpy().tobytes()[:64])
+    assert at > 0
+    raw[at + 200] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptio.DcpReader(str(path)))
+    assert isinstance(_ckpt_error(info.value), ckptio.CorruptCheckpointError)
+
+
+def test_a_key_the_checkpoint_lacks_is_named(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    ckptio.save({"w": torch.ones(3)}, path)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(3), "extra": torch.zeros(2)},
+                 storage_reader=ckptio.DcpReader(path))
+    assert "Missing key in checkpoint state_dict: extra" in str(info.value)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckptio.DcpReader(str(tmp_path / "none")))
+    text = str(info.value)  # DCP keeps only read_metadata's message, inside an AssertionError
+    assert "global metadata read failed" in text and str(tmp_path / "none") in text
+
+
+def test_the_reader_pickles_without_resources_and_checks_ids(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    ckptio.save({"w": torch.ones(3)}, path)
+    reader = ckptio.DcpReader(path, per_rank_from=0)
+    reader.read_metadata()
+    copy = pickle.loads(pickle.dumps(reader))
+    assert vars(copy)["_record"] is None and copy.path == path and copy.per_rank_from == 0
+    out = {"w": torch.zeros(3)}
+    dcp.load(out, storage_reader=copy)
+    _same(out["w"], torch.ones(3))
+    other = str(tmp_path / "other")
+    ckptio.save({"w": torch.full((3,), 2.0)}, other)
+    dcp.load(out, checkpoint_id=other, storage_reader=copy)  # reset(checkpoint_id)
+    _same(out["w"], torch.full((3,), 2.0))
+    assert ckptio.DcpReader.validate_checkpoint_id(path)
+    assert ckptio.DcpReader.validate_checkpoint_id("s3://bucket/prefix/step-1")
+    assert not ckptio.DcpReader.validate_checkpoint_id("gs://bucket/x")
+    assert isinstance(reader, dcp.StorageReader)

@@ -175,18 +175,19 @@ def _metadata(view: readmeta.DcpView, path: str) -> Metadata:
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     paths: dict[str, readmeta.Path] = {}
     storage: dict[MetadataIndex, readmeta.Box | readmeta.ValueKey] = {}
-    for t in view.tensors:
-        state[t.fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch_dtype(t.dtype)), size=torch.Size(t.shape),
+    for key in view.keys:
+        paths[key.fqn] = key.path
+        if isinstance(key, readmeta.ValueKey):
+            state[key.fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(key.fqn)] = key
+            continue
+        state[key.fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch_dtype(key.dtype)),
+            size=torch.Size(key.shape),
             chunks=[ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
-                    for b in t.boxes])
-        paths[t.fqn] = t.path
-        for box in t.boxes:
-            storage[MetadataIndex(t.fqn, box.offsets)] = box
-    for v in view.values:
-        state[v.fqn] = BytesStorageMetadata()
-        paths[v.fqn] = v.path
-        storage[MetadataIndex(v.fqn)] = v
+                    for b in key.boxes])
+        for box in key.boxes:
+            storage[MetadataIndex(key.fqn, box.offsets)] = box
     return Metadata(state_dict_metadata=state, planner_data=paths, storage_data=storage,
                     storage_meta=StorageMeta(checkpoint_id=path), version="1.0.0")
 

@@ -71,8 +71,15 @@ class ValueKey:
 
 @dataclass(frozen=True)
 class DcpView:
-    tensors: tuple[TensorKey, ...]
-    values: tuple[ValueKey, ...]
+    keys: tuple[TensorKey | ValueKey, ...]  # in the tree's order
+
+    @property
+    def tensors(self) -> tuple[TensorKey, ...]:
+        return tuple(k for k in self.keys if isinstance(k, TensorKey))
+
+    @property
+    def values(self) -> tuple[ValueKey, ...]:
+        return tuple(k for k in self.keys if isinstance(k, ValueKey))
 
 
 def dcp_view(record: Manifest, *, rank: int, world_size: int, per_rank_from: RankPolicy,
@@ -84,7 +91,7 @@ def dcp_view(record: Manifest, *, rank: int, world_size: int, per_rank_from: Ran
                         "dict is a dict, so dcp.load cannot take it: load it with ckptio.load")
     walk = _Walk(record, Sources(record, rank, world_size, per_rank_from), where)
     walk.mapping(root, ())
-    return DcpView(tuple(walk.tensors), tuple(walk.values))
+    return DcpView(tuple(walk.keys))
 
 
 def _inner(node: Json) -> Json:
@@ -104,8 +111,7 @@ class _Walk:
     def __init__(self, record: Manifest, sources: Sources, where: str) -> None:
         self.sources, self.where = sources, where
         self.tensor_keys = _tensor_keys(record)
-        self.tensors: list[TensorKey] = []
-        self.values: list[ValueKey] = []
+        self.keys: list[TensorKey | ValueKey] = []
 
     def mapping(self, node: Json, path: Path) -> None:
         for key, child in node["d"]:
@@ -120,7 +126,7 @@ class _Walk:
         elif "k" in node and node["k"] in self.tensor_keys:
             self.tensor(node["k"], path)
         else:
-            self.values.append(self.value(node, path))
+            self.keys.append(self.value(node, path))
 
     def descends(self, node: Json) -> bool:
         """Whether DCP walks into this list (``_traverse._is_terminal`` is False)."""
@@ -136,11 +142,11 @@ class _Walk:
         fqn = ".".join(map(str, path))
         source = self.sources.get(key)
         if not isinstance(source, TensorSource):
-            self.values.append(ValueKey(fqn, path, {"k": key}, refused=self.refusal(key)))
+            self.keys.append(ValueKey(fqn, path, {"k": key}, refused=self.refusal(key)))
             return
         head = source.head
         boxes = tuple(box for entry in source.entries for box in _boxes(entry))
-        self.tensors.append(TensorKey(fqn, path, head.dtype, head.shape, boxes))
+        self.keys.append(TensorKey(fqn, path, head.dtype, head.shape, boxes))
 
     def value(self, node: Json, path: Path) -> ValueKey:
         fqn = ".".join(map(str, path))
