@@ -196,7 +196,9 @@ def _flat_global() -> torch.Tensor:
 def flat_save(rank: int, world: int, path: str) -> None:
     whole = _flat_global().reshape(-1)
     lo, hi = (0, FLAT_SPLIT) if rank == 0 else (FLAT_SPLIT, whole.numel())
+    cols = _flat_global()[:, 4 * rank:4 + 3 * rank]  # columns 0-3 and 4-6: Shard(1)-like boxes
     ckptio.save({"w": ckptio.FlatShard(whole[lo:hi].clone(), FLAT_SHAPE, lo),
+                 "c": ckptio.TensorShard(cols.clone(), FLAT_SHAPE, (0, 4 * rank)),
                  "rng": torch.full((3,), float(rank)), "seen": 10 + rank}, path)
 
 
@@ -205,9 +207,11 @@ def test_flat_shards_and_per_rank_values_load_through_dcp_load(tmp_path: Path,
     path = str(tmp_path / "flat")
     run_ranks(2, flat_save, path, timeout_s=120)
     calls = _count_read_passes(monkeypatch)
-    state = {"w": torch.zeros(FLAT_SHAPE), "rng": torch.zeros(3), "seen": 0}
+    state = {"w": torch.zeros(FLAT_SHAPE), "c": torch.zeros(FLAT_SHAPE), "rng": torch.zeros(3),
+             "seen": 0}
     dcp.load(state, storage_reader=ckptio.DcpReader(path, per_rank_from=1))
     _same(state["w"], _flat_global(), "w")
+    _same(state["c"], _flat_global(), "c: column boxes into non-contiguous views of the dest")
     _same(state["rng"], torch.full((3,), 1.0), "rng: saved rank 1's")
     assert state["seen"] == 11
     assert calls == [1]  # every tensor item of the plan in one read pass
@@ -263,9 +267,10 @@ def test_per_rank_values_on_another_world_size_need_per_rank_from(tmp_path: Path
     assert isinstance(error, ckptio.StateMismatchError)
     assert "'rng'" in str(error) and "per_rank_from" in str(error)
     # without the per-rank key, the rest loads
-    state = {"w": torch.zeros(FLAT_SHAPE)}
+    state = {"w": torch.zeros(FLAT_SHAPE), "c": torch.zeros(FLAT_SHAPE, dtype=torch.bfloat16)}
     dcp.load(state, storage_reader=ckptio.DcpReader(path))
     _same(state["w"], _flat_global(), "w")
+    _same(state["c"], _flat_global().bfloat16(), "c as bfloat16")
 
 
 def _count_read_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -415,3 +420,33 @@ def test_the_reader_pickles_without_resources_and_checks_ids(tmp_path: Path) -> 
     assert ckptio.DcpReader.validate_checkpoint_id("s3://bucket/prefix/step-1")
     assert not ckptio.DcpReader.validate_checkpoint_id("gs://bucket/x")
     assert isinstance(reader, dcp.StorageReader)
+
+
+class Opaque:
+    """A value only pickle stores (saved with allow_pickle=True)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.n == self.n
+
+
+def test_pickled_values_need_allow_pickle(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    ckptio.save({"obj": Opaque(3), "w": torch.ones(2)}, path, allow_pickle=True)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"obj": None, "w": torch.zeros(2)}, storage_reader=ckptio.DcpReader(path))
+    error = _ckpt_error(info.value)
+    assert isinstance(error, ckptio.PickleRefusedError) and "'obj'" in str(error), error
+    state: dict[str, Any] = {"obj": None, "w": torch.zeros(2)}
+    dcp.load(state, storage_reader=ckptio.DcpReader(path, allow_pickle=True))
+    assert state["obj"] == Opaque(3)
+    _same(state["w"], torch.ones(2))
+
+
+def test_a_state_that_is_not_a_dict_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    ckptio.save([torch.ones(2), 3], path)
+    with pytest.raises(ckptio.CkptError, match="ckptio.load"):
+        ckptio.DcpReader(path).read_metadata()
