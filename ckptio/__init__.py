@@ -14,6 +14,8 @@ may change without notice (tests/test_layers.py pins this list and the layer ord
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from ckptio.api import Checkpointer, LoadReport, SaveHandle, SaveResult
@@ -25,13 +27,25 @@ from ckptio.rng import RNGState
 from ckptio.manager import CheckpointManager
 from ckptio.planning.sharding import FlatShard, TensorShard
 
+if TYPE_CHECKING:
+    from ckptio.dcp.reader import DcpReader
+
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
     "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard", "RNGState", "CheckpointManager",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-    "UnsupportedStateError", "UnsupportedPathError",
+    "UnsupportedStateError", "UnsupportedPathError", "DcpReader",
 ]
 
 AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's
 
+
+
+def __getattr__(name: str) -> Any:
+    """``ckptio.DcpReader`` imports torch.distributed.checkpoint (about 1 s) on first use only."""
+    if name == "DcpReader":
+        from ckptio.dcp.reader import DcpReader
+
+        return DcpReader
+    raise AttributeError(f"module 'ckptio' has no attribute {name!r}")

@@ -261,6 +261,21 @@ class Checkpointer:
         store, file = _target(path, self.options)
         return self._open(store, allow_pickle=allow_pickle, file=file)
 
+    def read(self, path: str | os.PathLike[str], record: Manifest, reads: Sequence[Read], *,
+             verify: bool | None = None) -> int:
+        """Fill the destinations of ``reads`` (regions of ``record``'s entries, as
+        ``manifest(path)`` gave it) in one coalesced pass through this Checkpointer's pool and
+        the store's backend, checksums checked unless ``verify`` is False (default
+        Options.verify). For drivers that plan their own reads (ckptio.DcpReader). -> bytes read."""
+        store, _file = _target(path, self.options)
+        files = _data_dir(store, record)
+        check = self.options.verify if verify is None else verify
+        with self._lock:
+            pool, backend = self._resources(store)
+            return read_regions(files, reads, pool=pool, backend=backend,
+                                algorithm=record.checksum_algorithm if check else None,
+                                block_nbytes=record.block_nbytes, depth=self._active.io_depth)
+
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
 

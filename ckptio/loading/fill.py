@@ -24,7 +24,7 @@ from ckptio.planning.sharding import held
 from ckptio.io.stage import torch_dtype
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 
-__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "fill_fresh", "fill_in_place"]
+__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh", "fill_in_place"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ReadFn = Callable[[list[Read]], int]
@@ -69,7 +69,7 @@ class TensorSource:
         return self.entries[0]
 
 
-class _Sources:
+class Sources:
     """The checkpoint's keys as this rank sees them: each resolved to the chunks or object that
     hold its value; per-rank values taken from the saved rank ``per_rank_from`` chooses (by
     default the same rank, which needs the same world size)."""
@@ -213,7 +213,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
     """Build the saved state as new CPU tensors and Python values (chunks saved by many ranks
     are assembled into whole tensors)."""
     select = _selector(keys)
-    sources = _Sources(record, rank, world_size, per_rank_from)
+    sources = Sources(record, rank, world_size, per_rank_from)
     found = {k: sources.get(k) for k in sources.keys() if select(k)}
     sources.check_refused()
     reads = _Reads()
@@ -287,7 +287,7 @@ def _replace(plan: _InPlace, key: str, source: TensorSource | ObjectEntry) -> No
         plan.assign.append((key, lambda o=source: _decode_object(o)))
 
 
-def _plan_in_place(sources: _Sources, flat: FlatState, common: list[str], cast: bool,
+def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: bool,
                    created: list[str]) -> _InPlace:
     plan = _InPlace()
     for key in common:
@@ -324,7 +324,7 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
     those no rank asks for."""
     select = _selector(keys)
-    sources = _Sources(record, rank, world_size, per_rank_from)
+    sources = Sources(record, rank, world_size, per_rank_from)
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k)]
     saved_set = set(saved)

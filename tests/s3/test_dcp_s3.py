@@ -40,3 +40,20 @@ def test_a_dcp_checkpoint_on_s3_loads_and_verifies(s3_env: str, s3_client: objec
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
     assert ckptio.verify(url) > 0
+
+
+def test_dcp_load_through_dcp_reader_from_s3(s3_env: str) -> None:
+    """ckptio.DcpReader over an s3:// prefix: ckptio.save there, dcp.load back (ranged GETs
+    through the S3 store's backend), bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 33)
+    url = f"{s3_env}/ck"
+    ckptio.save({"model": model.state_dict(), "step": 3}, url)
+    assert ckptio.DcpReader.validate_checkpoint_id(url)
+    state = {"model": torch.nn.Linear(64, 33).state_dict(), "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=ckptio.DcpReader(url))
+    assert state["step"] == 3
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
