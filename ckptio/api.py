@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -260,6 +260,27 @@ class Checkpointer:
         the one made of a DCP checkpoint there (``ckptio ls``)."""
         store, file = _target(path, self.options)
         return self._open(store, allow_pickle=allow_pickle, file=file)
+
+    def reader(self, path: str | os.PathLike[str], *, verify: bool | None = None,
+               allow_pickle: bool = False) -> tuple[Manifest, Callable[[list[Read]], int]]:
+        """What the checkpoint at ``path`` holds (as a load sees it) and a function that fills
+        Reads of it (format/types.py) through this Checkpointer's pool and the store's backend,
+        checking checksums unless ``verify`` is False (default Options.verify); -> bytes read.
+        For drivers that stream a checkpoint elsewhere (export)."""
+        store, file = _target(path, self.options)
+        record = self._open(store, allow_pickle=allow_pickle, file=file)
+        files = _data_dir(store, record)
+        verify = self.options.verify if verify is None else verify
+        algorithm = record.checksum_algorithm if verify else None
+
+        def read(reads: list[Read]) -> int:
+            with self._lock:
+                pool, backend = self._resources(store)
+                return read_regions(files, reads, pool=pool, backend=backend,
+                                    depth=self._active.io_depth, algorithm=algorithm,
+                                    block_nbytes=record.block_nbytes)
+
+        return record, read
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.
