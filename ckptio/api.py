@@ -26,7 +26,7 @@ from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
-from ckptio.loading import foreign, torchsave
+from ckptio.loading import foreign, safetensors, torchsave
 from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
@@ -232,13 +232,16 @@ class Checkpointer:
     def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
         """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
         manifest) the Manifest loading/foreign.py makes of it, and for a torch.save ``file``
-        in it the one loading/torchsave.py makes, reading through this Checkpointer's pool and
-        the store's backend."""
+        in it the one loading/torchsave.py makes, and for a safetensors file or a Hugging Face
+        folder (an index or model.safetensors) loading/safetensors.py's, reading through this
+        Checkpointer's pool and the store's backend."""
+        hf = file is not None and safetensors.is_safetensors_name(file)
         if file is None:
             try:
                 return _committed(store)
             except CheckpointNotFoundError:
-                if not foreign.holds_dcp(store):
+                hf = not foreign.holds_dcp(store)
+                if hf and not safetensors.holds_hf(store):
                     raise
         with self._lock:
             pool, backend = self._resources(store)
@@ -248,7 +251,9 @@ class Checkpointer:
                 return read_regions(store.location, reads, pool=pool, backend=backend,
                                     algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
 
-            if file is not None:
+            if hf:
+                record = safetensors.open_safetensors(store, read, file)
+            elif file is not None:
                 record = torchsave.open_torch_save(store, file, read)
             else:
                 record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
