@@ -259,7 +259,7 @@ def export_two_ranks(rank: int, world: int, src: str, dst: str) -> tuple[int, tu
 def load_two_ranks(rank: int, world: int, hf: str) -> tuple[dict[str, np.ndarray], int]:
     model = _build(99, fsdp=True)
     sd = model.state_dict()
-    report = ckptio.load(hf, {"model": sd}, keys="model.", strict=False, options=OPTS)
+    report = ckptio.load(hf, {"model": sd}, keys="model", options=OPTS)
     return {k: v.full_tensor().detach().numpy().copy() for k, v in sd.items()}, report.nbytes_read
 
 
@@ -320,9 +320,10 @@ def test_transformers_from_pretrained_and_back(tmp_path: Path, kind: str,
         want = model(ids).logits
     model.config.save_pretrained(tmp_path / "cfg")
     ckptio.save({"model": model.state_dict(), "step": 7}, tmp_path / "ck", options=OPTS)
-    ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", keys="model.", copy_from=tmp_path / "cfg",
-                     max_shard_bytes=40_000, options=OPTS)
-    assert (tmp_path / "hf" / "config.json").exists()
+    result = ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", keys="model.",
+                              copy_from=tmp_path / "cfg", max_shard_bytes=40_000, options=OPTS)
+    assert len(result.files) > 1 and (tmp_path / "hf" / "config.json").exists()
+    assert result.dropped == (("model.lm_head.weight",) if kind == "gpt2" else ())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", local_files_only=True).eval()
     with torch.no_grad():
