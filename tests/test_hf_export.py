@@ -11,6 +11,7 @@ Refusals: a non-empty destination, non-tensor keys, hostile safetensors headers 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -219,7 +220,7 @@ def test_hostile_index_refused(tmp_path: Path) -> None:
 
 def _build(seed: int, fsdp: bool) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(DIMS, DIMS[1:])])
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(DIMS)])
     if fsdp:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -336,3 +337,53 @@ def test_transformers_from_pretrained_and_back(tmp_path: Path, kind: str,
     assert report.missing == tied and not report.unexpected
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# failures: nothing committed, the previous export intact
+
+
+def test_write_failure_leaves_previous_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                              ) -> None:
+    from ckptio import export
+
+    ckptio.save(_state(), tmp_path / "ck", options=OPTS)
+    dst = tmp_path / "hf"
+    ckptio.export_hf(tmp_path / "ck", dst, max_shard_bytes=300, options=OPTS)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    real = export.write_windows
+    calls = []
+
+    def failing(*args: Any, **kwargs: Any) -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise ckptio.StorageIOError("disk full (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "write_windows", failing)
+    with pytest.raises(ckptio.StorageIOError, match="injected"):
+        ckptio.export_hf(tmp_path / "ck", dst, max_shard_bytes=300, dtype=torch.bfloat16,
+                         overwrite=True, options=OPTS)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # no temp file either
+
+
+def export_failing_on_rank_1(rank: int, world: int, src: str, dst: str) -> str:
+    def rename(key: str) -> str:
+        if rank == 1:
+            raise ckptio.CkptError("rename refused on rank 1 (injected)")
+        return key
+
+    try:
+        ckptio.export_hf(src, dst, keys=None, rename=rename, options=OPTS)
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_one_rank_failing_fails_every_rank(tmp_path: Path) -> None:
+    src, dst = str(tmp_path / "ck"), str(tmp_path / "hf")
+    run_ranks(2, save_two_ranks, src, timeout_s=300)
+    errors = run_ranks(2, export_failing_on_rank_1, src, dst, timeout_s=300)
+    assert errors[0].startswith("RankFailedError") and "rank 1" in errors[0], errors[0]
+    assert "injected" in errors[1]
+    assert not os.path.exists(dst) or not os.listdir(dst)
