@@ -35,7 +35,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.errors import (CheckpointNotFoundError, CkptError, PickleRefusedError,
                            UnsupportedPathError)
 from ckptio.format.flatten import flatten
-from ckptio.options import Options
+from ckptio.options import BLOCK, Options
 from ckptio.io.s3client import S3Settings, is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
@@ -277,13 +277,16 @@ class Checkpointer:
         files = _data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
+        # unverified, a partial read need not widen to whole checksum blocks (a foreign
+        # checkpoint's "block" is its whole entry)
+        block_nbytes = record.block_nbytes if verify else BLOCK
 
         def read(reads: list[Read]) -> int:
             with self._lock:
                 pool, backend = self._resources(store)
                 return read_regions(files, reads, pool=pool, backend=backend,
                                     depth=self._active.io_depth, algorithm=algorithm,
-                                    block_nbytes=record.block_nbytes)
+                                    block_nbytes=block_nbytes)
 
         return record, read
 

@@ -83,7 +83,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
               dtype: torch.dtype | str | None = None, max_shard_bytes: int = 5 * 10**9,
               copy_from: str | os.PathLike[str] | None = None, overwrite: bool = False,
               metadata: dict[str, str] | None = None, options: Options | None = None,
-              process_group: Any = None) -> HFExport:
+              verify: bool | None = None, process_group: Any = None) -> HFExport:
     """Write the tensors of checkpoint ``src`` under ``keys`` (a prefix, stripped; None: all)
     as Hugging Face safetensors shards of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json`` in the local directory ``dst``.
@@ -93,6 +93,9 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     copy_from: a directory whose other files (config.json, tokenizer files) are copied along.
     overwrite: replace what ``dst`` holds (refused otherwise when it is not empty).
     metadata: extra ``__metadata__`` strings for every file (``format: pt`` is always there).
+    verify: check the source's checksums as it is read (default Options.verify). A DCP or
+    torch.save source has one checksum per whole entry, so a verified export reads each of
+    its tensors whole once per window it spans: pass verify=False (or ckptio.verify first).
     With torch.distributed initialised (or ``process_group``), every rank calls this together
     and the files are split between the ranks by bytes.
     """
@@ -105,7 +108,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         plan: ExportPlan | None = None
         error: BaseException | None = None
         try:
-            record, read = checkpointer.reader(src)
+            record, read = checkpointer.reader(src, verify=verify)
             plan = plan_export(record, keys=keys, rename=rename, dtype=out_dtype,
                                max_shard_bytes=max_shard_bytes, align=BLOCK, metadata=metadata)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below

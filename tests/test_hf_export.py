@@ -387,3 +387,49 @@ def test_one_rank_failing_fails_every_rank(tmp_path: Path) -> None:
     assert errors[0].startswith("RankFailedError") and "rank 1" in errors[0], errors[0]
     assert "injected" in errors[1]
     assert not os.path.exists(dst) or not os.listdir(dst)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_export_from_dcp_dir_and_torch_save_file(tmp_path: Path, verify: bool) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = {k: v for k, v in _state()["model"].items() if k != "scale"}  # DCP: 0-dim is bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / "dcp"))
+    torch.save({"model": model}, tmp_path / "t.pt")
+    for i, src in enumerate((tmp_path / "dcp", tmp_path / "t.pt")):
+        dst = tmp_path / f"hf{i}"
+        ckptio.export_hf(src, dst, max_shard_bytes=300, verify=verify, options=OPTS)
+        got = _hf_tensors(dst)
+        assert sorted(got) == sorted(model)
+        assert all(torch.equal(got[k], v) for k, v in model.items())
+
+
+def test_import_bf16_into_fp32_with_cast(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(6, 5), "n": torch.arange(3)}}
+    ckptio.save(state, tmp_path / "ck", options=OPTS)
+    ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", dtype="bfloat16", options=OPTS)
+    fresh = {"w": torch.zeros(6, 5), "n": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(ckptio.StateMismatchError, match="w"):
+        ckptio.load(tmp_path / "hf", fresh, options=OPTS)
+    ckptio.load(tmp_path / "hf", fresh, cast=True, options=OPTS)
+    assert torch.equal(fresh["w"], state["model"]["w"].bfloat16().float())
+    assert torch.equal(fresh["n"], state["model"]["n"])
+
+
+def test_export_and_import_need_no_safetensors_package(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    state = _state()
+    ckptio.save(state, tmp_path / "ck", options=OPTS)
+    for name in [n for n in sys.modules if n == "safetensors" or n.startswith("safetensors.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # any import of it now raises ImportError
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=300, options=OPTS)
+    fresh = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+    ckptio.load(tmp_path / "hf", fresh, options=OPTS)
+    assert all(torch.equal(fresh[k], v) for k, v in state["model"].items())
