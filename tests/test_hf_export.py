@@ -59,7 +59,8 @@ def _check_index(path: Path, files: int) -> dict[str, Any]:
 
 def _state() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(7)
-    return {"model": {"embed": torch.randn(40, 16, generator=gen),
+    return {"model": {"big": torch.randn(700, 1000, generator=gen),  # 2.8 MB: several windows
+                      "embed": torch.randn(40, 16, generator=gen),
                       "layer.w": torch.randn(16, 16, generator=gen, dtype=torch.float64),
                       "layer.b": torch.randn(16, generator=gen).half(),
                       "count": torch.arange(9, dtype=torch.int32),
@@ -148,7 +149,7 @@ def test_refusals_and_overwrite(tmp_path: Path) -> None:
     ckptio.export_hf(tmp_path / "ck", dst, max_shard_bytes=512, overwrite=True, options=OPTS)
     many = len(list(dst.glob("*.safetensors")))
     assert many > 2
-    ckptio.export_hf(tmp_path / "ck", dst, max_shard_bytes=10**6, overwrite=True, options=OPTS)
+    ckptio.export_hf(tmp_path / "ck", dst, max_shard_bytes=10**7, overwrite=True, options=OPTS)
     assert sorted(os.listdir(dst)) == ["keep.txt", "model.safetensors"]
 
 
@@ -235,19 +236,21 @@ def _build(seed: int, fsdp: bool) -> torch.nn.Module:
 
 def _full() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return {"rows": torch.randn(9, 7, generator=gen), "flat": torch.randn(5, 11, generator=gen)}
+    return {"rows": torch.randn(600, 700, generator=gen),  # 1.7 MB: windows cross the ranks' cut
+            "flat": torch.randn(5, 11, generator=gen)}
 
 
 def save_two_ranks(rank: int, world: int, path: str) -> None:
     """FSDP2 model state (DTensors) plus TensorShard rows and FlatShard partitions."""
     model = _build(11, fsdp=True)
     full = _full()
-    rows = full["rows"][:5] if rank == 0 else full["rows"][5:]
+    rows = full["rows"][:250] if rank == 0 else full["rows"][250:]
     flat = full["flat"].reshape(-1)
     cut = 23  # not on a row boundary
     part = flat[:cut] if rank == 0 else flat[cut:]
     state = {"model": model.state_dict(),
-             "extra": {"rows": ckptio.TensorShard(rows.clone(), (9, 7), (0 if rank == 0 else 5, 0)),
+             "extra": {"rows": ckptio.TensorShard(rows.clone(), (600, 700),
+                                                  (0 if rank == 0 else 250, 0)),
                        "flat": ckptio.FlatShard(part.clone(), (5, 11), 0 if rank == 0 else cut)}}
     ckptio.save(state, path, options=OPTS)
 
