@@ -436,3 +436,46 @@ def test_export_and_import_need_no_safetensors_package(tmp_path: Path,
     fresh = {k: torch.zeros_like(v) for k, v in state["model"].items()}
     ckptio.load(tmp_path / "hf", fresh, options=OPTS)
     assert all(torch.equal(fresh[k], v) for k, v in state["model"].items())
+
+
+_RSS_CHILD = """
+import sys, torch, ckptio
+
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+opts = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident set
+before = rss_kib("VmRSS:")
+if sys.argv[3] == "export":
+    ckptio.export_hf(sys.argv[1], sys.argv[2], max_shard_bytes=40 << 20, dtype=torch.bfloat16,
+                     options=opts)
+else:  # what the bound guards against: the whole state in memory
+    state = ckptio.load(sys.argv[1], options=opts)
+print(rss_kib("VmHWM:") - before)
+"""
+
+
+def test_export_memory_is_bounded(tmp_path: Path) -> None:
+    """96 MB of fp32 exported (as bf16) by a fresh process grows its peak RSS by far less than
+    the state: the pool (4 MB), two windows (2 MB), scratch and slack."""
+    import subprocess
+    import sys
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(1000, 3000, generator=gen) for i in range(8)}}
+    ckptio.save(state, tmp_path / "ck", options=OPTS)
+    del state
+    grown = {}
+    for what in ("export", "load"):
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / "ck"),
+                              str(tmp_path / "hf"), what], check=False, capture_output=True,
+                             text=True,
+                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr
+        grown[what] = int(out.stdout.split()[-1])
+    assert grown["load"] > 90 * 1024, grown  # the measure sees a whole state in memory
+    assert grown["export"] < 40 * 1024, f"peak RSS grew by {grown} KiB exporting 96 MB"
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
