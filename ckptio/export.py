@@ -206,7 +206,7 @@ def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn) -> None:
         part = header[window.offset:window.offset + window.nbytes]
         buffer.view[:len(part)] = part
     reads: list[Read] = []
-    casts = []
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for part in window.parts:
         source = part.tensor.source
         dest = typed(buffer, part.at, part.count * torch_dtype(source.out_dtype).itemsize,

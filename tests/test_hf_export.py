@@ -479,3 +479,17 @@ def test_export_memory_is_bounded(tmp_path: Path) -> None:
     assert grown["load"] > 90 * 1024, grown  # the measure sees a whole state in memory
     assert grown["export"] < 40 * 1024, f"peak RSS grew by {grown} KiB exporting 96 MB"
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 2
+
+
+def test_load_folder_saved_by_transformers(tmp_path: Path) -> None:
+    """A folder written by save_pretrained itself (sharded, with its index) loads in place."""
+    model = _tiny("gpt2", seed=8)
+    model.save_pretrained(tmp_path / "native", max_shard_size="20KB")
+    assert (tmp_path / "native" / st.INDEX_NAME).exists()
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(2))
+    fresh = _tiny("gpt2", seed=9)
+    report = ckptio.load(tmp_path / "native", fresh.state_dict(), strict=False, options=OPTS)
+    assert report.missing == ("lm_head.weight",) and not report.unexpected
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    assert ckptio.verify(tmp_path / "native") > 0
