@@ -493,3 +493,12 @@ def test_load_folder_saved_by_transformers(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, model(ids).logits)
     assert ckptio.verify(tmp_path / "native") > 0
+
+
+def test_alias_of_a_key_left_out_is_exported(tmp_path: Path) -> None:
+    w = torch.randn(3, 4)
+    ckptio.save({"emb": w, "model": {"head": w, "b": torch.ones(2)}}, tmp_path / "ck", options=OPTS)
+    result = ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", options=OPTS)
+    assert result.dropped == ()
+    got = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(got) == ["b", "head"] and torch.equal(got["head"], w)

@@ -132,7 +132,7 @@ def select(record: Manifest, keys: str | None, rename: Rename | None,
     targets = dict(record.aliases)
     dropped = [a for a, t in record.aliases if a.startswith(prefix) and t.startswith(prefix)]
     chosen = [(k, v) for k, v in entries.items()]
-    chosen += [(a, entries_of(record, targets[a])) for a, t in record.aliases
+    chosen += [(a, _entries_of(record, targets[a])) for a, t in record.aliases
                if a.startswith(prefix) and not t.startswith(prefix)]
     sources: list[Source] = []
     names: dict[str, str] = {}
@@ -151,7 +151,7 @@ def select(record: Manifest, keys: str | None, rename: Rename | None,
     return sources, dropped
 
 
-def entries_of(record: Manifest, key: str) -> list[TensorEntry]:
+def _entries_of(record: Manifest, key: str) -> list[TensorEntry]:
     return [e for e in record.tensors if e.key == key]
 
 
