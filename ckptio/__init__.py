@@ -25,6 +25,7 @@ from ckptio.errors import (CheckpointLockedError, CheckpointNotFoundError, CkptE
 from ckptio.options import Options
 from ckptio.rng import RNGState
 from ckptio.manager import CheckpointManager
+from ckptio.export import export_hf
 from ckptio.planning.sharding import FlatShard, TensorShard
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
     "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard", "RNGState", "CheckpointManager",
+    "export_hf",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
     "UnsupportedStateError", "UnsupportedPathError", "DcpReader",

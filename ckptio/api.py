@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
-from ckptio.loading import foreign, torchsave
+from ckptio.loading import foreign, safetensors, torchsave
 from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
@@ -35,7 +35,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.errors import (CheckpointNotFoundError, CkptError, PickleRefusedError,
                            UnsupportedPathError)
 from ckptio.format.flatten import flatten
-from ckptio.options import Options
+from ckptio.options import BLOCK, Options
 from ckptio.io.s3client import S3Settings, is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
@@ -232,13 +232,16 @@ class Checkpointer:
     def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
         """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
         manifest) the Manifest loading/foreign.py makes of it, and for a torch.save ``file``
-        in it the one loading/torchsave.py makes, reading through this Checkpointer's pool and
-        the store's backend."""
+        in it the one loading/torchsave.py makes, and for a safetensors file or a Hugging Face
+        folder (an index or model.safetensors) loading/safetensors.py's, reading through this
+        Checkpointer's pool and the store's backend."""
+        hf = file is not None and safetensors.is_safetensors_name(file)
         if file is None:
             try:
                 return _committed(store)
             except CheckpointNotFoundError:
-                if not foreign.holds_dcp(store):
+                hf = not foreign.holds_dcp(store)
+                if hf and not safetensors.holds_hf(store):
                     raise
         with self._lock:
             pool, backend = self._resources(store)
@@ -248,7 +251,9 @@ class Checkpointer:
                 return read_regions(store.location, reads, pool=pool, backend=backend,
                                     algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
 
-            if file is not None:
+            if hf:
+                record = safetensors.open_safetensors(store, read, file)
+            elif file is not None:
                 record = torchsave.open_torch_save(store, file, read)
             else:
                 record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
@@ -268,13 +273,34 @@ class Checkpointer:
         the store's backend, checksums checked unless ``verify`` is False (default
         Options.verify). For drivers that plan their own reads (ckptio.DcpReader). -> bytes read."""
         store, _file = _target(path, self.options)
+        return self._reads_of(store, record, verify)(list(reads))
+
+    def reader(self, path: str | os.PathLike[str], *, verify: bool | None = None,
+               allow_pickle: bool = False) -> tuple[Manifest, Callable[[list[Read]], int]]:
+        """What the checkpoint at ``path`` holds (as a load sees it) and a function that fills
+        Reads of it (format/types.py) as ``read`` does. For drivers that stream a checkpoint
+        elsewhere (export)."""
+        store, file = _target(path, self.options)
+        record = self._open(store, allow_pickle=allow_pickle, file=file)
+        return record, self._reads_of(store, record, verify)
+
+    def _reads_of(self, store: Store, record: Manifest,
+                  verify: bool | None) -> Callable[[list[Read]], int]:
         files = _data_dir(store, record)
-        check = self.options.verify if verify is None else verify
-        with self._lock:
-            pool, backend = self._resources(store)
-            return read_regions(files, reads, pool=pool, backend=backend,
-                                algorithm=record.checksum_algorithm if check else None,
-                                block_nbytes=record.block_nbytes, depth=self._active.io_depth)
+        verify = self.options.verify if verify is None else verify
+        algorithm = record.checksum_algorithm if verify else None
+        # unverified, a partial read need not widen to whole checksum blocks (a foreign
+        # checkpoint's "block" is its whole entry)
+        block_nbytes = record.block_nbytes if verify else BLOCK
+
+        def read(reads: list[Read]) -> int:
+            with self._lock:
+                pool, backend = self._resources(store)
+                return read_regions(files, reads, pool=pool, backend=backend,
+                                    depth=self._active.io_depth, algorithm=algorithm,
+                                    block_nbytes=block_nbytes)
+
+        return read
 
     def verify(self, path: str | os.PathLike[str]) -> int:
         """Check everything a load checks, without loading; -> bytes read.

@@ -56,7 +56,7 @@ MAY_IMPORT_BENCHMARKS = {"ckptio.cli"}
 PUBLIC = {
     "Checkpointer", "CheckpointManager", "save", "async_save", "load", "verify", "Options",
     "RNGState", "TensorShard", "FlatShard", "SaveHandle", "SaveResult", "AsyncSaveResult",
-    "LoadReport", "Progress", "__version__",
+    "LoadReport", "Progress", "__version__", "export_hf",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",

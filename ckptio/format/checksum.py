@@ -16,7 +16,7 @@ import xxhash
 
 from ckptio.errors import CkptError
 
-__all__ = ["ALGORITHMS", "BlockHasher", "Crc32", "Hasher", "new_hasher"]
+__all__ = ["ALGORITHMS", "BlockHasher", "Crc32", "Hasher", "NoChecksum", "new_hasher"]
 
 ALGORITHMS = ("xxh3_64", "crc32")
 
@@ -39,7 +39,19 @@ class Crc32:
         return f"{self.value:08x}"
 
 
+class NoChecksum:
+    """Algorithm ``none`` (safetensors files carry no checksums): hexdigest is always ""."""
+
+    def update(self, data: memoryview | bytes) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
+
+
 def new_hasher(algorithm: str) -> Hasher:
+    if algorithm == "none":
+        return NoChecksum()
     if algorithm == "xxh3_64":
         return xxhash.xxh3_64()
     if algorithm == "crc32":

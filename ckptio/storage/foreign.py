@@ -80,9 +80,10 @@ def _other_library(names: list[str]) -> str:
                 "earlier one")
     safetensors = [n for n in names if n.endswith(".safetensors")]
     if safetensors:
-        return (f"holds safetensors files ({_some(safetensors)}), not a ckptio checkpoint: load "
-                "them with safetensors.torch.load_file (a Hugging Face model folder: with "
-                "from_pretrained)")
+        return (f"holds safetensors files ({_some(safetensors)}) but no "
+                "model.safetensors.index.json naming them: ckptio.load reads one of the files, "
+                "or load them with safetensors.torch.load_file (a Hugging Face model folder: "
+                "with from_pretrained)")
     torch_files = [n for n in names if n.endswith(_TORCH_SUFFIXES)]
     if torch_files:
         return (f"holds torch.save files ({_some(torch_files)}), not a ckptio checkpoint: pass "

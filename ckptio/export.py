@@ -1,0 +1,321 @@
+"""``export_hf``: any checkpoint ckptio loads, written as a Hugging Face safetensors directory.
+
+    ckptio.export_hf("ckpts/step-1000", "hf/", keys="model.", copy_from="configs/")
+
+Steps (one process, or every rank of a process group together):
+
+1. open the source as a load does (ckptio manifest, DCP dir, torch.save file, safetensors) and
+   plan the export (planning/export.py, pure): names, files, offsets; files go to ranks by
+   bytes. One collective step: every rank planned; the coordinator checks ``dst`` (empty, or
+   ``overwrite``) and hands out this export's temp-file token.
+2. each rank streams its files (saving/stream.py): every window's flat element ranges are read
+   by loading/read.py (resharded from whatever chunks, DTensor shards or flat partitions the
+   source holds, checksums verified), cast when ``dtype`` asks, written aligned into
+   ``.<name>.ckptio-<token>.tmp``, cut to size and fsynced. Memory: the read pool plus two
+   windows.
+3. one collective step "every file written"; its decision on the coordinator is the commit:
+   files of ``copy_from`` copied, the temp files renamed, stale shards of an overwritten export
+   removed, and ``model.safetensors.index.json`` written last (tmp + rename, directory fsynced;
+   a single ``model.safetensors`` has no index). The directory is complete once the index (or
+   the single file) exists. A failure on any rank removes every temp file and raises on every
+   rank.
+
+Owns: the order of those steps and the commit. Does not own: the plan (planning/export.py), the
+header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
+write loop (saving/stream.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptio.api import Checkpointer, store_for
+from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
+from ckptio.distributed.step import coordinate, listed
+from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
+from ckptio.format import safetensors as st
+from ckptio.format.types import Chunk, Read
+from ckptio.io.s3client import is_s3
+from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
+from ckptio.options import BLOCK, Options
+from ckptio.planning.export import (
+    ExportFile,
+    ExportPlan,
+    Window,
+    assign,
+    plan_export,
+    windows,
+)
+from ckptio.saving.stream import write_windows
+
+__all__ = ["HFExport", "export_hf"]
+
+ReadFn = Callable[[list[Read]], int]
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_WINDOWS = 2  # window buffers: one being filled while the other is written
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """What ``export_hf`` wrote: the directory, its safetensors files (all ranks'), the index
+    totals, the alias keys left out (tied weights), bytes this rank wrote, seconds."""
+
+    path: str
+    files: tuple[str, ...]
+    total_size: int
+    total_parameters: int
+    dropped: tuple[str, ...]
+    nbytes_written: int
+    seconds: float
+
+
+def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+              keys: str | None = "model.", rename: Callable[[str], str | None] | None = None,
+              dtype: torch.dtype | str | None = None, max_shard_bytes: int = 5 * 10**9,
+              copy_from: str | os.PathLike[str] | None = None, overwrite: bool = False,
+              metadata: dict[str, str] | None = None, options: Options | None = None,
+              verify: bool | None = None, process_group: Any = None) -> HFExport:
+    """Write the tensors of checkpoint ``src`` under ``keys`` (a prefix, stripped; None: all)
+    as Hugging Face safetensors shards of at most ``max_shard_bytes`` plus
+    ``model.safetensors.index.json`` in the local directory ``dst``.
+
+    rename: maps each (stripped) key to its exported name, or None to leave it out.
+    dtype: convert floating tensors (float64/32/16, bfloat16) to this one, e.g. torch.bfloat16.
+    copy_from: a directory whose other files (config.json, tokenizer files) are copied along.
+    overwrite: replace what ``dst`` holds (refused otherwise when it is not empty).
+    metadata: extra ``__metadata__`` strings for every file (``format: pt`` is always there).
+    verify: check the source's checksums as it is read (default Options.verify). A DCP or
+    torch.save source has one checksum per whole entry, so a verified export reads each of
+    its tensors whole once per window it spans: pass verify=False (or ckptio.verify first).
+    With torch.distributed initialised (or ``process_group``), every rank calls this together
+    and the files are split between the ranks by bytes.
+    """
+    started = time.perf_counter()
+    out = _destination(dst)
+    out_dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+    group: Group = Solo() if (g := current_group(process_group)) is None else TorchGroup(g)
+    checkpointer = Checkpointer(options)
+    try:
+        plan: ExportPlan | None = None
+        error: BaseException | None = None
+        try:
+            record, read = checkpointer.reader(src, verify=verify)
+            plan = plan_export(record, keys=keys, rename=rename, dtype=out_dtype,
+                               max_shard_bytes=max_shard_bytes, align=BLOCK, metadata=metadata)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
+            error = exc
+        token = _agree(group, plan, error, out, overwrite)
+        assert plan is not None  # internal: _agree raised otherwise
+        mine = assign(plan.files, group.size)[group.rank]
+        written, error = 0, None
+        try:
+            written = _write_files(checkpointer, read, [plan.files[i] for i in mine], out, token)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
+            error = exc
+        _commit(group, plan, error, out, token, copy_from, overwrite)
+    finally:
+        checkpointer.close()
+    return HFExport(out, tuple(f.name for f in plan.files), plan.total_size,
+                    plan.total_parameters, plan.dropped, written, time.perf_counter() - started)
+
+
+def _destination(dst: str | os.PathLike[str]) -> str:
+    text = os.fspath(dst)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if is_s3(text) or "://" in text:
+        raise UnsupportedPathError(f"export_hf(dst={text!r}): the export goes to a local (or "
+                                   "mounted) directory; copy it to object storage afterwards")
+    return os.path.abspath(text)
+
+
+def _failed(what: str) -> Callable[[list[str]], str]:
+    return lambda failures: f"export_hf: {what} failed on another rank ({listed(failures)})"
+
+
+def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, out: str,
+           overwrite: bool) -> str:
+    """Step 1: every rank planned the same files; ``dst`` is usable; -> the temp-file token."""
+    mine = b"" if plan is None else repr([(f.name, f.nbytes) for f in plan.files]).encode()
+
+    def decide(plans: list[bytes]) -> list[bytes]:
+        if any(p != plans[0] for p in plans):
+            raise CkptError("export_hf: the ranks planned different files (was the source "
+                            "checkpoint changing, or were the arguments different?)")
+        _check_destination(out, overwrite)
+        return [uuid.uuid4().hex[:12].encode()] * len(plans)
+
+    answer = coordinate(group, mine, error, decide, _failed("planning"))
+    if answer is None:
+        assert error is not None  # internal: coordinate's contract
+        raise error
+    return answer.decode()
+
+
+def _check_destination(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CkptError(f"export_hf: {out} exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise CkptError(f"export_hf: {out} is not empty; choose an empty or new directory, or "
+                        "pass overwrite=True to replace its export")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise StorageIOError(f"export_hf: cannot create {out}: {exc}") from None
+
+
+def _tmp(out: str, name: str, token: str) -> str:
+    return os.path.join(out, f".{name}.ckptio-{token}.tmp")
+
+
+def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFile], out: str,
+                 token: str) -> int:
+    """Step 2: this rank's files, each streamed into its temp file."""
+    if not files:
+        return 0
+    buffer_bytes = checkpointer.options.buffer_bytes
+    backend = store_for(out, checkpointer.options).backend(checkpointer.options)
+    pool = BufferPool(_WINDOWS, buffer_bytes)
+    written = 0
+    try:
+        for file in files:
+            def fill(window: Window, buffer: Buffer, file: ExportFile = file) -> None:
+                _fill(window, buffer, file.header, read)
+
+            written += write_windows(backend, pool, _tmp(out, file.name, token), file.nbytes,
+                                     windows(file, buffer_bytes), fill)
+    finally:
+        pool.close()
+        backend.shutdown()
+    return written
+
+
+def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn) -> None:
+    """A window's bytes: its part of the header, then its tensors' element ranges, read from
+    the source (into a scratch tensor first when the dtype changes)."""
+    if window.offset < len(header):
+        part = header[window.offset:window.offset + window.nbytes]
+        buffer.view[:len(part)] = part
+    reads: list[Read] = []
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for part in window.parts:
+        source = part.tensor.source
+        dest = typed(buffer, part.at, part.count * torch_dtype(source.out_dtype).itemsize,
+                     torch_dtype(source.out_dtype))
+        into = dest if source.out_dtype == source.dtype else torch.empty(
+            part.count, dtype=torch_dtype(source.dtype))
+        if into is not dest:
+            casts.append((dest, into))
+        if part.start == 0 and part.count == source.numel:  # whole: the stored chunk's layout
+            reads.append(Read(source.key, source.entries, Chunk.whole(source.shape),
+                              into.view(source.shape)))
+        else:
+            reads.append(Read(source.key, source.entries,
+                              Chunk((part.start,), (part.count,), flat=True), into))
+    if reads:
+        read(reads)
+    for dest, scratch in casts:
+        dest.copy_(scratch)
+
+
+def _commit(group: Group, plan: ExportPlan, error: BaseException | None, out: str, token: str,
+            copy_from: str | os.PathLike[str] | None, overwrite: bool) -> None:
+    """Step 3: every file written; the coordinator commits. Any failure removes the temp files
+    (each rank its own; the coordinator all of them) and raises on every rank."""
+    temps = [_tmp(out, f.name, token) for f in plan.files]
+
+    def decide(messages: list[bytes]) -> list[bytes]:
+        try:
+            _publish(plan, out, token, copy_from, overwrite)
+        except BaseException:
+            _remove(temps)
+            raise
+        return [b""] * len(messages)
+
+    try:
+        answer = coordinate(group, b"", error, decide, _failed("writing"))
+    except BaseException:
+        _remove(temps)
+        raise
+    if answer is None:
+        _remove(temps)
+        assert error is not None  # internal: coordinate's contract
+        raise error
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLike[str] | None,
+             overwrite: bool) -> None:
+    """Copy ``copy_from``'s files, rename the temp files, drop stale shards, write the index."""
+    index = os.path.join(out, st.INDEX_NAME)
+    try:
+        if overwrite:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(index)  # the old export is incomplete from here on
+        if copy_from is not None:
+            _copy_files(os.fspath(copy_from), out, token)
+        names = {f.name for f in plan.files}
+        for name in names:
+            os.replace(_tmp(out, name, token), os.path.join(out, name))
+        for name in os.listdir(out):
+            if overwrite and name.endswith(".safetensors") and name not in names:
+                os.unlink(os.path.join(out, name))
+        if len(plan.files) > 1:
+            _write_durable(index, st.encode_index(plan.weight_map, plan.total_size,
+                                                  {"total_parameters": plan.total_parameters}))
+        _fsync_dir(out)
+    except OSError as exc:
+        raise StorageIOError(f"export_hf: committing {out}: {exc}") from None
+
+
+def _copy_files(source: str, out: str, token: str) -> None:
+    if not os.path.isdir(source):
+        raise CkptError(f"export_hf(copy_from={source!r}): not a directory")
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if (not os.path.isfile(path) or name.endswith(_WEIGHT_SUFFIXES)
+                or name == st.INDEX_NAME or name.startswith(".")):
+            continue
+        tmp = _tmp(out, name, token)
+        shutil.copyfile(path, tmp)
+        _sync_file(tmp)
+        os.replace(tmp, os.path.join(out, name))
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    tmp = f"{path}.ckptio-tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
