@@ -30,8 +30,18 @@ __all__ = [
     "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard", "RNGState", "CheckpointManager",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-    "UnsupportedStateError", "UnsupportedPathError",
+    "UnsupportedStateError", "UnsupportedPathError", "DcpWriter",
 ]
 
 AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's
 
+
+
+def __getattr__(name: str) -> object:
+    """``ckptio.DcpWriter`` on first use: it imports torch.distributed.checkpoint (~0.9 s), which
+    ``import ckptio`` does not pay for (PEP 562)."""
+    if name == "DcpWriter":
+        from ckptio.dcp import DcpWriter
+
+        return DcpWriter
+    raise AttributeError(f"module 'ckptio' has no attribute {name!r}")

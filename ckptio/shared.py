@@ -20,7 +20,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.loading.fill import KeyFilter, RankPolicy
 from ckptio.options import Options
 
-__all__ = ["async_save", "load", "save", "verify"]
+__all__ = ["async_save", "checkpointer", "load", "save", "verify"]
 
 _default: Checkpointer | None = None
 _default_lock = threading.Lock()
@@ -37,6 +37,12 @@ def _checkpointer(options: Options | None) -> Checkpointer:
                 _default.close()
             _default = Checkpointer(wanted)
         return _default
+
+
+def checkpointer(options: Options | None = None) -> Checkpointer:
+    """The process's shared Checkpointer for ``options`` (what ckptio.save uses; ckptio.DcpWriter
+    saves through its pool and backend too)."""
+    return _checkpointer(options)
 
 
 def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,

@@ -60,6 +60,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
+    "DcpWriter",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

@@ -13,4 +13,6 @@ Does not own: I/O, checksums, commit (saving/, loading/, storage/ below it).
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ckptio.dcp.writer import DcpWriter
+
+__all__ = ["DcpWriter"]
