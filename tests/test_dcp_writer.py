@@ -1,0 +1,325 @@
+"""``dcp.save(state, storage_writer=ckptio.DcpWriter(path))`` writes an ordinary ckptio checkpoint.
+
+Real DCP (torch 2.13) on real gloo ranks (ckptio.testing.ranks.run_ranks), real files:
+
+* FSDP2 (``fully_shard`` MLP + AdamW after one step, uneven dims 12-30-17-5) saved on 2 ranks
+  three ways (dcp.save; dcp.async_save with the THREAD executor; a DCP ``Stateful`` app state
+  using get_state_dict/set_state_dict) and tensor parallel (Colwise/Rowwise, hidden dim 16);
+  each loaded with ``ckptio.load`` in place into freshly built, differently initialised models
+  on 2 ranks (the same layout) and on 1 rank (a plain module): every parameter and optimizer
+  tensor bitwise equal to what was saved; ``ckptio.verify`` passes; a fresh ``ckptio.load``
+  (no target) returns the nested state.
+* dcp.async_save with the PROCESS executor (2 ranks as plain subprocesses: run_ranks' ranks are
+  daemons, which may not start DCP's checkpoint daemon), loaded bitwise; the writer pickles to
+  its path, options and if_locked only.
+* Faults: a write error on rank 1 commits nothing and leaves the previous checkpoint bitwise, the
+  next save (a new writer, if_locked="raise": the failed save's claim was let go) commits and
+  its cleanup removes the failed save's files; use_collectives=False is refused; a held claim
+  with if_locked="raise" refuses a second save.
+* One process without a process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import pickletools
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptio.testing.ranks import free_port, run_ranks
+
+DIMS = (12, 30, 17, 5)  # FSDP2 MLP: 17 and 5 do not divide by 2
+# tensor parallel: an even hidden dim (Colwise's plain local output, 9 + 8 rows of 17, is read
+# back by Rowwise as 2 x 9 columns: DCP aside, uneven TP does not run forward in torch 2.13)
+TP_DIMS = (12, 16, 5)
+RANKS_TIMEOUT_S = 300
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+# ------------------------------------------------------------------------------------------------
+# what the ranks run (module level: the ranks import this module)
+
+
+def _mlp(dims: tuple[int, ...], seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``fsdp``: every Linear and the root fully_shard-ed; ``tp``: Colwise then Rowwise over
+    every rank; ``plain``: an ordinary module (the ``tp`` or ``fsdp`` dims by ``seed``'s model)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = TP_DIMS if layout in ("tp", "plain_tp") else DIMS
+    model = _mlp(dims, seed)
+    if layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp":
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, dims: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4, dims[0], generator=gen), torch.randn(4, dims[-1], generator=gen)
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _whole(value: Any) -> np.ndarray:
+    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return full.detach().numpy().copy()
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, np.ndarray]:
+    """Every parameter and optimizer state tensor, whole, by FQN (collective when sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {f"model.{k}": _whole(v) for k, v in msd.items()}
+    for fqn, slots in osd["state"].items():
+        for name, value in slots.items():
+            out[f"optim.{fqn}.{name}"] = _whole(value)
+    return out
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """FQN-keyed model and optimizer state dicts (on a fresh optimizer, get_state_dict first
+    creates its state, so a load has tensors of the right layout to fill), and a step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "step": 0}
+
+
+class AppState:
+    """A DCP ``Stateful`` app state, as DCP's own tutorial writes it."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def _set(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_all(rank: int, world: int, root: str) -> dict[str, Any]:
+    """On 2 ranks: FSDP2 saved by dcp.save, by dcp.async_save (THREAD) and as a Stateful; TP
+    by dcp.save. -> the snapshots of what was saved."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    torch.set_num_threads(1)
+    model, opt = _build("fsdp", 0)
+    _train_step(model, opt, DIMS)
+    state = _state(model, opt)
+    state["step"] = 1
+    dcp.save(state, storage_writer=ckptio.DcpWriter(f"{root}/fsdp"))
+    writer = ckptio.DcpWriter(f"{root}/fsdp_thread")
+    dcp.async_save(state, storage_writer=writer).result()
+    dcp.save({"app": AppState(model, opt)}, storage_writer=ckptio.DcpWriter(f"{root}/app"))
+    fsdp = _snapshot(model, opt)
+
+    tp_model, tp_opt = _build("tp", 0)
+    _train_step(tp_model, tp_opt, TP_DIMS)
+    tp_state = _state(tp_model, tp_opt)
+    tp_state["step"] = 1
+    dcp.save(tp_state, storage_writer=ckptio.DcpWriter(f"{root}/tp"))
+    tp_local = {k: tuple(v.to_local().shape) for k, v in tp_state["model"].items()}
+    return {"fsdp": fsdp, "tp": _snapshot(tp_model, tp_opt), "tp_local": tp_local,
+            "writer_state": writer.__getstate__()}
+
+
+def load_all(rank: int, world: int, root: str) -> dict[str, Any]:
+    """On 2 ranks: each checkpoint of save_all loaded in place with ckptio.load into freshly
+    built models of the saving layout (seed 1: another initialisation)."""
+    import ckptio
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for name, layout in (("fsdp", "fsdp"), ("fsdp_thread", "fsdp"), ("tp", "tp")):
+        model, opt = _build(layout, 1)
+        state = _state(model, opt)
+        report = ckptio.load(f"{root}/{name}", state)
+        assert not report.missing and not report.unexpected, report
+        _set(model, opt, state)
+        out[name] = (_snapshot(model, opt), state["step"])
+    model, opt = _build("fsdp", 1)
+    ckptio.load(f"{root}/app", {"app": AppState(model, opt)})
+    out["app"] = (_snapshot(model, opt), None)
+    return out
+
+
+def _load_plain(path: str, layout: str, app: bool = False) -> tuple[dict[str, np.ndarray], Any]:
+    """In this process, no process group: a plain module of the saved dims loaded in place."""
+    import ckptio
+
+    model, opt = _build(layout, 1)
+    if app:
+        ckptio.load(path, {"app": AppState(model, opt)})
+        return _snapshot(model, opt), None
+    state = _state(model, opt)
+    report = ckptio.load(path, state)
+    assert not report.missing and not report.unexpected, report
+    _set(model, opt, state)
+    return _snapshot(model, opt), state["step"]
+
+
+def _assert_bitwise(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, (what, key)
+        assert torch.equal(torch.from_numpy(got[key]), torch.from_numpy(value)), (what, key)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2, TP, Stateful, async THREAD
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = str(tmp_path_factory.mktemp("dcpw"))
+    saved = run_ranks(2, save_all, root, timeout_s=RANKS_TIMEOUT_S)
+    loaded = run_ranks(2, load_all, root, timeout_s=RANKS_TIMEOUT_S)
+    return {"root": root, "saved": saved, "loaded": loaded}
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_thread", "app"])
+def test_fsdp2_saved_by_dcp_loads_bitwise_on_2_ranks_and_1(runs: dict[str, Any], name: str):
+    want = runs["saved"][0]["fsdp"]
+    assert runs["saved"][1]["fsdp"].keys() == want.keys()
+    fresh, _ = _load_plain(f"{runs['root']}/{name}", "plain", app=name == "app")
+    for rank in (0, 1):
+        got, step = runs["loaded"][rank][name]
+        _assert_bitwise(got, want, f"{name}, 2 ranks, rank {rank}")
+        assert step in (1, None), step
+    _assert_bitwise(fresh, want, f"{name}, 1 rank, plain module")
+
+
+def _fresh_snapshot(layout: str) -> dict[str, np.ndarray]:
+    model, opt = _build(layout, 1)
+    _state(model, opt)
+    return _snapshot(model, opt)
+
+
+def test_the_loads_were_not_vacuous(runs: dict[str, Any]):
+    """A fresh model differs from the saved one: equality above comes from the load."""
+    fresh, want = _fresh_snapshot("plain"), runs["saved"][0]["fsdp"]
+    assert any(not np.array_equal(fresh[k], want[k]) for k in want if k.startswith("model."))
+
+
+def test_tensor_parallel_saved_by_dcp_loads_bitwise(runs: dict[str, Any]):
+    want = runs["saved"][0]["tp"]
+    # Colwise splits the hidden rows, Rowwise the columns: really sharded
+    assert runs["saved"][1]["tp_local"]["0.weight"] == (8, 12)
+    assert runs["saved"][1]["tp_local"]["2.weight"] == (5, 8)
+    for rank in (0, 1):
+        got, step = runs["loaded"][rank]["tp"]
+        _assert_bitwise(got, want, f"tp, 2 ranks, rank {rank}")
+        assert step == 1
+    got, step = _load_plain(f"{runs['root']}/tp", "plain_tp")
+    _assert_bitwise(got, want, "tp, 1 rank, plain module")
+    assert step == 1
+
+
+def test_an_ordinary_ckptio_checkpoint(runs: dict[str, Any]):
+    """manifest.json and data files of both ranks, no .metadata; verify reads every byte;
+    a fresh load returns the nested state with DCP's values decoded."""
+    import ckptio
+    from ckptio.format import manifest
+
+    path = Path(runs["root"]) / "fsdp"
+    names = sorted(os.listdir(path))
+    assert "manifest.json" in names and ".metadata" not in names
+    assert {n.split("-r")[1][:5] for n in names if n.startswith("data-")} == {"00000", "00001"}
+    record = manifest.decode((path / "manifest.json").read_bytes(), str(path))
+    assert record.world_size == 2 and record.meta["dcp"] == {"version": "1.0.0"}
+    assert {t.kind for t in record.tensors} == {"tensor", "torch_save"}
+    assert ckptio.verify(str(path)) >= sum(t.nbytes for t in record.tensors)
+    fresh = ckptio.load(str(path))
+    want = runs["saved"][0]["fsdp"]
+    assert fresh["step"] == 1
+    assert torch.equal(fresh["model"]["0.weight"], torch.from_numpy(want["model.0.weight"]))
+    assert torch.equal(fresh["optim"]["state"]["4.bias"]["exp_avg_sq"],
+                       torch.from_numpy(want["optim.4.bias.exp_avg_sq"]))
+    group = fresh["optim"]["param_groups"][0]
+    assert group["betas"] == (0.9, 0.999) and group["lr"] == 1e-2
+    assert group["params"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+
+
+def test_verify_finds_a_flipped_byte(runs: dict[str, Any], tmp_path: Path):
+    import shutil
+
+    import ckptio
+    from ckptio.format import manifest
+
+    path = tmp_path / "copy"
+    shutil.copytree(Path(runs["root"]) / "tp", path)
+    record = manifest.decode((path / "manifest.json").read_bytes(), str(path))
+    entry = next(t for t in record.tensors if t.kind == "tensor" and t.nbytes > 16)
+    with open(path / entry.file, "r+b") as f:
+        f.seek(entry.offset + 5)
+        byte = f.read(1)
+        f.seek(entry.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ckptio.CorruptCheckpointError, match=entry.file):
+        ckptio.verify(str(path))
+
+
+def test_the_writer_pickles_to_path_options_and_if_locked(runs: dict[str, Any]):
+    state = runs["saved"][0]["writer_state"]  # after its async save ran
+    assert set(state) == {"path", "options", "if_locked"}
+    import ckptio
+
+    writer = ckptio.DcpWriter("/tmp/x", options=ckptio.Options(io_depth=2), if_locked="raise")
+    writer.reset()
+    data = pickle.dumps(writer)
+    globals_ = {arg for op, arg, _pos in pickletools.genops(data)
+                if op.name in ("GLOBAL", "STACK_GLOBAL") or isinstance(arg, str)}
+    assert not any("Lock" in g or "Thread" in g or "Pool" in g or "Backend" in g
+                   for g in map(str, globals_)), globals_
+    back = pickle.loads(data)
+    assert (back.path, back.options, back.if_locked) == ("/tmp/x", writer.options, "raise")
