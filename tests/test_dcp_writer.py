@@ -323,3 +323,66 @@ def test_the_writer_pickles_to_path_options_and_if_locked(runs: dict[str, Any]):
                    for g in map(str, globals_)), globals_
     back = pickle.loads(data)
     assert (back.path, back.options, back.if_locked) == ("/tmp/x", writer.options, "raise")
+
+
+# ------------------------------------------------------------------------------------------------
+# async_save with the PROCESS executor
+
+
+def process_rank(rank: int, world: int, port: int, root: str) -> None:
+    """One rank of the PROCESS executor test, in a plain (non-daemon) process: DCP's checkpoint
+    daemon receives each save's writer pickled and serves two saves in a row."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import ckptio
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model, opt = _build("fsdp", 0)
+        _train_step(model, opt, DIMS)
+        state = _state(model, opt)
+        state["step"] = 1
+        for name in ("process", "process2"):
+            dcp.async_save(state, storage_writer=ckptio.DcpWriter(f"{root}/{name}"),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        want = _snapshot(model, opt)
+        for name in ("process", "process2"):
+            fresh, fresh_opt = _build("fsdp", 1)
+            loaded = _state(fresh, fresh_opt)
+            ckptio.load(f"{root}/{name}", loaded)
+            _set(fresh, fresh_opt, loaded)
+            _assert_bitwise(_snapshot(fresh, fresh_opt), want, f"{name}, rank {rank}")
+            assert loaded["step"] == 1
+        print(f"rank {rank} ok", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_async_save_with_the_process_executor_loads_bitwise(tmp_path: Path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    port = free_port()
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {here!r})
+        import test_dcp_writer as t
+        t.process_rank(int(sys.argv[1]), 2, {port}, {str(tmp_path)!r})
+    """)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=RANKS_TIMEOUT_S)
+            outputs.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (code_, out) in enumerate(outputs):
+        assert code_ == 0 and f"rank {rank} ok" in out, out[-4000:]
