@@ -22,6 +22,7 @@ Real DCP (torch 2.13) on real gloo ranks (ckptio.testing.ranks.run_ranks), real 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import pickle
 import pickletools
@@ -54,7 +55,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def _mlp(dims: tuple[int, ...], seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         layers.append(torch.nn.Linear(a, b))
         if i < len(dims) - 2:
             layers.append(torch.nn.ReLU())
@@ -78,8 +79,11 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout == "tp":
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})

@@ -39,11 +39,11 @@ import weakref
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from ckptio.api import checkpoint_path, store_for
 from ckptio.dcp import writeplan
