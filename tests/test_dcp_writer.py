@@ -577,3 +577,39 @@ def test_a_pickled_object_is_refused_without_allow_pickle(tmp_path: Path):
     with pytest.raises(ckptio.PickleRefusedError, match="'obj'.*allow_pickle=True"):
         ckptio.load(path)
     assert ckptio.verify(path) > 0  # verify reads the bytes, decodes nothing
+
+
+def test_a_fresh_load_gives_back_what_optimizer_load_state_dict_takes(tmp_path: Path):
+    """A raw ``optimizer.state_dict()`` (state keyed by int) saved by DCP (which makes every
+    dict key a str) comes back from a fresh ckptio.load with int keys, as from a DCP directory,
+    so ``load_state_dict`` takes it as it is."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    model, opt = _build("plain", 0)
+    _train_step(model, opt, DIMS)
+    path = str(tmp_path / "ckpt")
+    dcp.save({"optim": opt.state_dict()}, storage_writer=ckptio.DcpWriter(path))
+    fresh = ckptio.load(path)["optim"]
+    assert sorted(fresh["state"]) == list(range(6)) and fresh["param_groups"][0]["params"] == \
+        list(range(6))
+    other_model, other = _build("plain", 1)
+    other.load_state_dict(fresh)
+    for index, slots in opt.state_dict()["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(other.state_dict()["state"][index][name], value), (index, name)
+
+
+def test_tree_of_planner_data():
+    from ckptio.dcp.writeplan import tree_of
+
+    paths = {"o.s.0.m": ("o", "s", "0", "m"), "o.l.0": ("o", "l", 0), "o.l.1": ("o", "l", 1),
+             "x": ("x",), "y.z": ("not", "its", "path")}
+    assert tree_of(list(paths) + ["w"], paths) == {"d": [
+        ["o", {"d": [["s", {"d": [[0, {"d": [["m", {"k": "o.s.0.m"}]]}]]}],
+                     ["l", {"l": [{"k": "o.l.0"}, {"k": "o.l.1"}]}]]}],
+        ["x", {"k": "x"}], ["y.z", {"k": "y.z"}], ["w", {"k": "w"}]]}
+    # a list with a gap (a key left out of the save) stays a dict of indexes
+    assert tree_of(["a.1"], {"a.1": ("a", 1)}) == {"d": [["a", {"d": [[1, {"k": "a.1"}]]}]]}
+    assert tree_of(["a"], None) == {"d": [["a", {"k": "a"}]]}

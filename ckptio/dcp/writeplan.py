@@ -15,6 +15,7 @@ No I/O: dataclasses and DCP's plan objects in, dataclasses out.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,11 +170,13 @@ def _entry(metadata: Metadata, index: MetadataIndex, w: Written, where: str) -> 
 def tree_of(keys: Sequence[str], planner_data: Any) -> Json:
     """The manifest tree of ``keys`` from DCP's planner_data (key -> path tuple: a str part is
     a dict key, an int a list index). A key it lacks, or whose path does not spell the key,
-    sits at the top level."""
+    sits at the top level. A dict key that is a canonical decimal ("0", "17") becomes an int,
+    as ckptio.load of a DCP directory makes it: DCP turns every dict key into a str, and
+    optimizer state is keyed by int (the flat keys are the same either way)."""
     paths: Mapping[str, Any] = planner_data if isinstance(planner_data, Mapping) else {}
-    root: dict[str | int, Any] = {}
+    root: dict[tuple[str, str | int], Any] = {}
     for key in keys:
-        path = _path(key, paths.get(key))
+        path = [_part(p) for p in _path(key, paths.get(key))]
         level = root
         for part in path[:-1]:
             child = level.setdefault(part, {})
@@ -192,6 +195,9 @@ class _Leaf:
     key: str
 
 
+_CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
 def _path(key: str, path: Any) -> tuple[str | int, ...]:
     ok = (isinstance(path, (tuple, list)) and path
           and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
@@ -199,9 +205,17 @@ def _path(key: str, path: Any) -> tuple[str | int, ...]:
     return tuple(path) if ok else (key,)
 
 
-def _node(level: dict[str | int, Any] | _Leaf) -> Json:
+def _part(part: str | int) -> tuple[str, str | int]:
+    """("l", index) for a list index, ("d", key) for a dict key."""
+    if isinstance(part, int):
+        return ("l", part)
+    return ("d", int(part) if _CANONICAL_INT.fullmatch(part) else part)
+
+
+def _node(level: dict[tuple[str, str | int], Any] | _Leaf) -> Json:
     if isinstance(level, _Leaf):
         return {"k": level.key}
-    if all(isinstance(k, int) for k in level) and set(level) == set(range(len(level))):
-        return {"l": [_node(level[i]) for i in range(len(level))]}
-    return {"d": [[k, _node(child)] for k, child in level.items()]}
+    indexes = [k for kind, k in level if kind == "l"]
+    if len(indexes) == len(level) and set(indexes) == set(range(len(level))):
+        return {"l": [_node(level[("l", i)]) for i in range(len(level))]}
+    return {"d": [[k, _node(child)] for (_kind, k), child in level.items()]}
