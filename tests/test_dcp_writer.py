@@ -613,3 +613,18 @@ def test_tree_of_planner_data():
     # a list with a gap (a key left out of the save) stays a dict of indexes
     assert tree_of(["a.1"], {"a.1": ("a", 1)}) == {"d": [["a", {"d": [[1, {"k": "a.1"}]]}]]}
     assert tree_of(["a"], None) == {"d": [["a", {"k": "a"}]]}
+
+
+def test_a_dtype_ckptio_does_not_store_is_refused_before_anything_is_written(tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import ckptio
+
+    path = tmp_path / "ckpt"
+    packed = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"q": packed, "a": torch.ones(2)}, storage_writer=ckptio.DcpWriter(path))
+    (refusal, _trace), = info.value.failures.values()
+    assert isinstance(refusal, ckptio.UnsupportedStateError) and "'q'" in str(refusal)
+    assert not path.exists()
