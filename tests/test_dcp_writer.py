@@ -7,7 +7,7 @@ Real DCP (torch 2.13) on real gloo ranks (ckptio.testing.ranks.run_ranks), real 
   using get_state_dict/set_state_dict) and tensor parallel (Colwise/Rowwise, hidden dim 16);
   each loaded with ``ckptio.load`` in place into freshly built, differently initialised models
   on 2 ranks (the same layout) and on 1 rank (a plain module): every parameter and optimizer
-  tensor bitwise equal to what was saved; ``ckptio.verify`` passes; a fresh ``ckptio.load``
+  tensor bitwise equal to what was saved (FSDP2 also on 4 ranks); ``ckptio.verify`` passes; a fresh ``ckptio.load``
   (no target) returns the nested state.
 * dcp.async_save with the PROCESS executor (2 ranks as plain subprocesses: run_ranks' ranks are
   daemons, which may not start DCP's checkpoint daemon), loaded bitwise; the writer pickles to
@@ -197,6 +197,20 @@ def load_all(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def load_fsdp(rank: int, world: int, path: str) -> dict[str, np.ndarray]:
+    """On another number of ranks: a fresh FSDP2 model loaded in place (resharded)."""
+    import ckptio
+
+    torch.set_num_threads(1)
+    model, opt = _build("fsdp", 1)
+    state = _state(model, opt)
+    report = ckptio.load(path, state)
+    assert not report.missing and not report.unexpected, report
+    _set(model, opt, state)
+    assert state["step"] == 1
+    return _snapshot(model, opt)
+
+
 def _load_plain(path: str, layout: str, app: bool = False) -> tuple[dict[str, np.ndarray], Any]:
     """In this process, no process group: a plain module of the saved dims loaded in place."""
     import ckptio
@@ -241,6 +255,14 @@ def test_fsdp2_saved_by_dcp_loads_bitwise_on_2_ranks_and_1(runs: dict[str, Any],
         _assert_bitwise(got, want, f"{name}, 2 ranks, rank {rank}")
         assert step in (1, None), step
     _assert_bitwise(fresh, want, f"{name}, 1 rank, plain module")
+
+
+def test_fsdp2_saved_on_2_ranks_loads_bitwise_on_4(runs: dict[str, Any]):
+    """4 ranks: the last layer's 5 rows are 2, 2, 1, 0 (one rank's shard is empty)."""
+    want = runs["saved"][0]["fsdp"]
+    for rank, got in enumerate(run_ranks(4, load_fsdp, f"{runs['root']}/fsdp",
+                                         timeout_s=RANKS_TIMEOUT_S)):
+        _assert_bitwise(got, want, f"fsdp, 4 ranks, rank {rank}")
 
 
 def _fresh_snapshot(layout: str) -> dict[str, np.ndarray]:
@@ -595,7 +617,7 @@ def test_a_fresh_load_gives_back_what_optimizer_load_state_dict_takes(tmp_path: 
     fresh = ckptio.load(path)["optim"]
     assert sorted(fresh["state"]) == list(range(6)) and fresh["param_groups"][0]["params"] == \
         list(range(6))
-    other_model, other = _build("plain", 1)
+    _model, other = _build("plain", 1)
     other.load_state_dict(fresh)
     for index, slots in opt.state_dict()["state"].items():
         for name, value in slots.items():
