@@ -23,6 +23,9 @@ If any rank fails DCP never calls ``finish``: nothing is committed, the previous
 stays, and the files of the ranks that did write are removed after the next commit. The claim is
 then released by the writer's next save, ``reset``, its garbage collection or process exit.
 
+One save at a time per writer object (as with DCP's FileSystemWriter): a writer whose save is
+still in flight must not be handed to another save; make one per save.
+
 The writer pickles to ``{path, options, if_locked}`` (DCP's PROCESS executor sends it to its
 daemon for every save); pool, backend, claim and threads live in the process that uses them.
 
