@@ -37,7 +37,7 @@ __all__ = [
     "export_hf",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-    "UnsupportedStateError", "UnsupportedPathError", "DcpReader",
+    "UnsupportedStateError", "UnsupportedPathError", "DcpReader", "DcpWriter",
 ]
 
 AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's
@@ -45,9 +45,10 @@ AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as 
 
 
 def __getattr__(name: str) -> Any:
-    """``ckptio.DcpReader`` imports torch.distributed.checkpoint (about 1 s) on first use only."""
-    if name == "DcpReader":
-        from ckptio.dcp.reader import DcpReader
+    """``ckptio.DcpReader`` / ``ckptio.DcpWriter`` on first use: they import
+    torch.distributed.checkpoint (about 1 s), which ``import ckptio`` does not pay for (PEP 562)."""
+    if name in ("DcpReader", "DcpWriter"):
+        from ckptio import dcp
 
-        return DcpReader
+        return getattr(dcp, name)
     raise AttributeError(f"module 'ckptio' has no attribute {name!r}")

@@ -27,6 +27,7 @@ from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.format import manifest
 from ckptio.loading import foreign, safetensors, torchsave
+from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.loading.read import read_regions
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
@@ -72,6 +73,12 @@ class Checkpointer:
         _live.add(self)
         self._inflight: SaveHandle | None = None
         self._thread: threading.Thread | None = None
+
+    def staging(self) -> _Staging:
+        """This Checkpointer's staging pool and I/O backend (``for_store``), the lock a save
+        holds while it uses them, its cleanup of superseded files and its block checksum size,
+        as a save driven from outside api.py sees them (``ckptio.DcpWriter``)."""
+        return _Staging(self)
 
     def _finish_cleanup(self) -> None:
         """Wait for the previous save's removal of superseded files (saving/cleanup.py)."""
@@ -404,6 +411,8 @@ class Checkpointer:
                 return read_regions(files, reads, pool=pool, backend=backend, depth=depth,
                                     algorithm=algorithm, block_nbytes=record.block_nbytes)
 
+            record = expand_torch_save(record, read, where=store.location,
+                                       allow_pickle=allow_pickle)
             where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
             if state is None:
                 return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
@@ -491,6 +500,14 @@ class _Staging:
 
     def for_store(self, store: Store) -> tuple[BufferPool, io.IOBackend]:
         return self.checkpointer._resources(store)
+
+    @property
+    def cleanup(self) -> Cleanup:
+        return self.checkpointer._cleanup
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.checkpointer._block_nbytes()
 
 
 def _meta() -> dict[str, Any]:

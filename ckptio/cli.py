@@ -54,8 +54,9 @@ def _ls(args: argparse.Namespace) -> int:
     by_key: dict[str, list[TensorEntry]] = {}
     for t in record.tensors:
         by_key.setdefault(t.key, []).append(t)
-    what = ("DCP checkpoint" if "dcp" in record.meta else "torch.save file"
-            if "torch.save" in record.meta else f"save {record.save_id}")
+    what = ("DCP checkpoint" if "dcp" in record.meta and record.save_id == "dcp" else
+            "torch.save file" if "torch.save" in record.meta else f"save {record.save_id}"
+            + (" (dcp.save through ckptio.DcpWriter)" if "dcp" in record.meta else ""))
     print(f"{path}: {what} by {record.world_size} rank(s), {len(by_key)} tensors "
           f"in {len(record.tensors)} chunks ({total / 2**20:.1f} MiB), {len(record.objects)} "
           f"values, {len(record.aliases)} aliases, {len(record.files)} file(s)")

@@ -40,8 +40,9 @@ def _checkpointer(options: Options | None) -> Checkpointer:
 
 
 def checkpointer(options: Options | None = None) -> Checkpointer:
-    """The shared Checkpointer (its staging pool and I/O backend) for drivers that read or
-    write through it (ckptio.DcpReader); the same one ckptio.save/load use."""
+    """The process's shared Checkpointer for ``options`` (its staging pool and I/O backend): what
+    ckptio.save/load use, and the drivers that read or write through it (ckptio.DcpReader,
+    ckptio.DcpWriter)."""
     return _checkpointer(options)
 
 

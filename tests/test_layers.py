@@ -60,7 +60,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
-    "DcpReader",
+    "DcpReader", "DcpWriter",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

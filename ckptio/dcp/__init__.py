@@ -14,5 +14,6 @@ Does not own: I/O, checksums, commit (saving/, loading/, storage/ below it).
 from __future__ import annotations
 
 from ckptio.dcp.reader import DcpReader
+from ckptio.dcp.writer import DcpWriter
 
-__all__: list[str] = ["DcpReader"]
+__all__ = ["DcpReader", "DcpWriter"]

@@ -30,8 +30,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 # validate refuses a deeper tree on load.
 MAX_TREE_DEPTH = 256
 
-# How a stored byte range is turned back into a Python value on load.
-KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle")
+# How a stored byte range is turned back into a Python value on load. "torch_save": the bytes of
+# torch.save(value) (a DCP BYTE_IO item, kept verbatim), decoded by torch.load(weights_only=True).
+KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle", "torch_save")
 
 # The dtypes a "numpy" / "numpy_scalar" entry may have: those numpy itself has (not bfloat16,
 # float8 or complex32, which Tensor.numpy() refuses).

@@ -43,7 +43,7 @@ from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo
                                  Manifest, ObjectEntry, Read, TensorEntry)
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "holds_dcp", "open_dcp", "raw_read", "read_bytes"]
+__all__ = ["BLOCK_NBYTES", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -114,7 +114,7 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
     nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
     for item in meta.values:
         value = _decode_value(store, item, read_bytes(whole[id(item)]), allow_pickle)
-        nodes[item.fqn] = _expand(value, item.fqn, objects, 0)
+        nodes[item.fqn] = expand_value(value, item.fqn, objects, 0)
     manifest = Manifest(
         version=2, save_id="dcp", checksum_algorithm="crc32",
         world_size=1 + max((f.rank for f in files), default=0), files=files,
@@ -207,7 +207,7 @@ def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle:
                                      f"{type(exc).__name__}: {exc}") from None
 
 
-def _expand(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Json:
+def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Json:
     """``value`` as ckptio's flatten would hold it under ``key``: containers as tree nodes,
     every other value an inline object entry."""
     if depth > MAX_TREE_DEPTH:
@@ -218,12 +218,12 @@ def _expand(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Jso
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise CkptError(f"key {key!r}: a dict key of type {type(k).__name__} in a DCP "
                                 "value; ckptio holds str and int keys only")
-            items.append([k, _expand(v, f"{key}.{k}", objects, depth + 1)])
+            items.append([k, expand_value(v, f"{key}.{k}", objects, depth + 1)])
         return {"d": items}
     if isinstance(value, list):
-        return {"l": [_expand(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+        return {"l": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return {"t": [_expand(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+        return {"t": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
     try:
         objects.append(ObjectEntry(key, values.encode(value)))
     except values.NotEncodable:

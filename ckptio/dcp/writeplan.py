@@ -1,0 +1,221 @@
+"""DCP's save plans and results, translated into ckptio's write items and manifest: pure.
+
+    check_plan(plan, rank, path)                 every tensor item's dtype is one ckptio stores
+    write_item(item, data)                       a DCP WriteItem (resolved) -> types.WriteItem
+    written(item, entry, rank, file_nbytes)      a persisted entry -> what a WriteResult carries
+    manifest_of(metadata, results, ...)          every rank's results -> the Manifest to commit
+    tree_of(keys, planner_data)                  DCP's planner_data -> the manifest tree
+
+Owns: the internal key of a rank's chunk (``fqn@offsets``: a rank may hold several chunks of
+one key), what the plans' and results' ``storage_data`` hold (``RankStorage``, ``Written``:
+both cross processes pickled, so they are plain frozen dataclasses), the rules of the tree.
+Does not own: DCP's calls and their order (writer.py), bytes (saving/), the commit (storage/).
+No I/O: dataclasses and DCP's plan objects in, dataclasses out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem as DcpItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptio.errors import CkptError, UnsupportedStateError
+from ckptio.format import manifest
+from ckptio.format.types import (
+    DTYPE_ITEMSIZE,
+    Chunk,
+    FileInfo,
+    Json,
+    Manifest,
+    TensorEntry,
+    WriteItem,
+)
+from ckptio.loading.torchvalues import TORCH_SAVE
+
+__all__ = ["TORCH_SAVE", "RankStorage", "Written", "check_plan", "dtype_name", "item_key",
+           "manifest_of", "tree_of", "write_item", "written"]
+
+
+
+@dataclass(frozen=True)
+class RankStorage:
+    """``SavePlan.storage_data`` of one rank's plan, set by the coordinator: this save's id."""
+
+    save_id: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class Written:
+    """``WriteResult.storage_data``: where one item's bytes went and their checksums."""
+
+    kind: str
+    sizes: tuple[int, ...]  # the chunk's sizes (a BYTE_IO item: its byte count)
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+    blocks: tuple[str, ...]
+    rank: int  # the rank that wrote the file
+    file_nbytes: int
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of one rank's chunk of ``index.fqn``, unique on that rank."""
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
+
+
+def dtype_name(dtype: torch.dtype, fqn: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise UnsupportedStateError(
+            f"key {fqn!r}: dtype {name} is not one ckptio stores ({', '.join(DTYPE_ITEMSIZE)}); "
+            "convert the tensor before saving, or save it with DCP's FileSystemWriter")
+    return name
+
+
+def check_plan(plan: SavePlan, rank: int, path: str) -> None:
+    """Refuse, before any byte is written, a plan whose tensors ckptio cannot store."""
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        if item.tensor_data is None:
+            raise CkptError(f"save to {path}, rank {rank}: tensor item {item.index.fqn!r} has "
+                            "no tensor_data (a custom SavePlanner?); ckptio needs DCP's "
+                            "WriteItem.tensor_data")
+        dtype_name(item.tensor_data.properties.dtype, item.index.fqn)
+
+
+def write_item(item: DcpItem, data: Any, path: str) -> tuple[WriteItem, torch.Tensor]:
+    """The ckptio item for DCP's ``item`` whose data ``planner.resolve_data`` returned, and the
+    tensor whose bytes are written (a BYTE_IO item: the torch.save bytes, as uint8)."""
+    key = item_key(item.index)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(
+            0, dtype=torch.uint8)
+        return WriteItem(key, TORCH_SAVE, "uint8", (len(raw),), Chunk.whole((len(raw),)),
+                         len(raw)), tensor
+    if item.tensor_data is None or not isinstance(data, torch.Tensor):
+        raise CkptError(f"save to {path}: the planner resolved tensor item {item.index.fqn!r} "
+                        f"to a {type(data).__name__}, not a tensor")
+    tensor = data.detach()
+    chunk = Chunk(tuple(item.tensor_data.chunk.offsets), tuple(item.tensor_data.chunk.sizes))
+    dtype = dtype_name(tensor.dtype, item.index.fqn)
+    if tuple(tensor.shape) != chunk.sizes or tensor.dtype != item.tensor_data.properties.dtype:
+        raise CkptError(f"save to {path}: key {item.index.fqn!r} resolved to a {dtype} tensor of "
+                        f"shape {tuple(tensor.shape)}; its plan says "
+                        f"{item.tensor_data.properties.dtype} of shape {chunk.sizes}")
+    nbytes = chunk.numel * DTYPE_ITEMSIZE[dtype]
+    return WriteItem(key, "tensor", dtype, tuple(item.tensor_data.size), chunk, nbytes), tensor
+
+
+def written(item: WriteItem, entry: TensorEntry, rank: int, file_nbytes: int) -> Written:
+    return Written(item.kind, item.chunk.sizes, entry.file, entry.offset, entry.nbytes,
+                   entry.checksum, entry.blocks, rank, file_nbytes)
+
+
+def manifest_of(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *, save_id: str,
+                algorithm: str, block_nbytes: int, meta: dict[str, Json], where: str) -> Manifest:
+    """The manifest of a save whose ranks wrote ``results`` (checked by the reader's key
+    rules: a manifest that would not load is never committed)."""
+    tensors: list[TensorEntry] = []
+    files: dict[str, FileInfo] = {}
+    for rank_results in results:
+        for result in rank_results:
+            w = result.storage_data
+            if not isinstance(w, Written):
+                raise CkptError(f"save to {where}: a write result of {result.index.fqn!r} was "
+                                "not made by ckptio.DcpWriter (every rank must use it)")
+            tensors.append(_entry(metadata, result.index, w, where))
+            files[w.file] = FileInfo(w.file, w.file_nbytes, w.rank)
+    keys = list(dict.fromkeys(t.key for t in tensors))
+    record = Manifest(
+        version=manifest.VERSION, save_id=save_id, checksum_algorithm=algorithm,
+        world_size=len(results), files=tuple(files[n] for n in sorted(files)),
+        tensors=tuple(tensors), objects=(), aliases=(),
+        tree=tree_of(keys, metadata.planner_data), meta=meta, block_nbytes=block_nbytes)
+    manifest.check_keys(record, where)
+    return record
+
+
+def _entry(metadata: Metadata, index: MetadataIndex, w: Written, where: str) -> TensorEntry:
+    stored = metadata.state_dict_metadata.get(index.fqn)
+    if w.kind == TORCH_SAVE and isinstance(stored, BytesStorageMetadata):
+        return TensorEntry(index.fqn, TORCH_SAVE, "uint8", w.sizes, Chunk.whole(w.sizes), w.file,
+                           w.offset, w.nbytes, w.checksum, None, w.blocks)
+    if w.kind == "tensor" and isinstance(stored, TensorStorageMetadata):
+        chunk = Chunk(tuple(index.offset or (0,) * len(w.sizes)), w.sizes)
+        return TensorEntry(index.fqn, "tensor", dtype_name(stored.properties.dtype, index.fqn),
+                           tuple(stored.size), chunk, w.file, w.offset, w.nbytes, w.checksum,
+                           None, w.blocks)
+    raise CkptError(f"save to {where}: key {index.fqn!r} was written as {w.kind!r} but the "
+                    f"metadata holds {type(stored).__name__}")
+
+
+def tree_of(keys: Sequence[str], planner_data: Any) -> Json:
+    """The manifest tree of ``keys`` from DCP's planner_data (key -> path tuple: a str part is
+    a dict key, an int a list index). A key it lacks, or whose path does not spell the key,
+    sits at the top level. A dict key that is a canonical decimal ("0", "17") becomes an int,
+    as ckptio.load of a DCP directory makes it: DCP turns every dict key into a str, and
+    optimizer state is keyed by int (the flat keys are the same either way)."""
+    paths: Mapping[str, Any] = planner_data if isinstance(planner_data, Mapping) else {}
+    root: dict[tuple[str, str | int], Any] = {}
+    for key in keys:
+        path = [_part(p) for p in _path(key, paths.get(key))]
+        level = root
+        for part in path[:-1]:
+            child = level.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CkptError(f"key {key!r} lies inside the value of key {child.key!r} in "
+                                "DCP's planner_data")
+            level = child
+        if path[-1] in level:
+            raise CkptError(f"key {key!r}: DCP's planner_data names its place twice")
+        level[path[-1]] = _Leaf(key)
+    return _node(root)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    key: str
+
+
+_CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def _path(key: str, path: Any) -> tuple[str | int, ...]:
+    ok = (isinstance(path, (tuple, list)) and path
+          and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
+          and ".".join(str(p) for p in path) == key)
+    return tuple(path) if ok else (key,)
+
+
+def _part(part: str | int) -> tuple[str, str | int]:
+    """("l", index) for a list index, ("d", key) for a dict key."""
+    if isinstance(part, int):
+        return ("l", part)
+    return ("d", int(part) if _CANONICAL_INT.fullmatch(part) else part)
+
+
+def _node(level: dict[tuple[str, str | int], Any] | _Leaf) -> Json:
+    if isinstance(level, _Leaf):
+        return {"k": level.key}
+    indexes = [k for kind, k in level if kind == "l"]
+    if len(indexes) == len(level) and set(indexes) == set(range(len(level))):
+        return {"l": [_node(level[("l", i)]) for i in range(len(level))]}
+    return {"d": [[k, _node(child)] for (_kind, k), child in level.items()]}

@@ -1,0 +1,96 @@
+"""``torch_save`` entries (DCP BYTE_IO items written through ``ckptio.DcpWriter``) turned into
+the values and containers a load hands out.
+
+A ``torch_save`` entry holds the bytes DCP's planner made with ``torch.save(value)``, kept
+verbatim (a DCP reader gets them back as they were). A load reads every such entry up front
+(they are small: optimizer hyper-parameters, Python numbers and containers), through the
+caller's verified reads, decodes it with ``torch.load(weights_only=True)`` (``weights_only=False``
+only with ``allow_pickle=True``), and expands it by ckptio's flatten rules
+(``foreign.expand_value``): a DCP ``optim.param_groups.0.betas`` tuple becomes the keys
+``...betas.0`` and ``...betas.1`` a caller's state flattens to. The result is a Manifest with
+those values inline and the tree nodes replaced, so fill.py loads it unchanged.
+
+Owns: the decoding and the rewrite of the manifest. Does not own: reading and checking bytes
+(read.py, through ``read``), the expansion rules (foreign.py), matching keys (fill.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptio.errors import CorruptCheckpointError, ManifestError, PickleRefusedError
+from ckptio.format import validate
+from ckptio.format.types import Json, Manifest, ObjectEntry, Read, TensorEntry
+from ckptio.loading.foreign import expand_value
+
+__all__ = ["TORCH_SAVE", "expand_torch_save"]
+
+TORCH_SAVE = "torch_save"
+ReadFn = Callable[[list[Read]], int]  # the load's reads: checksums verified
+
+
+def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
+                      allow_pickle: bool = False) -> Manifest:
+    """``record`` with every ``torch_save`` entry read, decoded and expanded into inline
+    values and tree nodes (``record`` itself when it has none). ``where`` names the checkpoint
+    in errors."""
+    stored = [e for e in record.tensors if e.kind == TORCH_SAVE]
+    if not stored:
+        return record
+    per_rank = [e.key for e in stored if e.rank is not None]
+    if per_rank:
+        raise ManifestError(f"{where}: keys {per_rank[:5]} are per-rank torch_save values, which "
+                            "no ckptio writer makes; the manifest is damaged or from a newer "
+                            "ckptio: upgrade ckptio")
+    reads = [Read.of(e, torch.empty(e.nbytes, dtype=torch.uint8)) for e in stored]
+    read(reads)
+    objects: list[ObjectEntry] = list(record.objects)
+    nodes: dict[str, Json] = {}
+    for entry, done in zip(stored, reads):
+        value = _decode(entry, done.dest.numpy().tobytes(), where, allow_pickle)
+        nodes[entry.key] = expand_value(value, entry.key, objects, 0)
+    expanded = dataclasses.replace(
+        record, tensors=tuple(e for e in record.tensors if e.kind != TORCH_SAVE),
+        objects=tuple(objects), tree=_replace(record.tree, nodes))
+    validate.check_keys(expanded, where)
+    validate.check_values(expanded, where)
+    return expanded
+
+
+def _decode(entry: TensorEntry, raw: bytes, where: str, allow_pickle: bool) -> Any:
+    what = f"{where}: key {entry.key!r} (torch.save bytes in {entry.file})"
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if allow_pickle:
+            raise CorruptCheckpointError(f"{what} cannot be decoded: {exc}") from None
+        raise PickleRefusedError(
+            f"{what} holds a Python object that torch.load(weights_only=True) refuses "
+            f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
+            "load(..., allow_pickle=True) for a checkpoint you trust") from None
+    except (RuntimeError, EOFError, ValueError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{what} is not a readable torch.save value: "
+                                     f"{type(exc).__name__}: {exc}") from None
+
+
+def _replace(node: Json, nodes: dict[str, Json]) -> Json:
+    """``node`` with each leaf ``{"k": key}`` of ``nodes`` replaced by ``nodes[key]``."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return node  # validate.check_keys reports a malformed tree
+    (tag, body), = node.items()
+    if tag == "k":
+        return nodes.get(body, node) if isinstance(body, str) else node
+    if tag == "s":
+        return {"s": _replace(body, nodes)}
+    if tag == "d" and isinstance(body, list):
+        return {"d": [[pair[0], _replace(pair[1], nodes)] if isinstance(pair, list) and len(pair) == 2
+                      else pair for pair in body]}
+    if tag in ("l", "t") and isinstance(body, list):
+        return {tag: [_replace(child, nodes) for child in body]}
+    return node
