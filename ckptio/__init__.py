@@ -30,6 +30,7 @@ from ckptio.planning.sharding import FlatShard, TensorShard
 
 if TYPE_CHECKING:
     from ckptio.dcp.reader import DcpReader
+    from ckptio.dcp.writer import DcpWriter
 
 __all__ = [
     "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
