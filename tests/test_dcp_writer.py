@@ -29,6 +29,7 @@ import pickletools
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+import ckptio
 from ckptio.testing.ranks import free_port, run_ranks
 
 DIMS = (12, 30, 17, 5)  # FSDP2 MLP: 17 and 5 do not divide by 2
@@ -657,3 +659,40 @@ def test_a_dtype_ckptio_does_not_store_is_refused_before_anything_is_written(tmp
     (refusal, _trace), = info.value.failures.values()
     assert isinstance(refusal, ckptio.UnsupportedStateError) and "'q'" in str(refusal)
     assert not path.exists()
+
+
+def test_dcp_save_through_writer_then_dcp_load_through_reader(tmp_path):
+    """The two drivers together: dcp.save(DcpWriter) then dcp.load(DcpReader) into a freshly
+    built model and optimizer (get/set_state_dict, as users write it) gives the same weights,
+    AdamW state, param_groups (betas a tuple) and plain values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build():
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.8, 0.95))
+
+    torch.manual_seed(0)
+    model, opt = build()
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    path = str(tmp_path / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": msd, "optim": osd, "step": 7, "extra": {"lst": [1, 2.5, "x"]}},
+                 storage_writer=ckptio.DcpWriter(path))
+        model2, opt2 = build()
+        msd2, osd2 = get_state_dict(model2, opt2)
+        state = {"model": msd2, "optim": osd2, "step": 0, "extra": {"lst": [0, 0.0, ""]}}
+        dcp.load(state, storage_reader=ckptio.DcpReader(path))
+        set_state_dict(model2, opt2, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    saved, loaded = opt.state_dict(), opt2.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for index, slots in saved["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(value, loaded["state"][index][name]), (index, name)
+    assert state["step"] == 7 and state["extra"] == {"lst": [1, 2.5, "x"]}
