@@ -194,3 +194,28 @@ def test_urls_are_refused_not_saved_to_a_local_folder(tmp_path, monkeypatch, url
     with pytest.raises(ckptio.UnsupportedPathError):
         ckptio.verify(url)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_key_tied_to_a_loaded_key_is_filled_not_missing(tmp_path):
+    """A checkpoint without a tied weight (Hugging Face files leave out lm_head.weight, tied to
+    the embedding) loads strictly into a model that ties them: the tie fills it. A missing key
+    that is not tied, or tied to a key that is not loaded, is still missing."""
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    src = Tied()
+    ckptio.save({"emb.weight": src.emb.weight.detach().clone()}, tmp_path / "ck")
+    fresh = Tied()
+    report = ckptio.load(tmp_path / "ck", fresh.state_dict())
+    assert torch.equal(fresh.head.weight, src.emb.weight) and not report.missing
+    assert set(report.loaded) == {"emb.weight", "head.weight"}
+    untied = {"emb.weight": torch.zeros(5, 3), "head.weight": torch.zeros(5, 3)}
+    with pytest.raises(ckptio.StateMismatchError, match="head.weight"):
+        ckptio.load(tmp_path / "ck", untied)
+    ckptio.save({"other": torch.ones(1)}, tmp_path / "none")
+    with pytest.raises(ckptio.StateMismatchError, match="emb.weight"):
+        ckptio.load(tmp_path / "none", Tied().state_dict())

@@ -328,7 +328,9 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k)]
     saved_set = set(saved)
-    missing = tuple(k for k in present if k not in saved_set)
+    common = [k for k in present if k in saved_set]
+    tied = _tied(flat, [k for k in present if k not in saved_set], common)
+    missing = tuple(k for k in present if k not in saved_set and k not in tied)
     extra = [k for k in saved if k not in flat.leaves]
     may_create = merge.creatable(flat)
     created = [k for k in extra if may_create(k)]
@@ -336,7 +338,6 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     if agree_unexpected is not None:
         unexpected = agree_unexpected(unexpected)
     _check_keys(flat, missing, unexpected, strict)
-    common = [k for k in present if k in saved_set]
     plan = _plan_in_place(sources, flat, common, cast, created)
     sources.check_refused()
     if sources.absent:
@@ -354,9 +355,23 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     made = {key: values.pop(key) for key in plan.create}
     merge.put_back(flat, record.tree, values, made)
     skipped = set(sources.absent) | set(sources.refused)
-    loaded = tuple(k for k in (*common, *plan.create)
+    loaded = tuple(k for k in (*common, *plan.create, *tied)
                    if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
+
+
+def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:
+    """Keys absent from the checkpoint whose destination is the very tensor of a key that is
+    loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
+    to the embedding): the load fills them, so they are not missing."""
+    def view(leaf: object) -> tuple[object, ...] | None:
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or not leaf.numel():  # type: ignore[union-attr]
+            return None
+        t: torch.Tensor = leaf  # type: ignore[assignment]
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+    loaded = {v for k in common if (v := view(flat.leaves[k].value)) is not None}
+    return {k for k in absent if (v := view(flat.leaves[k].value)) is not None and v in loaded}
 
 
 def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
