@@ -56,6 +56,7 @@ from ckptio.planning.export import (
     windows,
 )
 from ckptio.saving.stream import write_windows
+from ckptio.storage.local import fsync_path
 
 __all__ = ["HFExport", "export_hf"]
 
@@ -277,7 +278,7 @@ def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLik
         if len(plan.files) > 1:
             _write_durable(index, st.encode_index(plan.weight_map, plan.total_size,
                                                   {"total_parameters": plan.total_parameters}))
-        _fsync_dir(out)
+        fsync_path(out)
     except OSError as exc:
         raise StorageIOError(f"export_hf: committing {out}: {exc}") from None
 
@@ -292,7 +293,7 @@ def _copy_files(source: str, out: str, token: str) -> None:
             continue
         tmp = _tmp(out, name, token)
         shutil.copyfile(path, tmp)
-        _sync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, os.path.join(out, name))
 
 
@@ -303,19 +304,3 @@ def _write_durable(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _sync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -53,9 +52,9 @@ from ckptio.dcp import readmeta
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
 from ckptio.format.flatten import unflatten
-from ckptio.format.types import Chunk, Manifest, Read, TensorEntry
+from ckptio.format.types import Chunk, Manifest, Read
 from ckptio.io.stage import torch_dtype
-from ckptio.loading.fill import RankPolicy
+from ckptio.loading.fill import RankPolicy, stored_value
 from ckptio.options import Options
 from ckptio.shared import checkpointer
 
@@ -269,20 +268,8 @@ def _torch_saved(value: readmeta.ValueKey, made: dict[str, torch.Tensor],
             raise CorruptCheckpointError(f"{path}: key {entry.key!r}: stored value is "
                                          f"malformed: {exc}") from None
     for key, tensor in made.items():
-        leaves[key] = _decoded(heads[key], tensor)
+        leaves[key] = stored_value(heads[key], tensor)
     buffer = io.BytesIO()
     torch.save(unflatten(value.node, leaves), buffer)
     buffer.seek(0)
     return buffer
-
-
-def _decoded(entry: TensorEntry, tensor: torch.Tensor) -> Any:
-    """The Python value a data entry holds, from the tensor its bytes were read into."""
-    if entry.kind == "tensor":
-        return tensor
-    if entry.kind == "numpy":
-        return tensor.numpy()
-    if entry.kind == "numpy_scalar":
-        return tensor.numpy()[()]
-    raw = tensor.numpy().tobytes()
-    return pickle.loads(raw) if entry.kind == "pickle" else raw

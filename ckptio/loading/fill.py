@@ -16,15 +16,16 @@ from typing import Any, Union
 
 import torch
 
-from ckptio.loading import merge
-from ckptio.format import values
 from ckptio.errors import ManifestError, PickleRefusedError, StateMismatchError
+from ckptio.format import values
 from ckptio.format.flatten import FlatState, unflatten
-from ckptio.planning.sharding import held
-from ckptio.io.stage import torch_dtype
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
+from ckptio.io.stage import torch_dtype
+from ckptio.loading import merge
+from ckptio.planning.sharding import held
 
-__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh", "fill_in_place"]
+__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh", "fill_in_place",
+           "stored_value"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ReadFn = Callable[[list[Read]], int]
@@ -157,7 +158,7 @@ def _decode_object(entry: ObjectEntry) -> Any:
         raise ManifestError(f"key {entry.key!r}: stored value is malformed: {exc}") from None
 
 
-def _value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
+def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     """The stored Python value of a data entry, from the tensor its bytes were read into."""
     if entry.kind == "tensor":
         return tensor
@@ -229,7 +230,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
         if isinstance(source, ObjectEntry):
             out[key] = _decode_object(source)
         elif source is not None:
-            out[key] = _value(source.head, made[id(source.head)])
+            out[key] = stored_value(source.head, made[id(source.head)])
     return unflatten(record.tree, out)
 
 
@@ -282,7 +283,7 @@ def _replace(plan: _InPlace, key: str, source: TensorSource | ObjectEntry) -> No
     if isinstance(source, TensorSource):
         staged = _whole(source)
         plan.add(source, Chunk.whole(source.head.shape), staged)
-        plan.assign.append((key, lambda e=source.head, t=staged: _value(e, t)))
+        plan.assign.append((key, lambda e=source.head, t=staged: stored_value(e, t)))
     else:
         plan.assign.append((key, lambda o=source: _decode_object(o)))
 

@@ -39,11 +39,21 @@ import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import dcpmeta, torchzip, validate, values
-from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
-                                 Manifest, ObjectEntry, Read, TensorEntry)
+from ckptio.format.types import (
+    DTYPE_ITEMSIZE,
+    MAX_TREE_DEPTH,
+    Chunk,
+    FileInfo,
+    Json,
+    Manifest,
+    ObjectEntry,
+    Read,
+    TensorEntry,
+)
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes"]
+__all__ = ["BLOCK_NBYTES", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes",
+           "torch_load_value"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -192,6 +202,16 @@ def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle:
     if bad is not None:
         raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
                                      "file is damaged: load an earlier checkpoint")
+    return torch_load_value(raw, where, allow_pickle, note=(
+        " (or keys=... to leave it out is not enough: values are decoded when the checkpoint is "
+        "opened)"))
+
+
+def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "") -> Any:
+    """The value torch.save wrote as ``raw``, decoded with ``torch.load(weights_only=True)``
+    (``weights_only=False`` with ``allow_pickle``); PickleRefusedError for an object the
+    allow-list refuses, CorruptCheckpointError for bytes that are not a torch.save value.
+    ``where`` names the bytes in the messages."""
     try:
         return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
     except pickle.UnpicklingError as exc:
@@ -200,8 +220,7 @@ def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle:
         raise PickleRefusedError(
             f"{where} holds a Python object that torch.load(weights_only=True) refuses "
             f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
-            "load(..., allow_pickle=True) for a checkpoint you trust (or keys=... to leave it "
-            "out is not enough: values are decoded when the checkpoint is opened)") from None
+            f"load(..., allow_pickle=True) for a checkpoint you trust{note}") from None
     except (RuntimeError, EOFError, ValueError, KeyError) as exc:
         raise CorruptCheckpointError(f"{where} is not a readable torch.save value: "
                                      f"{type(exc).__name__}: {exc}") from None

@@ -17,17 +17,14 @@ Owns: the decoding and the rewrite of the manifest. Does not own: reading and ch
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ckptio.errors import CorruptCheckpointError, ManifestError, PickleRefusedError
+from ckptio.errors import ManifestError
 from ckptio.format import validate
-from ckptio.format.types import Json, Manifest, ObjectEntry, Read, TensorEntry
-from ckptio.loading.foreign import expand_value
+from ckptio.format.types import Json, Manifest, ObjectEntry, Read
+from ckptio.loading.foreign import expand_value, torch_load_value
 
 __all__ = ["TORCH_SAVE", "expand_torch_save"]
 
@@ -53,7 +50,8 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
     objects: list[ObjectEntry] = list(record.objects)
     nodes: dict[str, Json] = {}
     for entry, done in zip(stored, reads):
-        value = _decode(entry, done.dest.numpy().tobytes(), where, allow_pickle)
+        what = f"{where}: key {entry.key!r} (torch.save bytes in {entry.file})"
+        value = torch_load_value(done.dest.numpy().tobytes(), what, allow_pickle)
         nodes[entry.key] = expand_value(value, entry.key, objects, 0)
     expanded = dataclasses.replace(
         record, tensors=tuple(e for e in record.tensors if e.kind != TORCH_SAVE),
@@ -61,22 +59,6 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
     validate.check_keys(expanded, where)
     validate.check_values(expanded, where)
     return expanded
-
-
-def _decode(entry: TensorEntry, raw: bytes, where: str, allow_pickle: bool) -> Any:
-    what = f"{where}: key {entry.key!r} (torch.save bytes in {entry.file})"
-    try:
-        return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        if allow_pickle:
-            raise CorruptCheckpointError(f"{what} cannot be decoded: {exc}") from None
-        raise PickleRefusedError(
-            f"{what} holds a Python object that torch.load(weights_only=True) refuses "
-            f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
-            "load(..., allow_pickle=True) for a checkpoint you trust") from None
-    except (RuntimeError, EOFError, ValueError, KeyError) as exc:
-        raise CorruptCheckpointError(f"{what} is not a readable torch.save value: "
-                                     f"{type(exc).__name__}: {exc}") from None
 
 
 def _replace(node: Json, nodes: dict[str, Json]) -> Json:

@@ -42,7 +42,7 @@ from ckptio.options import Options
 from ckptio.storage import dirlock, foreign, steps
 from ckptio.storage.base import TMP_PREFIX, Exclusive, is_ours, plain_name
 
-__all__ = ["LocalClaim", "LocalStore"]
+__all__ = ["LocalClaim", "LocalStore", "fsync_path"]
 
 
 @dataclass
@@ -113,8 +113,8 @@ class LocalStore:
             if claim is not None:
                 self._check_unchanged(claim)
             os.rename(tmp, os.path.join(self.directory, MANIFEST_NAME))
-            _fsync_dir(self.directory)
-            _fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
+            fsync_path(self.directory)
+            fsync_path(os.path.dirname(os.path.abspath(self.directory)))
         except OSError as exc:
             error = StorageIOError(f"committing the manifest of {self.location} failed: "
                                    f"{exc.strerror or exc}; the previous checkpoint there, if "
@@ -230,8 +230,9 @@ def _write_durably(file: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (its entries: a rename or create in it) by path."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
