@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass
 import logging
 import os
-import re
 import threading
 import time
 import warnings
@@ -25,6 +24,7 @@ from ckptio.distributed import collective
 from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
+from ckptio.storage.select import checkpoint_path, local_path, store_for
 from ckptio.format import manifest
 from ckptio.loading import foreign, torchsave
 from ckptio.loading.read import read_regions
@@ -32,11 +32,10 @@ from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.errors import (CheckpointNotFoundError, CkptError, PickleRefusedError,
-                           UnsupportedPathError)
+from ckptio.errors import CheckpointNotFoundError, CkptError, PickleRefusedError
 from ckptio.format.flatten import flatten
 from ckptio.options import Options
-from ckptio.io.s3client import S3Settings, is_s3
+from ckptio.io.s3client import is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
 from ckptio.io.stage import BufferPool
@@ -369,43 +368,6 @@ class Checkpointer:
             return fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
                                  cast=cast, allow_pickle=allow_pickle, agree_unexpected=key_step,
                                  **where)
-
-
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def local_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint path as a local directory; a URL (``s3://...``) is refused rather than
-    taken for a local folder named ``s3:``."""
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    scheme = _URL.match(text)
-    if scheme:
-        raise UnsupportedPathError(
-            f"{text}: ckptio does not serve {scheme.group(1)}:// URLs (only s3:// and local or "
-            "mounted filesystems); pass a directory path, e.g. a mounted bucket")
-    return text
-
-
-def checkpoint_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint path as a string: an ``s3://`` URL, or a local directory (another URL
-    scheme is refused rather than taken for a local folder named ``gs:``)."""
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    return text if is_s3(text) else local_path(text)
-
-
-def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:
-    """The Store of checkpoint ``path``: a prefix in an S3 bucket (``s3://bucket/prefix``), or
-    a local (or mounted) directory."""
-    text = checkpoint_path(path)
-    if is_s3(text):
-        from ckptio.storage.s3 import S3Store
-
-        return S3Store(text, S3Settings.of(options or Options.from_env()))
-    return LocalStore(text)
 
 
 def _target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str | None]:
