@@ -1,0 +1,160 @@
+"""``ckptio diff A B [--data]``: what differs between two checkpoints.
+
+Owns: comparing two manifests key by key (keys only in A or only in B; kind, dtype and shape
+changes; changed inline values and alias targets), tensors by their stored checksums when both
+use the same algorithm and the same chunks (no data read, no torch), and with ``--data``
+reading the tensors those cannot settle and reporting the largest absolute and relative
+differences. Does not own: opening manifests (cli/source.py) or reading data (ckptio.load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ckptio.cli.source import Opened, Row, rows, shown
+
+__all__ = ["Change", "Diff", "compare", "data_changes"]
+
+BATCH_NBYTES = 256 << 20  # --data reads this much of each side at a time
+
+
+@dataclass(frozen=True)
+class Change:
+    """One line of the diff: ``mark`` is - (only in A), + (only in B), ~ (differs) or ?
+    (not settled without --data)."""
+
+    mark: str
+    key: str
+    text: str
+
+
+@dataclass
+class Diff:
+    changes: list[Change]
+    unsettled: list[Row]  # A's rows of tensors the checksums cannot compare (--data reads them)
+
+
+def _what(row: Row) -> str:
+    if row.kind == "value":
+        return "value " + "; ".join(shown(o.value) for o in row.objects)
+    if row.kind == "alias":
+        return f"alias of {row.alias_of}"
+    return f"{row.kind} {row.dtype} {list(row.shape)}"
+
+
+def _layout(row: Row) -> dict[tuple[object, ...], str]:
+    """Each stored piece of a tensor row (rank, chunk) -> its checksum."""
+    return {(e.rank, e.chunk.offsets, e.chunk.sizes, e.chunk.flat): e.checksum
+            for e in row.chunks}
+
+
+def _tensor_change(a: Row, b: Row, same_algorithm: bool) -> Change | None | Row:
+    """A change for two tensor rows of the same kind, dtype and shape; None if the same; the
+    row itself if the checksums cannot tell."""
+    la, lb = _layout(a), _layout(b)
+    if not same_algorithm or la.keys() != lb.keys():
+        return a
+    differing = sum(la[piece] != lb[piece] for piece in la)
+    if not differing:
+        return None
+    return Change("~", a.key, f"data differs ({differing} of {len(la)} chunks' checksums)")
+
+
+def _pair(a: Row, b: Row, same_algorithm: bool) -> Change | None | Row:
+    key = a.key
+    if a.kind != b.kind:
+        return Change("~", key, f"kind {_what(a)} -> {_what(b)}")
+    if a.kind == "value":
+        va = [(o.rank, o.value) for o in a.objects]
+        vb = [(o.rank, o.value) for o in b.objects]
+        return None if va == vb else Change("~", key, f"{_what(a)} -> {_what(b)}")
+    if a.kind == "alias":
+        return None if a.alias_of == b.alias_of else Change(
+            "~", key, f"alias of {a.alias_of} -> alias of {b.alias_of}")
+    if a.dtype != b.dtype:
+        return Change("~", key, f"dtype {a.dtype} -> {b.dtype}")
+    if a.shape != b.shape:
+        return Change("~", key, f"shape {list(a.shape)} -> {list(b.shape)}")
+    if (a.ranks is None) != (b.ranks is None):
+        return Change("~", key, "per-rank in one, one global tensor in the other")
+    return _tensor_change(a, b, same_algorithm)
+
+
+def compare(a: Opened, b: Opened) -> Diff:
+    """Every difference the manifests show; tensors whose checksums cannot be compared (another
+    algorithm or chunking) are left in ``unsettled``."""
+    ra, rb = rows(a.record), rows(b.record)
+    same_algorithm = a.record.checksum_algorithm == b.record.checksum_algorithm
+    changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]
+    changes += [Change("+", k, f"only in B: {_what(r)}") for k, r in rb.items() if k not in ra]
+    unsettled: list[Row] = []
+    for key in (k for k in ra if k in rb):
+        found = _pair(ra[key], rb[key], same_algorithm)
+        if isinstance(found, Change):
+            changes.append(found)
+        elif isinstance(found, Row):
+            unsettled.append(found)
+    return Diff(changes, unsettled)
+
+
+def _batches(unsettled: list[Row]) -> Iterator[list[Row]]:
+    batch: list[Row] = []
+    for row in unsettled:
+        if batch and sum(r.nbytes for r in batch) + row.nbytes > BATCH_NBYTES:
+            yield batch
+            batch = []
+        batch.append(row)
+    if batch:
+        yield batch
+
+
+def _loaded(path: str, batch: list[Row]) -> dict[str, object]:
+    """The tensors of ``batch`` read from ``path`` (plain tensors; other kinds as loaded)."""
+    import torch
+
+    import ckptio
+
+    state: dict[str, object] = {r.key: torch.empty(r.shape, dtype=getattr(torch, r.dtype))
+                                for r in batch}
+    wanted = set(state)
+    ckptio.load(path, state, keys=lambda key: key in wanted)
+    return state
+
+
+def _numbers(a: object, b: object) -> str | None:
+    """None if ``a`` and ``b`` hold the same bits; else the largest differences."""
+    import torch
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None if a == b else "data differs"
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    if torch.equal(fa.view(torch.uint8), fb.view(torch.uint8)):  # bit for bit
+        return None
+    wide = torch.complex128 if fa.is_complex() else torch.float64
+    da, db = fa.to(wide), fb.to(wide)
+    differ = ~((da == db) | (torch.isnan(da) & torch.isnan(db)))
+    if not bool(differ.any()):
+        return "bits differ, values equal (0.0 and -0.0, or NaN payloads)"
+    gap = (da[differ] - db[differ]).abs()
+    scale = db[differ].abs()
+    rel = torch.where(scale > 0, gap / scale, torch.full_like(gap, float("inf")))
+    return (f"data differs: max abs diff {gap.max().item():.6g}, max rel diff "
+            f"{rel.max().item():.6g} ({int(differ.sum())} of {fa.numel()} elements)")
+
+
+def data_changes(a: Opened, b: Opened, unsettled: list[Row],
+                 progress: Callable[[int], None]) -> list[Change]:
+    """Read both sides of each unsettled tensor (a batch at a time) and compare them."""
+    changes = [Change("?", r.key, f"not compared: --data reads global tensors, not a {r.kind}"
+                      f"{' saved per rank' if r.ranks is not None else ''}")
+               for r in unsettled if r.kind != "tensor" or r.ranks is not None]
+    readable = [r for r in unsettled if r.kind == "tensor" and r.ranks is None]
+    for batch in _batches(readable):
+        la, lb = _loaded(a.path, batch), _loaded(b.path, batch)
+        for row in batch:
+            text = _numbers(la[row.key], lb[row.key])
+            if text is not None:
+                changes.append(Change("~", row.key, text))
+        progress(2 * sum(r.nbytes for r in batch))
+    return changes
