@@ -115,7 +115,7 @@ def _diff(args: argparse.Namespace) -> int:
     from ckptio.cli.source import open_manifest
 
     a, b = open_manifest(args.a), open_manifest(args.b)
-    found = diff.compare(a, b)
+    found = diff.compare(a, b, args.data)
     changes = found.changes
     if args.data and found.unsettled:
         total = 2 * sum(r.nbytes for r in found.unsettled)
@@ -129,7 +129,9 @@ def _diff(args: argparse.Namespace) -> int:
     width = min(60, max([len(c.key) for c in changes] + [3]))
     for c in changes:
         sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
-    settled = "the same" if not changes else f"{len(changes)} difference(s)"
+    unsure = sum(c.mark == "?" for c in changes)
+    settled = ("the same" if not changes else f"{len(changes) - unsure} difference(s)"
+               + (f", {unsure} tensor(s) not compared" if unsure else ""))
     sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
     return 1 if changes else 0
 

@@ -49,19 +49,19 @@ def _layout(row: Row) -> dict[tuple[object, ...], str]:
             for e in row.chunks}
 
 
-def _tensor_change(a: Row, b: Row, same_algorithm: bool) -> Change | None | Row:
+def _tensor_change(a: Row, b: Row, same_algorithm: bool, data: bool) -> Change | None | Row:
     """A change for two tensor rows of the same kind, dtype and shape; None if the same; the
-    row itself if the checksums cannot tell."""
+    row itself if the checksums cannot tell, or they differ and ``data`` (then read)."""
     la, lb = _layout(a), _layout(b)
     if not same_algorithm or la.keys() != lb.keys():
         return a
     differing = sum(la[piece] != lb[piece] for piece in la)
     if not differing:
         return None
-    return Change("~", a.key, f"data differs ({differing} of {len(la)} chunks' checksums)")
+    return a if data and a.kind == "tensor" and a.ranks is None else Change("~", a.key, f"data differs ({differing} of {len(la)} chunks' checksums)")
 
 
-def _pair(a: Row, b: Row, same_algorithm: bool) -> Change | None | Row:
+def _pair(a: Row, b: Row, same_algorithm: bool, data: bool) -> Change | None | Row:
     key = a.key
     if a.kind != b.kind:
         return Change("~", key, f"kind {_what(a)} -> {_what(b)}")
@@ -78,19 +78,20 @@ def _pair(a: Row, b: Row, same_algorithm: bool) -> Change | None | Row:
         return Change("~", key, f"shape {list(a.shape)} -> {list(b.shape)}")
     if (a.ranks is None) != (b.ranks is None):
         return Change("~", key, "per-rank in one, one global tensor in the other")
-    return _tensor_change(a, b, same_algorithm)
+    return _tensor_change(a, b, same_algorithm, data)
 
 
-def compare(a: Opened, b: Opened) -> Diff:
+def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     """Every difference the manifests show; tensors whose checksums cannot be compared (another
-    algorithm or chunking) are left in ``unsettled``."""
+    algorithm or chunking) are left in ``unsettled``, and with ``data`` those whose checksums
+    differ too (data_changes reads them)."""
     ra, rb = rows(a.record), rows(b.record)
     same_algorithm = a.record.checksum_algorithm == b.record.checksum_algorithm
     changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]
     changes += [Change("+", k, f"only in B: {_what(r)}") for k, r in rb.items() if k not in ra]
     unsettled: list[Row] = []
     for key in (k for k in ra if k in rb):
-        found = _pair(ra[key], rb[key], same_algorithm)
+        found = _pair(ra[key], rb[key], same_algorithm, data)
         if isinstance(found, Change):
             changes.append(found)
         elif isinstance(found, Row):
