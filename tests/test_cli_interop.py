@@ -89,6 +89,10 @@ def test_ls_prints_the_nested_tree_with_kinds_dtypes_shapes_and_values(saved: Pa
     assert rows["dt"].split()[1:] == ["value", "torch.bfloat16"]
     assert [line.split()[:2] for line in lines if line.split()[0] in ("betas", "pair")] == [
         ["betas", "tuple"], ["pair", "tuple"]]
+    flat = ckptio_cmd("ls", "--flat", str(saved)).stdout.splitlines()
+    assert [line.split()[0] for line in flat[2:]] == [
+        "model.weight", "model.bias", "step", "meta.name", "meta.betas.0", "meta.betas.1",
+        "meta.dt", "pair.0", "pair.1"]
     shallow = ckptio_cmd("ls", str(saved), "--depth", "1").stdout.splitlines()
     assert [line.split()[0] for line in shallow[2:]] == ["model*", "step", "meta", "pair"]
     assert "2 leaves, not shown (--depth)" in shallow[2]
@@ -197,6 +201,15 @@ def test_diff_exit_codes_and_what_it_names(saved: Path, tmp_path: Path):
     assert set(lines) == {"- pair.0", "- pair.1", "+ extra", "~ step", "~ meta.dt",
                           "~ model.weight"}
     assert done.stdout.splitlines()[-1].endswith(": 6 difference(s)")
+
+
+def test_diff_names_a_tuple_that_became_a_list(tmp_path: Path):
+    ckptio.save({"p": (torch.ones(2), 3)}, tmp_path / "a")
+    ckptio.save({"p": [torch.ones(2), 3]}, tmp_path / "b")
+    done = ckptio_cmd("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert done.returncode == 1
+    assert [" ".join(line.split()) for line in done.stdout.splitlines()[:-1]] == [
+        "~ p.0 nesting dict/tuple -> dict/list", "~ p.1 nesting dict/tuple -> dict/list"]
 
 
 def test_diff_data_reports_max_abs_and_rel_differences(tmp_path: Path):

@@ -56,6 +56,8 @@ def add_parsers(sub: Any) -> None:
     ls.add_argument("--json", action="store_true", help="JSON, schema ckptio.ls/1 (docs/CLI.md)")
     ls.add_argument("--depth", type=int, default=None, metavar="N",
                     help="show N levels of the tree; deeper ones are summed up")
+    ls.add_argument("--flat", action="store_true", help="one line per key (its dotted name, "
+                    "as load's keys= takes it), no tree: for grep")
     ls.add_argument("--values", action="store_true", help="values in full, sizes, dtypes and "
                     "devices decoded by torch (imports torch)")
     diff = sub.add_parser("diff", parents=[quiet], help="what differs between two checkpoints "
@@ -107,7 +109,7 @@ def _ls(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 0:
         raise CkptError(f"ckptio ls: --depth {args.depth}: give 0 or more levels")
     return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
-                  exact=args.values)
+                  exact=args.values, flat=args.flat)
 
 
 def _diff(args: argparse.Namespace) -> int:

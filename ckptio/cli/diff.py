@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.format.types import Json
 
 __all__ = ["Change", "Diff", "compare", "data_changes"]
 
@@ -81,6 +82,29 @@ def _pair(a: Row, b: Row, same_algorithm: bool, data: bool) -> Change | None | R
     return _tensor_change(a, b, same_algorithm, data)
 
 
+_NAMES = {"d": "dict", "l": "list", "t": "tuple", "s": "state_dict"}
+
+
+def _nesting(tree: Json, above: tuple[str, ...] = ()) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """Each leaf key of a FORMAT.md tree with the containers holding it, outermost first."""
+    (tag, body), = tree.items()  # type: ignore[union-attr]
+    if tag == "k":
+        yield str(body), above
+    elif tag == "s":
+        yield from _nesting(body, (*above, _NAMES[tag]))
+    else:
+        for _name, child in body if tag == "d" else enumerate(body):  # type: ignore[arg-type]
+            yield from _nesting(child, (*above, _NAMES[tag]))
+
+
+def _nesting_changes(a: Opened, b: Opened) -> list[Change]:
+    """Keys held in other containers (a tuple that became a list, a dict no longer saved
+    through its state_dict())."""
+    na, nb = dict(_nesting(a.record.tree)), dict(_nesting(b.record.tree))
+    return [Change("~", key, f"nesting {'/'.join(na[key])} -> {'/'.join(nb[key])}")
+            for key in na if key in nb and na[key] != nb[key]]
+
+
 def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     """Every difference the manifests show; tensors whose checksums cannot be compared (another
     algorithm or chunking) are left in ``unsettled``, and with ``data`` those whose checksums
@@ -89,6 +113,7 @@ def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     same_algorithm = a.record.checksum_algorithm == b.record.checksum_algorithm
     changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]
     changes += [Change("+", k, f"only in B: {_what(r)}") for k, r in rb.items() if k not in ra]
+    changes += _nesting_changes(a, b)
     unsettled: list[Row] = []
     for key in (k for k in ra if k in rb):
         found = _pair(ra[key], rb[key], same_algorithm, data)

@@ -1,4 +1,4 @@
-"""``ckptio ls PATH [--json] [--depth N] [--values]``: the tree a checkpoint holds.
+"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat]``: the tree a checkpoint holds.
 
 Owns: walking the manifest's tree (format/FORMAT.md "Tree") into nodes with each leaf's kind,
 dtype, shape, bytes, chunks or ranks and inline values, and printing them as text or as the
@@ -97,26 +97,38 @@ def _flat(node: dict[str, Any], indent: int) -> Iterator[tuple[int, dict[str, An
         yield from _flat(child, indent + 1)
 
 
-def text_lines(opened: Opened, depth: int | None = None, exact: bool = False) -> Iterator[str]:
-    """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent."""
-    doc = as_json(opened, depth, exact)
+def _label(indent: int, node: dict[str, Any], flat: bool) -> str:
+    if flat:
+        return str(node["key"])
+    return "  " * (indent - 1) + str(node["name"]) + ("*" if node.get("stateful") else "")
+
+
+def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
+               flat: bool = False) -> Iterator[str]:
+    """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent
+    (``flat``: one line per leaf, named by its dotted key, for grep)."""
+    doc = as_json(opened, None if flat else depth, exact)
     yield _header(opened, rows(opened.record))
     nodes = list(_flat(doc["tree"], 0))[1:]  # the root is the header
-    width = min(60, max([2 * i + len(str(n["name"])) for i, n in nodes] + [4]))
-    yield f"  {'NAME':{width}s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':16s} {'BYTES':>12s} DETAIL"
+    if flat:
+        nodes = [(i, n) for i, n in nodes if "key" in n]
+    width = min(60, max([len(_label(i, n, flat)) for i, n in nodes] + [4]))
+    yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':16s} "
+           f"{'BYTES':>12s} DETAIL")
     for indent, n in nodes:
-        name = "  " * (indent - 1) + str(n["name"]) + ("*" if n.get("stateful") else "")
+        name = _label(indent, n, flat)
         shape = str(n["shape"]) if "shape" in n else ""
         nbytes = str(n["nbytes"]) if "nbytes" in n else ""
         yield (f"  {name:{width}s} {n['type']:8s} {n.get('dtype', ''):10s} {shape:16s} "
                f"{nbytes:>12s} {_where(n, exact)}").rstrip()
 
 
-def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool) -> int:
+def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool,
+        flat: bool = False) -> int:
     if as_json_doc:
         json.dump(as_json(opened, depth, exact), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    for line in text_lines(opened, depth, exact):
+    for line in text_lines(opened, depth, exact, flat):
         sys.stdout.write(line + "\n")
     return 0
