@@ -377,3 +377,8 @@ def test_progress_bar_on_a_terminal_only_and_not_with_no_progress(tmp_path: Path
     assert status == 0 and shown == "", shown
     piped = ckptio_cmd("verify", str(tmp_path / "c"))
     assert piped.returncode == 0 and piped.stderr == ""
+    ckptio.save({"w": torch.zeros(1 << 18)}, tmp_path / "d")
+    status, shown = _on_a_terminal("diff", "--data", str(tmp_path / "c"), str(tmp_path / "d"))
+    assert status == 1 and "diff" in shown and "2.00M" in shown, shown
+    status, shown = _on_a_terminal("convert", str(tmp_path / "c"), str(tmp_path / "e"))
+    assert status == 0 and "convert" in shown and "1.00M" in shown, shown
