@@ -273,30 +273,65 @@ def test_verify_a_torch_save_file(tmp_path: Path):
     assert done.returncode == 0 and ": OK" in done.stdout, done.stderr
 
 
-def test_export_without_ckptio_export_is_one_line(saved: Path, tmp_path: Path):
-    if "ckptio.export" in sys.modules or (ROOT / "ckptio" / "export.py").exists():
-        pytest.skip("ckptio.export exists: tests/test_export*.py cover the command")
-    _one_line_error(ckptio_cmd("export", str(saved), str(tmp_path / "hf")), "ckptio.export")
+def test_export_without_ckptio_export_is_one_line(monkeypatch, saved: Path, tmp_path: Path,
+                                                  capsys):
+    monkeypatch.setitem(sys.modules, "ckptio.export", None)  # as in a ckptio without it
+    assert cli.main(["export", str(saved), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ckptio: error: ckptio export: this ckptio has no Hugging Face export yet (no module "
+        "ckptio.export); upgrade ckptio")
+
+
+def _fake_export(monkeypatch) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """ckptio.export.export_hf recording its calls (its tests are tests/test_export*.py)."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def export_hf(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return types.SimpleNamespace(files=("model.safetensors",), total_size=60,
+                                     total_parameters=15, dropped=("lm_head.weight",))
+
+    fake = types.ModuleType("ckptio.export")
+    fake.export_hf = export_hf  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ckptio.export", fake)
+    return calls
 
 
 def test_export_passes_its_arguments_to_export_hf(monkeypatch, saved: Path, tmp_path: Path,
                                                    capsys):
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    fake = types.ModuleType("ckptio.export")
-    fake.export_hf = lambda *a, **kw: calls.append((a, kw))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ckptio.export", fake)
+    calls = _fake_export(monkeypatch)
     status = cli.main(["export", str(saved), str(tmp_path / "hf"), "--keys", "model.",
-                       "--rename", "weight=w", "--rename", "bias=b", "--dtype", "bf16",
+                       "--rename", "weight=w", "--rename", "b=B", "--dtype", "bf16",
                        "--max-shard-size", "2GiB", "--copy-from", str(tmp_path),
-                       "--overwrite"])
-    assert status == 0 and capsys.readouterr().err == ""
-    assert calls == [((str(saved), str(tmp_path / "hf")), {
-        "keys": "model.", "rename": {"weight": "w", "bias": "b"}, "dtype": torch.bfloat16,
-        "max_shard_bytes": 2 * 2**30, "copy_from": str(tmp_path), "overwrite": True})]
+                       "--overwrite", "--no-verify"])
+    out = capsys.readouterr()
+    assert status == 0 and out.err == ""
+    assert out.out.strip() == (f"{saved} -> {tmp_path / 'hf'}: 1 safetensors file(s), 60 bytes, "
+                               "15 parameters, 1 alias(es) left out")
+    ((args, kwargs),) = calls
+    rename = kwargs.pop("rename")
+    assert args == (str(saved), str(tmp_path / "hf")) and kwargs == {
+        "keys": "model.", "dtype": "bfloat16", "max_shard_bytes": 2 * 2**30,
+        "copy_from": str(tmp_path), "overwrite": True, "verify": False}
+    assert [rename(n) for n in ("weight", "weight.x", "bias", "x.weight")] == [
+        "w", "w.x", "Bias", "x.weight"]
     calls.clear()
-    assert cli.main(["export", str(saved), str(tmp_path / "hf")]) == 0
-    assert calls[0][1] == {"keys": "model.", "rename": None, "dtype": None,
+    assert cli.main(["export", str(saved), str(tmp_path / "hf"), "--keys", ""]) == 0
+    assert calls[0][1] == {"keys": None, "rename": None, "dtype": None, "verify": None,
                            "max_shard_bytes": 5 * 10**9, "copy_from": None, "overwrite": False}
+
+
+def test_export_names_a_missing_dependency(monkeypatch, saved: Path, tmp_path: Path, capsys):
+    fake = types.ModuleType("ckptio.export")
+
+    def importing(name: str) -> Any:  # as if ckptio/export.py's own imports failed
+        raise ModuleNotFoundError("No module named 'safetensors'", name="safetensors")
+
+    fake.__getattr__ = importing  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "ckptio.export", fake)
+    assert cli.main(["export", str(saved), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip() == "ckptio: error: ckptio export needs the package " \
+        "safetensors (No module named 'safetensors'); install it (pip install safetensors)"
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [("5GB", 5 * 10**9), ("500MB", 500 * 10**6),

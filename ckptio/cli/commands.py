@@ -87,13 +87,16 @@ def _export_parser(sub: Any) -> None:
     export.add_argument("--keys", default="model.", metavar="PREFIX", help="export the keys "
                         "under PREFIX, stripped from their names (default 'model.'; '' all)")
     export.add_argument("--rename", type=_rename, action="append", default=[],
-                        metavar="OLD=NEW", help="rename a name prefix (repeatable)")
+                        metavar="OLD=NEW", help="rename names starting with OLD (after "
+                        "--keys is stripped) to start with NEW; repeatable, the first match wins")
     export.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating tensors")
     export.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE",
                         help="largest .safetensors file (default 5GB)")
     export.add_argument("--copy-from", metavar="DIR",
                         help="copy config.json and tokenizer files from DIR")
-    export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    export.add_argument("--no-verify", action="store_true", help="skip the source's checksums "
+                        "(a DCP or torch.save source is checked whole per window it spans)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +172,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ckptio.cli import convert
 
-    return convert.export(args.src, args.dst, keys=args.keys, rename=dict(args.rename),
+    return convert.export(args.src, args.dst, keys=args.keys, rename=args.rename,
                           dtype=DTYPES[args.dtype] if args.dtype else None,
                           max_shard_bytes=args.max_shard_size, copy_from=args.copy_from,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, verify=not args.no_verify)

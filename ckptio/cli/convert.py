@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from ckptio.cli.progress import Bar
 from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
@@ -18,7 +19,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.s3client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["convert", "export", "held_at"]
+__all__ = ["convert", "export", "held_at", "renamer"]
 
 
 def held_at(path: str) -> str | None:
@@ -69,20 +70,37 @@ def convert(src: str, dst: str, *, overwrite: bool, allow_pickle: bool, progress
     return 0
 
 
-def export(src: str, dst: str, *, keys: str, rename: dict[str, str], dtype: str | None,
-           max_shard_bytes: int, copy_from: str | None, overwrite: bool) -> int:
+def renamer(pairs: list[tuple[str, str]]) -> Callable[[str], str] | None:
+    """``--rename OLD=NEW ...`` as export_hf's ``rename``: the first OLD a name starts with is
+    replaced by its NEW; other names are kept."""
+    if not pairs:
+        return None
+
+    def rename(name: str) -> str:
+        for old, new in pairs:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    return rename
+
+
+def export(src: str, dst: str, *, keys: str, rename: list[tuple[str, str]], dtype: str | None,
+           max_shard_bytes: int, copy_from: str | None, overwrite: bool, verify: bool) -> int:
     """ckptio.export.export_hf with the command's arguments."""
     try:
         from ckptio.export import export_hf  # type: ignore[import-not-found, unused-ignore]
-    except ModuleNotFoundError as exc:
-        if exc.name != "ckptio.export":
-            raise
-        raise CkptError("ckptio export: this ckptio has no Hugging Face export yet (no module "
-                        "ckptio.export); upgrade ckptio") from None
-    import torch
-
-    export_hf(src, dst, keys=keys, rename=rename or None,
-              dtype=None if dtype is None else getattr(torch, dtype),
-              max_shard_bytes=max_shard_bytes, copy_from=copy_from, overwrite=overwrite)
-    print(f"{src} -> {dst}: Hugging Face safetensors directory")
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "ckptio.export":
+            raise CkptError("ckptio export: this ckptio has no Hugging Face export yet (no "
+                            "module ckptio.export); upgrade ckptio") from None
+        package = (exc.name or "ckptio").split(".")[0]  # a dependency of the export
+        raise CkptError(f"ckptio export needs the package {package} ({exc}); install it "
+                        f"(pip install {package})") from None
+    done = export_hf(src, dst, keys=keys or None, rename=renamer(rename), dtype=dtype,
+                     max_shard_bytes=max_shard_bytes, copy_from=copy_from, overwrite=overwrite,
+                     verify=None if verify else False)
+    dropped = f", {len(done.dropped)} alias(es) left out" if done.dropped else ""
+    print(f"{src} -> {dst}: {len(done.files)} safetensors file(s), {done.total_size} bytes, "
+          f"{done.total_parameters} parameters{dropped}")
     return 0

@@ -67,7 +67,8 @@ def as_json(opened: Opened, depth: int | None = None, exact: bool = False) -> di
 def _header(opened: Opened, table: dict[str, Row]) -> str:
     r = opened.record
     what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file"}.get(
-        opened.format, f"ckptio checkpoint (save {r.save_id})")
+        opened.format, f"ckptio checkpoint (save {r.save_id}"
+        + (", dcp.save through ckptio.DcpWriter)" if "dcp" in r.meta else ")"))
     nbytes = sum(t.nbytes for t in r.tensors)
     ntensors = sum(1 for row in table.values() if row.chunks)
     return (f"{opened.path}: {what} by {r.world_size} rank(s), {ntensors} tensors in "

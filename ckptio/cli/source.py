@@ -51,8 +51,10 @@ class Row:
 
 
 def source_format(record: Manifest) -> str:
-    return "dcp" if "dcp" in record.meta else "torch.save" if "torch.save" in record.meta \
-        else "ckptio"
+    """What the loader made ``record`` of: a DCP directory, a torch.save file, or "ckptio"."""
+    if "dcp" in record.meta and record.save_id == "dcp":  # DcpWriter's saves have a save id
+        return "dcp"
+    return "torch.save" if "torch.save" in record.meta else "ckptio"
 
 
 def open_manifest(path: str) -> Opened:
