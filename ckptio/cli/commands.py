@@ -127,8 +127,9 @@ def _diff(args: argparse.Namespace) -> int:
         with Bar(total, "diff", not args.no_progress) as bar:
             changes += diff.data_changes(a, b, found.unsettled, bar.update)
     elif found.unsettled:
-        why = "another checksum algorithm" if (
-            a.record.checksum_algorithm != b.record.checksum_algorithm) else "other chunks"
+        algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
+        why = ("no stored checksums" if "none" in algorithms else "another checksum algorithm"
+               if len(algorithms) > 1 else "other chunks")
         changes += [diff.Change("?", r.key, f"not compared: {why} (run with --data)")
                     for r in found.unsettled]
     width = min(60, max([len(c.key) for c in changes] + [3]))

@@ -110,7 +110,8 @@ def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     algorithm or chunking) are left in ``unsettled``, and with ``data`` those whose checksums
     differ too (data_changes reads them)."""
     ra, rb = rows(a.record), rows(b.record)
-    same_algorithm = a.record.checksum_algorithm == b.record.checksum_algorithm
+    same_algorithm = (a.record.checksum_algorithm == b.record.checksum_algorithm
+                      and a.record.checksum_algorithm != "none")  # safetensors: no checksums
     changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]
     changes += [Change("+", k, f"only in B: {_what(r)}") for k, r in rb.items() if k not in ra]
     changes += _nesting_changes(a, b)

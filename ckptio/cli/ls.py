@@ -66,7 +66,8 @@ def as_json(opened: Opened, depth: int | None = None, exact: bool = False) -> di
 
 def _header(opened: Opened, table: dict[str, Row]) -> str:
     r = opened.record
-    what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file"}.get(
+    what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file",
+            "safetensors": "safetensors checkpoint"}.get(
         opened.format, f"ckptio checkpoint (save {r.save_id}"
         + (", dcp.save through ckptio.DcpWriter)" if "dcp" in r.meta else ")"))
     nbytes = sum(t.nbytes for t in r.tensors)

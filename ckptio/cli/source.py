@@ -27,7 +27,7 @@ class Opened:
 
     path: str
     record: Manifest
-    format: str  # "ckptio", "dcp" or "torch.save"
+    format: str  # "ckptio", "dcp", "torch.save" or "safetensors"
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,10 @@ def source_format(record: Manifest) -> str:
     """What the loader made ``record`` of: a DCP directory, a torch.save file, or "ckptio"."""
     if "dcp" in record.meta and record.save_id == "dcp":  # DcpWriter's saves have a save id
         return "dcp"
-    return "torch.save" if "torch.save" in record.meta else "ckptio"
+    for foreign in ("torch.save", "safetensors"):
+        if foreign in record.meta:
+            return foreign
+    return "ckptio"
 
 
 def open_manifest(path: str) -> Opened:
