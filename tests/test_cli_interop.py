@@ -267,6 +267,30 @@ def test_convert_a_dcp_directory_then_verify_and_load_bitwise(tmp_path: Path):
     assert "about the checkpoint's size in RAM" in ckptio_cmd("convert", "--help").stdout
 
 
+def test_verify_with_progress_reads_in_batches_and_still_finds_damage(monkeypatch,
+                                                                      tmp_path: Path):
+    from ckptio import api
+
+    monkeypatch.setattr(api, "VERIFY_BATCH_NBYTES", 64 << 10)  # 64 KiB batches
+    state = {f"t{i}": torch.full((16 << 10,), float(i)) for i in range(6)}  # 64 KiB each
+    ckptio.save(state, tmp_path / "c")
+    checkpointer = ckptio.Checkpointer()
+    calls: list[int] = []
+    assert checkpointer.verify(tmp_path / "c", progress=calls.append) == sum(calls)
+    assert len(calls) == 6 and sum(calls) >= 6 * (64 << 10)
+    (data,) = (tmp_path / "c").glob("data-*")
+    entry = json.loads((tmp_path / "c" / "manifest.json").read_bytes().split(b"\n", 1)[1])
+    last = next(t for t in entry["tensors"] if t["key"] == "t5")
+    with open(data, "r+b") as f:
+        f.seek(last["offset"] + 100)
+        byte = f.read(1)
+        f.seek(last["offset"] + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ckptio.CorruptCheckpointError, match="'t5'"):
+        checkpointer.verify(tmp_path / "c", progress=calls.append)
+    checkpointer.close()
+
+
 def test_verify_a_torch_save_file(tmp_path: Path):
     torch.save({"w": torch.randn(16, 16)}, tmp_path / "m.pt")
     done = ckptio_cmd("verify", str(tmp_path / "m.pt"))
