@@ -127,19 +127,8 @@ def _diff(args: argparse.Namespace) -> int:
         with Bar(total, "diff", not args.no_progress) as bar:
             changes += diff.data_changes(a, b, found.unsettled, bar.update)
     elif found.unsettled:
-        algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
-        why = ("no stored checksums" if "none" in algorithms else "another checksum algorithm"
-               if len(algorithms) > 1 else "other chunks")
-        changes += [diff.Change("?", r.key, f"not compared: {why} (run with --data)")
-                    for r in found.unsettled]
-    width = min(60, max([len(c.key) for c in changes] + [3]))
-    for c in changes:
-        sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
-    unsure = sum(c.mark == "?" for c in changes)
-    settled = ("the same" if not changes else f"{len(changes) - unsure} difference(s)"
-               + (f", {unsure} tensor(s) not compared" if unsure else ""))
-    sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
-    return 1 if changes else 0
+        changes += diff.not_compared(a, b, found.unsettled)
+    return diff.report(a, b, changes)
 
 
 def _bar_wanted(args: argparse.Namespace) -> bool:

@@ -9,13 +9,14 @@ differences. Does not own: opening manifests (cli/source.py) or reading data (ck
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ckptio.cli.source import Opened, Row, rows, shown
 from ckptio.format.types import Json
 
-__all__ = ["Change", "Diff", "compare", "data_changes"]
+__all__ = ["Change", "Diff", "compare", "data_changes", "not_compared", "report"]
 
 BATCH_NBYTES = 256 << 20  # --data reads this much of each side at a time
 
@@ -185,3 +186,23 @@ def data_changes(a: Opened, b: Opened, unsettled: list[Row],
                 changes.append(Change("~", row.key, text))
         progress(2 * sum(r.nbytes for r in batch))
     return changes
+
+
+def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
+    """Without --data: a ``?`` line per tensor the checksums could not settle, saying why."""
+    algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
+    why = ("no stored checksums" if "none" in algorithms else "another checksum algorithm"
+           if len(algorithms) > 1 else "other chunks")
+    return [Change("?", r.key, f"not compared: {why} (run with --data)") for r in unsettled]
+
+
+def report(a: Opened, b: Opened, changes: list[Change]) -> int:
+    """Print one line per change and a summary; -> the exit status (0 the same, 1 not)."""
+    width = min(60, max([len(c.key) for c in changes] + [3]))
+    for c in changes:
+        sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
+    unsure = sum(c.mark == "?" for c in changes)
+    settled = ("the same" if not changes else f"{len(changes) - unsure} difference(s)"
+               + (f", {unsure} tensor(s) not compared" if unsure else ""))
+    sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
+    return 1 if changes else 0
