@@ -226,6 +226,23 @@ def test_diff_data_reports_max_abs_and_rel_differences(tmp_path: Path):
     assert len(done.stdout.splitlines()) == 2
 
 
+def test_diff_data_compares_large_tensors_a_slice_at_a_time(monkeypatch, tmp_path: Path,
+                                                             capsys):
+    """The same numbers when the comparison runs 3 elements at a time (bounded memory)."""
+    from ckptio.cli import diff
+
+    monkeypatch.setattr(diff, "SLICE", 3)
+    a = torch.tensor([1.0, 2.0, 4.0, 0.5, -1.0, 8.0, 3.0])
+    b = a.clone()
+    b[2], b[4], b[6] = 5.0, -0.75, 0.0  # rel 0.2, 1/3 and inf (b is 0), in three slices
+    ckptio.save({"w": a}, tmp_path / "a")
+    ckptio.save({"w": b}, tmp_path / "b")
+    assert cli.main(["diff", "--data", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().out.splitlines()[0].split()[2:] == [
+        "data", "differs:", "max", "abs", "diff", "3,", "max", "rel", "diff", "inf", "(3", "of",
+        "7", "elements)"]
+
+
 def test_diff_of_a_dcp_directory_and_its_conversion(tmp_path: Path):
     """Other checksums (crc32 vs xxh3_64): not compared without --data (exit 1), the same
     with it (exit 0)."""
