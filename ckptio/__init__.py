@@ -14,42 +14,104 @@ may change without notice (tests/test_layers.py pins this list and the layer ord
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
 
-from ckptio.api import Checkpointer, LoadReport, SaveHandle, SaveResult
-from ckptio.shared import async_save, load, save, verify
-from ckptio.saving.persist import Progress
-from ckptio.errors import (CheckpointLockedError, CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, PickleRefusedError, StateMismatchError, RankFailedError, StorageIOError, UnsupportedPathError, UnsupportedStateError)
-from ckptio.options import Options
-from ckptio.rng import RNGState
-from ckptio.manager import CheckpointManager
-from ckptio.export import export_hf
-from ckptio.planning.sharding import FlatShard, TensorShard
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see them here)
+    from ckptio.api import Checkpointer, LoadReport, SaveHandle, SaveResult
+
+    # the result of handle.wait(); the same fields as a save's
+    from ckptio.api import SaveResult as AsyncSaveResult
     from ckptio.dcp.reader import DcpReader
     from ckptio.dcp.writer import DcpWriter
+    from ckptio.errors import (
+        CheckpointLockedError,
+        CheckpointNotFoundError,
+        CkptError,
+        CorruptCheckpointError,
+        IncompleteCheckpointError,
+        ManifestError,
+        PickleRefusedError,
+        RankFailedError,
+        StateMismatchError,
+        StorageIOError,
+        UnsupportedPathError,
+        UnsupportedStateError,
+    )
+    from ckptio.export import export_hf
+    from ckptio.manager import CheckpointManager
+    from ckptio.options import Options
+    from ckptio.planning.sharding import FlatShard, TensorShard
+    from ckptio.rng import RNGState
+    from ckptio.saving.persist import Progress
+    from ckptio.shared import async_save, load, save, verify
 
 __all__ = [
-    "Checkpointer", "LoadReport", "Options", "SaveResult", "AsyncSaveResult", "SaveHandle", "Progress",
-    "async_save", "load", "save", "verify", "__version__", "TensorShard", "FlatShard", "RNGState", "CheckpointManager",
+    "AsyncSaveResult",
+    "CheckpointLockedError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "CkptError",
+    "CorruptCheckpointError",
+    "DcpReader",
+    "DcpWriter",
+    "FlatShard",
+    "IncompleteCheckpointError",
+    "LoadReport",
+    "ManifestError",
+    "Options",
+    "PickleRefusedError",
+    "Progress",
+    "RNGState",
+    "RankFailedError",
+    "SaveHandle",
+    "SaveResult",
+    "StateMismatchError",
+    "StorageIOError",
+    "TensorShard",
+    "UnsupportedPathError",
+    "UnsupportedStateError",
+    "__version__",
+    "async_save",
     "export_hf",
-    "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "ManifestError", "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-    "UnsupportedStateError", "UnsupportedPathError", "DcpReader", "DcpWriter",
+    "load",
+    "save",
+    "verify",
 ]
 
-AsyncSaveResult = SaveResult  # the result of handle.wait(); the same fields as a save's
-
+# Where each public name lives. Importing ``ckptio`` imports none of them (nor torch): the
+# ``ckptio`` command reads manifests torch-free; the first use of a name imports its module.
+_HOME = {
+    "Checkpointer": "ckptio.api", "LoadReport": "ckptio.api", "SaveHandle": "ckptio.api",
+    "SaveResult": "ckptio.api", "AsyncSaveResult": "ckptio.api",
+    "async_save": "ckptio.shared", "load": "ckptio.shared", "save": "ckptio.shared",
+    "verify": "ckptio.shared", "Progress": "ckptio.saving.persist", "Options": "ckptio.options",
+    "RNGState": "ckptio.rng", "CheckpointManager": "ckptio.manager",
+    "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
+    "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
+    "export_hf": "ckptio.export",
+    **{name: "ckptio.errors" for name in (
+        "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
+        "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
+        "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError")},
+}
 
 
 def __getattr__(name: str) -> Any:
-    """``ckptio.DcpReader`` / ``ckptio.DcpWriter`` on first use: they import
-    torch.distributed.checkpoint (about 1 s), which ``import ckptio`` does not pay for (PEP 562)."""
-    if name in ("DcpReader", "DcpWriter"):
-        from ckptio import dcp
+    """PEP 562: a public name, imported from its module on first access and kept here."""
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ckptio' has no attribute {name!r}")
+    import importlib
 
-        return getattr(dcp, name)
-    raise AttributeError(f"module 'ckptio' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module.SaveResult if name == "AsyncSaveResult" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+

@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass
 import logging
 import os
-import re
 import threading
 import time
 import warnings
@@ -25,6 +24,7 @@ from ckptio.distributed import collective
 from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
+from ckptio.storage.select import checkpoint_path, local_path, store_for
 from ckptio.format import manifest
 from ckptio.loading import foreign, safetensors, torchsave
 from ckptio.loading.torchvalues import expand_torch_save
@@ -33,11 +33,10 @@ from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.errors import (CheckpointNotFoundError, CkptError, PickleRefusedError,
-                           UnsupportedPathError)
+from ckptio.errors import CheckpointNotFoundError, CkptError, PickleRefusedError
 from ckptio.format.flatten import flatten
 from ckptio.options import BLOCK, Options
-from ckptio.io.s3client import S3Settings, is_s3
+from ckptio.io.s3client import is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
 from ckptio.planning.plan import PlanCache
 from ckptio.io.stage import BufferPool
@@ -46,6 +45,7 @@ from ckptio.format.types import Manifest, Read
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
+VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
 
 __all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "checkpoint_path", "local_path",
            "store_for"]
@@ -309,7 +309,8 @@ class Checkpointer:
 
         return read
 
-    def verify(self, path: str | os.PathLike[str]) -> int:
+    def verify(self, path: str | os.PathLike[str], *,
+               progress: Callable[[int], None] | None = None) -> int:
         """Check everything a load checks, without loading; -> bytes read.
 
         The manifest (decoded and validated: bounds, chunks tiling each tensor, keys, tree),
@@ -317,16 +318,24 @@ class Checkpointer:
         checksum and its block checksums. So a checkpoint that verifies loads (pickled values
         still need allow_pickle=True, and per-rank values on another number of ranks
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
+        ``progress``: called with the bytes read after each batch of entries (``ckptio verify``'s
+        bar); without it everything is read in one pass.
         """
         store, file = _target(path, self.options)
         record = self._open(store, allow_pickle=False, file=file)
+        reads = [Read.of(e) for e in record.tensors]
+        nbytes = 0
         with self._lock:
             pool, backend = self._resources(store)
-            return read_regions(
-                _data_dir(store, record), [Read.of(e) for e in record.tensors], pool=pool,
-                backend=backend,
-                algorithm=record.checksum_algorithm, depth=self._active.io_depth,
-                block_nbytes=record.block_nbytes, check_blocks=True)
+            for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
+                done = read_regions(
+                    _data_dir(store, record), batch, pool=pool, backend=backend,
+                    algorithm=record.checksum_algorithm, depth=self._active.io_depth,
+                    block_nbytes=record.block_nbytes, check_blocks=True)
+                nbytes += done
+                if progress is not None:
+                    progress(done)
+        return nbytes
 
     def load(
         self,
@@ -421,43 +430,6 @@ class Checkpointer:
                                  **where)
 
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def local_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint path as a local directory; a URL (``s3://...``) is refused rather than
-    taken for a local folder named ``s3:``."""
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    scheme = _URL.match(text)
-    if scheme:
-        raise UnsupportedPathError(
-            f"{text}: ckptio does not serve {scheme.group(1)}:// URLs (only s3:// and local or "
-            "mounted filesystems); pass a directory path, e.g. a mounted bucket")
-    return text
-
-
-def checkpoint_path(path: str | os.PathLike[str]) -> str:
-    """The checkpoint path as a string: an ``s3://`` URL, or a local directory (another URL
-    scheme is refused rather than taken for a local folder named ``gs:``)."""
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    return text if is_s3(text) else local_path(text)
-
-
-def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:
-    """The Store of checkpoint ``path``: a prefix in an S3 bucket (``s3://bucket/prefix``), or
-    a local (or mounted) directory."""
-    text = checkpoint_path(path)
-    if is_s3(text):
-        from ckptio.storage.s3 import S3Store
-
-        return S3Store(text, S3Settings.of(options or Options.from_env()))
-    return LocalStore(text)
-
-
 def _target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str | None]:
     """The store of checkpoint ``path`` and None; for a local file (a ``torch.save`` file), the
     store of its directory and its name."""
@@ -465,6 +437,19 @@ def _target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str 
     if not is_s3(text) and os.path.isfile(text):
         return LocalStore(os.path.dirname(os.path.abspath(text))), os.path.basename(text)
     return store_for(text, options), None
+
+
+def _batches(reads: list[Read], nbytes: int) -> list[list[Read]]:
+    """``reads`` in order, cut into batches of about ``nbytes`` (whole entries each)."""
+    out: list[list[Read]] = [[]]
+    size = 0
+    for read in reads:
+        if out[-1] and size + read.entries[0].nbytes > nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(read)
+        size += read.entries[0].nbytes
+    return out
 
 
 def _committed(store: Store) -> Manifest:

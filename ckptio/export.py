@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ckptio.api import Checkpointer, store_for
+from ckptio.api import Checkpointer
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
@@ -57,6 +57,7 @@ from ckptio.planning.export import (
 )
 from ckptio.saving.stream import write_windows
 from ckptio.storage.local import fsync_path
+from ckptio.storage.select import store_for
 
 __all__ = ["HFExport", "export_hf"]
 

@@ -359,7 +359,7 @@ def test_ckptio_ls_shows_a_dcp_checkpoint(saved: dict[str, Any]) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(saved["path"])],
+    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", "--flat", str(saved["path"])],
                          capture_output=True, text=True, timeout=120, env=os.environ.copy(), check=False)
     assert out.returncode == 0, out.stderr
     assert "DCP checkpoint by 1 rank(s)" in out.stdout, out.stdout

@@ -214,7 +214,7 @@ def test_tied_weights_alias_and_views(tmp_path: Path) -> None:
 
 
 def test_ls_shows_the_file(saved: dict[str, Any]) -> None:
-    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(saved["path"])],
+    out = subprocess.run([sys.executable, "-m", "ckptio", "ls", "--flat", str(saved["path"])],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "torch.save file" in out.stdout and "optim.state.0.exp_avg_sq" in out.stdout

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptio.api import Checkpointer, checkpoint_path
+from ckptio.api import Checkpointer
 from ckptio.dcp import readmeta
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
@@ -57,6 +57,7 @@ from ckptio.io.stage import torch_dtype
 from ckptio.loading.fill import RankPolicy, stored_value
 from ckptio.options import Options
 from ckptio.shared import checkpointer
+from ckptio.storage.select import checkpoint_path, is_checkpoint_id
 
 __all__ = ["DcpReader"]
 
@@ -102,11 +103,7 @@ class DcpReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True for a local path and an ``s3://`` URL (another URL scheme is not ckptio's)."""
-        try:
-            checkpoint_path(checkpoint_id)
-        except (CkptError, TypeError):
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     # ---------------------------------------------------------------------------- metadata
 

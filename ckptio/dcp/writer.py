@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptio.api import checkpoint_path, store_for
 from ckptio.dcp import writeplan
 from ckptio.errors import CkptError
 from ckptio.format import manifest
@@ -59,6 +58,7 @@ from ckptio.saving.persist import SaveJob
 from ckptio.shared import checkpointer
 from ckptio.storage import steps
 from ckptio.storage.base import Exclusive, Store, check_if_locked, new_save_id
+from ckptio.storage.select import checkpoint_path, is_checkpoint_id, store_for
 
 __all__ = ["DcpWriter"]
 
@@ -215,11 +215,7 @@ class DcpWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            checkpoint_path(checkpoint_id)
-        except (CkptError, TypeError):
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     def _options(self) -> Options:
         return self.options if self.options is not None else Options.from_env()

@@ -4,7 +4,8 @@ Owns: which plain Python values ckptio stores inline in the manifest, their exac
 (floats as hex so every bit survives) and the strict decoding of that JSON, which treats it as
 hostile (any malformed tag or payload is a ValueError naming it). Does not own: tensors, numpy
 arrays or bytes (those are stored as data entries), nor pickled objects (flatten decides when
-pickle is allowed).
+pickle is allowed). Imports torch only to decode a size, dtype or device (the ``ckptio``
+command reads manifests without torch).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import math
 import re
 import struct
+import sys
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptio.format.types import Json, show
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NotEncodable", "decode", "encode"]
 
@@ -57,6 +60,9 @@ def encode(value: Any) -> Json:
         return ["complex", [_float(value.real), _float(value.imag)]]
     if isinstance(value, str):
         return ["str", value]
+    torch = sys.modules.get("torch")  # not imported: the value is no torch object
+    if torch is None:
+        raise NotEncodable(type(value).__name__)
     if isinstance(value, torch.Size):
         return ["size", list(value)]
     if isinstance(value, torch.dtype):
@@ -118,6 +124,8 @@ def _str(payload: Any) -> str:
 
 
 def _size(payload: Any) -> torch.Size:
+    import torch
+
     if not (isinstance(payload, list)
             and all(type(d) is int and 0 <= d < _INT_LIMIT for d in payload)):
         raise _fail("size", payload, "the payload must be a list of integers in [0, 2^63)")
@@ -125,6 +133,8 @@ def _size(payload: Any) -> torch.Size:
 
 
 def _dtype(payload: Any) -> torch.dtype:
+    import torch
+
     # vars(torch), not getattr: a name must not reach torch's lazy submodule imports
     dtype = vars(torch).get(payload) if isinstance(payload, str) else None
     if not isinstance(dtype, torch.dtype):
@@ -133,6 +143,8 @@ def _dtype(payload: Any) -> torch.dtype:
 
 
 def _device(payload: Any) -> torch.device:
+    import torch
+
     if not isinstance(payload, str):
         raise _fail("device", payload, "the payload must be a device string")
     try:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 
-from ckptio.api import checkpoint_path
 from ckptio.io.s3client import S3Settings, is_s3
 from ckptio.options import Options
 from ckptio.stepdir.base import Listing, Removal, StepRoot, step_of
 from ckptio.stepdir.local import LocalRoot
 from ckptio.stepdir.s3 import S3Root
+from ckptio.storage.select import checkpoint_path
 
 __all__ = ["Listing", "LocalRoot", "Removal", "S3Root", "StepRoot", "root_for", "step_of"]
 

@@ -20,10 +20,10 @@ import secrets
 import shutil
 import warnings
 
-from ckptio.api import store_for
 from ckptio.errors import StorageIOError
 from ckptio.stepdir.base import Listing, Removal, nothing_message, step_name, step_of
 from ckptio.storage import steps as storage_steps
+from ckptio.storage.select import store_for
 
 __all__ = ["HIDDEN_PREFIX", "LocalRoot", "fsync_dir", "hidden", "is_committed", "remove"]
 

@@ -1,0 +1,168 @@
+"""The ``ckptio`` commands that read checkpoints: ls, diff, verify, convert, export.
+
+Owns: their arguments (``add_parsers``) and running each one (``run``), importing torch and the
+loaders only in the commands that need them (ls and diff on a ckptio checkpoint never do).
+Does not own: the tree and diff logic (cli/ls.py, cli/diff.py), reading and writing
+checkpoints (ckptio.load / save / verify) or the Hugging Face export (ckptio.export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from ckptio.cli.progress import Bar
+from ckptio.errors import CkptError
+
+__all__ = ["add_parsers", "parse_size", "run"]
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
+          "float16": "float16", "fp32": "float32", "f32": "float32", "float32": "float32"}
+CONVERT_HELP = """Read SRC (a DCP checkpoint directory, a torch.save file or a ckptio checkpoint)
+and save it as a ckptio checkpoint at DST. Memory: the whole state is loaded into host memory
+first (about the checkpoint's size in RAM, plus ckptio's staging pool), then saved. A DST that
+already holds a checkpoint is refused unless --overwrite (the old one stays intact until the
+new one commits)."""
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5*10**9, '512MiB' -> 512*2**20, '1000' -> 1000 (argparse type)."""
+    found = _SIZE.fullmatch(text.strip())
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
+    unit = (found.group(2) or "").lower().removesuffix("b")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+def _rename(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep or not old:
+        raise argparse.ArgumentTypeError(f"{text!r} is not OLD=NEW (e.g. model.=)")
+    return old, new
+
+
+def add_parsers(sub: Any) -> None:
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (one is drawn on stderr only when it is a terminal)")
+    ls = sub.add_parser("ls", help="list what a checkpoint holds, as a tree")
+    ls.add_argument("path", help="a ckptio checkpoint (directory or s3://), a DCP directory or "
+                    "a torch.save file (those two import torch)")
+    ls.add_argument("--json", action="store_true", help="JSON, schema ckptio.ls/1 (docs/CLI.md)")
+    ls.add_argument("--depth", type=int, default=None, metavar="N",
+                    help="show N levels of the tree; deeper ones are summed up")
+    ls.add_argument("--flat", action="store_true", help="one line per key (its dotted name, "
+                    "as load's keys= takes it), no tree: for grep")
+    ls.add_argument("--values", action="store_true", help="values in full, sizes, dtypes and "
+                    "devices decoded by torch (imports torch)")
+    diff = sub.add_parser("diff", parents=[quiet], help="what differs between two checkpoints "
+                          "(exit 0 the same, 1 different, 2 error)")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--data", action="store_true", help="read the tensors checksums cannot "
+                      "compare (another checksum or chunking) and show the largest differences")
+    verify = sub.add_parser("verify", parents=[quiet],
+                            help="read every byte and check it against its checksum")
+    verify.add_argument("path")
+    convert = sub.add_parser("convert", parents=[quiet], help="a DCP directory or torch.save "
+                             "file -> a ckptio checkpoint", description=CONVERT_HELP)
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--allow-pickle", action="store_true", help="SRC holds pickled Python "
+                         "objects you trust (unpickling runs code)")
+    _export_parser(sub)
+
+
+def _export_parser(sub: Any) -> None:
+    export = sub.add_parser("export", help="a checkpoint's model -> a Hugging Face safetensors "
+                            "directory (run under torchrun to export with many ranks)")
+    export.add_argument("src")
+    export.add_argument("dst")
+    export.add_argument("--keys", default="model.", metavar="PREFIX", help="export the keys "
+                        "under PREFIX, stripped from their names (default 'model.'; '' all)")
+    export.add_argument("--rename", type=_rename, action="append", default=[],
+                        metavar="OLD=NEW", help="rename names starting with OLD (after "
+                        "--keys is stripped) to start with NEW; repeatable, the first match wins")
+    export.add_argument("--dtype", choices=sorted(DTYPES), help="convert floating tensors")
+    export.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE",
+                        help="largest .safetensors file (default 5GB)")
+    export.add_argument("--copy-from", metavar="DIR",
+                        help="copy config.json and tokenizer files from DIR")
+    export.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    export.add_argument("--no-verify", action="store_true", help="skip the source's checksums "
+                        "(a DCP or torch.save source is checked whole per window it spans)")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = {"ls": _ls, "diff": _diff, "verify": _verify, "convert": _convert,
+               "export": _export}[args.command]
+    return command(args)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from ckptio.cli import ls
+    from ckptio.cli.source import open_manifest
+
+    if args.depth is not None and args.depth < 0:
+        raise CkptError(f"ckptio ls: --depth {args.depth}: give 0 or more levels")
+    return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
+                  exact=args.values, flat=args.flat)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from ckptio.cli import diff
+    from ckptio.cli.source import open_manifest
+
+    a, b = open_manifest(args.a), open_manifest(args.b)
+    found = diff.compare(a, b, args.data)
+    changes = found.changes
+    if args.data and found.unsettled:
+        total = 2 * sum(r.nbytes for r in found.unsettled)
+        with Bar(total, "diff", not args.no_progress) as bar:
+            changes += diff.data_changes(a, b, found.unsettled, bar.update)
+    elif found.unsettled:
+        changes += diff.not_compared(a, b, found.unsettled)
+    return diff.report(a, b, changes)
+
+
+def _bar_wanted(args: argparse.Namespace) -> bool:
+    return not args.no_progress and sys.stderr.isatty()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ckptio.api import Checkpointer
+    from ckptio.cli.source import open_manifest
+    from ckptio.options import Options
+
+    wanted = _bar_wanted(args)  # its total needs the manifest read once more
+    total = sum(t.nbytes for t in open_manifest(args.path).record.tensors) if wanted else 0
+    checkpointer = Checkpointer(Options.from_env())
+    try:
+        with Bar(total, "verify", wanted) as bar:
+            nbytes = checkpointer.verify(args.path, progress=bar.update if bar.shown else None)
+    finally:
+        checkpointer.close()
+    print(f"{args.path}: OK, every entry matches its checksum ({nbytes} bytes read)")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ckptio.cli import convert
+
+    return convert.convert(args.src, args.dst, overwrite=args.overwrite,
+                           allow_pickle=args.allow_pickle, progress=_bar_wanted(args))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ckptio.cli import convert
+
+    return convert.export(args.src, args.dst, keys=args.keys, rename=args.rename,
+                          dtype=DTYPES[args.dtype] if args.dtype else None,
+                          max_shard_bytes=args.max_shard_size, copy_from=args.copy_from,
+                          overwrite=args.overwrite, verify=not args.no_verify)

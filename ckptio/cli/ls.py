@@ -1,0 +1,136 @@
+"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat]``: the tree a checkpoint holds.
+
+Owns: walking the manifest's tree (format/FORMAT.md "Tree") into nodes with each leaf's kind,
+dtype, shape, bytes, chunks or ranks and inline values, and printing them as text or as the
+JSON of docs/CLI.md (schema ``ckptio.ls/1``). Does not own: opening the manifest
+(cli/source.py), which reads a ckptio checkpoint without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.format.types import Json
+
+__all__ = ["SCHEMA", "as_json", "run", "text_lines"]
+
+SCHEMA = "ckptio.ls/1"
+_CONTAINERS = {"d": "dict", "l": "list", "t": "tuple"}
+_VALUE_WIDTH = 60  # text output cuts a value's repr here unless --values
+
+
+def _leaf(row: Row, exact: bool) -> dict[str, Any]:
+    if row.kind == "alias":
+        return {"key": row.key, "type": "alias", "alias_of": row.alias_of}
+    if row.kind == "value":
+        return {"key": row.key, "type": "value", "values": [
+            {"rank": o.rank, "value": o.value, "repr": shown(o.value, exact)} for o in row.objects]}
+    return {"key": row.key, "type": row.kind, "dtype": row.dtype, "shape": list(row.shape),
+            "nbytes": row.nbytes, "chunks": len(row.chunks), "ranks": row.ranks}
+
+
+def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int | None,
+          exact: bool) -> dict[str, Any]:
+    """The JSON node of ``tree`` (a FORMAT.md tree node) named ``name`` at ``depth``."""
+    (tag, body), = tree.items()  # type: ignore[union-attr]
+    if tag == "k":
+        return {"name": name, **_leaf(table[str(body)], exact)}
+    if tag == "s":  # an object saved through its state_dict(): its state, marked
+        return {**_node(name, body, table, depth, limit, exact), "stateful": True}
+    named = body if tag == "d" else list(enumerate(body))  # type: ignore[arg-type]
+    children = [_node(k, child, table, depth + 1, limit, exact) for k, child in named]
+    node: dict[str, Any] = {"name": name, "type": _CONTAINERS[tag],
+                            "leaves": sum(c.get("leaves", 1) for c in children),
+                            "nbytes": sum(c.get("nbytes", 0) for c in children)}
+    if limit is not None and depth >= limit and children:
+        node["truncated"] = True
+    else:
+        node["children"] = children
+    return node
+
+
+def as_json(opened: Opened, depth: int | None = None, exact: bool = False) -> dict[str, Any]:
+    """The ``ckptio ls --json`` document (docs/CLI.md)."""
+    record = opened.record
+    return {"schema": SCHEMA, "path": opened.path, "format": opened.format,
+            "save_id": record.save_id, "world_size": record.world_size,
+            "checksum_algorithm": record.checksum_algorithm,
+            "nbytes": sum(t.nbytes for t in record.tensors),
+            "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in record.files],
+            "tree": _node(None, record.tree, rows(record), 0, depth, exact)}
+
+
+def _header(opened: Opened, table: dict[str, Row]) -> str:
+    r = opened.record
+    what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file",
+            "safetensors": "safetensors checkpoint"}.get(
+        opened.format, f"ckptio checkpoint (save {r.save_id}"
+        + (", dcp.save through ckptio.DcpWriter)" if "dcp" in r.meta else ")"))
+    nbytes = sum(t.nbytes for t in r.tensors)
+    ntensors = sum(1 for row in table.values() if row.chunks)
+    return (f"{opened.path}: {what} by {r.world_size} rank(s), {ntensors} tensors in "
+            f"{len(r.tensors)} chunks ({nbytes / 2**20:.1f} MiB), {len(r.objects)} values, "
+            f"{len(r.aliases)} aliases, {len(r.files)} file(s), {r.checksum_algorithm}")
+
+
+def _where(node: dict[str, Any], exact: bool) -> str:
+    kind = node["type"]
+    if kind == "alias":
+        return f"same tensor as {node['alias_of']}"
+    if kind == "value":
+        texts = [v["repr"] if v["rank"] is None else f"rank {v['rank']}: {v['repr']}"
+                 for v in node["values"]]
+        text = "; ".join(texts)
+        return text if exact or len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH - 3] + "..."
+    if "leaves" in node:
+        return f"{node['leaves']} leaves" + (", not shown (--depth)" if "truncated" in node else "")
+    if node["ranks"] is not None:
+        return f"{len(node['ranks'])} per-rank"
+    return f"{node['chunks']} chunks" if node["chunks"] > 1 else ""
+
+
+def _flat(node: dict[str, Any], indent: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    yield indent, node
+    for child in node.get("children", ()):
+        yield from _flat(child, indent + 1)
+
+
+def _label(indent: int, node: dict[str, Any], flat: bool) -> str:
+    if flat:
+        return str(node["key"])
+    return "  " * (indent - 1) + str(node["name"]) + ("*" if node.get("stateful") else "")
+
+
+def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
+               flat: bool = False) -> Iterator[str]:
+    """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent
+    (``flat``: one line per leaf, named by its dotted key, for grep)."""
+    doc = as_json(opened, None if flat else depth, exact)
+    yield _header(opened, rows(opened.record))
+    nodes = list(_flat(doc["tree"], 0))[1:]  # the root is the header
+    if flat:
+        nodes = [(i, n) for i, n in nodes if "key" in n]
+    width = min(60, max([len(_label(i, n, flat)) for i, n in nodes] + [4]))
+    yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':16s} "
+           f"{'BYTES':>12s} DETAIL")
+    for indent, n in nodes:
+        name = _label(indent, n, flat)
+        shape = str(n["shape"]) if "shape" in n else ""
+        nbytes = str(n["nbytes"]) if "nbytes" in n else ""
+        yield (f"  {name:{width}s} {n['type']:8s} {n.get('dtype', ''):10s} {shape:16s} "
+               f"{nbytes:>12s} {_where(n, exact)}").rstrip()
+
+
+def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool,
+        flat: bool = False) -> int:
+    if as_json_doc:
+        json.dump(as_json(opened, depth, exact), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    for line in text_lines(opened, depth, exact, flat):
+        sys.stdout.write(line + "\n")
+    return 0

@@ -1,0 +1,112 @@
+"""What a checkpoint holds, as the ``ckptio`` command shows it: its manifest and one row per key.
+
+Owns: opening the manifest of a path for ls and diff (a ckptio checkpoint's own, read and
+validated without importing torch; a DCP directory's or a torch.save file's, made by
+ckptio's loader, which imports torch), and the per-key summary (kind, dtype, shape, bytes,
+chunks, ranks, values) both commands use. Does not own: validation (format/manifest.py) or
+reading foreign formats (loading/).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ckptio.errors import CheckpointNotFoundError
+from ckptio.format import manifest, values
+from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
+from ckptio.io.s3client import is_s3
+from ckptio.storage.select import checkpoint_path, store_for
+
+__all__ = ["Opened", "Row", "open_manifest", "rows", "shown", "source_format"]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint's manifest and where it came from."""
+
+    path: str
+    record: Manifest
+    format: str  # "ckptio", "dcp", "torch.save" or "safetensors"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One key of a checkpoint: a tensor-like entry (its chunks), a value or an alias."""
+
+    key: str
+    kind: str  # a tensor kind (tensor, numpy, numpy_scalar, bytes, pickle), "value" or "alias"
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    chunks: tuple[TensorEntry, ...] = ()
+    objects: tuple[ObjectEntry, ...] = ()
+    alias_of: str = ""
+
+    @property
+    def ranks(self) -> list[int] | None:
+        """The ranks of a per-rank key (saved differently by each rank), else None."""
+        found = [e.rank for e in (*self.chunks, *self.objects) if e.rank is not None]
+        return sorted(found) if found else None
+
+
+def source_format(record: Manifest) -> str:
+    """What the loader made ``record`` of: a DCP directory, a torch.save file, or "ckptio"."""
+    if "dcp" in record.meta and record.save_id == "dcp":  # DcpWriter's saves have a save id
+        return "dcp"
+    for foreign in ("torch.save", "safetensors"):
+        if foreign in record.meta:
+            return foreign
+    return "ckptio"
+
+
+def open_manifest(path: str) -> Opened:
+    """The manifest of ``path``: a ckptio checkpoint's without torch; else a DCP directory's or
+    a torch.save file's as ckptio.load reads it (imports torch). Raises CkptError."""
+    text = checkpoint_path(path)
+    if is_s3(text) or not os.path.isfile(text):
+        store = store_for(text)
+        try:
+            record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
+            return Opened(text, record, "ckptio")
+        except CheckpointNotFoundError:
+            pass  # a DCP checkpoint, read below, or nothing (the loader says which)
+    from ckptio.api import Checkpointer
+    from ckptio.options import Options
+
+    checkpointer = Checkpointer(Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
+    try:
+        record = checkpointer.manifest(text)
+    finally:
+        checkpointer.close()
+    return Opened(text, record, source_format(record))
+
+
+def rows(record: Manifest) -> dict[str, Row]:
+    """Every key of ``record`` (tensors, values, aliases) -> its Row, in manifest order."""
+    chunks: dict[str, list[TensorEntry]] = {}
+    for t in record.tensors:
+        chunks.setdefault(t.key, []).append(t)
+    out = {key: Row(key, c[0].kind, c[0].dtype, c[0].shape, sum(e.nbytes for e in c), tuple(c))
+           for key, c in chunks.items()}
+    objects: dict[str, list[ObjectEntry]] = {}
+    for o in record.objects:
+        objects.setdefault(o.key, []).append(o)
+    out.update((key, Row(key, "value", objects=tuple(o))) for key, o in objects.items())
+    out.update((key, Row(key, "alias", alias_of=target)) for key, target in record.aliases)
+    return out
+
+
+_TORCH_TYPES = {"size": "torch.Size({})", "dtype": "torch.{}", "device": "device({!r})"}
+
+
+def shown(tagged: Json, exact: bool = False) -> str:
+    """An inline value as Python shows it. Sizes, dtypes and devices are written from their
+    stored text without importing torch unless ``exact`` (then decoded by torch)."""
+    if (not exact and isinstance(tagged, list) and len(tagged) == 2
+            and tagged[0] in _TORCH_TYPES and isinstance(tagged[1], (str, list))):
+        return _TORCH_TYPES[str(tagged[0])].format(tagged[1])
+    try:
+        return repr(values.decode(tagged))
+    except ValueError:
+        return f"<malformed {tagged!r:.40}>"
