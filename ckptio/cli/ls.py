@@ -121,8 +121,11 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
         name = _label(indent, n, flat)
         shape = str(n["shape"]) if "shape" in n else ""
         nbytes = str(n["nbytes"]) if "nbytes" in n else ""
-        yield (f"  {name:{width}s} {n['type']:8s} {n.get('dtype', ''):10s} {shape:16s} "
-               f"{nbytes:>12s} {_where(n, exact)}").rstrip()
+        dtype, detail = n.get("dtype", ""), _where(n, exact)
+        if n["type"] == "torch_save":  # a DCP value's torch.save bytes (uint8 is how they are kept)
+            dtype, shape, detail = "", "", "a value dcp.save serialised (ckptio.load decodes it)"
+        yield (f"  {name:{width}s} {n['type']:8s} {dtype:10s} {shape:16s} "
+               f"{nbytes:>12s} {detail}").rstrip()
 
 
 def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool,
