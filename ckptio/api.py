@@ -7,7 +7,6 @@ use, reused by every later save and load). The logic lives in the modules it cal
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import logging
 import os
 import threading
@@ -15,40 +14,51 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptio import io
+from ckptio import io, opening
 from ckptio.distributed import collective
-from ckptio.storage import steps
+from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
+from ckptio.errors import CkptError, PickleRefusedError
+from ckptio.format.flatten import flatten
+from ckptio.format.types import Manifest, Read
+from ckptio.io.stage import BufferPool
+from ckptio.loading import foreign
+from ckptio.loading.fill import (
+    KeyFilter,
+    LoadReport,
+    RankPolicy,
+    fill_fresh,
+    fill_in_place,
+)
+from ckptio.loading.read import read_regions
+from ckptio.loading.torchvalues import expand_torch_save
+from ckptio.options import BLOCK, Options
+from ckptio.planning.plan import PlanCache
+from ckptio.saving import session
+from ckptio.saving.cleanup import Cleanup
+from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.storage.select import checkpoint_path, local_path, store_for
-from ckptio.format import manifest
-from ckptio.loading import foreign, safetensors, torchsave
-from ckptio.loading.torchvalues import expand_torch_save
-from ckptio.loading.read import read_regions
-from ckptio.saving import session
-from ckptio.saving.cleanup import Cleanup
-from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
-from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.errors import CheckpointNotFoundError, CkptError, PickleRefusedError
-from ckptio.format.flatten import flatten
-from ckptio.options import BLOCK, Options
-from ckptio.io.s3client import is_s3
 from ckptio.tuning.profile import io_fields, tuned_options
-from ckptio.planning.plan import PlanCache
-from ckptio.io.stage import BufferPool
-from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy, fill_fresh, fill_in_place
-from ckptio.format.types import Manifest, Read
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
 
-__all__ = ["Checkpointer", "SaveResult", "SaveHandle", "LoadReport", "checkpoint_path", "local_path",
-           "store_for"]
+__all__ = [
+    "Checkpointer",
+    "LoadReport",
+    "SaveHandle",
+    "SaveResult",
+    "checkpoint_path",
+    "local_path",
+    "store_for",
+]
 
 
 class Checkpointer:
@@ -187,7 +197,7 @@ class Checkpointer:
         previous_error: BaseException | None = None
         try:
             self._settle()
-        except BaseException as exc:  # noqa: BLE001 - with peers, raised in agree once they know
+        except BaseException as exc:
             if group.size == 1:
                 raise
             previous_error = exc
@@ -237,19 +247,8 @@ class Checkpointer:
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
     def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
-        """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
-        manifest) the Manifest loading/foreign.py makes of it, and for a torch.save ``file``
-        in it the one loading/torchsave.py makes, and for a safetensors file or a Hugging Face
-        folder (an index or model.safetensors) loading/safetensors.py's, reading through this
-        Checkpointer's pool and the store's backend."""
-        hf = file is not None and safetensors.is_safetensors_name(file)
-        if file is None:
-            try:
-                return _committed(store)
-            except CheckpointNotFoundError:
-                hf = not foreign.holds_dcp(store)
-                if hf and not safetensors.holds_hf(store):
-                    raise
+        """The Manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format
+        (opening.py), reading through this Checkpointer's pool and the store's backend."""
         with self._lock:
             pool, backend = self._resources(store)
             depth = self._active.io_depth
@@ -258,19 +257,12 @@ class Checkpointer:
                 return read_regions(store.location, reads, pool=pool, backend=backend,
                                     algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
 
-            if hf:
-                record = safetensors.open_safetensors(store, read, file)
-            elif file is not None:
-                record = torchsave.open_torch_save(store, file, read)
-            else:
-                record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
-        _data_dir(store, record)
-        return record
+            return opening.open_manifest(store, file, read, allow_pickle=allow_pickle)
 
     def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
         the one made of a DCP checkpoint there (``ckptio ls``)."""
-        store, file = _target(path, self.options)
+        store, file = opening.target(path, self.options)
         return self._open(store, allow_pickle=allow_pickle, file=file)
 
     def read(self, path: str | os.PathLike[str], record: Manifest, reads: Sequence[Read], *,
@@ -279,7 +271,7 @@ class Checkpointer:
         ``manifest(path)`` gave it) in one coalesced pass through this Checkpointer's pool and
         the store's backend, checksums checked unless ``verify`` is False (default
         Options.verify). For drivers that plan their own reads (ckptio.DcpReader). -> bytes read."""
-        store, _file = _target(path, self.options)
+        store, _file = opening.target(path, self.options)
         return self._reads_of(store, record, verify)(list(reads))
 
     def reader(self, path: str | os.PathLike[str], *, verify: bool | None = None,
@@ -287,13 +279,13 @@ class Checkpointer:
         """What the checkpoint at ``path`` holds (as a load sees it) and a function that fills
         Reads of it (format/types.py) as ``read`` does. For drivers that stream a checkpoint
         elsewhere (export)."""
-        store, file = _target(path, self.options)
+        store, file = opening.target(path, self.options)
         record = self._open(store, allow_pickle=allow_pickle, file=file)
         return record, self._reads_of(store, record, verify)
 
     def _reads_of(self, store: Store, record: Manifest,
                   verify: bool | None) -> Callable[[list[Read]], int]:
-        files = _data_dir(store, record)
+        files = opening.data_dir(store, record)
         verify = self.options.verify if verify is None else verify
         algorithm = record.checksum_algorithm if verify else None
         # unverified, a partial read need not widen to whole checksum blocks (a foreign
@@ -321,7 +313,7 @@ class Checkpointer:
         ``progress``: called with the bytes read after each batch of entries (``ckptio verify``'s
         bar); without it everything is read in one pass.
         """
-        store, file = _target(path, self.options)
+        store, file = opening.target(path, self.options)
         record = self._open(store, allow_pickle=False, file=file)
         reads = [Read.of(e) for e in record.tensors]
         nbytes = 0
@@ -329,7 +321,7 @@ class Checkpointer:
             pool, backend = self._resources(store)
             for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
                 done = read_regions(
-                    _data_dir(store, record), batch, pool=pool, backend=backend,
+                    opening.data_dir(store, record), batch, pool=pool, backend=backend,
                     algorithm=record.checksum_algorithm, depth=self._active.io_depth,
                     block_nbytes=record.block_nbytes, check_blocks=True)
                 nbytes += done
@@ -396,7 +388,7 @@ class Checkpointer:
     def _load(self, path: str, state: Any, *, strict: bool, keys: KeyFilter, cast: bool,
               verify: bool | None, allow_pickle: bool, per_rank_from: RankPolicy, rank: int,
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
-        store, file = _target(path, self.options)
+        store, file = opening.target(path, self.options)
         try:
             record = self._open(store, allow_pickle=allow_pickle, file=file)
         except PickleRefusedError:
@@ -409,34 +401,13 @@ class Checkpointer:
                     "allow_pickle=True) returns torch.load(path, weights_only=False)), not in "
                     "place") from None
             return torch.load(store.path_of(file), weights_only=False, map_location="cpu")
-        files = _data_dir(store, record)
-        verify = self.options.verify if verify is None else verify
-        algorithm = record.checksum_algorithm if verify else None
-        with self._lock:
-            pool, backend = self._resources(store)
-            depth = self._active.io_depth
-
-            def read(reads: list[Read]) -> int:
-                return read_regions(files, reads, pool=pool, backend=backend, depth=depth,
-                                    algorithm=algorithm, block_nbytes=record.block_nbytes)
-
-            record = expand_torch_save(record, read, where=store.location,
-                                       allow_pickle=allow_pickle)
-            where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
-            if state is None:
-                return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
-            return fill_in_place(record, flatten(state), read, keys=keys, strict=strict,
-                                 cast=cast, allow_pickle=allow_pickle, agree_unexpected=key_step,
-                                 **where)
-
-
-def _target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str | None]:
-    """The store of checkpoint ``path`` and None; for a local file (a ``torch.save`` file), the
-    store of its directory and its name."""
-    text = checkpoint_path(path)
-    if not is_s3(text) and os.path.isfile(text):
-        return LocalStore(os.path.dirname(os.path.abspath(text))), os.path.basename(text)
-    return store_for(text, options), None
+        read = self._reads_of(store, record, verify)
+        record = expand_torch_save(record, read, where=store.location, allow_pickle=allow_pickle)
+        where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
+        if state is None:
+            return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
+        return fill_in_place(record, flatten(state), read, keys=keys, strict=strict, cast=cast,
+                             allow_pickle=allow_pickle, agree_unexpected=key_step, **where)
 
 
 def _batches(reads: list[Read], nbytes: int) -> list[list[Read]]:
@@ -450,27 +421,6 @@ def _batches(reads: list[Read], nbytes: int) -> list[list[Read]]:
         out[-1].append(read)
         size += read.entries[0].nbytes
     return out
-
-
-def _committed(store: Store) -> Manifest:
-    """The committed manifest of ``store``, decoded, its inline values checked, and every
-    data file it names there and long enough (what every read relies on)."""
-    where = store.path_of(manifest.MANIFEST_NAME)
-    record = manifest.decode(store.read_manifest(), where)
-    manifest.check_values(record, where)
-    steps.check_files(store, record)
-    return record
-
-
-def _data_dir(store: Store, record: Manifest) -> str:
-    """The ``directory`` loading/read.py and saving/persist.py take: they reach a data file as
-    ``os.path.join(directory, name)``, which must be the store's ``path_of(name)``."""
-    for info in record.files:
-        if os.path.join(store.location, info.name) != store.path_of(info.name):
-            raise CkptError(f"{store.location}: its data files are not reached by directory and "
-                            f"name ({store.path_of(info.name)}), which loading needs until it "
-                            "takes path_of; load it from a local directory")
-    return store.location
 
 
 @dataclass(frozen=True)

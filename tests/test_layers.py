@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.saving", "ckptio.loading"),
     ("ckptio.tuning",),
     ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
-     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export"),
+     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.opening"),
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
 TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio
