@@ -1,6 +1,7 @@
 """DCP's save plans and results, translated into ckptio's write items and manifest: pure.
 
     check_plan(plan, rank, path)                 every tensor item's dtype is one ckptio stores
+    inline_value(item, data)                     a BYTE_IO item's value as ckptio values, or None
     write_item(item, data)                       a DCP WriteItem (resolved) -> types.WriteItem
     written(item, entry, rank, file_nbytes)      a persisted entry -> what a WriteResult carries
     manifest_of(metadata, results, ...)          every rank's results -> the Manifest to commit
@@ -15,6 +16,8 @@ No I/O: dataclasses and DCP's plan objects in, dataclasses out.
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,13 +42,15 @@ from ckptio.format.types import (
     FileInfo,
     Json,
     Manifest,
+    ObjectEntry,
     TensorEntry,
     WriteItem,
 )
-from ckptio.loading.torchvalues import TORCH_SAVE
+from ckptio.loading.foreign import expand_value
+from ckptio.loading.torchvalues import TORCH_SAVE, replace_nodes
 
-__all__ = ["TORCH_SAVE", "RankStorage", "Written", "check_plan", "dtype_name", "item_key",
-           "manifest_of", "tree_of", "write_item", "written"]
+__all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "Written", "check_plan", "dtype_name",
+           "inline_value", "item_key", "manifest_of", "tree_of", "write_item", "written"]
 
 
 
@@ -70,6 +75,36 @@ class Written:
     blocks: tuple[str, ...]
     rank: int  # the rank that wrote the file
     file_nbytes: int
+
+
+@dataclass(frozen=True)
+class InlineValue:
+    """``WriteResult.storage_data`` of a BYTE_IO item kept as ckptio inline values (nothing
+    written to a data file): its tree node and object entries, as ckptio.save stores them."""
+
+    node: Json
+    objects: tuple[ObjectEntry, ...]
+
+
+def inline_value(item: DcpItem, data: Any) -> InlineValue | None:
+    """A BYTE_IO item's value as ckptio inline values, so the checkpoint reads like one
+    ckptio.save made (``ckptio ls`` shows lr and betas, ``ckptio diff`` compares them, no
+    torch.load at load time); None (keep its torch.save bytes, kind ``torch_save``) when
+    ``torch.load(weights_only=True)`` refuses it or a leaf is no inline value (a tensor, an
+    array, a custom object)."""
+    if item.type != WriteItemType.BYTE_IO:
+        return None
+    raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError):
+        return None
+    objects: list[ObjectEntry] = []
+    try:
+        node = expand_value(value, item.index.fqn, objects, 0)
+    except CkptError:
+        return None
+    return InlineValue(node, tuple(objects))
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -135,21 +170,29 @@ def manifest_of(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
     rules: a manifest that would not load is never committed)."""
     tensors: list[TensorEntry] = []
     files: dict[str, FileInfo] = {}
+    objects: list[ObjectEntry] = []
+    nodes: dict[str, Json] = {}
     for rank_results in results:
         for result in rank_results:
             w = result.storage_data
+            if isinstance(w, InlineValue):
+                objects.extend(w.objects)
+                nodes[result.index.fqn] = w.node
+                continue
             if not isinstance(w, Written):
                 raise CkptError(f"save to {where}: a write result of {result.index.fqn!r} was "
                                 "not made by ckptio.DcpWriter (every rank must use it)")
             tensors.append(_entry(metadata, result.index, w, where))
             files[w.file] = FileInfo(w.file, w.file_nbytes, w.rank)
-    keys = list(dict.fromkeys(t.key for t in tensors))
+    keys = list(dict.fromkeys([*(t.key for t in tensors), *nodes]))
     record = Manifest(
         version=manifest.VERSION, save_id=save_id, checksum_algorithm=algorithm,
         world_size=len(results), files=tuple(files[n] for n in sorted(files)),
-        tensors=tuple(tensors), objects=(), aliases=(),
-        tree=tree_of(keys, metadata.planner_data), meta=meta, block_nbytes=block_nbytes)
+        tensors=tuple(tensors), objects=tuple(objects), aliases=(),
+        tree=replace_nodes(tree_of(keys, metadata.planner_data), nodes), meta=meta,
+        block_nbytes=block_nbytes)
     manifest.check_keys(record, where)
+    manifest.check_values(record, where)
     return record
 
 

@@ -154,12 +154,20 @@ class DcpWriter(StorageWriter):
             raise CkptError(f"save to {self.path}: the plan carries no ckptio save id (the "
                             "coordinator's writer is not a ckptio.DcpWriter?); every rank must "
                             "pass one")
-        pairs = [writeplan.write_item(item, planner.resolve_data(item), self.path)
-                 for item in plan.items]
-        index_of = {ours.key: item.index for (ours, _t), item in zip(pairs, plan.items)}
+        pairs, results = [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            inline = writeplan.inline_value(item, data)
+            if inline is not None:  # a value ckptio stores inline: nothing to write
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=inline))
+            else:
+                pairs.append((writeplan.write_item(item, data, self.path), item.index))
+        if pairs:
+            index_of = {ours.key: index for (ours, _t), index in pairs}
+            results += self._write(storage, [p[0][0] for p in pairs],
+                                   {p[0][0].key: p[0][1] for p in pairs}, index_of)
         future: Future[list[WriteResult]] = Future()
-        future.set_result(self._write(storage, [p[0] for p in pairs],
-                                      {p[0].key: p[1] for p in pairs}, index_of))
+        future.set_result(results)
         return future
 
     def _write(self, storage: writeplan.RankStorage, items: list[WriteItem],

@@ -26,7 +26,7 @@ from ckptio.format import validate
 from ckptio.format.types import Json, Manifest, ObjectEntry, Read
 from ckptio.loading.foreign import expand_value, torch_load_value
 
-__all__ = ["TORCH_SAVE", "expand_torch_save"]
+__all__ = ["TORCH_SAVE", "expand_torch_save", "replace_nodes"]
 
 TORCH_SAVE = "torch_save"
 ReadFn = Callable[[list[Read]], int]  # the load's reads: checksums verified
@@ -55,13 +55,13 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
         nodes[entry.key] = expand_value(value, entry.key, objects, 0)
     expanded = dataclasses.replace(
         record, tensors=tuple(e for e in record.tensors if e.kind != TORCH_SAVE),
-        objects=tuple(objects), tree=_replace(record.tree, nodes))
+        objects=tuple(objects), tree=replace_nodes(record.tree, nodes))
     validate.check_keys(expanded, where)
     validate.check_values(expanded, where)
     return expanded
 
 
-def _replace(node: Json, nodes: dict[str, Json]) -> Json:
+def replace_nodes(node: Json, nodes: dict[str, Json]) -> Json:
     """``node`` with each leaf ``{"k": key}`` of ``nodes`` replaced by ``nodes[key]``."""
     if not isinstance(node, dict) or len(node) != 1:
         return node  # validate.check_keys reports a malformed tree
@@ -69,10 +69,10 @@ def _replace(node: Json, nodes: dict[str, Json]) -> Json:
     if tag == "k":
         return nodes.get(body, node) if isinstance(body, str) else node
     if tag == "s":
-        return {"s": _replace(body, nodes)}
+        return {"s": replace_nodes(body, nodes)}
     if tag == "d" and isinstance(body, list):
-        return {"d": [[pair[0], _replace(pair[1], nodes)] if isinstance(pair, list) and len(pair) == 2
+        return {"d": [[pair[0], replace_nodes(pair[1], nodes)] if isinstance(pair, list) and len(pair) == 2
                       else pair for pair in body]}
     if tag in ("l", "t") and isinstance(body, list):
-        return {tag: [_replace(child, nodes) for child in body]}
+        return {tag: [replace_nodes(child, nodes) for child in body]}
     return node
