@@ -181,7 +181,8 @@ def test_import_ckptio_is_lazy_and_its_names_still_work():
 def test_diff_exit_codes_and_what_it_names(saved: Path, tmp_path: Path):
     same = ckptio_cmd("diff", str(saved), str(saved))
     assert (same.returncode, same.stdout.splitlines()[-1]) == (
-        0, f"{saved} vs {saved}: the same")
+        0, f"{saved} vs {saved}: the same (by stored checksums, data not read: --data reads "
+        "and verifies it)")
     other = tmp_path / "b"
     state = _state(weight_shift=0.5, step=8)
     del state["pair"]
@@ -250,9 +251,30 @@ def test_diff_of_a_dcp_directory_and_its_conversion(tmp_path: Path):
     assert ckptio_cmd("convert", str(tmp_path / "dcp"), str(tmp_path / "c")).returncode == 0
     unsure = ckptio_cmd("diff", str(tmp_path / "dcp"), str(tmp_path / "c"))
     assert unsure.returncode == 1 and " ".join(unsure.stdout.splitlines()[0].split()) == (
-        "? w not compared: another checksum algorithm (run with --data)")
+        "? w not compared: other checksum algorithms (crc32 vs xxh3_64) (run with --data)")
     sure = ckptio_cmd("diff", "--data", str(tmp_path / "dcp"), str(tmp_path / "c"))
-    assert sure.returncode == 0 and sure.stdout.strip().endswith(": the same"), sure.stdout
+    assert sure.returncode == 0 and sure.stdout.strip().endswith(
+        ": the same (every tensor read, checksums verified)"), sure.stdout
+
+
+def test_diff_data_of_a_damaged_copy_fails_loudly(saved: Path, tmp_path: Path):
+    """A copy with one flipped data byte: the manifests agree, so plain diff says the same
+    by stored checksums (and says the data was not read); --data reads it, and the checksum
+    mismatch is a one-line error (exit 2), never "the same"."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    data = next(p for p in sorted(copy.iterdir()) if p.name.startswith("data-"))
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    plain = ckptio_cmd("diff", str(saved), str(copy))
+    assert plain.returncode == 0 and "data not read" in plain.stdout
+    done = ckptio_cmd("diff", "--data", str(saved), str(copy))
+    assert done.returncode == 2 and "the same" not in done.stdout, done.stdout
+    assert "checksum" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 # ------------------------------------------------------------------------------------------------

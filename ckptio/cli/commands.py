@@ -128,7 +128,7 @@ def _diff(args: argparse.Namespace) -> int:
             changes += diff.data_changes(a, b, found.unsettled, bar.update)
     elif found.unsettled:
         changes += diff.not_compared(a, b, found.unsettled)
-    return diff.report(a, b, changes)
+    return diff.report(a, b, changes, args.data)
 
 
 def _bar_wanted(args: argparse.Namespace) -> bool:

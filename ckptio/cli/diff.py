@@ -3,8 +3,8 @@
 Owns: comparing two manifests key by key (keys only in A or only in B; kind, dtype and shape
 changes; changed inline values and alias targets), tensors by their stored checksums when both
 use the same algorithm and the same chunks (no data read, no torch), and with ``--data``
-reading the tensors those cannot settle and reporting the largest absolute and relative
-differences. Does not own: opening manifests (cli/source.py) or reading data (ckptio.load).
+reading every global tensor of both (checksums verified) and reporting the largest absolute
+and relative differences. Does not own: opening manifests (cli/source.py) or reading data (ckptio.load).
 """
 
 from __future__ import annotations
@@ -59,14 +59,17 @@ def _layout(row: Row) -> dict[tuple[object, ...], str]:
 
 def _tensor_change(a: Row, b: Row, same_algorithm: bool, data: bool) -> Change | None | Row:
     """A change for two tensor rows of the same kind, dtype and shape; None if the same; the
-    row itself if the checksums cannot tell, or they differ and ``data`` (then read)."""
+    row itself if the checksums cannot tell, or ``data`` asks for every global tensor to be
+    read (its checksums verified, so a damaged file is not "the same")."""
+    if data and a.kind == "tensor" and a.ranks is None:
+        return a
     la, lb = _layout(a), _layout(b)
     if not same_algorithm or la.keys() != lb.keys():
         return a
     differing = sum(la[piece] != lb[piece] for piece in la)
     if not differing:
         return None
-    return a if data and a.kind == "tensor" and a.ranks is None else Change("~", a.key, f"data differs ({differing} of {len(la)} chunks' checksums)")
+    return Change("~", a.key, f"data differs ({differing} of {len(la)} chunks' checksums)")
 
 
 def _pair(a: Row, b: Row, same_algorithm: bool, data: bool) -> Change | None | Row:
@@ -216,18 +219,21 @@ def data_changes(a: Opened, b: Opened, unsettled: list[Row],
 def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
     """Without --data: a ``?`` line per tensor the checksums could not settle, saying why."""
     algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
-    why = ("no stored checksums" if "none" in algorithms else "another checksum algorithm"
+    why = ("no stored checksums" if "none" in algorithms else
+           f"other checksum algorithms ({' vs '.join(sorted(algorithms))})"
            if len(algorithms) > 1 else "other chunks")
     return [Change("?", r.key, f"not compared: {why} (run with --data)") for r in unsettled]
 
 
-def report(a: Opened, b: Opened, changes: list[Change]) -> int:
+def report(a: Opened, b: Opened, changes: list[Change], data: bool = False) -> int:
     """Print one line per change and a summary; -> the exit status (0 the same, 1 not)."""
     width = min(60, max([len(c.key) for c in changes] + [3]))
     for c in changes:
         sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
     unsure = sum(c.mark == "?" for c in changes)
-    settled = ("the same" if not changes else f"{len(changes) - unsure} difference(s)"
+    how = ("every tensor read, checksums verified" if data else
+           "by stored checksums, data not read: --data reads and verifies it")
+    settled = (f"the same ({how})" if not changes else f"{len(changes) - unsure} difference(s)"
                + (f", {unsure} tensor(s) not compared" if unsure else ""))
     sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
     return 1 if changes else 0
