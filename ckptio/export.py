@@ -168,7 +168,7 @@ def _check_destination(out: str, overwrite: bool) -> None:
         raise CkptError(f"export_hf: {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CkptError(f"export_hf: {out} is not empty; choose an empty or new directory, or "
-                        "pass overwrite=True to replace its export")
+                        "pass overwrite=True (ckptio export --overwrite) to replace its export")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:

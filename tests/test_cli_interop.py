@@ -370,7 +370,8 @@ def test_export_passes_its_arguments_to_export_hf(monkeypatch, saved: Path, tmp_
     out = capsys.readouterr()
     assert status == 0 and out.err == ""
     assert out.out.strip() == (f"{saved} -> {tmp_path / 'hf'}: 1 safetensors file(s), 60 bytes, "
-                               "15 parameters, 1 alias(es) left out")
+                               "15 parameters, tied alias(es) left out (from_pretrained ties them "
+                               "again): lm_head.weight")
     ((args, kwargs),) = calls
     rename = kwargs.pop("rename")
     assert args == (str(saved), str(tmp_path / "hf")) and kwargs == {

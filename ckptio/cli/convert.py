@@ -100,7 +100,8 @@ def export(src: str, dst: str, *, keys: str, rename: list[tuple[str, str]], dtyp
     done = export_hf(src, dst, keys=keys or None, rename=renamer(rename), dtype=dtype,
                      max_shard_bytes=max_shard_bytes, copy_from=copy_from, overwrite=overwrite,
                      verify=None if verify else False)
-    dropped = f", {len(done.dropped)} alias(es) left out" if done.dropped else ""
+    dropped = (f", tied alias(es) left out (from_pretrained ties them again): "
+               f"{', '.join(done.dropped)}" if done.dropped else "")
     print(f"{src} -> {dst}: {len(done.files)} safetensors file(s), {done.total_size} bytes, "
           f"{done.total_parameters} parameters{dropped}")
     return 0

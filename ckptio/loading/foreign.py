@@ -198,7 +198,8 @@ def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle:
     try:  # the records' CRC-32s first: a value item has no checksum a read checks
         bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as exc:
-        raise CorruptCheckpointError(f"{where} is not a readable zip: {exc}") from None
+        raise CorruptCheckpointError(f"{where} is not a readable zip ({exc}); the DCP data "
+                                     "file is damaged: load an earlier checkpoint") from None
     if bad is not None:
         raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
                                      "file is damaged: load an earlier checkpoint")

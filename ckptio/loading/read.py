@@ -214,8 +214,8 @@ class _Checker:
             raise CorruptCheckpointError(
                 f"checksum mismatch for key {entry.key!r} in {self.path(entry)} bytes [{offset}, "
                 f"{offset + nbytes}): stored {stored}, read {read}. The data file is corrupt; "
-                "load an earlier checkpoint (any destination tensors of this load may hold "
-                "partial data)")
+                "load an earlier checkpoint (a load that stops here may have filled part of "
+                "its destination tensors)")
 
     def _compare_blocks(self, entry: TensorEntry, digests: tuple[str, ...]) -> None:
         """The entry's block checksums (what a load of part of it checks) against its bytes,

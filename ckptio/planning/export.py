@@ -146,7 +146,7 @@ def select(record: Manifest, keys: str | None, rename: Rename | None,
         names[name] = key
         sources.append(_source(key, name, found, dtype))
     if not sources:
-        raise CkptError(f"no tensor key starts with {prefix!r} (keys=): nothing to export; the "
+        raise CkptError(f"no tensor key starts with {prefix!r} (the keys= prefix, --keys): nothing to export; the "
                         f"checkpoint's keys begin {sorted({e.key for e in record.tensors})[:5]}")
     return sources, dropped
 
