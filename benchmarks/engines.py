@@ -164,6 +164,10 @@ def _ckptio_options(backend: str) -> Any:
 
 # ---------------------------------------------------------------- registry
 
+# `import ckptio` is lazy (PEP 562): the modules behind ckptio.save/load are imported here,
+# before the clock, as DCP's are
+_CKPTIO_MODULES = ("ckptio", "ckptio.api", "ckptio.shared")
+
 ENGINES: dict[str, Engine] = {
     "torch_save": Engine("torch_save", _torch_save, _torch_load,
                          "torch.save, fsync of the file and os.sync() inside the clock; "
@@ -178,9 +182,9 @@ ENGINES: dict[str, Engine] = {
                             "load = Snapshot.restore in place", ("torchsnapshot",)),
     "ckptio": Engine("ckptio", _ckptio_save("posix"), _ckptio_load("posix"),
                      "ckptio.save (durable and committed when it returns); load = ckptio.load in "
-                     "place; POSIX thread-pool backend", ("ckptio",)),
+                     "place; POSIX thread-pool backend", _CKPTIO_MODULES),
     "ckptio_uring": Engine("ckptio_uring", _ckptio_save("uring"), _ckptio_load("uring"),
-                           "ckptio as above through the io_uring backend", ("ckptio",)),
+                           "ckptio as above through the io_uring backend", _CKPTIO_MODULES),
 }
 
 

@@ -28,6 +28,7 @@ write loop (saving/stream.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
@@ -105,7 +106,11 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     out = _destination(dst)
     out_dtype = None if dtype is None else str(dtype).removeprefix("torch.")
     group: Group = Solo() if (g := current_group(process_group)) is None else TorchGroup(g)
-    checkpointer = Checkpointer(options)
+    options = options or Options.from_env()
+    window_bytes = _window_bytes(options)
+    # the staging pool, split: half for the source's reads, half for the windows written
+    checkpointer = Checkpointer(dataclasses.replace(
+        options, pool_bytes=max(options.buffer_bytes, options.pool_bytes - _WINDOWS * window_bytes)))
     try:
         plan: ExportPlan | None = None
         error: BaseException | None = None
@@ -120,7 +125,8 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         mine = assign(plan.files, group.size)[group.rank]
         written, error = 0, None
         try:
-            written = _write_files(checkpointer, read, [plan.files[i] for i in mine], out, token)
+            written = _write_files(checkpointer, read, [plan.files[i] for i in mine], out, token,
+                                   window_bytes)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
             error = exc
         _commit(group, plan, error, out, token, copy_from, overwrite)
@@ -179,14 +185,21 @@ def _tmp(out: str, name: str, token: str) -> str:
     return os.path.join(out, f".{name}.ckptio-{token}.tmp")
 
 
+def _window_bytes(options: Options) -> int:
+    """How much of an output file one window holds: a quarter of the pool (two windows, one
+    filled while the other is written, and half the pool for the reads that fill them), so
+    each window's reads run io_depth deep; at least one buffer, a multiple of BLOCK."""
+    quarter = options.pool_bytes // (2 * _WINDOWS) // BLOCK * BLOCK
+    return max(options.buffer_bytes, quarter)
+
+
 def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFile], out: str,
-                 token: str) -> int:
+                 token: str, window_bytes: int) -> int:
     """Step 2: this rank's files, each streamed into its temp file."""
     if not files:
         return 0
-    buffer_bytes = checkpointer.options.buffer_bytes
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
-    pool = BufferPool(_WINDOWS, buffer_bytes)
+    pool = BufferPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
     written = 0
     try:
         for file in files:
@@ -194,7 +207,7 @@ def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFil
                 _fill(window, buffer, file.header, read)
 
             written += write_windows(backend, pool, _tmp(out, file.name, token), file.nbytes,
-                                     windows(file, buffer_bytes), fill)
+                                     windows(file, window_bytes), fill)
     finally:
         pool.close()
         backend.shutdown()
