@@ -53,7 +53,7 @@ from ckptio.format.types import (
 from ckptio.storage.base import Store
 
 __all__ = ["BLOCK_NBYTES", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes",
-           "torch_load_value"]
+           "read_small", "torch_load_value"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -87,18 +87,27 @@ def read_bytes(read: Read) -> bytes:
     return bytes(read.dest.numpy().tobytes())
 
 
+def read_small(read: ReadFn, name: str, size: int, limit: int, where: str,
+               refused: str = "") -> bytes:
+    """The whole ``size`` bytes of file ``name`` (a metadata or index file at ``where``),
+    unverified; CorruptCheckpointError when it is larger than ``limit`` (``refused`` says what
+    it then is not)."""
+    if size > limit:
+        raise CorruptCheckpointError(f"{where} is {size} bytes, more than the {limit} ckptio "
+                                     f"reads{refused}")
+    raw = raw_read(name, 0, size)
+    read([raw])
+    return read_bytes(raw)
+
+
 def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manifest:
     """The Manifest of the DCP checkpoint in ``store`` (see the module docstring)."""
     where = store.path_of(dcpmeta.METADATA_NAME)
     size = store.sizes([dcpmeta.METADATA_NAME]).get(dcpmeta.METADATA_NAME)
     if size is None:
         raise CorruptCheckpointError(f"{where} disappeared while it was being opened")
-    if size > dcpmeta.MAX_METADATA_NBYTES:
-        raise CorruptCheckpointError(f"{where} is {size} bytes, more than the "
-                                     f"{dcpmeta.MAX_METADATA_NBYTES} ckptio reads")
-    metadata = raw_read(dcpmeta.METADATA_NAME, 0, size)
-    read([metadata])
-    meta = dcpmeta.decode(read_bytes(metadata), where)
+    raw = read_small(read, dcpmeta.METADATA_NAME, size, dcpmeta.MAX_METADATA_NBYTES, where)
+    meta = dcpmeta.decode(raw, where)
     files = _files(store, meta)
     heads = {id(item): raw_read(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
              for t in meta.tensors for _chunk, item in t.chunks}

@@ -25,7 +25,7 @@ from ckptio.errors import CorruptCheckpointError
 from ckptio.format import safetensors as st
 from ckptio.format import validate
 from ckptio.format.types import Chunk, FileInfo, Manifest, Read, TensorEntry
-from ckptio.loading.foreign import raw_read, read_bytes
+from ckptio.loading.foreign import raw_read, read_bytes, read_small
 from ckptio.options import BLOCK
 from ckptio.storage.base import Store
 
@@ -92,12 +92,8 @@ def _files(store: Store, read: ReadFn, file: str | None) -> tuple[list[str], dic
     if size is None:
         return [st.SINGLE_NAME], None
     where = store.path_of(st.INDEX_NAME)
-    if size > st.MAX_INDEX_NBYTES:
-        raise CorruptCheckpointError(f"{where} is {size} bytes, more than the "
-                                     f"{st.MAX_INDEX_NBYTES} ckptio reads; it is not an index")
-    raw = raw_read(st.INDEX_NAME, 0, size)
-    read([raw])
-    weight_map = st.decode_index(read_bytes(raw), where)
+    raw = read_small(read, st.INDEX_NAME, size, st.MAX_INDEX_NBYTES, where, "; it is not an index")
+    weight_map = st.decode_index(raw, where)
     return sorted(set(weight_map.values())), weight_map
 
 
