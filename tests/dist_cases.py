@@ -42,6 +42,19 @@ def _mesh(world: int, two_d: bool) -> Any:
     return init_device_mesh("cpu", (2, world // 2) if two_d else (world,))
 
 
+def fully_shard_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over every rank of the default group: each Linear child, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.children():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def leaf(layout: str, full: torch.Tensor, rank: int, world: int) -> Any:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

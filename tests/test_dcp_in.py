@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptio
 from ckptio.testing.ranks import run_ranks
+from dist_cases import fully_shard_linears
 
 DIMS = (12, 30, 17, 5)  # 17 and 5 rows do not divide by 2 ranks: uneven FSDP2 shards
 K = 3  # training steps before the save
@@ -41,15 +42,7 @@ def _build(seed: int, fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.
         layers += [torch.nn.Linear(a, b)] + ([torch.nn.ReLU()] if i < len(DIMS) - 2 else [])
     model = torch.nn.Sequential(*layers)
     if fsdp:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_linears(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=BETAS, weight_decay=0.05)
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 

@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 import ckptio
 from ckptio.testing.ranks import run_ranks
+from dist_cases import fully_shard_linears
+from conftest import assert_same as _same
 
 warnings.filterwarnings("ignore", message=".*process group.*", category=UserWarning)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -39,40 +41,12 @@ STEPS = 2
 # helpers (module level: the ranks import this module)
 
 
-def _same(got: Any, want: Any, where: str = "") -> None:
-    """Bitwise for tensors and arrays (dtype included), == for the rest, types of containers."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, (where, got)
-        assert torch.equal(got, want), where
-    elif isinstance(want, np.ndarray):
-        assert isinstance(got, np.ndarray) and got.dtype == want.dtype, (where, got)
-        assert got.tobytes() == want.tobytes() and got.shape == want.shape, where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), (where, list(got), list(want))
-        for k in want:
-            _same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), (where, got, want)
-        for i, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"{where}.{i}")
-    else:
-        assert type(got) is type(want) and got == want, (where, got, want)
-
-
 def _build(seed: int, fsdp: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(DIMS[0], DIMS[1]), torch.nn.ReLU(),
                                 torch.nn.Linear(DIMS[1], DIMS[2]))
     if fsdp:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_linears(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
 
 

@@ -39,6 +39,7 @@ import torch
 
 import ckptio
 from ckptio.testing.ranks import free_port, run_ranks
+from dist_cases import fully_shard_linears
 
 DIMS = (12, 30, 17, 5)  # FSDP2 MLP: 17 and 5 do not divide by 2
 # tensor parallel: an even hidden dim (Colwise's plain local output, 9 + 8 rows of 17, is read
@@ -73,13 +74,7 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
     dims = TP_DIMS if layout in ("tp", "plain_tp") else DIMS
     model = _mlp(dims, seed)
     if layout == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_linears(model)
     elif layout == "tp":
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,

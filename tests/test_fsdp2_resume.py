@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from ckptio.testing.ranks import run_ranks
+from dist_cases import fully_shard_linears
 
 DIMS = (12, 30, 17, 5)  # in -> hidden -> hidden -> out
 BATCH = 8  # global batch: divisible by 1, 2 and 4 ranks
@@ -77,15 +78,7 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
             layers.append(torch.nn.ReLU())
     model = torch.nn.Sequential(*layers)
     if layout == "fsdp":
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_linears(model)
     else:
         assert layout == "plain", layout
     return model, torch.optim.Adam(model.parameters(), lr=LR)

@@ -26,6 +26,7 @@ import ckptio
 from ckptio.format import safetensors as st
 from ckptio.planning.export import plan_files, select, windows
 from ckptio.testing.ranks import run_ranks
+from dist_cases import fully_shard_linears
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 OPTS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
@@ -223,14 +224,7 @@ def _build(seed: int, fsdp: bool) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in itertools.pairwise(DIMS)])
     if fsdp:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_linears(model)
     return model
 
 

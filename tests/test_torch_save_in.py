@@ -25,6 +25,7 @@ import torch
 import ckptio
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
                            PickleRefusedError)
+from conftest import assert_same
 
 K = 3  # training steps before the save
 BETAS = (0.9, 0.95)
@@ -80,42 +81,25 @@ def load_fresh(path: str) -> bytes:
     return pickle.dumps(got)
 
 
-def _same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                           b.view(-1).view(torch.uint8) if b.numel() else b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), (where, a, b)
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}.{i}")
-    else:
-        assert type(a) is type(b) and a == b, (where, a, b)
-
-
 def test_load_in_place_fresh_process_bitwise(saved: dict[str, Any]) -> None:
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         got = pickle.loads(pool.submit(load_fresh, str(saved["path"])).result(timeout=300))
     assert got["report"] == ((), (), ()), got["report"]
     assert got["step"] == 7
     want = saved["want"]
-    _same(want["model"], got["model"], "model")
-    _same(want["optim"], got["optim"], "optim")  # exp_avg, exp_avg_sq, step, betas tuple
+    assert_same(got["model"], want["model"], "model")
+    assert_same(got["optim"], want["optim"], "optim")  # exp_avg, exp_avg_sq, step, betas tuple
     assert got["optim"]["param_groups"][0]["betas"] == BETAS
     assert len(got["optim"]["state"]) == 6 and got["optim"]["state"][0]["step"].item() == K
-    _same(want["sched"], got["sched"], "sched")
-    _same(saved["after"], got["after"], "after one more step")
+    assert_same(got["sched"], want["sched"], "sched")
+    assert_same(got["after"], saved["after"], "after one more step")
 
 
 def test_verify_and_fresh_load(saved: dict[str, Any]) -> None:
     size = saved["path"].stat().st_size
     assert 0 < ckptio.verify(saved["path"]) <= size
     fresh = ckptio.load(saved["path"])
-    _same(saved["want"]["model"], dict(fresh["model"]), "model")
+    assert_same(dict(fresh["model"]), dict(saved["want"]["model"]), "model")
     assert fresh["step"] == 7 and fresh["optim"]["param_groups"][0]["betas"] == BETAS
 
 

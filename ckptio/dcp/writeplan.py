@@ -53,7 +53,6 @@ __all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "Written", "check_plan", 
            "inline_value", "item_key", "manifest_of", "tree_of", "write_item", "written"]
 
 
-
 @dataclass(frozen=True)
 class RankStorage:
     """``SavePlan.storage_data`` of one rank's plan, set by the coordinator: this save's id."""
