@@ -23,6 +23,7 @@ from ckptio import io, opening
 from ckptio.distributed import collective
 from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.errors import CkptError, PickleRefusedError
+from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.io.stage import BufferPool
@@ -287,7 +288,7 @@ class Checkpointer:
                   verify: bool | None) -> Callable[[list[Read]], int]:
         files = opening.data_dir(store, record)
         verify = self.options.verify if verify is None else verify
-        algorithm = record.checksum_algorithm if verify else None
+        algorithm = stored_algorithm(record.checksum_algorithm) if verify else None
         # unverified, a partial read need not widen to whole checksum blocks (a foreign
         # checkpoint's "block" is its whole entry)
         block_nbytes = record.block_nbytes if verify else BLOCK
@@ -322,7 +323,7 @@ class Checkpointer:
             for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
                 done = read_regions(
                     opening.data_dir(store, record), batch, pool=pool, backend=backend,
-                    algorithm=record.checksum_algorithm, depth=self._active.io_depth,
+                    algorithm=stored_algorithm(record.checksum_algorithm), depth=self._active.io_depth,
                     block_nbytes=record.block_nbytes, check_blocks=True)
                 nbytes += done
                 if progress is not None:

@@ -12,7 +12,7 @@ Steps (one process, or every rank of a process group together):
    by loading/read.py (resharded from whatever chunks, DTensor shards or flat partitions the
    source holds, checksums verified), cast when ``dtype`` asks, written aligned into
    ``.<name>.ckptio-<token>.tmp``, cut to size and fsynced. Memory: the read pool plus two
-   windows.
+   windows (plus, when ``dtype`` converts, a scratch of up to the window's saved bytes).
 3. one collective step "every file written"; its decision on the coordinator is the commit:
    files of ``copy_from`` copied, the temp files renamed, stale shards of an overwritten export
    removed, and ``model.safetensors.index.json`` written last (tmp + rename, directory fsynced;
@@ -44,27 +44,30 @@ from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
-from ckptio.format.types import Chunk, Read
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read
 from ckptio.io.s3client import is_s3
 from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
+from ckptio.planning.layout import align_up
 from ckptio.planning.export import (
     ExportFile,
     ExportPlan,
+    Part,
     Window,
     assign,
     plan_export,
     windows,
 )
 from ckptio.saving.stream import write_windows
-from ckptio.storage.local import fsync_path
-from ckptio.storage.select import store_for
+from ckptio.storage.local import write_durably, fsync_path
+from ckptio.storage.select import local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]
 
 ReadFn = Callable[[list[Read]], int]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WINDOWS = 2  # window buffers: one being filled while the other is written
+_SCRATCH_ALIGN = 64  # each part's scratch starts aligned for any dtype
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,11 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     group: Group = Solo() if (g := current_group(process_group)) is None else TorchGroup(g)
     options = options or Options.from_env()
     window_bytes = _window_bytes(options)
-    # the staging pool, split: half for the source's reads, half for the windows written
+    # the staging pool, split: half for the source's reads, half for the windows written (a
+    # pool of under four buffers still gets two read buffers: what a Checkpointer needs)
     checkpointer = Checkpointer(dataclasses.replace(
-        options, pool_bytes=max(options.buffer_bytes, options.pool_bytes - _WINDOWS * window_bytes)))
+        options, pool_bytes=max(2 * options.buffer_bytes,
+                                options.pool_bytes - _WINDOWS * window_bytes)))
     try:
         plan: ExportPlan | None = None
         error: BaseException | None = None
@@ -120,7 +125,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                                max_shard_bytes=max_shard_bytes, align=BLOCK, metadata=metadata)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
             error = exc
-        token = _agree(group, plan, error, out, overwrite)
+        token = _agree(group, plan, error, out, overwrite, copy_from)
         assert plan is not None  # internal: _agree raised otherwise
         mine = assign(plan.files, group.size)[group.rank]
         written, error = 0, None
@@ -137,13 +142,11 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 
 def _destination(dst: str | os.PathLike[str]) -> str:
-    text = os.fspath(dst)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    if is_s3(text) or "://" in text:
+    text = os.fsdecode(os.fspath(dst))
+    if is_s3(text):
         raise UnsupportedPathError(f"export_hf(dst={text!r}): the export goes to a local (or "
                                    "mounted) directory; copy it to object storage afterwards")
-    return os.path.abspath(text)
+    return os.path.abspath(local_path(text))
 
 
 def _failed(what: str) -> Callable[[list[str]], str]:
@@ -151,7 +154,7 @@ def _failed(what: str) -> Callable[[list[str]], str]:
 
 
 def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, out: str,
-           overwrite: bool) -> str:
+           overwrite: bool, copy_from: str | os.PathLike[str] | None) -> str:
     """Step 1: every rank planned the same files; ``dst`` is usable; -> the temp-file token."""
     mine = b"" if plan is None else repr([(f.name, f.nbytes) for f in plan.files]).encode()
 
@@ -159,6 +162,9 @@ def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, o
         if any(p != plans[0] for p in plans):
             raise CkptError("export_hf: the ranks planned different files (was the source "
                             "checkpoint changing, or were the arguments different?)")
+        if copy_from is not None and not os.path.isdir(copy_from):
+            raise CkptError(f"export_hf(copy_from={os.fspath(copy_from)!r}): not a directory "
+                            "(the folder whose config and tokenizer files go along)")
         _check_destination(out, overwrite)
         return [uuid.uuid4().hex[:12].encode()] * len(plans)
 
@@ -185,6 +191,16 @@ def _tmp(out: str, name: str, token: str) -> str:
     return os.path.join(out, f".{name}.ckptio-{token}.tmp")
 
 
+def _remove_temps(out: str, token: str) -> None:
+    """Every temp file of this export (shards, copied files, the index): ``_tmp``'s names
+    with this export's token."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(out):
+            if name.startswith(".") and name.endswith(f".ckptio-{token}.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(out, name))
+
+
 def _window_bytes(options: Options) -> int:
     """How much of an output file one window holds: a quarter of the pool (two windows, one
     filled while the other is written, and half the pool for the reads that fill them), so
@@ -200,11 +216,12 @@ def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFil
         return 0
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
     pool = BufferPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
+    scratch = _Scratch()
     written = 0
     try:
         for file in files:
             def fill(window: Window, buffer: Buffer, file: ExportFile = file) -> None:
-                _fill(window, buffer, file.header, read)
+                _fill(window, buffer, file.header, read, scratch)
 
             written += write_windows(backend, pool, _tmp(out, file.name, token), file.nbytes,
                                      windows(file, window_bytes), fill)
@@ -214,22 +231,45 @@ def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFil
     return written
 
 
-def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn) -> None:
+class _Scratch:
+    """Where a window's tensors are read as saved before their dtype changes: allocated once
+    for the export and grown to the largest window's need (up to 4x a window, float64 to
+    bfloat16), not allocated per tensor and window."""
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def views(self, parts: tuple[Part, ...]) -> list[torch.Tensor | None]:
+        """Per part: a 1-D tensor of its saved dtype and element count, or None (no cast)."""
+        sizes = [0 if p.tensor.source.out_dtype == p.tensor.source.dtype
+                 else p.count * DTYPE_ITEMSIZE[p.tensor.source.dtype] for p in parts]
+        need = sum(align_up(n, _SCRATCH_ALIGN) for n in sizes)
+        if need > self.data.numel():
+            self.data = torch.empty(need, dtype=torch.uint8)
+        views: list[torch.Tensor | None] = []
+        at = 0
+        for part, nbytes in zip(parts, sizes):
+            views.append(self.data[at:at + nbytes].view(torch_dtype(part.tensor.source.dtype))
+                         if nbytes else None)
+            at += align_up(nbytes, _SCRATCH_ALIGN)
+        return views
+
+
+def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn, scratch: _Scratch) -> None:
     """A window's bytes: its part of the header, then its tensors' element ranges, read from
-    the source (into a scratch tensor first when the dtype changes)."""
+    the source (into ``scratch`` first when the dtype changes)."""
     if window.offset < len(header):
         part = header[window.offset:window.offset + window.nbytes]
         buffer.view[:len(part)] = part
     reads: list[Read] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for part in window.parts:
+    for part, staged in zip(window.parts, scratch.views(window.parts)):
         source = part.tensor.source
         dest = typed(buffer, part.at, part.count * torch_dtype(source.out_dtype).itemsize,
                      torch_dtype(source.out_dtype))
-        into = dest if source.out_dtype == source.dtype else torch.empty(
-            part.count, dtype=torch_dtype(source.dtype))
-        if into is not dest:
-            casts.append((dest, into))
+        into = dest if staged is None else staged
+        if staged is not None:
+            casts.append((dest, staged))
         if part.start == 0 and part.count == source.numel:  # whole: the stored chunk's layout
             reads.append(Read(source.key, source.entries, Chunk.whole(source.shape),
                               into.view(source.shape)))
@@ -245,32 +285,24 @@ def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn) -> None:
 def _commit(group: Group, plan: ExportPlan, error: BaseException | None, out: str, token: str,
             copy_from: str | os.PathLike[str] | None, overwrite: bool) -> None:
     """Step 3: every file written; the coordinator commits. Any failure removes the temp files
-    (each rank its own; the coordinator all of them) and raises on every rank."""
-    temps = [_tmp(out, f.name, token) for f in plan.files]
-
+    (those of this export's token) and raises on every rank."""
     def decide(messages: list[bytes]) -> list[bytes]:
         try:
             _publish(plan, out, token, copy_from, overwrite)
         except BaseException:
-            _remove(temps)
+            _remove_temps(out, token)
             raise
         return [b""] * len(messages)
 
     try:
         answer = coordinate(group, b"", error, decide, _failed("writing"))
     except BaseException:
-        _remove(temps)
+        _remove_temps(out, token)
         raise
     if answer is None:
-        _remove(temps)
+        _remove_temps(out, token)
         assert error is not None  # internal: coordinate's contract
         raise error
-
-
-def _remove(paths: list[str]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLike[str] | None,
@@ -290,16 +322,16 @@ def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLik
             if overwrite and name.endswith(".safetensors") and name not in names:
                 os.unlink(os.path.join(out, name))
         if len(plan.files) > 1:
-            _write_durable(index, st.encode_index(plan.weight_map, plan.total_size,
-                                                  {"total_parameters": plan.total_parameters}))
+            tmp = _tmp(out, st.INDEX_NAME, token)
+            write_durably(tmp, st.encode_index(plan.weight_map, plan.total_size,
+                                                {"total_parameters": plan.total_parameters}))
+            os.replace(tmp, index)
         fsync_path(out)
     except OSError as exc:
         raise StorageIOError(f"export_hf: committing {out}: {exc}") from None
 
 
 def _copy_files(source: str, out: str, token: str) -> None:
-    if not os.path.isdir(source):
-        raise CkptError(f"export_hf(copy_from={source!r}): not a directory")
     for name in sorted(os.listdir(source)):
         path = os.path.join(source, name)
         if (not os.path.isfile(path) or name.endswith(_WEIGHT_SUFFIXES)
@@ -309,12 +341,3 @@ def _copy_files(source: str, out: str, token: str) -> None:
         shutil.copyfile(path, tmp)
         fsync_path(tmp)
         os.replace(tmp, os.path.join(out, name))
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    tmp = f"{path}.ckptio-tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

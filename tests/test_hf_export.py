@@ -497,3 +497,47 @@ def test_alias_of_a_key_left_out_is_exported(tmp_path: Path) -> None:
     assert result.dropped == ()
     got = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(got) == ["b", "head"] and torch.equal(got["head"], w)
+    # the alias's target renamed away: the alias is the tensor's only copy, so it is exported
+    ckptio.save({"model": {"wte": w, "lm_head": w}}, tmp_path / "ck2", options=OPTS)
+    result = ckptio.export_hf(tmp_path / "ck2", tmp_path / "hf2", options=OPTS,
+                              rename=lambda k: None if k == "wte" else k)
+    assert result.dropped == ()
+    got = safetensors_torch.load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert sorted(got) == ["lm_head"] and torch.equal(got["lm_head"], w)
+
+
+def test_smallest_pool_metadata_and_copy_from_refusals(tmp_path: Path) -> None:
+    """A pool of two buffers (the least Options allows) still exports; metadata safetensors
+    cannot hold, or that would change ``format``, and a copy_from that is not a folder are
+    refused before anything is written."""
+    state = _state()
+    ckptio.save(state, tmp_path / "ck", options=OPTS)
+    tiny = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20)
+    ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", options=tiny, dtype=torch.bfloat16)
+    got = _hf_tensors(tmp_path / "hf")
+    assert torch.equal(got["big"], state["model"]["big"].bfloat16())
+    for metadata, match in [({"step": 5}, "'step': 5: safetensors metadata maps str to str"),
+                            ({"format": "np"}, "format='np': the format is always 'pt'")]:
+        with pytest.raises(ckptio.CkptError, match=match):
+            ckptio.export_hf(tmp_path / "ck", tmp_path / "x", metadata=metadata, options=OPTS)
+    with pytest.raises(ckptio.CkptError, match="copy_from=.*not a directory"):
+        ckptio.export_hf(tmp_path / "ck", tmp_path / "x", copy_from=tmp_path / "nope",
+                         options=OPTS)
+    assert not (tmp_path / "x").exists()
+
+
+def test_index_write_failure_leaves_no_temp_file(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptio import export
+
+    ckptio.save(_state(), tmp_path / "ck", options=OPTS)
+    real = export.write_durably
+
+    def failing(path: str, data: bytes) -> None:
+        real(path, data)
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(export, "write_durably", failing)
+    with pytest.raises(ckptio.StorageIOError, match="injected"):
+        ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=300, options=OPTS)
+    assert not [p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]

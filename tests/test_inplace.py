@@ -219,3 +219,18 @@ def test_a_key_tied_to_a_loaded_key_is_filled_not_missing(tmp_path):
     ckptio.save({"other": torch.ones(1)}, tmp_path / "none")
     with pytest.raises(ckptio.StateMismatchError, match="emb.weight"):
         ckptio.load(tmp_path / "none", Tied().state_dict())
+    meta = {"emb.weight": torch.empty(5, 3, device="meta"), "head.weight": torch.empty(5, 3, device="meta")}
+    with pytest.raises(ckptio.StateMismatchError, match=r"missing from the checkpoint \['head.weight'\]"):
+        ckptio.load(tmp_path / "ck", meta)  # meta tensors all share data_ptr 0: not a tie
+
+
+def test_a_meta_destination_is_refused_not_skipped(tmp_path):
+    """Loading into a meta tensor (a model built on the meta device and never materialised)
+    would copy nowhere and report success: it is refused, naming the key and the fix."""
+    ckptio.save({"w": torch.ones(4)}, tmp_path / "ck")
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 1, bias=False)
+    with pytest.raises(ckptio.StateMismatchError, match=r"w: the state's tensor is on the meta device.*to_empty"):
+        ckptio.load(tmp_path / "ck", {"w": model.weight.view(4)})
+    report = ckptio.load(tmp_path / "ck", {"w": model.weight.view(4)}, strict=False)
+    assert not report.loaded and "meta device" in report.mismatched[0]

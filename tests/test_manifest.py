@@ -411,6 +411,9 @@ HOSTILE = [
     pytest.param(_top("version", manifest.VERSION + 1), id="body-version-disagrees"),
     pytest.param(_top("world_size", -1), id="world-size-negative"),
     pytest.param(_top("checksum_algorithm", 5), id="checksum-algorithm-not-str"),
+    # "none" is what ckptio's own safetensors records say; a manifest naming it would load unchecked
+    pytest.param(_top("checksum_algorithm", "none"), id="checksum-algorithm-none"),
+    pytest.param(_top("checksum_algorithm", "md5"), id="checksum-algorithm-unknown"),
     pytest.param(_drop("tensors"), id="missing-tensors"),
     pytest.param(_drop("tree"), id="missing-tree"),
     pytest.param(_top("tensors", {"0": {}}), id="tensors-not-list"),

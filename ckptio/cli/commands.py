@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptio.cli.progress import Bar
 from ckptio.errors import CkptError
+from ckptio.format.checksum import NO_CHECKSUM
 
 __all__ = ["add_parsers", "parse_size", "run"]
 
@@ -149,7 +150,7 @@ def _verify(args: argparse.Namespace) -> int:
             nbytes = checkpointer.verify(args.path, progress=bar.update if bar.shown else None)
     finally:
         checkpointer.close()
-    if record.checksum_algorithm == "none":  # safetensors: nothing stored to check against
+    if record.checksum_algorithm == NO_CHECKSUM:  # safetensors: nothing stored to check against
         print(f"{args.path}: OK, every entry read and its header valid ({nbytes} bytes read; "
               "safetensors files store no checksums, so the data itself is not verified)")
     else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Json
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     differ too (data_changes reads them)."""
     ra, rb = rows(a.record), rows(b.record)
     same_algorithm = (a.record.checksum_algorithm == b.record.checksum_algorithm
-                      and a.record.checksum_algorithm != "none")  # safetensors: no checksums
+                      and a.record.checksum_algorithm != NO_CHECKSUM)  # safetensors: no checksums
     changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]
     changes += [Change("+", k, f"only in B: {_what(r)}") for k, r in rb.items() if k not in ra]
     changes += _nesting_changes(a, b)
@@ -219,7 +220,7 @@ def data_changes(a: Opened, b: Opened, unsettled: list[Row],
 def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
     """Without --data: a ``?`` line per tensor the checksums could not settle, saying why."""
     algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
-    why = ("no stored checksums" if "none" in algorithms else
+    why = ("no stored checksums" if NO_CHECKSUM in algorithms else
            f"other checksum algorithms ({' vs '.join(sorted(algorithms))})"
            if len(algorithms) > 1 else "other chunks")
     return [Change("?", r.key, f"not compared: {why} (run with --data)") for r in unsettled]

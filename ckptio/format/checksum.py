@@ -16,9 +16,11 @@ import xxhash
 
 from ckptio.errors import CkptError
 
-__all__ = ["ALGORITHMS", "BlockHasher", "Crc32", "Hasher", "NoChecksum", "new_hasher"]
+__all__ = ["ALGORITHMS", "NO_CHECKSUM", "BlockHasher", "Crc32", "Hasher", "new_hasher",
+           "stored_algorithm"]
 
 ALGORITHMS = ("xxh3_64", "crc32")
+NO_CHECKSUM = "none"  # the records of safetensors files: nothing stored to check against
 
 
 class Hasher(Protocol):
@@ -39,19 +41,13 @@ class Crc32:
         return f"{self.value:08x}"
 
 
-class NoChecksum:
-    """Algorithm ``none`` (safetensors files carry no checksums): hexdigest is always ""."""
-
-    def update(self, data: memoryview | bytes) -> None:
-        pass
-
-    def hexdigest(self) -> str:
-        return ""
+def stored_algorithm(algorithm: str) -> str | None:
+    """The algorithm to check a record's bytes with: None for NO_CHECKSUM (a safetensors file
+    carries none; such records are built by ckptio's reader, never decoded from a manifest)."""
+    return None if algorithm == NO_CHECKSUM else algorithm
 
 
 def new_hasher(algorithm: str) -> Hasher:
-    if algorithm == "none":
-        return NoChecksum()
     if algorithm == "xxh3_64":
         return xxhash.xxh3_64()
     if algorithm == "crc32":

@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptio.errors import ManifestError
 from ckptio.format import values
+from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import (DTYPE_ITEMSIZE, KINDS, MAX_TREE_DEPTH, NUMPY_DTYPES, Chunk,
                                  FileInfo, Manifest, ObjectEntry, TensorEntry, show)
@@ -76,6 +77,8 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
     if len(sizes) != len(files):
         raise c.fail("a data file is listed twice")
     algorithm = c.str(c.field(raw, "checksum_algorithm", "manifest"), "checksum_algorithm")
+    if algorithm not in ALGORITHMS:
+        raise c.fail(f"checksum_algorithm {algorithm!r} is unknown; this ckptio knows {ALGORITHMS}")
     block_nbytes = c.int(c.field(raw, "block_nbytes", "manifest"), "block_nbytes")
     if block_nbytes < 1:
         raise c.fail("block_nbytes must be positive")

@@ -258,7 +258,11 @@ def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cas
                               "checkpoint")
         return
     dest, dtype = region.local, torch_dtype(entry.dtype)
-    if dest.dtype == dtype:
+    if dest.is_meta:
+        plan.problems[key] = (f"{key}: the state's tensor is on the meta device, with no storage "
+                              "to load into; materialise the model first (model.to_empty("
+                              "device=...)) or build it on a real device")
+    elif dest.dtype == dtype:
         plan.add(source, region.chunk, dest)
     elif cast:
         staged = _empty(entry, tuple(dest.shape))
@@ -366,7 +370,8 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:
     loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
     to the embedding): the load fills them, so they are not missing."""
     def view(leaf: object) -> tuple[object, ...] | None:
-        if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or not leaf.numel():  # type: ignore[union-attr]
+        if (type(leaf) not in (torch.Tensor, torch.nn.Parameter) or not leaf.numel()  # type: ignore[union-attr]
+                or leaf.is_meta):  # type: ignore[union-attr]  # every meta tensor's data_ptr is 0
             return None
         t: torch.Tensor = leaf  # type: ignore[assignment]
         return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)

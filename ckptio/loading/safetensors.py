@@ -24,6 +24,7 @@ from collections.abc import Callable
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format import safetensors as st
 from ckptio.format import validate
+from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Chunk, FileInfo, Manifest, Read, TensorEntry
 from ckptio.loading.foreign import raw_read, read_bytes, read_small
 from ckptio.options import BLOCK
@@ -76,7 +77,7 @@ def open_safetensors(store: Store, read: ReadFn, file: str | None = None) -> Man
     where = store.path_of(st.INDEX_NAME if weight_map is not None else names[0])
     _check_names(tensors, weight_map, where)
     manifest = Manifest(
-        version=2, save_id="safetensors", checksum_algorithm="none", world_size=1,
+        version=2, save_id="safetensors", checksum_algorithm=NO_CHECKSUM, world_size=1,
         files=tuple(FileInfo(n, sizes[n], 0) for n in names), tensors=tuple(tensors),
         objects=(), aliases=(), tree={"d": [[t.key, {"k": t.key}] for t in tensors]},
         meta={"safetensors": meta}, block_nbytes=BLOCK_NBYTES)

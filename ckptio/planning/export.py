@@ -19,6 +19,7 @@ committing (ckptio/export.py), the header bytes (format/safetensors.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,10 +59,7 @@ class Source:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
     @property
     def out_nbytes(self) -> int:
@@ -123,36 +121,39 @@ def select(record: Manifest, keys: str | None, rename: Rename | None,
                         "converts floating tensors")
     entries: dict[str, list[TensorEntry]] = {}
     for entry in record.tensors:
-        if entry.key.startswith(prefix):
-            entries.setdefault(entry.key, []).append(entry)
+        entries.setdefault(entry.key, []).append(entry)
     for obj in record.objects:
         if obj.key.startswith(prefix):
             raise CkptError(f"key {obj.key!r} is a Python value, not a tensor; safetensors holds "
                             "tensors only: choose keys= so it is left out, or rename it to None")
-    targets = dict(record.aliases)
-    dropped = [a for a, t in record.aliases if a.startswith(prefix) and t.startswith(prefix)]
-    chosen = [(k, v) for k, v in entries.items()]
-    chosen += [(a, _entries_of(record, targets[a])) for a, t in record.aliases
-               if a.startswith(prefix) and not t.startswith(prefix)]
     sources: list[Source] = []
     names: dict[str, str] = {}
-    for key, found in chosen:
+
+    def add(key: str, found: Sequence[TensorEntry]) -> None:
         name = _name(key[len(prefix):], rename, key)
         if name is None:
-            continue
+            return
         if name in names:
             raise CkptError(f"keys {names[name]!r} and {key!r} are both exported as {name!r}; "
                             "make rename= give them different names")
         names[name] = key
         sources.append(_source(key, name, found, dtype))
+
+    for key, found in entries.items():
+        if key.startswith(prefix):
+            add(key, found)
+    exported = set(names.values())
+    dropped: list[str] = []
+    for alias, target in record.aliases:
+        if alias.startswith(prefix):
+            if target in exported:
+                dropped.append(alias)  # tied to an exported tensor: HF ties it again
+            else:
+                add(alias, entries.get(target, []))
     if not sources:
         raise CkptError(f"no tensor key starts with {prefix!r} (the keys= prefix, --keys): nothing to export; the "
-                        f"checkpoint's keys begin {sorted({e.key for e in record.tensors})[:5]}")
+                        f"checkpoint's keys begin {sorted(entries)[:5]}")
     return sources, dropped
-
-
-def _entries_of(record: Manifest, key: str) -> list[TensorEntry]:
-    return [e for e in record.tensors if e.key == key]
 
 
 def _name(stripped: str, rename: Rename | None, key: str) -> str | None:
@@ -191,9 +192,21 @@ def plan_files(sources: Sequence[Source], max_shard_bytes: int, align: int,
             size = 0
         groups[-1].append(source)
         size += source.out_nbytes
-    meta = {"format": "pt", **(metadata or {})}
+    meta = {"format": "pt", **_checked(metadata or {})}
     return tuple(_lay_out(group, st.shard_name(i, len(groups)), align, meta)
                  for i, group in enumerate(groups))
+
+
+def _checked(metadata: dict[str, str]) -> dict[str, str]:
+    """``metadata`` if it is what safetensors holds (str to str) and keeps ``format: pt``."""
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise CkptError(f"metadata {k!r}: {v!r}: safetensors metadata maps str to str; pass "
+                            "str(value)")
+        if k == "format" and v != "pt":
+            raise CkptError(f"metadata format={v!r}: the format is always 'pt' (what transformers "
+                            "checks); put yours under another key")
+    return metadata
 
 
 def _lay_out(group: list[Source], name: str, align: int, meta: dict[str, str]) -> ExportFile:

@@ -42,7 +42,7 @@ from ckptio.options import Options
 from ckptio.storage import dirlock, foreign, steps
 from ckptio.storage.base import TMP_PREFIX, Exclusive, is_ours, plain_name
 
-__all__ = ["LocalClaim", "LocalStore", "fsync_path"]
+__all__ = ["LocalClaim", "LocalStore", "fsync_path", "write_durably"]
 
 
 @dataclass
@@ -109,7 +109,7 @@ class LocalStore:
         tmp_name = f"{TMP_PREFIX}{save_id}.tmp"
         tmp = self.path_of(tmp_name)
         try:
-            _write_durably(tmp, manifest)
+            write_durably(tmp, manifest)
             if claim is not None:
                 self._check_unchanged(claim)
             os.rename(tmp, os.path.join(self.directory, MANIFEST_NAME))
@@ -218,7 +218,7 @@ class LocalStore:
         return failed
 
 
-def _write_durably(file: str, data: bytes) -> None:
+def write_durably(file: str, data: bytes) -> None:
     """Create ``file`` (it must not exist), write ``data``, fsync it."""
     fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
