@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
+from benchmarks.save_load import fmt, median, worker_error
 
 Run = dict[str, Any]
 CEILING = "ceiling"
@@ -77,7 +77,8 @@ def setup_worker(args: argparse.Namespace) -> Run:
     model = {k: v.clone() for k, v in src["model"].items()}  # safetensors refuses shared storage
     dcp.save(model, storage_writer=HuggingFaceStorageWriter(str(inputs.hf_sharded),
                                                             save_distributed=True), no_dist=True)
-    digests = {"model": tensor_digests(src["model"]), "state": state.digest(src),
+    digests = {"model": tensor_digests(src["model"]), "tied": tied_keys(src["model"]),
+               "state": state.digest(src),
                "model_bytes": state.tensor_nbytes(src["model"]),  # a tied weight once
                "state_bytes": state.tensor_nbytes(src)}
     (args.dir / "digests.json").write_text(json.dumps(digests))
@@ -98,7 +99,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
     if engine.part == EXPORT:
         cache = ceiling.drop_page_cache([args.dir])
         phase = timing.timed_phase(lambda: RUNNERS[engine.name](inputs, out), args.idle)
-        ok = export_matches(out, digests["model"])
+        ok = export_matches(out, digests["model"], set(digests["tied"]))
         nbytes = digests["model_bytes"]
     elif engine.part == LOAD:
         src = state.build_state(args.gb, 0)
@@ -141,8 +142,9 @@ def importlib_prepare() -> None:
     import ckptio.shared  # noqa: F401
 
 
-def export_matches(out: Path, want: dict[str, str]) -> bool:
-    """Every exported tensor equals the source's (digest by key; keys without "model.")."""
+def export_matches(out: Path, want: dict[str, str], tied: set[str]) -> bool:
+    """Every exported tensor equals the source's (digest by key; keys without "model."), and
+    only ``tied`` keys (their storage another key's) may be left out."""
     import torch
 
     from benchmarks.interop_engines import tensor_digests
@@ -156,17 +158,19 @@ def export_matches(out: Path, want: dict[str, str]) -> bool:
         loaded = torch.load(file, weights_only=True)
         got.update(tensor_digests(loaded.get("model", loaded)))
     return bool(got) and all(got.get(k) == d for k, d in want.items() if k in got) and \
-        set(want) - set(got) <= tied_keys(want)
+        set(want) - set(got) <= tied
 
 
-def tied_keys(want: dict[str, str]) -> set[str]:
-    """Keys an HF export may leave out: a tensor tied to another (same digest), e.g. lm_head."""
-    seen: dict[str, str] = {}
-    tied = set()
-    for key, d in want.items():
-        if d in seen:
-            tied.add(key)
-        seen.setdefault(d, key)
+def tied_keys(tensors: dict[str, Any]) -> list[str]:
+    """Keys an HF export may leave out: a tensor that is an earlier key's very storage (a tied
+    weight, e.g. lm_head), not merely equal to it (LayerNorm weights all start as ones)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    tied = []
+    for key, t in tensors.items():
+        where = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if where in seen:
+            tied.append(key)
+        seen.add(where)
     return tied
 
 
@@ -207,8 +211,7 @@ def spawn(args: argparse.Namespace, worker: str, rep: int) -> Run:
         return {"engine": worker, "rep": rep, "error": f"timed out after {args.timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"engine": worker, "rep": rep, "error": f"exit {proc.returncode}: {last}"}
+        return {"engine": worker, "rep": rep, "error": worker_error(proc.returncode, proc.stderr)}
     return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
 
 
@@ -254,27 +257,23 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 
     ceil = [r for r in runs if r["engine"] == CEILING and "error" not in r]
     out: dict[str, Any] = {
-        "write_gbps": _med([r["bytes"] / 1e9 / r["write_s"] for r in ceil]),
-        "read_gbps": _med([r["bytes"] / 1e9 / r["read_s"] for r in ceil]), "rows": []}
+        "write_gbps": median([r["bytes"] / 1e9 / r["write_s"] for r in ceil]),
+        "read_gbps": median([r["bytes"] / 1e9 / r["read_s"] for r in ceil]), "rows": []}
     for name in dict.fromkeys(r["engine"] for r in runs if r["engine"] != CEILING):
         mine = [r for r in runs if r["engine"] == name]
         good = [r for r in mine if "error" not in r]
         out["rows"].append({
             "engine": name, "part": ENGINES[name].part, "runs": len(mine),
             "failed": len(mine) - len(good), "error": next((r["error"] for r in mine if "error" in r), None),
-            "seconds": _med([r["seconds"] for r in good]),
+            "seconds": median([r["seconds"] for r in good]),
             "min_s": min((r["seconds"] for r in good), default=None),
             "max_s": max((r["seconds"] for r in good), default=None),
-            "first_s": _med([r["first_s"] for r in good if "first_s" in r]),
-            "gbps": _med([r["bytes"] / 1e9 / r["seconds"] for r in good]),
-            "rss_mib": _med([r["rss_mib"] for r in good]),
+            "first_s": median([r["first_s"] for r in good if "first_s" in r]),
+            "gbps": median([r["bytes"] / 1e9 / r["seconds"] for r in good]),
+            "rss_mib": median([r["rss_mib"] for r in good]),
             "bytes": good[0]["bytes"] if good else None,
             "bitwise_ok": bool(good) and all(r["bitwise_ok"] for r in good)})
     return out
-
-
-def _med(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 TARGETS = {  # part: (ckptio engine, the peers it is compared with, target ratio)
@@ -309,9 +308,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
 
     cmd = shlex.join(["python", "-m", "benchmarks.interop", *argv])
 
-    def f(v: float | None, spec: str = ".2f") -> str:
-        return "-" if v is None else format(v, spec)
-
+    f = fmt
     lines = [f"`{cmd}`  ", (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
              f"{args.reps} reps, a fresh process each, medians (min-max); page cache dropped "
              "before every export and load; saves: the second in the process (1st: the first)"), "",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from typing import Any
 
 import torch
 import xxhash
+
+from ckptio.format.safetensors import FROM_SAFETENSORS
+from ckptio.format.types import DTYPE_ITEMSIZE
 
 __all__ = [
     "ENGINES",
@@ -104,22 +108,11 @@ def _shards_by_size(sharded: Path, safe_open: Any) -> dict[str, int]:
         with safe_open(str(file), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                 s = f.get_slice(key)
-                nbytes = _numel(s.get_shape()) * _itemsize(s.get_dtype())
+                nbytes = math.prod(s.get_shape()) * DTYPE_ITEMSIZE[FROM_SAFETENSORS[s.get_dtype()]]
                 if used and used + nbytes > MAX_SHARD:
                     index, used = index + 1, 0
                 mapping[key], used = index, used + nbytes
     return mapping
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(name: str) -> int:
-    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "U8": 1, "BOOL": 1}[name]
 
 
 # ---------------------------------------------------------------- load of a DCP checkpoint

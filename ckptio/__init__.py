@@ -19,10 +19,7 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see them here)
-    from ckptio.api import Checkpointer, LoadReport, SaveHandle, SaveResult
-
-    # the result of handle.wait(); the same fields as a save's
-    from ckptio.api import SaveResult as AsyncSaveResult
+    from ckptio.api import AsyncSaveResult, Checkpointer, LoadReport, SaveHandle, SaveResult
     from ckptio.dcp.reader import DcpReader
     from ckptio.dcp.writer import DcpWriter
     from ckptio.errors import (
@@ -107,7 +104,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     module = importlib.import_module(home)
-    value = module.SaveResult if name == "AsyncSaveResult" else getattr(module, name)
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

@@ -50,8 +50,10 @@ from ckptio.tuning.profile import io_fields, tuned_options
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
+AsyncSaveResult = SaveResult  # the result of an async save's handle.wait(): a save's fields
 
 __all__ = [
+    "AsyncSaveResult",
     "Checkpointer",
     "LoadReport",
     "SaveHandle",
@@ -249,16 +251,16 @@ class Checkpointer:
 
     def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
         """The Manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format
-        (opening.py), reading through this Checkpointer's pool and the store's backend."""
-        with self._lock:
-            pool, backend = self._resources(store)
-            depth = self._active.io_depth
-
-            def read(reads: list[Read]) -> int:
+        (opening.py), reading through this Checkpointer's pool and the store's backend, which
+        a committed ckptio manifest does not need (nor waits for a save in flight)."""
+        def read(reads: list[Read]) -> int:
+            with self._lock:
+                pool, backend = self._resources(store)
                 return read_regions(store.location, reads, pool=pool, backend=backend,
-                                    algorithm=None, block_nbytes=foreign.BLOCK_NBYTES, depth=depth)
+                                    algorithm=None, block_nbytes=foreign.BLOCK_NBYTES,
+                                    depth=self._active.io_depth)
 
-            return opening.open_manifest(store, file, read, allow_pickle=allow_pickle)
+        return opening.open_manifest(store, file, read, allow_pickle=allow_pickle)
 
     def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
@@ -302,7 +304,7 @@ class Checkpointer:
 
         return read
 
-    def verify(self, path: str | os.PathLike[str], *,
+    def verify(self, path: str | os.PathLike[str], *, record: Manifest | None = None,
                progress: Callable[[int], None] | None = None) -> int:
         """Check everything a load checks, without loading; -> bytes read.
 
@@ -312,10 +314,12 @@ class Checkpointer:
         still need allow_pickle=True, and per-rank values on another number of ranks
         per_rank_from). Nothing is copied out or unpickled; memory stays within the staging pool.
         ``progress``: called with the bytes read after each batch of entries (``ckptio verify``'s
-        bar); without it everything is read in one pass.
+        bar); without it everything is read in one pass. ``record``: what ``manifest(path)``
+        gave, when the caller has it (not read again).
         """
         store, file = opening.target(path, self.options)
-        record = self._open(store, allow_pickle=False, file=file)
+        if record is None:
+            record = self._open(store, allow_pickle=False, file=file)
         reads = [Read.of(e) for e in record.tensors]
         nbytes = 0
         with self._lock:

@@ -481,3 +481,14 @@ def test_progress_bar_on_a_terminal_only_and_not_with_no_progress(tmp_path: Path
     assert status == 1 and "diff" in shown and "2.00M" in shown, shown
     status, shown = _on_a_terminal("convert", str(tmp_path / "c"), str(tmp_path / "e"))
     assert status == 0 and "convert" in shown and "1.00M" in shown, shown
+
+
+def test_reading_a_committed_manifest_takes_no_staging_pool(saved: Path) -> None:
+    """What ``ls`` and DcpReader.read_metadata need is the manifest alone: it is read without
+    allocating (and pre-faulting) the Checkpointer's staging pool."""
+    checkpointer = ckptio.Checkpointer(ckptio.Options())
+    try:
+        record = checkpointer.manifest(saved)
+        assert record.tensors and checkpointer._pool is None
+    finally:
+        checkpointer.close()

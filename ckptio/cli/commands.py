@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Any
 
 from ckptio.cli.progress import Bar
@@ -132,22 +131,16 @@ def _diff(args: argparse.Namespace) -> int:
     return diff.report(a, b, changes, args.data)
 
 
-def _bar_wanted(args: argparse.Namespace) -> bool:
-    return not args.no_progress and sys.stderr.isatty()
-
-
 def _verify(args: argparse.Namespace) -> int:
     from ckptio.api import Checkpointer
-    from ckptio.cli.source import open_manifest
     from ckptio.options import Options
 
-    wanted = _bar_wanted(args)
-    record = open_manifest(args.path).record
-    total = sum(t.nbytes for t in record.tensors) if wanted else 0
     checkpointer = Checkpointer(Options.from_env())
     try:
-        with Bar(total, "verify", wanted) as bar:
-            nbytes = checkpointer.verify(args.path, progress=bar.update if bar.shown else None)
+        record = checkpointer.manifest(args.path)
+        with Bar(sum(t.nbytes for t in record.tensors), "verify", not args.no_progress) as bar:
+            nbytes = checkpointer.verify(args.path, record=record,
+                                         progress=bar.update if bar.shown else None)
     finally:
         checkpointer.close()
     if record.checksum_algorithm == NO_CHECKSUM:  # safetensors: nothing stored to check against
@@ -163,7 +156,7 @@ def _convert(args: argparse.Namespace) -> int:
     from ckptio.cli import convert
 
     return convert.convert(args.src, args.dst, overwrite=args.overwrite,
-                           allow_pickle=args.allow_pickle, progress=_bar_wanted(args))
+                           allow_pickle=args.allow_pickle, progress=not args.no_progress)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 
 from ckptio.cli.progress import Bar
-from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
-from ckptio.format.dcpmeta import METADATA_NAME
-from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.errors import CkptError
 from ckptio.io.s3client import is_s3
+from ckptio.loading import foreign, safetensors
+from ckptio.storage import steps
 from ckptio.storage.select import checkpoint_path, store_for
 
 __all__ = ["convert", "export", "held_at", "renamer"]
@@ -24,18 +24,15 @@ __all__ = ["convert", "export", "held_at", "renamer"]
 
 def held_at(path: str) -> str | None:
     """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
-    file"), or None."""
+    Hugging Face folder", "a file"), or None."""
     text = checkpoint_path(path)
-    if is_s3(text):
-        try:
-            store_for(text).read_manifest()
-        except (CheckpointNotFoundError, IncompleteCheckpointError):
-            return None
-        return "a ckptio checkpoint"
-    if os.path.isfile(text):
+    if not is_s3(text) and os.path.isfile(text):
         return "a file"
-    for name, what in ((MANIFEST_NAME, "a ckptio checkpoint"), (METADATA_NAME, "a DCP checkpoint")):
-        if os.path.isfile(os.path.join(text, name)):
+    store = store_for(text)
+    for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
+                        (foreign.holds_dcp, "a DCP checkpoint"),
+                        (safetensors.holds_hf, "a Hugging Face folder")):
+        if holds(store):
             return what
     return None
 
@@ -89,7 +86,7 @@ def export(src: str, dst: str, *, keys: str, rename: list[tuple[str, str]], dtyp
            max_shard_bytes: int, copy_from: str | None, overwrite: bool, verify: bool) -> int:
     """ckptio.export.export_hf with the command's arguments."""
     try:
-        from ckptio.export import export_hf  # type: ignore[import-not-found, unused-ignore]
+        from ckptio.export import export_hf
     except ImportError as exc:
         if isinstance(exc, ModuleNotFoundError) and exc.name == "ckptio.export":
             raise CkptError("ckptio export: this ckptio has no Hugging Face export yet (no "

@@ -138,11 +138,13 @@ def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
 
 def _batches(unsettled: list[Row]) -> Iterator[list[Row]]:
     batch: list[Row] = []
+    held = 0
     for row in unsettled:
-        if batch and sum(r.nbytes for r in batch) + row.nbytes > BATCH_NBYTES:
+        if batch and held + row.nbytes > BATCH_NBYTES:
             yield batch
-            batch = []
+            batch, held = [], 0
         batch.append(row)
+        held += row.nbytes
     if batch:
         yield batch
 
@@ -152,9 +154,9 @@ def _loaded(path: str, batch: list[Row]) -> dict[str, torch.Tensor]:
     import torch
 
     import ckptio
+    from ckptio.io.stage import torch_dtype
 
-    state = {r.key: torch.empty(r.shape, dtype=getattr(torch, r.dtype))
-                                for r in batch}
+    state = {r.key: torch.empty(r.shape, dtype=torch_dtype(r.dtype)) for r in batch}
     wanted = set(state)
     ckptio.load(path, state, keys=lambda key: key in wanted)
     return state

@@ -53,15 +53,18 @@ def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int 
     return node
 
 
-def as_json(opened: Opened, depth: int | None = None, exact: bool = False) -> dict[str, Any]:
-    """The ``ckptio ls --json`` document (docs/CLI.md)."""
+def as_json(opened: Opened, depth: int | None = None, exact: bool = False,
+            table: dict[str, Row] | None = None) -> dict[str, Any]:
+    """The ``ckptio ls --json`` document (docs/CLI.md); ``table``: ``rows(opened.record)``,
+    when the caller has it."""
     record = opened.record
     return {"schema": SCHEMA, "path": opened.path, "format": opened.format,
             "save_id": record.save_id, "world_size": record.world_size,
             "checksum_algorithm": record.checksum_algorithm,
             "nbytes": sum(t.nbytes for t in record.tensors),
             "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in record.files],
-            "tree": _node(None, record.tree, rows(record), 0, depth, exact)}
+            "tree": _node(None, record.tree, rows(record) if table is None else table, 0, depth,
+                          exact)}
 
 
 def _header(opened: Opened, table: dict[str, Row]) -> str:
@@ -109,14 +112,16 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
                flat: bool = False) -> Iterator[str]:
     """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent
     (``flat``: one line per leaf, named by its dotted key, for grep)."""
-    doc = as_json(opened, None if flat else depth, exact)
-    yield _header(opened, rows(opened.record))
+    table = rows(opened.record)
+    doc = as_json(opened, None if flat else depth, exact, table)
+    yield _header(opened, table)
     nodes = list(_flat(doc["tree"], 0))[1:]  # the root is the header
     if flat:
         nodes = [(i, n) for i, n in nodes if "key" in n]
     width = min(60, max([len(_label(i, n, flat)) for i, n in nodes] + [4]))
-    yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':10s} {'SHAPE':16s} "
-           f"{'BYTES':>12s} DETAIL")
+    dtype_width = max([len(n.get("dtype", "")) for _i, n in nodes] + [9])
+    yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':{dtype_width}s} "
+           f"{'SHAPE':16s} {'BYTES':>12s} DETAIL")
     for indent, n in nodes:
         name = _label(indent, n, flat)
         shape = str(n["shape"]) if "shape" in n else ""
@@ -124,7 +129,7 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
         dtype, detail = n.get("dtype", ""), _where(n, exact)
         if n["type"] == "torch_save":  # a DCP value's torch.save bytes (uint8 is how they are kept)
             dtype, shape, detail = "", "", "a value dcp.save serialised (ckptio.load decodes it)"
-        yield (f"  {name:{width}s} {n['type']:8s} {dtype:10s} {shape:16s} "
+        yield (f"  {name:{width}s} {n['type']:8s} {dtype:{dtype_width}s} {shape:16s} "
                f"{nbytes:>12s} {detail}").rstrip()
 
 
