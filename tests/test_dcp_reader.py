@@ -424,3 +424,19 @@ def test_a_state_that_is_not_a_dict_is_refused_with_the_fix(tmp_path: Path) -> N
     ckptio.save([torch.ones(2), 3], path)
     with pytest.raises(ckptio.CkptError, match="ckptio.load"):
         ckptio.DcpReader(path).read_metadata()
+
+
+def test_a_value_dcp_pickled_needs_allow_pickle_too(tmp_path: Path) -> None:
+    """A value dcp.save wrote through DcpWriter as torch.save bytes (one weights_only refuses)
+    reaches DCP's own torch.load(weights_only=False) only with allow_pickle=True."""
+    path = str(tmp_path / "ck")
+    dcp.save({"obj": Opaque(3), "w": torch.ones(2)}, storage_writer=ckptio.DcpWriter(path))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"obj": None, "w": torch.zeros(2)}, storage_reader=ckptio.DcpReader(path))
+    error = _ckpt_error(info.value)
+    assert isinstance(error, ckptio.PickleRefusedError) and "'obj'" in str(error), error
+    assert "allow_pickle=True" in str(error)
+    state: dict[str, Any] = {"obj": None, "w": torch.zeros(2)}
+    dcp.load(state, storage_reader=ckptio.DcpReader(path, allow_pickle=True))
+    assert state["obj"] == Opaque(3)
+    _same(state["w"], torch.ones(2))

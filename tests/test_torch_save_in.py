@@ -173,6 +173,20 @@ def test_truncated_file_names_it(saved: dict[str, Any], tmp_path: Path) -> None:
             ckptio.load(path)
 
 
+def test_record_offset_past_the_end_names_it(saved: dict[str, Any], tmp_path: Path) -> None:
+    """A central-directory entry whose local-header offset points past the end of the file is
+    a CorruptCheckpointError naming the record, not a torch error about a negative size."""
+    raw = bytearray(saved["path"].read_bytes())
+    name = b"model/data/0"
+    at = next(i for i in range(len(raw)) if raw[i:i + 4] == b"PK\x01\x02"
+              and raw[i + 46:i + 46 + len(name)] == name)
+    raw[at + 42:at + 46] = (len(raw) + 5000).to_bytes(4, "little")
+    path = tmp_path / "bad.pt"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="'model/data/0' starts at byte .* past the end"):
+        ckptio.load(path)
+
+
 def test_legacy_format_is_refused_with_the_fix(tmp_path: Path) -> None:
     path = tmp_path / "legacy.pt"
     torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)

@@ -55,6 +55,7 @@ from ckptio.format.flatten import unflatten
 from ckptio.format.types import Chunk, Manifest, Read
 from ckptio.io.stage import torch_dtype
 from ckptio.loading.fill import RankPolicy, stored_value
+from ckptio.loading.foreign import torch_load_value
 from ckptio.options import Options
 from ckptio.shared import checkpointer
 from ckptio.storage.select import checkpoint_path, is_checkpoint_id
@@ -247,16 +248,22 @@ class _Batch:
                     dest.copy_(staged)
                 planner.commit_tensor(item, dest)
         for item, value, made in self.values:
-            planner.load_bytes(item, _torch_saved(value, made, self.path))
+            planner.load_bytes(item, _torch_saved(value, made, self.path, self.allow_pickle))
 
 
-def _torch_saved(value: readmeta.ValueKey, made: dict[str, torch.Tensor],
-                 path: str) -> io.BytesIO:
+def _torch_saved(value: readmeta.ValueKey, made: dict[str, torch.Tensor], path: str,
+                 allow_pickle: bool) -> io.BytesIO:
     """The value of a BYTE_IO key as ``torch.save`` bytes (a ``torch_save`` entry: its bytes
-    as stored, which are exactly that)."""
+    as stored, which are exactly that). DCP's planner decodes them with
+    ``torch.load(weights_only=False)``: without ``allow_pickle`` they must first decode with
+    ``weights_only=True``, so nothing outside torch's allow-list is unpickled."""
     heads = {key: entries[0] for key, entries in value.tensors}
     if "k" in value.node and value.node["k"] in heads and heads[value.node["k"]].kind == "torch_save":
-        return io.BytesIO(made[value.node["k"]].numpy().tobytes())
+        raw = made[value.node["k"]].numpy().tobytes()
+        if not allow_pickle:
+            torch_load_value(raw, f"{path}: key {value.node['k']!r}", False,
+                             " (DcpReader(path, allow_pickle=True))")
+        return io.BytesIO(raw)
     leaves: dict[str, Any] = {}
     for entry in value.objects:
         try:

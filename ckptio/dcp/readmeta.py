@@ -73,14 +73,6 @@ class ValueKey:
 class DcpView:
     keys: tuple[TensorKey | ValueKey, ...]  # in the tree's order
 
-    @property
-    def tensors(self) -> tuple[TensorKey, ...]:
-        return tuple(k for k in self.keys if isinstance(k, TensorKey))
-
-    @property
-    def values(self) -> tuple[ValueKey, ...]:
-        return tuple(k for k in self.keys if isinstance(k, ValueKey))
-
 
 def dcp_view(record: Manifest, *, rank: int, world_size: int, per_rank_from: RankPolicy,
              where: str) -> DcpView:

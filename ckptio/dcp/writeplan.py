@@ -16,8 +16,6 @@ No I/O: dataclasses and DCP's plan objects in, dataclasses out.
 
 from __future__ import annotations
 
-import io
-import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.planner import WriteItem as DcpItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptio.errors import CkptError, UnsupportedStateError
+from ckptio.errors import CkptError
 from ckptio.format import manifest
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
@@ -46,7 +44,8 @@ from ckptio.format.types import (
     TensorEntry,
     WriteItem,
 )
-from ckptio.loading.foreign import expand_value
+from ckptio.loading.foreign import expand_value, torch_load_value
+from ckptio.planning import plan
 from ckptio.loading.torchvalues import TORCH_SAVE, replace_nodes
 
 __all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "Written", "check_plan", "dtype_name",
@@ -95,8 +94,8 @@ def inline_value(item: DcpItem, data: Any) -> InlineValue | None:
         return None
     raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
     try:
-        value = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError):
+        value = torch_load_value(raw, item.index.fqn, allow_pickle=False)
+    except CkptError:  # refused by weights_only, or not a torch.save value: kept as bytes
         return None
     objects: list[ObjectEntry] = []
     try:
@@ -114,12 +113,8 @@ def item_key(index: MetadataIndex) -> str:
 
 
 def dtype_name(dtype: torch.dtype, fqn: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise UnsupportedStateError(
-            f"key {fqn!r}: dtype {name} is not one ckptio stores ({', '.join(DTYPE_ITEMSIZE)}); "
-            "convert the tensor before saving, or save it with DCP's FileSystemWriter")
-    return name
+    return plan.dtype_name(dtype, fqn, "convert the tensor before saving, or save it with "
+                                       "DCP's FileSystemWriter")
 
 
 def check_plan(plan: SavePlan, rank: int, path: str) -> None:

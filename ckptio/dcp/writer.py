@@ -154,18 +154,22 @@ class DcpWriter(StorageWriter):
             raise CkptError(f"save to {self.path}: the plan carries no ckptio save id (the "
                             "coordinator's writer is not a ckptio.DcpWriter?); every rank must "
                             "pass one")
-        pairs, results = [], []
+        results: list[WriteResult] = []
+        items: list[WriteItem] = []
+        sources: dict[str, torch.Tensor] = {}
+        index_of: dict[str, Any] = {}
         for item in plan.items:
             data = planner.resolve_data(item)
             inline = writeplan.inline_value(item, data)
             if inline is not None:  # a value ckptio stores inline: nothing to write
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=inline))
-            else:
-                pairs.append((writeplan.write_item(item, data, self.path), item.index))
-        if pairs:
-            index_of = {ours.key: index for (ours, _t), index in pairs}
-            results += self._write(storage, [p[0][0] for p in pairs],
-                                   {p[0][0].key: p[0][1] for p in pairs}, index_of)
+                continue
+            ours, tensor = writeplan.write_item(item, data, self.path)
+            items.append(ours)
+            sources[ours.key] = tensor
+            index_of[ours.key] = item.index
+        if items:
+            results += self._write(storage, items, sources, index_of)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -52,7 +52,7 @@ from ckptio.format.types import (
 )
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes",
+__all__ = ["BLOCK_NBYTES", "ReadFn", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes",
            "read_small", "torch_load_value"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified

@@ -25,7 +25,6 @@ and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,14 +34,13 @@ from ckptio.format import torchsave as fmt
 from ckptio.format import torchzip, validate, values
 from ckptio.format.dcpmeta import DType
 from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
-                                 Manifest, ObjectEntry, Read, TensorEntry)
-from ckptio.loading.foreign import raw_read, read_bytes
+                                 Manifest, ObjectEntry, TensorEntry)
+# a record has one CRC and no block checksums, as a DCP item: the same widening
+from ckptio.loading.foreign import BLOCK_NBYTES, ReadFn, raw_read, read_bytes
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "open_torch_save"]
+__all__ = ["open_torch_save"]
 
-ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
-BLOCK_NBYTES = 1 << 61  # no block checksums: a partial read widens to the whole record
 
 
 def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
@@ -119,6 +117,11 @@ def _directory(store: Store, name: str, size: int, tail: bytes, read: ReadFn,
     records = fmt.parse_directory(cd, where)
     if not records:
         raise CorruptCheckpointError(f"{where}: an empty zip, not a torch.save file")
+    for r in records.values():
+        if r.local_offset >= size:
+            raise CorruptCheckpointError(f"{where}: record {r.name!r} starts at byte "
+                                         f"{r.local_offset}, past the end of the {size}-byte "
+                                         "file; the torch.save file is damaged or truncated")
     return records
 
 

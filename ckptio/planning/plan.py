@@ -38,12 +38,15 @@ class SavePlan:
     domains: dict[str, str] = field(default_factory=dict)
 
 
-def dtype_name(dtype: torch.dtype, key: str) -> str:
+def dtype_name(dtype: torch.dtype, key: str, fix: str = "convert it to a standard dtype first"
+               ) -> str:
+    """``dtype``'s ckptio name (``float32``); UnsupportedStateError naming ``key`` and ``fix``
+    for one ckptio does not store."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_ITEMSIZE:
         raise UnsupportedStateError(
-            f"key {key!r}: dtype {dtype} is not supported; convert it to a standard dtype first"
-        )
+            f"key {key!r}: dtype {name} is not one ckptio stores ({', '.join(DTYPE_ITEMSIZE)}); "
+            f"{fix}")
     return name
 
 
