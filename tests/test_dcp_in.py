@@ -264,6 +264,23 @@ class Custom:
         self.x = 1
 
 
+def test_a_list_with_a_gap_keeps_each_index(tmp_path: Path) -> None:
+    """DCP saves nothing for an empty dict, so ``[{}, t]`` has only ``x.1``: read as a DCP
+    directory and written through DcpWriter, the tensor stays at index 1 (a dict {1: t} when
+    loaded fresh), never moved to index 0; in place it goes back into the list."""
+    state = {"x": [{}, torch.ones(2)], "y": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+        dcp.save(state, storage_writer=ckptio.DcpWriter(str(tmp_path / "ours")))
+    for path in (tmp_path / "dcp", tmp_path / "ours"):
+        fresh = ckptio.load(path)
+        assert list(fresh["x"]) == [1] and torch.equal(fresh["x"][1], torch.ones(2)), path
+        dest = {"x": [{}, torch.zeros(2)], "y": 0}
+        assert set(ckptio.load(path, dest).loaded) == {"x.1", "y"}
+        assert torch.equal(dest["x"][1], torch.ones(2)) and dest["y"] == 3
+
+
 def test_values_ckptio_cannot_hold(tmp_path: Path) -> None:
     _dcp_save({"b": b"raw bytes", "t": torch.zeros(2)}, tmp_path / "b")
     with pytest.raises(ckptio.CkptError, match="'b'.*bytes.* does not load"):

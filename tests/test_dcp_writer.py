@@ -631,7 +631,11 @@ def test_a_fresh_load_gives_back_what_optimizer_load_state_dict_takes(tmp_path: 
 
 
 def test_tree_of_planner_data():
-    from ckptio.dcp.writeplan import tree_of
+    from ckptio.dcp.writeplan import paths_of
+    from ckptio.loading.foreign import nest
+
+    def tree_of(keys: list[str], planner_data: Any) -> Any:
+        return nest({k: {"k": k} for k in keys}, paths_of(keys, planner_data), "test")
 
     paths = {"o.s.0.m": ("o", "s", "0", "m"), "o.l.0": ("o", "l", 0), "o.l.1": ("o", "l", 1),
              "x": ("x",), "y.z": ("not", "its", "path")}

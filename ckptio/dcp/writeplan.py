@@ -5,7 +5,7 @@
     write_item(item, data)                       a DCP WriteItem (resolved) -> types.WriteItem
     written(item, entry, rank, file_nbytes)      a persisted entry -> what a WriteResult carries
     manifest_of(metadata, results, ...)          every rank's results -> the Manifest to commit
-    tree_of(keys, planner_data)                  DCP's planner_data -> the manifest tree
+    paths_of(keys, planner_data)                 each key's path from DCP's planner_data (for nest)
 
 Owns: the internal key of a rank's chunk (``fqn@offsets``: a rank may hold several chunks of
 one key), what the plans' and results' ``storage_data`` hold (``RankStorage``, ``Written``:
@@ -16,7 +16,6 @@ No I/O: dataclasses and DCP's plan objects in, dataclasses out.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +43,12 @@ from ckptio.format.types import (
     TensorEntry,
     WriteItem,
 )
-from ckptio.loading.foreign import expand_value, torch_load_value
+from ckptio.loading.foreign import expand_value, nest, torch_load_value
 from ckptio.planning import plan
-from ckptio.loading.torchvalues import TORCH_SAVE, replace_nodes
+from ckptio.loading.torchvalues import TORCH_SAVE
 
 __all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "Written", "check_plan", "dtype_name",
-           "inline_value", "item_key", "manifest_of", "tree_of", "write_item", "written"]
+           "inline_value", "item_key", "manifest_of", "paths_of", "write_item", "written"]
 
 
 @dataclass(frozen=True)
@@ -178,12 +177,13 @@ def manifest_of(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
                                 "not made by ckptio.DcpWriter (every rank must use it)")
             tensors.append(_entry(metadata, result.index, w, where))
             files[w.file] = FileInfo(w.file, w.file_nbytes, w.rank)
-    keys = list(dict.fromkeys([*(t.key for t in tensors), *nodes]))
+    leaves = {**{t.key: {"k": t.key} for t in tensors}, **nodes}
     record = Manifest(
         version=manifest.VERSION, save_id=save_id, checksum_algorithm=algorithm,
         world_size=len(results), files=tuple(files[n] for n in sorted(files)),
         tensors=tuple(tensors), objects=tuple(objects), aliases=(),
-        tree=replace_nodes(tree_of(keys, metadata.planner_data), nodes), meta=meta,
+        tree=nest(leaves, paths_of(list(leaves), metadata.planner_data), where, CkptError),
+        meta=meta,
         block_nbytes=block_nbytes)
     manifest.check_keys(record, where)
     manifest.check_values(record, where)
@@ -204,35 +204,12 @@ def _entry(metadata: Metadata, index: MetadataIndex, w: Written, where: str) -> 
                     f"metadata holds {type(stored).__name__}")
 
 
-def tree_of(keys: Sequence[str], planner_data: Any) -> Json:
-    """The manifest tree of ``keys`` from DCP's planner_data (key -> path tuple: a str part is
-    a dict key, an int a list index). A key it lacks, or whose path does not spell the key,
-    sits at the top level. A dict key that is a canonical decimal ("0", "17") becomes an int,
-    as ckptio.load of a DCP directory makes it: DCP turns every dict key into a str, and
-    optimizer state is keyed by int (the flat keys are the same either way)."""
+def paths_of(keys: Sequence[str], planner_data: Any) -> dict[str, tuple[str | int, ...]]:
+    """Each key's path in the saved state from DCP's planner_data (key -> path tuple: a str
+    part is a dict key, an int a list index); a key it lacks, or whose path does not spell the
+    key, sits at the top level (``nest``)."""
     paths: Mapping[str, Any] = planner_data if isinstance(planner_data, Mapping) else {}
-    root: dict[tuple[str, str | int], Any] = {}
-    for key in keys:
-        path = [_part(p) for p in _path(key, paths.get(key))]
-        level = root
-        for part in path[:-1]:
-            child = level.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise CkptError(f"key {key!r} lies inside the value of key {child.key!r} in "
-                                "DCP's planner_data")
-            level = child
-        if path[-1] in level:
-            raise CkptError(f"key {key!r}: DCP's planner_data names its place twice")
-        level[path[-1]] = _Leaf(key)
-    return _node(root)
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    key: str
-
-
-_CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
+    return {key: _path(key, paths.get(key)) for key in keys}
 
 
 def _path(key: str, path: Any) -> tuple[str | int, ...]:
@@ -240,19 +217,3 @@ def _path(key: str, path: Any) -> tuple[str | int, ...]:
           and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path)
           and ".".join(str(p) for p in path) == key)
     return tuple(path) if ok else (key,)
-
-
-def _part(part: str | int) -> tuple[str, str | int]:
-    """("l", index) for a list index, ("d", key) for a dict key."""
-    if isinstance(part, int):
-        return ("l", part)
-    return ("d", int(part) if _CANONICAL_INT.fullmatch(part) else part)
-
-
-def _node(level: dict[tuple[str, str | int], Any] | _Leaf) -> Json:
-    if isinstance(level, _Leaf):
-        return {"k": level.key}
-    indexes = [k for kind, k in level if kind == "l"]
-    if len(indexes) == len(level) and set(indexes) == set(range(len(level))):
-        return {"l": [_node(level[("l", i)]) for i in range(len(level))]}
-    return {"d": [[k, _node(child)] for (_kind, k), child in level.items()]}

@@ -32,7 +32,7 @@ import io
 import pickle
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ from ckptio.format.types import (
 )
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "ReadFn", "expand_value", "holds_dcp", "open_dcp", "raw_read", "read_bytes",
+__all__ = ["BLOCK_NBYTES", "ReadFn", "expand_value", "holds_dcp", "nest", "open_dcp", "raw_read", "read_bytes",
            "read_small", "torch_load_value"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
@@ -138,7 +138,7 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
         version=2, save_id="dcp", checksum_algorithm="crc32",
         world_size=1 + max((f.rank for f in files), default=0), files=files,
         tensors=tuple(tensors), objects=tuple(objects), aliases=(),
-        tree=_tree(meta, nodes, where), meta={"dcp": {"version": meta.version}},
+        tree=nest(nodes, meta.paths, where), meta={"dcp": {"version": meta.version}},
         block_nbytes=BLOCK_NBYTES)
     validate.check_keys(manifest, where)
     validate.check_values(manifest, where)
@@ -264,23 +264,28 @@ def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -
     return {"k": key}
 
 
-def _tree(meta: dcpmeta.DcpMeta, nodes: dict[str, Json], where: str) -> Json:
-    """The saved state's nesting, from DCP's planner_data (a key it lacks sits at the top).
-    A dict key DCP stored as a canonical decimal string ("0", "17") comes back as an int:
-    DCP turns every dict key into a str, and optimizer state is keyed by int."""
+def nest(nodes: Mapping[str, Json], paths: Mapping[str, tuple[str | int, ...]], where: str,
+         error: type[CkptError] = CorruptCheckpointError) -> Json:
+    """The tree holding each key's node at its path (DCP's planner_data: a str part is a dict
+    key, an int a list index; a key without a path sits at the top). A dict key DCP stored as a
+    canonical decimal string ("0", "17") comes back as an int: DCP turns every dict key into a
+    str, and optimizer state is keyed by int. A level whose indices are exactly 0..n-1 is a
+    list; one with gaps (DCP saves nothing for an empty dict in a list) keeps its indices as
+    dict keys, so every key still names its own value. ``error`` (naming ``where``) for paths
+    that collide."""
     root: dict[Any, Any] = {}
-    for fqn, node in nodes.items():
-        path = meta.paths.get(fqn, (fqn,))
+    for key, node in nodes.items():
+        path = paths.get(key, (key,))
         parent = root
         for part in path[:-1]:
             child = parent.setdefault(_part(part), {})
             if not isinstance(child, dict):
-                raise CorruptCheckpointError(f"{where}: key {fqn!r} lies inside another key's "
-                                             "value in the metadata's planner_data")
+                raise error(f"{where}: key {key!r} lies inside another key's value in DCP's "
+                            "planner_data")
             parent = child
         last = _part(path[-1])
         if last in parent:
-            raise CorruptCheckpointError(f"{where}: key {fqn!r} is named twice by planner_data")
+            raise error(f"{where}: key {key!r} is named twice by DCP's planner_data")
         parent[last] = _Leaf(node)
     return _node(root)
 
@@ -300,7 +305,6 @@ def _part(part: str | int) -> tuple[str, str | int]:
 def _node(level: dict[Any, Any] | _Leaf) -> Json:
     if isinstance(level, _Leaf):
         return level.node
-    kinds = {kind for kind, _key in level}
-    if kinds == {"l"}:
-        return {"l": [_node(child) for (_kind, _i), child in sorted(level.items())]}
+    if {part for part in level} == {("l", i) for i in range(len(level))}:
+        return {"l": [_node(level[("l", i)]) for i in range(len(level))]}
     return {"d": [[key, _node(child)] for (_kind, key), child in level.items()]}
