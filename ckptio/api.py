@@ -277,15 +277,6 @@ class Checkpointer:
         store, _file = opening.target(path, self.options)
         return self._reads_of(store, record, verify)(list(reads))
 
-    def reader(self, path: str | os.PathLike[str], *, verify: bool | None = None,
-               allow_pickle: bool = False) -> tuple[Manifest, Callable[[list[Read]], int]]:
-        """What the checkpoint at ``path`` holds (as a load sees it) and a function that fills
-        Reads of it (format/types.py) as ``read`` does. For drivers that stream a checkpoint
-        elsewhere (export)."""
-        store, file = opening.target(path, self.options)
-        record = self._open(store, allow_pickle=allow_pickle, file=file)
-        return record, self._reads_of(store, record, verify)
-
     def _reads_of(self, store: Store, record: Manifest,
                   verify: bool | None) -> Callable[[list[Read]], int]:
         files = opening.data_dir(store, record)

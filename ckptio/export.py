@@ -44,7 +44,7 @@ from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
-from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
 from ckptio.io.s3client import is_s3
 from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
@@ -100,8 +100,8 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     overwrite: replace what ``dst`` holds (refused otherwise when it is not empty).
     metadata: extra ``__metadata__`` strings for every file (``format: pt`` is always there).
     verify: check the source's checksums as it is read (default Options.verify). A DCP or
-    torch.save source has one checksum per whole entry, so a verified export reads each of
-    its tensors whole once per window it spans: pass verify=False (or ckptio.verify first).
+    torch.save source has one checksum per whole entry: a tensor of it that windows cut is
+    verified whole once before the export, then read in parts unchecked.
     With torch.distributed initialised (or ``process_group``), every rank calls this together
     and the files are split between the ranks by bytes.
     """
@@ -120,7 +120,9 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         plan: ExportPlan | None = None
         error: BaseException | None = None
         try:
-            record, read = checkpointer.reader(src, verify=verify)
+            record = checkpointer.manifest(src)
+            source = _Source(checkpointer, src, record,
+                             checkpointer.options.verify if verify is None else verify)
             plan = plan_export(record, keys=keys, rename=rename, dtype=out_dtype,
                                max_shard_bytes=max_shard_bytes, align=BLOCK, metadata=metadata)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
@@ -130,7 +132,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         mine = assign(plan.files, group.size)[group.rank]
         written, error = 0, None
         try:
-            written = _write_files(checkpointer, read, [plan.files[i] for i in mine], out, token,
+            written = _write_files(source, [plan.files[i] for i in mine], out, token,
                                    window_bytes)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
             error = exc
@@ -209,11 +211,48 @@ def _window_bytes(options: Options) -> int:
     return max(options.buffer_bytes, quarter)
 
 
-def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFile], out: str,
-                 token: str, window_bytes: int) -> int:
+@dataclass
+class _Source:
+    """The checkpoint exported, and how its reads are checked."""
+
+    checkpointer: Checkpointer
+    path: str | os.PathLike[str]
+    record: Manifest
+    verify: bool
+    checked: frozenset[str] = frozenset()  # keys verified whole up front: read unchecked
+
+    def check_cut(self, files: list[ExportFile], window_bytes: int) -> None:
+        """Where one checksum covers a whole entry (DCP, torch.save: ``block_nbytes`` beyond a
+        window), a verified read of part of it reads all of it, once per window that cuts the
+        tensor; instead, those entries are verified once here (read through the pool, copied
+        nowhere), and their parts then read unchecked."""
+        if not self.verify or self.record.block_nbytes <= window_bytes:
+            return
+        cut = {p.tensor.source.key: p.tensor.source.entries for f in files
+               for w in windows(f, window_bytes) for p in w.parts
+               if p.count != p.tensor.source.numel}
+        if cut:
+            self.checkpointer.read(self.path, self.record,
+                                   [Read.of(e) for entries in cut.values() for e in entries])
+            self.checked = frozenset(cut)
+
+    def read(self, reads: list[Read]) -> int:
+        checked = [r for r in reads if r.key in self.checked]
+        rest = [r for r in reads if r.key not in self.checked]
+        nbytes = 0
+        for batch, verify in ((rest, self.verify), (checked, False)):
+            if batch:
+                nbytes += self.checkpointer.read(self.path, self.record, batch, verify=verify)
+        return nbytes
+
+
+def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
+                 window_bytes: int) -> int:
     """Step 2: this rank's files, each streamed into its temp file."""
     if not files:
         return 0
+    source.check_cut(files, window_bytes)
+    checkpointer = source.checkpointer
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
     pool = BufferPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
     scratch = _Scratch()
@@ -221,7 +260,7 @@ def _write_files(checkpointer: Checkpointer, read: ReadFn, files: list[ExportFil
     try:
         for file in files:
             def fill(window: Window, buffer: Buffer, file: ExportFile = file) -> None:
-                _fill(window, buffer, file.header, read, scratch)
+                _fill(window, buffer, file.header, source.read, scratch)
 
             written += write_windows(backend, pool, _tmp(out, file.name, token), file.nbytes,
                                      windows(file, window_bytes), fill)

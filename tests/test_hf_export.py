@@ -541,3 +541,37 @@ def test_index_write_failure_leaves_no_temp_file(tmp_path: Path,
     with pytest.raises(ckptio.StorageIOError, match="injected"):
         ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", max_shard_bytes=300, options=OPTS)
     assert not [p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(".")]
+
+
+def test_verified_export_of_a_dcp_dir_reads_a_cut_tensor_twice_not_per_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DCP item has one CRC for all its bytes. An 8 MB tensor cut by 1 MiB windows is
+    verified whole once, then read in parts: about twice its bytes, not once per window (eight
+    times); a flipped byte in it is still caught."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptio import api
+
+    big = torch.randn(2000, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"big": big}}, checkpoint_id=str(tmp_path / "dcp"))
+    real, counted = api.read_regions, []
+
+    def counting(*args: Any, **kwargs: Any) -> int:
+        counted.append(real(*args, **kwargs))
+        return counted[-1]
+
+    monkeypatch.setattr(api, "read_regions", counting)
+    ckptio.export_hf(tmp_path / "dcp", tmp_path / "hf", verify=True, options=OPTS)
+    assert torch.equal(_hf_tensors(tmp_path / "hf")["big"], big)
+    assert big.nbytes * 2 <= sum(counted) < big.nbytes * 2.5, (sum(counted), big.nbytes)
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ckptio.CorruptCheckpointError):
+        ckptio.export_hf(tmp_path / "dcp", tmp_path / "hf2", verify=True, options=OPTS)
+    assert not (tmp_path / "hf2").exists() or not os.listdir(tmp_path / "hf2")

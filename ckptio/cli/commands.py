@@ -96,7 +96,7 @@ def _export_parser(sub: Any) -> None:
                         help="copy config.json and tokenizer files from DIR")
     export.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     export.add_argument("--no-verify", action="store_true", help="skip the source's checksums "
-                        "(a DCP or torch.save source is checked whole per window it spans)")
+                        "(a DCP or torch.save tensor that windows cut is verified whole first)")
 
 
 def run(args: argparse.Namespace) -> int:
