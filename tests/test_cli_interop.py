@@ -445,6 +445,17 @@ def test_a_closed_pipe_exits_quietly(tmp_path: Path):
     proc.stdout.close()  # `| head -1`
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and err == "", err
+    # diff knows its answer before it prints: a closed pipe keeps "1, they differ"
+    ckptio.save({f"layer{i}": {"w": torch.ones(1), "n": i} for i in range(3000)},
+                tmp_path / "other")
+    proc = subprocess.Popen([sys.executable, "-m", "ckptio", "diff", str(tmp_path / "big"),
+                             str(tmp_path / "other")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"~ ")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
 
 
 def _on_a_terminal(*args: str) -> tuple[int, str]:

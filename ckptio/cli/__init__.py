@@ -16,7 +16,16 @@ import sys
 
 from ckptio.errors import CkptError
 
-__all__ = ["main"]
+__all__ = ["OutputClosed", "main"]
+
+
+class OutputClosed(Exception):  # noqa: N818 - a signal to main, not an error
+    """The reader of stdout left while a command whose exit status is already known (diff)
+    was printing: main exits quietly with ``status``."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
 
 DESCRIPTION = """ckptio: fast, verified PyTorch checkpoints.
 
@@ -112,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     except CkptError as exc:
         print(f"ckptio: error: {exc}", file=sys.stderr)
         return 2
+    except OutputClosed as closed:  # `ckptio diff A B | head`: the status diff found
+        _quiet_stdout()
+        return closed.status
     except BrokenPipeError:  # `ckptio ls ... | head`: the reader left; not an error
-        # Python's "Note on SIGPIPE": point stdout at devnull so the exit's flush is quiet
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _quiet_stdout()
         return 0
     except OSError as exc:  # a file the command itself opens (e.g. a --copy-from DIR)
         print(f"ckptio: error: {exc}", file=sys.stderr)
@@ -123,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ckptio: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Python's "Note on SIGPIPE": point stdout at devnull so the exit's flush is quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptio.cli import OutputClosed
 from ckptio.cli.source import Opened, Row, rows, shown
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Json
@@ -229,14 +230,20 @@ def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
 
 
 def report(a: Opened, b: Opened, changes: list[Change], data: bool = False) -> int:
-    """Print one line per change and a summary; -> the exit status (0 the same, 1 not)."""
+    """Print one line per change and a summary; -> the exit status (0 the same, 1 not), also
+    when the reader of stdout leaves early (OutputClosed)."""
+    status = 1 if changes else 0
     width = min(60, max([len(c.key) for c in changes] + [3]))
-    for c in changes:
-        sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
     unsure = sum(c.mark == "?" for c in changes)
     how = ("every tensor read, checksums verified" if data else
            "by stored checksums, data not read: --data reads and verifies it")
     settled = (f"the same ({how})" if not changes else f"{len(changes) - unsure} difference(s)"
                + (f", {unsure} tensor(s) not compared" if unsure else ""))
-    sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
-    return 1 if changes else 0
+    try:
+        for c in changes:
+            sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
+        sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise OutputClosed(status) from None
+    return status
