@@ -269,7 +269,7 @@ def commit_body(results: list[tuple[dict[int, TensorEntry], list[Any], str | Non
         files.extend(infos)
     check_files(files)
     record = Manifest(
-        version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm="xxh3",
+        version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm="xxh3_64",
         world_size=len(results), files=tuple(files),
         tensors=tuple(manifest_entries(agreement.plans, plan.assignments, done)),
         objects=plan.objects, aliases=plan.aliases, tree=plan.tree,
