@@ -26,7 +26,7 @@ from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
-from ckptio.io.stage import BufferPool
+from ckptio.io.stage import BufferPool, available_host_bytes
 from ckptio.loading import foreign
 from ckptio.loading.fill import (
     KeyFilter,
@@ -37,8 +37,9 @@ from ckptio.loading.fill import (
 )
 from ckptio.loading.read import read_regions
 from ckptio.loading.torchvalues import expand_torch_save
-from ckptio.options import BLOCK, Options
-from ckptio.planning.plan import PlanCache
+from ckptio.options import BLOCK, GiB, Options
+from ckptio.planning.layout import plan_files
+from ckptio.planning.plan import PlanCache, build_plan
 from ckptio.saving import session
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import SaveHandle, SaveResult
@@ -74,6 +75,8 @@ class Checkpointer:
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
         self._pool: BufferPool | None = None
+        self._grown_buffers = 0  # the pool's size since an async save grew it (0: not grown)
+        self._over_budget_logged = False
         self._backend: io.IOBackend | None = None
         self._backend_kind = LocalStore.__name__  # the kind of store self._backend reaches
         self._lock = threading.Lock()
@@ -112,7 +115,8 @@ class Checkpointer:
             self._backend = None
         self._active = wanted
         if self._pool is None:
-            self._pool = BufferPool(wanted.nbuffers, wanted.buffer_bytes)
+            self._pool = BufferPool(max(wanted.nbuffers, self._grown_buffers), wanted.buffer_bytes,
+                                    background=True)
         if self._backend is None:
             self._backend = (LocalStore(".") if store is None else store).backend(wanted)
             self._backend_kind = kind
@@ -121,11 +125,70 @@ class Checkpointer:
                 register(self._pool.whole_view())
         return self._pool, self._backend
 
-    def prepare(self, path: str | os.PathLike[str] | None = None) -> None:
-        """Allocate (and pre-fault) the staging pool and start the I/O backend now, for the
-        filesystem of ``path``: call at startup so the first save does not pay for it."""
+    @property
+    def staging_nbytes(self) -> int:
+        """Host memory the staging pool holds now: 0 before the first save or load and after
+        close(); Options.pool_bytes, or more once an async save has grown it
+        (Options.host_budget_bytes)."""
+        pool = self._pool
+        return 0 if pool is None else pool.nbytes
+
+    def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
+        """Allocate and pre-fault the staging pool and start the I/O backend now, for the
+        filesystem of ``path``: call at startup so the first save does not pay for it. With
+        ``state``: size the pool for async saves of it, as the first async save would after
+        it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
         with self._lock:
-            self._resources(None if path is None else store_for(path, self.options))
+            pool, _backend = self._resources(None if path is None else store_for(path, self.options))
+        if state is not None:
+            self._fit(_file_nbytes(state, self.options.max_file_bytes))
+            with self._lock:
+                pool, _backend = self._resources(None if path is None else store_for(path, self.options))
+        pool.faulted()
+
+    def _fit(self, file_nbytes: Sequence[int]) -> None:
+        """After an async save, or for prepare(state=): grow the pool to hold files of these
+        sizes whole (so the next async save never waits for the disk), within the budget."""
+        with self._lock:
+            buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
+            current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
+                          self._grown_buffers)
+            need = sum(-(-n // buffer_bytes) for n in file_nbytes)
+            if need <= current:
+                return
+            allowed = self._budget(current * buffer_bytes) // buffer_bytes
+            if need > allowed and not self._over_budget_logged:
+                self._over_budget_logged = True
+                log.warning("ckptio: this rank's state (%.2f GiB of files) is larger than the "
+                            "host memory async saves may stage (%.2f GiB, "
+                            "Options.host_budget_bytes): async_save waits for the disk for the "
+                            "rest", need * buffer_bytes / GiB, allowed * buffer_bytes / GiB)
+            target = min(need, allowed)
+            if target <= current:
+                return
+            self._grown_buffers = target
+            self._release()  # the next save or load makes it (and a backend registering it)
+            try:
+                self._pool = BufferPool(target, buffer_bytes, background=True)
+            except (OSError, MemoryError) as exc:  # the old size is made again on next use
+                self._grown_buffers = 0
+                log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async "
+                            "saves keep streaming through %.2f GiB", target * buffer_bytes / GiB,
+                            exc, current * buffer_bytes / GiB)
+                return
+            log.info("ckptio: staging pool grown to %.2f GiB so that async saves of this state "
+                     "return at copy speed (Options.host_budget_bytes)", target * buffer_bytes / GiB)
+
+    def _budget(self, pool_nbytes: int) -> int:
+        """Bytes of staging an async save may keep (Options.host_budget_bytes, or automatic:
+        half of the memory available, with the pool's own, per rank of this host)."""
+        if self.options.host_budget_bytes is not None:
+            return self.options.host_budget_bytes
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local_ranks = 1
+        return (available_host_bytes() + pool_nbytes) // (2 * local_ranks)
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -139,8 +202,10 @@ class Checkpointer:
         with self._lock:
             self._finish_cleanup()
             self._release()
+            self._grown_buffers = 0
 
     def _release(self) -> None:
+        """Free the pool and stop the backend (made again on next use)."""
         pool, backend = self._pool, self._backend
         self._pool, self._backend = None, None
         if backend is not None:
@@ -152,8 +217,9 @@ class Checkpointer:
              process_group: Any = None) -> SaveResult:
         """Write ``state`` to directory ``path``; returns once every byte is durable and committed
         (with many ranks: a collective, see async_save)."""
-        return self.async_save(state, path, allow_pickle=allow_pickle,
-                               process_group=process_group).wait()
+        return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
+                           allow_pickle=allow_pickle, process_group=process_group,
+                           grow_staging=False).wait()
 
     def async_save(
         self,
@@ -180,7 +246,16 @@ class Checkpointer:
         With torch.distributed initialised (or ``process_group`` given), every rank calls this
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
+        Staging: a state larger than the pool grows it after the save, up to
+        Options.host_budget_bytes, so later async saves return at copy speed.
         """
+        return self._start(state, path, lazy=lazy, optimizers=optimizers, if_busy=if_busy,
+                           allow_pickle=allow_pickle, process_group=process_group,
+                           grow_staging=True)
+
+    def _start(self, state: Any, path: str | os.PathLike[str], *, lazy: bool,
+               optimizers: Sequence[torch.optim.Optimizer], if_busy: str, allow_pickle: bool,
+               process_group: Any, grow_staging: bool) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
@@ -210,7 +285,7 @@ class Checkpointer:
             cleanup=self._cleanup, memory=self._memory(group), plan_cache=self._plan_cache,
             meta=_meta(), block_nbytes=self._block_nbytes(), allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), started=started,
-            previous_error=previous_error)
+            previous_error=previous_error, grow_staging=grow_staging)
         save = session.begin(context, state)
         self._inflight, self._thread = save.handle, save.thread
         save.capture_here()
@@ -432,6 +507,9 @@ class _Staging:
     def for_store(self, store: Store) -> tuple[BufferPool, io.IOBackend]:
         return self.checkpointer._resources(store)
 
+    def fit(self, file_nbytes: Sequence[int]) -> None:
+        self.checkpointer._fit(file_nbytes)
+
     @property
     def cleanup(self) -> Cleanup:
         return self.checkpointer._cleanup
@@ -439,6 +517,13 @@ class _Staging:
     @property
     def block_nbytes(self) -> int:
         return self.checkpointer._block_nbytes()
+
+
+def _file_nbytes(state: Any, max_file_bytes: int) -> list[int]:
+    """The sizes of the data files one process's save of ``state`` writes (as planned)."""
+    plan, _sources = build_plan(flatten(state), allow_pickle=True)
+    files = plan_files(plan.items, save_id="size", rank=0, max_file_bytes=max_file_bytes)
+    return [f.nbytes for f in files]
 
 
 def _meta() -> dict[str, Any]:

@@ -35,6 +35,15 @@ class Options:
 
     buffer_bytes: size of one staging buffer, and of one write or coalesced read.
     pool_bytes: total staging memory (buffer_bytes x number of buffers); allocated once, reused.
+    host_budget_bytes: how far an async save may grow the staging pool so that async_save
+        returns at memory-copy speed. After an async save (eager or lazy) of a state larger than
+        the pool, the pool grows, in the background once that save is durable, to hold this
+        rank's whole state, up to this many bytes; it is pre-faulted once and reused by every
+        later save and load (Checkpointer.close frees it). Beyond the budget the state streams
+        through the pool and async_save waits for the disk for the rest (logged once). None
+        (default): half of the host memory available when the pool grows (MemAvailable),
+        shared by the ranks of the host (LOCAL_WORLD_SIZE); 0: never beyond pool_bytes.
+        Synchronous saves never grow the pool.
     io_depth: writes or reads in flight at once.
     max_file_bytes: a data file is closed and a new one begun past this size.
     direct_io: "auto" uses O_DIRECT where the filesystem accepts it, else buffered (logged once).
@@ -65,6 +74,7 @@ class Options:
 
     buffer_bytes: int = 16 * MiB
     pool_bytes: int = 256 * MiB
+    host_budget_bytes: int | None = None
     io_depth: int = 4
     max_file_bytes: int = 16 * GiB
     direct_io: DirectIO = "auto"
@@ -92,6 +102,9 @@ class Options:
                 f"Options.pool_bytes={self.pool_bytes}: must hold at least two buffers of "
                 f"buffer_bytes={self.buffer_bytes} so staging overlaps writing"
             )
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise CkptError(f"Options.host_budget_bytes={self.host_budget_bytes}: must be >= 0 "
+                            "(0: the pool never grows beyond pool_bytes; None: automatic)")
         if self.io_depth < 1:
             raise CkptError(f"Options.io_depth={self.io_depth}: must be >= 1")
         if self.max_file_bytes < self.buffer_bytes:
@@ -140,6 +153,10 @@ class Options:
 
 def _parse(name: str, raw: str, annotation: object) -> object:
     kind = str(annotation)
+    if kind == "int | None":
+        if raw.lower() in ("", "none", "auto"):
+            return None
+        kind = "int"
     if kind == "int":
         try:
             return int(raw)

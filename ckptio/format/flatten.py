@@ -72,6 +72,8 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
         raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_TREE_DEPTH} "
                                     "levels")
     depth += 1
+    if isinstance(value, torch.Tensor):  # most leaves: skip the container checks
+        return _leaf(value, key, parent, slot, flat)
     if is_stateful(value):
         inner = value.state_dict()
         flat.statefuls.append((key, value, inner))
@@ -90,6 +92,10 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
         return {"l": [_walk(v, _join(key, i), value, i, flat, depth) for i, v in enumerate(value)]}
     if _is_container(value):  # tuple, not torch.Size
         return {"t": [_walk(v, _join(key, i), None, i, flat, depth) for i, v in enumerate(value)]}
+    return _leaf(value, key, parent, slot, flat)
+
+
+def _leaf(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json:
     if key in flat.leaves:
         raise UnsupportedStateError(
             f"key {key!r} names two different leaves (a dict key containing '.' collides with "

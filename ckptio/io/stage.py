@@ -10,8 +10,11 @@ streams and events). Does not own: what is copied where (saving/persist.py, load
 
 from __future__ import annotations
 
+import heapq
 import mmap
+import os
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,7 +23,10 @@ import torch
 from ckptio.errors import CkptError
 from ckptio.format.types import DTYPE_ITEMSIZE
 
-__all__ = ["Buffer", "BufferPool", "copy_in", "copy_out", "torch_dtype", "typed"]
+MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
+
+__all__ = ["Buffer", "BufferPool", "available_host_bytes", "copy_in", "copy_out", "torch_dtype",
+           "typed"]
 
 
 @dataclass
@@ -31,6 +37,7 @@ class Buffer:
     view: memoryview
     data: torch.Tensor
     _as: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # whole buffer per dtype
+    _views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -43,23 +50,44 @@ class Buffer:
             whole = self._as[dtype] = self.data.view(dtype)
         return whole
 
+    def view_at(self, start: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """Bytes from ``start`` (a multiple of the itemsize) as a contiguous tensor of ``dtype``
+        and ``shape``. Kept: a save of an unchanged layout finds the same views in the same
+        buffers (the pool hands buffers out lowest first), and making thousands of views was
+        a third of what a save's caller waited for beyond the copy itself."""
+        key = (start, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            itemsize = dtype.itemsize
+            view = self.as_dtype(dtype)[start // itemsize:start // itemsize + shape.numel()].view(shape)
+            self._views[key] = view
+        return view
+
 
 class BufferPool:
     """``nbuffers`` buffers of ``buffer_bytes`` in one anonymous mapping.
 
     Every page is faulted in when the pool is made (``prefault``) and stays resident: the mapping
     is never unmapped or advised away while the pool lives, so no save pays for page faults and
-    the resident set does not grow save after save. Free buffers are handed out
-    last-released-first. With CUDA present the mapping is page-locked (``pinned``), so
+    the resident set does not grow save after save. Free buffers are handed out lowest index
+    first. With CUDA present the mapping is page-locked (``pinned``), so
     non_blocking device->host copies into it are truly asynchronous.
     """
 
-    def __init__(self, nbuffers: int, buffer_bytes: int, *, prefault: bool = True) -> None:
+    def __init__(self, nbuffers: int, buffer_bytes: int, *, prefault: bool = True,
+                 background: bool = False) -> None:
+        """``background``: fault the pages in on a thread of the pool's own, buffer by buffer,
+        each buffer handed out as soon as it is faulted (so a first save overlaps the pre-fault
+        with its first writes instead of waiting for all of it). Without CUDA only: page-locking
+        faults every page at once anyway."""
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
         self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        if prefault:
+        background = background and prefault and not torch.cuda.is_available()
+        if prefault and not background:
             whole.zero_()  # fault every page now, once, rather than inside a timed save
         self.pinned = _pin(whole)
         self._all = [
@@ -67,8 +95,30 @@ class BufferPool:
                    whole[i * buffer_bytes:(i + 1) * buffer_bytes])
             for i in range(nbuffers)
         ]
-        self._free = list(reversed(self._all))
         self._cond = threading.Condition()
+        self._faulter: threading.Thread | None = None
+        self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
+        if background:
+            self._free: list[tuple[int, Buffer]] = []  # a heap: lowest index first
+            # Not a daemon: a thread still inside a torch op when the interpreter finalizes
+            # aborts the process ("terminate called without an active exception").
+            self._faulter = threading.Thread(target=self._fault_in, name="ckptio-prefault")
+            _faulting.add(self)
+            self._faulter.start()
+        else:
+            self._free = [(b.index, b) for b in self._all]
+
+    def _fault_in(self) -> None:
+        """The background pre-fault: each buffer's pages, then the buffer is free to use."""
+        for buffer in self._all:
+            if not self._stop.is_set():
+                buffer.data.zero_()
+            self.release(buffer)
+
+    def faulted(self) -> None:
+        """Return once every page of the pool is faulted in (at once, unless ``background``)."""
+        if self._faulter is not None:
+            self._faulter.join()
 
     @property
     def nbytes(self) -> int:
@@ -79,19 +129,21 @@ class BufferPool:
         return memoryview(self._mapping)
 
     def acquire(self) -> Buffer:
+        """The free buffer of lowest index (so a save's buffers, and their kept views, are the
+        same from one save to the next); waits while none is free."""
         with self._cond:
             while not self._free:
                 self._cond.wait()
-            return self._free.pop()
+            return heapq.heappop(self._free)[1]
 
     def try_acquire(self) -> Buffer | None:
         """A free buffer, or None at once if every buffer is in use."""
         with self._cond:
-            return self._free.pop() if self._free else None
+            return heapq.heappop(self._free)[1] if self._free else None
 
     def release(self, buffer: Buffer) -> None:
         with self._cond:
-            self._free.append(buffer)
+            heapq.heappush(self._free, (buffer.index, buffer))
             self._cond.notify()
 
     def idle(self) -> bool:
@@ -101,6 +153,7 @@ class BufferPool:
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an
         exception's traceback may still hold one, so the mapping is never force-closed)."""
+        self.faulted()
         if not self.idle():
             raise CkptError("BufferPool.close: buffers are still in use by a save or load")
         if self.pinned and self._all:
@@ -109,6 +162,31 @@ class BufferPool:
         self._all.clear()
         self._free.clear()
         del self._mapping
+
+
+_faulting: weakref.WeakSet[BufferPool] = weakref.WeakSet()  # pools made with background=True
+
+
+def _stop_faulting_at_exit() -> None:
+    """At interpreter exit, before non-daemon threads are joined: pre-faulting stops (in at most
+    one buffer's time), so exit neither waits for it nor finalizes under it."""
+    for pool in list(_faulting):
+        pool._stop.set()
+
+
+threading._register_atexit(_stop_faulting_at_exit)  # type: ignore[attr-defined]
+
+
+def available_host_bytes() -> int:
+    """Host memory the kernel could give without swapping (Linux MemAvailable), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _pin(whole: torch.Tensor) -> bool:
@@ -122,10 +200,16 @@ def _pin(whole: torch.Tensor) -> bool:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or name not in DTYPE_ITEMSIZE:
-        raise CkptError(f"dtype {name!r} is not available in this torch {torch.__version__}")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or name not in DTYPE_ITEMSIZE:
+            raise CkptError(f"dtype {name!r} is not available in this torch {torch.__version__}")
+        _DTYPES[name] = dtype
     return dtype
+
+
+_DTYPES: dict[str, torch.dtype] = {}  # torch_dtype's answers
 
 
 def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -200,6 +200,8 @@ def per_rank_keys(ranks: Sequence[RankPlan]) -> frozenset[str]:
 
 def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
     """An object equal on every rank holding it is stored once; otherwise once per rank."""
+    if len(ranks) == 1:
+        return tuple(ObjectEntry(e.key, e.value) for e in ranks[0].objects)
     by_key: dict[str, list[ObjectEntry]] = {}
     for plan in ranks:
         for entry in plan.objects:

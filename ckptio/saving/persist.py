@@ -15,7 +15,6 @@ waiting for every write, fsync. Does not own: where items go (layout.py), the fi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ from ckptio.io import FileHandle, IOBackend
 from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
 from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
-from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, TensorEntry
+from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 
 __all__ = ["Progress", "SaveJob", "ready_events"]
 
@@ -63,12 +62,11 @@ class SaveJob:
         self.pool, self.backend, self.rank = pool, backend, rank
         self.algorithm = algorithm
         self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
-        # Manifest rows (checksums filled in by finish) and hashers, made here on the save's
-        # thread so the capturing thread only copies.
-        self.entries = [TensorEntry(p.item.key, p.item.kind, p.item.dtype, p.item.shape, p.item.chunk,
-                                    f.name, p.offset, p.item.nbytes, "")
-                        for f in files for p in f.placements]
-        self._hashers = [BlockHasher(algorithm, block_nbytes) for _ in self.entries]
+        # Hashers are made by the hasher thread as each entry's first bytes arrive and manifest
+        # rows by finish(): the caller, waiting for its capture, pays for neither (thousands of
+        # objects, and the garbage collections they set off).
+        self._block_nbytes = block_nbytes
+        self._hashers: dict[int, BlockHasher] = {}  # entry index (in file order) -> its hasher
         self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
@@ -155,7 +153,7 @@ class SaveJob:
             if self._failure is not None:
                 raise CkptError("an earlier write of this save failed")
             for index, start, n in pieces:
-                self._hashers[index].update(buffer.view[start:start + n])
+                self._hasher(index).update(buffer.view[start:start + n])
             future = self.backend.submit_write(self._handle(file), offset, buffer.view[:nbytes])
         except BaseException as exc:
             self.pool.release(buffer)
@@ -165,6 +163,12 @@ class SaveJob:
         with self._lock:
             self._writes_in_flight += 1
         future.add_done_callback(lambda f: self._written(f, buffer, written))
+
+    def _hasher(self, index: int) -> BlockHasher:
+        hasher = self._hashers.get(index)
+        if hasher is None:
+            hasher = self._hashers[index] = BlockHasher(self.algorithm, self._block_nbytes)
+        return hasher
 
     def _written(self, future: Future[int], buffer: Buffer, nbytes: int) -> None:
         """A write's end (its callback): record the outcome, return the buffer, then count it
@@ -199,7 +203,9 @@ class SaveJob:
             self._handle(index)  # a file of only empty items got no buffer: create it still
         while self._handles:
             self.backend.close(self._handles.pop(min(self._handles)), sync=True)
-        entries = [_with_checksum(e, *h.digests()) for e, h in zip(self.entries, self._hashers)]
+        placed = ((f.name, p) for f in self.files for p in f.placements)
+        entries = [_entry(name, p, *self._hasher(index).digests())
+                   for index, (name, p) in enumerate(placed)]
         return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
 
     def _drain(self) -> None:
@@ -254,8 +260,8 @@ class _Window:
                 and self.filled + item.nbytes <= buffer.nbytes):
             # The common case in one copy and three views (a state has thousands of small
             # tensors: per-tensor Python work is what the caller waits for after the copy).
-            typed(buffer, self.filled, item.nbytes, dtype).view(source.shape).copy_(
-                source, non_blocking=source.is_cuda)
+            buffer.view_at(self.filled, dtype, source.shape).copy_(source,
+                                                                    non_blocking=source.is_cuda)
             self.pieces.append((index, self.filled, item.nbytes))
             self.filled += item.nbytes
             return
@@ -283,8 +289,11 @@ class _Window:
             self.job.pool.release(buffer)
 
 
-def _with_checksum(entry: TensorEntry, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
-    return dataclasses.replace(entry, checksum=checksum, blocks=blocks)
+def _entry(file: str, placement: Placement, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
+    """The manifest row of a written item."""
+    item = placement.item
+    return TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk, file,
+                       placement.offset, item.nbytes, checksum, blocks=blocks)
 
 
 def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:

@@ -18,6 +18,8 @@
         8 conclude   collective: every rank's keyed result to the coordinator
         9 commit     the coordinator writes the manifest last, atomically
        10 clean up   files no committed manifest names, in the background (cleanup.py)
+       11 grow       an async save of a state larger than the staging pool grows the pool
+                     (within Options.host_budget_bytes) so the next one never waits for the disk
 
 Everything the save needs is fixed in one SaveContext when it starts. A failure anywhere on
 any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
@@ -66,6 +68,9 @@ class Staging(Protocol):
 
     def for_store(self, store: Store) -> tuple[BufferPool, IOBackend]: ...
 
+    def fit(self, file_nbytes: Sequence[int]) -> None:
+        """Make the pool hold files of these sizes whole, where the budget allows."""
+
 
 @dataclass(frozen=True)
 class SaveContext:
@@ -85,6 +90,7 @@ class SaveContext:
     optimizers: tuple[torch.optim.Optimizer, ...]
     started: float
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
+    grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,11 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
             _report_failure(ctx, part.agreement, exc, claimed=True)
         handle._finished(0, exc)
         return
-    handle._finished(handle.progress().nbytes_total)
+    try:
+        if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
+            ctx.staging.fit([f.nbytes for f in part.files])
+    finally:
+        handle._finished(handle.progress().nbytes_total)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,117 @@
+"""The staging pool an async save grows so that the next one returns at copy speed, within a
+host-memory budget (Options.host_budget_bytes), and what a user sees of it
+(Checkpointer.staging_nbytes, prepare(state=), the warning past the budget).
+
+What makes eager async_save asynchronous for a large state: a pool that holds the whole state
+lets the capture finish without waiting for a single write, so at least that much staging must
+exist; without growth, a state larger than the pool waits for the disk inside the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import Checkpointer, CkptError, Options
+from ckptio.testing.faults import inject
+
+MiB = 1 << 20
+SMALL = dict(buffer_bytes=MiB, pool_bytes=2 * MiB, io_depth=2, use_profile=False)
+
+
+def _state(nbytes: int, seed: int = 0) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    n = nbytes // 4 // 4
+    return {"w": {f"t{i}": torch.randn(n, generator=g) for i in range(4)},
+            "small": torch.arange(7.0), "step": 3}
+
+
+def test_async_save_grows_the_pool_and_a_sync_save_does_not(tmp_path: os.PathLike[str],
+                                                            assert_same) -> None:
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(**SMALL))
+    ck.save(state, tmp_path / "sync")
+    assert ck.staging_nbytes == 2 * MiB  # a synchronous save streams: no memory is added
+    ck.async_save(state, tmp_path / "a1").wait()
+    grown = ck.staging_nbytes
+    assert 8 * MiB <= grown <= 12 * MiB, grown  # the whole state, whole buffers per file
+    with torch.no_grad():
+        state["w"]["t0"].add_(1.0)
+    ck.async_save(state, tmp_path / "a2").wait()
+    assert ck.staging_nbytes == grown  # allocated once, reused
+    for name, expected in (("sync", None), ("a2", state)):
+        loaded = ckptio.load(tmp_path / name)
+        if expected is not None:
+            assert_same(loaded, expected)
+    ck.close()
+    assert ck.staging_nbytes == 0
+    ck.save(state, tmp_path / "after-close")  # back to pool_bytes until an async save grows it
+    assert ck.staging_nbytes == 2 * MiB
+    ck.close()
+
+
+def test_grown_pool_capture_never_waits_for_the_disk(tmp_path: os.PathLike[str],
+                                                     assert_same) -> None:
+    """Every write delayed by 0.5 s: with the grown pool, async_save returns before any write
+    has finished (the capture needed no buffer back); with the pool held at pool_bytes
+    (host_budget_bytes=0) the same call had to wait for writes to free buffers."""
+    state = _state(8 * MiB)
+    written_at_return = {}
+    for budget in (None, 0):
+        ck = Checkpointer(Options(**SMALL, host_budget_bytes=budget))
+        ck.async_save(state, tmp_path / f"warm-{budget}").wait()  # grows the pool (or not)
+        faulty = inject(ck, delay_s=0.5)
+        handle = ck.async_save(state, tmp_path / f"held-{budget}")
+        written_at_return[budget] = handle.progress().nbytes_written
+        handle.wait()
+        assert faulty.calls["write"] >= 8
+        assert_same(ckptio.load(tmp_path / f"held-{budget}"), state)
+        ck.close()
+    assert written_at_return[None] == 0
+    assert written_at_return[0] >= 4 * MiB  # streamed: 8 MiB through 2 buffers
+
+
+def test_budget_caps_the_pool_and_says_so_once(tmp_path: os.PathLike[str], assert_same,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(**SMALL, host_budget_bytes=5 * MiB))
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        for i in range(3):
+            ck.async_save(state, tmp_path / f"s{i}").wait()
+    assert ck.staging_nbytes == 5 * MiB  # the budget, in whole buffers
+    warned = [r for r in caplog.records if "host_budget_bytes" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "waits for the disk" in warned[0].getMessage()
+    assert_same(ckptio.load(tmp_path / "s2"), state)
+    ck.close()
+
+
+def test_prepare_with_the_state_sizes_the_pool_before_the_first_save(
+        tmp_path: os.PathLike[str], assert_same) -> None:
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(**SMALL))
+    ck.prepare(tmp_path, state=state)
+    assert ck.staging_nbytes >= 8 * MiB
+    faulty = inject(ck, delay_s=0.5)
+    handle = ck.async_save(state, tmp_path / "first")
+    assert handle.progress().nbytes_written == 0  # the first save, too, did not wait
+    handle.wait()
+    assert faulty.calls["write"] >= 8
+    assert_same(ckptio.load(tmp_path / "first"), state)
+    ck.close()
+
+
+def test_budget_option_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTIO_HOST_BUDGET_BYTES", str(3 << 30))
+    assert Options.from_env().host_budget_bytes == 3 << 30
+    monkeypatch.setenv("CKPTIO_HOST_BUDGET_BYTES", "auto")
+    assert Options.from_env().host_budget_bytes is None
+    monkeypatch.setenv("CKPTIO_HOST_BUDGET_BYTES", "lots")
+    with pytest.raises(CkptError, match="CKPTIO_HOST_BUDGET_BYTES"):
+        Options.from_env()
+    with pytest.raises(CkptError, match="host_budget_bytes=-1"):
+        Options(host_budget_bytes=-1)
