@@ -187,7 +187,7 @@ def worker_main(args: argparse.Namespace) -> int:
     model, opt, cfg = build_training(args.gb, args.seed)
     build_s = time.perf_counter() - t0
     nbytes = state.state_nbytes(cfg)  # before the first step creates the optimizer state
-    pool = te.pool_bytes_for(nbytes, args.pool_gb) if args.worker.startswith("ckptio") else None
+    pool = te.pool_bytes_for(args.pool_gb) if args.worker.startswith("ckptio") else None
     saver = engine.make(te.Context(opt, pool or 0)) if engine.make else None
     work = args.dir / f"{args.worker}-r{args.rep}"
     shutil.rmtree(work, ignore_errors=True)
@@ -198,11 +198,13 @@ def worker_main(args: argparse.Namespace) -> int:
     tokens = torch.randint(cfg.vocab, (args.steps, args.batch, args.seq + 1), generator=gen)
     settle(args.idle)
     run = train_loop(args, model, opt, tokens, SaveTimeline(saver, work) if saver else None)
+    staging = getattr(saver, "staging_bytes", None)
     if saver is not None:
         saver.close()
     run.update(verify_last(engine, run.pop("last")))
     nbytes = state.tensor_nbytes(checkpoint_state(model, opt, args.steps, args.batch))  # S
     run.update({"engine": args.worker, "rep": args.rep, "bytes": nbytes, "pool_bytes": pool,
+                "staging_bytes": staging,
                 "build_s": build_s, "d_model": cfg.d_model, "layers": cfg.n_layers,
                 "vocab": cfg.vocab, "params": cfg.n_params, "memcpy_gbps": memcpy_gbps(nbytes)})
     shutil.rmtree(work)

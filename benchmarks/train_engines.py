@@ -106,7 +106,7 @@ class DcpAsyncSaver:
     """dcp.async_save on a 1-rank gloo group: the process executor reads the group's rank and
     world size and re-creates the group in its helper process from MASTER_ADDR/MASTER_PORT."""
 
-    def __init__(self, ctx: Context, process: bool) -> None:
+    def __init__(self, ctx: Context, process: bool, async_stager: bool = False) -> None:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -115,6 +115,16 @@ class DcpAsyncSaver:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1)
         self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        self.optimizer = ctx.optimizer
+        self.hooks: list[Any] = []
+        self.stager: Any = None
+        if async_stager:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # CPU only: no pinned memory; staged on DCP's own thread while training goes on
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                use_non_blocking_copy=False))
 
     def start(self, state: Any, path: Path) -> Pending:
         import torch.distributed.checkpoint as dcp
@@ -123,14 +133,29 @@ class DcpAsyncSaver:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             response = dcp.async_save(state, storage_writer=writer,
-                                      async_checkpointer_type=self.kind)
+                                      async_checkpointer_type=self.kind,
+                                      async_stager=self.stager)
         # an AsyncSaveResponse only with an asynchronous stager; the default one is synchronous
         future = getattr(response, "upload_completion", response)
+        staged = getattr(response, "staging_completion", None)
+        if staged is not None:  # the state may change only once staged: the next step waits
+            self._wait_before_step(staged)
         return Pending(durable=future.result)
+
+    def _wait_before_step(self, staged: Any) -> None:
+        """An optimizer pre-hook waits for DCP's staging (as ckptio_lazy's does for its capture);
+        removed by the next save (torch iterates its hooks during step(): not from inside one)."""
+        for old in self.hooks:
+            old.remove()
+        self.hooks = [self.optimizer.register_step_pre_hook(lambda *_args: staged.result())]
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        for hook in self.hooks:
+            hook.remove()
+        if self.stager is not None:
+            self.stager.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -165,17 +190,21 @@ class SnapshotSaver:
 
 
 class CkptioSaver:
-    """One Checkpointer for the run; its staging pool is allocated and pre-faulted at setup
-    (Checkpointer.prepare, as a training job would at startup) and reused by every save."""
+    """One Checkpointer for the run with default options (``--pool-gb`` sets pool_bytes and
+    host_budget_bytes 0 instead: a fixed pool); its pool and I/O threads are made at setup
+    (Checkpointer.prepare, as a training job would at startup). The first async save streams
+    through the default 256 MiB pool and then grows it to hold the state (host_budget_bytes),
+    so later saves return at copy speed; ``staging_bytes`` reports what it held."""
 
     def __init__(self, ctx: Context, lazy: bool) -> None:
         ckptio = importlib.import_module("ckptio")
         # No tuned profile: runs compare engines, not what `ckptio tune` stored on this machine.
-        self.checkpointer = ckptio.Checkpointer(
-            ckptio.Options.from_env(pool_bytes=ctx.pool_bytes, use_profile=False))
+        fixed = {"pool_bytes": ctx.pool_bytes, "host_budget_bytes": 0} if ctx.pool_bytes else {}
+        self.checkpointer = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False, **fixed))
         self.checkpointer.prepare()
         self.lazy = lazy
         self.optimizers = [ctx.optimizer] if lazy else []
+        self.staging_bytes = 0
 
     def start(self, state: Any, path: Path) -> Pending:
         handle = self.checkpointer.async_save(state, str(path), lazy=self.lazy,
@@ -183,6 +212,7 @@ class CkptioSaver:
 
         def report() -> dict[str, Any]:
             result = handle.wait()  # on the training thread, as ckptio requires
+            self.staging_bytes = self.checkpointer.staging_nbytes
             return {f: getattr(result, f) for f in CKPTIO_FIELDS if hasattr(result, f)}
 
         return Pending(durable=None, report=report)
@@ -191,13 +221,13 @@ class CkptioSaver:
         self.checkpointer.close()
 
 
-def pool_bytes_for(nbytes: int, pool_gb: float | None) -> int:
-    """--pool-gb, else enough for the whole state: S plus 1% (per-tensor alignment) plus two
-    buffers, rounded up to whole buffers."""
+def pool_bytes_for(pool_gb: float | None) -> int:
+    """--pool-gb as whole staging buffers, else 0 (ckptio's defaults)."""
+    if not pool_gb:
+        return 0
     ckptio = importlib.import_module("ckptio")
     buffer = int(ckptio.Options().buffer_bytes)
-    want = int(pool_gb * 1e9) if pool_gb else int(nbytes * 1.01) + 2 * buffer
-    return max(2, math.ceil(want / buffer)) * buffer
+    return max(2, math.ceil(int(pool_gb * 1e9) / buffer)) * buffer
 
 
 # ---------------------------------------------------------------- registry
@@ -219,12 +249,18 @@ ENGINES: dict[str, TrainEngine] = {
         "dcp_async_process", lambda c: DcpAsyncSaver(c, process=True), _LOADERS["dcp"], True,
         "as dcp_async_thread with AsyncCheckpointerType.PROCESS (helper process started by the "
         "first save; its memory is in the helper RSS column)", _DCP),
+    "dcp_async_stager": TrainEngine(
+        "dcp_async_stager", lambda c: DcpAsyncSaver(c, process=False, async_stager=True),
+        _LOADERS["dcp"], True,
+        "as dcp_async_thread with async_stager=DefaultStager(StagingOptions(use_async_staging="
+        "True), no pinned or shared memory on CPU): async_save returns before staging; the next "
+        "optimizer step waits for staging_completion (a pre-hook)", _DCP),
     "torchsnapshot": TrainEngine("torchsnapshot", SnapshotSaver, _LOADERS["torchsnapshot"], True,
                                  "Snapshot.async_take; durable = wait() + os.sync()",
                                  ("torchsnapshot",)),
     "ckptio_eager": TrainEngine("ckptio_eager", lambda c: CkptioSaver(c, lazy=False),
                                 _LOADERS["ckptio"], True,
-                                "Checkpointer(Options(pool_bytes)).async_save(state, path); "
+                                "Checkpointer().async_save(state, path), default options; "
                                 "wait() before the next save; T_persist = the result's total_s",
                                 ("ckptio",)),
     "ckptio_lazy": TrainEngine("ckptio_lazy", lambda c: CkptioSaver(c, lazy=True),

@@ -82,7 +82,8 @@ def test_checkpoint_schedule_leaves_steps_after_the_last_save() -> None:
     assert train.checkpoint_steps(40, 10) == [10, 20, 30]
 
 
-@pytest.mark.parametrize("name", ["torch_save", "dcp_async_thread", "ckptio_lazy"])
+@pytest.mark.parametrize("name", ["torch_save", "dcp_async_thread", "dcp_async_stager",
+                                  "ckptio_lazy"])
 def test_loop_in_process(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop, the engine glue and each engine's own loader, in this process."""
     if (why := te.unavailable_reason(name)) is not None:
@@ -92,7 +93,7 @@ def test_loop_in_process(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     engine = te.ENGINES[name]
     model, opt, cfg = train.build_training(0.01, 0)
     assert engine.make is not None
-    saver = engine.make(te.Context(opt, te.pool_bytes_for(10**7, None)))
+    saver = engine.make(te.Context(opt, te.pool_bytes_for(None)))
     args = argparse.Namespace(steps=5, every=2, batch=1, seq=16)
     tokens = torch.randint(cfg.vocab, (5, 1, 17))
     run = train.train_loop(args, model, opt, tokens, train.SaveTimeline(saver, tmp_path))
@@ -103,6 +104,8 @@ def test_loop_in_process(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     if name == "ckptio_lazy":
         assert all(c["reported"]["skipped"] is False for c in run["checkpoints"])
         assert not opt._optimizer_step_pre_hooks, "wait() on the training thread removes the hooks"
+    if name == "dcp_async_stager":
+        assert not opt._optimizer_step_pre_hooks, "close() removes the staging hook"
 
 
 def test_ckptio_engines_report_unavailable_without_async_save(

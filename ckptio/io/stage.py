@@ -10,6 +10,7 @@ streams and events). Does not own: what is copied where (saving/persist.py, load
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import mmap
 import os
@@ -112,7 +113,10 @@ class BufferPool:
         """The background pre-fault: each buffer's pages, then the buffer is free to use."""
         for buffer in self._all:
             if not self._stop.is_set():
-                buffer.data.zero_()
+                # One plain memset, GIL released: a torch op here would start a second team of
+                # intra-op threads beside the training loop's, and on few cores both teams then
+                # slowed every training step while it lasted (+25% step time measured).
+                ctypes.memset(buffer.data.data_ptr(), 0, buffer.nbytes)
             self.release(buffer)
 
     def faulted(self) -> None:
