@@ -371,3 +371,30 @@ assert ck._pool._faulter.is_alive(), "the pool was faulted before exit: nothing 
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
+
+
+def test_fresh_tensors_each_save_reuse_the_plan_and_ties_still_count(
+        tmp_path: os.PathLike[str]) -> None:
+    """A training state rebuilt each save holds tensors made afresh (torch.get_rng_state(), a
+    step tensor): the layout is still the same (the plan is reused: a training loop's save does
+    not re-plan 2,500 leaves every time), each checkpoint holds its own save's RNG state; and
+    a change of which keys share memory is a new layout (the tie is saved as it now is)."""
+    model = torch.nn.Linear(8, 8)
+    ck = Checkpointer(SMALL_POOL)
+    rngs = []
+    for step in range(3):
+        torch.rand(3)  # advances the global generator: a new RNG state each save
+        rngs.append(torch.get_rng_state())
+        ck.save({"model": model.state_dict(), "rng": rngs[-1], "step": torch.tensor(step)},
+                tmp_path / f"s{step}")
+    assert ck._plan_cache.hits == 2
+    for step in range(3):
+        loaded = ckptio.load(tmp_path / f"s{step}")
+        assert torch.equal(loaded["rng"], rngs[step]) and int(loaded["step"]) == step
+    shared = torch.arange(4.0)
+    ck.save({"a": shared, "b": shared}, tmp_path / "tied")
+    ck.save({"a": shared, "b": shared.clone()}, tmp_path / "untied")
+    tied, untied = ckptio.load(tmp_path / "tied"), ckptio.load(tmp_path / "untied")
+    assert tied["a"].data_ptr() == tied["b"].data_ptr()
+    assert untied["a"].data_ptr() != untied["b"].data_ptr()
+    ck.close()

@@ -45,8 +45,27 @@ def plan_files(
 ) -> tuple[FileLayout, ...]:
     """Place items in order; start a new file when the next item would pass max_file_bytes.
 
-    Every file's size is padded to BLOCK so the last O_DIRECT write is whole.
+    Every file's size is padded to BLOCK so the last O_DIRECT write is whole. The placements of
+    the last items seen are kept: a save of an unchanged layout (the same items) only names its
+    files anew.
     """
+    global _last_placed
+    items = tuple(items)
+    last = _last_placed
+    if last is not None and last[0] == max_file_bytes and last[1] == items:
+        return tuple(FileLayout(data_file_name(save_id, rank, index), nbytes, placements)
+                     for index, (nbytes, placements) in enumerate(last[2]))
+    files = _place(items, save_id=save_id, rank=rank, max_file_bytes=max_file_bytes)
+    _last_placed = (max_file_bytes, items, tuple((f.nbytes, f.placements) for f in files))
+    return files
+
+
+# (max_file_bytes, items, (file nbytes, placements) per file) of the last plan_files call
+_last_placed: tuple[int, tuple[WriteItem, ...], tuple[tuple[int, tuple[Placement, ...]], ...]] | None = None
+
+
+def _place(items: Sequence[WriteItem], *, save_id: str, rank: int,
+           max_file_bytes: int) -> tuple[FileLayout, ...]:
     files: list[FileLayout] = []
     placements: list[Placement] = []
     end = 0

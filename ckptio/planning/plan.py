@@ -128,8 +128,9 @@ def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
 
 @dataclass
 class PlanCache:
-    """The tensor part of the last plan, reused while every tensor leaf is the same view of the
-    same memory with the same dtype (a training loop's state_dict, save after save).
+    """The tensor part of the last plan, reused while every tensor leaf keeps its key, type,
+    device, dtype, shape, strides and offset, and the same keys share memory (a training
+    loop's state_dict, save after save, with a fresh RNG state or step tensor each time).
 
     Only metadata is reused: which keys are items or aliases, their dtype, shape and size. The
     bytes always come from the state passed to this save (``sources`` is rebuilt every time), so
@@ -149,24 +150,32 @@ def _is_tensor_leaf(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
 
 
-def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+def _tensor_signature(t: torch.Tensor, storages: dict[int, int]) -> tuple[Any, ...]:
+    """What planning a tensor depends on. Its storage enters only as the number of its storage
+    in order of first appearance in this save, so which keys share memory is part of the
+    layout, but a tensor made afresh each save (torch.get_rng_state(), a step counter) does
+    not make the layout look new."""
+    ptr = t.untyped_storage().data_ptr() if t.numel() else 0
     return (type(t), t.layout, t.device, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(),
-            t.untyped_storage().data_ptr() if t.numel() else 0)
+            storages.setdefault(ptr, len(storages)))
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...]:
     parts: list[Any] = []
+    storages: dict[int, int] = {}  # storage address -> its position in this save
     for key, leaf in flat.leaves.items():
         t = leaf.value
         if is_dtensor(t):
             parts.append((key, tuple(t.placements), id(t.device_mesh), tuple(t.shape),
-                          _tensor_signature(t.to_local())))
+                          _tensor_signature(t.to_local(), storages)))
         elif isinstance(t, TensorShard):
-            parts.append((key, "box", tuple(t.global_shape), tuple(t.offsets), _tensor_signature(t.local)))
+            parts.append((key, "box", tuple(t.global_shape), tuple(t.offsets),
+                          _tensor_signature(t.local, storages)))
         elif isinstance(t, FlatShard):
-            parts.append((key, "flat", tuple(t.global_shape), t.start, _tensor_signature(t.local)))
+            parts.append((key, "flat", tuple(t.global_shape), t.start,
+                          _tensor_signature(t.local, storages)))
         elif isinstance(t, torch.Tensor):
-            parts.append((key, _tensor_signature(t)))
+            parts.append((key, _tensor_signature(t, storages)))
         else:
             parts.append((key, None))
     return tuple(parts)

@@ -217,6 +217,8 @@ def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
     """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
     -> (items, how many come first)."""
     owned = optimizer_storages(optimizers)
-    lazy = [i for i in items if sources[i.key].untyped_storage().data_ptr() in owned]
-    eager = [i for i in items if sources[i.key].untyped_storage().data_ptr() not in owned]
+    eager: list[WriteItem] = []
+    lazy: list[WriteItem] = []
+    for item in items:
+        (lazy if sources[item.key].untyped_storage().data_ptr() in owned else eager).append(item)
     return tuple(eager + lazy), len(eager)
