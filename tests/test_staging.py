@@ -20,7 +20,7 @@ from ckptio import Checkpointer, CkptError, Options
 from ckptio.testing.faults import inject
 
 MiB = 1 << 20
-SMALL = dict(buffer_bytes=MiB, pool_bytes=2 * MiB, io_depth=2, use_profile=False)
+SMALL = {"buffer_bytes": MiB, "pool_bytes": 2 * MiB, "io_depth": 2, "use_profile": False}
 
 
 def _state(nbytes: int, seed: int = 0) -> dict[str, object]:
@@ -115,3 +115,55 @@ def test_budget_option_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         Options.from_env()
     with pytest.raises(CkptError, match="host_budget_bytes=-1"):
         Options(host_budget_bytes=-1)
+
+
+def test_views_kept_in_buffers_follow_a_changed_layout(tmp_path: os.PathLike[str],
+                                                       assert_same) -> None:
+    """Saves whose items land at the same buffer offsets with another dtype or shape (the kept
+    views are keyed by all three) each store their own bytes."""
+    ck = Checkpointer(Options(**SMALL))
+    states = [{"x": torch.arange(64, dtype=torch.float32), "y": torch.arange(3.0)},
+              {"x": torch.arange(64, dtype=torch.int32), "y": torch.arange(3.0)},
+              {"x": torch.arange(64, dtype=torch.float32).reshape(8, 8), "y": torch.ones(3)},
+              {"x": torch.arange(64, dtype=torch.float32), "y": torch.arange(3.0)}]
+    for i, state in enumerate(states):
+        ck.async_save(state, tmp_path / f"s{i}").wait()
+    for i, state in enumerate(states):
+        assert_same(ckptio.load(tmp_path / f"s{i}"), state)
+    ck.close()
+
+
+def test_pool_hands_out_lowest_buffers_first_and_bounds_kept_views() -> None:
+    from ckptio.io.stage import MAX_KEPT_VIEWS, BufferPool
+
+    pool = BufferPool(4, MiB)
+    taken = [pool.acquire() for _ in range(4)]
+    assert [b.index for b in taken] == [0, 1, 2, 3]
+    for i in (2, 0, 3, 1):
+        pool.release(taken[i])
+    again = [pool.acquire() for _ in range(2)]
+    assert [b.index for b in again] == [0, 1]
+    buffer = again[0]
+    for n in range(MAX_KEPT_VIEWS + 10):
+        view = buffer.view_at(0, torch.float32, torch.Size([n % 1000 + 1, n // 1000 + 1]))
+        assert view.data_ptr() == buffer.data.data_ptr()
+    assert len(buffer._views) <= MAX_KEPT_VIEWS
+    for b in again:
+        pool.release(b)
+    pool.close()
+
+
+def test_background_prefault_hands_out_buffers_before_it_ends() -> None:
+    from ckptio.io.stage import BufferPool
+
+    pool = BufferPool(64, MiB, background=True)
+    first = pool.acquire()  # as soon as one buffer's pages exist, not after all 64
+    first.data.fill_(7)
+    pool.release(first)
+    pool.faulted()
+    assert pool.idle()
+    every = [pool.acquire() for _ in range(64)]
+    assert sum(int(b.data[0]) == 7 for b in every) == 1  # the others were zeroed, once
+    for b in every:
+        pool.release(b)
+    pool.close()
