@@ -75,7 +75,7 @@ class Checkpointer:
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
         self._pool: BufferPool | None = None
-        self._grown_buffers = 0  # the pool's size since an async save grew it (0: not grown)
+        self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._backend: io.IOBackend | None = None
         self._backend_kind = LocalStore.__name__  # the kind of store self._backend reaches
@@ -115,7 +115,8 @@ class Checkpointer:
             self._backend = None
         self._active = wanted
         if self._pool is None:
-            self._pool = BufferPool(max(wanted.nbuffers, self._grown_buffers), wanted.buffer_bytes,
+            grown = -(-self._grown_nbytes // wanted.buffer_bytes)
+            self._pool = BufferPool(max(wanted.nbuffers, grown), wanted.buffer_bytes,
                                     background=True)
         if self._backend is None:
             self._backend = (LocalStore(".") if store is None else store).backend(wanted)
@@ -152,7 +153,7 @@ class Checkpointer:
         with self._lock:
             buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
             current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
-                          self._grown_buffers)
+                          -(-self._grown_nbytes // buffer_bytes))
             need = sum(-(-n // buffer_bytes) for n in file_nbytes)
             if need <= current:
                 return
@@ -166,12 +167,12 @@ class Checkpointer:
             target = min(need, allowed)
             if target <= current:
                 return
-            self._grown_buffers = target
+            self._grown_nbytes = target * buffer_bytes
             self._release()  # the next save or load makes it (and a backend registering it)
             try:
                 self._pool = BufferPool(target, buffer_bytes, background=True)
             except (OSError, MemoryError) as exc:  # the old size is made again on next use
-                self._grown_buffers = 0
+                self._grown_nbytes = 0
                 log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async "
                             "saves keep streaming through %.2f GiB", target * buffer_bytes / GiB,
                             exc, current * buffer_bytes / GiB)
@@ -202,7 +203,7 @@ class Checkpointer:
         with self._lock:
             self._finish_cleanup()
             self._release()
-            self._grown_buffers = 0
+            self._grown_nbytes = 0
 
     def _release(self) -> None:
         """Free the pool and stop the backend (made again on next use)."""

@@ -37,9 +37,10 @@ class Options:
     pool_bytes: total staging memory (buffer_bytes x number of buffers); allocated once, reused.
     host_budget_bytes: how far an async save may grow the staging pool so that async_save
         returns at memory-copy speed. After an async save (eager or lazy) of a state larger than
-        the pool, the pool grows, in the background once that save is durable, to hold this
-        rank's whole state, up to this many bytes; it is pre-faulted once and reused by every
-        later save and load (Checkpointer.close frees it). Beyond the budget the state streams
+        the pool, the pool grows (on the save's thread, once the save is committed and before
+        its wait() returns) to hold this rank's whole state, up to this many bytes; it is
+        pre-faulted once, in the background, and reused by every later save and load
+        (Checkpointer.close frees it). Beyond the budget the state streams
         through the pool and async_save waits for the disk for the rest (logged once). None
         (default): half of the host memory available when the pool grows (MemAvailable),
         shared by the ranks of the host (LOCAL_WORLD_SIZE); 0: never beyond pool_bytes.

@@ -101,8 +101,9 @@ class BufferPool:
         self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
         if background:
             self._free: list[tuple[int, Buffer]] = []  # a heap: lowest index first
-            # Not a daemon: a thread still inside a torch op when the interpreter finalizes
-            # aborts the process ("terminate called without an active exception").
+            # Not a daemon: joined at exit once the exit hook has stopped it (within a buffer);
+            # a daemon one, caught inside torch's zero_() by interpreter finalization, aborted
+            # the process ("terminate called without an active exception").
             self._faulter = threading.Thread(target=self._fault_in, name="ckptio-prefault")
             _faulting.add(self)
             self._faulter.start()
