@@ -137,7 +137,7 @@ def summarize(runs: list[Run], names: list[str], skipped: dict[str, str]) -> dic
     model = {k: good[0][k] for k in ("d_model", "layers", "vocab", "params")} if good else {}
     pool = next((r["pool_bytes"] for r in good if r.get("pool_bytes")), None)
     staging = max((r.get("staging_bytes") or 0 for r in good), default=0) or None
-    return {"bytes": nbytes, "memcpy_gbps": bw, "memcpy_s": memcpy_s, "eager_target": target,
+    return {"bytes": nbytes, "memcpy_gbps": bw, "memcpy_s": memcpy_s, "targets": target,
             "rows": rows, "unavailable": skipped, "model": model, "pool_bytes": pool,
             "staging_bytes": staging}
 
@@ -188,7 +188,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, command: str) ->
         f"memcpy (S bytes into pre-faulted memory, best of 3): {fmt(summary['memcpy_gbps'], '.2f')} "
         f"GB/s, S / memcpy = {fmt(summary['memcpy_s'])} s; ckptio pool: {pool_note}", "",
         HEADER, *[table_row(r) for r in summary["rows"]], ""]
-    if (t := summary["eager_target"]) is not None and "limit_s" in t:
+    if (t := summary["targets"]) is not None and "limit_s" in t:
         lines.append(f"- target eager T_block <= {EAGER_X_MEMCPY} x S / memcpy = {t['limit_s']:.3f} s: "
                      f"{t['t_block_s']:.3f} s, {'met' if t['met'] else 'NOT met'}")
     if t is not None and "lazy_t_block_s" in t:

@@ -139,12 +139,10 @@ class Checkpointer:
         filesystem of ``path``: call at startup so the first save does not pay for it. With
         ``state``: size the pool for async saves of it, as the first async save would after
         it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
+        if state is not None:  # first: the pool is then made once, at its grown size
+            self._fit(_file_nbytes(state, self.options.max_file_bytes))
         with self._lock:
             pool, _backend = self._resources(None if path is None else store_for(path, self.options))
-        if state is not None:
-            self._fit(_file_nbytes(state, self.options.max_file_bytes))
-            with self._lock:
-                pool, _backend = self._resources(None if path is None else store_for(path, self.options))
         pool.faulted()
 
     def _fit(self, file_nbytes: Sequence[int]) -> None:
