@@ -21,7 +21,7 @@ import torch
 
 from ckptio import io, opening
 from ckptio.distributed import collective
-from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
+from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
@@ -291,13 +291,13 @@ class Checkpointer:
         return save.handle
 
     def _group(self, process_group: Any) -> Group:
-        """The ranks of this call: one process, or a private gloo group over the torch
-        process group (made on first use, a collective)."""
+        """The ranks of this call: one process, or the ranks of the torch process group
+        (exchanging through the job's store, with this checkpointer's deadlines)."""
         torch_group = current_group(process_group)
         if torch_group is None:
             return Solo()
         if id(torch_group) not in self._groups:
-            self._groups[id(torch_group)] = (torch_group, TorchGroup(torch_group))
+            self._groups[id(torch_group)] = (torch_group, over_torch(torch_group, self.options))
         return self._groups[id(torch_group)][1]
 
     def _memory(self, group: Group) -> collective.Memory:

@@ -53,7 +53,13 @@ class StorageIOError(CkptError):
 
 
 class RankFailedError(CkptError):
-    """A collective save or load failed on one or more ranks; raised on every rank, naming them."""
+    """A collective save or load failed on one or more ranks; raised on every rank, naming them.
+    ``ranks``: the ranks (of the save's or load's process group) found dead or stuck, when
+    that is why (empty when a rank reported an error of its own, which the message quotes)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class CheckpointLockedError(CkptError):

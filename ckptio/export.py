@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ckptio.api import Checkpointer
-from ckptio.distributed.dist import Group, Solo, TorchGroup, current_group
+from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
@@ -108,8 +108,8 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     started = time.perf_counter()
     out = _destination(dst)
     out_dtype = None if dtype is None else str(dtype).removeprefix("torch.")
-    group: Group = Solo() if (g := current_group(process_group)) is None else TorchGroup(g)
     options = options or Options.from_env()
+    group: Group = Solo() if (g := current_group(process_group)) is None else over_torch(g, options)
     window_bytes = _window_bytes(options)
     # the staging pool, split: half for the source's reads, half for the windows written (a
     # pool of under four buffers still gets two read buffers: what a Checkpointer needs)

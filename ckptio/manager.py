@@ -66,7 +66,7 @@ import torch
 from ckptio import stepdir
 from ckptio.api import Checkpointer
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.distributed.dist import COORDINATOR, Group, Solo, TorchGroup, current_group
+from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError)
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
@@ -340,7 +340,8 @@ class CheckpointManager:
     def _ranks(self) -> Group:
         if self._group is None:
             torch_group = current_group(self._process_group)
-            self._group = Solo() if torch_group is None else TorchGroup(torch_group)
+            self._group = Solo() if torch_group is None else over_torch(torch_group,
+                                                                          self._ck.options)
         return self._group
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:

@@ -57,6 +57,11 @@ class Options:
     if_locked: what a save does when another save (another process, job or machine sharing the
         filesystem) is saving into the same path: "wait" until it has finished (logged), or
         "raise" CheckpointLockedError at once (from wait() for an async save).
+    rank_timeout_s: with torch.distributed, a rank that shows no sign of life for this long
+        while the others wait for it at a step of a save or load (killed, crashed, frozen, cut
+        off) makes every live rank raise RankFailedError naming it; nothing is committed.
+    step_timeout_s: the longest a rank that is alive may keep the others waiting at one step
+        (e.g. while it still writes its share); then the same RankFailedError.
 
     For ``s3://bucket/prefix`` paths (``pip install 'ckptio[s3]'``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
@@ -91,6 +96,8 @@ class Options:
     s3_retry_deadline_s: float = 120.0
     s3_lock_lease_s: float = 30.0
     s3_conditional: S3Conditional = "require"
+    rank_timeout_s: float = 60.0
+    step_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -120,6 +127,9 @@ class Options:
         if self.if_locked not in ("wait", "raise"):
             raise CkptError(f"Options.if_locked={self.if_locked!r}: use 'wait' (until the other "
                             "save into the path has finished) or 'raise'")
+        if not 0 < self.rank_timeout_s <= self.step_timeout_s:
+            raise CkptError(f"Options.rank_timeout_s={self.rank_timeout_s}, step_timeout_s="
+                            f"{self.step_timeout_s}: need 0 < rank_timeout_s <= step_timeout_s")
         self._check_s3()
 
     def _check_s3(self) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import ckptio
-from ckptio.distributed.dist import TorchGroup
+from ckptio.distributed.dist import Group, over_torch
 from ckptio.distributed.step import coordinate
 
 
-def _group() -> TorchGroup:
+def _group() -> Group:
     import torch.distributed as dist
 
-    return TorchGroup(dist.group.WORLD)
+    return over_torch(dist.group.WORLD)
 
 
 def one_step(rank: int, world: int, case: str) -> str:

@@ -2,24 +2,27 @@
 
 A ``Group`` is this process's rank, the number of ranks and four collectives on byte strings
 (gather to the coordinator, scatter from it, broadcast from it, all-gather). ``Solo`` is one
-process with no torch.distributed; ``TorchGroup`` runs over a gloo group of its own, made once
-from the caller's process group (so metadata never goes through NCCL, and a save's background
-thread never shares a communicator with the training loop).
+process with no torch.distributed; ``over_torch`` gives the ranks of a torch process group,
+exchanging bytes through the job's rendezvous store with deadlines (storegroup.py): metadata
+never goes through NCCL or gloo, no process group is made, and a save's background thread never
+shares a communicator with the training loop.
 
-Owns: choosing the group, and moving bytes (length first, then the padded bytes as a uint8
-tensor: nothing is pickled). Does not own: what the bytes say (wire.py).
+Owns: choosing the group. Does not own: moving bytes (storegroup.py) or what they say
+(wire.py).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+import zlib
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["COORDINATOR", "Group", "Solo", "TorchGroup", "current_group"]
+from ckptio.distributed import liveness
+from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
+from ckptio.options import Options
 
-COORDINATOR = 0
+__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "over_torch"]
 
 
 class Group(Protocol):
@@ -63,75 +66,27 @@ class Solo:
         return [data]
 
 
-class TorchGroup:
-    """The ranks of a torch.distributed process group, over a private gloo group."""
-
-    def __init__(self, group: Any, timeout: timedelta | None = None) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        ranks = dist.get_process_group_ranks(group)
-        # Collective over the group's members only (use_local_synchronization): the first save
-        # or load over this group, which every member calls anyway.
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                                    use_local_synchronization=True)
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
-
-    def _lengths(self, nbytes: int) -> list[int]:
-        mine = torch.tensor([nbytes], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._dist.all_gather(out, mine, group=self.group)
-        return [int(t.item()) for t in out]
-
-    def gather(self, data: bytes) -> list[bytes] | None:
-        lengths = self._lengths(len(data))
-        padded = _padded(data, max(lengths))
-        if self.rank != COORDINATOR:
-            self._dist.gather(padded, None, group=self.group, group_dst=COORDINATOR)
-            return None
-        out = [torch.empty_like(padded) for _ in range(self.size)]
-        self._dist.gather(padded, out, group=self.group, group_dst=COORDINATOR)
-        return [_bytes(t, n) for t, n in zip(out, lengths)]
-
-    def scatter(self, parts: list[bytes] | None) -> bytes:
-        if self.rank == COORDINATOR:
-            assert parts is not None and len(parts) == self.size  # internal
-            lengths = torch.tensor([len(p) for p in parts], dtype=torch.int64)
-        else:
-            lengths = torch.zeros(self.size, dtype=torch.int64)
-        self._dist.broadcast(lengths, group=self.group, group_src=COORDINATOR)
-        width = int(lengths.max().item())
-        mine = torch.empty(width, dtype=torch.uint8)
-        chunks = [_padded(p, width) for p in parts] if self.rank == COORDINATOR and parts else None
-        self._dist.scatter(mine, chunks, group=self.group, group_src=COORDINATOR)
-        return _bytes(mine, int(lengths[self.rank].item()))
-
-    def broadcast(self, data: bytes | None) -> bytes:
-        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        self._dist.broadcast(length, group=self.group, group_src=COORDINATOR)
-        n = int(length.item())
-        buf = _padded(data, n) if self.rank == COORDINATOR and data is not None else torch.empty(n, dtype=torch.uint8)
-        self._dist.broadcast(buf, group=self.group, group_src=COORDINATOR)
-        return _bytes(buf, n)
-
-    def all_gather(self, data: bytes) -> list[bytes]:
-        lengths = self._lengths(len(data))
-        padded = _padded(data, max(lengths))
-        out = [torch.empty_like(padded) for _ in range(self.size)]
-        self._dist.all_gather(out, padded, group=self.group)
-        return [_bytes(t, n) for t, n in zip(out, lengths)]
+_instances: dict[tuple[int, ...], int] = {}  # groups made in this process, per set of ranks
 
 
-def _padded(data: bytes, width: int) -> torch.Tensor:
-    out = torch.zeros(max(width, 1), dtype=torch.uint8)
-    if data:
-        out[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
+    """The ranks of torch process group ``group``, exchanging bytes through the job's store
+    (storegroup.py) with the deadlines of ``options``. Not a collective: every rank makes its
+    groups in the same order (as torch.distributed.new_group requires), which names them alike."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-
-def _bytes(t: torch.Tensor, n: int) -> bytes:
-    return t[:n].numpy().tobytes()
+    options = options or Options.from_env()
+    deadlines = Deadlines(options.rank_timeout_s, options.step_timeout_s)
+    members = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    instance = _instances.get(members, 0)
+    _instances[members] = instance + 1
+    ranks = ",".join(map(str, members)) if len(members) <= 8 else (
+        f"{len(members)}-{zlib.crc32(repr(members).encode()):08x}")
+    alive_store = c10d._get_default_store()
+    liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s, dist.is_initialized)
+    return StoreGroup(c10d._get_process_group_store(group), alive_store, members,
+                      dist.get_rank(group), f"ckptio/{ranks}/{instance}", deadlines)
 
 
 def current_group(process_group: Any = None) -> Any | None:

@@ -7,6 +7,7 @@ Every rank sends its message (``mine``) or the error it met computing it. The co
 no rank failed, calls ``decide`` with every rank's message (in rank order) and sends each rank
 its answer. If any rank failed, or ``decide`` raised, every rank instead gets one failure
 message (``failed`` phrases it from "rank r: why" lines) and raises RankFailedError with it;
+a rank that died or hung (the group's deadlines) is phrased the same way on every live rank;
 a rank that brought its own error gets None back and raises that error itself; a coordinator
 whose ``decide`` raised raises that. So a step never leaves a rank waiting and never lets one
 rank go on while another stops. Save planning, the commit and the load's key and outcome steps
@@ -43,12 +44,15 @@ def coordinate(group: Group, mine: bytes | None, error: BaseException | None, de
     if group.size == 1:
         return None if error is not None else decide([_payload(mine)])[0]
     sent = _ERROR + describe(error).encode() if error is not None else _OK + _payload(mine)
-    gathered = group.gather(sent)
-    answers: list[bytes] | None = None
-    own: BaseException | None = None
-    if gathered is not None:
-        answers, own = _decide_all(gathered, decide, failed)
-    answer = group.scatter(answers)
+    try:
+        gathered = group.gather(sent)
+        answers: list[bytes] | None = None
+        own: BaseException | None = None
+        if gathered is not None:
+            answers, own = _decide_all(gathered, decide, failed)
+        answer = group.scatter(answers)
+    except RankFailedError as lost:  # a rank died or hung (storegroup.py): say what failed
+        raise RankFailedError(failed([str(lost)]), lost.ranks) from None
     if own is not None:
         raise own
     if error is not None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import time
 import queue
 import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -68,8 +68,12 @@ class RanksFailed(AssertionError):
     """One or more ranks raised (or hung); the message holds each one's traceback."""
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order."""
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120,
+              may_die: Collection[int] = ()) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order.
+    Every rank must answer and then exit with status 0 (a rank that aborts at interpreter exit
+    fails the run), except the ranks of ``may_die``: they may exit without answering (killed
+    by the test; their value is None) and their exit status is not checked."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -81,10 +85,14 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < world_size and time.monotonic() < deadline:
+            if all(r in got or (r in may_die and procs[r].exitcode is not None)
+                   for r in range(world_size)):
+                break  # the ranks allowed to die did, the others answered
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                dead = [r for r, p in enumerate(procs)
+                        if r not in got and r not in may_die and p.exitcode is not None]
                 if dead and results.empty():
                     time.sleep(1.0)  # a last answer may still be in flight
                     if results.empty():
@@ -97,8 +105,12 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
             if p.is_alive():
                 p.kill()
     failed = {r: v for r, (ok, v) in got.items() if not ok}
-    missing = [f"{r} (exit code {procs[r].exitcode})" for r in range(world_size) if r not in got]
-    if failed or missing:
+    missing = [f"{r} (exit code {procs[r].exitcode})" for r in range(world_size)
+               if r not in got and r not in may_die]
+    unclean = [f"{r} (exit code {procs[r].exitcode})" for r in range(world_size)
+               if r in got and r not in may_die and procs[r].exitcode != 0]
+    if failed or missing or unclean:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-        raise RanksFailed(f"ranks failed: {sorted(failed)}; no answer from {missing}\n{text}")
-    return [got[r][1] for r in range(world_size)]
+        raise RanksFailed(f"ranks failed: {sorted(failed)}; no answer from {missing}; answered "
+                          f"but exited uncleanly: {unclean}\n{text}")
+    return [got[r][1] if r in got else None for r in range(world_size)]

@@ -1,0 +1,100 @@
+"""Whether the other ranks of a save or load are alive, without trusting anyone's clock.
+
+Each process that takes part in a collective save or load bumps a counter in the job's c10d
+store (the rendezvous store every torch.distributed job has) from a small thread, every
+``interval`` seconds: ``ckptio/alive/<global rank>``. A rank waiting for others (``Watch``)
+reads the counters of the ranks it waits for; one whose counter has not moved for the
+deadline, by the waiting rank's own monotonic clock, is taken as dead (killed, crashed, frozen,
+or cut off). A rank that is slow but alive (still writing its share) keeps beating and is waited
+for. Comparing counters rather than timestamps needs no synchronised clocks.
+
+Owns: the beating thread (one per process and store; stopped at interpreter exit before threads
+are joined, and once torch.distributed is torn down or the store stops answering) and the
+staleness rule. Does not own: the messages of a step or what a dead rank means (storegroup.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["Watch", "beat", "key_of"]
+
+_lock = threading.Lock()
+_beating: dict[int, _Beat] = {}  # id(store) -> its thread (the store object is kept by it)
+
+
+def key_of(global_rank: int) -> str:
+    return f"ckptio/alive/{global_rank}"
+
+
+class _Beat:
+    def __init__(self, store: Any, global_rank: int, interval_s: float,
+                 current: Callable[[], bool]) -> None:
+        self.store, self.key, self.interval_s = store, key_of(global_rank), interval_s
+        self.current = current
+        self.stop = threading.Event()
+        self.error: BaseException | None = None  # why it stopped (the store went away)
+        # Not a daemon: a daemon inside a store call while the interpreter finalizes aborts the
+        # process; the exit hook below stops it within one interval instead.
+        self.thread = threading.Thread(target=self._run, name="ckptio-alive")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.store.add(self.key, 1)
+            except RuntimeError as exc:  # the store is gone (its host exited): nobody to tell
+                self.error = exc
+                return
+            if self.stop.wait(self.interval_s) or not self.current():
+                return
+
+
+def beat(store: Any, global_rank: int, interval_s: float, current: Callable[[], bool]) -> None:
+    """Make sure this process beats in ``store`` (at least every ``interval_s``) until exit or
+    until ``current()`` turns false (the store is no longer torch.distributed's). Idempotent."""
+    with _lock:
+        for key in [k for k, b in _beating.items() if not b.thread.is_alive()]:
+            del _beating[key]  # stopped: the store went away or was replaced
+        running = _beating.get(id(store))
+        if running is not None and running.interval_s <= interval_s:
+            return
+        if running is not None:
+            running.stop.set()
+        started = _Beat(store, global_rank, interval_s, current)
+        _beating[id(store)] = started
+        started.thread.start()
+
+
+def _stop_at_exit() -> None:
+    with _lock:
+        for running in _beating.values():
+            running.stop.set()
+
+
+threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+
+
+class Watch:
+    """The liveness of some ranks as seen from one wait: ``stale(ranks)`` -> those of them whose
+    counter has not moved for ``deadline_s`` since this watch began (or since it last moved)."""
+
+    def __init__(self, store: Any, deadline_s: float) -> None:
+        self.store, self.deadline_s = store, deadline_s
+        self.seen: dict[int, tuple[int, float]] = {}  # global rank -> (counter, when it moved)
+        self.began = time.monotonic()
+
+    def stale(self, global_ranks: Iterable[int]) -> list[int]:
+        """Raises RuntimeError when the store itself does not answer."""
+        now = time.monotonic()
+        dead = []
+        for rank in global_ranks:
+            count = int(self.store.add(key_of(rank), 0))
+            last = self.seen.get(rank)
+            if last is None or last[0] != count:  # first seen: counts from the wait's start
+                last = self.seen[rank] = (count, self.began if last is None else now)
+            if now - last[1] > self.deadline_s:
+                dead.append(rank)
+        return dead

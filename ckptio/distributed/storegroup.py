@@ -1,0 +1,300 @@
+"""The byte collectives of a save or load over the job's c10d store, each with a deadline.
+
+Ranks exchange their (small) messages as keys of the rendezvous store every torch.distributed
+job already has (a TCPStore held by rank 0 or by torchrun's agent), instead of a gloo group:
+no process group is made, nothing is pickled, and every wait is a loop that can give up. A
+waiting rank watches the ranks it waits for (liveness.py): one that shows no sign of life for
+``Deadlines.rank_s`` is named in a RankFailedError on every live rank; one alive but still not
+at the step after ``Deadlines.step_s`` likewise. The failure is recorded in the store, so every
+rank waiting anywhere in the group raises it at its next poll, and the group stays failed (a
+job that lost a rank restarts). A store that stops answering (its host exited) fails the step
+at once, naming the coordinator's store.
+
+Keys of a group live under ``ckptio/<ranks>/<instance>/``. A gather's messages and a scatter's
+answers are one key per rank, overwritten by the next step and stamped with the step's number
+(a rank sends its next message only after the coordinator's answer, which reads every message
+first); broadcasts are one key per step, deleted by the last reader. Counters (``add``) say
+when a step is complete: they never block, so no wait depends on a key existing.
+
+Owns: the Group protocol's implementation over a store, deadlines and the failure record. Does
+not own: what the messages say (wire.py, step.py), or liveness (liveness.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptio.distributed.liveness import Watch
+from ckptio.errors import RankFailedError
+
+__all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "pack", "unpack"]
+
+log = logging.getLogger("ckptio")
+
+COORDINATOR = 0
+_STAMP = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """rank_s: a rank that shows no sign of life for this long while others wait is dead.
+    step_s: the longest a live rank may keep the others waiting at one step."""
+
+    rank_s: float = 60.0
+    step_s: float = 1800.0
+
+    @property
+    def beat_s(self) -> float:
+        """How often a rank shows it is alive: often enough for rank_s to see ten beats."""
+        return max(0.05, min(1.0, self.rank_s / 10))
+
+
+class StoreGroup:
+    """``rank`` of ``size`` ranks (global ranks ``members``) exchanging bytes in ``store``."""
+
+    def __init__(self, store: Any, alive_store: Any, members: tuple[int, ...], rank: int,
+                 name: str, deadlines: Deadlines) -> None:
+        self.store, self.alive_store, self.members = store, alive_store, members
+        self.rank, self.size, self.name, self.deadlines = rank, len(members), name, deadlines
+        self._counts = {"gather": 0, "scatter": 0, "broadcast": 0}
+        self._poll_cap_s = max(0.05, self.size / 20000)  # 4096 ranks: 20k polls/s at most
+        self._failed_seen = False
+        self._dead: set[int] = set()  # found dead after a decision stood (see _delivered)
+
+    # ------------------------------------------------------------- the Group protocol
+
+    def gather(self, data: bytes) -> list[bytes] | None:
+        self._call(self._raise_if_failed)
+        step = self._next("gather")
+        if self.rank != COORDINATOR:
+            self._call(lambda: self._send(step, data))
+            return None
+        return self._call(lambda: [data] + self._collect(step))
+
+    def scatter(self, parts: list[bytes] | None) -> bytes:
+        self._call(self._raise_if_failed)
+        step = self._next("scatter")
+        if self.rank == COORDINATOR:
+            if parts is None or len(parts) != self.size:
+                raise TypeError("scatter: the coordinator passes one part per rank")  # internal
+            self._call(lambda: self._answer(step, parts))
+            return parts[0]
+        return self._call(lambda: self._answered(step))
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        self._call(self._raise_if_failed)
+        step = self._next("broadcast")
+        key = self._key(f"b/{step}")
+        if self.rank == COORDINATOR:
+            if data is None:
+                raise TypeError("broadcast: the coordinator passes the bytes")  # internal
+            self._call(lambda: self._send_broadcast(step, key, data))
+            return data
+        return self._call(lambda: self._read_broadcast(step, key))
+
+    def all_gather(self, data: bytes) -> list[bytes]:
+        gathered = self.gather(data)
+        return unpack(self.broadcast(None if gathered is None else pack(gathered)))
+
+    # ------------------------------------------------------------- steps
+
+    def _next(self, kind: str) -> int:
+        self._counts[kind] += 1
+        return self._counts[kind]
+
+    def _key(self, suffix: str) -> str:
+        return f"{self.name}/{suffix}"
+
+    def _send(self, step: int, data: bytes) -> None:
+        self.store.set(self._key(f"in/{self.rank}"), _STAMP.pack(step) + data)
+        self.store.add(self._key("in/n"), 1)
+
+    def _collect(self, step: int) -> list[bytes]:
+        """On the coordinator: the other ranks' messages of gather ``step``, once all are in."""
+        expected = step * (self.size - 1)
+        self._wait(lambda: int(self.store.add(self._key("in/n"), 0)) >= expected,
+                   lambda: self._not_sent(step), "its part of the step")
+        keys = [self._key(f"in/{r}") for r in range(1, self.size)]
+        return [_unstamp(step, value, what=key) for key, value
+                in zip(keys, self.store.multi_get(keys))]
+
+    def _not_sent(self, step: int) -> list[int]:
+        missing = []
+        for r in range(1, self.size):
+            key = self._key(f"in/{r}")
+            if not self.store.check([key]) or _STAMP.unpack_from(self.store.get(key))[0] < step:
+                missing.append(r)
+        return missing
+
+    def _answer(self, step: int, parts: list[bytes]) -> None:
+        self.store.multi_set([self._key(f"out/{r}") for r in range(1, self.size)],
+                             [_STAMP.pack(step) + p for p in parts[1:]])
+        self.store.add(self._key("out/n"), 1)
+        self._delivered(self._key("out/read"), step * (self.size - 1))
+
+    def _answered(self, step: int) -> bytes:
+        self._wait(lambda: int(self.store.add(self._key("out/n"), 0)) >= step,
+                   lambda: [COORDINATOR], "its answer")
+        key = self._key(f"out/{self.rank}")
+        answer = _unstamp(step, self.store.get(key), what=key)
+        self.store.add(self._key("out/read"), 1)
+        return answer
+
+    def _send_broadcast(self, step: int, key: str, data: bytes) -> None:
+        self.store.set(key, data)
+        self.store.add(self._key("b/n"), 1)
+        if self._delivered(key + "/read", self.size - 1):  # else a live rank may read it yet
+            self.store.delete_key(key)
+            self.store.delete_key(key + "/read")
+
+    def _read_broadcast(self, step: int, key: str) -> bytes:
+        self._wait(lambda: int(self.store.add(self._key("b/n"), 0)) >= step,
+                   lambda: [COORDINATOR], "its message")
+        data = bytes(self.store.get(key))
+        self.store.add(key + "/read", 1)
+        return data
+
+    def _delivered(self, counter: str, expected: int) -> bool:
+        """On the coordinator, after answering: until every rank has read its answer (the
+        store may live in this process, which must not exit before). A rank that died
+        meanwhile is the next step's concern: what was decided stands (it may be a commit).
+        -> whether every rank read it."""
+        if self._dead:  # a rank died: the count will not be reached; the next step fails
+            return False
+        try:
+            self._wait(lambda: int(self.store.add(counter, 0)) >= expected,
+                       lambda: list(range(1, self.size)), "the answers to be read", record=False)
+        except RankFailedError as lost:
+            self._dead.update(lost.ranks)
+            log.warning("ckptio: rank 0 answered, but not every rank read it: %s", lost)
+            return False
+        return True
+
+    # ------------------------------------------------------------- waiting and failing
+
+    def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], list[int]],
+              what: str, *, record: bool = True, check_failed: bool = True) -> None:
+        """Until ``ready()``; fails when a rank of ``waiting_for()`` (group ranks) is dead (no
+        beat for rank_s), or still missing after step_s: recorded for the whole group unless
+        ``record`` is false."""
+        began = time.monotonic()
+        watch = Watch(self.alive_store, self.deadlines.rank_s)
+        look_at = began + self.deadlines.beat_s
+        pause = 0.0002
+        while not ready():
+            if check_failed:
+                self._raise_if_failed()
+            now = time.monotonic()
+            if now >= look_at:
+                look_at = now + self.deadlines.beat_s
+                failure = self._judge(waiting_for(), watch, now - began, what)
+                if failure is not None:
+                    self._fail(*failure, record=record)
+            time.sleep(pause)
+            pause = min(2 * pause, self._poll_cap_s)
+
+    def _judge(self, missing: list[int], watch: Watch, waited_s: float,
+               what: str) -> tuple[list[int], str] | None:
+        by_global = {self.members[r]: r for r in missing if r not in self._dead}
+        dead = sorted({by_global[g] for g in watch.stale(by_global)} | (self._dead & {*missing}))
+        if dead:
+            return dead, (f"no sign of life for {self.deadlines.rank_s:g} s (Options."
+                          f"rank_timeout_s) while rank {self.rank} waited for {what}: its "
+                          "process exited, was killed, is frozen or was cut off")
+        if missing and waited_s > self.deadlines.step_s:
+            return missing, (f"alive but did not send {what} within {self.deadlines.step_s:g} s "
+                             f"(Options.step_timeout_s) while rank {self.rank} waited: stuck?")
+        return None
+
+    def _fail(self, ranks: list[int], why: str, *, record: bool = True) -> None:
+        named = "; ".join(f"rank {r}{_global(r, self.members)}: {why}" for r in ranks[:8])
+        named += f" (and {len(ranks) - 8} more ranks)" if len(ranks) > 8 else ""
+        if not record:
+            raise RankFailedError(named, ranks=tuple(ranks))
+        self.store.compare_set(self._key("failed"), "", named)  # the first cause stays
+        self._dead.update(ranks)
+        # Every live rank reads it before this one raises: the store may live in this process,
+        # which is about to exit (a rank busy writing reads it at its next step).
+        seen = self._key("failed/seen")
+        try:
+            self._wait(lambda: int(self.store.add(seen, 0)) >= self.size - len(self._dead) - 1,
+                       lambda: [r for r in range(self.size) if r != self.rank and r not in self._dead],
+                       "the failure to be read", record=False, check_failed=False)
+        except RankFailedError as lost:  # another rank died meanwhile: it will not read it
+            self._dead.update(lost.ranks)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        key = self._key("failed")
+        if self.store.check([key]):
+            message = bytes(self.store.get(key)).decode(errors="replace")
+            if not self._failed_seen:
+                self._failed_seen = True
+                self.store.add(key + "/seen", 1)
+            raise RankFailedError(message, ranks=_named_ranks(message))
+
+    def _call(self, body: Callable[[], Any]) -> Any:
+        """``body()``; a store that stopped answering fails the step naming it."""
+        try:
+            return body()
+        except RuntimeError as exc:  # torch's DistError family: the store's host is gone
+            where = _address(self.store)
+            raise RankFailedError(
+                f"rank 0 (the coordinator): the job's rendezvous store stopped answering rank "
+                f"{self.rank} ({type(exc).__name__}: {exc}); it lives in rank 0's process or "
+                f"torchrun's agent ({where}), which has exited (rank 0 also exits when it saw "
+                "another rank fail: its own error names that rank)",
+                ranks=(COORDINATOR,)) from None
+
+
+def _address(store: Any) -> str:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return f"{getattr(store, 'host', '?')}:{getattr(store, 'port', '?')}"
+
+
+def _global(rank: int, members: tuple[int, ...]) -> str:
+    return "" if members[rank] == rank else f" (global rank {members[rank]})"
+
+
+def _named_ranks(message: str) -> tuple[int, ...]:
+    ranks = []
+    for part in message.split("; "):
+        head = part.split(":", 1)[0].split(" ")
+        if len(head) >= 2 and head[0] == "rank" and head[1].isdigit():
+            ranks.append(int(head[1]))
+    return tuple(ranks)
+
+
+def _unstamp(step: int, value: bytes, *, what: str) -> bytes:
+    value = bytes(value)
+    got = _STAMP.unpack_from(value)[0]
+    if got != step:  # internal: the ranks' steps are out of order
+        raise RankFailedError(f"{what}: expected the message of step {step}, found step {got}; "
+                              "the ranks called ckptio's collective saves or loads in different "
+                              "orders")
+    return value[_STAMP.size:]
+
+
+def pack(parts: list[bytes]) -> bytes:
+    """Byte strings as one: their count, each length, then the bytes; with a CRC32."""
+    body = struct.pack(f"<I{len(parts)}Q", len(parts), *map(len, parts)) + b"".join(parts)
+    return struct.pack("<I", zlib.crc32(body)) + body
+
+
+def unpack(data: bytes) -> list[bytes]:
+    crc, count = struct.unpack_from("<II", data)
+    if zlib.crc32(data[4:]) != crc:
+        raise RankFailedError("all_gather: the coordinator's message arrived damaged")
+    lengths = struct.unpack_from(f"<{count}Q", data, 8)
+    out, at = [], 8 + 8 * count
+    for n in lengths:
+        out.append(data[at:at + n])
+        at += n
+    return out
