@@ -85,9 +85,8 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < world_size and time.monotonic() < deadline:
-            if all(r in got or (r in may_die and procs[r].exitcode is not None)
-                   for r in range(world_size)):
-                break  # the ranks allowed to die did, the others answered
+            if all(r in got or r in may_die for r in range(world_size)):
+                break  # the others answered (a rank allowed to die may be frozen)
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
@@ -100,10 +99,11 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
                 continue
             got[rank] = (ok, pickle.loads(value) if ok else value)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for r, p in enumerate(procs):
+            p.join(timeout=1 if r in may_die else 10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     missing = [f"{r} (exit code {procs[r].exitcode})" for r in range(world_size)
                if r not in got and r not in may_die]
