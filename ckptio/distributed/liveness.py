@@ -79,7 +79,9 @@ threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
 
 class Watch:
     """The liveness of some ranks as seen from one wait: ``stale(ranks)`` -> those of them whose
-    counter has not moved for ``deadline_s`` since this watch began (or since it last moved)."""
+    counter has not moved for ``deadline_s`` since this watch began (or since it last moved).
+    A rank that has never beaten (not yet in its first ckptio save or load: ranks reach the
+    first one at different times) is not stale: it is waited for up to the step's deadline."""
 
     def __init__(self, store: Any, deadline_s: float) -> None:
         self.store, self.deadline_s = store, deadline_s
@@ -95,6 +97,6 @@ class Watch:
             last = self.seen.get(rank)
             if last is None or last[0] != count:  # first seen: counts from the wait's start
                 last = self.seen[rank] = (count, self.began if last is None else now)
-            if now - last[1] > self.deadline_s:
+            if count and now - last[1] > self.deadline_s:
                 dead.append(rank)
         return dead
