@@ -18,6 +18,7 @@ Phases timed (median of --reps):
   load       manifest.decode of the committed bytes (every loading rank does this)
 
     python -m benchmarks.plan_scale --world 8,64,512,4096 --tp 8 --reps 3
+    python -m benchmarks.plan_scale --world 64,256 --engines ckptio,dcp   # DCP's planner beside
     python -m benchmarks.plan_scale --world 512 --profile prof.txt   # cProfile of one run
 """
 
@@ -286,6 +287,8 @@ PHASES = ("local_s", "decide_s", "result_s", "manifest_s")
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str]) -> str:
     command = shlex.join(["python", "-m", "benchmarks.plan_scale", *argv])
+    rows, dcp_rows = [r for r in rows if r.get("engine", "ckptio") == "ckptio"], [
+        r for r in rows if r.get("engine") == "dcp"]
     n_params = rows[0]["tensors"] if rows else 0
     lines = [
         "## Plan-only scale (simulated FSDP x TP)", "", f"`{command}`  ",
@@ -310,6 +313,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
             f"| {r['decide_s']:.3f} | {r.get('decide_reused_s', float('nan')):.3f} "
             f"| {r['result_s']:.4f} | {r['manifest_s']:.3f} "
             f"| {r['save_total_s']:.3f} | {r['load_s']:.3f} | {r.get('peak_rss_mib', float('nan')):.0f} |")
+    if dcp_rows:
+        lines += _dcp_table(dcp_rows)
     for a, b in itertools.pairwise(rows):
         slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["chunks"] - a["chunks"])
         lines.append(f"- {a['world']} -> {b['world']} ranks: {slope:.0f} manifest bytes per added "
@@ -317,6 +322,22 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
                      "block checksums per chunk)")
     lines.append("")
     return "\n".join(lines)
+
+
+def _dcp_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["", ("DCP's planner on the same layout (benchmarks/plan_scale_dcp.py): local: one rank's "
+                  "WriteItems; decide: DefaultSavePlanner.create_global_plan + finish_plan; result: "
+                  "one rank's WriteResults; manifest: FileSystemWriter.finish's merge + pickle of "
+                  ".metadata; load: its unpickling (every loading rank)"), "",
+             ("| world | chunks | .metadata MB | local s | decide s | result s | manifest s "
+              "| save total s | load s | peak RSS MiB |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['world']} | {r['chunks']:,} | {r['manifest_bytes'] / 1e6:.2f} "
+                     f"| {r['local_s']:.4f} | {r['decide_s']:.3f} | {r['result_s']:.4f} "
+                     f"| {r['manifest_s']:.3f} | {r['save_total_s']:.3f} | {r['load_s']:.3f} "
+                     f"| {r.get('peak_rss_mib', float('nan')):.0f} |")
+    return lines
 
 
 def cap_memory(gb: float) -> None:
@@ -339,11 +360,11 @@ def peak_rss_mib() -> float:
     return float("nan")
 
 
-def spawn(argv: list[str], world: int, timeout: float) -> dict[str, Any] | None:
+def spawn(argv: list[str], world: int, timeout: float, engine: str) -> dict[str, Any] | None:
     """One world size in a fresh interpreter (its own peak RSS); None if it failed."""
     import subprocess
 
-    drop_next = {"--world", "--json", "--markdown", "--timeout"}
+    drop_next = {"--world", "--json", "--markdown", "--timeout", "--engines"}
     rest: list[str] = []
     skip = False
     for a in argv:
@@ -356,7 +377,8 @@ def spawn(argv: list[str], world: int, timeout: float) -> dict[str, Any] | None:
         if a.split("=")[0] in drop_next:
             continue
         rest.append(a)
-    cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--worker", "--world", str(world), *rest]
+    cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--worker", "--world", str(world),
+           "--engines", engine, *rest]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
                               env=worker_env())
@@ -391,8 +413,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "world size's process beyond what it holds at start (default 12): a world too "
                    "big for this machine fails with MemoryError instead of waking the OOM killer; "
                    "0 = no cap")
+    p.add_argument("--engines", default="ckptio", help="comma list: ckptio, dcp (DCP's planner "
+                   "on the same layout)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.engine_list = [e for e in args.engines.split(",") if e]
+    if not set(args.engine_list) <= {"ckptio", "dcp"}:
+        p.error("--engines: ckptio and/or dcp")
     args.worlds = [int(w) for w in args.world.split(",") if w.strip()]
     if args.reps < 1 or not args.worlds:
         p.error("--reps >= 1 and at least one --world")
@@ -406,26 +433,37 @@ def main(argv: list[str] | None = None) -> int:
     profiler = cProfile.Profile() if args.profile else None
     if args.worker:
         cap_memory(args.mem_limit_gb)
-        row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
+        if args.engine_list == ["dcp"]:
+            from benchmarks.plan_scale_dcp import measure_dcp
+
+            row = measure_dcp(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
+        else:
+            row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
+        row["engine"] = args.engine_list[0]
         row["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(row), flush=True)
         return 0
     rows = []
+    stopped: set[str] = set()
     for world in args.worlds:
-        if profiler is not None:
-            row = measure(world, args.tp, tensors, args.dtype, args.reps, profiler)
-            row["peak_rss_mib"] = peak_rss_mib()
-        else:
-            row = spawn(argv, world, args.timeout)
-            if row is None:
-                break
-        rows.append(row)
-        print(f"world {world}: {row['chunks']:,} chunks, manifest {row['manifest_bytes'] / 1e6:.2f} MB, "
-              f"save planning {row['save_total_s']:.3f} s (decide {row['decide_s']:.3f}, manifest "
-              f"{row['manifest_s']:.3f}), load decode {row['load_s']:.3f} s, setup {row['setup_s']:.1f} s, "
-              f"peak RSS {row['peak_rss_mib']:.0f} MiB", 
-              file=sys.stderr, flush=True)
-        gc.collect()
+        for engine in args.engine_list:
+            if engine in stopped:
+                continue
+            if profiler is not None and engine == "ckptio":
+                row = measure(world, args.tp, tensors, args.dtype, args.reps, profiler)
+                row["peak_rss_mib"], row["engine"] = peak_rss_mib(), engine
+            else:
+                row = spawn(argv, world, args.timeout, engine)
+                if row is None:
+                    stopped.add(engine)  # too big: the curve of this engine stops here
+                    continue
+            rows.append(row)
+            print(f"{engine}, world {world}: {row['chunks']:,} chunks, manifest "
+                  f"{row['manifest_bytes'] / 1e6:.2f} MB, save planning {row['save_total_s']:.3f} s "
+                  f"(decide {row['decide_s']:.3f}, manifest {row['manifest_s']:.3f}), load decode "
+                  f"{row['load_s']:.3f} s, peak RSS {row['peak_rss_mib']:.0f} MiB",
+                  file=sys.stderr, flush=True)
+            gc.collect()
     text = markdown(rows, args, argv)
     print(text)
     if args.markdown:

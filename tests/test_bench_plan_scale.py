@@ -77,3 +77,16 @@ def test_cli_report(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["world"] == 8 and rows[0]["peak_rss_mib"] > 0
     assert "| 8 | 1 x 8 |" in md.read_text()
+
+
+def test_dcp_planner_on_the_same_layout():
+    """DCP's planner phases run on the simulated layout, and its .metadata holds one storage
+    record per chunk ckptio's manifest holds (the RNG states under per-rank keys)."""
+    from benchmarks import plan_scale_dcp
+
+    tensors = plan_scale.model_tensors(30, optim=True)
+    ours = plan_scale.measure(16, 8, tensors, "float32", reps=1)
+    theirs = plan_scale_dcp.measure_dcp(16, 8, tensors, "float32", reps=1)
+    assert theirs["chunks"] == ours["chunks"]
+    for field in plan_scale.PHASES + ("load_s",):
+        assert theirs[field] > 0, field

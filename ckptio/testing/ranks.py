@@ -69,12 +69,14 @@ class RanksFailed(AssertionError):
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120,
-              may_die: Collection[int] = ()) -> list[Any]:
+              may_die: Collection[int] = (), spawn: bool = False) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order.
     Every rank must answer and then exit with status 0 (a rank that aborts at interpreter exit
     fails the run), except the ranks of ``may_die``: they may exit without answering (killed
-    by the test; their value is None) and their exit status is not checked."""
-    ctx = _context()
+    by the test; their value is None) and their exit status is not checked. ``spawn``: each
+    rank a fresh interpreter that finalizes when it exits (a forkserver child ends with
+    os._exit, which skips finalization and with it the aborts that happen there)."""
+    ctx = mp.get_context("spawn") if spawn else _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_main, args=(fn, r, world_size, port, timeout_s / 2, results, args),

@@ -1,0 +1,117 @@
+"""The store transport of many-rank saves and loads (ckptio/distributed/storegroup.py), with
+ranks as threads of this process sharing one in-memory c10d store: every collective delivers
+each rank's bytes, and a rank that stops (no heartbeat) fails every other rank naming it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ckptio.distributed.liveness import Watch, key_of
+from ckptio.distributed.storegroup import Deadlines, StoreGroup, pack, unpack
+from ckptio.errors import RankFailedError
+
+
+def _on_threads(size: int, body: Callable[[StoreGroup], Any], deadlines: Deadlines,
+                dead: frozenset[int] = frozenset()) -> list[Any]:
+    """``body(group)`` on ``size`` thread-ranks; ranks in ``dead`` never run (and never beat)."""
+    store = dist.HashStore()
+    stop = threading.Event()
+    out: list[Any] = [None] * size
+
+    def beat() -> None:  # the live ranks' heartbeats (liveness.beat runs one per process)
+        while not stop.wait(deadlines.beat_s):
+            for r in range(size):
+                if r not in dead:
+                    store.add(key_of(r), 1)
+
+    def run(rank: int) -> None:
+        group = StoreGroup(store, store, tuple(range(size)), rank, "ckptio/test/0", deadlines)
+        try:
+            out[rank] = body(group)
+        except RankFailedError as exc:
+            out[rank] = exc
+
+    for r in range(size):
+        store.add(key_of(r), 1)  # every rank was alive once
+    beater = threading.Thread(target=beat)
+    beater.start()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size) if r not in dead]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    stop.set()
+    beater.join()
+    return out
+
+
+def test_every_collective_delivers_each_ranks_bytes():
+    def body(group: StoreGroup) -> Any:
+        me = f"r{group.rank}".encode()
+        gathered = group.gather(me)
+        answer = group.scatter([b"to%d" % r for r in range(group.size)] if gathered else None)
+        first = group.broadcast(b"one" if group.rank == 0 else None)
+        second = group.broadcast(b"two" if group.rank == 0 else None)  # back to back
+        return gathered, answer, first, second, group.all_gather(me * 3)
+
+    results = _on_threads(4, body, Deadlines(rank_s=5.0))
+    assert results[0][0] == [b"r0", b"r1", b"r2", b"r3"]
+    for rank, (gathered, answer, first, second, everyone) in enumerate(results):
+        assert (gathered is None) == (rank != 0)
+        assert answer == b"to%d" % rank and (first, second) == (b"one", b"two")
+        assert everyone == [f"r{r}".encode() * 3 for r in range(4)]
+
+
+@pytest.mark.parametrize("dead_rank", [0, 2])
+def test_a_rank_without_heartbeat_fails_every_other_rank_naming_it(dead_rank):
+    def body(group: StoreGroup) -> Any:
+        gathered = group.gather(b"x")
+        return group.scatter([b""] * group.size if gathered else None)
+
+    started = time.monotonic()
+    results = _on_threads(3, body, Deadlines(rank_s=1.0), dead=frozenset({dead_rank}))
+    assert time.monotonic() - started < 2 * 1.0 + 1.0
+    for rank, result in enumerate(results):
+        if rank == dead_rank:
+            continue
+        assert isinstance(result, RankFailedError), result
+        assert result.ranks == (dead_rank,) and f"rank {dead_rank}: no sign of life" in str(result)
+
+
+def test_a_live_rank_that_never_arrives_fails_the_step_after_step_timeout():
+    def body(group: StoreGroup) -> Any:
+        if group.rank == 1:
+            time.sleep(2.0)  # alive (it beats) but late past step_s
+            return "late"
+        gathered = group.gather(b"x")
+        return group.scatter([b""] * group.size if gathered else None)
+
+    results = _on_threads(3, body, Deadlines(rank_s=0.5, step_s=1.0))
+    assert isinstance(results[0], RankFailedError) and results[0].ranks == (1,)
+    assert "did not send" in str(results[0]) and isinstance(results[2], RankFailedError)
+
+
+def test_never_seen_alive_is_not_dead_but_silent_after_beating_is():
+    store = dist.HashStore()
+    watch = Watch(store, deadline_s=0.2)
+    store.add(key_of(1), 3)  # rank 1 beat; rank 2 never did
+    assert watch.stale([1, 2]) == []
+    time.sleep(0.3)
+    assert watch.stale([1, 2]) == [1]
+    store.add(key_of(1), 1)  # it moved: alive again
+    assert watch.stale([1]) == []
+
+
+def test_pack_round_trips_and_refuses_damage():
+    parts = [b"", b"abc", bytes(range(256)) * 3]
+    assert unpack(pack(parts)) == parts
+    damaged = bytearray(pack(parts))
+    damaged[-1] ^= 1
+    with pytest.raises(RankFailedError, match="damaged"):
+        unpack(bytes(damaged))
