@@ -396,3 +396,20 @@ def manager_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         os.rename = rename
     return {"steps": steps, "hidden": hidden, "restored": restored, "same": same,
             "warnings": caught, "mixed": mixed}
+
+
+def save_load_in_subgroups(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two subgroups of 2 ranks each save and load their own checkpoint with process_group=
+    (every rank makes both subgroups, in the same order, as torch requires)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    path = os.path.join(root, f"half{rank // 2}")
+    value = torch.full((4, 4), float(rank))
+    state = {"w": torch.arange(16.0).reshape(4, 4) * (rank // 2 + 1), f"r{rank}": value,
+             "step": 3}
+    ckptio.save(state, path, options=SMALL, process_group=mine)
+    back = {"w": torch.zeros(4, 4), f"r{rank}": torch.zeros(4, 4), "step": 0}
+    ckptio.load(path, back, options=SMALL, process_group=mine)
+    return {"w": back["w"].tolist(), "mine": back[f"r{rank}"].tolist(), "step": back["step"]}

@@ -175,3 +175,14 @@ def test_repeated_4_to_2_reshard_runs_exit_cleanly(tmp_path):
         path = str(tmp_path / f"ck{run}")
         run_ranks(4, cases.save_layout, path, "shard0", spawn=True)
         run_ranks(2, cases.load_layout, path, "shard1", spawn=True)
+
+
+def test_subgroups_save_and_load_their_own_checkpoints(tmp_path):
+    """process_group= a subgroup: its ranks talk among themselves (keys of their own in the
+    job's store), two subgroups at once do not mix."""
+    results = run_ranks(4, cases.save_load_in_subgroups, str(tmp_path))
+    for rank, got in enumerate(results):
+        half = rank // 2
+        assert got["w"] == (torch.arange(16.0).reshape(4, 4) * (half + 1)).tolist()
+        assert got["mine"] == torch.full((4, 4), float(rank)).tolist() and got["step"] == 3
+    assert ckptio.load(str(tmp_path / "half1"))["r3"][0, 0] == 3.0

@@ -118,17 +118,24 @@ class StoreGroup:
     def _collect(self, step: int) -> list[bytes]:
         """On the coordinator: the other ranks' messages of gather ``step``, once all are in."""
         expected = step * (self.size - 1)
+        arrived: set[int] = set()
         self._wait(lambda: int(self.store.add(self._key("in/n"), 0)) >= expected,
-                   lambda: self._not_sent(step), "its part of the step")
+                   lambda: self._not_sent(step, arrived), "its part of the step")
         keys = [self._key(f"in/{r}") for r in range(1, self.size)]
         return [_unstamp(step, value, what=key) for key, value
                 in zip(keys, self.store.multi_get(keys))]
 
-    def _not_sent(self, step: int) -> list[int]:
+    def _not_sent(self, step: int, arrived: set[int]) -> list[int]:
+        """The ranks whose message of ``step`` is not in yet (``arrived``: those seen, kept
+        between looks so each rank's key is fetched once it is in)."""
         missing = []
         for r in range(1, self.size):
+            if r in arrived:
+                continue
             key = self._key(f"in/{r}")
-            if not self.store.check([key]) or _STAMP.unpack_from(self.store.get(key))[0] < step:
+            if self.store.check([key]) and _STAMP.unpack_from(self.store.get(key))[0] >= step:
+                arrived.add(r)
+            else:
                 missing.append(r)
         return missing
 
@@ -219,11 +226,14 @@ class StoreGroup:
             raise RankFailedError(named, ranks=tuple(ranks))
         self.store.compare_set(self._key("failed"), "", named)  # the first cause stays
         self._dead.update(ranks)
-        # Every live rank reads it before this one raises: the store may live in this process,
-        # which is about to exit (a rank busy writing reads it at its next step).
+        # The live ranks read it before this one raises, for up to rank_s: the store may live
+        # in this process, which is about to exit (a rank still busy writing reads it at its
+        # next step, or finds the store gone: its message then says why).
         seen = self._key("failed/seen")
+        until = time.monotonic() + self.deadlines.rank_s
         try:
-            self._wait(lambda: int(self.store.add(seen, 0)) >= self.size - len(self._dead) - 1,
+            self._wait(lambda: (int(self.store.add(seen, 0)) >= self.size - len(self._dead) - 1
+                                or time.monotonic() > until),
                        lambda: [r for r in range(self.size) if r != self.rank and r not in self._dead],
                        "the failure to be read", record=False, check_failed=False)
         except RankFailedError as lost:  # another rank died meanwhile: it will not read it
