@@ -85,8 +85,17 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
         f"{len(members)}-{zlib.crc32(repr(members).encode()):08x}")
     alive_store = c10d._get_default_store()
     liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s, dist.is_initialized)
-    return StoreGroup(c10d._get_process_group_store(group), alive_store, members,
-                      dist.get_rank(group), f"ckptio/{ranks}/{instance}", deadlines)
+    return StoreGroup(_store_of(group), alive_store, members, dist.get_rank(group),
+                      f"ckptio/{ranks}/{instance}", deadlines)
+
+
+def _store_of(group: Any) -> Any:
+    """The store of a torch process group (its own prefix of the job's store)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if hasattr(c10d, "_get_process_group_store"):
+        return c10d._get_process_group_store(group)
+    return c10d._world.pg_map[group][1]  # older torch: what that function reads
 
 
 def current_group(process_group: Any = None) -> Any | None:

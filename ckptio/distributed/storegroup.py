@@ -123,7 +123,7 @@ class StoreGroup:
                    lambda: self._not_sent(step, arrived), "its part of the step")
         keys = [self._key(f"in/{r}") for r in range(1, self.size)]
         return [_unstamp(step, value, what=key) for key, value
-                in zip(keys, self.store.multi_get(keys))]
+                in zip(keys, _multi_get(self.store, keys))]
 
     def _not_sent(self, step: int, arrived: set[int]) -> list[int]:
         """The ranks whose message of ``step`` is not in yet (``arrived``: those seen, kept
@@ -140,14 +140,14 @@ class StoreGroup:
         return missing
 
     def _answer(self, step: int, parts: list[bytes]) -> None:
-        self.store.multi_set([self._key(f"out/{r}") for r in range(1, self.size)],
-                             [_STAMP.pack(step) + p for p in parts[1:]])
+        _multi_set(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
+                   [_STAMP.pack(step) + p for p in parts[1:]])
         self.store.add(self._key("out/n"), 1)
         self._delivered(self._key("out/read"), step * (self.size - 1))
 
     def _answered(self, step: int) -> bytes:
         self._wait(lambda: int(self.store.add(self._key("out/n"), 0)) >= step,
-                   lambda: [COORDINATOR], "its answer")
+                   lambda: [COORDINATOR], "its answer", patience=2)
         key = self._key(f"out/{self.rank}")
         answer = _unstamp(step, self.store.get(key), what=key)
         self.store.add(self._key("out/read"), 1)
@@ -162,7 +162,7 @@ class StoreGroup:
 
     def _read_broadcast(self, step: int, key: str) -> bytes:
         self._wait(lambda: int(self.store.add(self._key("b/n"), 0)) >= step,
-                   lambda: [COORDINATOR], "its message")
+                   lambda: [COORDINATOR], "its message", patience=2)
         data = bytes(self.store.get(key))
         self.store.add(key + "/read", 1)
         return data
@@ -186,10 +186,13 @@ class StoreGroup:
     # ------------------------------------------------------------- waiting and failing
 
     def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], list[int]],
-              what: str, *, record: bool = True, check_failed: bool = True) -> None:
+              what: str, *, record: bool = True, check_failed: bool = True,
+              patience: float = 1) -> None:
         """Until ``ready()``; fails when a rank of ``waiting_for()`` (group ranks) is dead (no
-        beat for rank_s), or still missing after step_s: recorded for the whole group unless
-        ``record`` is false."""
+        beat for rank_s), or still missing after ``patience`` x step_s: recorded for the whole
+        group unless ``record`` is false. Waits for the coordinator's answer have patience 2:
+        the coordinator, alive, may itself wait up to step_s for another rank, and it is the one
+        that names that rank."""
         began = time.monotonic()
         watch = Watch(self.alive_store, self.deadlines.rank_s)
         look_at = began + self.deadlines.beat_s
@@ -200,23 +203,25 @@ class StoreGroup:
             now = time.monotonic()
             if now >= look_at:
                 look_at = now + self.deadlines.beat_s
-                failure = self._judge(waiting_for(), watch, now - began, what)
+                failure = self._judge(waiting_for(), watch, now - began, what, patience)
                 if failure is not None:
                     self._fail(*failure, record=record)
             time.sleep(pause)
             pause = min(2 * pause, self._poll_cap_s)
 
-    def _judge(self, missing: list[int], watch: Watch, waited_s: float,
-               what: str) -> tuple[list[int], str] | None:
+    def _judge(self, missing: list[int], watch: Watch, waited_s: float, what: str,
+               patience: float) -> tuple[list[int], str] | None:
         by_global = {self.members[r]: r for r in missing if r not in self._dead}
         dead = sorted({by_global[g] for g in watch.stale(by_global)} | (self._dead & {*missing}))
         if dead:
             return dead, (f"no sign of life for {self.deadlines.rank_s:g} s (Options."
                           f"rank_timeout_s) while rank {self.rank} waited for {what}: its "
                           "process exited, was killed, is frozen or was cut off")
-        if missing and waited_s > self.deadlines.step_s:
-            return missing, (f"alive but did not send {what} within {self.deadlines.step_s:g} s "
-                             f"(Options.step_timeout_s) while rank {self.rank} waited: stuck?")
+        limit_s = patience * self.deadlines.step_s
+        if missing and waited_s > limit_s:
+            return missing, (f"alive but did not send {what} within {limit_s:g} s "
+                             f"({patience:g} x Options.step_timeout_s) while rank {self.rank} "
+                             "waited: stuck?")
         return None
 
     def _fail(self, ranks: list[int], why: str, *, record: bool = True) -> None:
@@ -261,6 +266,21 @@ class StoreGroup:
                 f"torchrun's agent ({where}), which has exited (rank 0 also exits when it saw "
                 "another rank fail: its own error names that rank)",
                 ranks=(COORDINATOR,)) from None
+
+
+def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
+    """One round trip where the store has multi_get (torch >= 2.5), else one per key."""
+    if hasattr(store, "multi_get"):
+        return list(store.multi_get(keys))
+    return [store.get(key) for key in keys]
+
+
+def _multi_set(store: Any, keys: list[str], values: list[bytes]) -> None:
+    if hasattr(store, "multi_set"):
+        store.multi_set(keys, values)
+        return
+    for key, value in zip(keys, values):
+        store.set(key, value)
 
 
 def _address(store: Any) -> str:
