@@ -43,8 +43,9 @@ Choices:
   have filled part of ``state``: with ``strict=False`` or ``keys=``, a key only the damaged step
   holds keeps what it got from it.
 - Many ranks (torch.distributed initialised, or ``process_group``): every method but
-  should_save() and path() is a collective. Rank 0 lists and decides and broadcasts (JSON over
-  the manager's own gloo group, not the Checkpointer's, which a background save may be using);
+  should_save() and path() is a collective. Rank 0 lists and decides and broadcasts (JSON
+  through the job's store, in keys of the manager's own, not the Checkpointer's, which a
+  background save may be using; with the Checkpointer's deadlines);
   only rank 0 hides and deletes. After a failed load the ranks all-gather why, and all fall
   back together (damage seen by one rank makes the others raise RankFailedError).
 Not safe for concurrent use from several threads.

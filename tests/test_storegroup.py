@@ -115,3 +115,20 @@ def test_pack_round_trips_and_refuses_damage():
     damaged[-1] ^= 1
     with pytest.raises(RankFailedError, match="damaged"):
         unpack(bytes(damaged))
+
+
+@pytest.mark.parametrize("fields", [{"rank_timeout_s": 0}, {"rank_timeout_s": -1},
+                                    {"rank_timeout_s": 100, "step_timeout_s": 10}])
+def test_deadline_options_are_checked(fields):
+    import ckptio
+
+    with pytest.raises(ckptio.CkptError, match="rank_timeout_s"):
+        ckptio.Options(**fields)
+
+
+def test_deadline_options_come_from_the_environment(monkeypatch):
+    import ckptio
+
+    monkeypatch.setenv("CKPTIO_RANK_TIMEOUT_S", "7.5")
+    assert ckptio.Options.from_env().rank_timeout_s == 7.5
+    assert Deadlines(7.5).beat_s == 0.75 and Deadlines(3600).beat_s == 1.0

@@ -222,8 +222,8 @@ def exclusive(group: Group, store: Store, if_locked: str) -> Iterator[Exclusive 
 
     In the save's thread rather than in agree(): a save that waits for the claim or is refused
     reports it where every background error is reported (wait()), on every rank alike. While
-    the coordinator waits (if_locked="wait"), the other ranks wait in the broadcast, up to the
-    process group's timeout."""
+    the coordinator waits (if_locked="wait"), the other ranks wait in the broadcast, up to twice
+    Options.step_timeout_s (the coordinator's heartbeat shows it is alive)."""
     held: Exclusive | None = None
     failure: BaseException | None = None
     if group.rank == COORDINATOR:
