@@ -61,7 +61,8 @@ class Options:
         while the others wait for it at a step of a save or load (killed, crashed, frozen, cut
         off) makes every live rank raise RankFailedError naming it; nothing is committed.
     step_timeout_s: the longest a rank that is alive may keep the others waiting at one step
-        (e.g. while it still writes its share); then the same RankFailedError.
+        (e.g. while it still writes its share); then the same RankFailedError. Give every rank
+        the same two deadlines.
 
     For ``s3://bucket/prefix`` paths (``pip install 'ckptio[s3]'``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,

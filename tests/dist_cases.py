@@ -412,4 +412,7 @@ def save_load_in_subgroups(rank: int, world: int, root: str) -> dict[str, Any]:
     ckptio.save(state, path, options=SMALL, process_group=mine)
     back = {"w": torch.zeros(4, 4), f"r{rank}": torch.zeros(4, 4), "step": 0}
     ckptio.load(path, back, options=SMALL, process_group=mine)
+    # rank 0's process holds the job's store (init_process_group without torchrun): it must
+    # not exit while the other subgroup still saves through it, as with torch's own collectives
+    dist.barrier()
     return {"w": back["w"].tolist(), "mine": back[f"r{rank}"].tolist(), "step": back["step"]}

@@ -84,7 +84,7 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
     ranks = ",".join(map(str, members)) if len(members) <= 8 else (
         f"{len(members)}-{zlib.crc32(repr(members).encode()):08x}")
     alive_store = c10d._get_default_store()
-    liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s, dist.is_initialized)
+    liveness.beat(alive_store, dist.get_rank(), deadlines.beat_s)
     return StoreGroup(_store_of(group), alive_store, members, dist.get_rank(group),
                       f"ckptio/{ranks}/{instance}", deadlines)
 

@@ -8,16 +8,16 @@ deadline, by the waiting rank's own monotonic clock, is taken as dead (killed, c
 or cut off). A rank that is slow but alive (still writing its share) keeps beating and is waited
 for. Comparing counters rather than timestamps needs no synchronised clocks.
 
-Owns: the beating thread (one per process and store; stopped at interpreter exit before threads
-are joined, and once torch.distributed is torn down or the store stops answering) and the
-staleness rule. Does not own: the messages of a step or what a dead rank means (storegroup.py).
+Owns: the beating thread (one per process and store; stopped at interpreter exit, after the
+saves still running there have finished, or when the store stops answering: not by
+destroy_process_group, which may come while an async save still writes) and the staleness rule. Does not own: the messages of a step or what a dead rank means (storegroup.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["Watch", "beat", "key_of"]
@@ -31,10 +31,8 @@ def key_of(global_rank: int) -> str:
 
 
 class _Beat:
-    def __init__(self, store: Any, global_rank: int, interval_s: float,
-                 current: Callable[[], bool]) -> None:
+    def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
         self.store, self.key, self.interval_s = store, key_of(global_rank), interval_s
-        self.current = current
         self.stop = threading.Event()
         self.error: BaseException | None = None  # why it stopped (the store went away)
         # Not a daemon: a daemon inside a store call while the interpreter finalizes aborts the
@@ -42,19 +40,17 @@ class _Beat:
         self.thread = threading.Thread(target=self._run, name="ckptio-alive")
 
     def _run(self) -> None:
-        while True:
+        while not self.stop.wait(self.interval_s):
             try:
                 self.store.add(self.key, 1)
             except RuntimeError as exc:  # the store is gone (its host exited): nobody to tell
                 self.error = exc
                 return
-            if self.stop.wait(self.interval_s) or not self.current():
-                return
 
 
-def beat(store: Any, global_rank: int, interval_s: float, current: Callable[[], bool]) -> None:
+def beat(store: Any, global_rank: int, interval_s: float) -> None:
     """Make sure this process beats in ``store`` (at least every ``interval_s``) until exit or
-    until ``current()`` turns false (the store is no longer torch.distributed's). Idempotent."""
+    until the store stops answering. Idempotent."""
     with _lock:
         for key in [k for k, b in _beating.items() if not b.thread.is_alive()]:
             del _beating[key]  # stopped: the store went away or was replaced
@@ -63,7 +59,8 @@ def beat(store: Any, global_rank: int, interval_s: float, current: Callable[[], 
             return
         if running is not None:
             running.stop.set()
-        started = _Beat(store, global_rank, interval_s, current)
+        store.add(key_of(global_rank), 1)  # seen alive from now on, before any step can wait
+        started = _Beat(store, global_rank, interval_s)
         _beating[id(store)] = started
         started.thread.start()
 

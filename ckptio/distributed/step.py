@@ -52,6 +52,10 @@ def coordinate(group: Group, mine: bytes | None, error: BaseException | None, de
             answers, own = _decide_all(gathered, decide, failed)
         answer = group.scatter(answers)
     except RankFailedError as lost:  # a rank died or hung (storegroup.py): say what failed
+        if error is not None:
+            return None  # this rank's own error is what its caller raises
+        if getattr(lost, "earlier", False):  # the group failed before this step began
+            raise
         raise RankFailedError(failed([str(lost)]), lost.ranks) from None
     if own is not None:
         raise own

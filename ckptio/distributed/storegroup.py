@@ -65,12 +65,13 @@ class StoreGroup:
         self._counts = {"gather": 0, "scatter": 0, "broadcast": 0}
         self._poll_cap_s = max(0.05, self.size / 20000)  # 4096 ranks: 20k polls/s at most
         self._failed_seen = False
+        self._sent = False  # this rank's last gather message is still in the store
         self._dead: set[int] = set()  # found dead after a decision stood (see _delivered)
 
     # ------------------------------------------------------------- the Group protocol
 
     def gather(self, data: bytes) -> list[bytes] | None:
-        self._call(self._raise_if_failed)
+        self._call(self._raise_if_failed_before)
         step = self._next("gather")
         if self.rank != COORDINATOR:
             self._call(lambda: self._send(step, data))
@@ -78,9 +79,8 @@ class StoreGroup:
         return self._call(lambda: [data] + self._collect(step))
 
     def scatter(self, parts: list[bytes] | None) -> bytes:
-        self._call(self._raise_if_failed)
         step = self._next("scatter")
-        if self.rank == COORDINATOR:
+        if self.rank == COORDINATOR:  # it decided (perhaps committed): it answers regardless
             if parts is None or len(parts) != self.size:
                 raise TypeError("scatter: the coordinator passes one part per rank")  # internal
             self._call(lambda: self._answer(step, parts))
@@ -88,7 +88,7 @@ class StoreGroup:
         return self._call(lambda: self._answered(step))
 
     def broadcast(self, data: bytes | None) -> bytes:
-        self._call(self._raise_if_failed)
+        self._call(self._raise_if_failed_before)
         step = self._next("broadcast")
         key = self._key(f"b/{step}")
         if self.rank == COORDINATOR:
@@ -113,7 +113,9 @@ class StoreGroup:
 
     def _send(self, step: int, data: bytes) -> None:
         self.store.set(self._key(f"in/{self.rank}"), _STAMP.pack(step) + data)
+        self.store.add(self._key(f"in/{self.rank}/n"), 1)  # = step: what the coordinator looks at
         self.store.add(self._key("in/n"), 1)
+        self._sent = True
 
     def _collect(self, step: int) -> list[bytes]:
         """On the coordinator: the other ranks' messages of gather ``step``, once all are in."""
@@ -127,17 +129,23 @@ class StoreGroup:
 
     def _not_sent(self, step: int, arrived: set[int]) -> list[int]:
         """The ranks whose message of ``step`` is not in yet (``arrived``: those seen, kept
-        between looks so each rank's key is fetched once it is in)."""
+        between looks): one small counter per rank, never the message itself."""
         missing = []
         for r in range(1, self.size):
             if r in arrived:
                 continue
-            key = self._key(f"in/{r}")
-            if self.store.check([key]) and _STAMP.unpack_from(self.store.get(key))[0] >= step:
+            if int(self.store.add(self._key(f"in/{r}/n"), 0)) >= step:
                 arrived.add(r)
             else:
                 missing.append(r)
         return missing
+
+    def _tidy(self) -> None:
+        """Once this rank has its answer, its message and answer are read: delete them (the
+        store keeps no message per rank between steps, nor after a group is dropped)."""
+        if self._sent:
+            self.store.delete_key(self._key(f"in/{self.rank}"))
+            self._sent = False
 
     def _answer(self, step: int, parts: list[bytes]) -> None:
         _multi_set(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
@@ -151,6 +159,8 @@ class StoreGroup:
         key = self._key(f"out/{self.rank}")
         answer = _unstamp(step, self.store.get(key), what=key)
         self.store.add(self._key("out/read"), 1)
+        self.store.delete_key(key)
+        self._tidy()
         return answer
 
     def _send_broadcast(self, step: int, key: str, data: bytes) -> None:
@@ -165,6 +175,7 @@ class StoreGroup:
                    lambda: [COORDINATOR], "its message", patience=2)
         data = bytes(self.store.get(key))
         self.store.add(key + "/read", 1)
+        self._tidy()
         return data
 
     def _delivered(self, counter: str, expected: int) -> bool:
@@ -198,10 +209,10 @@ class StoreGroup:
         look_at = began + self.deadlines.beat_s
         pause = 0.0002
         while not ready():
-            if check_failed:
-                self._raise_if_failed()
             now = time.monotonic()
-            if now >= look_at:
+            if now >= look_at:  # a look: a recorded failure, then the missing ranks' liveness
+                if check_failed:
+                    self._raise_if_failed()
                 look_at = now + self.deadlines.beat_s
                 failure = self._judge(waiting_for(), watch, now - began, what, patience)
                 if failure is not None:
@@ -219,9 +230,11 @@ class StoreGroup:
                           "process exited, was killed, is frozen or was cut off")
         limit_s = patience * self.deadlines.step_s
         if missing and waited_s > limit_s:
-            return missing, (f"alive but did not send {what} within {limit_s:g} s "
-                             f"({patience:g} x Options.step_timeout_s) while rank {self.rank} "
-                             "waited: stuck?")
+            unseen = [r for r in missing if watch.seen.get(self.members[r], (0, 0.0))[0] == 0]
+            why = ("never seen alive by ckptio: it may have failed before its first save or load"
+                   if len(unseen) == len(missing) else "alive, but stuck?")
+            return missing, (f"did not send {what} within {limit_s:g} s ({patience:g} x "
+                             f"Options.step_timeout_s) while rank {self.rank} waited; {why}")
         return None
 
     def _fail(self, ranks: list[int], why: str, *, record: bool = True) -> None:
@@ -235,15 +248,31 @@ class StoreGroup:
         # in this process, which is about to exit (a rank still busy writing reads it at its
         # next step, or finds the store gone: its message then says why).
         seen = self._key("failed/seen")
+        if not self._failed_seen:  # counted before waiting: ranks recording at once do not
+            self._failed_seen = True  # wait for one another
+            self.store.add(seen, 1)
         until = time.monotonic() + self.deadlines.rank_s
         try:
-            self._wait(lambda: (int(self.store.add(seen, 0)) >= self.size - len(self._dead) - 1
+            self._wait(lambda: (int(self.store.add(seen, 0)) >= self.size - len(self._dead)
                                 or time.monotonic() > until),
                        lambda: [r for r in range(self.size) if r != self.rank and r not in self._dead],
                        "the failure to be read", record=False, check_failed=False)
         except RankFailedError as lost:  # another rank died meanwhile: it will not read it
             self._dead.update(lost.ranks)
         self._raise_if_failed()
+
+    def _raise_if_failed_before(self) -> None:
+        """At the start of a collective: a failure this rank has raised before means the group
+        is still failed (a job that lost a rank restarts); say so."""
+        if not self._failed_seen:
+            self._raise_if_failed()
+            return
+        message = bytes(self.store.get(self._key("failed"))).decode(errors="replace")
+        lost = RankFailedError(f"these ranks failed together in an earlier save or load, and "
+                               f"ckptio does not use them again (restart the job): {message}",
+                               ranks=_named_ranks(message))
+        lost.earlier = True  # type: ignore[attr-defined]  # step.coordinate raises it as is
+        raise lost
 
     def _raise_if_failed(self) -> None:
         key = self._key("failed")
@@ -261,10 +290,10 @@ class StoreGroup:
         except RuntimeError as exc:  # torch's DistError family: the store's host is gone
             where = _address(self.store)
             raise RankFailedError(
-                f"rank 0 (the coordinator): the job's rendezvous store stopped answering rank "
-                f"{self.rank} ({type(exc).__name__}: {exc}); it lives in rank 0's process or "
-                f"torchrun's agent ({where}), which has exited (rank 0 also exits when it saw "
-                "another rank fail: its own error names that rank)",
+                f"rank 0: the job's rendezvous store ({where}) stopped answering rank "
+                f"{self.rank} ({type(exc).__name__}: {exc}): the process that holds it (rank "
+                "0's, unless torchrun's agent holds it) exited or is unreachable; if rank 0 "
+                "stopped because it lost another rank, its own error names that rank",
                 ranks=(COORDINATOR,)) from None
 
 
