@@ -132,3 +132,16 @@ def test_deadline_options_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("CKPTIO_RANK_TIMEOUT_S", "7.5")
     assert ckptio.Options.from_env().rank_timeout_s == 7.5
     assert Deadlines(7.5).beat_s == 0.75 and Deadlines(3600).beat_s == 1.0
+
+
+def test_a_process_beats_at_once_and_then_on_its_own():
+    """The first beat happens before beat() returns (a rank killed right after its first
+    ckptio call has been seen alive, so it is judged by rank_timeout_s), then a thread beats
+    (it is not stopped by destroy_process_group: only at exit, or when the store is gone)."""
+    from ckptio.distributed import liveness
+
+    store = dist.HashStore()
+    liveness.beat(store, 5, 0.05)
+    assert int(store.add(key_of(5), 0)) >= 1
+    time.sleep(0.3)
+    assert int(store.add(key_of(5), 0)) >= 3
