@@ -6,15 +6,16 @@ no process group is made, nothing is pickled, and every wait is a loop that can 
 waiting rank watches the ranks it waits for (liveness.py): one that shows no sign of life for
 ``Deadlines.rank_s`` is named in a RankFailedError on every live rank; one alive but still not
 at the step after ``Deadlines.step_s`` likewise. The failure is recorded in the store, so every
-rank waiting anywhere in the group raises it at its next poll, and the group stays failed (a
-job that lost a rank restarts). A store that stops answering (its host exited) fails the step
-at once, naming the coordinator's store.
+rank waiting anywhere in the group raises it at its next look (every beat), and the group stays
+failed (a job that lost a rank restarts). A store whose host exited fails the step at once,
+naming rank 0; a frozen host stalls store calls (TCPStore calls have no receive timeout).
 
 Keys of a group live under ``ckptio/<ranks>/<instance>/``. A gather's messages and a scatter's
-answers are one key per rank, overwritten by the next step and stamped with the step's number
-(a rank sends its next message only after the coordinator's answer, which reads every message
-first); broadcasts are one key per step, deleted by the last reader. Counters (``add``) say
-when a step is complete: they never block, so no wait depends on a key existing.
+answers are one key per rank, stamped with the step's number and deleted by their rank once it
+has its answer (a rank sends its next message only after the coordinator's answer, which reads
+every message first); broadcasts are one key per step, deleted by the coordinator once every
+rank read it. Counters (``add``) say when a step is complete and which ranks sent: they never
+block, so no wait depends on a key existing, and a look never fetches a message.
 
 Owns: the Group protocol's implementation over a store, deadlines and the failure record. Does
 not own: what the messages say (wire.py, step.py), or liveness (liveness.py).
