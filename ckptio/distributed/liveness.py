@@ -34,7 +34,6 @@ class _Beat:
     def __init__(self, store: Any, global_rank: int, interval_s: float) -> None:
         self.store, self.key, self.interval_s = store, key_of(global_rank), interval_s
         self.stop = threading.Event()
-        self.error: BaseException | None = None  # why it stopped (the store went away)
         # Not a daemon: a daemon inside a store call while the interpreter finalizes aborts the
         # process; the exit hook below stops it within one interval instead.
         self.thread = threading.Thread(target=self._run, name="ckptio-alive")
@@ -43,8 +42,7 @@ class _Beat:
         while not self.stop.wait(self.interval_s):
             try:
                 self.store.add(self.key, 1)
-            except RuntimeError as exc:  # the store is gone (its host exited): nobody to tell
-                self.error = exc
+            except RuntimeError:  # the store is gone (its host exited): nobody left to tell
                 return
 
 
