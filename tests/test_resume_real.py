@@ -9,7 +9,8 @@ load_state_dict()). Each run is its own process (python -m ckptio.demo.train):
 * a reference run trains STEPS steps uninterrupted, recording every loss (on a text so short
   that an epoch is 5 steps: the resume starts mid-epoch, epochs in, and crosses epochs);
 * a second run checkpoints every EVERY steps and SIGKILLs itself right after the save of step
-  KILL returned (async: while it is still being written; sync: once committed);
+  KILL returned (async: while it is still being written, its commit held back so the kill
+  lands mid-save however busy the machine; sync: once committed);
 * a third, fresh process builds everything anew, restores the latest complete checkpoint and
   trains to STEPS. Its losses must equal the reference's bit for bit (float.hex).
 

@@ -110,7 +110,9 @@ def killed_run(plan: Plan, work: str, ckpts: str) -> dict[str, Any]:
     say(f"\n[2/3] The same run in a new process, saving a checkpoint every {plan.save_every} "
         f"steps through ckptio.CheckpointManager, {MODES[plan.mode]}. At step {plan.kill_at}, "
         f"right after the save of step-{plan.kill_at} {when}, the process kills itself "
-        "with SIGKILL (no cleanup, no exit handlers: like a power cut or the OOM killer).")
+        "with SIGKILL (no cleanup, no exit handlers: like a power cut or the OOM killer)."
+        + ("" if plan.mode == "sync" else " That save's commit is held back, so the kill lands "
+           "mid-save however fast this machine writes."))
     run = run_training(train_args(plan, os.path.join(work, "killed.json"), "--dir", ckpts,
                                   "--kill-at", str(plan.kill_at)), killed=True)[0]
     note = run["kill"]

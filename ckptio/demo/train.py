@@ -23,6 +23,7 @@ import mmap
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-save", action="store_true", help="no checkpoints (the reference run)")
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint first")
     p.add_argument("--kill-at", type=int, help="SIGKILL this process right after the save of "
-                   "this step has started (a checkpoint step)")
+                   "this step has started (a checkpoint step; an async save's commit is held back "
+                   "so that the kill lands mid-save however fast the disk)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--forget", help=argparse.SUPPRESS)  # tests: restore all but this key
     p.add_argument("--threads", type=int, default=1, help="torch threads (runs compared bitwise "
@@ -141,6 +143,24 @@ def ckpt_status(last: tuple[int, Any] | None, saving: bool) -> str:
     progress = saved.progress()
     pct = 100 * progress.nbytes_written / max(1, progress.nbytes_total)
     return f"ckpt step-{step} saving {pct:.0f}%"
+
+
+def hold_commits(mgr: Any) -> None:
+    """Let the previous save finish, then keep every later save from committing: its data is
+    written, but never fsynced nor committed. So the SIGKILL right after an async save returns
+    lands mid-save on any machine (a small save on a fast disk, or a kill delayed by a busy CPU,
+    could otherwise see the save committed first, and the kill would test nothing)."""
+    from ckptio.saving import persist
+
+    mgr.wait()
+    never = threading.Event()  # never set: the process is killed while its save waits here
+    finish = persist.SaveJob.finish
+
+    def held(job: persist.SaveJob) -> Any:
+        never.wait()
+        return finish(job)
+
+    persist.SaveJob.finish = held  # type: ignore[method-assign]
 
 
 def kill_now(note: mmap.mmap, step: int, handle: Any) -> None:
@@ -232,6 +252,8 @@ def loop(trainer: Trainer, mgr: Any, start: int, record: dict[str, Any],
         if done == args.kill_at:  # what this process did up to here is on record before the save
             write_json(out_path(args.out, rank), record)
             bar.close()
+            if mgr is not None and args.mode != "sync":
+                hold_commits(mgr)
         handle = None if mgr is None else mgr.save(
             done, trainer.state(done), asynchronous=args.mode != "sync", lazy=args.mode == "lazy",
             optimizers=[trainer.parts.opt] if args.mode == "lazy" else ())
