@@ -416,3 +416,63 @@ def save_load_in_subgroups(rank: int, world: int, root: str) -> dict[str, Any]:
     # not exit while the other subgroup still saves through it, as with torch's own collectives
     dist.barrier()
     return {"w": back["w"].tolist(), "mine": back[f"r{rank}"].tolist(), "step": back["step"]}
+
+
+# ------------------------------------------------------------------ regular layouts
+
+
+GRID_LAYOUTS = {  # key -> (shape, placements over a 2 x 2 mesh); uneven sizes, nested Shard(0)
+    "col": ((10, 6), ("S0", "S0")), "row": ((6, 9), ("S0", "S1")), "norm": ((7,), ("R", "R")),
+    "half": ((9, 4), ("S0", "R")), "tp": ((5, 4), ("R", "S1")), "small": ((3, 2), ("S0", "S0")),
+}
+
+
+def grid_state(rank: int, world: int, fill: float | None = None) -> dict[str, Any]:
+    """DTensors on a 2 x 2 mesh as FSDP x TP lays them out; "small" has an empty shard (3 rows
+    in 4 nested pieces) and takes the per-chunk path. ``fill``: every element that value."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    state: dict[str, Any] = {}
+    for n, (key, (shape, kinds)) in enumerate(GRID_LAYOUTS.items()):
+        full = torch.arange(n * 1000, n * 1000 + _numel(shape), dtype=torch.float32).reshape(shape)
+        if fill is not None:
+            full.fill_(fill)
+        placements = [Replicate() if k == "R" else Shard(int(k[1])) for k in kinds]
+        state[key] = distribute_tensor(full, mesh, placements)
+    state["step"] = 3
+    return state
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Save a regular layout (checking it is planned per tensor), load it back in place;
+    -> the manifest body and the keys this rank planned as regular."""
+    from ckptio.distributed import collective
+    from ckptio.distributed.dist import over_torch
+    from ckptio.format.flatten import flatten
+    from ckptio.planning.plan import build_plan
+
+    import torch.distributed as dist
+
+    state = grid_state(rank, world)
+    plan, sources = build_plan(flatten(state), allow_pickle=False)
+    mine = collective.local_plan(over_torch(dist.group.WORLD), plan, sources, flatten(state))
+    regular = sorted(i.key for i in mine.regular.items) if mine.regular else []
+    ckptio.save(state, path, options=SMALL)
+    fresh = grid_state(rank, world, fill=-1.0)
+    fresh["step"] = 0
+    ckptio.load(path, fresh, options=SMALL)
+    for key in GRID_LAYOUTS:
+        assert torch.equal(local(state[key]), local(fresh[key])), key
+    assert fresh["step"] == 3
+    with open(os.path.join(path, "manifest.json")) as f:
+        f.readline()
+        return {"manifest": json.loads(f.readline()), "regular": regular}

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 import ckptio
 from ckptio.testing.ranks import run_ranks
@@ -28,10 +29,13 @@ def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
     by_key: dict[str, list] = {}
     for t in tensors:
         by_key.setdefault(t["key"], []).append(t)
-    # replicated tensors: stored once each, by different ranks (spread by bytes)
+    # replicated tensors: stored once each. Replicated DTensors by the replica their key's hash
+    # names (a regular layout: every rank knows it without asking; tests/test_grid.py checks
+    # the spread over many keys)
     assert len(by_key["r1"]) == 1 and len(by_key["r2"]) == 1 and len(by_key["same"]) == 1
-    writers = {by_key[k][0]["file"].split("-r")[1][:5] for k in ("r1", "r2")}
-    assert writers == {"00000", "00001"}
+    for key in ("r1", "r2"):
+        writer = int(by_key[key][0]["file"].split("-r")[1][:5])
+        assert writer == xxhash.xxh3_64_intdigest(key.encode()) % 2, key
     # sharded: one chunk per rank; per-rank plain tensors: one entry per rank, marked
     assert sorted(t["chunk"]["offsets"][0] for t in by_key["w"]) == [0, 4]
     assert sorted(t["rank"] for t in by_key["rng"]) == [0, 1]
@@ -186,3 +190,26 @@ def test_subgroups_save_and_load_their_own_checkpoints(tmp_path):
         assert got["w"] == (torch.arange(16.0).reshape(4, 4) * (half + 1)).tolist()
         assert got["mine"] == torch.full((4, 4), float(rank)).tolist() and got["step"] == 3
     assert ckptio.load(str(tmp_path / "half1"))["r3"][0, 0] == 3.0
+
+
+def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
+    """FSDP x TP-like DTensors on a 2 x 2 mesh (nested Shard(0), Shard(1), Replicate, uneven
+    sizes): planned per tensor (every rank computes its writes), each chunk stored exactly
+    once, loaded back in place on 4 ranks and whole in one process; a layout with an empty
+    shard takes the per-chunk path in the same save."""
+    path = str(tmp_path / "ck")
+    bodies = run_ranks(4, cases.grid_roundtrip, path)
+    regular = sorted(k for k in cases.GRID_LAYOUTS if k != "small")
+    assert all(b["regular"] == regular for b in bodies)
+    entries: dict[str, list] = {}
+    for t in bodies[0]["manifest"]["tensors"]:
+        entries.setdefault(t["key"], []).append(t)
+    for key, (shape, kinds) in cases.GRID_LAYOUTS.items():
+        chunks = {(tuple(t["chunk"]["offsets"]), tuple(t["chunk"]["sizes"])) for t in entries[key]}
+        assert len(chunks) == len(entries[key]), key  # no chunk twice
+        assert sum(cases._numel(s) for _o, s in chunks) == cases._numel(shape), key
+    assert len(entries["norm"]) == 1 and len(entries["col"]) == 4 and len(entries["half"]) == 2
+    whole = ckptio.load(path)
+    for n, (key, (shape, _kinds)) in enumerate(cases.GRID_LAYOUTS.items()):
+        want = torch.arange(n * 1000, n * 1000 + cases._numel(shape), dtype=torch.float32)
+        assert torch.equal(whole[key], want.reshape(shape)), key

@@ -20,7 +20,7 @@ def rank_plan(rank: int, items, sharded=(), digests=None, objects=(), tree=None,
     domains = {n: mesh for n, i in enumerate(items) if i.key in sharded} if mesh else {}
     digests = dict(enumerate(digests)) if digests is not None else {
         n: "0" * 16 for n, i in enumerate(items) if n not in domains}
-    return RankPlan(rank, tuple(items), frozenset(sharded), digests, tuple(objects),
+    return RankPlan(rank, dict(enumerate(items)), frozenset(sharded), digests, tuple(objects),
                     tuple(aliases), tree if tree is not None else {"d": []}, domains)
 
 
@@ -143,23 +143,26 @@ def test_trees_merge_dicts_and_refuse_other_differences():
         merge_trees([{"l": [{"k": "0"}]}, {"l": [{"k": "0"}, {"k": "1"}]}])
 
 
-def test_wire_round_trip_and_same_as():
+def test_wire_round_trip_layout_published_apart():
     plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,)), item("p", 4)], sharded={"w"},
                      objects=[ObjectEntry("o", ["int", 1])], tree={"d": [["w", {"k": "w"}]]})
-    back, error, fp, same = wire.decode_plan(wire.encode_plan(plan), 3, None, None)
-    assert error is None and back == plan and not same
-    assert fp == wire.fingerprint(wire.layout_bytes(plan))
-    changed = RankPlan(3, plan.items, plan.sharded, plan.digests,
-                       (ObjectEntry("same_as", ["str", "same_as"]),), plan.aliases, plan.tree,
-                       plan.domains)
-    again, _, _, same = wire.decode_plan(wire.encode_plan(changed, same_as=fp), 3, plan, fp)
-    assert again == changed and same  # the layout from the cache, values from the message
-    fresh = wire.decode_plan(wire.encode_plan(changed), 3, plan, fp)
-    assert fresh[0] == changed and not fresh[3]  # a value that looks like a marker: still fresh
-    _, error, _, _ = wire.decode_plan(wire.encode_plan(changed, same_as="old"), 3, plan, fp)
-    assert error is not None
+    layout = wire.layout_bytes(plan)
+    fp = wire.fingerprint(layout)
+    values = wire.decode_plan(wire.encode_plan(plan, fp=fp), 3)
+    assert isinstance(values, wire.Values) and values.fingerprint == fp
+    assert wire.decode_layout(layout, fp).plan(3, values) == plan
+    # values go every time; the layout is the same bytes for another rank of the same layout
+    changed = RankPlan(4, plan.items, plan.sharded, plan.digests,
+                       (ObjectEntry("o", ["int", 2]),), plan.aliases, plan.tree, plan.domains)
+    assert wire.layout_bytes(changed) == layout
+    again = wire.decode_plan(wire.encode_plan(changed, fp=fp), 4)
+    assert isinstance(again, wire.Values)
+    assert wire.decode_layout(layout, fp).plan(4, again) == changed
+    assert wire.decode_plan(wire.encode_plan(None, "boom"), 1) == "boom"
+    with pytest.raises(wire.WireError, match="fingerprint"):  # altered bytes are refused
+        wire.decode_layout(layout.replace(b'"w"', b'"x"'), fp)
     with pytest.raises(wire.WireError):
-        wire.decode_plan(b'{"rank": 1}', 1, None, None)
+        wire.decode_plan(b'{"rank": 1}', 1)
 
 
 def test_written_results_are_keyed_by_item_not_position():

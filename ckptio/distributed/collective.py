@@ -37,7 +37,9 @@ from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.flatten import FlatState
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
+from ckptio.planning.grid import Grid
 from ckptio.planning.plan import SavePlan
+from ckptio.planning.regular import Regular, RegularItem, regular_writes
 from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
@@ -49,15 +51,17 @@ Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
 
 @dataclass
 class Memory:
-    """Plans remembered between saves: this rank's last fingerprint, and on the coordinator
-    every rank's last plan and the decisions made from them."""
+    """Plans remembered between saves: this rank's last layout fingerprint (published), and on
+    the coordinator the layouts of the last save by fingerprint, every rank's fingerprint in
+    it, and the decisions made from them."""
 
     fingerprint: str | None = None
-    plans: dict[int, tuple[str, RankPlan]] = field(default_factory=dict)
+    layouts: dict[str, wire.Layout] = field(default_factory=dict)
+    fingerprints: tuple[str, ...] = ()
     last: tuple[frozenset[str], GlobalPlan] | None = None
     reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
     tree: Any = None  # this rank's last tree and items (a reused layout must have the same)
-    items: tuple[WriteItem, ...] = ()
+    items: Mapping[int, WriteItem] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,15 +74,34 @@ class Agreement:
 
 def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
                flat: FlatState) -> RankPlan:
-    """This rank's RankPlan; plain items carry a digest of their bytes when there are peers."""
-    domains = {index: plan.domains[i.key] for index, i in enumerate(plan.items)
-               if i.key in plan.domains}
+    """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
+    Regular DTensor items (grid.py) are planned per tensor when the group is the whole job
+    (their meshes name global ranks); every other item per chunk."""
+    grids = plan.grids if _whole_job(group) else {}
+    items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
+    domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
     digests: dict[int, str] = {}
     if group.size > 1:
-        digests = {index: _digest(sources[i.key]) for index, i in enumerate(plan.items)
+        digests = {index: _digest(sources[i.key]) for index, i in items.items()
                    if index not in domains}
-    return RankPlan(group.rank, plan.items, plan.sharded, digests, plan.objects, plan.aliases,
-                    flat.tree, domains)
+    return RankPlan(group.rank, items, plan.sharded, digests, plan.objects, plan.aliases,
+                    flat.tree, domains, _regular(plan, grids) if grids else None)
+
+
+def _whole_job(group: Group) -> bool:
+    """Whether ``group`` has peers and its ranks are the job's global ranks."""
+    return group.size > 1 and getattr(group, "members", None) == tuple(range(group.size))
+
+
+def _regular(plan: SavePlan, grids: Mapping[str, Grid]) -> Regular:
+    numbers: dict[Grid, int] = {}
+    items = []
+    for index, item in enumerate(plan.items):
+        grid = grids.get(item.key)
+        if grid is not None:
+            number = numbers.setdefault(grid, len(numbers))
+            items.append(RegularItem(index, item.key, item.dtype, item.shape, number))
+    return Regular(tuple(numbers), tuple(items))
 
 
 def _valued_shards(plan: RankPlan) -> bool:
@@ -111,12 +134,17 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     memory.items = mine.items if mine is not None else ()
     if group.size == 1:
         return _agree_alone(mine, error, memory, reuse)
-    message = None if mine is None else _plan_message(mine, memory, reuse)
+    message = None
+    if mine is not None:
+        try:
+            message = _plan_message(group, mine, memory, reuse)
+        except BaseException as exc:  # noqa: BLE001 - sent to the peers, then raised below
+            mine, error = None, exc
     decided: list[Decision] = []  # the coordinator's decision (it answers the others)
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
-            decided.append(_decide(messages, memory))
+            decided.append(_decide(messages, memory, group))
         return decided[0].answers
 
     try:
@@ -128,27 +156,30 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
         _forget(memory)
         raise error  # type: ignore[misc]  # answer is None only when this rank brought one
     save_id, assignment = wire.decode_answer(answer)
+    if mine is not None and mine.regular is not None:  # this rank's regular writes: its own
+        assignment = Assignment(tuple(sorted(
+            {*assignment.writes, *regular_writes(mine.regular, group.rank)})), assignment.own)
     if not decided:
         return Agreement(save_id, assignment)
     return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan)
 
 
-def _plan_message(mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
-    """This rank's plan: its whole layout, or only the fingerprint of the one sent last."""
-    if reuse and memory.fingerprint is not None:
-        return wire.encode_plan(mine, same_as=memory.fingerprint)
-    layout = wire.layout_bytes(mine)
-    fingerprint = wire.fingerprint(layout)
-    same = fingerprint == memory.fingerprint
-    memory.fingerprint = fingerprint
-    return (wire.encode_plan(mine, same_as=fingerprint) if same
-            else wire.encode_plan(mine, layout=layout))
+def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
+    """This rank's plan: its values and its layout's fingerprint. A new layout is published
+    first (group.publish: once for all ranks whose layout bytes are equal)."""
+    if not (reuse and memory.fingerprint is not None):
+        layout = wire.layout_bytes(mine)
+        fingerprint = wire.fingerprint(layout)
+        if fingerprint != memory.fingerprint:
+            memory.fingerprint = None  # until published
+            group.publish(fingerprint, layout)
+        memory.fingerprint = fingerprint
+    return wire.encode_plan(mine, fp=memory.fingerprint)
 
 
 def _forget(memory: Memory) -> None:
-    """After a failed agreement: the next save sends and decides everything afresh."""
-    memory.fingerprint = None
-    memory.plans.clear()
+    """After a failed agreement: the next save decides everything afresh."""
+    memory.fingerprints = ()
     memory.last = None
 
 
@@ -176,21 +207,25 @@ class Decision:
     global_plan: GlobalPlan
 
 
-def _decide(gathered: list[bytes], memory: Memory) -> Decision:
+def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
     """On the coordinator: every rank's plan -> every rank's answer; raises CkptError when the
-    ranks' plans cannot be combined (every rank then fails)."""
-    plans: list[RankPlan] = []
-    all_same = True
+    ranks' plans cannot be combined (every rank then fails). Each distinct layout is fetched
+    and decoded once, and kept while ranks still send it."""
+    values: list[wire.Values] = []
     for rank, data in enumerate(gathered):
-        cached = memory.plans.get(rank)
-        plan, error, fingerprint, same = wire.decode_plan(data, rank, cached[1] if cached else None,
-                                                    cached[0] if cached else None)
-        if plan is None:
-            raise CkptError(f"rank {rank}: {error}")
-        all_same = all_same and same
-        plans.append(plan)
-        if not same and fingerprint is not None:
-            memory.plans[rank] = (fingerprint, plan)
+        decoded = wire.decode_plan(data, rank)
+        if isinstance(decoded, str):
+            raise CkptError(f"rank {rank}: {decoded}")
+        values.append(decoded)
+    fingerprints = tuple(v.fingerprint for v in values)
+    unknown = sorted(set(fingerprints) - memory.layouts.keys())
+    for fingerprint, layout in zip(unknown, group.fetch(unknown) if unknown else []):
+        memory.layouts[fingerprint] = wire.decode_layout(layout, fingerprint)
+    all_same = fingerprints == memory.fingerprints
+    memory.fingerprints = fingerprints
+    for stale in memory.layouts.keys() - set(fingerprints):
+        del memory.layouts[stale]
+    plans = [memory.layouts[v.fingerprint].plan(rank, v) for rank, v in enumerate(values)]
     try:
         own = per_rank_keys(plans)
         if all_same and memory.last is not None and memory.last[0] == own:
@@ -287,9 +322,11 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
-            results = [wire.decode_result(data, rank, _assigned(agreement, rank))
+            assigned = [_assigned(agreement, rank) for rank in range(len(messages))]
+            results = [wire.decode_result(data, rank, assigned[rank])
                        for rank, data in enumerate(messages)]
-        _commit(results, agreement, store, meta, algorithm, block_nbytes, committed, held)
+        _commit(results, assigned, agreement, store, meta, algorithm, block_nbytes, committed,
+                held)
         return [b""] * len(messages)
 
     def failed(failures: list[str]) -> str:
@@ -301,14 +338,18 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
 
 
 def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
-    """Rank ``rank``'s assigned items by their index in its plan (what its result is keyed by)."""
+    """Rank ``rank``'s written items by their index in its plan (what its result is keyed by):
+    those the coordinator assigned, and its regular ones (which follow from their grids)."""
     assert agreement.global_plan is not None  # internal: set on the coordinator
-    items = agreement.plans[rank].items
-    return {i: items[i] for i in agreement.global_plan.assignments[rank].writes}
+    plan = agreement.plans[rank]
+    assigned = {i: plan.items[i] for i in agreement.global_plan.assignments[rank].writes}
+    if plan.regular is not None:
+        assigned.update(regular_writes(plan.regular, rank))
+    return assigned
 
 
 def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
-            agreement: Agreement, store: Store, meta: dict[str, Any], algorithm: str,
+            assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store, meta: dict[str, Any], algorithm: str,
             block_nbytes: int, committed: Callable[[list[str]], None],
             held: Exclusive | None) -> None:
     """On the coordinator, once every rank has written: build, check and commit the manifest."""
@@ -321,7 +362,9 @@ def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str |
         record = Manifest(
             version=manifest.VERSION, save_id=agreement.save_id,
             checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
-            tensors=tuple(manifest_entries(agreement.plans, plan.assignments, written)),
+            tensors=tuple(manifest_entries(agreement.plans, [
+                Assignment(tuple(sorted(a)), given.own)
+                for a, given in zip(assigned, plan.assignments)], written)),
             objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
             block_nbytes=block_nbytes)
     # The reader's key rules, before the commit: a manifest that would not load must not

@@ -1,7 +1,8 @@
 """The ranks of a save or load, and the few byte messages they exchange.
 
 A ``Group`` is this process's rank, the number of ranks and four collectives on byte strings
-(gather to the coordinator, scatter from it, broadcast from it, all-gather). ``Solo`` is one
+(gather to the coordinator, scatter from it, broadcast from it, all-gather), and a way to send
+the coordinator bytes that many ranks hold alike once (publish / fetch). ``Solo`` is one
 process with no torch.distributed; ``over_torch`` gives the ranks of a torch process group,
 exchanging bytes through the job's rendezvous store with deadlines (storegroup.py): metadata
 never goes through NCCL or gloo, no process group is made, and a save's background thread never
@@ -44,12 +45,24 @@ class Group(Protocol):
     def all_gather(self, data: bytes) -> list[bytes]:
         ...
 
+    def publish(self, name: str, data: bytes) -> None:
+        """Make ``data`` fetchable under ``name`` (a fingerprint of it: ranks publishing one
+        name publish equal bytes, stored once). Before the gather that names it."""
+        ...
+
+    def fetch(self, names: list[str]) -> list[bytes]:
+        """On the coordinator, after a gather whose senders published ``names``: their bytes."""
+        ...
+
 
 class Solo:
     """One process: every collective is the identity."""
 
     rank = 0
     size = 1
+
+    def __init__(self) -> None:
+        self._published: dict[str, bytes] = {}
 
     def gather(self, data: bytes) -> list[bytes] | None:
         return [data]
@@ -64,6 +77,12 @@ class Solo:
 
     def all_gather(self, data: bytes) -> list[bytes]:
         return [data]
+
+    def publish(self, name: str, data: bytes) -> None:
+        self._published.setdefault(name, data)
+
+    def fetch(self, names: list[str]) -> list[bytes]:
+        return [self._published[name] for name in names]
 
 
 _instances: dict[tuple[int, ...], int] = {}  # groups made in this process, per set of ranks

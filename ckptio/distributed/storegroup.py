@@ -103,6 +103,23 @@ class StoreGroup:
         gathered = self.gather(data)
         return unpack(self.broadcast(None if gathered is None else pack(gathered)))
 
+    def publish(self, name: str, data: bytes) -> None:
+        """Store ``data`` under ``name`` unless another rank claimed the name first (equal
+        names are equal bytes): one copy in the store however many ranks publish it."""
+        key = self._key(f"shared/{name}")
+
+        def put() -> None:
+            if self.store.add(f"{key}/claim", 1) == 1:
+                self.store.set(key, data)
+
+        self._call(self._raise_if_failed_before)
+        self._call(put)
+
+    def fetch(self, names: list[str]) -> list[bytes]:
+        """The coordinator, once the gather is in: every claimer stored its bytes before
+        sending its message, so they are there."""
+        return self._call(lambda: _multi_get(self.store, [self._key(f"shared/{n}") for n in names]))
+
     # ------------------------------------------------------------- steps
 
     def _next(self, kind: str) -> int:

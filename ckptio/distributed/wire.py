@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
+from ckptio.planning.grid import Grid
+from ckptio.planning.regular import Regular, RegularItem
 from ckptio.format.types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
 
-__all__ = ["WireError", "decode_answer", "decode_plan", "decode_result", "encode_answer",
-           "encode_plan", "encode_result", "fingerprint", "layout_bytes"]
+__all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
+           "decode_result", "encode_answer", "encode_plan", "encode_result", "fingerprint",
+           "layout_bytes"]
 
 
 class WireError(CkptError):
@@ -50,55 +54,96 @@ def _unitem(raw: list[Any]) -> WriteItem:
 
 
 def layout_bytes(plan: RankPlan) -> bytes:
-    """The part of a rank's plan that stays the same while its layout does."""
-    return _dumps([[_item(i) for i in plan.items], sorted(plan.sharded),
+    """The part of a rank's plan that stays the same while its layout does, and that nothing
+    rank-specific enters where the state is laid out alike (regular DTensor items say only
+    their grid): ranks of one layout send equal bytes, published once (collective.py)."""
+    regular = None
+    if plan.regular is not None:
+        regular = [[[list(g.shape), list(g.ranks), list(g.dims)] for g in plan.regular.grids],
+                   [[i.index, i.key, i.dtype, list(i.shape), i.grid] for i in plan.regular.items]]
+    return _dumps([[[index, *_item(i)] for index, i in plan.items.items()], sorted(plan.sharded),
                    [list(a) for a in plan.aliases], plan.tree,
-                   [[i, d] for i, d in plan.domains.items()]])
+                   [[i, d] for i, d in plan.domains.items()], regular])
 
 
 def fingerprint(layout: bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(layout)
+    return xxhash.xxh3_128_hexdigest(layout)
 
 
-def encode_plan(plan: RankPlan | None, error: str | None = None, layout: bytes | None = None,
-                same_as: str | None = None) -> bytes:
-    """A rank's plan with its ``layout`` (layout_bytes), or with ``same_as`` (the fingerprint of
-    the layout it sent last) instead; or its error. Values (digests of plain tensors, inline
-    objects) go every time."""
-    if plan is None:
+@dataclass(frozen=True)
+class Layout:
+    """A decoded layout_bytes: every field of a RankPlan but the rank and its values."""
+
+    items: dict[int, WriteItem]
+    sharded: frozenset[str]
+    aliases: tuple[tuple[str, str], ...]
+    tree: Any
+    domains: dict[int, str]
+    regular: Regular | None
+
+    def plan(self, rank: int, values: Values) -> RankPlan:
+        """Rank ``rank``'s plan: this layout with its values (digests, inline objects)."""
+        if any(i not in self.items for i in values.digests):
+            raise WireError(f"rank {rank}'s plan has a digest of an item its layout lacks; do "
+                            "all ranks run the same ckptio version?")
+        return RankPlan(rank, self.items, self.sharded, values.digests, values.objects,
+                        self.aliases, self.tree, self.domains, self.regular)
+
+
+@dataclass(frozen=True)
+class Values:
+    """What a rank's plan message carries besides its layout's fingerprint."""
+
+    fingerprint: str
+    digests: dict[int, str]
+    objects: tuple[ObjectEntry, ...]
+
+
+def decode_layout(data: bytes, fp: str) -> Layout:
+    """The layout published under fingerprint ``fp``; refused unless its bytes hash to it."""
+    if fingerprint(data) != fp:
+        raise WireError(f"the plan layout published as {fp} does not match its fingerprint; "
+                        "do all ranks run the same ckptio version?")
+    raw = _loads(data, f"plan layout {fp}")
+    try:
+        items, sharded, aliases, tree, domains, regular = raw
+        return Layout({int(i[0]): _unitem(i[1:]) for i in items}, frozenset(sharded),
+                      tuple((a, b) for a, b in aliases), tree,
+                      {int(i): str(d) for i, d in domains}, _unregular(regular))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"plan layout {fp} is malformed ({exc!r}); do all ranks run the same "
+                        "ckptio version?") from None
+
+
+def _unregular(raw: Any) -> Regular | None:
+    if raw is None:
+        return None
+    grids, items = raw
+    return Regular(tuple(Grid(tuple(s), tuple(r), tuple(d)) for s, r, d in grids),
+                   tuple(RegularItem(int(i), str(k), str(t), tuple(shape), int(g))
+                         for i, k, t, shape, g in items))
+
+
+def encode_plan(plan: RankPlan | None, error: str | None = None, fp: str | None = None) -> bytes:
+    """A rank's plan: the fingerprint ``fp`` of its layout (published apart, once for all ranks
+    of the same layout) and its values (digests of plain tensors, inline objects), which go
+    every time; or its error."""
+    if plan is None or fp is None:
         return _dumps({"error": error})
-    values = _dumps({"rank": plan.rank, "digests": [[i, d] for i, d in plan.digests.items()],
-                     "objects": [[o.key, o.value] for o in plan.objects]})
-    if same_as is not None:
-        return values[:-1] + b',"same_as":' + _dumps(same_as) + b"}"
-    layout = layout_bytes(plan) if layout is None else layout
-    return values[:-1] + b',"fp":' + _dumps(fingerprint(layout)) + b',"layout":' + layout + b"}"
+    return _dumps({"rank": plan.rank, "fp": fp,
+                   "digests": [[i, d] for i, d in plan.digests.items()],
+                   "objects": [[o.key, o.value] for o in plan.objects]})
 
 
-def decode_plan(data: bytes, rank: int, cached: RankPlan | None,
-                cached_fp: str | None) -> tuple[RankPlan | None, str | None, str | None, bool]:
-    """-> (plan, None, its layout's fingerprint, whether the layout was the cached one) or
-    (None, the rank's error, None, False). A ``same_as`` message is resolved against ``cached``
-    (the coordinator's copy of that rank's last plan, whose fingerprint is ``cached_fp``)."""
+def decode_plan(data: bytes, rank: int) -> Values | str:
+    """-> the rank's values and its layout's fingerprint, or the error it sent."""
     raw = _loads(data, f"rank {rank}'s plan")
     try:
         if raw.get("error") is not None:
-            return None, str(raw["error"]), None, False
-        digests = {int(i): str(d) for i, d in raw["digests"]}
-        objects = tuple(ObjectEntry(k, v) for k, v in raw["objects"])
-        if "same_as" in raw:
-            if cached is None or raw["same_as"] != cached_fp:
-                return None, "its cached plan does not match the coordinator's (internal)", None, False
-            if any(not 0 <= i < len(cached.items) for i in digests):
-                raise ValueError(f"a digest for an item beyond its {len(cached.items)} items")
-            return RankPlan(rank, cached.items, cached.sharded, digests, objects,
-                            cached.aliases, cached.tree, cached.domains), None, cached_fp, True
-        items, sharded, aliases, tree, domains = raw["layout"]
-        return RankPlan(
-            rank, tuple(_unitem(i) for i in items), frozenset(sharded), digests, objects,
-            tuple((a, b) for a, b in aliases), tree, {int(i): str(d) for i, d in domains}), \
-            None, str(raw["fp"]), False
-    except (KeyError, TypeError, ValueError) as exc:
+            return str(raw["error"])
+        return Values(str(raw["fp"]), {int(i): str(d) for i, d in raw["digests"]},
+                      tuple(ObjectEntry(k, v) for k, v in raw["objects"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise WireError(f"rank {rank}'s plan is malformed ({exc!r}); do all ranks run the same "
                         "ckptio version?") from None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import CkptError
 from ckptio.format.types import FileInfo, Json, ObjectEntry, TensorEntry, WriteItem
+from ckptio.planning.regular import Regular, check_regular
 
 __all__ = ["Assignment", "GlobalPlan", "PlanConflict", "RankPlan", "check_files",
            "manifest_entries", "merge_trees", "objects_of", "per_rank_keys", "plan_global"]
@@ -32,13 +33,14 @@ class RankPlan:
     save, where nothing is compared."""
 
     rank: int
-    items: tuple[WriteItem, ...]
+    items: Mapping[int, WriteItem]  # by index in the rank's plan; regular items are in ``regular``
     sharded: frozenset[str]
     digests: Mapping[int, str]
     objects: tuple[ObjectEntry, ...]
     aliases: tuple[tuple[str, str], ...]
     tree: Json
     domains: Mapping[int, str] = field(default_factory=dict)
+    regular: Regular | None = None  # its regular DTensor items (regular.py), shared by ranks
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) ->
     """Decide every rank's writes; raise PlanConflict naming keys and ranks on disagreement.
     ``own``: per_rank_keys(ranks), when the caller has it already."""
     _check_kinds(ranks)
+    check_regular(ranks, PlanConflict)
     _check_tensor_or_value(ranks)
     aliases, skipped = _aliases(ranks)
     own = per_rank_keys(ranks) if own is None else own
@@ -82,7 +85,7 @@ def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) ->
     writes: list[list[int]] = [[] for _ in ranks]
     owned: list[set[int]] = [set() for _ in ranks]
     for plan in ranks:
-        for index, item in enumerate(plan.items):
+        for index, item in plan.items.items():
             if (plan.rank, index) in skipped:
                 continue
             if item.key in own:
@@ -134,7 +137,10 @@ def _check_coverage(groups: dict[tuple[object, ...], _Group]) -> None:
 
 def _check_tensor_or_value(ranks: Sequence[RankPlan]) -> None:
     """A key is a tensor on every rank holding it, or a Python value on every one."""
-    tensors = {item.key: plan.rank for plan in ranks for item in plan.items}
+    tensors = {item.key: plan.rank for plan in ranks for item in plan.items.values()}
+    lists = {id(p.regular): (p.rank, p.regular) for p in reversed(ranks) if p.regular is not None}
+    for rank, regular in lists.values():  # each distinct list once, with its lowest rank
+        tensors.update(dict.fromkeys(regular.keys, rank))
     for plan in ranks:
         for entry in plan.objects:
             if entry.key in tensors:
@@ -151,7 +157,7 @@ def _check_kinds(ranks: Sequence[RankPlan]) -> None:
     seen: dict[str, tuple[int, WriteItem, bool, str | None]] = {}
     regions: dict[tuple[str, object], tuple[int, str | None]] = {}
     for plan in ranks:
-        for index, item in enumerate(plan.items):
+        for index, item in plan.items.items():
             sharded = item.key in plan.sharded
             domain = plan.domains.get(index)
             if len(ranks) > 1 and domain is None and index not in plan.digests:
@@ -228,7 +234,7 @@ def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], se
         mine = set(plan.aliases)
         if len(mine) == len(union):
             continue
-        index_of = {item.key: i for i, item in enumerate(plan.items)}
+        index_of = {item.key: i for i, item in plan.items.items()}
         for key, target in union:
             if (key, target) in mine:
                 continue

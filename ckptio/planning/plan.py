@@ -18,6 +18,7 @@ import torch
 from ckptio.format import values
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.flatten import FlatState
+from ckptio.planning.grid import Grid
 from ckptio.planning.sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
@@ -36,6 +37,8 @@ class SavePlan:
     # replicas. Sharded items without one (TensorShard, FlatShard) are replicas only where
     # their bytes are equal.
     domains: dict[str, str] = field(default_factory=dict)
+    # key -> the Grid of a regular DTensor item (grid.py): planned once per tensor
+    grids: dict[str, Grid] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype, key: str, fix: str = "convert it to a standard dtype first"
@@ -143,6 +146,7 @@ class PlanCache:
     alias_of: dict[str, str] = field(default_factory=dict)
     sharded: frozenset[str] = frozenset()
     domains: dict[str, str] = field(default_factory=dict)
+    grids: dict[str, Grid] = field(default_factory=dict)
     hits: int = 0
 
 
@@ -198,7 +202,7 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
         if item.kind == "tensor":
             cache.tensor_items[item.key] = item
     cache.alias_of = dict(plan.aliases)
-    cache.sharded, cache.domains = plan.sharded, plan.domains
+    cache.sharded, cache.domains, cache.grids = plan.sharded, plan.domains, plan.grids
     cache.signature = signature
     return plan, sources
 
@@ -211,6 +215,7 @@ def _build(flat: FlatState, allow_pickle: bool,
     sources: dict[str, torch.Tensor] = {}
     sharded: set[str] = set()
     domains: dict[str, str] = {}
+    grids: dict[str, Grid] = {}
     first_key_of_view: dict[tuple[Any, ...], str] = {}
     for key, leaf in flat.leaves.items():
         if reuse is not None and _is_tensor_leaf(leaf.value):
@@ -241,6 +246,8 @@ def _build(flat: FlatState, allow_pickle: bool,
             sharded.add(key)
             if region.domain is not None:
                 domains[key] = region.domain
+            if region.grid is not None:
+                grids[key] = region.grid
             items.append(WriteItem(key, kind, name, region.shape, region.chunk, nbytes))
         else:
             shape = tuple(payload.shape)
@@ -248,7 +255,7 @@ def _build(flat: FlatState, allow_pickle: bool,
         sources[key] = payload
     if reuse is not None:
         return SavePlan(tuple(items), tuple(objects), tuple(aliases), reuse.sharded,
-                        reuse.domains), sources
+                        reuse.domains, reuse.grids), sources
     return SavePlan(tuple(items), tuple(objects), tuple(aliases), frozenset(sharded),
-                    domains), sources
+                    domains, grids), sources
 

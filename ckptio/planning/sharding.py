@@ -17,6 +17,7 @@ import xxhash
 
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
+from ckptio.planning.grid import REPLICATE, Grid
 
 __all__ = ["FlatShard", "TensorShard", "held", "is_dtensor", "local_tensor"]
 
@@ -53,6 +54,7 @@ class Held:
     chunk: Chunk
     sharded: bool
     domain: str | None = None  # a DTensor's mesh (its ranks): replicas share it
+    grid: Grid | None = None  # a regular DTensor layout (grid.py): described once per tensor
 
 
 def is_dtensor(value: Any) -> bool:
@@ -119,8 +121,33 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
         raise UnsupportedStateError(
             f"key {key!r}: DTensor local shard has shape {tuple(local.shape)}, its placements "
             f"give {tuple(sizes)}; a padded or hand-made local tensor cannot be saved as is")
-    domain = _mesh_domain(value.device_mesh)  # type: ignore[attr-defined]
-    return Held(local, shape, Chunk(tuple(offsets), tuple(sizes)), sharded=True, domain=domain)
+    mesh = value.device_mesh  # type: ignore[attr-defined]
+    chunk = Chunk(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+    return Held(local, shape, chunk, sharded=True, domain=_mesh_domain(mesh),
+                grid=_grid(mesh, value.placements, shape, chunk))  # type: ignore[attr-defined]
+
+
+def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> Grid | None:
+    """The DTensor's layout as a Grid, if it is regular: every chunk non-empty, and this rank's
+    chunk the one the grid's arithmetic gives (what torch computed: never assumed)."""
+    shape_and_ranks = _MESHES.get(mesh)
+    if shape_and_ranks is None:
+        ranks = mesh.mesh
+        shape_and_ranks = _MESHES[mesh] = (tuple(int(d) for d in ranks.shape),
+                                           tuple(int(r) for r in ranks.flatten().tolist()))
+    dims = tuple(REPLICATE if type(p).__name__ == "Replicate" else int(p.dim) % len(shape)
+                 for p in placements)
+    grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or not grid.all_nonempty(shape):
+        return None
+    if grid.chunk(shape, tuple(int(c) for c in coordinate)) != chunk:
+        return None
+    return grid
+
+
+_MESHES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # mesh -> (shape, ranks)
+_GRIDS: dict[tuple[Any, tuple[int, ...]], Grid] = {}  # one Grid per mesh and placements
 
 
 _DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)

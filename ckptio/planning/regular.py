@@ -1,0 +1,135 @@
+"""A rank's regular DTensor items, planned per tensor rather than per chunk.
+
+A rank's ``Regular`` lists its DTensor items whose layout is a Grid (grid.py): item index in its
+plan, key, dtype, global shape and grid. It says nothing rank-specific (the rank's chunk follows
+from its coordinate), so ranks of the same state and mesh hold equal lists, sent once for all of
+them (wire.py, collective.py), and the coordinator's checks cost O(distinct lists x tensors +
+ranks x grids) instead of O(chunks). Who writes which chunk follows from the grid
+(Grid.writes): every rank computes its own writes, and the coordinator the entries it expects.
+
+Owns: those lists, their checks across ranks (same dtype, shape and grid for a key everywhere;
+every rank of a grid's mesh holds every key laid over it) and the items a rank writes. Pure:
+no torch, no I/O. Does not own: the arithmetic (grid.py) or the per-chunk path (globalplan.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from ckptio.errors import CkptError
+from ckptio.format.types import DTYPE_ITEMSIZE, WriteItem
+from ckptio.planning.grid import Grid
+
+if TYPE_CHECKING:
+    from ckptio.planning.globalplan import RankPlan
+
+__all__ = ["Regular", "RegularItem", "check_regular", "regular_writes"]
+
+
+@dataclass(frozen=True)
+class RegularItem:
+    index: int  # of the item in its rank's plan (results are keyed by it)
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    grid: int  # into Regular.grids
+
+
+@dataclass(frozen=True)
+class Regular:
+    grids: tuple[Grid, ...]
+    items: tuple[RegularItem, ...]
+    _keys: dict[int, frozenset[str]] = field(default_factory=dict, compare=False, repr=False)
+
+    @cached_property
+    def keys(self) -> frozenset[str]:
+        return frozenset(i.key for i in self.items)
+
+    def keys_on(self, grid: int) -> frozenset[str]:
+        """The keys laid over grid number ``grid``."""
+        if grid not in self._keys:
+            self._keys[grid] = frozenset(i.key for i in self.items if i.grid == grid)
+        return self._keys[grid]
+
+
+def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
+    """The items global rank ``rank`` (holding ``regular``) writes, by item index."""
+    out: dict[int, WriteItem] = {}
+    coordinates = [grid.coordinate(rank) for grid in regular.grids]
+    for item in regular.items:
+        grid, coordinate = regular.grids[item.grid], coordinates[item.grid]
+        if coordinate is None:
+            raise CkptError(f"key {item.key!r}: rank {rank} holds a DTensor on a device mesh "
+                            "without it (internal)")
+        if grid.writes(item.key, coordinate):
+            chunk = grid.chunk(item.shape, coordinate)
+            out[item.index] = WriteItem(item.key, "tensor", item.dtype, item.shape, chunk,
+                                        chunk.numel * DTYPE_ITEMSIZE[item.dtype])
+    return out
+
+
+def check_regular(ranks: Sequence[RankPlan], conflict: type[CkptError]) -> None:
+    """Raise ``conflict`` naming keys and ranks unless every rank's regular items agree: a key
+    has one dtype, shape and grid everywhere, is regular on every rank holding it, and every
+    rank of a grid's mesh holds it (and only those ranks)."""
+    lists: dict[int, tuple[Regular, list[int]]] = {}
+    for plan in ranks:
+        if plan.regular is not None and plan.regular.items:
+            lists.setdefault(id(plan.regular), (plan.regular, []))[1].append(plan.rank)
+    seen: dict[str, tuple[tuple[str, tuple[int, ...], Grid], int]] = {}
+    for regular, holders in lists.values():
+        for item in regular.items:
+            mine = (item.dtype, item.shape, regular.grids[item.grid])
+            first, rank = seen.setdefault(item.key, (mine, holders[0]))
+            if first != mine:
+                raise conflict(
+                    f"key {item.key!r}: rank {rank} holds a shard of a {first[0]} tensor of shape "
+                    f"{first[1]} on mesh {_mesh(first[2])}, rank {holders[0]} of a {mine[0]} "
+                    f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; every rank must hold "
+                    "the same tensor (pipeline stages: give each stage's keys a prefix)")
+    _check_mixed(ranks, seen, conflict)
+    by_rank = {plan.rank: plan.regular for plan in ranks}
+    for regular, holders in lists.values():
+        _check_holders(regular, holders, by_rank, conflict)
+
+
+def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
+                 conflict: type[CkptError]) -> None:
+    """No rank holds a regular key on the per-chunk path."""
+    for plan in ranks:
+        for item in plan.items.values():
+            if item.key in seen:
+                raise conflict(
+                    f"key {item.key!r}: rank {plan.rank}'s DTensor shard is not laid out as on "
+                    "the other ranks (its region is not what its placements give there, or one "
+                    "of its shards is empty); hold it with the same placements on every rank")
+
+
+def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, Regular | None],
+                   conflict: type[CkptError]) -> None:
+    """Ranks holding ``regular`` are in the mesh of each of its grids, and every rank of that
+    mesh holds the keys laid over it."""
+    have = set(holders)
+    for number, grid in enumerate(regular.grids):
+        mesh = set(grid.ranks)
+        outside = have - mesh
+        if outside:
+            raise conflict(f"rank {min(outside)} holds DTensors on a device mesh without it "
+                           f"({_mesh(grid)}): a process group and mesh that do not match?")
+        for rank in sorted(mesh - have):
+            other = by_rank.get(rank, None)
+            missing = regular.keys_on(number) - (other.keys if other is not None else frozenset())
+            if missing:
+                raise conflict(
+                    f"key {min(missing)!r}: rank {rank} is in its device mesh ({_mesh(grid)}) "
+                    "but does not hold it; every rank of the mesh must pass every DTensor laid "
+                    "over it" + ("" if rank in by_rank else
+                                 f" (rank {rank} is not in this save's process group)"))
+
+
+def _mesh(grid: Grid) -> str:
+    ranks = grid.ranks if len(grid.ranks) <= 8 else (*grid.ranks[:8], "...")
+    return f"shape {grid.shape}, ranks {ranks}"

@@ -1,0 +1,122 @@
+"""Regular DTensor layouts planned per tensor (planning/grid.py, planning/regular.py): the chunk
+arithmetic is torch's, every chunk has exactly one writer, and the coordinator's checks name
+the key and rank when ranks disagree."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from ckptio.format.types import Chunk
+from ckptio.planning.globalplan import PlanConflict, RankPlan
+from ckptio.planning.grid import REPLICATE, Grid, split
+from ckptio.planning.regular import Regular, RegularItem, check_regular, regular_writes
+
+MESHES = [(4,), (3,), (2, 2), (2, 3), (3, 2, 2)]
+SHAPES = [(8, 6), (7, 5), (13, 3), (5, 11), (2, 9)]
+
+
+def placements_for(ndim: int, mesh: tuple[int, ...]):
+    """Every choice of Shard(d) / Replicate per mesh dim (nested Shard of one dim included)."""
+    options = [REPLICATE, *range(ndim)]
+    return itertools.product(options, repeat=len(mesh))
+
+
+def torch_chunk(shape, mesh, dims, coordinate) -> Chunk:
+    placements = [Replicate() if d == REPLICATE else Shard(d) for d in dims]
+    sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, list(coordinate),
+                                                            placements)
+    return Chunk(tuple(offsets), tuple(sizes))
+
+
+def test_split_is_torch_chunk():
+    import torch
+
+    for size, parts in itertools.product(range(0, 13), range(1, 6)):
+        pieces = [len(p) for p in torch.arange(size).chunk(parts)] if size else []
+        pieces += [0] * (parts - len(pieces))
+        assert [split(size, parts, i)[1] for i in range(parts)] == pieces, (size, parts)
+
+
+def test_chunks_are_torchs_wherever_none_is_empty():
+    """Grid.chunk agrees with torch's own computation for every coordinate of every layout
+    that all_nonempty accepts, and all_nonempty accepts exactly the layouts without an empty
+    chunk."""
+    checked = 0
+    for mesh, shape in itertools.product(MESHES, SHAPES):
+        for dims in placements_for(len(shape), mesh):
+            grid = Grid(mesh, tuple(range(_numel(mesh))), dims)
+            coordinates = list(itertools.product(*(range(n) for n in mesh)))
+            theirs = [torch_chunk(shape, mesh, dims, c) for c in coordinates]
+            assert grid.all_nonempty(shape) == all(c.numel for c in theirs), (mesh, shape, dims)
+            if grid.all_nonempty(shape):
+                assert [grid.chunk(shape, c) for c in coordinates] == theirs, (mesh, shape, dims)
+                checked += 1
+    assert checked > 150  # of 255 layouts; the rest have an empty chunk
+
+
+def test_every_chunk_written_once_and_replicas_spread():
+    grid = Grid((2, 4), tuple(range(8)), (0, REPLICATE))  # 2 shards, 4 replicas of each
+    shape = (16, 4)
+    writers: Counter[int] = Counter()
+    for key in (f"layers.{i}.norm" for i in range(400)):
+        chunks = Counter()
+        for rank, coordinate in grid.writers(key):
+            chunks[grid.chunk(shape, coordinate)] += 1
+            writers[rank] += 1
+        assert sorted(chunks.values()) == [1, 1] and len(chunks) == 2  # each chunk once
+    assert set(writers) == set(range(8)) and min(writers.values()) > 60  # about 100 each
+
+
+def test_coordinates_follow_the_mesh_ranks():
+    grid = Grid((2, 3), (10, 11, 12, 13, 14, 15), (0, 1))
+    assert grid.coordinate(10) == (0, 0) and grid.coordinate(14) == (1, 1)
+    assert grid.coordinate(3) is None
+    assert grid.chunk((4, 6), (1, 2)) == Chunk((2, 4), (2, 2))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _plan(rank: int, regular: Regular, items=None) -> RankPlan:
+    return RankPlan(rank, items or {}, frozenset(i.key for i in regular.items), {}, (), (),
+                    {"d": []}, {}, regular)
+
+
+def test_regular_writes_cover_the_tensor_once():
+    grid = Grid((2, 2), (0, 1, 2, 3), (0, REPLICATE))
+    regular = Regular((grid,), (RegularItem(0, "w", "float32", (5, 3), 0),
+                                RegularItem(1, "b", "float32", (5,), 0)))
+    written = [regular_writes(regular, rank) for rank in range(4)]
+    for key, numel in (("w", 15), ("b", 5)):
+        chunks = [i.chunk for w in written for i in w.values() if i.key == key]
+        assert len(chunks) == 2 and sum(c.numel for c in chunks) == numel
+    assert all(i.nbytes == i.chunk.numel * 4 for w in written for i in w.values())
+
+
+def test_check_regular_names_what_ranks_disagree_on():
+    grid = Grid((2,), (0, 1), (0,))
+    a = Regular((grid,), (RegularItem(0, "w", "float32", (4, 4), 0),))
+    check_regular([_plan(0, a), _plan(1, a)], PlanConflict)
+    other = Regular((grid,), (RegularItem(0, "w", "float32", (4, 5), 0),))
+    with pytest.raises(PlanConflict, match=r"'w': rank 0 .* \(4, 4\).* rank 1 .* \(4, 5\)"):
+        check_regular([_plan(0, a), _plan(1, other)], PlanConflict)
+    lacking = Regular((grid,), ())
+    with pytest.raises(PlanConflict, match="'w': rank 1 is in its device mesh"):
+        check_regular([_plan(0, a), _plan(1, lacking)], PlanConflict)
+    outside = Regular((Grid((1,), (0,), (0,)),), (RegularItem(0, "w", "float32", (4, 4), 0),))
+    with pytest.raises(PlanConflict, match="rank 1 holds DTensors on a device mesh without it"):
+        check_regular([_plan(0, outside), _plan(1, outside)], PlanConflict)
+    from ckptio.format.types import WriteItem
+
+    mixed = {0: WriteItem("w", "tensor", "float32", (4, 4), Chunk((2, 0), (2, 4)), 32)}
+    with pytest.raises(PlanConflict, match="'w': rank 1's DTensor shard is not laid out"):
+        check_regular([_plan(0, a), _plan(1, Regular((), ()), mixed)], PlanConflict)
