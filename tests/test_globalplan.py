@@ -143,26 +143,45 @@ def test_trees_merge_dicts_and_refuse_other_differences():
         merge_trees([{"l": [{"k": "0"}]}, {"l": [{"k": "0"}, {"k": "1"}]}])
 
 
+def _decoded(parts: dict[str, bytes], rank: int, message: bytes) -> RankPlan:
+    """What the coordinator rebuilds from a rank's message and the parts it published."""
+    values = wire.decode_plan(message, rank)
+    assert isinstance(values, wire.Values)
+    layout = wire.decode_layout(parts[values.fingerprint], values.fingerprint)
+    regular = (None if layout.regular_fp is None
+               else wire.decode_regular(parts[layout.regular_fp], layout.regular_fp))
+    return layout.plan(rank, values, wire.decode_tree(parts[layout.tree_fp], layout.tree_fp),
+                       regular)
+
+
 def test_wire_round_trip_layout_published_apart():
-    plan = rank_plan(3, [item("w", 16, Chunk((8,), (4,)), (16,)), item("p", 4)], sharded={"w"},
-                     objects=[ObjectEntry("o", ["int", 1])], tree={"d": [["w", {"k": "w"}]]})
-    layout = wire.layout_bytes(plan)
-    fp = wire.fingerprint(layout)
-    values = wire.decode_plan(wire.encode_plan(plan, fp=fp), 3)
-    assert isinstance(values, wire.Values) and values.fingerprint == fp
-    assert wire.decode_layout(layout, fp).plan(3, values) == plan
-    # values go every time; the layout is the same bytes for another rank of the same layout
-    changed = RankPlan(4, plan.items, plan.sharded, plan.digests,
-                       (ObjectEntry("o", ["int", 2]),), plan.aliases, plan.tree, plan.domains)
-    assert wire.layout_bytes(changed) == layout
-    again = wire.decode_plan(wire.encode_plan(changed, fp=fp), 4)
-    assert isinstance(again, wire.Values)
-    assert wire.decode_layout(layout, fp).plan(4, again) == changed
+    from ckptio.planning.grid import Grid
+    from ckptio.planning.regular import Regular, RegularItem
+
+    regular = Regular((Grid((2, 2), (0, 1, 2, 3), (0, -1)),),
+                      (RegularItem(2, "dt", "bfloat16", (6, 3), 0),))
+    plan = RankPlan(3, {0: item("w", 16, Chunk((8,), (4,)), (16,)), 1: item("p", 4)},
+                    frozenset({"w"}), {1: "0" * 16}, (ObjectEntry("o", ["int", 1]),), (),
+                    {"d": [["w", {"k": "w"}]]}, {0: "mesh-a"}, regular)
+    parts = wire.layout_parts(plan)
+    fp = list(parts)[-1]
+    assert _decoded(parts, 3, wire.encode_plan(plan, fp=fp)) == plan
+    # values go every time; the parts are the same bytes for another rank of the same layout
+    changed = RankPlan(4, plan.items, plan.sharded, plan.digests, (ObjectEntry("o", ["int", 2]),),
+                       plan.aliases, plan.tree, plan.domains, regular)
+    assert wire.layout_parts(changed) == parts
+    assert _decoded(parts, 4, wire.encode_plan(changed, fp=fp)) == changed
     assert wire.decode_plan(wire.encode_plan(None, "boom"), 1) == "boom"
     with pytest.raises(wire.WireError, match="fingerprint"):  # altered bytes are refused
-        wire.decode_layout(layout.replace(b'"w"', b'"x"'), fp)
+        wire.decode_layout(parts[fp].replace(b'"w"', b'"x"'), fp)
     with pytest.raises(wire.WireError):
         wire.decode_plan(b'{"rank": 1}', 1)
+    bad = b'[[[[2],[0,1],[0]]],[[0,"k","float32",[4],0]]]'  # a 2-mesh with 2 ranks: fine
+    assert wire.decode_regular(bad, wire.fingerprint(bad)).items[0].key == "k"
+    for wrong in (b'[[[[2],[0],[0]]],[]]', b'[[[[2],[0,1],[3]]],[[0,"k","float32",[4],0]]]',
+                  b'[[],[[0,"k","float32",[4],0]]]'):
+        with pytest.raises(wire.WireError, match="malformed"):
+            wire.decode_regular(wrong, wire.fingerprint(wrong))
 
 
 def test_written_results_are_keyed_by_item_not_position():

@@ -51,12 +51,13 @@ Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
 
 @dataclass
 class Memory:
-    """Plans remembered between saves: this rank's last layout fingerprint (published), and on
-    the coordinator the layouts of the last save by fingerprint, every rank's fingerprint in
-    it, and the decisions made from them."""
+    """Plans remembered between saves: this rank's last layout fingerprint and the parts it
+    published, and on the coordinator the decoded parts of the last save by fingerprint, every
+    rank's fingerprint in it, and the decisions made from them."""
 
     fingerprint: str | None = None
-    layouts: dict[str, wire.Layout] = field(default_factory=dict)
+    published: frozenset[str] = frozenset()  # this rank's parts published in its last save
+    parts: dict[str, Any] = field(default_factory=dict)  # fingerprint -> decoded part
     fingerprints: tuple[str, ...] = ()
     last: tuple[frozenset[str], GlobalPlan] | None = None
     reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
@@ -84,7 +85,8 @@ def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
     if group.size > 1:
         digests = {index: _digest(sources[i.key]) for index, i in items.items()
                    if index not in domains}
-    return RankPlan(group.rank, items, plan.sharded, digests, plan.objects, plan.aliases,
+    sharded = plan.sharded - grids.keys() if grids else plan.sharded
+    return RankPlan(group.rank, items, sharded, digests, plan.objects, plan.aliases,
                     flat.tree, domains, _regular(plan, grids) if grids else None)
 
 
@@ -165,15 +167,16 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
 
 
 def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
-    """This rank's plan: its values and its layout's fingerprint. A new layout is published
-    first (group.publish: once for all ranks whose layout bytes are equal)."""
+    """This rank's plan: its values and its layout's fingerprint. New layout parts are
+    published first (group.publish: once for all ranks whose parts are equal)."""
     if not (reuse and memory.fingerprint is not None):
-        layout = wire.layout_bytes(mine)
-        fingerprint = wire.fingerprint(layout)
-        if fingerprint != memory.fingerprint:
-            memory.fingerprint = None  # until published
-            group.publish(fingerprint, layout)
-        memory.fingerprint = fingerprint
+        parts = wire.layout_parts(mine)
+        memory.fingerprint = None  # until published
+        for fingerprint, data in parts.items():
+            if fingerprint not in memory.published:
+                group.publish(fingerprint, data)
+        memory.published = frozenset(parts)
+        memory.fingerprint = list(parts)[-1]
     return wire.encode_plan(mine, fp=memory.fingerprint)
 
 
@@ -218,14 +221,19 @@ def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
             raise CkptError(f"rank {rank}: {decoded}")
         values.append(decoded)
     fingerprints = tuple(v.fingerprint for v in values)
-    unknown = sorted(set(fingerprints) - memory.layouts.keys())
-    for fingerprint, layout in zip(unknown, group.fetch(unknown) if unknown else []):
-        memory.layouts[fingerprint] = wire.decode_layout(layout, fingerprint)
+    layouts = _fetch(group, memory, set(fingerprints), wire.decode_layout)
+    trees = _fetch(group, memory, {layout.tree_fp for layout in layouts.values()},
+                   wire.decode_tree)
+    regulars = _fetch(group, memory, {layout.regular_fp for layout in layouts.values()
+                                      if layout.regular_fp is not None}, wire.decode_regular)
+    memory.parts = {**layouts, **trees, **regulars}  # what the next save may reuse
     all_same = fingerprints == memory.fingerprints
     memory.fingerprints = fingerprints
-    for stale in memory.layouts.keys() - set(fingerprints):
-        del memory.layouts[stale]
-    plans = [memory.layouts[v.fingerprint].plan(rank, v) for rank, v in enumerate(values)]
+    plans = []
+    for rank, v in enumerate(values):
+        layout = layouts[v.fingerprint]
+        regular = None if layout.regular_fp is None else regulars[layout.regular_fp]
+        plans.append(layout.plan(rank, v, trees[layout.tree_fp], regular))
     try:
         own = per_rank_keys(plans)
         if all_same and memory.last is not None and memory.last[0] == own:
@@ -239,6 +247,16 @@ def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
     save_id = new_save_id()
     answers = [wire.encode_answer(save_id, a, None) for a in global_plan.assignments]
     return Decision(answers, tuple(plans), global_plan)
+
+
+def _fetch(group: Group, memory: Memory, wanted: set[str],
+           decode: Callable[[bytes, str], Any]) -> dict[str, Any]:
+    """The decoded parts ``wanted``: remembered from the last save, else fetched (each once)."""
+    out = {fp: memory.parts[fp] for fp in wanted if fp in memory.parts}
+    unknown = sorted(wanted - out.keys())
+    for fingerprint, data in zip(unknown, group.fetch(unknown) if unknown else []):
+        out[fingerprint] = decode(data, fingerprint)
+    return out
 
 
 def _refusal(path: str, failures: list[str]) -> str:

@@ -19,11 +19,11 @@ from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
 from ckptio.planning.grid import Grid
 from ckptio.planning.regular import Regular, RegularItem
-from ckptio.format.types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
-           "decode_result", "encode_answer", "encode_plan", "encode_result", "fingerprint",
-           "layout_bytes"]
+           "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
+           "encode_result", "fingerprint", "layout_parts"]
 
 
 class WireError(CkptError):
@@ -53,41 +53,51 @@ def _unitem(raw: list[Any]) -> WriteItem:
                      nbytes)
 
 
-def layout_bytes(plan: RankPlan) -> bytes:
-    """The part of a rank's plan that stays the same while its layout does, and that nothing
-    rank-specific enters where the state is laid out alike (regular DTensor items say only
-    their grid): ranks of one layout send equal bytes, published once (collective.py)."""
-    regular = None
+def layout_parts(plan: RankPlan) -> dict[str, bytes]:
+    """The parts of a rank's plan that stay the same while its layout does, by fingerprint,
+    published apart (collective.py): its tree, its regular DTensor items (if any) and the rest
+    (its per-chunk items, naming the other two by fingerprint), whose fingerprint is last.
+    Nothing rank-specific enters the first two, so ranks of one model send equal bytes, stored
+    once; a rank's per-chunk items (its RNG state, irregular shards) are small."""
+    tree = _dumps(plan.tree)
+    parts = {fingerprint(tree): tree}
+    regular_fp = None
     if plan.regular is not None:
-        regular = [[[list(g.shape), list(g.ranks), list(g.dims)] for g in plan.regular.grids],
-                   [[i.index, i.key, i.dtype, list(i.shape), i.grid] for i in plan.regular.items]]
-    return _dumps([[[index, *_item(i)] for index, i in plan.items.items()], sorted(plan.sharded),
-                   [list(a) for a in plan.aliases], plan.tree,
-                   [[i, d] for i, d in plan.domains.items()], regular])
+        regular = _dumps([[[list(g.shape), list(g.ranks), list(g.dims)] for g in plan.regular.grids],
+                          [[i.index, i.key, i.dtype, list(i.shape), i.grid]
+                           for i in plan.regular.items]])
+        regular_fp = fingerprint(regular)
+        parts[regular_fp] = regular
+    rest = _dumps([[[index, *_item(i)] for index, i in plan.items.items()], sorted(plan.sharded),
+                   [list(a) for a in plan.aliases], [[i, d] for i, d in plan.domains.items()],
+                   fingerprint(tree), regular_fp])
+    parts[fingerprint(rest)] = rest
+    return parts
 
 
-def fingerprint(layout: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(layout)
+def fingerprint(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A decoded layout_bytes: every field of a RankPlan but the rank and its values."""
+    """A rank's decoded per-chunk part: every field of a RankPlan but the rank, its values,
+    and its tree and regular items (parts of their own, named by fingerprint)."""
 
     items: dict[int, WriteItem]
     sharded: frozenset[str]
     aliases: tuple[tuple[str, str], ...]
-    tree: Any
     domains: dict[int, str]
-    regular: Regular | None
+    tree_fp: str
+    regular_fp: str | None
 
-    def plan(self, rank: int, values: Values) -> RankPlan:
+    def plan(self, rank: int, values: Values, tree: Any, regular: Regular | None) -> RankPlan:
         """Rank ``rank``'s plan: this layout with its values (digests, inline objects)."""
         if any(i not in self.items for i in values.digests):
             raise WireError(f"rank {rank}'s plan has a digest of an item its layout lacks; do "
                             "all ranks run the same ckptio version?")
         return RankPlan(rank, self.items, self.sharded, values.digests, values.objects,
-                        self.aliases, self.tree, self.domains, self.regular)
+                        self.aliases, tree, self.domains, regular)
 
 
 @dataclass(frozen=True)
@@ -99,29 +109,59 @@ class Values:
     objects: tuple[ObjectEntry, ...]
 
 
-def decode_layout(data: bytes, fp: str) -> Layout:
-    """The layout published under fingerprint ``fp``; refused unless its bytes hash to it."""
+def _part(data: bytes, fp: str) -> Any:
     if fingerprint(data) != fp:
-        raise WireError(f"the plan layout published as {fp} does not match its fingerprint; "
+        raise WireError(f"the plan part published as {fp} does not match its fingerprint; "
                         "do all ranks run the same ckptio version?")
-    raw = _loads(data, f"plan layout {fp}")
+    return _loads(data, f"plan part {fp}")
+
+
+def _malformed(fp: str, exc: Exception) -> WireError:
+    return WireError(f"plan part {fp} is malformed ({exc!r}); do all ranks run the same ckptio "
+                     "version?")
+
+
+def decode_layout(data: bytes, fp: str) -> Layout:
+    """The per-chunk part published under ``fp``; refused unless its bytes hash to it."""
     try:
-        items, sharded, aliases, tree, domains, regular = raw
+        items, sharded, aliases, domains, tree_fp, regular_fp = _part(data, fp)
         return Layout({int(i[0]): _unitem(i[1:]) for i in items}, frozenset(sharded),
-                      tuple((a, b) for a, b in aliases), tree,
-                      {int(i): str(d) for i, d in domains}, _unregular(regular))
+                      tuple((a, b) for a, b in aliases), {int(i): str(d) for i, d in domains},
+                      str(tree_fp), None if regular_fp is None else str(regular_fp))
     except (KeyError, TypeError, ValueError) as exc:
-        raise WireError(f"plan layout {fp} is malformed ({exc!r}); do all ranks run the same "
-                        "ckptio version?") from None
+        raise _malformed(fp, exc) from None
 
 
-def _unregular(raw: Any) -> Regular | None:
-    if raw is None:
-        return None
-    grids, items = raw
-    return Regular(tuple(Grid(tuple(s), tuple(r), tuple(d)) for s, r, d in grids),
-                   tuple(RegularItem(int(i), str(k), str(t), tuple(shape), int(g))
-                         for i, k, t, shape, g in items))
+def decode_tree(data: bytes, fp: str) -> Any:
+    """The tree published under ``fp`` (checked with the rest of the state by the commit)."""
+    return _part(data, fp)
+
+
+def decode_regular(data: bytes, fp: str) -> Regular:
+    """The regular DTensor items published under ``fp``."""
+    try:
+        grids, items = _part(data, fp)
+        regular = Regular(tuple(Grid(tuple(map(int, s)), tuple(map(int, r)), tuple(map(int, d)))
+                                for s, r, d in grids),
+                          tuple(RegularItem(int(i), str(k), str(t), tuple(map(int, shape)), int(g))
+                                for i, k, t, shape, g in items))
+        for grid in regular.grids:
+            if len(grid.dims) != len(grid.shape) or len(grid.ranks) != _product(grid.shape):
+                raise ValueError(f"a mesh of shape {grid.shape} with {len(grid.ranks)} ranks")
+        for item in regular.items:
+            if not 0 <= item.grid < len(regular.grids) or item.dtype not in DTYPE_ITEMSIZE or any(
+                    not -1 <= d < len(item.shape) for d in regular.grids[item.grid].dims):
+                raise ValueError(f"item {item.key!r} names no grid, dtype or dim it can have")
+        return regular
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed(fp, exc) from None
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def encode_plan(plan: RankPlan | None, error: str | None = None, fp: str | None = None) -> bytes:
