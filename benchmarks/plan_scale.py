@@ -8,13 +8,16 @@ size, as a curve over world sizes. Does not own: any planning rule (globalplan.p
 wire.py, manifest.py are called as they are, never copied).
 
 Phases timed (median of --reps):
-  local      one rank's message to the coordinator: layout_bytes + fingerprint + encode_plan (every rank
+  local      one rank's message to the coordinator: layout_parts + encode_plan (every rank
              does this in parallel, so it counts once)
   decide     the coordinator: collective._decide on every rank's message (decode_plan of all,
-             per_rank_keys + plan_global, encode_answer of all) + one rank's decode_answer
+             each distinct layout part fetched and decoded once, check_regular, per_rank_keys +
+             plan_global of the per-chunk items, encode_answer of all) + one decode_answer
+  again      the same for a later save of the same layout (parts remembered, decisions reused)
   result     one rank's wire.encode_result of what it wrote (parallel: counts once)
-  manifest   the coordinator: decode_result of every rank + the body of collective._commit
-             (check_files, manifest_entries, Manifest, manifest.encode), without the file write
+  manifest   the coordinator: decode_result of every rank + collective.manifest_of + check_keys
+             + manifest.encode (collective._commit without the file write); skipped with
+             --plan-only, for worlds whose per-chunk manifest does not fit in memory
   load       manifest.decode of the committed bytes (every loading rank does this)
 
     python -m benchmarks.plan_scale --world 8,64,512,4096 --tp 8 --reps 3
@@ -46,9 +49,12 @@ from ckptio.distributed import collective
 from ckptio.format import manifest
 from ckptio.distributed import wire
 from ckptio.format.flatten import flatten
-from ckptio.planning.globalplan import RankPlan, check_files, manifest_entries
+from ckptio.distributed.dist import Solo
+from ckptio.planning.globalplan import RankPlan
+from ckptio.planning.grid import REPLICATE, Grid
+from ckptio.planning.regular import Regular, RegularItem
 from ckptio.planning.layout import plan_files
-from ckptio.format.types import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry, WriteItem
+from ckptio.format.types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
 
 BLOCK_NBYTES = 1 << 20  # api.BLOCK_CHECKSUM_NBYTES (not imported: api pulls in the I/O stack)
 MAX_FILE_BYTES = 1 << 40  # one data file per rank, as the default options give
@@ -127,26 +133,57 @@ def tree_of(tensors: list[Tensor]) -> Any:
     return flatten(root).tree
 
 
-def rank_plan(rank: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tree: Any) -> RankPlan:
+def grid_of(t: Tensor, dp: int, tp: int) -> Grid:
+    """The tensor's layout over the (dp, tp) mesh of every rank, as sharding.py describes it."""
+    return Grid((dp, tp), tuple(range(dp * tp)), (0, REPLICATE if t.tp == "r" else int(t.tp)))
+
+
+def regular_of(dp: int, tp: int, tensors: list[Tensor], dtype: str) -> Regular:
+    """The regular items every rank holds (all alike): tensors with no empty chunk."""
+    grids: dict[Grid, int] = {}
+    items = [RegularItem(index, t.key, dtype, t.shape, grids.setdefault(g, len(grids)))
+             for index, t in enumerate(tensors)
+             for g in [grid_of(t, dp, tp)] if g.all_nonempty(t.shape)]
+    return Regular(tuple(grids), tuple(items))
+
+
+def rank_plan(rank: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tree: Any,
+              regular: Regular) -> RankPlan:
     """What ckptio's build_plan + local_plan give rank ``rank`` (rank = dp_rank * tp + tp_rank):
-    one sharded item per tensor, a per-rank RNG state (plain, digest differs by rank), a step."""
+    its regular DTensors (``regular``, shared by all ranks), the others (an empty shard) one
+    item each, a per-rank RNG state (plain, digest differs by rank) and a step."""
     dp_rank, tp_rank = divmod(rank, tp)
     size = ITEMSIZE[dtype]
-    items = [WriteItem(t.key, "tensor", dtype, t.shape, c, c.numel * size)
-             for t in tensors for c in [region(t, dp, tp, dp_rank, tp_rank)]]
-    items.append(WriteItem("rng", "tensor", "uint8", (5056,), Chunk.whole((5056,)), 5056))
+    regular_keys = regular.keys
+    items = {index: WriteItem(t.key, "tensor", dtype, t.shape, c, c.numel * size)
+             for index, t in enumerate(tensors) if t.key not in regular_keys
+             for c in [region(t, dp, tp, dp_rank, tp_rank)]}
+    items[len(tensors)] = WriteItem("rng", "tensor", "uint8", (5056,), Chunk.whole((5056,)), 5056)
     digests = {len(tensors): f"{rank:016x}"}  # only the RNG state is plain
-    domains = dict.fromkeys(range(len(tensors)), "mesh-0123456789abcdef")  # all on one mesh
-    return RankPlan(rank, tuple(items), frozenset(t.key for t in tensors), digests,
-                    (ObjectEntry("step", 1000),), (), tree, domains)
+    domains = dict.fromkeys((i for i in items if i < len(tensors)), "mesh-0123456789abcdef")
+    return RankPlan(rank, items, frozenset(items[i].key for i in domains), digests,
+                    (ObjectEntry("step", 1000),), (), tree, domains, regular)
 
 
-def written(plan: RankPlan, writes: tuple[int, ...], save_id: str) -> tuple[dict[int, TensorEntry], list[Any]]:
-    """What a rank reports after writing its assigned items: layout.plan_files offsets,
+def check_grids(dp: int, tp: int, tensors: list[Tensor], regular: Regular) -> None:
+    """The regular items' chunks are this file's own region() arithmetic (torch's), on a few
+    ranks: the simulated layout is the one the real code plans."""
+    for rank in {0, tp - 1, dp * tp // 2, dp * tp - 1}:
+        coordinate = divmod(rank, tp)
+        for item in regular.items:
+            t = tensors[item.index]
+            want = region(t, dp, tp, *coordinate)
+            if regular.grids[item.grid].chunk(t.shape, coordinate) != want:
+                raise RuntimeError(f"{t.key}: the grid's chunk differs from region() on rank {rank}")
+
+
+def written(plan: RankPlan, assigned: dict[int, WriteItem], save_id: str) -> tuple[
+        dict[int, TensorEntry], list[Any]]:
+    """What a rank reports after writing its items (``assigned``): layout.plan_files offsets,
     a checksum per entry and per 1 MiB block (as persist computes them; values made up)."""
-    items = [plan.items[i] for i in writes]
-    files = plan_files(items, save_id=save_id, rank=plan.rank, max_file_bytes=MAX_FILE_BYTES)
-    index_of = {plan.items[i].key: i for i in writes}
+    files = plan_files(list(assigned.values()), save_id=save_id, rank=plan.rank,
+                       max_file_bytes=MAX_FILE_BYTES)
+    index_of = {item.key: i for i, item in assigned.items()}
     entries: dict[int, TensorEntry] = {}
     infos: list[Any] = []
     n = 0
@@ -176,65 +213,92 @@ def median_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def messages_of(world: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tree: Any,
+                regular: Regular, group: Solo) -> list[bytes]:
+    """Every rank's plan message, each rank's layout parts published as collective.agree does
+    (equal parts stored once). RankPlans are dropped once encoded: only the coordinator's
+    decode should hold them all, as in a real job."""
+    messages = []
+    for rank in range(world):
+        plan = rank_plan(rank, dp, tp, tensors, dtype, tree, regular)
+        parts = wire.layout_parts(plan)
+        for fingerprint, data in parts.items():
+            group.publish(fingerprint, data)
+        messages.append(wire.encode_plan(plan, fp=list(parts)[-1]))
+    return messages
+
+
 def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
-            profiler: cProfile.Profile | None = None) -> dict[str, Any]:
-    """Every phase at one world size; the profiler, when given, runs around the timed calls."""
+            profiler: cProfile.Profile | None = None, plan_only: bool = False) -> dict[str, Any]:
+    """Every phase at one world size; the profiler, when given, runs around the timed calls.
+    ``plan_only``: the planning phases (local, decide, decide again) only."""
     if world % tp:
         raise SystemExit(f"world size {world} is not a multiple of tp {tp}")
     dp = world // tp
     tree = tree_of(tensors)
+    regular = regular_of(dp, tp, tensors, dtype)
+    check_grids(dp, tp, tensors, regular)
+    group = Solo()
     t0 = time.perf_counter()
-    # Every rank's message, as the coordinator gathers them (RankPlans of other ranks are dropped
-    # as soon as encoded: only the coordinator's decode should hold them all, as in a real job).
-    messages = [wire.encode_plan(rank_plan(r, dp, tp, tensors, dtype, tree)) for r in range(world)]
+    messages = messages_of(world, dp, tp, tensors, dtype, tree, regular, group)
     setup_s = time.perf_counter() - t0
-    plan0 = rank_plan(0, dp, tp, tensors, dtype, tree)
+    plan0 = rank_plan(0, dp, tp, tensors, dtype, tree, regular)
     on = profiler.enable if profiler else (lambda: None)
     off = profiler.disable if profiler else (lambda: None)
 
     def local() -> bytes:
-        layout = wire.layout_bytes(plan0)
-        wire.fingerprint(layout)
-        return wire.encode_plan(plan0, layout=layout)
+        parts = wire.layout_parts(plan0)
+        return wire.encode_plan(plan0, fp=list(parts)[-1])
 
     def decide() -> tuple[collective.Decision, collective.Memory]:
         memory = collective.Memory()  # a first save: nothing cached
-        decision = collective._decide(messages, memory)
+        decision = collective._decide(messages, memory, group)
         wire.decode_answer(decision.answers[0])
         return decision, memory
 
     on()
     local_s, _ = median_time(local, reps)
     decide_s, (decision, memory) = median_time(decide, reps)
-    off()
-    answers, plans, global_plan = decision.answers, decision.plans, decision.global_plan
-    # a later save of the same layout: every rank sends only its values and the fingerprint
-    again = [wire.encode_plan(plan, same_as=memory.plans[r][0]) for r, plan in enumerate(plans)]
-
-    def decide_reused() -> collective.Decision:
-        return collective._decide(again, memory)
-
-    on()
-    reused_s, _ = median_time(decide_reused, reps)
+    # a later save of the same layout: the same messages (values and the fingerprint)
+    reused_s, _ = median_time(lambda: collective._decide(messages, memory, group), reps)
     off()
     if memory.reused < 1:
         raise RuntimeError("the repeated save did not reuse the plan")
-    save_id, _ = wire.decode_answer(answers[0])
+    row = {"world": world, "dp": dp, "tp": tp, "tensors": len(tensors),
+           "regular": len(regular.items), "plan_msg_bytes": len(messages[0]),
+           "plan_msgs_bytes": sum(len(m) for m in messages),
+           "published_bytes": sum(map(len, group._published.values())),
+           "local_s": local_s, "decide_s": decide_s, "decide_reused_s": reused_s,
+           "setup_s": setup_s, "reused": memory.reused}
+    if not plan_only:
+        row.update(measure_commit(decision, reps, on, off))
+        row["save_total_s"] = local_s + decide_s + row["result_s"] + row["manifest_s"]
+    return row
+
+
+def measure_commit(decision: collective.Decision, reps: int, on: Callable[[], None],
+                   off: Callable[[], None]) -> dict[str, Any]:
+    """The result, manifest and load phases after ``decision``."""
+    save_id, _ = wire.decode_answer(decision.answers[0])
+    plans, global_plan = decision.plans, decision.global_plan
     agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
-    # every rank's result message (untimed, but rank 0's encode is timed below)
     t0 = time.perf_counter()
-    reports = [written(p, a.writes, save_id) for p, a in zip(plans, global_plan.assignments)]
+    reports = [written(p, collective._assigned(agreement, p.rank), save_id) for p in plans]
     results = [wire.encode_result(e, f, None) for e, f in reports]
-    setup_s += time.perf_counter() - t0
+    setup_s = time.perf_counter() - t0
     del reports[1:]
 
     def result() -> bytes:
         return wire.encode_result(reports[0][0], reports[0][1], None)
 
     def build_manifest() -> bytes:
-        decoded = [wire.decode_result(data, rank, collective._assigned(agreement, rank))
+        assigned = [collective._assigned(agreement, rank) for rank in range(len(results))]
+        decoded = [wire.decode_result(data, rank, assigned[rank])
                    for rank, data in enumerate(results)]
-        return commit_body(decoded, agreement)
+        record = collective.manifest_of(decoded, assigned, agreement, META, "xxh3_64",
+                                        BLOCK_NBYTES)
+        manifest.check_keys(record, "simulated/manifest.json")
+        return manifest.encode(record)
 
     on()
     result_s, _ = median_time(result, reps)
@@ -242,42 +306,13 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
     load_s, record = median_time(lambda: manifest.decode(blob, "simulated/manifest.json"), reps)
     off()
     chunks = len(record.tensors)
-    return {
-        "world": world, "dp": dp, "tp": tp, "tensors": len(tensors), "chunks": chunks,
-        "written_bytes": sum(t.nbytes for t in record.tensors),
-        "plan_msg_bytes": len(messages[0]), "plan_msgs_bytes": sum(len(m) for m in messages),
-        "result_msg_bytes": len(results[0]), "manifest_bytes": len(blob),
-        "bytes_per_chunk": len(blob) / chunks, "local_s": local_s, "decide_s": decide_s,
-        "result_s": result_s, "manifest_s": manifest_s, "load_s": load_s,
-        "decide_reused_s": reused_s,
-        "save_total_s": local_s + decide_s + result_s + manifest_s, "setup_s": setup_s,
-        "reused": memory.reused,
-    }
+    return {"chunks": chunks, "written_bytes": sum(t.nbytes for t in record.tensors),
+            "result_msg_bytes": len(results[0]), "manifest_bytes": len(blob),
+            "bytes_per_chunk": len(blob) / chunks, "result_s": result_s,
+            "manifest_s": manifest_s, "load_s": load_s, "commit_setup_s": setup_s}
 
 
-def commit_body(results: list[tuple[dict[int, TensorEntry], list[Any], str | None]],
-                agreement: collective.Agreement) -> bytes:
-    """collective._commit up to the bytes it would commit (its file write and fsync are I/O,
-    not planning): the same calls, in the same order."""
-    plan = agreement.global_plan
-    assert plan is not None
-    done: list[dict[int, TensorEntry]] = []
-    files: list[Any] = []
-    for entries, infos, error in results:
-        if error is not None:
-            raise RuntimeError(error)
-        done.append(entries)
-        files.extend(infos)
-    check_files(files)
-    record = Manifest(
-        version=manifest.VERSION, save_id=agreement.save_id, checksum_algorithm="xxh3_64",
-        world_size=len(results), files=tuple(files),
-        tensors=tuple(manifest_entries(agreement.plans, plan.assignments, done)),
-        objects=plan.objects, aliases=plan.aliases, tree=plan.tree,
-        meta={"ckptio_version": "bench", "torch_version": "-", "created_unix": 0.0},
-        block_nbytes=BLOCK_NBYTES)
-    manifest.check_keys(record, "simulated/manifest.json")
-    return manifest.encode(record)
+META = {"ckptio_version": "bench", "torch_version": "-", "created_unix": 0.0}
 
 
 # ---------------------------------------------------------------- report
@@ -296,10 +331,12 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         f"{args.reps}; {n_params} tensors ({'params + AdamW exp_avg, exp_avg_sq' if args.optim else 'params'}"
         f", {args.dtype}), Llama-70B-like shapes, mesh (dp, tp) with placements [Shard(0), "
         "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  "),
-        ("local: one rank's layout_bytes + fingerprint + encode_plan; decide: coordinator _decide (decode all, "
-        "plan_global, answers; a first save); decide again: the same for a later save of the same "
-        "layout (fingerprints only, decisions reused); result: one rank's encode_result; manifest: coordinator "
-        "decode_result of all + manifest_entries + manifest.encode; load: manifest.decode; "
+        ("local: one rank's layout_parts + encode_plan; decide: coordinator _decide (decode every "
+        "message, fetch and decode each distinct layout part once, check the regular items, "
+        "plan_global of the per-chunk ones, answers; a first save); decide again: the same for a "
+        "later save of the same layout (parts remembered, decisions reused); result: one rank's "
+        "encode_result; manifest: coordinator decode_result of all + manifest_of + check_keys + "
+        "manifest.encode; load: manifest.decode; "
         "peak RSS: of the fresh process measuring that world size (all ranks' plans in one "
         "process: the coordinator's share plus the simulation's)"), "",
         ("| world | dp x tp | chunks | manifest MB | bytes/chunk | plan msg kB | local s | decide s "
@@ -308,20 +345,26 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
     ]
     for r in rows:
         lines.append(
-            f"| {r['world']} | {r['dp']} x {r['tp']} | {r['chunks']:,} | {r['manifest_bytes'] / 1e6:.2f} "
-            f"| {r['bytes_per_chunk']:.0f} | {r['plan_msg_bytes'] / 1e3:.1f} | {r['local_s']:.4f} "
-            f"| {r['decide_s']:.3f} | {r.get('decide_reused_s', float('nan')):.3f} "
-            f"| {r['result_s']:.4f} | {r['manifest_s']:.3f} "
-            f"| {r['save_total_s']:.3f} | {r['load_s']:.3f} | {r.get('peak_rss_mib', float('nan')):.0f} |")
+            f"| {r['world']} | {r['dp']} x {r['tp']} | {_n(r, 'chunks', ',')} "
+            f"| {_n(r, 'manifest_bytes', '.2f', 1e-6)} | {_n(r, 'bytes_per_chunk', '.0f')} "
+            f"| {r['plan_msg_bytes'] / 1e3:.1f} | {r['local_s']:.4f} | {r['decide_s']:.3f} "
+            f"| {r['decide_reused_s']:.3f} | {_n(r, 'result_s', '.4f')} "
+            f"| {_n(r, 'manifest_s', '.3f')} | {_n(r, 'save_total_s', '.3f')} "
+            f"| {_n(r, 'load_s', '.3f')} | {r.get('peak_rss_mib', float('nan')):.0f} |")
     if dcp_rows:
         lines += _dcp_table(dcp_rows)
-    for a, b in itertools.pairwise(rows):
+    for a, b in itertools.pairwise([r for r in rows if "chunks" in r]):
         slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["chunks"] - a["chunks"])
         lines.append(f"- {a['world']} -> {b['world']} ranks: {slope:.0f} manifest bytes per added "
                      "chunk (constant along the curve = linear growth; small worlds carry more 1 MiB "
                      "block checksums per chunk)")
     lines.append("")
     return "\n".join(lines)
+
+
+def _n(row: dict[str, Any], name: str, form: str, scale: float = 1.0) -> str:
+    """A number of the row, or "-" for a phase not measured (--plan-only)."""
+    return "-" if name not in row else format(row[name] * scale if scale != 1.0 else row[name], form)
 
 
 def _dcp_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -415,6 +458,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "0 = no cap")
     p.add_argument("--engines", default="ckptio", help="comma list: ckptio, dcp (DCP's planner "
                    "on the same layout)")
+    p.add_argument("--plan-only", action="store_true", help="the planning phases only (local, "
+                   "decide, decide again): for world sizes whose per-chunk manifest does not fit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.engine_list = [e for e in args.engines.split(",") if e]
@@ -438,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
 
             row = measure_dcp(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
         else:
-            row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps)
+            row = measure(args.worlds[0], args.tp, tensors, args.dtype, args.reps,
+                          plan_only=args.plan_only)
         row["engine"] = args.engine_list[0]
         row["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(row), flush=True)
@@ -450,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             if engine in stopped:
                 continue
             if profiler is not None and engine == "ckptio":
-                row = measure(world, args.tp, tensors, args.dtype, args.reps, profiler)
+                row = measure(world, args.tp, tensors, args.dtype, args.reps, profiler,
+                              args.plan_only)
                 row["peak_rss_mib"], row["engine"] = peak_rss_mib(), engine
             else:
                 row = spawn(argv, world, args.timeout, engine)
@@ -458,11 +505,10 @@ def main(argv: list[str] | None = None) -> int:
                     stopped.add(engine)  # too big: the curve of this engine stops here
                     continue
             rows.append(row)
-            print(f"{engine}, world {world}: {row['chunks']:,} chunks, manifest "
-                  f"{row['manifest_bytes'] / 1e6:.2f} MB, save planning {row['save_total_s']:.3f} s "
-                  f"(decide {row['decide_s']:.3f}, manifest {row['manifest_s']:.3f}), load decode "
-                  f"{row['load_s']:.3f} s, peak RSS {row['peak_rss_mib']:.0f} MiB",
-                  file=sys.stderr, flush=True)
+            print(f"{engine}, world {world}: decide {row['decide_s']:.3f} s, again "
+                  f"{row.get('decide_reused_s', float('nan')):.3f} s, manifest "
+                  f"{_n(row, 'manifest_s', '.3f')} s, load decode {_n(row, 'load_s', '.3f')} s, "
+                  f"peak RSS {row['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
             gc.collect()
     text = markdown(rows, args, argv)
     print(text)

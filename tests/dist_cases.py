@@ -455,7 +455,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     """Save a regular layout (checking it is planned per tensor), load it back in place;
     -> the manifest body and the keys this rank planned as regular."""
-    from ckptio.distributed import collective
+    from ckptio.distributed import rankplan
     from ckptio.distributed.dist import over_torch
     from ckptio.format.flatten import flatten
     from ckptio.planning.plan import build_plan
@@ -464,7 +464,7 @@ def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
 
     state = grid_state(rank, world)
     plan, sources = build_plan(flatten(state), allow_pickle=False)
-    mine = collective.local_plan(over_torch(dist.group.WORLD), plan, sources, flatten(state))
+    mine = rankplan.local_plan(over_torch(dist.group.WORLD), plan, sources, flatten(state))
     regular = sorted(i.key for i in mine.regular.items) if mine.regular else []
     ckptio.save(state, path, options=SMALL)
     fresh = grid_state(rank, world, fill=-1.0)

@@ -43,27 +43,38 @@ def test_measure_small_worlds():
 
 
 def test_manifest_is_valid_and_complete():
-    tensors = plan_scale.model_tensors(12, optim=False)
-    dp, tp = 2, 4
-    messages = [plan_scale.rank_plan(r, dp, tp, tensors, "bfloat16", plan_scale.tree_of(tensors))
-                for r in range(dp * tp)]
+    """Through the coordinator's own functions: regular tensors planned per tensor (the
+    vocabulary-sized ones have an empty shard at dp x tp = 24 and take the per-chunk path),
+    every chunk in the manifest once, every rank's RNG state kept."""
     from ckptio.distributed import collective
     from ckptio.distributed import wire
+    from ckptio.distributed.dist import Solo
 
-    memory = collective.Memory()
-    decision = collective._decide([wire.encode_plan(p) for p in messages], memory)
-    answers, plans, gplan = decision.answers, decision.plans, decision.global_plan
-    save_id, _ = wire.decode_answer(answers[0])
+    tensors = plan_scale.model_tensors(12, optim=False)
+    tensors[0] = plan_scale.Tensor(tensors[0].key, (23, 16), "0")  # 23 rows: a 24-way split empties one
+    dp, tp = 3, 8
+    regular = plan_scale.regular_of(dp, tp, tensors, "bfloat16")
+    assert tensors[0].key not in regular.keys and len(regular.items) == len(tensors) - 1
+    group = Solo()
+    messages = plan_scale.messages_of(dp * tp, dp, tp, tensors, "bfloat16",
+                                      plan_scale.tree_of(tensors), regular, group)
+    decision = collective._decide(messages, collective.Memory(), group)
+    plans, gplan = decision.plans, decision.global_plan
+    save_id, _ = wire.decode_answer(decision.answers[0])
     agreement = collective.Agreement(save_id, gplan.assignments[0], plans, gplan)
+    assigned = [collective._assigned(agreement, p.rank) for p in plans]
     results = []
-    for p, a in zip(plans, gplan.assignments):
-        entries, files = plan_scale.written(p, a.writes, save_id)
+    for p in plans:
+        entries, files = plan_scale.written(p, assigned[p.rank], save_id)
         results.append(wire.decode_result(wire.encode_result(entries, files, None), p.rank,
-                                          collective._assigned(agreement, p.rank)))
-    record = manifest.decode(plan_scale.commit_body(results, agreement), "m")
+                                          assigned[p.rank]))
+    built = collective.manifest_of(results, assigned, agreement, plan_scale.META, "xxh3_64",
+                                   plan_scale.BLOCK_NBYTES)
+    record = manifest.decode(manifest.encode(built), "m")
     assert record.world_size == dp * tp
     for t in tensors:
         chunks = [e.chunk for e in record.tensors if e.key == t.key]
+        assert len(set(chunks)) == len(chunks), t.key
         assert sum(c.numel for c in chunks) == Chunk.whole(t.shape).numel, t.key
     assert sorted(e.rank for e in record.tensors if e.key == "rng") == list(range(dp * tp))
 

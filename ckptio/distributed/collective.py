@@ -25,25 +25,21 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import xxhash
 
 from ckptio.storage.base import Exclusive, Store, new_save_id
 from ckptio.format import manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.distributed.rankplan import valued_shards
 from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
-from ckptio.format.flatten import FlatState
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
-from ckptio.planning.grid import Grid
-from ckptio.planning.plan import SavePlan
-from ckptio.planning.regular import Regular, RegularItem, regular_writes
+from ckptio.planning.regular import regular_writes
 from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
-           "agree_loaded", "conclude", "exclusive", "local_plan", "skip_exclusive"]
+           "agree_loaded", "conclude", "exclusive", "manifest_of", "skip_exclusive"]
 
 # what a rank wrote: its entries keyed by item index in its plan, and its files
 Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
@@ -73,57 +69,6 @@ class Agreement:
     global_plan: GlobalPlan | None = None  # on the coordinator
 
 
-def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
-               flat: FlatState) -> RankPlan:
-    """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
-    Regular DTensor items (grid.py) are planned per tensor when the group is the whole job
-    (their meshes name global ranks); every other item per chunk."""
-    grids = plan.grids if _whole_job(group) else {}
-    items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
-    domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
-    digests: dict[int, str] = {}
-    if group.size > 1:
-        digests = {index: _digest(sources[i.key]) for index, i in items.items()
-                   if index not in domains}
-    sharded = plan.sharded - grids.keys() if grids else plan.sharded
-    return RankPlan(group.rank, items, sharded, digests, plan.objects, plan.aliases,
-                    flat.tree, domains, _regular(plan, grids) if grids else None)
-
-
-def _whole_job(group: Group) -> bool:
-    """Whether ``group`` has peers and its ranks are the job's global ranks."""
-    return group.size > 1 and getattr(group, "members", None) == tuple(range(group.size))
-
-
-def _regular(plan: SavePlan, grids: Mapping[str, Grid]) -> Regular:
-    numbers: dict[Grid, int] = {}
-    items = []
-    for index, item in enumerate(plan.items):
-        grid = grids.get(item.key)
-        if grid is not None:
-            number = numbers.setdefault(grid, len(numbers))
-            items.append(RegularItem(index, item.key, item.dtype, item.shape, number))
-    return Regular(tuple(numbers), tuple(items))
-
-
-def _valued_shards(plan: RankPlan) -> bool:
-    """Whether replicas of some sharded item are known only by its bytes (TensorShard,
-    FlatShard): then who writes what can change with the values, and is decided afresh."""
-    return any(plan.items[i].key in plan.sharded for i in plan.digests)
-
-
-def _digest(t: torch.Tensor) -> str:
-    """xxh3 of a plain tensor's bytes (copied to host if needed): equal on two ranks means the
-    same value, so it is stored once."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return xxhash.xxh3_64_hexdigest(b"")
-    return xxhash.xxh3_64_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
-
-
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
           path: str, reuse: bool) -> Agreement:
     """Collective step. ``reuse``: this rank's layout is unchanged since its last save (plan
@@ -131,7 +76,7 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     # The plan cache matched the tensors; values of other kinds (numpy, bytes, pickled) may
     # have changed size or kind, and the tree its shape: all must match the last plan.
     reuse = (reuse and mine is not None and memory.tree == mine.tree
-             and memory.items == mine.items and not _valued_shards(mine))
+             and memory.items == mine.items and not valued_shards(mine))
     memory.tree = mine.tree if mine is not None else None
     memory.items = mine.items if mine is not None else ()
     if group.size == 1:
@@ -367,29 +312,36 @@ def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
 
 
 def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
-            assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store, meta: dict[str, Any], algorithm: str,
-            block_nbytes: int, committed: Callable[[list[str]], None],
-            held: Exclusive | None) -> None:
+            assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store,
+            meta: dict[str, Any], algorithm: str, block_nbytes: int,
+            committed: Callable[[list[str]], None], held: Exclusive | None) -> None:
     """On the coordinator, once every rank has written: build, check and commit the manifest."""
+    record = manifest_of(results, assigned, agreement, meta, algorithm, block_nbytes)
+    # The reader's key rules, before the commit: a manifest that would not load must not
+    # replace one that does (its files are deleted once the new one is committed).
+    manifest.check_keys(record, store.path_of(manifest.MANIFEST_NAME))
+    store.commit(manifest.encode(record), agreement.save_id, held)
+    committed([f.name for f in record.files])
+
+
+def manifest_of(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
+                assigned: list[dict[int, WriteItem]], agreement: Agreement,
+                meta: dict[str, Any], algorithm: str, block_nbytes: int) -> Manifest:
+    """The manifest of every rank's results (``assigned``: each rank's written items)."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
     written = [entries for entries, _files, _error in results]
     files = [info for _entries, infos, _error in results for info in infos]
     check_files(files)
+    writes = [Assignment(tuple(sorted(a)), given.own)
+              for a, given in zip(assigned, plan.assignments)]
     with paused():
-        record = Manifest(
+        return Manifest(
             version=manifest.VERSION, save_id=agreement.save_id,
             checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
-            tensors=tuple(manifest_entries(agreement.plans, [
-                Assignment(tuple(sorted(a)), given.own)
-                for a, given in zip(assigned, plan.assignments)], written)),
+            tensors=tuple(manifest_entries(agreement.plans, writes, written)),
             objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
             block_nbytes=block_nbytes)
-    # The reader's key rules, before the commit: a manifest that would not load must not
-    # replace one that does (its files are deleted once the new one is committed).
-    manifest.check_keys(record, store.path_of(manifest.MANIFEST_NAME))
-    store.commit(manifest.encode(record), agreement.save_id, held)
-    committed([f.name for f in files])
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptio.distributed import collective
+from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
 from ckptio.format.flatten import flatten
 from ckptio.format.types import FileLayout
@@ -149,7 +149,7 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
         hits = ctx.plan_cache.hits
         plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
         reuse = ctx.plan_cache.hits > hits
-        mine = collective.local_plan(ctx.group, plan, sources, flat)
+        mine = rankplan.local_plan(ctx.group, plan, sources, flat)
     except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
         error = exc
     agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse)

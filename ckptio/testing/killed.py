@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import ckptio
-from ckptio.distributed import collective, storegroup
+from ckptio.distributed import collective, rankplan, storegroup
 from ckptio.saving import persist
 
 __all__ = ["PHASES", "killer", "load_killed", "options", "save_for_load", "save_killed"]
@@ -55,7 +55,7 @@ def _arm(phase: str, mark: str, how: str) -> None:
     """Make this process die (or freeze) at ``phase``."""
     kill = killer(mark, how)
     if phase == "save:plan":  # while planning, before sending its plan
-        collective.local_plan = kill
+        rankplan.local_plan = kill
     elif phase == "save:agree":  # its plan sent, waiting for the coordinator's answer
         storegroup.StoreGroup.scatter = kill
     elif phase == "save:write":  # writing its share

@@ -1,0 +1,77 @@
+"""This rank's part of a save's plan, as it goes to the coordinator.
+
+local_plan() turns the rank's SavePlan into a RankPlan: regular DTensor items (planning/grid.py)
+described once per tensor where the group is the whole job (their meshes name global ranks),
+every other item per chunk; plain tensors carry an xxh3 digest of their bytes when there are
+peers, so replicas of equal bytes are stored once and different ones kept per rank.
+
+Owns: that choice and the digests. Does not own: the messages (wire.py), the collective steps
+(collective.py) or the coordinator's decisions (planning/globalplan.py, regular.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import xxhash
+
+from ckptio.distributed.dist import Group
+from ckptio.format.flatten import FlatState
+from ckptio.planning.globalplan import RankPlan
+from ckptio.planning.grid import Grid
+from ckptio.planning.plan import SavePlan
+from ckptio.planning.regular import Regular, RegularItem
+
+__all__ = ["local_plan", "valued_shards"]
+
+
+def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
+               flat: FlatState) -> RankPlan:
+    """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
+    Regular DTensor items (grid.py) are planned per tensor when the group is the whole job
+    (their meshes name global ranks); every other item per chunk."""
+    grids = plan.grids if _whole_job(group) else {}
+    items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
+    domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
+    digests: dict[int, str] = {}
+    if group.size > 1:
+        digests = {index: _digest(sources[i.key]) for index, i in items.items()
+                   if index not in domains}
+    sharded = plan.sharded - grids.keys() if grids else plan.sharded
+    return RankPlan(group.rank, items, sharded, digests, plan.objects, plan.aliases,
+                    flat.tree, domains, _regular(plan, grids) if grids else None)
+
+
+def _whole_job(group: Group) -> bool:
+    """Whether ``group`` has peers and its ranks are the job's global ranks."""
+    return group.size > 1 and getattr(group, "members", None) == tuple(range(group.size))
+
+
+def _regular(plan: SavePlan, grids: Mapping[str, Grid]) -> Regular:
+    numbers: dict[Grid, int] = {}
+    items = []
+    for index, item in enumerate(plan.items):
+        grid = grids.get(item.key)
+        if grid is not None:
+            number = numbers.setdefault(grid, len(numbers))
+            items.append(RegularItem(index, item.key, item.dtype, item.shape, number))
+    return Regular(tuple(numbers), tuple(items))
+
+
+def valued_shards(plan: RankPlan) -> bool:
+    """Whether replicas of some sharded item are known only by its bytes (TensorShard,
+    FlatShard): then who writes what can change with the values, and is decided afresh."""
+    return any(plan.items[i].key in plan.sharded for i in plan.digests)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """xxh3 of a plain tensor's bytes (copied to host if needed): equal on two ranks means the
+    same value, so it is stored once."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return xxhash.xxh3_64_hexdigest(b"")
+    return xxhash.xxh3_64_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
