@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ckptio.storage.base import Exclusive, Store, new_save_id
 from ckptio.format import manifest
 from ckptio.distributed import wire
@@ -78,7 +77,7 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     reuse = (reuse and mine is not None and memory.tree == mine.tree
              and memory.items == mine.items and not valued_shards(mine))
     memory.tree = mine.tree if mine is not None else None
-    memory.items = mine.items if mine is not None else ()
+    memory.items = mine.items if mine is not None else {}
     if group.size == 1:
         return _agree_alone(mine, error, memory, reuse)
     message = None

@@ -105,12 +105,16 @@ class Grid:
                 index = index * parts + at
         return index
 
-    def writes(self, key: str, coordinate: tuple[int, ...]) -> bool:
-        """Whether the holder at ``coordinate`` writes its chunk of ``key``: replica number
-        hash(key) mod replicas, so replicated tensors spread over their holders."""
+    def writer(self, key: str) -> int:
+        """Which replica writes each chunk of ``key``: number hash(key) mod replicas, so
+        replicated tensors spread over their holders."""
         if self.replicas == 1:
-            return True
-        return self.replica(coordinate) == xxhash.xxh3_64_intdigest(key.encode()) % self.replicas
+            return 0
+        return xxhash.xxh3_64_intdigest(key.encode()) % self.replicas
+
+    def writes(self, key: str, coordinate: tuple[int, ...]) -> bool:
+        """Whether the holder at ``coordinate`` writes its chunk of ``key``."""
+        return self.replica(coordinate) == self.writer(key)
 
     def writers(self, key: str) -> Iterator[tuple[int, tuple[int, ...]]]:
         """(rank, coordinate) of every holder that writes its chunk of ``key``."""

@@ -48,6 +48,11 @@ class Regular:
     def keys(self) -> frozenset[str]:
         return frozenset(i.key for i in self.items)
 
+    @cached_property
+    def writers(self) -> tuple[int, ...]:
+        """Per item, the replica that writes its chunks (Grid.writer)."""
+        return tuple(self.grids[i.grid].writer(i.key) for i in self.items)
+
     def keys_on(self, grid: int) -> frozenset[str]:
         """The keys laid over grid number ``grid``."""
         if grid not in self._keys:
@@ -59,12 +64,13 @@ def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
     """The items global rank ``rank`` (holding ``regular``) writes, by item index."""
     out: dict[int, WriteItem] = {}
     coordinates = [grid.coordinate(rank) for grid in regular.grids]
-    for item in regular.items:
+    replicas = [None if c is None else g.replica(c) for g, c in zip(regular.grids, coordinates)]
+    for item, writer in zip(regular.items, regular.writers):
         grid, coordinate = regular.grids[item.grid], coordinates[item.grid]
         if coordinate is None:
             raise CkptError(f"key {item.key!r}: rank {rank} holds a DTensor on a device mesh "
                             "without it (internal)")
-        if grid.writes(item.key, coordinate):
+        if replicas[item.grid] == writer:
             chunk = grid.chunk(item.shape, coordinate)
             out[item.index] = WriteItem(item.key, "tensor", item.dtype, item.shape, chunk,
                                         chunk.numel * DTYPE_ITEMSIZE[item.dtype])
