@@ -139,19 +139,19 @@ def grid_of(t: Tensor, dp: int, tp: int) -> Grid:
 
 
 def regular_of(dp: int, tp: int, tensors: list[Tensor], dtype: str) -> Regular:
-    """The regular items every rank holds (all alike): tensors with no empty chunk."""
+    """The regular items every rank holds (all alike): every tensor (all have elements; a
+    nested split may leave some ranks an empty piece, which is not written)."""
     grids: dict[Grid, int] = {}
     items = [RegularItem(index, t.key, dtype, t.shape, grids.setdefault(g, len(grids)))
-             for index, t in enumerate(tensors)
-             for g in [grid_of(t, dp, tp)] if g.all_nonempty(t.shape)]
+             for index, t in enumerate(tensors) for g in [grid_of(t, dp, tp)]]
     return Regular(tuple(grids), tuple(items))
 
 
 def rank_plan(rank: int, dp: int, tp: int, tensors: list[Tensor], dtype: str, tree: Any,
               regular: Regular) -> RankPlan:
     """What ckptio's build_plan + local_plan give rank ``rank`` (rank = dp_rank * tp + tp_rank):
-    its regular DTensors (``regular``, shared by all ranks), the others (an empty shard) one
-    item each, a per-rank RNG state (plain, digest differs by rank) and a step."""
+    its regular DTensors (``regular``, shared by all ranks), any others one item each, a
+    per-rank RNG state (plain, digest differs by rank) and a step."""
     dp_rank, tp_rank = divmod(rank, tp)
     size = ITEMSIZE[dtype]
     regular_keys = regular.keys
@@ -173,7 +173,8 @@ def check_grids(dp: int, tp: int, tensors: list[Tensor], regular: Regular) -> No
         for item in regular.items:
             t = tensors[item.index]
             want = region(t, dp, tp, *coordinate)
-            if regular.grids[item.grid].chunk(t.shape, coordinate) != want:
+            got = regular.grids[item.grid].chunk(t.shape, coordinate)
+            if got != want and not got.numel == want.numel == 0:  # empty: placed anywhere
                 raise RuntimeError(f"{t.key}: the grid's chunk differs from region() on rank {rank}")
 
 

@@ -428,8 +428,9 @@ GRID_LAYOUTS = {  # key -> (shape, placements over a 2 x 2 mesh); uneven sizes, 
 
 
 def grid_state(rank: int, world: int, fill: float | None = None) -> dict[str, Any]:
-    """DTensors on a 2 x 2 mesh as FSDP x TP lays them out; "small" has an empty shard (3 rows
-    in 4 nested pieces) and takes the per-chunk path. ``fill``: every element that value."""
+    """DTensors on a 2 x 2 mesh as FSDP x TP lays them out; "small" has an empty piece (3 rows
+    in 4 nested pieces), and "head" is tied to it (the same DTensor: the rank whose piece is
+    empty cannot see the tie). ``fill``: every element that value."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -441,6 +442,7 @@ def grid_state(rank: int, world: int, fill: float | None = None) -> dict[str, An
             full.fill_(fill)
         placements = [Replicate() if k == "R" else Shard(int(k[1])) for k in kinds]
         state[key] = distribute_tensor(full, mesh, placements)
+    state["head"] = state["small"]
     state["step"] = 3
     return state
 
@@ -472,7 +474,7 @@ def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     ckptio.load(path, fresh, options=SMALL)
     for key in GRID_LAYOUTS:
         assert torch.equal(local(state[key]), local(fresh[key])), key
-    assert fresh["step"] == 3
+    assert fresh["head"] is fresh["small"] and fresh["step"] == 3
     with open(os.path.join(path, "manifest.json")) as f:
         f.readline()
         return {"manifest": json.loads(f.readline()), "regular": regular}

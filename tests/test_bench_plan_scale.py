@@ -43,18 +43,18 @@ def test_measure_small_worlds():
 
 
 def test_manifest_is_valid_and_complete():
-    """Through the coordinator's own functions: regular tensors planned per tensor (the
-    vocabulary-sized ones have an empty shard at dp x tp = 24 and take the per-chunk path),
-    every chunk in the manifest once, every rank's RNG state kept."""
+    """Through the coordinator's own functions: every tensor planned per tensor (one with 23
+    rows over dp x tp = 24 nested pieces has an empty one), every non-empty chunk in the
+    manifest once, every rank's RNG state kept."""
     from ckptio.distributed import collective
     from ckptio.distributed import wire
     from ckptio.distributed.dist import Solo
 
     tensors = plan_scale.model_tensors(12, optim=False)
-    tensors[0] = plan_scale.Tensor(tensors[0].key, (23, 16), "0")  # 23 rows: a 24-way split empties one
+    tensors[0] = plan_scale.Tensor(tensors[0].key, (23, 16), "0")  # 23 rows in 24 pieces
     dp, tp = 3, 8
     regular = plan_scale.regular_of(dp, tp, tensors, "bfloat16")
-    assert tensors[0].key not in regular.keys and len(regular.items) == len(tensors) - 1
+    assert len(regular.items) == len(tensors)
     group = Solo()
     messages = plan_scale.messages_of(dp * tp, dp, tp, tensors, "bfloat16",
                                       plan_scale.tree_of(tensors), regular, group)
@@ -76,6 +76,8 @@ def test_manifest_is_valid_and_complete():
         chunks = [e.chunk for e in record.tensors if e.key == t.key]
         assert len(set(chunks)) == len(chunks), t.key
         assert sum(c.numel for c in chunks) == Chunk.whole(t.shape).numel, t.key
+        assert all(c.numel for c in chunks), t.key  # empty pieces are not stored
+    assert len([e for e in record.tensors if e.key == tensors[0].key]) == 23
     assert sorted(e.rank for e in record.tensors if e.key == "rng") == list(range(dp * tp))
 
 

@@ -239,6 +239,9 @@ def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], se
             if (key, target) in mine:
                 continue
             index = index_of.get(key)
+            if index is None and plan.regular is not None and plan.regular.chunk_is_empty(
+                    key, plan.rank):
+                continue  # a regular item's empty chunk: never written
             if index is None or plan.items[index].nbytes:
                 holder = next(p.rank for p in ranks if (key, target) in set(p.aliases))
                 raise PlanConflict(

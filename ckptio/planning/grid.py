@@ -10,8 +10,9 @@ chunk. Of those replicas one writes it, chosen from the key alone (``writes``), 
 knows what it writes and what every other rank wrote without being told.
 
 A rank uses a Grid only where its own chunk is what the grid gives (sharding.py checks against
-torch) and no chunk of the tensor is empty (``all_nonempty``: every rank decides the same from
-the grid, and an empty shard cannot show a tie). Everything else keeps the per-chunk path.
+torch) and the tensor has elements (every rank decides that alike from the shape). Chunks may
+be empty (a nested or uneven split leaves some ranks none): nothing is written for them.
+Everything else keeps the per-chunk path.
 
 Owns: that arithmetic. Pure: no torch, no I/O. Does not own: recognising a DTensor
 (sharding.py), checking that ranks agree (globalplan.py), or messages (wire.py).
@@ -64,29 +65,15 @@ class Grid:
         return tuple(reversed(coordinate))
 
     def chunk(self, shape: tuple[int, ...], coordinate: tuple[int, ...]) -> Chunk:
-        """The chunk of a tensor of ``shape`` the holder at ``coordinate`` has."""
+        """The chunk of a tensor of ``shape`` the holder at ``coordinate`` has. An empty one is
+        placed at the end of its dim, as torch places it."""
         offsets, sizes = [0] * len(shape), list(shape)
         for parts, dim, index in zip(self.shape, self.dims, coordinate):
             if dim == REPLICATE:
                 continue
             start, sizes[dim] = split(sizes[dim], parts, index)
-            offsets[dim] += start
+            offsets[dim] = offsets[dim] + start if sizes[dim] else shape[dim]
         return Chunk(tuple(offsets), tuple(sizes))
-
-    def all_nonempty(self, shape: tuple[int, ...]) -> bool:
-        """Whether every chunk of a tensor of ``shape`` has elements. The sizes a dim's pieces
-        can have are followed split by split (a nested split can empty a larger piece and not
-        a smaller one: 7 -> 4, 3 -> 2, 2, 0 and 1, 1, 1)."""
-        if 0 in shape:
-            return False
-        sizes: list[set[int]] = [{d} for d in shape]
-        for parts, dim in zip(self.shape, self.dims):
-            if dim == REPLICATE:
-                continue
-            sizes[dim] = {split(size, parts, i)[1] for size in sizes[dim] for i in range(parts)}
-            if 0 in sizes[dim]:
-                return False
-        return True
 
     @cached_property
     def replicas(self) -> int:

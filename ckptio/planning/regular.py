@@ -53,6 +53,21 @@ class Regular:
         """Per item, the replica that writes its chunks (Grid.writer)."""
         return tuple(self.grids[i.grid].writer(i.key) for i in self.items)
 
+    @cached_property
+    def by_key(self) -> dict[str, RegularItem]:
+        return {i.key: i for i in self.items}
+
+    def chunk_is_empty(self, key: str, rank: int) -> bool | None:
+        """Whether global rank ``rank``'s chunk of ``key`` is empty; None if ``key`` is not
+        one of these items (or ``rank`` not in its mesh)."""
+        item = self.by_key.get(key)
+        if item is None:
+            return None
+        coordinate = self.grids[item.grid].coordinate(rank)
+        if coordinate is None:
+            return None
+        return self.grids[item.grid].chunk(item.shape, coordinate).numel == 0
+
     def keys_on(self, grid: int) -> frozenset[str]:
         """The keys laid over grid number ``grid``."""
         if grid not in self._keys:
@@ -72,6 +87,8 @@ def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
                             "without it (internal)")
         if replicas[item.grid] == writer:
             chunk = grid.chunk(item.shape, coordinate)
+            if chunk.numel == 0:  # an empty piece of an uneven split: nothing to store
+                continue
             out[item.index] = WriteItem(item.key, "tensor", item.dtype, item.shape, chunk,
                                         chunk.numel * DTYPE_ITEMSIZE[item.dtype])
     return out
@@ -97,9 +114,16 @@ def check_regular(ranks: Sequence[RankPlan], conflict: type[CkptError]) -> None:
                     f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; every rank must hold "
                     "the same tensor (pipeline stages: give each stage's keys a prefix)")
     _check_mixed(ranks, seen, conflict)
-    by_rank = {plan.rank: plan.regular for plan in ranks}
+    by_rank = {plan.rank: _held_keys(plan) for plan in ranks}
     for regular, holders in lists.values():
         _check_holders(regular, holders, by_rank, conflict)
+
+
+def _held_keys(plan: RankPlan) -> frozenset[str]:
+    """The regular keys ``plan`` holds, with the keys it holds as ties to another (a rank whose
+    shard of a tied tensor is empty sees no tie and lists the key; the others list the tie)."""
+    keys = plan.regular.keys if plan.regular is not None else frozenset()
+    return keys | {key for key, _target in plan.aliases} if plan.aliases else keys
 
 
 def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
@@ -114,7 +138,7 @@ def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
                     "of its shards is empty); hold it with the same placements on every rank")
 
 
-def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, Regular | None],
+def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, frozenset[str]],
                    conflict: type[CkptError]) -> None:
     """Ranks holding ``regular`` are in the mesh of each of its grids, and every rank of that
     mesh holds the keys laid over it."""
@@ -126,8 +150,7 @@ def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, Regu
             raise conflict(f"rank {min(outside)} holds DTensors on a device mesh without it "
                            f"({_mesh(grid)}): a process group and mesh that do not match?")
         for rank in sorted(mesh - have):
-            other = by_rank.get(rank, None)
-            missing = regular.keys_on(number) - (other.keys if other is not None else frozenset())
+            missing = regular.keys_on(number) - by_rank.get(rank, frozenset())
             if missing:
                 raise conflict(
                     f"key {min(missing)!r}: rank {rank} is in its device mesh ({_mesh(grid)}) "

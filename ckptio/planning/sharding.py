@@ -128,8 +128,8 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
 
 
 def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> Grid | None:
-    """The DTensor's layout as a Grid, if it is regular: every chunk non-empty, and this rank's
-    chunk the one the grid's arithmetic gives (what torch computed: never assumed)."""
+    """The DTensor's layout as a Grid, if it is regular: the tensor has elements, and this
+    rank's chunk is the one the grid's arithmetic gives (what torch computed: never assumed)."""
     shape_and_ranks = _MESHES.get(mesh)
     if shape_and_ranks is None:
         ranks = mesh.mesh
@@ -139,7 +139,7 @@ def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> G
                  for p in placements)
     grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
     coordinate = mesh.get_coordinate()
-    if coordinate is None or not grid.all_nonempty(shape):
+    if coordinate is None or 0 in shape:
         return None
     if grid.chunk(shape, tuple(int(c) for c in coordinate)) != chunk:
         return None
