@@ -124,5 +124,21 @@ def test_check_regular_names_what_ranks_disagree_on():
     from ckptio.format.types import WriteItem
 
     mixed = {0: WriteItem("w", "tensor", "float32", (4, 4), Chunk((2, 0), (2, 4)), 32)}
-    with pytest.raises(PlanConflict, match="'w': rank 1's DTensor shard is not laid out"):
+    with pytest.raises(PlanConflict, match="'w': rank 1 holds it otherwise than the other ranks"):
         check_regular([_plan(0, a), _plan(1, Regular((), ()), mixed)], PlanConflict)
+
+
+def test_a_tie_stands_for_the_key_on_ranks_that_see_it():
+    """A rank whose piece of a tied tensor is empty sees no tie and lists the alias key as a
+    regular item; the ranks that see the tie list the tie instead: accepted. A rank holding
+    neither is refused."""
+    grid = Grid((2,), (0, 1), (0,))
+    emb = RegularItem(0, "emb", "float32", (1, 4), 0)  # 1 row in 2 pieces: rank 1's is empty
+    blind = Regular((grid,), (emb, RegularItem(1, "head", "float32", (1, 4), 0)))
+    seeing = Regular((grid,), (emb,))
+    tied = RankPlan(0, {}, frozenset(), {}, (), (("head", "emb"),), {"d": []}, {}, seeing)
+    check_regular([tied, _plan(1, blind)], PlanConflict)
+    untied = RankPlan(0, {}, frozenset(), {}, (), (), {"d": []}, {}, seeing)
+    with pytest.raises(PlanConflict, match="'head': rank 0 is in its device mesh"):
+        check_regular([untied, _plan(1, blind)], PlanConflict)
+    assert blind.chunk_is_empty("head", 1) and not blind.chunk_is_empty("head", 0)

@@ -15,7 +15,7 @@ no torch, no I/O. Does not own: the arithmetic (grid.py) or the per-chunk path (
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,6 @@ class RegularItem:
 class Regular:
     grids: tuple[Grid, ...]
     items: tuple[RegularItem, ...]
-    _keys: dict[int, frozenset[str]] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def keys(self) -> frozenset[str]:
@@ -68,11 +67,13 @@ class Regular:
             return None
         return self.grids[item.grid].chunk(item.shape, coordinate).numel == 0
 
-    def keys_on(self, grid: int) -> frozenset[str]:
-        """The keys laid over grid number ``grid``."""
-        if grid not in self._keys:
-            self._keys[grid] = frozenset(i.key for i in self.items if i.grid == grid)
-        return self._keys[grid]
+    @cached_property
+    def keys_on(self) -> dict[int, frozenset[str]]:
+        """Grid number -> the keys laid over that grid."""
+        out: dict[int, set[str]] = {}
+        for item in self.items:
+            out.setdefault(item.grid, set()).add(item.key)
+        return {grid: frozenset(keys) for grid, keys in out.items()}
 
 
 def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
@@ -114,16 +115,19 @@ def check_regular(ranks: Sequence[RankPlan], conflict: type[CkptError]) -> None:
                     f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; every rank must hold "
                     "the same tensor (pipeline stages: give each stage's keys a prefix)")
     _check_mixed(ranks, seen, conflict)
-    by_rank = {plan.rank: _held_keys(plan) for plan in ranks}
+    by_rank = {plan.rank: plan for plan in ranks}
     for regular, holders in lists.values():
         _check_holders(regular, holders, by_rank, conflict)
 
 
-def _held_keys(plan: RankPlan) -> frozenset[str]:
-    """The regular keys ``plan`` holds, with the keys it holds as ties to another (a rank whose
-    shard of a tied tensor is empty sees no tie and lists the key; the others list the tie)."""
-    keys = plan.regular.keys if plan.regular is not None else frozenset()
-    return keys | {key for key, _target in plan.aliases} if plan.aliases else keys
+def _lacks(plan: RankPlan | None, keys: frozenset[str]) -> set[str]:
+    """Of ``keys``, those ``plan`` holds neither as regular items nor as ties to another key
+    (a rank whose shard of a tied tensor is empty sees no tie and lists the key; the others
+    list the tie)."""
+    if plan is None:
+        return set(keys)
+    lacking = keys - plan.regular.keys if plan.regular is not None else set(keys)
+    return lacking - {key for key, _target in plan.aliases} if lacking else set()
 
 
 def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
@@ -133,12 +137,14 @@ def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
         for item in plan.items.values():
             if item.key in seen:
                 raise conflict(
-                    f"key {item.key!r}: rank {plan.rank}'s DTensor shard is not laid out as on "
-                    "the other ranks (its region is not what its placements give there, or one "
-                    "of its shards is empty); hold it with the same placements on every rank")
+                    f"key {item.key!r}: rank {plan.rank} holds it otherwise than the other ranks "
+                    "(they hold DTensors laid out by their placements; rank "
+                    f"{plan.rank} a hand-made shard, a plain tensor or a DTensor whose local "
+                    "region is not where its placements put it); hold it the same way on every "
+                    "rank")
 
 
-def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, frozenset[str]],
+def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, RankPlan],
                    conflict: type[CkptError]) -> None:
     """Ranks holding ``regular`` are in the mesh of each of its grids, and every rank of that
     mesh holds the keys laid over it."""
@@ -149,8 +155,14 @@ def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, froz
         if outside:
             raise conflict(f"rank {min(outside)} holds DTensors on a device mesh without it "
                            f"({_mesh(grid)}): a process group and mesh that do not match?")
+        keys = regular.keys_on.get(number, frozenset())
+        lacking: dict[object, set[str]] = {}  # ranks alike in what they hold: checked once
         for rank in sorted(mesh - have):
-            missing = regular.keys_on(number) - by_rank.get(rank, frozenset())
+            plan = by_rank.get(rank)
+            alike = None if plan is None else (id(plan.regular), plan.aliases)
+            if alike not in lacking:
+                lacking[alike] = _lacks(plan, keys)
+            missing = lacking[alike]
             if missing:
                 raise conflict(
                     f"key {min(missing)!r}: rank {rank} is in its device mesh ({_mesh(grid)}) "
