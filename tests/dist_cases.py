@@ -478,3 +478,32 @@ def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     with open(os.path.join(path, "manifest.json")) as f:
         f.readline()
         return {"manifest": json.loads(f.readline()), "regular": regular}
+
+
+def regular_edges(rank: int, world: int, root: str) -> str | None:
+    """(1) One Checkpointer saving a layout over WORLD, another layout of the same shapes over a
+    group of all ranks, then that layout over WORLD again (a plan-cache hit there): each save
+    must record its own layout. (2) Ranks 0 and 1 save DTensors whose 2 x 2 mesh spans ranks
+    beyond their group: the per-chunk path (a replica group of HSDP saving its replica)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = torch.arange(64.0).reshape(8, 8)
+    line = init_device_mesh("cpu", (world,))
+    rows = {"w": distribute_tensor(full, line, [Shard(0)])}
+    cols = {"w": distribute_tensor(full, line, [Shard(1)])}
+    everyone = dist.new_group(list(range(world)))
+    ck = ckptio.Checkpointer(SMALL)
+    ck.save(rows, os.path.join(root, "a"))
+    ck.save(cols, os.path.join(root, "b"), process_group=everyone)
+    ck.save(cols, os.path.join(root, "c"))
+    square = init_device_mesh("cpu", (2, 2))
+    hsdp = {"w": distribute_tensor(full, square, [Replicate(), Shard(0)])}
+    pair = dist.new_group([0, 1])
+    out = None
+    if rank < 2:
+        ckptio.Checkpointer(SMALL).save(hsdp, os.path.join(root, "d"), process_group=pair)
+        out = "saved"
+    dist.barrier()
+    return out

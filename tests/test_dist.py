@@ -217,3 +217,14 @@ def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
     for n, (key, (shape, _kinds)) in enumerate(cases.GRID_LAYOUTS.items()):
         want = torch.arange(n * 1000, n * 1000 + cases._numel(shape), dtype=torch.float32)
         assert torch.equal(whole[key], want.reshape(shape)), key
+
+
+def test_regular_layouts_across_groups_and_subgroups(tmp_path):
+    """Review findings: a layout reused from the plan cache after another group saved a
+    different layout of the same shapes recorded the stale regions (loaded "fine", wrong);
+    a subgroup 0..k-1 saving DTensors of a mesh beyond it was refused."""
+    bodies = run_ranks(4, cases.regular_edges, str(tmp_path))
+    assert bodies[:2] == ["saved", "saved"]
+    full = torch.arange(64.0).reshape(8, 8)
+    for name in "abcd":
+        assert torch.equal(ckptio.load(str(tmp_path / name))["w"], full), name

@@ -176,10 +176,20 @@ def test_wire_round_trip_layout_published_apart():
         wire.decode_layout(parts[fp].replace(b'"w"', b'"x"'), fp)
     with pytest.raises(wire.WireError):
         wire.decode_plan(b'{"rank": 1}', 1)
+    with pytest.raises(wire.WireError):  # an item encoded as nothing
+        broken = b'[[[]],[],[],[],"t",null]'
+        wire.decode_layout(broken, wire.fingerprint(broken))
+    clash = wire.decode_layout(parts[fp], fp)  # regular item 2 is also a per-chunk item
+    clash.items[2] = item("dt", 4)
+    with pytest.raises(wire.WireError, match="both per chunk and per tensor"):
+        clash.check_regular(regular, fp)
     bad = b'[[[[2],[0,1],[0]]],[[0,"k","float32",[4],0]]]'  # a 2-mesh with 2 ranks: fine
     assert wire.decode_regular(bad, wire.fingerprint(bad)).items[0].key == "k"
     for wrong in (b'[[[[2],[0],[0]]],[]]', b'[[[[2],[0,1],[3]]],[[0,"k","float32",[4],0]]]',
-                  b'[[],[[0,"k","float32",[4],0]]]'):
+                  b'[[],[[0,"k","float32",[4],0]]]', b'[[[[0],[],[0]]],[]]',  # a 0-sized mesh
+                  b'[[[[2],[1,1],[0]]],[]]',  # a rank twice
+                  b'[[[[2],[0,1],[0]]],[[0,"k","float32",[4],0],[1,"k","float32",[4],0]]]',
+                  b'[[[[2],[0,1],[0]]],[[0,"k","float32",[4],0],[0,"j","float32",[4],0]]]'):
         with pytest.raises(wire.WireError, match="malformed"):
             wire.decode_regular(wrong, wire.fingerprint(wrong))
 

@@ -145,3 +145,40 @@ def test_a_process_beats_at_once_and_then_on_its_own():
     assert int(store.add(key_of(5), 0)) >= 1
     time.sleep(0.3)
     assert int(store.add(key_of(5), 0)) >= 3
+
+
+def test_published_parts_are_stored_once_and_a_missing_one_is_an_error():
+    """Ranks publishing equal bytes under one name store them once (the first claimer); the
+    coordinator fetches them after the gather. A name nobody stored fails at once with a
+    CkptError (no blocking get); a claimer whose store write failed gives the claim back."""
+    from ckptio.errors import CkptError
+
+    def body(group: StoreGroup) -> Any:
+        group.publish("fp-a", b"layout bytes")
+        group.publish(f"fp-{group.rank}", b"mine %d" % group.rank)
+        if group.gather(b"") is None:
+            return None
+        fetched = group.fetch(["fp-a", "fp-0", "fp-2"])
+        with pytest.raises(CkptError, match="plan part fp-missing was named by a rank but never"):
+            group.fetch(["fp-a", "fp-missing"])
+        return fetched
+
+    out = _on_threads(3, body, Deadlines(rank_s=5, step_s=30))
+    assert out[0] == [b"layout bytes", b"mine 0", b"mine 2"]
+
+    store = dist.HashStore()
+    group = StoreGroup(store, store, (0,), 0, "ckptio/t/0", Deadlines())
+
+    class Refusing:  # a store whose writes fail: the claim is given back
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def set(self, key: str, value: bytes) -> None:
+            raise RuntimeError("store write failed")
+
+    group.store = Refusing()
+    with pytest.raises(RankFailedError):
+        group.publish("fp-b", b"x")
+    group.store = store
+    group.publish("fp-b", b"x")  # claimed anew, stored this time
+    assert group.fetch(["fp-b"]) == [b"x"]

@@ -34,7 +34,7 @@ from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
-from ckptio.planning.regular import regular_writes
+from ckptio.planning.regular import Regular, regular_writes
 from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
@@ -52,12 +52,15 @@ class Memory:
 
     fingerprint: str | None = None
     published: frozenset[str] = frozenset()  # this rank's parts published in its last save
-    parts: dict[str, Any] = field(default_factory=dict)  # fingerprint -> decoded part
+    parts: dict[tuple[str, str], Any] = field(default_factory=dict)  # (kind, fp) -> decoded
     fingerprints: tuple[str, ...] = ()
     last: tuple[frozenset[str], GlobalPlan] | None = None
     reused: int = 0  # saves whose decisions were reused (for tests and benchmarks)
-    tree: Any = None  # this rank's last tree and items (a reused layout must have the same)
+    # this rank's last tree, items and regular items: a reused layout must have the same (the
+    # plan cache is the Checkpointer's, shared by its groups; this memory is one group's)
+    tree: Any = None
     items: Mapping[int, WriteItem] = field(default_factory=dict)
+    regular: Regular | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,11 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     # The plan cache matched the tensors; values of other kinds (numpy, bytes, pickled) may
     # have changed size or kind, and the tree its shape: all must match the last plan.
     reuse = (reuse and mine is not None and memory.tree == mine.tree
-             and memory.items == mine.items and not valued_shards(mine))
+             and memory.items == mine.items and memory.regular == mine.regular
+             and not valued_shards(mine))
     memory.tree = mine.tree if mine is not None else None
     memory.items = mine.items if mine is not None else {}
+    memory.regular = mine.regular if mine is not None else None
     if group.size == 1:
         return _agree_alone(mine, error, memory, reuse)
     message = None
@@ -125,9 +130,12 @@ def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> 
 
 
 def _forget(memory: Memory) -> None:
-    """After a failed agreement: the next save decides everything afresh."""
+    """After a failed agreement: the next save decides everything afresh, and publishes its
+    parts again (a part claimed but never stored is then stored)."""
     memory.fingerprints = ()
     memory.last = None
+    memory.fingerprint = None
+    memory.published = frozenset()
 
 
 def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -165,12 +173,18 @@ def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
             raise CkptError(f"rank {rank}: {decoded}")
         values.append(decoded)
     fingerprints = tuple(v.fingerprint for v in values)
-    layouts = _fetch(group, memory, set(fingerprints), wire.decode_layout)
-    trees = _fetch(group, memory, {layout.tree_fp for layout in layouts.values()},
+    layouts = _fetch(group, memory, "layout", set(fingerprints), wire.decode_layout)
+    trees = _fetch(group, memory, "tree", {layout.tree_fp for layout in layouts.values()},
                    wire.decode_tree)
-    regulars = _fetch(group, memory, {layout.regular_fp for layout in layouts.values()
-                                      if layout.regular_fp is not None}, wire.decode_regular)
-    memory.parts = {**layouts, **trees, **regulars}  # what the next save may reuse
+    regulars = _fetch(group, memory, "regular", {layout.regular_fp for layout in layouts.values()
+                                                 if layout.regular_fp is not None},
+                      wire.decode_regular)
+    for fp, layout in layouts.items():
+        if layout.regular_fp is not None:
+            layout.check_regular(regulars[layout.regular_fp], fp)
+    memory.parts = {("layout", fp): part for fp, part in layouts.items()}  # for the next save
+    memory.parts.update({("tree", fp): part for fp, part in trees.items()})
+    memory.parts.update({("regular", fp): part for fp, part in regulars.items()})
     all_same = fingerprints == memory.fingerprints
     memory.fingerprints = fingerprints
     plans = []
@@ -193,10 +207,11 @@ def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
     return Decision(answers, tuple(plans), global_plan)
 
 
-def _fetch(group: Group, memory: Memory, wanted: set[str],
+def _fetch(group: Group, memory: Memory, kind: str, wanted: set[str],
            decode: Callable[[bytes, str], Any]) -> dict[str, Any]:
-    """The decoded parts ``wanted``: remembered from the last save, else fetched (each once)."""
-    out = {fp: memory.parts[fp] for fp in wanted if fp in memory.parts}
+    """The decoded parts ``wanted`` of one kind: remembered from the last save, else fetched
+    (each once)."""
+    out = {fp: memory.parts[kind, fp] for fp in wanted if (kind, fp) in memory.parts}
     unknown = sorted(wanted - out.keys())
     for fingerprint, data in zip(unknown, group.fetch(unknown) if unknown else []):
         out[fingerprint] = decode(data, fingerprint)

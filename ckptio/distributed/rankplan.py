@@ -29,9 +29,11 @@ __all__ = ["local_plan", "valued_shards"]
 def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
                flat: FlatState) -> RankPlan:
     """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
-    Regular DTensor items (grid.py) are planned per tensor when the group is the whole job
-    (their meshes name global ranks); every other item per chunk."""
-    grids = plan.grids if _whole_job(group) else {}
+    Regular DTensor items (grid.py) are planned per tensor when the group's ranks are the
+    global ranks 0..size-1 and the DTensor's mesh lies inside it (every rank holding the key
+    sees that mesh, so all decide alike); every other item per chunk."""
+    grids = {key: grid for key, grid in plan.grids.items()
+             if max(grid.ranks) < group.size} if _whole_job(group) else {}
     items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
     domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
     digests: dict[int, str] = {}
@@ -44,7 +46,7 @@ def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
 
 
 def _whole_job(group: Group) -> bool:
-    """Whether ``group`` has peers and its ranks are the job's global ranks."""
+    """Whether ``group`` has peers and its ranks are global ranks 0..size-1."""
     return group.size > 1 and getattr(group, "members", None) == tuple(range(group.size))
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.distributed.liveness import Watch
-from ckptio.errors import RankFailedError
+from ckptio.errors import CkptError, RankFailedError
 
 __all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "pack", "unpack"]
 
@@ -109,16 +109,26 @@ class StoreGroup:
         key = self._key(f"shared/{name}")
 
         def put() -> None:
-            if self.store.add(f"{key}/claim", 1) == 1:
+            if self.store.add(f"{key}/claim", 1) != 1:
+                return
+            try:
                 self.store.set(key, data)
+            except BaseException:
+                self.store.delete_key(f"{key}/claim")  # the next publisher claims it anew
+                raise
 
         self._call(self._raise_if_failed_before)
         self._call(put)
 
     def fetch(self, names: list[str]) -> list[bytes]:
         """The coordinator, once the gather is in: every claimer stored its bytes before
-        sending its message, so they are there."""
-        return self._call(lambda: _multi_get(self.store, [self._key(f"shared/{n}") for n in names]))
+        sending its message, so they are there (a missing one is an error, never a wait)."""
+        keys = [self._key(f"shared/{n}") for n in names]
+        if not self._call(lambda: self.store.check(keys)):
+            missing = next(n for n, k in zip(names, keys) if not self.store.check([k]))
+            raise CkptError(f"plan part {missing} was named by a rank but never stored in the "
+                            "job's store (a publish that failed in an earlier save?); save again")
+        return self._call(lambda: _multi_get(self.store, keys))
 
     # ------------------------------------------------------------- steps
 

@@ -100,6 +100,13 @@ class Layout:
                         self.aliases, tree, self.domains, regular)
 
 
+    def check_regular(self, regular: Regular, fp: str) -> None:
+        """Its per-chunk and regular items are different items (once per distinct layout)."""
+        if any(i.index in self.items for i in regular.items):
+            raise WireError(f"plan part {fp} lists an item both per chunk and per tensor; do all "
+                            "ranks run the same ckptio version?")
+
+
 @dataclass(frozen=True)
 class Values:
     """What a rank's plan message carries besides its layout's fingerprint."""
@@ -128,7 +135,7 @@ def decode_layout(data: bytes, fp: str) -> Layout:
         return Layout({int(i[0]): _unitem(i[1:]) for i in items}, frozenset(sharded),
                       tuple((a, b) for a, b in aliases), {int(i): str(d) for i, d in domains},
                       str(tree_fp), None if regular_fp is None else str(regular_fp))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise _malformed(fp, exc) from None
 
 
@@ -146,14 +153,20 @@ def decode_regular(data: bytes, fp: str) -> Regular:
                           tuple(RegularItem(int(i), str(k), str(t), tuple(map(int, shape)), int(g))
                                 for i, k, t, shape, g in items))
         for grid in regular.grids:
-            if len(grid.dims) != len(grid.shape) or len(grid.ranks) != _product(grid.shape):
+            if (len(grid.dims) != len(grid.shape) or min(grid.shape, default=0) < 1
+                    or len(grid.ranks) != _product(grid.shape)
+                    or len(set(grid.ranks)) != len(grid.ranks) or min(grid.ranks) < 0):
                 raise ValueError(f"a mesh of shape {grid.shape} with {len(grid.ranks)} ranks")
         for item in regular.items:
             if not 0 <= item.grid < len(regular.grids) or item.dtype not in DTYPE_ITEMSIZE or any(
-                    not -1 <= d < len(item.shape) for d in regular.grids[item.grid].dims):
+                    not -1 <= d < len(item.shape) for d in regular.grids[item.grid].dims) or any(
+                    d < 0 for d in item.shape):
                 raise ValueError(f"item {item.key!r} names no grid, dtype or dim it can have")
+        if len(regular.by_key) != len(regular.items) or len(
+                {i.index for i in regular.items}) != len(regular.items):
+            raise ValueError("a key or item index listed twice")
         return regular
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise _malformed(fp, exc) from None
 
 

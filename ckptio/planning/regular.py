@@ -48,9 +48,13 @@ class Regular:
         return frozenset(i.key for i in self.items)
 
     @cached_property
-    def writers(self) -> tuple[int, ...]:
-        """Per item, the replica that writes its chunks (Grid.writer)."""
-        return tuple(self.grids[i.grid].writer(i.key) for i in self.items)
+    def written_by(self) -> dict[tuple[int, int], tuple[RegularItem, ...]]:
+        """(grid number, replica) -> the items that replica writes its chunks of (Grid.writer),
+        so a rank visits only its own."""
+        out: dict[tuple[int, int], list[RegularItem]] = {}
+        for item in self.items:
+            out.setdefault((item.grid, self.grids[item.grid].writer(item.key)), []).append(item)
+        return {where: tuple(items) for where, items in out.items()}
 
     @cached_property
     def by_key(self) -> dict[str, RegularItem]:
@@ -77,21 +81,19 @@ class Regular:
 
 
 def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
-    """The items global rank ``rank`` (holding ``regular``) writes, by item index."""
+    """The items global rank ``rank`` (holding ``regular``) writes, by item index: on each
+    grid, the items its replica writes, but for empty pieces."""
     out: dict[int, WriteItem] = {}
-    coordinates = [grid.coordinate(rank) for grid in regular.grids]
-    replicas = [None if c is None else g.replica(c) for g, c in zip(regular.grids, coordinates)]
-    for item, writer in zip(regular.items, regular.writers):
-        grid, coordinate = regular.grids[item.grid], coordinates[item.grid]
+    for number, grid in enumerate(regular.grids):
+        coordinate = grid.coordinate(rank)
         if coordinate is None:
-            raise CkptError(f"key {item.key!r}: rank {rank} holds a DTensor on a device mesh "
-                            "without it (internal)")
-        if replicas[item.grid] == writer:
+            raise CkptError(f"rank {rank} holds DTensors on a device mesh without it "
+                            "(internal: check_regular refuses this)")
+        for item in regular.written_by.get((number, grid.replica(coordinate)), ()):
             chunk = grid.chunk(item.shape, coordinate)
-            if chunk.numel == 0:  # an empty piece of an uneven split: nothing to store
-                continue
-            out[item.index] = WriteItem(item.key, "tensor", item.dtype, item.shape, chunk,
-                                        chunk.numel * DTYPE_ITEMSIZE[item.dtype])
+            if chunk.numel:  # an empty piece of an uneven split: nothing to store
+                out[item.index] = WriteItem(item.key, "tensor", item.dtype, item.shape, chunk,
+                                            chunk.numel * DTYPE_ITEMSIZE[item.dtype])
     return out
 
 
