@@ -15,7 +15,7 @@ be empty (a nested or uneven split leaves some ranks none): nothing is written f
 Everything else keeps the per-chunk path.
 
 Owns: that arithmetic. Pure: no torch, no I/O. Does not own: recognising a DTensor
-(sharding.py), checking that ranks agree (globalplan.py), or messages (wire.py).
+(sharding.py), checking that ranks agree (regular.py), or messages (wire.py).
 """
 
 from __future__ import annotations
