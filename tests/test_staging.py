@@ -167,3 +167,21 @@ def test_background_prefault_hands_out_buffers_before_it_ends() -> None:
     for b in every:
         pool.release(b)
     pool.close()
+
+
+def test_idle_while_the_background_prefault_runs():
+    """Buffers the background pre-fault has not handed out yet are held by nobody: a save that
+    failed before using the pool leaves it idle at once (CI caught idle() False there)."""
+    from ckptio.io.stage import BufferPool
+
+    pool = BufferPool(64, 1 << 20, background=True)
+    try:
+        assert pool.idle()
+        held = pool.acquire()
+        assert not pool.idle()
+        pool.release(held)
+        assert pool.idle()
+        pool.faulted()
+        assert pool.idle()
+    finally:
+        pool.close()

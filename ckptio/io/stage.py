@@ -99,6 +99,7 @@ class BufferPool:
         self._cond = threading.Condition()
         self._faulter: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
+        self._unfaulted = nbuffers if background else 0  # not yet handed out by the pre-fault
         if background:
             self._free: list[tuple[int, Buffer]] = []  # a heap: lowest index first
             # Not a daemon: joined at exit once the exit hook has stopped it (within a buffer);
@@ -118,7 +119,10 @@ class BufferPool:
                 # intra-op threads beside the training loop's, and on few cores both teams then
                 # slowed every training step while it lasted (+25% step time measured).
                 ctypes.memset(buffer.data.data_ptr(), 0, buffer.nbytes)
-            self.release(buffer)
+            with self._cond:
+                self._unfaulted -= 1
+                heapq.heappush(self._free, (buffer.index, buffer))
+                self._cond.notify()
 
     def faulted(self) -> None:
         """Return once every page of the pool is faulted in (at once, unless ``background``)."""
@@ -152,8 +156,10 @@ class BufferPool:
             self._cond.notify()
 
     def idle(self) -> bool:
+        """No buffer is held by a save or load (those the background pre-fault has not handed
+        out yet are held by nobody)."""
         with self._cond:
-            return len(self._free) == self.nbuffers
+            return len(self._free) + self._unfaulted == self.nbuffers
 
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an

@@ -3,7 +3,9 @@ what; from every rank's written entries, build the one manifest.
 
 Replicas (ranks holding the same region of a sharded tensor, or the same bytes of a plain
 tensor) are written once, by the replica with the fewest bytes to write so far, biggest groups
-first, so writing is spread by bytes. A plain tensor or object whose value differs between
+first, so writing is spread by bytes. Regular DTensor items are not decided here: their
+writers follow from their grids (regular.py, whose checks plan_global runs). A plain tensor
+or object whose value differs between
 ranks (RNG state, data-loader position) is kept per rank, never merged. Trees are merged (keys
 held by some ranks only, as under pipeline parallelism, are kept).
 
