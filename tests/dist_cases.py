@@ -9,6 +9,7 @@ some empty), "box" (TensorShard row blocks of uneven height).
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -437,7 +438,7 @@ def grid_state(rank: int, world: int, fill: float | None = None) -> dict[str, An
     mesh = init_device_mesh("cpu", (2, 2))
     state: dict[str, Any] = {}
     for n, (key, (shape, kinds)) in enumerate(GRID_LAYOUTS.items()):
-        full = torch.arange(n * 1000, n * 1000 + _numel(shape), dtype=torch.float32).reshape(shape)
+        full = torch.arange(n * 1000, n * 1000 + math.prod(shape), dtype=torch.float32).reshape(shape)
         if fill is not None:
             full.fill_(fill)
         placements = [Replicate() if k == "R" else Shard(int(k[1])) for k in kinds]
@@ -445,13 +446,6 @@ def grid_state(rank: int, world: int, fill: float | None = None) -> dict[str, An
     state["head"] = state["small"]
     state["step"] = 3
     return state
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ per-rank values, failures raised everywhere, plan reuse. Bodies in dist_cases.py
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -209,13 +210,13 @@ def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
     for key, (shape, kinds) in cases.GRID_LAYOUTS.items():
         chunks = {(tuple(t["chunk"]["offsets"]), tuple(t["chunk"]["sizes"])) for t in entries[key]}
         assert len(chunks) == len(entries[key]), key  # no chunk twice
-        assert sum(cases._numel(s) for _o, s in chunks) == cases._numel(shape), key
-        assert all(cases._numel(s) for _o, s in chunks), key  # empty pieces are not stored
+        assert sum(math.prod(s) for _o, s in chunks) == math.prod(shape), key
+        assert all(math.prod(s) for _o, s in chunks), key  # empty pieces are not stored
     assert len(entries["norm"]) == 1 and len(entries["col"]) == 4 and len(entries["half"]) == 2
     whole = ckptio.load(path)
     assert whole["head"] is whole["small"]
     for n, (key, (shape, _kinds)) in enumerate(cases.GRID_LAYOUTS.items()):
-        want = torch.arange(n * 1000, n * 1000 + cases._numel(shape), dtype=torch.float32)
+        want = torch.arange(n * 1000, n * 1000 + math.prod(shape), dtype=torch.float32)
         assert torch.equal(whole[key], want.reshape(shape)), key
 
 

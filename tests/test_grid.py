@@ -5,6 +5,7 @@ the key and rank when ranks disagree."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -48,7 +49,7 @@ def test_chunks_are_torchs():
     empty = 0
     for mesh, shape in itertools.product(MESHES, SHAPES):
         for dims in placements_for(len(shape), mesh):
-            grid = Grid(mesh, tuple(range(_numel(mesh))), dims)
+            grid = Grid(mesh, tuple(range(math.prod(mesh))), dims)
             coordinates = list(itertools.product(*(range(n) for n in mesh)))
             theirs = [torch_chunk(shape, mesh, dims, c) for c in coordinates]
             assert [grid.chunk(shape, c) for c in coordinates] == theirs, (mesh, shape, dims)
@@ -58,13 +59,12 @@ def test_chunks_are_torchs():
 
 def test_every_chunk_written_once_and_replicas_spread():
     grid = Grid((2, 4), tuple(range(8)), (0, REPLICATE))  # 2 shards, 4 replicas of each
-    shape = (16, 4)
-    writers: Counter[int] = Counter()
-    for key in (f"layers.{i}.norm" for i in range(400)):
-        chunks = Counter()
-        for rank, coordinate in grid.writers(key):
-            chunks[grid.chunk(shape, coordinate)] += 1
-            writers[rank] += 1
+    regular = Regular((grid,), tuple(RegularItem(i, f"layers.{i}.norm", "float32", (16, 4), 0)
+                                     for i in range(400)))
+    written = {rank: regular_writes(regular, rank) for rank in range(8)}
+    writers = Counter({rank: len(items) for rank, items in written.items()})
+    for i in range(400):
+        chunks = Counter(w[i].chunk for w in written.values() if i in w)
         assert sorted(chunks.values()) == [1, 1] and len(chunks) == 2  # each chunk once
     assert set(writers) == set(range(8)) and min(writers.values()) > 60  # about 100 each
 
@@ -74,13 +74,6 @@ def test_coordinates_follow_the_mesh_ranks():
     assert grid.coordinate(10) == (0, 0) and grid.coordinate(14) == (1, 1)
     assert grid.coordinate(3) is None
     assert grid.chunk((4, 6), (1, 2)) == Chunk((2, 4), (2, 2))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _plan(rank: int, regular: Regular, items=None) -> RankPlan:

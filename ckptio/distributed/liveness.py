@@ -10,7 +10,8 @@ for. Comparing counters rather than timestamps needs no synchronised clocks.
 
 Owns: the beating thread (one per process and store; stopped at interpreter exit, after the
 saves still running there have finished, or when the store stops answering: not by
-destroy_process_group, which may come while an async save still writes) and the staleness rule. Does not own: the messages of a step or what a dead rank means (storegroup.py).
+destroy_process_group, which may come while an async save still writes) and the staleness
+rule. Does not own: the messages of a step or what a dead rank means (storegroup.py).
 """
 
 from __future__ import annotations

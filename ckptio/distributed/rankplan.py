@@ -2,8 +2,9 @@
 
 local_plan() turns the rank's SavePlan into a RankPlan: regular DTensor items (planning/grid.py)
 described once per tensor where the group's ranks are the global ranks 0..N-1 and the mesh lies
-inside it (meshes name global ranks), every other item per chunk; plain tensors carry an xxh3 digest of their bytes when there are
-peers, so replicas of equal bytes are stored once and different ones kept per rank.
+inside it (meshes name global ranks), every other item per chunk; plain tensors carry an xxh3
+digest of their bytes when there are peers, so replicas of equal bytes are stored once and
+different ones kept per rank.
 
 Owns: that choice and the digests. Does not own: the messages (wire.py), the collective steps
 (collective.py) or the coordinator's decisions (planning/globalplan.py, regular.py).

@@ -9,6 +9,7 @@ own: what they mean (globalplan.py) or moving them (dist.py).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,6 @@ class Layout:
         return RankPlan(rank, self.items, self.sharded, values.digests, values.objects,
                         self.aliases, tree, self.domains, regular)
 
-
     def check_regular(self, regular: Regular, fp: str) -> None:
         """Its per-chunk and regular items are different items (once per distinct layout)."""
         if any(i.index in self.items for i in regular.items):
@@ -154,7 +154,7 @@ def decode_regular(data: bytes, fp: str) -> Regular:
                                 for i, k, t, shape, g in items))
         for grid in regular.grids:
             if (len(grid.dims) != len(grid.shape) or min(grid.shape, default=0) < 1
-                    or len(grid.ranks) != _product(grid.shape)
+                    or len(grid.ranks) != math.prod(grid.shape)
                     or len(set(grid.ranks)) != len(grid.ranks) or min(grid.ranks) < 0):
                 raise ValueError(f"a mesh of shape {grid.shape} with {len(grid.ranks)} ranks")
         for item in regular.items:
@@ -168,13 +168,6 @@ def decode_regular(data: bytes, fp: str) -> Regular:
         return regular
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise _malformed(fp, exc) from None
-
-
-def _product(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def encode_plan(plan: RankPlan | None, error: str | None = None, fp: str | None = None) -> bytes:

@@ -6,7 +6,7 @@ each splitting the current size of its tensor dim into ceil(size / n)-element pi
 ones shorter or empty), as torch.chunk and Shard do. So a ``Grid`` (the mesh's shape, its global
 ranks and, per mesh dim, the tensor dim it shards) and the global shape name every chunk, and
 every holder: ranks whose coordinates differ only along Replicate mesh dims hold the same
-chunk. Of those replicas one writes it, chosen from the key alone (``writes``), so every rank
+chunk. Of those replicas one writes it, chosen from the key alone (``writer``), so every rank
 knows what it writes and what every other rank wrote without being told.
 
 A rank uses a Grid only where its own chunk is what the grid gives (sharding.py checks against
@@ -20,7 +20,6 @@ Owns: that arithmetic. Pure: no torch, no I/O. Does not own: recognising a DTens
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -98,15 +97,3 @@ class Grid:
         if self.replicas == 1:
             return 0
         return xxhash.xxh3_64_intdigest(key.encode()) % self.replicas
-
-    def writes(self, key: str, coordinate: tuple[int, ...]) -> bool:
-        """Whether the holder at ``coordinate`` writes its chunk of ``key``."""
-        return self.replica(coordinate) == self.writer(key)
-
-    def writers(self, key: str) -> Iterator[tuple[int, tuple[int, ...]]]:
-        """(rank, coordinate) of every holder that writes its chunk of ``key``."""
-        for rank in self.ranks:
-            coordinate = self.coordinate(rank)
-            assert coordinate is not None  # internal: rank is one of the mesh's
-            if self.writes(key, coordinate):
-                yield rank, coordinate

@@ -135,12 +135,12 @@ def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> G
         ranks = mesh.mesh
         shape_and_ranks = _MESHES[mesh] = (tuple(int(d) for d in ranks.shape),
                                            tuple(int(r) for r in ranks.flatten().tolist()))
-    dims = tuple(REPLICATE if type(p).__name__ == "Replicate" else int(p.dim) % len(shape)
-                 for p in placements)
-    grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
     coordinate = mesh.get_coordinate()
     if coordinate is None or 0 in shape:
         return None
+    dims = tuple(REPLICATE if type(p).__name__ == "Replicate" else int(p.dim) % len(shape)
+                 for p in placements)
+    grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
     mine = grid.chunk(shape, tuple(int(c) for c in coordinate))
     if mine != chunk and not mine.numel == chunk.numel == 0:  # torch versions place an empty
         return None  # piece differently; it is never written, so where does not matter
