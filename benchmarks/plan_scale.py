@@ -44,17 +44,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from benchmarks import worker_env
-from ckptio.distributed import collective
-from ckptio.format import manifest
-from ckptio.distributed import wire
-from ckptio.format.flatten import flatten
+from ckptio.distributed import collective, wire
 from ckptio.distributed.dist import Solo
+from ckptio.format import manifest
+from ckptio.format.flatten import flatten
+from ckptio.format.grid import REPLICATE, Grid
+from ckptio.format.regular import IndexRow, encode_index, index_name
+from ckptio.format.types import (
+    Chunk,
+    FileInfo,
+    IndexFile,
+    Manifest,
+    ObjectEntry,
+    Read,
+    RegularTensor,
+    TensorEntry,
+    WriteItem,
+)
+from ckptio.loading.regular import expand, overlapping
 from ckptio.planning.globalplan import RankPlan
-from ckptio.planning.grid import REPLICATE, Grid
-from ckptio.planning.regular import Regular, RegularItem
 from ckptio.planning.layout import plan_files
-from ckptio.format.types import Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
+from ckptio.planning.regular import Regular, RegularItem, regular_writes
 
 BLOCK_NBYTES = 1 << 20  # api.BLOCK_CHECKSUM_NBYTES (not imported: api pulls in the I/O stack)
 MAX_FILE_BYTES = 1 << 40  # one data file per rank, as the default options give
@@ -272,28 +285,32 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
            "local_s": local_s, "decide_s": decide_s, "decide_reused_s": reused_s,
            "setup_s": setup_s, "reused": memory.reused}
     if not plan_only:
-        row.update(measure_commit(decision, reps, on, off))
+        row.update(measure_commit(decision, regular, reps, on, off))
         row["save_total_s"] = local_s + decide_s + row["result_s"] + row["manifest_s"]
     return row
 
 
-def measure_commit(decision: collective.Decision, reps: int, on: Callable[[], None],
-                   off: Callable[[], None]) -> dict[str, Any]:
-    """The result, manifest and load phases after ``decision``."""
+def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
+                   on: Callable[[], None], off: Callable[[], None]) -> dict[str, Any]:
+    """The result, manifest and load phases after ``decision``: every rank reports its
+    per-chunk entries and its index file (name, size, checksum); the index files' content is
+    made for the ranks whose chunks rank 0's load needs (the others are never read)."""
     save_id, _ = wire.decode_answer(decision.answers[0])
     plans, global_plan = decision.plans, decision.global_plan
     agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
     t0 = time.perf_counter()
-    reports = [written(p, collective._assigned(agreement, p.rank), save_id) for p in plans]
-    results = [wire.encode_result(e, f, None) for e, f in reports]
-    setup_s = time.perf_counter() - t0
-    del reports[1:]
-
-    def result() -> bytes:
-        return wire.encode_result(reports[0][0], reports[0][1], None)
+    assigned = [collective._assigned(agreement, p.rank) for p in plans]
+    stored: dict[str, bytes] = {}  # index file name -> content
+    need = {rank for t in regular.items for grid in [regular.grids[t.grid]]
+            for rank, _chunk in overlapping(grid, RegularTensor(t.key, t.dtype, t.shape, t.grid),
+                                            grid.chunk(t.shape, grid.coordinate(0)))}
+    reports = [_report(p, assigned[p.rank], regular, save_id, stored, p.rank in need)
+               for p in plans]
+    results = [wire.encode_result(*parts, None) for parts, _rows in reports]
+    (parts0, rows0), setup_s = reports[0], time.perf_counter() - t0
+    del reports
 
     def build_manifest() -> bytes:
-        assigned = [collective._assigned(agreement, rank) for rank in range(len(results))]
         decoded = [wire.decode_result(data, rank, assigned[rank])
                    for rank, data in enumerate(results)]
         record = collective.manifest_of(decoded, assigned, agreement, META, "xxh3_64",
@@ -302,15 +319,66 @@ def measure_commit(decision: collective.Decision, reps: int, on: Callable[[], No
         return manifest.encode(record)
 
     on()
-    result_s, _ = median_time(result, reps)
+    index_s, _ = median_time(lambda: encode_index(save_id, 0, rows0), reps)
+    result_s, _ = median_time(lambda: wire.encode_result(*parts0, None), reps)
     manifest_s, blob = median_time(build_manifest, reps)
-    load_s, record = median_time(lambda: manifest.decode(blob, "simulated/manifest.json"), reps)
+    load_s, record = median_time(lambda: load_metadata(blob, stored, rank=0), reps)
     off()
-    chunks = len(record.tensors)
-    return {"chunks": chunks, "written_bytes": sum(t.nbytes for t in record.tensors),
-            "result_msg_bytes": len(results[0]), "manifest_bytes": len(blob),
-            "bytes_per_chunk": len(blob) / chunks, "result_s": result_s,
-            "manifest_s": manifest_s, "load_s": load_s, "commit_setup_s": setup_s}
+    ranks_read = len({e.file.split("-r")[1][:5] for e in record.tensors if e.key in regular.keys})
+    if ranks_read != len(need):
+        raise RuntimeError(f"rank 0's load read {ranks_read} ranks' chunks, not {len(need)}")
+    chunks = chunk_count(record)
+    return {"chunks": chunks, "manifest_bytes": len(blob), "bytes_per_chunk": len(blob) / chunks,
+            "result_msg_bytes": len(results[0]), "index_bytes": len(stored[index_name(save_id, 0)]),
+            "index_s": index_s, "result_s": result_s + index_s, "manifest_s": manifest_s,
+            "load_s": load_s, "load_index_files": ranks_read, "commit_setup_s": setup_s}
+
+
+def _report(plan: RankPlan, assigned: dict[int, WriteItem], regular: Regular, save_id: str,
+            stored: dict[str, bytes], needed: bool) -> tuple[tuple[Any, ...], list[IndexRow]]:
+    """Rank ``plan.rank``'s result (entries, files, index file) and index rows; the rows and
+    the index file's content (in ``stored``) only where rank 0's load reads them (``needed``:
+    its own, and the writers of the replicated tensors in its dp group)."""
+    writes = regular_writes(regular, plan.rank) if needed else {}
+    entries, infos = written(plan, {**assigned, **writes}, save_id)
+    name = index_name(save_id, plan.rank)
+    rows = [IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks)
+            for index, e in entries.items() if index in writes]
+    if writes:
+        data = encode_index(save_id, plan.rank, rows)
+        stored[name] = data
+        index = IndexFile(plan.rank, name, len(data), xxhash.xxh3_64_hexdigest(data))
+    else:
+        index = IndexFile(plan.rank, name, 4096, f"{plan.rank:016x}")
+    infos = [*infos, FileInfo(name, 4096 if not writes else len(stored[name]), plan.rank)]
+    if not writes:  # the data file holds the rank's chunks: its size as if they were written
+        infos[0] = FileInfo(infos[0].name, 1 << 40, plan.rank)
+    return ({i: e for i, e in entries.items() if i not in writes}, infos, index), rows
+
+
+def load_metadata(blob: bytes, stored: dict[str, bytes], rank: int) -> Manifest:
+    """What one loading rank does before reading data: decode the manifest, find the chunks
+    its own regions (its DTensors' pieces: the same layout) overlap, read and check those
+    writers' index files, make their rows."""
+    record = manifest.decode(blob, "simulated/manifest.json")
+    wants = {}
+    for t in record.regular:
+        grid = record.grids[t.grid]
+        wants[t.key] = grid.chunk(t.shape, grid.coordinate(rank))
+
+    def read(reads: list[Read]) -> int:
+        for r in reads:
+            r.dest.numpy()[:] = memoryview(stored[r.entries[0].file])
+        return sum(r.entries[0].nbytes for r in reads)
+
+    return expand(record, wants, read)
+
+
+def chunk_count(record: Manifest) -> int:
+    """Chunks the manifest describes: its per-chunk rows and every non-empty chunk of its
+    regular tensors (from their grids, as loading/regular.py finds them)."""
+    rows = sum(1 for t in record.tensors if t.key not in {r.key for r in record.regular})
+    return rows + sum(1 for t in record.regular for _ in overlapping(record.grids[t.grid], t, None))
 
 
 META = {"ckptio_version": "bench", "torch_version": "-", "created_unix": 0.0}

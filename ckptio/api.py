@@ -27,13 +27,14 @@ from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.io.stage import BufferPool, available_host_bytes
-from ckptio.loading import foreign
+from ckptio.loading import foreign, regular
 from ckptio.loading.fill import (
     KeyFilter,
     LoadReport,
     RankPolicy,
     fill_fresh,
     fill_in_place,
+    selector,
 )
 from ckptio.loading.read import read_regions
 from ckptio.loading.torchvalues import expand_torch_save
@@ -323,10 +324,20 @@ class Checkpointer:
         load with the same options reads pieces and their widening within one buffer."""
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
-    def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None) -> Manifest:
+    def _open(self, store: Store, *, allow_pickle: bool, file: str | None = None,
+              every_chunk: bool = True) -> Manifest:
         """The Manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format
         (opening.py), reading through this Checkpointer's pool and the store's backend, which
-        a committed ckptio manifest does not need (nor waits for a save in flight)."""
+        a committed ckptio manifest of every chunk does not need (nor waits for a save in
+        flight). ``every_chunk``: a row for every chunk of its regular tensors too (their index
+        files read, loading/regular.py); else a load resolves the ones it needs."""
+        read = self._plain_read(store)
+        record = opening.open_manifest(store, file, read, allow_pickle=allow_pickle)
+        return regular.expand_all(record, read) if every_chunk else record
+
+    def _plain_read(self, store: Store) -> Callable[[list[Read]], int]:
+        """Fill Reads unverified (the caller checks what it reads), through this
+        Checkpointer's pool and the store's backend."""
         def read(reads: list[Read]) -> int:
             with self._lock:
                 pool, backend = self._resources(store)
@@ -334,7 +345,7 @@ class Checkpointer:
                                     algorithm=None, block_nbytes=foreign.BLOCK_NBYTES,
                                     depth=self._active.io_depth)
 
-        return opening.open_manifest(store, file, read, allow_pickle=allow_pickle)
+        return read
 
     def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
@@ -460,7 +471,7 @@ class Checkpointer:
               world_size: int, key_step: collective.UnexpectedKeys) -> Any:
         store, file = opening.target(path, self.options)
         try:
-            record = self._open(store, allow_pickle=allow_pickle, file=file)
+            record = self._open(store, allow_pickle=allow_pickle, file=file, every_chunk=False)
         except PickleRefusedError:
             if file is None or not allow_pickle:
                 raise
@@ -475,8 +486,14 @@ class Checkpointer:
         record = expand_torch_save(record, read, where=store.location, allow_pickle=allow_pickle)
         where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
         if state is None:
+            record = regular.expand(record, {r.key: None for r in record.regular if
+                                             selector(keys)(r.key)}, self._plain_read(store))
             return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
-        return fill_in_place(record, flatten(state), read, keys=keys, strict=strict, cast=cast,
+        flat = flatten(state)
+        if record.regular:  # only the chunks this state's regions need, and their index files
+            record = regular.expand(record, regular.wanted_in_place(record, flat, selector(keys)),
+                                    self._plain_read(store))
+        return fill_in_place(record, flat, read, keys=keys, strict=strict, cast=cast,
                              allow_pickle=allow_pickle, agree_unexpected=key_step, **where)
 
 

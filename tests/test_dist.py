@@ -203,12 +203,17 @@ def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
     regular = sorted(cases.GRID_LAYOUTS)
     assert [b["regular"] for b in bodies].count(regular) == 3  # "head": a tie, seen by 3 ranks
     assert sorted([*regular, "head"]) in [b["regular"] for b in bodies]
-    assert bodies[0]["manifest"]["aliases"] == [["head", "small"]]
+    body = bodies[0]["manifest"]
+    assert body["version"] == 3 and body["aliases"] == [["head", "small"]]
+    # stored per tensor: a row each in the manifest, none per chunk; an index file per writer
+    assert sorted(r["key"] for r in body["regular"]) == regular
+    assert not {t["key"] for t in body["tensors"]} & set(regular)
+    assert sorted(i["rank"] for i in body["indexes"]) == [0, 1, 2, 3]
     entries: dict[str, list] = {}
-    for t in bodies[0]["manifest"]["tensors"]:
-        entries.setdefault(t["key"], []).append(t)
+    for t in ckptio.Checkpointer().manifest(path).tensors:  # every chunk, from the index files
+        entries.setdefault(t.key, []).append(t)
     for key, (shape, kinds) in cases.GRID_LAYOUTS.items():
-        chunks = {(tuple(t["chunk"]["offsets"]), tuple(t["chunk"]["sizes"])) for t in entries[key]}
+        chunks = {(t.chunk.offsets, t.chunk.sizes) for t in entries[key]}
         assert len(chunks) == len(entries[key]), key  # no chunk twice
         assert sum(math.prod(s) for _o, s in chunks) == math.prod(shape), key
         assert all(math.prod(s) for _o, s in chunks), key  # empty pieces are not stored

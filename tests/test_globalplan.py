@@ -155,7 +155,7 @@ def _decoded(parts: dict[str, bytes], rank: int, message: bytes) -> RankPlan:
 
 
 def test_wire_round_trip_layout_published_apart():
-    from ckptio.planning.grid import Grid
+    from ckptio.format.grid import Grid
     from ckptio.planning.regular import Regular, RegularItem
 
     regular = Regular((Grid((2, 2), (0, 1, 2, 3), (0, -1)),),
@@ -195,7 +195,7 @@ def test_wire_round_trip_layout_published_apart():
 
 
 def test_written_results_are_keyed_by_item_not_position():
-    from ckptio.format.types import FileInfo, TensorEntry
+    from ckptio.format.types import FileInfo, IndexFile, TensorEntry
 
     assigned = {0: item("a", 8), 2: item("c", 16)}
     files = [FileInfo("data-f", 64, 1)]
@@ -204,15 +204,19 @@ def test_written_results_are_keyed_by_item_not_position():
         return TensorEntry(key, "tensor", "float32", (4,), Chunk.whole((4,)), "data-f", offset, 8,
                            f"{offset:016x}", None, ())
 
-    forward = wire.encode_result({0: entry("a", 0), 2: entry("c", 32)}, files, None)
-    backward = wire.encode_result({2: entry("c", 32), 0: entry("a", 0)}, files, None)
+    forward = wire.encode_result({0: entry("a", 0), 2: entry("c", 32)}, files, None, None)
+    backward = wire.encode_result({2: entry("c", 32), 0: entry("a", 0)}, files, None, None)
     for data in (forward, backward):
-        entries, _files, error = wire.decode_result(data, 1, assigned)
-        assert error is None
+        entries, _files, index, error = wire.decode_result(data, 1, assigned)
+        assert error is None and index is None
         assert (entries[0].key, entries[0].offset) == ("a", 0)
         assert (entries[2].key, entries[2].offset) == ("c", 32)
     with pytest.raises(wire.WireError, match="no entry"):
-        wire.decode_result(wire.encode_result({0: entry("a", 0)}, files, None), 1, assigned)
+        wire.decode_result(wire.encode_result({0: entry("a", 0)}, files, None, None), 1, assigned)
     with pytest.raises(wire.WireError):  # an index the rank was not assigned
-        wire.decode_result(wire.encode_result({0: entry("a", 0), 1: entry("b", 8)}, files, None),
-                           1, assigned)
+        wire.decode_result(wire.encode_result({0: entry("a", 0), 1: entry("b", 8)}, files, None,
+                                              None), 1, assigned)
+    with pytest.raises(wire.WireError, match="index file"):  # not one of the rank's files
+        wire.decode_result(wire.encode_result(
+            {0: entry("a", 0), 2: entry("c", 32)}, files,
+            IndexFile(1, "data-elsewhere", 10, "0" * 16), None), 1, assigned)

@@ -34,14 +34,16 @@ from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
-from ckptio.planning.regular import Regular, regular_writes
-from ckptio.format.types import FileInfo, Manifest, TensorEntry, WriteItem
+from ckptio.planning.regular import Regular, regular_section, regular_writes
+from ckptio.format.types import FileInfo, IndexFile, Manifest, TensorEntry, WriteItem
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
            "agree_loaded", "conclude", "exclusive", "manifest_of", "skip_exclusive"]
 
-# what a rank wrote: its entries keyed by item index in its plan, and its files
-Written = tuple[Mapping[int, TensorEntry], list[FileInfo]]
+# what a rank wrote: its entries keyed by item index in its plan (but its regular items'), its
+# files, and its index file of its regular items' chunks (format/regular.py), if it wrote any
+Written = tuple[Mapping[int, TensorEntry], list[FileInfo], "IndexFile | None"]
+Result = tuple[dict[int, TensorEntry], list[FileInfo], "IndexFile | None", "str | None"]
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Agreement:
     assignment: Assignment
     plans: tuple[RankPlan, ...] = ()  # on the coordinator
     global_plan: GlobalPlan | None = None  # on the coordinator
+    regular: frozenset[int] = frozenset()  # this rank's regular writes (in ``assignment``)
 
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -107,12 +110,13 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
         _forget(memory)
         raise error  # type: ignore[misc]  # answer is None only when this rank brought one
     save_id, assignment = wire.decode_answer(answer)
+    regular: frozenset[int] = frozenset()
     if mine is not None and mine.regular is not None:  # this rank's regular writes: its own
-        assignment = Assignment(tuple(sorted(
-            {*assignment.writes, *regular_writes(mine.regular, group.rank)})), assignment.own)
+        regular = frozenset(regular_writes(mine.regular, group.rank))
+        assignment = Assignment(tuple(sorted({*assignment.writes, *regular})), assignment.own)
     if not decided:
-        return Agreement(save_id, assignment)
-    return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan)
+        return Agreement(save_id, assignment, regular=regular)
+    return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan, regular)
 
 
 def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
@@ -295,7 +299,7 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
     process, or on the coordinator, the commit's own error)."""
     mine = None
     if written is not None and error is None:
-        mine = wire.encode_result(written[0], written[1], None)
+        mine = wire.encode_result(written[0], written[1], written[2], None)
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
@@ -315,17 +319,14 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
 
 
 def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
-    """Rank ``rank``'s written items by their index in its plan (what its result is keyed by):
-    those the coordinator assigned, and its regular ones (which follow from their grids)."""
+    """Rank ``rank``'s items the coordinator assigned, by their index in its plan (what its
+    result is keyed by). Its regular items' chunks are in its index file, not its result."""
     assert agreement.global_plan is not None  # internal: set on the coordinator
     plan = agreement.plans[rank]
-    assigned = {i: plan.items[i] for i in agreement.global_plan.assignments[rank].writes}
-    if plan.regular is not None:
-        assigned.update(regular_writes(plan.regular, rank))
-    return assigned
+    return {i: plan.items[i] for i in agreement.global_plan.assignments[rank].writes}
 
 
-def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
+def _commit(results: list[Result],
             assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store,
             meta: dict[str, Any], algorithm: str, block_nbytes: int,
             committed: Callable[[list[str]], None], held: Exclusive | None) -> None:
@@ -338,24 +339,27 @@ def _commit(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str |
     committed([f.name for f in record.files])
 
 
-def manifest_of(results: list[tuple[Mapping[int, TensorEntry], list[FileInfo], str | None]],
-                assigned: list[dict[int, WriteItem]], agreement: Agreement,
-                meta: dict[str, Any], algorithm: str, block_nbytes: int) -> Manifest:
-    """The manifest of every rank's results (``assigned``: each rank's written items)."""
+def manifest_of(results: list[Result], assigned: list[dict[int, WriteItem]],
+                agreement: Agreement, meta: dict[str, Any], algorithm: str,
+                block_nbytes: int) -> Manifest:
+    """The manifest of every rank's results (``assigned``: each rank's written items): a row
+    per chunk of the per-chunk items, a row per regular tensor and one per index file."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
-    written = [entries for entries, _files, _error in results]
-    files = [info for _entries, infos, _error in results for info in infos]
+    written = [entries for entries, _files, _index, _error in results]
+    files = [info for _entries, infos, _index, _error in results for info in infos]
     check_files(files)
     writes = [Assignment(tuple(sorted(a)), given.own)
               for a, given in zip(assigned, plan.assignments)]
+    grids, regular = regular_section(agreement.plans, plan.aliases)
     with paused():
         return Manifest(
             version=manifest.VERSION, save_id=agreement.save_id,
             checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
             tensors=tuple(manifest_entries(agreement.plans, writes, written)),
             objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
-            block_nbytes=block_nbytes)
+            block_nbytes=block_nbytes, grids=grids, regular=regular,
+            indexes=tuple(index for _e, _f, index, _error in results if index is not None))
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:

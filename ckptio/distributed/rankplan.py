@@ -1,6 +1,6 @@
 """This rank's part of a save's plan, as it goes to the coordinator.
 
-local_plan() turns the rank's SavePlan into a RankPlan: regular DTensor items (planning/grid.py)
+local_plan() turns the rank's SavePlan into a RankPlan: regular DTensor items (format/grid.py)
 described once per tensor where the group's ranks are the global ranks 0..N-1 and the mesh lies
 inside it (meshes name global ranks), every other item per chunk; plain tensors carry an xxh3
 digest of their bytes when there are peers, so replicas of equal bytes are stored once and
@@ -20,7 +20,7 @@ import xxhash
 from ckptio.distributed.dist import Group
 from ckptio.format.flatten import FlatState
 from ckptio.planning.globalplan import RankPlan
-from ckptio.planning.grid import Grid
+from ckptio.format.grid import Grid
 from ckptio.planning.plan import SavePlan
 from ckptio.planning.regular import Regular, RegularItem
 

@@ -18,9 +18,10 @@ import xxhash
 
 from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
-from ckptio.planning.grid import Grid
+from ckptio.format.grid import Grid
 from ckptio.planning.regular import Regular, RegularItem
-from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, FileInfo, ObjectEntry, TensorEntry, WriteItem
+from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, FileInfo, IndexFile, ObjectEntry,
+                                 TensorEntry, WriteItem)
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
@@ -210,25 +211,29 @@ def decode_answer(data: bytes) -> tuple[str, Assignment]:
 
 
 def encode_result(entries: Mapping[int, TensorEntry] | None, files: list[FileInfo] | None,
-                  error: str | None) -> bytes:
+                  index: IndexFile | None, error: str | None) -> bytes:
     """What a rank wrote, keyed by the index of each item in its plan (positions and checksums;
-    the coordinator knows the rest), or its error. Nothing depends on the order of entries."""
+    the coordinator knows the rest), and its index file (its regular items' chunks), or its
+    error. Nothing depends on the order of entries."""
     if entries is None or files is None:
         return _dumps({"error": error})
     names = {f.name: i for i, f in enumerate(files)}
     return _dumps({"files": [[f.name, f.nbytes] for f in files],
                    "entries": [[index, names[e.file], e.offset, e.checksum, list(e.blocks)]
-                               for index, e in entries.items()]})
+                               for index, e in entries.items()],
+                   "index": None if index is None else [index.name, index.nbytes,
+                                                        index.checksum]})
 
 
 def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> tuple[
-        dict[int, TensorEntry], list[FileInfo], str | None]:
-    """-> (an entry for every item index in ``assigned``, the rank's files, None) or
-    ({}, [], the rank's error). An index not assigned, reported twice or missing is refused."""
+        dict[int, TensorEntry], list[FileInfo], IndexFile | None, str | None]:
+    """-> (an entry for every item index in ``assigned``, the rank's files, its index file,
+    None) or ({}, [], None, the rank's error). An index not assigned, reported twice or
+    missing is refused, and an index file that is not one of the rank's files."""
     raw = _loads(data, f"rank {rank}'s result")
     try:
         if raw.get("error") is not None:
-            return {}, [], str(raw["error"])
+            return {}, [], None, str(raw["error"])
         files = [FileInfo(name, nbytes, rank) for name, nbytes in raw["files"]]
         entries: dict[int, TensorEntry] = {}
         for index, f, offset, checksum, blocks in raw["entries"]:
@@ -241,7 +246,13 @@ def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> 
         if len(entries) != len(assigned):
             missing = sorted(set(assigned) - set(entries))[:5]
             raise ValueError(f"no entry for assigned items {missing}")
-        return entries, files, None
+        index_file = None
+        if raw.get("index") is not None:
+            name, nbytes, checksum = raw["index"]
+            if name not in {f.name for f in files}:
+                raise ValueError(f"index file {name!r} is not among its files")
+            index_file = IndexFile(rank, str(name), int(nbytes), str(checksum))
+        return entries, files, index_file, None
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"rank {rank}'s result is malformed ({exc!r})") from None
 

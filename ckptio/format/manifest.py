@@ -19,7 +19,7 @@ from itertools import accumulate
 from typing import Any
 
 from ckptio.errors import ManifestError
-from ckptio.format import validate
+from ckptio.format import regular, validate
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import MAX_TREE_DEPTH, Manifest, ObjectEntry, TensorEntry, show
@@ -32,7 +32,10 @@ __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEP
            "tiling_problem"]
 
 MAGIC = "ckptio-manifest"
-VERSION = 2  # 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
+# 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
+# 3: regular layouts described per tensor, their chunks in per-rank index files (regular.py)
+VERSION = 3
+READABLE = (2, 3)  # the versions decode() reads
 MANIFEST_NAME = "manifest.json"
 MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32  # a dict level of the tree is 3 brackets deep
 
@@ -59,6 +62,7 @@ def _body(m: Manifest) -> dict[str, Any]:
         "tree": m.tree,
         "meta": m.meta,
         "block_nbytes": m.block_nbytes,
+        **(regular.section_json(m) if m.version >= 3 else {}),
     }
 
 
@@ -93,11 +97,11 @@ def decode(data: bytes, where: str) -> Manifest:
         raise ManifestError(f"{where}: not a ckptio manifest (bad header line); the checkpoint "
                             "is damaged: load an earlier one")
     version = header.get("version")
-    if version != VERSION:
+    if version not in READABLE or type(version) is not int:
         fix = ("load it with the ckptio that wrote it and save it again"
                if type(version) is int and version < VERSION else "upgrade ckptio")
         raise ManifestError(f"{where}: manifest version {show(version)}; this ckptio reads "
-                            f"version {VERSION}: {fix}")
+                            f"versions {', '.join(map(str, READABLE))}: {fix}")
     body = data[newline + 1:].rstrip(b"\n")
     if len(body) != header.get("body_nbytes") or zlib.crc32(body) != header.get("body_crc32"):
         raise ManifestError(f"{where}: manifest body is truncated or altered (length/CRC-32 "
@@ -113,7 +117,7 @@ def decode(data: bytes, where: str) -> Manifest:
         raise ManifestError(f"{where}: manifest body is not JSON ({exc}); the checkpoint is "
                             "damaged: load an earlier one") from None
     with paused():
-        return validate.from_body(raw, where, VERSION)
+        return validate.from_body(raw, where, version)
 
 
 def _parse(text: bytes, max_depth: int) -> Any:

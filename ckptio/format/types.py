@@ -9,11 +9,31 @@ Does not own: how these are computed (plan, layout, reshard) or stored (manifest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-__all__ = ["Chunk", "DTYPE_ITEMSIZE", "FileInfo", "FileLayout", "Json", "KINDS",
-           "MAX_TREE_DEPTH", "Manifest", "NUMPY_DTYPES", "ObjectEntry", "Placement", "Read",
-           "ReadRange", "TensorEntry", "WriteItem", "show"]
+if TYPE_CHECKING:
+    from ckptio.format.grid import Grid
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "KINDS",
+    "MAX_TREE_DEPTH",
+    "NUMPY_DTYPES",
+    "Chunk",
+    "FileInfo",
+    "FileLayout",
+    "IndexFile",
+    "Json",
+    "Manifest",
+    "ObjectEntry",
+    "Placement",
+    "Read",
+    "ReadRange",
+    "RegularTensor",
+    "TensorEntry",
+    "WriteItem",
+    "show",
+]
 
 # name -> bytes per element. The manifest stores these names; readers need no torch to size data.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -149,6 +169,28 @@ class FileInfo:
 
 
 @dataclass(frozen=True)
+class RegularTensor:
+    """A tensor saved in a regular layout (version 3): its chunks follow from its grid
+    (Manifest.grids, grid.py); where each chunk's bytes lie is in its writer's index file."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    grid: int  # into Manifest.grids
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    """A rank's index file (version 3): the file, offset and checksums of every chunk of a
+    RegularTensor that rank wrote, as packed columns (format/regular.py)."""
+
+    rank: int
+    name: str
+    nbytes: int  # of its content (the file may be padded beyond)
+    checksum: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything about a checkpoint except the tensor bytes."""
 
@@ -163,6 +205,12 @@ class Manifest:
     tree: Json
     meta: dict[str, Json]
     block_nbytes: int = 1 << 20  # granularity of TensorEntry.blocks (partial reads verify blocks)
+    # version 3: tensors in a regular layout, described once each; their chunks' places are
+    # in the writers' index files (loading/regular.py turns the chunks a load needs into
+    # TensorEntry rows). Empty in a manifest of every chunk.
+    grids: tuple[Grid, ...] = ()
+    regular: tuple[RegularTensor, ...] = ()
+    indexes: tuple[IndexFile, ...] = ()
 
 
 E = TypeVar("E")

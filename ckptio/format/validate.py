@@ -5,9 +5,10 @@ Owns: every check on a parsed manifest body (manifest.decode calls from_body aft
 CRC and depth checks): every field's type and range, offsets (inside their file, aligned to their
 element size, no two entries sharing bytes), lengths, dtypes and the kinds that can hold them,
 shapes, chunks (a key's chunks tile its shape exactly, tiling.py, so a load never allocates more
-than the data files hold), block checksums, file names, keys and the tree. check_keys runs the
-key rules on a Manifest about to be written; check_values decodes every inline value
-(values.decode, which a load runs on each value it returns). Pure: no file access, no pickle.
+than the data files hold), block checksums, file names, keys and the tree (version 3's regular
+section: regular.py). check_keys runs the key rules on a Manifest about to be written;
+check_values decodes every inline value (values.decode, which a load runs on each value it
+returns). Pure: no file access, no pickle.
 Does not own: the byte framing (manifest.py), whether the data files hold the bytes the manifest
 claims (storage/steps.check_files, loading/read.py).
 """
@@ -18,54 +19,32 @@ import re
 from collections import Counter
 from typing import Any
 
-from ckptio.errors import ManifestError
-from ckptio.format import values
+from ckptio.format import regular, values
+from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
-from ckptio.format.types import (DTYPE_ITEMSIZE, KINDS, MAX_TREE_DEPTH, NUMPY_DTYPES, Chunk,
-                                 FileInfo, Manifest, ObjectEntry, TensorEntry, show)
+from ckptio.format.types import (
+    DTYPE_ITEMSIZE,
+    KINDS,
+    MAX_TREE_DEPTH,
+    NUMPY_DTYPES,
+    Chunk,
+    FileInfo,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    show,
+)
 
 __all__ = ["FILE_NAME", "MAX_NDIM", "check_keys", "check_values", "from_body"]
 
-_MAX_INT = 1 << 62
-MAX_NDIM = 128
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # a data file's name: plain, no path
-_CHECKSUM = re.compile(r"[0-9a-f]{16}")
-
-
-class _Check:
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, what: str) -> ManifestError:
-        return ManifestError(f"{self.where}: {what}; the checkpoint is damaged or was written "
-                             "by something else: load an earlier one")
-
-    def int(self, value: Any, what: str) -> int:
-        if type(value) is not int or not 0 <= value < _MAX_INT:
-            raise self.fail(f"{what} must be an integer in [0, 2^62), got {show(value)}")
-        return value
-
-    def str(self, value: Any, what: str) -> str:
-        if not isinstance(value, str):
-            raise self.fail(f"{what} must be a string, got {show(value)}")
-        return value
-
-    def list(self, value: Any, what: str) -> list[Any]:
-        if not isinstance(value, list):
-            raise self.fail(f"{what} must be a list, got {show(value)}")
-        return value
-
-    def field(self, obj: Any, name: str, what: str) -> Any:
-        if not isinstance(obj, dict) or name not in obj:
-            raise self.fail(f"{what} lacks field {name!r}")
-        return obj[name]
 
 
 def from_body(raw: Any, where: str, version: int) -> Manifest:
     """The Manifest that the parsed JSON body ``raw`` of a manifest of ``version`` describes,
     every field checked (module docstring); ManifestError naming ``where`` otherwise."""
-    c = _Check(where)
+    c = Check(where)
     if not isinstance(raw, dict) or raw.get("format") != "ckptio" or raw.get("version") != version:
         raise c.fail("the body is not a ckptio object of this version (format/version fields)")
     world_size = c.int(c.field(raw, "world_size", "manifest"), "world_size")
@@ -88,19 +67,21 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
     objects = tuple(_object(c, o, world_size)
                     for o in c.list(c.field(raw, "objects", "manifest"), "objects"))
     aliases = tuple(_alias(c, a) for a in c.list(c.field(raw, "aliases", "manifest"), "aliases"))
+    grids, regulars, indexes = ((), (), ()) if version < 3 else regular.parse_section(
+        c, raw, world_size, {f.name: f for f in files})
     tree = c.field(raw, "tree", "manifest")
-    _check_keys(c, tensors, objects, aliases, tree)
+    _check_keys(c, tensors, objects, aliases, tree, tuple(r.key for r in regulars))
     _check_tilings(c, tensors)
     meta = c.field(raw, "meta", "manifest")
     return Manifest(
         version=version, save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
         checksum_algorithm=algorithm, world_size=world_size, files=files, tensors=tensors,
         objects=objects, aliases=aliases, tree=tree, meta=meta if isinstance(meta, dict) else {},
-        block_nbytes=block_nbytes,
+        block_nbytes=block_nbytes, grids=grids, regular=regulars, indexes=indexes,
     )
 
 
-def _rank(c: _Check, raw: dict[str, Any], world_size: int, what: str) -> int | None:
+def _rank(c: Check, raw: dict[str, Any], world_size: int, what: str) -> int | None:
     rank = raw.get("rank")
     if rank is None:
         return None
@@ -109,7 +90,7 @@ def _rank(c: _Check, raw: dict[str, Any], world_size: int, what: str) -> int | N
     return rank
 
 
-def _object(c: _Check, raw: Any, world_size: int) -> ObjectEntry:
+def _object(c: Check, raw: Any, world_size: int) -> ObjectEntry:
     key = c.str(c.field(raw, "key", "object"), "object key")
     what = f"object {show(key)}"
     return ObjectEntry(key, c.field(raw, "value", what), _rank(c, raw, world_size, what))
@@ -118,7 +99,7 @@ def _object(c: _Check, raw: Any, world_size: int) -> ObjectEntry:
 def check_values(manifest: Manifest, where: str) -> None:
     """Decode every inline value as a load would (values.decode), so a malformed one is found
     without loading: ManifestError naming the key."""
-    c = _Check(where)
+    c = Check(where)
     for o in manifest.objects:
         try:
             values.decode(o.value)
@@ -126,7 +107,7 @@ def check_values(manifest: Manifest, where: str) -> None:
             raise c.fail(f"object {show(o.key)}: its stored value is malformed ({exc})") from None
 
 
-def _file(c: _Check, raw: Any, world_size: int) -> FileInfo:
+def _file(c: Check, raw: Any, world_size: int) -> FileInfo:
     name = c.str(c.field(raw, "name", "file"), "file name")
     if not FILE_NAME.fullmatch(name) or name in (".", ".."):
         raise c.fail(f"data file name {show(name)} is not a plain file name")
@@ -136,7 +117,7 @@ def _file(c: _Check, raw: Any, world_size: int) -> FileInfo:
     return FileInfo(name, c.int(c.field(raw, "nbytes", "file"), f"file {name} nbytes"), rank)
 
 
-def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int,
+def _tensor(c: Check, raw: Any, sizes: dict[str, int], world_size: int,
             block_nbytes: int) -> TensorEntry:
     key = c.str(c.field(raw, "key", "tensor"), "tensor key")
     what = f"tensor {show(key)}"
@@ -144,7 +125,7 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int,
     dtype = c.str(c.field(raw, "dtype", what), f"{what} dtype")
     if kind not in KINDS or dtype not in DTYPE_ITEMSIZE:
         raise c.fail(f"{what} has unknown kind {show(kind)} or dtype {show(dtype)}")
-    shape = _shape(c, raw, what)
+    shape = shape_of(c, raw, what)
     chunk = _chunk(c, raw, shape, what)
     _check_kind(c, kind, dtype, shape, chunk, what)
     file = c.str(c.field(raw, "file", what), f"{what} file")
@@ -158,8 +139,8 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int,
     if offset % DTYPE_ITEMSIZE[dtype]:
         raise c.fail(f"{what}: offset {offset} in {file} is not a multiple of the "
                      f"{DTYPE_ITEMSIZE[dtype]}-byte elements of {dtype}")
-    checksum = _checksum(c, c.field(raw, "checksum", what), what)
-    blocks = tuple(_checksum(c, b, what) for b in c.list(raw.get("blocks", []), f"{what} blocks"))
+    checksum = checksum_of(c, c.field(raw, "checksum", what), what)
+    blocks = tuple(checksum_of(c, b, what) for b in c.list(raw.get("blocks", []), f"{what} blocks"))
     if len(blocks) != (-(-nbytes // block_nbytes) if nbytes > block_nbytes else 0):
         raise c.fail(f"{what}: {len(blocks)} block checksums for {nbytes} bytes in blocks of "
                      f"{block_nbytes}")
@@ -169,22 +150,7 @@ def _tensor(c: _Check, raw: Any, sizes: dict[str, int], world_size: int,
     return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks)
 
 
-def _shape(c: _Check, raw: dict[str, Any], what: str) -> tuple[int, ...]:
-    """At most MAX_NDIM dims, each in [0, 2^62), whose product (zero dims counted as 1, as
-    torch's strides do) stays below 2^62: a shape torch can allocate without overflow."""
-    dims = c.list(c.field(raw, "shape", what), f"{what} shape")
-    if len(dims) > MAX_NDIM:
-        raise c.fail(f"{what}: shape has {len(dims)} dimensions, more than {MAX_NDIM}")
-    shape = tuple(c.int(d, f"{what} shape") for d in dims)
-    product = 1
-    for d in shape:
-        product *= max(d, 1)
-        if product >= _MAX_INT:
-            raise c.fail(f"{what}: shape {shape} is too large (2^62 elements or more)")
-    return shape
-
-
-def _chunk(c: _Check, raw: dict[str, Any], shape: tuple[int, ...], what: str) -> Chunk:
+def _chunk(c: Check, raw: dict[str, Any], shape: tuple[int, ...], what: str) -> Chunk:
     chunk_raw = c.field(raw, "chunk", what)
     if not isinstance(chunk_raw, dict):
         raise c.fail(f"{what}: chunk must be an object")
@@ -205,7 +171,7 @@ def _chunk(c: _Check, raw: dict[str, Any], shape: tuple[int, ...], what: str) ->
     return chunk
 
 
-def _check_kind(c: _Check, kind: str, dtype: str, shape: tuple[int, ...], chunk: Chunk,
+def _check_kind(c: Check, kind: str, dtype: str, shape: tuple[int, ...], chunk: Chunk,
                 what: str) -> None:
     """What a load turns the bytes into must be able to hold them (types.KINDS)."""
     if kind in ("numpy", "numpy_scalar") and dtype not in NUMPY_DTYPES:
@@ -219,21 +185,14 @@ def _check_kind(c: _Check, kind: str, dtype: str, shape: tuple[int, ...], chunk:
                      f"{chunk.offsets}+{chunk.sizes}")
 
 
-def _checksum(c: _Check, value: Any, what: str) -> str:
-    checksum = c.str(value, f"{what} checksum")
-    if not _CHECKSUM.fullmatch(checksum):
-        raise c.fail(f"{what}: checksum {show(checksum)} is not 16 hex digits")
-    return checksum
-
-
-def _alias(c: _Check, raw: Any) -> tuple[str, str]:
+def _alias(c: Check, raw: Any) -> tuple[str, str]:
     pair = c.list(raw, "alias")
     if len(pair) != 2:
         raise c.fail("an alias must be [key, target]")
     return c.str(pair[0], "alias key"), c.str(pair[1], "alias target")
 
 
-def _check_shared_bytes(c: _Check, tensors: tuple[TensorEntry, ...]) -> None:
+def _check_shared_bytes(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
     """No two entries claim the same bytes of a file (a save gives each its own), so what a
     load allocates is bounded by the size of the data files."""
     by_file: dict[str, list[TensorEntry]] = {}
@@ -249,7 +208,7 @@ def _check_shared_bytes(c: _Check, tensors: tuple[TensorEntry, ...]) -> None:
                              f"of data file {file}")
 
 
-def _check_tilings(c: _Check, tensors: tuple[TensorEntry, ...]) -> None:
+def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
     """Each key's global chunks tile its shape: every element in exactly one chunk (a load
     fills the whole tensor; a shape larger than its chunks is refused before any allocation)."""
     chunks: dict[str, list[Chunk]] = {}
@@ -268,24 +227,26 @@ def check_keys(manifest: Manifest, where: str) -> None:
     """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
     or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
     to be written: a save must not commit what its own reader would refuse."""
-    _check_keys(_Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree)
+    _check_keys(Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree,
+                tuple(r.key for r in manifest.regular))
 
 
-def _check_keys(c: _Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
-                aliases: tuple[tuple[str, str], ...], tree: Any) -> None:
-    tensor_keys = _check_groups(c, tensors, "tensor")
+def _check_keys(c: Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
+                aliases: tuple[tuple[str, str], ...], tree: Any,
+                regular_keys: tuple[str, ...] = ()) -> None:
+    tensor_keys = [*_check_groups(c, tensors, "tensor"), *regular_keys]
     object_keys = _check_groups(c, objects, "object")
     alias_keys = [a for a, _ in aliases]
     all_keys = [*tensor_keys, *object_keys, *alias_keys]
     if len(set(all_keys)) != len(all_keys):
         raise c.fail("a key appears twice (as a tensor, object or alias)")
-    if any(target not in tensor_keys for _, target in aliases):
+    if not {target for _, target in aliases} <= set(tensor_keys):
         raise c.fail("an alias points at a key that holds no tensor")
     if Counter(tree_keys(tree, c)) != Counter(all_keys):
         raise c.fail("the tree and the entries name different keys")
 
 
-def _check_groups(c: _Check, entries: tuple[Any, ...], what: str) -> dict[str, Any]:
+def _check_groups(c: Check, entries: tuple[Any, ...], what: str) -> dict[str, Any]:
     """A key's entries are either global (rank None: one object, or chunks of one tensor with
     one kind, dtype and shape) or each rank's own (at most one per rank). -> key: first entry."""
     first: dict[str, Any] = {}
@@ -310,7 +271,7 @@ def _check_groups(c: _Check, entries: tuple[Any, ...], what: str) -> dict[str, A
     return first
 
 
-def tree_keys(tree: Any, c: _Check) -> list[str]:
+def tree_keys(tree: Any, c: Check) -> list[str]:
     """Every leaf key of a tree, checking each node's shape and that no dict node holds a key
     twice (iteratively: hostile depth is an error, not a RecursionError)."""
     out: list[str] = []
@@ -336,7 +297,7 @@ def tree_keys(tree: Any, c: _Check) -> list[str]:
     return out
 
 
-def _dict_children(c: _Check, items: list[Any]) -> list[Any]:
+def _dict_children(c: Check, items: list[Any]) -> list[Any]:
     seen: set[str | int] = set()
     for pair in items:
         if not (isinstance(pair, list) and len(pair) == 2 and _dict_key(pair[0])):

@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import torch
 
-from ckptio.errors import ManifestError, PickleRefusedError, StateMismatchError
+from ckptio.errors import CkptError, ManifestError, PickleRefusedError, StateMismatchError
 from ckptio.format import values
 from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
@@ -24,8 +24,8 @@ from ckptio.io.stage import torch_dtype
 from ckptio.loading import merge
 from ckptio.planning.sharding import held
 
-__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh", "fill_in_place",
-           "stored_value"]
+__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
+           "fill_in_place", "selector", "stored_value"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ReadFn = Callable[[list[Read]], int]
@@ -46,7 +46,7 @@ class LoadReport:
     seconds: float = 0.0
 
 
-def _selector(keys: KeyFilter) -> Callable[[str], bool]:
+def selector(keys: KeyFilter) -> Callable[[str], bool]:
     if keys is None:
         return lambda _k: True
     if callable(keys):
@@ -85,6 +85,8 @@ class Sources:
             else:
                 own.setdefault(t.key, {})[t.rank] = t
         self.tensors = {k: TensorSource(k, tuple(v)) for k, v in chunks.items()}
+        # regular tensors (version 3) whose chunks the load did not resolve: it reads none
+        self.unread = dict.fromkeys(r.key for r in record.regular if r.key not in self.tensors)
         self.objects: dict[str, ObjectEntry] = {}
         for o in record.objects:
             if o.rank is None:
@@ -99,7 +101,7 @@ class Sources:
         self.absent: list[str] = []  # per-rank keys the chosen saved rank did not save
 
     def keys(self) -> list[str]:
-        return [*self.tensors, *self.objects, *self.own, *self.aliases]
+        return [*self.tensors, *self.unread, *self.objects, *self.own, *self.aliases]
 
     def get(self, key: str) -> TensorSource | ObjectEntry | None:
         """The key's source; None for a per-rank key this rank cannot take (see ``refused``)."""
@@ -108,6 +110,9 @@ class Sources:
             return self.objects[key]
         if key in self.tensors:
             return self.tensors[key]
+        if key in self.unread:
+            raise CkptError(f"key {key!r}: its chunks were not resolved before the load planned "
+                            "its reads (internal: loading/regular.py chooses them)")
         if self.source_rank is None:
             self.refused.append(key)
             return None
@@ -213,7 +218,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
                rank: int = 0, world_size: int = 1, per_rank_from: RankPolicy = None) -> Any:
     """Build the saved state as new CPU tensors and Python values (chunks saved by many ranks
     are assembled into whole tensors)."""
-    select = _selector(keys)
+    select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
     found = {k: sources.get(k) for k in sources.keys() if select(k)}
     sources.check_refused()
@@ -328,7 +333,7 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     rebuilding tuples; create the entries a Stateful lacks; call each Stateful's
     load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
     those no rank asks for."""
-    select = _selector(keys)
+    select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k)]

@@ -18,7 +18,7 @@ import torch
 from ckptio.format import values
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.flatten import FlatState
-from ckptio.planning.grid import Grid
+from ckptio.format.grid import Grid
 from ckptio.planning.sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 

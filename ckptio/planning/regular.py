@@ -20,13 +20,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from ckptio.errors import CkptError
-from ckptio.format.types import DTYPE_ITEMSIZE, WriteItem
-from ckptio.planning.grid import Grid
+from ckptio.format.types import DTYPE_ITEMSIZE, RegularTensor, WriteItem
+from ckptio.format.grid import Grid
 
 if TYPE_CHECKING:
     from ckptio.planning.globalplan import RankPlan
 
-__all__ = ["Regular", "RegularItem", "check_regular", "regular_writes"]
+__all__ = ["Regular", "RegularItem", "check_regular", "regular_section", "regular_writes"]
 
 
 @dataclass(frozen=True)
@@ -176,3 +176,24 @@ def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, Rank
 def _mesh(grid: Grid) -> str:
     ranks = grid.ranks if len(grid.ranks) <= 8 else (*grid.ranks[:8], "...")
     return f"shape {grid.shape}, ranks {ranks}"
+
+
+def regular_section(plans: Sequence[RankPlan], aliases: Sequence[tuple[str, str]]) -> tuple[
+        tuple[Grid, ...], tuple[RegularTensor, ...]]:
+    """A manifest's grids and regular tensors (one row per key), from the ranks' lists: each
+    distinct list once (ranks of equal lists share one, collective.py). A key the global plan
+    made an alias (a tie one rank could not see, its piece being empty) is left out."""
+    grids: dict[Grid, int] = {}
+    rows: dict[str, RegularTensor] = dict.fromkeys(key for key, _target in aliases)  # type: ignore[arg-type]
+    seen: set[int] = set()
+    for plan in plans:
+        regular = plan.regular
+        if regular is None or id(regular) in seen:
+            continue
+        seen.add(id(regular))
+        number = [grids.setdefault(grid, len(grids)) for grid in regular.grids]
+        for item in regular.items:
+            if item.key not in rows:
+                rows[item.key] = RegularTensor(item.key, item.dtype, item.shape,
+                                               number[item.grid])
+    return tuple(grids), tuple(row for row in rows.values() if row is not None)

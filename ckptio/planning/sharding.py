@@ -17,7 +17,7 @@ import xxhash
 
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
-from ckptio.planning.grid import REPLICATE, Grid
+from ckptio.format.grid import REPLICATE, Grid
 
 __all__ = ["FlatShard", "TensorShard", "held", "is_dtensor", "local_tensor"]
 

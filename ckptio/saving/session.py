@@ -42,12 +42,21 @@ import torch
 
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
+from ckptio.format import regular
 from ckptio.format.flatten import flatten
-from ckptio.format.types import FileLayout
+from ckptio.format.types import (
+    Chunk,
+    FileInfo,
+    FileLayout,
+    IndexFile,
+    Placement,
+    TensorEntry,
+    WriteItem,
+)
 from ckptio.io import IOBackend
 from ckptio.io.stage import BufferPool
-from ckptio.options import Options
-from ckptio.planning.layout import plan_files
+from ckptio.options import BLOCK, Options
+from ckptio.planning.layout import align_up, plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist
 from ckptio.saving.cleanup import Cleanup
@@ -101,9 +110,16 @@ class _Part:
     files: tuple[FileLayout, ...]
     sources: dict[str, torch.Tensor]
     index_of: dict[str, int]  # key -> index of its item in this rank's plan (results keyed by it)
+    index_file: str | None  # of this rank's regular items' chunks (format/regular.py), if any
+    regular: frozenset[str]  # keys of those items
     eager_items: int  # items copied before a lazy save returns
     nbytes: int  # bytes of the items this rank writes
     ready: list[Any]  # CUDA events the copies wait for
+
+    @property
+    def names(self) -> list[str]:
+        """Every file this rank's part creates."""
+        return [f.name for f in self.files] + ([self.index_file] if self.index_file else [])
 
 
 @dataclass(frozen=True)
@@ -166,7 +182,10 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
         items, eager_items = lazy_order(items, sources, ctx.optimizers)
     files = plan_files(items, save_id=agreement.save_id, rank=ctx.group.rank,
                        max_file_bytes=ctx.options.max_file_bytes)
+    index_file = (regular.index_name(agreement.save_id, ctx.group.rank) if agreement.regular
+                  else None)
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
+                 index_file, frozenset(plan.items[i].key for i in agreement.regular),
                  eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
 
 
@@ -195,7 +214,7 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
         # coordinator holds the lock; attempt() removes this rank's files on failure.
         with (ctx.staging.lock,
               collective.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
-              _opened(ctx.store, [f.name for f in part.files])):
+              _opened(ctx.store, part.names)):
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
@@ -241,11 +260,38 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
             handle._run_on_caller(job.capture)
         handle._captured()
         entries, infos = job.finish()
-        return ({part.index_of[e.key]: e for e in entries}, infos), None
+        index = None
+        if part.index_file is not None:  # the regular items' rows go to the index file
+            rows = [e for e in entries if e.key in part.regular]
+            index, info = _write_index(ctx, part.index_file, part.agreement.save_id, rows)
+            entries, infos = [e for e in entries if e.key not in part.regular], [*infos, info]
+        return ({part.index_of[e.key]: e for e in entries}, infos, index), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
         if job is not None:
             job.abandon()
         return None, exc
+
+
+def _write_index(ctx: SaveContext, name: str, save_id: str,
+                 rows: list[TensorEntry]) -> tuple[IndexFile, FileInfo]:
+    """Write this rank's index file of its regular chunks ``rows`` (format/regular.py) through
+    the same pool, backend and checksums as its data, durably."""
+    data = regular.encode_index(save_id, ctx.group.rank, [
+        regular.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
+    item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
+    layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
+    pool, backend = ctx.staging.for_store(ctx.store)
+    job = persist.SaveJob(ctx.store.location, [layout],
+                          {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
+                          pool=pool, backend=backend, algorithm=ctx.options.checksum,
+                          rank=ctx.group.rank, block_nbytes=ctx.block_nbytes)
+    try:
+        job.capture()
+        (entry,), (info,) = job.finish()
+    except BaseException:
+        job.abandon()
+        raise
+    return IndexFile(ctx.group.rank, name, len(data), entry.checksum), info
 
 
 def _conclude(ctx: SaveContext, agreement: collective.Agreement,

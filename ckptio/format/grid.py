@@ -14,8 +14,9 @@ torch) and the tensor has elements (every rank decides that alike from the shape
 be empty (a nested or uneven split leaves some ranks none): nothing is written for them.
 Everything else keeps the per-chunk path.
 
-Owns: that arithmetic. Pure: no torch, no I/O. Does not own: recognising a DTensor
-(sharding.py), checking that ranks agree (regular.py), or messages (wire.py).
+Owns: that arithmetic, for saves and for loads (a manifest of version 3 stores grids:
+format/regular.py). Pure: no torch, no I/O. Does not own: recognising a DTensor
+(planning/sharding.py), checking that ranks agree (planning/regular.py), or messages (wire.py).
 """
 
 from __future__ import annotations
