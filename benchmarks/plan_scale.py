@@ -290,46 +290,66 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
     return row
 
 
-def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
-                   on: Callable[[], None], off: Callable[[], None]) -> dict[str, Any]:
-    """The result, manifest and load phases after ``decision``: every rank reports its
-    per-chunk entries and its index file (name, size, checksum); the index files' content is
-    made for the ranks whose chunks rank 0's load needs (the others are never read)."""
+@dataclass
+class Commit:
+    """A simulated save after ``decision``: every rank's result message, the index files'
+    content where rank 0's load reads them (``need``: those ranks), rank 0's parts."""
+
+    agreement: collective.Agreement
+    assigned: list[dict[int, WriteItem]]
+    results: list[bytes]
+    stored: dict[str, bytes]  # index file name -> content
+    need: set[int]
+    parts0: tuple[Any, ...]  # rank 0's (entries, files, index file)
+    rows0: list[IndexRow]
+
+    def build_manifest(self) -> bytes:
+        """The coordinator's work: decode every result, manifest_of, check_keys, encode."""
+        decoded = [wire.decode_result(data, rank, self.assigned[rank])
+                   for rank, data in enumerate(self.results)]
+        record = collective.manifest_of(decoded, self.assigned, self.agreement, META,
+                                        "xxh3_64", BLOCK_NBYTES)
+        manifest.check_keys(record, "simulated/manifest.json")
+        return manifest.encode(record)
+
+
+def simulate_commit(decision: collective.Decision, regular: Regular) -> Commit:
     save_id, _ = wire.decode_answer(decision.answers[0])
     plans, global_plan = decision.plans, decision.global_plan
     agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
-    t0 = time.perf_counter()
     assigned = [collective._assigned(agreement, p.rank) for p in plans]
-    stored: dict[str, bytes] = {}  # index file name -> content
+    stored: dict[str, bytes] = {}
     need = {rank for t in regular.items for grid in [regular.grids[t.grid]]
             for rank, _chunk in overlapping(grid, RegularTensor(t.key, t.dtype, t.shape, t.grid),
                                             grid.chunk(t.shape, grid.coordinate(0)))}
     reports = [_report(p, assigned[p.rank], regular, save_id, stored, p.rank in need)
                for p in plans]
     results = [wire.encode_result(*parts, None) for parts, _rows in reports]
-    (parts0, rows0), setup_s = reports[0], time.perf_counter() - t0
-    del reports
+    return Commit(agreement, assigned, results, stored, need, *reports[0])
 
-    def build_manifest() -> bytes:
-        decoded = [wire.decode_result(data, rank, assigned[rank])
-                   for rank, data in enumerate(results)]
-        record = collective.manifest_of(decoded, assigned, agreement, META, "xxh3_64",
-                                        BLOCK_NBYTES)
-        manifest.check_keys(record, "simulated/manifest.json")
-        return manifest.encode(record)
 
+def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
+                   on: Callable[[], None], off: Callable[[], None]) -> dict[str, Any]:
+    """The result, manifest and load phases after ``decision``: every rank reports its
+    per-chunk entries and its index file (name, size, checksum); the index files' content is
+    made for the ranks whose chunks rank 0's load needs (the others are never read)."""
+    t0 = time.perf_counter()
+    commit = simulate_commit(decision, regular)
+    setup_s = time.perf_counter() - t0
+    save_id = commit.agreement.save_id
     on()
-    index_s, _ = median_time(lambda: encode_index(save_id, 0, rows0), reps)
-    result_s, _ = median_time(lambda: wire.encode_result(*parts0, None), reps)
-    manifest_s, blob = median_time(build_manifest, reps)
-    load_s, record = median_time(lambda: load_metadata(blob, stored, rank=0), reps)
+    index_s, _ = median_time(lambda: encode_index(save_id, 0, commit.rows0), reps)
+    result_s, _ = median_time(lambda: wire.encode_result(*commit.parts0, None), reps)
+    manifest_s, blob = median_time(commit.build_manifest, reps)
+    load_s, record = median_time(lambda: load_metadata(blob, commit.stored, rank=0), reps)
     off()
     ranks_read = len({e.file.split("-r")[1][:5] for e in record.tensors if e.key in regular.keys})
-    if ranks_read != len(need):
-        raise RuntimeError(f"rank 0's load read {ranks_read} ranks' chunks, not {len(need)}")
+    if ranks_read != len(commit.need):
+        raise RuntimeError(f"rank 0's load read {ranks_read} ranks' chunks, not {len(commit.need)}")
     chunks = chunk_count(record)
     return {"chunks": chunks, "manifest_bytes": len(blob), "bytes_per_chunk": len(blob) / chunks,
-            "result_msg_bytes": len(results[0]), "index_bytes": len(stored[index_name(save_id, 0)]),
+            "result_msg_bytes": len(commit.results[0]),
+            "index_bytes": len(commit.stored[index_name(save_id, 0)]),
             "index_s": index_s, "result_s": result_s + index_s, "manifest_s": manifest_s,
             "load_s": load_s, "load_index_files": ranks_read, "commit_setup_s": setup_s}
 

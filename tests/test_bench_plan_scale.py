@@ -44,11 +44,12 @@ def test_measure_small_worlds():
 
 def test_manifest_is_valid_and_complete():
     """Through the coordinator's own functions: every tensor planned per tensor (one with 23
-    rows over dp x tp = 24 nested pieces has an empty one), every non-empty chunk in the
-    manifest once, every rank's RNG state kept."""
+    rows over dp x tp = 24 nested pieces has an empty one), stored as one regular row, every
+    rank's RNG state kept; rank 0's load reads only its dp group's index files and gets the
+    chunks its regions need, each once."""
     from ckptio.distributed import collective
-    from ckptio.distributed import wire
     from ckptio.distributed.dist import Solo
+    from ckptio.loading.regular import overlapping
 
     tensors = plan_scale.model_tensors(12, optim=False)
     tensors[0] = plan_scale.Tensor(tensors[0].key, (23, 16), "0")  # 23 rows in 24 pieces
@@ -59,26 +60,21 @@ def test_manifest_is_valid_and_complete():
     messages = plan_scale.messages_of(dp * tp, dp, tp, tensors, "bfloat16",
                                       plan_scale.tree_of(tensors), regular, group)
     decision = collective._decide(messages, collective.Memory(), group)
-    plans, gplan = decision.plans, decision.global_plan
-    save_id, _ = wire.decode_answer(decision.answers[0])
-    agreement = collective.Agreement(save_id, gplan.assignments[0], plans, gplan)
-    assigned = [collective._assigned(agreement, p.rank) for p in plans]
-    results = []
-    for p in plans:
-        entries, files = plan_scale.written(p, assigned[p.rank], save_id)
-        results.append(wire.decode_result(wire.encode_result(entries, files, None), p.rank,
-                                          assigned[p.rank]))
-    built = collective.manifest_of(results, assigned, agreement, plan_scale.META, "xxh3_64",
-                                   plan_scale.BLOCK_NBYTES)
-    record = manifest.decode(manifest.encode(built), "m")
-    assert record.world_size == dp * tp
-    for t in tensors:
-        chunks = [e.chunk for e in record.tensors if e.key == t.key]
-        assert len(set(chunks)) == len(chunks), t.key
-        assert sum(c.numel for c in chunks) == Chunk.whole(t.shape).numel, t.key
-        assert all(c.numel for c in chunks), t.key  # empty pieces are not stored
-    assert len([e for e in record.tensors if e.key == tensors[0].key]) == 23
+    commit = plan_scale.simulate_commit(decision, regular)
+    record = manifest.decode(commit.build_manifest(), "m")
+    assert record.version == 3 and record.world_size == dp * tp
+    assert sorted(r.key for r in record.regular) == sorted(t.key for t in tensors)
+    assert sorted(i.rank for i in record.indexes) == list(range(dp * tp))
     assert sorted(e.rank for e in record.tensors if e.key == "rng") == list(range(dp * tp))
+    first = next(r for r in record.regular if r.key == tensors[0].key)
+    assert len(list(overlapping(record.grids[first.grid], first, None))) == 23
+    assert 0 in commit.need <= set(range(tp))  # its own, and its tp group's replica writers
+    assert len(commit.need) < dp * tp
+    loaded = plan_scale.load_metadata(commit.build_manifest(), commit.stored, rank=0)
+    for t in tensors:
+        got = [e.chunk for e in loaded.tensors if e.key == t.key]
+        want = plan_scale.region(t, dp, tp, 0, 0)
+        assert got == ([want] if want.numel else []), t.key
 
 
 def test_cli_report(tmp_path):

@@ -61,14 +61,16 @@ def source_format(record: Manifest) -> str:
 
 
 def open_manifest(path: str) -> Opened:
-    """The manifest of ``path``: a ckptio checkpoint's without torch; else a DCP directory's or
-    a torch.save file's as ckptio.load reads it (imports torch). Raises CkptError."""
+    """The manifest of ``path``: a ckptio checkpoint's without torch (unless it has regular
+    tensors, whose chunks are read from index files); else a DCP directory's or a torch.save
+    file's as ckptio.load reads it (imports torch). Raises CkptError."""
     text = checkpoint_path(path)
     if is_s3(text) or not os.path.isfile(text):
         store = store_for(text)
         try:
             record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
-            return Opened(text, record, "ckptio")
+            if not record.regular:  # else its chunks are in index files, read below
+                return Opened(text, record, "ckptio")
         except CheckpointNotFoundError:
             pass  # a DCP checkpoint, read below, or nothing (the loader says which)
     from ckptio.api import Checkpointer

@@ -1,0 +1,195 @@
+"""Manifest version 3 on a real 4-rank save of FSDP x TP-like DTensors (gloo processes): a
+loading rank reads only the index files of the ranks that wrote the chunks it needs; damaged,
+stale or missing index files are refused naming the file and rank; version 2 still loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import pytest
+import torch
+import xxhash
+
+import ckptio
+from ckptio.errors import CkptError, ManifestError
+from ckptio.format import manifest, regular
+from ckptio.format.check import Check
+from ckptio.format.types import Chunk, RegularTensor
+from ckptio.loading import regular as resolve
+from ckptio.opening import committed
+from ckptio.storage.local import LocalStore
+from ckptio.testing.ranks import run_ranks
+
+import dist_cases as cases
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """A checkpoint of cases.grid_state saved by 4 ranks (and loaded back by them in place)."""
+    path = str(tmp_path_factory.mktemp("v3") / "ck")
+    run_ranks(4, cases.grid_roundtrip, path)
+    return path
+
+
+def _copy(saved: str, tmp_path) -> str:
+    path = str(tmp_path / "ck")
+    shutil.copytree(saved, path)
+    return path
+
+
+def _reader(path: str, seen: list[str]):
+    """The read a load uses for index files (unverified: expand checks them), recording which
+    files it reads."""
+    plain = ckptio.Checkpointer()._plain_read(LocalStore(path))
+
+    def read(reads):
+        seen.extend(r.entries[0].file for r in reads)
+        return plain(reads)
+    return read
+
+
+def _expected(saved: str) -> dict[str, torch.Tensor]:
+    return {key: torch.arange(n * 1000, n * 1000 + torch.Size(shape).numel(),
+                              dtype=torch.float32).reshape(shape)
+            for n, (key, (shape, _kinds)) in enumerate(cases.GRID_LAYOUTS.items())}
+
+
+def test_a_rank_reads_only_the_index_files_of_the_writers_it_needs(saved):
+    record = committed(LocalStore(saved))
+    assert record.version == 3 and record.regular and len(record.indexes) == 4
+    regions = {"row": Chunk((0, 0), (2, 8))}  # rows 0-1 of an 8 x 8 Shard(0) over the mesh
+    grid = record.grids[next(r.grid for r in record.regular if r.key == "row")]
+    writers = {rank for rank, _chunk in resolve.overlapping(
+        grid, next(r for r in record.regular if r.key == "row"), regions["row"])}
+    seen: list[str] = []
+    expanded = resolve.expand(record, regions, _reader(saved, seen))
+    assert sorted(seen) == sorted(regular.index_name(record.save_id, r) for r in writers)
+    assert len(writers) < 4  # the point: not every rank's index
+    rows = [e for e in expanded.tensors if e.key == "row"]
+    assert rows and all(e.chunk.offsets[0] < 2 for e in rows)
+    # every chunk: every index file, and the chunks tile each tensor
+    seen.clear()
+    everything = resolve.expand_all(record, _reader(saved, seen))
+    assert len(set(seen)) == 4 and not everything.regular
+    for key, (shape, _kinds) in cases.GRID_LAYOUTS.items():
+        chunks = [e.chunk for e in everything.tensors if e.key == key]
+        assert sum(c.numel for c in chunks) == torch.Size(shape).numel(), key
+
+
+def test_fresh_load_and_cli_see_every_regular_key(saved):
+    whole = ckptio.load(saved)
+    for key, want in _expected(saved).items():
+        assert torch.equal(whole[key], want), key
+    keys = {t.key for t in ckptio.Checkpointer().manifest(saved).tensors}
+    assert set(cases.GRID_LAYOUTS) <= keys
+    assert ckptio.Checkpointer().verify(saved) > 0
+
+
+def _index_path(path: str, rank: int) -> str:
+    record = committed(LocalStore(path))
+    return os.path.join(path, next(i.name for i in record.indexes if i.rank == rank))
+
+
+def test_a_damaged_index_file_is_refused_naming_it_and_its_rank(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    target = _index_path(path, 2)
+    with open(target, "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ManifestError, match=r"index-.*rank 2.*checksum|rank 2.*do not match"):
+        ckptio.load(path)
+    with pytest.raises(ManifestError, match="rank 2"):
+        ckptio.Checkpointer().verify(path)
+
+
+def _rewrite(path: str, rank: int, data: bytes) -> None:
+    """Replace rank ``rank``'s index content and its checksum in the manifest (a consistent
+    file whose rows are wrong: what only the row checks catch)."""
+    store = LocalStore(path)
+    record = committed(store)
+    target = _index_path(path, rank)
+    with open(target, "wb") as f:
+        f.write(data)
+    indexes = tuple(dataclasses.replace(i, nbytes=len(data),
+                                        checksum=xxhash.xxh3_64_hexdigest(data))
+                    if i.rank == rank else i for i in record.indexes)
+    files = tuple(dataclasses.replace(f, nbytes=max(f.nbytes, len(data)))
+                  if f.name == os.path.basename(target) else f for f in record.files)
+    body = manifest.encode(dataclasses.replace(record, indexes=indexes, files=files))
+    with open(os.path.join(path, manifest.MANIFEST_NAME), "wb") as f:
+        f.write(body)
+
+
+def _rows(path: str, rank: int) -> tuple[list[regular.IndexRow], str]:
+    record = committed(LocalStore(path))
+    with open(_index_path(path, rank), "rb") as f:
+        data = f.read(next(i.nbytes for i in record.indexes if i.rank == rank))
+    tensors = {r.key: r for r in record.regular}
+    return regular.decode_index(data, Check("x"), record.save_id, rank, tensors), record.save_id
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("beyond", "not inside a data file"),
+    ("stale", "belongs to save"),
+    ("missing_row", "does not list it"),
+    ("foreign_key", "no regular tensor"),
+])
+def test_consistent_but_wrong_index_rows_are_refused(saved, tmp_path, damage, match):
+    path = _copy(saved, tmp_path)
+    rows, save_id = _rows(path, 1)
+    if damage == "beyond":
+        rows = [dataclasses.replace(r, offset=r.offset + (1 << 30)) for r in rows]
+    elif damage == "missing_row":
+        rows = [r for r in rows if r.key != "col"]
+    elif damage == "foreign_key":
+        rows = [dataclasses.replace(rows[0], key="not.a.key"), *rows[1:]]
+    data = regular.encode_index("0" * 8 if damage == "stale" else save_id, 1, rows)
+    _rewrite(path, 1, data)
+    with pytest.raises(ManifestError, match=match) as err:
+        ckptio.load(path)
+    assert "rank 1" in str(err.value) and "index" in str(err.value)
+
+
+def test_a_missing_index_file_fails_clearly(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    os.remove(_index_path(path, 3))
+    with pytest.raises(CkptError, match="index.bin"):
+        ckptio.load(path)
+
+
+def test_a_version_2_manifest_still_loads(saved, tmp_path):
+    """The same checkpoint with every chunk in the manifest, as version 2 wrote it."""
+    path = _copy(saved, tmp_path)
+    every = ckptio.Checkpointer().manifest(path)
+    v2 = dataclasses.replace(every, version=2)
+    data = manifest.encode(v2)
+    assert b'"version":2' in data and b'"regular"' not in data
+    with open(os.path.join(path, manifest.MANIFEST_NAME), "wb") as f:
+        f.write(data)
+    whole = ckptio.load(path)
+    for key, want in _expected(saved).items():
+        assert torch.equal(whole[key], want), key
+
+
+def test_the_manifest_section_refuses_bad_grids_and_rows():
+    good = {"grids": [{"shape": [2, 2], "ranks": [0, 1, 2, 3], "dims": [0, -1]}],
+            "regular": [{"key": "w", "dtype": "float32", "shape": [4, 4], "grid": 0}],
+            "indexes": []}
+    grids, rows, _ = regular.parse_section(Check("m"), good, 4, {})
+    assert rows == (RegularTensor("w", "float32", (4, 4), 0),) and grids[0].replicas == 2
+    bad = [
+        ({"shape": [2, 2], "ranks": [0, 1, 2], "dims": [0, -1]}, None, "ranks"),
+        ({"shape": [2, 2], "ranks": [0, 1, 2, 9], "dims": [0, -1]}, None, "world_size"),
+        ({"shape": [2, 2], "ranks": [0, 1, 2, 3], "dims": [0, -2]}, None, "dims"),
+        (None, {"key": "w", "dtype": "float32", "shape": [4], "grid": 0}, "shards a dim"),
+        (None, {"key": "w", "dtype": "float32", "shape": [4, 4], "grid": 1}, "does not exist"),
+    ]
+    for grid, row, match in bad:
+        raw = {"grids": [grid or good["grids"][0]], "regular": [row or good["regular"][0]],
+               "indexes": []}
+        with pytest.raises(ManifestError, match=match):
+            regular.parse_section(Check("m"), raw, 4, {})
