@@ -14,11 +14,15 @@ Phases timed (median of --reps):
              each distinct layout part fetched and decoded once, check_regular, per_rank_keys +
              plan_global of the per-chunk items, encode_answer of all) + one decode_answer
   again      the same for a later save of the same layout (parts remembered, decisions reused)
-  result     one rank's wire.encode_result of what it wrote (parallel: counts once)
+  result     one rank's index file (format/regular.encode_index of its regular chunks) and its
+             wire.encode_result (its per-chunk entries and the index file's name, size and
+             checksum; parallel: counts once)
   manifest   the coordinator: decode_result of every rank + collective.manifest_of + check_keys
-             + manifest.encode (collective._commit without the file write); skipped with
-             --plan-only, for worlds whose per-chunk manifest does not fit in memory
-  load       manifest.decode of the committed bytes (every loading rank does this)
+             + manifest.encode (collective._commit without the file writes); skipped with
+             --plan-only
+  load       what one loading rank (rank 0, same layout) does before reading data:
+             manifest.decode, the chunks its regions overlap (from the grids), the index files
+             of their writers (content checked, from memory: no I/O timed), their rows
 
     python -m benchmarks.plan_scale --world 8,64,512,4096 --tp 8 --reps 3
     python -m benchmarks.plan_scale --world 64,256 --engines ckptio,dcp   # DCP's planner beside
@@ -424,29 +428,33 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         "message, fetch and decode each distinct layout part once, check the regular items, "
         "plan_global of the per-chunk ones, answers; a first save); decide again: the same for a "
         "later save of the same layout (parts remembered, decisions reused); result: one rank's "
-        "encode_result; manifest: coordinator decode_result of all + manifest_of + check_keys + "
-        "manifest.encode; load: manifest.decode; "
+        "index file + encode_result; manifest: coordinator decode_result of all + manifest_of + "
+        "check_keys + manifest.encode; load: one loading rank's manifest.decode + the index "
+        "files of the writers of the chunks it needs (checked) + their rows; chunks: every "
+        "non-empty chunk the checkpoint holds (regular ones counted from their grids); "
         "peak RSS: of the fresh process measuring that world size (all ranks' plans in one "
         "process: the coordinator's share plus the simulation's)"), "",
-        ("| world | dp x tp | chunks | manifest MB | bytes/chunk | plan msg kB | local s | decide s "
-        "| decide again s | result s | manifest s | save total s | load decode s | peak RSS MiB |"),
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("| world | dp x tp | chunks | manifest MB | index kB | plan msg kB | local s | decide s "
+        "| decide again s | result s | manifest s | save total s | load s | index files read "
+        "| peak RSS MiB |"),
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['world']} | {r['dp']} x {r['tp']} | {_n(r, 'chunks', ',')} "
-            f"| {_n(r, 'manifest_bytes', '.2f', 1e-6)} | {_n(r, 'bytes_per_chunk', '.0f')} "
+            f"| {_n(r, 'manifest_bytes', '.2f', 1e-6)} | {_n(r, 'index_bytes', '.0f', 1e-3)} "
             f"| {r['plan_msg_bytes'] / 1e3:.1f} | {r['local_s']:.4f} | {r['decide_s']:.3f} "
             f"| {r['decide_reused_s']:.3f} | {_n(r, 'result_s', '.4f')} "
             f"| {_n(r, 'manifest_s', '.3f')} | {_n(r, 'save_total_s', '.3f')} "
-            f"| {_n(r, 'load_s', '.3f')} | {r.get('peak_rss_mib', float('nan')):.0f} |")
+            f"| {_n(r, 'load_s', '.3f')} | {_n(r, 'load_index_files', 'd')} "
+            f"| {r.get('peak_rss_mib', float('nan')):.0f} |")
     if dcp_rows:
         lines += _dcp_table(dcp_rows)
     for a, b in itertools.pairwise([r for r in rows if "chunks" in r]):
-        slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["chunks"] - a["chunks"])
+        slope = (b["manifest_bytes"] - a["manifest_bytes"]) / max(1, b["world"] - a["world"])
         lines.append(f"- {a['world']} -> {b['world']} ranks: {slope:.0f} manifest bytes per added "
-                     "chunk (constant along the curve = linear growth; small worlds carry more 1 MiB "
-                     "block checksums per chunk)")
+                     "rank (its files, index file, RNG state and grid entry; the tensors are "
+                     "described once whatever the world size)")
     lines.append("")
     return "\n".join(lines)
 

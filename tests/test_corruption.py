@@ -329,7 +329,7 @@ def test_garbage_manifest_is_refused(saved, ck, kind):
                                                   "body_nbytes": len(raw),
                                                   "body_crc32": zlib.crc32(raw)}).encode()
                           + b"\n" + raw + b"\n")(b"{not json"),
-        "future-version": good.replace(b'"version": 2', b'"version": 99', 1),
+        "future-version": good.replace(b'"version": 3', b'"version": 99', 1),
     }[kind]
     _put_manifest(path, garbage)
     _refused(ck, path)
@@ -458,7 +458,7 @@ def _garbage(kind: str):
             "not-json-body": json.dumps({"magic": "ckptio-manifest", "version": 2,
                                          "body_nbytes": len(raw), "body_crc32": zlib.crc32(raw)}
                                         ).encode() + b"\n" + raw + b"\n",
-            "future-version": good.replace(b'"version": 2', b'"version": 99', 1),
+            "future-version": good.replace(b'"version": 3', b'"version": 99', 1),
         }[kind])
     return damage
 
@@ -481,7 +481,7 @@ def _schema(violation: str):
         elif violation == "chunk-short-of-shape":
             t["shape"] = [128, 64]  # the one chunk holds rows 0-63 only
         raw = json.dumps(body).encode()
-        header = {"magic": "ckptio-manifest", "version": 2, "body_nbytes": len(raw),
+        header = {"magic": "ckptio-manifest", "version": body["version"], "body_nbytes": len(raw),
                   "body_crc32": zlib.crc32(raw)}
         _put_manifest(path, json.dumps(header).encode() + b"\n" + raw + b"\n")
     return damage

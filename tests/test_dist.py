@@ -26,25 +26,25 @@ def _manifest(path) -> dict:
 def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
     path = str(tmp_path / "ck")
     body = run_ranks(2, cases.roundtrip, path)[0]
-    tensors = body["tensors"]
+    tensors = ckptio.Checkpointer().manifest(path).tensors  # regular DTensors' from index files
     by_key: dict[str, list] = {}
     for t in tensors:
-        by_key.setdefault(t["key"], []).append(t)
+        by_key.setdefault(t.key, []).append(t)
     # replicated tensors: stored once each. Replicated DTensors by the replica their key's hash
     # names (a regular layout: every rank knows it without asking; tests/test_grid.py checks
     # the spread over many keys)
     assert len(by_key["r1"]) == 1 and len(by_key["r2"]) == 1 and len(by_key["same"]) == 1
     for key in ("r1", "r2"):
-        writer = int(by_key[key][0]["file"].split("-r")[1][:5])
+        writer = int(by_key[key][0].file.split("-r")[1][:5])
         assert writer == xxhash.xxh3_64_intdigest(key.encode()) % 2, key
     # sharded: one chunk per rank; per-rank plain tensors: one entry per rank, marked
-    assert sorted(t["chunk"]["offsets"][0] for t in by_key["w"]) == [0, 4]
-    assert sorted(t["rank"] for t in by_key["rng"]) == [0, 1]
-    assert sorted(t["rank"] for t in by_key["mine"]) == [0, 1]
+    assert sorted(t.chunk.offsets[0] for t in by_key["w"]) == [0, 4]
+    assert sorted(t.rank for t in by_key["rng"]) == [0, 1]
+    assert sorted(t.rank for t in by_key["mine"]) == [0, 1]
     objects = {(o["key"], o.get("rank")) for o in body["objects"]}
     assert ("step", None) in objects and ("loader.position", 0) in objects
     # bytes on disk: every stored byte once (no replica twice)
-    unique = sum(t["nbytes"] for t in tensors)
+    unique = sum(t.nbytes for t in tensors)
     expected = 7 * 5 * 4 + 2 * 64 * 64 * 4 + 4096 * 4 + 2 * torch.get_rng_state().numel() + 2 * 3 * 4
     assert unique == expected
 
@@ -151,7 +151,7 @@ def test_consolidation_reads_each_stored_byte_once(tmp_path):
     state = {k: torch.zeros_like(v) for k, v in full.items()}
     report = ckptio.load(path, state)
     assert all(torch.equal(state[k], v) for k, v in full.items())
-    stored = sum(t["nbytes"] for t in _manifest(path)["tensors"])
+    stored = sum(t.nbytes for t in ckptio.Checkpointer().manifest(path).tensors)
     assert report.nbytes_read <= 1.05 * stored, (report.nbytes_read, stored)
 
 

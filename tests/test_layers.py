@@ -521,9 +521,12 @@ def test_imports_are_read_with_where_they_run(tmp_path):
 
 # Modules that never import torch, directly or through the ckptio modules they import (the
 # package __init__s aside, which a torch-free reader bypasses: tests/test_dcpmeta.py runs them so).
-# DCP's .metadata and item heads are decoded here, before anything decides to import torch.
+# DCP's .metadata and item heads are decoded here, before anything decides to import torch;
+# and ckptio's index files (the manifest too, but values.py imports torch where it decodes a
+# torch value: tests/test_index_files.py decodes both in a process without torch).
 TORCH_FREE = {"ckptio.errors", "ckptio.format.types", "ckptio.format.tiling",
-              "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip"}
+              "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip",
+              "ckptio.format.check", "ckptio.format.regular", "ckptio.format.grid"}
 
 
 def test_torch_free_modules_import_no_torch():

@@ -122,6 +122,8 @@ def _regular(c: Check, raw: Any, grids: tuple[Grid, ...]) -> RegularTensor:
     if dtype not in DTYPE_ITEMSIZE:
         raise c.fail(f"{what} has unknown dtype {show(dtype)}")
     shape = shape_of(c, raw, what)
+    if 0 in shape:
+        raise c.fail(f"{what}: shape {shape} has no elements (such a tensor is stored per chunk)")
     grid = c.int(c.field(raw, "grid", what), f"{what} grid")
     if grid >= len(grids) or any(d >= len(shape) for d in grids[grid].dims):
         raise c.fail(f"{what}: grid {grid} does not exist or shards a dim its shape lacks")

@@ -16,6 +16,7 @@ what a load does with the rows (fill.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -55,12 +56,19 @@ def expand_all(record: Manifest, read: ReadFn) -> Manifest:
 def expand(record: Manifest, wants: Wants, read: ReadFn) -> Manifest:
     """``record`` with a row for each chunk of a regular tensor in ``wants`` that overlaps the
     region wanted; its regular section is kept (the keys a load did not ask for stay known)."""
+    if not record.regular:
+        return record
     by_key = {r.key: r for r in record.regular}
     needed: dict[int, list[tuple[RegularTensor, Chunk]]] = {}
     for key, region in wants.items():
         if key in by_key:
             tensor = by_key[key]
-            for rank, chunk in overlapping(record.grids[tensor.grid], tensor, region):
+            grid = record.grids[tensor.grid]
+            found = list(overlapping(grid, tensor, region))
+            if not found:  # an empty region (an uneven split's empty piece): one chunk
+                # still says what the key holds (kind, dtype, shape) for the load's checks
+                found = list(itertools.islice(overlapping(grid, tensor, None), 1))
+            for rank, chunk in found:
                 needed.setdefault(rank, []).append((tensor, chunk))
     entries = [TensorEntry(tensor.key, "tensor", tensor.dtype, tensor.shape, chunk, row.file,
                            row.offset, _nbytes(tensor, chunk), row.checksum, None, row.blocks)
@@ -198,6 +206,8 @@ def _rows(record: Manifest, needed: Mapping[int, list[tuple[RegularTensor, Chunk
 def _read_files(record: Manifest, files: list[IndexFile], read: ReadFn) -> dict[int, bytes]:
     """Each index file's content, by rank, its checksum checked (even where a load's data
     checksums are not: a wrong row would read wrong bytes)."""
+    if not files:
+        return {}
     reads = []
     for f in files:
         entry = TensorEntry(f"(index of rank {f.rank})", "bytes", "uint8", (f.nbytes,),
