@@ -168,8 +168,9 @@ def _nbytes(tensor: RegularTensor, chunk: Chunk) -> int:
     return chunk.numel * DTYPE_ITEMSIZE[tensor.dtype]
 
 
-def _check(record: Manifest, rank: int) -> Check:
-    name = next((i.name for i in record.indexes if i.rank == rank), "(none)")
+def _check(record: Manifest, rank: int, index: IndexFile | None = None) -> Check:
+    """The errors about rank ``rank``'s index file (``index``, when the manifest lists it)."""
+    name = "(none listed)" if index is None else index.name
     return Check(f"index file {name} of rank {rank} (save {record.save_id})")
 
 
@@ -188,7 +189,7 @@ def _rows(record: Manifest, needed: Mapping[int, list[tuple[RegularTensor, Chunk
     tensors = {r.key: r for r in record.regular}
     out: dict[int, list[regular.IndexRow]] = {}
     for rank, chunks in needed.items():
-        c = _check(record, rank)
+        c = _check(record, rank, files[rank])
         rows = {row.key: row for row in regular.decode_index(data[rank], c, record.save_id, rank,
                                                               tensors)}
         absent = [(t.key, chunk) for t, chunk in chunks if t.key not in rows]
@@ -220,6 +221,6 @@ def _read_files(record: Manifest, files: list[IndexFile], read: ReadFn) -> dict[
         hasher = new_hasher(record.checksum_algorithm)
         hasher.update(data)
         if hasher.hexdigest() != f.checksum:
-            raise _check(record, f.rank).fail("its bytes do not match its checksum")
+            raise _check(record, f.rank, f).fail("its bytes do not match its checksum")
         out[f.rank] = data
     return out
