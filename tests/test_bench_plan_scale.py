@@ -8,7 +8,6 @@ import json
 from ckptio import cli
 from ckptio.format import manifest
 from benchmarks import plan_scale
-from ckptio.format.types import Chunk
 
 
 def test_layout_regions_tile_each_tensor():

@@ -225,3 +225,34 @@ print(rows)
     every = sum(1 for r in record.regular
                 for _ in resolve.overlapping(record.grids[r.grid], r, None))
     assert int(out.stdout) == every > 0
+
+
+def test_hostile_index_bytes_raise_only_manifest_errors():
+    """Flipped bytes, cuts, a header nested past json's recursion, a key column naming one
+    tensor twice: decode_index returns rows or raises ManifestError, nothing else."""
+    import random
+
+    tensors = {k: RegularTensor(k, "float32", (64,), 0) for k in ("a", "b", "c")}
+    rows = [regular.IndexRow(k, f"data-f{i % 2}", 256 * i, f"{i:016x}", ("0" * 16,) * i)
+            for i, k in enumerate(tensors)]
+    good = regular.encode_index("s", 5, rows)
+    assert regular.decode_index(good, Check("x"), "s", 5, tensors) == rows
+    start = good.index(b"\n") + 1
+    twice = good[:start] + bytes(4) * 2 + good[start + 8:]  # rows 0 and 1 both name "a"
+    cases = [twice, b"[" * 100_000 + b"\n", good[:-1], good + b"0", b""]
+    rng = random.Random(16)
+    for _ in range(500):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        cases.append(bytes(data[:rng.choice([len(data), rng.randrange(len(data))])]))
+    refused = 0
+    for data in cases:
+        try:
+            regular.decode_index(data, Check("x"), "s", 5, tensors)
+        except ManifestError:
+            refused += 1
+    assert refused > 400
+    for data in cases[:5]:
+        with pytest.raises(ManifestError):
+            regular.decode_index(data, Check("x"), "s", 5, tensors)

@@ -53,7 +53,6 @@ __all__ = ["INDEX_MAGIC", "IndexRow", "check_rows", "decode_index", "encode_inde
 
 INDEX_MAGIC = "ckptio-index"
 INDEX_VERSION = 1
-_MAX_HEADER = 1 << 20  # bytes of an index file's header line (its file names), at most
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ def decode_index(data: bytes, c: Check, save_id: str, rank: int,
                  tensors: Mapping[str, RegularTensor]) -> list[IndexRow]:
     """The rows of rank ``rank``'s index file of save ``save_id``, each of one of the
     manifest's regular ``tensors``, none twice; ``c`` names the file in every ManifestError."""
-    newline = data.find(b"\n", 0, _MAX_HEADER)
+    newline = data.find(b"\n")
     header = _header(c, data[:newline] if newline > 0 else b"", save_id, rank)
     count, digits, nblocks = (c.int(header.get(f), f"index {f}")
                               for f in ("count", "digits", "nblocks"))
@@ -184,9 +183,9 @@ def decode_index(data: bytes, c: Check, save_id: str, rank: int,
         at = end
     text = data[at:].decode("ascii", errors="replace")
     if sum(nblock) != nblocks or (count and max(file) >= len(files)) or (
-            count and max(key) >= len(keys)):
-        raise c.fail("a row names a file or tensor that does not exist, or more block "
-                     "checksums than the file holds")
+            count and max(key) >= len(keys)) or len(set(key)) != count:
+        raise c.fail("a row names a file or tensor that does not exist, or a tensor another "
+                     "row names, or more block checksums than the file holds")
     checksums = [checksum_of(c, text[i * digits:(i + 1) * digits], "index row")
                  for i in range(count)]
     blocks = iter([checksum_of(c, text[i:i + digits], "index block")
@@ -198,7 +197,7 @@ def decode_index(data: bytes, c: Check, save_id: str, rank: int,
 def _header(c: Check, line: bytes, save_id: str, rank: int) -> dict[str, Any]:
     try:
         header = json.loads(line) if line else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json recurses
         header = None
     if not isinstance(header, dict) or header.get("magic") != INDEX_MAGIC:
         raise c.fail("it is not a ckptio index file (bad header line)")
