@@ -485,13 +485,14 @@ class Checkpointer:
         read = self._reads_of(store, record, verify)
         record = expand_torch_save(record, read, where=store.location, allow_pickle=allow_pickle)
         where = {"rank": rank, "world_size": world_size, "per_rank_from": per_rank_from}
-        if state is None:
-            record = regular.expand(record, {r.key: None for r in record.regular if
-                                             selector(keys)(r.key)}, self._plain_read(store))
+        select = selector(keys)
+        if state is None:  # whole tensors: every chunk of the regular keys asked for
+            record = regular.expand(record, {r.key: None for r in record.regular
+                                             if select(r.key)}, self._plain_read(store))
             return fill_fresh(record, read, keys=keys, allow_pickle=allow_pickle, **where)
         flat = flatten(state)
         if record.regular:  # only the chunks this state's regions need, and their index files
-            record = regular.expand(record, regular.wanted_in_place(record, flat, selector(keys)),
+            record = regular.expand(record, regular.wanted_in_place(record, flat, select),
                                     self._plain_read(store))
         return fill_in_place(record, flat, read, keys=keys, strict=strict, cast=cast,
                              allow_pickle=allow_pickle, agree_unexpected=key_step, **where)
