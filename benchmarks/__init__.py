@@ -17,9 +17,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "worker_env"]
+__all__ = ["REPO_ROOT", "shown_path", "worker_env"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout holding benchmarks/ and ckptio/
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a report header names it: relative to the checkout when it lies inside it (a
+    table's header then reads the same on every machine), else absolute."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(REPO_ROOT)) or "."
+    except ValueError:
+        return str(resolved)
 
 
 def worker_env() -> dict[str, str]:

@@ -67,6 +67,7 @@ from ckptio.format.types import (
     RegularTensor,
     TensorEntry,
     WriteItem,
+    Written,
 )
 from ckptio.loading.regular import expand, overlapping
 from ckptio.planning.globalplan import RankPlan
@@ -304,7 +305,7 @@ class Commit:
     results: list[bytes]
     stored: dict[str, bytes]  # index file name -> content
     need: set[int]
-    parts0: tuple[Any, ...]  # rank 0's (entries, files, index file)
+    parts0: Written  # rank 0's entries, files and index file
     rows0: list[IndexRow]
 
     def build_manifest(self) -> bytes:
@@ -328,7 +329,7 @@ def simulate_commit(decision: collective.Decision, regular: Regular) -> Commit:
                                             grid.chunk(t.shape, grid.coordinate(0)))}
     reports = [_report(p, assigned[p.rank], regular, save_id, stored, p.rank in need)
                for p in plans]
-    results = [wire.encode_result(*parts, None) for parts, _rows in reports]
+    results = [wire.encode_result(parts) for parts, _rows in reports]
     return Commit(agreement, assigned, results, stored, need, *reports[0])
 
 
@@ -343,7 +344,7 @@ def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
     save_id = commit.agreement.save_id
     on()
     index_s, _ = median_time(lambda: encode_index(save_id, 0, commit.rows0), reps)
-    result_s, _ = median_time(lambda: wire.encode_result(*commit.parts0, None), reps)
+    result_s, _ = median_time(lambda: wire.encode_result(commit.parts0), reps)
     manifest_s, blob = median_time(commit.build_manifest, reps)
     load_s, record = median_time(lambda: load_metadata(blob, commit.stored, rank=0), reps)
     off()
@@ -359,7 +360,7 @@ def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
 
 
 def _report(plan: RankPlan, assigned: dict[int, WriteItem], regular: Regular, save_id: str,
-            stored: dict[str, bytes], needed: bool) -> tuple[tuple[Any, ...], list[IndexRow]]:
+            stored: dict[str, bytes], needed: bool) -> tuple[Written, list[IndexRow]]:
     """Rank ``plan.rank``'s result (entries, files, index file) and index rows; the rows and
     the index file's content (in ``stored``) only where rank 0's load reads them (``needed``:
     its own, and the writers of the replicated tensors in its dp group)."""
@@ -377,7 +378,7 @@ def _report(plan: RankPlan, assigned: dict[int, WriteItem], regular: Regular, sa
     infos = [*infos, FileInfo(name, 4096 if not writes else len(stored[name]), plan.rank)]
     if not writes:  # the data file holds the rank's chunks: its size as if they were written
         infos[0] = FileInfo(infos[0].name, 1 << 40, plan.rank)
-    return ({i: e for i, e in entries.items() if i not in writes}, infos, index), rows
+    return Written({i: e for i, e in entries.items() if i not in writes}, tuple(infos), index), rows
 
 
 def load_metadata(blob: bytes, stored: dict[str, bytes], rank: int) -> Manifest:

@@ -12,6 +12,8 @@ import shlex
 import time
 from typing import Any
 
+from benchmarks import shown_path
+
 Run = dict[str, Any]
 
 
@@ -130,7 +132,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
     nbytes = summary["bytes"] or 0
     lines = [
         f"## {args.ranks}-rank durable save and cold load (resharded)", "", f"`{command}`  ",
-        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
+        (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{shown_path(args.dir)}`, "
         f"{args.reps} reps, fresh gloo processes per job (OMP_NUM_THREADS=1), medians  "),
         (f"state: GPT+AdamW of state.py, S = {nbytes:,} bytes ({summary['tensors']} tensor leaves), "
         f"d_model {cfg.d_model}, {cfg.n_layers} blocks, vocab {cfg.vocab}; 2+-dim tensors DTensor "

@@ -9,9 +9,13 @@ size) cell writes S bytes as one multipart upload, then, after a restart, reads 
 ranged GETs; the best cell is the ceiling, write and read separately. ckptio_best runs with the
 best cell's concurrency of the same repetition.
 
-    benchmarks/s3_setup.sh                                  # the peers' venv (once)
-    flock /tmp/bench.lock python -m benchmarks.s3 --gb 1 --reps 3 \
-        --json docs/results/s3.json --markdown docs/results/s3.md
+    benchmarks/s3_setup.sh                      # the peers' venv, once (.venv/peers/dcp-s3)
+    .venv/bin/python -m benchmarks.s3 --gb 1 --reps 3 \
+        --json docs/results/s3/s3.json --markdown docs/results/s3/s3.md
+
+Run from the checkout's root, nothing else running. The server's data lives in the checkout's
+bench-data/s3 (git-ignored; on the disk under test, as the other benchmarks' bench-data) unless
+--dir names another place.
 
 Owns: the protocol (servers, order, fresh processes), spawning workers in the right venv.
 Does not own: engines and the timed phase (s3_peers.py), the raw sweep (s3_ceiling.py), the
@@ -30,12 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import REPO_ROOT, worker_env
+from benchmarks import REPO_ROOT, shown_path, worker_env
 from benchmarks import s3_report as report
 from benchmarks.s3_peers import MAIN, engine
 
 Run = dict[str, Any]
-PEER_PYTHON = Path("/work/bench-venvs/dcp-s3/bin/python")
+PEER_PYTHON = REPO_ROOT / ".venv" / "peers" / "dcp-s3" / "bin" / "python"  # s3_setup.sh's default
+DATA_DIR = REPO_ROOT / "bench-data" / "s3"
 DEFAULT_ENGINES = "ckptio,ckptio_best,dcp_fsspec_t1,dcp_fsspec_t8,dcp_s3tc_t1,torchsnapshot"
 
 
@@ -43,8 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.s3", description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, default=1.0, help="state size in GB (1e9 bytes); default 1")
     p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
-    p.add_argument("--dir", type=Path, default=Path("/work/bench-s3"),
-                   help="the server's data directory, on the disk under test (emptied)")
+    p.add_argument("--dir", type=Path, default=DATA_DIR,
+                   help="the server's data directory, on the disk under test (emptied, then "
+                   f"removed; default {shown_path(DATA_DIR)} in this checkout)")
     p.add_argument("--engines", default=DEFAULT_ENGINES,
                    help=f"comma list (default {DEFAULT_ENGINES}); also ckptio[field=value;...]")
     p.add_argument("--concurrency", default="4,8,16,32", help="raw sweep: requests in flight")
@@ -56,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--direct-read", action="store_true",
                    help="also read every cell through http.client's readinto (experiment)")
     p.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
-                   help=f"python of the peers' venv (default {PEER_PYTHON}; benchmarks/s3_setup.sh)")
+                   help=f"python of the peers' venv (default {shown_path(PEER_PYTHON)} in this "
+                   "checkout, made by benchmarks/s3_setup.sh)")
     p.add_argument("--idle", type=float, default=2.0, help="idle seconds before each timed phase")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per worker")

@@ -4,12 +4,13 @@ s3torchconnectorclient (AWS's Mountpoint CRT client), raw, on one server, same b
 
 Runs in its own venv (obstore and s3torchconnectorclient are not ckptio dependencies; this file
 imports nothing from ckptio, so no torch is needed), against a running server given by the
-standard AWS_* variables (endpoint, keys, region):
+standard AWS_* variables (endpoint, keys, region). From the checkout's root (the venv goes under
+its git-ignored .venv/):
 
-    python3 -m venv /tmp/clients-venv
-    /tmp/clients-venv/bin/pip install boto3 obstore s3torchconnectorclient
+    python3 -m venv .venv/peers/clients
+    .venv/peers/clients/bin/pip install boto3 obstore s3torchconnectorclient
     AWS_ENDPOINT_URL=http://127.0.0.1:18333 AWS_ACCESS_KEY_ID=k AWS_SECRET_ACCESS_KEY=s \\
-      AWS_REGION=us-east-1 /tmp/clients-venv/bin/python benchmarks/s3_clients.py --gb 1 --reps 3
+      AWS_REGION=us-east-1 .venv/peers/clients/bin/python benchmarks/s3_clients.py --gb 1 --reps 3
 
 Per client: write (N objects of --object-mib, parts/chunks of --part-mib, --concurrency
 requests in flight) and read back (ranged GETs of --part-mib into preallocated memory), GB/s

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import shown_path
+
 Run = dict[str, Any]
 CEILING = "ceiling"
 TARGET_PCT = 85.0
@@ -338,8 +340,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str],
         (f"{machine['date']}; {machine['nproc']} CPUs ({machine['cpu']}), "
          f"{machine['mem_gib']:.0f} GiB, kernel {machine['kernel']}; client and `weed mini` "
          "share these CPUs  "),
-        (f"server: {machine['weed']}, data on `{args.dir}` (local disk), fresh and empty per "
-         "(engine, rep), restarted + page cache dropped before every load  "),
+        (f"server: {machine['weed']}, data on `{shown_path(args.dir)}` (local disk), fresh and "
+         "empty per (engine, rep), restarted + page cache dropped before every load  "),
         f"main venv: {machine['main_venv']}; peer venv: {machine['peer_venv']}  ",
         (f"state: GPT + AdamW, S = {nbytes:,} bytes; {args.reps} reps, medians (min-max); "
          "one fresh process per save and per load; GB = 1e9 bytes"), "",

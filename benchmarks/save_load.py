@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import worker_env
+from benchmarks import shown_path, worker_env
 
 Run = dict[str, Any]
 CEILING = "ceiling"
@@ -379,7 +379,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str],
     command = shlex.join(["python", "-m", "benchmarks.save_load", *argv])
     lines = [
         "## Durable save and cold load", "", f"`{command}`  ",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{args.dir.resolve()}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, dir `{shown_path(args.dir)}`, "
         f"{args.reps} reps, one fresh process each; medians. 1st save: the first save in the "
         "process (allocations, thread pools); save: a second save in the same process, what a "
         "training job pays every time; RSS+ save spans both  ",

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import shown_path
+
 Run = dict[str, Any]
 BASELINE = "none"
 EAGER_X_MEMCPY = 1.5  # issue 15: eager T_block <= 1.5 x the state's memcpy time
@@ -179,7 +181,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, command: str) ->
     lines = [
         "## Checkpointing during training", "", f"`{command}`  ",
         f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"dir `{args.dir.resolve()}`, {args.reps} reps, one fresh process per engine and rep; "
+        f"dir `{shown_path(args.dir)}`, {args.reps} reps, one fresh process per engine and rep; "
         "medians over reps  ",
         f"model: GPT d_model {m.get('d_model')}, {m.get('layers')} blocks, vocab {m.get('vocab')}, "
         f"{m.get('params', 0) / 1e6:.1f} M params, fused AdamW; S = {s:,} bytes; {args.steps} steps "

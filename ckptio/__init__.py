@@ -14,9 +14,9 @@ may change without notice (tests/test_layers.py pins this list and the layer ord
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
+
+from ckptio.version import __version__
 
 if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see them here)
     from ckptio.api import AsyncSaveResult, Checkpointer, LoadReport, SaveHandle, SaveResult
@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.rng import RNGState
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
+    from ckptio.storage.select import register_store
 
 __all__ = [
     "AsyncSaveResult",
@@ -74,6 +75,7 @@ __all__ = [
     "async_save",
     "export_hf",
     "load",
+    "register_store",
     "save",
     "verify",
 ]
@@ -88,7 +90,7 @@ _HOME = {
     "RNGState": "ckptio.rng", "CheckpointManager": "ckptio.manager",
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
-    "export_hf": "ckptio.export",
+    "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

@@ -139,9 +139,10 @@ class Options:
         if not self.s3_retry_deadline_s >= 0:
             raise CkptError(f"Options.s3_retry_deadline_s={self.s3_retry_deadline_s}: must be "
                             ">= 0 seconds")
-        if not self.s3_lock_lease_s > 0:
-            raise CkptError(f"Options.s3_lock_lease_s={self.s3_lock_lease_s}: must be > 0 "
-                            "seconds")
+        if not self.s3_lock_lease_s >= 2:  # a lock's age comes from 1-second HTTP dates
+            raise CkptError(f"Options.s3_lock_lease_s={self.s3_lock_lease_s}: must be >= 2 "
+                            "seconds (the store dates a lock to the second, so a shorter lease "
+                            "could let a waiter take a live holder's lock)")
         if self.s3_conditional not in ("require", "off"):
             raise CkptError(f"Options.s3_conditional={self.s3_conditional!r}: use 'require' or "
                             "'off'")

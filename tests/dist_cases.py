@@ -3,7 +3,9 @@
 Layouts build a state leaf holding part of a reference tensor: "full" (a plain tensor),
 "shard0" / "shard1" / "replicate" (DTensor on a 1-D mesh), "mesh2d" (DTensor on a 2 x W/2 mesh,
 Shard(0) x Shard(1)), "flat" / "flat2" (FlatShard slices cut off row boundaries, unevenly,
-some empty), "box" (TensorShard row blocks of uneven height).
+some empty), "box" (TensorShard row blocks of uneven height). ``save_layout`` / ``load_layout``
+also move SPECIALS between ranks (NaN payloads, -0.0, subnormals, float8, complex64, bool:
+tests/special_values.py), compared byte for byte.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 import ckptio
+from special_values import bits_equal, rand, specials
 
 # a small pool: each rank would otherwise allocate and pre-fault the default 256 MiB
 SMALL = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
@@ -29,6 +32,18 @@ def reference(name: str) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
     return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+# every bit pattern: NaN payloads, -0.0, infinities and subnormals first (special_values.py)
+SPECIALS = {"nan32": ((9, 4), torch.float32), "nan16": ((5, 6), torch.float16),
+            "nanbf": ((7, 3), torch.bfloat16), "e4m3": ((10, 3), torch.float8_e4m3fn),
+            "e5m2": ((11,), torch.float8_e5m2), "cplx": ((6, 5), torch.complex64),
+            "flag": ((13, 2), torch.bool)}
+
+
+def special_reference(name: str) -> torch.Tensor:
+    shape, dtype = SPECIALS[name]
+    return specials(dtype, shape, seed=sum(map(ord, name)))
 
 
 def _cuts(n: int, world: int, skew: float) -> list[int]:
@@ -79,6 +94,41 @@ def leaf(layout: str, full: torch.Tensor, rank: int, world: int) -> Any:
     raise ValueError(layout)
 
 
+def _local_dtensor(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
+    """The DTensor ``distribute_tensor`` would make, built from this rank's piece alone (gloo
+    cannot scatter float8)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].clone()
+    return DTensor.from_local(piece, mesh, placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def special_leaf(layout: str, full: torch.Tensor, rank: int, world: int) -> Any:
+    """``leaf``, with DTensors built without collectives."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if layout in ("shard0", "shard1", "replicate"):
+        dim = 1 if layout == "shard1" and full.dim() > 1 else 0
+        placement = Replicate() if layout == "replicate" else Shard(dim)
+        return _local_dtensor(full, _mesh(world, False), [placement])
+    if layout == "mesh2d":
+        second = Shard(1) if full.dim() > 1 else Replicate()
+        return _local_dtensor(full, _mesh(world, True), [Shard(0), second])
+    return leaf(layout, full, rank, world)
+
+
+def specials_for(layout: str, rank: int, world: int, blank: bool = False) -> dict[str, Any]:
+    """SPECIALS laid out as ``layout``; ``blank``: other bits of the same dtypes and shapes."""
+    out = {}
+    for name, (shape, dtype) in SPECIALS.items():
+        full = rand(dtype, shape, seed=99) if blank else special_reference(name)
+        out[name] = special_leaf(layout, full, rank, world)
+    return out
+
+
 def local(value: Any) -> torch.Tensor:
     if isinstance(value, (ckptio.TensorShard, ckptio.FlatShard)):
         return value.local
@@ -96,18 +146,21 @@ def state_for(layout: str, rank: int, world: int, zeros: bool = False) -> dict[s
 
 
 def save_layout(rank: int, world: int, path: str, layout: str) -> None:
-    ckptio.save({"model": state_for(layout, rank, world), "step": 5}, path, options=SMALL)
+    ckptio.save({"model": state_for(layout, rank, world), "special": specials_for(layout, rank, world),
+                 "step": 5}, path, options=SMALL)
 
 
 def load_layout(rank: int, world: int, path: str, layout: str) -> int:
-    """Load into ``layout`` and compare every rank's part bitwise with the reference."""
-    state = {"model": state_for(layout, rank, world, zeros=True), "step": 0}
+    """Load into ``layout`` and compare every rank's part byte for byte with the reference."""
+    state = {"model": state_for(layout, rank, world, zeros=True),
+             "special": specials_for(layout, rank, world, blank=True), "step": 0}
     report = ckptio.load(path, state, options=SMALL)
-    for name in SHAPES:
-        expected = local(leaf(layout, reference(name), rank, world))
-        got = local(state["model"][name])
-        if not torch.equal(got, expected):
-            raise AssertionError(f"rank {rank}: {name} differs after loading into {layout}")
+    wants = [("model", name, leaf(layout, reference(name), rank, world)) for name in SHAPES]
+    wants += [("special", name, special_leaf(layout, special_reference(name), rank, world))
+              for name in SPECIALS]
+    for part, name, want in wants:
+        if not bits_equal(local(state[part][name]), local(want)):
+            raise AssertionError(f"rank {rank}: {part}.{name} differs after loading into {layout}")
     if state["step"] != 5:
         raise AssertionError(f"step {state['step']}")
     return report.nbytes_read
@@ -141,6 +194,7 @@ def mixed_state(rank: int, world: int) -> dict[str, Any]:
         "r1": distribute_tensor(torch.full((64, 64), 1.5), mesh, [Replicate()]),
         "r2": distribute_tensor(torch.full((64, 64), 2.5), mesh, [Replicate()]),
         "same": torch.arange(4096, dtype=torch.float32),  # plain, equal everywhere
+        "nan_same": special_reference("nan32"),  # equal bytes everywhere, not equal by value
         "rng": torch.get_rng_state(),  # plain, different on every rank
         "mine": torch.full((3,), float(rank)),
         "step": 7,
@@ -155,6 +209,7 @@ def roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     for key in ("w", "r1", "r2"):
         local(fresh[key]).zero_()
     fresh["same"].zero_()
+    fresh["nan_same"].zero_()
     fresh["rng"] = torch.zeros_like(fresh["rng"])
     fresh["mine"].zero_()
     fresh["step"], fresh["loader"]["position"] = 0, 0
@@ -166,7 +221,7 @@ def roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
         elif isinstance(a, int):
             assert a == b, (key, a, b)
         else:
-            assert torch.equal(local(a), local(b)), key
+            assert bits_equal(local(a), local(b)), key
     with open(os.path.join(path, "manifest.json")) as f:
         f.readline()
         return json.loads(f.readline())
@@ -222,9 +277,9 @@ def check_reuse(rank: int, world: int, root: str) -> None:
             expected = local(leaf("shard0", reference(name), rank, world))
             for _ in range(step + 1):
                 expected = expected + 1  # as the saves did: step by step (float rounding)
-            assert torch.equal(local(state["model"][name]), expected), (step, name)
+            assert bits_equal(local(state["model"][name]), expected), (step, name)
         plain = float(rank + 10) if step == 2 else 0.0
-        assert torch.equal(state["plain"], torch.full((8,), plain)), (step, state["plain"])
+        assert bits_equal(state["plain"], torch.full((8,), plain)), (step, state["plain"])
         assert state["step"] == step
 
 
@@ -281,10 +336,10 @@ def lazy_dtensor(rank: int, world: int, path: str) -> None:
               "buf": distribute_tensor(torch.zeros(SHAPES["a"][0]), mesh, [Shard(0)]),
               "count": torch.zeros(1)}
     ck.load(path, loaded)
-    assert torch.equal(local(loaded["buf"]), local(distribute_tensor(reference("a") * 3, mesh, [Shard(0)])))
-    assert torch.equal(loaded["count"], torch.tensor([rank + 1.0]))
-    assert torch.equal(local(loaded["w"]), before["w"])
-    assert torch.equal(local(loaded["opt"]["state"][0]["momentum_buffer"]), before["m"])
+    assert bits_equal(local(loaded["buf"]), local(distribute_tensor(reference("a") * 3, mesh, [Shard(0)])))
+    assert bits_equal(loaded["count"], torch.tensor([rank + 1.0]))
+    assert bits_equal(local(loaded["w"]), before["w"])
+    assert bits_equal(local(loaded["opt"]["state"][0]["momentum_buffer"]), before["m"])
 
 
 # ------------------------------------------------------------------ errors seen on some ranks only
@@ -381,7 +436,7 @@ def manager_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             caught += [str(w.message) for w in record]
             want = _manager_state(rank, world, restored[-1])
             same.append(state["step"] == restored[-1] and all(
-                torch.equal(local(state["model"][n]), local(want["model"][n])) for n in SHAPES))
+                bits_equal(local(state["model"][n]), local(want["model"][n])) for n in SHAPES))
         # rank 0 finds damage, rank 1 a state mismatch: no rank falls back, each raises its own
         if rank == 0:
             _flip_rank_part(mgr.path(3), "model.a", writer=0)
@@ -467,7 +522,7 @@ def grid_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     fresh["step"] = 0
     ckptio.load(path, fresh, options=SMALL)
     for key in GRID_LAYOUTS:
-        assert torch.equal(local(state[key]), local(fresh[key])), key
+        assert bits_equal(local(state[key]), local(fresh[key])), key
     assert fresh["head"] is fresh["small"] and fresh["step"] == 3
     with open(os.path.join(path, "manifest.json")) as f:
         f.readline()
@@ -500,4 +555,74 @@ def regular_edges(rank: int, world: int, root: str) -> str | None:
         ckptio.Checkpointer(SMALL).save(hsdp, os.path.join(root, "d"), process_group=pair)
         out = "saved"
     dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------ placements that are not regions
+
+
+def _partial_state(rank: int, world: int) -> dict[str, Any]:
+    """A DTensor with a Partial placement (each rank holds an addend of the value)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    addend = torch.full((4, 4), float(rank + 1))
+    return {"grad": DTensor.from_local(addend, _mesh(world, False), [Partial()])}
+
+
+def _fsdp_tp_state(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 over a tensor-parallel Linear on a (1, world) dp x tp mesh: torch lays the weight
+    out as (_StridedShard(0, sf=world), Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return {"model": model.state_dict()}
+
+
+def refused_placement(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
+    """Save a state holding a placement ckptio cannot store (and a tensor it can), into
+    ``root/prev`` (which holds a checkpoint) and ``root/fresh`` (nothing yet); -> each
+    attempt's error, and the refused tensor's placements as torch names them."""
+    if kind == "partial":
+        state = _partial_state(rank, world)
+        refused = state["grad"]
+    else:
+        state = _fsdp_tp_state(rank, world)
+        refused = state["model"]["0.weight"]
+    state |= {"other": leaf("shard0", reference("a"), rank, world), "step": 9}
+    errors = {}
+    for where in ("prev", "fresh"):
+        try:
+            ckptio.save(state, os.path.join(root, where), options=SMALL)
+            errors[where] = "no error"
+        except ckptio.CkptError as exc:
+            errors[where] = f"{type(exc).__name__}: {exc}"
+    return {"errors": errors, "placements": repr(refused.placements)}
+
+
+# ------------------------------------------------------------------ per_rank_from on another world
+
+
+def next_saved_rank(rank: int) -> int:
+    """A per_rank_from function: new rank r takes saved rank (r + 1) % 2."""
+    return (rank + 1) % 2
+
+
+def per_rank_values_from(rank: int, world: int, path: str,
+                         mapping: dict[int, int]) -> dict[str, Any]:
+    """Load the per-rank values ``roundtrip`` saved on 2 ranks, in place on this world, with
+    per_rank_from a mapping, then a function; -> what each load put in place."""
+    out: dict[str, Any] = {}
+    for name, policy in (("mapping", mapping), ("function", next_saved_rank)):
+        state = {"mine": torch.zeros(3), "loader": {"position": 0}, "rng": torch.zeros_like(
+            torch.get_rng_state())}
+        ckptio.load(path, state, keys=["mine", "loader", "rng"], per_rank_from=policy,
+                    options=SMALL)
+        out[name] = {"mine": state["mine"].tolist(), "position": state["loader"]["position"],
+                     "rng": state["rng"].tolist()}
     return out

@@ -2,8 +2,9 @@
 
 The central invariant, in both modes: a value changed after the point where ckptio hands the
 state back (async_save returning in eager mode; the optimizer's step in lazy mode) never reaches
-the checkpoint. The saves are slowed down (a delaying backend, a pool smaller than the state) so
-that the writes are still running when the state changes; each test checks that they were.
+the checkpoint. The saves are held open (a backend whose writes or fsyncs wait for the test to
+let them go, a pool smaller than the state) so that the save is still running when the state
+changes, however fast or loaded the machine: no delay races the test.
 """
 
 from __future__ import annotations
@@ -12,17 +13,60 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import ckptio
+from ckptio.storage.local import LocalStore
 from ckptio import Checkpointer, CkptError, Options, StorageIOError
 from ckptio.testing.faults import inject
 
 MiB = 1 << 20
 SMALL_POOL = Options(buffer_bytes=MiB, pool_bytes=2 * MiB, io_depth=2)
+
+
+class _Gate:
+    """Holds every write (``hold="write"``) or every fsync (``hold="fsync"``: the files' closing
+    once all their bytes are written) of a Checkpointer's saves until ``open()``: the save
+    stays in flight for as long as the test needs."""
+
+    LIMIT_S = 120  # a gate nobody opens lets go after this (the test has failed by then)
+
+    def __init__(self, ck: Checkpointer, hold: str) -> None:
+        self.opened = threading.Event()
+        backend = inject(ck)  # a pass-through wrapper: its methods are held here
+        method = {"write": "submit_write", "fsync": "close"}[hold]
+        passing = getattr(backend, method)
+
+        def held(*args: object, **kwargs: object) -> object:
+            if hold == "write" or kwargs.get("sync"):
+                self.opened.wait(self.LIMIT_S)
+            return passing(*args, **kwargs)
+
+        setattr(backend, method, held)
+
+    def open(self, *_hook_args: object) -> None:
+        """Let everything through from now on (also an optimizer step pre-hook)."""
+        self.opened.set()
+
+
+@pytest.fixture
+def gate() -> Iterator[Callable[[Checkpointer, str], _Gate]]:
+    """_Gate(ck, hold) for a test; every gate is opened at teardown, so a failed test leaves no
+    save waiting."""
+    made: list[_Gate] = []
+
+    def make(ck: Checkpointer, hold: str) -> _Gate:
+        made.append(_Gate(ck, hold))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.open()
 
 
 def _state(nbytes: int = 8 * MiB, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,18 +85,19 @@ def _assert_bitwise(loaded: dict[str, torch.Tensor], expected: dict[str, torch.T
         assert torch.equal(loaded[key].view(torch.uint8), value.view(torch.uint8)), key
 
 
-def test_eager_mutation_after_return_never_leaks(tmp_path: os.PathLike[str]) -> None:
+def test_eager_mutation_after_return_never_leaks(tmp_path: os.PathLike[str], gate) -> None:
     """The state (8 MiB) is 4x the pool: async_save returns once the last byte is copied, while
-    writes are still slowed down; the state is then overwritten in place."""
+    the save is held before its fsync; the state is then overwritten in place."""
     ck = Checkpointer(SMALL_POOL)
     state = _state()
     expected = _clone(state)
-    inject(ck, delay_s=0.02)
+    fsync = gate(ck, "fsync")
     handle = ck.async_save(state, tmp_path / "ck")
     assert handle.staged()
-    assert not handle.done(), "the test must mutate while the save is still persisting"
+    assert not handle.done(), "the save must still be in flight while the state changes"
     for value in state.values():
         value.add_(1.0)
+    fsync.open()
     result = handle.wait()
     assert result.nbytes == sum(v.numel() * 4 for v in expected.values())
     assert 0 <= result.blocked_s <= result.seconds and result.persist_s > 0
@@ -99,16 +144,19 @@ def _flat_tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
     return {}
 
 
-def test_lazy_step_waits_for_capture_and_nothing_leaks(tmp_path: os.PathLike[str]) -> None:
-    """Lazy: returns before the optimizer-owned tensors are copied; a forward/backward runs
+def test_lazy_step_waits_for_capture_and_nothing_leaks(tmp_path: os.PathLike[str], gate) -> None:
+    """Lazy: returns before the optimizer-owned tensors are copied (3 MiB of them against a
+    2 MiB pool, with every write held: the capture cannot finish); a forward/backward runs
     meanwhile (BatchNorm running stats change in forward: they are not optimizer-owned, so they
-    were copied before return); the step waits; frozen parameters changed right after return
-    and everything the step changed stay out of the checkpoint."""
+    were copied before return); the writes are let go only as the step begins, so the step
+    must wait for the capture; frozen parameters changed right after return and everything the
+    step changed stay out of the checkpoint."""
     model, opt, frozen = _model_and_optimizer()
     ck = Checkpointer(SMALL_POOL)
     expected = _flat_tensors({k: v for k, v in _full_state(model, opt, frozen).items()})
     expected = {k: v.clone() for k, v in expected.items()}
-    inject(ck, delay_s=0.01)
+    writes = gate(ck, "write")
+    opt.register_step_pre_hook(writes.open)  # before the save's own hook: runs first
     handle = ck.async_save(_full_state(model, opt, frozen), tmp_path / "ck", lazy=True, optimizers=[opt])
     assert not handle.staged(), "lazy capture finished before return: the test proves nothing"
     with torch.no_grad():
@@ -126,14 +174,15 @@ def test_lazy_step_waits_for_capture_and_nothing_leaks(tmp_path: os.PathLike[str
     ck.close()
 
 
-def test_lazy_with_two_optimizers(tmp_path: os.PathLike[str]) -> None:
+def test_lazy_with_two_optimizers(tmp_path: os.PathLike[str], gate) -> None:
     torch.manual_seed(1)
     a, b = torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=1.0), torch.optim.Adam(b.parameters(), lr=1.0)
     state = {"a": a.state_dict(), "b": b.state_dict()}
     expected = {k: v.clone() for k, v in _flat_tensors(state).items()}
     ck = Checkpointer(SMALL_POOL)
-    inject(ck, delay_s=0.02)
+    writes = gate(ck, "write")  # 8 MiB against a 2 MiB pool: the capture waits for them
+    opt_b.register_step_pre_hook(writes.open)  # let go as the first step begins
     handle = ck.async_save(state, tmp_path / "ck", lazy=True, optimizers=[opt_a, opt_b])
     assert not handle.staged()
     for model, opt in ((b, opt_b), (a, opt_a)):  # the second optimizer steps first
@@ -179,16 +228,18 @@ def test_unwaited_failure_is_raised_by_the_next_save_once(tmp_path: os.PathLike[
     ck.close()
 
 
-def test_second_save_waits_or_skips(tmp_path: os.PathLike[str]) -> None:
+def test_second_save_waits_or_skips(tmp_path: os.PathLike[str], gate) -> None:
     ck = Checkpointer(SMALL_POOL)
-    inject(ck, delay_s=0.02)
-    first = ck.async_save(_state(seed=1), tmp_path / "a")
+    fsync = gate(ck, "fsync")
+    first = ck.async_save(_state(seed=1), tmp_path / "a")  # in flight until the gate opens
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         skipped = ck.async_save(_state(seed=2), tmp_path / "b", if_busy="skip")
     assert skipped.done() and skipped.wait().skipped
     assert any("skipped" in str(w.message) for w in caught)
     assert not os.path.exists(tmp_path / "b" / "manifest.json")
+    assert not first.done()
+    fsync.open()
     second = ck.async_save(_state(seed=3), tmp_path / "c")  # default: waits for the first
     assert first.done()
     second.wait()
@@ -252,7 +303,8 @@ def rss():
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=64 << 20))
 before = rss()
 ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))  # creates the pool
-for _ in range(100):  # faulted in the background, buffer by buffer, while the save runs
+give_up = time.monotonic() + 60  # only so that a pool never faulted in fails the test
+while time.monotonic() < give_up:  # faulted in the background, buffer by buffer
     after = rss()
     if after - before >= 60 << 20:
         break
@@ -351,7 +403,7 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
     assert not os.path.exists(tmp_path / "a" / "manifest.json")
     ck.save(_state(seed=2), tmp_path / "b")
     _assert_bitwise(ckptio.load(tmp_path / "b"), _state(seed=2))
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.idle()
     ck.close()
 
@@ -365,7 +417,7 @@ def test_exit_while_the_pool_is_still_faulting_in(tmp_path: os.PathLike[str]) ->
 import os, sys, torch, ckptio
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30))
 ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))
-assert ck._pool._faulter.is_alive(), "the pool was faulted before exit: nothing is tested"
+assert ck.staging().pool._faulter.is_alive(), "the pool was faulted before exit: nothing is tested"
 """
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,

@@ -1,7 +1,8 @@
 """The ``ckptio`` command as users type it (subprocesses of ``python -m ckptio`` importing this
 checkout): ls (text, --json schema ckptio.ls/1, --depth), diff (exit codes, checksum and --data
-paths), verify, convert (a DCP directory saved by torch.distributed.checkpoint), export's
-arguments, one-line errors, a closed pipe, progress bars on a terminal only, and that ls and
+paths), verify, convert (a DCP directory saved by torch.distributed.checkpoint, a torch.save
+file), export (its arguments; a transformers model's state for real, read back by safetensors),
+one-line errors, a closed pipe, progress bars on a terminal only, and that ls and
 diff on ckptio checkpoints never import torch. docs/CLI.md documents what is checked here.
 """
 
@@ -27,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio import cli
 from ckptio.cli import commands
+from conftest import ALL_DTYPES, assert_same
+from special_values import bits_equal, specials
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -308,9 +311,9 @@ def test_convert_a_dcp_directory_then_verify_and_load_bitwise(tmp_path: Path):
 
 def test_verify_with_progress_reads_in_batches_and_still_finds_damage(monkeypatch,
                                                                       tmp_path: Path):
-    from ckptio import api
+    from ckptio.loading import session as load_session
 
-    monkeypatch.setattr(api, "VERIFY_BATCH_NBYTES", 64 << 10)  # 64 KiB batches
+    monkeypatch.setattr(load_session, "VERIFY_BATCH_NBYTES", 64 << 10)  # 64 KiB batches
     state = {f"t{i}": torch.full((16 << 10,), float(i)) for i in range(6)}  # 64 KiB each
     ckptio.save(state, tmp_path / "c")
     checkpointer = ckptio.Checkpointer()
@@ -396,6 +399,77 @@ def test_export_names_a_missing_dependency(monkeypatch, saved: Path, tmp_path: P
     assert cli.main(["export", str(saved), str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.strip() == "ckptio: error: ckptio export needs the package " \
         "safetensors (No module named 'safetensors'); install it (pip install safetensors)"
+
+
+def _safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export, read by the safetensors library through its index."""
+    from safetensors.torch import load_file
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        part = load_file(path / name)
+        assert {k for k, v in index["weight_map"].items() if v == name} == set(part), name
+        out.update(part)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in out.values())
+    return out
+
+
+def test_export_a_transformers_model_from_the_command_line(tmp_path: Path):
+    """``ckptio export`` for real: a small GPT-2's state saved with ckptio, exported in
+    shards with its config, read back by safetensors bit for bit (the lm_head tied to the
+    embedding is left out, as Hugging Face writes it), and converted with --dtype bf16."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    torch.manual_seed(3)
+    config = transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ckptio.save({"model": model.state_dict(), "step": 7}, tmp_path / "ck")
+    model.config.save_pretrained(tmp_path / "cfg")
+    done = ckptio_cmd("export", str(tmp_path / "ck"), str(tmp_path / "hf"),
+                      "--max-shard-size", "40KB", "--copy-from", str(tmp_path / "cfg"))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "tied alias(es) left out" in done.stdout and "lm_head.weight" in done.stdout
+    exported = _safetensors_dir(tmp_path / "hf")
+    assert len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+                   ["weight_map"].values())) > 1  # really sharded
+    assert sorted(exported) == sorted(k for k in weights if k != "lm_head.weight")
+    for key, tensor in exported.items():
+        assert bits_equal(tensor, weights[key]), key
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_embd"] == 32
+    bf16 = ckptio_cmd("export", str(tmp_path / "ck"), str(tmp_path / "bf16"), "--dtype", "bf16")
+    assert bf16.returncode == 0, bf16.stderr
+    from safetensors.torch import load_file
+
+    converted = load_file(tmp_path / "bf16" / "model.safetensors")  # one file: all fit
+    assert sorted(converted) == sorted(exported)
+    for key, tensor in converted.items():
+        assert bits_equal(tensor, weights[key].to(torch.bfloat16)), key
+
+
+def test_convert_a_torch_save_file_bitwise(tmp_path: Path):
+    """``ckptio convert model.pt DST``: every tensor (NaN payloads, -0.0, subnormals, float8,
+    complex, bool), tied weights and plain values as torch.save stored them; the original file
+    is untouched."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    tied = specials(torch.float32, (6, 7), seed=1)
+    state = {"model": dict(model.state_dict()), "step": 11, "names": ["a", "b"], "lr": -0.0,
+             "special": {str(d).removeprefix("torch."): specials(d, (5, 9), seed=n)
+                         for n, d in enumerate(ALL_DTYPES)},
+             "tied": tied, "tied_again": tied, "big": specials(torch.float32, (300, 500), seed=2)}
+    source = tmp_path / "model.pt"
+    torch.save(state, source)
+    before = source.read_bytes()
+    done = ckptio_cmd("convert", str(source), str(tmp_path / "c"))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert source.read_bytes() == before
+    got = ckptio.load(tmp_path / "c")
+    assert_same(got, torch.load(source, weights_only=True))
+    assert got["tied_again"] is got["tied"]  # stored once, loaded as one tensor
+    assert ckptio_cmd("verify", str(tmp_path / "c")).returncode == 0
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [("5GB", 5 * 10**9), ("500MB", 500 * 10**6),
@@ -500,6 +574,6 @@ def test_reading_a_committed_manifest_takes_no_staging_pool(saved: Path) -> None
     checkpointer = ckptio.Checkpointer(ckptio.Options())
     try:
         record = checkpointer.manifest(saved)
-        assert record.tensors and checkpointer._pool is None
+        assert record.tensors and checkpointer.staging().pool is None
     finally:
         checkpointer.close()

@@ -39,6 +39,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.storage.local import LocalStore
 from ckptio import (CheckpointNotFoundError, Checkpointer, IncompleteCheckpointError, Options, StorageIOError)
 from ckptio.testing.faults import FaultyBackend, inject
 
@@ -282,7 +283,7 @@ def test_failing_save_commits_nothing(committed, b_profile, fault):
 
     assert _manifest_bytes(path) == manifest_a, "the failed save changed the committed manifest"
     assert _listing(path) == listing_a, "the failed save left files behind (or removed A's)"
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.idle(), "a staging buffer was not handed back after the failure"
     assert not faulty.open_handles, f"file handles left open: {list(faulty.open_handles)}"
     assert_same(ck.load(path), state_a())
@@ -301,7 +302,7 @@ def test_failing_save_raise_in_submit_of_last_write_of_a_file(tmp_path, b_profil
         ck.save(state_b(), path)
     assert faulty.injected
     assert _manifest_bytes(path) == manifest_a and _listing(path) == listing_a
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.idle(), "the buffer of the failed submit was never handed back"
 
 
@@ -329,7 +330,7 @@ def test_failing_load_releases_everything(committed, fault):
         ck.load(path)
     assert faulty.injected
     assert faulty.injected[0].split(" ", 2)[2] in str(info.value)
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.idle() and not faulty.open_handles
     assert_same(ck.load(path), state_a())
 
@@ -340,7 +341,7 @@ def test_failing_open_on_load_releases_buffers(tmp_path):
     with pytest.raises(StorageIOError) as info:
         ck.load(path)
     assert faulty.injected and faulty.injected[0].split(" ", 2)[2] in str(info.value)
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.idle(), "the buffer taken for the first read was not handed back"
 
 
@@ -376,10 +377,9 @@ class _Watching(FaultyBackend):
 @pytest.mark.parametrize("fail", [False, True])
 def test_old_checkpoint_whole_until_new_commit(committed, b_profile, fail):
     ck, path, manifest_a, listing_a = committed
-    _pool, real = ck._resources()
-    watcher = _Watching(real, path, manifest_a, {n for n in listing_a if n.startswith("data-")},
-                        fail_close=b_profile["nfiles"] if fail else None)
-    ck._backend = watcher
+    watcher = ck.staging().wrap_backend(LocalStore("."), lambda real: _Watching(
+        real, path, manifest_a, {n for n in listing_a if n.startswith("data-")},
+        fail_close=b_profile["nfiles"] if fail else None))
     watcher.active = True
     if fail:  # the very last step before the commit (fsync of the last data file) fails
         with pytest.raises(StorageIOError):
@@ -447,7 +447,6 @@ def test_manifest_is_the_last_file_written(tmp_path):
     """While data is still being written no manifest.json exists in a new directory."""
     ck = Checkpointer(FAULT_OPTIONS)
     path = tmp_path / "ckpt"
-    _pool, real = ck._resources()
     seen: list[bool] = []
 
     class Look(FaultyBackend):
@@ -459,7 +458,7 @@ def test_manifest_is_the_last_file_written(tmp_path):
             seen.append(os.path.exists(os.path.join(path, "manifest.json")))
             return super().close(fh, sync=sync)
 
-    ck._backend = Look(real)
+    ck.staging().wrap_backend(LocalStore("."), Look)
     try:
         ck.save(state_b(), path)
     finally:

@@ -91,6 +91,7 @@ while True:
 HOLDER = r"""
 import os, sys, time, torch, ckptio
 from ckptio.testing.faults import FaultyBackend
+from ckptio.storage.local import LocalStore
 path, release = sys.argv[1], sys.argv[2]
 exec(sys.argv[3])
 
@@ -107,8 +108,7 @@ class Stall(FaultyBackend):
 
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20))
 ck.save(state(1), path)
-_pool, backend = ck._resources()
-ck._backend = Stall(backend)
+ck.staging().wrap_backend(LocalStore("."), Stall)
 ck.save(state(2), path)
 ck.close()
 print("saved", flush=True)
@@ -399,8 +399,7 @@ def test_two_checkpointers_of_one_process_exclude_each_other(tmp_path):
     reached, go = threading.Event(), threading.Event()
     outcome: list = []
     try:
-        _pool, backend = holder._resources()
-        holder._backend = _Gate(backend, reached, go)
+        holder.staging().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(holder, state(1), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)
@@ -431,8 +430,7 @@ def test_unhonoured_lock_commit_check_keeps_the_other_checkpoint(tmp_path, monke
     try:
         slow.save(state(1), path)
         assert "has no file locks" in caplog.text
-        _pool, backend = slow._resources()
-        slow._backend = _Gate(backend, reached, go)
+        slow.staging().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(slow, state(2), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.storage.local import LocalStore
 from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, Options)
 
 MiB = 1 << 20
@@ -90,7 +91,7 @@ def saved(tmp_path, ck):
 
 
 def _pool_idle(ck: Checkpointer) -> bool:
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     return pool.idle()
 
 

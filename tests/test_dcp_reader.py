@@ -249,16 +249,16 @@ def test_per_rank_values_on_another_world_size_need_per_rank_from(tmp_path: Path
 
 def _count_read_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many loading/read.read_regions passes each Checkpointer.read makes (appended)."""
-    import ckptio.api
+    import ckptio.loading.read
 
     calls: list[int] = []
-    real = ckptio.api.read_regions
+    real = ckptio.loading.read.read_regions
 
     def counting(*args: Any, **kwargs: Any) -> int:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckptio.api, "read_regions", counting)
+    monkeypatch.setattr(ckptio.loading.read, "read_regions", counting)
     calls.clear()
     return calls
 

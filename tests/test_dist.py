@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import ckptio
 from ckptio.testing.ranks import run_ranks
 
 import dist_cases as cases
+from special_values import bits_equal
 
 
 def _manifest(path) -> dict:
@@ -34,6 +36,7 @@ def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
     # names (a regular layout: every rank knows it without asking; tests/test_grid.py checks
     # the spread over many keys)
     assert len(by_key["r1"]) == 1 and len(by_key["r2"]) == 1 and len(by_key["same"]) == 1
+    assert len(by_key["nan_same"]) == 1  # NaN payloads: equal bytes, so a replica
     for key in ("r1", "r2"):
         writer = int(by_key[key][0].file.split("-r")[1][:5])
         assert writer == xxhash.xxh3_64_intdigest(key.encode()) % 2, key
@@ -45,7 +48,8 @@ def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
     assert ("step", None) in objects and ("loader.position", 0) in objects
     # bytes on disk: every stored byte once (no replica twice)
     unique = sum(t.nbytes for t in tensors)
-    expected = 7 * 5 * 4 + 2 * 64 * 64 * 4 + 4096 * 4 + 2 * torch.get_rng_state().numel() + 2 * 3 * 4
+    expected = (7 * 5 * 4 + 2 * 64 * 64 * 4 + 4096 * 4 + 9 * 4 * 4
+                + 2 * torch.get_rng_state().numel() + 2 * 3 * 4)
     assert unique == expected
 
 
@@ -56,9 +60,10 @@ def test_per_rank_values_need_a_rule_on_another_world_size(tmp_path):
         ckptio.load(path)
     assert "per_rank_from" in str(info.value)
     taken = ckptio.load(path, per_rank_from=1)
-    assert torch.equal(taken["mine"], torch.full((3,), 1.0))
+    assert bits_equal(taken["mine"], torch.full((3,), 1.0))
     assert taken["loader"]["position"] == 1001
-    assert torch.equal(taken["w"], cases.reference("a"))  # consolidated from both shards
+    assert bits_equal(taken["w"], cases.reference("a"))  # consolidated from both shards
+    assert bits_equal(taken["nan_same"], cases.special_reference("nan32"))
 
 
 MATRIX = [
@@ -82,7 +87,9 @@ def test_reshard_matrix_bitwise(tmp_path, saved_on, saved_as, loaded_on, loaded_
     run_ranks(loaded_on, cases.load_layout, path, loaded_as)
     whole = ckptio.load(path)  # consolidation on one process, no torch.distributed
     for name in cases.SHAPES:
-        assert torch.equal(whole["model"][name], cases.reference(name)), name
+        assert bits_equal(whole["model"][name], cases.reference(name)), name
+    for name in cases.SPECIALS:  # NaN payloads, -0.0, subnormals, float8, complex64, bool
+        assert bits_equal(whole["special"][name], cases.special_reference(name)), name
 
 
 def test_a_rank_reads_only_what_overlaps(tmp_path):
@@ -93,7 +100,7 @@ def test_a_rank_reads_only_what_overlaps(tmp_path):
     ckptio.save({"t": ckptio.TensorShard(big, (4096, 1024), (0, 0))}, str(tmp_path / "big"))
     part = ckptio.TensorShard(torch.zeros(16, 1024), (4096, 1024), (2000, 0))
     report = ckptio.load(str(tmp_path / "big"), {"t": part})
-    assert torch.equal(part.local, big[2000:2016])
+    assert bits_equal(part.local, big[2000:2016])
     assert report.nbytes_read <= 2 * (1 << 20)  # the 64 KiB wanted, widened to checksum blocks
 
 
@@ -117,7 +124,7 @@ def test_flipped_byte_in_a_partial_read_is_caught(tmp_path):
                 ckptio.load(str(path), {"t": part})
         else:
             ckptio.load(str(path), {"t": part})
-            assert torch.equal(part.local, big[2000:2016])
+            assert bits_equal(part.local, big[2000:2016])
 
 
 @pytest.mark.parametrize("where", ["plan", "write"])
@@ -130,7 +137,7 @@ def test_failure_on_one_rank_raises_everywhere_and_commits_nothing(tmp_path, whe
     # the first checkpoint is intact and is what loads; the failed save left no data file
     whole = ckptio.load(path)
     for name in cases.SHAPES:
-        assert torch.equal(whole[name], cases.reference(name)), name
+        assert bits_equal(whole[name], cases.reference(name)), name
     named = {f["name"] for f in _manifest(path)["files"]}
     assert {n for n in os.listdir(path) if n.startswith("data-")} == named
 
@@ -150,7 +157,7 @@ def test_consolidation_reads_each_stored_byte_once(tmp_path):
     full = cases.interleaved_full()
     state = {k: torch.zeros_like(v) for k, v in full.items()}
     report = ckptio.load(path, state)
-    assert all(torch.equal(state[k], v) for k, v in full.items())
+    assert all(bits_equal(state[k], v) for k, v in full.items())
     stored = sum(t.nbytes for t in ckptio.Checkpointer().manifest(path).tensors)
     assert report.nbytes_read <= 1.05 * stored, (report.nbytes_read, stored)
 
@@ -222,7 +229,7 @@ def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
     assert whole["head"] is whole["small"]
     for n, (key, (shape, _kinds)) in enumerate(cases.GRID_LAYOUTS.items()):
         want = torch.arange(n * 1000, n * 1000 + math.prod(shape), dtype=torch.float32)
-        assert torch.equal(whole[key], want.reshape(shape)), key
+        assert bits_equal(whole[key], want.reshape(shape)), key
 
 
 def test_regular_layouts_across_groups_and_subgroups(tmp_path):
@@ -233,4 +240,61 @@ def test_regular_layouts_across_groups_and_subgroups(tmp_path):
     assert bodies[:2] == ["saved", "saved"]
     full = torch.arange(64.0).reshape(8, 8)
     for name in "abcd":
-        assert torch.equal(ckptio.load(str(tmp_path / name))["w"], full), name
+        assert bits_equal(ckptio.load(str(tmp_path / name))["w"], full), name
+
+
+def _listing(path) -> dict[str, bytes | int]:
+    """What a directory holds: the manifest's bytes and every other file's size."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return {}
+    return {f.name: f.read_bytes() if f.name == "manifest.json" else f.stat().st_size
+            for f in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("kind,placement", [("partial", "Partial(sum)"),
+                                            ("fsdp_tp", "_StridedShard(dim=0, sf=2)")])
+def test_placements_that_are_not_regions_are_refused_before_anything_is_written(
+        tmp_path, kind, placement):
+    """A Partial DTensor (an addend per rank), and FSDP2 over tensor parallelism (torch lays
+    the weight out as _StridedShard): refused on every rank, naming the key, the placement and
+    the fix; no file is written, the previous checkpoint stays as it was and still loads."""
+    prev = str(tmp_path / "prev")
+    run_ranks(2, cases.save_layout, prev, "shard0")
+    before = _listing(prev)
+    results = run_ranks(2, cases.refused_placement, str(tmp_path), kind)
+    assert results[0]["placements"] == {"partial": "(Partial(sum),)",
+                                        "fsdp_tp": "(_StridedShard(dim=0, sf=2), Shard(dim=0))"}[kind]
+    key = "'grad'" if kind == "partial" else "'model.0.weight'"
+    for rank, result in enumerate(results):
+        for where, error in result["errors"].items():
+            assert error.startswith("UnsupportedStateError: "), (rank, where, error)
+            assert key in error and f"DTensor placement {placement} is not a region" in error
+            assert "redistribute it first" in error, error
+    assert _listing(prev) == before
+    assert _listing(tmp_path / "fresh") == {}
+    whole = ckptio.load(prev)
+    for name in cases.SHAPES:
+        assert bits_equal(whole["model"][name], cases.reference(name)), name
+
+
+def test_per_rank_from_a_mapping_or_a_function_picks_each_ranks_saved_rank(tmp_path):
+    """Saved by 2 ranks (per-rank values: a tensor, a loader position, the RNG state), loaded
+    in place on 3: each new rank takes the saved rank its mapping or function names."""
+    path = str(tmp_path / "ck")
+    run_ranks(2, cases.roundtrip, path)
+    saved_rng = [ckptio.load(path, keys="rng", per_rank_from=r)["rng"].tolist() for r in (0, 1)]
+    assert saved_rng[0] != saved_rng[1]
+    mapping = {0: 1, 1: 1, 2: 0}
+    got = run_ranks(3, cases.per_rank_values_from, path, mapping)
+    for rank, loaded in enumerate(got):
+        for name, source in (("mapping", mapping[rank]), ("function", (rank + 1) % 2)):
+            assert loaded[name] == {"mine": [float(source)] * 3, "position": 1000 + source,
+                                    "rng": saved_rng[source]}, (rank, name)
+    # one process: the same rules, and a rank the rule does not name (or names wrongly) refused
+    assert ckptio.load(path, keys="mine", per_rank_from={0: 1})["mine"].tolist() == [1.0] * 3
+    assert ckptio.load(path, keys="mine", per_rank_from=lambda r: r)["mine"].tolist() == [0.0] * 3
+    for policy, said in (({1: 0}, "None"), (lambda r: 2, "2")):
+        with pytest.raises(ckptio.StateMismatchError,
+                           match=f"per_rank_from gave saved rank {said} for rank 0; .* ranks 0..1"):
+            ckptio.load(path, keys="mine", per_rank_from=policy)

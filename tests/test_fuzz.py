@@ -42,6 +42,9 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+
+pytest.importorskip("hypothesis", reason="the property-based tests need hypothesis "
+                    "(pip install -e '.[test]')")
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

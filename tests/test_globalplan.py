@@ -195,7 +195,7 @@ def test_wire_round_trip_layout_published_apart():
 
 
 def test_written_results_are_keyed_by_item_not_position():
-    from ckptio.format.types import FileInfo, IndexFile, TensorEntry
+    from ckptio.format.types import FileInfo, IndexFile, TensorEntry, Written
 
     assigned = {0: item("a", 8), 2: item("c", 16)}
     files = [FileInfo("data-f", 64, 1)]
@@ -204,19 +204,21 @@ def test_written_results_are_keyed_by_item_not_position():
         return TensorEntry(key, "tensor", "float32", (4,), Chunk.whole((4,)), "data-f", offset, 8,
                            f"{offset:016x}", None, ())
 
-    forward = wire.encode_result({0: entry("a", 0), 2: entry("c", 32)}, files, None, None)
-    backward = wire.encode_result({2: entry("c", 32), 0: entry("a", 0)}, files, None, None)
+    def result(entries: dict[int, TensorEntry], index: IndexFile | None = None) -> bytes:
+        return wire.encode_result(Written(entries, tuple(files), index))
+
+    forward = result({0: entry("a", 0), 2: entry("c", 32)})
+    backward = result({2: entry("c", 32), 0: entry("a", 0)})
     for data in (forward, backward):
-        entries, _files, index, error = wire.decode_result(data, 1, assigned)
-        assert error is None and index is None
-        assert (entries[0].key, entries[0].offset) == ("a", 0)
-        assert (entries[2].key, entries[2].offset) == ("c", 32)
+        got = wire.decode_result(data, 1, assigned)
+        assert got.index is None and got.files == tuple(files)
+        # the rows are made of the coordinator's items (here uint8), not the sender's fields
+        assert {i: (e.key, e.dtype, e.offset, e.checksum) for i, e in got.entries.items()} == {
+            0: ("a", "uint8", 0, f"{0:016x}"), 2: ("c", "uint8", 32, f"{32:016x}")}
     with pytest.raises(wire.WireError, match="no entry"):
-        wire.decode_result(wire.encode_result({0: entry("a", 0)}, files, None, None), 1, assigned)
+        wire.decode_result(result({0: entry("a", 0)}), 1, assigned)
     with pytest.raises(wire.WireError):  # an index the rank was not assigned
-        wire.decode_result(wire.encode_result({0: entry("a", 0), 1: entry("b", 8)}, files, None,
-                                              None), 1, assigned)
+        wire.decode_result(result({0: entry("a", 0), 1: entry("b", 8)}), 1, assigned)
     with pytest.raises(wire.WireError, match="index file"):  # not one of the rank's files
-        wire.decode_result(wire.encode_result(
-            {0: entry("a", 0), 2: entry("c", 32)}, files,
-            IndexFile(1, "data-elsewhere", 10, "0" * 16), None), 1, assigned)
+        wire.decode_result(result({0: entry("a", 0), 2: entry("c", 32)},
+                                  IndexFile(1, "data-elsewhere", 10, "0" * 16)), 1, assigned)

@@ -552,19 +552,19 @@ def test_verified_export_of_a_dcp_dir_reads_a_cut_tensor_twice_not_per_window(
 
     import torch.distributed.checkpoint as dcp
 
-    from ckptio import api
+    from ckptio.loading import read as loading_read
 
     big = torch.randn(2000, 1000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save({"model": {"big": big}}, checkpoint_id=str(tmp_path / "dcp"))
-    real, counted = api.read_regions, []
+    real, counted = loading_read.read_regions, []
 
     def counting(*args: Any, **kwargs: Any) -> int:
         counted.append(real(*args, **kwargs))
         return counted[-1]
 
-    monkeypatch.setattr(api, "read_regions", counting)
+    monkeypatch.setattr(loading_read, "read_regions", counting)
     ckptio.export_hf(tmp_path / "dcp", tmp_path / "hf", verify=True, options=OPTS)
     assert torch.equal(_hf_tensors(tmp_path / "hf")["big"], big)
     assert big.nbytes * 2 <= sum(counted) < big.nbytes * 2.5, (sum(counted), big.nbytes)

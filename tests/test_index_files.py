@@ -18,7 +18,8 @@ from ckptio.format import manifest, regular
 from ckptio.format.check import Check
 from ckptio.format.types import Chunk, RegularTensor
 from ckptio.loading import regular as resolve
-from ckptio.opening import committed
+from ckptio.loading.opening import committed
+from ckptio.loading.session import read_fn
 from ckptio.storage.local import LocalStore
 from ckptio.testing.ranks import run_ranks
 
@@ -42,7 +43,7 @@ def _copy(saved: str, tmp_path) -> str:
 def _reader(path: str, seen: list[str]):
     """The read a load uses for index files (unverified: expand checks them), recording which
     files it reads."""
-    plain = ckptio.Checkpointer()._plain_read(LocalStore(path))
+    plain = read_fn(ckptio.Checkpointer().staging(), LocalStore(path))
 
     def read(reads):
         seen.extend(r.entries[0].file for r in reads)
@@ -256,3 +257,101 @@ def test_hostile_index_bytes_raise_only_manifest_errors():
     for data in cases[:5]:
         with pytest.raises(ManifestError):
             regular.decode_index(data, Check("x"), "s", 5, tensors)
+
+
+# ------------------------------------------------------------------------------------------------
+# ckptio ls and diff read the index files without torch
+
+
+def _cli_without_torch(tmp_path, *args: str):
+    """``python -m ckptio ARGS`` in a process where any import of torch fails (a
+    sitecustomize first on the path blocks it before ckptio starts)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    blocker = tmp_path / "no-torch"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['torch'] = None  # any import of torch fails\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(root)])}
+    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+
+
+def _chunks_by_key(record) -> dict[str, int]:
+    return {r.key: sum(1 for _ in resolve.overlapping(record.grids[r.grid], r, None))
+            for r in record.regular}
+
+
+def test_ckptio_ls_of_a_version_3_checkpoint_runs_without_torch(saved, tmp_path):
+    """Every regular tensor with its dtype, shape, bytes and every chunk, from the index files
+    of all 4 ranks, in a process that cannot import torch."""
+    import json
+
+    record = committed(LocalStore(saved))
+    assert record.version == 3 and len(record.indexes) == 4
+    chunks = _chunks_by_key(record)
+    assert set(chunks) == set(cases.GRID_LAYOUTS) and max(chunks.values()) > 1
+    done = _cli_without_torch(tmp_path, "ls", "--json", saved)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    leaves = {c["key"]: c for c in doc["tree"]["children"] if "key" in c}
+    for key, (shape, _kinds) in cases.GRID_LAYOUTS.items():
+        leaf = leaves[key]
+        assert (leaf["type"], leaf["dtype"], leaf["shape"]) == ("tensor", "float32", list(shape))
+        assert leaf["nbytes"] == 4 * torch.Size(shape).numel(), key  # the chunks tile it
+        assert leaf["chunks"] == chunks[key] and leaf["ranks"] is None, key
+    assert leaves["head"] == {**leaves["head"], "type": "alias", "alias_of": "small"}
+    text = _cli_without_torch(tmp_path, "ls", "--flat", saved)
+    assert text.returncode == 0, text.stderr
+    lines = {line.split()[0]: line for line in text.stdout.splitlines()[2:]}
+    for key, (shape, _kinds) in cases.GRID_LAYOUTS.items():
+        assert str(list(shape)) in lines[key], lines[key]
+        detail = f"{chunks[key]} chunks" if chunks[key] > 1 else ""
+        assert lines[key].endswith(detail), lines[key]
+    assert f"{len(record.tensors) + sum(chunks.values())} chunks" in text.stdout.splitlines()[0]
+    same = _cli_without_torch(tmp_path, "diff", saved, saved)
+    assert same.returncode == 0 and "the same" in same.stdout, same.stderr
+
+
+def test_the_cli_reads_the_same_chunks_as_a_load(saved):
+    """cli/source.py's torch-free reading gives the rows ckptio's loader gives (its pool)."""
+    from ckptio.cli.source import open_manifest
+
+    ours = open_manifest(saved).record
+    theirs = ckptio.Checkpointer().manifest(saved)
+    assert not ours.regular and sorted(ours.tensors, key=repr) == sorted(theirs.tensors, key=repr)
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("flipped", ["rank 2", "do not match its checksum"]),
+    ("cut", ["truncated", "read 100 of"]),
+    ("missing", ["No such file"]),
+    ("beyond", ["rank 2", "not inside a data file"]),
+])
+def test_ckptio_ls_names_a_damaged_index_file_without_torch(saved, tmp_path, damage, says):
+    path = _copy(saved, tmp_path)
+    target = _index_path(path, 2)
+    if damage == "flipped":
+        with open(target, "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "cut":
+        os.truncate(target, 100)
+    elif damage == "missing":
+        os.remove(target)
+    else:  # consistent bytes, wrong rows: only the row checks catch it
+        rows, save_id = _rows(path, 2)
+        rows = [dataclasses.replace(r, offset=r.offset + (1 << 30)) for r in rows]
+        _rewrite(path, 2, regular.encode_index(save_id, 2, rows))
+    done = _cli_without_torch(tmp_path, "ls", path)
+    assert done.returncode == 2 and not done.stdout, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "import of torch" not in done.stderr, done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("ckptio: error: ") and os.path.basename(target) in line, line
+    for phrase in says:
+        assert phrase in line, line

@@ -1,45 +1,59 @@
-"""The io_uring backend against the shared IOBackend conformance suite, in each direct_io mode,
-at depth 1 (requests beyond the ring's admission queue rather than fail), with the staging pool
-registered as fixed buffers, and the fallback to POSIX where io_uring is unavailable."""
+"""The io_uring backend against the shared IOBackend conformance suite, through a LocalStore by
+file name, in each direct_io mode, at depth 1 (requests beyond the ring's admission queue wait
+rather than fail); the staging pool registered as fixed buffers, a dead reaper, and the fallback
+to POSIX where io_uring is unavailable."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ckptio import io
 from ckptio.io.ring import address_of
-from ckptio.options import MiB
 from ckptio.io.stage import BufferPool
+from ckptio.options import MiB, Options
+from ckptio.storage.local import LocalStore
 from ckptio.testing import accepts_o_direct
-from ckptio.testing.io_conformance import IOBackendConformance
+from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files
 
 pytestmark = pytest.mark.skipif(io.uring_unavailable_reason() is not None,
                                 reason=f"io_uring unavailable: {io.uring_unavailable_reason()}")
 
 
+def uring_files(directory: Path, *, io_depth: int, direct_io: str) -> Factory:
+    """Fresh LocalStores under ``directory``, each with a new io_uring backend."""
+    options = Options(buffer_bytes=MiB, pool_bytes=2 * MiB, io_backend="uring",
+                      io_depth=io_depth, direct_io=direct_io)  # type: ignore[arg-type]
+    return fresh_files(lambda key: LocalStore(directory / key), options)
+
+
 class TestUringConformance(IOBackendConformance):
     @pytest.fixture
-    def backend_factory(self, direct_io: str):
-        from ckptio.io.uring import UringBackend
-
-        return lambda: UringBackend(depth=8, direct_io=direct_io)
+    def files_factory(self, direct_io: str, tmp_path: Path) -> Factory:
+        return uring_files(tmp_path, io_depth=8, direct_io=direct_io)
 
     @pytest.fixture
-    def expect_direct(self, direct_io: str, tmp_path: os.PathLike[str]) -> bool:
+    def expect_direct(self, direct_io: str, tmp_path: Path) -> bool:
         return direct_io != "off" and accepts_o_direct(os.fspath(tmp_path))
-
 
 
 class TestUringDepthOne(IOBackendConformance):
     """One request in the kernel at a time: the rest wait for admission, none is dropped."""
 
     @pytest.fixture
-    def backend_factory(self):
-        return lambda: io.create("uring", depth=1, direct_io="auto")
+    def files_factory(self, tmp_path: Path) -> Factory:
+        return uring_files(tmp_path, io_depth=1, direct_io="auto")
+
+
+def test_the_store_makes_a_uring_backend(tmp_path: Path) -> None:
+    """The suite above runs io_uring, not the POSIX fallback."""
+    files = uring_files(tmp_path, io_depth=1, direct_io="off")()
+    assert files.backend.name == "uring"
+    files.backend.shutdown()
 
 
 def test_registered_pool_buffers_round_trip(tmp_path: os.PathLike[str]) -> None:
@@ -86,7 +100,8 @@ def test_forced_off_falls_back_to_posix_and_logs_once() -> None:
         "print(type(a).__name__, type(b).__name__)\n"
     )
     env = dict(os.environ, CKPTIO_DISABLE_IO_URING="1")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["PosixBackend", "PosixBackend"]
     assert done.stderr.count("io_uring is unavailable") == 1, done.stderr

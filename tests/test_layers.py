@@ -3,14 +3,15 @@ and no dependency is added).
 
 Layers, bottom to top; a module may import its own layer and the layers below it:
 
-    0  ckptio.errors, ckptio.options
+    0  ckptio.errors, ckptio.options, ckptio.version
     1  ckptio.format
     2  ckptio.planning, ckptio.io            (planning and io do not import each other)
     3  ckptio.storage
     4  ckptio.distributed
     5  ckptio.saving, ckptio.loading         (saving and loading do not import each other)
     6  ckptio.tuning
-    7  drivers: ckptio (its __init__), ckptio.__main__, api, shared, manager, stepdir, rng, cli, demo
+    7  drivers: ckptio (its __init__), ckptio.__main__, api, resources, shared, manager, stepdir, rng, cli,
+       demo, dcp, export
 
 ckptio.testing may import anything, and nothing else in ckptio imports it. Nothing in ckptio
 imports the repository's benchmarks/ (not installed with ckptio) except ckptio.cli, which runs
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ckptio"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ckptio.errors", "ckptio.options"),
+    ("ckptio.errors", "ckptio.options", "ckptio.version"),
     ("ckptio.format",),
     ("ckptio.planning", "ckptio.io"),
     ("ckptio.storage",),
@@ -46,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.saving", "ckptio.loading"),
     ("ckptio.tuning",),
     ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
-     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.opening"),
+     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.resources"),
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
 TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio
@@ -56,7 +57,7 @@ MAY_IMPORT_BENCHMARKS = {"ckptio.cli"}
 PUBLIC = {
     "Checkpointer", "CheckpointManager", "save", "async_save", "load", "verify", "Options",
     "RNGState", "TensorShard", "FlatShard", "SaveHandle", "SaveResult", "AsyncSaveResult",
-    "LoadReport", "Progress", "__version__", "export_hf",
+    "LoadReport", "Progress", "__version__", "export_hf", "register_store",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
@@ -526,7 +527,8 @@ def test_imports_are_read_with_where_they_run(tmp_path):
 # torch value: tests/test_index_files.py decodes both in a process without torch).
 TORCH_FREE = {"ckptio.errors", "ckptio.format.types", "ckptio.format.tiling",
               "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip",
-              "ckptio.format.check", "ckptio.format.regular", "ckptio.format.grid"}
+              "ckptio.format.check", "ckptio.format.regular", "ckptio.format.grid",
+              "ckptio.format.checksum"}
 
 
 def test_torch_free_modules_import_no_torch():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("hypothesis", reason="the property-based tests need hypothesis "
+                    "(pip install -e '.[test]')")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ import torch
 import ckptio
 from ckptio import Checkpointer, Options
 from ckptio.tuning import profile
-from ckptio.api import tuned_options
+from ckptio.tuning.profile import tuned_options
 from ckptio.storage.local import LocalStore
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ def test_profile_sets_defaulted_io_fields_and_saves_load_through_it(tmp_path: os
     ck = Checkpointer(Options(pool_bytes=32 * MiB))
     state = {"w": torch.randn(3 * MiB // 4)}
     ck.save(state, tmp_path / "ck")
-    pool, backend = ck._resources(LocalStore(str(tmp_path / "ck")))
+    pool, files = ck.staging().files(LocalStore(str(tmp_path / "ck"))); backend = files.backend
     assert pool.buffer_bytes == 2 * MiB and backend.depth == 3
     assert torch.equal(ck.load(tmp_path / "ck")["w"], state["w"])
     ck.close()

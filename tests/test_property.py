@@ -8,11 +8,15 @@ import string
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+
+pytest.importorskip("hypothesis", reason="the property-based tests need hypothesis "
+                    "(pip install -e '.[test]')")
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ckptio
 from conftest import ALL_DTYPES
+from special_values import rand
 
 DTYPES = ALL_DTYPES
 
@@ -21,14 +25,6 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                            HealthCheck.data_too_large],
 )
-
-
-def rand(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
 def make_view(dtype, shape, seed, how) -> torch.Tensor:
@@ -114,41 +110,28 @@ def test_fresh_load_equals_saved_state(state, tmp_path, small_options, assert_sa
     assert_same(ckptio.load(path), state)
 
 
-def _blank(value, in_tuple: bool, seed: int):
-    """A destination of the same structure: other tensor bits, placeholder Python values.
-
-    Values inside tuples cannot be replaced in place, so they are kept as they are.
-    """
+def _blank(value, seed: int):
+    """A destination of the same structure: other tensor bits, placeholder Python values (in
+    tuples too: a load rebuilds a tuple in its parent with the saved values)."""
     if isinstance(value, torch.Tensor):
         return rand(value.dtype, tuple(value.shape), seed)  # its own storage, not aliased
     if isinstance(value, dict):
-        return {k: _blank(v, False, seed + i) for i, (k, v) in enumerate(value.items())}
+        return {k: _blank(v, seed + i) for i, (k, v) in enumerate(value.items())}
     if isinstance(value, list):
-        return [_blank(v, False, seed + i) for i, v in enumerate(value)]
+        return [_blank(v, seed + i) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(_blank(v, True, seed + i) for i, v in enumerate(value))
-    return value if in_tuple else "placeholder"
-
-
-def _bytes_in_tuple(value, in_tuple: bool = False) -> bool:
-    if isinstance(value, (bytes, bytearray)):
-        return in_tuple
-    if isinstance(value, dict):
-        return any(_bytes_in_tuple(v, in_tuple) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        inner = in_tuple or isinstance(value, tuple)
-        return any(_bytes_in_tuple(v, inner) for v in value)
-    return False
+        return tuple(_blank(v, seed + i) for i, v in enumerate(value))
+    return "placeholder"
 
 
 @SETTINGS
 @given(state=states())
+# bytes (and other values) inside tuples, nested: once excluded here as a known failure
+@example(state={"t": (b"ab", 1, torch.ones(2)), "n": [(b"", ("x", b"\x00", 2.5))]})
 def test_in_place_load_restores_saved_state(state, tmp_path, small_options, assert_same):
-    # bytes inside a tuple cannot be loaded in place: see test_roundtrip's xfail for that bug
-    assume(not _bytes_in_tuple(state))
     path = tmp_path / f"i{next(_counter)}"
     ckptio.save(state, path, options=small_options)
-    dest = _blank(state, False, 7)
+    dest = _blank(state, 7)
     ckptio.load(path, dest)
     # expanded tensors were loaded into contiguous destinations: compare values, not layouts
     assert_same(dest, state)

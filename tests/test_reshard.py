@@ -10,6 +10,9 @@ from math import prod
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis", reason="the property-based tests need hypothesis "
+                    "(pip install -e '.[test]')")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 import sys
@@ -14,29 +13,11 @@ from torch import nn
 
 import ckptio
 from conftest import ALL_DTYPES
+from special_values import bits_equal, rand, raw
 from ckptio.format import manifest
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, PickleRefusedError, StateMismatchError, UnsupportedStateError)
 
 MiB = 1 << 20
-
-
-
-def rand(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """Random bit patterns of ``dtype`` (NaNs, infinities, -0.0 and subnormals included)."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """Row-major element bytes (a dense copy: .contiguous() may keep odd size-1 strides)."""
-    return torch.empty(tuple(t.shape), dtype=t.dtype).copy_(t.detach()).reshape(-1).view(torch.uint8)
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
 
 
 def data_bytes(path) -> int:
@@ -498,11 +479,19 @@ def test_in_place_load_updates_python_values_in_containers(ckpt_dir, small_optio
     assert state["t"] is t and t.tolist() == [0.0, 1.0, 2.0]
 
 
-def test_in_place_load_of_the_saved_state_with_bytes_in_a_tuple(ckpt_dir, small_options):
-    state = {"t": (b"ab", 1, torch.ones(2)), "step": 3}
-    ckptio.save(state, ckpt_dir, options=small_options)
+def test_in_place_load_with_bytes_in_a_tuple(ckpt_dir, small_options):
+    saved = {"t": (b"ab", 1, torch.ones(2)), "step": 3}
+    ckptio.save(saved, ckpt_dir, options=small_options)
+    # into the very state it saved (once refused: bytes inside a tuple)
+    report = ckptio.load(ckpt_dir, saved)
+    assert sorted(report.loaded) == ["step", "t.0", "t.1", "t.2"]
+    # into a state holding other values: every one of them comes from the checkpoint
+    tensor = torch.zeros(2)
+    state = {"t": (b"", 0, tensor), "step": 0}
     report = ckptio.load(ckpt_dir, state)
     assert sorted(report.loaded) == ["step", "t.0", "t.1", "t.2"]
+    assert state["step"] == 3 and state["t"][:2] == (b"ab", 1)
+    assert state["t"][2] is tensor and bits_equal(tensor, torch.ones(2))  # filled in place
 
 
 def test_mutation_after_save_does_not_reach_the_checkpoint(ckpt_dir, small_options):

@@ -92,6 +92,10 @@ def test_s3_options_are_checked_and_read_from_the_environment(monkeypatch):
         ckptio.Options(s3_concurrency=0)
     with pytest.raises(CkptError, match="s3_conditional"):
         ckptio.Options(s3_conditional="maybe")  # type: ignore[arg-type]
+    for lease in (0, 0.5, 1.9):  # lock ages are 1-second HTTP dates: a live lock could look stale
+        with pytest.raises(CkptError, match="s3_lock_lease_s.*>= 2"):
+            ckptio.Options(s3_lock_lease_s=lease)
+    assert ckptio.Options(s3_lock_lease_s=2).s3_lock_lease_s == 2
     monkeypatch.setenv("CKPTIO_S3_RETRY_DEADLINE_S", "7.5")
     monkeypatch.setenv("CKPTIO_S3_ENDPOINT_URL", "http://127.0.0.1:9")
     options = ckptio.Options.from_env()

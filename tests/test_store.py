@@ -5,35 +5,32 @@
     under a concurrent reader, never-committed locations named as what they hold, conditional
     commit, exclusive claims, names() only ckptio's, remove() never raising, sizes(), path_of
     and the store's backend.
-(2) MemoryBackend against the IOBackend conformance suite, with its "independent reader"
-    (plain open / os.stat) pointed at host memory instead of the disk.
+(2) MemoryBackend against the IOBackend conformance suite, through MemoryStores by name (the
+    store's read_file and sizes are the suite's independent reader).
 (3) The store-generic steps (storage/steps.py) over a MemoryStore: the rules of the local
     commit protocol hold on a store that is not a directory.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
-import io as stdio
 import os
 import secrets
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
-from ckptio.api import store_for
+from ckptio.storage.select import store_for
 from ckptio.errors import StorageIOError, UnsupportedPathError
-from ckptio.options import BLOCK
+from ckptio.options import BLOCK, Options
 from ckptio.storage import steps
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
 from ckptio.storage.memory import HOST, MemoryBackend, MemoryStore
-from ckptio.testing import io_conformance
-from ckptio.testing.io_conformance import IOBackendConformance
+from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files, run_all
 from ckptio.testing.store_conformance import (
     StoreConformance,
     data_name,
@@ -108,85 +105,35 @@ def test_memory_store_refuses_other_locations():
 
 # -- (2) MemoryBackend against the IOBackend conformance suite --------------------------------
 
-class _MemoryWriter(stdio.BytesIO):
-    """open(path, "wb") on a memory path: the bytes land in HOST on close."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def close(self) -> None:
-        if not self.closed:
-            HOST.write(self.path, self.getvalue())
-        super().close()
-
-
-def _memory_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-    path = os.fspath(file) if not isinstance(file, int) else file
-    if not (isinstance(path, str) and path.startswith("mem://")):
-        return builtins.open(file, mode, *args, **kwargs)
-    if mode == "wb":
-        return _MemoryWriter(path)
-    data = HOST.read(path)
-    if data is None:
-        raise FileNotFoundError(errno.ENOENT, "No such file in memory", path)
-    return stdio.BytesIO(data)
-
-
-class _MemoryPath:
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os.path, name)
-
-    @staticmethod
-    def exists(path: Any) -> bool:
-        text = os.fspath(path)
-        if isinstance(text, str) and text.startswith("mem://"):
-            return HOST.read(text) is not None
-        return os.path.exists(text)
-
-
-class _MemoryOS:
-    """The ``os`` io_conformance sees: stat and path.exists of memory paths look in HOST."""
-
-    path = _MemoryPath()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    @staticmethod
-    def stat(path: Any) -> Any:
-        text = os.fspath(path)
-        if isinstance(text, str) and text.startswith("mem://"):
-            data = HOST.read(text)
-            if data is None:
-                raise FileNotFoundError(errno.ENOENT, "No such file in memory", text)
-            return SimpleNamespace(st_size=len(data))
-        return os.stat(text)
-
-
 class TestMemoryBackendIO(IOBackendConformance):
-    @pytest.fixture(autouse=True)
-    def memory_reader(self, monkeypatch):
-        monkeypatch.setattr(io_conformance, "open", _memory_open, raising=False)
-        monkeypatch.setattr(io_conformance, "os", _MemoryOS())
+    """The suite through MemoryStores by name: the store itself (read_file, sizes) is the
+    independent reader, so nothing of the suite is patched."""
+
+    limits: ClassVar[dict[str, str]] = {
+        "offsets_past_4gib": "a memory file is dense: 5 GiB of RAM for a check of 32-bit "
+                             "offset truncation, which Python's integers cannot do",
+    }
 
     @pytest.fixture
-    def io_dir(self):
+    def files_factory(self) -> Iterator[Factory]:
         root = _memory_root()
-        yield root
+        yield fresh_files(lambda key: MemoryStore(f"{root}/{key}"), Options(io_depth=2))
         _forget_under(root)
 
     @pytest.fixture
-    def backend_factory(self):
-        return MemoryBackend
-
-    @pytest.fixture
-    def expect_direct(self):
+    def expect_direct(self) -> bool:
         return False
 
-    def test_offsets_past_4gib(self, backend_factory, io_dir):
-        pytest.skip("a memory file is dense: 5 GiB of RAM for a check of 32-bit offset "
-                    "truncation, which Python's integers cannot do")
+
+def test_run_all_runs_the_suite_as_plain_functions() -> None:
+    """run_all: every check but the declared limits, which it returns."""
+    root = _memory_root()
+    try:
+        factory = fresh_files(lambda key: MemoryStore(f"{root}/{key}"), Options())
+        skipped = run_all(factory, limits=TestMemoryBackendIO.limits, expect_direct=False)
+        assert skipped == TestMemoryBackendIO.limits
+    finally:
+        _forget_under(root)
 
 
 # -- (3) the store-generic steps over a store that is not a directory --------------------------

@@ -1,10 +1,10 @@
 """What a checkpoint holds, as the ``ckptio`` command shows it: its manifest and one row per key.
 
 Owns: opening the manifest of a path for ls and diff (a ckptio checkpoint's own, read and
-validated without importing torch; a DCP directory's or a torch.save file's, made by
-ckptio's loader, which imports torch), and the per-key summary (kind, dtype, shape, bytes,
-chunks, ranks, values) both commands use. Does not own: validation (format/manifest.py) or
-reading foreign formats (loading/).
+validated without importing torch, a version 3 one's index files too (``Store.read_file``); a DCP
+directory's or a torch.save file's, made by ckptio's loader, which imports torch), and the
+per-key summary (kind, dtype, shape, bytes, chunks, ranks, values) both commands use. Does not
+own: validation (format/manifest.py, format/regular.py) or reading foreign formats (loading/).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass
 
 from ckptio.errors import CheckpointNotFoundError
-from ckptio.format import manifest, values
+from ckptio.format import manifest, regular, values
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
 from ckptio.io.s3client import is_s3
+from ckptio.options import Options
 from ckptio.storage.select import checkpoint_path, store_for
 
 __all__ = ["Opened", "Row", "open_manifest", "rows", "shown", "source_format"]
@@ -61,20 +62,23 @@ def source_format(record: Manifest) -> str:
 
 
 def open_manifest(path: str) -> Opened:
-    """The manifest of ``path``: a ckptio checkpoint's without torch (unless it has regular
-    tensors, whose chunks are read from index files); else a DCP directory's or a torch.save
-    file's as ckptio.load reads it (imports torch). Raises CkptError."""
+    """The manifest of ``path``: a ckptio checkpoint's without torch (a version 3 one with a
+    row for every chunk of its regular tensors, from its index files, each checked as a load
+    checks it: format/regular.py); else a DCP directory's or a torch.save file's as
+    ckptio.load reads it (imports torch). Raises CkptError."""
     text = checkpoint_path(path)
     if is_s3(text) or not os.path.isfile(text):
         store = store_for(text)
         try:
-            record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
-            if not record.regular:  # else its chunks are in index files, read below
-                return Opened(text, record, "ckptio")
+            body = store.read_manifest()
         except CheckpointNotFoundError:
             pass  # a DCP checkpoint, read below, or nothing (the loader says which)
+        else:
+            record = manifest.decode(body, store.path_of(manifest.MANIFEST_NAME))
+            every = regular.expand_all(record, lambda files: [
+                store.read_file(f.name, 0, f.nbytes) for f in files])
+            return Opened(text, every, "ckptio")
     from ckptio.api import Checkpointer
-    from ckptio.options import Options
 
     checkpointer = Checkpointer(Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
     try:

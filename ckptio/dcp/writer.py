@@ -59,6 +59,7 @@ from ckptio.shared import checkpointer
 from ckptio.storage import steps
 from ckptio.storage.base import Exclusive, Store, check_if_locked, new_save_id
 from ckptio.storage.select import checkpoint_path, is_checkpoint_id, store_for
+from ckptio.version import __version__
 
 __all__ = ["DcpWriter"]
 
@@ -185,8 +186,8 @@ class DcpWriter(StorageWriter):
         by_key = {item.key: item for item in items}
         with staging.lock, steps.attempt(store, [f.name for f in files]):
             staging.cleanup.wait_listed()  # the last commit's cleanup has listed its files
-            pool, backend = staging.for_store(store)
-            job = SaveJob(store.location, files, sources, pool=pool, backend=backend,
+            pool, target = staging.files(store)
+            job = SaveJob(target, files, sources, pool=pool,
                           algorithm=owner.options.checksum, rank=storage.rank,
                           block_nbytes=staging.block_nbytes)
             try:
@@ -238,7 +239,5 @@ def _with_storage(plan: SavePlan, storage: writeplan.RankStorage) -> SavePlan:
 
 
 def _meta(metadata: Metadata) -> dict[str, Any]:
-    from ckptio import __version__
-
     return {"ckptio_version": __version__, "torch_version": torch.__version__,
             "created_unix": time.time(), "dcp": {"version": str(metadata.version)}}

@@ -35,15 +35,13 @@ from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
 from ckptio.planning.regular import Regular, regular_section, regular_writes
-from ckptio.format.types import FileInfo, IndexFile, Manifest, TensorEntry, WriteItem
+from ckptio.format.types import Manifest, WriteItem, Written
 
-__all__ = ["Agreement", "Decision", "Memory", "RankPlan", "UnexpectedKeys", "Written", "agree",
-           "agree_loaded", "conclude", "exclusive", "manifest_of", "skip_exclusive"]
+__all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree",
+           "conclude", "exclusive", "manifest_of", "skip_exclusive"]
 
 # what a rank wrote: its entries keyed by item index in its plan (but its regular items'), its
 # files, and its index file of its regular items' chunks (format/regular.py), if it wrote any
-Written = tuple[Mapping[int, TensorEntry], list[FileInfo], "IndexFile | None"]
-Result = tuple[dict[int, TensorEntry], list[FileInfo], "IndexFile | None", "str | None"]
 
 
 @dataclass
@@ -297,9 +295,14 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
     ``held``: the coordinator's claim on the store (the commit is conditional on it).
     Raises this rank's own error, else RankFailedError naming the failed ranks (with one
     process, or on the coordinator, the commit's own error)."""
-    mine = None
-    if written is not None and error is None:
-        mine = wire.encode_result(written[0], written[1], written[2], None)
+    if group.size == 1:  # one process: its own result, as written, no encoding
+        if error is not None:
+            raise error
+        assert written is not None  # internal: a rank without an error wrote
+        _commit([written], [_assigned(agreement, 0)], agreement, store, meta, algorithm,
+                block_nbytes, committed, held)
+        return
+    mine = None if written is None or error is not None else wire.encode_result(written)
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
@@ -326,7 +329,7 @@ def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
     return {i: plan.items[i] for i in agreement.global_plan.assignments[rank].writes}
 
 
-def _commit(results: list[Result],
+def _commit(results: list[Written],
             assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store,
             meta: dict[str, Any], algorithm: str, block_nbytes: int,
             committed: Callable[[list[str]], None], held: Exclusive | None) -> None:
@@ -339,15 +342,15 @@ def _commit(results: list[Result],
     committed([f.name for f in record.files])
 
 
-def manifest_of(results: list[Result], assigned: list[dict[int, WriteItem]],
+def manifest_of(results: list[Written], assigned: list[dict[int, WriteItem]],
                 agreement: Agreement, meta: dict[str, Any], algorithm: str,
                 block_nbytes: int) -> Manifest:
     """The manifest of every rank's results (``assigned``: each rank's written items): a row
     per chunk of the per-chunk items, a row per regular tensor and one per index file."""
     plan = agreement.global_plan
     assert plan is not None  # internal: agree() set it on the coordinator
-    written = [entries for entries, _files, _index, _error in results]
-    files = [info for _entries, infos, _index, _error in results for info in infos]
+    written = [result.entries for result in results]
+    files = [info for result in results for info in result.files]
     check_files(files)
     writes = [Assignment(tuple(sorted(a)), given.own)
               for a, given in zip(assigned, plan.assignments)]
@@ -359,46 +362,4 @@ def manifest_of(results: list[Result], assigned: list[dict[int, WriteItem]],
             tensors=tuple(manifest_entries(agreement.plans, writes, written)),
             objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
             block_nbytes=block_nbytes, grids=grids, regular=regular,
-            indexes=tuple(index for _e, _f, index, _error in results if index is not None))
-
-
-def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:
-    """Collective step, at the end of a load: if any other rank failed, raise here too (this
-    rank's own error is raised by the caller)."""
-    coordinate(group, b"", error, lambda messages: [b""] * len(messages),
-               lambda failures: f"load of {path} failed on {listed(failures)}; this rank's "
-               "state may be partly loaded: load again once the cause is fixed")
-
-
-class UnexpectedKeys:
-    """The key step of an in-place load with peers: a checkpoint key that this rank's state
-    lacks is unexpected only if no rank asks for it (ranks may hold different keys: per-rank
-    values under distinct names, pipeline stages). Every rank runs it exactly once: with its
-    own unexpected keys (``__call__``), or with its error if it failed before (``fail``)."""
-
-    def __init__(self, group: Group, path: str) -> None:
-        self.group, self.path, self.done = group, path, False
-
-    def __call__(self, mine: tuple[str, ...]) -> tuple[str, ...]:
-        self.done = True
-        answer = coordinate(self.group, json.dumps(list(mine)).encode(), None, _nobody_asks,
-                            self._failed)
-        nobody = set(json.loads(answer or b"[]"))
-        return tuple(k for k in mine if k in nobody)
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done:
-            self.done = True
-            coordinate(self.group, None, error, _nobody_asks, self._failed)
-
-    def _failed(self, failures: list[str]) -> str:
-        return f"load of {self.path} failed on {listed(failures)}"
-
-
-def _nobody_asks(messages: list[bytes]) -> list[bytes]:
-    """On the coordinator: the keys every rank found unexpected, for every rank."""
-    nobody: set[str] | None = None
-    for message in messages:
-        keys = set(json.loads(message))
-        nobody = keys if nobody is None else nobody & keys
-    return [json.dumps(sorted(nobody or ())).encode()] * len(messages)
+            indexes=tuple(r.index for r in results if r.index is not None))

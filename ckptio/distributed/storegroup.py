@@ -186,9 +186,11 @@ class StoreGroup:
                    lambda: [COORDINATOR], "its answer", patience=2)
         key = self._key(f"out/{self.rank}")
         answer = _unstamp(step, self.store.get(key), what=key)
-        self.store.add(self._key("out/read"), 1)
         self.store.delete_key(key)
         self._tidy()
+        # Last: once every rank said it read its answer, the coordinator may return and its
+        # process (which may hold the store) exit; nothing of this step may come after.
+        self.store.add(self._key("out/read"), 1)
         return answer
 
     def _send_broadcast(self, step: int, key: str, data: bytes) -> None:
@@ -202,8 +204,8 @@ class StoreGroup:
         self._wait(lambda: int(self.store.add(self._key("b/n"), 0)) >= step,
                    lambda: [COORDINATOR], "its message", patience=2)
         data = bytes(self.store.get(key))
-        self.store.add(key + "/read", 1)
         self._tidy()
+        self.store.add(key + "/read", 1)  # last, as in _answered
         return data
 
     def _delivered(self, counter: str, expected: int) -> bool:

@@ -21,7 +21,7 @@ from ckptio.planning.globalplan import Assignment, RankPlan
 from ckptio.format.grid import Grid
 from ckptio.planning.regular import Regular, RegularItem
 from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, FileInfo, IndexFile, ObjectEntry,
-                                 TensorEntry, WriteItem)
+                                 TensorEntry, WriteItem, Written)
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
@@ -210,31 +210,26 @@ def decode_answer(data: bytes) -> tuple[str, Assignment]:
     return raw["save_id"], Assignment(tuple(raw["writes"]), frozenset(raw["own"]))
 
 
-def encode_result(entries: Mapping[int, TensorEntry] | None, files: list[FileInfo] | None,
-                  index: IndexFile | None, error: str | None) -> bytes:
+def encode_result(written: Written) -> bytes:
     """What a rank wrote, keyed by the index of each item in its plan (positions and checksums;
-    the coordinator knows the rest), and its index file (its regular items' chunks), or its
-    error. Nothing depends on the order of entries."""
-    if entries is None or files is None:
-        return _dumps({"error": error})
-    names = {f.name: i for i, f in enumerate(files)}
-    return _dumps({"files": [[f.name, f.nbytes] for f in files],
-                   "entries": [[index, names[e.file], e.offset, e.checksum, list(e.blocks)]
-                               for index, e in entries.items()],
+    the coordinator knows the rest), and its index file (its regular items' chunks). A rank's
+    failure travels apart (distributed/step.py). Nothing depends on the order of entries."""
+    names = {f.name: i for i, f in enumerate(written.files)}
+    index = written.index
+    return _dumps({"files": [[f.name, f.nbytes] for f in written.files],
+                   "entries": [[i, names[e.file], e.offset, e.checksum, list(e.blocks)]
+                               for i, e in written.entries.items()],
                    "index": None if index is None else [index.name, index.nbytes,
                                                         index.checksum]})
 
 
-def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> tuple[
-        dict[int, TensorEntry], list[FileInfo], IndexFile | None, str | None]:
-    """-> (an entry for every item index in ``assigned``, the rank's files, its index file,
-    None) or ({}, [], None, the rank's error). An index not assigned, reported twice or
-    missing is refused, and an index file that is not one of the rank's files."""
+def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> Written:
+    """An entry for every item index in ``assigned``, the rank's files and its index file. An
+    index not assigned, reported twice or missing is refused, and an index file that is not
+    one of the rank's files."""
     raw = _loads(data, f"rank {rank}'s result")
     try:
-        if raw.get("error") is not None:
-            return {}, [], None, str(raw["error"])
-        files = [FileInfo(name, nbytes, rank) for name, nbytes in raw["files"]]
+        files = tuple(FileInfo(name, nbytes, rank) for name, nbytes in raw["files"])
         entries: dict[int, TensorEntry] = {}
         for index, f, offset, checksum, blocks in raw["entries"]:
             item = assigned[index]
@@ -252,14 +247,6 @@ def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> 
             if name not in {f.name for f in files}:
                 raise ValueError(f"index file {name!r} is not among its files")
             index_file = IndexFile(rank, str(name), int(nbytes), str(checksum))
-        return entries, files, index_file, None
+        return Written(entries, files, index_file)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise WireError(f"rank {rank}'s result is malformed ({exc!r})") from None
-
-
-def encode_outcome(error: str | None) -> bytes:
-    return _dumps({"error": error})
-
-
-def decode_outcome(data: bytes) -> str | None:
-    return _loads(data, "the commit outcome").get("error")

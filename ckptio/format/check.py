@@ -8,13 +8,15 @@ not own: what each part of a manifest holds (validate.py, regular.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from ckptio.errors import ManifestError
 from ckptio.format.types import show
 
-__all__ = ["MAX_INT", "MAX_NDIM", "Check", "checksum_of", "shape_of"]
+__all__ = ["MAX_INT", "MAX_NDIM", "Check", "Span", "checksum_of", "shape_of", "shared_bytes"]
 
+Span = tuple[str, int, int, str]  # (file, offset, nbytes, what claims it)
 MAX_INT = 1 << 62
 MAX_NDIM = 128
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
@@ -69,3 +71,19 @@ def checksum_of(c: Check, value: Any, what: str) -> str:
     if not _CHECKSUM.fullmatch(checksum):
         raise c.fail(f"{what}: checksum {show(checksum)} is not 16 hex digits")
     return checksum
+
+
+def shared_bytes(spans: Iterable[Span]) -> tuple[Span, Span] | None:
+    """The first two spans of one file that claim the same bytes (empty spans claim none), or
+    None: a save gives every entry bytes of its own, so what a load allocates is bounded by
+    the size of the data files (the manifest's and a DCP directory's checks)."""
+    by_file: dict[str, list[Span]] = {}
+    for span in spans:
+        if span[2]:
+            by_file.setdefault(span[0], []).append(span)
+    for of_file in by_file.values():
+        of_file.sort(key=lambda span: span[1])
+        for a, b in zip(of_file, of_file[1:]):
+            if b[1] < a[1] + a[2]:
+                return a, b
+    return None

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError, ManifestError, PickleRefusedError
+from ckptio.format.check import shared_bytes
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, show
 
@@ -377,16 +378,10 @@ def _tensor(c: _Check, fqn: str, record: Any,
 
 
 def _check_overlaps(c: _Check, items: list[DcpItem]) -> None:
-    by_file: dict[str, list[DcpItem]] = {}
-    for item in items:
-        if item.length:
-            by_file.setdefault(item.file, []).append(item)
-    for file, of_file in by_file.items():
-        of_file.sort(key=lambda i: i.offset)
-        for a, b in zip(of_file, of_file[1:]):
-            if b.offset < a.offset + a.length:
-                raise c.fail(f"keys {a.fqn!r} and {b.fqn!r} claim the same bytes from {b.offset} "
-                             f"of {file}")
+    pair = shared_bytes((i.file, i.offset, i.length, i.fqn) for i in items)
+    if pair is not None:
+        (file, _o, _n, a), (_f, start, _size, b) = pair
+        raise c.fail(f"keys {a!r} and {b!r} claim the same bytes from {start} of {file}")
 
 
 def _paths(c: _Check, raw: Any, described: dict[str, Any]) -> dict[str, tuple[str | int, ...]]:

@@ -22,37 +22,55 @@ JSON header line:
 ``files``, ``blocks`` how many of the block checksums (in order) are that chunk's. So the manifest is O(tensors +
 ranks), and a load reads only the index files of the ranks whose chunks it needs.
 
-Owns: those bytes and every check on them (a row's tensor and file exist, its bytes lie inside
-its file without overlapping another row's, its block count fits its length). Pure: no torch,
-no file access. Does not own: which chunks a load needs, reading the files (loading/regular.py),
-the rest of the manifest (manifest.py, validate.py).
+``expand`` turns the regular tensors a reader wants (a region of each, or all of it) into the
+TensorEntry rows of the chunks that overlap it: the chunks and their writers follow from the
+grids without visiting the others, and only those writers' index files are read (through the
+``read`` handed in), their checksums always checked. ``expand_all`` reads every one (``ckptio
+ls`` and diff read them so without torch; verify and export through ckptio.load's pool).
+
+Owns: those bytes and every check on them (the file's checksum and length, a row's tensor and
+file exist, its bytes lie inside its file without overlapping another row's, its block count
+fits its length); the chunks and index files a region needs and the rows made of them. Pure:
+no torch, no file access. Does not own: which regions a load wants (loading/regular.py),
+reading the files (the caller's ``read``), the rest of the manifest (manifest.py, validate.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.format.check import Check, checksum_of, shape_of
-from ckptio.format.grid import REPLICATE, Grid
+from ckptio.format.checksum import new_hasher
+from ckptio.format.grid import REPLICATE, Grid, split
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
+    Chunk,
     FileInfo,
     IndexFile,
     Manifest,
     RegularTensor,
+    TensorEntry,
     show,
 )
 
-__all__ = ["INDEX_MAGIC", "IndexRow", "check_rows", "decode_index", "encode_index",
-           "index_name", "parse_section", "section_json"]
+__all__ = ["INDEX_MAGIC", "IndexRow", "ReadIndexes", "Wants", "check_rows", "decode_index",
+           "encode_index", "expand", "expand_all", "index_name", "overlapping", "parse_section",
+           "section_json"]
 
 INDEX_MAGIC = "ckptio-index"
 INDEX_VERSION = 1
+
+# Each listed index file's content, in order: its first ``nbytes`` bytes (fewer where the file
+# ends first), unverified (expand checks them).
+ReadIndexes = Callable[[list[IndexFile]], list[bytes]]
+Wants = Mapping[str, "Chunk | None"]  # regular key -> the region a reader wants (None: whole)
 
 
 @dataclass(frozen=True)
@@ -233,6 +251,168 @@ def check_rows(c: Check, rows: Iterable[tuple[IndexRow, int, int]],
         of_file.sort()
         if any(b[0] < a[1] for a, b in zip(of_file, of_file[1:])):
             raise c.fail(f"two rows claim the same bytes of data file {file}")
+
+
+# ------------------------------------------------------------------ the chunks a reader wants
+
+def expand_all(record: Manifest, read: ReadIndexes) -> Manifest:
+    """``record`` with every chunk of its regular tensors as a TensorEntry row (a manifest of
+    every chunk, as version 2 held it), every index file read."""
+    if not record.regular:
+        return record
+    expanded = expand(record, {r.key: None for r in record.regular}, read)
+    return dataclasses.replace(expanded, grids=(), regular=(), indexes=())
+
+
+def expand(record: Manifest, wants: Wants, read: ReadIndexes) -> Manifest:
+    """``record`` with a row for each chunk of a regular tensor in ``wants`` that overlaps the
+    region wanted; its regular section is kept (the keys a reader did not ask for stay known).
+    Reads the index files of those chunks' writers only."""
+    if not record.regular:
+        return record
+    by_key = {r.key: r for r in record.regular}
+    needed: dict[int, list[tuple[RegularTensor, Chunk]]] = {}
+    for key, region in wants.items():
+        if key in by_key:
+            tensor = by_key[key]
+            grid = record.grids[tensor.grid]
+            found = list(overlapping(grid, tensor, region))
+            if not found:  # an empty region (an uneven split's empty piece): one chunk
+                # still says what the key holds (kind, dtype, shape) for the load's checks
+                found = list(itertools.islice(overlapping(grid, tensor, None), 1))
+            for rank, chunk in found:
+                needed.setdefault(rank, []).append((tensor, chunk))
+    entries = [TensorEntry(tensor.key, "tensor", tensor.dtype, tensor.shape, chunk, row.file,
+                           row.offset, _nbytes(tensor, chunk), row.checksum, None, row.blocks)
+               for rank, rows in _rows(record, needed, read).items()
+               for (tensor, chunk), row in zip(needed[rank], rows)]
+    return dataclasses.replace(record, tensors=(*record.tensors, *entries))
+
+
+def overlapping(grid: Grid, tensor: RegularTensor, region: Chunk | None) -> Iterator[
+        tuple[int, Chunk]]:
+    """(writer rank, chunk) of each non-empty chunk of ``tensor`` that overlaps ``region``
+    (None: all): along each mesh dim only the pieces that reach the region are visited, and
+    along replicated dims only the writer's coordinate (Grid.writer)."""
+    shape = tensor.shape
+    if region is not None and (region.flat or not region.fits(shape)):
+        region = None
+    if region is not None and not region.numel:
+        return
+    fixed = _writer_digits(grid, tensor.key)
+    coordinate = [0] * len(grid.shape)
+
+    def walk(m: int, offsets: list[int], sizes: list[int]) -> Iterator[tuple[int, Chunk]]:
+        if m == len(grid.shape):
+            if all(sizes):
+                yield grid.ranks[_flat(grid, coordinate)], grid.chunk(shape, tuple(coordinate))
+            return
+        dim, parts = grid.dims[m], grid.shape[m]
+        if dim == REPLICATE:
+            coordinate[m] = fixed[m]
+            yield from walk(m + 1, offsets, sizes)
+            return
+        for index in _reaching(parts, offsets[dim], sizes[dim], region, dim):
+            start, length = split(sizes[dim], parts, index)
+            coordinate[m] = index
+            yield from walk(m + 1, _set(offsets, dim, offsets[dim] + start),
+                            _set(sizes, dim, length))
+
+    yield from walk(0, [0] * len(shape), list(shape))
+
+
+def _reaching(parts: int, base: int, size: int, region: Chunk | None, dim: int) -> range:
+    """The pieces (of ``size`` elements from ``base`` cut into ``parts``) that reach the
+    region along ``dim``."""
+    if region is None or size == 0:
+        return range(parts)
+    piece = -(-size // parts)
+    lo = region.offsets[dim] - base
+    hi = lo + region.sizes[dim]
+    return range(max(0, lo // piece), min(parts, max(0, -(-hi // piece))))
+
+
+def _writer_digits(grid: Grid, key: str) -> dict[int, int]:
+    """The coordinate, along each replicated mesh dim, of the replica that writes ``key``."""
+    writer, digits = grid.writer(key), {}
+    for m in reversed(range(len(grid.shape))):
+        if grid.dims[m] == REPLICATE:
+            writer, digits[m] = divmod(writer, grid.shape[m])
+    return digits
+
+
+def _flat(grid: Grid, coordinate: list[int]) -> int:
+    flat = 0
+    for size, at in zip(grid.shape, coordinate):
+        flat = flat * size + at
+    return flat
+
+
+def _set(values: list[int], at: int, value: int) -> list[int]:
+    out = list(values)
+    out[at] = value
+    return out
+
+
+def _nbytes(tensor: RegularTensor, chunk: Chunk) -> int:
+    return chunk.numel * DTYPE_ITEMSIZE[tensor.dtype]
+
+
+def _check(record: Manifest, rank: int, index: IndexFile | None = None) -> Check:
+    """The errors about rank ``rank``'s index file (``index``, when the manifest lists it)."""
+    name = "(none listed)" if index is None else index.name
+    return Check(f"index file {name} of rank {rank} (save {record.save_id})")
+
+
+def _rows(record: Manifest, needed: Mapping[int, list[tuple[RegularTensor, Chunk]]],
+          read: ReadIndexes) -> dict[int, list[IndexRow]]:
+    """Rank -> the IndexRow of each of its ``needed`` chunks, in order, from its index file
+    (all read in one pass, checksums checked); every row used is checked."""
+    files = {i.rank: i for i in record.indexes}
+    missing = [r for r in needed if r not in files]
+    if missing:
+        raise _check(record, missing[0]).fail(
+            f"the manifest lists no index file for rank {missing[0]}, whose chunks this load "
+            "needs")
+    data = _contents(record, [files[r] for r in sorted(needed)], read)
+    by_name = {f.name: f for f in record.files}
+    tensors = {r.key: r for r in record.regular}
+    out: dict[int, list[IndexRow]] = {}
+    for rank, chunks in needed.items():
+        c = _check(record, rank, files[rank])
+        rows = {row.key: row for row in decode_index(data[rank], c, record.save_id, rank,
+                                                     tensors)}
+        absent = [(t.key, chunk) for t, chunk in chunks if t.key not in rows]
+        if absent:
+            key, chunk = absent[0]
+            raise c.fail(f"rank {rank} wrote chunk {chunk.offsets}+{chunk.sizes} of {key!r} "
+                         "(its grid says so) but its index file does not list it")
+        out[rank] = [rows[t.key] for t, _chunk in chunks]
+        check_rows(c, ((row, _nbytes(t, chunk), DTYPE_ITEMSIZE[t.dtype])
+                       for row, (t, chunk) in zip(out[rank], chunks)),
+                   by_name, rank, record.block_nbytes)
+    return out
+
+
+def _contents(record: Manifest, files: list[IndexFile], read: ReadIndexes) -> dict[int, bytes]:
+    """Each index file's content, by rank, its length and checksum checked (even where a
+    load's data checksums are not: a wrong row would read wrong bytes)."""
+    if not files:
+        return {}
+    contents = read(files)
+    if len(contents) != len(files):
+        raise ValueError(f"read gave {len(contents)} index files for {len(files)} asked")
+    out = {}
+    for f, data in zip(files, contents):
+        if len(data) != f.nbytes:
+            raise _check(record, f.rank, f).fail(
+                f"it holds {len(data)} bytes where the manifest lists {f.nbytes}")
+        hasher = new_hasher(record.checksum_algorithm)
+        hasher.update(data)
+        if hasher.hexdigest() != f.checksum:
+            raise _check(record, f.rank, f).fail("its bytes do not match its checksum")
+        out[f.rank] = data
+    return out
 
 
 def _little(col: array[int]) -> bytes:

@@ -8,6 +8,7 @@ Does not own: how these are computed (plan, layout, reshard) or stored (manifest
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -32,6 +33,7 @@ __all__ = [
     "RegularTensor",
     "TensorEntry",
     "WriteItem",
+    "Written",
     "show",
 ]
 
@@ -188,6 +190,17 @@ class IndexFile:
     name: str
     nbytes: int  # of its content (the file may be padded beyond)
     checksum: str
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one rank's save wrote, as it tells the coordinator: its manifest rows keyed by the
+    index of each item in its plan (built once, where their bytes were written), its data
+    files, and the index file of its regular items' chunks (if any)."""
+
+    entries: Mapping[int, TensorEntry]
+    files: tuple[FileInfo, ...]
+    index: IndexFile | None = None
 
 
 @dataclass(frozen=True)

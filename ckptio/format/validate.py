@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Any
 
 from ckptio.format import regular, values
-from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of
+from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of, shared_bytes
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import (
@@ -193,19 +193,13 @@ def _alias(c: Check, raw: Any) -> tuple[str, str]:
 
 
 def _check_shared_bytes(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
-    """No two entries claim the same bytes of a file (a save gives each its own), so what a
-    load allocates is bounded by the size of the data files."""
-    by_file: dict[str, list[TensorEntry]] = {}
-    for t in tensors:
-        if t.nbytes:
-            by_file.setdefault(t.file, []).append(t)
-    for file, entries in by_file.items():
-        entries.sort(key=lambda e: e.offset)
-        for a, b in zip(entries, entries[1:]):
-            if b.offset < a.offset + a.nbytes:
-                raise c.fail(f"tensors {show(a.key)} and {show(b.key)} claim the same bytes "
-                             f"[{b.offset}, {min(a.offset + a.nbytes, b.offset + b.nbytes)}) "
-                             f"of data file {file}")
+    """No two entries claim the same bytes of a file (check.shared_bytes)."""
+    pair = shared_bytes((t.file, t.offset, t.nbytes, t.key) for t in tensors)
+    if pair is not None:
+        (file, _offset, _nbytes, a), (_file, start, size, b) = pair
+        end = min(pair[0][1] + pair[0][2], start + size)
+        raise c.fail(f"tensors {show(a)} and {show(b)} claim the same bytes [{start}, {end}) "
+                     f"of data file {file}")
 
 
 def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...]) -> None:

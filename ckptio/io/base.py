@@ -16,9 +16,13 @@ __all__ = ["FileHandle", "IOBackend", "completed"]
 
 @dataclass
 class FileHandle:
-    path: str
-    fd: int
-    direct: bool  # O_DIRECT: offsets, lengths and buffer addresses must be BLOCK-aligned
+    """An open file of a backend, as its callers hold it: opaque but for what messages name
+    and the alignment its transfers need. Callers get handles from a store (storage/files.py:
+    a file name in, a handle out), never from a path of their own."""
+
+    path: str  # what messages name (the store's path_of the file)
+    token: int  # the backend's own number for the open file (a descriptor, or a table key)
+    direct: bool  # offsets, lengths and buffer addresses must be BLOCK-aligned (O_DIRECT)
 
 
 @runtime_checkable
@@ -41,6 +45,12 @@ class IOBackend(Protocol):
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         """Close, after fsync when ``sync`` (the data is durable when this returns)."""
+        ...
+
+    def register_buffers(self, view: memoryview) -> bool:
+        """Pin ``view`` (the whole staging pool) for transfers that skip per-request mapping
+        (io_uring fixed buffers); False where the backend has no such thing (then nothing
+        changes)."""
         ...
 
     def shutdown(self) -> None:

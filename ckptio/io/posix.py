@@ -50,9 +50,9 @@ class PosixBackend:
         fh = self._open(path, flags, 0o644)
         try:
             if nbytes:
-                _preallocate(fh.fd, nbytes)
+                _preallocate(fh.token, nbytes)
         except OSError as exc:
-            os.close(fh.fd)
+            os.close(fh.token)
             raise _error("preallocating", path, 0, exc) from None
         return fh
 
@@ -96,11 +96,15 @@ class PosixBackend:
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         try:
             if sync:
-                os.fsync(fh.fd)
+                os.fsync(fh.token)
         except OSError as exc:
             raise _error("fsync", fh.path, 0, exc) from None
         finally:
-            os.close(fh.fd)
+            os.close(fh.token)
+
+    def register_buffers(self, view: memoryview) -> bool:
+        """No fixed buffers here: every request maps its own."""
+        return False
 
     def shutdown(self) -> None:
         with self._lock:
@@ -122,7 +126,7 @@ def _pwrite_all(fh: FileHandle, offset: int, data: memoryview) -> int:
     done = 0
     try:
         while done < len(data):
-            n = os.pwrite(fh.fd, data[done:], offset + done)
+            n = os.pwrite(fh.token, data[done:], offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, "write returned 0 bytes")
             done += n
@@ -135,7 +139,7 @@ def _pread_all(fh: FileHandle, offset: int, into: memoryview) -> int:
     done = 0
     try:
         while done < len(into):
-            n = os.preadv(fh.fd, [into[done:]], offset + done)
+            n = os.preadv(fh.token, [into[done:]], offset + done)
             if n == 0:
                 break  # end of file: the caller compares against the expected length
             done += n

@@ -124,7 +124,7 @@ class S3Backend:
 
     def _opened(self, fh: FileHandle) -> _Upload | _Object:
         with self._lock:
-            opened = self._open.get(fh.fd)
+            opened = self._open.get(fh.token)
         if opened is None:
             raise StorageIOError(f"{fh.path} is not open in this S3 backend (closed already?)")
         return opened
@@ -206,7 +206,7 @@ class S3Backend:
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         with self._lock:
-            opened = self._open.pop(fh.fd, None)
+            opened = self._open.pop(fh.token, None)
         if not isinstance(opened, _Upload):
             return
         if not sync:
@@ -326,6 +326,10 @@ class S3Backend:
             return call(self.settings, what, request)
         except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
             raise failed(what, exc) from exc
+
+    def register_buffers(self, view: memoryview) -> bool:
+        """No fixed buffers here: every request maps its own."""
+        return False
 
     def shutdown(self) -> None:
         with self._lock:

@@ -18,6 +18,8 @@ Does not own: what is written or read (io/s3.py: the backend; storage/s3.py: the
 
 from __future__ import annotations
 
+import dataclasses
+
 import http.client
 import logging
 import os
@@ -97,9 +99,8 @@ class S3Settings:
 
     @classmethod
     def of(cls, options: Options) -> S3Settings:
-        return cls(options.s3_endpoint_url, options.s3_region, options.s3_profile,
-                   options.s3_concurrency, options.s3_retry_deadline_s,
-                   options.s3_lock_lease_s, options.s3_conditional)
+        """Options' ``s3_<field>`` for each field (Options holds the defaults users set)."""
+        return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)})
 
     def endpoint(self) -> str:
         """For messages: the endpoint as configured (or AWS's default)."""

@@ -133,7 +133,7 @@ class UringBackend:
         return -1
 
     def _push(self, ring: Ring, request_id: int, r: _Request) -> None:
-        ring.push(r.opcode(), r.fh.fd, r.offset + r.done, r.address + r.done, len(r.view) - r.done,
+        ring.push(r.opcode(), r.fh.token, r.offset + r.done, r.address + r.done, len(r.view) - r.done,
                   request_id, max(r.buf_index, 0))
 
     def _started(self) -> Ring:

@@ -24,7 +24,7 @@ from ckptio.io.stage import torch_dtype
 from ckptio.loading import merge
 from ckptio.planning.sharding import held
 
-__all__ = ["KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
+__all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
            "fill_in_place", "selector", "stored_value"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]

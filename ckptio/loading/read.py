@@ -18,12 +18,12 @@ over the staging pool, up to ``2 * depth`` reads in flight.
 Owns: Reads -> spans, the read-ahead loop, checksum verification (whole-entry, block, and with
 ``check_blocks``, as verify asks, the block checksums of whole entries too), truncation checks,
 copying into destinations. Does not own: which regions are wanted (fill.py), the piece
-arithmetic (reshard.py), coalescing (layout.py), the I/O (io).
+arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
+StoreFiles, storage/files.py) or the I/O (io).
 """
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -34,11 +34,12 @@ import torch
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.checksum import BlockHasher, Hasher, new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
-from ckptio.io import FileHandle, IOBackend
+from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
 from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
+from ckptio.storage.files import StoreFiles
 
 __all__ = ["read_regions"]
 
@@ -155,14 +156,14 @@ def _misaligned(entry: TensorEntry) -> bool:
 class _Checker:
     """The checksums of spans as their bytes arrive, against the manifest's."""
 
-    def __init__(self, directory: str, algorithm: str | None, block_nbytes: int,
+    def __init__(self, source: StoreFiles, algorithm: str | None, block_nbytes: int,
                  check_blocks: bool) -> None:
-        self.directory, self.algorithm = directory, algorithm
+        self.source, self.algorithm = source, algorithm
         self.block_nbytes, self.check_blocks = block_nbytes, check_blocks
         self.progress: dict[int, Hasher | BlockHasher] = {}  # id(whole span) -> its hash so far
 
     def path(self, entry: TensorEntry) -> str:
-        return os.path.join(self.directory, entry.file)
+        return self.source.where(entry.file)
 
     def whole(self, span: _Span, view: memoryview, last: bool) -> None:
         """The next bytes of a whole-entry span; at its last, its checksum (and with
@@ -237,20 +238,20 @@ class _Checker:
 # the read-ahead loop
 
 
-def read_regions(directory: str, reads: Sequence[Read], *, pool: BufferPool, backend: IOBackend,
+def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
                  algorithm: str | None, block_nbytes: int, depth: int,
                  check_blocks: bool = False) -> int:
-    """Fill every read's destination from the data files in ``directory``. ``algorithm`` None
+    """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. -> bytes read."""
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
-    checker = _Checker(directory, algorithm, block_nbytes, check_blocks)
+    checker = _Checker(source, algorithm, block_nbytes, check_blocks)
     for span in spans:
         if span.whole and span.nbytes == 0:  # no read covers it
             checker.whole(span, memoryview(b""), last=True)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
-    return _run(ranges, pool, backend, depth, checker)
+    return _run(ranges, pool, source, depth, checker)
 
 
 @dataclass
@@ -274,7 +275,7 @@ def _give_back(pool: BufferPool, own: bool, buffer: Buffer) -> None:
         pool.close()
 
 
-def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, backend: IOBackend, depth: int,
+def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, depth: int,
          checker: _Checker) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers),
     applying each in order as it completes. -> bytes read."""
@@ -286,7 +287,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, backend: IOBackend, d
     try:
         while todo or pending:
             while todo and len(pending) < ahead:
-                pending.append(_submit(todo.popleft(), handles, pool, backend, checker.directory))
+                pending.append(_submit(todo.popleft(), handles, pool, source))
             flight = pending.popleft()
             try:
                 _apply(flight.range, flight.buffer, flight.future.result(), checker)
@@ -298,23 +299,23 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, backend: IOBackend, d
             flight.future.exception()  # the read must finish before its buffer is reused
             flight.release()
         for fh in handles.values():
-            backend.close(fh, sync=False)
+            source.close(fh, sync=False)
     return nbytes
 
 
 def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
-            backend: IOBackend, directory: str) -> _InFlight:
+            source: StoreFiles) -> _InFlight:
     if rng.file not in handles:
-        handles[rng.file] = backend.open_read(os.path.join(directory, rng.file))
+        handles[rng.file] = source.open_read(rng.file)
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
-    source = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
-    buffer = source.acquire()
+    buffers = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
+    buffer = buffers.acquire()
     try:
-        future = backend.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
+        future = source.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
     except BaseException:
-        _give_back(source, own, buffer)
+        _give_back(buffers, own, buffer)
         raise
-    return _InFlight(rng, source, own, buffer, future)
+    return _InFlight(rng, buffers, own, buffer, future)
 
 
 def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: _Checker) -> None:

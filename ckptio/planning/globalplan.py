@@ -16,6 +16,8 @@ torch, no collectives (dist.py moves the bytes, wire.py encodes them).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -300,9 +302,7 @@ def manifest_entries(plans: Sequence[RankPlan], assignments: Sequence[Assignment
         for index in assignment.writes:
             entry = entries[index]
             if index in assignment.own:
-                entry = TensorEntry(entry.key, entry.kind, entry.dtype, entry.shape, entry.chunk,
-                                    entry.file, entry.offset, entry.nbytes, entry.checksum,
-                                    plan.rank, entry.blocks)
+                entry = dataclasses.replace(entry, rank=plan.rank)
             out.append(entry)
     return out
 

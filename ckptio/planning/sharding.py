@@ -110,7 +110,7 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
         name = type(placement).__name__
         if placement.is_partial() or name not in ("Shard", "Replicate"):
             raise UnsupportedStateError(
-                f"key {key!r}: DTensor placement {placement} is not a region of the tensor "
+                f"key {key!r}: DTensor placement {placement!r} is not a region of the tensor "
                 "(only Shard and Replicate are); redistribute it first, e.g. "
                 "t.redistribute(placements=[Shard(0)]) or t.full_tensor()")
     shape = tuple(value.shape)

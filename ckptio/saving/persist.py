@@ -8,14 +8,14 @@ fsyncs. Keeping checksums off the capturing thread keeps the training loop's sha
 
 Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
 side stream with one event per buffer (no per-tensor synchronisation), progress counters,
-waiting for every write, fsync. Does not own: where items go (layout.py), the files' commit
-(the Store, storage/), the pool (io/stage.py) or the order of a whole save (session.py).
+waiting for every write, fsync. Does not own: where items go (layout.py), the files themselves
+(opened by name through the store's StoreFiles, storage/files.py), their commit (the Store),
+the pool (io/stage.py) or the order of a whole save (session.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,11 +25,12 @@ import torch
 
 from ckptio.format.checksum import BlockHasher
 from ckptio.errors import CkptError
-from ckptio.io import FileHandle, IOBackend
+from ckptio.io import FileHandle
 from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
 from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
+from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob", "ready_events"]
 
@@ -52,14 +53,14 @@ class Progress:
 class SaveJob:
     """One save's bytes: ``capture()`` then ``finish()``; ``abandon()`` after any failure."""
 
-    def __init__(self, directory: str, files: Sequence[FileLayout], sources: dict[str, torch.Tensor],
-                 *, pool: BufferPool, backend: IOBackend, algorithm: str, rank: int,
+    def __init__(self, target: StoreFiles, files: Sequence[FileLayout],
+                 sources: dict[str, torch.Tensor], *, pool: BufferPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
                  block_nbytes: int = 1 << 20) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread)."""
-        self.directory, self.files, self.sources = directory, files, sources
-        self.pool, self.backend, self.rank = pool, backend, rank
+        self.target, self.files, self.sources = target, files, sources
+        self.pool, self.rank = pool, rank
         self.algorithm = algorithm
         self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
         # Hashers are made by the hasher thread as each entry's first bytes arrive and manifest
@@ -128,8 +129,7 @@ class SaveJob:
         so a save's caller never waits for fallocate (45 ms per 0.5 GB file here)."""
         if index not in self._handles:
             layout = self.files[index]
-            self._handles[index] = self.backend.open_write(
-                os.path.join(self.directory, layout.name), layout.nbytes)
+            self._handles[index] = self.target.open_write(layout.name, layout.nbytes)
         return self._handles[index]
 
     def _hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
@@ -154,7 +154,7 @@ class SaveJob:
                 raise CkptError("an earlier write of this save failed")
             for index, start, n in pieces:
                 self._hasher(index).update(buffer.view[start:start + n])
-            future = self.backend.submit_write(self._handle(file), offset, buffer.view[:nbytes])
+            future = self.target.submit_write(self._handle(file), offset, buffer.view[:nbytes])
         except BaseException as exc:
             self.pool.release(buffer)
             self._fail(exc)
@@ -202,7 +202,7 @@ class SaveJob:
         for index in range(len(self.files)):
             self._handle(index)  # a file of only empty items got no buffer: create it still
         while self._handles:
-            self.backend.close(self._handles.pop(min(self._handles)), sync=True)
+            self.target.close(self._handles.pop(min(self._handles)), sync=True)
         placed = ((f.name, p) for f in self.files for p in f.placements)
         entries = [_entry(name, p, *self._hasher(index).digests())
                    for index, (name, p) in enumerate(placed)]
@@ -222,7 +222,7 @@ class SaveJob:
         """After a failure: let in-flight work finish (its buffers return), close without fsync."""
         self._drain()
         while self._handles:
-            self.backend.close(self._handles.pop(min(self._handles)), sync=False)
+            self.target.close(self._handles.pop(min(self._handles)), sync=False)
 
 
 class _Window:

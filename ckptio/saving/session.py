@@ -34,9 +34,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -52,9 +53,8 @@ from ckptio.format.types import (
     Placement,
     TensorEntry,
     WriteItem,
+    Written,
 )
-from ckptio.io import IOBackend
-from ckptio.io.stage import BufferPool
 from ckptio.options import BLOCK, Options
 from ckptio.planning.layout import align_up, plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
@@ -63,22 +63,12 @@ from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import SaveHandle, lazy_order
 from ckptio.storage import steps
 from ckptio.storage.base import Exclusive, Store
+from ckptio.storage.files import Staging
+from ckptio.version import __version__
 
-__all__ = ["Save", "SaveContext", "Staging", "begin"]
+__all__ = ["Save", "SaveContext", "begin", "default_meta", "file_nbytes"]
 
 log = logging.getLogger("ckptio")
-
-
-class Staging(Protocol):
-    """The Checkpointer's staging pool and I/O backend, and its lock (one save or load at a
-    time uses them)."""
-
-    lock: threading.Lock
-
-    def for_store(self, store: Store) -> tuple[BufferPool, IOBackend]: ...
-
-    def fit(self, file_nbytes: Sequence[int]) -> None:
-        """Make the pool hold files of these sizes whole, where the budget allows."""
 
 
 @dataclass(frozen=True)
@@ -243,14 +233,13 @@ def _opened(store: Store, names: list[str]) -> Iterator[None]:
 
 
 def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
-        collective.Written | None, BaseException | None]:
+        Written | None, BaseException | None]:
     """5 capture, 6 drain, 7 fsync: this rank's bytes durable; -> (its results keyed by item
     index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        location = ctx.store.location
-        pool, backend = ctx.staging.for_store(ctx.store)
-        job = persist.SaveJob(location, part.files, part.sources, pool=pool, backend=backend,
+        pool, target = ctx.staging.files(ctx.store)
+        job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
                               block_nbytes=ctx.block_nbytes)
@@ -265,7 +254,7 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
             rows = [e for e in entries if e.key in part.regular]
             index, info = _write_index(ctx, part.index_file, part.agreement.save_id, rows)
             entries, infos = [e for e in entries if e.key not in part.regular], [*infos, info]
-        return ({part.index_of[e.key]: e for e in entries}, infos, index), None
+        return Written({part.index_of[e.key]: e for e in entries}, tuple(infos), index), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
         if job is not None:
             job.abandon()
@@ -280,10 +269,10 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
         regular.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
     item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
     layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
-    pool, backend = ctx.staging.for_store(ctx.store)
-    job = persist.SaveJob(ctx.store.location, [layout],
+    pool, target = ctx.staging.files(ctx.store)
+    job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
-                          pool=pool, backend=backend, algorithm=ctx.options.checksum,
+                          pool=pool, algorithm=ctx.options.checksum,
                           rank=ctx.group.rank, block_nbytes=ctx.block_nbytes)
     try:
         job.capture()
@@ -295,7 +284,7 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
 
 
 def _conclude(ctx: SaveContext, agreement: collective.Agreement,
-              written: collective.Written | None, error: BaseException | None,
+              written: Written | None, error: BaseException | None,
               held: Exclusive | None) -> None:
     """8 conclude, 9 commit (on the coordinator), 10 clean up started after the commit."""
     collective.conclude(ctx.group, agreement, written, error, ctx.store, ctx.meta,
@@ -316,3 +305,17 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
         if other is not exc:
             log.warning("ckptio: rank %d could not report its failed save of %s to the other "
                         "ranks: %s", ctx.group.rank, ctx.store.location, other)
+
+
+def file_nbytes(state: Any, max_file_bytes: int) -> list[int]:
+    """The sizes of the data files one process's save of ``state`` writes (as planned): what
+    the staging pool must hold for async saves of it to return at copy speed."""
+    plan, _sources = build_plan(flatten(state), allow_pickle=True)
+    return [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
+                                         max_file_bytes=max_file_bytes)]
+
+
+def default_meta() -> dict[str, Any]:
+    """The manifest's ``meta`` of a save through ckptio's own API."""
+    return {"ckptio_version": __version__, "torch_version": torch.__version__,
+            "created_unix": time.time()}

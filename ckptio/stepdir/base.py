@@ -1,33 +1,40 @@
 """The root a CheckpointManager keeps its steps in, as a small protocol: StepRoot.
 
-A root is a local directory (local.py: ``<dir>/step-<N>`` directories) or an S3 prefix (s3.py:
-``s3://bucket/run/step-<N>/`` prefixes). The manager only ever goes through these methods:
+A root is a local directory (local.py: ``<dir>/step-<N>`` directories), an S3 prefix (s3.py:
+``s3://bucket/run/step-<N>/`` prefixes) or a host-memory location (memory.py:
+``mem://run/step-<N>`` locations). The manager only ever goes through these methods:
 
 - ``path(step)``: the step's checkpoint location (a Store's, see api.store_for);
 - ``scan()``: the steps there, committed and incomplete (steps being removed are not listed);
 - ``is_committed(step)``: whether that step holds a committed manifest;
 - ``hide(step)``: take a committed step out of the listing at once, crash-safely (local: a
-  rename; S3: a marker object, then the manifest deleted); False, with a warning, if it failed;
+  rename; memory: a move under the host's lock; S3: a marker object, then the manifest
+  deleted); False, with a warning, if it failed or there is no such step;
 - ``removal(step=None)``: the work that finishes removing the hidden steps (all of them, or
   only ``step``'s, before a save into it), to run on a thread or at once; None if none is due;
 - ``nothing_here()``: why the root holds no step, and what it holds instead.
 
-Owns: the protocol, which names are steps (``step-N`` exactly), and the wording of
-nothing_here() shared by both roots. Does not own: which steps to keep or restore (manager.py),
-how a root lists, hides and removes (local.py, s3.py), one checkpoint's files (storage/).
+Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
+root (local.py, memory.py) gives a dropped step, and the wording of nothing_here() shared by the
+roots. Does not own: which steps to keep or restore (manager.py), how a root lists, hides and
+removes (local.py, memory.py, s3.py), one checkpoint's files (storage/).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable
 from typing import Protocol
 
 __all__ = [
+    "HIDDEN_PREFIX",
     "TORCH_FILES",
     "Listing",
     "Removal",
     "StepRoot",
+    "hidden_name",
+    "is_hidden",
     "nothing_message",
     "step_name",
     "step_of",
@@ -37,6 +44,8 @@ Listing = dict[str, list[int]]  # "committed" and "incomplete": steps, ascending
 Removal = Callable[[], None]  # finishes removing hidden steps; its failures are logged
 TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
+HIDDEN_PREFIX = ".deleting-step-"
+_HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
 
 
 class StepRoot(Protocol):
@@ -67,6 +76,16 @@ def step_of(name: str) -> int | None:
     if match is None or name != step_name(int(match.group(1))):
         return None
     return int(match.group(1))
+
+
+def hidden_name(step: int) -> str:
+    """A fresh name for ``step`` hidden by a retention: never a step, never listed."""
+    return f"{HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}"
+
+
+def is_hidden(name: str) -> bool:
+    """Whether ``name`` is one hidden_name() made (a step out of the listing, to remove)."""
+    return _HIDDEN.match(name) is not None
 
 
 def nothing_message(location: str, names: list[str], *, itself: bool, checkpoints: list[str],

@@ -5,9 +5,9 @@ retention hides a dropped step by renaming it ``.deleting-step-<N>-<hex>`` (atom
 the directory, and only then removes it (shutil.rmtree, on the manager's thread): a kill never
 leaves a half-deleted step listed, and the next retention finishes such leftovers.
 
-Owns: LocalRoot (listing, the hidden names, the rename, the fsync, the removal, what a
-directory holds instead of steps). Does not own: which steps to keep or restore (manager.py)
-or one checkpoint's files (storage/).
+Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
+of steps). Does not own: the hidden names (base.py), which steps to keep or restore
+(manager.py) or one checkpoint's files (storage/).
 """
 
 from __future__ import annotations
@@ -15,21 +15,26 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
-import secrets
 import shutil
 import warnings
 
 from ckptio.errors import StorageIOError
-from ckptio.stepdir.base import Listing, Removal, nothing_message, step_name, step_of
+from ckptio.stepdir.base import (
+    HIDDEN_PREFIX,
+    Listing,
+    Removal,
+    hidden_name,
+    is_hidden,
+    nothing_message,
+    step_name,
+    step_of,
+)
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import store_for
 
 __all__ = ["HIDDEN_PREFIX", "LocalRoot", "fsync_dir", "hidden", "is_committed", "remove"]
 
 log = logging.getLogger("ckptio")
-HIDDEN_PREFIX = ".deleting-step-"
-_HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
 
 
 class LocalRoot:
@@ -59,7 +64,7 @@ class LocalRoot:
     def hide(self, step: int) -> bool:
         """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
         path = self.path(step)
-        target = os.path.join(self.location, f"{HIDDEN_PREFIX}{step}-{secrets.token_hex(4)}")
+        target = os.path.join(self.location, hidden_name(step))
         try:
             os.rename(path, target)
         except OSError as exc:
@@ -84,7 +89,7 @@ class LocalRoot:
         if not os.path.isdir(directory):
             return (f"no checkpoint to restore: {directory} does not exist (nothing saved there "
                     "yet)")
-        names = sorted(n for n in os.listdir(directory) if not _HIDDEN.match(n))
+        names = sorted(n for n in os.listdir(directory) if not is_hidden(n))
         return nothing_message(
             directory, names, itself=is_committed(directory), noun="directory",
             checkpoints=[n for n in names if is_committed(os.path.join(directory, n))])
@@ -114,7 +119,7 @@ def is_committed(path: str) -> bool:
 def hidden(directory: str) -> list[str]:
     """Steps hidden by a retention and not yet removed (by a removal killed half-way, say)."""
     return [e.path for e in _entries(directory)
-            if _HIDDEN.match(e.name) and e.is_dir(follow_symlinks=False)]
+            if is_hidden(e.name) and e.is_dir(follow_symlinks=False)]
 
 
 def remove(paths: list[str]) -> None:

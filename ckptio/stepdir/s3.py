@@ -6,7 +6,8 @@ only (an empty prefix, which some servers keep listing after its objects went, i
 
 S3 has no rename, so a retention removes a step in an order that is safe at every point:
 
-1. PUT the marker ``step-N/.deleting``: from then on the prefix is hidden from every listing
+1. PUT the marker ``step-N/.deleting`` (once a HEAD found the step committed: a step that is not
+   there is never marked): from then on the prefix is hidden from every listing
    (as ``.deleting-step-*`` directories are), so a kill leaves no half-deleted step listed;
 2. DELETE the manifest: the step is no longer committed, whatever reads it directly;
 3. on the manager's removal thread: DELETE the manifest (again: a kill may have come between 1
@@ -91,14 +92,12 @@ class S3Root:
 
     def hide(self, step: int) -> bool:
         """Mark the step (hidden from listings), then delete its manifest; False (and a
-        warning) if the marker could not be written: the step is then kept whole."""
-        base, url, c, bucket = self._base(step), self.path(step), self._client, self.where.bucket
-        try:
-            self._call(f"marking {url} for removal", lambda: c.put_object(
-                Bucket=bucket, Key=base + MARKER, Body=_MARKER_BODY))
-        except CkptError as exc:
-            _warn(f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
-                  "again after the next save")
+        warning) if it holds no committed manifest (nothing is marked) or the marker could not
+        be written: the step is then kept whole."""
+        base, url = self._base(step), self.path(step)
+        refusal = self._mark(step)
+        if refusal is not None:
+            _warn(refusal)
             return False
         self._marked.add(step)
         problems = self._delete([base + MANIFEST_NAME], url)
@@ -106,6 +105,20 @@ class S3Root:
             log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
                         "of the listing and its removal tries again", url, "; ".join(problems))
         return True
+
+    def _mark(self, step: int) -> str | None:
+        """PUT the marker of a committed ``step`` -> None, or why it was not marked."""
+        base, url, c, bucket = self._base(step), self.path(step), self._client, self.where.bucket
+        try:
+            if not self._exists(base + MANIFEST_NAME):
+                return (f"ckptio: retention could not remove {url}: it holds no committed "
+                        "checkpoint (removed already?)")
+            self._call(f"marking {url} for removal", lambda: c.put_object(
+                Bucket=bucket, Key=base + MARKER, Body=_MARKER_BODY))
+        except CkptError as exc:
+            return (f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
+                    "again after the next save")
+        return None
 
     def removal(self, step: int | None = None) -> Removal | None:
         """``step=None``: finishing every marked step the last scan() or hide() saw (failures

@@ -1,10 +1,11 @@
 """Where a checkpoint's bytes go and how it is committed, listed and cleaned up.
 
 The contract is ``base.Store`` (with ``base.Exclusive``); ``local.LocalStore`` (a directory:
-O_DIRECT / io_uring backends) and ``memory.MemoryStore`` (host memory) implement it; ``steps``
-builds the save's and load's whole-checkpoint steps from it; ``commit`` keeps the older
-function-style entry points as wrappers. The conformance suite every store passes is
-ckptio/testing/store_conformance.py.
+O_DIRECT / io_uring backends), ``memory.MemoryStore`` (host memory) and ``s3.S3Store`` (a prefix
+in a bucket) implement it; ``files`` binds a store to a backend (a file name in, a handle out:
+the only way above storage/ reaches a file) and names its capabilities; ``select`` is the
+registry of location schemes; ``steps`` builds the save's and load's whole-checkpoint steps
+from any store. The conformance suite every store passes is ckptio/testing/store_conformance.py.
 
 Layer: above planning, io and format; below distributed.
 

@@ -1,15 +1,19 @@
 """The storage contract: where one checkpoint's files live and how it is committed.
 
 A ``Store`` is one checkpoint location (a local directory: local.py; host memory: memory.py;
-later a prefix in an S3 bucket). Data bytes move through an ``IOBackend`` the store makes
-(``backend()``: positioned reads and writes from the staging pool; O_DIRECT/io_uring for a
-directory, a dict for host memory, multipart uploads and ranged GETs for an object store) on
-the paths ``path_of(name)`` gives; the store itself does the few whole-checkpoint operations:
+a prefix in an S3 bucket: s3.py; any other scheme a user registers: select.py). Data bytes move
+through an ``IOBackend`` the store makes (``backend()``: positioned reads and writes from the
+staging pool; O_DIRECT/io_uring for a directory, a dict for host memory, multipart uploads and
+ranged GETs for an object store), one per ``backend_kind`` shared by every store of that kind,
+and reach the store's files only by name, through files.StoreFiles (the store turns a name into
+what its backend opens: ``path_of``, also what messages name). What a store can do is its
+``capabilities`` (files.Capabilities), never a type check. The store itself does the few
+whole-checkpoint operations:
 
     prepare()           make the location; refuse one that cannot hold a checkpoint
     exclusive(...)      serialise saves into this location across processes and machines
     commit(manifest)    make the manifest visible atomically, after every data file is durable
-                        (conditional where supports_conditional_commit: refused if another
+                        (conditional where capabilities.conditional_commit: refused if another
                         save committed since exclusive() was taken)
     read_manifest()     the committed manifest's bytes, or an error saying what is there instead
     sizes(names)        the stored size of each named file (bounds checks before reading;
@@ -37,11 +41,12 @@ import re
 import secrets
 import time
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, StorageIOError
 from ckptio.io.base import IOBackend
 from ckptio.options import Options
+from ckptio.storage.files import Capabilities
 
 __all__ = [
     "IF_LOCKED",
@@ -49,11 +54,14 @@ __all__ = [
     "Exclusive",
     "Store",
     "check_if_locked",
+    "claim_of",
+    "exact",
     "is_ours",
     "new_save_id",
     "plain_name",
 ]
 
+T = TypeVar("T")
 IF_LOCKED = ("wait", "raise")
 TMP_PREFIX = ".manifest-"  # a manifest being committed (stores that commit by rename)
 # exactly the names a ckptio save creates (layout.data_file_name, the manifest's temporary
@@ -81,10 +89,31 @@ def plain_name(name: str, location: str) -> str:
     return name
 
 
+def exact(data: bytes, nbytes: int | None, where: str, offset: int) -> bytes:
+    """``data`` if it is all ``nbytes`` asked for (read_file); else StorageIOError."""
+    if nbytes is not None and len(data) != nbytes:
+        raise StorageIOError(f"{where} ends before byte {offset + nbytes} (read {len(data)} of "
+                             f"{nbytes} bytes from byte {offset}): the file is truncated")
+    return data
+
+
 def check_if_locked(if_locked: str) -> str:
     if if_locked not in IF_LOCKED:
         raise CkptError(f"if_locked={if_locked!r}: use 'wait' or 'raise'")
     return if_locked
+
+
+def claim_of(held: Exclusive | None, kind: type[T], location: str) -> T | None:
+    """``held`` as this store's own claim (None for none): CkptError for a claim of another
+    kind or location (its ``location``), or one already released (its ``released``)."""
+    if held is None:
+        return None
+    if (not isinstance(held, kind) or getattr(held, "location", None) != location
+            or getattr(held, "released", False)):
+        raise CkptError(f"commit of {location}: the claim passed ({held!r}) is not a held "
+                        "claim of this location; pass the claim this store's exclusive() "
+                        "returned, before releasing it")
+    return held
 
 
 class Exclusive(Protocol):
@@ -101,9 +130,16 @@ class Store(Protocol):
     location: str  # what error messages name: a directory path, an s3:// URL
 
     @property
-    def supports_conditional_commit(self) -> bool:
-        """Whether commit(held=...) is refused (CheckpointLockedError) when another save
-        committed since exclusive() was taken; False: the claim alone protects the commit."""
+    def capabilities(self) -> Capabilities:
+        """What this store can do (conditional_commit: commit(held=...) is refused,
+        CheckpointLockedError, when another save committed since exclusive() was taken; else
+        the claim alone protects the commit)."""
+        ...
+
+    @property
+    def backend_kind(self) -> str:
+        """Stores of one kind share a backend (backend() of any of them reaches all of their
+        files): the key a driver keeps its backends by."""
         ...
 
     def prepare(self) -> None:
@@ -116,8 +152,9 @@ class Store(Protocol):
         ...
 
     def path_of(self, name: str) -> str:
-        """The backend's path for a file ``name`` of this checkpoint (CkptError for a name
-        that is not plain)."""
+        """What the backend opens for file ``name`` of this checkpoint, and what messages name
+        (CkptError for a name that is not plain). Used by files.StoreFiles and in messages:
+        nothing above storage/ joins paths itself."""
         ...
 
     def backend(self, options: Options) -> IOBackend:
@@ -128,6 +165,12 @@ class Store(Protocol):
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """Make ``manifest`` the committed one, atomically and durably; ``held`` (this
         store's claim) makes it conditional. On failure the previous manifest stays."""
+        ...
+
+    def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        """Bytes [offset, offset + nbytes) of file ``name`` (to its end when None), without
+        the staging pool: small metadata reads (index files) for manifest-only commands, which
+        stay torch-free. StorageIOError if it is missing or shorter."""
         ...
 
     def read_manifest(self) -> bytes:

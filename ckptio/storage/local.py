@@ -40,7 +40,8 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
 from ckptio.storage import dirlock, foreign, steps
-from ckptio.storage.base import TMP_PREFIX, Exclusive, is_ours, plain_name
+from ckptio.storage.base import TMP_PREFIX, Exclusive, claim_of, exact, is_ours, plain_name
+from ckptio.storage.files import Capabilities
 
 __all__ = ["LocalClaim", "LocalStore", "fsync_path", "write_durably"]
 
@@ -52,6 +53,10 @@ class LocalClaim:
     lock: dirlock.DirLock
     seen: bytes | None  # digest of the manifest committed when the lock was taken; None: none
 
+    @property
+    def location(self) -> str:
+        return os.path.abspath(self.lock.path)
+
     def release(self, *, failed: bool = False) -> None:
         dirlock.unlock(self.lock, failed=failed)
 
@@ -59,7 +64,7 @@ class LocalClaim:
 class LocalStore:
     """One checkpoint directory. Cheap to make (no I/O until a method is called)."""
 
-    supports_conditional_commit = True
+    backend_kind = "local"
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         text = os.fspath(directory)
@@ -68,6 +73,11 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.directory!r})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(direct_io=True, registered_buffers=True, rename=True, locking=True,
+                            conditional_commit=True, filesystem=self.directory)
 
     # -- the location ---------------------------------------------------------------------
 
@@ -100,12 +110,22 @@ class LocalStore:
         return io.create(options.io_backend, depth=options.io_depth,
                          direct_io=options.direct_io)
 
+    def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        path = self.path_of(name)
+        try:
+            with open(path, "rb") as file:
+                file.seek(offset)
+                data = file.read(-1 if nbytes is None else nbytes)
+        except OSError as exc:
+            raise StorageIOError(f"reading {path} failed: {exc.strerror or exc}") from None
+        return exact(data, nbytes, path, offset)
+
     # -- the commit -----------------------------------------------------------------------
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """Make the save durable and visible in one rename; with ``held``, only if the manifest
         there is still the one seen when the lock was taken."""
-        claim = self._own(held)
+        claim = claim_of(held, LocalClaim, os.path.abspath(self.directory))
         tmp_name = f"{TMP_PREFIX}{save_id}.tmp"
         tmp = self.path_of(tmp_name)
         try:
@@ -124,16 +144,6 @@ class LocalStore:
         except CheckpointLockedError as exc:
             steps.remove_quietly(self, [tmp_name], exc)
             raise
-
-    def _own(self, held: Exclusive | None) -> LocalClaim | None:
-        if held is None:
-            return None
-        if not isinstance(held, LocalClaim) or (
-                os.path.abspath(held.lock.path) != os.path.abspath(self.directory)):
-            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) was not "
-                            "taken by exclusive() of this directory; pass the claim its "
-                            "LocalStore.exclusive() returned")
-        return held
 
     def _check_unchanged(self, claim: LocalClaim) -> None:
         """Refuse if another save has committed here since the lock was taken, which only a

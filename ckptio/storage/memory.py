@@ -41,7 +41,8 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.base import FileHandle, completed
 from ckptio.options import Options
 from ckptio.storage import foreign
-from ckptio.storage.base import Exclusive, check_if_locked, is_ours, plain_name
+from ckptio.storage.base import Exclusive, check_if_locked, claim_of, exact, is_ours, plain_name
+from ckptio.storage.files import Capabilities
 
 __all__ = ["HOST", "SCHEME", "HostMemory", "MemoryBackend", "MemoryClaim", "MemoryStore"]
 
@@ -120,7 +121,8 @@ class MemoryClaim:
 class MemoryStore:
     """A checkpoint location ``mem://...`` in this process's memory."""
 
-    supports_conditional_commit = True
+    backend_kind = "memory"
+    capabilities = Capabilities(locking=True, conditional_commit=True)
 
     def __init__(self, location: str) -> None:
         _check_scheme(location)
@@ -179,7 +181,7 @@ class MemoryStore:
         return MemoryBackend(depth=options.io_depth)
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
-        claim = self._own(held)
+        claim = claim_of(held, MemoryClaim, self.location)
         with HOST.lock:
             if self.location not in HOST.locations:
                 raise StorageIOError(f"committing the manifest of {self.location} failed: the "
@@ -192,15 +194,6 @@ class MemoryStore:
                     "saves take the claim, or give each its own location")
             HOST.files[self.path_of(MANIFEST_NAME)] = bytes(manifest)
             HOST.commits[self.location] = HOST.commits.get(self.location, 0) + 1
-
-    def _own(self, held: Exclusive | None) -> MemoryClaim | None:
-        if held is None:
-            return None
-        if not isinstance(held, MemoryClaim) or held.location != self.location or held.released:
-            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) is not a "
-                            "held claim of this location; pass the claim its "
-                            "MemoryStore.exclusive() returned, before releasing it")
-        return held
 
     def read_manifest(self) -> bytes:
         manifest = HOST.read(self.path_of(MANIFEST_NAME))
@@ -216,6 +209,14 @@ class MemoryStore:
         raise foreign.no_manifest(
             self.location, HOST.entries(self.location),
             lambda name: HOST.read(f"{self.location}/{name}/{MANIFEST_NAME}") is not None)
+
+    def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        path = self.path_of(name)
+        data = HOST.read(path)
+        if data is None:
+            raise StorageIOError(f"reading {path} failed: no such file in this process's memory")
+        end = len(data) if nbytes is None else offset + nbytes
+        return exact(bytes(data[offset:end]), nbytes, path, offset)
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -322,7 +323,7 @@ class MemoryBackend:
     def _opened(self, fh: FileHandle, what: str, offset: int,
                 writable: bool) -> _Open | StorageIOError:
         with self._lock:
-            opened = self._handles.get(fh.fd)
+            opened = self._handles.get(fh.token)
         if opened is None:
             return StorageIOError(f"{what} {fh.path} at byte {offset} failed: the file is not "
                                   "open in this backend (closed already?)")
@@ -334,7 +335,11 @@ class MemoryBackend:
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         with self._lock:
-            self._handles.pop(fh.fd, None)
+            self._handles.pop(fh.token, None)
+
+    def register_buffers(self, view: memoryview) -> bool:
+        """No fixed buffers here: every request maps its own."""
+        return False
 
     def shutdown(self) -> None:
         """Nothing runs in the background; open handles stay usable."""

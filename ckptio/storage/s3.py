@@ -34,7 +34,16 @@ from ckptio.io.s3 import S3Backend
 from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
 from ckptio.options import Options
 from ckptio.storage import foreign, s3lock
-from ckptio.storage.base import Exclusive, check_if_locked, is_ours, new_save_id, plain_name
+from ckptio.storage.base import (
+    Exclusive,
+    check_if_locked,
+    claim_of,
+    exact,
+    is_ours,
+    new_save_id,
+    plain_name,
+)
+from ckptio.storage.files import Capabilities
 
 __all__ = ["S3Claim", "S3Store"]
 
@@ -80,8 +89,13 @@ class S3Store:
             raise failed(what, exc) from exc
 
     @property
-    def supports_conditional_commit(self) -> bool:
-        return self.settings.conditional == "require"
+    def backend_kind(self) -> str:
+        """One backend per client settings (endpoint, retries, ...), shared by their prefixes."""
+        return f"s3 {self.settings!r}"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(locking=True, conditional_commit=self.settings.conditional == "require")
 
     # -- the location ---------------------------------------------------------------------
 
@@ -103,7 +117,7 @@ class S3Store:
         if self.where.key and self._head(self.where.key) is not None:
             raise StorageIOError(f"checkpoint location {self.location} is an object (a file); "
                                  "choose another location")
-        if self.supports_conditional_commit:
+        if self.capabilities.conditional_commit:
             self._probe()
 
     def _probe(self) -> None:
@@ -157,10 +171,10 @@ class S3Store:
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """One PutObject of the manifest; with ``held``, conditional on the ETag seen then."""
-        claim = self._own(held)
+        claim = claim_of(held, S3Claim, self.location)
         target, c = self.where.child(MANIFEST_NAME), self._client
         condition: dict[str, str] = {}
-        if claim is not None and self.supports_conditional_commit:
+        if claim is not None and self.capabilities.conditional_commit:
             condition = {"IfMatch": claim.seen} if claim.seen else {"IfNoneMatch": "*"}
         what = f"committing the manifest {target.url}"
         try:
@@ -179,15 +193,6 @@ class S3Store:
                 "checkpoint there is kept: make the saves take the claim, or give each its own "
                 "location") from None
 
-    def _own(self, held: Exclusive | None) -> S3Claim | None:
-        if held is None:
-            return None
-        if not isinstance(held, S3Claim) or held.location != self.location or held.released:
-            raise CkptError(f"commit of {self.location}: the claim passed ({held!r}) is not a "
-                            "held claim of this location; pass the claim its "
-                            "S3Store.exclusive() returned, before releasing it")
-        return held
-
     def read_manifest(self) -> bytes:
         manifest = self._manifest_or_none()
         if manifest is not None:
@@ -203,6 +208,18 @@ class S3Store:
         raise foreign.no_manifest(
             self.location, entries,
             lambda name: self._head(self.where.child(f"{name}/{MANIFEST_NAME}").key) is not None)
+
+    def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        target, c = self.where.child(plain_name(name, self.location)), self._client
+        span = f"bytes={offset}-" + ("" if nbytes is None else str(offset + nbytes - 1))
+        if nbytes == 0:
+            return b""
+
+        def request() -> bytes:
+            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, Range=span)["Body"].read())
+
+        return exact(self._call(f"reading {target.url} ({span})", request), nbytes, target.url,
+                     offset)
 
     def _manifest_or_none(self) -> bytes | None:
         target, c = self.where.child(MANIFEST_NAME), self._client

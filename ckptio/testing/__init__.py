@@ -1,10 +1,12 @@
-"""Test support for ckptio and for anyone writing a backend for it.
+"""Test support for ckptio and for anyone writing a store or backend for it.
 
-Owns: ``io_conformance`` (the checks every IOBackend must pass, usable from pytest as a base class
-to subclass with a backend factory, or as plain functions) and ``faults`` (an IOBackend wrapper
-that fails chosen calls, to show that a failing save commits nothing and a failing load leaks
-nothing), and ``accepts_o_direct``. Nothing here is imported by ckptio itself; pytest is needed
-only by the base class.
+Owns the conformance suites, each usable from pytest as a base class to subclass with a factory
+or as plain functions: ``store_conformance`` (every Store), ``io_conformance`` (every IOBackend,
+through its store's files by name), ``steproot_conformance`` (every StepRoot a manager keeps its
+steps in); ``faults`` (an IOBackend wrapper that fails chosen calls, to show that a failing
+save commits nothing and a failing load leaks nothing); the helpers that run real ranks
+(``ranks``, ``killed``) and a real S3 server (``s3server``, ``s3proxy``); ``accepts_o_direct``.
+Nothing here is imported by ckptio itself; pytest is needed only by the base classes.
 
 Test support, not ckptio's public API (that is ``ckptio`` itself, ckptio/__init__.py's
 ``__all__``): it may import any layer, and no other part of ckptio imports it

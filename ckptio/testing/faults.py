@@ -168,13 +168,13 @@ class FaultyBackend:
         self.inner.shutdown()
 
 
-def inject(checkpointer: Any, **faults: Any) -> FaultyBackend:
-    """Wrap ``checkpointer``'s backend (creating its resources first) in a FaultyBackend.
+def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend:
+    """Wrap ``checkpointer``'s backend for ``store``'s kind (a local directory's by default)
+    in a FaultyBackend. ``checkpointer.close()`` drops the wrapper; the next save or load gets
+    a plain backend."""
+    from ckptio.storage.local import LocalStore
 
-    Uses the Checkpointer's private ``_resources()``/``_backend``: test support only.
-    ``checkpointer.close()`` drops the wrapper; the next save or load gets a plain backend.
-    """
-    _pool, backend = checkpointer._resources()
-    faulty = FaultyBackend(backend, **faults)
-    checkpointer._backend = faulty
-    return faulty
+    wrapped = checkpointer.staging().wrap_backend(
+        LocalStore(".") if store is None else store,
+        lambda backend: FaultyBackend(backend, **faults))
+    return wrapped  # type: ignore[no-any-return]

@@ -1,11 +1,13 @@
-"""Rank bodies (for run_ranks) of a save or load during which one rank is killed (SIGKILL, at a
-chosen phase), and what every other rank saw: tests/test_rank_death.py and
+"""Rank bodies (for run_ranks) of a save or load during which one rank is killed (SIGKILL) or
+frozen (SIGSTOP) at a chosen phase, and what every other rank saw: tests/test_rank_death.py and
 benchmarks/rank_death.py. Test support only.
 
 Each body first saves (or has saved) a complete checkpoint, then arms the victim: a function
 the save or load calls at that phase is replaced, in the victim's process only, by one that
-writes the time to ``mark`` and kills the process. Survivors return (what they raised, when,
-its message, RankFailedError.ranks). ``PHASES`` names every phase.
+writes the time to ``mark`` and kills the process (or, with ``how="freeze"``, stops it). The
+victim writes its process id to ``mark + ".pid"`` when armed. Survivors return (what they
+raised, when, its message, RankFailedError.ranks, and the victim's process state when they
+returned: process_state(), or "not armed"). ``PHASES`` names every phase.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any
 import torch
 
 import ckptio
-from ckptio.distributed import collective, rankplan, storegroup
+from ckptio.distributed import collective, loadsteps, rankplan, storegroup
 from ckptio.saving import persist
 
-__all__ = ["PHASES", "killer", "load_killed", "options", "save_for_load", "save_killed"]
+__all__ = ["PHASES", "killer", "load_killed", "options", "process_state", "save_for_load",
+           "save_killed", "victim_pid"]
 
 PHASES = ("save:plan", "save:agree", "save:write", "save:conclude", "load:keys", "load:read",
           "load:end")
@@ -51,37 +54,56 @@ def killer(mark: str, how: str = "kill") -> Any:
     return kill
 
 
+def victim_pid(mark: str) -> int | None:
+    """The process id the victim wrote when it was armed (None: not armed yet)."""
+    written = Path(f"{mark}.pid")
+    return int(written.read_text()) if written.exists() else None
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (/proc/<pid>/stat: "T" stopped, "Z" exited but not
+    yet reaped, "S" sleeping...), or "gone"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]  # after "pid (name)": the name may hold spaces
+
+
 def _arm(phase: str, mark: str, how: str) -> None:
     """Make this process die (or freeze) at ``phase``."""
-    kill = killer(mark, how)
-    if phase == "save:plan":  # while planning, before sending its plan
-        rankplan.local_plan = kill
-    elif phase == "save:agree":  # its plan sent, waiting for the coordinator's answer
-        storegroup.StoreGroup.scatter = kill
-    elif phase == "save:write":  # writing its share
-        persist.SaveJob.finish = kill
-    elif phase == "save:conclude":  # written, before reporting it
-        collective.conclude = kill
-    elif phase == "load:keys":  # before the step that checks every rank's keys
-        collective.UnexpectedKeys.__call__ = kill
-    elif phase == "load:read":  # reading its share
-        import ckptio.api
+    Path(f"{mark}.pid.tmp").write_text(str(os.getpid()))
+    os.replace(f"{mark}.pid.tmp", f"{mark}.pid")  # whole when it appears
+    from ckptio.loading import read
 
-        ckptio.api.read_regions = kill
-    elif phase == "load:end":  # loaded, before the final agreement
-        collective.agree_loaded = kill
-    else:
+    targets: dict[str, tuple[Any, str]] = {
+        "save:plan": (rankplan, "local_plan"),  # while planning, before sending its plan
+        "save:agree": (storegroup.StoreGroup, "scatter"),  # plan sent, waiting for the answer
+        "save:write": (persist.SaveJob, "finish"),  # writing its share
+        "save:conclude": (collective, "conclude"),  # written, before reporting it
+        "load:keys": (loadsteps.UnexpectedKeys, "__call__"),  # before the keys step
+        "load:read": (read, "read_regions"),  # reading its share
+        "load:end": (loadsteps, "agree_loaded"),  # loaded, before the final agreement
+    }
+    if phase not in targets:
         raise ValueError(phase)
+    owner, name = targets[phase]
+    if not hasattr(owner, name):  # a renamed function: arming would silently do nothing
+        raise AttributeError(f"killed: {owner!r} has no {name!r} to replace for {phase}")
+    setattr(owner, name, killer(mark, how))
 
 
-def _outcome(body: Any) -> tuple[str, float, str, tuple[int, ...]]:
+def _outcome(body: Any, mark: str) -> tuple[str, float, str, tuple[int, ...], str]:
     try:
         body()
     except ckptio.RankFailedError as exc:
-        return "RankFailedError", time.time(), str(exc), exc.ranks
+        kind, when, message, ranks = "RankFailedError", time.time(), str(exc), exc.ranks
     except Exception as exc:  # noqa: BLE001 - the test shows which type escaped
-        return type(exc).__name__, time.time(), str(exc), ()
-    return "ok", time.time(), "", ()
+        kind, when, message, ranks = type(exc).__name__, time.time(), str(exc), ()
+    else:
+        kind, when, message, ranks = "ok", time.time(), "", ()
+    pid = victim_pid(mark)
+    return kind, when, message, ranks, "not armed" if pid is None else process_state(pid)
 
 
 def save_killed(rank: int, world: int, path: str, phase: str, victim: int, mark: str,
@@ -89,7 +111,8 @@ def save_killed(rank: int, world: int, path: str, phase: str, victim: int, mark:
     ckptio.save(state(rank, 1), path, options=options(deadline_s))
     if rank == victim:
         _arm(phase, mark, how)
-    return _outcome(lambda: ckptio.save(state(rank, 2), path, options=options(deadline_s)))
+    return _outcome(lambda: ckptio.save(state(rank, 2), path, options=options(deadline_s)),
+                    mark)
 
 
 def save_for_load(rank: int, world: int, path: str) -> None:
@@ -101,4 +124,4 @@ def load_killed(rank: int, world: int, path: str, phase: str, victim: int, mark:
     if rank == victim:
         _arm(phase, mark, how)
     into = state(rank, 0)
-    return _outcome(lambda: ckptio.load(path, into, options=options(deadline_s)))
+    return _outcome(lambda: ckptio.load(path, into, options=options(deadline_s)), mark)

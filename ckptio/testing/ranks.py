@@ -5,7 +5,10 @@ each rank returned, or every rank's traceback.
 
 ``fn`` must be importable by name (a module-level function): ranks are forked from a clean
 forkserver, never from the caller, so no thread or lock state of the caller leaks into them.
-Test support only.
+The job's store (a TCPStore) lives in rank 0's process, as with ``init_process_group`` alone, or
+with ``agent_store=True`` in the caller's, as torchrun's agent holds it. Every rank still alive
+when run_ranks returns or raises (one frozen by the test, one that hung) is killed (SIGKILL,
+which also ends a stopped process) and reaped. Test support only.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ def free_port() -> int:
 
 
 def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,
-          results: Any, args: tuple[Any, ...]) -> None:
+          results: Any, args: tuple[Any, ...], agent_store: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        if agent_store:  # a client of the caller's store
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        else:  # rank 0 holds the store
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size, timeout=timeout)
         try:
             # pickled here: a queue would pass tensors as shared-memory handles that vanish
             # when this process exits
@@ -68,24 +77,37 @@ class RanksFailed(AssertionError):
     """One or more ranks raised (or hung); the message holds each one's traceback."""
 
 
+def _store_outside(timeout_s: float) -> Any:
+    """A TCPStore held by this process (torchrun's agent holds the job's store likewise)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120,
-              may_die: Collection[int] = (), spawn: bool = False) -> list[Any]:
+              may_die: Collection[int] = (), spawn: bool = False,
+              agent_store: bool = False) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank -> the values returned, in rank order.
     Every rank must answer and then exit with status 0 (a rank that aborts at interpreter exit
     fails the run), except the ranks of ``may_die``: they may exit without answering (killed
     by the test; their value is None) and their exit status is not checked. ``spawn``: each
     rank a fresh interpreter that finalizes when it exits (a forkserver child ends with
-    os._exit, which skips finalization and with it the aborts that happen there)."""
+    os._exit, which skips finalization and with it the aborts that happen there).
+    ``agent_store``: the job's store is held by this process, not by rank 0 (so that rank 0
+    can be frozen without stalling the others' store calls, as under torchrun)."""
     ctx = mp.get_context("spawn") if spawn else _context()
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_main, args=(fn, r, world_size, port, timeout_s / 2, results, args),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    store = _store_outside(timeout_s / 2) if agent_store else None  # kept until they are gone
+    port = store.port if store is not None else free_port()
+    procs = [ctx.Process(target=_main, daemon=True,
+                         args=(fn, r, world_size, port, timeout_s / 2, results, args, agent_store))
+             for r in range(world_size)]
     got: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(got) < world_size and time.monotonic() < deadline:
             if all(r in got or r in may_die for r in range(world_size)):
                 break  # the others answered (a rank allowed to die may be frozen)
@@ -102,8 +124,10 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
             got[rank] = (ok, pickle.loads(value) if ok else value)
     finally:
         for r, p in enumerate(procs):
+            if p.pid is None:
+                continue  # never started
             p.join(timeout=1 if r in may_die else 10)
-            if p.is_alive():
+            if p.is_alive():  # frozen (SIGSTOP) or hung: SIGKILL ends a stopped process too
                 p.kill()
                 p.join(timeout=10)
     failed = {r: v for r, (ok, v) in got.items() if not ok}

@@ -16,8 +16,9 @@ Two ways to use it, as io_conformance.py does for backends:
 * plain functions: each ``check_*(make)`` runs one group of checks and raises AssertionError
   (or the store's own error) on a failure; ``run_all`` runs them all.
 
-Data files go through the store's own backend (``store.backend(options)``) on ``path_of``'s
-paths, with page-aligned buffers and BLOCK-multiple sizes, so an O_DIRECT backend passes too.
+Data files go through the store's own backend by name (storage/files.StoreFiles: the store
+turns a name into what its backend opens), with page-aligned buffers and BLOCK-multiple sizes,
+so an O_DIRECT backend passes too.
 Every check asserts a rule a broken store would fail: a store that lists foreign files, raises
 on a missing file, shows a half-replaced manifest or lets two claims coexist fails here.
 """
@@ -39,11 +40,13 @@ from ckptio.errors import (
     CheckpointNotFoundError,
     CkptError,
     IncompleteCheckpointError,
+    StorageIOError,
 )
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.stage import BufferPool
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.base import Store, is_ours, new_save_id
+from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.steps import is_committed
 
 Factory = Callable[[str], Store]
@@ -52,7 +55,8 @@ TIMEOUT = 60.0  # seconds a claim or request may take before a check gives up (a
 OPTIONS = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
 
 __all__ = [
-    "CHECKS", "Factory", "Refuser", "StoreConformance", "check_backend_reaches_path_of",
+    "CHECKS", "Factory", "Refuser", "StoreConformance", "check_files_by_name",
+    "check_read_file", "data_name", "read_file", "write_file",
     "check_commit_is_conditional", "check_commit_replaces_atomically",
     "check_commit_round_trip", "check_exclusive_serialises", "check_names_only_ours",
     "check_never_committed_is_not_found", "check_prepare", "check_protocol",
@@ -75,39 +79,39 @@ def write_file(store: Store, name: str, data: bytes) -> None:
     """Write ``data`` (a multiple of BLOCK bytes) as file ``name`` through the store's backend."""
     if len(data) % BLOCK:
         raise ValueError(f"write_file needs a multiple of {BLOCK} bytes, got {len(data)}")
-    backend = store.backend(OPTIONS)
+    files = StoreFiles(store, store.backend(OPTIONS))
     pool = BufferPool(1, max(MiB, len(data)))
     try:
-        fh = backend.open_write(store.path_of(name), len(data))
+        fh = files.open_write(name, len(data))
         try:
             if data:
                 buf = pool.acquire()
                 buf.view[:len(data)] = data
-                done = backend.submit_write(fh, 0, buf.view[:len(data)]).result(TIMEOUT)
+                done = files.submit_write(fh, 0, buf.view[:len(data)]).result(TIMEOUT)
                 assert done == len(data), f"a write of {len(data)} bytes reported {done}"
                 pool.release(buf)
         finally:
-            backend.close(fh, sync=True)
+            files.close(fh, sync=True)
     finally:
-        backend.shutdown()
+        files.backend.shutdown()
 
 
 def read_file(store: Store, name: str, nbytes: int) -> bytes:
     """Up to ``nbytes`` (a multiple of BLOCK) of file ``name``, through the store's backend."""
-    backend = store.backend(OPTIONS)
+    files = StoreFiles(store, store.backend(OPTIONS))
     pool = BufferPool(1, max(MiB, nbytes))
     try:
-        fh = backend.open_read(store.path_of(name))
+        fh = files.open_read(name)
         try:
             buf = pool.acquire()
-            got = backend.submit_read(fh, 0, buf.view[:nbytes]).result(TIMEOUT)
+            got = files.submit_read(fh, 0, buf.view[:nbytes]).result(TIMEOUT)
             data = bytes(buf.view[:got])
             pool.release(buf)
             return data
         finally:
-            backend.close(fh, sync=False)
+            files.close(fh, sync=False)
     finally:
-        backend.shutdown()
+        files.backend.shutdown()
 
 
 def _manifest(tag: str, nbytes: int) -> bytes:
@@ -131,11 +135,18 @@ def _no_deletion_advice(error: BaseException) -> None:
 # -- the checks ------------------------------------------------------------------------------
 
 def check_protocol(make: Factory) -> None:
-    """The store satisfies the Store protocol, names its location and says its capability."""
+    """The store satisfies the Store protocol, names its location, says what it can do as a
+    Capabilities record and keys its backend by a kind two handles of one location share."""
     store = make("protocol")
     assert isinstance(store, Store), f"{type(store).__name__} lacks Store methods"
     assert isinstance(store.location, str) and store.location, "Store.location: a non-empty str"
-    assert isinstance(store.supports_conditional_commit, bool)
+    caps = store.capabilities
+    assert isinstance(caps, Capabilities), f"Store.capabilities: a Capabilities, got {caps!r}"
+    for field in ("direct_io", "registered_buffers", "rename", "locking", "conditional_commit"):
+        assert isinstance(getattr(caps, field), bool), f"Capabilities.{field}: a bool"
+    assert caps.filesystem is None or isinstance(caps.filesystem, str)
+    assert isinstance(store.backend_kind, str) and store.backend_kind
+    assert make("protocol").backend_kind == store.backend_kind
 
 
 def check_prepare(make: Factory) -> None:
@@ -230,12 +241,12 @@ def check_commit_replaces_atomically(make: Factory, *, commits: int = 12,
 
 
 def check_commit_is_conditional(make: Factory) -> None:
-    """With supports_conditional_commit: a commit under a claim is refused
+    """With capabilities.conditional_commit: a commit under a claim is refused
     (CheckpointLockedError naming the location) when another handle committed since the claim
     was taken; the other commit stays, and nothing of the refused one is left. A commit under a
     claim taken after that succeeds; a claim of another location is refused (CkptError)."""
     store, other = make("conditional"), make("conditional")
-    if not store.supports_conditional_commit:
+    if not store.capabilities.conditional_commit:
         pytest.skip(f"{type(store).__name__} does not support conditional commits")
     store.prepare()
     _committed(store, "before")
@@ -368,9 +379,9 @@ def check_sizes(make: Factory) -> None:
     assert store.sizes([]) == {}
 
 
-def check_backend_reaches_path_of(make: Factory) -> None:
-    """The store's backend writes a data file at path_of(name) and reads it back bitwise,
-    through another handle of the location too; path_of refuses names that are not plain."""
+def check_files_by_name(make: Factory) -> None:
+    """The store's files (its backend, by name) write a data file and read it back bitwise,
+    through another handle of the location too; names that are not plain are refused."""
     store = make("data")
     store.prepare()
     name, data = data_name(), _pattern(5 * BLOCK, 50)
@@ -385,6 +396,22 @@ def check_backend_reaches_path_of(make: Factory) -> None:
             store.path_of(bad)
 
 
+def check_read_file(make: Factory) -> None:
+    """read_file gives any byte range of a stored file without the staging pool (whole, a
+    middle part, an empty one), and StorageIOError for a missing file or a range past its end."""
+    store = make("small")
+    store.prepare()
+    name, data = data_name(), _pattern(3 * BLOCK, 51)
+    write_file(store, name, data)
+    assert store.read_file(name) == data
+    assert store.read_file(name, 100, 5000) == data[100:5100]
+    assert store.read_file(name, BLOCK, 0) == b""
+    with pytest.raises(StorageIOError):
+        store.read_file(name, len(data) - 10, 20)
+    with pytest.raises(StorageIOError):
+        store.read_file(data_name())
+
+
 CHECKS: dict[str, Callable[[Factory], None]] = {
     "protocol": check_protocol,
     "prepare": check_prepare,
@@ -396,7 +423,8 @@ CHECKS: dict[str, Callable[[Factory], None]] = {
     "names_only_ours": check_names_only_ours,
     "remove_never_raises": check_remove_never_raises,
     "sizes": check_sizes,
-    "backend_reaches_path_of": check_backend_reaches_path_of,
+    "files_by_name": check_files_by_name,
+    "read_file": check_read_file,
 }
 
 
@@ -457,5 +485,8 @@ class StoreConformance:
     def test_sizes(self, store_factory: Factory) -> None:
         check_sizes(store_factory)
 
-    def test_backend_reaches_path_of(self, store_factory: Factory) -> None:
-        check_backend_reaches_path_of(store_factory)
+    def test_read_file(self, store_factory: Factory) -> None:
+        check_read_file(store_factory)
+
+    def test_files_by_name(self, store_factory: Factory) -> None:
+        check_files_by_name(store_factory)

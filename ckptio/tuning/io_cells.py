@@ -156,17 +156,21 @@ class SyncBackend:
         return os.O_DIRECT if self.direct else 0
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
-        return _done(lambda: _transfer(lambda v, o: os.pwrite(fh.fd, v, o), offset, data))
+        return _done(lambda: _transfer(lambda v, o: os.pwrite(fh.token, v, o), offset, data))
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
-        return _done(lambda: _transfer(lambda v, o: os.preadv(fh.fd, [v], o), offset, into))
+        return _done(lambda: _transfer(lambda v, o: os.preadv(fh.token, [v], o), offset, into))
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         try:
             if sync:
-                os.fsync(fh.fd)
+                os.fsync(fh.token)
         finally:
-            os.close(fh.fd)
+            os.close(fh.token)
+
+    def register_buffers(self, view: memoryview) -> bool:
+        """No fixed buffers here: every request maps its own."""
+        return False
 
     def shutdown(self) -> None:
         pass

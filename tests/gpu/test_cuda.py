@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.storage.local import LocalStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,9 +39,20 @@ def test_cuda_tensors_round_trip_fresh_and_in_place(tmp_path):
 
 def test_pool_is_pinned_with_cuda():
     ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
-    pool, _backend = ck._resources()
+    pool, _files = ck.staging().files(LocalStore("."))
     assert pool.pinned
-    assert torch.cuda.cudart().cudaHostUnregister is not None
+    # page-locked as CUDA sees it: every buffer, and the control (ordinary memory) is not
+    buffers = [pool.acquire() for _ in range(4)]
+    assert [b.data.is_pinned() for b in buffers] == [True] * 4
+    assert not torch.empty(1 << 20, dtype=torch.uint8).is_pinned()
+    # a non_blocking copy from the device lands in it once the stream is synchronised
+    src = torch.arange(1 << 18, dtype=torch.float32, device="cuda")
+    dst = buffers[1].data.view(torch.float32)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(dst, src.cpu())
+    for b in buffers:
+        pool.release(b)
     ck.close()
     assert not pool.pinned
 
@@ -77,3 +89,27 @@ def test_lazy_save_of_a_cuda_model(tmp_path):
     for key, value in before.items():
         assert torch.equal(loaded["model"][key], value), key
     ck.close()
+
+
+def test_rng_state_round_trips_every_cuda_devices_generator(tmp_path):
+    """ckptio.RNGState() captures each visible device's generator and restores each one: the
+    same states, byte for byte, and the same draws after the restore."""
+    devices = [f"cuda:{d}" for d in range(torch.cuda.device_count())]
+    for n, device in enumerate(devices):
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(1000 + n)  # a different state on every device
+        torch.randn(100 + n, device=device)  # and advanced from its seed
+    saved = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    assert len(saved) == len(devices)
+    ckptio.save({"rng": ckptio.RNGState()}, tmp_path / "c")
+    draws = [torch.randn(64, device=device).cpu() for device in devices]
+    torch.cuda.manual_seed_all(7)  # every device elsewhere
+    assert any(not torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), saved))
+    stored = ckptio.load(tmp_path / "c")["rng"]["cuda"]
+    assert [torch.equal(a, b) for a, b in zip(stored, saved)] == [True] * len(devices)
+    ckptio.load(tmp_path / "c", {"rng": ckptio.RNGState()})
+    restored = torch.cuda.get_rng_state_all()
+    assert [torch.equal(a, b) for a, b in zip(restored, saved)] == [True] * len(devices)
+    again = [torch.randn(64, device=device).cpu() for device in devices]
+    assert [torch.equal(a.view(torch.int32), b.view(torch.int32))
+            for a, b in zip(again, draws)] == [True] * len(devices)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.api import store_for
+from ckptio.storage.select import store_for
 from ckptio.io.s3client import S3Path
 from ckptio.testing.ranks import run_ranks
 
@@ -113,7 +113,8 @@ def test_ranks_save_and_reshard_through_s3(s3_server, s3_env, saved_as, loaded_o
     run_ranks(loaded_on, cases.s3_load_layout, env, url, loaded_as)
 
 
-def test_a_second_saver_waits_or_is_refused_and_nothing_mixes(s3_env):
+def test_a_second_saver_with_if_locked_raise_is_refused_and_nothing_mixes(s3_env):
+    # a saver that waits for the holder, and the lease renewed meanwhile: test_lock_s3.py
     url = f"{s3_env}/contended"
     ckptio.save({"w": torch.zeros(4)}, url)
     first = store_for(url)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.api import store_for
+from ckptio.storage.select import store_for
 from ckptio.io.s3client import S3Path, S3Settings
 from ckptio.storage.steps import named as names_in
 from ckptio.storage.s3 import S3Store

@@ -368,17 +368,24 @@ def test_a_dropped_response_leaves_the_write_done_on_the_server(
 
 def test_delay_and_on_request_run_before_forwarding(s3_live: SeaweedServer, s3_proxy: FaultProxy,
                                                     via: Any, prefix: str):
+    """The delay fires for one request (times=1), before the rules added after it and before
+    the request goes on; the second request is not delayed (the rule's count says so: no clock
+    races the proxy)."""
     b, key = s3_live.bucket, f"{prefix}/slow"
     via.put_object(Bucket=b, Key=key, Body=b"s")
     seen: list[Request] = []
-    s3_proxy.delay(0.4, op="HeadObject")
+    hooked_after: list[float] = []
+    delay = s3_proxy.delay(0.4, op="HeadObject")
     s3_proxy.on_request(seen.append, times=None, method="HEAD", key="slow")
+    s3_proxy.on_request(lambda req: hooked_after.append(time.monotonic() - began), times=None,
+                        op="HeadObject")
     began = time.monotonic()
     via.head_object(Bucket=b, Key=key)
-    assert time.monotonic() - began >= 0.4
-    began = time.monotonic()
+    assert time.monotonic() - began >= 0.4 and hooked_after[0] >= 0.4  # slept, then went on
+    assert delay.fired == 1 and delay.times == 0
     via.head_object(Bucket=b, Key=key)
-    assert time.monotonic() - began < 0.4  # the delay was for one request
+    assert delay.fired == 1  # the delay was for one request
+    assert len(hooked_after) == 2  # the second went through the same rules, undelayed
     assert [(r.op, r.key, r.status) for r in seen] == [("HeadObject", key, 200)] * 2
 
 

@@ -1,42 +1,28 @@
 """Which checkpoint a path names, and how it opens as a Manifest whatever its format.
 
-Owns: a path -> (Store, file name or None) (a local file is a torch.save or safetensors file in
-its directory's store); the committed ckptio manifest (decoded, values checked, data files
+Owns: the committed ckptio manifest (decoded, values checked, data files
 present); the dispatch, when a location holds no ckptio manifest, to the foreign formats
 ckptio reads: a DCP directory (loading/foreign.py), a torch.save file (loading/torchsave.py), a
-safetensors file or Hugging Face folder (loading/safetensors.py). Does not own: reading bytes
-(the caller passes the read function, through its pool and backend), decoding any format
-(format/, loading/), or loading into a state (api, loading/fill.py).
+safetensors file or Hugging Face folder (loading/safetensors.py). Does not own: which store and
+file a path names (storage/select.py), reading bytes (the caller passes the read function,
+through its pool and the store's files), decoding any format (format/, loading/), or loading
+into a state (loading/session.py, fill.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
-from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
-from ckptio.io.s3client import is_s3
 from ckptio.loading import foreign, safetensors, torchsave
-from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.base import Store
-from ckptio.storage.local import LocalStore
-from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["committed", "data_dir", "open_manifest", "target"]
+__all__ = ["ReadFn", "committed", "open_manifest"]
 
 ReadFn = Callable[[list[Read]], int]
-
-
-def target(path: str | os.PathLike[str], options: Options) -> tuple[Store, str | None]:
-    """The store of checkpoint ``path`` and None; for a local file (a ``torch.save`` or
-    safetensors file), the store of its directory and its name."""
-    text = checkpoint_path(path)
-    if not is_s3(text) and os.path.isfile(text):
-        return LocalStore(os.path.dirname(os.path.abspath(text))), os.path.basename(text)
-    return store_for(text, options), None
 
 
 def open_manifest(store: Store, file: str | None, read: ReadFn, *,
@@ -59,7 +45,6 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
         record = torchsave.open_torch_save(store, file, read)
     else:
         record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
-    data_dir(store, record)
     return record
 
 
@@ -71,14 +56,3 @@ def committed(store: Store) -> Manifest:
     manifest.check_values(record, where)
     steps.check_files(store, record)
     return record
-
-
-def data_dir(store: Store, record: Manifest) -> str:
-    """The ``directory`` loading/read.py and saving/persist.py take: they reach a data file as
-    ``os.path.join(directory, name)``, which must be the store's ``path_of(name)``."""
-    for info in record.files:
-        if os.path.join(store.location, info.name) != store.path_of(info.name):
-            raise CkptError(f"{store.location}: its data files are not reached by directory and "
-                            f"name ({store.path_of(info.name)}), which loading needs until it "
-                            "takes path_of; load it from a local directory")
-    return store.location

@@ -1,0 +1,171 @@
+"""One load (or verify) top to bottom, as saving/session.py owns one save.
+
+    open      the store and file a path names (storage/select.py); the manifest of whatever
+              format is there (opening.py), read through the borrowed pool and the store's files
+    resolve   a version-3 manifest's regular tensors: only the chunks the state needs, and
+              their writers' index files (regular.py)
+    expand    values a torch.save file or a DCP checkpoint keeps as pickles (torchvalues.py)
+    fill      in place into the state's leaves, or a fresh state (fill.py), each region read
+              in one coalesced, checksummed pass (read.py)
+
+Every byte goes through the store's files (storage/files.StoreFiles) and the staging pool the
+driver lends (storage/files.Staging), under its lock.
+
+Owns: the order of one load's steps, the read functions over the borrowed staging (verified
+or not), verify's pass over every byte. Does not own: the pool's lifetime (ckptio/resources.py),
+the agreement between ranks (the driver: api.py with distributed/collective.py), any format.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptio.errors import CkptError, PickleRefusedError
+from ckptio.format.checksum import stored_algorithm
+from ckptio.format.flatten import flatten
+from ckptio.format.types import Manifest, Read
+from ckptio.loading import foreign, opening, regular
+from ckptio.loading import read as reading
+from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
+from ckptio.loading.torchvalues import expand_torch_save
+from ckptio.options import BLOCK
+from ckptio.storage.base import Store
+from ckptio.storage.files import Staging
+
+__all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
+
+VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
+ReadFn = Callable[[list[Read]], int]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint as a load sees it: its store, the file in it (a torch.save or
+    safetensors file) or None, and its manifest."""
+
+    store: Store
+    file: str | None
+    record: Manifest
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What one load asks for (Checkpointer.load's arguments, resolved)."""
+
+    strict: bool
+    keys: KeyFilter
+    cast: bool
+    verify: bool
+    allow_pickle: bool
+    per_rank_from: RankPolicy
+    rank: int
+    world_size: int
+    agree_unexpected: AgreeFn | None  # many ranks: the keys step (fill.py)
+
+
+def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
+            verify: bool = False) -> ReadFn:
+    """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
+    against ``record``'s checksums when ``verify``, else plain (the caller checks what it
+    reads; a foreign checkpoint's "block" is its whole entry)."""
+    algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
+    # unverified, a partial read need not widen to whole checksum blocks
+    block_nbytes = (record.block_nbytes if algorithm else BLOCK) if record else foreign.BLOCK_NBYTES
+
+    def read(reads: list[Read]) -> int:
+        with staging.lock:
+            pool, files = staging.files(store)
+            return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
+                                block_nbytes=block_nbytes, depth=staging.io_depth)
+
+    return read
+
+
+def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
+                    every_chunk: bool = True) -> Opened:
+    """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
+    ``every_chunk``: a row for every chunk of its regular tensors too (their index files
+    read); else a load resolves the ones it needs."""
+    plain = read_fn(staging, store)
+    record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle)
+    return Opened(store, file, regular.expand_all(record, plain) if every_chunk else record)
+
+
+def load(staging: Staging, store: Store, file: str | None, state: Any,
+         request: LoadRequest) -> Any:
+    """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
+    try:
+        opened = open_checkpoint(staging, store, file, allow_pickle=request.allow_pickle,
+                                 every_chunk=False)
+    except PickleRefusedError:
+        if file is None or not request.allow_pickle:
+            raise
+        return _trusted_torch_load(store, file, state)
+    record, plain = opened.record, read_fn(staging, store)
+    read = read_fn(staging, store, record, verify=request.verify)
+    record = expand_torch_save(record, read, where=store.location,
+                               allow_pickle=request.allow_pickle)
+    where = {"rank": request.rank, "world_size": request.world_size,
+             "per_rank_from": request.per_rank_from}
+    select = selector(request.keys)
+    if state is None:  # whole tensors: every chunk of the regular keys asked for
+        record = regular.expand(record, {r.key: None for r in record.regular if select(r.key)},
+                                plain)
+        return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
+                          **where)
+    flat = flatten(state)
+    if record.regular:  # only the chunks this state's regions need, and their index files
+        record = regular.expand(record, regular.wanted_in_place(record, flat, select), plain)
+    return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
+                         cast=request.cast, allow_pickle=request.allow_pickle,
+                         agree_unexpected=request.agree_unexpected, **where)
+
+
+def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
+    """A torch.save file holding objects beyond training state, with allow_pickle and no
+    state: what torch.load returns (its pickle runs: the caller trusts the file)."""
+    if state is not None:
+        raise CkptError(
+            f"{store.path_of(file)}: a torch.save file holding Python objects beyond plain "
+            "training state loads only fresh with allow_pickle=True (ckptio.load(path, "
+            "allow_pickle=True) returns torch.load(path, weights_only=False)), not in place"
+        ) from None
+    return torch.load(io.BytesIO(store.read_file(file)), weights_only=False, map_location="cpu")
+
+
+def verify(staging: Staging, opened: Opened,
+           progress: Callable[[int], None] | None = None) -> int:
+    """Read every stored byte of ``opened`` and check it against its checksum and its block
+    checksums (``progress``: called with the bytes of each batch); -> bytes read."""
+    record = opened.record
+    reads = [Read.of(e) for e in record.tensors]
+    algorithm = stored_algorithm(record.checksum_algorithm)
+    nbytes = 0
+    with staging.lock:
+        pool, files = staging.files(opened.store)
+        for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
+            done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,
+                                depth=staging.io_depth, block_nbytes=record.block_nbytes,
+                                check_blocks=True)
+            nbytes += done
+            if progress is not None:
+                progress(done)
+    return nbytes
+
+
+def _batches(reads: Sequence[Read], nbytes: int) -> list[list[Read]]:
+    """``reads`` in order, cut into batches of about ``nbytes`` (whole entries each)."""
+    out: list[list[Read]] = [[]]
+    size = 0
+    for read in reads:
+        if out[-1] and size + read.entries[0].nbytes > nbytes:
+            out.append([])
+            size = 0
+        out[-1].append(read)
+        size += read.entries[0].nbytes
+    return out

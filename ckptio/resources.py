@@ -1,0 +1,180 @@
+"""The reusable resources of one Checkpointer: the staging pool and the I/O backends.
+
+A ``Resources`` is what saves and loads borrow (storage/files.Staging): one pre-faulted staging
+pool, made on first use and reused by every later save and load, and one backend per kind of
+store (``Store.backend_kind``), so a job may read one store and write another with the same
+pool (a drain from host memory to disk while a save runs). A local store's backend is made for
+the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py); where
+the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool.
+
+After an async save the pool may grow to hold the state's files whole (``fit``), within the
+host-memory budget (Options.host_budget_bytes, or half of the memory available shared by the
+ranks of this host, ``LOCAL_WORLD_SIZE``), so the next async save returns at copy speed.
+
+Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
+them, the cleanup of superseded files behind the next save. Does not own: what a save or load
+does with them (saving/session.py, loading/session.py), the pool itself (io/stage.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+from ckptio.io.base import IOBackend
+from ckptio.io.stage import BufferPool, available_host_bytes
+from ckptio.options import GiB, Options
+from ckptio.saving.cleanup import Cleanup
+from ckptio.storage.base import Store
+from ckptio.storage.files import StoreFiles
+from ckptio.storage.local import LocalStore
+from ckptio.tuning.profile import io_fields, tuned_options
+
+__all__ = ["BLOCK_CHECKSUM_NBYTES", "Resources"]
+
+log = logging.getLogger("ckptio")
+BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
+
+
+class Resources:
+    """One Checkpointer's staging pool and backends (storage/files.Staging)."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.lock = threading.Lock()
+        self.cleanup = Cleanup()  # removal of superseded files, behind the next save
+        self._pool: BufferPool | None = None
+        self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
+        self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
+        self._over_budget_logged = False
+        self._active = options  # the options the pool and backends were made with
+
+    # ---------------------------------------------------------------- what a save or load borrows
+
+    def files(self, store: Store) -> tuple[BufferPool, StoreFiles]:
+        """The pool and ``store``'s files through the backend of its kind; the pool and every
+        backend are made again only when a store's filesystem is tuned differently."""
+        wanted = self.options
+        filesystem = store.capabilities.filesystem
+        if filesystem is not None:
+            wanted = tuned_options(self.options, filesystem)
+        if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backends):
+            self.release()
+        self._active = wanted
+        pool = self._made_pool()
+        backend = self._backends.get(store.backend_kind)
+        if backend is None:
+            backend = self._backends[store.backend_kind] = store.backend(wanted)
+            if store.capabilities.registered_buffers:  # the pool is pre-faulted: pinning is free
+                backend.register_buffers(pool.whole_view())
+        return pool, StoreFiles(store, backend)
+
+    @property
+    def io_depth(self) -> int:
+        return self._active.io_depth
+
+    @property
+    def block_nbytes(self) -> int:
+        """Checksum block of a save's entries: a quarter buffer at most, so a resharding load
+        with the same options reads pieces and their widening within one buffer."""
+        return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
+
+    @property
+    def pool(self) -> BufferPool | None:
+        """The pool, if made (None before the first save or load and after release())."""
+        return self._pool
+
+    def _made_pool(self) -> BufferPool:
+        if self._pool is None:
+            grown = -(-self._grown_nbytes // self._active.buffer_bytes)
+            self._pool = BufferPool(max(self._active.nbuffers, grown), self._active.buffer_bytes,
+                                    background=True)
+        return self._pool
+
+    def prepare(self, store: Store | None) -> None:
+        """Make the pool and ``store``'s backend (a local one's by default) and fault the pool
+        in now, so the first save does not pay for it."""
+        with self.lock:
+            pool, _files = self.files(LocalStore(".") if store is None else store)
+        pool.faulted()
+
+    def wrap_backend(self, store: Store, wrap: Callable[[IOBackend], IOBackend]) -> IOBackend:
+        """Replace the backend of ``store``'s kind by ``wrap(it)`` (test support: fault
+        injection); release() drops it."""
+        with self.lock:
+            _pool, files = self.files(store)
+            wrapped = self._backends[store.backend_kind] = wrap(files.backend)
+        return wrapped
+
+    # ---------------------------------------------------------------- growing the pool
+
+    def fit(self, file_nbytes: Sequence[int]) -> None:
+        """After an async save, or for prepare(state=): grow the pool to hold files of these
+        sizes whole (so the next async save never waits for the disk), within the budget."""
+        with self.lock:
+            buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
+            current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
+                          -(-self._grown_nbytes // buffer_bytes))
+            need = sum(-(-n // buffer_bytes) for n in file_nbytes)
+            if need <= current:
+                return
+            allowed = self._budget(current * buffer_bytes) // buffer_bytes
+            if need > allowed:
+                self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
+            target = min(need, allowed)
+            if target > current:
+                self._grow(target, buffer_bytes, current)
+
+    def _grow(self, target: int, buffer_bytes: int, current: int) -> None:
+        self._grown_nbytes = target * buffer_bytes
+        self.release()  # the next save or load makes the backends (registering the new pool)
+        try:
+            self._pool = BufferPool(target, buffer_bytes, background=True)
+        except (OSError, MemoryError) as exc:  # the old size is made again on next use
+            self._grown_nbytes = 0
+            log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "
+                        "keep streaming through %.2f GiB", target * buffer_bytes / GiB, exc,
+                        current * buffer_bytes / GiB)
+            return
+        log.info("ckptio: staging pool grown to %.2f GiB so that async saves of this state "
+                 "return at copy speed (Options.host_budget_bytes)", target * buffer_bytes / GiB)
+
+    def _log_over_budget(self, need_nbytes: int, allowed_nbytes: int) -> None:
+        if self._over_budget_logged:
+            return
+        self._over_budget_logged = True
+        log.warning("ckptio: this rank's state (%.2f GiB of files) is larger than the host "
+                    "memory async saves may stage (%.2f GiB, Options.host_budget_bytes): "
+                    "async_save waits for the disk for the rest", need_nbytes / GiB,
+                    allowed_nbytes / GiB)
+
+    def _budget(self, pool_nbytes: int) -> int:
+        """Bytes of staging an async save may keep (Options.host_budget_bytes, or automatic:
+        half of the memory available, with the pool's own, per rank of this host)."""
+        if self.options.host_budget_bytes is not None:
+            return self.options.host_budget_bytes
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            local_ranks = 1
+        return (available_host_bytes() + pool_nbytes) // (2 * local_ranks)
+
+    # ---------------------------------------------------------------- letting go
+
+    def release(self) -> None:
+        """Free the pool and stop every backend (made again on next use)."""
+        pool, backends = self._pool, list(self._backends.values())
+        self._pool, self._backends = None, {}
+        for backend in backends:
+            backend.shutdown()
+        if pool is not None:
+            pool.close()
+
+    def free(self) -> None:
+        """release(), after the last save's cleanup, and forget the grown size."""
+        with self.lock:
+            self.cleanup.finish()
+            self.release()
+            self._grown_nbytes = 0

@@ -1,0 +1,99 @@
+"""A store's files as the save and load paths see them: a file name in, an open handle out.
+
+``StoreFiles`` binds one Store to one IOBackend: ``open_write(name, nbytes)`` and
+``open_read(name)`` give handles for the store's own files (the store turns the name into what
+its backend reaches, ``Store.path_of``), and the handle's transfers go to that backend. Nothing
+above storage/ builds a file's path: saving/persist.py and loading/read.py take a StoreFiles.
+
+``Capabilities`` is what a store can do, as data (a property of every store, read instead of
+``isinstance`` checks): O_DIRECT-style aligned I/O, registered (pinned) staging buffers, an atomic
+rename, a lock across processes, a conditional commit, and the local directory whose
+filesystem's tuned I/O profile applies (tuning/profile.py).
+
+``Staging`` is the contract between a driver that owns the reused staging pool and the backends
+(api's Checkpointer, through ckptio/resources.py) and the save and load sessions that borrow them.
+A driver may hold several backends at once (one per ``Store.backend_kind``): a drain reads one
+store and writes another with the same pool.
+
+Owns: the binding, the capability record, the Staging protocol. Does not own: what a backend
+does (io/), the names a store holds (base.py), the pool (io/stage.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ckptio.io.base import FileHandle, IOBackend
+
+if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
+    from ckptio.io.stage import BufferPool
+    from ckptio.storage.base import Store
+
+__all__ = ["Capabilities", "Staging", "StoreFiles"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can do (each store's ``capabilities`` property)."""
+
+    direct_io: bool = False  # transfers may bypass the page cache (aligned, O_DIRECT)
+    registered_buffers: bool = False  # its backend may pin the staging pool (io_uring)
+    rename: bool = False  # commits by an atomic rename in one directory
+    locking: bool = False  # serialises saves across processes (a lock file or a lease)
+    conditional_commit: bool = False  # commit(held=...) refused if another save committed
+    filesystem: str | None = None  # the local directory whose tuned I/O profile applies
+
+
+class StoreFiles:
+    """One store's files through one backend (the caller owns the backend's lifetime)."""
+
+    def __init__(self, store: Store, backend: IOBackend) -> None:
+        self.store, self.backend = store, backend
+
+    @property
+    def location(self) -> str:
+        return self.store.location
+
+    def where(self, name: str) -> str:
+        """What messages name for file ``name`` of this store."""
+        return self.store.path_of(name)
+
+    def open_write(self, name: str, nbytes: int) -> FileHandle:
+        """Create file ``name`` (it must not exist) with ``nbytes`` preallocated."""
+        return self.backend.open_write(self.store.path_of(name), nbytes)
+
+    def open_read(self, name: str) -> FileHandle:
+        return self.backend.open_read(self.store.path_of(name))
+
+    def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
+        return self.backend.submit_write(fh, offset, data)
+
+    def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
+        return self.backend.submit_read(fh, offset, into)
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        self.backend.close(fh, sync=sync)
+
+
+class Staging(Protocol):
+    """The staging pool and the backends a driver owns, lent to one save or load at a time
+    (under ``lock``)."""
+
+    lock: threading.Lock
+
+    def files(self, store: Store) -> tuple[BufferPool, StoreFiles]:
+        """The pool and ``store``'s files through the backend of its kind (made on first use)."""
+        ...
+
+    def fit(self, file_nbytes: Sequence[int]) -> None:
+        """Make the pool hold files of these sizes whole, where the budget allows."""
+        ...
+
+    @property
+    def io_depth(self) -> int:
+        """Reads in flight per load (the options the backends were made with)."""
+        ...

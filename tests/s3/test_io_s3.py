@@ -1,0 +1,54 @@
+"""S3Backend against the shared IOBackend conformance suite (ckptio.testing.io_conformance),
+through S3Stores by name against the real SeaweedFS server (tests/s3/conftest.py): each factory
+call a fresh prefix under the test's own, the store's ranged GETs and HEADs the independent
+reader. Parts are 5 MiB (the suite's writes are at most 1 MiB), so most writes take the
+assembly path and files over 5 MiB are multipart uploads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from ckptio.io.s3client import S3Settings
+from ckptio.options import MiB, Options
+from ckptio.storage.s3 import S3Store
+from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files
+
+OPTIONS = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+
+
+class TestS3BackendIO(IOBackendConformance):
+    limits: ClassVar[dict[str, str]] = {
+        "offsets_past_4gib": "an upload's parts are fixed by the size given to open_write "
+                             "(writes past it are refused) and the object is uploaded whole: "
+                             "5 GiB of mostly zeros to check 32-bit offset truncation",
+        "preallocates": "S3 makes an object visible only when its upload completes "
+                        "(close(sync=True)): there is nothing to size before",
+        "open_write_twice_fails": "open_write refuses an existing object (HEAD); one whose "
+                                  "upload is still open does not exist yet. Names are unique "
+                                  "to one save, so a save never opens one twice",
+        "close_without_sync_keeps_data": "close(sync=False) aborts the multipart upload, so a "
+                                         "failed save leaves nothing behind",
+        "shutdown_closes_fds": "the sockets are the process's shared boto3 client's "
+                               "(s3client.client), kept for the next request by design; the "
+                               "backend owns only its threads (shutdown_then_reuse checks them)",
+    }
+
+    @pytest.fixture
+    def files_factory(self, s3_env: str) -> Iterator[Factory]:
+        settings = S3Settings.of(Options())
+        made: list[S3Store] = []
+
+        def make(key: str) -> S3Store:
+            made.append(S3Store(f"{s3_env}/{key}", settings))
+            return made[-1]
+
+        yield fresh_files(make, OPTIONS)
+        for store in made:  # objects and open uploads alike (every name is ckptio's)
+            assert store.remove(store.names()) == []
+
+    @pytest.fixture
+    def expect_direct(self) -> bool:
+        return False
