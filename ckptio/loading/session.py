@@ -30,6 +30,7 @@ from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import foreign, opening, regular
+from ckptio.loading.opening import ReadFn
 from ckptio.loading import read as reading
 from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
 from ckptio.loading.torchvalues import expand_torch_save
@@ -40,7 +41,6 @@ from ckptio.storage.files import Staging
 __all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
 
 VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
-ReadFn = Callable[[list[Read]], int]
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,16 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
     reads; a foreign checkpoint's "block" is its whole entry)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
-    # unverified, a partial read need not widen to whole checksum blocks
-    block_nbytes = (record.block_nbytes if algorithm else BLOCK) if record else foreign.BLOCK_NBYTES
+    if record is None:  # reading a foreign format's own metadata
+        block_nbytes = foreign.BLOCK_NBYTES
+    else:  # unverified, a partial read need not widen to whole checksum blocks
+        block_nbytes = record.block_nbytes if algorithm else BLOCK
 
     def read(reads: list[Read]) -> int:
         with staging.lock:
             pool, files = staging.files(store)
             return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
-                                block_nbytes=block_nbytes, depth=staging.io_depth)
+                                        block_nbytes=block_nbytes, depth=staging.io_depth)
 
     return read
 
