@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
     from ckptio.storage.select import register_store
+    from ckptio.tiering.tier import Tier
 
 __all__ = [
     "AsyncSaveResult",
@@ -69,6 +70,7 @@ __all__ = [
     "StateMismatchError",
     "StorageIOError",
     "TensorShard",
+    "Tier",
     "UnsupportedPathError",
     "UnsupportedStateError",
     "__version__",
@@ -91,6 +93,7 @@ _HOME = {
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
+    "Tier": "ckptio.tiering.tier",
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

@@ -8,6 +8,10 @@ keep, which to load.
         mgr.save(step, state, asynchronous=True)   # None unless step % save_every == 0
     mgr.close()                                    # waits for the last save, applies retention
 
+With ``tiers=[ckptio.Tier("shm://run", ...), ckptio.Tier("/nvme/ckpt", every=10), ...]`` it
+returns a tiered manager instead (tiering/manager.py: host memory first, drained in the
+background to the slower tiers, restored from the fastest verified copy).
+
 Layout: ``<directory>/step-<N>`` (N without leading zeros), each an ordinary ckptio checkpoint;
 ``directory`` may be ``s3://bucket/prefix`` (steps ``s3://bucket/prefix/step-<N>``). A step is
 committed when its Store holds a committed manifest (storage.steps.is_committed). Each step is
@@ -84,10 +88,26 @@ class CheckpointManager:
     newest loadable one. See the module docstring for the policies; with many ranks, create and
     call it on every rank together."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep_last: int | None = 3,
-                 keep_every: int | None = None, save_every: int = 1,
+    def __new__(cls, directory: str | os.PathLike[str] | None = None, *args: Any,
+                tiers: Any = None, **kwargs: Any) -> Any:
+        """``CheckpointManager(tiers=[ckptio.Tier(...), ...])`` makes a tiered manager
+        (tiering/manager.py): host memory first, drained to disk and object storage."""
+        if tiers is None or cls is not CheckpointManager:
+            return super().__new__(cls)
+        if directory is not None or args:
+            raise CkptError("CheckpointManager(directory, tiers=...): give a directory or "
+                            "tiers, not both (a directory is one tier: ckptio.Tier(directory))")
+        from ckptio.tiering.manager import TieredManager
+
+        return TieredManager(tiers, **kwargs)
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *,
+                 keep_last: int | None = 3, keep_every: int | None = None, save_every: int = 1,
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, tiers: None = None) -> None:
+        if directory is None:
+            raise CkptError("CheckpointManager(): give the directory of the steps, or "
+                            "tiers=[ckptio.Tier(...), ...]")
         self.keep_last = _optional("keep_last", keep_last)
         self.keep_every = _optional("keep_every", keep_every)
         self.save_every = _positive("save_every", save_every)
@@ -107,6 +127,9 @@ class CheckpointManager:
         self._verified: int | None = None  # newest step restore() or verify() succeeded on
         self._damaged: set[int] = set()  # committed steps restore() found damaged
         self._removal: threading.Thread | None = None
+        # set by a tiered manager (tiering/manager.py) that builds on this one per tier:
+        self._after_commit: Callable[[int], None] | None = None  # a step of ours committed
+        self._also_keep: Callable[[], set[int]] | None = None  # steps retention keeps too
 
     # ---------------------------------------------------------------- queries
 
@@ -213,7 +236,10 @@ class CheckpointManager:
         """Collective, after a save of ours committed: rank 0 hides the steps the policy drops
         and removes them in the background. -> the steps dropped (the same on every rank)."""
         self._damaged.discard(step)
-        return list(self._agreed(self._drop_old))
+        dropped = list(self._agreed(self._drop_old))
+        if self._after_commit is not None:
+            self._after_commit(step)
+        return dropped
 
     def _drop_old(self) -> list[int]:
         self._join_removal()  # one removal at a time: it may still hold hidden directories
@@ -235,6 +261,8 @@ class CheckpointManager:
         keep.update(committed[-1:])
         if self._verified is not None:
             keep.add(self._verified)
+        if self._also_keep is not None:
+            keep.update(self._also_keep())
         return [s for s in committed if s not in keep]
 
     def _join_removal(self) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +107,14 @@ def direct_io(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "on" and not accepts_o_direct(os.fspath(tmp_path)):
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT; direct_io='on' cannot be tested here")
     return request.param
+
+
+@pytest.fixture
+def shm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh shared-memory root for shm:// tiers ($CKPTIO_SHM_DIR), removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    root = os.path.join("/dev/shm", f"ckptio-test-shm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    monkeypatch.setenv("CKPTIO_SHM_DIR", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

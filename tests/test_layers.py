@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.saving", "ckptio.loading"),
     ("ckptio.tuning",),
     ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
-     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.resources"),
+     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.resources", "ckptio.tiering"),
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
 TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio
@@ -61,7 +61,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
-    "DcpReader", "DcpWriter",
+    "DcpReader", "DcpWriter", "Tier",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

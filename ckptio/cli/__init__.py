@@ -31,7 +31,8 @@ DESCRIPTION = """ckptio: fast, verified PyTorch checkpoints.
 
 Commands: ls (what a checkpoint holds), diff (what differs between two), verify (check every
 byte), convert (a DCP directory or torch.save file into a ckptio checkpoint), export (a
-checkpoint into a Hugging Face safetensors directory), demo (train a small model, kill it
+checkpoint into a Hugging Face safetensors directory), status (which steps each tier of a
+tiered manager holds, and which are being copied), demo (train a small model, kill it
 mid-save, resume it bit-exactly), bench (io: the I/O study of ckptio.tuning; save-load, train,
 plan: the peer benchmarks of a ckptio checkout's benchmarks/ folder), tune (measure a
 filesystem's fastest I/O settings). Errors are one line naming the fix (exit 2).

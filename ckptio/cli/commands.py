@@ -1,4 +1,4 @@
-"""The ``ckptio`` commands that read checkpoints: ls, diff, verify, convert, export.
+"""The ``ckptio`` commands that read checkpoints: ls, diff, verify, convert, export, status.
 
 Owns: their arguments (``add_parsers``) and running each one (``run``), importing torch and the
 loaders only in the commands that need them (ls and diff on a ckptio checkpoint never do).
@@ -77,6 +77,11 @@ def add_parsers(sub: Any) -> None:
     convert.add_argument("--allow-pickle", action="store_true", help="SRC holds pickled Python "
                          "objects you trust (unpickling runs code)")
     _export_parser(sub)
+    status = sub.add_parser("status", help="which steps each tier of a tiered manager holds, "
+                            "and which are still being copied (tiers fastest first)")
+    status.add_argument("tiers", nargs="+", metavar="TIER",
+                        help="a tier's location (directory, shm://NAME, s3://bucket/prefix)")
+    status.add_argument("--json", action="store_true", help="JSON, schema ckptio.status/1")
 
 
 def _export_parser(sub: Any) -> None:
@@ -101,7 +106,7 @@ def _export_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = {"ls": _ls, "diff": _diff, "verify": _verify, "convert": _convert,
-               "export": _export}[args.command]
+               "export": _export, "status": _status}[args.command]
     return command(args)
 
 
@@ -157,6 +162,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     return convert.convert(args.src, args.dst, overwrite=args.overwrite,
                            allow_pickle=args.allow_pickle, progress=not args.no_progress)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ckptio.cli import status
+
+    return status.run(args.tiers, as_json=args.json)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -28,8 +28,9 @@ __all__ = ["Listing", "LocalRoot", "MemoryRoot", "Removal", "S3Root", "StepRoot"
 
 
 def root_for(location: str | os.PathLike[str], options: Options) -> StepRoot:
-    """The StepRoot of ``location``: a local directory (or ``file://`` URL), an
-    ``s3://bucket/prefix`` URL or a ``mem://...`` location. Another scheme, even one a store is
+    """The StepRoot of ``location``: a local directory (or ``file://`` URL, or ``shm://NAME``:
+    a directory on the shared-memory tmpfs), an ``s3://bucket/prefix`` URL or a ``mem://...``
+    location. Another scheme, even one a store is
     registered for (storage/select.py), is refused with UnsupportedPathError: steps need a
     root that lists and hides them, which a Store does not."""
     text = checkpoint_path(location)

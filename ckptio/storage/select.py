@@ -1,7 +1,9 @@
 """Which Store serves a checkpoint location: a registry of location schemes.
 
 A location is a local (or mounted) directory path, or a URL whose scheme is registered here:
-``file://`` (a local path), ``mem://`` (host memory of this process, storage/memory.py),
+``file://`` (a local path), ``shm://NAME`` (host memory that outlives the process: the
+directory NAME under the shared-memory root, ``$CKPTIO_SHM_DIR`` or ``/dev/shm/ckptio``, served
+as a local directory), ``mem://`` (host memory of this process only, storage/memory.py),
 ``s3://`` (a prefix in a bucket, storage/s3.py; needs the ``[s3]`` extra), and any scheme a
 user registers, as fsspec and torchsnapshot let one plug a storage in:
 
@@ -40,6 +42,8 @@ __all__ = [
     "register_store",
     "registered_schemes",
     "scheme_of",
+    "shm_path",
+    "shm_root",
     "store_and_file",
     "store_for",
 ]
@@ -48,6 +52,8 @@ StoreFactory = Callable[[str, Options], Store]  # (location as written, options)
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _FILE = "file"  # file://PATH is the local path PATH
+_SHM = "shm"  # shm://NAME is the directory NAME under shm_root()
+SHM_ROOT = "/dev/shm/ckptio"  # tmpfs: host memory, kept after the process exits
 _lock = threading.Lock()
 
 
@@ -65,13 +71,13 @@ def _memory(location: str, options: Options) -> Store:
 
 
 _SCHEMES: dict[str, StoreFactory] = {"s3": _s3, "mem": _memory}
-_BUILT_IN = frozenset({*_SCHEMES, _FILE})
+_BUILT_IN = frozenset({*_SCHEMES, _FILE, _SHM})
 
 
 def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False) -> None:
     """Serve locations ``<scheme>://...`` with the Store ``factory(location, options)``
     makes. A scheme already registered is refused unless ``replace``; the built-in ones
-    (file, mem, s3) are never replaced."""
+    (file, shm, mem, s3) are never replaced."""
     if not isinstance(scheme, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
                         "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")
@@ -92,7 +98,7 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False)
 def registered_schemes() -> list[str]:
     """Every scheme served, ``file`` included, sorted."""
     with _lock:
-        return sorted({*_SCHEMES, _FILE})
+        return sorted({*_SCHEMES, _FILE, _SHM})
 
 
 def scheme_of(location: str) -> str | None:
@@ -123,6 +129,8 @@ def checkpoint_path(path: str | os.PathLike[str]) -> str:
         return text
     if scheme == _FILE:
         return _file_path(text)
+    if scheme == _SHM:
+        return shm_path(text)
     with _lock:
         known = scheme in _SCHEMES
     if not known:
@@ -138,6 +146,29 @@ def _file_path(text: str) -> str:
         raise UnsupportedPathError(f"{text}: a file:// URL names an absolute path "
                                    "(file:///dir/ckpt); pass the path itself")
     return rest
+
+
+def shm_root() -> str:
+    """Where ``shm://`` locations live: ``$CKPTIO_SHM_DIR``, else /dev/shm/ckptio (a tmpfs on
+    Linux: its files are host memory, they outlive the process and go with a reboot)."""
+    return os.environ.get("CKPTIO_SHM_DIR") or SHM_ROOT
+
+
+def shm_path(text: str) -> str:
+    """The local directory of ``shm://NAME[/step-N]``: NAME under shm_root(). A name that is
+    empty, absolute or climbs out (``..``) is refused."""
+    rest = text[len("shm://"):].strip("/")
+    parts = rest.split("/")
+    if not rest or any(p in ("", ".", "..") for p in parts):
+        raise UnsupportedPathError(f"{text}: a shm:// location is shm://NAME (e.g. "
+                                   "shm://run-7), a relative name under the shared-memory "
+                                   f"root {shm_root()} without '.' or '..' parts")
+    root = shm_root()
+    if not os.path.isdir(os.path.dirname(root.rstrip("/")) or "/"):
+        raise UnsupportedPathError(f"{text}: the shared-memory root {root} cannot be made (its "
+                                   "parent is not a directory; no /dev/shm here?): set "
+                                   "CKPTIO_SHM_DIR to a directory on a tmpfs")
+    return os.path.join(root, *parts)
 
 
 def local_path(path: str | os.PathLike[str]) -> str:

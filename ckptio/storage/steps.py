@@ -113,6 +113,8 @@ def remove_unreferenced(store: Store, keep: set[str],
     except StorageIOError as exc:
         log.warning("ckptio: could not remove superseded files in %s: %s", store.location, exc)
         return []
+    if not chosen:  # nothing to remove (or the step is gone: a retention removed it meanwhile)
+        return []
     text = committed_or_none(store)
     if text is None:  # no manifest readable: nothing is known to be superseded
         log.warning("ckptio: %s has no readable %s after a commit; removing nothing",

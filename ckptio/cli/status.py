@@ -1,0 +1,57 @@
+"""``ckptio status TIER [TIER ...]``: which steps each tier of a tiered CheckpointManager holds.
+
+    $ ckptio status shm://run-7 /nvme/ckpt s3://bucket/run-7
+    tier 0  shm://run-7        committed 41 42
+    tier 1  /nvme/ckpt         committed 30 40   copying 42 (committed in tier 0)
+    tier 2  s3://bucket/run-7  committed 0       copying 40 (committed in tier 1)
+
+Tiers are given fastest first, as the manager's ``tiers=``. A step without a committed manifest
+in a tier is "copying" when a faster tier holds it committed (a drain running, or cut short: the
+next start copies it again; restore never picks it), else "incomplete" (an interrupted save).
+What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
+
+Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
+how a tier lists its steps (stepdir/), draining (tiering/).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptio.options import Options
+from ckptio.stepdir import root_for
+
+__all__ = ["run", "tiers_status"]
+
+
+def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]:
+    """Per tier: location, committed steps, and the incomplete ones split into copying (a
+    faster tier holds them committed: tier index given) and incomplete."""
+    out: list[dict[str, Any]] = []
+    for k, location in enumerate(locations):
+        listing = root_for(location, options).scan()
+        copying = {}
+        for step in listing["incomplete"]:
+            source = next((t["tier"] for t in out if step in t["committed"]), None)
+            if source is not None:
+                copying[step] = source
+        out.append({"tier": k, "location": location, "committed": listing["committed"],
+                    "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
+                    "incomplete": [s for s in listing["incomplete"] if s not in copying]})
+    return out
+
+
+def run(locations: list[str], *, as_json: bool) -> int:
+    tiers = tiers_status(locations, Options.from_env())
+    if as_json:
+        print(json.dumps({"schema": "ckptio.status/1", "tiers": tiers}, indent=1))
+        return 0
+    width = max(len(t["location"]) for t in tiers)
+    for t in tiers:
+        parts = [f"committed {' '.join(map(str, t['committed'])) or '-'}"]
+        parts += [f"copying {c['step']} (committed in tier {c['from_tier']})" for c in t["copying"]]
+        if t["incomplete"]:
+            parts.append(f"incomplete {' '.join(map(str, t['incomplete']))}")
+        print(f"tier {t['tier']}  {t['location']:<{width}}  {'   '.join(parts)}")
+    return 0

@@ -1,0 +1,15 @@
+"""Tiers of checkpoints: host memory first, drained in the background to disk and object
+storage, restored from the fastest verified copy (``ckptio.CheckpointManager(tiers=[...])``).
+
+Layer: the drivers' (with manager.py, on which it builds).
+
+Internal: nothing here is public API. The public surface is ``ckptio`` itself:
+``ckptio.Tier`` (tier.py) and what ``ckptio.CheckpointManager(tiers=...)`` returns
+(manager.py's TieredManager).
+
+Owns: tier.py (the declaration, the memory budget), copy.py (a verified copy of one committed
+checkpoint between stores), drain.py (the background thread), manager.py (saving, draining and
+restoring across tiers). Does not own: one tier's steps (ckptio/manager.py, stepdir/).
+"""
+
+__all__: list[str] = []

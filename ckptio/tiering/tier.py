@@ -1,0 +1,122 @@
+"""One tier of a tiered CheckpointManager, as the user declares it: Tier.
+
+    ckptio.Tier("shm://run-7", keep_last=2)                       # host memory, every step
+    ckptio.Tier("/nvme/ckpt", every=10, keep_last=2)              # local disk
+    ckptio.Tier("s3://bucket/run-7", every=100, keep_every=1000)  # the durable copy
+
+Tiers are listed fastest first. The first tier takes every save (``every`` is its interval,
+the old ``save_every``); each later tier receives, by the background drain, the committed steps
+divisible by its own ``every``, which must be a multiple of the first tier's (a step reaches a
+slower tier only through a faster one). ``keep_last`` / ``keep_every`` are that tier's
+retention (manager.py's rules, per tier).
+
+A memory tier (``shm://``, or ``mem://`` within one process) is bounded by ``max_bytes``: a save
+into it is refused, before anything is written, when the steps it holds plus the new one would
+exceed it (or exceed the free space of its tmpfs), with a message saying how to fit.
+
+Owns: the declaration, its validation, which tiers are host memory, the memory budget check.
+Does not own: saving, draining, restoring (tiering/manager.py, tiering/drain.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ckptio.errors import CkptError
+from ckptio.options import GiB
+from ckptio.storage.select import checkpoint_path, scheme_of
+
+__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory"]
+
+MEMORY_SCHEMES = ("shm", "mem")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Where a tiered CheckpointManager keeps steps, how often, and how many (module doc)."""
+
+    location: str
+    every: int = 1
+    keep_last: int | None = 2
+    keep_every: int | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.location, (str, os.PathLike)):
+            raise CkptError(f"Tier({self.location!r}): the location is a directory path or a "
+                            "URL (shm://NAME, s3://bucket/prefix)")
+        object.__setattr__(self, "location", os.fspath(self.location))
+        _positive(self, "every", self.every)
+        for name in ("keep_last", "keep_every", "max_bytes"):
+            if getattr(self, name) is not None:
+                _positive(self, name, getattr(self, name))
+
+
+def is_memory(tier: Tier) -> bool:
+    """Whether ``tier`` keeps its steps in host memory (shm://, mem://)."""
+    return scheme_of(tier.location) in MEMORY_SCHEMES
+
+
+def check_tiers(tiers: object) -> list[Tier]:
+    """The tiers as a list, or CkptError: at least one, each a Tier, distinct locations, every
+    later ``every`` a multiple of the first's."""
+    if not isinstance(tiers, (list, tuple)) or not tiers:
+        raise CkptError("CheckpointManager(tiers=...): give a list of ckptio.Tier, fastest first")
+    out = list(tiers)
+    for tier in out:
+        if not isinstance(tier, Tier):
+            raise CkptError(f"CheckpointManager(tiers=...): {tier!r} is not a ckptio.Tier; write "
+                            "ckptio.Tier('shm://run', keep_last=2)")
+    seen: dict[str, str] = {}
+    for tier in out:
+        where = checkpoint_path(tier.location)
+        if where in seen:
+            raise CkptError(f"CheckpointManager(tiers=...): {tier.location} and {seen[where]} "
+                            "are the same place; give each tier its own location")
+        seen[where] = tier.location
+    first = out[0].every
+    for tier in out[1:]:
+        if tier.every % first:
+            raise CkptError(
+                f"Tier({tier.location!r}, every={tier.every}): a slower tier receives steps from "
+                f"the first one, which saves every {first}; use a multiple of {first}")
+    return out
+
+
+def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int) -> None:
+    """Refuse (CkptError) a save of ``step_nbytes`` into memory tier ``tier`` (at local
+    ``directory``, holding ``held_nbytes``) beyond its max_bytes or its filesystem's free
+    space. During a save the tier holds its kept steps plus the new one."""
+    need = held_nbytes + step_nbytes
+    fits = step_nbytes * ((tier.keep_last or 1) + 1)
+    if tier.max_bytes is not None and need > tier.max_bytes:
+        raise CkptError(
+            f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit: "
+            f"it holds {held_nbytes / GiB:.2f} GiB and its budget is max_bytes="
+            f"{tier.max_bytes / GiB:.2f} GiB. It holds keep_last={tier.keep_last} steps plus the "
+            f"one being saved ({fits / GiB:.2f} GiB): raise max_bytes or lower keep_last; the "
+            "steps it holds are kept")
+    free = _free_nbytes(directory)
+    if free is not None and step_nbytes > free:
+        raise CkptError(
+            f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit in "
+            f"the {free / GiB:.2f} GiB free on the filesystem of {directory} (a tmpfs is bounded "
+            "by its size= mount option): free host memory there, or lower keep_last; the steps "
+            "it holds are kept")
+
+
+def _free_nbytes(directory: str) -> int | None:
+    path = directory
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    try:
+        stats = os.statvfs(path or "/")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _positive(tier: Tier, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CkptError(f"Tier({tier.location!r}, {name}={value!r}): must be an integer >= 1")
