@@ -255,8 +255,14 @@ def test_async_and_lazy_saves_through_the_tiers(shm, tmp_path, mode):
     kwargs = {"lazy": True, "optimizers": [opt]} if mode == "lazy" else {"asynchronous": True}
     saved = _train_and_save(mgr, range(1, 7), model, opt, **kwargs)
     _train(model, opt, 2)  # training goes on after the last save returned
+    mgr.wait()
+    assert mgr.drained(timeout=60)
+    skipped = mgr.status()[1]["skipped"]
     mgr.close()
-    assert _steps_in(disk) == [2, 4, 6]
+    # the newest due step always lands; an older one may be skipped when the drain is behind
+    # (it depends on timing), and then it is reported, never silently missing
+    on_disk = _steps_in(disk)
+    assert on_disk[-1] == 6 and sorted(on_disk + skipped) == [2, 4, 6]
     assert _steps_in(os.path.join(shm, "run"))[-2:] == [5, 6]
     fresh, fopt, state = _fresh()
     with _tiered(*tiers) as again:
@@ -264,7 +270,7 @@ def test_async_and_lazy_saves_through_the_tiers(shm, tmp_path, mode):
         assert again.verify() > 0
     _assert_restored(fresh, fopt, state, saved[6])
     shutil.rmtree(shm)
-    for step in (6, 4):
+    for step in [s for s in (6, 4) if s in on_disk]:
         fresh, fopt, state = _fresh()
         with _tiered(*tiers) as again:
             assert again.restore(state, step=step) == step and again.last_restore["tier"] == 1
