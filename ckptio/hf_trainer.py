@@ -1,0 +1,281 @@
+"""Hugging Face ``transformers.Trainer`` checkpoints saved and resumed through ckptio.
+
+    from ckptio.hf_trainer import CkptioTrainer
+    trainer = CkptioTrainer(model=model, args=args, train_dataset=ds)   # as transformers.Trainer
+    trainer.train(resume_from_checkpoint=True)   # or a path: "out/checkpoint-500"
+
+    class MySFT(CkptioTrainerMixin, trl.SFTTrainer): ...   # another Trainer subclass, the same way
+
+Owns: where a Trainer checkpoint's training state goes (one ckptio checkpoint inside
+``checkpoint-N``), reading it back at the moments transformers reads its own files, and which
+``checkpoint-N`` ``resume_from_checkpoint=True`` picks. Does not own: the checkpoint format, its
+commit or its checks (``ckptio.save``/``ckptio.load``), the generators' capture (ckptio.rng),
+when transformers saves, trainer_state.json, or the rotation ``save_total_limit`` does (all
+transformers' own, unchanged).
+
+The route: a Trainer subclass (and the same methods as a mixin), overriding transformers' own
+save/load hooks. A ``TrainerCallback`` cannot do it: callbacks are told after a checkpoint was
+saved (``on_save``) and have no load event, so transformers would still write (and on resume
+read) its torch.save pickles, and the RNG states must be set at the exact point of the epoch
+where transformers sets them (``_load_rng_state`` is called after the data loader skipped the
+batches already trained, so that the skip does not consume the restored generators). The hooks
+are the places transformers 5 calls for exactly these parts: ``save_model`` (inside
+``_save_checkpoint``), ``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
+``_load_rng_state`` and ``_load_best_model``; ``train`` is overridden only to resolve
+``resume_from_checkpoint=True``. Everything else (when to save, trainer_state.json with the
+callbacks' states, ``save_total_limit``, ``best_model_checkpoint``, the data skip) stays
+transformers'.
+
+A checkpoint, in transformers' own layout (so ``get_last_checkpoint``, ``save_total_limit`` and
+``resume_from_checkpoint`` keep working, and so does a ``checkpoint-N`` another tool lists)::
+
+    out/checkpoint-N/ckptio/         one ckptio checkpoint: "model", "optimizer", "scheduler",
+                                     "scaler" (when there is one), "rng" (ckptio.RNGState),
+                                     "parts" (the list of those it holds)
+    out/checkpoint-N/config.json     the model's config (and generation_config.json, tokenizer
+                                     files), as transformers writes them
+    out/checkpoint-N/training_args.json   TrainingArguments as JSON (transformers: a pickle)
+    out/checkpoint-N/trainer_state.json   transformers' own, written after the ckptio commit
+
+No model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth or training_args.bin: nothing in
+the checkpoint is a pickle, and resuming unpickles nothing. The ckptio checkpoint is written and
+committed (manifest last) in the first of those hooks, before transformers writes
+trainer_state.json; so a checkpoint-N is complete when its ckptio checkpoint is committed and
+its trainer_state.json parses and names step N. ``resume_from_checkpoint=True`` takes the newest
+complete one, warning about each newer one it passes over (a save a kill cut short); an explicit
+path that is not complete, or data that fails its checksums, is a CkptError naming the
+directory and the fix. ``save_only_model=True`` checkpoints hold only "model".
+
+Single-process training only for now (CPU or one accelerator): several processes (DDP, FSDP,
+DeepSpeed) and XLA are refused by ``train`` with a CkptError, not saved half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from typing import Any
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # an optional integration: say which extra brings it
+    raise ImportError("ckptio.hf_trainer needs transformers and accelerate: "
+                      "pip install 'ckptio[hf-trainer]'") from exc
+
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedStateError,
+)
+from ckptio.options import Options
+from ckptio.rng import RNGState
+from ckptio.shared import load, save
+from ckptio.stepdir.local import is_committed
+
+__all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
+           "last_checkpoint"]
+
+CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the Trainer checkpoint directory ``path`` cannot be resumed, or None when it can:
+    its ckptio checkpoint committed and its trainer_state.json readable (and naming its step)."""
+    inner = os.path.join(path, CKPTIO_DIR)
+    if not os.path.isdir(path):
+        return "is not a directory"
+    if not os.path.isdir(inner):
+        return (f"holds no ckptio checkpoint ({CKPTIO_DIR}/): not written by a CkptioTrainer "
+                "(transformers' own Trainer writes optimizer.pt and friends instead)")
+    if not is_committed(inner):
+        return f"has a ckptio checkpoint ({CKPTIO_DIR}/) that never committed: a save cut short"
+    state_file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            step = json.load(f).get("global_step")
+    except FileNotFoundError:
+        return (f"has no {TRAINER_STATE}: the process stopped after the ckptio commit, "
+                "before transformers wrote it")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"has a {TRAINER_STATE} that cannot be read ({type(exc).__name__}: {exc})"
+    found = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if found is not None and step != int(found.group(1)):
+        return f"has a {TRAINER_STATE} naming step {step}, not {found.group(1)}"
+    return None
+
+
+def last_checkpoint(output_dir: str) -> str:
+    """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed (checkpoint_problem),
+    warning once for each newer one passed over and why. CheckpointNotFoundError when there is
+    none at all, IncompleteCheckpointError when none of those there can be resumed."""
+    try:
+        names = [n for n in os.listdir(output_dir) if _STEP_DIR.match(n)]
+    except OSError as exc:
+        raise CheckpointNotFoundError(
+            f"cannot list {output_dir} for resume_from_checkpoint=True ({exc.strerror or exc}); "
+            "check args.output_dir, or start without resume_from_checkpoint") from None
+    steps = sorted(names, key=lambda n: int(_STEP_DIR.match(n).group(1)), reverse=True)  # type: ignore[union-attr]
+    passed: list[str] = []
+    for name in steps:
+        path = os.path.join(output_dir, name)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warnings.warn(f"ckptio: resume_from_checkpoint=True passes over {path}: it {problem}",
+                      stacklevel=3)
+        passed.append(f"{name}: {problem}")
+    if not passed:
+        raise CheckpointNotFoundError(
+            f"resume_from_checkpoint=True: {output_dir} holds no {PREFIX_CHECKPOINT_DIR}-N "
+            "directory; start without resume_from_checkpoint, or point args.output_dir at the run")
+    raise IncompleteCheckpointError(
+        f"resume_from_checkpoint=True: no checkpoint in {output_dir} can be resumed ("
+        + "; ".join(passed) + "); pass one explicitly or start without resume_from_checkpoint")
+
+
+def _checked(path: str) -> str:
+    """``path``'s ckptio checkpoint, or the CkptError saying why it cannot be resumed."""
+    problem = checkpoint_problem(path)
+    if problem is None:
+        return os.path.join(path, CKPTIO_DIR)
+    error = (CheckpointNotFoundError if "holds no ckptio" in problem or "not a directory" in problem
+             else IncompleteCheckpointError if "never committed" in problem
+             else CorruptCheckpointError)
+    raise error(f"cannot resume from {path}: it {problem}; pick another checkpoint-N "
+                "(resume_from_checkpoint=True takes the newest complete one)")
+
+
+class CkptioTrainerMixin:
+    """transformers.Trainer's checkpoint hooks, through ckptio (see the module docstring).
+    Put it before the Trainer class: ``class T(CkptioTrainerMixin, transformers.Trainer)``.
+
+    ckptio_options: ckptio.Options for the saves and loads (default: the defaults and the
+    CKPTIO_* environment)."""
+
+    def __init__(self, *args: Any, ckptio_options: Options | None = None, **kwargs: Any) -> None:
+        self.ckptio_options = ckptio_options
+        self._ckptio_in_checkpoint = False
+        super().__init__(*args, **kwargs)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> Any:
+        self._ckptio_refuse_unsupported()
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            _checked(os.fspath(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _ckptio_refuse_unsupported(self) -> None:
+        t: Any = self
+        for what, on in (("several processes (DDP)", t.args.world_size > 1),
+                         ("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled),
+                         ("XLA", getattr(t, "is_fsdp_xla_enabled", False))):
+            if on:
+                raise UnsupportedStateError(
+                    f"CkptioTrainer saves single-process training only; {what} is not supported "
+                    "yet: use transformers.Trainer for this run (or save with ckptio.DcpWriter)")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        t: Any = self
+        load(_checked(resume_from_checkpoint), {"model": t.model if model is None else model},
+             keys=["model"], options=self.ckptio_options)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self._ckptio_load_parts(checkpoint, ("optimizer", "scheduler"))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        self._ckptio_load_parts(checkpoint, ("scaler",))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        self._ckptio_load_parts(checkpoint, ("rng",))
+
+    def _load_best_model(self) -> None:
+        t: Any = self
+        best = t.state.best_model_checkpoint
+        if not os.path.isdir(os.path.join(best, CKPTIO_DIR)):
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        load(_checked(best), {"model": t.model}, keys=["model"], options=self.ckptio_options)
+
+    def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> None:
+        """Load those of ``wanted`` the checkpoint holds and this trainer has (as transformers
+        skips a file that is not there: a save_only_model checkpoint, no GradScaler)."""
+        if checkpoint is None:
+            return
+        inner = _checked(checkpoint)
+        held = load(inner, keys=["parts"], options=self.ckptio_options)["parts"]
+        objects = {k: v for k, v in self._ckptio_objects().items() if k in wanted and k in held}
+        if objects:
+            load(inner, objects, keys=list(objects), options=self.ckptio_options)
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def _ckptio_objects(self) -> dict[str, Any]:
+        """The parts of the training state this trainer has now, by name."""
+        t: Any = self
+        objects: dict[str, Any] = {"model": t.model, "optimizer": t.optimizer,
+                                   "scheduler": t.lr_scheduler,
+                                   "scaler": getattr(t.accelerator, "scaler", None),
+                                   "rng": RNGState()}
+        return {k: v for k, v in objects.items() if v is not None}
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self._ckptio_in_checkpoint = True  # save_model below writes the ckptio checkpoint
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            self._ckptio_in_checkpoint = False
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._ckptio_in_checkpoint:  # the user's (or the final) save: transformers' own
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+            return
+        if output_dir is None:
+            raise CkptError("CkptioTrainer: a checkpoint save without a directory")
+        self._ckptio_save(output_dir)
+
+    def _ckptio_save(self, output_dir: str) -> None:
+        """The whole checkpoint of ``_save_checkpoint``: one ckptio save of everything it will
+        hold (the optimizer, scaler and RNG hooks that follow have nothing left to write), then
+        transformers' config and tokenizer files and the arguments as JSON."""
+        t: Any = self
+        objects = self._ckptio_objects()
+        if t.args.save_only_model:
+            objects = {"model": objects["model"]}
+        state = {**objects, "parts": sorted(objects)}
+        os.makedirs(output_dir, exist_ok=True)
+        save(state, os.path.join(output_dir, CKPTIO_DIR), options=self.ckptio_options)
+        unwrapped = t.accelerator.unwrap_model(t.model, keep_torch_compile=False)
+        if isinstance(unwrapped, transformers.PreTrainedModel):
+            unwrapped.config.save_pretrained(output_dir)
+            if unwrapped.can_generate() and unwrapped.generation_config is not None:
+                unwrapped.generation_config.save_pretrained(output_dir)
+        if t.processing_class is not None:
+            t.processing_class.save_pretrained(output_dir)
+        with open(os.path.join(output_dir, "training_args.json"), "w", encoding="utf-8") as f:
+            f.write(t.args.to_json_string())
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """In the ckptio checkpoint already (save_model, the first hook of the checkpoint)."""
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """In the ckptio checkpoint already."""
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """In the ckptio checkpoint already (ckptio.RNGState: no pickle)."""
+
+
+class CkptioTrainer(CkptioTrainerMixin, transformers.Trainer):
+    """transformers.Trainer whose checkpoints are ckptio checkpoints (module docstring); takes
+    Trainer's arguments plus ``ckptio_options``."""

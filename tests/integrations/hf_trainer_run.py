@@ -1,0 +1,112 @@
+"""One real transformers.Trainer run through ckptio.hf_trainer.CkptioTrainer, for the tests
+(tests/integrations/test_hf_trainer.py runs it in fresh processes; not a test file itself).
+
+    python hf_trainer_run.py OUT LOSSES [--max-steps 8] [--resume] [--kill-in-save STEP]
+
+A 2-layer GPT-2 (hidden 32, dropout on, random init, nothing downloaded) on a fixed random token
+dataset, on CPU. Every optimizer step's loss is appended to LOSSES as ``step float.hex()`` (the
+exact float the loss tensor holds), the line flushed before the next step. --kill-in-save STEP:
+SIGKILL this process inside checkpoint-STEP's save, after its ckptio checkpoint committed and
+before transformers writes its trainer_state.json. --resume: resume_from_checkpoint=True, with
+torch.load made to fail (resuming must unpickle nothing). At the end the model's weights are
+saved with ckptio to OUT/final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_callback import TrainerState
+
+import ckptio
+from ckptio.hf_trainer import CkptioTrainer
+
+
+class TokenData(torch.utils.data.Dataset):
+    """``n`` fixed random sequences of ``length`` tokens; the labels are the inputs (causal LM)."""
+
+    def __init__(self, n: int = 32, length: int = 16, vocab: int = 64) -> None:
+        self.tokens = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def tiny_model() -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def training_args(out: str, **overrides: Any) -> transformers.TrainingArguments:
+    settings: dict[str, Any] = dict(
+        output_dir=out, use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0,
+        per_device_train_batch_size=4, max_steps=8, save_steps=2, logging_steps=1,
+        learning_rate=1e-3, warmup_steps=2, disable_tqdm=True)
+    settings.update(overrides)
+    return transformers.TrainingArguments(**settings)
+
+
+class RecordingTrainer(CkptioTrainer):
+    """Appends each step's loss (the exact float) to a file."""
+
+    def __init__(self, *args: Any, losses: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.losses = losses
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)
+        with open(self.losses, "a", encoding="utf-8") as f:
+            f.write(f"{self.state.global_step + 1} {float(loss.item()).hex()}\n")
+        return loss
+
+
+def kill_in_save(step: int) -> None:
+    """SIGKILL this process when transformers is about to write checkpoint-``step``'s
+    trainer_state.json (its ckptio checkpoint is committed by then)."""
+    write = TrainerState.save_to_json
+
+    def killing(self: TrainerState, json_path: str) -> None:
+        if self.global_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(self, json_path)
+
+    TrainerState.save_to_json = killing  # type: ignore[method-assign]
+
+
+def refuse_torch_load() -> None:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load called while resuming: the resume unpickled something")
+
+    torch.load = refused  # type: ignore[assignment]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("losses")
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-in-save", type=int)
+    a = parser.parse_args()
+    if a.kill_in_save is not None:
+        kill_in_save(a.kill_in_save)
+    transformers.set_seed(0)
+    trainer = RecordingTrainer(model=tiny_model(), args=training_args(a.out, max_steps=a.max_steps),
+                               train_dataset=TokenData(), losses=a.losses)
+    if a.resume:
+        refuse_torch_load()
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    ckptio.save({"model": trainer.model}, os.path.join(a.out, "final"))
+
+
+if __name__ == "__main__":
+    main()

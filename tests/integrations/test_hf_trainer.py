@@ -1,0 +1,182 @@
+"""ckptio.hf_trainer: real transformers.Trainer runs (a 2-layer GPT-2 on CPU) saving and resuming
+through ckptio.
+
+- A run killed with SIGKILL inside a checkpoint save, resumed in a fresh process with
+  ``resume_from_checkpoint=True``, continues with every loss bitwise equal to an uninterrupted
+  run's, ends with bitwise equal weights, and unpickles nothing (torch.load fails there).
+- ``save_total_limit`` leaves exactly the expected checkpoint-N directories, each complete.
+- An explicit checkpoint path resumes; a damaged or incomplete one is a CkptError naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptio
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem  # noqa: E402
+
+from .hf_trainer_run import RecordingTrainer, TokenData, tiny_model, training_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = Path(__file__).with_name("hf_trainer_run.py")
+PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin",
+                "model.safetensors", "pytorch_model.bin", "scaler.pt")
+
+
+def run(out: Path, losses: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(RUN), str(out), str(losses), *flags],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def read_losses(path: Path) -> dict[int, str]:
+    steps = [line.split() for line in path.read_text().splitlines()]
+    return {int(step): loss for step, loss in steps}
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return ckptio.load(out / "final")["model"]
+
+
+def test_killed_in_a_save_and_resumed_in_a_fresh_process_continues_bitwise(tmp_path):
+    ref = run(tmp_path / "ref", tmp_path / "ref.txt")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    expected = read_losses(tmp_path / "ref.txt")
+    assert sorted(expected) == list(range(1, 9))
+
+    killed = run(tmp_path / "run", tmp_path / "killed.txt", "--kill-in-save", "6")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    ckpt6 = tmp_path / "run" / "checkpoint-6"
+    assert (ckpt6 / "ckptio" / "manifest.json").exists() and not (ckpt6 / "trainer_state.json").exists()
+    assert read_losses(tmp_path / "killed.txt") == {s: expected[s] for s in range(1, 7)}
+
+    resumed = run(tmp_path / "run", tmp_path / "resumed.txt", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"passes over {ckpt6}" in resumed.stderr  # the incomplete newest one, then step 4
+    after = read_losses(tmp_path / "resumed.txt")
+    assert sorted(after) == [5, 6, 7, 8], after  # resumed from checkpoint-4, not from scratch
+    assert after == {s: expected[s] for s in range(5, 9)}
+    final, reference = weights(tmp_path / "run"), weights(tmp_path / "ref")
+    assert final.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(final[key], reference[key]), key
+
+    # checkpoint-6 was saved again over the stale one; every checkpoint is complete and holds
+    # no pickle (nor model.safetensors: the weights are in the ckptio checkpoint)
+    for step in (2, 4, 6, 8):
+        ckpt = tmp_path / "run" / f"checkpoint-{step}"
+        assert checkpoint_problem(str(ckpt)) is None, step
+        assert not [n for n in PICKLE_FILES if (ckpt / n).exists()], sorted(os.listdir(ckpt))
+        assert (ckpt / "config.json").exists()
+    held = ckptio.load(tmp_path / "run" / "checkpoint-8" / "ckptio", keys=["parts"])["parts"]
+    assert held == ["model", "optimizer", "rng", "scheduler"]
+
+
+@pytest.fixture(scope="module")
+def rotated(tmp_path_factory):
+    """A 5-step in-process run saving every step with save_total_limit=2: (output dir, the
+    losses it logged)."""
+    out = tmp_path_factory.mktemp("rotated")
+    transformers.set_seed(0)
+    trainer = RecordingTrainer(model=tiny_model(), losses=str(out / "losses.txt"),
+                               args=training_args(str(out), max_steps=5, save_steps=1,
+                                                  save_total_limit=2), train_dataset=TokenData())
+    trainer.train()
+    return out, read_losses(out / "losses.txt")
+
+
+def trainer_for(out: Path, **overrides) -> CkptioTrainer:
+    transformers.set_seed(0)
+    return RecordingTrainer(model=tiny_model(), losses=str(out / "more-losses.txt"),
+                            args=training_args(str(out), **overrides), train_dataset=TokenData())
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.txt"))
+    return dst
+
+
+def test_save_total_limit_keeps_exactly_the_newest_checkpoints(rotated):
+    out, _ = rotated
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-4", "checkpoint-5"]
+    assert transformers.trainer_utils.get_last_checkpoint(str(out)) == str(out / "checkpoint-5")
+    for name in ("checkpoint-4", "checkpoint-5"):
+        assert checkpoint_problem(str(out / name)) is None
+        assert ckptio.verify(out / name / "ckptio") > 0
+
+
+def test_an_explicit_checkpoint_path_resumes(rotated, tmp_path):
+    out, losses = rotated
+    run_dir = copy_run(out, tmp_path / "run")
+    trainer = trainer_for(run_dir, max_steps=5, save_steps=10)
+    trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-4"))
+    assert read_losses(run_dir / "more-losses.txt") == {5: losses[5]}
+
+
+def flip_a_byte(ckpt: Path) -> Path:
+    (data,) = (ckpt / "ckptio").glob("data-*.bin")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return data
+
+
+def test_damaged_data_is_a_corrupt_checkpoint_error_naming_the_file(rotated, tmp_path):
+    run_dir = copy_run(rotated[0], tmp_path / "run")
+    data = flip_a_byte(run_dir / "checkpoint-5")
+    with pytest.raises(ckptio.CorruptCheckpointError, match=data.name):
+        trainer_for(run_dir).train(resume_from_checkpoint=True)
+    assert ckptio.verify(run_dir / "checkpoint-4" / "ckptio") > 0  # the older one untouched
+
+
+@pytest.mark.parametrize(("damage", "error", "says"), [
+    ("truncated trainer_state.json", ckptio.CorruptCheckpointError, "has a trainer_state.json that cannot be read"),
+    ("no trainer_state.json", ckptio.CorruptCheckpointError, "has no trainer_state.json"),
+    ("no manifest", ckptio.IncompleteCheckpointError, "that never committed"),
+    ("no ckptio checkpoint", ckptio.CheckpointNotFoundError, "holds no ckptio checkpoint"),
+])
+def test_an_incomplete_checkpoint_is_refused_by_path_and_passed_over_by_true(
+        rotated, tmp_path, damage, error, says):
+    out, losses = rotated
+    run_dir = copy_run(out, tmp_path / "run")
+    ckpt5 = run_dir / "checkpoint-5"
+    if damage == "truncated trainer_state.json":
+        state = ckpt5 / "trainer_state.json"
+        state.write_text(state.read_text()[:40])
+    elif damage == "no trainer_state.json":
+        (ckpt5 / "trainer_state.json").unlink()
+    elif damage == "no manifest":
+        (ckpt5 / "ckptio" / "manifest.json").unlink()
+    else:
+        shutil.rmtree(ckpt5 / "ckptio")
+    with pytest.raises(error, match=re.escape(f"cannot resume from {ckpt5}: it ") + ".*"
+                       + re.escape(says)):
+        trainer_for(run_dir).train(resume_from_checkpoint=str(ckpt5))
+
+    trainer = trainer_for(run_dir, max_steps=5, save_steps=10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)  # falls back to checkpoint-4
+    passed = [str(w.message) for w in caught if "passes over" in str(w.message)]
+    assert len(passed) == 1 and str(ckpt5) in passed[0] and says in passed[0], passed
+    assert read_losses(run_dir / "more-losses.txt") == {5: losses[5]}
+
+
+def test_nothing_to_resume_is_a_checkpoint_not_found_error(tmp_path):
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="holds no checkpoint-N"):
+        trainer_for(tmp_path).train(resume_from_checkpoint=True)
