@@ -98,10 +98,11 @@ def rotated(tmp_path_factory):
     return out, read_losses(out / "losses.txt")
 
 
-def trainer_for(out: Path, **overrides) -> CkptioTrainer:
+def trainer_for(out: Path, eval_dataset: TokenData | None = None, **overrides) -> CkptioTrainer:
     transformers.set_seed(0)
     return RecordingTrainer(model=tiny_model(), losses=str(out / "more-losses.txt"),
-                            args=training_args(str(out), **overrides), train_dataset=TokenData())
+                            args=training_args(str(out), **overrides), train_dataset=TokenData(),
+                            eval_dataset=eval_dataset)
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -180,3 +181,22 @@ def test_an_incomplete_checkpoint_is_refused_by_path_and_passed_over_by_true(
 def test_nothing_to_resume_is_a_checkpoint_not_found_error(tmp_path):
     with pytest.raises(ckptio.CheckpointNotFoundError, match="holds no checkpoint-N"):
         trainer_for(tmp_path).train(resume_from_checkpoint=True)
+
+
+def test_load_best_model_at_end_loads_the_best_ckptio_checkpoint(tmp_path):
+    """A learning rate that makes the eval loss grow: the best checkpoint is the first, the one
+    save_total_limit=1 keeps at the end, and the model ends with its weights, not the last step's."""
+    trainer = trainer_for(tmp_path, TokenData(n=8), max_steps=4, save_steps=1,
+                          eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+                          metric_for_best_model="loss", greater_is_better=False,
+                          learning_rate=1.0, save_total_limit=1)
+    trainer.train()
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 4 and min(evals) == evals[0] < evals[-1], evals
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-1"]
+    best = ckptio.load(tmp_path / "checkpoint-1" / "ckptio", keys=["model"])["model"]
+    now = trainer.model.state_dict()
+    assert best.keys() == now.keys()
+    for key in best:
+        assert torch.equal(best[key], now[key]), key
