@@ -48,7 +48,10 @@ path that is not complete, or data that fails its checksums, is a CkptError nami
 directory and the fix. ``save_only_model=True`` checkpoints hold only "model".
 
 Single-process training only for now (CPU or one accelerator): several processes (DDP, FSDP,
-DeepSpeed) and XLA are refused by ``train`` with a CkptError, not saved half-way.
+DeepSpeed) and XLA are refused by ``train`` with a CkptError, not saved half-way; so is pushing
+each checkpoint to the Hub (``hub_strategy`` other than "end"), which copies weight files a
+checkpoint-N here does not have. ``trainer.save_model()`` called by the user still writes
+transformers' own format (model.safetensors), for ``from_pretrained`` and the Hub.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from typing import Any
 
 try:
     import transformers
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 except ImportError as exc:  # an optional integration: say which extra brings it
     raise ImportError("ckptio.hf_trainer needs transformers and accelerate: "
                       "pip install 'ckptio[hf-trainer]'") from exc
@@ -112,6 +115,11 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def _step_of(name: str) -> int:
+    found = _STEP_DIR.match(name)
+    return -1 if found is None else int(found.group(1))
+
+
 def last_checkpoint(output_dir: str) -> str:
     """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed (checkpoint_problem),
     warning once for each newer one passed over and why. CheckpointNotFoundError when there is
@@ -122,7 +130,7 @@ def last_checkpoint(output_dir: str) -> str:
         raise CheckpointNotFoundError(
             f"cannot list {output_dir} for resume_from_checkpoint=True ({exc.strerror or exc}); "
             "check args.output_dir, or start without resume_from_checkpoint") from None
-    steps = sorted(names, key=lambda n: int(_STEP_DIR.match(n).group(1)), reverse=True)  # type: ignore[union-attr]
+    steps = sorted(names, key=_step_of, reverse=True)
     passed: list[str] = []
     for name in steps:
         path = os.path.join(output_dir, name)
@@ -169,9 +177,10 @@ class CkptioTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
+        t: Any = self
         self._ckptio_refuse_unsupported()
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+            resume_from_checkpoint = last_checkpoint(t.args.output_dir)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             _checked(os.fspath(resume_from_checkpoint))
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
@@ -180,11 +189,18 @@ class CkptioTrainerMixin:
         t: Any = self
         for what, on in (("several processes (DDP)", t.args.world_size > 1),
                          ("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled),
-                         ("XLA", getattr(t, "is_fsdp_xla_enabled", False))):
+                         ("XLA FSDP", getattr(t, "is_fsdp_xla_enabled", False))):
             if on:
                 raise UnsupportedStateError(
                     f"CkptioTrainer saves single-process training only; {what} is not supported "
-                    "yet: use transformers.Trainer for this run (or save with ckptio.DcpWriter)")
+                    "yet: use transformers.Trainer for this run")
+        strategy = HubStrategy(t.args.hub_strategy)
+        if t.args.push_to_hub and strategy != HubStrategy.END:
+            raise UnsupportedStateError(
+                f"CkptioTrainer: push_to_hub with hub_strategy={strategy.value!r} would push "
+                "checkpoints without weights (they are in checkpoint-N/ckptio/, which the Hub "
+                "push does not copy); use hub_strategy='end' (trainer.save_model() pushes the "
+                "final model in transformers' format)")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         t: Any = self

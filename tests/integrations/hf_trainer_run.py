@@ -31,7 +31,8 @@ class TokenData(torch.utils.data.Dataset):
     """``n`` fixed random sequences of ``length`` tokens; the labels are the inputs (causal LM)."""
 
     def __init__(self, n: int = 32, length: int = 16, vocab: int = 64) -> None:
-        self.tokens = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (n, length), generator=generator)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,10 +48,11 @@ def tiny_model() -> transformers.GPT2LMHeadModel:
 
 
 def training_args(out: str, **overrides: Any) -> transformers.TrainingArguments:
-    settings: dict[str, Any] = dict(
-        output_dir=out, use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0,
-        per_device_train_batch_size=4, max_steps=8, save_steps=2, logging_steps=1,
-        learning_rate=1e-3, warmup_steps=2, disable_tqdm=True)
+    settings: dict[str, Any] = {
+        "output_dir": out, "use_cpu": True, "report_to": [], "seed": 0,
+        "dataloader_num_workers": 0, "per_device_train_batch_size": 4, "max_steps": 8,
+        "save_steps": 2, "logging_steps": 1, "learning_rate": 1e-3, "warmup_steps": 2,
+        "disable_tqdm": True}
     settings.update(overrides)
     return transformers.TrainingArguments(**settings)
 

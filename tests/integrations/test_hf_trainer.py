@@ -26,9 +26,9 @@ import ckptio
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem  # noqa: E402
+from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem
 
-from .hf_trainer_run import RecordingTrainer, TokenData, tiny_model, training_args  # noqa: E402
+from .hf_trainer_run import RecordingTrainer, TokenData, tiny_model, training_args
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = Path(__file__).with_name("hf_trainer_run.py")
@@ -36,10 +36,18 @@ PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.
                 "model.safetensors", "pytorch_model.bin", "scaler.pt")
 
 
-def run(out: Path, losses: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(RUN), str(out), str(losses), *flags],
-                          capture_output=True, text=True, timeout=240, env=env)
+def start(out: Path, losses: Path, *flags: str) -> subprocess.Popen[str]:
+    """hf_trainer_run.py in a fresh process (this checkout's ckptio first on its path)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(RUN), str(out), str(losses), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    """-> (return code, stderr) once it ends."""
+    _, err = proc.communicate(timeout=240)
+    return proc.returncode, err
 
 
 def read_losses(path: Path) -> dict[int, str]:
@@ -52,20 +60,27 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_in_a_save_and_resumed_in_a_fresh_process_continues_bitwise(tmp_path):
-    ref = run(tmp_path / "ref", tmp_path / "ref.txt")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    reference_run = start(tmp_path / "ref", tmp_path / "ref.txt")  # alongside the others
+    try:
+        code, err = finish(start(tmp_path / "run", tmp_path / "killed.txt",
+                                 "--kill-in-save", "6"))
+        assert code == -9, err[-3000:]
+        ckpt6 = tmp_path / "run" / "checkpoint-6"
+        assert (ckpt6 / "ckptio" / "manifest.json").exists()
+        assert not (ckpt6 / "trainer_state.json").exists()
+        code, err = finish(start(tmp_path / "run", tmp_path / "resumed.txt", "--resume"))
+        assert code == 0, err[-3000:]
+        assert f"passes over {ckpt6}" in err  # the incomplete newest one, then step 4
+        code, err = finish(reference_run)
+        assert code == 0, err[-3000:]
+    finally:
+        if reference_run.poll() is None:
+            reference_run.kill()
+            reference_run.communicate()
+
     expected = read_losses(tmp_path / "ref.txt")
     assert sorted(expected) == list(range(1, 9))
-
-    killed = run(tmp_path / "run", tmp_path / "killed.txt", "--kill-in-save", "6")
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    ckpt6 = tmp_path / "run" / "checkpoint-6"
-    assert (ckpt6 / "ckptio" / "manifest.json").exists() and not (ckpt6 / "trainer_state.json").exists()
     assert read_losses(tmp_path / "killed.txt") == {s: expected[s] for s in range(1, 7)}
-
-    resumed = run(tmp_path / "run", tmp_path / "resumed.txt", "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"passes over {ckpt6}" in resumed.stderr  # the incomplete newest one, then step 4
     after = read_losses(tmp_path / "resumed.txt")
     assert sorted(after) == [5, 6, 7, 8], after  # resumed from checkpoint-4, not from scratch
     assert after == {s: expected[s] for s in range(5, 9)}
@@ -146,7 +161,8 @@ def test_damaged_data_is_a_corrupt_checkpoint_error_naming_the_file(rotated, tmp
 
 
 @pytest.mark.parametrize(("damage", "error", "says"), [
-    ("truncated trainer_state.json", ckptio.CorruptCheckpointError, "has a trainer_state.json that cannot be read"),
+    ("truncated trainer_state.json", ckptio.CorruptCheckpointError,
+     "has a trainer_state.json that cannot be read"),
     ("no trainer_state.json", ckptio.CorruptCheckpointError, "has no trainer_state.json"),
     ("no manifest", ckptio.IncompleteCheckpointError, "that never committed"),
     ("no ckptio checkpoint", ckptio.CheckpointNotFoundError, "holds no ckptio checkpoint"),
@@ -185,7 +201,8 @@ def test_nothing_to_resume_is_a_checkpoint_not_found_error(tmp_path):
 
 def test_load_best_model_at_end_loads_the_best_ckptio_checkpoint(tmp_path):
     """A learning rate that makes the eval loss grow: the best checkpoint is the first, the one
-    save_total_limit=1 keeps at the end, and the model ends with its weights, not the last step's."""
+    save_total_limit=1 keeps at the end, and the model ends with its weights, not the last
+    step's."""
     trainer = trainer_for(tmp_path, TokenData(n=8), max_steps=4, save_steps=1,
                           eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
                           metric_for_best_model="loss", greater_is_better=False,
@@ -200,3 +217,11 @@ def test_load_best_model_at_end_loads_the_best_ckptio_checkpoint(tmp_path):
     assert best.keys() == now.keys()
     for key in best:
         assert torch.equal(best[key], now[key]), key
+
+
+def test_pushing_every_checkpoint_to_the_hub_is_refused_before_training(tmp_path):
+    trainer = trainer_for(tmp_path)
+    trainer.args.push_to_hub, trainer.args.hub_strategy = True, "every_save"
+    with pytest.raises(ckptio.UnsupportedStateError, match="hub_strategy='end'"):
+        trainer.train()
+    assert not list(tmp_path.glob("checkpoint-*"))
