@@ -46,6 +46,8 @@ its trainer_state.json parses and names step N. ``resume_from_checkpoint=True`` 
 complete one, warning about each newer one it passes over (a save a kill cut short); an explicit
 path that is not complete, or data that fails its checksums, is a CkptError naming the
 directory and the fix. ``save_only_model=True`` checkpoints hold only "model".
+``allow_pickle=True`` also resumes a checkpoint-N that transformers' own Trainer wrote (a run
+switched over), through transformers' own loaders; without it such a directory is refused.
 
 Single-process training only for now (CPU or one accelerator): several processes (DDP, FSDP,
 DeepSpeed) and XLA are refused by ``train`` with a CkptError, not saved half-way; so is pushing
@@ -65,6 +67,12 @@ from typing import Any
 try:
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
+    from transformers.utils import (
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
+    )
 except ImportError as exc:  # an optional integration: say which extra brings it
     raise ImportError("ckptio.hf_trainer needs transformers and accelerate: "
                       "pip install 'ckptio[hf-trainer]'") from exc
@@ -87,32 +95,50 @@ __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_prob
 CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+_TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                         WEIGHTS_INDEX_NAME)
 
 
-def checkpoint_problem(path: str) -> str | None:
+def checkpoint_problem(path: str, *, allow_pickle: bool = False) -> str | None:
     """Why the Trainer checkpoint directory ``path`` cannot be resumed, or None when it can:
-    its ckptio checkpoint committed and its trainer_state.json readable (and naming its step)."""
+    its ckptio checkpoint committed (or, with ``allow_pickle``, transformers' own files there)
+    and its trainer_state.json readable, naming its step."""
+    found = _problem(path, allow_pickle)
+    return None if found is None else found[1]
+
+
+def _problem(path: str, allow_pickle: bool) -> tuple[type[CkptError], str] | None:
+    """checkpoint_problem, with the CkptError subclass that says it."""
     inner = os.path.join(path, CKPTIO_DIR)
     if not os.path.isdir(path):
-        return "is not a directory"
-    if not os.path.isdir(inner):
-        return (f"holds no ckptio checkpoint ({CKPTIO_DIR}/): not written by a CkptioTrainer "
-                "(transformers' own Trainer writes optimizer.pt and friends instead)")
-    if not is_committed(inner):
-        return f"has a ckptio checkpoint ({CKPTIO_DIR}/) that never committed: a save cut short"
+        return CheckpointNotFoundError, "is not a directory"
+    if os.path.isdir(inner):
+        if not is_committed(inner):
+            return IncompleteCheckpointError, (
+                f"has a ckptio checkpoint ({CKPTIO_DIR}/) that never committed: a save cut short")
+    elif not (allow_pickle and _has_transformers_weights(path)):
+        return CheckpointNotFoundError, (
+            f"holds no ckptio checkpoint ({CKPTIO_DIR}/): not written by a CkptioTrainer "
+            "(allow_pickle=True resumes one that transformers' own Trainer wrote, reading its "
+            "torch.save files)")
     state_file = os.path.join(path, TRAINER_STATE)
     try:
         with open(state_file, encoding="utf-8") as f:
             step = json.load(f).get("global_step")
     except FileNotFoundError:
-        return (f"has no {TRAINER_STATE}: the process stopped after the ckptio commit, "
-                "before transformers wrote it")
+        return CorruptCheckpointError, (
+            f"has no {TRAINER_STATE}: the save stopped before transformers wrote it")
     except (OSError, ValueError, AttributeError) as exc:
-        return f"has a {TRAINER_STATE} that cannot be read ({type(exc).__name__}: {exc})"
-    found = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
-    if found is not None and step != int(found.group(1)):
-        return f"has a {TRAINER_STATE} naming step {step}, not {found.group(1)}"
+        return (CorruptCheckpointError,
+                f"has a {TRAINER_STATE} that cannot be read ({type(exc).__name__}: {exc})")
+    named = _step_of(os.path.basename(os.path.normpath(path)))
+    if named >= 0 and step != named:
+        return CorruptCheckpointError, f"has a {TRAINER_STATE} naming step {step}, not {named}"
     return None
+
+
+def _has_transformers_weights(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in _TRANSFORMERS_WEIGHTS)
 
 
 def _step_of(name: str) -> int:
@@ -120,7 +146,7 @@ def _step_of(name: str) -> int:
     return -1 if found is None else int(found.group(1))
 
 
-def last_checkpoint(output_dir: str) -> str:
+def last_checkpoint(output_dir: str, *, allow_pickle: bool = False) -> str:
     """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed (checkpoint_problem),
     warning once for each newer one passed over and why. CheckpointNotFoundError when there is
     none at all, IncompleteCheckpointError when none of those there can be resumed."""
@@ -134,7 +160,7 @@ def last_checkpoint(output_dir: str) -> str:
     passed: list[str] = []
     for name in steps:
         path = os.path.join(output_dir, name)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, allow_pickle=allow_pickle)
         if problem is None:
             return path
         warnings.warn(f"ckptio: resume_from_checkpoint=True passes over {path}: it {problem}",
@@ -149,16 +175,16 @@ def last_checkpoint(output_dir: str) -> str:
         + "; ".join(passed) + "); pass one explicitly or start without resume_from_checkpoint")
 
 
-def _checked(path: str) -> str:
-    """``path``'s ckptio checkpoint, or the CkptError saying why it cannot be resumed."""
-    problem = checkpoint_problem(path)
-    if problem is None:
-        return os.path.join(path, CKPTIO_DIR)
-    error = (CheckpointNotFoundError if "holds no ckptio" in problem or "not a directory" in problem
-             else IncompleteCheckpointError if "never committed" in problem
-             else CorruptCheckpointError)
-    raise error(f"cannot resume from {path}: it {problem}; pick another checkpoint-N "
-                "(resume_from_checkpoint=True takes the newest complete one)")
+def _checked(path: str, allow_pickle: bool) -> str | None:
+    """``path``'s ckptio checkpoint (None: transformers' own files, allowed by ``allow_pickle``),
+    or the CkptError saying why it cannot be resumed."""
+    found = _problem(path, allow_pickle)
+    if found is not None:
+        error, problem = found
+        raise error(f"cannot resume from {path}: it {problem}; pick another checkpoint-N "
+                    "(resume_from_checkpoint=True takes the newest complete one)")
+    inner = os.path.join(path, CKPTIO_DIR)
+    return inner if os.path.isdir(inner) else None
 
 
 class CkptioTrainerMixin:
@@ -166,10 +192,15 @@ class CkptioTrainerMixin:
     Put it before the Trainer class: ``class T(CkptioTrainerMixin, transformers.Trainer)``.
 
     ckptio_options: ckptio.Options for the saves and loads (default: the defaults and the
-    CKPTIO_* environment)."""
+    CKPTIO_* environment). allow_pickle: also resume from a checkpoint-N that transformers' own
+    Trainer wrote (switching a run over), read by transformers' own loaders: its optimizer.pt,
+    scheduler.pt and rng_state.pth are torch.save pickles (loaded with weights_only=True).
+    Saves are ckptio checkpoints either way."""
 
-    def __init__(self, *args: Any, ckptio_options: Options | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckptio_options: Options | None = None,
+                 allow_pickle: bool = False, **kwargs: Any) -> None:
         self.ckptio_options = ckptio_options
+        self.ckptio_allow_pickle = allow_pickle
         self._ckptio_in_checkpoint = False
         super().__init__(*args, **kwargs)
 
@@ -180,9 +211,11 @@ class CkptioTrainerMixin:
         t: Any = self
         self._ckptio_refuse_unsupported()
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_checkpoint(t.args.output_dir)
+            resume_from_checkpoint = last_checkpoint(t.args.output_dir,
+                                                     allow_pickle=self.ckptio_allow_pickle)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            _checked(os.fspath(resume_from_checkpoint))
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
+            _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _ckptio_refuse_unsupported(self) -> None:
@@ -204,17 +237,24 @@ class CkptioTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         t: Any = self
-        load(_checked(resume_from_checkpoint), {"model": t.model if model is None else model},
-             keys=["model"], options=self.ckptio_options)
+        inner = _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
+        if inner is None:  # transformers' own files (allow_pickle)
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return
+        load(inner, {"model": t.model if model is None else model}, keys=["model"],
+             options=self.ckptio_options)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        self._ckptio_load_parts(checkpoint, ("optimizer", "scheduler"))
+        if self._ckptio_load_parts(checkpoint, ("optimizer", "scheduler")):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        self._ckptio_load_parts(checkpoint, ("scaler",))
+        if self._ckptio_load_parts(checkpoint, ("scaler",)):
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        self._ckptio_load_parts(checkpoint, ("rng",))
+        if self._ckptio_load_parts(checkpoint, ("rng",)):
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
 
     def _load_best_model(self) -> None:
         t: Any = self
@@ -222,18 +262,23 @@ class CkptioTrainerMixin:
         if not os.path.isdir(os.path.join(best, CKPTIO_DIR)):
             super()._load_best_model()  # type: ignore[misc]
             return
-        load(_checked(best), {"model": t.model}, keys=["model"], options=self.ckptio_options)
+        load(_checked(best, False), {"model": t.model}, keys=["model"],
+             options=self.ckptio_options)
 
-    def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> None:
+    def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> bool:
         """Load those of ``wanted`` the checkpoint holds and this trainer has (as transformers
-        skips a file that is not there: a save_only_model checkpoint, no GradScaler)."""
+        skips a file that is not there: a save_only_model checkpoint, no GradScaler).
+        -> whether ``checkpoint`` is in transformers' own format (allow_pickle), for it to read."""
         if checkpoint is None:
-            return
-        inner = _checked(checkpoint)
+            return False
+        inner = _checked(checkpoint, self.ckptio_allow_pickle)
+        if inner is None:
+            return True
         held = load(inner, keys=["parts"], options=self.ckptio_options)["parts"]
         objects = {k: v for k, v in self._ckptio_objects().items() if k in wanted and k in held}
         if objects:
             load(inner, objects, keys=list(objects), options=self.ckptio_options)
+        return False
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -294,4 +339,4 @@ class CkptioTrainerMixin:
 
 class CkptioTrainer(CkptioTrainerMixin, transformers.Trainer):
     """transformers.Trainer whose checkpoints are ckptio checkpoints (module docstring); takes
-    Trainer's arguments plus ``ckptio_options``."""
+    Trainer's arguments plus ``ckptio_options`` and ``allow_pickle`` (CkptioTrainerMixin)."""

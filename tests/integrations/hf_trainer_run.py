@@ -57,18 +57,27 @@ def training_args(out: str, **overrides: Any) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**settings)
 
 
-class RecordingTrainer(CkptioTrainer):
-    """Appends each step's loss (the exact float) to a file."""
+class LossRecorder:
+    """Appends each step's loss (the exact float) to the file ``losses``."""
 
     def __init__(self, *args: Any, losses: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.losses = losses
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        loss = super().training_step(*args, **kwargs)
+        loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
+        step = self.state.global_step + 1  # type: ignore[attr-defined]
         with open(self.losses, "a", encoding="utf-8") as f:
-            f.write(f"{self.state.global_step + 1} {float(loss.item()).hex()}\n")
+            f.write(f"{step} {float(loss.item()).hex()}\n")
         return loss
+
+
+class RecordingTrainer(LossRecorder, CkptioTrainer):
+    """CkptioTrainer, recording its losses."""
+
+
+class RecordingHFTrainer(LossRecorder, transformers.Trainer):
+    """transformers' own Trainer, recording its losses."""
 
 
 def kill_in_save(step: int) -> None:

@@ -28,7 +28,13 @@ pytest.importorskip("accelerate")
 
 from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem
 
-from .hf_trainer_run import RecordingTrainer, TokenData, tiny_model, training_args
+from .hf_trainer_run import (
+    RecordingHFTrainer,
+    RecordingTrainer,
+    TokenData,
+    tiny_model,
+    training_args,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = Path(__file__).with_name("hf_trainer_run.py")
@@ -113,11 +119,12 @@ def rotated(tmp_path_factory):
     return out, read_losses(out / "losses.txt")
 
 
-def trainer_for(out: Path, eval_dataset: TokenData | None = None, **overrides) -> CkptioTrainer:
+def trainer_for(out: Path, eval_dataset: TokenData | None = None, *, allow_pickle: bool = False,
+                **overrides) -> CkptioTrainer:
     transformers.set_seed(0)
     return RecordingTrainer(model=tiny_model(), losses=str(out / "more-losses.txt"),
                             args=training_args(str(out), **overrides), train_dataset=TokenData(),
-                            eval_dataset=eval_dataset)
+                            eval_dataset=eval_dataset, allow_pickle=allow_pickle)
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -225,3 +232,24 @@ def test_pushing_every_checkpoint_to_the_hub_is_refused_before_training(tmp_path
     with pytest.raises(ckptio.UnsupportedStateError, match="hub_strategy='end'"):
         trainer.train()
     assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_a_run_of_transformers_own_trainer_resumes_with_allow_pickle_only(tmp_path):
+    """Switching a run over: checkpoint-2 of transformers' own Trainer (torch.save files) is
+    refused by default, resumed bitwise with allow_pickle=True; the next save is ckptio's."""
+    transformers.set_seed(0)
+    RecordingHFTrainer(model=tiny_model(), losses=str(tmp_path / "plain.txt"),
+                       args=training_args(str(tmp_path), max_steps=4, save_steps=2),
+                       train_dataset=TokenData()).train()
+    expected = read_losses(tmp_path / "plain.txt")
+    shutil.rmtree(tmp_path / "checkpoint-4")
+    ckpt2 = tmp_path / "checkpoint-2"
+    assert (ckpt2 / "optimizer.pt").exists() and not (ckpt2 / "ckptio").exists()
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="allow_pickle=True resumes"):
+        trainer_for(tmp_path).train(resume_from_checkpoint=str(ckpt2))
+
+    trainer_for(tmp_path, allow_pickle=True, max_steps=4, save_steps=2).train(
+        resume_from_checkpoint=True)
+    assert read_losses(tmp_path / "more-losses.txt") == {3: expected[3], 4: expected[4]}
+    assert checkpoint_problem(str(tmp_path / "checkpoint-4")) is None
+    assert not (tmp_path / "checkpoint-4" / "optimizer.pt").exists()
