@@ -25,7 +25,9 @@ are the places transformers 5 calls for exactly these parts: ``save_model`` (ins
 ``_load_rng_state`` and ``_load_best_model``; ``train`` is overridden only to resolve
 ``resume_from_checkpoint=True``. Everything else (when to save, trainer_state.json with the
 callbacks' states, ``save_total_limit``, ``best_model_checkpoint``, the data skip) stays
-transformers'.
+transformers'. Most hooks are private methods: importing this module checks that the installed
+transformers still has each one (else an ImportError naming them), so a release that renames
+one cannot silently bring its pickles back.
 
 A checkpoint, in transformers' own layout (so ``get_last_checkpoint``, ``save_total_limit`` and
 ``resume_from_checkpoint`` keep working, and so does a ``checkpoint-N`` another tool lists)::
@@ -50,7 +52,7 @@ directory and the fix. ``save_only_model=True`` checkpoints hold only "model".
 switched over), through transformers' own loaders; without it such a directory is refused.
 
 Single-process training only for now (CPU or one accelerator): several processes (DDP, FSDP,
-DeepSpeed) and XLA are refused by ``train`` with a CkptError, not saved half-way; so is pushing
+DeepSpeed) and XLA FSDP are refused by ``train`` with a CkptError, not saved half-way; so is pushing
 each checkpoint to the Hub (``hub_strategy`` other than "end"), which copies weight files a
 checkpoint-N here does not have. ``trainer.save_model()`` called by the user still writes
 transformers' own format (model.safetensors), for ``from_pretrained`` and the Hub.
@@ -97,6 +99,14 @@ TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 _TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                          WEIGHTS_INDEX_NAME)
+_HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
+          "_save_scaler", "_save_rng_state", "_load_from_checkpoint",
+          "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state", "_load_best_model")
+_MISSING = [name for name in _HOOKS if not callable(getattr(transformers.Trainer, name, None))]
+if _MISSING:
+    raise ImportError(f"ckptio.hf_trainer overrides transformers.Trainer's {', '.join(_MISSING)}, "
+                      f"which transformers {transformers.__version__} does not have: install "
+                      "a transformers 5 release this ckptio was tested with (5.23)")
 
 
 def checkpoint_problem(path: str, *, allow_pickle: bool = False) -> str | None:
