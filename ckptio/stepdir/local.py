@@ -22,6 +22,7 @@ from ckptio.errors import StorageIOError
 from ckptio.stepdir.base import (
     HIDDEN_PREFIX,
     Listing,
+    Nothing,
     Removal,
     hidden_name,
     is_hidden,
@@ -87,8 +88,8 @@ class LocalRoot:
         """Why there is no step to restore, and what the directory holds instead."""
         directory = self.location
         if not os.path.isdir(directory):
-            return (f"no checkpoint to restore: {directory} does not exist (nothing saved there "
-                    "yet)")
+            return Nothing(f"no checkpoint to restore: {directory} does not exist (nothing saved "
+                           "there yet)", empty=True)
         names = sorted(n for n in os.listdir(directory) if not is_hidden(n))
         return nothing_message(
             directory, names, itself=is_committed(directory), noun="directory",

@@ -24,6 +24,7 @@ import warnings
 
 from ckptio.stepdir.base import (
     Listing,
+    Nothing,
     Removal,
     hidden_name,
     is_hidden,
@@ -103,9 +104,9 @@ class MemoryRoot:
             return (f"no checkpoint to restore: {location} is a file in this process's memory, "
                     "not a location of steps")
         if not HOST.exists(location):
-            return (f"no checkpoint to restore: nothing is stored at {location} in this "
-                    "process's memory (nothing saved there yet: memory checkpoints do not outlive "
-                    "the process that saved them)")
+            return Nothing(f"no checkpoint to restore: nothing is stored at {location} in this "
+                           "process's memory (nothing saved there yet: memory checkpoints do not "
+                           "outlive the process that saved them)", empty=True)
         names = [name for name in HOST.entries(location) if not is_hidden(name)]
         return nothing_message(
             location, names, itself=_committed(location), noun="location",
