@@ -420,7 +420,7 @@ class CheckpointManager:
         raise error(f"no step in {self.directory} could be restored: {'; '.join(passed)}. The "
                     "directories are left as they are; restore(state, step=N) loads one step")
 
-    def _nothing_to_restore(self, plan: dict[str, Any]) -> None:
+    def _nothing_to_restore(self, plan: dict[str, Any], stacklevel: int = 3) -> None:
         """No committed step: None, unless the location holds something else (raised)."""
         if plan["missing"] is not None and not plan["missing"]["empty"]:
             raise CheckpointNotFoundError(plan["missing"]["why"])
@@ -428,7 +428,7 @@ class CheckpointManager:
             warn(f"ckptio: nothing to restore in {self.directory}: no step was ever committed "
                  f"there; incomplete steps {sorted(s for s, _ in plan['steps'])} (interrupted "
                  "saves) are left as they are, a save of the same step replaces one",
-                 stacklevel=4)
+                 stacklevel=stacklevel)
         return None
 
     def verify(self, step: int | None = None) -> int:
