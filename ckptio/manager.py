@@ -13,10 +13,9 @@ keep, which to load.
             break
     mgr.close()                                    # waits for the last save, applies retention
 
-Keeping the best: ``CheckpointManager(d, keep_last=1, keep_best=3, monitor="val_loss",
-mode="min")`` and ``save(step, state, metrics={"val_loss": v})``: managing/retention.py says
-exactly what is kept. ``metrics`` and ``metadata`` are stored in the step's manifest
-(stepmeta.py) and read back without loading tensors by ``mgr.metadata(step)`` or
+The best k: ``CheckpointManager(d, keep_last=1, keep_best=3, monitor="val_loss")`` and
+``save(step, state, metrics={"val_loss": v})``. ``metrics`` and ``metadata`` are stored in the
+step's manifest (stepmeta.py), read back without the tensors by ``mgr.metadata(step)`` or
 ``ckptio.read_metadata(path)``.
 
 With ``tiers=[ckptio.Tier("shm://run", ...), ckptio.Tier("/nvme/ckpt", every=10), ...]`` it
@@ -36,20 +35,17 @@ past damaged ones; agreeing on all of that across ranks. Does not own: saving, l
 verifying one checkpoint (Checkpointer, api.py) or the commit protocol (storage/).
 
 Choices:
-- Retention runs only after a save of ours has committed (sync: on return; async: in wait(),
-  the next save() or close(), as SaveHandle has no done-callback), so a failed save never costs
-  an older step. Kept (managing/retention.py): the last ``keep_last`` committed steps, steps
-  divisible by ``keep_every``, the ``keep_best`` best by ``monitor``, the newest committed step,
-  and the newest step restore()/verify() succeeded on (until a newer one does); after close()
-  nothing else is. Disk: an async save of step N runs while N-1 (committed) and the steps kept
-  before it are on disk, and N-1's retention runs when save(N) starts; so up to keep_last + 2
-  steps exist at once (keep_last kept, the one being dropped, the one being written), plus any
-  steps kept by keep_every / keep_best / verified. Sync saves: keep_last + 1. A dropped step is first hidden from the listing (a directory: renamed to
-  ``.deleting-step-<N>-<hex>``, the directory fsynced; a prefix: a marker object
-  ``step-<N>/.deleting``, then its manifest deleted), and only then removed, in a thread joined
-  by the next retention and close(): a kill never leaves a half-deleted step listed, and the
-  next retention finishes such leftovers. A save into a step whose removal is pending (a
-  marker) finishes that removal first.
+- Retention (managing/retention.py says exactly what is kept) runs only after a save of ours
+  has committed (sync: on return; async: in wait(), the next save() or close(), as SaveHandle
+  has no done-callback), so a failed save never costs an older step; after close() nothing but
+  the kept steps is left. Disk: step N-1's retention runs when save(N) starts, so with async
+  saves up to keep_last + 2 steps exist at once (keep_last kept, the one being dropped, the one
+  being written), keep_last + 1 with sync saves, plus the steps kept by another rule. A dropped
+  step is first hidden from the listing (a directory: renamed to ``.deleting-step-<N>-<hex>``,
+  the directory fsynced; a prefix: a marker object ``step-<N>/.deleting``, then its manifest
+  deleted), and only then removed, in a thread joined by the next retention and close(): a
+  kill never leaves a half-deleted step listed, and the next retention finishes such leftovers.
+  A save into a step whose removal is pending (a marker) finishes that removal first.
 - Only real directories (prefixes) named ``step-<N>`` and our hidden leftovers are ever
   deleted. Incomplete steps (no manifest: an interrupted save, or one still running elsewhere)
   never are: incomplete() lists them, restore() passes them with a warning, a save of that step
@@ -57,33 +53,29 @@ Choices:
 - A committed step is never saved over (CkptError naming it), except one restore() found
   damaged in this process: the atomic commit replaces it safely.
 - restore() with nothing committed (no directory, an empty one, or only incomplete steps, with
-  a warning naming them) returns None: start from scratch. A location holding something else
-  (a checkpoint not named step-<N>, DCP, torch.save files) raises CheckpointNotFoundError
-  saying what; committed steps that are all damaged raise CorruptCheckpointError.
+  a warning naming them) returns None. A location holding something else (a checkpoint not
+  named step-<N>, DCP, torch.save files) raises CheckpointNotFoundError saying what; committed
+  steps that are all damaged raise CorruptCheckpointError.
 - restore() falls back on damage only (CorruptCheckpointError and ManifestError, a missing or
   truncated data file, IncompleteCheckpointError, a vanished directory). Anything else (a
   StateMismatchError is the caller's bug; an I/O error) is raised at once. A failed attempt may
   have filled part of ``state``: with ``strict=False`` or ``keys=``, a key only the damaged step
   holds keeps what it got from it.
-- Interval: a save is due when ``step % save_every == 0``, or ``save_interval_s`` have passed
-  since the last save started (rank 0's clock), or a preemption signal has been seen
-  (``preemption=True``: SIGTERM, managing/triggers.py). With a clock or a handler, should_save()
-  and reached_preemption() are a collective (one all-gather per step, reused by save() and
-  reached_preemption() for the same step): call them at the same steps on every rank.
-- Metrics and metadata: rank 0's are stored (it writes the manifest) and decide retention; the
-  other ranks' are ignored: give every rank the same (an all-reduced loss).
+- A save is due when ``step % save_every == 0``, or ``save_interval_s`` have passed since the
+  last save started, or a preemption signal was seen (managing/triggers.py).
 - Many ranks (torch.distributed initialised, or ``process_group``): every method but
-  should_save() and path() (without a clock or handler) is a collective. Rank 0 lists and decides and broadcasts (JSON
-  through the job's store, in keys of the manager's own, not the Checkpointer's, which a
-  background save may be using; with the Checkpointer's deadlines);
-  only rank 0 hides and deletes. After a failed load the ranks all-gather why, and all fall
-  back together (damage seen by one rank makes the others raise RankFailedError).
+  should_save() and path() is a collective; should_save() is one too with a clock or a
+  preemption handler (one all-gather per step, reused by save() and reached_preemption() for
+  that step: ask at the same steps on every rank). Rank 0 lists, decides and broadcasts
+  (managing/ranks.py); only rank 0 hides and deletes; rank 0's clock, metrics and metadata are
+  the ones that count (give every rank the same metrics: an all-reduced loss); a signal to any
+  rank preempts all. After a failed load the ranks all-gather why, and all fall back together
+  (damage seen by one rank makes the others raise RankFailedError).
 Not safe for concurrent use from several threads.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import operator
 import os
@@ -96,20 +88,20 @@ import torch
 
 from ckptio import stepdir, stepmeta
 from ckptio.api import Checkpointer
-from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError)
+from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           IncompleteCheckpointError)
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.managing import warn
-from ckptio.managing.retention import Retention
+from ckptio.managing.ranks import Ranks
+from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.managing.triggers import Preemption, SaveClock, Triggers
 from ckptio.options import Options
+from ckptio.saving.handle import SaveHandle, SaveResult
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptio")
-# a load failing with one of these found the checkpoint damaged (or gone): try the previous step
-_DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
 _UNSET: Any = object()  # save_every not given: 1, or None (time only) with save_interval_s
 
 
@@ -162,12 +154,13 @@ class CheckpointManager:
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer if checkpointer is not None else Checkpointer(options)
         self._process_group = process_group
-        self._group: Group | None = None  # made by the first collective call
+        self._ranking = Ranks(process_group, self._ck.options, self.directory)
         self._pending: tuple[int, SaveHandle] | None = None  # an async save of ours
         self._verified: int | None = None  # newest step restore() or verify() succeeded on
         self._damaged: set[int] = set()  # committed steps restore() found damaged
         self._removal: threading.Thread | None = None
-        self._metrics: dict[int, float | None] = {}  # rank 0: each step's monitored metric
+        self._metrics = StepMetrics(  # rank 0: each step's monitored metric
+            lambda step: stepmeta.read_metadata(self.path(step), self._ck.options), self.directory)
         if preemption:
             self.install_preemption_handler()
         # set by a tiered manager (tiering/manager.py) that builds on this one per tier:
@@ -327,7 +320,7 @@ class CheckpointManager:
         """Collective, after a save of ours committed: rank 0 hides the steps the policy drops
         and removes them in the background. -> the steps dropped (the same on every rank)."""
         self._damaged.discard(step)
-        self._metrics.pop(step, None)  # a damaged step saved again: read its metric anew
+        self._metrics.forget(step)  # a damaged step saved again: read its metric anew
         dropped = list(self._agreed(self._drop_old))
         if self._after_commit is not None:
             self._after_commit(step)
@@ -352,27 +345,10 @@ class CheckpointManager:
             also.update(self._also_keep())
         values: dict[int, float | None] = {}
         if self.retention.monitor is not None:
-            for step in committed:
-                value = self._metric(step, self.retention.monitor)
-                if value is False:
-                    also.add(step)  # unreadable now: kept, asked again next time
-                else:
-                    values[step] = value
+            values, unreadable = self._metrics.of(committed, self.retention.monitor)
+            also.update(unreadable)
         keep = self.retention.kept(committed, values, also)
         return [s for s in committed if s not in keep]
-
-    def _metric(self, step: int, name: str) -> float | None | bool:
-        """Rank 0: ``step``'s value of metric ``name`` (None: saved without it), read from its
-        manifest once; False, with a warning, if it cannot be read now."""
-        if step not in self._metrics:
-            try:
-                self._metrics[step] = stepmeta.read_metadata(
-                    self.path(step), self._ck.options)["metrics"].get(name)
-            except CkptError as exc:
-                warn(f"ckptio: retention keeps step {step} of {self.directory}: its metric "
-                     f"{name!r} cannot be read ({type(exc).__name__}: {exc})", stacklevel=5)
-                return False
-        return self._metrics[step]
 
     def _join_removal(self) -> None:
         if self._removal is not None:
@@ -421,7 +397,8 @@ class CheckpointManager:
                     "directories are left as they are; restore(state, step=N) loads one step")
 
     def _nothing_to_restore(self, plan: dict[str, Any], stacklevel: int = 3) -> None:
-        """No committed step: None, unless the location holds something else (raised)."""
+        """No committed step: None (a warning naming incomplete steps), unless the location
+        holds something else: CheckpointNotFoundError saying what."""
         if plan["missing"] is not None and not plan["missing"]["empty"]:
             raise CheckpointNotFoundError(plan["missing"]["why"])
         if plan["steps"]:
@@ -429,7 +406,6 @@ class CheckpointManager:
                  f"there; incomplete steps {sorted(s for s, _ in plan['steps'])} (interrupted "
                  "saves) are left as they are, a save of the same step replaces one",
                  stacklevel=stacklevel)
-        return None
 
     def verify(self, step: int | None = None) -> int:
         """Read back every byte of ``step`` (default: the newest committed) and check it; on
@@ -462,25 +438,11 @@ class CheckpointManager:
         try:
             self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
         except Exception as exc:
-            damaged, why = self._verdict(exc)
+            damaged, why = self._ranking.verdict(exc)
             if not damaged:
                 raise
             return why
         return None
-
-    def _verdict(self, error: Exception) -> tuple[bool, str]:
-        """Collective after a failed load (which raised on every rank): fall back only if some
-        rank found damage and none failed otherwise; -> (fall back, every rank's reason)."""
-        kind = ("damaged" if isinstance(error, _DAMAGE) else
-                "peer" if isinstance(error, RankFailedError) else "other")
-        mine = [kind, f"{type(error).__name__}: {error}"]
-        group = self._ranks()
-        if group.size == 1:
-            return kind == "damaged", mine[1]
-        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
-        kinds = {k for k, _ in reports}
-        why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
-        return "damaged" in kinds and "other" not in kinds, why
 
     def _passed_over(self, step: int, passed: list[str]) -> None:
         if passed:
@@ -491,32 +453,11 @@ class CheckpointManager:
     # ---------------------------------------------------------------- ranks
 
     def _ranks(self) -> Group:
-        if self._group is None:
-            torch_group = current_group(self._process_group)
-            self._group = Solo() if torch_group is None else over_torch(torch_group,
-                                                                          self._ck.options)
-        return self._group
+        return self._ranking.group()
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:
-        """Collective: ``decide()`` (JSON-able) runs on rank 0 and every rank gets its answer.
-        If it raises, rank 0 raises that and the others a RankFailedError quoting it."""
-        group = self._ranks()
-        if group.size == 1:
-            return decide()
-        if group.rank != COORDINATOR:
-            answer = json.loads(group.broadcast(None))
-            if "error" in answer:
-                raise RankFailedError(f"checkpoint manager of {self.directory}: rank 0 failed: "
-                                      f"{answer['error']}")
-            return answer["value"]
-        try:
-            value = decide()
-        except Exception as exc:
-            group.broadcast(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
-            raise
-        data = json.dumps({"value": value}).encode()
-        group.broadcast(data)
-        return json.loads(data)["value"]  # exactly what the other ranks got
+        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (ranks.py)."""
+        return self._ranking.agreed(decide)
 
 
 # -------------------------------------------------------------------- small helpers

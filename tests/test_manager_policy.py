@@ -132,7 +132,7 @@ def test_metrics_and_metadata_stored_with_the_step(tmp_path):
     # it is in the manifest's meta (the CRC covers it: an altered byte is refused)
     manifest = os.path.join(mgr.path(2), "manifest.json")
     with open(manifest, "rb") as f:
-        header, body = f.read().split(b"\n", 1)
+        _header, body = f.read().split(b"\n", 1)
     assert "metadata" not in json.loads(body)["meta"]
     with open(os.path.join(mgr.path(1), "manifest.json"), "rb") as f:
         data = f.read()

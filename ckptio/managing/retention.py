@@ -13,20 +13,22 @@ The kept set is the union of:
 - and, from the manager: the newest committed step, the newest step restore()/verify()
   succeeded on, steps whose metric could not be read, and what a tiered manager pins.
 
-Owns: the options' checks and the kept set. Does not own: reading metrics (stepmeta.py),
-listing or deleting steps (manager.py, stepdir/).
+Owns: the options' checks, the kept set, rank 0's cache of each step's metric (StepMetrics:
+a committed step's manifest never changes, so it is read once). Does not own: the metadata's
+format (stepmeta.py), listing or deleting steps (manager.py, stepdir/).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError
+from ckptio.managing import warn
 
-__all__ = ["MODES", "Retention"]
+__all__ = ["MODES", "Retention", "StepMetrics"]
 
 MODES = ("min", "max")
 
@@ -91,3 +93,31 @@ class Retention:
         if math.isnan(value):
             return True, 0.0, -step
         return False, value if self.mode == "min" else -value, -step
+
+
+class StepMetrics:
+    """Each step's value of one metric, read (``read(step)``: stepmeta.read_metadata of the
+    step) once and kept; forget() a step saved again."""
+
+    def __init__(self, read: Callable[[int], dict[str, Any]], where: str) -> None:
+        self._read = read
+        self._where = where
+        self._known: dict[int, float | None] = {}
+
+    def of(self, steps: list[int], name: str) -> tuple[dict[int, float | None], set[int]]:
+        """-> (each step's value of ``name``, None where saved without it; the steps whose
+        metadata cannot be read now, with a warning: keep them, they are asked again later)."""
+        unreadable = set()
+        for step in steps:
+            if step in self._known:
+                continue
+            try:
+                self._known[step] = self._read(step)["metrics"].get(name)
+            except CkptError as exc:
+                warn(f"ckptio: retention keeps step {step} of {self._where}: its metric "
+                     f"{name!r} cannot be read ({type(exc).__name__}: {exc})", stacklevel=4)
+                unreadable.add(step)
+        return {s: self._known[s] for s in steps if s not in unreadable}, unreadable
+
+    def forget(self, step: int) -> None:
+        self._known.pop(step, None)
