@@ -33,10 +33,11 @@ from ckptio.format import manifest
 from ckptio.options import Options
 from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["MAX_DEPTH", "MAX_NBYTES", "encode", "metric", "read_metadata"]
+__all__ = ["MAX_DEPTH", "MAX_INT_BITS", "MAX_NBYTES", "encode", "metric", "read_metadata"]
 
 MAX_DEPTH = 64  # nesting of metadata (the manifest's own nesting limit stays far away)
 MAX_NBYTES = 1 << 20  # metadata is read by every load of the step: keep it small
+MAX_INT_BITS = 256  # an int far beyond this could not even be written as JSON text
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -121,6 +122,13 @@ def _metric_json(key: str, value: Any) -> int | float | str:
                         "metadata=")
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return _int_fits(f"metrics[{key!r}]", value)
+
+
+def _int_fits(path: str, value: int | float) -> int | float:
+    if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+        raise CkptError(f"save(...): {path} is an int of {value.bit_length()} bits, more than "
+                        f"{MAX_INT_BITS}; store it as a string")
     return value
 
 
@@ -137,8 +145,10 @@ def _json_value(path: str, value: Any, depth: int) -> Any:
     """``value`` as plain JSON (tuples as lists), or a CkptError naming ``path``."""
     if depth > MAX_DEPTH:
         raise CkptError(f"save(metadata=...): {path} nests deeper than {MAX_DEPTH} levels")
-    if value is None or isinstance(value, (bool, int, str)):
+    if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, int):
+        return _int_fits(path, value)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise CkptError(f"save(metadata=...): {path} = {value!r}; JSON has no NaN or "

@@ -168,6 +168,8 @@ def test_checkpointer_save_takes_metadata_too(tmp_path):
     (dict(metadata={"cfg": {2: 1}}), r"metadata\['cfg'\] has key 2"),
     (dict(metadata={"path": {1, 2}}), r"metadata\['path'\] is a set"),
     (dict(metadata={"blob": "x" * (2 << 20)}), "more than 1048576"),
+    (dict(metadata={"n": [10 ** 5000]}), r"metadata\['n'\]\[0\] is an int of 16610 bits"),
+    (dict(metrics={"n": 1 << 300}), r"metrics\['n'\] is an int of 301 bits"),
 ])
 def test_bad_metrics_and_metadata_are_refused_before_anything_is_written(tmp_path, kwargs, match):
     mgr = _manager(tmp_path / "run")

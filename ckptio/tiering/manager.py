@@ -97,6 +97,8 @@ class TieredManager:
                             "with tiers, give keep_last, keep_every and every per ckptio.Tier; "
                             "the manager takes options, checkpointer, process_group, drain_rate, "
                             "preemption")
+        if not isinstance(preemption, bool):
+            raise CkptError(f"CheckpointManager(preemption={preemption!r}): True or False")
         if drain_rate is not None and not drain_rate > 0:
             raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
         self.tiers = check_tiers(tiers)
@@ -106,9 +108,8 @@ class TieredManager:
         self._ck = checkpointer or Checkpointer(options or Options.from_env())
         self._levels = [CheckpointManager(t.location, keep_last=t.keep_last,
                                           keep_every=t.keep_every, save_every=t.every,
-                                          checkpointer=self._ck, process_group=process_group,
-                                          preemption=preemption and k == 0)
-                        for k, t in enumerate(self.tiers)]
+                                          checkpointer=self._ck, process_group=process_group)
+                        for t in self.tiers]
         self._first = self._levels[0]
         quick = dataclasses.replace(self._ck.options, s3_retry_deadline_s=min(
             PROBE_DEADLINE_S, self._ck.options.s3_retry_deadline_s))
@@ -118,6 +119,8 @@ class TieredManager:
         self._drain: Drain | None = None
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
         try:
+            if preemption:  # the first tier's manager takes every save: its should_save asks
+                self._first.install_preemption_handler()
             self._one_host()
             if self._ranks_rank() == COORDINATOR and len(self.tiers) > 1:
                 self._drain = Drain(self, [t.every for t in self.tiers], self._ck.options,
@@ -126,6 +129,7 @@ class TieredManager:
                 self._first._after_commit = self._drain.submit
             self._first._agreed(self._resume)
         except BaseException:
+            self._first._triggers.preemption.uninstall()
             if self._owns_checkpointer:
                 self._ck.close()
             raise
