@@ -3,8 +3,7 @@ keep, which to load.
 
     mgr = ckptio.CheckpointManager("ckpts", keep_last=3, keep_every=10_000, save_every=500,
                                    save_interval_s=1800, preemption=True)
-    restored = mgr.restore(state)                  # None: nothing saved there yet
-    start = 0 if restored is None else restored
+    start = mgr.restore(state) or 0                # None: nothing saved there yet
     for step in range(start + 1, total_steps + 1):
         ...
         mgr.save(step, state, asynchronous=True,   # None unless due: step % save_every == 0,
