@@ -284,7 +284,9 @@ def test_retention_keeps_exactly_keep_last_and_bounds_the_disk(tmp_path, asynchr
     for step in range(1, 9):
         mgr.save(step, _state(step), asynchronous=asynchronous)
         peak = max(peak, len(_entries(d)))
-    mgr.close()
+    mgr.wait()  # the last save committed, its retention applied: exactly 2 listed
+    assert mgr.steps() == [7, 8] and mgr.incomplete() == []
+    mgr.close()  # and the removals finished: nothing else on disk
     assert mgr.steps() == [7, 8] and _entries(d) == ["step-7", "step-8"]
     assert peak <= (4 if asynchronous else 3), peak
 

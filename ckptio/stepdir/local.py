@@ -16,9 +16,9 @@ import functools
 import logging
 import os
 import shutil
-import warnings
 
 from ckptio.errors import StorageIOError
+from ckptio.managing import warn
 from ckptio.stepdir.base import (
     HIDDEN_PREFIX,
     Listing,
@@ -97,8 +97,7 @@ class LocalRoot:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
 
 
 def _entries(directory: str) -> list[os.DirEntry[str]]:

@@ -19,9 +19,8 @@ names (base.py), which steps to keep or restore (manager.py).
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 
+from ckptio.managing import warn
 from ckptio.stepdir.base import (
     Listing,
     Nothing,
@@ -36,8 +35,6 @@ from ckptio.storage import steps as storage_steps
 from ckptio.storage.memory import HOST, SCHEME, MemoryStore
 
 __all__ = ["MemoryRoot"]
-
-log = logging.getLogger("ckptio")
 
 
 class MemoryRoot:
@@ -144,5 +141,4 @@ def _forget(locations: list[str]) -> None:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)

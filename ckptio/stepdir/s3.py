@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.managing import warn
 from ckptio.stepdir.base import Listing, Nothing, Removal, nothing_message, step_name, step_of
 
 __all__ = ["MARKER", "S3Root"]
@@ -303,5 +303,4 @@ class S3Root:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
