@@ -33,7 +33,7 @@ from ckptio.format import manifest
 from ckptio.options import Options
 from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["MAX_DEPTH", "MAX_INT_BITS", "MAX_NBYTES", "encode", "metric", "read_metadata"]
+__all__ = ["MAX_DEPTH", "MAX_INT_BITS", "MAX_NBYTES", "encode", "read_metadata"]
 
 MAX_DEPTH = 64  # nesting of metadata (the manifest's own nesting limit stays far away)
 MAX_NBYTES = 1 << 20  # metadata is read by every load of the step: keep it small
@@ -57,20 +57,6 @@ def encode(metrics: Mapping[str, Any] | None,
                             "every load reads it with the manifest: store large things in the "
                             "state instead")
     return out
-
-
-def metric(meta: Mapping[str, Any], name: str, where: str) -> float | None:
-    """The metric ``name`` of a manifest's ``meta`` (NaN for a stored NaN), or None if the
-    step has no such metric. A malformed value: ManifestError naming ``where``."""
-    metrics = meta.get("metrics")
-    if metrics is None:
-        return None
-    if not isinstance(metrics, dict):
-        raise ManifestError(f"{where}: meta.metrics is not an object; the checkpoint is damaged "
-                            "or was written by something else")
-    if name not in metrics:
-        return None
-    return _metric_value(metrics[name], f"{where}: meta.metrics[{name!r}]")
 
 
 def read_metadata(path: str | os.PathLike[str], options: Options | None = None) -> dict[str, Any]:

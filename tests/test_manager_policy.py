@@ -268,6 +268,17 @@ def test_preemption_handler_is_opt_in_and_put_back(tmp_path):
     assert signal.getsignal(signal.SIGTERM) != before
     plain.close()
     assert signal.getsignal(signal.SIGTERM) == before
+    other = _manager(tmp_path / "b")
+    for bad, match in (([signal.SIGKILL], "SIGKILL cannot be caught"), ([999], "signal numbers"),
+                       ("TERM", "signal numbers")):
+        with pytest.raises(CkptError, match=match):
+            other.install_preemption_handler(bad)
+        assert signal.getsignal(signal.SIGTERM) == before
+    other.install_preemption_handler([signal.SIGUSR1])
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert other.reached_preemption(1) and other.should_save(1)
+    other.close()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
 # ------------------------------------------------------------------ retention, exactly

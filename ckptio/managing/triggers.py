@@ -55,7 +55,11 @@ class Preemption:
     """Records the preemption signals this process receives (module docstring)."""
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
-        self.signals = tuple(signal.Signals(s) for s in signals)
+        try:
+            self.signals = tuple(signal.Signals(s) for s in signals)
+        except (TypeError, ValueError):
+            raise CkptError(f"install_preemption_handler(signals={signals!r}): a sequence of "
+                            "signal numbers, e.g. [signal.SIGTERM, signal.SIGUSR1]") from None
         self.received: signal.Signals | None = None  # the first signal seen
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -67,7 +71,12 @@ class Preemption:
                             "the manager there")
         for sig in self.signals:
             if sig not in self._previous:
-                self._previous[sig] = signal.signal(sig, self._record)
+                try:
+                    self._previous[sig] = signal.signal(sig, self._record)
+                except (OSError, ValueError) as exc:  # SIGKILL, SIGSTOP: not catchable
+                    self.uninstall()
+                    raise CkptError(f"install_preemption_handler: {sig.name} cannot be caught "
+                                    f"({exc}); use SIGTERM, SIGINT or SIGUSR1/2") from None
 
     def uninstall(self) -> None:
         """Put the previous handlers back (where ours is still the one installed)."""
