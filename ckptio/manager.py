@@ -161,7 +161,12 @@ class CheckpointManager:
         self._metrics = StepMetrics(  # rank 0: each step's monitored metric
             lambda step: stepmeta.read_metadata(self.path(step), self._ck.options), self.directory)
         if preemption:
-            self.install_preemption_handler()
+            try:
+                self.install_preemption_handler()
+            except CkptError:
+                if self._owns_checkpointer:
+                    self._ck.close()
+                raise
         # set by a tiered manager (tiering/manager.py) that builds on this one per tier:
         self._after_commit: Callable[[int], None] | None = None  # a step of ours committed
         self._also_keep: Callable[[], set[int]] | None = None  # steps retention keeps too

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -279,6 +280,18 @@ def test_preemption_handler_is_opt_in_and_put_back(tmp_path):
     assert other.reached_preemption(1) and other.should_save(1)
     other.close()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    errors = []  # Python lets only the main thread install handlers: refused, clearly
+    thread = threading.Thread(target=lambda: _refused(errors, tmp_path / "c"))
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "main thread" in errors[0], errors
+
+
+def _refused(errors: list, directory) -> None:
+    try:
+        _manager(directory, preemption=True)
+    except CkptError as exc:
+        errors.append(str(exc))
 
 
 # ------------------------------------------------------------------ retention, exactly
