@@ -100,8 +100,11 @@ class Checkpointer:
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None) -> SaveResult:
         """Write ``state`` to ``path``; returns once every byte is durable and committed
-        (with many ranks: a collective, see async_save). ``metrics``/``metadata``: stored in
-        the manifest (stepmeta.py; rank 0's), read back by ckptio.read_metadata(path)."""
+        (with many ranks: a collective, see async_save). ``metrics`` (str -> number) and
+        ``metadata`` (str -> JSON) are stored in the manifest (stepmeta.py), read back without
+        the tensors by ckptio.read_metadata(path). With many ranks rank 0's are stored; each
+        rank checks its own before the save starts, so give every rank valid ones (a
+        CheckpointManager checks rank 0's on behalf of all)."""
         return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=False, user_meta=stepmeta.encode(metrics, metadata)).wait()
