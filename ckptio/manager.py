@@ -37,9 +37,10 @@ Choices:
 - Retention (managing/retention.py says exactly what is kept) runs only after a save of ours
   has committed (sync: on return; async: in wait(), the next save() or close(), as SaveHandle
   has no done-callback), so a failed save never costs an older step; after close() nothing but
-  the kept steps is left. Disk: step N-1's retention runs when save(N) starts, so with async
-  saves up to keep_last + 2 steps exist at once (keep_last kept, the one being dropped, the one
-  being written), keep_last + 1 with sync saves, plus the steps kept by another rule. A dropped
+  the kept steps is left. Disk: with async saves step N-1's retention runs when save(N) starts,
+  so up to keep_last + 2 step directories exist at once (keep_last kept, the one being written,
+  the one dropped, until its background removal ends); sync saves: keep_last + 1, and + 1
+  while a removal is still running; plus the steps kept by the other rules. A dropped
   step is first hidden from the listing (a directory: renamed to ``.deleting-step-<N>-<hex>``,
   the directory fsynced; a prefix: a marker object ``step-<N>/.deleting``, then its manifest
   deleted), and only then removed, in a thread joined by the next retention and close(): a
