@@ -1,13 +1,12 @@
 """What a CheckpointManager decides beyond one checkpoint: which steps to keep (retention.py),
-when a save is due by time or by a preemption signal (triggers.py), and the one channel its
-warnings take (warn() below).
+when a save is due by time or by a preemption signal (triggers.py), how its ranks agree on
+rank 0's decisions (ranks.py), and the one channel its warnings take (warn() below).
 
 Layer: the drivers' (with manager.py, its user). Internal: nothing here is public API. The
 public surface is ``ckptio`` itself (ckptio/__init__.py's ``__all__``: CheckpointManager).
 
-Owns: those policies as plain objects, free of ranks and storage. Does not own: agreeing on
-them across ranks, listing or deleting steps (manager.py, stepdir/), one checkpoint's metadata
-(stepmeta.py).
+Owns: those policies and exchanges. Does not own: listing or deleting steps (manager.py,
+stepdir/), one checkpoint's metadata (stepmeta.py).
 """
 
 from __future__ import annotations
