@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.rng import RNGState
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
+    from ckptio.stepmeta import read_metadata
     from ckptio.storage.select import register_store
     from ckptio.tiering.tier import Tier
 
@@ -77,6 +78,7 @@ __all__ = [
     "async_save",
     "export_hf",
     "load",
+    "read_metadata",
     "register_store",
     "save",
     "verify",
@@ -93,7 +95,7 @@ _HOME = {
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
-    "Tier": "ckptio.tiering.tier",
+    "Tier": "ckptio.tiering.tier", "read_metadata": "ckptio.stepmeta",
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

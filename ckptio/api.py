@@ -13,11 +13,12 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ckptio import stepmeta
 from ckptio.distributed import collective, loadsteps
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.errors import CkptError
@@ -96,12 +97,17 @@ class Checkpointer:
             self._staging.free()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-             process_group: Any = None) -> SaveResult:
+             process_group: Any = None, metrics: Mapping[str, Any] | None = None,
+             metadata: Mapping[str, Any] | None = None) -> SaveResult:
         """Write ``state`` to ``path``; returns once every byte is durable and committed
-        (with many ranks: a collective, see async_save)."""
+        (with many ranks: a collective, see async_save). ``metrics`` (str -> number) and
+        ``metadata`` (str -> JSON) are stored in the manifest (stepmeta.py), read back without
+        the tensors by ckptio.read_metadata(path). With many ranks rank 0's are stored; each
+        rank checks its own before the save starts, so give every rank valid ones (a
+        CheckpointManager checks rank 0's on behalf of all)."""
         return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
                            allow_pickle=allow_pickle, process_group=process_group,
-                           grow_staging=False).wait()
+                           grow_staging=False, user_meta=stepmeta.encode(metrics, metadata)).wait()
 
     def async_save(
         self,
@@ -113,6 +119,8 @@ class Checkpointer:
         if_busy: str = "wait",
         allow_pickle: bool = False,
         process_group: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
 
@@ -130,14 +138,16 @@ class Checkpointer:
         every rank's bytes are durable. A failure on any rank raises on every rank.
         Staging: a state larger than the pool grows it after the save, up to
         Options.host_budget_bytes, so later async saves return at copy speed.
+        metrics, metadata: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers, if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
-                           grow_staging=True)
+                           grow_staging=True, user_meta=stepmeta.encode(metrics, metadata))
 
     def _start(self, state: Any, path: str | os.PathLike[str], *, lazy: bool,
                optimizers: Sequence[torch.optim.Optimizer], if_busy: str, allow_pickle: bool,
-               process_group: Any, grow_staging: bool) -> SaveHandle:
+               process_group: Any, grow_staging: bool,
+               user_meta: dict[str, Any] | None = None) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
@@ -165,7 +175,8 @@ class Checkpointer:
         context = session.SaveContext(
             group=group, store=store_for(path, self.options), options=self.options,
             staging=self._staging, cleanup=self._staging.cleanup, memory=self._memory(group),
-            plan_cache=self._plan_cache, meta=session.default_meta(), block_nbytes=self._staging.block_nbytes,
+            plan_cache=self._plan_cache, meta={**session.default_meta(), **(user_meta or {})},
+            block_nbytes=self._staging.block_nbytes,
             allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), started=started,
             previous_error=previous_error, grow_staging=grow_staging)

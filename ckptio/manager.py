@@ -1,12 +1,21 @@
 """A directory (or S3 prefix) of checkpoints, one per training step: when to save, which to
 keep, which to load.
 
-    mgr = ckptio.CheckpointManager("ckpts", keep_last=3, keep_every=10_000, save_every=500)
-    start = mgr.restore(state) if mgr.latest() is not None else 0   # the newest loadable step
+    mgr = ckptio.CheckpointManager("ckpts", keep_last=3, keep_every=10_000, save_every=500,
+                                   save_interval_s=1800, preemption=True)
+    start = mgr.restore(state) or 0                # None: nothing saved there yet
     for step in range(start + 1, total_steps + 1):
         ...
-        mgr.save(step, state, asynchronous=True)   # None unless step % save_every == 0
+        mgr.save(step, state, asynchronous=True,   # None unless due: step % save_every == 0,
+                 metrics={"loss": loss})           # 30 min since the last save, or SIGTERM
+        if mgr.reached_preemption(step):           # SIGTERM seen (by any rank): step is saved
+            break
     mgr.close()                                    # waits for the last save, applies retention
+
+The best k: ``CheckpointManager(d, keep_last=1, keep_best=3, monitor="val_loss")`` and
+``save(step, state, metrics={"val_loss": v})``. ``metrics`` and ``metadata`` are stored in the
+step's manifest (stepmeta.py), read back without the tensors by ``mgr.metadata(step)`` or
+``ckptio.read_metadata(path)``.
 
 With ``tiers=[ckptio.Tier("shm://run", ...), ckptio.Tier("/nvme/ckpt", every=10), ...]`` it
 returns a tiered manager instead (tiering/manager.py: host memory first, drained in the
@@ -25,62 +34,75 @@ past damaged ones; agreeing on all of that across ranks. Does not own: saving, l
 verifying one checkpoint (Checkpointer, api.py) or the commit protocol (storage/).
 
 Choices:
-- Retention runs only after a save of ours has committed (sync: on return; async: in wait(),
-  the next save() or close(), as SaveHandle has no done-callback), so a failed save never costs
-  an older step. Kept: the last ``keep_last`` committed steps, steps divisible by ``keep_every``,
-  the newest committed step, and the newest step restore()/verify() succeeded on (until a newer
-  one does). A dropped step is first hidden from the listing (a directory: renamed to
-  ``.deleting-step-<N>-<hex>``, the directory fsynced; a prefix: a marker object
-  ``step-<N>/.deleting``, then its manifest deleted), and only then removed, in a thread joined
-  by the next retention and close(): a kill never leaves a half-deleted step listed, and the
-  next retention finishes such leftovers. A save into a step whose removal is pending (a
-  marker) finishes that removal first.
+- Retention (managing/retention.py says exactly what is kept) runs only after a save of ours
+  has committed (sync: on return; async: in wait(), the next save() or close(), as SaveHandle
+  has no done-callback), so a failed save never costs an older step; after close() nothing but
+  the kept steps is left. Disk: with async saves step N-1's retention runs when save(N) starts,
+  so up to keep_last + 2 step directories exist at once (keep_last kept, the one being written,
+  the one dropped, until its background removal ends); sync saves: keep_last + 1, and + 1
+  while a removal is still running; plus the steps kept by the other rules. A dropped
+  step is first hidden from the listing (a directory: renamed to ``.deleting-step-<N>-<hex>``,
+  the directory fsynced; a prefix: a marker object ``step-<N>/.deleting``, then its manifest
+  deleted), and only then removed, in a thread joined by the next retention and close(): a
+  kill never leaves a half-deleted step listed, and the next retention finishes such leftovers.
+  A save into a step whose removal is pending (a marker) finishes that removal first.
 - Only real directories (prefixes) named ``step-<N>`` and our hidden leftovers are ever
   deleted. Incomplete steps (no manifest: an interrupted save, or one still running elsewhere)
   never are: incomplete() lists them, restore() passes them with a warning, a save of that step
   saves over them.
 - A committed step is never saved over (CkptError naming it), except one restore() found
   damaged in this process: the atomic commit replaces it safely.
+- restore() with nothing committed (no directory, an empty one, or only incomplete steps, with
+  a warning naming them) returns None. A location holding something else (a checkpoint not
+  named step-<N>, DCP, torch.save files) raises CheckpointNotFoundError saying what; committed
+  steps that are all damaged raise CorruptCheckpointError.
 - restore() falls back on damage only (CorruptCheckpointError and ManifestError, a missing or
   truncated data file, IncompleteCheckpointError, a vanished directory). Anything else (a
   StateMismatchError is the caller's bug; an I/O error) is raised at once. A failed attempt may
   have filled part of ``state``: with ``strict=False`` or ``keys=``, a key only the damaged step
   holds keeps what it got from it.
+- A save is due when ``step % save_every == 0``, or ``save_interval_s`` have passed since the
+  last save started, or a preemption signal was seen (managing/triggers.py).
 - Many ranks (torch.distributed initialised, or ``process_group``): every method but
-  should_save() and path() is a collective. Rank 0 lists and decides and broadcasts (JSON
-  through the job's store, in keys of the manager's own, not the Checkpointer's, which a
-  background save may be using; with the Checkpointer's deadlines);
-  only rank 0 hides and deletes. After a failed load the ranks all-gather why, and all fall
-  back together (damage seen by one rank makes the others raise RankFailedError).
+  should_save() and path() is a collective; should_save() is one too with a clock or a
+  preemption handler (one all-gather per step, reused by save() and reached_preemption() for
+  that step: ask at the same steps on every rank). Rank 0 lists, decides and broadcasts
+  (managing/ranks.py); only rank 0 hides and deletes; rank 0's clock, metrics and metadata are
+  the ones that count (give every rank the same metrics: an all-reduced loss); a signal to any
+  rank preempts all. After a failed load the ranks all-gather why, and all fall back together
+  (damage seen by one rank makes the others raise RankFailedError).
 Not safe for concurrent use from several threads.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import operator
 import os
+import signal
 import threading
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ckptio import stepdir
+from ckptio import stepdir, stepmeta
 from ckptio.api import Checkpointer
-from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError)
+from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           IncompleteCheckpointError)
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.managing import warn
+from ckptio.managing.ranks import Ranks
+from ckptio.managing.retention import Retention, StepMetrics
+from ckptio.managing.triggers import Preemption, SaveClock, Triggers
 from ckptio.options import Options
+from ckptio.saving.handle import SaveHandle, SaveResult
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptio")
-# a load failing with one of these found the checkpoint damaged (or gone): try the previous step
-_DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
+_UNSET: Any = object()  # save_every not given: 1, or None (time only) with save_interval_s
 
 
 class CheckpointManager:
@@ -102,15 +124,25 @@ class CheckpointManager:
         return TieredManager(tiers, **kwargs)
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *,
-                 keep_last: int | None = 3, keep_every: int | None = None, save_every: int = 1,
+                 keep_last: int | None = 3, keep_every: int | None = None,
+                 keep_best: int | None = None, monitor: str | None = None, mode: str = "min",
+                 keep_without_metric: bool = False, save_every: int | None = _UNSET,
+                 save_interval_s: float | None = None, preemption: bool = False,
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, tiers: None = None) -> None:
         if directory is None:
             raise CkptError("CheckpointManager(): give the directory of the steps, or "
                             "tiers=[ckptio.Tier(...), ...]")
-        self.keep_last = _optional("keep_last", keep_last)
-        self.keep_every = _optional("keep_every", keep_every)
-        self.save_every = _positive("save_every", save_every)
+        self.retention = Retention.checked(
+            keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, monitor=monitor,
+            mode=mode, keep_without_metric=keep_without_metric)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.save_every = _save_every(save_every, save_interval_s)
+        clock = None if save_interval_s is None else SaveClock(save_interval_s)
+        if not isinstance(preemption, bool):
+            raise CkptError(f"CheckpointManager(preemption={preemption!r}): True installs a "
+                            "SIGTERM handler (see reached_preemption)")
+        self._triggers = Triggers(clock, Preemption())
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
                             "a Checkpointer already has its options")
@@ -122,11 +154,20 @@ class CheckpointManager:
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer if checkpointer is not None else Checkpointer(options)
         self._process_group = process_group
-        self._group: Group | None = None  # made by the first collective call
+        self._ranking = Ranks(process_group, self._ck.options, self.directory)
         self._pending: tuple[int, SaveHandle] | None = None  # an async save of ours
         self._verified: int | None = None  # newest step restore() or verify() succeeded on
         self._damaged: set[int] = set()  # committed steps restore() found damaged
         self._removal: threading.Thread | None = None
+        self._metrics = StepMetrics(  # rank 0: each step's monitored metric
+            lambda step: stepmeta.read_metadata(self.path(step), self._ck.options), self.directory)
+        if preemption:
+            try:
+                self.install_preemption_handler()
+            except CkptError:
+                if self._owns_checkpointer:
+                    self._ck.close()
+                raise
         # set by a tiered manager (tiering/manager.py) that builds on this one per tier:
         self._after_commit: Callable[[int], None] | None = None  # a step of ours committed
         self._also_keep: Callable[[], set[int]] | None = None  # steps retention keeps too
@@ -134,8 +175,42 @@ class CheckpointManager:
     # ---------------------------------------------------------------- queries
 
     def should_save(self, step: int) -> bool:
-        """The interval policy: ``step % save_every == 0``."""
-        return _check_step(step) % self.save_every == 0
+        """Whether a save of ``step`` is due: ``step % save_every == 0``, or ``save_interval_s``
+        since the last save started (rank 0's clock), or preemption reached. With a clock or
+        a preemption handler, a collective (module docstring)."""
+        step = _check_step(step)
+        if self.save_every is not None and step % self.save_every == 0:
+            return True
+        if not self._triggers.active():
+            return False
+        due = self._triggers.at(step, self._ranks())
+        return due["time"] or due["preempted"]
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption signal (SIGTERM) has reached any rank, from the first step
+        asked after it on, the same on every rank (a collective with many ranks). The loop then
+        saves ``step`` (should_save() is True for it: ``save()`` takes it) and exits after
+        close(), which finishes an async save in flight. False without a handler."""
+        step = _check_step(step)
+        if not self._triggers.preemption.installed:
+            return False
+        return self._triggers.at(step, self._ranks())["preempted"]
+
+    def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
+        (managing/triggers.py). Call on every rank, from the main thread."""
+        if self._triggers.preemption.installed:
+            return
+        self._triggers.preemption = Preemption(signals)
+        self._triggers.preemption.install()
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metrics and metadata saved with ``step`` (default: the newest committed), read
+        from its manifest only (stepmeta.read_metadata; rank 0 reads, a collective)."""
+        target = self.latest() if step is None else _check_step(step)
+        if target is None:
+            raise CheckpointNotFoundError(f"no committed step in {self.directory}: no metadata")
+        return self._agreed(lambda: stepmeta.read_metadata(self.path(target), self._ck.options))
 
     def path(self, step: int) -> str:
         """The directory (or s3:// prefix) of ``step`` (whether or not it exists)."""
@@ -159,26 +234,35 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any, *, asynchronous: bool = False, lazy: bool = False,
              optimizers: Sequence[torch.optim.Optimizer] = (), force: bool = False,
-             allow_pickle: bool = False) -> SaveResult | SaveHandle | None:
+             allow_pickle: bool = False, metrics: Mapping[str, Any] | None = None,
+             metadata: Mapping[str, Any] | None = None) -> SaveResult | SaveHandle | None:
         """Save ``state`` as ``step`` if ``should_save(step)`` or ``force``; else -> None.
 
         -> SaveResult once committed, or a SaveHandle (``asynchronous=True``: eager; ``lazy=True``
         implies asynchronous, see Checkpointer.async_save). An unseen error of the previous async
-        save is raised here instead, and this save does not start.
+        save is raised here instead, and this save does not start. ``metrics`` (str -> number,
+        what ``monitor`` reads) and ``metadata`` (str -> JSON) are stored with the step
+        (stepmeta.py); rank 0's are the ones stored.
         """
         step = _check_step(step)
-        if not force and step % self.save_every:
+        if not force and not self.should_save(step):
             return None
-        refusal = self._agreed(lambda: self._refusal(step))
+        refusal = self._agreed(lambda: self._refusal(step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
+        self._triggers.saved(step)
+        if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
+            metrics, metadata = None, None
         previous, path, group = self._pending, self.path(step), self._process_group
+        extra = {"metrics": metrics, "metadata": metadata}
         try:  # either call first settles the previous save (raising its unseen error)
             if not (asynchronous or lazy):
-                result = self._ck.save(state, path, allow_pickle=allow_pickle, process_group=group)
+                result = self._ck.save(state, path, allow_pickle=allow_pickle, process_group=group,
+                                       **extra)
             else:
                 handle = self._ck.async_save(state, path, lazy=lazy, optimizers=optimizers,
-                                             allow_pickle=allow_pickle, process_group=group)
+                                             allow_pickle=allow_pickle, process_group=group,
+                                             **extra)
         finally:
             if previous is not None and self._pending is previous and previous[1].done():
                 self._pending = None
@@ -190,9 +274,12 @@ class CheckpointManager:
             self._committed(previous[0])
         return handle
 
-    def _refusal(self, step: int) -> str | None:
-        """Rank 0: why ``step`` may not be saved now, or None. Finishes a removal of ``step``
-        still pending there first (an S3 marker would hide the new checkpoint)."""
+    def _refusal(self, step: int, metrics: Mapping[str, Any] | None,
+                 metadata: Mapping[str, Any] | None) -> str | None:
+        """Rank 0: why ``step`` may not be saved now, or None; a CkptError for bad metrics or
+        metadata. Finishes a removal of ``step`` still pending there first (an S3 marker would
+        hide the new checkpoint)."""
+        stepmeta.encode(metrics, metadata)
         path, pending = self.path(step), self._pending
         if pending is not None and pending[0] == step and not pending[1].done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
@@ -216,10 +303,12 @@ class CheckpointManager:
         return result
 
     def close(self) -> None:
-        """wait(), finish removing old steps, and free the Checkpointer if the manager made it."""
+        """wait(), finish removing old steps, put back the signal handlers a preemption
+        handler replaced, and free the Checkpointer if the manager made it."""
         try:
             self.wait()
         finally:
+            self._triggers.preemption.uninstall()
             self._join_removal()
             if self._owns_checkpointer:
                 self._ck.close()
@@ -236,6 +325,7 @@ class CheckpointManager:
         """Collective, after a save of ours committed: rank 0 hides the steps the policy drops
         and removes them in the background. -> the steps dropped (the same on every rank)."""
         self._damaged.discard(step)
+        self._metrics.forget(step)  # a damaged step saved again: read its metric anew
         dropped = list(self._agreed(self._drop_old))
         if self._after_commit is not None:
             self._after_commit(step)
@@ -255,14 +345,14 @@ class CheckpointManager:
 
     def _doomed(self, committed: list[int]) -> list[int]:
         """The committed steps the policy does not keep."""
-        keep = set(committed if self.keep_last is None else committed[-self.keep_last:])
-        if self.keep_every is not None:
-            keep.update(s for s in committed if s % self.keep_every == 0)
-        keep.update(committed[-1:])
-        if self._verified is not None:
-            keep.add(self._verified)
+        also = set() if self._verified is None else {self._verified}
         if self._also_keep is not None:
-            keep.update(self._also_keep())
+            also.update(self._also_keep())
+        values: dict[int, float | None] = {}
+        if self.retention.monitor is not None:
+            values, unreadable = self._metrics.of(committed, self.retention.monitor)
+            also.update(unreadable)
+        keep = self.retention.kept(committed, values, also)
         return [s for s in committed if s not in keep]
 
     def _join_removal(self) -> None:
@@ -272,13 +362,14 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int:
+    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load a step into ``state`` in place (ckptio.load semantics; ``load_kwargs`` such as
         strict, keys, cast, per_rank_from go to it) -> the step restored.
 
         ``step=None``: the newest committed step; if it is damaged (or newer step directories
         are incomplete) falls back to the previous one, with a warning naming each step passed
-        over and why. ``step=N``: exactly that step, no fallback.
+        over and why. None if nothing was ever committed there (module docstring): the loop
+        starts from scratch. ``step=N``: exactly that step, no fallback.
         """
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
@@ -292,8 +383,8 @@ class CheckpointManager:
             self._succeeded(step)
             return step
         plan = self._agreed(self._restore_plan)
-        if not plan["steps"]:
-            raise CheckpointNotFoundError(plan["missing"])
+        if not any(committed for _, committed in plan["steps"]):
+            return self._nothing_to_restore(plan)
         passed: list[str] = []
         for candidate, committed in plan["steps"]:
             why = self._try_load(candidate, state, load_kwargs) if committed else (
@@ -309,6 +400,17 @@ class CheckpointManager:
         error = CorruptCheckpointError if damaged else IncompleteCheckpointError
         raise error(f"no step in {self.directory} could be restored: {'; '.join(passed)}. The "
                     "directories are left as they are; restore(state, step=N) loads one step")
+
+    def _nothing_to_restore(self, plan: dict[str, Any], stacklevel: int = 3) -> None:
+        """No committed step: None (a warning naming incomplete steps), unless the location
+        holds something else: CheckpointNotFoundError saying what."""
+        if plan["missing"] is not None and not plan["missing"]["empty"]:
+            raise CheckpointNotFoundError(plan["missing"]["why"])
+        if plan["steps"]:
+            warn(f"ckptio: nothing to restore in {self.directory}: no step was ever committed "
+                 f"there; incomplete steps {sorted(s for s, _ in plan['steps'])} (interrupted "
+                 "saves) are left as they are, a save of the same step replaces one",
+                 stacklevel=stacklevel)
 
     def verify(self, step: int | None = None) -> int:
         """Read back every byte of ``step`` (default: the newest committed) and check it; on
@@ -330,7 +432,10 @@ class CheckpointManager:
         listing = self._root.scan()
         steps = sorted([[s, True] for s in listing["committed"]]
                        + [[s, False] for s in listing["incomplete"]], reverse=True)
-        return {"steps": steps, "missing": None if steps else self._root.nothing_here()}
+        if steps:
+            return {"steps": steps, "missing": None}
+        why = self._root.nothing_here()
+        return {"steps": steps, "missing": {"why": why, "empty": stepdir.is_empty(why)}}
 
     def _try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """Load ``step``; -> None, or why it is damaged (the same on every rank). Other errors
@@ -338,61 +443,26 @@ class CheckpointManager:
         try:
             self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
         except Exception as exc:
-            damaged, why = self._verdict(exc)
+            damaged, why = self._ranking.verdict(exc)
             if not damaged:
                 raise
             return why
         return None
 
-    def _verdict(self, error: Exception) -> tuple[bool, str]:
-        """Collective after a failed load (which raised on every rank): fall back only if some
-        rank found damage and none failed otherwise; -> (fall back, every rank's reason)."""
-        kind = ("damaged" if isinstance(error, _DAMAGE) else
-                "peer" if isinstance(error, RankFailedError) else "other")
-        mine = [kind, f"{type(error).__name__}: {error}"]
-        group = self._ranks()
-        if group.size == 1:
-            return kind == "damaged", mine[1]
-        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
-        kinds = {k for k, _ in reports}
-        why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
-        return "damaged" in kinds and "other" not in kinds, why
-
     def _passed_over(self, step: int, passed: list[str]) -> None:
         if passed:
-            _warn(f"ckptio: restored step {step} from {self.directory}, not a newer one: "
+            warn(f"ckptio: restored step {step} from {self.directory}, not a newer one: "
                   f"{'; '.join(passed)}. Those directories are left in place; a later save of "
                   "the same step replaces one", stacklevel=3)  # restore()'s caller
 
     # ---------------------------------------------------------------- ranks
 
     def _ranks(self) -> Group:
-        if self._group is None:
-            torch_group = current_group(self._process_group)
-            self._group = Solo() if torch_group is None else over_torch(torch_group,
-                                                                          self._ck.options)
-        return self._group
+        return self._ranking.group()
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:
-        """Collective: ``decide()`` (JSON-able) runs on rank 0 and every rank gets its answer.
-        If it raises, rank 0 raises that and the others a RankFailedError quoting it."""
-        group = self._ranks()
-        if group.size == 1:
-            return decide()
-        if group.rank != COORDINATOR:
-            answer = json.loads(group.broadcast(None))
-            if "error" in answer:
-                raise RankFailedError(f"checkpoint manager of {self.directory}: rank 0 failed: "
-                                      f"{answer['error']}")
-            return answer["value"]
-        try:
-            value = decide()
-        except Exception as exc:
-            group.broadcast(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
-            raise
-        data = json.dumps({"value": value}).encode()
-        group.broadcast(data)
-        return json.loads(data)["value"]  # exactly what the other ranks got
+        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (ranks.py)."""
+        return self._ranking.agreed(decide)
 
 
 # -------------------------------------------------------------------- small helpers
@@ -427,10 +497,11 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def _optional(name: str, value: Any) -> int | None:
-    return None if value is None else _positive(name, value)
-
-
-def _warn(message: str, stacklevel: int = 2) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=stacklevel + 1)
+def _save_every(save_every: Any, save_interval_s: float | None) -> int | None:
+    """save_every as given; unset: 1, or None (time only) with ``save_interval_s``."""
+    if save_every is _UNSET:
+        return 1 if save_interval_s is None else None
+    if save_every is None and save_interval_s is None:
+        raise CkptError("CheckpointManager(save_every=None): nothing would be due; give "
+                        "save_every=N, or save_interval_s=seconds for time only")
+    return None if save_every is None else _positive("save_every", save_every)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -258,13 +259,19 @@ def test_failed_async_save_deletes_nothing_and_its_error_is_raised_once(tmp_path
 
 
 def test_restore_falls_back_past_a_corrupted_newest_step(tmp_path, caplog):
+    """The fallback is told once: one warnings.warn (pointing at the caller), no log line that
+    would print it a second time."""
     mgr = _saved(tmp_path / "run", [1, 2, 3])
     _flip_tensor_byte(mgr.path(3))
     state = _blank()
-    with caplog.at_level(logging.WARNING, logger="ckptio"):
-        with pytest.warns(UserWarning, match=r"restored step 2 .*step 3: CorruptCheckpointError"):
+    with caplog.at_level(logging.DEBUG):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
             assert mgr.restore(state) == 2
-    assert "step 3: CorruptCheckpointError" in caplog.text
+    (warning,) = record
+    assert re.search(r"restored step 2 .*step 3: CorruptCheckpointError", str(warning.message))
+    assert warning.filename == __file__  # stacklevel: the caller's line
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert state["step"] == 2 and torch.equal(state["w"], torch.full((256,), 2.0))
     assert torch.equal(state["b"], torch.arange(100) + 2)
     with pytest.raises(CorruptCheckpointError):
@@ -319,18 +326,49 @@ def test_every_step_damaged(tmp_path):
     mgr.close()
 
 
+@pytest.mark.parametrize("holds", ["nothing", "empty", "other files"])
+def test_nothing_to_restore_returns_none(tmp_path, holds):
+    """Nothing ever saved there: restore() returns None (the loop starts from scratch), leaves
+    the state alone, warns about nothing; a TieredManager does the same (test_tiers)."""
+    d = tmp_path / "run"
+    if holds != "nothing":
+        d.mkdir()
+    if holds == "other files":
+        (d / "events.out.tfevents").write_bytes(b"logs")
+    mgr = _manager(d)
+    state = _blank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.restore(state) is None
+    assert state["step"] == -1 and mgr.steps() == []
+    mgr.save(1, _state(1))  # and the loop goes on from scratch
+    assert mgr.restore(state) == 1
+    mgr.close()
+
+
+def test_only_incomplete_steps_restore_nothing_with_a_warning(tmp_path):
+    """A job killed during its first save committed nothing: None, with a warning naming the
+    incomplete step, which is left in place; a step that is committed but damaged is not
+    'nothing' (test_every_step_damaged raises)."""
+    mgr = _saved(tmp_path / "run", [1])
+    os.unlink(os.path.join(mgr.path(1), "manifest.json"))  # as a kill before the commit leaves
+    with pytest.warns(UserWarning, match=r"nothing to restore .*incomplete steps \[1\]"):
+        assert mgr.restore(_blank()) is None
+    assert mgr.incomplete() == [1]
+    mgr.close()
+
+
 @pytest.mark.parametrize("holds, expect", [
-    ("nothing", "does not exist"),
-    ("empty", "holds no step-<N> directory"),
     ("ckptio", "is itself a ckptio checkpoint"),
     ("dcp", r"torch.distributed.checkpoint \(DCP\)"),
     ("torch", r"torch.save files \(model.pt\)"),
     ("named", r"ckptio checkpoints not named step-<N> \(best\)"),
 ])
 def test_no_step_to_restore_says_what_is_there(tmp_path, holds, expect):
+    """Something else is there: not 'nothing to restore' (starting from scratch would ignore
+    it) but CheckpointNotFoundError saying what it is."""
     d = tmp_path / "run"
-    if holds != "nothing":
-        d.mkdir()
+    d.mkdir()
     if holds == "ckptio":
         ckptio.save(_state(1), d, options=OPTS)
     elif holds == "dcp":

@@ -7,7 +7,8 @@ round trips through each tier (shm alone, shm + disk every 2 / 3, mem:// first, 
 saves, the first tier's interval, three tiers); memory lost
 (the shm directory removed) -> the newest step the disk holds; a damaged copy in tier 0 -> the
 same step from tier 1, with a warning; damaged everywhere -> an older step; nothing anywhere ->
-CheckpointNotFoundError; a damaged memory copy never propagated by the drain; a process killed
+None (restore) / CheckpointNotFoundError (a step asked for); issue 30's manager options (metrics
+and metadata drained with their step, a preemption hook, the others refused); a damaged memory copy never propagated by the drain; a process killed
 (SIGKILL) during a drain (no step lost, the drain resumes on start) and during a save into
 memory (the previous step restored); retention per tier; a drain that falls behind skipping to
 the newest step; the memory budget; validation errors; a drain error raised once; the
@@ -347,20 +348,57 @@ def test_damaged_in_every_tier_falls_back_to_an_older_step(shm, tmp_path):
             mgr.restore(_fresh()[2])
 
 
-def test_nothing_anywhere_raises_not_found(shm, tmp_path):
+def test_nothing_anywhere_restores_none(shm, tmp_path):
+    """As CheckpointManager.restore: None when no tier ever committed a step (with a warning
+    naming incomplete ones); a step asked for by number, or verify(), still raise."""
     disk = str(tmp_path / "disk")
     tiers = [Tier("shm://run"), Tier(disk, every=2)]
-    with _tiered(*tiers) as mgr:
+    with _tiered(*tiers) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert mgr.latest() is None and mgr.steps() == []
-        with pytest.raises(CheckpointNotFoundError, match="no committed step in any tier"):
-            mgr.restore(_fresh()[2])
+        assert mgr.restore(_fresh()[2]) is None
+        with pytest.raises(CheckpointNotFoundError, match="step 7 is committed nowhere"):
+            mgr.restore(_fresh()[2], step=7)
         with pytest.raises(CheckpointNotFoundError):
             mgr.verify()
     os.makedirs(os.path.join(shm, "run", "step-5"))  # an interrupted save: nothing committed
     with _tiered(*tiers) as mgr:
         assert mgr.incomplete() == [5]
-        with pytest.raises(CheckpointNotFoundError, match="incomplete"):
+        with pytest.warns(UserWarning, match=r"nothing to restore .*incomplete steps \[5\]"):
+            assert mgr.restore(_fresh()[2]) is None
+    os.makedirs(disk, exist_ok=True)
+    torch.save({"w": torch.zeros(2)}, os.path.join(disk, "model.pt"))  # something else there
+    with _tiered(*tiers) as mgr:
+        with pytest.raises(CheckpointNotFoundError, match="committed nowhere|no committed step"):
             mgr.restore(_fresh()[2])
+
+
+def test_issue_30_options_with_tiers(shm, tmp_path):
+    """Metrics and metadata travel with their step (they are in its manifest) and are read from
+    the fastest tier; preemption=True works through the first tier (a real SIGTERM to this
+    process); keep_best / save_interval_s ... are refused, naming the option."""
+    disk = str(tmp_path / "disk")
+    for kwargs in (dict(keep_best=2, monitor="loss"), dict(save_interval_s=60.0),
+                   dict(mode="max"), dict(save_every=2)):
+        with pytest.raises(CkptError, match=f"{sorted(kwargs)[0]}.*not available with tiers"):
+            _tiered(Tier("shm://run"), **kwargs)
+    model, opt = _build()
+    previous = signal.getsignal(signal.SIGTERM)
+    with _tiered(Tier("shm://run", every=2), Tier(disk, every=2), preemption=True) as mgr:
+        assert signal.getsignal(signal.SIGTERM) is not previous  # ours, until close()
+        _train_and_save(mgr, range(1, 3), model, opt,
+                        metrics={"loss": 0.5}, metadata={"config": {"lr": 0.01}})
+        assert mgr.drained(timeout=60) and _steps_in(disk) == [2]
+        shutil.rmtree(os.path.join(shm, "run", "step-2"))  # only the disk tier holds step 2
+        assert mgr.metadata(2)["metadata"] == {"config": {"lr": 0.01}}
+        assert ckptio.read_metadata(os.path.join(disk, "step-2"))["metrics"] == {"loss": 0.5}
+        assert not mgr.should_save(3) and not mgr.reached_preemption(3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert mgr.should_save(5) and mgr.reached_preemption(5)  # not due by every=2: preempted
+        mgr.save(5, {"model": model, "optim": opt, "step": 5})
+    assert signal.getsignal(signal.SIGTERM) == previous
+    with _tiered(Tier("shm://run"), Tier(disk, every=2)) as mgr:
+        assert mgr.latest() == 5
 
 
 def test_damaged_memory_copy_is_never_drained(shm, tmp_path):

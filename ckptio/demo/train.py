@@ -193,11 +193,14 @@ def restore(mgr: Any, state: dict[str, Any], record: dict[str, Any], where: str,
     record["found"], record["incomplete"] = mgr.steps(), mgr.incomplete()
     if not record["found"]:
         raise SystemExit(f"--resume: no complete checkpoint in {where}")
-    with warnings.catch_warnings():  # the manager logs why it passed over a newer step, and
-        # warns the same words: print them once
-        warnings.filterwarnings("ignore", message="ckptio: restored step", category=UserWarning)
+    with warnings.catch_warnings(record=True) as caught:  # why a newer step was passed over:
+        warnings.simplefilter("always")                   # printed as a line of the demo
         keys = None if forget is None else (lambda key: key.split(".")[0] != forget)
-        step: int = mgr.restore(state, keys=keys)
+        step: int | None = mgr.restore(state, keys=keys)
+    for warning in caught:
+        print(warning.message, file=sys.stderr, flush=True)
+    if step is None:  # steps() found some a moment ago; gone since
+        raise SystemExit(f"--resume: no complete checkpoint in {where}")
     if state["step"] != step:
         raise SystemExit(f"restored checkpoint step-{step} holds step {state['step']}")
     if record["rank"] == 0:

@@ -17,14 +17,14 @@ import os
 from ckptio.errors import UnsupportedPathError
 from ckptio.io.s3client import S3Settings
 from ckptio.options import Options
-from ckptio.stepdir.base import Listing, Removal, StepRoot, step_of
+from ckptio.stepdir.base import Listing, Removal, StepRoot, is_empty, step_of
 from ckptio.stepdir.local import LocalRoot
 from ckptio.stepdir.memory import MemoryRoot
 from ckptio.stepdir.s3 import S3Root
 from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["Listing", "LocalRoot", "MemoryRoot", "Removal", "S3Root", "StepRoot", "root_for",
-           "step_of"]
+__all__ = ["Listing", "LocalRoot", "MemoryRoot", "Removal", "S3Root", "StepRoot", "is_empty",
+           "root_for", "step_of"]
 
 
 def root_for(location: str | os.PathLike[str], options: Options) -> StepRoot:

@@ -12,7 +12,9 @@ A root is a local directory (local.py: ``<dir>/step-<N>`` directories), an S3 pr
   deleted); False, with a warning, if it failed or there is no such step;
 - ``removal(step=None)``: the work that finishes removing the hidden steps (all of them, or
   only ``step``'s, before a save into it), to run on a thread or at once; None if none is due;
-- ``nothing_here()``: why the root holds no step, and what it holds instead.
+- ``nothing_here()``: why the root holds no step, and what it holds instead: a Nothing (a str)
+  whose ``empty`` says the root holds nothing a restore could mean (no location, or nothing
+  that looks like a checkpoint): the manager's restore() then returns None instead of raising.
 
 Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
 root (local.py, memory.py) gives a dropped step, and the wording of nothing_here() shared by the
@@ -31,9 +33,11 @@ __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
     "Listing",
+    "Nothing",
     "Removal",
     "StepRoot",
     "hidden_name",
+    "is_empty",
     "is_hidden",
     "nothing_message",
     "step_name",
@@ -66,6 +70,23 @@ class StepRoot(Protocol):
     def nothing_here(self) -> str: ...
 
 
+class Nothing(str):
+    """nothing_here()'s message, with ``empty``: whether the root holds nothing that looks like
+    a checkpoint (nothing saved there yet), rather than something else to point the user to."""
+
+    empty: bool
+
+    def __new__(cls, message: str, *, empty: bool) -> Nothing:
+        made = super().__new__(cls, message)
+        made.empty = empty
+        return made
+
+
+def is_empty(message: str) -> bool:
+    """Whether a nothing_here() message says the root holds nothing at all (Nothing.empty)."""
+    return bool(getattr(message, "empty", False))
+
+
 def step_name(step: int) -> str:
     return f"step-{step}"
 
@@ -89,7 +110,7 @@ def is_hidden(name: str) -> bool:
 
 
 def nothing_message(location: str, names: list[str], *, itself: bool, checkpoints: list[str],
-                    noun: str, move: str = "rename them step-<N>") -> str:
+                    noun: str, move: str = "rename them step-<N>") -> Nothing:
     """Why ``location`` (holding ``names``) has no step to restore: ``itself`` says it is a
     ckptio checkpoint, ``checkpoints`` are the names that are; ``noun`` is "directory" or
     "prefix"; ``move`` says how to make them steps. Nothing here advises deleting anything: it
@@ -105,5 +126,5 @@ def nothing_message(location: str, names: list[str], *, itself: bool, checkpoint
         (checkpoints, f"it holds ckptio checkpoints not named step-<N> "
                       f"({', '.join(checkpoints[:3])}): {move}, or load them with ckptio.load"),
     ] if found]
-    return (f"no checkpoint to restore in {location}: "
-            f"{'; '.join(hints) or f'it holds no step-<N> {noun}'}")
+    return Nothing(f"no checkpoint to restore in {location}: "
+                   f"{'; '.join(hints) or f'it holds no step-<N> {noun}'}", empty=not hints)

@@ -16,12 +16,13 @@ import functools
 import logging
 import os
 import shutil
-import warnings
 
 from ckptio.errors import StorageIOError
+from ckptio.managing import warn
 from ckptio.stepdir.base import (
     HIDDEN_PREFIX,
     Listing,
+    Nothing,
     Removal,
     hidden_name,
     is_hidden,
@@ -87,8 +88,8 @@ class LocalRoot:
         """Why there is no step to restore, and what the directory holds instead."""
         directory = self.location
         if not os.path.isdir(directory):
-            return (f"no checkpoint to restore: {directory} does not exist (nothing saved there "
-                    "yet)")
+            return Nothing(f"no checkpoint to restore: {directory} does not exist (nothing saved "
+                           "there yet)", empty=True)
         names = sorted(n for n in os.listdir(directory) if not is_hidden(n))
         return nothing_message(
             directory, names, itself=is_committed(directory), noun="directory",
@@ -96,8 +97,7 @@ class LocalRoot:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
 
 
 def _entries(directory: str) -> list[os.DirEntry[str]]:

@@ -19,11 +19,11 @@ names (base.py), which steps to keep or restore (manager.py).
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 
+from ckptio.managing import warn
 from ckptio.stepdir.base import (
     Listing,
+    Nothing,
     Removal,
     hidden_name,
     is_hidden,
@@ -35,8 +35,6 @@ from ckptio.storage import steps as storage_steps
 from ckptio.storage.memory import HOST, SCHEME, MemoryStore
 
 __all__ = ["MemoryRoot"]
-
-log = logging.getLogger("ckptio")
 
 
 class MemoryRoot:
@@ -103,9 +101,9 @@ class MemoryRoot:
             return (f"no checkpoint to restore: {location} is a file in this process's memory, "
                     "not a location of steps")
         if not HOST.exists(location):
-            return (f"no checkpoint to restore: nothing is stored at {location} in this "
-                    "process's memory (nothing saved there yet: memory checkpoints do not outlive "
-                    "the process that saved them)")
+            return Nothing(f"no checkpoint to restore: nothing is stored at {location} in this "
+                           "process's memory (nothing saved there yet: memory checkpoints do not "
+                           "outlive the process that saved them)", empty=True)
         names = [name for name in HOST.entries(location) if not is_hidden(name)]
         return nothing_message(
             location, names, itself=_committed(location), noun="location",
@@ -143,5 +141,4 @@ def _forget(locations: list[str]) -> None:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)

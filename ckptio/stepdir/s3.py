@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,7 +36,8 @@ from typing import Any, TypeVar
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
-from ckptio.stepdir.base import Listing, Removal, nothing_message, step_name, step_of
+from ckptio.managing import warn
+from ckptio.stepdir.base import Listing, Nothing, Removal, nothing_message, step_name, step_of
 
 __all__ = ["MARKER", "S3Root"]
 
@@ -213,8 +213,8 @@ class S3Root:
         objects, prefixes = self._entries()
         prefixes = [p for p in prefixes if next(self._keys(self._base_of(p), limit=1), None)]
         if not objects and not prefixes:
-            return (f"no checkpoint to restore: nothing is stored under {self.location} at "
-                    f"{self.settings.endpoint()} (nothing saved there yet)")
+            return Nothing(f"no checkpoint to restore: nothing is stored under {self.location} "
+                           f"at {self.settings.endpoint()} (nothing saved there yet)", empty=True)
         probed = prefixes[:_NAMES_PROBED]
         found = self._each(lambda p: self._exists(self._base_of(p) + MANIFEST_NAME), probed)
         return nothing_message(
@@ -303,5 +303,4 @@ class S3Root:
 
 
 def _warn(message: str) -> None:
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)
+    warn(message, stacklevel=3)  # once, through warnings (managing.warn)

@@ -48,19 +48,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ckptio import stepdir
+from ckptio import stepdir, stepmeta
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format.flatten import flatten
 from ckptio.manager import CheckpointManager
+from ckptio.managing import warn
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.base import Store
@@ -72,6 +74,8 @@ __all__ = ["PROBE_DEADLINE_S", "TieredManager"]
 
 log = logging.getLogger("ckptio")
 PROBE_DEADLINE_S = 10.0  # a tier unreachable this long: refused at start, passed over later
+_NOT_WITH_TIERS = ("keep_best", "monitor", "mode", "keep_without_metric", "save_interval_s",
+                   "save_every")
 
 
 class TieredManager:
@@ -80,11 +84,21 @@ class TieredManager:
 
     def __init__(self, tiers: Sequence[Tier], *, options: Options | None = None,
                  checkpointer: Checkpointer | None = None, process_group: Any = None,
-                 drain_rate: float | None = None, **unknown: Any) -> None:
+                 drain_rate: float | None = None, preemption: bool = False,
+                 **unknown: Any) -> None:
+        refused = sorted(set(unknown) & set(_NOT_WITH_TIERS))
+        if refused:
+            raise CkptError(f"CheckpointManager(tiers=..., {', '.join(refused)}=...): not "
+                            "available with tiers (each tier keeps its own steps, by "
+                            "ckptio.Tier(every=, keep_last=, keep_every=)); a best-k retention "
+                            "or a time interval needs a manager without tiers")
         if unknown:
             raise CkptError(f"CheckpointManager(tiers=..., {', '.join(sorted(unknown))}=...): "
                             "with tiers, give keep_last, keep_every and every per ckptio.Tier; "
-                            "the manager takes options, checkpointer, process_group, drain_rate")
+                            "the manager takes options, checkpointer, process_group, drain_rate, "
+                            "preemption")
+        if not isinstance(preemption, bool):
+            raise CkptError(f"CheckpointManager(preemption={preemption!r}): True or False")
         if drain_rate is not None and not drain_rate > 0:
             raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
         self.tiers = check_tiers(tiers)
@@ -105,6 +119,8 @@ class TieredManager:
         self._drain: Drain | None = None
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
         try:
+            if preemption:  # the first tier's manager takes every save: its should_save asks
+                self._first.install_preemption_handler()
             self._one_host()
             if self._ranks_rank() == COORDINATOR and len(self.tiers) > 1:
                 self._drain = Drain(self, [t.every for t in self.tiers], self._ck.options,
@@ -113,6 +129,7 @@ class TieredManager:
                 self._first._after_commit = self._drain.submit
             self._first._agreed(self._resume)
         except BaseException:
+            self._first._triggers.preemption.uninstall()
             if self._owns_checkpointer:
                 self._ck.close()
             raise
@@ -125,7 +142,27 @@ class TieredManager:
         return self._first.directory
 
     def should_save(self, step: int) -> bool:
+        """The first tier's ``every``, or preemption reached (CheckpointManager.should_save)."""
         return self._first.should_save(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """CheckpointManager.reached_preemption (``preemption=True``): save ``step``, close()
+        (which waits for the first tier's save and lets the drain finish), exit."""
+        return self._first.reached_preemption(step)
+
+    def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        self._first.install_preemption_handler(signals)
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The metrics and metadata saved with ``step`` (default: the newest), from the fastest
+        tier holding it (stepmeta.read_metadata: its manifest only)."""
+        listing = self._first._agreed(self._listings)
+        candidates = _candidates(listing, step)
+        if not candidates:
+            raise CheckpointNotFoundError(self._nothing(listing, step))
+        target, holders = candidates[0]
+        level = self._levels[holders[0]]
+        return level._agreed(lambda: stepmeta.read_metadata(level.path(target), self._ck.options))
 
     def path(self, step: int, tier: int = 0) -> str:
         """Where ``step`` is (or would be) in tier ``tier`` (0: the first)."""
@@ -143,9 +180,7 @@ class TieredManager:
     def incomplete(self) -> list[int]:
         """Steps some tier holds incomplete (an interrupted save or copy, or one running) and
         no tier holds committed."""
-        listing = self._first._agreed(self._listings)
-        committed = {s for tier in listing for s in tier["committed"]}
-        return sorted({s for tier in listing for s in tier["incomplete"]} - committed)
+        return _incomplete(self._first._agreed(self._listings))
 
     def status(self) -> list[dict[str, Any]]:
         """Per tier (this process's view, not a collective): location, every, the committed
@@ -162,16 +197,19 @@ class TieredManager:
 
     def save(self, step: int, state: Any, *, asynchronous: bool = False, lazy: bool = False,
              optimizers: Sequence[torch.optim.Optimizer] = (), force: bool = False,
-             allow_pickle: bool = False) -> SaveResult | SaveHandle | None:
-        """CheckpointManager.save into the first tier (-> None unless its ``every`` divides
-        ``step`` or ``force``); the drain copies it on once committed."""
+             allow_pickle: bool = False, metrics: Mapping[str, Any] | None = None,
+             metadata: Mapping[str, Any] | None = None) -> SaveResult | SaveHandle | None:
+        """CheckpointManager.save into the first tier (-> None unless should_save(step) or
+        ``force``); the drain copies it on once committed, metrics and metadata included (they
+        are in the manifest)."""
         if not force and not self._first.should_save(step):
             return None
         if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
             estimate = _state_nbytes(state)
             self._first._agreed(lambda: self._check_budget(estimate))
         return self._first.save(step, state, asynchronous=asynchronous, lazy=lazy,
-                                optimizers=optimizers, force=True, allow_pickle=allow_pickle)
+                                optimizers=optimizers, force=True, allow_pickle=allow_pickle,
+                                metrics=metrics, metadata=metadata)
 
     def wait(self) -> SaveResult | None:
         """Wait for the first tier's save in flight (CheckpointManager.wait); not the drain."""
@@ -190,6 +228,7 @@ class TieredManager:
         try:
             self._first.wait()
         finally:
+            self._first._triggers.preemption.uninstall()
             try:
                 if self._drain is not None:
                     self._drain.close()
@@ -209,10 +248,12 @@ class TieredManager:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int:
+    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load the newest step any tier holds (or ``step``) into ``state``, from the fastest
         tier holding it, falling back tier by tier and then step by step on damage (module
-        docstring) -> the step restored. ``last_restore`` says from where and how long."""
+        docstring) -> the step restored. ``last_restore`` says from where and how long.
+        None when no tier ever committed a step and every tier was listed (as
+        CheckpointManager.restore; a tier that cannot be listed makes it raise instead)."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step, tier)))")
@@ -221,6 +262,10 @@ class TieredManager:
         self._first.wait()
         listing = self._first._agreed(self._listings)
         candidates = _candidates(listing, step)
+        if not candidates and step is None and self._first._agreed(self._empty):
+            return self._first._nothing_to_restore(
+                {"steps": [[s, False] for s in _incomplete(listing)], "missing": None},
+                stacklevel=4)
         if not candidates:
             raise CheckpointNotFoundError(self._nothing(listing, step))
         passed: list[str] = []
@@ -259,13 +304,20 @@ class TieredManager:
         if newer:
             passed.append(f"steps {newer}: incomplete (an interrupted save or copy)")
         if passed:
-            _warn(f"ckptio: restored step {step} from {self.tiers[k].location}, not a newer "
-                  f"copy: {'; '.join(passed)}")
+            warn(f"ckptio: restored step {step} from {self.tiers[k].location}, not a newer "
+                 f"copy: {'; '.join(passed)}", stacklevel=3)
         self.last_restore = {"step": step, "tier": k, "location": self.tiers[k].location,
                              "seconds": seconds}
         log.info("ckptio: restored step %d from tier %d (%s) in %.3f s", step, k,
                  self.tiers[k].location, seconds)
         return step
+
+    def _empty(self) -> bool:
+        """Rank 0: whether every tier can be listed and holds nothing a restore could mean."""
+        try:
+            return all(stepdir.is_empty(root.nothing_here()) for root in self._listers)
+        except CkptError:
+            return False  # a tier that cannot be listed may hold the steps: not "nothing"
 
     def _nothing(self, listing: list[dict[str, list[int]]], step: int | None) -> str:
         held = "; ".join(f"{t.location}: committed {x['committed'] or 'none'}, incomplete "
@@ -302,8 +354,8 @@ class TieredManager:
             try:
                 out.append(dict(root.scan()))
             except CkptError as exc:
-                _warn(f"ckptio: tier {tier.location} cannot be listed, so its steps are passed "
-                      f"over: {type(exc).__name__}: {exc}")
+                warn(f"ckptio: tier {tier.location} cannot be listed, so its steps are passed "
+                     f"over: {type(exc).__name__}: {exc}", stacklevel=3)
                 out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
         return out
 
@@ -366,6 +418,12 @@ class TieredManager:
         return tier
 
 
+def _incomplete(listing: list[dict[str, list[int]]]) -> list[int]:
+    """Steps some tier holds incomplete and no tier holds committed."""
+    committed = {s for tier in listing for s in tier["committed"]}
+    return sorted({s for tier in listing for s in tier["incomplete"]} - committed)
+
+
 def _candidates(listing: list[dict[str, list[int]]],
                 step: int | None) -> list[tuple[int, list[int]]]:
     """(step, tiers holding it committed, fastest first), newest step first."""
@@ -402,9 +460,3 @@ def _host_id() -> str:
         boot = ""
     return f"{socket.gethostname()}:{boot}"
 
-
-def _warn(message: str) -> None:
-    import warnings
-
-    log.warning("%s", message)
-    warnings.warn(message, stacklevel=4)

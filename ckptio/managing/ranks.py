@@ -1,0 +1,78 @@
+"""How a CheckpointManager's ranks agree: Ranks.
+
+- ``agreed(decide)``: rank 0 runs ``decide()`` (a JSON-able answer) and broadcasts it, through
+  the job's store in keys of the manager's own (not the Checkpointer's, which a background save
+  may be using), with the Checkpointer's deadlines. If it raises, rank 0 raises that and the
+  others a RankFailedError quoting it.
+- ``verdict(error)``: after a load that failed on every rank, all-gather why, and fall back
+  together only if some rank found damage and none failed otherwise.
+
+Owns: those two exchanges. Does not own: what is decided (manager.py, tiering/manager.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
+from ckptio.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                           IncompleteCheckpointError, RankFailedError)
+from ckptio.options import Options
+
+__all__ = ["DAMAGE", "Ranks"]
+
+# a load failing with one of these found the checkpoint damaged (or gone): try the previous step
+DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
+
+
+class Ranks:
+    """The ranks of one manager: its process group (or the default one, or one process)."""
+
+    def __init__(self, process_group: Any, options: Options, where: str) -> None:
+        self._process_group = process_group
+        self._options = options
+        self._where = where  # the manager's location, for messages
+        self._group: Group | None = None  # made at the first collective call
+
+    def group(self) -> Group:
+        if self._group is None:
+            torch_group = current_group(self._process_group)
+            self._group = Solo() if torch_group is None else over_torch(torch_group,
+                                                                          self._options)
+        return self._group
+
+    def agreed(self, decide: Callable[[], Any]) -> Any:
+        """Collective: ``decide()`` runs on rank 0 and every rank gets its answer (module doc)."""
+        group = self.group()
+        if group.size == 1:
+            return decide()
+        if group.rank != COORDINATOR:
+            answer = json.loads(group.broadcast(None))
+            if "error" in answer:
+                raise RankFailedError(f"checkpoint manager of {self._where}: rank 0 failed: "
+                                      f"{answer['error']}")
+            return answer["value"]
+        try:
+            value = decide()
+        except Exception as exc:
+            group.broadcast(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            raise
+        data = json.dumps({"value": value}).encode()
+        group.broadcast(data)
+        return json.loads(data)["value"]  # exactly what the other ranks got
+
+    def verdict(self, error: Exception) -> tuple[bool, str]:
+        """Collective after a failed load (which raised on every rank): -> (fall back, every
+        damaged rank's reason)."""
+        kind = ("damaged" if isinstance(error, DAMAGE) else
+                "peer" if isinstance(error, RankFailedError) else "other")
+        mine = [kind, f"{type(error).__name__}: {error}"]
+        group = self.group()
+        if group.size == 1:
+            return kind == "damaged", mine[1]
+        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        kinds = {k for k, _ in reports}
+        why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
+        return "damaged" in kinds and "other" not in kinds, why
