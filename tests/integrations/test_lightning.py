@@ -1,0 +1,307 @@
+"""ckptio.lightning through Lightning's real Trainer (CPU, a tiny model, seconds per run).
+
+- A run killed with SIGKILL after a checkpoint committed, resumed in a fresh process from
+  ``ckpt_path="last"`` and from an explicit path, continues with losses bitwise equal to an
+  uninterrupted run's (sync and async plugins; every run is its own process, run side by side).
+- ModelCheckpoint's top-k with a monitor keeps exactly the k best ckptio checkpoints on disk,
+  its "last" link resolves, and removal leaves nothing half-deleted.
+- The async plugin returns while its write is held (the loop goes on), raises a failed save
+  once (next save, or teardown), and every damaged checkpoint is a CkptError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import ckptio  # noqa: E402
+import ckptio.lightning  # noqa: E402
+from ckptio.testing.faults import inject  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lightning_job import OPTIONS, STEPS_PER_EPOCH, Tiny, data, plugin, read_losses  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).parent / "lightning_job.py"
+FINAL_STEP = 4 * STEPS_PER_EPOCH  # 4 epochs
+KILL_AT = 20  # in epoch 2: epochs 0 and 1 are checkpointed (steps 8 and 16)
+QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False,
+         "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0}
+
+
+def _start(spec: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(JOB), json.dumps(spec)], cwd=ROOT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, tuple[int, str]]:
+    return {name: (proc.wait(timeout=240), proc.communicate()[0]) for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every process the resume tests compare, two phases of concurrent runs: an uninterrupted
+    run and a sync and an async run killed at step 20; then the resumes: sync from "last",
+    sync from epoch 0's path (a copy of the killed run's directory), async from "last"."""
+    base = tmp_path_factory.mktemp("lightning")
+    spec = {name: {"dir": str(base / name), "losses": str(base / f"{name}.losses")}
+            for name in ("reference", "sync", "async")}
+    spec["sync"]["kill_at"] = spec["async"]["kill_at"] = KILL_AT
+    spec["async"].update(plugin="async", committed=str(base / "async" / "epoch=0-step=8.ckpt"))
+    killed = _finish({name: _start(s) for name, s in spec.items()})
+    shutil.copytree(base / "sync", base / "sync-path", symlinks=True)
+    resumes = {
+        "sync-last": {"dir": str(base / "sync"), "ckpt_path": "last"},
+        "sync-path": {"dir": str(base / "sync-path"),
+                      "ckpt_path": str(base / "sync-path" / "epoch=0-step=8.ckpt")},
+        "async-last": {"dir": str(base / "async"), "ckpt_path": "last", "plugin": "async"},
+    }
+    for name, s in resumes.items():
+        s["losses"] = str(base / f"{name}.losses")
+    resumed = _finish({name: _start(s) for name, s in resumes.items()})
+    return {"base": base, "exit": {**killed, **resumed},
+            "losses": {name: read_losses(base / f"{name}.losses")
+                       for name in [*spec, *resumes]}}
+
+
+def _assert_bitwise_from(losses: dict[int, str], reference: dict[int, str], first: int,
+                         end: int = FINAL_STEP) -> None:
+    """Steps first..end-1 were run, each with the uninterrupted run's loss, bit for bit."""
+    assert sorted(losses) == list(range(first, end)), sorted(losses)
+    different = [step for step in losses if losses[step] != reference[step]]
+    assert not different, f"steps {different} differ from the uninterrupted run"
+
+
+def test_sigkill_then_resume_from_last_and_from_a_path_is_bitwise(runs: dict[str, Any]) -> None:
+    exits, losses = runs["exit"], runs["losses"]
+    assert exits["reference"][0] == 0, exits["reference"][1][-3000:]
+    assert exits["sync"][0] == -9, exits["sync"][1][-3000:]  # SIGKILL, at step 20
+    for name in ("sync-last", "sync-path"):
+        assert exits[name][0] == 0, exits[name][1][-3000:]
+    reference = losses["reference"]
+    assert sorted(reference) == list(range(FINAL_STEP))
+    _assert_bitwise_from(losses["sync"], reference, 0, KILL_AT)
+    _assert_bitwise_from(losses["sync-last"], reference, 2 * STEPS_PER_EPOCH)  # last.ckpt: 16
+    _assert_bitwise_from(losses["sync-path"], reference, STEPS_PER_EPOCH)  # epoch=0-step=8
+    assert "Restored all states from the checkpoint at" in exits["sync-last"][1]
+    for name in ("epoch=1-step=16.ckpt", "last.ckpt", "epoch=3-step=32.ckpt"):
+        ckpt = runs["base"] / "sync" / name
+        assert ckpt.is_dir() and (ckpt / "manifest.json").is_file(), name  # ckptio's
+        assert ckptio.verify(ckpt) > 0
+    resumed_last = ckptio.load(runs["base"] / "sync" / "last.ckpt")
+    assert resumed_last["global_step"] == FINAL_STEP and resumed_last["epoch"] == 3
+
+
+def test_async_plugin_sigkill_then_resume_is_bitwise(runs: dict[str, Any]) -> None:
+    """Killed at step 20 with epoch 0 committed (the script checks) and epoch 1's saves perhaps
+    still in flight: "last" is whichever last.ckpt committed (8 or 16), never a torn one."""
+    exits, losses = runs["exit"], runs["losses"]
+    assert exits["async"][0] == -9, exits["async"][1][-3000:]
+    assert exits["async-last"][0] == 0, exits["async-last"][1][-3000:]
+    _assert_bitwise_from(losses["async"], losses["reference"], 0, KILL_AT)
+    first = min(losses["async-last"])
+    assert first in (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH), first
+    _assert_bitwise_from(losses["async-last"], losses["reference"], first)
+    assert ckptio.load(runs["base"] / "async" / "last.ckpt")["global_step"] == FINAL_STEP
+
+
+# ------------------------------------------------------------------------------------------------
+# in this process: ModelCheckpoint's top-k, the async plugin's timing and errors, damage
+
+
+class Scored(Tiny):
+    """Logs a fixed, non-monotonic ``score`` per epoch, so top-k both skips and removes."""
+
+    SCORES = (0.5, 0.2, 0.9, 0.1, 0.7)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("score", self.SCORES[self.current_epoch])
+
+
+def _fit(tmp: Path, io: Any, *, epochs: int, callbacks: list[Any], model: Any = None,
+         ckpt_path: str | None = None, **kwargs: Any) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_epochs=epochs, plugins=[io] if io is not None else None,
+                        callbacks=callbacks,
+                        default_root_dir=tmp, **QUIET, **kwargs)
+    trainer.fit(model or Tiny(), data(4 * STEPS_PER_EPOCH, seed=1), data(8, seed=2),
+                ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_top_k_with_monitor_keeps_exactly_the_k_best(tmp_path: Path) -> None:
+    ckpts = tmp_path / "ckpts"
+    best = ModelCheckpoint(dirpath=ckpts, monitor="score", mode="min", save_top_k=2,
+                           save_last="link")
+    _fit(tmp_path, plugin("sync"), epochs=5, callbacks=[best], model=Scored())
+    # scores 0.5 0.2 0.9 0.1 0.7: epoch 2 and 4 never saved, epoch 0 removed once epoch 3 came
+    kept = {"epoch=1-step=16.ckpt", "epoch=3-step=32.ckpt"}
+    assert set(os.listdir(ckpts)) == kept | {"last.ckpt"}, os.listdir(ckpts)
+    assert {Path(p).name for p in best.best_k_models} == kept
+    for name in kept:
+        assert (ckpts / name / "manifest.json").is_file() and ckptio.verify(ckpts / name) > 0
+    assert (ckpts / "last.ckpt").is_symlink()
+    assert os.path.realpath(ckpts / "last.ckpt") == str(ckpts / "epoch=3-step=32.ckpt")
+    assert Path(best.best_model_path).name == "epoch=3-step=32.ckpt"
+    # "last" resolves through the link, and the plugin reads the directory behind it
+    validated = L.Trainer(plugins=[plugin("sync")], callbacks=[
+        ModelCheckpoint(dirpath=ckpts, save_last="link")], **QUIET).validate(
+        Scored(), data(8, seed=2), ckpt_path="last", verbose=False)
+    stored = ckptio.load(ckpts / "epoch=3-step=32.ckpt")
+    assert stored["global_step"] == 32 and validated[0]["val_loss"] > 0
+
+
+def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> None:
+    io = plugin("sync")
+    io.save_checkpoint({"w": torch.ones(3), "step": 1}, tmp_path / "epoch=0.ckpt")
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": torch.zeros(3), "step": 2}, tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert io.load_checkpoint(tmp_path / "epoch=0.ckpt")["step"] == 1  # untouched
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["step"] == 2
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    io.remove_checkpoint(tmp_path / "gone.ckpt")  # nothing there: nothing to do
+    assert os.listdir(tmp_path) == ["epoch=0.ckpt"]
+
+
+class _Gate:
+    """Holds every write of a Checkpointer's saves until opened (test_async.py's way)."""
+
+    def __init__(self, ck: ckptio.Checkpointer) -> None:
+        self.opened = threading.Event()
+        backend = inject(ck)
+        passing = backend.submit_write
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            self.opened.wait(60)
+            return passing(*args, **kwargs)
+
+        backend.submit_write = held
+
+
+class _Watch(L.Callback):
+    """At each batch end, records the save the async plugin still has in flight, then lets it
+    go: if the plugin had waited for its write, no batch would ever end with one in flight."""
+
+    def __init__(self, io: ckptio.lightning.AsyncCheckpointIO, gate: _Gate) -> None:
+        self.io, self.gate, self.seen = io, gate, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_args: Any) -> None:
+        path = self.io.in_flight()
+        if path is not None:
+            self.seen.append((trainer.global_step, Path(path).name))
+        self.gate.opened.set()
+
+
+def test_async_save_returns_before_its_write_and_is_waited_for_at_teardown(
+        tmp_path: Path) -> None:
+    io = plugin("async")
+    gate = _Gate(io.checkpointer)
+    watch = _Watch(io, gate)
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1)
+    _fit(tmp_path, io, epochs=1, callbacks=[watch, every], max_steps=4)
+    # saved at the end of step 3 (ModelCheckpoint runs after _Watch), seen in flight at step 4
+    assert watch.seen == [(4, "epoch=0-step=3.ckpt")], watch.seen
+    assert io.in_flight() is None  # teardown waited
+    assert ckptio.load(tmp_path / "ckpts" / "epoch=0-step=3.ckpt")["global_step"] == 3
+
+
+def test_async_failed_save_is_raised_once_by_the_next_save_and_at_teardown(
+        tmp_path: Path) -> None:
+    io = plugin("async")
+    faults = inject(io.checkpointer, fail_write=1)
+    every = ModelCheckpoint(dirpath=tmp_path / "a", save_top_k=-1)
+    with pytest.raises(ckptio.StorageIOError, match="injected fault") as caught:
+        _fit(tmp_path, io, epochs=2, callbacks=[every])
+    assert faults.injected and "epoch=0-step=8.ckpt" in str(caught.value)
+    assert not (tmp_path / "a" / "epoch=0-step=8.ckpt" / "manifest.json").exists()
+    # raised once: the same plugin's next fit saves and commits
+    _fit(tmp_path, io, epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "b")])
+    assert ckptio.verify(tmp_path / "b" / "epoch=0-step=8.ckpt") > 0
+    # the only save of a fit fails: raised at teardown, when fit ends
+    inject(io.checkpointer, fail_write=1)
+    with pytest.raises(ckptio.StorageIOError, match="injected fault"):
+        _fit(tmp_path, io, epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "c")])
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ckptio checkpoint written by a real one-epoch fit."""
+    tmp = tmp_path_factory.mktemp("one-epoch")
+    _fit(tmp, plugin("sync"), epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp / "ckpts")])
+    return tmp / "ckpts" / "epoch=0-step=8.ckpt"
+
+
+def _flip_data_byte(ckpt: Path) -> None:
+    data_file = next(ckpt.glob("data-*"))
+    raw = bytearray(data_file.read_bytes())
+    raw[100] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+
+
+def _truncate_manifest(ckpt: Path) -> None:
+    manifest = ckpt / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:200])
+
+
+def _remove_manifest(ckpt: Path) -> None:
+    (ckpt / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize(("damage", "error"), [
+    (_flip_data_byte, ckptio.CorruptCheckpointError),
+    (_truncate_manifest, ckptio.ManifestError),
+    (_remove_manifest, ckptio.IncompleteCheckpointError),
+    (shutil.rmtree, ckptio.CheckpointNotFoundError),
+])
+def test_a_damaged_checkpoint_is_a_ckpt_error(tmp_path: Path, one_epoch: Path, damage: Any,
+                                               error: type[Exception]) -> None:
+    ckpt = tmp_path / one_epoch.name
+    shutil.copytree(one_epoch, ckpt)
+    damage(ckpt)
+    with pytest.raises(error, match=str(ckpt).replace("=", ".")):
+        _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[], enable_checkpointing=False,
+             ckpt_path=str(ckpt))
+
+
+def test_python_objects_need_allow_pickle_both_ways(tmp_path: Path, one_epoch: Path) -> None:
+    checkpoint = ckptio.load(one_epoch)
+    checkpoint["hyper_parameters"]["data_dir"] = pathlib.Path("/data")
+    with pytest.raises(ckptio.UnsupportedStateError,
+                       match=r"hyper_parameters\.data_dir.*CheckpointIO\(allow_pickle=True\)"):
+        plugin("sync").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt" / "manifest.json").exists()
+    plugin("sync", allow_pickle=True).save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    with pytest.raises(ckptio.PickleRefusedError, match="hyper_parameters.data_dir"):
+        plugin("sync").load_checkpoint(tmp_path / "a.ckpt")
+    with pytest.raises(ckptio.PickleRefusedError):  # Lightning's weights_only=True wins
+        plugin("sync", allow_pickle=True).load_checkpoint(tmp_path / "a.ckpt", weights_only=True)
+    back = plugin("sync", allow_pickle=True).load_checkpoint(tmp_path / "a.ckpt")
+    assert back["hyper_parameters"]["data_dir"] == pathlib.Path("/data")
+
+
+def test_resume_from_a_torch_save_ckpt_of_lightnings_own_plugin(tmp_path: Path) -> None:
+    """Switching plugins mid-run: a .ckpt file TorchCheckpointIO wrote loads through ckptio
+    (its pickle decoded with an allow-list), and training goes on into ckptio checkpoints."""
+    _fit(tmp_path, None, epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "torch")])
+    old = tmp_path / "torch" / "epoch=0-step=8.ckpt"
+    assert old.is_file()
+    _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "c")],
+         ckpt_path=str(old))
+    assert ckptio.load(tmp_path / "c" / "epoch=1-step=16.ckpt")["global_step"] == 16
