@@ -160,11 +160,16 @@ def test_top_k_with_monitor_keeps_exactly_the_k_best(tmp_path: Path) -> None:
     assert os.path.realpath(ckpts / "last.ckpt") == str(ckpts / "epoch=3-step=32.ckpt")
     assert Path(best.best_model_path).name == "epoch=3-step=32.ckpt"
     # "last" resolves through the link, and the plugin reads the directory behind it
-    validated = L.Trainer(plugins=[plugin("sync")], callbacks=[
-        ModelCheckpoint(dirpath=ckpts, save_last="link")], **QUIET).validate(
-        Scored(), data(8, seed=2), ckpt_path="last", verbose=False)
+    trainer = L.Trainer(plugins=[plugin("sync")], callbacks=[
+        ModelCheckpoint(dirpath=ckpts, save_last="link")], **QUIET)
+    validated = trainer.validate(Scored(), data(8, seed=2), ckpt_path="last", verbose=False)
+    assert trainer.ckpt_path == str(ckpts / "last.ckpt")
     stored = ckptio.load(ckpts / "epoch=3-step=32.ckpt")
-    assert stored["global_step"] == 32 and validated[0]["val_loss"] > 0
+    model = Scored()
+    model.load_state_dict(stored["state_dict"])
+    x, y = data(8, seed=2).dataset.tensors
+    expected = torch.nn.functional.mse_loss(model.net(x), y).item()
+    assert validated[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> None:
@@ -296,6 +301,14 @@ def test_python_objects_need_allow_pickle_both_ways(tmp_path: Path, one_epoch: P
     assert back["hyper_parameters"]["data_dir"] == pathlib.Path("/data")
 
 
+def test_map_location_a_device_moves_the_tensors_anything_else_is_refused(one_epoch: Path) -> None:
+    moved = plugin("sync").load_checkpoint(one_epoch, map_location="meta")
+    assert all(t.device.type == "meta" for t in moved["state_dict"].values())
+    assert moved["optimizer_states"][0]["state"][0]["exp_avg"].device.type == "meta"
+    with pytest.raises(ckptio.CkptError, match="map_location"):
+        plugin("sync").load_checkpoint(one_epoch, map_location={"cuda:0": "cpu"})
+
+
 def test_resume_from_a_torch_save_ckpt_of_lightnings_own_plugin(tmp_path: Path) -> None:
     """Switching plugins mid-run: a .ckpt file TorchCheckpointIO wrote loads through ckptio
     (its pickle decoded with an allow-list), and training goes on into ckptio checkpoints."""
@@ -305,3 +318,30 @@ def test_resume_from_a_torch_save_ckpt_of_lightnings_own_plugin(tmp_path: Path) 
     _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "c")],
          ckpt_path=str(old))
     assert ckptio.load(tmp_path / "c" / "epoch=1-step=16.ckpt")["global_step"] == 16
+
+
+def test_the_standalone_pytorch_lightning_trainer_takes_the_plugins(tmp_path: Path) -> None:
+    """``pytorch_lightning`` (its own CheckpointIO class, from ``lightning_fabric``) accepts
+    both plugins: they are registered with its CheckpointIO too; save, resume and top-k work."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class PlTiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    for io in (plugin("sync"), plugin("async")):
+        ckpts = tmp_path / type(io).__name__
+        for epochs in (1, 2):  # the second fit resumes from the first's last.ckpt
+            trainer = pl.Trainer(max_epochs=epochs, plugins=[io], **QUIET, callbacks=[
+                pl.callbacks.ModelCheckpoint(dirpath=ckpts, save_top_k=1, save_last=True)])
+            trainer.fit(PlTiny(), data(4 * STEPS_PER_EPOCH, seed=1), ckpt_path="last")
+        assert trainer.strategy.checkpoint_io is io
+        assert sorted(os.listdir(ckpts)) == ["epoch=1-step=16.ckpt", "last.ckpt"]  # top-1
+        assert ckptio.load(ckpts / "last.ckpt")["global_step"] == 16
