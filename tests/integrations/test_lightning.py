@@ -180,9 +180,13 @@ def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> N
     assert not (tmp_path / "last.ckpt").is_symlink()
     assert io.load_checkpoint(tmp_path / "epoch=0.ckpt")["step"] == 1  # untouched
     assert io.load_checkpoint(tmp_path / "last.ckpt")["step"] == 2
+    # a removal killed after its rename left a hidden directory: the next removal finishes it
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / ".deleting-epoch=9.ckpt-0123abcd")
     io.remove_checkpoint(tmp_path / "last.ckpt")
     io.remove_checkpoint(tmp_path / "gone.ckpt")  # nothing there: nothing to do
     assert os.listdir(tmp_path) == ["epoch=0.ckpt"]
+    with pytest.raises(ckptio.UnsupportedPathError, match="s3://b/epoch=0.ckpt"):
+        io.remove_checkpoint("s3://b/epoch=0.ckpt")
 
 
 class _Gate:
@@ -226,6 +230,20 @@ def test_async_save_returns_before_its_write_and_is_waited_for_at_teardown(
     assert io.in_flight() is None  # teardown waited
     assert ckptio.load(tmp_path / "ckpts" / "epoch=0-step=3.ckpt")["global_step"] == 3
 
+
+
+def test_async_removing_the_path_in_flight_waits_for_its_save(tmp_path: Path) -> None:
+    """The removal renames the directory away: done under a save still writing there, that save
+    would fail. It waits for it instead (the gate opens from another thread, 0.3 s later)."""
+    io = plugin("async")
+    gate = _Gate(io.checkpointer)
+    io.save_checkpoint({"w": torch.ones(1000), "step": 1}, tmp_path / "a.ckpt")
+    assert io.in_flight() is not None
+    threading.Timer(0.3, gate.opened.set).start()
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert gate.opened.is_set() and io.in_flight() is None
+    assert os.listdir(tmp_path) == []  # removed, nothing hidden left behind
+    io.teardown()  # the save committed before its removal: no error to raise
 
 def test_async_failed_save_is_raised_once_by_the_next_save_and_at_teardown(
         tmp_path: Path) -> None:
