@@ -55,8 +55,16 @@ from typing import Any
 
 import torch
 
-from ckptio import Checkpointer, CkptError, Options, SaveHandle, SaveResult
-from ckptio import StorageIOError, UnsupportedPathError, UnsupportedStateError
+from ckptio import (
+    Checkpointer,
+    CkptError,
+    Options,
+    SaveHandle,
+    SaveResult,
+    StorageIOError,
+    UnsupportedPathError,
+    UnsupportedStateError,
+)
 from ckptio.storage.local import fsync_path
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO"]
@@ -123,7 +131,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         return _to_device(loaded, device)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path`` crash-safely (module docstring); nothing there: no-op."""
+        """Remove the checkpoint at ``path`` crash-safely (module docstring); none there: no-op."""
         target = _local(path)
         try:
             if os.path.islink(target) or os.path.isfile(target):

@@ -25,16 +25,16 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import ckptio  # noqa: E402
-import ckptio.lightning  # noqa: E402
-from ckptio.testing.faults import inject  # noqa: E402
+import ckptio
+import ckptio.lightning
+from ckptio.testing.faults import inject
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_job import OPTIONS, STEPS_PER_EPOCH, Tiny, data, plugin, read_losses  # noqa: E402
+from lightning_job import STEPS_PER_EPOCH, Tiny, data, plugin, read_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).parent / "lightning_job.py"
@@ -205,8 +205,9 @@ class _Gate:
 
 
 class _Watch(L.Callback):
-    """At each batch end, records the save the async plugin still has in flight, then lets it
-    go: if the plugin had waited for its write, no batch would ever end with one in flight."""
+    """At each batch end, records the save the async plugin still has in flight and lets it
+    go: its writes are held until then, so if the plugin waited for them, no batch would end
+    with one in flight (the gate lets go after 60 s and the test fails)."""
 
     def __init__(self, io: ckptio.lightning.AsyncCheckpointIO, gate: _Gate) -> None:
         self.io, self.gate, self.seen = io, gate, []
@@ -215,7 +216,7 @@ class _Watch(L.Callback):
         path = self.io.in_flight()
         if path is not None:
             self.seen.append((trainer.global_step, Path(path).name))
-        self.gate.opened.set()
+            self.gate.opened.set()
 
 
 def test_async_save_returns_before_its_write_and_is_waited_for_at_teardown(
