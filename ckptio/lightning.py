@@ -33,10 +33,14 @@ Loading reads any ckptio checkpoint, a DCP directory or a torch.save file (``.ck
 Lightning's own TorchCheckpointIO, decoded with an allow-list, no pickle run), into CPU tensors
 (``map_location``: a device moves them; Lightning moves them to the module's device anyway).
 
+With several ranks (DDP) Lightning saves from rank 0 alone and loads on every rank: the
+plugin saves over a process group of rank 0 alone (whole tensors, as Lightning's checkpoint
+dict holds them), so the other ranks are not waited for. Sharded checkpoints (FSDP's
+``state_dict_type="sharded"``, DeepSpeed) are written by those strategies themselves, not
+through a CheckpointIO.
+
 Does not own: the checkpoint format, the save and load (ckptio's Checkpointer), nor which
-checkpoints to keep (Lightning's ModelCheckpoint). One process saves: with several ranks
-Lightning calls the plugin on rank 0 only, which a ckptio save (a collective then) cannot serve,
-so a save under torch.distributed with more than one rank is refused; loads work on every rank.
+checkpoints to keep (Lightning's ModelCheckpoint).
 Works with ``import lightning`` and with the standalone ``pytorch_lightning`` package (the
 classes subclass one package's CheckpointIO and are registered with the other's).
 """
@@ -106,6 +110,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
+        self._own: tuple[Any, Any] | None = None  # (the default group, this rank's own group)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -113,7 +118,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         is durable and committed. A previous checkpoint at ``path`` stays whole until then."""
         target = self._prepare_save(path, storage_options)
         with _pickle_hint(self.allow_pickle):
-            self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle)
+            self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle,
+                                   process_group=self._own_group())
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -147,17 +153,12 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.checkpointer.close()
 
     def _prepare_save(self, path: str | os.PathLike[str], storage_options: Any) -> str:
-        """The path to save into, once the save is known to be possible: one process, no
-        storage_options, no symlink at the path (replaced, as Lightning's torch.save would)."""
+        """The path to save into, once the save is known to be possible: no storage_options,
+        no symlink at the path (replaced, as Lightning's torch.save would)."""
         target = os.fspath(path)
         if storage_options is not None:
             raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
                             "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and (
-                torch.distributed.get_world_size() > 1):
-            raise CkptError(f"saving {target}: ckptio.lightning saves from one process, and "
-                            "Lightning calls the plugin on rank 0 only with several ranks; use "
-                            "ckptio.CheckpointManager (every rank saves) for multi-process runs")
         if os.path.islink(target):
             try:
                 os.remove(target)
@@ -165,6 +166,20 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                 raise StorageIOError(f"cannot replace the symlink {target} by a checkpoint: "
                                      f"{exc.strerror or exc}") from None
         return target
+
+
+    def _own_group(self) -> Any:
+        """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
+        while a ckptio save over the default group is a collective of every rank: the save runs
+        over a group of this rank alone, made by this rank alone (``use_local_synchronization``),
+        once per default group."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        world = dist.group.WORLD
+        if self._own is None or self._own[0] is not world:
+            self._own = (world, dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        return self._own[1]
 
 
 class AsyncCheckpointIO(CheckpointIO):
@@ -189,7 +204,8 @@ class AsyncCheckpointIO(CheckpointIO):
         target = self._prepare_save(path, storage_options)
         with _pickle_hint(self.allow_pickle):
             self._handle = self.checkpointer.async_save(checkpoint, target,
-                                                        allow_pickle=self.allow_pickle)
+                                                        allow_pickle=self.allow_pickle,
+                                                        process_group=self._own_group())
 
     def in_flight(self) -> str | None:
         """The path of the save still running, or None."""

@@ -8,7 +8,8 @@ a SIGKILL loses nothing already written). ``kill_at``: the process kills itself 
 the start of that global step; in "async" mode it first waits until ``committed`` names a
 committed checkpoint (the kill then lands while a later save may still be in flight).
 ``ckpt_path``: resume from it ("last" or a path). ModelCheckpoint saves every epoch into
-``dir`` (every checkpoint kept, plus last.ckpt), through the plugin.
+``dir`` (the ``top_k`` newest, by default all, plus last.ckpt), through the plugin.
+``devices``: 2 runs DDP on CPU (gloo; rank 0 writes the losses).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Tiny(L.LightningModule):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
-        if self.hparams.losses:
+        if self.hparams.losses and self.global_rank == 0:
             with open(self.hparams.losses, "a") as out:
                 out.write(f"{self.global_step} {loss.item().hex()}\n")
         return loss
@@ -89,11 +90,13 @@ def plugin(kind: str, **kwargs: Any) -> ckptio.lightning.CheckpointIO:
 def run(spec: dict[str, Any]) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     model = Tiny(losses=spec.get("losses", ""))
-    callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=spec["dir"], save_top_k=-1,
-                                                   save_last=True)]
+    callbacks: list[L.Callback] = [ModelCheckpoint(dirpath=spec["dir"], save_last=True,
+                                                   save_top_k=spec.get("top_k", -1))]
     if spec.get("kill_at") is not None:
         callbacks.append(Killer(spec["kill_at"], spec.get("committed")))
-    trainer = L.Trainer(max_epochs=spec.get("epochs", 4), accelerator="cpu", devices=1,
+    devices = spec.get("devices", 1)  # 2: DDP over gloo (Lightning starts the second process)
+    trainer = L.Trainer(max_epochs=spec.get("epochs", 4), accelerator="cpu", devices=devices,
+                        strategy="ddp" if devices > 1 else "auto",
                         enable_progress_bar=False, logger=False, enable_model_summary=False,
                         deterministic=True, plugins=[plugin(spec.get("plugin", "sync"))],
                         callbacks=callbacks, default_root_dir=spec["dir"])

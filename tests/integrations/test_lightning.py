@@ -2,7 +2,8 @@
 
 - A run killed with SIGKILL after a checkpoint committed, resumed in a fresh process from
   ``ckpt_path="last"`` and from an explicit path, continues with losses bitwise equal to an
-  uninterrupted run's (sync and async plugins; every run is its own process, run side by side).
+  uninterrupted run's (sync and async plugins; every run is its own process, run side by side);
+  a two-rank DDP run (gloo) resumes from a one-process checkpoint and saves from rank 0 alone.
 - ModelCheckpoint's top-k with a monitor keeps exactly the k best ckptio checkpoints on disk,
   its "last" link resolves, and removal leaves nothing half-deleted.
 - The async plugin returns while its write is held (the loop goes on), raises a failed save
@@ -58,7 +59,8 @@ def _finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, tuple[int, str
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every process the resume tests compare, two phases of concurrent runs: an uninterrupted
     run and a sync and an async run killed at step 20; then the resumes: sync from "last",
-    sync from epoch 0's path (a copy of the killed run's directory), async from "last"."""
+    sync from epoch 0's path (a copy of the killed run's directory), async from "last", and a
+    two-rank DDP run from the uninterrupted run's epoch 1."""
     base = tmp_path_factory.mktemp("lightning")
     spec = {name: {"dir": str(base / name), "losses": str(base / f"{name}.losses")}
             for name in ("reference", "sync", "async")}
@@ -66,11 +68,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec["async"].update(plugin="async", committed=str(base / "async" / "epoch=0-step=8.ckpt"))
     killed = _finish({name: _start(s) for name, s in spec.items()})
     shutil.copytree(base / "sync", base / "sync-path", symlinks=True)
+    shutil.copytree(base / "reference" / "epoch=1-step=16.ckpt", base / "from-1-process")
     resumes = {
         "sync-last": {"dir": str(base / "sync"), "ckpt_path": "last"},
         "sync-path": {"dir": str(base / "sync-path"),
                       "ckpt_path": str(base / "sync-path" / "epoch=0-step=8.ckpt")},
         "async-last": {"dir": str(base / "async"), "ckpt_path": "last", "plugin": "async"},
+        "ddp": {"dir": str(base / "ddp"), "ckpt_path": str(base / "from-1-process"),
+                "devices": 2, "top_k": 1},
     }
     for name, s in resumes.items():
         s["losses"] = str(base / f"{name}.losses")
@@ -364,3 +369,19 @@ def test_the_standalone_pytorch_lightning_trainer_takes_the_plugins(tmp_path: Pa
         assert trainer.strategy.checkpoint_io is io
         assert sorted(os.listdir(ckpts)) == ["epoch=1-step=16.ckpt", "last.ckpt"]  # top-1
         assert ckptio.load(ckpts / "last.ckpt")["global_step"] == 16
+
+
+def test_ddp_two_ranks_resume_and_rank_0_saves_alone(runs: dict[str, Any]) -> None:
+    """DDP on CPU (gloo): every rank loads the one-process run's epoch 1, Lightning saves on
+    rank 0 only (the plugin's save runs over a group of rank 0 alone: nobody waits for rank 1),
+    and top-1 removes the older checkpoint on rank 0."""
+    exits, losses = runs["exit"], runs["losses"]
+    assert exits["ddp"][0] == 0, exits["ddp"][1][-3000:]
+    assert "Restored all states from the checkpoint at" in exits["ddp"][1]
+    half = STEPS_PER_EPOCH // 2  # each rank takes half of each epoch's batches
+    assert sorted(losses["ddp"]) == list(range(16, 16 + 2 * half))
+    ckpts = runs["base"] / "ddp"
+    assert sorted(os.listdir(ckpts)) == [f"epoch=3-step={16 + 2 * half}.ckpt", "last.ckpt"]
+    for name in os.listdir(ckpts):
+        assert ckptio.verify(ckpts / name) > 0
+        assert ckptio.load(ckpts / name)["global_step"] == 16 + 2 * half
