@@ -167,7 +167,6 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                                      f"{exc.strerror or exc}") from None
         return target
 
-
     def _own_group(self) -> Any:
         """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
         while a ckptio save over the default group is a collective of every rank: the save runs
@@ -202,6 +201,7 @@ class AsyncCheckpointIO(CheckpointIO):
         """Start saving ``checkpoint`` to ``path``; a previous save's unreported error is
         raised here (and this save is not started)."""
         target = self._prepare_save(path, storage_options)
+        self._handle = None  # the previous save is settled (its error raised) by async_save
         with _pickle_hint(self.allow_pickle):
             self._handle = self.checkpointer.async_save(checkpoint, target,
                                                         allow_pickle=self.allow_pickle,

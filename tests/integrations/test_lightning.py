@@ -269,6 +269,19 @@ def test_async_failed_save_is_raised_once_by_the_next_save_and_at_teardown(
         _fit(tmp_path, io, epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "c")])
 
 
+
+def test_async_error_raised_by_the_next_save_is_not_raised_again(tmp_path: Path) -> None:
+    io = plugin("async")
+    inject(io.checkpointer, fail_write=1)
+    io.save_checkpoint({"w": torch.ones(10), "step": 1}, tmp_path / "a.ckpt")
+    with pytest.raises(ckptio.StorageIOError, match="injected fault"):
+        io.save_checkpoint({"w": torch.ones(10), "step": 2}, tmp_path / "b.ckpt")
+    assert io.wait() is None and io.in_flight() is None
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # the failed save's leftovers, if any
+    io.save_checkpoint({"w": torch.ones(10), "step": 2}, tmp_path / "b.ckpt")
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["step"] == 2
+
 @pytest.fixture(scope="module")
 def one_epoch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ckptio checkpoint written by a real one-epoch fit."""
