@@ -1,0 +1,293 @@
+"""Lightning's checkpoints through ckptio: ``Trainer(plugins=[ckptio.lightning.CheckpointIO()])``.
+
+    trainer = lightning.Trainer(plugins=[ckptio.lightning.CheckpointIO()],
+                                callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2,
+                                                           save_last=True)])
+    trainer.fit(model, ckpt_path="last")       # resumes from ckpts/last.ckpt (a ckptio checkpoint)
+
+Owns: the two Lightning CheckpointIO plugins (``CheckpointIO``: the save returns once the
+checkpoint is durable and committed; ``AsyncCheckpointIO``: the save returns once the tensors
+are copied into ckptio's staging pool, the write and commit run in the background), and how
+Lightning's file-oriented checkpoint paths map onto ckptio checkpoints, which are directories:
+
+- The path ModelCheckpoint chooses (``epoch=0-step=10.ckpt``, ``last.ckpt``) is the checkpoint
+  directory itself. Lightning's own checks work on it unchanged: ``exists`` (its version
+  counter), the listing of ``last*.ckpt`` (``ckpt_path="last"``), ``save_last="link"`` (a
+  symlink to the directory; Lightning removes a directory at the link's name with rmtree).
+- Saving at a path that is a symlink (a former ``last`` link) replaces the link, as Lightning's
+  own atomic torch.save does; it never writes through it into the checkpoint it points at.
+- ``remove_checkpoint`` (top-k's removal of a worse checkpoint, the previous ``last``) renames
+  the directory to a hidden ``.deleting-<name>-<hex>`` first (atomic, directory fsynced), then
+  removes it: a kill never leaves a half-deleted checkpoint under a name Lightning would pick
+  up; leftovers are removed by the next removal in that directory. A symlink loses only the
+  link; a plain file (a torch.save checkpoint) is removed.
+
+Lightning's checkpoint dict holds tensors (``state_dict``, optimizer states, scores) and plain
+Python values (loops' and callbacks' state, hyperparameters, versions): ckptio stores the
+tensors as data and the values inline in its JSON manifest, without pickle. Any other object
+(a ``pathlib.Path`` or an OmegaConf container in the hyperparameters, say) is refused at save,
+naming its key, unless the plugin is made with ``allow_pickle=True``; loading such a checkpoint
+needs ``allow_pickle=True`` again (and ``weights_only=True`` from Lightning refuses it even then).
+
+Loading reads any ckptio checkpoint, a DCP directory or a torch.save file (``.ckpt`` files of
+Lightning's own TorchCheckpointIO, decoded with an allow-list, no pickle run), into CPU tensors
+(``map_location``: a device moves them; Lightning moves them to the module's device anyway).
+
+With several ranks (DDP) Lightning saves from rank 0 alone and loads on every rank: the
+plugin saves over a process group of rank 0 alone (whole tensors, as Lightning's checkpoint
+dict holds them), so the other ranks are not waited for. Sharded checkpoints (FSDP's
+``state_dict_type="sharded"``, DeepSpeed) are written by those strategies themselves, not
+through a CheckpointIO.
+
+Does not own: the checkpoint format, the save and load (ckptio's Checkpointer), nor which
+checkpoints to keep (Lightning's ModelCheckpoint).
+Works with ``import lightning`` and with the standalone ``pytorch_lightning`` package (the
+classes subclass one package's CheckpointIO and are registered with the other's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ckptio import (
+    Checkpointer,
+    CkptError,
+    Options,
+    SaveHandle,
+    SaveResult,
+    StorageIOError,
+    UnsupportedPathError,
+    UnsupportedStateError,
+)
+from ckptio.storage.local import fsync_path
+
+__all__ = ["AsyncCheckpointIO", "CheckpointIO"]
+
+_BASES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
+_HIDDEN = re.compile(r"\.deleting-.+-[0-9a-f]{8}$")
+
+
+def _lightning_bases() -> list[type]:
+    """Lightning's CheckpointIO ABC from each installed package (``lightning``, then the
+    standalone ``lightning_fabric`` that ``pytorch_lightning`` uses)."""
+    found = []
+    for name in _BASES:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            found.append(importlib.import_module(name).CheckpointIO)
+    if not found:
+        raise ImportError("ckptio.lightning needs Lightning: pip install 'ckptio[lightning]' "
+                          "(or pytorch_lightning)")
+    return found
+
+
+_BASE, *_OTHERS = _lightning_bases()
+
+
+class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
+    """A Lightning CheckpointIO that saves through ckptio (see the module docstring).
+
+    options: ckptio.Options of the saves and loads (staging pool, I/O; default: the defaults
+        and CKPTIO_* environment). allow_pickle: store (and load back) values that are neither
+        tensors nor plain Python values, pickled; only for checkpoints you trust. verify: check
+        checksums on load (default Options.verify, on).
+    ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
+    """
+
+    def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
+                 verify: bool | None = None) -> None:
+        super().__init__()
+        self.options = options if options is not None else Options.from_env()
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        self.checkpointer = Checkpointer(self.options)
+        self._own: tuple[Any, Any] | None = None  # (the default group, this rank's own group)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` as the ckptio checkpoint (a directory) ``path``; returns once it
+        is durable and committed. A previous checkpoint at ``path`` stays whole until then."""
+        target = self._prepare_save(path, storage_options)
+        with _pickle_hint(self.allow_pickle):
+            self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle,
+                                   process_group=self._own_group())
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's checkpoint dict from ``path``: fresh CPU tensors (moved to
+        ``map_location`` when that is a device) and Python values. Errors are CkptErrors
+        naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...)."""
+        allow = self.allow_pickle and weights_only is not True
+        loaded = self.checkpointer.load(os.fspath(path), verify=self.verify, allow_pickle=allow)
+        if not isinstance(loaded, dict):
+            raise CkptError(f"{os.fspath(path)} holds a {type(loaded).__name__}, not a Lightning "
+                            "checkpoint (a dict): load it with ckptio.load")
+        device = _device(map_location)
+        if device is None:
+            return loaded
+        return _to_device(loaded, device)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the checkpoint at ``path`` crash-safely (module docstring); none there: no-op."""
+        target = _local(path)
+        try:
+            if os.path.islink(target) or os.path.isfile(target):
+                os.remove(target)
+            elif os.path.isdir(target):
+                _remove_directory(target)
+        except OSError as exc:
+            raise StorageIOError(f"cannot remove checkpoint {target}: {exc.strerror or exc}; "
+                                 "check the directory's permissions") from None
+
+    def teardown(self) -> None:
+        """Free the staging pool (the plugin stays usable: a later fit makes it again)."""
+        self.checkpointer.close()
+
+    def _prepare_save(self, path: str | os.PathLike[str], storage_options: Any) -> str:
+        """The path to save into, once the save is known to be possible: no storage_options,
+        no symlink at the path (replaced, as Lightning's torch.save would)."""
+        target = os.fspath(path)
+        if storage_options is not None:
+            raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
+                            "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
+        if os.path.islink(target):
+            try:
+                os.remove(target)
+            except OSError as exc:
+                raise StorageIOError(f"cannot replace the symlink {target} by a checkpoint: "
+                                     f"{exc.strerror or exc}") from None
+        return target
+
+    def _own_group(self) -> Any:
+        """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
+        while a ckptio save over the default group is a collective of every rank: the save runs
+        over a group of this rank alone, made by this rank alone (``use_local_synchronization``),
+        once per default group."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        world = dist.group.WORLD
+        if self._own is None or self._own[0] is not world:
+            self._own = (world, dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        return self._own[1]
+
+
+class AsyncCheckpointIO(CheckpointIO):
+    """CheckpointIO whose save returns once the tensors are copied into ckptio's staging pool;
+    the write and the commit run in a background thread while training goes on.
+
+    A save waits for the previous one (one in flight). A failed background save is raised
+    once: by the next save, by ``wait()``, or at teardown (Lightning's end of fit/validate/
+    test), which also waits for the save in flight. Removing the path being saved waits for
+    that save first; a load waits for it too. Arguments as CheckpointIO's.
+    """
+
+    def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
+                 verify: bool | None = None) -> None:
+        super().__init__(options, allow_pickle=allow_pickle, verify=verify)
+        self._handle: SaveHandle | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        """Start saving ``checkpoint`` to ``path``; a previous save's unreported error is
+        raised here (and this save is not started)."""
+        target = self._prepare_save(path, storage_options)
+        self._handle = None  # the previous save is settled (its error raised) by async_save
+        with _pickle_hint(self.allow_pickle):
+            self._handle = self.checkpointer.async_save(checkpoint, target,
+                                                        allow_pickle=self.allow_pickle,
+                                                        process_group=self._own_group())
+
+    def in_flight(self) -> str | None:
+        """The path of the save still running, or None."""
+        handle = self._handle
+        return None if handle is None or handle.done() else handle.path
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight (None if none); its error, if any, is raised here once."""
+        handle, self._handle = self._handle, None
+        return None if handle is None else handle.wait()
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        handle = self._handle
+        if handle is not None and os.path.abspath(handle.path) == os.path.abspath(_local(path)):
+            self.wait()
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        """Wait for the save in flight and free the staging pool; a background error nobody
+        has seen is raised here."""
+        self._handle = None
+        super().teardown()
+
+
+for _other in _OTHERS:  # the other package's Trainer accepts the plugins too
+    _other.register(CheckpointIO)
+
+
+@contextlib.contextmanager
+def _pickle_hint(allowed: bool) -> Iterator[None]:
+    """Adds the plugin's own way to opt in to an UnsupportedStateError a save raised."""
+    try:
+        yield
+    except UnsupportedStateError as exc:
+        if allowed:
+            raise
+        raise UnsupportedStateError(
+            f"{exc} (through Lightning: ckptio.lightning.CheckpointIO(allow_pickle=True) "
+            "stores such values pickled, and loads them back)") from exc
+
+
+def _local(path: str | os.PathLike[str]) -> str:
+    """``path`` as a local path (``file://`` stripped); other URLs: UnsupportedPathError."""
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    if "://" in text:
+        raise UnsupportedPathError(f"ckptio.lightning removes checkpoints on local paths only, "
+                                   f"not {text}: use a local or mounted directory")
+    return text
+
+
+def _remove_directory(path: str) -> None:
+    """Rename ``path`` out of Lightning's sight (fsynced), then remove it and any leftover of
+    an earlier removal cut short in the same directory."""
+    parent, name = os.path.split(os.path.abspath(path))
+    hidden = os.path.join(parent, f".deleting-{name}-{secrets.token_hex(4)}")
+    os.rename(path, hidden)
+    fsync_path(parent)
+    for entry in os.scandir(parent):
+        if _HIDDEN.match(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """The device a map_location names; None (stay on CPU) for None or a callable (Lightning's
+    default is the identity); anything else: CkptError."""
+    if map_location is None or callable(map_location):
+        return None
+    if isinstance(map_location, (str, int, torch.device)):
+        return torch.device(map_location)
+    raise CkptError(f"ckptio.lightning: map_location={map_location!r} is not supported; pass a "
+                    "device (or None: CPU tensors, which Lightning moves to the module's device)")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value
