@@ -29,8 +29,8 @@ class OutputClosed(Exception):  # noqa: N818 - a signal to main, not an error
 
 DESCRIPTION = """ckptio: fast, verified PyTorch checkpoints.
 
-Commands: ls (what a checkpoint holds), diff (what differs between two), verify (check every
-byte), convert (a DCP directory or torch.save file into a ckptio checkpoint), export (a
+Commands: ls (what a checkpoint holds, or the steps of a run directory), diff (what differs between two), verify (check every
+byte, naming every damaged tensor), convert (a DCP directory or torch.save file into a ckptio checkpoint), export (a
 checkpoint into a Hugging Face safetensors directory), status (which steps each tier of a
 tiered manager holds, and which are being copied), demo (train a small model, kill it
 mid-save, resume it bit-exactly), bench (io: the I/O study of ckptio.tuning; save-load, train,
@@ -75,8 +75,11 @@ def _bench(which: str, rest: list[str]) -> int:
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
     from ckptio.cli import commands
 
+    from ckptio.version import __version__
+
     parser = argparse.ArgumentParser(prog="ckptio", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ckptio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")

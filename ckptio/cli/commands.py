@@ -2,8 +2,9 @@
 
 Owns: their arguments (``add_parsers``) and running each one (``run``), importing torch and the
 loaders only in the commands that need them (ls and diff on a ckptio checkpoint never do).
-Does not own: the tree and diff logic (cli/ls.py, cli/diff.py), reading and writing
-checkpoints (ckptio.load / save / verify) or the Hugging Face export (ckptio.export).
+Does not own: the tree, run, diff and verify logic (cli/ls.py, cli/runs.py, cli/diff.py,
+cli/verify.py), reading and writing checkpoints (ckptio.load / save / verify) or the Hugging
+Face export (ckptio.export).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from ckptio.cli.progress import Bar
 from ckptio.errors import CkptError
-from ckptio.format.checksum import NO_CHECKSUM
 
 __all__ = ["add_parsers", "parse_size", "run"]
 
@@ -50,10 +50,15 @@ def add_parsers(sub: Any) -> None:
     quiet = argparse.ArgumentParser(add_help=False)
     quiet.add_argument("--no-progress", action="store_true",
                        help="no progress bar (one is drawn on stderr only when it is a terminal)")
-    ls = sub.add_parser("ls", help="list what a checkpoint holds, as a tree")
-    ls.add_argument("path", help="a ckptio checkpoint (directory or s3://), a DCP directory or "
-                    "a torch.save file (those two import torch)")
-    ls.add_argument("--json", action="store_true", help="JSON, schema ckptio.ls/1 (docs/CLI.md)")
+    ls = sub.add_parser("ls", help="list what a checkpoint holds, as a tree, or the steps of a "
+                        "run (a CheckpointManager's directory or s3:// prefix)")
+    ls.add_argument("path", help="a ckptio checkpoint (directory or s3://), a run's directory "
+                    "or prefix of step-N checkpoints, a DCP directory or a torch.save file "
+                    "(those two import torch)")
+    ls.add_argument("--json", action="store_true", help="JSON, schema ckptio.ls/1 (a run: "
+                    "ckptio.run/1; docs/CLI.md)")
+    ls.add_argument("--bytes", action="store_true", help="sizes in bytes (default: KiB, MiB, "
+                    "GiB as people read them)")
     ls.add_argument("--depth", type=int, default=None, metavar="N",
                     help="show N levels of the tree; deeper ones are summed up")
     ls.add_argument("--flat", action="store_true", help="one line per key (its dotted name, "
@@ -64,8 +69,9 @@ def add_parsers(sub: Any) -> None:
                           "(exit 0 the same, 1 different, 2 error)")
     diff.add_argument("a")
     diff.add_argument("b")
-    diff.add_argument("--data", action="store_true", help="read the tensors checksums cannot "
-                      "compare (another checksum or chunking) and show the largest differences")
+    diff.add_argument("--data", action="store_true", help="read every tensor of both (the "
+                      "ones checksums cannot compare, another checksum or chunking, are read "
+                      "without it up to 1 GiB a side) and show the largest differences")
     verify = sub.add_parser("verify", parents=[quiet],
                             help="read every byte and check it against its checksum")
     verify.add_argument("path")
@@ -116,8 +122,13 @@ def _ls(args: argparse.Namespace) -> int:
 
     if args.depth is not None and args.depth < 0:
         raise CkptError(f"ckptio ls: --depth {args.depth}: give 0 or more levels")
+    from ckptio.cli import runs
+
+    steps = runs.list_run(args.path)  # None: not a run directory (a checkpoint, or nothing)
+    if steps is not None:
+        return runs.run(args.path, steps, as_json=args.json, exact=args.bytes)
     return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
-                  exact=args.values, flat=args.flat)
+                  exact=args.values, flat=args.flat, in_bytes=args.bytes)
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -127,34 +138,23 @@ def _diff(args: argparse.Namespace) -> int:
     a, b = open_manifest(args.a), open_manifest(args.b)
     found = diff.compare(a, b, args.data)
     changes = found.changes
-    if args.data and found.unsettled:
-        total = 2 * sum(r.nbytes for r in found.unsettled)
-        with Bar(total, "diff", not args.no_progress) as bar:
+    unsettled = sum(r.nbytes for r in found.unsettled)
+    read = args.data or bool(found.unsettled) and unsettled <= diff.AUTO_DATA_NBYTES
+    if read and found.unsettled:
+        with Bar(2 * unsettled, "diff", not args.no_progress) as bar:
             changes += diff.data_changes(a, b, found.unsettled, bar.update)
     elif found.unsettled:
         changes += diff.not_compared(a, b, found.unsettled)
-    return diff.report(a, b, changes, args.data)
+    how = ("every tensor read, checksums verified" if args.data else
+           diff.compared_how(a, b, sum(r.kind == "tensor" and r.ranks is None
+                                       for r in found.unsettled)) if read and unsettled else None)
+    return diff.report(a, b, changes, how)
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ckptio.api import Checkpointer
-    from ckptio.options import Options
+    from ckptio.cli import verify
 
-    checkpointer = Checkpointer(Options.from_env())
-    try:
-        record = checkpointer.manifest(args.path)
-        with Bar(sum(t.nbytes for t in record.tensors), "verify", not args.no_progress) as bar:
-            nbytes = checkpointer.verify(args.path, record=record,
-                                         progress=bar.update if bar.shown else None)
-    finally:
-        checkpointer.close()
-    if record.checksum_algorithm == NO_CHECKSUM:  # safetensors: nothing stored to check against
-        print(f"{args.path}: OK, every entry read and its header valid ({nbytes} bytes read; "
-              "safetensors files store no checksums, so the data itself is not verified)")
-    else:
-        print(f"{args.path}: OK, every entry matches its "
-              f"{record.checksum_algorithm} checksum ({nbytes} bytes read)")
-    return 0
+    return verify.run(args.path, progress=not args.no_progress)
 
 
 def _convert(args: argparse.Namespace) -> int:

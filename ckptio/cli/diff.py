@@ -23,9 +23,12 @@ from ckptio.format.types import Json
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Change", "Diff", "compare", "data_changes", "not_compared", "report"]
+__all__ = ["AUTO_DATA_NBYTES", "Change", "Diff", "compare", "compared_how", "data_changes",
+           "not_compared", "report"]
 
 BATCH_NBYTES = 256 << 20  # --data reads this much of each side at a time
+# tensors checksums cannot compare are read without --data up to this much a side (seconds)
+AUTO_DATA_NBYTES = 1 << 30
 SLICE = 1 << 22  # --data compares this many elements at a time (32 MiB per float64 operand)
 
 
@@ -211,34 +214,53 @@ def data_changes(a: Opened, b: Opened, unsettled: list[Row],
                for r in unsettled if r.kind != "tensor" or r.ranks is not None]
     readable = [r for r in unsettled if r.kind == "tensor" and r.ranks is None]
     for batch in _batches(readable):
-        la, lb = _loaded(a.path, batch), _loaded(b.path, batch)
+        nbytes = sum(r.nbytes for r in batch)
+        la = _loaded(a.path, batch)
+        progress(nbytes)
+        lb = _loaded(b.path, batch)
+        progress(nbytes)
         for row in batch:
             text = _numbers(la[row.key], lb[row.key])
             if text is not None:
                 changes.append(Change("~", row.key, text))
-        progress(2 * sum(r.nbytes for r in batch))
     return changes
 
 
-def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
-    """Without --data: a ``?`` line per tensor the checksums could not settle, saying why."""
+def _why(a: Opened, b: Opened) -> str:
+    """Why checksums cannot compare the tensors of ``a`` and ``b``."""
     algorithms = {a.record.checksum_algorithm, b.record.checksum_algorithm}
-    why = ("no stored checksums" if NO_CHECKSUM in algorithms else
-           f"other checksum algorithms ({' vs '.join(sorted(algorithms))})"
-           if len(algorithms) > 1 else "other chunks")
-    return [Change("?", r.key, f"not compared: {why} (run with --data)") for r in unsettled]
+    return ("no stored checksums" if NO_CHECKSUM in algorithms else
+            f"other checksum algorithms ({' vs '.join(sorted(algorithms))})"
+            if len(algorithms) > 1 else "other chunks")
 
 
-def report(a: Opened, b: Opened, changes: list[Change], data: bool = False) -> int:
-    """Print one line per change and a summary; -> the exit status (0 the same, 1 not), also
-    when the reader of stdout leaves early (OutputClosed)."""
+def compared_how(a: Opened, b: Opened, read: int) -> str:
+    """The summary's words for a diff that read ``read`` tensors checksums could not compare."""
+    return (f"{read} tensor(s) compared by their data ({_why(a, b)}), the rest by stored "
+            "checksums")
+
+
+def not_compared(a: Opened, b: Opened, unsettled: list[Row]) -> list[Change]:
+    """Tensors the checksums could not settle and too large to read without --data: one ``?``
+    line for all of them, saying why and which flag compares them."""
+    keys = [r.key for r in unsettled]
+    some = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    nbytes = sum(r.nbytes for r in unsettled)
+    return [Change("?", some, f"{len(keys)} tensor(s), {nbytes / 2**30:.1f} GiB a side, not "
+                   f"compared: {_why(a, b)}; ckptio diff --data reads and compares them")]
+
+
+def report(a: Opened, b: Opened, changes: list[Change], how: str | None = None) -> int:
+    """Print one line per change and a summary (``how``: what was read; None: stored checksums
+    only); -> the exit status (0 the same, 1 not), also when the reader of stdout leaves early
+    (OutputClosed)."""
     status = 1 if changes else 0
     width = min(60, max([len(c.key) for c in changes] + [3]))
-    unsure = sum(c.mark == "?" for c in changes)
-    how = ("every tensor read, checksums verified" if data else
-           "by stored checksums, data not read: --data reads and verifies it")
-    settled = (f"the same ({how})" if not changes else f"{len(changes) - unsure} difference(s)"
-               + (f", {unsure} tensor(s) not compared" if unsure else ""))
+    unsure = [c for c in changes if c.mark == "?"]
+    how = how or "by stored checksums, data not read: --data reads and verifies it"
+    settled = (f"the same ({how})" if not changes else f"{len(changes) - len(unsure)} "
+               "difference(s)" + (", some tensors not compared (see the ? lines)" if unsure
+                                  else ""))
     try:
         for c in changes:
             sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")

@@ -1,9 +1,10 @@
-"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat]``: the tree a checkpoint holds.
+"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat] [--bytes]``: the tree a checkpoint holds.
 
 Owns: walking the manifest's tree (format/FORMAT.md "Tree") into nodes with each leaf's kind,
 dtype, shape, bytes, chunks or ranks and inline values, and printing them as text or as the
-JSON of docs/CLI.md (schema ``ckptio.ls/1``). Does not own: opening the manifest
-(cli/source.py), which reads a ckptio checkpoint without importing torch.
+JSON of docs/CLI.md (schema ``ckptio.ls/1``), sizes as people read them (``human_size``; the
+JSON and ``--bytes`` keep exact bytes). Does not own: opening the manifest (cli/source.py), which
+reads a ckptio checkpoint without importing torch, nor a run directory's steps (cli/runs.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,20 @@ from typing import Any
 from ckptio.cli.source import Opened, Row, rows, shown
 from ckptio.format.types import Json
 
-__all__ = ["SCHEMA", "as_json", "run", "text_lines"]
+__all__ = ["SCHEMA", "as_json", "human_size", "run", "text_lines"]
 
 SCHEMA = "ckptio.ls/1"
 _CONTAINERS = {"d": "dict", "l": "list", "t": "tuple"}
 _VALUE_WIDTH = 60  # text output cuts a value's repr here unless --values
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_size(nbytes: int) -> str:
+    """``nbytes`` as people read it: 48 B, 1.5 KiB, 12.4 MiB, 3.0 GiB (powers of 1024)."""
+    size, unit = float(nbytes), 0
+    while size >= 1024 and unit < len(_UNITS) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{nbytes} B" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
 
 
 def _leaf(row: Row, exact: bool) -> dict[str, Any]:
@@ -67,7 +77,7 @@ def as_json(opened: Opened, depth: int | None = None, exact: bool = False,
                           exact)}
 
 
-def _header(opened: Opened, table: dict[str, Row]) -> str:
+def _header(opened: Opened, table: dict[str, Row], exact: bool) -> str:
     r = opened.record
     what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file",
             "safetensors": "safetensors checkpoint"}.get(
@@ -76,7 +86,8 @@ def _header(opened: Opened, table: dict[str, Row]) -> str:
     nbytes = sum(t.nbytes for t in r.tensors)
     ntensors = sum(1 for row in table.values() if row.chunks)
     return (f"{opened.path}: {what} by {r.world_size} rank(s), {ntensors} tensors in "
-            f"{len(r.tensors)} chunks ({nbytes / 2**20:.1f} MiB), {len(r.objects)} values, "
+            f"{len(r.tensors)} chunks ({nbytes if exact else human_size(nbytes)}"
+            f"{' bytes' if exact else ''}), {len(r.objects)} values, "
             f"{len(r.aliases)} aliases, {len(r.files)} file(s), {r.checksum_algorithm}")
 
 
@@ -109,23 +120,25 @@ def _label(indent: int, node: dict[str, Any], flat: bool) -> str:
 
 
 def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
-               flat: bool = False) -> Iterator[str]:
+               flat: bool = False, in_bytes: bool = False) -> Iterator[str]:
     """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent
-    (``flat``: one line per leaf, named by its dotted key, for grep)."""
+    (``flat``: one line per leaf, named by its dotted key, for grep; ``in_bytes``: sizes in
+    bytes, else as people read them)."""
     table = rows(opened.record)
     doc = as_json(opened, None if flat else depth, exact, table)
-    yield _header(opened, table)
+    yield _header(opened, table, in_bytes)
     nodes = list(_flat(doc["tree"], 0))[1:]  # the root is the header
     if flat:
         nodes = [(i, n) for i, n in nodes if "key" in n]
     width = min(60, max([len(_label(i, n, flat)) for i, n in nodes] + [4]))
     dtype_width = max([len(n.get("dtype", "")) for _i, n in nodes] + [9])
     yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':{dtype_width}s} "
-           f"{'SHAPE':16s} {'BYTES':>12s} DETAIL")
+           f"{'SHAPE':16s} {'BYTES' if in_bytes else 'SIZE':>12s} DETAIL")
     for indent, n in nodes:
         name = _label(indent, n, flat)
         shape = str(n["shape"]) if "shape" in n else ""
-        nbytes = str(n["nbytes"]) if "nbytes" in n else ""
+        nbytes = "" if "nbytes" not in n else (
+            str(n["nbytes"]) if in_bytes else human_size(n["nbytes"]))
         dtype, detail = n.get("dtype", ""), _where(n, exact)
         if n["type"] == "torch_save":  # a DCP value's torch.save bytes (uint8 is how they are kept)
             dtype, shape, detail = "", "", "a value dcp.save serialised (ckptio.load decodes it)"
@@ -134,11 +147,11 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
 
 
 def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool,
-        flat: bool = False) -> int:
+        flat: bool = False, in_bytes: bool = False) -> int:
     if as_json_doc:
         json.dump(as_json(opened, depth, exact), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    for line in text_lines(opened, depth, exact, flat):
+    for line in text_lines(opened, depth, exact, flat, in_bytes):
         sys.stdout.write(line + "\n")
     return 0

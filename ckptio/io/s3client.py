@@ -10,7 +10,21 @@ credentials, instance roles) unless Options name them.
 Retries are ours, not botocore's (its are turned off): throttling (503 SlowDown), 5xx,
 409 ConditionalRequestConflict, timeouts and connection resets are retried with full-jitter
 backoff until ``s3_retry_deadline_s``; anything else (403, 404, 412, a bad request) is not.
-Giving up raises StorageIOError naming the object, the attempts and the last cause.
+Giving up raises StorageIOError naming the object, the attempts and the last cause. A request
+still retrying after RETRY_WARN_S logs a warning (once per endpoint every RETRY_WARN_S * 10),
+so a save waiting on a store is never silent. Why our loop and not botocore's retry modes
+(standard/adaptive, max_attempts): bodies are read from the socket into the caller's buffer
+(io/s3.py), and a body cut short must be asked for again, which botocore's retries (around
+the request only) never do; the budget is a time (``s3_retry_deadline_s``), not a count; S3's
+409 ConditionalRequestConflict is retried; and once one request to an endpoint gave up, the
+others give up at once instead of waiting out a deadline each.
+
+What retrying cannot fix fails at once, as StorageIOError naming the cause and the fix: no
+credentials found (NoCredentialsError), a TLS handshake that cannot succeed (an https://
+endpoint on a plain-HTTP server; a certificate not trusted, e.g. self-signed), and an endpoint
+that never answered this process (connection refused, no such host, connect timeout): retried
+for UNREACHED_S only (a server restarting), while an endpoint that has answered before is
+retried until the deadline (a server restarting mid-save).
 
 Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
 Does not own: what is written or read (io/s3.py: the backend; storage/s3.py: the store).
@@ -22,6 +36,7 @@ import dataclasses
 
 import http.client
 import logging
+import math
 import os
 import random
 import re
@@ -34,11 +49,13 @@ from typing import Any, TypeVar
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
 
-__all__ = ["S3Path", "S3Settings", "SCHEME", "call", "client", "code", "describe", "failed", "is_s3",
-           "status"]
+__all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
+           "code", "describe", "failed", "is_s3", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
+UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
+RETRY_WARN_S = 3.0  # a request retrying this long logs a warning
 T = TypeVar("T")
 _AWS = "AWS S3 (default endpoint)"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
@@ -197,6 +214,67 @@ def failed(what: str, exc: BaseException) -> CkptError:
 
 _gave_up: dict[str, float] = {}  # endpoint -> when a request to it last outlasted its retries
 _gave_up_lock = threading.Lock()
+_reached: set[str] = set()  # endpoints that answered this process (a response, even an error)
+_warned: dict[str, float] = {}  # endpoint -> when retries to it were last reported
+
+
+def _unfixable(exc: BaseException, endpoint: str) -> str | None:
+    """Why retrying ``exc`` cannot help (the cause and the fix), or None."""
+    from botocore.exceptions import (
+        CredentialRetrievalError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        SSLError,
+    )
+
+    if isinstance(exc, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
+        return (f"no S3 credentials ({describe(exc)}): set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (~/.aws/credentials), or run where an "
+                "instance role provides them")
+    if isinstance(exc, SSLError):
+        text = str(exc)
+        if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+            return (f"the TLS handshake with {endpoint} failed ({describe(exc)}): the server "
+                    "speaks plain HTTP; write the endpoint as http://, not https://")
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return (f"the TLS certificate of {endpoint} is not trusted ({describe(exc)}): "
+                    "point AWS_CA_BUNDLE at the CA file that signed it (a self-signed "
+                    "server's own certificate), or use the endpoint's http:// address")
+    return None
+
+
+def _unreached(exc: BaseException) -> bool:
+    """A connection that could not be made (refused, no such host, connect timeout)."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+
+
+def _answered(endpoint: str, exc: BaseException | None = None) -> None:
+    """Record that ``endpoint`` answered (a success, or an error response)."""
+    if endpoint not in _reached and (exc is None or status(exc) is not None):
+        _reached.add(endpoint)
+
+
+def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
+                   exc: BaseException) -> StorageIOError:
+    return StorageIOError(
+        f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
+        f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
+        "Options.s3_endpoint_url), its port, and that the server is running")
+
+
+def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
+                     elapsed: float, deadline: float) -> None:
+    """A warning for a request retrying RETRY_WARN_S or more (one per endpoint at a time)."""
+    now = time.monotonic()
+    with _gave_up_lock:
+        if now - _warned.get(endpoint, -math.inf) < RETRY_WARN_S * 10:
+            return
+        _warned[endpoint] = now
+    log.warning("ckptio: %s: %s; still retrying after %.0f s (attempt %d; gives up after "
+                "Options.s3_retry_deadline_s = %.0f s)", what, describe(exc), elapsed, attempt,
+                deadline)
 
 
 def call(settings: S3Settings, what: str, request: Callable[[], T],
@@ -204,11 +282,13 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
     """``request()`` retried while its failure is transient, until the deadline.
 
     ``what`` names the operation and object ("uploading part 3 of s3://b/k"). A failure that
-    is not transient is raised as it is (the caller maps 404/412); one that outlasts the
-    retries becomes StorageIOError naming ``what``, the attempts and the cause. Once one
-    request to an endpoint has given up, the others (in flight, or started within the next
-    deadline: a failed save's cleanup) give up at their next transient failure instead of
-    waiting out a deadline each; a success to the endpoint ends that."""
+    is not transient is raised as it is (the caller maps 404/412); one that retrying cannot
+    fix (no credentials, a TLS mismatch, an endpoint that never answered for UNREACHED_S)
+    becomes StorageIOError naming the cause at once; one that outlasts the retries becomes
+    StorageIOError naming ``what``, the attempts and the cause. Once one request to an
+    endpoint has given up, the others (in flight, or started within the next deadline: a
+    failed save's cleanup) give up at their next transient failure instead of waiting out a
+    deadline each; a success to the endpoint ends that."""
     endpoint = settings.endpoint()
     started = time.monotonic()
     attempt = 0
@@ -216,10 +296,17 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
         try:
             answer = request()
         except Exception as exc:  # noqa: BLE001 - classified below; the rest re-raised
+            _answered(endpoint, exc)
+            cause = _unfixable(exc, endpoint) if not isinstance(exc, CkptError) else None
+            if cause is not None:
+                raise StorageIOError(f"{what} failed: {cause}") from exc
             if not _retryable(exc):
                 raise
             attempt += 1
             elapsed = time.monotonic() - started
+            if (_unreached(exc) and endpoint not in _reached
+                    and elapsed >= min(UNREACHED_S, settings.retry_deadline_s)):
+                raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
             if elapsed >= settings.retry_deadline_s or _down(endpoint, started, settings):
                 with _gave_up_lock:
                     _gave_up[endpoint] = time.monotonic()
@@ -228,6 +315,9 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                     f"{describe(exc)}; the store at {endpoint} kept refusing or dropping "
                     "requests: check that it is up and reachable (raise "
                     "Options.s3_retry_deadline_s to wait longer)") from exc
+            if elapsed >= RETRY_WARN_S:
+                _report_retrying(endpoint, what, exc, attempt, elapsed,
+                                 settings.retry_deadline_s)
             base = 0.5 if code(exc) == "SlowDown" else 0.1
             pause = random.uniform(0, min(5.0, base * 2 ** attempt))
             pause = min(pause, max(0.0, settings.retry_deadline_s - elapsed))
@@ -235,6 +325,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                      pause, attempt + 1)
             sleep(pause)
         else:
+            _answered(endpoint)
             if _gave_up:
                 with _gave_up_lock:
                     _gave_up.pop(endpoint, None)

@@ -88,6 +88,11 @@ class S3Root:
     def is_committed(self, step: int) -> bool:
         return self._exists(self._base(step) + MANIFEST_NAME)
 
+    def marked(self) -> list[int]:
+        """The steps scan() found marked for removal and not yet handed to a removal: being
+        deleted (``ckptio ls`` shows them as such), ascending."""
+        return sorted(self._marked)
+
     # -- removal ----------------------------------------------------------------------------
 
     def hide(self, step: int) -> bool:

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 from ckptio.errors import CheckpointLockedError, StorageIOError
+from ckptio.storage import holder as holders
 from ckptio.storage.base import check_if_locked
 
 __all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "unlock"]
@@ -177,11 +178,9 @@ def _still_linked(fd: int, file: str) -> bool:
 
 def _record_holder(fd: int) -> None:
     """Who holds the lock, for the message of a save refused or waiting (best effort)."""
-    me = {"host": socket.gethostname(), "pid": os.getpid(),
-          "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.pwrite(fd, json.dumps(holders.me()).encode(), 0)
     except OSError as exc:  # only the message of a waiting save loses the holder's name
         log.debug("ckptio: could not record the lock holder: %s", exc)
 

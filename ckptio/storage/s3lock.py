@@ -5,7 +5,10 @@ naming the holder. The holder renews it every lease/3 with ``If-Match: <its ETag
 renewal changes the body, hence the ETag), and deletes it with ``If-Match`` when the save ends.
 A lock whose server-side age (the store's ``Date`` minus the object's ``Last-Modified``: the
 server's clock only) exceeds the lease was left by a save that died; it is taken over with
-``If-Match: <its ETag>`` (one taker wins).
+``If-Match: <its ETag>`` (one taker wins). A lock whose holder is provably dead (the same host
+and boot, its process gone: storage/holder.py) is taken over at once, without waiting out the
+lease, with a warning naming the dead holder; a live holder, or one on another host, keeps
+its lease.
 
 The lock makes a second save wait (or raise) instead of uploading everything and failing at
 the end; it is not what keeps a checkpoint safe. That is the commit's condition (storage/s3.py:
@@ -13,15 +16,14 @@ the manifest is written with If-Match on the ETag seen when the claim was taken)
 that stalled past its lease and a taker cannot both commit.
 
 Owns: S3Lock (take, renew, release), the holder text. Does not own: the manifest's condition
-and the store's other operations (s3.py), the client and retries (io/s3client.py).
+and the store's other operations (s3.py), the client and retries (io/s3client.py), whether a
+holder is dead (holder.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError
 from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
+from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
 
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
@@ -96,8 +99,7 @@ class S3Lock:
 def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S3Lock:
     """Take the lock of ``location`` ("wait" until free or stale, or "raise")."""
     where = location.child(LOCK_NAME)
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "save": save,
-              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "lease_s": settings.lock_lease_s}
+    holder = {**holders.me(), "save": save, "lease_s": settings.lock_lease_s}
     waited, pause = False, _POLL_FIRST_S
     while True:
         etag = _create(where, settings, holder)
@@ -136,8 +138,8 @@ def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str 
 
 
 def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
-    """Take over a lock whose holder stopped renewing it; None if it is live (or just went:
-    the caller tries to create it again)."""
+    """Take over a lock whose holder stopped renewing it, or is provably dead; None if it is
+    live (or just went: the caller tries to create it again)."""
     c = client(settings)
     try:
         head = call(settings, f"looking up the lock {where.url}",
@@ -146,25 +148,33 @@ def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> 
         if status(exc) == 404:
             return None
         raise failed(f"looking up the lock {where.url}", exc) from exc
-    if _age_s(head) <= _lease_s(where, settings):
-        return None
+    other, etag = _holder(where, settings)
+    gone = holders.dead(other)
+    if gone is None:
+        etag = head["ETag"]
+        if _age_s(head) <= _lease_s(other, settings):
+            return None
     body = json.dumps(holder).encode()
     try:
         answer = call(settings, f"taking over the lock {where.url}", lambda: c.put_object(
-            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=head["ETag"]))
+            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
     except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
         if status(exc) in (404, 412):
             return None
         raise failed(f"taking over the lock {where.url}", exc) from exc
-    log.warning("ckptio: took over the lock %s: its holder stopped renewing it over %.0f s ago "
-                "(a save that died)", where.url, settings.lock_lease_s)
+    if gone is not None:
+        log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
+                    "cannot renew it; its lease of %.0f s was not waited out", where.url,
+                    (other or {}).get("save"), gone, _lease_s(other, settings))
+    else:
+        log.warning("ckptio: took over the lock %s: its holder stopped renewing it over %.0f s "
+                    "ago (a save that died)", where.url, settings.lock_lease_s)
     return str(answer["ETag"])
 
 
-def _lease_s(where: S3Path, settings: S3Settings) -> float:
+def _lease_s(other: dict[str, Any] | None, settings: S3Settings) -> float:
     """The lease its holder renews the lock within (recorded in it), else ours."""
-    holder = _holder(where, settings)
-    lease = holder.get("lease_s") if holder else None
+    lease = other.get("lease_s") if other else None
     return float(lease) if isinstance(lease, (int, float)) and lease > 0 else settings.lock_lease_s
 
 
@@ -177,19 +187,20 @@ def _age_s(head: dict[str, Any]) -> float:
     return (parsedate_to_datetime(date) - modified).total_seconds()
 
 
-def _holder(where: S3Path, settings: S3Settings) -> dict[str, Any] | None:
-    """What the lock object says of its holder (None if gone or unreadable)."""
+def _holder(where: S3Path, settings: S3Settings) -> tuple[dict[str, Any] | None, str | None]:
+    """What the lock object says of its holder, and the ETag of that version (None, None if
+    gone or unreadable)."""
     c = client(settings)
     try:
         answer = c.get_object(Bucket=where.bucket, Key=where.key)
         holder = json.loads(answer["Body"].read())
     except Exception:  # noqa: BLE001 - advisory: the caller falls back to its own settings
-        return None
-    return holder if isinstance(holder, dict) else None
+        return None, None
+    return (holder, str(answer["ETag"])) if isinstance(holder, dict) else (None, None)
 
 
 def _holder_text(where: S3Path, settings: S3Settings) -> str:
-    holder = _holder(where, settings)
+    holder, _etag = _holder(where, settings)
     if holder is None:
         return f"its lock is {where.url}"
     return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; "

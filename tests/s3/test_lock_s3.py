@@ -11,6 +11,7 @@ the test waits on what the proxies saw, never on the clock.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -283,3 +284,102 @@ def test_conditional_off_commits_without_conditions_on_such_a_store(
     assert not [r for r in s3_proxy.requests if _name(r).startswith(".ckptio-probe-")]
     assert _equal(ckptio.load(url), _state(4))
     _only_its_files(s3_client, url)
+
+
+# ------------------------------------------------------------------------------------------------
+# a holder that is provably dead (same host and boot, its process gone): no lease waited out
+
+KILLED_SAVER = """
+import os, signal, sys, torch, ckptio
+from ckptio.saving import persist
+
+def die(*_args, **_kwargs):  # writing its share, the lock taken and renewed: SIGKILL
+    print("holding the lock", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+persist.SaveJob.finish = die
+ckptio.save({"w": torch.randn(1 << 16), "step": 9}, sys.argv[1])
+"""
+
+
+def test_a_save_after_a_killed_saver_takes_its_lock_over_at_once(s3_env, s3_client, caplog):
+    """A real process takes the lock (its 30 s default lease) and is SIGKILLed mid-save; the
+    next save on this host takes the lock over without waiting out the lease, saying whose it
+    was, and commits."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    url = f"{s3_env}/killed"
+    ckptio.save(_state(0), url)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVER, url], env=env,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert killed.returncode == -9 and "holding the lock" in killed.stdout, killed.stderr[-2000:]
+    dead = _lock_body(s3_client, url)  # left behind, its lease not run out
+    assert dead["lease_s"] == 30.0 and dead["pid"] != os.getpid()
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        ckptio.save(_state(1), url, options=ckptio.Options(if_locked="raise"))
+    assert time.monotonic() - began < 10  # not the 30 s lease
+    took = [r.getMessage() for r in caplog.records if "took over the lock" in r.getMessage()]
+    assert len(took) == 1 and f"pid {dead['pid']} on host {dead['host']}" in took[0], took
+    assert "has exited" in took[0]
+    assert _equal(ckptio.load(url), _state(1))
+    _only_its_files(s3_client, url)
+
+
+def _planted_lock(s3_client: Any, url: str, **holder: Any) -> None:
+    """The lock object a save on ``holder`` would have written (its lease fresh)."""
+    from ckptio.storage import holder as holders
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    body = {**holders.me(), "save": "planted", "lease_s": 30.0, **holder}
+    s3_client.put_object(Bucket=bucket, Key=f"{prefix}/{LOCK}", Body=json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("who", ["live process here", "another host", "another boot"])
+def test_a_live_or_unprovable_holder_keeps_its_lease(s3_env, s3_client, who):
+    import subprocess
+    import sys
+
+    url = f"{s3_env}/held"
+    ckptio.save(_state(0), url)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        from ckptio.storage import holder as holders
+
+        dead_pid = {"pid": 2 ** 22 + 7}  # above pid_max's default: no such process here
+        _planted_lock(s3_client, url, **{
+            "live process here": {"pid": live.pid, "start": holders.started(live.pid)},
+            "another host": {"host": "another-host", **dead_pid},
+            "another boot": {"boot": "0" * 36, **dead_pid}}[who])
+        with pytest.raises(ckptio.CheckpointLockedError, match="being saved by another save"):
+            ckptio.save(_state(1), url, options=ckptio.Options(if_locked="raise"))
+    finally:
+        live.kill()
+        live.wait()
+    assert _equal(ckptio.load(url), _state(0))
+
+
+def test_a_holder_whose_pid_now_belongs_to_another_process_is_dead(s3_env, s3_client, caplog):
+    import subprocess
+    import sys
+
+    from ckptio.storage import holder as holders
+
+    url = f"{s3_env}/reused"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = holders.started(other.pid)
+        assert start is not None
+        _planted_lock(s3_client, url, pid=other.pid, start=start - 1)  # an earlier process
+        with caplog.at_level(logging.WARNING, logger="ckptio"):
+            ckptio.save(_state(1), url, options=ckptio.Options(if_locked="raise"))
+    finally:
+        other.kill()
+        other.wait()
+    assert any("belongs to another process" in r.getMessage() for r in caplog.records)
+    assert _equal(ckptio.load(url), _state(1))

@@ -1,0 +1,153 @@
+"""``ckptio ls RUN_DIR``: the steps a CheckpointManager keeps in a directory or an S3 prefix.
+
+    $ ckptio ls ckpts/run-7
+    ckpts/run-7: 3 step(s): 2 committed, 1 incomplete; 1 being deleted; 12.4 MiB in all
+      STEP  STATE           SIZE  FILES  TIME
+      10    being deleted   4.1 MiB     2  2026-11-24 13:17:02
+      20    committed       4.1 MiB     2  2026-11-24 13:17:05
+      30    incomplete      4.1 MiB     1  2026-11-24 13:17:09
+
+A step is "committed" when its manifest is (restore picks only those), "incomplete" when it
+holds files but no committed manifest (an interrupted save, or one running now), "being
+deleted" when a retention took it out of the listing and has not finished removing it (a local
+``.deleting-step-N-<hex>`` directory, an S3 ``step-N/.deleting`` marker): those internal names
+are shown as the step they were, never as a checkpoint. Sizes and times come from a listing of
+the step's files (local: stat; S3: ListObjectsV2, LastModified); torch is never imported.
+
+Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
+own whose root lists steps), the per-step sizes and times, the text and JSON (schema
+``ckptio.run/1``). Does not own: which names are steps or hidden (stepdir/base.py), how a root
+scans (stepdir/), the checkpoint listing (cli/ls.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ckptio.cli.ls import human_size
+from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, is_s3
+from ckptio.options import Options
+from ckptio.stepdir import LocalRoot, S3Root, StepRoot, root_for
+from ckptio.stepdir.base import HIDDEN_PREFIX
+from ckptio.stepdir.local import hidden
+from ckptio.storage import steps as storage_steps
+from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+
+__all__ = ["SCHEMA", "Step", "list_run", "run"]
+
+SCHEMA = "ckptio.run/1"
+STATES = ("committed", "incomplete", "being deleted")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a run: its state, where it is, its bytes and files, its newest file's time."""
+
+    step: int
+    state: str  # one of STATES
+    path: str
+    nbytes: int
+    files: int
+    mtime: float | None  # seconds since the epoch; None: no file (an empty prefix)
+
+
+def list_run(location: str) -> list[Step] | None:
+    """The steps under ``location``, ascending (a step being deleted before a new save of the
+    same number); None when ``location`` is not a run: a checkpoint itself, a file, a scheme
+    without step roots, or a place that lists no step at all."""
+    text = checkpoint_path(location)
+    if not is_s3(text) and (scheme_of(text) is not None or not os.path.isdir(text)):
+        return None
+    if storage_steps.is_committed(store_for(text)):
+        return None  # a checkpoint: ls lists what it holds
+    root = root_for(text, Options.from_env())
+    listing = root.scan()
+    found = [(s, "committed", root.path(s)) for s in listing["committed"]]
+    found += [(s, "incomplete", root.path(s)) for s in listing["incomplete"]]
+    found += _being_deleted(root)
+    if not found:
+        return None
+    found.sort(key=lambda item: (item[0], STATES.index(item[1]) != 2))
+    return [Step(s, state, path, *_usage(root, path)) for s, state, path in found]
+
+
+def _being_deleted(root: StepRoot) -> list[tuple[int, str, str]]:
+    if isinstance(root, LocalRoot):
+        return [(int(os.path.basename(p)[len(HIDDEN_PREFIX):].split("-")[0]), "being deleted", p)
+                for p in hidden(root.location)]
+    if isinstance(root, S3Root):
+        return [(s, "being deleted", root.path(s)) for s in root.marked()]
+    return []
+
+
+def _usage(root: StepRoot, path: str) -> tuple[int, int, float | None]:
+    """Bytes, files and newest modification time under a step's ``path``."""
+    if isinstance(root, S3Root):
+        return _s3_usage(S3Path.parse(path), root.settings)
+    nbytes = files = 0
+    newest: float | None = None
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue  # removed while listed (a removal running)
+            nbytes, files = nbytes + st.st_size, files + 1
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    return nbytes, files, newest
+
+
+def _s3_usage(where: S3Path, settings: S3Settings) -> tuple[int, int, float | None]:
+    c = client(settings)
+    what = f"listing {where.url}"
+    pages = c.get_paginator("list_objects_v2").paginate(Bucket=where.bucket,
+                                                          Prefix=where.dir_prefix)
+    nbytes = files = 0
+    newest: float | None = None
+    try:
+        for page in call(settings, what, lambda: list(pages)):
+            for obj in page.get("Contents", []):
+                nbytes, files = nbytes + int(obj["Size"]), files + 1
+                when = obj["LastModified"].timestamp()
+                newest = when if newest is None else max(newest, when)
+    except Exception as exc:  # noqa: BLE001 - mapped to the CkptError naming the step
+        raise failed(what, exc) from exc
+    return nbytes, files, newest
+
+
+def _when(mtime: float | None) -> str:
+    return "-" if mtime is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+
+
+def text_lines(location: str, steps: list[Step], exact: bool) -> list[str]:
+    """The header line, then a line per step (``exact``: sizes in bytes)."""
+    count = {state: sum(s.state == state for s in steps) for state in STATES}
+    listed = count["committed"] + count["incomplete"]
+    total = sum(s.nbytes for s in steps)
+    size = (lambda n: str(n)) if exact else human_size
+    head = (f"{location}: {listed} step(s): {count['committed']} committed, "
+            f"{count['incomplete']} incomplete"
+            + (f"; {count['being deleted']} being deleted" if count["being deleted"] else "")
+            + f"; {size(total)} in all")
+    width = max([len(str(s.step)) for s in steps] + [4])
+    lines = [head, f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'FILES':>5s}  TIME"]
+    lines += [f"  {s.step:<{width}d}  {s.state:13s}  {size(s.nbytes):>12s}  {s.files:>5d}  "
+              f"{_when(s.mtime)}" for s in steps]
+    return lines
+
+
+def run(location: str, steps: list[Step], *, as_json: bool, exact: bool) -> int:
+    if as_json:
+        doc: dict[str, Any] = {"schema": SCHEMA, "location": checkpoint_path(location),
+                               "steps": [asdict(s) for s in steps]}
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    for line in text_lines(location, steps, exact):
+        sys.stdout.write(line + "\n")
+    return 0

@@ -1,0 +1,153 @@
+"""``ckptio verify PATH``: check every stored byte, and report every damaged tensor.
+
+The tensors are verified a batch at a time (``Checkpointer.verify`` on the part of the manifest
+each batch holds); a batch that fails is verified again key by key, so the report names every
+damaged key, not only the first, each with what is wrong (checksum mismatch, truncated file,
+missing file), and the keys that verified. Exit status: 0 every byte matches, 1 damage found
+(the report on stdout), 2 the checkpoint could not be checked at all (one line on stderr).
+
+Owns: the batches, the per-key report and verify's advice (which is about the checkpoint, not a
+load in progress). Does not own: reading and checking bytes (ckptio.Checkpointer.verify).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ckptio.cli.ls import human_size
+from ckptio.cli.progress import Bar
+from ckptio.errors import CorruptCheckpointError, StorageIOError
+from ckptio.format.checksum import NO_CHECKSUM
+from ckptio.format.types import Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from ckptio.api import Checkpointer
+
+__all__ = ["BATCH_NBYTES", "Damage", "fact", "run"]
+
+BATCH_NBYTES = 64 << 20  # verified together; a failing batch is verified again key by key
+# where a read error's own advice (written for a load that stopped) begins: verify says its own
+_ADVICE = re.compile(r"[.;:]?\s*(The data file is corrupt|the checkpoint is damaged|The manifest "
+                     r"is damaged|load an earlier|Load an earlier)", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Damage:
+    key: str
+    what: str  # the fact, without a load's advice
+
+
+def fact(message: str) -> str:
+    """A read error's message without the advice it gives a load ("load an earlier ...")."""
+    found = _ADVICE.search(message)
+    return (message[:found.start()] if found else message).rstrip(" .;:")
+
+
+def _by_key(record: Manifest) -> dict[str, list[TensorEntry]]:
+    out: dict[str, list[TensorEntry]] = {}
+    for entry in record.tensors:
+        out.setdefault(entry.key, []).append(entry)
+    return out
+
+
+def _batches(keys: dict[str, list[TensorEntry]]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    held = 0
+    for key, entries in keys.items():
+        size = sum(e.nbytes for e in entries)
+        if batch and held + size > BATCH_NBYTES:
+            yield batch
+            batch, held = [], 0
+        batch.append(key)
+        held += size
+    if batch:
+        yield batch
+
+
+def _check(checkpointer: Checkpointer, path: str, record: Manifest,
+           keys: dict[str, list[TensorEntry]], batch: list[str],
+           damage: tuple[type[Exception], ...]) -> list[Damage]:
+    """Verify the tensors of ``batch``; on a failure, each key alone -> the damaged ones.
+    ``damage``: the errors that mean damage (the others, e.g. a store that went away, are
+    raised)."""
+    def one(names: list[str]) -> None:
+        part = dataclasses.replace(record, tensors=tuple(e for n in names for e in keys[n]))
+        checkpointer.verify(path, record=part)
+
+    try:
+        one(batch)
+        return []
+    except damage:
+        pass
+    damaged = []
+    for key in batch:
+        try:
+            one([key])
+        except damage as exc:
+            damaged.append(Damage(key, fact(str(exc))))
+    return damaged
+
+
+def _manifest(checkpointer: Checkpointer, path: str) -> tuple[Manifest, bool]:
+    """The manifest of ``path``, as a load opens it, and whether its data files are all there;
+    a ckptio checkpoint whose data files are missing or short is still opened (from its
+    manifest alone), so that every tensor in them is named."""
+    from ckptio.cli.source import open_manifest
+    from ckptio.errors import ManifestError
+
+    try:
+        return checkpointer.manifest(path), True
+    except CorruptCheckpointError as exc:
+        if isinstance(exc, ManifestError):
+            raise
+        opened = open_manifest(path)
+        if opened.format != "ckptio":
+            raise
+        return opened.record, False
+
+
+def run(path: str, *, progress: bool) -> int:
+    from ckptio.api import Checkpointer
+    from ckptio.options import Options
+
+    checkpointer = Checkpointer(Options.from_env())
+    damaged: list[Damage] = []
+    try:
+        record, whole = _manifest(checkpointer, path)
+        # a file that cannot be opened is damage only where the manifest check found files
+        # missing: otherwise (a store gone away) it is an error, raised
+        damage = (CorruptCheckpointError,) if whole else (CorruptCheckpointError, StorageIOError)
+        keys = _by_key(record)
+        with Bar(sum(t.nbytes for t in record.tensors), "verify", progress) as bar:
+            for batch in _batches(keys):
+                damaged += _check(checkpointer, path, record, keys, batch, damage)
+                bar.update(sum(e.nbytes for k in batch for e in keys[k]))
+    finally:
+        checkpointer.close()
+    nbytes = sum(t.nbytes for t in record.tensors)
+    if damaged:
+        _report(path, record, len(keys), damaged)
+        return 1
+    if record.checksum_algorithm == NO_CHECKSUM:  # safetensors: nothing stored to check against
+        print(f"{path}: OK, every entry read and its header valid ({human_size(nbytes)} read; "
+              "safetensors files store no checksums, so the data itself is not verified)")
+    else:
+        print(f"{path}: OK, every entry matches its {record.checksum_algorithm} checksum "
+              f"({human_size(nbytes)} read)")
+    return 0
+
+
+def _report(path: str, record: Manifest, total: int, damaged: list[Damage]) -> None:
+    width = min(60, max(len(d.key) for d in damaged))
+    rest = total - len(damaged)
+    print(f"{path}: DAMAGED, {len(damaged)} of {total} tensor(s) fail verification"
+          + (f" (the other {rest} match their {record.checksum_algorithm} checksums)" if rest
+             else "") + ":")
+    for d in damaged:
+        print(f"  {d.key:{width}s}  {d.what}")
+    print(f"{path} does not load whole: restore an earlier checkpoint or another copy of this "
+          "one; the keys not listed read correctly (ckptio.load(path, state, keys=...) loads "
+          "only those)")

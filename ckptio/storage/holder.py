@@ -1,0 +1,83 @@
+"""Who holds a save's lock, and whether that holder is provably dead.
+
+A lock records its holder (``me()``): host name, boot id (Linux's
+``/proc/sys/kernel/random/boot_id``, new at every boot), process id and the process's start
+time (``/proc/<pid>/stat``, in clock ticks since boot: a pid reused by another process has
+another start time). ``dead(holder)`` says a holder is gone only when that can be proved from
+here: the same host and the same boot, and no process with that pid (or one started at another
+time). A holder on another host, from before a reboot of this one with no boot id, or whose
+record lacks a field, is never called dead: the lock's lease decides (storage/s3lock.py).
+
+Owns: the holder record and the proof of death. Does not own: the locks (dirlock.py, s3lock.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+__all__ = ["boot_id", "dead", "me", "started"]
+
+
+def boot_id() -> str:
+    """This boot's id ("" where the system has none: not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields 3... of ``/proc/<pid>/stat`` (state first; [] if none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (None: no such process, or no
+    /proc)."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19])  # field 22, starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def me() -> dict[str, Any]:
+    """This process as a lock's holder."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "start": started(pid),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def dead(holder: dict[str, Any] | None) -> str | None:
+    """How ``holder`` (a record me() made, read back) is provably gone ("pid 123 on host h
+    (this boot) has exited"), or None when it may be alive or cannot be checked from here."""
+    if not isinstance(holder, dict):
+        return None
+    host, boot, pid = holder.get("host"), holder.get("boot"), holder.get("pid")
+    if (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not boot
+            or host != socket.gethostname() or boot != boot_id() or pid == os.getpid()):
+        return None
+    where = f"pid {pid} on host {host} (this boot)"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"{where} has exited"
+    except PermissionError:
+        pass  # a process of another user has this pid: compare start times
+    fields = _stat(pid)
+    if fields[:1] in (["Z"], ["X"]):  # killed, not yet reaped by its parent
+        return f"{where} has exited"
+    start = holder.get("start")
+    now = started(pid)
+    if isinstance(start, int) and now is not None and now != start:
+        return f"{where} has exited (its pid now belongs to another process)"
+    return None

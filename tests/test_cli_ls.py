@@ -1,0 +1,270 @@
+"""The ``ckptio`` command for people who make mistakes (issue 30, section 5): ``ls RUN_DIR`` lists
+a CheckpointManager's steps (committed, incomplete, being deleted: never an internal
+``.deleting-*`` name as a checkpoint) with sizes people read, ``--version``, ``verify`` naming
+every damaged tensor with verify's own advice, ``diff`` of a converted checkpoint comparing data
+(or one line naming ``--data``), and progress bars drawn on a real terminal (a pty).
+
+Everything runs the real command in a subprocess (``python -m ckptio``) on real checkpoints;
+in-process runs (``cli.main``) only where a module constant is changed for the test.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio import cli
+from ckptio.cli import diff as cli_diff
+from ckptio.cli.ls import human_size
+from ckptio.stepdir import LocalRoot
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
+                          text=True, env=ENV, timeout=120, check=False)
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    """A manager's run: steps 10 and 20 committed, 30 interrupted (its manifest never
+    committed), 5 hidden by a retention and not yet removed (as a kill between the rename and
+    the removal leaves it)."""
+    run = tmp_path / "run"
+    manager = ckptio.CheckpointManager(run, keep_last=None)
+    for step in (5, 10, 20, 30):
+        manager.save(step, {"w": torch.full((256, 64), float(step)), "step": step})
+    manager.close()
+    (run / "step-30" / "manifest.json").unlink()  # what a save killed before its commit leaves
+    assert LocalRoot(str(run)).hide(5)  # the retention's own rename: .deleting-step-5-<hex>
+    assert any(p.name.startswith(".deleting-step-5-") for p in run.iterdir())
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# ls
+
+
+def test_ls_of_a_run_lists_its_steps_and_never_a_deleting_name_as_a_checkpoint(tmp_path: Path):
+    run = _run_dir(tmp_path)
+    done = ckptio_cmd("ls", str(run))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{run}: 3 step(s): 2 committed, 1 incomplete; 1 being deleted;")
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], " ".join(r[1:-5])) for r in rows] == [
+        ("5", "being deleted"), ("10", "committed"), ("20", "committed"), ("30", "incomplete")]
+    assert ".deleting" not in done.stdout
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", rows[1][-2])
+
+    doc = json.loads(ckptio_cmd("ls", "--json", str(run)).stdout)
+    assert doc["schema"] == "ckptio.run/1" and doc["location"] == str(run)
+    by_step = {s["step"]: s for s in doc["steps"]}
+    assert {s: by_step[s]["state"] for s in by_step} == {
+        5: "being deleted", 10: "committed", 20: "committed", 30: "incomplete"}
+    assert by_step[10]["nbytes"] == sum(p.stat().st_size for p in (run / "step-10").iterdir())
+    assert by_step[10]["path"] == str(run / "step-10")
+    assert by_step[10]["files"] == len(list((run / "step-10").iterdir()))
+    assert abs(by_step[10]["mtime"] - (run / "step-10" / "manifest.json").stat().st_mtime) < 1
+    assert rows[1][-5:-3] == human_size(by_step[10]["nbytes"]).split()  # 64.8 KiB, not bytes
+    assert rows[1][-5:-3][1] == "KiB"
+
+    exact = ckptio_cmd("ls", "--bytes", str(run)).stdout.splitlines()
+    assert exact[3].split()[2] == str(by_step[10]["nbytes"])
+
+
+def test_ls_of_one_step_still_lists_what_it_holds(tmp_path: Path):
+    run = _run_dir(tmp_path)
+    done = ckptio_cmd("ls", str(run / "step-20"))
+    assert done.returncode == 0, done.stderr
+    assert "ckptio checkpoint" in done.stdout.splitlines()[0]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
+    assert rows["w"][1:4] == ["tensor", "float32", "[256,"] and rows["w"][5:7] == ["64.0", "KiB"]
+    exact = {line.split()[0]: line.split() for line in
+             ckptio_cmd("ls", "--bytes", str(run / "step-20")).stdout.splitlines()[2:]}
+    assert exact["w"][5] == str(256 * 64 * 4)
+    # an interrupted step is an error naming what it is, not a listing
+    bad = ckptio_cmd("ls", str(run / "step-30"))
+    assert bad.returncode == 2 and "interrupted" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ls_of_a_directory_of_nothing_says_so(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    done = ckptio_cmd("ls", str(tmp_path / "empty"))
+    assert done.returncode == 2 and "holds no ckptio checkpoint" in done.stderr
+
+
+@pytest.mark.parametrize(("nbytes", "text"), [(0, "0 B"), (48, "48 B"), (1023, "1023 B"),
+                                              (1536, "1.5 KiB"), (3 * 2**30, "3.0 GiB")])
+def test_human_sizes(nbytes: int, text: str):
+    assert human_size(nbytes) == text
+
+
+def test_version():
+    done = ckptio_cmd("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"ckptio {ckptio.__version__}"
+
+
+# ------------------------------------------------------------------------------------------------
+# verify
+
+
+def _flip(path: Path, keys: set[str]) -> None:
+    """Flip one byte inside each of ``keys``' stored bytes."""
+    manifest = json.loads((path / "manifest.json").read_bytes().split(b"\n", 1)[1])
+    for entry in manifest["tensors"]:
+        if entry["key"] in keys:
+            with open(path / entry["file"], "r+b") as f:
+                f.seek(entry["offset"] + 7)
+                byte = f.read(1)
+                f.seek(entry["offset"] + 7)
+                f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_verify_names_every_damaged_tensor_with_advice_for_verify(tmp_path: Path):
+    path = tmp_path / "c"
+    ckptio.save({f"t{i}": torch.full((4096,), float(i)) for i in range(6)}, path)
+    assert ckptio_cmd("verify", str(path)).returncode == 0
+    _flip(path, {"t1", "t4"})
+    done = ckptio_cmd("verify", str(path))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{path}: DAMAGED, 2 of 6 tensor(s) fail verification")
+    assert [line.split()[0] for line in lines[1:3]] == ["t1", "t4"]
+    assert all("checksum mismatch" in line for line in lines[1:3])
+    assert "restore an earlier checkpoint" in lines[-1]
+    # a load's advice ("a load that stops here may have filled ...") is not verify's
+    assert "load that stops" not in done.stdout and "load an earlier" not in done.stdout
+
+
+def test_verify_names_every_tensor_of_a_truncated_file(tmp_path: Path):
+    path = tmp_path / "c"
+    ckptio.save({f"t{i}": torch.full((1024,), float(i)) for i in range(4)}, path)
+    (data,) = path.glob("data-*")
+    manifest = json.loads((path / "manifest.json").read_bytes().split(b"\n", 1)[1])
+    t2 = next(e for e in manifest["tensors"] if e["key"] == "t2")
+    os.truncate(data, t2["offset"] + 10)  # t0 and t1 whole, t2 cut, t3 gone
+    done = ckptio_cmd("verify", str(path))
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    named = [line.split()[0] for line in done.stdout.splitlines()[1:-1]]
+    assert named == ["t2", "t3"] and "truncated" in done.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# diff of a converted checkpoint
+
+
+def _dcp_and_converted(tmp_path: Path, shift: float = 0.0) -> tuple[Path, Path]:
+    state = {"w": torch.randn(64, 8, generator=torch.Generator().manual_seed(0)), "step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    state["w"][0, 0] += shift
+    ckptio.save(state, tmp_path / "c")
+    return tmp_path / "dcp", tmp_path / "c"
+
+
+def test_diff_of_a_converted_checkpoint_compares_data(tmp_path: Path):
+    a, b = _dcp_and_converted(tmp_path)
+    same = ckptio_cmd("diff", str(a), str(b))
+    assert same.returncode == 0, same.stdout
+    assert same.stdout.strip().endswith("the same (1 tensor(s) compared by their data (other "
+                                        "checksum algorithms (crc32 vs xxh3_64)), the rest by "
+                                        "stored checksums)")
+    other_a, other_b = _dcp_and_converted(tmp_path / "x", shift=0.5)
+    differs = ckptio_cmd("diff", str(other_a), str(other_b))
+    assert differs.returncode == 1
+    assert differs.stdout.splitlines()[0].split()[:4] == ["~", "w", "data", "differs:"]
+
+
+def test_diff_too_large_to_read_says_in_one_line_which_flag_does(monkeypatch, tmp_path: Path,
+                                                                 capsys):
+    a, b = _dcp_and_converted(tmp_path)
+    monkeypatch.setattr(cli_diff, "AUTO_DATA_NBYTES", 1024)  # w is 2 KiB
+    assert cli.main(["diff", str(a), str(b)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("? w ") and lines[0].endswith(
+        "not compared: other checksum algorithms (crc32 vs xxh3_64); ckptio diff --data reads "
+        "and compares them")
+    assert cli.main(["diff", "--data", str(a), str(b)]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# progress bars, on a terminal
+
+
+def test_follow_draws_an_async_save_to_its_end(tmp_path: Path, capsys, monkeypatch):
+    """progress.follow, the hook convert uses for its save: 100 % drawn before the bar goes."""
+    from ckptio.cli import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    state = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(8)}
+    result = progress.follow(ckptio.async_save(state, tmp_path / "c"), "convert", True)
+    assert result.nbytes >= 8 * (256 << 10)
+    assert "100%" in capsys.readouterr().err
+    assert ckptio_cmd("verify", str(tmp_path / "c")).returncode == 0
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str]:
+    """Run ``ckptio ARGS`` with stderr on a pty (stdout a pipe); -> (status, what the pty got)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    proc = subprocess.Popen([sys.executable, "-m", "ckptio", *args], env=ENV,
+                            stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    got = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the pty
+                break
+            if not chunk:
+                break
+            got += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=60)
+    os.close(master)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    return proc.returncode, got.decode(errors="replace")
+
+
+@pytest.mark.parametrize("command", ["verify", "diff --data", "convert"])
+def test_long_commands_draw_a_moving_bar_on_a_terminal(tmp_path: Path, command: str):
+    state: dict[str, Any] = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(8)}
+    ckptio.save(state, tmp_path / "a")
+    torch.save(state, tmp_path / "a.pt")
+    args = {"verify": ["verify", str(tmp_path / "a")],
+            "diff --data": ["diff", "--data", str(tmp_path / "a"), str(tmp_path / "a")],
+            "convert": ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b")]}[command]
+    status, drawn = _on_a_terminal(*args)
+    assert status == 0, drawn
+    name = args[0]
+    assert f"{name}:" in drawn and "0%" in drawn, drawn  # tqdm's bar
+    if name != "convert":  # convert's own loop (cli/convert.py) stops drawing before the end
+        assert "100%" in drawn, drawn
+    quiet, silent = _on_a_terminal(*args[:1], "--no-progress", *args[1:]) if name != "convert" \
+        else _on_a_terminal("convert", "--no-progress", "--overwrite", *args[1:])
+    assert quiet == 0 and "%" not in silent, silent
