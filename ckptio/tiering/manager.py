@@ -65,6 +65,7 @@ from ckptio.manager import CheckpointManager
 from ckptio.managing import warn
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.storage import holder
 from ckptio.storage.base import Store
 from ckptio.storage.select import checkpoint_path, scheme_of, store_for
 from ckptio.tiering.drain import Drain
@@ -453,10 +454,5 @@ def _step_sizes(steps: list[int], level: CheckpointManager) -> list[int]:
 
 
 def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}:{boot}"
+    return f"{socket.gethostname()}:{holder.boot_id()}"
 
