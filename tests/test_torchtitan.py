@@ -36,15 +36,17 @@ def through_ckptio(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """torchtitan's dcp.save / dcp.load, with ckptio's StorageWriter / StorageReader."""
     calls: list[tuple[str, str]] = []
 
-    def save(state: dict[str, Any], *, checkpoint_id: str, storage_writer: Any = None,
-             **kwargs: Any) -> Any:
-        assert storage_writer is None  # torchtitan passes one only for its HF export
-        calls.append(("save", checkpoint_id))
-        return dcp.save(state, storage_writer=ckptio.DcpWriter(checkpoint_id), **kwargs)
+    def save(state: dict[str, Any], *, checkpoint_id: str | None = None,
+             storage_writer: Any = None, **kwargs: Any) -> Any:
+        calls.append(("save", str(checkpoint_id)))  # torchtitan's HF export keeps its writer
+        writer = storage_writer or ckptio.DcpWriter(checkpoint_id)
+        return dcp.save(state, storage_writer=writer, **kwargs)
 
-    def load(state: dict[str, Any], *, checkpoint_id: str, **kwargs: Any) -> Any:
-        calls.append(("load", checkpoint_id))
-        return dcp.load(state, storage_reader=ckptio.DcpReader(checkpoint_id), **kwargs)
+    def load(state: dict[str, Any], *, checkpoint_id: str | None = None,
+             storage_reader: Any = None, **kwargs: Any) -> Any:
+        calls.append(("load", str(checkpoint_id)))  # and its HF import its reader
+        reader = storage_reader or ckptio.DcpReader(checkpoint_id)
+        return dcp.load(state, storage_reader=reader, **kwargs)
 
     monkeypatch.setattr(titan_dcp, "dcp", types.SimpleNamespace(save=save, load=load))
     return calls
