@@ -49,6 +49,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.types import Manifest
 from ckptio.io.s3client import is_s3
 from ckptio.loading import foreign, safetensors
+from ckptio.loading.fill import RankPolicy
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.local import fsync_path
@@ -91,7 +92,7 @@ def held_at(path: str) -> str | None:
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str = "ckptio",
-            overwrite: bool = False, allow_pickle: bool = False, per_rank_from: Any = None,
+            overwrite: bool = False, allow_pickle: bool = False, per_rank_from: RankPolicy = None,
             drop_non_tensors: bool = False, options: Options | None = None,
             progress: Progress | None = None) -> Converted:
     """Write checkpoint ``src`` at ``dst`` as ``to`` (one of TARGETS; see the module

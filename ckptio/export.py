@@ -15,10 +15,10 @@ Steps (one process, or every rank of a process group together):
    windows (plus, when ``dtype`` converts, a scratch of up to the window's saved bytes).
 3. one collective step "every file written"; its decision on the coordinator is the commit:
    files and subfolders of ``copy_from`` copied, the temp files renamed, stale shards of an
-   overwritten export removed, and ``model.safetensors.index.json`` written last (tmp + rename, directory fsynced;
-   a single ``model.safetensors`` has no index). The directory is complete once the index (or
-   the single file) exists. A failure on any rank removes every temp file and raises on every
-   rank.
+   overwritten export removed, and ``model.safetensors.index.json`` written last (tmp +
+   rename, directory fsynced; a single ``model.safetensors`` has no index). The directory is
+   complete once the index (or the single file) exists. A failure on any rank removes every
+   temp file and raises on every rank.
 
 Owns: the order of those steps and the commit. Does not own: the plan (planning/export.py), the
 header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
@@ -48,7 +48,6 @@ from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
 from ckptio.io.s3client import is_s3
 from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
-from ckptio.planning.layout import align_up
 from ckptio.planning.export import (
     ExportFile,
     ExportPlan,
@@ -58,9 +57,10 @@ from ckptio.planning.export import (
     plan_export,
     windows,
 )
+from ckptio.planning.layout import align_up
 from ckptio.saving.stream import write_windows
-from ckptio.storage.folder import files_under, make_parents
-from ckptio.storage.local import write_durably, fsync_path
+from ckptio.storage.folder import check_parents, files_under, make_parents
+from ckptio.storage.local import fsync_path, write_durably
 from ckptio.storage.select import local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]
@@ -179,7 +179,8 @@ def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, o
 
 
 def _check_copy_from(source: str, out: str) -> None:
-    """A folder, not holding ``out``, whose walk finds nothing it refuses: before any write."""
+    """A folder, not holding ``out``, whose walk finds nothing it refuses, and no symlink in
+    ``out`` where its subfolders go: checked before any write."""
     if not os.path.isdir(source):
         raise CkptError(f"export_hf(copy_from={source!r}): not a directory (the folder whose "
                         "config and tokenizer files go along)")
@@ -187,7 +188,8 @@ def _check_copy_from(source: str, out: str) -> None:
     if os.path.commonpath([real, os.path.realpath(out)]) == real:
         raise CkptError(f"export_hf(copy_from={source!r}): the destination {out} is inside it; "
                         "export to a folder outside the one copied from")
-    files_under(source)
+    for rel in files_under(source):
+        check_parents(out, rel)
 
 
 def _check_destination(out: str, overwrite: bool) -> None:

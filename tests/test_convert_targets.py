@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import ALL_DTYPES, assert_same
+from dist_cases import SHAPES, SPECIALS, reference, save_layout, special_reference
+from special_values import bits_equal, specials
 
 import ckptio
 from ckptio.cli import commands
 from ckptio.convert import TARGETS, convert
 from ckptio.testing.ranks import run_ranks
-from conftest import ALL_DTYPES, assert_same
-from dist_cases import SHAPES, SPECIALS, reference, save_layout, special_reference
-from special_values import bits_equal, specials
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -53,7 +53,7 @@ def test_whole_training_state_in_one_call_values_renamed_away(tmp_path: Path) ->
 
 def test_value_not_renamed_away_is_still_refused_naming_it(tmp_path: Path) -> None:
     ckptio.save(_training_state(), tmp_path / "ck", options=OPTS)
-    keep_step = lambda k: None if k != "step" and _values(k) is None else k  # noqa: E731
+    keep_step = lambda k: None if k != "step" and _values(k) is None else k
     with pytest.raises(ckptio.CkptError, match="'step' is a Python value.*rename it to None"):
         ckptio.export_hf(tmp_path / "ck", tmp_path / "x", keys=None, rename=keep_step,
                          options=OPTS)
@@ -77,7 +77,8 @@ def _sentence_transformers_folder(root: Path) -> dict[str, bytes]:
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling",
              "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+            {"idx": 2, "name": "2", "path": "2_Dense",
+             "type": "sentence_transformers.models.Dense"},
         ]).encode(),
         "sentence_bert_config.json": b'{"max_seq_length": 256, "do_lower_case": false}',
         "tokenizer.json": b'{"version": "1.0"}',
@@ -144,16 +145,22 @@ def test_copy_from_refuses_links_out_of_the_folder(tmp_path: Path) -> None:
     ckptio.export_hf(tmp_path / "ck", tmp_path / "hf", copy_from=src, options=OPTS)
     link = tmp_path / "hf" / "vocab-link.txt"
     assert not link.is_symlink() and link.read_bytes() == (src / "vocab.txt").read_bytes()
-    # a destination whose subfolder is a symlink out: refused, nothing written through it
+    # a destination whose subfolder is a symlink out: refused before anything is written, the
+    # export there intact, nothing written through the link
     outside = tmp_path / "outside"
     outside.mkdir()
-    (tmp_path / "hf2").mkdir()
+    ckptio.save({"model": {"a": torch.ones(2), "b": torch.zeros(3)}}, tmp_path / "ck2",
+                options=OPTS)
+    ckptio.export_hf(tmp_path / "ck2", tmp_path / "hf2", max_shard_bytes=8, options=OPTS)
+    before = _tree(tmp_path / "hf2")
+    assert "model.safetensors.index.json" in before
     (tmp_path / "hf2" / "1_Pooling").symlink_to(outside)
     with pytest.raises(ckptio.CkptError, match="1_Pooling is a symlink or a file"):
-        ckptio.export_hf(tmp_path / "ck", tmp_path / "hf2", copy_from=src, overwrite=True,
+        ckptio.export_hf(tmp_path / "ck2", tmp_path / "hf2", copy_from=src, overwrite=True,
                          options=OPTS)
     assert not os.listdir(outside)
-    assert not [p for p in (tmp_path / "hf2").iterdir() if p.name.startswith(".")]
+    (tmp_path / "hf2" / "1_Pooling").unlink()
+    assert _tree(tmp_path / "hf2") == before
     # the destination inside the folder copied from
     with pytest.raises(ckptio.CkptError, match="inside it"):
         ckptio.export_hf(tmp_path / "ck", src / "hf", copy_from=src, options=OPTS)

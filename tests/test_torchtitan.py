@@ -25,10 +25,10 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 
 pytest.importorskip("torchtitan.components.checkpoint")
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.checkpointer import dcp as titan_dcp  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer  # noqa: E402
-from torchtitan.components.optimizer.optimizer import default_adamw  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpointer import dcp as titan_dcp
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.optimizer.optimizer import default_adamw
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ naming it: an export is often published, and a link out of the folder (``tokeniz
 ~/.ssh/id_rsa``) must not carry a private file into it. Hidden names (``.git``, ``.cache``)
 are passed over, at every level.
 
-``make_parents`` creates a relative path's folders inside the destination, refusing a symlink
-there (it could lead the copy out of the destination).
+``check_parents`` / ``make_parents`` check / create a relative path's folders inside the
+destination, refusing a symlink there (it could lead the copy out of the destination).
 
-Owns: that walk, those folders and their refusals. Does not own: which files an export leaves out, the copying
-and the commit (ckptio/export.py).
+Owns: that walk, those folders and their refusals. Does not own: which files an export leaves
+out, the copying and the commit (ckptio/export.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import stat
 from ckptio.errors import CkptError
 from ckptio.storage.local import fsync_path
 
-__all__ = ["files_under", "make_parents"]
+__all__ = ["check_parents", "files_under", "make_parents"]
 
 
 def files_under(root: str) -> list[str]:
@@ -73,15 +73,23 @@ def _check_link(real_root: str, path: str, rel: str) -> None:
                         "links to folders are not followed: replace the link by the folder")
 
 
-def make_parents(out: str, rel: str) -> None:
-    """The folders of ``rel`` (``/``-separated) inside ``out``, created (and their parents
-    fsynced) where missing; a symlink or file in their place is refused."""
+def check_parents(out: str, rel: str) -> None:
+    """Refuse a symlink or a file inside ``out`` where a folder of ``rel`` goes."""
     at = out
     for name in rel.split("/")[:-1]:
         at = os.path.join(at, name)
         if os.path.islink(at) or (os.path.lexists(at) and not os.path.isdir(at)):
             raise CkptError(f"copy_from: {at} is a symlink or a file where the folder {name}/ "
                             "goes; remove it from the destination")
+
+
+def make_parents(out: str, rel: str) -> None:
+    """The folders of ``rel`` (``/``-separated) inside ``out``, created (and their parents
+    fsynced) where missing, after ``check_parents``."""
+    check_parents(out, rel)
+    at = out
+    for name in rel.split("/")[:-1]:
+        at = os.path.join(at, name)
         if not os.path.isdir(at):
             os.mkdir(at)
             fsync_path(os.path.dirname(at))
