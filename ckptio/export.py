@@ -14,11 +14,11 @@ Steps (one process, or every rank of a process group together):
    ``.<name>.ckptio-<token>.tmp``, cut to size and fsynced. Memory: the read pool plus two
    windows (plus, when ``dtype`` converts, a scratch of up to the window's saved bytes).
 3. one collective step "every file written"; its decision on the coordinator is the commit:
-   files of ``copy_from`` copied, the temp files renamed, stale shards of an overwritten export
-   removed, and ``model.safetensors.index.json`` written last (tmp + rename, directory fsynced;
-   a single ``model.safetensors`` has no index). The directory is complete once the index (or
-   the single file) exists. A failure on any rank removes every temp file and raises on every
-   rank.
+   files and subfolders of ``copy_from`` copied, the temp files renamed, stale shards of an
+   overwritten export removed, and ``model.safetensors.index.json`` written last (tmp +
+   rename, directory fsynced; a single ``model.safetensors`` has no index). The directory is
+   complete once the index (or the single file) exists. A failure on any rank removes every
+   temp file and raises on every rank.
 
 Owns: the order of those steps and the commit. Does not own: the plan (planning/export.py), the
 header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
@@ -48,7 +48,6 @@ from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
 from ckptio.io.s3client import is_s3
 from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
-from ckptio.planning.layout import align_up
 from ckptio.planning.export import (
     ExportFile,
     ExportPlan,
@@ -58,8 +57,10 @@ from ckptio.planning.export import (
     plan_export,
     windows,
 )
+from ckptio.planning.layout import align_up
 from ckptio.saving.stream import write_windows
-from ckptio.storage.local import write_durably, fsync_path
+from ckptio.storage.folder import check_parents, files_under, make_parents
+from ckptio.storage.local import fsync_path, write_durably
 from ckptio.storage.select import local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]
@@ -96,7 +97,8 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
     rename: maps each (stripped) key to its exported name, or None to leave it out.
     dtype: convert floating tensors (float64/32/16, bfloat16) to this one, e.g. torch.bfloat16.
-    copy_from: a directory whose other files (config.json, tokenizer files) are copied along.
+    copy_from: a directory whose other files (config.json, tokenizer files) and subfolders
+    (sentence-transformers' ``1_Pooling/``) are copied along; a symlink out of it is refused.
     overwrite: replace what ``dst`` holds (refused otherwise when it is not empty).
     metadata: extra ``__metadata__`` strings for every file (``format: pt`` is always there).
     verify: check the source's checksums as it is read (default Options.verify). A DCP or
@@ -164,9 +166,8 @@ def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, o
         if any(p != plans[0] for p in plans):
             raise CkptError("export_hf: the ranks planned different files (was the source "
                             "checkpoint changing, or were the arguments different?)")
-        if copy_from is not None and not os.path.isdir(copy_from):
-            raise CkptError(f"export_hf(copy_from={os.fspath(copy_from)!r}): not a directory "
-                            "(the folder whose config and tokenizer files go along)")
+        if copy_from is not None:
+            _check_copy_from(os.fspath(copy_from), out)
         _check_destination(out, overwrite)
         return [uuid.uuid4().hex[:12].encode()] * len(plans)
 
@@ -175,6 +176,20 @@ def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, o
         assert error is not None  # internal: coordinate's contract
         raise error
     return answer.decode()
+
+
+def _check_copy_from(source: str, out: str) -> None:
+    """A folder, not holding ``out``, whose walk finds nothing it refuses, and no symlink in
+    ``out`` where its subfolders go: checked before any write."""
+    if not os.path.isdir(source):
+        raise CkptError(f"export_hf(copy_from={source!r}): not a directory (the folder whose "
+                        "config and tokenizer files go along)")
+    real = os.path.realpath(source)
+    if os.path.commonpath([real, os.path.realpath(out)]) == real:
+        raise CkptError(f"export_hf(copy_from={source!r}): the destination {out} is inside it; "
+                        "export to a folder outside the one copied from")
+    for rel in files_under(source):
+        check_parents(out, rel)
 
 
 def _check_destination(out: str, overwrite: bool) -> None:
@@ -371,12 +386,18 @@ def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLik
 
 
 def _copy_files(source: str, out: str, token: str) -> None:
-    for name in sorted(os.listdir(source)):
-        path = os.path.join(source, name)
-        if (not os.path.isfile(path) or name.endswith(_WEIGHT_SUFFIXES)
-                or name == st.INDEX_NAME or name.startswith(".")):
+    """``copy_from``'s files and subfolders (storage/folder.py walks it safely); weights and
+    an index are left out at the top level only (a subfolder's, such as sentence-transformers'
+    ``2_Dense/model.safetensors``, belong to another module and go along)."""
+    for i, rel in enumerate(files_under(source)):
+        if "/" not in rel and (rel.endswith(_WEIGHT_SUFFIXES) or rel == st.INDEX_NAME):
             continue
-        tmp = _tmp(out, name, token)
-        shutil.copyfile(path, tmp)
+        target = os.path.join(out, *rel.split("/"))
+        make_parents(out, rel)
+        tmp = _tmp(out, f"copy-{i}", token)  # at the top: _remove_temps finds it
+        shutil.copyfile(os.path.join(source, *rel.split("/")), tmp)
         fsync_path(tmp)
-        os.replace(tmp, os.path.join(out, name))
+        os.replace(tmp, target)
+        if "/" in rel:
+            fsync_path(os.path.dirname(target))
+

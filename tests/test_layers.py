@@ -11,7 +11,7 @@ Layers, bottom to top; a module may import its own layer and the layers below it
     5  ckptio.saving, ckptio.loading         (saving and loading do not import each other)
     6  ckptio.tuning
     7  drivers: ckptio (its __init__), ckptio.__main__, api, resources, shared, manager, stepdir, rng, cli,
-       demo, dcp, export, tiering, stepmeta, managing, hf_trainer, lightning
+       demo, dcp, export, convert, tiering, stepmeta, managing, hf_trainer, lightning
 
 ckptio.testing may import anything, and nothing else in ckptio imports it. Nothing in ckptio
 imports the repository's benchmarks/ (not installed with ckptio) except ckptio.cli, which runs
@@ -47,8 +47,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.saving", "ckptio.loading"),
     ("ckptio.tuning",),
     ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
-     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.resources", "ckptio.tiering",
-     "ckptio.stepmeta", "ckptio.managing", "ckptio.hf_trainer", "ckptio.lightning"),
+     "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.resources",
+     "ckptio.tiering", "ckptio.stepmeta", "ckptio.managing", "ckptio.hf_trainer", "ckptio.lightning"),
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
 TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio

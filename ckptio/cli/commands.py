@@ -23,11 +23,15 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
           "float16": "float16", "fp32": "float32", "f32": "float32", "float32": "float32"}
-CONVERT_HELP = """Read SRC (a DCP checkpoint directory, a torch.save file or a ckptio checkpoint)
-and save it as a ckptio checkpoint at DST. Memory: the whole state is loaded into host memory
-first (about the checkpoint's size in RAM, plus ckptio's staging pool), then saved. A DST that
-already holds a checkpoint is refused unless --overwrite (the old one stays intact until the
-new one commits)."""
+CONVERT_HELP = """Read SRC (a ckptio checkpoint, a DCP checkpoint directory, a torch.save file
+or safetensors) and write it at DST as --to: a ckptio checkpoint (default), a DCP directory
+(DCP's own files: plain dcp.load with FileSystemReader reads it), a torch.save file or a Hugging
+Face safetensors folder (tensors only: values are refused, naming them, unless
+--drop-non-tensors). Memory: the whole state is loaded into host memory first (about the
+checkpoint's size in RAM, plus ckptio's staging pool), then saved (safetensors streams
+instead). A DST that already holds a checkpoint is refused unless --overwrite (the old one stays
+intact until the new one is complete)."""
+TARGETS = ("ckptio", "dcp", "torch.save", "safetensors")  # ckptio.convert.TARGETS (torch-free)
 
 
 def parse_size(text: str) -> int:
@@ -75,13 +79,21 @@ def add_parsers(sub: Any) -> None:
     verify = sub.add_parser("verify", parents=[quiet],
                             help="read every byte and check it against its checksum")
     verify.add_argument("path")
-    convert = sub.add_parser("convert", parents=[quiet], help="a DCP directory or torch.save "
-                             "file -> a ckptio checkpoint", description=CONVERT_HELP)
+    convert = sub.add_parser("convert", parents=[quiet], help="a checkpoint -> ckptio, a DCP "
+                             "directory, a torch.save file or safetensors (--to)",
+                             description=CONVERT_HELP)
     convert.add_argument("src")
     convert.add_argument("dst")
+    convert.add_argument("--to", choices=TARGETS, default="ckptio", help="what DST becomes "
+                         "(default ckptio; dcp: plain dcp.load with FileSystemReader reads it)")
     convert.add_argument("--overwrite", action="store_true")
     convert.add_argument("--allow-pickle", action="store_true", help="SRC holds pickled Python "
                          "objects you trust (unpickling runs code)")
+    convert.add_argument("--per-rank-from", type=int, metavar="RANK", help="SRC was saved by "
+                         "many ranks with per-rank values (RNG, data loader): take RANK's")
+    convert.add_argument("--drop-non-tensors", action="store_true", help="--to safetensors: "
+                         "leave out the values, numpy/bytes/pickled and per-rank entries it "
+                         "cannot hold (named in the output) instead of refusing")
     _export_parser(sub)
     status = sub.add_parser("status", help="which steps each tier of a tiered manager holds, "
                             "and which are still being copied (tiers fastest first)")
@@ -160,8 +172,10 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from ckptio.cli import convert
 
-    return convert.convert(args.src, args.dst, overwrite=args.overwrite,
-                           allow_pickle=args.allow_pickle, progress=not args.no_progress)
+    return convert.convert(args.src, args.dst, to=args.to, overwrite=args.overwrite,
+                           allow_pickle=args.allow_pickle, per_rank_from=args.per_rank_from,
+                           drop_non_tensors=args.drop_non_tensors,
+                           progress=not args.no_progress)
 
 
 def _status(args: argparse.Namespace) -> int:

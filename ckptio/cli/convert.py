@@ -1,69 +1,62 @@
 """``ckptio convert`` and ``ckptio export``: a checkpoint in another format.
 
-Owns: convert (any checkpoint ckptio.load reads -> a ckptio checkpoint, by a fresh load and a
-save: the simplest correct way, costing the state's size in host memory), refusing a
-destination that already holds a checkpoint unless ``overwrite``, and calling
-``ckptio.export.export_hf`` for export. Does not own: reading, saving or exporting themselves.
+Owns: the commands' arguments handed to the library (``ckptio.convert.convert`` for convert:
+ckptio, DCP, torch.save or safetensors; ``ckptio.export.export_hf`` for export), the progress
+bar and the lines they print. Does not own: the conversion, its destination checks, reading,
+saving or exporting themselves.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 
 from ckptio.cli.progress import Bar
 from ckptio.errors import CkptError
-from ckptio.io.s3client import is_s3
-from ckptio.loading import foreign, safetensors
-from ckptio.storage import steps
-from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["convert", "export", "held_at", "renamer"]
+__all__ = ["convert", "export", "renamer"]
 
 
-def held_at(path: str) -> str | None:
-    """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
-    Hugging Face folder", "a file"), or None."""
-    text = checkpoint_path(path)
-    if not is_s3(text) and os.path.isfile(text):
-        return "a file"
-    store = store_for(text)
-    for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
-                        (foreign.holds_dcp, "a DCP checkpoint"),
-                        (safetensors.holds_hf, "a Hugging Face folder")):
-        if holds(store):
-            return what
-    return None
+class _Shown:
+    """The save's progress as a bar, made when the first count (and with it the total)
+    arrives."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Bar | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = Bar(total, "convert", self.enabled)
+        self.bar.to(done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def _check_destination(src: str, dst: str, overwrite: bool) -> None:
-    if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
-        raise CkptError(f"ckptio convert: SRC and DST are both {dst}; choose another DST")
-    held = held_at(dst)
-    if held == "a file":
-        raise CkptError(f"ckptio convert: {dst} is a file, and a ckptio checkpoint is a "
-                        "directory; choose another DST")
-    if held is not None and not overwrite:
-        raise CkptError(f"ckptio convert: {dst} already holds {held}; pass --overwrite to "
-                        "replace it (it stays intact until the new checkpoint commits) or "
-                        "choose another DST")
+def convert(src: str, dst: str, *, to: str, overwrite: bool, allow_pickle: bool,
+            per_rank_from: int | None, drop_non_tensors: bool, progress: bool) -> int:
+    """``ckptio.convert.convert`` with the command's arguments; one line of what was written
+    (and of what was left out, or what torch.load needs)."""
+    from ckptio.convert import convert as run
 
-
-def convert(src: str, dst: str, *, overwrite: bool, allow_pickle: bool, progress: bool) -> int:
-    """Load ``src`` whole into host memory, then save it at ``dst`` as a ckptio checkpoint."""
-    _check_destination(src, dst, overwrite)
-    import ckptio
-
-    state = ckptio.load(src, allow_pickle=allow_pickle)
-    handle = ckptio.async_save(state, dst, allow_pickle=allow_pickle)
-    with Bar(handle.progress().nbytes_total, "convert", progress) as bar:
-        while bar.shown and not handle.done():
-            bar.to(handle.progress().nbytes_written)
-            time.sleep(0.1)
-        result = handle.wait()
-    print(f"{src} -> {dst}: ckptio checkpoint of {result.nbytes} bytes in "
-          f"{len(result.files)} file(s)")
+    shown = _Shown(progress)
+    try:
+        done = run(src, dst, to=to, overwrite=overwrite, allow_pickle=allow_pickle,
+                   per_rank_from=per_rank_from, drop_non_tensors=drop_non_tensors,
+                   progress=shown if progress else None)
+    finally:
+        shown.close()
+    what = {"ckptio": "ckptio checkpoint", "dcp": "DCP checkpoint (FileSystemReader reads it)",
+            "torch.save": "torch.save file", "safetensors": "Hugging Face safetensors folder"}
+    print(f"{src} -> {dst}: {what[to]} of {done.nbytes} tensor bytes in {len(done.files)} "
+          "file(s)")
+    if done.dropped:
+        print(f"left out (safetensors cannot hold them, or tied aliases): "
+              f"{', '.join(done.dropped)}")
+    if done.needs_pickle:
+        print(f"torch.load(weights_only=True) refuses {', '.join(done.needs_pickle)} (numpy "
+              "values or pickled objects): load it with weights_only=False if you trust it")
     return 0
 
 

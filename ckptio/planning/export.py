@@ -5,7 +5,8 @@ out, no I/O, no torch.
 * ``select``: the manifest's tensor keys under a prefix (stripped), renamed by a callable
   (returning None drops a key). Alias keys whose target is exported are dropped: Hugging Face
   ties weights itself and safetensors refuses shared storages. Per-rank tensors, inline values
-  and other entry kinds under the prefix are refused. ``dtype`` converts floating tensors.
+  and other entry kinds under the prefix that the rename does not drop are refused. ``dtype``
+  converts floating tensors.
 * ``plan_files``: files filled greedily in manifest order up to ``max_shard_bytes``; inside a
   file tensors are ordered by itemsize (largest first), then name, and the header is padded so
   the data starts at ``align``: every tensor then starts at a multiple of its itemsize.
@@ -122,8 +123,8 @@ def select(record: Manifest, keys: str | None, rename: Rename | None,
     entries: dict[str, list[TensorEntry]] = {}
     for entry in record.tensors:
         entries.setdefault(entry.key, []).append(entry)
-    for obj in record.objects:
-        if obj.key.startswith(prefix):
+    for obj in record.objects:  # rename decides first: a value renamed to None is left out
+        if obj.key.startswith(prefix) and _name(obj.key[len(prefix):], rename, obj.key):
             raise CkptError(f"key {obj.key!r} is a Python value, not a tensor; safetensors holds "
                             "tensors only: choose keys= so it is left out, or rename it to None")
     sources: list[Source] = []

@@ -1,0 +1,308 @@
+"""A checkpoint in another format, so nothing saved with ckptio is locked into it:
+
+    from ckptio.convert import convert
+    convert("ckpts/step-100", "out/step-100.dcp", to="dcp")   # plain dcp.load reads it
+    convert("ckpts/step-100", "out/step-100.pt", to="torch.save")
+    convert("ckpts/step-100", "out/hf", to="safetensors", drop_non_tensors=True)
+
+SRC is anything ``ckptio.load`` reads (a ckptio checkpoint, a DCP directory, a torch.save file,
+safetensors); a checkpoint saved by many ranks comes out whole (DTensor shards joined; its
+per-rank values need ``per_rank_from``). Targets, and what happens to what is not a tensor:
+
+* ``"ckptio"``: ``ckptio.save``; values inline, objects pickled only with ``allow_pickle``.
+* ``"dcp"``: DCP's own ``FileSystemWriter`` (``dcp.save`` in this one process), so that
+  ``dcp.load(state, storage_reader=FileSystemReader(DST))`` reads it with no ckptio installed.
+  Tensors keep every bit; every other value (ints, strings, bytes, numpy arrays, objects) is
+  stored by DCP's own pickle (``torch.save``), which DCP's loader unpickles. DCP's flattening
+  shows through: a dict key that is not a str comes back from ``dcp.load`` as a str, an
+  empty dict is left out, a tensor held under two keys is stored twice.
+* ``"torch.save"``: one file holding the state as ``ckptio.load`` returns it (values, tied
+  tensors and tuples kept); ``torch.load(weights_only=True)`` reads it unless it holds numpy
+  values or pickled objects (``Converted.needs_pickle`` names those keys).
+* ``"safetensors"``: a Hugging Face folder by ``export_hf`` (every key, names as the dotted
+  keys; a tied alias is left out, as Hugging Face ties weights itself). Safetensors holds
+  tensors only: Python values, numpy/bytes/pickled entries and per-rank values are refused,
+  naming every key, unless ``drop_non_tensors`` leaves them out (``Converted.dropped``).
+
+The DCP directory and the torch.save file are written under a temporary name beside DST and
+renamed into place when complete and fsynced; ``overwrite`` replaces an existing one (a
+directory is moved aside first, then removed: a crash between the two renames leaves the old
+one as ``.NAME.ckptio-*.old``). Memory: the whole state in host memory (a load, then a save),
+except for safetensors, which ``export_hf`` streams.
+
+Owns: the targets, the destination checks and the per-target rules above. Does not own:
+loading and saving (ckptio.load / save), the export (ckptio/export.py), DCP's files (torch).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.format.types import Manifest
+from ckptio.io.s3client import is_s3
+from ckptio.loading import foreign, safetensors
+from ckptio.loading.fill import RankPolicy
+from ckptio.options import Options
+from ckptio.storage import steps
+from ckptio.storage.local import fsync_path
+from ckptio.storage.select import checkpoint_path, local_path, store_for
+
+__all__ = ["TARGETS", "Converted", "convert", "held_at"]
+
+TARGETS = ("ckptio", "dcp", "torch.save", "safetensors")
+Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))  # what weights_only=True reads
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What ``convert`` wrote: DST, the target, tensor bytes, its files, the keys left out
+    (safetensors: tied aliases, and with ``drop_non_tensors`` what it cannot hold) and, for
+    torch.save, the keys ``torch.load(weights_only=True)`` refuses."""
+
+    path: str
+    to: str
+    nbytes: int
+    files: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
+    needs_pickle: tuple[str, ...] = ()
+
+
+def held_at(path: str) -> str | None:
+    """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
+    Hugging Face folder", "a file"), or None."""
+    text = checkpoint_path(path)
+    if not is_s3(text) and os.path.isfile(text):
+        return "a file"
+    store = store_for(text)
+    for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
+                        (foreign.holds_dcp, "a DCP checkpoint"),
+                        (safetensors.holds_hf, "a Hugging Face folder")):
+        if holds(store):
+            return what
+    return None
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str = "ckptio",
+            overwrite: bool = False, allow_pickle: bool = False, per_rank_from: RankPolicy = None,
+            drop_non_tensors: bool = False, options: Options | None = None,
+            progress: Progress | None = None) -> Converted:
+    """Write checkpoint ``src`` at ``dst`` as ``to`` (one of TARGETS; see the module
+    docstring for what each keeps). A ``dst`` holding a checkpoint is refused unless
+    ``overwrite``. allow_pickle / per_rank_from: as for ``ckptio.load`` of ``src``.
+    progress: called with (bytes written, bytes in all) while a ckptio target is saved."""
+    src_text, dst_text = os.fsdecode(os.fspath(src)), os.fsdecode(os.fspath(dst))
+    if to not in TARGETS:
+        raise CkptError(f"convert(to={to!r}): choose one of {', '.join(TARGETS)}")
+    _check_destination(src_text, dst_text, to, overwrite)
+    if to == "safetensors":
+        return _to_safetensors(src_text, dst_text, overwrite, drop_non_tensors, options)
+    from ckptio.shared import load
+
+    state = load(src_text, allow_pickle=allow_pickle, per_rank_from=per_rank_from,
+                 options=options)
+    if to == "ckptio":
+        return _to_ckptio(state, dst_text, allow_pickle, options, progress)
+    out = os.path.abspath(local_path(dst_text))
+    if to == "dcp":
+        _write_dcp(state, out)
+        return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
+    _write_torch_save(state, out)
+    refused = tuple(k for k, v in _leaves(state) if not _weights_only(v))
+    return Converted(out, to, _tensor_bytes(state), (os.path.basename(out),),
+                     needs_pickle=refused)
+
+
+# ------------------------------------------------------------------------------ destinations
+
+
+def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
+    if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
+        raise CkptError(f"convert: SRC and DST are both {dst}; choose another DST")
+    if to != "ckptio":
+        local_path(dst)  # DCP's FileSystemWriter, torch.save and export_hf write local files
+    held = held_at(dst)
+    if to == "torch.save":
+        if os.path.isdir(dst):
+            raise CkptError(f"convert to torch.save: {dst} is a directory, and torch.save "
+                            "writes one file; choose a file name such as model.pt")
+        held = "a file" if held is not None else None
+    elif held == "a file":
+        raise CkptError(f"convert to {to}: {dst} is a file, and {to} writes a directory; "
+                        "choose another DST")
+    elif to == "safetensors" and dst.rstrip("/").endswith(".safetensors"):
+        raise CkptError(f"convert to safetensors: {dst} names a file; DST is the Hugging Face "
+                        "folder (model.safetensors is written inside it)")
+    elif held is None and to == "dcp" and os.path.isdir(dst) and os.listdir(dst):
+        raise CkptError(f"convert to dcp: {dst} holds files that are not a checkpoint, and "
+                        "--overwrite would replace the directory whole; choose an empty or "
+                        "new DST")
+    if held is not None and not overwrite:
+        raise CkptError(f"convert: {dst} already holds {held}; pass overwrite=True (ckptio "
+                        "convert --overwrite) to replace it (it stays intact until the new one "
+                        "is complete) or choose another DST")
+
+
+def _beside(out: str, token: str, what: str) -> str:
+    head, name = os.path.split(out)
+    return os.path.join(head, f".{name}.ckptio-{token}.{what}")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------------------------ targets
+
+
+def _to_ckptio(state: Any, dst: str, allow_pickle: bool, options: Options | None,
+               progress: Progress | None) -> Converted:
+    from ckptio.shared import async_save
+
+    handle = async_save(state, dst, allow_pickle=allow_pickle, options=options)
+    while progress is not None:  # at least once: the total, then every 0.1 s until done
+        now = handle.progress()
+        progress(now.nbytes_written, now.nbytes_total)
+        if handle.done():
+            break
+        time.sleep(0.1)
+    result = handle.wait()
+    return Converted(result.path, "ckptio", result.nbytes, result.files)
+
+
+def _write_dcp(state: Any, out: str) -> None:
+    """DCP's FileSystemWriter into a temporary directory beside ``out``, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    token = uuid.uuid4().hex[:12]
+    tmp, old = _beside(out, token, "tmp"), _beside(out, token, "old")
+    try:
+        with warnings.catch_warnings():  # one process, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                     no_dist=True)
+        fsync_path(tmp)
+        if os.path.lexists(out):
+            os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_path(os.path.dirname(out))
+    except (CheckpointException, ValueError, TypeError) as exc:
+        raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
+                        "nothing was written at DST") from None
+    except OSError as exc:
+        raise StorageIOError(f"convert to dcp at {out}: {exc}") from None
+    finally:
+        _remove(tmp)
+        _remove(old)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _write_torch_save(state: Any, out: str) -> None:
+    """torch.save into a temporary file beside ``out``, fsynced, then renamed over it."""
+    import pickle
+
+    import torch
+
+    tmp = _beside(out, uuid.uuid4().hex[:12], "tmp")
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        fsync_path(os.path.dirname(out))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise CkptError(f"convert to torch.save at {out}: the state cannot be pickled: "
+                        f"{exc}") from None
+    except OSError as exc:
+        raise StorageIOError(f"convert to torch.save at {out}: {exc}") from None
+    finally:
+        _remove(tmp)
+
+
+def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,
+                    options: Options | None) -> Converted:
+    from ckptio.api import Checkpointer
+    from ckptio.export import export_hf
+
+    checkpointer = Checkpointer(options or Options.from_env())
+    try:
+        cannot = _not_safetensors(checkpointer.manifest(src))
+    finally:
+        checkpointer.close()
+    if cannot and not drop:
+        named = "; ".join(f"{k} ({why})" for k, why in list(cannot.items())[:20])
+        more = f" and {len(cannot) - 20} more" if len(cannot) > 20 else ""
+        raise CkptError(f"convert to safetensors: {src} holds {len(cannot)} key(s) safetensors "
+                        f"cannot hold: {named}{more}; pass drop_non_tensors=True (ckptio "
+                        "convert --drop-non-tensors) to leave them out, or convert to dcp or "
+                        "torch.save, which keep them")
+    done = export_hf(src, dst, keys=None, overwrite=overwrite, options=options,
+                     rename=(lambda key: None if key in cannot else key) if cannot else None)
+    return Converted(done.path, "safetensors", done.total_size, done.files,
+                     dropped=tuple(cannot) + done.dropped)
+
+
+def _not_safetensors(record: Manifest) -> dict[str, str]:
+    """Keys safetensors cannot hold, each with why, in manifest order."""
+    cannot: dict[str, str] = {}
+    for obj in record.objects:
+        cannot.setdefault(obj.key, "a Python value")
+    for entry in record.tensors:
+        if entry.rank is not None:
+            cannot.setdefault(entry.key, "each rank's own value")
+        elif entry.kind != "tensor":
+            cannot.setdefault(entry.key, f"saved as {entry.kind}")
+    return cannot
+
+
+# ------------------------------------------------------------------------------------- values
+
+
+def _leaves(state: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, leaf) of a nested dict/list/tuple state."""
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        yield key, state
+        return
+    for name, value in items:
+        yield from _leaves(value, f"{key}.{name}" if key else str(name))
+
+
+def _tensor_bytes(state: Any) -> int:
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for _, value in _leaves(state):
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _weights_only(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` reads this leaf back."""
+    import torch
+
+    return isinstance(value, (torch.Tensor, torch.dtype, torch.device, torch.Size, *_PLAIN))
