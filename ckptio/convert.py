@@ -98,13 +98,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     """Write checkpoint ``src`` at ``dst`` as ``to`` (one of TARGETS; see the module
     docstring for what each keeps). A ``dst`` holding a checkpoint is refused unless
     ``overwrite``. allow_pickle / per_rank_from: as for ``ckptio.load`` of ``src``.
-    progress: called with (bytes written, bytes in all) while a ckptio target is saved."""
+    progress: called with (bytes written, bytes in all) while a ckptio or safetensors target
+    is written (DCP's and torch.save's writers report nothing)."""
     src_text, dst_text = os.fsdecode(os.fspath(src)), os.fsdecode(os.fspath(dst))
     if to not in TARGETS:
         raise CkptError(f"convert(to={to!r}): choose one of {', '.join(TARGETS)}")
     _check_destination(src_text, dst_text, to, overwrite)
     if to == "safetensors":
-        return _to_safetensors(src_text, dst_text, overwrite, drop_non_tensors, options)
+        return _to_safetensors(src_text, dst_text, overwrite, drop_non_tensors, options,
+                               progress)
     from ckptio.shared import load
 
     state = load(src_text, allow_pickle=allow_pickle, per_rank_from=per_rank_from,
@@ -171,13 +173,17 @@ def _to_ckptio(state: Any, dst: str, allow_pickle: bool, options: Options | None
     from ckptio.shared import async_save
 
     handle = async_save(state, dst, allow_pickle=allow_pickle, options=options)
+    total = 0
     while progress is not None:  # at least once: the total, then every 0.1 s until done
         now = handle.progress()
-        progress(now.nbytes_written, now.nbytes_total)
+        total = now.nbytes_total
+        progress(now.nbytes_written, total)
         if handle.done():
             break
         time.sleep(0.1)
     result = handle.wait()
+    if progress is not None:  # committed: all of it
+        progress(total, total)
     return Converted(result.path, "ckptio", result.nbytes, result.files)
 
 
@@ -238,7 +244,7 @@ def _write_torch_save(state: Any, out: str) -> None:
 
 
 def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,
-                    options: Options | None) -> Converted:
+                    options: Options | None, progress: Progress | None) -> Converted:
     from ckptio.api import Checkpointer
     from ckptio.export import export_hf
 
@@ -255,7 +261,8 @@ def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,
                         "convert --drop-non-tensors) to leave them out, or convert to dcp or "
                         "torch.save, which keep them")
     done = export_hf(src, dst, keys=None, overwrite=overwrite, options=options,
-                     rename=(lambda key: None if key in cannot else key) if cannot else None)
+                     rename=(lambda key: None if key in cannot else key) if cannot else None,
+                     progress=progress)
     return Converted(done.path, "safetensors", done.total_size, done.files,
                      dropped=tuple(cannot) + done.dropped)
 

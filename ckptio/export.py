@@ -90,7 +90,8 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
               dtype: torch.dtype | str | None = None, max_shard_bytes: int = 5 * 10**9,
               copy_from: str | os.PathLike[str] | None = None, overwrite: bool = False,
               metadata: dict[str, str] | None = None, options: Options | None = None,
-              verify: bool | None = None, process_group: Any = None) -> HFExport:
+              verify: bool | None = None, process_group: Any = None,
+              progress: Callable[[int, int], None] | None = None) -> HFExport:
     """Write the tensors of checkpoint ``src`` under ``keys`` (a prefix, stripped; None: all)
     as Hugging Face safetensors shards of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json`` in the local directory ``dst``.
@@ -104,6 +105,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     verify: check the source's checksums as it is read (default Options.verify). A DCP or
     torch.save source has one checksum per whole entry: a tensor of it that windows cut is
     verified whole once before the export, then read in parts unchecked.
+    progress: called with (bytes written, bytes in all) of this rank's files after each window.
     With torch.distributed initialised (or ``process_group``), every rank calls this together
     and the files are split between the ranks by bytes.
     """
@@ -135,7 +137,7 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         written, error = 0, None
         try:
             written = _write_files(source, [plan.files[i] for i in mine], out, token,
-                                   window_bytes)
+                                   window_bytes, progress)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
             error = exc
         _commit(group, plan, error, out, token, copy_from, overwrite)
@@ -262,10 +264,12 @@ class _Source:
 
 
 def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
-                 window_bytes: int) -> int:
-    """Step 2: this rank's files, each streamed into its temp file."""
+                 window_bytes: int, progress: Callable[[int, int], None] | None) -> int:
+    """Step 2: this rank's files, each streamed into its temp file (``progress`` told after
+    each window is filled)."""
     if not files:
         return 0
+    total, filled = sum(f.nbytes for f in files), [0]
     source.check_cut(files, window_bytes)
     checkpointer = source.checkpointer
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
@@ -276,6 +280,9 @@ def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
         for file in files:
             def fill(window: Window, buffer: Buffer, file: ExportFile = file) -> None:
                 _fill(window, buffer, file.header, source.read, scratch)
+                if progress is not None:
+                    filled[0] += window.nbytes
+                    progress(filled[0], total)
 
             written += write_windows(backend, pool, _tmp(out, file.name, token), file.nbytes,
                                      windows(file, window_bytes), fill)

@@ -251,20 +251,25 @@ def _on_a_terminal(*args: str) -> tuple[int, str]:
     return proc.returncode, got.decode(errors="replace")
 
 
-@pytest.mark.parametrize("command", ["verify", "diff --data", "convert"])
+@pytest.mark.parametrize("command", ["verify", "diff --data", "convert", "convert --to safetensors",
+                                     "export"])
 def test_long_commands_draw_a_moving_bar_on_a_terminal(tmp_path: Path, command: str):
     state: dict[str, Any] = {f"t{i}": torch.full((64 << 10,), float(i)) for i in range(8)}
     ckptio.save(state, tmp_path / "a")
     torch.save(state, tmp_path / "a.pt")
     args = {"verify": ["verify", str(tmp_path / "a")],
             "diff --data": ["diff", "--data", str(tmp_path / "a"), str(tmp_path / "a")],
-            "convert": ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b")]}[command]
+            "convert": ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b")],
+            "convert --to safetensors": ["convert", "--to", "safetensors", str(tmp_path / "a"),
+                                         str(tmp_path / "st")],
+            "export": ["export", "--keys", "", str(tmp_path / "a"), str(tmp_path / "hf")],
+            }[command]
     status, drawn = _on_a_terminal(*args)
     assert status == 0, drawn
     name = args[0]
-    assert f"{name}:" in drawn and "0%" in drawn, drawn  # tqdm's bar
-    if name != "convert":  # convert's own loop (cli/convert.py) stops drawing before the end
-        assert "100%" in drawn, drawn
-    quiet, silent = _on_a_terminal(*args[:1], "--no-progress", *args[1:]) if name != "convert" \
-        else _on_a_terminal("convert", "--no-progress", "--overwrite", *args[1:])
+    assert f"{name}:" in drawn and "0%" in drawn and "100%" in drawn, drawn  # tqdm's bar
+    again = [*args[:1], "--no-progress", *args[1:]]
+    if name != "verify" and args[0] != "diff":
+        again.insert(2, "--overwrite")
+    quiet, silent = _on_a_terminal(*again)
     assert quiet == 0 and "%" not in silent, silent

@@ -94,7 +94,7 @@ def add_parsers(sub: Any) -> None:
     convert.add_argument("--drop-non-tensors", action="store_true", help="--to safetensors: "
                          "leave out the values, numpy/bytes/pickled and per-rank entries it "
                          "cannot hold (named in the output) instead of refusing")
-    _export_parser(sub)
+    _export_parser(sub, quiet)
     status = sub.add_parser("status", help="which steps each tier of a tiered manager holds, "
                             "and which are still being copied (tiers fastest first)")
     status.add_argument("tiers", nargs="+", metavar="TIER",
@@ -102,8 +102,8 @@ def add_parsers(sub: Any) -> None:
     status.add_argument("--json", action="store_true", help="JSON, schema ckptio.status/1")
 
 
-def _export_parser(sub: Any) -> None:
-    export = sub.add_parser("export", help="a checkpoint's model -> a Hugging Face safetensors "
+def _export_parser(sub: Any, quiet: argparse.ArgumentParser) -> None:
+    export = sub.add_parser("export", parents=[quiet], help="a checkpoint's model -> a Hugging Face safetensors "
                             "directory (run under torchrun to export with many ranks)")
     export.add_argument("src")
     export.add_argument("dst")
@@ -190,4 +190,5 @@ def _export(args: argparse.Namespace) -> int:
     return convert.export(args.src, args.dst, keys=args.keys, rename=args.rename,
                           dtype=DTYPES[args.dtype] if args.dtype else None,
                           max_shard_bytes=args.max_shard_size, copy_from=args.copy_from,
-                          overwrite=args.overwrite, verify=not args.no_verify)
+                          overwrite=args.overwrite, verify=not args.no_verify,
+                          progress=not args.no_progress)

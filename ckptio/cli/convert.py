@@ -17,16 +17,16 @@ __all__ = ["convert", "export", "renamer"]
 
 
 class _Shown:
-    """The save's progress as a bar, made when the first count (and with it the total)
+    """The write's progress as a bar, made when the first count (and with it the total)
     arrives."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, desc: str = "convert") -> None:
+        self.enabled, self.desc = enabled, desc
         self.bar: Bar | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = Bar(total, "convert", self.enabled)
+            self.bar = Bar(total, self.desc, self.enabled)
         self.bar.to(done)
 
     def close(self) -> None:
@@ -76,8 +76,9 @@ def renamer(pairs: list[tuple[str, str]]) -> Callable[[str], str] | None:
 
 
 def export(src: str, dst: str, *, keys: str, rename: list[tuple[str, str]], dtype: str | None,
-           max_shard_bytes: int, copy_from: str | None, overwrite: bool, verify: bool) -> int:
-    """ckptio.export.export_hf with the command's arguments."""
+           max_shard_bytes: int, copy_from: str | None, overwrite: bool, verify: bool,
+           progress: bool = True) -> int:
+    """ckptio.export.export_hf with the command's arguments (a bar of the bytes written)."""
     try:
         from ckptio.export import export_hf
     except ImportError as exc:
@@ -87,9 +88,14 @@ def export(src: str, dst: str, *, keys: str, rename: list[tuple[str, str]], dtyp
         package = (exc.name or "ckptio").split(".")[0]  # a dependency of the export
         raise CkptError(f"ckptio export needs the package {package} ({exc}); install it "
                         f"(pip install {package})") from None
-    done = export_hf(src, dst, keys=keys or None, rename=renamer(rename), dtype=dtype,
-                     max_shard_bytes=max_shard_bytes, copy_from=copy_from, overwrite=overwrite,
-                     verify=None if verify else False)
+    shown = _Shown(progress, "export")
+    try:
+        done = export_hf(src, dst, keys=keys or None, rename=renamer(rename), dtype=dtype,
+                         max_shard_bytes=max_shard_bytes, copy_from=copy_from,
+                         overwrite=overwrite, verify=None if verify else False,
+                         progress=shown if progress else None)
+    finally:
+        shown.close()
     dropped = (f", tied alias(es) left out (from_pretrained ties them again): "
                f"{', '.join(done.dropped)}" if done.dropped else "")
     print(f"{src} -> {dst}: {len(done.files)} safetensors file(s), {done.total_size} bytes, "
