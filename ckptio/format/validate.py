@@ -24,6 +24,7 @@ from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of, shared_b
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import (
+    BYTE_KINDS,
     DTYPE_ITEMSIZE,
     KINDS,
     MAX_TREE_DEPTH,
@@ -176,7 +177,7 @@ def _check_kind(c: Check, kind: str, dtype: str, shape: tuple[int, ...], chunk: 
     """What a load turns the bytes into must be able to hold them (types.KINDS)."""
     if kind in ("numpy", "numpy_scalar") and dtype not in NUMPY_DTYPES:
         raise c.fail(f"{what}: kind {kind!r} cannot hold dtype {dtype} (numpy has no {dtype})")
-    if kind in ("bytes", "pickle", "torch_save") and (dtype != "uint8" or len(shape) != 1):
+    if kind in BYTE_KINDS and (dtype != "uint8" or len(shape) != 1):
         raise c.fail(f"{what}: kind {kind!r} is stored as 1-D uint8, not {dtype} of shape {shape}")
     if kind == "numpy_scalar" and shape != ():
         raise c.fail(f"{what}: kind 'numpy_scalar' is stored with shape (), not {shape}")

@@ -8,6 +8,7 @@ handed a ``read`` function, see read.py).
 
 from __future__ import annotations
 
+import io
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -172,6 +173,8 @@ def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     if entry.kind == "numpy_scalar":
         return tensor.numpy()[()]
     raw = tensor.numpy().tobytes()
+    if entry.kind == "bytesio":
+        return io.BytesIO(raw)
     return pickle.loads(raw) if entry.kind == "pickle" else raw
 
 

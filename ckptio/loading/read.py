@@ -24,6 +24,7 @@ StoreFiles, storage/files.py) or the I/O (io).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -244,6 +245,7 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. -> bytes read."""
+    reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
     checker = _Checker(source, algorithm, block_nbytes, check_blocks)
     for span in spans:
@@ -251,7 +253,41 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
             checker.whole(span, memoryview(b""), last=True)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
-    return _run(ranges, pool, source, depth, checker)
+    nbytes = _run(ranges, pool, source, depth, checker)
+    with torch.no_grad():
+        for dest, stored in permuted:
+            dest.copy_(stored)
+    return nbytes
+
+
+def _in_stored_order(reads: Sequence[Read]) -> tuple[Sequence[Read],
+                                                     list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``reads``, each read of an entry whose bytes lie in another dim order
+    (``TensorEntry.order``: a DCP or torch.save tensor saved transposed, always the whole
+    tensor) replaced by a read of the whole entry into a new tensor in that order; and, for
+    each, (the read's destination, the region it wants of that tensor permuted back) to copy
+    once the bytes are in."""
+    if not any(e.order for read in reads for e in read.entries):
+        return reads, []
+    out: list[Read] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for read in reads:
+        entry = read.entries[0]
+        if not entry.order or read.dest is None:
+            out.append(read)
+            continue
+        stored = dataclasses.replace(entry, shape=entry.stored_shape,
+                                     chunk=Chunk.whole(entry.stored_shape), order=())
+        staged = torch.empty(stored.shape, dtype=torch_dtype(entry.dtype))
+        out.append(Read(read.key, (stored,), stored.chunk, staged))
+        logical = staged.permute(tuple(entry.order.index(d) for d in range(len(entry.order))))
+        region = read.region
+        if region.flat:
+            wanted = logical.reshape(-1)[region.offsets[0]:region.offsets[0] + region.sizes[0]]
+        else:
+            wanted = logical[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))]
+        copies.append((read.dest, wanted))
+    return out, copies
 
 
 @dataclass
