@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from ckptio.format import regular, values
+from ckptio.format import containers, regular, values
 from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of, shared_bytes
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
@@ -282,6 +282,11 @@ def tree_keys(tree: Any, c: Check) -> list[str]:
             out.append(body)
         elif tag == "s":
             stack.append((body, depth + 1))
+        elif tag == "c" and isinstance(body, list) and len(body) == 2:
+            why = containers.problem(body[0], body[1])
+            if why is not None:
+                raise c.fail(f"tree node {show(node)}: {why}")
+            stack.append((body[1], depth))  # a container's type: not a level of nesting
         elif tag in ("l", "t") and isinstance(body, list):
             stack.extend((child, depth + 1) for child in reversed(body))
         elif tag == "d" and isinstance(body, list):

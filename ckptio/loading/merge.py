@@ -66,6 +66,8 @@ def _leaf_keys(node: Json) -> Iterator[str]:
     (tag, body), = node.items()  # the state's own tree: well formed
     if tag == "k":
         yield body
+    elif tag == "c":
+        yield from _leaf_keys(body[1])
     else:
         for child in ([c for _k, c in body] if tag == "d" else body if tag in ("l", "t")
                       else [body]):
@@ -101,8 +103,8 @@ def whole_lists(flat: FlatState, saved_tree: Json) -> Lists:
     def walk(mine: Json, saved: Json, key: str) -> None:
         (tag, body), = mine.items()
         saved = _unwrap(saved)
-        if tag == "s":
-            walk(body, saved, key)
+        if tag in ("s", "c"):
+            walk(body if tag == "s" else body[1], saved, key)
         elif tag == "d":
             theirs = {p[0]: p[1] for p in _children(saved, "d") or ()
                       if isinstance(p, list) and len(p) == 2}
@@ -141,9 +143,10 @@ def under(prefixes: Mapping[str, Json]) -> Callable[[str], bool]:
 
 
 def _unwrap(node: Json) -> Json:
-    """A checkpoint node with its Stateful wrappers ("s") removed; None when absent."""
-    while isinstance(node, dict) and len(node) == 1 and "s" in node:
-        node = node["s"]
+    """A checkpoint node without its Stateful ("s") and container type ("c") wrappers; None
+    when absent."""
+    while isinstance(node, dict) and len(node) == 1 and ("s" in node or "c" in node):
+        node = node["s"] if "s" in node else node["c"][1]
     return node
 
 
@@ -181,6 +184,8 @@ class _Walk:
         if tag == "k":
             new = self.replaced.get(body, _ABSENT)
             return live if new is _ABSENT or equal(new, live) else new
+        if tag == "c":  # a namedtuple or defaultdict: the live one keeps its type
+            return self.node(body[1], saved, live, inside, key)
         if tag == "s":
             prefix, obj, inner = next(self.statefuls)
             self.node(body, _unwrap(saved), inner, not isinstance(obj, torch.nn.Module), key)
@@ -234,6 +239,8 @@ def _first_key(node: Json) -> str:
     (tag, body), = node.items()
     if tag == "k":
         return str(body)
+    if tag == "c":
+        return _first_key(body[1])
     children = [c for _k, c in body] if tag == "d" else body if tag in ("l", "t") else [body]
     return _first_key(children[0]).rsplit(".", 1)[0] if children else ""
 
