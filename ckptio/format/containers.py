@@ -37,10 +37,11 @@ FACTORIES: dict[str, Any] = {
     "str": str, "bytes": bytes, "bool": bool, "tuple": tuple}
 
 
-def info_of(value: Any, key: str) -> Json | None:
+def info_of(value: Any, key: str, refuse: bool = True) -> Json | None:
     """The ``info`` of a namedtuple or defaultdict ``value`` (None for any other container:
     a plain dict, list or tuple, or another subclass, saved as its base type).
-    UnsupportedStateError naming ``key`` for a defaultdict whose factory is not in FACTORIES."""
+    UnsupportedStateError naming ``key`` for a defaultdict whose factory is not in FACTORIES
+    (with ``refuse`` False: None, a plain dict)."""
     kind = type(value)
     if kind in (dict, list, tuple):
         return None
@@ -53,6 +54,8 @@ def info_of(value: Any, key: str) -> Json | None:
     if isinstance(value, collections.defaultdict):
         factory = value.default_factory
         name = next((n for n, f in FACTORIES.items() if f is factory), None)
+        if name is None and not refuse:
+            return None
         if name is None:
             raise UnsupportedStateError(
                 f"key {key or 'the state'!r}: a defaultdict whose default_factory is "

@@ -184,6 +184,13 @@ def _encode(*args: Any) -> bytes:
     return args[0].encode("latin-1")
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``: how protocol 2 pickles ``b""``; with arguments (a size) refused."""
+    if args:
+        raise TypeError("bytes is rebuilt without arguments only")
+    return b""
+
+
 def _bytearray(*args: Any) -> bytes:
     """``bytearray(data)`` as protocol 2 pickles one (``data`` bytes, or nothing); as bytes
     (a bytearray leaf is stored and loaded as bytes, as ckptio.save does)."""
@@ -229,6 +236,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _encode,
     ("__builtin__", "bytearray"): _bytearray,
     ("builtins", "bytearray"): _bytearray,
+    ("__builtin__", "bytes"): _empty_bytes,
+    ("builtins", "bytes"): _empty_bytes,
     ("_io", "BytesIO"): _BytesIO,
     ("torch", "Size"): _size,
     ("torch", "device"): _device,

@@ -23,7 +23,7 @@ from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading import merge
-from ckptio.planning.sharding import held
+from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
            "fill_in_place", "selector", "stored_value"]
@@ -342,6 +342,9 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     in_lists = merge.under(lists.whole)
     saved = [k for k in sources.keys() if select(k)]
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
+    for key in present:  # before any tensor's storage is asked for (a sparse one has none)
+        if isinstance(flat.leaves[key].value, torch.Tensor):
+            check_dense(flat.leaves[key].value, key)
     saved_set = set(saved)
     common = [k for k in present if k in saved_set]
     tied = _tied(flat, [k for k in present if k not in saved_set], common)

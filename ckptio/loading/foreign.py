@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
-from ckptio.format import dcpmeta, torchzip, validate, values
+from ckptio.format import containers, dcpmeta, torchzip, validate, values
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
     MAX_TREE_DEPTH,
@@ -249,15 +249,28 @@ def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "")
 _SAFE_GLOBALS_LOCK = threading.Lock()
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``: how pickle protocol 2 writes ``b""`` (other bytes are ``_codecs.encode``,
+    which torch allows); with arguments (a size to allocate) refused."""
+    if args:
+        raise ValueError("bytes() is rebuilt without arguments only")
+    return b""
+
+
+# What torch.load(weights_only=True) lacks for DCP's TrainState: io.BytesIO (rebuilt from its
+# bytes and position; no other code runs) and b"".
+_EXTRA_GLOBALS: list[Any] = [io.BytesIO, (_empty_bytes, "builtins.bytes")]
+
+
 def _weights_only_load(raw: bytes) -> Any:
-    """``torch.load(weights_only=True)`` that also rebuilds ``io.BytesIO`` (DCP's TrainState
-    stores one: rebuilding it runs no code but BytesIO's own, from bytes and a position).
-    torch's allow-list is process-global: BytesIO is added for this call only, under a lock,
-    and only if the caller has not added it already (so it is never removed from under them)."""
+    """``torch.load(weights_only=True)`` that also rebuilds ``io.BytesIO`` and ``b""``
+    (_EXTRA_GLOBALS). torch's allow-list is process-global: they are added for this call only,
+    under a lock, and only those the caller has not added already (so none is removed from
+    under them)."""
     with _SAFE_GLOBALS_LOCK:
-        if io.BytesIO in torch.serialization.get_safe_globals():
-            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-        with torch.serialization.safe_globals([io.BytesIO]):
+        present = torch.serialization.get_safe_globals()
+        extra = [g for g in _EXTRA_GLOBALS if g not in present]
+        with torch.serialization.safe_globals(extra):
             return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
 
 
@@ -273,11 +286,12 @@ def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -
                 raise CkptError(f"key {key!r}: a dict key of type {type(k).__name__} in a DCP "
                                 "value; ckptio holds str and int keys only")
             items.append([k, expand_value(v, f"{key}.{k}", objects, depth + 1)])
-        return {"d": items}
+        return _typed(value, key, {"d": items})
     if isinstance(value, list):
         return {"l": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return {"t": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+        return _typed(value, key, {"t": [expand_value(v, f"{key}.{i}", objects, depth + 1)
+                                         for i, v in enumerate(value)]})
     try:
         objects.append(ObjectEntry(key, values.encode(value)))
     except values.NotEncodable:
@@ -287,6 +301,13 @@ def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -
             "io.BytesIO, torch.Size, dtype, device and containers of them); load it with "
             "torch.distributed.checkpoint.load, or leave it out of the saved state") from None
     return {"k": key}
+
+
+def _typed(value: Any, key: str, node: Json) -> Json:
+    """``node`` wrapped in the type of a namedtuple or defaultdict (format/containers.py; one
+    with another factory stays a dict)."""
+    info = containers.info_of(value, key, refuse=False)
+    return node if info is None else {"c": [info, node]}
 
 
 def nest(nodes: Mapping[str, Json], paths: Mapping[str, tuple[str | int, ...]], where: str,

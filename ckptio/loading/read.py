@@ -255,22 +255,21 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
                             in_one_read=_in_one_read)
     nbytes = _run(ranges, pool, source, depth, checker)
     with torch.no_grad():
-        for dest, stored in permuted:
-            dest.copy_(stored)
+        for read, staged in permuted:
+            read.dest.copy_(_permuted_back(read, staged))
     return nbytes
 
 
 def _in_stored_order(reads: Sequence[Read]) -> tuple[Sequence[Read],
-                                                     list[tuple[torch.Tensor, torch.Tensor]]]:
+                                                     list[tuple[Read, torch.Tensor]]]:
     """``reads``, each read of an entry whose bytes lie in another dim order
     (``TensorEntry.order``: a DCP or torch.save tensor saved transposed, always the whole
     tensor) replaced by a read of the whole entry into a new tensor in that order; and, for
-    each, (the read's destination, the region it wants of that tensor permuted back) to copy
-    once the bytes are in."""
+    each, (the read, that tensor), to copy its region once the bytes are in."""
     if not any(e.order for read in reads for e in read.entries):
         return reads, []
     out: list[Read] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    permuted: list[tuple[Read, torch.Tensor]] = []
     for read in reads:
         entry = read.entries[0]
         if not entry.order or read.dest is None:
@@ -280,14 +279,19 @@ def _in_stored_order(reads: Sequence[Read]) -> tuple[Sequence[Read],
                                      chunk=Chunk.whole(entry.stored_shape), order=())
         staged = torch.empty(stored.shape, dtype=torch_dtype(entry.dtype))
         out.append(Read(read.key, (stored,), stored.chunk, staged))
-        logical = staged.permute(tuple(entry.order.index(d) for d in range(len(entry.order))))
-        region = read.region
-        if region.flat:
-            wanted = logical.reshape(-1)[region.offsets[0]:region.offsets[0] + region.sizes[0]]
-        else:
-            wanted = logical[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))]
-        copies.append((read.dest, wanted))
-    return out, copies
+        permuted.append((read, staged))
+    return out, permuted
+
+
+def _permuted_back(read: Read, staged: torch.Tensor) -> torch.Tensor:
+    """The region ``read`` wants of its entry's tensor, read in its stored order into
+    ``staged``."""
+    order = read.entries[0].order
+    logical = staged.permute(tuple(order.index(d) for d in range(len(order))))
+    region = read.region
+    if region.flat:  # (a copy in row-major order, made now that the bytes are in)
+        return logical.reshape(-1)[region.offsets[0]:region.offsets[0] + region.sizes[0]]
+    return logical[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))]
 
 
 @dataclass
