@@ -174,6 +174,26 @@ def test_transposed_tensors_from_dcp_directories(tmp_path: Path) -> None:
     assert ckptio.verify(tmp_path / "dcp") > 0
 
 
+def test_transposed_tensors_export_to_safetensors(tmp_path: Path) -> None:
+    """export_hf reads a transposed DCP or torch.save tensor in windows (small shards) and in
+    another dtype: the same values as the tensor itself."""
+    from safetensors.torch import load_file
+
+    state = {"model": _strided()}
+    _dcp_save(state, tmp_path / "dcp")
+    torch.save(state, tmp_path / "s.pt")
+    for name in ("dcp", "s.pt"):
+        for dtype in (None, torch.float32):
+            out = tmp_path / f"hf-{name}-{dtype}"
+            ckptio.export_hf(tmp_path / name, out, dtype=dtype, max_shard_bytes=256)
+            got: dict[str, torch.Tensor] = {}
+            for file in out.glob("*.safetensors"):
+                got.update(load_file(file))
+            for key, want in _strided().items():
+                cast = want if dtype is None or not want.is_floating_point() else want.to(dtype)
+                _same(got[key], cast)
+
+
 def test_transposed_tensors_from_a_torch_save_file(tmp_path: Path) -> None:
     torch.save(_strided(), tmp_path / "s.pt")
     got = ckptio.load(tmp_path / "s.pt")
@@ -381,6 +401,23 @@ def test_namedtuples_and_defaultdicts_come_back_as_they_were(tmp_path: Path) -> 
     assert types["pair"] == "namedtuple" and types["counts"] == "defaultdict"
 
 
+def containers_case(rank: int, world_size: int, tmp: str) -> None:
+    """Two pipeline stages: each rank holds its own keys of one defaultdict and one
+    namedtuple of its own values per rank."""
+    state = {"stage": collections.defaultdict(list, {f"layer{rank}": torch.full((2,), rank)}),
+             "pair": Pair(torch.ones(2), 5)}
+    ckptio.save(state, os.path.join(tmp, "c"))
+
+
+def test_containers_saved_by_ranks_holding_different_keys(tmp_path: Path) -> None:
+    run_ranks(2, containers_case, str(tmp_path))
+    got = ckptio.load(tmp_path / "c")
+    assert type(got["stage"]) is collections.defaultdict and got["stage"].default_factory is list
+    assert sorted(got["stage"]) == ["layer0", "layer1"]
+    assert torch.equal(got["stage"]["layer1"], torch.full((2,), 1))
+    assert type(got["pair"]) is Pair and got["pair"].second == 5
+
+
 def test_a_namedtuple_whose_class_is_not_loaded_gets_a_stand_in(tmp_path: Path) -> None:
     Local = collections.namedtuple("Local", ["alpha", "beta"])  # no module attribute names it
     ckptio.save({"x": Local(1, [2])}, tmp_path / "c")
@@ -481,3 +518,15 @@ def test_a_legacy_sharded_tensor_is_refused(tmp_path: Path) -> None:
             assert "key 'w': a legacy ShardedTensor" in line and "DTensor" in line
             assert "ckptio.TensorShard(shard.tensor" in line
     assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("tagged", [["bytes", "not base64!"], ["bytes", 5], ["bytesio", None],
+                                    ["bytes", "YWJ"]], ids=["text", "int", "none", "padding"])
+def test_malformed_inline_bytes_are_refused(tagged: list[Any]) -> None:
+    from ckptio.format import values
+
+    with pytest.raises(ValueError, match="bytes value"):
+        values.decode(tagged)
+    every = bytes(range(256))
+    assert values.decode(values.encode(every)) == every
+    assert values.decode(values.encode(io.BytesIO(every))).getvalue() == every

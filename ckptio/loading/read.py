@@ -11,7 +11,9 @@ hold it, a destination. Each becomes spans of stored entries, the unit one check
   whose blocks are checked before a byte of them is copied out.
 
 An entry one Read wants whole and another in part is read in part (block by block) only, so no
-byte is read twice. All spans of a load then go through one coalescing (layout.coalesce_reads:
+byte is read twice. An entry whose bytes lie in another order of its dims (``TensorEntry.order``:
+a DCP or torch.save tensor saved transposed) is read whole into a tensor in that order, and the
+region wanted of it is copied out permuted back once the read is done. All spans of a load then go through one coalescing (layout.coalesce_reads:
 neighbours within MAX_GAP share one aligned read of up to a pool buffer) and one read-ahead loop
 over the staging pool, up to ``2 * depth`` reads in flight.
 
