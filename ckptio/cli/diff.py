@@ -107,6 +107,9 @@ def _nesting(tree: Json, above: tuple[str, ...] = ()) -> Iterator[tuple[str, tup
         yield str(body), above
     elif tag == "s":
         yield from _nesting(body, (*above, _NAMES[tag]))
+    elif tag == "c":  # a namedtuple or defaultdict: named by its type, not "tuple" or "dict"
+        for key, inner in _nesting(body[1], above):
+            yield key, (*above, body[0][0], *inner[len(above) + 1:])
     else:
         for _name, child in body if tag == "d" else enumerate(body):  # type: ignore[arg-type]
             yield from _nesting(child, (*above, _NAMES[tag]))

@@ -51,6 +51,8 @@ def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int 
         return {"name": name, **_leaf(table[str(body)], exact)}
     if tag == "s":  # an object saved through its state_dict(): its state, marked
         return {**_node(name, body, table, depth, limit, exact), "stateful": True}
+    if tag == "c":  # a namedtuple or defaultdict: its tuple or dict, typed
+        return {**_node(name, body[1], table, depth, limit, exact), "type": body[0][0]}
     named = body if tag == "d" else list(enumerate(body))  # type: ignore[arg-type]
     children = [_node(k, child, table, depth + 1, limit, exact) for k, child in named]
     node: dict[str, Any] = {"name": name, "type": _CONTAINERS[tag],

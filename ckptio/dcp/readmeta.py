@@ -87,9 +87,10 @@ def dcp_view(record: Manifest, *, rank: int, world_size: int, per_rank_from: Ran
 
 
 def _inner(node: Json) -> Json:
-    """A node without its Stateful wrappers (DCP sees the state dict)."""
-    while "s" in node:
-        node = node["s"]
+    """A node without its Stateful wrappers (DCP sees the state dict) and defaultdict types
+    (DCP walks any mapping); a namedtuple keeps its type: DCP saves a tuple as one value."""
+    while "s" in node or ("c" in node and "d" in node["c"][1]):
+        node = node["s"] if "s" in node else node["c"][1]
     return node
 
 
@@ -174,6 +175,8 @@ def _leaves(node: Json) -> list[str]:
         return [body]
     if tag == "s":
         return _leaves(body)
+    if tag == "c":
+        return _leaves(body[1])
     children = [child for _key, child in body] if tag == "d" else body
     return [key for child in children for key in _leaves(child)]
 

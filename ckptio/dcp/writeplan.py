@@ -1,8 +1,9 @@
 """DCP's save plans and results, translated into ckptio's write items and manifest: pure.
 
     check_plan(plan, rank, path)                 every tensor item's dtype is one ckptio stores
-    inline_value(item, data)                     a BYTE_IO item's value as ckptio values, or None
-    write_item(item, data)                       a DCP WriteItem (resolved) -> types.WriteItem
+    inline_value(item, data)                     a BYTE_IO item's value as ckptio values, its
+                                                 bytes (a bytes or BytesIO value), or None
+    write_item(item, data, path, raw)            a DCP WriteItem (resolved) -> types.WriteItem
     written(item, entry, rank, file_nbytes)      a persisted entry -> what a WriteResult carries
     manifest_of(metadata, results, ...)          every rank's results -> the Manifest to commit
     paths_of(keys, planner_data)                 each key's path from DCP's planner_data (for nest)
@@ -16,6 +17,7 @@ No I/O: dataclasses and DCP's plan objects in, dataclasses out.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +49,8 @@ from ckptio.loading.foreign import expand_value, nest, torch_load_value
 from ckptio.planning import plan
 from ckptio.loading.torchvalues import TORCH_SAVE
 
-__all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "Written", "check_plan", "dtype_name",
-           "inline_value", "item_key", "manifest_of", "paths_of", "write_item", "written"]
+__all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "RawBytes", "Written", "check_plan",
+           "dtype_name", "inline_value", "item_key", "manifest_of", "paths_of", "write_item", "written"]
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,21 @@ class InlineValue:
     objects: tuple[ObjectEntry, ...]
 
 
-def inline_value(item: DcpItem, data: Any) -> InlineValue | None:
+@dataclass(frozen=True)
+class RawBytes:
+    """A BYTE_IO item whose value is ``bytes`` or an ``io.BytesIO`` (DCP's TrainState): its
+    content, stored as a data entry of ``kind`` ``bytes`` / ``bytesio`` as ckptio.save does."""
+
+    kind: str
+    data: bytes
+
+
+def inline_value(item: DcpItem, data: Any) -> InlineValue | RawBytes | None:
     """A BYTE_IO item's value as ckptio inline values, so the checkpoint reads like one
     ckptio.save made (``ckptio ls`` shows lr and betas, ``ckptio diff`` compares them, no
-    torch.load at load time); None (keep its torch.save bytes, kind ``torch_save``) when
-    ``torch.load(weights_only=True)`` refuses it or a leaf is no inline value (a tensor, an
-    array, a custom object)."""
+    torch.load at load time); a bytes or BytesIO value as its content (RawBytes); None (keep
+    its torch.save bytes, kind ``torch_save``) when ``torch.load(weights_only=True)`` refuses
+    it or a leaf is no inline value (a tensor, an array, a custom object)."""
     if item.type != WriteItemType.BYTE_IO:
         return None
     raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
@@ -96,6 +107,10 @@ def inline_value(item: DcpItem, data: Any) -> InlineValue | None:
         value = torch_load_value(raw, item.index.fqn, allow_pickle=False)
     except CkptError:  # refused by weights_only, or not a torch.save value: kept as bytes
         return None
+    if isinstance(value, (bytes, bytearray)):
+        return RawBytes("bytes", bytes(value))
+    if isinstance(value, io.BytesIO):
+        return RawBytes("bytesio", value.getvalue())
     objects: list[ObjectEntry] = []
     try:
         node = expand_value(value, item.index.fqn, objects, 0)
@@ -128,15 +143,18 @@ def check_plan(plan: SavePlan, rank: int, path: str) -> None:
         dtype_name(item.tensor_data.properties.dtype, item.index.fqn)
 
 
-def write_item(item: DcpItem, data: Any, path: str) -> tuple[WriteItem, torch.Tensor]:
+def write_item(item: DcpItem, data: Any, path: str,
+               content: RawBytes | None = None) -> tuple[WriteItem, torch.Tensor]:
     """The ckptio item for DCP's ``item`` whose data ``planner.resolve_data`` returned, and the
-    tensor whose bytes are written (a BYTE_IO item: the torch.save bytes, as uint8)."""
+    tensor whose bytes are written (a BYTE_IO item: the torch.save bytes, as uint8; or
+    ``content``'s bytes, when inline_value found a bytes or BytesIO value)."""
     key = item_key(item.index)
     if item.type == WriteItemType.BYTE_IO:
-        raw = data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+        kind, raw = (TORCH_SAVE, data.getvalue() if hasattr(data, "getvalue") else bytes(data)
+                     ) if content is None else (content.kind, content.data)
         tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(
             0, dtype=torch.uint8)
-        return WriteItem(key, TORCH_SAVE, "uint8", (len(raw),), Chunk.whole((len(raw),)),
+        return WriteItem(key, kind, "uint8", (len(raw),), Chunk.whole((len(raw),)),
                          len(raw)), tensor
     if item.tensor_data is None or not isinstance(data, torch.Tensor):
         raise CkptError(f"save to {path}: the planner resolved tensor item {item.index.fqn!r} "
@@ -192,8 +210,8 @@ def manifest_of(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
 
 def _entry(metadata: Metadata, index: MetadataIndex, w: Written, where: str) -> TensorEntry:
     stored = metadata.state_dict_metadata.get(index.fqn)
-    if w.kind == TORCH_SAVE and isinstance(stored, BytesStorageMetadata):
-        return TensorEntry(index.fqn, TORCH_SAVE, "uint8", w.sizes, Chunk.whole(w.sizes), w.file,
+    if w.kind in (TORCH_SAVE, "bytes", "bytesio") and isinstance(stored, BytesStorageMetadata):
+        return TensorEntry(index.fqn, w.kind, "uint8", w.sizes, Chunk.whole(w.sizes), w.file,
                            w.offset, w.nbytes, w.checksum, None, w.blocks)
     if w.kind == "tensor" and isinstance(stored, TensorStorageMetadata):
         chunk = Chunk(tuple(index.offset or (0,) * len(w.sizes)), w.sizes)

@@ -162,10 +162,10 @@ class DcpWriter(StorageWriter):
         for item in plan.items:
             data = planner.resolve_data(item)
             inline = writeplan.inline_value(item, data)
-            if inline is not None:  # a value ckptio stores inline: nothing to write
+            if isinstance(inline, writeplan.InlineValue):  # stored inline: nothing to write
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=inline))
                 continue
-            ours, tensor = writeplan.write_item(item, data, self.path)
+            ours, tensor = writeplan.write_item(item, data, self.path, inline)
             items.append(ours)
             sources[ours.key] = tensor
             index_of[ours.key] = item.index

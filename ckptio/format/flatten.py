@@ -2,8 +2,9 @@
 
 Owns: traversal of dicts, lists, tuples and Stateful objects (anything with state_dict and
 load_state_dict); dotted keys ("model.layers.0.weight"); the JSON tree recorded in the manifest
-(dict keys keep their type: "0" and 0 stay different). Does not own: what a leaf is stored as
-(plan.py) or how a leaf is filled on load (loading/).
+(dict keys keep their type: "0" and 0 stay different), with namedtuples and defaultdicts
+wrapped in the node that says what they were (containers.py). Does not own: what a leaf is
+stored as (plan.py) or how a leaf is filled on load (loading/).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import ManifestError, UnsupportedStateError
+from ckptio.format import containers
 from ckptio.format.types import MAX_TREE_DEPTH, Json
 
 __all__ = ["FlatState", "Leaf", "flatten", "is_stateful", "unflatten"]
@@ -87,12 +89,19 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
                     f"{type(k).__name__}; convert the key before saving"
                 )
             items.append([k, _walk(v, _join(key, k), value, k, flat, depth)])
-        return {"d": items}
+        return _typed(value, key, {"d": items})
     if isinstance(value, list):
         return {"l": [_walk(v, _join(key, i), value, i, flat, depth) for i, v in enumerate(value)]}
     if _is_container(value):  # tuple, not torch.Size
-        return {"t": [_walk(v, _join(key, i), None, i, flat, depth) for i, v in enumerate(value)]}
+        return _typed(value, key, {"t": [_walk(v, _join(key, i), None, i, flat, depth)
+                                         for i, v in enumerate(value)]})
     return _leaf(value, key, parent, slot, flat)
+
+
+def _typed(value: Any, key: str, node: Json) -> Json:
+    """``node`` wrapped in the type of a namedtuple or defaultdict ``value`` (containers.py)."""
+    info = containers.info_of(value, key)
+    return node if info is None else {"c": [info, node]}
 
 
 def _leaf(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json:
@@ -121,6 +130,8 @@ def _build(node: Json, values: dict[str, Any]) -> Any:
         return values.get(body, _MISSING)
     if tag == "s":
         return _build(body, values)
+    if tag == "c":
+        return containers.rebuild(body[0], _build(body[1], values))
     if tag == "d":
         out = {}
         for k, child in body:

@@ -8,7 +8,8 @@ local headers hold zero sizes and CRC), so sizes and CRC-32s come from the centr
 entries, ``data_offset`` turns a record's local header into the offset of its bytes, and
 ``decode_pickle`` decodes ``data.pkl`` with an allow-list unpickler, the weights_only set for
 training state: dicts (``collections.OrderedDict`` too), lists, tuples, Python scalars and
-strings, ``torch.Size``, ``torch.device``, dtypes, and tensors rebuilt by
+strings, bytes (``_codecs.encode`` of latin-1 text, as protocol 2 pickles them), ``io.BytesIO``
+(from its bytes and position), ``torch.Size``, ``torch.device``, dtypes, and tensors rebuilt by
 ``torch._utils._rebuild_tensor_v2/v3`` (``_rebuild_parameter`` too) over storage references.
 Any other global raises PickleRefusedError naming it; nothing it names is imported or run.
 
@@ -18,6 +19,7 @@ bytes, turning the decoded object into a Manifest (loading/torchsave.py).
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +177,40 @@ class _ODict(dict):  # type: ignore[type-arg]
             raise TypeError("OrderedDict state is a dict")
 
 
+def _encode(*args: Any) -> bytes:
+    """``_codecs.encode(text, "latin1")``: how pickle protocol 2 writes a bytes object."""
+    if len(args) != 2 or type(args[0]) is not str or args[1] not in ("latin1", "latin-1"):
+        raise TypeError("_codecs.encode is rebuilt for (str, 'latin1') only")
+    return args[0].encode("latin-1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``: how protocol 2 pickles ``b""``; with arguments (a size) refused."""
+    if args:
+        raise TypeError("bytes is rebuilt without arguments only")
+    return b""
+
+
+def _bytearray(*args: Any) -> bytes:
+    """``bytearray(data)`` as protocol 2 pickles one (``data`` bytes, or nothing); as bytes
+    (a bytearray leaf is stored and loaded as bytes, as ckptio.save does)."""
+    if not args:
+        return b""
+    if len(args) != 1 or type(args[0]) is not bytes:
+        raise TypeError("bytearray is rebuilt from one bytes object only")
+    return args[0]
+
+
+class _BytesIO(io.BytesIO):
+    """io.BytesIO, rebuilt from its state (content, position, no attributes) only."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (type(state) is tuple and len(state) == 3 and type(state[0]) is bytes
+                and type(state[1]) is int and state[2] in (None, {})):
+            raise TypeError("io.BytesIO state is (bytes, position, None)")
+        super().__setstate__((state[0], state[1], None))
+
+
 def _size(*args: Any) -> TorchSize:
     if len(args) != 1 or type(args[0]) is not tuple or not all(type(i) is int for i in args[0]):
         raise TypeError("torch.Size takes one tuple of ints")
@@ -197,6 +233,12 @@ def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, *rest
 _ALLOWED: dict[tuple[str, str], Any] = {
     **TENSOR_GLOBALS,
     ("collections", "OrderedDict"): _ODict,
+    ("_codecs", "encode"): _encode,
+    ("__builtin__", "bytearray"): _bytearray,
+    ("builtins", "bytearray"): _bytearray,
+    ("__builtin__", "bytes"): _empty_bytes,
+    ("builtins", "bytes"): _empty_bytes,
+    ("_io", "BytesIO"): _BytesIO,
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,

@@ -28,7 +28,7 @@ from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
 __all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TENSOR_GLOBALS", "TensorRecord", "TensorRef",
-           "parse_descriptor", "parse_head", "row_major", "storage_ref"]
+           "dense_order", "parse_descriptor", "parse_head", "row_major", "storage_ref"]
 
 HEAD_NBYTES = 4096  # the records before data/0 fit here (data/0 starts at 704 in torch 2.13)
 DESCRIPTOR_NBYTES = 24  # the largest data descriptor (zip64)
@@ -68,6 +68,20 @@ def row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
             return False
         expected *= d
     return True
+
+
+def dense_order(size: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The order of dims in which a view of ``size`` with ``stride`` lays out its elements
+    densely (no gaps, no overlaps: a transposed or channels-last tensor over all of its
+    storage): () when row-major, None when not dense."""
+    if len(size) != len(stride):
+        return None
+    if row_major(size, stride):
+        return ()
+    order = tuple(sorted(range(len(size)), key=lambda d: -stride[d]))
+    if not row_major(tuple(size[d] for d in order), tuple(stride[d] for d in order)):
+        return None
+    return order
 
 
 @dataclass(frozen=True)

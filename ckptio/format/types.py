@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPE_ITEMSIZE",
+    "BYTE_KINDS",
     "KINDS",
     "MAX_TREE_DEPTH",
     "NUMPY_DTYPES",
@@ -54,7 +55,10 @@ MAX_TREE_DEPTH = 256
 
 # How a stored byte range is turned back into a Python value on load. "torch_save": the bytes of
 # torch.save(value) (a DCP BYTE_IO item, kept verbatim), decoded by torch.load(weights_only=True).
-KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "pickle", "torch_save")
+# "bytesio": the content of an io.BytesIO (loaded as a new BytesIO at position 0).
+KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "bytesio", "pickle", "torch_save")
+# The kinds whose entries are 1-D uint8 bytes.
+BYTE_KINDS = ("bytes", "bytesio", "pickle", "torch_save")
 
 # The dtypes a "numpy" / "numpy_scalar" entry may have: those numpy itself has (not bfloat16,
 # float8 or complex32, which Tensor.numpy() refuses).
@@ -152,6 +156,16 @@ class TensorEntry:
     checksum: str
     rank: int | None = None  # the rank whose own value this is; None: part of one global tensor
     blocks: tuple[str, ...] = ()  # checksums of each Manifest.block_nbytes of it, when larger
+    # () : the bytes are the chunk's elements in row-major order (every manifest.json entry).
+    # Else the tensor's dims in the order its bytes lie (those of t.permute(order).contiguous()):
+    # a DCP or torch.save tensor saved transposed (in-memory manifests only; always the whole
+    # tensor; read.py reads it whole and permutes it back)
+    order: tuple[int, ...] = ()
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The chunk's sizes in the order its bytes lie."""
+        return tuple(self.chunk.sizes[d] for d in self.order) if self.order else self.chunk.sizes
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ import re
 from collections import Counter
 from typing import Any
 
-from ckptio.format import regular, values
+from ckptio.format import containers, regular, values
 from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of, shared_bytes
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import (
+    BYTE_KINDS,
     DTYPE_ITEMSIZE,
     KINDS,
     MAX_TREE_DEPTH,
@@ -176,7 +177,7 @@ def _check_kind(c: Check, kind: str, dtype: str, shape: tuple[int, ...], chunk: 
     """What a load turns the bytes into must be able to hold them (types.KINDS)."""
     if kind in ("numpy", "numpy_scalar") and dtype not in NUMPY_DTYPES:
         raise c.fail(f"{what}: kind {kind!r} cannot hold dtype {dtype} (numpy has no {dtype})")
-    if kind in ("bytes", "pickle", "torch_save") and (dtype != "uint8" or len(shape) != 1):
+    if kind in BYTE_KINDS and (dtype != "uint8" or len(shape) != 1):
         raise c.fail(f"{what}: kind {kind!r} is stored as 1-D uint8, not {dtype} of shape {shape}")
     if kind == "numpy_scalar" and shape != ():
         raise c.fail(f"{what}: kind 'numpy_scalar' is stored with shape (), not {shape}")
@@ -281,6 +282,11 @@ def tree_keys(tree: Any, c: Check) -> list[str]:
             out.append(body)
         elif tag == "s":
             stack.append((body, depth + 1))
+        elif tag == "c" and isinstance(body, list) and len(body) == 2:
+            why = containers.problem(body[0], body[1])
+            if why is not None:
+                raise c.fail(f"tree node {show(node)}: {why}")
+            stack.append((body[1], depth))  # a container's type: not a level of nesting
         elif tag in ("l", "t") and isinstance(body, list):
             stack.extend((child, depth + 1) for child in reversed(body))
         elif tag == "d" and isinstance(body, list):

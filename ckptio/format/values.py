@@ -2,14 +2,18 @@
 
 Owns: which plain Python values ckptio stores inline in the manifest, their exact encoding
 (floats as hex so every bit survives) and the strict decoding of that JSON, which treats it as
-hostile (any malformed tag or payload is a ValueError naming it). Does not own: tensors, numpy
-arrays or bytes (those are stored as data entries), nor pickled objects (flatten decides when
-pickle is allowed). Imports torch only to decode a size, dtype or device (the ``ckptio``
+hostile (any malformed tag or payload is a ValueError naming it). Does not own: tensors and
+numpy arrays (stored as data entries; so are the bytes and BytesIO leaves a save sees, which
+come here only from inside a DCP value: base64 inline), nor pickled objects (plan.py decides
+when pickle is allowed). Imports torch only to decode a size, dtype or device (the ``ckptio``
 command reads manifests without torch).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import math
 import re
 import struct
@@ -60,6 +64,10 @@ def encode(value: Any) -> Json:
         return ["complex", [_float(value.real), _float(value.imag)]]
     if isinstance(value, str):
         return ["str", value]
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytes", base64.b64encode(value).decode("ascii")]
+    if isinstance(value, io.BytesIO):
+        return ["bytesio", base64.b64encode(value.getbuffer()).decode("ascii")]
     torch = sys.modules.get("torch")  # not imported: the value is no torch object
     if torch is None:
         raise NotEncodable(type(value).__name__)
@@ -123,6 +131,19 @@ def _str(payload: Any) -> str:
     return payload
 
 
+def _bytes(payload: Any) -> bytes:
+    if not isinstance(payload, str):
+        raise _fail("bytes", payload, "the payload must be base64 text")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _fail("bytes", payload, "not base64 text") from None
+
+
+def _bytesio(payload: Any) -> io.BytesIO:
+    return io.BytesIO(_bytes(payload))
+
+
 def _size(payload: Any) -> torch.Size:
     import torch
 
@@ -182,5 +203,5 @@ def _parse_float(text: Any) -> float:
 
 _DECODERS: dict[str, Callable[[Any], Any]] = {
     "none": _none, "bool": _bool, "int": _int_value, "float": _parse_float, "complex": _complex,
-    "str": _str, "size": _size, "dtype": _dtype, "device": _device,
+    "str": _str, "bytes": _bytes, "bytesio": _bytesio, "size": _size, "dtype": _dtype, "device": _device,
 }

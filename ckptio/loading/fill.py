@@ -8,6 +8,7 @@ handed a ``read`` function, see read.py).
 
 from __future__ import annotations
 
+import io
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -22,7 +23,7 @@ from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading import merge
-from ckptio.planning.sharding import held
+from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
            "fill_in_place", "selector", "stored_value"]
@@ -172,6 +173,8 @@ def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     if entry.kind == "numpy_scalar":
         return tensor.numpy()[()]
     raw = tensor.numpy().tobytes()
+    if entry.kind == "bytesio":
+        return io.BytesIO(raw)
     return pickle.loads(raw) if entry.kind == "pickle" else raw
 
 
@@ -335,19 +338,24 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     those no rank asks for."""
     select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
+    lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
+    in_lists = merge.under(lists.whole)
     saved = [k for k in sources.keys() if select(k)]
-    present = [k for k in flat.leaves if select(k)]
+    present = [k for k in flat.leaves if select(k) and not in_lists(k)]
+    for key in present:  # before any tensor's storage is asked for (a sparse one has none)
+        if isinstance(flat.leaves[key].value, torch.Tensor):
+            check_dense(flat.leaves[key].value, key)
     saved_set = set(saved)
     common = [k for k in present if k in saved_set]
     tied = _tied(flat, [k for k in present if k not in saved_set], common)
     missing = tuple(k for k in present if k not in saved_set and k not in tied)
-    extra = [k for k in saved if k not in flat.leaves]
+    extra = [k for k in saved if k not in flat.leaves or in_lists(k)]
     may_create = merge.creatable(flat)
-    created = [k for k in extra if may_create(k)]
-    unexpected = tuple(k for k in extra if not may_create(k))
+    created = [k for k in extra if may_create(k) or in_lists(k)]
+    unexpected = tuple(k for k in extra if not (may_create(k) or in_lists(k)))
     if agree_unexpected is not None:
         unexpected = agree_unexpected(unexpected)
-    _check_keys(flat, missing, unexpected, strict)
+    _check_keys(flat, missing, unexpected, strict, lists.hint())
     plan = _plan_in_place(sources, flat, common, cast, created)
     sources.check_refused()
     if sources.absent:
@@ -363,7 +371,7 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     nbytes = plan.run(read)
     values = {key: make_value() for key, make_value in plan.assign}
     made = {key: values.pop(key) for key in plan.create}
-    merge.put_back(flat, record.tree, values, made)
+    merge.put_back(flat, record.tree, values, made, lists.whole)
     skipped = set(sources.absent) | set(sources.refused)
     loaded = tuple(k for k in (*common, *plan.create, *tied)
                    if k not in plan.problems and k not in skipped)
@@ -400,14 +408,14 @@ def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
 
 
 def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str, ...],
-                strict: bool) -> None:
+                strict: bool, lists_hint: str = "") -> None:
     hint = _optimizer_hint(flat, unexpected)
     if strict and (missing or unexpected):
         raise StateMismatchError(
             f"state and checkpoint keys differ: missing from the checkpoint {list(missing[:10])}"
             f"{'...' if len(missing) > 10 else ''}, not in the state {list(unexpected[:10])}"
-            f"{'...' if len(unexpected) > 10 else ''}.{hint} Otherwise pass strict=False to "
-            "load the keys both have, or keys=... to choose which to load")
+            f"{'...' if len(unexpected) > 10 else ''}.{hint}{lists_hint} Otherwise pass "
+            "strict=False to load the keys both have, or keys=... to choose which to load")
     if hint:
         warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
                       stacklevel=4)

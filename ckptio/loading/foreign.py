@@ -17,9 +17,10 @@ store), so an ``s3://`` DCP prefix is read the same way.
 
 Refused, each with a CkptError naming the path and the fix: per-rank ``__{rank}.metadata``
 layouts, items written through stream transforms, items that are not torch.save zips (e.g.
-``serialization_format=SAFETENSORS``), tensors DCP stored as a strided view (a transposed or
-channels-last tensor it did not copy), and values that decode to something ckptio cannot hold
-inline (bytes, tensors or arrays inside a value).
+``serialization_format=SAFETENSORS``), tensors stored as a view of part of their storage or
+with overlapping elements (a transposed or channels-last tensor over its whole storage is read:
+its entry's ``order`` says how its bytes lie), a transposed shard of a larger tensor, and values
+that decode to something ckptio cannot hold inline (tensors or arrays inside a value).
 
 Owns: detecting a DCP directory, the phase-1 reads, the synthesized Manifest. Does not own: the
 pickle and zip parsing (format/), reading bytes (read.py), matching keys (fill.py).
@@ -31,6 +32,7 @@ import dataclasses
 import io
 import pickle
 import re
+import threading
 import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
-from ckptio.format import dcpmeta, torchzip, validate, values
+from ckptio.format import containers, dcpmeta, torchzip, validate, values
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
     MAX_TREE_DEPTH,
@@ -186,17 +188,23 @@ def _entry(store: Store, t: dcpmeta.DcpTensor, chunk: Chunk, item: dcpmeta.DcpIt
         raise CorruptCheckpointError(
             f"{where} holds a {record.dtype} tensor of size {record.size}; the metadata says "
             f"{t.dtype} of size {chunk.sizes}: the DCP checkpoint is damaged")
-    if (record.storage_offset != 0 or record.storage_nbytes != nbytes
-            or not torchzip.row_major(record.size, record.stride)):
+    order = torchzip.dense_order(record.size, record.stride) if nbytes else ()
+    if order is None or (nbytes and (record.storage_offset != 0
+                                     or record.storage_nbytes != nbytes)):
         raise CkptError(
-            f"{where} was stored as a strided view (storage offset {record.storage_offset}, "
-            f"stride {record.stride}, {record.storage_nbytes} storage bytes for {nbytes}): DCP "
-            "saved a transposed or channels-last tensor without copying it, which ckptio does not "
-            "read yet; load it with torch.distributed.checkpoint.load (or save .contiguous())")
+            f"{where} was stored as a view that is not its whole storage in any dimension "
+            f"order (storage offset {record.storage_offset}, stride {record.stride}, "
+            f"{record.storage_nbytes} storage bytes for {nbytes}), which ckptio does not read; "
+            "load it with torch.distributed.checkpoint.load (or save .contiguous())")
+    if order and chunk != Chunk.whole(t.shape):
+        raise CkptError(
+            f"{where}: a shard (offsets {chunk.offsets}) of the tensor was stored transposed "
+            f"(stride {record.stride}); ckptio reads a transposed tensor only when it is one "
+            "whole item: load it with torch.distributed.checkpoint.load (or save .contiguous())")
     checksum = "" if record.crc32 is None else f"{record.crc32:08x}"
     return TensorEntry(key=t.fqn, kind="tensor", dtype=t.dtype, shape=t.shape, chunk=chunk,
                        file=item.file, offset=item.offset + record.data_offset, nbytes=nbytes,
-                       checksum=checksum), record
+                       checksum=checksum, order=order), record
 
 
 def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: bool) -> Any:
@@ -223,7 +231,9 @@ def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "")
     allow-list refuses, CorruptCheckpointError for bytes that are not a torch.save value.
     ``where`` names the bytes in the messages."""
     try:
-        return torch.load(io.BytesIO(raw), weights_only=not allow_pickle, map_location="cpu")
+        if allow_pickle:
+            return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
+        return _weights_only_load(raw)
     except pickle.UnpicklingError as exc:
         if allow_pickle:
             raise CorruptCheckpointError(f"{where} cannot be decoded: {exc}") from None
@@ -234,6 +244,34 @@ def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "")
     except (RuntimeError, EOFError, ValueError, KeyError) as exc:
         raise CorruptCheckpointError(f"{where} is not a readable torch.save value: "
                                      f"{type(exc).__name__}: {exc}") from None
+
+
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()``: how pickle protocol 2 writes ``b""`` (other bytes are ``_codecs.encode``,
+    which torch allows); with arguments (a size to allocate) refused."""
+    if args:
+        raise ValueError("bytes() is rebuilt without arguments only")
+    return b""
+
+
+# What torch.load(weights_only=True) lacks for DCP's TrainState: io.BytesIO (rebuilt from its
+# bytes and position; no other code runs) and b"".
+_EXTRA_GLOBALS: list[Any] = [io.BytesIO, (_empty_bytes, "builtins.bytes")]
+
+
+def _weights_only_load(raw: bytes) -> Any:
+    """``torch.load(weights_only=True)`` that also rebuilds ``io.BytesIO`` and ``b""``
+    (_EXTRA_GLOBALS). torch's allow-list is process-global: they are added for this call only,
+    under a lock, and only those the caller has not added already (so none is removed from
+    under them)."""
+    with _SAFE_GLOBALS_LOCK:
+        present = torch.serialization.get_safe_globals()
+        extra = [g for g in _EXTRA_GLOBALS if g not in present]
+        with torch.serialization.safe_globals(extra):
+            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
 
 
 def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Json:
@@ -248,20 +286,28 @@ def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -
                 raise CkptError(f"key {key!r}: a dict key of type {type(k).__name__} in a DCP "
                                 "value; ckptio holds str and int keys only")
             items.append([k, expand_value(v, f"{key}.{k}", objects, depth + 1)])
-        return {"d": items}
+        return _typed(value, key, {"d": items})
     if isinstance(value, list):
         return {"l": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return {"t": [expand_value(v, f"{key}.{i}", objects, depth + 1) for i, v in enumerate(value)]}
+        return _typed(value, key, {"t": [expand_value(v, f"{key}.{i}", objects, depth + 1)
+                                         for i, v in enumerate(value)]})
     try:
         objects.append(ObjectEntry(key, values.encode(value)))
     except values.NotEncodable:
         raise CkptError(
             f"key {key!r}: a DCP value holds a {type(value).__name__}, which ckptio does not "
-            "load from DCP checkpoints yet (only None, bool, int, float, complex, str, "
-            "torch.Size, dtype, device and containers of them); load it with "
+            "load from DCP checkpoints yet (only None, bool, int, float, complex, str, bytes, "
+            "io.BytesIO, torch.Size, dtype, device and containers of them); load it with "
             "torch.distributed.checkpoint.load, or leave it out of the saved state") from None
     return {"k": key}
+
+
+def _typed(value: Any, key: str, node: Json) -> Json:
+    """``node`` wrapped in the type of a namedtuple or defaultdict (format/containers.py; one
+    with another factory stays a dict)."""
+    info = containers.info_of(value, key, refuse=False)
+    return node if info is None else {"c": [info, node]}
 
 
 def nest(nodes: Mapping[str, Json], paths: Mapping[str, tuple[str | int, ...]], where: str,

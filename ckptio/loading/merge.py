@@ -7,6 +7,10 @@ checkpoint's tree and:
 - inserts, inside a Stateful object (anything with state_dict/load_state_dict but a
   ``torch.nn.Module``, whose keys are fixed), the entries its state_dict lacks and the
   checkpoint has (a freshly built optimizer has no per-parameter state until its first step);
+- replaces the contents of a list of Python values whose length differs from the saved one by
+  the saved list (``whole_lists``: as DCP, which stores such a list as one value; the list
+  object stays the caller's). A list holding tensors is filled element by element: its length
+  must match (fill.py's strict rules);
 - hands every Stateful its complete state through its own ``load_state_dict``, innermost first.
 
 A root that is itself a tuple cannot be replaced: tensors inside it are still filled in place,
@@ -18,7 +22,8 @@ reading bytes, matching keys or the strict rules (fill.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,10 +31,11 @@ import torch
 from ckptio.errors import StateMismatchError
 from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.types import Json
+from ckptio.planning.sharding import FlatShard, TensorShard
 
 _ABSENT = object()
 
-__all__ = ["creatable", "equal", "put_back"]
+__all__ = ["Lists", "creatable", "equal", "put_back", "under", "whole_lists"]
 
 
 def equal(a: Any, b: Any) -> bool:
@@ -56,10 +62,91 @@ def creatable(flat: FlatState) -> Callable[[str], bool]:
     return lambda key: everything or key.startswith(prefixes)
 
 
+def _leaf_keys(node: Json) -> Iterator[str]:
+    (tag, body), = node.items()  # the state's own tree: well formed
+    if tag == "k":
+        yield body
+    elif tag == "c":
+        yield from _leaf_keys(body[1])
+    else:
+        for child in ([c for _k, c in body] if tag == "d" else body if tag in ("l", "t")
+                      else [body]):
+            yield from _leaf_keys(child)
+
+
+@dataclass
+class Lists:
+    """The state's lists whose saved list has another length: ``whole`` (key prefix -> the
+    saved list's node) hold only Python values (or nothing) and are replaced whole; ``fixed``
+    (key prefix -> (length in the state, saved length)) hold tensors or arrays, which a load
+    fills in place: their keys must match."""
+
+    whole: dict[str, Json] = field(default_factory=dict)
+    fixed: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def hint(self) -> str:
+        """A sentence for a key mismatch that these lists explain ("" if none)."""
+        if not self.fixed:
+            return ""
+        shown = ", ".join(f"{k or 'the state'!r} has {a} items, the checkpoint {b}"
+                          for k, (a, b) in list(self.fixed.items())[:5])
+        return (f" A list holding tensors is loaded element by element, so its length must "
+                f"match ({shown}): build it with the saved length.")
+
+
+def whole_lists(flat: FlatState, saved_tree: Json) -> Lists:
+    """The state's lists whose saved list has another length (Lists): those holding only
+    Python values (no tensor or array, which a load fills in place; an empty list too) are
+    replaced whole."""
+    found = Lists()
+
+    def walk(mine: Json, saved: Json, key: str) -> None:
+        (tag, body), = mine.items()
+        saved = _unwrap(saved)
+        if tag in ("s", "c"):
+            walk(body if tag == "s" else body[1], saved, key)
+        elif tag == "d":
+            theirs = {p[0]: p[1] for p in _children(saved, "d") or ()
+                      if isinstance(p, list) and len(p) == 2}
+            for k, child in body:
+                if k in theirs:
+                    walk(child, theirs[k], _join(key, k))
+        elif tag in ("l", "t"):
+            theirs = _children(saved, tag)
+            if not isinstance(theirs, list):
+                return
+            if tag == "l" and len(theirs) != len(body):
+                if any(_in_place(flat.leaves[k].value) for k in _leaf_keys(mine)):
+                    found.fixed[key] = (len(body), len(theirs))
+                else:
+                    found.whole[key] = {"l": theirs}
+                    return
+            for i, (child, their) in enumerate(zip(body, theirs)):
+                walk(child, their, _join(key, i))
+
+    walk(flat.tree, saved_tree, "")
+    return found
+
+
+def _in_place(value: Any) -> bool:
+    """Whether a load fills ``value`` in place (a tensor, a shard wrapper, an array)."""
+    return (isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+            or type(value).__name__ == "ndarray")
+
+
+def under(prefixes: Mapping[str, Json]) -> Callable[[str], bool]:
+    """A test for keys inside one of ``prefixes`` (the root "" holds every key)."""
+    if "" in prefixes:
+        return lambda _key: True
+    dotted = tuple(p + "." for p in prefixes)
+    return lambda key: key in prefixes or key.startswith(dotted)
+
+
 def _unwrap(node: Json) -> Json:
-    """A checkpoint node with its Stateful wrappers ("s") removed; None when absent."""
-    while isinstance(node, dict) and len(node) == 1 and "s" in node:
-        node = node["s"]
+    """A checkpoint node without its Stateful ("s") and container type ("c") wrappers; None
+    when absent."""
+    while isinstance(node, dict) and len(node) == 1 and ("s" in node or "c" in node):
+        node = node["s"] if "s" in node else node["c"][1]
     return node
 
 
@@ -86,28 +173,34 @@ def _rebuilt(live: tuple[Any, ...], items: list[Any], key: str) -> tuple[Any, ..
 
 
 class _Walk:
-    def __init__(self, flat: FlatState, replaced: dict[str, Any], created: dict[str, Any]) -> None:
-        self.replaced, self.created = replaced, created
+    def __init__(self, flat: FlatState, replaced: dict[str, Any], created: dict[str, Any],
+                 lists: Mapping[str, Json]) -> None:
+        self.replaced, self.created, self.lists = replaced, created, lists
         self.statefuls: Iterator[tuple[str, Any, dict[Any, Any]]] = iter(flat.statefuls)
         self.loads: list[tuple[str, Any, dict[Any, Any]]] = []
 
-    def node(self, mine: Json, saved: Json, live: Any, inside: bool) -> Any:
+    def node(self, mine: Json, saved: Json, live: Any, inside: bool, key: str = "") -> Any:
         (tag, body), = mine.items()  # the state's own tree: well formed
         if tag == "k":
             new = self.replaced.get(body, _ABSENT)
             return live if new is _ABSENT or equal(new, live) else new
+        if tag == "c":  # a namedtuple or defaultdict: the live one keeps its type
+            return self.node(body[1], saved, live, inside, key)
         if tag == "s":
             prefix, obj, inner = next(self.statefuls)
-            self.node(body, _unwrap(saved), inner, not isinstance(obj, torch.nn.Module))
+            self.node(body, _unwrap(saved), inner, not isinstance(obj, torch.nn.Module), key)
             self.loads.append((prefix, obj, inner))
             return live
         if tag == "d":
-            self._dict(body, _children(saved, "d"), live, inside)
+            self._dict(body, _children(saved, "d"), live, inside, key)
+            return live
+        if tag == "l" and key in self.lists:  # another length: the saved list, in this list
+            live[:] = self._built(self.lists[key])
             return live
         saved_items = _children(saved, tag)
         saved_items = saved_items if isinstance(saved_items, list) else []
         items = [self.node(child, saved_items[i] if i < len(saved_items) else None, live[i],
-                           inside) for i, child in enumerate(body)]
+                           inside, _join(key, i)) for i, child in enumerate(body)]
         if tag == "l":
             for i, item in enumerate(items):
                 if item is not live[i]:
@@ -120,11 +213,11 @@ class _Walk:
         return _rebuilt(live, items, _first_key(mine))
 
     def _dict(self, body: list[Any], saved: list[Any] | None, live: dict[Any, Any],
-              inside: bool) -> None:
+              inside: bool, key: str) -> None:
         saved_by_key = {pair[0]: pair[1] for pair in saved or ()
                         if isinstance(pair, list) and len(pair) == 2}
         for k, child in body:
-            new = self.node(child, saved_by_key.get(k), live[k], inside)
+            new = self.node(child, saved_by_key.get(k), live[k], inside, _join(key, k))
             if new is not live[k]:
                 live[k] = new
         if inside:
@@ -137,20 +230,27 @@ class _Walk:
         return unflatten(saved, self.created)
 
 
+def _join(key: str, part: Any) -> str:
+    return f"{key}.{part}" if key else str(part)
+
+
 def _first_key(node: Json) -> str:
     """The first leaf key under a node of the state's tree (to name it in errors)."""
     (tag, body), = node.items()
     if tag == "k":
         return str(body)
+    if tag == "c":
+        return _first_key(body[1])
     children = [c for _k, c in body] if tag == "d" else body if tag in ("l", "t") else [body]
     return _first_key(children[0]).rsplit(".", 1)[0] if children else ""
 
 
 def put_back(flat: FlatState, saved_tree: Json, replaced: dict[str, Any],
-             created: dict[str, Any]) -> None:
+             created: dict[str, Any], lists: Mapping[str, Json] | None = None) -> None:
     """Assign ``replaced`` (key -> value) into the state, insert ``created`` entries into the
-    Statefuls that lack them, then call each Stateful's load_state_dict."""
-    walk = _Walk(flat, replaced, created)
+    Statefuls that lack them, fill each list of ``lists`` (whole_lists) with the saved one's
+    values (from ``created``), then call each Stateful's load_state_dict."""
+    walk = _Walk(flat, replaced, created, lists or {})
     root = walk.node(flat.tree, saved_tree, flat.root, False)
     if root is not flat.root:
         differing = sorted(k for k, v in replaced.items()

@@ -11,7 +11,9 @@ hold it, a destination. Each becomes spans of stored entries, the unit one check
   whose blocks are checked before a byte of them is copied out.
 
 An entry one Read wants whole and another in part is read in part (block by block) only, so no
-byte is read twice. All spans of a load then go through one coalescing (layout.coalesce_reads:
+byte is read twice. An entry whose bytes lie in another order of its dims (``TensorEntry.order``:
+a DCP or torch.save tensor saved transposed) is read whole into a tensor in that order, and the
+region wanted of it is copied out permuted back once the read is done. All spans of a load then go through one coalescing (layout.coalesce_reads:
 neighbours within MAX_GAP share one aligned read of up to a pool buffer) and one read-ahead loop
 over the staging pool, up to ``2 * depth`` reads in flight.
 
@@ -24,6 +26,7 @@ StoreFiles, storage/files.py) or the I/O (io).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -244,6 +247,7 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. -> bytes read."""
+    reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
     checker = _Checker(source, algorithm, block_nbytes, check_blocks)
     for span in spans:
@@ -251,7 +255,45 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
             checker.whole(span, memoryview(b""), last=True)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
-    return _run(ranges, pool, source, depth, checker)
+    nbytes = _run(ranges, pool, source, depth, checker)
+    with torch.no_grad():
+        for read, staged in permuted:
+            read.dest.copy_(_permuted_back(read, staged))
+    return nbytes
+
+
+def _in_stored_order(reads: Sequence[Read]) -> tuple[Sequence[Read],
+                                                     list[tuple[Read, torch.Tensor]]]:
+    """``reads``, each read of an entry whose bytes lie in another dim order
+    (``TensorEntry.order``: a DCP or torch.save tensor saved transposed, always the whole
+    tensor) replaced by a read of the whole entry into a new tensor in that order; and, for
+    each, (the read, that tensor), to copy its region once the bytes are in."""
+    if not any(e.order for read in reads for e in read.entries):
+        return reads, []
+    out: list[Read] = []
+    permuted: list[tuple[Read, torch.Tensor]] = []
+    for read in reads:
+        entry = read.entries[0]
+        if not entry.order or read.dest is None:
+            out.append(read)
+            continue
+        stored = dataclasses.replace(entry, shape=entry.stored_shape,
+                                     chunk=Chunk.whole(entry.stored_shape), order=())
+        staged = torch.empty(stored.shape, dtype=torch_dtype(entry.dtype))
+        out.append(Read(read.key, (stored,), stored.chunk, staged))
+        permuted.append((read, staged))
+    return out, permuted
+
+
+def _permuted_back(read: Read, staged: torch.Tensor) -> torch.Tensor:
+    """The region ``read`` wants of its entry's tensor, read in its stored order into
+    ``staged``."""
+    order = read.entries[0].order
+    logical = staged.permute(tuple(order.index(d) for d in range(len(order))))
+    region = read.region
+    if region.flat:  # (a copy in row-major order, made now that the bytes are in)
+        return logical.reshape(-1)[region.offsets[0]:region.offsets[0] + region.sizes[0]]
+    return logical[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))]
 
 
 @dataclass

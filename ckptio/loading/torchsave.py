@@ -14,9 +14,11 @@ with its int-keyed state and param_groups, a scheduler, a step) is filled in pla
 
 Refused, each with a CkptError naming the file: a legacy (``_use_new_zipfile_serialization=
 False``) file (re-save it: ``torch.save(torch.load(path, weights_only=True), path)``), a
-top-level object that is not a dict, list or tuple, a tensor that is a strided or partial view
-of its storage (saved without ``.contiguous()``/``.clone()``), two different views of one
-storage (two keys with the same view become an alias: tied weights), big-endian files.
+top-level object that is not a dict, list or tuple, a tensor that is a partial or overlapping
+view of its storage (saved without ``.contiguous()``/``.clone()``; a transposed or channels-last
+tensor over its whole storage is read: its entry's ``order`` says how its bytes lie), two
+different views of one storage (two keys with the same view become an alias: tied weights),
+big-endian files.
 
 Owns: detecting a torch.save file, the reads and the synthesized Manifest. Does not own: the zip
 and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys (fill.py).
@@ -24,6 +26,7 @@ and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys
 
 from __future__ import annotations
 
+import io
 import zlib
 from typing import Any
 
@@ -135,7 +138,8 @@ class _Walk:
         self.tensors: list[TensorEntry] = []
         self.objects: list[ObjectEntry] = []
         self.aliases: list[tuple[str, str]] = []
-        self.seen: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # storage -> key, view
+        # storage -> key, dtype, size, order of its first view
+        self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...]]] = {}
 
     def expand(self, value: Any, key: str, depth: int) -> Json:
         if depth > MAX_TREE_DEPTH:
@@ -183,25 +187,32 @@ class _Walk:
         for d in size:
             numel *= d
         nbytes = numel * itemsize
-        if offset != 0 or nbytes != record.nbytes or not torchzip.row_major(size, stride):
+        if not nbytes:  # no elements: whatever its view, nothing to read
+            self.tensors.append(TensorEntry(
+                key=key, kind="tensor", dtype=t.dtype, shape=size, chunk=Chunk.whole(size),
+                file=self.file, offset=0, nbytes=0, checksum=f"{zlib.crc32(b''):08x}"))
+            return
+        order = torchzip.dense_order(size, stride)
+        if offset != 0 or nbytes != record.nbytes or order is None:
             raise CkptError(
-                f"{self.where}: key {key!r} was saved as a view of a larger or differently laid "
-                f"out storage (storage offset {offset}, size {size}, stride {stride}, "
-                f"{record.nbytes} storage bytes for {nbytes}), which ckptio does not read yet; "
+                f"{self.where}: key {key!r} was saved as a view of part of a storage, or with "
+                f"overlapping elements (storage offset {offset}, size {size}, stride {stride}, "
+                f"{record.nbytes} storage bytes for {nbytes}), which ckptio does not read; "
                 "save .contiguous().clone() of it, or load the file with torch.load")
         first = self.seen.get(storage.key)
         if first is not None:
-            if first[1:] != (t.dtype, size):
+            if first[1:] != (t.dtype, size, order):
                 raise CkptError(f"{self.where}: keys {first[0]!r} and {key!r} are different views "
                                 "of one storage, which ckptio does not read yet; load the file "
                                 "with torch.load")
             self.aliases.append((key, first[0]))
             return
-        self.seen[storage.key] = (key, t.dtype, size)
+        self.seen[storage.key] = (key, t.dtype, size, order)
         start = self.starts[record.name]
         self.tensors.append(TensorEntry(
             key=key, kind="tensor", dtype=t.dtype, shape=size, chunk=Chunk((0,) * len(size), size),
-            file=self.file, offset=start, nbytes=nbytes, checksum=f"{record.crc32:08x}"))
+            file=self.file, offset=start, nbytes=nbytes, checksum=f"{record.crc32:08x}",
+            order=order))
 
 
 def _real(value: Any) -> Any:
@@ -212,4 +223,6 @@ def _real(value: Any) -> Any:
         return getattr(torch, value.name)
     if isinstance(value, fmt.Device):
         return torch.device(*value.args)
+    if isinstance(value, io.BytesIO):  # the allow-list's stand-in: a plain BytesIO
+        return io.BytesIO(value.getvalue())
     return value

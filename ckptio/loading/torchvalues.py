@@ -70,6 +70,8 @@ def replace_nodes(node: Json, nodes: dict[str, Json]) -> Json:
         return nodes.get(body, node) if isinstance(body, str) else node
     if tag == "s":
         return {"s": replace_nodes(body, nodes)}
+    if tag == "c" and isinstance(body, list) and len(body) == 2:
+        return {"c": [body[0], replace_nodes(body[1], nodes)]}
     if tag == "d" and isinstance(body, list):
         return {"d": [[pair[0], replace_nodes(pair[1], nodes)] if isinstance(pair, list) and len(pair) == 2
                       else pair for pair in body]}

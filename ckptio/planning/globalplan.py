@@ -280,6 +280,8 @@ def _merge(a: Json, b: Json, where: str) -> Json:
         return {"d": out}
     if tag_a == tag_b == "s":
         return {"s": _merge(body_a, body_b, where)}
+    if tag_a == tag_b == "c" and body_a[0] == body_b[0]:  # the same namedtuple or defaultdict
+        return {"c": [body_a[0], _merge(body_a[1], body_b[1], where)]}
     if a != b:
         raise PlanConflict(f"the state's structure at {where or 'the root'!r} differs between "
                            "ranks (only dicts may hold different keys on different ranks)")

@@ -8,6 +8,7 @@ name. Does not own: where bytes go (layout.py) or how they are copied (stage.py)
 
 from __future__ import annotations
 
+import io
 import pickle
 import warnings
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from ckptio.format import values
 from ckptio.errors import UnsupportedStateError
 from ckptio.format.flatten import FlatState
 from ckptio.format.grid import Grid
-from ckptio.planning.sharding import FlatShard, TensorShard, held, is_dtensor, local_tensor
+from ckptio.planning.sharding import (FlatShard, TensorShard, check_dense, held, is_dtensor,
+                                      local_tensor)
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
 __all__ = ["PlanCache", "SavePlan", "build_plan"]
@@ -54,11 +56,7 @@ def dtype_name(dtype: torch.dtype, key: str, fix: str = "convert it to a standar
 
 
 def _check_tensor(t: torch.Tensor, key: str) -> None:
-    if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise UnsupportedStateError(
-            f"key {key!r}: {type(t).__name__} with layout {t.layout} is not supported; pass a "
-            "dense tensor (e.g. t.to_dense()), a DTensor, or a ckptio.TensorShard / FlatShard"
-        )
+    check_dense(t, key)
     if t.device.type == "meta":
         raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
 
@@ -100,7 +98,7 @@ def _from_numpy(array: Any, key: str) -> torch.Tensor:
         ) from None
 
 
-def _bytes_source(data: bytes | bytearray) -> torch.Tensor:
+def _bytes_source(data: bytes | bytearray | memoryview) -> torch.Tensor:
     if not data:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -113,6 +111,8 @@ def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
         return "tensor", value
     if isinstance(value, (bytes, bytearray)):
         return "bytes", _bytes_source(value)
+    if isinstance(value, io.BytesIO):  # DCP's TrainState pattern: its content, no pickle
+        return "bytesio", _bytes_source(value.getbuffer())
     numpy_source = _numpy_source(value, key)
     if numpy_source is not None:
         return numpy_source
@@ -179,6 +179,7 @@ def _signature(flat: FlatState) -> tuple[Any, ...]:
             parts.append((key, "flat", tuple(t.global_shape), t.start,
                           _tensor_signature(t.local, storages)))
         elif isinstance(t, torch.Tensor):
+            check_dense(t, key)  # before its storage is asked for (a sparse tensor has none)
             parts.append((key, _tensor_signature(t, storages)))
         else:
             parts.append((key, None))

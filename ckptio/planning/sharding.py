@@ -3,7 +3,8 @@ FlatShard slices, or (a plain tensor) all of it.
 
 Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
 (DTensor placements through torch's own local-shape computation, so uneven shards come out as
-torch made them), and refusing what is not a region (Partial, strided shards). Does not own:
+torch made them), and refusing what is not a region (Partial, strided shards) or not a dense
+tensor (``check_dense``: sparse, quantized, nested, legacy ShardedTensor). Does not own:
 who writes which region (globalplan.py) or reading regions back (loading/read.py).
 """
 
@@ -19,7 +20,7 @@ from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
 from ckptio.format.grid import REPLICATE, Grid
 
-__all__ = ["FlatShard", "TensorShard", "held", "is_dtensor", "local_tensor"]
+__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_dtensor", "local_tensor"]
 
 
 @dataclass
@@ -70,12 +71,55 @@ def local_tensor(value: Any) -> torch.Tensor:
     return value
 
 
+_SPARSE = {torch.sparse_coo: "sparse COO", torch.sparse_csr: "sparse CSR",
+           torch.sparse_csc: "sparse CSC", torch.sparse_bsr: "sparse BSR",
+           torch.sparse_bsc: "sparse BSC"}
+
+
+def _undense(t: torch.Tensor) -> str | None:
+    """What makes ``t`` no dense tensor ckptio stores, and the fix; None when it is one."""
+    name = type(t).__name__
+    if name == "ShardedTensor":
+        return ("a legacy ShardedTensor (torch.distributed._shard), which ckptio neither saves "
+                "nor loads into; use a DTensor, or pass each local shard as "
+                "ckptio.TensorShard(shard.tensor, st.size(), shard.metadata.shard_offsets)")
+    if t.layout in _SPARSE:
+        return (f"a {_SPARSE[t.layout]} tensor (layout {t.layout}), which ckptio does not "
+                "store (dense tensors only); save t.to_dense(), or its index and value tensors "
+                "(t.indices() and t.values() for COO; crow_indices(), col_indices() and "
+                "values() for CSR) as separate keys")
+    if t.is_quantized:
+        return (f"a quantized tensor (dtype {t.dtype}, {t.qscheme()}), which ckptio neither saves "
+                "nor loads into; save t.dequantize(), or t.int_repr() with its scale and zero point "
+                "(t.q_scale(), t.q_zero_point(), or the per-channel ones) as separate keys")
+    if t.is_nested:
+        return (f"a nested tensor (layout {t.layout}), which ckptio does not store; save "
+                "list(t.unbind()) (a list of tensors) instead")
+    if t.layout != torch.strided:
+        return f"a tensor of layout {t.layout}, which ckptio does not store; save t.to_dense()"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(t):
+        return (f"a {type(t).__module__}.{type(t).__qualname__} (a tensor subclass), which ckptio "
+                "does not store as such; pass a plain tensor (e.g. t.detach().clone() of its "
+                "data), a DTensor, or a ckptio.TensorShard / FlatShard")
+    return None
+
+
+def check_dense(t: torch.Tensor, key: str) -> None:
+    """UnsupportedStateError naming ``key``, the layout and the fix unless ``t`` is a dense
+    (strided) plain tensor, Parameter or DTensor: what a save stores and a load fills."""
+    why = _undense(t)
+    if why is not None:
+        raise UnsupportedStateError(f"key {key!r}: {why}")
+
+
 def held(value: Any, key: str) -> Held | None:
-    """The region ``value`` holds, or None when it is not a tensor leaf."""
+    """The region ``value`` holds, or None when it is not a tensor leaf. UnsupportedStateError
+    for a tensor that is not dense (``check_dense``)."""
     if isinstance(value, (TensorShard, FlatShard)):
         return _wrapped(value, key)
     if not isinstance(value, torch.Tensor):
         return None
+    check_dense(value, key)
     if is_dtensor(value):
         return _dtensor(value, key)
     shape = tuple(value.shape)
@@ -88,6 +132,7 @@ def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
     if not isinstance(local, torch.Tensor) or is_dtensor(local):
         raise UnsupportedStateError(f"key {key!r}: {type(value).__name__}.local must be a plain "
                                     "tensor")
+    check_dense(local, key)
     if isinstance(value, FlatShard):
         chunk = Chunk((int(value.start),), (local.numel(),), flat=True)
         if local.dim() != 1 or not chunk.fits(shape):
