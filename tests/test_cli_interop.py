@@ -8,14 +8,10 @@ diff on ckptio checkpoints never import torch. docs/CLI.md documents what is che
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
 import types
 import warnings
 from pathlib import Path
@@ -30,6 +26,7 @@ from ckptio import cli
 from ckptio.cli import commands
 from conftest import ALL_DTYPES, assert_same
 from special_values import bits_equal, specials
+from test_cli_ls import _on_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -378,15 +375,18 @@ def test_export_passes_its_arguments_to_export_hf(monkeypatch, saved: Path, tmp_
                                "again): lm_head.weight")
     ((args, kwargs),) = calls
     rename = kwargs.pop("rename")
+    assert callable(kwargs.pop("progress"))  # the bar's (done, total) callback
     assert args == (str(saved), str(tmp_path / "hf")) and kwargs == {
         "keys": "model.", "dtype": "bfloat16", "max_shard_bytes": 2 * 2**30,
         "copy_from": str(tmp_path), "overwrite": True, "verify": False}
     assert [rename(n) for n in ("weight", "weight.x", "bias", "x.weight")] == [
         "w", "w.x", "Bias", "x.weight"]
     calls.clear()
-    assert cli.main(["export", str(saved), str(tmp_path / "hf"), "--keys", ""]) == 0
+    assert cli.main(["export", str(saved), str(tmp_path / "hf"), "--keys", "",
+                     "--no-progress"]) == 0
     assert calls[0][1] == {"keys": None, "rename": None, "dtype": None, "verify": None,
-                           "max_shard_bytes": 5 * 10**9, "copy_from": None, "overwrite": False}
+                           "max_shard_bytes": 5 * 10**9, "copy_from": None, "overwrite": False,
+                           "progress": None}
 
 
 def test_export_names_a_missing_dependency(monkeypatch, saved: Path, tmp_path: Path, capsys):
@@ -533,27 +533,6 @@ def test_a_closed_pipe_exits_quietly(tmp_path: Path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1 and err == "", err
-
-
-def _on_a_terminal(*args: str) -> tuple[int, str]:
-    """Run ``ckptio ARGS`` with stderr on a pseudo-terminal; -> (status, what stderr showed)."""
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
-    proc = subprocess.Popen([sys.executable, "-m", "ckptio", *args], stdout=subprocess.PIPE,
-                            stderr=follower, env=ENV)
-    os.close(follower)
-    shown = b""
-    while True:
-        try:
-            piece = os.read(leader, 4096)
-        except OSError:  # EIO: the process closed its end
-            break
-        if not piece:
-            break
-        shown += piece
-    os.close(leader)
-    proc.communicate(timeout=120)
-    return proc.returncode, shown.decode(errors="replace")
 
 
 def test_progress_bar_on_a_terminal_only_and_not_with_no_progress(tmp_path: Path):

@@ -278,12 +278,23 @@ def test_incomplete_steps_are_listed_passed_over_and_never_deleted(s3_env, s3_cl
     assert _manager(url).steps() == [5, 6]
 
 
+@pytest.mark.parametrize("holds", ["nothing", "other"])
+def test_nothing_to_restore_under_a_prefix_returns_none(s3_env, s3_client, holds):
+    """Nothing ever committed (an empty prefix, or only unrelated objects): restore() says so
+    with None, the loop starts from scratch, and the unrelated object is left alone."""
+    url = f"{s3_env}/run"
+    if holds == "other":
+        _put(s3_client, f"{url}/notes.txt")
+    with _manager(url) as mgr:
+        assert mgr.restore(_blank()) is None and mgr.latest() is None
+    if holds == "other":
+        assert _holding(s3_client, url) == {"notes.txt"}
+
+
 @pytest.mark.parametrize("holds, expect", [
-    ("nothing", "nothing is stored under"),
     ("ckptio", "is itself a ckptio checkpoint"),
     ("named", r"ckptio checkpoints not named step-<N> \(best\)"),
     ("torch", r"torch.save files \(model.pt\)"),
-    ("other", "it holds no step-<N> prefix"),
 ])
 def test_no_step_to_restore_says_what_the_prefix_holds(s3_env, s3_client, holds, expect):
     url = f"{s3_env}/run"
@@ -293,8 +304,6 @@ def test_no_step_to_restore_says_what_the_prefix_holds(s3_env, s3_client, holds,
         ckptio.save(_state(1), f"{url}/best", options=SMALL)
     elif holds == "torch":
         _put(s3_client, f"{url}/model.pt")
-    elif holds == "other":
-        _put(s3_client, f"{url}/notes.txt")
     with _manager(url) as mgr, pytest.raises(ckptio.CheckpointNotFoundError, match=expect) as info:
         mgr.restore(_blank())
     assert url in str(info.value)
