@@ -207,9 +207,13 @@ class CheckpointManager:
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The metrics and metadata saved with ``step`` (default: the newest committed), read
         from its manifest only (stepmeta.read_metadata; rank 0 reads, a collective)."""
-        target = self.latest() if step is None else _check_step(step)
+        committed = self.steps()
+        target = (committed[-1] if committed else None) if step is None else _check_step(step)
         if target is None:
             raise CheckpointNotFoundError(f"no committed step in {self.directory}: no metadata")
+        if target not in committed:
+            raise CheckpointNotFoundError(f"no committed step {target} in {self.directory} "
+                                          f"(it holds {committed}): no metadata")
         return self._agreed(lambda: stepmeta.read_metadata(self.path(target), self._ck.options))
 
     def path(self, step: int) -> str:

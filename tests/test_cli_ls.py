@@ -166,6 +166,14 @@ def test_verify_names_every_tensor_of_a_truncated_file(tmp_path: Path):
     assert done.returncode == 1, (done.stdout, done.stderr)
     named = [line.split()[0] for line in done.stdout.splitlines()[1:-1]]
     assert named == ["t2", "t3"] and "truncated" in done.stdout
+    data.unlink()  # every tensor gone: named as missing, and no "the keys not listed" advice
+    gone = ckptio_cmd("verify", str(path))
+    lines = gone.stdout.splitlines()
+    assert gone.returncode == 1 and [line.split()[0] for line in lines[1:-1]] == [
+        "t0", "t1", "t2", "t3"], gone.stdout
+    assert all("the file is missing" in line for line in lines[1:-1]), gone.stdout
+    assert lines[-1].endswith("does not load: restore an earlier checkpoint or another copy of "
+                              "this one")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,6 +201,26 @@ def test_diff_of_a_converted_checkpoint_compares_data(tmp_path: Path):
     differs = ckptio_cmd("diff", str(other_a), str(other_b))
     assert differs.returncode == 1
     assert differs.stdout.splitlines()[0].split()[:4] == ["~", "w", "data", "differs:"]
+
+
+def test_diff_of_objects_saved_through_state_dict_and_their_conversions(tmp_path: Path):
+    """The README's way (the model and optimizer themselves in the state): the state_dict()
+    mark only ckptio's format records is no difference from a DCP or torch.save conversion;
+    between two ckptio checkpoints it still is one."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt, "step": 3}, tmp_path / "step-3")
+    for to, name in (("dcp", "conv.dcp"), ("torch.save", "conv.pt")):
+        assert ckptio_cmd("convert", str(tmp_path / "step-3"), str(tmp_path / name),
+                          "--to", to).returncode == 0
+        same = ckptio_cmd("diff", str(tmp_path / name), str(tmp_path / "step-3"))
+        assert same.returncode == 0 and "the same" in same.stdout, same.stdout
+    ckptio.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 3},
+                tmp_path / "plain")
+    marked = ckptio_cmd("diff", str(tmp_path / "plain"), str(tmp_path / "step-3"))
+    assert marked.returncode == 1 and "nesting dict/dict -> dict/state_dict/dict" in marked.stdout
 
 
 def test_diff_too_large_to_read_says_in_one_line_which_flag_does(monkeypatch, tmp_path: Path,

@@ -615,6 +615,19 @@ def test_hugging_face_folder_is_named_as_such(tmp_path):
     assert "safetensors.torch.load_file" in str(error)
 
 
+def test_a_trainer_output_dir_names_the_checkpoint_inside(tmp_path):
+    """ckptio.hf_trainer's layout: out/checkpoint-N/ckptio is the checkpoint; out, and other
+    parents of checkpoints not named step-<N> (Lightning's epoch=...ckpt), say what to pass."""
+    for n in (20, 30):
+        ckptio.save({"w": torch.ones(2)}, tmp_path / "out" / f"checkpoint-{n}" / "ckptio")
+    error = _refusal(tmp_path / "out")
+    assert type(error) is CheckpointNotFoundError
+    assert "checkpoint-30/ckptio is one" in str(error)
+    ckptio.save({"w": torch.ones(2)}, tmp_path / "lightning" / "epoch=1-step=8.ckpt")
+    error = _refusal(tmp_path / "lightning")
+    assert str(error).endswith("pass one of them (e.g. .../epoch=1-step=8.ckpt)")
+
+
 def test_parent_of_checkpoints_is_named_as_such(tmp_path):
     ck = Checkpointer(FAULT_OPTIONS)
     try:
@@ -625,7 +638,7 @@ def test_parent_of_checkpoints_is_named_as_such(tmp_path):
     error = _refusal(tmp_path)
     assert type(error) is CheckpointNotFoundError
     assert "holds 3 ckptio checkpoints (step-100, step-200, step-300)" in str(error)
-    assert "pass one of them, or use ckptio.CheckpointManager" in str(error)
+    assert "pass one of them (e.g. .../step-300), or use ckptio.CheckpointManager" in str(error)
     for step in (400, 500, 1000):
         (tmp_path / f"step-{step}").mkdir()
         (tmp_path / f"step-{step}" / "manifest.json").write_bytes(b"")

@@ -119,6 +119,18 @@ def test_copy_from_copies_subfolders_sentence_transformers_layout(tmp_path: Path
     assert not [p for p in (tmp_path / "hf").rglob(".*")]
 
 
+def test_copy_from_leaves_a_checkpoint_inside_the_folder_behind(tmp_path: Path) -> None:
+    """A Trainer's checkpoint-N: config.json beside ckptio/ (the whole training state, exported
+    from): the config goes along, the checkpoint does not."""
+    trainer_dir = tmp_path / "checkpoint-40"
+    ckptio.save({"model": {"w": torch.ones(2)}, "optimizer": {"m": torch.zeros(2)}},
+                trainer_dir / "ckptio", options=OPTS)
+    (trainer_dir / "config.json").write_text("{}")
+    ckptio.export_hf(trainer_dir / "ckptio", tmp_path / "hf", copy_from=trainer_dir,
+                     options=OPTS)
+    assert sorted(_tree(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+
 def test_copy_from_refuses_links_out_of_the_folder(tmp_path: Path) -> None:
     ckptio.save({"model": {"w": torch.ones(2)}}, tmp_path / "ck", options=OPTS)
     secret = tmp_path / "secret.txt"

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import Checkpointer, CkptError, ManifestError, Options
+from ckptio import CheckpointNotFoundError, Checkpointer, CkptError, ManifestError, Options
 from ckptio.manager import CheckpointManager
 from ckptio.testing.ranks import run_ranks
 
@@ -125,6 +125,8 @@ def test_metrics_and_metadata_stored_with_the_step(tmp_path):
     assert abs(got["created_unix"] - time.time()) < 600
     assert mgr.metadata() == mgr.metadata(2)  # the newest
     assert mgr.metadata(2)["metrics"] == {} and mgr.metadata(2)["metadata"] == {}
+    with pytest.raises(CheckpointNotFoundError, match=r"no committed step 3 .*holds \[1, 2\]"):
+        mgr.metadata(3)  # never saved (or removed by retention): the steps there are named
     # readable with nothing but the manifest: the data files gone
     for name in os.listdir(mgr.path(1)):
         if name.startswith("data-"):

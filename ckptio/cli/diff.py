@@ -117,10 +117,18 @@ def _nesting(tree: Json, above: tuple[str, ...] = ()) -> Iterator[tuple[str, tup
 
 def _nesting_changes(a: Opened, b: Opened) -> list[Change]:
     """Keys held in other containers (a tuple that became a list, a dict no longer saved
-    through its state_dict())."""
+    through its state_dict()). Between formats (a checkpoint and its conversion) the
+    state_dict() mark is not compared: only ckptio's format records it."""
     na, nb = dict(_nesting(a.record.tree)), dict(_nesting(b.record.tree))
+    if a.format != b.format:
+        na, nb = _unmarked(na), _unmarked(nb)
     return [Change("~", key, f"nesting {'/'.join(na[key])} -> {'/'.join(nb[key])}")
             for key in na if key in nb and na[key] != nb[key]]
+
+
+def _unmarked(nesting: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """The nesting without the state_dict() marks."""
+    return {key: tuple(n for n in above if n != _NAMES["s"]) for key, above in nesting.items()}
 
 
 def compare(a: Opened, b: Opened, data: bool = False) -> Diff:

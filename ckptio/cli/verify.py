@@ -148,6 +148,9 @@ def _report(path: str, record: Manifest, total: int, damaged: list[Damage]) -> N
              else "") + ":")
     for d in damaged:
         print(f"  {d.key:{width}s}  {d.what}")
-    print(f"{path} does not load whole: restore an earlier checkpoint or another copy of this "
-          "one; the keys not listed read correctly (ckptio.load(path, state, keys=...) loads "
-          "only those)")
+    if rest:
+        print(f"{path} does not load whole: restore an earlier checkpoint or another copy of "
+              "this one; the keys not listed read correctly (ckptio.load(path, state, keys=...) "
+              "loads only those)")
+    else:
+        print(f"{path} does not load: restore an earlier checkpoint or another copy of this one")

@@ -155,5 +155,6 @@ def _error(what: str, path: str, offset: int, exc: OSError) -> StorageIOError:
         errno.EACCES: "permission denied: check the directory's owner and mode",
         errno.EROFS: "the filesystem is read-only",
         errno.EEXIST: "a file of that name already exists (another save running?)",
+        errno.ENOENT: "the file is missing (removed or never written)",
     }.get(exc.errno or 0, "see the OS error")
     return StorageIOError(f"{what} {path} at byte {offset} failed: {exc.strerror or exc}; {hint}")

@@ -209,6 +209,10 @@ def failed(what: str, exc: BaseException) -> CkptError:
     """``exc`` as the CkptError to raise for ``what`` (a CkptError stays as it is)."""
     if isinstance(exc, CkptError):
         return exc
+    if status(exc) == 403:  # a wrong secret (SignatureDoesNotMatch) or a missing permission
+        return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
+                              "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                              "AWS_PROFILE) and their permissions on this bucket")
     return StorageIOError(f"{what} failed: {describe(exc)}")
 
 

@@ -260,6 +260,8 @@ class S3Root:
     def _exists(self, key: str) -> bool:
         c, bucket = self._client, self.where.bucket
         what = f"looking up s3://{bucket}/{key}"
+        if key.endswith("/" + MARKER):  # our retention's marker: name the step, not the marker
+            what = f"looking up s3://{bucket}/{key[:-len(MARKER) - 1]} (is it being removed?)"
         try:
             call(self.settings, what, lambda: c.head_object(Bucket=bucket, Key=key))
         except Exception as exc:  # noqa: BLE001 - 404: absent; the rest mapped

@@ -7,7 +7,9 @@ resolves inside the folder. A symlink whose target lies outside the folder, a sy
 directory, or anything that is not a regular file or directory is refused with a CkptError
 naming it: an export is often published, and a link out of the folder (``tokenizer.json ->
 ~/.ssh/id_rsa``) must not carry a private file into it. Hidden names (``.git``, ``.cache``)
-are passed over, at every level.
+are passed over, at every level, and so is a subfolder that is itself a ckptio checkpoint
+(it holds ``manifest.json``: a Trainer's ``checkpoint-N/ckptio/`` beside its config.json):
+the training state (optimizer, RNG) must not ride along into a published model folder.
 
 ``check_parents`` / ``make_parents`` check / create a relative path's folders inside the
 destination, refusing a symlink there (it could lead the copy out of the destination).
@@ -22,6 +24,7 @@ import os
 import stat
 
 from ckptio.errors import CkptError
+from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local import fsync_path
 
 __all__ = ["check_parents", "files_under", "make_parents"]
@@ -47,7 +50,8 @@ def _walk(real_root: str, directory: str, prefix: str, found: list[str]) -> None
             _check_link(real_root, entry.path, rel)
             found.append(rel)  # a file inside the folder: copied as the file it names
         elif entry.is_dir(follow_symlinks=False):
-            _walk(real_root, entry.path, rel + "/", found)
+            if not os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
+                _walk(real_root, entry.path, rel + "/", found)
         elif entry.is_file(follow_symlinks=False):
             found.append(rel)
         else:

@@ -64,7 +64,14 @@ def _what_it_holds(names: list[str], is_checkpoint: Callable[[str], bool]) -> st
                  else f"{checkpoints[0]} ... {checkpoints[-1]}")
         plural = "s" if len(checkpoints) > 1 else ""
         return (f"holds {len(checkpoints)} ckptio checkpoint{plural} ({shown}) but is not one "
-                "itself: pass one of them, or use ckptio.CheckpointManager")
+                f"itself: pass one of them (e.g. .../{checkpoints[-1]})"
+                + (", or use ckptio.CheckpointManager" if any(n.startswith("step-")
+                                                               for n in checkpoints) else ""))
+    trainer = [n for n in names  # ckptio.hf_trainer's checkpoint-N/ckptio
+               if n.startswith("checkpoint-") and is_checkpoint(f"{n}/ckptio")]
+    if trainer:
+        return (f"holds no ckptio checkpoint itself; {_natural(trainer)[-1]}/ckptio is one (a "
+                "Hugging Face Trainer's checkpoint-N through ckptio.hf_trainer): pass that")
     found = f"; it holds {_some(names)}" if names else "; it is empty"
     return f"holds no ckptio checkpoint (no {MANIFEST_NAME}){found}"
 

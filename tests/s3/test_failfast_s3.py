@@ -133,6 +133,16 @@ def test_the_command_names_a_closed_port_in_one_line_within_seconds(s3_env: str,
         f"nothing answers at {endpoint}" in line, done.stderr
 
 
+def test_a_wrong_secret_names_the_credentials_in_the_command_too(s3_env: str):
+    """ls and verify (no bucket check first) name the credentials as a save does."""
+    ckptio.save({"w": torch.ones(4)}, f"{s3_env}/c")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_SECRET_ACCESS_KEY": "wrong"}
+    for command in ("ls", "verify"):
+        done = subprocess.run([sys.executable, "-m", "ckptio", command, f"{s3_env}/c"], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and "check the credentials" in done.stderr, done.stderr
+
+
 def test_retries_of_a_transient_failure_are_visible_then_the_save_succeeds(
         s3_env: str, s3_proxy, caplog):
     """503 SlowDown on every request for RETRY_WARN_S + 5.5 s (a retry lands in those last
