@@ -30,6 +30,7 @@ checkpoint into the 2x2 layout round-trip bitwise.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -350,6 +351,15 @@ def test_fsdp2_over_tp_is_saved_as_strided_shards(saved: dict[str, Any]) -> None
     assert placements["blocks.0.q.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["blocks.0.o.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["blocks.0.o.bias"] == "(Shard(dim=0), Replicate())"
+    # described once per tensor (a grid over the mesh in cutting order: tp, then dp), not per
+    # chunk; no chunk entry of it in the manifest
+    with open(os.path.join(saved["root"], "ckpt", "manifest.json"), "rb") as f:
+        body = json.loads(f.read().split(b"\n", 1)[1])
+    regular = {r["key"]: body["grids"][r["grid"]] for r in body["regular"]}
+    for key in ("model.blocks.0.q.weight", "optim.state.blocks.1.up.weight.exp_avg", "big"):
+        assert regular[key]["dims"] == [0, 0] and regular[key]["ranks"] == [0, 2, 1, 3], (
+            key, regular.get(key))
+    assert not {t["key"] for t in body["tensors"]} & set(regular)
     full = saved["full"]
     for key, want in saved["saved"].items():
         kind, rest = key.split(".", 1)

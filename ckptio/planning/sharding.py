@@ -12,6 +12,7 @@ who writes which region (globalplan.py) or reading regions back (loading/read.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +167,6 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
     chunk = Chunk(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
     if strided:
         _check_box(shape, mesh, placements, chunk, key)
-        return Held(local, shape, chunk, sharded=True, domain=_mesh_domain(mesh))
     return Held(local, shape, chunk, sharded=True, domain=_mesh_domain(mesh),
                 grid=_grid(mesh, placements, shape, chunk))
 
@@ -227,26 +227,47 @@ def _check_box(shape: tuple[int, ...], mesh: Any, placements: Any, chunk: Chunk,
 
 def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> Grid | None:
     """The DTensor's layout as a Grid, if it is regular: the tensor has elements, and this
-    rank's chunk is the one the grid's arithmetic gives (what torch computed: never assumed)."""
-    shape_and_ranks = _MESHES.get(mesh)
-    if shape_and_ranks is None:
-        ranks = mesh.mesh
-        shape_and_ranks = _MESHES[mesh] = (tuple(int(d) for d in ranks.shape),
-                                           tuple(int(r) for r in ranks.flatten().tolist()))
+    rank's chunk is the one the grid's arithmetic gives (what torch computed: never assumed).
+    A ``_StridedShard`` is a grid over the mesh with its dims in cutting order (``_cut_order``)."""
     coordinate = mesh.get_coordinate()
-    if coordinate is None or 0 in shape:
+    order = _cut_order(mesh, placements)
+    if coordinate is None or 0 in shape or order is None:
         return None
-    dims = tuple(REPLICATE if type(p).__name__ == "Replicate" else int(p.dim) % len(shape)
-                 for p in placements)
-    grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
-    mine = grid.chunk(shape, tuple(int(c) for c in coordinate))
+    shape_and_ranks = _MESHES.get((mesh, order))
+    if shape_and_ranks is None:
+        ranks = mesh.mesh.permute(order)
+        shape_and_ranks = _MESHES[(mesh, order)] = (
+            tuple(int(d) for d in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
+    dims = tuple(REPLICATE if type(placements[m]).__name__ == "Replicate"
+                 else int(placements[m].dim) % len(shape) for m in order)
+    grid = _GRIDS.setdefault((mesh, order, dims),
+                             Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
+    mine = grid.chunk(shape, tuple(int(coordinate[m]) for m in order))
     if mine != chunk and not mine.numel == chunk.numel == 0:  # torch versions place an empty
         return None  # piece differently; it is never written, so where does not matter
     return grid
 
 
-_MESHES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # mesh -> (shape, ranks)
-_GRIDS: dict[tuple[Any, tuple[int, ...]], Grid] = {}  # one Grid per mesh and placements
+def _cut_order(mesh: Any, placements: Any) -> tuple[int, ...] | None:
+    """The mesh dims in the order they cut the tensor: their own order, but a
+    ``_StridedShard(d, sf)`` cuts after the later ``Shard(d)`` dims whose sizes multiply to
+    ``sf`` (FSDP2 over TP: ``(_StridedShard(0, sf=tp), Shard(0))`` on (dp, tp) cuts by tp
+    first, then dp). None when a split factor matches no such dims."""
+    order = list(range(len(placements)))
+    for m, placement in enumerate(placements):
+        if type(placement).__name__ != "_StridedShard":
+            continue
+        later = [j for j in range(m + 1, len(placements))
+                 if type(placements[j]).__name__ == "Shard" and placements[j].dim == placement.dim]
+        if not later or math.prod(mesh.size(j) for j in later) != int(placement.split_factor):
+            return None
+        order.remove(m)
+        order.insert(order.index(later[-1]) + 1, m)
+    return tuple(order)
+
+
+_MESHES: dict[tuple[Any, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_GRIDS: dict[tuple[Any, tuple[int, ...], tuple[int, ...]], Grid] = {}  # per mesh and placements
 
 
 _DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)
