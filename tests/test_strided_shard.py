@@ -23,6 +23,12 @@ Resumed from the checkpoint, each in freshly built (differently initialised) mod
   (its box, widened to checksum blocks), not all of it;
 * and back: the 1-process resumed state saved again loads into the 2x2 layout bitwise.
 
+In one process (torch's "fake" process group: each rank's real DeviceMesh and DTensor, no
+peers), every placement combination torch makes for FSDP2 over TP (2x2 even, uneven and with an
+empty piece, sharded on dim 1, dp 4 x tp 2, dp 2 x tp 4, row-parallel, TP-replicated, HSDP x TP
+on 2x2x2) is one box per rank whose bytes are the local tensor, and the grid ckptio records
+gives every rank's box; an interleaving ``_StridedShard`` and ``Partial`` are refused.
+
 ``ckptio.export_hf`` of the 2x2 checkpoint gives the full tensors; ``dcp.save`` through
 ``ckptio.DcpWriter`` of the 2x2 state and ``dcp.load`` through ``ckptio.DcpReader`` of the ckptio
 checkpoint into the 2x2 layout round-trip bitwise.
@@ -445,3 +451,103 @@ def test_export_hf_takes_strided_shards(saved: dict[str, Any], tmp_path: Any) ->
         exported |= load_file(str(f))
     want = {k.split(".", 1)[1]: v for k, v in saved["saved"].items() if k.startswith("model.")}
     _assert_bitwise(exported, want, "export_hf")
+
+
+# ------------------------------------------------------------------------------------------------
+# every placement combination torch makes for FSDP2 over TP, on larger meshes, in one process:
+# torch's "fake" process group gives each rank's real DeviceMesh and DTensor without a peer
+
+
+def _as_rank(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _layouts() -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard as SS
+
+    return [  # (mesh shape, placements, global shape, the grid's ranks in cutting order)
+        pytest.param((2, 2), [SS(0, split_factor=2), Shard(0)], (8, 4), [0, 2, 1, 3], id="2x2"),
+        pytest.param((2, 2), [SS(0, split_factor=2), Shard(0)], (10, 3), [0, 2, 1, 3],
+                     id="2x2-uneven"),
+        pytest.param((2, 2), [SS(0, split_factor=2), Shard(0)], (3, 5), [0, 2, 1, 3],
+                     id="2x2-empty-piece"),
+        pytest.param((2, 2), [SS(1, split_factor=2), Shard(1)], (4, 12), [0, 2, 1, 3], id="dim1"),
+        pytest.param((4, 2), [SS(0, split_factor=2), Shard(0)], (24, 2), [0, 2, 4, 6, 1, 3, 5, 7],
+                     id="dp4xtp2"),
+        pytest.param((2, 4), [SS(0, split_factor=4), Shard(0)], (16, 2), [0, 4, 1, 5, 2, 6, 3, 7],
+                     id="dp2xtp4"),
+        pytest.param((2, 2), [Shard(0), Shard(1)], (6, 4), [0, 1, 2, 3], id="row-parallel"),
+        pytest.param((2, 2), [Shard(0), Replicate()], (6,), [0, 1, 2, 3], id="tp-replicated"),
+        pytest.param((2, 2, 2), [Replicate(), SS(0, split_factor=2), Shard(0)], (10, 3),
+                     [0, 2, 1, 3, 4, 6, 5, 7], id="hsdp-tp"),
+    ]
+
+
+@pytest.mark.parametrize(("mesh_shape", "placements", "shape", "ranks"), _layouts())
+def test_every_fsdp_tp_placement_is_one_box_on_a_grid(mesh_shape: tuple[int, ...],
+                                                      placements: list[Any], shape: tuple[int, ...],
+                                                      ranks: list[int]) -> None:
+    """Each rank's local tensor is the box ckptio records (its bytes equal that region of the
+    full tensor), and the grid (the mesh in cutting order) gives every rank's box: what the
+    manifest's regular row stands for is what the ranks hold."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from ckptio.planning.sharding import held
+
+    world = math.prod(mesh_shape)
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    boxes, grids = {}, set()
+    try:
+        for rank in range(world):
+            _as_rank(rank, world)
+            mesh = init_device_mesh("cpu", mesh_shape)
+            t = distribute_tensor(full, mesh, placements, src_data_rank=None)
+            region = held(t, "w")
+            box = full[tuple(slice(o, o + s) for o, s in zip(region.chunk.offsets,
+                                                              region.chunk.sizes))]
+            assert torch.equal(box, t.to_local()), (rank, region.chunk)
+            boxes[rank] = region.chunk
+            grids.add(region.grid)
+    finally:
+        dist.destroy_process_group()
+    assert len(grids) == 1 and None not in grids, grids
+    grid = grids.pop()
+    assert list(grid.ranks) == ranks, grid
+    for rank, chunk in boxes.items():
+        mine = grid.chunk(shape, grid.coordinate(rank))
+        assert mine == chunk or mine.numel == chunk.numel == 0, (rank, mine, chunk)
+    # the boxes tile the tensor (replicas counted once)
+    assert sum(c.numel for c in set(boxes.values())) == full.numel()
+
+
+def test_placements_that_are_no_box_are_refused_in_place() -> None:
+    """An interleaving _StridedShard and a Partial: UnsupportedStateError naming the key, what
+    the rank holds and the fix (tests/test_dist.py checks that nothing is written)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptio.errors import UnsupportedStateError
+    from ckptio.planning.sharding import held
+
+    try:
+        _as_rank(1, 4)
+        mesh = init_device_mesh("cpu", (2, 2))
+        t = distribute_tensor(torch.zeros(8, 2), mesh, [Shard(0), _StridedShard(0, split_factor=2)],
+                              src_data_rank=None)
+        with pytest.raises(UnsupportedStateError, match=r"key 'w'.*indices \[1, 3\] of dim 0"):
+            held(t, "w")
+        p = DTensor.from_local(torch.zeros(2), mesh, [Partial(), Partial()])
+        with pytest.raises(UnsupportedStateError, match=r"key 'g'.*pending reduction.*redistribute"):
+            held(p, "g")
+    finally:
+        dist.destroy_process_group()
