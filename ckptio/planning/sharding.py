@@ -201,8 +201,13 @@ def _check_box(shape: tuple[int, ...], mesh: Any, placements: Any, chunk: Chunk,
     consecutive. FSDP2 over tensor parallelism (``(_StridedShard(d, sf=tp), Shard(d))``) always
     holds one box (a block of this rank's TP block); ``(Shard(d), _StridedShard(d, sf))`` made
     by hand interleaves rows, which is no box."""
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    except ImportError as exc:  # a private helper of torch 2.9+: its name may move
+        raise UnsupportedStateError(
+            f"key {key!r}: this torch ({torch.__version__}) lacks the index arithmetic of "
+            f"_StridedShard ckptio checks ({exc}); redistribute it first, e.g. "
+            "t.redistribute(placements=[Shard(0)] * t.device_mesh.ndim)") from exc
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return
@@ -215,9 +220,10 @@ def _check_box(shape: tuple[int, ...], mesh: Any, placements: Any, chunk: Chunk,
             sizes[d], mesh.size(mesh_dim), coordinate[mesh_dim], placement, indices.get(d),
             shape[d], False)
     for d, rows in indices.items():
-        got = [int(i) for i in rows.tolist()][:sizes[d]]
-        if got != list(range(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d])):
-            shown = got if len(got) <= 8 else got[:8] + ["..."]
+        got = rows[:sizes[d]]
+        if not torch.equal(got, torch.arange(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d],
+                                             dtype=got.dtype)):
+            shown = got[:8].tolist() + (["..."] if len(got) > 8 else [])
             raise UnsupportedStateError(
                 f"key {key!r}: DTensor placements {tuple(placements)!r} give this rank indices "
                 f"{shown} of dim {d} (of {shape[d]}), not one block; ckptio stores a shard as "
