@@ -569,19 +569,18 @@ def _partial_state(rank: int, world: int) -> dict[str, Any]:
     return {"grad": DTensor.from_local(addend, _mesh(world, False), [Partial()])}
 
 
-def _fsdp_tp_state(rank: int, world: int) -> dict[str, Any]:
-    """FSDP2 over a tensor-parallel Linear on a (1, world) dp x tp mesh: torch lays the weight
-    out as (_StridedShard(0, sf=world), Shard(0))."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+def _interleaved_state(rank: int, world: int) -> dict[str, Any]:
+    """A hand-made ``_StridedShard(0, sf=2)`` over a 1-D mesh of ``world`` ranks: each rank
+    holds every other pair of rows (rank 0 of 2: rows 0, 1, 4, 5 of 8), no box of the tensor.
+    (FSDP2 over tensor parallelism, ``(_StridedShard(0, sf=tp), Shard(0))``, holds one box per
+    rank and saves: tests/test_strided_shard.py.)"""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
-    return {"model": model.state_dict()}
+    local = torch.full((4, 4), float(rank))
+    weight = DTensor.from_local(local, _mesh(world, False), [_StridedShard(0, split_factor=2)],
+                                shape=torch.Size((4 * world, 4)), stride=(4, 1))
+    return {"model": {"0.weight": weight}}
 
 
 def refused_placement(rank: int, world: int, root: str, kind: str) -> dict[str, Any]:
@@ -592,7 +591,7 @@ def refused_placement(rank: int, world: int, root: str, kind: str) -> dict[str, 
         state = _partial_state(rank, world)
         refused = state["grad"]
     else:
-        state = _fsdp_tp_state(rank, world)
+        state = _interleaved_state(rank, world)
         refused = state["model"]["0.weight"]
     state |= {"other": leaf("shard0", reference("a"), rank, world), "step": 9}
     errors = {}

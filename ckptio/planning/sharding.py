@@ -3,13 +3,16 @@ FlatShard slices, or (a plain tensor) all of it.
 
 Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
 (DTensor placements through torch's own local-shape computation, so uneven shards come out as
-torch made them), and refusing what is not a region (Partial, strided shards) or not a dense
-tensor (``check_dense``: sparse, quantized, nested, legacy ShardedTensor). Does not own:
+torch made them; ``_StridedShard``, FSDP2 over tensor parallelism, through the rows torch's own
+arithmetic gives, stored as the box they form), and refusing what is not a region (Partial, a
+strided shard whose rows are not one box) or not a dense tensor (``check_dense``: sparse,
+quantized, nested, legacy ShardedTensor). Does not own:
 who writes which region (globalplan.py) or reading regions back (loading/read.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,49 +154,126 @@ def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
 def _dtensor(value: torch.Tensor, key: str) -> Held:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for placement in value.placements:  # type: ignore[attr-defined]
-        name = type(placement).__name__
-        if placement.is_partial() or name not in ("Shard", "Replicate"):
-            raise UnsupportedStateError(
-                f"key {key!r}: DTensor placement {placement!r} is not a region of the tensor "
-                "(only Shard and Replicate are); redistribute it first, e.g. "
-                "t.redistribute(placements=[Shard(0)]) or t.full_tensor()")
+    placements = value.placements  # type: ignore[attr-defined]
+    strided = _check_placements(placements, key)
     shape = tuple(value.shape)
     local = value.to_local()  # type: ignore[attr-defined]
-    sizes, offsets = compute_local_shape_and_global_offset(
-        shape, value.device_mesh, value.placements)  # type: ignore[attr-defined]
+    mesh = value.device_mesh  # type: ignore[attr-defined]
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(local.shape) != tuple(sizes):
         raise UnsupportedStateError(
             f"key {key!r}: DTensor local shard has shape {tuple(local.shape)}, its placements "
             f"give {tuple(sizes)}; a padded or hand-made local tensor cannot be saved as is")
-    mesh = value.device_mesh  # type: ignore[attr-defined]
     chunk = Chunk(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+    if strided:
+        _check_box(shape, mesh, placements, chunk, key)
     return Held(local, shape, chunk, sharded=True, domain=_mesh_domain(mesh),
-                grid=_grid(mesh, value.placements, shape, chunk))  # type: ignore[attr-defined]
+                grid=_grid(mesh, placements, shape, chunk))
+
+
+def _check_placements(placements: Any, key: str) -> bool:
+    """Whether ``placements`` hold a ``_StridedShard``; UnsupportedStateError for one that is
+    no region of the tensor (Partial: each rank holds an addend, not a part)."""
+    strided = False
+    for placement in placements:
+        name = type(placement).__name__
+        if placement.is_partial():
+            raise UnsupportedStateError(
+                f"key {key!r}: DTensor placement {placement!r} holds a pending reduction (each "
+                "rank an addend of the value), not a region of the tensor; ckptio does not "
+                "reduce on save (that would be a collective hidden in the save): reduce it "
+                "first, e.g. t.redistribute(placements=[Replicate()] * t.device_mesh.ndim), or "
+                "save t.full_tensor()")
+        if name == "_StridedShard":
+            strided = True
+        elif name not in ("Shard", "Replicate"):
+            raise UnsupportedStateError(
+                f"key {key!r}: DTensor placement {placement!r} is not one ckptio knows (Shard, "
+                "Replicate, _StridedShard are); redistribute it first, e.g. "
+                "t.redistribute(placements=[Shard(0)]) or t.full_tensor()")
+    return strided
+
+
+def _check_box(shape: tuple[int, ...], mesh: Any, placements: Any, chunk: Chunk,
+               key: str) -> None:
+    """UnsupportedStateError unless the elements a ``_StridedShard`` DTensor holds on this rank
+    are the box ``chunk``: on each sharded dim the global indices torch's arithmetic gives are
+    consecutive. FSDP2 over tensor parallelism (``(_StridedShard(d, sf=tp), Shard(d))``) always
+    holds one box (a block of this rank's TP block); ``(Shard(d), _StridedShard(d, sf))`` made
+    by hand interleaves rows, which is no box."""
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    except ImportError as exc:  # a private helper of torch 2.9+: its name may move
+        raise UnsupportedStateError(
+            f"key {key!r}: this torch ({torch.__version__}) lacks the index arithmetic of "
+            f"_StridedShard ckptio checks ({exc}); redistribute it first, e.g. "
+            "t.redistribute(placements=[Shard(0)] * t.device_mesh.ndim)") from exc
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return
+    sizes, indices = list(shape), {}
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement).__name__ not in ("Shard", "_StridedShard"):
+            continue
+        d = int(placement.dim) % len(shape)
+        sizes[d], indices[d] = _get_shard_size_and_offsets(
+            sizes[d], mesh.size(mesh_dim), coordinate[mesh_dim], placement, indices.get(d),
+            shape[d], False)
+    for d, rows in indices.items():
+        got = rows[:sizes[d]]
+        if not torch.equal(got, torch.arange(chunk.offsets[d], chunk.offsets[d] + chunk.sizes[d],
+                                             dtype=got.dtype)):
+            shown = got[:8].tolist() + (["..."] if len(got) > 8 else [])
+            raise UnsupportedStateError(
+                f"key {key!r}: DTensor placements {tuple(placements)!r} give this rank indices "
+                f"{shown} of dim {d} (of {shape[d]}), not one block; ckptio stores a shard as "
+                "one box of the tensor. Redistribute it first, e.g. "
+                "t.redistribute(placements=[Shard(0)] * t.device_mesh.ndim)")
 
 
 def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> Grid | None:
     """The DTensor's layout as a Grid, if it is regular: the tensor has elements, and this
-    rank's chunk is the one the grid's arithmetic gives (what torch computed: never assumed)."""
-    shape_and_ranks = _MESHES.get(mesh)
-    if shape_and_ranks is None:
-        ranks = mesh.mesh
-        shape_and_ranks = _MESHES[mesh] = (tuple(int(d) for d in ranks.shape),
-                                           tuple(int(r) for r in ranks.flatten().tolist()))
+    rank's chunk is the one the grid's arithmetic gives (what torch computed: never assumed).
+    A ``_StridedShard`` is a grid over the mesh with its dims in cutting order (``_cut_order``)."""
     coordinate = mesh.get_coordinate()
-    if coordinate is None or 0 in shape:
+    order = _cut_order(mesh, placements)
+    if coordinate is None or 0 in shape or order is None:
         return None
-    dims = tuple(REPLICATE if type(p).__name__ == "Replicate" else int(p.dim) % len(shape)
-                 for p in placements)
-    grid = _GRIDS.setdefault((mesh, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
-    mine = grid.chunk(shape, tuple(int(c) for c in coordinate))
+    shape_and_ranks = _MESHES.get((mesh, order))
+    if shape_and_ranks is None:
+        ranks = mesh.mesh.permute(order)
+        shape_and_ranks = _MESHES[(mesh, order)] = (
+            tuple(int(d) for d in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
+    dims = tuple(REPLICATE if type(placements[m]).__name__ == "Replicate"
+                 else int(placements[m].dim) % len(shape) for m in order)
+    grid = _GRIDS.setdefault((mesh, order, dims),
+                             Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
+    mine = grid.chunk(shape, tuple(int(coordinate[m]) for m in order))
     if mine != chunk and not mine.numel == chunk.numel == 0:  # torch versions place an empty
         return None  # piece differently; it is never written, so where does not matter
     return grid
 
 
-_MESHES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # mesh -> (shape, ranks)
-_GRIDS: dict[tuple[Any, tuple[int, ...]], Grid] = {}  # one Grid per mesh and placements
+def _cut_order(mesh: Any, placements: Any) -> tuple[int, ...] | None:
+    """The mesh dims in the order they cut the tensor: their own order, but a
+    ``_StridedShard(d, sf)`` cuts after the later ``Shard(d)`` dims whose sizes multiply to
+    ``sf`` (FSDP2 over TP: ``(_StridedShard(0, sf=tp), Shard(0))`` on (dp, tp) cuts by tp
+    first, then dp). None when a split factor matches no such dims."""
+    order = list(range(len(placements)))
+    for m, placement in enumerate(placements):
+        if type(placement).__name__ != "_StridedShard":
+            continue
+        later = [j for j in range(m + 1, len(placements))
+                 if type(placements[j]).__name__ == "Shard" and placements[j].dim == placement.dim]
+        if not later or math.prod(mesh.size(j) for j in later) != int(placement.split_factor):
+            return None
+        order.remove(m)
+        order.insert(order.index(later[-1]) + 1, m)
+    return tuple(order)
+
+
+_MESHES: dict[tuple[Any, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_GRIDS: dict[tuple[Any, tuple[int, ...], tuple[int, ...]], Grid] = {}  # per mesh and placements
 
 
 _DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)
