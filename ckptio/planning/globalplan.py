@@ -284,8 +284,18 @@ def _merge(a: Json, b: Json, where: str) -> Json:
         return {"c": [body_a[0], _merge(body_a[1], body_b[1], where)]}
     if a != b:
         raise PlanConflict(f"the state's structure at {where or 'the root'!r} differs between "
-                           "ranks (only dicts may hold different keys on different ranks)")
+                           "ranks (only dicts may hold different keys on different ranks)"
+                           + _hint(where))
     return a
+
+
+def _hint(where: str) -> str:
+    """The fix for the commonest cause: optimizers of pipeline stages, keyed by index."""
+    if "param_groups" not in where.split("."):
+        return ""
+    return ("; an optimizer's param_groups list its parameters by index, which differ between "
+            "pipeline stages: save ckptio.OptimizerState(model, optimizer) in its place (keyed "
+            "by parameter name)")
 
 
 def _dict_key(key: str | int) -> tuple[str, str | int]:
