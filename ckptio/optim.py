@@ -40,6 +40,7 @@ from ckptio.errors import StateMismatchError, UnsupportedStateError
 __all__ = ["OptimizerState"]
 
 _MEMBERS = ("params", "param_names")  # what a group holds besides its hyperparameters
+_SECTIONS = ("state", "param_groups")
 
 
 def _as_list(value: Any, kind: type) -> list[Any]:
@@ -88,6 +89,7 @@ class OptimizerState:
         self.models = _as_list(model, torch.nn.Module)
         self.optimizers = _as_list(optimizer, torch.optim.Optimizer)
         self._fqn_of = _names(self.models)
+        self._owned = set(self._fqn_of.values())
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for param in group["params"]:
@@ -115,20 +117,43 @@ class OptimizerState:
                                    for k, v in hyper.items()}
         return {"state": state, "param_groups": groups}
 
+    def _split(self, rest: str) -> tuple[str, str] | None:
+        """``<fqn>.<name>`` -> (fqn, name), for a parameter of this rank's; None otherwise."""
+        parts = rest.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            fqn = ".".join(parts[:i])
+            if fqn in self._owned:
+                return fqn, ".".join(parts[i:])
+        return None
+
     def ckptio_creates(self, key: str) -> bool:
         """Whether a load may create ``key`` (relative to this object) when the live state
         lacks it: only the entries of this rank's own parameters (a fresh optimizer has no
         per-parameter state until its first step), never another stage's."""
         section, _, rest = key.partition(".")
-        if section not in ("state", "param_groups"):
-            return False
-        owned = set(self._fqn_of.values())
-        parts = rest.split(".")
-        return any(".".join(parts[:i]) in owned for i in range(1, len(parts)))
+        return section in _SECTIONS and self._split(rest) is not None
+
+    def _nested(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """``state`` as {section: {fqn: {name: value}}}: a load creates the entries of a
+        checkpoint whose tree is flat (DCP's flattened optimizer state dict: one dict keyed
+        ``state.<fqn>.<name>``) under their dotted keys."""
+        out: dict[str, dict[str, Any]] = {s: dict(state.get(s) or {}) for s in _SECTIONS}
+        for key, value in state.items():
+            if key in _SECTIONS:
+                continue
+            section, _, rest = str(key).partition(".")
+            found = self._split(rest) if section in _SECTIONS else None
+            if found is None:
+                raise StateMismatchError(
+                    f"OptimizerState: the checkpoint's key {key!r} is not state.<name>.<slot> "
+                    "or param_groups.<name>.<hyperparameter> of a parameter of the model given")
+            fqn, name = found
+            out[section][fqn] = {**out[section].get(fqn, {}), name: value}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved_state = state.get("state", {})
-        saved_groups = state.get("param_groups", {})
+        nested = self._nested(state)
+        saved_state, saved_groups = nested["state"], nested["param_groups"]
         for opt in self.optimizers:
             groups, per_param = [], {}
             for index, group in enumerate(opt.state_dict()["param_groups"]):

@@ -149,18 +149,32 @@ class _Job:
         return float(local) / (BATCH * H)
 
     def snapshot(self) -> dict[str, Any]:
-        """This rank's parameters, optimizer state and hyperparameters by name (numpy copies
-        and Python values: they travel back from the rank processes by value)."""
-        import ckptio
+        return _snapshot(self.model, self.opt)
 
-        out: dict[str, Any] = {f"model.{k}": v.detach().numpy().copy()
-                               for k, v in self.model.state_dict().items()}
-        view = ckptio.OptimizerState(self.model, self.opt).state_dict()
-        for fqn, slots in view["state"].items():
-            out.update({f"state.{fqn}.{k}": v.numpy().copy() for k, v in slots.items()})
-        for fqn, hyper in view["param_groups"].items():
-            out.update({f"group.{fqn}.{k}": v for k, v in hyper.items()})
-        return out
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Parameters, optimizer state and hyperparameters by name (numpy copies and Python values:
+    they travel back from the rank processes by value)."""
+    import ckptio
+
+    out: dict[str, Any] = {f"model.{k}": v.detach().numpy().copy()
+                           for k, v in model.state_dict().items()}
+    view = ckptio.OptimizerState(model, opt).state_dict()
+    for fqn, slots in view["state"].items():
+        out.update({f"state.{fqn}.{k}": v.numpy().copy() for k, v in slots.items()})
+    for fqn, hyper in view["param_groups"].items():
+        out.update({f"group.{fqn}.{k}": v for k, v in hyper.items()})
+    return out
+
+
+def _dcp_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's state dicts of a stage, its optimizer's flattened (as torchtitan saves pipeline
+    stages): keyed state.<fqn>.<name> and param_groups.<fqn>.<name>, as OptimizerState's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=flat)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,6 +184,8 @@ class _Job:
 def reference_job(rank: int, world: int, root: str) -> dict[str, Any]:
     """2 stages x 2 ranks: K + M steps uninterrupted; K steps and a save; a save of stages with
     different learning rates; a plain optimizer's save on stages of different sizes (refused)."""
+    import torch.distributed.checkpoint as dcp
+
     import ckptio
     from ckptio.errors import CkptError
 
@@ -182,6 +198,7 @@ def reference_job(rank: int, world: int, root: str) -> dict[str, Any]:
     saver_losses = [job.step(s) for s in range(K)]
     ckptio.save(job.state(K), f"{root}/ckpt")
     saved = job.snapshot()
+    dcp.save(_dcp_state(job.model, job.opt), checkpoint_id=f"{root}/dcp")  # the same, by DCP
 
     job = _Job(rank, REFERENCE, INIT_SEED, lr_scale=2.0)  # stage 1 learns twice as fast
     job.step(0)
@@ -376,6 +393,50 @@ def test_stages_with_different_hyperparameters(reference: dict[str, Any]) -> Non
     ckptio.load(path, {"model": model, "optim": ckptio.OptimizerState(model, opt)},
                 keys=lambda k: ".param_groups." not in k)
     assert opt.param_groups[0]["lr"] == LR and len(opt.state) == 2 * N_LAYERS
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_reads_these_checkpoints_and_writes_the_same_keys(reference: dict[str, Any]) -> None:
+    """The keys are those of DCP's flattened optimizer state dict: in one process, DCP loads the
+    4 ranks' ckptio checkpoint through ckptio.DcpReader, and ckptio loads the 4 ranks' DCP
+    checkpoint into OptimizerState; both give back exactly what was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    import ckptio
+
+    model, opt, _sched = _build((N_LAYERS,), 0, OTHER_SEED)
+    state = _dcp_state(model, opt)  # DCP creates a fresh optimizer's state (a step, lr 0)
+    dcp.load(state, storage_reader=ckptio.DcpReader(reference["path"]))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    through_dcp = _snapshot(model, opt)
+
+    model, opt, _sched = _build((N_LAYERS,), 0, OTHER_SEED)
+    ckptio.load(f"{reference['root']}/dcp", {"model": model,
+                                             "optim": ckptio.OptimizerState(model, opt)})
+    from_dcp = _snapshot(model, opt)
+    for name, got in (("through DcpReader", through_dcp), ("from DCP", from_dcp)):
+        assert sorted(got) == sorted(reference["saved"]), name
+        for key, want in reference["saved"].items():
+            assert _equal(got[key], want), key
+
+
+def test_an_optimizer_with_state_is_filled_in_place(reference: dict[str, Any]) -> None:
+    """One process whose optimizer has stepped (its moments exist) gets the 4 ranks' values
+    copied into its own tensors."""
+    import ckptio
+
+    model, opt, sched = _build((N_LAYERS,), 0, OTHER_SEED)
+    _forward(model, torch.ones(2, H)).sum().backward()
+    opt.step()
+    before = {id(p): opt.state[p]["exp_avg"] for p in model.parameters()}
+    ckptio.load(reference["path"], {"model": model, "optim": ckptio.OptimizerState(model, opt),
+                                    "sched": sched, "step": 0})
+    assert all(opt.state[p]["exp_avg"] is before[id(p)] for p in model.parameters())
+    got = _snapshot(model, opt)
+    assert all(_equal(got[k], want) for k, want in reference["saved"].items())
+    assert sched.last_epoch == K
 
 
 def test_optimizer_state_refuses_parameters_it_cannot_name() -> None:
