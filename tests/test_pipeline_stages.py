@@ -439,6 +439,22 @@ def test_an_optimizer_with_state_is_filled_in_place(reference: dict[str, Any]) -
     assert sched.last_epoch == K
 
 
+def test_model_parts_with_an_optimizer_each(reference: dict[str, Any]) -> None:
+    """A rank holding two stages (an interleaved schedule: model parts, an optimizer each) names
+    them all in one OptimizerState and gets each part's entries (the parts' weights in one dict
+    by FQN, filled in place)."""
+    import ckptio
+
+    parts = [_build((1, 3), stage, OTHER_SEED) for stage in (0, 1)]
+    models, opts = [p[0] for p in parts], [p[1] for p in parts]
+    weights = {k: v for m in models for k, v in m.state_dict().items()}  # one dict, by FQN
+    ckptio.load(reference["path"], {"model": weights, "optim": ckptio.OptimizerState(models, opts)},
+                keys=("model", "optim"))
+    got = _union([_snapshot(m, o) for m, o in zip(models, opts)])
+    assert sorted(got) == sorted(reference["saved"])
+    assert all(_equal(got[k], want) for k, want in reference["saved"].items())
+
+
 def test_optimizer_state_refuses_parameters_it_cannot_name() -> None:
     import ckptio
     from ckptio.errors import UnsupportedStateError
