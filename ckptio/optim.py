@@ -155,7 +155,8 @@ class OptimizerState:
         nested = self._nested(state)
         saved_state, saved_groups = nested["state"], nested["param_groups"]
         for opt in self.optimizers:
-            groups, per_param = [], {}
+            groups: list[dict[str, Any]] = []
+            per_param: dict[int, Any] = {}
             for index, group in enumerate(opt.state_dict()["param_groups"]):
                 live = opt.param_groups[index]
                 fqns = self._fqns(live)
@@ -184,8 +185,9 @@ class OptimizerState:
                     raise StateMismatchError(
                         f"OptimizerState: group {index} of {type(opt).__name__} holds "
                         f"{first_fqn!r} and {fqn!r}, saved with {name}={first!r} and "
-                        f"{name}={value!r} (their pipeline stages' groups differed); build the "
-                        "optimizer with a group per saved value, or load with keys=lambda k: "
-                        "'.param_groups.' not in k to keep the live hyperparameters")
+                        f"{name}={value!r} (saved in different groups: on different pipeline "
+                        "stages, say); build the optimizer with a group per saved value, or "
+                        "load with keys=lambda k: '.param_groups.' not in k to keep the live "
+                        "hyperparameters")
             out[name] = first
         return out

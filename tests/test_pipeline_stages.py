@@ -199,6 +199,12 @@ def reference_job(rank: int, world: int, root: str) -> dict[str, Any]:
     ckptio.save(job.state(K), f"{root}/ckpt")
     saved = job.snapshot()
     dcp.save(_dcp_state(job.model, job.opt), checkpoint_id=f"{root}/dcp")  # the same, by DCP
+    # stage 0 ties two keys to one tensor (an embedding and an output head, say); stage 1
+    # holds neither
+    weights = dict(job.model.state_dict())
+    if job.stage == 0:
+        weights = {"embed": job.model.layers["0"].weight, "head": job.model.layers["0"].weight}
+    ckptio.save({"model": weights}, f"{root}/tied")
 
     job = _Job(rank, REFERENCE, INIT_SEED, lr_scale=2.0)  # stage 1 learns twice as fast
     job.step(0)
@@ -437,6 +443,18 @@ def test_an_optimizer_with_state_is_filled_in_place(reference: dict[str, Any]) -
     got = _snapshot(model, opt)
     assert all(_equal(got[k], want) for k, want in reference["saved"].items())
     assert sched.last_epoch == K
+
+
+def test_a_tie_held_by_one_stage_only(reference: dict[str, Any]) -> None:
+    """Stage 0's two keys sharing one tensor are stored once (an alias); stage 1, which holds
+    neither, does not make the save refuse the tie."""
+    import ckptio
+
+    back = ckptio.load(f"{reference['root']}/tied")
+    assert back["model"]["embed"] is back["model"]["head"]
+    assert _equal(back["model"]["embed"].numpy(), reference["saved"]["model.layers.0.weight"])
+    assert sorted(back["model"]) == ["embed", "head", "layers.2.bias", "layers.2.weight",
+                                     "layers.3.bias", "layers.3.weight"]
 
 
 def test_model_parts_with_an_optimizer_each(reference: dict[str, Any]) -> None:

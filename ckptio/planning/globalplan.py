@@ -226,7 +226,8 @@ def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
 
 
 def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], set[tuple[int, int]]]:
-    """Tied tensors, the same on every rank; -> (aliases, (rank, item index) pairs not written).
+    """Tied tensors, the same on every rank holding the key (a pipeline stage that holds
+    neither key has no say); -> (aliases, (rank, item index) pairs not written).
 
     A rank whose shard of a tied tensor is empty cannot see the tie (an empty tensor has no
     storage): its empty item of the alias key is dropped instead of failing the save."""
@@ -239,10 +240,14 @@ def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], se
         if len(mine) == len(union):
             continue
         index_of = {item.key: i for i, item in plan.items.items()}
+        held = {k for k, _target in mine} | {o.key for o in plan.objects}
         for key, target in union:
             if (key, target) in mine:
                 continue
             index = index_of.get(key)
+            if index is None and key not in held and (
+                    plan.regular is None or key not in plan.regular.keys):
+                continue  # the rank does not hold the key (another pipeline stage)
             if index is None and plan.regular is not None and plan.regular.chunk_is_empty(
                     key, plan.rank):
                 continue  # a regular item's empty chunk: never written
