@@ -199,6 +199,7 @@ def reference_job(rank: int, world: int, root: str) -> dict[str, Any]:
     ckptio.save(job.state(K), f"{root}/ckpt")
     saved = job.snapshot()
     dcp.save(_dcp_state(job.model, job.opt), checkpoint_id=f"{root}/dcp")  # the same, by DCP
+    dcp.save(_dcp_state(job.model, job.opt), storage_writer=ckptio.DcpWriter(f"{root}/dcpw"))
     # stage 0 ties two keys to one tensor (an embedding and an output head, say); stage 1
     # holds neither
     weights = dict(job.model.state_dict())
@@ -404,8 +405,9 @@ def test_stages_with_different_hyperparameters(reference: dict[str, Any]) -> Non
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_reads_these_checkpoints_and_writes_the_same_keys(reference: dict[str, Any]) -> None:
     """The keys are those of DCP's flattened optimizer state dict: in one process, DCP loads the
-    4 ranks' ckptio checkpoint through ckptio.DcpReader, and ckptio loads the 4 ranks' DCP
-    checkpoint into OptimizerState; both give back exactly what was saved."""
+    4 ranks' ckptio checkpoint through ckptio.DcpReader, and ckptio loads into OptimizerState
+    the 4 ranks' dcp.save, written by DCP's own writer or by ckptio.DcpWriter; each gives back
+    exactly what was saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -418,11 +420,13 @@ def test_dcp_reads_these_checkpoints_and_writes_the_same_keys(reference: dict[st
                    options=StateDictOptions(flatten_optimizer_state_dict=True))
     through_dcp = _snapshot(model, opt)
 
-    model, opt, _sched = _build((N_LAYERS,), 0, OTHER_SEED)
-    ckptio.load(f"{reference['root']}/dcp", {"model": model,
-                                             "optim": ckptio.OptimizerState(model, opt)})
-    from_dcp = _snapshot(model, opt)
-    for name, got in (("through DcpReader", through_dcp), ("from DCP", from_dcp)):
+    loaded = {}
+    for name in ("dcp", "dcpw"):  # written by DCP's FileSystemWriter, by ckptio.DcpWriter
+        model, opt, _sched = _build((N_LAYERS,), 0, OTHER_SEED)
+        ckptio.load(f"{reference['root']}/{name}", {"model": model,
+                                                   "optim": ckptio.OptimizerState(model, opt)})
+        loaded[name] = _snapshot(model, opt)
+    for name, got in (("through DcpReader", through_dcp), *loaded.items()):
         assert sorted(got) == sorted(reference["saved"]), name
         for key, want in reference["saved"].items():
             assert _equal(got[key], want), key
@@ -443,6 +447,23 @@ def test_an_optimizer_with_state_is_filled_in_place(reference: dict[str, Any]) -
     got = _snapshot(model, opt)
     assert all(_equal(got[k], want) for k, want in reference["saved"].items())
     assert sched.last_epoch == K
+
+
+def test_hugging_face_export_of_the_stages_weights(reference: dict[str, Any],
+                                                   tmp_path: Any) -> None:
+    """export_hf writes the 4 ranks' weights (each stage's own layers) as one safetensors model."""
+    from safetensors.torch import load_file
+
+    import ckptio
+
+    ckptio.export_hf(reference["path"], tmp_path / "hf")
+    exported = {}
+    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+        exported.update(load_file(shard))
+    assert sorted(exported) == sorted(k[len("model."):] for k in reference["saved"]
+                                      if k.startswith("model."))
+    for key, value in exported.items():
+        assert _equal(value.numpy(), reference["saved"][f"model.{key}"]), key
 
 
 def test_a_tie_held_by_one_stage_only(reference: dict[str, Any]) -> None:
