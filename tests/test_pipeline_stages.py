@@ -17,8 +17,12 @@ K steps and saves. Resumed into fresh, differently initialised stages, checked:
   x 1 layer, 1 stage x 4 data-parallel ranks, and one process without torch.distributed;
 * the M losses after the resume: bit for bit where the arithmetic is the same (see RTOL);
 * the refusals that remain: a parameter group whose parameters were saved with different
-  hyperparameters (stages with different learning rates, loaded as one group), and a plain
-  index-keyed optimizer on stages of different sizes (its param_groups lists differ).
+  hyperparameters (stages with different learning rates, loaded as one group), a plain
+  index-keyed optimizer on stages of different sizes (its param_groups lists differ), and
+  OptimizerState given parameters it cannot name;
+* the same checkpoints through DCP (the keys are DCP's flattened optimizer state dict's, both
+  ways, ckptio.DcpWriter included), Hugging Face export of the stages' weights, a tie held by
+  one stage only, and a rank holding two model parts with an optimizer each.
 """
 
 from __future__ import annotations
