@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     )
     from ckptio.export import export_hf
     from ckptio.manager import CheckpointManager
+    from ckptio.optim import OptimizerState
     from ckptio.options import Options
     from ckptio.planning.sharding import FlatShard, TensorShard
     from ckptio.rng import RNGState
@@ -61,6 +62,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LoadReport",
     "ManifestError",
+    "OptimizerState",
     "Options",
     "PickleRefusedError",
     "Progress",
@@ -91,7 +93,8 @@ _HOME = {
     "SaveResult": "ckptio.api", "AsyncSaveResult": "ckptio.api",
     "async_save": "ckptio.shared", "load": "ckptio.shared", "save": "ckptio.shared",
     "verify": "ckptio.shared", "Progress": "ckptio.saving.persist", "Options": "ckptio.options",
-    "RNGState": "ckptio.rng", "CheckpointManager": "ckptio.manager",
+    "RNGState": "ckptio.rng", "OptimizerState": "ckptio.optim",
+    "CheckpointManager": "ckptio.manager",
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",

@@ -134,6 +134,23 @@ def test_a_tie_unseen_on_an_empty_shard_is_kept():
         plan_global(wrong)
 
 
+def test_a_tie_on_one_pipeline_stage_is_kept_where_other_ranks_lack_the_key():
+    """Stage 0 ties "head" to "emb"; stage 1 holds neither (its own layers): the tie is kept.
+    A rank holding "head" untied (a tensor of its own, or a Python value) is refused."""
+    shape = (4, 2)
+    tied = rank_plan(0, [item("emb", 8, Chunk((0, 0), shape), shape)], aliases=[("head", "emb")])
+    other = rank_plan(1, [item("layers.3.w", 8, Chunk((0, 0), shape), shape)])
+    out = plan_global([tied, other])
+    assert out.aliases == (("head", "emb"),)
+    assert out.assignments[1].writes == (0,)
+    untied = rank_plan(1, [item("head", 8, Chunk((0, 0), shape), shape)])
+    with pytest.raises(PlanConflict, match="tied to 'emb'.* on rank 0 but not on rank 1"):
+        plan_global([tied, untied])
+    a_value = rank_plan(1, [], objects=[ObjectEntry("head", ["none", None])])
+    with pytest.raises(PlanConflict, match="tied to 'emb'.* on rank 0 but not on rank 1"):
+        plan_global([tied, a_value])
+
+
 def test_trees_merge_dicts_and_refuse_other_differences():
     t0 = {"d": [["layers.0.w", {"k": "layers.0.w"}], ["step", {"k": "step"}]]}
     t1 = {"d": [["layers.1.w", {"k": "layers.1.w"}], ["step", {"k": "step"}]]}

@@ -7,6 +7,9 @@ checkpoint's tree and:
 - inserts, inside a Stateful object (anything with state_dict/load_state_dict but a
   ``torch.nn.Module``, whose keys are fixed), the entries its state_dict lacks and the
   checkpoint has (a freshly built optimizer has no per-parameter state until its first step);
+  a Stateful with a ``ckptio_creates(key) -> bool`` method (key relative to it) narrows these
+  to the keys it accepts (``ckptio.OptimizerState``: its own parameters', not other pipeline
+  stages'), and a saved dict entry none of whose leaves was created is not inserted;
 - replaces the contents of a list of Python values whose length differs from the saved one by
   the saved list (``whole_lists``: as DCP, which stores such a list as one value; the list
   object stays the caller's). A list holding tensors is filled element by element: its length
@@ -48,18 +51,32 @@ def equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _owners(flat: FlatState) -> list[str]:
-    """Key prefixes of the Stateful objects whose entries a load may create."""
-    return [prefix for prefix, obj, _inner in flat.statefuls
-            if not isinstance(obj, torch.nn.Module)]
-
-
 def creatable(flat: FlatState) -> Callable[[str], bool]:
     """A test for checkpoint keys absent from the state that a load creates: those inside a
-    Stateful object other than a module."""
-    prefixes = tuple(p + "." for p in _owners(flat) if p)
-    everything = "" in _owners(flat)
-    return lambda key: everything or key.startswith(prefixes)
+    Stateful object other than a module, as far as its ``ckptio_creates`` (if any) accepts."""
+    plain: list[str] = []
+    narrowed: list[tuple[str, Callable[[str], bool]]] = []
+    for prefix, obj, _inner in flat.statefuls:
+        if isinstance(obj, torch.nn.Module):
+            continue
+        creates = getattr(obj, "ckptio_creates", None)
+        if callable(creates):
+            narrowed.append((prefix, creates))
+        else:
+            plain.append(prefix)
+    narrowed.sort(key=lambda pair: -len(pair[0]))  # the innermost Stateful decides
+    prefixes = tuple(p + "." for p in plain if p)
+    everything = "" in plain
+
+    def test(key: str) -> bool:
+        for prefix, creates in narrowed:
+            if not prefix:
+                return bool(creates(key))
+            if key.startswith(prefix + "."):
+                return bool(creates(key[len(prefix) + 1:]))
+        return everything or key.startswith(prefixes)
+
+    return test
 
 
 def _leaf_keys(node: Json) -> Iterator[str]:
@@ -176,6 +193,8 @@ class _Walk:
     def __init__(self, flat: FlatState, replaced: dict[str, Any], created: dict[str, Any],
                  lists: Mapping[str, Json]) -> None:
         self.replaced, self.created, self.lists = replaced, created, lists
+        # every key that holds a created leaf (the leaf's own key and its dotted prefixes)
+        self.holding = {k.rsplit(".", n)[0] for k in created for n in range(k.count(".") + 1)}
         self.statefuls: Iterator[tuple[str, Any, dict[Any, Any]]] = iter(flat.statefuls)
         self.loads: list[tuple[str, Any, dict[Any, Any]]] = []
 
@@ -223,7 +242,8 @@ class _Walk:
         if inside:
             held = {k for k, _child in body}
             for k, child in saved_by_key.items():
-                if k not in held:
+                if k not in held and (_join(key, k) in self.holding
+                                      or next(_leaf_keys(child), None) is None):
                     live[k] = self._built(child)
 
     def _built(self, saved: Json) -> Any:

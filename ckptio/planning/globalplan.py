@@ -226,7 +226,8 @@ def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
 
 
 def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], set[tuple[int, int]]]:
-    """Tied tensors, the same on every rank; -> (aliases, (rank, item index) pairs not written).
+    """Tied tensors, the same on every rank holding the key (a pipeline stage that holds
+    neither key has no say); -> (aliases, (rank, item index) pairs not written).
 
     A rank whose shard of a tied tensor is empty cannot see the tie (an empty tensor has no
     storage): its empty item of the alias key is dropped instead of failing the save."""
@@ -239,10 +240,14 @@ def _aliases(ranks: Sequence[RankPlan]) -> tuple[tuple[tuple[str, str], ...], se
         if len(mine) == len(union):
             continue
         index_of = {item.key: i for i, item in plan.items.items()}
+        held = {k for k, _target in mine} | {o.key for o in plan.objects}
         for key, target in union:
             if (key, target) in mine:
                 continue
             index = index_of.get(key)
+            if index is None and key not in held and (
+                    plan.regular is None or key not in plan.regular.keys):
+                continue  # the rank does not hold the key (another pipeline stage)
             if index is None and plan.regular is not None and plan.regular.chunk_is_empty(
                     key, plan.rank):
                 continue  # a regular item's empty chunk: never written
@@ -284,8 +289,18 @@ def _merge(a: Json, b: Json, where: str) -> Json:
         return {"c": [body_a[0], _merge(body_a[1], body_b[1], where)]}
     if a != b:
         raise PlanConflict(f"the state's structure at {where or 'the root'!r} differs between "
-                           "ranks (only dicts may hold different keys on different ranks)")
+                           "ranks (only dicts may hold different keys on different ranks)"
+                           + _hint(where))
     return a
+
+
+def _hint(where: str) -> str:
+    """The fix for the commonest cause: optimizers of pipeline stages, keyed by index."""
+    if "param_groups" not in where.split("."):
+        return ""
+    return ("; an optimizer's param_groups list its parameters by index, which differ between "
+            "pipeline stages: save ckptio.OptimizerState(model, optimizer) in its place (keyed "
+            "by parameter name)")
 
 
 def _dict_key(key: str | int) -> tuple[str, str | int]:
