@@ -259,6 +259,19 @@ def test_a_key_tied_to_a_loaded_key_is_filled_not_missing(tmp_path):
         ckptio.load(tmp_path / "ck", meta)  # meta tensors all share data_ptr 0: not a tie
 
 
+def test_a_key_mismatch_names_only_the_sides_that_differ(tmp_path):
+    ckptio.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(ckptio.StateMismatchError) as info:
+        ckptio.load(tmp_path / "ck", {"a": torch.zeros(2)})
+    message = str(info.value)
+    assert message.startswith("state and checkpoint keys differ: not in the state ['b']. Pass "
+                              "strict=False"), message
+    assert "missing from the checkpoint" not in message and "Otherwise" not in message
+    with pytest.raises(ckptio.StateMismatchError, match=r"missing from the checkpoint \['c'\]; "
+                       r"not in the state \['b'\]\. Pass strict=False"):
+        ckptio.load(tmp_path / "ck", {"a": torch.zeros(2), "c": torch.zeros(2)})
+
+
 def test_a_meta_destination_is_refused_not_skipped(tmp_path):
     """Loading into a meta tensor (a model built on the meta device and never materialised)
     would copy nowhere and report success: it is refused, naming the key and the fix."""

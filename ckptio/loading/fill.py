@@ -411,14 +411,20 @@ def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str
                 strict: bool, lists_hint: str = "") -> None:
     hint = _optimizer_hint(flat, unexpected)
     if strict and (missing or unexpected):
+        differ = "; ".join(f"{what} {_some_keys(keys)}" for what, keys in (
+            ("missing from the checkpoint", missing), ("not in the state", unexpected)) if keys)
+        rest = " Otherwise pass" if hint or lists_hint else " Pass"
         raise StateMismatchError(
-            f"state and checkpoint keys differ: missing from the checkpoint {list(missing[:10])}"
-            f"{'...' if len(missing) > 10 else ''}, not in the state {list(unexpected[:10])}"
-            f"{'...' if len(unexpected) > 10 else ''}.{hint}{lists_hint} Otherwise pass "
+            f"state and checkpoint keys differ: {differ}.{hint}{lists_hint}{rest} "
             "strict=False to load the keys both have, or keys=... to choose which to load")
     if hint:
         warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
                       stacklevel=4)
+
+
+def _some_keys(keys: tuple[str, ...]) -> str:
+    """The first ten keys as a list, '...' after it when there are more."""
+    return f"{list(keys[:10])}{'...' if len(keys) > 10 else ''}"
 
 
 def _mismatch(problems: dict[str, str]) -> StateMismatchError:
