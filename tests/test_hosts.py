@@ -59,10 +59,20 @@ def who_am_i(rank: int, world: int, peer_addr: str) -> dict[str, Any]:
         own = s.getsockname()[0]
     got = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(got, torch.tensor([float(rank + 1)]))
-    return {"hostname": socket.gethostname(), "netns": os.readlink("/proc/self/ns/net"),
+    return {"hostname": socket.gethostname(), "resolved": _resolve(["h0", "h1"]), "netns": os.readlink("/proc/self/ns/net"),
             "addr": own, "gathered": [float(t) for t in got],
             "shm": os.environ["CKPTIO_SHM_DIR"], "local_rank": int(os.environ["LOCAL_RANK"]),
             "group_rank": int(os.environ["GROUP_RANK"])}
+
+
+def _resolve(names: list[str]) -> list[str | None]:
+    out: list[str | None] = []
+    for name in names:
+        try:
+            out.append(socket.gethostbyname(name))
+        except OSError:
+            out.append(None)
+    return out
 
 
 def fill_memory(rank: int, world: int) -> dict[str, Any]:
@@ -102,6 +112,7 @@ def test_two_hosts_talk_gloo(two_hosts: Hosts) -> None:
         mine = os.readlink("/proc/self/ns/net")
         assert values[0]["netns"] != values[1]["netns"] == values[2]["netns"] != mine
         assert [v["hostname"] for v in values] == ["h0", "h1", "h1"]
+        assert {tuple(v["resolved"]) for v in values} == {(a.addr, b.addr)}
         assert a.addr != b.addr and not a.addr.startswith("127.")
         assert values[0]["addr"] == a.addr and values[1]["addr"] == b.addr
         assert socket.gethostname() not in ("h0", "h1")  # the machine's hostname untouched
@@ -143,7 +154,7 @@ def test_teardown_leaves_nothing(mode: str, tmp_path: Any) -> None:
                 time.sleep(0.2)
             pids = [int((pid_dir / f"pid-{r}").read_text()) for r in range(2)]
             if mode == "netns":
-                assert len(hosts.leftovers()) == 2 + 3  # 2 mounts, 2 hosts + the switch
+                assert len(hosts.leftovers()) == 2 + 3 + 2  # mounts, hosts + switch, /etc/netns
             raise KeyError("the test fails while the ranks run")
     assert hosts.leftovers() == []
     deadline = time.monotonic() + 10  # SIGKILLed: gone once the kernel has torn them down
@@ -178,7 +189,8 @@ def test_leftovers_of_a_killed_run_are_swept(tmp_path: Any) -> None:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert tag in listed  # left behind by the killed process
     removed = sweep_stale()
-    assert any(tag in r for r in removed) and len([r for r in removed if tag in r]) == 5
+    assert len([r for r in removed if tag in r]) == 5  # 2 mounts, 2 hosts + the switch
+    assert not [p for p in os.listdir("/etc/netns") if p.startswith(tag)]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         assert tag not in listed and tag not in f.read()

@@ -17,9 +17,12 @@ wipe unmounts it and mounts a fresh, empty one. Ranks run in ``ip netns exec NS 
 simulated mode: every host is 127.0.0.1; ``<root>/h<i>/shm`` is a plain directory; a wipe
 empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py).
 
+Each host's name resolves to its address inside every host (``/etc/netns/NS/hosts``, which
+``ip netns exec`` mounts over /etc/hosts).
+
 Teardown (``close()``, also on failure and from ``__exit__``): the ranks still running are
 killed, every tmpfs unmounted (lazily if busy), every namespace deleted (their veths and the
-bridge go with them). Namespaces and mounts are named after the owning process id, so a run
+bridge go with them) with its /etc/netns entry. Namespaces and mounts are named after the owning process id, so a run
 that was SIGKILLed leaves ones that the next ``Hosts`` removes (``sweep_stale``).
 
 Owns: making, wiping and removing the hosts; which mode is possible here (``netns_possible``).
@@ -109,6 +112,7 @@ def sweep_stale() -> list[str]:
             match = _NAME.match(name)
             if match and not _alive(int(match.group(1))):
                 _ip("netns", "delete", name, check=False)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
                 removed.append(name)
     return removed
 
@@ -178,6 +182,18 @@ class Hosts:
                 self.hosts.append(Host(i, f"h{i}", addr, str(shm), ns))
             else:
                 self.hosts.append(Host(i, f"h{i}", "127.0.0.1", str(shm), None))
+        if netns:
+            self._hosts_files()
+
+    def _hosts_files(self) -> None:
+        """/etc/netns/NS/hosts, which ``ip netns exec`` mounts over /etc/hosts: every host's
+        name resolves to its address inside the hosts, as on a cluster."""
+        text = "127.0.0.1 localhost\n" + "".join(f"{h.addr} {h.name}\n" for h in self.hosts)
+        for host in self.hosts:
+            etc = Path("/etc/netns") / str(host.netns)
+            etc.mkdir(parents=True, exist_ok=True)
+            self._undo.append(lambda etc=etc: shutil.rmtree(etc, ignore_errors=True))
+            (etc / "hosts").write_text(text)
 
     def _add_netns(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -245,12 +261,14 @@ class Hosts:
         self._undo.clear()
 
     def leftovers(self) -> list[str]:
-        """This Hosts' namespaces and mounts still present (empty after close())."""
+        """This Hosts' namespaces, mounts and /etc/netns entries still present (empty after
+        close())."""
         names = []
         if shutil.which("ip") is not None:
             names = [n for n in _ip("netns", "list", check=False).stdout.split()
                      if n.startswith(self.tag)]
-        return names + [t for s, t in _mounts() if s.startswith(self.tag)]
+        etc = [str(p) for p in Path("/etc/netns").glob(f"{self.tag}-*")]
+        return names + etc + [t for s, t in _mounts() if s.startswith(self.tag)]
 
 
 def _umount(target: str) -> None:
