@@ -40,7 +40,7 @@ def redundancy_of(engine: str, k: int) -> Any:
 def _manager(cfg: dict[str, Any]) -> Any:
     import ckptio
 
-    memory = {"keep_last": 1}
+    memory: dict[str, Any] = {"keep_last": 1}
     redundancy = redundancy_of(cfg["engine"], cfg["k"])
     if redundancy is not None:
         memory["redundancy"] = redundancy
@@ -73,12 +73,13 @@ def _nvrx(cfg: dict[str, Any]) -> tuple[Any, Any]:
         CpuStateDict
 
 
-def _protected_s(mgr: Any, step: int) -> float | None:
-    """Seconds from the save call until ``step`` was protected, where the manager says."""
-    try:
-        return mgr.protection(step)["protected_s"]
-    except (AttributeError, KeyError, TypeError):
-        return None
+def _protect_seconds(mgr: Any, seen: dict[int, float]) -> None:
+    """Note the newest protected step's time from its memory commit to protected (the
+    manager's ``protect_seconds``), once per step."""
+    tier = mgr.status()[0]
+    steps, took = tier.get("protected") or [], tier.get("protect_seconds")
+    if steps and took is not None and max(steps) not in seen:
+        seen[max(steps)] = took
 
 
 def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     reset_peak_rss()
     rss_before = status_kib("VmRSS")
-    step_s, call_s, protected = [], [], []
+    step_s, call_s, protected = [], [], {}
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
         train_step(model, opt, tokens[step - 1])
@@ -118,18 +119,20 @@ def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         else:  # NVRx empties the dicts it is given (pop_tensors): a copy of their structure
             nvrx.save(wrap(_structure(state)), iteration=step, is_async=False)
         call_s.append(time.perf_counter() - t0)
+        if mgr is not None and cfg["engine"] != "off":  # outside the clock
+            _protect_seconds(mgr, protected)
     t0 = time.perf_counter()
     record: dict[str, Any] = {}
     if mgr is not None:
         mgr.close()
         record["close_s"] = time.perf_counter() - t0
-        protected = [p for p in (_protected_s(mgr, s) for s in range(1, cfg["steps"] + 1))
-                     if p is not None]
+        if cfg["engine"] != "off":
+            _protect_seconds(mgr, protected)
         record["status"] = _jsonable(mgr.status())
     nbytes = gpt_state.tensor_nbytes(checkpoint_state(model, opt, cfg["steps"], cfg["batch"]))
     return {"rank": rank, "host": int(os.environ["GROUP_RANK"]), "bytes": nbytes,
             "step_s": step_s, "call_s": call_s, "train_s": sum(step_s) + sum(call_s),
-            "protected_s": protected, "rss_extra_mib": (status_kib("VmHWM") - rss_before) / 1024,
+            "protected_s": list(protected.values()), "rss_extra_mib": (status_kib("VmHWM") - rss_before) / 1024,
             "last_step": cfg["steps"], **record}
 
 

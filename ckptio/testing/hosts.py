@@ -15,7 +15,9 @@ wipe unmounts it and mounts a fresh, empty one. Ranks run in ``ip netns exec NS 
 (hostjob.py), so each host also has its own hostname, ``h<i>``.
 
 simulated mode: every host is 127.0.0.1; ``<root>/h<i>/shm`` is a plain directory; a wipe
-empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py).
+empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py; by default
+``CKPTIO_HOST_ID``, ckptio's host-id override: ckptio/tiering/hosts.py), which netns mode does
+not need: there ckptio tells the hosts apart by their hostnames, as on a cluster.
 
 Each host's name resolves to its address inside every host (``/etc/netns/NS/hosts``, which
 ``ip netns exec`` mounts over /etc/hosts).
@@ -235,7 +237,7 @@ class Hosts:
             os.makedirs(host.shm_dir)
 
     def start(self, fn: Callable[..., Any], *args: Any, ranks_per_host: int | list[int] = 1,
-              timeout_s: float = 180, host_env: str | None = None,
+              timeout_s: float = 180, host_env: str | None = "CKPTIO_HOST_ID",
               env: dict[str, str] | None = None) -> Any:
         """Launch ``fn(rank, world_size, *args)`` on every rank of every host -> a running
         hostjob.Job (``.wait()``, ``.kill_host(i)``)."""
