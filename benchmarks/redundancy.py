@@ -100,7 +100,7 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cfg = _cfg(args, engine, work)
-    run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts}
+    run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts, "lost": args.lost}
     with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size="2g") as hosts:
         run["mode"], run["hosts"] = hosts.mode, hosts.describe()
         try:

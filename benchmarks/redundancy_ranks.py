@@ -38,15 +38,25 @@ def redundancy_of(engine: str, k: int) -> Any:
 
 
 def _manager(cfg: dict[str, Any]) -> Any:
+    """The ckptio engines' manager. ``off``: a memory tier on several hosts needs redundancy
+    (without it the manager refuses), so each rank keeps the same rank-local layout that
+    redundancy uses (``run/r<rank>/step-N``, disk ``r<rank>/step-N``) through a manager of its
+    own on a one-rank group: the same bytes written, nothing protected across hosts."""
+    import torch.distributed as dist
+
     import ckptio
 
-    memory: dict[str, Any] = {"keep_last": 1}
+    disk = Path(cfg["dir"]) / "disk"
     redundancy = redundancy_of(cfg["engine"], cfg["k"])
     if redundancy is not None:
-        memory["redundancy"] = redundancy
-    tiers = [ckptio.Tier("shm://run", **memory),
-             ckptio.Tier(str(Path(cfg["dir"]) / "disk"), every=cfg["every"], keep_last=1)]
-    return ckptio.CheckpointManager(tiers=tiers)
+        return ckptio.CheckpointManager(tiers=[
+            ckptio.Tier("shm://run", keep_last=1, redundancy=redundancy),
+            ckptio.Tier(str(disk), every=cfg["every"], keep_last=1)])
+    mine, _all = dist.new_subgroups(group_size=1)
+    tag = f"r{dist.get_rank():05d}"
+    return ckptio.CheckpointManager(tiers=[
+        ckptio.Tier(f"shm://run/{tag}", keep_last=1),
+        ckptio.Tier(str(disk / tag), every=cfg["every"], keep_last=1)], process_group=mine)
 
 
 def _nvrx(cfg: dict[str, Any]) -> tuple[Any, Any]:
@@ -159,11 +169,18 @@ def restore_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         dist.barrier()
         t0 = time.perf_counter()
-        step = mgr.restore(state)
+        if engine == "off":  # one manager per rank: the ranks agree on the step they all have
+            newest = torch.tensor([mgr.latest() or 0])
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+            step = mgr.restore(state, step=int(newest)) if int(newest) else None
+        else:
+            step = mgr.restore(state)
         took = time.perf_counter() - t0
-        source = _jsonable(getattr(mgr, "last_restore", None))
+        info = getattr(mgr, "last_restore", None) or {}
         mgr.close()
-        return {"rank": rank, "ok": True, "step": step, "restore_s": took, "source": source}
+        source = info.get("source") or ("own" if info.get("tier") == 0 else "disk")
+        return {"rank": rank, "host": int(os.environ["GROUP_RANK"]), "ok": True, "step": step,
+                "restore_s": took, "source": source, "last_restore": _jsonable(info)}
     except Exception as exc:  # noqa: BLE001 - recorded: the report says what failed and where
         return {"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                 "where": _where(exc)}
@@ -181,8 +198,8 @@ def _nvrx_restore(cfg: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - recorded (CPU: NVRx's retrieval calls .cuda())
         return {"rank": dist.get_rank(), "ok": False, "error": f"{type(exc).__name__}: {exc}",
                 "where": _where(exc)}
-    return {"rank": dist.get_rank(), "ok": True, "step": iteration,
-            "restore_s": time.perf_counter() - t0, "source": "nvrx"}
+    return {"rank": dist.get_rank(), "host": int(os.environ["GROUP_RANK"]), "ok": True,
+            "step": iteration, "restore_s": time.perf_counter() - t0, "source": "nvrx"}
 
 
 def _structure(value: Any) -> Any:

@@ -42,9 +42,12 @@ def _restore_of(run: dict[str, Any], what: str) -> dict[str, Any] | None:
     if bad:
         return {"error": f"rank {bad[0]['rank']}: {bad[0]['error'][:300]} at {bad[0]['where']}"}
     steps = {r["step"] for r in ranks}
+    lost_host = int(run.get("lost", 1))
+    mine = sorted({r["source"] for r in ranks if r["host"] == lost_host})
+    others = sorted({r["source"] for r in ranks if r["host"] != lost_host})
     return {"restore_s": max(r["restore_s"] for r in ranks), "steps": sorted(steps),
             "lost": run["ranks"][0]["last_step"] - min(steps),
-            "sources": sorted({str(r["source"])[:120] for r in ranks})}
+            "sources": [f"lost host: {'/'.join(mine)}, others: {'/'.join(others)}"]}
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
