@@ -87,9 +87,9 @@ def _protect_seconds(mgr: Any, seen: dict[int, float]) -> None:
     """Note the newest protected step's time from its memory commit to protected (the
     manager's ``protect_seconds``), once per step."""
     tier = mgr.status()[0]
-    steps, took = tier.get("protected") or [], tier.get("protect_seconds")
-    if steps and took is not None and max(steps) not in seen:
-        seen[max(steps)] = took
+    newest, took = tier.get("protected"), tier.get("protect_seconds")
+    if newest is not None and took is not None and newest not in seen:
+        seen[newest] = took
 
 
 def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
