@@ -56,6 +56,23 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, A
                           "rng": torch.get_rng_state()})
 
 
+def replay(rank: int, steps: int) -> dict[int, dict[str, Any]]:
+    """What train() saves at each step, computed again without saving (it is seeded)."""
+    model, opt = _build(seed=rank)
+    saved = {}
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        saved[step] = _snapshot(model, opt)
+    return saved
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str, steps: int,
           kill_at: int = 0) -> dict[str, Any]:
     """Train ``steps`` steps saving each; -> the state saved at each step and the status.
@@ -65,10 +82,7 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
     saved = {}
     for step in range(1, steps + 1):
-        loss = model(torch.randn(8, 16)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _step(model, opt)
         if step == kill_at:
             os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
         saved[step] = _snapshot(model, opt)

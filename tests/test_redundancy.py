@@ -20,7 +20,7 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import host_dir, restore, train
+from tests.redundancy_cases import host_dir, replay, restore, train
 
 TIMEOUT = 240
 
@@ -121,4 +121,84 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path):
     _wipe(base, 1)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
+    assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+# ------------------------------------------------------------------ damaged copies, detected
+
+
+def _flip_first_data_byte(directory: str) -> str:
+    victim = sorted(glob.glob(os.path.join(directory, "data-*.bin")))[0]
+    with open(victim, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return victim
+
+
+def test_corrupted_partner_copy_is_detected_and_the_next_partner_used(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "partners-2")
+    trained = run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
+    _wipe(base, 0)  # rank 0's copies: host 1 (first partner), host 2 (second)
+    _flip_first_data_byte(os.path.join(host_dir(base, 1), "run/.redundancy/step-3/copy-r00000"))
+    restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 3)
+    assert [r["how"]["source"] for r in restored] == ["partner", "own", "own"]
+    for r in restored:  # every rank names the copy it passed over and why
+        (skipped,) = r["how"]["skipped"]
+        assert "the partner copy of rank 0, step 3, held by rank 1 on host 1" in skipped
+        assert "CorruptCheckpointError" in skipped and "checksum" in skipped
+
+
+def test_corrupted_parity_block_is_detected_and_the_disk_used(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-3")
+    trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
+    _wipe(base, 2)
+    block = os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin")
+    with open(block, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x5a")
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["own", "own", "disk", "own"]
+    for r in restored:
+        assert any("parity block of group 0 (local rank 0), step 3, held by rank 3" in s
+                   and "corrupted" in s for s in r["how"]["skipped"])
+    (message,) = [w for w in restored[2]["warnings"] if "restored step 2" in w]
+    assert "hosts lost: host 2 (host2, rank 2)" in message and "parity(k=3)" in message
+
+
+# ------------------------------------------------------------------ beyond what it protects
+
+
+def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-3")
+    trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
+    _wipe(base, 0)
+    _wipe(base, 1)
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)  # the disk's newest step, on every rank
+    assert [r["how"]["source"] for r in restored] == ["disk", "disk", "own", "own"]
+    for r in restored:
+        (message,) = [w for w in r["warnings"] if "restored step 2" in w]
+        assert ("no newer step could be obtained in the memory of every rank (hosts lost: "
+                "host 0 (host0, rank 0), host 1 (host1, rank 1); parity(k=3)") in message
+
+
+def test_kill_during_parity_encoding_leaves_the_previous_protected_step(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-3")
+    with pytest.raises(RanksFailed):  # every rank SIGKILLed while step 3's parity is encoded
+        run_ranks(4, train, *args, 3, 3, timeout_s=TIMEOUT)
+    for host in range(4):  # step 3 is in every memory, its protection never committed
+        step3 = os.path.join(host_dir(base, host), "run/.redundancy/step-3")
+        assert os.path.isdir(os.path.join(host_dir(base, host), f"run/r{host:05d}/step-3"))
+        assert not glob.glob(os.path.join(step3, "protected-*"))
+    trained = [{"saved": replay(rank, 3)} for rank in range(4)]  # what the run saved (seeded)
+    _wipe(base, 1)
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]

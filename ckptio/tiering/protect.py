@@ -20,8 +20,8 @@ redundancy's own gloo group (peers.py). For step N:
 
 A kill anywhere before 4 leaves step N without ``protected`` markers: restore treats its copies
 as absent and falls back to the previous protected step, whose copies are only removed after N
-is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read,
-so a test can kill ranks during encoding.
+is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read and
+the step's directory made, so a test can kill ranks during encoding.
 
 Owns: the thread, its queue, its status and stored error. Does not own: placement (hosts.py),
 the stream and transport (peers.py), restore (rebuild.py).
@@ -168,11 +168,11 @@ class Protector:
             log.warning("ckptio: step %d is not protected: ranks %s could not read it", step, bad)
             return False
         assert stream is not None  # internal: nbytes >= 0 on this rank
+        directory = peers.held_dir(self.root, step)
+        os.makedirs(directory, exist_ok=True)
         pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
         if pause:
             time.sleep(pause)
-        directory = peers.held_dir(self.root, step)
-        os.makedirs(directory, exist_ok=True)
         ok = True
         try:
             if isinstance(self.spec, Partners):
