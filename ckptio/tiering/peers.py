@@ -33,7 +33,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 
-__all__ = ["REDUNDANCY_DIR", "Stream", "all_gather_json", "copy_name", "digest", "held_dir",
+__all__ = ["REDUNDANCY_DIR", "Stream", "all_gather_json", "all_ok", "files_of", "copy_name", "digest", "held_dir",
            "parity_name", "read_stream", "recv", "send", "write_checkpoint", "write_json",
            "xor_into"]
 

@@ -44,7 +44,7 @@ from ckptio.tiering import peers
 from ckptio.tiering.hosts import Topology
 from ckptio.tiering.redundancy import Parity, Partners
 
-__all__ = ["PAUSE_ENV", "Protector"]
+__all__ = ["PAUSE_ENV", "Protector", "newest_protected", "protected_steps"]
 
 log = logging.getLogger("ckptio")
 PAUSE_ENV = "CKPTIO_TEST_PROTECT_PAUSE_S"

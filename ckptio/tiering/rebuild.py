@@ -44,7 +44,7 @@ from ckptio.tiering.hosts import Topology
 from ckptio.tiering.protect import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
 
-__all__ = ["Recovery", "inventory", "plan", "recover"]
+__all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
