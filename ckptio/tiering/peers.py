@@ -7,13 +7,9 @@ protection (protect.py) and restore (rebuild.py) share.
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
   messages, point-to-point send/recv of uint8 tensors.
-- **Layout** under the memory tier's local directory (shm://NAME): ``.redundancy/step-N/``
-  holds ``copy-r<rank>/`` (a partner's copy, itself a checkpoint directory),
-  ``parity-g<group>-l<local>.bin`` and ``.json`` (a parity block and its members' manifests),
-  ``held-r<rank>.json`` (what a rank holds for step N, written last) and
-  ``protected-r<rank>.json`` (step N protected on every rank: the commit of the protection).
+Where the copies live on each host: marks.py.
 
-Owns: those names, the stream, the transport. Does not own: what to send where (hosts.py), when
+Owns: the stream, its reading and writing, the transport. Does not own: what to send where (hosts.py), when
 (protect.py), the restore's decisions (rebuild.py).
 """
 
@@ -33,11 +29,8 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 
-__all__ = ["REDUNDANCY_DIR", "Stream", "all_gather_json", "all_ok", "files_of", "copy_name", "digest", "held_dir",
-           "parity_name", "read_stream", "recv", "send", "write_checkpoint", "write_json",
-           "xor_into"]
-
-REDUNDANCY_DIR = ".redundancy"
+__all__ = ["Stream", "all_gather_json", "all_ok", "digest", "files_of", "read_stream", "recv",
+           "send", "write_checkpoint", "write_json", "xor_into"]
 
 
 @dataclass
@@ -57,18 +50,6 @@ def digest(data: bytes | memoryview | torch.Tensor) -> str:
     if isinstance(data, torch.Tensor):
         data = memoryview(data.numpy()).cast("B") if data.numel() else b""
     return xxhash.xxh3_64_hexdigest(data)
-
-
-def held_dir(root: str, step: int) -> str:
-    return os.path.join(root, REDUNDANCY_DIR, f"step-{step}")
-
-
-def copy_name(rank: int) -> str:
-    return f"copy-r{rank:05d}"
-
-
-def parity_name(group: int, local: int) -> str:
-    return f"parity-g{group}-l{local}"
 
 
 def files_of(manifest: bytes, where: str) -> list[tuple[str, int]]:

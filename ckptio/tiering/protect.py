@@ -40,11 +40,12 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.tiering import peers
+from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology
+from ckptio.tiering.marks import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
 
-__all__ = ["PAUSE_ENV", "Protector", "newest_protected", "protected_steps"]
+__all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 
 log = logging.getLogger("ckptio")
 PAUSE_ENV = "CKPTIO_TEST_PROTECT_PAUSE_S"
@@ -168,7 +169,7 @@ class Protector:
             log.warning("ckptio: step %d is not protected: ranks %s could not read it", step, bad)
             return False
         assert stream is not None  # internal: nbytes >= 0 on this rank
-        directory = peers.held_dir(self.root, step)
+        directory = marks.held_dir(self.root, step)
         os.makedirs(directory, exist_ok=True)
         pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
         if pause:
@@ -201,7 +202,7 @@ class Protector:
         for src in self.topology.partnered(self.rank, n):
             meta = metas[src]
             data = peers.recv(self.group, meta["nbytes"], src)
-            peers.write_checkpoint(os.path.join(directory, peers.copy_name(src)),
+            peers.write_checkpoint(os.path.join(directory, marks.copy_name(src)),
                                    meta["manifest"].encode(), [tuple(f) for f in meta["files"]],
                                    data)
             held.append({"kind": "copy", "rank": src, "manifest_digest": meta["digest"],
@@ -225,7 +226,7 @@ class Protector:
             block = torch.zeros(longest, dtype=torch.uint8)
             for r in members:
                 peers.xor_into(block, peers.recv(self.group, metas[r]["nbytes"], r))
-            name = peers.parity_name(g, local)
+            name = marks.parity_name(g, local)
             with open(os.path.join(directory, f"{name}.bin"), "wb") as f:
                 f.write(memoryview(block.numpy()).cast("B") if longest else b"")
             info = {"kind": "parity", "group": g, "local": local, "nbytes": longest,
@@ -243,7 +244,7 @@ class Protector:
         """Remove this host's protection of steps older than ``step`` (local rank 0 does)."""
         if self.topology.local_of(self.rank) != 0:
             return
-        base = os.path.join(self.root, peers.REDUNDANCY_DIR)
+        base = os.path.join(self.root, marks.REDUNDANCY_DIR)
         for name in os.listdir(base):
             n = _step_of(name)
             if n is not None and n < step:
@@ -253,18 +254,6 @@ class Protector:
 def _step_of(name: str) -> int | None:
     head, _, tail = name.partition("-")
     return int(tail) if head == "step" and tail.isdigit() else None
-
-
-def protected_steps(root: str, rank: int) -> list[int]:
-    """Steps whose protection ``rank`` committed here (its ``protected`` marker), ascending."""
-    base = os.path.join(root, peers.REDUNDANCY_DIR)
-    try:
-        names = os.listdir(base)
-    except FileNotFoundError:
-        return []
-    steps = [n for n in map(_step_of, names) if n is not None]
-    return sorted(s for s in steps if os.path.exists(
-        os.path.join(base, f"step-{s}", f"protected-r{rank:05d}.json")))
 
 
 def newest_protected(root: str, rank: int) -> int | None:

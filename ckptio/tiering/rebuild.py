@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.tiering import peers
+from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology
-from ckptio.tiering.protect import protected_steps
+from ckptio.tiering.marks import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
 
 __all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover"]
@@ -66,7 +66,7 @@ def inventory(root: str, rank: int, own: list[int], anywhere: list[int]) -> dict
     """This rank's report (step 1)."""
     held: dict[str, list[dict[str, Any]]] = {}
     for step in protected_steps(root, rank):
-        path = os.path.join(peers.held_dir(root, step), f"held-r{rank:05d}.json")
+        path = os.path.join(marks.held_dir(root, step), f"held-r{rank:05d}.json")
         try:
             with open(path, "rb") as f:
                 held[str(step)] = json.loads(f.read())["items"]
@@ -224,7 +224,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
 
 def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torch.Tensor | None]:
     """The meta and bytes this rank sends for ``item``."""
-    held = peers.held_dir(ctx.root, step)
+    held = marks.held_dir(ctx.root, step)
     try:
         kind = item.split(":")[0]
         if kind == "own":
@@ -232,10 +232,10 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
             return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
         if kind == "copy":
             of = int(item.split(":")[2][2:])
-            stream = peers.read_stream(os.path.join(held, peers.copy_name(of)))
+            stream = peers.read_stream(os.path.join(held, marks.copy_name(of)))
             return {"ok": True, **stream.meta()}, stream.data
         group, local = (int(p[1:]) for p in item.split(":")[2:4])
-        name = os.path.join(held, peers.parity_name(group, local))
+        name = os.path.join(held, marks.parity_name(group, local))
         with open(f"{name}.json", "rb") as f:
             info = json.loads(f.read())
         with open(f"{name}.bin", "rb") as f:
