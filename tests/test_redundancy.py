@@ -8,6 +8,7 @@ its own shared-memory root, tests/redundancy_cases.py), so "losing a host" is ki
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import uuid
@@ -110,7 +111,25 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
     assert all(r["how"]["tier"] == 0 and r["how"]["skipped"] == [] for r in restored)
 
 
-def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path):
+def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -> None:
+    """``ckptio status`` and ``ckptio ls`` on host 3: its rank's steps, step 3 protected."""
+    from ckptio.cli import main
+
+    monkeypatch.setenv("CKPTIO_SHM_DIR", host_dir(base, 3))
+    assert main(["status", "shm://run", disk]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["tier", "0", "shm://run/r00003", "committed", "2", "3",
+                                "protected", "3", "(parity(k=3))"]
+    assert [line.split()[2] for line in lines[1:]] == [f"{disk}/r{r:05d}" for r in range(4)]
+    assert main(["ls", "shm://run/r00003", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["protected"] == [{"step": 3, "how": "parity(k=3)"}]
+    assert main(["ls", "shm://run/r00003"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  protected across hosts: step 3 (parity(k=3))")
+
+
+def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypatch, capsys):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
@@ -118,6 +137,9 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path):
     assert glob.glob(os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin"))
     assert glob.glob(os.path.join(host_dir(base, 2), "run/.redundancy/step-3/parity-g1-l0.bin"))
     assert not glob.glob(os.path.join(host_dir(base, 0), "run/.redundancy/step-3/parity-*"))
+    assert trained[0]["status"]["protected"] == 3
+    assert trained[0]["status"]["redundancy"] == "parity(k=3)"
+    _cli_shows_protection(monkeypatch, capsys, base, disk)
     _wipe(base, 1)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
