@@ -63,9 +63,15 @@ def _nvrx(cfg: dict[str, Any]) -> tuple[Any, Any]:
     """NVRx LocalCheckpointManager with CliqueReplicationStrategy (jump = ranks per host, factor
     2: each rank's clique partner on the next host), its state dict subclassed to let CPU tensors
     through (docs/BENCH_TIERS.md)."""
-    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
+        BasicTensorAwareStateDict,
+    )
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+        LocalCheckpointManager,
+    )
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
+        CliqueReplicationStrategy,
+    )
 
     class CpuStateDict(BasicTensorAwareStateDict):  # type: ignore[misc]
         def __init__(self, state_dict: dict[str, Any]) -> None:

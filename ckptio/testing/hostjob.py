@@ -26,9 +26,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ckptio.testing.ranks import RanksFailed, free_port
 

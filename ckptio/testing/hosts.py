@@ -38,12 +38,13 @@ import re
 import shutil
 import subprocess
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Host", "Hosts", "MODES", "best_mode", "netns_possible", "sweep_stale"]
+__all__ = ["MODES", "Host", "Hosts", "best_mode", "netns_possible", "sweep_stale"]
 
 MODES = ("netns", "simulated")
 PREFIX = "ckh"  # namespaces ckh<pid>-<tag>-h<i> / -sw, tmpfs sources ckh<pid>-<tag>-h<i>
@@ -208,7 +209,7 @@ class Hosts:
 
     # ------------------------------------------------------------------ using
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
