@@ -64,7 +64,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
-    "DcpReader", "DcpWriter", "Tier", "read_metadata",
+    "DcpReader", "DcpWriter", "Tier", "read_metadata", "DeltaPolicy",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

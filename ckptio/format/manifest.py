@@ -28,7 +28,7 @@ from ckptio.format.validate import MAX_NDIM, check_keys, check_values
 # The names callers use (decode, encode, check_keys, check_values, the constants, tiling_problem)
 # stay importable from here; validate.py and tiling.py hold the checks themselves.
 __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEPTH", "VERSION",
-           "Manifest", "check_keys", "check_values", "decode", "encode", "json_depth",
+           "Manifest", "bases_of", "check_keys", "check_values", "decode", "encode", "json_depth",
            "tiling_problem"]
 
 MAGIC = "ckptio-manifest"
@@ -86,6 +86,12 @@ def _object_json(o: ObjectEntry) -> dict[str, Any]:
     if o.rank is not None:
         out["rank"] = o.rank
     return out
+
+
+def bases_of(manifest: Manifest) -> tuple[str, ...]:
+    """The sibling checkpoints (names like ``step-100``) the entries of ``manifest`` reference:
+    its body field ``bases`` (docs/FORMAT.md, version 4); () for a self-contained checkpoint."""
+    return tuple(getattr(manifest, "bases", ()) or ())
 
 
 def decode(data: bytes, where: str) -> Manifest:
