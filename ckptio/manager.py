@@ -74,9 +74,9 @@ Choices:
 - Deltas (``delta=ckptio.DeltaPolicy(...)``, managing/delta.py): each save is a delta against
   the newest full committed step or a full one, as the policy says (rank 0 decides among the
   committed steps; an async save still running is waited for first, as the Checkpointer would).
-  ``compression=`` goes to every save. Retention keeps the base of every kept step and of the
-  save in flight, and drops a base only after its last delta (managing/chains.py); restore()
-  names a delta's base when it passes over it.
+  ``compression=`` sets Options.compression of its saves. Retention keeps the base of every
+  kept step and of the save in flight, and drops a base only after its last delta
+  (managing/chains.py); restore() names a delta's base when it passes over it.
 Not safe for concurrent use from several threads.
 """
 
@@ -101,7 +101,7 @@ from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.managing.chains import Chains
-from ckptio.managing.delta import DeltaPolicy, check_compression, check_delta, choose_base
+from ckptio.managing.delta import DeltaPolicy, check_delta, choose_base, with_compression
 from ckptio.managing.ranks import Ranks
 from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.managing.triggers import Preemption, SaveClock, Triggers
@@ -159,7 +159,8 @@ class CheckpointManager:
                             "a Checkpointer already has its options")
         if checkpointer is not None:
             options = checkpointer.options
-        options = options or Options.from_env()
+        options = with_compression(options or Options.from_env(), compression,
+                                   checkpointer is not None)
         self._root = stepdir.root_for(directory, options)
         self.directory = self._root.location
         self._owns_checkpointer = checkpointer is None
@@ -171,7 +172,7 @@ class CheckpointManager:
         self._damaged: set[int] = set()  # committed steps restore() found damaged
         self._removal: threading.Thread | None = None
         # delta checkpoints (managing/delta.py, managing/chains.py)
-        self.delta, self.compression = check_delta(delta), check_compression(compression)
+        self.delta = check_delta(delta)
         self._chains = Chains(self._manifest, self.directory)
         self._long_every: tuple[int, ...] = (keep_every,) if keep_every else ()
         self._saving_base: int | None = None  # the base of the delta save in flight
@@ -277,7 +278,7 @@ class CheckpointManager:
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         previous, path, group = self._pending, self.path(step), self._process_group
-        extra = {"metrics": metrics, "metadata": metadata, **self._delta_kwargs(base)}
+        extra = {"metrics": metrics, "metadata": metadata, **({} if base is None else {"base": self.path(base)})}
         self._saving_base = base
         try:  # either call first settles the previous save (raising its unseen error)
             if not (asynchronous or lazy):
@@ -321,12 +322,6 @@ class CheckpointManager:
         assert self.delta is not None  # internal: called only with a policy
         return choose_base(self.delta, step, self._root.scan()["committed"], self._chains,
                            self._damaged, self._long_every)
-
-    def _delta_kwargs(self, base: int | None) -> dict[str, Any]:
-        out: dict[str, Any] = {} if base is None else {"base": self.path(base)}
-        if self.compression is not None:
-            out["compression"] = self.compression
-        return out
 
     def _manifest(self, step: int) -> Manifest:
         """``step``'s decoded manifest (chains.py reads each step's link from it once)."""

@@ -73,6 +73,16 @@ def test_bad_manager_options_are_refused(tmp_path, kwargs, match):
     assert not (tmp_path / "run").exists()
 
 
+def test_compression_with_a_given_checkpointer_is_refused(tmp_path):
+    checkpointer = ckptio.Checkpointer()
+    try:
+        with pytest.raises(CkptError, match=r"Options\(compression=...\)"):
+            ckptio.CheckpointManager(tmp_path / "run", checkpointer=checkpointer,
+                                     compression="zstd")
+    finally:
+        checkpointer.close()
+
+
 def test_first_save_is_full_then_deltas_against_the_newest_full_step():
     policy = DeltaPolicy(full_every=4, max_ratio=0.5)
     table: dict[int, object] = {}

@@ -52,15 +52,13 @@ def _field(entry: TensorEntry, name: str, sub: str) -> Any:
 
 
 def entry_storage(entry: TensorEntry) -> EntryStorage:
-    ref = _field(entry, "ref", "checkpoint")
-    if ref is not None:
-        return EntryStorage("ref", 0, ref=str(ref))
-    codec = _field(entry, "stored", "codec")
-    nbytes = _field(entry, "stored", "nbytes")
-    xor = _field(entry, "xor", "checkpoint")
+    kind, base = _field(entry, "delta", "kind"), _field(entry, "delta", "checkpoint")
+    if kind == "ref":
+        return EntryStorage("ref", 0, ref=str(base))
+    codec, nbytes = _field(entry, "stored", "codec"), _field(entry, "stored", "nbytes")
     return EntryStorage(str(codec) if codec is not None else "raw",
                         int(nbytes) if nbytes is not None else entry.nbytes,
-                        xor=None if xor is None else str(xor))
+                        xor=str(base) if kind == "xor" else None)
 
 
 def logical_nbytes(record: Manifest) -> int:

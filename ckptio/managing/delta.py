@@ -2,7 +2,7 @@
 
     mgr = ckptio.CheckpointManager("ckpts", keep_last=3,
                                    delta=ckptio.DeltaPolicy(full_every=10, max_ratio=0.5),
-                                   compression="auto")
+                                   compression="auto")   # Options.compression of its saves
 
 With a policy, a save is a delta against the newest full (self-contained) committed step, its
 base (Checkpointer.save(..., base=)): chunks equal to the base's are referenced, changed ones
@@ -29,16 +29,16 @@ links (chains.py), saving (api.py), retention (retention.py, chains.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.managing.chains import Chains
+from ckptio.options import Options
 
-__all__ = ["COMPRESSIONS", "DeltaPolicy", "check_compression", "check_delta", "choose_base"]
-
-COMPRESSIONS = ("auto", "off")  # or a codec's name, checked by the save
+__all__ = ["DeltaPolicy", "check_delta", "choose_base", "with_compression"]
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,18 @@ def check_delta(delta: Any) -> DeltaPolicy | None:
     return delta
 
 
-def check_compression(compression: Any) -> str | None:
-    """``CheckpointManager(compression=...)``: None (the Checkpointer's option), "auto", "off"
-    or a codec's name (the save checks the name)."""
-    if compression is not None and (not isinstance(compression, str) or not compression):
+def with_compression(options: Options, compression: Any, checkpointer_given: bool) -> Options:
+    """The manager's options with ``CheckpointManager(compression=...)`` in them (None: as
+    they are). "auto", "off" or a codec's name, checked by Options (Options.compression)."""
+    if compression is None:
+        return options
+    if not isinstance(compression, str) or not compression:
         raise CkptError(f"CheckpointManager(compression={compression!r}): 'auto', 'off' or a "
-                        "codec's name such as 'zstd'")
-    return compression
+                        "codec's name such as 'bytegroup+zstd'")
+    if checkpointer_given:
+        raise CkptError("CheckpointManager(checkpointer=..., compression=...): the "
+                        "Checkpointer's options decide; make it with Options(compression=...)")
+    return dataclasses.replace(options, compression=compression)
 
 
 def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Chains,

@@ -67,7 +67,7 @@ from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointE
 from ckptio.format.flatten import flatten
 from ckptio.manager import CheckpointManager
 from ckptio.managing import warn
-from ckptio.managing.delta import DeltaPolicy
+from ckptio.managing.delta import DeltaPolicy, with_compression
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage import holder
@@ -112,12 +112,12 @@ class TieredManager:
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them")
         self._owns_checkpointer = checkpointer is None
-        self._ck = checkpointer or Checkpointer(options or Options.from_env())
+        self._ck = checkpointer or Checkpointer(with_compression(
+            options or Options.from_env(), compression, checkpointer is not None))
         self._levels = [CheckpointManager(t.location, keep_last=t.keep_last,
                                           keep_every=t.keep_every, save_every=t.every,
                                           checkpointer=self._ck, process_group=process_group,
-                                          **({"delta": delta, "compression": compression}
-                                             if k == 0 else {}))
+                                          delta=delta if k == 0 else None)
                         for k, t in enumerate(self.tiers)]
         self._first = self._levels[0]
         # a step some tier keeps for long is saved full (managing/delta.py)
