@@ -176,6 +176,7 @@ class CheckpointManager:
         self._chains = Chains(self._manifest, self.directory)
         self._long_every: tuple[int, ...] = (keep_every,) if keep_every else ()
         self._saving_base: int | None = None  # the base of the delta save in flight
+        self._deltas_made: dict[int, int] = {}  # rank 0: base -> delta saves started against it
         self._metrics = StepMetrics(  # rank 0: each step's monitored metric
             lambda step: stepmeta.read_metadata(self.path(step), self._ck.options), self.directory)
         if preemption:
@@ -320,8 +321,11 @@ class CheckpointManager:
     def _choose_base(self, step: int) -> int | None:
         """Rank 0: the base of a delta save of ``step``, or None: a full save (delta.py)."""
         assert self.delta is not None  # internal: called only with a policy
-        return choose_base(self.delta, step, self._root.scan()["committed"], self._chains,
-                           self._damaged, self._long_every)
+        base = choose_base(self.delta, step, self._root.scan()["committed"], self._chains,
+                           self._damaged, self._long_every, self._deltas_made)
+        if base is not None:
+            self._deltas_made[base] = self._deltas_made.get(base, 0) + 1
+        return base
 
     def _manifest(self, step: int) -> Manifest:
         """``step``'s decoded manifest (chains.py reads each step's link from it once)."""

@@ -20,8 +20,10 @@ base is a full step. A save is full instead when any of these holds:
   base for as long; this is why the manager needs no compaction (rewriting a delta as a full
   step when its base must go).
 
-The counts and sizes are read from the committed steps' manifests (chains.py), so a restarted
-job goes on with the same cadence.
+The deltas made against a base are counted by the manager as it saves them; a restarted job
+counts those still committed (retention may have dropped older ones, so its first chain may run
+longer, bounded by ``max_ratio`` all the same). Sizes are read from the committed steps'
+manifests (chains.py).
 
 Owns: the policy's options and their checks, the choice of a base. Does not own: reading the
 links (chains.py), saving (api.py), retention (retention.py, chains.py).
@@ -30,7 +32,7 @@ links (chains.py), saving (api.py), retention (retention.py, chains.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,10 +88,12 @@ def with_compression(options: Options, compression: Any, checkpointer_given: boo
 
 
 def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Chains,
-                damaged: Iterable[int], long_every: Iterable[int]) -> int | None:
+                damaged: Iterable[int], long_every: Iterable[int],
+                made: Mapping[int, int] | None = None) -> int | None:
     """Rank 0: the step ``step`` is saved as a delta against, or None for a full save
     (module docstring). ``committed``: ascending; ``damaged``: steps a load found damaged;
-    ``long_every``: the keep_every intervals a full step is due at."""
+    ``long_every``: the keep_every intervals a full step is due at; ``made``: base -> the
+    deltas this process saved against it (retention may have dropped some of them)."""
     if any(step % every == 0 for every in long_every):
         return None
     bad = set(damaged)
@@ -98,7 +102,7 @@ def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Ch
     if base is None or base in bad:
         return None
     since = [s for s in older if s > base]
-    if len(since) + 1 >= policy.full_every:
+    if max(len(since), (made or {}).get(base, 0)) + 1 >= policy.full_every:
         return None
     last = next((s for s in reversed(since) if _delta_of(chains, s, base)), None)
     base_link = chains.link(base)
