@@ -347,6 +347,7 @@ class CheckpointManager:
         handler replaced, and free the Checkpointer if the manager made it."""
         try:
             self.wait()
+            self._drop_deferred()
         finally:
             self._triggers.preemption.uninstall()
             self._join_removal()
@@ -396,6 +397,12 @@ class CheckpointManager:
             also.update(unreadable)
         keep = self._chains.closure(committed, self.retention.kept(committed, values, also))
         return self._chains.doomed(committed, keep)  # a base goes with or after its deltas
+
+    def _drop_deferred(self) -> None:
+        """Collective: the retention pass a base kept back for (chains.py), once its deltas'
+        removal is durable."""
+        if self._agreed(lambda: self._chains.deferred):
+            self._agreed(self._drop_old)  # joins the removal first
 
     def _join_removal(self) -> None:
         if self._removal is not None:

@@ -148,6 +148,15 @@ def test_retention_keeps_each_kept_deltas_base_and_every_step_loads(tmp_path, ho
     assert seen[6] == [5, 6, 7] and seen[8] == [5, 8, 9]
 
 
+def test_close_drops_a_base_kept_back_one_pass(tmp_path):
+    mgr = _manager(tmp_path / "run", keep_last=1, delta=DeltaPolicy(full_every=3))
+    for step in range(1, 5):  # 1 F, 2-3 d1, 4 F: at 4, 3 goes and 1 waits for 3's removal
+        mgr.save(step, state_at(step))
+    assert mgr.steps() == [1, 4]
+    mgr.close()
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-4"]
+
+
 def test_restore_falls_back_past_a_delta_whose_base_is_damaged_or_missing(tmp_path):
     mgr = _manager(tmp_path / "run", keep_last=None, delta=DeltaPolicy(full_every=2))
     for step in range(1, 5):  # 1 F, 2 d1, 3 F, 4 d3
@@ -289,3 +298,21 @@ def test_a_kill_during_delta_saves_and_retention_leaves_every_committed_step_loa
             warnings.simplefilter("ignore")  # an interrupted newest step is passed over
             assert mgr.restore(state_at(0)) == last
         mgr.close()
+
+
+# ------------------------------------------------------------------ two ranks
+
+
+def test_two_ranks_save_deltas_against_rank_0s_choice(tmp_path):
+    from ckptio.testing.ranks import run_ranks
+
+    import policy_cases as cases
+
+    out = run_ranks(2, cases.deltas_on_two_ranks, str(tmp_path / "run"))
+    for rank, got in enumerate(out):
+        assert got["bases"] == {1: [], 2: ["step-1"], 3: ["step-1"], 4: [], 5: ["step-4"]}, (
+            rank, got)
+        # 1 outlives its last delta (3, dropped at 5) by one pass: dropped by close()
+        assert got["kept"] == [1, 4, 5] and got["exact"] == [True] * 3, (rank, got)
+        assert got["after_close"] == [4, 5], (rank, got)
+        assert got["restored"] == 5 and got["w"], (rank, got)

@@ -10,6 +10,8 @@ delta. ``closure()`` adds to the kept set the bases of every kept step; ``doomed
 defers a dropped base whose delta is dropped in the same pass to the next pass, so the delta's
 hiding is durable (the removal fsyncs the directory; an S3 marker is durable on return) before
 its base is touched: a kill between the two never leaves a committed delta without its base.
+The manager's close() runs that next pass (``deferred``): a closed manager leaves only what it
+keeps.
 
 A step whose manifest cannot be read: damaged (ManifestError, CorruptCheckpointError) or gone,
 it needs no base (it cannot be loaded); unreadable for another reason (an object store away),
@@ -67,6 +69,7 @@ class Chains:
         self._read = read
         self._where = where
         self._known: dict[int, Link | None] = {}  # None: damaged or gone (needs no base)
+        self.deferred = False  # the last doomed() kept a base back for one pass
 
     def link(self, step: int) -> Link | None:
         """``step``'s link; None if it is damaged or gone. Other CkptErrors are raised."""
@@ -111,6 +114,7 @@ class Chains:
                 continue
             if link is not None:
                 needed.update(link.bases)
+        self.deferred = any(s in needed for s in dropped)
         return [s for s in dropped if s not in needed]
 
     def describe(self, step: int) -> str:

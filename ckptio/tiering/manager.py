@@ -270,6 +270,8 @@ class TieredManager:
                     self._drain.close()
                 if len(self._levels) > 1:  # what the drain's pins kept past the last commit
                     self._first._agreed(self._first._drop_old)
+                for level in self._levels:  # bases kept back one pass (managing/chains.py)
+                    level._drop_deferred()
             finally:
                 for level in self._levels:
                     level._join_removal()
