@@ -272,14 +272,15 @@ class CheckpointManager:
         refusal = self._agreed(lambda: self._refusal(step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
+        if self.delta is not None and self._pending is not None:
+            self._settle_pending()  # a base is chosen among committed steps
         self._triggers.saved(step)
-        if self.delta is not None and self._pending is not None and not self._pending[1].done():
-            self.wait()  # a base is chosen among committed steps: the save in flight first
         base = None if self.delta is None else self._agreed(lambda: self._choose_base(step))
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         previous, path, group = self._pending, self.path(step), self._process_group
-        extra = {"metrics": metrics, "metadata": metadata, **({} if base is None else {"base": self.path(base)})}
+        extra = {"metrics": metrics, "metadata": metadata,
+                 **({} if base is None else {"base": self.path(base)})}
         self._saving_base = base
         try:  # either call first settles the previous save (raising its unseen error)
             if not (asynchronous or lazy):
@@ -317,6 +318,19 @@ class CheckpointManager:
             return None
         return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
                 f"over: save under another step number, or remove {path} first to replace it")
+
+    def _settle_pending(self) -> None:
+        """The async save in flight finishes (as the Checkpointer's next save would wait for
+        it, on every rank alike), its unseen error raised here (this save does not start);
+        committed, its retention runs."""
+        pending = self._pending
+        assert pending is not None  # internal: called only with a save in flight
+        try:
+            self._ck._settle()
+        finally:
+            self._pending = None
+        if _committed_ok(pending[1]):
+            self._committed(pending[0])
 
     def _choose_base(self, step: int) -> int | None:
         """Rank 0: the base of a delta save of ``step``, or None: a full save (delta.py)."""
