@@ -187,8 +187,9 @@ def test_restore_falls_back_past_a_delta_whose_base_is_damaged_or_missing(tmp_pa
 # ------------------------------------------------------------------ tiers
 
 
-def test_the_drain_copies_a_deltas_base_first(tmp_path):
-    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_drain_copies_a_deltas_base_first(tmp_path, shm, memory):
+    fast, slow = "shm://fast" if memory else str(tmp_path / "fast"), str(tmp_path / "slow")
     mgr = ckptio.CheckpointManager(
         tiers=[Tier(fast, keep_last=2), Tier(slow, every=2, keep_last=1)], options=OPTS,
         delta=DeltaPolicy(full_every=10))
@@ -199,9 +200,16 @@ def test_the_drain_copies_a_deltas_base_first(tmp_path):
     slow_mgr = _manager(slow, keep_last=None)
     assert slow_mgr.steps() == [1, 4]  # base 1 copied before 2; 2 dropped, 1 kept for 4
     assert _bases(slow_mgr.path(4)) == ["step-1"]
-    shutil.rmtree(fast)
+    shutil.rmtree(os.path.join(shm, "fast") if memory else fast)
     _loads_exact(slow_mgr.path(4), 4)
     slow_mgr.close()
+    data = next(p for p in Path(slow, "step-1").iterdir() if p.name != MANIFEST_NAME)
+    data.write_bytes(data.read_bytes()[:4096])  # the slow tier's base cut short
+    again = ckptio.CheckpointManager(tiers=[Tier(fast), Tier(slow, every=2)], options=OPTS)
+    with pytest.raises(CorruptCheckpointError, match=rf"step 4 \(a delta against base step 1\) "
+                                                     rf"in {slow}"):
+        again.restore(state_at(0))
+    again.close()
     status = _ckptio("status", slow)
     assert status.returncode == 0, status.stderr
     assert "committed 1 4(base 1)" in status.stdout

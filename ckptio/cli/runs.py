@@ -160,8 +160,8 @@ def text_lines(location: str, steps: list[Step], exact: bool) -> list[str]:
             + (f"; {count['being deleted']} being deleted" if count["being deleted"] else "")
             + f"; {size(total)} in all")
     width = max([len(str(s.step)) for s in steps] + [4])
-    lines = [head, f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'LOGICAL':>12s}  "
-             f"{'FILES':>5s}  {'TIME':19s}  BASE"]
+    lines = [head, (f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'LOGICAL':>12s}  "
+                    f"{'FILES':>5s}  {'TIME':19s}  BASE")]
     lines += [f"  {s.step:<{width}d}  {s.state:13s}  {size(s.nbytes):>12s}  "
               f"{'-' if s.logical_nbytes is None else size(s.logical_nbytes):>12s}  "
               f"{s.files:>5d}  {_when(s.mtime):19s}  "

@@ -322,7 +322,8 @@ class TieredManager:
                 if why is None:
                     return self._restored(candidate, k, time.perf_counter() - started,
                                           passed, listing)
-                passed.append(f"step {candidate} in {self.tiers[k].location}: {why}")
+                passed.append(f"step {candidate}{level._chain_note(candidate)} in "
+                              f"{self.tiers[k].location}: {why}")
                 level._damaged.add(candidate)
         raise CorruptCheckpointError(
             f"no copy of {'any step' if step is None else f'step {step}'} in the tiers "
