@@ -324,3 +324,40 @@ def test_two_ranks_save_deltas_against_rank_0s_choice(tmp_path):
         assert got["kept"] == [1, 4, 5] and got["exact"] == [True] * 3, (rank, got)
         assert got["after_close"] == [4, 5], (rank, got)
         assert got["restored"] == 5 and got["w"], (rank, got)
+
+
+_TIERED_LOOP = """
+import sys, torch, ckptio
+sys.path.insert(0, {tests!r})
+from test_delta_manager import state_at, OPTS
+mgr = ckptio.CheckpointManager(
+    tiers=[ckptio.Tier({fast!r}, keep_last=2), ckptio.Tier({slow!r}, every=2, keep_last=1)],
+    options=OPTS, delta=ckptio.DeltaPolicy(full_every=4))
+start = (mgr.restore(state_at(0)) or 0) + 1 if mgr.latest() is not None else 1
+print("ready", flush=True)
+for step in range(start, start + 100000):
+    mgr.save(step, state_at(step))
+"""
+
+
+def test_a_kill_during_the_drain_of_deltas_leaves_every_tiers_steps_loadable(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    code = _TIERED_LOOP.format(tests=str(ROOT / "tests"), fast=fast, slow=slow)
+    for delay in (0.4, 0.7, 1.0):
+        proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        for where in (fast, slow):
+            mgr = _manager(where, keep_last=None)
+            committed = mgr.steps()
+            for step in committed:
+                for name in _bases(mgr.path(step)):
+                    assert int(name.split("-")[1]) in committed, (where, step, name)
+                _loads_exact(mgr.path(step), step)
+            mgr.close()
+    check = _manager(slow, keep_last=None)
+    assert check.steps()  # the drain got somewhere
+    check.close()
