@@ -304,3 +304,13 @@ def test_version_4_fields_in_a_version_3_manifest_are_refused(tmp_path):
     raw["version"] = 3
     with pytest.raises(ManifestError, match="'stored' exists from version 4"):
         manifest.decode(_encoded(raw, version=3), path)
+
+
+def test_loading_without_the_codec_names_the_extra(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
+                                            compression="zstd"))
+    ck.save({"w": compressible(torch.float32, FRAME // 4)}, path)
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(CkptError, match=r"reading a compressed.*pip install 'ckptio\[compress\]'"):
+        ck.load(path)
