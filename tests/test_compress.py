@@ -314,3 +314,25 @@ def test_loading_without_the_codec_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)
     with pytest.raises(CkptError, match=r"reading a compressed.*pip install 'ckptio\[compress\]'"):
         ck.load(path)
+
+
+def test_a_failed_packed_save_leaves_the_previous_checkpoint_and_no_files(tmp_path):
+    from ckptio.testing.faults import inject
+
+    path = str(tmp_path / "ckpt")
+    options = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB, compression="zstd",
+                             max_file_bytes=MiB)  # segments of 1 MiB: several files per save
+    first = {"w": compressible(torch.float32, 2 * FRAME), "v": torch.zeros(3 * FRAME // 4)}
+    ck = ckptio.Checkpointer(options)
+    ck.save(first, path)
+    before = sorted(os.listdir(path))
+    faulty = inject(ck, fail_write=2)  # the second segment's write fails
+    second = {"w": specials(torch.float32, (3 * FRAME // 4,), 9),
+              "v": specials(torch.float32, (3 * FRAME // 4,), 10),
+              "x": specials(torch.float32, (3 * FRAME // 4,), 11)}
+    with pytest.raises(CkptError, match="injected fault"):
+        ck.save(second, path)
+    assert faulty.injected
+    assert sorted(os.listdir(path)) == before
+    out = ck.load(path)
+    assert bits_equal(out["w"], first["w"]) and bits_equal(out["v"], first["v"])
