@@ -274,6 +274,8 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
             handle._run_on_caller(job.capture)
         handle._captured()
         entries, infos = job.finish()
+        if job.packer is not None:
+            handle._files_written(tuple(i.name for i in infos))
         index = None
         if part.index_file is not None:  # the regular items' rows go to the index file
             rows = [e for e in entries if e.key in part.regular]
