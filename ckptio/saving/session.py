@@ -72,7 +72,9 @@ __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_me
            "file_nbytes"]
 
 PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
-SEGMENT_NBYTES = 256 << 20  # a packed save's data files (packing.py): at least this, whole entries
+# a packed save's data files (packing.py): at least this, whole entries; small enough that
+# writing one overlaps encoding the next
+SEGMENT_NBYTES = 64 << 20
 
 
 @dataclass(frozen=True)
