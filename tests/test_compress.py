@@ -336,3 +336,14 @@ def test_a_failed_packed_save_leaves_the_previous_checkpoint_and_no_files(tmp_pa
     assert sorted(os.listdir(path)) == before
     out = ck.load(path)
     assert bits_equal(out["w"], first["w"]) and bits_equal(out["v"], first["v"])
+
+
+def test_a_checkpoint_manager_saves_with_its_options_compression(tmp_path):
+    state = {"w": torch.randn(FRAME, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)}
+    mgr = ckptio.CheckpointManager(str(tmp_path / "run"), options=ckptio.Options(
+        buffer_bytes=MiB, pool_bytes=4 * MiB, compression="bytegroup+zstd"))
+    mgr.save(5, state)
+    step = str(tmp_path / "run" / "step-5")
+    assert entry(step, "w")["stored"]["codec"] == "bytegroup2+zstd"
+    fresh = {"w": torch.zeros_like(state["w"])}
+    assert mgr.restore(fresh) == 5 and bits_equal(fresh["w"], state["w"])
