@@ -15,6 +15,7 @@ draining and loading (manager.py), protection (protect.py), memory recovery (reb
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
 class Guard:
     """The redundancy of one manager on this rank (module docstring). Construct on every rank."""
 
-    def __init__(self, tiers: Sequence[Tier], process_group: Any) -> None:
+    def __init__(self, tiers: Sequence[Tier], process_group: Any, timeout_s: float) -> None:
         spec = tiers[0].redundancy
         assert spec is not None  # internal: made only for a tier with redundancy
         if not dist.is_available() or not dist.is_initialized():
@@ -52,7 +53,8 @@ class Guard:
                             "...): redundancy spans the whole job; leave process_group out")
         self.spec = spec
         self.rank = dist.get_rank()
-        self.group = dist.new_group(backend="gloo")  # the transfers' own, never the training's
+        # the transfers' own group, never the training's; a peer gone is noticed after timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.topology = Topology.from_ids(peers.all_gather_json(self.group, host_id()))
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
         self.root = checkpoint_path(tiers[0].location)

@@ -23,8 +23,9 @@ j = 1..n; never its own host (n < H is required).
 group's local-l ranks' bytes, each padded to the longest) is held by (host ((g+1)*k) mod H,
 local l): the first host of the next group, so no host holds parity of its own group's data
 (H > k is required). Any one lost host of a group is rebuilt from the group's other hosts and
-the parity; memory per host is about (1 + 1/k) x its state (the parity holders of a group pay
-one block of the group's longest shard).
+the parity. Memory in all is (1 + 1/k) x the state when k divides H (each host then holds one
+block, of its group's longest shard); otherwise the last, shorter group of m hosts costs 1/m
+(4 hosts, k = 3: groups {0, 1, 2} and {3}, 1.5x in all): choose k dividing H.
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
