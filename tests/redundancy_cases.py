@@ -95,6 +95,9 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
                 time.sleep(0.05)
             time.sleep(0.3)  # every rank's thread is in the encoding of this step
             os.kill(os.getpid(), signal.SIGKILL)
+        latest = mgr.latest()  # a collective of this thread while the protection runs
+        if latest != step:
+            raise AssertionError(f"latest() {latest} after saving step {step}")
         mgr.protected()  # each step protected before the next (the tests' determinism)
     status = mgr.status()
     mgr.close()

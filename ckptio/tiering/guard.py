@@ -53,9 +53,13 @@ class Guard:
                             "...): redundancy spans the whole job; leave process_group out")
         self.spec = spec
         self.rank = dist.get_rank()
-        # the transfers' own group, never the training's; a peer gone is noticed after timeout_s
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.topology = Topology.from_ids(peers.all_gather_json(self.group, host_id()))
+        # gloo groups of their own, never the training's; a peer gone is noticed after
+        # timeout_s. ``group``: the protection thread's; ``control``: this (the caller's)
+        # thread's (restore, steps()), so the two threads never interleave on one group
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.topology = Topology.from_ids(peers.all_gather_json(self.control, host_id()))
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
@@ -80,16 +84,16 @@ class Guard:
         """Collective (rebuild.recover): the memory step every rank now holds, or None."""
         assert self.protector is not None  # internal
         self.protector.wait()
-        return recover(Context(self.spec, self.topology, self.group, self.rank, self.root,
+        return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
                                self._own_dir, verify), own, anywhere, only)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending."""
-        return sorted({s for part in peers.all_gather_json(self.group, steps) for s in part})
+        return sorted({s for part in peers.all_gather_json(self.control, steps) for s in part})
 
     def agree(self, ok: bool) -> bool:
         """Whether every rank says ok."""
-        return peers.all_ok(self.group, ok)
+        return peers.all_ok(self.control, ok)
 
     def status(self) -> dict[str, Any]:
         assert self.protector is not None  # internal
