@@ -195,49 +195,52 @@ class Protector:
 
     def _partners(self, stream: peers.Stream, metas: list[dict[str, Any]],
                   directory: str) -> list[dict[str, Any]]:
+        """Send to the partners, receive from the partnered (every transfer done before any
+        write, so a failed write never leaves a peer waiting), then write the copies."""
         n = self.spec.n  # type: ignore[union-attr]
         works = [peers.send(self.group, stream.data, dst)
                  for dst in self.topology.partners(self.rank, n)]
+        got = [(src, peers.recv(self.group, metas[src]["nbytes"], src))
+               for src in self.topology.partnered(self.rank, n)]
+        _wait(works)
         held = []
-        for src in self.topology.partnered(self.rank, n):
+        for src, data in got:
             meta = metas[src]
-            data = peers.recv(self.group, meta["nbytes"], src)
             peers.write_checkpoint(os.path.join(directory, marks.copy_name(src)),
                                    meta["manifest"].encode(), [tuple(f) for f in meta["files"]],
                                    data)
             held.append({"kind": "copy", "rank": src, "manifest_digest": meta["digest"],
                          "digest": peers.digest(data)})
-        for work in works:
-            if work is not None:
-                work.wait()
         return held
 
     def _parity(self, stream: peers.Stream, metas: list[dict[str, Any]],
                 directory: str) -> list[dict[str, Any]]:
+        """Send to the group's parity holder; as a holder, XOR each held group's streams (as
+        they arrive: one block in memory per group), then write the blocks."""
         k, topo = self.spec.k, self.topology  # type: ignore[union-attr]
         host, local = topo.host_of(self.rank), topo.local_of(self.rank)
-        group = topo.group_of(host, k)
-        holder = topo.rank_at(topo.parity_host(group, k), local)
-        work = peers.send(self.group, stream.data, holder)
-        held = []
+        holder = topo.rank_at(topo.parity_host(topo.group_of(host, k), k), local)
+        works = [peers.send(self.group, stream.data, holder)]
+        blocks = []
         for g in topo.parity_groups_held(host, k):
             members = [topo.rank_at(h, local) for h in topo.groups(k)[g]]
-            longest = max(metas[r]["nbytes"] for r in members)
-            block = torch.zeros(longest, dtype=torch.uint8)
+            block = torch.zeros(max(metas[r]["nbytes"] for r in members), dtype=torch.uint8)
             for r in members:
                 peers.xor_into(block, peers.recv(self.group, metas[r]["nbytes"], r))
-            name = marks.parity_name(g, local)
-            with open(os.path.join(directory, f"{name}.bin"), "wb") as f:
-                f.write(memoryview(block.numpy()).cast("B") if longest else b"")
-            info = {"kind": "parity", "group": g, "local": local, "nbytes": longest,
+            blocks.append((g, members, block))
+        _wait(works)
+        held = []
+        for g, members, block in blocks:
+            name = os.path.join(directory, marks.parity_name(g, local))
+            with open(f"{name}.bin", "wb") as f:
+                f.write(memoryview(block.numpy()).cast("B") if block.numel() else b"")
+            info = {"kind": "parity", "group": g, "local": local, "nbytes": int(block.numel()),
                     "digest": peers.digest(block),
                     "members": [{"rank": r, "host": topo.host_of(r), "nbytes": metas[r]["nbytes"],
                                  "manifest": metas[r]["manifest"], "files": metas[r]["files"],
                                  "manifest_digest": metas[r]["digest"]} for r in members]}
-            peers.write_json(os.path.join(directory, f"{name}.json"), info)
-            held.append({k2: v for k2, v in info.items() if k2 != "members"})
-        if work is not None:
-            work.wait()
+            peers.write_json(f"{name}.json", info)
+            held.append({key: v for key, v in info.items() if key != "members"})
         return held
 
     def _drop_before(self, step: int) -> None:
@@ -249,6 +252,12 @@ class Protector:
             n = _step_of(name)
             if n is not None and n < step:
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def _step_of(name: str) -> int | None:
