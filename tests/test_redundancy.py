@@ -150,7 +150,7 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypa
 
 
 def _flip_first_data_byte(directory: str) -> str:
-    victim = sorted(glob.glob(os.path.join(directory, "data-*.bin")))[0]
+    victim = min(glob.glob(os.path.join(directory, "data-*.bin")))
     with open(victim, "r+b") as f:
         byte = f.read(1)
         f.seek(0)

@@ -15,8 +15,8 @@ draining and loading (manager.py), protection (protect.py), memory recovery (reb
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist

@@ -137,7 +137,7 @@ class Protector:
             try:
                 done = self._protect(step)
                 error = None
-            except Exception as exc:  # stored, raised once by wait(); later steps still tried
+            except Exception as exc:  # noqa: BLE001 - stored, raised once by wait()
                 log.warning("ckptio: protecting step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
                 done, error = False, exc

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,7 +92,9 @@ def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
             rank: int, step: int) -> Source | None:
     if _has_own(invs, bad, rank, step):
         return ("own",)
-    items = lambda holder: invs[holder]["held"].get(str(step), [])  # noqa: E731
+    def items(holder: int) -> list[dict[str, Any]]:
+        return invs[holder]["held"].get(str(step), [])
+
     if isinstance(spec, Partners):
         for holder in topo.partners(rank, spec.n):
             if (any(i["kind"] == "copy" and i["rank"] == rank for i in items(holder))
@@ -124,9 +127,8 @@ def _parity_id(holder: int, group: int, local: int, step: int) -> str:
 
 def describe_item(item: str, topo: Topology) -> str:
     """``copy:r1:of3:s4`` -> readable words for messages."""
-    parts = dict((p[0] if p[0] != "o" else "of", p[1:] if p[0] != "o" else p[2:])
-                 for p in item.split(":")[1:])
-    kind = item.split(":")[0]
+    kind, *fields = item.split(":")
+    parts = {m.group(1): m.group(2) for f in fields if (m := re.match(r"([a-z]+)(\d+)$", f))}
     if kind == "copy":
         holder = int(parts["r"])
         return (f"the partner copy of rank {parts['of']}, step {parts['s']}, held by rank "

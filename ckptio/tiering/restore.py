@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError, CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.managing import warn
 from ckptio.tiering.guard import Guard, fallback_step
 
