@@ -144,6 +144,20 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypa
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+    assert all(r["how"]["lost_hosts"] == ["host 1 (host1, rank 1)"] for r in restored)
+
+
+def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 2, "parity-2")  # hosts {0, 1} -> parity on host 2; {2} -> host 1
+    trained = run_ranks(6, train, *args, 2, timeout_s=TIMEOUT)
+    held = os.path.join(host_dir(base, 2), "run/.redundancy/step-2")
+    assert sorted(glob.glob(os.path.join(held, "parity-*.bin"))) == [
+        os.path.join(held, "parity-g0-l0.bin"), os.path.join(held, "parity-g0-l1.bin")]
+    _wipe(base, 0)
+    restored = run_ranks(6, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["parity"] * 2 + ["own"] * 4
 
 
 # ------------------------------------------------------------------ damaged copies, detected
