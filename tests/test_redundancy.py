@@ -70,13 +70,19 @@ def test_topology_rules_and_refusals():
     assert topo.size == 4 and topo.local_size == 2 and topo.hosts[1] == (2, 3)
     assert topo.partners(1, 1) == [3] and topo.partners(7, 2) == [1, 3]  # (h+j) mod H, same local
     assert topo.partnered(1, 1) == [7]
-    assert topo.groups(3) == [(0, 1, 2), (3,)]
-    assert [topo.parity_host(g, 3) for g in range(2)] == [3, 2]  # never its own group's
-    for k in (1, 2, 3):
-        for g, hosts in enumerate(topo.groups(k)):
-            assert topo.parity_host(g, k) not in hosts
-    with pytest.raises(CkptError, match="needs more than k hosts"):
+    # parity groups of k + 1 hosts, each holding one piece: 4 hosts, k = 3 -> one group
+    assert topo.groups(3) == [(0, 1, 2, 3)] and topo.groups(1) == [(0, 1), (2, 3)]
+    with pytest.raises(CkptError, match=r"at least 5 hosts: use Parity\(k\) with k in \[1, 3\]"):
         topo.groups(4)
+    with pytest.raises(CkptError, match="leave host 3 alone in the last group"):
+        topo.groups(2)  # groups {0, 1, 2} and {3}: refused, naming the k that fit
+    assert Topology.from_ids("abc").groups(2) == [(0, 1, 2)]
+    assert Topology.from_ids("abcde").groups(2) == [(0, 1, 2), (3, 4)]  # last group: k' = 1
+    for n in range(2, 6):  # piece i of position h goes into P_j of another position, and back
+        for h in range(n):
+            covering = [Topology.holder_of(i, h, n) for i in range(n - 1)]
+            assert h not in covering and len(set(covering)) == n - 1
+            assert [Topology.contributed(j, h, n) for j in covering] == list(range(n - 1))
     with pytest.raises(CkptError, match="at most Partners"):
         topo.partners(0, 4)
     with pytest.raises(CkptError, match="same number of ranks on every host"):
@@ -129,14 +135,34 @@ def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -
         "  protected across hosts: step 3 (parity(k=3))")
 
 
+def _shard_nbytes(base: str, host: int, rank: int, step: int) -> int:
+    """The bytes of rank ``rank``'s step stream: its data files (what parity covers)."""
+    step_dir = os.path.join(host_dir(base, host), f"run/r{rank:05d}/step-{step}")
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(step_dir, "data-*")))
+
+
+def _assert_parity_memory(base: str, hosts: int, per_host: int, k: int, step: int) -> None:
+    """Every host holds, per local rank, one parity piece of ceil(shard / k) bytes (rounded up
+    to 8) and a small JSON: 1 + 1/k of the state, with no host holding more."""
+    longest = max(_shard_nbytes(base, r // per_host, r, step) for r in range(hosts * per_host))
+    piece = -(-longest // k)
+    for host in range(hosts):
+        held = os.path.join(host_dir(base, host), f"run/.redundancy/step-{step}")
+        bins = sorted(glob.glob(os.path.join(held, "*.bin")))
+        assert [os.path.basename(b) for b in bins] == [
+            f"parity-g0-l{local}.bin" for local in range(per_host)], bins
+        for b in bins:
+            assert piece <= os.path.getsize(b) <= piece + 7, (b, os.path.getsize(b), longest)
+        extra = sum(os.path.getsize(os.path.join(held, n)) for n in os.listdir(held)
+                    if not n.endswith(".bin"))
+        assert extra < 64 * 1024, (held, extra)  # manifests and markers only
+
+
 def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypatch, capsys):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
-    # group 0 = hosts 0-2, its parity on host 3; group 1 = host 3, its parity on host 2
-    assert glob.glob(os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin"))
-    assert glob.glob(os.path.join(host_dir(base, 2), "run/.redundancy/step-3/parity-g1-l0.bin"))
-    assert not glob.glob(os.path.join(host_dir(base, 0), "run/.redundancy/step-3/parity-*"))
+    _assert_parity_memory(base, 4, 1, 3, 3)  # one group of 4 hosts, each 1/3 of a shard
     assert trained[0]["status"]["protected"] == 3
     assert trained[0]["status"]["redundancy"] == "parity(k=3)"
     _cli_shows_protection(monkeypatch, capsys, base, disk)
@@ -147,13 +173,22 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypa
     assert all(r["how"]["lost_hosts"] == ["host 1 (host1, rank 1)"] for r in restored)
 
 
+def test_parity_wipe_one_of_three_hosts_k2_rebuilds_bitwise(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-2")
+    trained = run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, 3, 1, 2, 3)  # 3 hosts, k = 2: 1.5x
+    _wipe(base, 2)
+    restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 3)
+    assert [r["how"]["source"] for r in restored] == ["own", "own", "parity"]
+
+
 def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
     disk = str(tmp_path / "disk")
-    args = (base, disk, 2, "parity-2")  # hosts {0, 1} -> parity on host 2; {2} -> host 1
+    args = (base, disk, 2, "parity-2")  # hosts {0, 1, 2}: one group, per local rank
     trained = run_ranks(6, train, *args, 2, timeout_s=TIMEOUT)
-    held = os.path.join(host_dir(base, 2), "run/.redundancy/step-2")
-    assert sorted(glob.glob(os.path.join(held, "parity-*.bin"))) == [
-        os.path.join(held, "parity-g0-l0.bin"), os.path.join(held, "parity-g0-l1.bin")]
+    _assert_parity_memory(base, 3, 2, 2, 2)
     _wipe(base, 0)
     restored = run_ranks(6, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
@@ -187,11 +222,11 @@ def test_corrupted_partner_copy_is_detected_and_the_next_partner_used(base, tmp_
         assert "CorruptCheckpointError" in skipped and "checksum" in skipped
 
 
-def test_corrupted_parity_block_is_detected_and_the_disk_used(base, tmp_path):
+def test_corrupted_parity_piece_is_detected_and_the_disk_used(base, tmp_path):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
-    _wipe(base, 2)
+    _wipe(base, 2)  # its rebuild needs every other host's piece, host 3's damaged
     block = os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin")
     with open(block, "r+b") as f:
         f.seek(100)
@@ -200,7 +235,7 @@ def test_corrupted_parity_block_is_detected_and_the_disk_used(base, tmp_path):
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "own", "disk", "own"]
     for r in restored:
-        assert any("parity block of group 0 (local rank 0), step 3, held by rank 3" in s
+        assert any("parity piece of group 0 (local rank 0), step 3, held by rank 3" in s
                    and "corrupted" in s for s in r["how"]["skipped"])
     (message,) = [w for w in restored[2]["warnings"] if "restored step 2" in w]
     assert "hosts lost: host 2 (host2, rank 2)" in message and "parity(k=3)" in message

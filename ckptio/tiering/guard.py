@@ -41,7 +41,8 @@ def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
 class Guard:
     """The redundancy of one manager on this rank (module docstring). Construct on every rank."""
 
-    def __init__(self, tiers: Sequence[Tier], process_group: Any, timeout_s: float) -> None:
+    def __init__(self, tiers: Sequence[Tier], process_group: Any, timeout_s: float,
+                 peer_timeout_s: float) -> None:
         spec = tiers[0].redundancy
         assert spec is not None  # internal: made only for a tier with redundancy
         if not dist.is_available() or not dist.is_initialized():
@@ -53,12 +54,13 @@ class Guard:
                             "...): redundancy spans the whole job; leave process_group out")
         self.spec = spec
         self.rank = dist.get_rank()
-        # gloo groups of their own, never the training's; a peer gone is noticed after
-        # timeout_s. ``group``: the protection thread's; ``control``: this (the caller's)
-        # thread's (restore, steps()), so the two threads never interleave on one group
-        timeout = timedelta(seconds=timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        # gloo groups of their own, never the training's. ``group``: the protection thread's,
+        # a peer gone noticed after peer_timeout_s; ``control``: this (the caller's) thread's
+        # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
+        # while the others wait), so the two threads never interleave on one group
+        self.peer_timeout_s = peer_timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.topology = Topology.from_ids(peers.all_gather_json(self.control, host_id()))
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
         self.root = checkpoint_path(tiers[0].location)
@@ -69,7 +71,7 @@ class Guard:
         """Make the protection thread (own_dir: step -> this rank's memory step directory)."""
         self._own_dir = own_dir
         self.protector = Protector(self.spec, self.topology, self.group, self.rank, self.root,
-                                   own_dir)
+                                   own_dir, self.peer_timeout_s)
 
     def pinned(self) -> set[int]:
         """Steps the memory tier keeps: the newest protected one (a lost host then costs no step)

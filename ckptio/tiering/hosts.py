@@ -18,14 +18,21 @@ l, so an uneven job is refused with the count per host.
 **Partners(n)**: rank (host h, local l) has its copies held by (host (h+j) mod H, local l) for
 j = 1..n; never its own host (n < H is required).
 
-**Parity(k)**: hosts are cut into groups of k consecutive hosts, group g = hosts [g*k, g*k+k)
-(the last group may be shorter); group g's parity (local rank l's parity block = XOR of the
-group's local-l ranks' bytes, each padded to the longest) is held by (host ((g+1)*k) mod H,
-local l): the first host of the next group, so no host holds parity of its own group's data
-(H > k is required). Any one lost host of a group is rebuilt from the group's other hosts and
-the parity. Memory in all is (1 + 1/k) x the state when k divides H (each host then holds one
-block, of its group's longest shard); otherwise the last, shorter group of m hosts costs 1/m
-(4 hosts, k = 3: groups {0, 1, 2} and {3}, 1.5x in all): choose k dividing H.
+**Parity(k)** (RAID-5-like, rotating): hosts are cut into groups of k + 1 consecutive hosts,
+group g = hosts [g*(k+1), g*(k+1)+k+1). Within a group of n = k + 1 hosts (positions 0..k), the
+local-l ranks' shards are padded to the group's longest, then to a multiple of k (and of 8
+bytes per piece), and each is cut into k pieces of p bytes. The host at position j holds one
+parity piece P_j = XOR of one piece of every other member: the member at position h
+contributes its piece (j - h - 1) mod n. So every host holds p = ceil(shard / k) bytes of
+parity (1 + 1/k in all; 4 hosts with k = 3: 1.33x, 3 hosts with k = 2: 1.5x), and no piece of a
+shard is covered by parity on its own host. A lost host h is rebuilt piece by piece: its piece
+i went into P_j, j = (h + 1 + i) mod n, so piece i = P_j XOR the other members' contributions
+to P_j. Any one lost host per group is rebuilt; two lost in one group: the disk tier.
+
+**Host counts that are not a multiple of k + 1**: the last group is shorter, its m hosts code
+with k' = m - 1 (5 hosts, k = 2: groups {0, 1, 2} and {3, 4}, the second at k' = 1, a mirror:
+2x memory there). Refused (CkptError naming the counts and the k that fit): fewer than k + 1
+hosts in all, or a last group of a single host (it would have no one to hold its parity).
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
@@ -117,20 +124,33 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int) -> list[tuple[int, ...]]:
-        """Parity groups of hosts: [g*k, g*k+k) ∩ [0, H)."""
-        if k < 1 or self.size <= k:
-            raise CkptError(f"Parity(k={k}): {self.size} host(s); parity over groups of k hosts "
-                            f"needs more than k hosts (its parity lives on a host outside the "
-                            f"group): use k <= {self.size - 1}, or Partners(1)")
-        return [tuple(range(g, min(g + k, self.size))) for g in range(0, self.size, k)]
+        """Parity groups of hosts: [g*(k+1), g*(k+1)+k+1) ∩ [0, H) (module docstring)."""
+        n, size = k + 1, self.size
+        fits = [c for c in range(1, size) if size % (c + 1) != 1]
+        hint = f"use Parity(k) with k in {fits}" if fits else "use Partners(1)"
+        if k < 1 or size < n:
+            raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
+                            f"(each holds 1/k of a shard of parity), so it needs at least "
+                            f"{n} hosts: {hint}")
+        if size % n == 1:
+            raise CkptError(f"Parity(k={k}): {size} hosts cut into groups of k + 1 = {n} leave "
+                            f"host {size - 1} alone in the last group, with no other host to "
+                            f"hold its parity: {hint}")
+        return [tuple(range(g, min(g + n, size))) for g in range(0, size, n)]
 
     def group_of(self, host: int, k: int) -> int:
-        return host // k
+        return host // (k + 1)
 
-    def parity_host(self, group: int, k: int) -> int:
-        """The host holding group ``group``'s parity: the next group's first host, mod H."""
-        return ((group + 1) * k) % self.size
+    def position(self, host: int, k: int) -> int:
+        """``host``'s position in its parity group (0..k')."""
+        return host % (k + 1)
 
-    def parity_groups_held(self, host: int, k: int) -> list[int]:
-        """The groups whose parity ``host`` holds."""
-        return [g for g in range(len(self.groups(k))) if self.parity_host(g, k) == host]
+    @staticmethod
+    def contributed(j: int, h: int, n: int) -> int:
+        """Which piece the member at position h puts into parity piece P_j (group of n)."""
+        return (j - h - 1) % n
+
+    @staticmethod
+    def holder_of(i: int, h: int, n: int) -> int:
+        """The position whose parity piece covers piece ``i`` of the member at position h."""
+        return (h + 1 + i) % n

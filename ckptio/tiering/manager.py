@@ -112,7 +112,8 @@ class TieredManager:
         settings = checkpointer.options if checkpointer else options or Options.from_env()
         self._guard: Guard | None = None
         if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
-            self._guard = Guard(self.tiers, process_group, settings.step_timeout_s)
+            self._guard = Guard(self.tiers, process_group, settings.step_timeout_s,
+                                settings.peer_timeout_s)
             self.tiers, process_group = self._guard.tiers, self._guard.single
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer or Checkpointer(settings)
