@@ -120,3 +120,25 @@ def restore(rank: int, world: int, base: str, disk: str, per_host: int,
     mgr.close()
     return {"step": step, "state_step": state["step"], "got": got, "how": mgr.last_restore,
             "warnings": [str(w.message) for w in caught], "status": status[0]}
+
+
+def restore_broken(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
+                   broken: int) -> dict[str, Any]:
+    """A restarted job where rank ``broken``'s state does not fit the step (a model of another
+    shape: an error that is not damage) -> each rank's error and how long it took to come."""
+    _play_host(rank, per_host, base)
+    model, opt = _build(seed=1000 + rank)
+    if rank == broken:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    started = time.monotonic()
+    try:
+        mgr.restore(_state(model, opt, -1))
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank got
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    seconds = time.monotonic() - started
+    mgr.close()
+    return {"error": error, "seconds": seconds}

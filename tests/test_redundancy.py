@@ -21,7 +21,7 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import host_dir, replay, restore, train
+from tests.redundancy_cases import host_dir, replay, restore, restore_broken, train
 
 TIMEOUT = 240
 
@@ -273,3 +273,21 @@ def test_kill_during_parity_encoding_leaves_the_previous_protected_step(base, tm
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+# ------------------------------------------------------------------ failures: a clear error, no wait
+
+
+def test_a_rank_whose_load_raises_makes_every_rank_raise_naming_it(base, tmp_path):
+    """Rank 1's state does not fit the step (not damage): every rank raises RankFailedError
+    naming rank 1 and its error within seconds (step_timeout_s is 30 min)."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "partners-1")
+    run_ranks(3, train, *args, 2, timeout_s=TIMEOUT)
+    got = run_ranks(3, restore_broken, *args, 1, timeout_s=TIMEOUT)
+    for rank, r in enumerate(got):
+        kind, _, message = r["error"].partition("|")
+        assert kind == "RankFailedError", (rank, r["error"])
+        assert message.startswith(f"restore on rank {rank}: loading step 2 from memory failed on "
+                                  "1 rank(s): rank 1: StateMismatchError: "), message
+        assert r["seconds"] < 30, (rank, r["seconds"])

@@ -93,9 +93,9 @@ class Guard:
         """Collective: the steps any rank holds, ascending."""
         return sorted({s for part in peers.all_gather_json(self.control, steps) for s in part})
 
-    def agree(self, ok: bool) -> bool:
-        """Whether every rank says ok."""
-        return peers.all_ok(self.control, ok)
+    def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Collective: every rank's outcome (JSON), in rank order."""
+        return peers.all_gather_json(self.control, mine)
 
     def status(self) -> dict[str, Any]:
         assert self.protector is not None  # internal
