@@ -6,6 +6,7 @@ is removing that directory."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -142,3 +143,41 @@ def restore_broken(rank: int, world: int, base: str, disk: str, per_host: int, s
     seconds = time.monotonic() - started
     mgr.close()
     return {"error": error, "seconds": seconds}
+
+
+def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: int,
+              peer_timeout_s: float, how: str) -> dict[str, Any]:
+    """One rank per host; step 1 protected; rank ``victim`` is SIGKILLed (``how`` "kill") or
+    frozen (SIGSTOP, "stop": it never answers) while step 2 is being protected (after the
+    metadata exchange, before the transfers). -> on the others: the
+    protection's error, how long protected() took to raise it, status(), close()'s seconds."""
+    _play_host(rank, 1, base)
+    model, opt = _build(seed=rank)
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    _step(model, opt)
+    mgr.save(1, _state(model, opt, 1))
+    mgr.protected()
+    if rank == victim:
+        os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
+    mgr.save(2, _state(model, opt, 2))
+    if rank == victim:
+        pending = os.path.join(host_dir(base, rank), "run", ".redundancy", "step-2")
+        deadline = time.monotonic() + 60
+        while not os.path.isdir(pending) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        mgr.protected()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    seconds = time.monotonic() - started
+    status = mgr.status()[0]
+    started = time.monotonic()
+    mgr.close()
+    return {"error": error, "seconds": seconds, "status": status,
+            "close_seconds": time.monotonic() - started}

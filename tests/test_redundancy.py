@@ -21,7 +21,7 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import host_dir, replay, restore, restore_broken, train
+from tests.redundancy_cases import host_dir, peer_dies, replay, restore, restore_broken, train
 
 TIMEOUT = 240
 
@@ -291,3 +291,24 @@ def test_a_rank_whose_load_raises_makes_every_rank_raise_naming_it(base, tmp_pat
         assert message.startswith(f"restore on rank {rank}: loading step 2 from memory failed on "
                                   "1 rank(s): rank 1: StateMismatchError: "), message
         assert r["seconds"] < 30, (rank, r["seconds"])
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound(base, tmp_path,
+                                                                                 how):
+    """Parity(k=2) on 3 hosts, rank 2 SIGKILLed (its connections close) or SIGSTOPped (it never
+    answers) while step 2 is protected: the survivors' protection fails with RankFailedError
+    naming rank 2 within peer_timeout_s (+ slack), not after step_timeout_s (30 min); status()
+    shows it, close() returns at once, step 1 stays the protected step."""
+    got = run_ranks(3, peer_dies, base, str(tmp_path / "disk"), "parity-2", 2, 3.0, how,
+                    timeout_s=TIMEOUT, may_die=[2])
+    assert got[2] is None
+    for rank in (0, 1):
+        r = got[rank]
+        kind, _, message = r["error"].partition("|")
+        assert kind == "RankFailedError", (rank, r["error"])
+        assert "protecting step 2 across hosts failed receiving a parity piece from rank 2 on " \
+               "host 2 (host2, rank 2)" in message and "peer_timeout_s=3 s" in message, message
+        assert r["seconds"] < 3.0 + 10, (rank, r["seconds"])
+        assert r["status"]["protected"] == 1 and "rank 2" in r["status"]["protect_error"]
+        assert r["close_seconds"] < 10, (rank, r["close_seconds"])

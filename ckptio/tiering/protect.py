@@ -189,6 +189,8 @@ class Protector:
                 held = self._parity(stream, metas, directory)
             peers.write_json(os.path.join(directory, f"held-r{self.rank:05d}.json"),
                              {"step": step, "how": self.spec.describe(), "items": held})
+        except RankFailedError:
+            raise  # a peer gone: the group is unusable, no agreement can follow
         except (OSError, CkptError) as exc:
             log.warning("ckptio: rank %d could not keep its copies of step %d: %s", self.rank,
                         step, exc)
