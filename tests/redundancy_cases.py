@@ -181,3 +181,28 @@ def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: in
     mgr.close()
     return {"error": error, "seconds": seconds, "status": status,
             "close_seconds": time.monotonic() - started}
+
+
+def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_bytes: int,
+                 steps: int) -> dict[str, Any]:
+    """One rank per host, the memory tier bounded by ``max_bytes``: save ``steps`` steps, each
+    protected before the next -> the steps saved, the refusal (if any) and each step's size."""
+    _play_host(rank, 1, base)
+    model, opt = _build(seed=rank)
+    tiers = [Tier("shm://run", keep_last=2, max_bytes=max_bytes, redundancy=_spec(spec)),
+             Tier(disk, every=2, keep_last=2)]
+    mgr = ckptio.CheckpointManager(tiers=tiers, options=OPTS)
+    saved, error = [], ""
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        try:
+            mgr.save(step, _state(model, opt, step))
+        except ckptio.errors.CkptError as exc:
+            error = str(exc)
+            break
+        saved.append(step)
+        mgr.protected()
+    own = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", f"step-{saved[-1]}")
+    nbytes = sum(e.stat().st_size for e in os.scandir(own) if e.is_file())
+    mgr.close()
+    return {"saved": saved, "error": error, "step_nbytes": nbytes}

@@ -21,7 +21,8 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import host_dir, peer_dies, replay, restore, restore_broken, train
+from tests.redundancy_cases import (host_dir, peer_dies, replay, restore, restore_broken, train,
+                                    train_budget)
 
 TIMEOUT = 240
 
@@ -312,3 +313,24 @@ def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound
         assert r["seconds"] < 3.0 + 10, (rank, r["seconds"])
         assert r["status"]["protected"] == 1 and "rank 2" in r["status"]["protect_error"]
         assert r["close_seconds"] < 10, (rank, r["close_seconds"])
+
+
+# ------------------------------------------------------------------ the memory budget
+
+
+def test_memory_budget_counts_the_copies_held_for_other_hosts(base, tmp_path):
+    """Partners(1) on 2 hosts, keep_last=2: with the copy each rank holds for the other host
+    (and the new step's copy, written before the older one is removed), step 3 needs 5 steps'
+    bytes; max_bytes = 4.5 steps (own steps alone: 3) refuses it, naming the copies."""
+    disk = str(tmp_path / "disk")
+    probe = run_ranks(2, train_budget, base + "-probe", disk + "-probe", "partners-1", 1 << 30,
+                      3, timeout_s=TIMEOUT)
+    shutil.rmtree(base + "-probe", ignore_errors=True)
+    assert [p["saved"] for p in probe] == [[1, 2, 3]] * 2
+    step = max(p["step_nbytes"] for p in probe)
+    got = run_ranks(2, train_budget, base, disk, "partners-1", int(4.5 * step), 4,
+                    timeout_s=TIMEOUT)
+    for r in got:
+        assert r["saved"] == [1, 2], r
+        assert "does not fit" in r["error"] and "of copies/parity for other hosts" in r["error"]
+        assert "redundancy=partners(n=1)" in r["error"], r["error"]

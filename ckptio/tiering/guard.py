@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
-from ckptio.tiering import peers
+from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology, host_id
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
+from ckptio.tiering.redundancy import Partners
 from ckptio.tiering.tier import Tier
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
@@ -96,6 +97,21 @@ class Guard:
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Collective: every rank's outcome (JSON), in rank order."""
         return peers.all_gather_json(self.control, mine)
+
+    def for_others(self, step_nbytes: int) -> tuple[int, int]:
+        """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
+        adds: n copies with Partners(n), ceil(step / k') of parity with Parity) for the memory
+        tier's budget; the protection of a new step is written before the older one is
+        removed."""
+        topo, local = self.topology, self.topology.local_of(self.rank)
+        if isinstance(self.spec, Partners):
+            ranks = set(topo.partnered(self.rank, self.spec.n))
+            per_step = self.spec.n * step_nbytes
+        else:
+            ranks = set()
+            group = topo.groups(self.spec.k)[topo.group_of(topo.host_of(self.rank), self.spec.k)]
+            per_step = -(-step_nbytes // (len(group) - 1))
+        return marks.held_nbytes(self.root, ranks, local), per_step
 
     def status(self) -> dict[str, Any]:
         assert self.protector is not None  # internal

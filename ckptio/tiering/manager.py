@@ -438,11 +438,13 @@ class TieredManager:
 
     def _check_budget(self, estimate: int) -> None:
         """Rank 0: refuse a save the memory tier has no room for (tier.check_budget); the
-        step's size is the newest committed one's there, else ``estimate``."""
+        step's size is the newest committed one's there, else ``estimate``. With redundancy
+        (every rank its own), the copies and parity this rank holds for others count too."""
         directory = checkpoint_path(self.directory)
         sizes = _step_sizes(self._first._root.scan()["committed"], self._first)
         step_nbytes = sizes[-1] if sizes else estimate * self._first._ranks().size
-        check_budget(self.tiers[0], directory, sum(sizes), step_nbytes)
+        others = self._guard.for_others(step_nbytes) if self._guard is not None else (0, 0)
+        check_budget(self.tiers[0], directory, sum(sizes), step_nbytes, others)
 
     def _one_host(self) -> None:
         """A memory tier needs every rank on one host (module docstring)."""
