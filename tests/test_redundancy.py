@@ -21,8 +21,15 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import (host_dir, peer_dies, replay, restore, restore_broken, train,
-                                    train_budget)
+from tests.redundancy_cases import (
+    host_dir,
+    peer_dies,
+    replay,
+    restore,
+    restore_broken,
+    train,
+    train_budget,
+)
 
 TIMEOUT = 240
 

@@ -7,7 +7,7 @@ Under the memory tier's local directory (shm://NAME):
   is rank-local, ``<location>/r<rank>``);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
   partner's copy, itself a checkpoint directory), ``parity-g<group>-l<local>.bin`` and
-  ``.json`` (a parity block and its members' manifests), ``held-r<rank>.json`` (what rank
+  ``.json`` (this host's parity piece of its group, local rank l, and every member's manifest), ``held-r<rank>.json`` (what rank
   <rank> holds for step N, written after its items), ``protected-r<rank>.json`` (written once
   every rank's copies of step N are written: the commit of the protection; ``{"step", "how"}``).
 

@@ -10,9 +10,10 @@ redundancy's own gloo group (peers.py). For step N:
    is skipped on every rank, said in the log and in status);
 2. **Partners(n)**: each rank sends its stream to its n partners and receives the streams of
    the n ranks it is partner of, writing each as ``copy-r<src>/`` (a checkpoint directory, its
-   manifest last). **Parity(k)**: each rank sends its stream to its group's parity holder; a
-   holder XORs its group's streams (each padded to the longest) into one block, written with a
-   JSON naming every member's manifest, files, length and the block's xxh3;
+   manifest last). **Parity(k)** (rotating, hosts.py): in its group of k + 1 hosts, each rank
+   sends piece (j - h - 1) mod (k + 1) of its stream to the member at position j and XORs the
+   k pieces it receives into its own parity piece (ceil(longest / k) bytes), written with a
+   JSON naming every member's manifest, files, length and the piece's xxh3;
 3. each rank writes ``held-r<rank>.json`` (what it holds for N and each item's digest), last;
 4. all ranks agree (a MIN all_reduce) that every rank wrote; then each writes
    ``protected-r<rank>.json``: the step is protected. The protection of older steps is then
@@ -22,6 +23,12 @@ A kill anywhere before 4 leaves step N without ``protected`` markers: restore tr
 as absent and falls back to the previous protected step, whose copies are only removed after N
 is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read and
 the step's directory made, so a test can kill ranks during encoding.
+
+A transfer that fails (a peer killed: its connection closed; or silent for
+``Options.peer_timeout_s``, the protection group's gloo timeout) raises RankFailedError naming
+the peer; it is stored (raised once by wait()/protected()/close(), shown in status()), and the
+protection stops: the group is unusable, so later steps fail at once (close() never waits for
+another timeout). Restore (a new job) brings the lost hosts' ranks back.
 
 Owns: the thread, its queue, its status and stored error. Does not own: placement (hosts.py),
 the stream and transport (peers.py), restore (rebuild.py).

@@ -4,16 +4,18 @@ and bring the missing ranks' copies into their memory first.
 Collective over the redundancy's gloo group, on every rank, before the load (tiering/manager.py):
 
 1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
-   slower tiers, and the items it holds for others (partner copies, parity blocks) of steps
+   slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
    whose protection it committed (protect.py's markers). A rank whose memory holds nothing
    (a replacement host, its tmpfs empty) reports nothing.
 2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
    rank's source is its own memory, else a partner's copy (first partner first), else a rebuild
    from its group's parity with every other member's own step; a step is chosen when every rank
-   has a source. Items found bad before are passed over.
+   has a source. Items found bad before are passed over. Parity: every other member of the
+   rank's group (k + 1 hosts) must hold its own step and its parity piece.
 3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-   against the digest it recorded. The receiver writes the copy (or XORs the parity with the
-   other members' streams, cut to its length and split into its files) into
+   against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
+   pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut to
+   its length and split into its files) into
    ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
    entries' checksums: Checkpointer.verify), and only then renames it to ``step-N``.
 4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
