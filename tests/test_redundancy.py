@@ -325,19 +325,21 @@ def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound
 # ------------------------------------------------------------------ the memory budget
 
 
-def test_memory_budget_counts_the_copies_held_for_other_hosts(base, tmp_path):
-    """Partners(1) on 2 hosts, keep_last=2: with the copy each rank holds for the other host
-    (and the new step's copy, written before the older one is removed), step 3 needs 5 steps'
-    bytes; max_bytes = 4.5 steps (own steps alone: 3) refuses it, naming the copies."""
+@pytest.mark.parametrize("spec", ["partners-1", "parity-1"])
+def test_memory_budget_counts_the_copies_held_for_other_hosts(base, tmp_path, spec):
+    """2 hosts, keep_last=2, Partners(1) or Parity(k=1) (a 2-host group: each host's parity
+    piece is a whole shard): with what each rank holds for the other host (and the new step's,
+    written before the older one is removed), step 3 needs 5 steps' bytes; max_bytes = 4.5
+    steps (own steps alone: 3) refuses it, naming the copies/parity."""
     disk = str(tmp_path / "disk")
-    probe = run_ranks(2, train_budget, base + "-probe", disk + "-probe", "partners-1", 1 << 30,
+    probe = run_ranks(2, train_budget, base + "-probe", disk + "-probe", spec, 1 << 30,
                       3, timeout_s=TIMEOUT)
     shutil.rmtree(base + "-probe", ignore_errors=True)
     assert [p["saved"] for p in probe] == [[1, 2, 3]] * 2
     step = max(p["step_nbytes"] for p in probe)
-    got = run_ranks(2, train_budget, base, disk, "partners-1", int(4.5 * step), 4,
-                    timeout_s=TIMEOUT)
+    got = run_ranks(2, train_budget, base, disk, spec, int(4.5 * step), 4, timeout_s=TIMEOUT)
+    how = "partners(n=1)" if spec == "partners-1" else "parity(k=1)"
     for r in got:
         assert r["saved"] == [1, 2], r
         assert "does not fit" in r["error"] and "of copies/parity for other hosts" in r["error"]
-        assert "redundancy=partners(n=1)" in r["error"], r["error"]
+        assert f"redundancy={how}" in r["error"], r["error"]
