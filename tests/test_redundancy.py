@@ -80,12 +80,16 @@ def test_topology_rules_and_refusals():
     assert topo.partnered(1, 1) == [7]
     # parity groups of k + 1 hosts, each holding one piece: 4 hosts, k = 3 -> one group
     assert topo.groups(3) == [(0, 1, 2, 3)] and topo.groups(1) == [(0, 1), (2, 3)]
-    with pytest.raises(CkptError, match=r"at least 5 hosts: use Parity\(k\) with k in \[1, 3\]"):
+    with pytest.raises(CkptError, match=r"at least 5 hosts: use Parity\(k\) with k <= 3"):
         topo.groups(4)
-    with pytest.raises(CkptError, match="leave host 3 alone in the last group"):
-        topo.groups(2)  # groups {0, 1, 2} and {3}: refused, naming the k that fit
+    assert topo.groups(2) == [(0, 1, 2, 3)]  # the host left over joins: k' = 3, 1.33x <= 1.5x
     assert Topology.from_ids("abc").groups(2) == [(0, 1, 2)]
-    assert Topology.from_ids("abcde").groups(2) == [(0, 1, 2), (3, 4)]  # last group: k' = 1
+    assert Topology.from_ids("abcdefg").groups(2) == [(0, 1, 2, 3), (4, 5, 6)]
+    assert Topology.from_ids("abcdef").groups(3) == [(0, 1, 2, 3, 4, 5)]
+    for hosts in range(2, 14):  # any count: groups of k+1 .. 2k+1 hosts, never above 1 + 1/k
+        for k in range(1, hosts):
+            sizes = [len(g) for g in Topology.from_ids([str(h) for h in range(hosts)]).groups(k)]
+            assert sum(sizes) == hosts and all(k + 1 <= m <= 2 * k + 1 for m in sizes)
     for n in range(2, 6):  # piece i of position h goes into P_j of another position, and back
         for h in range(n):
             covering = [Topology.holder_of(i, h, n) for i in range(n - 1)]

@@ -19,7 +19,7 @@ l, so an uneven job is refused with the count per host.
 j = 1..n; never its own host (n < H is required).
 
 **Parity(k)** (RAID-5-like, rotating): hosts are cut into groups of k + 1 consecutive hosts,
-group g = hosts [g*(k+1), g*(k+1)+k+1). Within a group of n = k + 1 hosts (positions 0..k), the
+group g = hosts [g*(k+1), g*(k+1)+k+1) (other host counts: below). Within a group of n = k + 1 hosts (positions 0..k), the
 local-l ranks' shards are padded to the group's longest, then to a multiple of k (and of 8
 bytes per piece), and each is cut into k pieces of p bytes. The host at position j holds one
 parity piece P_j = XOR of one piece of every other member: the member at position h
@@ -29,10 +29,13 @@ shard is covered by parity on its own host. A lost host h is rebuilt piece by pi
 i went into P_j, j = (h + 1 + i) mod n, so piece i = P_j XOR the other members' contributions
 to P_j. Any one lost host per group is rebuilt; two lost in one group: the disk tier.
 
-**Host counts that are not a multiple of k + 1**: the last group is shorter, its m hosts code
-with k' = m - 1 (5 hosts, k = 2: groups {0, 1, 2} and {3, 4}, the second at k' = 1, a mirror:
-2x memory there). Refused (CkptError naming the counts and the k that fit): fewer than k + 1
-hosts in all, or a last group of a single host (it would have no one to hold its parity).
+**Host counts that are not a multiple of k + 1**: the hosts are spread as evenly as can be
+over G = floor(H / (k + 1)) groups of consecutive hosts, the first H mod G groups one host
+longer (6 hosts, k = 3: one group of 6; 7 hosts, k = 2: groups {0, 1, 2, 3} and {4, 5, 6}). A
+group of m hosts codes with k' = m - 1 >= k (its pieces are 1/k' of a shard), so the memory is
+never above 1 + 1/k and every group still survives one lost host (a group has k + 1 to 2k + 1
+hosts: a larger group tolerates the same one loss among more hosts).
+Fewer than k + 1 hosts in all is refused (CkptError naming the k that fit).
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
@@ -40,6 +43,7 @@ Owns: the host ids, the numbering, the placement rules. Does not own: moving byt
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Sequence
@@ -124,26 +128,25 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int) -> list[tuple[int, ...]]:
-        """Parity groups of hosts: [g*(k+1), g*(k+1)+k+1) ∩ [0, H) (module docstring)."""
-        n, size = k + 1, self.size
-        fits = [c for c in range(1, size) if size % (c + 1) != 1]
-        hint = f"use Parity(k) with k in {fits}" if fits else "use Partners(1)"
-        if k < 1 or size < n:
+        """Parity groups of hosts (module docstring): G = floor(H / (k+1)) runs of consecutive
+        hosts as even as can be (the first H mod G of them one host longer)."""
+        size = self.size
+        if k < 1 or size < k + 1:
             raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
                             f"(each holds 1/k of a shard of parity), so it needs at least "
-                            f"{n} hosts: {hint}")
-        if size % n == 1:
-            raise CkptError(f"Parity(k={k}): {size} hosts cut into groups of k + 1 = {n} leave "
-                            f"host {size - 1} alone in the last group, with no other host to "
-                            f"hold its parity: {hint}")
-        return [tuple(range(g, min(g + n, size))) for g in range(0, size, n)]
+                            f"{k + 1} hosts: use Parity(k) with k <= {size - 1}"
+                            + (", or Partners(1)" if size > 1 else ""))
+        count = size // (k + 1)
+        each, extra = divmod(size, count)
+        bounds = [g * each + min(g, extra) for g in range(count + 1)]
+        return [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
     def group_of(self, host: int, k: int) -> int:
-        return host // (k + 1)
+        return next(g for g, hosts in enumerate(self.groups(k)) if host in hosts)
 
     def position(self, host: int, k: int) -> int:
         """``host``'s position in its parity group (0..k')."""
-        return host % (k + 1)
+        return self.groups(k)[self.group_of(host, k)].index(host)
 
     @staticmethod
     def contributed(j: int, h: int, n: int) -> int:
