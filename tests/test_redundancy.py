@@ -196,6 +196,19 @@ def test_parity_wipe_one_of_three_hosts_k2_rebuilds_bitwise(base, tmp_path):
     assert [r["how"]["source"] for r in restored] == ["own", "own", "parity"]
 
 
+def test_parity_five_hosts_k2_one_group_of_five_rebuilds_bitwise(base, tmp_path):
+    """5 hosts, k = 2: not a multiple of k + 1, so one group of 5 (k' = 4): each host holds a
+    quarter of a shard (<= 1 + 1/k), and a lost host is rebuilt from 4 pieces."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-2")
+    trained = run_ranks(5, train, *args, 2, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, 5, 1, 4, 2)
+    _wipe(base, 3)
+    restored = run_ranks(5, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["own"] * 3 + ["parity", "own"]
+
+
 def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
     disk = str(tmp_path / "disk")
     args = (base, disk, 2, "parity-2")  # hosts {0, 1, 2}: one group, per local rank
