@@ -76,6 +76,12 @@ class Options:
     step_timeout_s: the longest a rank that is alive may keep the others waiting at one step
         (e.g. while it still writes its share); then the same RankFailedError. Give every rank
         the same two deadlines.
+    peer_timeout_s: with ``Tier(..., redundancy=...)``, the longest one transfer of the
+        protection across hosts (a copy, a parity piece, the exchange of a step's metadata) may
+        wait for a peer: a peer that died or stopped answering makes the protection fail with
+        RankFailedError naming it (stored: raised by protected() and close(), shown in
+        status()) instead of waiting. It must exceed the skew between the ranks' commits of one
+        step (every rank's protection thread meets the others at each step).
 
     For ``s3://bucket/prefix`` paths (``pip install 'ckptio[s3]'``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
@@ -112,6 +118,7 @@ class Options:
     s3_conditional: S3Conditional = "require"
     rank_timeout_s: float = 60.0
     step_timeout_s: float = 1800.0
+    peer_timeout_s: float = 60.0
     compression: str = "off"
     compress_threads: int = 2
 
@@ -146,6 +153,8 @@ class Options:
         if not 0 < self.rank_timeout_s <= self.step_timeout_s:
             raise CkptError(f"Options.rank_timeout_s={self.rank_timeout_s}, step_timeout_s="
                             f"{self.step_timeout_s}: need 0 < rank_timeout_s <= step_timeout_s")
+        if not self.peer_timeout_s > 0:
+            raise CkptError(f"Options.peer_timeout_s={self.peer_timeout_s}: seconds > 0")
         if self.compression not in COMPRESSION_MODES:
             raise CkptError(f"Options.compression={self.compression!r}: use "
                             + ", ".join(map(repr, COMPRESSION_MODES)))

@@ -6,6 +6,7 @@ is removing that directory."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -95,6 +96,9 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
                 time.sleep(0.05)
             time.sleep(0.3)  # every rank's thread is in the encoding of this step
             os.kill(os.getpid(), signal.SIGKILL)
+        latest = mgr.latest()  # a collective of this thread while the protection runs
+        if latest != step:
+            raise AssertionError(f"latest() {latest} after saving step {step}")
         mgr.protected()  # each step protected before the next (the tests' determinism)
     status = mgr.status()
     mgr.close()
@@ -117,3 +121,88 @@ def restore(rank: int, world: int, base: str, disk: str, per_host: int,
     mgr.close()
     return {"step": step, "state_step": state["step"], "got": got, "how": mgr.last_restore,
             "warnings": [str(w.message) for w in caught], "status": status[0]}
+
+
+def restore_broken(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
+                   broken: int) -> dict[str, Any]:
+    """A restarted job where rank ``broken``'s state does not fit the step (a model of another
+    shape: an error that is not damage) -> each rank's error and how long it took to come."""
+    _play_host(rank, per_host, base)
+    model, opt = _build(seed=1000 + rank)
+    if rank == broken:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    started = time.monotonic()
+    try:
+        mgr.restore(_state(model, opt, -1))
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank got
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    seconds = time.monotonic() - started
+    mgr.close()
+    return {"error": error, "seconds": seconds}
+
+
+def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: int,
+              peer_timeout_s: float, how: str) -> dict[str, Any]:
+    """One rank per host; step 1 protected; rank ``victim`` is SIGKILLed (``how`` "kill") or
+    frozen (SIGSTOP, "stop": it never answers) while step 2 is being protected (after the
+    metadata exchange, before the transfers). -> on the others: the
+    protection's error, how long protected() took to raise it, status(), close()'s seconds."""
+    _play_host(rank, 1, base)
+    model, opt = _build(seed=rank)
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    _step(model, opt)
+    mgr.save(1, _state(model, opt, 1))
+    mgr.protected()
+    if rank == victim:
+        os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
+    mgr.save(2, _state(model, opt, 2))
+    if rank == victim:
+        pending = os.path.join(host_dir(base, rank), "run", ".redundancy", "step-2")
+        deadline = time.monotonic() + 60
+        while not os.path.isdir(pending) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        mgr.protected()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    seconds = time.monotonic() - started
+    status = mgr.status()[0]
+    started = time.monotonic()
+    mgr.close()
+    return {"error": error, "seconds": seconds, "status": status,
+            "close_seconds": time.monotonic() - started}
+
+
+def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_bytes: int,
+                 steps: int) -> dict[str, Any]:
+    """One rank per host, the memory tier bounded by ``max_bytes``: save ``steps`` steps, each
+    protected before the next -> the steps saved, the refusal (if any) and each step's size."""
+    _play_host(rank, 1, base)
+    model, opt = _build(seed=rank)
+    tiers = [Tier("shm://run", keep_last=2, max_bytes=max_bytes, redundancy=_spec(spec)),
+             Tier(disk, every=2, keep_last=2)]
+    mgr = ckptio.CheckpointManager(tiers=tiers, options=OPTS)
+    saved, error = [], ""
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        try:
+            mgr.save(step, _state(model, opt, step))
+        except ckptio.errors.CkptError as exc:
+            error = str(exc)
+            break
+        saved.append(step)
+        mgr.protected()
+    own = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", f"step-{saved[-1]}")
+    nbytes = sum(e.stat().st_size for e in os.scandir(own) if e.is_file())
+    mgr.close()
+    return {"saved": saved, "error": error, "step_nbytes": nbytes}

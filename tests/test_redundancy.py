@@ -21,7 +21,15 @@ import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.ranks import RanksFailed, run_ranks
 from ckptio.tiering.hosts import Topology
-from tests.redundancy_cases import host_dir, replay, restore, train
+from tests.redundancy_cases import (
+    host_dir,
+    peer_dies,
+    replay,
+    restore,
+    restore_broken,
+    train,
+    train_budget,
+)
 
 TIMEOUT = 240
 
@@ -70,13 +78,23 @@ def test_topology_rules_and_refusals():
     assert topo.size == 4 and topo.local_size == 2 and topo.hosts[1] == (2, 3)
     assert topo.partners(1, 1) == [3] and topo.partners(7, 2) == [1, 3]  # (h+j) mod H, same local
     assert topo.partnered(1, 1) == [7]
-    assert topo.groups(3) == [(0, 1, 2), (3,)]
-    assert [topo.parity_host(g, 3) for g in range(2)] == [3, 2]  # never its own group's
-    for k in (1, 2, 3):
-        for g, hosts in enumerate(topo.groups(k)):
-            assert topo.parity_host(g, k) not in hosts
-    with pytest.raises(CkptError, match="needs more than k hosts"):
+    # parity groups of k + 1 hosts, each holding one piece: 4 hosts, k = 3 -> one group
+    assert topo.groups(3) == [(0, 1, 2, 3)] and topo.groups(1) == [(0, 1), (2, 3)]
+    with pytest.raises(CkptError, match=r"at least 5 hosts: use Parity\(k\) with k <= 3"):
         topo.groups(4)
+    assert topo.groups(2) == [(0, 1, 2, 3)]  # the host left over joins: k' = 3, 1.33x <= 1.5x
+    assert Topology.from_ids("abc").groups(2) == [(0, 1, 2)]
+    assert Topology.from_ids("abcdefg").groups(2) == [(0, 1, 2, 3), (4, 5, 6)]
+    assert Topology.from_ids("abcdef").groups(3) == [(0, 1, 2, 3, 4, 5)]
+    for hosts in range(2, 14):  # any count: groups of k+1 .. 2k+1 hosts, never above 1 + 1/k
+        for k in range(1, hosts):
+            sizes = [len(g) for g in Topology.from_ids([str(h) for h in range(hosts)]).groups(k)]
+            assert sum(sizes) == hosts and all(k + 1 <= m <= 2 * k + 1 for m in sizes)
+    for n in range(2, 6):  # piece i of position h goes into P_j of another position, and back
+        for h in range(n):
+            covering = [Topology.holder_of(i, h, n) for i in range(n - 1)]
+            assert h not in covering and len(set(covering)) == n - 1
+            assert [Topology.contributed(j, h, n) for j in covering] == list(range(n - 1))
     with pytest.raises(CkptError, match="at most Partners"):
         topo.partners(0, 4)
     with pytest.raises(CkptError, match="same number of ranks on every host"):
@@ -129,14 +147,34 @@ def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -
         "  protected across hosts: step 3 (parity(k=3))")
 
 
+def _shard_nbytes(base: str, host: int, rank: int, step: int) -> int:
+    """The bytes of rank ``rank``'s step stream: its data files (what parity covers)."""
+    step_dir = os.path.join(host_dir(base, host), f"run/r{rank:05d}/step-{step}")
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(step_dir, "data-*")))
+
+
+def _assert_parity_memory(base: str, hosts: int, per_host: int, k: int, step: int) -> None:
+    """Every host holds, per local rank, one parity piece of ceil(shard / k) bytes (rounded up
+    to 8) and a small JSON: 1 + 1/k of the state, with no host holding more."""
+    longest = max(_shard_nbytes(base, r // per_host, r, step) for r in range(hosts * per_host))
+    piece = -(-longest // k)
+    for host in range(hosts):
+        held = os.path.join(host_dir(base, host), f"run/.redundancy/step-{step}")
+        bins = sorted(glob.glob(os.path.join(held, "*.bin")))
+        assert [os.path.basename(b) for b in bins] == [
+            f"parity-g0-l{local}.bin" for local in range(per_host)], bins
+        for b in bins:
+            assert piece <= os.path.getsize(b) <= piece + 7, (b, os.path.getsize(b), longest)
+        extra = sum(os.path.getsize(os.path.join(held, n)) for n in os.listdir(held)
+                    if not n.endswith(".bin"))
+        assert extra < 64 * 1024, (held, extra)  # manifests and markers only
+
+
 def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypatch, capsys):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
-    # group 0 = hosts 0-2, its parity on host 3; group 1 = host 3, its parity on host 2
-    assert glob.glob(os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin"))
-    assert glob.glob(os.path.join(host_dir(base, 2), "run/.redundancy/step-3/parity-g1-l0.bin"))
-    assert not glob.glob(os.path.join(host_dir(base, 0), "run/.redundancy/step-3/parity-*"))
+    _assert_parity_memory(base, 4, 1, 3, 3)  # one group of 4 hosts, each 1/3 of a shard
     assert trained[0]["status"]["protected"] == 3
     assert trained[0]["status"]["redundancy"] == "parity(k=3)"
     _cli_shows_protection(monkeypatch, capsys, base, disk)
@@ -144,13 +182,49 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypa
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+    assert all(r["how"]["lost_hosts"] == ["host 1 (host1, rank 1)"] for r in restored)
+
+
+def test_parity_wipe_one_of_three_hosts_k2_rebuilds_bitwise(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-2")
+    trained = run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, 3, 1, 2, 3)  # 3 hosts, k = 2: 1.5x
+    _wipe(base, 2)
+    restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 3)
+    assert [r["how"]["source"] for r in restored] == ["own", "own", "parity"]
+
+
+def test_parity_five_hosts_k2_one_group_of_five_rebuilds_bitwise(base, tmp_path):
+    """5 hosts, k = 2: not a multiple of k + 1, so one group of 5 (k' = 4): each host holds a
+    quarter of a shard (<= 1 + 1/k), and a lost host is rebuilt from 4 pieces."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-2")
+    trained = run_ranks(5, train, *args, 2, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, 5, 1, 4, 2)
+    _wipe(base, 3)
+    restored = run_ranks(5, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["own"] * 3 + ["parity", "own"]
+
+
+def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 2, "parity-2")  # hosts {0, 1, 2}: one group, per local rank
+    trained = run_ranks(6, train, *args, 2, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, 3, 2, 2, 2)
+    _wipe(base, 0)
+    restored = run_ranks(6, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["parity"] * 2 + ["own"] * 4
 
 
 # ------------------------------------------------------------------ damaged copies, detected
 
 
 def _flip_first_data_byte(directory: str) -> str:
-    victim = sorted(glob.glob(os.path.join(directory, "data-*.bin")))[0]
+    victim = min(glob.glob(os.path.join(directory, "data-*.bin")))
     with open(victim, "r+b") as f:
         byte = f.read(1)
         f.seek(0)
@@ -173,11 +247,11 @@ def test_corrupted_partner_copy_is_detected_and_the_next_partner_used(base, tmp_
         assert "CorruptCheckpointError" in skipped and "checksum" in skipped
 
 
-def test_corrupted_parity_block_is_detected_and_the_disk_used(base, tmp_path):
+def test_corrupted_parity_piece_is_detected_and_the_disk_used(base, tmp_path):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
-    _wipe(base, 2)
+    _wipe(base, 2)  # its rebuild needs every other host's piece, host 3's damaged
     block = os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin")
     with open(block, "r+b") as f:
         f.seek(100)
@@ -186,7 +260,7 @@ def test_corrupted_parity_block_is_detected_and_the_disk_used(base, tmp_path):
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "own", "disk", "own"]
     for r in restored:
-        assert any("parity block of group 0 (local rank 0), step 3, held by rank 3" in s
+        assert any("parity piece of group 0 (local rank 0), step 3, held by rank 3" in s
                    and "corrupted" in s for s in r["how"]["skipped"])
     (message,) = [w for w in restored[2]["warnings"] if "restored step 2" in w]
     assert "hosts lost: host 2 (host2, rank 2)" in message and "parity(k=3)" in message
@@ -224,3 +298,65 @@ def test_kill_during_parity_encoding_leaves_the_previous_protected_step(base, tm
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+# ------------------------------------------------------------------ failures: a clear error, no wait
+
+
+def test_a_rank_whose_load_raises_makes_every_rank_raise_naming_it(base, tmp_path):
+    """Rank 1's state does not fit the step (not damage): every rank raises RankFailedError
+    naming rank 1 and its error within seconds (step_timeout_s is 30 min)."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "partners-1")
+    run_ranks(3, train, *args, 2, timeout_s=TIMEOUT)
+    got = run_ranks(3, restore_broken, *args, 1, timeout_s=TIMEOUT)
+    for rank, r in enumerate(got):
+        kind, _, message = r["error"].partition("|")
+        assert kind == "RankFailedError", (rank, r["error"])
+        assert message.startswith(f"restore on rank {rank}: loading step 2 from memory failed on "
+                                  "1 rank(s): rank 1: StateMismatchError: "), message
+        assert r["seconds"] < 30, (rank, r["seconds"])
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound(base, tmp_path,
+                                                                                 how):
+    """Parity(k=2) on 3 hosts, rank 2 SIGKILLed (its connections close) or SIGSTOPped (it never
+    answers) while step 2 is protected: the survivors' protection fails with RankFailedError
+    naming rank 2 within peer_timeout_s (+ slack), not after step_timeout_s (30 min); status()
+    shows it, close() returns at once, step 1 stays the protected step."""
+    got = run_ranks(3, peer_dies, base, str(tmp_path / "disk"), "parity-2", 2, 3.0, how,
+                    timeout_s=TIMEOUT, may_die=[2])
+    assert got[2] is None
+    for rank in (0, 1):
+        r = got[rank]
+        kind, _, message = r["error"].partition("|")
+        assert kind == "RankFailedError", (rank, r["error"])
+        assert "protecting step 2 across hosts failed receiving a parity piece from rank 2 on " \
+               "host 2 (host2, rank 2)" in message and "peer_timeout_s=3 s" in message, message
+        assert r["seconds"] < 3.0 + 10, (rank, r["seconds"])
+        assert r["status"]["protected"] == 1 and "rank 2" in r["status"]["protect_error"]
+        assert r["close_seconds"] < 10, (rank, r["close_seconds"])
+
+
+# ------------------------------------------------------------------ the memory budget
+
+
+@pytest.mark.parametrize("spec", ["partners-1", "parity-1"])
+def test_memory_budget_counts_the_copies_held_for_other_hosts(base, tmp_path, spec):
+    """2 hosts, keep_last=2, Partners(1) or Parity(k=1) (a 2-host group: each host's parity
+    piece is a whole shard): with what each rank holds for the other host (and the new step's,
+    written before the older one is removed), step 3 needs 5 steps' bytes; max_bytes = 4.5
+    steps (own steps alone: 3) refuses it, naming the copies/parity."""
+    disk = str(tmp_path / "disk")
+    probe = run_ranks(2, train_budget, base + "-probe", disk + "-probe", spec, 1 << 30,
+                      3, timeout_s=TIMEOUT)
+    shutil.rmtree(base + "-probe", ignore_errors=True)
+    assert [p["saved"] for p in probe] == [[1, 2, 3]] * 2
+    step = max(p["step_nbytes"] for p in probe)
+    got = run_ranks(2, train_budget, base, disk, spec, int(4.5 * step), 4, timeout_s=TIMEOUT)
+    how = "partners(n=1)" if spec == "partners-1" else "parity(k=1)"
+    for r in got:
+        assert r["saved"] == [1, 2], r
+        assert "does not fit" in r["error"] and "of copies/parity for other hosts" in r["error"]
+        assert f"redundancy={how}" in r["error"], r["error"]

@@ -4,12 +4,16 @@ storage, restored from the fastest verified copy (``ckptio.CheckpointManager(tie
 Layer: the drivers' (with manager.py, on which it builds).
 
 Internal: nothing here is public API. The public surface is ``ckptio`` itself:
-``ckptio.Tier`` (tier.py) and what ``ckptio.CheckpointManager(tiers=...)`` returns
-(manager.py's TieredManager).
+``ckptio.Tier`` (tier.py), ``ckptio.Partners`` / ``ckptio.Parity`` (redundancy.py) and what
+``ckptio.CheckpointManager(tiers=...)`` returns (manager.py's TieredManager).
 
 Owns: tier.py (the declaration, the memory budget), copy.py (a verified copy of one committed
 checkpoint between stores), drain.py (the background thread), manager.py (saving, draining and
-restoring across tiers). Does not own: one tier's steps (ckptio/manager.py, stepdir/).
+restoring across tiers); the memory tier's redundancy across hosts (issue 27):
+redundancy.py (ckptio.Partners, ckptio.Parity), hosts.py (the host topology and placement
+rules), marks.py (names and markers on each host), peers.py (a step's bytes and the gloo
+transport), protect.py (the protection thread), rebuild.py (restore's fetch and rebuild,
+verified), guard.py (the manager's rank-local setup), restore.py (the agreed restore). Does not own: one tier's steps (ckptio/manager.py, stepdir/).
 """
 
 __all__: list[str] = []

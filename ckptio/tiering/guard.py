@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
-from ckptio.tiering import peers
+from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology, host_id
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
+from ckptio.tiering.redundancy import Partners
 from ckptio.tiering.tier import Tier
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
@@ -40,7 +42,8 @@ def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
 class Guard:
     """The redundancy of one manager on this rank (module docstring). Construct on every rank."""
 
-    def __init__(self, tiers: Sequence[Tier], process_group: Any) -> None:
+    def __init__(self, tiers: Sequence[Tier], process_group: Any, timeout_s: float,
+                 peer_timeout_s: float) -> None:
         spec = tiers[0].redundancy
         assert spec is not None  # internal: made only for a tier with redundancy
         if not dist.is_available() or not dist.is_initialized():
@@ -52,8 +55,14 @@ class Guard:
                             "...): redundancy spans the whole job; leave process_group out")
         self.spec = spec
         self.rank = dist.get_rank()
-        self.group = dist.new_group(backend="gloo")  # the transfers' own, never the training's
-        self.topology = Topology.from_ids(peers.all_gather_json(self.group, host_id()))
+        # gloo groups of their own, never the training's. ``group``: the protection thread's,
+        # a peer gone noticed after peer_timeout_s; ``control``: this (the caller's) thread's
+        # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
+        # while the others wait), so the two threads never interleave on one group
+        self.peer_timeout_s = peer_timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.topology = Topology.from_ids(peers.all_gather_json(self.control, host_id()))
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
@@ -63,7 +72,7 @@ class Guard:
         """Make the protection thread (own_dir: step -> this rank's memory step directory)."""
         self._own_dir = own_dir
         self.protector = Protector(self.spec, self.topology, self.group, self.rank, self.root,
-                                   own_dir)
+                                   own_dir, self.peer_timeout_s)
 
     def pinned(self) -> set[int]:
         """Steps the memory tier keeps: the newest protected one (a lost host then costs no step)
@@ -78,16 +87,31 @@ class Guard:
         """Collective (rebuild.recover): the memory step every rank now holds, or None."""
         assert self.protector is not None  # internal
         self.protector.wait()
-        return recover(Context(self.spec, self.topology, self.group, self.rank, self.root,
+        return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
                                self._own_dir, verify), own, anywhere, only)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending."""
-        return sorted({s for part in peers.all_gather_json(self.group, steps) for s in part})
+        return sorted({s for part in peers.all_gather_json(self.control, steps) for s in part})
 
-    def agree(self, ok: bool) -> bool:
-        """Whether every rank says ok."""
-        return peers.all_ok(self.group, ok)
+    def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Collective: every rank's outcome (JSON), in rank order."""
+        return peers.all_gather_json(self.control, mine)
+
+    def for_others(self, step_nbytes: int) -> tuple[int, int]:
+        """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
+        adds: n copies with Partners(n), ceil(step / k') of parity with Parity) for the memory
+        tier's budget; the protection of a new step is written before the older one is
+        removed."""
+        topo, local = self.topology, self.topology.local_of(self.rank)
+        if isinstance(self.spec, Partners):
+            ranks = set(topo.partnered(self.rank, self.spec.n))
+            per_step = self.spec.n * step_nbytes
+        else:
+            ranks = set()
+            group = topo.groups(self.spec.k)[topo.group_of(topo.host_of(self.rank), self.spec.k)]
+            per_step = -(-step_nbytes // (len(group) - 1))
+        return marks.held_nbytes(self.root, ranks, local), per_step
 
     def status(self) -> dict[str, Any]:
         assert self.protector is not None  # internal

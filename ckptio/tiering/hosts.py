@@ -18,13 +18,24 @@ l, so an uneven job is refused with the count per host.
 **Partners(n)**: rank (host h, local l) has its copies held by (host (h+j) mod H, local l) for
 j = 1..n; never its own host (n < H is required).
 
-**Parity(k)**: hosts are cut into groups of k consecutive hosts, group g = hosts [g*k, g*k+k)
-(the last group may be shorter); group g's parity (local rank l's parity block = XOR of the
-group's local-l ranks' bytes, each padded to the longest) is held by (host ((g+1)*k) mod H,
-local l): the first host of the next group, so no host holds parity of its own group's data
-(H > k is required). Any one lost host of a group is rebuilt from the group's other hosts and
-the parity; memory per host is about (1 + 1/k) x its state (the parity holders of a group pay
-one block of the group's longest shard).
+**Parity(k)** (RAID-5-like, rotating): hosts are cut into groups of k + 1 consecutive hosts,
+group g = hosts [g*(k+1), g*(k+1)+k+1) (other host counts: below). Within a group of n = k + 1 hosts (positions 0..k), the
+local-l ranks' shards are padded to the group's longest, then to a multiple of k (and of 8
+bytes per piece), and each is cut into k pieces of p bytes. The host at position j holds one
+parity piece P_j = XOR of one piece of every other member: the member at position h
+contributes its piece (j - h - 1) mod n. So every host holds p = ceil(shard / k) bytes of
+parity (1 + 1/k in all; 4 hosts with k = 3: 1.33x, 3 hosts with k = 2: 1.5x), and no piece of a
+shard is covered by parity on its own host. A lost host h is rebuilt piece by piece: its piece
+i went into P_j, j = (h + 1 + i) mod n, so piece i = P_j XOR the other members' contributions
+to P_j. Any one lost host per group is rebuilt; two lost in one group: the disk tier.
+
+**Host counts that are not a multiple of k + 1**: the hosts are spread as evenly as can be
+over G = floor(H / (k + 1)) groups of consecutive hosts, the first H mod G groups one host
+longer (6 hosts, k = 3: one group of 6; 7 hosts, k = 2: groups {0, 1, 2, 3} and {4, 5, 6}). A
+group of m hosts codes with k' = m - 1 >= k (its pieces are 1/k' of a shard), so the memory is
+never above 1 + 1/k and every group still survives one lost host (a group has k + 1 to 2k + 1
+hosts: a larger group tolerates the same one loss among more hosts).
+Fewer than k + 1 hosts in all is refused (CkptError naming the k that fit).
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
@@ -32,6 +43,7 @@ Owns: the host ids, the numbering, the placement rules. Does not own: moving byt
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Sequence
@@ -116,20 +128,32 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int) -> list[tuple[int, ...]]:
-        """Parity groups of hosts: [g*k, g*k+k) ∩ [0, H)."""
-        if k < 1 or self.size <= k:
-            raise CkptError(f"Parity(k={k}): {self.size} host(s); parity over groups of k hosts "
-                            f"needs more than k hosts (its parity lives on a host outside the "
-                            f"group): use k <= {self.size - 1}, or Partners(1)")
-        return [tuple(range(g, min(g + k, self.size))) for g in range(0, self.size, k)]
+        """Parity groups of hosts (module docstring): G = floor(H / (k+1)) runs of consecutive
+        hosts as even as can be (the first H mod G of them one host longer)."""
+        size = self.size
+        if k < 1 or size < k + 1:
+            raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
+                            f"(each holds 1/k of a shard of parity), so it needs at least "
+                            f"{k + 1} hosts: use Parity(k) with k <= {size - 1}"
+                            + (", or Partners(1)" if size > 1 else ""))
+        count = size // (k + 1)
+        each, extra = divmod(size, count)
+        bounds = [g * each + min(g, extra) for g in range(count + 1)]
+        return [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
     def group_of(self, host: int, k: int) -> int:
-        return host // k
+        return next(g for g, hosts in enumerate(self.groups(k)) if host in hosts)
 
-    def parity_host(self, group: int, k: int) -> int:
-        """The host holding group ``group``'s parity: the next group's first host, mod H."""
-        return ((group + 1) * k) % self.size
+    def position(self, host: int, k: int) -> int:
+        """``host``'s position in its parity group (0..k')."""
+        return self.groups(k)[self.group_of(host, k)].index(host)
 
-    def parity_groups_held(self, host: int, k: int) -> list[int]:
-        """The groups whose parity ``host`` holds."""
-        return [g for g in range(len(self.groups(k))) if self.parity_host(g, k) == host]
+    @staticmethod
+    def contributed(j: int, h: int, n: int) -> int:
+        """Which piece the member at position h puts into parity piece P_j (group of n)."""
+        return (j - h - 1) % n
+
+    @staticmethod
+    def holder_of(i: int, h: int, n: int) -> int:
+        """The position whose parity piece covers piece ``i`` of the member at position h."""
+        return (h + 1 + i) % n

@@ -30,17 +30,19 @@ their verdicts), sharing one Checkpointer; this module adds what spans tiers:
   any tier, and loads it from the fastest tier holding it (every byte checked as it is read);
   on damage it falls back to the next tier holding that step, then to older steps, with a
   warning naming each copy passed over and why. A resharded restore is an ordinary load from
-  the chosen tier. (Issue 27 adds a partner's memory between a rank's own memory and the disk:
-  restore's order of tiers is the place for it.)
+  the chosen tier. With redundancy, restore.py agrees on one step across ranks first, fetching
+  or rebuilding a lost host's memory from its partners or its parity group.
 - **on start** the drain resumes: for each slower tier, the newest step a faster tier holds that
   is due there and newer than what it holds is copied again (a copy cut short by a crash left
   no manifest there, so restore never picked it).
 
 The memory tier (``shm://NAME``: a directory on /dev/shm, a tmpfs) outlives the process: a
-restarted process on the same host restores from it. All ranks of a job must share that host
-for now (each host's tmpfs holds its own ranks' files and the manifest is on rank 0's: with
-ranks on several hosts a memory tier is refused at construction; partner copies across hosts
-are issue 27's).
+restarted process on the same host restores from it. Without redundancy all ranks of a job
+must share that host (each host's tmpfs holds its own ranks' files and the manifest is on rank
+0's: with ranks on several hosts such a memory tier is refused at construction). With
+``Tier(..., redundancy=ckptio.Partners(n) | ckptio.Parity(k))`` the tiers are rank-local and
+each step is protected in other hosts' memory (guard.py, protect.py; restore: restore.py,
+rebuild.py).
 
 Owns: the tiers' composition, the route the drain follows, restore across tiers, the status
 view. Does not own: one tier's listing, retention and loads (manager.py), copies (copy.py),
@@ -111,15 +113,17 @@ class TieredManager:
         if drain_rate is not None and not drain_rate > 0:
             raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
         self.tiers = check_tiers(tiers)
-        self._guard: Guard | None = None
-        if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
-            self._guard = Guard(self.tiers, process_group)
-            self.tiers, process_group = self._guard.tiers, self._guard.single
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them")
+        settings = checkpointer.options if checkpointer else options or Options.from_env()
+        settings = with_compression(settings, compression, checkpointer is not None)
+        self._guard: Guard | None = None
+        if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
+            self._guard = Guard(self.tiers, process_group, settings.step_timeout_s,
+                                settings.peer_timeout_s)
+            self.tiers, process_group = self._guard.tiers, self._guard.single
         self._owns_checkpointer = checkpointer is None
-        self._ck = checkpointer or Checkpointer(with_compression(
-            options or Options.from_env(), compression, checkpointer is not None))
+        self._ck = checkpointer or Checkpointer(settings)
         self._levels = [CheckpointManager(t.location, keep_last=t.keep_last,
                                           keep_every=t.keep_every, save_every=t.every,
                                           checkpointer=self._ck, process_group=process_group,
@@ -456,11 +460,13 @@ class TieredManager:
 
     def _check_budget(self, estimate: int) -> None:
         """Rank 0: refuse a save the memory tier has no room for (tier.check_budget); the
-        step's size is the newest committed one's there, else ``estimate``."""
+        step's size is the newest committed one's there, else ``estimate``. With redundancy
+        (every rank its own), the copies and parity this rank holds for others count too."""
         directory = checkpoint_path(self.directory)
         sizes = _step_sizes(self._first._root.scan()["committed"], self._first)
         step_nbytes = sizes[-1] if sizes else estimate * self._first._ranks().size
-        check_budget(self.tiers[0], directory, sum(sizes), step_nbytes)
+        others = self._guard.for_others(step_nbytes) if self._guard is not None else (0, 0)
+        check_budget(self.tiers[0], directory, sum(sizes), step_nbytes, others)
 
     def _one_host(self) -> None:
         """A memory tier needs every rank on one host (module docstring)."""
@@ -474,7 +480,9 @@ class TieredManager:
             raise CkptError(
                 f"memory tier {self.tiers[0].location}: the ranks run on {len(hosts)} hosts "
                 f"({', '.join(hosts[:4])}); a memory tier needs them on one (each host's "
-                "memory holds only its own ranks' files): use a shared disk as the first tier")
+                "memory holds only its own ranks' files): give the memory tier redundancy="
+                "ckptio.Partners(1) or ckptio.Parity(k=...) (rank-local, protected across "
+                "hosts), or use a shared disk as the first tier")
 
     def _ranks_rank(self) -> int:
         return self._first._ranks().rank

@@ -7,7 +7,7 @@ Under the memory tier's local directory (shm://NAME):
   is rank-local, ``<location>/r<rank>``);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
   partner's copy, itself a checkpoint directory), ``parity-g<group>-l<local>.bin`` and
-  ``.json`` (a parity block and its members' manifests), ``held-r<rank>.json`` (what rank
+  ``.json`` (this host's parity piece of its group, local rank l, and every member's manifest), ``held-r<rank>.json`` (what rank
   <rank> holds for step N, written after its items), ``protected-r<rank>.json`` (written once
   every rank's copies of step N are written: the commit of the protection; ``{"step", "how"}``).
 
@@ -22,12 +22,13 @@ import os
 import re
 from typing import Any
 
-__all__ = ["REDUNDANCY_DIR", "copy_name", "held_dir", "parity_name", "protected_steps",
+__all__ = ["REDUNDANCY_DIR", "copy_name", "held_dir", "held_nbytes", "parity_name", "protected_steps",
            "protection", "rank_dirs", "rank_name"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
+_COPY = re.compile(r"copy-r(\d{5,})$", re.ASCII)
 _PROTECTED = re.compile(r"protected-r(\d{5,})\.json$", re.ASCII)
 
 
@@ -80,6 +81,23 @@ def protection(root: str) -> dict[int, dict[str, Any]]:
             entry = out.setdefault(step, {"how": how, "ranks": []})
             entry["ranks"].append(rank)
     return out
+
+
+def held_nbytes(root: str, ranks: set[int], local: int) -> int:
+    """Bytes held here for others, every step: the partner copies of ``ranks`` and the parity
+    pieces (and their JSON) of local rank ``local`` (one rank's share of what its host holds)."""
+    base, total = os.path.join(root, REDUNDANCY_DIR), 0
+    for top, _dirs, names in os.walk(base):
+        rel = os.path.relpath(top, base).split(os.sep)
+        copy = len(rel) >= 2 and (m := _COPY.match(rel[1])) is not None and int(m.group(1)) in ranks
+        for name in names:
+            if copy or (len(rel) == 1 and name.startswith("parity-")
+                        and name.split(".")[0].endswith(f"-l{local}")):
+                try:
+                    total += os.stat(os.path.join(top, name)).st_size
+                except OSError:
+                    continue  # removed meanwhile
+    return total
 
 
 def protected_steps(root: str, rank: int) -> list[int]:

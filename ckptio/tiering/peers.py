@@ -29,8 +29,9 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 
-__all__ = ["Stream", "all_gather_json", "all_ok", "digest", "files_of", "read_stream", "recv",
-           "send", "write_checkpoint", "write_json", "xor_into"]
+__all__ = ["Stream", "all_gather_json", "all_ok", "digest", "files_of", "piece", "piece_len",
+           "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
+           "xor_into"]
 
 
 @dataclass
@@ -108,6 +109,23 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def piece_nbytes(longest: int, k: int) -> int:
+    """The size of each of the k pieces of a parity group whose longest shard is ``longest``:
+    ceil(longest / k), rounded up to 8 bytes (XOR in 64-bit words)."""
+    per = -(-longest // k)
+    return (per + 7) // 8 * 8
+
+
+def piece(data: torch.Tensor, i: int, p: int) -> torch.Tensor:
+    """Piece ``i`` (of size ``p``) of a shard, without its zero padding: data[i*p:(i+1)*p]."""
+    return data[min(i * p, data.numel()):min((i + 1) * p, data.numel())]
+
+
+def piece_len(nbytes: int, i: int, p: int) -> int:
+    """The length of piece ``i`` of a shard of ``nbytes`` (its padding is not sent)."""
+    return max(0, min(p, nbytes - i * p))
+
+
 def xor_into(acc: torch.Tensor, data: torch.Tensor) -> None:
     """acc[:len(data)] ^= data (uint8; as int64 words where the lengths allow)."""
     n = data.numel()
@@ -133,16 +151,16 @@ def all_gather_json(group: Any, value: Any) -> list[Any]:
     return [json.loads(bytes(o[:int(s.item())].numpy())) for o, s in zip(outs, sizes)]
 
 
-def send(group: Any, data: torch.Tensor, dst: int) -> Any:
+def send(group: Any, data: torch.Tensor, dst: int, tag: int = 0) -> Any:
     """Post a send of ``data`` to (global) rank ``dst``; -> a work to wait on (None: empty)."""
-    return dist.isend(data, dst, group=group) if data.numel() else None
+    return dist.isend(data, dst, group=group, tag=tag) if data.numel() else None
 
 
-def recv(group: Any, nbytes: int, src: int) -> torch.Tensor:
+def recv(group: Any, nbytes: int, src: int, tag: int = 0) -> torch.Tensor:
     """Receive ``nbytes`` from (global) rank ``src`` (blocking)."""
     out = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes:
-        dist.recv(out, src, group=group)
+        dist.recv(out, src, group=group, tag=tag)
     return out
 
 

@@ -10,9 +10,10 @@ redundancy's own gloo group (peers.py). For step N:
    is skipped on every rank, said in the log and in status);
 2. **Partners(n)**: each rank sends its stream to its n partners and receives the streams of
    the n ranks it is partner of, writing each as ``copy-r<src>/`` (a checkpoint directory, its
-   manifest last). **Parity(k)**: each rank sends its stream to its group's parity holder; a
-   holder XORs its group's streams (each padded to the longest) into one block, written with a
-   JSON naming every member's manifest, files, length and the block's xxh3;
+   manifest last). **Parity(k)** (rotating, hosts.py): in its group of k + 1 hosts, each rank
+   sends piece (j - h - 1) mod (k + 1) of its stream to the member at position j and XORs the
+   k pieces it receives into its own parity piece (ceil(longest / k) bytes), written with a
+   JSON naming every member's manifest, files, length and the piece's xxh3;
 3. each rank writes ``held-r<rank>.json`` (what it holds for N and each item's digest), last;
 4. all ranks agree (a MIN all_reduce) that every rank wrote; then each writes
    ``protected-r<rank>.json``: the step is protected. The protection of older steps is then
@@ -22,6 +23,12 @@ A kill anywhere before 4 leaves step N without ``protected`` markers: restore tr
 as absent and falls back to the previous protected step, whose copies are only removed after N
 is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read and
 the step's directory made, so a test can kill ranks during encoding.
+
+A transfer that fails (a peer killed: its connection closed; or silent for
+``Options.peer_timeout_s``, the protection group's gloo timeout) raises RankFailedError naming
+the peer; it is stored (raised once by wait()/protected()/close(), shown in status()), and the
+protection stops: the group is unusable, so later steps fail at once (close() never waits for
+another timeout). Restore (a new job) brings the lost hosts' ranks back.
 
 Owns: the thread, its queue, its status and stored error. Does not own: placement (hosts.py),
 the stream and transport (peers.py), restore (rebuild.py).
@@ -34,12 +41,14 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, RankFailedError
 from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology
 from ckptio.tiering.marks import protected_steps
@@ -66,9 +75,10 @@ class Protector:
     directory; ``own_dir(step)``: this rank's step directory."""
 
     def __init__(self, spec: Partners | Parity, topology: Topology, group: Any, rank: int,
-                 root: str, own_dir: Any) -> None:
+                 root: str, own_dir: Any, timeout_s: float) -> None:
         self.spec, self.topology, self.group, self.rank = spec, topology, group, rank
-        self.root, self._own_dir = root, own_dir
+        self.root, self._own_dir, self.timeout_s = root, own_dir, timeout_s
+        self._broken: RankFailedError | None = None  # a transfer failed: the group is unusable
         self._cond = threading.Condition()
         self._state = _State(protected=newest_protected(root, rank))
         self._submitted: dict[int, float] = {}
@@ -137,7 +147,7 @@ class Protector:
             try:
                 done = self._protect(step)
                 error = None
-            except Exception as exc:  # stored, raised once by wait(); later steps still tried
+            except Exception as exc:  # noqa: BLE001 - stored, raised once by wait()
                 log.warning("ckptio: protecting step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
                 done, error = False, exc
@@ -157,13 +167,17 @@ class Protector:
 
     def _protect(self, step: int) -> bool:
         """Steps 1-4 of the module docstring for ``step``; -> whether it is protected."""
+        if self._broken is not None:
+            raise RankFailedError(f"step {step} is not protected: the protection stopped at an "
+                                  f"earlier step: {self._broken}", self._broken.ranks)
         try:
             stream: peers.Stream | None = peers.read_stream(self._own_dir(step))
             meta: dict[str, Any] = {"step": step, **stream.meta()}
         except CkptError as exc:
             log.warning("ckptio: step %d cannot be protected on rank %d: %s", step, self.rank, exc)
             stream, meta = None, {"step": step, "nbytes": -1}
-        metas = peers.all_gather_json(self.group, meta)
+        with self._talking(step, "exchanging the step's metadata with", None):
+            metas = peers.all_gather_json(self.group, meta)
         if any(m["nbytes"] < 0 or m["step"] != step for m in metas):
             bad = [r for r, m in enumerate(metas) if m["nbytes"] < 0 or m["step"] != step]
             log.warning("ckptio: step %d is not protected: ranks %s could not read it", step, bad)
@@ -182,11 +196,15 @@ class Protector:
                 held = self._parity(stream, metas, directory)
             peers.write_json(os.path.join(directory, f"held-r{self.rank:05d}.json"),
                              {"step": step, "how": self.spec.describe(), "items": held})
+        except RankFailedError:
+            raise  # a peer gone: the group is unusable, no agreement can follow
         except (OSError, CkptError) as exc:
             log.warning("ckptio: rank %d could not keep its copies of step %d: %s", self.rank,
                         step, exc)
             ok = False
-        if not peers.all_ok(self.group, ok):
+        with self._talking(step, "agreeing that every copy is written with", None):
+            agreed = peers.all_ok(self.group, ok)
+        if not agreed:
             return False
         peers.write_json(os.path.join(directory, f"protected-r{self.rank:05d}.json"),
                          {"step": step, "how": self.spec.describe()})
@@ -195,50 +213,83 @@ class Protector:
 
     def _partners(self, stream: peers.Stream, metas: list[dict[str, Any]],
                   directory: str) -> list[dict[str, Any]]:
+        """Send to the partners, receive from the partnered (every transfer done before any
+        write, so a failed write never leaves a peer waiting), then write the copies."""
         n = self.spec.n  # type: ignore[union-attr]
-        works = [peers.send(self.group, stream.data, dst)
+        step = metas[self.rank]["step"]
+        works = [(dst, peers.send(self.group, stream.data, dst))
                  for dst in self.topology.partners(self.rank, n)]
-        held = []
+        got = []
         for src in self.topology.partnered(self.rank, n):
+            with self._talking(step, "receiving a partner copy from", src):
+                got.append((src, peers.recv(self.group, metas[src]["nbytes"], src)))
+        self._wait(step, works)
+        held = []
+        for src, data in got:
             meta = metas[src]
-            data = peers.recv(self.group, meta["nbytes"], src)
             peers.write_checkpoint(os.path.join(directory, marks.copy_name(src)),
                                    meta["manifest"].encode(), [tuple(f) for f in meta["files"]],
                                    data)
             held.append({"kind": "copy", "rank": src, "manifest_digest": meta["digest"],
                          "digest": peers.digest(data)})
-        for work in works:
-            if work is not None:
-                work.wait()
         return held
 
     def _parity(self, stream: peers.Stream, metas: list[dict[str, Any]],
                 directory: str) -> list[dict[str, Any]]:
+        """Rotating parity in this rank's group (hosts.py): send piece (j - me - 1) mod n of
+        this rank's shard to the member at position j, XOR the pieces received into this
+        rank's parity piece P_me, then write it with its xxh3 and every member's manifest."""
         k, topo = self.spec.k, self.topology  # type: ignore[union-attr]
         host, local = topo.host_of(self.rank), topo.local_of(self.rank)
         group = topo.group_of(host, k)
-        holder = topo.rank_at(topo.parity_host(group, k), local)
-        work = peers.send(self.group, stream.data, holder)
-        held = []
-        for g in topo.parity_groups_held(host, k):
-            members = [topo.rank_at(h, local) for h in topo.groups(k)[g]]
-            longest = max(metas[r]["nbytes"] for r in members)
-            block = torch.zeros(longest, dtype=torch.uint8)
-            for r in members:
-                peers.xor_into(block, peers.recv(self.group, metas[r]["nbytes"], r))
-            name = marks.parity_name(g, local)
-            with open(os.path.join(directory, f"{name}.bin"), "wb") as f:
-                f.write(memoryview(block.numpy()).cast("B") if longest else b"")
-            info = {"kind": "parity", "group": g, "local": local, "nbytes": longest,
-                    "digest": peers.digest(block),
-                    "members": [{"rank": r, "host": topo.host_of(r), "nbytes": metas[r]["nbytes"],
-                                 "manifest": metas[r]["manifest"], "files": metas[r]["files"],
-                                 "manifest_digest": metas[r]["digest"]} for r in members]}
-            peers.write_json(os.path.join(directory, f"{name}.json"), info)
-            held.append({k2: v for k2, v in info.items() if k2 != "members"})
-        if work is not None:
-            work.wait()
-        return held
+        members = [topo.rank_at(h, local) for h in topo.groups(k)[group]]
+        n, me, step = len(members), topo.position(host, k), metas[self.rank]["step"]
+        p = peers.piece_nbytes(max(metas[r]["nbytes"] for r in members), n - 1)
+        works = [(dst, peers.send(self.group, peers.piece(stream.data, topo.contributed(j, me, n),
+                                                          p), dst))
+                 for j, dst in enumerate(members) if j != me]
+        block = torch.zeros(p, dtype=torch.uint8)
+        for h, src in enumerate(members):
+            if h != me:
+                size = peers.piece_len(metas[src]["nbytes"], topo.contributed(me, h, n), p)
+                with self._talking(step, "receiving a parity piece from", src):
+                    peers.xor_into(block, peers.recv(self.group, size, src))
+        self._wait(step, works)
+        name = os.path.join(directory, marks.parity_name(group, local))
+        with open(f"{name}.bin", "wb") as f:
+            f.write(memoryview(block.numpy()).cast("B") if block.numel() else b"")
+        info = {"kind": "parity", "group": group, "local": local, "position": me,
+                "nbytes": p, "digest": peers.digest(block),
+                "members": [{"rank": r, "host": topo.host_of(r), "nbytes": metas[r]["nbytes"],
+                             "manifest": metas[r]["manifest"], "files": metas[r]["files"],
+                             "manifest_digest": metas[r]["digest"]} for r in members]}
+        peers.write_json(f"{name}.json", info)
+        return [{key: v for key, v in info.items() if key != "members"}]
+
+    def _wait(self, step: int, works: list[tuple[int, Any]]) -> None:
+        for dst, work in works:
+            if work is not None:
+                with self._talking(step, "sending to", dst):
+                    work.wait()
+
+    @contextmanager
+    def _talking(self, step: int, what: str, peer: int | None) -> Iterator[None]:
+        """A transfer with ``peer`` (None: a collective of every rank): its failure (a peer
+        gone: connection closed, or no answer within peer_timeout_s) -> RankFailedError naming
+        it; the group is then unusable, so the protection stops (later steps fail at once)."""
+        try:
+            yield
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            who = ("one of the job's ranks" if peer is None else
+                   f"rank {peer} on {self.topology.describe(self.topology.host_of(peer))}")
+            error = RankFailedError(
+                f"rank {self.rank}: protecting step {step} across hosts failed {what} {who}: it "
+                f"died or gave no answer within peer_timeout_s={self.timeout_s:g} s "
+                f"({type(exc).__name__}: {exc}). Step {step} is not protected (the previous "
+                "protected step is kept); the protection stops: restart the job (a restore "
+                "brings lost hosts' ranks back)", () if peer is None else (peer,))
+            self._broken = error
+            raise error from exc
 
     def _drop_before(self, step: int) -> None:
         """Remove this host's protection of steps older than ``step`` (local rank 0 does)."""

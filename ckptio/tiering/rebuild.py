@@ -4,16 +4,18 @@ and bring the missing ranks' copies into their memory first.
 Collective over the redundancy's gloo group, on every rank, before the load (tiering/manager.py):
 
 1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
-   slower tiers, and the items it holds for others (partner copies, parity blocks) of steps
+   slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
    whose protection it committed (protect.py's markers). A rank whose memory holds nothing
    (a replacement host, its tmpfs empty) reports nothing.
 2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
    rank's source is its own memory, else a partner's copy (first partner first), else a rebuild
    from its group's parity with every other member's own step; a step is chosen when every rank
-   has a source. Items found bad before are passed over.
+   has a source. Items found bad before are passed over. Parity: every other member of the
+   rank's group (k + 1 hosts) must hold its own step and its parity piece.
 3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-   against the digest it recorded. The receiver writes the copy (or XORs the parity with the
-   other members' streams, cut to its length and split into its files) into
+   against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
+   pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut to
+   its length and split into its files) into
    ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
    entries' checksums: Checkpointer.verify), and only then renames it to ``step-N``.
 4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +51,8 @@ __all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
-Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", holder, group, members)
+Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members)
+PIECE_TAG = 1  # a parity piece and a member's own stream go the same way: told apart by tag
 
 
 @dataclass
@@ -91,7 +95,9 @@ def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
             rank: int, step: int) -> Source | None:
     if _has_own(invs, bad, rank, step):
         return ("own",)
-    items = lambda holder: invs[holder]["held"].get(str(step), [])  # noqa: E731
+    def items(holder: int) -> list[dict[str, Any]]:
+        return invs[holder]["held"].get(str(step), [])
+
     if isinstance(spec, Partners):
         for holder in topo.partners(rank, spec.n):
             if (any(i["kind"] == "copy" and i["rank"] == rank for i in items(holder))
@@ -100,14 +106,15 @@ def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
         return None
     host, local = topo.host_of(rank), topo.local_of(rank)
     group = topo.group_of(host, spec.k)
-    holder = topo.rank_at(topo.parity_host(group, spec.k), local)
     members = [topo.rank_at(h, local) for h in topo.groups(spec.k)[group]]
-    has_block = any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
-                    for i in items(holder))
-    others = all(_has_own(invs, bad, m, step) for m in members if m != rank)
-    if has_block and others and _parity_id(holder, group, local, step) not in bad:
-        return ("parity", holder, group, members)
-    return None
+    for m in members:  # every other member: its own step and its parity piece, both good
+        if m != rank and not (
+                _has_own(invs, bad, m, step)
+                and _parity_id(m, group, local, step) not in bad
+                and any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
+                        for i in items(m))):
+            return None
+    return ("parity", group, members)
 
 
 def _has_own(invs: list[dict[str, Any]], bad: set[str], rank: int, step: int) -> bool:
@@ -124,16 +131,15 @@ def _parity_id(holder: int, group: int, local: int, step: int) -> str:
 
 def describe_item(item: str, topo: Topology) -> str:
     """``copy:r1:of3:s4`` -> readable words for messages."""
-    parts = dict((p[0] if p[0] != "o" else "of", p[1:] if p[0] != "o" else p[2:])
-                 for p in item.split(":")[1:])
-    kind = item.split(":")[0]
+    kind, *fields = item.split(":")
+    parts = {m.group(1): m.group(2) for f in fields if (m := re.match(r"([a-z]+)(\d+)$", f))}
     if kind == "copy":
         holder = int(parts["r"])
         return (f"the partner copy of rank {parts['of']}, step {parts['s']}, held by rank "
                 f"{holder} on {topo.describe(topo.host_of(holder))}")
     if kind == "parity":
         holder = int(parts["r"])
-        return (f"the parity block of group {parts['g']} (local rank {parts['l']}), step "
+        return (f"the parity piece of group {parts['g']} (local rank {parts['l']}), step "
                 f"{parts['s']}, held by rank {holder} on {topo.describe(topo.host_of(holder))}")
     return f"rank {parts['r']}'s own memory copy of step {parts['s']}"
 
@@ -191,8 +197,10 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
         if src[0] == "copy":
             sends.append((src[1], r, _copy_id(src[1], r, step)))
         elif src[0] == "parity":
-            sends.append((src[1], r, _parity_id(src[1], src[2], ctx.topology.local_of(r), step)))
-            sends += [(m, r, f"own:r{m}:s{step}") for m in src[3] if m != r]
+            local = ctx.topology.local_of(r)
+            for m in src[2]:
+                if m != r:
+                    sends += [(m, r, _parity_id(m, src[1], local, step)), (m, r, f"own:r{m}:s{step}")]
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
     for sender, _receiver, item in sends:
@@ -204,9 +212,9 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     for part in peers.all_gather_json(ctx.group, mine):
         metas.update(part)
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
-    works = [peers.send(ctx.group, payload[item], receiver)
+    works = [peers.send(ctx.group, payload[item], receiver, _tag(item))
              for sender, receiver, item in sends if sender == ctx.rank and item in payload]
-    received = {item: peers.recv(ctx.group, metas[item]["nbytes"], sender)
+    received = {item: peers.recv(ctx.group, metas[item]["nbytes"], sender, _tag(item))
                 for sender, receiver, item in sends
                 if receiver == ctx.rank and metas[item]["ok"]}
     for work in works:
@@ -216,7 +224,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
-            _install(ctx, step, src, metas, received, item)
+            _install(ctx, step, src, metas, received)
         except CkptError as exc:
             failures[item] = f"{type(exc).__name__}: {exc}"
     return failures
@@ -249,20 +257,20 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 
 
+def _tag(item: str) -> int:
+    return PIECE_TAG if item.startswith("parity:") else 0
+
+
 def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
-             received: dict[str, torch.Tensor], item: str) -> None:
-    """Write what this rank received as ``step-N``, verified first."""
+             received: dict[str, torch.Tensor]) -> None:
+    """Write what this rank received as ``step-N`` (a copy, or rebuilt from parity), verified
+    first."""
     if src[0] == "copy":
-        meta = metas[item]
-        manifest, files, data = meta["manifest"].encode(), meta["files"], received[item]
+        meta = next(metas[i] for i in received if i.startswith("copy:"))
+        manifest, files = meta["manifest"].encode(), meta["files"]
+        data = next(t for i, t in received.items() if i.startswith("copy:"))
     else:
-        info = metas[item]["info"]
-        me = next(m for m in info["members"] if m["rank"] == ctx.rank)
-        data = received[item].clone()
-        for other, tensor in received.items():
-            if other != item:
-                peers.xor_into(data, tensor)
-        manifest, files, data = me["manifest"].encode(), me["files"], data[:me["nbytes"]]
+        manifest, files, data = _rebuild(ctx, step, src, metas, received)
     final = ctx.own_dir(step)
     scratch = os.path.join(os.path.dirname(final), f".rebuild-{os.path.basename(final)}")
     try:
@@ -275,3 +283,30 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
         raise CkptError(f"{final}: cannot write the restored copy: {exc}") from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
+             received: dict[str, torch.Tensor]) -> tuple[bytes, list[Any], torch.Tensor]:
+    """This rank's shard from its group's parity pieces and the other members' shards: piece i
+    = P_j XOR the other members' contributions to P_j, j = (me + 1 + i) mod n (hosts.py)."""
+    topo, (_, group, members) = ctx.topology, src
+    local, n = topo.local_of(ctx.rank), len(members)
+    me = members.index(ctx.rank)
+    pieces = {j: received[_parity_id(m, group, local, step)] for j, m in enumerate(members)
+              if j != me}
+    shards = {j: received[f"own:r{m}:s{step}"] for j, m in enumerate(members) if j != me}
+    info = metas[_parity_id(members[(me + 1) % n], group, local, step)]["info"]
+    p = int(info["nbytes"])
+    if any(t.numel() != p for t in pieces.values()):
+        raise CkptError(f"the parity pieces of group {group}, step {step} differ in size "
+                        f"({sorted({t.numel() for t in pieces.values()})} bytes)")
+    data = torch.zeros(p * (n - 1), dtype=torch.uint8)
+    for i in range(n - 1):
+        j = topo.holder_of(i, me, n)
+        acc = pieces[j].clone()
+        for h, shard in shards.items():
+            if h != j:
+                peers.xor_into(acc, peers.piece(shard, topo.contributed(j, h, n), p))
+        data[i * p:(i + 1) * p] = acc
+    mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
+    return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]

@@ -1,7 +1,7 @@
 """Redundancy of a memory tier across hosts, as the user declares it: Partners and Parity.
 
     ckptio.Tier("shm://run", redundancy=ckptio.Partners(1))   # a full copy on the next host
-    ckptio.Tier("shm://run", redundancy=ckptio.Parity(k=3))   # XOR parity over 3 hosts
+    ckptio.Tier("shm://run", redundancy=ckptio.Parity(k=3))   # XOR parity, groups of 3+1 hosts
     ckptio.Tier("shm://run")                                  # none (a lost host: disk)
 
 With redundancy, the memory tier is rank-local (NVIDIA resiliency-ext's "local checkpoints"):
@@ -9,15 +9,16 @@ each rank keeps its own state as a one-rank checkpoint in its host's memory, und
 ``shm://NAME/r<rank>/step-N``, and the slower tiers hold the same per rank
 (``<location>/r<rank>/step-N``), copied by each rank's own drain. After each commit in memory a
 background thread (tiering/protect.py) sends the step's bytes over a gloo process group of its
-own to the partner(s), or to the group's parity holder, which keep them in their memory under
+own to the partner(s), or as parity pieces to the other hosts of its parity group, which keep
+them in their memory under
 ``shm://NAME/.redundancy/step-N``; the step is protected once every rank's copies are written
 and a marker is committed last. A restore agrees on the newest step every rank can obtain
 verified: from its own memory, a partner's copy, or rebuilt from parity, else from disk
 (tiering/rebuild.py). Placement rules: tiering/hosts.py.
 
 Partners(n) costs (1 + n) x the state in host memory and survives any n lost hosts; Parity(k)
-costs about (1 + 1/k) x and survives one lost host per group of k (a second loss in a group:
-the disk tier).
+costs (1 + 1/k) x (every host holds 1/k of a shard of parity) and survives one lost host per
+group of k + 1 hosts (a second loss in a group: the disk tier).
 
 Owns: the declaration and its validation. Does not own: placement (hosts.py), encoding and
 transfer (protect.py), restore (rebuild.py).
@@ -48,7 +49,8 @@ class Partners:
 
 @dataclass(frozen=True)
 class Parity:
-    """XOR parity over groups of ``k`` hosts, held by a host outside the group."""
+    """Rotating XOR parity over groups of ``k + 1`` hosts, each holding 1/k of a shard of parity
+    (tiering/hosts.py)."""
 
     k: int = 3
 

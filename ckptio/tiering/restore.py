@@ -7,8 +7,10 @@ copy brought into its memory first where its host was lost.
    that or when 1 found none (two hosts of one parity group lost, a copy damaged): each rank
    restores it from the fastest of its tiers holding it, with a warning naming the hosts lost,
    the copies passed over and the step chosen;
-3. every rank's load must succeed (agreed); a memory load that fails on any rank sends every
-   rank to 2.
+3. every rank's load must succeed: each rank's outcome (loaded / damaged and why / another
+   error) is exchanged with every rank right after its load. Damage on any rank sends every
+   rank to 2; any other error on any rank makes every rank raise RankFailedError naming each
+   failing rank and its error at once (no rank is left waiting for a timeout).
 
 Owns: that order and its messages, ``last_restore``'s redundancy fields. Does not own: the
 recovery (rebuild.py), the per-rank restore through the tiers (manager.py).
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError, CkptError
+from ckptio.errors import CheckpointNotFoundError, RankFailedError
 from ckptio.managing import warn
 from ckptio.tiering.guard import Guard, fallback_step
 
@@ -40,12 +43,13 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
-        why = mgr._levels[0]._try_load(recovery.step, state, load_kwargs)
-        if guard.agree(why is None):
+        memory = recovery.step
+        why = _agreed(guard, f"loading step {memory} from memory",
+                      lambda: mgr._levels[0]._try_load(memory, state, load_kwargs))
+        if why is None:
             source = recovery.sources[guard.rank]
-            return _done(mgr, guard, recovery.step, 0, source, started, passed,
-                         recovery.lost_hosts)
-        passed.append(f"step {recovery.step} in memory: {why or 'failed on another rank'}")
+            return _done(mgr, guard, memory, 0, source, started, passed, recovery.lost_hosts)
+        passed.append(f"step {memory} in memory: {why}")
         fallback = fallback_step(recovery, step)
     if fallback is None:
         if step is None and not any(recovery.anywhere):
@@ -55,15 +59,10 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
             f"memory: {'; '.join(passed) or 'no step every rank can obtain'}; hosts lost: "
             f"{', '.join(recovery.lost_hosts) or 'none'}; steps per rank in any tier: "
             f"{recovery.anywhere}")
-    error: CkptError | None = None
-    try:
+    def load_fallback() -> None:
         mgr._restore_tiers(state, fallback, load_kwargs)
-    except CkptError as exc:
-        error = exc
-    if not guard.agree(error is None):
-        raise error or CorruptCheckpointError(
-            f"step {fallback} could not be restored on another rank (its warning says why); "
-            "this rank's state may be partly loaded")
+
+    _agreed(guard, f"restoring step {fallback} from its tiers", load_fallback)
     tier = mgr.last_restore["tier"] if mgr.last_restore else 0
     lost = ", ".join(recovery.lost_hosts) or "none"
     warn(f"ckptio: restored step {fallback} from {mgr.tiers[tier].location} on rank "
@@ -72,6 +71,30 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
     return _done(mgr, guard, fallback, tier, "own" if tier == 0 else "disk", started, passed,
                  recovery.lost_hosts)
+
+
+def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | None:
+    """Run ``load`` on this rank and exchange every rank's outcome (collective): -> None when
+    every rank loaded, else every damaged rank's reason (the restore falls back). An error on
+    any rank that is not damage -> RankFailedError on every rank, naming each failing rank and
+    its error, as soon as every rank has tried (never a wait for a timeout)."""
+    why: str | None = None
+    error: Exception | None = None
+    try:
+        why = load()
+    except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank below
+        error = exc
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = guard.outcomes({"why": why, "error": text})
+    failed = {r: o["error"] for r, o in enumerate(outcomes) if o["error"] is not None}
+    if failed:
+        named = "; ".join(f"rank {r}: {e}" for r, e in failed.items())
+        raise RankFailedError(
+            f"restore on rank {guard.rank}: {what} failed on {len(failed)} rank(s): {named}. "
+            "This rank's state may be partly loaded; fix that error and restore again",
+            tuple(failed)) from error
+    damaged = [f"rank {r}: {o['why']}" for r, o in enumerate(outcomes) if o["why"] is not None]
+    return "; ".join(damaged) or None
 
 
 def _done(mgr: Any, guard: Guard, step: int, tier: int, source: str, started: float,

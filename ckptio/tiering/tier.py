@@ -94,21 +94,28 @@ def check_tiers(tiers: object) -> list[Tier]:
     return out
 
 
-def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int) -> None:
+def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int,
+                 others: tuple[int, int] = (0, 0)) -> None:
     """Refuse (CkptError) a save of ``step_nbytes`` into memory tier ``tier`` (at local
     ``directory``, holding ``held_nbytes``) beyond its max_bytes or its filesystem's free
-    space. During a save the tier holds its kept steps plus the new one."""
-    need = held_nbytes + step_nbytes
-    fits = step_nbytes * ((tier.keep_last or 1) + 1)
+    space. During a save the tier holds its kept steps plus the new one. ``others``: with
+    redundancy, (the bytes held now for other hosts, those the new step's protection adds)."""
+    held_others, step_others = others
+    need = held_nbytes + step_nbytes + held_others + step_others
+    fits = step_nbytes * ((tier.keep_last or 1) + 1) + 2 * step_others
     if tier.max_bytes is not None and need > tier.max_bytes:
+        extra = (f" and {held_others / GiB:.2f} GiB of copies/parity for other hosts, "
+                 f"{step_others / GiB:.2f} GiB more with this step (redundancy="
+                 f"{tier.redundancy.describe()}; the older protection is removed once this "
+                 "step is protected)" if tier.redundancy is not None else "")
         raise CkptError(
             f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit: "
-            f"it holds {held_nbytes / GiB:.2f} GiB and its budget is max_bytes="
+            f"it holds {held_nbytes / GiB:.2f} GiB{extra} and its budget is max_bytes="
             f"{tier.max_bytes / GiB:.2f} GiB. It holds keep_last={tier.keep_last} steps plus the "
             f"one being saved ({fits / GiB:.2f} GiB): raise max_bytes or lower keep_last; the "
             "steps it holds are kept")
     free = _free_nbytes(directory)
-    if free is not None and step_nbytes > free:
+    if free is not None and step_nbytes + step_others > free:
         raise CkptError(
             f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit in "
             f"the {free / GiB:.2f} GiB free on the filesystem of {directory} (a tmpfs is bounded "
