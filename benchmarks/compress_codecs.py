@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,39 +51,45 @@ def ungroup_planes(planes: np.ndarray) -> bytes:
 # ------------------------------------------------------------------------------ zstandard
 
 
-def _zstd(level: int) -> tuple[Encode, Decode]:
-    import zstandard
+class _Zstd(threading.local):
+    """A compressor and a decompressor per thread (zstandard's contexts are not thread-safe)."""
 
-    cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
-    return (lambda f, _size: cctx.compress(f),
-            lambda b, _size, n: dctx.decompress(b, max_output_size=n))
+    def __init__(self, level: int) -> None:
+        import zstandard
+
+        self.c = zstandard.ZstdCompressor(level=level)
+        self.d = zstandard.ZstdDecompressor()
+
+
+def _zstd(level: int) -> tuple[Encode, Decode]:
+    z = _Zstd(level)
+    return (lambda f, _size: z.c.compress(f),
+            lambda b, _size, n: z.d.decompress(b, max_output_size=n))
 
 
 def _grouped_zstd(level: int) -> tuple[Encode, Decode]:
     """Planes compressed one by one; a header of (stored length, raw flag) per plane."""
-    import zstandard
-
-    cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+    z = _Zstd(level)
 
     def encode(frame: memoryview, itemsize: int) -> bytes:
         if len(frame) % itemsize:
-            return b"\x00" + cctx.compress(frame)
+            return b"\x00" + z.c.compress(frame)
         parts = []
         for plane in group_planes(frame, itemsize):
-            packed = cctx.compress(plane)
+            packed = z.c.compress(plane)
             parts.append((packed, 0) if len(packed) < plane.size else (plane.tobytes(), 1))
         head = b"".join(struct.pack("<IB", len(p), raw) for p, raw in parts)
         return b"\x01" + head + b"".join(p for p, _ in parts)
 
     def decode(blob: bytes, itemsize: int, nbytes: int) -> bytes:
         if blob[0] == 0:
-            return dctx.decompress(blob[1:], max_output_size=nbytes)
+            return z.d.decompress(blob[1:], max_output_size=nbytes)
         plane_n, pos = nbytes // itemsize, 1 + 5 * itemsize
         planes = np.empty((itemsize, plane_n), dtype=np.uint8)
         for i in range(itemsize):
             length, raw = struct.unpack_from("<IB", blob, 1 + 5 * i)
             part = blob[pos:pos + length]
-            data = part if raw else dctx.decompress(part, max_output_size=plane_n)
+            data = part if raw else z.d.decompress(part, max_output_size=plane_n)
             planes[i] = np.frombuffer(data, dtype=np.uint8)
             pos += length
         return ungroup_planes(planes)
@@ -92,15 +99,13 @@ def _grouped_zstd(level: int) -> tuple[Encode, Decode]:
 
 def _concat_grouped_zstd(level: int) -> tuple[Encode, Decode]:
     """The planes one after the other in one zstd frame (ckptio's ``bytegroupN+zstd``)."""
-    import zstandard
-
-    cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+    z = _Zstd(level)
 
     def decode(blob: bytes, itemsize: int, nbytes: int) -> bytes:
-        flat = np.frombuffer(dctx.decompress(blob, max_output_size=nbytes), dtype=np.uint8)
+        flat = np.frombuffer(z.d.decompress(blob, max_output_size=nbytes), dtype=np.uint8)
         return ungroup_planes(flat.reshape(itemsize, -1))
 
-    return lambda f, size: cctx.compress(group_planes(f, size)), decode
+    return lambda f, size: z.c.compress(group_planes(f, size)), decode
 
 
 def _grouping_only() -> tuple[Encode, Decode]:
