@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.shared import async_save, load, save, verify
     from ckptio.stepmeta import read_metadata
     from ckptio.storage.select import register_store
+    from ckptio.tiering.redundancy import Parity, Partners
     from ckptio.tiering.tier import Tier
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "ManifestError",
     "OptimizerState",
     "Options",
+    "Parity",
+    "Partners",
     "PickleRefusedError",
     "Progress",
     "RNGState",
@@ -98,7 +101,8 @@ _HOME = {
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
-    "Tier": "ckptio.tiering.tier", "read_metadata": "ckptio.stepmeta",
+    "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
+    "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

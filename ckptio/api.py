@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckptio import stepmeta
+from ckptio import packed, stepmeta
 from ckptio.distributed import collective, loadsteps
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.errors import CkptError
@@ -98,16 +98,22 @@ class Checkpointer:
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
-             metadata: Mapping[str, Any] | None = None) -> SaveResult:
+             metadata: Mapping[str, Any] | None = None,
+             base: str | os.PathLike[str] | None = None) -> SaveResult:
         """Write ``state`` to ``path``; returns once every byte is durable and committed
         (with many ranks: a collective, see async_save). ``metrics`` (str -> number) and
         ``metadata`` (str -> JSON) are stored in the manifest (stepmeta.py), read back without
         the tensors by ckptio.read_metadata(path). With many ranks rank 0's are stored; each
         rank checks its own before the save starts, so give every rank valid ones (a
-        CheckpointManager checks rank 0's on behalf of all)."""
+        CheckpointManager checks rank 0's on behalf of all).
+        ``base``: a delta save against that checkpoint (a sibling of ``path``, self-contained):
+        a chunk equal to the base's is referenced, not written; a changed one may be stored as
+        its XOR with the base's, compressed (Options.compression). Loading it reads the base
+        too, so keep the base while the delta is kept."""
         return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
                            allow_pickle=allow_pickle, process_group=process_group,
-                           grow_staging=False, user_meta=stepmeta.encode(metrics, metadata)).wait()
+                           grow_staging=False, user_meta=stepmeta.encode(metrics, metadata),
+                           base=base).wait()
 
     def async_save(
         self,
@@ -121,6 +127,7 @@ class Checkpointer:
         process_group: Any = None,
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        base: str | os.PathLike[str] | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
 
@@ -138,16 +145,18 @@ class Checkpointer:
         every rank's bytes are durable. A failure on any rank raises on every rank.
         Staging: a state larger than the pool grows it after the save, up to
         Options.host_budget_bytes, so later async saves return at copy speed.
-        metrics, metadata: as save().
+        metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers, if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
-                           grow_staging=True, user_meta=stepmeta.encode(metrics, metadata))
+                           grow_staging=True, user_meta=stepmeta.encode(metrics, metadata),
+                           base=base)
 
     def _start(self, state: Any, path: str | os.PathLike[str], *, lazy: bool,
                optimizers: Sequence[torch.optim.Optimizer], if_busy: str, allow_pickle: bool,
                process_group: Any, grow_staging: bool,
-               user_meta: dict[str, Any] | None = None) -> SaveHandle:
+               user_meta: dict[str, Any] | None = None,
+               base: str | os.PathLike[str] | None = None) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
@@ -172,14 +181,17 @@ class Checkpointer:
                 raise
             previous_error = exc
         self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
+        store = store_for(path, self.options)
+        packing = packed.packing_for(self.options, store, base,
+                                     block_nbytes=self._staging.block_nbytes)
         context = session.SaveContext(
-            group=group, store=store_for(path, self.options), options=self.options,
+            group=group, store=store, options=self.options,
             staging=self._staging, cleanup=self._staging.cleanup, memory=self._memory(group),
             plan_cache=self._plan_cache, meta={**session.default_meta(), **(user_meta or {})},
             block_nbytes=self._staging.block_nbytes,
             allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), started=started,
-            previous_error=previous_error, grow_staging=grow_staging)
+            previous_error=previous_error, grow_staging=grow_staging, packing=packing)
         save = session.begin(context, state)
         self._inflight, self._thread = save.handle, save.thread
         save.capture_here()

@@ -15,13 +15,16 @@ from typing import Literal, get_args
 
 from ckptio.errors import CkptError
 
-__all__ = ["BLOCK", "DIRECT_IO_MODES", "GiB", "IO_BACKENDS", "KiB", "MiB", "Options"]
+__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "GiB", "IO_BACKENDS", "KiB",
+           "MiB", "Options"]
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addresses
 IO_BACKENDS = ("posix", "uring")  # Options.io_backend; ckptio.io.create builds each
+CODECS = ("zstd", "bytegroup+zstd")  # lossless codecs a save may name (ckptio/format/codec.py)
+COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
@@ -57,6 +60,15 @@ class Options:
     if_locked: what a save does when another save (another process, job or machine sharing the
         filesystem) is saving into the same path: "wait" until it has finished (logged), or
         "raise" CheckpointLockedError at once (from wait() for an async save).
+    compression: "off" (default), "auto" or a codec ("bytegroup+zstd", "zstd"): lossless
+        compression of each saved chunk, in frames of the block checksums' size, on the save's
+        I/O threads (``pip install 'ckptio[compress]'``). "auto" compresses a chunk only when a
+        sample of it (its first frame) shrinks by >= 1.1x and either the store is an object store
+        or the codec, on ``compress_threads`` threads, outruns the disk's measured write rate
+        (``ckptio tune``; no profile: not compressed); a codec compresses every chunk that
+        shrinks. Loads decode whatever a checkpoint holds.
+    compress_threads: threads that encode frames during a compressed or delta save (the bound
+        on the cores compression takes; the training thread never compresses).
     rank_timeout_s: with torch.distributed, a rank that shows no sign of life for this long
         while the others wait for it at a step of a save or load (killed, crashed, frozen, cut
         off) makes every live rank raise RankFailedError naming it; nothing is committed.
@@ -99,6 +111,8 @@ class Options:
     s3_conditional: S3Conditional = "require"
     rank_timeout_s: float = 60.0
     step_timeout_s: float = 1800.0
+    compression: str = "off"
+    compress_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -131,6 +145,11 @@ class Options:
         if not 0 < self.rank_timeout_s <= self.step_timeout_s:
             raise CkptError(f"Options.rank_timeout_s={self.rank_timeout_s}, step_timeout_s="
                             f"{self.step_timeout_s}: need 0 < rank_timeout_s <= step_timeout_s")
+        if self.compression not in COMPRESSION_MODES:
+            raise CkptError(f"Options.compression={self.compression!r}: use "
+                            + ", ".join(map(repr, COMPRESSION_MODES)))
+        if self.compress_threads < 1:
+            raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
         self._check_s3()
 
     def _check_s3(self) -> None:

@@ -49,7 +49,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
      "ckptio.optim",
      "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.resources",
-     "ckptio.tiering", "ckptio.stepmeta", "ckptio.managing", "ckptio.hf_trainer", "ckptio.lightning"),
+     "ckptio.tiering", "ckptio.stepmeta", "ckptio.managing", "ckptio.hf_trainer", "ckptio.lightning",
+     "ckptio.packed"),
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))
 TESTING = "ckptio.testing"  # imports anything; imported by nothing else in ckptio
@@ -64,7 +65,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
-    "DcpReader", "DcpWriter", "Tier", "read_metadata",
+    "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

@@ -165,8 +165,8 @@ def test_body_that_is_not_json():
 
 def test_future_version_says_to_upgrade():
     body = good_body()
-    body["version"] = manifest.VERSION + 1
-    assert "upgrade" in str(rejected(wrap(body, version=manifest.VERSION + 1)))
+    body["version"] = manifest.VERSION_CODED + 1
+    assert "upgrade" in str(rejected(wrap(body, version=manifest.VERSION_CODED + 1)))
     data = manifest.encode(good_manifest())
     header, rest = data.split(b"\n", 1)
     bumped = json.loads(header)
@@ -408,7 +408,7 @@ HOSTILE = [
         lambda b: b["tree"]["d"].__setitem__(1, [["empty"], {"k": "empty"}]), id="tree-dict-key-list"),
     # top level
     pytest.param(_top("format", "other"), id="format-wrong"),
-    pytest.param(_top("version", manifest.VERSION + 1), id="body-version-disagrees"),
+    pytest.param(_top("version", manifest.VERSION_CODED + 1), id="body-version-disagrees"),
     pytest.param(_top("world_size", -1), id="world-size-negative"),
     pytest.param(_top("checksum_algorithm", 5), id="checksum-algorithm-not-str"),
     # "none" is what ckptio's own safetensors records say; a manifest naming it would load unchecked

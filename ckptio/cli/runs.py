@@ -13,6 +13,8 @@ deleted" when a retention took it out of the listing and has not finished removi
 ``.deleting-step-N-<hex>`` directory, an S3 ``step-N/.deleting`` marker): those internal names
 are shown as the step they were, never as a checkpoint. Sizes and times come from a listing of
 the step's files (local: stat; S3: ListObjectsV2, LastModified); torch is never imported.
+A rank's directory of a memory tier with redundancy (``shm://NAME/r<rank>``) ends with the
+steps whose protection across hosts is committed, and how (``protected`` in JSON).
 
 Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
 own whose root lists steps), the per-step sizes and times, the text and JSON (schema
@@ -37,8 +39,9 @@ from ckptio.stepdir.base import HIDDEN_PREFIX
 from ckptio.stepdir.local import hidden
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.tiering import marks
 
-__all__ = ["SCHEMA", "Step", "list_run", "run"]
+__all__ = ["SCHEMA", "Step", "list_run", "protected", "run"]
 
 SCHEMA = "ckptio.run/1"
 STATES = ("committed", "incomplete", "being deleted")
@@ -141,13 +144,35 @@ def text_lines(location: str, steps: list[Step], exact: bool) -> list[str]:
     return lines
 
 
+def protected(location: str, steps: list[Step]) -> list[dict[str, Any]]:
+    """The committed steps of a rank-local memory run (``shm://NAME/r<rank>``, a tier with
+    redundancy) whose protection across hosts that rank committed: ``{"step", "how"}``."""
+    text = checkpoint_path(location)
+    if scheme_of(text) is not None or is_s3(text):
+        return []
+    parent, name = os.path.split(text.rstrip("/"))
+    rank = next((r for r, d in marks.rank_dirs(parent).items() if os.path.basename(d) == name),
+                None)
+    if rank is None:
+        return []
+    committed = {s.step for s in steps if s.state == "committed"}
+    return [{"step": s, "how": p["how"]} for s, p in marks.protection(parent).items()
+            if rank in p["ranks"] and s in committed]
+
+
 def run(location: str, steps: list[Step], *, as_json: bool, exact: bool) -> int:
+    guarded = protected(location, steps)
     if as_json:
         doc: dict[str, Any] = {"schema": SCHEMA, "location": checkpoint_path(location),
                                "steps": [asdict(s) for s in steps]}
+        if guarded:
+            doc["protected"] = guarded
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     for line in text_lines(location, steps, exact):
         sys.stdout.write(line + "\n")
+    if guarded:
+        sys.stdout.write("  protected across hosts: " + ", ".join(
+            f"step {p['step']} ({p['how']})" for p in guarded) + "\n")
     return 0

@@ -8,6 +8,12 @@
 Tiers are given fastest first, as the manager's ``tiers=``. A step without a committed manifest
 in a tier is "copying" when a faster tier holds it committed (a drain running, or cut short: the
 next start copies it again; restore never picks it), else "incomplete" (an interrupted save).
+With redundancy (``Tier(..., redundancy=...)``) every tier is rank-local: each rank found under
+a location is a row, and the memory tier's rows say which steps are protected across hosts:
+
+    tier 0  shm://run/r00002  committed 2 3   protected 3 (parity(k=3))
+    tier 1  /nvme/ckpt/r00002 committed 2
+
 What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
@@ -17,29 +23,50 @@ how a tier lists its steps (stepdir/), draining (tiering/).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from ckptio.options import Options
 from ckptio.stepdir import root_for
+from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.tiering import marks
 
 __all__ = ["run", "tiers_status"]
 
 
 def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]:
     """Per tier: location, committed steps, and the incomplete ones split into copying (a
-    faster tier holds them committed: tier index given) and incomplete."""
+    faster tier holds them committed: tier index given) and incomplete. A tier of a manager
+    with redundancy is rank-local (``<location>/r<rank>``: every rank found here gets its own
+    row, with ``rank``); a memory tier's rows then say which steps are protected and how."""
     out: list[dict[str, Any]] = []
     for k, location in enumerate(locations):
-        listing = root_for(location, options).scan()
-        copying = {}
-        for step in listing["incomplete"]:
-            source = next((t["tier"] for t in out if step in t["committed"]), None)
-            if source is not None:
-                copying[step] = source
-        out.append({"tier": k, "location": location, "committed": listing["committed"],
-                    "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
-                    "incomplete": [s for s in listing["incomplete"] if s not in copying]})
+        local = None if scheme_of(checkpoint_path(location)) else checkpoint_path(location)
+        ranks = marks.rank_dirs(local) if local is not None and os.path.isdir(local) else {}
+        guarded = marks.protection(local) if ranks and local is not None else {}
+        rows = [(None, location)] if not ranks else [
+            (r, f"{location.rstrip('/')}/{marks.rank_name(r)}") for r in sorted(ranks)]
+        for rank, where in rows:
+            row = _listing(k, where, options, [t for t in out if t.get("rank") == rank])
+            if rank is not None:
+                row["rank"] = rank
+                row["protected"] = [{"step": s, "how": p["how"]} for s, p in guarded.items()
+                                    if rank in p["ranks"] and s in row["committed"]]
+            out.append(row)
     return out
+
+
+def _listing(k: int, location: str, options: Options,
+             faster: list[dict[str, Any]]) -> dict[str, Any]:
+    listing = root_for(location, options).scan()
+    copying = {}
+    for step in listing["incomplete"]:
+        source = next((t["tier"] for t in faster if step in t["committed"]), None)
+        if source is not None:
+            copying[step] = source
+    return {"tier": k, "location": location, "committed": listing["committed"],
+            "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
+            "incomplete": [s for s in listing["incomplete"] if s not in copying]}
 
 
 def run(locations: list[str], *, as_json: bool) -> int:
@@ -53,5 +80,8 @@ def run(locations: list[str], *, as_json: bool) -> int:
         parts += [f"copying {c['step']} (committed in tier {c['from_tier']})" for c in t["copying"]]
         if t["incomplete"]:
             parts.append(f"incomplete {' '.join(map(str, t['incomplete']))}")
+        if "protected" in t and t["tier"] == 0:
+            parts.append("protected " + (" ".join(f"{p['step']} ({p['how']})"
+                                                  for p in t["protected"]) or "-"))
         print(f"tier {t['tier']}  {t['location']:<{width}}  {'   '.join(parts)}")
     return 0

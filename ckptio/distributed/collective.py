@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.storage.base import Exclusive, Store, new_save_id
-from ckptio.format import manifest
+from ckptio.format import entryform, manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.distributed.rankplan import valued_shards
@@ -356,10 +356,11 @@ def manifest_of(results: list[Written], assigned: list[dict[int, WriteItem]],
               for a, given in zip(assigned, plan.assignments)]
     grids, regular = regular_section(agreement.plans, plan.aliases)
     with paused():
+        tensors = tuple(manifest_entries(agreement.plans, writes, written))
         return Manifest(
-            version=manifest.VERSION, save_id=agreement.save_id,
+            version=manifest.version_for(tensors), save_id=agreement.save_id,
             checksum_algorithm=algorithm, world_size=len(results), files=tuple(files),
-            tensors=tuple(manifest_entries(agreement.plans, writes, written)),
+            tensors=tensors, bases=entryform.bases_in(tensors),
             objects=plan.objects, aliases=plan.aliases, tree=plan.tree, meta=meta,
             block_nbytes=block_nbytes, grids=grids, regular=regular,
             indexes=tuple(r.index for r in results if r.index is not None))

@@ -28,13 +28,14 @@ __all__ = ["local_plan", "valued_shards"]
 
 
 def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
-               flat: FlatState) -> RankPlan:
+               flat: FlatState, *, regular: bool = True) -> RankPlan:
     """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
     Regular DTensor items (grid.py) are planned per tensor when the group's ranks are the
     global ranks 0..size-1 and the DTensor's mesh lies inside it (every rank holding the key
-    sees that mesh, so all decide alike); every other item per chunk."""
+    sees that mesh, so all decide alike); every other item per chunk, and every item when not
+    ``regular`` (a packed save, format version 4: its rows carry fields index files lack)."""
     grids = {key: grid for key, grid in plan.grids.items()
-             if max(grid.ranks) < group.size} if _whole_job(group) else {}
+             if max(grid.ranks) < group.size} if regular and _whole_job(group) else {}
     items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
     domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
     digests: dict[int, str] = {}

@@ -20,8 +20,9 @@ from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
 from ckptio.format.grid import Grid
 from ckptio.planning.regular import Regular, RegularItem
-from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, FileInfo, IndexFile, ObjectEntry,
-                                 TensorEntry, WriteItem, Written)
+from ckptio.format import entryform
+from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, Delta, FileInfo, IndexFile, ObjectEntry,
+                                 Stored, TensorEntry, WriteItem, Written)
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
@@ -217,10 +218,34 @@ def encode_result(written: Written) -> bytes:
     names = {f.name: i for i, f in enumerate(written.files)}
     index = written.index
     return _dumps({"files": [[f.name, f.nbytes] for f in written.files],
-                   "entries": [[i, names[e.file], e.offset, e.checksum, list(e.blocks)]
-                               for i, e in written.entries.items()],
+                   "entries": [[i, names.get(e.file, -1), e.offset, e.checksum, list(e.blocks),
+                                _coded(e)] for i, e in written.entries.items()],
                    "index": None if index is None else [index.name, index.nbytes,
                                                         index.checksum]})
+
+
+def _coded(e: TensorEntry) -> dict[str, Any] | None:
+    """An entry's version 4 fields (format/entryform.py), and the file of a reference (in its
+    base checkpoint, not among the rank's files); None for a plain entry."""
+    if not e.coded:
+        return None
+    return {**entryform.entry_json(e), "file": e.file}
+
+
+def _uncoded(coded: dict[str, Any] | None, file: str | None) -> tuple[Stored | None,
+                                                                      Delta | None, str]:
+    """The inverse of _coded (a rank's own report: its shape is trusted, the manifest's
+    validation checks its values)."""
+    if coded is None:
+        if file is None:
+            raise ValueError("a plain entry names no file of the rank")
+        return None, None, file
+    raw = coded.get("stored")
+    stored = None if raw is None else Stored(str(raw["codec"]), int(raw["nbytes"]),
+                                             tuple(int(f) for f in raw["frames"]))
+    kind = next((k for k in entryform.DELTA_KINDS if k in coded), None)
+    delta = None if kind is None else Delta(kind, str(coded[kind]["checkpoint"]))
+    return stored, delta, file if file is not None else str(coded["file"])
 
 
 def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> Written:
@@ -231,13 +256,14 @@ def decode_result(data: bytes, rank: int, assigned: Mapping[int, WriteItem]) -> 
     try:
         files = tuple(FileInfo(name, nbytes, rank) for name, nbytes in raw["files"])
         entries: dict[int, TensorEntry] = {}
-        for index, f, offset, checksum, blocks in raw["entries"]:
+        for index, f, offset, checksum, blocks, coded in raw["entries"]:
             item = assigned[index]
             if index in entries:
                 raise ValueError(f"item {index} ({item.key}) reported twice")
+            stored, delta, file = _uncoded(coded, files[f].name if f >= 0 else None)
             entries[index] = TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk,
-                                         files[f].name, offset, item.nbytes, checksum, None,
-                                         tuple(blocks))
+                                         file, offset, item.nbytes, checksum, None,
+                                         tuple(blocks), stored=stored, delta=delta)
         if len(entries) != len(assigned):
             missing = sorted(set(assigned) - set(entries))[:5]
             raise ValueError(f"no entry for assigned items {missing}")

@@ -19,7 +19,7 @@ from itertools import accumulate
 from typing import Any
 
 from ckptio.errors import ManifestError
-from ckptio.format import regular, validate
+from ckptio.format import entryform, regular, validate
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import MAX_TREE_DEPTH, Manifest, ObjectEntry, TensorEntry, show
@@ -28,16 +28,31 @@ from ckptio.format.validate import MAX_NDIM, check_keys, check_values
 # The names callers use (decode, encode, check_keys, check_values, the constants, tiling_problem)
 # stay importable from here; validate.py and tiling.py hold the checks themselves.
 __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEPTH", "VERSION",
-           "Manifest", "check_keys", "check_values", "decode", "encode", "json_depth",
-           "tiling_problem"]
+           "VERSION_CODED", "Manifest", "bases_of", "check_keys", "check_values", "decode",
+           "encode", "json_depth", "tiling_problem", "version_for"]
 
 MAGIC = "ckptio-manifest"
 # 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
 # 3: regular layouts described per tensor, their chunks in per-rank index files (regular.py)
+# 4: compressed entries, references to and XOR deltas against a base checkpoint (entryform.py);
+#    written only by a save holding one of them, so a plain checkpoint stays readable at 3
 VERSION = 3
-READABLE = (2, 3)  # the versions decode() reads
+VERSION_CODED = entryform.VERSION_CODED
+READABLE = (2, 3, 4)  # the versions decode() reads
 MANIFEST_NAME = "manifest.json"
 MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32  # a dict level of the tree is 3 brackets deep
+
+
+def version_for(tensors: tuple[TensorEntry, ...]) -> int:
+    """The version a save of these entries writes: 4 if one is compressed, referenced or an
+    XOR delta, else 3 (an older ckptio reads it)."""
+    return VERSION_CODED if any(t.coded for t in tensors) else VERSION
+
+
+def bases_of(manifest: Manifest) -> tuple[str, ...]:
+    """The sibling checkpoints (step names) this checkpoint's entries need: its ``bases``
+    (empty for a self-contained checkpoint)."""
+    return manifest.bases
 
 
 def encode(manifest: Manifest) -> bytes:
@@ -63,6 +78,7 @@ def _body(m: Manifest) -> dict[str, Any]:
         "meta": m.meta,
         "block_nbytes": m.block_nbytes,
         **(regular.section_json(m) if m.version >= 3 else {}),
+        **({"bases": list(m.bases)} if m.bases else {}),
     }
 
 
@@ -78,6 +94,7 @@ def _tensor_json(t: TensorEntry) -> dict[str, Any]:
         out["rank"] = t.rank
     if t.blocks:
         out["blocks"] = list(t.blocks)
+    out.update(entryform.entry_json(t))
     return out
 
 
@@ -99,7 +116,7 @@ def decode(data: bytes, where: str) -> Manifest:
     version = header.get("version")
     if version not in READABLE or type(version) is not int:
         fix = ("load it with the ckptio that wrote it and save it again"
-               if type(version) is int and version < VERSION else "upgrade ckptio")
+               if type(version) is int and version < min(READABLE) else "upgrade ckptio")
         raise ManifestError(f"{where}: manifest version {show(version)}; this ckptio reads "
                             f"versions {', '.join(map(str, READABLE))}: {fix}")
     body = data[newline + 1:].rstrip(b"\n")

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_TREE_DEPTH",
     "NUMPY_DTYPES",
     "Chunk",
+    "Delta",
     "FileInfo",
     "FileLayout",
     "IndexFile",
@@ -32,6 +33,7 @@ __all__ = [
     "Read",
     "ReadRange",
     "RegularTensor",
+    "Stored",
     "TensorEntry",
     "WriteItem",
     "Written",
@@ -142,6 +144,29 @@ class FileLayout:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """Version 4: how a compressed entry's bytes lie in its file: ``nbytes`` bytes, the
+    concatenation of independent frames (each of ``Manifest.block_nbytes`` logical bytes, the
+    last one shorter), frame i ``frames[i]`` bytes long, encoded by ``codec`` (format/codec.py;
+    a frame as long as its logical bytes is stored raw)."""
+
+    codec: str
+    nbytes: int
+    frames: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Version 4: an entry whose logical bytes need the entry of the same key, chunk and rank in
+    sibling checkpoint ``checkpoint``: ``"ref"``, they are that entry's bytes (``file``,
+    ``offset`` and ``stored`` name its place there); ``"xor"``, the stored bytes here are their
+    XOR with that entry's."""
+
+    kind: str  # "ref" | "xor"
+    checkpoint: str
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """A stored chunk, as the manifest records it."""
 
@@ -161,6 +186,18 @@ class TensorEntry:
     # a DCP or torch.save tensor saved transposed (in-memory manifests only; always the whole
     # tensor; read.py reads it whole and permutes it back)
     order: tuple[int, ...] = ()
+    stored: Stored | None = None  # version 4: compressed (None: the logical bytes, raw)
+    delta: Delta | None = None  # version 4: a reference to, or XOR with, a base checkpoint
+
+    @property
+    def coded(self) -> bool:
+        """Whether reading the entry takes more than reading its bytes (decoding, a base)."""
+        return self.stored is not None or self.delta is not None
+
+    @property
+    def extent_nbytes(self) -> int:
+        """How many bytes of ``file`` from ``offset`` the entry occupies."""
+        return self.stored.nbytes if self.stored is not None else self.nbytes
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -238,6 +275,8 @@ class Manifest:
     grids: tuple[Grid, ...] = ()
     regular: tuple[RegularTensor, ...] = ()
     indexes: tuple[IndexFile, ...] = ()
+    # version 4: the sibling checkpoints (step names) entries reference or XOR against
+    bases: tuple[str, ...] = ()
 
 
 E = TypeVar("E")

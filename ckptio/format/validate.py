@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from ckptio.format import containers, regular, values
+from ckptio.format import containers, entryform, regular, values
 from ckptio.format.check import MAX_NDIM, Check, checksum_of, shape_of, shared_bytes
 from ckptio.format.checksum import ALGORITHMS
 from ckptio.format.tiling import tiling_problem
@@ -62,8 +62,9 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
     block_nbytes = c.int(c.field(raw, "block_nbytes", "manifest"), "block_nbytes")
     if block_nbytes < 1:
         raise c.fail("block_nbytes must be positive")
-    tensors = tuple(_tensor(c, t, sizes, world_size, block_nbytes)
+    tensors = tuple(_tensor(c, t, sizes, world_size, block_nbytes, version)
                     for t in c.list(c.field(raw, "tensors", "manifest"), "tensors"))
+    bases = entryform.check_bases(c, raw, version, tensors)
     _check_shared_bytes(c, tensors)
     objects = tuple(_object(c, o, world_size)
                     for o in c.list(c.field(raw, "objects", "manifest"), "objects"))
@@ -78,7 +79,7 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
         version=version, save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
         checksum_algorithm=algorithm, world_size=world_size, files=files, tensors=tensors,
         objects=objects, aliases=aliases, tree=tree, meta=meta if isinstance(meta, dict) else {},
-        block_nbytes=block_nbytes, grids=grids, regular=regulars, indexes=indexes,
+        block_nbytes=block_nbytes, grids=grids, regular=regulars, indexes=indexes, bases=bases,
     )
 
 
@@ -119,7 +120,7 @@ def _file(c: Check, raw: Any, world_size: int) -> FileInfo:
 
 
 def _tensor(c: Check, raw: Any, sizes: dict[str, int], world_size: int,
-            block_nbytes: int) -> TensorEntry:
+            block_nbytes: int, version: int) -> TensorEntry:
     key = c.str(c.field(raw, "key", "tensor"), "tensor key")
     what = f"tensor {show(key)}"
     kind = c.str(c.field(raw, "kind", what), f"{what} kind")
@@ -134,8 +135,14 @@ def _tensor(c: Check, raw: Any, sizes: dict[str, int], world_size: int,
     nbytes = c.int(c.field(raw, "nbytes", what), f"{what} nbytes")
     if nbytes != chunk.numel * DTYPE_ITEMSIZE[dtype]:
         raise c.fail(f"{what}: nbytes {nbytes} != {chunk.numel} elements of {dtype}")
-    if file not in sizes or offset + nbytes > sizes[file]:
-        raise c.fail(f"{what}: bytes [{offset}, {offset + nbytes}) lie outside data file "
+    stored, delta = entryform.parse_entry(c, raw, what, version=version, dtype=dtype,
+                                          nbytes=nbytes, block_nbytes=block_nbytes)
+    extent = stored.nbytes if stored is not None else nbytes
+    if delta is not None and delta.kind == "ref":  # its file is the base's, checked there
+        if not FILE_NAME.fullmatch(file) or file in (".", ".."):
+            raise c.fail(f"{what}: data file name {show(file)} is not a plain file name")
+    elif file not in sizes or offset + extent > sizes[file]:
+        raise c.fail(f"{what}: bytes [{offset}, {offset + extent}) lie outside data file "
                      f"{show(file)}")
     if offset % DTYPE_ITEMSIZE[dtype]:
         raise c.fail(f"{what}: offset {offset} in {file} is not a multiple of the "
@@ -148,7 +155,8 @@ def _tensor(c: Check, raw: Any, sizes: dict[str, int], world_size: int,
     rank = _rank(c, raw, world_size, what)
     if rank is not None and (chunk.flat or chunk != Chunk.whole(shape)):
         raise c.fail(f"{what}: an entry of rank {rank}'s own value must hold the whole tensor")
-    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks)
+    return TensorEntry(key, kind, dtype, shape, chunk, file, offset, nbytes, checksum, rank, blocks,
+                       stored=stored, delta=delta)
 
 
 def _chunk(c: Check, raw: dict[str, Any], shape: tuple[int, ...], what: str) -> Chunk:
@@ -195,7 +203,8 @@ def _alias(c: Check, raw: Any) -> tuple[str, str]:
 
 def _check_shared_bytes(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
     """No two entries claim the same bytes of a file (check.shared_bytes)."""
-    pair = shared_bytes((t.file, t.offset, t.nbytes, t.key) for t in tensors)
+    pair = shared_bytes((t.file, t.offset, t.extent_nbytes, t.key) for t in tensors
+                        if t.delta is None or t.delta.kind != "ref")
     if pair is not None:
         (file, _offset, _nbytes, a), (_file, start, size, b) = pair
         end = min(pair[0][1] + pair[0][2], start + size)

@@ -39,9 +39,11 @@ from ckptio.format.checksum import BlockHasher, Hasher, new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from ckptio.loading.coded import is_coded, read_coded
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
 from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
+from ckptio.storage.coded import EntryReader
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["read_regions"]
@@ -243,10 +245,27 @@ class _Checker:
 
 def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
                  algorithm: str | None, block_nbytes: int, depth: int,
-                 check_blocks: bool = False) -> int:
+                 check_blocks: bool = False, coded: EntryReader | None = None) -> int:
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
-    entries' block checksums are checked too. -> bytes read."""
+    entries' block checksums are checked too. Reads of version 4 entries (compressed,
+    references, XOR deltas) go through ``coded`` (loading/coded.py). -> bytes read."""
+    nbytes = 0
+    if any(is_coded(r) for r in reads):
+        if coded is None:
+            raise CorruptCheckpointError(
+                f"{source.location}: a compressed or delta entry where none is expected (a "
+                "foreign checkpoint's manifest cannot hold one)")
+        nbytes = read_coded(coded, [r for r in reads if is_coded(r)], check_blocks=check_blocks)
+        reads = [r for r in reads if not is_coded(r)]
+    return nbytes + _read_plain(source, reads, pool=pool, algorithm=algorithm,
+                                block_nbytes=block_nbytes, depth=depth,
+                                check_blocks=check_blocks)
+
+
+def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
+                algorithm: str | None, block_nbytes: int, depth: int,
+                check_blocks: bool) -> int:
     reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
     checker = _Checker(source, algorithm, block_nbytes, check_blocks)

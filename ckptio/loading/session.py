@@ -18,6 +18,7 @@ the agreement between ranks (the driver: api.py with distributed/collective.py),
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill
 from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.options import BLOCK
 from ckptio.storage.base import Store
-from ckptio.storage.files import Staging
+from ckptio.storage.coded import Bases, EntryReader
+from ckptio.storage.files import Staging, StoreFiles
+from ckptio.storage.select import store_for
 
 __all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
 
@@ -79,13 +82,33 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
     else:  # unverified, a partial read need not widen to whole checksum blocks
         block_nbytes = record.block_nbytes if algorithm else BLOCK
 
+    bases = _bases(staging, store, record)
+
     def read(reads: list[Read]) -> int:
         with staging.lock:
             pool, files = staging.files(store)
-            return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
-                                        block_nbytes=block_nbytes, depth=staging.io_depth)
+            with _entry_reader(files, record, algorithm, bases) as coded:
+                return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
+                                            block_nbytes=block_nbytes, depth=staging.io_depth,
+                                            coded=coded)
 
     return read
+
+
+def _bases(staging: Staging, store: Store, record: Manifest | None) -> Bases | None:
+    """The base checkpoints of a delta (version 4), opened on first use."""
+    if record is None or not any(t.coded for t in record.tensors):
+        return None
+    return Bases(store.location, lambda where: store_for(where, staging.options),
+                 block_nbytes=record.block_nbytes)
+
+
+def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | None,
+                  bases: Bases | None) -> contextlib.AbstractContextManager[EntryReader | None]:
+    """A reader of ``record``'s compressed and delta entries (version 4), if it has any."""
+    if record is None or not any(t.coded for t in record.tensors):
+        return contextlib.nullcontext()
+    return EntryReader(files, block_nbytes=record.block_nbytes, algorithm=algorithm, bases=bases)
 
 
 def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
@@ -147,16 +170,19 @@ def verify(staging: Staging, opened: Opened,
     record = opened.record
     reads = [Read.of(e) for e in record.tensors]
     algorithm = stored_algorithm(record.checksum_algorithm)
+    bases = _bases(staging, opened.store, record)
     nbytes = 0
     with staging.lock:
         pool, files = staging.files(opened.store)
-        for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
-            done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,
-                                depth=staging.io_depth, block_nbytes=record.block_nbytes,
-                                check_blocks=True)
-            nbytes += done
-            if progress is not None:
-                progress(done)
+        with _entry_reader(files, record, algorithm, bases) as coded:
+            for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
+                done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,
+                                            depth=staging.io_depth,
+                                            block_nbytes=record.block_nbytes,
+                                            check_blocks=True, coded=coded)
+                nbytes += done
+                if progress is not None:
+                    progress(done)
     return nbytes
 
 

@@ -30,6 +30,7 @@ from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
 from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
+from ckptio.saving.packing import Packer, Where
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob", "ready_events"]
@@ -56,10 +57,13 @@ class SaveJob:
     def __init__(self, target: StoreFiles, files: Sequence[FileLayout],
                  sources: dict[str, torch.Tensor], *, pool: BufferPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
-                 block_nbytes: int = 1 << 20) -> None:
+                 block_nbytes: int = 1 << 20, packer: Packer | None = None) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
-        them here (the job is made on the caller's thread)."""
+        them here (the job is made on the caller's thread). ``packer``: a packed save
+        (packing.py): ``files`` is one layout that only orders the capture, its bytes go to
+        the packer's files."""
         self.target, self.files, self.sources = target, files, sources
+        self.packer = packer
         self.pool, self.rank = pool, rank
         self.algorithm = algorithm
         self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
@@ -154,7 +158,12 @@ class SaveJob:
                 raise CkptError("an earlier write of this save failed")
             for index, start, n in pieces:
                 self._hasher(index).update(buffer.view[start:start + n])
-            future = self.target.submit_write(self._handle(file), offset, buffer.view[:nbytes])
+            if self.packer is not None:
+                self.packer.take(buffer.view, pieces)
+                future: Future[int] = Future()
+                future.set_result(nbytes)
+            else:
+                future = self.target.submit_write(self._handle(file), offset, buffer.view[:nbytes])
         except BaseException as exc:
             self.pool.release(buffer)
             self._fail(exc)
@@ -199,6 +208,8 @@ class SaveJob:
         """Wait for every checksum and write, fsync and close the files; -> manifest rows."""
         self._drain()
         self._raise_failure()
+        if self.packer is not None:
+            return self._finish_packed(self.packer)
         for index in range(len(self.files)):
             self._handle(index)  # a file of only empty items got no buffer: create it still
         while self._handles:
@@ -207,6 +218,12 @@ class SaveJob:
         entries = [_entry(name, p, *self._hasher(index).digests())
                    for index, (name, p) in enumerate(placed)]
         return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
+
+    def _finish_packed(self, packer: Packer) -> tuple[list[TensorEntry], list[FileInfo]]:
+        placed = [p for f in self.files for p in f.placements]
+        digests = {index: self._hasher(index).digests() for index in range(len(placed))}
+        wheres, infos = packer.finish({i: d[0] for i, d in digests.items()})
+        return [_packed_entry(p, wheres[i], *digests[i]) for i, p in enumerate(placed)], infos
 
     def _drain(self) -> None:
         """Every task and write has finished (failed or not); the pool has all its buffers back."""
@@ -223,6 +240,8 @@ class SaveJob:
         self._drain()
         while self._handles:
             self.target.close(self._handles.pop(min(self._handles)), sync=False)
+        if self.packer is not None:
+            self.packer.abandon()
 
 
 class _Window:
@@ -294,6 +313,15 @@ def _entry(file: str, placement: Placement, checksum: str, blocks: tuple[str, ..
     item = placement.item
     return TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk, file,
                        placement.offset, item.nbytes, checksum, blocks=blocks)
+
+
+def _packed_entry(placement: Placement, where: Where, checksum: str,
+                  blocks: tuple[str, ...]) -> TensorEntry:
+    """The manifest row of a packed item (packing.py placed its bytes)."""
+    item = placement.item
+    return TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk, where.file,
+                       where.offset, item.nbytes, checksum, blocks=blocks, stored=where.stored,
+                       delta=where.delta)
 
 
 def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:

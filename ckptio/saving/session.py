@@ -59,14 +59,29 @@ from ckptio.options import BLOCK, Options
 from ckptio.planning.layout import align_up, plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist
+from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import SaveHandle, lazy_order
 from ckptio.storage import steps
 from ckptio.storage.base import Exclusive, Store
-from ckptio.storage.files import Staging
+from ckptio.storage.coded import Base, EntryReader
+from ckptio.storage.files import Staging, StoreFiles
 from ckptio.version import __version__
 
-__all__ = ["Save", "SaveContext", "begin", "default_meta", "file_nbytes"]
+__all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
+           "file_nbytes"]
+
+PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
+SEGMENT_NBYTES = 256 << 20  # a packed save's data files (packing.py): at least this, whole entries
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A packed save (format version 4, saving/packing.py): how it compresses, and the base
+    checkpoint it is a delta of (None: self-contained)."""
+
+    compression: Compression
+    base: Base | None
 
 log = logging.getLogger("ckptio")
 
@@ -90,6 +105,7 @@ class SaveContext:
     started: float
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
     grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
+    packing: Packing | None = None  # compressed and/or a delta: every item packed
 
 
 @dataclass(frozen=True)
@@ -102,13 +118,17 @@ class _Part:
     index_of: dict[str, int]  # key -> index of its item in this rank's plan (results keyed by it)
     index_file: str | None  # of this rank's regular items' chunks (format/regular.py), if any
     regular: frozenset[str]  # keys of those items
+    per_rank: frozenset[str]  # keys of the items saved as this rank's own value
     eager_items: int  # items copied before a lazy save returns
     nbytes: int  # bytes of the items this rank writes
     ready: list[Any]  # CUDA events the copies wait for
 
     @property
     def names(self) -> list[str]:
-        """Every file this rank's part creates."""
+        """Every file this rank's part creates (a packed save's are named as it writes them,
+        and removed by its packer on failure)."""
+        if self.files and self.files[0].name == PACKED_FILE:
+            return []
         return [f.name for f in self.files] + ([self.index_file] if self.index_file else [])
 
 
@@ -155,7 +175,8 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
         hits = ctx.plan_cache.hits
         plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
         reuse = ctx.plan_cache.hits > hits
-        mine = rankplan.local_plan(ctx.group, plan, sources, flat)
+        mine = rankplan.local_plan(ctx.group, plan, sources, flat,
+                                   regular=ctx.packing is None)
     except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
         error = exc
     agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse)
@@ -170,13 +191,17 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     eager_items = len(items)
     if ctx.lazy:
         items, eager_items = lazy_order(items, sources, ctx.optimizers)
-    files = plan_files(items, save_id=agreement.save_id, rank=ctx.group.rank,
-                       max_file_bytes=ctx.options.max_file_bytes)
+    if ctx.packing is not None:  # one layout: the capture's order (packing.py writes the files)
+        files = tuple(FileLayout(PACKED_FILE, f.nbytes, f.placements) for f in plan_files(
+            items, save_id=agreement.save_id, rank=ctx.group.rank, max_file_bytes=1 << 62))
+    else:
+        files = plan_files(items, save_id=agreement.save_id, rank=ctx.group.rank,
+                           max_file_bytes=ctx.options.max_file_bytes)
     index_file = (regular.index_name(agreement.save_id, ctx.group.rank) if agreement.regular
                   else None)
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
-                 eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
+                 frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
 
 
 def _start_thread(ctx: SaveContext, part: _Part, handle: SaveHandle) -> threading.Thread:
@@ -242,7 +267,7 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
-                              block_nbytes=ctx.block_nbytes)
+                              block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target))
         if ctx.lazy:
             job.capture(part.eager_items, handle._eager_captured)
         else:
@@ -259,6 +284,24 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
         if job is not None:
             job.abandon()
         return None, exc
+
+
+def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:
+    """The packer of a packed save (None for a plain one)."""
+    packing = ctx.packing
+    if packing is None:
+        return None
+    delta = None
+    if packing.base is not None:
+        reader = EntryReader(StoreFiles(packing.base.store, target.backend),
+                             block_nbytes=ctx.block_nbytes, algorithm=ctx.options.checksum,
+                             bases=None)
+        delta = DeltaBase(packing.base, reader, part.per_rank, ctx.group.rank)
+    (layout,) = part.files or (FileLayout(PACKED_FILE, 0, ()),)
+    return Packer(target, layout.placements, first_index=0, save_id=part.agreement.save_id,
+                  rank=ctx.group.rank, compression=packing.compression, base=delta,
+                  block_nbytes=ctx.block_nbytes, algorithm=ctx.options.checksum,
+                  segment_nbytes=min(SEGMENT_NBYTES, ctx.options.max_file_bytes))
 
 
 def _write_index(ctx: SaveContext, name: str, save_id: str,

@@ -31,6 +31,7 @@ from ckptio.io.base import FileHandle, IOBackend
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
     from ckptio.io.stage import BufferPool
+    from ckptio.options import Options
     from ckptio.storage.base import Store
 
 __all__ = ["Capabilities", "Staging", "StoreFiles"]
@@ -84,6 +85,7 @@ class Staging(Protocol):
     (under ``lock``)."""
 
     lock: threading.Lock
+    options: Options  # what the driver was made with (a delta's base stores are opened with it)
 
     def files(self, store: Store) -> tuple[BufferPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind (made on first use)."""

@@ -69,6 +69,8 @@ from ckptio.storage import holder
 from ckptio.storage.base import Store
 from ckptio.storage.select import checkpoint_path, scheme_of, store_for
 from ckptio.tiering.drain import Drain
+from ckptio.tiering.guard import Guard
+from ckptio.tiering.restore import restore_guarded
 from ckptio.tiering.tier import Tier, check_budget, check_tiers, is_memory
 
 __all__ = ["PROBE_DEADLINE_S", "TieredManager"]
@@ -103,6 +105,10 @@ class TieredManager:
         if drain_rate is not None and not drain_rate > 0:
             raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
         self.tiers = check_tiers(tiers)
+        self._guard: Guard | None = None
+        if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
+            self._guard = Guard(self.tiers, process_group)
+            self.tiers, process_group = self._guard.tiers, self._guard.single
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them")
         self._owns_checkpointer = checkpointer is None
@@ -122,12 +128,16 @@ class TieredManager:
         try:
             if preemption:  # the first tier's manager takes every save: its should_save asks
                 self._first.install_preemption_handler()
-            self._one_host()
+            if self._guard is None:
+                self._one_host()
+            else:
+                self._guard.start(lambda s: checkpoint_path(self._first.path(s)))
             if self._ranks_rank() == COORDINATOR and len(self.tiers) > 1:
                 self._drain = Drain(self, [t.every for t in self.tiers], self._ck.options,
                                     rate=drain_rate)
-                self._first._also_keep = self._drain.pinned
-                self._first._after_commit = self._drain.submit
+            if self._drain is not None or self._guard is not None:
+                self._first._also_keep = self._pinned
+                self._first._after_commit = self._committed
             self._first._agreed(self._resume)
         except BaseException:
             self._first._triggers.preemption.uninstall()
@@ -170,9 +180,11 @@ class TieredManager:
         return self._levels[self._tier_index(tier)].path(step)
 
     def steps(self) -> list[int]:
-        """Steps committed in any tier, ascending (collective with many ranks)."""
+        """Steps committed in any tier, ascending (collective with many ranks; with redundancy:
+        in any tier of any rank)."""
         listing = self._first._agreed(self._listings)
-        return sorted({s for tier in listing for s in tier["committed"]})
+        steps = sorted({s for tier in listing for s in tier["committed"]})
+        return steps if self._guard is None else self._guard.union(steps)
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -188,11 +200,22 @@ class TieredManager:
         and incomplete steps, and for slower tiers on the rank running the drain, the step
         being drained, the one queued, the steps skipped, the last copies, the last error."""
         drained = self._drain.status() if self._drain is not None else {}
+        if self._guard is not None:  # tier 0: how its steps are protected across hosts
+            drained[0] = self._guard.status()
         out = []
         for k, (tier, listing) in enumerate(zip(self.tiers, self._listings())):
             out.append({"tier": k, "location": tier.location, "every": tier.every, **listing,
                         **drained.get(k, {})})
         return out
+
+    def protected(self, timeout: float | None = None) -> bool:
+        """Wait until every step saved so far is protected across hosts (or given up, said in
+        status()) -> True, or ``timeout`` -> False; raises, once, the first protection error
+        not raised yet. True at once without redundancy."""
+        self._first.wait()
+        if self._guard is None or self._guard.protector is None:
+            return True
+        return self._guard.protector.wait(timeout)
 
     # ---------------------------------------------------------------- saving
 
@@ -231,6 +254,8 @@ class TieredManager:
         finally:
             self._first._triggers.preemption.uninstall()
             try:
+                if self._guard is not None and self._guard.protector is not None:
+                    self._guard.protector.close()
                 if self._drain is not None:
                     self._drain.close()
                 if len(self._levels) > 1:  # what the drain's pins kept past the last commit
@@ -261,6 +286,13 @@ class TieredManager:
         if "process_group" in load_kwargs:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self._first.wait()
+        if self._guard is not None:
+            return restore_guarded(self, self._guard, state, step, load_kwargs)
+        return self._restore_tiers(state, step, load_kwargs)
+
+    def _restore_tiers(self, state: Any, step: int | None, load_kwargs: dict[str, Any]
+                       ) -> int | None:
+        """restore() through this manager's tiers (with redundancy: this rank's alone)."""
         listing = self._first._agreed(self._listings)
         candidates = _candidates(listing, step)
         if not candidates and step is None and self._first._agreed(self._empty):
@@ -339,6 +371,18 @@ class TieredManager:
 
     def holds(self, step: int, tier: int) -> bool:
         return self._levels[tier]._root.is_committed(step)
+
+    def _pinned(self) -> set[int]:
+        """Steps the first tier keeps for the drain and for the protection."""
+        return ((self._drain.pinned() if self._drain is not None else set())
+                | (self._guard.pinned() if self._guard is not None else set()))
+
+    def _committed(self, step: int) -> None:
+        """``step`` committed in the first tier: protect it, drain it."""
+        if self._guard is not None and self._guard.protector is not None:
+            self._guard.protector.submit(step)
+        if self._drain is not None:
+            self._drain.submit(step)
 
     def landed(self, step: int, tier: int) -> None:
         level = self._levels[tier]

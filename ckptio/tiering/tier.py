@@ -10,6 +10,9 @@ divisible by its own ``every``, which must be a multiple of the first tier's (a 
 slower tier only through a faster one). ``keep_last`` / ``keep_every`` are that tier's
 retention (manager.py's rules, per tier).
 
+The first tier, when it is ``shm://``, may be protected across hosts by
+``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (tiering/redundancy.py).
+
 A memory tier (``shm://``, or ``mem://`` within one process) is bounded by ``max_bytes``: a save
 into it is refused, before anything is written, when the steps it holds plus the new one would
 exceed it (or exceed the free space of its tmpfs), with a message saying how to fit.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from ckptio.errors import CkptError
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
 __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory"]
 
@@ -41,6 +45,7 @@ class Tier:
     keep_last: int | None = 2
     keep_every: int | None = None
     max_bytes: int | None = None
+    redundancy: Partners | Parity | None = None  # tiering/redundancy.py; the first tier only
 
     def __post_init__(self) -> None:
         if not isinstance(self.location, (str, os.PathLike)):
@@ -51,6 +56,7 @@ class Tier:
         for name in ("keep_last", "keep_every", "max_bytes"):
             if getattr(self, name) is not None:
                 _positive(self, name, getattr(self, name))
+        check_redundancy(self.location, self.redundancy, scheme_of(self.location) == "shm")
 
 
 def is_memory(tier: Tier) -> bool:
@@ -75,6 +81,10 @@ def check_tiers(tiers: object) -> list[Tier]:
             raise CkptError(f"CheckpointManager(tiers=...): {tier.location} and {seen[where]} "
                             "are the same place; give each tier its own location")
         seen[where] = tier.location
+    for tier in out[1:]:
+        if tier.redundancy is not None:
+            raise CkptError(f"Tier({tier.location!r}, redundancy=...): only the first tier (host "
+                            "memory) takes redundancy; the slower tiers are its fallback")
     first = out[0].every
     for tier in out[1:]:
         if tier.every % first:

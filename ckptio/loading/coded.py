@@ -1,0 +1,99 @@
+"""Reads of version 4 entries (compressed, referenced, XOR deltas): decode only the frames a
+region needs, check them, copy the region out.
+
+A Read that involves such an entry (read.py hands them here) is served frame by frame through
+an EntryReader (storage/coded.py): a whole entry decodes all its frames (and, when verifying
+with ``check_blocks``, checks its whole checksum too); a resharded region is cut into pieces
+(reshard.plan_reads) and, per stored entry, only the frames covering its pieces are read,
+decoded and checked before a byte of them is copied. Plain entries of the same Read are read
+through the same reader.
+
+Owns: frames wanted per Read, copying them into destinations. Does not own: reading and
+decoding frames (storage/coded.py), piece arithmetic (reshard.py), plain reads (read.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ckptio.errors import CorruptCheckpointError
+from ckptio.format.checksum import new_hasher
+from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
+from ckptio.io.stage import copy_in, torch_dtype
+from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
+from ckptio.storage.coded import EntryReader
+
+__all__ = ["is_coded", "read_coded"]
+
+MAX_PIECE = 1 << 62  # pieces are cut by frames here, not by buffers
+
+
+def is_coded(read: Read) -> bool:
+    """Whether a read involves an entry that takes decoding or a base checkpoint."""
+    return any(e.coded for e in read.entries)
+
+
+def read_coded(reader: EntryReader, reads: Sequence[Read], *, check_blocks: bool) -> int:
+    """Fill each read's destination (None: read and check only). -> logical bytes read."""
+    nbytes = 0
+    with torch.no_grad():
+        for read in reads:
+            entry = read.whole
+            if entry is not None:
+                nbytes += _whole(reader, entry, read.dest, check_blocks)
+            else:
+                nbytes += _region(reader, read)
+    return nbytes
+
+
+def _whole(reader: EntryReader, entry: TensorEntry, dest: torch.Tensor | None,
+           check_blocks: bool) -> int:
+    frames = -(-entry.nbytes // reader.block_nbytes)
+    data = reader.frames(entry, 0, frames)
+    if check_blocks and reader.algorithm is not None and entry.blocks:
+        hasher = new_hasher(reader.algorithm)
+        hasher.update(memoryview(data))
+        if hasher.hexdigest() != entry.checksum:
+            raise CorruptCheckpointError(
+                f"key {entry.key!r} in {reader.files.where(entry.file)}: its frames match their "
+                f"block checksums but not the entry's checksum {entry.checksum}. The manifest is "
+                "damaged; load an earlier checkpoint")
+    if dest is not None and entry.nbytes:
+        src = torch.frombuffer(data, dtype=torch_dtype(entry.dtype))
+        copy_in(src, dest, 0, src.numel())
+    return entry.nbytes
+
+
+def _region(reader: EntryReader, read: Read) -> int:
+    head = read.entries[0]
+    try:
+        pieces = plan_reads([stored_from_entry(e) for e in read.entries], region_of(read.region),
+                            head.shape, DTYPE_ITEMSIZE[head.dtype], MAX_PIECE)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"key {read.key!r}: {exc}") from None
+    per_entry: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        per_entry.setdefault(piece.source, []).append(piece)
+    nbytes = 0
+    for source, of_entry in per_entry.items():
+        nbytes += _pieces(reader, read.entries[source], of_entry, read.dest)
+    return nbytes
+
+
+def _pieces(reader: EntryReader, entry: TensorEntry, pieces: list[Piece],
+            dest: torch.Tensor | None) -> int:
+    """The frames of ``entry`` that cover ``pieces``, read once, copied into ``dest``."""
+    b = reader.block_nbytes
+    lo = min(p.offset - entry.offset for p in pieces)
+    hi = max(p.offset - entry.offset + p.nbytes for p in pieces)
+    first, last = lo // b, -(-hi // b)
+    data = reader.frames(entry, first, last)
+    if dest is not None:
+        raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        dtype = torch_dtype(entry.dtype)
+        for piece in pieces:
+            at = piece.offset - entry.offset - first * b
+            execute(piece, raw[at:at + piece.nbytes].view(dtype), dest)
+    return len(data)

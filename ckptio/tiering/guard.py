@@ -1,0 +1,107 @@
+"""What a tiered manager with ``Tier(..., redundancy=...)`` adds: the rank-local layout, the
+job's host topology, the protection thread, and the restore's agreement across ranks.
+
+With redundancy, every tier holds each rank's own one-rank checkpoint (``<location>/r<rank>``),
+saved and drained by that rank alone (a one-rank process group; each rank runs its own drain);
+the redundancy's transfers run over a gloo group of their own, made here once for the job
+(collective: every rank constructs the manager at the same point, after
+``torch.distributed.init_process_group``). A restore is agreed by all ranks (rebuild.py for the
+memory; then the newest step every rank holds in some tier, with the lost hosts named).
+
+Owns: that setup and the agreement of a restore's step. Does not own: the tiers' own saving,
+draining and loading (manager.py), protection (protect.py), memory recovery (rebuild.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptio.errors import CkptError
+from ckptio.storage.select import checkpoint_path
+from ckptio.tiering import peers
+from ckptio.tiering.hosts import Topology, host_id
+from ckptio.tiering.protect import Protector
+from ckptio.tiering.rebuild import Context, Recovery, recover
+from ckptio.tiering.tier import Tier
+
+__all__ = ["Guard", "fallback_step", "rank_tiers"]
+
+
+def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
+    """Each tier's location for ``rank`` alone: ``<location>/r<rank>``."""
+    return [dataclasses.replace(t, location=f"{t.location.rstrip('/')}/r{rank:05d}")
+            for t in tiers]
+
+
+class Guard:
+    """The redundancy of one manager on this rank (module docstring). Construct on every rank."""
+
+    def __init__(self, tiers: Sequence[Tier], process_group: Any) -> None:
+        spec = tiers[0].redundancy
+        assert spec is not None  # internal: made only for a tier with redundancy
+        if not dist.is_available() or not dist.is_initialized():
+            raise CkptError(f"Tier({tiers[0].location!r}, redundancy=...): protects the memory "
+                            "of several hosts; call torch.distributed.init_process_group first "
+                            "(a single process has nothing to copy to)")
+        if process_group is not None and process_group is not dist.group.WORLD:
+            raise CkptError("CheckpointManager(tiers=[Tier(..., redundancy=...)], process_group="
+                            "...): redundancy spans the whole job; leave process_group out")
+        self.spec = spec
+        self.rank = dist.get_rank()
+        self.group = dist.new_group(backend="gloo")  # the transfers' own, never the training's
+        self.topology = Topology.from_ids(peers.all_gather_json(self.group, host_id()))
+        self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
+        self.root = checkpoint_path(tiers[0].location)
+        self.tiers = rank_tiers(tiers, self.rank)
+        self.protector: Protector | None = None
+
+    def start(self, own_dir: Callable[[int], str]) -> None:
+        """Make the protection thread (own_dir: step -> this rank's memory step directory)."""
+        self._own_dir = own_dir
+        self.protector = Protector(self.spec, self.topology, self.group, self.rank, self.root,
+                                   own_dir)
+
+    def pinned(self) -> set[int]:
+        """Steps the memory tier keeps: the newest protected one (a lost host then costs no step)
+        and those being protected."""
+        assert self.protector is not None  # internal
+        status = self.protector.status()
+        return {s for s in (status["protected"], status["protecting"], *status["queued"])
+                if s is not None}
+
+    def recover(self, own: list[int], anywhere: list[int], verify: Callable[[str], Any],
+                only: int | None) -> Recovery:
+        """Collective (rebuild.recover): the memory step every rank now holds, or None."""
+        assert self.protector is not None  # internal
+        self.protector.wait()
+        return recover(Context(self.spec, self.topology, self.group, self.rank, self.root,
+                               self._own_dir, verify), own, anywhere, only)
+
+    def union(self, steps: list[int]) -> list[int]:
+        """Collective: the steps any rank holds, ascending."""
+        return sorted({s for part in peers.all_gather_json(self.group, steps) for s in part})
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank says ok."""
+        return peers.all_ok(self.group, ok)
+
+    def status(self) -> dict[str, Any]:
+        assert self.protector is not None  # internal
+        return {**self.protector.status(), "hosts": self.topology.size,
+                "host": self.topology.host_of(self.rank)}
+
+
+def fallback_step(recovery: Recovery, requested: int | None) -> int | None:
+    """The newest step every rank holds in some tier (its own memory or a slower tier), or
+    ``requested`` if every rank holds it; None if none."""
+    common: set[int] | None = None
+    for steps in recovery.anywhere:
+        common = set(steps) if common is None else common & set(steps)
+    common = common or set()
+    if requested is not None:
+        return requested if requested in common else None
+    return max(common) if common else None

@@ -1,0 +1,153 @@
+"""The bytes of one rank's memory step, and how they move between ranks: what the redundancy's
+protection (protect.py) and restore (rebuild.py) share.
+
+- **A step's stream**: a rank's one-rank checkpoint ``r<rank>/step-N`` as its manifest's bytes
+  plus its data files concatenated in manifest order (every file a multiple of 4096 bytes). A
+  stream is rebuilt into a checkpoint directory by writing the files, the manifest last.
+- **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
+  messages never interleave with the training's collectives): all_gather of small JSON
+  messages, point-to-point send/recv of uint8 tensors.
+Where the copies live on each host: marks.py.
+
+Owns: the stream, its reading and writing, the transport. Does not own: what to send where (hosts.py), when
+(protect.py), the restore's decisions (rebuild.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.format import manifest as manifest_format
+from ckptio.format.manifest import MANIFEST_NAME
+
+__all__ = ["Stream", "all_gather_json", "all_ok", "digest", "files_of", "read_stream", "recv",
+           "send", "write_checkpoint", "write_json", "xor_into"]
+
+
+@dataclass
+class Stream:
+    """One rank's step: its manifest bytes, its files (name, nbytes) and their bytes."""
+
+    manifest: bytes
+    files: list[tuple[str, int]]
+    data: torch.Tensor  # uint8, the files concatenated
+
+    def meta(self) -> dict[str, Any]:
+        return {"manifest": self.manifest.decode(), "files": self.files,
+                "nbytes": int(self.data.numel()), "digest": digest(self.manifest)}
+
+
+def digest(data: bytes | memoryview | torch.Tensor) -> str:
+    if isinstance(data, torch.Tensor):
+        data = memoryview(data.numpy()).cast("B") if data.numel() else b""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def files_of(manifest: bytes, where: str) -> list[tuple[str, int]]:
+    """The data files a manifest names, in its order (decoded and checked: CRC, bounds)."""
+    record = manifest_format.decode(manifest, where)
+    return [(f.name, f.nbytes) for f in record.files]
+
+
+def read_stream(step_dir: str) -> Stream:
+    """The stream of the committed checkpoint at local directory ``step_dir``."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
+            manifest = f.read()
+        files = files_of(manifest, step_dir)
+        data = torch.empty(sum(n for _, n in files), dtype=torch.uint8)
+        view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+        offset = 0
+        for name, nbytes in files:
+            with open(os.path.join(step_dir, name), "rb", buffering=0) as f:
+                got = f.readinto(view[offset:offset + nbytes])
+            if got != nbytes:
+                raise StorageIOError(f"{os.path.join(step_dir, name)}: {got} bytes, its manifest "
+                                     f"names {nbytes}")
+            offset += nbytes
+    except OSError as exc:
+        raise StorageIOError(f"{step_dir}: cannot read the step to protect it: {exc}") from exc
+    return Stream(manifest, files, data)
+
+
+def write_checkpoint(directory: str, manifest: bytes, files: list[tuple[str, int]],
+                     data: torch.Tensor) -> None:
+    """Write ``data`` split into ``files`` under ``directory`` (replaced if present), the
+    manifest last: a checkpoint directory (incomplete until its manifest lands)."""
+    if os.path.lexists(directory):
+        shutil.rmtree(directory)
+    os.makedirs(directory)
+    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    offset = 0
+    for name, nbytes in files:
+        with open(os.path.join(directory, name), "wb", buffering=0) as f:
+            f.write(view[offset:offset + nbytes])
+        offset += nbytes
+    if offset != data.numel():
+        raise CkptError(f"{directory}: {data.numel()} bytes received, the files name {offset}")
+    _write_atomic(os.path.join(directory, MANIFEST_NAME), manifest)
+
+
+def write_json(path: str, value: Any) -> None:
+    _write_atomic(path, json.dumps(value, sort_keys=True).encode())
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def xor_into(acc: torch.Tensor, data: torch.Tensor) -> None:
+    """acc[:len(data)] ^= data (uint8; as int64 words where the lengths allow)."""
+    n = data.numel()
+    if n % 8 == 0 and acc.numel() % 8 == 0:
+        acc[:n].view(torch.int64).bitwise_xor_(data.view(torch.int64))
+    else:
+        acc[:n].bitwise_xor_(data)
+
+
+# ------------------------------------------------------------------ transport (gloo)
+
+def all_gather_json(group: Any, value: Any) -> list[Any]:
+    """Every rank's ``value`` (JSON), in group rank order."""
+    data = json.dumps(value).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(outs, mine, group=group)
+    return [json.loads(bytes(o[:int(s.item())].numpy())) for o, s in zip(outs, sizes)]
+
+
+def send(group: Any, data: torch.Tensor, dst: int) -> Any:
+    """Post a send of ``data`` to (global) rank ``dst``; -> a work to wait on (None: empty)."""
+    return dist.isend(data, dst, group=group) if data.numel() else None
+
+
+def recv(group: Any, nbytes: int, src: int) -> torch.Tensor:
+    """Receive ``nbytes`` from (global) rank ``src`` (blocking)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        dist.recv(out, src, group=group)
+    return out
+
+
+def all_ok(group: Any, ok: bool) -> bool:
+    """Whether every rank says ok (a MIN all_reduce)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

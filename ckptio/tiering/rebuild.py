@@ -1,0 +1,277 @@
+"""Restore with redundancy across hosts: agree on the newest step every rank can obtain, verified,
+and bring the missing ranks' copies into their memory first.
+
+Collective over the redundancy's gloo group, on every rank, before the load (tiering/manager.py):
+
+1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
+   slower tiers, and the items it holds for others (partner copies, parity blocks) of steps
+   whose protection it committed (protect.py's markers). A rank whose memory holds nothing
+   (a replacement host, its tmpfs empty) reports nothing.
+2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
+   rank's source is its own memory, else a partner's copy (first partner first), else a rebuild
+   from its group's parity with every other member's own step; a step is chosen when every rank
+   has a source. Items found bad before are passed over.
+3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
+   against the digest it recorded. The receiver writes the copy (or XORs the parity with the
+   other members' streams, cut to its length and split into its files) into
+   ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
+   entries' checksums: Checkpointer.verify), and only then renames it to ``step-N``.
+4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
+   the item marked bad, and the plan made again: another partner, parity, an older step.
+   When no step can be obtained in memory on every rank, the result says which hosts are lost
+   (no step in memory at all) and the caller restores the newest step every rank holds in some
+   tier (the disk tier, where two hosts of one parity group are lost).
+
+Owns: the inventory, the plan, the transfers of a restore and their verification. Does not own:
+the load itself and the fallback to slower tiers (manager.py), placement (hosts.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptio.errors import CkptError
+from ckptio.tiering import marks, peers
+from ckptio.tiering.hosts import Topology
+from ckptio.tiering.marks import protected_steps
+from ckptio.tiering.redundancy import Parity, Partners
+
+__all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover"]
+
+log = logging.getLogger("ckptio")
+MAX_ROUNDS = 16
+Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", holder, group, members)
+
+
+@dataclass
+class Recovery:
+    """What the memory side of a restore decided (the same on every rank)."""
+
+    step: int | None  # the step every rank now holds in memory, verified; None: none
+    sources: dict[int, str] = field(default_factory=dict)  # rank -> own / partner / parity
+    lost_hosts: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # each item passed over, and why
+    anywhere: list[list[int]] = field(default_factory=list)  # per rank: steps in any tier
+
+
+def inventory(root: str, rank: int, own: list[int], anywhere: list[int]) -> dict[str, Any]:
+    """This rank's report (step 1)."""
+    held: dict[str, list[dict[str, Any]]] = {}
+    for step in protected_steps(root, rank):
+        path = os.path.join(marks.held_dir(root, step), f"held-r{rank:05d}.json")
+        try:
+            with open(path, "rb") as f:
+                held[str(step)] = json.loads(f.read())["items"]
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ckptio: %s unreadable (%s): its copies are passed over", path, exc)
+    return {"own": sorted(own), "anywhere": sorted(anywhere), "held": held}
+
+
+def plan(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, bad: set[str],
+         only: int | None = None) -> tuple[int, dict[int, Source]] | None:
+    """Step 2: (step, source per rank), or None. ``only``: that step or none."""
+    steps = sorted({s for inv in invs for s in inv["own"]}, reverse=True)
+    steps = [s for s in steps if only is None or s == only]
+    for step in steps:
+        sources = {r: _source(invs, topo, spec, bad, r, step) for r in range(len(invs))}
+        if all(s is not None for s in sources.values()):
+            return step, sources  # type: ignore[return-value]
+    return None
+
+
+def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, bad: set[str],
+            rank: int, step: int) -> Source | None:
+    if _has_own(invs, bad, rank, step):
+        return ("own",)
+    items = lambda holder: invs[holder]["held"].get(str(step), [])  # noqa: E731
+    if isinstance(spec, Partners):
+        for holder in topo.partners(rank, spec.n):
+            if (any(i["kind"] == "copy" and i["rank"] == rank for i in items(holder))
+                    and _copy_id(holder, rank, step) not in bad):
+                return ("copy", holder)
+        return None
+    host, local = topo.host_of(rank), topo.local_of(rank)
+    group = topo.group_of(host, spec.k)
+    holder = topo.rank_at(topo.parity_host(group, spec.k), local)
+    members = [topo.rank_at(h, local) for h in topo.groups(spec.k)[group]]
+    has_block = any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
+                    for i in items(holder))
+    others = all(_has_own(invs, bad, m, step) for m in members if m != rank)
+    if has_block and others and _parity_id(holder, group, local, step) not in bad:
+        return ("parity", holder, group, members)
+    return None
+
+
+def _has_own(invs: list[dict[str, Any]], bad: set[str], rank: int, step: int) -> bool:
+    return step in invs[rank]["own"] and f"own:r{rank}:s{step}" not in bad
+
+
+def _copy_id(holder: int, rank: int, step: int) -> str:
+    return f"copy:r{holder}:of{rank}:s{step}"
+
+
+def _parity_id(holder: int, group: int, local: int, step: int) -> str:
+    return f"parity:r{holder}:g{group}:l{local}:s{step}"
+
+
+def describe_item(item: str, topo: Topology) -> str:
+    """``copy:r1:of3:s4`` -> readable words for messages."""
+    parts = dict((p[0] if p[0] != "o" else "of", p[1:] if p[0] != "o" else p[2:])
+                 for p in item.split(":")[1:])
+    kind = item.split(":")[0]
+    if kind == "copy":
+        holder = int(parts["r"])
+        return (f"the partner copy of rank {parts['of']}, step {parts['s']}, held by rank "
+                f"{holder} on {topo.describe(topo.host_of(holder))}")
+    if kind == "parity":
+        holder = int(parts["r"])
+        return (f"the parity block of group {parts['g']} (local rank {parts['l']}), step "
+                f"{parts['s']}, held by rank {holder} on {topo.describe(topo.host_of(holder))}")
+    return f"rank {parts['r']}'s own memory copy of step {parts['s']}"
+
+
+# ------------------------------------------------------------------ the collective
+
+
+@dataclass
+class Context:
+    """What recover() needs of the manager on this rank."""
+
+    spec: Partners | Parity
+    topology: Topology
+    group: Any  # the gloo group
+    rank: int
+    root: str  # the memory tier's local directory
+    own_dir: Callable[[int], str]  # step -> this rank's step directory
+    verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
+
+
+def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
+    """Steps 1-4 of the module docstring, collective; -> the memory step every rank now holds
+    (or None, with the lost hosts named)."""
+    invs = peers.all_gather_json(ctx.group, inventory(ctx.root, ctx.rank, own, anywhere))
+    result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
+    result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
+                         if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
+    bad: set[str] = set()
+    for _ in range(MAX_ROUNDS):
+        chosen = plan(invs, ctx.topology, ctx.spec, bad, only)
+        if chosen is None:
+            return result
+        step, sources = chosen
+        failures = _transfer(ctx, step, sources)
+        merged: dict[str, str] = {}
+        for part in peers.all_gather_json(ctx.group, failures):
+            merged.update(part)
+        if not merged:
+            result.step = step
+            result.sources = {r: {"own": "own", "copy": "partner", "parity": "parity"}[s[0]]
+                              for r, s in sources.items()}
+            return result
+        for item, why in sorted(merged.items()):
+            text = f"{describe_item(item, ctx.topology)}: {why}"
+            result.skipped.append(text)
+            log.warning("ckptio: restore passes over %s", text)
+        bad |= set(merged)
+    return result
+
+
+def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, str]:
+    """Step 3 for ``step``; -> {bad item: why} as seen on this rank."""
+    sends: list[tuple[int, int, str]] = []  # (sender, receiver, item) in one order everywhere
+    for r, src in sorted(sources.items()):
+        if src[0] == "copy":
+            sends.append((src[1], r, _copy_id(src[1], r, step)))
+        elif src[0] == "parity":
+            sends.append((src[1], r, _parity_id(src[1], src[2], ctx.topology.local_of(r), step)))
+            sends += [(m, r, f"own:r{m}:s{step}") for m in src[3] if m != r]
+    mine: dict[str, Any] = {}
+    payload: dict[str, torch.Tensor] = {}
+    for sender, _receiver, item in sends:
+        if sender == ctx.rank:
+            mine[item], data = _read_item(ctx, item, step)
+            if data is not None:
+                payload[item] = data
+    metas: dict[str, Any] = {}
+    for part in peers.all_gather_json(ctx.group, mine):
+        metas.update(part)
+    failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
+    works = [peers.send(ctx.group, payload[item], receiver)
+             for sender, receiver, item in sends if sender == ctx.rank and item in payload]
+    received = {item: peers.recv(ctx.group, metas[item]["nbytes"], sender)
+                for sender, receiver, item in sends
+                if receiver == ctx.rank and metas[item]["ok"]}
+    for work in works:
+        if work is not None:
+            work.wait()
+    src = sources[ctx.rank]
+    if src[0] != "own" and not failures:
+        item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
+        try:
+            _install(ctx, step, src, metas, received, item)
+        except CkptError as exc:
+            failures[item] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
+def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """The meta and bytes this rank sends for ``item``."""
+    held = marks.held_dir(ctx.root, step)
+    try:
+        kind = item.split(":")[0]
+        if kind == "own":
+            stream = peers.read_stream(ctx.own_dir(step))
+            return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
+        if kind == "copy":
+            of = int(item.split(":")[2][2:])
+            stream = peers.read_stream(os.path.join(held, marks.copy_name(of)))
+            return {"ok": True, **stream.meta()}, stream.data
+        group, local = (int(p[1:]) for p in item.split(":")[2:4])
+        name = os.path.join(held, marks.parity_name(group, local))
+        with open(f"{name}.json", "rb") as f:
+            info = json.loads(f.read())
+        with open(f"{name}.bin", "rb") as f:
+            block = torch.frombuffer(bytearray(f.read()) or bytearray(1), dtype=torch.uint8)
+        block = block[:info["nbytes"]]
+        if block.numel() != info["nbytes"] or peers.digest(block) != info["digest"]:
+            return {"ok": False, "why": f"{name}.bin does not match the xxh3 recorded when it "
+                                        "was encoded (corrupted)"}, None
+        return {"ok": True, "nbytes": info["nbytes"], "info": info}, block
+    except (OSError, ValueError, KeyError, CkptError) as exc:
+        return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
+
+
+def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
+             received: dict[str, torch.Tensor], item: str) -> None:
+    """Write what this rank received as ``step-N``, verified first."""
+    if src[0] == "copy":
+        meta = metas[item]
+        manifest, files, data = meta["manifest"].encode(), meta["files"], received[item]
+    else:
+        info = metas[item]["info"]
+        me = next(m for m in info["members"] if m["rank"] == ctx.rank)
+        data = received[item].clone()
+        for other, tensor in received.items():
+            if other != item:
+                peers.xor_into(data, tensor)
+        manifest, files, data = me["manifest"].encode(), me["files"], data[:me["nbytes"]]
+    final = ctx.own_dir(step)
+    scratch = os.path.join(os.path.dirname(final), f".rebuild-{os.path.basename(final)}")
+    try:
+        peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
+        ctx.verify(scratch)
+        if os.path.lexists(final):
+            shutil.rmtree(final)
+        os.replace(scratch, final)
+    except OSError as exc:
+        raise CkptError(f"{final}: cannot write the restored copy: {exc}") from exc
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

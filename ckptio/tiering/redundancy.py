@@ -1,0 +1,76 @@
+"""Redundancy of a memory tier across hosts, as the user declares it: Partners and Parity.
+
+    ckptio.Tier("shm://run", redundancy=ckptio.Partners(1))   # a full copy on the next host
+    ckptio.Tier("shm://run", redundancy=ckptio.Parity(k=3))   # XOR parity over 3 hosts
+    ckptio.Tier("shm://run")                                  # none (a lost host: disk)
+
+With redundancy, the memory tier is rank-local (NVIDIA resiliency-ext's "local checkpoints"):
+each rank keeps its own state as a one-rank checkpoint in its host's memory, under
+``shm://NAME/r<rank>/step-N``, and the slower tiers hold the same per rank
+(``<location>/r<rank>/step-N``), copied by each rank's own drain. After each commit in memory a
+background thread (tiering/protect.py) sends the step's bytes over a gloo process group of its
+own to the partner(s), or to the group's parity holder, which keep them in their memory under
+``shm://NAME/.redundancy/step-N``; the step is protected once every rank's copies are written
+and a marker is committed last. A restore agrees on the newest step every rank can obtain
+verified: from its own memory, a partner's copy, or rebuilt from parity, else from disk
+(tiering/rebuild.py). Placement rules: tiering/hosts.py.
+
+Partners(n) costs (1 + n) x the state in host memory and survives any n lost hosts; Parity(k)
+costs about (1 + 1/k) x and survives one lost host per group of k (a second loss in a group:
+the disk tier).
+
+Owns: the declaration and its validation. Does not own: placement (hosts.py), encoding and
+transfer (protect.py), restore (rebuild.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptio.errors import CkptError
+
+__all__ = ["Parity", "Partners", "Redundancy", "check_redundancy"]
+
+
+@dataclass(frozen=True)
+class Partners:
+    """Full copies of each rank's newest memory step in ``n`` other hosts' memory."""
+
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise CkptError(f"ckptio.Partners({self.n!r}): the number of copies, an integer >= 1")
+
+    def describe(self) -> str:
+        return f"partners(n={self.n})"
+
+
+@dataclass(frozen=True)
+class Parity:
+    """XOR parity over groups of ``k`` hosts, held by a host outside the group."""
+
+    k: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise CkptError(f"ckptio.Parity(k={self.k!r}): hosts per parity group, an integer "
+                            ">= 1 (3: 1.33x memory)")
+
+    def describe(self) -> str:
+        return f"parity(k={self.k})"
+
+
+Redundancy = Partners | Parity
+
+
+def check_redundancy(location: str, value: object, memory: bool) -> None:
+    """CkptError unless ``value`` is None, Partners or Parity on a memory tier."""
+    if value is None:
+        return
+    if not isinstance(value, (Partners, Parity)):
+        raise CkptError(f"Tier({location!r}, redundancy={value!r}): give ckptio.Partners(1), "
+                        "ckptio.Parity(k=3) or None")
+    if not memory:
+        raise CkptError(f"Tier({location!r}, redundancy=...): redundancy protects a memory tier "
+                        "(shm://NAME); a disk or object-store tier is durable by itself")

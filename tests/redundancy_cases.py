@@ -1,0 +1,119 @@
+"""Rank functions of tests/test_redundancy.py (importable by name: ranks are forked from a clean
+forkserver). Each group of ``per_host`` consecutive ranks plays a host: its own
+``CKPTIO_HOST_ID`` and its own ``CKPTIO_SHM_DIR`` (``<base>/host<h>``), so wiping a host's memory
+is removing that directory."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import ckptio
+from ckptio import Tier
+
+MiB = 1 << 20
+OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
+
+
+def host_dir(base: str, host: int) -> str:
+    return os.path.join(base, f"host{host}")
+
+
+def _play_host(rank: int, per_host: int, base: str) -> None:
+    os.environ["CKPTIO_HOST_ID"] = f"host{rank // per_host}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank // per_host)
+    os.makedirs(host_dir(base, rank // per_host), exist_ok=True)  # the host's tmpfs
+
+
+def _spec(name: str) -> Any:
+    kind, _, n = name.partition("-")
+    return ckptio.Partners(int(n)) if kind == "partners" else ckptio.Parity(k=int(n))
+
+
+def _tiers(spec: str, disk: str) -> list[Tier]:
+    return [Tier("shm://run", keep_last=2, redundancy=_spec(spec)),
+            Tier(disk, every=2, keep_last=2)]
+
+
+def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model, "optim": opt, "rng": ckptio.RNGState(), "step": step}
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict(),
+                          "rng": torch.get_rng_state()})
+
+
+def replay(rank: int, steps: int) -> dict[int, dict[str, Any]]:
+    """What train() saves at each step, computed again without saving (it is seeded)."""
+    model, opt = _build(seed=rank)
+    saved = {}
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        saved[step] = _snapshot(model, opt)
+    return saved
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str, steps: int,
+          kill_at: int = 0) -> dict[str, Any]:
+    """Train ``steps`` steps saving each; -> the state saved at each step and the status.
+    ``kill_at``: SIGKILL this process while the protection of that step is being encoded."""
+    _play_host(rank, per_host, base)
+    model, opt = _build(seed=rank)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    saved = {}
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        if step == kill_at:
+            os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
+        saved[step] = _snapshot(model, opt)
+        mgr.save(step, _state(model, opt, step))
+        if step == kill_at:
+            pending = os.path.join(host_dir(base, rank // per_host), "run", ".redundancy",
+                                   f"step-{step}")
+            deadline = time.monotonic() + 60
+            while not os.path.isdir(pending) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # every rank's thread is in the encoding of this step
+            os.kill(os.getpid(), signal.SIGKILL)
+        mgr.protected()  # each step protected before the next (the tests' determinism)
+    status = mgr.status()
+    mgr.close()
+    return {"saved": saved, "status": status[0]}
+
+
+def restore(rank: int, world: int, base: str, disk: str, per_host: int,
+            spec: str) -> dict[str, Any]:
+    """A restarted job: fresh weights, restore -> the state restored and how."""
+    _play_host(rank, per_host, base)
+    model, opt = _build(seed=1000 + rank)
+    torch.manual_seed(999)  # a generator state the restore must replace
+    state = _state(model, opt, -1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+        step = mgr.restore(state)
+    got = _snapshot(model, opt)
+    status = mgr.status()
+    mgr.close()
+    return {"step": step, "state_step": state["step"], "got": got, "how": mgr.last_restore,
+            "warnings": [str(w.message) for w in caught], "status": status[0]}
