@@ -232,7 +232,7 @@ def ceiling(store: str, work: Path, size: int, server: Any) -> Run:
     from ckptio.tuning.ceiling import drop_page_cache
 
     view = memoryview(s3c.source(size, 0))
-    cells, writes, reads = [(8, 8 << 20), (16, 4 << 20)], [], []
+    cells, writes, reads = [(4, 8 << 20), (8, 16 << 20)], [], []  # parts >= 5 MiB (S3)
     for conc, part in cells:
         t0 = time.perf_counter()
         s3c.write_cell(view, f"ceiling-{conc}", (conc, part))

@@ -1,16 +1,18 @@
 """The engines of the compression benchmark: how each one saves a sequence of checkpoints of a
 training run into one directory or prefix, loads one back, and what each checkpoint stores.
 
-Owns: the engines (ckptio without compression, with ``compression="auto"`` and with a named
-codec, ckptio deltas through ``CheckpointManager(delta=..., compression=...)``, DCP plain and with
+Owns: the engines (ckptio without compression, with ``Options.compression`` "auto" and a named
+codec, ckptio deltas through ``Checkpointer.save(..., base=)`` and through
+``CheckpointManager(delta=..., compression=...)``, DCP plain and with
 its zstd stream extension, torch.save), why one cannot run here, a checkpoint's stored bytes (its
 own files or objects only: a delta's base is not counted again) and, for ckptio, its logical and
 stored bytes per tensor class read from its manifest (format version 4's ``stored`` / ``ref`` /
 ``xor`` fields, docs/FORMAT.md). Does not own: timing, cold caches, servers (compress.py),
 the trajectory (compress_traj.py).
 
-Every engine runs through the public API only (Checkpointer.save(..., compression=...),
-CheckpointManager(delta=..., compression=...), dcp.FileSystemWriter(..., _extensions=...)).
+Every engine runs through the public API only (Options(compression=...), Checkpointer.save(...,
+base=...), CheckpointManager(delta=..., compression=...), dcp.FileSystemWriter(...,
+_extensions=...)).
 """
 
 from __future__ import annotations
@@ -62,11 +64,13 @@ class Engine:
 # ------------------------------------------------------------------------------ ckptio
 
 
-def _options() -> Any:
-    """Defaults (and CKPTIO_* env) without a tuned profile, as the other benchmarks."""
+def _options(compression: str = "off") -> Any:
+    """Defaults (and CKPTIO_* env) without a tuned profile, as the other benchmarks, with
+    ``Options.compression`` (absent before issue 28's engine: then only "off" runs)."""
     import ckptio
 
-    return ckptio.Options.from_env(use_profile=False)
+    extra = {"compression": compression} if compression != "off" else {}
+    return ckptio.Options.from_env(use_profile=False, **extra)
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:
@@ -77,14 +81,11 @@ class CkptioSession(Session):
     def __init__(self, compression: str) -> None:
         import ckptio
 
-        self.ck = ckptio.Checkpointer(_options())
-        # "off" is the default: passed only where save takes it, so the baseline runs on a
-        # ckptio without compression too
-        self.kwargs = {"compression": compression} if _takes(self.ck.save, "compression") else {}
+        self.ck = ckptio.Checkpointer(_options(compression))
 
     def save(self, root: str, step: int, state: Any) -> str:
         path = self.path(root, step)
-        self.ck.save(state, path, **self.kwargs)
+        self.ck.save(state, path)
         return path
 
     def load(self, path: str, dest: Any) -> None:
@@ -92,6 +93,21 @@ class CkptioSession(Session):
 
     def close(self) -> None:
         self.ck.close()
+
+
+class BaseSession(CkptioSession):
+    """Deltas through Checkpointer.save(base=): a sequence's first checkpoint is full, every
+    later one a delta against it (what the manager does with full_every >= the sequence)."""
+
+    def __init__(self, compression: str) -> None:
+        super().__init__(compression)
+        self.bases: dict[str, str] = {}
+
+    def save(self, root: str, step: int, state: Any) -> str:
+        path = self.path(root, step)
+        self.ck.save(state, path, base=self.bases.get(root))
+        self.bases.setdefault(root, path)
+        return path
 
 
 class ManagerSession(CkptioSession):
@@ -166,10 +182,14 @@ class TorchSaveSession(Session):
 ENGINES: dict[str, Engine] = {e.name: e for e in [
     Engine("ckptio_off", (LOCAL, S3), "ckptio.Checkpointer.save, no compression (full, "
            "uncompressed: the baseline)", lambda _c: CkptioSession("off")),
-    Engine("ckptio_auto", (LOCAL, S3), "Checkpointer.save(..., compression=\"auto\")",
+    Engine("ckptio_auto", (LOCAL, S3), "Options(compression=\"auto\"), no tuned profile (as "
+           "every ckptio engine here)",
            lambda _c: CkptioSession("auto")),
-    Engine("ckptio_codec", (LOCAL, S3), "Checkpointer.save(..., compression=CODEC) (every chunk)",
+    Engine("ckptio_codec", (LOCAL, S3), "Options(compression=CODEC): every chunk that shrinks",
            CkptioSession),
+    Engine("ckptio_base", (LOCAL, S3), "Checkpointer(Options(compression=CODEC)).save(..., "
+           "base=FIRST): later checkpoints are deltas against the sequence's first",
+           BaseSession),
     Engine("ckptio_delta", (LOCAL, S3), "CheckpointManager(delta=True, compression=CODEC): its "
            "policy picks full bases and deltas", ManagerSession),
     Engine("dcp", (LOCAL,), "dcp.save, FileSystemWriter(thread_count=2, sync_files=True)",
@@ -192,16 +212,20 @@ def unavailable_reason(name: str, store: str) -> str | None:
                 "torch_save": "torch.save writes local files"}.get(name, "local only")
     if name == "dcp_zstd" and importlib.util.find_spec("zstandard") is None:
         return "DCP's ZStandard extension needs zstandard"
-    if name in ("ckptio_auto", "ckptio_codec", "ckptio_delta"):
+    if name in ("ckptio_auto", "ckptio_codec", "ckptio_base", "ckptio_delta"):
         return _ckptio_feature_missing(name)
     return None
 
 
 def _ckptio_feature_missing(name: str) -> str | None:
+    import dataclasses
+
     import ckptio
 
-    if not _takes(ckptio.Checkpointer.save, "compression"):
-        return "this ckptio has no Checkpointer.save(compression=) (issue 28's engine)"
+    if "compression" not in {f.name for f in dataclasses.fields(ckptio.Options)}:
+        return "this ckptio has no Options.compression (issue 28's engine)"
+    if importlib.util.find_spec("zstandard") is None:
+        return "ckptio's codecs need zstandard (pip install 'ckptio[compress]')"
     if name == "ckptio_delta" and not _takes(ckptio.CheckpointManager.__init__, "delta"):
         return "this ckptio has no CheckpointManager(delta=) (issue 28's policy)"
     return None

@@ -147,25 +147,33 @@ def _s3_target(rows: list[Row]) -> Row | None:
                     "run, later checkpoints, worst k)", text, max(best.values()) >= 1.3)
 
 
+DELTA_ENGINES = ("ckptio_delta", "ckptio_base")  # the manager's policy, else save(base=)
+
+
 def _frozen_target(rows: list[Row]) -> Row | None:
-    mine = [r for r in rows if r["run"] == "lora" and r["engine"] == "ckptio_delta"
-            and "fewer_bytes_than_full" in r]
-    if not mine:
+    for engine in DELTA_ENGINES:
+        mine = [r for r in rows if r["run"] == "lora" and r["engine"] == engine
+                and "fewer_bytes_than_full" in r]
+        if mine:
+            break
+    else:
         return None
     worst = min(r["fewer_bytes_than_full"] for r in mine)
     text = ", ".join(f"{r['store']} k={r['k']}: {r['fewer_bytes_than_full']:.1f}x"
                      for r in sorted(mine, key=lambda r: (r["store"], r["k"])))
     return _verdict("frozen base (LoRA): >= 20x fewer bytes per checkpoint than full saves "
-                    "(ckptio_delta's later checkpoints vs ckptio_off's)", text, worst >= 20)
+                    f"({engine}'s later checkpoints vs ckptio_off's)", text, worst >= 20)
 
 
 def _xor_target(pick: dict[tuple[str, str, str, int], Row]) -> Row | None:
-    r = pick.get(("local", "ckptio_delta", "full", 1)) or pick.get(("s3", "ckptio_delta",
-                                                                      "full", 1))
-    if r is None or "weights" not in r.get("classes_later", {}):
+    for engine in DELTA_ENGINES:
+        r = pick.get(("local", engine, "full", 1)) or pick.get(("s3", engine, "full", 1))
+        if r is not None and "weights" in r.get("classes_later", {}):
+            break
+    else:
         return None
     w = r["classes_later"]["weights"]
-    return _verdict("k=1 bf16-weight deltas >= 4x (logical / stored)",
+    return _verdict(f"k=1 bf16-weight deltas >= 4x (logical / stored, {engine})",
                     f"{w['ratio']:.2f}x ({w['xor']} XOR, {w['ref']} referenced, "
                     f"{w['compressed']} compressed entries)", w["ratio"] >= 4)
 

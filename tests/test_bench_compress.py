@@ -90,8 +90,15 @@ def test_benchmark_runs_every_local_engine(tmp_path: Path) -> None:
     assert sum(v["logical"] for v in off["classes_later"].values()) == off["logical"]
     if "dcp_zstd" in engines:  # needs zstandard
         assert by[("dcp_zstd", "full", 1)]["later_stored"] < by[("dcp", "full", 1)]["later_stored"]
-    if ("ckptio_delta", "lora", 1) in by:  # once issue 28's engine and policy are in
-        assert by[("ckptio_delta", "lora", 1)]["later_stored"] < off["first_stored"]
+    lora_full = by[("ckptio_off", "lora", 1)]["first_stored"]
+    if ("ckptio_codec", "full", 1) in by:  # issue 28's engine (needs zstandard)
+        assert by[("ckptio_codec", "full", 1)]["later_stored"] < off["later_stored"]
+        base = by[("ckptio_base", "lora", 1)]  # a delta references the frozen base
+        assert base["later_stored"] < lora_full / 2
+        assert base["classes_later"]["weights"]["ref"] > 0
+        assert base["classes_later"]["master"]["ref"] == 0  # adapters' masters change
+    if ("ckptio_delta", "lora", 1) in by:  # issue 28's manager policy
+        assert by[("ckptio_delta", "lora", 1)]["later_stored"] < lora_full / 2
     assert not (tmp_path / "scratch" / "local-r0").exists()  # workers clean up
 
 
