@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     )
     from ckptio.export import export_hf
     from ckptio.manager import CheckpointManager
+    from ckptio.managing.delta import DeltaPolicy
     from ckptio.optim import OptimizerState
     from ckptio.options import Options
     from ckptio.planning.sharding import FlatShard, TensorShard
@@ -59,6 +60,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpReader",
     "DcpWriter",
+    "DeltaPolicy",
     "FlatShard",
     "IncompleteCheckpointError",
     "LoadReport",
@@ -97,7 +99,7 @@ _HOME = {
     "async_save": "ckptio.shared", "load": "ckptio.shared", "save": "ckptio.shared",
     "verify": "ckptio.shared", "Progress": "ckptio.saving.persist", "Options": "ckptio.options",
     "RNGState": "ckptio.rng", "OptimizerState": "ckptio.optim",
-    "CheckpointManager": "ckptio.manager",
+    "CheckpointManager": "ckptio.manager", "DeltaPolicy": "ckptio.managing.delta",
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",

@@ -71,6 +71,12 @@ Choices:
   the ones that count (give every rank the same metrics: an all-reduced loss); a signal to any
   rank preempts all. After a failed load the ranks all-gather why, and all fall back together
   (damage seen by one rank makes the others raise RankFailedError).
+- Deltas (``delta=ckptio.DeltaPolicy(...)``, managing/delta.py): each save is a delta against
+  the newest full committed step or a full one, as the policy says (rank 0 decides among the
+  committed steps; an async save still running is waited for first, as the Checkpointer would).
+  ``compression=`` sets Options.compression of its saves. Retention keeps the base of every
+  kept step and of the save in flight, and drops a base only after its last delta
+  (managing/chains.py); restore() names a delta's base when it passes over it.
 Not safe for concurrent use from several threads.
 """
 
@@ -91,13 +97,17 @@ from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
                            IncompleteCheckpointError)
-from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.format.manifest import MANIFEST_NAME, decode
+from ckptio.format.types import Manifest
 from ckptio.managing import warn
+from ckptio.managing.chains import Chains
+from ckptio.managing.delta import DeltaPolicy, check_delta, choose_base, with_compression
 from ckptio.managing.ranks import Ranks
 from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.managing.triggers import Preemption, SaveClock, Triggers
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.storage.select import store_for
 
 __all__ = ["CheckpointManager"]
 
@@ -129,7 +139,8 @@ class CheckpointManager:
                  keep_without_metric: bool = False, save_every: int | None = _UNSET,
                  save_interval_s: float | None = None, preemption: bool = False,
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
-                 process_group: Any = None, tiers: None = None) -> None:
+                 process_group: Any = None, tiers: None = None,
+                 delta: DeltaPolicy | bool | None = None, compression: str | None = None) -> None:
         if directory is None:
             raise CkptError("CheckpointManager(): give the directory of the steps, or "
                             "tiers=[ckptio.Tier(...), ...]")
@@ -148,7 +159,8 @@ class CheckpointManager:
                             "a Checkpointer already has its options")
         if checkpointer is not None:
             options = checkpointer.options
-        options = options or Options.from_env()
+        options = with_compression(options or Options.from_env(), compression,
+                                   checkpointer is not None)
         self._root = stepdir.root_for(directory, options)
         self.directory = self._root.location
         self._owns_checkpointer = checkpointer is None
@@ -159,6 +171,12 @@ class CheckpointManager:
         self._verified: int | None = None  # newest step restore() or verify() succeeded on
         self._damaged: set[int] = set()  # committed steps restore() found damaged
         self._removal: threading.Thread | None = None
+        # delta checkpoints (managing/delta.py, managing/chains.py)
+        self.delta = check_delta(delta)
+        self._chains = Chains(self._manifest, self.directory)
+        self._long_every: tuple[int, ...] = (keep_every,) if keep_every else ()
+        self._saving_base: int | None = None  # the base of the delta save in flight
+        self._deltas_made: dict[int, int] = {}  # rank 0: base -> delta saves started against it
         self._metrics = StepMetrics(  # rank 0: each step's monitored metric
             lambda step: stepmeta.read_metadata(self.path(step), self._ck.options), self.directory)
         if preemption:
@@ -254,11 +272,16 @@ class CheckpointManager:
         refusal = self._agreed(lambda: self._refusal(step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
+        if self.delta is not None and self._pending is not None:
+            self._settle_pending()  # a base is chosen among committed steps
         self._triggers.saved(step)
+        base = None if self.delta is None else self._agreed(lambda: self._choose_base(step))
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         previous, path, group = self._pending, self.path(step), self._process_group
-        extra = {"metrics": metrics, "metadata": metadata}
+        extra = {"metrics": metrics, "metadata": metadata,
+                 **({} if base is None else {"base": self.path(base)})}
+        self._saving_base = base
         try:  # either call first settles the previous save (raising its unseen error)
             if not (asynchronous or lazy):
                 result = self._ck.save(state, path, allow_pickle=allow_pickle, process_group=group,
@@ -296,6 +319,33 @@ class CheckpointManager:
         return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
                 f"over: save under another step number, or remove {path} first to replace it")
 
+    def _settle_pending(self) -> None:
+        """The async save in flight finishes (as the Checkpointer's next save would wait for
+        it, on every rank alike), its unseen error raised here (this save does not start);
+        committed, its retention runs."""
+        pending = self._pending
+        assert pending is not None  # internal: called only with a save in flight
+        try:
+            self._ck._settle()
+        finally:
+            self._pending = None
+        if _committed_ok(pending[1]):
+            self._committed(pending[0])
+
+    def _choose_base(self, step: int) -> int | None:
+        """Rank 0: the base of a delta save of ``step``, or None: a full save (delta.py)."""
+        assert self.delta is not None  # internal: called only with a policy
+        base = choose_base(self.delta, step, self._root.scan()["committed"], self._chains,
+                           self._damaged, self._long_every, self._deltas_made)
+        if base is not None:
+            self._deltas_made[base] = self._deltas_made.get(base, 0) + 1
+        return base
+
+    def _manifest(self, step: int) -> Manifest:
+        """``step``'s decoded manifest (chains.py reads each step's link from it once)."""
+        store = store_for(self.path(step), self._ck.options)
+        return decode(store.read_manifest(), store.path_of(MANIFEST_NAME))
+
     def wait(self) -> SaveResult | None:
         """Wait for the async save in flight (None if there is none), then apply retention.
         Its error is raised here (and not again by close() or the next save)."""
@@ -311,6 +361,7 @@ class CheckpointManager:
         handler replaced, and free the Checkpointer if the manager made it."""
         try:
             self.wait()
+            self._drop_deferred()
         finally:
             self._triggers.preemption.uninstall()
             self._join_removal()
@@ -330,6 +381,8 @@ class CheckpointManager:
         and removes them in the background. -> the steps dropped (the same on every rank)."""
         self._damaged.discard(step)
         self._metrics.forget(step)  # a damaged step saved again: read its metric anew
+        self._chains.forget(step)
+        self._saving_base = None
         dropped = list(self._agreed(self._drop_old))
         if self._after_commit is not None:
             self._after_commit(step)
@@ -349,15 +402,21 @@ class CheckpointManager:
 
     def _doomed(self, committed: list[int]) -> list[int]:
         """The committed steps the policy does not keep."""
-        also = set() if self._verified is None else {self._verified}
+        also = {s for s in (self._verified, self._saving_base) if s is not None}
         if self._also_keep is not None:
             also.update(self._also_keep())
         values: dict[int, float | None] = {}
         if self.retention.monitor is not None:
             values, unreadable = self._metrics.of(committed, self.retention.monitor)
             also.update(unreadable)
-        keep = self.retention.kept(committed, values, also)
-        return [s for s in committed if s not in keep]
+        keep = self._chains.closure(committed, self.retention.kept(committed, values, also))
+        return self._chains.doomed(committed, keep)  # a base goes with or after its deltas
+
+    def _drop_deferred(self) -> None:
+        """Collective: the retention pass a base kept back for (chains.py), once its deltas'
+        removal is durable."""
+        if self._agreed(lambda: self._chains.deferred):
+            self._agreed(self._drop_old)  # joins the removal first
 
     def _join_removal(self) -> None:
         if self._removal is not None:
@@ -397,7 +456,7 @@ class CheckpointManager:
                 self._passed_over(candidate, passed)
                 self._succeeded(candidate)
                 return int(candidate)
-            passed.append(f"step {candidate}: {why}")
+            passed.append(f"step {candidate}{self._chain_note(candidate)}: {why}")
             if committed:
                 self._damaged.add(candidate)
         damaged = any(committed for _, committed in plan["steps"])
@@ -452,6 +511,14 @@ class CheckpointManager:
                 raise
             return why
         return None
+
+    def _chain_note(self, step: int) -> str:
+        """`` (a delta against base step B)`` for a delta step, else '' (its manifest unread)."""
+        try:
+            self._chains.link(step)
+        except CkptError:
+            return ""
+        return self._chains.describe(step)
 
     def _passed_over(self, step: int, passed: list[str]) -> None:
         if passed:

@@ -67,8 +67,9 @@ class Options:
         or the codec, on ``compress_threads`` threads, outruns the disk's measured write rate
         (``ckptio tune``; no profile: not compressed); a codec compresses every chunk that
         shrinks. Loads decode whatever a checkpoint holds.
-    compress_threads: threads that encode frames during a compressed or delta save (the bound
-        on the cores compression takes; the training thread never compresses).
+    compress_threads: threads that encode frames during a compressed or delta save, and decode
+        them during a load (the bound on the cores compression takes; the training thread never
+        compresses).
     rank_timeout_s: with torch.distributed, a rank that shows no sign of life for this long
         while the others wait for it at a step of a save or load (killed, crashed, frozen, cut
         off) makes every live rank raise RankFailedError naming it; nothing is committed.

@@ -51,7 +51,8 @@ def _compression(options: Options, store: Store) -> Compression:
         codec_name = mode
     filesystem = store.capabilities.filesystem
     measured = profile.lookup(filesystem) if filesystem is not None else None
-    return Compression(codec_name, auto=mode == "auto", object_store=store.backend_kind == "s3",
+    return Compression(codec_name, auto=mode == "auto",
+                       object_store=store.capabilities.remote,
                        write_bps=None if measured is None else measured.write_gbps * 1e9,
                        threads=options.compress_threads)
 

@@ -66,3 +66,47 @@ def best_by_rank_0(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {"steps": mgr.steps(), "meta": mgr.metadata(2)}
     mgr.close()
     return out
+
+
+def deltas_on_two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two ranks each hold half of a frozen block and of moving weights, saved with a delta
+    policy (full_every=3) and keep_last=2: rank 0 decides each base, both ranks save against
+    it; then every kept step is loaded whole by each rank and compared, and restore() on a
+    fresh manager resumes the newest."""
+    from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
+    from ckptio.storage.select import store_for
+
+    def whole(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        frozen = torch.randn(64, 256, generator=g)
+        w = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+        w[: step % 64] += step
+        return {"frozen": frozen, "w": w}
+
+    def shards(step: int) -> dict[str, Any]:
+        rows = slice(32 * rank, 32 * rank + 32)
+        return {k: ckptio.TensorShard(v[rows].clone(), tuple(v.shape), (32 * rank, 0))
+                for k, v in whole(step).items()}
+
+    mgr = CheckpointManager(root, keep_last=2, options=SMALL,
+                            delta=ckptio.DeltaPolicy(full_every=3))
+    bases = {}
+    for step in range(1, 6):
+        mgr.save(step, {**shards(step), "step": step})
+        store = store_for(mgr.path(step))
+        bases[step] = list(bases_of(decode(store.read_manifest(), store.path_of(MANIFEST_NAME))))
+    kept = mgr.steps()
+    exact = []
+    for step in kept:
+        out = ckptio.load(mgr.path(step))
+        exact.append(all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8))
+                         for k, v in whole(step).items()))
+    mgr.close()
+    fresh = CheckpointManager(root, keep_last=2, options=SMALL)
+    after_close = fresh.steps()
+    state = {**shards(0), "step": 0}
+    restored = fresh.restore(state)
+    fresh.close()
+    return {"bases": bases, "kept": kept, "exact": exact, "restored": restored,
+            "after_close": after_close,
+            "w": bool(torch.equal(state["w"].local, shards(restored)["w"].local))}

@@ -103,7 +103,9 @@ def test_ls_json_follows_schema_ckptio_ls_1(saved: Path):
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert set(doc) == {"schema", "path", "format", "save_id", "world_size",
-                        "checksum_algorithm", "nbytes", "files", "tree"}
+                        "checksum_algorithm", "nbytes", "files", "tree",
+                        "stored_nbytes", "bases"}  # the last two: issue 28, a full step
+    assert doc["bases"] == [] and doc["stored_nbytes"] == sum(f["nbytes"] for f in doc["files"])
     assert (doc["schema"], doc["format"], doc["world_size"], doc["checksum_algorithm"]) == (
         "ckptio.ls/1", "ckptio", 1, "xxh3_64")
     assert doc["nbytes"] == 48 + 12 + 40 and doc["files"][0]["rank"] == 0
@@ -113,7 +115,8 @@ def test_ls_json_follows_schema_ckptio_ls_1(saved: Path):
     assert model["stateful"] is True and model["name"] == "model"
     assert model["children"][0] == {"name": "weight", "key": "model.weight", "type": "tensor",
                                     "dtype": "float32", "shape": [3, 4], "nbytes": 48,
-                                    "chunks": 1, "ranks": None}
+                                    "chunks": 1, "ranks": None, "stored_nbytes": 48,
+                                    "storage": ["raw"]}
     assert step == {"name": "step", "key": "step", "type": "value",
                     "values": [{"rank": None, "value": ["int", 7], "repr": "7"}]}
     betas = meta["children"][1]

@@ -70,10 +70,13 @@ def test_ls_of_a_run_lists_its_steps_and_never_a_deleting_name_as_a_checkpoint(t
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"{run}: 3 step(s): 2 committed, 1 incomplete; 1 being deleted;")
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], " ".join(r[1:-5])) for r in rows] == [
+    # STEP STATE SIZE LOGICAL FILES TIME BASE: a committed step's LOGICAL is a size, its BASE
+    # "full" (or the steps a delta references); other steps show "-" and no base
+    assert [(r[0], " ".join(r[1:-6] if r[-1] != "full" else r[1:-8])) for r in rows] == [
         ("5", "being deleted"), ("10", "committed"), ("20", "committed"), ("30", "incomplete")]
     assert ".deleting" not in done.stdout
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d", rows[1][-2])
+    assert rows[1][-1] == "full" and rows[0][-4] == "-"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", rows[1][-3])
 
     doc = json.loads(ckptio_cmd("ls", "--json", str(run)).stdout)
     assert doc["schema"] == "ckptio.run/1" and doc["location"] == str(run)
@@ -84,8 +87,10 @@ def test_ls_of_a_run_lists_its_steps_and_never_a_deleting_name_as_a_checkpoint(t
     assert by_step[10]["path"] == str(run / "step-10")
     assert by_step[10]["files"] == len(list((run / "step-10").iterdir()))
     assert abs(by_step[10]["mtime"] - (run / "step-10" / "manifest.json").stat().st_mtime) < 1
-    assert rows[1][-5:-3] == human_size(by_step[10]["nbytes"]).split()  # 64.8 KiB, not bytes
-    assert rows[1][-5:-3][1] == "KiB"
+    assert rows[1][-8:-6] == human_size(by_step[10]["nbytes"]).split()  # 64.8 KiB, not bytes
+    assert rows[1][-8:-6][1] == "KiB"
+    assert by_step[10]["bases"] == [] and by_step[10]["logical_nbytes"] == 64 * 256 * 4
+    assert by_step[30]["logical_nbytes"] is None
 
     exact = ckptio_cmd("ls", "--bytes", str(run)).stdout.splitlines()
     assert exact[3].split()[2] == str(by_step[10]["nbytes"])

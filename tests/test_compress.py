@@ -304,3 +304,46 @@ def test_version_4_fields_in_a_version_3_manifest_are_refused(tmp_path):
     raw["version"] = 3
     with pytest.raises(ManifestError, match="'stored' exists from version 4"):
         manifest.decode(_encoded(raw, version=3), path)
+
+
+def test_loading_without_the_codec_names_the_extra(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
+                                            compression="zstd"))
+    ck.save({"w": compressible(torch.float32, FRAME // 4)}, path)
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(CkptError, match=r"reading a compressed.*pip install 'ckptio\[compress\]'"):
+        ck.load(path)
+
+
+def test_a_failed_packed_save_leaves_the_previous_checkpoint_and_no_files(tmp_path):
+    from ckptio.testing.faults import inject
+
+    path = str(tmp_path / "ckpt")
+    options = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB, compression="zstd",
+                             max_file_bytes=MiB)  # segments of 1 MiB: several files per save
+    first = {"w": compressible(torch.float32, 2 * FRAME), "v": torch.zeros(3 * FRAME // 4)}
+    ck = ckptio.Checkpointer(options)
+    ck.save(first, path)
+    before = sorted(os.listdir(path))
+    faulty = inject(ck, fail_write=2)  # the second segment's write fails
+    second = {"w": specials(torch.float32, (3 * FRAME // 4,), 9),
+              "v": specials(torch.float32, (3 * FRAME // 4,), 10),
+              "x": specials(torch.float32, (3 * FRAME // 4,), 11)}
+    with pytest.raises(CkptError, match="injected fault"):
+        ck.save(second, path)
+    assert faulty.injected
+    assert sorted(os.listdir(path)) == before
+    out = ck.load(path)
+    assert bits_equal(out["w"], first["w"]) and bits_equal(out["v"], first["v"])
+
+
+def test_a_checkpoint_manager_saves_with_its_options_compression(tmp_path):
+    state = {"w": torch.randn(FRAME, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)}
+    mgr = ckptio.CheckpointManager(str(tmp_path / "run"), options=ckptio.Options(
+        buffer_bytes=MiB, pool_bytes=4 * MiB, compression="bytegroup+zstd"))
+    mgr.save(5, state)
+    step = str(tmp_path / "run" / "step-5")
+    assert entry(step, "w")["stored"]["codec"] == "bytegroup2+zstd"
+    fresh = {"w": torch.zeros_like(state["w"])}
+    assert mgr.restore(fresh) == 5 and bits_equal(fresh["w"], state["w"])

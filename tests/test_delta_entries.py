@@ -184,3 +184,37 @@ def test_memory_stores_round_trip_compressed_deltas(tmp_path, scheme, monkeypatc
     out = ck.load(f"{root}/step-2")
     assert bits_equal(out["w"], new["w"]) and bits_equal(out["frozen"], new["frozen"])
     ck.verify(f"{root}/step-2")
+
+
+def test_lazy_and_eager_async_saves_of_compressed_deltas(tmp_path):
+    """The capture is the training thread's only share: a lazy save returns before the
+    optimizer's state is copied, an eager one once everything is; both round-trip."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 400), torch.nn.Linear(400, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(torch.randn(8, 300)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    ck = ckptio.Checkpointer(options())
+    base = str(tmp_path / "step-1")
+    ck.async_save({"model": model, "optim": opt}, base).wait()
+    step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    handle = ck.async_save({"model": model, "optim": opt}, str(tmp_path / "step-2"), lazy=True,
+                           optimizers=[opt], base=base)
+    step()  # waits for the optimizer's state to be copied first
+    result = handle.wait()
+    assert result.files and all(name.startswith("data-") for name in result.files)
+    assert all(os.path.exists(tmp_path / "step-2" / name) for name in result.files)
+    fresh = torch.nn.Sequential(torch.nn.Linear(300, 400), torch.nn.Linear(400, 10))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    ck.load(str(tmp_path / "step-2"), {"model": fresh, "optim": fresh_opt})
+    assert all(bits_equal(fresh.state_dict()[k], v) for k, v in want.items())
+    for k, s in want_opt.items():
+        assert all(bits_equal(fresh_opt.state_dict()["state"][k][n], t) for n, t in s.items())
+    assert body(str(tmp_path / "step-2"))["bases"] == ["step-1"]

@@ -65,7 +65,7 @@ PUBLIC = {
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
-    "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata",
+    "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata", "DeltaPolicy",
 }
 
 RULES = ("errors/options < format < planning, io < storage < distributed < saving, loading < "

@@ -786,8 +786,8 @@ def test_status_command_lists_committed_and_copying_steps(shm, tmp_path, capsys)
     assert out["schema"] == "ckptio.status/1"
     assert out["tiers"] == [
         {"tier": 0, "location": "shm://run", "committed": [4, 5], "copying": [],
-         "incomplete": []},
-        {"tier": 1, "location": disk, "committed": [2, 4],
+         "incomplete": [], "bases": {}},  # bases (issue 28): full steps only here
+        {"tier": 1, "location": disk, "committed": [2, 4], "bases": {},
          "copying": [{"step": 5, "from_tier": 0}], "incomplete": [7]}]
     assert main(["status", "shm://../x"]) == 2
     assert "shm://NAME" in capsys.readouterr().err

@@ -69,6 +69,8 @@ def add_parsers(sub: Any) -> None:
                     "as load's keys= takes it), no tree: for grep")
     ls.add_argument("--values", action="store_true", help="values in full, sizes, dtypes and "
                     "devices decoded by torch (imports torch)")
+    ls.add_argument("--storage", action="store_true", help="per key, the bytes stored and each "
+                    "chunk's codec (raw, zstd, ...) or base reference (ref/xor step-N)")
     diff = sub.add_parser("diff", parents=[quiet], help="what differs between two checkpoints "
                           "(exit 0 the same, 1 different, 2 error)")
     diff.add_argument("a")
@@ -140,7 +142,8 @@ def _ls(args: argparse.Namespace) -> int:
     if steps is not None:
         return runs.run(args.path, steps, as_json=args.json, exact=args.bytes)
     return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
-                  exact=args.values, flat=args.flat, in_bytes=args.bytes)
+                  exact=args.values, flat=args.flat, in_bytes=args.bytes,
+                  storage=args.storage)
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -1,4 +1,6 @@
-"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat] [--bytes]``: the tree a checkpoint holds.
+"""``ckptio ls PATH [--json] [--depth N] [--values] [--flat] [--bytes] [--storage]``: the tree a
+checkpoint holds, its logical and stored bytes and its bases (a delta checkpoint's; ``--storage``:
+per key, the stored bytes and each chunk's codec or base reference, cli/chain.py).
 
 Owns: walking the manifest's tree (format/FORMAT.md "Tree") into nodes with each leaf's kind,
 dtype, shape, bytes, chunks or ranks and inline values, and printing them as text or as the
@@ -14,7 +16,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from ckptio.cli.chain import entry_storage, stored_nbytes
 from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.format.manifest import bases_of
 from ckptio.format.types import Json
 
 __all__ = ["SCHEMA", "as_json", "human_size", "run", "text_lines"]
@@ -39,8 +43,11 @@ def _leaf(row: Row, exact: bool) -> dict[str, Any]:
     if row.kind == "value":
         return {"key": row.key, "type": "value", "values": [
             {"rank": o.rank, "value": o.value, "repr": shown(o.value, exact)} for o in row.objects]}
+    stored = [entry_storage(e) for e in row.chunks]
     return {"key": row.key, "type": row.kind, "dtype": row.dtype, "shape": list(row.shape),
-            "nbytes": row.nbytes, "chunks": len(row.chunks), "ranks": row.ranks}
+            "nbytes": row.nbytes, "chunks": len(row.chunks), "ranks": row.ranks,
+            "stored_nbytes": sum(s.stored for s in stored),
+            "storage": sorted({s.describe() for s in stored})}
 
 
 def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int | None,
@@ -57,7 +64,8 @@ def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int 
     children = [_node(k, child, table, depth + 1, limit, exact) for k, child in named]
     node: dict[str, Any] = {"name": name, "type": _CONTAINERS[tag],
                             "leaves": sum(c.get("leaves", 1) for c in children),
-                            "nbytes": sum(c.get("nbytes", 0) for c in children)}
+                            "nbytes": sum(c.get("nbytes", 0) for c in children),
+                            "stored_nbytes": sum(c.get("stored_nbytes", 0) for c in children)}
     if limit is not None and depth >= limit and children:
         node["truncated"] = True
     else:
@@ -74,6 +82,7 @@ def as_json(opened: Opened, depth: int | None = None, exact: bool = False,
             "save_id": record.save_id, "world_size": record.world_size,
             "checksum_algorithm": record.checksum_algorithm,
             "nbytes": sum(t.nbytes for t in record.tensors),
+            "stored_nbytes": stored_nbytes(record), "bases": list(bases_of(record)),
             "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in record.files],
             "tree": _node(None, record.tree, rows(record) if table is None else table, 0, depth,
                           exact)}
@@ -85,11 +94,14 @@ def _header(opened: Opened, table: dict[str, Row], exact: bool) -> str:
             "safetensors": "safetensors checkpoint"}.get(
         opened.format, f"ckptio checkpoint (save {r.save_id}"
         + (", dcp.save through ckptio.DcpWriter)" if "dcp" in r.meta else ")"))
-    nbytes = sum(t.nbytes for t in r.tensors)
+    nbytes, stored = sum(t.nbytes for t in r.tensors), stored_nbytes(r)
     ntensors = sum(1 for row in table.values() if row.chunks)
+    size = (lambda n: f"{n} bytes") if exact else human_size
+    bases = bases_of(r)
     return (f"{opened.path}: {what} by {r.world_size} rank(s), {ntensors} tensors in "
-            f"{len(r.tensors)} chunks ({nbytes if exact else human_size(nbytes)}"
-            f"{' bytes' if exact else ''}), {len(r.objects)} values, "
+            f"{len(r.tensors)} chunks ({size(nbytes)}, {size(stored)} stored"
+            + (f", a delta against {', '.join(bases)}" if bases else "")
+            + f"), {len(r.objects)} values, "
             f"{len(r.aliases)} aliases, {len(r.files)} file(s), {r.checksum_algorithm}")
 
 
@@ -122,10 +134,12 @@ def _label(indent: int, node: dict[str, Any], flat: bool) -> str:
 
 
 def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
-               flat: bool = False, in_bytes: bool = False) -> Iterator[str]:
+               flat: bool = False, in_bytes: bool = False,
+               storage: bool = False) -> Iterator[str]:
     """``ckptio ls`` as text: a header line, then one line per tree node, nested by indent
     (``flat``: one line per leaf, named by its dotted key, for grep; ``in_bytes``: sizes in
-    bytes, else as people read them)."""
+    bytes, else as people read them; ``storage``: a STORED column, and each leaf's codecs or
+    base references first in DETAIL)."""
     table = rows(opened.record)
     doc = as_json(opened, None if flat else depth, exact, table)
     yield _header(opened, table, in_bytes)
@@ -135,7 +149,8 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
     width = min(60, max([len(_label(i, n, flat)) for i, n in nodes] + [4]))
     dtype_width = max([len(n.get("dtype", "")) for _i, n in nodes] + [9])
     yield (f"  {'KEY' if flat else 'NAME':{width}s} {'KIND':8s} {'DTYPE':{dtype_width}s} "
-           f"{'SHAPE':16s} {'BYTES' if in_bytes else 'SIZE':>12s} DETAIL")
+           f"{'SHAPE':16s} {'BYTES' if in_bytes else 'SIZE':>12s} "
+           + (f"{'STORED':>12s} " if storage else "") + "DETAIL")
     for indent, n in nodes:
         name = _label(indent, n, flat)
         shape = str(n["shape"]) if "shape" in n else ""
@@ -144,16 +159,22 @@ def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,
         dtype, detail = n.get("dtype", ""), _where(n, exact)
         if n["type"] == "torch_save":  # a DCP value's torch.save bytes (uint8 is how they are kept)
             dtype, shape, detail = "", "", "a value dcp.save serialised (ckptio.load decodes it)"
+        stored = ""
+        if storage:
+            stored = "" if "stored_nbytes" not in n else (
+                str(n["stored_nbytes"]) if in_bytes else human_size(n["stored_nbytes"]))
+            stored = f"{stored:>12s} "
+            detail = ", ".join([*n.get("storage", ()), *([detail] if detail else [])])
         yield (f"  {name:{width}s} {n['type']:8s} {dtype:{dtype_width}s} {shape:16s} "
-               f"{nbytes:>12s} {detail}").rstrip()
+               f"{nbytes:>12s} {stored}{detail}").rstrip()
 
 
 def run(opened: Opened, *, as_json_doc: bool, depth: int | None, exact: bool,
-        flat: bool = False, in_bytes: bool = False) -> int:
+        flat: bool = False, in_bytes: bool = False, storage: bool = False) -> int:
     if as_json_doc:
         json.dump(as_json(opened, depth, exact), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    for line in text_lines(opened, depth, exact, flat, in_bytes):
+    for line in text_lines(opened, depth, exact, flat, in_bytes, storage):
         sys.stdout.write(line + "\n")
     return 0

@@ -1,11 +1,16 @@
 """``ckptio ls RUN_DIR``: the steps a CheckpointManager keeps in a directory or an S3 prefix.
 
     $ ckptio ls ckpts/run-7
-    ckpts/run-7: 3 step(s): 2 committed, 1 incomplete; 1 being deleted; 12.4 MiB in all
-      STEP  STATE           SIZE  FILES  TIME
-      10    being deleted   4.1 MiB     2  2026-11-24 13:17:02
-      20    committed       4.1 MiB     2  2026-11-24 13:17:05
-      30    incomplete      4.1 MiB     1  2026-11-24 13:17:09
+    ckpts/run-7: 4 step(s): 3 committed, 1 incomplete; 1 being deleted; 12.9 MiB in all
+      STEP  STATE                  SIZE       LOGICAL  FILES  TIME                 BASE
+      10    being deleted       4.1 MiB             -      2  2026-11-24 13:17:02
+      20    committed           4.1 MiB       4.1 MiB      2  2026-11-24 13:17:05  full
+      21    committed         512.0 KiB       4.1 MiB      2  2026-11-24 13:17:06  step-20
+      30    incomplete          4.1 MiB             -      1  2026-11-24 13:17:09
+
+SIZE is what the step's own files hold (stored), LOGICAL the tensor bytes its manifest
+describes (a load returns them); BASE, for a committed step, ``full`` or the steps a delta
+references (docs/FORMAT.md version 4), which must stay beside it.
 
 A step is "committed" when its manifest is (restore picks only those), "incomplete" when it
 holds files but no committed manifest (an interrupted save, or one running now), "being
@@ -31,7 +36,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckptio.cli.chain import logical_nbytes
 from ckptio.cli.ls import human_size
+from ckptio.errors import CkptError
+from ckptio.format import manifest
 from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, is_s3
 from ckptio.options import Options
 from ckptio.stepdir import LocalRoot, S3Root, StepRoot, root_for
@@ -57,6 +65,8 @@ class Step:
     nbytes: int
     files: int
     mtime: float | None  # seconds since the epoch; None: no file (an empty prefix)
+    logical_nbytes: int | None = None  # committed: the tensors' bytes its manifest describes
+    bases: tuple[str, ...] = ()  # committed delta: the steps it references (FORMAT.md v4)
 
 
 def list_run(location: str) -> list[Step] | None:
@@ -76,7 +86,19 @@ def list_run(location: str) -> list[Step] | None:
     if not found:
         return None
     found.sort(key=lambda item: (item[0], STATES.index(item[1]) != 2))
-    return [Step(s, state, path, *_usage(root, path)) for s, state, path in found]
+    return [Step(s, state, path, *_usage(root, path),
+                 *(_chain(path) if state == "committed" else (None, ())))
+            for s, state, path in found]
+
+
+def _chain(path: str) -> tuple[int | None, tuple[str, ...]]:
+    """A committed step's logical bytes and bases, from its manifest (unreadable: unknown)."""
+    store = store_for(path)
+    try:
+        record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
+    except CkptError:
+        return None, ()
+    return logical_nbytes(record), manifest.bases_of(record)
 
 
 def _being_deleted(root: StepRoot) -> list[tuple[int, str, str]]:
@@ -138,9 +160,13 @@ def text_lines(location: str, steps: list[Step], exact: bool) -> list[str]:
             + (f"; {count['being deleted']} being deleted" if count["being deleted"] else "")
             + f"; {size(total)} in all")
     width = max([len(str(s.step)) for s in steps] + [4])
-    lines = [head, f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'FILES':>5s}  TIME"]
-    lines += [f"  {s.step:<{width}d}  {s.state:13s}  {size(s.nbytes):>12s}  {s.files:>5d}  "
-              f"{_when(s.mtime)}" for s in steps]
+    lines = [head, (f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'LOGICAL':>12s}  "
+                    f"{'FILES':>5s}  {'TIME':19s}  BASE")]
+    lines += [f"  {s.step:<{width}d}  {s.state:13s}  {size(s.nbytes):>12s}  "
+              f"{'-' if s.logical_nbytes is None else size(s.logical_nbytes):>12s}  "
+              f"{s.files:>5d}  {_when(s.mtime):19s}  "
+              f"{', '.join(s.bases) if s.bases else ('full' if s.state == 'committed' else '')}"
+              .rstrip() for s in steps]
     return lines
 
 

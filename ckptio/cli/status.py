@@ -1,7 +1,7 @@
 """``ckptio status TIER [TIER ...]``: which steps each tier of a tiered CheckpointManager holds.
 
     $ ckptio status shm://run-7 /nvme/ckpt s3://bucket/run-7
-    tier 0  shm://run-7        committed 41 42
+    tier 0  shm://run-7        committed 40 41(base 40) 42(base 40)
     tier 1  /nvme/ckpt         committed 30 40   copying 42 (committed in tier 0)
     tier 2  s3://bucket/run-7  committed 0       copying 40 (committed in tier 1)
 
@@ -13,6 +13,9 @@ a location is a row, and the memory tier's rows say which steps are protected ac
 
     tier 0  shm://run/r00002  committed 2 3   protected 3 (parity(k=3))
     tier 1  /nvme/ckpt/r00002 committed 2
+
+A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
+row's ``bases`` maps each delta step to its base steps (full steps are absent).
 
 What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
@@ -26,9 +29,12 @@ import json
 import os
 from typing import Any
 
+from ckptio.errors import CkptError
+from ckptio.format import manifest
+from ckptio.managing.chains import link_of
 from ckptio.options import Options
 from ckptio.stepdir import root_for
-from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.storage.select import checkpoint_path, scheme_of, store_for
 from ckptio.tiering import marks
 
 __all__ = ["run", "tiers_status"]
@@ -58,15 +64,28 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
 
 def _listing(k: int, location: str, options: Options,
              faster: list[dict[str, Any]]) -> dict[str, Any]:
-    listing = root_for(location, options).scan()
+    root = root_for(location, options)
+    listing = root.scan()
     copying = {}
     for step in listing["incomplete"]:
         source = next((t["tier"] for t in faster if step in t["committed"]), None)
         if source is not None:
             copying[step] = source
-    return {"tier": k, "location": location, "committed": listing["committed"],
+    bases = {str(s): list(b) for s in listing["committed"]
+             if (b := _bases(root.path(s), options))}
+    return {"tier": k, "location": location, "committed": listing["committed"], "bases": bases,
             "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
             "incomplete": [s for s in listing["incomplete"] if s not in copying]}
+
+
+def _bases(path: str, options: Options) -> tuple[int, ...]:
+    """The base steps of the committed step at ``path`` (() for a full step, or unreadable)."""
+    store = store_for(path, options)
+    try:
+        record = manifest.decode(store.read_manifest(), store.path_of(manifest.MANIFEST_NAME))
+    except CkptError:
+        return ()
+    return link_of(record).bases
 
 
 def run(locations: list[str], *, as_json: bool) -> int:
@@ -76,7 +95,9 @@ def run(locations: list[str], *, as_json: bool) -> int:
         return 0
     width = max(len(t["location"]) for t in tiers)
     for t in tiers:
-        parts = [f"committed {' '.join(map(str, t['committed'])) or '-'}"]
+        shown = [f"{s}(base {','.join(map(str, t['bases'][str(s)]))})" if str(s) in t["bases"]
+                 else str(s) for s in t["committed"]]
+        parts = [f"committed {' '.join(shown) or '-'}"]
         parts += [f"copying {c['step']} (committed in tier {c['from_tier']})" for c in t["copying"]]
         if t["incomplete"]:
             parts.append(f"incomplete {' '.join(map(str, t['incomplete']))}")

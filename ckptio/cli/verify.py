@@ -1,5 +1,9 @@
 """``ckptio verify PATH``: check every stored byte, and report every damaged tensor.
 
+A delta checkpoint (docs/FORMAT.md version 4) is checked with its chain: each base it
+references (a sibling step, chains have depth 1) is verified too, and a damaged or missing base
+is named ("its base step-10 (...) fails verification"), exit status 1.
+
 The tensors are verified a batch at a time (``Checkpointer.verify`` on the part of the manifest
 each batch holds); a batch that fails is verified again key by key, so the report names every
 damaged key, not only the first, each with what is wrong (checksum mismatch, truncated file,
@@ -109,27 +113,63 @@ def _manifest(checkpointer: Checkpointer, path: str) -> tuple[Manifest, bool]:
         return opened.record, False
 
 
+def _verified(checkpointer: Checkpointer, path: str,
+              progress: bool) -> tuple[Manifest, int, list[Damage]]:
+    """-> (the manifest of ``path``, its keys, the damaged ones)."""
+    damaged: list[Damage] = []
+    record, whole = _manifest(checkpointer, path)
+    # a file that cannot be opened is damage only where the manifest check found files
+    # missing: otherwise (a store gone away) it is an error, raised
+    damage = (CorruptCheckpointError,) if whole else (CorruptCheckpointError, StorageIOError)
+    keys = _by_key(record)
+    with Bar(sum(t.nbytes for t in record.tensors), "verify", progress) as bar:
+        for batch in _batches(keys):
+            damaged += _check(checkpointer, path, record, keys, batch, damage)
+            bar.update(sum(e.nbytes for k in batch for e in keys[k]))
+    return record, len(keys), damaged
+
+
+def _bases_damaged(checkpointer: Checkpointer, path: str, record: Manifest,
+                   progress: bool) -> bool:
+    """Verify each base of the delta checkpoint ``record`` (the whole chain: chains have
+    depth 1); print what is wrong with a damaged or missing one, naming it -> any damaged."""
+    from ckptio.cli.chain import base_location
+    from ckptio.errors import CheckpointNotFoundError, IncompleteCheckpointError
+    from ckptio.format.manifest import bases_of
+
+    bad = False
+    for name in bases_of(record):
+        where = base_location(path, name)
+        try:
+            base, total, damaged = _verified(checkpointer, where, progress)
+        except (CorruptCheckpointError, CheckpointNotFoundError,
+                IncompleteCheckpointError) as exc:
+            print(f"{path}: DAMAGED, its base {name} ({where}) cannot be read: {fact(str(exc))}")
+            bad = True
+            continue
+        if damaged:
+            print(f"{path}: DAMAGED, its base {name} ({where}) fails verification:")
+            _report(where, base, total, damaged)
+            bad = True
+        else:
+            print(f"{where}: OK (base {name} of {path})")
+    return bad
+
+
 def run(path: str, *, progress: bool) -> int:
     from ckptio.api import Checkpointer
     from ckptio.options import Options
 
     checkpointer = Checkpointer(Options.from_env())
-    damaged: list[Damage] = []
     try:
-        record, whole = _manifest(checkpointer, path)
-        # a file that cannot be opened is damage only where the manifest check found files
-        # missing: otherwise (a store gone away) it is an error, raised
-        damage = (CorruptCheckpointError,) if whole else (CorruptCheckpointError, StorageIOError)
-        keys = _by_key(record)
-        with Bar(sum(t.nbytes for t in record.tensors), "verify", progress) as bar:
-            for batch in _batches(keys):
-                damaged += _check(checkpointer, path, record, keys, batch, damage)
-                bar.update(sum(e.nbytes for k in batch for e in keys[k]))
+        record, total, damaged = _verified(checkpointer, path, progress)
+        bad_base = _bases_damaged(checkpointer, path, record, progress)
     finally:
         checkpointer.close()
     nbytes = sum(t.nbytes for t in record.tensors)
     if damaged:
-        _report(path, record, len(keys), damaged)
+        _report(path, record, total, damaged)
+    if damaged or bad_base:
         return 1
     if record.checksum_algorithm == NO_CHECKSUM:  # safetensors: nothing stored to check against
         print(f"{path}: OK, every entry read and its header valid ({human_size(nbytes)} read; "

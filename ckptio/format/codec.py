@@ -70,16 +70,17 @@ def check_available(codec: str) -> None:
     if codec not in CODECS:
         raise CkptError(f"compression={codec!r} is not a codec ckptio knows: use 'off', 'auto' "
                         f"or one of {', '.join(map(repr, CODECS))}")
+    _modules(f"compression={codec!r}")
+
+
+def _modules(what: str = "reading a compressed or delta checkpoint") -> tuple[Any, Any]:
+    """zstandard and numpy; CkptError naming the extra that installs them if one is missing."""
     try:
-        _modules()
+        import numpy
+        import zstandard
     except ImportError as exc:
-        raise CkptError(f"compression={codec!r} needs the zstandard and numpy packages "
-                        f"({exc.name} is not installed): {INSTALL}") from None
-
-
-def _modules() -> tuple[Any, Any]:
-    import numpy
-    import zstandard
+        raise CkptError(f"{what} needs the zstandard and numpy packages ({exc.name} is not "
+                        f"installed): {INSTALL}") from None
     return zstandard, numpy
 
 
@@ -127,9 +128,11 @@ def decode_frame(name: str, stored: memoryview | bytes, into: memoryview) -> Non
         raise ValueError(f"the frame does not decode ({exc})") from None
     if len(raw) != nbytes:
         raise ValueError(f"the frame decodes to {len(raw)} bytes, not {nbytes}")
-    if group > 1 and nbytes % group == 0:
+    if group > 1 and nbytes % group == 0:  # column stores: 2.5x a transposed copy (probe)
         out = np.frombuffer(into, np.uint8).reshape(-1, group)
-        out[...] = np.frombuffer(raw, np.uint8).reshape(group, -1).T
+        planes = np.frombuffer(raw, np.uint8).reshape(group, -1)
+        for i in range(group):
+            out[:, i] = planes[i]
     else:
         into[:] = raw
 

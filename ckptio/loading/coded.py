@@ -6,7 +6,7 @@ an EntryReader (storage/coded.py): a whole entry decodes all its frames (and, wh
 with ``check_blocks``, checks its whole checksum too); a resharded region is cut into pieces
 (reshard.plan_reads) and, per stored entry, only the frames covering its pieces are read,
 decoded and checked before a byte of them is copied. Plain entries of the same Read are read
-through the same reader.
+through the same reader. Reads run ``threads`` at a time (Options.compress_threads).
 
 Owns: frames wanted per Read, copying them into destinations. Does not own: reading and
 decoding frames (storage/coded.py), piece arithmetic (reshard.py), plain reads (read.py).
@@ -14,7 +14,9 @@ decoding frames (storage/coded.py), piece arithmetic (reshard.py), plain reads (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -28,6 +30,7 @@ from ckptio.storage.coded import EntryReader
 __all__ = ["is_coded", "read_coded"]
 
 MAX_PIECE = 1 << 62  # pieces are cut by frames here, not by buffers
+GROUP = 8  # frames of a whole entry per task: decoding overlaps reading, on every thread
 
 
 def is_coded(read: Read) -> bool:
@@ -35,17 +38,38 @@ def is_coded(read: Read) -> bool:
     return any(e.coded for e in read.entries)
 
 
-def read_coded(reader: EntryReader, reads: Sequence[Read], *, check_blocks: bool) -> int:
-    """Fill each read's destination (None: read and check only). -> logical bytes read."""
-    nbytes = 0
-    with torch.no_grad():
-        for read in reads:
-            entry = read.whole
-            if entry is not None:
-                nbytes += _whole(reader, entry, read.dest, check_blocks)
-            else:
-                nbytes += _region(reader, read)
-    return nbytes
+def read_coded(reader: EntryReader, reads: Sequence[Read], *, check_blocks: bool,
+               threads: int = 1) -> int:
+    """Fill each read's destination (None: read and check only), ``threads`` tasks at a time
+    (each reads, decodes and checks frames: zstd, numpy, hashing and I/O release the GIL; a
+    whole entry is cut into runs of GROUP frames, unless ``check_blocks`` checks it whole).
+    -> logical bytes read."""
+    tasks: list[Callable[[], int]] = []
+    for read in reads:
+        entry = read.whole
+        if entry is None:
+            tasks.append(functools.partial(_region, reader, read))
+        elif check_blocks or entry.nbytes <= GROUP * reader.block_nbytes:
+            tasks.append(functools.partial(_whole, reader, entry, read.dest, check_blocks))
+        else:
+            frames = -(-entry.nbytes // reader.block_nbytes)
+            tasks.extend(functools.partial(_run_of, reader, entry, read.dest, first,
+                                           min(first + GROUP, frames))
+                         for first in range(0, frames, GROUP))
+
+    def one(task: Callable[[], int]) -> int:
+        with torch.no_grad():
+            return task()
+
+    if threads <= 1 or len(tasks) <= 1:
+        return sum(one(task) for task in tasks)
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckptio-decode") as pool:
+        futures = [pool.submit(one, task) for task in tasks]
+        try:
+            return sum(f.result() for f in futures)
+        finally:
+            for f in futures:  # the first error is raised; none is left running
+                f.cancel()
 
 
 def _whole(reader: EntryReader, entry: TensorEntry, dest: torch.Tensor | None,
@@ -64,6 +88,17 @@ def _whole(reader: EntryReader, entry: TensorEntry, dest: torch.Tensor | None,
         src = torch.frombuffer(data, dtype=torch_dtype(entry.dtype))
         copy_in(src, dest, 0, src.numel())
     return entry.nbytes
+
+
+def _run_of(reader: EntryReader, entry: TensorEntry, dest: torch.Tensor | None, first: int,
+            last: int) -> int:
+    """Frames ``[first, last)`` of a whole entry, checked, into their elements of ``dest``."""
+    data = reader.frames(entry, first, last)
+    if dest is not None:
+        src = torch.frombuffer(data, dtype=torch_dtype(entry.dtype))
+        start = first * reader.block_nbytes // DTYPE_ITEMSIZE[entry.dtype]
+        copy_in(src, dest, start, src.numel())
+    return len(data)
 
 
 def _region(reader: EntryReader, read: Read) -> int:

@@ -256,7 +256,8 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
             raise CorruptCheckpointError(
                 f"{source.location}: a compressed or delta entry where none is expected (a "
                 "foreign checkpoint's manifest cannot hold one)")
-        nbytes = read_coded(coded, [r for r in reads if is_coded(r)], check_blocks=check_blocks)
+        nbytes = read_coded(coded, [r for r in reads if is_coded(r)], check_blocks=check_blocks,
+                            threads=coded.threads)
         reads = [r for r in reads if not is_coded(r)]
     return nbytes + _read_plain(source, reads, pool=pool, algorithm=algorithm,
                                 block_nbytes=block_nbytes, depth=depth,

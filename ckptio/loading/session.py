@@ -87,7 +87,7 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
     def read(reads: list[Read]) -> int:
         with staging.lock:
             pool, files = staging.files(store)
-            with _entry_reader(files, record, algorithm, bases) as coded:
+            with _entry_reader(files, record, algorithm, bases, staging) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=staging.io_depth,
                                             coded=coded)
@@ -104,11 +104,14 @@ def _bases(staging: Staging, store: Store, record: Manifest | None) -> Bases | N
 
 
 def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | None,
-                  bases: Bases | None) -> contextlib.AbstractContextManager[EntryReader | None]:
-    """A reader of ``record``'s compressed and delta entries (version 4), if it has any."""
+                  bases: Bases | None,
+                  staging: Staging) -> contextlib.AbstractContextManager[EntryReader | None]:
+    """A reader of ``record``'s compressed and delta entries (version 4), if it has any,
+    decoding on Options.compress_threads threads."""
     if record is None or not any(t.coded for t in record.tensors):
         return contextlib.nullcontext()
-    return EntryReader(files, block_nbytes=record.block_nbytes, algorithm=algorithm, bases=bases)
+    return EntryReader(files, block_nbytes=record.block_nbytes, algorithm=algorithm, bases=bases,
+                       threads=staging.options.compress_threads)
 
 
 def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
@@ -174,7 +177,7 @@ def verify(staging: Staging, opened: Opened,
     nbytes = 0
     with staging.lock:
         pool, files = staging.files(opened.store)
-        with _entry_reader(files, record, algorithm, bases) as coded:
+        with _entry_reader(files, record, algorithm, bases, staging) as coded:
             for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
                 done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,
                                             depth=staging.io_depth,

@@ -157,6 +157,10 @@ class SaveHandle:
         self._eager.set()
         self._staged.set()
 
+    def _files_written(self, files: tuple[str, ...]) -> None:
+        """The data files a packed save wrote (named as its frames came out: saving/packing.py)."""
+        self._files = files
+
     def _finished(self, nbytes: int, error: BaseException | None = None) -> None:
         end = time.perf_counter()
         if error is None:

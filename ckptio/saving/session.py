@@ -72,7 +72,9 @@ __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_me
            "file_nbytes"]
 
 PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
-SEGMENT_NBYTES = 256 << 20  # a packed save's data files (packing.py): at least this, whole entries
+# a packed save's data files (packing.py): at least this, whole entries; small enough that
+# writing one overlaps encoding the next
+SEGMENT_NBYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,8 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
             handle._run_on_caller(job.capture)
         handle._captured()
         entries, infos = job.finish()
+        if job.packer is not None:
+            handle._files_written(tuple(i.name for i in infos))
         index = None
         if part.index_file is not None:  # the regular items' rows go to the index file
             rows = [e for e in entries if e.key in part.regular]

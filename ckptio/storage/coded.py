@@ -107,12 +107,13 @@ class Bases:
 
 class EntryReader:
     """Frames of entries of one checkpoint (``files``) and of its bases, checked when
-    ``algorithm`` is given. Close it (or use ``with``) to close the files it opened."""
+    ``algorithm`` is given; thread-safe (a load decodes ``threads`` entries at a time). Close
+    it (or use ``with``) to close the files it opened."""
 
     def __init__(self, files: StoreFiles, *, block_nbytes: int, algorithm: str | None,
-                 bases: Bases | None) -> None:
+                 bases: Bases | None, threads: int = 1) -> None:
         self.files, self.block_nbytes, self.algorithm = files, block_nbytes, algorithm
-        self.bases = bases
+        self.bases, self.threads = bases, threads
         self._handles: dict[tuple[int, str], tuple[StoreFiles, FileHandle]] = {}
         self._base_files: dict[str, StoreFiles] = {}
         self._lock = threading.Lock()

@@ -7,8 +7,8 @@ above storage/ builds a file's path: saving/persist.py and loading/read.py take 
 
 ``Capabilities`` is what a store can do, as data (a property of every store, read instead of
 ``isinstance`` checks): O_DIRECT-style aligned I/O, registered (pinned) staging buffers, an atomic
-rename, a lock across processes, a conditional commit, and the local directory whose
-filesystem's tuned I/O profile applies (tuning/profile.py).
+rename, a lock across processes, a conditional commit, the local directory whose
+filesystem's tuned I/O profile applies, and whether it lies across a network (tuning/profile.py).
 
 ``Staging`` is the contract between a driver that owns the reused staging pool and the backends
 (api's Checkpointer, through ckptio/resources.py) and the save and load sessions that borrow them.
@@ -47,6 +47,7 @@ class Capabilities:
     locking: bool = False  # serialises saves across processes (a lock file or a lease)
     conditional_commit: bool = False  # commit(held=...) refused if another save committed
     filesystem: str | None = None  # the local directory whose tuned I/O profile applies
+    remote: bool = False  # across a network (an object store): compression="auto" pays there
 
 
 class StoreFiles:

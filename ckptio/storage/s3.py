@@ -95,7 +95,8 @@ class S3Store:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(locking=True, conditional_commit=self.settings.conditional == "require")
+        return Capabilities(locking=True, conditional_commit=self.settings.conditional == "require",
+                            remote=True)
 
     # -- the location ---------------------------------------------------------------------
 

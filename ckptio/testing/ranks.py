@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["RanksFailed", "free_port", "run_ranks"]
 
 
 def free_port() -> int:

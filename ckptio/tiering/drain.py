@@ -7,7 +7,17 @@ threads it starts inherit it), optionally held to ``rate`` bytes per second. For
 tier it keeps only the newest step due: a drain that falls behind skips to the newest step
 rather than queueing without bound, and says so (a log line, ``status()["skipped"]``).
 
-Copies are tiering/copy.py's (verified source, files, manifest last). A copy that fails is
+Copies are tiering/copy.py's (verified source, files, manifest last). A delta step (its
+manifest references a base step, docs/FORMAT.md version 4) is copied after its base: when the
+slower tier does not hold the base committed, the base is copied there first (from the fastest
+tier holding it), then the delta; that tier's retention runs only once the delta is committed,
+and it keeps a kept delta's base. Why base-first rather than a self-contained copy: a copy moves
+bytes through the drain's two staging buffers and never decodes; making a delta self-contained
+means reading base and delta, XORing and writing a full step, the state's size in host memory
+and CPU, and every drained step then costs a full step on the slow store. Base-first moves
+each base once however many of its deltas follow (for each drained step: its delta, plus at
+most one base per base change). A kill between the two copies leaves the base committed and
+the delta incomplete: restore never picks the delta, and retention removes the lone base later. A copy that fails is
 logged at once, the next due step is tried as usual, and the first unseen error is raised
 once by wait() (or close()). Which store to read and write, and what follows a commit in a
 tier (its retention), are the manager's (a Route).
@@ -26,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ckptio.errors import CkptError
 from ckptio.options import GiB, Options
 from ckptio.resources import Resources
 from ckptio.storage.base import Store
@@ -49,6 +60,10 @@ class Route(Protocol):
 
     def holds(self, step: int, tier: int) -> bool:
         """Whether ``tier`` holds ``step`` committed already."""
+        ...
+
+    def bases(self, step: int, tier: int) -> tuple[int, ...]:
+        """The steps ``step`` is a delta against (() for a full step), as the source has it."""
         ...
 
     def landed(self, step: int, tier: int) -> None:
@@ -217,13 +232,30 @@ class Drain:
             with self._cond:
                 self._lanes[k].skipped.append(step)
             return None
-        nbytes = copy_checkpoint(self._staging, source, self._route.target(step, k),
-                                 self._pace if self._rate else None)
+        nbytes = self._copy_bases(k, step)
+        nbytes += copy_checkpoint(self._staging, source, self._route.target(step, k),
+                                  self._pace if self._rate else None)
         durable_s = time.monotonic() - since
         log.info("ckptio: step %d durable in tier %d, %.2f s after its commit (%.3f GiB)",
                  step, k, durable_s, nbytes / GiB)
         self._route.landed(step, k)
         return {"step": step, "nbytes": nbytes, "durable_s": durable_s}
+
+    def _copy_bases(self, k: int, step: int) -> int:
+        """Copy to tier ``k`` each base of ``step`` it does not hold -> bytes copied."""
+        nbytes = 0
+        for base in self._route.bases(step, k):
+            if self._route.holds(base, k):
+                continue
+            source = self._route.source(base, k)
+            if source is None:
+                raise CkptError(f"the drain cannot copy step {step} to tier {k}: it is a delta "
+                                f"against step {base}, which no faster tier holds committed")
+            log.info("ckptio: the drain copies base step %d to tier %d before its delta %d",
+                     base, k, step)
+            nbytes += copy_checkpoint(self._staging, source, self._route.target(base, k),
+                                      self._pace if self._rate else None)
+        return nbytes
 
     def _pace(self, nbytes: int) -> None:
         now = time.monotonic()

@@ -20,7 +20,11 @@ their verdicts), sharing one Checkpointer; this module adds what spans tiers:
   verified and manifest last, to each slower tier whose ``every`` divides it, at low priority
   with its own small staging. A memory tier's budget is checked before each save (tier.py).
 - **retention** is each tier's own, after a commit in that tier; the first tier also keeps the
-  steps the drain still has to copy. Each tier keeps its newest committed step, so the newest
+  steps the drain still has to copy. Every tier keeps the base of each delta it keeps.
+- **deltas** (``delta=ckptio.DeltaPolicy(...)``, ``compression=``): the first tier's saves
+  follow the policy (managing/delta.py); a step divisible by any tier's ``keep_every`` is saved
+  full. The drain copies a delta's base to the slower tier before the delta, when that tier
+  does not hold it yet (drain.py says why base-first rather than a self-contained copy). Each tier keeps its newest committed step, so the newest
   copy of anything is never deleted.
 - **restore** lists every tier (rank 0, agreed by all ranks), takes the newest step committed in
   any tier, and loads it from the fastest tier holding it (every byte checked as it is read);
@@ -63,6 +67,7 @@ from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointE
 from ckptio.format.flatten import flatten
 from ckptio.manager import CheckpointManager
 from ckptio.managing import warn
+from ckptio.managing.delta import DeltaPolicy, with_compression
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage import holder
@@ -88,6 +93,7 @@ class TieredManager:
     def __init__(self, tiers: Sequence[Tier], *, options: Options | None = None,
                  checkpointer: Checkpointer | None = None, process_group: Any = None,
                  drain_rate: float | None = None, preemption: bool = False,
+                 delta: DeltaPolicy | bool | None = None, compression: str | None = None,
                  **unknown: Any) -> None:
         refused = sorted(set(unknown) & set(_NOT_WITH_TIERS))
         if refused:
@@ -99,7 +105,7 @@ class TieredManager:
             raise CkptError(f"CheckpointManager(tiers=..., {', '.join(sorted(unknown))}=...): "
                             "with tiers, give keep_last, keep_every and every per ckptio.Tier; "
                             "the manager takes options, checkpointer, process_group, drain_rate, "
-                            "preemption")
+                            "preemption, delta, compression")
         if not isinstance(preemption, bool):
             raise CkptError(f"CheckpointManager(preemption={preemption!r}): True or False")
         if drain_rate is not None and not drain_rate > 0:
@@ -112,12 +118,16 @@ class TieredManager:
         if options is not None and checkpointer is not None:
             raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them")
         self._owns_checkpointer = checkpointer is None
-        self._ck = checkpointer or Checkpointer(options or Options.from_env())
+        self._ck = checkpointer or Checkpointer(with_compression(
+            options or Options.from_env(), compression, checkpointer is not None))
         self._levels = [CheckpointManager(t.location, keep_last=t.keep_last,
                                           keep_every=t.keep_every, save_every=t.every,
-                                          checkpointer=self._ck, process_group=process_group)
-                        for t in self.tiers]
+                                          checkpointer=self._ck, process_group=process_group,
+                                          delta=delta if k == 0 else None)
+                        for k, t in enumerate(self.tiers)]
         self._first = self._levels[0]
+        # a step some tier keeps for long is saved full (managing/delta.py)
+        self._first._long_every = tuple(t.keep_every for t in self.tiers if t.keep_every)
         quick = dataclasses.replace(self._ck.options, s3_retry_deadline_s=min(
             PROBE_DEADLINE_S, self._ck.options.s3_retry_deadline_s))
         # listing gives up on an unreachable tier after PROBE_DEADLINE_S (restore goes on)
@@ -260,6 +270,8 @@ class TieredManager:
                     self._drain.close()
                 if len(self._levels) > 1:  # what the drain's pins kept past the last commit
                     self._first._agreed(self._first._drop_old)
+                for level in self._levels:  # bases kept back one pass (managing/chains.py)
+                    level._drop_deferred()
             finally:
                 for level in self._levels:
                     level._join_removal()
@@ -310,7 +322,8 @@ class TieredManager:
                 if why is None:
                     return self._restored(candidate, k, time.perf_counter() - started,
                                           passed, listing)
-                passed.append(f"step {candidate} in {self.tiers[k].location}: {why}")
+                passed.append(f"step {candidate}{level._chain_note(candidate)} in "
+                              f"{self.tiers[k].location}: {why}")
                 level._damaged.add(candidate)
         raise CorruptCheckpointError(
             f"no copy of {'any step' if step is None else f'step {step}'} in the tiers "
@@ -368,6 +381,15 @@ class TieredManager:
 
     def target(self, step: int, tier: int) -> Store:
         return store_for(self._levels[tier].path(step), self._ck.options)
+
+    def bases(self, step: int, tier: int) -> tuple[int, ...]:
+        """The bases of ``step`` as the fastest tier before ``tier`` holding it has it: the
+        drain copies them to ``tier`` first (a delta is loadable only beside its base)."""
+        for k in range(tier):
+            if self._levels[k]._root.is_committed(step):
+                link = self._levels[k]._chains.link(step)
+                return () if link is None else link.bases
+        return ()
 
     def holds(self, step: int, tier: int) -> bool:
         return self._levels[tier]._root.is_committed(step)
