@@ -112,20 +112,19 @@ class BaseSession(CkptioSession):
 
 class ManagerSession(CkptioSession):
     """A CheckpointManager per root (its delta policy's defaults, every step kept), all on this
-    session's Checkpointer."""
+    session's Checkpointer, whose Options(compression=...) the managers use (a manager given a
+    Checkpointer refuses its own compression=)."""
 
     def __init__(self, compression: str) -> None:
-        super().__init__("off")
-        self.compression = compression
+        super().__init__(compression)
         self.managers: dict[str, Any] = {}
 
     def manager(self, root: str) -> Any:
         import ckptio
 
         if root not in self.managers:
-            self.managers[root] = ckptio.CheckpointManager(
-                root, keep_last=None, checkpointer=self.ck, delta=True,
-                compression=self.compression)
+            self.managers[root] = ckptio.CheckpointManager(root, keep_last=None,
+                                                           checkpointer=self.ck, delta=True)
         return self.managers[root]
 
     def path(self, root: str, step: int) -> str:
@@ -190,8 +189,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
     Engine("ckptio_base", (LOCAL, S3), "Checkpointer(Options(compression=CODEC)).save(..., "
            "base=FIRST): later checkpoints are deltas against the sequence's first",
            BaseSession),
-    Engine("ckptio_delta", (LOCAL, S3), "CheckpointManager(delta=True, compression=CODEC): its "
-           "policy picks full bases and deltas", ManagerSession),
+    Engine("ckptio_delta", (LOCAL, S3), "CheckpointManager(delta=True) on a Checkpointer with "
+           "Options(compression=CODEC): its policy picks full bases and deltas", ManagerSession),
     Engine("dcp", (LOCAL,), "dcp.save, FileSystemWriter(thread_count=2, sync_files=True)",
            lambda _c: DcpSession(False), ckptio=False),
     Engine("dcp_zstd", (LOCAL,), "as dcp, with _extensions=[ZStandard()] (zstandard, level 3 "
