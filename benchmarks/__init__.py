@@ -7,6 +7,8 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.ranks --ranks 2 --gb 2 --reps 3  # docs/BENCH_RANKS.md
     python -m benchmarks.plan_scale --world 8,64,512      # docs/BENCH_RANKS.md
     python -m benchmarks.train --gb 1 --steps 50          # docs/BENCH_TRAIN.md
+    python -m benchmarks.compress --reps 3                # docs/BENCH_COMPRESS.md
+    python -m benchmarks.compress_study --reps 3          # docs/PROBES.md (codecs)
     python -m benchmarks.redundancy --hosts 4 --reps 3    # docs/BENCH_REDUNDANCY.md
 
 Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
