@@ -27,7 +27,7 @@ __all__ = ["AHEAD", "GAP", "SPAN", "Range", "Spans"]
 
 SPAN = 8 << 20  # bytes a span covers at most (a range of more is not planned)
 GAP = 1 << 20  # unread bytes a span may cover between two ranges
-AHEAD = 3  # spans fetched ahead of the one first needed
+AHEAD = 4  # spans fetched ahead of the one first needed
 
 Range = tuple[StoreFiles, str, int, int]  # files, file name, offset, nbytes
 
