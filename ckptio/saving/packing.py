@@ -19,7 +19,8 @@ How each entry is stored is decided on its first frame (the sample):
 * compressed by the codec: always for an explicit codec; for ``auto`` when the sample's ratio is
   at least ``MIN_RATIO`` and either the store is an object store or the codec's measured speed
   times ``threads`` beats the store's measured write rate (the tuner's profile) by
-  ``SPEED_MARGIN``; with no profile of a local disk, not compressed (never slower than "off");
+  ``SPEED_MARGIN`` (a local save whose profile is missing or too fast for the codec, with no
+  base, never gets here: packed.py makes it a plain save, "off"'s own path);
 * else raw. A frame that does not shrink is stored raw (codec.py), and an entry whose frames
   are all raw has no ``stored`` field.
 

@@ -9,6 +9,9 @@ a delta save needs of its base. ``Bases`` opens the sibling checkpoints a manife
 once, and finds the base entry of an entry (the same key, chunk and rank). A base must be
 self-contained (a delta never references a delta) and cut into frames of the same size.
 
+A load that reads many small entries whole first ``plan``s them: their bytes (and their
+bases') are then fetched by spans of many entries (storage/spans.py), one request each.
+
 Owns: those reads, frame decoding in order, XOR with the base, the checks and their messages
 (naming the key, the file and, for a base, its step). Does not own: the codecs (format/codec.py),
 which frames a load needs (loading/coded.py), which entries a save writes as deltas (saving/).
