@@ -347,3 +347,51 @@ def test_a_checkpoint_manager_saves_with_its_options_compression(tmp_path):
     assert entry(step, "w")["stored"]["codec"] == "bytegroup2+zstd"
     fresh = {"w": torch.zeros_like(state["w"])}
     assert mgr.restore(fresh) == 5 and bits_equal(fresh["w"], state["w"])
+
+
+def test_auto_that_needs_no_sample_takes_the_plain_path(tmp_path, monkeypatch):
+    """No tuned profile, or one whose disk outruns the codec, and no base: "auto" is "off"
+    (no packer, no frames, version 3); a slow disk or a base still packs."""
+    from ckptio import packed
+    from ckptio.storage.select import store_for
+    monkeypatch.setenv("CKPTIO_PROFILE_PATH", str(tmp_path / "profiles.json"))
+    options = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB, compression="auto")
+    store = store_for(str(tmp_path / "ckpt"), options)
+    assert packed.packing_for(options, store, None, block_nbytes=FRAME) is None
+    _profile_for(tmp_path, write_gbps=1000.0)
+    assert packed.packing_for(options, store, None, block_nbytes=FRAME) is None
+    _profile_for(tmp_path, write_gbps=0.001)
+    slow = packed.packing_for(options, store, None, block_nbytes=FRAME)
+    assert slow is not None and slow.compression.codec == "bytegroup+zstd"
+    _profile_for(tmp_path, write_gbps=1000.0)
+    state = {"w": compressible(torch.float32, FRAME)}
+    ckptio.Checkpointer(options).save(state, str(tmp_path / "base"))
+    with_base = packed.packing_for(options, store, str(tmp_path / "base"), block_nbytes=FRAME)
+    assert with_base is not None and with_base.compression.codec == "bytegroup+zstd"
+
+
+def test_a_compressed_load_reads_many_small_entries_in_few_reads(tmp_path, monkeypatch):
+    """Small compressed entries (and, for a delta, their base entries) are read by spans of
+    many entries (storage/spans.py), not by one read each: what an object store's GETs cost."""
+    from ckptio.storage.files import StoreFiles
+    gen = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(2048, generator=gen).to(torch.bfloat16) for i in range(60)}
+    ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
+                                            compression="bytegroup+zstd"))
+    base, delta = str(tmp_path / "base"), str(tmp_path / "delta")
+    ck.save(state, base)
+    changed = {k: (v if i % 2 else v + 1) for i, (k, v) in enumerate(state.items())}
+    ck.save(changed, delta, base=base)
+    reads: list[int] = []
+    original = StoreFiles.submit_read
+
+    def counted(self, fh, offset, into):
+        reads.append(len(into))
+        return original(self, fh, offset, into)
+
+    monkeypatch.setattr(StoreFiles, "submit_read", counted)
+    for path, want in ((base, state), (delta, changed)):
+        reads.clear()
+        out = ckptio.Checkpointer(SMALL).load(path)
+        assert all(bits_equal(out[k], want[k]) for k in want)
+        assert len(reads) <= 4, f"{path}: {len(reads)} reads for 60 entries"

@@ -45,6 +45,8 @@ def read_coded(reader: EntryReader, reads: Sequence[Read], *, check_blocks: bool
     whole entry is cut into runs of GROUP frames, unless ``check_blocks`` checks it whole).
     -> logical bytes read."""
     tasks: list[Callable[[], int]] = []
+    reader.plan([r.whole for r in reads
+                 if r.whole is not None and r.whole.nbytes <= GROUP * reader.block_nbytes])
     for read in reads:
         entry = read.whole
         if entry is None:

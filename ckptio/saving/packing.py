@@ -19,7 +19,8 @@ How each entry is stored is decided on its first frame (the sample):
 * compressed by the codec: always for an explicit codec; for ``auto`` when the sample's ratio is
   at least ``MIN_RATIO`` and either the store is an object store or the codec's measured speed
   times ``threads`` beats the store's measured write rate (the tuner's profile) by
-  ``SPEED_MARGIN``; with no profile of a local disk, not compressed (never slower than "off");
+  ``SPEED_MARGIN`` (a local save whose profile is missing or too fast for the codec, with no
+  base, never gets here: packed.py makes it a plain save, "off"'s own path);
 * else raw. A frame that does not shrink is stored raw (codec.py), and an entry whose frames
   are all raw has no ``stored`` field.
 
@@ -46,7 +47,7 @@ from ckptio.planning.layout import SMALL_ALIGN, align_up, data_file_name, item_a
 from ckptio.storage.coded import Base, EntryReader
 from ckptio.storage.files import StoreFiles
 
-__all__ = ["MIN_RATIO", "Compression", "DeltaBase", "Packer", "Where"]
+__all__ = ["MIN_RATIO", "SPEED_MARGIN", "Compression", "DeltaBase", "Packer", "Where"]
 
 MIN_RATIO = 1.1  # auto: a sample must shrink at least this much
 SPEED_MARGIN = 1.2  # auto, local disk: codec speed x threads >= this x the disk's write rate
@@ -122,7 +123,7 @@ class Packer:
         self._done: dict[int, Where] = {}
         self._segment = bytearray()
         self._files: list[FileInfo] = []
-        self._writing: list[tuple[FileHandle, Future[int], mmap.mmap]] = []
+        self._writing: list[tuple[FileHandle, Future[int], mmap.mmap | bytearray]] = []
         self._zeros: dict[tuple[int, str], bytes] = {}
         self._lock = threading.Lock()
 
@@ -301,10 +302,15 @@ class Packer:
         """The segment as a data file of its exact (padded) size, written in one request."""
         name, nbytes = self._segment_name(), align_up(len(self._segment), BLOCK)
         self._files.append(FileInfo(name, nbytes, self.rank))
-        data = mmap.mmap(-1, max(nbytes, BLOCK))  # page-aligned for O_DIRECT; zero padding
-        data[:len(self._segment)] = self._segment
-        self._segment = bytearray()
         fh = self.target.open_write(name, nbytes)
+        data: mmap.mmap | bytearray
+        if fh.direct:  # O_DIRECT: a page-aligned copy; else the segment itself, zero-padded
+            data = mmap.mmap(-1, max(nbytes, BLOCK))
+            data[:len(self._segment)] = self._segment
+        else:
+            data = self._segment
+            data.extend(bytes(nbytes - len(data)))
+        self._segment = bytearray()
         self._writing.append((fh, self.target.submit_write(fh, 0, memoryview(data)[:nbytes]),
                               data))
         while len(self._writing) > 2:  # bound the segments held in memory

@@ -9,6 +9,9 @@ a delta save needs of its base. ``Bases`` opens the sibling checkpoints a manife
 once, and finds the base entry of an entry (the same key, chunk and rank). A base must be
 self-contained (a delta never references a delta) and cut into frames of the same size.
 
+A load that reads many small entries whole first ``plan``s them: their bytes (and their
+bases') are then fetched by spans of many entries (storage/spans.py), one request each.
+
 Owns: those reads, frame decoding in order, XOR with the base, the checks and their messages
 (naming the key, the file and, for a base, its step). Does not own: the codecs (format/codec.py),
 which frames a load needs (loading/coded.py), which entries a save writes as deltas (saving/).
@@ -31,6 +34,7 @@ from ckptio.options import BLOCK
 from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.base import Store
 from ckptio.storage.files import StoreFiles
+from ckptio.storage.spans import SPAN, Range, Spans
 
 __all__ = ["Base", "Bases", "EntryReader", "base_key", "sibling_location"]
 
@@ -117,6 +121,7 @@ class EntryReader:
         self._handles: dict[tuple[int, str], tuple[StoreFiles, FileHandle]] = {}
         self._base_files: dict[str, StoreFiles] = {}
         self._lock = threading.Lock()
+        self._spans = Spans(self._handle)
 
     def __enter__(self) -> EntryReader:
         return self
@@ -131,6 +136,18 @@ class EntryReader:
             files.close(fh, sync=False)
 
     # ---------------------------------------------------------------- frames of an entry
+
+    def plan(self, entries: list[TensorEntry]) -> None:
+        """These entries will be read whole, in this order: read their bytes (and their bases')
+        by spans of many entries (storage/spans.py) rather than one read per entry."""
+        ranges: list[Range] = []
+        for entry in entries:
+            if entry.delta is None or entry.delta.kind == "xor":
+                ranges.append(_range_of(self.files, entry))
+            if entry.delta is not None:
+                files, base, _label = self._base(entry)
+                ranges.append(_range_of(files, base))
+        self._spans.plan([r for r in ranges if r[3] <= SPAN])
 
     def frames(self, entry: TensorEntry, first: int, last: int) -> bytearray:
         """The logical bytes of frames ``[first, last)`` of ``entry``, checked."""
@@ -201,6 +218,9 @@ class EntryReader:
         """Bytes ``[offset, offset + nbytes)`` of the entry's file, by one aligned read."""
         if nbytes == 0:
             return memoryview(b"")
+        planned = self._spans.take(files, entry.file, offset, nbytes)
+        if planned is not None:
+            return planned
         start, end = align_down(offset, BLOCK), align_up(offset + nbytes, BLOCK)
         buffer = mmap.mmap(-1, end - start)  # page-aligned: fit for O_DIRECT
         got = files.submit_read(self._handle(files, entry.file), start,
@@ -240,3 +260,9 @@ class EntryReader:
                     f"[{i * b}, {min((i + 1) * b, entry.nbytes)})) in "
                     f"{files.where(entry.file)}: stored {expected}, read {hasher.hexdigest()}. "
                     "The data is corrupt; load an earlier checkpoint")
+
+
+def _range_of(files: StoreFiles, entry: TensorEntry) -> Range:
+    """The stored bytes of a whole entry in its file."""
+    nbytes = entry.stored.nbytes if entry.stored is not None else entry.nbytes
+    return files, entry.file, entry.offset, nbytes
