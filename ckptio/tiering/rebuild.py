@@ -13,7 +13,8 @@ Collective over the redundancy's gloo group, on every rank, before the load (tie
    has a source. Items found bad before are passed over. Parity: every other member of the
    rank's group (k + 1 hosts) must hold its own step and its parity piece.
 3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-   against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
+   against the digest it recorded. A rank whose source is its own memory then loads the step
+   (``Context.load_own``) while the others receive theirs. The receiver writes the copy (or rebuilds each of its k
    pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut to
    its length and split into its files) into
    ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
@@ -158,6 +159,9 @@ class Context:
     root: str  # the memory tier's local directory
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
+    # step -> load it now (restore.py): a rank whose source is its own memory loads while the
+    # lost hosts' ranks receive, rebuild and verify theirs (its outcome is kept for later)
+    load_own: Callable[[int], None] | None = None
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
@@ -221,6 +225,8 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
         if work is not None:
             work.wait()
     src = sources[ctx.rank]
+    if src[0] == "own" and not failures and ctx.load_own is not None:
+        ctx.load_own(step)
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
@@ -300,13 +306,13 @@ def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
     if any(t.numel() != p for t in pieces.values()):
         raise CkptError(f"the parity pieces of group {group}, step {step} differ in size "
                         f"({sorted({t.numel() for t in pieces.values()})} bytes)")
-    data = torch.zeros(p * (n - 1), dtype=torch.uint8)
+    data = torch.empty(p * (n - 1), dtype=torch.uint8)  # every piece written whole below
     for i in range(n - 1):
         j = topo.holder_of(i, me, n)
-        acc = pieces[j].clone()
+        acc = data[i * p:(i + 1) * p]
+        acc.copy_(pieces[j])  # XORed in place: no copy of the piece, no second pass
         for h, shard in shards.items():
             if h != j:
                 peers.xor_into(acc, peers.piece(shard, topo.contributed(j, h, n), p))
-        data[i * p:(i + 1) * p] = acc
     mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
     return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]
