@@ -83,14 +83,12 @@ class Guard:
                 if s is not None}
 
     def recover(self, own: list[int], anywhere: list[int], verify: Callable[[str], Any],
-                only: int | None, load_own: Callable[[int], None] | None = None) -> Recovery:
-        """Collective (rebuild.recover): the memory step every rank now holds, or None.
-        ``load_own``: called with the step when this rank's source is its own memory, during
-        the transfers (rebuild.Context)."""
+                only: int | None) -> Recovery:
+        """Collective (rebuild.recover): the memory step every rank now holds, or None."""
         assert self.protector is not None  # internal
         self.protector.wait()
         return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
-                               self._own_dir, verify, load_own), own, anywhere, only)
+                               self._own_dir, verify), own, anywhere, only)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending."""

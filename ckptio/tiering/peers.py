@@ -29,8 +29,8 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece", "piece_len",
-           "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
+           "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
            "xor_into"]
 
 

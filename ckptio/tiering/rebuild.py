@@ -13,8 +13,7 @@ Collective over the redundancy's gloo group, on every rank, before the load (tie
    has a source. Items found bad before are passed over. Parity: every other member of the
    rank's group (k + 1 hosts) must hold its own step and its parity piece.
 3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-   against the digest it recorded. A rank whose source is its own memory then loads the step
-   (``Context.load_own``) while the others receive theirs. The receiver writes the copy (or rebuilds each of its k
+   against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
    pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut to
    its length and split into its files) into
    ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
@@ -159,9 +158,6 @@ class Context:
     root: str  # the memory tier's local directory
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
-    # step -> load it now (restore.py): a rank whose source is its own memory loads while the
-    # lost hosts' ranks receive, rebuild and verify theirs (its outcome is kept for later)
-    load_own: Callable[[int], None] | None = None
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
@@ -225,8 +221,6 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
         if work is not None:
             work.wait()
     src = sources[ctx.rank]
-    if src[0] == "own" and not failures and ctx.load_own is not None:
-        ctx.load_own(step)
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:

@@ -2,8 +2,7 @@
 copy brought into its memory first where its host was lost.
 
 1. rebuild.recover (via the Guard): the newest step every rank can hold in memory, verified,
-   fetched from partners or rebuilt from parity where a rank's memory lacks it; a rank whose
-   own memory holds it loads it meanwhile (_EarlyLoad), while the others receive theirs;
+   fetched from partners or rebuilt from parity where a rank's memory lacks it;
 2. the newest step every rank holds in some tier (its memory or a slower tier), when newer than
    that or when 1 found none (two hosts of one parity group lost, a copy damaged): each rank
    restores it from the fastest of its tiers holding it, with a warning naming the hosts lost,
@@ -40,13 +39,13 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
     listing = mgr._listings()
     own = listing[0]["committed"]
     anywhere = sorted({s for tier in listing for s in tier["committed"]})
-    early = _EarlyLoad(lambda n: mgr._levels[0]._try_load(n, state, load_kwargs))
-    recovery = guard.recover(own, anywhere, mgr._ck.verify, step, early)
+    recovery = guard.recover(own, anywhere, mgr._ck.verify, step)
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
-        why = _agreed(guard, f"loading step {memory} from memory", lambda: early.outcome(memory))
+        why = _agreed(guard, f"loading step {memory} from memory",
+                      lambda: mgr._levels[0]._try_load(memory, state, load_kwargs))
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(mgr, guard, memory, 0, source, started, passed, recovery.lost_hosts)
@@ -72,32 +71,6 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
     return _done(mgr, guard, fallback, tier, "own" if tier == 0 else "disk", started, passed,
                  recovery.lost_hosts)
-
-
-class _EarlyLoad:
-    """A rank restoring from its own memory loads during the transfers (rebuild.Context.
-    load_own); its outcome (damage reason or error) is given when the ranks exchange theirs.
-    The state holds the last step loaded: another step asked for is loaded then."""
-
-    def __init__(self, load: Callable[[int], str | None]) -> None:
-        self._load = load
-        self._last: tuple[int, str | None, Exception | None] | None = None
-
-    def __call__(self, step: int) -> None:
-        if self._last is not None and self._last[0] == step:
-            return  # loaded in an earlier round of the same step
-        try:
-            self._last = (step, self._load(step), None)
-        except Exception as exc:  # noqa: BLE001 - kept, raised by outcome() in _agreed
-            self._last = (step, None, exc)
-
-    def outcome(self, step: int) -> str | None:
-        last, self._last = self._last, None
-        if last is None or last[0] != step:
-            return self._load(step)
-        if last[2] is not None:
-            raise last[2]
-        return last[1]
 
 
 def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | None:
