@@ -76,6 +76,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "call_s": _median([_median(x["call_s"][1:]) for x in ranks if x["call_s"]]),
             "protected_s": _median([_median(x["protected_s"]) for x in ranks
                                     if x.get("protected_s")]),
+            "superseded": _median([_superseded(x) for x in ranks if _superseded(x) is not None]),
             "shm_mib_per_rank": shm / MiB, "x_state": shm / state if state else None,
             "rss_extra_mib": _median([x["rss_extra_mib"] for x in ranks])}
         for what in ("host_lost", "memory_lost"):
@@ -93,6 +94,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                     for f in [_restore_of(r, "memory_lost")] if f and "error" not in f])
     out["_disk_restore_s"] = disk  # every engine's restore from the disk tier, pooled
     return out
+
+
+def _superseded(rank: dict[str, Any]) -> int | None:
+    """The steps this rank's protection passed over for a newer one (status()'s superseded)."""
+    status = rank.get("status")
+    tier = status[0] if isinstance(status, list) and status else {}
+    value = tier.get("superseded") if isinstance(tier, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def _pct(x: float | None) -> float | None:
@@ -115,10 +124,11 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"({c['bytes'] / MiB:.1f} MiB): memcpy {c['memcpy_gbps']:.2f} GB/s, XOR "
              f"{c['xor_gbps']:.2f} GB/s, disk cold read {c['disk_read_gbps']:.2f} GB/s "
              f"({c['disk_read_s']:.3f} s).", "",
-             "| engine | overhead % | step s | save call s | protected s | memory MiB/rank | "
+             "| engine | overhead % | step s | save call s | protected s | steps superseded | "
+             "memory MiB/rank | "
              "x state | restore, host lost s | from | steps lost | restore, memory lost (disk) s"
              " | host lost vs disk | what |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     pooled = s.get("_disk_restore_s")
     for name, row in s.items():
         if name.startswith("_"):
@@ -133,6 +143,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         lines.append(
             f"| {name} | {_fmt(row['overhead_pct'], '+.1f')} | {_fmt(row['step_s'])} | "
             f"{_fmt(row['call_s'])} | {_fmt(row['protected_s'])} | "
+            f"{_fmt(row.get('superseded'), 'g')} | "
             f"{_fmt(row['shm_mib_per_rank'], '.1f')} | {_fmt(row['x_state'], '.2f')} | "
             f"{_fmt(lost.get('restore_s'))} | {where or '-'} | {_fmt(lost.get('lost'), 'd')} | "
             f"{_fmt(disk.get('restore_s'))} | {_fmt(speed, '.1f')}x | {NOTES.get(name, '')} |")

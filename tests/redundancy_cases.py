@@ -105,6 +105,25 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
     return {"saved": saved, "status": status[0]}
 
 
+def train_burst(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
+                steps: int, pause_s: float) -> dict[str, Any]:
+    """Save ``steps`` steps back to back while each protection pauses ``pause_s`` after reading
+    its streams (the protection falls behind), then wait for it; -> as train()."""
+    _play_host(rank, per_host, base)
+    os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = str(pause_s)
+    model, opt = _build(seed=rank)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    saved = {}
+    for step in range(1, steps + 1):
+        _step(model, opt)
+        saved[step] = _snapshot(model, opt)
+        mgr.save(step, _state(model, opt, step))
+    mgr.protected()
+    status = mgr.status()
+    mgr.close()
+    return {"saved": saved, "status": status[0]}
+
+
 def restore(rank: int, world: int, base: str, disk: str, per_host: int,
             spec: str) -> dict[str, Any]:
     """A restarted job: fresh weights, restore -> the state restored and how."""

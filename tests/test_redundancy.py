@@ -29,6 +29,7 @@ from tests.redundancy_cases import (
     restore_broken,
     train,
     train_budget,
+    train_burst,
 )
 
 TIMEOUT = 240
@@ -109,6 +110,26 @@ def test_topology_rules_and_refusals():
 
 
 # ------------------------------------------------------------------ a lost host, restored
+
+
+def test_protection_behind_skips_to_the_newest_step_then_restores_it(base, tmp_path):
+    """Five saves back to back while each protection pauses 1 s: the ranks agree on the newest
+    step they all have queued, the older queued ones are superseded (not protected one by
+    one), the newest is protected, and a lost host restores it bitwise from parity."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-2")
+    trained = run_ranks(3, train_burst, *args, 5, 1.0, timeout_s=TIMEOUT)
+    for t in trained:
+        s = t["status"]
+        assert s["protected"] == 5 and s["unprotected"] == [] and s["protect_error"] is None
+        assert 3 <= s["superseded"] <= 4, s  # round 1 takes a step <= 5, round 2 takes 5
+    assert len({t["status"]["superseded"] for t in trained}) == 1  # the same steps everywhere
+    steps = sorted(os.listdir(os.path.join(host_dir(base, 0), "run", ".redundancy")))
+    assert steps == ["step-5"]
+    _wipe(base, 1)
+    restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 5)
+    assert [r["how"]["source"] for r in restored] == ["own", "parity", "own"]
 
 
 def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):

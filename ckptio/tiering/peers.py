@@ -29,8 +29,8 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 
-__all__ = ["Stream", "all_gather_json", "all_ok", "digest", "files_of", "piece", "piece_len",
-           "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
+           "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
            "xor_into"]
 
 
@@ -59,13 +59,17 @@ def files_of(manifest: bytes, where: str) -> list[tuple[str, int]]:
     return [(f.name, f.nbytes) for f in record.files]
 
 
-def read_stream(step_dir: str) -> Stream:
-    """The stream of the committed checkpoint at local directory ``step_dir``."""
+def read_stream(step_dir: str, reuse: torch.Tensor | None = None) -> Stream:
+    """The stream of the committed checkpoint at local directory ``step_dir``. ``reuse``: a
+    buffer (a previous stream's data, no longer in use) read into where it is large enough,
+    so that a thread reading a step every step does not fault in fresh pages each time."""
     try:
         with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
             manifest = f.read()
         files = files_of(manifest, step_dir)
-        data = torch.empty(sum(n for _, n in files), dtype=torch.uint8)
+        total = sum(n for _, n in files)
+        data = (reuse[:total] if reuse is not None and reuse.numel() >= total
+                else torch.empty(total, dtype=torch.uint8))
         view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
         offset = 0
         for name, nbytes in files:
@@ -162,6 +166,13 @@ def recv(group: Any, nbytes: int, src: int, tag: int = 0) -> torch.Tensor:
     if nbytes:
         dist.recv(out, src, group=group, tag=tag)
     return out
+
+
+def agree_min(group: Any, value: int) -> int:
+    """The smallest of every rank's ``value`` (a MIN all_reduce)."""
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item())
 
 
 def all_ok(group: Any, ok: bool) -> bool:

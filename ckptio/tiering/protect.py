@@ -19,6 +19,13 @@ redundancy's own gloo group (peers.py). For step N:
    ``protected-r<rank>.json``: the step is protected. The protection of older steps is then
    removed (only the newest protected step is protected; the own memory keeps keep_last steps).
 
+**Behind: the newest step.** When the thread falls behind the saves (several steps queued), the
+ranks agree (a MIN all_reduce of each rank's newest queued step) on the newest step every rank
+has queued and protect that one; the older queued steps are superseded (never protected,
+counted in status()'s ``superseded``), as the previous protected step stays protected until the
+newer one is. The thread runs at a lowered CPU priority (``nice`` 10, as the drain), so on busy
+cores it takes what training leaves; its reads reuse one buffer from step to step.
+
 A kill anywhere before 4 leaves step N without ``protected`` markers: restore treats its copies
 as absent and falls back to the previous protected step, whose copies are only removed after N
 is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read and
@@ -58,6 +65,7 @@ __all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 
 log = logging.getLogger("ckptio")
 PAUSE_ENV = "CKPTIO_TEST_PROTECT_PAUSE_S"
+NICE = 10  # the thread's CPU priority (as the drain's)
 
 
 @dataclass
@@ -67,6 +75,7 @@ class _State:
     protected: int | None = None
     seconds: float | None = None  # the last: from submit to protected
     skipped: list[int] = field(default_factory=list)
+    superseded: int = 0  # queued steps passed over for a newer one (module docstring)
     error: str | None = None
 
 
@@ -85,6 +94,7 @@ class Protector:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._buffer: torch.Tensor | None = None  # read_stream's, reused from step to step
         if isinstance(spec, Partners):
             topology.partners(rank, spec.n)  # refused here if the hosts are too few
         else:
@@ -131,20 +141,25 @@ class Protector:
             s = self._state
             return {"redundancy": self.spec.describe(), "protected": s.protected,
                     "protecting": s.busy, "queued": list(s.queue), "protect_seconds": s.seconds,
-                    "unprotected": list(s.skipped), "protect_error": s.error}
+                    "unprotected": list(s.skipped), "superseded": s.superseded,
+                    "protect_error": s.error}
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        try:  # Linux: per thread (the gloo group's own I/O threads keep theirs)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (OSError, AttributeError):
+            log.debug("ckptio: the protection runs at normal priority (setpriority refused)")
         while True:
             with self._cond:
                 while not self._state.queue and not self._closed:
                     self._cond.wait()
                 if not self._state.queue:
                     return
-                step = self._state.queue.pop(0)
-                self._state.busy = step
+                step = self._state.busy = self._state.queue[-1]
             try:
+                step = self._agree(step)
                 done = self._protect(step)
                 error = None
             except Exception as exc:  # noqa: BLE001 - stored, raised once by wait()
@@ -153,25 +168,49 @@ class Protector:
                 done, error = False, exc
             with self._cond:
                 self._state.busy = None
+                failed = [s for s in self._state.queue if s <= step] or [step]  # agree failed
+                self._state.queue = [s for s in self._state.queue if s > step]
                 if done:
                     self._state.protected = step
                     self._state.seconds = time.monotonic() - self._submitted.pop(step, 0.0)
                     self._state.error = None
                 else:
-                    self._state.skipped = [*self._state.skipped[-9:], step]
+                    self._state.skipped = [*self._state.skipped, *failed][-10:]
+                    for s in failed:
+                        self._submitted.pop(s, None)
                 if error is not None:
                     self._state.error = f"step {step}: {type(error).__name__}: {error}"
                     if self._error is None:
                         self._error = error
                 self._cond.notify_all()
 
-    def _protect(self, step: int) -> bool:
-        """Steps 1-4 of the module docstring for ``step``; -> whether it is protected."""
+    def _agree(self, newest: int) -> int:
+        """The step every rank protects next: the oldest of the ranks' newest queued steps
+        (collective); the older queued steps are superseded (module docstring)."""
+        self._check_broken(newest)
+        with self._talking(newest, "agreeing on the step to protect with", None):
+            step = peers.agree_min(self.group, newest)
+        with self._cond:
+            older = [s for s in self._state.queue if s < step]
+            self._state.queue = [s for s in self._state.queue if s > step]
+            self._state.superseded += len(older)
+            self._state.busy = step
+            for s in older:
+                self._submitted.pop(s, None)
+        return step
+
+    def _check_broken(self, step: int) -> None:
         if self._broken is not None:
             raise RankFailedError(f"step {step} is not protected: the protection stopped at an "
                                   f"earlier step: {self._broken}", self._broken.ranks)
+
+    def _protect(self, step: int) -> bool:
+        """Steps 1-4 of the module docstring for ``step``; -> whether it is protected."""
+        self._check_broken(step)
         try:
-            stream: peers.Stream | None = peers.read_stream(self._own_dir(step))
+            stream: peers.Stream | None = peers.read_stream(self._own_dir(step), self._buffer)
+            if self._buffer is None or stream.data.numel() > self._buffer.numel():
+                self._buffer = stream.data  # sent and waited for before the next step's read
             meta: dict[str, Any] = {"step": step, **stream.meta()}
         except CkptError as exc:
             log.warning("ckptio: step %d cannot be protected on rank %d: %s", step, self.rank, exc)

@@ -300,13 +300,13 @@ def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
     if any(t.numel() != p for t in pieces.values()):
         raise CkptError(f"the parity pieces of group {group}, step {step} differ in size "
                         f"({sorted({t.numel() for t in pieces.values()})} bytes)")
-    data = torch.zeros(p * (n - 1), dtype=torch.uint8)
+    data = torch.empty(p * (n - 1), dtype=torch.uint8)  # every piece written whole below
     for i in range(n - 1):
         j = topo.holder_of(i, me, n)
-        acc = pieces[j].clone()
+        acc = data[i * p:(i + 1) * p]
+        acc.copy_(pieces[j])  # XORed in place: no copy of the piece, no second pass
         for h, shard in shards.items():
             if h != j:
                 peers.xor_into(acc, peers.piece(shard, topo.contributed(j, h, n), p))
-        data[i * p:(i + 1) * p] = acc
     mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
     return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]
