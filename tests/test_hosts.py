@@ -356,11 +356,18 @@ def _check_restored(saved: list[dict[str, Any]], restored: list[dict[str, Any]],
             assert r["source"] == sources[rank], (rank, r["source"], r["skipped"], r["said"])
 
 
+# Every scenario runs on simulated hosts in tests/test_redundancy.py; here, over real hosts,
+# the two that cover the most (parity per local rank; a partner wrapping round to host 0), and
+# the rest with CKPTIO_TEST_ALL_HOSTS=1 (they add a minute to the suite on 2 cores).
+_ALL = os.environ.get("CKPTIO_TEST_ALL_HOSTS") == "1"
+_ALSO = pytest.mark.skipif(not _ALL, reason="also in test_redundancy.py; CKPTIO_TEST_ALL_HOSTS=1")
+
+
 @pytest.mark.parametrize("mode", MODE)
 @pytest.mark.parametrize("n_hosts,per_host,spec,lost", [
-    (3, 1, ("partners", 1), 1),   # 1 of 3, a partner's copy
-    (3, 1, ("parity", 2), 1),     # 1 of 3, rebuilt from parity (k = 2: 3 hosts hold k + 1)
-    (4, 1, ("parity", 3), 1),     # 1 of 4, rebuilt from parity (k = 3)
+    pytest.param(3, 1, ("partners", 1), 1, marks=_ALSO),   # 1 of 3, a partner's copy
+    pytest.param(3, 1, ("parity", 2), 1, marks=_ALSO),     # 1 of 3, rebuilt from parity (k = 2)
+    pytest.param(4, 1, ("parity", 3), 1, marks=_ALSO),     # 1 of 4, rebuilt from parity (k = 3)
     (4, 1, ("partners", 1), 3),   # 1 of 4, the last host: its partner wraps around to host 0
     (4, 2, ("parity", 3), 2),     # 1 of 4 hosts of 2 ranks: parity per local rank
 ], ids=["1of3-partners", "1of3-parity2", "1of4-parity3", "1of4-partners-last",
@@ -383,6 +390,7 @@ def test_host_lost_restored_bitwise(request: pytest.FixtureRequest, mode: str, t
                      for r in range(n_hosts * per_host)})
 
 
+@_ALSO
 @pytest.mark.parametrize("mode", MODE)
 def test_corrupt_partner_copy_skipped(request: pytest.FixtureRequest, mode: str,
                                       tmp_path: Any) -> None:
