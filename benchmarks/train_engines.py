@@ -106,7 +106,10 @@ class DcpAsyncSaver:
     """dcp.async_save on a 1-rank gloo group: the process executor reads the group's rank and
     world size and re-creates the group in its helper process from MASTER_ADDR/MASTER_PORT."""
 
-    def __init__(self, ctx: Context, process: bool, async_stager: bool = False) -> None:
+    def __init__(self, ctx: Context, process: bool, async_stager: bool = False,
+                 staging: Any = None) -> None:
+        """``staging``: StagingOptions for a DefaultStager (gpu_engines.dcp_best); without it,
+        ``async_stager`` stages on CPU without pinned or shared memory."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -118,11 +121,11 @@ class DcpAsyncSaver:
         self.optimizer = ctx.optimizer
         self.hooks: list[Any] = []
         self.stager: Any = None
-        if async_stager:
+        if async_stager or staging is not None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # CPU only: no pinned memory; staged on DCP's own thread while training goes on
-            self.stager = DefaultStager(StagingOptions(
+            # CPU: no pinned or shared memory; staged on DCP's own thread while training goes on
+            self.stager = DefaultStager(staging or StagingOptions(
                 use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
                 use_non_blocking_copy=False))
 
@@ -204,11 +207,13 @@ class CkptioSaver:
         self.checkpointer.prepare()
         self.lazy = lazy
         self.optimizers = [ctx.optimizer] if lazy else []
+        self.after_step: list[Any] = []  # lazy: modules changed only after the step (gpu_phases)
         self.staging_bytes = 0
 
     def start(self, state: Any, path: Path) -> Pending:
         handle = self.checkpointer.async_save(state, str(path), lazy=self.lazy,
-                                              optimizers=self.optimizers)
+                                              optimizers=self.optimizers,
+                                              after_step=self.after_step)
 
         def report() -> dict[str, Any]:
             result = handle.wait()  # on the training thread, as ckptio requires

@@ -122,6 +122,7 @@ class Checkpointer:
         *,
         lazy: bool = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        after_step: Sequence[torch.nn.Module | torch.Tensor] = (),
         if_busy: str = "wait",
         allow_pickle: bool = False,
         process_group: Any = None,
@@ -137,6 +138,10 @@ class Checkpointer:
         do not own are copied; the rest is copied in the background while forward and backward
         run, and each optimizer's next step() waits until that copy is done. Do not change
         tensors an optimizer owns other than through its step() before then.
+        after_step (lazy only): modules (their parameters, not buffers: forward may change
+        those) or tensors that, like the optimizers' own, change only in or after an
+        optimizer's step, e.g. the bf16 weights of mixed-precision training that are copied
+        from fp32 masters after ``opt.step()``; they are copied in the background too.
         if_busy: "wait" for a save still running, or "skip" (warn and return a skipped handle).
         Call ``wait()`` on the handle for the result; a background error is raised there, or
         else by the next save.
@@ -147,7 +152,8 @@ class Checkpointer:
         Options.host_budget_bytes, so later async saves return at copy speed.
         metrics, metadata, base: as save().
         """
-        return self._start(state, path, lazy=lazy, optimizers=optimizers, if_busy=if_busy,
+        return self._start(state, path, lazy=lazy, optimizers=optimizers,
+                           after_step=_stable_tensors(after_step, lazy), if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=True, user_meta=stepmeta.encode(metrics, metadata),
                            base=base)
@@ -156,7 +162,8 @@ class Checkpointer:
                optimizers: Sequence[torch.optim.Optimizer], if_busy: str, allow_pickle: bool,
                process_group: Any, grow_staging: bool,
                user_meta: dict[str, Any] | None = None,
-               base: str | os.PathLike[str] | None = None) -> SaveHandle:
+               base: str | os.PathLike[str] | None = None,
+               after_step: tuple[torch.Tensor, ...] = ()) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
@@ -190,7 +197,7 @@ class Checkpointer:
             plan_cache=self._plan_cache, meta={**session.default_meta(), **(user_meta or {})},
             block_nbytes=self._staging.block_nbytes,
             allow_pickle=allow_pickle,
-            lazy=lazy, optimizers=tuple(optimizers), started=started,
+            lazy=lazy, optimizers=tuple(optimizers), after_step=after_step, started=started,
             previous_error=previous_error, grow_staging=grow_staging, packing=packing)
         save = session.begin(context, state)
         self._inflight, self._thread = save.handle, save.thread
@@ -322,6 +329,24 @@ class Checkpointer:
 
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _stable_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
+                    lazy: bool) -> tuple[torch.Tensor, ...]:
+    """async_save(after_step=...) as tensors: each module's parameters, each tensor itself."""
+    if after_step and not lazy:
+        raise CkptError("async_save(after_step=...) applies to lazy saves: pass lazy=True too "
+                        "(an eager save copies everything before it returns)")
+    tensors: list[torch.Tensor] = []
+    for i, value in enumerate(after_step):
+        if isinstance(value, torch.nn.Module):
+            tensors.extend(p.detach() for p in value.parameters())
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+        else:
+            raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
+                            "pass modules (their parameters) or tensors")
+    return tuple(tensors)
 
 
 def _finish_saves_at_exit() -> None:

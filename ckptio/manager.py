@@ -255,13 +255,15 @@ class CheckpointManager:
     # ---------------------------------------------------------------- saving
 
     def save(self, step: int, state: Any, *, asynchronous: bool = False, lazy: bool = False,
-             optimizers: Sequence[torch.optim.Optimizer] = (), force: bool = False,
+             optimizers: Sequence[torch.optim.Optimizer] = (),
+             after_step: Sequence[torch.nn.Module | torch.Tensor] = (), force: bool = False,
              allow_pickle: bool = False, metrics: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None) -> SaveResult | SaveHandle | None:
         """Save ``state`` as ``step`` if ``should_save(step)`` or ``force``; else -> None.
 
         -> SaveResult once committed, or a SaveHandle (``asynchronous=True``: eager; ``lazy=True``
-        implies asynchronous, see Checkpointer.async_save). An unseen error of the previous async
+        implies asynchronous, see Checkpointer.async_save, as for ``optimizers`` and
+        ``after_step``). An unseen error of the previous async
         save is raised here instead, and this save does not start. ``metrics`` (str -> number,
         what ``monitor`` reads) and ``metadata`` (str -> JSON) are stored with the step
         (stepmeta.py); rank 0's are the ones stored.
@@ -288,7 +290,7 @@ class CheckpointManager:
                                        **extra)
             else:
                 handle = self._ck.async_save(state, path, lazy=lazy, optimizers=optimizers,
-                                             allow_pickle=allow_pickle, process_group=group,
+                                             after_step=after_step, allow_pickle=allow_pickle, process_group=group,
                                              **extra)
         finally:
             if previous is not None and self._pending is previous and previous[1].done():

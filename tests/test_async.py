@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -192,6 +193,50 @@ def test_lazy_with_two_optimizers(tmp_path: os.PathLike[str], gate) -> None:
     loaded = _flat_tensors(ckptio.load(tmp_path / "ck"))
     for key, value in expected.items():
         assert torch.equal(loaded[key], value), key
+    ck.close()
+
+
+def test_lazy_after_step_defers_mixed_precision_weights(tmp_path: os.PathLike[str], gate) -> None:
+    """Mixed precision: bf16 weights are copied from fp32 masters after the step. With
+    after_step=[model] they are captured in the background too: the call returns while every
+    write is held (4 MiB of bf16 weights could not pass a 2 MiB pool before it returns: without
+    after_step it waits for the gate's 120 s), and the checkpoint holds the pre-step values."""
+    torch.manual_seed(2)
+    model = torch.nn.Linear(1024, 2048, bias=False).to(torch.bfloat16)
+    master = model.weight.detach().float().clone().requires_grad_()
+    opt = torch.optim.SGD([master], lr=0.5)
+    state = {"model": model.state_dict(), "master": master, "optim": opt.state_dict()}
+    expected = {"w": model.weight.detach().clone(), "m": master.detach().clone()}
+    ck = Checkpointer(SMALL_POOL)
+    writes = gate(ck, "write")
+    opt.register_step_pre_hook(writes.open)
+    t0 = time.perf_counter()
+    handle = ck.async_save(state, tmp_path / "ck", lazy=True, optimizers=[opt], after_step=[model])
+    assert time.perf_counter() - t0 < 30, "the bf16 weights were copied before the call returned"
+    assert not handle.staged()
+    model(torch.randn(4, 1024, dtype=torch.bfloat16)).float().sum().backward()
+    master.grad = model.weight.grad.float()
+    opt.step()  # waits for the capture
+    with torch.no_grad():
+        model.weight.copy_(master)
+    assert handle.wait().blocked_s > 0
+    loaded = ckptio.load(tmp_path / "ck")
+    assert torch.equal(loaded["model"]["weight"], expected["w"])
+    assert torch.equal(loaded["master"], expected["m"])
+    assert not torch.equal(model.weight, expected["w"])  # the step and the copy-back ran
+    ck.close()
+
+
+def test_after_step_is_for_lazy_saves_of_modules_or_tensors(tmp_path: os.PathLike[str]) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(SMALL_POOL)
+    with pytest.raises(CkptError, match="pass lazy=True"):
+        ck.async_save({"m": model.state_dict()}, tmp_path / "a", after_step=[model])
+    with pytest.raises(CkptError, match="item 0 is a str"):
+        ck.async_save({"m": model.state_dict()}, tmp_path / "b", lazy=True, optimizers=[opt],
+                      after_step=["model"])  # type: ignore[list-item]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     ck.close()
 
 
@@ -408,6 +453,8 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
     ck.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the pool is page-locked when "
+                    "made (cudaHostRegister faults every page): there is no background pre-fault")
 def test_exit_while_the_pool_is_still_faulting_in(tmp_path: os.PathLike[str]) -> None:
     """A process that saves once and exits at once, its 1 GiB pool still being pre-faulted in
     the background: it exits cleanly (a torch op still running on a daemon thread when the

@@ -217,10 +217,11 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
-                optimizers: Sequence[torch.optim.Optimizer]) -> tuple[tuple[WriteItem, ...], int]:
-    """Items the optimizers do not own first (copied before a lazy save returns), then theirs;
-    -> (items, how many come first)."""
-    owned = optimizer_storages(optimizers)
+                optimizers: Sequence[torch.optim.Optimizer],
+                after_step: Sequence[torch.Tensor] = ()) -> tuple[tuple[WriteItem, ...], int]:
+    """Items neither the optimizers nor ``after_step`` own first (copied before a lazy save
+    returns), then theirs; -> (items, how many come first)."""
+    owned = optimizer_storages(optimizers) | {_storage(t) for t in after_step}
     eager: list[WriteItem] = []
     lazy: list[WriteItem] = []
     for item in items:

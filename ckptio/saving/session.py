@@ -105,6 +105,7 @@ class SaveContext:
     lazy: bool
     optimizers: tuple[torch.optim.Optimizer, ...]
     started: float
+    after_step: tuple[torch.Tensor, ...] = ()  # lazy: changed only in or after a step too
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
     grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
@@ -192,7 +193,7 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     items = tuple(plan.items[i] for i in writes)
     eager_items = len(items)
     if ctx.lazy:
-        items, eager_items = lazy_order(items, sources, ctx.optimizers)
+        items, eager_items = lazy_order(items, sources, ctx.optimizers, ctx.after_step)
     if ctx.packing is not None:  # one layout: the capture's order (packing.py writes the files)
         files = tuple(FileLayout(PACKED_FILE, f.nbytes, f.placements) for f in plan_files(
             items, save_id=agreement.save_id, rank=ctx.group.rank, max_file_bytes=1 << 62))

@@ -1,0 +1,201 @@
+"""The GPU benchmark's training job and the engines it checkpoints with.
+
+Owns: a mixed-precision GPT trainer on one device (bf16 weights for forward and backward, fp32
+master weights and fused AdamW moments, gradient accumulation; the forward pass is the training
+benchmark's), the state it checkpoints (live references), and the savers that train_engines.py
+lacks: DCP's ``async_save`` at its best on a GPU (pinned shared-memory staging, asynchronous
+DefaultStager, process executor) and DataStates-LLM (the seeds' lazy engine, built from its
+repository), plus what each one holds page-locked. Does not own: the loop, timing and reports
+(gpu.py), the ckptio saver and the gloo group DCP needs (train_engines.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import train_engines
+from benchmarks.train import forward
+from benchmarks.train_engines import Context, Pending
+
+PARAM_BYTES = 14  # bf16 weight + fp32 master + two fp32 AdamW moments
+DATASTATES_ENV = "DATASTATES_LLM_DIR"  # the built repository (its datastates/ package)
+
+
+@dataclass
+class Trainer:
+    """bf16 model, fp32 master copies with fused AdamW, grads accumulated over ``accum``."""
+
+    model: torch.nn.Module
+    master: dict[str, torch.Tensor]
+    opt: torch.optim.Optimizer
+    vocab: int
+    batch: int
+    seq: int
+    accum: int
+    device: torch.device
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator(device=self.device).manual_seed(0)
+        self._params = [p for _, p in self._named()]
+        self._masters = [self.master[n] for n, _ in self._named()]
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        out = []
+        for name, p in self.model.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    def forward_backward(self) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            tokens = torch.randint(self.vocab, (self.batch, self.seq + 1), device=self.device,
+                                   generator=self.generator)
+            logits = forward(self.model, tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            (loss / self.accum).backward()
+            total += loss.detach()
+        return total / self.accum
+
+    def optimizer_step(self) -> None:
+        """fp32 grads from the bf16 ones, the AdamW step on the masters, bf16 weights back."""
+        with torch.no_grad():
+            for m, p in zip(self._masters, self._params):
+                m.grad.copy_(p.grad)
+            self.opt.step()
+            torch._foreach_copy_(self._params, self._masters)
+            for p in self._params:
+                p.grad = None
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a mixed-precision job saves: live references, no copies."""
+        # plain dicts, as torch.distributed.checkpoint.state_dict.get_model_state_dict gives: a
+        # module's OrderedDict (with _metadata) fails DCP's DefaultStager in torch 2.11
+        return {"model": dict(self.model.state_dict()), "master": self.master,
+                "optim": self.opt.state_dict(), "step": step}
+
+
+def build_trainer(gb: float, device: str, seed: int, batch: int, seq: int, accum: int) -> Trainer:
+    """A GPT of about ``gb`` GB of state at 14 bytes per parameter, built on the device."""
+    from ckptio.tuning import state as shapes
+
+    torch.manual_seed(seed)
+    dev = torch.device(device)
+    cfg = shapes.gpt_config(gb * 12 / PARAM_BYTES)  # gpt_config counts 12 bytes per parameter
+    model = shapes.GPT(cfg, dev)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0 if "ln" in name else 0.0)
+    model = model.to(torch.bfloat16)
+    master = {}
+    for name, p in model.named_parameters():
+        m = p.detach().float().clone()
+        m.grad = torch.zeros_like(m)
+        master[name] = m
+    opt = torch.optim.AdamW(list(master.values()), lr=1e-4, weight_decay=0.1,
+                            fused=dev.type == "cuda", foreach=None if dev.type == "cuda" else True)
+    return Trainer(model, master, opt, cfg.vocab, batch, min(seq, cfg.context - 1), accum, dev)
+
+
+def state_bytes(state: Any) -> int:
+    from ckptio.tuning.state import tensor_nbytes
+
+    return tensor_nbytes(state)
+
+
+# ---------------------------------------------------------------- DCP at its best on a GPU
+
+
+def dcp_best(ctx: Context) -> train_engines.Saver:
+    """dcp.async_save with the process executor and DefaultStager(StagingOptions()) whose
+    defaults are DCP's best on a GPU: pinned, shared memory, staged asynchronously with
+    non-blocking copies (on CPU the pinning is left off: torch ignores it there)."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    on_gpu = torch.cuda.is_available()
+    return train_engines.DcpAsyncSaver(ctx, process=True, staging=StagingOptions(
+        use_pinned_memory=on_gpu, use_shared_memory=on_gpu, use_async_staging=True,
+        use_non_blocking_copy=on_gpu))
+
+
+def dcp_pinned_bytes(saver: Any) -> int:
+    """Bytes DCP's stager keeps page-locked: its cached staging storages (measured)."""
+    stager = getattr(getattr(saver, "stager", None), "_state_dict_stager", None)
+    if stager is None or not getattr(stager, "pin_memory", False):
+        return 0
+    return sum(s.nbytes() for s in stager._cached_storage_mapping.values())
+
+
+# ---------------------------------------------------------------- DataStates-LLM
+
+
+def datastates_unavailable() -> str | None:
+    root = os.environ.get(DATASTATES_ENV)
+    if not torch.cuda.is_available():
+        return "DataStates-LLM copies from CUDA tensors only (no GPU here)"
+    if not root or not any(Path(root, "datastates", "ckpt").glob("src*.so")):
+        return f"DataStates-LLM is not built (set {DATASTATES_ENV} to its built repository)"
+    return None
+
+
+class DataStatesSaver:
+    """DataStates-LLM's CkptEngine: async_save queues each tensor's D2H copy (its own stream,
+    into its pinned host cache) and file write (one thread, ofstream at an offset); wait()
+    returns once the D2H copies are done and is called before each optimizer step, as the
+    seeds' integration does. It never fsyncs: durable() waits until its writer has written
+    the file's last byte, then fsyncs the file (DataStates' own API has no such wait)."""
+
+    def __init__(self, ctx: Context, cache_bytes: int) -> None:
+        sys.path.insert(0, os.environ[DATASTATES_ENV])
+        from datastates.ckpt import CkptEngine
+
+        self.cache_bytes = cache_bytes
+        self.engine = CkptEngine(host_cache_size=cache_bytes, gpu_device_id=0, rank=0)
+        self.version = 0
+        self.hook = ctx.optimizer.register_step_pre_hook(lambda *_a: self.engine.wait())
+
+    def start(self, state: Any, path: Path) -> Pending:
+        from ckptio.tuning.state import tensor_leaves
+
+        self.version += 1
+        path.mkdir(parents=True)
+        target = str(path / "rank0.bin")
+        jobs, offset, seen = [], 0, set()
+        for _, t in tensor_leaves(state):
+            if t.data_ptr() in seen or t.numel() == 0:
+                continue
+            seen.add(t.data_ptr())
+            jobs.append((self.version, t, offset, target))
+            offset += t.numel() * t.element_size()
+        self.engine.async_save(jobs)
+        return Pending(durable=lambda: self._durable(target, offset))
+
+    def _durable(self, target: str, nbytes: int) -> None:
+        self.engine.wait()
+        while not os.path.exists(target) or os.path.getsize(target) < nbytes:
+            time.sleep(0.001)  # its writer is FIFO: the last tensor queued is written last
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.hook.remove()
+        self.engine.wait()
+
+
+def ckptio_pinned_bytes(saver: Any) -> int:
+    pool = saver.checkpointer.staging_nbytes
+    return pool if torch.cuda.is_available() else 0
