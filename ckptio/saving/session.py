@@ -265,7 +265,8 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
     index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        pool, target = ctx.staging.files(ctx.store)
+        staged = None if ctx.packing is not None else sum(f.nbytes for f in part.files)
+        pool, target = ctx.staging.files(ctx.store, staged)  # a pool no larger than the state
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
