@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -259,3 +260,48 @@ def test_populate_faults_the_pages_in() -> None:
     before = rss()
     _populate(address, 64 * MiB)
     assert rss() - before >= 60 * MiB
+
+
+def test_the_first_async_save_grows_the_pool_before_its_capture(
+        tmp_path: os.PathLike[str], assert_same) -> None:
+    """Issue 29: the first async save of a state larger than the pool grows the pool before it
+    copies (within the budget), so it does not wait for the disk either: every write delayed,
+    the call returns with nothing written and the pool already holding the state."""
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(**SMALL))
+    faulty = inject(ck, delay_s=0.1)
+    handle = ck.async_save(state, tmp_path / "first")
+    assert ck.staging_nbytes >= 8 * MiB
+    assert handle.progress().nbytes_written == 0
+    handle.wait()
+    assert faulty.calls["write"] >= 8  # the injected backend survived the growth
+    assert_same(ckptio.load(tmp_path / "first"), state)
+    ck.close()
+
+
+def test_a_synchronous_save_writes_while_it_still_copies(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, assert_same) -> None:
+    """Issue 29: a synchronous save's writes start with its first full buffer, not once the
+    whole state is copied (an async save's caller waits only for the copy, a synchronous one's
+    for the writes too): held at the end of its capture, it has written already."""
+    from ckptio.saving import persist
+
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=16 * MiB, use_profile=False))
+    faulty = inject(ck)
+    writes_before_the_end = []
+    close = persist._Window.close
+
+    def held_close(window: persist._Window, file_nbytes: int) -> None:
+        if window.file == 0 and not writes_before_the_end:
+            deadline = time.monotonic() + 5
+            while faulty.calls["write"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            writes_before_the_end.append(faulty.calls["write"])
+        close(window, file_nbytes)
+
+    monkeypatch.setattr(persist._Window, "close", held_close)
+    ck.save(state, tmp_path / "sync")
+    assert writes_before_the_end[0] >= 1
+    assert_same(ckptio.load(tmp_path / "sync"), state)
+    ck.close()

@@ -5,6 +5,9 @@
         2 plan       this rank's writes and inline values (reused for an unchanged layout)
         3 agree      collective: who writes what; if one rank fails, every rank fails
         4 lay out    this rank's files, named for this save only; the save's thread starts
+        - grow       an async save of a state larger than the staging pool grows the pool
+                     first (within Options.host_budget_bytes), so that it, the first one
+                     too, and the next ones never wait for the disk
     save.capture_here()                        # still the caller's thread:
         5 capture    eager: the state copied into the staging pool, here (handed over by the
                      save's thread once the files are open); lazy: only the tensors no
@@ -13,13 +16,12 @@
     _run(...)                                  # the save's thread:
         - claim      collective: the coordinator holds the checkpoint directory's lock
         - open       the directory (on failure this save's files are removed again)
-        6 drain      every checksum and write finished
+        6 drain      every checksum and write finished (a synchronous save's start with its
+                     first full buffer, an async one's once the capture is done)
         7 fsync      every file durable
         8 conclude   collective: every rank's keyed result to the coordinator
         9 commit     the coordinator writes the manifest last, atomically
        10 clean up   files no committed manifest names, in the background (cleanup.py)
-       11 grow       an async save of a state larger than the staging pool grows the pool
-                     (within Options.host_budget_bytes) so the next one never waits for the disk
 
 Everything the save needs is fixed in one SaveContext when it starts. A failure anywhere on
 any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
@@ -106,7 +108,7 @@ class SaveContext:
     optimizers: tuple[torch.optim.Optimizer, ...]
     started: float
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
-    grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
+    grow_staging: bool = False  # an async save: first grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
 
 
@@ -153,6 +155,8 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
+        if ctx.grow_staging:  # the first async save too finds a pool that holds the state
+            ctx.staging.fit([f.nbytes for f in part.files])
         handle = SaveHandle(ctx.store.location, persist.Progress(part.nbytes),
                             tuple(f.name for f in part.files), ctx.started)
         thread = _start_thread(ctx, part, handle)
@@ -243,11 +247,7 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
             _report_failure(ctx, part.agreement, exc, claimed=True)
         handle._finished(0, exc)
         return
-    try:
-        if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
-            ctx.staging.fit([f.nbytes for f in part.files])
-    finally:
-        handle._finished(handle.progress().nbytes_total)
+    handle._finished(handle.progress().nbytes_total)
 
 
 @contextlib.contextmanager
@@ -270,7 +270,8 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
-                              block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target))
+                              block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
+                              write_at_once=not ctx.grow_staging)  # a synchronous save
         if ctx.lazy:
             job.capture(part.eager_items, handle._eager_captured)
         else:
