@@ -5,8 +5,10 @@ issue 29 item 2).
 Owns: per fresh process (one per rep): the state built, one memory copy of it timed (into a
 pre-faulted destination), the same-run O_DIRECT write ceiling (ckptio/tuning/ceiling.py, best
 geometry), then in one ``Checkpointer`` either three synchronous saves (``--mode sync``: the
-first pays pool creation) or three eager ``async_save`` calls (``--mode async``: each call
-timed, wait() outside the clock); the medians over the processes. Does not own: the state
+first pays pool creation), three eager ``async_save`` calls (``async``: each call timed,
+wait() outside the clock), or the same after ``prepare(path, state=)`` (``async_prepared``:
+the pool sized and faulted in before the first call, its time reported apart); the medians
+over the processes. Does not own: the state
 (ckptio/tuning/state.py) or the ceiling.
 
     python -m benchmarks.first_save --gb 2 --reps 3 --dir bench-data/first
@@ -28,6 +30,7 @@ from typing import Any
 from benchmarks import worker_env
 
 SAVES = 3
+MODES = ("sync", "async", "async_prepared")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="fresh processes per mode (default 3)")
     p.add_argument("--dir", type=Path, default=Path("bench-data/first"), help="scratch directory")
     p.add_argument("--json", type=Path, help="write every run and the medians here")
-    p.add_argument("--worker", choices=("sync", "async"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -67,6 +70,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         ceil.append(ceiling.write_ceiling(path, nbytes, chunk, threads)["seconds"])
         path.unlink()
     ck = ckptio.Checkpointer(ckptio.Options.from_env(io_backend="posix", use_profile=False))
+    prepare_s = None
+    if args.worker == "async_prepared":
+        t0 = time.perf_counter()
+        ck.prepare(args.dir, state=src)
+        prepare_s = time.perf_counter() - t0
     seconds = []
     for i in range(SAVES):
         path = args.dir / f"s{i}"
@@ -84,7 +92,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(path)
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
-            "seconds": seconds}
+            "seconds": seconds, "prepare_s": prepare_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for _rep in range(args.reps):
-            for mode in ("sync", "async"):
+            for mode in MODES:
                 cmd = [sys.executable, "-m", "benchmarks.first_save", "--worker", mode,
                        "--gb", repr(args.gb), "--dir", str(args.dir)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
@@ -127,14 +135,19 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
             pct = med(r["ceiling_s"] / x for r in sync
                       for x in (r["seconds"][:1] if name == "first save" else r["seconds"][1:]))
             out.append(f"| {name} | {s:.3f} | {sync[0]['bytes'] / s / 1e9:.2f} | {100 * pct:.0f} |")
-    asyn = [r for r in runs if r["mode"] == "async"]
-    if asyn:
+    for mode in MODES[1:]:
+        asyn = [r for r in runs if r["mode"] == mode]
+        if not asyn:
+            continue
         memcpy = med(r["memcpy_s"] for r in asyn)
         first = med(r["seconds"][0] for r in asyn)
         later = med(s for r in asyn for s in r["seconds"][1:])
-        out += ["", "| async_save call | s | x one memory copy |", "|---|---:|---:|",
-                f"| memory copy of the state | {memcpy:.3f} | 1.00 |",
-                f"| first call | {first:.3f} | {first / memcpy:.2f} |",
+        out += ["", f"| {mode} call | s | x one memory copy |", "|---|---:|---:|",
+                f"| memory copy of the state | {memcpy:.3f} | 1.00 |"]
+        if mode == "async_prepared":
+            out.append(f"| prepare(path, state=), before the first call | "
+                       f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
+        out += [f"| first call | {first:.3f} | {first / memcpy:.2f} |",
                 f"| later calls | {later:.3f} | {later / memcpy:.2f} |"]
     return "\n".join(out)
 

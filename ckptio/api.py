@@ -82,9 +82,8 @@ class Checkpointer:
     def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
         """Allocate and pre-fault the staging pool and start the I/O backend now, for the
         store of ``path``: call at startup so the first save does not pay for it. With
-        ``state``: size the pool for async saves of it, as the first async save would at its
-        start (within Options.host_budget_bytes), and fault it in now, so the first one
-        returns at copy speed too."""
+        ``state``: size the pool for async saves of it, as the first async save would after
+        it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
         if state is not None:  # first: the pool is then made once, at its grown size
             self._staging.fit(session.file_nbytes(state, self.options.max_file_bytes))
         self._staging.prepare(None if path is None else store_for(path, self.options))
@@ -144,9 +143,8 @@ class Checkpointer:
         With torch.distributed initialised (or ``process_group`` given), every rank calls this
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
-        Staging: a state larger than the pool grows it before the capture (the first async
-        save too), up to Options.host_budget_bytes, so async saves return at copy speed (the
-        first one at the speed of faulting the new pool in, unless prepare(state=) did).
+        Staging: a state larger than the pool grows it after the save, up to
+        Options.host_budget_bytes, so later async saves return at copy speed.
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers, if_busy=if_busy,

@@ -40,10 +40,9 @@ class Options:
     pool_bytes: total staging memory (buffer_bytes x number of buffers); allocated once, reused.
     host_budget_bytes: how far an async save may grow the staging pool so that async_save
         returns at memory-copy speed. After an async save (eager or lazy) of a state larger than
-        the pool, the pool grows (on the caller's thread, before the save copies anything) to
-        hold this rank's whole state, up to this many bytes; it is pre-faulted once, in the
-        background (the capture uses each buffer as soon as it is), and reused by every later
-        save and load
+        the pool, the pool grows (on the save's thread, once the save is committed and before
+        its wait() returns) to hold this rank's whole state, up to this many bytes; it is
+        pre-faulted once, in the background, and reused by every later save and load
         (Checkpointer.close frees it). Beyond the budget the state streams
         through the pool and async_save waits for the disk for the rest (logged once). None
         (default): half of the host memory available when the pool grows (MemAvailable),

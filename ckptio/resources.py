@@ -12,10 +12,9 @@ only as many buffers as those bytes fill (two at least, Options.pool_bytes at mo
 state does not allocate and fault in 256 MiB, which was most of a small save's or load's time
 in a fresh process. A later, larger use replaces a pool smaller than it wants.
 
-An async save grows the pool to hold the state's files whole (``fit``), before its capture
-(the first async save too) and after it, within the host-memory budget
-(Options.host_budget_bytes, or half of the memory available shared by the ranks of this host,
-``LOCAL_WORLD_SIZE``), so async saves return at copy speed.
+After an async save the pool may grow to hold the state's files whole (``fit``), within the
+host-memory budget (Options.host_budget_bytes, or half of the memory available shared by the
+ranks of this host, ``LOCAL_WORLD_SIZE``), so the next async save returns at copy speed.
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
@@ -158,7 +157,7 @@ class Resources:
 
     def _grow(self, target: int, buffer_bytes: int, current: int) -> None:
         self._grown_nbytes = target * buffer_bytes
-        self._drop_pool()  # backends that pinned the old pool are made again with the new one
+        self.release()  # the next save or load makes the backends (registering the new pool)
         try:
             self._pool = BufferPool(target, buffer_bytes, background=True)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use

@@ -262,23 +262,6 @@ def test_populate_faults_the_pages_in() -> None:
     assert rss() - before >= 60 * MiB
 
 
-def test_the_first_async_save_grows_the_pool_before_its_capture(
-        tmp_path: os.PathLike[str], assert_same) -> None:
-    """Issue 29: the first async save of a state larger than the pool grows the pool before it
-    copies (within the budget), so it does not wait for the disk either: every write delayed,
-    the call returns with nothing written and the pool already holding the state."""
-    state = _state(8 * MiB)
-    ck = Checkpointer(Options(**SMALL))
-    faulty = inject(ck, delay_s=0.1)
-    handle = ck.async_save(state, tmp_path / "first")
-    assert ck.staging_nbytes >= 8 * MiB
-    assert handle.progress().nbytes_written == 0
-    handle.wait()
-    assert faulty.calls["write"] >= 8  # the injected backend survived the growth
-    assert_same(ckptio.load(tmp_path / "first"), state)
-    ck.close()
-
-
 def test_a_synchronous_save_writes_while_it_still_copies(
         tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, assert_same) -> None:
     """Issue 29: a synchronous save's writes start with its first full buffer, not once the

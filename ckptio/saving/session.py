@@ -5,9 +5,6 @@
         2 plan       this rank's writes and inline values (reused for an unchanged layout)
         3 agree      collective: who writes what; if one rank fails, every rank fails
         4 lay out    this rank's files, named for this save only; the save's thread starts
-        - grow       an async save of a state larger than the staging pool grows the pool
-                     first (within Options.host_budget_bytes), so that it, the first one
-                     too, and the next ones never wait for the disk
     save.capture_here()                        # still the caller's thread:
         5 capture    eager: the state copied into the staging pool, here (handed over by the
                      save's thread once the files are open); lazy: only the tensors no
@@ -22,6 +19,8 @@
         8 conclude   collective: every rank's keyed result to the coordinator
         9 commit     the coordinator writes the manifest last, atomically
        10 clean up   files no committed manifest names, in the background (cleanup.py)
+       11 grow       an async save of a state larger than the staging pool grows the pool
+                     (within Options.host_budget_bytes) so the next one never waits for the disk
 
 Everything the save needs is fixed in one SaveContext when it starts. A failure anywhere on
 any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
@@ -108,7 +107,7 @@ class SaveContext:
     optimizers: tuple[torch.optim.Optimizer, ...]
     started: float
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
-    grow_staging: bool = False  # an async save: first grow the pool to hold this state
+    grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
 
 
@@ -155,8 +154,6 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
-        if ctx.grow_staging:  # the first async save too finds a pool that holds the state
-            ctx.staging.fit([f.nbytes for f in part.files])
         handle = SaveHandle(ctx.store.location, persist.Progress(part.nbytes),
                             tuple(f.name for f in part.files), ctx.started)
         thread = _start_thread(ctx, part, handle)
@@ -247,7 +244,11 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
             _report_failure(ctx, part.agreement, exc, claimed=True)
         handle._finished(0, exc)
         return
-    handle._finished(handle.progress().nbytes_total)
+    try:
+        if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
+            ctx.staging.fit([f.nbytes for f in part.files])
+    finally:
+        handle._finished(handle.progress().nbytes_total)
 
 
 @contextlib.contextmanager
