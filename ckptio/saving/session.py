@@ -267,7 +267,8 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
     job: persist.SaveJob | None = None
     try:
         staged = None if ctx.packing is not None else sum(f.nbytes for f in part.files)
-        pool, target = ctx.staging.files(ctx.store, staged)  # a pool no larger than the state
+        # a pool no larger than the state, faulted in by the capture's own copies
+        pool, target = ctx.staging.files(ctx.store, staged, copy_faults=True)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
