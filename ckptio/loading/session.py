@@ -86,13 +86,19 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
 
     def read(reads: list[Read]) -> int:
         with staging.lock:
-            pool, files = staging.files(store)
+            pool, files = staging.files(store, _staged_nbytes(reads))
             with _entry_reader(files, record, algorithm, bases, staging) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=staging.io_depth,
                                             coded=coded)
 
     return read
+
+
+def _staged_nbytes(reads: list[Read]) -> int:
+    """The stored bytes of the entries ``reads`` touch, each once: no read of them stages more,
+    so a small state's load gets a pool of that size (resources.py)."""
+    return sum({id(e): e.extent_nbytes for r in reads for e in r.entries}.values())
 
 
 def _bases(staging: Staging, store: Store, record: Manifest | None) -> Bases | None:

@@ -57,11 +57,14 @@ class SaveJob:
     def __init__(self, target: StoreFiles, files: Sequence[FileLayout],
                  sources: dict[str, torch.Tensor], *, pool: BufferPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
-                 block_nbytes: int = 1 << 20, packer: Packer | None = None) -> None:
+                 block_nbytes: int = 1 << 20, packer: Packer | None = None,
+                 write_at_once: bool = False) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread). ``packer``: a packed save
         (packing.py): ``files`` is one layout that only orders the capture, its bytes go to
-        the packer's files."""
+        the packer's files. ``write_at_once``: checksums and writes start with the first full
+        buffer (a synchronous save, whose caller waits for the writes anyway), not once the
+        capture is done or the pool runs dry."""
         self.target, self.files, self.sources = target, files, sources
         self.packer = packer
         self.pool, self.rank = pool, rank
@@ -81,6 +84,8 @@ class SaveJob:
         # Checksums and writes start once the capture is done or the pool runs dry: until then
         # the second core is left to the copy, which is all the caller waits for.
         self._go = threading.Event()
+        if write_at_once:
+            self._go.set()
         self._failure: BaseException | None = None
         self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
 

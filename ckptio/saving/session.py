@@ -13,7 +13,8 @@
     _run(...)                                  # the save's thread:
         - claim      collective: the coordinator holds the checkpoint directory's lock
         - open       the directory (on failure this save's files are removed again)
-        6 drain      every checksum and write finished
+        6 drain      every checksum and write finished (a synchronous save's start with its
+                     first full buffer, an async one's once the capture is done)
         7 fsync      every file durable
         8 conclude   collective: every rank's keyed result to the coordinator
         9 commit     the coordinator writes the manifest last, atomically
@@ -266,11 +267,14 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
     index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        pool, target = ctx.staging.files(ctx.store)
+        staged = None if ctx.packing is not None else sum(f.nbytes for f in part.files)
+        # a pool no larger than the state, faulted in by the capture's own copies
+        pool, target = ctx.staging.files(ctx.store, staged, copy_faults=True)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=handle.progress(),
-                              block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target))
+                              block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
+                              write_at_once=not ctx.grow_staging)  # a synchronous save
         if ctx.lazy:
             job.capture(part.eager_items, handle._eager_captured)
         else:

@@ -1,0 +1,156 @@
+"""First-save benchmark: the synchronous save's share of the disk, first and later, and the
+call time of the first async save against later ones, in fresh processes (docs/BENCH_LIMIT.md,
+issue 29 item 2).
+
+Owns: per fresh process (one per rep): the state built, one memory copy of it timed (into a
+pre-faulted destination), the same-run O_DIRECT write ceiling (ckptio/tuning/ceiling.py, best
+geometry), then in one ``Checkpointer`` either three synchronous saves (``--mode sync``: the
+first pays pool creation), three eager ``async_save`` calls (``async``: each call timed,
+wait() outside the clock), or the same after ``prepare(path, state=)`` (``async_prepared``:
+the pool sized and faulted in before the first call, its time reported apart); the medians
+over the processes. Does not own: the state
+(ckptio/tuning/state.py) or the ceiling.
+
+    python -m benchmarks.first_save --gb 2 --reps 3 --dir bench-data/first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import worker_env
+
+SAVES = 3
+MODES = ("sync", "async", "async_prepared")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.first_save", description=__doc__)
+    p.add_argument("--gb", type=float, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--reps", type=int, default=3, help="fresh processes per mode (default 3)")
+    p.add_argument("--dir", type=Path, default=Path("bench-data/first"), help="scratch directory")
+    p.add_argument("--json", type=Path, help="write every run and the medians here")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import ckptio
+    import ckptio.api  # noqa: F401 - imported before any clock
+    from ckptio.tuning import ceiling, state
+
+    src = state.build_state(args.gb, 0)
+    nbytes = state.tensor_nbytes(src)
+    leaves = [t for _k, t in state.tensor_leaves(src)]
+    dest = [torch.empty_like(t) for t in leaves]
+    for d, t in zip(dest, leaves):  # faulted once, then timed
+        d.copy_(t)
+    t0 = time.perf_counter()
+    for d, t in zip(dest, leaves):
+        d.copy_(t)
+    memcpy_s = time.perf_counter() - t0
+    del dest
+    args.dir.mkdir(parents=True, exist_ok=True)
+    ceil = []
+    for chunk, threads in ceiling.GEOMETRIES:
+        path = args.dir / "ceiling.bin"
+        os.sync()
+        time.sleep(1)
+        ceil.append(ceiling.write_ceiling(path, nbytes, chunk, threads)["seconds"])
+        path.unlink()
+    ck = ckptio.Checkpointer(ckptio.Options.from_env(io_backend="posix", use_profile=False))
+    prepare_s = None
+    if args.worker == "async_prepared":
+        t0 = time.perf_counter()
+        ck.prepare(args.dir, state=src)
+        prepare_s = time.perf_counter() - t0
+    seconds = []
+    for i in range(SAVES):
+        path = args.dir / f"s{i}"
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+        time.sleep(1)
+        t0 = time.perf_counter()
+        if args.worker == "sync":
+            ck.save(src, path)
+            seconds.append(time.perf_counter() - t0)
+        else:
+            handle = ck.async_save(src, path)
+            seconds.append(time.perf_counter() - t0)
+            handle.wait()
+        shutil.rmtree(path)
+    ck.close()
+    return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
+            "seconds": seconds, "prepare_s": prepare_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    runs = []
+    try:
+        for _rep in range(args.reps):
+            for mode in MODES:
+                cmd = [sys.executable, "-m", "benchmarks.first_save", "--worker", mode,
+                       "--gb", repr(args.gb), "--dir", str(args.dir)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
+                                      timeout=900)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+                if proc.returncode or not lines:
+                    raise SystemExit(f"worker {mode} failed: {proc.stderr[-2000:]}")
+                runs.append(json.loads(lines[-1]))
+                print(lines[-1], file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    print(report(runs, args))
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "runs": runs}, indent=1))
+    return 0
+
+
+def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    med = statistics.median
+    out = [f"# {args.gb} GB state, medians of {args.reps} fresh processes per mode", ""]
+    sync = [r for r in runs if r["mode"] == "sync"]
+    if sync:
+        ceil = med(r["ceiling_s"] for r in sync)
+        first = med(r["seconds"][0] for r in sync)
+        later = med(s for r in sync for s in r["seconds"][1:])
+        out += ["| sync save | s | GB/s | % of same-run ceiling |", "|---|---:|---:|---:|",
+                f"| O_DIRECT write ceiling | {ceil:.3f} | {sync[0]['bytes'] / ceil / 1e9:.2f} | 100 |"]
+        for name, s in (("first save", first), ("later saves", later)):
+            pct = med(r["ceiling_s"] / x for r in sync
+                      for x in (r["seconds"][:1] if name == "first save" else r["seconds"][1:]))
+            out.append(f"| {name} | {s:.3f} | {sync[0]['bytes'] / s / 1e9:.2f} | {100 * pct:.0f} |")
+    for mode in MODES[1:]:
+        asyn = [r for r in runs if r["mode"] == mode]
+        if not asyn:
+            continue
+        memcpy = med(r["memcpy_s"] for r in asyn)
+        first = med(r["seconds"][0] for r in asyn)
+        later = med(s for r in asyn for s in r["seconds"][1:])
+        out += ["", f"| {mode} call | s | x one memory copy |", "|---|---:|---:|",
+                f"| memory copy of the state | {memcpy:.3f} | 1.00 |"]
+        if mode == "async_prepared":
+            out.append(f"| prepare(path, state=), before the first call | "
+                       f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
+        out += [f"| first call | {first:.3f} | {first / memcpy:.2f} |",
+                f"| later calls | {later:.3f} | {later / memcpy:.2f} |"]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
