@@ -262,9 +262,9 @@ class CheckpointManager:
         """Save ``state`` as ``step`` if ``should_save(step)`` or ``force``; else -> None.
 
         -> SaveResult once committed, or a SaveHandle (``asynchronous=True``: eager; ``lazy=True``
-        implies asynchronous, see Checkpointer.async_save, as for ``optimizers`` and
-        ``after_step``). An unseen error of the previous async
-        save is raised here instead, and this save does not start. ``metrics`` (str -> number,
+        implies asynchronous; ``optimizers`` and ``after_step`` as in Checkpointer.async_save).
+        An unseen error of the previous async save is raised here instead, and this save does
+        not start. ``metrics`` (str -> number,
         what ``monitor`` reads) and ``metadata`` (str -> JSON) are stored with the step
         (stepmeta.py); rank 0's are the ones stored.
         """
@@ -290,8 +290,8 @@ class CheckpointManager:
                                        **extra)
             else:
                 handle = self._ck.async_save(state, path, lazy=lazy, optimizers=optimizers,
-                                             after_step=after_step, allow_pickle=allow_pickle, process_group=group,
-                                             **extra)
+                                             after_step=after_step, allow_pickle=allow_pickle,
+                                             process_group=group, **extra)
         finally:
             if previous is not None and self._pending is previous and previous[1].done():
                 self._pending = None
