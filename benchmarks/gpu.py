@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from benchmarks import gpu_engines as ge
+from ckptio.tuning.state import tensor_nbytes
+
 Run = dict[str, Any]
 PHASES = ("d2h", "train10", "train1", "load")
 TRAIN_ENGINES = ("none", "ckptio_eager", "ckptio_lazy", "dcp_async_best", "datastates")
@@ -58,23 +61,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--every", type=int, default=10, help=argparse.SUPPRESS)
     p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps <= 10 and not args.worker and not args.merge:
+        p.error("--steps must exceed 10: train10 checkpoints after every 10th step but the last")
+    return args
 
 
 # ---------------------------------------------------------------- d2h
 
 
 def timed(fn: Any) -> float:
-    sync()
+    ge.sync()
     t0 = time.perf_counter()
     fn()
-    sync()
+    ge.sync()
     return time.perf_counter() - t0
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def copy_ceiling(nbytes: int, registered: bool) -> float:
@@ -100,14 +101,13 @@ def copy_ceiling(nbytes: int, registered: bool) -> float:
 def d2h_worker(args: argparse.Namespace) -> Run:
     """The same device state copied out by each engine, five times after a first, untimed."""
     import ckptio
-    from benchmarks import gpu_engines as ge
     from benchmarks.train_engines import Context
 
     trainer = build(args)
     trainer.forward_backward()
     trainer.optimizer_step()
     state = trainer.state(1)
-    nbytes = ge.state_bytes(state)
+    nbytes = tensor_nbytes(state)
     out: Run = {"bytes": nbytes, "ceiling_pinned_gbps": copy_ceiling(1 << 30, False),
                 "ceiling_registered_gbps": copy_ceiling(1 << 30, True)}
     ck = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
@@ -153,16 +153,14 @@ def _dcp_stage_times(state: Any) -> list[float]:
         staged = stager.stage(state)
         if hasattr(staged, "result"):
             staged.result()
-        sync()
+        ge.sync()
         times.append(time.perf_counter() - t0)
     stager.close()
     return times[1:]
 
 
 def build(args: argparse.Namespace) -> Any:
-    from benchmarks.gpu_engines import build_trainer
-
-    return build_trainer(args.gb, args.device, 0, args.batch, args.seq, args.accum)
+    return ge.build_trainer(args.gb, args.device, 0, args.batch, args.seq, args.accum)
 
 
 # ---------------------------------------------------------------- workers and driver
@@ -203,11 +201,11 @@ def spawn(args: argparse.Namespace, worker: str, engine: str = "-", every: int =
 
 
 def run_phases(args: argparse.Namespace) -> list[Run]:
-    from benchmarks import gpu_engines, gpu_phases
+    from benchmarks import gpu_phases
 
     phases = [p for p in args.phases.split(",") if p]
     engines = [e for e in args.engines.split(",") if e]
-    skipped = {"datastates": gpu_engines.datastates_unavailable()}
+    skipped = {"datastates": ge.datastates_unavailable()}
     runs: list[Run] = []
     for phase in phases:
         if phase == "d2h":

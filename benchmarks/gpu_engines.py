@@ -45,17 +45,9 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(0)
-        self._params = [p for _, p in self._named()]
-        self._masters = [self.master[n] for n, _ in self._named()]
-
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        seen: set[int] = set()
-        out = []
-        for name, p in self.model.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((name, p))
-        return out
+        named = list(self.model.named_parameters())  # the tied head appears once
+        self._params = [p for _, p in named]
+        self._masters = [self.master[n] for n, _ in named]
 
     def forward_backward(self) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
@@ -108,10 +100,22 @@ def build_trainer(gb: float, device: str, seed: int, batch: int, seq: int, accum
     return Trainer(model, master, opt, cfg.vocab, batch, min(seq, cfg.context - 1), accum, dev)
 
 
-def state_bytes(state: Any) -> int:
-    from ckptio.tuning.state import tensor_nbytes
+def sync() -> None:
+    """Wait for the device's queued work (nothing to wait for without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
-    return tensor_nbytes(state)
+
+def written_tensors(state: Any) -> list[torch.Tensor]:
+    """The tensors DataStatesSaver writes, in its file's order: each storage once, none empty."""
+    from ckptio.tuning.state import tensor_leaves
+
+    out, seen = [], set()
+    for _, t in tensor_leaves(state):
+        if t.data_ptr() not in seen and t.numel():
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
 
 
 # ---------------------------------------------------------------- DCP at its best on a GPU
@@ -166,16 +170,11 @@ class DataStatesSaver:
         self.hook = ctx.optimizer.register_step_pre_hook(lambda *_a: self.engine.wait())
 
     def start(self, state: Any, path: Path) -> Pending:
-        from ckptio.tuning.state import tensor_leaves
-
         self.version += 1
         path.mkdir(parents=True)
         target = str(path / "rank0.bin")
-        jobs, offset, seen = [], 0, set()
-        for _, t in tensor_leaves(state):
-            if t.data_ptr() in seen or t.numel() == 0:
-                continue
-            seen.add(t.data_ptr())
+        jobs, offset = [], 0
+        for t in written_tensors(state):
             jobs.append((self.version, t, offset, target))
             offset += t.numel() * t.element_size()
         self.engine.async_save(jobs)

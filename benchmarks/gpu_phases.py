@@ -21,6 +21,7 @@ import torch
 
 from benchmarks import gpu_engines as ge
 from benchmarks.train_engines import Context
+from ckptio.tuning.state import tensor_leaves, tensor_nbytes
 
 Run = dict[str, Any]
 WARMUP = 3
@@ -60,7 +61,7 @@ def train_worker(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
     for _ in range(WARMUP):
         trainer.forward_backward()
         trainer.optimizer_step()
-    nbytes = ge.state_bytes(trainer.state(0))
+    nbytes = tensor_nbytes(trainer.state(0))
     saver = None if args.engine == "none" else make_saver(args.engine, trainer, nbytes)
     timeline = SaveTimeline(saver, root) if saver is not None else None
     steps = args.steps if args.every > 1 else max(6, args.steps // 3)
@@ -120,13 +121,9 @@ def _written_order_digest(state: Any) -> str:
     """xxh3 of the tensors' bytes in the order DataStatesSaver writes them into its file."""
     import xxhash
 
-    from ckptio.tuning.state import tensor_leaves
-
-    h, seen = xxhash.xxh3_64(), set()
-    for _, t in tensor_leaves(state):
-        if t.data_ptr() not in seen and t.numel():
-            seen.add(t.data_ptr())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    h = xxhash.xxh3_64()
+    for t in ge.written_tensors(state):
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -159,7 +156,7 @@ def load_setup(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
     state = trainer.state(1)
     for name, engine in (("ckptio", "ckptio"), ("dcp", "dcp_t4"), ("torch_save", "torch_save")):
         engines.ENGINES[engine].save(state, root / name)
-    return {"digest": _digest(state), "bytes": ge.state_bytes(state)}
+    return {"digest": _digest(state), "bytes": tensor_nbytes(state)}
 
 
 def load_worker(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
@@ -179,20 +176,14 @@ def load_worker(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
     dropped = ceiling.drop_page_cache(files)
     time.sleep(1.0)
     key = {"dcp": "dcp_t1"}.get(args.engine, args.engine)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    ge.sync()
     t0 = time.perf_counter()
     engines.ENGINES[key].load(root / args.engine, dest)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    ge.sync()
     seconds = time.perf_counter() - t0
-    on_device = all(t.device.type == trainer.device.type for _, t in _leaves(dest))
+    on_device = all(t.device.type == trainer.device.type for _, t in tensor_leaves(dest))
     return {"load_s": seconds, "cache_drop": dropped, "digest": _digest(dest),
             "on_device": on_device}
-
-
-def _leaves(state: Any) -> list[tuple[str, torch.Tensor]]:
-    from ckptio.tuning.state import tensor_leaves
-
-    return tensor_leaves(state)
 
 
 def _read_ceiling(ckpt: Path) -> Run:

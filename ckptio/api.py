@@ -153,7 +153,7 @@ class Checkpointer:
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
-                           after_step=_stable_tensors(after_step, lazy), if_busy=if_busy,
+                           after_step=_after_step_tensors(after_step, lazy), if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=True, user_meta=stepmeta.encode(metrics, metadata),
                            base=base)
@@ -331,7 +331,7 @@ class Checkpointer:
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
-def _stable_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
+def _after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
                     lazy: bool) -> tuple[torch.Tensor, ...]:
     """async_save(after_step=...) as tensors: each module's parameters, each tensor itself."""
     if after_step and not lazy:
