@@ -44,7 +44,7 @@ from ckptio.storage.s3 import S3Store
 from ckptio.tuning import profile
 from ckptio.tuning.tune import Candidate, best_of
 
-__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "study", "to_profile", "tune"]
+__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "study", "table", "to_profile", "tune"]
 
 CONCURRENCY = "2,4,8,16"
 PARTS = "8M,16M,32M,64M"
