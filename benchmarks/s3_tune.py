@@ -55,7 +55,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--tune-sizes", default=None, help="study part sizes (ckptio tune --sizes)")
     p.add_argument("--tune-concurrency", default=None, help="study requests in flight")
     p.add_argument("--tune-reps", type=int, default=2, help="study repetitions (default 2)")
-    p.add_argument("--plot", type=Path, help="write PREFIX_study.png")
+    p.add_argument("--plot", type=Path, help="write PREFIX_study.png (needs matplotlib)")
+    p.add_argument("--replot", type=Path, help="only draw --plot from this run's --json")
     own, rest = p.parse_known_args(argv)
     return own, s3.parse_args(rest)
 
@@ -103,9 +104,9 @@ def run_all(args: argparse.Namespace, srv: TunedServer) -> list[s3.Run]:
 def study_lines(study: dict[str, Any]) -> list[str]:
     chosen = study["chosen"]
     lines = [f"## The tuner's study ({study['seconds']:.0f} s)", "",
-             f"Chosen: {chosen['s3_concurrency']} requests in flight, "
-             f"{chosen['buffer_bytes'] >> 20} MiB parts (write {chosen['write_gbps']:.3f}, "
-             f"read {chosen['read_gbps']:.3f} GB/s).", "",
+             (f"Chosen: {chosen['s3_concurrency']} requests in flight, "
+              f"{chosen['buffer_bytes'] >> 20} MiB parts (write {chosen['write_gbps']:.3f}, "
+              f"read {chosen['read_gbps']:.3f} GB/s)."), "",
              "| requests | part MiB | write GB/s | read GB/s | score (harmonic mean) |",
              "|---:|---:|---:|---:|---:|"]
     for c in sorted(study["candidates"], key=lambda c: -c["score"]):
@@ -152,6 +153,9 @@ def plot(study: dict[str, Any], prefix: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, args = parse(argv)
+    if own.replot and own.plot:
+        print(plot(json.loads(own.replot.read_text())["study"], own.plot))
+        return 0
     os.environ["CKPTIO_PROFILE_PATH"] = str(Path(tempfile.mkdtemp(prefix="s3tune-")) / "p.json")
     machine = report.machine(args)
     srv = TunedServer(args.dir)
@@ -164,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         srv.stop()
     print(f"{len(runs)} items in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     summary = report.summarize(runs)
-    text = report.markdown(summary, args, argv, ENGINES, machine) + "\n" + "\n".join(study_lines(study)) + "\n"
+    text = report.markdown(summary, args, argv, ENGINES, machine).replace(
+        "python -m benchmarks.s3 ", "python -m benchmarks.s3_tune ", 1)
+    text += "\n" + "\n".join(study_lines(study)) + "\n"
     if own.plot:
-        text += f"\n![the study]({plot(study, own.plot).name})\n"
+        try:
+            text += f"\n![the study]({plot(study, own.plot).name})\n"
+        except ImportError:  # draw it later: --replot JSON --plot PREFIX where matplotlib is
+            print("no matplotlib: the plot is left to --replot", file=sys.stderr)
     print(text)
     if args.markdown:
         args.markdown.write_text(text)
