@@ -56,7 +56,10 @@ def cells(parts: Sequence[int], concurrency: Sequence[int], pool_bytes: int) -> 
     return [(p, c) for p in parts for c in concurrency if p * c <= pool_bytes]
 
 
-def check(parts: Sequence[int], concurrency: Sequence[int], total: int) -> None:
+def check(parts: Sequence[int], concurrency: Sequence[int], total: int, reps: int) -> None:
+    if not parts or not concurrency or reps < 1:
+        raise CkptError("ckptio tune: give at least one part size, one number of requests in "
+                        "flight and --reps >= 1")
     if any(p < MIN_PART or p % BLOCK for p in parts):
         raise CkptError(f"ckptio tune: part sizes {list(parts)} must be >= 5M (S3's smallest "
                         "part) and multiples of 4K")
@@ -157,7 +160,7 @@ def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[
          reps: int) -> tuple[profile.S3Profile, list[Candidate]]:
     """Run the study at ``location`` (endpoint etc. from the environment, as Options() takes
     them) and return the chosen profile and every candidate."""
-    check(parts, concurrency, total)
+    check(parts, concurrency, total, reps)
     settings = S3Settings.of(Options())
     print(f"tune: {settings.endpoint()}: {len(cells(parts, concurrency, Options().pool_bytes))} "
           f"cells x {reps} reps of {total / MiB:g} MiB under {location}", file=sys.stderr)

@@ -87,8 +87,7 @@ def choose_mode(candidates: Sequence[Candidate]) -> str:
 def measure(study: Study, cells: Sequence[Cell]) -> list[Candidate]:
     """Median write and read GB/s of every cell over the study's repetitions; failed cells
     (O_DIRECT refused, say) are left out."""
-    from ckptio.tuning import io_report
-    from ckptio.tuning import io_study
+    from ckptio.tuning import io_report, io_study
     from ckptio.tuning.io_cells import BACKEND_OF
 
     runs, _ = io_study.run_study(study, cells, with_ceiling=False)
@@ -104,8 +103,14 @@ def grid(sizes: Sequence[int], depths: Sequence[int], pool_bytes: int) -> list[t
 def tune(directory: Path, total_nbytes: int, sizes: Sequence[int], pool_depths: Sequence[int],
          uring_depths: Sequence[int], reps: int) -> tuple[profile.Profile, list[Candidate]]:
     """Run the short study in ``directory`` and return the chosen profile and every candidate."""
-    from ckptio.tuning.io_study import MODES, Cell, Study, StudyConfig, engine_unavailable
     from ckptio.options import Options
+    from ckptio.tuning.io_study import (
+        MODES,
+        Cell,
+        Study,
+        StudyConfig,
+        engine_unavailable,
+    )
 
     probe_depth, probe_size = MODE_PROBE
     config = StudyConfig(total_nbytes=total_nbytes, sizes=tuple(sizes), pool_depths=tuple(pool_depths),
@@ -241,7 +246,8 @@ def run_s3(args: argparse.Namespace) -> int:
         concurrency = parse_list(args.concurrency)
         total = parse_nbytes(args.total or s3_tune.TOTAL)
     except ValueError as exc:
-        raise CkptError(f"ckptio tune: {exc}") from None
+        raise CkptError(f"ckptio tune: cannot read the part sizes, requests or total ({exc}); "
+                        "write e.g. --sizes 8M,16M --concurrency 2,4 --total 128M") from None
     chosen, candidates = s3_tune.tune(args.dir, total, parts, concurrency, args.reps)
     print("\n".join(s3_tune.table(candidates)))
     print(f"stored in {profile.store(chosen)}: {describe(chosen)}")

@@ -128,5 +128,23 @@ def test_a_closed_port_a_missing_bucket_and_no_credentials_fail_fast(s3_env, tmp
 
 
 def test_bad_sizes_are_refused_before_any_request(s3_env):
-    done = _tune(s3_env, "--sizes", "1M")
-    assert done.returncode == 2 and ">= 5M" in done.stderr, done.stderr
+    for args, phrase in ((("--sizes", "1M"), ">= 5M"), (("--reps", "0"), "--reps >= 1"),
+                         (("--sizes", "abc"), "--sizes 8M,16M")):
+        done = _tune(s3_env, *args)
+        assert done.returncode == 2 and phrase in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_study_that_fails_half_way_removes_what_it_wrote(s3_env, s3_proxy, s3_client):
+    """The second cell's read is refused (403, not retried): the error names it, and both
+    cells' objects are gone; an object of the caller's under the prefix stays."""
+    from ckptio.tuning import s3_tune
+
+    where = s3client.S3Path.parse(s3_env)
+    s3_client.put_object(Bucket=where.bucket, Key=where.child("keep").key, Body=b"mine")
+    refused = s3_proxy.fail(403, "AccessDenied", times=None, op="GetObject", key=r"-c2-")
+    settings = s3client.S3Settings(endpoint_url=s3_proxy.endpoint)
+    with pytest.raises(ckptio.CkptError, match="access denied"):
+        s3_tune.study(s3_env, settings, 10 * MiB, [5 * MiB], [1, 2], 1)
+    assert refused.fired >= 1
+    assert _keys(s3_client, s3_env) == [where.child("keep").key]
