@@ -2,7 +2,8 @@
 
 Each engine saves a state to an ``s3://bucket/prefix`` URL and loads it back in place:
 
-- ``ckptio`` at its defaults; ``ckptio_best`` with ``s3_concurrency`` = the best concurrency of
+- ``ckptio`` at its defaults (no tuned profile); ``ckptio_tuned`` with the endpoint's tuned
+  profile (benchmarks/s3_tune.py); ``ckptio_best`` with ``s3_concurrency`` = the best concurrency of
   the raw client sweep (``--concurrency``); ``ckptio[field=value,...]`` any Options overrides
   (experiments: ``ckptio[io_depth=8,pool_bytes=512MiB]``);
 - ``dcp_fsspec_tK``: torch.distributed.checkpoint through ``FsspecWriter/FsspecReader`` on s3fs
@@ -95,7 +96,8 @@ def ckptio_overrides(name: str, args: argparse.Namespace, phase: str) -> dict[st
 def _ckptio_options(args: argparse.Namespace, phase: str) -> Any:
     import ckptio
 
-    return ckptio.Options(s3_endpoint_url=endpoint(), use_profile=False,
+    return ckptio.Options(s3_endpoint_url=endpoint(),
+                          use_profile=args.engine.split("+")[0] == "ckptio_tuned",
                           **ckptio_overrides(args.engine, args, phase))
 
 
@@ -203,6 +205,10 @@ ENGINES: dict[str, S3Engine] = {
                             "ckptio with s3_concurrency = the best concurrency of the raw "
                             "client sweep (write cell for save, read cell for load)",
                             ("ckptio", "boto3")),
+    "ckptio_tuned": S3Engine("ckptio_tuned", MAIN, _ckptio_save, _ckptio_load,
+                             "ckptio.save / ckptio.load with no options but the endpoint: the "
+                             "endpoint's tuned profile (`ckptio tune s3://...`, "
+                             "CKPTIO_PROFILE_PATH) applies", ("ckptio", "boto3")),
     **{f"dcp_fsspec_t{k}": S3Engine(
         f"dcp_fsspec_t{k}", PEER, _dcp_fsspec_save(k), _dcp_fsspec_load,
         f"DCP FsspecWriter(thread_count={k}) / FsspecReader on s3fs (defaults), no process group",

@@ -4,7 +4,8 @@ A ``Resources`` is what saves and loads borrow (storage/files.Staging): one pre-
 pool, made on first use and reused by every later save and load, and one backend per kind of
 store (``Store.backend_kind``), so a job may read one store and write another with the same
 pool (a drain from host memory to disk while a save runs). A local store's backend is made for
-the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py); where
+the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
+store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
 the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool.
 
 A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
@@ -35,7 +36,7 @@ from ckptio.saving.cleanup import Cleanup
 from ckptio.storage.base import Store
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.local import LocalStore
-from ckptio.tuning.profile import io_fields, tuned_options
+from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
 
 __all__ = ["BLOCK_CHECKSUM_NBYTES", "Resources"]
 
@@ -68,9 +69,11 @@ class Resources:
         pre-faulted, this use's copies into it fault its pages (a save: torch's copy on every
         core, 100 MB in a fresh process 0.128 s against 0.180 s behind a pre-fault thread)."""
         wanted = self.options
-        filesystem = store.capabilities.filesystem
+        filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
             wanted = tuned_options(self.options, filesystem)
+        elif endpoint is not None:
+            wanted = tuned_s3_options(self.options, endpoint)
         if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backends):
             self.release()
         self._active = wanted

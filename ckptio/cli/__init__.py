@@ -35,7 +35,7 @@ checkpoint into a Hugging Face safetensors directory), status (which steps each 
 tiered manager holds, and which are being copied), demo (train a small model, kill it
 mid-save, resume it bit-exactly), bench (io: the I/O study of ckptio.tuning; save-load, train,
 plan: the peer benchmarks of a ckptio checkout's benchmarks/ folder), tune (measure a
-filesystem's fastest I/O settings). Errors are one line naming the fix (exit 2).
+filesystem's or an S3 endpoint's fastest I/O settings). Errors are one line naming the fix (exit 2).
 ls and diff read a ckptio checkpoint's manifest without importing torch.
 """
 
@@ -88,8 +88,8 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     sub.add_parser("demo", help="train a small GPT, SIGKILL it mid-save, resume it in a new "
                    "process and compare every loss bit for bit (--quick: seconds; ckptio demo "
                    "--help for its options)")
-    tuning = sub.add_parser("tune", help="measure a filesystem and store its fastest I/O "
-                            "settings (--show prints them)")
+    tuning = sub.add_parser("tune", help="measure a filesystem or an S3 endpoint (s3://bucket/"
+                            "prefix) and store its fastest I/O settings (--show prints them)")
     if argv[:1] == ["tune"]:  # its options (ckptio.tuning) only when run: a faster start
         from ckptio.tuning import tune
 

@@ -47,6 +47,7 @@ class Capabilities:
     locking: bool = False  # serialises saves across processes (a lock file or a lease)
     conditional_commit: bool = False  # commit(held=...) refused if another save committed
     filesystem: str | None = None  # the local directory whose tuned I/O profile applies
+    endpoint: str | None = None  # the object store's endpoint whose tuned profile applies
     remote: bool = False  # across a network (an object store): compression="auto" pays there
 
 

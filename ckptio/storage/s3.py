@@ -22,6 +22,7 @@ the client and retries (io/s3client.py), the data path (io/s3.py), the order of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Iterator
@@ -96,7 +97,7 @@ class S3Store:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(locking=True, conditional_commit=self.settings.conditional == "require",
-                            remote=True)
+                            remote=True, endpoint=self.settings.endpoint())
 
     # -- the location ---------------------------------------------------------------------
 
@@ -166,7 +167,10 @@ class S3Store:
         return self.where.child(plain_name(name, self.location)).url
 
     def backend(self, options: Options) -> S3Backend:
-        return S3Backend(self.settings, options.buffer_bytes)
+        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` requests in flight (the
+        endpoint's tuned profile may have set both, resources.py)."""
+        settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency)
+        return S3Backend(settings, options.buffer_bytes)
 
     # -- the commit -----------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
-"""Tuned I/O profiles, one per filesystem, stored in a small JSON file.
+"""Tuned I/O profiles, one per filesystem and one per object-store endpoint, in a small JSON file.
 
-Owns: the Profile record, the filesystem key (st_dev + type from /proc/self/mountinfo), the file
+Owns: the Profile record (a filesystem), the S3Profile record (an S3 endpoint), the filesystem
+key (st_dev + type from /proc/self/mountinfo), the file
 they live in ($CKPTIO_PROFILE_PATH or ~/.cache/ckptio/profiles.json), its atomic rewrite and its
 validation. Does not own: measuring (tune.py) or deciding when a profile applies over explicit
 options (options/api). lookup() is called on every save and load, so it never raises: a missing
 or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too.
 
-File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields}}}.
+File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields},
+"s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from typing import Any
 
 from ckptio.options import BLOCK, DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
 
-__all__ = ["PATH_ENV", "Profile", "ProfileError", "filesystem_key", "io_fields", "lookup",
-           "profile_path", "read_all", "store", "tuned_options"]
+__all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
+           "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
+           "tuned_options", "tuned_s3_options"]
 
 log = logging.getLogger("ckptio")
 
 VERSION = 1
+S3_KEY = "s3:"  # the key of an endpoint's profile: "s3:" + the endpoint as S3Settings names it
 PATH_ENV = "CKPTIO_PROFILE_PATH"
 MOUNTINFO = "/proc/self/mountinfo"
 # Paths already warned about, so a corrupt file is logged once per process, not on every save.
@@ -59,6 +63,28 @@ class Profile:
         """The Options fields this profile sets (for dataclasses.replace / Options(**...))."""
         return {"io_backend": self.io_backend, "direct_io": self.direct_io,
                 "buffer_bytes": self.buffer_bytes, "io_depth": self.io_depth}
+
+
+@dataclass(frozen=True)
+class S3Profile:
+    """The tuned settings of one S3 endpoint (``ckptio tune s3://bucket/prefix``)."""
+
+    endpoint: str  # the endpoint URL as S3Settings.endpoint() names it
+    s3_concurrency: int  # requests in flight (parts uploaded, ranges read); also io_depth
+    buffer_bytes: int  # staging buffer = one multipart part = one ranged GET; >= 5 MiB
+    measured_at: str  # ISO 8601, UTC
+    write_gbps: float  # multipart upload throughput of the chosen settings (1 GB = 1e9 bytes)
+    read_gbps: float  # ranged-GET throughput of the chosen settings
+
+    @property
+    def key(self) -> str:
+        return f"{S3_KEY}{self.endpoint}"
+
+    def option_fields(self) -> dict[str, object]:
+        """The Options fields this profile sets: loads keep as many reads in flight as saves
+        keep uploads (io_depth = s3_concurrency), each one buffer (= one part) long."""
+        return {"s3_concurrency": self.s3_concurrency, "io_depth": self.s3_concurrency,
+                "buffer_bytes": self.buffer_bytes}
 
 
 def profile_path() -> Path:
@@ -132,10 +158,24 @@ def lookup(directory: str | os.PathLike[str]) -> Profile | None:
         return None
     except OSError:
         return None  # no file, unreadable file or directory: run on the defaults
-    return profiles.get(f"{kind}:{device}")
+    found = profiles.get(f"{kind}:{device}")
+    return found if isinstance(found, Profile) else None
 
 
-def read_all(path: Path | None = None) -> dict[str, Profile]:
+def lookup_s3(endpoint: str) -> S3Profile | None:
+    """The stored profile of the S3 endpoint ``endpoint``, or None. Never raises."""
+    path = profile_path()
+    try:
+        found = read_all(path).get(f"{S3_KEY}{endpoint}")
+    except ProfileError as exc:
+        _warn_once(path, exc)
+        return None
+    except OSError:
+        return None
+    return found if isinstance(found, S3Profile) else None
+
+
+def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
     """Every profile in the file. Raises OSError (missing, unreadable) or ProfileError."""
     path = profile_path() if path is None else path
     try:
@@ -145,25 +185,31 @@ def read_all(path: Path | None = None) -> dict[str, Profile]:
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
     if not isinstance(profiles, dict) or doc.get("version") != VERSION:
         raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file")
-    return {key: _from_dict(value, path) for key, value in profiles.items()}
+    return {key: _from_dict(value, path, S3Profile if key.startswith(S3_KEY) else Profile)
+            for key, value in profiles.items()}
 
 
-def _from_dict(value: Any, path: Path) -> Profile:
-    fields = {f.name: f.type for f in dataclasses.fields(Profile)}
+def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Profile | S3Profile:
+    fields = {f.name: f.type for f in dataclasses.fields(record)}
     if not isinstance(value, dict) or set(value) != set(fields):
         raise ProfileError(f"{path}: a profile must have exactly the fields {sorted(fields)}")
     kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
     for name, kind in fields.items():
         if not isinstance(value[name], kinds[str(kind)]) or isinstance(value[name], bool):
             raise ProfileError(f"{path}: profile field {name}={value[name]!r} is not a {kind}")
-    profile = Profile(**value)
+    profile = record(**value)
     problem = _invalid(profile)
     if problem:
         raise ProfileError(f"{path}: {problem}")
     return profile
 
 
-def _invalid(p: Profile) -> str | None:
+def _invalid(p: Profile | S3Profile) -> str | None:
+    if isinstance(p, S3Profile):
+        if p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1:
+            return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB) or "
+                    f"s3_concurrency={p.s3_concurrency} (>= 1) is invalid")
+        return None
     if p.direct_io not in DIRECT_IO_MODES:
         return f"direct_io={p.direct_io!r} is not auto, on or off"
     if p.buffer_bytes < MiB or p.buffer_bytes % BLOCK:
@@ -173,8 +219,8 @@ def _invalid(p: Profile) -> str | None:
     return None
 
 
-def store(profile: Profile) -> str:
-    """Add or replace the profile of its filesystem; the file is rewritten atomically (temp file,
+def store(profile: Profile | S3Profile) -> str:
+    """Add or replace the profile of its filesystem or endpoint; the file is rewritten atomically (temp file,
     fsync, rename) so a concurrent lookup sees the old file or the new one. Returns its path."""
     problem = _invalid(profile)
     if problem:
@@ -214,10 +260,22 @@ def _warn_once(path: Path, exc: Exception) -> None:
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
+S3_FIELDS = ("s3_concurrency", "io_depth", "buffer_bytes")
 
 
 def io_fields(options: Options) -> tuple[object, ...]:
-    return tuple(getattr(options, name) for name in IO_FIELDS)
+    """The fields a pool and its backends are made for (a change makes them again)."""
+    return tuple(getattr(options, name) for name in (*IO_FIELDS, "s3_concurrency"))
+
+
+def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ...]) -> Options:
+    """``options`` with those of ``fields`` (named in ``names``) it leaves at their defaults."""
+    defaults = Options()
+    chosen = {k: v for k, v in fields.items()
+              if k in names and getattr(options, k) == getattr(defaults, k)}
+    if 2 * int(chosen.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
+        chosen.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    return dataclasses.replace(options, **chosen)
 
 
 def tuned_options(options: Options, path: str) -> Options:
@@ -226,11 +284,14 @@ def tuned_options(options: Options, path: str) -> Options:
     if not options.use_profile:
         return options
     found = lookup(path)
-    if found is None:
+    return options if found is None else _defaulted(options, found.option_fields(), IO_FIELDS)
+
+
+def tuned_s3_options(options: Options, endpoint: str) -> Options:
+    """``options`` with s3_concurrency, io_depth and buffer_bytes, where it leaves them at their
+    defaults, taken from the tuned profile of the S3 endpoint ``endpoint`` (``ckptio tune
+    s3://...``); unchanged without a profile or with use_profile off."""
+    if not options.use_profile:
         return options
-    defaults = Options()
-    fields = {k: v for k, v in found.option_fields().items()
-              if k in IO_FIELDS and getattr(options, k) == getattr(defaults, k)}
-    if 2 * int(fields.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
-        fields.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
-    return dataclasses.replace(options, **fields)
+    found = lookup_s3(endpoint)
+    return options if found is None else _defaulted(options, found.option_fields(), S3_FIELDS)

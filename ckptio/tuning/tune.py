@@ -1,5 +1,6 @@
 """`ckptio tune DIR`: measure the filesystem holding DIR briefly, pick ckptio's fastest I/O
 settings there, and store them as that filesystem's profile; `ckptio tune --show [DIR]` prints it.
+`ckptio tune s3://bucket/prefix` does the same for an S3 endpoint (s3_tune.py).
 
 Owns: the short study (O_DIRECT vs buffered first, then write size x depth for posix and, where it
 runs, uring), the choice (choose(), pure) and what the command prints. Does not own: measuring
@@ -30,7 +31,7 @@ from ckptio.tuning import profile
 if TYPE_CHECKING:  # the study is imported only when tuning, not for --show
     from ckptio.tuning.io_study import Cell, Study
 
-__all__ = ["Candidate", "add_arguments", "choose", "choose_mode", "main", "run"]
+__all__ = ["Candidate", "add_arguments", "best_of", "choose", "choose_mode", "main", "run"]
 
 TIE = 0.03  # scores closer than this are equal on a shared VM (run-to-run drift is larger)
 URING_MARGIN = 0.03
@@ -86,8 +87,7 @@ def choose_mode(candidates: Sequence[Candidate]) -> str:
 def measure(study: Study, cells: Sequence[Cell]) -> list[Candidate]:
     """Median write and read GB/s of every cell over the study's repetitions; failed cells
     (O_DIRECT refused, say) are left out."""
-    from ckptio.tuning import io_report
-    from ckptio.tuning import io_study
+    from ckptio.tuning import io_report, io_study
     from ckptio.tuning.io_cells import BACKEND_OF
 
     runs, _ = io_study.run_study(study, cells, with_ceiling=False)
@@ -103,8 +103,14 @@ def grid(sizes: Sequence[int], depths: Sequence[int], pool_bytes: int) -> list[t
 def tune(directory: Path, total_nbytes: int, sizes: Sequence[int], pool_depths: Sequence[int],
          uring_depths: Sequence[int], reps: int) -> tuple[profile.Profile, list[Candidate]]:
     """Run the short study in ``directory`` and return the chosen profile and every candidate."""
-    from ckptio.tuning.io_study import MODES, Cell, Study, StudyConfig, engine_unavailable
     from ckptio.options import Options
+    from ckptio.tuning.io_study import (
+        MODES,
+        Cell,
+        Study,
+        StudyConfig,
+        engine_unavailable,
+    )
 
     probe_depth, probe_size = MODE_PROBE
     config = StudyConfig(total_nbytes=total_nbytes, sizes=tuple(sizes), pool_depths=tuple(pool_depths),
@@ -144,16 +150,26 @@ def to_profile(c: Candidate, directory: Path) -> profile.Profile:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", nargs="?", type=Path, help="a directory on the filesystem to tune")
+    from ckptio.tuning import s3_tune
+
+    p.add_argument("dir", nargs="?", help="a directory on the filesystem to tune, or "
+                   "s3://bucket/prefix (the endpoint as for every s3:// path: AWS_ENDPOINT_URL)")
     p.add_argument("--show", action="store_true", help="print the stored profile(s) and exit")
-    p.add_argument("--total", default="256M", help="bytes per measurement (default 256M)")
-    p.add_argument("--sizes", default=SIZES, help=f"write sizes, >= 1M (default {SIZES})")
+    p.add_argument("--total", help=f"bytes per measurement (default 256M; s3: {s3_tune.TOTAL})")
+    p.add_argument("--sizes", help=f"write sizes, >= 1M (default {SIZES}); s3: part sizes, "
+                   f">= 5M (default {s3_tune.PARTS})")
+    p.add_argument("--concurrency", default=s3_tune.CONCURRENCY,
+                   help=f"s3: requests in flight (default {s3_tune.CONCURRENCY})")
     p.add_argument("--pool-depths", default=POOL_DEPTHS, help=f"posix threads ({POOL_DEPTHS})")
     p.add_argument("--uring-depths", default=URING_DEPTHS, help=f"uring depths ({URING_DEPTHS})")
     p.add_argument("--reps", type=int, default=2, help="repetitions, median taken (default 2)")
 
 
-def describe(p: profile.Profile) -> str:
+def describe(p: profile.Profile | profile.S3Profile) -> str:
+    if isinstance(p, profile.S3Profile):
+        from ckptio.tuning import s3_tune
+
+        return s3_tune.describe(p)
     direct = "O_DIRECT" if p.direct_io != "off" else "buffered"
     return (f"{p.fs_type} (st_dev {p.device}): io_backend={p.io_backend} direct_io={p.direct_io} "
             f"({direct}) buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB) "
@@ -161,7 +177,20 @@ def describe(p: profile.Profile) -> str:
             f"measured {p.measured_at}")
 
 
-def show(directory: Path | None) -> int:
+def _key(target: str) -> tuple[str, str]:
+    """The profile key of a directory or s3:// location, and how messages name it."""
+    from ckptio.io.s3client import S3Path, S3Settings, is_s3
+    from ckptio.options import Options
+
+    if is_s3(target):
+        S3Path.parse(target)
+        endpoint = S3Settings.of(Options()).endpoint()
+        return f"{profile.S3_KEY}{endpoint}", f"the S3 endpoint {endpoint}"
+    device, fs_type = profile.filesystem_key(target)
+    return f"{fs_type}:{device}", f"{target} ({fs_type}, st_dev {device})"
+
+
+def show(target: str | None) -> int:
     path = profile.profile_path()
     try:
         profiles = profile.read_all(path)
@@ -172,13 +201,11 @@ def show(directory: Path | None) -> int:
     except (OSError, profile.ProfileError) as exc:
         print(f"ckptio: cannot read the profile file: {exc}", file=sys.stderr)
         return 1
-    if directory is not None:
-        device, fs_type = profile.filesystem_key(directory)
-        key = f"{fs_type}:{device}"
+    if target is not None:
+        key, named = _key(target)
         profiles = {k: v for k, v in profiles.items() if k == key}
         if not profiles:
-            print(f"no profile for {directory} ({fs_type}, st_dev {device}) in {path}; run "
-                  f"`ckptio tune {directory}`")
+            print(f"no profile for {named} in {path}; run `ckptio tune {target}`")
             return 0
     print(f"{path}:")
     for p in profiles.values():
@@ -192,19 +219,38 @@ def run(args: argparse.Namespace) -> int:
     if args.show:
         return show(args.dir)
     if args.dir is None:
-        print("ckptio tune: a directory is required (or --show)", file=sys.stderr)
+        print("ckptio tune: a directory or s3:// location is required (or --show)", file=sys.stderr)
         return 2
-    sizes = parse_list(args.sizes, parse_nbytes)
+    if args.dir.startswith("s3://"):
+        return run_s3(args)
+    sizes = parse_list(args.sizes or SIZES, parse_nbytes)
     if any(n < MiB or n % BLOCK for n in sizes):
         print("ckptio tune: --sizes must be >= 1M and multiples of 4K", file=sys.stderr)
         return 2
-    chosen, candidates = tune(args.dir, parse_nbytes(args.total), sizes, parse_list(args.pool_depths),
-                              parse_list(args.uring_depths), args.reps)
+    chosen, candidates = tune(Path(args.dir), parse_nbytes(args.total or "256M"), sizes,
+                              parse_list(args.pool_depths), parse_list(args.uring_depths), args.reps)
     for c in sorted(candidates, key=lambda c: -c.score):
         print(f"  {c.engine:5s} d{c.io_depth:<3d} {c.buffer_bytes / MiB:5g} MiB {c.mode:8s} "
               f"write {c.write_gbps:5.2f} read {c.read_gbps:5.2f} score {c.score:5.2f} GB/s")
     where = profile.store(chosen)
     print(f"stored in {where}: {describe(chosen)}")
+    return 0
+
+
+def run_s3(args: argparse.Namespace) -> int:
+    from ckptio.tuning import s3_tune
+    from ckptio.tuning.io_study import parse_list, parse_nbytes
+
+    try:
+        parts = parse_list(args.sizes or s3_tune.PARTS, parse_nbytes)
+        concurrency = parse_list(args.concurrency)
+        total = parse_nbytes(args.total or s3_tune.TOTAL)
+    except ValueError as exc:
+        raise CkptError(f"ckptio tune: cannot read the part sizes, requests or total ({exc}); "
+                        "write e.g. --sizes 8M,16M --concurrency 2,4 --total 128M") from None
+    chosen, candidates = s3_tune.tune(args.dir, total, parts, concurrency, args.reps)
+    print("\n".join(s3_tune.table(candidates)))
+    print(f"stored in {profile.store(chosen)}: {describe(chosen)}")
     return 0
 
 

@@ -1,0 +1,180 @@
+"""`ckptio tune s3://bucket/prefix`: measure an S3 endpoint briefly, pick the requests in flight
+and the part size ckptio's saves and loads use there, and store them as that endpoint's profile.
+
+The study writes one object of ``total`` bytes per cell (requests in flight x part size) through
+ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts, then ranged GETs of one
+part each into memory, that many in flight), a few repetitions in alternating order, medians
+taken. Its objects live under ``PREFIX/.ckptio-tune-<id>/``; each is deleted after its cell and
+again (by name, only the names it wrote) when the study ends, failed or not. Reads come back from
+wherever the store keeps recently written bytes: the study cannot drop a remote store's cache.
+
+The choice is tune.py's (best_of): the harmonic mean of write and read GB/s, scores within TIE of
+the best equal, then the fewest requests in flight, then the smallest part. Only cells ckptio can
+run with its default pool are tried (requests x part <= Options().pool_bytes: each request in
+flight holds one staging buffer).
+
+Endpoint, region and credentials come as for every s3:// path (io/s3client.py: AWS_ENDPOINT_URL,
+AWS_PROFILE, ~/.aws/...); the profile's key is the endpoint as S3Settings.endpoint() names it.
+Before measuring, the location is checked as a save checks it (S3Store.prepare: bucket, access,
+conditional writes), so a wrong endpoint, missing credentials or a missing bucket fail within
+seconds as one CkptError naming the fix.
+
+Owns: the S3 study (study(), Cell), to_profile(), what `ckptio tune s3://...` prints. Does not
+own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (io/s3*.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from datetime import datetime, timezone
+
+from ckptio.errors import CkptError
+from ckptio.io.s3 import MIN_PART, S3Backend
+from ckptio.io.s3client import S3Path, S3Settings, call, client, failed
+from ckptio.options import BLOCK, MiB, Options
+from ckptio.storage.s3 import S3Store
+from ckptio.tuning import profile
+from ckptio.tuning.tune import Candidate, best_of
+
+__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "study", "table", "to_profile", "tune"]
+
+CONCURRENCY = "2,4,8,16"
+PARTS = "8M,16M,32M,64M"
+TOTAL = "128M"
+
+
+def cells(parts: Sequence[int], concurrency: Sequence[int], pool_bytes: int) -> list[tuple[int, int]]:
+    """(part bytes, requests in flight) pairs a default pool can hold."""
+    return [(p, c) for p in parts for c in concurrency if p * c <= pool_bytes]
+
+
+def check(parts: Sequence[int], concurrency: Sequence[int], total: int, reps: int) -> None:
+    if not parts or not concurrency or reps < 1:
+        raise CkptError("ckptio tune: give at least one part size, one number of requests in "
+                        "flight and --reps >= 1")
+    if any(p < MIN_PART or p % BLOCK for p in parts):
+        raise CkptError(f"ckptio tune: part sizes {list(parts)} must be >= 5M (S3's smallest "
+                        "part) and multiples of 4K")
+    if any(c < 1 for c in concurrency) or total < max(parts):
+        raise CkptError("ckptio tune: requests in flight must be >= 1 and --total at least the "
+                        "largest part size")
+
+
+def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
+          concurrency: Sequence[int], reps: int) -> list[Candidate]:
+    """Median write and read GB/s of every cell (see the module docstring)."""
+    S3Store(location, settings).prepare()  # bucket, access, conditional writes: fails fast
+    grid = cells(parts, concurrency, Options().pool_bytes)
+    if not grid:
+        raise CkptError("ckptio tune: no (part size, requests) cell fits the default staging "
+                        f"pool of {Options().pool_bytes // MiB} MiB; choose smaller ones")
+    run = S3Path.parse(location).child(f".ckptio-tune-{uuid.uuid4().hex[:12]}")
+    source = memoryview(os.urandom(max(parts)))  # random: a store that compresses gains nothing
+    dest = memoryview(bytearray(b"\1") * max(p * c for p, c in grid))  # touched: no faults timed
+    written: list[S3Path] = []
+    times: dict[tuple[int, int], list[tuple[float, float]]] = {cell: [] for cell in grid}
+    try:
+        for rep in range(reps):
+            for part, depth in grid if rep % 2 == 0 else grid[::-1]:
+                where = run.child(f"p{part}-c{depth}-r{rep}")
+                written.append(where)
+                times[(part, depth)].append(
+                    _measure(settings, where, total, part, depth, source, dest))
+                _delete(settings, where)
+    except BaseException as exc:
+        _remove(settings, written, exc)
+        raise
+    return [Candidate("s3", "s3", part, depth, total / 1e9 / statistics.median(w for w, _ in t),
+                      total / 1e9 / statistics.median(r for _, r in t))
+            for (part, depth), t in times.items()]
+
+
+def _measure(settings: S3Settings, where: S3Path, total: int, part: int, depth: int,
+             source: memoryview, dest: memoryview) -> tuple[float, float]:
+    """Seconds to upload ``where`` (``total`` bytes, whole parts, ``depth`` in flight) and to read
+    it back with ranged GETs of ``part`` bytes, ``depth`` in flight."""
+    backend = S3Backend(dataclasses.replace(settings, concurrency=depth), part)
+    try:
+        began = time.perf_counter()
+        fh = backend.open_write(where.url, total)
+        writes = [backend.submit_write(fh, offset, source[:min(part, total - offset)])
+                  for offset in range(0, total, part)]
+        for future in writes:
+            future.exception()  # close() raises the first failure and aborts the upload
+        backend.close(fh, sync=True)
+        wrote = time.perf_counter()
+        fh = backend.open_read(where.url)
+        pending: deque[Future[int]] = deque()
+        for i, offset in enumerate(range(0, total, part)):
+            if len(pending) >= depth:
+                pending.popleft().result()  # its slot is the one this read reuses
+            slot = (i % depth) * part
+            pending.append(backend.submit_read(fh, offset, dest[slot:slot + part]))
+        while pending:
+            pending.popleft().result()
+        backend.close(fh, sync=False)
+        return wrote - began, time.perf_counter() - wrote
+    finally:
+        backend.shutdown()
+
+
+def _delete(settings: S3Settings, where: S3Path) -> None:
+    c = client(settings)
+    try:
+        call(settings, f"removing {where.url}", lambda: c.delete_object(Bucket=where.bucket,
+                                                                        Key=where.key))
+    except Exception as exc:  # mapped to StorageIOError naming the object
+        raise failed(f"removing the study's object {where.url}", exc) from exc
+
+
+def _remove(settings: S3Settings, written: Sequence[S3Path], cause: BaseException) -> None:
+    """After a failed study: delete every object it wrote (by name, nothing else); those that
+    cannot be deleted are named on ``cause``, which stays the error raised."""
+    left = []
+    for where in written:
+        try:
+            _delete(settings, where)
+        except CkptError:
+            left.append(where.url)
+    if left:
+        cause.add_note(f"ckptio tune could not remove its objects {', '.join(left)}; delete "
+                       "them by hand")
+
+
+def to_profile(c: Candidate, endpoint: str) -> profile.S3Profile:
+    return profile.S3Profile(
+        endpoint=endpoint, s3_concurrency=c.io_depth, buffer_bytes=c.buffer_bytes,
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        write_gbps=round(c.write_gbps, 3), read_gbps=round(c.read_gbps, 3))
+
+
+def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[int],
+         reps: int) -> tuple[profile.S3Profile, list[Candidate]]:
+    """Run the study at ``location`` (endpoint etc. from the environment, as Options() takes
+    them) and return the chosen profile and every candidate."""
+    check(parts, concurrency, total, reps)
+    settings = S3Settings.of(Options())
+    print(f"tune: {settings.endpoint()}: {len(cells(parts, concurrency, Options().pool_bytes))} "
+          f"cells x {reps} reps of {total / MiB:g} MiB under {location}", file=sys.stderr)
+    candidates = study(location, settings, total, parts, concurrency, reps)
+    return to_profile(best_of(candidates), settings.endpoint()), candidates
+
+
+def describe(p: profile.S3Profile) -> str:
+    return (f"S3 {p.endpoint}: s3_concurrency={p.s3_concurrency} (and io_depth) "
+            f"buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB parts); write "
+            f"{p.write_gbps:.3f} GB/s, read {p.read_gbps:.3f} GB/s, measured {p.measured_at}")
+
+
+def table(candidates: Sequence[Candidate]) -> list[str]:
+    return [f"  s3 {c.io_depth:3d} in flight {c.buffer_bytes / MiB:5g} MiB parts  write "
+            f"{c.write_gbps:6.3f} read {c.read_gbps:6.3f} score {c.score:6.3f} GB/s"
+            for c in sorted(candidates, key=lambda c: -c.score)]

@@ -1,0 +1,150 @@
+"""`ckptio tune s3://bucket/prefix` against a real SeaweedFS server (issue 29, item 6): a tiny
+study writes the endpoint's profile and leaves no object behind; saves and loads then run with
+its requests in flight and part size; explicit options and use_profile=False win; a closed port,
+a missing bucket and missing credentials fail within seconds as one line naming the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import Checkpointer, Options
+from ckptio.io import s3client
+from ckptio.storage.s3 import S3Store
+from ckptio.tuning import profile
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+FAST_S = 15.0  # "within seconds", with the interpreter's start on a loaded 2-core box
+
+
+@pytest.fixture(autouse=True)
+def _own_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A profile file of this test's own: the endpoint's profile must not steer other tests."""
+    path = tmp_path / "profiles.json"
+    monkeypatch.setenv(profile.PATH_ENV, str(path))
+    s3client._reached.clear()
+    s3client._gave_up.clear()
+    return path
+
+
+def _tune(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptio", "tune", *args], capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _keys(s3_client, url: str) -> list[str]:
+    where = s3client.S3Path.parse(url)
+    listed = s3_client.list_objects_v2(Bucket=where.bucket, Prefix=where.dir_prefix)
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def _backend_of(ck: Checkpointer, url: str):
+    _pool, files = ck.staging().files(S3Store(url, s3client.S3Settings.of(ck.options)))
+    return _pool, files.backend
+
+
+def test_tune_stores_the_endpoint_profile_saves_use_it_and_nothing_is_left(s3_env, s3_client):
+    s3_client.put_object(Bucket="ckpt", Key=f"{s3_env[len('s3://ckpt/'):]}/keep", Body=b"mine")
+    done = _tune(s3_env, "--total", "10M", "--sizes", "5M,10M", "--concurrency", "1,2",
+                 "--reps", "1")
+    assert done.returncode == 0, done.stderr
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    found = profile.lookup_s3(endpoint)
+    assert found is not None and found.key == f"s3:{endpoint}", done.stdout
+    assert (found.buffer_bytes, found.s3_concurrency) in {(5 * MiB, 1), (5 * MiB, 2),
+                                                          (10 * MiB, 1), (10 * MiB, 2)}
+    assert found.write_gbps > 0 and found.read_gbps > 0 and done.stdout.count(" in flight ") == 4
+    assert _keys(s3_client, s3_env) == [s3client.S3Path.parse(s3_env).child("keep").key]
+    shown = _tune("--show", s3_env)
+    assert f"S3 {endpoint}: s3_concurrency={found.s3_concurrency}" in shown.stdout, shown.stdout
+
+    ck = Checkpointer()
+    state = {"w": torch.randn(6 * MiB // 4)}
+    ck.save(state, f"{s3_env}/ck")
+    pool, backend = _backend_of(ck, f"{s3_env}/ck")
+    assert backend.settings.concurrency == found.s3_concurrency != Options().s3_concurrency
+    assert backend.buffer_nbytes == pool.buffer_bytes == found.buffer_bytes != Options().buffer_bytes
+    assert ck.staging().io_depth == found.s3_concurrency
+    assert backend.parts_uploaded_whole >= 1  # parts went up straight from tuned-size buffers
+    assert torch.equal(ck.load(f"{s3_env}/ck")["w"], state["w"])
+    ck.close()
+    assert torch.equal(ckptio.load(f"{s3_env}/ck")["w"], state["w"])
+
+
+def test_explicit_options_and_use_profile_false_win(s3_env):
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    profile.store(profile.S3Profile(endpoint, 3, 6 * MiB, "2026-11-24T00:00:00Z", 0.1, 0.2))
+    state = {"w": torch.randn(1 << 20)}
+    for options, expected in ((Options(), (3, 6 * MiB, 3)),
+                              (Options(s3_concurrency=5, buffer_bytes=8 * MiB), (5, 8 * MiB, 3)),
+                              (Options(io_depth=7), (3, 6 * MiB, 7)),
+                              (Options(use_profile=False), (16, 16 * MiB, 4))):
+        ck = Checkpointer(options)
+        url = f"{s3_env}/c{options.s3_concurrency}-{options.io_depth}-{options.use_profile}"
+        ck.save(state, url)
+        _pool, backend = _backend_of(ck, url)
+        got = (backend.settings.concurrency, backend.buffer_nbytes, ck.staging().io_depth)
+        assert got == expected, options
+        assert torch.equal(ck.load(url)["w"], state["w"])
+        ck.close()
+
+
+def _refused(target: str, *phrases: str, env: dict[str, str] | None = None) -> str:
+    began = time.monotonic()
+    done = _tune(target, "--total", "5M", "--sizes", "5M", "--concurrency", "1", "--reps", "1",
+                 env=env)
+    assert time.monotonic() - began < FAST_S, done.stderr
+    line, = done.stderr.strip().splitlines()[-1:]
+    assert done.returncode == 2 and line.startswith("ckptio: error: "), done.stderr
+    for phrase in phrases:
+        assert phrase in line, line
+    assert not profile.profile_path().exists()
+    return line
+
+
+def test_a_closed_port_a_missing_bucket_and_no_credentials_fail_fast(s3_env, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    _refused(s3_env, f"nothing answers at {closed}", "AWS_ENDPOINT_URL",
+             env={"AWS_ENDPOINT_URL": closed})
+    _refused("s3://no-such-bucket-29/p", "'no-such-bucket-29' does not exist", "create it")
+    none = str(tmp_path / "none")
+    _refused(s3_env, "no S3 credentials", "AWS_ACCESS_KEY_ID",
+             env={"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+                  "AWS_SHARED_CREDENTIALS_FILE": none, "AWS_CONFIG_FILE": none,
+                  "AWS_EC2_METADATA_DISABLED": "true"})
+
+
+def test_bad_sizes_are_refused_before_any_request(s3_env):
+    for args, phrase in ((("--sizes", "1M"), ">= 5M"), (("--reps", "0"), "--reps >= 1"),
+                         (("--sizes", "abc"), "--sizes 8M,16M")):
+        done = _tune(s3_env, *args)
+        assert done.returncode == 2 and phrase in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_study_that_fails_half_way_removes_what_it_wrote(s3_env, s3_proxy, s3_client):
+    """The second cell's read is refused (403, not retried): the error names it, and both
+    cells' objects are gone; an object of the caller's under the prefix stays."""
+    from ckptio.tuning import s3_tune
+
+    where = s3client.S3Path.parse(s3_env)
+    s3_client.put_object(Bucket=where.bucket, Key=where.child("keep").key, Body=b"mine")
+    refused = s3_proxy.fail(403, "AccessDenied", times=None, op="GetObject", key=r"-c2-")
+    settings = s3client.S3Settings(endpoint_url=s3_proxy.endpoint)
+    with pytest.raises(ckptio.CkptError, match="access denied"):
+        s3_tune.study(s3_env, settings, 10 * MiB, [5 * MiB], [1, 2], 1)
+    assert refused.fired >= 1
+    assert _keys(s3_client, s3_env) == [where.child("keep").key]
