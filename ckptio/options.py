@@ -105,7 +105,7 @@ class Options:
     max_file_bytes: int = 16 * GiB
     direct_io: DirectIO = "auto"
     verify: bool = True
-    checksum: str = "xxh3_64"
+    checksum: str = "xxh3_64_tree"
     io_backend: str = "posix"
     use_profile: bool = True
     if_locked: IfLocked = "wait"

@@ -107,7 +107,7 @@ def test_ls_json_follows_schema_ckptio_ls_1(saved: Path):
                         "stored_nbytes", "bases"}  # the last two: issue 28, a full step
     assert doc["bases"] == [] and doc["stored_nbytes"] == sum(f["nbytes"] for f in doc["files"])
     assert (doc["schema"], doc["format"], doc["world_size"], doc["checksum_algorithm"]) == (
-        "ckptio.ls/1", "ckptio", 1, "xxh3_64")
+        "ckptio.ls/1", "ckptio", 1, "xxh3_64_tree")
     assert doc["nbytes"] == 48 + 12 + 40 and doc["files"][0]["rank"] == 0
     root = doc["tree"]
     assert (root["name"], root["type"], root["leaves"], root["nbytes"]) == (None, "dict", 9, 100)
@@ -248,14 +248,14 @@ def test_diff_data_compares_large_tensors_a_slice_at_a_time(monkeypatch, tmp_pat
 
 
 def test_diff_of_a_dcp_directory_and_its_conversion(tmp_path: Path):
-    """Other checksums (crc32 vs xxh3_64): compared by their data without --data (a small
+    """Other checksums (crc32 vs xxh3_64_tree): compared by their data without --data (a small
     checkpoint: tests/test_cli_ls.py has the one line naming --data for a large one), and
     with it."""
     _dcp_save({"w": torch.randn(64, 8), "step": 3}, tmp_path / "dcp")
     assert ckptio_cmd("convert", str(tmp_path / "dcp"), str(tmp_path / "c")).returncode == 0
     plain = ckptio_cmd("diff", str(tmp_path / "dcp"), str(tmp_path / "c"))
     assert plain.returncode == 0 and "1 tensor(s) compared by their data (other checksum " \
-        "algorithms (crc32 vs xxh3_64))" in plain.stdout, plain.stdout
+        "algorithms (crc32 vs xxh3_64_tree))" in plain.stdout, plain.stdout
     sure = ckptio_cmd("diff", "--data", str(tmp_path / "dcp"), str(tmp_path / "c"))
     assert sure.returncode == 0 and sure.stdout.strip().endswith(
         ": the same (every tensor read, checksums verified)"), sure.stdout

@@ -200,7 +200,7 @@ def test_diff_of_a_converted_checkpoint_compares_data(tmp_path: Path):
     same = ckptio_cmd("diff", str(a), str(b))
     assert same.returncode == 0, same.stdout
     assert same.stdout.strip().endswith("the same (1 tensor(s) compared by their data (other "
-                                        "checksum algorithms (crc32 vs xxh3_64)), the rest by "
+                                        "checksum algorithms (crc32 vs xxh3_64_tree)), the rest by "
                                         "stored checksums)")
     other_a, other_b = _dcp_and_converted(tmp_path / "x", shift=0.5)
     differs = ckptio_cmd("diff", str(other_a), str(other_b))
@@ -235,7 +235,7 @@ def test_diff_too_large_to_read_says_in_one_line_which_flag_does(monkeypatch, tm
     assert cli.main(["diff", str(a), str(b)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0].startswith("? w ") and lines[0].endswith(
-        "not compared: other checksum algorithms (crc32 vs xxh3_64); ckptio diff --data reads "
+        "not compared: other checksum algorithms (crc32 vs xxh3_64_tree); ckptio diff --data reads "
         "and compares them")
     assert cli.main(["diff", "--data", str(a), str(b)]) == 0
 

@@ -1,9 +1,18 @@
 """Checksums of stored bytes: one algorithm name -> a streaming hasher.
 
-Owns: the set of algorithms a manifest may name and their hex digests. xxh3_64 is the default:
-measured here at ~15 GB/s on one core, releasing the GIL (crc32c measured the same speed).
+Owns: the set of algorithms a manifest may name, their hex digests, and what an entry's
+checksum is under each. xxh3_64 is the primitive: measured here at ~15 GB/s on one core,
+releasing the GIL (crc32c measured the same speed, so hardware CRC buys nothing here).
 crc32 (zlib's, 8 hex digits) is what torch.save zips record: a DCP checkpoint read through
 ckptio (loading/foreign.py) is checked against it.
+
+An entry of more than one block carries a checksum of every ``block_nbytes`` of its bytes (a
+load of part of it checks those) and one of the whole entry:
+- ``xxh3_64_tree`` (the default since issue 29): the whole checksum is the xxh3_64 of the block
+  checksums' hex digits, concatenated, so every byte is hashed once, on save and on load;
+- ``xxh3_64`` (earlier checkpoints, still read): the xxh3_64 of the whole entry's bytes, which
+  hashed every byte twice. Files that are not entries (index files) and single frames are hashed
+  with the primitive under either name (``new_hasher``).
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ import xxhash
 
 from ckptio.errors import CkptError
 
-__all__ = ["ALGORITHMS", "NO_CHECKSUM", "BlockHasher", "Crc32", "Hasher", "new_hasher",
-           "stored_algorithm"]
+__all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "Hasher", "entry_checksum",
+           "new_hasher", "stored_algorithm", "whole_from_blocks"]
 
-ALGORITHMS = ("xxh3_64", "crc32")
+ALGORITHMS = ("xxh3_64_tree", "xxh3_64", "crc32")
+TREE = "xxh3_64_tree"  # an entry's whole checksum is derived from its block checksums
 NO_CHECKSUM = "none"  # the records of safetensors files: nothing stored to check against
 
 
@@ -48,26 +58,43 @@ def stored_algorithm(algorithm: str) -> str | None:
 
 
 def new_hasher(algorithm: str) -> Hasher:
-    if algorithm == "xxh3_64":
+    """The primitive hasher of ``algorithm`` (what one block, frame or index file is hashed by)."""
+    if algorithm in ("xxh3_64", TREE):
         return xxhash.xxh3_64()
     if algorithm == "crc32":
         return Crc32()
     raise CkptError(f"checksum algorithm {algorithm!r} is unknown; this ckptio knows {ALGORITHMS}")
 
 
+def whole_from_blocks(algorithm: str, blocks: tuple[str, ...] | list[str]) -> str:
+    """Under TREE, the whole checksum of an entry with these (two or more) block checksums."""
+    hasher = new_hasher(algorithm)
+    hasher.update("".join(blocks).encode("ascii"))
+    return hasher.hexdigest()
+
+
+def entry_checksum(algorithm: str, block_nbytes: int, data: memoryview | bytes) -> str:
+    """The whole checksum an entry of exactly these bytes records (an index file's too)."""
+    hasher = BlockHasher(algorithm, block_nbytes)
+    hasher.update(memoryview(data))
+    return hasher.digests()[0]
+
+
 class BlockHasher:
     """One stored entry's checksums: of all its bytes, and of each ``block_nbytes`` of them (so a
-    load that needs only part of an entry can verify the blocks it reads). Bytes arrive in order."""
+    load that needs only part of an entry can verify the blocks it reads). Bytes arrive in order.
+    Under TREE each byte is hashed once (the whole checksum comes from the blocks')."""
 
     def __init__(self, algorithm: str, block_nbytes: int) -> None:
         self.algorithm, self.block_nbytes = algorithm, block_nbytes
-        self.whole = new_hasher(algorithm)
+        self.whole = None if algorithm == TREE else new_hasher(algorithm)
         self.block = new_hasher(algorithm)
         self.in_block = 0
         self.blocks: list[str] = []
 
     def update(self, data: memoryview) -> None:
-        self.whole.update(data)
+        if self.whole is not None:
+            self.whole.update(data)
         while len(data):
             n = min(len(data), self.block_nbytes - self.in_block)
             self.block.update(data[:n])
@@ -79,7 +106,10 @@ class BlockHasher:
 
     def digests(self) -> tuple[str, tuple[str, ...]]:
         """(checksum of the whole entry, block checksums: empty when it is one block or less)."""
-        if len(self.blocks) + (self.in_block > 0) <= 1:
-            return self.whole.hexdigest(), ()
-        tail = [self.block.hexdigest()] if self.in_block else []
-        return self.whole.hexdigest(), (*self.blocks, *tail)
+        tail = [self.block.hexdigest()] if self.in_block or not self.blocks else []
+        blocks = (*self.blocks, *tail)
+        if len(blocks) == 1:  # one block (or none: the empty entry's digest)
+            return (blocks[0] if self.whole is None else self.whole.hexdigest()), ()
+        if self.whole is None:
+            return whole_from_blocks(self.algorithm, blocks), blocks
+        return self.whole.hexdigest(), blocks

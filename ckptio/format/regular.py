@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.format.check import Check, checksum_of, shape_of
-from ckptio.format.checksum import new_hasher
+from ckptio.format.checksum import entry_checksum
 from ckptio.format.grid import REPLICATE, Grid, split
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
@@ -407,9 +407,7 @@ def _contents(record: Manifest, files: list[IndexFile], read: ReadIndexes) -> di
         if len(data) != f.nbytes:
             raise _check(record, f.rank, f).fail(
                 f"it holds {len(data)} bytes where the manifest lists {f.nbytes}")
-        hasher = new_hasher(record.checksum_algorithm)
-        hasher.update(data)
-        if hasher.hexdigest() != f.checksum:
+        if entry_checksum(record.checksum_algorithm, record.block_nbytes, data) != f.checksum:
             raise _check(record, f.rank, f).fail("its bytes do not match its checksum")
         out[f.rank] = data
     return out

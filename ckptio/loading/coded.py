@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ckptio.errors import CorruptCheckpointError
-from ckptio.format.checksum import new_hasher
+from ckptio.format.checksum import TREE, new_hasher, whole_from_blocks
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
 from ckptio.io.stage import copy_in, torch_dtype
 from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
@@ -79,9 +79,13 @@ def _whole(reader: EntryReader, entry: TensorEntry, dest: torch.Tensor | None,
     frames = -(-entry.nbytes // reader.block_nbytes)
     data = reader.frames(entry, 0, frames)
     if check_blocks and reader.algorithm is not None and entry.blocks:
-        hasher = new_hasher(reader.algorithm)
-        hasher.update(memoryview(data))
-        if hasher.hexdigest() != entry.checksum:
+        if reader.algorithm == TREE:  # the frames matched their blocks: no byte hashed again
+            whole = whole_from_blocks(reader.algorithm, entry.blocks)
+        else:
+            hasher = new_hasher(reader.algorithm)
+            hasher.update(memoryview(data))
+            whole = hasher.hexdigest()
+        if whole != entry.checksum:
             raise CorruptCheckpointError(
                 f"key {entry.key!r} in {reader.files.where(entry.file)}: its frames match their "
                 f"block checksums but not the entry's checksum {entry.checksum}. The manifest is "

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptio.errors import CorruptCheckpointError
-from ckptio.format.checksum import BlockHasher, Hasher, new_hasher
+from ckptio.format.checksum import TREE, BlockHasher, Hasher, new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
@@ -186,12 +186,14 @@ class _Checker:
         if isinstance(hasher, BlockHasher):
             digest, blocks = hasher.digests()
             self._compare(entry, entry.offset, entry.nbytes, entry.checksum, digest)
-            self._compare_blocks(entry, blocks)
+            if entry.blocks:  # an index file read as an entry lists none
+                self._compare_blocks(entry, blocks)
         else:
             self._compare(entry, entry.offset, entry.nbytes, entry.checksum, hasher.hexdigest())
 
     def _start(self, entry: TensorEntry, algorithm: str) -> Hasher | BlockHasher:
-        if self.check_blocks and entry.blocks:
+        """Under TREE the block checksums are the whole one's input: always computed (once)."""
+        if (self.check_blocks and entry.blocks) or algorithm == TREE:
             return BlockHasher(algorithm, self.block_nbytes)
         return new_hasher(algorithm)
 

@@ -190,7 +190,8 @@ class Packer:
 
     def _encode(self, entry: _Entry, index: int, frame: memoryview | bytearray) -> _Frame:
         try:
-            same = entry.base is not None and self._digest(frame) == _block(entry.base, index)
+            same = (entry.base is not None and self._same_algorithm()
+                    and self._digest(frame) == _block(entry.base, index))
             if index == 0:
                 first = self._decide(entry, frame, same)
                 return first
@@ -257,6 +258,11 @@ class Packer:
             if (nbytes, name) not in self._zeros:
                 self._zeros[(nbytes, name)] = bytes(codec.encode_frame(name, bytes(nbytes)))
             return self._zeros[(nbytes, name)]
+
+    def _same_algorithm(self) -> bool:
+        """A frame may be a ref only to a base whose checksums are of the same kind: a ref's
+        whole checksum must equal its base entry's (a base saved before xxh3_64_tree is not)."""
+        return self.base is not None and self.base.base.record.checksum_algorithm == self.algorithm
 
     def _digest(self, frame: memoryview | bytearray) -> str:
         hasher = new_hasher(self.algorithm)
