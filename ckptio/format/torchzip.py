@@ -27,11 +27,14 @@ from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
-__all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TENSOR_GLOBALS", "TensorRecord", "TensorRef",
+__all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TAIL_NBYTES", "TENSOR_GLOBALS", "TensorRecord", "TensorRef",
            "dense_order", "parse_descriptor", "parse_head", "row_major", "storage_ref"]
 
 HEAD_NBYTES = 4096  # the records before data/0 fit here (data/0 starts at 704 in torch 2.13)
 DESCRIPTOR_NBYTES = 24  # the largest data descriptor (zip64)
+# An item's last bytes read with its head: data/0's descriptor, the records after it and the
+# central directory (869-873 bytes after the data in torch 2.13's items) fit: no second round
+TAIL_NBYTES = 4096
 _LOCAL = 0x04034B50
 _DESCRIPTOR = b"PK\x07\x08"
 _STORAGES = {

@@ -2,8 +2,9 @@
 
 ``ckptio.load`` and ``ckptio.verify`` on a directory written by DCP's FileSystemWriter (no
 ``manifest.json``, a ``.metadata``) come here: the metadata is decoded with the allow-list
-unpickler (format/dcpmeta.py), then every tensor item's first bytes are read to find where its
-``data/0`` record's bytes start and the CRC-32 that follows them (format/torchzip.py), and every
+unpickler (format/dcpmeta.py), then every tensor item's first and last bytes are read, in one
+round of coalesced reads (an item's tail and the next item's head are neighbours), to find where
+its ``data/0`` record's bytes start and the CRC-32 that follows them (format/torchzip.py), and every
 value item (BYTE_IO: optimizer hyper-parameters, Python numbers and containers) is read whole
 and decoded with ``torch.load(weights_only=True)`` (``weights_only=False`` only with
 ``allow_pickle=True``). The result is a Manifest whose tensor entries point at those bytes
@@ -113,24 +114,25 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
     files = _files(store, meta)
     heads = {id(item): raw_read(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
              for t in meta.tensors for _chunk, item in t.chunks}
+    tails = {id(item): _tail_read(item) for t in meta.tensors for _chunk, item in t.chunks
+             if item.length > torchzip.HEAD_NBYTES}
     whole = {id(item): raw_read(item.file, item.offset, item.length) for item in meta.values}
-    read([*heads.values(), *whole.values()])
+    read([*heads.values(), *tails.values(), *whole.values()])  # one round, coalesced
     tensors: list[TensorEntry] = []
-    descriptors: dict[int, Read] = {}  # index in tensors -> read of its data descriptor
+    descriptors: dict[int, Read] = {}  # index in tensors -> read of a descriptor not yet read
     for t in meta.tensors:
         for chunk, item in t.chunks:
             entry, record = _entry(store, t, chunk, item, read_bytes(heads[id(item)]))
-            tensors.append(entry)
             if record.crc32 is None:
-                end = entry.offset + entry.nbytes
-                descriptors[len(tensors) - 1] = raw_read(
-                    item.file, end, min(torchzip.DESCRIPTOR_NBYTES, item.offset + item.length - end))
-    read(list(descriptors.values()))
+                entry, raw = _with_descriptor(store, entry, item, heads[id(item)],
+                                              tails.get(id(item)))
+                if raw is not None:
+                    descriptors[len(tensors)] = raw
+            tensors.append(entry)
+    if descriptors:  # none for FileSystemWriter's items: every descriptor is in a tail
+        read(list(descriptors.values()))
     for i, raw in descriptors.items():
-        entry = tensors[i]
-        crc = torchzip.parse_descriptor(read_bytes(raw), entry.nbytes, _item_name(store, entry.key,
-                                                                              entry.file))
-        tensors[i] = dataclasses.replace(entry, checksum=f"{crc:08x}")
+        tensors[i] = _checked(store, tensors[i], read_bytes(raw))
     objects: list[ObjectEntry] = []
     nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
     for item in meta.values:
@@ -145,6 +147,35 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manif
     validate.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
+
+
+def _tail_read(item: dcpmeta.DcpItem) -> Read:
+    """A read of the item's last TAIL_NBYTES bytes after its head: data/0's descriptor is
+    there, so it comes in the same round as the head (and coalesces with the next item's)."""
+    end = item.offset + item.length
+    start = max(item.offset + torchzip.HEAD_NBYTES, end - torchzip.TAIL_NBYTES)
+    return raw_read(item.file, start, end - start)
+
+
+def _with_descriptor(store: Store, entry: TensorEntry, item: dcpmeta.DcpItem, head: Read,
+                     tail: Read | None) -> tuple[TensorEntry, Read | None]:
+    """``entry`` with the CRC-32 of the descriptor after its data, when the head or tail read
+    holds it; else ``entry`` and a read of that descriptor."""
+    at = entry.offset + entry.nbytes
+    n = min(torchzip.DESCRIPTOR_NBYTES, item.offset + item.length - at)
+    for raw in (head, tail):
+        if raw is not None and raw.entries[0].offset <= at and \
+                at + n <= raw.entries[0].offset + raw.entries[0].nbytes:
+            start = at - raw.entries[0].offset
+            return _checked(store, entry, read_bytes(raw)[start:start + n]), None
+    return entry, raw_read(item.file, at, n)
+
+
+def _checked(store: Store, entry: TensorEntry, descriptor: bytes) -> TensorEntry:
+    """``entry`` with the CRC-32 of its data ``descriptor`` as its checksum."""
+    crc = torchzip.parse_descriptor(descriptor, entry.nbytes, _item_name(store, entry.key,
+                                                                         entry.file))
+    return dataclasses.replace(entry, checksum=f"{crc:08x}")
 
 
 def _item_name(store: Store, key: str, file: str) -> str:
