@@ -52,7 +52,9 @@ class Options:
     max_file_bytes: a data file is closed and a new one begun past this size.
     direct_io: "auto" uses O_DIRECT where the filesystem accepts it, else buffered (logged once).
     verify: check every loaded byte against its checksum.
-    checksum: the algorithm recorded in the manifest.
+    checksum: the algorithm recorded in the manifest: "xxh3_64_tree" (an entry's whole
+        checksum derived from its block checksums: each byte hashed once; docs/FORMAT.md) or
+        "xxh3_64" (the whole checksum of the bytes, as before issue 29: each byte hashed twice).
     io_backend: name of the IOBackend: "posix" (thread pool) or "uring" (io_uring; falls back
         to posix, logged once, where io_uring is unavailable).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
