@@ -17,6 +17,7 @@ puts this checkout first on PYTHONPATH, so they work from any working directory.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,3 +41,16 @@ def worker_env() -> dict[str, str]:
     benchmarks.X`` imports this checkout's benchmarks (and its ckptio) whatever its cwd."""
     path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def write_reports(doc: object, json_path: Path | None, markdown_path: Path | None,
+                  text: str) -> None:
+    """A driver's outputs: ``doc`` as JSON and ``text`` (its markdown) where asked (parent
+    folders made), and ``text`` printed."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=1))
+    if markdown_path:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(text)
+    print(text)

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import REPO_ROOT, compress_codecs, compress_traj, shown_path, worker_env
+from benchmarks import (
+    REPO_ROOT,
+    compress_codecs,
+    compress_traj,
+    shown_path,
+    worker_env,
+    write_reports,
+)
 from benchmarks import compress_engines as ce
 from benchmarks import compress_report as report
 from benchmarks.compress_study import FRAME, frames, xor
@@ -345,14 +352,7 @@ def main(argv: list[str] | None = None) -> int:
               "schedules": {k: schedule(args, k) for k in args.k_list}, "skipped": skipped,
               "workers": workers, "codec_speed": codec_speed(args, snaps)}
     result["summary"] = report.summarize(result)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    text = report.markdown(result)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(text)
+    write_reports(result, args.json, args.markdown, report.markdown(result))
     return 0
 
 

@@ -15,7 +15,6 @@ codecs (compress_codecs.py), checkpoint engines (compress.py).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import compress_codecs, compress_traj
+from benchmarks import compress_codecs, compress_traj, write_reports
 from benchmarks.compress_traj import CLASSES, Snapshot
 
 FRAME = 1 << 20  # the format's default block_nbytes: frames decode alone
@@ -231,12 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         names = chosen if kind == "full" or chosen else LORA_CODECS
         result["rows"] += study_run(kind, snaps, args.start, ks, args.reps, names)
         del snaps
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    write_reports(result, args.json, args.markdown, markdown(result))
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_engines as ge
+from benchmarks import write_reports
 from ckptio.tuning.state import tensor_nbytes
 
 Run = dict[str, Any]
@@ -268,12 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "env": environment(),
                   "runs": run_phases(args)}
         shutil.rmtree(args.shm_dir, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    write_reports(report, args.json, args.markdown, markdown(report))
     return 0
 
 

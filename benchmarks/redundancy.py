@@ -21,7 +21,6 @@ ceilings. Does not own: the ranks' bodies (redundancy_ranks.py), the report
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import REPO_ROOT
+from benchmarks import REPO_ROOT, write_reports
 from benchmarks.redundancy_ranks import NVRX, TIERED, restore_rank, train_rank
 
 ENGINES = ("none", "off", "partners", "parity", NVRX)
@@ -190,13 +189,7 @@ def main(argv: list[str] | None = None) -> int:
               "ceilings": ceilings(args, state_nbytes(gpt_config(args.gb))), "runs": runs}
     result["summary"] = summarize(result)
     text = markdown(result, " ".join(["python -m benchmarks.redundancy", *(argv or sys.argv[1:])]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(text)
+    write_reports(result, args.json, args.markdown, text)
     return 0
 
 

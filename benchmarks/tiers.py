@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import worker_env
+from benchmarks import worker_env, write_reports
 
 ENGINES = ("none", "tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3", "disk_k", "s3_k",
            "dcp_k", "nvrx_step")
@@ -429,12 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"command": "python -m benchmarks.tiers " + " ".join(argv or sys.argv[1:]),
            "ceiling": ceiling, "runs": runs, "restores": restores, "kills": kills,
            "flat": flat, "summary": summary}
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=1))
-    text = markdown(doc, args)
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    write_reports(doc, args.json, args.markdown, markdown(doc, args))
     return 0
 
 
