@@ -15,8 +15,8 @@ from typing import Literal, get_args
 
 from ckptio.errors import CkptError
 
-__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "GiB", "IO_BACKENDS", "KiB",
-           "MiB", "Options"]
+__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS", "SAVE_CHECKSUMS",
+           "GiB", "KiB", "MiB", "Options"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -25,6 +25,9 @@ BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addr
 IO_BACKENDS = ("posix", "uring")  # Options.io_backend; ckptio.io.create builds each
 CODECS = ("zstd", "bytegroup+zstd")  # lossless codecs a save may name (ckptio/format/codec.py)
 COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
+# Options.checksum: what a save may record (format/checksum.py also knows "crc32", the
+# checksum of the foreign records of DCP and torch.save files ckptio reads, never writes)
+SAVE_CHECKSUMS = ("xxh3_64_tree", "xxh3_64")
 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
@@ -160,6 +163,9 @@ class Options:
         if self.compression not in COMPRESSION_MODES:
             raise CkptError(f"Options.compression={self.compression!r}: use "
                             + ", ".join(map(repr, COMPRESSION_MODES)))
+        if self.checksum not in SAVE_CHECKSUMS:
+            raise CkptError(f"Options.checksum={self.checksum!r}: use "
+                            + " or ".join(map(repr, SAVE_CHECKSUMS)))
         if self.compress_threads < 1:
             raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
         self._check_s3()
