@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
-from benchmarks.ranks_report import Run, load_worlds, markdown, save_engines, schedule, summarize
+from benchmarks.ranks_report import (RAW, Run, load_worlds, markdown, save_engines, schedule,
+                                     summarize)
 from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
 
 PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per job")
     p.add_argument("--no-ceiling", action="store_true", help="skip the O_DIRECT ceiling")
+    p.add_argument("--raw-writers", action="store_true", help="also time N processes writing S/N "
+                   "bytes each with O_DIRECT (the N-writer ceiling), measured like a save")
     p.add_argument("--cold-pool", action="store_true", help="ckptio loads also pay for making "
                    "their staging pool and I/O threads inside the clock (default: made before)")
     # worker side
@@ -152,6 +155,24 @@ def ckptio_save(state: Any, path: Path) -> None:
     engines.ENGINES["ckptio"].save(state, path)  # durable + committed when it returns
 
 
+def raw_writer_save(share: int, rank: int) -> Any:
+    """The N-writer ceiling: this rank writes ``share`` bytes to its own file with O_DIRECT
+    (threads and buffers made here, before the clock), then fsyncs the file and directory."""
+    from ckptio.tuning import ceiling
+
+    writer = ceiling.Writer()
+
+    def save(state: Any, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        writer.write(path / f"raw-r{rank}.bin", share)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return save
+
+
 def dcp_save(threads: int) -> Any:
     def save(state: Any, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -219,7 +240,10 @@ def save_worker(args: argparse.Namespace, engine: str) -> Run:
     del full
     gc.collect()
     build_s = time.perf_counter() - t0
-    save = ckptio_save if engine == "ckptio" else dcp_save(int(engine.removeprefix("dcp_t")))
+    if engine == RAW:
+        save = raw_writer_save(nbytes // args.world, args.rank)
+    else:
+        save = ckptio_save if engine == "ckptio" else dcp_save(int(engine.removeprefix("dcp_t")))
     ckpt = args.ckpt
     first_dir = ckpt.with_name(ckpt.name + "-first")
     if args.rank == 0:
