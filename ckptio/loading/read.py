@@ -319,8 +319,8 @@ def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferP
 
 
 def _checks_alone(rng: ReadRange[_Span]) -> bool:
-    """Whether every span of the read is checked within it: block spans, whole entries split
-    into blocks, whole entries inside it."""
+    """Whether every span of the read is checked within it: block spans and whole entries that
+    lie inside it (not a whole entry hashed across several reads)."""
     end = rng.offset + rng.nbytes
     return all(not s.whole or (s.offset >= rng.offset and s.end <= end)
                for s in rng.entries)
