@@ -1,8 +1,9 @@
 """Checking a load's bytes against the manifest's checksums, as read.py's loop hands them over.
 
 A span (read.py) is either a whole stored entry, whose bytes may arrive over several reads and
-are hashed in order against the entry's checksum (with ``check_blocks``, as verify asks, its
-block checksums too), or whole checksum blocks of an entry within one read, each checked against
+are hashed in order against the entry's checksum (and against its block checksums: always under
+xxh3_64_tree, whose whole checksum is made of them; under xxh3_64 with ``check_blocks``, as
+verify asks), or whole checksum blocks of an entry within one read, each checked against
 its block checksum. Every mismatch is a CorruptCheckpointError naming the key, the file and the
 byte range.
 
