@@ -7,17 +7,23 @@ coalescing rule the loop relies on (layout.coalesce_reads with ``in_one_read``).
 from __future__ import annotations
 
 import os
+import re
+import threading
+import time
 from itertools import pairwise
 
 import pytest
 import torch
 
 import ckptio
+from ckptio.errors import CorruptCheckpointError
 from ckptio.format import manifest
 from ckptio.format.types import Chunk, Read, TensorEntry
+from ckptio.io import posix
 from ckptio.loading import read as read_module
 from ckptio.options import BLOCK
 from ckptio.planning.layout import align_up, coalesce_reads
+from ckptio.storage.local import LocalStore
 from ckptio.testing.faults import inject
 
 MiB, KiB = 1 << 20, 1 << 10
@@ -166,3 +172,72 @@ def test_an_unsplit_extent_larger_than_max_read_gets_a_read_of_its_own():
                             in_one_read=lambda e: e is big)
     assert [(r.offset, r.nbytes, r.entries) for r in ranges] == [
         (0, BLOCK, (small,)), (BLOCK, 9 * BLOCK, (big,)), (10 * BLOCK, BLOCK, (after,))]
+
+
+def test_a_corrupt_byte_in_a_resharded_piece_checked_on_an_io_thread_never_lands(
+        tmp_path, monkeypatch, ck):
+    """A resharded load (a shard of rows and columns: strided pieces) has its reads checked and
+    copied out on the I/O threads that read them. Two flipped bytes, in blocks 5 and 10 of the
+    entry, inside the shard: the read holding block 8 is made to finish first, yet the error is
+    block 4's (the first in read order), raised once every read in flight is done, naming the
+    key, the file and the byte range; neither corrupt element reaches the destination, and every
+    element that did arrive is the stored one."""
+    big = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB, 4 KiB rows
+    path = str(tmp_path / "ck")
+    ck.save({"big": big}, path)
+    (entry,) = _entries(path)
+    with open(os.path.join(path, manifest.MANIFEST_NAME), "rb") as f:
+        block = manifest.decode(f.read(), path).block_nbytes
+    assert len(entry.blocks) == 4 * MiB // block >= 12
+    rows, cols = slice(100, 900), slice(256, 768)
+
+    def shard() -> ckptio.TensorShard:
+        return ckptio.TensorShard(torch.full((800, 512), -1.0), (1024, 1024), (100, 256))
+
+    threads: list[str] = []
+    real_blocks = read_module.Checker.blocks
+
+    def blocks(self, span, view):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real_blocks(self, span, view)
+
+    monkeypatch.setattr(read_module.Checker, "blocks", blocks)
+    hit = [(b * block // 4096 + 3, 300 + b) for b in (4, 8)]  # (row, col) in blocks 4 and 8
+    at = [entry.offset + (r * 1024 + c) * 4 + 3 for r, c in hit]  # each float's exponent byte
+    assert [(a - entry.offset) // block for a in at] == [4, 8]
+    real_pread = posix._pread_all
+    done: list[int] = []  # which corrupt bytes each read held, as the reads complete
+
+    def slow_pread(fh, offset, into):  # type: ignore[no-untyped-def]
+        holds = [i for i, a in enumerate(at) if offset <= a < offset + len(into)]
+        time.sleep(0.3 if 0 in holds else 0.02)
+        got = real_pread(fh, offset, into)
+        done.extend(holds)
+        return got
+
+    monkeypatch.setattr(posix, "_pread_all", slow_pread)
+    good = shard()  # intact: the pieces land, checked on I/O threads only
+    ck.load(path, {"big": good}, strict=False)
+    assert torch.equal(good.local, big[rows, cols])
+    assert threads and all(t.startswith("ckptio-io") for t in threads), threads
+    data = os.path.join(path, entry.file)
+    with open(data, "r+b") as f:
+        for a in at:
+            f.seek(a)
+            byte = f.read(1)[0]
+            f.seek(a)
+            f.write(bytes([byte ^ 0x40]))
+    bad = shard()
+    done.clear()
+    first = entry.offset + 4 * block
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"key 'big' in {re.escape(data)} bytes \[{first}, "
+                             rf"{first + block}\)") as caught:
+        ck.load(path, {"big": bad}, strict=False)
+    assert caught.value.__context__ is None  # the one failure, not one raised over another
+    assert done.index(1) < done.index(0), done  # block 8's read failed first
+    time.sleep(0.5)  # anything still copying would land now
+    landed = bad.local != -1.0
+    assert torch.equal(bad.local[landed], big[rows, cols][landed])  # no wrong element
+    assert all(bad.local[r - 100, c - 256] == -1.0 for r, c in hit)
+    assert ck.staging().files(LocalStore("."))[0].idle()

@@ -13,13 +13,15 @@ hold it, a destination. Each becomes spans of stored entries, the unit one check
 An entry one Read wants whole and another in part is read in part (block by block) only, so no
 byte is read twice. An entry whose bytes lie in another order of its dims (``TensorEntry.order``:
 a DCP or torch.save tensor saved transposed) is read whole into a tensor in that order, and the
-region wanted of it is copied out permuted back once the read is done. All spans of a load then go through one coalescing (layout.coalesce_reads:
-neighbours within MAX_GAP share one aligned read of up to a pool buffer) and one read-ahead loop
-over the staging pool, up to ``2 * depth`` reads in flight.
+region wanted of it is copied out permuted back once the read is done. All spans of a load then
+go through one coalescing (layout.coalesce_reads: neighbours within MAX_GAP share one aligned
+read of up to a pool buffer) and one read-ahead loop over the staging pool, up to ``2 * depth``
+reads in flight. A read whose spans all check within it (nearly all of them) is checked and
+copied out by the I/O thread that read it, while its bytes are in cache and beside the other
+reads (both cores of a one-process load busy, not one); the loop applies the rest in order.
 
-Owns: Reads -> spans, the read-ahead loop, checksum verification (whole-entry, block, and with
-``check_blocks``, as verify asks, the block checksums of whole entries too), truncation checks,
-copying into destinations. Does not own: which regions are wanted (fill.py), the piece
+Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
+not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
 arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
 StoreFiles, storage/files.py) or the I/O (io).
 """
@@ -27,6 +29,7 @@ StoreFiles, storage/files.py) or the I/O (io).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -35,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptio.errors import CorruptCheckpointError
-from ckptio.format.checksum import TREE, BlockHasher, Hasher, new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from ckptio.loading.checks import Checker
 from ckptio.loading.coded import is_coded, read_coded
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
@@ -155,93 +158,6 @@ def _misaligned(entry: TensorEntry) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# verification
-
-
-class _Checker:
-    """The checksums of spans as their bytes arrive, against the manifest's."""
-
-    def __init__(self, source: StoreFiles, algorithm: str | None, block_nbytes: int,
-                 check_blocks: bool) -> None:
-        self.source, self.algorithm = source, algorithm
-        self.block_nbytes, self.check_blocks = block_nbytes, check_blocks
-        self.progress: dict[int, Hasher | BlockHasher] = {}  # id(whole span) -> its hash so far
-
-    def path(self, entry: TensorEntry) -> str:
-        return self.source.where(entry.file)
-
-    def whole(self, span: _Span, view: memoryview, last: bool) -> None:
-        """The next bytes of a whole-entry span; at its last, its checksum (and with
-        ``check_blocks`` its block checksums) must match."""
-        if self.algorithm is None:
-            return
-        hasher = self.progress.get(id(span))
-        if hasher is None:
-            hasher = self.progress[id(span)] = self._start(span.entry, self.algorithm)
-        hasher.update(view)
-        if not last:
-            return
-        del self.progress[id(span)]
-        entry = span.entry
-        if isinstance(hasher, BlockHasher):
-            digest, blocks = hasher.digests()
-            self._compare(entry, entry.offset, entry.nbytes, entry.checksum, digest)
-            if entry.blocks:  # an index file read as an entry lists none
-                self._compare_blocks(entry, blocks)
-        else:
-            self._compare(entry, entry.offset, entry.nbytes, entry.checksum, hasher.hexdigest())
-
-    def _start(self, entry: TensorEntry, algorithm: str) -> Hasher | BlockHasher:
-        """Under TREE the block checksums are the whole one's input: always computed (once)."""
-        if (self.check_blocks and entry.blocks) or algorithm == TREE:
-            return BlockHasher(algorithm, self.block_nbytes)
-        return new_hasher(algorithm)
-
-    def blocks(self, span: _Span, view: memoryview) -> None:
-        """A block span's bytes against its entry's block checksums (its whole checksum when
-        the entry is one block: the span is then the whole entry)."""
-        if self.algorithm is None:
-            return
-        entry = span.entry
-        if not entry.blocks:
-            expected = [(entry.offset, entry.nbytes, entry.checksum)]
-        else:
-            first = (span.offset - entry.offset) // self.block_nbytes
-            count = -(-span.nbytes // self.block_nbytes)
-            expected = [(entry.offset + i * self.block_nbytes,
-                         min(self.block_nbytes, entry.nbytes - i * self.block_nbytes),
-                         entry.blocks[i]) for i in range(first, first + count)]
-        for offset, n, checksum in expected:
-            hasher = new_hasher(self.algorithm)
-            hasher.update(view[offset - span.offset:offset - span.offset + n])
-            self._compare(entry, offset, n, checksum, hasher.hexdigest())
-
-    def _compare(self, entry: TensorEntry, offset: int, nbytes: int, stored: str,
-                 read: str) -> None:
-        if read != stored:
-            raise CorruptCheckpointError(
-                f"checksum mismatch for key {entry.key!r} in {self.path(entry)} bytes [{offset}, "
-                f"{offset + nbytes}): stored {stored}, read {read}. The data file is corrupt; "
-                "load an earlier checkpoint (a load that stops here may have filled part of "
-                "its destination tensors)")
-
-    def _compare_blocks(self, entry: TensorEntry, digests: tuple[str, ...]) -> None:
-        """The entry's block checksums (what a load of part of it checks) against its bytes,
-        whose whole checksum has already matched."""
-        if digests == entry.blocks:
-            return
-        i = next((i for i, pair in enumerate(zip(entry.blocks, digests)) if pair[0] != pair[1]),
-                 min(len(digests), len(entry.blocks)))
-        stored = entry.blocks[i] if i < len(entry.blocks) else "none"
-        read = digests[i] if i < len(digests) else "none"
-        raise CorruptCheckpointError(
-            f"block checksum {i} of key {entry.key!r} in {self.path(entry)} (bytes from "
-            f"{entry.offset + i * self.block_nbytes}) disagrees with its bytes: stored {stored}, "
-            f"read {read}, though the entry's whole checksum matches. The manifest is damaged (a "
-            "load of part of this tensor would fail); load an earlier checkpoint")
-
-
-# ------------------------------------------------------------------------------------------------
 # the read-ahead loop
 
 
@@ -271,7 +187,7 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
                 check_blocks: bool) -> int:
     reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
-    checker = _Checker(source, algorithm, block_nbytes, check_blocks)
+    checker = Checker(source, algorithm, block_nbytes, check_blocks)
     for span in spans:
         if span.whole and span.nbytes == 0:  # no read covers it
             checker.whole(span, memoryview(b""), last=True)
@@ -321,13 +237,20 @@ def _permuted_back(read: Read, staged: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _InFlight:
     """A submitted read, the buffer it fills and the pool that buffer came from (its own pool
-    when the read is larger than a pool buffer: closed on release)."""
+    when the read is larger than a pool buffer: closed on release); ``applied``: for a read
+    whose spans all check on their own, its check and copy, run by the I/O thread that read it
+    (None: the loop applies it, in order)."""
 
     range: ReadRange[_Span]
     pool: BufferPool
     own: bool
     buffer: Buffer
     future: Future[int]
+    applied: Future[int] | None = None
+
+    def done(self) -> Future[int]:
+        """What must finish before the buffer is reused."""
+        return self.applied if self.applied is not None else self.future
 
     def release(self) -> None:
         _give_back(self.pool, self.own, self.buffer)
@@ -340,27 +263,35 @@ def _give_back(pool: BufferPool, own: bool, buffer: Buffer) -> None:
 
 
 def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, depth: int,
-         checker: _Checker) -> int:
-    """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers),
-    applying each in order as it completes. -> bytes read."""
+         checker: Checker) -> int:
+    """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
+    whose spans all check on their own is checked and copied out by the I/O thread that read it,
+    where its bytes are hot and beside the other reads; any other (a whole entry hashed across
+    several reads) is applied here, in order. The first failure, in read order, is raised once
+    every read in flight has finished. -> bytes read."""
     todo = deque(ranges)
     handles: dict[str, FileHandle] = {}
     pending: deque[_InFlight] = deque()
     ahead = max(1, min(pool.nbuffers, 2 * depth))
+    stop = threading.Event()  # set on a failure: reads still in flight skip their copies
     nbytes = 0
     try:
         while todo or pending:
             while todo and len(pending) < ahead:
-                pending.append(_submit(todo.popleft(), handles, pool, source))
+                pending.append(_submit(todo.popleft(), handles, pool, source, checker, stop))
             flight = pending.popleft()
             try:
-                _apply(flight.range, flight.buffer, flight.future.result(), checker)
+                if flight.applied is not None:
+                    flight.applied.result()
+                else:
+                    _apply(flight.range, flight.buffer, flight.future.result(), checker)
                 nbytes += flight.range.nbytes
             finally:
                 flight.release()
     finally:
+        stop.set()
         for flight in pending:
-            flight.future.exception()  # the read must finish before its buffer is reused
+            flight.done().exception()  # the read (and its copy) must finish before reuse
             flight.release()
         for fh in handles.values():
             source.close(fh, sync=False)
@@ -368,7 +299,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
 
 
 def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
-            source: StoreFiles) -> _InFlight:
+            source: StoreFiles, checker: Checker, stop: threading.Event) -> _InFlight:
     if rng.file not in handles:
         handles[rng.file] = source.open_read(rng.file)
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
@@ -379,10 +310,37 @@ def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferP
     except BaseException:
         _give_back(buffers, own, buffer)
         raise
-    return _InFlight(rng, buffers, own, buffer, future)
+    flight = _InFlight(rng, buffers, own, buffer, future)
+    if _checks_alone(rng):
+        applied: Future[int] = Future()
+        flight.applied = applied
+        future.add_done_callback(lambda read: _apply_there(flight, applied, read, checker, stop))
+    return flight
 
 
-def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: _Checker) -> None:
+def _checks_alone(rng: ReadRange[_Span]) -> bool:
+    """Whether every span of the read is checked within it: block spans and whole entries that
+    lie inside it (not a whole entry hashed across several reads)."""
+    end = rng.offset + rng.nbytes
+    return all(not s.whole or (s.offset >= rng.offset and s.end <= end)
+               for s in rng.entries)
+
+
+def _apply_there(flight: _InFlight, applied: Future[int], read: Future[int], checker: Checker,
+                 stop: threading.Event) -> None:
+    """``_apply`` on the thread that completed ``read``; its outcome goes to ``applied``."""
+    try:
+        got = read.result()
+        if not stop.is_set():
+            with torch.no_grad():  # thread-local: destinations may require grad
+                _apply(flight.range, flight.buffer, got, checker)
+    except BaseException as exc:  # noqa: BLE001 - handed to the loop, which raises it in order
+        applied.set_exception(exc)
+    else:
+        applied.set_result(got)
+
+
+def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: Checker) -> None:
     """Check and copy out each span's part of a completed read of ``got`` bytes."""
     for span in rng.entries:
         lo, hi = max(span.offset, rng.offset), min(span.end, rng.offset + rng.nbytes)
