@@ -183,7 +183,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         "and the directory: the N-writer ceiling, timed like a save"),
         "- load: fresh ranks allocate and zero the destination, rank 0 drops the page cache, idle, "
         f"then the clock; {args.ranks}->1 loads into plain full tensors in one process without a "
-        "process group; DCP loads the checkpoint of its first --dcp-threads variant, after ckptio's loads in every rep; ckptio's "
+        "process group; DCP loads the checkpoint of its first --dcp-threads variant, after "
+        "ckptio's loads in every rep; ckptio's "
         + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
            "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
         ("- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
