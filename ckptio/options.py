@@ -94,7 +94,8 @@ class Options:
     s3_endpoint_url: an S3-compatible endpoint (MinIO, SeaweedFS, Ceph RGW), e.g.
         "http://127.0.0.1:8333".
     s3_region, s3_profile: the region and the named profile of ~/.aws/config.
-    s3_concurrency: requests in flight per process (parts uploaded, ranges read).
+    s3_concurrency: parts uploaded in flight per process; a load keeps 2 x io_depth ranged
+        GETs in flight, on threads of their own.
     s3_retry_deadline_s: how long a request is retried (throttling, 5xx, resets) before the
         save or load fails naming the object.
     s3_lock_lease_s: a save's claim on a prefix expires this long after its holder stopped

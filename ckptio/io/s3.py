@@ -86,8 +86,8 @@ class _Object:
 
 
 class S3Backend:
-    """Positioned writes and reads of s3:// objects through one client and a thread pool of
-    ``settings.concurrency`` requests."""
+    """Positioned writes and reads of s3:// objects through one client: uploads on a thread pool
+    of ``settings.concurrency``, ranged GETs on one of ``settings.readers``."""
 
     name = "s3"
 
@@ -97,6 +97,7 @@ class S3Backend:
         self._next = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self.parts_uploaded_whole = 0  # writes sent straight from the caller's buffer
 
     def __getstate__(self) -> dict[str, Any]:
@@ -110,11 +111,23 @@ class S3Backend:
         return client(self.settings)
 
     def _submit(self, work: Any, *args: Any) -> Future[Any]:
+        """``work`` on the upload threads (``settings.concurrency`` of them)."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.settings.concurrency,
                                                 thread_name_prefix="ckptio-s3")
             return self._pool.submit(work, *args)
+
+    def _submit_get(self, work: Any, *args: Any) -> Future[Any]:
+        """``work`` on the GET threads (``settings.readers``: a load's reads in flight, which
+        the tuner chooses apart from the uploads; the upload threads when they are as many)."""
+        if self.settings.readers == self.settings.concurrency:
+            return self._submit(work, *args)
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.settings.readers,
+                                                   thread_name_prefix="ckptio-s3-get")
+            return self._readers.submit(work, *args)
 
     def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
         with self._lock:
@@ -285,7 +298,7 @@ class S3Backend:
         n = max(0, min(len(into), opened.size - offset))
         if n == 0:
             return completed(0)
-        return self._submit(self._get, opened, offset, into[:n])
+        return self._submit_get(self._get, opened, offset, into[:n])
 
     def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
         """Fill ``into`` from ``offset``; a body cut short resumes where it stopped."""
@@ -333,9 +346,10 @@ class S3Backend:
 
     def shutdown(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._readers = (self._pool, self._readers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 def _read_body(body: Any, into: memoryview) -> int:

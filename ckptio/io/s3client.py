@@ -113,11 +113,19 @@ class S3Settings:
     retry_deadline_s: float = 120.0
     lock_lease_s: float = 30.0
     conditional: str = "require"
+    read_concurrency: int = 0  # ranged GETs in flight at most; 0: concurrency
 
     @classmethod
     def of(cls, options: Options) -> S3Settings:
-        """Options' ``s3_<field>`` for each field (Options holds the defaults users set)."""
-        return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)})
+        """Options' ``s3_<field>`` for each field (Options holds the defaults users set), and
+        as many GETs as a load keeps reads in flight: 2 x ``io_depth`` (loading/read.py)."""
+        return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)
+                      if f.name != "read_concurrency"}, read_concurrency=2 * options.io_depth)
+
+    @property
+    def readers(self) -> int:
+        """Ranged GETs in flight at most."""
+        return self.read_concurrency or self.concurrency
 
     def endpoint(self) -> str:
         """For messages: the endpoint as configured (or AWS's default)."""
@@ -155,7 +163,7 @@ def _make_client(settings: S3Settings) -> Any:
         s3={"payload_signing_enabled": False, "addressing_style": "path"
             if settings.endpoint() != _AWS else "auto"},
         retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
-        max_pool_connections=settings.concurrency + 8,
+        max_pool_connections=max(settings.concurrency, settings.readers) + 8,
         connect_timeout=5, read_timeout=120, tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )

@@ -286,9 +286,32 @@ def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> No
 
 
 def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:
-    """Contiguous 1-D ``src`` of ``count`` elements -> elements [start, start+count) of ``dst``."""
+    """Contiguous 1-D ``src`` of ``count`` elements -> elements [start, start+count) of ``dst``.
+
+    A contiguous host block of ``src``'s dtype is one memmove (one thread, GIL released; its
+    version counter bumped as an in-place copy would): Tensor.copy_ hands it to torch's intra-op
+    pool, whose threads wait for a core the I/O threads (and a local S3 server) hold; a load's
+    copies then cost 3x the CPU and ran at a third of memmove's speed (docs/BENCH_S3.md, round
+    three). Anything else (strided, another dtype or device) goes through copy_."""
     pos = 0
     for block in element_blocks(dst, start, count):
         n = block.numel()
-        block.copy_(src[pos:pos + n].view(block.shape))
+        piece = src[pos:pos + n]
+        if _plain_host(block, piece):
+            ctypes.memmove(block.data_ptr(), piece.data_ptr(), n * block.element_size())
+            torch.autograd.graph.increment_version(block)
+        else:
+            block.copy_(piece.view(block.shape))
         pos += n
+
+
+def _plain_host(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Both plain contiguous host tensors of one dtype (bytes copy as they are)."""
+    return (type(dst) in _PLAIN and type(src) in _PLAIN and dst.dtype == src.dtype
+            and dst.device.type == "cpu" and src.device.type == "cpu"
+            and dst.layout == torch.strided and dst.is_contiguous() and src.is_contiguous()
+            and not dst.is_conj() and not dst.is_neg() and not src.is_conj()
+            and not src.is_neg())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

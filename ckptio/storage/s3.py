@@ -167,9 +167,11 @@ class S3Store:
         return self.where.child(plain_name(name, self.location)).url
 
     def backend(self, options: Options) -> S3Backend:
-        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` requests in flight (the
-        endpoint's tuned profile may have set both, resources.py)."""
-        settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency)
+        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` uploads in flight, and
+        as many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
+        loading/read.py; the endpoint's tuned profile may have set all three, resources.py)."""
+        settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency,
+                                       read_concurrency=2 * options.io_depth)
         return S3Backend(settings, options.buffer_bytes)
 
     # -- the commit -----------------------------------------------------------------------

@@ -70,20 +70,24 @@ class S3Profile:
     """The tuned settings of one S3 endpoint (``ckptio tune s3://bucket/prefix``)."""
 
     endpoint: str  # the endpoint URL as S3Settings.endpoint() names it
-    s3_concurrency: int  # requests in flight (parts uploaded, ranges read); also io_depth
+    s3_concurrency: int  # uploads in flight (parts of a multipart upload)
     buffer_bytes: int  # staging buffer = one multipart part = one ranged GET; >= 5 MiB
     measured_at: str  # ISO 8601, UTC
     write_gbps: float  # multipart upload throughput of the chosen settings (1 GB = 1e9 bytes)
-    read_gbps: float  # ranged-GET throughput of the chosen settings
+    read_gbps: float  # ranged-GET throughput of the chosen read setting
+    # A load's io_depth (2 x io_depth ranged GETs in flight), chosen from the study's reads
+    # alone; 0 in a profile written before it was (round two): io_depth = s3_concurrency.
+    io_depth: int = 0
 
     @property
     def key(self) -> str:
         return f"{S3_KEY}{self.endpoint}"
 
     def option_fields(self) -> dict[str, object]:
-        """The Options fields this profile sets: loads keep as many reads in flight as saves
-        keep uploads (io_depth = s3_concurrency), each one buffer (= one part) long."""
-        return {"s3_concurrency": self.s3_concurrency, "io_depth": self.s3_concurrency,
+        """The Options fields this profile sets: uploads in flight, reads in flight per load
+        (io_depth), each one buffer (= one part) long."""
+        return {"s3_concurrency": self.s3_concurrency,
+                "io_depth": self.io_depth or self.s3_concurrency,
                 "buffer_bytes": self.buffer_bytes}
 
 
@@ -191,8 +195,10 @@ def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
 
 def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Profile | S3Profile:
     fields = {f.name: f.type for f in dataclasses.fields(record)}
-    if not isinstance(value, dict) or set(value) != set(fields):
+    optional = {f.name for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
+    if not isinstance(value, dict) or not set(fields) - optional <= set(value) <= set(fields):
         raise ProfileError(f"{path}: a profile must have exactly the fields {sorted(fields)}")
+    fields = {name: kind for name, kind in fields.items() if name in value}
     kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
     for name, kind in fields.items():
         if not isinstance(value[name], kinds[str(kind)]) or isinstance(value[name], bool):
@@ -206,9 +212,11 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
-        if p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1:
-            return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB) or "
-                    f"s3_concurrency={p.s3_concurrency} (>= 1) is invalid")
+        if (p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1
+                or p.io_depth < 0):
+            return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
+                    f"s3_concurrency={p.s3_concurrency} (>= 1) or io_depth={p.io_depth} (>= 0) "
+                    "is invalid")
         return None
     if p.direct_io not in DIRECT_IO_MODES:
         return f"direct_io={p.direct_io!r} is not auto, on or off"

@@ -2,16 +2,23 @@
 and the part size ckptio's saves and loads use there, and store them as that endpoint's profile.
 
 The study writes one object of ``total`` bytes per cell (requests in flight x part size) through
-ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts, then ranged GETs of one
-part each into memory, that many in flight), a few repetitions in alternating order, medians
-taken. Its objects live under ``PREFIX/.ckptio-tune-<id>/``; each is deleted after its cell and
-again (by name, only the names it wrote) when the study ends, failed or not. Reads come back from
-wherever the store keeps recently written bytes: the study cannot drop a remote store's cache.
+ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts), then, once every cell of
+the repetition has written, reads with each cell's settings (ranged GETs of one part each into
+memory, that many in flight) the object ANOTHER cell wrote earlier, never the one it has just
+written; a few repetitions in alternating order, medians taken. Its objects live under
+``PREFIX/.ckptio-tune-<id>/``; each repetition's are deleted when it ends and again (by name, only
+the names it wrote) when the study ends, failed or not. Reads still come back from wherever the
+store keeps recently written bytes: the study cannot drop a remote store's cache.
 
-The choice is tune.py's (best_of): the harmonic mean of write and read GB/s, scores within TIE of
-the best equal, then the fewest requests in flight, then the smallest part. Only cells ckptio can
-run with its default pool are tried (requests x part <= Options().pool_bytes: each request in
-flight holds one staging buffer).
+The choice: uploads in flight and the part size (= the staging buffer, which a load's ranged GETs
+share) by tune.py's best_of: the harmonic mean of write and read GB/s, scores within TIE of the
+best equal, then the fewest requests in flight, then the smallest part. A load's reads in flight
+(io_depth) from the read column alone at that part size (read_choice): the fastest read cell,
+unless none reads more than TIE faster than the default's (2 x Options().io_depth GETs), in which
+case the default io_depth stays (reads that tie cannot justify a change; round two took the
+write side's requests for reads too, and made loads 13 % slower). Only cells ckptio can run with
+its default pool are tried (requests x part <= Options().pool_bytes: each request in flight holds
+one staging buffer).
 
 Endpoint, region and credentials come as for every s3:// path (io/s3client.py: AWS_ENDPOINT_URL,
 AWS_PROFILE, ~/.aws/...); the profile's key is the endpoint as S3Settings.endpoint() names it.
@@ -42,9 +49,10 @@ from ckptio.io.s3client import S3Path, S3Settings, call, client, failed
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3 import S3Store
 from ckptio.tuning import profile
-from ckptio.tuning.tune import Candidate, best_of
+from ckptio.tuning.tune import TIE, Candidate, best_of
 
-__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "study", "table", "to_profile", "tune"]
+__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "read_choice", "study", "table",
+           "to_profile", "tune"]
 
 CONCURRENCY = "2,4,8,16"
 PARTS = "8M,16M,32M,64M"
@@ -83,11 +91,16 @@ def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
     times: dict[tuple[int, int], list[tuple[float, float]]] = {cell: [] for cell in grid}
     try:
         for rep in range(reps):
-            for part, depth in grid if rep % 2 == 0 else grid[::-1]:
-                where = run.child(f"p{part}-c{depth}-r{rep}")
-                written.append(where)
-                times[(part, depth)].append(
-                    _measure(settings, where, total, part, depth, source, dest))
+            order = grid if rep % 2 == 0 else grid[::-1]
+            objects = [run.child(f"p{part}-c{depth}-r{rep}") for part, depth in order]
+            written += objects
+            wrote = [_write(settings, where, total, part, depth, source)
+                     for where, (part, depth) in zip(objects, order)]
+            for i, (part, depth) in enumerate(order):  # another cell's object: written earlier
+                other = objects[(i + 1) % len(objects)]
+                times[(part, depth)].append((wrote[i], _read(settings, other, total, part,
+                                                             depth, dest)))
+            for where in objects:
                 _delete(settings, where)
     except BaseException as exc:
         _remove(settings, written, exc)
@@ -97,10 +110,9 @@ def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
             for (part, depth), t in times.items()]
 
 
-def _measure(settings: S3Settings, where: S3Path, total: int, part: int, depth: int,
-             source: memoryview, dest: memoryview) -> tuple[float, float]:
-    """Seconds to upload ``where`` (``total`` bytes, whole parts, ``depth`` in flight) and to read
-    it back with ranged GETs of ``part`` bytes, ``depth`` in flight."""
+def _write(settings: S3Settings, where: S3Path, total: int, part: int, depth: int,
+           source: memoryview) -> float:
+    """Seconds to upload ``where``: ``total`` bytes as whole parts, ``depth`` in flight."""
     backend = S3Backend(dataclasses.replace(settings, concurrency=depth), part)
     try:
         began = time.perf_counter()
@@ -110,7 +122,19 @@ def _measure(settings: S3Settings, where: S3Path, total: int, part: int, depth: 
         for future in writes:
             future.exception()  # close() raises the first failure and aborts the upload
         backend.close(fh, sync=True)
-        wrote = time.perf_counter()
+        return time.perf_counter() - began
+    finally:
+        backend.shutdown()
+
+
+def _read(settings: S3Settings, where: S3Path, total: int, part: int, depth: int,
+          dest: memoryview) -> float:
+    """Seconds to read ``where`` back with ranged GETs of ``part`` bytes, ``depth`` in flight
+    (each into a buffer of its own, as a load's reads)."""
+    backend = S3Backend(dataclasses.replace(settings, concurrency=depth, read_concurrency=depth),
+                        part)
+    try:
+        began = time.perf_counter()
         fh = backend.open_read(where.url)
         pending: deque[Future[int]] = deque()
         for i, offset in enumerate(range(0, total, part)):
@@ -121,7 +145,7 @@ def _measure(settings: S3Settings, where: S3Path, total: int, part: int, depth: 
         while pending:
             pending.popleft().result()
         backend.close(fh, sync=False)
-        return wrote - began, time.perf_counter() - wrote
+        return time.perf_counter() - began
     finally:
         backend.shutdown()
 
@@ -149,11 +173,36 @@ def _remove(settings: S3Settings, written: Sequence[S3Path], cause: BaseExceptio
                        "them by hand")
 
 
-def to_profile(c: Candidate, endpoint: str) -> profile.S3Profile:
+def read_choice(candidates: Sequence[Candidate], part: int) -> Candidate | None:
+    """The read cell a load should run like, among those of part size ``part``, from the read
+    column alone; None (keep the default io_depth) where the default's cell is measured and
+    no cell reads more than TIE faster than it. The default's cell: as many GETs in flight as
+    a load at the default io_depth keeps (2 x io_depth, within the default pool)."""
+    mine = [c for c in candidates if c.buffer_bytes == part]
+    if not mine:
+        return None
+    default_gets = min(2 * Options().io_depth, Options().pool_bytes // part)
+    best = max(mine, key=lambda c: c.read_gbps)
+    default = next((c for c in mine if c.io_depth == default_gets), None)
+    if default is not None and best.read_gbps <= default.read_gbps * (1 + TIE):
+        return None
+    return best
+
+
+def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Profile:
+    """Uploads in flight and the part size: the best score (tune.best_of); a load's reads in
+    flight: read_choice (``depth`` GETs in flight = io_depth ceil(depth / 2), as a load keeps
+    2 x io_depth); on a tie, the default io_depth."""
+    chosen = best_of(candidates)
+    reads = read_choice(candidates, chosen.buffer_bytes)
+    io_depth = Options().io_depth if reads is None else -(-reads.io_depth // 2)
+    read_gbps = next((c.read_gbps for c in candidates if c.buffer_bytes == chosen.buffer_bytes
+                      and c.io_depth == min(2 * io_depth, Options().pool_bytes
+                                            // chosen.buffer_bytes)), chosen.read_gbps)
     return profile.S3Profile(
-        endpoint=endpoint, s3_concurrency=c.io_depth, buffer_bytes=c.buffer_bytes,
+        endpoint=endpoint, s3_concurrency=chosen.io_depth, buffer_bytes=chosen.buffer_bytes,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        write_gbps=round(c.write_gbps, 3), read_gbps=round(c.read_gbps, 3))
+        write_gbps=round(chosen.write_gbps, 3), read_gbps=round(read_gbps, 3), io_depth=io_depth)
 
 
 def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[int],
@@ -165,11 +214,12 @@ def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[
     print(f"tune: {settings.endpoint()}: {len(cells(parts, concurrency, Options().pool_bytes))} "
           f"cells x {reps} reps of {total / MiB:g} MiB under {location}", file=sys.stderr)
     candidates = study(location, settings, total, parts, concurrency, reps)
-    return to_profile(best_of(candidates), settings.endpoint()), candidates
+    return to_profile(candidates, settings.endpoint()), candidates
 
 
 def describe(p: profile.S3Profile) -> str:
-    return (f"S3 {p.endpoint}: s3_concurrency={p.s3_concurrency} (and io_depth) "
+    return (f"S3 {p.endpoint}: s3_concurrency={p.s3_concurrency} "
+            f"io_depth={p.io_depth or p.s3_concurrency} "
             f"buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB parts); write "
             f"{p.write_gbps:.3f} GB/s, read {p.read_gbps:.3f} GB/s, measured {p.measured_at}")
 

@@ -31,7 +31,7 @@ from ckptio.tuning import profile
 if TYPE_CHECKING:  # the study is imported only when tuning, not for --show
     from ckptio.tuning.io_study import Cell, Study
 
-__all__ = ["Candidate", "add_arguments", "best_of", "choose", "choose_mode", "main", "run"]
+__all__ = ["TIE", "Candidate", "add_arguments", "best_of", "choose", "choose_mode", "main", "run"]
 
 TIE = 0.03  # scores closer than this are equal on a shared VM (run-to-run drift is larger)
 URING_MARGIN = 0.03

@@ -1,7 +1,8 @@
 """`ckptio tune s3://bucket/prefix` against a real SeaweedFS server (issue 29, item 6): a tiny
 study writes the endpoint's profile and leaves no object behind; saves and loads then run with
 its requests in flight and part size; explicit options and use_profile=False win; a closed port,
-a missing bucket and missing credentials fail within seconds as one line naming the fix."""
+a missing bucket and missing credentials fail within seconds as one line naming the fix; the
+reads in flight of a load come from the study's reads alone (not the write side's choice)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_tune_stores_the_endpoint_profile_saves_use_it_and_nothing_is_left(s3_en
     pool, backend = _backend_of(ck, f"{s3_env}/ck")
     assert backend.settings.concurrency == found.s3_concurrency != Options().s3_concurrency
     assert backend.buffer_nbytes == pool.buffer_bytes == found.buffer_bytes != Options().buffer_bytes
-    assert ck.staging().io_depth == found.s3_concurrency
+    assert ck.staging().io_depth == found.option_fields()["io_depth"]
+    assert backend.settings.readers == 2 * ck.staging().io_depth  # GETs a load keeps in flight
     assert backend.parts_uploaded_whole >= 1  # parts went up straight from tuned-size buffers
     assert torch.equal(ck.load(f"{s3_env}/ck")["w"], state["w"])
     ck.close()
@@ -148,3 +150,51 @@ def test_a_study_that_fails_half_way_removes_what_it_wrote(s3_env, s3_proxy, s3_
         s3_tune.study(s3_env, settings, 10 * MiB, [5 * MiB], [1, 2], 1)
     assert refused.fired >= 1
     assert _keys(s3_client, s3_env) == [where.child("keep").key]
+
+
+def test_the_read_depth_is_chosen_from_the_reads_not_the_writes(s3_env, s3_proxy, s3_client):
+    """Behind the proxy, every GET waits 0.2 s (more in flight reads faster) and the parts of
+    the 4-in-flight cell's upload wait 2 s (it writes slowest): the writes choose 1
+    upload in flight, the reads 4 GETs in flight (io_depth 2), not the write side's 1. A load
+    with that profile then keeps 4 GETs in flight, and reads another cell's object, not the
+    one just written."""
+    from ckptio.tuning import s3_tune
+
+    gets = s3_proxy.delay(0.2, times=None, op="GetObject")
+    s3_proxy.delay(2.0, times=None, op="UploadPart", key=r"-c4-")
+    settings = s3client.S3Settings(endpoint_url=s3_proxy.endpoint)
+    candidates = s3_tune.study(s3_env, settings, 20 * MiB, [5 * MiB], [1, 4], 1)
+    by_depth = {c.io_depth: c for c in candidates}
+    assert by_depth[4].read_gbps > 1.3 * by_depth[1].read_gbps, candidates
+    assert by_depth[1].write_gbps > 3 * by_depth[4].write_gbps, candidates
+    assert gets.fired == 2 * 4  # each cell read one object of 4 parts
+    chosen = s3_tune.to_profile(candidates, s3_proxy.endpoint)
+    assert (chosen.s3_concurrency, chosen.io_depth) == (1, 2), chosen
+    assert chosen.read_gbps == round(by_depth[4].read_gbps, 3)
+    assert not _keys(s3_client, s3_env)  # every object of the study is gone
+
+    profile.store(chosen)
+    state = {"w": torch.randn(12 * MiB // 4)}
+    ck = Checkpointer(Options(s3_endpoint_url=s3_proxy.endpoint))
+    ck.save(state, f"{s3_env}/ck")
+    _pool, backend = _backend_of(ck, f"{s3_env}/ck")
+    assert (backend.settings.concurrency, backend.settings.readers) == (1, 4)
+    assert torch.equal(ck.load(f"{s3_env}/ck")["w"], state["w"])
+    ck.close()
+
+
+def test_reads_that_tie_keep_the_default_io_depth():
+    """The read choice ignores the write column: a read column within TIE of the default's
+    cell keeps Options().io_depth whatever the writes chose; a clearly faster one wins."""
+    from ckptio.tuning import s3_tune
+    from ckptio.tuning.tune import Candidate
+
+    def cell(depth: int, write: float, read: float) -> Candidate:
+        return Candidate("s3", "s3", 16 * MiB, depth, write, read)
+
+    tie = [cell(2, 0.20, 1.31), cell(8, 0.15, 1.30), cell(16, 0.14, 1.32)]
+    chosen = s3_tune.to_profile(tie, "http://x")
+    assert (chosen.s3_concurrency, chosen.io_depth) == (2, Options().io_depth)
+    assert chosen.option_fields()["io_depth"] == Options().io_depth != chosen.s3_concurrency
+    faster = [cell(2, 0.20, 1.31), cell(8, 0.15, 1.30), cell(16, 0.14, 1.60)]
+    assert s3_tune.to_profile(faster, "http://x").io_depth == 8
