@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ from ckptio.errors import CorruptCheckpointError
 from ckptio.format.checksum import TREE, BlockHasher, Hasher, new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
-from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from ckptio.io.stage import Buffer, BufferPool, copy_in, move_in, torch_dtype, typed
 from ckptio.loading.coded import is_coded, read_coded
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
@@ -342,7 +342,9 @@ def _give_back(pool: BufferPool, own: bool, buffer: Buffer) -> None:
 def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, depth: int,
          checker: _Checker) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers),
-    applying each in order as it completes. -> bytes read."""
+    applying each in order as it completes; while the oldest read is done, it is applied
+    rather than a buffer waited for (a pool still being faulted in hands its buffers out one
+    by one). -> bytes read."""
     todo = deque(ranges)
     handles: dict[str, FileHandle] = {}
     pending: deque[_InFlight] = deque()
@@ -351,7 +353,12 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     try:
         while todo or pending:
             while todo and len(pending) < ahead:
-                pending.append(_submit(todo.popleft(), handles, pool, source))
+                flight = _submit(todo[0], handles, pool, source,
+                                 pending[0].future.done if pending else None)
+                if flight is None:
+                    break
+                todo.popleft()
+                pending.append(flight)
             flight = pending.popleft()
             try:
                 _apply(flight.range, flight.buffer, flight.future.result(), checker)
@@ -368,17 +375,22 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
 
 
 def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
-            source: StoreFiles) -> _InFlight:
+            source: StoreFiles, ready: Callable[[], bool] | None) -> _InFlight | None:
+    """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
+    oldest read in flight is done) holds before a buffer is free."""
     if rng.file not in handles:
         handles[rng.file] = source.open_read(rng.file)
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
     buffers = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
-    buffer = buffers.acquire()
+    buffer = buffers.acquire() if ready is None or own else buffers.acquire_unless(ready)
+    if buffer is None:
+        return None
     try:
         future = source.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
     except BaseException:
         _give_back(buffers, own, buffer)
         raise
+    future.add_done_callback(lambda _done: pool.wake())
     return _InFlight(rng, buffers, own, buffer, future)
 
 
@@ -412,9 +424,12 @@ def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> No
             dest.reshape(-1).view(torch.uint8)[at:at + hi - lo].copy_(
                 buffer.data[start:start + hi - lo])
         return
-    src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
+    dtype = torch_dtype(entry.dtype)
+    src = None
     for dest in span.dests:
-        copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
+        if not move_in(buffer, start, hi - lo, dest, dtype, at):
+            src = typed(buffer, start, hi - lo, dtype) if src is None else src
+            copy_in(src, dest, at // itemsize, (hi - lo) // itemsize)
 
 
 def _copy_pieces(span: _Span, data: torch.Tensor) -> None:
