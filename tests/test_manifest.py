@@ -626,3 +626,102 @@ def test_hostile_manifest_is_rejected_by_load(tmp_path, small_options):
     with pytest.raises(ManifestError, match="plain file name"):
         ckptio.load(path)
 
+
+
+# --------------------------------------------------------------------------------------------
+# the fast path for plain entries (validate._plain_tensor) against the field-by-field checks
+
+_ODD = [None, -1, 0, 3, 1 << 62, 10**30, True, 1.5, "x", "0123456789abcdef", [], [0], [4, 8],
+        [0, 0], [1, 0], [0, 1], [-1, 8], [4.0, 8], {}, {"offsets": [0, 0], "sizes": [4, 8]}, "float32",
+        "tensor", F0]
+
+
+def _entry_mutations():
+    """(field path, value) for every field of a plain entry, and every odd value there."""
+    fields = ["key", "kind", "dtype", "shape", "chunk", "file", "offset", "nbytes", "checksum",
+              "blocks", "rank", "stored", "ref", "xor", ("chunk", "offsets"),
+              ("chunk", "sizes"), ("chunk", "flat")]
+    for field in fields:
+        for value in [*_ODD, "DROP"]:
+            yield field, value
+    yield "blocks", ["0123456789abcdef"] * 2
+    yield "blocks", ["0123456789abcdef", "0123456789ABCDEF"]
+    yield ("chunk", "flat"), False
+    yield ("chunk", "flat"), 0
+    for shape in ([], [1] * manifest.MAX_NDIM, [1] * (manifest.MAX_NDIM + 1), [0, 5],
+                  [2 ** 61, 2 ** 61, 0], [2 ** 30, 2 ** 30, 0]):
+        yield "WHOLE", shape  # shape, chunk and nbytes agreeing with each other
+
+
+def _whole(raw: dict, shape: list) -> dict:
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = {"float32": 4, "bfloat16": 2, "float64": 8, "int16": 2, "uint8": 1}[raw["dtype"]]
+    return dict(raw, shape=shape, chunk={"offsets": [0] * len(shape), "sizes": shape},
+                nbytes=numel * itemsize)
+
+
+def _mutated(raw: dict, field, value) -> dict:
+    raw = json.loads(json.dumps(raw))
+    if field == "WHOLE":
+        return _whole(raw, value)
+    target, name = (raw, field) if isinstance(field, str) else (raw.get("chunk"), field[1])
+    if isinstance(target, dict):
+        if value == "DROP":
+            target.pop(name, None)
+        else:
+            target[name] = value
+    return raw
+
+
+@pytest.mark.parametrize("block_nbytes", [1 << 20, 64])
+def test_the_fast_path_accepts_only_what_the_field_checks_accept(block_nbytes):
+    """validate._plain_tensor takes the common entry without building messages; on every
+    entry, plain or mutated field by field, it returns None or exactly the entry _tensor
+    returns, and never accepts one _tensor refuses (so no check is lost)."""
+    from ckptio.format import validate
+    from ckptio.format.check import Check
+
+    body = good_body()
+    sizes = {f["name"]: f["nbytes"] for f in body["files"]}
+    taken = refused = 0
+    for raw in body["tensors"]:
+        for field, value in [("key", raw["key"]), *_entry_mutations()]:
+            entry = _mutated(raw, field, value)
+            fast = validate._plain_tensor(entry, sizes, block_nbytes)
+            try:
+                slow = validate._tensor(Check(WHERE), entry, sizes, 1, block_nbytes,
+                                        manifest.VERSION)
+            except ManifestError:
+                assert fast is None, (field, value, entry)
+                refused += 1
+                continue
+            assert fast is None or fast == slow, (field, value, entry)
+            taken += fast is not None
+    assert taken and refused
+
+
+def test_the_fast_path_takes_every_entry_of_a_real_save(tmp_path, small_options):
+    """A save's global tensor entries all go through the fast path, and decode to the same
+    Manifest as through the field checks alone."""
+    import torch
+
+    import ckptio
+    from ckptio.format import validate
+
+    state = {"w": torch.randn(64, 33), "b": torch.zeros(3, dtype=torch.bfloat16),
+             "e": torch.empty(0, 4), "i": torch.arange(5), "n": 3}
+    ckptio.save(state, tmp_path / "c", options=small_options)
+    data = (tmp_path / "c" / manifest.MANIFEST_NAME).read_bytes()
+    body = split(data)[1]
+    sizes = {f["name"]: f["nbytes"] for f in body["files"]}
+    assert all(validate._plain_tensor(t, sizes, body["block_nbytes"]) is not None
+               for t in body["tensors"])
+    fast = manifest.decode(data, WHERE)
+    plain = validate._plain_tensor
+    try:
+        validate._plain_tensor = lambda *_args: None
+        assert manifest.decode(data, WHERE) == fast
+    finally:
+        validate._plain_tensor = plain

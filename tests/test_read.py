@@ -6,6 +6,7 @@ coalescing rule the loop relies on (layout.coalesce_reads with ``in_one_read``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -241,3 +242,160 @@ def test_a_corrupt_byte_in_a_resharded_piece_checked_on_an_io_thread_never_lands
     assert torch.equal(bad.local[landed], big[rows, cols][landed])  # no wrong element
     assert all(bad.local[r - 100, c - 256] == -1.0 for r, c in hit)
     assert ck.staging().files(LocalStore("."))[0].idle()
+
+# ------------------------------------------------------------------------------------------------
+# copying into destinations without a torch kernel (stage.move_in), and reads applied while the
+# pool is still being faulted in
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_move_in_copies_into_plain_host_tensors_only():
+    """One memmove into a plain contiguous host tensor of the buffer's dtype (its version
+    bumped as copy_ bumps it); anything else is left untouched for copy_in."""
+    from ckptio.io.stage import BufferPool, move_in
+
+    pool = BufferPool(1, MiB)
+    buffer = pool.acquire()
+    buffer.as_dtype(torch.float32)[:64] = torch.arange(64.0)
+    try:
+        dest = torch.zeros(8, 4)
+        version = dest._version
+        assert move_in(buffer, 16, 64, dest, torch.float32, 32)  # elements 4.. into 8..
+        assert torch.equal(dest.reshape(-1)[8:24], torch.arange(4.0, 20.0))
+        assert not dest.reshape(-1)[:8].any() and not dest.reshape(-1)[24:].any()
+        assert dest._version > version
+        with torch.inference_mode():
+            inference = torch.zeros(4)
+        refused = {
+            "not contiguous": torch.zeros(4, 8).t(),
+            "another dtype": torch.zeros(8, dtype=torch.float64),
+            "conjugate view": torch.zeros(2, dtype=torch.complex64).conj(),
+            "inference tensor": inference,
+            "subclass": torch.zeros(8).as_subclass(_Sub),
+            "past its end": torch.zeros(3),
+        }
+        for why, t in refused.items():
+            dtype = torch.complex64 if t.is_complex() else torch.float32
+            before = t.clone()
+            assert not move_in(buffer, 0, 16, t, dtype, 0), why
+            assert torch.equal(t.resolve_conj(), before.resolve_conj()), why
+        assert not move_in(buffer, MiB - 8, 16, torch.zeros(4), torch.float32, 0)  # past the buffer
+    finally:
+        pool.release(buffer)
+        pool.close()
+
+
+def test_an_in_place_load_fills_every_destination_and_marks_it_modified(tmp_path, ck):
+    """Contiguous, transposed, Parameter and tied destinations are filled bit for bit, and each
+    is marked modified as copy_ marks it: a graph that saved one for backward refuses to run."""
+    g = torch.Generator().manual_seed(0)
+    saved = {"w": torch.randn(6, 5, generator=g), "t": torch.randn(5, 6, generator=g),
+             "b": torch.randn(7, generator=g).to(torch.bfloat16), "i": torch.arange(9)}
+    path = str(tmp_path / "ck")
+    ck.save(saved, path)
+    w = torch.nn.Parameter(torch.zeros(6, 5))
+    dest = {"w": w, "t": torch.zeros(6, 5).t(), "b": torch.zeros(7, dtype=torch.bfloat16),
+            "i": torch.zeros(9, dtype=torch.int64)}
+    x = torch.ones(5, requires_grad=True)
+    y = (w @ x).sum()  # saves w for backward
+    ck.load(path, dest)
+    for key, value in saved.items():
+        assert torch.equal(dest[key], value), key
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_acquire_unless_returns_when_other_work_is_ready():
+    from ckptio.io.stage import BufferPool
+
+    pool = BufferPool(1, MiB)
+    held = pool.acquire()
+    assert pool.acquire_unless(lambda: True) is None
+    ready = [False]
+    got: list[object] = []
+
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire_unless(lambda: ready[0])))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # neither a buffer nor ready work: it waits
+    ready[0] = True
+    pool.wake()
+    waiter.join(5)
+    assert got == [None]
+    pool.release(held)
+    assert pool.acquire_unless(lambda: True) is held  # a free buffer comes first
+    pool.release(held)
+    pool.close()
+
+
+def test_a_load_applies_finished_reads_while_the_pool_is_still_faulted_in(tmp_path, monkeypatch,
+                                                                          small_options):
+    """A pool made by the load hands out its buffers as its background pre-fault reaches them;
+    the loop checks and copies a finished read instead of waiting for the next buffer."""
+    from ckptio.io import stage
+
+    state = {f"t{i}": torch.full((256 * 1024,), float(i)) for i in range(6)}  # 6 MiB
+    path = str(tmp_path / "ck")
+    ckptio.save(state, path, options=small_options)
+    gate = threading.Event()
+    real = stage._populate
+    waited_out: list[bool] = []
+
+    def slow_populate(address, nbytes):  # type: ignore[no-untyped-def]
+        if not gate.wait(5):  # the load never applied a read before its second buffer
+            waited_out.append(True)
+        real(address, nbytes)
+
+    order: list[str] = []
+    real_apply = read_module._apply
+
+    def apply(*args):  # type: ignore[no-untyped-def]
+        order.append("apply")
+        gate.set()  # the first apply lets the pre-fault go on
+        return real_apply(*args)
+
+    calls = [0]
+
+    def populate(address, nbytes):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        (real if calls[0] == 1 else slow_populate)(address, nbytes)
+
+    monkeypatch.setattr(stage, "_populate", populate)
+    monkeypatch.setattr(read_module, "_apply", apply)
+    options = dataclasses.replace(small_options, pool_bytes=8 * small_options.buffer_bytes)
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck = ckptio.Checkpointer(options)
+    try:
+        ck.load(path, dest)
+    finally:
+        ck.close()
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    assert order and not waited_out
+
+
+def test_crc32_records_are_checked_on_the_loop_and_xxh3_entries_on_the_io_threads(
+        tmp_path, monkeypatch) -> None:
+    """Whole entries that fit one read: ckptio's own (xxh3) are checked on the I/O thread that
+    read them; torch.save's records (zlib CRC-32, several times slower) on the loading thread,
+    where they do not hold an I/O thread from its next read (a 2-rank DCP load measured slower
+    the other way). Both loads stay bitwise."""
+    state = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    seen: dict[str, set[str]] = {"xxh3": set(), "crc32": set()}
+    real_whole = read_module.Checker.whole
+
+    def whole(self, span, view, last):  # type: ignore[no-untyped-def]
+        seen["crc32" if self.algorithm == "crc32" else "xxh3"].add(
+            threading.current_thread().name)
+        return real_whole(self, span, view, last)
+
+    monkeypatch.setattr(read_module.Checker, "whole", whole)
+    ckptio.save(state, tmp_path / "ck")
+    torch.save(state, tmp_path / "state.pt")
+    for path in (tmp_path / "ck", tmp_path / "state.pt"):
+        back = ckptio.load(path)
+        assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert seen["xxh3"] and all(t.startswith("ckptio-io") for t in seen["xxh3"]), seen
+    assert seen["crc32"] == {threading.current_thread().name}, seen

@@ -288,3 +288,49 @@ def test_a_synchronous_save_writes_while_it_still_copies(
     assert writes_before_the_end[0] >= 1
     assert_same(ckptio.load(tmp_path / "sync"), state)
     ck.close()
+
+
+def test_a_load_makes_its_pool_before_it_plans_its_reads(tmp_path: os.PathLike[str],
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          assert_same) -> None:
+    """Issue 29 round three: a one-rank load makes its staging pool (sized to the stored bytes
+    of the keys it asks for) as soon as the manifest is open, so the pool's background
+    pre-fault overlaps the planning; the reads then use that pool, made once."""
+    from ckptio.io import stage
+    from ckptio.loading import session
+
+    options = Options(buffer_bytes=MiB, pool_bytes=16 * MiB, io_depth=2, use_profile=False)
+    state = _state(6 * MiB)
+    ckptio.save(state, tmp_path / "c", options=options)
+    made: list[int] = []
+    real_pool = stage.BufferPool.__init__
+
+    def pool_init(self, nbuffers, *args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(nbuffers)
+        real_pool(self, nbuffers, *args, **kwargs)
+
+    at_planning: list[list[int]] = []
+    real_fill = session.fill_in_place
+
+    def fill(*args, **kwargs):  # type: ignore[no-untyped-def]
+        at_planning.append(list(made))
+        return real_fill(*args, **kwargs)
+
+    monkeypatch.setattr(stage.BufferPool, "__init__", pool_init)
+    monkeypatch.setattr(session, "fill_in_place", fill)
+    reader = Checkpointer(options)
+    dest = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()},
+            "small": torch.zeros(7), "step": 0}
+    reader.load(tmp_path / "c", dest)
+    assert_same(dest, state)
+    assert len(made) == 1 and 6 <= made[0] <= 7  # 6 MiB of tensors: made once
+    assert at_planning == [made]  # before the load planned its reads
+    made.clear()
+    at_planning.clear()
+    other = Checkpointer(options)
+    part = {"w": {"t0": torch.zeros_like(state["w"]["t0"])}}
+    other.load(tmp_path / "c", part, keys="w.t0")  # only the keys asked for: 1.5 MiB
+    assert torch.equal(part["w"]["t0"], state["w"]["t0"])
+    assert at_planning == [[2]] and made == [2]
+    reader.close()
+    other.close()

@@ -14,7 +14,8 @@ from typing import Any
 from ckptio.errors import ManifestError
 from ckptio.format.types import show
 
-__all__ = ["MAX_INT", "MAX_NDIM", "Check", "Span", "checksum_of", "shape_of", "shared_bytes"]
+__all__ = ["MAX_INT", "MAX_NDIM", "Check", "Span", "checksum_of", "is_checksum", "shape_of",
+           "shared_bytes"]
 
 Span = tuple[str, int, int, str]  # (file, offset, nbytes, what claims it)
 MAX_INT = 1 << 62
@@ -66,9 +67,14 @@ def shape_of(c: Check, raw: dict[str, Any], what: str) -> tuple[int, ...]:
     return shape
 
 
+def is_checksum(value: Any) -> bool:
+    """Whether ``value`` is a stored checksum: a string of 16 lowercase hex digits."""
+    return isinstance(value, str) and _CHECKSUM.fullmatch(value) is not None
+
+
 def checksum_of(c: Check, value: Any, what: str) -> str:
     checksum = c.str(value, f"{what} checksum")
-    if not _CHECKSUM.fullmatch(checksum):
+    if not is_checksum(checksum):
         raise c.fail(f"{what}: checksum {show(checksum)} is not 16 hex digits")
     return checksum
 

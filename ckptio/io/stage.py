@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +26,8 @@ from ckptio.format.types import DTYPE_ITEMSIZE
 
 MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
 
-__all__ = ["Buffer", "BufferPool", "available_host_bytes", "copy_in", "copy_out", "torch_dtype",
-           "typed"]
+__all__ = ["Buffer", "BufferPool", "available_host_bytes", "copy_in", "copy_out", "move_in",
+           "torch_dtype", "typed"]
 
 
 @dataclass
@@ -43,6 +43,11 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return len(self.view)
+
+    @property
+    def address(self) -> int:
+        """Where the buffer's first byte lies in memory."""
+        return self.data.data_ptr()
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole buffer as a 1-D tensor of ``dtype``, made once and kept."""
@@ -144,6 +149,22 @@ class BufferPool:
             while not self._free:
                 self._cond.wait()
             return heapq.heappop(self._free)[1]
+
+    def acquire_unless(self, ready: Callable[[], bool]) -> Buffer | None:
+        """The free buffer of lowest index, waiting while none is free; None as soon as
+        ``ready()`` holds instead (checked now and whenever wake() is called: a caller with
+        other work, e.g. a completed read, does it rather than wait for a buffer)."""
+        with self._cond:
+            while not self._free:
+                if ready():
+                    return None
+                self._cond.wait()
+            return heapq.heappop(self._free)[1]
+
+    def wake(self) -> None:
+        """Wake acquire_unless's waiters to check their ``ready`` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def try_acquire(self) -> Buffer | None:
         """A free buffer, or None at once if every buffer is in use."""
@@ -285,6 +306,28 @@ def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> No
         pos += n
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def move_in(buffer: Buffer, start: int, nbytes: int, dst: torch.Tensor, dtype: torch.dtype,
+            at: int) -> bool:
+    """Bytes [start, start + nbytes) of ``buffer`` into bytes [at, at + nbytes) of ``dst`` by
+    one memmove (GIL released), when ``dst`` is a plain, contiguous host tensor of ``dtype``
+    holding those bytes (no subclass, conjugate or negative bit, not an inference tensor); its
+    version counter is bumped as copy_ bumps it. -> False, nothing copied, otherwise (copy_in).
+    No torch kernel runs: in a fresh process with a cold page cache torch's copy code was paged
+    in from disk inside the first copy, behind every read in flight (0.04-0.05 s of a 100 MB
+    load), and its two-thread copy stalled whenever the other core was busy; for the many
+    small entries of a state the per-call cost is a fraction of copy_'s."""
+    if (not _plain_host(dst, dtype)
+            or not 0 <= at <= dst.numel() * dst.element_size() - nbytes
+            or not 0 <= start <= buffer.nbytes - nbytes):
+        return False
+    ctypes.memmove(dst.data_ptr() + at, buffer.address + start, nbytes)
+    torch.autograd.graph.increment_version(dst)
+    return True
+
+
 def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:
     """Contiguous 1-D ``src`` of ``count`` elements -> elements [start, start+count) of ``dst``.
 
@@ -297,7 +340,7 @@ def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> Non
     for block in element_blocks(dst, start, count):
         n = block.numel()
         piece = src[pos:pos + n]
-        if _plain_host(block, piece):
+        if _plain_host(block, piece.dtype) and _plain_host(piece, piece.dtype):
             ctypes.memmove(block.data_ptr(), piece.data_ptr(), n * block.element_size())
             torch.autograd.graph.increment_version(block)
         else:
@@ -305,13 +348,9 @@ def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> Non
         pos += n
 
 
-def _plain_host(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Both plain contiguous host tensors of one dtype (bytes copy as they are)."""
-    return (type(dst) in _PLAIN and type(src) in _PLAIN and dst.dtype == src.dtype
-            and dst.device.type == "cpu" and src.device.type == "cpu"
-            and dst.layout == torch.strided and dst.is_contiguous() and src.is_contiguous()
-            and not dst.is_conj() and not dst.is_neg() and not src.is_conj()
-            and not src.is_neg())
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``t`` is a plain, contiguous host tensor of ``dtype`` whose bytes copy as they are (no
+    subclass, conjugate or negative bit, not an inference tensor): memmove may fill or read it."""
+    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.dtype == dtype
+            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg() and not t.is_inference())

@@ -47,6 +47,14 @@ class Checker:
     def path(self, entry: TensorEntry) -> str:
         return self.source.where(entry.file)
 
+    @property
+    def on_io_threads(self) -> bool:
+        """Whether a read whose spans check alone is checked on the I/O thread that read it.
+        Not for zlib's CRC-32 (the records of DCP and torch.save files): several times slower
+        than xxh3, it kept that thread from its next read, and a 2-rank cold DCP load took
+        0.90 s against 0.84 s with the checks on the loop (docs/BENCH_INTEROP.md, round three)."""
+        return self.algorithm != "crc32"
+
     def whole(self, span: Span, view: memoryview, last: bool) -> None:
         """The next bytes of a whole-entry span; at its last, its checksum (and with
         ``check_blocks`` its block checksums) must match."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -40,12 +40,18 @@ import torch
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
-from ckptio.io.stage import Buffer, BufferPool, copy_in, torch_dtype, typed
+from ckptio.io.stage import Buffer, BufferPool, copy_in, move_in, torch_dtype, typed
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded import is_coded, read_coded
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
-from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
+from ckptio.planning.reshard import (
+    Piece,
+    execute,
+    plan_reads,
+    region_of,
+    stored_from_entry,
+)
 from ckptio.storage.coded import EntryReader
 from ckptio.storage.files import StoreFiles
 
@@ -267,8 +273,10 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
     whose spans all check on their own is checked and copied out by the I/O thread that read it,
     where its bytes are hot and beside the other reads; any other (a whole entry hashed across
-    several reads) is applied here, in order. The first failure, in read order, is raised once
-    every read in flight has finished. -> bytes read."""
+    several reads) is applied here, in order. While the oldest read is done (applied, for the
+    former), it is taken rather than a buffer waited for (a pool still being faulted in hands
+    its buffers out one by one). The first failure, in read order, is raised once every read in
+    flight has finished. -> bytes read."""
     todo = deque(ranges)
     handles: dict[str, FileHandle] = {}
     pending: deque[_InFlight] = deque()
@@ -278,7 +286,12 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     try:
         while todo or pending:
             while todo and len(pending) < ahead:
-                pending.append(_submit(todo.popleft(), handles, pool, source, checker, stop))
+                flight = _submit(todo[0], handles, pool, source, checker, stop,
+                                 pending[0].done().done if pending else None)
+                if flight is None:
+                    break
+                todo.popleft()
+                pending.append(flight)
             flight = pending.popleft()
             try:
                 if flight.applied is not None:
@@ -299,22 +312,28 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
 
 
 def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
-            source: StoreFiles, checker: Checker, stop: threading.Event) -> _InFlight:
+            source: StoreFiles, checker: Checker, stop: threading.Event,
+            ready: Callable[[], bool] | None) -> _InFlight | None:
+    """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
+    oldest read in flight is done) holds before a buffer is free."""
     if rng.file not in handles:
         handles[rng.file] = source.open_read(rng.file)
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
     buffers = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
-    buffer = buffers.acquire()
+    buffer = buffers.acquire() if ready is None or own else buffers.acquire_unless(ready)
+    if buffer is None:
+        return None
     try:
         future = source.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
     except BaseException:
         _give_back(buffers, own, buffer)
         raise
     flight = _InFlight(rng, buffers, own, buffer, future)
-    if _checks_alone(rng):
+    if checker.on_io_threads and _checks_alone(rng):
         applied: Future[int] = Future()
         flight.applied = applied
         future.add_done_callback(lambda read: _apply_there(flight, applied, read, checker, stop))
+    flight.done().add_done_callback(lambda _done: pool.wake())  # acquire_unless checks again
     return flight
 
 
@@ -370,9 +389,12 @@ def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> No
             dest.reshape(-1).view(torch.uint8)[at:at + hi - lo].copy_(
                 buffer.data[start:start + hi - lo])
         return
-    src = typed(buffer, start, hi - lo, torch_dtype(entry.dtype))
+    dtype = torch_dtype(entry.dtype)
+    src = None
     for dest in span.dests:
-        copy_in(src, dest, (lo - entry.offset) // itemsize, (hi - lo) // itemsize)
+        if not move_in(buffer, start, hi - lo, dest, dtype, at):
+            src = typed(buffer, start, hi - lo, dtype) if src is None else src
+            copy_in(src, dest, at // itemsize, (hi - lo) // itemsize)
 
 
 def _copy_pieces(span: _Span, data: torch.Tensor) -> None:
