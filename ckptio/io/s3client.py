@@ -50,7 +50,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
-           "code", "describe", "failed", "is_s3", "status"]
+           "code", "describe", "failed", "gets_in_flight", "is_s3", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
@@ -102,6 +102,12 @@ class S3Path:
         return f"{self.key}/" if self.key else ""
 
 
+def gets_in_flight(io_depth: int) -> int:
+    """Ranged GETs a load keeps in flight at ``io_depth``: its read-ahead of 2 x io_depth reads
+    (loading/read.py), each one GET."""
+    return 2 * io_depth
+
+
 @dataclass(frozen=True)
 class S3Settings:
     """What makes a client and its retry policy (from Options; hashable, picklable)."""
@@ -118,9 +124,10 @@ class S3Settings:
     @classmethod
     def of(cls, options: Options) -> S3Settings:
         """Options' ``s3_<field>`` for each field (Options holds the defaults users set), and
-        as many GETs as a load keeps reads in flight: 2 x ``io_depth`` (loading/read.py)."""
+        as many GETs as a load keeps reads in flight (gets_in_flight)."""
         return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)
-                      if f.name != "read_concurrency"}, read_concurrency=2 * options.io_depth)
+                      if f.name != "read_concurrency"},
+                   read_concurrency=gets_in_flight(options.io_depth))
 
     @property
     def readers(self) -> int:

@@ -32,7 +32,8 @@ from typing import Any
 from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.s3 import S3Backend
-from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
+from ckptio.io.s3client import (S3Path, S3Settings, call, client, describe, failed,
+                                 gets_in_flight, status)
 from ckptio.options import Options
 from ckptio.storage import foreign, s3lock
 from ckptio.storage.base import (
@@ -171,7 +172,7 @@ class S3Store:
         as many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
         loading/read.py; the endpoint's tuned profile may have set all three, resources.py)."""
         settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency,
-                                       read_concurrency=2 * options.io_depth)
+                                       read_concurrency=gets_in_flight(options.io_depth))
         return S3Backend(settings, options.buffer_bytes)
 
     # -- the commit -----------------------------------------------------------------------

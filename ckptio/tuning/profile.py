@@ -197,7 +197,8 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
     fields = {f.name: f.type for f in dataclasses.fields(record)}
     optional = {f.name for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
     if not isinstance(value, dict) or not set(fields) - optional <= set(value) <= set(fields):
-        raise ProfileError(f"{path}: a profile must have exactly the fields {sorted(fields)}")
+        raise ProfileError(f"{path}: a profile must have the fields "
+                           f"{sorted(set(fields) - optional)} and may have {sorted(optional)}")
     fields = {name: kind for name, kind in fields.items() if name in value}
     kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
     for name, kind in fields.items():

@@ -45,7 +45,7 @@ from datetime import datetime, timezone
 
 from ckptio.errors import CkptError
 from ckptio.io.s3 import MIN_PART, S3Backend
-from ckptio.io.s3client import S3Path, S3Settings, call, client, failed
+from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, gets_in_flight
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3 import S3Store
 from ckptio.tuning import profile
@@ -181,12 +181,18 @@ def read_choice(candidates: Sequence[Candidate], part: int) -> Candidate | None:
     mine = [c for c in candidates if c.buffer_bytes == part]
     if not mine:
         return None
-    default_gets = min(2 * Options().io_depth, Options().pool_bytes // part)
+    default_gets = _gets(Options().io_depth, part)
     best = max(mine, key=lambda c: c.read_gbps)
     default = next((c for c in mine if c.io_depth == default_gets), None)
     if default is not None and best.read_gbps <= default.read_gbps * (1 + TIE):
         return None
     return best
+
+
+def _gets(io_depth: int, part: int) -> int:
+    """The ranged GETs of ``part`` bytes a load at ``io_depth`` keeps in flight with the
+    default pool (one staging buffer each)."""
+    return min(gets_in_flight(io_depth), Options().pool_bytes // part)
 
 
 def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Profile:
@@ -196,9 +202,10 @@ def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Prof
     chosen = best_of(candidates)
     reads = read_choice(candidates, chosen.buffer_bytes)
     io_depth = Options().io_depth if reads is None else -(-reads.io_depth // 2)
-    read_gbps = next((c.read_gbps for c in candidates if c.buffer_bytes == chosen.buffer_bytes
-                      and c.io_depth == min(2 * io_depth, Options().pool_bytes
-                                            // chosen.buffer_bytes)), chosen.read_gbps)
+    gets = _gets(io_depth, chosen.buffer_bytes)
+    read_gbps = next((c.read_gbps for c in candidates
+                      if c.buffer_bytes == chosen.buffer_bytes and c.io_depth == gets),
+                     chosen.read_gbps)
     return profile.S3Profile(
         endpoint=endpoint, s3_concurrency=chosen.io_depth, buffer_bytes=chosen.buffer_bytes,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
