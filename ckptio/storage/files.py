@@ -69,8 +69,9 @@ class StoreFiles:
         """Create file ``name`` (it must not exist) with ``nbytes`` preallocated."""
         return self.backend.open_write(self.store.path_of(name), nbytes)
 
-    def open_read(self, name: str) -> FileHandle:
-        return self.backend.open_read(self.store.path_of(name))
+    def open_read(self, name: str, *, cached: bool = False) -> FileHandle:
+        """Open file ``name`` for reading; ``cached``: through the page cache (IOBackend)."""
+        return self.backend.open_read(self.store.path_of(name), cached=cached)
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)
