@@ -19,11 +19,14 @@ read of up to a pool buffer) and one read-ahead loop over the staging pool, up t
 reads in flight. A read whose spans all check within it (nearly all of them) is checked and
 copied out by the I/O thread that read it, while its bytes are in cache and beside the other
 reads (both cores of a one-process load busy, not one); the loop applies the rest in order.
+The checksum blocks a block span wants only part of (the neighbouring shard's rank reads them
+too) are read through the page cache, the rest direct (shared_blocks.py).
 
 Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
 not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
 arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
-StoreFiles, storage/files.py) or the I/O (io).
+StoreFiles, storage/files.py), the I/O (io) or how one read is cut into direct and cached
+parts (shared_blocks.py).
 """
 
 from __future__ import annotations
