@@ -70,8 +70,10 @@ class StoreFiles:
         return self.backend.open_write(self.store.path_of(name), nbytes)
 
     def open_read(self, name: str, *, cached: bool = False) -> FileHandle:
-        """Open file ``name`` for reading; ``cached``: through the page cache (IOBackend)."""
-        return self.backend.open_read(self.store.path_of(name), cached=cached)
+        """Open file ``name`` for reading; ``cached``: through the page cache (IOBackend;
+        passed only when asked, so a backend written before it existed still opens reads)."""
+        path = self.store.path_of(name)
+        return self.backend.open_read(path, cached=True) if cached else self.backend.open_read(path)
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)
