@@ -278,7 +278,9 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
     barrier()
     cache_drop = ceiling.drop_page_cache([args.ckpt]) if args.rank == 0 else ""
     load = ckptio_loader(args.ckpt, not args.cold_pool) if engine == "ckptio" else dcp_load
+    disk_before = disk_read_bytes(args.ckpt) if args.rank == 0 else None
     seconds, rss, report = timed(lambda: load(args.ckpt, dest), args.idle)
+    disk_after = disk_read_bytes(args.ckpt) if args.rank == 0 else None
     ok = local_digest(dest) == expect["digests"][args.world][args.rank]
     oks, rsses = gather(ok), gather(rss)
     read = gather(getattr(report, "nbytes_read", None))
@@ -286,7 +288,19 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
             "saved_ranks": args.ranks, "bytes": expect["bytes"], "load_s": seconds,
             "load_rss_mib": max(rsses), "cache_drop": cache_drop, "bitwise_ok": all(oks),
             "bitwise_by_rank": oks, "nbytes_read": None if None in read else sum(read),
-            "report": _report(report)}
+            "disk_read_bytes": None if disk_before is None or disk_after is None
+            else disk_after - disk_before, "report": _report(report)}
+
+
+def disk_read_bytes(path: Path) -> int | None:
+    """Bytes the block device holding ``path`` has read so far (all processes: every rank's
+    load, whatever it read directly or through the page cache), from /sys; None without it."""
+    dev = os.stat(path).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512  # sectors read, of 512 bytes
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _report(report: object) -> object:
@@ -384,11 +398,16 @@ def progress(run: Run) -> str:
         ok = "ok" if run["bitwise_ok"] else "MISMATCH"
         return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
                 f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
-                f"wall {run['wall_s']:.1f} s")
+                f"wall {run['wall_s']:.1f} s{_disk(run)}")
     if run["job"] == "ceiling":
         return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
                 f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s)")
     return f"{head}: {run}"
+
+
+def _disk(run: Run) -> str:
+    nbytes = run.get("disk_read_bytes")
+    return "" if nbytes is None else f", disk read {nbytes / 1e6:.0f} MB"
 
 
 def run_all(args: argparse.Namespace) -> list[Run]:

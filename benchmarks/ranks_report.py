@@ -90,6 +90,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
             "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
             "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
             "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
+            "disk_mb": med(rs, lambda r: None if r.get("disk_read_bytes") is None
+                           else r["disk_read_bytes"] / 1e6),
             "bitwise_ok": bool(rs) and len(rs) == len(all_rs) and all(r["bitwise_ok"] for r in rs)})
     out["saves"], out["loads"] = saves, loads
     out["checks"] = checks(saves, loads, args)
@@ -159,15 +161,15 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
     lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
                  f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
     lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
-              "| bitwise |"), "|---|---|---:|---:|---:|---:|---:|---|"]
+              "| disk read MB | bitwise |"), "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
         ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
               else "ok" if l["bitwise_ok"] else "MISMATCH")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
                      f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
-                     f"| {fmt(l['read_mb'], '.0f')} | {ok} |")
+                     f"| {fmt(l['read_mb'], '.0f')} | {fmt(l.get('disk_mb'), '.0f')} | {ok} |")
     lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
-                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - |")
+                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - | - |")
     lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
     for c in summary["checks"]:
         met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
@@ -188,7 +190,9 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         + ("staging pool is made inside the clock (--cold-pool)" if args.cold_pool else
            "staging pool and I/O threads are made before the clock (Checkpointer.prepare)"),
         ("- read MB: ckptio's LoadReport.nbytes_read summed over the loading ranks (S is the "
-        "minimum; more means over-reading)"),
+        "minimum; more means over-reading); disk read MB: what the device holding the "
+        "checkpoint read during the load (/sys/dev/block/.../stat, every process on the host: "
+        "blocks read through the page cache count once)"),
         ("- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
         "the same region of the reference state (untimed)"), ""]
     return "\n".join(lines)

@@ -399,3 +399,65 @@ def test_crc32_records_are_checked_on_the_loop_and_xxh3_entries_on_the_io_thread
         assert all(torch.equal(back[k], v) for k, v in state.items())
     assert seen["xxh3"] and all(t.startswith("ckptio-io") for t in seen["xxh3"]), seen
     assert seen["crc32"] == {threading.current_thread().name}, seen
+
+
+def test_partly_wanted_blocks_are_read_through_the_page_cache_and_the_rest_direct(tmp_path, ck):
+    """A shard that starts and ends inside checksum blocks: those blocks (which the ranks
+    holding the neighbouring shards read too) go through a cached handle, every other byte
+    through the direct one, and no block through both; a whole load reads nothing cached."""
+    w = torch.randn(1024, 1024)  # 4 MiB: 16 blocks of 256 KiB with small_options
+    path = str(tmp_path / "ck")
+    ck.save({"w": w}, path)
+    (entry,) = _entries(path)
+    backend = inject(ck)
+    seen: list[tuple[bool, int, int]] = []
+    real = backend.submit_read
+
+    def submit_read(fh, offset, into):  # type: ignore[no-untyped-def]
+        seen.append((fh.direct, offset, len(into)))
+        return real(fh, offset, into)
+
+    backend.submit_read = submit_read  # type: ignore[method-assign]
+    shard = ckptio.TensorShard(torch.zeros(600, 1024), (1024, 1024), (100, 0))
+    ck.load(path, {"w": shard})
+    assert torch.equal(shard.local, w[100:700])
+    if not any(direct for direct, _, _ in seen):
+        pytest.skip("this filesystem refuses O_DIRECT: every read is cached already")
+    block = 256 * KiB
+    first, last = (entry.offset + 100 * 4096) // block, (entry.offset + 700 * 4096 - 1) // block
+
+    def blocks(direct: bool) -> set[int]:
+        return {b for d, at, n in seen if d == direct
+                for b in range((at - entry.offset) // block, -(-(at + n - entry.offset) // block))}
+
+    cached, direct = blocks(False), blocks(True)
+    assert {first, last} <= cached, (first, last, sorted(cached))
+    assert not cached & direct, sorted(cached & direct)
+    assert all(n <= 2 * block for d, _, n in seen if not d), seen  # edge blocks, not the shard
+    assert cached | direct == set(range(first, last + 1))
+    seen.clear()
+    assert torch.equal(ck.load(path)["w"], w)
+    assert seen and all(direct for direct, _, _ in seen), seen
+
+
+@pytest.mark.parametrize("raise_in_submit", [False, True])
+def test_a_failed_part_of_a_read_fails_the_load_naming_the_file_and_leaks_nothing(
+        tmp_path, ck, raise_in_submit):
+    """A resharded read made of direct and cached parts: whichever part fails (through its
+    future or in its submit), the load raises the StorageIOError naming the data file, closes
+    every handle it opened (cached ones too), and the next load succeeds."""
+    w = torch.randn(1024, 1024)
+    path = str(tmp_path / "ck")
+    ck.save({"w": w}, path)
+    for nth in range(1, 7):
+        backend = inject(ck, fail_read=nth, raise_in_submit=raise_in_submit)
+        shard = ckptio.TensorShard(torch.zeros(600, 1024), (1024, 1024), (100, 0))
+        names_the_file = r"reading .*/data-[^/]*\.bin at byte"
+        with pytest.raises(ckptio.errors.StorageIOError, match=names_the_file):
+            ck.load(path, {"w": shard})
+        assert backend.injected, f"read #{nth} was never reached"
+        assert backend.open_handles == {}, backend.open_handles
+        ck.close()
+    shard = ckptio.TensorShard(torch.zeros(600, 1024), (1024, 1024), (100, 0))
+    ck.load(path, {"w": shard})
+    assert torch.equal(shard.local, w[100:700])

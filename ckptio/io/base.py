@@ -33,7 +33,11 @@ class IOBackend(Protocol):
         """Create ``path`` (it must not exist) with ``nbytes`` preallocated."""
         ...
 
-    def open_read(self, path: str) -> FileHandle: ...
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:
+        """Open ``path`` for reading. ``cached``: through the host's page cache, never
+        O_DIRECT (for bytes another process on this host reads too: the second read is served
+        from memory); a backend with no page cache ignores it."""
+        ...
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         """Write all of ``data`` at ``offset``; the future gives len(data) or raises StorageIOError."""

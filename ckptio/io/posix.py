@@ -7,6 +7,7 @@ Threads are created on first use, never in __init__, so the backend can be pickl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -56,8 +57,16 @@ class PosixBackend:
             raise _error("preallocating", path, 0, exc) from None
         return fh
 
-    def open_read(self, path: str) -> FileHandle:
-        return self._open(path, os.O_RDONLY | os.O_CLOEXEC, 0)
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:
+        if not cached:
+            return self._open(path, os.O_RDONLY | os.O_CLOEXEC, 0)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _error("opening", path, 0, exc) from None
+        with contextlib.suppress(OSError):  # a hint: only the bytes asked for, no read-ahead of
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # what other reads take directly
+        return FileHandle(path, fd, False)
 
     def _open(self, path: str, flags: int, mode: int) -> FileHandle:
         try:

@@ -281,7 +281,7 @@ class S3Backend:
 
     # -------------------------------------------------------------------------------- reads
 
-    def open_read(self, path: str) -> FileHandle:
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:  # no page cache
         where = S3Path.parse(path)
         stored = self._head(where)
         if stored is None:

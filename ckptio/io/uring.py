@@ -73,8 +73,8 @@ class UringBackend:
         # Preallocated: writes that extend a file ran at a quarter of the speed through io_uring.
         return self._files.open_write(path, nbytes)
 
-    def open_read(self, path: str) -> FileHandle:
-        return self._files.open_read(path)
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:
+        return self._files.open_read(path, cached=cached)
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         self._files.close(fh, sync=sync)

@@ -19,11 +19,14 @@ read of up to a pool buffer) and one read-ahead loop over the staging pool, up t
 reads in flight. A read whose spans all check within it (nearly all of them) is checked and
 copied out by the I/O thread that read it, while its bytes are in cache and beside the other
 reads (both cores of a one-process load busy, not one); the loop applies the rest in order.
+The checksum blocks a block span wants only part of (the neighbouring shard's rank reads them
+too) are read through the page cache, the rest direct (shared_blocks.py).
 
 Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
 not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
 arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
-StoreFiles, storage/files.py) or the I/O (io).
+StoreFiles, storage/files.py), the I/O (io) or how one read is cut into direct and cached
+parts (shared_blocks.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, BufferPool, copy_in, move_in, torch_dtype, typed
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded import is_coded, read_coded
+from ckptio.loading.shared_blocks import submit_parts
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
 from ckptio.planning.reshard import (
@@ -278,7 +282,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     its buffers out one by one). The first failure, in read order, is raised once every read in
     flight has finished. -> bytes read."""
     todo = deque(ranges)
-    handles: dict[str, FileHandle] = {}
+    handles: dict[tuple[str, bool], FileHandle] = {}  # (file, cached) -> its handle
     pending: deque[_InFlight] = deque()
     ahead = max(1, min(pool.nbuffers, 2 * depth))
     stop = threading.Event()  # set on a failure: reads still in flight skip their copies
@@ -311,20 +315,19 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     return nbytes
 
 
-def _submit(rng: ReadRange[_Span], handles: dict[str, FileHandle], pool: BufferPool,
+def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], pool: BufferPool,
             source: StoreFiles, checker: Checker, stop: threading.Event,
             ready: Callable[[], bool] | None) -> _InFlight | None:
     """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
     oldest read in flight is done) holds before a buffer is free."""
-    if rng.file not in handles:
-        handles[rng.file] = source.open_read(rng.file)
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
     buffers = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
     buffer = buffers.acquire() if ready is None or own else buffers.acquire_unless(ready)
     if buffer is None:
         return None
     try:
-        future = source.submit_read(handles[rng.file], rng.offset, buffer.view[:rng.nbytes])
+        future = submit_parts(source, handles, rng, buffer.view[:rng.nbytes],
+                              checker.block_nbytes)
     except BaseException:
         _give_back(buffers, own, buffer)
         raise

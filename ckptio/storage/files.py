@@ -69,8 +69,11 @@ class StoreFiles:
         """Create file ``name`` (it must not exist) with ``nbytes`` preallocated."""
         return self.backend.open_write(self.store.path_of(name), nbytes)
 
-    def open_read(self, name: str) -> FileHandle:
-        return self.backend.open_read(self.store.path_of(name))
+    def open_read(self, name: str, *, cached: bool = False) -> FileHandle:
+        """Open file ``name`` for reading; ``cached``: through the page cache (IOBackend;
+        passed only when asked, so a backend written before it existed still opens reads)."""
+        path = self.store.path_of(name)
+        return self.backend.open_read(path, cached=True) if cached else self.backend.open_read(path)
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)

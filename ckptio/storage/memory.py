@@ -285,7 +285,7 @@ class MemoryBackend:
             data = HOST.files[path] = bytearray(nbytes)
         return self._handle(path, _Open(data, writable=True))
 
-    def open_read(self, path: str) -> FileHandle:
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:  # memory already
         with HOST.lock:
             data = HOST.files.get(_check_scheme(path))
         if data is None:

@@ -130,10 +130,10 @@ class FaultyBackend:
             self.open_handles[id(fh)] = fh
         return fh
 
-    def open_read(self, path: str) -> FileHandle:
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:
         if self._should_fail("open_read", path):
             raise injected_error("opening", path, 0, self.error)
-        fh = self.inner.open_read(path)
+        fh = self.inner.open_read(path, cached=cached)
         with self._lock:
             self.open_handles[id(fh)] = fh
         return fh

@@ -189,10 +189,12 @@ class _Handles:
     def write(self, name: str, nbytes: int) -> FileHandle:
         return self._checked(name, self.files.open_write(name, nbytes))
 
-    def read(self, name: str) -> FileHandle:
-        return self._checked(name, self.files.open_read(name))
+    def read(self, name: str, *, cached: bool = False) -> FileHandle:
+        fh = self._checked(name, self.files.open_read(name, cached=cached), cached)
+        assert not (cached and fh.direct), f"{fh.path}: opened cached, the handle is direct"
+        return fh
 
-    def _checked(self, name: str, fh: FileHandle) -> FileHandle:
+    def _checked(self, name: str, fh: FileHandle, cached: bool = False) -> FileHandle:
         self.open.append(fh)
         assert isinstance(fh, FileHandle), f"open gave {fh!r}, not a FileHandle"
         assert fh.path == self.files.where(name), (
@@ -200,7 +202,7 @@ class _Handles:
         assert isinstance(fh.direct, bool), f"FileHandle.direct must be a bool, got {fh.direct!r}"
         if not self.files.store.capabilities.direct_io:
             assert not fh.direct, f"{fh.path}: a direct handle from a store without direct_io"
-        if self.expect_direct is not None:
+        if self.expect_direct is not None and not cached:
             assert fh.direct == self.expect_direct, (
                 f"{fh.path}: opened with direct={fh.direct}, expected direct={self.expect_direct}")
         return fh
@@ -533,6 +535,30 @@ def check_read_past_end(factory: Factory) -> None:
         handles.close(fh, sync=False)
 
 
+def check_cached_reads(factory: Factory) -> None:
+    """A file opened ``cached`` (IOBackend.open_read) is never direct and reads the bytes a
+    direct handle of the same file reads, with both open at once and reads interleaved (a load
+    reads a file's partly wanted blocks through one and the rest through the other); past the
+    end, a short count."""
+    name = _name(0)
+    data = _pattern(2 * MiB + 3 * BLOCK, seed=11)
+    with _opened(factory) as files, _handles(files) as handles, _staging(3, 4 * MiB) as pool:
+        whole, direct_buf, cached_buf = pool.acquire(), pool.acquire(), pool.acquire()
+        _write_whole(files, name, data, whole)
+        direct, cached = handles.read(name), handles.read(name, cached=True)
+        for offset, want in [(MiB - BLOCK, 2 * BLOCK), (0, MiB), (2 * MiB, 8 * BLOCK), (0, 4 * MiB)]:
+            expect = max(0, min(want, len(data) - offset))
+            late = files.submit_read(direct, offset, direct_buf.view[:want])
+            got = _done(files.submit_read(cached, offset, cached_buf.view[:want]))
+            assert got == expect, f"a cached read of {want} at {offset} gave {got}, not {expect}"
+            assert _done(late) == expect
+            assert bytes(cached_buf.view[:got]) == data[offset:offset + got], (
+                f"a cached read at {offset} gave other bytes than the file holds")
+            assert bytes(direct_buf.view[:got]) == bytes(cached_buf.view[:got])
+        handles.close(cached, sync=False)
+        handles.close(direct, sync=False)
+
+
 def check_read_missing_fails(factory: Factory) -> None:
     """open_read of a name never written raises StorageIOError naming the file; so does one
     written only at another location (locations do not share files)."""
@@ -749,6 +775,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "open_write_existing_fails": check_open_write_existing_fails,
     "open_write_twice_fails": check_open_write_twice_fails,
     "read_past_end": check_read_past_end,
+    "cached_reads": check_cached_reads,
     "read_missing_fails": check_read_missing_fails,
     "errors_come_through_futures": check_errors_come_through_futures,
     "close_sync_and_reopen": check_close_sync_and_reopen,
@@ -829,6 +856,9 @@ class IOBackendConformance:
 
     def test_read_past_end(self, files_factory: Factory) -> None:
         self._run("read_past_end", files_factory)
+
+    def test_cached_reads(self, files_factory: Factory) -> None:
+        self._run("cached_reads", files_factory)
 
     def test_read_missing_fails(self, files_factory: Factory) -> None:
         self._run("read_missing_fails", files_factory)

@@ -149,8 +149,10 @@ class SyncBackend:
             raise
         return FileHandle(path, fd, self.direct)
 
-    def open_read(self, path: str) -> FileHandle:
-        return FileHandle(path, os.open(path, os.O_RDONLY | os.O_CLOEXEC | self._flag()), self.direct)
+    def open_read(self, path: str, *, cached: bool = False) -> FileHandle:
+        direct = self.direct and not cached
+        flag = os.O_DIRECT if direct else 0
+        return FileHandle(path, os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag), direct)
 
     def _flag(self) -> int:
         return os.O_DIRECT if self.direct else 0
