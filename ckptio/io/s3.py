@@ -16,7 +16,9 @@ A data file ``s3://bucket/key`` is one object. Writing it:
 whole when it returns (S3 makes an object visible only complete). ``close(sync=False)`` aborts
 the upload (a failed save leaves no multipart upload behind). Reads are ranged GETs into the
 caller's buffer, pinned to the object's ETag seen at open (a replaced object fails the read
-instead of mixing two versions). Every request goes through s3client.call (retries).
+instead of mixing two versions); a read larger than ``settings.read_bytes`` (a load's staging
+buffer, when the endpoint reads best in smaller ranges than it writes) is that many GETs side by
+side on the GET threads, its future done when all are. Every request goes through s3client.call (retries).
 
 Owns: S3Backend. Does not own: URLs, the client, retries (s3client.py), which objects make a
 checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
@@ -298,7 +300,12 @@ class S3Backend:
         n = max(0, min(len(into), opened.size - offset))
         if n == 0:
             return completed(0)
-        return self._submit_get(self._get, opened, offset, into[:n])
+        step = self.settings.read_bytes
+        if not step or n <= step:
+            return self._submit_get(self._get, opened, offset, into[:n])
+        return _all_of([self._submit_get(self._get, opened, offset + at,
+                                         into[at:min(n, at + step)])
+                        for at in range(0, n, step)])
 
     def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
         """Fill ``into`` from ``offset``; a body cut short resumes where it stopped."""
@@ -407,6 +414,30 @@ def _fill(readinto: Callable[[memoryview], int], into: memoryview) -> int:
             break
         got += n
     return got
+
+
+def _all_of(gets: list[Future[int]]) -> Future[int]:
+    """One future for the GETs that fill one read: their bytes once all are done, or the
+    first failure in range order (every GET has finished by then: the buffer is free)."""
+    joined: Future[int] = Future()
+    left = [len(gets)]
+    lock = threading.Lock()
+
+    def one_done(_get: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [g.exception() for g in gets]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            joined.set_exception(error)
+        else:
+            joined.set_result(sum(g.result() for g in gets))
+
+    for get in gets:
+        get.add_done_callback(one_done)
+    return joined
 
 
 def _wait(upload: _Upload) -> list[Future[int]]:
