@@ -179,9 +179,9 @@ class Options:
     def _check_s3(self) -> None:
         if self.s3_concurrency < 1:
             raise CkptError(f"Options.s3_concurrency={self.s3_concurrency}: must be >= 1")
-        if self.s3_read_bytes and (self.s3_read_bytes < MiB or self.s3_read_bytes % BLOCK):
+        if self.s3_read_bytes < 0 or self.s3_read_bytes % BLOCK:
             raise CkptError(f"Options.s3_read_bytes={self.s3_read_bytes}: must be 0 (one GET per "
-                            f"buffer) or >= 1 MiB and a multiple of {BLOCK}")
+                            f"buffer) or a multiple of {BLOCK}, e.g. 16 MiB")
         if not self.s3_retry_deadline_s >= 0:
             raise CkptError(f"Options.s3_retry_deadline_s={self.s3_retry_deadline_s}: must be "
                             ">= 0 seconds")

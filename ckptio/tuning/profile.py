@@ -218,10 +218,10 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
         if (p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1
-                or p.io_depth < 0 or p.read_bytes % BLOCK or 0 < p.read_bytes < MiB):
+                or p.io_depth < 0 or p.read_bytes < 0 or p.read_bytes % BLOCK):
             return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
                     f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} (>= 0) "
-                    f"or read_bytes={p.read_bytes} (0, or a multiple of {BLOCK} >= 1 MiB) "
+                    f"or read_bytes={p.read_bytes} (a multiple of {BLOCK}, >= 0) "
                     "is invalid")
         return None
     if p.direct_io not in DIRECT_IO_MODES:

@@ -309,8 +309,9 @@ def test_a_tuned_load_makes_one_client(s3_env, s3_proxy, monkeypatch):
 
 
 def test_bad_read_bytes_are_refused():
-    with pytest.raises(ckptio.CkptError, match="s3_read_bytes=1000"):
-        Options(s3_read_bytes=1000)
+    for bad in (1000, -4096):
+        with pytest.raises(ckptio.CkptError, match=f"s3_read_bytes={bad}"):
+            Options(s3_read_bytes=bad)
     with pytest.raises(profile.ProfileError, match="read_bytes=4097"):
         profile.store(profile.S3Profile("http://x", 2, 8 * MiB, "t", 0.1, 0.2, 1, 4097))
 
