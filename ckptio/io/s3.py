@@ -42,6 +42,7 @@ __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
 MIN_PART = 5 * MiB  # S3: every part but the last is at least this
 MAX_PART = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+START_S = 5.0  # the longest a backend waits for its threads to start before its first request
 
 
 def part_nbytes_for(nbytes: int, buffer_nbytes: int) -> int:
@@ -116,8 +117,7 @@ class S3Backend:
         """``work`` on the upload threads (``settings.concurrency`` of them)."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.settings.concurrency,
-                                                thread_name_prefix="ckptio-s3")
+                self._pool = _started(self.settings.concurrency, "ckptio-s3")
             return self._pool.submit(work, *args)
 
     def _submit_get(self, work: Any, *args: Any) -> Future[Any]:
@@ -127,8 +127,7 @@ class S3Backend:
             return self._submit(work, *args)
         with self._lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(self.settings.readers,
-                                                   thread_name_prefix="ckptio-s3-get")
+                self._readers = _started(self.settings.readers, "ckptio-s3-get")
             return self._readers.submit(work, *args)
 
     def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
@@ -414,6 +413,27 @@ def _fill(readinto: Callable[[memoryview], int], into: memoryview) -> int:
             break
         got += n
     return got
+
+
+def _started(threads: int, prefix: str) -> ThreadPoolExecutor:
+    """A pool of ``threads`` threads, every one started now, before the first request: a pool
+    starts a thread per submit, and each start waits for the new thread to run, which on a busy
+    2-core box, with the first requests' threads already holding the cores, took 0.03 s per
+    thread of a load's main thread (0.24 s for 8 GET threads, docs/BENCH_S3.md round four);
+    started together before any request, they take milliseconds."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    ready = threading.Barrier(threads + 1)
+    try:
+        for _ in range(threads):  # each holds its thread until all are running
+            pool.submit(ready.wait, START_S)
+        ready.wait(START_S)
+    except threading.BrokenBarrierError:
+        pass  # slower than START_S to start: the rest start as requests come, as before
+    except BaseException:
+        ready.abort()
+        pool.shutdown(wait=False)
+        raise
+    return pool
 
 
 def _all_of(gets: list[Future[int]]) -> Future[int]:

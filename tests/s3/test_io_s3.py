@@ -62,3 +62,31 @@ class TestS3BackendSplitReads(TestS3BackendIO):
     """The suite with every read larger than 256 KiB made of 256 KiB GETs side by side."""
 
     options: ClassVar[Options] = SPLIT
+
+
+def test_a_backend_starts_all_its_threads_before_its_first_request(s3_env: str) -> None:
+    """One read on a backend of 6 GET threads (and 3 upload threads for one write): every
+    thread of the pool is running once the first request is submitted, not one per request as
+    requests come (each start then waited for a core the first requests held)."""
+    import dataclasses
+    import threading
+
+    from ckptio.io.s3 import S3Backend
+
+    def running(prefix: str) -> int:
+        return sum(t.name.startswith(prefix + "_") for t in threading.enumerate())
+
+    settings = dataclasses.replace(S3Settings.of(Options()), concurrency=3, read_concurrency=6)
+    backend = S3Backend(settings, 5 * MiB)
+    url = f"{s3_env}/threads"
+    try:
+        fh = backend.open_write(url, 4096)
+        assert backend.submit_write(fh, 0, memoryview(b"x" * 4096)).result() == 4096
+        assert running("ckptio-s3") == 3
+        backend.close(fh, sync=True)
+        into = memoryview(bytearray(4096))
+        assert backend.submit_read(backend.open_read(url), 0, into).result() == 4096
+        assert running("ckptio-s3-get") == 6 and bytes(into) == b"x" * 4096
+    finally:
+        backend.shutdown()
+    assert running("ckptio-s3") == running("ckptio-s3-get") == 0
