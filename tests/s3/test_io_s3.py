@@ -73,8 +73,13 @@ def test_a_backend_starts_all_its_threads_before_its_first_request(s3_env: str) 
 
     from ckptio.io.s3 import S3Backend
 
-    def running(prefix: str) -> int:
+    def alive(prefix: str) -> int:
         return sum(t.name.startswith(prefix + "_") for t in threading.enumerate())
+
+    before = {p: alive(p) for p in ("ckptio-s3", "ckptio-s3-get")}  # other tests' backends
+
+    def running(prefix: str) -> int:
+        return alive(prefix) - before[prefix]
 
     settings = dataclasses.replace(S3Settings.of(Options()), concurrency=3, read_concurrency=6)
     backend = S3Backend(settings, 5 * MiB)
