@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle, completed
+from ckptio.io.base import FileHandle, all_of, completed, started_pool
 from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
 
@@ -42,7 +42,6 @@ __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
 MIN_PART = 5 * MiB  # S3: every part but the last is at least this
 MAX_PART = 5 * 1024 * MiB
 MAX_PARTS = 10_000
-START_S = 5.0  # the longest a backend waits for its threads to start before its first request
 
 
 def part_nbytes_for(nbytes: int, buffer_nbytes: int) -> int:
@@ -117,7 +116,7 @@ class S3Backend:
         """``work`` on the upload threads (``settings.concurrency`` of them)."""
         with self._lock:
             if self._pool is None:
-                self._pool = _started(self.settings.concurrency, "ckptio-s3")
+                self._pool = started_pool(self.settings.concurrency, "ckptio-s3")
             return self._pool.submit(work, *args)
 
     def _submit_get(self, work: Any, *args: Any) -> Future[Any]:
@@ -127,7 +126,7 @@ class S3Backend:
             return self._submit(work, *args)
         with self._lock:
             if self._readers is None:
-                self._readers = _started(self.settings.readers, "ckptio-s3-get")
+                self._readers = started_pool(self.settings.readers, "ckptio-s3-get")
             return self._readers.submit(work, *args)
 
     def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
@@ -302,7 +301,7 @@ class S3Backend:
         step = self.settings.read_bytes
         if not step or n <= step:
             return self._submit_get(self._get, opened, offset, into[:n])
-        return _all_of([self._submit_get(self._get, opened, offset + at,
+        return all_of([self._submit_get(self._get, opened, offset + at,
                                          into[at:min(n, at + step)])
                         for at in range(0, n, step)])
 
@@ -413,51 +412,6 @@ def _fill(readinto: Callable[[memoryview], int], into: memoryview) -> int:
             break
         got += n
     return got
-
-
-def _started(threads: int, prefix: str) -> ThreadPoolExecutor:
-    """A pool of ``threads`` threads, every one started now, before the first request: a pool
-    starts a thread per submit, and each start waits for the new thread to run, which on a busy
-    2-core box, with the first requests' threads already holding the cores, took 0.03 s per
-    thread of a load's main thread (0.24 s for 8 GET threads, docs/BENCH_S3.md round four);
-    started together before any request, they take milliseconds."""
-    pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
-    ready = threading.Barrier(threads + 1)
-    try:
-        for _ in range(threads):  # each holds its thread until all are running
-            pool.submit(ready.wait, START_S)
-        ready.wait(START_S)
-    except threading.BrokenBarrierError:
-        pass  # slower than START_S to start: the rest start as requests come, as before
-    except BaseException:
-        ready.abort()
-        pool.shutdown(wait=False)
-        raise
-    return pool
-
-
-def _all_of(gets: list[Future[int]]) -> Future[int]:
-    """One future for the GETs that fill one read: their bytes once all are done, or the
-    first failure in range order (every GET has finished by then: the buffer is free)."""
-    joined: Future[int] = Future()
-    left = [len(gets)]
-    lock = threading.Lock()
-
-    def one_done(_get: Future[int]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [g.exception() for g in gets]
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            joined.set_exception(error)
-        else:
-            joined.set_result(sum(g.result() for g in gets))
-
-    for get in gets:
-        get.add_done_callback(one_done)
-    return joined
 
 
 def _wait(upload: _Upload) -> list[Future[int]]:
