@@ -106,7 +106,9 @@ def study_lines(study: dict[str, Any]) -> list[str]:
     lines = [f"## The tuner's study ({study['seconds']:.0f} s)", "",
              (f"Chosen: {chosen['s3_concurrency']} requests in flight, "
               f"{chosen['buffer_bytes'] >> 20} MiB parts (write {chosen['write_gbps']:.3f}, "
-              f"read {chosen['read_gbps']:.3f} GB/s)."), "",
+              f"read {chosen['read_gbps']:.3f} GB/s); loads: io_depth "
+              f"{chosen.get('io_depth') or chosen['s3_concurrency']}, GETs of "
+              f"{(chosen.get('read_bytes') or chosen['buffer_bytes']) >> 20} MiB."), "",
              "| requests | part MiB | write GB/s | read GB/s | score (harmonic mean) |",
              "|---:|---:|---:|---:|---:|"]
     for c in sorted(study["candidates"], key=lambda c: -c["score"]):

@@ -96,6 +96,10 @@ class Options:
     s3_region, s3_profile: the region and the named profile of ~/.aws/config.
     s3_concurrency: parts uploaded in flight per process; a load keeps 2 x io_depth ranged
         GETs in flight, on threads of their own.
+    s3_read_bytes: bytes of one ranged GET of a load: a read of a larger staging buffer is
+        several GETs of this size (filling one buffer, in flight side by side), so a load reads
+        in the ranges the store serves best while saves upload parts of buffer_bytes. 0
+        (default): one GET per read, as large as the buffer.
     s3_retry_deadline_s: how long a request is retried (throttling, 5xx, resets) before the
         save or load fails naming the object.
     s3_lock_lease_s: a save's claim on a prefix expires this long after its holder stopped
@@ -119,6 +123,7 @@ class Options:
     s3_region: str | None = None
     s3_profile: str | None = None
     s3_concurrency: int = 16
+    s3_read_bytes: int = 0
     s3_retry_deadline_s: float = 120.0
     s3_lock_lease_s: float = 30.0
     s3_conditional: S3Conditional = "require"
@@ -174,6 +179,9 @@ class Options:
     def _check_s3(self) -> None:
         if self.s3_concurrency < 1:
             raise CkptError(f"Options.s3_concurrency={self.s3_concurrency}: must be >= 1")
+        if self.s3_read_bytes < 0 or self.s3_read_bytes % BLOCK:
+            raise CkptError(f"Options.s3_read_bytes={self.s3_read_bytes}: must be 0 (one GET per "
+                            f"buffer) or a multiple of {BLOCK}, e.g. 16 MiB")
         if not self.s3_retry_deadline_s >= 0:
             raise CkptError(f"Options.s3_retry_deadline_s={self.s3_retry_deadline_s}: must be "
                             ">= 0 seconds")

@@ -1,17 +1,21 @@
 """The IOBackend contract: open files, submit positioned reads and writes, get futures back.
 
-Owns: the Protocol every backend implements and the FileHandle it hands out. A backend may run
-requests on threads (posix) or a ring (io_uring); callers only see futures, so both fit.
+Owns: the Protocol every backend implements and the FileHandle it hands out, and the future and
+thread-pool helpers backends share (completed, all_of, started_pool). A backend may run requests
+on threads (posix) or a ring (io_uring); callers only see futures, so both fit.
 Does not own: what is written (persist.py) or when a checkpoint counts (the Store, storage/).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["FileHandle", "IOBackend", "completed"]
+__all__ = ["START_S", "FileHandle", "IOBackend", "all_of", "completed", "started_pool"]
+
+START_S = 5.0  # the longest started_pool waits for its threads (then they start on demand)
 
 
 @dataclass
@@ -72,3 +76,49 @@ def completed(result: int = 0, error: BaseException | None = None) -> Future[int
     else:
         future.set_result(result)
     return future
+
+
+def started_pool(threads: int, prefix: str) -> ThreadPoolExecutor:
+    """A pool of ``threads`` threads, every one started now, before the first request: a pool
+    starts a thread per submit, and each start waits for the new thread to run, which on a busy
+    2-core box, with the first requests' threads already holding the cores, took 0.03 s per
+    thread of a load's main thread (0.24 s for an S3 load's 8 GET threads, docs/BENCH_S3.md
+    round four); started together before any request, they take milliseconds."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    ready = threading.Barrier(threads + 1)
+    try:
+        for _ in range(threads):  # each holds its thread until all are running
+            pool.submit(ready.wait, START_S)
+        ready.wait(START_S)
+    except threading.BrokenBarrierError:
+        pass  # slower than START_S to start: the rest start as requests come, as before
+    except BaseException:
+        ready.abort()
+        pool.shutdown(wait=False)
+        raise
+    return pool
+
+
+def all_of(requests: list[Future[int]]) -> Future[int]:
+    """One future for the requests that fill one read: their bytes once all are
+    done, or the first failure in order (every request has finished by then: the buffer is
+    free)."""
+    joined: Future[int] = Future()
+    left = [len(requests)]
+    lock = threading.Lock()
+
+    def one_done(_done: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [r.exception() for r in requests]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            joined.set_exception(error)
+        else:
+            joined.set_result(sum(r.result() for r in requests))
+
+    for request in requests:
+        request.add_done_callback(one_done)
+    return joined

@@ -16,7 +16,9 @@ A data file ``s3://bucket/key`` is one object. Writing it:
 whole when it returns (S3 makes an object visible only complete). ``close(sync=False)`` aborts
 the upload (a failed save leaves no multipart upload behind). Reads are ranged GETs into the
 caller's buffer, pinned to the object's ETag seen at open (a replaced object fails the read
-instead of mixing two versions). Every request goes through s3client.call (retries).
+instead of mixing two versions); a read larger than ``settings.read_bytes`` (a load's staging
+buffer, when the endpoint reads best in smaller ranges than it writes) is that many GETs side by
+side on the GET threads, its future done when all are. Every request goes through s3client.call (retries).
 
 Owns: S3Backend. Does not own: URLs, the client, retries (s3client.py), which objects make a
 checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle, completed
+from ckptio.io.base import FileHandle, all_of, completed, started_pool
 from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
 
@@ -114,8 +116,7 @@ class S3Backend:
         """``work`` on the upload threads (``settings.concurrency`` of them)."""
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.settings.concurrency,
-                                                thread_name_prefix="ckptio-s3")
+                self._pool = started_pool(self.settings.concurrency, "ckptio-s3")
             return self._pool.submit(work, *args)
 
     def _submit_get(self, work: Any, *args: Any) -> Future[Any]:
@@ -125,8 +126,7 @@ class S3Backend:
             return self._submit(work, *args)
         with self._lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(self.settings.readers,
-                                                   thread_name_prefix="ckptio-s3-get")
+                self._readers = started_pool(self.settings.readers, "ckptio-s3-get")
             return self._readers.submit(work, *args)
 
     def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
@@ -298,7 +298,12 @@ class S3Backend:
         n = max(0, min(len(into), opened.size - offset))
         if n == 0:
             return completed(0)
-        return self._submit_get(self._get, opened, offset, into[:n])
+        step = self.settings.read_bytes
+        if not step or n <= step:
+            return self._submit_get(self._get, opened, offset, into[:n])
+        return all_of([self._submit_get(self._get, opened, offset + at,
+                                         into[at:min(n, at + step)])
+                        for at in range(0, n, step)])
 
     def _get(self, opened: _Object, offset: int, into: memoryview) -> int:
         """Fill ``into`` from ``offset``; a body cut short resumes where it stopped."""

@@ -50,7 +50,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
-           "code", "describe", "failed", "gets_in_flight", "is_s3", "status"]
+           "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
@@ -120,6 +120,7 @@ class S3Settings:
     lock_lease_s: float = 30.0
     conditional: str = "require"
     read_concurrency: int = 0  # ranged GETs in flight at most; 0: concurrency
+    read_bytes: int = 0  # bytes of one ranged GET at most (a larger read is several); 0: any
 
     @classmethod
     def of(cls, options: Options) -> S3Settings:
@@ -140,21 +141,33 @@ class S3Settings:
                 or os.environ.get("AWS_ENDPOINT_URL") or _AWS)
 
 
-_clients: dict[tuple[Any, ...], Any] = {}
+# (endpoint, region, profile, pid, environment) -> (its connection pool's size, the client)
+_clients: dict[tuple[Any, ...], tuple[int, Any]] = {}
 _clients_lock = threading.Lock()
 _ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_REGION",
                 "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
 
+def connections(settings: S3Settings) -> int:
+    """The connection pool a client for ``settings`` needs: every request in flight, and some."""
+    return max(settings.concurrency, settings.readers) + 8
+
+
 def client(settings: S3Settings) -> Any:
-    """The process's boto3 S3 client for ``settings`` and the AWS environment variables it
-    reads (made once per process: never shared across a fork)."""
-    key = (settings, os.getpid(), *(os.environ.get(name) for name in _ENVIRONMENT))
+    """The process's boto3 S3 client for ``settings``' endpoint, region and profile and the AWS
+    environment variables it reads (never shared across a fork). One client serves every
+    setting of requests in flight its connection pool holds: a load with an endpoint's tuned
+    profile (its backend: other requests in flight than the store's) makes no second client,
+    which cost 0.07-0.14 s of a fresh process's load (docs/BENCH_S3.md, round four)."""
+    key = (settings.endpoint_url, settings.region, settings.profile, os.getpid(),
+           *(os.environ.get(name) for name in _ENVIRONMENT))
+    wanted = connections(settings)
     with _clients_lock:
-        if key not in _clients:
-            _clients[key] = _make_client(settings)
-        return _clients[key]
+        made = _clients.get(key)
+        if made is None or made[0] < wanted:
+            made = _clients[key] = (wanted, _make_client(settings))
+        return made[1]
 
 
 def _make_client(settings: S3Settings) -> Any:
@@ -170,7 +183,7 @@ def _make_client(settings: S3Settings) -> Any:
         s3={"payload_signing_enabled": False, "addressing_style": "path"
             if settings.endpoint() != _AWS else "auto"},
         retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
-        max_pool_connections=max(settings.concurrency, settings.readers) + 8,
+        max_pool_connections=connections(settings),
         connect_timeout=5, read_timeout=120, tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )

@@ -168,11 +168,13 @@ class S3Store:
         return self.where.child(plain_name(name, self.location)).url
 
     def backend(self, options: Options) -> S3Backend:
-        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` uploads in flight, and
-        as many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
-        loading/read.py; the endpoint's tuned profile may have set all three, resources.py)."""
+        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` uploads in flight, as
+        many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
+        loading/read.py), each of ``options.s3_read_bytes`` at most (the endpoint's tuned
+        profile may have set all four, resources.py)."""
         settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency,
-                                       read_concurrency=gets_in_flight(options.io_depth))
+                                       read_concurrency=gets_in_flight(options.io_depth),
+                                       read_bytes=options.s3_read_bytes)
         return S3Backend(settings, options.buffer_bytes)
 
     # -- the commit -----------------------------------------------------------------------

@@ -78,17 +78,21 @@ class S3Profile:
     # A load's io_depth (2 x io_depth ranged GETs in flight), chosen from the study's reads
     # alone; 0 in a profile written before it was (round two): io_depth = s3_concurrency.
     io_depth: int = 0
+    # Bytes of one ranged GET of a load (Options.s3_read_bytes: a buffer is filled by several
+    # GETs of this size), chosen from the study's reads alone; 0 in a profile written before it
+    # was (rounds two and three): one GET per buffer, as then.
+    read_bytes: int = 0
 
     @property
     def key(self) -> str:
         return f"{S3_KEY}{self.endpoint}"
 
     def option_fields(self) -> dict[str, object]:
-        """The Options fields this profile sets: uploads in flight, reads in flight per load
-        (io_depth), each one buffer (= one part) long."""
+        """The Options fields this profile sets: uploads in flight, the part size (= the
+        staging buffer), a load's reads in flight (io_depth) and the bytes of each GET."""
         return {"s3_concurrency": self.s3_concurrency,
                 "io_depth": self.io_depth or self.s3_concurrency,
-                "buffer_bytes": self.buffer_bytes}
+                "buffer_bytes": self.buffer_bytes, "s3_read_bytes": self.read_bytes}
 
 
 def profile_path() -> Path:
@@ -214,9 +218,10 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
         if (p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1
-                or p.io_depth < 0):
+                or p.io_depth < 0 or p.read_bytes < 0 or p.read_bytes % BLOCK):
             return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
-                    f"s3_concurrency={p.s3_concurrency} (>= 1) or io_depth={p.io_depth} (>= 0) "
+                    f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} (>= 0) "
+                    f"or read_bytes={p.read_bytes} (a multiple of {BLOCK}, >= 0) "
                     "is invalid")
         return None
     if p.direct_io not in DIRECT_IO_MODES:
@@ -269,12 +274,13 @@ def _warn_once(path: Path, exc: Exception) -> None:
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
-S3_FIELDS = ("s3_concurrency", "io_depth", "buffer_bytes")
+S3_FIELDS = ("s3_concurrency", "io_depth", "buffer_bytes", "s3_read_bytes")
 
 
 def io_fields(options: Options) -> tuple[object, ...]:
     """The fields a pool and its backends are made for (a change makes them again)."""
-    return tuple(getattr(options, name) for name in (*IO_FIELDS, "s3_concurrency"))
+    return tuple(getattr(options, name) for name in (*IO_FIELDS, "s3_concurrency",
+                                                     "s3_read_bytes"))
 
 
 def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ...]) -> Options:
@@ -297,8 +303,8 @@ def tuned_options(options: Options, path: str) -> Options:
 
 
 def tuned_s3_options(options: Options, endpoint: str) -> Options:
-    """``options`` with s3_concurrency, io_depth and buffer_bytes, where it leaves them at their
-    defaults, taken from the tuned profile of the S3 endpoint ``endpoint`` (``ckptio tune
+    """``options`` with s3_concurrency, io_depth, buffer_bytes and s3_read_bytes, where it leaves
+    them at their defaults, taken from the tuned profile of the S3 endpoint ``endpoint`` (``ckptio tune
     s3://...``); unchanged without a profile or with use_profile off."""
     if not options.use_profile:
         return options

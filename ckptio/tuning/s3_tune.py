@@ -4,19 +4,26 @@ and the part size ckptio's saves and loads use there, and store them as that end
 The study writes one object of ``total`` bytes per cell (requests in flight x part size) through
 ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts), then, once every cell of
 the repetition has written, reads with each cell's settings (ranged GETs of one part each into
-memory, that many in flight) the object ANOTHER cell wrote earlier, never the one it has just
-written; a few repetitions in alternating order, medians taken. Its objects live under
+memory, that many in flight) an object ANOTHER cell wrote earlier, never the one it has just
+written, READS times (each pass another cell's object: reads are fast and their warm
+throughput noisy, so they get more samples than writes); a few repetitions in alternating
+order, medians taken. Its objects live under
 ``PREFIX/.ckptio-tune-<id>/``; each repetition's are deleted when it ends and again (by name, only
 the names it wrote) when the study ends, failed or not. Reads still come back from wherever the
 store keeps recently written bytes: the study cannot drop a remote store's cache.
 
-The choice: uploads in flight and the part size (= the staging buffer, which a load's ranged GETs
-share) by tune.py's best_of: the harmonic mean of write and read GB/s, scores within TIE of the
-best equal, then the fewest requests in flight, then the smallest part. A load's reads in flight
-(io_depth) from the read column alone at that part size (read_choice): the fastest read cell,
-unless none reads more than TIE faster than the default's (2 x Options().io_depth GETs), in which
-case the default io_depth stays (reads that tie cannot justify a change; round two took the
-write side's requests for reads too, and made loads 13 % slower). Only cells ckptio can run with
+The choice: uploads in flight and the part size (= the staging buffer) by tune.py's best_of: the
+harmonic mean of write and read GB/s, scores within TIE of the best equal, then the fewest
+requests in flight, then the smallest part. A load's reads from the read column alone
+(read_choice): the range of one GET (``read_bytes``: a load fills one buffer with several GETs,
+io/s3.py) and the GETs in flight (io_depth) of the fastest read cell whose part fits the buffer,
+unless none reads more than READ_TIE faster than the default's cell (GETs of
+Options().buffer_bytes, 2 x Options().io_depth in flight: what a load without a profile does),
+in which case a load reads like that (reads that tie cannot justify a change; round two took
+the write side's requests for reads too and made loads 13 % slower, round three took the
+write side's part size as the read range: 64 MiB GETs, 20-25 % slower here than 16 MiB ones).
+READ_TIE is wider than the write side's TIE: the study's warm reads jump by up to 2x between
+neighbouring cells (docs/BENCH_S3.md, round three). Only cells ckptio can run with
 its default pool are tried (requests x part <= Options().pool_bytes: each request in flight holds
 one staging buffer).
 
@@ -49,14 +56,16 @@ from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, gets_in
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3 import S3Store
 from ckptio.tuning import profile
-from ckptio.tuning.tune import TIE, Candidate, best_of
+from ckptio.tuning.tune import Candidate, best_of
 
-__all__ = ["CONCURRENCY", "PARTS", "TOTAL", "cells", "describe", "read_choice", "study", "table",
-           "to_profile", "tune"]
+__all__ = ["CONCURRENCY", "PARTS", "READS", "READ_TIE", "TOTAL", "cells", "describe",
+           "read_choice", "study", "table", "to_profile", "tune"]
 
 CONCURRENCY = "2,4,8,16"
 PARTS = "8M,16M,32M,64M"
 TOTAL = "128M"
+READS = 3  # read passes per repetition (each cell reads another cell's object each time)
+READ_TIE = 0.10  # reads within this of the default's cell are a tie (warm reads are noisy)
 
 
 def cells(parts: Sequence[int], concurrency: Sequence[int], pool_bytes: int) -> list[tuple[int, int]]:
@@ -77,8 +86,9 @@ def check(parts: Sequence[int], concurrency: Sequence[int], total: int, reps: in
 
 
 def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
-          concurrency: Sequence[int], reps: int) -> list[Candidate]:
-    """Median write and read GB/s of every cell (see the module docstring)."""
+          concurrency: Sequence[int], reps: int, reads: int = READS) -> list[Candidate]:
+    """Median write and read GB/s of every cell (see the module docstring); ``reads`` read
+    passes per repetition."""
     S3Store(location, settings).prepare()  # bucket, access, conditional writes: fails fast
     grid = cells(parts, concurrency, Options().pool_bytes)
     if not grid:
@@ -88,26 +98,28 @@ def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
     source = memoryview(os.urandom(max(parts)))  # random: a store that compresses gains nothing
     dest = memoryview(bytearray(b"\1") * max(p * c for p, c in grid))  # touched: no faults timed
     written: list[S3Path] = []
-    times: dict[tuple[int, int], list[tuple[float, float]]] = {cell: [] for cell in grid}
+    write_s: dict[tuple[int, int], list[float]] = {cell: [] for cell in grid}
+    read_s: dict[tuple[int, int], list[float]] = {cell: [] for cell in grid}
     try:
         for rep in range(reps):
             order = grid if rep % 2 == 0 else grid[::-1]
             objects = [run.child(f"p{part}-c{depth}-r{rep}") for part, depth in order]
             written += objects
-            wrote = [_write(settings, where, total, part, depth, source)
-                     for where, (part, depth) in zip(objects, order)]
-            for i, (part, depth) in enumerate(order):  # another cell's object: written earlier
-                other = objects[(i + 1) % len(objects)]
-                times[(part, depth)].append((wrote[i], _read(settings, other, total, part,
-                                                             depth, dest)))
+            for where, cell in zip(objects, order):
+                write_s[cell].append(_write(settings, where, total, *cell, source))
+            for shift in range(1, reads + 1):
+                for i, cell in enumerate(order):  # another cell's object: written earlier
+                    other = objects[(i + shift) % len(objects)]
+                    read_s[cell].append(_read(settings, other, total, *cell, dest))
             for where in objects:
                 _delete(settings, where)
     except BaseException as exc:
         _remove(settings, written, exc)
         raise
-    return [Candidate("s3", "s3", part, depth, total / 1e9 / statistics.median(w for w, _ in t),
-                      total / 1e9 / statistics.median(r for _, r in t))
-            for (part, depth), t in times.items()]
+    return [Candidate("s3", "s3", part, depth,
+                      total / 1e9 / statistics.median(write_s[(part, depth)]),
+                      total / 1e9 / statistics.median(read_s[(part, depth)]))
+            for part, depth in grid]
 
 
 def _write(settings: S3Settings, where: S3Path, total: int, part: int, depth: int,
@@ -131,8 +143,8 @@ def _read(settings: S3Settings, where: S3Path, total: int, part: int, depth: int
           dest: memoryview) -> float:
     """Seconds to read ``where`` back with ranged GETs of ``part`` bytes, ``depth`` in flight
     (each into a buffer of its own, as a load's reads)."""
-    backend = S3Backend(dataclasses.replace(settings, concurrency=depth, read_concurrency=depth),
-                        part)
+    backend = S3Backend(dataclasses.replace(settings, concurrency=depth, read_concurrency=depth,
+                                            read_bytes=0), part)
     try:
         began = time.perf_counter()
         fh = backend.open_read(where.url)
@@ -173,43 +185,51 @@ def _remove(settings: S3Settings, written: Sequence[S3Path], cause: BaseExceptio
                        "them by hand")
 
 
-def read_choice(candidates: Sequence[Candidate], part: int) -> Candidate | None:
-    """The read cell a load should run like, among those of part size ``part``, from the read
-    column alone; None (keep the default io_depth) where the default's cell is measured and
-    no cell reads more than TIE faster than it. The default's cell: as many GETs in flight as
-    a load at the default io_depth keeps (2 x io_depth, within the default pool)."""
-    mine = [c for c in candidates if c.buffer_bytes == part]
+def read_choice(candidates: Sequence[Candidate], buffer: int) -> Candidate | None:
+    """The read cell a load with staging buffers of ``buffer`` bytes should run like (its part
+    size: the bytes of one GET; its requests: the GETs in flight), from the read column alone,
+    among the cells whose part fits the buffer; None (read like a load without a profile)
+    where the default's cell is measured and no cell reads more than READ_TIE faster."""
+    mine = [c for c in candidates if c.buffer_bytes <= buffer]
     if not mine:
         return None
-    default_gets = _gets(Options().io_depth, part)
     best = max(mine, key=lambda c: c.read_gbps)
-    default = next((c for c in mine if c.io_depth == default_gets), None)
-    if default is not None and best.read_gbps <= default.read_gbps * (1 + TIE):
+    default = _default_cell(mine, buffer)
+    if default is not None and best.read_gbps <= default.read_gbps * (1 + READ_TIE):
         return None
     return best
 
 
-def _gets(io_depth: int, part: int) -> int:
-    """The ranged GETs of ``part`` bytes a load at ``io_depth`` keeps in flight with the
-    default pool (one staging buffer each)."""
-    return min(gets_in_flight(io_depth), Options().pool_bytes // part)
+def _default_reads(buffer: int) -> tuple[int, int]:
+    """(bytes of one GET, GETs in flight) of a load at the default io_depth and buffer size
+    (the buffer's own size where the default is larger), within the default pool."""
+    span = min(Options().buffer_bytes, buffer)
+    return span, min(gets_in_flight(Options().io_depth), Options().pool_bytes // span)
+
+
+def _default_cell(candidates: Sequence[Candidate], buffer: int) -> Candidate | None:
+    span, gets = _default_reads(buffer)
+    return next((c for c in candidates if (c.buffer_bytes, c.io_depth) == (span, gets)), None)
 
 
 def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Profile:
-    """Uploads in flight and the part size: the best score (tune.best_of); a load's reads in
-    flight: read_choice (``depth`` GETs in flight = io_depth ceil(depth / 2), as a load keeps
-    2 x io_depth); on a tie, the default io_depth."""
+    """Uploads in flight and the part size: the best score (tune.best_of); a load's GETs:
+    read_choice (its part size is ``read_bytes``; ``depth`` GETs in flight = io_depth
+    ceil(depth / 2), as a load keeps 2 x io_depth); on a tie, the default's reads."""
     chosen = best_of(candidates)
     reads = read_choice(candidates, chosen.buffer_bytes)
-    io_depth = Options().io_depth if reads is None else -(-reads.io_depth // 2)
-    gets = _gets(io_depth, chosen.buffer_bytes)
-    read_gbps = next((c.read_gbps for c in candidates
-                      if c.buffer_bytes == chosen.buffer_bytes and c.io_depth == gets),
-                     chosen.read_gbps)
+    if reads is None:
+        io_depth, read_bytes = Options().io_depth, _default_reads(chosen.buffer_bytes)[0]
+        default = _default_cell(candidates, chosen.buffer_bytes)
+        read_gbps = chosen.read_gbps if default is None else default.read_gbps
+    else:
+        io_depth, read_bytes = -(-reads.io_depth // 2), reads.buffer_bytes
+        read_gbps = reads.read_gbps
     return profile.S3Profile(
         endpoint=endpoint, s3_concurrency=chosen.io_depth, buffer_bytes=chosen.buffer_bytes,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        write_gbps=round(chosen.write_gbps, 3), read_gbps=round(read_gbps, 3), io_depth=io_depth)
+        write_gbps=round(chosen.write_gbps, 3), read_gbps=round(read_gbps, 3), io_depth=io_depth,
+        read_bytes=read_bytes)
 
 
 def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[int],
@@ -227,7 +247,9 @@ def tune(location: str, total: int, parts: Sequence[int], concurrency: Sequence[
 def describe(p: profile.S3Profile) -> str:
     return (f"S3 {p.endpoint}: s3_concurrency={p.s3_concurrency} "
             f"io_depth={p.io_depth or p.s3_concurrency} "
-            f"buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB parts); write "
+            f"buffer_bytes={p.buffer_bytes} ({p.buffer_bytes / MiB:g} MiB parts) "
+            f"s3_read_bytes={p.read_bytes or p.buffer_bytes} "
+            f"({(p.read_bytes or p.buffer_bytes) / MiB:g} MiB GETs); write "
             f"{p.write_gbps:.3f} GB/s, read {p.read_gbps:.3f} GB/s, measured {p.measured_at}")
 
 

@@ -2,7 +2,8 @@
 through S3Stores by name against the real SeaweedFS server (tests/s3/conftest.py): each factory
 call a fresh prefix under the test's own, the store's ranged GETs and HEADs the independent
 reader. Parts are 5 MiB (the suite's writes are at most 1 MiB), so most writes take the
-assembly path and files over 5 MiB are multipart uploads."""
+assembly path and files over 5 MiB are multipart uploads. TestS3BackendSplitReads runs the suite
+again with reads of a buffer split into 256 KiB ranged GETs (Options.s3_read_bytes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ckptio.storage.s3 import S3Store
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files
 
 OPTIONS = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+SPLIT = Options(buffer_bytes=MiB, pool_bytes=2 * MiB, s3_read_bytes=256 * 1024)
 
 
 class TestS3BackendIO(IOBackendConformance):
@@ -36,6 +38,8 @@ class TestS3BackendIO(IOBackendConformance):
                                "backend owns only its threads (shutdown_then_reuse checks them)",
     }
 
+    options: ClassVar[Options] = OPTIONS
+
     @pytest.fixture
     def files_factory(self, s3_env: str) -> Iterator[Factory]:
         settings = S3Settings.of(Options())
@@ -45,10 +49,49 @@ class TestS3BackendIO(IOBackendConformance):
             made.append(S3Store(f"{s3_env}/{key}", settings))
             return made[-1]
 
-        yield fresh_files(make, OPTIONS)
+        yield fresh_files(make, self.options)
         for store in made:  # objects and open uploads alike (every name is ckptio's)
             assert store.remove(store.names()) == []
 
     @pytest.fixture
     def expect_direct(self) -> bool:
         return False
+
+
+class TestS3BackendSplitReads(TestS3BackendIO):
+    """The suite with every read larger than 256 KiB made of 256 KiB GETs side by side."""
+
+    options: ClassVar[Options] = SPLIT
+
+
+def test_a_backend_starts_all_its_threads_before_its_first_request(s3_env: str) -> None:
+    """One read on a backend of 6 GET threads (and 3 upload threads for one write): every
+    thread of the pool is running once the first request is submitted, not one per request as
+    requests come (each start then waited for a core the first requests held)."""
+    import dataclasses
+    import threading
+
+    from ckptio.io.s3 import S3Backend
+
+    def alive(prefix: str) -> int:
+        return sum(t.name.startswith(prefix + "_") for t in threading.enumerate())
+
+    before = {p: alive(p) for p in ("ckptio-s3", "ckptio-s3-get")}  # other tests' backends
+
+    def running(prefix: str) -> int:
+        return alive(prefix) - before[prefix]
+
+    settings = dataclasses.replace(S3Settings.of(Options()), concurrency=3, read_concurrency=6)
+    backend = S3Backend(settings, 5 * MiB)
+    url = f"{s3_env}/threads"
+    try:
+        fh = backend.open_write(url, 4096)
+        assert backend.submit_write(fh, 0, memoryview(b"x" * 4096)).result() == 4096
+        assert running("ckptio-s3") == 3
+        backend.close(fh, sync=True)
+        into = memoryview(bytearray(4096))
+        assert backend.submit_read(backend.open_read(url), 0, into).result() == 4096
+        assert running("ckptio-s3-get") == 6 and bytes(into) == b"x" * 4096
+    finally:
+        backend.shutdown()
+    assert running("ckptio-s3") == running("ckptio-s3-get") == 0

@@ -2,10 +2,12 @@
 study writes the endpoint's profile and leaves no object behind; saves and loads then run with
 its requests in flight and part size; explicit options and use_profile=False win; a closed port,
 a missing bucket and missing credentials fail within seconds as one line naming the fix; the
-reads in flight of a load come from the study's reads alone (not the write side's choice)."""
+reads in flight of a load come from the study's reads alone (not the write side's choice); a
+load reads a buffer with several GETs of the profile's read range (round four)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -167,7 +169,7 @@ def test_the_read_depth_is_chosen_from_the_reads_not_the_writes(s3_env, s3_proxy
     by_depth = {c.io_depth: c for c in candidates}
     assert by_depth[4].read_gbps > 1.3 * by_depth[1].read_gbps, candidates
     assert by_depth[1].write_gbps > 3 * by_depth[4].write_gbps, candidates
-    assert gets.fired == 2 * 4  # each cell read one object of 4 parts
+    assert gets.fired == 2 * 4 * s3_tune.READS  # each cell read READS objects of 4 parts
     chosen = s3_tune.to_profile(candidates, s3_proxy.endpoint)
     assert (chosen.s3_concurrency, chosen.io_depth) == (1, 2), chosen
     assert chosen.read_gbps == round(by_depth[4].read_gbps, 3)
@@ -198,3 +200,156 @@ def test_reads_that_tie_keep_the_default_io_depth():
     assert chosen.option_fields()["io_depth"] == Options().io_depth != chosen.s3_concurrency
     faster = [cell(2, 0.20, 1.31), cell(8, 0.15, 1.30), cell(16, 0.14, 1.60)]
     assert s3_tune.to_profile(faster, "http://x").io_depth == 8
+
+
+# ---------------------------------------------------------------- round four: the read range
+
+
+def _data_gets(proxy) -> list[int]:
+    """Bytes asked for by each ranged GET of a data file the proxy forwarded."""
+    from ckptio.testing.s3wire import range_nbytes
+
+    return [range_nbytes(r.range) or 0 for r in proxy.requests
+            if r.op == "GetObject" and r.range and "/data-" in f"/{r.key}"]
+
+
+def _load_through(proxy, url: str, state: dict[str, torch.Tensor], options: Options) -> list[int]:
+    """Load ``url`` (saved from ``state``) through the proxy with ``options``: the data GETs."""
+    proxy.reset_counters()
+    ck = Checkpointer(options)
+    try:
+        got = ck.load(url)
+    finally:
+        ck.close()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    return _data_gets(proxy)
+
+
+def test_a_load_fills_one_buffer_with_several_ranged_gets(s3_env, s3_proxy):
+    """8 MiB staging buffers, s3_read_bytes 2 MiB: every data GET asks for 2 MiB at most, each
+    full buffer is 4 of them, and the state loads bitwise. Without the option a buffer is one
+    GET of up to 8 MiB (what a load did before: the read range was the part size)."""
+    state = {"a": torch.randn(16 * MiB // 4), "b": torch.randn(3 * MiB // 4)}
+    url = f"{s3_env}/ranges"
+    base = Options(s3_endpoint_url=s3_proxy.endpoint, buffer_bytes=8 * MiB, pool_bytes=32 * MiB,
+                   use_profile=False)
+    ckptio.save(state, url, options=base)
+    split = _load_through(s3_proxy, url, state, dataclasses.replace(base, s3_read_bytes=2 * MiB))
+    assert max(split) <= 2 * MiB and sum(split) >= 19 * MiB, split
+    assert split.count(2 * MiB) >= 4 * 2, split  # two full 8 MiB buffers at least, 4 GETs each
+    whole = _load_through(s3_proxy, url, state, base)
+    assert max(whole) > 2 * MiB and len(whole) < len(split) / 2, whole
+
+
+def test_a_failed_range_of_a_buffer_fails_the_load_naming_it(s3_env, s3_proxy):
+    """One of a buffer's GETs refused (403, not retried): the load raises CkptError naming the
+    bytes and the object, once its other GETs are done; the next load succeeds."""
+    state = {"a": torch.randn(8 * MiB // 4)}
+    url = f"{s3_env}/refused"
+    options = Options(s3_endpoint_url=s3_proxy.endpoint, buffer_bytes=8 * MiB,
+                      pool_bytes=32 * MiB, use_profile=False, s3_read_bytes=2 * MiB)
+    ckptio.save(state, url, options=options)
+    refused = s3_proxy.fail(403, "AccessDenied", times=1, op="GetObject", key=r"/data-")
+    with pytest.raises(ckptio.CkptError, match=r"reading bytes \d+-\d+ of s3://.*access denied"):
+        ckptio.load(url, options=options)
+    assert refused.fired == 1
+    assert torch.equal(ckptio.load(url, options=options)["a"], state["a"])
+
+
+def test_a_profile_without_read_bytes_still_loads_one_get_per_buffer(s3_env, s3_proxy):
+    """A profile file as rounds two and three wrote it (no read_bytes field) is read, applies
+    its settings, and its loads read each buffer with one GET; a profile with read_bytes makes
+    the same load read 2 MiB ranges."""
+    import json
+
+    endpoint = s3_proxy.endpoint
+    old = {"endpoint": endpoint, "s3_concurrency": 2, "buffer_bytes": 8 * MiB,
+           "measured_at": "2026-11-25T01:26:00+00:00", "write_gbps": 0.15, "read_gbps": 1.1,
+           "io_depth": 1}
+    profile.profile_path().write_text(json.dumps({"version": 1,
+                                                  "profiles": {f"s3:{endpoint}": old}}))
+    found = profile.lookup_s3(endpoint)
+    assert found is not None and found.read_bytes == 0 and found.io_depth == 1
+    state = {"a": torch.randn(16 * MiB // 4)}
+    url = f"{s3_env}/old-profile"
+    ckptio.save(state, url, options=Options(s3_endpoint_url=endpoint))
+    options = Options(s3_endpoint_url=endpoint)
+    whole = _load_through(s3_proxy, url, state, options)
+    assert max(whole) == 8 * MiB, whole  # the profile's 8 MiB buffer, one GET each
+    profile.store(dataclasses.replace(found, read_bytes=2 * MiB))
+    assert max(_load_through(s3_proxy, url, state, options)) == 2 * MiB
+
+
+def test_a_tuned_load_makes_one_client(s3_env, s3_proxy, monkeypatch):
+    """The store (untuned settings) and the tuned backend (other requests in flight) share one
+    boto3 client: a second cost 0.07-0.14 s of every fresh process's tuned load."""
+    made: list[tuple[int, int]] = []
+    make = s3client._make_client
+
+    def counted(settings):
+        made.append((settings.concurrency, settings.readers))
+        return make(settings)
+
+    endpoint = s3_proxy.endpoint
+    profile.store(profile.S3Profile(endpoint, 2, 8 * MiB, "2026-11-25T00:00:00Z", 0.1, 0.2,
+                                    io_depth=1, read_bytes=4 * MiB))
+    state = {"a": torch.randn(MiB)}
+    url = f"{s3_env}/one-client"
+    ckptio.save(state, url, options=Options(s3_endpoint_url=endpoint))
+    monkeypatch.setattr(s3client, "_clients", {})
+    monkeypatch.setattr(s3client, "_make_client", counted)
+    assert torch.equal(ckptio.load(url, options=Options(s3_endpoint_url=endpoint))["a"],
+                       state["a"])
+    assert made == [(Options().s3_concurrency, 2 * Options().io_depth)], made
+    ck = Checkpointer(Options(s3_endpoint_url=endpoint))
+    _pool, backend = _backend_of(ck, url)
+    assert (backend.settings.concurrency, backend.settings.readers,
+            backend.settings.read_bytes) == (2, 2, 4 * MiB)
+    ck.close()
+
+
+def test_bad_read_bytes_are_refused():
+    for bad in (1000, -4096):
+        with pytest.raises(ckptio.CkptError, match=f"s3_read_bytes={bad}"):
+            Options(s3_read_bytes=bad)
+    with pytest.raises(profile.ProfileError, match="read_bytes=4097"):
+        profile.store(profile.S3Profile("http://x", 2, 8 * MiB, "t", 0.1, 0.2, 1, 4097))
+
+
+def _cell(part_mib: int, depth: int, write: float, read: float):
+    from ckptio.tuning.tune import Candidate
+
+    return Candidate("s3", "s3", part_mib * MiB, depth, write, read)
+
+
+def test_the_read_range_is_chosen_from_the_read_column():
+    """Writes choose 2 x 64 MiB parts; the reads' best cell, 4 GETs of 16 MiB, is well over
+    the default's (8 GETs of 16 MiB): the profile reads 16 MiB ranges, 4 in flight, into its
+    64 MiB buffers. A read cell larger than the buffer is never chosen."""
+    from ckptio.tuning import s3_tune
+
+    study = [_cell(64, 2, 0.184, 0.70), _cell(64, 4, 0.150, 0.72), _cell(16, 4, 0.120, 1.30),
+             _cell(16, 8, 0.110, 1.00), _cell(32, 4, 0.100, 0.90)]
+    chosen = s3_tune.to_profile(study, "http://x")
+    assert (chosen.s3_concurrency, chosen.buffer_bytes) == (2, 64 * MiB), chosen
+    assert (chosen.read_bytes, chosen.io_depth, chosen.read_gbps) == (16 * MiB, 2, 1.3), chosen
+    assert chosen.option_fields()["s3_read_bytes"] == 16 * MiB
+    big_reads = [_cell(16, 2, 0.30, 0.80), _cell(16, 8, 0.20, 0.80), _cell(64, 2, 0.10, 1.60)]
+    small = s3_tune.to_profile(big_reads, "http://x")
+    assert (small.buffer_bytes, small.read_bytes, small.io_depth) == (16 * MiB, 16 * MiB, 4)
+
+
+def test_reads_within_ten_percent_of_the_default_keep_the_default_reads():
+    """READ_TIE: a read cell 7.7 % faster than the default's (a margin the write side's 3 %
+    would take) is a tie: loads read like the defaults (16 MiB GETs, io_depth 4) under the
+    64 MiB parts the writes chose; 15 % faster wins."""
+    from ckptio.tuning import s3_tune
+
+    assert s3_tune.READ_TIE >= 0.10
+    study = [_cell(64, 2, 0.184, 1.40), _cell(16, 8, 0.150, 1.30), _cell(16, 2, 0.120, 1.20)]
+    tie = s3_tune.to_profile(study, "http://x")
+    assert (tie.buffer_bytes, tie.read_bytes, tie.io_depth) == (64 * MiB, 16 * MiB, 4), tie
+    assert tie.read_gbps == 1.3
+    study[0] = _cell(64, 2, 0.184, 1.50)
+    won = s3_tune.to_profile(study, "http://x")
+    assert (won.read_bytes, won.io_depth) == (64 * MiB, 1), won
