@@ -12,19 +12,20 @@ it in memory. Within one process, a block two spans of one entry share (a span b
 a block) is fetched once for the same reason. Nothing about checking changes: the buffer holds
 the same bytes either way and is checked whole as before.
 
-Owns: which byte ranges of a read go through the cache, submitting the parts, joining their
-futures. Does not own: the spans (read.py), opening files (the store's StoreFiles), the I/O.
+Owns: which byte ranges of a read go through the cache, submitting the parts (joined by
+io.base.all_of). Does not own: the spans (read.py), opening files (the store's StoreFiles) or
+the I/O.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
 from ckptio.format.types import ReadRange
 from ckptio.io import FileHandle
+from ckptio.io.base import all_of
 from ckptio.options import BLOCK
 from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.files import StoreFiles
@@ -67,18 +68,17 @@ def submit_parts(source: StoreFiles, handles: dict[tuple[str, bool], FileHandle]
     if not any(cached for _, _, cached in parts):
         return source.submit_read(direct, rng.offset, into)
     cached = _handle(source, handles, rng.file, True)
-    submitted: list[tuple[int, int, Future[int]]] = []
+    submitted: list[Future[int]] = []
     try:
         for offset, nbytes, through_cache in parts:
             at = offset - rng.offset
-            future = source.submit_read(cached if through_cache else direct, offset,
-                                        into[at:at + nbytes])
-            submitted.append((offset - rng.offset, nbytes, future))
+            submitted.append(source.submit_read(cached if through_cache else direct, offset,
+                                                into[at:at + nbytes]))
     except BaseException:
-        for _, _, future in submitted:  # the buffer is not given back under a read in flight
+        for future in submitted:  # the buffer is not given back under a read in flight
             future.exception()
         raise
-    return _joined(submitted, rng.nbytes)
+    return all_of(submitted)  # consecutive parts: a short one (end of file) ends the bytes
 
 
 def _handle(source: StoreFiles, handles: dict[tuple[str, bool], FileHandle], name: str,
@@ -134,30 +134,3 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-def _joined(parts: list[tuple[int, int, Future[int]]], total: int) -> Future[int]:
-    """One future for consecutive parts (offset from the read's start, bytes, future): done
-    when all are; the first failure, or the bytes up to the first short part (end of file)."""
-    joined: Future[int] = Future()
-    left = [len(parts)]
-    lock = threading.Lock()
-
-    def one_done(_future: Future[int]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        for at, nbytes, future in parts:
-            error = future.exception()
-            if error is not None:
-                joined.set_exception(error)
-                return
-            if future.result() < nbytes:
-                joined.set_result(at + future.result())
-                return
-        joined.set_result(total)
-
-    for _, _, future in parts:
-        future.add_done_callback(one_done)
-    return joined
