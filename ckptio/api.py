@@ -232,12 +232,15 @@ class Checkpointer:
             if error is not None:
                 raise error
 
-    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
+    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False,
+                 every_item: bool = True) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
-        the one made of a DCP checkpoint there (``ckptio ls``)."""
+        the one made of a DCP checkpoint there (``ckptio ls``). ``every_item=False``: a DCP
+        checkpoint's tensor items are opened by ``read`` when it needs them, not here (its
+        entries then say where each item starts, not its data nor its checksum)."""
         store, file = store_and_file(path, self.options)
-        return loading.open_checkpoint(self._staging, store, file,
-                                       allow_pickle=allow_pickle).record
+        return loading.open_checkpoint(self._staging, store, file, allow_pickle=allow_pickle,
+                                       every_item=every_item).record
 
     def read(self, path: str | os.PathLike[str], record: Manifest, reads: Sequence[Read], *,
              verify: bool | None = None) -> int:

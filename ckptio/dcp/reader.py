@@ -4,7 +4,8 @@
 
 loads a checkpoint written by ``ckptio.save`` (any number of ranks, any layout: DTensor,
 TensorShard, FlatShard, per-rank values, inline values, aliases) or a stock DCP directory
-(``.metadata``, through the Manifest loading/foreign.py makes of it), with DCP's planners doing
+(``.metadata``, through the Manifest loading/dcpdir.py makes of it, whose tensor items are opened
+only when ``read_data`` reads them), with DCP's planners doing
 the resharding. ``read_metadata`` turns the manifest into DCP's ``Metadata`` (keys by DCP's
 traversal rules: readmeta.py); ``read_data`` turns the plan's tensor items into ckptio Reads
 and fills them with one ``loading/read.read_regions`` pass (coalesced aligned reads, checksums,
@@ -19,7 +20,7 @@ rank-local metadata swallows the exception object).
 
 Owns: the StorageReader protocol and the translation of DCP items into ckptio reads. Does not
 own: the key walk (readmeta.py), I/O and checksums (loading/read.py via api.Checkpointer),
-opening foreign checkpoints (loading/foreign.py).
+opening foreign checkpoints (loading/dcpdir.py).
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ class DcpReader(StorageReader):
     def read_metadata(self) -> Metadata:
         """DCP's Metadata of the checkpoint, as this rank sees it (per-rank values: the saved
         rank ``per_rank_from`` picks for it)."""
-        record = self._checkpointer().manifest(self.path, allow_pickle=self.allow_pickle)
+        # a DCP directory's tensor items: read_data opens those this rank's plan reads
+        record = self._checkpointer().manifest(self.path, allow_pickle=self.allow_pickle,
+                                               every_item=False)
         rank, world_size = _rank()
         view = readmeta.dcp_view(record, rank=rank, world_size=world_size,
                                  per_rank_from=self.per_rank_from, where=self.path)
