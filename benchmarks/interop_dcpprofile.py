@@ -83,27 +83,35 @@ def instrument(clocks: Clocks) -> None:
     """Clocks around the open, its rounds of reads, the head parsing, the data pass and the work
     the data pass does on the loading thread."""
     from ckptio.format import torchzip
-    from ckptio.loading import checks, foreign, opening
+    from ckptio.loading import checks, opening
     from ckptio.loading import read as reading
 
-    clocks.wrap(opening, "open_manifest", "open (whole)", mark=True)
-    real_open = foreign.open_dcp
+    try:  # round four: the DCP Manifest in dcpdir.py, items opened where a read needs them
+        from ckptio.loading import dcpdir as home
+    except ImportError:  # before: foreign.py opened every item
+        from ckptio.loading import foreign as home
 
-    def open_dcp(store: Any, read: Callable[[list[Any]], int], **kwargs: Any) -> Any:
-        def counted(reads: list[Any]) -> int:
+    clocks.wrap(opening, "open_manifest", "open (whole)", mark=True)
+    clocks.wrap(torchzip, "parse_head", "heads parsed")
+
+    def counted(label: str, read: Callable[[list[Any]], int]) -> Callable[[list[Any]], int]:
+        def reads_of(reads: list[Any]) -> int:
             t0 = time.perf_counter()
             try:
                 return read(reads)
             finally:
-                clocks.seconds["open: reads"] += time.perf_counter() - t0
-                clocks.calls["open: reads"] += 1
-                clocks.calls["open: regions read"] += len(reads)
-        return real_open(store, counted, **kwargs)
+                clocks.seconds[f"{label}: reads"] += time.perf_counter() - t0
+                clocks.calls[f"{label}: reads"] += 1
+                clocks.calls[f"{label}: regions read"] += len(reads)
+        return reads_of
 
-    foreign.open_dcp = open_dcp  # type: ignore[assignment]
-    clocks.wrap(torchzip, "parse_head", "heads parsed")
-    if hasattr(foreign, "resolve_reads"):  # items opened where a read needs them (round four)
-        clocks.wrap(foreign, "resolve_reads", "resolve (heads of needed items)", mark=True)
+    real_open = home.open_dcp
+    home.open_dcp = lambda store, read, **kw: real_open(store, counted("open", read), **kw)
+    if hasattr(home, "resolve_reads"):
+        real_resolve = home.resolve_reads
+        home.resolve_reads = lambda store, read, reads: real_resolve(
+            store, counted("items opened", read), reads)
+        clocks.wrap(home, "resolve_reads", "items opened (whole)", mark=True)
     clocks.wrap(reading, "read_regions", "data pass (read_regions)", mark=True)
     clocks.wrap(reading, "plan_spans", "data: plan_spans")
     clocks.wrap(reading, "coalesce_reads", "data: coalesce")
