@@ -252,6 +252,15 @@ class Checkpointer:
         verify = self.options.verify if verify is None else verify
         return loading.read_fn(self._staging, store, record, verify=verify)(list(reads))
 
+    def open_items(self, path: str | os.PathLike[str], record: Manifest,
+                   reads: Sequence[Read]) -> list[Read]:
+        """``reads`` (as for ``read``) with the items of a DCP checkpoint they need opened now
+        (heads read and checked, in one round), where ``record`` came from ``manifest(path,
+        every_item=False)``: for a driver that knows its reads before it reads (DcpReader,
+        before DCP's plans are exchanged); reads of anything else come back as they are."""
+        store, _file = store_and_file(path, self.options)
+        return loading.open_items(self._staging, store, record, reads)
+
     def verify(self, path: str | os.PathLike[str], *, record: Manifest | None = None,
                progress: Callable[[int], None] | None = None) -> int:
         """Check everything a load checks, without loading; -> bytes read.

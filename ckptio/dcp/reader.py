@@ -53,7 +53,7 @@ from ckptio.dcp import readmeta
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
 from ckptio.format.flatten import unflatten
-from ckptio.format.types import Chunk, Manifest, Read
+from ckptio.format.types import Chunk, Manifest, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading.fill import RankPolicy, stored_value
 from ckptio.loading.foreign import torch_load_value
@@ -84,6 +84,7 @@ class DcpReader(StorageReader):
         self.allow_pickle, self.per_rank_from = allow_pickle, per_rank_from
         self._record: Manifest | None = None
         self._metadata: Metadata | None = None
+        self._items: dict[int, TensorEntry] = {}  # id(pending entry) -> the item, opened
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self.options, "verify": self.verify,
@@ -91,7 +92,7 @@ class DcpReader(StorageReader):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._record, self._metadata = None, None
+        self._record, self._metadata, self._items = None, None, {}
 
     @property
     def checkpoint_id(self) -> str:
@@ -100,7 +101,7 @@ class DcpReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_path(checkpoint_id)
-        self._record, self._metadata = None, None
+        self._record, self._metadata, self._items = None, None, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -137,6 +138,20 @@ class DcpReader(StorageReader):
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Open the DCP items this rank's plan reads (a stock DCP directory's heads: one
+        round), before DCP exchanges the plans: no rank's read pass then runs while another
+        rank still reads heads (one read behind another rank's data waited 0.4 s for the
+        disk, docs/BENCH_INTEROP.md round four)."""
+        record, metadata = self._opened()
+        table = _Batch(metadata.storage_data, self.path, self.allow_pickle)
+        reads = []
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                box = table.lookup(item)
+                region = readmeta.region(box, item.storage_offsets, item.lengths)
+                reads.append(Read(item.storage_index.fqn, (box.entry,), region))
+        opened = self._checkpointer().open_items(self.path, record, reads)
+        self._items.update((id(r.entries[0]), o.entries[0]) for r, o in zip(reads, opened))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -148,7 +163,7 @@ class DcpReader(StorageReader):
         """Every item of ``plan`` in one read pass, then committed to the planner; -> a
         completed Future."""
         record, metadata = self._opened()
-        batch = _Batch(metadata.storage_data, self.path, self.allow_pickle)
+        batch = _Batch(metadata.storage_data, self.path, self.allow_pickle, self._items)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 batch.value(item)
@@ -196,8 +211,10 @@ class _Batch:
     """The reads of one plan: tensor items into the planner's tensors (through a staged tensor
     when the dtype differs), and the data entries BYTE_IO values need, read whole."""
 
-    def __init__(self, table: Any, path: str, allow_pickle: bool) -> None:
+    def __init__(self, table: Any, path: str, allow_pickle: bool,
+                 items: dict[int, TensorEntry] | None = None) -> None:
         self.table, self.path, self.allow_pickle = table, path, allow_pickle
+        self.items = items or {}  # DCP items prepare_local_plan opened
         self.reads: list[Read] = []
         self.tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
         self.values: list[tuple[ReadItem, readmeta.ValueKey, dict[str, torch.Tensor]]] = []
@@ -214,14 +231,15 @@ class _Batch:
 
     def tensor(self, item: ReadItem, planner: LoadPlanner) -> None:
         box = self.lookup(item)
+        entry = self.items.get(id(box.entry), box.entry)  # else opened by the read itself
         dest = planner.resolve_tensor(item).detach()
-        stored = torch_dtype(box.entry.dtype)
+        stored = torch_dtype(entry.dtype)
         target = dest if dest.dtype == stored else torch.empty(tuple(item.lengths), dtype=stored)
         region = readmeta.region(box, item.storage_offsets, item.lengths)
         if tuple(target.shape) != region.sizes:
             raise CkptError(f"{self.path}: key {item.dest_index.fqn!r}: the planner resolved a "
                             f"tensor of shape {tuple(dest.shape)} for a read of {region.sizes}")
-        self.reads.append(Read(item.storage_index.fqn, (box.entry,), region, target))
+        self.reads.append(Read(item.storage_index.fqn, (entry,), region, target))
         self.tensors.append((item, dest, None if target is dest else target))
 
     def value(self, item: ReadItem) -> None:

@@ -42,7 +42,8 @@ from ckptio.storage.coded import Bases, EntryReader
 from ckptio.storage.files import Staging, StoreFiles
 from ckptio.storage.select import store_for
 
-__all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
+__all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "open_items",
+           "read_fn", "verify"]
 
 VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
 
@@ -125,6 +126,14 @@ def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | N
                        threads=staging.options.compress_threads)
 
 
+def open_items(staging: Staging, store: Store, record: Manifest, reads: Sequence[Read]) -> list[Read]:
+    """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads),
+    for a driver that knows them before its read pass; reads of anything else as they are."""
+    if not dcpdir.has_pending(record):
+        return list(reads)
+    return dcpdir.resolve_reads(store, read_fn(staging, store), reads)
+
+
 def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
                     every_chunk: bool = True, every_item: bool = True) -> Opened:
     """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
@@ -203,8 +212,7 @@ def verify(staging: Staging, opened: Opened,
     checksums (``progress``: called with the bytes of each batch); -> bytes read."""
     record = opened.record
     reads = [Read.of(e) for e in record.tensors]
-    if dcpdir.has_pending(record):  # a manifest a load opened: its items opened here
-        reads = dcpdir.resolve_reads(opened.store, read_fn(staging, opened.store), reads)
+    reads = open_items(staging, opened.store, record, reads)  # a manifest a load opened
     algorithm = stored_algorithm(record.checksum_algorithm)
     bases = _bases(staging, opened.store, record)
     nbytes = 0
