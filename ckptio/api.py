@@ -232,15 +232,12 @@ class Checkpointer:
             if error is not None:
                 raise error
 
-    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                 every_item: bool = True) -> Manifest:
+    def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
-        the one made of a DCP checkpoint there (``ckptio ls``). ``every_item=False``: a DCP
-        checkpoint's tensor items are opened by ``read`` when it needs them, not here (its
-        entries then say where each item starts, not its data nor its checksum)."""
+        the one made of a DCP checkpoint there (``ckptio ls``)."""
         store, file = store_and_file(path, self.options)
-        return loading.open_checkpoint(self._staging, store, file, allow_pickle=allow_pickle,
-                                       every_item=every_item).record
+        return loading.open_checkpoint(self._staging, store, file,
+                                       allow_pickle=allow_pickle).record
 
     def read(self, path: str | os.PathLike[str], record: Manifest, reads: Sequence[Read], *,
              verify: bool | None = None) -> int:
@@ -251,15 +248,6 @@ class Checkpointer:
         store, _file = store_and_file(path, self.options)
         verify = self.options.verify if verify is None else verify
         return loading.read_fn(self._staging, store, record, verify=verify)(list(reads))
-
-    def open_items(self, path: str | os.PathLike[str], record: Manifest,
-                   reads: Sequence[Read]) -> list[Read]:
-        """``reads`` (as for ``read``) with the items of a DCP checkpoint they need opened now
-        (heads read and checked, in one round), where ``record`` came from ``manifest(path,
-        every_item=False)``: for a driver that knows its reads before it reads (DcpReader,
-        before DCP's plans are exchanged); reads of anything else come back as they are."""
-        store, _file = store_and_file(path, self.options)
-        return loading.open_items(self._staging, store, record, reads)
 
     def verify(self, path: str | os.PathLike[str], *, record: Manifest | None = None,
                progress: Callable[[int], None] | None = None) -> int:

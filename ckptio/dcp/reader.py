@@ -4,8 +4,9 @@
 
 loads a checkpoint written by ``ckptio.save`` (any number of ranks, any layout: DTensor,
 TensorShard, FlatShard, per-rank values, inline values, aliases) or a stock DCP directory
-(``.metadata``, through the Manifest loading/dcpdir.py makes of it, whose tensor items are opened
-only when ``read_data`` reads them), with DCP's planners doing
+(``.metadata``, through the Manifest loading/dcpdir.py makes of it, every item opened in
+``read_metadata``: opening only the items a rank's plan reads measured slower,
+docs/BENCH_INTEROP.md round four), with DCP's planners doing
 the resharding. ``read_metadata`` turns the manifest into DCP's ``Metadata`` (keys by DCP's
 traversal rules: readmeta.py); ``read_data`` turns the plan's tensor items into ckptio Reads
 and fills them with one ``loading/read.read_regions`` pass (coalesced aligned reads, checksums,
@@ -53,7 +54,7 @@ from ckptio.dcp import readmeta
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
 from ckptio.format.flatten import unflatten
-from ckptio.format.types import Chunk, Manifest, Read, TensorEntry
+from ckptio.format.types import Chunk, Manifest, Read
 from ckptio.io.stage import torch_dtype
 from ckptio.loading.fill import RankPolicy, stored_value
 from ckptio.loading.foreign import torch_load_value
@@ -84,7 +85,6 @@ class DcpReader(StorageReader):
         self.allow_pickle, self.per_rank_from = allow_pickle, per_rank_from
         self._record: Manifest | None = None
         self._metadata: Metadata | None = None
-        self._items: dict[int, TensorEntry] = {}  # id(pending entry) -> the item, opened
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self.options, "verify": self.verify,
@@ -92,7 +92,7 @@ class DcpReader(StorageReader):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._record, self._metadata, self._items = None, None, {}
+        self._record, self._metadata = None, None
 
     @property
     def checkpoint_id(self) -> str:
@@ -101,7 +101,7 @@ class DcpReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = checkpoint_path(checkpoint_id)
-        self._record, self._metadata, self._items = None, None, {}
+        self._record, self._metadata = None, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -116,9 +116,7 @@ class DcpReader(StorageReader):
     def read_metadata(self) -> Metadata:
         """DCP's Metadata of the checkpoint, as this rank sees it (per-rank values: the saved
         rank ``per_rank_from`` picks for it)."""
-        # a DCP directory's tensor items: read_data opens those this rank's plan reads
-        record = self._checkpointer().manifest(self.path, allow_pickle=self.allow_pickle,
-                                               every_item=False)
+        record = self._checkpointer().manifest(self.path, allow_pickle=self.allow_pickle)
         rank, world_size = _rank()
         view = readmeta.dcp_view(record, rank=rank, world_size=world_size,
                                  per_rank_from=self.per_rank_from, where=self.path)
@@ -138,20 +136,6 @@ class DcpReader(StorageReader):
         self._metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Open the DCP items this rank's plan reads (a stock DCP directory's heads: one
-        round), before DCP exchanges the plans: no rank's read pass then runs while another
-        rank still reads heads (one read behind another rank's data waited 0.4 s for the
-        disk, docs/BENCH_INTEROP.md round four)."""
-        record, metadata = self._opened()
-        table = _Batch(metadata.storage_data, self.path, self.allow_pickle)
-        reads = []
-        for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
-                box = table.lookup(item)
-                region = readmeta.region(box, item.storage_offsets, item.lengths)
-                reads.append(Read(item.storage_index.fqn, (box.entry,), region))
-        opened = self._checkpointer().open_items(self.path, record, reads)
-        self._items.update((id(r.entries[0]), o.entries[0]) for r, o in zip(reads, opened))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -163,7 +147,7 @@ class DcpReader(StorageReader):
         """Every item of ``plan`` in one read pass, then committed to the planner; -> a
         completed Future."""
         record, metadata = self._opened()
-        batch = _Batch(metadata.storage_data, self.path, self.allow_pickle, self._items)
+        batch = _Batch(metadata.storage_data, self.path, self.allow_pickle)
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 batch.value(item)
@@ -211,10 +195,8 @@ class _Batch:
     """The reads of one plan: tensor items into the planner's tensors (through a staged tensor
     when the dtype differs), and the data entries BYTE_IO values need, read whole."""
 
-    def __init__(self, table: Any, path: str, allow_pickle: bool,
-                 items: dict[int, TensorEntry] | None = None) -> None:
+    def __init__(self, table: Any, path: str, allow_pickle: bool) -> None:
         self.table, self.path, self.allow_pickle = table, path, allow_pickle
-        self.items = items or {}  # DCP items prepare_local_plan opened
         self.reads: list[Read] = []
         self.tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
         self.values: list[tuple[ReadItem, readmeta.ValueKey, dict[str, torch.Tensor]]] = []
@@ -231,15 +213,14 @@ class _Batch:
 
     def tensor(self, item: ReadItem, planner: LoadPlanner) -> None:
         box = self.lookup(item)
-        entry = self.items.get(id(box.entry), box.entry)  # else opened by the read itself
         dest = planner.resolve_tensor(item).detach()
-        stored = torch_dtype(entry.dtype)
+        stored = torch_dtype(box.entry.dtype)
         target = dest if dest.dtype == stored else torch.empty(tuple(item.lengths), dtype=stored)
         region = readmeta.region(box, item.storage_offsets, item.lengths)
         if tuple(target.shape) != region.sizes:
             raise CkptError(f"{self.path}: key {item.dest_index.fqn!r}: the planner resolved a "
                             f"tensor of shape {tuple(dest.shape)} for a read of {region.sizes}")
-        self.reads.append(Read(item.storage_index.fqn, (entry,), region, target))
+        self.reads.append(Read(item.storage_index.fqn, (box.entry,), region, target))
         self.tensors.append((item, dest, None if target is dest else target))
 
     def value(self, item: ReadItem) -> None:

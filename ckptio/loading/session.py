@@ -42,8 +42,7 @@ from ckptio.storage.coded import Bases, EntryReader
 from ckptio.storage.files import Staging, StoreFiles
 from ckptio.storage.select import store_for
 
-__all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "open_items",
-           "read_fn", "verify"]
+__all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
 
 VERIFY_BATCH_NBYTES = 64 << 20  # verify with a progress callback reports after each batch
 
@@ -126,9 +125,10 @@ def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | N
                        threads=staging.options.compress_threads)
 
 
-def open_items(staging: Staging, store: Store, record: Manifest, reads: Sequence[Read]) -> list[Read]:
-    """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads),
-    for a driver that knows them before its read pass; reads of anything else as they are."""
+def _open_items(staging: Staging, store: Store, record: Manifest,
+                reads: Sequence[Read]) -> list[Read]:
+    """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads);
+    reads of anything else as they are."""
     if not dcpdir.has_pending(record):
         return list(reads)
     return dcpdir.resolve_reads(store, read_fn(staging, store), reads)
@@ -212,7 +212,7 @@ def verify(staging: Staging, opened: Opened,
     checksums (``progress``: called with the bytes of each batch); -> bytes read."""
     record = opened.record
     reads = [Read.of(e) for e in record.tensors]
-    reads = open_items(staging, opened.store, record, reads)  # a manifest a load opened
+    reads = _open_items(staging, opened.store, record, reads)  # a manifest a load opened
     algorithm = stored_algorithm(record.checksum_algorithm)
     bases = _bases(staging, opened.store, record)
     nbytes = 0
