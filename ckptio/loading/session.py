@@ -150,8 +150,11 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
          request: LoadRequest) -> Any:
     """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
     try:
+        # one rank opens a DCP directory's items at the open (a 1-rank load needs them all, and
+        # opening them later measured slower: docs/BENCH_INTEROP.md round four); a rank of
+        # many opens those its reads need (dcpdir.py)
         opened = open_checkpoint(staging, store, file, allow_pickle=request.allow_pickle,
-                                 every_chunk=False, every_item=False)
+                                 every_chunk=False, every_item=request.world_size == 1)
     except PickleRefusedError:
         if file is None or not request.allow_pickle:
             raise
