@@ -17,13 +17,13 @@ in one round of coalesced reads (an item's tail and the next item's head are nei
 descriptor the tail does not hold, another writer's layout, in one more round). Those bytes are
 read:
 
-* with ``every_item`` (verify, ``ckptio ls`` and diff, tiering copies), at the open, in the round
-  that reads the values;
-* otherwise (a load, ``DcpReader``) only for the items a read needs: the open leaves every tensor
-  item a ``PendingEntry``, and ``resolve_reads``, just before a read pass, opens the items whose
-  chunks the pass's regions overlap, and those alone. A rank of a many-rank load opens the items
-  of its own shards and of what it replicates, not every item of the directory (what DCP's own
-  reader reads too). A pending entry is never read: ``resolve_reads`` raises if one would be.
+* with ``every_item`` (verify, ``ckptio ls`` and diff, tiering copies, ``DcpReader``, a one-rank
+  load), at the open, in the round that reads the values;
+* otherwise (a rank of a many-rank load) only for the items a read needs: the open leaves every
+  tensor item a ``PendingEntry``, and ``resolve_reads``, just before a read pass, opens the
+  items whose chunks the pass's regions overlap, and those alone: the items of the rank's own
+  shards and of what it replicates, not every item of the directory. A pending entry is never
+  read: ``resolve_reads`` raises if one would be.
 
 Either way an item a load reads is checked before its bytes are used: its head's records against
 their CRC-32s, its pickled tensor against the metadata (dtype, size, a dense layout), and its data
