@@ -4,7 +4,9 @@
 
 loads a checkpoint written by ``ckptio.save`` (any number of ranks, any layout: DTensor,
 TensorShard, FlatShard, per-rank values, inline values, aliases) or a stock DCP directory
-(``.metadata``, through the Manifest loading/foreign.py makes of it), with DCP's planners doing
+(``.metadata``, through the Manifest loading/dcpdir.py makes of it, every item opened in
+``read_metadata``: opening only the items a rank's plan reads measured slower,
+docs/BENCH_INTEROP.md round four), with DCP's planners doing
 the resharding. ``read_metadata`` turns the manifest into DCP's ``Metadata`` (keys by DCP's
 traversal rules: readmeta.py); ``read_data`` turns the plan's tensor items into ckptio Reads
 and fills them with one ``loading/read.read_regions`` pass (coalesced aligned reads, checksums,
@@ -19,7 +21,7 @@ rank-local metadata swallows the exception object).
 
 Owns: the StorageReader protocol and the translation of DCP items into ckptio reads. Does not
 own: the key walk (readmeta.py), I/O and checksums (loading/read.py via api.Checkpointer),
-opening foreign checkpoints (loading/foreign.py).
+opening foreign checkpoints (loading/dcpdir.py).
 """
 
 from __future__ import annotations

@@ -1,35 +1,27 @@
-"""A torch.distributed.checkpoint (DCP) directory, seen as a ckptio Manifest.
+"""What the foreign formats ckptio loads share: raw reads of their own metadata, DCP detection,
+and turning saved Python values into ckptio's inline values and tree.
 
-``ckptio.load`` and ``ckptio.verify`` on a directory written by DCP's FileSystemWriter (no
-``manifest.json``, a ``.metadata``) come here: the metadata is decoded with the allow-list
-unpickler (format/dcpmeta.py), then every tensor item's first and last bytes are read, in one
-round of coalesced reads (an item's tail and the next item's head are neighbours), to find where
-its ``data/0`` record's bytes start and the CRC-32 that follows them (format/torchzip.py), and every
-value item (BYTE_IO: optimizer hyper-parameters, Python numbers and containers) is read whole
-and decoded with ``torch.load(weights_only=True)`` (``weights_only=False`` only with
-``allow_pickle=True``). The result is a Manifest whose tensor entries point at those bytes
-(checksum algorithm ``crc32``; a value item's zip records are checked against their CRC-32s
-when it is decoded), whose values are expanded by ckptio's flatten rules (a DCP
-``optim.param_groups.0.betas`` tuple becomes ``...betas.0`` and ``...betas.1``), and whose tree is
-DCP's planner_data, so fill.py, reshard.py and read.py load it into any layout unchanged.
+* ``raw_read`` / ``read_bytes`` / ``read_small``: unverified reads through the store's backend
+  (``read``: the caller's read_regions over the store, so an ``s3://`` location is read the same
+  way) of a format's own metadata (a DCP ``.metadata`` and item heads, a torch.save zip's
+  records, a safetensors header); the format's parser checks what it reads.
+* ``holds_dcp``: whether a location holds a DCP checkpoint ckptio reads (loading/dcpdir.py opens
+  it); per-rank ``__{rank}.metadata`` layouts are refused, naming the fix.
+* ``decode_value`` / ``torch_load_value``: a DCP value item (BYTE_IO: optimizer
+  hyper-parameters, Python numbers and containers) or torch.save value decoded with
+  ``torch.load(weights_only=True)`` (``weights_only=False`` only with ``allow_pickle=True``),
+  its zip records checked against their CRC-32s first.
+* ``expand_value`` / ``nest``: such a value as ckptio's flatten would hold it (a DCP
+  ``optim.param_groups.0.betas`` tuple becomes ``...betas.0`` and ``...betas.1``; values that
+  decode to something ckptio cannot hold inline, tensors or arrays inside a value, are refused
+  with a CkptError naming the key and the fix), and the tree of DCP's planner_data.
 
-Every read goes through the store's backend (``read``: the caller's read_regions over the
-store), so an ``s3://`` DCP prefix is read the same way.
-
-Refused, each with a CkptError naming the path and the fix: per-rank ``__{rank}.metadata``
-layouts, items written through stream transforms, items that are not torch.save zips (e.g.
-``serialization_format=SAFETENSORS``), tensors stored as a view of part of their storage or
-with overlapping elements (a transposed or channels-last tensor over its whole storage is read:
-its entry's ``order`` says how its bytes lie), a transposed shard of a larger tensor, and values
-that decode to something ckptio cannot hold inline (tensors or arrays inside a value).
-
-Owns: detecting a DCP directory, the phase-1 reads, the synthesized Manifest. Does not own: the
-pickle and zip parsing (format/), reading bytes (read.py), matching keys (fill.py).
+Owns: those helpers. Does not own: the DCP Manifest and its items (dcpdir.py), the pickle and
+zip parsing (format/), reading bytes (read.py), matching keys (fill.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pickle
 import re
@@ -41,22 +33,19 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
-from ckptio.format import containers, dcpmeta, torchzip, validate, values
+from ckptio.format import containers, dcpmeta, values
 from ckptio.format.types import (
-    DTYPE_ITEMSIZE,
     MAX_TREE_DEPTH,
     Chunk,
-    FileInfo,
     Json,
-    Manifest,
     ObjectEntry,
     Read,
     TensorEntry,
 )
 from ckptio.storage.base import Store
 
-__all__ = ["BLOCK_NBYTES", "ReadFn", "expand_value", "holds_dcp", "nest", "open_dcp", "raw_read", "read_bytes",
-           "read_small", "torch_load_value"]
+__all__ = ["BLOCK_NBYTES", "ReadFn", "decode_value", "expand_value", "holds_dcp", "item_name",
+           "nest", "raw_read", "read_bytes", "read_small", "torch_load_value"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -103,143 +92,15 @@ def read_small(read: ReadFn, name: str, size: int, limit: int, where: str,
     return read_bytes(raw)
 
 
-def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False) -> Manifest:
-    """The Manifest of the DCP checkpoint in ``store`` (see the module docstring)."""
-    where = store.path_of(dcpmeta.METADATA_NAME)
-    size = store.sizes([dcpmeta.METADATA_NAME]).get(dcpmeta.METADATA_NAME)
-    if size is None:
-        raise CorruptCheckpointError(f"{where} disappeared while it was being opened")
-    raw = read_small(read, dcpmeta.METADATA_NAME, size, dcpmeta.MAX_METADATA_NBYTES, where)
-    meta = dcpmeta.decode(raw, where)
-    files = _files(store, meta)
-    heads = {id(item): raw_read(item.file, item.offset, min(item.length, torchzip.HEAD_NBYTES))
-             for t in meta.tensors for _chunk, item in t.chunks}
-    tails = {id(item): _tail_read(item) for t in meta.tensors for _chunk, item in t.chunks
-             if item.length > torchzip.HEAD_NBYTES}
-    whole = {id(item): raw_read(item.file, item.offset, item.length) for item in meta.values}
-    read([*heads.values(), *tails.values(), *whole.values()])  # one round, coalesced
-    tensors: list[TensorEntry] = []
-    descriptors: dict[int, Read] = {}  # index in tensors -> read of a descriptor not yet read
-    for t in meta.tensors:
-        for chunk, item in t.chunks:
-            entry, record = _entry(store, t, chunk, item, read_bytes(heads[id(item)]))
-            if record.crc32 is None:
-                entry, raw = _with_descriptor(store, entry, item, heads[id(item)],
-                                              tails.get(id(item)))
-                if raw is not None:
-                    descriptors[len(tensors)] = raw
-            tensors.append(entry)
-    if descriptors:  # none for FileSystemWriter's items: every descriptor is in a tail
-        read(list(descriptors.values()))
-    for i, raw in descriptors.items():
-        tensors[i] = _checked(store, tensors[i], read_bytes(raw))
-    objects: list[ObjectEntry] = []
-    nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
-    for item in meta.values:
-        value = _decode_value(store, item, read_bytes(whole[id(item)]), allow_pickle)
-        nodes[item.fqn] = expand_value(value, item.fqn, objects, 0)
-    manifest = Manifest(
-        version=2, save_id="dcp", checksum_algorithm="crc32",
-        world_size=1 + max((f.rank for f in files), default=0), files=files,
-        tensors=tuple(tensors), objects=tuple(objects), aliases=(),
-        tree=nest(nodes, meta.paths, where), meta={"dcp": {"version": meta.version}},
-        block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
-    validate.check_values(manifest, where)
-    return manifest
-
-
-def _tail_read(item: dcpmeta.DcpItem) -> Read:
-    """A read of the item's last TAIL_NBYTES bytes after its head: data/0's descriptor is
-    there, so it comes in the same round as the head (and coalesces with the next item's)."""
-    end = item.offset + item.length
-    start = max(item.offset + torchzip.HEAD_NBYTES, end - torchzip.TAIL_NBYTES)
-    return raw_read(item.file, start, end - start)
-
-
-def _with_descriptor(store: Store, entry: TensorEntry, item: dcpmeta.DcpItem, head: Read,
-                     tail: Read | None) -> tuple[TensorEntry, Read | None]:
-    """``entry`` with the CRC-32 of the descriptor after its data, when the head or tail read
-    holds it; else ``entry`` and a read of that descriptor."""
-    at = entry.offset + entry.nbytes
-    n = min(torchzip.DESCRIPTOR_NBYTES, item.offset + item.length - at)
-    for raw in (head, tail):
-        if raw is not None and raw.entries[0].offset <= at and \
-                at + n <= raw.entries[0].offset + raw.entries[0].nbytes:
-            start = at - raw.entries[0].offset
-            return _checked(store, entry, read_bytes(raw)[start:start + n]), None
-    return entry, raw_read(item.file, at, n)
-
-
-def _checked(store: Store, entry: TensorEntry, descriptor: bytes) -> TensorEntry:
-    """``entry`` with the CRC-32 of its data ``descriptor`` as its checksum."""
-    crc = torchzip.parse_descriptor(descriptor, entry.nbytes, _item_name(store, entry.key,
-                                                                         entry.file))
-    return dataclasses.replace(entry, checksum=f"{crc:08x}")
-
-
-def _item_name(store: Store, key: str, file: str) -> str:
+def item_name(store: Store, key: str, file: str) -> str:
+    """How messages name a DCP item: its data file and key."""
     return f"{store.path_of(file)} (item of key {key!r})"
 
 
-def _files(store: Store, meta: dcpmeta.DcpMeta) -> tuple[FileInfo, ...]:
-    """The data files the metadata names: present, and long enough for every item in them."""
-    items = [item for t in meta.tensors for _chunk, item in t.chunks] + list(meta.values)
-    ends: dict[str, int] = {}
-    for item in items:
-        ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
-    sizes = store.sizes(sorted(ends))
-    out = []
-    for name, end in sorted(ends.items()):
-        size = sizes.get(name)
-        if size is None:
-            raise CorruptCheckpointError(
-                f"data file {store.path_of(name)} named by {dcpmeta.METADATA_NAME} is missing; "
-                "the DCP checkpoint is incomplete or damaged: load an earlier one")
-        if size < end:
-            raise CorruptCheckpointError(
-                f"data file {store.path_of(name)} is truncated: {size} bytes, its items end at "
-                f"{end}; the DCP checkpoint is damaged: load an earlier one")
-        out.append(FileInfo(name, size, dcpmeta.file_rank(name) or 0))
-    return tuple(out)
-
-
-def _entry(store: Store, t: dcpmeta.DcpTensor, chunk: Chunk, item: dcpmeta.DcpItem,
-           head: bytes) -> tuple[TensorEntry, torchzip.TensorRecord]:
-    """The entry of one tensor item, from its head (the checksum filled in later when the
-    CRC-32 follows the data)."""
-    where = _item_name(store, t.fqn, item.file)
-    if head[:4] != b"PK\x03\x04":
-        raise CkptError(f"{where} is not a torch.save zip (DCP's serialization_format="
-                        "SAFETENSORS, or another writer); ckptio reads only FileSystemWriter's "
-                        "default items: load it with torch.distributed.checkpoint.load")
-    record = torchzip.parse_head(head, item.length, where)
-    nbytes = chunk.numel * DTYPE_ITEMSIZE[t.dtype]
-    if record.dtype != t.dtype or record.size != chunk.sizes:
-        raise CorruptCheckpointError(
-            f"{where} holds a {record.dtype} tensor of size {record.size}; the metadata says "
-            f"{t.dtype} of size {chunk.sizes}: the DCP checkpoint is damaged")
-    order = torchzip.dense_order(record.size, record.stride) if nbytes else ()
-    if order is None or (nbytes and (record.storage_offset != 0
-                                     or record.storage_nbytes != nbytes)):
-        raise CkptError(
-            f"{where} was stored as a view that is not its whole storage in any dimension "
-            f"order (storage offset {record.storage_offset}, stride {record.stride}, "
-            f"{record.storage_nbytes} storage bytes for {nbytes}), which ckptio does not read; "
-            "load it with torch.distributed.checkpoint.load (or save .contiguous())")
-    if order and chunk != Chunk.whole(t.shape):
-        raise CkptError(
-            f"{where}: a shard (offsets {chunk.offsets}) of the tensor was stored transposed "
-            f"(stride {record.stride}); ckptio reads a transposed tensor only when it is one "
-            "whole item: load it with torch.distributed.checkpoint.load (or save .contiguous())")
-    checksum = "" if record.crc32 is None else f"{record.crc32:08x}"
-    return TensorEntry(key=t.fqn, kind="tensor", dtype=t.dtype, shape=t.shape, chunk=chunk,
-                       file=item.file, offset=item.offset + record.data_offset, nbytes=nbytes,
-                       checksum=checksum, order=order), record
-
-
-def _decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: bool) -> Any:
-    where = _item_name(store, item.fqn, item.file)
+def decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: bool) -> Any:
+    """A value item's ``raw`` bytes (a torch.save zip) decoded, its records checked against
+    their CRC-32s first."""
+    where = item_name(store, item.fqn, item.file)
     if raw[:4] != b"PK\x03\x04":
         raise CkptError(f"{where} is not a torch.save zip; ckptio reads only FileSystemWriter's "
                         "default items: load it with torch.distributed.checkpoint.load")

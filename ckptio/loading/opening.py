@@ -2,7 +2,7 @@
 
 Owns: the committed ckptio manifest (decoded, values checked, data files
 present); the dispatch, when a location holds no ckptio manifest, to the foreign formats
-ckptio reads: a DCP directory (loading/foreign.py), a torch.save file (loading/torchsave.py), a
+ckptio reads: a DCP directory (loading/dcpdir.py), a torch.save file (loading/torchsave.py), a
 safetensors file or Hugging Face folder (loading/safetensors.py). Does not own: which store and
 file a path names (storage/select.py), reading bytes (the caller passes the read function,
 through its pool and the store's files), decoding any format (format/, loading/), or loading
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import foreign, safetensors, torchsave
+from ckptio.loading import dcpdir, foreign, safetensors, torchsave
 from ckptio.storage import steps
 from ckptio.storage.base import Store
 
@@ -26,9 +26,10 @@ ReadFn = Callable[[list[Read]], int]
 
 
 def open_manifest(store: Store, file: str | None, read: ReadFn, *,
-                  allow_pickle: bool) -> Manifest:
+                  allow_pickle: bool, every_item: bool = True) -> Manifest:
     """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
-    manifest) the Manifest loading/foreign.py makes of it, for a torch.save ``file`` in it the
+    manifest) the Manifest loading/dcpdir.py makes of it (``every_item`` False: its tensor
+    items left to be opened where a read needs them), for a torch.save ``file`` in it the
     one loading/torchsave.py makes, and for a safetensors file or a Hugging Face folder (an
     index or model.safetensors) loading/safetensors.py's. ``read`` fills unverified Reads."""
     hf = file is not None and safetensors.is_safetensors_name(file)
@@ -44,7 +45,7 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
     elif file is not None:
         record = torchsave.open_torch_save(store, file, read)
     else:
-        record = foreign.open_dcp(store, read, allow_pickle=allow_pickle)
+        record = dcpdir.open_dcp(store, read, allow_pickle=allow_pickle, every_item=every_item)
     return record
 
 

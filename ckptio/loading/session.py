@@ -2,6 +2,7 @@
 
     open      the store and file a path names (storage/select.py); the manifest of whatever
               format is there (opening.py), read through the borrowed pool and the store's files
+              (a DCP directory's tensor items are opened by the read that needs them: dcpdir.py)
     resolve   a version-3 manifest's regular tensors: only the chunks the state needs, and
               their writers' index files (regular.py)
     expand    values a torch.save file or a DCP checkpoint keeps as pickles (torchvalues.py)
@@ -30,7 +31,7 @@ from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import foreign, opening, regular
+from ckptio.loading import dcpdir, foreign, opening, regular
 from ckptio.loading.opening import ReadFn
 from ckptio.loading import read as reading
 from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
@@ -75,7 +76,8 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
             verify: bool = False) -> ReadFn:
     """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
-    reads; a foreign checkpoint's "block" is its whole entry)."""
+    reads; a foreign checkpoint's "block" is its whole entry). The DCP items of ``record``
+    that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
     if record is None:  # reading a foreign format's own metadata
         block_nbytes = foreign.BLOCK_NBYTES
@@ -83,8 +85,11 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
         block_nbytes = record.block_nbytes if algorithm else BLOCK
 
     bases = _bases(staging, store, record)
+    items = read_fn(staging, store) if record is not None and dcpdir.has_pending(record) else None
 
     def read(reads: list[Read]) -> int:
+        if items is not None:
+            reads = dcpdir.resolve_reads(store, items, reads)
         with staging.lock:
             pool, files = staging.files(store, _staged_nbytes(reads))
             with _entry_reader(files, record, algorithm, bases, staging) as coded:
@@ -120,13 +125,24 @@ def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | N
                        threads=staging.options.compress_threads)
 
 
+def _open_items(staging: Staging, store: Store, record: Manifest,
+                reads: Sequence[Read]) -> list[Read]:
+    """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads);
+    reads of anything else as they are."""
+    if not dcpdir.has_pending(record):
+        return list(reads)
+    return dcpdir.resolve_reads(store, read_fn(staging, store), reads)
+
+
 def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
-                    every_chunk: bool = True) -> Opened:
+                    every_chunk: bool = True, every_item: bool = True) -> Opened:
     """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
     ``every_chunk``: a row for every chunk of its regular tensors too (their index files
-    read); else a load resolves the ones it needs."""
+    read); else a load resolves the ones it needs. ``every_item``: a DCP directory's tensor
+    items opened (heads read and checked); else each read opens those it needs (dcpdir.py)."""
     plain = read_fn(staging, store)
-    record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle)
+    record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle,
+                                   every_item=every_item)
     return Opened(store, file, regular.expand_all(record, plain) if every_chunk else record)
 
 
@@ -134,8 +150,11 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
          request: LoadRequest) -> Any:
     """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
     try:
+        # one rank opens a DCP directory's items at the open (a 1-rank load needs them all, and
+        # opening them later measured slower: docs/BENCH_INTEROP.md round four); a rank of
+        # many opens those its reads need (dcpdir.py)
         opened = open_checkpoint(staging, store, file, allow_pickle=request.allow_pickle,
-                                 every_chunk=False)
+                                 every_chunk=False, every_item=request.world_size == 1)
     except PickleRefusedError:
         if file is None or not request.allow_pickle:
             raise
@@ -196,6 +215,7 @@ def verify(staging: Staging, opened: Opened,
     checksums (``progress``: called with the bytes of each batch); -> bytes read."""
     record = opened.record
     reads = [Read.of(e) for e in record.tensors]
+    reads = _open_items(staging, opened.store, record, reads)  # a manifest a load opened
     algorithm = stored_algorithm(record.checksum_algorithm)
     bases = _bases(staging, opened.store, record)
     nbytes = 0
