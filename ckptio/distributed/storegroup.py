@@ -333,9 +333,8 @@ class StoreGroup:
 
 def poll_pause(waited_s: float, floor_s: float, cap_s: float) -> float:
     """The sleep before a waiting rank's next poll, having waited ``waited_s``: 1/16 of it,
-    within [floor_s, cap_s]. A step that became ready while it slept is seen at most that
-    late: ~6 % of the wait (plus the floor), where doubling pauses overslept by up to the whole
-    wait so far (a 2-rank commit waiting 0.11 s could return 40 ms late)."""
+    within [floor_s, cap_s], so a step is seen at most ~6 % of its wait late (doubling pauses
+    overslept by up to the whole wait so far: a wait of 0.11 s returned 41 ms late)."""
     return min(cap_s, max(floor_s, waited_s * _LATE_SHARE))
 
 
