@@ -265,3 +265,48 @@ def test_published_parts_are_stored_once_and_a_missing_one_is_an_error():
     group.store = store
     group.publish("fp-b", b"x")  # claimed anew, stored this time
     assert group.fetch(["fp-b"]) == [b"x"]
+
+
+class _SleepClock(_Clock):
+    """A clock that moves only by the waiter's own sleeps (stands for storegroup.time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def _waited(monkeypatch: pytest.MonkeyPatch, size: int, ready_after_s: float) -> _SleepClock:
+    """Rank 1 of ``size`` waits for a step that becomes ready ``ready_after_s`` into the wait,
+    on a clock only its sleeps move (no wall-clock time in the test)."""
+    from ckptio.distributed import storegroup
+
+    clock = _SleepClock()
+    monkeypatch.setattr(storegroup, "time", clock)
+    store = dist.HashStore()
+    group = StoreGroup(store, store, tuple(range(size)), 1, "ckptio/t/0", Deadlines(rank_s=60))
+    ready_at = clock.now + ready_after_s
+    group._wait(lambda: clock.now >= ready_at, lambda: [], "a test step")
+    return clock
+
+
+@pytest.mark.parametrize("ready_after_s", [0.003, 0.011, 0.05, 0.11, 0.23, 0.6, 1.7])
+def test_a_waiting_rank_sees_a_ready_step_within_a_sixteenth_of_its_wait(
+        monkeypatch, ready_after_s):
+    """A 2-rank save's commit waits ~0.01-0.5 s for the other rank; pauses that doubled
+    (0.2 ms, 0.4 ms, ... up to 50 ms) saw the step up to the whole wait so far late (0.11 s:
+    42 ms late, 38 %). A pause of 1/16 of the wait so far sees it at most ~6 % late."""
+    clock = _waited(monkeypatch, 2, ready_after_s)
+    late_s = clock.now - (1000.0 + ready_after_s)
+    assert 0 <= late_s <= ready_after_s / 16 + 0.0002, (late_s, clock.pauses)
+
+
+def test_four_thousand_waiting_ranks_poll_the_store_under_20k_times_a_second(monkeypatch):
+    """The pause's floor grows with the group: 4096 ranks waiting at once poll at most 20k
+    times a second in all, from the first poll (doubling pauses began at 0.2 ms each)."""
+    clock = _waited(monkeypatch, 4096, 3.0)
+    assert min(clock.pauses) >= 4096 / 20000 and len(clock.pauses) <= 3.0 / (4096 / 20000) + 1
+    assert clock.now - 1003.0 <= 0.2 + 1e-9  # and never later than one pause

@@ -34,12 +34,15 @@ from typing import Any
 from ckptio.distributed.liveness import Watch
 from ckptio.errors import CkptError, RankFailedError
 
-__all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "pack", "unpack"]
+__all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "pack", "poll_pause", "unpack"]
 
 log = logging.getLogger("ckptio")
 
 COORDINATOR = 0
 _STAMP = struct.Struct("<Q")
+_POLL_MIN_S = 0.0002  # a waiting rank's shortest pause between two looks at the store
+_POLLS_PER_S = 20000  # the most polls per second a group makes of the store, all ranks together
+_LATE_SHARE = 1 / 16  # a wait ends at most this share of its length after it could have
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,10 @@ class StoreGroup:
         self.store, self.alive_store, self.members = store, alive_store, members
         self.rank, self.size, self.name, self.deadlines = rank, len(members), name, deadlines
         self._counts = {"gather": 0, "scatter": 0, "broadcast": 0}
-        self._poll_cap_s = max(0.05, self.size / 20000)  # 4096 ranks: 20k polls/s at most
+        # poll_pause's bounds. The floor keeps the group's polls under 20k/s however many ranks
+        # wait at once (4096 ranks: one per 0.2 s each); the cap bounds a long wait's lateness.
+        self._poll_floor_s = max(_POLL_MIN_S, self.size / _POLLS_PER_S)
+        self._poll_cap_s = max(0.05, self._poll_floor_s)
         self._failed_seen = False
         self._sent = False  # this rank's last gather message is still in the store
         self._dead: set[int] = set()  # found dead after a decision stood (see _delivered)
@@ -237,7 +243,6 @@ class StoreGroup:
         began = time.monotonic()
         watch = Watch(self.alive_store, self.deadlines.rank_s)
         look_at = began + self.deadlines.beat_s
-        pause = 0.0002
         while not ready():
             now = time.monotonic()
             if now >= look_at:  # a look: a recorded failure, then the missing ranks' liveness
@@ -247,8 +252,7 @@ class StoreGroup:
                 failure = self._judge(waiting_for(), watch, now - began, what, patience)
                 if failure is not None:
                     self._fail(*failure, record=record)
-            time.sleep(pause)
-            pause = min(2 * pause, self._poll_cap_s)
+            time.sleep(poll_pause(now - began, self._poll_floor_s, self._poll_cap_s))
 
     def _judge(self, missing: list[int], watch: Watch, waited_s: float, what: str,
                patience: float) -> tuple[list[int], str] | None:
@@ -325,6 +329,13 @@ class StoreGroup:
                 "0's, unless torchrun's agent holds it) exited or is unreachable; if rank 0 "
                 "stopped because it lost another rank, its own error names that rank",
                 ranks=(COORDINATOR,)) from None
+
+
+def poll_pause(waited_s: float, floor_s: float, cap_s: float) -> float:
+    """The sleep before a waiting rank's next poll, having waited ``waited_s``: 1/16 of it,
+    within [floor_s, cap_s], so a step is seen at most ~6 % of its wait late (doubling pauses
+    overslept by up to the whole wait so far: a wait of 0.11 s returned 41 ms late)."""
+    return min(cap_s, max(floor_s, waited_s * _LATE_SHARE))
 
 
 def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
