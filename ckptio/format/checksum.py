@@ -40,26 +40,26 @@ NO_CHECKSUM = "none"  # the records of safetensors files: nothing stored to chec
 Crc32Function = Callable[[memoryview | bytes, int], int]
 
 
-def _fastest_crc32() -> Crc32Function:
+def _fastest_crc32() -> tuple[str, Crc32Function]:
     """ISA-L's CRC-32 when the ``isal`` package is installed, else zlib's (same values)."""
     try:
         from isal.isal_zlib import crc32 as isal_crc32
     except ImportError:
-        return zlib.crc32
-    return isal_crc32
+        return "zlib", zlib.crc32
+    return "isal", isal_crc32
 
 
-_crc32: Crc32Function = _fastest_crc32()
+_CRC32: tuple[str, Crc32Function] = _fastest_crc32()  # (its name, the function)
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:
-    """The CRC-32 of ``data`` continuing from ``value`` (zlib's values, by ``crc32_by()``)."""
-    return _crc32(data, value)
+    """The CRC-32 of ``data`` continuing from ``value``: zlib's values, by ``crc32_by()``."""
+    return _CRC32[1](data, value)
 
 
 def crc32_by() -> str:
     """Which implementation ``crc32`` runs: ``"isal"`` or ``"zlib"``."""
-    return "zlib" if _crc32 is zlib.crc32 else "isal"
+    return _CRC32[0]
 
 
 class Hasher(Protocol):

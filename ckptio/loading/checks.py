@@ -50,10 +50,11 @@ class Checker:
     @property
     def on_io_threads(self) -> bool:
         """Whether a read whose spans check alone is checked on the I/O thread that read it:
-        always, but for the records of DCP and torch.save files (CRC-32) when ``crc32`` is
-        zlib's. zlib's, several times slower than xxh3, kept that thread from its next read (a
-        2-rank cold DCP load took 0.90 s against 0.84 s with the checks on the loop,
-        docs/BENCH_INTEROP.md, round three); ISA-L's is faster than xxh3 (round five)."""
+        always, except the CRC-32 records of DCP and torch.save files when ``crc32`` is zlib's.
+        zlib's (2.3 GB/s here, a tenth of xxh3) kept that thread from its next read: a 2-rank
+        cold DCP load took 0.90 s against 0.84 s with the checks on the loop (round three).
+        ISA-L's (24 GB/s, releasing the GIL) measured the same on the I/O threads as on the
+        loop at 2 ranks and faster at 1 (docs/BENCH_INTEROP.md, round five)."""
         return self.algorithm != "crc32" or crc32_by() != "zlib"
 
     def whole(self, span: Span, view: memoryview, last: bool) -> None:
