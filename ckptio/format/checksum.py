@@ -7,8 +7,8 @@ speed, so a hardware CRC-32C buys nothing over xxh3 for ckptio's own checkpoints
 crc32 (8 hex digits) is what torch.save zips record: a DCP checkpoint or torch.save file read
 through ckptio (loading/dcpdir.py, loading/torchsave.py) is checked against it. ``crc32`` is
 ISA-L's (the ``isal`` package, ckptio's ``fastcrc`` extra) when it is installed, else zlib's:
-the same polynomial and values, ~29.7 GB/s against zlib's ~4.5 GB/s on a 64 MiB buffer here
-(issue 29, round five, docs/BENCH_INTEROP.md); both release the GIL.
+the same polynomial and values, 24 GB/s against zlib's 2.3 GB/s on a 64 MiB buffer here (xxh3:
+28 GB/s in the same run; issue 29, round five, docs/BENCH_INTEROP.md); both release the GIL.
 
 An entry of more than one block carries a checksum of every ``block_nbytes`` of its bytes (a
 load of part of it checks those) and one of the whole entry:

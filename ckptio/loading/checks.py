@@ -53,8 +53,8 @@ class Checker:
         always, except the CRC-32 records of DCP and torch.save files when ``crc32`` is zlib's.
         zlib's (2.3 GB/s here, a tenth of xxh3) kept that thread from its next read: a 2-rank
         cold DCP load took 0.90 s against 0.84 s with the checks on the loop (round three).
-        ISA-L's (24 GB/s, releasing the GIL) measured the same on the I/O threads as on the
-        loop at 2 ranks and faster at 1 (docs/BENCH_INTEROP.md, round five)."""
+        ISA-L's (24 GB/s, releasing the GIL) measured no slower on the I/O threads than on the
+        loop (docs/BENCH_INTEROP.md, round five)."""
         return self.algorithm != "crc32" or crc32_by() != "zlib"
 
     def whole(self, span: Span, view: memoryview, last: bool) -> None:
