@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 import zlib
 from collections.abc import Callable
@@ -46,6 +47,13 @@ def test_crc32_is_isals_when_installed_and_gives_zlibs_values() -> None:
     for lo, hi in ((0, 1), (1, 4000), (4000, 4000), (4000, len(raw))):
         hasher.update(raw[lo:hi])
     assert hasher.hexdigest() == f"{zlib.crc32(raw):08x}"
+
+
+def test_without_isal_the_crc32_is_zlibs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice made at import when ``isal`` cannot be imported (the base install)."""
+    monkeypatch.setitem(sys.modules, "isal", None)  # import isal... raises ImportError
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)
+    assert checksum._fastest_crc32() == ("zlib", zlib.crc32)
 
 
 @pytest.fixture(params=["isal", "zlib"])
