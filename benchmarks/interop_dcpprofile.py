@@ -1,6 +1,6 @@
 """Where a cold ``ckptio.load`` (or ``dcp.load`` through ``ckptio.DcpReader``) of a DCP directory
 spends its time, per rank: the open (its rounds of reads and the parsing between them), the
-heads resolved, the data pass (reads waited on, CRC-32 on the loading thread, copies into the
+heads resolved, the data pass (reads waited on, CRC-32 checks, copies into the
 destination) and, with ``--cprofile``, each rank's top functions.
 
     python -m benchmarks.interop_dcpprofile --dir bench-data/dcpprof --ranks 2 --reps 2
@@ -10,7 +10,9 @@ setup worker: ``--setup`` runs it first). Each rep is fresh ranks over tcp://127
 cache dropped before the load, a barrier before and after, every rank's destination checked
 bitwise. The clocks are wrappers around module functions (a few microseconds each): the numbers
 are wall time on the rank's loading thread, not CPU time, and the phases nest (open contains its
-rounds; the data pass contains the CRC and copy time spent on the loading thread).
+rounds; the data pass contains the CRC and copy time spent on the loading thread). Since
+round five a CRC-32 by ISA-L is checked, and its entries copied, on the I/O threads: those
+clocks then sum the I/O threads' wall time too, overlapping the loading thread's.
 
 Owns: the timers and the report. Does not own: the inputs or the load (interop_dcpload.py).
 """
@@ -115,8 +117,8 @@ def instrument(clocks: Clocks) -> None:
     clocks.wrap(reading, "read_regions", "data pass (read_regions)", mark=True)
     clocks.wrap(reading, "plan_spans", "data: plan_spans")
     clocks.wrap(reading, "coalesce_reads", "data: coalesce")
-    clocks.wrap(checks.Checker, "whole", "data: CRC-32 on loading thread")
-    clocks.wrap(checks.Checker, "blocks", "data: block checks on loading thread")
+    clocks.wrap(checks.Checker, "whole", "data: CRC-32 checks (any thread)")
+    clocks.wrap(checks.Checker, "blocks", "data: block checks (any thread)")
     clocks.wrap(reading, "_copy_whole", "data: copy (whole entries)")
     clocks.wrap(reading, "_copy_pieces", "data: copy (pieces)")
 

@@ -1,10 +1,14 @@
 """Checksums of stored bytes: one algorithm name -> a streaming hasher.
 
-Owns: the set of algorithms a manifest may name, their hex digests, and what an entry's
-checksum is under each. xxh3_64 is the primitive: measured here at ~15 GB/s on one core,
-releasing the GIL (crc32c measured the same speed, so hardware CRC buys nothing here).
-crc32 (zlib's, 8 hex digits) is what torch.save zips record: a DCP checkpoint read through
-ckptio (loading/foreign.py) is checked against it.
+Owns: the set of algorithms a manifest may name, their hex digests, what an entry's checksum
+is under each, and the one CRC-32 function ckptio checks records with. xxh3_64 is the
+primitive: measured here at ~15 GB/s on one core, releasing the GIL (crc32c measured the same
+speed, so a hardware CRC-32C buys nothing over xxh3 for ckptio's own checkpoints).
+crc32 (8 hex digits) is what torch.save zips record: a DCP checkpoint or torch.save file read
+through ckptio (loading/dcpdir.py, loading/torchsave.py) is checked against it. ``crc32`` is
+ISA-L's (the ``isal`` package, ckptio's ``fastcrc`` extra) when it is installed, else zlib's:
+the same polynomial and values, 24 GB/s against zlib's 2.3 GB/s on a 64 MiB buffer here (xxh3:
+28 GB/s in the same run; issue 29, round five, docs/BENCH_INTEROP.md); both release the GIL.
 
 An entry of more than one block carries a checksum of every ``block_nbytes`` of its bytes (a
 load of part of it checks those) and one of the whole entry:
@@ -17,20 +21,45 @@ load of part of it checks those) and one of the whole entry:
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import zlib
+from collections.abc import Callable
+from typing import Protocol
 
 import xxhash
 
 from ckptio.errors import CkptError
 
-__all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "Hasher", "entry_checksum",
-           "new_hasher", "stored_algorithm", "whole_from_blocks"]
+__all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "Hasher", "crc32",
+           "crc32_by", "entry_checksum", "new_hasher", "stored_algorithm", "whole_from_blocks"]
 
 ALGORITHMS = ("xxh3_64_tree", "xxh3_64", "crc32")
 TREE = "xxh3_64_tree"  # an entry's whole checksum is derived from its block checksums
 NO_CHECKSUM = "none"  # the records of safetensors files: nothing stored to check against
+
+
+Crc32Function = Callable[[memoryview | bytes, int], int]
+
+
+def _fastest_crc32() -> tuple[str, Crc32Function]:
+    """ISA-L's CRC-32 when the ``isal`` package is installed, else zlib's (same values)."""
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:
+        return "zlib", zlib.crc32
+    return "isal", isal_crc32
+
+
+_CRC32: tuple[str, Crc32Function] = _fastest_crc32()  # (its name, the function)
+
+
+def crc32(data: memoryview | bytes, value: int = 0) -> int:
+    """The CRC-32 of ``data`` continuing from ``value``: zlib's values, by ``crc32_by()``."""
+    return _CRC32[1](data, value)
+
+
+def crc32_by() -> str:
+    """Which implementation ``crc32`` runs: ``"isal"`` or ``"zlib"``."""
+    return _CRC32[0]
 
 
 class Hasher(Protocol):
@@ -39,13 +68,13 @@ class Hasher(Protocol):
 
 
 class Crc32:
-    """zlib's CRC-32, as a streaming hasher (hexdigest: 8 lower-case hex digits)."""
+    """The CRC-32 of zip records, as a streaming hasher (hexdigest: 8 lower-case hex digits)."""
 
     def __init__(self) -> None:
         self.value = 0
 
     def update(self, data: memoryview | bytes) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"

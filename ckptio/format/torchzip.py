@@ -19,11 +19,11 @@ bytes (loading/foreign.py), what a load does with the result.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.format.checksum import crc32
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
@@ -217,13 +217,13 @@ def _small_record(head: bytes, start: int, flags: int, crc: int, csize: int, nam
     """A record before data/0: (its bytes, where the next local header starts)."""
     if flags & 8 == 0:
         end = start + csize
-        if end > len(head) or zlib.crc32(head[start:end]) != crc:
+        if end > len(head) or crc32(head[start:end]) != crc:
             raise _fail(where, f"record {name!r} is cut off or fails its CRC-32")
         return head[start:end], end
     at = head.find(_DESCRIPTOR, start)
     while at >= 0 and at + 16 <= len(head):
         got_crc, got_c, got_u = struct.unpack_from("<III", head, at + 4)
-        if got_c == got_u == at - start and zlib.crc32(head[start:at]) == got_crc:
+        if got_c == got_u == at - start and crc32(head[start:at]) == got_crc:
             return head[start:at], at + 16
         at = head.find(_DESCRIPTOR, at + 1)
     raise _fail(where, f"record {name!r} has no data descriptor matching its bytes")

@@ -27,13 +27,13 @@ and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys
 from __future__ import annotations
 
 import io
-import zlib
 from typing import Any
 
 import torch
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format import torchsave as fmt
+from ckptio.format.checksum import crc32
 from ckptio.format import torchzip, validate, values
 from ckptio.format.dcpmeta import DType
 from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
@@ -84,7 +84,7 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
     whole = {r.name: raw_read(name, starts[r.name], r.nbytes) for r in small}
     read(list(whole.values()))
     for r in small:
-        if zlib.crc32(read_bytes(whole[r.name])) != r.crc32:
+        if crc32(read_bytes(whole[r.name])) != r.crc32:
             raise CorruptCheckpointError(f"{where}: record {r.name!r} fails its CRC-32; the "
                                          "torch.save file is damaged")
     order = whole.get(f"{prefix}/byteorder")
@@ -190,7 +190,7 @@ class _Walk:
         if not nbytes:  # no elements: whatever its view, nothing to read
             self.tensors.append(TensorEntry(
                 key=key, kind="tensor", dtype=t.dtype, shape=size, chunk=Chunk.whole(size),
-                file=self.file, offset=0, nbytes=0, checksum=f"{zlib.crc32(b''):08x}"))
+                file=self.file, offset=0, nbytes=0, checksum=f"{crc32(b''):08x}"))
             return
         order = torchzip.dense_order(size, stride)
         if offset != 0 or nbytes != record.nbytes or order is None:
