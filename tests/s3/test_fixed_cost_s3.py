@@ -146,3 +146,34 @@ def test_a_client_is_made_with_the_cyclic_gc_paused(monkeypatch):
     assert gc.isenabled()
     s3client._make_client(S3Settings(endpoint_url="http://127.0.0.1:9"))
     assert seen == [False] and gc.isenabled()
+
+
+def test_a_large_state_gets_its_pool_before_the_manifest_is_read(s3_env, monkeypatch):
+    """A one-rank in-place load of a state of at least a pool's bytes makes the pool (its
+    pre-fault on its own thread) before reading the manifest, beside the client being made; a
+    smaller state still waits for the manifest's sizes."""
+    from ckptio import Checkpointer
+
+    options = Options(use_profile=False, buffer_bytes=MiB, pool_bytes=4 * MiB)
+    ck = Checkpointer(options)
+    pools: list[bool] = []
+    read = S3Store.read_manifest
+
+    def spied(self: S3Store) -> bytes:
+        pools.append(ck.staging_nbytes > 0)
+        return read(self)
+
+    big, small = {"a": torch.randn(MiB)}, {"a": torch.randn(MiB // 8)}
+    try:
+        for name, state in (("big", big), ("small", small)):
+            ck.save(state, f"{s3_env}/{name}")
+        ck.staging().free()
+        monkeypatch.setattr(S3Store, "read_manifest", spied)
+        for name, state in (("big", big), ("small", small)):
+            dest = {"a": torch.empty_like(state["a"])}
+            ck.load(f"{s3_env}/{name}", dest)
+            assert torch.equal(dest["a"], state["a"])
+            ck.staging().free()
+    finally:
+        ck.close()
+    assert pools == [True, False], pools
