@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.format.gcpause import paused
 from ckptio.options import Options
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
@@ -160,12 +159,7 @@ def client(settings: S3Settings) -> Any:
     environment variables it reads (never shared across a fork). One client serves every
     setting of requests in flight its connection pool holds: a load with an endpoint's tuned
     profile (its backend: other requests in flight than the store's) makes no second client,
-    which cost 0.07-0.14 s of a fresh process's load (docs/BENCH_S3.md, round four).
-
-    A client is made with Python's cyclic GC paused: botocore decodes its S3 models (JSON, tens
-    of thousands of small containers), and in a process holding torch and a model every
-    allocation threshold walked all of its objects again: 0.25 s against 0.17 s per client in
-    a fresh process of a 0.5 GB load (docs/BENCH_S3.md, round five)."""
+    which cost 0.07-0.14 s of a fresh process's load (docs/BENCH_S3.md, round four)."""
     key = (settings.endpoint_url, settings.region, settings.profile, os.getpid(),
            *(os.environ.get(name) for name in _ENVIRONMENT))
     wanted = connections(settings)
@@ -194,10 +188,9 @@ def _make_client(settings: S3Settings) -> Any:
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )
     try:
-        with paused():  # see client(): decoding botocore's models, no cycles built
-            session = boto3.session.Session(profile_name=settings.profile,
-                                            region_name=settings.region)
-            return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+        session = boto3.session.Session(profile_name=settings.profile,
+                                        region_name=settings.region)
+        return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
     except Exception as exc:  # noqa: BLE001 - botocore's config errors have no common base
         raise CkptError(f"cannot make an S3 client for {settings.endpoint()} (profile "
                         f"{settings.profile!r}, region {settings.region!r}): {exc}") from exc

@@ -29,7 +29,7 @@ import torch
 
 from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.format.checksum import stored_algorithm
-from ckptio.format.flatten import FlatState, flatten
+from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import dcpdir, foreign, opening, regular
 from ckptio.loading.opening import ReadFn
@@ -149,8 +149,6 @@ def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_p
 def load(staging: Staging, store: Store, file: str | None, state: Any,
          request: LoadRequest) -> Any:
     """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
-    flat = None if state is None else flatten(state)
-    _stage_for_state(staging, store, flat, request)
     try:
         # one rank opens a DCP directory's items at the open (a 1-rank load needs them all, and
         # opening them later measured slower: docs/BENCH_INTEROP.md round four); a rank of
@@ -174,29 +172,12 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
                                 plain)
         return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
                           **where)
-    flat = flatten(state) if flat is None else flat  # flattened once, before the manifest
+    flat = flatten(state)
     if record.regular:  # only the chunks this state's regions need, and their index files
         record = regular.expand(record, regular.wanted_in_place(record, flat, select), plain)
     return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
                          cast=request.cast, allow_pickle=request.allow_pickle,
                          agree_unexpected=request.agree_unexpected, **where)
-
-
-def _stage_for_state(staging: Staging, store: Store, flat: FlatState | None,
-                     request: LoadRequest) -> None:
-    """A one-rank in-place load of a whole state of at least a pool's bytes from a remote store
-    makes its pool now, before the manifest: its pre-fault (the pool's own thread) then runs
-    on the core left idle while the process makes its S3 client and reads the manifest (0.17-0.28
-    s in a fresh process), not beside the first reads (docs/BENCH_S3.md, round five). A smaller
-    state, or a load of some keys, waits for the manifest's sizes (_stage_early)."""
-    if (flat is None or request.world_size != 1 or request.keys is not None
-            or not store.capabilities.remote):
-        return
-    nbytes = sum(leaf.value.numel() * leaf.value.element_size() for leaf in flat.leaves.values()
-                 if isinstance(leaf.value, torch.Tensor))
-    if nbytes >= staging.options.pool_bytes:
-        with staging.lock:
-            staging.files(store, nbytes)
 
 
 def _stage_early(staging: Staging, store: Store, record: Manifest, request: LoadRequest) -> None:

@@ -1,10 +1,9 @@
 """What a load pays once, before its first data byte (docs/BENCH_S3.md, round five): no HEAD of
-a data object the store has just looked up, the integrity that HEAD gave kept, and the boto3
-client made with the cyclic GC paused. Against the real SeaweedFS (tests/s3/conftest.py)."""
+a data object the store has just looked up, and the integrity that HEAD gave kept. Against the
+real SeaweedFS (tests/s3/conftest.py)."""
 
 from __future__ import annotations
 
-import gc
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.io import s3client, s3objects
+from ckptio.io import s3objects
 from ckptio.io.s3client import S3Settings
 from ckptio.options import MiB, Options
 from ckptio.storage.s3 import S3Store
@@ -128,52 +127,3 @@ def test_a_look_up_is_forgotten_after_its_ttl(monkeypatch):
     s3objects.remember("e", "s3://b/k", 10, '"x"')
     assert s3objects.take("other endpoint", "s3://b/k") is None
     assert s3objects.take("e", "s3://b/k") == (10, '"x"')
-
-
-def test_a_client_is_made_with_the_cyclic_gc_paused(monkeypatch):
-    """botocore decodes its models into many small containers; in a process holding torch and
-    a model each GC pass walked everything again (0.25 against 0.17 s per client)."""
-    import boto3
-
-    seen: list[bool] = []
-    real = boto3.session.Session.client
-
-    def client(self: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(gc.isenabled())
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(boto3.session.Session, "client", client)
-    assert gc.isenabled()
-    s3client._make_client(S3Settings(endpoint_url="http://127.0.0.1:9"))
-    assert seen == [False] and gc.isenabled()
-
-
-def test_a_large_state_gets_its_pool_before_the_manifest_is_read(s3_env, monkeypatch):
-    """A one-rank in-place load of a state of at least a pool's bytes makes the pool (its
-    pre-fault on its own thread) before reading the manifest, beside the client being made; a
-    smaller state still waits for the manifest's sizes."""
-    from ckptio import Checkpointer
-
-    options = Options(use_profile=False, buffer_bytes=MiB, pool_bytes=4 * MiB)
-    ck = Checkpointer(options)
-    pools: list[bool] = []
-    read = S3Store.read_manifest
-
-    def spied(self: S3Store) -> bytes:
-        pools.append(ck.staging_nbytes > 0)
-        return read(self)
-
-    big, small = {"a": torch.randn(MiB)}, {"a": torch.randn(MiB // 8)}
-    try:
-        for name, state in (("big", big), ("small", small)):
-            ck.save(state, f"{s3_env}/{name}")
-        ck.staging().free()
-        monkeypatch.setattr(S3Store, "read_manifest", spied)
-        for name, state in (("big", big), ("small", small)):
-            dest = {"a": torch.empty_like(state["a"])}
-            ck.load(f"{s3_env}/{name}", dest)
-            assert torch.equal(dest["a"], state["a"])
-            ck.staging().free()
-    finally:
-        ck.close()
-    assert pools == [True, False], pools
