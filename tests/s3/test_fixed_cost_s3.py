@@ -27,7 +27,8 @@ def _load_counted(proxy: Any, url: str, state: dict[str, torch.Tensor], options:
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
-def test_a_load_sends_no_head_of_its_own_for_the_data_objects_it_looked_up(s3_env, s3_proxy):
+def test_a_load_sends_no_head_of_its_own_for_the_data_objects_it_looked_up(s3_env, s3_proxy,
+                                                                           s3_client):
     """One data object: the look-up that refuses a missing or short file (check_files) is the
     only HEAD of it; before, opening it for reading sent a second. Three data objects
     (multipart uploads): one listing looks them up, its ETags pin the GETs, and no HEAD of a
@@ -41,6 +42,8 @@ def test_a_load_sends_no_head_of_its_own_for_the_data_objects_it_looked_up(s3_en
     assert len(heads) == 1 and len(set(_data_requests(s3_proxy, "GetObject"))) == 1, heads
     three = {k: torch.randn(6 * MiB // 4) for k in "abc"}  # a file each, of two parts
     ckptio.save(three, f"{s3_env}/three", options=replace(options, max_file_bytes=7 * MiB))
+    listed = s3_client.list_objects_v2(Bucket="ckpt", Prefix=f"{s3_env[10:]}/three/data-")
+    assert [o["ETag"].count("-") for o in listed["Contents"]] == [1, 1, 1]  # "<md5>-<parts>"
     _load_counted(s3_proxy, f"{s3_env}/three", three, replace(options, max_file_bytes=7 * MiB))
     assert len(set(_data_requests(s3_proxy, "GetObject"))) == 3, s3_proxy.requests
     assert _data_requests(s3_proxy, "HeadObject") == [], _data_requests(s3_proxy, "HeadObject")
