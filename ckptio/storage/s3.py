@@ -305,9 +305,11 @@ class S3Store:
                       "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
-        """A HEAD each for one or two names, else one listing. What is found is handed to the
-        backend (io/s3objects.py): a load looks its data objects up here first (check_files),
-        so opening them for reading sends no HEAD of its own."""
+        """A HEAD each for one or two names, else one listing. What is found of ckptio's own
+        data files is handed to the backend (io/s3objects.py): a load looks them up here first
+        (check_files), so opening them for reading sends no HEAD of its own. Only those: their
+        names are unique to one save, so an object a look-up saw is never legitimately replaced
+        (a manifest, or a foreign format's file, may be rewritten in place)."""
         wanted = [plain_name(n, self.location) for n in names]
         if len(wanted) <= 2:
             found = {n: self._head(self.where.child(n).key) for n in wanted}
@@ -315,8 +317,8 @@ class S3Store:
             stored = self._objects()
             found = {n: stored.get(n) for n in wanted}
         endpoint = self.settings.endpoint()
-        for name, head in found.items():
-            if head is not None and head[1]:  # no ETag listed: the open sends its HEAD
+        for name, head in found.items():  # no ETag listed: the open sends its HEAD
+            if head is not None and head[1] and name.startswith("data-") and is_ours(name):
                 s3objects.remember(endpoint, self.where.child(name).url, *head)
         return {n: head[0] for n, head in found.items() if head is not None}
 
