@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ceiling", action="store_true", help="skip the raw sweep")
     p.add_argument("--direct-read", action="store_true",
                    help="also read every cell through http.client's readinto (experiment)")
+    p.add_argument("--cold-client", action="store_true",
+                   help="also read every cell in a process that makes its boto3 client inside "
+                   "the clock (a context row: the fixed cost any boto3 user's fresh process pays)")
     p.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
                    help=f"python of the peers' venv (default {shown_path(PEER_PYTHON)} in this "
                    "checkout, made by benchmarks/s3_setup.sh)")
@@ -166,8 +169,10 @@ def python_for(name: str, args: argparse.Namespace) -> str:
 def ceiling_rep(args: argparse.Namespace, srv: Server, rep: int, cells: list[str]) -> Run:
     """One repetition of the raw sweep, each cell as an engine is measured: a fresh server,
     the write in one process, a restart (+ page cache drop), the read in another (and, with
-    --direct-read, another restart and the http.client read of the same object)."""
-    phases = ("write", "read", "read_direct") if args.direct_read else ("write", "read")
+    --direct-read, another restart and the http.client read of the same object; with
+    --cold-client, another restart and a boto3 read whose client is made inside the clock)."""
+    phases = ("write", "read") + (("read_direct",) if args.direct_read else ()) + (
+        ("read_cold",) if args.cold_client else ())
     out: Run = {"engine": report.CEILING, "rep": rep, **{p: {"cells": []} for p in phases}}
     base = [sys.executable, "-m", "benchmarks.s3_ceiling", "--gb", repr(args.gb), "--prefix",
             f"ceiling-r{rep}", "--seed", str(args.seed), "--idle", repr(min(args.idle, 1.0))]
@@ -176,7 +181,9 @@ def ceiling_rep(args: argparse.Namespace, srv: Server, rep: int, cells: list[str
         for phase in phases:
             if phase != "write":
                 server = srv.restart()
-            flags = ["--phase", "read", "--direct"] if phase == "read_direct" else ["--phase", phase]
+            flags = {"read_direct": ["--phase", "read", "--direct"],
+                     "read_cold": ["--phase", "read", "--cold-client"]}.get(phase,
+                                                                            ["--phase", phase])
             got = spawn([*base, *flags, "--cells", cell, "--server-pid", str(server.pid)], server,
                         args.timeout)
             if "error" in got:

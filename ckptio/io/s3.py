@@ -16,7 +16,8 @@ A data file ``s3://bucket/key`` is one object. Writing it:
 whole when it returns (S3 makes an object visible only complete). ``close(sync=False)`` aborts
 the upload (a failed save leaves no multipart upload behind). Reads are ranged GETs into the
 caller's buffer, pinned to the object's ETag seen at open (a replaced object fails the read
-instead of mixing two versions); a read larger than ``settings.read_bytes`` (a load's staging
+instead of mixing two versions; what the store has just seen of the object opens it without a
+HEAD, s3objects.py); a read larger than ``settings.read_bytes`` (a load's staging
 buffer, when the endpoint reads best in smaller ranges than it writes) is that many GETs side by
 side on the GET threads, its future done when all are. Every request goes through s3client.call (retries).
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
+from ckptio.io import s3objects
 from ckptio.io.base import FileHandle, all_of, completed, started_pool
 from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
@@ -283,7 +285,7 @@ class S3Backend:
 
     def open_read(self, path: str, *, cached: bool = False) -> FileHandle:  # no page cache
         where = S3Path.parse(path)
-        stored = self._head(where)
+        stored = s3objects.take(self.settings.endpoint(), where.url) or self._head(where)
         if stored is None:
             raise StorageIOError(f"cannot open {path} for reading: no such object")
         return self._handle(path, _Object(where, *stored))
@@ -317,9 +319,18 @@ class S3Backend:
                 answer = self._client.get_object(
                     Bucket=where.bucket, Key=where.key, IfMatch=opened.etag,
                     Range=f"bytes={first}-{offset + len(into) - 1}")
+                try:
+                    s3objects.check_answer(answer, where.url, opened.size, opened.etag)
+                except StorageIOError:
+                    answer["Body"].close()
+                    raise
                 return _read_body(answer["Body"], into[got:])
 
-            n = self._call(what, request)
+            try:
+                n = call(self.settings, what, request)
+            except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
+                raise (s3objects.refusal(status(exc), what, where.url)
+                       or failed(what, exc)) from exc
             if n == 0:
                 raise StorageIOError(f"{what} failed: the store sent no bytes at {first} "
                                      f"though the object has {opened.size}")

@@ -31,6 +31,7 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io import s3objects
 from ckptio.io.s3 import S3Backend
 from ckptio.io.s3client import (S3Path, S3Settings, call, client, describe, failed,
                                  gets_in_flight, status)
@@ -282,9 +283,11 @@ class S3Store:
             found.update(p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", []))
         return sorted(n for n in found if n)
 
-    def _objects(self) -> dict[str, int]:
+    def _objects(self) -> dict[str, tuple[int, str]]:
+        """Name -> (size, ETag) of the objects directly under the prefix."""
         cut = len(self.where.dir_prefix)
-        return {o["Key"][cut:]: int(o["Size"]) for page in self._list(delimiter=True)
+        return {o["Key"][cut:]: (int(o["Size"]), str(o.get("ETag") or ""))
+                for page in self._list(delimiter=True)
                 for o in page.get("Contents", []) if "/" not in o["Key"][cut:]}
 
     def _uploads(self) -> list[tuple[str, str]]:
@@ -302,12 +305,22 @@ class S3Store:
                       "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
+        """A HEAD each for one or two names, else one listing. What is found of ckptio's own
+        data files is handed to the backend (io/s3objects.py): a load looks them up here first
+        (check_files), so opening them for reading sends no HEAD of its own. Only those: their
+        names are unique to one save, so an object a look-up saw is never legitimately replaced
+        (a manifest, or a foreign format's file, may be rewritten in place)."""
         wanted = [plain_name(n, self.location) for n in names]
         if len(wanted) <= 2:
             found = {n: self._head(self.where.child(n).key) for n in wanted}
-            return {n: head[0] for n, head in found.items() if head is not None}
-        stored = self._objects()
-        return {n: stored[n] for n in wanted if n in stored}
+        else:
+            stored = self._objects()
+            found = {n: stored.get(n) for n in wanted}
+        endpoint = self.settings.endpoint()
+        for name, head in found.items():  # no ETag listed: the open sends its HEAD
+            if head is not None and head[1] and name.startswith("data-") and is_ours(name):
+                s3objects.remember(endpoint, self.where.child(name).url, *head)
+        return {n: head[0] for n, head in found.items() if head is not None}
 
     def names(self) -> list[str]:
         ours = {n for n in self._objects() if is_ours(n)}
