@@ -7,7 +7,7 @@ Reading a cell (another fresh process, after the driver restarted the server and
 was dropped): ranged GETs of P bytes, C at once, ``readinto`` a pre-faulted mapping of S bytes
 (``--direct``: through http.client's readinto, bypassing urllib3's copy; an experiment;
 ``--cold-client``: the boto3 client made inside the clock, as any boto3 user's fresh process
-makes it, GC on: what a fresh process pays once before its first byte, context for ckptio's
+makes it: what a fresh process pays once before its first byte, context for ckptio's
 fresh-process loads, never the ceiling).
 The client is ckptio's own (ckptio.io.s3client.client: payload signing off, checksums only when
 required, path-style, no botocore retries), so the ceiling is what ckptio's client could do
@@ -80,25 +80,6 @@ def client_for(concurrency: int) -> Any:
     return client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"], concurrency=concurrency))
 
 
-def plain_client(concurrency: int) -> Any:
-    """A boto3 client as a boto3 user makes one: ckptio's settings (s3client._make_client), but
-    none of ckptio's own measures (its GC pause while botocore decodes its models)."""
-    import boto3
-    from botocore.config import Config
-
-    from ckptio.io.s3client import S3Settings, connections
-
-    config = Config(request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                    s3={"payload_signing_enabled": False, "addressing_style": "path"},
-                    retries={"mode": "standard", "total_max_attempts": 1},
-                    max_pool_connections=connections(S3Settings(concurrency=concurrency)),
-                    connect_timeout=5, read_timeout=120, tcp_keepalive=True,
-                    parameter_validation=False)
-    return boto3.session.Session().client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-                                          config=config)
-
-
 def spans(nbytes: int, part: int) -> list[tuple[int, int]]:
     return [(at, min(part, nbytes - at)) for at in range(0, nbytes, part)]
 
@@ -120,17 +101,17 @@ def write_cell(view: memoryview, key: str, cell: Cell) -> None:
                                 MultipartUpload={"Parts": parts})
 
 
-def read_cell(view: memoryview, key: str, cell: Cell, direct: bool = False,
-              cold: bool = False) -> None:
+def read_cell(view: memoryview, key: str, cell: Cell, direct: bool = False) -> None:
     """Ranged GETs of the cell's part size, ``concurrency`` at once, into ``view``.
 
     ``direct``: read each body with http.client's ``readinto`` (socket -> ``view``, one copy)
     instead of botocore's StreamingBody.readinto, which urllib3 2.x implements as
     ``read(n)`` into a new bytes object and a copy into ``view`` (an experiment: private
     attributes ``_raw_stream._fp``; the connection is handed back with ``release_conn``).
-    ``cold``: the client is made here (plain_client), inside the caller's clock."""
+    The client is the process's (``client_for``): made here, inside the caller's clock, when
+    the caller made none before it (``--cold-client``)."""
     conc, part = cell
-    c = plain_client(conc) if cold else client_for(conc)
+    c = client_for(conc)
 
     def get(span: tuple[int, int]) -> int:
         at, n = span
@@ -191,13 +172,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client_for(cells[0][0]).head_bucket(Bucket=BUCKET)  # untimed: the client
     else:
         import boto3  # noqa: F401 - imported before the clock, as the engines' modules are
+        import ckptio.io.s3client  # noqa: F401 - client_for's import, not the client
     cache = ""
     for cell in cells:  # the driver restarts the server before a worker: pass one cell for cold
         key = f"{args.prefix}/{cell_name(cell)}"
         cache = ceiling.drop_page_cache()
         row = {"cell": cell_name(cell), "concurrency": cell[0], "part_mib": cell[1] // MiB,
-               **measure(lambda k=key, c=cell: read_cell(view, k, c, args.direct,
-                                                        args.cold_client), args)}
+               **measure(lambda k=key, c=cell: read_cell(view, k, c, args.direct), args)}
         row["digest"] = xxhash.xxh3_64(view).hexdigest()
         rows.append(row)
     phase = "read_cold" if args.cold_client else "read_direct" if args.direct else "read"

@@ -58,7 +58,7 @@ def top_cells(runs: list[Run], n: int) -> list[str]:
     """The best ``n`` cells of each direction in the first ceiling repetition (union)."""
     first = next(r for r in runs if r["engine"] == CEILING)
     keep: list[str] = []
-    for phase in PHASES[:3]:  # not read_cold: a context row, never what picks the cells
+    for phase in (p for p in PHASES if p != "read_cold"):  # a context row never picks cells
         for cell in sorted(cells_of(first, phase), key=lambda c: c["seconds"])[:n]:
             if cell["cell"] not in keep:
                 keep.append(cell["cell"])

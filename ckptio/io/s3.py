@@ -326,11 +326,7 @@ class S3Backend:
                     raise
                 return _read_body(answer["Body"], into[got:])
 
-            try:
-                n = call(self.settings, what, request)
-            except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
-                raise (s3objects.refusal(status(exc), what, where.url)
-                       or failed(what, exc)) from exc
+            n = self._call(what, request, pinned=where.url)
             if n == 0:
                 raise StorageIOError(f"{what} failed: the store sent no bytes at {first} "
                                      f"though the object has {opened.size}")
@@ -349,12 +345,14 @@ class S3Backend:
             raise failed(f"looking up {where.url}", exc) from exc
         return int(answer["ContentLength"]), str(answer["ETag"])
 
-    def _call(self, what: str, request: Any) -> Any:
-        """call() with every failure as StorageIOError naming ``what``."""
+    def _call(self, what: str, request: Any, *, pinned: str | None = None) -> Any:
+        """call() with every failure as StorageIOError naming ``what``; ``pinned``: the object
+        a GET is pinned to (If-Match), whose 412 or 416 says it changed (s3objects.refusal)."""
         try:
             return call(self.settings, what, request)
         except Exception as exc:  # noqa: BLE001 - mapped, with the cause chained
-            raise failed(what, exc) from exc
+            refused = None if pinned is None else s3objects.refusal(status(exc), what, pinned)
+            raise (refused or failed(what, exc)) from exc
 
     def register_buffers(self, view: memoryview) -> bool:
         """No fixed buffers here: every request maps its own."""
