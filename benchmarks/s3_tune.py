@@ -55,10 +55,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--tune-sizes", default=None, help="study part sizes (ckptio tune --sizes)")
     p.add_argument("--tune-concurrency", default=None, help="study requests in flight")
     p.add_argument("--tune-reps", type=int, default=2, help="study repetitions (default 2)")
+    p.add_argument("--tune-engines", default=",".join(ENGINES),
+                   help="ckptio engines measured after each sweep (default: ckptio,ckptio_tuned; "
+                   "ckptio_tuned_prepared adds loads after Checkpointer.prepare)")
     p.add_argument("--plot", type=Path, help="write PREFIX_study.png (needs matplotlib)")
     p.add_argument("--replot", type=Path, help="only draw --plot from this run's --json")
     own, rest = p.parse_known_args(argv)
-    return own, s3.parse_args(rest)
+    args = s3.parse_args(rest)
+    args.tune_engines = own.tune_engines
+    return own, args
 
 
 def run_study(own: argparse.Namespace, srv: TunedServer) -> dict[str, Any]:
@@ -95,7 +100,8 @@ def run_all(args: argparse.Namespace, srv: TunedServer) -> list[s3.Run]:
         cells = full if rep == 0 or not args.refine else report.top_cells(runs, args.refine)
         runs.append(s3.ceiling_rep(args, srv, rep, cells))
         print(report.progress(runs[-1]), file=sys.stderr, flush=True)
-        for name in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
+        engines = args.tune_engines.split(",")
+        for name in engines if rep % 2 == 0 else engines[::-1]:
             runs.append(s3.engine_rep(args, srv, rep, name, None))
             print(report.progress(runs[-1]), file=sys.stderr, flush=True)
     return runs

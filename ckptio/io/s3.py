@@ -20,6 +20,8 @@ instead of mixing two versions; what the store has just seen of the object opens
 HEAD, s3objects.py); a read larger than ``settings.read_bytes`` (a load's staging
 buffer, when the endpoint reads best in smaller ranges than it writes) is that many GETs side by
 side on the GET threads, its future done when all are. Every request goes through s3client.call (retries).
+The backend makes its client when it is made (0.2-0.3 s in a fresh process that holds torch), so
+that ``Checkpointer.prepare(s3 url)`` at a job's start takes that cost off its first load.
 
 Owns: S3Backend. Does not own: URLs, the client, retries (s3client.py), which objects make a
 checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
@@ -103,6 +105,7 @@ class S3Backend:
         self._pool: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
         self.parts_uploaded_whole = 0  # writes sent straight from the caller's buffer
+        client(settings)  # now, not at the first request: Checkpointer.prepare(url) pays for it
 
     def __getstate__(self) -> dict[str, Any]:
         return {"settings": self.settings, "buffer_nbytes": self.buffer_nbytes}

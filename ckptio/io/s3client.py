@@ -149,9 +149,15 @@ _ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_R
                 "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
 
 
+POOL_FLOOR = 64  # the smallest connection pool a client is made with (see connections())
+
+
 def connections(settings: S3Settings) -> int:
-    """The connection pool a client for ``settings`` needs: every request in flight, and some."""
-    return max(settings.concurrency, settings.readers) + 8
+    """The connection pool a client for ``settings`` needs: every request in flight, and some;
+    never under POOL_FLOOR. A pool keeps only the connections it has opened, so a larger cap
+    costs nothing, and one client serves a store's requests and its tuned backend's (fewer or
+    more in flight) whichever is made first: ``Checkpointer.prepare`` makes the backend first."""
+    return max(POOL_FLOOR, max(settings.concurrency, settings.readers) + 8)
 
 
 def client(settings: S3Settings) -> Any:

@@ -133,3 +133,57 @@ def test_a_look_up_is_forgotten_after_its_ttl(monkeypatch):
     s3objects.remember("e", "s3://b/k", 10, '"x"')
     assert s3objects.take("other endpoint", "s3://b/k") is None
     assert s3objects.take("e", "s3://b/k") == (10, '"x"')
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["untuned", "tuned"])
+def test_prepare_makes_the_client_so_the_first_load_makes_none(s3_env, s3_proxy, monkeypatch,
+                                                                tmp_path, tuned):
+    """Checkpointer.prepare(s3 url) at a job's start makes the boto3 client (0.2-0.3 s of a
+    fresh process's first load, docs/BENCH_S3.md round six) without sending anything; the load
+    after it makes no client of its own and reads the state bitwise. Tuned: the endpoint's
+    profile keeps fewer requests in flight than the store's defaults, and prepare makes the
+    backend (tuned) before the load's store: the one client serves both."""
+    from ckptio import Checkpointer
+    from ckptio.io import s3client
+    from ckptio.tuning import profile
+
+    monkeypatch.setenv(profile.PATH_ENV, str(tmp_path / "profiles.json"))
+    if tuned:
+        profile.store(profile.S3Profile(s3_proxy.endpoint, 2, 8 * MiB, "2026-11-25T00:00:00Z",
+                                        0.1, 0.2, io_depth=1, read_bytes=4 * MiB))
+    options = Options(s3_endpoint_url=s3_proxy.endpoint, use_profile=tuned)
+    state = {"a": torch.randn(MiB // 4), "b": torch.arange(10)}
+    url = f"{s3_env}/prepared"
+    ckptio.save(state, url, options=options)
+    made: list[str] = []
+    make = s3client._make_client
+
+    def counted(settings: S3Settings) -> Any:
+        made.append(settings.endpoint())
+        return make(settings)
+
+    monkeypatch.setattr(s3client, "_clients", {})
+    monkeypatch.setattr(s3client, "_make_client", counted)
+    ck = Checkpointer(options)
+    try:
+        s3_proxy.reset_counters()
+        ck.prepare(url)
+        assert made == [s3_proxy.endpoint], made
+        assert s3_proxy.requests == [], "prepare must not send requests"
+        dest = {"a": torch.zeros(MiB // 4), "b": torch.zeros(10, dtype=torch.int64)}
+        ck.load(url, dest)
+        assert made == [s3_proxy.endpoint], made
+        assert all(torch.equal(dest[k], v) for k, v in state.items())
+    finally:
+        ck.close()
+
+
+def test_prepare_with_a_profile_that_does_not_exist_fails_at_once_naming_it(s3_env, monkeypatch):
+    """A job learns of a wrong AWS profile when it prepares, not at its first checkpoint."""
+    from ckptio import Checkpointer
+
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/ckptio-test-config")
+    ck = Checkpointer(Options(s3_profile="no-such-profile-ckptio", use_profile=False))
+    with pytest.raises(ckptio.CkptError, match="no-such-profile-ckptio"):
+        ck.prepare(f"{s3_env}/wrong-profile")
+    ck.close()
