@@ -11,6 +11,11 @@ bitwise check of every rank's destination and the table. Does not own: the state
 
     python -m benchmarks.interop_dcpload --gb 1 --reps 3 --before /tmp/main-snapshot
 
+Each rank counts the full (generation-2) garbage collections inside its clock (``full_gcs_by_rank``
+in the JSON); ``DCPLOAD_COLLECT=1`` (an experiment, docs/BENCH_INTEROP.md round six) runs
+``gc.collect()`` on every rank before the clock, so no engine inherits a collection the
+process already owed.
+
 Each side's workers import ckptio from that side's checkout (``python -P`` with PYTHONPATH set
 to it), so "before" and "after" differ only in ckptio.
 """
@@ -18,6 +23,7 @@ to it), so "before" and "after" differ only in ckptio.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pickle
@@ -33,6 +39,7 @@ from typing import Any
 Run = dict[str, Any]
 ENGINES = ("dcp_load", "dcp_load_ckptio_reader", "ckptio_load")
 HERE = Path(__file__).resolve().parent.parent
+COLLECT = "DCPLOAD_COLLECT"  # =1 (experiment): gc.collect() on every rank before the clock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,14 +136,19 @@ def load_worker(args: argparse.Namespace) -> Run:
     barrier()
     if args.rank == 0:
         ceiling.drop_page_cache([path])
+    if os.environ.get(COLLECT) == "1":
+        gc.collect()
     time.sleep(args.idle)
     barrier()
+    full0 = gc.get_stats()[2]["collections"]
     t0 = time.perf_counter()
     load(args.engine, path, dest, args.world)
     barrier()
     seconds = time.perf_counter() - t0
+    full_gcs = gc.get_stats()[2]["collections"] - full0  # this rank's full collections in the clock
     ok = local_digest(dest) == expect["digests"][args.rank]
-    return {"seconds": seconds, "bitwise_ok": ok, "bytes": expect["bytes"], "ckptio": ckptio.__file__}
+    return {"seconds": seconds, "bitwise_ok": ok, "bytes": expect["bytes"], "ckptio": ckptio.__file__,
+            "full_gcs": full_gcs}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -177,7 +189,8 @@ def launch(args: argparse.Namespace, root: Path, worker: str, world: int, engine
         if proc.returncode or not lines:
             return {"error": f"rc {proc.returncode}: {err.strip().splitlines()[-1:]}"}
         outs.append(json.loads(lines[-1]))
-    return {**outs[0], "bitwise_ok": all(o.get("bitwise_ok", True) for o in outs)}
+    return {**outs[0], "bitwise_ok": all(o.get("bitwise_ok", True) for o in outs),
+            "full_gcs_by_rank": [o.get("full_gcs") for o in outs]}
 
 
 def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
