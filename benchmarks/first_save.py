@@ -69,7 +69,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1)
         ceil.append(ceiling.write_ceiling(path, nbytes, chunk, threads)["seconds"])
         path.unlink()
-    ck = ckptio.Checkpointer(ckptio.Options.from_env(io_backend="posix", use_profile=False))
+    # the default backend (posix) unless CKPTIO_IO_BACKEND names another (round six: uring)
+    ck = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
     prepare_s = None
     if args.worker == "async_prepared":
         t0 = time.perf_counter()
@@ -92,7 +93,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(path)
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
-            "seconds": seconds, "prepare_s": prepare_s}
+            "seconds": seconds, "prepare_s": prepare_s, "io_backend": ck.options.io_backend}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     med = statistics.median
-    out = [f"# {args.gb} GB state, medians of {args.reps} fresh processes per mode", ""]
+    backends = sorted({str(r.get("io_backend", "posix")) for r in runs})
+    out = [f"# {args.gb} GB state, medians of {args.reps} fresh processes per mode; "
+           f"io_backend {', '.join(backends)}", ""]
     sync = [r for r in runs if r["mode"] == "sync"]
     if sync:
         ceil = med(r["ceiling_s"] for r in sync)
