@@ -6,7 +6,10 @@ store (``Store.backend_kind``), so a job may read one store and write another wi
 pool (a drain from host memory to disk while a save runs). A local store's backend is made for
 the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
 store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
-the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool.
+the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool once
+every page of it is resident (io_uring's fixed buffers: no page pinning per request, which made
+the POSIX backend's 2 GB save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six;
+pinning a pool still being pre-faulted would fault the rest inside the use that pins it).
 
 A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
 only as many buffers as those bytes fill (two at least, Options.pool_bytes at most): a 100 MB
@@ -54,6 +57,7 @@ class Resources:
         self._pool: BufferPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
+        self._unpinnable: set[str] = set()  # the kinds whose backend refused to (kept till release)
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -84,10 +88,20 @@ class Resources:
         backend = self._backends.get(store.backend_kind)
         if backend is None:
             backend = self._backends[store.backend_kind] = store.backend(wanted)
-            if (store.capabilities.registered_buffers  # the pool is pre-faulted: pinning is free
-                    and backend.register_buffers(pool.whole_view())):
-                self._pinned.add(store.backend_kind)
+        self._pin(store, backend, pool)
         return pool, StoreFiles(store, backend)
+
+    def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
+        """Register the pool with ``backend`` once it is resident (the first use of a pool still
+        faulting in runs without; a later one, or prepare(), pins it)."""
+        kind = store.backend_kind
+        if (kind in self._pinned or kind in self._unpinnable or not pool.resident
+                or not store.capabilities.registered_buffers):
+            return
+        if backend.register_buffers(pool.whole_view()):
+            self._pinned.add(kind)
+        else:
+            self._unpinnable.add(kind)
 
     def _drop_pool(self) -> None:
         """Free the pool only, stopping just the backends that pinned it (the others, and what
@@ -96,6 +110,7 @@ class Resources:
         for kind in self._pinned:
             self._backends.pop(kind).shutdown()
         self._pinned.clear()
+        self._unpinnable.clear()  # a backend may take the next pool (another size)
         if pool is not None:
             pool.close()
 
@@ -131,9 +146,12 @@ class Resources:
     def prepare(self, store: Store | None) -> None:
         """Make the pool and ``store``'s backend (a local one's by default) and fault the pool
         in now, so the first save does not pay for it."""
+        target = LocalStore(".") if store is None else store
         with self.lock:
-            pool, _files = self.files(LocalStore(".") if store is None else store)
+            pool, _files = self.files(target)
         pool.faulted()
+        with self.lock:
+            self.files(target)  # resident now: a backend that can pin the pool does
 
     def wrap_backend(self, store: Store, wrap: Callable[[IOBackend], IOBackend]) -> IOBackend:
         """Replace the backend of ``store``'s kind by ``wrap(it)`` (test support: fault
@@ -203,6 +221,7 @@ class Resources:
         pool, backends = self._pool, list(self._backends.values())
         self._pool, self._backends = None, {}
         self._pinned.clear()
+        self._unpinnable.clear()
         for backend in backends:
             backend.shutdown()
         if pool is not None:
