@@ -6,10 +6,10 @@ store (``Store.backend_kind``), so a job may read one store and write another wi
 pool (a drain from host memory to disk while a save runs). A local store's backend is made for
 the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
 store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
-the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool once
-every page of it is resident (io_uring's fixed buffers: no page pinning per request, which made
-the POSIX backend's 2 GB save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six;
-pinning a pool still being pre-faulted would fault the rest inside the use that pins it).
+the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool at its
+first use (io_uring's fixed buffers: no page pinning per request, which made the POSIX
+backend's 2 GB save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six), a pool grown
+for async saves only once its background pre-fault is done.
 
 A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
 only as many buffers as those bytes fill (two at least, Options.pool_bytes at most): a 100 MB
@@ -58,6 +58,7 @@ class Resources:
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # the kinds whose backend refused to (kept till release)
+        self._grown_pool: BufferPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -92,11 +93,15 @@ class Resources:
         return pool, StoreFiles(store, backend)
 
     def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
-        """Register the pool with ``backend`` once it is resident (the first use of a pool still
-        faulting in runs without; a later one, or prepare(), pins it)."""
+        """Register the pool with ``backend``, once: at the backend's first use, which faults in
+        what the pool has not yet (a 2 GB save first in a process: 0.83-0.86 s pinned, 1.03 s
+        not, docs/BENCH_LIMIT.md round six); but a pool grown for async saves (``fit``) only
+        once its background pre-fault is done, or the next async_save call would wait for all
+        of it (2 GB: 2.2 s against 1.2 s unpinned, same page)."""
         kind = store.backend_kind
-        if (kind in self._pinned or kind in self._unpinnable or not pool.resident
-                or not store.capabilities.registered_buffers):
+        if (kind in self._pinned or kind in self._unpinnable
+                or not store.capabilities.registered_buffers
+                or (pool is self._grown_pool and not pool.resident)):
             return
         if backend.register_buffers(pool.whole_view()):
             self._pinned.add(kind)
@@ -111,6 +116,7 @@ class Resources:
             self._backends.pop(kind).shutdown()
         self._pinned.clear()
         self._unpinnable.clear()  # a backend may take the next pool (another size)
+        self._grown_pool = None
         if pool is not None:
             pool.close()
 
@@ -184,7 +190,7 @@ class Resources:
         self._grown_nbytes = target * buffer_bytes
         self.release()  # the next save or load makes the backends (registering the new pool)
         try:
-            self._pool = BufferPool(target, buffer_bytes, background=True)
+            self._pool = self._grown_pool = BufferPool(target, buffer_bytes, background=True)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use
             self._grown_nbytes = 0
             log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "
@@ -222,6 +228,7 @@ class Resources:
         self._pool, self._backends = None, {}
         self._pinned.clear()
         self._unpinnable.clear()
+        self._grown_pool = None
         for backend in backends:
             backend.shutdown()
         if pool is not None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptio import io
 from ckptio.io.ring import address_of
@@ -178,27 +179,32 @@ def test_the_default_backend_is_io_uring_where_it_works(tmp_path) -> None:
         ck.close()
 
 
-def test_the_pool_is_pinned_once_resident_never_while_it_faults_in(tmp_path) -> None:
-    """io_uring registers (pins) the staging pool only once every page is resident: pinning a
-    pool that is still being pre-faulted in the background would fault the rest inside the save
-    that pins it. The first use of a fresh pool runs unpinned, a use after the pre-fault pins
-    it, and prepare() (which waits for the pre-fault) pins it before the first save."""
+def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path) -> None:
+    """io_uring registers (pins) the staging pool at the backend's first use, faulting in what
+    the background pre-fault has not yet; a pool grown for async saves (fit) is pinned only once
+    its pre-fault is done, so the next async_save call does not wait for all of it (2 GB: 2.2 s
+    against 1.2 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins the grown pool."""
     import ckptio
 
-    options = ckptio.Options(use_profile=False, buffer_bytes=1 << 20, pool_bytes=256 << 20)
+    options = ckptio.Options(use_profile=False, buffer_bytes=1 << 20, pool_bytes=4 << 20,
+                             host_budget_bytes=1 << 30)
     ck = ckptio.Checkpointer(options)
     try:
+        _pool, backend = _local_backend(ck, tmp_path)
+        assert backend._registered, "the pool was not pinned at the backend's first use"
+        ck.staging().fit([256 << 20])
         pool, backend = _local_backend(ck, tmp_path)
-        assert not pool.resident and backend._registered == [], "pinned while faulting in"
+        assert pool.nbuffers == 256 and not pool.resident, "nothing tested: the pool faulted"
+        assert backend._registered == [], "a grown pool was pinned while it faults in"
         pool.faulted()
         pool, backend = _local_backend(ck, tmp_path)
-        assert pool.resident and backend._registered, "not pinned once resident"
+        assert backend._registered, "a grown pool was not pinned once resident"
     finally:
         ck.close()
     prepared = ckptio.Checkpointer(options)
     try:
-        prepared.prepare(tmp_path)
-        _pool, backend = _local_backend(prepared, tmp_path)
-        assert backend._registered, "prepare() left the pool unpinned"
+        prepared.prepare(tmp_path, state={"w": torch.zeros(64 << 20, dtype=torch.uint8)})
+        pool, backend = _local_backend(prepared, tmp_path)
+        assert pool.nbuffers >= 64 and backend._registered, "prepare(state=) left the pool unpinned"
     finally:
         prepared.close()
