@@ -6,10 +6,10 @@ store (``Store.backend_kind``), so a job may read one store and write another wi
 pool (a drain from host memory to disk while a save runs). A local store's backend is made for
 the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
 store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
-the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool at its
-first use (io_uring's fixed buffers: no page pinning per request, which made the POSIX
-backend's 2 GB save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six), a pool grown
-for async saves only once its background pre-fault is done.
+the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool
+(io_uring's fixed buffers: no page pinning per request, which made the POSIX backend's 2 GB
+save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six): a full-size pool at its
+first use, a smaller or grown one once it is resident (``_pin``).
 
 A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
 only as many buffers as those bytes fill (two at least, Options.pool_bytes at most): a 100 MB
@@ -93,15 +93,18 @@ class Resources:
         return pool, StoreFiles(store, backend)
 
     def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
-        """Register the pool with ``backend``, once: at the backend's first use, which faults in
-        what the pool has not yet (a 2 GB save first in a process: 0.83-0.86 s pinned, 1.03 s
-        not, docs/BENCH_LIMIT.md round six); but a pool grown for async saves (``fit``) only
-        once its background pre-fault is done, or the next async_save call would wait for all
-        of it (2 GB: 2.2 s against 1.2 s unpinned, same page)."""
+        """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
+        backend's first use, which faults in what the pool has not yet (a 2 GB save first in a
+        process: 0.83-0.86 s pinned, 1.03 s not, docs/BENCH_LIMIT.md round six); a smaller one
+        (sized to a small state) or one grown for async saves (``fit``) only once it is
+        resident: faulting it all first cost a 100 MB cold load 37-39 ms, and the async_save
+        call after a grown 2 GB pool 2.2-2.9 s (same page)."""
         kind = store.backend_kind
         if (kind in self._pinned or kind in self._unpinnable
-                or not store.capabilities.registered_buffers
-                or (pool is self._grown_pool and not pool.resident)):
+                or not store.capabilities.registered_buffers):
+            return
+        if not pool.resident and (pool is self._grown_pool
+                                  or pool.nbuffers < self._active.nbuffers):
             return
         if backend.register_buffers(pool.whole_view()):
             self._pinned.add(kind)

@@ -180,18 +180,23 @@ def test_the_default_backend_is_io_uring_where_it_works(tmp_path) -> None:
 
 
 def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path) -> None:
-    """io_uring registers (pins) the staging pool at the backend's first use, faulting in what
-    the background pre-fault has not yet; a pool grown for async saves (fit) is pinned only once
-    its pre-fault is done, so the next async_save call does not wait for all of it (2 GB: 2.2 s
-    against 1.2 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins the grown pool."""
+    """io_uring registers (pins) a full-size staging pool at the backend's first use, faulting
+    in what the background pre-fault has not yet; a pool sized to a small state is not pinned
+    while it faults in (that cost a 100 MB cold load 37-39 ms); a pool grown for async saves
+    (fit) is pinned only once its pre-fault is done, so the next async_save call does not wait
+    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it."""
     import ckptio
 
     options = ckptio.Options(use_profile=False, buffer_bytes=1 << 20, pool_bytes=4 << 20,
                              host_budget_bytes=1 << 30)
     ck = ckptio.Checkpointer(options)
     try:
+        with ck.staging().lock:  # a use of a small state: a pool of 2 buffers, faulting in
+            small, files = ck.staging().files(LocalStore(str(tmp_path)), nbytes=2 << 20)
+        assert small.nbuffers == 2 and files.backend._registered == [], "a small pool was pinned"
+        ck.staging().release()
         _pool, backend = _local_backend(ck, tmp_path)
-        assert backend._registered, "the pool was not pinned at the backend's first use"
+        assert backend._registered, "a full-size pool was not pinned at the backend's first use"
         ck.staging().fit([256 << 20])
         pool, backend = _local_backend(ck, tmp_path)
         assert pool.nbuffers == 256 and not pool.resident, "nothing tested: the pool faulted"
