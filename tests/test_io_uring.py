@@ -148,6 +148,25 @@ def test_dead_reaper_fails_requests_then_shutdown_recovers(tmp_path: os.PathLike
     pool.close()
 
 
+def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> None:
+    """Unpinned io_uring is no faster than the POSIX pool: "auto" takes io_uring only where the
+    pool may be registered (root, or a memlock limit of 1 GiB or more); "uring" still does."""
+    from ckptio.io.posix import PosixBackend
+    from ckptio.io.uring import UringBackend
+
+    monkeypatch.setattr(io.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (8 << 20, 8 << 20))
+    assert not io.can_pin()
+    auto, uring = io.create("auto", depth=2, direct_io="auto"), io.create("uring", depth=2, direct_io="auto")
+    try:
+        assert isinstance(auto, PosixBackend) and isinstance(uring, UringBackend)
+    finally:
+        auto.shutdown()
+        uring.shutdown()
+    monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (2 << 30, 2 << 30))
+    assert io.can_pin()
+
+
 def _local_backend(ck, where):
     from ckptio.storage.local import LocalStore
 

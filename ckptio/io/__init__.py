@@ -13,6 +13,8 @@ it). tests/test_layers.py enforces the layer order.
 from __future__ import annotations
 
 import logging
+import os
+import resource
 
 from ckptio.errors import CkptError
 from ckptio.io.base import FileHandle, IOBackend
@@ -23,6 +25,15 @@ __all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAM
 log = logging.getLogger("ckptio")
 _reason: list[str | None] = []  # probed once per process
 _warned: list[bool] = []  # the fallback of an explicit "uring" logged (once per process)
+AUTO_MEMLOCK = 1 << 30  # "auto" takes io_uring where the pool may be pinned (see can_pin)
+
+
+def can_pin() -> bool:
+    """Whether io_uring may register a staging pool here: as root (CAP_IPC_LOCK), or under a
+    memlock limit of AUTO_MEMLOCK or more. Elsewhere registration is refused and an unpinned
+    io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md round six)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= AUTO_MEMLOCK
 
 
 def uring_unavailable_reason() -> str | None:
@@ -35,12 +46,13 @@ def uring_unavailable_reason() -> str | None:
 
 
 def create(name: str, *, depth: int, direct_io: str) -> IOBackend:
-    """The backend called ``name``: "auto" is io_uring where it works here, else POSIX;
+    """The backend called ``name``: "auto" is io_uring where it works here and may pin the
+    staging pool (can_pin), else POSIX;
     "uring" falls back to "posix" where io_uring is unavailable, with a warning."""
     if name not in NAMES:
         raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")
     reason = None if name == "posix" else uring_unavailable_reason()
-    if name != "posix" and reason is None:
+    if (name == "uring" or (name == "auto" and can_pin())) and reason is None:
         from ckptio.io.uring import UringBackend
 
         return UringBackend(depth=depth, direct_io=direct_io)
