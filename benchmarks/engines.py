@@ -180,9 +180,13 @@ ENGINES: dict[str, Engine] = {
     "torchsnapshot": Engine("torchsnapshot", _snapshot_save, _snapshot_load,
                             "Snapshot.take + os.sync() inside the clock (take does not fsync); "
                             "load = Snapshot.restore in place", ("torchsnapshot",)),
-    "ckptio": Engine("ckptio", _ckptio_save("posix"), _ckptio_load("posix"),
+    "ckptio": Engine("ckptio", _ckptio_save("auto"), _ckptio_load("auto"),
                      "ckptio.save (durable and committed when it returns); load = ckptio.load in "
-                     "place; POSIX thread-pool backend", _CKPTIO_MODULES),
+                     "place; the default backend (\"auto\": io_uring where it works, else POSIX)",
+                     _CKPTIO_MODULES),
+    "ckptio_posix": Engine("ckptio_posix", _ckptio_save("posix"), _ckptio_load("posix"),
+                           "ckptio as above through the POSIX thread-pool backend (the default "
+                           "before issue 29 round six)", _CKPTIO_MODULES),
     "ckptio_uring": Engine("ckptio_uring", _ckptio_save("uring"), _ckptio_load("uring"),
                            "ckptio as above through the io_uring backend", _CKPTIO_MODULES),
 }
@@ -194,7 +198,7 @@ def unavailable_reason(name: str) -> str | None:
         return f"unknown engine {name!r}; known: {', '.join(ENGINES)}"
     if name == "torchsnapshot" and importlib.util.find_spec("torchsnapshot") is None:
         return "torchsnapshot is not installed"
-    if name == "ckptio":
+    if name in ("ckptio", "ckptio_posix"):
         return _ckptio_unavailable()
     if name == "ckptio_uring":
         return _ckptio_unavailable() or importlib.import_module("ckptio.io").uring_unavailable_reason()

@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1)
         ceil.append(ceiling.write_ceiling(path, nbytes, chunk, threads)["seconds"])
         path.unlink()
-    # the default backend (posix) unless CKPTIO_IO_BACKEND names another (round six: uring)
+    # the default backend ("auto" since round six) unless CKPTIO_IO_BACKEND names another
     ck = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
     prepare_s = None
     if args.worker == "async_prepared":
@@ -93,7 +93,15 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(path)
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
-            "seconds": seconds, "prepare_s": prepare_s, "io_backend": ck.options.io_backend}
+            "seconds": seconds, "prepare_s": prepare_s, "io_backend": _built(ck.options.io_backend)}
+
+
+def _built(name: str) -> str:
+    """The backend ``Options.io_backend=name`` builds here ("auto" and "uring": io_uring where
+    it works)."""
+    from ckptio.io import uring_unavailable_reason
+
+    return "posix" if name == "posix" or uring_unavailable_reason() else "uring"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addresses
-IO_BACKENDS = ("posix", "uring")  # Options.io_backend; ckptio.io.create builds each
+IO_BACKENDS = ("auto", "posix", "uring")  # Options.io_backend; ckptio.io.create builds each
 CODECS = ("zstd", "bytegroup+zstd")  # lossless codecs a save may name (ckptio/format/codec.py)
 COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
 # Options.checksum: what a save may record (format/checksum.py also knows "crc32", the
@@ -58,8 +58,12 @@ class Options:
     checksum: the algorithm recorded in the manifest: "xxh3_64_tree" (an entry's whole
         checksum derived from its block checksums: each byte hashed once; docs/FORMAT.md) or
         "xxh3_64" (the whole checksum of the bytes, as before issue 29: each byte hashed twice).
-    io_backend: name of the IOBackend: "posix" (thread pool) or "uring" (io_uring; falls back
-        to posix, logged once, where io_uring is unavailable).
+    io_backend: name of the IOBackend: "auto" (default: io_uring where this process can use
+        it and pin the staging pool, as root or under a memlock limit of 1 GiB or more, else
+        the POSIX thread pool, silently), "posix" (thread pool) or "uring" (io_uring;
+        falls back to posix, logged once, where io_uring is unavailable). io_uring pins the
+        staging pool once (fixed buffers) where the pool POSIX I/O pins every request's pages
+        again: a 2 GB save took 0.74-0.80 s against 1.0-1.2 s (docs/BENCH_LIMIT.md round six).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
         io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
     if_locked: what a save does when another save (another process, job or machine sharing the
@@ -116,7 +120,7 @@ class Options:
     direct_io: DirectIO = "auto"
     verify: bool = True
     checksum: str = "xxh3_64_tree"
-    io_backend: str = "posix"
+    io_backend: str = "auto"
     use_profile: bool = True
     if_locked: IfLocked = "wait"
     s3_endpoint_url: str | None = None

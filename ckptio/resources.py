@@ -6,7 +6,10 @@ store (``Store.backend_kind``), so a job may read one store and write another wi
 pool (a drain from host memory to disk while a save runs). A local store's backend is made for
 the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
 store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
-the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool.
+the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool
+(io_uring's fixed buffers: no page pinning per request, which made the POSIX backend's 2 GB
+save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six): a full-size pool at its
+first use, a smaller or grown one once it is resident (``_pin``).
 
 A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
 only as many buffers as those bytes fill (two at least, Options.pool_bytes at most): a 100 MB
@@ -54,6 +57,8 @@ class Resources:
         self._pool: BufferPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
+        self._unpinnable: set[str] = set()  # the kinds whose backend refused to (kept till release)
+        self._grown_pool: BufferPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -84,10 +89,27 @@ class Resources:
         backend = self._backends.get(store.backend_kind)
         if backend is None:
             backend = self._backends[store.backend_kind] = store.backend(wanted)
-            if (store.capabilities.registered_buffers  # the pool is pre-faulted: pinning is free
-                    and backend.register_buffers(pool.whole_view())):
-                self._pinned.add(store.backend_kind)
+        self._pin(store, backend, pool)
         return pool, StoreFiles(store, backend)
+
+    def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
+        """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
+        backend's first use, which faults in what the pool has not yet (a 2 GB save first in a
+        process: 0.83-0.86 s pinned, 1.03 s not, docs/BENCH_LIMIT.md round six); a smaller one
+        (sized to a small state) or one grown for async saves (``fit``) only once it is
+        resident: faulting it all first cost a 100 MB cold load 37-39 ms, and the async_save
+        call after a grown 2 GB pool 2.2-2.9 s (same page)."""
+        kind = store.backend_kind
+        if (kind in self._pinned or kind in self._unpinnable
+                or not store.capabilities.registered_buffers):
+            return
+        if not pool.resident and (pool is self._grown_pool
+                                  or pool.nbuffers < self._active.nbuffers):
+            return
+        if backend.register_buffers(pool.whole_view()):
+            self._pinned.add(kind)
+        else:
+            self._unpinnable.add(kind)
 
     def _drop_pool(self) -> None:
         """Free the pool only, stopping just the backends that pinned it (the others, and what
@@ -96,6 +118,8 @@ class Resources:
         for kind in self._pinned:
             self._backends.pop(kind).shutdown()
         self._pinned.clear()
+        self._unpinnable.clear()  # a backend may take the next pool (another size)
+        self._grown_pool = None
         if pool is not None:
             pool.close()
 
@@ -131,9 +155,12 @@ class Resources:
     def prepare(self, store: Store | None) -> None:
         """Make the pool and ``store``'s backend (a local one's by default) and fault the pool
         in now, so the first save does not pay for it."""
+        target = LocalStore(".") if store is None else store
         with self.lock:
-            pool, _files = self.files(LocalStore(".") if store is None else store)
+            pool, _files = self.files(target)
         pool.faulted()
+        with self.lock:
+            self.files(target)  # resident now: a backend that can pin the pool does
 
     def wrap_backend(self, store: Store, wrap: Callable[[IOBackend], IOBackend]) -> IOBackend:
         """Replace the backend of ``store``'s kind by ``wrap(it)`` (test support: fault
@@ -166,7 +193,7 @@ class Resources:
         self._grown_nbytes = target * buffer_bytes
         self.release()  # the next save or load makes the backends (registering the new pool)
         try:
-            self._pool = BufferPool(target, buffer_bytes, background=True)
+            self._pool = self._grown_pool = BufferPool(target, buffer_bytes, background=True)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use
             self._grown_nbytes = 0
             log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "
@@ -203,6 +230,8 @@ class Resources:
         pool, backends = self._pool, list(self._backends.values())
         self._pool, self._backends = None, {}
         self._pinned.clear()
+        self._unpinnable.clear()
+        self._grown_pool = None
         for backend in backends:
             backend.shutdown()
         if pool is not None:

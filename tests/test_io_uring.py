@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptio import io
 from ckptio.io.ring import address_of
@@ -91,19 +92,21 @@ def test_registered_pool_buffers_round_trip(tmp_path: os.PathLike[str]) -> None:
 
 
 def test_forced_off_falls_back_to_posix_and_logs_once() -> None:
-    """With io_uring disabled, asking for it gives the POSIX backend and one warning naming why."""
+    """With io_uring disabled, asking for it gives the POSIX backend and one warning naming why;
+    the default ("auto") gives the POSIX backend without a warning (the one logged is uring's)."""
     code = (
         "import logging, ckptio.io as io\n"
         "logging.basicConfig(level=logging.WARNING)\n"
+        "c = io.create('auto', depth=2, direct_io='auto')\n"
         "a = io.create('uring', depth=2, direct_io='auto')\n"
         "b = io.create('uring', depth=2, direct_io='auto')\n"
-        "print(type(a).__name__, type(b).__name__)\n"
+        "print(type(c).__name__, type(a).__name__, type(b).__name__)\n"
     )
     env = dict(os.environ, CKPTIO_DISABLE_IO_URING="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["PosixBackend", "PosixBackend"]
+    assert done.stdout.split() == ["PosixBackend", "PosixBackend", "PosixBackend"]
     assert done.stderr.count("io_uring is unavailable") == 1, done.stderr
     assert "CKPTIO_DISABLE_IO_URING" in done.stderr
 
@@ -111,7 +114,7 @@ def test_forced_off_falls_back_to_posix_and_logs_once() -> None:
 def test_unknown_backend_name_is_refused() -> None:
     from ckptio.errors import CkptError
 
-    with pytest.raises(CkptError, match="'nvme_magic' is unknown; available: posix, uring"):
+    with pytest.raises(CkptError, match="'nvme_magic' is unknown; available: auto, posix, uring"):
         io.create("nvme_magic", depth=1, direct_io="auto")
 
 
@@ -143,3 +146,89 @@ def test_dead_reaper_fails_requests_then_shutdown_recovers(tmp_path: os.PathLike
     backend.shutdown()
     pool.release(buffer)
     pool.close()
+
+
+def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> None:
+    """Unpinned io_uring is no faster than the POSIX pool: "auto" takes io_uring only where the
+    pool may be registered (root, or a memlock limit of 1 GiB or more); "uring" still does."""
+    from ckptio.io.posix import PosixBackend
+    from ckptio.io.uring import UringBackend
+
+    monkeypatch.setattr(io.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (8 << 20, 8 << 20))
+    assert not io.can_pin()
+    auto, uring = io.create("auto", depth=2, direct_io="auto"), io.create("uring", depth=2, direct_io="auto")
+    try:
+        assert isinstance(auto, PosixBackend) and isinstance(uring, UringBackend)
+    finally:
+        auto.shutdown()
+        uring.shutdown()
+    monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (2 << 30, 2 << 30))
+    assert io.can_pin()
+
+
+def _local_backend(ck, where):
+    from ckptio.storage.local import LocalStore
+
+    with ck.staging().lock:
+        pool, files = ck.staging().files(LocalStore(str(where)))
+    return pool, files.backend
+
+
+def test_the_default_backend_is_io_uring_where_it_works(tmp_path) -> None:
+    """Options() leaves io_backend at "auto": saves and loads through a local directory run on
+    io_uring here (docs/BENCH_LIMIT.md round six: a 2 GB save 0.74-0.80 s against 1.0-1.2 s
+    through the POSIX pool), and the bytes come back bitwise."""
+    import torch
+
+    import ckptio
+    from ckptio.io.uring import UringBackend
+
+    options = ckptio.Options(use_profile=False)
+    assert options.io_backend == "auto"
+    ck = ckptio.Checkpointer(options)
+    try:
+        state = {"w": torch.randn(1 << 18), "step": 3}
+        ck.save(state, tmp_path / "step-3")
+        _pool, backend = _local_backend(ck, tmp_path)
+        assert isinstance(backend, UringBackend), type(backend)
+        got = ck.load(tmp_path / "step-3")
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+    finally:
+        ck.close()
+
+
+def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path) -> None:
+    """io_uring registers (pins) a full-size staging pool at the backend's first use, faulting
+    in what the background pre-fault has not yet; a pool sized to a small state is not pinned
+    while it faults in (that cost a 100 MB cold load 37-39 ms); a pool grown for async saves
+    (fit) is pinned only once its pre-fault is done, so the next async_save call does not wait
+    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it."""
+    import ckptio
+
+    options = ckptio.Options(use_profile=False, buffer_bytes=1 << 20, pool_bytes=4 << 20,
+                             host_budget_bytes=1 << 30)
+    ck = ckptio.Checkpointer(options)
+    try:
+        with ck.staging().lock:  # a use of a small state: a pool of 2 buffers, faulting in
+            small, files = ck.staging().files(LocalStore(str(tmp_path)), nbytes=2 << 20)
+        assert small.nbuffers == 2 and files.backend._registered == [], "a small pool was pinned"
+        ck.staging().release()
+        _pool, backend = _local_backend(ck, tmp_path)
+        assert backend._registered, "a full-size pool was not pinned at the backend's first use"
+        ck.staging().fit([256 << 20])
+        pool, backend = _local_backend(ck, tmp_path)
+        assert pool.nbuffers == 256 and not pool.resident, "nothing tested: the pool faulted"
+        assert backend._registered == [], "a grown pool was pinned while it faults in"
+        pool.faulted()
+        pool, backend = _local_backend(ck, tmp_path)
+        assert backend._registered, "a grown pool was not pinned once resident"
+    finally:
+        ck.close()
+    prepared = ckptio.Checkpointer(options)
+    try:
+        prepared.prepare(tmp_path, state={"w": torch.zeros(64 << 20, dtype=torch.uint8)})
+        pool, backend = _local_backend(prepared, tmp_path)
+        assert pool.nbuffers >= 64 and backend._registered, "prepare(state=) left the pool unpinned"
+    finally:
+        prepared.close()

@@ -3,8 +3,9 @@ staging buffers (stage.py). Internal: the public surface is ``ckptio`` itself
 (ckptio/__init__.py's ``__all__``); testing/io_conformance.py states the backend contract.
 
 Owns: building a backend from its name (the names are options.IO_BACKENDS, re-exported here as
-NAMES) and the fallback from io_uring to POSIX where io_uring is unavailable (logged once per
-process); a backend's module is imported only when asked for.
+NAMES): "auto" is io_uring where this process can use it and POSIX otherwise; "uring" falls back
+to POSIX where io_uring is unavailable (logged once per process); a backend's module is imported
+only when asked for.
 Layer: above format, options and errors; beside planning, which it does not import (nor planning
 it). tests/test_layers.py enforces the layer order.
 """
@@ -12,6 +13,8 @@ it). tests/test_layers.py enforces the layer order.
 from __future__ import annotations
 
 import logging
+import os
+import resource
 
 from ckptio.errors import CkptError
 from ckptio.io.base import FileHandle, IOBackend
@@ -21,6 +24,16 @@ __all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAM
 
 log = logging.getLogger("ckptio")
 _reason: list[str | None] = []  # probed once per process
+_warned: list[bool] = []  # the fallback of an explicit "uring" logged (once per process)
+AUTO_MEMLOCK = 1 << 30  # "auto" takes io_uring where the pool may be pinned (see can_pin)
+
+
+def can_pin() -> bool:
+    """Whether io_uring may register a staging pool here: as root (CAP_IPC_LOCK), or under a
+    memlock limit of AUTO_MEMLOCK or more. Elsewhere registration is refused and an unpinned
+    io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md round six)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= AUTO_MEMLOCK
 
 
 def uring_unavailable_reason() -> str | None:
@@ -29,19 +42,23 @@ def uring_unavailable_reason() -> str | None:
         from ckptio.io.ring import unavailable_reason
 
         _reason.append(unavailable_reason())
-        if _reason[0] is not None:
-            log.warning("ckptio: io_uring is unavailable (%s); using the POSIX backend", _reason[0])
     return _reason[0]
 
 
 def create(name: str, *, depth: int, direct_io: str) -> IOBackend:
-    """The backend called ``name``; "uring" falls back to "posix" where io_uring is unavailable."""
-    if name == "uring" and uring_unavailable_reason() is None:
+    """The backend called ``name``: "auto" is io_uring where it works here and may pin the
+    staging pool (can_pin), else POSIX;
+    "uring" falls back to "posix" where io_uring is unavailable, with a warning."""
+    if name not in NAMES:
+        raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")
+    reason = None if name == "posix" else uring_unavailable_reason()
+    if (name == "uring" or (name == "auto" and can_pin())) and reason is None:
         from ckptio.io.uring import UringBackend
 
         return UringBackend(depth=depth, direct_io=direct_io)
-    if name in NAMES:
-        from ckptio.io.posix import PosixBackend
+    if name == "uring" and not _warned:
+        _warned.append(True)
+        log.warning("ckptio: io_uring is unavailable (%s); using the POSIX backend", reason)
+    from ckptio.io.posix import PosixBackend
 
-        return PosixBackend(depth=depth, direct_io=direct_io)
-    raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")
+    return PosixBackend(depth=depth, direct_io=direct_io)

@@ -90,6 +90,7 @@ class BufferPool:
         faults every page at once anyway."""
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
+        self._prefault = prefault
         self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
         background = background and prefault and not torch.cuda.is_available()
@@ -128,6 +129,13 @@ class BufferPool:
                 self._unfaulted -= 1
                 heapq.heappush(self._free, (buffer.index, buffer))
                 self._cond.notify()
+
+    @property
+    def resident(self) -> bool:
+        """Every page of the pool is faulted in now: pre-faulted, and a background pre-fault
+        has finished (not stopped at exit). False for a pool made without ``prefault``."""
+        return self._prefault and not self._stop.is_set() and (
+            self._faulter is None or not self._faulter.is_alive())
 
     def faulted(self) -> None:
         """Return once every page of the pool is faulted in (at once, unless ``background``)."""

@@ -164,6 +164,9 @@ class FaultyBackend:
         if fail:
             raise injected_error("fsync", fh.path, 0, self.error)
 
+    def register_buffers(self, view: memoryview) -> bool:
+        return self.inner.register_buffers(view)
+
     def shutdown(self) -> None:
         self.inner.shutdown()
 
