@@ -150,11 +150,13 @@ def test_dead_reaper_fails_requests_then_shutdown_recovers(tmp_path: os.PathLike
 
 def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> None:
     """Unpinned io_uring is no faster than the POSIX pool: "auto" takes io_uring only where the
-    pool may be registered (root, or a memlock limit of 1 GiB or more); "uring" still does."""
+    pool may be registered (CAP_IPC_LOCK, or a memlock limit of 1 GiB or more); "uring" still
+    does. This process (the tests run as root here) holds CAP_IPC_LOCK or it does not, as
+    /proc/self/status says."""
     from ckptio.io.posix import PosixBackend
     from ckptio.io.uring import UringBackend
 
-    monkeypatch.setattr(io.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(io, "_capable", lambda _bit: False)  # no CAP_IPC_LOCK
     monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (8 << 20, 8 << 20))
     assert not io.can_pin()
     auto, uring = io.create("auto", depth=2, direct_io="auto"), io.create("uring", depth=2, direct_io="auto")
@@ -165,6 +167,10 @@ def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> Non
         uring.shutdown()
     monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (2 << 30, 2 << 30))
     assert io.can_pin()
+    monkeypatch.undo()
+    status = open("/proc/self/status").read()
+    effective = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
+    assert io._capable(io.CAP_IPC_LOCK) == bool(effective >> 14 & 1)
 
 
 def _local_backend(ck, where):
@@ -198,19 +204,24 @@ def test_the_default_backend_is_io_uring_where_it_works(tmp_path) -> None:
         ck.close()
 
 
-def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path) -> None:
+def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
+                                                                       monkeypatch) -> None:
     """io_uring registers (pins) a full-size staging pool at the backend's first use, faulting
     in what the background pre-fault has not yet; a pool sized to a small state is not pinned
     while it faults in (that cost a 100 MB cold load 37-39 ms); a pool grown for async saves
     (fit) is pinned only once its pre-fault is done, so the next async_save call does not wait
-    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it."""
+    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it.
+    "Still faulting in" is held by patching BufferPool.resident: a small pool's pre-fault may
+    finish before the check could see it running."""
     import ckptio
 
     options = ckptio.Options(use_profile=False, buffer_bytes=1 << 20, pool_bytes=4 << 20,
                              host_budget_bytes=1 << 30)
+    faulting = property(lambda _pool: False)
     ck = ckptio.Checkpointer(options)
     try:
-        with ck.staging().lock:  # a use of a small state: a pool of 2 buffers, faulting in
+        monkeypatch.setattr(BufferPool, "resident", faulting)
+        with ck.staging().lock:  # a use of a small state: a pool of 2 buffers
             small, files = ck.staging().files(LocalStore(str(tmp_path)), nbytes=2 << 20)
         assert small.nbuffers == 2 and files.backend._registered == [], "a small pool was pinned"
         ck.staging().release()
@@ -218,12 +229,14 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path)
         assert backend._registered, "a full-size pool was not pinned at the backend's first use"
         ck.staging().fit([256 << 20])
         pool, backend = _local_backend(ck, tmp_path)
-        assert pool.nbuffers == 256 and not pool.resident, "nothing tested: the pool faulted"
-        assert backend._registered == [], "a grown pool was pinned while it faults in"
+        assert pool.nbuffers == 256 and backend._registered == [], "a grown pool was pinned"
+        monkeypatch.undo()
         pool.faulted()
+        assert pool.resident
         pool, backend = _local_backend(ck, tmp_path)
         assert backend._registered, "a grown pool was not pinned once resident"
     finally:
+        monkeypatch.undo()
         ck.close()
     prepared = ckptio.Checkpointer(options)
     try:

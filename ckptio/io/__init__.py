@@ -28,12 +28,26 @@ _warned: list[bool] = []  # the fallback of an explicit "uring" logged (once per
 AUTO_MEMLOCK = 1 << 30  # "auto" takes io_uring where the pool may be pinned (see can_pin)
 
 
+CAP_IPC_LOCK = 14  # capability bit: memory locking beyond RLIMIT_MEMLOCK
+
+
 def can_pin() -> bool:
-    """Whether io_uring may register a staging pool here: as root (CAP_IPC_LOCK), or under a
-    memlock limit of AUTO_MEMLOCK or more. Elsewhere registration is refused and an unpinned
-    io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md round six)."""
+    """Whether io_uring may register a staging pool here: with CAP_IPC_LOCK (root outside a
+    container), or under a memlock limit of AUTO_MEMLOCK or more. Elsewhere registration is
+    refused and an unpinned io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md
+    round six)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= AUTO_MEMLOCK
+    return soft == resource.RLIM_INFINITY or soft >= AUTO_MEMLOCK or _capable(CAP_IPC_LOCK)
+
+
+def _capable(bit: int) -> bool:
+    """This process holds capability ``bit`` (its effective set, /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next((ln for ln in f if ln.startswith("CapEff:")), "CapEff: 0")
+    except OSError:
+        return os.geteuid() == 0
+    return bool(int(line.split()[1], 16) >> bit & 1)
 
 
 def uring_unavailable_reason() -> str | None:
@@ -47,8 +61,8 @@ def uring_unavailable_reason() -> str | None:
 
 def create(name: str, *, depth: int, direct_io: str) -> IOBackend:
     """The backend called ``name``: "auto" is io_uring where it works here and may pin the
-    staging pool (can_pin), else POSIX;
-    "uring" falls back to "posix" where io_uring is unavailable, with a warning."""
+    staging pool (can_pin), else POSIX; "uring" falls back to "posix" where io_uring is
+    unavailable, with a warning."""
     if name not in NAMES:
         raise CkptError(f"io_backend {name!r} is unknown; available: {', '.join(NAMES)}")
     reason = None if name == "posix" else uring_unavailable_reason()
