@@ -48,6 +48,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     import ckptio
     import ckptio.api  # noqa: F401 - imported before any clock
+    from ckptio.storage.local import LocalStore
     from ckptio.tuning import ceiling, state
 
     src = state.build_state(args.gb, 0)
@@ -91,17 +92,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             seconds.append(time.perf_counter() - t0)
             handle.wait()
         shutil.rmtree(path)
+    with ck.staging().lock:  # the backend the saves ran on, as the Checkpointer built it
+        backend = ck.staging().files(LocalStore(str(args.dir)))[1].backend.name
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
-            "seconds": seconds, "prepare_s": prepare_s, "io_backend": _built(ck.options.io_backend)}
-
-
-def _built(name: str) -> str:
-    """The backend ``Options.io_backend=name`` builds here ("auto" and "uring": io_uring where
-    it works)."""
-    from ckptio.io import uring_unavailable_reason
-
-    return "posix" if name == "posix" or uring_unavailable_reason() else "uring"
+            "seconds": seconds, "prepare_s": prepare_s, "io_backend": backend}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,8 +147,8 @@ def load_worker(args: argparse.Namespace) -> Run:
     seconds = time.perf_counter() - t0
     full_gcs = gc.get_stats()[2]["collections"] - full0  # this rank's full collections in the clock
     ok = local_digest(dest) == expect["digests"][args.rank]
-    return {"seconds": seconds, "bitwise_ok": ok, "bytes": expect["bytes"], "ckptio": ckptio.__file__,
-            "full_gcs": full_gcs}
+    return {"seconds": seconds, "bitwise_ok": ok, "bytes": expect["bytes"],
+            "ckptio": ckptio.__file__, "full_gcs": full_gcs}
 
 
 def worker_main(args: argparse.Namespace) -> int:

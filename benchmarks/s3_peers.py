@@ -5,9 +5,10 @@ Each engine saves a state to an ``s3://bucket/prefix`` URL and loads it back in 
 - ``ckptio`` at its defaults (no tuned profile); ``ckptio_tuned`` with the endpoint's tuned
   profile (benchmarks/s3_tune.py); ``ckptio_tuned_prepared`` the same through a
   ``Checkpointer`` whose ``prepare(url)`` ran before the clock (a job's startup: pool, backend
-  and boto3 client made, as the raw ceiling makes its client before its clock); ``ckptio_best`` with ``s3_concurrency`` = the best concurrency of
-  the raw client sweep (``--concurrency``); ``ckptio[field=value,...]`` any Options overrides
-  (experiments: ``ckptio[io_depth=8,pool_bytes=512MiB]``);
+  and boto3 client made, as the raw ceiling makes its client before its clock); ``ckptio_best``
+  with ``s3_concurrency`` = the best concurrency of the raw client sweep (``--concurrency``);
+  ``ckptio[field=value,...]`` any Options overrides (experiments:
+  ``ckptio[io_depth=8,pool_bytes=512MiB]``);
 - ``dcp_fsspec_tK``: torch.distributed.checkpoint through ``FsspecWriter/FsspecReader`` on s3fs
   (thread_count K), what DCP users write to S3 today;
 - ``dcp_s3tc_tK``: DCP through s3torchconnector's ``S3StorageWriter/S3StorageReader`` (AWS's

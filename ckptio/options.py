@@ -61,8 +61,8 @@ class Options:
     io_backend: name of the IOBackend: "auto" (default: io_uring where this process can use
         it and pin the staging pool, with CAP_IPC_LOCK or under a memlock limit of 1 GiB or
         more, else the POSIX thread pool, silently), "posix" (thread pool) or "uring"
-        (io_uring; falls back to posix, logged once, where io_uring is unavailable). io_uring pins the
-        staging pool once (fixed buffers) where the pool POSIX I/O pins every request's pages
+        (io_uring; falls back to posix, logged once, where io_uring is unavailable). io_uring
+        pins the staging pool once (fixed buffers) where POSIX I/O pins every request's pages
         again: a 2 GB save took 0.74-0.80 s against 1.0-1.2 s (docs/BENCH_LIMIT.md round six).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
         io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.

@@ -57,7 +57,7 @@ class Resources:
         self._pool: BufferPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
-        self._unpinnable: set[str] = set()  # the kinds whose backend refused to (kept till release)
+        self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
         self._grown_pool: BufferPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False

@@ -483,7 +483,8 @@ def test_exit_while_the_pool_is_still_faulting_in(tmp_path: os.PathLike[str]) ->
     code = r"""
 import os, sys, torch, ckptio
 from ckptio.storage.local import LocalStore
-ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30, io_backend="posix"))
+ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30,
+                                        io_backend="posix"))
 with ck.staging().lock:  # the whole pool_bytes, as a use of unknown size makes it (a tiny
     ck.staging().files(LocalStore(sys.argv[1]))  # save alone makes a pool of its own size)
 ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))

@@ -159,7 +159,8 @@ def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> Non
     monkeypatch.setattr(io, "_capable", lambda _bit: False)  # no CAP_IPC_LOCK
     monkeypatch.setattr(io.resource, "getrlimit", lambda _which: (8 << 20, 8 << 20))
     assert not io.can_pin()
-    auto, uring = io.create("auto", depth=2, direct_io="auto"), io.create("uring", depth=2, direct_io="auto")
+    auto = io.create("auto", depth=2, direct_io="auto")
+    uring = io.create("uring", depth=2, direct_io="auto")
     try:
         assert isinstance(auto, PosixBackend) and isinstance(uring, UringBackend)
     finally:
@@ -169,7 +170,8 @@ def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> Non
     assert io.can_pin()
     monkeypatch.undo()
     status = open("/proc/self/status").read()
-    effective = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
+    line = next(ln for ln in status.splitlines() if ln.startswith("CapEff:"))
+    effective = int(line.split()[1], 16)
     assert io._capable(io.CAP_IPC_LOCK) == bool(effective >> 14 & 1)
 
 
