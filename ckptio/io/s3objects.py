@@ -6,8 +6,8 @@ for many), which it does anyway to refuse a missing or truncated data file befor
 hands what it saw of ckptio's own data files (names unique to one save, never rewritten in
 place, unlike a manifest or a foreign format's file) here (``remember``) and the backend's
 ``open_read`` takes it (``take``) instead of sending a HEAD of its own: one round trip less per
-data object and load (docs/BENCH_S3.md, round five). What is taken is what that HEAD would have said, and it is used
-the same way: every GET is pinned to the ETag (If-Match), so an object replaced since it was
+data object and load (docs/BENCH_S3.md, round five). What is taken is what that HEAD would
+have said, and it is used the same way: every GET is pinned to the ETag (If-Match), so an object replaced since it was
 looked up fails the read (412) instead of mixing two versions. Every GET's answer is checked
 too (``check_answer``): the object size its Content-Range gives must be the size taken, and its
 ETag the one pinned; a GET refused because the object changed (412) or is shorter than the
