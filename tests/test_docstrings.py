@@ -78,7 +78,7 @@ FIGURES: dict[str, re.Pattern[str]] = {
         re.IGNORECASE,
     ),
     "measured": re.compile(
-        r"\bmeasured\s*(?::|\)|,|$)|\bmeasured\s+(?:here|at|slower|faster|no\s+(?:slower|faster)|"
+        r"\bmeasured\s*(?::|\)|$)|\bmeasured\s+(?:here|at|slower|faster|no\s+(?:slower|faster)|"
         r"the\s+same|better|worse|\d)|\b(?:took|costs?|ran\s+at|spent)\s+[~≈]?\d",
         re.IGNORECASE,
     ),
@@ -91,6 +91,11 @@ NOT_FIGURES: tuple[tuple[str, str, str], ...] = (
         "ckptio/distributed/storegroup.py",
         "under 20k/s",
         "the bound the poll floor sets on purpose, not a measurement",
+    ),
+    (
+        "ckptio/distributed/storegroup.py",
+        "one per 0.2 s each",
+        "the poll floor's arithmetic (ranks / polls per second), a bound not a measurement",
     ),
     (
         "ckptio/distributed/storegroup.py",
