@@ -313,5 +313,5 @@ class CkptioTrainerMixin:
 
 
 class CkptioTrainer(CkptioTrainerMixin, transformers.Trainer):
-    """transformers.Trainer whose checkpoints are ckptio checkpoints (module docstring); takes
+    """transformers.Trainer whose checkpoints are ckptio checkpoints (docs/BEHAVIOUR.md); takes
     Trainer's arguments plus ``ckptio_options`` and ``allow_pickle`` (CkptioTrainerMixin)."""
