@@ -72,7 +72,9 @@ FIGURES: dict[str, re.Pattern[str]] = {
         _NUM + r"\s*(?:[kKMGT]i?)?(?:B|bytes?|b)?\s*(?:/\s*s|per\s+second|a\s+second)\b"
     ),
     "percentage": re.compile(_NUM + r"\s*(?:%|percent\b)"),
-    "speed-up": re.compile(_NUM + r"(?:x|×)(?![\w])|\b\d+(?:\.\d+)?\s+times\s+(?:faster|slower)\b"),
+    "speed-up": re.compile(
+        _NUM + r"(?:x|×)(?![\w])|\b\d+(?:\.\d+)?\s+times\s+(?:faster|slower)\b"
+    ),
     "round": re.compile(
         r"\bround\s+(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\d+)\b",
         re.IGNORECASE,
@@ -202,14 +204,14 @@ def test_module_docstrings_are_short() -> None:
         for p in _files()
         if not _pending(_rel(p)) and (n := module_docstring_lines(p)) > MAX_MODULE_LINES
     ]
-    assert not long, "module docstrings too long; move specs onto methods or docs/BEHAVIOUR.md:\n" + (
-        "\n".join(long)
-    )
+    hint = "module docstrings too long; move specs onto methods or docs/BEHAVIOUR.md:\n"
+    assert not long, hint + "\n".join(long)
 
 
 def test_no_measured_figures_in_docstrings_or_comments() -> None:
     found = [hit for p in _files() if not _pending(_rel(p)) for hit in find_figures(p)]
-    assert not found, "measured figures in code; point to the docs page instead:\n" + "\n".join(found)
+    hint = "measured figures in code; point to the docs page instead:\n"
+    assert not found, hint + "\n".join(found)
 
 
 def test_not_figures_entries_still_match() -> None:
