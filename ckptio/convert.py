@@ -7,31 +7,15 @@
 
 SRC is anything ``ckptio.load`` reads (a ckptio checkpoint, a DCP directory, a torch.save file,
 safetensors); a checkpoint saved by many ranks comes out whole (DTensor shards joined; its
-per-rank values need ``per_rank_from``). Targets, and what happens to what is not a tensor:
+per-rank values need ``per_rank_from``).
 
-* ``"ckptio"``: ``ckptio.save``; values inline, objects pickled only with ``allow_pickle``.
-* ``"dcp"``: DCP's own ``FileSystemWriter`` (``dcp.save`` in this one process), so that
-  ``dcp.load(state, storage_reader=FileSystemReader(DST))`` reads it with no ckptio installed.
-  Tensors keep every bit; every other value (ints, strings, bytes, numpy arrays, objects) is
-  stored by DCP's own pickle (``torch.save``), which DCP's loader unpickles. DCP's flattening
-  shows through: a dict key that is not a str comes back from ``dcp.load`` as a str, an
-  empty dict is left out, a tensor held under two keys is stored twice.
-* ``"torch.save"``: one file holding the state as ``ckptio.load`` returns it (values, tied
-  tensors and tuples kept); ``torch.load(weights_only=True)`` reads it unless it holds numpy
-  values or pickled objects (``Converted.needs_pickle`` names those keys).
-* ``"safetensors"``: a Hugging Face folder by ``export_hf`` (every key, names as the dotted
-  keys; a tied alias is left out, as Hugging Face ties weights itself). Safetensors holds
-  tensors only: Python values, numpy/bytes/pickled entries and per-rank values are refused,
-  naming every key, unless ``drop_non_tensors`` leaves them out (``Converted.dropped``).
+Call order: ``convert`` -> the destination check -> ``ckptio.load`` of SRC (safetensors:
+``export_hf`` streams instead) -> the target's writer (a temporary name beside DST, renamed
+into place when complete and fsynced) -> a ``Converted``. What each target keeps of what is
+not a tensor, and how ``overwrite`` replaces a destination: on ``convert``.
 
-The DCP directory and the torch.save file are written under a temporary name beside DST and
-renamed into place when complete and fsynced; ``overwrite`` replaces an existing one (a
-directory is moved aside first, then removed: a crash between the two renames leaves the old
-one as ``.NAME.ckptio-*.old``). Memory: the whole state in host memory (a load, then a save),
-except for safetensors, which ``export_hf`` streams.
-
-Owns: the targets, the destination checks and the per-target rules above. Does not own:
-loading and saving (ckptio.load / save), the export (ckptio/export.py), DCP's files (torch).
+Owns: the targets, the destination checks and the per-target rules. Does not own: loading and
+saving (ckptio.load / save), the export (ckptio/export.py), DCP's files (torch).
 """
 
 from __future__ import annotations
@@ -95,11 +79,35 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             overwrite: bool = False, allow_pickle: bool = False, per_rank_from: RankPolicy = None,
             drop_non_tensors: bool = False, options: Options | None = None,
             progress: Progress | None = None) -> Converted:
-    """Write checkpoint ``src`` at ``dst`` as ``to`` (one of TARGETS; see the module
-    docstring for what each keeps). A ``dst`` holding a checkpoint is refused unless
-    ``overwrite``. allow_pickle / per_rank_from: as for ``ckptio.load`` of ``src``.
-    progress: called with (bytes written, bytes in all) while a ckptio or safetensors target
-    is written (DCP's and torch.save's writers report nothing)."""
+    """Write checkpoint ``src`` at ``dst`` as ``to`` (one of TARGETS). A ``dst`` holding a
+    checkpoint is refused unless ``overwrite``. allow_pickle / per_rank_from: as for
+    ``ckptio.load`` of ``src``. progress: called with (bytes written, bytes in all) while a
+    ckptio or safetensors target is written (DCP's and torch.save's writers report nothing).
+
+    Targets, and what happens to what is not a tensor:
+
+    * ``"ckptio"``: ``ckptio.save``; values inline, objects pickled only with ``allow_pickle``.
+    * ``"dcp"``: DCP's own ``FileSystemWriter`` (``dcp.save`` in this one process), so that
+      ``dcp.load(state, storage_reader=FileSystemReader(DST))`` reads it with no ckptio
+      installed. Tensors keep every bit; every other value (ints, strings, bytes, numpy
+      arrays, objects) is stored by DCP's own pickle (``torch.save``), which DCP's loader
+      unpickles. DCP's flattening shows through: a dict key that is not a str comes back from
+      ``dcp.load`` as a str, an empty dict is left out, a tensor held under two keys is stored
+      twice.
+    * ``"torch.save"``: one file holding the state as ``ckptio.load`` returns it (values, tied
+      tensors and tuples kept); ``torch.load(weights_only=True)`` reads it unless it holds
+      numpy values or pickled objects (``Converted.needs_pickle`` names those keys).
+    * ``"safetensors"``: a Hugging Face folder by ``export_hf`` (every key, names as the dotted
+      keys; a tied alias is left out, as Hugging Face ties weights itself). Safetensors holds
+      tensors only: Python values, numpy/bytes/pickled entries and per-rank values are
+      refused, naming every key, unless ``drop_non_tensors`` leaves them out
+      (``Converted.dropped``).
+
+    The DCP directory and the torch.save file are written under a temporary name beside DST
+    and renamed into place when complete and fsynced; ``overwrite`` replaces an existing one
+    (a directory is moved aside first, then removed: a crash between the two renames leaves
+    the old one as ``.NAME.ckptio-*.old``). Memory: the whole state in host memory (a load,
+    then a save), except for safetensors, which ``export_hf`` streams."""
     src_text, dst_text = os.fsdecode(os.fspath(src)), os.fsdecode(os.fspath(dst))
     if to not in TARGETS:
         raise CkptError(f"convert(to={to!r}): choose one of {', '.join(TARGETS)}")

@@ -4,21 +4,16 @@
 
 Steps (one process, or every rank of a process group together):
 
-1. open the source as a load does (ckptio manifest, DCP dir, torch.save file, safetensors) and
-   plan the export (planning/export.py, pure): names, files, offsets; files go to ranks by
-   bytes. One collective step: every rank planned; the coordinator checks ``dst`` (empty, or
-   ``overwrite``) and hands out this export's temp-file token.
-2. each rank streams its files (saving/stream.py): every window's flat element ranges are read
-   by loading/read.py (resharded from whatever chunks, DTensor shards or flat partitions the
-   source holds, checksums verified), cast when ``dtype`` asks, written aligned into
-   ``.<name>.ckptio-<token>.tmp``, cut to size and fsynced. Memory: the read pool plus two
-   windows (plus, when ``dtype`` converts, a scratch of up to the window's saved bytes).
+1. open the source as a load does and plan the export (planning/export.py, pure): names,
+   files, offsets; files go to ranks by bytes. One collective step: every rank planned; the
+   coordinator checks ``dst`` (empty, or ``overwrite``) and hands out the temp-file token.
+2. each rank streams its files (saving/stream.py): every window's flat element ranges read by
+   loading/read.py (resharded, checksums verified), cast when ``dtype`` asks, written aligned
+   into ``.<name>.ckptio-<token>.tmp``, cut to size and fsynced.
 3. one collective step "every file written"; its decision on the coordinator is the commit:
-   files and subfolders of ``copy_from`` copied, the temp files renamed, stale shards of an
-   overwritten export removed, and ``model.safetensors.index.json`` written last (tmp +
-   rename, directory fsynced; a single ``model.safetensors`` has no index). The directory is
-   complete once the index (or the single file) exists. A failure on any rank removes every
-   temp file and raises on every rank.
+   ``copy_from`` copied, the temp files renamed, stale shards removed, the index written last.
+   A failure on any rank removes every temp file and raises on every rank.
+What the commit does in detail and the memory an export holds: on ``export_hf``.
 
 Owns: the order of those steps and the commit. Does not own: the plan (planning/export.py), the
 header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
@@ -108,6 +103,15 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     progress: called with (bytes written, bytes in all) of this rank's files after each window.
     With torch.distributed initialised (or ``process_group``), every rank calls this together
     and the files are split between the ranks by bytes.
+
+    The source is anything a load opens (ckptio manifest, DCP dir, torch.save file,
+    safetensors), read from whatever chunks, DTensor shards or flat partitions it holds.
+    Memory: the read pool plus two windows (plus, when ``dtype`` converts, a scratch of up to
+    the window's saved bytes). The commit copies the files and subfolders of ``copy_from``,
+    renames the temp files, removes stale shards of an overwritten export, and writes
+    ``model.safetensors.index.json`` last (tmp + rename, directory fsynced; a single
+    ``model.safetensors`` has no index). The directory is complete once the index (or the
+    single file) exists.
     """
     started = time.perf_counter()
     out = _destination(dst)

@@ -6,56 +6,21 @@
 
     class MySFT(CkptioTrainerMixin, trl.SFTTrainer): ...   # another Trainer subclass, the same way
 
+Call order (transformers' own hooks): ``train`` resolves ``resume_from_checkpoint=True``
+(``last_checkpoint``) and refuses what is unsupported; a save runs ``_save_checkpoint`` ->
+``save_model`` (the one ckptio checkpoint, committed) -> the other ``_save_*`` hooks (already
+saved) -> transformers' trainer_state.json; a resume runs ``_load_from_checkpoint`` ->
+``_load_optimizer_and_scheduler`` -> ``_load_scaler`` -> ``_load_rng_state`` (after the data
+skip). Importing the module checks that transformers still has every hook. The route, the
+checkpoint-N layout, when one is complete and what is refused: docs/BEHAVIOUR.md,
+"ckptio.hf_trainer".
+
 Owns: where a Trainer checkpoint's training state goes (one ckptio checkpoint inside
 ``checkpoint-N``), reading it back at the moments transformers reads its own files, and which
 ``checkpoint-N`` ``resume_from_checkpoint=True`` picks. Does not own: the checkpoint format, its
 commit or its checks (``ckptio.save``/``ckptio.load``), the generators' capture (ckptio.rng),
 when transformers saves, trainer_state.json, or the rotation ``save_total_limit`` does (all
 transformers' own, unchanged).
-
-The route: a Trainer subclass (and the same methods as a mixin), overriding transformers' own
-save/load hooks. A ``TrainerCallback`` cannot do it: callbacks are told after a checkpoint was
-saved (``on_save``) and have no load event, so transformers would still write (and on resume
-read) its torch.save pickles, and the RNG states must be set at the exact point of the epoch
-where transformers sets them (``_load_rng_state`` is called after the data loader skipped the
-batches already trained, so that the skip does not consume the restored generators). The hooks
-are the places transformers 5 calls for exactly these parts: ``save_model`` (inside
-``_save_checkpoint``), ``_save_optimizer_and_scheduler``, ``_save_scaler``, ``_save_rng_state``,
-``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
-``_load_rng_state`` and ``_load_best_model``; ``train`` is overridden only to resolve
-``resume_from_checkpoint=True``. Everything else (when to save, trainer_state.json with the
-callbacks' states, ``save_total_limit``, ``best_model_checkpoint``, the data skip) stays
-transformers'. Most hooks are private methods: importing this module checks that the installed
-transformers still has each one (else an ImportError naming them), so a release that renames
-one cannot silently bring its pickles back.
-
-A checkpoint, in transformers' own layout (so ``get_last_checkpoint``, ``save_total_limit`` and
-``resume_from_checkpoint`` keep working, and so does a ``checkpoint-N`` another tool lists)::
-
-    out/checkpoint-N/ckptio/         one ckptio checkpoint: "model", "optimizer", "scheduler",
-                                     "scaler" (when there is one), "rng" (ckptio.RNGState),
-                                     "parts" (the list of those it holds)
-    out/checkpoint-N/config.json     the model's config (and generation_config.json, tokenizer
-                                     files), as transformers writes them
-    out/checkpoint-N/training_args.json   TrainingArguments as JSON (transformers: a pickle)
-    out/checkpoint-N/trainer_state.json   transformers' own, written after the ckptio commit
-
-No model.safetensors, optimizer.pt, scheduler.pt, rng_state.pth or training_args.bin: nothing in
-the checkpoint is a pickle, and resuming unpickles nothing. The ckptio checkpoint is written and
-committed (manifest last) in the first of those hooks, before transformers writes
-trainer_state.json; so a checkpoint-N is complete when its ckptio checkpoint is committed and
-its trainer_state.json parses and names step N. ``resume_from_checkpoint=True`` takes the newest
-complete one, warning about each newer one it passes over (a save a kill cut short); an explicit
-path that is not complete, or data that fails its checksums, is a CkptError naming the
-directory and the fix. ``save_only_model=True`` checkpoints hold only "model".
-``allow_pickle=True`` also resumes a checkpoint-N that transformers' own Trainer wrote (a run
-switched over), through transformers' own loaders; without it such a directory is refused.
-
-Single-process training only for now (CPU or one accelerator): several processes (DDP, FSDP,
-DeepSpeed) and XLA FSDP are refused by ``train`` with a CkptError, not saved half-way; so is pushing
-each checkpoint to the Hub (``hub_strategy`` other than "end"), which copies weight files a
-checkpoint-N here does not have. ``trainer.save_model()`` called by the user still writes
-transformers' own format (model.safetensors), for ``from_pretrained`` and the Hub.
 """
 
 from __future__ import annotations
@@ -198,7 +163,7 @@ def _checked(path: str, allow_pickle: bool) -> str | None:
 
 
 class CkptioTrainerMixin:
-    """transformers.Trainer's checkpoint hooks, through ckptio (see the module docstring).
+    """transformers.Trainer's checkpoint hooks, through ckptio (docs/BEHAVIOUR.md).
     Put it before the Trainer class: ``class T(CkptioTrainerMixin, transformers.Trainer)``.
 
     ckptio_options: ckptio.Options for the saves and loads (default: the defaults and the
@@ -348,5 +313,5 @@ class CkptioTrainerMixin:
 
 
 class CkptioTrainer(CkptioTrainerMixin, transformers.Trainer):
-    """transformers.Trainer whose checkpoints are ckptio checkpoints (module docstring); takes
+    """transformers.Trainer whose checkpoints are ckptio checkpoints (docs/BEHAVIOUR.md); takes
     Trainer's arguments plus ``ckptio_options`` and ``allow_pickle`` (CkptioTrainerMixin)."""

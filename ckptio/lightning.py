@@ -5,40 +5,15 @@
                                                            save_last=True)])
     trainer.fit(model, ckpt_path="last")       # resumes from ckpts/last.ckpt (a ckptio checkpoint)
 
+Call order (Lightning's): ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` as
+ModelCheckpoint and the Trainer decide, ``teardown`` at the end of fit/validate/test. How file
+paths map onto checkpoint directories, which values are stored without pickle, loading and
+ranks: docs/BEHAVIOUR.md, "ckptio.lightning".
+
 Owns: the two Lightning CheckpointIO plugins (``CheckpointIO``: the save returns once the
 checkpoint is durable and committed; ``AsyncCheckpointIO``: the save returns once the tensors
 are copied into ckptio's staging pool, the write and commit run in the background), and how
-Lightning's file-oriented checkpoint paths map onto ckptio checkpoints, which are directories:
-
-- The path ModelCheckpoint chooses (``epoch=0-step=10.ckpt``, ``last.ckpt``) is the checkpoint
-  directory itself. Lightning's own checks work on it unchanged: ``exists`` (its version
-  counter), the listing of ``last*.ckpt`` (``ckpt_path="last"``), ``save_last="link"`` (a
-  symlink to the directory; Lightning removes a directory at the link's name with rmtree).
-- Saving at a path that is a symlink (a former ``last`` link) replaces the link, as Lightning's
-  own atomic torch.save does; it never writes through it into the checkpoint it points at.
-- ``remove_checkpoint`` (top-k's removal of a worse checkpoint, the previous ``last``) renames
-  the directory to a hidden ``.deleting-<name>-<hex>`` first (atomic, directory fsynced), then
-  removes it: a kill never leaves a half-deleted checkpoint under a name Lightning would pick
-  up; leftovers are removed by the next removal in that directory. A symlink loses only the
-  link; a plain file (a torch.save checkpoint) is removed.
-
-Lightning's checkpoint dict holds tensors (``state_dict``, optimizer states, scores) and plain
-Python values (loops' and callbacks' state, hyperparameters, versions): ckptio stores the
-tensors as data and the values inline in its JSON manifest, without pickle. Any other object
-(a ``pathlib.Path`` or an OmegaConf container in the hyperparameters, say) is refused at save,
-naming its key, unless the plugin is made with ``allow_pickle=True``; loading such a checkpoint
-needs ``allow_pickle=True`` again (and ``weights_only=True`` from Lightning refuses it even then).
-
-Loading reads any ckptio checkpoint, a DCP directory or a torch.save file (``.ckpt`` files of
-Lightning's own TorchCheckpointIO, decoded with an allow-list, no pickle run), into CPU tensors
-(``map_location``: a device moves them; Lightning moves them to the module's device anyway).
-
-With several ranks (DDP) Lightning saves from rank 0 alone and loads on every rank: the
-plugin saves over a process group of rank 0 alone (whole tensors, as Lightning's checkpoint
-dict holds them), so the other ranks are not waited for. Sharded checkpoints (FSDP's
-``state_dict_type="sharded"``, DeepSpeed) are written by those strategies themselves, not
-through a CheckpointIO.
-
+Lightning's file-oriented checkpoint paths map onto ckptio checkpoints, which are directories.
 Does not own: the checkpoint format, the save and load (ckptio's Checkpointer), nor which
 checkpoints to keep (Lightning's ModelCheckpoint).
 Works with ``import lightning`` and with the standalone ``pytorch_lightning`` package (the
@@ -94,7 +69,7 @@ _BASE, *_OTHERS = _lightning_bases()
 
 
 class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
-    """A Lightning CheckpointIO that saves through ckptio (see the module docstring).
+    """A Lightning CheckpointIO that saves through ckptio (docs/BEHAVIOUR.md, "ckptio.lightning").
 
     options: ckptio.Options of the saves and loads (staging pool, I/O; default: the defaults
         and CKPTIO_* environment). allow_pickle: store (and load back) values that are neither

@@ -5,23 +5,16 @@
     ckptio.load(path, state)    # any number of stages, any split of the layers, one process
 
 ``torch.optim.Optimizer.state_dict()`` keys each parameter's state by its index in the
-optimizer, and ``param_groups`` is a list holding those indices: on pipeline stages, stage 0's
-parameter 0 and stage 1's parameter 0 are different parameters under one key, and the lists
-differ between ranks. ``OptimizerState`` presents the same state keyed by each parameter's
-fully qualified name (FQN) in the model, the keys of DCP's
-``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``::
+optimizer: on pipeline stages, stage 0's parameter 0 and stage 1's parameter 0 are different
+parameters under one key. ``OptimizerState`` presents the same state keyed by each parameter's
+fully qualified name (FQN) in the model, the keys of DCP's flattened optimizer state dict (the
+keys, the tree, how stages merge and which loads are refused: docs/FORMAT.md, "Optimizers keyed
+by parameter name"). Build stages as torchtitan does (layers not in the stage deleted from a
+``ModuleDict`` keyed by layer index), so every stage's keys are FQNs of the whole model.
 
-    state.<fqn>.<name>           exp_avg, exp_avg_sq, step, ... of parameter <fqn>
-    param_groups.<fqn>.<name>    lr, betas, weight_decay, ... of the group holding <fqn>
-
-Every stage's keys are its own parameters' names (FQNs of the whole model: build stages as
-torchtitan does, layers not in the stage deleted from a ``ModuleDict`` keyed by layer index),
-so the stages' trees merge into one and data-parallel replicas of a stage are written once.
-A load gives each rank the entries of the parameters it holds, whatever split saved them; a
-parameter group takes the hyperparameters saved for its parameters, and a group whose
-parameters were saved with different values of a hyperparameter is refused (CkptError naming
-the group, the parameters and the values; leave the hyperparameters out with
-``keys=lambda k: ".param_groups." not in k`` to keep the live ones).
+Call order: ``OptimizerState(model, optimizer)`` in the saved state -> a save calls
+``state_dict()`` (the live state, by FQN) -> a load calls ``ckptio_creates`` (which absent keys
+it may create) and ``load_state_dict()`` (back to indices, as the optimizer was built).
 
 Owns: the FQN <-> index mapping and the per-parameter hyperparameters, both ways. Does not own:
 how the values are stored or read (the save and load paths), nor which absent keys a load may
@@ -82,7 +75,13 @@ class OptimizerState:
     or the model parts of this rank's stages). Put it in the saved state in place of the
     optimizer; ``state_dict()`` reads the optimizer's live state (no copies but tensor-valued
     hyperparameters), ``load_state_dict()`` hands it to ``optimizer.load_state_dict`` keyed by
-    index, as that optimizer was built."""
+    index, as that optimizer was built.
+
+    A load gives each rank the entries of the parameters it holds, whatever split saved them;
+    a parameter group takes the hyperparameters saved for its parameters, and a group whose
+    parameters were saved with different values of a hyperparameter is refused (CkptError
+    naming the group, the parameters and the values; leave the hyperparameters out with
+    ``keys=lambda k: ".param_groups." not in k`` to keep the live ones)."""
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module],
                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:

@@ -63,7 +63,8 @@ class Options:
         more, else the POSIX thread pool, silently), "posix" (thread pool) or "uring"
         (io_uring; falls back to posix, logged once, where io_uring is unavailable). io_uring
         pins the staging pool once (fixed buffers) where POSIX I/O pins every request's pages
-        again: a 2 GB save took 0.74-0.80 s against 1.0-1.2 s (docs/BENCH_LIMIT.md round six).
+        again, which made a save slower (docs/BENCH_LIMIT.md, "the save's gap to the disk was
+        page pinning").
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
         io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
     if_locked: what a save does when another save (another process, job or machine sharing the

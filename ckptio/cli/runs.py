@@ -3,23 +3,16 @@
     $ ckptio ls ckpts/run-7
     ckpts/run-7: 4 step(s): 3 committed, 1 incomplete; 1 being deleted; 12.9 MiB in all
       STEP  STATE                  SIZE       LOGICAL  FILES  TIME                 BASE
-      10    being deleted       4.1 MiB             -      2  2026-11-24 13:17:02
       20    committed           4.1 MiB       4.1 MiB      2  2026-11-24 13:17:05  full
       21    committed         512.0 KiB       4.1 MiB      2  2026-11-24 13:17:06  step-20
-      30    incomplete          4.1 MiB             -      1  2026-11-24 13:17:09
 
-SIZE is what the step's own files hold (stored), LOGICAL the tensor bytes its manifest
-describes (a load returns them); BASE, for a committed step, ``full`` or the steps a delta
-references (docs/FORMAT.md version 4), which must stay beside it.
+What each column and state means, and the JSON schema: docs/CLI.md, "ls". Sizes and
+times come from a listing of the step's files (local: stat; S3: ListObjectsV2, LastModified);
+torch is never imported. A rank's directory of a memory tier with redundancy
+(``shm://NAME/r<rank>``) ends with the steps whose protection across hosts is committed.
 
-A step is "committed" when its manifest is (restore picks only those), "incomplete" when it
-holds files but no committed manifest (an interrupted save, or one running now), "being
-deleted" when a retention took it out of the listing and has not finished removing it (a local
-``.deleting-step-N-<hex>`` directory, an S3 ``step-N/.deleting`` marker): those internal names
-are shown as the step they were, never as a checkpoint. Sizes and times come from a listing of
-the step's files (local: stat; S3: ListObjectsV2, LastModified); torch is never imported.
-A rank's directory of a memory tier with redundancy (``shm://NAME/r<rank>``) ends with the
-steps whose protection across hosts is committed, and how (``protected`` in JSON).
+Call order (cli/commands.py): ``list_run(location)`` (None: not a run directory) -> ``run``
+(text by ``text_lines``, or JSON with ``protected``).
 
 Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
 own whose root lists steps), the per-step sizes and times, the text and JSON (schema

@@ -2,22 +2,15 @@
 
     dcp.load(state, storage_reader=ckptio.DcpReader("ckpts/step-100"))
 
-loads a checkpoint written by ``ckptio.save`` (any number of ranks, any layout: DTensor,
+Reads a checkpoint written by ``ckptio.save`` (any number of ranks, any layout: DTensor,
 TensorShard, FlatShard, per-rank values, inline values, aliases) or a stock DCP directory
-(``.metadata``, through the Manifest loading/dcpdir.py makes of it, every item opened in
-``read_metadata``: opening only the items a rank's plan reads measured slower,
-docs/BENCH_INTEROP.md round four), with DCP's planners doing
-the resharding. ``read_metadata`` turns the manifest into DCP's ``Metadata`` (keys by DCP's
-traversal rules: readmeta.py); ``read_data`` turns the plan's tensor items into ckptio Reads
-and fills them with one ``loading/read.read_regions`` pass (coalesced aligned reads, checksums,
-block checks for partial reads) through the shared Checkpointer's pool and backend, then
-commits them; BYTE_IO items are rebuilt from the inline values and data entries under their
-key and handed to the planner as ``torch.save`` bytes.
+(through the Manifest loading/dcpdir.py makes of it), with DCP's planners doing the resharding.
 
-Errors are CkptError subclasses naming the key, file and fix; DCP wraps an error of
-``read_data`` in its CheckpointException (``failures[rank]`` holds the CkptError itself), and an
-error of ``read_metadata`` becomes the text of an AssertionError in it (DCP's fallback to
-rank-local metadata swallows the exception object).
+Call order (DCP's): ``read_metadata`` (the manifest as DCP's ``Metadata``; keys by readmeta.py)
+-> ``set_up_storage_reader`` -> ``prepare_local_plan`` / ``prepare_global_plan`` ->
+``read_data`` (one ``loading/read.read_regions`` pass through the shared Checkpointer's pool and
+backend, then the commits). Errors are CkptError subclasses naming the key, file and fix; how
+DCP wraps them is on ``read_data`` and ``read_metadata``.
 
 Owns: the StorageReader protocol and the translation of DCP items into ckptio reads. Does not
 own: the key walk (readmeta.py), I/O and checksums (loading/read.py via api.Checkpointer),
@@ -115,7 +108,11 @@ class DcpReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         """DCP's Metadata of the checkpoint, as this rank sees it (per-rank values: the saved
-        rank ``per_rank_from`` picks for it)."""
+        rank ``per_rank_from`` picks for it). A stock DCP directory has every item opened here
+        (opening only the items a rank's plan reads was slower: docs/BENCH_INTEROP.md, "each
+        rank opens only the items it needs"). An error raised here reaches the caller as the
+        text of an AssertionError in DCP's CheckpointException (DCP's fallback to rank-local
+        metadata swallows the exception object)."""
         record = self._checkpointer().manifest(self.path, allow_pickle=self.allow_pickle)
         rank, world_size = _rank()
         view = readmeta.dcp_view(record, rank=rank, world_size=world_size,
@@ -145,7 +142,11 @@ class DcpReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every item of ``plan`` in one read pass, then committed to the planner; -> a
-        completed Future."""
+        completed Future. Tensor items become ckptio Reads filled by one
+        ``loading/read.read_regions`` pass (coalesced aligned reads, checksums, block checks for
+        partial reads); BYTE_IO items are rebuilt from the inline values and data entries under
+        their key and handed to the planner as ``torch.save`` bytes. DCP wraps an error raised
+        here in its CheckpointException, ``failures[rank]`` holding the CkptError itself."""
         record, metadata = self._opened()
         batch = _Batch(metadata.storage_data, self.path, self.allow_pickle)
         for item in plan.items:

@@ -1,12 +1,7 @@
 """``ckptio.DcpWriter``: a ``torch.distributed.checkpoint`` StorageWriter that saves through
-ckptio, so that
-
-    dcp.save(state, storage_writer=ckptio.DcpWriter(path))
-    dcp.async_save(state, storage_writer=ckptio.DcpWriter(path), async_checkpointer_type=...)
-
-write an ordinary ckptio checkpoint (manifest.json committed last, aggregated aligned data
-files, checksums) that ``ckptio.load`` reads in place into any layout, ``ckptio.verify`` checks
-and ``ckptio ls`` lists. DCP's planners decide what each rank writes; ckptio writes it.
+ckptio, so that ``dcp.save(state, storage_writer=ckptio.DcpWriter(path))`` (or
+``dcp.async_save``) writes an ordinary ckptio checkpoint that ``ckptio.load`` reads in place
+into any layout. DCP's planners decide what each rank writes; ckptio writes it.
 
 DCP's calls, in order (docs/design/INTEROP.md 2.3):
   set_up_storage_writer   per-save state; a claim left by a failed save is released;
@@ -18,16 +13,7 @@ DCP's calls, in order (docs/design/INTEROP.md 2.3):
                           Checkpointer into its own files (removed again if it fails)
   finish                  the coordinator builds the manifest from every rank's results and
                           DCP's metadata, commits it (the commit point), lets go of the claim
-
-If any rank fails DCP never calls ``finish``: nothing is committed, the previous checkpoint
-stays, and the files of the ranks that did write are removed after the next commit. The claim is
-then released by the writer's next save, ``reset``, its garbage collection or process exit.
-
-One save at a time per writer object (as with DCP's FileSystemWriter): a writer whose save is
-still in flight must not be handed to another save; make one per save.
-
-The writer pickles to ``{path, options, if_locked}`` (DCP's PROCESS executor sends it to its
-daemon for every save); pool, backend, claim and threads live in the process that uses them.
+A failed save, one save at a time per writer, and what the writer pickles to: on DcpWriter.
 
 Owns: DCP's StorageWriter calls and their order. Does not own: the translation (writeplan.py),
 bytes (saving/persist.py), the claim and commit (storage/), the pool (api.Checkpointer).
@@ -85,7 +71,16 @@ class DcpWriter(StorageWriter):
     replaces it). options: ckptio Options (default: ``Options.from_env()`` in the process that
     writes). if_locked: "wait" for another save into ``path``, or "raise"
     CheckpointLockedError. Every rank passes its own DcpWriter; DCP must run with
-    collectives (the default)."""
+    collectives (the default).
+
+    If any rank fails DCP never calls ``finish``: nothing is committed, the previous
+    checkpoint stays, and the files of the ranks that did write are removed after the next
+    commit. The claim is then released by the writer's next save, ``reset``, its garbage
+    collection or process exit. One save at a time per writer object (as with DCP's
+    FileSystemWriter): a writer whose save is still in flight must not be handed to another
+    save; make one per save. The writer pickles to ``{path, options, if_locked}`` (DCP's
+    PROCESS executor sends it to its daemon for every save); pool, backend, claim and threads
+    live in the process that uses them."""
 
     def __init__(self, path: str | os.PathLike[str], *, options: Options | None = None,
                  if_locked: str = "wait") -> None:

@@ -3,19 +3,13 @@
 Ranks exchange their (small) messages as keys of the rendezvous store every torch.distributed
 job already has (a TCPStore held by rank 0 or by torchrun's agent), instead of a gloo group:
 no process group is made, nothing is pickled, and every wait is a loop that can give up. A
-waiting rank watches the ranks it waits for (liveness.py): one that shows no sign of life for
-``Deadlines.rank_s`` is named in a RankFailedError on every live rank; one alive but still not
-at the step after ``Deadlines.step_s`` likewise. The failure is recorded in the store, so every
-rank waiting anywhere in the group raises it at its next look (every beat), and the group stays
-failed (a job that lost a rank restarts). A store whose host exited fails the step at once,
-naming rank 0; a frozen host stalls store calls (TCPStore calls have no receive timeout).
+waiting rank watches the ranks it waits for (liveness.py); a rank dead for ``Deadlines.rank_s``
+or not at the step after ``Deadlines.step_s`` is named in a RankFailedError on every live rank,
+and the group stays failed (a job that lost a rank restarts). The key layout and the failure
+record are on StoreGroup.
 
-Keys of a group live under ``ckptio/<ranks>/<instance>/``. A gather's messages and a scatter's
-answers are one key per rank, stamped with the step's number and deleted by their rank once it
-has its answer (a rank sends its next message only after the coordinator's answer, which reads
-every message first); broadcasts are one key per step, deleted by the coordinator once every
-rank read it. Counters (``add``) say when a step is complete and which ranks sent: they never
-block, so no wait depends on a key existing, and a look never fetches a message.
+Call order: ``StoreGroup(...)`` once per group, then ``gather`` / ``scatter`` / ``broadcast``
+in the same order on every rank.
 
 Owns: the Group protocol's implementation over a store, deadlines and the failure record. Does
 not own: what the messages say (wire.py, step.py), or liveness (liveness.py).
@@ -60,7 +54,19 @@ class Deadlines:
 
 
 class StoreGroup:
-    """``rank`` of ``size`` ranks (global ranks ``members``) exchanging bytes in ``store``."""
+    """``rank`` of ``size`` ranks (global ranks ``members``) exchanging bytes in ``store``.
+
+    Keys of a group live under ``ckptio/<ranks>/<instance>/``. A gather's messages and a
+    scatter's answers are one key per rank, stamped with the step's number and deleted by their
+    rank once it has its answer (a rank sends its next message only after the coordinator's
+    answer, which reads every message first); broadcasts are one key per step, deleted by the
+    coordinator once every rank read it. Counters (``add``) say when a step is complete and
+    which ranks sent: they never block, so no wait depends on a key existing, and a look never
+    fetches a message.
+
+    A failure is recorded in the store, so every rank waiting anywhere in the group raises it at
+    its next look (every beat). A store whose host exited fails the step at once, naming rank
+    0; a frozen host stalls store calls (TCPStore calls have no receive timeout)."""
 
     def __init__(self, store: Any, alive_store: Any, members: tuple[int, ...], rank: int,
                  name: str, deadlines: Deadlines) -> None:
@@ -334,7 +340,7 @@ class StoreGroup:
 def poll_pause(waited_s: float, floor_s: float, cap_s: float) -> float:
     """The sleep before a waiting rank's next poll, having waited ``waited_s``: 1/16 of it,
     within [floor_s, cap_s], so a step is seen at most ~6 % of its wait late (doubling pauses
-    overslept by up to the whole wait so far: a wait of 0.11 s returned 41 ms late)."""
+    overslept by up to the whole wait so far: docs/BENCH_LIMIT.md, "the 2-rank save")."""
     return min(cap_s, max(floor_s, waited_s * _LATE_SHARE))
 
 

@@ -2,13 +2,13 @@
 
 Owns: the set of algorithms a manifest may name, their hex digests, what an entry's checksum
 is under each, and the one CRC-32 function ckptio checks records with. xxh3_64 is the
-primitive: measured here at ~15 GB/s on one core, releasing the GIL (crc32c measured the same
-speed, so a hardware CRC-32C buys nothing over xxh3 for ckptio's own checkpoints).
+primitive: the fastest measured, releasing the GIL; a hardware CRC-32C buys nothing over it for
+ckptio's own checkpoints (docs/PROBES.md, "Checksum speed and GIL release").
 crc32 (8 hex digits) is what torch.save zips record: a DCP checkpoint or torch.save file read
 through ckptio (loading/dcpdir.py, loading/torchsave.py) is checked against it. ``crc32`` is
 ISA-L's (the ``isal`` package, ckptio's ``fastcrc`` extra) when it is installed, else zlib's:
-the same polynomial and values, 24 GB/s against zlib's 2.3 GB/s on a 64 MiB buffer here (xxh3:
-28 GB/s in the same run; issue 29, round five, docs/BENCH_INTEROP.md); both release the GIL.
+the same polynomial and values, ISA-L's much the faster; both release the GIL
+(docs/BENCH_INTEROP.md, "CRC-32 by ISA-L").
 
 An entry of more than one block carries a checksum of every ``block_nbytes`` of its bytes (a
 load of part of it checks those) and one of the whole entry:
@@ -17,6 +17,8 @@ load of part of it checks those) and one of the whole entry:
 - ``xxh3_64`` (earlier checkpoints, still read): the xxh3_64 of the whole entry's bytes, which
   hashed every byte twice. Files that are not entries (index files) and single frames are hashed
   with the primitive under either name (``new_hasher``).
+
+Does not own: where checksums are stored (manifest.py) or when they are checked (loading/).
 """
 
 from __future__ import annotations

@@ -1,23 +1,19 @@
 """Lossless codecs of one frame (format version 4): encode and decode a frame's bytes, by name.
 
-A compressed entry is a sequence of independent frames, frame i holding the entry's logical
-bytes ``[i * block_nbytes, min((i + 1) * block_nbytes, nbytes))`` (docs/FORMAT.md). A frame is
-stored compressed only when that is shorter; a frame whose stored length equals its logical
-length is stored raw (so a stored entry never exceeds its logical size, and an incompressible
-frame costs nothing to decode).
+A compressed entry is a sequence of independent frames (docs/FORMAT.md); a frame is stored
+compressed only when that is shorter, else raw (``encode_frame``).
 
 Names, as the manifest spells them (``stored.codec``):
 
 * ``"zstd"``: zstd (level 1) of the frame's bytes;
 * ``"bytegroupN+zstd"`` (N in 2, 4, 8, 16, the entry's element size): the frame's bytes as N
   byte planes (byte 0 of every element, then byte 1, ...), then zstd. The exponent planes of
-  floats compress, the mantissa planes barely (docs/PROBES.md measured 1.45x on bf16 weights,
-  against 1.28x for plain zstd).
+  floats compress, the mantissa planes barely (docs/PROBES.md, "Lossless codecs on training
+  tensors").
 
 A save names a codec by its family (``"zstd"``, ``"bytegroup+zstd"``); ``stored_name`` gives the
 manifest's name for an element size. Both need the ``zstandard`` package (and numpy), the
-``ckptio[compress]`` extra; a save asking for one without it gets a CkptError naming the
-install.
+``ckptio[compress]`` extra (``check_available``).
 
 Owns: the names, their parsing, encoding and decoding a frame, XOR of two byte buffers.
 Does not own: where frames lie (the entry's ``stored`` field, manifest.py) or which entries are
@@ -101,7 +97,12 @@ def _decompressor() -> Any:
 
 
 def encode_frame(name: str, frame: memoryview | bytes) -> bytes | memoryview:
-    """The stored bytes of one frame: compressed when shorter, else the frame itself (raw)."""
+    """The stored bytes of one frame: compressed when shorter, else the frame itself (raw).
+
+    Frame i of an entry holds its logical bytes ``[i * block_nbytes, min((i + 1) *
+    block_nbytes, nbytes))``; a frame whose stored length equals its logical length is raw, so
+    a stored entry never exceeds its logical size and an incompressible frame costs nothing to
+    decode."""
     group = group_of(name)
     data: Any = frame
     if group > 1 and len(frame) % group == 0 and len(frame):
@@ -128,7 +129,8 @@ def decode_frame(name: str, stored: memoryview | bytes, into: memoryview) -> Non
         raise ValueError(f"the frame does not decode ({exc})") from None
     if len(raw) != nbytes:
         raise ValueError(f"the frame decodes to {len(raw)} bytes, not {nbytes}")
-    if group > 1 and nbytes % group == 0:  # column stores: 2.5x a transposed copy (probe)
+    # column stores: faster than a transposed copy (docs/PROBES.md, "Codecs and XOR deltas")
+    if group > 1 and nbytes % group == 0:
         out = np.frombuffer(into, np.uint8).reshape(-1, group)
         planes = np.frombuffer(raw, np.uint8).reshape(group, -1)
         for i in range(group):

@@ -2,27 +2,18 @@
 
 torch.distributed.checkpoint's FileSystemWriter pickles a ``Metadata`` object into
 ``.metadata``. This module reads it with an allow-list unpickler: ``find_class`` returns
-torch-free stand-ins for exactly the globals a torch 2.13 ``.metadata`` holds (the table below,
-found by disassembling real checkpoints of varied states with pickletools), refuses any other
-global (PickleRefusedError naming it and the file) and every persistent id. The stand-ins are
-then checked field by field (types, bounds, chunks tiling their tensor, every chunk stored once,
-stored items inside no one else's bytes) into a ``DcpMeta``: plain frozen dataclasses.
+torch-free stand-ins for exactly the globals a torch 2.13 ``.metadata`` holds (``_ALLOWED``,
+whose comment lists them), refuses any other global (PickleRefusedError naming it and the
+file) and every persistent id. The stand-ins are then checked field by field (types, bounds,
+chunks tiling their tensor, every chunk stored once, stored items inside no one else's bytes)
+into a ``DcpMeta``: plain frozen dataclasses.
 
-Allowed globals (anything else is refused):
-
-    torch.distributed.checkpoint.metadata  Metadata, TensorStorageMetadata, BytesStorageMetadata,
-                                           ChunkStorageMetadata, StorageMeta, MetadataIndex,
-                                           TensorProperties, _MEM_FORMAT_ENCODING (called: 0-2)
-    torch.distributed.checkpoint.filesystem  _StorageInfo
-    torch                                  Size (called with a tuple), the dtypes of
-                                           types.DTYPE_ITEMSIZE (by name)
-    torch.serialization                    _get_layout (called with "torch.strided" only)
-    pathlib                                PosixPath (called with str parts -> str)
+Call order: ``decode(raw, where)`` -> a DcpMeta (loading/dcpdir.py makes a Manifest of it).
 
 Owns: that unpickler, the stand-ins and the checks, and ``DType`` (a dtype by name, shared with
 torchzip.py). Pure: bytes in, DcpMeta out; never imports torch (a test checks it). Does not own:
-reading the files (loading/foreign.py), the items' own zip records (torchzip.py), turning a
-DcpMeta into a ckptio Manifest (loading/foreign.py).
+reading the files (loading/dcpdir.py), the items' own zip records (torchzip.py), turning a
+DcpMeta into a ckptio Manifest (loading/dcpdir.py).
 """
 
 from __future__ import annotations
@@ -162,6 +153,17 @@ def _posix_path(*parts: Any) -> str:
     return posixpath.join(*parts) if parts else "."
 
 
+# The globals a torch 2.13 ``.metadata`` holds (found by disassembling real checkpoints of
+# varied states with pickletools); anything else is refused:
+#     torch.distributed.checkpoint.metadata  Metadata, TensorStorageMetadata,
+#                                            BytesStorageMetadata, ChunkStorageMetadata,
+#                                            StorageMeta, MetadataIndex, TensorProperties,
+#                                            _MEM_FORMAT_ENCODING (called: 0-2)
+#     torch.distributed.checkpoint.filesystem  _StorageInfo
+#     torch                                  Size (called with a tuple), the dtypes of
+#                                            types.DTYPE_ITEMSIZE (by name)
+#     torch.serialization                    _get_layout (called with "torch.strided" only)
+#     pathlib                                PosixPath (called with str parts -> str)
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(_META, name): record for name, record in _RECORDS.items() if name != "_StorageInfo"},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _RECORDS["_StorageInfo"],

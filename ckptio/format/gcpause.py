@@ -1,9 +1,9 @@
 """Pause Python's cyclic garbage collector while building large acyclic metadata.
 
 Decoding or assembling a manifest of many thousands of chunks allocates millions of small
-objects; each allocation threshold triggers a collection that walks all of them again. Measured
-on the plan-scale benchmark: 2.4x faster at 51,704 chunks. Nothing built there forms cycles,
-so nothing is left for the collector to find afterwards.
+objects; each allocation threshold triggers a collection that walks all of them again (the
+gain on the plan-scale benchmark: docs/BENCH_RANKS.md, "Plan-only scale"). Nothing built there
+forms cycles, so nothing is left for the collector to find afterwards.
 """
 
 from __future__ import annotations

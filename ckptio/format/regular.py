@@ -1,32 +1,16 @@
 """Version 3's regular section: tensors described once per layout, and the per-rank index files
-that hold where each of their chunks lies. See docs/FORMAT.md.
-
-A manifest of version 3 holds, beside its per-chunk ``tensors`` (irregular layouts, per-rank
-values, everything else):
-
-    grids    [{"shape": [...], "ranks": [...], "dims": [...]}]  meshes, how tensors lie on them
-    regular  [{"key", "dtype", "shape", "grid"}]                 one row per tensor
-    indexes  [{"rank", "name", "nbytes", "checksum"}]            one row per rank that wrote some
+that hold where each of their chunks lies (the layout: docs/FORMAT.md, "Regular tensors").
 
 Every chunk of a regular tensor follows from its grid (grid.py), and so does its writer: the
-replica ``Grid.writer(key)`` names. That rank's index file lists, per chunk it wrote (the one
-at its own coordinate), the file, offset and checksums as packed little-endian columns after a
-JSON header line:
+replica ``Grid.writer(key)`` names. That rank's index file lists, per chunk it wrote, the file,
+offset and checksums, so the manifest is O(tensors + ranks) and a load reads only the index
+files of the ranks whose chunks it needs.
 
-    {"magic": "ckptio-index", "version": 1, "save_id", "rank", "count", "keys", "files",
-     "digits", "nblocks"}\\n
-    key u32[count]  file u32[count]  offset u64[count]  blocks u32[count]
-    checksums ascii[count x digits]  block checksums ascii[nblocks x digits]
-
-``key`` numbers the header's ``keys`` (regular tensors of the manifest), ``file`` its
-``files``, ``blocks`` how many of the block checksums (in order) are that chunk's. So the manifest is O(tensors +
-ranks), and a load reads only the index files of the ranks whose chunks it needs.
-
-``expand`` turns the regular tensors a reader wants (a region of each, or all of it) into the
-TensorEntry rows of the chunks that overlap it: the chunks and their writers follow from the
-grids without visiting the others, and only those writers' index files are read (through the
-``read`` handed in), their checksums always checked. ``expand_all`` reads every one (``ckptio
-ls`` and diff read them so without torch; verify and export through ckptio.load's pool).
+Call order: a save builds ``IndexRow``s and ``encode_index`` / ``section_json``; a load's
+``parse_section`` (from validate.py) -> ``expand`` (the chunks overlapping the regions a reader
+wants, reading only their writers' index files through the ``read`` handed in, checksums always
+checked) or ``expand_all`` (every index file: ``ckptio ls`` and diff without torch, verify and
+export through ckptio.load's pool) -> ``decode_index`` / ``check_rows`` on each file read.
 
 Owns: those bytes and every check on them (the file's checksum and length, a row's tensor and
 file exist, its bytes lie inside its file without overlapping another row's, its block count

@@ -171,7 +171,7 @@ def _tensor(c: Check, raw: Any, sizes: dict[str, int], world_size: int,
 def _plain_tensor(raw: Any, sizes: dict[str, int], block_nbytes: int) -> TensorEntry | None:
     """The common entry (kind "tensor", one global box chunk, neither compressed nor a delta)
     accepted without building a message: the checks _tensor makes, on exact JSON types, in
-    about 5 microseconds instead of 13 (a 977-entry manifest, docs/BENCH_LIMIT.md "Round three").
+    a fraction of the time (docs/BENCH_LIMIT.md, "the cold small load").
     None for anything else or anything wrong, which _tensor then checks field by field and
     refuses, naming the field. It accepts only what _tensor accepts and returns the entry
     _tensor returns (tests/test_manifest.py checks both on valid and mutated entries)."""

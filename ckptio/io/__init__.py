@@ -34,8 +34,8 @@ CAP_IPC_LOCK = 14  # capability bit: memory locking beyond RLIMIT_MEMLOCK
 def can_pin() -> bool:
     """Whether io_uring may register a staging pool here: with CAP_IPC_LOCK (root outside a
     container), or under a memlock limit of AUTO_MEMLOCK or more. Elsewhere registration is
-    refused and an unpinned io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md
-    round six)."""
+    refused and an unpinned io_uring is no faster than the POSIX pool (docs/BENCH_LIMIT.md,
+    "the save's gap to the disk was page pinning")."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return soft == resource.RLIM_INFINITY or soft >= AUTO_MEMLOCK or _capable(CAP_IPC_LOCK)
 

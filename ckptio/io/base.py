@@ -81,9 +81,9 @@ def completed(result: int = 0, error: BaseException | None = None) -> Future[int
 def started_pool(threads: int, prefix: str) -> ThreadPoolExecutor:
     """A pool of ``threads`` threads, every one started now, before the first request: a pool
     starts a thread per submit, and each start waits for the new thread to run, which on a busy
-    2-core box, with the first requests' threads already holding the cores, took 0.03 s per
-    thread of a load's main thread (0.24 s for an S3 load's 8 GET threads, docs/BENCH_S3.md
-    round four); started together before any request, they take milliseconds."""
+    box, with the first requests' threads already holding the cores, held up a load's main
+    thread per GET thread (docs/BENCH_S3.md, "the read range apart from the part"); started
+    together before any request, they start at once."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
     ready = threading.Barrier(threads + 1)
     try:

@@ -51,10 +51,10 @@ class Checker:
     def on_io_threads(self) -> bool:
         """Whether a read whose spans check alone is checked on the I/O thread that read it:
         always, except the CRC-32 records of DCP and torch.save files when ``crc32`` is zlib's.
-        zlib's (2.3 GB/s here, a tenth of xxh3) kept that thread from its next read: a 2-rank
-        cold DCP load took 0.90 s against 0.84 s with the checks on the loop (round three).
-        ISA-L's (24 GB/s, releasing the GIL) measured no slower on the I/O threads than on the
-        loop (docs/BENCH_INTEROP.md, round five)."""
+        zlib's, several times slower than xxh3, kept that thread from its next read and made a
+        2-rank cold DCP load slower than with the checks on the loop (docs/BENCH_INTEROP.md,
+        "DCP directories on 2 ranks"); ISA-L's, releasing the GIL, is no slower on the I/O
+        threads than on the loop (docs/BENCH_INTEROP.md, "CRC-32 by ISA-L")."""
         return self.algorithm != "crc32" or crc32_by() != "zlib"
 
     def whole(self, span: Span, view: memoryview, last: bool) -> None:

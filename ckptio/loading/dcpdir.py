@@ -2,39 +2,14 @@
 opened where a read needs them.
 
 ``ckptio.load``, ``ckptio.verify`` and ``ckptio.DcpReader`` on a directory written by DCP's
-FileSystemWriter (no ``manifest.json``, a ``.metadata``) come here. ``open_dcp`` decodes the
-metadata with the allow-list unpickler (format/dcpmeta.py), checks that every data file it names
-is there and long enough for its items, and reads every value item (BYTE_IO: optimizer
-hyper-parameters, Python numbers and containers) whole, decoded by foreign.py
-(``torch.load(weights_only=True)``, ``weights_only=False`` only with ``allow_pickle=True``) and
-expanded by ckptio's flatten rules. Its tree is DCP's planner_data, so fill.py, reshard.py and
-read.py load it into any layout unchanged.
+FileSystemWriter (no ``manifest.json``, a ``.metadata``) come here. The Manifest's tree is DCP's
+planner_data, so fill.py, reshard.py and read.py load it into any layout unchanged (what is
+read and refused: docs/FORMAT.md, "DCP checkpoints").
 
-Each tensor item becomes an entry. The metadata gives its key, dtype, shape, chunk and file; where
-its ``data/0`` record's bytes start, the CRC-32 that follows them (checksum algorithm ``crc32``)
-and the order its dims lie in are in the item's first and last bytes (format/torchzip.py), read
-in one round of coalesced reads (an item's tail and the next item's head are neighbours; a
-descriptor the tail does not hold, another writer's layout, in one more round). Those bytes are
-read:
-
-* with ``every_item`` (verify, ``ckptio ls`` and diff, tiering copies, ``DcpReader``, a one-rank
-  load), at the open, in the round that reads the values;
-* otherwise (a rank of a many-rank load) only for the items a read needs: the open leaves every
-  tensor item a ``PendingEntry``, and ``resolve_reads``, just before a read pass, opens the
-  items whose chunks the pass's regions overlap, and those alone: the items of the rank's own
-  shards and of what it replicates, not every item of the directory. A pending entry is never
-  read: ``resolve_reads`` raises if one would be.
-
-Either way an item a load reads is checked before its bytes are used: its head's records against
-their CRC-32s, its pickled tensor against the metadata (dtype, size, a dense layout), and its data
-against the CRC-32 of its descriptor as it is read (read.py); a failure names the key and file.
-
-Refused, each with a CkptError naming the path and the fix: items written through stream
-transforms, items that are not torch.save zips (e.g. ``serialization_format=SAFETENSORS``),
-tensors stored as a view of part of their storage or with overlapping elements (a transposed or
-channels-last tensor over its whole storage is read: its entry's ``order`` says how its bytes
-lie), a transposed shard of a larger tensor, and values that decode to something ckptio cannot
-hold inline (tensors or arrays inside a value).
+Call order: ``open_dcp`` (the metadata, the files, every value item; with ``every_item`` every
+tensor item opened too, else each left a ``PendingEntry``) -> ``has_pending`` ->
+``resolve_reads`` just before each read pass (opens the pending items the pass's regions
+overlap, and those alone) -> read.py checks each item's data against its CRC-32 as it reads.
 
 Owns: the synthesized Manifest, pending entries and when items are opened. Does not own: the
 pickle and zip parsing (format/), the value decoding and expansion (foreign.py), reading bytes
@@ -88,7 +63,32 @@ class PendingEntry(TensorEntry):
 def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False,
              every_item: bool = True) -> Manifest:
     """The Manifest of the DCP checkpoint in ``store``; with ``every_item`` every tensor item
-    opened, else each left a PendingEntry (see the module docstring)."""
+    opened, else each left a PendingEntry.
+
+    The metadata is decoded with the allow-list unpickler (format/dcpmeta.py); every data file
+    it names must be there and long enough for its items; every value item (BYTE_IO: optimizer
+    hyper-parameters, Python numbers and containers) is read whole, decoded by foreign.py
+    (``torch.load(weights_only=True)``, ``weights_only=False`` only with ``allow_pickle``) and
+    expanded by ckptio's flatten rules.
+
+    Each tensor item becomes an entry: key, dtype, shape, chunk and file from the metadata;
+    where its ``data/0`` record's bytes start, the CRC-32 that follows them (checksum algorithm
+    ``crc32``) and the order its dims lie in from the item's first and last bytes
+    (format/torchzip.py), read in one round of coalesced reads (an item's tail and the next
+    item's head are neighbours; a descriptor the tail does not hold, another writer's layout,
+    in one more round). ``every_item`` (verify, ``ckptio ls`` and diff, tiering copies,
+    ``DcpReader``, a one-rank load) reads them here, in the round that reads the values;
+    without it (a rank of a many-rank load) ``resolve_reads`` reads them later. Either way an
+    item a load reads is checked before its bytes are used: its head's records against their
+    CRC-32s, its pickled tensor against the metadata (dtype, size, a dense layout), its data
+    against its descriptor's CRC-32 as it is read (read.py); a failure names the key and file.
+
+    Refused, each with a CkptError naming the path and the fix: items written through stream
+    transforms, items that are not torch.save zips (e.g. ``serialization_format=SAFETENSORS``),
+    tensors stored as a view of part of their storage or with overlapping elements (a
+    transposed or channels-last tensor over its whole storage is read: its entry's ``order``
+    says how its bytes lie), a transposed shard of a larger tensor, and values that decode to
+    something ckptio cannot hold inline (tensors or arrays inside a value)."""
     where = store.path_of(dcpmeta.METADATA_NAME)
     size = store.sizes([dcpmeta.METADATA_NAME]).get(dcpmeta.METADATA_NAME)
     if size is None:
@@ -129,7 +129,8 @@ def resolve_reads(store: Store, read: ReadFn, reads: Sequence[Read]) -> list[Rea
     region overlaps (its first one when it overlaps none: an empty region), and those items
     are opened, all in one round of reads through ``read`` (unverified: the item checks its
     own records). Reads without a pending entry pass unchanged. CkptError (naming key and file)
-    for an item that does not open; none is left pending."""
+    for an item that does not open; none is left pending. So a rank opens the items of its own
+    shards and of what it replicates, not every item of the directory."""
     kept: list[tuple[Read, tuple[TensorEntry, ...] | None]] = []
     needed: dict[int, PendingEntry] = {}
     for r in reads:

@@ -1,23 +1,12 @@
 """Put a load's values back into the caller's state, the way the state holds them.
 
 After an in-place load has filled the tensors that exist, this walks the state beside the
-checkpoint's tree and:
-- replaces Python values in their parent containers, rebuilding the tuples and namedtuples
-  that hold them (RNG states, ``betas``) and assigning the new tuple into its own parent;
-- inserts, inside a Stateful object (anything with state_dict/load_state_dict but a
-  ``torch.nn.Module``, whose keys are fixed), the entries its state_dict lacks and the
-  checkpoint has (a freshly built optimizer has no per-parameter state until its first step);
-  a Stateful with a ``ckptio_creates(key) -> bool`` method (key relative to it) narrows these
-  to the keys it accepts (``ckptio.OptimizerState``: its own parameters', not other pipeline
-  stages'), and a saved dict entry none of whose leaves was created is not inserted;
-- replaces the contents of a list of Python values whose length differs from the saved one by
-  the saved list (``whole_lists``: as DCP, which stores such a list as one value; the list
-  object stays the caller's). A list holding tensors is filled element by element: its length
-  must match (fill.py's strict rules);
-- hands every Stateful its complete state through its own ``load_state_dict``, innermost first.
+checkpoint's tree: Python values replaced in their parent containers (tuples rebuilt), entries a
+Stateful lacks inserted, lists of another length replaced whole, and every Stateful handed its
+complete state (the rules: on ``put_back``).
 
-A root that is itself a tuple cannot be replaced: tensors inside it are still filled in place,
-and a Python value inside it that differs from the checkpoint raises StateMismatchError.
+Call order (fill.py): ``whole_lists`` (which lists are replaced whole) and ``creatable`` (which
+absent keys may be created) before the reads -> the reads -> ``put_back``.
 
 Owns: the walk, tuple rebuilding, which keys may be created (``creatable``). Does not own:
 reading bytes, matching keys or the strict rules (fill.py).
@@ -269,7 +258,28 @@ def put_back(flat: FlatState, saved_tree: Json, replaced: dict[str, Any],
              created: dict[str, Any], lists: Mapping[str, Json] | None = None) -> None:
     """Assign ``replaced`` (key -> value) into the state, insert ``created`` entries into the
     Statefuls that lack them, fill each list of ``lists`` (whole_lists) with the saved one's
-    values (from ``created``), then call each Stateful's load_state_dict."""
+    values (from ``created``), then call each Stateful's load_state_dict.
+
+    - Python values are replaced in their parent containers, rebuilding the tuples and
+      namedtuples that hold them (RNG states, ``betas``) and assigning the new tuple into its
+      own parent;
+    - inside a Stateful object (anything with state_dict/load_state_dict but a
+      ``torch.nn.Module``, whose keys are fixed), the entries its state_dict lacks and the
+      checkpoint has are inserted (a freshly built optimizer has no per-parameter state until
+      its first step); a Stateful with a ``ckptio_creates(key) -> bool`` method (key relative
+      to it) narrows these to the keys it accepts (``ckptio.OptimizerState``: its own
+      parameters', not other pipeline stages'), and a saved dict entry none of whose leaves
+      was created is not inserted;
+    - the contents of a list of Python values whose length differs from the saved one are
+      replaced by the saved list (``whole_lists``: as DCP, which stores such a list as one
+      value; the list object stays the caller's). A list holding tensors is filled element by
+      element: its length must match (fill.py's strict rules);
+    - every Stateful gets its complete state through its own ``load_state_dict``, innermost
+      first.
+
+    A root that is itself a tuple cannot be replaced: tensors inside it are still filled in
+    place, and a Python value inside it that differs from the checkpoint raises
+    StateMismatchError."""
     walk = _Walk(flat, replaced, created, lists or {})
     root = walk.node(flat.tree, saved_tree, flat.root, False)
     if root is not flat.root:

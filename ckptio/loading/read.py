@@ -1,26 +1,14 @@
 """Load data path: every load's reads, whole entries and resharded regions alike, in one pass.
 
 A load hands over Reads (format/types.py): a region of a global tensor, the stored chunks that
-hold it, a destination. Each becomes spans of stored entries, the unit one checksum covers:
+hold it, a destination. Each becomes spans of stored entries, the unit one checksum covers.
 
-* a Read of one whole entry (the same layout) is one span over the entry, checked against the
-  entry's whole checksum; it may spread over several reads, and its bytes are copied in as they
-  arrive (an entry within one read is checked before a byte of it is copied);
-* any other Read is cut into pieces (reshard.plan_reads), each widened to whole checksum blocks
-  of its entry (Manifest.block_nbytes) and grouped per entry into spans that fit one buffer,
-  whose blocks are checked before a byte of them is copied out.
-
-An entry one Read wants whole and another in part is read in part (block by block) only, so no
-byte is read twice. An entry whose bytes lie in another order of its dims (``TensorEntry.order``:
-a DCP or torch.save tensor saved transposed) is read whole into a tensor in that order, and the
-region wanted of it is copied out permuted back once the read is done. All spans of a load then
-go through one coalescing (layout.coalesce_reads: neighbours within MAX_GAP share one aligned
-read of up to a pool buffer) and one read-ahead loop over the staging pool, up to ``2 * depth``
-reads in flight. A read whose spans all check within it (nearly all of them) is checked and
-copied out by the I/O thread that read it, while its bytes are in cache and beside the other
-reads (both cores of a one-process load busy, not one); the loop applies the rest in order.
-The checksum blocks a block span wants only part of (the neighbouring shard's rank reads them
-too) are read through the page cache, the rest direct (shared_blocks.py).
+Call order: ``read_regions`` (version 4 entries through loading/coded.py) -> ``plan_spans``
+(whole entries as one span, other regions as pieces widened to whole checksum blocks: the
+rules are on plan_spans) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP
+share one aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool
+(``_run``: what is checked where, and in what order) -> bytes checked, then copied into the
+destinations. Partly wanted checksum blocks go through the page cache (shared_blocks.py).
 
 Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
 not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
@@ -94,7 +82,20 @@ class _Span:
 def plan_spans(reads: Sequence[Read], block_nbytes: int, buffer_bytes: int) -> list[_Span]:
     """Every read as spans: a whole entry as one span (however many reads want it), other
     regions as pieces widened to whole blocks and grouped per entry into spans that fit one
-    buffer with their alignment. An entry wanted whole and in part is planned in part only."""
+    buffer with their alignment. An entry wanted whole and in part is planned in part only.
+
+    * a Read of one whole entry (the same layout) is one span over the entry, checked against
+      the entry's whole checksum; it may spread over several reads, and its bytes are copied in
+      as they arrive (an entry within one read is checked before a byte of it is copied);
+    * any other Read is cut into pieces (reshard.plan_reads), each widened to whole checksum
+      blocks of its entry (Manifest.block_nbytes) and grouped per entry into spans that fit
+      one buffer, whose blocks are checked before a byte of them is copied out.
+
+    An entry one Read wants whole and another in part is read in part (block by block) only,
+    so no byte is read twice. An entry whose bytes lie in another order of its dims
+    (``TensorEntry.order``: a DCP or torch.save tensor saved transposed) is read whole into a
+    tensor in that order, and the region wanted of it is copied out permuted back once the
+    read is done (read_regions)."""
     limit = max(buffer_bytes - 2 * BLOCK, 4 * block_nbytes)  # larger than a buffer: a one-off
     max_read = limit - 2 * block_nbytes
     wholes: dict[int, _Span] = {}
@@ -276,7 +277,8 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
          checker: Checker) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
     whose spans all check on their own is checked and copied out by the I/O thread that read it,
-    where its bytes are hot and beside the other reads; any other (a whole entry hashed across
+    where its bytes are hot and beside the other reads (both cores of a one-process load busy,
+    not one); any other (a whole entry hashed across
     several reads) is applied here, in order. While the oldest read is done (applied, for the
     former), it is taken rather than a buffer waited for (a pool still being faulted in hands
     its buffers out one by one). The first failure, in read order, is raised once every read in

@@ -151,7 +151,8 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
     """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
     try:
         # one rank opens a DCP directory's items at the open (a 1-rank load needs them all, and
-        # opening them later measured slower: docs/BENCH_INTEROP.md round four); a rank of
+        # opening them later was slower: docs/BENCH_INTEROP.md, "each rank opens only the
+        # items it needs"); a rank of
         # many opens those its reads need (dcpdir.py)
         opened = open_checkpoint(staging, store, file, allow_pickle=request.allow_pickle,
                                  every_chunk=False, every_item=request.world_size == 1)
@@ -183,8 +184,8 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
 def _stage_early(staging: Staging, store: Store, record: Manifest, request: LoadRequest) -> None:
     """Make the pool a one-rank load of ``record``'s plain entries stages through now, sized to
     the stored bytes of the keys it asks for, so that its background pre-fault runs while the
-    load plans its reads (a fresh process's 100 MB load spent 0.02 s planning before its pool
-    was made, docs/BENCH_LIMIT.md "Round three"). The reads then find it large enough. Not
+    load plans its reads (before, a fresh process's load planned first and made its pool after:
+    docs/BENCH_LIMIT.md, "the cold small load"). The reads then find it large enough. Not
     for many ranks (each reads a part) nor for regular or version-4 entries (what those
     stage is known only once resolved)."""
     if (request.world_size != 1 or record.regular

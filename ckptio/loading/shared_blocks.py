@@ -2,8 +2,8 @@
 
 A resharding load verifies whole checksum blocks (read.py), so a rank that wants part of a
 block reads all of it; on one host the rank that wants the block's other part reads it too
-(2 -> 4: every stored half is split inside a block, 24 % of a 1 GB state read twice from the
-disk with 1 MiB blocks; docs/BENCH_LIMIT.md). Read with O_DIRECT, each of those reads goes to
+(2 -> 4: every stored half is split inside a block; the over-read is on docs/BENCH_LIMIT.md,
+"The 2->4 over-read"). Read with O_DIRECT, each of those reads goes to
 the disk. Here one aligned read of a data file is cut into parts: the partly wanted blocks at
 the edges of its block spans go through a handle opened ``cached`` (the page cache, read-ahead
 off), everything else through the O_DIRECT handle, into the same buffer; the parts finish as

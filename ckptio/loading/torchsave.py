@@ -1,24 +1,15 @@
 """A file written by ``torch.save(obj, path)``, seen as a ckptio Manifest.
 
 ``ckptio.load("model.pt", state)`` and ``ckptio.verify("model.pt")`` come here when the path is
-a file (the store is its directory, the file one data file in it). Three rounds of reads
-through the store's backend: the file's tail (its zip central directory: every record's size
-and CRC-32; a directory larger than TAIL_NBYTES is read in one more read), the local header of
-``data.pkl`` and of every storage record (where their bytes start), then ``data.pkl`` itself,
-decoded with the allow-list unpickler of format/torchsave.py (weights_only's set; any other
-global raises PickleRefusedError and nothing runs). Each tensor becomes an entry over its
-storage record's bytes, checked against the record's CRC-32 (algorithm ``crc32``) when it is
-read whole; Python values (ints, floats, strings, None, the ``betas`` tuple) are expanded by
-ckptio's flatten rules into inline values, so the caller's nested state (a model, an optimizer
-with its int-keyed state and param_groups, a scheduler, a step) is filled in place by fill.py.
+a file (the store is its directory, the file one data file in it). Each tensor becomes an entry
+over its storage record's bytes, checked against the record's CRC-32 (algorithm ``crc32``) when
+it is read whole; Python values are expanded by ckptio's flatten rules into inline values, so
+the caller's nested state (a model, an optimizer with its int-keyed state and param_groups, a
+scheduler, a step) is filled in place by fill.py.
 
-Refused, each with a CkptError naming the file: a legacy (``_use_new_zipfile_serialization=
-False``) file (re-save it: ``torch.save(torch.load(path, weights_only=True), path)``), a
-top-level object that is not a dict, list or tuple, a tensor that is a partial or overlapping
-view of its storage (saved without ``.contiguous()``/``.clone()``; a transposed or channels-last
-tensor over its whole storage is read: its entry's ``order`` says how its bytes lie), two
-different views of one storage (two keys with the same view become an alias: tied weights),
-big-endian files.
+Call order: ``open_torch_save`` (three rounds of reads through the store's backend, then the
+allow-list unpickler; the rounds and what is refused: on open_torch_save) -> the load path
+reads the entries like any checkpoint's (read.py, fill.py).
 
 Owns: detecting a torch.save file, the reads and the synthesized Manifest. Does not own: the zip
 and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys (fill.py).
@@ -47,7 +38,23 @@ __all__ = ["open_torch_save"]
 
 
 def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
-    """The Manifest of torch.save file ``name`` in ``store`` (see the module docstring)."""
+    """The Manifest of torch.save file ``name`` in ``store``.
+
+    Three rounds of reads through the store's backend: the file's tail (its zip central
+    directory: every record's size and CRC-32; a directory larger than TAIL_NBYTES is read in
+    one more read), the local header of ``data.pkl`` and of every storage record (where their
+    bytes start), then ``data.pkl`` itself, decoded with the allow-list unpickler of
+    format/torchsave.py (weights_only's set; any other global raises PickleRefusedError and
+    nothing runs). Python values (ints, floats, strings, None, the ``betas`` tuple) become
+    inline values.
+
+    Refused, each with a CkptError naming the file: a legacy
+    (``_use_new_zipfile_serialization=False``) file (re-save it:
+    ``torch.save(torch.load(path, weights_only=True), path)``), a top-level object that is not
+    a dict, list or tuple, a tensor that is a partial or overlapping view of its storage (saved
+    without ``.contiguous()``/``.clone()``; a transposed or channels-last tensor over its whole
+    storage is read: its entry's ``order`` says how its bytes lie), two different views of one
+    storage (two keys with the same view become an alias: tied weights), big-endian files."""
     where = store.path_of(name)
     size = store.sizes([name]).get(name)
     if size is None:

@@ -7,21 +7,18 @@ sizes per dimension, DTensor / tensor-parallel shards) or a flat range (``FlatRa
 [start, start+length) of the row-major flattened tensor, ZeRO / FSDP1 flat partitions that need
 not fall on row boundaries). A load wants a region too (box or flat) and gets a list of Pieces:
 one contiguous byte range of one stored entry's file each, and where its elements go, as data.
+Every piece is ONE strided copy, and there are O(ndim) of them per overlapping pair of regions
+(why: on ``plan_reads``).
 
-Everything is reduced to boxes: a flat range is the union of at most 2*ndim-1 boxes, each
-contiguous and in the same order in the flattened tensor (``flat_boxes``). So every piece,
-whatever the region kinds, is ONE strided copy: the read bytes viewed as a row-major tensor
-(``src_shape``), narrowed to a block (``src_start``, ``sizes``), copied into the destination
-narrowed the same way. The number of pieces is O(ndim) per overlapping pair of regions plus
-whatever ``max_read`` splitting needs, never O(rows) or O(elements).
+Call order: ``stored_from_entry`` per entry -> ``plan_reads`` (pure) -> the caller coalesces
+and reads -> ``execute`` copies each piece (the only function that touches tensors, and only
+through their methods: no torch import).
 
 Owns: box intersection and subtraction, coverage checking (each destination element is read
-exactly once, from the first stored entry that holds it) and splitting reads to ``max_read``. The
-flat<->box decomposition (``FlatRange``, ``flat_boxes``, ``flat_index``) is format/geometry.py's,
-since the manifest's tiling check needs it too; it is re-exported here. Does not own: coalescing pieces into large aligned reads (layout),
-issuing them (io), checksums (loading/read), or which regions a rank wants (api / dist).
-Pure: dataclasses in, dataclasses out; no I/O. ``execute`` is the only function that touches
-tensors, and only through their methods (no torch import).
+exactly once, from the first stored entry that holds it) and splitting reads to ``max_read``.
+The flat<->box decomposition is format/geometry.py's (re-exported here). Does not own:
+coalescing pieces into large aligned reads (layout), issuing them (io), checksums
+(loading/read), or which regions a rank wants (api / dist).
 """
 
 from __future__ import annotations
@@ -178,6 +175,13 @@ def plan_reads(
     """The pieces that fill ``want`` from ``stored``: each destination element exactly once, from
     the first stored entry (in the given order) that holds it; each read at most ``max_read``
     bytes unless one element is larger.
+
+    Everything is reduced to boxes: a flat range is the union of at most 2*ndim-1 boxes, each
+    contiguous and in the same order in the flattened tensor (``flat_boxes``). So every piece,
+    whatever the region kinds, is ONE strided copy: the read bytes viewed as a row-major tensor
+    (``src_shape``), narrowed to a block (``src_start``, ``sizes``), copied into the
+    destination narrowed the same way. The number of pieces is O(ndim) per overlapping pair of
+    regions plus whatever ``max_read`` splitting needs, never O(rows) or O(elements).
 
     Raises ValueError on a malformed region, or when ``stored`` does not cover ``want`` (the
     message names the uncovered boxes and the first uncovered element).

@@ -1,6 +1,7 @@
 """Removing the files a new commit superseded, in the background, one removal at a time.
 
-Deleting a multi-GB file costs ext4 about 0.2 s/GB, which need not block the caller. A removal
+Deleting a multi-GB file takes ext4 a while (docs/PROBES.md, "Figures moved out of the code"),
+which need not block the caller. A removal
 lists the directory first; the next save into any directory waits only for that listing (its
 new files must not be listed as superseded), never for the deleting.
 

@@ -3,26 +3,12 @@ written sequentially into data files whose sizes are known only once their frame
 
 A save asking for compression (``Options.compression`` not "off") or given a base is packed:
 persist.SaveJob captures its items as always (into the staging pool, in order), and its hasher
-thread, after checksumming a buffer, hands it here (``Packer.take``). Each entry is cut into
-frames of ``block_nbytes`` logical bytes (the block checksums' granularity, so a resharding load
-decodes only what it needs); frames are encoded by at most ``threads`` worker threads (the
-bound: never the training thread); the buffer goes back to the pool once its frames are
-encoded (a frame cut by a buffer's end is copied). Finished entries are appended to a segment
-in memory, which becomes a data file (``open_write`` with its exact size, padded to 4096, one
-write, fsynced at the end) once it passes ``segment_nbytes``: a segment holds whole entries, so
-the memory held is at most a segment plus the largest entry's stored bytes.
+thread, after checksumming a buffer, hands it here.
 
-How each entry is stored is decided on its first frame (the sample):
-* with a base entry (same key, chunk, rank): every frame equal to the base's (its checksum is
-  the base's block checksum) -> a ``ref`` (nothing written); else, with a codec, an ``xor``
-  entry when the first frame's XOR with the base compresses smaller than the frame itself;
-* compressed by the codec: always for an explicit codec; for ``auto`` when the sample's ratio is
-  at least ``MIN_RATIO`` and either the store is an object store or the codec's measured speed
-  times ``threads`` beats the store's measured write rate (the tuner's profile) by
-  ``SPEED_MARGIN`` (a local save whose profile is missing or too fast for the codec, with no
-  base, never gets here: packed.py makes it a plain save, "off"'s own path);
-* else raw. A frame that does not shrink is stored raw (codec.py), and an entry whose frames
-  are all raw has no ``stored`` field.
+Call order: ``Packer(...)`` -> ``take`` per checksummed buffer (on the hasher thread; the
+frame pipeline and its memory bound: on Packer) -> ``finish`` (the rows' placement fields and
+the files) or ``abandon``. How each entry is stored (ref, xor, codec or raw) is decided on its
+first frame: on ``Packer._decide``.
 
 Owns: the frame pipeline, the per-entry decision, segments and their files, the rows' placement
 fields. Does not own: capture and checksums (persist.py), the codecs (format/codec.py), reading
@@ -108,7 +94,16 @@ class _Entry:
 
 class Packer:
     """One rank's packed entries: ``take`` each checksummed buffer's pieces (in order, on the
-    hasher thread), then ``finish`` (or ``abandon``)."""
+    hasher thread), then ``finish`` (or ``abandon``).
+
+    Each entry is cut into frames of ``block_nbytes`` logical bytes (the block checksums'
+    granularity, so a resharding load decodes only what it needs); frames are encoded by at
+    most ``threads`` worker threads (the bound: never the training thread); the buffer goes
+    back to the pool once its frames are encoded (a frame cut by a buffer's end is copied).
+    Finished entries are appended to a segment in memory, which becomes a data file
+    (``open_write`` with its exact size, padded to 4096, one write, fsynced at the end) once it
+    passes ``segment_nbytes``: a segment holds whole entries, so the memory held is at most a
+    segment plus the largest entry's stored bytes."""
 
     def __init__(self, target: StoreFiles, placements: tuple[Placement, ...], *, first_index: int,
                  save_id: str, rank: int, compression: Compression, base: DeltaBase | None,
@@ -203,7 +198,20 @@ class Packer:
         return _Frame(self._stored(entry, mode, index, frame, same), same)
 
     def _decide(self, entry: _Entry, frame: memoryview | bytearray, same: bool) -> _Frame:
-        """The entry's mode from its first frame (the module docstring), and that frame."""
+        """The entry's mode from its first frame (the sample), and that frame.
+
+        * with a base entry (same key, chunk, rank): every frame equal to the base's (its
+          checksum is the base's block checksum) -> a ``ref`` (nothing written); else, with a
+          codec, an ``xor`` entry when the first frame's XOR with the base compresses smaller
+          than the frame itself;
+        * compressed by the codec: always for an explicit codec; for ``auto`` when the sample's
+          ratio is at least ``MIN_RATIO`` and either the store is an object store or the
+          codec's speed on the sample times ``threads`` beats the store's write rate (the
+          tuner's profile) by ``SPEED_MARGIN`` (a local save whose profile is missing or too
+          fast for the codec, with no base, never gets here: packed.py makes it a plain save,
+          "off"'s own path);
+        * else raw. A frame that does not shrink is stored raw (codec.py), and an entry whose
+          frames are all raw has no ``stored`` field."""
         name = self._codec_name(entry)
         if name is None:
             entry.mode.set_result("raw")

@@ -1,29 +1,14 @@
 """The lock that lets only one save at a time commit into one local directory.
 
-Two processes saving into one path at once each removed, in their cleanup, the files the
-other's manifest named, and left no checkpoint at all. So the committing process (the
-coordinator, rank 0) holds an exclusive lock on ``<dir>/.ckptio.lock`` from before any data
-file of its save is created until its cleanup has chosen what to remove.
+The committing process (the coordinator, rank 0) holds an exclusive flock(2) on
+``<dir>/.ckptio.lock`` from before any data file of its save is created until its cleanup has
+chosen what to remove, so two saves into one path cannot remove each other's files. Why flock,
+what happens on NFS and on filesystems without locks, and the lock file's life:
+docs/BEHAVIOUR.md, "ckptio.storage.dirlock".
 
-Why flock(2) on a lock file inside the directory:
-- the kernel drops it when its holder exits, however (SIGKILL, OOM; on NFS, once the server
-  learns the client is gone: NFSv4 lease expiry, NLM reboot notice), so a crashed save never
-  leaves the path locked;
-- it belongs to the open file, not the process: two Checkpointers (or threads) of one process
-  exclude each other too, and opening the lock file again (to read the holder) does not release
-  it. fcntl/lockf locks belong to the process: a second lock from the same process is granted,
-  and closing any descriptor of the file drops them (a trap here);
-- on NFS, Linux (since 2.6.12) implements flock as a whole-file fcntl lock, so it is seen by
-  every client. Where a filesystem has no locks at all (ENOLCK, ENOSYS, EOPNOTSUPP: NFS without
-  lockd, Lustre without -o flock) the save goes on unlocked, with a warning (once per
-  filesystem), and leaves no lock file.
-The lock file is removed by its holder before it lets go (a checkpoint directory holds only
-manifest.json and data files); so a process that gets the lock of a file already removed (it
-waited on it) drops it and locks the file now at that name. A file left by a killed holder is
-reused, and removed by the next save. (On NFS that check relies on the client's lookup cache
-being current: a stale entry could let two waiters through, which the commit check of
-local.py then catches.) The lock file holds the holder's host, pid and start time, for the
-message of a save that waits or is refused.
+Call order: ``lock(path, if_locked)`` (creates the directory if needed; waits, or raises
+CheckpointLockedError naming the holder) -> the save writes and commits -> ``unlock(held,
+failed=...)`` (removes the lock file, still holding it, then lets go; never raises).
 
 Owns: creating the directory it locks, the lock file, taking and letting go of the lock, the
 holder's name in messages. Does not own: what the lock protects (local.py: the conditional

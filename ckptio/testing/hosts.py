@@ -7,25 +7,9 @@ permitted (not root, no CAP_SYS_ADMIN), hosts simulated on 127.0.0.1 with separa
         hosts.wipe(1)                            # host 1 lost: its memory is empty again
         hosts.run(my_restore, root, ranks_per_host=2)
 
-netns mode: a "switch" namespace holds a bridge; each host namespace gets a veth pair (``eth0``
-inside, 10.27.0.<i+1>/24) to it, so hosts reach each other only over their addresses, and the
-machine's own namespace is left untouched (no interface, no route is added there). Each host's
-``CKPTIO_SHM_DIR`` is a tmpfs of its own (``size=`` bounded), mounted at ``<root>/h<i>/shm``; a
-wipe unmounts it and mounts a fresh, empty one. Ranks run in ``ip netns exec NS unshare --uts``
-(hostjob.py), so each host also has its own hostname, ``h<i>``.
-
-simulated mode: every host is 127.0.0.1; ``<root>/h<i>/shm`` is a plain directory; a wipe
-empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py; by default
-``CKPTIO_HOST_ID``, ckptio's host-id override: ckptio/tiering/hosts.py), which netns mode does
-not need: there ckptio tells the hosts apart by their hostnames, as on a cluster.
-
-Each host's name resolves to its address inside every host (``/etc/netns/NS/hosts``, which
-``ip netns exec`` mounts over /etc/hosts).
-
-Teardown (``close()``, also on failure and from ``__exit__``): the ranks still running are
-killed, every tmpfs unmounted (lazily if busy), every namespace deleted (their veths and the
-bridge go with them) with its /etc/netns entry. Namespaces and mounts are named after the owning process id, so a run
-that was SIGKILLed leaves ones that the next ``Hosts`` removes (``sweep_stale``).
+Call order: ``Hosts(n, root)`` (sweeps what a killed run left, then makes the hosts) ->
+``run`` / ``start`` and ``wipe`` as the test needs -> ``close()`` (also from ``__exit__`` and
+on failure). How each mode builds a host, wipes it and tears it down: on ``Hosts``.
 
 Owns: making, wiping and removing the hosts; which mode is possible here (``netns_possible``).
 Does not own: launching ranks on the hosts (hostjob.py). Test support only.
@@ -133,8 +117,25 @@ def _mounts() -> list[tuple[str, str]]:
 
 
 class Hosts:
-    """``n`` hosts under ``root`` (module doc). ``mode``: "netns", "simulated" or None (the
-    best possible here, ``best_mode()``); asking for netns where it is impossible raises."""
+    """``n`` hosts under ``root``. ``mode``: "netns", "simulated" or None (the best possible
+    here, ``best_mode()``); asking for netns where it is impossible raises.
+
+    netns mode: a "switch" namespace holds a bridge; each host namespace gets a veth pair
+    (``eth0`` inside, 10.27.0.<i+1>/24) to it, so hosts reach each other only over their
+    addresses, and the machine's own namespace is left untouched (no interface, no route is
+    added there). Each host's ``CKPTIO_SHM_DIR`` is a tmpfs of its own (``size=`` bounded),
+    mounted at ``<root>/h<i>/shm``; a wipe unmounts it and mounts a fresh, empty one. Ranks run
+    in ``ip netns exec NS unshare --uts`` (hostjob.py), so each host also has its own
+    hostname, ``h<i>``.
+
+    simulated mode: every host is 127.0.0.1; ``<root>/h<i>/shm`` is a plain directory; a wipe
+    empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py; by
+    default ``CKPTIO_HOST_ID``, ckptio's host-id override: ckptio/tiering/hosts.py), which
+    netns mode does not need: there ckptio tells the hosts apart by their hostnames, as on a
+    cluster.
+
+    Each host's name resolves to its address inside every host (``/etc/netns/NS/hosts``, which
+    ``ip netns exec`` mounts over /etc/hosts)."""
 
     def __init__(self, n: int, root: str | os.PathLike[str], mode: str | None = None,
                  tmpfs_size: str = TMPFS_SIZE) -> None:
@@ -253,7 +254,12 @@ class Hosts:
         return self.start(fn, *args, **kwargs).wait()
 
     def close(self) -> None:
-        """Kill the jobs, unmount, delete the namespaces (module doc). Idempotent."""
+        """Kill the jobs, unmount, delete the namespaces. Idempotent.
+
+        The ranks still running are killed, every tmpfs unmounted (lazily if busy), every
+        namespace deleted (their veths and the bridge go with them) with its /etc/netns entry.
+        Namespaces and mounts are named after the owning process id, so a run that was
+        SIGKILLed leaves ones that the next ``Hosts`` removes (``sweep_stale``)."""
         if self.closed:
             return
         self.closed = True

@@ -1,36 +1,16 @@
 """The conformance suite every IOBackend passes, reached as the save and load paths reach it:
 through a store, by file name (the contracts: ckptio/io/base.py, ckptio/storage/files.py).
 
-Every check gets its files from ``StoreFiles(store, backend)`` (a name in, a handle out) and
-names files, never paths; what was written is read back through the store itself
-(``Store.read_file``, ``Store.sizes``), an independent reader that is not the backend under test,
+Every check gets its files from ``StoreFiles(store, backend)`` and names files, never paths;
+what was written is read back through the store itself (``Store.read_file``, ``Store.sizes``)
 as well as through the backend, so a backend that misplaces bytes symmetrically on write and
 read still fails. The same checks run on a directory (posix, io_uring), host memory and an S3
-bucket. Buffers come from ckptio.io.stage.BufferPool, as in real saves and loads (page-aligned,
-O_DIRECT-valid); offsets and lengths are multiples of BLOCK. No check measures time.
+bucket, with BufferPool buffers as in real saves and loads. No check measures time.
 
-Two ways to use it:
-
-* pytest: subclass ``IOBackendConformance`` and give it a ``files_factory`` fixture returning a
-  zero-argument callable; each call gives a fresh ``StoreFiles``: a prepared store at a fresh,
-  unused location and a new backend made by ``store.backend(options)`` (``fresh_files`` makes
-  such a factory from ``make(key)``). Override ``expect_direct`` (True/False) to also check the
-  kind of handle opened, and ``limits`` to declare the checks the implementation cannot meet
-  (skipped, saying why)::
-
-      class TestMyStore(IOBackendConformance):
-          limits = {"offsets_past_4gib": "a file is one dense buffer: 5 GiB of RAM"}
-
-          @pytest.fixture
-          def files_factory(self, tmp_path):
-              return fresh_files(lambda key: MyStore(tmp_path / key), Options())
-
-* plain functions: each ``check_*(factory)`` runs one group of checks and raises AssertionError
-  (or the backend's own error) on a failure; ``run_all(factory, limits=...)`` runs them all.
-
-Limits: only the checks in ``LIMITABLE`` may be declared unmeetable, each for the reason given
-there (a property of a kind of storage, not of a backend's quality); every other check is the
-contract itself and runs on every implementation.
+Call order, pytest: subclass ``IOBackendConformance`` and give it a ``files_factory`` fixture
+(how: on the class); plain: each ``check_*(factory)`` runs one group of checks and raises
+AssertionError (or the backend's own error); ``run_all(factory, limits=...)`` runs them all.
+Only the checks in ``LIMITABLE`` may be declared unmeetable, each for the reason given there.
 
 Owns: the checks, their helpers, the limits a check may be skipped for. Does not own: the
 backends (ckptio/io/), the stores and their naming (ckptio/storage/), the Store checks
@@ -806,7 +786,24 @@ def run_all(factory: Factory, *, limits: Mapping[str, str] | None = None,
 
 class IOBackendConformance:
     """Subclass as ``TestSomething(IOBackendConformance)``, provide ``files_factory`` and, for
-    what the implementation cannot meet, ``limits`` (check name -> why; see LIMITABLE)."""
+    what the implementation cannot meet, ``limits`` (check name -> why; see LIMITABLE).
+
+    ``files_factory`` returns a zero-argument callable; each call gives a fresh ``StoreFiles``:
+    a prepared store at a fresh, unused location and a new backend made by
+    ``store.backend(options)`` (``fresh_files`` makes such a factory from ``make(key)``).
+    Override ``expect_direct`` (True/False) to also check the kind of handle opened. Buffers
+    are page-aligned and O_DIRECT-valid; offsets and lengths are multiples of BLOCK::
+
+        class TestMyStore(IOBackendConformance):
+            limits = {"offsets_past_4gib": "a file is one dense buffer: 5 GiB of RAM"}
+
+            @pytest.fixture
+            def files_factory(self, tmp_path):
+                return fresh_files(lambda key: MyStore(tmp_path / key), Options())
+
+    Only the checks in ``LIMITABLE`` may be declared unmeetable (a property of a kind of
+    storage, not of a backend's quality); every other check is the contract itself and runs on
+    every implementation."""
 
     limits: ClassVar[Mapping[str, str]] = {}
 

@@ -62,8 +62,8 @@ _CTX: Any = None
 
 def _context() -> Any:
     """A forkserver with torch and ckptio imported once: each rank is a fork of that clean,
-    single-threaded server (no state of the caller's threads), without paying the ~2 s import
-    of torch per rank."""
+    single-threaded server (no state of the caller's threads), without paying the import
+    of torch per rank (docs/PROBES.md, "Figures moved out of the code")."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")

@@ -297,7 +297,7 @@ class SeaweedServer:
 
     def _volume_server_registered(self) -> bool:
         """Whether the master lists the volume server (with its volumes). After a restart its
-        first heartbeat can lose to the master's raft election; it retries ~5 s later and until
+        first heartbeat can lose to the master's raft election; it retries seconds later and until
         then every read of an existing object is 500 InternalError ("volume id 1 not found")
         while HeadBucket already answers 200."""
         url = f"http://{self.host}:{self.ports['master']}/dir/status"
@@ -314,7 +314,8 @@ class SeaweedServer:
     def _bucket_ready(self) -> bool:
         """Whether a signed HeadBucket answers 200. On 404 (S3 is up; a first start) the bucket
         is created here: mini's ``-bucket=`` creates it only once its admin server and worker
-        are up too (ready in 1.4 s instead of 0.8 s)."""
+        are up too, later than creating it here (docs/PROBES.md, "Figures moved out of the
+        code")."""
         from botocore.exceptions import ClientError
 
         try:

@@ -1,27 +1,14 @@
 """The conformance suite every StepRoot passes (the contract is ckptio/stepdir/base.py).
 
-Two ways to use it, as store_conformance.py does for stores:
+Call order, as store_conformance.py for stores: pytest: subclass ``StepRootConformance`` and
+give it a ``roots`` fixture returning a ``Roots`` (what each field and the optional
+``refuse_hide`` / ``refuse_removal`` fixtures are: on Roots and StepRootConformance); plain:
+each ``check_*(roots)`` runs one group of checks and raises AssertionError (or the root's own
+error) on a failure; ``run_all`` runs them all. Before committing into a step the suite runs
+``root.removal(step)``, as the manager does before a save.
 
-* pytest: subclass ``StepRootConformance`` and give it a ``roots`` fixture returning a
-  ``Roots``: ``make(key)`` builds a root at a fresh, unused location for ``key`` (the same key
-  twice gives two handles of one root, as a restarted manager would have), ``store_at(location)``
-  the Store that serves a location of that kind, and optionally ``commit(location)``, which
-  commits a checkpoint there (default: through ``store_at``: prepare, a data file, commit; or
-  ``commit_by_ckptio``, a real ``ckptio.save``). Optionally ``refuse_hide`` and
-  ``refuse_removal`` fixtures: ``refuse(root, step)``, a context manager in which hiding
-  ``step`` (or removing it once hidden) fails; without them those checks are skipped::
-
-      class TestMyRoot(StepRootConformance):
-          @pytest.fixture
-          def roots(self, tmp_path):
-              return Roots(make=lambda key: MyRoot(tmp_path / key), store_at=MyStore)
-
-* plain functions: each ``check_*(roots)`` runs one group of checks and raises AssertionError
-  (or the root's own error) on a failure; ``run_all`` runs them all.
-
-Before committing into a step the suite runs ``root.removal(step)``, as the manager does before
-a save. Every check asserts a rule a broken root would fail: a root that lists ``step-01`` or a
-hidden step, sorts steps as text, hides a step it was never given, removes more than the hidden
+Every check asserts a rule a broken root would fail: a root that lists ``step-01`` or a hidden
+step, sorts steps as text, hides a step it was never given, removes more than the hidden
 steps, or advises deleting anything fails here.
 
 Owns: the checks and their helpers. Does not own: the roots (ckptio/stepdir/), the stores
@@ -63,7 +50,13 @@ _ADVICE = ("delete", "rm -", "rmtree", "remove it", "remove the", "erase", "wipe
 
 @dataclass(frozen=True)
 class Roots:
-    """What the suite needs of one kind of root (see the module docstring)."""
+    """What the suite needs of one kind of root.
+
+    ``make(key)`` builds a root at a fresh, unused location for ``key`` (the same key twice
+    gives two handles of one root, as a restarted manager would have); ``store_at(location)``
+    the Store that serves a location of that kind; ``commit(location)``, optional, commits a
+    checkpoint there (default: through ``store_at``: prepare, a data file, commit; or
+    ``commit_by_ckptio``, a real ``ckptio.save``)."""
 
     make: Callable[[str], StepRoot]
     store_at: Callable[[str], Store]
@@ -407,7 +400,16 @@ def run_all(roots: Roots, refuse_hide: Refuser | None = None,
 # -- pytest ----------------------------------------------------------------------------------
 
 class StepRootConformance:
-    """Subclass as ``TestSomething(StepRootConformance)`` and provide ``roots``."""
+    """Subclass as ``TestSomething(StepRootConformance)`` and provide ``roots``.
+
+    Optionally ``refuse_hide`` and ``refuse_removal`` fixtures: ``refuse(root, step)``, a
+    context manager in which hiding ``step`` (or removing it once hidden) fails; without them
+    those checks are skipped::
+
+        class TestMyRoot(StepRootConformance):
+            @pytest.fixture
+            def roots(self, tmp_path):
+                return Roots(make=lambda key: MyRoot(tmp_path / key), store_at=MyStore)"""
 
     @pytest.fixture
     def roots(self) -> Roots:

@@ -96,7 +96,7 @@ def gpt_param_numels(d: int, layers: int, vocab: int, context: int) -> list[int]
 def gpt_sizes(total_nbytes: int) -> list[int]:
     """Tensor sizes of state.build_state at about ``total_nbytes``, without building it: fp32
     weights, then AdamW's exp_avg, exp_avg_sq and 4-byte step per parameter, then the RNG."""
-    from ckptio.tuning import state  # imports torch (2 s): only when the mix is studied
+    from ckptio.tuning import state  # imports torch (slow): only when the mix is studied
 
     cfg = state.gpt_config(total_nbytes / state.GB)
     params = [4 * n for n in gpt_param_numels(cfg.d_model, cfg.n_layers, cfg.vocab, cfg.context)]

@@ -76,7 +76,8 @@ class S3Profile:
     write_gbps: float  # multipart upload throughput of the chosen settings (1 GB = 1e9 bytes)
     read_gbps: float  # ranged-GET throughput of the chosen read setting
     # A load's io_depth (2 x io_depth ranged GETs in flight), chosen from the study's reads
-    # alone; 0 in a profile written before it was (round two): io_depth = s3_concurrency.
+    # alone; 0 in a profile written before it was (before "the read side of the tuner",
+    # docs/BENCH_S3.md): io_depth = s3_concurrency.
     io_depth: int = 0
     # Bytes of one ranged GET of a load (Options.s3_read_bytes: a buffer is filled by several
     # GETs of this size), chosen from the study's reads alone; 0 in a profile written before it

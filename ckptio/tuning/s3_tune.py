@@ -1,37 +1,11 @@
 """`ckptio tune s3://bucket/prefix`: measure an S3 endpoint briefly, pick the requests in flight
 and the part size ckptio's saves and loads use there, and store them as that endpoint's profile.
 
-The study writes one object of ``total`` bytes per cell (requests in flight x part size) through
-ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts), then, once every cell of
-the repetition has written, reads with each cell's settings (ranged GETs of one part each into
-memory, that many in flight) an object ANOTHER cell wrote earlier, never the one it has just
-written, READS times (each pass another cell's object: reads are fast and their warm
-throughput noisy, so they get more samples than writes); a few repetitions in alternating
-order, medians taken. Its objects live under
-``PREFIX/.ckptio-tune-<id>/``; each repetition's are deleted when it ends and again (by name, only
-the names it wrote) when the study ends, failed or not. Reads still come back from wherever the
-store keeps recently written bytes: the study cannot drop a remote store's cache.
-
-The choice: uploads in flight and the part size (= the staging buffer) by tune.py's best_of: the
-harmonic mean of write and read GB/s, scores within TIE of the best equal, then the fewest
-requests in flight, then the smallest part. A load's reads from the read column alone
-(read_choice): the range of one GET (``read_bytes``: a load fills one buffer with several GETs,
-io/s3.py) and the GETs in flight (io_depth) of the fastest read cell whose part fits the buffer,
-unless none reads more than READ_TIE faster than the default's cell (GETs of
-Options().buffer_bytes, 2 x Options().io_depth in flight: what a load without a profile does),
-in which case a load reads like that (reads that tie cannot justify a change; round two took
-the write side's requests for reads too and made loads 13 % slower, round three took the
-write side's part size as the read range: 64 MiB GETs, 20-25 % slower here than 16 MiB ones).
-READ_TIE is wider than the write side's TIE: the study's warm reads jump by up to 2x between
-neighbouring cells (docs/BENCH_S3.md, round three). Only cells ckptio can run with
-its default pool are tried (requests x part <= Options().pool_bytes: each request in flight holds
-one staging buffer).
-
-Endpoint, region and credentials come as for every s3:// path (io/s3client.py: AWS_ENDPOINT_URL,
-AWS_PROFILE, ~/.aws/...); the profile's key is the endpoint as S3Settings.endpoint() names it.
-Before measuring, the location is checked as a save checks it (S3Store.prepare: bucket, access,
-conditional writes), so a wrong endpoint, missing credentials or a missing bucket fail within
-seconds as one CkptError naming the fix.
+Call order: ``tune`` -> ``check`` (the arguments) -> ``study`` (prepare the location as a save
+does, then write and read every cell; how: on ``study``) -> ``to_profile`` (uploads by
+tune.best_of, a load's reads by ``read_choice``) -> the caller writes the profile and prints
+``describe`` / ``table``. Endpoint, region and credentials come as for every s3:// path
+(io/s3client.py); the profile's key is the endpoint as S3Settings.endpoint() names it.
 
 Owns: the S3 study (study(), Cell), to_profile(), what `ckptio tune s3://...` prints. Does not
 own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (io/s3*.py).
@@ -65,7 +39,10 @@ CONCURRENCY = "2,4,8,16"
 PARTS = "8M,16M,32M,64M"
 TOTAL = "128M"
 READS = 3  # read passes per repetition (each cell reads another cell's object each time)
-READ_TIE = 0.10  # reads within this of the default's cell are a tie (warm reads are noisy)
+# reads within this of the default's cell are a tie: wider than the write side's TIE, as the
+# study's warm reads jump between neighbouring cells (docs/BENCH_S3.md, "where a load's CPU
+# went, and the read side of the tuner")
+READ_TIE = 0.10
 
 
 def cells(parts: Sequence[int], concurrency: Sequence[int], pool_bytes: int) -> list[tuple[int, int]]:
@@ -87,8 +64,22 @@ def check(parts: Sequence[int], concurrency: Sequence[int], total: int, reps: in
 
 def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
           concurrency: Sequence[int], reps: int, reads: int = READS) -> list[Candidate]:
-    """Median write and read GB/s of every cell (see the module docstring); ``reads`` read
-    passes per repetition."""
+    """Median write and read GB/s of every cell (requests in flight x part size); ``reads``
+    read passes per repetition.
+
+    Each cell writes one object of ``total`` bytes through ckptio's own S3 backend (io/s3.py:
+    a multipart upload of whole parts); once every cell of the repetition has written, each
+    cell reads with its settings (ranged GETs of one part each into memory, that many in
+    flight) an object ANOTHER cell wrote earlier, never its own, ``reads`` times (reads are
+    fast and their warm throughput noisy, so they get more samples than writes). Repetitions
+    alternate the cells' order; medians are taken. Only cells ckptio can run with its default
+    pool are tried (requests x part <= Options().pool_bytes: each request in flight holds one
+    staging buffer). The objects live under ``PREFIX/.ckptio-tune-<id>/``; each repetition's
+    are deleted when it ends and again (by name, only the names it wrote) when the study ends,
+    failed or not. Reads still come back from wherever the store keeps recently written bytes:
+    the study cannot drop a remote store's cache. Before measuring, the location is checked as
+    a save checks it (S3Store.prepare: bucket, access, conditional writes), so a wrong
+    endpoint, missing credentials or a missing bucket fail within seconds as one CkptError."""
     S3Store(location, settings).prepare()  # bucket, access, conditional writes: fails fast
     grid = cells(parts, concurrency, Options().pool_bytes)
     if not grid:
@@ -189,7 +180,12 @@ def read_choice(candidates: Sequence[Candidate], buffer: int) -> Candidate | Non
     """The read cell a load with staging buffers of ``buffer`` bytes should run like (its part
     size: the bytes of one GET; its requests: the GETs in flight), from the read column alone,
     among the cells whose part fits the buffer; None (read like a load without a profile)
-    where the default's cell is measured and no cell reads more than READ_TIE faster."""
+    where the default's cell is measured and no cell reads more than READ_TIE faster.
+
+    The default's cell is GETs of Options().buffer_bytes, 2 x Options().io_depth in flight
+    (what a load without a profile does). Reads that tie cannot justify a change: taking the
+    write side's requests or part size for the reads made loads slower (docs/BENCH_S3.md,
+    "the tuner learns the object store" and "the read side of the tuner")."""
     mine = [c for c in candidates if c.buffer_bytes <= buffer]
     if not mine:
         return None

@@ -126,7 +126,8 @@ class Filler:
 
 
 def _embedding(rows: int, dim: int, device: torch.device) -> nn.Embedding:
-    """Skip Embedding's normal_ init: on the meta device it imports torch._dynamo (2 s)."""
+    """Skip Embedding's normal_ init: on the meta device it imports torch._dynamo (slow:
+    docs/PROBES.md, "Figures moved out of the code")."""
     return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim, device=device))
 
 
@@ -142,7 +143,8 @@ def _build_model(cfg: GPTConfig, fill: Filler) -> GPT:
 
 
 def _adamw_step(model: nn.Module, fill: Filler) -> torch.optim.Optimizer:
-    """One fused AdamW step (0.7 s at 2 GB; the for-loop implementation takes 5 s)."""
+    """One fused AdamW step (the for-loop implementation is several times slower:
+    docs/PROBES.md, "Figures moved out of the code")."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     for p in model.parameters():
         p.grad = fill.fill(torch.empty_like(p))
