@@ -40,13 +40,13 @@ from ckptio.cli.chain import logical_nbytes
 from ckptio.cli.ls import human_size
 from ckptio.errors import CkptError
 from ckptio.format import manifest
-from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, is_s3
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, is_s3
 from ckptio.options import Options
-from ckptio.stepdir import LocalRoot, S3Root, StepRoot, root_for
-from ckptio.stepdir.base import HIDDEN_PREFIX
-from ckptio.stepdir.local import hidden
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.storage.local_root import LocalRoot, hidden
+from ckptio.storage.s3.root import S3Root
+from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
+from ckptio.storage.steproot import HIDDEN_PREFIX, StepRoot
 from ckptio.tiering import marks
 
 __all__ = ["SCHEMA", "Step", "list_run", "protected", "run"]

@@ -33,8 +33,7 @@ from ckptio.errors import CkptError
 from ckptio.format import manifest
 from ckptio.managing.chains import link_of
 from ckptio.options import Options
-from ckptio.stepdir import root_for
-from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
 from ckptio.tiering import marks
 
 __all__ = ["run", "tiers_status"]

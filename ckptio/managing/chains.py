@@ -32,7 +32,7 @@ from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpoint
 from ckptio.format.manifest import bases_of
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
-from ckptio.stepdir import step_of
+from ckptio.storage.steproot import step_of
 
 __all__ = ["Chains", "Link", "link_of"]
 

@@ -51,10 +51,10 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from ckptio.errors import CkptError
-from ckptio.io.s3 import MIN_PART, S3Backend
-from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, gets_in_flight
+from ckptio.storage.s3.backend import MIN_PART, S3Backend
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, gets_in_flight
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
 from ckptio.tuning.tune import Candidate, best_of
 

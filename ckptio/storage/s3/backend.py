@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io import s3objects
 from ckptio.io.base import FileHandle, all_of, completed, started_pool
-from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
 
 __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
 

@@ -31,9 +31,9 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from ckptio.errors import CheckpointLockedError
-from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, describe, failed, status
 
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
 

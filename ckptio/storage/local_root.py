@@ -18,8 +18,7 @@ import os
 import shutil
 
 from ckptio.errors import StorageIOError
-from ckptio.managing import warn
-from ckptio.stepdir.base import (
+from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
     Nothing,
@@ -29,6 +28,7 @@ from ckptio.stepdir.base import (
     nothing_message,
     step_name,
     step_of,
+    warn,
 )
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import store_for
@@ -97,7 +97,7 @@ class LocalRoot:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)
 
 
 def _entries(directory: str) -> list[os.DirEntry[str]]:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from ckptio.managing import warn
-from ckptio.stepdir.base import (
+from ckptio.storage.steproot import (
     Listing,
     Nothing,
     Removal,
@@ -30,6 +29,7 @@ from ckptio.stepdir.base import (
     nothing_message,
     step_name,
     step_of,
+    warn,
 )
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.memory import HOST, SCHEME, MemoryStore
@@ -141,4 +141,4 @@ def _forget(locations: list[str]) -> None:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)

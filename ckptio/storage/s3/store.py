@@ -31,12 +31,8 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io import s3objects
-from ckptio.io.s3 import S3Backend
-from ckptio.io.s3client import (S3Path, S3Settings, call, client, describe, failed,
-                                 gets_in_flight, status)
 from ckptio.options import Options
-from ckptio.storage import foreign, s3lock
+from ckptio.storage import foreign
 from ckptio.storage.base import (
     Exclusive,
     check_if_locked,
@@ -47,6 +43,11 @@ from ckptio.storage.base import (
     plain_name,
 )
 from ckptio.storage.files import Capabilities
+from ckptio.storage.s3 import lock as s3lock
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3.backend import S3Backend
+from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
+                                      gets_in_flight, status)
 
 __all__ = ["S3Claim", "S3Store"]
 

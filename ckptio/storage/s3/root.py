@@ -35,9 +35,16 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
-from ckptio.managing import warn
-from ckptio.stepdir.base import Listing, Nothing, Removal, nothing_message, step_name, step_of
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.storage.steproot import (
+    Listing,
+    Nothing,
+    Removal,
+    nothing_message,
+    step_name,
+    step_of,
+    warn,
+)
 
 __all__ = ["MARKER", "S3Root"]
 
@@ -310,4 +317,4 @@ class S3Root:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)
