@@ -23,8 +23,8 @@ steps whose protection across hosts is committed, and how (``protected`` in JSON
 
 Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
 own whose root lists steps), the per-step sizes and times, the text and JSON (schema
-``ckptio.run/1``). Does not own: which names are steps or hidden (stepdir/base.py), how a root
-scans (stepdir/), the checkpoint listing (cli/ls.py).
+``ckptio.run/1``). Does not own: which names are steps or hidden (storage/steproot.py), how a root
+scans (storage/*_root.py, storage/s3/root.py), the checkpoint listing (cli/ls.py).
 """
 
 from __future__ import annotations

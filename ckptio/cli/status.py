@@ -20,7 +20,7 @@ row's ``bases`` maps each delta step to its base steps (full steps are absent).
 What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
-how a tier lists its steps (stepdir/), draining (tiering/).
+how a tier lists its steps (storage/steproot.py), draining (tiering/).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the directory, and only then removes it (shutil.rmtree, on the manager's thread)
 leaves a half-deleted step listed, and the next retention finishes such leftovers.
 
 Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
-of steps). Does not own: the hidden names (base.py), which steps to keep or restore
+of steps). Does not own: the hidden names (steproot.py), which steps to keep or restore
 (manager.py) or one checkpoint's files (storage/).
 """
 
@@ -18,6 +18,8 @@ import os
 import shutil
 
 from ckptio.errors import StorageIOError
+from ckptio.storage import steps as storage_steps
+from ckptio.storage.select import store_for
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -30,8 +32,6 @@ from ckptio.storage.steproot import (
     step_of,
     warn,
 )
-from ckptio.storage import steps as storage_steps
-from ckptio.storage.select import store_for
 
 __all__ = ["HIDDEN_PREFIX", "LocalRoot", "fsync_dir", "hidden", "is_committed", "remove"]
 

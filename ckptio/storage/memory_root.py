@@ -13,13 +13,15 @@ into a location no longer listed.
 
 Owns: MemoryRoot (listing, the move, the removal, what a memory location holds instead of
 steps). Does not own: the memory files, locations and claims (storage/memory.py), the hidden
-names (base.py), which steps to keep or restore (manager.py).
+names (steproot.py), which steps to keep or restore (manager.py).
 """
 
 from __future__ import annotations
 
 import functools
 
+from ckptio.storage import steps as storage_steps
+from ckptio.storage.memory import HOST, SCHEME, MemoryStore
 from ckptio.storage.steproot import (
     Listing,
     Nothing,
@@ -31,8 +33,6 @@ from ckptio.storage.steproot import (
     step_of,
     warn,
 )
-from ckptio.storage import steps as storage_steps
-from ckptio.storage.memory import HOST, SCHEME, MemoryStore
 
 __all__ = ["MemoryRoot"]
 

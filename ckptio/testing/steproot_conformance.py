@@ -1,4 +1,4 @@
-"""The conformance suite every StepRoot passes (the contract is ckptio/stepdir/base.py).
+"""The conformance suite every StepRoot passes (the contract is ckptio/storage/steproot.py).
 
 Two ways to use it, as store_conformance.py does for stores:
 
@@ -24,7 +24,7 @@ a save. Every check asserts a rule a broken root would fail: a root that lists `
 hidden step, sorts steps as text, hides a step it was never given, removes more than the hidden
 steps, or advises deleting anything fails here.
 
-Owns: the checks and their helpers. Does not own: the roots (ckptio/stepdir/), the stores
+Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local_root.py, memory_root.py, s3/root.py), the stores
 (ckptio/storage/), the policy of which steps a manager keeps (ckptio/manager.py).
 """
 

@@ -2,7 +2,7 @@
 and the part size ckptio's saves and loads use there, and store them as that endpoint's profile.
 
 The study writes one object of ``total`` bytes per cell (requests in flight x part size) through
-ckptio's own S3 backend (io/s3.py: a multipart upload of whole parts), then, once every cell of
+ckptio's own S3 backend (storage/s3/backend.py: a multipart upload of whole parts), then, once every cell of
 the repetition has written, reads with each cell's settings (ranged GETs of one part each into
 memory, that many in flight) an object ANOTHER cell wrote earlier, never the one it has just
 written, READS times (each pass another cell's object: reads are fast and their warm
@@ -16,7 +16,7 @@ The choice: uploads in flight and the part size (= the staging buffer) by tune.p
 harmonic mean of write and read GB/s, scores within TIE of the best equal, then the fewest
 requests in flight, then the smallest part. A load's reads from the read column alone
 (read_choice): the range of one GET (``read_bytes``: a load fills one buffer with several GETs,
-io/s3.py) and the GETs in flight (io_depth) of the fastest read cell whose part fits the buffer,
+storage/s3/backend.py) and the GETs in flight (io_depth) of the fastest read cell whose part fits the buffer,
 unless none reads more than READ_TIE faster than the default's cell (GETs of
 Options().buffer_bytes, 2 x Options().io_depth in flight: what a load without a profile does),
 in which case a load reads like that (reads that tie cannot justify a change; round two took
@@ -27,14 +27,14 @@ neighbouring cells (docs/BENCH_S3.md, round three). Only cells ckptio can run wi
 its default pool are tried (requests x part <= Options().pool_bytes: each request in flight holds
 one staging buffer).
 
-Endpoint, region and credentials come as for every s3:// path (io/s3client.py: AWS_ENDPOINT_URL,
+Endpoint, region and credentials come as for every s3:// path (storage/s3/client.py: AWS_ENDPOINT_URL,
 AWS_PROFILE, ~/.aws/...); the profile's key is the endpoint as S3Settings.endpoint() names it.
 Before measuring, the location is checked as a save checks it (S3Store.prepare: bucket, access,
 conditional writes), so a wrong endpoint, missing credentials or a missing bucket fail within
 seconds as one CkptError naming the fix.
 
 Owns: the S3 study (study(), Cell), to_profile(), what `ckptio tune s3://...` prints. Does not
-own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (io/s3*.py).
+own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (storage/s3/).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_throttling_resets_and_lost_answers_are_absorbed(s3_env, s3_proxy, s3_cl
 def test_get_bodies_cut_short_are_retried_or_resumed(s3_env, s3_proxy):
     """A GET whose connection is reset before the body's first byte is retried; one reset
     mid-body keeps what arrived and asks for the rest (bodies are read from the socket
-    straight into the staging buffer: io/s3.py _read_body)."""
+    straight into the staging buffer: storage/s3/backend.py _read_body)."""
     url = f"{s3_env}/cut-bodies"
     options = _options(s3_proxy.endpoint)
     state = _state(3)
