@@ -236,7 +236,7 @@ def _ckptio_feature_missing(name: str) -> str | None:
 def stored_bytes(path: str) -> int:
     """Bytes of the checkpoint's own files (local) or objects (s3://) under ``path``."""
     if path.startswith("s3://"):
-        from ckptio.io.s3client import S3Settings, client
+        from ckptio.storage.s3.client import S3Settings, client
 
         bucket, _, prefix = path[5:].partition("/")
         c = client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))

@@ -9,7 +9,7 @@ was dropped): ranged GETs of P bytes, C at once, ``readinto`` a pre-faulted mapp
 ``--cold-client``: the boto3 client made inside the clock, as any boto3 user's fresh process
 makes it: what a fresh process pays once before its first byte, context for ckptio's
 fresh-process loads, never the ceiling).
-The client is ckptio's own (ckptio.io.s3client.client: payload signing off, checksums only when
+The client is ckptio's own (ckptio.storage.s3.client.client: payload signing off, checksums only when
 required, path-style, no botocore retries), so the ceiling is what ckptio's client could do
 with nothing else in the way. The bytes are the benchmark state's kind (fp32 from
 ckptio.tuning.state.Filler): SeaweedFS gzips chunks whose first bytes compress, so zeros would
@@ -75,7 +75,7 @@ def source(nbytes: int, seed: int) -> mmap.mmap:
 
 
 def client_for(concurrency: int) -> Any:
-    from ckptio.io.s3client import S3Settings, client
+    from ckptio.storage.s3.client import S3Settings, client
 
     return client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"], concurrency=concurrency))
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client_for(cells[0][0]).head_bucket(Bucket=BUCKET)  # untimed: the client
     else:
         import boto3  # noqa: F401 - imported before the clock, as the engines' modules are
-        import ckptio.io.s3client  # noqa: F401 - client_for's import, not the client
+        import ckptio.storage.s3.client  # noqa: F401 - client_for's import, not the client
     cache = ""
     for cell in cells:  # the driver restarts the server before a worker: pass one cell for cold
         key = f"{args.prefix}/{cell_name(cell)}"

@@ -1,5 +1,5 @@
 """Which S3 client should carry ckptio's bytes? boto3 (explicit multipart from memoryviews,
-ranged GETs with readinto, as ckptio.io.s3 uses it), obstore (Rust object_store) and
+ranged GETs with readinto, as ckptio.storage.s3.backend uses it), obstore (Rust object_store) and
 s3torchconnectorclient (AWS's Mountpoint CRT client), raw, on one server, same bytes.
 
 Runs in its own venv (obstore and s3torchconnectorclient are not ckptio dependencies; this file

@@ -31,7 +31,7 @@ from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.types import Manifest
-from ckptio.io.s3client import is_s3
+from ckptio.storage.s3.client import is_s3
 from ckptio.loading import foreign, safetensors
 from ckptio.loading.fill import RankPolicy
 from ckptio.options import Options

@@ -40,7 +40,7 @@ from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
-from ckptio.io.s3client import is_s3
+from ckptio.storage.s3.client import is_s3
 from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
 from ckptio.planning.export import (

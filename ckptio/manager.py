@@ -92,7 +92,7 @@ from typing import Any
 
 import torch
 
-from ckptio import stepdir, stepmeta
+from ckptio import stepmeta
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
@@ -107,7 +107,8 @@ from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.managing.triggers import Preemption, SaveClock, Triggers
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.storage.select import store_for
+from ckptio.storage.select import root_for, store_for
+from ckptio.storage.steproot import is_empty
 
 __all__ = ["CheckpointManager"]
 
@@ -161,7 +162,7 @@ class CheckpointManager:
             options = checkpointer.options
         options = with_compression(options or Options.from_env(), compression,
                                    checkpointer is not None)
-        self._root = stepdir.root_for(directory, options)
+        self._root = root_for(directory, options)
         self.directory = self._root.location
         self._owns_checkpointer = checkpointer is None
         self._ck = checkpointer if checkpointer is not None else Checkpointer(options)
@@ -500,7 +501,7 @@ class CheckpointManager:
         if steps:
             return {"steps": steps, "missing": None}
         why = self._root.nothing_here()
-        return {"steps": steps, "missing": {"why": why, "empty": stepdir.is_empty(why)}}
+        return {"steps": steps, "missing": {"why": why, "empty": is_empty(why)}}
 
     def _try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """Load ``step``; -> None, or why it is damaged (the same on every rank). Other errors

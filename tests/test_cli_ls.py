@@ -33,7 +33,7 @@ import ckptio
 from ckptio import cli
 from ckptio.cli import diff as cli_diff
 from ckptio.cli.ls import human_size
-from ckptio.stepdir import LocalRoot
+from ckptio.storage.local_root import LocalRoot
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -10,7 +10,7 @@ Layers, bottom to top; a module may import its own layer and the layers below it
     4  ckptio.distributed
     5  ckptio.saving, ckptio.loading         (saving and loading do not import each other)
     6  ckptio.tuning
-    7  drivers: ckptio (its __init__), ckptio.__main__, api, resources, shared, manager, stepdir, rng, optim, cli,
+    7  drivers: ckptio (its __init__), ckptio.__main__, api, resources, shared, manager, rng, optim, cli,
        demo, dcp, export, convert, tiering, stepmeta, managing, hf_trainer, lightning
 
 ckptio.testing may import anything, and nothing else in ckptio imports it. Nothing in ckptio
@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.distributed",),
     ("ckptio.saving", "ckptio.loading"),
     ("ckptio.tuning",),
-    ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.stepdir", "ckptio.rng",
+    ("ckptio", "ckptio.__main__", "ckptio.api", "ckptio.shared", "ckptio.manager", "ckptio.rng",
      "ckptio.optim",
      "ckptio.cli", "ckptio.demo", "ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.resources",
      "ckptio.tiering", "ckptio.stepmeta", "ckptio.managing", "ckptio.hf_trainer", "ckptio.lightning",

@@ -6,6 +6,7 @@ local folder. Every save and load here goes through ckptio.save / ckptio.load / 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,125 @@ def test_a_store_gets_the_options_in_force(tmp_path: Path) -> None:
     ckptio.save({"a": torch.ones(3)}, "optfs://o", options=OPTS)
     assert seen and all(o.buffer_bytes == OPTS.buffer_bytes for o in seen)
     assert os.path.isfile(tmp_path / "o" / "manifest.json")
+
+
+# -- a scheme of one's own under a CheckpointManager ----------------------------------------------
+
+
+class _Nothing(str):
+    """A user root's nothing_here() answer for a root that holds nothing yet (``empty``)."""
+
+    empty = True
+
+
+class _DirRoot:
+    """A user's StepRoot, written against the protocol only (no ckptio internals): ``step-N``
+    directories under the scheme's directory; a dropped step renamed out of the listing, then
+    removed by the removal the manager runs."""
+
+    def __init__(self, location: str, base: Path) -> None:
+        self.location = location.rstrip("/")
+        self.dir = base / self.location.split("://", 1)[1]
+        self.hidden: list[int] = []
+
+    def path(self, step: int) -> str:
+        return f"{self.location}/step-{step}"
+
+    def _steps(self) -> list[int]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(p.name[5:]) for p in self.dir.iterdir()
+                      if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
+
+    def is_committed(self, step: int) -> bool:
+        return (self.dir / f"step-{step}" / "manifest.json").is_file()
+
+    def scan(self) -> dict[str, list[int]]:
+        steps = self._steps()
+        return {"committed": [s for s in steps if self.is_committed(s)],
+                "incomplete": [s for s in steps if not self.is_committed(s)]}
+
+    def hide(self, step: int) -> bool:
+        try:
+            os.rename(self.dir / f"step-{step}", self.dir / f".gone-{step}")
+        except OSError:
+            return False
+        self.hidden.append(step)
+        return True
+
+    def removal(self, step: int | None = None) -> Any:
+        gone = [p for p in self.dir.glob(".gone-*")] if step is None else []
+        return (lambda: [shutil.rmtree(p) for p in gone]) if gone else None
+
+    def nothing_here(self) -> str:
+        return _Nothing(f"no checkpoint to restore in {self.location}")
+
+
+def test_a_user_scheme_registered_with_a_step_root_gets_a_manager(tmp_path: Path) -> None:
+    """save, steps, retention and restore, through ckptio.CheckpointManager on a scheme of the
+    user's own: every data byte through its Store, every step operation through its root."""
+    roots: list[_DirRoot] = []
+
+    def step_root(location: str, options: Options) -> _DirRoot:
+        roots.append(_DirRoot(location, tmp_path))
+        return roots[-1]
+
+    ckptio.register_store("dirfs", lambda location, options: _Counting(location, tmp_path),
+                          step_root=step_root, replace=True)
+    with ckptio.CheckpointManager("dirfs://job/run", keep_last=2, options=OPTS) as mgr:
+        assert mgr.restore({"w": torch.zeros(4)}) is None  # nothing there yet: not an error
+        _Counting.opened.clear()
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})
+        mgr.wait()
+        assert any(n.startswith("data-") for n in _Counting.opened), "data bypassed the store"
+        assert mgr.steps() == [2, 3]
+        assert mgr.path(3) == "dirfs://job/run/step-3"
+    assert roots[0].hidden == [1], "retention did not go through the registered step root"
+    on_disk = sorted(p.name for p in (tmp_path / "job" / "run").iterdir())
+    assert on_disk == ["step-2", "step-3"], on_disk  # step 1 hidden, then removed
+    again = ckptio.CheckpointManager("dirfs://job/run", options=OPTS)
+    state = {"w": torch.zeros(64), "step": 0}
+    assert again.restore(state) == 3
+    assert torch.equal(state["w"], torch.full((64,), 3.0)) and state["step"] == 3
+    assert again.restore(state, step=2) == 2 and torch.equal(state["w"], torch.full((64,), 2.0))
+    again.close()
+
+
+def test_a_user_scheme_without_a_step_root_names_what_to_register(tmp_path: Path) -> None:
+    ckptio.register_store("nostepfs", lambda location, options: _Counting(location, tmp_path),
+                          replace=True)
+    ckptio.save({"a": torch.ones(3)}, "nostepfs://one/step-1", options=OPTS)  # a store serves
+    with pytest.raises(ckptio.CkptError) as info:
+        ckptio.CheckpointManager("nostepfs://job/run", options=OPTS)
+    message = str(info.value)
+    for needed in ("nostepfs://", "register_store('nostepfs'", "step_root=", "path, scan, "
+                   "is_committed, hide, removal and nothing_here", "steproot_conformance"):
+        assert needed in message, (needed, message)
+    assert "delete" not in message.lower()
+    ckptio.register_store("badrootfs", lambda location, options: _Counting(location, tmp_path),
+                          step_root=lambda location, options: object(), replace=True)
+    with pytest.raises(ckptio.CkptError, match="badrootfs://.*lacks the StepRoot methods"):
+        ckptio.CheckpointManager("badrootfs://job/run", options=OPTS)
+    with pytest.raises(ckptio.CkptError, match="step_root.*callable"):
+        ckptio.register_store("worsefs", lambda location, options: _Counting(location, tmp_path),
+                              step_root="MyRoot")  # type: ignore[arg-type]
+
+
+def test_every_built_in_scheme_names_its_store_backend_and_step_root(tmp_path: Path) -> None:
+    """One entry per scheme (storage/select.py): the store, its backend kind and the root of a
+    manager's steps come from the same place."""
+    from ckptio.storage.select import root_for, scheme_for
+
+    local = str(tmp_path / "run")
+    cases = {local: ("file", "LocalStore", "local", "LocalRoot"),
+             f"file://{local}": ("file", "LocalStore", "local", "LocalRoot"),
+             "mem://scheme-test/run": ("mem", "MemoryStore", "memory", "MemoryRoot")}
+    for location, (name, store, backend, root) in cases.items():
+        entry = scheme_for(location)
+        assert entry.name == name and entry.backend == backend
+        made = store_for(location, OPTS)
+        assert type(made).__name__ == store and made.backend_kind == backend
+        assert type(root_for(location, OPTS)).__name__ == root
+    assert scheme_for("shm://x").backend == "local" and scheme_for("s3://b/p").backend == "s3"
+    assert {"file", "shm", "mem", "s3"} <= set(registered_schemes())

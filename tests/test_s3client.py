@@ -9,8 +9,8 @@ import pytest
 
 import ckptio
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.io import s3client
-from ckptio.io.s3client import S3Path, S3Settings, call
+from ckptio.storage.s3 import client as s3client
+from ckptio.storage.s3.client import S3Path, S3Settings, call
 
 botocore = pytest.importorskip("botocore")
 from botocore.exceptions import ClientError, EndpointConnectionError

@@ -1,4 +1,4 @@
-"""The StepRoot contract (ckptio/stepdir/base.py) on its local and memory implementations (the
+"""The StepRoot contract (ckptio/storage/steproot.py) on its local and memory implementations (the
 S3 one: tests/s3/test_steproot_s3.py).
 
 (1) The StepRoot conformance suite (ckptio/testing/steproot_conformance.py), steps committed by
@@ -32,11 +32,12 @@ import ckptio
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.manager import CheckpointManager
 from ckptio.options import MiB, Options
-from ckptio.stepdir import LocalRoot, MemoryRoot, root_for
-from ckptio.stepdir.base import StepRoot
 from ckptio.storage.local import LocalStore
+from ckptio.storage.local_root import LocalRoot
 from ckptio.storage.memory import HOST, MemoryStore
-from ckptio.storage.select import register_store
+from ckptio.storage.memory_root import MemoryRoot
+from ckptio.storage.select import register_store, root_for
+from ckptio.storage.steproot import StepRoot
 from ckptio.testing.steproot_conformance import (
     Roots,
     StepRootConformance,

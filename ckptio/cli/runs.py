@@ -16,8 +16,8 @@ Call order (cli/commands.py): ``list_run(location)`` (None: not a run directory)
 
 Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
 own whose root lists steps), the per-step sizes and times, the text and JSON (schema
-``ckptio.run/1``). Does not own: which names are steps or hidden (stepdir/base.py), how a root
-scans (stepdir/), the checkpoint listing (cli/ls.py).
+``ckptio.run/1``). Does not own: which names are steps or hidden (storage/steproot.py), how a root
+scans (storage/*_root.py, storage/s3/root.py), the checkpoint listing (cli/ls.py).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from ckptio.cli.chain import logical_nbytes
 from ckptio.cli.ls import human_size
 from ckptio.errors import CkptError
 from ckptio.format import manifest
-from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, is_s3
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, is_s3
 from ckptio.options import Options
-from ckptio.stepdir import LocalRoot, S3Root, StepRoot, root_for
-from ckptio.stepdir.base import HIDDEN_PREFIX
-from ckptio.stepdir.local import hidden
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.storage.local_root import LocalRoot, hidden
+from ckptio.storage.s3.root import S3Root
+from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
+from ckptio.storage.steproot import HIDDEN_PREFIX, StepRoot
 from ckptio.tiering import marks
 
 __all__ = ["SCHEMA", "Step", "list_run", "protected", "run"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest, regular, values
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
-from ckptio.io.s3client import is_s3
+from ckptio.storage.s3.client import is_s3
 from ckptio.options import Options
 from ckptio.storage.select import checkpoint_path, store_for
 

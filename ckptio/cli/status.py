@@ -20,7 +20,7 @@ row's ``bases`` maps each delta step to its base steps (full steps are absent).
 What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
-how a tier lists its steps (stepdir/), draining (tiering/).
+how a tier lists its steps (storage/steproot.py), draining (tiering/).
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from ckptio.errors import CkptError
 from ckptio.format import manifest
 from ckptio.managing.chains import link_of
 from ckptio.options import Options
-from ckptio.stepdir import root_for
-from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
 from ckptio.tiering import marks
 
 __all__ = ["run", "tiers_status"]

@@ -6,7 +6,7 @@ Layer: the drivers' (with manager.py, its user). Internal: nothing here is publi
 public surface is ``ckptio`` itself (ckptio/__init__.py's ``__all__``: CheckpointManager).
 
 Owns: those policies and exchanges. Does not own: listing or deleting steps (manager.py,
-stepdir/), one checkpoint's metadata (stepmeta.py).
+storage/steproot.py), one checkpoint's metadata (stepmeta.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ every older committed step is kept this pass (any could be its base), with a war
 
 Owns: reading and caching links, the kept closure, the deferral, the words naming a delta's
 base. Does not own: which steps the retention rules keep (retention.py), hiding and removing
-(stepdir/), deciding the base of a save (delta.py).
+(storage/steproot.py), deciding the base of a save (delta.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpoint
 from ckptio.format.manifest import bases_of
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
-from ckptio.stepdir import step_of
+from ckptio.storage.steproot import step_of
 
 __all__ = ["Chains", "Link", "link_of"]
 

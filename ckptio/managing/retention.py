@@ -15,7 +15,7 @@ The kept set is the union of:
 
 Owns: the options' checks, the kept set, rank 0's cache of each step's metric (StepMetrics:
 a committed step's manifest never changes, so it is read once). Does not own: the metadata's
-format (stepmeta.py), listing or deleting steps (manager.py, stepdir/).
+format (stepmeta.py), listing or deleting steps (manager.py, storage/steproot.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Where a checkpoint's bytes go and how it is committed, listed and cleaned up.
+"""Where a checkpoint's bytes go, how it is committed, listed and cleaned up, and where a
+CheckpointManager's steps live.
 
-The contract is ``base.Store`` (with ``base.Exclusive``); ``local.LocalStore`` (a directory:
-O_DIRECT / io_uring backends), ``memory.MemoryStore`` (host memory) and ``s3.S3Store`` (a prefix
-in a bucket) implement it; ``files`` binds a store to a backend (a file name in, a handle out:
-the only way above storage/ reaches a file) and names its capabilities; ``select`` is the
-registry of location schemes; ``steps`` builds the save's and load's whole-checkpoint steps
-from any store. The conformance suite every store passes is ckptio/testing/store_conformance.py.
+``select`` is the registry of storage schemes: one entry per scheme names its Store (the
+contract: ``base.Store``), the kind of I/O backend its stores make and its StepRoot (the
+contract: ``steproot.StepRoot``). Local paths, file:// and shm://: ``local.LocalStore`` (O_DIRECT
+/ io_uring backends, io/) and ``local_root.LocalRoot``; mem://: ``memory.MemoryStore`` (its
+backend beside it) and ``memory_root.MemoryRoot``; s3://: the ``s3/`` folder (client, backend,
+lock, store, root). ``files`` binds a store to a backend (the only way above storage/ reaches a
+file); ``steps`` builds a save's and load's whole-checkpoint steps from any store. Conformance
+suites: ckptio/testing/store_conformance.py and steproot_conformance.py.
 
 Layer: above planning, io and format; below distributed.
 

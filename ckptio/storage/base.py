@@ -1,7 +1,7 @@
 """The storage contract: where one checkpoint's files live and how it is committed.
 
 A ``Store`` is one checkpoint location (a local directory: local.py; host memory: memory.py;
-a prefix in an S3 bucket: s3.py; any other scheme a user registers: select.py). Data bytes move
+a prefix in an S3 bucket: s3/store.py; any other scheme a user registers: select.py). Data bytes move
 through an ``IOBackend`` the store makes (``backend()``: positioned reads and writes from the
 staging pool; O_DIRECT/io_uring for a directory, a dict for host memory, multipart uploads and
 ranged GETs for an object store), one per ``backend_kind`` shared by every store of that kind,

@@ -6,9 +6,9 @@ time (``/proc/<pid>/stat``, in clock ticks since boot: a pid reused by another p
 another start time). ``dead(holder)`` says a holder is gone only when that can be proved from
 here: the same host and the same boot, and no process with that pid (or one started at another
 time). A holder on another host, from before a reboot of this one with no boot id, or whose
-record lacks a field, is never called dead: the lock's lease decides (storage/s3lock.py).
+record lacks a field, is never called dead: the lock's lease decides (storage/s3/lock.py).
 
-Owns: the holder record and the proof of death. Does not own: the locks (dirlock.py, s3lock.py).
+Owns: the holder record and the proof of death. Does not own: the locks (dirlock.py, s3/lock.py).
 """
 
 from __future__ import annotations

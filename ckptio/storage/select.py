@@ -1,25 +1,22 @@
-"""Which Store serves a checkpoint location: a registry of location schemes.
+"""The registry of storage schemes: one entry per scheme names its Store, its I/O backend and
+the StepRoot a CheckpointManager keeps steps in.
 
-A location is a local (or mounted) directory path, or a URL whose scheme is registered here:
-``file://`` (a local path), ``shm://NAME`` (host memory that outlives the process: the
-directory NAME under the shared-memory root, ``$CKPTIO_SHM_DIR`` or ``/dev/shm/ckptio``, served
-as a local directory), ``mem://`` (host memory of this process only, storage/memory.py),
-``s3://`` (a prefix in a bucket, storage/s3.py; needs the ``[s3]`` extra), and any scheme a
-user registers, as fsspec and torchsnapshot let one plug a storage in:
+A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
+(a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
+process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
+storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one plug a storage in:
 
-    ckptio.register_store("myfs", lambda location, options: MyStore(location))
-    ckptio.save(state, "myfs://bucket/run/step-100")
+    ckptio.register_store("myfs", lambda location, options: MyStore(location),
+                          step_root=lambda location, options: MyRoot(location))
 
-The factory gets the location as the user wrote it and the Options in force, and returns a
-Store (storage/base.py's contract; ckptio/testing/store_conformance.py is the suite it should
-pass). An unregistered scheme is refused (UnsupportedPathError naming the registered ones)
-rather than taken for a local folder named ``gs:``.
+Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
+scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of one checkpoint
+(storage/base.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
+Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
+pays only for the schemes it reads.
 
-Owns: turning a user's path (str, PathLike or bytes) into the location string, the scheme
-registry, picking the Store, and which store and file a path names when it is a single local
-file (a torch.save or safetensors file: the store of its directory). Torch-free, so the
-``ckptio`` command reads manifests without importing torch. Does not own: what a store does
-(storage/base.py's contract) nor foreign formats (loading/).
+Owns: the entries, the path forms (file://, shm://), which store and file a local file names.
+Does not own: what a store or root does (their modules), the backends' lifetime (resources.py).
 """
 
 from __future__ import annotations
@@ -28,19 +25,25 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.options import Options
 from ckptio.storage.base import Store
 from ckptio.storage.local import LocalStore
+from ckptio.storage.steproot import StepRoot
 
 __all__ = [
+    "Scheme",
+    "StepRootFactory",
     "StoreFactory",
     "checkpoint_path",
     "is_checkpoint_id",
     "local_path",
     "register_store",
     "registered_schemes",
+    "root_for",
+    "scheme_for",
     "scheme_of",
     "shm_path",
     "shm_root",
@@ -49,93 +52,66 @@ __all__ = [
 ]
 
 StoreFactory = Callable[[str, Options], Store]  # (location as written, options) -> its Store
+StepRootFactory = Callable[[str, Options], StepRoot]  # (a manager's location, options) -> root
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_FILE = "file"  # file://PATH is the local path PATH
-_SHM = "shm"  # shm://NAME is the directory NAME under shm_root()
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 SHM_ROOT = "/dev/shm/ckptio"  # tmpfs: host memory, kept after the process exits
 _lock = threading.Lock()
 
 
-def _s3(location: str, options: Options) -> Store:
-    from ckptio.io.s3client import S3Settings
-    from ckptio.storage.s3 import S3Store
+@dataclass(frozen=True)
+class Scheme:
+    """One scheme's entry. ``store`` makes the Store of one checkpoint location; ``backend``
+    names the kind of I/O backend those stores make (Store.backend(); resources.py keeps one per
+    Store.backend_kind, which is this kind or starts with it; None: the store's own); ``step_root``
+    makes a manager's StepRoot (None: a manager is refused, naming what to register); ``local``
+    turns a URL into the local directory it names (file://, shm://), served as that path."""
 
-    return S3Store(location, S3Settings.of(options))
+    name: str
+    store: StoreFactory
+    backend: str | None = None
+    step_root: StepRootFactory | None = None
+    local: Callable[[str], str] | None = None
 
 
-def _memory(location: str, options: Options) -> Store:
+# -- the built-in schemes (each imports its modules on first use) ---------------------------------
+
+
+def _local_store(location: str, options: Options) -> Store:
+    return LocalStore(location)
+
+
+def _local_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.local_root import LocalRoot
+
+    return LocalRoot(location)
+
+
+def _memory_store(location: str, options: Options) -> Store:
     from ckptio.storage.memory import MemoryStore
 
     return MemoryStore(location)
 
 
-_SCHEMES: dict[str, StoreFactory] = {"s3": _s3, "mem": _memory}
-_BUILT_IN = frozenset({*_SCHEMES, _FILE, _SHM})
+def _memory_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.memory_root import MemoryRoot
+
+    return MemoryRoot(location)
 
 
-def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False) -> None:
-    """Serve locations ``<scheme>://...`` with the Store ``factory(location, options)``
-    makes. A scheme already registered is refused unless ``replace``; the built-in ones
-    (file, shm, mem, s3) are never replaced."""
-    if not isinstance(scheme, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
-                        "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")
-    if not callable(factory):
-        raise CkptError(f"register_store({scheme!r}, {factory!r}): the factory must be "
-                        "callable as factory(location, options) -> Store")
-    key = scheme.lower()
-    with _lock:
-        if key in _BUILT_IN:
-            raise CkptError(f"register_store({scheme!r}): {key}:// is built in and cannot be "
-                            "replaced; register another scheme")
-        if key in _SCHEMES and not replace:
-            raise CkptError(f"register_store({scheme!r}): {key}:// is registered already; "
-                            "pass replace=True to replace it")
-        _SCHEMES[key] = factory
+def _s3_store(location: str, options: Options) -> Store:
+    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.store import S3Store
+
+    return S3Store(location, S3Settings.of(options))
 
 
-def registered_schemes() -> list[str]:
-    """Every scheme served, ``file`` included, sorted."""
-    with _lock:
-        return sorted({*_SCHEMES, _FILE, _SHM})
+def _s3_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.root import S3Root
 
-
-def scheme_of(location: str) -> str | None:
-    """The lower-case URL scheme of ``location``, or None for a plain path."""
-    match = _URL.match(location)
-    return match.group(1).lower() if match else None
-
-
-def _text(path: str | os.PathLike[str]) -> str:
-    text = os.fspath(path)
-    return os.fsdecode(text) if isinstance(text, bytes) else text
-
-
-def _unsupported(text: str, scheme: str) -> UnsupportedPathError:
-    served = ", ".join(f"{s}://" for s in registered_schemes())
-    return UnsupportedPathError(
-        f"{text}: ckptio serves no {scheme}:// locations (served: local paths, {served}); pass "
-        "a directory path (e.g. a mounted bucket), or register a store for the scheme with "
-        "ckptio.register_store")
-
-
-def checkpoint_path(path: str | os.PathLike[str]) -> str:
-    """The location as a string: a URL of a registered scheme, or a local path (``file://``
-    URLs become their path). Another scheme is refused, naming the registered ones."""
-    text = _text(path)
-    scheme = scheme_of(text)
-    if scheme is None:
-        return text
-    if scheme == _FILE:
-        return _file_path(text)
-    if scheme == _SHM:
-        return shm_path(text)
-    with _lock:
-        known = scheme in _SCHEMES
-    if not known:
-        raise _unsupported(text, scheme)
-    return text
+    return S3Root(location, S3Settings.of(options))
 
 
 def _file_path(text: str) -> str:
@@ -171,6 +147,96 @@ def shm_path(text: str) -> str:
     return os.path.join(root, *parts)
 
 
+_LOCAL = Scheme("file", _local_store, "local", _local_root, local=_file_path)  # and plain paths
+_SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
+    _LOCAL,
+    Scheme("shm", _local_store, "local", _local_root, local=shm_path),
+    Scheme("mem", _memory_store, "memory", _memory_root),
+    Scheme("s3", _s3_store, "s3", _s3_root),
+)}
+_BUILT_IN = frozenset(_SCHEMES)
+
+
+# -- registering ---------------------------------------------------------------------------------
+
+
+def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
+                   step_root: StepRootFactory | None = None) -> None:
+    """Serve locations ``<scheme>://...`` with the Store ``factory(location, options)`` makes
+    (ckptio.save, load, verify); with ``step_root``, a CheckpointManager keeps its steps there
+    too, in the StepRoot ``step_root(location, options)`` makes (the protocol of
+    ckptio/storage/steproot.py; ckptio/testing/steproot_conformance.py checks one). A scheme
+    already registered is refused unless ``replace`` (which replaces its whole entry); the
+    built-in ones (file, shm, mem, s3) are never replaced."""
+    if not isinstance(scheme, str) or not _NAME.fullmatch(scheme):
+        raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
+                        "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")
+    if not callable(factory):
+        raise CkptError(f"register_store({scheme!r}, {factory!r}): the factory must be "
+                        "callable as factory(location, options) -> Store")
+    if step_root is not None and not callable(step_root):
+        raise CkptError(f"register_store({scheme!r}, step_root={step_root!r}): the step root "
+                        "must be callable as step_root(location, options) -> StepRoot")
+    key = scheme.lower()
+    with _lock:
+        if key in _BUILT_IN:
+            raise CkptError(f"register_store({scheme!r}): {key}:// is built in and cannot be "
+                            "replaced; register another scheme")
+        if key in _SCHEMES and not replace:
+            raise CkptError(f"register_store({scheme!r}): {key}:// is registered already; "
+                            "pass replace=True to replace it")
+        _SCHEMES[key] = Scheme(key, factory, step_root=step_root)
+
+
+def registered_schemes() -> list[str]:
+    """Every scheme served, ``file`` included, sorted."""
+    with _lock:
+        return sorted(_SCHEMES)
+
+
+def scheme_of(location: str) -> str | None:
+    """The lower-case URL scheme of ``location``, or None for a plain path."""
+    match = _URL.match(location)
+    return match.group(1).lower() if match else None
+
+
+def _text(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    return os.fsdecode(text) if isinstance(text, bytes) else text
+
+
+def _unsupported(text: str, scheme: str) -> UnsupportedPathError:
+    served = ", ".join(f"{s}://" for s in registered_schemes())
+    return UnsupportedPathError(
+        f"{text}: ckptio serves no {scheme}:// locations (served: local paths, {served}); pass "
+        "a directory path (e.g. a mounted bucket), or register a store for the scheme with "
+        "ckptio.register_store")
+
+
+def checkpoint_path(path: str | os.PathLike[str]) -> str:
+    """The location as a string: a URL of a registered scheme, or a local path (``file://``
+    and ``shm://`` URLs become their path). Another scheme is refused, naming the registered
+    ones."""
+    text = _text(path)
+    if scheme_of(text) is None:
+        return text
+    entry = scheme_for(text)
+    return text if entry.local is None else entry.local(text)
+
+
+def scheme_for(location: str) -> Scheme:
+    """The registry entry serving ``location`` (the ``file`` entry for a plain path);
+    UnsupportedPathError for an unregistered scheme, naming the registered ones."""
+    scheme = scheme_of(location)
+    if scheme is None:
+        return _LOCAL
+    with _lock:
+        entry = _SCHEMES.get(scheme)
+    if entry is None:
+        raise _unsupported(location, scheme)
+    return entry
+
+
 def local_path(path: str | os.PathLike[str]) -> str:
     """The location as a local directory; any URL but ``file://`` is refused rather than taken
     for a local folder named ``s3:``."""
@@ -183,18 +249,37 @@ def local_path(path: str | os.PathLike[str]) -> str:
 
 
 def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:
-    """The Store of checkpoint ``path``: the registered scheme's, or a local directory's."""
+    """The Store of checkpoint ``path``: its scheme's entry's, or a local directory's."""
     text = checkpoint_path(path)
-    scheme = scheme_of(text)
-    if scheme is None:
-        return LocalStore(text)
-    with _lock:
-        factory = _SCHEMES[scheme]
-    store = factory(text, options or Options.from_env())
+    entry = scheme_for(text)
+    store = entry.store(text, options or Options.from_env())
     if not isinstance(store, Store):
-        raise CkptError(f"the store registered for {scheme}:// returned {store!r}, which is not "
-                        "a ckptio Store (storage/base.py); fix its factory")
+        raise CkptError(f"the store registered for {entry.name}:// returned {store!r}, which is "
+                        "not a ckptio Store (storage/base.py); fix its factory")
     return store
+
+
+def root_for(location: str | os.PathLike[str], options: Options) -> StepRoot:
+    """The StepRoot a CheckpointManager keeps its steps in at ``location``: its scheme's
+    entry's. A scheme registered without one is refused (UnsupportedPathError naming what to
+    register): the Store contract serves one checkpoint, it cannot list or hide steps."""
+    text = checkpoint_path(location)
+    entry = scheme_for(text)
+    if entry.step_root is None:
+        raise UnsupportedPathError(
+            f"{text}: a CheckpointManager keeps its steps in a root that lists, hides and "
+            f"removes them, and {entry.name}:// has none (its store serves ckptio.save and "
+            "ckptio.load, one checkpoint at a time): register one with ckptio.register_store("
+            f"{entry.name!r}, factory, step_root=lambda location, options: MyRoot(location), "
+            "replace=True), MyRoot having the methods path, scan, is_committed, hide, removal "
+            "and nothing_here of ckptio/storage/steproot.py's StepRoot (ckptio/testing/"
+            "steproot_conformance.py checks one); or save each step with ckptio.save")
+    root = entry.step_root(text, options)
+    if not isinstance(root, StepRoot):
+        raise CkptError(f"the step root registered for {entry.name}:// returned {root!r}, which "
+                        "lacks the StepRoot methods (location, path, scan, is_committed, hide, "
+                        "removal, nothing_here; ckptio/storage/steproot.py); fix its factory")
+    return root
 
 
 def store_and_file(path: str | os.PathLike[str],

@@ -25,7 +25,7 @@ None = present).
 
 Owns: forwarding, per-request counters (thread-safe), the faults. Does not own: HTTP parsing and
 operation names (testing/s3wire.py), the server (testing/s3server.py), retries or error mapping
-(ckptio/io/s3client.py). Test support only.
+(ckptio/storage/s3/client.py). Test support only.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ and waiting until a signed HeadBucket of it answers 200 and the master lists the
 weed's own logs go to ``<data_dir>/weed.log`` (``-logtostderr``: none in /tmp); the Unix sockets
 it makes in /tmp, named by port, are removed on stop.
 Does not own: faults between client and server (testing/s3proxy.py), pytest fixtures
-(tests/s3/conftest.py), anything ckptio itself does with S3 (io/s3client.py, io/s3.py,
-storage/s3.py). Test support: boto3 is imported only inside functions.
+(tests/s3/conftest.py), anything ckptio itself does with S3 (storage/s3/: client.py, backend.py,
+store.py). Test support: boto3 is imported only inside functions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The conformance suite every StepRoot passes (the contract is ckptio/stepdir/base.py).
+"""The conformance suite every StepRoot passes (the contract is ckptio/storage/steproot.py).
 
 Call order, as store_conformance.py for stores: pytest: subclass ``StepRootConformance`` and
 give it a ``roots`` fixture returning a ``Roots`` (what each field and the optional
@@ -11,7 +11,7 @@ Every check asserts a rule a broken root would fail: a root that lists ``step-01
 step, sorts steps as text, hides a step it was never given, removes more than the hidden
 steps, or advises deleting anything fails here.
 
-Owns: the checks and their helpers. Does not own: the roots (ckptio/stepdir/), the stores
+Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local_root.py, memory_root.py, s3/root.py), the stores
 (ckptio/storage/), the policy of which steps a manager keeps (ckptio/manager.py).
 """
 
@@ -28,7 +28,7 @@ import pytest
 
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import BLOCK
-from ckptio.stepdir.base import StepRoot
+from ckptio.storage.steproot import StepRoot
 from ckptio.storage.base import Store, new_save_id
 from ckptio.testing.store_conformance import data_name, write_file
 

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ckptio import stepdir, stepmeta
+from ckptio import stepmeta
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
@@ -74,7 +74,8 @@ from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage import holder
 from ckptio.storage.base import Store
-from ckptio.storage.select import checkpoint_path, scheme_of, store_for
+from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
+from ckptio.storage.steproot import is_empty
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
 from ckptio.tiering.restore import restore_guarded
@@ -135,7 +136,7 @@ class TieredManager:
         quick = dataclasses.replace(self._ck.options, s3_retry_deadline_s=min(
             PROBE_DEADLINE_S, self._ck.options.s3_retry_deadline_s))
         # listing gives up on an unreachable tier after PROBE_DEADLINE_S (restore goes on)
-        self._listers = [stepdir.root_for(t.location, quick) for t in self.tiers]
+        self._listers = [root_for(t.location, quick) for t in self.tiers]
         self._drain_rate = drain_rate
         self._drain: Drain | None = None
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
@@ -365,7 +366,7 @@ class TieredManager:
     def _empty(self) -> bool:
         """Rank 0: whether every tier can be listed and holds nothing a restore could mean."""
         try:
-            return all(stepdir.is_empty(root.nothing_here()) for root in self._listers)
+            return all(is_empty(root.nothing_here()) for root in self._listers)
         except CkptError:
             return False  # a tier that cannot be listed may hold the steps: not "nothing"
 

@@ -5,10 +5,10 @@ Call order: ``tune`` -> ``check`` (the arguments) -> ``study`` (prepare the loca
 does, then write and read every cell; how: on ``study``) -> ``to_profile`` (uploads by
 tune.best_of, a load's reads by ``read_choice``) -> the caller writes the profile and prints
 ``describe`` / ``table``. Endpoint, region and credentials come as for every s3:// path
-(io/s3client.py); the profile's key is the endpoint as S3Settings.endpoint() names it.
+(storage/s3/client.py); the profile's key is the endpoint as S3Settings.endpoint() names it.
 
 Owns: the S3 study (study(), Cell), to_profile(), what `ckptio tune s3://...` prints. Does not
-own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (io/s3*.py).
+own: the choice rule (tune.py), the profile file (profile.py), talking to S3 (storage/s3/).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 
 from ckptio.errors import CkptError
-from ckptio.io.s3 import MIN_PART, S3Backend
-from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, gets_in_flight
+from ckptio.storage.s3.backend import MIN_PART, S3Backend
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, gets_in_flight
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
 from ckptio.tuning.tune import Candidate, best_of
 

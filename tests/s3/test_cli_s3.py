@@ -49,8 +49,8 @@ def test_ls_of_a_run_on_s3_lists_its_steps(s3_env: str, s3_client):
     """A manager's steps under a prefix: committed, incomplete (its manifest never committed),
     and one a retention marked and has not removed yet (``step-N/.deleting``): listed as being
     deleted, never as a checkpoint; torch never imported."""
-    from ckptio.io.s3client import S3Settings
-    from ckptio.stepdir import S3Root
+    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.root import S3Root
 
     manager = ckptio.CheckpointManager(s3_env, keep_last=None)
     for step in (1, 2, 3):

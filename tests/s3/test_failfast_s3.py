@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.io import s3client
+from ckptio.storage.s3 import client as s3client
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_S = 10.0  # "within seconds": every refusal here comes well inside this

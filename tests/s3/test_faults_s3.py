@@ -20,9 +20,9 @@ import torch
 
 import ckptio
 from ckptio.storage.select import store_for
-from ckptio.io.s3client import S3Path, S3Settings
+from ckptio.storage.s3.client import S3Path, S3Settings
 from ckptio.storage.steps import named as names_in
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 
 MiB = 1 << 20
 
@@ -86,7 +86,7 @@ def test_throttling_resets_and_lost_answers_are_absorbed(s3_env, s3_proxy, s3_cl
 def test_get_bodies_cut_short_are_retried_or_resumed(s3_env, s3_proxy):
     """A GET whose connection is reset before the body's first byte is retried; one reset
     mid-body keeps what arrived and asks for the rest (bodies are read from the socket
-    straight into the staging buffer: io/s3.py _read_body)."""
+    straight into the staging buffer: storage/s3/backend.py _read_body)."""
     url = f"{s3_env}/cut-bodies"
     options = _options(s3_proxy.endpoint)
     state = _state(3)
@@ -105,7 +105,7 @@ def test_get_bodies_cut_short_are_retried_or_resumed(s3_env, s3_proxy):
 def test_get_bodies_go_from_the_socket_into_the_callers_buffer(s3_env, s3_client):
     """The zero-copy read applies to the bodies botocore hands out today; if botocore or
     urllib3 change shape the read falls back to their readinto, and this test says so."""
-    from ckptio.io import s3 as s3_backend
+    from ckptio.storage.s3 import backend as s3_backend
 
     where = S3Path.parse(f"{s3_env}/socket-read/blob")
     payload = os.urandom(3 * MiB + 7)

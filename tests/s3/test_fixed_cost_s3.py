@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.io import s3objects
-from ckptio.io.s3client import S3Settings
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3.client import S3Settings
 from ckptio.options import MiB, Options
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 
 
 def _data_requests(proxy: Any, op: str) -> list[str]:
@@ -144,7 +144,7 @@ def test_prepare_makes_the_client_so_the_first_load_makes_none(s3_env, s3_proxy,
     profile keeps fewer requests in flight than the store's defaults, and prepare makes the
     backend (tuned) before the load's store: the one client serves both."""
     from ckptio import Checkpointer
-    from ckptio.io import s3client
+    from ckptio.storage.s3 import client as s3client
     from ckptio.tuning import profile
 
     monkeypatch.setenv(profile.PATH_ENV, str(tmp_path / "profiles.json"))

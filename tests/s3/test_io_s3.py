@@ -12,9 +12,9 @@ from typing import ClassVar
 
 import pytest
 
-from ckptio.io.s3client import S3Settings
+from ckptio.storage.s3.client import S3Settings
 from ckptio.options import MiB, Options
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files
 
 OPTIONS = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
@@ -71,7 +71,7 @@ def test_a_backend_starts_all_its_threads_before_its_first_request(s3_env: str) 
     import dataclasses
     import threading
 
-    from ckptio.io.s3 import S3Backend
+    from ckptio.storage.s3.backend import S3Backend
 
     def alive(prefix: str) -> int:
         return sum(t.name.startswith(prefix + "_") for t in threading.enumerate())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.io.s3client import S3Path
+from ckptio.storage.s3.client import S3Path
 from ckptio.manager import CheckpointManager
 from ckptio.testing.ranks import run_ranks
 
@@ -180,7 +180,7 @@ def test_restore_falls_back_past_a_damaged_newest_step_and_the_step_can_be_saved
 KILLED = textwrap.dedent("""
     import os, signal, sys, torch, ckptio
     from ckptio.manager import CheckpointManager
-    from ckptio.stepdir.s3 import S3Root
+    from ckptio.storage.s3.root import S3Root
 
     real = S3Root._delete
 
@@ -318,7 +318,7 @@ def manager_ranks_s3(rank: int, world: int, env: dict[str, str], root: str) -> d
     os.environ.update(env)  # ranks fork from a server started before the test set them
     import boto3
 
-    from ckptio.stepdir.s3 import S3Root
+    from ckptio.storage.s3.root import S3Root
 
     hidden: list[int] = []  # steps this rank marked for removal
     hide = S3Root.hide

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 
 from ckptio.errors import StorageIOError
-from ckptio.io.s3client import S3Settings
+from ckptio.storage.s3.client import S3Settings
 from ckptio.options import Options
-from ckptio.stepdir.base import StepRoot
-from ckptio.stepdir.s3 import MARKER, S3Root
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.steproot import StepRoot
+from ckptio.storage.s3.root import MARKER, S3Root
+from ckptio.storage.s3.store import S3Store
 from ckptio.testing.s3proxy import FaultProxy
 from ckptio.testing.steproot_conformance import (
     Roots,

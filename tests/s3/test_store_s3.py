@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.io.s3 import MAX_PARTS, MIN_PART, S3Backend, part_nbytes_for
-from ckptio.io.s3client import S3Path, S3Settings
+from ckptio.storage.s3.backend import MAX_PARTS, MIN_PART, S3Backend, part_nbytes_for
+from ckptio.storage.s3.client import S3Path, S3Settings
 from ckptio.io.stage import BufferPool
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3.store import S3Store
 from ckptio.testing.store_conformance import StoreConformance, data_name
 
 

@@ -19,8 +19,8 @@ import torch
 
 import ckptio
 from ckptio import Checkpointer, Options
-from ckptio.io import s3client
-from ckptio.storage.s3 import S3Store
+from ckptio.storage.s3 import client as s3client
+from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
 
 ROOT = Path(__file__).resolve().parents[2]

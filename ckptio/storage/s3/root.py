@@ -1,28 +1,24 @@
-"""A CheckpointManager's steps under an S3 prefix: S3Root.
+"""A CheckpointManager's steps under an S3 prefix: S3Root (the ``s3://`` entry's step root).
 
 Steps are the CommonPrefixes ``<root>/step-N/`` of a ListObjectsV2 (Delimiter "/"); a step is
 committed when ``step-N/manifest.json`` exists (HEAD), incomplete when it holds other objects
-only (an empty prefix, which some servers keep listing after its objects went, is no step).
+only (an empty prefix, which some servers keep listing, is no step). S3 has no rename, so a
+retention removes a step in an order that is safe at every point:
 
-S3 has no rename, so a retention removes a step in an order that is safe at every point:
-
-1. PUT the marker ``step-N/.deleting`` (once a HEAD found the step committed: a step that is not
-   there is never marked): from then on the prefix is hidden from every listing
-   (as ``.deleting-step-*`` directories are), so a kill leaves no half-deleted step listed;
+1. PUT the marker ``step-N/.deleting`` (only on a step a HEAD found committed): from then on
+   the prefix is hidden from every listing, so a kill leaves no half-deleted step listed;
 2. DELETE the manifest: the step is no longer committed, whatever reads it directly;
-3. on the manager's removal thread: DELETE the manifest (again: a kill may have come between 1
-   and 2), every object under ``step-N/`` (DeleteObjects, 1000 a batch) and abort the open
-   multipart uploads there; check the prefix holds nothing but the marker; DELETE the marker last.
+3. on the manager's removal thread: DELETE the manifest again (a kill between 1 and 2), every
+   object under ``step-N/`` and the open multipart uploads there; check nothing but the
+   marker is left; DELETE the marker last.
 
-A marker left by a kill is found by the next scan and its removal finished by the next
-retention; a save into step N first finishes a removal pending there (else the marker would
-hide the new checkpoint). Only prefixes named ``step-N`` that a scan found committed get a
-marker, and only marked ones are emptied: nothing unidentified is ever deleted. Incomplete steps
-are never deleted.
+A marker left by a kill is found by the next scan, its removal finished by the next retention;
+a save into step N first finishes a removal pending there. Only marked prefixes are emptied;
+incomplete steps are never deleted.
 
 Owns: S3Root (listing, the marker, the order of a removal, what a prefix holds instead of
-steps). Does not own: which steps to keep or restore (manager.py), one checkpoint's objects and
-its commit (storage/s3.py), URLs, the client and retries (io/s3client.py).
+steps). Does not own: which steps to keep (the manager), one checkpoint's objects and its commit
+(store.py), URLs, the client and retries (client.py).
 """
 
 from __future__ import annotations
@@ -35,9 +31,16 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
-from ckptio.managing import warn
-from ckptio.stepdir.base import Listing, Nothing, Removal, nothing_message, step_name, step_of
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.storage.steproot import (
+    Listing,
+    Nothing,
+    Removal,
+    nothing_message,
+    step_name,
+    step_of,
+    warn,
+)
 
 __all__ = ["MARKER", "S3Root"]
 
@@ -310,4 +313,4 @@ class S3Root:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)

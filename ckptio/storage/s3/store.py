@@ -1,6 +1,6 @@
 """A Store in an S3-compatible bucket: a checkpoint is the prefix ``s3://bucket/run/step-N``.
 
-Data files are objects ``<prefix>/data-...bin`` (written by io/s3.py's backend: multipart
+Data files are objects ``<prefix>/data-...bin`` (written by backend.py's S3Backend: multipart
 uploads straight from the staging pool, ranged GETs); the commit is one PutObject of
 ``<prefix>/manifest.json``, made only after every rank's uploads completed. What it relies on:
 
@@ -16,8 +16,8 @@ uploads straight from the staging pool, ranged GETs); the commit is one PutObjec
 - S3 makes an object visible only whole: a killed save leaves at most open multipart uploads,
   which names() lists and remove() aborts, so the next save's cleanup removes them.
 
-Owns: S3Store, S3Claim, the probe. Does not own: the lock object's protocol (s3lock.py), URLs,
-the client and retries (io/s3client.py), the data path (io/s3.py), the order of a save.
+Owns: S3Store, S3Claim, the probe. Does not own: the lock object's protocol (lock.py), URLs,
+the client and retries (client.py), the data path (backend.py), the order of a save.
 """
 
 from __future__ import annotations
@@ -31,12 +31,8 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io import s3objects
-from ckptio.io.s3 import S3Backend
-from ckptio.io.s3client import (S3Path, S3Settings, call, client, describe, failed,
-                                 gets_in_flight, status)
 from ckptio.options import Options
-from ckptio.storage import foreign, s3lock
+from ckptio.storage import foreign
 from ckptio.storage.base import (
     Exclusive,
     check_if_locked,
@@ -47,6 +43,11 @@ from ckptio.storage.base import (
     plain_name,
 )
 from ckptio.storage.files import Capabilities
+from ckptio.storage.s3 import lock as s3lock
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3.backend import S3Backend
+from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
+                                      gets_in_flight, status)
 
 __all__ = ["S3Claim", "S3Store"]
 
@@ -306,7 +307,7 @@ class S3Store:
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         """A HEAD each for one or two names, else one listing. What is found of ckptio's own
-        data files is handed to the backend (io/s3objects.py): a load looks them up here first
+        data files is handed to the backend (objects.py): a load looks them up here first
         (check_files), so opening them for reading sends no HEAD of its own. Only those: their
         names are unique to one save, so an object a look-up saw is never legitimately replaced
         (a manifest, or a foreign format's file, may be rewritten in place)."""

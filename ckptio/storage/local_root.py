@@ -6,7 +6,7 @@ the directory, and only then removes it (shutil.rmtree, on the manager's thread)
 leaves a half-deleted step listed, and the next retention finishes such leftovers.
 
 Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
-of steps). Does not own: the hidden names (base.py), which steps to keep or restore
+of steps). Does not own: the hidden names (steproot.py), which steps to keep or restore
 (manager.py) or one checkpoint's files (storage/).
 """
 
@@ -18,8 +18,9 @@ import os
 import shutil
 
 from ckptio.errors import StorageIOError
-from ckptio.managing import warn
-from ckptio.stepdir.base import (
+from ckptio.storage import steps as storage_steps
+from ckptio.storage.select import store_for
+from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
     Nothing,
@@ -29,9 +30,8 @@ from ckptio.stepdir.base import (
     nothing_message,
     step_name,
     step_of,
+    warn,
 )
-from ckptio.storage import steps as storage_steps
-from ckptio.storage.select import store_for
 
 __all__ = ["HIDDEN_PREFIX", "LocalRoot", "fsync_dir", "hidden", "is_committed", "remove"]
 
@@ -97,7 +97,7 @@ class LocalRoot:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)
 
 
 def _entries(directory: str) -> list[os.DirEntry[str]]:

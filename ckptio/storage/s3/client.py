@@ -1,33 +1,22 @@
 """Talking to an S3-compatible store: URLs, the client, retries and what an error means.
 
-``s3://bucket/prefix`` locations are parsed here; the boto3 client is made here (imported
-lazily: the base install never needs it; without it an s3:// path raises CkptError naming
-``pip install 'ckptio[s3]'``), one per process and settings, shared by threads (botocore
-clients are thread-safe). Endpoint, region and credentials come the way every AWS tool takes
-them (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3, AWS_REGION, AWS_PROFILE, ~/.aws/config and
-credentials, instance roles) unless Options name them.
+``s3://bucket/prefix`` locations are parsed here (S3Path); the boto3 client is made here,
+imported lazily (without it an s3:// path raises CkptError naming ``pip install
+'ckptio[s3]'``), one per process and settings, shared by threads. Endpoint, region and
+credentials come the way every AWS tool takes them (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE,
+~/.aws, instance roles) unless Options name them.
 
-Retries are ours, not botocore's (its are turned off): throttling (503 SlowDown), 5xx,
-409 ConditionalRequestConflict, timeouts and connection resets are retried with full-jitter
-backoff until ``s3_retry_deadline_s``; anything else (403, 404, 412, a bad request) is not.
-Giving up raises StorageIOError naming the object, the attempts and the last cause. A request
-still retrying after RETRY_WARN_S logs a warning (once per endpoint every RETRY_WARN_S * 10),
-so a save waiting on a store is never silent. Why our loop and not botocore's retry modes
-(standard/adaptive, max_attempts): bodies are read from the socket into the caller's buffer
-(io/s3.py), and a body cut short must be asked for again, which botocore's retries (around
-the request only) never do; the budget is a time (``s3_retry_deadline_s``), not a count; S3's
-409 ConditionalRequestConflict is retried; and once one request to an endpoint gave up, the
-others give up at once instead of waiting out a deadline each.
-
-What retrying cannot fix fails at once, as StorageIOError naming the cause and the fix: no
-credentials found (NoCredentialsError), a TLS handshake that cannot succeed (an https://
-endpoint on a plain-HTTP server; a certificate not trusted, e.g. self-signed), and an endpoint
-that never answered this process (connection refused, no such host, connect timeout): retried
-for UNREACHED_S only (a server restarting), while an endpoint that has answered before is
-retried until the deadline (a server restarting mid-save).
+Retries are ours, not botocore's (turned off): throttling, 5xx, 409 ConditionalRequestConflict,
+timeouts and resets are retried with full-jitter backoff until ``s3_retry_deadline_s``; anything
+else is not. Ours because a body cut short while read into the caller's buffer (backend.py)
+must be asked for again, the budget is a time, and once one request to an endpoint gave up the
+others give up at once. A request still retrying after RETRY_WARN_S logs a warning. What
+retrying cannot fix fails at once, naming the cause and the fix: no credentials, a TLS
+handshake that cannot succeed, an endpoint that never answered this process (retried for
+UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
 Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
-Does not own: what is written or read (io/s3.py: the backend; storage/s3.py: the store).
+Does not own: what is written or read (backend.py, store.py, root.py).
 """
 
 from __future__ import annotations
@@ -227,7 +216,7 @@ def _retryable(exc: BaseException) -> bool:
         return answer >= 500 or answer == 429 or code(exc) in _RETRY_CODES
     if isinstance(exc, BotoCoreError):  # connection refused/reset, timeouts, short bodies
         return True
-    # http.client's own (IncompleteRead, RemoteDisconnected): bodies read from the socket, s3.py
+    # http.client's own (IncompleteRead, RemoteDisconnected): bodies read from the socket, backend.py
     return isinstance(exc, (ConnectionError, TimeoutError, http.client.HTTPException))
 
 

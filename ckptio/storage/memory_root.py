@@ -13,15 +13,16 @@ into a location no longer listed.
 
 Owns: MemoryRoot (listing, the move, the removal, what a memory location holds instead of
 steps). Does not own: the memory files, locations and claims (storage/memory.py), the hidden
-names (base.py), which steps to keep or restore (manager.py).
+names (steproot.py), which steps to keep or restore (manager.py).
 """
 
 from __future__ import annotations
 
 import functools
 
-from ckptio.managing import warn
-from ckptio.stepdir.base import (
+from ckptio.storage import steps as storage_steps
+from ckptio.storage.memory import HOST, SCHEME, MemoryStore
+from ckptio.storage.steproot import (
     Listing,
     Nothing,
     Removal,
@@ -30,9 +31,8 @@ from ckptio.stepdir.base import (
     nothing_message,
     step_name,
     step_of,
+    warn,
 )
-from ckptio.storage import steps as storage_steps
-from ckptio.storage.memory import HOST, SCHEME, MemoryStore
 
 __all__ = ["MemoryRoot"]
 
@@ -141,4 +141,4 @@ def _forget(locations: list[str]) -> None:
 
 
 def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (managing.warn)
+    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)

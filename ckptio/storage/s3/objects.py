@@ -1,24 +1,20 @@
 """What is known of an S3 object being read (its size and ETag), and each GET's answer checked
 against it.
 
-A load's store has just looked its data objects up (S3Store.sizes: a HEAD each, or one listing
-for many), which it does anyway to refuse a missing or truncated data file before reading. It
-hands what it saw of ckptio's own data files (names unique to one save, never rewritten in
-place, unlike a manifest or a foreign format's file) here (``remember``) and the backend's
-``open_read`` takes it (``take``) instead of sending a HEAD of its own: one round trip less per
-data object and load (docs/BENCH_S3.md, round five). What is taken is what that HEAD would
-have said, and it is used the same way: every GET is pinned to the ETag (If-Match), so an object replaced since it was
-looked up fails the read (412) instead of mixing two versions. Every GET's answer is checked
-too (``check_answer``): the object size its Content-Range gives must be the size taken, and its
-ETag the one pinned; a GET refused because the object changed (412) or is shorter than the
-range asked (416) fails naming the object and what to do (``refusal``).
-
-An entry is taken once (a later open sends its HEAD), only for the same endpoint, and only
-within SEEN_TTL_S of being remembered; at most SEEN_MAX are kept, the oldest dropped.
+A load's store has just looked its data objects up (S3Store.sizes), to refuse a missing or
+truncated file before reading. It hands what it saw of ckptio's own data files (names unique to
+one save, never rewritten in place) here (``remember``), and the backend's ``open_read`` takes
+it (``take``) instead of sending a HEAD of its own (docs/BENCH_S3.md). It is used as that HEAD
+would be: every GET is pinned to the ETag (If-Match), so an object replaced since fails the
+read (412) instead of mixing two versions. Every GET's answer is checked (``check_answer``):
+the size its Content-Range gives must be the size taken, its ETag the one pinned; a GET refused
+because the object changed (412) or is shorter (416) fails naming the object and the fix
+(``refusal``). An entry is taken once, for the same endpoint only, within SEEN_TTL_S; at most
+SEEN_MAX are kept, the oldest dropped.
 
 Owns: the hand-off between a store's look-ups and a backend's opens, the checks of a GET's
-answer. Does not own: the requests (s3.py, s3client.py), when a store looks objects up
-(storage/s3.py).
+answer. Does not own: the requests (backend.py, client.py), when a store looks objects up
+(store.py).
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ lease, with a warning naming the dead holder; a live holder, or one on another h
 its lease.
 
 The lock makes a second save wait (or raise) instead of uploading everything and failing at
-the end; it is not what keeps a checkpoint safe. That is the commit's condition (storage/s3.py:
+the end; it is not what keeps a checkpoint safe. That is the commit's condition (store.py:
 the manifest is written with If-Match on the ETag seen when the claim was taken), so a holder
 that stalled past its lease and a taker cannot both commit.
 
 Owns: S3Lock (take, renew, release), the holder text. Does not own: the manifest's condition
-and the store's other operations (s3.py), the client and retries (io/s3client.py), whether a
+and the store's other operations (store.py), the client and retries (client.py), whether a
 holder is dead (holder.py).
 """
 
@@ -31,9 +31,9 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from ckptio.errors import CheckpointLockedError
-from ckptio.io.s3client import S3Path, S3Settings, call, client, describe, failed, status
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, describe, failed, status
 
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
 

@@ -1,30 +1,22 @@
-"""The IOBackend for S3-compatible object storage: multipart uploads and ranged GETs.
+"""The IOBackend of the ``s3://`` scheme: multipart uploads and ranged GETs.
 
-A data file ``s3://bucket/key`` is one object. Writing it:
+A data file ``s3://bucket/key`` is one object. Writing it: a file of at most one part goes up
+in one PutObject; a larger one is a multipart upload of parts of ``part_nbytes`` (the staging
+buffer size, or a multiple keeping parts >= 5 MiB and at most 10,000 of them). A save writes in
+buffer-sized, in-order pieces, so every write is one whole part uploaded straight from the
+staging buffer (no copy); its future resolves when the store acknowledged the part. Any other
+write is copied into its part's assembly buffer, uploaded once covered (or at close, zeros in
+the gaps).
 
-- a file of at most one part goes up in one PutObject, from the staging buffer that covers it;
-- a larger one is a multipart upload of parts of ``part_nbytes`` (the staging buffer size, or a
-  multiple of it so that parts stay >= 5 MiB and a file needs at most 10,000 of them). A save
-  writes each file in buffer-sized, in-order pieces, so with the default part size every write
-  is one whole part and is uploaded straight from the (pre-faulted, page-locked) staging buffer:
-  no copy, no temporary file. The write's future resolves when the store acknowledged the part;
-  only then does the buffer go back to the pool.
-- any other write (a part larger than a buffer, odd offsets) is copied into that part's
-  assembly buffer and uploaded once the part is covered, or at close with zeros in the gaps.
+``close(sync=True)`` waits for every part and completes the upload (the object is whole and
+durable); ``close(sync=False)`` aborts it. Reads are ranged GETs into the caller's buffer,
+pinned to the ETag seen at open (what the store just saw opens it without a HEAD: objects.py);
+a read larger than ``settings.read_bytes`` is split into GETs side by side. Every request goes
+through client.call (retries). The client is made with the backend, so
+``Checkpointer.prepare(s3 url)`` takes its cost off the first load.
 
-``close(sync=True)`` waits for every part and completes the upload: the object is durable and
-whole when it returns (S3 makes an object visible only complete). ``close(sync=False)`` aborts
-the upload (a failed save leaves no multipart upload behind). Reads are ranged GETs into the
-caller's buffer, pinned to the object's ETag seen at open (a replaced object fails the read
-instead of mixing two versions; what the store has just seen of the object opens it without a
-HEAD, s3objects.py); a read larger than ``settings.read_bytes`` (a load's staging
-buffer, when the endpoint reads best in smaller ranges than it writes) is that many GETs side by
-side on the GET threads, its future done when all are. Every request goes through s3client.call (retries).
-The backend makes its client when it is made (0.2-0.3 s in a fresh process that holds torch), so
-that ``Checkpointer.prepare(s3 url)`` at a job's start takes that cost off its first load.
-
-Owns: S3Backend. Does not own: URLs, the client, retries (s3client.py), which objects make a
-checkpoint and its commit (storage/s3.py), what is written (saving/persist.py).
+Owns: S3Backend. Does not own: URLs, the client, retries (client.py), which objects make a
+checkpoint and its commit (store.py), what is written (saving/).
 """
 
 from __future__ import annotations
@@ -36,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io import s3objects
 from ckptio.io.base import FileHandle, all_of, completed, started_pool
-from ckptio.io.s3client import S3Path, S3Settings, call, client, code, failed, status
 from ckptio.options import MiB
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
 
 __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
 

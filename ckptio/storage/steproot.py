@@ -1,33 +1,32 @@
 """The root a CheckpointManager keeps its steps in, as a small protocol: StepRoot.
 
-A root is a local directory (local.py: ``<dir>/step-<N>`` directories), an S3 prefix (s3.py:
-``s3://bucket/run/step-<N>/`` prefixes) or a host-memory location (memory.py:
-``mem://run/step-<N>`` locations). The manager only ever goes through these methods:
+A scheme's registry entry (select.py) names the factory of its root: a local directory
+(local_root.py: ``<dir>/step-<N>``), host memory (memory_root.py: ``mem://run/step-<N>``), an S3
+prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers with
+``register_store(..., step_root=...)``. The manager goes only through these methods:
 
-- ``path(step)``: the step's checkpoint location (a Store's, see api.store_for);
+- ``path(step)``: the step's checkpoint location (what select.store_for serves);
 - ``scan()``: the steps there, committed and incomplete (steps being removed are not listed);
 - ``is_committed(step)``: whether that step holds a committed manifest;
-- ``hide(step)``: take a committed step out of the listing at once, crash-safely (local: a
-  rename; memory: a move under the host's lock; S3: a marker object, then the manifest
-  deleted); False, with a warning, if it failed or there is no such step;
-- ``removal(step=None)``: the work that finishes removing the hidden steps (all of them, or
-  only ``step``'s, before a save into it), to run on a thread or at once; None if none is due;
-- ``nothing_here()``: why the root holds no step, and what it holds instead: a Nothing (a str)
-  whose ``empty`` says the root holds nothing a restore could mean (no location, or nothing
-  that looks like a checkpoint): the manager's restore() then returns None instead of raising.
+- ``hide(step)``: take a committed step out of the listing at once, crash-safely; False, with
+  a warning (``warn``), if it failed or there is no such step;
+- ``removal(step=None)``: the work that finishes removing the hidden steps (all, or only
+  ``step``'s, before a save into it), to run on a thread or at once; None if none is due;
+- ``nothing_here()``: why the root holds no step (a Nothing whose ``empty`` says it holds
+  nothing a restore could mean: restore() then returns None instead of raising).
 
 Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
-root (local.py, memory.py) gives a dropped step, and the wording of nothing_here() shared by the
-roots. Does not own: which steps to keep or restore (manager.py), how a root lists, hides and
-removes (local.py, memory.py, s3.py), one checkpoint's files (storage/).
+root gives a dropped step, the wording of nothing_here() and the roots' warning channel. Does
+not own: which steps to keep or restore (the manager), one checkpoint's files (the Stores).
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 __all__ = [
     "HIDDEN_PREFIX",
@@ -42,6 +41,7 @@ __all__ = [
     "nothing_message",
     "step_name",
     "step_of",
+    "warn",
 ]
 
 Listing = dict[str, list[int]]  # "committed" and "incomplete": steps, ascending
@@ -52,6 +52,7 @@ HIDDEN_PREFIX = ".deleting-step-"
 _HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
 
 
+@runtime_checkable
 class StepRoot(Protocol):
     """Where a CheckpointManager's steps live (see the module docstring)."""
 
@@ -80,6 +81,14 @@ class Nothing(str):
         made = super().__new__(cls, message)
         made.empty = empty
         return made
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """A root's warning (a step retention could not hide), emitted once, through ``warnings``
+    only (as the manager's own warnings: filters silence or escalate it, and
+    ``logging.captureWarnings(True)`` routes it to logs). ``stacklevel`` counts from the caller
+    of warn()."""
+    warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def is_empty(message: str) -> bool:

@@ -1,0 +1,23 @@
+"""The ``s3://`` scheme in one place: a checkpoint is a prefix in an S3-compatible bucket.
+
+Its registry entry (storage/select.py) names the three parts, each importing the ones below it:
+
+    client.py    URLs (S3Path), settings, the boto3 client, the retry loop, what an error means
+    objects.py   what a store's look-up saw of an object, handed to the backend's reads
+    backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
+                 io/base.py)
+    lock.py      a save's claim on a prefix: a lock object with a lease
+    store.py     S3Store, the Store of one checkpoint prefix (contract: storage/base.py)
+    root.py      S3Root, a CheckpointManager's steps under a prefix (contract: steproot.py)
+
+Internal: nothing here is public API. The public surface is ``ckptio`` itself
+(ckptio/__init__.py's ``__all__``); these modules may change without notice. Nothing here is
+imported until an ``s3://`` location is used (boto3 is the ``[s3]`` extra's).
+
+Owns: everything particular to S3. Does not own: the contracts it implements (io/base.py,
+storage/base.py, storage/steproot.py), the order of a save (saving/).
+"""
+
+from __future__ import annotations
+
+__all__ = ["backend", "client", "lock", "objects", "root", "store"]
