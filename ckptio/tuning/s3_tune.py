@@ -67,7 +67,7 @@ def study(location: str, settings: S3Settings, total: int, parts: Sequence[int],
     """Median write and read GB/s of every cell (requests in flight x part size); ``reads``
     read passes per repetition.
 
-    Each cell writes one object of ``total`` bytes through ckptio's own S3 backend (io/s3.py:
+    Each cell writes one object of ``total`` bytes through ckptio's own S3 backend (storage/s3/backend.py:
     a multipart upload of whole parts); once every cell of the repetition has written, each
     cell reads with its settings (ranged GETs of one part each into memory, that many in
     flight) an object ANOTHER cell wrote earlier, never its own, ``reads`` times (reads are

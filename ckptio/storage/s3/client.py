@@ -153,8 +153,8 @@ def client(settings: S3Settings) -> Any:
     """The process's boto3 S3 client for ``settings``' endpoint, region and profile and the AWS
     environment variables it reads (never shared across a fork). One client serves every
     setting of requests in flight its connection pool holds: a load with an endpoint's tuned
-    profile (its backend: other requests in flight than the store's) makes no second client,
-    which cost 0.07-0.14 s of a fresh process's load (docs/BENCH_S3.md, round four)."""
+    profile (its backend: other requests in flight than the store's) makes no second client
+    (what a second one costs a fresh process's load: docs/BENCH_S3.md)."""
     key = (settings.endpoint_url, settings.region, settings.profile, os.getpid(),
            *(os.environ.get(name) for name in _ENVIRONMENT))
     wanted = connections(settings)
