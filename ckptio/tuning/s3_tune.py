@@ -12,7 +12,7 @@ order, medians taken. Its objects live under
 the names it wrote) when the study ends, failed or not. Reads still come back from wherever the
 store keeps recently written bytes: the study cannot drop a remote store's cache.
 
-The choice: uploads in flight and the part size (= the staging buffer) by tune.py's best_of: the
+The choice: uploads in flight and the part size (= the staging buffer) by choice.py's best_of: the
 harmonic mean of write and read GB/s, scores within TIE of the best equal, then the fewest
 requests in flight, then the smallest part. A load's reads from the read column alone
 (read_choice): the range of one GET (``read_bytes``: a load fills one buffer with several GETs,
@@ -56,7 +56,7 @@ from ckptio.io.s3client import S3Path, S3Settings, call, client, failed, gets_in
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3 import S3Store
 from ckptio.tuning import profile
-from ckptio.tuning.tune import Candidate, best_of
+from ckptio.tuning.choice import Candidate, best_of
 
 __all__ = ["CONCURRENCY", "PARTS", "READS", "READ_TIE", "TOTAL", "cells", "describe",
            "read_choice", "study", "table", "to_profile", "tune"]
@@ -213,7 +213,7 @@ def _default_cell(candidates: Sequence[Candidate], buffer: int) -> Candidate | N
 
 
 def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Profile:
-    """Uploads in flight and the part size: the best score (tune.best_of); a load's GETs:
+    """Uploads in flight and the part size: the best score (choice.best_of); a load's GETs:
     read_choice (its part size is ``read_bytes``; ``depth`` GETs in flight = io_depth
     ceil(depth / 2), as a load keeps 2 x io_depth); on a tie, the default's reads."""
     chosen = best_of(candidates)
