@@ -275,7 +275,7 @@ def test_known_upward_imports_still_occur():
     """KNOWN_UPWARD names only imports that are there: one removed is removed from it too."""
     found = {f"{i.importer} -> {i.imported}" for i in all_imports()}
     gone = sorted(KNOWN_UPWARD - found)
-    assert not gone, f"remove from KNOWN_UPWARD in tests/test_layers.py (no longer imported): {gone}"
+    assert not gone, f"no longer imported, remove from tests/test_layers.py KNOWN_UPWARD: {gone}"
 
 
 def test_a_listed_module_that_does_not_exist_is_no_error(monkeypatch):

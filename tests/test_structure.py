@@ -36,7 +36,8 @@ def test_the_allow_lists_name_only_what_is_there():
     gone += sorted(f"{m}: {t}" for m, t in set(THIRD_PARTY) - {(r.module, r.text) for r in found})
     members = {c.members for c in circles()}
     gone += sorted(" <-> ".join(sorted(c)) for c in CIRCLES_TO_VANISH - members)
-    assert not gone, "no longer found, remove from tests/structure.py's lists:\n  " + "\n  ".join(gone)
+    assert not gone, ("no longer found, remove from tests/structure.py's lists:\n  "
+                      + "\n  ".join(gone))
 
 
 def test_the_command_prints_the_counts_and_lists_them():

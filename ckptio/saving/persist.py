@@ -141,7 +141,8 @@ class SaveJob:
             self._handles[index] = self.target.open_write(layout.name, layout.nbytes)
         return self._handles[index]
 
-    def hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
+    def hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int,
+                 pieces: list[Piece]) -> None:
         """A full buffer leaves the capturing thread (its _Window): checksum, then write, in
         submission order."""
         try:
@@ -304,7 +305,8 @@ class _Window:
         self.pad_to(file_nbytes)
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
-            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK), self.pieces)
+            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK),
+                              self.pieces)
         elif buffer is not None:
             self.job.pool.release(buffer)
 

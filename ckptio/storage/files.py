@@ -5,10 +5,11 @@
 its backend reaches, ``Store.path_of``), and the handle's transfers go to that backend. Nothing
 above storage/ builds a file's path: saving/persist.py and loading/read.py take a StoreFiles.
 
-``Capabilities`` (defined in base.py beside the Store, named here too) is what a store can do, as data (a property of every store, read instead of
-``isinstance`` checks): O_DIRECT-style aligned I/O, registered (pinned) staging buffers, an atomic
-rename, a lock across processes, a conditional commit, the local directory whose
-filesystem's tuned I/O profile applies, and whether it lies across a network (tuning/profile.py).
+``Capabilities`` (defined in base.py beside the Store, named here too) is what a store can do,
+as data (a property of every store, read instead of ``isinstance`` checks): O_DIRECT-style
+aligned I/O, registered (pinned) staging buffers, an atomic rename, a lock across processes, a
+conditional commit, the local directory whose filesystem's tuned I/O profile applies, and
+whether it lies across a network (tuning/profile.py).
 
 ``Staging`` is the contract between a driver that owns the reused staging pool and the backends
 (api's Checkpointer, through ckptio/resources.py) and the save and load sessions that borrow them.

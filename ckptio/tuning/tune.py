@@ -3,9 +3,9 @@ settings there, and store them as that filesystem's profile; `ckptio tune --show
 `ckptio tune s3://bucket/prefix` does the same for an S3 endpoint (s3_tune.py).
 
 Owns: the short study (O_DIRECT vs buffered first, then write size x depth for posix and, where it
-runs, uring), the choice of engine and mode (choose(), pure; best_of: choice.py) and what the command prints. Does not own: measuring
-(io_study.py, io_cells.py), the profile file (profile.py), or applying a profile to Options
-(api/options).
+runs, uring), the choice of engine and mode (choose(), pure) and what the command prints. Does
+not own: measuring (io_study.py, io_cells.py), the best of one engine's cells (choice.py), the
+profile file (profile.py), or applying a profile to Options (api/options).
 
 The choice scores a configuration by the bytes of one save plus one load over their time (the
 harmonic mean of write and read GB/s). Among scores within TIE of the best, the fewest threads
