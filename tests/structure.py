@@ -26,9 +26,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Import", "Reach", "all_imports", "circles", "cycles", "import_graph",
-           "imports_of", "main", "package_modules", "reaches", "resolve", "runtime_graph",
-           "show_cycle", "sub_package_graph", "walk_one"]
+__all__ = ["CIRCLES_TO_VANISH", "PACKAGE", "REACHES_TO_VANISH", "ROOT", "THIRD_PARTY", "Circle",
+           "Import", "Reach", "all_imports", "circles", "cycles", "import_graph", "imports_of",
+           "main", "package_modules", "private_members", "reaches", "report", "resolve",
+           "runtime_graph", "show_cycle", "sub_package", "sub_package_graph", "unexpected",
+           "walk_one"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ckptio"
