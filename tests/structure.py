@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CIRCLES_TO_VANISH", "PACKAGE", "REACHES_TO_VANISH", "ROOT", "THIRD_PARTY", "Circle",
-           "Import", "Reach", "all_imports", "circles", "cycles", "import_graph", "imports_of",
-           "main", "package_modules", "private_members", "reaches", "report", "resolve",
-           "runtime_graph", "show_cycle", "sub_package", "sub_package_graph", "unexpected",
-           "walk_one"]
+           "Import", "Reach", "all_imports", "circles", "components", "cycles", "import_graph",
+           "imports_of", "main", "package_modules", "private_members", "reaches", "report",
+           "resolve", "runtime_graph", "show_cycle", "sub_package", "sub_package_graph",
+           "unexpected", "walk_one"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ckptio"
@@ -225,7 +225,12 @@ def runtime_graph(imports: list[Import], modules: set[str]) -> dict[str, dict[st
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     """One cycle (a list of modules, the first repeated at the end) per strongly connected
-    component of more than one module (Tarjan, iterative)."""
+    component of more than one module."""
+    return [_cycle_in(sorted(c), graph) for c in components(graph)]
+
+
+def components(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -263,7 +268,7 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
                         break
                 if len(component) > 1:
                     components.append(component)
-    return [_cycle_in(sorted(c), graph) for c in components]
+    return components
 
 
 def _cycle_in(component: list[str], graph: dict[str, dict[str, int]]) -> list[str]:
@@ -319,8 +324,8 @@ def sub_package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, i
 
 @dataclass(frozen=True)
 class Circle:
-    members: frozenset[str]
-    text: str  # one cycle through them, each step with its line
+    members: frozenset[str]  # every module (or sub-package) of one strongly connected component
+    text: str  # them, and one cycle through them, each step with its line
 
 
 def circles(package: Path = PACKAGE) -> list[Circle]:
@@ -330,8 +335,9 @@ def circles(package: Path = PACKAGE) -> list[Circle]:
     graph = import_graph(all_imports(package), set(modules))
     found: list[Circle] = []
     for g, what in ((graph, "modules"), (sub_package_graph(graph), "sub-packages")):
-        found += [Circle(frozenset(c), f"{what}: {show_cycle(c, g)}") for c in cycles(g)
-                  if frozenset(c) not in {f.members for f in found}]
+        found += [Circle(frozenset(c), f"{what} {', '.join(sorted(c))}: "
+                         f"{show_cycle(_cycle_in(sorted(c), g), g)}")
+                  for c in components(g) if frozenset(c) not in {f.members for f in found}]
     return found
 
 
