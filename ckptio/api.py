@@ -29,7 +29,7 @@ from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import Resources
 from ckptio.saving import session
-from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
 from ckptio.storage.select import checkpoint_path, store_and_file, store_for
 
 AsyncSaveResult = SaveResult  # the result of an async save's handle.wait(): a save's fields
@@ -56,9 +56,8 @@ class Checkpointer:
         self._plan_cache = PlanCache()
         self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
         self._groups: dict[int, tuple[Any, Group]] = {}
-        self._stale_hooks: list[SaveHandle] = []  # lazy hooks to remove from their own thread
-        _live.add(self)
-        self._inflight: SaveHandle | None = None
+        self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
+        self._inflight: HandleControl | None = None  # the control of the save in flight
         self._thread: threading.Thread | None = None
 
     def staging(self) -> Resources:
@@ -181,7 +180,7 @@ class Checkpointer:
         if previous is not None and not previous.done() and if_busy == "skip":
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
                           "running (if_busy='skip')", stacklevel=2)
-            return SaveHandle._skipped(path)
+            return skipped_handle(path)
         previous_error: BaseException | None = None
         try:
             self._settle()
@@ -189,7 +188,7 @@ class Checkpointer:
             if group.size == 1:
                 raise
             previous_error = exc
-        self._stale_hooks = [h for h in self._stale_hooks if not h._remove_hooks()]
+        self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
                                      block_nbytes=self._staging.block_nbytes)
@@ -202,7 +201,8 @@ class Checkpointer:
             lazy=lazy, optimizers=tuple(optimizers), after_step=after_step, started=started,
             previous_error=previous_error, grow_staging=grow_staging, packing=packing)
         save = session.begin(context, state)
-        self._inflight, self._thread = save.handle, save.thread
+        self._inflight, self._thread = save.control, save.thread
+        _running.add(save.thread)
         save.capture_here()
         return save.handle
 
@@ -223,14 +223,14 @@ class Checkpointer:
 
     def _settle(self) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
-        handle, thread = self._inflight, self._thread
+        control, thread = self._inflight, self._thread
         if thread is not None:
             thread.join()
-        if handle is not None:
-            if not handle._remove_hooks():  # another thread: the trainer's next save removes them
-                self._stale_hooks.append(handle)
+        if control is not None:
+            if not control.remove_hooks():  # another thread: the trainer's next save removes them
+                self._stale_hooks.append(control)
             self._inflight, self._thread = None, None
-            error = handle._unreported_error()
+            error = control.unreported_error()
             if error is not None:
                 raise error
 
@@ -330,7 +330,7 @@ class Checkpointer:
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
-_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_running: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every Checkpointer's saves
 
 
 def _after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
@@ -355,9 +355,8 @@ def _finish_saves_at_exit() -> None:
     """At interpreter exit, before concurrent.futures stops accepting work (threading runs
     these callbacks newest first, and concurrent.futures registered its own at import): let
     every save in flight finish and commit rather than fail half-way."""
-    for checkpointer in list(_live):
-        thread = checkpointer._thread
-        if thread is not None and thread.is_alive():
+    for thread in list(_running):
+        if thread.is_alive():
             thread.join()
 
 

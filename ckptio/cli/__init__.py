@@ -14,18 +14,10 @@ import os
 import shlex
 import sys
 
+from ckptio.cli.pipe import OutputClosed
 from ckptio.errors import CkptError
 
-__all__ = ["OutputClosed", "main"]
-
-
-class OutputClosed(Exception):  # noqa: N818 - a signal to main, not an error
-    """The reader of stdout left while a command whose exit status is already known (diff)
-    was printing: main exits quietly with ``status``."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
+__all__ = ["main"]
 
 DESCRIPTION = """ckptio: fast, verified PyTorch checkpoints.
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptio.cli import OutputClosed
+from ckptio.cli.pipe import OutputClosed
 from ckptio.cli.source import Opened, Row, rows, shown
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Json

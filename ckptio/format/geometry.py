@@ -5,7 +5,8 @@ tensor, a ZeRO / FSDP1 flat partition that need not fall on row boundaries) is t
 2*ndim-1 boxes (``Chunk``), each contiguous in the flattened tensor and in the same element order
 (``flat_boxes``).
 
-Owns: that decomposition and the row-major flat index. Used by the manifest's tiling check
+Owns: the box (``Chunk``, also named by format/types.py), that decomposition and the row-major
+flat index. Used by the manifest's tiling check
 (tiling.py) and by resharding reads (planning/reshard.py), which re-exports these names.
 Pure: integers and dataclasses in and out; no I/O, no torch.
 """
@@ -16,9 +17,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-from ckptio.format.types import Chunk
+__all__ = ["Chunk", "FlatRange", "flat_boxes", "flat_index"]
 
-__all__ = ["FlatRange", "flat_boxes", "flat_index"]
+
+@dataclass(frozen=True)
+class Chunk:
+    """The region of the global tensor a stored entry holds: a box (offsets and sizes per
+    dimension), or with ``flat`` elements [offsets[0], offsets[0] + sizes[0]) of the row-major
+    flattened tensor (a ZeRO / FSDP1 flat partition, not necessarily on row boundaries)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat: bool = False
+
+    @staticmethod
+    def whole(shape: tuple[int, ...]) -> Chunk:
+        return Chunk(offsets=(0,) * len(shape), sizes=tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.sizes:
+            n *= size
+        return n
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether this region lies inside a tensor of ``shape``."""
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
+            return False
+        if self.flat:
+            return (len(self.offsets) == len(self.sizes) == 1
+                    and self.offsets[0] + self.sizes[0] <= Chunk.whole(shape).numel)
+        return len(self.offsets) == len(shape) == len(self.sizes) and all(
+            o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape))
 
 
 @dataclass(frozen=True)

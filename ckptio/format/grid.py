@@ -26,7 +26,7 @@ from functools import cached_property
 
 import xxhash
 
-from ckptio.format.types import Chunk
+from ckptio.format.geometry import Chunk
 
 __all__ = ["REPLICATE", "Grid", "split"]
 

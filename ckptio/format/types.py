@@ -2,7 +2,7 @@
 
 Owns: the vocabulary (items, extents, entries, read ranges, what a load reads), the torch-free
 dtype table and which of those dtypes numpy has; ``show``, a bounded description of a manifest
-value for error messages.
+value for error messages. ``Chunk`` is defined in geometry.py (grid.py uses it without this module).
 Does not own: how these are computed (plan, layout, reshard) or stored (manifest, io).
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ckptio.format.geometry import Chunk
 
 if TYPE_CHECKING:
     from ckptio.format.grid import Grid
@@ -80,38 +82,6 @@ def show(value: Any) -> str:
         return f"an object of {len(value)} field(s)"
     text = repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """The region of the global tensor a stored entry holds: a box (offsets and sizes per
-    dimension), or with ``flat`` elements [offsets[0], offsets[0] + sizes[0]) of the row-major
-    flattened tensor (a ZeRO / FSDP1 flat partition, not necessarily on row boundaries)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    flat: bool = False
-
-    @staticmethod
-    def whole(shape: tuple[int, ...]) -> Chunk:
-        return Chunk(offsets=(0,) * len(shape), sizes=tuple(shape))
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for size in self.sizes:
-            n *= size
-        return n
-
-    def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether this region lies inside a tensor of ``shape``."""
-        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
-            return False
-        if self.flat:
-            return (len(self.offsets) == len(self.sizes) == 1
-                    and self.offsets[0] + self.sizes[0] <= Chunk.whole(shape).numel)
-        return len(self.offsets) == len(shape) == len(self.sizes) and all(
-            o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape))
 
 
 @dataclass(frozen=True)

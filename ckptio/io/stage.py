@@ -190,6 +190,11 @@ class BufferPool:
         with self._cond:
             return len(self._free) + self._unfaulted == self.nbuffers
 
+    def stop_faulting(self) -> None:
+        """Hand out the buffers not yet faulted in as they are (interpreter exit: the
+        background pre-fault stops within one buffer's time)."""
+        self._stop.set()
+
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an
         exception's traceback may still hold one, so the mapping is never force-closed)."""
@@ -211,7 +216,7 @@ def _stop_faulting_at_exit() -> None:
     """At interpreter exit, before non-daemon threads are joined: pre-faulting stops (in at most
     one buffer's time), so exit neither waits for it nor finalizes under it."""
     for pool in list(_faulting):
-        pool._stop.set()
+        pool.stop_faulting()
 
 
 threading._register_atexit(_stop_faulting_at_exit)  # type: ignore[attr-defined]

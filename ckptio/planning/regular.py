@@ -14,19 +14,17 @@ no torch, no I/O. Does not own: the arithmetic (grid.py) or the per-chunk path (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ckptio.errors import CkptError
 from ckptio.format.types import DTYPE_ITEMSIZE, RegularTensor, WriteItem
 from ckptio.format.grid import Grid
 
-if TYPE_CHECKING:
-    from ckptio.planning.globalplan import RankPlan
-
-__all__ = ["Regular", "RegularItem", "check_regular", "regular_section", "regular_writes"]
+__all__ = ["RankView", "Regular", "RegularItem", "check_regular", "regular_section",
+           "regular_writes"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,24 @@ def regular_writes(regular: Regular, rank: int) -> dict[int, WriteItem]:
     return out
 
 
-def check_regular(ranks: Sequence[RankPlan], conflict: type[CkptError]) -> None:
+class RankView(Protocol):
+    """What this module reads of one rank's plan (globalplan.RankPlan, which imports this
+    module: so a Protocol here)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def items(self) -> Mapping[int, WriteItem]: ...
+
+    @property
+    def aliases(self) -> tuple[tuple[str, str], ...]: ...
+
+    @property
+    def regular(self) -> Regular | None: ...
+
+
+def check_regular(ranks: Sequence[RankView], conflict: type[CkptError]) -> None:
     """Raise ``conflict`` naming keys and ranks unless every rank's regular items agree: a key
     has one dtype, shape and grid everywhere, is regular on every rank holding it, and every
     rank of a grid's mesh holds it (and only those ranks)."""
@@ -122,7 +137,7 @@ def check_regular(ranks: Sequence[RankPlan], conflict: type[CkptError]) -> None:
         _check_holders(regular, holders, by_rank, conflict)
 
 
-def _lacks(plan: RankPlan | None, keys: frozenset[str]) -> set[str]:
+def _lacks(plan: RankView | None, keys: frozenset[str]) -> set[str]:
     """Of ``keys``, those ``plan`` holds neither as regular items nor as ties to another key
     (a rank whose shard of a tied tensor is empty sees no tie and lists the key; the others
     list the tie)."""
@@ -132,7 +147,7 @@ def _lacks(plan: RankPlan | None, keys: frozenset[str]) -> set[str]:
     return lacking - {key for key, _target in plan.aliases} if lacking else set()
 
 
-def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
+def _check_mixed(ranks: Sequence[RankView], seen: dict[str, object],
                  conflict: type[CkptError]) -> None:
     """No rank holds a regular key on the per-chunk path."""
     for plan in ranks:
@@ -146,7 +161,7 @@ def _check_mixed(ranks: Sequence[RankPlan], seen: dict[str, object],
                     "rank")
 
 
-def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, RankPlan],
+def _check_holders(regular: Regular, holders: list[int], by_rank: dict[int, RankView],
                    conflict: type[CkptError]) -> None:
     """Ranks holding ``regular`` are in the mesh of each of its grids, and every rank of that
     mesh holds the keys laid over it."""
@@ -178,7 +193,7 @@ def _mesh(grid: Grid) -> str:
     return f"shape {grid.shape}, ranks {ranks}"
 
 
-def regular_section(plans: Sequence[RankPlan], aliases: Sequence[tuple[str, str]]) -> tuple[
+def regular_section(plans: Sequence[RankView], aliases: Sequence[tuple[str, str]]) -> tuple[
         tuple[Grid, ...], tuple[RegularTensor, ...]]:
     """A manifest's grids and regular tensors (one row per key), from the ranks' lists: each
     distinct list once (ranks of equal lists share one, collective.py). A key the global plan

@@ -1,10 +1,15 @@
-"""What a caller holds while a save runs in the background: the handle, its result, and the
-optimizer pre-hooks of a lazy save.
+"""What a caller holds while a save runs in the background (SaveHandle, SaveResult), and the
+controller its save drives it through (HandleControl), with the optimizer pre-hooks of a lazy save.
 
-Owns: the handle's state machine (planned -> staged -> done or failed), timings (blocked,
-capture, persist, total), reporting a background error exactly once (on wait(), or else on the
-next save), and the hooks that make an optimizer step wait until a lazy capture has finished.
-Does not own: the save's steps (api.py) or its bytes (persist.py).
+Call order: the save session (session.py) makes one HandleControl per save and hands its
+``handle`` to the caller; the session's threads move the save through it (planned -> staged ->
+done or failed); the caller's SaveHandle only reads from it; the Checkpointer (api.py) keeps the
+control of the save in flight to settle it before the next save.
+
+Owns: that state machine, timings (blocked, capture, persist, total), reporting a background
+error exactly once (on wait(), or else on the next save), and the hooks that make an optimizer
+step wait until a lazy capture has finished. Does not own: the save's steps (session.py) or its
+bytes (persist.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from ckptio.saving.persist import Progress
 from ckptio.planning.sharding import local_tensor
 from ckptio.format.types import WriteItem
 
-__all__ = ["SaveHandle", "SaveResult", "lazy_order"]
+__all__ = ["HandleControl", "SaveHandle", "SaveResult", "lazy_order", "skipped_handle"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,37 @@ class SaveHandle:
     ``wait(timeout=None)``: block until it is durable and committed; returns its SaveResult or
     raises what went wrong (once). ``done()``: committed or failed. ``staged()``: every byte has
     been copied out of the state, which may change again. ``progress()``: bytes staged and
-    written so far. ``path``: where it saves. Methods starting with ``_`` belong to the save's
-    own threads.
+    written so far. ``path``: where it saves. The save drives it through its HandleControl.
     """
 
-    def __init__(self, path: str, progress: Progress, files: tuple[str, ...], started: float) -> None:
-        self.path, self._progress, self._files = path, progress, files
+    def __init__(self, control: HandleControl) -> None:
+        self.path = control.path
+        self._control = control
+
+    def done(self) -> bool:
+        """True once the save is committed or has failed."""
+        return self._control.done()
+
+    def staged(self) -> bool:
+        """True once every byte has been copied out of the state (the state may change)."""
+        return self._control.staged()
+
+    def progress(self) -> Progress:
+        return self._control.progress
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until durable and committed; the background error, if any, is raised here.
+        Safe from any thread."""
+        return self._control.wait(timeout)
+
+
+class HandleControl:
+    """One save's state, owned by its session: the save's threads set it through the methods
+    below, the caller's SaveHandle (``handle``) and the Checkpointer read it. Thread-safe."""
+
+    def __init__(self, path: str, progress: Progress, files: tuple[str, ...],
+                 started: float) -> None:
+        self.path, self.progress, self._files = path, progress, files
         self._times = _Timings(started)
         self._eager = threading.Event()  # what must be captured before the call returns
         self._staged = threading.Event()
@@ -78,34 +108,21 @@ class SaveHandle:
         self._lock = threading.Lock()
         self._handover = Handover(path)  # an eager capture, to the caller's thread
         self._returned = threading.Event()
+        self.handle = SaveHandle(self)
 
-    @classmethod
-    def _skipped(cls, path: str) -> SaveHandle:
-        handle = cls(path, Progress(0), (), time.perf_counter())
-        handle._result = SaveResult(path, 0, (), 0.0, skipped=True)
-        for event in (handle._eager, handle._staged, handle._done):
-            event.set()
-        return handle
-
-    # ---------------------------------------------------------------- for the caller
+    # ---------------------------------------------------------------- read by the handle
 
     def done(self) -> bool:
-        """True once the save is committed or has failed."""
         return self._done.is_set()
 
     def staged(self) -> bool:
-        """True once every byte has been copied out of the state (the state may change)."""
         return self._staged.is_set()
 
-    def progress(self) -> Progress:
-        return self._progress
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Block until durable and committed; the background error, if any, is raised here.
-        Safe from any thread."""
+    def wait(self, timeout: float | None) -> SaveResult:
+        """SaveHandle.wait(): the result, or the error (then counted as reported)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
-        self._remove_hooks()
+        self.remove_hooks()
         with self._lock:
             self._reported = True
         if self._error is not None:
@@ -114,7 +131,9 @@ class SaveHandle:
         # blocked_s read now: an optimizer hook on this (training) thread has added its wait
         return dataclasses.replace(self._result, blocked_s=self._times.blocked)
 
-    def _unreported_error(self) -> BaseException | None:
+    # ---------------------------------------------------------------- for the Checkpointer
+
+    def unreported_error(self) -> BaseException | None:
         """The error of a finished save nobody has waited for (then it counts as reported)."""
         with self._lock:
             if self._error is None or self._reported or not self._done.is_set():
@@ -122,9 +141,15 @@ class SaveHandle:
             self._reported = True
             return self._error
 
+    def skip(self) -> None:
+        """An async save not taken (if_busy='skip'): done at once, with a skipped result."""
+        self._result = SaveResult(self.path, 0, (), 0.0, skipped=True)
+        for event in (self._eager, self._staged, self._done):
+            event.set()
+
     # ---------------------------------------------------------------- for the save's threads
 
-    def _block_until_captured(self, *, lazy: bool) -> None:
+    def block_until_captured(self, *, lazy: bool) -> None:
         """The caller's wait inside async_save: for everything (eager) or the part no optimizer
         owns (lazy). An eager capture runs here, on the caller's thread, handed over by the
         save's thread (handover.py says why)."""
@@ -132,36 +157,36 @@ class SaveHandle:
             self._eager.wait()
         else:
             if self._handover.take():
-                self._captured()  # before returning to the caller: staged() is true once it has
+                self.captured()  # before returning to the caller: staged() is true once it has
         self._times.blocked += time.perf_counter() - self._times.started
 
-    def _run_on_caller(self, capture: Callable[[], None]) -> None:
+    def run_on_caller(self, capture: Callable[[], None]) -> None:
         """From the save's thread: have the caller (waiting in async_save) run ``capture``;
         returns once it has, raises what it raised (CkptError if the caller was interrupted)."""
         self._handover.give(capture)
 
-    def _mark_returned(self) -> None:
+    def mark_returned(self) -> None:
         self._returned.set()
 
-    def _wait_returned(self) -> None:
+    def wait_returned(self) -> None:
         """A lazy save's thread starts its Python-heavy work only once async_save has returned
         (it would take the GIL from the caller's last steps for no gain)."""
         self._returned.wait()
 
-    def _eager_captured(self) -> None:
+    def eager_captured(self) -> None:
         self._eager.set()
 
-    def _captured(self) -> None:
+    def captured(self) -> None:
         if self._times.staged is None:
             self._times.staged = time.perf_counter()
         self._eager.set()
         self._staged.set()
 
-    def _files_written(self, files: tuple[str, ...]) -> None:
+    def files_written(self, files: tuple[str, ...]) -> None:
         """The data files a packed save wrote (named as its frames came out: saving/packing.py)."""
         self._files = files
 
-    def _finished(self, nbytes: int, error: BaseException | None = None) -> None:
+    def finished(self, nbytes: int, error: BaseException | None = None) -> None:
         end = time.perf_counter()
         if error is None:
             start, staged = self._times.started, self._times.staged or end
@@ -175,7 +200,7 @@ class SaveHandle:
 
     # ---------------------------------------------------------------- lazy saves
 
-    def _hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Make each optimizer's next step wait until the capture has finished."""
         self._hooks_thread = threading.get_ident()
         for optimizer in optimizers:
@@ -188,7 +213,7 @@ class SaveHandle:
         self._staged.wait()
         self._times.blocked += time.perf_counter() - began
 
-    def _remove_hooks(self) -> bool:
+    def remove_hooks(self) -> bool:
         """Only from the thread that registered them (wait() there, or the next save): torch
         iterates the hook dict during step(), so hooks are never removed from another thread or
         from inside a hook. Elsewhere they stay (each returns at once): -> False."""
@@ -198,6 +223,13 @@ class SaveHandle:
         for hook in hooks:
             hook.remove()
         return True
+
+
+def skipped_handle(path: str) -> SaveHandle:
+    """The handle of an async save not taken (if_busy='skip'), done at once."""
+    control = HandleControl(path, Progress(0), (), time.perf_counter())
+    control.skip()
+    return control.handle
 
 
 def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:

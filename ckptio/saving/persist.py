@@ -141,8 +141,10 @@ class SaveJob:
             self._handles[index] = self.target.open_write(layout.name, layout.nbytes)
         return self._handles[index]
 
-    def _hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int, pieces: list[Piece]) -> None:
-        """A full buffer leaves the capturing thread: checksum, then write, in submission order."""
+    def hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int,
+                 pieces: list[Piece]) -> None:
+        """A full buffer leaves the capturing thread (its _Window): checksum, then write, in
+        submission order."""
         try:
             self._raise_failure()
             events = _record(self._streams)
@@ -263,7 +265,7 @@ class _Window:
         assert self.buffer is not None  # internal: close() or abandon() ends the window
         if self.filled == self.buffer.nbytes:
             full, self.buffer = self.buffer, None
-            self.job._hand_off(self.file, self.start, full, self.filled, self.pieces)
+            self.job.hand_off(self.file, self.start, full, self.filled, self.pieces)
             self.start, self.filled, self.pieces = self.start + self.filled, 0, []
             self.buffer = self.job.acquire()
         return self.buffer
@@ -303,7 +305,8 @@ class _Window:
         self.pad_to(file_nbytes)
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
-            self.job._hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK), self.pieces)
+            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK),
+                              self.pieces)
         elif buffer is not None:
             self.job.pool.release(buffer)
 

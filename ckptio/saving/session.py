@@ -27,7 +27,8 @@ any rank reaches every rank (they wait for it in a collective step) and is raise
 
 Owns: the order of those steps. Does not own: planning (planning/), the collective steps
 (distributed/collective.py), the bytes (persist.py), the commit (the Store, storage/), the
-handle and its hand-over (handle.py, handover.py).
+handle and its hand-over (handle.py, handover.py): the session drives the caller's SaveHandle
+only through the HandleControl it makes for each save.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist
 from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.cleanup import Cleanup
-from ckptio.saving.handle import SaveHandle, lazy_order
+from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
 from ckptio.storage import steps
 from ckptio.storage.base import Exclusive, Store
 from ckptio.storage.coded import Base, EntryReader
@@ -138,16 +139,22 @@ class _Part:
 
 @dataclass(frozen=True)
 class Save:
-    handle: SaveHandle
+    """A save begun: the session's control of it (the caller gets ``handle``), its thread."""
+
+    control: HandleControl
     thread: threading.Thread
     lazy: bool
+
+    @property
+    def handle(self) -> SaveHandle:
+        return self.control.handle
 
     def capture_here(self) -> None:
         """Step 5 on the caller's thread (see the module docstring)."""
         try:
-            self.handle._block_until_captured(lazy=self.lazy)
+            self.control.block_until_captured(lazy=self.lazy)
         finally:
-            self.handle._mark_returned()
+            self.control.mark_returned()
 
 
 def begin(ctx: SaveContext, state: Any) -> Save:
@@ -155,13 +162,13 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
-        handle = SaveHandle(ctx.store.location, persist.Progress(part.nbytes),
-                            tuple(f.name for f in part.files), ctx.started)
-        thread = _start_thread(ctx, part, handle)
+        control = HandleControl(ctx.store.location, persist.Progress(part.nbytes),
+                                tuple(f.name for f in part.files), ctx.started)
+        thread = _start_thread(ctx, part, control)
     except BaseException as exc:
         _report_failure(ctx, agreement, exc)  # the peers wait for this rank in the next steps
         raise
-    return Save(handle, thread, ctx.lazy)
+    return Save(control, thread, ctx.lazy)
 
 
 def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tensor],
@@ -208,25 +215,25 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
                  frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
 
 
-def _start_thread(ctx: SaveContext, part: _Part, handle: SaveHandle) -> threading.Thread:
-    thread = threading.Thread(target=_run, name="ckptio-save", args=(ctx, part, handle))
+def _start_thread(ctx: SaveContext, part: _Part, control: HandleControl) -> threading.Thread:
+    thread = threading.Thread(target=_run, name="ckptio-save", args=(ctx, part, control))
     if ctx.lazy:  # before the thread starts: no capture may begin unguarded
-        handle._hook_optimizers(ctx.optimizers)
+        control.hook_optimizers(ctx.optimizers)
     try:
         thread.start()  # not a daemon: a save running at exit is finished (api.py)
     except BaseException as exc:
-        handle._finished(0, exc)  # releases the hooks' wait
-        handle._remove_hooks()
+        control.finished(0, exc)  # releases the hooks' wait
+        control.remove_hooks()
         raise
     if ctx.lazy and part.eager_items == 0:  # nothing outside the optimizers to wait for
-        handle._eager_captured()
+        control.eager_captured()
     return thread
 
 
-def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
+def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
     """The save's thread: claim, open, 5-7 write (_write), 8-9 conclude and commit."""
     if ctx.lazy and part.eager_items == 0:  # leave the GIL to the caller until it returns
-        handle._wait_returned()
+        control.wait_returned()
     concluded = False
     try:
         # claim first: a collective on every rank, and no rank creates a file before the
@@ -237,19 +244,19 @@ def _run(ctx: SaveContext, part: _Part, handle: SaveHandle) -> None:
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
-            written, error = _write(ctx, part, handle)
+            written, error = _write(ctx, part, control)
             concluded = True
             _conclude(ctx, part.agreement, written, error, held)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
         if not concluded:  # e.g. the directory could not be made: the peers still wait
             _report_failure(ctx, part.agreement, exc, claimed=True)
-        handle._finished(0, exc)
+        control.finished(0, exc)
         return
     try:
         if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
             ctx.staging.fit([f.nbytes for f in part.files])
     finally:
-        handle._finished(handle.progress().nbytes_total)
+        control.finished(control.progress.nbytes_total)
 
 
 @contextlib.contextmanager
@@ -261,7 +268,7 @@ def _opened(store: Store, names: list[str]) -> Iterator[None]:
         yield
 
 
-def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
+def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
         Written | None, BaseException | None]:
     """5 capture, 6 drain, 7 fsync: this rank's bytes durable; -> (its results keyed by item
     index, None) or (None, why)."""
@@ -272,17 +279,17 @@ def _write(ctx: SaveContext, part: _Part, handle: SaveHandle) -> tuple[
         pool, target = ctx.staging.files(ctx.store, staged, copy_faults=True)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
-                              ready=part.ready, progress=handle.progress(),
+                              ready=part.ready, progress=control.progress,
                               block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
                               write_at_once=not ctx.grow_staging)  # a synchronous save
         if ctx.lazy:
-            job.capture(part.eager_items, handle._eager_captured)
+            job.capture(part.eager_items, control.eager_captured)
         else:
-            handle._run_on_caller(job.capture)
-        handle._captured()
+            control.run_on_caller(job.capture)
+        control.captured()
         entries, infos = job.finish()
         if job.packer is not None:
-            handle._files_written(tuple(i.name for i in infos))
+            control.files_written(tuple(i.name for i in infos))
         index = None
         if part.index_file is not None:  # the regular items' rows go to the index file
             rows = [e for e in entries if e.key in part.regular]

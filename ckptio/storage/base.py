@@ -7,7 +7,7 @@ staging pool; O_DIRECT/io_uring for a directory, a dict for host memory, multipa
 ranged GETs for an object store), one per ``backend_kind`` shared by every store of that kind,
 and reach the store's files only by name, through files.StoreFiles (the store turns a name into
 what its backend opens: ``path_of``, also what messages name). What a store can do is its
-``capabilities`` (files.Capabilities), never a type check. The store itself does the few
+``capabilities`` (Capabilities, below), never a type check. The store itself does the few
 whole-checkpoint operations:
 
     prepare()           make the location; refuse one that cannot hold a checkpoint
@@ -41,15 +41,16 @@ import re
 import secrets
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.io.base import IOBackend
 from ckptio.options import Options
-from ckptio.storage.files import Capabilities
 
 __all__ = [
     "IF_LOCKED",
+    "Capabilities",
     "TMP_PREFIX",
     "Exclusive",
     "Store",
@@ -114,6 +115,20 @@ def claim_of(held: Exclusive | None, kind: type[T], location: str) -> T | None:
                         "claim of this location; pass the claim this store's exclusive() "
                         "returned, before releasing it")
     return held
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can do (each store's ``capabilities`` property)."""
+
+    direct_io: bool = False  # transfers may bypass the page cache (aligned, O_DIRECT)
+    registered_buffers: bool = False  # its backend may pin the staging pool (io_uring)
+    rename: bool = False  # commits by an atomic rename in one directory
+    locking: bool = False  # serialises saves across processes (a lock file or a lease)
+    conditional_commit: bool = False  # commit(held=...) refused if another save committed
+    filesystem: str | None = None  # the local directory whose tuned I/O profile applies
+    endpoint: str | None = None  # the object store's endpoint whose tuned profile applies
+    remote: bool = False  # across a network (an object store): compression="auto" pays there
 
 
 class Exclusive(Protocol):

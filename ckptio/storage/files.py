@@ -5,17 +5,18 @@
 its backend reaches, ``Store.path_of``), and the handle's transfers go to that backend. Nothing
 above storage/ builds a file's path: saving/persist.py and loading/read.py take a StoreFiles.
 
-``Capabilities`` is what a store can do, as data (a property of every store, read instead of
-``isinstance`` checks): O_DIRECT-style aligned I/O, registered (pinned) staging buffers, an atomic
-rename, a lock across processes, a conditional commit, the local directory whose
-filesystem's tuned I/O profile applies, and whether it lies across a network (tuning/profile.py).
+``Capabilities`` (defined in base.py beside the Store, named here too) is what a store can do,
+as data (a property of every store, read instead of ``isinstance`` checks): O_DIRECT-style
+aligned I/O, registered (pinned) staging buffers, an atomic rename, a lock across processes, a
+conditional commit, the local directory whose filesystem's tuned I/O profile applies, and
+whether it lies across a network (tuning/profile.py).
 
 ``Staging`` is the contract between a driver that owns the reused staging pool and the backends
 (api's Checkpointer, through ckptio/resources.py) and the save and load sessions that borrow them.
 A driver may hold several backends at once (one per ``Store.backend_kind``): a drain reads one
 store and writes another with the same pool.
 
-Owns: the binding, the capability record, the Staging protocol. Does not own: what a backend
+Owns: the binding, the Staging protocol. Does not own: what a backend
 does (io/), the names a store holds (base.py), the pool (io/stage.py).
 """
 
@@ -24,31 +25,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ckptio.io.base import FileHandle, IOBackend
+from ckptio.storage.base import Capabilities, Store
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
     from ckptio.io.stage import BufferPool
     from ckptio.options import Options
-    from ckptio.storage.base import Store
 
 __all__ = ["Capabilities", "Staging", "StoreFiles"]
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a store can do (each store's ``capabilities`` property)."""
-
-    direct_io: bool = False  # transfers may bypass the page cache (aligned, O_DIRECT)
-    registered_buffers: bool = False  # its backend may pin the staging pool (io_uring)
-    rename: bool = False  # commits by an atomic rename in one directory
-    locking: bool = False  # serialises saves across processes (a lock file or a lease)
-    conditional_commit: bool = False  # commit(held=...) refused if another save committed
-    filesystem: str | None = None  # the local directory whose tuned I/O profile applies
-    endpoint: str | None = None  # the object store's endpoint whose tuned profile applies
-    remote: bool = False  # across a network (an object store): compression="auto" pays there
 
 
 class StoreFiles:

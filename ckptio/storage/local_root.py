@@ -19,7 +19,7 @@ import shutil
 
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.select import store_for
+from ckptio.storage.local import LocalStore
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -113,7 +113,7 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
 
 def is_committed(path: str) -> bool:
     """Whether the checkpoint at ``path`` has a committed manifest (its Store says)."""
-    return storage_steps.is_committed(store_for(path))
+    return storage_steps.is_committed(LocalStore(path))
 
 
 def hidden(directory: str) -> list[str]:

@@ -148,8 +148,8 @@ class _Connection:
     def _requests(self) -> None:
         reader = Stream(self.client)
         while (head := reader.head()) is not None:
-            req = self.proxy._request(head)
-            pre, rule = self.proxy._rules_for(req)
+            req = self.proxy.record_request(head)
+            pre, rule = self.proxy.rules_for(req)
             for r in pre:
                 if r.kind == "delay":
                     time.sleep(r.seconds)
@@ -220,7 +220,7 @@ class _Connection:
             if req is not None:
                 req.status = status
                 if status == 206 and req.range and range_nbytes(req.range) is None:
-                    self.proxy._add_range_bytes(int(headers.get("content-length", "0")))
+                    self.proxy.count_range_bytes(int(headers.get("content-length", "0")))
             if rule is not None and rule.kind == "drop_response":
                 return  # the server has acted; the client never hears of it
             self._to_client(head)
@@ -261,7 +261,7 @@ class _Connection:
             except OSError:  # already disconnected
                 pass
             sock.close()
-        self.proxy._forget(self)
+        self.proxy.forget(self)
 
 
 class FaultProxy:
@@ -358,14 +358,15 @@ class FaultProxy:
             self.range_bytes = 0
             self.requests.clear()
 
-    # -- internals --------------------------------------------------------------------------
-
     def _add(self, rule: Rule) -> Rule:
         with self._lock:
             self._rules.append(rule)
         return rule
 
-    def _request(self, head: bytes) -> Request:
+    # -- for its connections (the proxy's own threads) --------------------------------------
+
+    def record_request(self, head: bytes) -> Request:
+        """Count the request whose head is ``head``; -> it, parsed."""
         req = parse_request(head)
         with self._lock:
             self.counts[req.op] += 1
@@ -374,11 +375,12 @@ class FaultProxy:
                 self.range_bytes += range_nbytes(req.range) or 0
         return req
 
-    def _add_range_bytes(self, n: int) -> None:
+    def count_range_bytes(self, n: int) -> None:
+        """A ranged GET's answer of ``n`` bytes whose range did not say its size."""
         with self._lock:
             self.range_bytes += n
 
-    def _rules_for(self, req: Request) -> tuple[list[Rule], Rule | None]:
+    def rules_for(self, req: Request) -> tuple[list[Rule], Rule | None]:
         """The delay/on_request rules that fire for ``req`` and the fault deciding its fate."""
         pre: list[Rule] = []
         chosen: Rule | None = None
@@ -406,6 +408,7 @@ class FaultProxy:
                 self._connections.add(conn)
             threading.Thread(target=conn.serve, daemon=True, name="s3proxy-requests").start()
 
-    def _forget(self, conn: _Connection) -> None:
+    def forget(self, conn: _Connection) -> None:
+        """``conn`` has closed."""
         with self._lock:
             self._connections.discard(conn)

@@ -281,9 +281,10 @@ def fixed_text(fixed: dict[str, bool]) -> str:
 # ---------------------------------------------------------------- outputs
 
 
-def write_all(runs: Sequence[Run], ceilings: Sequence[Run], meta: dict[str, Any], prefix: Path) -> None:
-    """Print the markdown; write PREFIX.json, PREFIX.md and the plots (skipped, said so, without
-    matplotlib)."""
+def write_all(runs: Sequence[Run], ceilings: Sequence[Run], meta: dict[str, Any], prefix: Path,
+              plots: Callable[[dict[str, Any], Path], list[Path]]) -> None:
+    """Print the markdown; write PREFIX.json, PREFIX.md and the ``plots`` (io_plots.plots, which
+    imports this module; skipped, said so, without matplotlib)."""
     summary = summarize(runs, ceilings)
     text = markdown(summary, meta)
     print(text)
@@ -292,8 +293,6 @@ def write_all(runs: Sequence[Run], ceilings: Sequence[Run], meta: dict[str, Any]
     written[0].write_text(json.dumps({"meta": meta, "summary": summary, "ceilings": list(ceilings),
                                       "runs": list(runs)}, indent=1))
     written[1].write_text(text)
-    from ckptio.tuning.io_plots import plots  # imports io_report: here, not at the top
-
     try:
         written += plots(summary, prefix)
     except ImportError:

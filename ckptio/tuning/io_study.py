@@ -326,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs, ceilings = run_study(study, cells)
     meta.update(argv=argv, config=asdict(config), engines=engines, unavailable=unavailable,
                 fixed_buffers=study.fixed_buffers, seconds=time.perf_counter() - t0)
-    io_report.write_all(runs, ceilings, meta, args.out)
+    from ckptio.tuning.io_plots import plots  # matplotlib, optional: imported when drawing
+
+    io_report.write_all(runs, ceilings, meta, args.out, plots)
     return 1 if any("error" in r for r in runs) else 0
 
 

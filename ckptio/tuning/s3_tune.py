@@ -3,7 +3,7 @@ and the part size ckptio's saves and loads use there, and store them as that end
 
 Call order: ``tune`` -> ``check`` (the arguments) -> ``study`` (prepare the location as a save
 does, then write and read every cell; how: on ``study``) -> ``to_profile`` (uploads by
-tune.best_of, a load's reads by ``read_choice``) -> the caller writes the profile and prints
+choice.best_of, a load's reads by ``read_choice``) -> the caller writes the profile and prints
 ``describe`` / ``table``. Endpoint, region and credentials come as for every s3:// path
 (storage/s3/client.py); the profile's key is the endpoint as S3Settings.endpoint() names it.
 
@@ -30,7 +30,7 @@ from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, g
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
-from ckptio.tuning.tune import Candidate, best_of
+from ckptio.tuning.choice import Candidate, best_of
 
 __all__ = ["CONCURRENCY", "PARTS", "READS", "READ_TIE", "TOTAL", "cells", "describe",
            "read_choice", "study", "table", "to_profile", "tune"]
@@ -209,7 +209,7 @@ def _default_cell(candidates: Sequence[Candidate], buffer: int) -> Candidate | N
 
 
 def to_profile(candidates: Sequence[Candidate], endpoint: str) -> profile.S3Profile:
-    """Uploads in flight and the part size: the best score (tune.best_of); a load's GETs:
+    """Uploads in flight and the part size: the best score (choice.best_of); a load's GETs:
     read_choice (its part size is ``read_bytes``; ``depth`` GETs in flight = io_depth
     ceil(depth / 2), as a load keeps 2 x io_depth); on a tie, the default's reads."""
     chosen = best_of(candidates)

@@ -3,9 +3,9 @@ settings there, and store them as that filesystem's profile; `ckptio tune --show
 `ckptio tune s3://bucket/prefix` does the same for an S3 endpoint (s3_tune.py).
 
 Owns: the short study (O_DIRECT vs buffered first, then write size x depth for posix and, where it
-runs, uring), the choice (choose(), pure) and what the command prints. Does not own: measuring
-(io_study.py, io_cells.py), the profile file (profile.py), or applying a profile to Options
-(api/options).
+runs, uring), the choice of engine and mode (choose(), pure) and what the command prints. Does
+not own: measuring (io_study.py, io_cells.py), the best of one engine's cells (choice.py), the
+profile file (profile.py), or applying a profile to Options (api/options).
 
 The choice scores a configuration by the bytes of one save plus one load over their time (the
 harmonic mean of write and read GB/s). Among scores within TIE of the best, the fewest threads
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,39 +26,18 @@ from typing import TYPE_CHECKING
 from ckptio.errors import CkptError
 from ckptio.options import BLOCK, MiB
 from ckptio.tuning import profile
+from ckptio.tuning.choice import TIE, Candidate, best_of
 
 if TYPE_CHECKING:  # the study is imported only when tuning, not for --show
     from ckptio.tuning.io_study import Cell, Study
 
 __all__ = ["TIE", "Candidate", "add_arguments", "best_of", "choose", "choose_mode", "main", "run"]
 
-TIE = 0.03  # scores closer than this are equal on a shared VM (run-to-run drift is larger)
 URING_MARGIN = 0.03
 SIZES = "1M,4M,16M,64M"
 POOL_DEPTHS = "1,2,4,8"
 URING_DEPTHS = "4,16,32"
 MODE_PROBE = (4, 16 * MiB)  # depth and write size at which O_DIRECT and buffered are compared
-
-
-@dataclass(frozen=True)
-class Candidate:
-    engine: str  # ckptio io_backend name: "posix" | "uring"
-    mode: str  # "direct" | "buffered"
-    buffer_bytes: int
-    io_depth: int
-    write_gbps: float
-    read_gbps: float
-
-    @property
-    def score(self) -> float:
-        return 2 / (1 / self.write_gbps + 1 / self.read_gbps)
-
-
-def best_of(candidates: Sequence[Candidate]) -> Candidate:
-    """The highest score, ties (within TIE) broken toward fewer threads, then less memory."""
-    top = max(c.score for c in candidates)
-    near = [c for c in candidates if c.score >= top * (1 - TIE)]
-    return min(near, key=lambda c: (c.io_depth, c.buffer_bytes, -c.score))
 
 
 def choose(candidates: Sequence[Candidate]) -> Candidate:
