@@ -16,8 +16,9 @@ process.
 - data files: MemoryBackend writes into and reads from bytearrays (positioned, synchronous:
   its futures are already done).
 
-Owns: HOST, MemoryStore (a TreeStore: a sub-location is ``<location>/<name>``), MemoryBackend. Does not own: the contract (base.py), the messages about
-what a location holds instead (foreign.py), the order of a save (steps.py).
+Owns: HOST, MemoryStore (a TreeStore: a sub-location is ``<location>/<name>``), MemoryBackend.
+Does not own: the contract (base.py), the messages about what a location holds instead
+(foreign.py), the order of a save (steps.py).
 """
 
 from __future__ import annotations

@@ -396,7 +396,8 @@ class S3Store:
         return self._entries()
 
     def write_file(self, name: str, data: bytes | memoryview) -> None:
-        target, c, body = self.where.child(plain_name(name, self.location)), self._client, bytes(data)
+        target, c = self.where.child(plain_name(name, self.location)), self._client
+        body = bytes(data)
         self._call(f"writing {target.url}", lambda: c.put_object(
             Bucket=target.bucket, Key=target.key, Body=body))
 
@@ -407,7 +408,8 @@ class S3Store:
         span, what = f"bytes={offset}-{offset + len(into) - 1}", f"reading {target.url}"
 
         def request() -> bytes:
-            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, Range=span)["Body"].read())
+            answer = c.get_object(Bucket=target.bucket, Key=target.key, Range=span)
+            return bytes(answer["Body"].read())
 
         try:
             data = call(self.settings, what, request)
