@@ -230,8 +230,10 @@ class S3Store:
         if nbytes == 0:
             return b""
 
+        whole = {} if offset == 0 and nbytes is None else {"Range": span}  # an empty file: 416
+
         def request() -> bytes:
-            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, Range=span)["Body"].read())
+            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, **whole)["Body"].read())
 
         return exact(self._call(f"reading {target.url} ({span})", request), nbytes, target.url,
                      offset)
@@ -441,6 +443,12 @@ class S3Store:
         for start in range(0, len(keys), 1000):
             batch = keys[start:start + 1000]
             problems += self._delete(batch, {k: k[len(prefix):] for k in batch})
+        # the folders a store may list once emptied (SeaweedFS does), deepest first; where
+        # there are none (AWS S3) deleting these keys is a no-op
+        folders = {k[:i + 1] for k in keys for i, ch in enumerate(k)
+                   if ch == "/" and i >= len(prefix)}
+        for folder in sorted(folders | ({prefix} if prefix else set()), key=len, reverse=True):
+            problems += self._delete_one(folder, folder[len(prefix):] or self.location)
         return problems
 
     def move_to(self, target: TreeStore) -> None:
