@@ -30,9 +30,8 @@ Names: a store holds plain file names (no path separator, not "." or ".."); ``is
 which of them a ckptio save creates (cleanup never touches anything else), ``new_save_id`` makes
 the part that keeps one save's names apart from every other save's.
 
-A ``TreeStore`` (LocalStore, MemoryStore, S3Store) also holds sub-locations and whole named
-files beside checkpoints (the redundancy's copies, parity pieces and markers, tiering/marks.py);
-a user's store need only be a Store (the features that need a TreeStore refuse it).
+A ``TreeStore`` (every built-in store) also holds sub-locations and whole named files (the
+redundancy's, tiering/marks.py); a user's store need only be a Store.
 
 Owns: the Protocols, the naming rules every store lists and cleans by. Does not own: any
 implementation (local.py, memory.py), the manifest's content (format/manifest.py), the order of
@@ -199,7 +198,10 @@ class Store(Protocol):
 @runtime_checkable
 class TreeStore(Store, Protocol):
     """A Store whose location also holds sub-locations (each a store of the same kind) and
-    whole named files written at once; every method takes plain names (``plain_name``)."""
+    whole named files written at once; every method takes plain names (``plain_name``).
+    LocalStore, MemoryStore and S3Store are TreeStores; a user's registered store need only be
+    a Store: the feature that needs a TreeStore (redundancy) refuses it, naming it
+    (tiering/marks.tree_of). ckptio/testing/tree_conformance.py holds the checks."""
 
     def child(self, name: str) -> TreeStore:
         """The store of sub-location ``name`` of this location (same kind and settings);

@@ -17,8 +17,7 @@ between another save's check and its rename. An object store needs the same rule
 conditional write of the manifest (If-Match on its ETag, If-None-Match: * when there is none).
 
 Owns: the directory's layout (path_of), the atomic commit, reading the committed manifest,
-listing, sizes and removal of files there; as a TreeStore (base.py), its subdirectories and
-whole files written by rename. Does not own: the lock itself (dirlock.py), the
+listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), the
 messages about what a directory holds instead (foreign.py), the order of a save (steps.py,
 saving/session.py), data bytes (the IOBackend, saving/persist.py).
 """
@@ -74,7 +73,8 @@ class LocalClaim:
 
 
 class LocalStore:
-    """One checkpoint directory. Cheap to make (no I/O until a method is called)."""
+    """One checkpoint directory. Cheap to make (no I/O until a method is called). A TreeStore
+    (base.py): a sub-location is a subdirectory; write_file and move_to are renames."""
 
     backend_kind = "local"
 

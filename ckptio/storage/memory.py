@@ -16,9 +16,8 @@ process.
 - data files: MemoryBackend writes into and reads from bytearrays (positioned, synchronous:
   its futures are already done).
 
-Owns: HOST, MemoryStore (a TreeStore: a sub-location is ``<location>/<name>``), MemoryBackend.
-Does not own: the contract (base.py), the messages about what a location holds instead
-(foreign.py), the order of a save (steps.py).
+Owns: HOST, MemoryStore, MemoryBackend. Does not own: the contract (base.py), the messages about
+what a location holds instead (foreign.py), the order of a save (steps.py).
 """
 
 from __future__ import annotations
@@ -128,7 +127,8 @@ class MemoryClaim:
 
 
 class MemoryStore:
-    """A checkpoint location ``mem://...`` in this process's memory."""
+    """A checkpoint location ``mem://...`` in this process's memory. A TreeStore (base.py): a
+    sub-location is ``<location>/<name>``."""
 
     backend_kind = "memory"
     capabilities = Capabilities(locking=True, conditional_commit=True)

@@ -16,9 +16,6 @@ uploads straight from the staging pool, ranged GETs); the commit is one PutObjec
 - S3 makes an object visible only whole: a killed save leaves at most open multipart uploads,
   which names() lists and remove() aborts, so the next save's cleanup removes them.
 
-As a TreeStore (base.py) a sub-location is the prefix ``<prefix>/<name>``; move_to() copies
-then deletes (S3 has no rename), manifests last.
-
 Owns: S3Store, S3Claim, the probe. Does not own: the lock object's protocol (s3lock.py), URLs,
 the client and retries (io/s3client.py), the data path (io/s3.py), the order of a save.
 """
@@ -75,7 +72,9 @@ class S3Claim:
 
 
 class S3Store:
-    """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called)."""
+    """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called).
+    A TreeStore (base.py): a sub-location is the prefix ``<prefix>/<name>``; move_to() copies
+    then deletes (S3 has no rename), manifests last."""
 
     def __init__(self, location: str, settings: S3Settings) -> None:
         self.where = S3Path.parse(location)

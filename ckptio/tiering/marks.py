@@ -23,8 +23,9 @@ from ckptio.errors import CkptError
 from ckptio.storage.base import TreeStore
 from ckptio.storage.select import store_for
 
-__all__ = ["REDUNDANCY_DIR", "Root", "copy_name", "held", "held_nbytes", "held_steps", "parity_name",
-           "protected_steps", "protection", "rank_dirs", "rank_name", "rebuild_name", "tree_of"]
+__all__ = ["REDUNDANCY_DIR", "Root", "copy_name", "held", "held_nbytes", "held_steps",
+           "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
+           "rebuild_name", "tree_of"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)

@@ -206,7 +206,8 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
             local = ctx.topology.local_of(r)
             for m in src[2]:
                 if m != r:
-                    sends += [(m, r, _parity_id(m, src[1], local, step)), (m, r, f"own:r{m}:s{step}")]
+                    sends += [(m, r, _parity_id(m, src[1], local, step)),
+                              (m, r, f"own:r{m}:s{step}")]
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
     for sender, _receiver, item in sends:
