@@ -37,7 +37,7 @@ Root = str | TreeStore  # the memory tier's local directory, or its store
 
 def tree_of(location: Root) -> TreeStore:
     """The TreeStore of ``location``; CkptError for a store that is only a Store."""
-    store = location if isinstance(location, TreeStore) else store_for(location)
+    store = store_for(location) if isinstance(location, str) else location
     if not isinstance(store, TreeStore):
         raise CkptError(f"{store.location}: redundancy keeps copies, parity pieces and markers "
                         f"beside the steps, which {type(store).__name__} cannot hold (it is a "
