@@ -1,7 +1,7 @@
 """The one background-worker class (ckptio/tiering/worker.py) the drain and the protection run on:
 its thread starts on first use under its name at a lowered CPU priority, a job's first error is
 kept (shown by status()) and raised once by wait() or close(), close() joins the thread, and work
-queued after close() is refused."""
+queued after close() is refused; the drain keeps those rules on it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import threading
 import pytest
 
 from ckptio.errors import CkptError
+from ckptio.options import MiB, Options
+from ckptio.tiering.drain import Drain
 from ckptio.tiering.worker import NICE, Worker
 
 
@@ -133,3 +135,45 @@ def test_the_thread_runs_at_lowered_priority_and_the_caller_keeps_its_own() -> N
     assert jobs.tids and jobs.tids[0] != threading.get_native_id(), "ran on its own thread"
     assert jobs.niced == max(NICE, mine), "the worker's thread is niced"
     assert _nice_of(threading.get_native_id()) == mine, "the caller's priority is untouched"
+
+
+class _Route:
+    """A drain Route whose every copy fails, recording the thread it ran on and its nice."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def holds(self, step: int, tier: int) -> bool:
+        self.seen.append((threading.current_thread().name, _nice_of(threading.get_native_id())))
+        raise OSError(f"tier {tier} unreachable")
+
+    def source(self, step: int, tier: int) -> None:
+        return None
+
+    def target(self, step: int, tier: int) -> None:
+        raise AssertionError("never asked: holds() failed first")
+
+    def bases(self, step: int, tier: int) -> tuple[int, ...]:
+        return ()
+
+    def landed(self, step: int, tier: int) -> None:
+        raise AssertionError("never asked")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux /proc")
+def test_the_drain_runs_on_the_worker() -> None:
+    """Drain: its copies run on the worker's niced thread; a failed copy is in status() and is
+    raised once by wait(), not again by close(); a submit after close() is refused."""
+    route = _Route()
+    options = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+    drain = Drain(route, [1, 1], options)  # type: ignore[arg-type]
+    mine = _nice_of(threading.get_native_id())
+    drain.submit(4)
+    with pytest.raises(OSError, match="unreachable"):
+        drain.wait(30)
+    assert route.seen == [("ckptio-drain", max(NICE, mine))]
+    assert "step 4: OSError" in drain.status()[1]["error"]
+    assert drain.pinned() == set()
+    drain.close()
+    with pytest.raises(CkptError):
+        drain.submit(5)
