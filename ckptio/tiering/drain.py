@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -99,9 +98,8 @@ class Drain:
         self._staging = Resources(dataclasses.replace(
             options, pool_bytes=pool, host_budget_bytes=pool, use_profile=False))
         self._rate = rate
-        self._lock = threading.Condition()  # the lanes; the worker sleeps on it too
-        self._worker: Worker[_Copy] = Worker("ckptio-drain", self, nice=nice,
-                                             lock=self._lock)
+        self._worker: Worker[_Copy] = Worker("ckptio-drain", self, nice=nice)
+        self._lock = self._worker.lock  # guards the lanes; the worker sleeps on it
         self._next_free = 0.0  # pace: when the bytes copied so far are paid for
 
     # ---------------------------------------------------------------- the training side

@@ -59,7 +59,6 @@ class Worker(Generic[J]):
         name: the thread's name (``ckptio-drain``, ``ckptio-protect``), in logs and debuggers.
         jobs: the owner's queue (Jobs).
         nice: the thread's CPU priority (Linux: per thread; refused: normal priority).
-        lock: the condition the owner already guards its queue with (default: a new one).
 
     Example::
 
@@ -71,10 +70,9 @@ class Worker(Generic[J]):
         worker.close()
     """
 
-    def __init__(self, name: str, jobs: Jobs[J], *, nice: int = NICE,
-                 lock: threading.Condition | None = None) -> None:
+    def __init__(self, name: str, jobs: Jobs[J], *, nice: int = NICE) -> None:
         self.name = name
-        self.lock = lock or threading.Condition()  # the owner's queue and the fields below
+        self.lock = threading.Condition()  # guards the owner's queue and the fields below
         self._jobs = jobs
         self._nice = nice
         self._thread: threading.Thread | None = None
