@@ -30,7 +30,10 @@ Names: a store holds plain file names (no path separator, not "." or ".."); ``is
 which of them a ckptio save creates (cleanup never touches anything else), ``new_save_id`` makes
 the part that keeps one save's names apart from every other save's.
 
-Owns: the Protocol, the naming rules every store lists and cleans by. Does not own: any
+A ``TreeStore`` (every built-in store) also holds sub-locations and whole named files (the
+redundancy's, tiering/marks.py); a user's store need only be a Store.
+
+Owns: the Protocols, the naming rules every store lists and cleans by. Does not own: any
 implementation (local.py, memory.py), the manifest's content (format/manifest.py), the order of
 a save (saving/session.py, steps.py).
 """
@@ -54,6 +57,7 @@ __all__ = [
     "TMP_PREFIX",
     "Exclusive",
     "Store",
+    "TreeStore",
     "check_if_locked",
     "claim_of",
     "exact",
@@ -203,4 +207,45 @@ class Store(Protocol):
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Delete files (a missing one is fine); -> "name: why" for each that failed."""
+        ...
+
+
+@runtime_checkable
+class TreeStore(Store, Protocol):
+    """A Store whose location also holds sub-locations (each a store of the same kind) and
+    whole named files written at once; every method takes plain names (``plain_name``).
+    LocalStore, MemoryStore and S3Store are TreeStores; a user's registered store need only be
+    a Store: the feature that needs a TreeStore (redundancy) refuses it, naming it
+    (tiering/marks.tree_of). ckptio/testing/tree_conformance.py holds the checks."""
+
+    def child(self, name: str) -> TreeStore:
+        """The store of sub-location ``name`` of this location (same kind and settings);
+        nothing is created until something is written there."""
+        ...
+
+    def entries(self) -> list[str]:
+        """Every name directly under this location, files and sub-locations, whatever wrote
+        them, sorted; [] when nothing is there."""
+        ...
+
+    def write_file(self, name: str, data: bytes | memoryview) -> None:
+        """Create or replace file ``name`` with ``data`` as a whole (a reader sees the old
+        bytes or the new, never a part), durable on return; the location is made if needed."""
+        ...
+
+    def read_into(self, name: str, into: memoryview, offset: int = 0) -> int:
+        """Read file ``name`` from byte ``offset`` into ``into`` -> bytes read (fewer than
+        len(into) only at the file's end). StorageIOError if the file is missing."""
+        ...
+
+    def remove_tree(self) -> list[str]:
+        """Delete this location and everything beneath it (a missing one is fine); -> "what:
+        why" for each failure, never raising."""
+        ...
+
+    def move_to(self, target: TreeStore) -> None:
+        """Move everything at this location to ``target`` (a store of this kind), replacing
+        what it held; this location is empty after. One rename where capabilities.rename;
+        elsewhere copied then removed, target's manifests last (a checkpoint there is
+        committed only once whole). StorageIOError if it cannot."""
         ...

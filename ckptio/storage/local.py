@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import stat
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -40,7 +42,16 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
 from ckptio.storage import dirlock, foreign, steps
-from ckptio.storage.base import TMP_PREFIX, Exclusive, claim_of, exact, is_ours, plain_name
+from ckptio.storage.base import (
+    TMP_PREFIX,
+    Exclusive,
+    TreeStore,
+    claim_of,
+    exact,
+    is_ours,
+    new_save_id,
+    plain_name,
+)
 from ckptio.storage.files import Capabilities
 
 __all__ = ["LocalClaim", "LocalStore", "fsync_path", "write_durably"]
@@ -62,7 +73,8 @@ class LocalClaim:
 
 
 class LocalStore:
-    """One checkpoint directory. Cheap to make (no I/O until a method is called)."""
+    """One checkpoint directory. Cheap to make (no I/O until a method is called). A TreeStore
+    (base.py): a sub-location is a subdirectory; write_file and move_to are renames."""
 
     backend_kind = "local"
 
@@ -228,11 +240,84 @@ class LocalStore:
         return failed
 
 
-def write_durably(file: str, data: bytes) -> None:
+    # -- the tree (base.TreeStore) --------------------------------------------------------
+
+    def child(self, name: str) -> LocalStore:
+        return LocalStore(os.path.join(self.directory, plain_name(name, self.location)))
+
+    def entries(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}") from None
+
+    def write_file(self, name: str, data: bytes | memoryview) -> None:
+        """A temporary file written and fsynced, renamed over ``name``, the directory fsynced."""
+        path = self.path_of(name)
+        self.make()
+        tmp = self.path_of(f"{TMP_PREFIX}{new_save_id()}.tmp")
+        try:
+            write_durably(tmp, data)
+            os.replace(tmp, path)
+            fsync_path(self.directory)
+        except OSError as exc:
+            steps.remove_quietly(self, [os.path.basename(tmp)], exc)
+            raise StorageIOError(f"writing {path} failed: {exc.strerror or exc}") from None
+
+    def read_into(self, name: str, into: memoryview, offset: int = 0) -> int:
+        path = self.path_of(name)
+        done = 0
+        try:
+            with open(path, "rb", buffering=0) as file:
+                file.seek(offset)
+                while done < len(into):
+                    got = file.readinto(into[done:])
+                    if not got:
+                        break
+                    done += got
+        except OSError as exc:
+            raise StorageIOError(f"reading {path} failed: {exc.strerror or exc}") from None
+        return done
+
+    def remove_tree(self) -> list[str]:
+        failed: list[str] = []
+
+        def note(_func: object, path: str, exc: object) -> None:
+            error = exc[1] if isinstance(exc, tuple) else exc
+            failed.append(f"{path}: {getattr(error, 'strerror', None) or error}")
+
+        if not os.path.lexists(self.directory):
+            return []
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(self.directory, onexc=note)
+        else:
+            shutil.rmtree(self.directory, onerror=note)
+        return failed
+
+    def move_to(self, target: TreeStore) -> None:
+        """One rename of the directory (what ``target`` held removed first)."""
+        if not isinstance(target, LocalStore):
+            raise CkptError(f"cannot move {self.location} to {target.location}: another kind "
+                            "of store (copy it instead)")
+        problems = target.remove_tree()
+        try:
+            if problems:
+                raise OSError(f"removing what it held failed: {'; '.join(problems)}")
+            os.makedirs(os.path.dirname(os.path.abspath(target.directory)), exist_ok=True)
+            os.replace(self.directory, target.directory)
+            fsync_path(os.path.dirname(os.path.abspath(target.directory)))
+        except OSError as exc:
+            raise StorageIOError(f"moving {self.location} to {target.location} failed: "
+                                 f"{exc.strerror or exc}") from None
+
+
+def write_durably(file: str, data: bytes | memoryview) -> None:
     """Create ``file`` (it must not exist), write ``data``, fsync it."""
     fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)

@@ -41,7 +41,15 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.base import FileHandle, completed
 from ckptio.options import Options
 from ckptio.storage import foreign
-from ckptio.storage.base import Exclusive, check_if_locked, claim_of, exact, is_ours, plain_name
+from ckptio.storage.base import (
+    Exclusive,
+    TreeStore,
+    check_if_locked,
+    claim_of,
+    exact,
+    is_ours,
+    plain_name,
+)
 from ckptio.storage.files import Capabilities
 
 __all__ = ["HOST", "SCHEME", "HostMemory", "MemoryBackend", "MemoryClaim", "MemoryStore"]
@@ -119,7 +127,8 @@ class MemoryClaim:
 
 
 class MemoryStore:
-    """A checkpoint location ``mem://...`` in this process's memory."""
+    """A checkpoint location ``mem://...`` in this process's memory. A TreeStore (base.py): a
+    sub-location is ``<location>/<name>``."""
 
     backend_kind = "memory"
     capabilities = Capabilities(locking=True, conditional_commit=True)
@@ -244,6 +253,60 @@ class MemoryStore:
             with HOST.lock:
                 HOST.files.pop(path, None)
         return failed
+
+
+    # -- the tree (base.TreeStore) --------------------------------------------------------
+
+    def child(self, name: str) -> MemoryStore:
+        return MemoryStore(self.path_of(name))
+
+    def entries(self) -> list[str]:
+        return HOST.entries(self.location)
+
+    def write_file(self, name: str, data: bytes | memoryview) -> None:
+        path = self.path_of(name)
+        with HOST.lock:
+            HOST.locations.add(self.location)
+            HOST.files[path] = bytes(data)
+
+    def read_into(self, name: str, into: memoryview, offset: int = 0) -> int:
+        path = self.path_of(name)
+        with HOST.lock:
+            data = HOST.files.get(path)
+            if data is None:
+                raise StorageIOError(f"reading {path} failed: no such file in this process's "
+                                     "memory")
+            n = max(0, min(len(into), len(data) - offset))
+            into[:n] = memoryview(data)[offset:offset + n]
+        return n
+
+    def remove_tree(self) -> list[str]:
+        prefix = self.location + "/"
+        with HOST.lock:
+            for path in [p for p in HOST.files if p.startswith(prefix)]:
+                del HOST.files[path]
+            for location in [x for x in HOST.locations
+                             if x == self.location or x.startswith(prefix)]:
+                HOST.locations.discard(location)
+                HOST.commits.pop(location, None)
+        return []
+
+    def move_to(self, target: TreeStore) -> None:
+        """One step under the host's lock (what ``target`` held dropped first)."""
+        if not isinstance(target, MemoryStore):
+            raise CkptError(f"cannot move {self.location} to {target.location}: another kind "
+                            "of store (copy it instead)")
+        prefix, into = self.location + "/", target.location + "/"
+        with HOST.lock:
+            moved = {into + p[len(prefix):]: d for p, d in HOST.files.items()
+                     if p.startswith(prefix)}
+            commits = HOST.commits.get(self.location)
+            self.remove_tree()
+            target.remove_tree()
+            HOST.files.update(moved)
+            HOST.locations.add(target.location)
+            if commits is not None:
+                HOST.commits[target.location] = commits
 
 
 def _holder() -> str:

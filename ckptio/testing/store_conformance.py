@@ -45,9 +45,10 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.stage import BufferPool
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.base import Store, is_ours, new_save_id
+from ckptio.storage.base import Store, TreeStore, is_ours, new_save_id
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.steps import is_committed
+from ckptio.testing import tree_conformance as tree
 
 Factory = Callable[[str], Store]
 Refuser = Callable[[Store, str], AbstractContextManager[Any]]
@@ -429,9 +430,13 @@ CHECKS: dict[str, Callable[[Factory], None]] = {
 
 
 def run_all(make: Factory, refuse: Refuser | None = None) -> None:
-    """Every check (the removal failure one only with ``refuse``)."""
+    """Every check (the removal failure one only with ``refuse``; the TreeStore ones,
+    tree_conformance.py, only for a TreeStore)."""
     for check in CHECKS.values():
         check(make)
+    if isinstance(make("protocol"), TreeStore):
+        for check in tree.TREE_CHECKS.values():
+            check(make)
     if refuse is not None:
         check_remove_returns_failures(make, refuse)
 
@@ -490,3 +495,18 @@ class StoreConformance:
 
     def test_files_by_name(self, store_factory: Factory) -> None:
         check_files_by_name(store_factory)
+
+    def test_tree_write_file(self, store_factory: Factory) -> None:
+        tree.check_tree_write_file(store_factory)
+
+    def test_tree_read_into(self, store_factory: Factory) -> None:
+        tree.check_tree_read_into(store_factory)
+
+    def test_tree_child_and_entries(self, store_factory: Factory) -> None:
+        tree.check_tree_child_and_entries(store_factory)
+
+    def test_tree_remove_tree(self, store_factory: Factory) -> None:
+        tree.check_tree_remove_tree(store_factory)
+
+    def test_tree_move_to(self, store_factory: Factory) -> None:
+        tree.check_tree_move_to(store_factory)

@@ -1,15 +1,13 @@
-"""The names a memory tier with redundancy uses on each host, and what its markers say; torch-free
-(the ``ckptio`` command reads them).
+"""The names a memory tier with redundancy uses on each host, and reading its markers; torch-free
+(the ``ckptio`` command reads them). Every byte goes through the root's TreeStore
+(storage/base.py); the layout (under the memory tier's local directory, shm://NAME):
 
-Under the memory tier's local directory (shm://NAME):
-
-- ``r<rank>/step-N``: each rank's own step (a one-rank checkpoint; with redundancy every tier
-  is rank-local, ``<location>/r<rank>``);
+- ``r<rank>/step-N``: each rank's own step (with redundancy every tier is rank-local);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
-  partner's copy, itself a checkpoint directory), ``parity-g<group>-l<local>.bin`` and
-  ``.json`` (this host's parity piece of its group, local rank l, and every member's manifest), ``held-r<rank>.json`` (what rank
-  <rank> holds for step N, written after its items), ``protected-r<rank>.json`` (written once
-  every rank's copies of step N are written: the commit of the protection; ``{"step", "how"}``).
+  partner's copy, a checkpoint), ``parity-g<group>-l<local>.bin`` and ``.json`` (this host's
+  parity piece of its group and every member's manifest), ``held-r<rank>.json`` (what rank
+  <rank> holds for N, written after its items), ``protected-r<rank>.json`` (the commit of the
+  protection, ``{"step", "how"}``), ``rebuild-r<rank>/`` (a restore's copy being verified).
 
 Owns: those names and reading the markers. Does not own: writing them (protect.py), using them
 (rebuild.py), the CLI's text (cli/).
@@ -18,26 +16,43 @@ Owns: those names and reading the markers. Does not own: writing them (protect.p
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any
 
-__all__ = ["REDUNDANCY_DIR", "copy_name", "held_dir", "held_nbytes", "parity_name", "protected_steps",
-           "protection", "rank_dirs", "rank_name"]
+from ckptio.errors import CkptError
+from ckptio.storage.base import TreeStore
+from ckptio.storage.select import store_for
+
+__all__ = ["REDUNDANCY_DIR", "Root", "copy_name", "held", "held_nbytes", "held_steps",
+           "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
+           "rebuild_name", "tree_of"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
 _COPY = re.compile(r"copy-r(\d{5,})$", re.ASCII)
 _PROTECTED = re.compile(r"protected-r(\d{5,})\.json$", re.ASCII)
+Root = str | TreeStore  # the memory tier's local directory, or its store
+
+
+def tree_of(location: Root) -> TreeStore:
+    """The TreeStore of ``location``; CkptError for a store that is only a Store."""
+    store = store_for(location) if isinstance(location, str) else location
+    if not isinstance(store, TreeStore):
+        raise CkptError(f"{store.location}: redundancy keeps copies, parity pieces and markers "
+                        f"beside the steps, which {type(store).__name__} cannot hold (it is a "
+                        "Store, not a TreeStore, storage/base.py): use a local directory or "
+                        "shm:// for the tier with redundancy")
+    return store
 
 
 def rank_name(rank: int) -> str:
     return f"r{rank:05d}"
 
 
-def held_dir(root: str, step: int) -> str:
-    return os.path.join(root, REDUNDANCY_DIR, f"step-{step}")
+def held(root: Root, step: int) -> TreeStore:
+    """The location of what this host holds for others' step ``step``."""
+    return tree_of(root).child(REDUNDANCY_DIR).child(f"step-{step}")
 
 
 def copy_name(rank: int) -> str:
@@ -48,58 +63,66 @@ def parity_name(group: int, local: int) -> str:
     return f"parity-g{group}-l{local}"
 
 
-def rank_dirs(root: str) -> dict[int, str]:
-    """The rank-local directories ``r<rank>`` under local directory ``root`` (none: {})."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return {}
-    return {int(m.group(1)): os.path.join(root, n) for n in names if (m := _RANK.match(n))}
+def rebuild_name(rank: int) -> str:
+    return f"rebuild-{rank_name(rank)}"
 
 
-def protection(root: str) -> dict[int, dict[str, Any]]:
+def rank_dirs(root: Root) -> dict[int, str]:
+    """The rank-local locations ``r<rank>`` under ``root`` (none: {})."""
+    tree = tree_of(root)
+    return {int(m.group(1)): tree.child(n).location for n in _entries(tree)
+            if (m := _RANK.match(n))}
+
+
+def held_steps(root: Root) -> dict[int, TreeStore]:
+    """The steps with a ``.redundancy/step-N`` location here, ascending."""
+    base = tree_of(root).child(REDUNDANCY_DIR)
+    found = {int(m.group(1)): n for n in _entries(base) if (m := _STEP.match(n))}
+    return {step: base.child(found[step]) for step in sorted(found)}
+
+
+def protection(root: Root) -> dict[int, dict[str, Any]]:
     """Per step with a protection marker here: ``{"how": "parity(k=3)", "ranks": [...]}`` (the
     ranks of this host that committed it)."""
-    base = os.path.join(root, REDUNDANCY_DIR)
     out: dict[int, dict[str, Any]] = {}
-    try:
-        steps = [(int(m.group(1)), n) for n in os.listdir(base) if (m := _STEP.match(n))]
-    except OSError:
-        return {}
-    for step, name in sorted(steps):
-        try:
-            markers = [(int(m.group(1)), os.path.join(base, name, n))
-                       for n in os.listdir(os.path.join(base, name)) if (m := _PROTECTED.match(n))]
-        except OSError:
-            continue  # removed while listed
-        for rank, path in sorted(markers):
+    for step, where in held_steps(root).items():
+        markers = sorted((int(m.group(1)), n) for n in _entries(where)
+                         if (m := _PROTECTED.match(n)))
+        for rank, name in markers:
             try:
-                with open(path, "rb") as f:
-                    how = str(json.loads(f.read()).get("how", "?"))
-            except (OSError, ValueError):
-                continue
+                how = str(json.loads(where.read_file(name)).get("how", "?"))
+            except (CkptError, ValueError, AttributeError):
+                continue  # removed while listed, or unreadable
             entry = out.setdefault(step, {"how": how, "ranks": []})
             entry["ranks"].append(rank)
     return out
 
 
-def held_nbytes(root: str, ranks: set[int], local: int) -> int:
+def held_nbytes(root: Root, ranks: set[int], local: int) -> int:
     """Bytes held here for others, every step: the partner copies of ``ranks`` and the parity
     pieces (and their JSON) of local rank ``local`` (one rank's share of what its host holds)."""
-    base, total = os.path.join(root, REDUNDANCY_DIR), 0
-    for top, _dirs, names in os.walk(base):
-        rel = os.path.relpath(top, base).split(os.sep)
-        copy = len(rel) >= 2 and (m := _COPY.match(rel[1])) is not None and int(m.group(1)) in ranks
-        for name in names:
-            if copy or (len(rel) == 1 and name.startswith("parity-")
-                        and name.split(".")[0].endswith(f"-l{local}")):
-                try:
-                    total += os.stat(os.path.join(top, name)).st_size
-                except OSError:
-                    continue  # removed meanwhile
+    total = 0
+    for where in held_steps(root).values():
+        for name in _entries(where):
+            m = _COPY.match(name)
+            try:
+                if m is not None and int(m.group(1)) in ranks:
+                    copy = where.child(name)
+                    total += sum(copy.sizes(_entries(copy)).values())
+                elif name.startswith("parity-") and name.split(".")[0].endswith(f"-l{local}"):
+                    total += sum(where.sizes([name]).values())
+            except CkptError:
+                continue  # removed meanwhile
     return total
 
 
-def protected_steps(root: str, rank: int) -> list[int]:
+def protected_steps(root: Root, rank: int) -> list[int]:
     """Steps whose protection ``rank`` committed here, ascending."""
     return [s for s, p in protection(root).items() if rank in p["ranks"]]
+
+
+def _entries(where: TreeStore) -> list[str]:
+    try:
+        return where.entries()
+    except CkptError:  # unreadable, or removed while listed: nothing here to count
+        return []

@@ -2,22 +2,20 @@
 protection (protect.py) and restore (rebuild.py) share.
 
 - **A step's stream**: a rank's one-rank checkpoint ``r<rank>/step-N`` as its manifest's bytes
-  plus its data files concatenated in manifest order (every file a multiple of 4096 bytes). A
-  stream is rebuilt into a checkpoint directory by writing the files, the manifest last.
+  plus its data files concatenated in manifest order (every file a multiple of 4096 bytes),
+  read through its Store; rebuilt into a checkpoint by writing the files, the manifest last.
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
   messages, point-to-point send/recv of uint8 tensors.
 Where the copies live on each host: marks.py.
 
-Owns: the stream, its reading and writing, the transport. Does not own: what to send where (hosts.py), when
-(protect.py), the restore's decisions (rebuild.py).
+Owns: the stream, its reading and writing, the transport. Does not own: what to send where
+(hosts.py), when (protect.py), the restore's decisions (rebuild.py), the stores (storage/).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +25,11 @@ import xxhash
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
-from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.base import TreeStore, new_save_id
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
-           "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint", "write_json",
-           "xor_into"]
+           "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint",
+           "write_json", "xor_into"]
 
 
 @dataclass
@@ -59,58 +57,48 @@ def files_of(manifest: bytes, where: str) -> list[tuple[str, int]]:
     return [(f.name, f.nbytes) for f in record.files]
 
 
-def read_stream(step_dir: str, reuse: torch.Tensor | None = None) -> Stream:
-    """The stream of the committed checkpoint at local directory ``step_dir``. ``reuse``: a
-    buffer (a previous stream's data, no longer in use) read into where it is large enough,
-    so that a thread reading a step every step does not fault in fresh pages each time."""
-    try:
-        with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
-            manifest = f.read()
-        files = files_of(manifest, step_dir)
-        total = sum(n for _, n in files)
-        data = (reuse[:total] if reuse is not None and reuse.numel() >= total
-                else torch.empty(total, dtype=torch.uint8))
-        view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
-        offset = 0
-        for name, nbytes in files:
-            with open(os.path.join(step_dir, name), "rb", buffering=0) as f:
-                got = f.readinto(view[offset:offset + nbytes])
-            if got != nbytes:
-                raise StorageIOError(f"{os.path.join(step_dir, name)}: {got} bytes, its manifest "
-                                     f"names {nbytes}")
-            offset += nbytes
-    except OSError as exc:
-        raise StorageIOError(f"{step_dir}: cannot read the step to protect it: {exc}") from exc
-    return Stream(manifest, files, data)
-
-
-def write_checkpoint(directory: str, manifest: bytes, files: list[tuple[str, int]],
-                     data: torch.Tensor) -> None:
-    """Write ``data`` split into ``files`` under ``directory`` (replaced if present), the
-    manifest last: a checkpoint directory (incomplete until its manifest lands)."""
-    if os.path.lexists(directory):
-        shutil.rmtree(directory)
-    os.makedirs(directory)
+def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
+    """The stream of the checkpoint committed in ``store``. ``reuse``: a buffer (a previous
+    stream's data, no longer in use) read into where it is large enough, so that a thread
+    reading a step every step does not fault in fresh pages each time."""
+    manifest = store.read_manifest()
+    files = files_of(manifest, store.location)
+    total = sum(n for _, n in files)
+    data = (reuse[:total] if reuse is not None and reuse.numel() >= total
+            else torch.empty(total, dtype=torch.uint8))
     view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
     offset = 0
     for name, nbytes in files:
-        with open(os.path.join(directory, name), "wb", buffering=0) as f:
-            f.write(view[offset:offset + nbytes])
+        got = store.read_into(name, view[offset:offset + nbytes])
+        if got != nbytes:
+            raise StorageIOError(f"{store.path_of(name)}: {got} bytes, its manifest names "
+                                 f"{nbytes}")
+        offset += nbytes
+    return Stream(manifest, files, data)
+
+
+def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],
+                     data: torch.Tensor) -> None:
+    """Write ``data`` split into ``files`` in ``store`` (what it held removed first), then
+    commit the manifest: a checkpoint (incomplete until its manifest lands)."""
+    problems = store.remove_tree()
+    if problems:
+        raise StorageIOError(f"{store.location}: cannot replace what it holds: {problems[0]}")
+    store.prepare()
+    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    offset = 0
+    for name, nbytes in files:
+        store.write_file(name, view[offset:offset + nbytes])
         offset += nbytes
     if offset != data.numel():
-        raise CkptError(f"{directory}: {data.numel()} bytes received, the files name {offset}")
-    _write_atomic(os.path.join(directory, MANIFEST_NAME), manifest)
+        raise CkptError(f"{store.location}: {data.numel()} bytes received, the files name "
+                        f"{offset}")
+    store.commit(manifest, new_save_id())
 
 
-def write_json(path: str, value: Any) -> None:
-    _write_atomic(path, json.dumps(value, sort_keys=True).encode())
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def write_json(store: TreeStore, name: str, value: Any) -> None:
+    """Write file ``name`` of ``store`` as ``value``'s JSON, whole (a marker)."""
+    store.write_file(name, json.dumps(value, sort_keys=True).encode())
 
 
 def piece_nbytes(longest: int, k: int) -> int:

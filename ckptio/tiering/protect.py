@@ -1,52 +1,22 @@
 """Protection of each memory step across hosts: partner copies or XOR parity, encoded and sent
 off the training thread, committed with the step.
 
-One thread per rank (every rank runs one: the redundancy is collective), fed by the memory
-tier's commits in step order; every rank protects the same steps in the same order over the
-redundancy's own gloo group (peers.py). For step N:
+Call order (the Guard, on every rank: the redundancy is collective): ``Protector(...)`` once;
+``submit(step)`` after each commit in this rank's memory, in step order; ``status()`` any time;
+``wait()`` before a restore; ``close()`` last. Every rank protects the same steps in the same
+order over the redundancy's own gloo group (peers.py); the steps of one protection, what a rank
+does when it falls behind and what a kill leaves: ``Protector.run`` and ``Protector._protect``.
 
-1. each rank reads its own step's stream (peers.read_stream) and all ranks exchange its
-   metadata (manifest, files, length; a rank that could not read sends length -1 and the step
-   is skipped on every rank, said in the log and in status);
-2. **Partners(n)**: each rank sends its stream to its n partners and receives the streams of
-   the n ranks it is partner of, writing each as ``copy-r<src>/`` (a checkpoint directory, its
-   manifest last). **Parity(k)** (rotating, hosts.py): in its group of k + 1 hosts, each rank
-   sends piece (j - h - 1) mod (k + 1) of its stream to the member at position j and XORs the
-   k pieces it receives into its own parity piece (ceil(longest / k) bytes), written with a
-   JSON naming every member's manifest, files, length and the piece's xxh3;
-3. each rank writes ``held-r<rank>.json`` (what it holds for N and each item's digest), last;
-4. all ranks agree (a MIN all_reduce) that every rank wrote; then each writes
-   ``protected-r<rank>.json``: the step is protected. The protection of older steps is then
-   removed (only the newest protected step is protected; the own memory keeps keep_last steps).
-
-**Behind: the newest step.** When the thread falls behind the saves (several steps queued), the
-ranks agree (a MIN all_reduce of each rank's newest queued step) on the newest step every rank
-has queued and protect that one; the older queued steps are superseded (never protected,
-counted in status()'s ``superseded``), as the previous protected step stays protected until the
-newer one is. The thread runs at a lowered CPU priority (``nice`` 10, as the drain), so on busy
-cores it takes what training leaves; its reads reuse one buffer from step to step.
-
-A kill anywhere before 4 leaves step N without ``protected`` markers: restore treats its copies
-as absent and falls back to the previous protected step, whose copies are only removed after N
-is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test support) sleeps after the streams are read and
-the step's directory made, so a test can kill ranks during encoding.
-
-A transfer that fails (a peer killed: its connection closed; or silent for
-``Options.peer_timeout_s``, the protection group's gloo timeout) raises RankFailedError naming
-the peer; it is stored (raised once by wait()/protected()/close(), shown in status()), and the
-protection stops: the group is unusable, so later steps fail at once (close() never waits for
-another timeout). Restore (a new job) brings the lost hosts' ranks back.
-
-Owns: the thread, its queue, its status and stored error. Does not own: placement (hosts.py),
-the stream and transport (peers.py), restore (rebuild.py).
+Owns: the protection's queue and status, the rule that only the newest protected step stays
+protected. The thread, its lowered priority and the error raised once are the Worker's
+(worker.py). Does not own: placement (hosts.py), the stream and transport (peers.py), the names
+on each host (marks.py), restore (rebuild.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,16 +26,17 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, RankFailedError
+from ckptio.storage.base import TreeStore
 from ckptio.tiering import marks, peers
 from ckptio.tiering.hosts import Topology
-from ckptio.tiering.marks import protected_steps
+from ckptio.tiering.marks import Root, protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
+from ckptio.tiering.worker import Worker
 
 __all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 
 log = logging.getLogger("ckptio")
 PAUSE_ENV = "CKPTIO_TEST_PROTECT_PAUSE_S"
-NICE = 10  # the thread's CPU priority (as the drain's)
 
 
 @dataclass
@@ -75,114 +46,119 @@ class _State:
     protected: int | None = None
     seconds: float | None = None  # the last: from submit to protected
     skipped: list[int] = field(default_factory=list)
-    superseded: int = 0  # queued steps passed over for a newer one (module docstring)
+    superseded: int = 0  # queued steps passed over for a newer one (Protector.run)
     error: str | None = None
 
 
+@dataclass
+class _Job:
+    """One run of the worker: the newest queued step, then the step the ranks agreed on."""
+
+    step: int
+    done: bool = False  # protected
+
+
 class Protector:
-    """The protection thread of one rank (module docstring). ``root``: the memory tier's local
-    directory; ``own_dir(step)``: this rank's step directory."""
+    """The protection of one rank (module docstring).
+
+    Args:
+        spec: Partners(n) or Parity(k).
+        topology: the job's hosts and ranks (hosts.py).
+        group: the redundancy's gloo group (the protection thread's alone).
+        rank: this rank.
+        root: the memory tier's local directory (marks.py's layout under it).
+        own_dir: step -> this rank's step directory in that tier.
+        timeout_s: the group's timeout (Options.peer_timeout_s), named in messages.
+    """
 
     def __init__(self, spec: Partners | Parity, topology: Topology, group: Any, rank: int,
                  root: str, own_dir: Any, timeout_s: float) -> None:
         self.spec, self.topology, self.group, self.rank = spec, topology, group, rank
         self.root, self._own_dir, self.timeout_s = root, own_dir, timeout_s
+        self._tree = marks.tree_of(root)
         self._broken: RankFailedError | None = None  # a transfer failed: the group is unusable
-        self._cond = threading.Condition()
-        self._state = _State(protected=newest_protected(root, rank))
+        self._state = _State(protected=newest_protected(self._tree, rank))
         self._submitted: dict[int, float] = {}
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
         self._buffer: torch.Tensor | None = None  # read_stream's, reused from step to step
+        self._worker: Worker[_Job] = Worker("ckptio-protect", self)
+        self._lock = self._worker.lock
         if isinstance(spec, Partners):
             topology.partners(rank, spec.n)  # refused here if the hosts are too few
         else:
             topology.groups(spec.k)
 
     def submit(self, step: int) -> None:
-        """``step`` committed in this rank's memory: protect it (in order)."""
-        with self._cond:
+        """``step`` committed in this rank's memory: protect it (in order). CkptError after
+        close()."""
+        with self._lock:
+            self._worker.wake()  # first: refused after close(); runs once the lock is let go
             self._state.queue.append(step)
             self._submitted[step] = time.monotonic()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ckptio-protect",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every submitted step is protected or skipped (True) or ``timeout`` (False);
         raises the first error not raised yet, once."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._state.queue or self._state.busy is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return True
+        return self._worker.wait(timeout)
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            if self._thread is not None:
-                self._thread.join()
+        """wait(), then stop the thread (the error wait() raises is raised after)."""
+        self._worker.close()
 
     def status(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             s = self._state
             return {"redundancy": self.spec.describe(), "protected": s.protected,
                     "protecting": s.busy, "queued": list(s.queue), "protect_seconds": s.seconds,
                     "unprotected": list(s.skipped), "superseded": s.superseded,
                     "protect_error": s.error}
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------ the worker's Jobs (worker.py): its thread
 
-    def _run(self) -> None:
-        try:  # Linux: per thread (the gloo group's own I/O threads keep theirs)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-        except (OSError, AttributeError):
-            log.debug("ckptio: the protection runs at normal priority (setpriority refused)")
-        while True:
-            with self._cond:
-                while not self._state.queue and not self._closed:
-                    self._cond.wait()
-                if not self._state.queue:
-                    return
-                step = self._state.busy = self._state.queue[-1]
-            try:
-                step = self._agree(step)
-                done = self._protect(step)
-                error = None
-            except Exception as exc:  # noqa: BLE001 - stored, raised once by wait()
-                log.warning("ckptio: protecting step %d failed: %s: %s", step,
-                            type(exc).__name__, exc)
-                done, error = False, exc
-            with self._cond:
-                self._state.busy = None
-                failed = [s for s in self._state.queue if s <= step] or [step]  # agree failed
-                self._state.queue = [s for s in self._state.queue if s > step]
-                if done:
-                    self._state.protected = step
-                    self._state.seconds = time.monotonic() - self._submitted.pop(step, 0.0)
-                    self._state.error = None
-                else:
-                    self._state.skipped = [*self._state.skipped, *failed][-10:]
-                    for s in failed:
-                        self._submitted.pop(s, None)
-                if error is not None:
-                    self._state.error = f"step {step}: {type(error).__name__}: {error}"
-                    if self._error is None:
-                        self._error = error
-                self._cond.notify_all()
+    def take(self) -> _Job | None:
+        """The newest queued step (under the lock)."""
+        if not self._state.queue:
+            return None
+        self._state.busy = self._state.queue[-1]
+        return _Job(self._state.busy)
+
+    def pending(self) -> bool:
+        """Whether a step is queued or being protected (under the lock)."""
+        return bool(self._state.queue) or self._state.busy is not None
+
+    def run(self, job: _Job) -> None:
+        """Agree on the step to protect, then protect it (``job.done``: protected).
+
+        **Behind: the newest step.** When the thread falls behind the saves (several steps
+        queued), the ranks agree (a MIN all_reduce of each rank's newest queued step) on the
+        newest step every rank has queued and protect that one; the older queued steps are
+        superseded (never protected, counted in status()'s ``superseded``), as the previous
+        protected step stays protected until the newer one is. A transfer that fails (a peer
+        killed, or silent for ``Options.peer_timeout_s``) raises RankFailedError naming the
+        peer, kept by the worker, and the protection stops: the group is unusable, so later
+        steps fail at once (close() never waits for another timeout)."""
+        job.step = self._agree(job.step)
+        job.done = self._protect(job.step)
+
+    def finish(self, job: _Job, error: Exception | None) -> None:
+        """Record ``job``'s outcome (under the lock): protected, or skipped with the steps
+        queued up to it."""
+        step, s = job.step, self._state
+        if error is not None:
+            log.warning("ckptio: protecting step %d failed: %s: %s", step, type(error).__name__,
+                        error)
+        s.busy = None
+        failed = [q for q in s.queue if q <= step] or [step]  # agreeing failed: still queued
+        s.queue = [q for q in s.queue if q > step]
+        if job.done:
+            s.protected = step
+            s.seconds = time.monotonic() - self._submitted.pop(step, 0.0)
+            s.error = None
+        else:
+            s.skipped = [*s.skipped, *failed][-10:]
+            for q in failed:
+                self._submitted.pop(q, None)
+        if error is not None:
+            s.error = f"step {step}: {type(error).__name__}: {error}"
 
     def _agree(self, newest: int) -> int:
         """The step every rank protects next: the oldest of the ranks' newest queued steps
@@ -190,7 +166,7 @@ class Protector:
         self._check_broken(newest)
         with self._talking(newest, "agreeing on the step to protect with", None):
             step = peers.agree_min(self.group, newest)
-        with self._cond:
+        with self._lock:
             older = [s for s in self._state.queue if s < step]
             self._state.queue = [s for s in self._state.queue if s > step]
             self._state.superseded += len(older)
@@ -205,10 +181,32 @@ class Protector:
                                   f"earlier step: {self._broken}", self._broken.ranks)
 
     def _protect(self, step: int) -> bool:
-        """Steps 1-4 of the module docstring for ``step``; -> whether it is protected."""
+        """Protect ``step`` (collective; on the worker's thread) -> whether it is protected:
+
+        1. each rank reads its own step's stream (peers.read_stream) and all ranks exchange its
+           metadata (manifest, files, length; a rank that could not read sends length -1 and
+           the step is skipped on every rank, said in the log and in status);
+        2. **Partners(n)**: each rank sends its stream to its n partners and receives the
+           streams of the n ranks it is partner of, writing each as ``copy-r<src>/`` (a
+           checkpoint, its manifest last). **Parity(k)** (rotating, hosts.py): in its group of
+           k + 1 hosts, each rank sends piece (j - h - 1) mod (k + 1) of its stream to the
+           member at position j and XORs the k pieces it receives into its own parity piece
+           (ceil(longest / k) bytes), written with a JSON naming every member's manifest,
+           files, length and the piece's xxh3;
+        3. each rank writes ``held-r<rank>.json`` (what it holds for the step), last;
+        4. all ranks agree (a MIN all_reduce) that every rank wrote; then each writes
+           ``protected-r<rank>.json``: the step is protected, and the protection of older
+           steps is removed (only the newest protected step stays protected).
+
+        A kill anywhere before 4 leaves the step without ``protected`` markers: restore treats
+        its copies as absent and falls back to the previous protected step, whose copies are
+        only removed after this one is protected. ``CKPTIO_TEST_PROTECT_PAUSE_S`` (test
+        support) sleeps after the streams are read and the step's location made, so a test can
+        kill ranks during encoding. Its reads reuse one buffer from step to step."""
         self._check_broken(step)
         try:
-            stream: peers.Stream | None = peers.read_stream(self._own_dir(step), self._buffer)
+            stream: peers.Stream | None = peers.read_stream(marks.tree_of(self._own_dir(step)),
+                                                            self._buffer)
             if self._buffer is None or stream.data.numel() > self._buffer.numel():
                 self._buffer = stream.data  # sent and waited for before the next step's read
             meta: dict[str, Any] = {"step": step, **stream.meta()}
@@ -222,8 +220,8 @@ class Protector:
             log.warning("ckptio: step %d is not protected: ranks %s could not read it", step, bad)
             return False
         assert stream is not None  # internal: nbytes >= 0 on this rank
-        directory = marks.held_dir(self.root, step)
-        os.makedirs(directory, exist_ok=True)
+        directory = marks.held(self._tree, step)
+        directory.prepare()
         pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
         if pause:
             time.sleep(pause)
@@ -233,11 +231,11 @@ class Protector:
                 held = self._partners(stream, metas, directory)
             else:
                 held = self._parity(stream, metas, directory)
-            peers.write_json(os.path.join(directory, f"held-r{self.rank:05d}.json"),
+            peers.write_json(directory, f"held-{marks.rank_name(self.rank)}.json",
                              {"step": step, "how": self.spec.describe(), "items": held})
         except RankFailedError:
             raise  # a peer gone: the group is unusable, no agreement can follow
-        except (OSError, CkptError) as exc:
+        except CkptError as exc:
             log.warning("ckptio: rank %d could not keep its copies of step %d: %s", self.rank,
                         step, exc)
             ok = False
@@ -245,13 +243,13 @@ class Protector:
             agreed = peers.all_ok(self.group, ok)
         if not agreed:
             return False
-        peers.write_json(os.path.join(directory, f"protected-r{self.rank:05d}.json"),
+        peers.write_json(directory, f"protected-{marks.rank_name(self.rank)}.json",
                          {"step": step, "how": self.spec.describe()})
         self._drop_before(step)
         return True
 
     def _partners(self, stream: peers.Stream, metas: list[dict[str, Any]],
-                  directory: str) -> list[dict[str, Any]]:
+                  directory: TreeStore) -> list[dict[str, Any]]:
         """Send to the partners, receive from the partnered (every transfer done before any
         write, so a failed write never leaves a peer waiting), then write the copies."""
         n = self.spec.n  # type: ignore[union-attr]
@@ -266,7 +264,7 @@ class Protector:
         held = []
         for src, data in got:
             meta = metas[src]
-            peers.write_checkpoint(os.path.join(directory, marks.copy_name(src)),
+            peers.write_checkpoint(directory.child(marks.copy_name(src)),
                                    meta["manifest"].encode(), [tuple(f) for f in meta["files"]],
                                    data)
             held.append({"kind": "copy", "rank": src, "manifest_digest": meta["digest"],
@@ -274,7 +272,7 @@ class Protector:
         return held
 
     def _parity(self, stream: peers.Stream, metas: list[dict[str, Any]],
-                directory: str) -> list[dict[str, Any]]:
+                directory: TreeStore) -> list[dict[str, Any]]:
         """Rotating parity in this rank's group (hosts.py): send piece (j - me - 1) mod n of
         this rank's shard to the member at position j, XOR the pieces received into this
         rank's parity piece P_me, then write it with its xxh3 and every member's manifest."""
@@ -294,15 +292,15 @@ class Protector:
                 with self._talking(step, "receiving a parity piece from", src):
                     peers.xor_into(block, peers.recv(self.group, size, src))
         self._wait(step, works)
-        name = os.path.join(directory, marks.parity_name(group, local))
-        with open(f"{name}.bin", "wb") as f:
-            f.write(memoryview(block.numpy()).cast("B") if block.numel() else b"")
+        name = marks.parity_name(group, local)
+        directory.write_file(f"{name}.bin",
+                             memoryview(block.numpy()).cast("B") if block.numel() else b"")
         info = {"kind": "parity", "group": group, "local": local, "position": me,
                 "nbytes": p, "digest": peers.digest(block),
                 "members": [{"rank": r, "host": topo.host_of(r), "nbytes": metas[r]["nbytes"],
                              "manifest": metas[r]["manifest"], "files": metas[r]["files"],
                              "manifest_digest": metas[r]["digest"]} for r in members]}
-        peers.write_json(f"{name}.json", info)
+        peers.write_json(directory, f"{name}.json", info)
         return [{key: v for key, v in info.items() if key != "members"}]
 
     def _wait(self, step: int, works: list[tuple[int, Any]]) -> None:
@@ -334,18 +332,15 @@ class Protector:
         """Remove this host's protection of steps older than ``step`` (local rank 0 does)."""
         if self.topology.local_of(self.rank) != 0:
             return
-        base = os.path.join(self.root, marks.REDUNDANCY_DIR)
-        for name in os.listdir(base):
-            n = _step_of(name)
-            if n is not None and n < step:
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        for older, where in marks.held_steps(self._tree).items():
+            if older < step:
+                problems = where.remove_tree()
+                if problems:
+                    log.debug("ckptio: the protection of step %d stays in part: %s", older,
+                              problems[0])
 
 
-def _step_of(name: str) -> int | None:
-    head, _, tail = name.partition("-")
-    return int(tail) if head == "step" and tail.isdigit() else None
-
-
-def newest_protected(root: str, rank: int) -> int | None:
+def newest_protected(root: Root, rank: int) -> int | None:
+    """The newest step whose protection ``rank`` committed under ``root``, or None."""
     steps = protected_steps(root, rank)
     return steps[-1] if steps else None

@@ -1,28 +1,11 @@
 """Restore with redundancy across hosts: agree on the newest step every rank can obtain, verified,
 and bring the missing ranks' copies into their memory first.
 
-Collective over the redundancy's gloo group, on every rank, before the load (tiering/manager.py):
-
-1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
-   slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
-   whose protection it committed (protect.py's markers). A rank whose memory holds nothing
-   (a replacement host, its tmpfs empty) reports nothing.
-2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
-   rank's source is its own memory, else a partner's copy (first partner first), else a rebuild
-   from its group's parity with every other member's own step; a step is chosen when every rank
-   has a source. Items found bad before are passed over. Parity: every other member of the
-   rank's group (k + 1 hosts) must hold its own step and its parity piece.
-3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-   against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
-   pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut to
-   its length and split into its files) into
-   ``r<rank>/.rebuild-step-N``, **verifies every byte against the original's manifest** (its
-   entries' checksums: Checkpointer.verify), and only then renames it to ``step-N``.
-4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
-   the item marked bad, and the plan made again: another partner, parity, an older step.
-   When no step can be obtained in memory on every rank, the result says which hosts are lost
-   (no step in memory at all) and the caller restores the newest step every rank holds in some
-   tier (the disk tier, where two hosts of one parity group are lost).
+Call order: ``recover(Context(...), own, anywhere)``, collective over the redundancy's gloo
+group, on every rank, before the load (the Guard, guard.py): an inventory of every rank, one
+plan made the same on every rank, the transfers, a verified install, a new plan where an item
+fails (``recover`` spells the steps out). Every byte goes through the memory tier's TreeStore
+(marks.py's layout).
 
 Owns: the inventory, the plan, the transfers of a restore and their verification. Does not own:
 the load itself and the fallback to slower tiers (manager.py), placement (hosts.py).
@@ -32,9 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,16 +47,18 @@ class Recovery:
     anywhere: list[list[int]] = field(default_factory=list)  # per rank: steps in any tier
 
 
-def inventory(root: str, rank: int, own: list[int], anywhere: list[int]) -> dict[str, Any]:
+def inventory(root: marks.Root, rank: int, own: list[int],
+              anywhere: list[int]) -> dict[str, Any]:
     """This rank's report (step 1)."""
     held: dict[str, list[dict[str, Any]]] = {}
-    for step in protected_steps(root, rank):
-        path = os.path.join(marks.held_dir(root, step), f"held-r{rank:05d}.json")
+    tree = marks.tree_of(root)
+    for step in protected_steps(tree, rank):
+        where, name = marks.held(tree, step), f"held-{marks.rank_name(rank)}.json"
         try:
-            with open(path, "rb") as f:
-                held[str(step)] = json.loads(f.read())["items"]
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("ckptio: %s unreadable (%s): its copies are passed over", path, exc)
+            held[str(step)] = json.loads(where.read_file(name))["items"]
+        except (CkptError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ckptio: %s unreadable (%s): its copies are passed over",
+                        where.path_of(name), exc)
     return {"own": sorted(own), "anywhere": sorted(anywhere), "held": held}
 
 
@@ -155,14 +138,37 @@ class Context:
     topology: Topology
     group: Any  # the gloo group
     rank: int
-    root: str  # the memory tier's local directory
+    root: str  # the memory tier's local directory (marks.py's layout under it)
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
-    """Steps 1-4 of the module docstring, collective; -> the memory step every rank now holds
-    (or None, with the lost hosts named)."""
+    """Collective; -> the memory step every rank now holds (or None, with the lost hosts
+    named):
+
+    1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
+           slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
+           whose protection it committed (protect.py's markers). A rank whose memory holds nothing
+           (a replacement host, its tmpfs empty) reports nothing.
+    2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
+           rank's source is its own memory, else a partner's copy (first partner first), else a
+           rebuild from its group's parity with every other member's own step; a step is chosen when
+           every rank has a source. Items found bad before are passed over. Parity: every other
+           member of the rank's group (k + 1 hosts) must hold its own step and its parity piece.
+    3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
+           against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
+           pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut
+           to its length and split into its files) into ``.redundancy/step-N/rebuild-r<rank>``,
+           **verifies every byte against the original's manifest** (its entries' checksums:
+           Checkpointer.verify), and only then moves it to its ``step-N`` (Store.move_to: one
+           rename).
+    4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
+           the item marked bad, and the plan made again: another partner, parity, an older step.
+           When no step can be obtained in memory on every rank, the result says which hosts are
+           lost (no step in memory at all) and the caller restores the newest step every rank holds
+           in some tier (the disk tier, where two hosts of one parity group are lost).
+    """
     invs = peers.all_gather_json(ctx.group, inventory(ctx.root, ctx.rank, own, anywhere))
     result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
     result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
@@ -200,7 +206,8 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
             local = ctx.topology.local_of(r)
             for m in src[2]:
                 if m != r:
-                    sends += [(m, r, _parity_id(m, src[1], local, step)), (m, r, f"own:r{m}:s{step}")]
+                    sends += [(m, r, _parity_id(m, src[1], local, step)),
+                              (m, r, f"own:r{m}:s{step}")]
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
     for sender, _receiver, item in sends:
@@ -232,28 +239,27 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
 
 def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torch.Tensor | None]:
     """The meta and bytes this rank sends for ``item``."""
-    held = marks.held_dir(ctx.root, step)
     try:
+        held = marks.held(ctx.root, step)
         kind = item.split(":")[0]
         if kind == "own":
-            stream = peers.read_stream(ctx.own_dir(step))
+            stream = peers.read_stream(marks.tree_of(ctx.own_dir(step)))
             return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
         if kind == "copy":
             of = int(item.split(":")[2][2:])
-            stream = peers.read_stream(os.path.join(held, marks.copy_name(of)))
+            stream = peers.read_stream(held.child(marks.copy_name(of)))
             return {"ok": True, **stream.meta()}, stream.data
         group, local = (int(p[1:]) for p in item.split(":")[2:4])
-        name = os.path.join(held, marks.parity_name(group, local))
-        with open(f"{name}.json", "rb") as f:
-            info = json.loads(f.read())
-        with open(f"{name}.bin", "rb") as f:
-            block = torch.frombuffer(bytearray(f.read()) or bytearray(1), dtype=torch.uint8)
+        name = marks.parity_name(group, local)
+        info = json.loads(held.read_file(f"{name}.json"))
+        data = held.read_file(f"{name}.bin")
+        block = torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)
         block = block[:info["nbytes"]]
         if block.numel() != info["nbytes"] or peers.digest(block) != info["digest"]:
-            return {"ok": False, "why": f"{name}.bin does not match the xxh3 recorded when it "
-                                        "was encoded (corrupted)"}, None
+            return {"ok": False, "why": f"{held.path_of(name + '.bin')} does not match the xxh3 "
+                                        "recorded when it was encoded (corrupted)"}, None
         return {"ok": True, "nbytes": info["nbytes"], "info": info}, block
-    except (OSError, ValueError, KeyError, CkptError) as exc:
+    except (ValueError, KeyError, TypeError, CkptError) as exc:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 
 
@@ -271,18 +277,14 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
         data = next(t for i, t in received.items() if i.startswith("copy:"))
     else:
         manifest, files, data = _rebuild(ctx, step, src, metas, received)
-    final = ctx.own_dir(step)
-    scratch = os.path.join(os.path.dirname(final), f".rebuild-{os.path.basename(final)}")
+    final = marks.tree_of(ctx.own_dir(step))
+    scratch = marks.held(ctx.root, step).child(marks.rebuild_name(ctx.rank))
     try:
         peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
-        ctx.verify(scratch)
-        if os.path.lexists(final):
-            shutil.rmtree(final)
-        os.replace(scratch, final)
-    except OSError as exc:
-        raise CkptError(f"{final}: cannot write the restored copy: {exc}") from exc
+        ctx.verify(scratch.location)
+        scratch.move_to(final)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.remove_tree()
 
 
 def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],

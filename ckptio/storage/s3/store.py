@@ -35,6 +35,7 @@ from ckptio.options import Options
 from ckptio.storage import foreign
 from ckptio.storage.base import (
     Exclusive,
+    TreeStore,
     check_if_locked,
     claim_of,
     exact,
@@ -72,7 +73,9 @@ class S3Claim:
 
 
 class S3Store:
-    """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called)."""
+    """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called).
+    A TreeStore (base.py): a sub-location is the prefix ``<prefix>/<name>``; move_to() copies
+    then deletes (S3 has no rename), manifests last."""
 
     def __init__(self, location: str, settings: S3Settings) -> None:
         self.where = S3Path.parse(location)
@@ -227,8 +230,10 @@ class S3Store:
         if nbytes == 0:
             return b""
 
+        whole = {} if offset == 0 and nbytes is None else {"Range": span}  # an empty file: 416
+
         def request() -> bytes:
-            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, Range=span)["Body"].read())
+            return bytes(c.get_object(Bucket=target.bucket, Key=target.key, **whole)["Body"].read())
 
         return exact(self._call(f"reading {target.url} ({span})", request), nbytes, target.url,
                      offset)
@@ -291,15 +296,16 @@ class S3Store:
                 for page in self._list(delimiter=True)
                 for o in page.get("Contents", []) if "/" not in o["Key"][cut:]}
 
-    def _uploads(self) -> list[tuple[str, str]]:
-        """(name, upload id) of every open multipart upload directly under the prefix."""
+    def _uploads(self, deep: bool = False) -> list[tuple[str, str]]:
+        """(name, upload id) of every open multipart upload directly under the prefix (deep:
+        at any depth, the name then a relative key)."""
         c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
         cut, out, marker = len(prefix), [], {}
         while True:
             page = self._call(f"listing the uploads under {self.location}", lambda: c
                               .list_multipart_uploads(Bucket=bucket, Prefix=prefix, **marker))
             out += [(u["Key"][cut:], u["UploadId"]) for u in page.get("Uploads", [])
-                    if "/" not in u["Key"][cut:]]
+                    if deep or "/" not in u["Key"][cut:]]
             if not page.get("IsTruncated"):
                 return out
             marker = {"KeyMarker": page.get("NextKeyMarker", ""),
@@ -382,3 +388,81 @@ class S3Store:
             except CkptError as exc:
                 problems.append(f"{name}: {exc}")
         return problems
+
+    # -- the tree (base.TreeStore) --------------------------------------------------------
+
+    def child(self, name: str) -> S3Store:
+        return S3Store(self.where.child(plain_name(name, self.location)).url, self.settings)
+
+    def entries(self) -> list[str]:
+        return self._entries()
+
+    def write_file(self, name: str, data: bytes | memoryview) -> None:
+        target, c = self.where.child(plain_name(name, self.location)), self._client
+        body = bytes(data)
+        self._call(f"writing {target.url}", lambda: c.put_object(
+            Bucket=target.bucket, Key=target.key, Body=body))
+
+    def read_into(self, name: str, into: memoryview, offset: int = 0) -> int:
+        target, c = self.where.child(plain_name(name, self.location)), self._client
+        if not len(into):
+            return 0
+        span, what = f"bytes={offset}-{offset + len(into) - 1}", f"reading {target.url}"
+
+        def request() -> bytes:
+            answer = c.get_object(Bucket=target.bucket, Key=target.key, Range=span)
+            return bytes(answer["Body"].read())
+
+        try:
+            data = call(self.settings, what, request)
+        except Exception as exc:  # noqa: BLE001 - 416: at or past the end; the rest mapped
+            if status(exc) == 416:
+                return 0
+            raise failed(what, exc) from exc
+        into[:len(data)] = data
+        return len(data)
+
+    def _keys(self) -> list[str]:
+        """Every object's key under the prefix, at any depth, manifests last."""
+        keys = [o["Key"] for page in self._list(delimiter=False) for o in page.get("Contents", [])]
+        return sorted(keys, key=lambda k: (k.rsplit("/", 1)[-1] == MANIFEST_NAME, k))
+
+    def remove_tree(self) -> list[str]:
+        c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
+        problems: list[str] = []
+        try:
+            uploads, keys = self._uploads(deep=True), self._keys()
+        except CkptError as exc:
+            return [f"{self.location}: {exc}"]
+        for rel, upload_id in uploads:
+            try:
+                self._call(f"aborting the upload of {rel}", lambda: c.abort_multipart_upload(
+                    Bucket=bucket, Key=prefix + rel, UploadId=upload_id))
+            except CkptError as exc:
+                problems.append(f"{rel}: {exc}")
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+            problems += self._delete(batch, {k: k[len(prefix):] for k in batch})
+        # the folders a store may list once emptied (SeaweedFS does), deepest first; where
+        # there are none (AWS S3) deleting these keys is a no-op
+        folders = {k[:i + 1] for k in keys for i, ch in enumerate(k)
+                   if ch == "/" and i >= len(prefix)}
+        for folder in sorted(folders | ({prefix} if prefix else set()), key=len, reverse=True):
+            problems += self._delete_one(folder, folder[len(prefix):] or self.location)
+        return problems
+
+    def move_to(self, target: TreeStore) -> None:
+        """Each object copied (server side, manifests last), then this prefix removed."""
+        if not isinstance(target, S3Store) or target.settings != self.settings:
+            raise CkptError(f"cannot move {self.location} to {target.location}: another store "
+                            "or endpoint (copy it instead)")
+        problems = target.remove_tree()
+        c, into, cut = self._client, target.where, len(self.where.dir_prefix)
+        for key in self._keys():
+            dest = into.child(key[cut:])
+            self._call(f"copying s3://{self.where.bucket}/{key} to {dest.url}", lambda: c.copy(
+                {"Bucket": self.where.bucket, "Key": key}, dest.bucket, dest.key))
+        problems += self.remove_tree()
+        if problems:
+            raise StorageIOError(f"moving {self.location} to {target.location}: "
+                                 f"{'; '.join(problems)}")

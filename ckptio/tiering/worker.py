@@ -1,0 +1,156 @@
+"""One background thread that runs an owner's jobs one at a time: what the drain (drain.py) and
+the protection (protect.py) are built on.
+
+Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued work (under
+``lock`` or not), which starts the thread on first use; the thread asks ``jobs.take()`` (under
+``lock``) for the next job, runs ``jobs.run(job)`` without the lock, then ``jobs.finish(job,
+error)`` under ``lock``; ``wait(timeout)`` until ``jobs.pending()`` is False; ``close()`` last.
+
+Owns: the thread (started lazily, named, a daemon), its lowered CPU priority (``nice``; the
+threads it starts inherit it on Linux), the condition the owner guards its queue with and the
+thread sleeps on, the first error a job raised (kept, reported by ``status()``, raised once by
+``wait()`` or ``close()``), the refusal of work after ``close()``. Does not own: what is queued,
+which job runs next or what a job does (the owner's ``Jobs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Generic, Protocol, TypeVar
+
+from ckptio.errors import CkptError
+
+__all__ = ["NICE", "Jobs", "Worker"]
+
+log = logging.getLogger("ckptio")
+NICE = 10  # the background threads' CPU priority: they take what training leaves
+J = TypeVar("J")
+
+
+class Jobs(Protocol[J]):
+    """What a Worker asks its owner. ``take``, ``pending`` and ``finish`` run under the
+    worker's ``lock``; ``run`` runs on the worker's thread without it."""
+
+    def take(self) -> J | None:
+        """The next job to run (marked busy in the owner's state), or None when none is due."""
+        ...
+
+    def pending(self) -> bool:
+        """Whether a job is due or running (wait() returns once this is False)."""
+        ...
+
+    def run(self, job: J) -> None:
+        """Do ``job``; an exception it raises is kept by the worker (the first one) and given
+        to finish()."""
+        ...
+
+    def finish(self, job: J, error: Exception | None) -> None:
+        """Record ``job``'s outcome in the owner's state (``error``: what run raised)."""
+        ...
+
+
+class Worker(Generic[J]):
+    """The background thread of one owner (module docstring).
+
+    Args:
+        name: the thread's name (``ckptio-drain``, ``ckptio-protect``), in logs and debuggers.
+        jobs: the owner's queue (Jobs).
+        nice: the thread's CPU priority (Linux: per thread; refused: normal priority).
+
+    Example::
+
+        worker = Worker("ckptio-drain", lanes)
+        with worker.lock:
+            lanes.queue(step)
+        worker.wake()
+        worker.wait()   # raises the first job error, once
+        worker.close()
+    """
+
+    def __init__(self, name: str, jobs: Jobs[J], *, nice: int = NICE) -> None:
+        self.name = name
+        self.lock = threading.Condition()  # guards the owner's queue and the fields below
+        self._jobs = jobs
+        self._nice = nice
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._error: Exception | None = None  # the first one wait() has not raised yet
+
+    def wake(self) -> None:
+        """The owner queued work: start the thread if not yet, wake it. CkptError after
+        close() (nothing runs any more)."""
+        with self.lock:
+            if self._closed:
+                raise CkptError(f"{self.name}: work was queued after close(); it will not run. "
+                                "Queue work only while the manager is open")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self.lock.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until nothing is pending (-> True) or ``timeout`` seconds passed (-> False); the
+        first job error not raised yet is raised here, once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while self._jobs.pending():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.lock.wait(left)
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
+
+    def close(self) -> None:
+        """wait(), then stop and join the thread; later wake() is refused. The error wait()
+        raises is raised after the thread is joined."""
+        try:
+            self.wait()
+        finally:
+            with self.lock:
+                self._closed = True
+                self.lock.notify_all()
+            if self._thread is not None:
+                self._thread.join()
+
+    def status(self) -> dict[str, Any]:
+        """The thread's name, whether it runs, and the kept error not raised yet (its text)."""
+        with self.lock:
+            error = self._error
+            return {"thread": self.name,
+                    "alive": self._thread is not None and self._thread.is_alive(),
+                    "error": None if error is None else f"{type(error).__name__}: {error}"}
+
+    # ---------------------------------------------------------------- the thread
+
+    def _loop(self) -> None:
+        self._lower_priority()
+        while True:
+            with self.lock:
+                job = self._jobs.take()
+                while job is None and not self._closed:
+                    self.lock.wait()
+                    job = self._jobs.take()
+                if job is None:
+                    return
+            error: Exception | None = None
+            try:
+                self._jobs.run(job)
+            except Exception as exc:  # noqa: BLE001 - kept, raised once by wait()/close()
+                error = exc
+            with self.lock:
+                if error is not None and self._error is None:
+                    self._error = error
+                self._jobs.finish(job, error)
+                self.lock.notify_all()
+
+    def _lower_priority(self) -> None:
+        try:  # Linux: per thread; the threads this one starts inherit it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        except (OSError, AttributeError):
+            log.debug("ckptio: %s runs at normal priority (setpriority refused)", self.name)

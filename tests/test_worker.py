@@ -1,0 +1,179 @@
+"""The one background-worker class (ckptio/tiering/worker.py) the drain and the protection run on:
+its thread starts on first use under its name at a lowered CPU priority, a job's first error is
+kept (shown by status()) and raised once by wait() or close(), close() joins the thread, and work
+queued after close() is refused; the drain keeps those rules on it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from ckptio.errors import CkptError
+from ckptio.options import MiB, Options
+from ckptio.tiering.drain import Drain
+from ckptio.tiering.worker import NICE, Worker
+
+
+class _Fifo:
+    """Jobs: callables run in order; each run records the thread's native id."""
+
+    def __init__(self) -> None:
+        self.queue: list[object] = []
+        self.busy = False
+        self.done: list[object] = []
+        self.errors: list[Exception | None] = []
+        self.tids: list[int] = []
+
+    def take(self) -> object | None:
+        if not self.queue:
+            return None
+        self.busy = True
+        return self.queue.pop(0)
+
+    def pending(self) -> bool:
+        return bool(self.queue) or self.busy
+
+    def run(self, job: object) -> None:
+        self.tids.append(threading.get_native_id())
+        if isinstance(job, Exception):
+            raise job
+
+    def finish(self, job: object, error: Exception | None) -> None:
+        self.busy = False
+        self.done.append(job)
+        self.errors.append(error)
+
+
+def _queue(worker: Worker[object], jobs: _Fifo, *items: object) -> None:
+    with worker.lock:
+        worker.wake()
+        jobs.queue.extend(items)
+
+
+def _nice_of(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[16])  # field 19 of proc(5), counted from the state (field 3)
+
+
+def test_first_error_is_raised_once_by_wait_then_not_by_close() -> None:
+    jobs = _Fifo()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    first, second = ValueError("first"), RuntimeError("second")
+    _queue(worker, jobs, 1, first, 2, second, 3)
+    with pytest.raises(ValueError, match="first"):
+        worker.wait()
+    assert jobs.done == [1, first, 2, second, 3], "a failed job does not stop the next ones"
+    assert jobs.errors == [None, first, None, second, None], "finish() sees each job's error"
+    assert worker.status()["error"] is None, "raised once: nothing kept after"
+    assert worker.wait() is True
+    worker.close()  # raises nothing: the error was raised already
+    assert worker.status()["alive"] is False
+
+
+def test_status_shows_the_kept_error_and_close_raises_it_after_joining() -> None:
+    jobs = _Fifo()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    _queue(worker, jobs, KeyError("lost"))
+    while worker.status()["error"] is None:
+        threading.Event().wait(0.01)
+    assert worker.status()["error"] == "KeyError: 'lost'"
+    with pytest.raises(KeyError):
+        worker.close()
+    assert worker.status() == {"thread": "ckptio-test", "alive": False, "error": None}
+
+
+def test_close_joins_and_work_after_close_is_refused() -> None:
+    jobs = _Fifo()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    assert worker.close() is None, "closing a worker that never ran is fine"
+    with pytest.raises(CkptError, match="after close"):
+        _queue(worker, jobs, 1)
+    assert jobs.queue == [] and jobs.done == [], "nothing was queued or run"
+    started = _Fifo()
+    running: Worker[object] = Worker("ckptio-test-2", started)
+    _queue(running, started, 1, 2)
+    assert "ckptio-test-2" in {t.name for t in threading.enumerate()}, "started, named"
+    running.close()
+    assert started.done == [1, 2], "close() waits for the queued jobs"
+    assert "ckptio-test-2" not in {t.name for t in threading.enumerate()}, "close() joined"
+    with pytest.raises(CkptError):
+        _queue(running, started, 3)
+
+
+def test_wait_times_out_while_a_job_runs() -> None:
+    gate = threading.Event()
+
+    class _Slow(_Fifo):
+        def run(self, job: object) -> None:
+            gate.wait(30)
+
+    jobs = _Slow()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    _queue(worker, jobs, 1)
+    assert worker.wait(0.05) is False
+    gate.set()
+    assert worker.wait(30) is True
+    worker.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux /proc")
+def test_the_thread_runs_at_lowered_priority_and_the_caller_keeps_its_own() -> None:
+    mine = _nice_of(threading.get_native_id())
+
+    class _Probe(_Fifo):
+        def run(self, job: object) -> None:
+            super().run(job)
+            self.niced = _nice_of(threading.get_native_id())
+
+    jobs = _Probe()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    _queue(worker, jobs, 1)
+    worker.close()
+    assert jobs.tids and jobs.tids[0] != threading.get_native_id(), "ran on its own thread"
+    assert jobs.niced == max(NICE, mine), "the worker's thread is niced"
+    assert _nice_of(threading.get_native_id()) == mine, "the caller's priority is untouched"
+
+
+class _Route:
+    """A drain Route whose every copy fails, recording the thread it ran on and its nice."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def holds(self, step: int, tier: int) -> bool:
+        self.seen.append((threading.current_thread().name, _nice_of(threading.get_native_id())))
+        raise OSError(f"tier {tier} unreachable")
+
+    def source(self, step: int, tier: int) -> None:
+        return None
+
+    def target(self, step: int, tier: int) -> None:
+        raise AssertionError("never asked: holds() failed first")
+
+    def bases(self, step: int, tier: int) -> tuple[int, ...]:
+        return ()
+
+    def landed(self, step: int, tier: int) -> None:
+        raise AssertionError("never asked")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux /proc")
+def test_the_drain_runs_on_the_worker() -> None:
+    """Drain: its copies run on the worker's niced thread; a failed copy is in status() and is
+    raised once by wait(), not again by close(); a submit after close() is refused."""
+    route = _Route()
+    options = Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+    drain = Drain(route, [1, 1], options)  # type: ignore[arg-type]
+    mine = _nice_of(threading.get_native_id())
+    drain.submit(4)
+    with pytest.raises(OSError, match="unreachable"):
+        drain.wait(30)
+    assert route.seen == [("ckptio-drain", max(NICE, mine))]
+    assert "step 4: OSError" in drain.status()[1]["error"]
+    assert drain.pinned() == set()
+    drain.close()
+    with pytest.raises(CkptError):
+        drain.submit(5)
