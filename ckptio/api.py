@@ -81,8 +81,9 @@ class Checkpointer:
     def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
         """Allocate and pre-fault the staging pool and start the I/O backend now, for the
         store of ``path``: call at startup so the first save or load does not pay for it (an
-        ``s3://`` path: its boto3 client is made too, 0.2-0.3 s of a fresh process's first
-        load, docs/BENCH_S3.md round six; nothing is sent to the store). With
+        ``s3://`` path: its boto3 client is made too, a visible part of a fresh process's
+        first load: docs/BENCH_S3.md, "the client made at a job's start"; nothing is sent to
+        the store). With
         ``state``: size the pool for async saves of it, as the first async save would after
         it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
         if state is not None:  # first: the pool is then made once, at its grown size

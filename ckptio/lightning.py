@@ -112,7 +112,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         return _to_device(loaded, device)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path`` crash-safely (module docstring); none there: no-op."""
+        """Remove the checkpoint at ``path`` crash-safely (docs/BEHAVIOUR.md, "ckptio.lightning");
+        none there: no-op."""
         target = _local(path)
         try:
             if os.path.islink(target) or os.path.isfile(target):

@@ -3,22 +3,14 @@
 A ``Resources`` is what saves and loads borrow (storage/files.Staging): one pre-faulted staging
 pool, made on first use and reused by every later save and load, and one backend per kind of
 store (``Store.backend_kind``), so a job may read one store and write another with the same
-pool (a drain from host memory to disk while a save runs). A local store's backend is made for
-the tuned I/O profile of its filesystem (``Capabilities.filesystem``, tuning/profile.py), an S3
-store's for that of its endpoint (``Capabilities.endpoint``: requests in flight, part size); where
-the store allows it (``Capabilities.registered_buffers``) the backend pins the whole pool
-(io_uring's fixed buffers: no page pinning per request, which made the POSIX backend's 2 GB
-save 1.0-1.2 s against 0.74-0.80 s, docs/BENCH_LIMIT.md round six): a full-size pool at its
-first use, a smaller or grown one once it is resident (``_pin``).
+pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); where the store
+allows it the backend pins the whole pool (io_uring's fixed buffers, ``_pin``). How the pool is
+sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 
-A save or load that knows how many bytes it stages (``files(store, nbytes=)``) gets a pool of
-only as many buffers as those bytes fill (two at least, Options.pool_bytes at most): a 100 MB
-state does not allocate and fault in 256 MiB, which was most of a small save's or load's time
-in a fresh process. A later, larger use replaces a pool smaller than it wants.
-
-After an async save the pool may grow to hold the state's files whole (``fit``), within the
-host-memory budget (Options.host_budget_bytes, or half of the memory available shared by the
-ranks of this host, ``LOCAL_WORLD_SIZE``), so the next async save returns at copy speed.
+Call order: ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or load,
+``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit`` after
+an async save (grow within the host budget) -> ``release`` (made again on next use) or ``free``
+(after the last cleanup, forgetting the grown size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
@@ -72,7 +64,8 @@ class Resources:
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
         than a pool sized to a smaller use holds. ``copy_faults``: a pool made now is not
         pre-faulted, this use's copies into it fault its pages (a save: torch's copy on every
-        core, 100 MB in a fresh process 0.128 s against 0.180 s behind a pre-fault thread)."""
+        core, faster than waiting for a pre-fault thread: docs/BENCH_LIMIT.md, "small states
+        and the first save")."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -94,11 +87,11 @@ class Resources:
 
     def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
         """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
-        backend's first use, which faults in what the pool has not yet (a 2 GB save first in a
-        process: 0.83-0.86 s pinned, 1.03 s not, docs/BENCH_LIMIT.md round six); a smaller one
+        backend's first use, which faults in what the pool has not yet (faster pinned than not:
+        docs/BENCH_LIMIT.md, "the save's gap to the disk was page pinning"); a smaller one
         (sized to a small state) or one grown for async saves (``fit``) only once it is
-        resident: faulting it all first cost a 100 MB cold load 37-39 ms, and the async_save
-        call after a grown 2 GB pool 2.2-2.9 s (same page)."""
+        resident: faulting it all first slowed a small cold load and the async_save call after
+        a grown pool (same page)."""
         kind = store.backend_kind
         if (kind in self._pinned or kind in self._unpinnable
                 or not store.capabilities.registered_buffers):

@@ -30,26 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ckptio"
 MAX_MODULE_LINES = 25
 
-# Files owned by other helpers of issue 44 while it is in flight: their proposed docstrings are in
-# the integrator's notes (docstring_fixes.md). INTEGRATOR: apply those and empty this set.
+# Files still being rewritten by another helper of issue 44 (the one manager class): they are
+# checked once that rewrite lands. INTEGRATOR: empty this set then.
 PENDING: frozenset[str] = frozenset(
     {
-        "ckptio/api.py",
-        "ckptio/io/stage.py",
         "ckptio/manager.py",
-        "ckptio/resources.py",
-        "ckptio/saving/handle.py",
-        "ckptio/saving/persist.py",
-        "ckptio/saving/session.py",
-        "ckptio/storage/base.py",
-        "ckptio/storage/local.py",
-        "ckptio/storage/memory.py",
-        "ckptio/storage/select.py",
-        "ckptio/testing/s3proxy.py",
-        "ckptio/testing/store_conformance.py",
+        "ckptio/tiering/guard.py",
+        "ckptio/tiering/manager.py",
+        "ckptio/tiering/restore.py",
+        "ckptio/tiering/tier.py",
     }
 )
-PENDING_DIRS: tuple[str, ...] = ("ckptio/managing/", "ckptio/tiering/")
+PENDING_DIRS: tuple[str, ...] = ("ckptio/managing/",)
 
 _NUM = r"(?<![\w.\-/])[~≈]?\d+(?:[.,]\d+)?(?:\s*[-–]\s*\d+(?:\.\d+)?)?"
 # A constant's number follows one of these words: a default, a bound, a period, a multiplier.

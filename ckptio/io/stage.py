@@ -123,7 +123,7 @@ class BufferPool:
             if not self._stop.is_set():
                 # No torch op: it would start a second team of intra-op threads beside the
                 # training loop's, and on few cores both teams then slowed every training step
-                # while it lasted (+25% step time measured).
+                # while it lasted (docs/BENCH_LIMIT.md, "What was found, and what changed").
                 _populate(buffer.data.data_ptr(), buffer.nbytes)
             with self._cond:
                 self._unfaulted -= 1
@@ -228,8 +228,8 @@ _libc: ctypes.CDLL | None = None
 
 def _populate(address: int, nbytes: int) -> None:
     """Fault in the pages of [address, address + nbytes) (page-aligned), GIL released: by
-    madvise(MADV_POPULATE_WRITE), which here faults 256 MiB in 0.09 s where touching each page
-    took 0.14 s; by a plain memset where the kernel lacks it."""
+    madvise(MADV_POPULATE_WRITE), faster than touching each page (docs/BENCH_LIMIT.md, "small
+    states and the first save"); by a plain memset where the kernel lacks it."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -329,9 +329,9 @@ def move_in(buffer: Buffer, start: int, nbytes: int, dst: torch.Tensor, dtype: t
     holding those bytes (no subclass, conjugate or negative bit, not an inference tensor); its
     version counter is bumped as copy_ bumps it. -> False, nothing copied, otherwise (copy_in).
     No torch kernel runs: in a fresh process with a cold page cache torch's copy code was paged
-    in from disk inside the first copy, behind every read in flight (0.04-0.05 s of a 100 MB
-    load), and its two-thread copy stalled whenever the other core was busy; for the many
-    small entries of a state the per-call cost is a fraction of copy_'s."""
+    in from disk inside the first copy, behind every read in flight (docs/BENCH_LIMIT.md, "the
+    cold small load"), and its two-thread copy stalled whenever the other core was busy; for the
+    many small entries of a state the per-call cost is a fraction of copy_'s."""
     if (not _plain_host(dst, dtype)
             or not 0 <= at <= dst.numel() * dst.element_size() - nbytes
             or not 0 <= start <= buffer.nbytes - nbytes):
@@ -347,8 +347,8 @@ def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> Non
     A contiguous host block of ``src``'s dtype is one memmove (one thread, GIL released; its
     version counter bumped as an in-place copy would): Tensor.copy_ hands it to torch's intra-op
     pool, whose threads wait for a core the I/O threads (and a local S3 server) hold; a load's
-    copies then cost 3x the CPU and ran at a third of memmove's speed (docs/BENCH_S3.md, round
-    three). Anything else (strided, another dtype or device) goes through copy_."""
+    copies then cost more CPU and ran slower than memmove (docs/BENCH_S3.md, "where a load's CPU
+    went"). Anything else (strided, another dtype or device) goes through copy_."""
     pos = 0
     for block in element_blocks(dst, start, count):
         n = block.numel()

@@ -135,7 +135,8 @@ class SaveJob:
 
     def _handle(self, index: int) -> FileHandle:
         """The file's handle, created and preallocated on first use: on the hasher's thread,
-        so a save's caller never waits for fallocate (45 ms per 0.5 GB file here)."""
+        so a save's caller never waits for fallocate (docs/PROBES.md, "Figures moved out of
+        the code")."""
         if index not in self._handles:
             layout = self.files[index]
             self._handles[index] = self.target.open_write(layout.name, layout.nbytes)

@@ -6,24 +6,18 @@
         3 agree      collective: who writes what; if one rank fails, every rank fails
         4 lay out    this rank's files, named for this save only; the save's thread starts
     save.capture_here()                        # still the caller's thread:
-        5 capture    eager: the state copied into the staging pool, here (handed over by the
-                     save's thread once the files are open); lazy: only the tensors no
-                     optimizer owns, the rest copied by the save's thread while the next
-                     optimizer step waits for it
+        5 capture    eager: the state copied into the staging pool here; lazy: only the
+                     tensors no optimizer owns, the rest by the save's thread
     _run(...)                                  # the save's thread:
-        - claim      collective: the coordinator holds the checkpoint directory's lock
-        - open       the directory (on failure this save's files are removed again)
-        6 drain      every checksum and write finished (a synchronous save's start with its
-                     first full buffer, an async one's once the capture is done)
+        - claim/open collective: the coordinator holds the directory's lock, opens the files
+        6 drain      every checksum and write finished
         7 fsync      every file durable
         8 conclude   collective: every rank's keyed result to the coordinator
         9 commit     the coordinator writes the manifest last, atomically
        10 clean up   files no committed manifest names, in the background (cleanup.py)
-       11 grow       an async save of a state larger than the staging pool grows the pool
-                     (within Options.host_budget_bytes) so the next one never waits for the disk
-
-Everything the save needs is fixed in one SaveContext when it starts. A failure anywhere on
-any rank reaches every rank (they wait for it in a collective step) and is raised by wait().
+       11 grow       an async save's pool grows (within Options.host_budget_bytes)
+Everything the save needs is fixed in one SaveContext when it starts; a failure on any rank
+reaches every rank (a collective step) and is raised by wait().
 
 Owns: the order of those steps. Does not own: planning (planning/), the collective steps
 (distributed/collective.py), the bytes (persist.py), the commit (the Store, storage/), the
@@ -150,7 +144,10 @@ class Save:
         return self.control.handle
 
     def capture_here(self) -> None:
-        """Step 5 on the caller's thread (see the module docstring)."""
+        """Step 5 on the caller's thread: an eager save's copy into the staging pool (handed
+        over by the save's thread once the files are open); a lazy save's copy of the tensors
+        no optimizer owns, the rest copied by the save's thread while the next optimizer step
+        waits for it."""
         try:
             self.control.block_until_captured(lazy=self.lazy)
         finally:
@@ -231,7 +228,12 @@ def _start_thread(ctx: SaveContext, part: _Part, control: HandleControl) -> thre
 
 
 def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
-    """The save's thread: claim, open, 5-7 write (_write), 8-9 conclude and commit."""
+    """The save's thread: claim, open, 5-7 write (_write), 8-9 conclude and commit, 11 grow.
+
+    The open's failure removes this save's files again. The drain (6) starts a synchronous
+    save's writes with its first full buffer, an async one's once the capture is done. An
+    async save of a state larger than the staging pool grows the pool (11) before wait()
+    returns, so the next one never waits for the disk."""
     if ctx.lazy and part.eager_items == 0:  # leave the GIL to the caller until it returns
         control.wait_returned()
     concluded = False

@@ -1,41 +1,24 @@
 """The storage contract: where one checkpoint's files live and how it is committed.
 
 A ``Store`` is one checkpoint location (a local directory: local.py; host memory: memory.py;
-a prefix in an S3 bucket: s3/store.py; any other scheme a user registers: select.py). Data bytes move
-through an ``IOBackend`` the store makes (``backend()``: positioned reads and writes from the
-staging pool; O_DIRECT/io_uring for a directory, a dict for host memory, multipart uploads and
-ranged GETs for an object store), one per ``backend_kind`` shared by every store of that kind,
-and reach the store's files only by name, through files.StoreFiles (the store turns a name into
-what its backend opens: ``path_of``, also what messages name). What a store can do is its
-``capabilities`` (Capabilities, below), never a type check. The store itself does the few
-whole-checkpoint operations:
+a prefix in an S3 bucket: s3/store.py; any other scheme a user registers: select.py). Data
+bytes move through an ``IOBackend`` the store makes (``backend()``), one per ``backend_kind``,
+and reach the store's files only by name, through files.StoreFiles (``path_of``); what a store
+can do is its ``capabilities`` (Capabilities, below), never a type check. A ``TreeStore`` (every
+built-in store) also holds sub-locations and whole named files (the redundancy's,
+tiering/marks.py); a user's store need only be a Store.
 
-    prepare()           make the location; refuse one that cannot hold a checkpoint
-    exclusive(...)      serialise saves into this location across processes and machines
-    commit(manifest)    make the manifest visible atomically, after every data file is durable
-                        (conditional where capabilities.conditional_commit: refused if another
-                        save committed since exclusive() was taken)
-    read_manifest()     the committed manifest's bytes, or an error saying what is there instead
-    sizes(names)        the stored size of each named file (bounds checks before reading;
-                        ``MANIFEST_NAME in sizes([MANIFEST_NAME])``: "is a manifest committed")
-    names()             every file a ckptio save created there (for cleanup and leftovers)
-    remove(names)       delete files, never raising: the failures are returned
-
-The order that makes a checkpoint crash-safe is the caller's (the save session; the generic
-steps over any store are in steps.py): data files with names unique to the save, durable; then
-commit; then remove what the new manifest does not name. A store only promises each step's own
-atomicity and durability.
-
-Names: a store holds plain file names (no path separator, not "." or ".."); ``is_ours`` says
-which of them a ckptio save creates (cleanup never touches anything else), ``new_save_id`` makes
-the part that keeps one save's names apart from every other save's.
-
-A ``TreeStore`` (every built-in store) also holds sub-locations and whole named files (the
-redundancy's, tiering/marks.py); a user's store need only be a Store.
+Call order of a save (the caller's: saving/session.py, steps.py): ``prepare()`` ->
+``exclusive(...)`` -> data files written and made durable through the backend ->
+``commit(manifest)`` (atomic; conditional where capabilities.conditional_commit) -> ``names()``
+/ ``remove(names)`` for what the new manifest does not name. A load: ``read_manifest()`` ->
+``sizes(names)`` -> reads through the backend. Each method's own promise is on the Protocol;
+why this order is crash-safe, and the naming rules (``is_ours``, ``new_save_id``):
+docs/BEHAVIOUR.md, "ckptio.storage.base".
 
 Owns: the Protocols, the naming rules every store lists and cleans by. Does not own: any
-implementation (local.py, memory.py), the manifest's content (format/manifest.py), the order of
-a save (saving/session.py, steps.py).
+implementation (local.py, memory.py, s3/), the manifest's content (format/manifest.py), the
+order of a save (saving/session.py, steps.py).
 """
 
 from __future__ import annotations
@@ -166,8 +149,8 @@ class Store(Protocol):
         ...
 
     def exclusive(self, if_locked: str) -> Exclusive:
-        """Prepare the location and claim it for one save ("wait" for another save, or
-        "raise" CheckpointLockedError naming its holder)."""
+        """Prepare the location and claim it for one save, across processes and machines
+        ("wait" for another save, or "raise" CheckpointLockedError naming its holder)."""
         ...
 
     def path_of(self, name: str) -> str:
@@ -178,12 +161,15 @@ class Store(Protocol):
 
     def backend(self, options: Options) -> IOBackend:
         """A new IOBackend that reaches path_of()'s paths (those of every store of this type),
-        made for ``options``' I/O fields; the caller owns it and shuts it down."""
+        made for ``options``' I/O fields; the caller owns it and shuts it down. Positioned
+        reads and writes from the staging pool: O_DIRECT/io_uring for a directory, a dict for
+        host memory, multipart uploads and ranged GETs for an object store."""
         ...
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
-        """Make ``manifest`` the committed one, atomically and durably; ``held`` (this
-        store's claim) makes it conditional. On failure the previous manifest stays."""
+        """Make ``manifest`` the committed one, atomically and durably, after every data file
+        is durable; ``held`` (this store's claim) makes it conditional. On failure the
+        previous manifest stays."""
         ...
 
     def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
@@ -198,11 +184,14 @@ class Store(Protocol):
         ...
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
-        """Stored size of each named file; a missing one is absent from the result."""
+        """Stored size of each named file; a missing one is absent from the result (bounds
+        checks before reading; ``MANIFEST_NAME in sizes([MANIFEST_NAME])``: is a manifest
+        committed)."""
         ...
 
     def names(self) -> list[str]:
-        """Every file a ckptio save created at this location (committed or not), sorted."""
+        """Every file a ckptio save created at this location (committed or not), sorted: for
+        cleanup and leftovers."""
         ...
 
     def remove(self, names: Iterable[str]) -> list[str]:

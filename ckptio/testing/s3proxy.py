@@ -3,25 +3,15 @@
     with FaultProxy("127.0.0.1", server.port) as proxy:     # clients use proxy.endpoint
         proxy.fail(503, "SlowDown", times=2, op="UploadPart", part_number=3)
         proxy.reset(after_bytes=100_000, op="UploadPart")    # RST mid-body
-        proxy.drop_response(op="CompleteMultipartUpload")    # the server acts, the client hears nothing
+        proxy.drop_response(op="CompleteMultipartUpload")    # acted on, never answered
         proxy.delay(2.0, op="GetObject")
         proxy.on_request(lambda req: server.kill(), op="UploadPart", part_number=3)
         ...; proxy.counts["UploadPart"], proxy.range_bytes, proxy.requests
 
-Bytes pass VERBATIM in both directions (SigV4 signs the Host header and the server checks the one
-it receives, so nothing is rewritten). The proxy only parses heads and the framing it needs to
-tell requests apart on a keep-alive connection: Content-Length or ``Transfer-Encoding: chunked``
-bodies (aws-chunked is a Content-Encoding inside a Content-Length body), interim ``100 Continue``
-answers to ``Expect: 100-continue``, HEAD/204/304 answers without bodies, bodies ending at close.
-Each client connection gets its own server connection (threads, stdlib only).
-
-Rules are checked in the order added. Every matching ``delay``/``on_request`` rule fires (before
-the request goes on); then the first matching ``fail``/``reset``/``drop_response`` rule decides
-its fate. ``times`` is how many matches a rule fires for (None: forever); ``Rule.fired`` counts.
-Match keys (all optional, all must hold): ``method``, ``op`` (s3wire.operation()),
-``key`` (regex searched in the URL-decoded key after the bucket), ``part_number``, ``upload_id``
-(a value, or True: present), ``uploads`` (True: the ``?uploads`` query), ``query`` (name -> value,
-None = present).
+Bytes pass VERBATIM in both directions (SigV4 signs the Host header, so nothing is rewritten);
+each client connection gets its own server connection (threads, stdlib only). The framing
+parsed and the rules' order and match keys: FaultProxy, and docs/BEHAVIOUR.md,
+"ckptio.testing.s3proxy".
 
 Owns: forwarding, per-request counters (thread-safe), the faults. Does not own: HTTP parsing and
 operation names (testing/s3wire.py), the server (testing/s3server.py), retries or error mapping
@@ -56,7 +46,7 @@ _MESSAGES = {"SlowDown": "Please reduce your request rate.",
 
 @dataclass(frozen=True)
 class Match:
-    """Which requests a rule applies to (see the module docstring)."""
+    """Which requests a rule applies to (match keys: FaultProxy)."""
 
     method: str | None = None
     op: str | None = None
@@ -265,7 +255,20 @@ class _Connection:
 
 
 class FaultProxy:
-    """Listens on ``host`` (loopback), forwards to ``target_host:target_port``."""
+    """Listens on ``host`` (loopback), forwards to ``target_host:target_port``.
+
+    Only heads are parsed, and the framing needed to tell requests apart on a keep-alive
+    connection: Content-Length or ``Transfer-Encoding: chunked`` bodies (aws-chunked is a
+    Content-Encoding inside a Content-Length body), interim ``100 Continue`` answers to
+    ``Expect: 100-continue``, HEAD/204/304 answers without bodies, bodies ending at close.
+
+    Rules are checked in the order added. Every matching ``delay``/``on_request`` rule fires
+    (before the request goes on); then the first matching ``fail``/``reset``/``drop_response``
+    rule decides its fate. ``times`` is how many matches a rule fires for (None: forever);
+    ``Rule.fired`` counts. Match keys (all optional, all must hold): ``method``, ``op``
+    (s3wire.operation()), ``key`` (regex searched in the URL-decoded key after the bucket),
+    ``part_number``, ``upload_id`` (a value, or True: present), ``uploads`` (True: the
+    ``?uploads`` query), ``query`` (name -> value, None = present)."""
 
     def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)

@@ -2,40 +2,18 @@
 rules over it (who holds a rank's partner copy, which hosts form a parity group and where its
 parity lives).
 
-**The rule.** A host is the set of ranks sharing one ``LOCAL_RANK`` space (one host memory, one
-tmpfs). Each rank's host id is, first found:
+A host is the set of ranks sharing one ``LOCAL_RANK`` space (one host memory, one tmpfs). A
+rank's host id is ``$CKPTIO_HOST_ID`` if set, else ``hostname:boot_id`` (``host_id``); hosts
+are numbered in the order of their lowest rank, and every host must run the same number of
+ranks. **Partners(n)**: rank (host h, local l) is copied to (host (h+j) mod H, local l),
+j = 1..n. **Parity(k)** (RAID-5-like, rotating): groups of k + 1 (up to 2k + 1) consecutive
+hosts, each host holding one parity piece of 1/k of a shard, none covering its own host: any
+one lost host per group is rebuilt. The formulas, uneven host counts and what is refused:
+docs/BEHAVIOUR.md, "ckptio.tiering.hosts".
 
-1. ``$CKPTIO_HOST_ID`` (any string; tests give several groups of ranks on one machine their own
-   ids, and their own ``$CKPTIO_SHM_DIR``, to play several hosts);
-2. else ``hostname:boot_id`` (two containers of one machine share a boot id but not a hostname).
-
-Host ids are gathered from every rank; hosts are numbered 0..H-1 in the order of their lowest
-rank, and a rank's local rank is its index among its host's ranks in rank order (it equals
-``$LOCAL_RANK`` under torchrun, which numbers ranks host by host). Every host must run the same
-number of ranks (``$LOCAL_WORLD_SIZE``): the placements below pair local rank l with local rank
-l, so an uneven job is refused with the count per host.
-
-**Partners(n)**: rank (host h, local l) has its copies held by (host (h+j) mod H, local l) for
-j = 1..n; never its own host (n < H is required).
-
-**Parity(k)** (RAID-5-like, rotating): hosts are cut into groups of k + 1 consecutive hosts,
-group g = hosts [g*(k+1), g*(k+1)+k+1) (other host counts: below). Within a group of n = k + 1 hosts (positions 0..k), the
-local-l ranks' shards are padded to the group's longest, then to a multiple of k (and of 8
-bytes per piece), and each is cut into k pieces of p bytes. The host at position j holds one
-parity piece P_j = XOR of one piece of every other member: the member at position h
-contributes its piece (j - h - 1) mod n. So every host holds p = ceil(shard / k) bytes of
-parity (1 + 1/k in all; 4 hosts with k = 3: 1.33x, 3 hosts with k = 2: 1.5x), and no piece of a
-shard is covered by parity on its own host. A lost host h is rebuilt piece by piece: its piece
-i went into P_j, j = (h + 1 + i) mod n, so piece i = P_j XOR the other members' contributions
-to P_j. Any one lost host per group is rebuilt; two lost in one group: the disk tier.
-
-**Host counts that are not a multiple of k + 1**: the hosts are spread as evenly as can be
-over G = floor(H / (k + 1)) groups of consecutive hosts, the first H mod G groups one host
-longer (6 hosts, k = 3: one group of 6; 7 hosts, k = 2: groups {0, 1, 2, 3} and {4, 5, 6}). A
-group of m hosts codes with k' = m - 1 >= k (its pieces are 1/k' of a shard), so the memory is
-never above 1 + 1/k and every group still survives one lost host (a group has k + 1 to 2k + 1
-hosts: a larger group tolerates the same one loss among more hosts).
-Fewer than k + 1 hosts in all is refused (CkptError naming the k that fit).
+Call order: ``host_id()`` on every rank -> the ids gathered from every rank (a collective, the
+caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement methods (``partners``,
+``groups``, ``position``, ``contributed``, ``holder_of``), pure, alike on every rank.
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
@@ -58,7 +36,10 @@ HOST_ID_ENV = "CKPTIO_HOST_ID"
 
 
 def host_id() -> str:
-    """This process's host id (module docstring's rule)."""
+    """This process's host id: ``$CKPTIO_HOST_ID`` (any string; tests give several groups of
+    ranks on one machine their own ids, and their own ``$CKPTIO_SHM_DIR``, to play several
+    hosts), else ``hostname:boot_id`` (two containers of one machine share a boot id but not a
+    hostname)."""
     explicit = os.environ.get(HOST_ID_ENV, "").strip()
     return explicit or f"{socket.gethostname()}:{holder.boot_id()}"
 
@@ -128,8 +109,9 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int) -> list[tuple[int, ...]]:
-        """Parity groups of hosts (module docstring): G = floor(H / (k+1)) runs of consecutive
-        hosts as even as can be (the first H mod G of them one host longer)."""
+        """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.tiering.hosts"): G = floor(H /
+        (k+1)) runs of consecutive hosts as even as can be (the first H mod G of them one host
+        longer); a group of m hosts codes with k' = m - 1 >= k."""
         size = self.size
         if k < 1 or size < k + 1:
             raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
