@@ -1,7 +1,7 @@
 """Restore with redundancy across hosts: agree on the newest step every rank can obtain, verified,
 and bring the missing ranks' copies into their memory first.
 
-Collective over the redundancy's gloo group, on every rank, before the load (tiering/manager.py):
+Collective over the redundancy's gloo group, on every rank, before the load (ckptio/manager.py):
 
 1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
    slower tiers, and the items it holds for others (partner copies, parity pieces) of steps

@@ -8,7 +8,8 @@ Tiers are listed fastest first. The first tier takes every save (``every`` is it
 the old ``save_every``); each later tier receives, by the background drain, the committed steps
 divisible by its own ``every``, which must be a multiple of the first tier's (a step reaches a
 slower tier only through a faster one). ``keep_last`` / ``keep_every`` are that tier's
-retention (manager.py's rules, per tier).
+retention (managing/retention.py's rules, per tier); the manager's keep_best / monitor / mode
+apply to the first tier.
 
 The first tier, when it is ``shm://``, may be protected across hosts by
 ``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (tiering/redundancy.py).
@@ -18,20 +19,26 @@ into it is refused, before anything is written, when the steps it holds plus the
 exceed it (or exceed the free space of its tmpfs), with a message saying how to fit.
 
 Owns: the declaration, its validation, which tiers are host memory, the memory budget check.
-Does not own: saving, draining, restoring (tiering/manager.py, tiering/drain.py).
+Does not own: saving, draining, restoring (manager.py, managing/, tiering/drain.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from ckptio.errors import CkptError
+from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
-__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory"]
+__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "state_nbytes",
+           "step_sizes"]
 
 MEMORY_SCHEMES = ("shm", "mem")
 
@@ -121,6 +128,25 @@ def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int,
             f"the {free / GiB:.2f} GiB free on the filesystem of {directory} (a tmpfs is bounded "
             "by its size= mount option): free host memory there, or lower keep_last; the steps "
             "it holds are kept")
+
+
+def state_nbytes(state: Any) -> int:
+    """The bytes of ``state``'s tensors (this rank's part): a first save's size estimate."""
+    leaves = flatten(state).leaves.values()
+    return sum(leaf.value.numel() * leaf.value.element_size() for leaf in leaves
+               if isinstance(leaf.value, torch.Tensor))
+
+
+def step_sizes(paths: Iterable[str]) -> list[int]:
+    """Bytes each step directory of ``paths`` (local, in order) holds; one removed meanwhile
+    is left out."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(sum(e.stat().st_size for e in os.scandir(path) if e.is_file()))
+        except OSError:
+            continue
+    return sizes
 
 
 def _free_nbytes(directory: str) -> int | None:
