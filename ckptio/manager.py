@@ -109,7 +109,7 @@ class CheckpointManager:
         self._ranking = Ranks(process_group, self._ck.options,
                               checkpoint_path(self.tiers[0].location))
         self._levels = self._make_levels(declared.retentions, process_group)
-        self.directory = self._levels[0].location
+        self.directory = self._levels[0].directory
         # the clock and the signal are agreed by the whole job (with redundancy, the saves'
         # group is this rank alone)
         self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
@@ -136,7 +136,7 @@ class CheckpointManager:
             root = stepdir.root_for(tier.location, options)
             # a slower tier's listing gives up after PROBE_DEADLINE_S (a restore goes on)
             lister = root if k == 0 else stepdir.root_for(tier.location, quick)
-            levels.append(TierSteps(root, lister, retention, self._ck, self._ranking,
+            levels.append(TierSteps(tier.location, root, lister, retention, self._ck, self._ranking,
                                     process_group))
         return levels
 

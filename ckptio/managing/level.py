@@ -41,19 +41,23 @@ log = logging.getLogger("ckptio")
 
 class TierSteps:
     """The steps of one tier: ``root`` lists and hides them (stepdir.root_for), ``lister``
-    lists them for a restore or a status (a root with shorter deadlines, or ``root``)."""
+    lists them for a restore or a status (a root with shorter deadlines, or ``root``).
+    ``location``: the tier as declared (what a restore's messages name); ``directory``: the
+    root's location (a directory, or an s3:// URL)."""
 
-    def __init__(self, root: stepdir.StepRoot, lister: stepdir.StepRoot, retention: Retention,
-                 checkpointer: Checkpointer, ranks: Ranks, process_group: Any) -> None:
+    def __init__(self, location: str, root: stepdir.StepRoot, lister: stepdir.StepRoot,
+                 retention: Retention, checkpointer: Checkpointer, ranks: Ranks,
+                 process_group: Any) -> None:
+        self.location = location
+        self.directory: str = root.location
         self._root = root
         self._lister = lister
         self.retention = retention
-        self.location: str = root.location
         self._ck = checkpointer
         self._ranks = ranks
         self._process_group = process_group
-        self._chains = Chains(self.manifest, self.location)
-        self._metrics = StepMetrics(self.read_metadata, self.location)
+        self._chains = Chains(self.manifest, self.directory)
+        self._metrics = StepMetrics(self.read_metadata, self.directory)
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
@@ -180,7 +184,7 @@ class TierSteps:
             self._removal = threading.Thread(target=removal, name="ckptio-retention")
             self._removal.start()  # not a daemon: a removal running at exit is finished
         if hidden:
-            log.info("ckptio: retention removes steps %s from %s", hidden, self.location)
+            log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
         return hidden
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:

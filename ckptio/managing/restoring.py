@@ -66,9 +66,9 @@ def incomplete(listings: Sequence[Listing]) -> list[int]:
 
 
 def where(levels: Sequence[TierSteps]) -> str:
-    """The manager's location for messages: its directory, or its tiers."""
+    """The manager's location for messages: its directory, or its tiers as declared."""
     if len(levels) == 1:
-        return levels[0].location
+        return levels[0].directory
     return "the tiers " + ", ".join(level.location for level in levels)
 
 
@@ -92,7 +92,7 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
             if why is None:
                 level.succeeded(candidate)
                 if passed:
-                    warn(f"ckptio: restored step {candidate} from {level.location}, not a newer "
+                    warn(f"ckptio: restored step {candidate} from {_name(levels, k)}, not a newer "
                          f"one: {'; '.join(passed)}. Those copies are left in place; a later "
                          "save of the same step replaces one", stacklevel=stacklevel)
                 return Restored(candidate, k, level.location, time.perf_counter() - started)
@@ -134,8 +134,12 @@ def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
              "of the same step replaces one", stacklevel=stacklevel)
 
 
+def _name(levels: Sequence[TierSteps], k: int) -> str:
+    return levels[k].directory if len(levels) == 1 else levels[k].location
+
+
 def _nothing(levels: Sequence[TierSteps], listings: Sequence[Listing], step: int | None) -> str:
-    held = "; ".join(f"{lv.location}: committed {x['committed'] or 'none'}, incomplete "
-                     f"{x['incomplete'] or 'none'}" for lv, x in zip(levels, listings))
+    held = "; ".join(f"{_name(levels, k)}: committed {x['committed'] or 'none'}, incomplete "
+                     f"{x['incomplete'] or 'none'}" for k, x in enumerate(listings))
     what = "no committed step" if step is None else f"step {step} is committed nowhere"
     return f"{what} in {where(levels)} to restore ({held})"
