@@ -37,24 +37,24 @@ from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.managing import warn
-from ckptio.managing.declare import UNSET, check_step, declare
-from ckptio.managing.delta import DeltaPolicy, check_delta, with_compression
+from ckptio.managing.declare import UNSET, check_step, declare, settings_of
+from ckptio.managing.delta import DeltaPolicy, check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
-from ckptio.managing.level import TierSteps
+from ckptio.managing.level import TierSteps, list_tiers
 from ckptio.managing.ranks import Ranks
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, where)
-from ckptio.managing.route import TierRoute
+from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.triggers import Preemption, SaveClock, SavePolicy, Triggers
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
-from ckptio.tiering.hosts import host_id
 from ckptio.tiering.restore import restore_guarded
-from ckptio.tiering.tier import Tier, check_budget, is_memory, state_nbytes, step_sizes
+from ckptio.tiering.tier import (Tier, check_budget, is_memory, one_host, state_nbytes,
+                                 step_sizes)
 
 __all__ = ["PROBE_DEADLINE_S", "CheckpointManager"]
 
@@ -80,16 +80,7 @@ class CheckpointManager:
                            save_every=save_every, save_interval_s=save_interval_s,
                            best={"keep_best": keep_best, "monitor": monitor, "mode": mode,
                                  "keep_without_metric": keep_without_metric})
-        if not isinstance(preemption, bool):
-            raise CkptError(f"CheckpointManager(preemption={preemption!r}): True installs a "
-                            "SIGTERM handler (see reached_preemption)")
-        if drain_rate is not None and not drain_rate > 0:
-            raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
-        if options is not None and checkpointer is not None:
-            raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
-                            "a Checkpointer already has its options")
-        settings = checkpointer.options if checkpointer else options or Options.from_env()
-        settings = with_compression(settings, compression, checkpointer is not None)
+        settings = settings_of(options, checkpointer, compression, preemption, drain_rate)
         self.delta = check_delta(delta)
         self.retention = declared.retentions[0]
         self.keep_last, self.keep_every = self.retention.keep_last, self.retention.keep_every
@@ -136,15 +127,15 @@ class CheckpointManager:
             root = stepdir.root_for(tier.location, options)
             # a slower tier's listing gives up after PROBE_DEADLINE_S (a restore goes on)
             lister = root if k == 0 else stepdir.root_for(tier.location, quick)
-            levels.append(TierSteps(tier.location, root, lister, retention, self._ck, self._ranking,
-                                    process_group))
+            levels.append(TierSteps(tier.location, tier.every, root, lister, retention,
+                                    self._ck, self._ranking, process_group))
         return levels
 
     def _start(self, preemption: bool, drain_rate: float | None) -> None:
         if preemption:
             self.install_preemption_handler()
         if self._guard is None:
-            self._one_host()
+            one_host(self.tiers, self._ranks())
         else:
             self._guard.start(lambda s: checkpoint_path(self._levels[0].path(s)))
             self._followers.append(self._guard)
@@ -153,7 +144,7 @@ class CheckpointManager:
                 self._drain = Drain(TierRoute(self._levels), [t.every for t in self.tiers],
                                     self._ck.options, rate=drain_rate)
                 self._followers.append(self._drain)
-            self._agreed(self._resume)
+            self._agreed(lambda: resume(self._levels, self._drain))
 
     # ---------------------------------------------------------------- queries
 
@@ -423,71 +414,17 @@ class CheckpointManager:
     # ---------------------------------------------------------------- rank 0's decisions
 
     def _listings(self) -> list[dict[str, list[Any]]]:
-        """Every tier's steps. The first tier's listing error is raised; a slower tier that
-        cannot be listed now (an object store gone away for PROBE_DEADLINE_S) counts as
-        holding nothing, with a warning naming it and why."""
-        out = [dict(self._levels[0].listing())]
-        for level in self._levels[1:]:
-            try:
-                out.append(dict(level.listing()))
-            except CkptError as exc:
-                warn(f"ckptio: tier {level.location} cannot be listed, so its steps are passed "
-                     f"over: {type(exc).__name__}: {exc}", stacklevel=3)
-                out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
-        return out
-
-    def _resume(self) -> None:
-        """Rank 0, at start with several tiers: every tier must be listable within
-        PROBE_DEADLINE_S (a wrong endpoint fails here, not at the first drain hours later);
-        the drain gets each slower tier's newest due step a faster tier holds and it does not
-        (a drain cut short, or never run)."""
-        listings = []
-        for level in self._levels:
-            try:
-                listings.append(level.listing())
-            except CkptError as exc:
-                raise type(exc)(
-                    f"tier {level.location} cannot be reached: {exc}. Fix its location or "
-                    "credentials; to restore from the other tiers meanwhile, leave it out of "
-                    "tiers=") from None
-        if self._drain is None:
-            return
-        for k in range(1, len(self.tiers)):
-            faster = {s for x in listings[:k] for s in x["committed"]}
-            due = [s for s in faster if s % self.tiers[k].every == 0]
-            held = listings[k]["committed"]
-            if due and (not held or max(due) > held[-1]):
-                log.info("ckptio: the drain resumes: step %d to %s", max(due),
-                         self.tiers[k].location)
-                self._drain.submit_to(max(due), k)
+        """Rank 0: every tier's steps (level.list_tiers: a slower tier that cannot be listed
+        counts as holding nothing, with a warning)."""
+        return list_tiers(self._levels, stacklevel=4)
 
     def _check_budget(self, estimate: int) -> None:
-        """Rank 0: refuse a save the memory tier has no room for (tier.check_budget); the
-        step's size is the newest committed one's there, else ``estimate`` times the ranks.
-        With redundancy, the copies and parity this rank holds for others count too."""
+        """Rank 0: refuse a save the memory tier has no room for (tier.check_budget)."""
         first = self._levels[0]
         sizes = step_sizes(first.path(s) for s in first.scan()["committed"])
-        step_nbytes = sizes[-1] if sizes else estimate * self._ranks().size
-        others = self._guard.for_others(step_nbytes) if self._guard is not None else (0, 0)
-        check_budget(self.tiers[0], checkpoint_path(self.directory), sum(sizes), step_nbytes,
-                     others)
-
-    def _one_host(self) -> None:
-        """A memory tier without redundancy needs every rank on one host (each host's memory
-        holds only its own ranks' files)."""
-        if not any(is_memory(t) for t in self.tiers):
-            return
-        group = self._ranks()
-        if group.size == 1:
-            return
-        hosts = sorted({h.decode() for h in group.all_gather(host_id().encode())})
-        if len(hosts) > 1:
-            raise CkptError(
-                f"memory tier {self.tiers[0].location}: the ranks run on {len(hosts)} hosts "
-                f"({', '.join(hosts[:4])}); a memory tier needs them on one (each host's "
-                "memory holds only its own ranks' files): give the memory tier redundancy="
-                "ckptio.Partners(1) or ckptio.Parity(k=...) (rank-local, protected across "
-                "hosts), or use a shared disk as the first tier")
+        others = None if self._guard is None else self._guard.for_others
+        check_budget(self.tiers[0], checkpoint_path(self.directory), sizes,
+                     estimate * self._ranks().size, others)
 
     def _ranks(self) -> Group:
         return self._ranking.group()

@@ -18,11 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ckptio.api import Checkpointer
 from ckptio.errors import CkptError
+from ckptio.managing.delta import with_compression
 from ckptio.managing.retention import Retention
+from ckptio.options import Options
 from ckptio.tiering.tier import Tier, check_tiers
 
-__all__ = ["UNSET", "Declared", "check_step", "declare"]
+__all__ = ["UNSET", "Declared", "check_step", "declare", "settings_of"]
 
 UNSET: Any = object()  # an argument not given
 
@@ -71,6 +74,22 @@ def declare(directory: str | os.PathLike[str] | None, tiers: Any, *, keep_last: 
     rest = [Retention.checked(keep_last=t.keep_last, keep_every=t.keep_every)
             for t in declared[1:]]
     return Declared(declared, every, [first, *rest])
+
+
+def settings_of(options: Options | None, checkpointer: Checkpointer | None,
+                compression: str | None, preemption: Any, drain_rate: float | None) -> Options:
+    """The options of the manager's saves (a Checkpointer's own, or ``options``, or the
+    environment's; ``compression`` in them), once the other arguments are checked."""
+    if not isinstance(preemption, bool):
+        raise CkptError(f"CheckpointManager(preemption={preemption!r}): True installs a "
+                        "SIGTERM handler (see reached_preemption)")
+    if drain_rate is not None and not drain_rate > 0:
+        raise CkptError(f"CheckpointManager(drain_rate={drain_rate!r}): bytes per second > 0")
+    if options is not None and checkpointer is not None:
+        raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
+                        "a Checkpointer already has its options")
+    settings = checkpointer.options if checkpointer else options or Options.from_env()
+    return with_compression(settings, compression, checkpointer is not None)
 
 
 def _save_every(save_every: Any, save_interval_s: float | None, first: Tier | None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ckptio import stepdir, stepmeta
@@ -26,6 +27,7 @@ from ckptio.api import Checkpointer
 from ckptio.errors import CkptError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
+from ckptio.managing import warn
 from ckptio.managing.chains import Chains, Link
 from ckptio.managing.delta import DeltaPolicy, choose_base
 from ckptio.managing.ranks import Ranks
@@ -34,7 +36,7 @@ from ckptio.options import Options
 from ckptio.storage.base import Store
 from ckptio.storage.select import store_for
 
-__all__ = ["TierSteps"]
+__all__ = ["TierSteps", "list_tiers"]
 
 log = logging.getLogger("ckptio")
 
@@ -43,12 +45,13 @@ class TierSteps:
     """The steps of one tier: ``root`` lists and hides them (stepdir.root_for), ``lister``
     lists them for a restore or a status (a root with shorter deadlines, or ``root``).
     ``location``: the tier as declared (what a restore's messages name); ``directory``: the
-    root's location (a directory, or an s3:// URL)."""
+    root's location (a directory, or an s3:// URL); ``every``: the tier's interval."""
 
-    def __init__(self, location: str, root: stepdir.StepRoot, lister: stepdir.StepRoot,
-                 retention: Retention, checkpointer: Checkpointer, ranks: Ranks,
-                 process_group: Any) -> None:
+    def __init__(self, location: str, every: int, root: stepdir.StepRoot,
+                 lister: stepdir.StepRoot, retention: Retention, checkpointer: Checkpointer,
+                 ranks: Ranks, process_group: Any) -> None:
         self.location = location
+        self.every = every  # the steps this tier receives: those divisible by it
         self.directory: str = root.location
         self._root = root
         self._lister = lister
@@ -208,3 +211,18 @@ class TierSteps:
         if self._removal is not None:
             self._removal.join()
             self._removal = None
+
+
+def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:
+    """Rank 0: every tier's steps, fastest first. The first tier's listing error is raised; a
+    slower tier that cannot be listed now (an object store gone away for the lister's
+    deadline) counts as holding nothing, with a warning naming it and why."""
+    out = [dict(levels[0].listing())]
+    for level in levels[1:]:
+        try:
+            out.append(dict(level.listing()))
+        except CkptError as exc:
+            warn(f"ckptio: tier {level.location} cannot be listed, so its steps are passed "
+                 f"over: {type(exc).__name__}: {exc}", stacklevel=stacklevel)
+            out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
+    return out
