@@ -23,7 +23,6 @@ checkpoint's save, load and verify (api.py), the policies (managing/), the copie
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 
-from ckptio import stepdir
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointNotFoundError, CkptError
@@ -41,7 +39,7 @@ from ckptio.managing.declare import UNSET, check_step, declare, settings_of
 from ckptio.managing.delta import DeltaPolicy, check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
-from ckptio.managing.level import TierSteps, list_tiers
+from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.ranks import Ranks
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, where)
@@ -56,10 +54,9 @@ from ckptio.tiering.restore import restore_guarded
 from ckptio.tiering.tier import (Tier, check_budget, is_memory, one_host, state_nbytes,
                                  step_sizes)
 
-__all__ = ["PROBE_DEADLINE_S", "CheckpointManager"]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptio")
-PROBE_DEADLINE_S = 10.0  # a slower tier unreachable this long: refused at start, passed over later
 
 
 class CheckpointManager:
@@ -99,7 +96,8 @@ class CheckpointManager:
         self._process_group = process_group
         self._ranking = Ranks(process_group, self._ck.options,
                               checkpoint_path(self.tiers[0].location))
-        self._levels = self._make_levels(declared.retentions, process_group)
+        self._levels = make_levels(self.tiers, declared.retentions, self._ck, self._ranking,
+                                   process_group)
         self.directory = self._levels[0].directory
         # the clock and the signal are agreed by the whole job (with redundancy, the saves'
         # group is this rank alone)
@@ -117,19 +115,6 @@ class CheckpointManager:
             if self._owns_checkpointer:
                 self._ck.close()
             raise
-
-    def _make_levels(self, retentions: list[Any], process_group: Any) -> list[TierSteps]:
-        options = self._ck.options
-        quick = dataclasses.replace(options, s3_retry_deadline_s=min(
-            PROBE_DEADLINE_S, options.s3_retry_deadline_s))
-        levels = []
-        for k, (tier, retention) in enumerate(zip(self.tiers, retentions)):
-            root = stepdir.root_for(tier.location, options)
-            # a slower tier's listing gives up after PROBE_DEADLINE_S (a restore goes on)
-            lister = root if k == 0 else stepdir.root_for(tier.location, quick)
-            levels.append(TierSteps(tier.location, tier.every, root, lister, retention,
-                                    self._ck, self._ranking, process_group))
-        return levels
 
     def _start(self, preemption: bool, drain_rate: float | None) -> None:
         if preemption:
@@ -245,24 +230,22 @@ class CheckpointManager:
              allow_pickle: bool = False, metrics: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None) -> SaveResult | SaveHandle | None:
         """Save ``state`` as ``step`` into the first tier if ``should_save(step)`` or
-        ``force``; else -> None.
-
-        -> SaveResult once committed, or a SaveHandle (``asynchronous=True``: eager;
-        ``lazy=True`` implies asynchronous; ``optimizers`` and ``after_step`` as in
-        Checkpointer.async_save). An unseen error of the previous async save is raised here
-        instead, and this save does not start. ``metrics`` (str -> number, what ``monitor``
-        reads) and ``metadata`` (str -> JSON) are stored with the step (stepmeta.py); rank 0's
-        are the ones stored. A committed step is never saved over (CkptError), except one a
-        restore found damaged. With ``delta=``, the save is a delta against a base the policy
-        chooses (managing/delta.py). A memory tier's budget is checked first (tiering/tier.py).
-        """
+        ``force``; else -> None. -> SaveResult once committed, or a SaveHandle
+        (``asynchronous=True``: eager; ``lazy=True`` implies asynchronous; ``optimizers``,
+        ``after_step`` as in Checkpointer.async_save). An unseen error of the previous async
+        save is raised here instead. ``metrics`` (str -> number, what ``monitor`` reads) and
+        ``metadata`` (str -> JSON) are stored with the step; rank 0's count. A committed step
+        is never saved over (docs/MANAGER.md)."""
         step = check_step(step)
         if not force and not self.should_save(step):
             return None
         first = self._levels[0]
         if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
-            estimate = state_nbytes(state)
-            self._agreed(lambda: self._check_budget(estimate))
+            estimate = state_nbytes(state) * self._ranks().size  # before a first step's size
+            others = None if self._guard is None else self._guard.for_others
+            self._agreed(lambda: check_budget(  # rank 0: refuse a save the tier cannot hold
+                self.tiers[0], checkpoint_path(self.directory),
+                step_sizes(first.path(s) for s in first.scan()["committed"]), estimate, others))
         refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
@@ -354,16 +337,10 @@ class CheckpointManager:
     def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load the newest loadable step (or ``step``) into ``state`` in place (ckptio.load
         semantics; ``load_kwargs`` such as strict, keys, cast, per_rank_from go to it) -> the
-        step restored; ``last_restore`` says from which tier and how long it took.
-
-        Newest step first, fastest tier first; on damage (a corrupt, truncated or vanished
-        copy, on any rank) falls back to the next tier holding that step, then to older steps,
-        with one warning naming each copy passed over and why (managing/restoring.py). Any
-        other error is raised at once; a failed attempt may have filled part of ``state``.
-        None if nothing was ever committed and every tier was listed (the loop starts from
-        scratch); CheckpointNotFoundError when a location holds something else.
-        ``step=N`` with one tier: exactly that step, no fallback. With redundancy, the ranks
-        agree on one step first (tiering/restore.py)."""
+        step restored; ``last_restore`` says from which tier and how long it took. Newest
+        step first, fastest tier first, falling back on damage with one warning
+        (managing/restoring.py). None if nothing was ever committed; ``step=N`` with one tier:
+        exactly that step. docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
@@ -417,14 +394,6 @@ class CheckpointManager:
         """Rank 0: every tier's steps (level.list_tiers: a slower tier that cannot be listed
         counts as holding nothing, with a warning)."""
         return list_tiers(self._levels, stacklevel=4)
-
-    def _check_budget(self, estimate: int) -> None:
-        """Rank 0: refuse a save the memory tier has no room for (tier.check_budget)."""
-        first = self._levels[0]
-        sizes = step_sizes(first.path(s) for s in first.scan()["committed"])
-        others = None if self._guard is None else self._guard.for_others
-        check_budget(self.tiers[0], checkpoint_path(self.directory), sizes,
-                     estimate * self._ranks().size, others)
 
     def _ranks(self) -> Group:
         return self._ranking.group()

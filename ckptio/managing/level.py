@@ -17,6 +17,7 @@ hiding (stepdir/), when to save or which tier to load from (manager.py, restorin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -35,10 +36,12 @@ from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.options import Options
 from ckptio.storage.base import Store
 from ckptio.storage.select import store_for
+from ckptio.tiering.tier import Tier
 
-__all__ = ["TierSteps", "list_tiers"]
+__all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
 
 log = logging.getLogger("ckptio")
+PROBE_DEADLINE_S = 10.0  # a slower tier unreachable this long: refused at start, passed over later
 
 
 class TierSteps:
@@ -226,3 +229,18 @@ def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[st
                  f"over: {type(exc).__name__}: {exc}", stacklevel=stacklevel)
             out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
     return out
+
+
+def make_levels(tiers: Sequence[Tier], retentions: Sequence[Retention], ck: Checkpointer,
+                ranks: Ranks, process_group: Any) -> list[TierSteps]:
+    """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
+    restore then goes on without it)."""
+    quick = dataclasses.replace(ck.options, s3_retry_deadline_s=min(
+        PROBE_DEADLINE_S, ck.options.s3_retry_deadline_s))
+    levels = []
+    for k, (tier, retention) in enumerate(zip(tiers, retentions)):
+        root = stepdir.root_for(tier.location, ck.options)
+        lister = root if k == 0 else stepdir.root_for(tier.location, quick)
+        levels.append(TierSteps(tier.location, tier.every, root, lister, retention, ck, ranks,
+                                process_group))
+    return levels

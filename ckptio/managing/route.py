@@ -6,8 +6,8 @@ and tells it when a copy committed in a slower tier (that tier's retention then 
 the drain's thread).
 
 At start (``resume``) every tier must be listable, and the drain is handed what a run cut
-short left undrained. Owns: those answers over the list of TierSteps. Does not own: the copy or the queue (drain.py),
-the tiers' steps (level.py).
+short left undrained. Owns: those answers over the list of TierSteps. Does not own: the copy
+or the queue (drain.py), the tiers' steps (level.py).
 """
 
 from __future__ import annotations
