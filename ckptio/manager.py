@@ -50,7 +50,7 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
-from ckptio.tiering.restore import restore_guarded
+from ckptio.managing.agreed import restore_guarded
 from ckptio.tiering.tier import (Tier, check_budget, is_memory, one_host, state_nbytes,
                                  step_sizes)
 

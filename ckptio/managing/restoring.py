@@ -2,7 +2,7 @@
 tier first, falling back on damage, with one warning naming every copy passed over.
 
 Call order: the manager lists its tiers (rank 0, agreed by every rank: a list of listings,
-fastest tier first), then calls ``restore_first``. With redundancy, tiering/restore.py agrees on
+fastest tier first), then calls ``restore_first``. With redundancy, managing/agreed.py agrees on
 a step across ranks first and calls ``restore_first`` for that one step.
 
 - Candidates: every step committed in some tier, newest first; each tried in the tiers holding

@@ -13,9 +13,9 @@ across hosts (issue 27):
 redundancy.py (ckptio.Partners, ckptio.Parity), hosts.py (the host topology and placement
 rules), marks.py (names and markers on each host), peers.py (a step's bytes and the gloo
 transport), protect.py (the protection thread), rebuild.py (restore's fetch and rebuild,
-verified), guard.py (the manager's rank-local setup and its follower), restore.py (the agreed
-restore). Does not own: the manager and its tiers' steps (ckptio/manager.py, managing/,
-stepdir/).
+verified), guard.py (the manager's rank-local setup and its follower). Nothing here imports
+managing/ or the manager. Does not own: the manager, its tiers' steps and the agreed restore
+(ckptio/manager.py, managing/, stepdir/).
 """
 
 __all__: list[str] = []

@@ -1,5 +1,5 @@
-"""The restore of a tiered manager with redundancy: one step agreed by every rank, each rank's
-copy brought into its memory first where its host was lost.
+"""The restore of a manager with redundancy: one step agreed by every rank, each rank's copy
+brought into its memory first where its host was lost (called by CheckpointManager.restore).
 
 1. rebuild.recover (via the Guard): the newest step every rank can hold in memory, verified,
    fetched from partners or rebuilt from parity where a rank's memory lacks it;
