@@ -22,7 +22,11 @@ MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
 
 
-_DELTA: dict[str, Any] = {"delta": True, "compression": "zstd"}
+# delta saves with the other manager features (issue 44): the best step by loss kept in memory,
+# saves due every step or by the clock (agreed over the whole job, not each rank's own group)
+_DELTA: dict[str, Any] = {"delta": True, "compression": "zstd", "keep_best": 1, "monitor": "loss",
+                          "save_every": 1, "save_interval_s": 3600.0}
+LOSSES = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.7}  # step 2 is the best
 
 
 def _frozen(rank: int) -> dict[str, torch.Tensor]:
@@ -98,7 +102,8 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
           kill_at: int = 0, delta: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps saving each; -> the state saved at each step and the status.
     ``kill_at``: SIGKILL this process while the protection of that step is being encoded.
-    ``delta``: the saves are deltas (DeltaPolicy's defaults), compressed with zstd."""
+    ``delta``: the saves are deltas (DeltaPolicy's defaults), compressed with zstd, with the
+    options of _DELTA."""
     _play_host(rank, per_host, base)
     model, opt = _build(seed=rank)
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS,
@@ -109,7 +114,8 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
         if step == kill_at:
             os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
         saved[step] = _snapshot(model, opt)
-        mgr.save(step, {**_state(model, opt, step), **(_frozen(rank) if delta else {})})
+        mgr.save(step, {**_state(model, opt, step), **(_frozen(rank) if delta else {})},
+                 metrics={"loss": LOSSES.get(step, 0.0)} if delta else None)
         if step == kill_at:
             pending = os.path.join(host_dir(base, rank // per_host), "run", ".redundancy",
                                    f"step-{step}")

@@ -153,8 +153,8 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
 
 
 def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
-    """delta=True, compression="zstd" with Partners(1), 3 hosts: step 1 full, 2..4 deltas
-    against it. Host 1's memory is lost: its partner's copy of step 4 comes back, but not its
+    """delta=True, compression="zstd", keep_best=1, save_interval_s with Partners(1), 3 hosts:
+    step 1 full, 2..4 deltas against it. Host 1's memory is lost: its partner's copy of step 4 comes back, but not its
     base (the protection holds the newest step only; the rebuild's verification finds it
     missing), so that rank loads step 4 from the disk tier (every=2: the drain copied base 1
     there first) and the others from memory; every rank gets step 4 bit for bit, with a
@@ -166,6 +166,8 @@ def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
     with open(os.path.join(own, "step-4", "manifest.json")) as f:
         assert "step-1" in f.read()  # step 4 is a delta against step 1
     assert sorted(os.listdir(os.path.join(disk, "r00001"))) == ["step-1", "step-2", "step-4"]
+    # keep_best=1 by loss kept step 2 in memory beside keep_last=2 (3, 4) and their base (1)
+    assert sorted(os.listdir(own)) == ["step-1", "step-2", "step-3", "step-4"]
     _wipe(base, 1)
     restored = run_ranks(3, restore_deltas, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 4)
