@@ -7,9 +7,10 @@ on first). The policies, each one verb: triggers.py (SavePolicy.due), retention.
 (Retention.kept), delta.py (choose_base), with chains.py (each step's bases) and ranks.py
 (rank 0's decisions agreed). warn() below is the one channel a manager's warnings take.
 
-Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API
-but DeltaPolicy (ckptio/__init__.py's ``__all__``). Owns: those parts. Does not own: one
-checkpoint (api.py), listing or hiding steps (stepdir/), copies and redundancy (tiering/).
+Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API.
+The public surface is ``ckptio`` itself (CheckpointManager, DeltaPolicy). Owns: those parts.
+Does not own: one checkpoint (api.py), listing or hiding steps (stepdir/), copies and
+redundancy (tiering/).
 """
 
 from __future__ import annotations
