@@ -34,7 +34,7 @@ import torch
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointNotFoundError, CkptError
-from ckptio.managing import warn
+from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
 from ckptio.managing.delta import DeltaPolicy, check_delta
 from ckptio.managing.follower import Follower
@@ -50,7 +50,6 @@ from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
-from ckptio.managing.agreed import restore_guarded
 from ckptio.tiering.tier import (Tier, check_budget, is_memory, one_host, state_nbytes,
                                  step_sizes)
 
