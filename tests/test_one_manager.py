@@ -6,14 +6,18 @@ memory tier on this test's own $CKPTIO_SHM_DIR, then a disk tier) with ``keep_be
 monitor="loss"``, ``save_interval_s``, ``delta=`` and ``compression="zstd"`` keeps exactly the
 expected steps in its first tier and restores bitwise in a fresh process, from either tier;
 ``save_interval_s`` alone makes a tiered manager save by time; ``ckptio.save`` and
-``ckptio.async_save`` store ``metrics=`` / ``metadata=`` (read back by ckptio.read_metadata).
+``ckptio.async_save`` store ``metrics=`` / ``metadata=`` (read back by ckptio.read_metadata);
+the manager's modules (manager.py, managing/, tiering/) reach no other object's private member,
+and tiering/ imports nothing of managing/ or the manager (ast over the source).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -169,3 +173,34 @@ def test_module_level_save_stores_metrics_and_metadata(tmp_path):
                       metadata={"epoch": 3}).wait()
     meta = ckptio.read_metadata(later)
     assert meta["metrics"] == {"acc": 0.5} and meta["metadata"] == {"epoch": 3}
+
+
+def _manager_modules() -> list[Path]:
+    package = Path(REPO) / "ckptio"
+    return [package / "manager.py", *sorted((package / "managing").glob("*.py")),
+            *sorted((package / "tiering").glob("*.py"))]
+
+
+def test_the_manager_reaches_no_private_member_of_another_object():
+    reaches = []
+    for path in _manager_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reaches.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert reaches == []
+
+
+def test_tiering_imports_nothing_of_the_manager():
+    """The order: manager.py > managing/ > tiering/ (no circle between them)."""
+    above = ("ckptio.manager", "ckptio.managing")
+    found = []
+    for path in _manager_modules():
+        if path.parent.name != "tiering":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno}: {n}" for n in names if n.startswith(above)]
+    assert found == []
