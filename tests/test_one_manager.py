@@ -185,9 +185,10 @@ def test_the_manager_reaches_no_private_member_of_another_object():
     reaches = []
     for path in _manager_modules():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                    and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not node.attr.startswith("__") and not own:
                 reaches.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     assert reaches == []
 
