@@ -222,6 +222,12 @@ class Checkpointer:
         return self._memories.setdefault(None if isinstance(group, Solo) else id(group),
                                          collective.Memory())
 
+    def settle(self) -> None:
+        """Wait for the async save in flight (if any); raise its error if nobody has seen it
+        yet (the next save would raise it first). A CheckpointManager calls it before it
+        chooses a delta's base among the committed steps."""
+        self._settle()
+
     def _settle(self) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
         control, thread = self._inflight, self._thread

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,9 @@ def checkpointer(options: Options | None = None) -> Checkpointer:
 
 
 def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
-         options: Options | None = None, process_group: Any = None) -> SaveResult:
+         options: Options | None = None, process_group: Any = None,
+         metrics: Mapping[str, Any] | None = None,
+         metadata: Mapping[str, Any] | None = None) -> SaveResult:
     """Save ``state`` to the directory ``path``; returns when it is durable and committed.
 
     state: a dict, list or tuple of tensors (plain, DTensor, ckptio.TensorShard / FlatShard),
@@ -60,6 +62,9 @@ def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False
     written and fsynced, then the manifest is committed atomically. With torch.distributed
     initialised, every rank calls it together; each rank writes its own part.
 
+    ``metrics`` (str -> number) and ``metadata`` (str -> JSON) are stored in the manifest,
+    read back without the tensors by ckptio.read_metadata(path).
+
     Returns a SaveResult (bytes, files, seconds). Raises CkptError (a subclass naming the key,
     file and fix) on any failure. For a series of steps use ckptio.CheckpointManager; to keep
     training while it writes, ckptio.async_save.
@@ -68,21 +73,25 @@ def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False
                     f"ckpts/step-{step}")
     """
     return _checkpointer(options).save(state, path, allow_pickle=allow_pickle,
-                                       process_group=process_group)
+                                       process_group=process_group, metrics=metrics,
+                                       metadata=metadata)
 
 
 def async_save(state: Any, path: str | os.PathLike[str], *, lazy: bool = False,
                optimizers: Sequence[torch.optim.Optimizer] = (), if_busy: str = "wait",
                allow_pickle: bool = False, options: Options | None = None,
-               process_group: Any = None) -> SaveHandle:
+               process_group: Any = None, metrics: Mapping[str, Any] | None = None,
+               metadata: Mapping[str, Any] | None = None) -> SaveHandle:
     """Save in the background: returns a SaveHandle once the state is copied (eager) or at
     once (``lazy=True, optimizers=[opt]``: the copy runs during forward/backward and the next
     ``opt.step()`` waits only if it has not finished). ``handle.wait()`` returns the SaveResult
     or raises the error. A second save waits for the first (``if_busy="skip"`` skips it).
+    ``metrics`` and ``metadata``: as ckptio.save.
     See Checkpointer.async_save for the details and ckptio.save for what a state may hold."""
     return _checkpointer(options).async_save(state, path, lazy=lazy, optimizers=optimizers,
                                              if_busy=if_busy, allow_pickle=allow_pickle,
-                                             process_group=process_group)
+                                             process_group=process_group, metrics=metrics,
+                                             metadata=metadata)
 
 
 def verify(path: str | os.PathLike[str]) -> int:

@@ -22,6 +22,30 @@ MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
 
 
+# delta saves with the other manager features (issue 44): the best step by loss kept in memory,
+# saves due every step or by the clock (agreed over the whole job, not each rank's own group)
+_DELTA: dict[str, Any] = {"delta": True, "compression": "zstd", "keep_best": 1, "monitor": "loss",
+                          "save_every": 1, "save_interval_s": 3600.0}
+LOSSES = {1: 0.9, 2: 0.1, 3: 0.8, 4: 0.7}  # step 2 is the best
+
+
+def _frozen(rank: int) -> dict[str, torch.Tensor]:
+    """A tensor that never changes (a frozen embedding): what makes a delta worth saving."""
+    return {"frozen": torch.randn(1 << 16, generator=torch.Generator().manual_seed(rank))}
+
+
+def train_deltas(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
+                 steps: int) -> dict[str, Any]:
+    """train() with delta saves."""
+    return train(rank, world, base, disk, per_host, spec, steps, delta=True)
+
+
+def restore_deltas(rank: int, world: int, base: str, disk: str, per_host: int,
+                   spec: str) -> dict[str, Any]:
+    """restore() of a manager making delta saves."""
+    return restore(rank, world, base, disk, per_host, spec, delta=True)
+
+
 def host_dir(base: str, host: int) -> str:
     return os.path.join(base, f"host{host}")
 
@@ -75,19 +99,23 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str, steps: int,
-          kill_at: int = 0) -> dict[str, Any]:
+          kill_at: int = 0, delta: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps saving each; -> the state saved at each step and the status.
-    ``kill_at``: SIGKILL this process while the protection of that step is being encoded."""
+    ``kill_at``: SIGKILL this process while the protection of that step is being encoded.
+    ``delta``: the saves are deltas (DeltaPolicy's defaults), compressed with zstd, with the
+    options of _DELTA."""
     _play_host(rank, per_host, base)
     model, opt = _build(seed=rank)
-    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS,
+                                   **(_DELTA if delta else {}))
     saved = {}
     for step in range(1, steps + 1):
         _step(model, opt)
         if step == kill_at:
             os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
         saved[step] = _snapshot(model, opt)
-        mgr.save(step, _state(model, opt, step))
+        mgr.save(step, {**_state(model, opt, step), **(_frozen(rank) if delta else {})},
+                 metrics={"loss": LOSSES.get(step, 0.0)} if delta else None)
         if step == kill_at:
             pending = os.path.join(host_dir(base, rank // per_host), "run", ".redundancy",
                                    f"step-{step}")
@@ -125,17 +153,20 @@ def train_burst(rank: int, world: int, base: str, disk: str, per_host: int, spec
 
 
 def restore(rank: int, world: int, base: str, disk: str, per_host: int,
-            spec: str) -> dict[str, Any]:
+            spec: str, delta: bool = False) -> dict[str, Any]:
     """A restarted job: fresh weights, restore -> the state restored and how."""
     _play_host(rank, per_host, base)
     model, opt = _build(seed=1000 + rank)
     torch.manual_seed(999)  # a generator state the restore must replace
-    state = _state(model, opt, -1)
+    state = {**_state(model, opt, -1), **({"frozen": torch.zeros(1 << 16)} if delta else {})}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+        mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS,
+                                       **(_DELTA if delta else {}))
         step = mgr.restore(state)
     got = _snapshot(model, opt)
+    if delta:
+        assert torch.equal(state["frozen"], _frozen(rank)["frozen"]), "frozen differs"
     status = mgr.status()
     mgr.close()
     return {"step": step, "state_step": state["step"], "got": got, "how": mgr.last_restore,

@@ -329,7 +329,7 @@ def test_every_step_damaged(tmp_path):
 @pytest.mark.parametrize("holds", ["nothing", "empty", "other files"])
 def test_nothing_to_restore_returns_none(tmp_path, holds):
     """Nothing ever saved there: restore() returns None (the loop starts from scratch), leaves
-    the state alone, warns about nothing; a TieredManager does the same (test_tiers)."""
+    the state alone, warns about nothing; a tiered manager does the same (test_tiers)."""
     d = tmp_path / "run"
     if holds != "nothing":
         d.mkdir()

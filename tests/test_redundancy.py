@@ -27,9 +27,11 @@ from tests.redundancy_cases import (
     replay,
     restore,
     restore_broken,
+    restore_deltas,
     train,
     train_budget,
     train_burst,
+    train_deltas,
 )
 
 TIMEOUT = 240
@@ -148,6 +150,31 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
     sources = [r["how"]["source"] for r in restored]
     assert sources == ["own", "own", "partner", "partner", "own", "own"]
     assert all(r["how"]["tier"] == 0 and r["how"]["skipped"] == [] for r in restored)
+
+
+def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
+    """delta=True, compression="zstd", keep_best=1, save_interval_s with Partners(1), 3 hosts:
+    step 1 full, 2..4 deltas against it. Host 1's memory is lost: its partner's copy of step 4 comes back, but not its
+    base (the protection holds the newest step only; the rebuild's verification finds it
+    missing), so that rank loads step 4 from the disk tier (every=2: the drain copied base 1
+    there first) and the others from memory; every rank gets step 4 bit for bit, with a
+    warning naming what was passed over."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "partners-1")
+    trained = run_ranks(3, train_deltas, *args, 4, timeout_s=TIMEOUT)
+    own = os.path.join(host_dir(base, 0), "run", "r00000")
+    with open(os.path.join(own, "step-4", "manifest.json")) as f:
+        assert "step-1" in f.read()  # step 4 is a delta against step 1
+    assert sorted(os.listdir(os.path.join(disk, "r00001"))) == ["step-1", "step-2", "step-4"]
+    # keep_best=1 by loss kept step 2 in memory beside keep_last=2 (3, 4) and their base (1)
+    assert sorted(os.listdir(own)) == ["step-1", "step-2", "step-3", "step-4"]
+    _wipe(base, 1)
+    restored = run_ranks(3, restore_deltas, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 4)
+    assert [r["how"]["tier"] for r in restored] == [0, 1, 0]
+    warned = restored[1]["warnings"][-1]
+    assert f"restored step 4 from {disk}/r00001 on rank 1" in warned, warned
+    assert "is a delta of base checkpoint step-1" in warned, warned  # why memory was passed
 
 
 def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -> None:

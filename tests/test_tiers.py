@@ -8,7 +8,7 @@ saves, the first tier's interval, three tiers); memory lost
 (the shm directory removed) -> the newest step the disk holds; a damaged copy in tier 0 -> the
 same step from tier 1, with a warning; damaged everywhere -> an older step; nothing anywhere ->
 None (restore) / CheckpointNotFoundError (a step asked for); issue 30's manager options (metrics
-and metadata drained with their step, a preemption hook, the others refused); a damaged memory copy never propagated by the drain; a process killed
+and metadata drained with their step, a preemption hook, the others on the first tier); a damaged memory copy never propagated by the drain; a process killed
 (SIGKILL) during a drain (no step lost, the drain resumes on start) and during a save into
 memory (the previous step restored); retention per tier; a drain that falls behind skipping to
 the newest step; the memory budget; validation errors; a drain error raised once; the
@@ -177,7 +177,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def test_shm_tier_alone_round_trip(shm):
     model, opt = _build()
     mgr = _tiered(Tier("shm://solo", keep_last=2))
-    assert type(mgr).__name__ == "TieredManager"
+    assert type(mgr) is ckptio.CheckpointManager
     assert mgr.latest() is None and mgr.steps() == []
     saved = _train_and_save(mgr, range(1, 5), model, opt)
     mgr.close()
@@ -376,12 +376,19 @@ def test_nothing_anywhere_restores_none(shm, tmp_path):
 def test_issue_30_options_with_tiers(shm, tmp_path):
     """Metrics and metadata travel with their step (they are in its manifest) and are read from
     the fastest tier; preemption=True works through the first tier (a real SIGTERM to this
-    process); keep_best / save_interval_s ... are refused, naming the option."""
+    process); keep_best / save_interval_s / mode / save_every, refused with tiers before issue
+    44, apply to the first tier (at work: tests/test_one_manager.py); save_every and a first
+    tier's own every that disagree are refused, naming both."""
     disk = str(tmp_path / "disk")
     for kwargs in (dict(keep_best=2, monitor="loss"), dict(save_interval_s=60.0),
                    dict(mode="max"), dict(save_every=2)):
-        with pytest.raises(CkptError, match=f"{sorted(kwargs)[0]}.*not available with tiers"):
-            _tiered(Tier("shm://run"), **kwargs)
+        with _tiered(Tier("shm://run"), **kwargs) as mgr:
+            assert isinstance(mgr, ckptio.CheckpointManager)
+    with _tiered(Tier("shm://run"), Tier(disk, every=4), save_every=2) as mgr:
+        assert mgr.save_every == 2 and mgr.tiers[0].every == 2
+        assert [mgr.should_save(s) for s in (1, 2, 3, 4)] == [False, True, False, True]
+    with pytest.raises(CkptError, match=r"save_every=2, tiers=.*every=3.*give one of them"):
+        _tiered(Tier("shm://run", every=3), save_every=2)
     model, opt = _build()
     previous = signal.getsignal(signal.SIGTERM)
     with _tiered(Tier("shm://run", every=2), Tier(disk, every=2), preemption=True) as mgr:

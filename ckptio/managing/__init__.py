@@ -1,12 +1,16 @@
-"""What a CheckpointManager decides beyond one checkpoint: which steps to keep (retention.py),
-when a save is due by time or by a preemption signal (triggers.py), how its ranks agree on
-rank 0's decisions (ranks.py), and the one channel its warnings take (warn() below).
+"""The parts of the one CheckpointManager (manager.py composes them), in call order:
+declare.py (its arguments -> tiers and their retention), level.py (TierSteps: one tier at run
+time), follower.py (the Follower protocol of what follows a commit in the first tier),
+route.py (the drain's route through the tiers), inflight.py (the save in flight),
+restoring.py (the one restore loop), agreed.py (with redundancy: the step every rank agrees
+on first). The policies, each one verb: triggers.py (SavePolicy.due), retention.py
+(Retention.kept), delta.py (choose_base), with chains.py (each step's bases) and ranks.py
+(rank 0's decisions agreed). warn() below is the one channel a manager's warnings take.
 
-Layer: the drivers' (with manager.py, its user). Internal: nothing here is public API. The
-public surface is ``ckptio`` itself (ckptio/__init__.py's ``__all__``: CheckpointManager).
-
-Owns: those policies and exchanges. Does not own: listing or deleting steps (manager.py,
-storage/steproot.py), one checkpoint's metadata (stepmeta.py).
+Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API.
+The public surface is ``ckptio`` itself (CheckpointManager, DeltaPolicy). Owns: those parts.
+Does not own: one checkpoint (api.py), listing or hiding steps (storage/steproot.py), copies and
+redundancy (tiering/).
 """
 
 from __future__ import annotations

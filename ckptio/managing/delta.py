@@ -7,23 +7,8 @@
 With a policy, a save is a delta against the newest full (self-contained) committed step, its
 base (Checkpointer.save(..., base=)): chunks equal to the base's are referenced, changed ones
 stored as their XOR against it (docs/FORMAT.md, version 4). Chains have depth 1: every delta's
-base is a full step. A save is full instead when any of these holds:
-
-- there is no committed full step yet (the first save), or the newest one restore() or a
-  load found damaged;
-- ``full_every`` saves have been made since the newest full step, it included (default 10: a
-  full step, then 9 deltas). ``full_every=1`` makes every save full;
-- the newest delta against that base stored more than ``max_ratio`` of the base's stored bytes
-  (default 0.5: deltas have stopped paying, the state has drifted from its base);
-- the step is one a retention keeps for long: divisible by ``keep_every`` (of the manager, or of
-  any tier of a tiered manager). Such a step then stands alone, and an old delta never pins its
-  base for as long; this is why the manager needs no compaction (rewriting a delta as a full
-  step when its base must go).
-
-The deltas made against a base are counted by the manager as it saves them; a restarted job
-counts those still committed (retention may have dropped older ones, so its first chain may run
-longer, bounded by ``max_ratio`` all the same). Sizes are read from the committed steps'
-manifests (chains.py).
+base is a full step. When a save is full instead: choose_base(). Call order: the manager asks
+choose_base() on rank 0 before each save into its first tier (managing/level.py).
 
 Owns: the policy's options and their checks, the choice of a base. Does not own: reading the
 links (chains.py), saving (api.py), retention (retention.py, chains.py).
@@ -45,7 +30,7 @@ __all__ = ["DeltaPolicy", "check_delta", "choose_base", "with_compression"]
 
 @dataclass(frozen=True)
 class DeltaPolicy:
-    """When a CheckpointManager saves a full step rather than a delta (module docstring)."""
+    """When a CheckpointManager saves a full step rather than a delta (choose_base)."""
 
     full_every: int = 10
     max_ratio: float = 0.5
@@ -90,10 +75,25 @@ def with_compression(options: Options, compression: Any, checkpointer_given: boo
 def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Chains,
                 damaged: Iterable[int], long_every: Iterable[int],
                 made: Mapping[int, int] | None = None) -> int | None:
-    """Rank 0: the step ``step`` is saved as a delta against, or None for a full save
-    (module docstring). ``committed``: ascending; ``damaged``: steps a load found damaged;
-    ``long_every``: the keep_every intervals a full step is due at; ``made``: base -> the
-    deltas this process saved against it (retention may have dropped some of them)."""
+    """Rank 0: the step ``step`` is saved as a delta against, or None for a full save.
+    ``committed``: ascending; ``damaged``: steps a load found damaged; ``long_every``: the
+    keep_every intervals a full step is due at; ``made``: base -> the deltas this process
+    saved against it. The save is full when any of these holds:
+
+    - there is no committed full step yet (the first save), or the newest one restore() or a
+      load found damaged;
+    - ``full_every`` saves have been made since the newest full step, it included (default
+      10: a full step, then 9 deltas). ``full_every=1`` makes every save full;
+    - the newest delta against that base stored more than ``max_ratio`` of the base's stored
+      bytes (default 0.5: deltas have stopped paying, the state has drifted from its base);
+    - the step is one a retention keeps for long: divisible by ``keep_every`` of any tier.
+      Such a step then stands alone, and an old delta never pins its base for as long; this
+      is why the manager needs no compaction.
+
+    The deltas made against a base are counted by the manager as it saves them; a restarted
+    job counts those still committed (retention may have dropped older ones, so its first
+    chain may run longer, bounded by ``max_ratio`` all the same). Sizes are read from the
+    committed steps' manifests (chains.py)."""
     if any(step % every == 0 for every in long_every):
         return None
     bad = set(damaged)

@@ -7,7 +7,7 @@
 - ``verdict(error)``: after a load that failed on every rank, all-gather why, and fall back
   together only if some rank found damage and none failed otherwise.
 
-Owns: those two exchanges. Does not own: what is decided (manager.py, tiering/manager.py).
+Owns: those two exchanges. Does not own: what is decided (manager.py, managing/level.py).
 """
 
 from __future__ import annotations

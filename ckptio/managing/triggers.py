@@ -22,14 +22,14 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
 from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
 
-__all__ = ["Preemption", "SaveClock", "Triggers"]
+__all__ = ["Preemption", "SaveClock", "SavePolicy", "Triggers"]
 
 
 class SaveClock:
@@ -131,3 +131,22 @@ class Triggers:
         answer)."""
         if self.clock is not None:
             self.clock.saved()
+
+
+class SavePolicy:
+    """When a manager's save is due: every ``every`` steps (None: by time or signal only), or
+    when its Triggers say so (rank 0's clock, a preemption signal on any rank)."""
+
+    def __init__(self, every: int | None, triggers: Triggers) -> None:
+        self.every = every
+        self.triggers = triggers
+
+    def due(self, step: int, group: Callable[[], Group]) -> bool:
+        """Whether a save of ``step`` is due; a collective (over ``group()``) only with a clock
+        or a preemption handler."""
+        if self.every is not None and step % self.every == 0:
+            return True
+        if not self.triggers.active():
+            return False
+        due = self.triggers.at(step, group())
+        return due["time"] or due["preempted"]

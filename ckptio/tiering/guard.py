@@ -8,8 +8,10 @@ the redundancy's transfers run over a gloo group of their own, made here once fo
 ``torch.distributed.init_process_group``). A restore is agreed by all ranks (rebuild.py for the
 memory; then the newest step every rank holds in some tier, with the lost hosts named).
 
-Owns: that setup and the agreement of a restore's step. Does not own: the tiers' own saving,
-draining and loading (manager.py), protection (protect.py), memory recovery (rebuild.py).
+A Guard is the manager's follower of the memory tier (managing/follower.py: submit, pinned,
+wait, close, status). Owns: that setup and the agreement of a restore's step. Does not own: the
+tiers' own saving, draining and loading (manager.py), protection (protect.py), memory
+recovery (rebuild.py).
 """
 
 from __future__ import annotations
@@ -113,10 +115,26 @@ class Guard:
             per_step = -(-step_nbytes // (len(group) - 1))
         return marks.held_nbytes(self.root, ranks, local), per_step
 
-    def status(self) -> dict[str, Any]:
+    # ------------------------------------------------------------ managing.follower.Follower
+
+    def submit(self, step: int) -> None:
+        """``step`` committed in this rank's memory tier: protect it in other hosts' memory."""
+        assert self.protector is not None  # internal: started by the manager
+        self.protector.submit(step)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every step submitted is protected (or given up) -> True, or ``timeout``."""
+        return True if self.protector is None else self.protector.wait(timeout)
+
+    def close(self) -> None:
+        if self.protector is not None:
+            self.protector.close()
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """{0: how the memory tier's steps are protected across hosts}."""
         assert self.protector is not None  # internal
-        return {**self.protector.status(), "hosts": self.topology.size,
-                "host": self.topology.host_of(self.rank)}
+        return {0: {**self.protector.status(), "hosts": self.topology.size,
+                    "host": self.topology.host_of(self.rank)}}
 
 
 def fallback_step(recovery: Recovery, requested: int | None) -> int | None:

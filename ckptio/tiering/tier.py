@@ -8,7 +8,8 @@ Tiers are listed fastest first. The first tier takes every save (``every`` is it
 the old ``save_every``); each later tier receives, by the background drain, the committed steps
 divisible by its own ``every``, which must be a multiple of the first tier's (a step reaches a
 slower tier only through a faster one). ``keep_last`` / ``keep_every`` are that tier's
-retention (manager.py's rules, per tier).
+retention (managing/retention.py's rules, per tier); the manager's keep_best / monitor / mode
+apply to the first tier.
 
 The first tier, when it is ``shm://``, may be protected across hosts by
 ``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (tiering/redundancy.py).
@@ -18,20 +19,28 @@ into it is refused, before anything is written, when the steps it holds plus the
 exceed it (or exceed the free space of its tmpfs), with a message saying how to fit.
 
 Owns: the declaration, its validation, which tiers are host memory, the memory budget check.
-Does not own: saving, draining, restoring (tiering/manager.py, tiering/drain.py).
+Does not own: saving, draining, restoring (manager.py, managing/, tiering/drain.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
+from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.tiering.hosts import host_id
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
-__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory"]
+__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "one_host",
+           "state_nbytes", "step_sizes"]
 
 MEMORY_SCHEMES = ("shm", "mem")
 
@@ -94,13 +103,15 @@ def check_tiers(tiers: object) -> list[Tier]:
     return out
 
 
-def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int,
-                 others: tuple[int, int] = (0, 0)) -> None:
-    """Refuse (CkptError) a save of ``step_nbytes`` into memory tier ``tier`` (at local
-    ``directory``, holding ``held_nbytes``) beyond its max_bytes or its filesystem's free
-    space. During a save the tier holds its kept steps plus the new one. ``others``: with
-    redundancy, (the bytes held now for other hosts, those the new step's protection adds)."""
-    held_others, step_others = others
+def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: int,
+                 others: Callable[[int], tuple[int, int]] | None = None) -> None:
+    """Refuse (CkptError) a save into memory tier ``tier`` (at local ``directory``, holding
+    steps of ``sizes`` bytes, oldest first) beyond its max_bytes or its filesystem's free
+    space. A step's size is the newest held one's, else ``estimate``. During a save the tier
+    holds its kept steps plus the new one. ``others(step_nbytes)``: with redundancy, (the
+    bytes held now for other hosts, those the new step's protection adds)."""
+    held_nbytes, step_nbytes = sum(sizes), sizes[-1] if sizes else estimate
+    held_others, step_others = (0, 0) if others is None else others(step_nbytes)
     need = held_nbytes + step_nbytes + held_others + step_others
     fits = step_nbytes * ((tier.keep_last or 1) + 1) + 2 * step_others
     if tier.max_bytes is not None and need > tier.max_bytes:
@@ -121,6 +132,40 @@ def check_budget(tier: Tier, directory: str, held_nbytes: int, step_nbytes: int,
             f"the {free / GiB:.2f} GiB free on the filesystem of {directory} (a tmpfs is bounded "
             "by its size= mount option): free host memory there, or lower keep_last; the steps "
             "it holds are kept")
+
+
+def one_host(tiers: list[Tier], group: Group) -> None:
+    """Collective: a memory tier without redundancy needs every rank of ``group`` on one host
+    (each host's memory holds only its own ranks' files), else CkptError."""
+    if not any(is_memory(t) for t in tiers) or group.size == 1:
+        return
+    hosts = sorted({h.decode() for h in group.all_gather(host_id().encode())})
+    if len(hosts) > 1:
+        raise CkptError(
+            f"memory tier {tiers[0].location}: the ranks run on {len(hosts)} hosts "
+            f"({', '.join(hosts[:4])}); a memory tier needs them on one (each host's "
+            "memory holds only its own ranks' files): give the memory tier redundancy="
+            "ckptio.Partners(1) or ckptio.Parity(k=...) (rank-local, protected across "
+            "hosts), or use a shared disk as the first tier")
+
+
+def state_nbytes(state: Any) -> int:
+    """The bytes of ``state``'s tensors (this rank's part): a first save's size estimate."""
+    leaves = flatten(state).leaves.values()
+    return sum(leaf.value.numel() * leaf.value.element_size() for leaf in leaves
+               if isinstance(leaf.value, torch.Tensor))
+
+
+def step_sizes(paths: Iterable[str]) -> list[int]:
+    """Bytes each step directory of ``paths`` (local, in order) holds; one removed meanwhile
+    is left out."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(sum(e.stat().st_size for e in os.scandir(path) if e.is_file()))
+        except OSError:
+            continue
+    return sizes
 
 
 def _free_nbytes(directory: str) -> int | None:

@@ -1,5 +1,5 @@
-"""The restore of a tiered manager with redundancy: one step agreed by every rank, each rank's
-copy brought into its memory first where its host was lost.
+"""The restore of a manager with redundancy: one step agreed by every rank, each rank's copy
+brought into its memory first where its host was lost (called by CheckpointManager.restore).
 
 1. rebuild.recover (via the Guard): the newest step every rank can hold in memory, verified,
    fetched from partners or rebuilt from parity where a rank's memory lacks it;
@@ -13,18 +13,21 @@ copy brought into its memory first where its host was lost.
    failing rank and its error at once (no rank is left waiting for a timeout).
 
 Owns: that order and its messages, ``last_restore``'s redundancy fields. Does not own: the
-recovery (rebuild.py), the per-rank restore through the tiers (manager.py).
+recovery (rebuild.py), the per-rank restore through the tiers (managing/restoring.py, the
+manager's one restore loop, which step 2 calls).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptio.errors import CheckpointNotFoundError, RankFailedError
 from ckptio.managing import warn
+from ckptio.managing.level import TierSteps
+from ckptio.managing.restoring import Restored, restore_first
 from ckptio.tiering.guard import Guard, fallback_step
 
 __all__ = ["restore_guarded"]
@@ -32,23 +35,27 @@ __all__ = ["restore_guarded"]
 log = logging.getLogger("ckptio")
 
 
-def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
-                    load_kwargs: dict[str, Any]) -> int | None:
-    """TieredManager.restore with redundancy (module docstring); collective."""
+def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
+                    listings: Callable[[], list[dict[str, list[Any]]]],
+                    verify: Callable[[str], Any], state: Any, step: int | None,
+                    load_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """CheckpointManager.restore with redundancy (module docstring); collective. ``levels``:
+    this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
+    or None when nothing was saved anywhere, on any rank."""
     started = time.perf_counter()
-    listing = mgr._listings()
+    listing = listings()
     own = listing[0]["committed"]
     anywhere = sorted({s for tier in listing for s in tier["committed"]})
-    recovery = guard.recover(own, anywhere, mgr._ck.verify, step)
+    recovery = guard.recover(own, anywhere, verify, step)
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
         why = _agreed(guard, f"loading step {memory} from memory",
-                      lambda: mgr._levels[0]._try_load(memory, state, load_kwargs))
+                      lambda: levels[0].try_load(memory, state, load_kwargs))
         if why is None:
             source = recovery.sources[guard.rank]
-            return _done(mgr, guard, memory, 0, source, started, passed, recovery.lost_hosts)
+            return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts)
         passed.append(f"step {memory} in memory: {why}")
         fallback = fallback_step(recovery, step)
     if fallback is None:
@@ -59,17 +66,20 @@ def restore_guarded(mgr: Any, guard: Guard, state: Any, step: int | None,
             f"memory: {'; '.join(passed) or 'no step every rank can obtain'}; hosts lost: "
             f"{', '.join(recovery.lost_hosts) or 'none'}; steps per rank in any tier: "
             f"{recovery.anywhere}")
-    def load_fallback() -> None:
-        mgr._restore_tiers(state, fallback, load_kwargs)
+    restored: list[Restored] = []
+
+    def load_fallback() -> None:  # the manager's one restore loop, for that step
+        restored.append(restore_first(levels, listings(), state, fallback, load_kwargs,
+                                      stacklevel=6))
 
     _agreed(guard, f"restoring step {fallback} from its tiers", load_fallback)
-    tier = mgr.last_restore["tier"] if mgr.last_restore else 0
+    tier = restored[0].tier if restored else 0
     lost = ", ".join(recovery.lost_hosts) or "none"
-    warn(f"ckptio: restored step {fallback} from {mgr.tiers[tier].location} on rank "
+    warn(f"ckptio: restored step {fallback} from {levels[tier].location} on rank "
          f"{guard.rank}: no newer step could be obtained in the memory of every rank (hosts "
          f"lost: {lost}; {guard.spec.describe()}"
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
-    return _done(mgr, guard, fallback, tier, "own" if tier == 0 else "disk", started, passed,
+    return _done(guard, levels, fallback, tier, "own" if tier == 0 else "disk", started, passed,
                  recovery.lost_hosts)
 
 
@@ -97,13 +107,12 @@ def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | No
     return "; ".join(damaged) or None
 
 
-def _done(mgr: Any, guard: Guard, step: int, tier: int, source: str, started: float,
-          passed: list[str], lost: list[str]) -> int:
-    mgr._levels[tier]._succeeded(step)
-    mgr.last_restore = {"step": step, "tier": tier, "location": mgr.tiers[tier].location,
-                        "seconds": time.perf_counter() - started, "source": source,
-                        "redundancy": guard.spec.describe(), "lost_hosts": lost,
-                        "skipped": passed}
+def _done(guard: Guard, levels: Sequence[TierSteps], step: int, tier: int, source: str,
+          started: float, passed: list[str], lost: list[str]) -> dict[str, Any]:
+    levels[tier].succeeded(step)
+    record = {"step": step, "tier": tier, "location": levels[tier].location,
+              "seconds": time.perf_counter() - started, "source": source,
+              "redundancy": guard.spec.describe(), "lost_hosts": lost, "skipped": passed}
     log.info("ckptio: rank %d restored step %d (%s) in %.3f s", guard.rank, step, source,
-             mgr.last_restore["seconds"])
-    return step
+             record["seconds"])
+    return record

@@ -1,0 +1,119 @@
+"""A manager's save in flight into its first tier: InFlight.
+
+Call order per save: ``refusal()`` (rank 0, agreed), ``settle()`` when a delta's base is to be
+chosen among the committed steps, then ``save()`` or ``async_save()``; ``wait()`` from the
+manager's wait(). Each returns the steps of ours that committed meanwhile: the manager runs the
+first tier's retention and its followers for each, only after the commit (a failed save never
+costs an older step; with async saves, SaveHandle having no done-callback, in wait(), the next
+save or close()).
+
+Owns: the one async save in flight (step, handle, the base it is a delta against). Does not
+own: saving (api.Checkpointer), retention (level.py), the followers (manager.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptio import stepmeta
+from ckptio.api import Checkpointer
+from ckptio.managing.level import TierSteps
+from ckptio.saving.handle import SaveHandle, SaveResult
+
+__all__ = ["InFlight"]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    handle: SaveHandle
+    base: int | None
+
+
+class InFlight:
+    """The first tier's async save in flight, if any (module docstring)."""
+
+    def __init__(self) -> None:
+        self._pending: _Pending | None = None
+
+    def base_in_flight(self) -> set[int]:
+        """The base of the delta save in flight: retention keeps it."""
+        pending = self._pending
+        return set() if pending is None or pending.base is None else {pending.base}
+
+    def refusal(self, level: TierSteps, step: int, metrics: Mapping[str, Any] | None,
+                metadata: Mapping[str, Any] | None) -> str | None:
+        """Rank 0: why ``step`` may not be saved into ``level`` now, or None; a CkptError for
+        bad metrics or metadata. Finishes a removal of ``step`` still pending there first. A
+        committed step is never saved over, except one a load found damaged (the atomic commit
+        replaces it safely)."""
+        stepmeta.encode(metrics, metadata)
+        path, pending = level.path(step), self._pending
+        if pending is not None and pending.step == step and not pending.handle.done():
+            return f"step {step} is being saved already ({path}): wait() for it, or save another"
+        level.finish_removal(step)
+        if level.is_damaged(step) or not level.is_committed(step):
+            return None
+        return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
+                f"over: save under another step number, or remove {path} first to replace it")
+
+    def save(self, ck: Checkpointer, step: int, path: str, state: Any,
+             kwargs: dict[str, Any]) -> tuple[SaveResult, list[int]]:
+        """A synchronous save (it settles the save in flight first, raising its unseen error)
+        -> its result, and the steps committed (the previous one's too, if it did)."""
+        previous = self._pending
+        try:
+            result = ck.save(state, path, **kwargs)
+        finally:
+            self._forget_done(previous)
+        return result, [*self._ok(previous), step]
+
+    def async_save(self, ck: Checkpointer, step: int, path: str, state: Any, base: int | None,
+                   kwargs: dict[str, Any]) -> tuple[SaveHandle, list[int]]:
+        """An async save (the previous one settled first) -> its handle, and the steps
+        committed meanwhile (the previous one, if it did)."""
+        previous = self._pending
+        try:
+            handle = ck.async_save(state, path, **kwargs)
+        finally:
+            self._forget_done(previous)
+        self._pending = _Pending(step, handle, base)
+        return handle, self._ok(previous)
+
+    def wait(self) -> tuple[SaveResult | None, list[int]]:
+        """Wait for the save in flight (its error raised here) -> its result and [its step]."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None, []
+        return pending.handle.wait(), [pending.step]
+
+    def settle(self, ck: Checkpointer) -> list[int]:
+        """The save in flight finishes (as the Checkpointer's next save would wait for it, on
+        every rank alike), its unseen error raised here -> [its step] if it committed."""
+        pending = self._pending
+        if pending is None:
+            return []
+        try:
+            ck.settle()
+        finally:
+            self._pending = None
+        return self._ok(pending)
+
+    def _forget_done(self, previous: _Pending | None) -> None:
+        if previous is not None and self._pending is previous and previous.handle.done():
+            self._pending = None
+
+    @staticmethod
+    def _ok(pending: _Pending | None) -> list[int]:
+        """[the step] of a finished async save that committed, else []. Its error, if any, has
+        been reported already (the Checkpointer raises an error nobody has seen, so reaching
+        here means the caller's own wait() raised it); it is only looked at here."""
+        if pending is None or not pending.handle.done():
+            return []
+        try:
+            pending.handle.wait()
+        except Exception:  # noqa: BLE001 - reported already (see above)
+            return []
+        return [pending.step]

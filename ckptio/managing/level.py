@@ -1,0 +1,247 @@
+"""One tier of a CheckpointManager at run time: TierSteps.
+
+The manager holds one TierSteps per tier (a directory is a manager with one tier) and reaches a
+tier's steps only through it: their root (path, listing, committed or not), their retention
+(hide what the policy drops, remove it in a background thread, joined by the next pass and by
+the manager's close()), their delta chains, which of them a load found damaged or succeeded
+on, and loading one of them. Call order per save: ``saved(step)`` once the step committed in
+this tier, then ``retain(also)``; ``join_removal()`` before the manager lets go.
+
+Decisions here run on the coordinating rank (the manager agrees on them across ranks through
+its one Ranks object, managing/ranks.py); try_load() is a collective (the load is).
+
+Owns: that tier's caches (links, metrics, damaged and verified steps) and its removal thread.
+Does not own: the retention rules (retention.py), the chains' rules (chains.py), listing and
+hiding (storage/steproot.py), when to save or which tier to load from (manager.py, restoring.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ckptio import stepmeta
+from ckptio.api import Checkpointer
+from ckptio.errors import CkptError
+from ckptio.format.manifest import MANIFEST_NAME, decode
+from ckptio.format.types import Manifest
+from ckptio.managing import warn
+from ckptio.managing.chains import Chains, Link
+from ckptio.managing.delta import DeltaPolicy, choose_base
+from ckptio.managing.ranks import Ranks
+from ckptio.managing.retention import Retention, StepMetrics
+from ckptio.options import Options
+from ckptio.storage.base import Store
+from ckptio.storage.select import root_for, store_for
+from ckptio.storage.steproot import Listing, StepRoot
+from ckptio.tiering.tier import Tier
+
+__all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
+
+log = logging.getLogger("ckptio")
+PROBE_DEADLINE_S = 10.0  # a slower tier unreachable this long: refused at start, passed over later
+
+
+class TierSteps:
+    """The steps of one tier: ``root`` lists and hides them (storage.select.root_for), ``lister``
+    lists them for a restore or a status (a root with shorter deadlines, or ``root``).
+    ``location``: the tier as declared (what a restore's messages name); ``directory``: the
+    root's location (a directory, or an s3:// URL); ``every``: the tier's interval."""
+
+    def __init__(self, location: str, every: int, root: StepRoot,
+                 lister: StepRoot, retention: Retention, checkpointer: Checkpointer,
+                 ranks: Ranks, process_group: Any) -> None:
+        self.location = location
+        self.every = every  # the steps this tier receives: those divisible by it
+        self.directory: str = root.location
+        self._root = root
+        self._lister = lister
+        self.retention = retention
+        self._ck = checkpointer
+        self._ranks = ranks
+        self._process_group = process_group
+        self._chains = Chains(self.manifest, self.directory)
+        self._metrics = StepMetrics(self.read_metadata, self.directory)
+        self._damaged: set[int] = set()  # committed steps a load found damaged
+        self.verified: int | None = None  # newest step a load or verify succeeded on
+        self._removal: threading.Thread | None = None
+        self._deltas_made: dict[int, int] = {}  # base -> delta saves started against it
+
+    # ---------------------------------------------------------------- the root
+
+    @property
+    def options(self) -> Options:
+        return self._ck.options
+
+    def path(self, step: int) -> str:
+        """The directory (or prefix) of ``step``, whether or not it exists."""
+        return self._root.path(step)
+
+    def store(self, step: int) -> Store:
+        return store_for(self.path(step), self._ck.options)
+
+    def scan(self) -> Listing:
+        """Rank 0: {"committed": [...], "incomplete": [...]}, ascending."""
+        return self._root.scan()
+
+    def listing(self) -> Listing:
+        """scan() through the lister (a restore's or status's view); raises a CkptError when
+        the tier cannot be listed."""
+        return self._lister.scan()
+
+    def is_committed(self, step: int) -> bool:
+        return self._root.is_committed(step)
+
+    def nothing_here(self) -> str:
+        """Why the tier has no step to restore (steproot.is_empty() of it says whether the
+        location holds anything else)."""
+        return self._lister.nothing_here()
+
+    def read_metadata(self, step: int) -> dict[str, Any]:
+        return stepmeta.read_metadata(self.path(step), self._ck.options)
+
+    # ---------------------------------------------------------------- chains
+
+    def manifest(self, step: int) -> Manifest:
+        """``step``'s decoded manifest (the chains read each step's link from it once)."""
+        store = self.store(step)
+        return decode(store.read_manifest(), store.path_of(MANIFEST_NAME))
+
+    def link(self, step: int) -> Link | None:
+        """``step``'s bases and stored bytes (chains.py); None if damaged or gone."""
+        return self._chains.link(step)
+
+    def describe(self, step: int) -> str:
+        """`` (a delta against base step B)`` for a delta step, else '' (never raises)."""
+        try:
+            self._chains.link(step)
+        except CkptError:
+            return ""
+        return self._chains.describe(step)
+
+    def choose_base(self, policy: DeltaPolicy, step: int, long_every: tuple[int, ...]
+                    ) -> int | None:
+        """Rank 0: the base of a delta save of ``step`` here, or None: a full save."""
+        base = choose_base(policy, step, self.scan()["committed"], self._chains, self._damaged,
+                           long_every, self._deltas_made)
+        if base is not None:
+            self._deltas_made[base] = self._deltas_made.get(base, 0) + 1
+        return base
+
+    # ---------------------------------------------------------------- damaged and verified
+
+    def is_damaged(self, step: int) -> bool:
+        return step in self._damaged
+
+    def mark_damaged(self, step: int) -> None:
+        self._damaged.add(step)
+
+    def succeeded(self, step: int) -> None:
+        """A load or a verify of ``step`` succeeded: retention keeps it (the newest such)."""
+        self.verified = step if self.verified is None else max(self.verified, step)
+        self._damaged.discard(step)
+
+    def saved(self, step: int) -> None:
+        """``step`` committed here anew (a save or a copy): forget what was known of it."""
+        self._damaged.discard(step)
+        self._metrics.forget(step)
+        self._chains.forget(step)
+
+    # ---------------------------------------------------------------- loading
+
+    def try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+        """Collective: load ``step`` into ``state`` -> None, or why it is damaged (the same on
+        every rank). Other errors are raised (on every rank: the load is a collective)."""
+        try:
+            self.load(step, state, load_kwargs)
+        except Exception as exc:  # noqa: BLE001 - damage is returned, the rest raised below
+            damaged, why = self._ranks.verdict(exc)
+            if not damaged:
+                raise
+            return why
+        return None
+
+    def load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> None:
+        """Collective: load ``step`` into ``state``; its error is raised as it is."""
+        self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
+
+    def verify(self, step: int) -> int:
+        """Rank 0: read back and check every byte of ``step`` -> bytes read."""
+        return int(self._ck.verify(self.path(step)))
+
+    # ---------------------------------------------------------------- retention
+
+    @property
+    def deferred(self) -> bool:
+        """The last pass kept a base back until its deltas' removal is durable (chains.py)."""
+        return self._chains.deferred
+
+    def retain(self, also: set[int]) -> list[int]:
+        """Rank 0: hide the committed steps the retention drops (keeping ``also``, the newest
+        verified step and the bases of what is kept) and remove them in a background thread.
+        -> the steps hidden."""
+        self.join_removal()  # one removal at a time: it may still hold hidden directories
+        hidden = [step for step in self._doomed(self.scan()["committed"], also)
+                  if self._root.hide(step)]
+        removal = self._root.removal()  # None until the hiding is durable
+        if removal is not None:
+            self._removal = threading.Thread(target=removal, name="ckptio-retention")
+            self._removal.start()  # not a daemon: a removal running at exit is finished
+        if hidden:
+            log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
+        return hidden
+
+    def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
+        keep = set(also) | ({self.verified} if self.verified is not None else set())
+        values: dict[int, float | None] = {}
+        if self.retention.monitor is not None:
+            values, unreadable = self._metrics.of(committed, self.retention.monitor)
+            keep.update(unreadable)
+        kept = self._chains.closure(committed, self.retention.kept(committed, values, keep))
+        return self._chains.doomed(committed, kept)  # a base goes with or after its deltas
+
+    def finish_removal(self, step: int) -> None:
+        """Rank 0, before a save of ``step``: finish a removal of it still pending (an S3
+        marker would hide the new checkpoint)."""
+        finish = self._root.removal(step)
+        if finish is not None:
+            self.join_removal()  # it may be removing this very step
+            finish()
+
+    def join_removal(self) -> None:
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None
+
+
+def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:
+    """Rank 0: every tier's steps, fastest first. The first tier's listing error is raised; a
+    slower tier that cannot be listed now (an object store gone away for the lister's
+    deadline) counts as holding nothing, with a warning naming it and why."""
+    out = [dict(levels[0].listing())]
+    for level in levels[1:]:
+        try:
+            out.append(dict(level.listing()))
+        except CkptError as exc:
+            warn(f"ckptio: tier {level.location} cannot be listed, so its steps are passed "
+                 f"over: {type(exc).__name__}: {exc}", stacklevel=stacklevel)
+            out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
+    return out
+
+
+def make_levels(tiers: Sequence[Tier], retentions: Sequence[Retention], ck: Checkpointer,
+                ranks: Ranks, process_group: Any) -> list[TierSteps]:
+    """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
+    restore then goes on without it)."""
+    quick = dataclasses.replace(ck.options, s3_retry_deadline_s=min(
+        PROBE_DEADLINE_S, ck.options.s3_retry_deadline_s))
+    levels = []
+    for k, (tier, retention) in enumerate(zip(tiers, retentions)):
+        root = root_for(tier.location, ck.options)
+        lister = root if k == 0 else root_for(tier.location, quick)
+        levels.append(TierSteps(tier.location, tier.every, root, lister, retention, ck, ranks,
+                                process_group))
+    return levels

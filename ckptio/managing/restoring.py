@@ -1,0 +1,145 @@
+"""The one restore loop of a CheckpointManager, whatever its tiers: newest step first, fastest
+tier first, falling back on damage, with one warning naming every copy passed over.
+
+Call order: the manager lists its tiers (rank 0, agreed by every rank: a list of listings,
+fastest tier first), then calls ``restore_first``. With redundancy, managing/agreed.py agrees on
+a step across ranks first and calls ``restore_first`` for that one step.
+
+- Candidates: every step committed in some tier, newest first; each tried in the tiers holding
+  it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
+  and newer than the one restored is named in the warning.
+- A load that finds damage (ranks.DAMAGE, on any rank) marks that copy damaged and passes on;
+  any other error is raised at once (a StateMismatchError is the caller's bug).
+- Nothing committed anywhere: None when every tier was listed and holds nothing else (a warning
+  names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise.
+- Every copy damaged: CorruptCheckpointError naming each and why.
+
+Owns: that order and its messages. Does not own: listing (storage/steproot.py), loading (level.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.managing import warn
+from ckptio.managing.level import TierSteps
+from ckptio.storage.steproot import is_empty
+
+__all__ = ["Restored", "candidates", "emptiness", "incomplete", "nothing_to_restore",
+           "restore_first", "where"]
+
+Listing = dict[str, list[Any]]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a restore loaded from: the step, the tier's index and location, the seconds."""
+
+    step: int
+    tier: int
+    location: str
+    seconds: float
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "tier": self.tier, "location": self.location,
+                "seconds": self.seconds}
+
+
+def candidates(listings: Sequence[Listing], step: int | None) -> list[tuple[int, list[int]]]:
+    """(step, the tiers holding it committed, fastest first), newest step first; only ``step``
+    when given."""
+    committed = sorted({s for x in listings for s in x["committed"]}, reverse=True)
+    if step is not None:
+        committed = [s for s in committed if s == step]
+    return [(s, [k for k, x in enumerate(listings) if s in x["committed"]]) for s in committed]
+
+
+def incomplete(listings: Sequence[Listing]) -> list[int]:
+    """Steps some tier holds incomplete and no tier holds committed, ascending."""
+    committed = {s for x in listings for s in x["committed"]}
+    return sorted({s for x in listings for s in x["incomplete"]} - committed)
+
+
+def where(levels: Sequence[TierSteps]) -> str:
+    """The manager's location for messages: its directory, or its tiers as declared."""
+    if len(levels) == 1:
+        return levels[0].directory
+    return "the tiers " + ", ".join(level.location for level in levels)
+
+
+def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], state: Any,
+                  step: int | None, load_kwargs: dict[str, Any], stacklevel: int = 3) -> Restored:
+    """Collective: load the newest loadable copy (of ``step`` only, when given) into
+    ``state`` (module docstring). Raises CheckpointNotFoundError when no tier holds a
+    committed candidate, CorruptCheckpointError when every one is damaged."""
+    found = candidates(listings, step)
+    if not found:
+        raise CheckpointNotFoundError(_nothing(levels, listings, step))
+    newer = incomplete(listings)
+    passed: list[str] = []
+    for candidate, holders in found:
+        passed += [f"step {s}: incomplete: no committed {MANIFEST_NAME} (an interrupted save or "
+                   "copy, or one running)" for s in reversed(newer) if s > candidate]
+        newer = [s for s in newer if s < candidate]
+        for k in holders:
+            level, started = levels[k], time.perf_counter()
+            why = level.try_load(candidate, state, load_kwargs)
+            if why is None:
+                level.succeeded(candidate)
+                if passed:
+                    warn(f"ckptio: restored step {candidate} from {_name(levels, k)}, not a newer "
+                         f"one: {'; '.join(passed)}. Those copies are left in place; a later "
+                         "save of the same step replaces one", stacklevel=stacklevel)
+                return Restored(candidate, k, level.location, time.perf_counter() - started)
+            tier = "" if len(levels) == 1 else f" in {level.location}"
+            passed.append(f"step {candidate}{level.describe(candidate)}{tier}: {why}")
+            level.mark_damaged(candidate)
+    what = "step" if step is None else f"copy of step {step}"
+    raise CorruptCheckpointError(
+        f"no {what} in {where(levels)} could be restored: {'; '.join(passed)}. The copies are "
+        "left as they are; restore(state, step=N) loads one step")
+
+
+def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str | None:
+    """Rank 0, nothing committed in any tier: None when every tier holds nothing else (only
+    incomplete steps, or nothing), else what a location holds instead (nothing_to_restore)."""
+    whys = []
+    for level, listing in zip(levels, listings):
+        if listing.get("unreachable"):
+            whys.append(f"{level.location} cannot be listed: {listing['unreachable'][0]}")
+            continue
+        why = level.nothing_here()
+        if not is_empty(why):
+            whys.append(str(why))
+    if not whys:
+        return None
+    return whys[0] if len(levels) == 1 else f"{_nothing(levels, listings, None)}: {'; '.join(whys)}"
+
+
+def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
+                       why: str | None, stacklevel: int = 3) -> None:
+    """Nothing committed in any tier (``why``: emptiness()): CheckpointNotFoundError saying
+    what a location holds, or None with a warning naming the incomplete steps."""
+    if why is not None:
+        raise CheckpointNotFoundError(why)
+    left = incomplete(listings)
+    if left:
+        warn(f"ckptio: nothing to restore in {where(levels)}: no step was ever committed "
+             f"there; incomplete steps {left} (interrupted saves) are left as they are, a save "
+             "of the same step replaces one", stacklevel=stacklevel)
+
+
+def _name(levels: Sequence[TierSteps], k: int) -> str:
+    return levels[k].directory if len(levels) == 1 else levels[k].location
+
+
+def _nothing(levels: Sequence[TierSteps], listings: Sequence[Listing], step: int | None) -> str:
+    held = "; ".join(f"{_name(levels, k)}: committed {x['committed'] or 'none'}, incomplete "
+                     f"{x['incomplete'] or 'none'}" for k, x in enumerate(listings))
+    what = "no committed step" if step is None else f"step {step} is committed nowhere"
+    return f"{what} in {where(levels)} to restore ({held})"

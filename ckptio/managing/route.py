@@ -1,0 +1,81 @@
+"""The drain's route through a manager's tiers: TierRoute (tiering/drain.py's Route protocol).
+
+The drain thread (on the coordinating rank) asks it where a step is read from (the fastest tier
+before the target holding it committed), where it is written, which bases a delta needs first,
+and tells it when a copy committed in a slower tier (that tier's retention then runs, here, on
+the drain's thread).
+
+At start (``resume``) every tier must be listable, and the drain is handed what a run cut
+short left undrained. Owns: those answers over the list of TierSteps. Does not own: the copy
+or the queue (drain.py), the tiers' steps (level.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ckptio.errors import CkptError
+from ckptio.managing.level import TierSteps
+from ckptio.storage.base import Store
+
+__all__ = ["TierRoute", "resume"]
+
+log = logging.getLogger("ckptio")
+
+
+class TierRoute:
+    """The Route of the drain over ``levels`` (fastest first)."""
+
+    def __init__(self, levels: Sequence[TierSteps]) -> None:
+        self._levels = list(levels)
+
+    def _holder(self, step: int, tier: int) -> TierSteps | None:
+        return next((lv for lv in self._levels[:tier] if lv.is_committed(step)), None)
+
+    def source(self, step: int, tier: int) -> Store | None:
+        holder = self._holder(step, tier)
+        return None if holder is None else holder.store(step)
+
+    def target(self, step: int, tier: int) -> Store:
+        return self._levels[tier].store(step)
+
+    def holds(self, step: int, tier: int) -> bool:
+        return self._levels[tier].is_committed(step)
+
+    def bases(self, step: int, tier: int) -> tuple[int, ...]:
+        """The bases of ``step`` as the fastest tier before ``tier`` holding it has it."""
+        holder = self._holder(step, tier)
+        link = None if holder is None else holder.link(step)
+        return () if link is None else link.bases
+
+    def landed(self, step: int, tier: int) -> None:
+        level = self._levels[tier]
+        level.saved(step)
+        level.retain(set())
+
+
+def resume(levels: Sequence[TierSteps], drain: Any) -> None:
+    """Rank 0, at start with several tiers: every tier must be listable now (a wrong endpoint
+    or missing credentials fails here, not at the first drain hours later); ``drain`` (None on
+    the other ranks: then only the probe) gets each slower tier's newest due step a faster tier
+    holds and it does not (a drain cut short, or never run)."""
+    listings = []
+    for level in levels:
+        try:
+            listings.append(level.listing())
+        except CkptError as exc:
+            raise type(exc)(
+                f"tier {level.location} cannot be reached: {exc}. Fix its location or "
+                "credentials; to restore from the other tiers meanwhile, leave it out of "
+                "tiers=") from None
+    if drain is None:
+        return
+    for k in range(1, len(levels)):
+        faster = {s for x in listings[:k] for s in x["committed"]}
+        due = [s for s in faster if s % levels[k].every == 0]
+        held = listings[k]["committed"]
+        if due and (not held or max(due) > held[-1]):
+            log.info("ckptio: the drain resumes: step %d to %s", max(due), levels[k].location)
+            drain.submit_to(max(due), k)
