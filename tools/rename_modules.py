@@ -102,9 +102,11 @@ IDENTIFIERS: tuple[Ident, ...] = (
         ("files.Staging", "files.IOResources"), ("Staging protocol", "IOResources protocol"),
         ("Staging contract", "IOResources contract"), ("``Staging``", "``IOResources``"),
         ('"Staging"', '"IOResources"'))),
-    Ident("staging", "resources", roots=("ckptio", "tests"),
+    Ident("staging", "resources", roots=("ckptio",), phrases=(("staging()", "resources()"),)),
+    # tests and benchmarks: only the method (a test's ``staging`` counts pool bytes; a
+    # benchmark's ``staging=`` is DCP's StagingOptions)
+    Ident("staging", "resources", roots=("tests", "benchmarks"), where="method",
           phrases=(("staging()", "resources()"),)),
-    Ident("staging", "resources", roots=("benchmarks",), where="method"),  # not DCP's kwarg
     Ident("_staging", "_resources", where="attr"),
     Ident("_staging", "_staging_pool", roots=("ckptio/testing/io_conformance.py",),
           where="bare"),
@@ -114,6 +116,7 @@ TEXT_ROOTS = ("ckptio", "tests", "benchmarks", "docs", "README.md", "pyproject.t
 EXCLUDED = ("docs/results", "tools/rename_modules.py")  # recorded outputs; this file
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".ini", ".yaml", ".yml"}
 DOCS_FOR_IDENTIFIERS = ("docs", "README.md")
+LINE = 100  # Python lines this run makes longer than this are listed (to wrap by hand)
 
 # ------------------------------------------------------------------------------------------------
 # modules and files
@@ -154,6 +157,7 @@ class Report:
     stale: list[str] = field(default_factory=list)
     unplaced: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
+    long: list[str] = field(default_factory=list)
 
 
 def rel(path: Path, root: Path) -> str:
@@ -336,22 +340,32 @@ def rewrite_paths(text: str, moves: list[Move], report: Report) -> str:
 
 
 def rewrite_import_text(text: str, moves: list[Move], report: Report) -> tuple[str, int]:
-    """Imports written inside strings (subprocess code): the alias takes the new module under
-    its old local name (a string's code is not renamed beyond its import)."""
+    """Imports written inside a string (subprocess code): ``from ckptio.format import regular``
+    becomes ``... import regular_section`` and the string's other uses of the word ``regular``
+    (not after a dot) follow; ``regular as r`` becomes ``regular_section as r``."""
     total = 0
     for m in moves:
+        renamed = False
+
         def fix(match: re.Match[str], m: Move = m) -> str:
+            nonlocal renamed
             items = []
             for item in match.group(2).split(","):
                 words = item.split()
                 if words and words[0] == m.stem:
                     lead = item[:len(item) - len(item.lstrip())]
-                    tail = " ".join(words[1:]) or f"as {m.stem}"
-                    item = f"{lead}{m.new_stem} {tail}"
+                    trail = item[len(item.rstrip()):]
+                    rest = words[1:]
+                    renamed = renamed or not rest
+                    item = lead + " ".join([m.new_stem, *rest]) + trail
                 items.append(item)
             return match.group(1) + ",".join(items)
-        text, n = re.subn(from_import_re(m), fix, text)
-        total += n
+
+        new_text = re.sub(from_import_re(m), fix, text)
+        if renamed:
+            new_text = re.sub(rf"(?<![\w./]){m.stem}(?!\w)", m.new_stem, new_text)
+        total += new_text != text
+        text = new_text
     report.edits["import in a string"] += total
     return text, total
 
@@ -363,6 +377,7 @@ class Bound:
     move: Move
     start: int  # the alias name's span in the text
     end: int
+    full_end: int  # the end of its ``as`` name
     asname: str | None
 
 
@@ -401,13 +416,14 @@ def import_aliases(text: str, tree: ast.AST, r: str, moves: list[Move]
         for alias, span in zip(node.names, spans[1:]):
             move = by_old.get(f"{source}.{alias.name}")
             if move is not None:
-                bound.append(Bound(move, span[0], span[1], alias.asname))
+                bound.append(Bound(move, span[0], span[1], span[2], alias.asname))
     return bound, edits, unread
 
 
 def _alias_tokens(text: str, lines: Lines, node: ast.ImportFrom
-                  ) -> list[tuple[int, int]] | None:
-    """[span of the module's last name before ``import``, then each alias's name span]."""
+                  ) -> list[tuple[int, ...]] | None:
+    """[span of the module's last name before ``import``, then per alias (start of its name,
+    end of its name, end of its ``as`` name)]."""
     start = lines.at_bytes(node.lineno, node.col_offset)
     end = lines.at_bytes(node.end_lineno or node.lineno, node.end_col_offset or 0)
     toks = tokens(text[start:end] + "\n")
@@ -415,7 +431,8 @@ def _alias_tokens(text: str, lines: Lines, node: ast.ImportFrom
         return None
     sub = Lines(text[start:end] + "\n")
     spans: list[tuple[int, int]] = []
-    seen_import, last_module, expect_name = False, (start, start), True
+    ends: dict[int, int] = {}  # alias index -> end of its ``as name``
+    seen_import, last_module, expect_name, expect_as = False, (start, start), True, False
     for tok in toks:
         span = (start + sub.at(*tok.start), start + sub.at(*tok.end))
         if not seen_import:
@@ -426,14 +443,18 @@ def _alias_tokens(text: str, lines: Lines, node: ast.ImportFrom
                 last_module = span
             continue
         if tok.type == tokenize.NAME and tok.string == "as":
-            expect_name = False
+            expect_name, expect_as = False, True
         elif tok.type == tokenize.NAME:
             if expect_name:
                 spans.append(span)
-            expect_name = False
+            elif expect_as:
+                ends[len(spans) - 1] = span[1]
+            expect_name = expect_as = False
         elif tok.type == tokenize.OP and tok.string == ",":
             expect_name = True
-    return spans if len(spans) == len(node.names) + 1 else None
+    if len(spans) != len(node.names) + 1:
+        return None
+    return [spans[0]] + [(a, b, ends.get(i, b)) for i, (a, b) in enumerate(spans[1:])]
 
 
 def bindings(tree: ast.AST, skip: set[int]) -> Counter[str]:
@@ -485,7 +506,9 @@ def rewrite_imports(text: str, r: str, moves: list[Move], report: Report) -> str
     renamed: dict[str, str] = {}
     for b in bound:
         old, new = b.move.stem, b.move.new_stem
-        if b.asname:
+        if b.asname == new:  # ``session as load_session``: now ``load_session``
+            edits.append((b.start, b.full_end, new))
+        elif b.asname:
             edits.append((b.start, b.end, new))
         elif renamed.get(old) == new or (taken[old] == 0 and new not in used | set(taken)):
             renamed[old] = new
@@ -566,6 +589,12 @@ def _context_ok(ident: Ident, toks: list[tokenize.TokenInfo], i: int) -> bool:
     return True
 
 
+def phrase_re(phrase: str) -> str:
+    """An exact phrase, not inside a longer word (``staging()`` is not ``grow_staging()``)."""
+    return ((r"(?<!\w)" if re.match(r"\w", phrase) else "") + re.escape(phrase)
+            + (r"(?!\w)" if re.search(r"\w$", phrase) else ""))
+
+
 def rename_identifiers(text: str, r: str, report: Report) -> str:
     is_py = r.endswith(".py")
     for ident in IDENTIFIERS:
@@ -588,18 +617,14 @@ def rename_identifiers(text: str, r: str, report: Report) -> str:
             report.edits[f"identifier {ident.old}"] += len(hits)
         in_docs = not is_py and under(r, DOCS_FOR_IDENTIFIERS)
         if (is_py and under(r, ident.roots)) or in_docs:
-            rules = list(ident.phrases)
+            rules = [(phrase_re(old), new) for old, new in ident.phrases]
             if ident.text:
                 rules.append((rf"\b{ident.old}\b", ident.new))
 
             def fn(s: str, rules: list[tuple[str, str]] = rules) -> tuple[str, int]:
                 total = 0
-                for old, new in rules:
-                    if old.startswith("\\b"):
-                        s, n = re.subn(old, new, s)
-                    else:
-                        n = s.count(old)
-                        s = s.replace(old, new)
+                for pattern, new in rules:
+                    s, n = re.subn(pattern, new, s)
                     total += n
                 return s, total
 
@@ -714,6 +739,10 @@ def run(root: Path, dry: bool) -> int:
         text = rename_identifiers(text, r, report)
         if text != before:
             report.changed.add(r)
+            if is_py:
+                had = set(before.splitlines())
+                report.long += [f"{r}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                                if len(line) > LINE and line not in had]
             if not dry:
                 path.write_text(text)
         report.stale += stale_refs(text, r, moves)
@@ -729,6 +758,7 @@ def summary(report: Report, dry: bool) -> int:
     print(f"  {len(report.changed)} file(s) {'would change' if dry else 'changed'}; edits: "
           + ", ".join(f"{k} {v}" for k, v in sorted(report.edits.items()) if v))
     for title, items in (("kept under the old local name", report.fallbacks),
+                         (f"Python lines now over {LINE} characters (wrap them)", report.long),
                          ("bare file names no module has any more (read and fix by hand)",
                           report.unplaced),
                          ("file names still used by more than one module (not in this map)",
