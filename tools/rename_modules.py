@@ -454,7 +454,7 @@ def _alias_tokens(text: str, lines: Lines, node: ast.ImportFrom
             expect_name = True
     if len(spans) != len(node.names) + 1:
         return None
-    return [spans[0]] + [(a, b, ends.get(i, b)) for i, (a, b) in enumerate(spans[1:])]
+    return [spans[0]] + [(a, b, ends.get(i, b)) for i, (a, b) in enumerate(spans[1:], 1)]
 
 
 def bindings(tree: ast.AST, skip: set[int]) -> Counter[str]:
