@@ -528,19 +528,22 @@ def rewrite_imports(text: str, r: str, moves: list[Move], report: Report) -> str
 
 def sibling_rules(r: str, moves: list[Move], stems: dict[str, list[tuple[str, set[str]]]]
                   ) -> list[tuple[str, str]]:
-    """(pattern, replacement) for the prose of file ``r``: a sibling's bare ``stem.py``, a
-    package __init__'s ``stem``/(stem), and ``stem.Name`` (Name in that module's __all__)."""
+    """(pattern, replacement) for the prose of file ``r``: a sibling's bare ``stem.py`` (or the
+    parent package's, from a sub-package without a module of that name), a package __init__'s
+    ``stem``/(stem), and ``stem.Name`` (Name in that module's __all__)."""
     me = module_of(r)
     package = (me[0] if me[1] else me[0].rsplit(".", 1)[0]) if me else None
     rules: list[tuple[str, str]] = []
+    parent = package.rsplit(".", 1)[0] if package and package.count(".") >= 2 else None
     for m in moves:
-        sibling = package == m.package
+        owners = stems.get(m.stem, [])
+        own = package is not None and any(mod == f"{package}.{m.stem}" for mod, _ in owners)
+        sibling = package == m.package or (parent == m.package and not own)  # storage/s3/: storage/
         if sibling:
             rules.append((rf"(?<![\w/.-]){m.stem}\.py\b", f"{m.new_stem}.py"))
             if me and me[1]:
                 rules.append((rf"(?<=``){m.stem}(?=``)", m.new_stem))
                 rules.append((rf"(?<=\(){m.stem}(?=[),])", m.new_stem))
-        owners = stems.get(m.stem, [])
         names = next((a for mod, a in owners if mod == m.old), set())
         for name in sorted(names):
             holders = [mod for mod, a in owners if name in a]
