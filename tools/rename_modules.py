@@ -87,7 +87,7 @@ class Ident:
     phrases: tuple[tuple[str, str], ...] = ()
 
 
-# The staging pool's one vocabulary (notes/staging_names.md): "staging" is the pool only.
+# The staging pool's one vocabulary: "staging" is the pool only.
 #   StagingPool        io/stage.py: the pool of aligned buffers (was BufferPool)
 #   IOResources        storage/files.py: the Protocol a save or load borrows: the pool, a store's
 #                      files through the backend of its kind, the lock, fit() (was Staging)
