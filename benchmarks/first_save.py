@@ -92,8 +92,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             seconds.append(time.perf_counter() - t0)
             handle.wait()
         shutil.rmtree(path)
-    with ck.staging().lock:  # the backend the saves ran on, as the Checkpointer built it
-        backend = ck.staging().files(LocalStore(str(args.dir)))[1].backend.name
+    with ck.resources().lock:  # the backend the saves ran on, as the Checkpointer built it
+        backend = ck.resources().files(LocalStore(str(args.dir)))[1].backend.name
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
             "seconds": seconds, "prepare_s": prepare_s, "io_backend": backend}

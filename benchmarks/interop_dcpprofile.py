@@ -91,7 +91,7 @@ def instrument(clocks: Clocks) -> None:
     try:  # round four: the DCP Manifest in dcpdir.py, items opened where a read needs them
         from ckptio.loading import dcpdir as home
     except ImportError:  # before: foreign.py opened every item
-        from ckptio.loading import foreign as home
+        from ckptio.loading import foreign_common as home
 
     clocks.wrap(opening, "open_manifest", "open (whole)", mark=True)
     clocks.wrap(torchzip, "parse_head", "heads parsed")

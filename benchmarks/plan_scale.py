@@ -14,7 +14,7 @@ Phases timed (median of --reps):
              each distinct layout part fetched and decoded once, check_regular, per_rank_keys +
              plan_global of the per-chunk items, encode_answer of all) + one decode_answer
   again      the same for a later save of the same layout (parts remembered, decisions reused)
-  result     one rank's index file (format/regular.encode_index of its regular chunks) and its
+  result     one rank's index file (format/regular_section.encode_index of its regular chunks) and its
              wire.encode_result (its per-chunk entries and the index file's name, size and
              checksum; parallel: counts once)
   manifest   the coordinator: decode_result of every rank + collective.manifest_of + check_keys
@@ -56,7 +56,7 @@ from ckptio.distributed.dist import Solo
 from ckptio.format import manifest
 from ckptio.format.flatten import flatten
 from ckptio.format.grid import REPLICATE, Grid
-from ckptio.format.regular import IndexRow, encode_index, index_name
+from ckptio.format.regular_section import IndexRow, encode_index, index_name
 from ckptio.format.types import (
     Chunk,
     FileInfo,
@@ -69,10 +69,10 @@ from ckptio.format.types import (
     WriteItem,
     Written,
 )
-from ckptio.loading.regular import expand, overlapping
+from ckptio.loading.resolve_regular import expand, overlapping
 from ckptio.planning.globalplan import RankPlan
 from ckptio.planning.layout import plan_files
-from ckptio.planning.regular import Regular, RegularItem, regular_writes
+from ckptio.planning.regular_items import Regular, RegularItem, regular_writes
 
 BLOCK_NBYTES = 1 << 20  # api.BLOCK_CHECKSUM_NBYTES (not imported: api pulls in the I/O stack)
 MAX_FILE_BYTES = 1 << 40  # one data file per rank, as the default options give
@@ -401,7 +401,7 @@ def load_metadata(blob: bytes, stored: dict[str, bytes], rank: int) -> Manifest:
 
 def chunk_count(record: Manifest) -> int:
     """Chunks the manifest describes: its per-chunk rows and every non-empty chunk of its
-    regular tensors (from their grids, as loading/regular.py finds them)."""
+    regular tensors (from their grids, as loading/resolve_regular.py finds them)."""
     rows = sum(1 for t in record.tensors if t.key not in {r.key for r in record.regular})
     return rows + sum(1 for t in record.regular for _ in overlapping(record.grids[t.grid], t, None))
 

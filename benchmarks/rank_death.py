@@ -1,7 +1,7 @@
 """A rank killed mid-save or mid-load: how long until every other rank raises, ckptio against DCP.
 
 Owns: the runs and the report. Each run is a fresh set of ``--world`` processes (gloo over
-127.0.0.1, ckptio.testing.ranks.run_ranks) that first save a complete checkpoint, then save again
+127.0.0.1, ckptio.testing.rank_processes.run_ranks) that first save a complete checkpoint, then save again
 (or load it) while one rank (``--victim``) is killed with SIGKILL at a phase
 (ckptio.testing.killed.PHASES: planning, waiting for the plan, writing, before concluding; for
 loads before the key step, reading, before the final step), or frozen (SIGSTOP: alive, its
@@ -36,7 +36,7 @@ import torch
 
 import ckptio
 from ckptio.testing import killed
-from ckptio.testing.ranks import RanksFailed, run_ranks
+from ckptio.testing.rank_processes import RanksFailed, run_ranks
 
 DCP_PHASES = ("dcp save:write", "dcp load:read")
 FROZEN = " (frozen)"  # the victim is stopped (SIGSTOP) rather than killed

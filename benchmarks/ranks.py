@@ -335,7 +335,7 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
            joined: bool = True) -> Run:
     """``world`` fresh worker processes (joined in one gloo group unless ``joined`` is False);
     rank 0's JSON line is the result."""
-    from ckptio.testing.ranks import free_port
+    from ckptio.testing.rank_processes import free_port
 
     env = worker_env()
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -1,6 +1,6 @@
 """Redundancy benchmark: the memory tier protected across hosts (partner copies, XOR parity)
 against no redundancy and NVRx's clique replication, on real hosts made on this machine
-(ckptio.testing.hosts: network namespaces with their own tmpfs where permitted), checkpointing
+(ckptio.testing.multihost: network namespaces with their own tmpfs where permitted), checkpointing
 every step (docs/BENCH_REDUNDANCY.md).
 
 Per (engine, repetition): fresh hosts; a training job (benchmarks/redundancy_ranks.py); the
@@ -15,7 +15,7 @@ disk's cold read of it).
 
 Owns: the schedule (which engine when, the wipes), the measurements outside the ranks, the
 ceilings. Does not own: the ranks' bodies (redundancy_ranks.py), the report
-(redundancy_report.py), the hosts (ckptio/testing/hosts.py).
+(redundancy_report.py), the hosts (ckptio/testing/multihost.py).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _restore(hosts: Any, cfg: dict[str, Any], counts: list[int], args: argparse.
 
 
 def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[str, Any]:
-    from ckptio.testing.hosts import Hosts
+    from ckptio.testing.multihost import Hosts
 
     counts = _counts(args)
     work = (args.dir / f"{engine}-r{rep}").resolve()
@@ -163,7 +163,7 @@ def ceilings(args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.redundancy_report import markdown, summarize
-    from ckptio.testing.hosts import best_mode, netns_possible
+    from ckptio.testing.multihost import best_mode, netns_possible
     from ckptio.tuning.state import gpt_config, state_nbytes
 
     args = parse_args(argv)

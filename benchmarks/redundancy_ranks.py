@@ -1,5 +1,5 @@
 """The per-rank bodies of the redundancy benchmark (benchmarks/redundancy.py), run on the hosts of
-ckptio.testing.hosts by its agents (module-level functions: the ranks import them by name).
+ckptio.testing.multihost by its agents (module-level functions: the ranks import them by name).
 
 train_rank: each rank trains its own GPT (benchmarks/train.py: its own seed, so every rank's
 state differs, as ZeRO shards do), one gloo all_reduce of the loss per step (the sync point a

@@ -225,7 +225,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], total: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.strided import worker as importable_worker  # not __main__'s: ranks import it
-    from ckptio.testing.ranks import run_ranks
+    from ckptio.testing.rank_processes import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=int, default=512)

@@ -1,7 +1,7 @@
 """save / load as a handful of named steps, and the Checkpointer that owns reusable resources.
 
 Owns: the public methods and their arguments, the save in flight and the agreement of a load's
-ranks. A save's steps are saving/session.py's, a load's loading/session.py's; the staging pool
+ranks. A save's steps are saving/save_session.py's, a load's loading/load_session.py's; the staging pool
 and backends they borrow are ckptio/resources.py's.
 """
 
@@ -23,12 +23,12 @@ from ckptio.distributed import collective, loadsteps
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.errors import CkptError
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import session as loading
+from ckptio.loading import load_session as loading
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
-from ckptio.resources import Resources
-from ckptio.saving import session
+from ckptio.resources import ReusedIOResources
+from ckptio.saving import save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
 from ckptio.storage.select import checkpoint_path, store_and_file, store_for
 
@@ -52,7 +52,7 @@ class Checkpointer:
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
-        self._staging = Resources(self.options)
+        self._resources = ReusedIOResources(self.options)
         self._plan_cache = PlanCache()
         self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
         self._groups: dict[int, tuple[Any, Group]] = {}
@@ -60,22 +60,22 @@ class Checkpointer:
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._thread: threading.Thread | None = None
 
-    def staging(self) -> Resources:
+    def resources(self) -> ReusedIOResources:
         """This Checkpointer's staging pool and backends, the lock a save or load holds while
         it uses them, its cleanup of superseded files and its block checksum size, as a save
         driven from outside api.py sees them (``ckptio.DcpWriter``)."""
-        return self._staging
+        return self._resources
 
     def _finish_cleanup(self) -> None:
         """Wait for the previous save's removal of superseded files (saving/cleanup.py)."""
-        self._staging.cleanup.finish()
+        self._resources.cleanup.finish()
 
     @property
     def staging_nbytes(self) -> int:
         """Host memory the staging pool holds now: 0 before the first save or load and after
         close(); Options.pool_bytes, or more once an async save has grown it
         (Options.host_budget_bytes)."""
-        pool = self._staging.pool
+        pool = self._resources.pool
         return 0 if pool is None else pool.nbytes
 
     def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
@@ -87,8 +87,8 @@ class Checkpointer:
         ``state``: size the pool for async saves of it, as the first async save would after
         it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._staging.fit(session.file_nbytes(state, self.options.max_file_bytes))
-        self._staging.prepare(None if path is None else store_for(path, self.options))
+            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
+        self._resources.prepare(None if path is None else store_for(path, self.options))
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -96,7 +96,7 @@ class Checkpointer:
         try:
             self._settle()
         finally:
-            self._staging.free()
+            self._resources.free()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
@@ -192,16 +192,16 @@ class Checkpointer:
         self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
-                                     block_nbytes=self._staging.block_nbytes)
-        context = session.SaveContext(
+                                     block_nbytes=self._resources.block_nbytes)
+        context = save_session.SaveContext(
             group=group, store=store, options=self.options,
-            staging=self._staging, cleanup=self._staging.cleanup, memory=self._memory(group),
-            plan_cache=self._plan_cache, meta={**session.default_meta(), **(user_meta or {})},
-            block_nbytes=self._staging.block_nbytes,
+            resources=self._resources, cleanup=self._resources.cleanup, memory=self._memory(group),
+            plan_cache=self._plan_cache, meta={**save_session.default_meta(), **(user_meta or {})},
+            block_nbytes=self._resources.block_nbytes,
             allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), after_step=after_step, started=started,
             previous_error=previous_error, grow_staging=grow_staging, packing=packing)
-        save = session.begin(context, state)
+        save = save_session.begin(context, state)
         self._inflight, self._thread = save.control, save.thread
         _running.add(save.thread)
         save.capture_here()
@@ -245,7 +245,7 @@ class Checkpointer:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
         the one made of a DCP checkpoint there (``ckptio ls``)."""
         store, file = store_and_file(path, self.options)
-        return loading.open_checkpoint(self._staging, store, file,
+        return loading.open_checkpoint(self._resources, store, file,
                                        allow_pickle=allow_pickle).record
 
     def read(self, path: str | os.PathLike[str], record: Manifest, reads: Sequence[Read], *,
@@ -256,7 +256,7 @@ class Checkpointer:
         Options.verify). For drivers that plan their own reads (ckptio.DcpReader). -> bytes read."""
         store, _file = store_and_file(path, self.options)
         verify = self.options.verify if verify is None else verify
-        return loading.read_fn(self._staging, store, record, verify=verify)(list(reads))
+        return loading.read_fn(self._resources, store, record, verify=verify)(list(reads))
 
     def verify(self, path: str | os.PathLike[str], *, record: Manifest | None = None,
                progress: Callable[[int], None] | None = None) -> int:
@@ -273,8 +273,8 @@ class Checkpointer:
         """
         store, file = store_and_file(path, self.options)
         opened = (loading.Opened(store, file, record) if record is not None else
-                  loading.open_checkpoint(self._staging, store, file, allow_pickle=False))
-        return loading.verify(self._staging, opened, progress)
+                  loading.open_checkpoint(self._resources, store, file, allow_pickle=False))
+        return loading.verify(self._resources, opened, progress)
 
     def load(
         self,
@@ -325,7 +325,7 @@ class Checkpointer:
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = store_and_file(path, self.options)
-            result = loading.load(self._staging, store, file, state, request)
+            result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
             if state is not None:
                 key_step.fail(exc)

@@ -32,7 +32,7 @@ from typing import Any
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.types import Manifest
 from ckptio.storage.s3.client import is_s3
-from ckptio.loading import foreign, safetensors
+from ckptio.loading import foreign_common, safetensors_manifest
 from ckptio.loading.fill import RankPolicy
 from ckptio.options import Options
 from ckptio.storage import steps
@@ -68,8 +68,8 @@ def held_at(path: str) -> str | None:
         return "a file"
     store = store_for(text)
     for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
-                        (foreign.holds_dcp, "a DCP checkpoint"),
-                        (safetensors.holds_hf, "a Hugging Face folder")):
+                        (foreign_common.holds_dcp, "a DCP checkpoint"),
+                        (safetensors_manifest.holds_hf, "a Hugging Face folder")):
         if holds(store):
             return what
     return None

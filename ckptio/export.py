@@ -4,7 +4,7 @@
 
 Steps (one process, or every rank of a process group together):
 
-1. open the source as a load does and plan the export (planning/export.py, pure): names,
+1. open the source as a load does and plan the export (planning/export_plan.py, pure): names,
    files, offsets; files go to ranks by bytes. One collective step: every rank planned; the
    coordinator checks ``dst`` (empty, or ``overwrite``) and hands out the temp-file token.
 2. each rank streams its files (saving/stream.py): every window's flat element ranges read by
@@ -15,7 +15,7 @@ Steps (one process, or every rank of a process group together):
    A failure on any rank removes every temp file and raises on every rank.
 What the commit does in detail and the memory an export holds: on ``export_hf``.
 
-Owns: the order of those steps and the commit. Does not own: the plan (planning/export.py), the
+Owns: the order of those steps and the commit. Does not own: the plan (planning/export_plan.py), the
 header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
 write loop (saving/stream.py).
 """
@@ -41,9 +41,9 @@ from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
 from ckptio.storage.s3.client import is_s3
-from ckptio.io.stage import Buffer, BufferPool, torch_dtype, typed
+from ckptio.io.stage import Buffer, StagingPool, torch_dtype, typed
 from ckptio.options import BLOCK, Options
-from ckptio.planning.export import (
+from ckptio.planning.export_plan import (
     ExportFile,
     ExportPlan,
     Part,
@@ -277,7 +277,7 @@ def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
     source.check_cut(files, window_bytes)
     checkpointer = source.checkpointer
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
-    pool = BufferPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
+    pool = StagingPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
     scratch = _Scratch()
     written = 0
     try:

@@ -17,7 +17,7 @@ protection across hosts, the drain to the slower tiers) take the step. The speci
 each choice is on the methods and in docs/MANAGER.md.
 
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
-flight, the agreement across ranks (one managing/ranks.py Ranks). Does not own: one
+flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
 checkpoint's save, load and verify (api.py), the policies (managing/), the copies (tiering/).
 """
 
@@ -40,7 +40,7 @@ from ckptio.managing.delta import DeltaPolicy, check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
-from ckptio.managing.ranks import Ranks
+from ckptio.managing.agreement import Ranks
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, where)
 from ckptio.managing.route import TierRoute, resume
@@ -398,6 +398,6 @@ class CheckpointManager:
         return self._ranking.group()
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:
-        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (ranks.py)."""
+        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
         return self._ranking.agreed(decide)
 

@@ -7,7 +7,7 @@ the store's measured write rate for "auto" (the tuner's profile, tuning/profile.
 store is known to be slow; a local store with no profile, or one faster than the codec's speed
 measured once per process, and no base: a plain save, exactly "off"), and opening the base of a delta save (a sibling checkpoint of the
 same kind of store, self-contained). Does not own: the frames and their files (saving/packing.py),
-reading a base's bytes (storage/coded.py).
+reading a base's bytes (storage/entry_reader.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from ckptio.errors import CkptError
 from ckptio.format import codec
 from ckptio.options import Options
 from ckptio.saving.packing import SPEED_MARGIN, Compression
-from ckptio.saving.session import Packing
-from ckptio.storage.base import Store
-from ckptio.storage.coded import Base, Bases, sibling_location
+from ckptio.saving.save_session import Packing
+from ckptio.storage.store_contract import Store
+from ckptio.storage.entry_reader import Base, Bases, sibling_location
 from ckptio.storage.select import checkpoint_path, store_for
 from ckptio.tuning import profile
 

@@ -1,6 +1,6 @@
 """The reusable resources of one Checkpointer: the staging pool and the I/O backends.
 
-A ``Resources`` is what saves and loads borrow (storage/files.Staging): one pre-faulted staging
+A ``ReusedIOResources`` is what saves and loads borrow (storage/files.IOResources): one pre-faulted staging
 pool, made on first use and reused by every later save and load, and one backend per kind of
 store (``Store.backend_kind``), so a job may read one store and write another with the same
 pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); where the store
@@ -14,7 +14,7 @@ an async save (grow within the host budget) -> ``release`` (made again on next u
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
-does with them (saving/session.py, loading/session.py), the pool itself (io/stage.py).
+does with them (saving/save_session.py, loading/load_session.py), the pool itself (io/stage.py).
 """
 
 from __future__ import annotations
@@ -24,33 +24,33 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-from ckptio.io.base import IOBackend
-from ckptio.io.stage import BufferPool, available_host_bytes
+from ckptio.io.backend_contract import IOBackend
+from ckptio.io.stage import StagingPool, available_host_bytes
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.local import LocalStore
 from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
 
-__all__ = ["BLOCK_CHECKSUM_NBYTES", "Resources"]
+__all__ = ["BLOCK_CHECKSUM_NBYTES", "ReusedIOResources"]
 
 log = logging.getLogger("ckptio")
 BLOCK_CHECKSUM_NBYTES = 1 << 20  # partial reads (resharding) verify whole 1 MiB blocks
 
 
-class Resources:
-    """One Checkpointer's staging pool and backends (storage/files.Staging)."""
+class ReusedIOResources:
+    """One Checkpointer's staging pool and backends (storage/files.IOResources)."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.lock = threading.Lock()
         self.cleanup = Cleanup()  # removal of superseded files, behind the next save
-        self._pool: BufferPool | None = None
+        self._pool: StagingPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
-        self._grown_pool: BufferPool | None = None  # the pool fit() made, pinned once resident
+        self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -58,7 +58,7 @@ class Resources:
     # ---------------------------------------------------------------- what a save or load borrows
 
     def files(self, store: Store, nbytes: int | None = None, *,
-              copy_faults: bool = False) -> tuple[BufferPool, StoreFiles]:
+              copy_faults: bool = False) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
@@ -85,7 +85,7 @@ class Resources:
         self._pin(store, backend, pool)
         return pool, StoreFiles(store, backend)
 
-    def _pin(self, store: Store, backend: IOBackend, pool: BufferPool) -> None:
+    def _pin(self, store: Store, backend: IOBackend, pool: StagingPool) -> None:
         """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
         backend's first use, which faults in what the pool has not yet (faster pinned than not:
         docs/BENCH_LIMIT.md, "the save's gap to the disk was page pinning"); a smaller one
@@ -127,7 +127,7 @@ class Resources:
         return min(BLOCK_CHECKSUM_NBYTES, self.options.buffer_bytes // 4)
 
     @property
-    def pool(self) -> BufferPool | None:
+    def pool(self) -> StagingPool | None:
         """The pool, if made (None before the first save or load and after release())."""
         return self._pool
 
@@ -139,9 +139,9 @@ class Resources:
             return default
         return min(default, max(2, -(-nbytes // self._active.buffer_bytes)))
 
-    def _made_pool(self, nbuffers: int, prefault: bool = True) -> BufferPool:
+    def _made_pool(self, nbuffers: int, prefault: bool = True) -> StagingPool:
         if self._pool is None:
-            self._pool = BufferPool(nbuffers, self._active.buffer_bytes, prefault=prefault,
+            self._pool = StagingPool(nbuffers, self._active.buffer_bytes, prefault=prefault,
                                     background=True)
         return self._pool
 
@@ -186,7 +186,7 @@ class Resources:
         self._grown_nbytes = target * buffer_bytes
         self.release()  # the next save or load makes the backends (registering the new pool)
         try:
-            self._pool = self._grown_pool = BufferPool(target, buffer_bytes, background=True)
+            self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use
             self._grown_nbytes = 0
             log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "

@@ -1,5 +1,5 @@
 """Per-rank bodies of tests/test_manager_policy.py's two-rank tests (module-level: ranks are
-spawned by ckptio.testing.ranks.run_ranks and import them by name)."""
+spawned by ckptio.testing.rank_processes.run_ranks and import them by name)."""
 
 from __future__ import annotations
 

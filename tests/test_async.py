@@ -352,8 +352,8 @@ def rss():
 options = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=64 << 20)
 ck = ckptio.Checkpointer(options)
 before = rss()
-with ck.staging().lock:
-    ck.staging().files(LocalStore(sys.argv[1]))  # unknown size: the whole pool_bytes
+with ck.resources().lock:
+    ck.resources().files(LocalStore(sys.argv[1]))  # unknown size: the whole pool_bytes
 give_up = time.monotonic() + 60  # only so that a pool never faulted in fails the test
 while time.monotonic() < give_up:  # faulted in the background, buffer by buffer
     whole = rss() - before
@@ -466,7 +466,7 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
     assert not os.path.exists(tmp_path / "a" / "manifest.json")
     ck.save(_state(seed=2), tmp_path / "b")
     _assert_bitwise(ckptio.load(tmp_path / "b"), _state(seed=2))
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.idle()
     ck.close()
 
@@ -485,10 +485,10 @@ import os, sys, torch, ckptio
 from ckptio.storage.local import LocalStore
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30,
                                         io_backend="posix"))
-with ck.staging().lock:  # the whole pool_bytes, as a use of unknown size makes it (a tiny
-    ck.staging().files(LocalStore(sys.argv[1]))  # save alone makes a pool of its own size)
+with ck.resources().lock:  # the whole pool_bytes, as a use of unknown size makes it (a tiny
+    ck.resources().files(LocalStore(sys.argv[1]))  # save alone makes a pool of its own size)
 ck.save({"x": torch.zeros(16)}, os.path.join(sys.argv[1], "ck"))
-assert ck.staging().pool._faulter.is_alive(), "the pool was faulted before exit: nothing is tested"
+assert ck.resources().pool._faulter.is_alive(), "the pool was faulted before exit: nothing is tested"
 """
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,

@@ -48,7 +48,7 @@ def test_manifest_is_valid_and_complete():
     chunks its regions need, each once."""
     from ckptio.distributed import collective
     from ckptio.distributed.dist import Solo
-    from ckptio.loading.regular import overlapping
+    from ckptio.loading.resolve_regular import overlapping
 
     tensors = plan_scale.model_tensors(12, optim=False)
     tensors[0] = plan_scale.Tensor(tensors[0].key, (23, 16), "0")  # 23 rows in 24 pieces

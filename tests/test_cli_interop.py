@@ -312,7 +312,7 @@ def test_convert_a_dcp_directory_then_verify_and_load_bitwise(tmp_path: Path):
 
 def test_verify_with_progress_reads_in_batches_and_still_finds_damage(monkeypatch,
                                                                       tmp_path: Path):
-    from ckptio.loading import session as load_session
+    from ckptio.loading import load_session
 
     monkeypatch.setattr(load_session, "VERIFY_BATCH_NBYTES", 64 << 10)  # 64 KiB batches
     state = {f"t{i}": torch.full((16 << 10,), float(i)) for i in range(6)}  # 64 KiB each
@@ -559,6 +559,6 @@ def test_reading_a_committed_manifest_takes_no_staging_pool(saved: Path) -> None
     checkpointer = ckptio.Checkpointer(ckptio.Options())
     try:
         record = checkpointer.manifest(saved)
-        assert record.tensors and checkpointer.staging().pool is None
+        assert record.tensors and checkpointer.resources().pool is None
     finally:
         checkpointer.close()

@@ -285,7 +285,7 @@ def test_failing_save_commits_nothing(committed, b_profile, fault):
 
     assert _manifest_bytes(path) == manifest_a, "the failed save changed the committed manifest"
     assert _listing(path) == listing_a, "the failed save left files behind (or removed A's)"
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.idle(), "a staging buffer was not handed back after the failure"
     assert not faulty.open_handles, f"file handles left open: {list(faulty.open_handles)}"
     assert_same(ck.load(path), state_a())
@@ -304,7 +304,7 @@ def test_failing_save_raise_in_submit_of_last_write_of_a_file(tmp_path, b_profil
         ck.save(state_b(), path)
     assert faulty.injected
     assert _manifest_bytes(path) == manifest_a and _listing(path) == listing_a
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.idle(), "the buffer of the failed submit was never handed back"
 
 
@@ -332,7 +332,7 @@ def test_failing_load_releases_everything(committed, fault):
         ck.load(path)
     assert faulty.injected
     assert faulty.injected[0].split(" ", 2)[2] in str(info.value)
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.idle() and not faulty.open_handles
     assert_same(ck.load(path), state_a())
 
@@ -343,7 +343,7 @@ def test_failing_open_on_load_releases_buffers(tmp_path):
     with pytest.raises(StorageIOError) as info:
         ck.load(path)
     assert faulty.injected and faulty.injected[0].split(" ", 2)[2] in str(info.value)
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.idle(), "the buffer taken for the first read was not handed back"
 
 
@@ -379,7 +379,7 @@ class _Watching(FaultyBackend):
 @pytest.mark.parametrize("fail", [False, True])
 def test_old_checkpoint_whole_until_new_commit(committed, b_profile, fail):
     ck, path, manifest_a, listing_a = committed
-    watcher = ck.staging().wrap_backend(LocalStore("."), lambda real: _Watching(
+    watcher = ck.resources().wrap_backend(LocalStore("."), lambda real: _Watching(
         real, path, manifest_a, {n for n in listing_a if n.startswith("data-")},
         fail_close=b_profile["nfiles"] if fail else None))
     watcher.active = True
@@ -460,7 +460,7 @@ def test_manifest_is_the_last_file_written(tmp_path):
             seen.append(os.path.exists(os.path.join(path, "manifest.json")))
             return super().close(fh, sync=sync)
 
-    ck.staging().wrap_backend(LocalStore("."), Look)
+    ck.resources().wrap_backend(LocalStore("."), Look)
     try:
         ck.save(state_b(), path)
     finally:

@@ -41,7 +41,7 @@ from ckptio.storage import dirlock, steps
 from ckptio.storage.local import LocalStore
 from ckptio.errors import CheckpointLockedError
 from ckptio.testing.faults import FaultyBackend
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 from conftest import assert_same
 
@@ -108,7 +108,7 @@ class Stall(FaultyBackend):
 
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20))
 ck.save(state(1), path)
-ck.staging().wrap_backend(LocalStore("."), Stall)
+ck.resources().wrap_backend(LocalStore("."), Stall)
 ck.save(state(2), path)
 ck.close()
 print("saved", flush=True)
@@ -331,12 +331,12 @@ def ranks_save(rank: int, world: int, path: str, if_locked: str, fail_start_on: 
     its save thread (after agreement, before the lock step). -> "ok" or the error."""
     ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=2 * MiB, if_locked=if_locked))
     if rank == fail_start_on:
-        from ckptio.saving import session
+        from ckptio.saving import save_session
 
         def fail(*args: object, **kwargs: object) -> None:
             raise ckptio.CkptError(f"rank {rank} fails to start")
 
-        session.plan_files = fail
+        save_session.plan_files = fail
     try:
         ck.save(state(7), path)
     except ckptio.CkptError as exc:
@@ -399,7 +399,7 @@ def test_two_checkpointers_of_one_process_exclude_each_other(tmp_path):
     reached, go = threading.Event(), threading.Event()
     outcome: list = []
     try:
-        holder.staging().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+        holder.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(holder, state(1), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)
@@ -430,7 +430,7 @@ def test_unhonoured_lock_commit_check_keeps_the_other_checkpoint(tmp_path, monke
     try:
         slow.save(state(1), path)
         assert "has no file locks" in caplog.text
-        slow.staging().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+        slow.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(slow, state(2), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)

@@ -30,7 +30,7 @@ from special_values import bits_equal, specials
 import ckptio
 from ckptio.cli import commands
 from ckptio.convert import TARGETS, convert
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -91,7 +91,7 @@ def saved(tmp_path, ck):
 
 
 def _pool_idle(ck: Checkpointer) -> bool:
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     return pool.idle()
 
 

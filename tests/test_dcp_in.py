@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 from dist_cases import fully_shard_linears
 
 DIMS = (12, 30, 17, 5)  # 17 and 5 rows do not divide by 2 ranks: uneven FSDP2 shards

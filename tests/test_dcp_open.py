@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio.format import torchzip
 from ckptio.loading import dcpdir
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 
 def _state() -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio.errors import ManifestError, StateMismatchError, UnsupportedStateError
 from ckptio.format import manifest
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 Pair = collections.namedtuple("Pair", "first second")
 

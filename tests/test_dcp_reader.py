@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 import ckptio
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 from dist_cases import fully_shard_linears
 from conftest import assert_same as _same
 

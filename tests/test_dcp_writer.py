@@ -1,6 +1,6 @@
 """``dcp.save(state, storage_writer=ckptio.DcpWriter(path))`` writes an ordinary ckptio checkpoint.
 
-Real DCP (torch 2.13) on real gloo ranks (ckptio.testing.ranks.run_ranks), real files:
+Real DCP (torch 2.13) on real gloo ranks (ckptio.testing.rank_processes.run_ranks), real files:
 
 * FSDP2 (``fully_shard`` MLP + AdamW after one step, uneven dims 12-30-17-5) saved on 2 ranks
   three ways (dcp.save; dcp.async_save with the THREAD executor; a DCP ``Stateful`` app state
@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.testing.ranks import free_port, run_ranks
+from ckptio.testing.rank_processes import free_port, run_ranks
 from dist_cases import SPECIALS, fully_shard_linears, special_leaf, special_reference
 from special_values import bits_equal, rand
 
@@ -473,7 +473,7 @@ def fault_rank(rank: int, world: int, path: str) -> dict[str, Any]:
 
     newest, newest_full = _sharded(mesh, 4)
     dcp.save(newest, storage_writer=ckptio.DcpWriter(path, if_locked="raise"))
-    checkpointer().staging().cleanup.finish()
+    checkpointer().resources().cleanup.finish()
     dist.barrier()
     target, _ = _sharded(mesh, 5)
     ckptio.load(path, target)
@@ -633,7 +633,7 @@ def test_a_fresh_load_gives_back_what_optimizer_load_state_dict_takes(tmp_path: 
 
 def test_tree_of_planner_data():
     from ckptio.dcp.writeplan import paths_of
-    from ckptio.loading.foreign import nest
+    from ckptio.loading.foreign_common import nest
 
     def tree_of(keys: list[str], planner_data: Any) -> Any:
         return nest({k: {"k": k} for k in keys}, paths_of(keys, planner_data), "test")

@@ -312,7 +312,7 @@ def test_a_kill_during_delta_saves_and_retention_leaves_every_committed_step_loa
 
 
 def test_two_ranks_save_deltas_against_rank_0s_choice(tmp_path):
-    from ckptio.testing.ranks import run_ranks
+    from ckptio.testing.rank_processes import run_ranks
 
     import policy_cases as cases
 

@@ -5,7 +5,7 @@ one rank and rewritten on the other), loaded back on 2 ranks and resharded onto 
 from __future__ import annotations
 
 import ckptio
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import delta_cases as cases
 from special_values import bits_equal

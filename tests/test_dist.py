@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 import ckptio
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases
 from special_values import bits_equal

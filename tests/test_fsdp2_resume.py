@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 from dist_cases import fully_shard_linears
 
 DIMS = (12, 30, 17, 5)  # in -> hidden -> hidden -> out

@@ -173,7 +173,7 @@ def _decoded(parts: dict[str, bytes], rank: int, message: bytes) -> RankPlan:
 
 def test_wire_round_trip_layout_published_apart():
     from ckptio.format.grid import Grid
-    from ckptio.planning.regular import Regular, RegularItem
+    from ckptio.planning.regular_items import Regular, RegularItem
 
     regular = Regular((Grid((2, 2), (0, 1, 2, 3), (0, -1)),),
                       (RegularItem(2, "dt", "bfloat16", (6, 3), 0),))

@@ -1,4 +1,4 @@
-"""Regular DTensor layouts planned per tensor (format/grid.py, planning/regular.py): the chunk
+"""Regular DTensor layouts planned per tensor (format/grid.py, planning/regular_items.py): the chunk
 arithmetic is torch's, every chunk has exactly one writer, and the coordinator's checks name
 the key and rank when ranks disagree."""
 
@@ -15,7 +15,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from ckptio.format.types import Chunk
 from ckptio.planning.globalplan import PlanConflict, RankPlan
 from ckptio.format.grid import REPLICATE, Grid, split
-from ckptio.planning.regular import Regular, RegularItem, check_regular, regular_writes
+from ckptio.planning.regular_items import Regular, RegularItem, check_regular, regular_writes
 
 MESHES = [(4,), (3,), (2, 2), (2, 3), (3, 2, 2)]
 SHAPES = [(8, 6), (7, 5), (13, 3), (5, 11), (2, 9)]

@@ -24,8 +24,8 @@ import torch
 
 import ckptio
 from ckptio.format import safetensors as st
-from ckptio.planning.export import plan_files, select, windows
-from ckptio.testing.ranks import run_ranks
+from ckptio.planning.export_plan import plan_files, select, windows
+from ckptio.testing.rank_processes import run_ranks
 from dist_cases import fully_shard_linears
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

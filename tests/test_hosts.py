@@ -1,4 +1,4 @@
-"""Real hosts on one machine (ckptio/testing/hosts.py, hostjob.py) and the memory tier's
+"""Real hosts on one machine (ckptio/testing/multihost.py, hostjob.py) and the memory tier's
 protection across them.
 
 The harness itself, in each mode possible here (netns: network namespaces with their own
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from ckptio.testing.hostjob import RanksFailed
-from ckptio.testing.hosts import Hosts, best_mode, netns_possible, sweep_stale
+from ckptio.testing.multihost import Hosts, best_mode, netns_possible, sweep_stale
 
 WHY_NOT_NETNS = netns_possible()
 
@@ -181,7 +181,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(WHY_NOT_NETNS is not None, reason=f"needs namespaces: {WHY_NOT_NETNS}")
 def test_leftovers_of_a_killed_run_are_swept(tmp_path: Any) -> None:
     """A Hosts in a process SIGKILLed before its teardown: the next one removes what it left."""
-    script = ("import sys, time; from ckptio.testing.hosts import Hosts; "
+    script = ("import sys, time; from ckptio.testing.multihost import Hosts; "
               "h = Hosts(2, sys.argv[1], mode='netns'); print(h.tag, flush=True); "
               "time.sleep(600)")
     proc = subprocess.Popen([os.sys.executable, "-c", script, str(tmp_path)],

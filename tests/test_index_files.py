@@ -14,14 +14,14 @@ import xxhash
 
 import ckptio
 from ckptio.errors import CkptError, ManifestError
-from ckptio.format import manifest, regular
+from ckptio.format import manifest, regular_section
 from ckptio.format.check import Check
 from ckptio.format.types import Chunk, RegularTensor
-from ckptio.loading import regular as resolve
+from ckptio.loading import resolve_regular as resolve
 from ckptio.loading.opening import committed
-from ckptio.loading.session import read_fn
+from ckptio.loading.load_session import read_fn
 from ckptio.storage.local import LocalStore
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases
 
@@ -43,7 +43,7 @@ def _copy(saved: str, tmp_path) -> str:
 def _reader(path: str, seen: list[str]):
     """The read a load uses for index files (unverified: expand checks them), recording which
     files it reads."""
-    plain = read_fn(ckptio.Checkpointer().staging(), LocalStore(path))
+    plain = read_fn(ckptio.Checkpointer().resources(), LocalStore(path))
 
     def read(reads):
         seen.extend(r.entries[0].file for r in reads)
@@ -66,7 +66,7 @@ def test_a_rank_reads_only_the_index_files_of_the_writers_it_needs(saved):
         grid, next(r for r in record.regular if r.key == "row"), regions["row"])}
     seen: list[str] = []
     expanded = resolve.expand(record, regions, _reader(saved, seen))
-    assert sorted(seen) == sorted(regular.index_name(record.save_id, r) for r in writers)
+    assert sorted(seen) == sorted(regular_section.index_name(record.save_id, r) for r in writers)
     assert len(writers) < 4  # the point: not every rank's index
     rows = [e for e in expanded.tensors if e.key == "row"]
     assert rows and all(e.chunk.offsets[0] < 2 for e in rows)
@@ -126,12 +126,12 @@ def _rewrite(path: str, rank: int, data: bytes) -> None:
         f.write(body)
 
 
-def _rows(path: str, rank: int) -> tuple[list[regular.IndexRow], str]:
+def _rows(path: str, rank: int) -> tuple[list[regular_section.IndexRow], str]:
     record = committed(LocalStore(path))
     with open(_index_path(path, rank), "rb") as f:
         data = f.read(next(i.nbytes for i in record.indexes if i.rank == rank))
     tensors = {r.key: r for r in record.regular}
-    return regular.decode_index(data, Check("x"), record.save_id, rank, tensors), record.save_id
+    return regular_section.decode_index(data, Check("x"), record.save_id, rank, tensors), record.save_id
 
 
 @pytest.mark.parametrize("damage,match", [
@@ -149,7 +149,7 @@ def test_consistent_but_wrong_index_rows_are_refused(saved, tmp_path, damage, ma
         rows = [r for r in rows if r.key != "col"]
     elif damage == "foreign_key":
         rows = [dataclasses.replace(rows[0], key="not.a.key"), *rows[1:]]
-    data = regular.encode_index("0" * 8 if damage == "stale" else save_id, 1, rows)
+    data = regular_section.encode_index("0" * 8 if damage == "stale" else save_id, 1, rows)
     _rewrite(path, 1, data)
     with pytest.raises(ManifestError, match=match) as err:
         ckptio.load(path)
@@ -181,7 +181,7 @@ def test_the_manifest_section_refuses_bad_grids_and_rows():
     good = {"grids": [{"shape": [2, 2], "ranks": [0, 1, 2, 3], "dims": [0, -1]}],
             "regular": [{"key": "w", "dtype": "float32", "shape": [4, 4], "grid": 0}],
             "indexes": []}
-    grids, rows, _ = regular.parse_section(Check("m"), good, 4, {})
+    grids, rows, _ = regular_section.parse_section(Check("m"), good, 4, {})
     assert rows == (RegularTensor("w", "float32", (4, 4), 0),) and grids[0].replicas == 2
     bad = [
         ({"shape": [2, 2], "ranks": [0, 1, 2], "dims": [0, -1]}, None, "ranks"),
@@ -195,7 +195,7 @@ def test_the_manifest_section_refuses_bad_grids_and_rows():
         raw = {"grids": [grid or good["grids"][0]], "regular": [row or good["regular"][0]],
                "indexes": []}
         with pytest.raises(ManifestError, match=match):
-            regular.parse_section(Check("m"), raw, 4, {})
+            regular_section.parse_section(Check("m"), raw, 4, {})
 
 
 def test_manifest_and_index_files_read_without_torch(saved):
@@ -207,7 +207,7 @@ def test_manifest_and_index_files_read_without_torch(saved):
     code = f"""
 import sys
 sys.modules["torch"] = None  # any import of torch fails
-from ckptio.format import manifest, regular
+from ckptio.format import manifest, regular_section
 from ckptio.format.check import Check
 path = {saved!r}
 with open(path + "/manifest.json", "rb") as f:
@@ -217,7 +217,7 @@ rows = 0
 for index in record.indexes:
     with open(path + "/" + index.name, "rb") as f:
         data = f.read(index.nbytes)
-    rows += len(regular.decode_index(data, Check(index.name), record.save_id, index.rank, tensors))
+    rows += len(regular_section.decode_index(data, Check(index.name), record.save_id, index.rank, tensors))
 print(rows)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -234,10 +234,10 @@ def test_hostile_index_bytes_raise_only_manifest_errors():
     import random
 
     tensors = {k: RegularTensor(k, "float32", (64,), 0) for k in ("a", "b", "c")}
-    rows = [regular.IndexRow(k, f"data-f{i % 2}", 256 * i, f"{i:016x}", ("0" * 16,) * i)
+    rows = [regular_section.IndexRow(k, f"data-f{i % 2}", 256 * i, f"{i:016x}", ("0" * 16,) * i)
             for i, k in enumerate(tensors)]
-    good = regular.encode_index("s", 5, rows)
-    assert regular.decode_index(good, Check("x"), "s", 5, tensors) == rows
+    good = regular_section.encode_index("s", 5, rows)
+    assert regular_section.decode_index(good, Check("x"), "s", 5, tensors) == rows
     start = good.index(b"\n") + 1
     twice = good[:start] + bytes(4) * 2 + good[start + 8:]  # rows 0 and 1 both name "a"
     cases = [twice, b"[" * 100_000 + b"\n", good[:-1], good + b"0", b""]
@@ -250,13 +250,13 @@ def test_hostile_index_bytes_raise_only_manifest_errors():
     refused = 0
     for data in cases:
         try:
-            regular.decode_index(data, Check("x"), "s", 5, tensors)
+            regular_section.decode_index(data, Check("x"), "s", 5, tensors)
         except ManifestError:
             refused += 1
     assert refused > 400
     for data in cases[:5]:
         with pytest.raises(ManifestError):
-            regular.decode_index(data, Check("x"), "s", 5, tensors)
+            regular_section.decode_index(data, Check("x"), "s", 5, tensors)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_ckptio_ls_names_a_damaged_index_file_without_torch(saved, tmp_path, dam
     else:  # consistent bytes, wrong rows: only the row checks catch it
         rows, save_id = _rows(path, 2)
         rows = [dataclasses.replace(r, offset=r.offset + (1 << 30)) for r in rows]
-        _rewrite(path, 2, regular.encode_index(save_id, 2, rows))
+        _rewrite(path, 2, regular_section.encode_index(save_id, 2, rows))
     done = _cli_without_torch(tmp_path, "ls", path)
     assert done.returncode == 2 and not done.stdout, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and "import of torch" not in done.stderr, done.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import inplace_cases as cases
 

@@ -15,7 +15,7 @@ import torch
 
 from ckptio import io
 from ckptio.io.ring import address_of
-from ckptio.io.stage import BufferPool
+from ckptio.io.stage import StagingPool
 from ckptio.options import MiB, Options
 from ckptio.storage.local import LocalStore
 from ckptio.testing import accepts_o_direct
@@ -63,7 +63,7 @@ def test_registered_pool_buffers_round_trip(tmp_path: os.PathLike[str]) -> None:
     from ckptio.io.uring import UringBackend
 
     backend = UringBackend(depth=4, direct_io="auto")
-    pool = BufferPool(4, MiB)
+    pool = StagingPool(4, MiB)
     try:
         assert backend.register_buffers(memoryview(pool._mapping))
         buffers = [pool.acquire() for _ in range(4)]
@@ -125,7 +125,7 @@ def test_dead_reaper_fails_requests_then_shutdown_recovers(tmp_path: os.PathLike
     from ckptio.io.uring import UringBackend
 
     backend = UringBackend(depth=2, direct_io="off")
-    pool = BufferPool(2, MiB)
+    pool = StagingPool(2, MiB)
     buffer = pool.acquire()
     path = os.path.join(tmp_path, "f.bin")
     fh = backend.open_write(path, 2 * MiB)
@@ -178,8 +178,8 @@ def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> Non
 def _local_backend(ck, where):
     from ckptio.storage.local import LocalStore
 
-    with ck.staging().lock:
-        pool, files = ck.staging().files(LocalStore(str(where)))
+    with ck.resources().lock:
+        pool, files = ck.resources().files(LocalStore(str(where)))
     return pool, files.backend
 
 
@@ -213,7 +213,7 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
     while it faults in (that cost a 100 MB cold load 37-39 ms); a pool grown for async saves
     (fit) is pinned only once its pre-fault is done, so the next async_save call does not wait
     for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it.
-    "Still faulting in" is held by patching BufferPool.resident: a small pool's pre-fault may
+    "Still faulting in" is held by patching StagingPool.resident: a small pool's pre-fault may
     finish before the check could see it running."""
     import ckptio
 
@@ -222,14 +222,14 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
     faulting = property(lambda _pool: False)
     ck = ckptio.Checkpointer(options)
     try:
-        monkeypatch.setattr(BufferPool, "resident", faulting)
-        with ck.staging().lock:  # a use of a small state: a pool of 2 buffers
-            small, files = ck.staging().files(LocalStore(str(tmp_path)), nbytes=2 << 20)
+        monkeypatch.setattr(StagingPool, "resident", faulting)
+        with ck.resources().lock:  # a use of a small state: a pool of 2 buffers
+            small, files = ck.resources().files(LocalStore(str(tmp_path)), nbytes=2 << 20)
         assert small.nbuffers == 2 and files.backend._registered == [], "a small pool was pinned"
-        ck.staging().release()
+        ck.resources().release()
         _pool, backend = _local_backend(ck, tmp_path)
         assert backend._registered, "a full-size pool was not pinned at the backend's first use"
-        ck.staging().fit([256 << 20])
+        ck.resources().fit([256 << 20])
         pool, backend = _local_backend(ck, tmp_path)
         assert pool.nbuffers == 256 and backend._registered == [], "a grown pool was pinned"
         monkeypatch.undo()

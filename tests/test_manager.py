@@ -26,7 +26,7 @@ import ckptio
 from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, ManifestError, Options, SaveHandle, SaveResult, StateMismatchError, StorageIOError)
 from ckptio.manager import CheckpointManager
 from ckptio.testing.faults import inject
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases
 

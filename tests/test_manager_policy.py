@@ -28,7 +28,7 @@ import torch
 import ckptio
 from ckptio import CheckpointNotFoundError, Checkpointer, CkptError, ManifestError, Options
 from ckptio.manager import CheckpointManager
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import policy_cases as cases
 

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 H = 8  # every layer H -> H
 N_LAYERS = 4

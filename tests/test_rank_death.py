@@ -17,7 +17,7 @@ import torch
 
 import ckptio
 from ckptio.testing import killed as cases
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 WORLD = 3
 DEADLINE_S = 3.0  # Options.rank_timeout_s (step_timeout_s: 120 s, killed.options)

@@ -244,7 +244,7 @@ def test_a_corrupt_byte_in_a_resharded_piece_checked_on_an_io_thread_never_lands
     landed = bad.local != -1.0
     assert torch.equal(bad.local[landed], big[rows, cols][landed])  # no wrong element
     assert all(bad.local[r - 100, c - 256] == -1.0 for r, c in hit)
-    assert ck.staging().files(LocalStore("."))[0].idle()
+    assert ck.resources().files(LocalStore("."))[0].idle()
     ck.close()
 
 # ------------------------------------------------------------------------------------------------
@@ -259,9 +259,9 @@ class _Sub(torch.Tensor):
 def test_move_in_copies_into_plain_host_tensors_only():
     """One memmove into a plain contiguous host tensor of the buffer's dtype (its version
     bumped as copy_ bumps it); anything else is left untouched for copy_in."""
-    from ckptio.io.stage import BufferPool, move_in
+    from ckptio.io.stage import StagingPool, move_in
 
-    pool = BufferPool(1, MiB)
+    pool = StagingPool(1, MiB)
     buffer = pool.acquire()
     buffer.as_dtype(torch.float32)[:64] = torch.arange(64.0)
     try:
@@ -313,9 +313,9 @@ def test_an_in_place_load_fills_every_destination_and_marks_it_modified(tmp_path
 
 
 def test_acquire_unless_returns_when_other_work_is_ready():
-    from ckptio.io.stage import BufferPool
+    from ckptio.io.stage import StagingPool
 
-    pool = BufferPool(1, MiB)
+    pool = StagingPool(1, MiB)
     held = pool.acquire()
     assert pool.acquire_unless(lambda: True) is None
     ready = [False]

@@ -19,8 +19,8 @@ import torch
 
 import ckptio
 from ckptio.errors import CkptError
-from ckptio.testing.ranks import RanksFailed, run_ranks
-from ckptio.tiering.hosts import Topology
+from ckptio.testing.rank_processes import RanksFailed, run_ranks
+from ckptio.tiering.topology import Topology
 from tests.redundancy_cases import (
     host_dir,
     peer_dies,

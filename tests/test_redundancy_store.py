@@ -16,7 +16,7 @@ import torch
 
 from ckptio.errors import CkptError
 from ckptio.options import Options
-from ckptio.storage.base import Exclusive, Store, TreeStore
+from ckptio.storage.store_contract import Exclusive, Store, TreeStore
 from ckptio.storage.local import LocalStore
 from ckptio.storage.memory import MemoryStore
 from ckptio.tiering import marks, peers

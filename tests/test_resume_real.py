@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.demo.runs import DemoError, run_training
+from ckptio.demo.launch import DemoError, run_training
 
 STEPS, EVERY, KILL = 24, 6, 18  # the save of step 18 is killed; async resumes from step 12
 # "tiny": epochs of 5 steps (2 on 2 ranks): the restored loader is mid-epoch, at least 2 epochs

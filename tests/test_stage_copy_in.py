@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ckptio.io.stage import BufferPool, copy_in, typed
+from ckptio.io.stage import StagingPool, copy_in, typed
 
 
-def _staged(values: torch.Tensor) -> tuple[BufferPool, torch.Tensor]:
-    pool = BufferPool(1, 1 << 20)
+def _staged(values: torch.Tensor) -> tuple[StagingPool, torch.Tensor]:
+    pool = StagingPool(1, 1 << 20)
     buffer = pool.acquire()
     raw = values.reshape(-1).view(torch.uint8)
     buffer.data[:raw.numel()].copy_(raw)

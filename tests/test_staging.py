@@ -167,9 +167,9 @@ def test_views_kept_in_buffers_follow_a_changed_layout(tmp_path: os.PathLike[str
 
 
 def test_pool_hands_out_lowest_buffers_first_and_bounds_kept_views() -> None:
-    from ckptio.io.stage import MAX_KEPT_VIEWS, BufferPool
+    from ckptio.io.stage import MAX_KEPT_VIEWS, StagingPool
 
-    pool = BufferPool(4, MiB)
+    pool = StagingPool(4, MiB)
     taken = [pool.acquire() for _ in range(4)]
     assert [b.index for b in taken] == [0, 1, 2, 3]
     for i in (2, 0, 3, 1):
@@ -187,9 +187,9 @@ def test_pool_hands_out_lowest_buffers_first_and_bounds_kept_views() -> None:
 
 
 def test_background_prefault_hands_out_buffers_before_it_ends() -> None:
-    from ckptio.io.stage import BufferPool
+    from ckptio.io.stage import StagingPool
 
-    pool = BufferPool(64, MiB, background=True)
+    pool = StagingPool(64, MiB, background=True)
     first = pool.acquire()  # as soon as one buffer's pages exist, not after all 64
     first.data.fill_(7)
     pool.release(first)
@@ -205,9 +205,9 @@ def test_background_prefault_hands_out_buffers_before_it_ends() -> None:
 def test_idle_while_the_background_prefault_runs():
     """Buffers the background pre-fault has not handed out yet are held by nobody: a save that
     failed before using the pool leaves it idle at once (CI caught idle() False there)."""
-    from ckptio.io.stage import BufferPool
+    from ckptio.io.stage import StagingPool
 
-    pool = BufferPool(64, 1 << 20, background=True)
+    pool = StagingPool(64, 1 << 20, background=True)
     try:
         assert pool.idle()
         held = pool.acquire()
@@ -297,27 +297,27 @@ def test_a_load_makes_its_pool_before_it_plans_its_reads(tmp_path: os.PathLike[s
     of the keys it asks for) as soon as the manifest is open, so the pool's background
     pre-fault overlaps the planning; the reads then use that pool, made once."""
     from ckptio.io import stage
-    from ckptio.loading import session
+    from ckptio.loading import load_session
 
     options = Options(buffer_bytes=MiB, pool_bytes=16 * MiB, io_depth=2, use_profile=False)
     state = _state(6 * MiB)
     ckptio.save(state, tmp_path / "c", options=options)
     made: list[int] = []
-    real_pool = stage.BufferPool.__init__
+    real_pool = stage.StagingPool.__init__
 
     def pool_init(self, nbuffers, *args, **kwargs):  # type: ignore[no-untyped-def]
         made.append(nbuffers)
         real_pool(self, nbuffers, *args, **kwargs)
 
     at_planning: list[list[int]] = []
-    real_fill = session.fill_in_place
+    real_fill = load_session.fill_in_place
 
     def fill(*args, **kwargs):  # type: ignore[no-untyped-def]
         at_planning.append(list(made))
         return real_fill(*args, **kwargs)
 
-    monkeypatch.setattr(stage.BufferPool, "__init__", pool_init)
-    monkeypatch.setattr(session, "fill_in_place", fill)
+    monkeypatch.setattr(stage.StagingPool, "__init__", pool_init)
+    monkeypatch.setattr(load_session, "fill_in_place", fill)
     reader = Checkpointer(options)
     dest = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()},
             "small": torch.zeros(7), "step": 0}

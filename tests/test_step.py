@@ -7,7 +7,7 @@ import pytest
 
 from ckptio.distributed.dist import Solo
 from ckptio.distributed.step import coordinate
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import step_cases as cases
 

@@ -1,4 +1,4 @@
-"""The storage contract (ckptio/storage/base.py) on both of its implementations.
+"""The storage contract (ckptio/storage/store_contract.py) on both of its implementations.
 
 (1) The Store conformance suite (ckptio/testing/store_conformance.py) on LocalStore (a
     directory) and MemoryStore (host memory): prepare, commit round trip, atomic replacement
@@ -27,7 +27,7 @@ from ckptio.storage.select import store_for
 from ckptio.errors import StorageIOError, UnsupportedPathError
 from ckptio.options import BLOCK, Options
 from ckptio.storage import steps
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.local import LocalStore
 from ckptio.storage.memory import HOST, MemoryBackend, MemoryStore
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files, run_all

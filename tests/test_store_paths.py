@@ -5,7 +5,7 @@ reaches a checkpoint's files builds a file path or opens one itself. Checked fro
 The modules checked are those between a state and its bytes: the save and load paths (saving/,
 loading/), the collective steps (distributed/), planning and the format (planning/, format/),
 the DCP adapter (dcp/), the tiers with their drain and redundancy (tiering/: copies, parity
-pieces and markers go through the root's TreeStore, storage/base.py) and the drivers that run
+pieces and markers go through the root's TreeStore, storage/store_contract.py) and the drivers that run
 them (api, resources, shared, manager). They may
 name a file in a message (``Store.path_of``, ``StoreFiles.where``) but never join a path,
 open, stat, rename or delete one: a file is opened by name through ``StoreFiles`` (storage/

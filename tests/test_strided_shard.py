@@ -45,7 +45,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 IN, HIDDEN, HEADS, OUT, SEQ = 6, 32, 4, 5, 4
 BATCH = 8  # global batch: divisible by 1, 2 and 4 data-parallel ranks

@@ -39,7 +39,7 @@ import ckptio
 from ckptio import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, Tier,
                     UnsupportedPathError)
 from ckptio.storage.select import checkpoint_path
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)

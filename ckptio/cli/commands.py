@@ -2,7 +2,7 @@
 
 Owns: their arguments (``add_parsers``) and running each one (``run``), importing torch and the
 loaders only in the commands that need them (ls and diff on a ckptio checkpoint never do).
-Does not own: the tree, run, diff and verify logic (cli/ls.py, cli/runs.py, cli/diff.py,
+Does not own: the tree, run, diff and verify logic (cli/ls.py, cli/ls_run.py, cli/diff.py,
 cli/verify.py), reading and writing checkpoints (ckptio.load / save / verify) or the Hugging
 Face export (ckptio.export).
 """
@@ -136,11 +136,11 @@ def _ls(args: argparse.Namespace) -> int:
 
     if args.depth is not None and args.depth < 0:
         raise CkptError(f"ckptio ls: --depth {args.depth}: give 0 or more levels")
-    from ckptio.cli import runs
+    from ckptio.cli import ls_run
 
-    steps = runs.list_run(args.path)  # None: not a run directory (a checkpoint, or nothing)
+    steps = ls_run.list_run(args.path)  # None: not a run directory (a checkpoint, or nothing)
     if steps is not None:
-        return runs.run(args.path, steps, as_json=args.json, exact=args.bytes)
+        return ls_run.run(args.path, steps, as_json=args.json, exact=args.bytes)
     return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
                   exact=args.values, flat=args.flat, in_bytes=args.bytes,
                   storage=args.storage)
@@ -173,7 +173,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ckptio.cli import convert
+    from ckptio.cli import convert_cmd as convert
 
     return convert.convert(args.src, args.dst, to=args.to, overwrite=args.overwrite,
                            allow_pickle=args.allow_pickle, per_rank_from=args.per_rank_from,
@@ -188,7 +188,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ckptio.cli import convert
+    from ckptio.cli import convert_cmd as convert
 
     return convert.export(args.src, args.dst, keys=args.keys, rename=args.rename,
                           dtype=DTYPES[args.dtype] if args.dtype else None,

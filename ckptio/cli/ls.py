@@ -6,7 +6,7 @@ Owns: walking the manifest's tree (format/FORMAT.md "Tree") into nodes with each
 dtype, shape, bytes, chunks or ranks and inline values, and printing them as text or as the
 JSON of docs/CLI.md (schema ``ckptio.ls/1``), sizes as people read them (``human_size``; the
 JSON and ``--bytes`` keep exact bytes). Does not own: opening the manifest (cli/source.py), which
-reads a ckptio checkpoint without importing torch, nor a run directory's steps (cli/runs.py).
+reads a ckptio checkpoint without importing torch, nor a run directory's steps (cli/ls_run.py).
 """
 
 from __future__ import annotations

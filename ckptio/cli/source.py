@@ -4,7 +4,7 @@ Owns: opening the manifest of a path for ls and diff (a ckptio checkpoint's own,
 validated without importing torch, a version 3 one's index files too (``Store.read_file``); a DCP
 directory's or a torch.save file's, made by ckptio's loader, which imports torch), and the
 per-key summary (kind, dtype, shape, bytes, chunks, ranks, values) both commands use. Does not
-own: validation (format/manifest.py, format/regular.py) or reading foreign formats (loading/).
+own: validation (format/manifest.py, format/regular_section.py) or reading foreign formats (loading/).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ckptio.errors import CheckpointNotFoundError
-from ckptio.format import manifest, regular, values
+from ckptio.format import manifest, regular_section, values
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
 from ckptio.storage.s3.client import is_s3
 from ckptio.options import Options
@@ -64,7 +64,7 @@ def source_format(record: Manifest) -> str:
 def open_manifest(path: str) -> Opened:
     """The manifest of ``path``: a ckptio checkpoint's without torch (a version 3 one with a
     row for every chunk of its regular tensors, from its index files, each checked as a load
-    checks it: format/regular.py); else a DCP directory's or a torch.save file's as
+    checks it: format/regular_section.py); else a DCP directory's or a torch.save file's as
     ckptio.load reads it (imports torch). Raises CkptError."""
     text = checkpoint_path(path)
     if is_s3(text) or not os.path.isfile(text):
@@ -75,7 +75,7 @@ def open_manifest(path: str) -> Opened:
             pass  # a DCP checkpoint, read below, or nothing (the loader says which)
         else:
             record = manifest.decode(body, store.path_of(manifest.MANIFEST_NAME))
-            every = regular.expand_all(record, lambda files: [
+            every = regular_section.expand_all(record, lambda files: [
                 store.read_file(f.name, 0, f.nbytes) for f in files])
             return Opened(text, every, "ckptio")
     from ckptio.api import Checkpointer

@@ -45,7 +45,7 @@ from ckptio.format.types import (
     TensorEntry,
     WriteItem,
 )
-from ckptio.loading.foreign import expand_value, nest, torch_load_value
+from ckptio.loading.foreign_common import expand_value, nest, torch_load_value
 from ckptio.planning import plan
 from ckptio.loading.torchvalues import TORCH_SAVE
 

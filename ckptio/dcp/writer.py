@@ -43,7 +43,7 @@ from ckptio.planning.layout import plan_files
 from ckptio.saving.persist import SaveJob
 from ckptio.shared import checkpointer
 from ckptio.storage import steps
-from ckptio.storage.base import Exclusive, Store, check_if_locked, new_save_id
+from ckptio.storage.store_contract import Exclusive, Store, check_if_locked, new_save_id
 from ckptio.storage.select import checkpoint_path, is_checkpoint_id, store_for
 from ckptio.version import __version__
 
@@ -174,17 +174,17 @@ class DcpWriter(StorageWriter):
                sources: dict[str, torch.Tensor], index_of: dict[str, Any]) -> list[WriteResult]:
         """This rank's items into its own files, durable; -> DCP's results."""
         owner = checkpointer(self.options)
-        staging = owner.staging()
+        resources = owner.resources()
         store = store_for(self.path, owner.options)
         files = plan_files(items, save_id=storage.save_id, rank=storage.rank,
                            max_file_bytes=owner.options.max_file_bytes)
         by_key = {item.key: item for item in items}
-        with staging.lock, steps.attempt(store, [f.name for f in files]):
-            staging.cleanup.wait_listed()  # the last commit's cleanup has listed its files
-            pool, target = staging.files(store)
+        with resources.lock, steps.attempt(store, [f.name for f in files]):
+            resources.cleanup.wait_listed()  # the last commit's cleanup has listed its files
+            pool, target = resources.files(store)
             job = SaveJob(target, files, sources, pool=pool,
                           algorithm=owner.options.checksum, rank=storage.rank,
-                          block_nbytes=staging.block_nbytes)
+                          block_nbytes=resources.block_nbytes)
             try:
                 job.capture()
                 entries, infos = job.finish()
@@ -207,15 +207,15 @@ class DcpWriter(StorageWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
         metadata.storage_meta = self.storage_meta()
         owner = checkpointer(self.options)
-        staging = owner.staging()
+        resources = owner.resources()
         try:
             record = writeplan.manifest_of(
                 metadata, results, save_id=save_id, algorithm=owner.options.checksum,
-                block_nbytes=staging.block_nbytes, meta=_meta(metadata),
+                block_nbytes=resources.block_nbytes, meta=_meta(metadata),
                 where=store.path_of(manifest.MANIFEST_NAME))
-            with staging.lock:
+            with resources.lock:
                 store.commit(manifest.encode(record), save_id, claim.held)
-                staging.cleanup.start(store, [f.name for f in record.files])
+                resources.cleanup.start(store, [f.name for f in record.files])
         except BaseException:
             claim.release(failed=True)
             raise

@@ -4,7 +4,7 @@
 
 Modules: ``model`` (the GPT, its text and the resumable data loader), ``train`` (one training
 process: build, maybe restore, train, checkpoint through ckptio.CheckpointManager, write its
-losses as JSON), ``runs`` (starting training processes, one or several ranks, and reading what
+losses as JSON), ``launch`` (starting training processes, one or several ranks, and reading what
 they wrote), ``main`` (the orchestration, the table, the plot).
 
 Needs only torch and tqdm (matplotlib, if installed, draws the plot); no numpy, no download: the

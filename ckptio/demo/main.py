@@ -12,7 +12,7 @@ Then a table compares each resumed step's loss with the reference's, bit for bit
 status is 0 only if every one is equal. With matplotlib installed, a plot of both curves.
 
 Owns: the plan (steps, interval, kill point), what is printed, the verdict and the plot.
-Does not own: training (train.py) or running processes (runs.py).
+Does not own: training (train.py) or running processes (launch.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptio.demo.runs import DemoError, Training, bits, run_training, same_bits, start_training
+from ckptio.demo.launch import DemoError, Training, bits, run_training, same_bits, start_training
 
 __all__ = ["main"]
 

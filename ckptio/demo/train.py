@@ -11,7 +11,7 @@ gradients averaged by DistributedDataParallel; the checkpoint keeps each rank's 
 Owns: the training loop, the checkpointed state (the objects themselves: ckptio calls their
 state_dict() when saving and load_state_dict() when restoring), the progress bar, the kill, and
 the JSON it writes (every loss as float.hex, so the comparison is bitwise). Does not own: the
-model, data and optimizer (model.py), or starting processes and comparing runs (runs.py, main.py).
+model, data and optimizer (model.py), or starting processes and comparing runs (launch.py, main.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.storage.base import Exclusive, Store, new_save_id
+from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 from ckptio.format import entryform, manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
@@ -34,14 +34,14 @@ from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.gcpause import paused
 from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
-from ckptio.planning.regular import Regular, regular_section, regular_writes
+from ckptio.planning.regular_items import Regular, regular_section, regular_writes
 from ckptio.format.types import Manifest, WriteItem, Written
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree",
            "conclude", "exclusive", "manifest_of", "skip_exclusive"]
 
 # what a rank wrote: its entries keyed by item index in its plan (but its regular items'), its
-# files, and its index file of its regular items' chunks (format/regular.py), if it wrote any
+# files, and its index file of its regular items' chunks (format/regular_section.py), if it wrote any
 
 
 @dataclass

@@ -7,7 +7,7 @@ digest of their bytes when there are peers, so replicas of equal bytes are store
 different ones kept per rank.
 
 Owns: that choice and the digests. Does not own: the messages (wire.py), the collective steps
-(collective.py) or the coordinator's decisions (planning/globalplan.py, regular.py).
+(collective.py) or the coordinator's decisions (planning/globalplan.py, planning/regular_items.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ckptio.format.flatten import FlatState
 from ckptio.planning.globalplan import RankPlan
 from ckptio.format.grid import Grid
 from ckptio.planning.plan import SavePlan
-from ckptio.planning.regular import Regular, RegularItem
+from ckptio.planning.regular_items import Regular, RegularItem
 
 __all__ = ["local_plan", "valued_shards"]
 

@@ -19,7 +19,7 @@ import xxhash
 from ckptio.errors import CkptError
 from ckptio.planning.globalplan import Assignment, RankPlan
 from ckptio.format.grid import Grid
-from ckptio.planning.regular import Regular, RegularItem
+from ckptio.planning.regular_items import Regular, RegularItem
 from ckptio.format import entryform
 from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, Delta, FileInfo, IndexFile, ObjectEntry,
                                  Stored, TensorEntry, WriteItem, Written)

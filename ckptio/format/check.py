@@ -2,7 +2,7 @@
 a ManifestError naming the manifest and saying what to do.
 
 Owns: Check (the error's wording and the basic field types), shape_of, checksum_of. Pure. Does
-not own: what each part of a manifest holds (validate.py, regular.py).
+not own: what each part of a manifest holds (validate.py, regular_section.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ is under each, and the one CRC-32 function ckptio checks records with. xxh3_64 i
 primitive: the fastest measured, releasing the GIL; a hardware CRC-32C buys nothing over it for
 ckptio's own checkpoints (docs/PROBES.md, "Checksum speed and GIL release").
 crc32 (8 hex digits) is what torch.save zips record: a DCP checkpoint or torch.save file read
-through ckptio (loading/dcpdir.py, loading/torchsave.py) is checked against it. ``crc32`` is
+through ckptio (loading/dcpdir.py, loading/torchsave_manifest.py) is checked against it. ``crc32`` is
 ISA-L's (the ``isal`` package, ckptio's ``fastcrc`` extra) when it is installed, else zlib's:
 the same polynomial and values, ISA-L's much the faster; both release the GIL
 (docs/BENCH_INTEROP.md, "CRC-32 by ISA-L").

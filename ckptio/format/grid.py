@@ -15,8 +15,8 @@ be empty (a nested or uneven split leaves some ranks none): nothing is written f
 Everything else keeps the per-chunk path.
 
 Owns: that arithmetic, for saves and for loads (a manifest of version 3 stores grids:
-format/regular.py). Pure: no torch, no I/O. Does not own: recognising a DTensor
-(planning/sharding.py), checking that ranks agree (planning/regular.py), or messages (wire.py).
+format/regular_section.py). Pure: no torch, no I/O. Does not own: recognising a DTensor
+(planning/sharding.py), checking that ranks agree (planning/regular_items.py), or messages (wire.py).
 """
 
 from __future__ import annotations

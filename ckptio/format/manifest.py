@@ -19,7 +19,7 @@ from itertools import accumulate
 from typing import Any
 
 from ckptio.errors import ManifestError
-from ckptio.format import entryform, regular, validate
+from ckptio.format import entryform, regular_section, validate
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import MAX_TREE_DEPTH, Manifest, ObjectEntry, TensorEntry, show
@@ -33,7 +33,7 @@ __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEP
 
 MAGIC = "ckptio-manifest"
 # 2: many ranks (chunks per key, per-rank entries, flat chunks, block checksums)
-# 3: regular layouts described per tensor, their chunks in per-rank index files (regular.py)
+# 3: regular layouts described per tensor, their chunks in per-rank index files (regular_section.py)
 # 4: compressed entries, references to and XOR deltas against a base checkpoint (entryform.py);
 #    written only by a save holding one of them, so a plain checkpoint stays readable at 3
 VERSION = 3
@@ -77,7 +77,7 @@ def _body(m: Manifest) -> dict[str, Any]:
         "tree": m.tree,
         "meta": m.meta,
         "block_nbytes": m.block_nbytes,
-        **(regular.section_json(m) if m.version >= 3 else {}),
+        **(regular_section.section_json(m) if m.version >= 3 else {}),
         **({"bases": list(m.bases)} if m.bases else {}),
     }
 

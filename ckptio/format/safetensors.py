@@ -12,7 +12,7 @@ file or after the last tensor). The index is ``{"metadata": {"total_size", ...},
 {name: file}}``; its file names must be plain names in the same directory.
 
 Owns: the byte layout of headers and the index, the dtype name table, their validation.
-Does not own: reading or writing bytes (loading/safetensors.py, ckptio/export.py).
+Does not own: reading or writing bytes (loading/safetensors_manifest.py, ckptio/export.py).
 """
 
 from __future__ import annotations

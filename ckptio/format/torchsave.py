@@ -14,7 +14,7 @@ strings, bytes (``_codecs.encode`` of latin-1 text, as protocol 2 pickles them),
 Any other global raises PickleRefusedError naming it; nothing it names is imported or run.
 
 Owns: that zip and pickle parsing and its checks. Pure, torch-free. Does not own: reading the
-bytes, turning the decoded object into a Manifest (loading/torchsave.py).
+bytes, turning the decoded object into a Manifest (loading/torchsave_manifest.py).
 """
 
 from __future__ import annotations

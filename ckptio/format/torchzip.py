@@ -13,7 +13,7 @@ dtype, storage size, storage offset, size and stride are known; ``parse_descript
 descriptor after the data (its CRC-32 is what a whole read of the data is checked against).
 
 Owns: that zip and pickle parsing and its checks. Pure, torch-free. Does not own: reading the
-bytes (loading/foreign.py), what a load does with the result.
+bytes (loading/foreign_common.py), what a load does with the result.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class RegularTensor:
 @dataclass(frozen=True)
 class IndexFile:
     """A rank's index file (version 3): the file, offset and checksums of every chunk of a
-    RegularTensor that rank wrote, as packed columns (format/regular.py)."""
+    RegularTensor that rank wrote, as packed columns (format/regular_section.py)."""
 
     rank: int
     name: str
@@ -240,7 +240,7 @@ class Manifest:
     meta: dict[str, Json]
     block_nbytes: int = 1 << 20  # granularity of TensorEntry.blocks (partial reads verify blocks)
     # version 3: tensors in a regular layout, described once each; their chunks' places are
-    # in the writers' index files (loading/regular.py turns the chunks a load needs into
+    # in the writers' index files (loading/resolve_regular.py turns the chunks a load needs into
     # TensorEntry rows). Empty in a manifest of every chunk.
     grids: tuple[Grid, ...] = ()
     regular: tuple[RegularTensor, ...] = ()

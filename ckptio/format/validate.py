@@ -6,7 +6,7 @@ CRC and depth checks): every field's type and range, offsets (inside their file,
 element size, no two entries sharing bytes), lengths, dtypes and the kinds that can hold them,
 shapes, chunks (a key's chunks tile its shape exactly, tiling.py, so a load never allocates more
 than the data files hold), block checksums, file names, keys and the tree (version 3's regular
-section: regular.py). check_keys runs the key rules on a Manifest about to be written;
+section: regular_section.py). check_keys runs the key rules on a Manifest about to be written;
 check_values decodes every inline value (values.decode, which a load runs on each value it
 returns). Pure: no file access, no pickle.
 Does not own: the byte framing (manifest.py), whether the data files hold the bytes the manifest
@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from ckptio.format import containers, entryform, regular, values
+from ckptio.format import containers, entryform, regular_section, values
 from ckptio.format.check import (
     MAX_INT,
     MAX_NDIM,
@@ -78,7 +78,7 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
     objects = tuple(_object(c, o, world_size)
                     for o in c.list(c.field(raw, "objects", "manifest"), "objects"))
     aliases = tuple(_alias(c, a) for a in c.list(c.field(raw, "aliases", "manifest"), "aliases"))
-    grids, regulars, indexes = ((), (), ()) if version < 3 else regular.parse_section(
+    grids, regulars, indexes = ((), (), ()) if version < 3 else regular_section.parse_section(
         c, raw, world_size, {f.name: f for f in files})
     tree = c.field(raw, "tree", "manifest")
     _check_keys(c, tensors, objects, aliases, tree, tuple(r.key for r in regulars))

@@ -1,4 +1,4 @@
-"""The io layer: I/O backends behind one small contract (base.IOBackend), chosen by name, and the
+"""The io layer: I/O backends behind one small contract (backend_contract.IOBackend), chosen by name, and the
 staging buffers (stage.py). Internal: the public surface is ``ckptio`` itself
 (ckptio/__init__.py's ``__all__``); testing/io_conformance.py states the backend contract.
 
@@ -17,7 +17,7 @@ import os
 import resource
 
 from ckptio.errors import CkptError
-from ckptio.io.base import FileHandle, IOBackend
+from ckptio.io.backend_contract import FileHandle, IOBackend
 from ckptio.options import IO_BACKENDS as NAMES
 
 __all__ = ["FileHandle", "IOBackend", "create", "uring_unavailable_reason", "NAMES"]

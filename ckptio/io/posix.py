@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle
+from ckptio.io.backend_contract import FileHandle
 
 # _error (an OSError as the StorageIOError every backend raises) is shared with uring.py.
 __all__ = ["PosixBackend", "_error"]

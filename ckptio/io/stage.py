@@ -26,7 +26,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE
 
 MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
 
-__all__ = ["Buffer", "BufferPool", "available_host_bytes", "copy_in", "copy_out", "move_in",
+__all__ = ["Buffer", "StagingPool", "available_host_bytes", "copy_in", "copy_out", "move_in",
            "torch_dtype", "typed"]
 
 
@@ -72,7 +72,7 @@ class Buffer:
         return view
 
 
-class BufferPool:
+class StagingPool:
     """``nbuffers`` buffers of ``buffer_bytes`` in one anonymous mapping.
 
     Every page is faulted in when the pool is made (``prefault``) and stays resident: the mapping
@@ -200,7 +200,7 @@ class BufferPool:
         exception's traceback may still hold one, so the mapping is never force-closed)."""
         self.faulted()
         if not self.idle():
-            raise CkptError("BufferPool.close: buffers are still in use by a save or load")
+            raise CkptError("StagingPool.close: buffers are still in use by a save or load")
         if self.pinned and self._all:
             torch.cuda.cudart().cudaHostUnregister(self._all[0].data.data_ptr())
             self.pinned = False
@@ -209,7 +209,7 @@ class BufferPool:
         del self._mapping
 
 
-_faulting: weakref.WeakSet[BufferPool] = weakref.WeakSet()  # pools made with background=True
+_faulting: weakref.WeakSet[StagingPool] = weakref.WeakSet()  # pools made with background=True
 
 
 def _stop_faulting_at_exit() -> None:

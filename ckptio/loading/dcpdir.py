@@ -12,7 +12,7 @@ tensor item opened too, else each left a ``PendingEntry``) -> ``has_pending`` ->
 overlap, and those alone) -> read.py checks each item's data against its CRC-32 as it reads.
 
 Owns: the synthesized Manifest, pending entries and when items are opened. Does not own: the
-pickle and zip parsing (format/), the value decoding and expansion (foreign.py), reading bytes
+pickle and zip parsing (format/), the value decoding and expansion (foreign_common.py), reading bytes
 (read.py), matching keys (fill.py).
 """
 
@@ -34,7 +34,7 @@ from ckptio.format.types import (
     Read,
     TensorEntry,
 )
-from ckptio.loading.foreign import (
+from ckptio.loading.foreign_common import (
     BLOCK_NBYTES,
     ReadFn,
     decode_value,
@@ -46,7 +46,7 @@ from ckptio.loading.foreign import (
     read_small,
 )
 from ckptio.planning.reshard import FlatRange, flat_boxes, intersect
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = ["PendingEntry", "has_pending", "open_dcp", "resolve_reads"]
 
@@ -67,7 +67,7 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False,
 
     The metadata is decoded with the allow-list unpickler (format/dcpmeta.py); every data file
     it names must be there and long enough for its items; every value item (BYTE_IO: optimizer
-    hyper-parameters, Python numbers and containers) is read whole, decoded by foreign.py
+    hyper-parameters, Python numbers and containers) is read whole, decoded by foreign_common.py
     (``torch.load(weights_only=True)``, ``weights_only=False`` only with ``allow_pickle``) and
     expanded by ckptio's flatten rules.
 

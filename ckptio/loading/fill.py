@@ -113,7 +113,7 @@ class Sources:
             return self.tensors[key]
         if key in self.unread:
             raise CkptError(f"key {key!r}: its chunks were not resolved before the load planned "
-                            "its reads (internal: loading/regular.py chooses them)")
+                            "its reads (internal: loading/resolve_regular.py chooses them)")
         if self.source_rank is None:
             self.refused.append(key)
             return None

@@ -2,11 +2,11 @@
 
 Owns: the committed ckptio manifest (decoded, values checked, data files
 present); the dispatch, when a location holds no ckptio manifest, to the foreign formats
-ckptio reads: a DCP directory (loading/dcpdir.py), a torch.save file (loading/torchsave.py), a
-safetensors file or Hugging Face folder (loading/safetensors.py). Does not own: which store and
+ckptio reads: a DCP directory (loading/dcpdir.py), a torch.save file (loading/torchsave_manifest.py), a
+safetensors file or Hugging Face folder (loading/safetensors_manifest.py). Does not own: which store and
 file a path names (storage/select.py), reading bytes (the caller passes the read function,
 through its pool and the store's files), decoding any format (format/, loading/), or loading
-into a state (loading/session.py, fill.py).
+into a state (loading/load_session.py, fill.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import dcpdir, foreign, safetensors, torchsave
+from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, torchsave_manifest
 from ckptio.storage import steps
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = ["ReadFn", "committed", "open_manifest"]
 
@@ -30,20 +30,20 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
     """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
     manifest) the Manifest loading/dcpdir.py makes of it (``every_item`` False: its tensor
     items left to be opened where a read needs them), for a torch.save ``file`` in it the
-    one loading/torchsave.py makes, and for a safetensors file or a Hugging Face folder (an
-    index or model.safetensors) loading/safetensors.py's. ``read`` fills unverified Reads."""
-    hf = file is not None and safetensors.is_safetensors_name(file)
+    one loading/torchsave_manifest.py makes, and for a safetensors file or a Hugging Face folder (an
+    index or model.safetensors) loading/safetensors_manifest.py's. ``read`` fills unverified Reads."""
+    hf = file is not None and safetensors_manifest.is_safetensors_name(file)
     if file is None:
         try:
             return committed(store)
         except CheckpointNotFoundError:
-            hf = not foreign.holds_dcp(store)
-            if hf and not safetensors.holds_hf(store):
+            hf = not foreign_common.holds_dcp(store)
+            if hf and not safetensors_manifest.holds_hf(store):
                 raise
     if hf:
-        record = safetensors.open_safetensors(store, read, file)
+        record = safetensors_manifest.open_safetensors(store, read, file)
     elif file is not None:
-        record = torchsave.open_torch_save(store, file, read)
+        record = torchsave_manifest.open_torch_save(store, file, read)
     else:
         record = dcpdir.open_dcp(store, read, allow_pickle=allow_pickle, every_item=every_item)
     return record

@@ -3,7 +3,7 @@
 A load hands over Reads (format/types.py): a region of a global tensor, the stored chunks that
 hold it, a destination. Each becomes spans of stored entries, the unit one checksum covers.
 
-Call order: ``read_regions`` (version 4 entries through loading/coded.py) -> ``plan_spans``
+Call order: ``read_regions`` (version 4 entries through loading/coded_reads.py) -> ``plan_spans``
 (whole entries as one span, other regions as pieces widened to whole checksum blocks: the
 rules are on plan_spans) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP
 share one aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool
@@ -31,9 +31,9 @@ import torch
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
-from ckptio.io.stage import Buffer, BufferPool, copy_in, move_in, torch_dtype, typed
+from ckptio.io.stage import Buffer, StagingPool, copy_in, move_in, torch_dtype, typed
 from ckptio.loading.checks import Checker
-from ckptio.loading.coded import is_coded, read_coded
+from ckptio.loading.coded_reads import is_coded, read_coded
 from ckptio.loading.shared_blocks import submit_parts
 from ckptio.options import BLOCK
 from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
@@ -44,7 +44,7 @@ from ckptio.planning.reshard import (
     region_of,
     stored_from_entry,
 )
-from ckptio.storage.coded import EntryReader
+from ckptio.storage.entry_reader import EntryReader
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["read_regions"]
@@ -172,13 +172,13 @@ def _misaligned(entry: TensorEntry) -> bool:
 # the read-ahead loop
 
 
-def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
+def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                  algorithm: str | None, block_nbytes: int, depth: int,
                  check_blocks: bool = False, coded: EntryReader | None = None) -> int:
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. Reads of version 4 entries (compressed,
-    references, XOR deltas) go through ``coded`` (loading/coded.py). -> bytes read."""
+    references, XOR deltas) go through ``coded`` (loading/coded_reads.py). -> bytes read."""
     nbytes = 0
     if any(is_coded(r) for r in reads):
         if coded is None:
@@ -193,7 +193,7 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
                                 check_blocks=check_blocks)
 
 
-def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: BufferPool,
+def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                 algorithm: str | None, block_nbytes: int, depth: int,
                 check_blocks: bool) -> int:
     reads, permuted = _in_stored_order(reads)
@@ -253,7 +253,7 @@ class _InFlight:
     (None: the loop applies it, in order)."""
 
     range: ReadRange[_Span]
-    pool: BufferPool
+    pool: StagingPool
     own: bool
     buffer: Buffer
     future: Future[int]
@@ -267,13 +267,13 @@ class _InFlight:
         _give_back(self.pool, self.own, self.buffer)
 
 
-def _give_back(pool: BufferPool, own: bool, buffer: Buffer) -> None:
+def _give_back(pool: StagingPool, own: bool, buffer: Buffer) -> None:
     pool.release(buffer)
     if own:
         pool.close()
 
 
-def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, depth: int,
+def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, depth: int,
          checker: Checker) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
     whose spans all check on their own is checked and copied out by the I/O thread that read it,
@@ -317,13 +317,13 @@ def _run(ranges: list[ReadRange[_Span]], pool: BufferPool, source: StoreFiles, d
     return nbytes
 
 
-def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], pool: BufferPool,
+def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], pool: StagingPool,
             source: StoreFiles, checker: Checker, stop: threading.Event,
             ready: Callable[[], bool] | None) -> _InFlight | None:
     """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
     oldest read in flight is done) holds before a buffer is free."""
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
-    buffers = BufferPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
+    buffers = StagingPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
     buffer = buffers.acquire() if ready is None or own else buffers.acquire_unless(ready)
     if buffer is None:
         return None

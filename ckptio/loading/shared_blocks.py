@@ -13,7 +13,7 @@ a block) is fetched once for the same reason. Nothing about checking changes: th
 the same bytes either way and is checked whole as before.
 
 Owns: which byte ranges of a read go through the cache, submitting the parts (joined by
-io.base.all_of). Does not own: the spans (read.py), opening files (the store's StoreFiles) or
+io.backend_contract.all_of). Does not own: the spans (read.py), opening files (the store's StoreFiles) or
 the I/O.
 """
 
@@ -25,7 +25,7 @@ from typing import Protocol
 
 from ckptio.format.types import ReadRange
 from ckptio.io import FileHandle
-from ckptio.io.base import all_of
+from ckptio.io.backend_contract import all_of
 from ckptio.options import BLOCK
 from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.files import StoreFiles

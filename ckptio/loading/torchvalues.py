@@ -6,12 +6,12 @@ verbatim (a DCP reader gets them back as they were). A load reads every such ent
 (they are small: optimizer hyper-parameters, Python numbers and containers), through the
 caller's verified reads, decodes it with ``torch.load(weights_only=True)`` (``weights_only=False``
 only with ``allow_pickle=True``), and expands it by ckptio's flatten rules
-(``foreign.expand_value``): a DCP ``optim.param_groups.0.betas`` tuple becomes the keys
+(``foreign_common.expand_value``): a DCP ``optim.param_groups.0.betas`` tuple becomes the keys
 ``...betas.0`` and ``...betas.1`` a caller's state flattens to. The result is a Manifest with
 those values inline and the tree nodes replaced, so fill.py loads it unchanged.
 
 Owns: the decoding and the rewrite of the manifest. Does not own: reading and checking bytes
-(read.py, through ``read``), the expansion rules (foreign.py), matching keys (fill.py).
+(read.py, through ``read``), the expansion rules (foreign_common.py), matching keys (fill.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from ckptio.errors import ManifestError
 from ckptio.format import validate
 from ckptio.format.types import Json, Manifest, ObjectEntry, Read
-from ckptio.loading.foreign import expand_value, torch_load_value
+from ckptio.loading.foreign_common import expand_value, torch_load_value
 
 __all__ = ["TORCH_SAVE", "expand_torch_save", "replace_nodes"]
 

@@ -4,7 +4,7 @@ time), follower.py (the Follower protocol of what follows a commit in the first 
 route.py (the drain's route through the tiers), inflight.py (the save in flight),
 restoring.py (the one restore loop), agreed.py (with redundancy: the step every rank agrees
 on first). The policies, each one verb: triggers.py (SavePolicy.due), retention.py
-(Retention.kept), delta.py (choose_base), with chains.py (each step's bases) and ranks.py
+(Retention.kept), delta.py (choose_base), with chains.py (each step's bases) and agreement.py
 (rank 0's decisions agreed). warn() below is the one channel a manager's warnings take.
 
 Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API.

@@ -8,7 +8,7 @@ on, and loading one of them. Call order per save: ``saved(step)`` once the step 
 this tier, then ``retain(also)``; ``join_removal()`` before the manager lets go.
 
 Decisions here run on the coordinating rank (the manager agrees on them across ranks through
-its one Ranks object, managing/ranks.py); try_load() is a collective (the load is).
+its one Ranks object, managing/agreement.py); try_load() is a collective (the load is).
 
 Owns: that tier's caches (links, metrics, damaged and verified steps) and its removal thread.
 Does not own: the retention rules (retention.py), the chains' rules (chains.py), listing and
@@ -31,10 +31,10 @@ from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.managing.chains import Chains, Link
 from ckptio.managing.delta import DeltaPolicy, choose_base
-from ckptio.managing.ranks import Ranks
+from ckptio.managing.agreement import Ranks
 from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.options import Options
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.select import root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
 from ckptio.tiering.tier import Tier

@@ -8,7 +8,7 @@ a step across ranks first and calls ``restore_first`` for that one step.
 - Candidates: every step committed in some tier, newest first; each tried in the tiers holding
   it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
   and newer than the one restored is named in the warning.
-- A load that finds damage (ranks.DAMAGE, on any rank) marks that copy damaged and passes on;
+- A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   any other error is raised at once (a StateMismatchError is the caller's bug).
 - Nothing committed anywhere: None when every tier was listed and holds nothing else (a warning
   names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise.

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.managing.level import TierSteps
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = ["TierRoute", "resume"]
 

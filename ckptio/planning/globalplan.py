@@ -4,7 +4,7 @@ what; from every rank's written entries, build the one manifest.
 Replicas (ranks holding the same region of a sharded tensor, or the same bytes of a plain
 tensor) are written once, by the replica with the fewest bytes to write so far, biggest groups
 first, so writing is spread by bytes. Regular DTensor items are not decided here: their
-writers follow from their grids (regular.py, whose checks plan_global runs). A plain tensor
+writers follow from their grids (regular_items.py, whose checks plan_global runs). A plain tensor
 or object whose value differs between
 ranks (RNG state, data-loader position) is kept per rank, never merged. Trees are merged (keys
 held by some ranks only, as under pipeline parallelism, are kept).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import CkptError
 from ckptio.format.types import FileInfo, Json, ObjectEntry, TensorEntry, WriteItem
-from ckptio.planning.regular import Regular, check_regular
+from ckptio.planning.regular_items import Regular, check_regular
 
 __all__ = ["Assignment", "GlobalPlan", "PlanConflict", "RankPlan", "check_files",
            "manifest_entries", "merge_trees", "objects_of", "per_rank_keys", "plan_global"]
@@ -44,7 +44,7 @@ class RankPlan:
     aliases: tuple[tuple[str, str], ...]
     tree: Json
     domains: Mapping[int, str] = field(default_factory=dict)
-    regular: Regular | None = None  # its regular DTensor items (regular.py), shared by ranks
+    regular: Regular | None = None  # its regular DTensor items (regular_items.py), shared by ranks
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The saving layer: one save, from a flattened state to a committed checkpoint.
 
-The save session in the order it happens (session), streaming items through the staging pool into
+The save session in the order it happens (save_session), streaming items through the staging pool into
 data files (persist), the eager capture handed to the caller's thread (handover), the handle an
 asynchronous save returns (handle) and removing superseded files (cleanup).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from ckptio.storage import steps
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = ["Cleanup"]
 

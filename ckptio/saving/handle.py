@@ -1,14 +1,14 @@
 """What a caller holds while a save runs in the background (SaveHandle, SaveResult), and the
 controller its save drives it through (HandleControl), with the optimizer pre-hooks of a lazy save.
 
-Call order: the save session (session.py) makes one HandleControl per save and hands its
+Call order: the save session (save_session.py) makes one HandleControl per save and hands its
 ``handle`` to the caller; the session's threads move the save through it (planned -> staged ->
 done or failed); the caller's SaveHandle only reads from it; the Checkpointer (api.py) keeps the
 control of the save in flight to settle it before the next save.
 
 Owns: that state machine, timings (blocked, capture, persist, total), reporting a background
 error exactly once (on wait(), or else on the next save), and the hooks that make an optimizer
-step wait until a lazy capture has finished. Does not own: the save's steps (session.py) or its
+step wait until a lazy capture has finished. Does not own: the save's steps (save_session.py) or its
 bytes (persist.py).
 """
 

@@ -12,7 +12,7 @@ first frame: on ``Packer._decide``.
 
 Owns: the frame pipeline, the per-entry decision, segments and their files, the rows' placement
 fields. Does not own: capture and checksums (persist.py), the codecs (format/codec.py), reading
-the base (storage/coded.py), the manifest.
+the base (storage/entry_reader.py), the manifest.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE, Delta, FileInfo, Placement, Stor
 from ckptio.io import FileHandle
 from ckptio.options import BLOCK
 from ckptio.planning.layout import SMALL_ALIGN, align_up, data_file_name, item_alignment
-from ckptio.storage.coded import Base, EntryReader
+from ckptio.storage.entry_reader import Base, EntryReader
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["MIN_RATIO", "SPEED_MARGIN", "Compression", "DeltaBase", "Packer", "Where"]

@@ -10,7 +10,7 @@ Owns: filling buffers, zeroed padding, checksums of the bytes written, device->h
 side stream with one event per buffer (no per-tensor synchronisation), progress counters,
 waiting for every write, fsync. Does not own: where items go (layout.py), the files themselves
 (opened by name through the store's StoreFiles, storage/files.py), their commit (the Store),
-the pool (io/stage.py) or the order of a whole save (session.py).
+the pool (io/stage.py) or the order of a whole save (save_session.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ckptio.errors import CkptError
 from ckptio.io import FileHandle
 from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
-from ckptio.io.stage import Buffer, BufferPool, copy_out, torch_dtype, typed
+from ckptio.io.stage import Buffer, StagingPool, copy_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.saving.packing import Packer, Where
 from ckptio.storage.files import StoreFiles
@@ -55,7 +55,7 @@ class SaveJob:
     """One save's bytes: ``capture()`` then ``finish()``; ``abandon()`` after any failure."""
 
     def __init__(self, target: StoreFiles, files: Sequence[FileLayout],
-                 sources: dict[str, torch.Tensor], *, pool: BufferPool, algorithm: str, rank: int,
+                 sources: dict[str, torch.Tensor], *, pool: StagingPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
                  block_nbytes: int = 1 << 20, packer: Packer | None = None,
                  write_at_once: bool = False) -> None:

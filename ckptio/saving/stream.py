@@ -22,9 +22,9 @@ from concurrent.futures import Future
 
 from ckptio.errors import StorageIOError
 from ckptio.io import IOBackend
-from ckptio.io.stage import Buffer, BufferPool
+from ckptio.io.stage import Buffer, StagingPool
 from ckptio.options import BLOCK
-from ckptio.planning.export import Window
+from ckptio.planning.export_plan import Window
 from ckptio.planning.layout import align_up
 
 __all__ = ["write_windows"]
@@ -32,7 +32,7 @@ __all__ = ["write_windows"]
 Fill = Callable[[Window, Buffer], None]
 
 
-def write_windows(backend: IOBackend, pool: BufferPool, path: str, nbytes: int,
+def write_windows(backend: IOBackend, pool: StagingPool, path: str, nbytes: int,
                   windows: Sequence[Window], fill: Fill) -> int:
     """Write file ``path`` of exactly ``nbytes`` bytes window by window (see the module
     docstring); durable when this returns. -> bytes written."""
@@ -71,7 +71,7 @@ def write_windows(backend: IOBackend, pool: BufferPool, path: str, nbytes: int,
     return min(written, nbytes)
 
 
-def _finish(flight: tuple[Future[int], Buffer, int], pool: BufferPool, path: str) -> int:
+def _finish(flight: tuple[Future[int], Buffer, int], pool: StagingPool, path: str) -> int:
     future, buffer, length = flight
     try:
         got = future.result()

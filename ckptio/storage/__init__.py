@@ -2,7 +2,7 @@
 CheckpointManager's steps live.
 
 ``select`` is the registry of storage schemes: one entry per scheme names its Store (the
-contract: ``base.Store``), the kind of I/O backend its stores make and its StepRoot (the
+contract: ``store_contract.Store``), the kind of I/O backend its stores make and its StepRoot (the
 contract: ``steproot.StepRoot``). Local paths, file:// and shm://: ``local.LocalStore`` (O_DIRECT
 / io_uring backends, io/) and ``local_root.LocalRoot``; mem://: ``memory.MemoryStore`` (its
 backend beside it) and ``memory_root.MemoryRoot``; s3://: the ``s3/`` folder (client, backend,
@@ -19,7 +19,7 @@ Internal: nothing here is public API. The public surface is ``ckptio`` itself
 
 from __future__ import annotations
 
-from ckptio.storage.base import Exclusive, Store
+from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.storage.local import LocalStore
 from ckptio.storage.memory import MemoryStore
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
-from ckptio.storage.base import check_if_locked
+from ckptio.storage.store_contract import check_if_locked
 
 __all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "unlock"]
 

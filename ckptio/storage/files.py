@@ -5,19 +5,19 @@
 its backend reaches, ``Store.path_of``), and the handle's transfers go to that backend. Nothing
 above storage/ builds a file's path: saving/persist.py and loading/read.py take a StoreFiles.
 
-``Capabilities`` (defined in base.py beside the Store, named here too) is what a store can do,
+``Capabilities`` (defined in store_contract.py beside the Store, named here too) is what a store can do,
 as data (a property of every store, read instead of ``isinstance`` checks): O_DIRECT-style
 aligned I/O, registered (pinned) staging buffers, an atomic rename, a lock across processes, a
 conditional commit, the local directory whose filesystem's tuned I/O profile applies, and
 whether it lies across a network (tuning/profile.py).
 
-``Staging`` is the contract between a driver that owns the reused staging pool and the backends
+``IOResources`` is the contract between a driver that owns the reused staging pool and the backends
 (api's Checkpointer, through ckptio/resources.py) and the save and load sessions that borrow them.
 A driver may hold several backends at once (one per ``Store.backend_kind``): a drain reads one
 store and writes another with the same pool.
 
-Owns: the binding, the Staging protocol. Does not own: what a backend
-does (io/), the names a store holds (base.py), the pool (io/stage.py).
+Owns: the binding, the IOResources protocol. Does not own: what a backend
+does (io/), the names a store holds (store_contract.py), the pool (io/stage.py).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
-from ckptio.io.base import FileHandle, IOBackend
-from ckptio.storage.base import Capabilities, Store
+from ckptio.io.backend_contract import FileHandle, IOBackend
+from ckptio.storage.store_contract import Capabilities, Store
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
-    from ckptio.io.stage import BufferPool
+    from ckptio.io.stage import StagingPool
     from ckptio.options import Options
 
-__all__ = ["Capabilities", "Staging", "StoreFiles"]
+__all__ = ["Capabilities", "IOResources", "StoreFiles"]
 
 
 class StoreFiles:
@@ -71,7 +71,7 @@ class StoreFiles:
         self.backend.close(fh, sync=sync)
 
 
-class Staging(Protocol):
+class IOResources(Protocol):
     """The staging pool and the backends a driver owns, lent to one save or load at a time
     (under ``lock``)."""
 
@@ -79,7 +79,7 @@ class Staging(Protocol):
     options: Options  # what the driver was made with (a delta's base stores are opened with it)
 
     def files(self, store: Store, nbytes: int | None = None, *,
-              copy_faults: bool = False) -> tuple[BufferPool, StoreFiles]:
+              copy_faults: bool = False) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind (made on first use;
         ``nbytes``: the bytes this use stages, so a small one gets a small pool;
         ``copy_faults``: a pool made now is faulted in by this use's copies, not beforehand)."""

@@ -1,5 +1,5 @@
 """The Store of a checkpoint in a local (or mounted) directory: the first implementation of
-the contract in base.py, for O_DIRECT / io_uring backends.
+the contract in store_contract.py, for O_DIRECT / io_uring backends.
 
 Commit: data files get names unique to one save (data-<save_id>-...), are written and fsynced
 by the backend; the manifest is written to a temporary name, fsynced and renamed over
@@ -18,8 +18,8 @@ conditional write of the manifest (If-Match on its ETag, If-None-Match: * when t
 
 Owns: the directory's layout (path_of), the atomic commit, reading the committed manifest,
 listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), the
-messages about what a directory holds instead (foreign.py), the order of a save (steps.py,
-saving/session.py), data bytes (the IOBackend, saving/persist.py).
+messages about what a directory holds instead (missing_manifest.py), the order of a save (steps.py,
+saving/save_session.py), data bytes (the IOBackend, saving/persist.py).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from ckptio.errors import (
 )
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage import dirlock, foreign, steps
-from ckptio.storage.base import (
+from ckptio.storage import dirlock, missing_manifest, steps
+from ckptio.storage.store_contract import (
     TMP_PREFIX,
     Exclusive,
     TreeStore,
@@ -74,7 +74,7 @@ class LocalClaim:
 
 class LocalStore:
     """One checkpoint directory. Cheap to make (no I/O until a method is called). A TreeStore
-    (base.py): a sub-location is a subdirectory; write_file and move_to are renames."""
+    (store_contract.py): a sub-location is a subdirectory; write_file and move_to are renames."""
 
     backend_kind = "local"
 
@@ -185,7 +185,7 @@ class LocalStore:
             raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path} is a file, not a ckptio checkpoint directory"
-                                          f"{foreign.file_hint(os.path.basename(path))}")
+                                          f"{missing_manifest.file_hint(os.path.basename(path))}")
         file = os.path.join(path, MANIFEST_NAME)
         try:
             with open(file, "rb") as f:
@@ -201,7 +201,7 @@ class LocalStore:
             names = sorted(os.listdir(self.directory))
         except OSError as exc:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
-        return foreign.no_manifest(self.location, names, lambda name: os.path.isfile(
+        return missing_manifest.no_manifest(self.location, names, lambda name: os.path.isfile(
             os.path.join(self.directory, name, MANIFEST_NAME)))
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
@@ -240,7 +240,7 @@ class LocalStore:
         return failed
 
 
-    # -- the tree (base.TreeStore) --------------------------------------------------------
+    # -- the tree (store_contract.TreeStore) --------------------------------------------------------
 
     def child(self, name: str) -> LocalStore:
         return LocalStore(os.path.join(self.directory, plain_name(name, self.location)))

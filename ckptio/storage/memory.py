@@ -1,7 +1,7 @@
 """A Store in host memory (``mem://`` locations), with the IOBackend that reaches its files.
 
 For tests, and as the seed of a host-memory tier (a checkpoint kept in RAM, drained to a slower
-store later). It is the second implementation of base.Store and shows the contract is not
+store later). It is the second implementation of store_contract.Store and shows the contract is not
 directory-shaped: there are no directories, no rename, no fsync and no flock. A location
 ``mem://<anything>`` holds files ``<location>/<name>``; all of one process's memory files
 live in one HostMemory (``HOST``), so every MemoryStore and MemoryBackend of the process sees
@@ -16,8 +16,8 @@ process.
 - data files: MemoryBackend writes into and reads from bytearrays (positioned, synchronous:
   its futures are already done).
 
-Owns: HOST, MemoryStore, MemoryBackend. Does not own: the contract (base.py), the messages about
-what a location holds instead (foreign.py), the order of a save (steps.py).
+Owns: HOST, MemoryStore, MemoryBackend. Does not own: the contract (store_contract.py), the messages about
+what a location holds instead (missing_manifest.py), the order of a save (steps.py).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from ckptio.errors import (
     StorageIOError,
 )
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io.base import FileHandle, completed
+from ckptio.io.backend_contract import FileHandle, completed
 from ckptio.options import Options
-from ckptio.storage import foreign
-from ckptio.storage.base import (
+from ckptio.storage import missing_manifest
+from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
     check_if_locked,
@@ -127,7 +127,7 @@ class MemoryClaim:
 
 
 class MemoryStore:
-    """A checkpoint location ``mem://...`` in this process's memory. A TreeStore (base.py): a
+    """A checkpoint location ``mem://...`` in this process's memory. A TreeStore (store_contract.py): a
     sub-location is ``<location>/<name>``."""
 
     backend_kind = "memory"
@@ -211,11 +211,11 @@ class MemoryStore:
         if HOST.read(self.location) is not None:
             raise CheckpointNotFoundError(
                 f"{self.location} is a file, not a ckptio checkpoint location"
-                f"{foreign.file_hint(self.location.rsplit('/', 1)[-1])}")
+                f"{missing_manifest.file_hint(self.location.rsplit('/', 1)[-1])}")
         if not HOST.exists(self.location):
             raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
                                           "there in this process's memory")
-        raise foreign.no_manifest(
+        raise missing_manifest.no_manifest(
             self.location, HOST.entries(self.location),
             lambda name: HOST.read(f"{self.location}/{name}/{MANIFEST_NAME}") is not None)
 
@@ -255,7 +255,7 @@ class MemoryStore:
         return failed
 
 
-    # -- the tree (base.TreeStore) --------------------------------------------------------
+    # -- the tree (store_contract.TreeStore) --------------------------------------------------------
 
     def child(self, name: str) -> MemoryStore:
         return MemoryStore(self.path_of(name))

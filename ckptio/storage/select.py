@@ -11,7 +11,7 @@ storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one pl
 
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
 scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of one checkpoint
-(storage/base.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
+(storage/store_contract.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
 Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
 pays only for the schemes it reads.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.options import Options
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.local import LocalStore
 from ckptio.storage.steproot import StepRoot
 
@@ -255,7 +255,7 @@ def store_for(path: str | os.PathLike[str], options: Options | None = None) -> S
     store = entry.store(text, options or Options.from_env())
     if not isinstance(store, Store):
         raise CkptError(f"the store registered for {entry.name}:// returned {store!r}, which is "
-                        "not a ckptio Store (storage/base.py); fix its factory")
+                        "not a ckptio Store (storage/store_contract.py); fix its factory")
     return store
 
 

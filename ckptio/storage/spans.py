@@ -6,7 +6,7 @@ one ranged GET instead of one per entry), a few spans ahead of the decoding thre
 of a planned range (fetching its span, and the next ``AHEAD`` spans, on first use), or None for a
 range that was not planned (the caller reads it itself). A span is let go once every range in
 it was taken. Owns: the grouping, the fetches, the truncation check of a span. Does not own:
-which ranges an entry needs or decoding them (storage/coded.py).
+which ranges an entry needs or decoding them (storage/entry_reader.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ckptio.errors import CorruptCheckpointError
-from ckptio.io.base import FileHandle
+from ckptio.io.backend_contract import FileHandle
 from ckptio.options import BLOCK
 from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.files import StoreFiles

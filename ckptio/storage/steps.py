@@ -9,7 +9,7 @@
 - is_committed(): whether a manifest is committed at a location (without reading it).
 
 Owns: those steps' rules and messages. Does not own: how a store does each operation (local.py,
-memory.py), the order of a save (saving/session.py), the manifest's content.
+memory.py), the order of a save (saving/save_session.py), the manifest's content.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import Manifest
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = [
     "attempt",

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from typing import Any, Union
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle, IOBackend
+from ckptio.io.backend_contract import FileHandle, IOBackend
 
 __all__ = ["FaultyBackend", "inject"]
 
@@ -177,7 +177,7 @@ def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend
     a plain backend."""
     from ckptio.storage.local import LocalStore
 
-    wrapped = checkpointer.staging().wrap_backend(
+    wrapped = checkpointer.resources().wrap_backend(
         LocalStore(".") if store is None else store,
         lambda backend: FaultyBackend(backend, **faults))
     return wrapped  # type: ignore[no-any-return]

@@ -1,4 +1,4 @@
-"""One job over the hosts of a ``Hosts`` (hosts.py): an agent process per host, as torchrun's
+"""One job over the hosts of a ``Hosts`` (multihost.py): an agent process per host, as torchrun's
 agent is, forks that host's ranks; every rank joins one gloo process group whose store (a
 TCPStore) is held by global rank 0 on host 0's address; each returns a value, collected here.
 
@@ -14,7 +14,7 @@ gloo binds to the namespace's ``eth0`` (GLOO_SOCKET_IFNAME). Every agent is the 
 own session: killing a host (``kill_host``) or the job kills the agent and its ranks.
 
 Owns: the job spec, the agent, the rank bootstrap, collecting values and tracebacks. Does not
-own: the hosts themselves (hosts.py). Test support only.
+own: the hosts themselves (multihost.py). Test support only.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptio.testing.ranks import RanksFailed, free_port
+from ckptio.testing.rank_processes import RanksFailed, free_port
 
 __all__ = ["Job", "RanksFailed"]
 

@@ -1,11 +1,11 @@
 """The conformance suite every IOBackend passes, reached as the save and load paths reach it:
-through a store, by file name (the contracts: ckptio/io/base.py, ckptio/storage/files.py).
+through a store, by file name (the contracts: ckptio/io/backend_contract.py, ckptio/storage/files.py).
 
 Every check gets its files from ``StoreFiles(store, backend)`` and names files, never paths;
 what was written is read back through the store itself (``Store.read_file``, ``Store.sizes``)
 as well as through the backend, so a backend that misplaces bytes symmetrically on write and
 read still fails. The same checks run on a directory (posix, io_uring), host memory and an S3
-bucket, with BufferPool buffers as in real saves and loads. No check measures time.
+bucket, with StagingPool buffers as in real saves and loads. No check measures time.
 
 Call order, pytest: subclass ``IOBackendConformance`` and give it a ``files_factory`` fixture
 (how: on the class); plain: each ``check_*(factory)`` runs one group of checks and raises
@@ -33,10 +33,10 @@ from typing import Any, ClassVar
 import pytest
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle, IOBackend
-from ckptio.io.stage import Buffer, BufferPool
+from ckptio.io.backend_contract import FileHandle, IOBackend
+from ckptio.io.stage import Buffer, StagingPool
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.testing.store_conformance import data_name
 
@@ -124,10 +124,10 @@ def _name(index: int) -> str:
 
 
 @contextlib.contextmanager
-def _staging(nbuffers: int, buffer_bytes: int = MiB) -> Iterator[BufferPool]:
+def _staging_pool(nbuffers: int, buffer_bytes: int = MiB) -> Iterator[StagingPool]:
     """A fresh pool for one check. Not closed explicitly: views of its buffers may still be
     referenced by the check's locals (mmap.close() refuses then); it is freed with them."""
-    yield BufferPool(nbuffers, buffer_bytes)
+    yield StagingPool(nbuffers, buffer_bytes)
 
 
 def _done(future: Future[int]) -> int:
@@ -273,7 +273,7 @@ def check_roundtrip_many_offsets(factory: Factory, *, expect_direct: bool | None
     rng.shuffle(order)
     name = _name(0)
     with _opened(factory) as files, _handles(files, expect_direct) as handles, \
-            _staging(len(regions)) as pool:
+            _staging_pool(len(regions)) as pool:
         fh = handles.write(name, file_nbytes)
         bufs = [pool.acquire() for _ in regions]
         futures = []
@@ -315,7 +315,7 @@ def check_offsets_past_4gib(factory: Factory) -> None:
     offsets = [0, (1 << 32) + 2 * BLOCK, (5 << 30) + BLOCK]
     size = 4 * BLOCK
     with _opened(factory) as files, _handles(files) as handles, \
-            _staging(2 * len(offsets)) as pool:
+            _staging_pool(2 * len(offsets)) as pool:
         src = [pool.acquire() for _ in offsets]
         dst = [pool.acquire() for _ in offsets]
         fh = handles.write(name, size)
@@ -347,7 +347,7 @@ def check_many_in_flight(factory: Factory, *, requests: int = 96,
     nbuffers = -(-requests // per_buffer)
     order = list(range(requests))
     random.Random(7).shuffle(order)
-    with _opened(factory) as files, _handles(files) as handles, _staging(2 * nbuffers) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(2 * nbuffers) as pool:
         src = [pool.acquire() for _ in range(nbuffers)]
         dst = [pool.acquire() for _ in range(nbuffers)]
 
@@ -383,7 +383,7 @@ def check_several_files(factory: Factory, *, nfiles: int = 4, per_file: int = 6)
     per_buf = MiB // size
     nviews = 2 * nfiles * per_file
     with _opened(factory) as files, _handles(files) as handles, \
-            _staging(-(-nviews // per_buf)) as pool:
+            _staging_pool(-(-nviews // per_buf)) as pool:
         bufs = [pool.acquire() for _ in range(pool.nbuffers)]
         views = [bufs[j // per_buf].view[(j % per_buf) * size:(j % per_buf + 1) * size]
                  for j in range(nviews)]
@@ -430,7 +430,7 @@ def check_preallocates(factory: Factory) -> None:
 def check_unwritten_reads_zeros(factory: Factory) -> None:
     """A file opened for ``nbytes`` and closed with sync=True, never written, holds at least
     ``nbytes`` bytes, all zeros, through the store and through the backend."""
-    with _opened(factory) as files, _handles(files) as handles, _staging(1) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(1) as pool:
         buf = pool.acquire()
         for k, nbytes in enumerate((0, BLOCK, 6 * MiB + BLOCK)):
             name = _name(k)
@@ -453,7 +453,7 @@ def check_open_write_existing_fails(factory: Factory) -> None:
     file, which is left as it was."""
     name = _name(0)
     data = _pattern(2 * BLOCK, seed=3)
-    with _opened(factory) as files, _handles(files) as handles, _staging(1) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(1) as pool:
         _write_whole(files, name, data, pool.acquire())
         with pytest.raises(StorageIOError) as info:
             handles.write(name, BLOCK)
@@ -466,7 +466,7 @@ def check_open_write_twice_fails(factory: Factory) -> None:
     naming the file; the first handle still writes it."""
     name = _name(0)
     data = _pattern(BLOCK, seed=4)
-    with _opened(factory) as files, _handles(files) as handles, _staging(1) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(1) as pool:
         fh = handles.write(name, BLOCK)
         with pytest.raises(StorageIOError) as info:
             handles.write(name, BLOCK)
@@ -485,7 +485,7 @@ def check_read_past_end(factory: Factory) -> None:
     short, odd = _name(0), _name(1)
     data = _pattern(3 * BLOCK, seed=5)
     odd_data = _pattern(BLOCK, seed=6) + bytes(904)
-    with _opened(factory) as files, _handles(files) as handles, _staging(2) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(2) as pool:
         buf = pool.acquire()
         _write_whole(files, short, data, buf)
         with _handles(files) as writing:
@@ -522,7 +522,7 @@ def check_cached_reads(factory: Factory) -> None:
     end, a short count."""
     name = _name(0)
     data = _pattern(2 * MiB + 3 * BLOCK, seed=11)
-    with _opened(factory) as files, _handles(files) as handles, _staging(3, 4 * MiB) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(3, 4 * MiB) as pool:
         whole, direct_buf, cached_buf = pool.acquire(), pool.acquire(), pool.acquire()
         _write_whole(files, name, data, whole)
         direct, cached = handles.read(name), handles.read(name, cached=True)
@@ -542,7 +542,7 @@ def check_cached_reads(factory: Factory) -> None:
 def check_read_missing_fails(factory: Factory) -> None:
     """open_read of a name never written raises StorageIOError naming the file; so does one
     written only at another location (locations do not share files)."""
-    with _opened(factory) as files, _opened(factory) as other, _staging(1) as pool:
+    with _opened(factory) as files, _opened(factory) as other, _staging_pool(1) as pool:
         with pytest.raises(StorageIOError) as info:
             files.open_read(_name(0))
         _names_it(info.value, files, _name(0))
@@ -557,7 +557,7 @@ def check_errors_come_through_futures(factory: Factory) -> None:
     """A failing write or read is a StorageIOError naming the file, raised by the future; the
     handle stays usable for what it was opened for."""
     name = _name(0)
-    with _opened(factory) as files, _handles(files) as handles, _staging(1) as pool:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(1) as pool:
         buf = pool.acquire()
         buf.view[:2 * BLOCK] = _pattern(2 * BLOCK, seed=11)
         fh = handles.write(name, 2 * BLOCK)
@@ -600,7 +600,7 @@ def _reopened(factory: Factory, sync: bool) -> None:
     name = _name(0)
     nbytes = 6 * MiB + BLOCK  # several buffers (for an object store, several parts)
     data = _pattern(nbytes, seed=int(sync))
-    with _opened(factory) as files, _opened(factory) as other, _staging(7) as pool:
+    with _opened(factory) as files, _opened(factory) as other, _staging_pool(7) as pool:
         bufs = [pool.acquire() for _ in range(7)]
         with _handles(files) as handles:
             fh = handles.write(name, nbytes)
@@ -657,7 +657,7 @@ def _threads() -> set[threading.Thread]:
 def _shut_down_and_reused(factory: Factory) -> None:
     """shutdown() on an unused backend, twice in a row and between uses: each round after a
     shutdown still writes and reads the right bytes."""
-    with _staging(1) as pool:
+    with _staging_pool(1) as pool:
         buf = pool.acquire()
         files = factory()
         files.backend.shutdown()  # never used
@@ -695,8 +695,8 @@ def check_register_buffers(factory: Factory) -> None:
     say its backend never pins (registered_buffers=False); transfers from the registered pool,
     and from memory outside it, move the right bytes."""
     name = _name(0)
-    with _opened(factory) as files, _handles(files) as handles, _staging(4) as pool, \
-            _staging(1) as outside:
+    with _opened(factory) as files, _handles(files) as handles, _staging_pool(4) as pool, \
+            _staging_pool(1) as outside:
         registered = files.backend.register_buffers(pool.whole_view())
         assert isinstance(registered, bool), f"register_buffers gave {registered!r}, not a bool"
         if not files.store.capabilities.registered_buffers:
@@ -730,7 +730,7 @@ def _round_trip(files: StoreFiles, name: str, seed: int, buf: Buffer) -> None:
 def check_picklable(factory: Factory) -> None:
     """A backend pickles before use and after use (no fds, threads or rings made in __init__,
     none carried across); the copies and the original all work."""
-    with _opened(factory) as files, _staging(1) as pool:
+    with _opened(factory) as files, _staging_pool(1) as pool:
         buf = pool.acquire()
         copies = [pickle.loads(pickle.dumps(files.backend))]
         _round_trip(files, _name(0), 9, buf)  # used: threads and rings now exist

@@ -29,7 +29,7 @@ import pytest
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import BLOCK
 from ckptio.storage.steproot import StepRoot
-from ckptio.storage.base import Store, new_save_id
+from ckptio.storage.store_contract import Store, new_save_id
 from ckptio.testing.store_conformance import data_name, write_file
 
 __all__ = [

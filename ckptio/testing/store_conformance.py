@@ -1,4 +1,4 @@
-"""The conformance suite every Store passes (the contract is ckptio/storage/base.py).
+"""The conformance suite every Store passes (the contract is ckptio/storage/store_contract.py).
 
 Two ways to use it, as io_conformance.py does for backends:
 
@@ -43,9 +43,9 @@ from ckptio.errors import (
     StorageIOError,
 )
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.io.stage import BufferPool
+from ckptio.io.stage import StagingPool
 from ckptio.options import BLOCK, MiB, Options
-from ckptio.storage.base import Store, TreeStore, is_ours, new_save_id
+from ckptio.storage.store_contract import Store, TreeStore, is_ours, new_save_id
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.steps import is_committed
 from ckptio.testing import tree_conformance as tree
@@ -81,7 +81,7 @@ def write_file(store: Store, name: str, data: bytes) -> None:
     if len(data) % BLOCK:
         raise ValueError(f"write_file needs a multiple of {BLOCK} bytes, got {len(data)}")
     files = StoreFiles(store, store.backend(OPTIONS))
-    pool = BufferPool(1, max(MiB, len(data)))
+    pool = StagingPool(1, max(MiB, len(data)))
     try:
         fh = files.open_write(name, len(data))
         try:
@@ -100,7 +100,7 @@ def write_file(store: Store, name: str, data: bytes) -> None:
 def read_file(store: Store, name: str, nbytes: int) -> bytes:
     """Up to ``nbytes`` (a multiple of BLOCK) of file ``name``, through the store's backend."""
     files = StoreFiles(store, store.backend(OPTIONS))
-    pool = BufferPool(1, max(MiB, nbytes))
+    pool = StagingPool(1, max(MiB, nbytes))
     try:
         fh = files.open_read(name)
         try:

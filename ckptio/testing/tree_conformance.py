@@ -1,4 +1,4 @@
-"""The conformance checks of a TreeStore (storage/base.py): sub-locations and whole named files.
+"""The conformance checks of a TreeStore (storage/store_contract.py): sub-locations and whole named files.
 
 Part of the Store conformance suite (store_conformance.StoreConformance runs them; a store that
 is only a Store skips them). Each ``check_tree_*(make)`` takes the suite's factory ``make(key)``
@@ -16,7 +16,7 @@ import pytest
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.options import BLOCK
-from ckptio.storage.base import Store, TreeStore, new_save_id
+from ckptio.storage.store_contract import Store, TreeStore, new_save_id
 
 __all__ = ["TREE_CHECKS", "check_tree_child_and_entries", "check_tree_move_to",
            "check_tree_read_into", "check_tree_remove_tree", "check_tree_write_file", "tree"]

@@ -10,7 +10,7 @@ Internal: nothing here is public API. The public surface is ``ckptio`` itself:
 Owns: tier.py (the declaration, the memory budget), copy.py (a verified copy of one committed
 checkpoint between stores), drain.py (the background thread); the memory tier's redundancy
 across hosts (issue 27):
-redundancy.py (ckptio.Partners, ckptio.Parity), hosts.py (the host topology and placement
+redundancy.py (ckptio.Partners, ckptio.Parity), topology.py (the host topology and placement
 rules), marks.py (names and markers on each host), peers.py (a step's bytes and the gloo
 transport), protect.py (the protection thread), rebuild.py (restore's fetch and rebuild,
 verified), guard.py (the manager's rank-local setup and its follower), worker.py (the one

@@ -4,7 +4,7 @@ what the drain does for each step it moves to a slower tier.
     nbytes = copy_checkpoint(staging, source, target, pace=throttle)
 
 1. verify the source: every byte read back and checked against its checksums (a damaged copy
-   in host memory is never propagated; loading/session.verify);
+   in host memory is never propagated; loading/load_session.verify);
 2. copy each file the manifest names (data and index files) through one staging buffer, the
    source's names kept, each file durable (fsync / completed upload) before the next;
 3. commit the source's manifest bytes in the target (storage's atomic commit, under the
@@ -25,25 +25,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.loading import session
+from ckptio.loading import load_session
 from ckptio.options import BLOCK
 from ckptio.storage import steps
-from ckptio.storage.base import Store, new_save_id
-from ckptio.storage.files import Staging, StoreFiles
+from ckptio.storage.store_contract import Store, new_save_id
+from ckptio.storage.files import IOResources, StoreFiles
 
 __all__ = ["Pace", "copy_checkpoint"]
 
 Pace = Callable[[int], None]  # called with the bytes just copied; may sleep to hold a rate
 
 
-def copy_checkpoint(staging: Staging, source: Store, target: Store,
+def copy_checkpoint(resources: IOResources, source: Store, target: Store,
                     pace: Pace | None = None) -> int:
     """Copy the checkpoint committed in ``source`` to ``target`` (see the module docstring);
     -> bytes copied. CorruptCheckpointError if the source fails verification (nothing is
     written then)."""
     manifest = source.read_manifest()
-    opened = session.open_checkpoint(staging, source, None, allow_pickle=False)
-    session.verify(staging, opened)
+    opened = load_session.open_checkpoint(resources, source, None, allow_pickle=False)
+    load_session.verify(resources, opened)
     files = {f.name: f.nbytes for f in opened.record.files}
     for name, nbytes in files.items():
         if nbytes % BLOCK:
@@ -58,9 +58,9 @@ def copy_checkpoint(staging: Staging, source: Store, target: Store,
             if leftovers and target.remove(leftovers):
                 raise StorageIOError(f"{target.location}: could not remove the files an "
                                      f"interrupted copy left: {', '.join(leftovers)}")
-            with staging.lock:
-                _pool, reader = staging.files(source)
-                pool, writer = staging.files(target)
+            with resources.lock:
+                _pool, reader = resources.files(source)
+                pool, writer = resources.files(target)
                 if pool is not _pool:  # a staging that remakes its pool per store cannot copy
                     raise CkptError("copy_checkpoint: the staging made another pool for "
                                     f"{target.location}; give it use_profile=False options")

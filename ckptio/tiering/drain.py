@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from ckptio.errors import CkptError
 from ckptio.options import GiB, Options
-from ckptio.resources import Resources
-from ckptio.storage.base import Store
+from ckptio.resources import ReusedIOResources
+from ckptio.storage.store_contract import Store
 from ckptio.tiering.copy import copy_checkpoint
 from ckptio.tiering.worker import NICE, Worker
 
@@ -95,7 +95,7 @@ class Drain:
         self._route = route
         self._lanes = {k: _Lane(every) for k, every in enumerate(everies) if k > 0}
         pool = DRAIN_BUFFERS * options.buffer_bytes
-        self._staging = Resources(dataclasses.replace(
+        self._resources = ReusedIOResources(dataclasses.replace(
             options, pool_bytes=pool, host_budget_bytes=pool, use_profile=False))
         self._rate = rate
         self._worker: Worker[_Copy] = Worker("ckptio-drain", self, nice=nice)
@@ -155,7 +155,7 @@ class Drain:
         try:
             self._worker.close()
         finally:
-            self._staging.free()
+            self._resources.free()
 
     # ------------------------------------------- the worker's Jobs (worker.py): its thread
 
@@ -210,7 +210,7 @@ class Drain:
                 self._lanes[k].skipped.append(step)
             return
         nbytes = self._copy_bases(k, step)
-        nbytes += copy_checkpoint(self._staging, source, self._route.target(step, k),
+        nbytes += copy_checkpoint(self._resources, source, self._route.target(step, k),
                                   self._pace if self._rate else None)
         durable_s = time.monotonic() - job.since
         log.info("ckptio: step %d durable in tier %d, %.2f s after its commit (%.3f GiB)",
@@ -230,7 +230,7 @@ class Drain:
                                 f"against step {base}, which no faster tier holds committed")
             log.info("ckptio: the drain copies base step %d to tier %d before its delta %d",
                      base, k, step)
-            nbytes += copy_checkpoint(self._staging, source, self._route.target(base, k),
+            nbytes += copy_checkpoint(self._resources, source, self._route.target(base, k),
                                       self._pace if self._rate else None)
         return nbytes
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
 from ckptio.tiering import marks, peers
-from ckptio.tiering.hosts import Topology, host_id
+from ckptio.tiering.topology import Topology, host_id
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
 from ckptio.tiering.redundancy import Partners

@@ -1,6 +1,6 @@
 """The names a memory tier with redundancy uses on each host, and reading its markers; torch-free
 (the ``ckptio`` command reads them). Every byte goes through the root's TreeStore
-(storage/base.py); the layout (under the memory tier's local directory, shm://NAME):
+(storage/store_contract.py); the layout (under the memory tier's local directory, shm://NAME):
 
 - ``r<rank>/step-N``: each rank's own step (with redundancy every tier is rank-local);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from ckptio.errors import CkptError
-from ckptio.storage.base import TreeStore
+from ckptio.storage.store_contract import TreeStore
 from ckptio.storage.select import store_for
 
 __all__ = ["REDUNDANCY_DIR", "Root", "copy_name", "held", "held_nbytes", "held_steps",
@@ -41,7 +41,7 @@ def tree_of(location: Root) -> TreeStore:
     if not isinstance(store, TreeStore):
         raise CkptError(f"{store.location}: redundancy keeps copies, parity pieces and markers "
                         f"beside the steps, which {type(store).__name__} cannot hold (it is a "
-                        "Store, not a TreeStore, storage/base.py): use a local directory or "
+                        "Store, not a TreeStore, storage/store_contract.py): use a local directory or "
                         "shm:// for the tier with redundancy")
     return store
 

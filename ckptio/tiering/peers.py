@@ -10,7 +10,7 @@ protection (protect.py) and restore (rebuild.py) share.
 Where the copies live on each host: marks.py.
 
 Owns: the stream, its reading and writing, the transport. Does not own: what to send where
-(hosts.py), when (protect.py), the restore's decisions (rebuild.py), the stores (storage/).
+(topology.py), when (protect.py), the restore's decisions (rebuild.py), the stores (storage/).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import xxhash
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
-from ckptio.storage.base import TreeStore, new_save_id
+from ckptio.storage.store_contract import TreeStore, new_save_id
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
            "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint",

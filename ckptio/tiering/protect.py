@@ -9,7 +9,7 @@ does when it falls behind and what a kill leaves: ``Protector.run`` and ``Protec
 
 Owns: the protection's queue and status, the rule that only the newest protected step stays
 protected. The thread, its lowered priority and the error raised once are the Worker's
-(worker.py). Does not own: placement (hosts.py), the stream and transport (peers.py), the names
+(worker.py). Does not own: placement (topology.py), the stream and transport (peers.py), the names
 on each host (marks.py), restore (rebuild.py).
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, RankFailedError
-from ckptio.storage.base import TreeStore
+from ckptio.storage.store_contract import TreeStore
 from ckptio.tiering import marks, peers
-from ckptio.tiering.hosts import Topology
+from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import Root, protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
 from ckptio.tiering.worker import Worker
@@ -63,7 +63,7 @@ class Protector:
 
     Args:
         spec: Partners(n) or Parity(k).
-        topology: the job's hosts and ranks (hosts.py).
+        topology: the job's hosts and ranks (topology.py).
         group: the redundancy's gloo group (the protection thread's alone).
         rank: this rank.
         root: the memory tier's local directory (marks.py's layout under it).
@@ -188,7 +188,7 @@ class Protector:
            the step is skipped on every rank, said in the log and in status);
         2. **Partners(n)**: each rank sends its stream to its n partners and receives the
            streams of the n ranks it is partner of, writing each as ``copy-r<src>/`` (a
-           checkpoint, its manifest last). **Parity(k)** (rotating, hosts.py): in its group of
+           checkpoint, its manifest last). **Parity(k)** (rotating, topology.py): in its group of
            k + 1 hosts, each rank sends piece (j - h - 1) mod (k + 1) of its stream to the
            member at position j and XORs the k pieces it receives into its own parity piece
            (ceil(longest / k) bytes), written with a JSON naming every member's manifest,
@@ -273,7 +273,7 @@ class Protector:
 
     def _parity(self, stream: peers.Stream, metas: list[dict[str, Any]],
                 directory: TreeStore) -> list[dict[str, Any]]:
-        """Rotating parity in this rank's group (hosts.py): send piece (j - me - 1) mod n of
+        """Rotating parity in this rank's group (topology.py): send piece (j - me - 1) mod n of
         this rank's shard to the member at position j, XOR the pieces received into this
         rank's parity piece P_me, then write it with its xxh3 and every member's manifest."""
         k, topo = self.spec.k, self.topology  # type: ignore[union-attr]

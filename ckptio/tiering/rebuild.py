@@ -8,7 +8,7 @@ fails (``recover`` spells the steps out). Every byte goes through the memory tie
 (marks.py's layout).
 
 Owns: the inventory, the plan, the transfers of a restore and their verification. Does not own:
-the load itself and the fallback to slower tiers (manager.py), placement (hosts.py).
+the load itself and the fallback to slower tiers (manager.py), placement (topology.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from ckptio.errors import CkptError
 from ckptio.tiering import marks, peers
-from ckptio.tiering.hosts import Topology
+from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
 
@@ -158,7 +158,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            member of the rank's group (k + 1 hosts) must hold its own step and its parity piece.
     3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
            against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
-           pieces from one member's parity piece XOR the other members' pieces in it, hosts.py; cut
+           pieces from one member's parity piece XOR the other members' pieces in it, topology.py; cut
            to its length and split into its files) into ``.redundancy/step-N/rebuild-r<rank>``,
            **verifies every byte against the original's manifest** (its entries' checksums:
            Checkpointer.verify), and only then moves it to its ``step-N`` (Store.move_to: one
@@ -290,7 +290,7 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
 def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
              received: dict[str, torch.Tensor]) -> tuple[bytes, list[Any], torch.Tensor]:
     """This rank's shard from its group's parity pieces and the other members' shards: piece i
-    = P_j XOR the other members' contributions to P_j, j = (me + 1 + i) mod n (hosts.py)."""
+    = P_j XOR the other members' contributions to P_j, j = (me + 1 + i) mod n (topology.py)."""
     topo, (_, group, members) = ctx.topology, src
     local, n = topo.local_of(ctx.rank), len(members)
     me = members.index(ctx.rank)

@@ -14,13 +14,13 @@ them in their memory under
 ``shm://NAME/.redundancy/step-N``; the step is protected once every rank's copies are written
 and a marker is committed last. A restore agrees on the newest step every rank can obtain
 verified: from its own memory, a partner's copy, or rebuilt from parity, else from disk
-(tiering/rebuild.py). Placement rules: tiering/hosts.py.
+(tiering/rebuild.py). Placement rules: tiering/topology.py.
 
 Partners(n) costs (1 + n) x the state in host memory and survives any n lost hosts; Parity(k)
 costs (1 + 1/k) x (every host holds 1/k of a shard of parity) and survives one lost host per
 group of k + 1 hosts (a second loss in a group: the disk tier).
 
-Owns: the declaration and its validation. Does not own: placement (hosts.py), encoding and
+Owns: the declaration and its validation. Does not own: placement (topology.py), encoding and
 transfer (protect.py), restore (rebuild.py).
 """
 
@@ -50,7 +50,7 @@ class Partners:
 @dataclass(frozen=True)
 class Parity:
     """Rotating XOR parity over groups of ``k + 1`` hosts, each holding 1/k of a shard of parity
-    (tiering/hosts.py)."""
+    (tiering/topology.py)."""
 
     k: int = 3
 

@@ -36,7 +36,7 @@ from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.tiering.hosts import host_id
+from ckptio.tiering.topology import host_id
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
 __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "one_host",

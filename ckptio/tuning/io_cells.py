@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptio import io as ckpt_io
 from ckptio.errors import CkptError
-from ckptio.io.base import FileHandle, IOBackend
+from ckptio.io.backend_contract import FileHandle, IOBackend
 from ckptio.options import BLOCK
 
 __all__ = ["BACKEND_OF", "ENGINES", "MODES", "Cell", "PhaseTimes", "Plan", "Run", "build_plan",

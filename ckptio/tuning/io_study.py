@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptio.errors import CkptError
-from ckptio.io.base import IOBackend
+from ckptio.io.backend_contract import IOBackend
 from ckptio.options import BLOCK, GiB, KiB, MiB
 from ckptio.tuning import ceiling
 # Cell, build_plan, gpt_sizes, engine_unavailable: also imported from here (tests, tune.py).

@@ -39,7 +39,7 @@ def test_cuda_tensors_round_trip_fresh_and_in_place(tmp_path):
 
 def test_pool_is_pinned_with_cuda():
     ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
-    pool, _files = ck.staging().files(LocalStore("."))
+    pool, _files = ck.resources().files(LocalStore("."))
     assert pool.pinned
     # page-locked as CUDA sees it: every buffer, and the control (ordinary memory) is not
     buffers = [pool.acquire() for _ in range(4)]

@@ -22,7 +22,7 @@ import torch
 import ckptio
 from ckptio.storage.s3.client import S3Path
 from ckptio.manager import CheckpointManager
-from ckptio.testing.ranks import run_ranks
+from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases
 from s3.s3_models import build, train

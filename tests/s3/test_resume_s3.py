@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptio.demo.runs import run_training
+from ckptio.demo.launch import run_training
 
 STEPS, EVERY, KILL = 24, 6, 18
 BASE = ["--preset", "tiny", "--steps", str(STEPS), "--save-every", str(EVERY), "--mode", "eager"]

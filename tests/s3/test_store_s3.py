@@ -13,7 +13,7 @@ import pytest
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3.backend import MAX_PARTS, MIN_PART, S3Backend, part_nbytes_for
 from ckptio.storage.s3.client import S3Path, S3Settings
-from ckptio.io.stage import BufferPool
+from ckptio.io.stage import StagingPool
 from ckptio.options import BLOCK, MiB, Options
 from ckptio.storage.s3.store import S3Store
 from ckptio.testing.store_conformance import StoreConformance, data_name
@@ -65,7 +65,7 @@ def test_urls_parse_and_refuse_bad_ones():
 
 
 def _write(backend: S3Backend, url: str, data: bytes, piece: int) -> None:
-    pool = BufferPool(1, max(len(data), BLOCK))
+    pool = StagingPool(1, max(len(data), BLOCK))
     buffer = pool.acquire()
     buffer.view[:len(data)] = data
     fh = backend.open_write(url, len(data))
@@ -121,7 +121,7 @@ def test_an_abandoned_upload_is_aborted_and_an_existing_object_is_never_overwrit
     backend = S3Backend(_settings(), buffer_nbytes=5 * MiB)
     url = f"{s3_env}/{data_name(0)}"
     fh = backend.open_write(url, 12 * MiB)
-    pool = BufferPool(1, 5 * MiB)
+    pool = StagingPool(1, 5 * MiB)
     buffer = pool.acquire()
     backend.submit_write(fh, 0, buffer.view).result(timeout=60)
     where = S3Path.parse(url)

@@ -51,7 +51,7 @@ def _keys(s3_client, url: str) -> list[str]:
 
 
 def _backend_of(ck: Checkpointer, url: str):
-    _pool, files = ck.staging().files(S3Store(url, s3client.S3Settings.of(ck.options)))
+    _pool, files = ck.resources().files(S3Store(url, s3client.S3Settings.of(ck.options)))
     return _pool, files.backend
 
 
@@ -76,8 +76,8 @@ def test_tune_stores_the_endpoint_profile_saves_use_it_and_nothing_is_left(s3_en
     pool, backend = _backend_of(ck, f"{s3_env}/ck")
     assert backend.settings.concurrency == found.s3_concurrency != Options().s3_concurrency
     assert backend.buffer_nbytes == pool.buffer_bytes == found.buffer_bytes != Options().buffer_bytes
-    assert ck.staging().io_depth == found.option_fields()["io_depth"]
-    assert backend.settings.readers == 2 * ck.staging().io_depth  # GETs a load keeps in flight
+    assert ck.resources().io_depth == found.option_fields()["io_depth"]
+    assert backend.settings.readers == 2 * ck.resources().io_depth  # GETs a load keeps in flight
     assert backend.parts_uploaded_whole >= 1  # parts went up straight from tuned-size buffers
     assert torch.equal(ck.load(f"{s3_env}/ck")["w"], state["w"])
     ck.close()
@@ -96,7 +96,7 @@ def test_explicit_options_and_use_profile_false_win(s3_env):
         url = f"{s3_env}/c{options.s3_concurrency}-{options.io_depth}-{options.use_profile}"
         ck.save(state, url)
         _pool, backend = _backend_of(ck, url)
-        got = (backend.settings.concurrency, backend.buffer_nbytes, ck.staging().io_depth)
+        got = (backend.settings.concurrency, backend.buffer_nbytes, ck.resources().io_depth)
         assert got == expected, options
         assert torch.equal(ck.load(url)["w"], state["w"])
         ck.close()

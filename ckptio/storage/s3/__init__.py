@@ -5,17 +5,17 @@ Its registry entry (storage/select.py) names the three parts, each importing the
     client.py    URLs (S3Path), settings, the boto3 client, the retry loop, what an error means
     objects.py   what a store's look-up saw of an object, handed to the backend's reads
     backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
-                 io/base.py)
+                 io/backend_contract.py)
     lock.py      a save's claim on a prefix: a lock object with a lease
-    store.py     S3Store, the Store of one checkpoint prefix (contract: storage/base.py)
+    store.py     S3Store, the Store of one checkpoint prefix (contract: storage/store_contract.py)
     root.py      S3Root, a CheckpointManager's steps under a prefix (contract: steproot.py)
 
 Internal: nothing here is public API. The public surface is ``ckptio`` itself
 (ckptio/__init__.py's ``__all__``); these modules may change without notice. Nothing here is
 imported until an ``s3://`` location is used (boto3 is the ``[s3]`` extra's).
 
-Owns: everything particular to S3. Does not own: the contracts it implements (io/base.py,
-storage/base.py, storage/steproot.py), the order of a save (saving/).
+Owns: everything particular to S3. Does not own: the contracts it implements (io/backend_contract.py,
+storage/store_contract.py, storage/steproot.py), the order of a save (saving/).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.io.base import FileHandle, all_of, completed, started_pool
+from ckptio.io.backend_contract import FileHandle, all_of, completed, started_pool
 from ckptio.options import MiB
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status

@@ -32,8 +32,8 @@ from typing import Any
 from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage import foreign
-from ckptio.storage.base import (
+from ckptio.storage import missing_manifest
+from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
     check_if_locked,
@@ -74,7 +74,7 @@ class S3Claim:
 
 class S3Store:
     """One checkpoint prefix in a bucket. Cheap to make (no request until a method is called).
-    A TreeStore (base.py): a sub-location is the prefix ``<prefix>/<name>``; move_to() copies
+    A TreeStore (store_contract.py): a sub-location is the prefix ``<prefix>/<name>``; move_to() copies
     then deletes (S3 has no rename), manifests last."""
 
     def __init__(self, location: str, settings: S3Settings) -> None:
@@ -217,10 +217,10 @@ class S3Store:
             if self.where.key and self._head(self.where.key) is not None:
                 raise CheckpointNotFoundError(
                     f"{self.location} is an object (a file), not a ckptio checkpoint prefix"
-                    f"{foreign.file_hint(self.where.key.rsplit('/', 1)[-1])}")
+                    f"{missing_manifest.file_hint(self.where.key.rsplit('/', 1)[-1])}")
             raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
                                           f"under that prefix at {self.settings.endpoint()}")
-        raise foreign.no_manifest(
+        raise missing_manifest.no_manifest(
             self.location, entries,
             lambda name: self._head(self.where.child(f"{name}/{MANIFEST_NAME}").key) is not None)
 
@@ -389,7 +389,7 @@ class S3Store:
                 problems.append(f"{name}: {exc}")
         return problems
 
-    # -- the tree (base.TreeStore) --------------------------------------------------------
+    # -- the tree (store_contract.TreeStore) --------------------------------------------------------
 
     def child(self, name: str) -> S3Store:
         return S3Store(self.where.child(plain_name(name, self.location)).url, self.settings)

@@ -1,6 +1,6 @@
 """One save, from start to end, in the order it happens.
 
-    save = session.begin(context, state)      # the caller's thread, inside async_save:
+    save = save_session.begin(context, state)      # the caller's thread, inside async_save:
         1 flatten    the state -> leaves and the tree that rebuilds it
         2 plan       this rank's writes and inline values (reused for an unchanged layout)
         3 agree      collective: who writes what; if one rank fails, every rank fails
@@ -39,7 +39,7 @@ import torch
 
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
-from ckptio.format import regular
+from ckptio.format import regular_section
 from ckptio.format.flatten import flatten
 from ckptio.format.types import (
     Chunk,
@@ -59,9 +59,9 @@ from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
 from ckptio.storage import steps
-from ckptio.storage.base import Exclusive, Store
-from ckptio.storage.coded import Base, EntryReader
-from ckptio.storage.files import Staging, StoreFiles
+from ckptio.storage.store_contract import Exclusive, Store
+from ckptio.storage.entry_reader import Base, EntryReader
+from ckptio.storage.files import IOResources, StoreFiles
 from ckptio.version import __version__
 
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
@@ -91,7 +91,7 @@ class SaveContext:
     group: Group
     store: Store  # where the checkpoint goes (its location names it in messages)
     options: Options
-    staging: Staging
+    resources: IOResources
     cleanup: Cleanup
     memory: collective.Memory  # this group's plans of the last save
     plan_cache: PlanCache
@@ -115,7 +115,7 @@ class _Part:
     files: tuple[FileLayout, ...]
     sources: dict[str, torch.Tensor]
     index_of: dict[str, int]  # key -> index of its item in this rank's plan (results keyed by it)
-    index_file: str | None  # of this rank's regular items' chunks (format/regular.py), if any
+    index_file: str | None  # of this rank's regular items' chunks (format/regular_section.py), if any
     regular: frozenset[str]  # keys of those items
     per_rank: frozenset[str]  # keys of the items saved as this rank's own value
     eager_items: int  # items copied before a lazy save returns
@@ -205,7 +205,7 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     else:
         files = plan_files(items, save_id=agreement.save_id, rank=ctx.group.rank,
                            max_file_bytes=ctx.options.max_file_bytes)
-    index_file = (regular.index_name(agreement.save_id, ctx.group.rank) if agreement.regular
+    index_file = (regular_section.index_name(agreement.save_id, ctx.group.rank) if agreement.regular
                   else None)
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
@@ -240,7 +240,7 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
     try:
         # claim first: a collective on every rank, and no rank creates a file before the
         # coordinator holds the lock; attempt() removes this rank's files on failure.
-        with (ctx.staging.lock,
+        with (ctx.resources.lock,
               collective.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
               _opened(ctx.store, part.names)):
             # The previous save's cleanup must have listed its directory before this save
@@ -256,7 +256,7 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
         return
     try:
         if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
-            ctx.staging.fit([f.nbytes for f in part.files])
+            ctx.resources.fit([f.nbytes for f in part.files])
     finally:
         control.finished(control.progress.nbytes_total)
 
@@ -278,7 +278,7 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
     try:
         staged = None if ctx.packing is not None else sum(f.nbytes for f in part.files)
         # a pool no larger than the state, faulted in by the capture's own copies
-        pool, target = ctx.staging.files(ctx.store, staged, copy_faults=True)
+        pool, target = ctx.resources.files(ctx.store, staged, copy_faults=True)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=control.progress,
@@ -324,13 +324,13 @@ def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:
 
 def _write_index(ctx: SaveContext, name: str, save_id: str,
                  rows: list[TensorEntry]) -> tuple[IndexFile, FileInfo]:
-    """Write this rank's index file of its regular chunks ``rows`` (format/regular.py) through
+    """Write this rank's index file of its regular chunks ``rows`` (format/regular_section.py) through
     the same pool, backend and checksums as its data, durably."""
-    data = regular.encode_index(save_id, ctx.group.rank, [
-        regular.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
+    data = regular_section.encode_index(save_id, ctx.group.rank, [
+        regular_section.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
     item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
     layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
-    pool, target = ctx.staging.files(ctx.store)
+    pool, target = ctx.resources.files(ctx.store)
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
                           pool=pool, algorithm=ctx.options.checksum,

@@ -30,8 +30,8 @@ from ckptio.format.dcpmeta import DType
 from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
                                  Manifest, ObjectEntry, TensorEntry)
 # a record has one CRC and no block checksums, as a DCP item: the same widening
-from ckptio.loading.foreign import BLOCK_NBYTES, ReadFn, raw_read, read_bytes
-from ckptio.storage.base import Store
+from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, raw_read, read_bytes
+from ckptio.storage.store_contract import Store
 
 __all__ = ["open_torch_save"]
 

@@ -14,7 +14,7 @@ bases') are then fetched by spans of many entries (storage/spans.py), one reques
 
 Owns: those reads, frame decoding in order, XOR with the base, the checks and their messages
 (naming the key, the file and, for a base, its step). Does not own: the codecs (format/codec.py),
-which frames a load needs (loading/coded.py), which entries a save writes as deltas (saving/).
+which frames a load needs (loading/coded_reads.py), which entries a save writes as deltas (saving/).
 Torch-free (the CLI's verify path may use it without torch).
 """
 
@@ -29,10 +29,10 @@ from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format import codec, manifest
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import Chunk, Manifest, TensorEntry
-from ckptio.io.base import FileHandle
+from ckptio.io.backend_contract import FileHandle
 from ckptio.options import BLOCK
 from ckptio.planning.layout import align_down, align_up
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.spans import SPAN, Range, Spans
 

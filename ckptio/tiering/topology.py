@@ -9,7 +9,7 @@ ranks. **Partners(n)**: rank (host h, local l) is copied to (host (h+j) mod H, l
 j = 1..n. **Parity(k)** (RAID-5-like, rotating): groups of k + 1 (up to 2k + 1) consecutive
 hosts, each host holding one parity piece of 1/k of a shard, none covering its own host: any
 one lost host per group is rebuilt. The formulas, uneven host counts and what is refused:
-docs/BEHAVIOUR.md, "ckptio.tiering.hosts".
+docs/BEHAVIOUR.md, "ckptio.tiering.topology".
 
 Call order: ``host_id()`` on every rank -> the ids gathered from every rank (a collective, the
 caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement methods (``partners``,
@@ -109,7 +109,7 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int) -> list[tuple[int, ...]]:
-        """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.tiering.hosts"): G = floor(H /
+        """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.tiering.topology"): G = floor(H /
         (k+1)) runs of consecutive hosts as even as can be (the first H mod G of them one host
         longer); a group of m hosts codes with k' = m - 1 >= k."""
         size = self.size

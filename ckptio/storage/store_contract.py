@@ -8,17 +8,17 @@ can do is its ``capabilities`` (Capabilities, below), never a type check. A ``Tr
 built-in store) also holds sub-locations and whole named files (the redundancy's,
 tiering/marks.py); a user's store need only be a Store.
 
-Call order of a save (the caller's: saving/session.py, steps.py): ``prepare()`` ->
+Call order of a save (the caller's: saving/save_session.py, steps.py): ``prepare()`` ->
 ``exclusive(...)`` -> data files written and made durable through the backend ->
 ``commit(manifest)`` (atomic; conditional where capabilities.conditional_commit) -> ``names()``
 / ``remove(names)`` for what the new manifest does not name. A load: ``read_manifest()`` ->
 ``sizes(names)`` -> reads through the backend. Each method's own promise is on the Protocol;
 why this order is crash-safe, and the naming rules (``is_ours``, ``new_save_id``):
-docs/BEHAVIOUR.md, "ckptio.storage.base".
+docs/BEHAVIOUR.md, "ckptio.storage.store_contract".
 
 Owns: the Protocols, the naming rules every store lists and cleans by. Does not own: any
 implementation (local.py, memory.py, s3/), the manifest's content (format/manifest.py), the
-order of a save (saving/session.py, steps.py).
+order of a save (saving/save_session.py, steps.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.io.base import IOBackend
+from ckptio.io.backend_contract import IOBackend
 from ckptio.options import Options
 
 __all__ = [

@@ -42,7 +42,7 @@ from ckptio.format.types import (
     Read,
     TensorEntry,
 )
-from ckptio.storage.base import Store
+from ckptio.storage.store_contract import Store
 
 __all__ = ["BLOCK_NBYTES", "ReadFn", "decode_value", "expand_value", "holds_dcp", "item_name",
            "nest", "raw_read", "read_bytes", "read_small", "torch_load_value"]

@@ -2,7 +2,7 @@
 only the index files of the ranks that wrote the chunks it needs.
 
 A regular tensor's chunks follow from its grid, and so does each chunk's writer (format/grid.py):
-for each key a load asks for (and the region of it, when only a region is read) format/regular.py
+for each key a load asks for (and the region of it, when only a region is read) format/regular_section.py
 finds the chunks that overlap the region without visiting the others, the ranks that wrote
 them, and reads those ranks' index files (one read for all; their checksums always checked). A
 resume on the layout that saved reads its own rank's index file, and those of the writers of
@@ -11,7 +11,7 @@ without torch: cli/source.py).
 
 Owns: which regions an in-place load wants (``wanted_in_place``); reading index files through
 the caller's ``read`` (its pool). Does not own: the chunks, index bytes and rows
-(format/regular.py), what a load does with the rows (fill.py).
+(format/regular_section.py), what a load does with the rows (fill.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from ckptio.format import regular
+from ckptio.format import regular_section
 from ckptio.format.flatten import FlatState
-from ckptio.format.regular import Wants, overlapping
+from ckptio.format.regular_section import Wants, overlapping
 from ckptio.format.types import Chunk, IndexFile, Manifest, Read, TensorEntry
 from ckptio.loading import merge
 from ckptio.planning.sharding import held
@@ -35,13 +35,13 @@ ReadFn = Callable[[list[Read]], int]
 def expand_all(record: Manifest, read: ReadFn) -> Manifest:
     """``record`` with every chunk of its regular tensors as a TensorEntry row (a manifest of
     every chunk, as version 2 held it)."""
-    return regular.expand_all(record, _index_reader(read))
+    return regular_section.expand_all(record, _index_reader(read))
 
 
 def expand(record: Manifest, wants: Wants, read: ReadFn) -> Manifest:
     """``record`` with a row for each chunk of a regular tensor in ``wants`` that overlaps the
     region wanted; its regular section is kept (the keys a load did not ask for stay known)."""
-    return regular.expand(record, wants, _index_reader(read))
+    return regular_section.expand(record, wants, _index_reader(read))
 
 
 def wanted_in_place(record: Manifest, flat: FlatState, select: Callable[[str], bool]) -> dict[
@@ -66,8 +66,8 @@ def wanted_in_place(record: Manifest, flat: FlatState, select: Callable[[str], b
     return wants
 
 
-def _index_reader(read: ReadFn) -> regular.ReadIndexes:
-    """Index files read whole through ``read`` (unverified: format/regular.py checks them)."""
+def _index_reader(read: ReadFn) -> regular_section.ReadIndexes:
+    """Index files read whole through ``read`` (unverified: format/regular_section.py checks them)."""
     def read_indexes(files: list[IndexFile]) -> list[bytes]:
         reads = []
         for f in files:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.base import is_ours
+from ckptio.storage.store_contract import is_ours
 from ckptio.storage.dirlock import LOCK_NAME
 
 __all__ = ["file_hint", "no_manifest"]

@@ -1,16 +1,16 @@
-"""One load (or verify) top to bottom, as saving/session.py owns one save.
+"""One load (or verify) top to bottom, as saving/save_session.py owns one save.
 
     open      the store and file a path names (storage/select.py); the manifest of whatever
               format is there (opening.py), read through the borrowed pool and the store's files
               (a DCP directory's tensor items are opened by the read that needs them: dcpdir.py)
     resolve   a version-3 manifest's regular tensors: only the chunks the state needs, and
-              their writers' index files (regular.py)
+              their writers' index files (resolve_regular.py)
     expand    values a torch.save file or a DCP checkpoint keeps as pickles (torchvalues.py)
     fill      in place into the state's leaves, or a fresh state (fill.py), each region read
               in one coalesced, checksummed pass (read.py)
 
 Every byte goes through the store's files (storage/files.StoreFiles) and the staging pool the
-driver lends (storage/files.Staging), under its lock.
+driver lends (storage/files.IOResources), under its lock.
 
 Owns: the order of one load's steps, the read functions over the borrowed staging (verified
 or not), verify's pass over every byte. Does not own: the pool's lifetime (ckptio/resources.py),
@@ -31,15 +31,15 @@ from ckptio.errors import CkptError, PickleRefusedError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import dcpdir, foreign, opening, regular
+from ckptio.loading import dcpdir, foreign_common, opening, resolve_regular
 from ckptio.loading.opening import ReadFn
 from ckptio.loading import read as reading
 from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
 from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.options import BLOCK
-from ckptio.storage.base import Store
-from ckptio.storage.coded import Bases, EntryReader
-from ckptio.storage.files import Staging, StoreFiles
+from ckptio.storage.store_contract import Store
+from ckptio.storage.entry_reader import Bases, EntryReader
+from ckptio.storage.files import IOResources, StoreFiles
 from ckptio.storage.select import store_for
 
 __all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
@@ -72,7 +72,7 @@ class LoadRequest:
     agree_unexpected: AgreeFn | None  # many ranks: the keys step (fill.py)
 
 
-def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
+def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
             verify: bool = False) -> ReadFn:
     """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
@@ -80,21 +80,21 @@ def read_fn(staging: Staging, store: Store, record: Manifest | None = None, *,
     that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
     if record is None:  # reading a foreign format's own metadata
-        block_nbytes = foreign.BLOCK_NBYTES
+        block_nbytes = foreign_common.BLOCK_NBYTES
     else:  # unverified, a partial read need not widen to whole checksum blocks
         block_nbytes = record.block_nbytes if algorithm else BLOCK
 
-    bases = _bases(staging, store, record)
-    items = read_fn(staging, store) if record is not None and dcpdir.has_pending(record) else None
+    bases = _bases(resources, store, record)
+    items = read_fn(resources, store) if record is not None and dcpdir.has_pending(record) else None
 
     def read(reads: list[Read]) -> int:
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
-        with staging.lock:
-            pool, files = staging.files(store, _staged_nbytes(reads))
-            with _entry_reader(files, record, algorithm, bases, staging) as coded:
+        with resources.lock:
+            pool, files = resources.files(store, _staged_nbytes(reads))
+            with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
-                                            block_nbytes=block_nbytes, depth=staging.io_depth,
+                                            block_nbytes=block_nbytes, depth=resources.io_depth,
                                             coded=coded)
 
     return read
@@ -106,47 +106,47 @@ def _staged_nbytes(reads: list[Read]) -> int:
     return sum({id(e): e.extent_nbytes for r in reads for e in r.entries}.values())
 
 
-def _bases(staging: Staging, store: Store, record: Manifest | None) -> Bases | None:
+def _bases(resources: IOResources, store: Store, record: Manifest | None) -> Bases | None:
     """The base checkpoints of a delta (version 4), opened on first use."""
     if record is None or not any(t.coded for t in record.tensors):
         return None
-    return Bases(store.location, lambda where: store_for(where, staging.options),
+    return Bases(store.location, lambda where: store_for(where, resources.options),
                  block_nbytes=record.block_nbytes)
 
 
 def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | None,
                   bases: Bases | None,
-                  staging: Staging) -> contextlib.AbstractContextManager[EntryReader | None]:
+                  resources: IOResources) -> contextlib.AbstractContextManager[EntryReader | None]:
     """A reader of ``record``'s compressed and delta entries (version 4), if it has any,
     decoding on Options.compress_threads threads."""
     if record is None or not any(t.coded for t in record.tensors):
         return contextlib.nullcontext()
     return EntryReader(files, block_nbytes=record.block_nbytes, algorithm=algorithm, bases=bases,
-                       threads=staging.options.compress_threads)
+                       threads=resources.options.compress_threads)
 
 
-def _open_items(staging: Staging, store: Store, record: Manifest,
+def _open_items(resources: IOResources, store: Store, record: Manifest,
                 reads: Sequence[Read]) -> list[Read]:
     """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads);
     reads of anything else as they are."""
     if not dcpdir.has_pending(record):
         return list(reads)
-    return dcpdir.resolve_reads(store, read_fn(staging, store), reads)
+    return dcpdir.resolve_reads(store, read_fn(resources, store), reads)
 
 
-def open_checkpoint(staging: Staging, store: Store, file: str | None, *, allow_pickle: bool,
+def open_checkpoint(resources: IOResources, store: Store, file: str | None, *, allow_pickle: bool,
                     every_chunk: bool = True, every_item: bool = True) -> Opened:
     """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
     ``every_chunk``: a row for every chunk of its regular tensors too (their index files
     read); else a load resolves the ones it needs. ``every_item``: a DCP directory's tensor
     items opened (heads read and checked); else each read opens those it needs (dcpdir.py)."""
-    plain = read_fn(staging, store)
+    plain = read_fn(resources, store)
     record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle,
                                    every_item=every_item)
-    return Opened(store, file, regular.expand_all(record, plain) if every_chunk else record)
+    return Opened(store, file, resolve_regular.expand_all(record, plain) if every_chunk else record)
 
 
-def load(staging: Staging, store: Store, file: str | None, state: Any,
+def load(resources: IOResources, store: Store, file: str | None, state: Any,
          request: LoadRequest) -> Any:
     """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
     try:
@@ -154,34 +154,34 @@ def load(staging: Staging, store: Store, file: str | None, state: Any,
         # opening them later was slower: docs/BENCH_INTEROP.md, "each rank opens only the
         # items it needs"); a rank of
         # many opens those its reads need (dcpdir.py)
-        opened = open_checkpoint(staging, store, file, allow_pickle=request.allow_pickle,
+        opened = open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
                                  every_chunk=False, every_item=request.world_size == 1)
     except PickleRefusedError:
         if file is None or not request.allow_pickle:
             raise
         return _trusted_torch_load(store, file, state)
-    record, plain = opened.record, read_fn(staging, store)
-    _stage_early(staging, store, record, request)
-    read = read_fn(staging, store, record, verify=request.verify)
+    record, plain = opened.record, read_fn(resources, store)
+    _stage_early(resources, store, record, request)
+    read = read_fn(resources, store, record, verify=request.verify)
     record = expand_torch_save(record, read, where=store.location,
                                allow_pickle=request.allow_pickle)
     where = {"rank": request.rank, "world_size": request.world_size,
              "per_rank_from": request.per_rank_from}
     select = selector(request.keys)
     if state is None:  # whole tensors: every chunk of the regular keys asked for
-        record = regular.expand(record, {r.key: None for r in record.regular if select(r.key)},
+        record = resolve_regular.expand(record, {r.key: None for r in record.regular if select(r.key)},
                                 plain)
         return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
                           **where)
     flat = flatten(state)
     if record.regular:  # only the chunks this state's regions need, and their index files
-        record = regular.expand(record, regular.wanted_in_place(record, flat, select), plain)
+        record = resolve_regular.expand(record, resolve_regular.wanted_in_place(record, flat, select), plain)
     return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
                          cast=request.cast, allow_pickle=request.allow_pickle,
                          agree_unexpected=request.agree_unexpected, **where)
 
 
-def _stage_early(staging: Staging, store: Store, record: Manifest, request: LoadRequest) -> None:
+def _stage_early(resources: IOResources, store: Store, record: Manifest, request: LoadRequest) -> None:
     """Make the pool a one-rank load of ``record``'s plain entries stages through now, sized to
     the stored bytes of the keys it asks for, so that its background pre-fault runs while the
     load plans its reads (before, a fresh process's load planned first and made its pool after:
@@ -194,8 +194,8 @@ def _stage_early(staging: Staging, store: Store, record: Manifest, request: Load
     select = selector(request.keys)
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
     if nbytes:
-        with staging.lock:
-            staging.files(store, nbytes)
+        with resources.lock:
+            resources.files(store, nbytes)
 
 
 def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
@@ -210,22 +210,22 @@ def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
     return torch.load(io.BytesIO(store.read_file(file)), weights_only=False, map_location="cpu")
 
 
-def verify(staging: Staging, opened: Opened,
+def verify(resources: IOResources, opened: Opened,
            progress: Callable[[int], None] | None = None) -> int:
     """Read every stored byte of ``opened`` and check it against its checksum and its block
     checksums (``progress``: called with the bytes of each batch); -> bytes read."""
     record = opened.record
     reads = [Read.of(e) for e in record.tensors]
-    reads = _open_items(staging, opened.store, record, reads)  # a manifest a load opened
+    reads = _open_items(resources, opened.store, record, reads)  # a manifest a load opened
     algorithm = stored_algorithm(record.checksum_algorithm)
-    bases = _bases(staging, opened.store, record)
+    bases = _bases(resources, opened.store, record)
     nbytes = 0
-    with staging.lock:
-        pool, files = staging.files(opened.store)
-        with _entry_reader(files, record, algorithm, bases, staging) as coded:
+    with resources.lock:
+        pool, files = resources.files(opened.store)
+        with _entry_reader(files, record, algorithm, bases, resources) as coded:
             for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
                 done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,
-                                            depth=staging.io_depth,
+                                            depth=resources.io_depth,
                                             block_nbytes=record.block_nbytes,
                                             check_blocks=True, coded=coded)
                 nbytes += done

@@ -15,7 +15,7 @@ export through ckptio.load's pool) -> ``decode_index`` / ``check_rows`` on each 
 Owns: those bytes and every check on them (the file's checksum and length, a row's tensor and
 file exist, its bytes lie inside its file without overlapping another row's, its block count
 fits its length); the chunks and index files a region needs and the rows made of them. Pure:
-no torch, no file access. Does not own: which regions a load wants (loading/regular.py),
+no torch, no file access. Does not own: which regions a load wants (loading/resolve_regular.py),
 reading the files (the caller's ``read``), the rest of the manifest (manifest.py, validate.py).
 """
 

@@ -2,14 +2,14 @@
 region needs, check them, copy the region out.
 
 A Read that involves such an entry (read.py hands them here) is served frame by frame through
-an EntryReader (storage/coded.py): a whole entry decodes all its frames (and, when verifying
+an EntryReader (storage/entry_reader.py): a whole entry decodes all its frames (and, when verifying
 with ``check_blocks``, checks its whole checksum too); a resharded region is cut into pieces
 (reshard.plan_reads) and, per stored entry, only the frames covering its pieces are read,
 decoded and checked before a byte of them is copied. Plain entries of the same Read are read
 through the same reader. Reads run ``threads`` at a time (Options.compress_threads).
 
 Owns: frames wanted per Read, copying them into destinations. Does not own: reading and
-decoding frames (storage/coded.py), piece arithmetic (reshard.py), plain reads (read.py).
+decoding frames (storage/entry_reader.py), piece arithmetic (reshard.py), plain reads (read.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ckptio.format.checksum import TREE, new_hasher, whole_from_blocks
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
 from ckptio.io.stage import copy_in, torch_dtype
 from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
-from ckptio.storage.coded import EntryReader
+from ckptio.storage.entry_reader import EntryReader
 
 __all__ = ["is_coded", "read_coded"]
 
