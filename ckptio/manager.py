@@ -35,12 +35,12 @@ from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.managing.agreed import restore_guarded
+from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
 from ckptio.managing.delta import DeltaPolicy, check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
-from ckptio.managing.agreement import Ranks
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, where)
 from ckptio.managing.route import TierRoute, resume

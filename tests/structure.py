@@ -1,11 +1,11 @@
 """ckptio's structure, read from its source with ast (nothing of ckptio is imported): its
-imports and their circles, and the private-member reaches across objects.
+imports and their circles, the private-member reaches across objects, and module file names
+that repeat (one name, one module: ``__init__.py``/``__main__.py`` excepted).
 
     python -m tests.structure        # from the repository root: counts, then each one listed
 
-prints how many private-member reaches and import circles the package has and lists them;
-its exit status is 0 when there is none beyond the allow-lists below (which the integrator of
-issue 44 empties). tests/test_layers.py checks the layers with the same reading of imports;
+prints how many private-member reaches, import circles and repeated file names the package has
+and lists them; its exit status is 0 when there is none beyond the allow-lists below (empty). tests/test_layers.py checks the layers with the same reading of imports;
 tests/test_structure.py asserts what this prints.
 
 A private reach: ``expr._name`` where ``expr`` is not ``self``/``cls``/``super()`` and ``_name``
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CIRCLES_TO_VANISH", "PACKAGE", "REACHES_TO_VANISH", "ROOT", "THIRD_PARTY", "Circle",
-           "Import", "Reach", "all_imports", "circles", "components", "cycles", "import_graph",
+           "Import", "Reach", "all_imports", "circles", "components", "cycles", "duplicate_names", "import_graph",
            "imports_of", "main", "package_modules", "private_members", "reaches", "report",
            "resolve", "runtime_graph", "show_cycle", "sub_package", "sub_package_graph",
            "unexpected", "walk_one"]
@@ -382,6 +382,17 @@ def _section(title: str, lines: list[str]) -> list[str]:
     return [f"{title}: {len(lines)}", *(f"  {line}" for line in lines)]
 
 
+def duplicate_names(package: Path = PACKAGE) -> list[str]:
+    """Module file names that occur more than once in the package (``__init__.py`` and
+    ``__main__.py`` are a package's own), each as ``name: path, path``."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if "__pycache__" not in path.parts and path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(package.parent)))
+    return [f"{name}: {', '.join(paths)}" for name, paths in sorted(seen.items())
+            if len(paths) > 1]
+
+
 def report(package: Path = PACKAGE) -> tuple[list[str], int]:
     """The printed report and how many problems it names beyond the allow-lists."""
     found = reaches(package)
@@ -399,8 +410,11 @@ def report(package: Path = PACKAGE) -> tuple[list[str], int]:
     lines += _section("private names of other libraries", [
         f"{r.module}:{r.line} {r.text}" + ("" if r.text in THIRD_PARTY
                                            else "  (NOT IN THIRD_PARTY)") for r in theirs])
-    lines.append(f"beyond the allow-lists: {len(bad)} reaches, {len(loops)} circles")
-    return lines, len(bad) + len(loops)
+    twins = duplicate_names(package)
+    lines += _section("module file names that repeat", twins)
+    lines.append(f"beyond the allow-lists: {len(bad)} reaches, {len(loops)} circles, "
+                 f"{len(twins)} repeated file names")
+    return lines, len(bad) + len(loops) + len(twins)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from tests.structure import (
     ROOT,
     THIRD_PARTY,
     circles,
+    duplicate_names,
     main,
     reaches,
     unexpected,
@@ -48,7 +49,8 @@ def test_the_command_prints_the_counts_and_lists_them():
     lines = run.stdout.splitlines()
     ours = [r for r in reaches() if not r.third_party]
     assert lines[0] == f"private-member reaches across objects: {len(ours)}"
-    assert lines[-1] == "beyond the allow-lists: 0 reaches, 0 circles"
+    assert lines[-1] == "beyond the allow-lists: 0 reaches, 0 circles, 0 repeated file names"
+    assert "module file names that repeat: 0" in lines
     assert f"import circles: {len(circles())}" in lines
     assert all(f"{r.module}:{r.line} {r.text}" in run.stdout for r in ours)
 
@@ -135,6 +137,20 @@ def test_the_command_fails_on_a_reach_or_a_circle(tmp_path, capsys):
     assert main([str(pkg)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "private-member reaches across objects: 0"
-    assert out[-1] == "beyond the allow-lists: 0 reaches, 1 circles"
+    assert out[-1] == "beyond the allow-lists: 0 reaches, 1 circles, 0 repeated file names"
     clean = _package(tmp_path / "clean", {"a.py": "import ckptio.b\n", "b.py": "x = 1\n"})
     assert main([str(clean)]) == 0
+
+
+def test_a_repeated_module_file_name_is_named_and_fails(tmp_path, capsys):
+    pkg = _package(tmp_path, {"io/base.py": "x = 1\n", "storage/base.py": "y = 2\n",
+                              "io/__main__.py": "", "storage/__main__.py": ""})
+    assert duplicate_names(pkg) == [f"base.py: {Path('ckptio/io/base.py')}, "
+                                    f"{Path('ckptio/storage/base.py')}"]
+    assert main([str(pkg)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "beyond the allow-lists: 0 reaches, 0 circles, 1 repeated file names")
+
+
+def test_no_module_file_name_repeats_in_the_package():
+    assert duplicate_names() == [], "one name, one module: rename one of each pair"
