@@ -14,8 +14,7 @@ files.py), small metadata is read with ``Store.read_file``.
 The modules let off, each with its reason (LET_OFF): saving/stream.py writes a Hugging Face
 export's output file (a safetensors file in a folder export.py owns, truncated to its exact
 size), not a file of a checkpoint store; tiering/tier.py asks the filesystem under a memory
-tier for its free space (statvfs), no file; tiering/manager.py sums a step's file sizes by
-path until the manager's rewrite asks the tier's Store (Store.sizes).
+tier for its free space (statvfs), no file.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ckptio"
 CHECKED = ["saving", "loading", "distributed", "planning", "format", "dcp", "tiering", "api.py",
            "resources.py", "shared.py", "manager.py"]
 LET_OFF = {"saving/stream.py": "a Hugging Face export's output file, owned by export.py",
-           "tiering/tier.py": "the free space of a memory tier's filesystem (statvfs), no file",
-           "tiering/manager.py": "a step's size by path, until the manager asks Store.sizes"}
+           "tiering/tier.py": "the free space of a memory tier's filesystem (statvfs), no file"}
 # os.path.<name>, os.<name>, builtins and modules that reach a file by its path
 PATH_CALLS = {"join", "isfile", "isdir", "exists", "getsize", "abspath", "realpath"}
 OS_CALLS = {"open", "stat", "lstat", "listdir", "scandir", "unlink", "remove", "rename",

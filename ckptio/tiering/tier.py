@@ -36,6 +36,7 @@ from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.storage.store_contract import Store
 from ckptio.tiering.topology import host_id
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
@@ -156,15 +157,17 @@ def state_nbytes(state: Any) -> int:
                if isinstance(leaf.value, torch.Tensor))
 
 
-def step_sizes(paths: Iterable[str]) -> list[int]:
-    """Bytes each step directory of ``paths`` (local, in order) holds; one removed meanwhile
-    is left out."""
+def step_sizes(stores: Iterable[Store]) -> list[int]:
+    """Bytes each step's Store holds (its files, as its own ``names()`` and ``sizes()`` say),
+    in order; a step removed meanwhile (nothing listed) is left out."""
     sizes = []
-    for path in paths:
+    for store in stores:
         try:
-            sizes.append(sum(e.stat().st_size for e in os.scandir(path) if e.is_file()))
-        except OSError:
-            continue
+            held = store.sizes(store.names())
+        except (OSError, CkptError):
+            continue  # removed by retention while we looked
+        if held:
+            sizes.append(sum(held.values()))
     return sizes
 
 
