@@ -244,7 +244,7 @@ class CheckpointManager:
             others = None if self._guard is None else self._guard.for_others
             self._agreed(lambda: check_budget(  # rank 0: refuse a save the tier cannot hold
                 self.tiers[0], checkpoint_path(self.directory),
-                step_sizes(first.store(s) for s in first.scan()["committed"]), estimate, others))
+                step_sizes(first.path(s) for s in first.scan()["committed"]), estimate, others))
         refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)

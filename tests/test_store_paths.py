@@ -14,7 +14,8 @@ files.py), small metadata is read with ``Store.read_file``.
 The modules let off, each with its reason (LET_OFF): saving/stream.py writes a Hugging Face
 export's output file (a safetensors file in a folder export.py owns, truncated to its exact
 size), not a file of a checkpoint store; tiering/tier.py asks the filesystem under a memory
-tier for its free space (statvfs), no file.
+tier for its free space (statvfs) and sums the files of its step directories (the memory
+budget: every file, the manifest and index files too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ckptio"
 CHECKED = ["saving", "loading", "distributed", "planning", "format", "dcp", "tiering", "api.py",
            "resources.py", "shared.py", "manager.py"]
 LET_OFF = {"saving/stream.py": "a Hugging Face export's output file, owned by export.py",
-           "tiering/tier.py": "the free space of a memory tier's filesystem (statvfs), no file"}
+           "tiering/tier.py": "a memory tier's free space (statvfs) and its steps' sizes"}
 # os.path.<name>, os.<name>, builtins and modules that reach a file by its path
 PATH_CALLS = {"join", "isfile", "isdir", "exists", "getsize", "abspath", "realpath"}
 OS_CALLS = {"open", "stat", "lstat", "listdir", "scandir", "unlink", "remove", "rename",

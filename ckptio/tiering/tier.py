@@ -36,7 +36,6 @@ from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.storage.store_contract import Store
 from ckptio.tiering.topology import host_id
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
@@ -157,17 +156,15 @@ def state_nbytes(state: Any) -> int:
                if isinstance(leaf.value, torch.Tensor))
 
 
-def step_sizes(stores: Iterable[Store]) -> list[int]:
-    """Bytes each step's Store holds (its files, as its own ``names()`` and ``sizes()`` say),
-    in order; a step removed meanwhile (nothing listed) is left out."""
+def step_sizes(paths: Iterable[str]) -> list[int]:
+    """Bytes each step directory of ``paths`` (local, in order) holds, every file counted (the
+    manifest and index files too); one removed meanwhile is left out."""
     sizes = []
-    for store in stores:
+    for path in paths:
         try:
-            held = store.sizes(store.names())
-        except (OSError, CkptError):
-            continue  # removed by retention while we looked
-        if held:
-            sizes.append(sum(held.values()))
+            sizes.append(sum(e.stat().st_size for e in os.scandir(path) if e.is_file()))
+        except OSError:
+            continue
     return sizes
 
 
