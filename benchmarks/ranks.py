@@ -451,7 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        code = worker_main(args)
+        # A gloo worker thread may still drop the last reference to the AsyncWork of the final
+        # all_gather_object (its tensors' Python objects) while the interpreter finalizes (the
+        # mesh keeps the group alive until the final GC): that thread then needs the GIL, gets
+        # pthread_exit, and the forced unwind through a noexcept destructor aborts the process
+        # (SIGABRT, "terminate called without an active exception"; about 1 job in 15, a core
+        # dump showed ProcessGroupGloo::AsyncWork::~AsyncWork in take_gil). The result is out:
+        # end without finalizing, as the test harness's forkserver ranks do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     created = not args.dir.exists()
     args.dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
