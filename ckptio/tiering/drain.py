@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -258,4 +259,5 @@ class Drain:
         self._next_free = max(self._next_free, now) + nbytes / float(self._rate)
         if self._next_free > now:  # final() wakes it early: the rate lifted
             with self._lock:
-                self._lock.wait_for(lambda: not self._rate, self._next_free - now)
+                self._lock.wait_for(lambda: not self._rate,
+                                    min(self._next_free - now, threading.TIMEOUT_MAX))
