@@ -272,10 +272,15 @@ class CheckpointManager:
     def wait(self) -> SaveResult | None:
         """Wait for the async save in flight (None if there is none), then apply the first
         tier's retention. Its error is raised here (and not again by close() or the next
-        save). The followers are not waited for (drained(), protected())."""
+        save). The followers are not waited for (drained(), protected()), except once
+        preemption is reached: then the newest step goes on to every slower tier, unpaced, and
+        wait() returns once it is durable there (docs/MANAGER.md, Preemption)."""
         result, committed = self._saves.wait()
         for done in committed:
             self._committed(done)
+        if self._drain is not None and self._policy.triggers.preempted:
+            self._drain.final()
+            self._drain.wait()
         return result
 
     def _settle(self) -> None:

@@ -10,7 +10,9 @@ default, which ends the process before the final checkpoint. Later signals are r
 a job that must die at once is sent SIGKILL.
 
 Triggers agrees on both, once per step, in one all-gather: the time is due when rank 0's clock
-says so; preemption is reached once any rank has received a signal, and stays reached.
+says so; preemption is reached once any rank has received a signal, and stays reached
+(``preempted``: then the manager's wait() and close() make its newest step durable in every
+tier, docs/MANAGER.md).
 
 Owns: the clock, the signal handlers, the per-step agreement. Does not own: what the manager
 does about them.
@@ -108,6 +110,11 @@ class Triggers:
     def active(self) -> bool:
         """Whether anything but the step interval can make a save due (else no collective)."""
         return self.clock is not None or self.preemption.installed
+
+    @property
+    def preempted(self) -> bool:
+        """Whether preemption was reached at a step agreed on so far (latched)."""
+        return self._preempted
 
     def at(self, step: int, group: Group) -> dict[str, bool]:
         """``{"time": due by rank 0's clock, "preempted": any rank signalled}`` for ``step``,

@@ -1,7 +1,8 @@
 """The background drain: copies each step the first tier commits to the slower tiers due for it.
 
 Call order (the manager, on the coordinating rank): ``Drain(route, everies, options)``;
-``submit(step)`` after each commit in tier 0 (``submit_to`` for a drain resumed at start);
+``submit(step)`` after each commit in tier 0 (``submit_to`` for a drain resumed at start;
+``final()`` once the job is preempted: its newest step to every slower tier, unpaced);
 ``pinned()`` from tier 0's retention; ``status()`` any time; ``wait()`` / ``close()`` last.
 How a step is queued, skipped when the drain is behind, and copied after its base:
 ``Drain.submit`` and ``Drain.run``.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -101,6 +103,8 @@ class Drain:
         self._worker: Worker[_Copy] = Worker("ckptio-drain", self, nice=nice)
         self._lock = self._worker.lock  # guards the lanes; the worker sleeps on it
         self._next_free = 0.0  # pace: when the bytes copied so far are paid for
+        self._newest: int | None = None  # the newest step submitted
+        self._final: int | None = None  # the newest step final() made due everywhere
 
     # ---------------------------------------------------------------- the training side
 
@@ -110,6 +114,8 @@ class Drain:
         Each slower tier keeps only the newest step due: a drain that falls behind skips to the
         newest step rather than queueing without bound, and says so (a log line,
         ``status()[tier]["skipped"]``). CkptError after close()."""
+        with self._lock:
+            self._newest = step if self._newest is None else max(self._newest, step)
         self._submit(step, [k for k, lane in self._lanes.items() if step % lane.every == 0])
 
     def submit_to(self, step: int, tier: int) -> None:
@@ -127,6 +133,18 @@ class Drain:
                                 "%d is copied next", k, lane.wanted[0], step)
                 if lane.wanted is None or lane.wanted[0] < step:
                     lane.wanted = (step, time.monotonic())
+
+    def final(self) -> None:
+        """The job is preempted: the newest step submitted is due for every slower tier
+        whatever its ``every``, and the rate limit is lifted from now on (the copy running
+        included): the job has only its grace period left. Once per step submitted."""
+        with self._lock:
+            self._rate = None
+            step = self._newest
+            if step is None or step == self._final:
+                return
+            self._final = step
+        self._submit(step, list(self._lanes))
 
     def pinned(self) -> set[int]:
         """Steps the drain is copying or will copy: tier 0's retention keeps them."""
@@ -235,7 +253,11 @@ class Drain:
         return nbytes
 
     def _pace(self, nbytes: int) -> None:
+        if not self._rate:  # lifted by final()
+            return
         now = time.monotonic()
-        self._next_free = max(self._next_free, now) + nbytes / float(self._rate or 1)
-        if self._next_free > now:
-            time.sleep(self._next_free - now)
+        self._next_free = max(self._next_free, now) + nbytes / float(self._rate)
+        if self._next_free > now:  # final() wakes it early: the rate lifted
+            with self._lock:
+                self._lock.wait_for(lambda: not self._rate,
+                                    min(self._next_free - now, threading.TIMEOUT_MAX))
