@@ -306,6 +306,7 @@ class CheckpointManager:
             finally:
                 for level in self._levels:
                     level.join_removal()
+                    level.drop_slots()
                 if self._owns_checkpointer:
                     self._ck.close()
 

@@ -9,7 +9,8 @@ step's data file from a dropped step's (the same inode: a ring of keep_last + 1)
 async; a smaller, then larger, differently laid out state saved into a reused slot loads bit
 for bit with every byte outside its entries zero (no stale bytes); a training process killed
 (SIGKILL) at random moments of an every-step save loop, again and again, leaves at least
-keep_last committed steps that verify, load bit for bit and hold no stale bytes.
+keep_last committed steps that verify, load bit for bit and hold no stale bytes; the slots
+go with the manager's close().
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def test_a_dropped_steps_data_file_is_the_next_steps(shm, asynchronous):
             _assert_no_stale_bytes(mgr.path(step))
         root = checkpoint_path("shm://ring")
         assert len(os.listdir(os.path.join(root, SLOTS_DIR))) <= 1, "more than a step kept"
+    assert not os.path.exists(os.path.join(root, SLOTS_DIR)), "slots left after close()"
 
 
 def test_a_reused_slot_holds_no_stale_bytes(shm):
@@ -238,7 +240,7 @@ def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate()
         assert proc.returncode == -signal.SIGKILL
-        steps = _check_killed_root(keep_last=2)
         reused |= os.path.isdir(os.path.join(checkpoint_path("shm://killed"), SLOTS_DIR))
+        steps = _check_killed_root(keep_last=2)
         assert steps, f"seed {seed}, kill {kill}"
     assert reused, "no slot was ever kept: the ring was not exercised"

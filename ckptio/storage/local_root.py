@@ -6,7 +6,8 @@ the directory, and only then removes it (shutil.rmtree, on the manager's thread)
 leaves a half-deleted step listed, and the next retention finishes such leftovers. On tmpfs
 (``slots``: Options.memory_mapped) the newest dropped step's data files are first moved into
 ``.ckptio-slots`` (storage/mapped.py), where the next mapped save takes its files from: the
-memory tier reuses their pages, a ring of keep_last + 1 steps' worth.
+memory tier reuses their pages, a ring of keep_last + 1 steps' worth; ``drop_slots()`` (the
+manager's close) removes them.
 
 Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
 of steps). Does not own: the hidden names (steproot.py), which steps to keep or restore
@@ -23,7 +24,7 @@ import shutil
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local import LocalStore
-from ckptio.storage.mapped import SLOTS_DIR, keep_slots, on_tmpfs
+from ckptio.storage.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -91,6 +92,11 @@ class LocalRoot:
                 keep_slots(self.location, sorted(leftovers, key=_hidden_step))
             return functools.partial(remove, leftovers)
         return None
+
+    def drop_slots(self) -> None:
+        """The manager lets go: the dropped steps' data files kept for its saves are removed."""
+        if self.slots:
+            drop_slots(self.location)
 
     def nothing_here(self) -> str:
         """Why there is no step to restore, and what the directory holds instead."""

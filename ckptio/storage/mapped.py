@@ -9,7 +9,8 @@ are the file, there is nothing to write or fsync. ``release`` keeps the mapping 
 save into the same file (cached by (st_dev, st_ino), bounded in bytes; a file unlinked since is
 unmapped at the next open), so a reused slot is neither allocated nor faulted in again.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped step into
-``.ckptio-slots`` beside the steps, and the older slots into that step, removed with it.
+``.ckptio-slots`` beside the steps, and the older slots into that step, removed with it;
+``drop_slots`` (the manager's close) removes them.
 
 Hand-written through ctypes: os.statvfs has no filesystem type (statfs's f_type is what tells
 tmpfs), Python's mmap refuses to unmap while a tensor views it, and os.rename replaces its
@@ -25,6 +26,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -32,8 +34,8 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import StorageIOError
 
-__all__ = ["SLOTS_DIR", "MappedFile", "forget", "keep_slots", "on_tmpfs", "open_file",
-           "release"]
+__all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_tmpfs",
+           "open_file", "release"]
 
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
@@ -278,3 +280,11 @@ def keep_slots(root: str, dropped: Sequence[str]) -> None:
     except OSError as exc:
         log.warning("ckptio: could not keep the pages of %s for later saves (%s); they are "
                     "removed with it", newest, exc)
+
+
+def drop_slots(root: str) -> None:
+    """Remove ``root``'s slots (no later save of this manager takes them) and unmap this
+    process's mappings of files removed: their pages go back to the host."""
+    shutil.rmtree(os.path.join(root, SLOTS_DIR), ignore_errors=True)
+    with _lock:
+        _prune()
