@@ -39,9 +39,7 @@ from ckptio.storage.files import StoreFiles
 __all__ = ["Progress", "SaveJob", "ready_events"]
 
 Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
-# a contiguous host tensor up to this size is copied by one memmove (GIL released), larger ones
-# by copy_ (which may split the copy over intra-op threads)
-MEMMOVE_MAX_NBYTES = 1 << 20
+MEMMOVE_MAX_NBYTES = 1 << 20  # a host tensor up to this: one memmove; larger: copy_ (threads)
 
 
 class Progress:
@@ -129,15 +127,13 @@ class SaveJob:
         self._go.set()
 
     def region(self, file: int, start: int) -> Buffer:
-        """Where the capture puts file ``file``'s bytes from ``start``: a region of its mapping
-        (a mapped save), else a free pool buffer."""
+        """Where file ``file``'s bytes from ``start`` go: its mapping's region, or a pool buffer."""
         if self.mapped is not None:
             return self.mapped.region(file, start)
         return self.acquire()
 
     def release(self, buffer: Buffer) -> None:
-        """A buffer the capture or a write is done with goes back to the pool (a mapped
-        region stays the file's)."""
+        """A pool buffer done with goes back (a mapped region stays the file's)."""
         if self.mapped is None:
             self.pool.release(buffer)
 
@@ -246,11 +242,8 @@ class SaveJob:
         self._raise_failure()
         if self.packer is not None:
             return self._finish_packed(self.packer)
-        for index in range(len(self.files)):  # a file of only empty items got no buffer:
-            if self.mapped is not None:      # create it still
-                self.mapped.opened(index)
-            else:
-                self._handle(index)
+        for index in range(len(self.files)):  # a file of only empty items got no buffer: made here
+            _ = self._handle(index) if self.mapped is None else self.mapped.opened(index)
         if self.mapped is not None:  # tmpfs: the pages are the file, nothing to fsync
             self.mapped.close(keep=True)
         while self._handles:
