@@ -7,7 +7,8 @@ place, never over a file) or creates the file (O_EXCL), sizes it (ftruncate, the
 full tmpfs is an error here, never a SIGBUS inside the copy) and maps it MAP_SHARED: the pages
 are the file, there is nothing to write or fsync. ``release`` keeps the mapping for a later
 save into the same file (cached by (st_dev, st_ino), bounded in bytes; a file unlinked since is
-unmapped at the next open), so a reused slot is neither allocated nor faulted in again.
+unmapped at the next open) where its root keeps slots, so a reused slot is neither allocated
+nor faulted in again.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped step into
 ``.ckptio-slots`` beside the steps, and the older slots into that step, removed with it;
 ``drop_slots`` (the manager's close) removes them.
@@ -174,8 +175,10 @@ def _unmap(entry: MappedFile) -> None:
 
 
 def release(entry: MappedFile, *, keep: bool = True) -> None:
-    """The save is done with ``entry``: kept for a later save of its file (``keep``), else
-    unmapped now (a failed save, whose files are removed)."""
+    """The save is done with ``entry``: kept for a later save of its file (``keep``, and its
+    root keeps slots: elsewhere no save takes the file again), else unmapped now (a failed
+    save, whose files are removed)."""
+    keep = keep and os.path.isdir(_slots_of(entry.path))
     with _lock:
         entry.in_use = False
         if keep:
@@ -228,22 +231,29 @@ def _bound() -> None:
 
 def _take_slot(path: str, nbytes: int) -> bool:
     """Rename the best-sized slot file of ``path``'s root (two levels up) to ``path``."""
-    slots = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), SLOTS_DIR)
+    slots = _slots_of(path)
     try:
         with os.scandir(slots) as it:
-            found = [(e.stat(follow_symlinks=False).st_size, e.path) for e in it
+            found = [(e.stat(follow_symlinks=False), e.path) for e in it
                      if e.is_file(follow_symlinks=False)]
     except OSError:
         return False
-    found.sort(key=lambda s: (0, 0) if s[0] == nbytes else (1, s[0]) if s[0] > nbytes
-               else (2, -s[0]))
-    for _size, source in found:
+    with _lock:  # the best fit: of the size, mapped here already, else the nearest size
+        mapped = {key for key, entry in _cache.items() if not entry.in_use}
+    found.sort(key=lambda s: (s[0].st_size != nbytes, (s[0].st_dev, s[0].st_ino) not in mapped,
+                              s[0].st_size < nbytes, abs(s[0].st_size - nbytes)))
+    for _info, source in found:
         code = _rename_noreplace(source, path)
         if code == 0:
             return True
         if code != errno.ENOENT:  # EEXIST (the create says so), or no renameat2: a new file
             return False
     return False
+
+
+def _slots_of(path: str) -> str:
+    """The slot directory of a step's file ``path`` (its root's)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), SLOTS_DIR)
 
 
 def _rename_noreplace(source: str, target: str) -> int:
