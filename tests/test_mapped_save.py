@@ -6,7 +6,7 @@ async save into tmpfs round-trips bit for bit and verifies, and its data files w
 written through the I/O backend (the capture copied into their pages); a disk directory and
 Options(memory_mapped="off") keep the backend's writes; a manager's memory tier makes the next
 step's data file from a dropped step's (the same inode: a ring of keep_last + 1), sync and
-async; a smaller, then larger, differently laid out state saved into a reused slot loads bit
+async, and once the ring is warm no file is mapped afresh; a smaller, then larger, differently laid out state saved into a reused slot loads bit
 for bit with every byte outside its entries zero (no stale bytes); a training process killed
 (SIGKILL) at random moments of an every-step save loop, again and again, leaves at least
 keep_last committed steps that verify, load bit for bit and hold no stale bytes; the slots
@@ -171,6 +171,27 @@ def test_a_dropped_steps_data_file_is_the_next_steps(shm, asynchronous):
         root = checkpoint_path("shm://ring")
         assert len(os.listdir(os.path.join(root, SLOTS_DIR))) <= 1, "more than a step kept"
     assert not os.path.exists(os.path.join(root, SLOTS_DIR)), "slots left after close()"
+
+
+def _mappings_under(root: str) -> set[tuple[str, str]]:
+    """(address range, inode) of this process's mappings of files under ``root``."""
+    with open("/proc/self/maps") as f:
+        return {(line.split()[0], line.split()[4]) for line in f if root in line}
+
+
+def test_the_warm_ring_maps_nothing_new(shm):
+    """Once every slot has gone round, a save maps no file afresh: the mappings kept are the
+    same address ranges of the same inodes, step after step."""
+    root = checkpoint_path("shm://warm")
+    with ckptio.CheckpointManager(tiers=[Tier("shm://warm", keep_last=2)], options=OPTS) as mgr:
+        seen = []
+        for step in range(12):
+            handle = mgr.save(step, state_of(2 * step), asynchronous=True)  # one layout
+            assert handle is not None
+            handle.wait()
+            if step >= 6:
+                seen.append(_mappings_under(root))
+        assert seen[0] and all(s == seen[0] for s in seen), seen
 
 
 def test_a_reused_slot_holds_no_stale_bytes(shm):
