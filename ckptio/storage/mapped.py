@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ckptio.errors import StorageIOError
 
 __all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_tmpfs",
-           "open_file", "release"]
+           "open_file", "release", "slot_nbytes"]
 
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
@@ -290,6 +290,16 @@ def keep_slots(root: str, dropped: Sequence[str]) -> None:
     except OSError as exc:
         log.warning("ckptio: could not keep the pages of %s for later saves (%s); they are "
                     "removed with it", newest, exc)
+
+
+def slot_nbytes(root: str) -> int:
+    """Bytes of ``root``'s slots: free for its next save, which takes them."""
+    try:
+        with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
+            return sum(e.stat(follow_symlinks=False).st_size for e in it
+                       if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
 
 
 def drop_slots(root: str) -> None:
