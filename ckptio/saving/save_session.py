@@ -342,7 +342,7 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
         regular_section.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
     item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
     layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
-    pool, target = ctx.resources.files(ctx.store)
+    pool, target = ctx.resources.files(ctx.store, len(data))  # a small pool will do
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
                           pool=pool, algorithm=ctx.options.checksum,
