@@ -6,11 +6,12 @@ async save into tmpfs round-trips bit for bit and verifies, and its data files w
 written through the I/O backend (the capture copied into their pages); a disk directory and
 Options(memory_mapped="off") keep the backend's writes; a manager's memory tier makes the next
 step's data file from a dropped step's (the same inode: a ring of keep_last + 1), sync and
-async, and once the ring is warm no file is mapped afresh; a smaller, then larger, differently laid out state saved into a reused slot loads bit
-for bit with every byte outside its entries zero (no stale bytes); a training process killed
-(SIGKILL) at random moments of an every-step save loop, again and again, leaves at least
-keep_last committed steps that verify, load bit for bit and hold no stale bytes; the slots
-go with the manager's close().
+async, and once the ring is warm no file is mapped afresh; a smaller, then larger, differently
+laid out state saved into a reused slot loads bit for bit with every byte outside its entries
+zero (no stale bytes); a training process killed (SIGKILL) at random moments of an every-step
+save loop, again and again (each new process taking the slots the killed one left), leaves at
+least keep_last committed steps that verify, load bit for bit and hold no stale bytes; the
+slots go with the manager's close().
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ckptio import CkptError, Tier
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local import LocalStore
+from ckptio.storage.local_root import LocalRoot
 from ckptio.storage.mapped import SLOTS_DIR, on_tmpfs
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
@@ -232,14 +234,15 @@ with ckptio.CheckpointManager(tiers=[Tier("shm://killed", keep_last=2)], options
 
 
 def _check_killed_root(keep_last: int) -> list[int]:
-    with ckptio.CheckpointManager(tiers=[Tier("shm://killed", keep_last=keep_last)],
-                                  options=OPTS) as mgr:
-        steps = mgr.steps()
-        assert len(steps) >= keep_last, f"only {steps} committed after a kill"
-        for step in steps:
-            ckptio.verify(mgr.path(step))
-            assert_same(ckptio.load(mgr.path(step)), state_of(step, scale=4))
-            _assert_no_stale_bytes(mgr.path(step))
+    """The committed steps the killed job left (listed as a manager would, without one: its
+    close() would remove the slots the next child takes) are whole."""
+    root = LocalRoot(checkpoint_path("shm://killed"))
+    steps = root.scan()["committed"]
+    assert len(steps) >= keep_last, f"only {steps} committed after a kill"
+    for step in steps:
+        ckptio.verify(root.path(step))
+        assert_same(ckptio.load(root.path(step)), state_of(step, scale=4))
+        _assert_no_stale_bytes(root.path(step))
     return steps
 
 
@@ -261,7 +264,8 @@ def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate()
         assert proc.returncode == -signal.SIGKILL
-        reused |= os.path.isdir(os.path.join(checkpoint_path("shm://killed"), SLOTS_DIR))
+        slots = os.path.join(checkpoint_path("shm://killed"), SLOTS_DIR)
+        reused |= os.path.isdir(slots) and bool(os.listdir(slots))
         steps = _check_killed_root(keep_last=2)
         assert steps, f"seed {seed}, kill {kill}"
     assert reused, "no slot was ever kept: the ring was not exercised"
