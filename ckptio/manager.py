@@ -248,8 +248,10 @@ class CheckpointManager:
         refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
-        if self.delta is not None:
-            self._settle()  # a base is chosen among committed steps
+        if self.delta is not None or is_memory(self.tiers[0]):
+            # a base is chosen among committed steps; a memory tier's retention runs before
+            # the new save, which then reuses the pages of the step dropped (storage/mapped.py)
+            self._settle()
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
             lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
@@ -309,6 +311,7 @@ class CheckpointManager:
             finally:
                 for level in self._levels:
                     level.join_removal()
+                    level.drop_slots()
                 if self._owns_checkpointer:
                     self._ck.close()
 

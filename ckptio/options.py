@@ -15,8 +15,8 @@ from typing import Literal, get_args
 
 from ckptio.errors import CkptError
 
-__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS", "SAVE_CHECKSUMS",
-           "GiB", "KiB", "MiB", "Options"]
+__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
+           "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -28,6 +28,7 @@ COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
 # Options.checksum: what a save may record (format/checksum.py also knows "crc32", the
 # checksum of the foreign records of DCP and torch.save files ckptio reads, never writes)
 SAVE_CHECKSUMS = ("xxh3_64_tree", "xxh3_64")
+MEMORY_MAPPED_MODES = ("auto", "off")  # Options.memory_mapped
 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
@@ -77,6 +78,12 @@ class Options:
         or the codec, on ``compress_threads`` threads, outruns the disk's measured write rate
         (``ckptio tune``; no profile: not compressed); a codec compresses every chunk that
         shrinks. Loads decode whatever a checkpoint holds.
+    memory_mapped: "auto" (default): a save into a directory on tmpfs (``shm://``), neither
+        compressed nor a delta, copies the state straight into its data files' pages, mapped
+        into the process (no second copy through the staging pool, no write), and a manager's
+        memory tier keeps the data files of the step its retention drops as slots the next
+        save's files are made from (their pages reused, not allocated again; storage/mapped.py).
+        "off": such saves go through the staging pool and the I/O backend like any other.
     compress_threads: threads that encode frames during a compressed or delta save, and decode
         them during a load (the bound on the cores compression takes; the training thread never
         compresses).
@@ -137,6 +144,7 @@ class Options:
     peer_timeout_s: float = 60.0
     compression: str = "off"
     compress_threads: int = 2
+    memory_mapped: str = "auto"
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
@@ -177,6 +185,9 @@ class Options:
         if self.checksum not in SAVE_CHECKSUMS:
             raise CkptError(f"Options.checksum={self.checksum!r}: use "
                             + " or ".join(map(repr, SAVE_CHECKSUMS)))
+        if self.memory_mapped not in MEMORY_MAPPED_MODES:
+            raise CkptError(f"Options.memory_mapped={self.memory_mapped!r}: use "
+                            + " or ".join(map(repr, MEMORY_MAPPED_MODES)))
         if self.compress_threads < 1:
             raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
         self._check_s3()

@@ -29,6 +29,7 @@ from ckptio.io.stage import StagingPool, available_host_bytes
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
 from ckptio.storage.store_contract import Store
+from ckptio.storage import mapped
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.local import LocalStore
 from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
@@ -236,3 +237,4 @@ class ReusedIOResources:
             self.cleanup.finish()
             self.release()
             self._grown_nbytes = 0
+        mapped.forget()  # the mapped saves' files stay, their mappings in this process go

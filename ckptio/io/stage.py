@@ -27,7 +27,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE
 MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
 
 __all__ = ["Buffer", "StagingPool", "available_host_bytes", "copy_in", "copy_out", "move_in",
-           "torch_dtype", "typed"]
+           "move_out", "torch_dtype", "typed"]
 
 
 @dataclass
@@ -338,6 +338,18 @@ def move_in(buffer: Buffer, start: int, nbytes: int, dst: torch.Tensor, dtype: t
         return False
     ctypes.memmove(dst.data_ptr() + at, buffer.address + start, nbytes)
     torch.autograd.graph.increment_version(dst)
+    return True
+
+
+def move_out(src: torch.Tensor, dtype: torch.dtype, buffer: Buffer, start: int,
+             nbytes: int) -> bool:
+    """``src``'s ``nbytes`` bytes into bytes [start, start + nbytes) of ``buffer`` by one
+    memmove (GIL released, no torch kernel), when ``src`` is a plain, contiguous host tensor
+    of ``dtype`` of exactly those bytes (move_in's rule); -> False, nothing copied, otherwise."""
+    if (not _plain_host(src, dtype) or src.numel() * src.element_size() != nbytes
+            or not 0 <= start <= buffer.nbytes - nbytes):
+        return False
+    ctypes.memmove(buffer.address + start, src.data_ptr(), nbytes)
     return True
 
 

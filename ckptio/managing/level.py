@@ -5,7 +5,8 @@ tier's steps only through it: their root (path, listing, committed or not), thei
 (hide what the policy drops, remove it in a background thread, joined by the next pass and by
 the manager's close()), their delta chains, which of them a load found damaged or succeeded
 on, and loading one of them. Call order per save: ``saved(step)`` once the step committed in
-this tier, then ``retain(also)``; ``join_removal()`` before the manager lets go.
+this tier, then ``retain(also)``; ``join_removal()`` and ``drop_slots()`` before the manager
+lets go.
 
 Decisions here run on the coordinating rank (the manager agrees on them across ranks through
 its one Ranks object, managing/agreement.py); try_load() is a collective (the load is).
@@ -21,7 +22,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
@@ -215,6 +216,19 @@ class TierSteps:
         if self._removal is not None:
             self._removal.join()
             self._removal = None
+
+    def drop_slots(self) -> None:
+        """The manager lets go: a root keeping dropped steps' files for later saves (a local
+        one on tmpfs, storage/local_root.py) removes them."""
+        if isinstance(self._root, _KeepsSlots):
+            self._root.drop_slots()
+
+
+@runtime_checkable
+class _KeepsSlots(Protocol):
+    """A root that keeps dropped steps' data files for the next saves (LocalRoot)."""
+
+    def drop_slots(self) -> None: ...
 
 
 def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:

@@ -5,6 +5,8 @@ pool is full) and may run on any thread; once it returns the source tensors may 
 buffer goes to a hasher thread, which checksums the exact bytes and hands the buffer to the I/O
 backend; a finished write returns the buffer to the pool. ``finish`` waits for all of it and
 fsyncs. Keeping checksums off the capturing thread keeps the training loop's share to the copy.
+A mapped save (``mapped=True``: a store on tmpfs) fills regions of the data files' own mappings
+instead of pool buffers (mapped_regions.py): hashed as they are, never written.
 
 Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
 side stream with one event per buffer (no per-tensor synchronisation), progress counters,
@@ -28,14 +30,16 @@ from ckptio.errors import CkptError
 from ckptio.io import FileHandle
 from ckptio.planning.layout import align_up
 from ckptio.options import BLOCK
-from ckptio.io.stage import Buffer, StagingPool, copy_out, torch_dtype, typed
+from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
+from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob", "ready_events"]
 
 Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
+MEMMOVE_MAX_NBYTES = 1 << 20  # a host tensor up to this: one memmove; larger: copy_ (threads)
 
 
 class Progress:
@@ -58,13 +62,14 @@ class SaveJob:
                  sources: dict[str, torch.Tensor], *, pool: StagingPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
                  block_nbytes: int = 1 << 20, packer: Packer | None = None,
-                 write_at_once: bool = False) -> None:
+                 write_at_once: bool = False, mapped: bool = False) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread). ``packer``: a packed save
         (packing.py): ``files`` is one layout that only orders the capture, its bytes go to
         the packer's files. ``write_at_once``: checksums and writes start with the first full
         buffer (a synchronous save, whose caller waits for the writes anyway), not once the
-        capture is done or the pool runs dry."""
+        capture is done or the pool runs dry. ``mapped``: the files are made as shared
+        mappings (``target`` mappable, no packer) and the capture copies into them."""
         self.target, self.files, self.sources = target, files, sources
         self.packer = packer
         self.pool, self.rank = pool, rank
@@ -88,6 +93,8 @@ class SaveJob:
             self._go.set()
         self._failure: BaseException | None = None
         self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
+        self.mapped = (MappedTarget(target, files, pool.buffer_bytes, cuda=bool(self._streams))
+                       if mapped and packer is None else None)
 
     # ---------------------------------------------------------------- capture (any thread)
 
@@ -118,6 +125,22 @@ class SaveJob:
                     window.abandon()
         self._sync_streams()
         self._go.set()
+
+    def region(self, file: int, start: int) -> Buffer:
+        """Where file ``file``'s bytes from ``start`` go: its mapping's region, or a pool buffer."""
+        if self.mapped is not None:
+            return self.mapped.region(file, start)
+        return self.acquire()
+
+    def release(self, buffer: Buffer) -> None:
+        """A pool buffer done with goes back (a mapped region stays the file's)."""
+        if self.mapped is None:
+            self.pool.release(buffer)
+
+    @property
+    def async_copies(self) -> bool:
+        """Device->host copies may be non_blocking: the pool, or every mapping page-locked."""
+        return self.mapped is None or self.mapped.pinned
 
     def acquire(self) -> Buffer:
         """A free pool buffer; if none is free, let the writers run (they free buffers)."""
@@ -151,7 +174,7 @@ class SaveJob:
             events = _record(self._streams)
             task = self._hashing.submit(self._hash_and_write, file, offset, buffer, nbytes, pieces, events)
         except BaseException:
-            self.pool.release(buffer)
+            self.release(buffer)
             raise
         self._pending.append(task)
         self.progress.nbytes_staged += sum(n for _i, _s, n in pieces)
@@ -166,14 +189,15 @@ class SaveJob:
                 raise CkptError("an earlier write of this save failed")
             for index, start, n in pieces:
                 self._hasher(index).update(buffer.view[start:start + n])
-            if self.packer is not None:
-                self.packer.take(buffer.view, pieces)
-                future: Future[int] = Future()
+            if self.packer is not None or self.mapped is not None:
+                if self.packer is not None:
+                    self.packer.take(buffer.view, pieces)
+                future: Future[int] = Future()  # mapped: the pages are the file, written
                 future.set_result(nbytes)
             else:
                 future = self.target.submit_write(self._handle(file), offset, buffer.view[:nbytes])
         except BaseException as exc:
-            self.pool.release(buffer)
+            self.release(buffer)
             self._fail(exc)
             raise
         written = sum(n for _i, _s, n in pieces)
@@ -194,7 +218,7 @@ class SaveJob:
         error = future.exception()
         if error is not None:
             self._fail(error)
-        self.pool.release(buffer)
+        self.release(buffer)
         with self._lock:
             if error is None:
                 self.progress.nbytes_written += nbytes
@@ -218,8 +242,10 @@ class SaveJob:
         self._raise_failure()
         if self.packer is not None:
             return self._finish_packed(self.packer)
-        for index in range(len(self.files)):
-            self._handle(index)  # a file of only empty items got no buffer: create it still
+        for index in range(len(self.files)):  # a file of only empty items got no buffer: made here
+            _ = self._handle(index) if self.mapped is None else self.mapped.opened(index)
+        if self.mapped is not None:  # tmpfs: the pages are the file, nothing to fsync
+            self.mapped.close(keep=True)
         while self._handles:
             self.target.close(self._handles.pop(min(self._handles)), sync=True)
         placed = ((f.name, p) for f in self.files for p in f.placements)
@@ -248,6 +274,8 @@ class SaveJob:
         self._drain()
         while self._handles:
             self.target.close(self._handles.pop(min(self._handles)), sync=False)
+        if self.mapped is not None:
+            self.mapped.close(keep=False)
         if self.packer is not None:
             self.packer.abandon()
 
@@ -257,7 +285,7 @@ class _Window:
 
     def __init__(self, job: SaveJob, file: int) -> None:
         self.job, self.file = job, file
-        self.buffer: Buffer | None = job.acquire()
+        self.buffer: Buffer | None = job.region(file, 0)
         self.start = 0  # file offset of the buffer's first byte
         self.filled = 0
         self.pieces: list[Piece] = []
@@ -268,7 +296,7 @@ class _Window:
             full, self.buffer = self.buffer, None
             self.job.hand_off(self.file, self.start, full, self.filled, self.pieces)
             self.start, self.filled, self.pieces = self.start + self.filled, 0, []
-            self.buffer = self.job.acquire()
+            self.buffer = self.job.region(self.file, self.start)
         return self.buffer
 
     def pad_to(self, offset: int) -> None:
@@ -286,9 +314,12 @@ class _Window:
         if (buffer is not None and source.is_contiguous() and item.nbytes
                 and self.filled + item.nbytes <= buffer.nbytes):
             # The common case in one copy and three views (a state has thousands of small
-            # tensors: per-tensor Python work is what the caller waits for after the copy).
-            buffer.view_at(self.filled, dtype, source.shape).copy_(source,
-                                                                    non_blocking=source.is_cuda)
+            # tensors: per-tensor Python work is what the caller waits for after the copy); a
+            # small host tensor in one memmove, no torch kernel at all.
+            if item.nbytes > MEMMOVE_MAX_NBYTES or not move_out(source, dtype, buffer,
+                                                                self.filled, item.nbytes):
+                buffer.view_at(self.filled, dtype, source.shape).copy_(
+                    source, non_blocking=source.is_cuda and self.job.async_copies)
             self.pieces.append((index, self.filled, item.nbytes))
             self.filled += item.nbytes
             return
@@ -309,12 +340,12 @@ class _Window:
             self.job.hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK),
                               self.pieces)
         elif buffer is not None:
-            self.job.pool.release(buffer)
+            self.job.release(buffer)
 
     def abandon(self) -> None:
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
-            self.job.pool.release(buffer)
+            self.job.release(buffer)
 
 
 def _entry(file: str, placement: Placement, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:

@@ -61,7 +61,7 @@ from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.storage.entry_reader import Base, EntryReader
-from ckptio.storage.files import IOResources, StoreFiles
+from ckptio.storage.files import IOResources, StoreFiles, mappable
 from ckptio.version import __version__
 
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
@@ -255,7 +255,8 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
         control.finished(0, exc)
         return
     try:
-        if ctx.grow_staging:  # 11: before wait() returns, so the next save finds it done
+        if ctx.grow_staging and not _mapped(ctx):  # 11: before wait() returns, so the next
+            # save finds it done (a mapped save stages nothing)
             ctx.resources.fit([f.nbytes for f in part.files])
     finally:
         control.finished(control.progress.nbytes_total)
@@ -276,14 +277,18 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
     index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        staged = None if ctx.packing is not None else sum(f.nbytes for f in part.files)
-        # a pool no larger than the state, faulted in by the capture's own copies
+        mapped = _mapped(ctx)
+        staged = (None if ctx.packing is not None else
+                  0 if mapped else sum(f.nbytes for f in part.files))
+        # a pool no larger than the state (the smallest for a mapped save, which copies into
+        # its files' pages), faulted in by the capture's own copies
         pool, target = ctx.resources.files(ctx.store, staged, copy_faults=True)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=control.progress,
                               block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
-                              write_at_once=not ctx.grow_staging)  # a synchronous save
+                              write_at_once=not ctx.grow_staging,  # a synchronous save
+                              mapped=mapped)
         if ctx.lazy:
             job.capture(part.eager_items, control.eager_captured)
         else:
@@ -302,6 +307,13 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
         if job is not None:
             job.abandon()
         return None, exc
+
+
+def _mapped(ctx: SaveContext) -> bool:
+    """Whether this save copies straight into its data files' pages (Options.memory_mapped:
+    a plain save into a directory on tmpfs; storage/mapped.py)."""
+    return (ctx.options.memory_mapped != "off" and ctx.packing is None
+            and mappable(ctx.store))
 
 
 def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:
@@ -330,7 +342,7 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
         regular_section.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
     item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
     layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
-    pool, target = ctx.resources.files(ctx.store)
+    pool, target = ctx.resources.files(ctx.store, len(data))  # a small pool will do
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
                           pool=pool, algorithm=ctx.options.checksum,

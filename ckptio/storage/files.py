@@ -28,13 +28,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 from ckptio.io.backend_contract import FileHandle, IOBackend
+from ckptio.storage import mapped
 from ckptio.storage.store_contract import Capabilities, Store
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
     from ckptio.io.stage import StagingPool
     from ckptio.options import Options
 
-__all__ = ["Capabilities", "IOResources", "StoreFiles"]
+__all__ = ["Capabilities", "IOResources", "StoreFiles", "mappable"]
 
 
 class StoreFiles:
@@ -61,6 +62,11 @@ class StoreFiles:
         path = self.store.path_of(name)
         return self.backend.open_read(path, cached=True) if cached else self.backend.open_read(path)
 
+    def open_mapped(self, name: str, nbytes: int) -> mapped.MappedFile:
+        """Create file ``name`` of ``nbytes`` mapped writable (a store for which mappable()
+        holds; storage/mapped.py): a slot of its root's dropped steps where there is one."""
+        return mapped.open_file(self.store.path_of(name), nbytes)
+
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)
 
@@ -69,6 +75,13 @@ class StoreFiles:
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         self.backend.close(fh, sync=sync)
+
+
+def mappable(store: Store) -> bool:
+    """Whether a save may write ``store``'s files as shared mappings: a local directory on
+    tmpfs, whose pages are the files (storage/mapped.py); on a disk the backend's writes stay."""
+    directory = store.capabilities.filesystem
+    return directory is not None and mapped.on_tmpfs(directory)
 
 
 class IOResources(Protocol):

@@ -3,7 +3,11 @@
 Steps are real directories named ``step-N``; whether each is committed its Store says. A
 retention hides a dropped step by renaming it ``.deleting-step-<N>-<hex>`` (atomic), fsyncs
 the directory, and only then removes it (shutil.rmtree, on the manager's thread): a kill never
-leaves a half-deleted step listed, and the next retention finishes such leftovers.
+leaves a half-deleted step listed, and the next retention finishes such leftovers. On tmpfs
+(``slots``: Options.memory_mapped) the newest dropped step's data files are first moved into
+``.ckptio-slots`` (storage/mapped.py), where the next mapped save takes its files from: the
+memory tier reuses their pages, a ring of keep_last + 1 steps' worth; ``drop_slots()`` (the
+manager's close) removes them.
 
 Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
 of steps). Does not own: the hidden names (steproot.py), which steps to keep or restore
@@ -20,6 +24,7 @@ import shutil
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local import LocalStore
+from ckptio.storage.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -41,8 +46,10 @@ log = logging.getLogger("ckptio")
 class LocalRoot:
     """A directory of ``step-N`` directories (see the module docstring)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, slots: bool = False) -> None:
+        """``slots``: keep a dropped step's data files for later saves, on tmpfs."""
         self.location = directory
+        self.slots = slots
 
     def __repr__(self) -> str:
         return f"LocalRoot({self.location!r})"
@@ -81,8 +88,15 @@ class LocalRoot:
             return None
         leftovers = hidden(self.location)
         if leftovers and fsync_dir(self.location):
+            if self.slots and on_tmpfs(self.location):  # renames only: the thread deletes
+                keep_slots(self.location, sorted(leftovers, key=_hidden_step))
             return functools.partial(remove, leftovers)
         return None
+
+    def drop_slots(self) -> None:
+        """The manager lets go: the dropped steps' data files kept for its saves are removed."""
+        if self.slots:
+            drop_slots(self.location)
 
     def nothing_here(self) -> str:
         """Why there is no step to restore, and what the directory holds instead."""
@@ -90,10 +104,15 @@ class LocalRoot:
         if not os.path.isdir(directory):
             return Nothing(f"no checkpoint to restore: {directory} does not exist (nothing saved "
                            "there yet)", empty=True)
-        names = sorted(n for n in os.listdir(directory) if not is_hidden(n))
+        names = sorted(n for n in os.listdir(directory) if not is_hidden(n) and n != SLOTS_DIR)
         return nothing_message(
             directory, names, itself=is_committed(directory), noun="directory",
             checkpoints=[n for n in names if is_committed(os.path.join(directory, n))])
+
+
+def _hidden_step(path: str) -> int:
+    """The step of a hidden step directory (``.deleting-step-<N>-<hex>``)."""
+    return int(os.path.basename(path)[len(HIDDEN_PREFIX):].split("-")[0])
 
 
 def _warn(message: str) -> None:

@@ -85,7 +85,7 @@ def _local_store(location: str, options: Options) -> Store:
 def _local_root(location: str, options: Options) -> StepRoot:
     from ckptio.storage.local_root import LocalRoot
 
-    return LocalRoot(location)
+    return LocalRoot(location, slots=options.memory_mapped != "off")
 
 
 def _memory_store(location: str, options: Options) -> Store:

@@ -35,6 +35,7 @@ from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
+from ckptio.storage.mapped import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.topology import host_id
 from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
@@ -126,6 +127,8 @@ def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: int,
             f"one being saved ({fits / GiB:.2f} GiB): raise max_bytes or lower keep_last; the "
             "steps it holds are kept")
     free = _free_nbytes(directory)
+    if free is not None:  # the dropped step's pages kept for the new one are free for it
+        free += slot_nbytes(directory)
     if free is not None and step_nbytes + step_others > free:
         raise CkptError(
             f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit in "

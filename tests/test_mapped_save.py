@@ -1,0 +1,271 @@
+"""Mapped saves into tmpfs (issue 45, "one copy into the memory tier"): storage/mapped.py,
+saving/mapped_regions.py, the mapped mode of saving/persist.py, the slots of local_root.py.
+
+Covers, with real files under /dev/shm (``shm://`` with $CKPTIO_SHM_DIR) and real managers: an
+async save into tmpfs round-trips bit for bit and verifies, and its data files were never
+written through the I/O backend (the capture copied into their pages); a disk directory and
+Options(memory_mapped="off") keep the backend's writes; a manager's memory tier makes the next
+step's data file from a dropped step's (the same inode: a ring of keep_last + 1), sync and
+async, and once the ring is warm no file is mapped afresh; a smaller, then larger, differently
+laid out state saved into a reused slot loads bit for bit with every byte outside its entries
+zero (no stale bytes); a training process killed (SIGKILL) at random moments of an every-step
+save loop, again and again (each new process taking the slots the killed one left), leaves at
+least keep_last committed steps that verify, load bit for bit and hold no stale bytes; the
+slots go with the manager's close().
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import CkptError, Tier
+from ckptio.format import manifest as manifest_format
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.local import LocalStore
+from ckptio.storage.local_root import LocalRoot
+from ckptio.storage.mapped import SLOTS_DIR, on_tmpfs
+from ckptio.storage.select import checkpoint_path
+from tests.conftest import assert_same
+
+MiB = 1 << 20
+OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def state_of(step: int, scale: int = 1) -> dict[str, Any]:
+    """A deterministic state of ``step``: large and small tensors of several dtypes, odd sizes
+    (padding between entries), a view with a storage offset and a strided one; its layout
+    changes with ``step`` % 2 (files of another size, in a ring of 3)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    big = torch.randn(scale * (300_000 + 7_777 * (step % 2)), generator=g)
+    base = torch.randn(64, 33, generator=g)
+    return {
+        "big": big,
+        "small": torch.randn(37, generator=g),
+        "ints": torch.randint(-2**40, 2**40, (1001,), generator=g, dtype=torch.int64),
+        "half": torch.randn(513, generator=g).to(torch.bfloat16),
+        "flags": torch.rand(77, generator=g) > 0.5,
+        "offset_view": base[3:9],
+        "strided": base.t(),
+        "step": step,
+    }
+
+
+class _Counting:
+    """A backend that records the file of every write (then does it)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.written: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def submit_write(self, fh: Any, offset: int, data: memoryview) -> Any:
+        self.written.append(os.path.basename(fh.path))
+        return self.inner.submit_write(fh, offset, data)
+
+
+def _data_files(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("data-"))
+
+
+def _inodes(path: str) -> set[int]:
+    return {os.stat(os.path.join(path, n)).st_ino for n in _data_files(path)}
+
+
+def _assert_no_stale_bytes(path: str) -> None:
+    """Every byte of every data file outside the manifest's entries is zero (padding)."""
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        manifest = manifest_format.decode(f.read(), path)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for entry in manifest.tensors:
+        covered.setdefault(entry.file, []).append((entry.offset, entry.offset + entry.nbytes))
+    for name in _data_files(path):
+        data = bytearray(open(os.path.join(path, name), "rb").read())
+        for start, end in covered.get(name, []):
+            data[start:end] = bytes(end - start)
+        assert not any(data), f"{path}/{name}: bytes outside the entries are not zero"
+
+
+def _save_counting(tmp_or_shm: str, options: ckptio.Options) -> tuple[_Counting, str]:
+    """An async save of state_of(1) into ``tmp_or_shm`` through a counting backend; checked
+    back bit for bit and verified -> (the backend, the path)."""
+    ck = ckptio.Checkpointer(options)
+    try:
+        os.makedirs(tmp_or_shm, exist_ok=True)
+        counting = ck.resources().wrap_backend(LocalStore(tmp_or_shm), _Counting)
+        path = os.path.join(tmp_or_shm, "ckpt")
+        ck.async_save(state_of(1), path).wait()
+        ckptio.verify(path)
+        assert_same(ckptio.load(path), state_of(1))
+        _assert_no_stale_bytes(path)
+        return counting, path  # type: ignore[return-value]
+    finally:
+        ck.close()
+
+
+# ------------------------------------------------------------------ the mode
+
+
+def test_mapped_async_save_round_trips_with_no_write(shm):
+    counting, path = _save_counting(checkpoint_path("shm://one"), OPTS)
+    assert _data_files(path), "the save made no data file"
+    assert not [n for n in counting.written if n.startswith("data-")], (
+        f"a save into tmpfs wrote its data through the backend: {counting.written}")
+
+
+def test_memory_mapped_off_writes_through_the_backend(shm):
+    counting, path = _save_counting(checkpoint_path("shm://off"),
+                                    ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
+                                                   memory_mapped="off"))
+    assert set(_data_files(path)) <= set(counting.written) and _data_files(path)
+
+
+def test_a_disk_directory_is_never_mapped(tmp_path):
+    if on_tmpfs(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is on tmpfs here: no disk directory to try")
+    counting, path = _save_counting(str(tmp_path / "disk"), OPTS)
+    assert set(_data_files(path)) <= set(counting.written) and _data_files(path)
+
+
+def test_memory_mapped_is_validated():
+    with pytest.raises(CkptError, match="memory_mapped"):
+        ckptio.Options(memory_mapped="on")
+
+
+# ------------------------------------------------------------------ slots
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_dropped_steps_data_file_is_the_next_steps(shm, asynchronous):
+    keep_last = 2
+    removed: set[int] = set()
+    with ckptio.CheckpointManager(tiers=[Tier("shm://ring", keep_last=keep_last)],
+                                  options=OPTS) as mgr:
+        inodes: dict[int, set[int]] = {}
+        for step in range(keep_last + 3):
+            handle = mgr.save(step, state_of(step), asynchronous=asynchronous)
+            if asynchronous:
+                assert handle is not None
+                handle.wait()
+            inodes[step] = _inodes(mgr.path(step))
+            if step > keep_last:  # its retention dropped step - keep_last - 1 before it began
+                removed |= inodes[step - keep_last - 1]
+                assert inodes[step] and inodes[step] <= removed, (
+                    f"step {step}'s data files {inodes[step]} are not those of a dropped step "
+                    f"{removed}: the pages were allocated afresh")
+        mgr.wait()
+        for step in mgr.steps():
+            ckptio.verify(mgr.path(step))
+            assert_same(ckptio.load(mgr.path(step)), state_of(step))
+            _assert_no_stale_bytes(mgr.path(step))
+        root = checkpoint_path("shm://ring")
+        assert len(os.listdir(os.path.join(root, SLOTS_DIR))) <= 1, "more than a step kept"
+    assert not os.path.exists(os.path.join(root, SLOTS_DIR)), "slots left after close()"
+
+
+def _mappings_under(root: str) -> set[tuple[str, str]]:
+    """(address range, inode) of this process's mappings of files under ``root``."""
+    with open("/proc/self/maps") as f:
+        return {(line.split()[0], line.split()[4]) for line in f if root in line}
+
+
+def test_the_warm_ring_maps_nothing_new(shm):
+    """Once every slot has gone round, a save maps no file afresh: the mappings kept are the
+    same address ranges of the same inodes, step after step."""
+    root = checkpoint_path("shm://warm")
+    with ckptio.CheckpointManager(tiers=[Tier("shm://warm", keep_last=2)], options=OPTS) as mgr:
+        seen = []
+        for step in range(12):
+            handle = mgr.save(step, state_of(2 * step), asynchronous=True)  # one layout
+            assert handle is not None
+            handle.wait()
+            if step >= 6:
+                seen.append(_mappings_under(root))
+        assert seen[0] and all(s == seen[0] for s in seen), seen
+
+
+def test_a_reused_slot_holds_no_stale_bytes(shm):
+    """A full state A, then smaller and larger states of other layouts into its pages."""
+    states = [state_of(0, scale=4), state_of(1, scale=4), state_of(5, scale=1),
+              {"other": torch.full((1234,), -1.0), "x": torch.arange(999, dtype=torch.int16)},
+              state_of(7, scale=6)]
+    with ckptio.CheckpointManager(tiers=[Tier("shm://stale", keep_last=1)],
+                                  options=OPTS) as mgr:
+        seen: set[int] = set()
+        for step, state in enumerate(states):
+            mgr.save(step, state)
+            inodes = _inodes(mgr.path(step))
+            if step >= 2:
+                assert inodes <= seen, f"step {step} did not reuse a dropped step's file"
+            seen |= inodes
+            ckptio.verify(mgr.path(step))
+            assert_same(ckptio.load(mgr.path(step)), state)
+            _assert_no_stale_bytes(mgr.path(step))
+
+
+# ------------------------------------------------------------------ killed
+
+
+KILLED_CHILD = r"""
+import sys
+import ckptio
+from ckptio import Tier
+from tests.test_mapped_save import OPTS, state_of
+
+with ckptio.CheckpointManager(tiers=[Tier("shm://killed", keep_last=2)], options=OPTS) as mgr:
+    latest = mgr.latest()
+    start = 0 if latest is None else latest + 1
+    for step in range(start, start + 100000):
+        mgr.save(step, state_of(step, scale=4), asynchronous=True)
+        print(step, flush=True)
+"""
+
+
+def _check_killed_root(keep_last: int) -> list[int]:
+    """The committed steps the killed job left (listed as a manager would, without one: its
+    close() would remove the slots the next child takes) are whole."""
+    root = LocalRoot(checkpoint_path("shm://killed"))
+    steps = root.scan()["committed"]
+    assert len(steps) >= keep_last, f"only {steps} committed after a kill"
+    for step in steps:
+        ckptio.verify(root.path(step))
+        assert_same(ckptio.load(root.path(step)), state_of(step, scale=4))
+        _assert_no_stale_bytes(root.path(step))
+    return steps
+
+
+def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    script = tmp_path / "child.py"
+    script.write_text(KILLED_CHILD)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    reused = False
+    for kill in range(8):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        assert proc.stdout is not None
+        for _ in range(4):  # a few steps in: slots in use, a ring going round
+            line = proc.stdout.readline()
+            assert line, f"the child ended early: {proc.communicate()[1][-2000:]}"
+        time.sleep(rnd.uniform(0.0, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+        slots = os.path.join(checkpoint_path("shm://killed"), SLOTS_DIR)
+        reused |= os.path.isdir(slots) and bool(os.listdir(slots))
+        steps = _check_killed_root(keep_last=2)
+        assert steps, f"seed {seed}, kill {kill}"
+    assert reused, "no slot was ever kept: the ring was not exercised"
