@@ -59,6 +59,7 @@ class Checkpointer:
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._thread: threading.Thread | None = None
+        self._sized = False  # the pool sized for an async save's state (prepare, first save)
 
     def resources(self) -> ReusedIOResources:
         """This Checkpointer's staging pool and backends, the lock a save or load holds while
@@ -78,17 +79,28 @@ class Checkpointer:
         pool = self._resources.pool
         return 0 if pool is None else pool.nbytes
 
-    def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
+    def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None, *,
+                wait: bool | None = None) -> None:
         """Allocate and pre-fault the staging pool and start the I/O backend now, for the
         store of ``path``: call at startup so the first save or load does not pay for it (an
         ``s3://`` path: its boto3 client is made too, a visible part of a fresh process's
         first load: docs/BENCH_S3.md, "the client made at a job's start"; nothing is sent to
-        the store). With
-        ``state``: size the pool for async saves of it, as the first async save would after
-        it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
+        the store). With ``state``: size the pool for async saves of it, as the first async
+        save would (within Options.host_budget_bytes), so the first one returns at copy speed
+        too. ``wait``: return only once every page is faulted in (and the pool pinned where
+        the backend pins it); by default (None) so without a state, and with a state not: the
+        pages are faulted in on the pool's own thread, buffer by buffer, while the caller goes
+        on, and a save that comes before the end uses the buffers already faulted in and
+        waits only for the ones it needs (CheckpointManager.restore() prepares so)."""
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
-        self._resources.prepare(None if path is None else store_for(path, self.options))
+            self._size_for(state)
+        store = None if path is None else store_for(path, self.options)
+        self._resources.prepare(store, wait=state is None if wait is None else wait)
+
+    def _size_for(self, state: Any) -> None:
+        """Grow the pool to hold the files of an async save of ``state`` (resources.fit)."""
+        self._sized = True
+        self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -97,6 +109,7 @@ class Checkpointer:
             self._settle()
         finally:
             self._resources.free()
+            self._sized = False
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
@@ -150,8 +163,10 @@ class Checkpointer:
         With torch.distributed initialised (or ``process_group`` given), every rank calls this
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
-        Staging: a state larger than the pool grows it after the save, up to
-        Options.host_budget_bytes, so later async saves return at copy speed.
+        Staging: the first async save (and prepare(state=)) grows the pool to hold the state
+        before its capture, up to Options.host_budget_bytes, pre-faulted on its own thread;
+        a state that grows later grows it after the save, so later async saves return at copy
+        speed.
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
@@ -190,6 +205,8 @@ class Checkpointer:
                 raise
             previous_error = exc
         self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
+        if grow_staging and not self._sized:
+            self._size_at_first_save(state)
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
                                      block_nbytes=self._resources.block_nbytes)
@@ -206,6 +223,17 @@ class Checkpointer:
         _running.add(save.thread)
         save.capture_here()
         return save.handle
+
+    def _size_at_first_save(self, state: Any) -> None:
+        """The first async save of this Checkpointer (no prepare(state=) before it): the pool
+        grown to hold ``state`` before the capture, pre-faulted on its own thread, so the
+        capture copies into buffers as they fault in instead of waiting for the disk behind a
+        pool of Options.pool_bytes (docs/BENCH_LIMIT.md). A state the plan refuses is left to
+        the save, which reports it as every save does."""
+        try:
+            self._size_for(state)
+        except CkptError:  # raised again, with the save's own handling, by begin()
+            self._sized = False
 
     def _group(self, process_group: Any) -> Group:
         """The ranks of this call: one process, or the ranks of the torch process group

@@ -7,9 +7,10 @@ pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); w
 allows it the backend pins the whole pool (io_uring's fixed buffers, ``_pin``). How the pool is
 sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 
-Call order: ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or load,
-``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit`` after
-an async save (grow within the host budget) -> ``release`` (made again on next use) or ``free``
+Call order: ``fit`` for a state (prepare(state=), the first async save's plan: grow within the
+host budget, pre-faulted on the pool's thread) -> ``prepare(store)`` (optional, at startup) ->
+under ``lock``, per save or load, ``files(store, nbytes=)`` (the pool and the store's files
+through its backend) -> ``fit`` after an async save (a state that grew) -> ``release`` (made again on next use) or ``free``
 (after the last cleanup, forgetting the grown size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
@@ -145,12 +146,15 @@ class ReusedIOResources:
                                     background=True)
         return self._pool
 
-    def prepare(self, store: Store | None) -> None:
-        """Make the pool and ``store``'s backend (a local one's by default) and fault the pool
-        in now, so the first save does not pay for it."""
+    def prepare(self, store: Store | None, *, wait: bool = True) -> None:
+        """Make the pool and ``store``'s backend (a local one's by default); ``wait``: return
+        once the pool is faulted in (and pinned where the backend can), else its own thread
+        faults it in while the caller goes on (a save meanwhile takes the buffers faulted)."""
         target = LocalStore(".") if store is None else store
         with self.lock:
             pool, _files = self.files(target)
+        if not wait:
+            return
         pool.faulted()
         with self.lock:
             self.files(target)  # resident now: a backend that can pin the pool does
@@ -166,8 +170,9 @@ class ReusedIOResources:
     # ---------------------------------------------------------------- growing the pool
 
     def fit(self, file_nbytes: Sequence[int]) -> None:
-        """After an async save, or for prepare(state=): grow the pool to hold files of these
-        sizes whole (so the next async save never waits for the disk), within the budget."""
+        """Before the first async save's capture, after an async save, or for prepare(state=):
+        grow the pool to hold files of these sizes whole (so the next async save never waits
+        for the disk), within the budget; the grown pool faults in on its own thread."""
         with self.lock:
             buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
             current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
@@ -184,7 +189,7 @@ class ReusedIOResources:
 
     def _grow(self, target: int, buffer_bytes: int, current: int) -> None:
         self._grown_nbytes = target * buffer_bytes
-        self.release()  # the next save or load makes the backends (registering the new pool)
+        self._drop_pool()  # and the backends that pinned it (made again, pinning the new one)
         try:
             self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use

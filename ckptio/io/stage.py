@@ -197,7 +197,9 @@ class StagingPool:
 
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an
-        exception's traceback may still hold one, so the mapping is never force-closed)."""
+        exception's traceback may still hold one, so the mapping is never force-closed). A
+        background pre-fault still running stops within one buffer first."""
+        self.stop_faulting()
         self.faulted()
         if not self.idle():
             raise CkptError("StagingPool.close: buffers are still in use by a save or load")
