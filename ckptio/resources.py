@@ -54,6 +54,7 @@ class ReusedIOResources:
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
+        self._capped_need = 0  # buffers a state needed when the budget last capped the pool
         self._active = options  # the options the pool and backends were made with
 
     # ---------------------------------------------------------------- what a save or load borrows
@@ -178,10 +179,11 @@ class ReusedIOResources:
             current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
                           -(-self._grown_nbytes // buffer_bytes))
             need = sum(-(-n // buffer_bytes) for n in file_nbytes)
-            if need <= current:
+            if need <= max(current, self._capped_need):
                 return
             allowed = self._budget(current * buffer_bytes) // buffer_bytes
-            if need > allowed:
+            if need > allowed:  # the budget is judged once per state (not again with the pool
+                self._capped_need = need  # counted in twice while it still faults in)
                 self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
             target = min(need, allowed)
             if target > current:
@@ -240,4 +242,4 @@ class ReusedIOResources:
         with self.lock:
             self.cleanup.finish()
             self.release()
-            self._grown_nbytes = 0
+            self._grown_nbytes = self._capped_need = 0
