@@ -97,10 +97,15 @@ class Checkpointer:
         store = None if path is None else store_for(path, self.options)
         self._resources.prepare(store, wait=state is None if wait is None else wait)
 
-    def _size_for(self, state: Any) -> None:
-        """Grow the pool to hold the files of an async save of ``state`` (resources.fit)."""
+    def _size_for(self, state: Any, *, unpinned: bool = False) -> None:
+        """Grow the pool to hold the files of an async save of ``state`` (resources.fit;
+        ``unpinned``: unless a backend has pinned the pool, resources.fit_unpinned)."""
         self._sized = True
-        self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
+        sizes = save_session.file_nbytes(state, self.options.max_file_bytes)
+        if unpinned:
+            self._resources.fit_unpinned(sizes)
+        else:
+            self._resources.fit(sizes)
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -228,10 +233,14 @@ class Checkpointer:
         """The first async save of this Checkpointer (no prepare(state=) before it): the pool
         grown to hold ``state`` before the capture, pre-faulted on its own thread, so the
         capture copies into buffers as they fault in instead of waiting for the disk behind a
-        pool of Options.pool_bytes (docs/BENCH_LIMIT.md). A state the plan refuses is left to
-        the save, which reports it as every save does."""
+        pool of Options.pool_bytes (docs/BENCH_LIMIT.md); unless a load or save came first
+        and a backend pinned the pool (it grows after the save then). A state the plan
+        refuses is left to the save, which reports it as every save does."""
+        if os.environ.get("CKPTIO_TMP_NOPREGROW"):  # TEMP measurement
+            self._sized = True
+            return
         try:
-            self._size_for(state)
+            self._size_for(state, unpinned=True)
         except CkptError:  # raised again, with the save's own handling, by begin()
             self._sized = False
 

@@ -170,6 +170,15 @@ class ReusedIOResources:
 
     # ---------------------------------------------------------------- growing the pool
 
+    def fit_unpinned(self, file_nbytes: Sequence[int]) -> bool:
+        """fit(), unless a backend has pinned the pool (a save or load came first: growing
+        would restart that backend; the pool then grows after the save) -> whether it ran."""
+        with self.lock:
+            if self._pinned:
+                return False
+        self.fit(file_nbytes)
+        return True
+
     def fit(self, file_nbytes: Sequence[int]) -> None:
         """Before the first async save's capture, after an async save, or for prepare(state=):
         grow the pool to hold files of these sizes whole (so the next async save never waits
