@@ -49,6 +49,7 @@ class ReusedIOResources:
         self.cleanup = Cleanup()  # removal of superseded files, behind the next save
         self._pool: StagingPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
+        self._stores: dict[str, Store] = {}  # Store.backend_kind -> the store it was made for
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
@@ -84,6 +85,7 @@ class ReusedIOResources:
         backend = self._backends.get(store.backend_kind)
         if backend is None:
             backend = self._backends[store.backend_kind] = store.backend(wanted)
+            self._stores[store.backend_kind] = store
         self._pin(store, backend, pool)
         return pool, StoreFiles(store, backend)
 
@@ -105,6 +107,20 @@ class ReusedIOResources:
             self._pinned.add(kind)
         else:
             self._unpinnable.add(kind)
+
+    def _pin_resident(self, pool: StagingPool) -> None:
+        """On ``pool``'s pre-fault thread, once it is resident: the backends made so far pin
+        it now rather than inside the next save's call (registering a grown pool is a
+        visible part of a first save: docs/BENCH_LIMIT.md); if a save or load holds the lock,
+        its next files() pins it instead (never waited for: close() joins this thread)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if pool is self._pool:
+                for kind, backend in list(self._backends.items()):
+                    self._pin(self._stores[kind], backend, pool)
+        finally:
+            self.lock.release()
 
     def _drop_pool(self) -> None:
         """Free the pool only, stopping just the backends that pinned it (the others, and what
@@ -144,7 +160,7 @@ class ReusedIOResources:
     def _made_pool(self, nbuffers: int, prefault: bool = True) -> StagingPool:
         if self._pool is None:
             self._pool = StagingPool(nbuffers, self._active.buffer_bytes, prefault=prefault,
-                                    background=True)
+                                    background=True, when_resident=self._pin_resident)
         return self._pool
 
     def prepare(self, store: Store | None, *, wait: bool = True) -> None:
@@ -202,7 +218,8 @@ class ReusedIOResources:
         self._grown_nbytes = target * buffer_bytes
         self._drop_pool()  # and the backends that pinned it (made again, pinning the new one)
         try:
-            self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True)
+            self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True,
+                                                        when_resident=self._pin_resident)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use
             self._grown_nbytes = 0
             log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "
