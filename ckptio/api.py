@@ -59,7 +59,6 @@ class Checkpointer:
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._thread: threading.Thread | None = None
-        self._sized = False  # the pool sized for an async save's state (prepare, first save)
 
     def resources(self) -> ReusedIOResources:
         """This Checkpointer's staging pool and backends, the lock a save or load holds while
@@ -93,19 +92,9 @@ class Checkpointer:
         on, and a save that comes before the end uses the buffers already faulted in and
         waits only for the ones it needs (CheckpointManager.restore() prepares so)."""
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._size_for(state)
+            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
         store = None if path is None else store_for(path, self.options)
         self._resources.prepare(store, wait=state is None if wait is None else wait)
-
-    def _size_for(self, state: Any, *, unpinned: bool = False) -> None:
-        """Grow the pool to hold the files of an async save of ``state`` (resources.fit;
-        ``unpinned``: unless a backend has pinned the pool, resources.fit_unpinned)."""
-        self._sized = True
-        sizes = save_session.file_nbytes(state, self.options.max_file_bytes)
-        if unpinned:
-            self._resources.fit_unpinned(sizes)
-        else:
-            self._resources.fit(sizes)
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -114,7 +103,6 @@ class Checkpointer:
             self._settle()
         finally:
             self._resources.free()
-            self._sized = False
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
@@ -168,10 +156,11 @@ class Checkpointer:
         With torch.distributed initialised (or ``process_group`` given), every rank calls this
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
-        Staging: the first async save (and prepare(state=)) grows the pool to hold the state
-        before its capture, up to Options.host_budget_bytes, pre-faulted on its own thread;
-        a state that grows later grows it after the save, so later async saves return at copy
-        speed.
+        Staging: a state larger than the pool grows it after the save, up to
+        Options.host_budget_bytes, so later async saves return at copy speed; prepare(state=)
+        (or CheckpointManager.restore()) grows it before the first one (docs/BENCH_LIMIT.md,
+        "the first save of a job": streaming the first save through the pool was faster than
+        growing it before its capture).
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
@@ -210,8 +199,6 @@ class Checkpointer:
                 raise
             previous_error = exc
         self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
-        if grow_staging and not self._sized:
-            self._size_at_first_save(state)
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
                                      block_nbytes=self._resources.block_nbytes)
@@ -228,21 +215,6 @@ class Checkpointer:
         _running.add(save.thread)
         save.capture_here()
         return save.handle
-
-    def _size_at_first_save(self, state: Any) -> None:
-        """The first async save of this Checkpointer (no prepare(state=) before it): the pool
-        grown to hold ``state`` before the capture, pre-faulted on its own thread, so the
-        capture copies into buffers as they fault in instead of waiting for the disk behind a
-        pool of Options.pool_bytes (docs/BENCH_LIMIT.md); unless a load or save came first
-        and a backend pinned the pool (it grows after the save then). A state the plan
-        refuses is left to the save, which reports it as every save does."""
-        if os.environ.get("CKPTIO_TMP_NOPREGROW"):  # TEMP measurement
-            self._sized = True
-            return
-        try:
-            self._size_for(state, unpinned=True)
-        except CkptError:  # raised again, with the save's own handling, by begin()
-            self._sized = False
 
     def _group(self, process_group: Any) -> Group:
         """The ranks of this call: one process, or the ranks of the torch process group

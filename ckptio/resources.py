@@ -7,11 +7,11 @@ pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); w
 allows it the backend pins the whole pool (io_uring's fixed buffers, ``_pin``). How the pool is
 sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 
-Call order: ``fit`` for a state (prepare(state=), the first async save's plan: grow within the
-host budget, pre-faulted on the pool's thread) -> ``prepare(store)`` (optional, at startup) ->
-under ``lock``, per save or load, ``files(store, nbytes=)`` (the pool and the store's files
-through its backend) -> ``fit`` after an async save (a state that grew) -> ``release`` (made again on next use) or ``free``
-(after the last cleanup, forgetting the grown size).
+Call order: ``fit`` for a state (prepare(state=): grow within the host budget, pre-faulted on
+the pool's thread) -> ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or
+load, ``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit``
+after an async save (grow within the host budget) -> ``release`` (made again on next use) or
+``free`` (after the last cleanup, forgetting the grown size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
@@ -55,7 +55,6 @@ class ReusedIOResources:
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
-        self._capped_need = 0  # buffers a state needed when the budget last capped the pool
         self._active = options  # the options the pool and backends were made with
 
     # ---------------------------------------------------------------- what a save or load borrows
@@ -186,29 +185,19 @@ class ReusedIOResources:
 
     # ---------------------------------------------------------------- growing the pool
 
-    def fit_unpinned(self, file_nbytes: Sequence[int]) -> bool:
-        """fit(), unless a backend has pinned the pool (a save or load came first: growing
-        would restart that backend; the pool then grows after the save) -> whether it ran."""
-        with self.lock:
-            if self._pinned:
-                return False
-        self.fit(file_nbytes)
-        return True
-
     def fit(self, file_nbytes: Sequence[int]) -> None:
-        """Before the first async save's capture, after an async save, or for prepare(state=):
-        grow the pool to hold files of these sizes whole (so the next async save never waits
-        for the disk), within the budget; the grown pool faults in on its own thread."""
+        """After an async save, or for prepare(state=): grow the pool to hold files of these
+        sizes whole (so the next async save never waits for the disk), within the budget; the
+        grown pool faults in on its own thread."""
         with self.lock:
             buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
             current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
                           -(-self._grown_nbytes // buffer_bytes))
             need = sum(-(-n // buffer_bytes) for n in file_nbytes)
-            if need <= max(current, self._capped_need):
+            if need <= current:
                 return
             allowed = self._budget(current * buffer_bytes) // buffer_bytes
-            if need > allowed:  # the budget is judged once per state (not again with the pool
-                self._capped_need = need  # counted in twice while it still faults in)
+            if need > allowed:
                 self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
             target = min(need, allowed)
             if target > current:
@@ -268,4 +257,4 @@ class ReusedIOResources:
         with self.lock:
             self.cleanup.finish()
             self.release()
-            self._grown_nbytes = self._capped_need = 0
+            self._grown_nbytes = 0

@@ -1,8 +1,7 @@
 """The first save of a job costs what the later ones do (issue 45): the staging of async saves
-is sized to the state and faulted in on the pool's own thread as soon as the state is known:
-at CheckpointManager.restore() (nothing there, or a step restored), CheckpointManager.prepare()
-and Checkpointer.prepare(state=), none of which waits for the pre-fault; and at the first async
-save's plan, before its capture, when nobody prepared.
+is sized to the state and faulted in (and pinned, with io_uring) on the pool's own thread as
+soon as the state is known: at CheckpointManager.restore() (nothing there, or a step restored),
+CheckpointManager.prepare() and Checkpointer.prepare(state=), none of which waits for it.
 
 "Does not wait for the pre-fault" is checked by holding the pre-fault (a gate around the
 page population the pool's thread runs) while the call returns: a call that waited would
@@ -23,6 +22,7 @@ import torch
 
 import ckptio
 from ckptio import Checkpointer, CheckpointManager, Options
+from ckptio import io
 from ckptio.io import stage
 from ckptio.testing.faults import inject
 
@@ -144,25 +144,36 @@ def test_checkpointer_prepare_with_a_state_does_not_wait_unless_asked(
     waited.close()
 
 
-def test_first_async_save_grows_the_pool_before_its_capture(tmp_path: os.PathLike[str],
-                                                            assert_same) -> None:
-    """No prepare at all: the first async save's plan sizes the pool before the capture (the
-    pool is grown when the call returns, and the capture waited for no write)."""
+@pytest.mark.skipif(io.uring_unavailable_reason() is not None, reason="no io_uring here")
+def test_the_prepared_pool_is_pinned_on_its_own_thread_once_resident(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, gate: Gate,
+        assert_same) -> None:
+    """io_uring registers a grown pool only once it is resident: after restore() that happens
+    on the pool's pre-fault thread, not inside the first save's call (the pre-fault held at
+    the gate until restore() returned, so it cannot end while restore() holds the lock)."""
+    from ckptio.io.uring import UringBackend
+
+    pinned_on: list[str] = []
+    register = UringBackend.register_buffers
+
+    def recorded(self: UringBackend, view: memoryview) -> bool:
+        pinned_on.append(threading.current_thread().name)
+        return register(self, view)
+
+    monkeypatch.setattr(UringBackend, "register_buffers", recorded)
     state = _state()
-    # a backend that does not pin the pool: growing the pool keeps it, and the delay with it
-    ck = Checkpointer(Options(**SMALL, io_backend="posix"))
-    grown_at_return: list[int] = []
-
-    def save():  # type: ignore[no-untyped-def]
-        handle = ck.async_save(state, tmp_path / "first")
-        grown_at_return.append(ck.staging_nbytes)
-        return handle
-
-    _first_save_did_not_stream(ck, save)
-    assert grown_at_return[0] >= STATE_NBYTES
-    assert_same(ckptio.load(tmp_path / "first"), state)
-    ck.save(state, tmp_path / "sync")  # a synchronous save keeps the pool it finds
-    assert ck.staging_nbytes == grown_at_return[0]
+    ck = Checkpointer(Options(**{**SMALL, "io_backend": "uring"}))
+    mgr = CheckpointManager(tmp_path / "ckpts", checkpointer=ck)
+    assert mgr.restore(state) is None
+    assert pinned_on == []
+    gate.opened.set()
+    ck.resources().pool.faulted()
+    assert pinned_on == ["ckptio-prefault"], pinned_on
+    mgr.save(1, state, asynchronous=True)
+    mgr.wait()
+    assert pinned_on == ["ckptio-prefault"], pinned_on  # the save found it pinned
+    assert_same(ckptio.load(mgr.path(1)), state)
+    mgr.close()
     ck.close()
 
 
@@ -187,8 +198,7 @@ def test_over_budget_the_prepared_pool_stays_within_it_and_says_so_once(
 
 def test_prepare_after_close_and_close_during_the_prefault(tmp_path: os.PathLike[str],
                                                            assert_same) -> None:
-    """close() frees a pool still faulting in; prepare() afterwards sizes it again, and the
-    first async save after close() sizes it before its capture again."""
+    """close() frees a pool still faulting in; prepare() afterwards sizes it again."""
     state = _state()
     ck = Checkpointer(Options(**SMALL))
     ck.prepare(state=state)
