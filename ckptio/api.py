@@ -158,9 +158,9 @@ class Checkpointer:
         every rank's bytes are durable. A failure on any rank raises on every rank.
         Staging: a state larger than the pool grows it after the save, up to
         Options.host_budget_bytes, so later async saves return at copy speed; prepare(state=)
-        (or CheckpointManager.restore()) grows it before the first one (docs/BENCH_LIMIT.md,
-        "the first save of a job": streaming the first save through the pool was faster than
-        growing it before its capture).
+        (or CheckpointManager.restore()) grows it before the first one, in the background
+        (growing it inside the first call, before its capture, was slower than streaming the
+        first save through the pool: docs/BENCH_LIMIT.md, round two).
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,

@@ -110,7 +110,7 @@ class ReusedIOResources:
     def _pin_resident(self, pool: StagingPool) -> None:
         """On ``pool``'s pre-fault thread, once it is resident: the backends made so far pin
         it now rather than inside the next save's call (registering a grown pool is a
-        visible part of a first save: docs/BENCH_LIMIT.md); if a save or load holds the lock,
+        visible part of a first save's call); if a save or load holds the lock,
         its next files() pins it instead (never waited for: close() joins this thread)."""
         if not self.lock.acquire(blocking=False):
             return
