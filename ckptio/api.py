@@ -170,7 +170,7 @@ class Checkpointer:
         Options.host_budget_bytes, so later async saves return at copy speed; prepare(state=)
         (or CheckpointManager.restore()) grows it before the first one, in the background
         (growing it inside the first call, before its capture, was slower than streaming the
-        first save through the pool: docs/BENCH_LIMIT.md, round two).
+        first save through the pool: docs/BENCH_LIMIT.md, "small states and the first save").
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
