@@ -198,7 +198,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
             out.append(f"| prepare(path, state=, wait=True), before the first call | "
                        f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
         if mode == "job":
-            out.append(f"| mgr.restore(state), nothing there, then a {args.pause:g} s pause | "
+            out.append(f"| mgr.restore(state) call, nothing there ({args.pause:g} s pause after) | "
                        f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
         out += [f"| first call | {first:.3f} | {first / memcpy:.2f} |",
                 f"| later calls | {later:.3f} | {later / memcpy:.2f} |"]
