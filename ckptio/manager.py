@@ -352,7 +352,13 @@ class CheckpointManager:
         except CkptError as exc:  # the load says what is wrong with the state, if anything
             log.info("ckptio: staging not prepared for this state (%s); the first save "
                      "sizes it", exc)
-        step = None if step is None else check_step(step)
+        restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
+        if restored is not None:  # a pool that faulted in during the load is pinned now
+            self._ck.prepare(self.directory, wait=False)
+        return restored
+
+    def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any]) -> int | None:
+        """restore()'s load: the guarded one, an exact step, or the newest loadable."""
         if self._guard is not None:
             record = restore_guarded(self._guard, self._levels, self._listings,
                                      self._ck.verify, state, step, load_kwargs)
@@ -367,9 +373,9 @@ class CheckpointManager:
         listings = self._agreed(self._listings)
         if step is None and not any(x["committed"] for x in listings):
             why = self._agreed(lambda: emptiness(self._levels, listings))
-            return nothing_to_restore(self._levels, listings, why, stacklevel=3)
+            return nothing_to_restore(self._levels, listings, why, stacklevel=4)
         restored = restore_first(self._levels, listings, state, step, load_kwargs,
-                                 stacklevel=3)
+                                 stacklevel=4)
         self.last_restore = restored.record()
         log.info("ckptio: restored step %d from tier %d (%s) in %.3f s", restored.step,
                  restored.tier, restored.location, restored.seconds)
