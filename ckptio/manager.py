@@ -11,10 +11,11 @@ save, which steps to keep, which to load.
     mgr.close()
 
 A directory is a manager with one tier. Call order: construct (every rank together), then
-restore() (or prepare(), for a loop that never restores), then save() per step, then close(). Every save goes into the first tier; once it
-commits there the first tier's retention runs and its followers (managing/follower.py: the
-protection across hosts, the drain to the slower tiers) take the step. The specification of
-each choice is on the methods and in docs/MANAGER.md.
+restore() (or prepare(), in a loop that never restores), then save() per step, then close().
+Every save goes into the first tier; once it commits there the first tier's retention runs and
+its followers (managing/follower.py: the protection across hosts, the drain to the slower
+tiers) take the step. The specification of each choice is on the methods and in
+docs/MANAGER.md.
 
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
 flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
