@@ -348,15 +348,19 @@ class CheckpointManager:
         if "process_group" in load_kwargs:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self.wait()
-        try:  # first: the load reads through the pool the saves will use
-            self.prepare(state)
-        except CkptError as exc:  # the load says what is wrong with the state, if anything
-            log.info("ckptio: staging not prepared for this state (%s); the first save "
-                     "sizes it", exc)
+        self._staging(state)  # first: the load reads through the pool the saves will use
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
         if restored is not None:  # a pool that faulted in during the load is pinned now
-            self._ck.prepare(self.directory, wait=False)
+            self._staging(None)
         return restored
+
+    def _staging(self, state: Any) -> None:
+        """prepare(state) (None: only pin what has faulted in); a failure is only logged: the
+        load, or the first save, says what is wrong."""
+        try:
+            self._ck.prepare(self.directory, state=state, wait=False)
+        except CkptError as exc:
+            log.info("ckptio: staging not prepared (%s); the first save sizes it", exc)
 
     def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any]) -> int | None:
         """restore()'s load: the guarded one, an exact step, or the newest loadable."""
