@@ -7,11 +7,15 @@ pre-faulted destination), the same-run O_DIRECT write ceiling (ckptio/tuning/cei
 geometry), then in one ``Checkpointer`` either three synchronous saves (``--mode sync``: the
 first pays pool creation), three eager ``async_save`` calls (``async``: each call timed,
 wait() outside the clock), or the same after ``prepare(path, state=)`` (``async_prepared``:
-the pool sized and faulted in before the first call, its time reported apart); the medians
-over the processes. Does not own: the state
-(ckptio/tuning/state.py) or the ceiling.
+the pool sized and faulted in before the first call, its time reported apart), or a job's
+real start (``job``: no ceiling; ``CheckpointManager(dir)``, ``restore(state)`` with nothing
+there, a pause standing in for the first training steps (``--pause``), then three
+``save(step, state, asynchronous=True)`` calls, each timed, the restore's call reported
+apart); the medians over the processes. Does not own: the state (ckptio/tuning/state.py) or
+the ceiling.
 
     python -m benchmarks.first_save --gb 2 --reps 3 --dir bench-data/first
+    python -m benchmarks.first_save --gb 1 --modes async,job --pause 1
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 from benchmarks import worker_env
 
 SAVES = 3
-MODES = ("sync", "async", "async_prepared")
+MODES = ("sync", "async", "async_prepared", "job")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,6 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="fresh processes per mode (default 3)")
     p.add_argument("--dir", type=Path, default=Path("bench-data/first"), help="scratch directory")
     p.add_argument("--json", type=Path, help="write every run and the medians here")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, of {', '.join(MODES)} (default all)")
+    p.add_argument("--pause", type=float, default=1.0,
+                   help="job mode: seconds between restore() and the first save, standing in "
+                        "for the first training steps (default 1)")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -63,6 +72,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     memcpy_s = time.perf_counter() - t0
     del dest
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.worker == "job":
+        return job(args, src, nbytes, memcpy_s)
     ceil = []
     for chunk, threads in ceiling.GEOMETRIES:
         path = args.dir / "ceiling.bin"
@@ -75,7 +86,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     prepare_s = None
     if args.worker == "async_prepared":
         t0 = time.perf_counter()
-        ck.prepare(args.dir, state=src)
+        ck.prepare(args.dir, state=src, wait=True)
         prepare_s = time.perf_counter() - t0
     seconds = []
     for i in range(SAVES):
@@ -99,17 +110,50 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": seconds, "prepare_s": prepare_s, "io_backend": backend}
 
 
+def job(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dict[str, Any]:
+    """A job's start: a manager, restore() with nothing saved, a pause, then async saves."""
+    import ckptio
+
+    root = args.dir / "job"
+    shutil.rmtree(root, ignore_errors=True)
+    mgr = ckptio.CheckpointManager(root, keep_last=1)
+    t0 = time.perf_counter()
+    restored = mgr.restore(src)
+    prepare_s = time.perf_counter() - t0
+    assert restored is None, restored
+    time.sleep(args.pause)
+    seconds = []
+    for step in range(1, SAVES + 1):
+        if step > 1:
+            os.sync()
+            time.sleep(1)
+        t0 = time.perf_counter()
+        handle = mgr.save(step, src, asynchronous=True, force=True)
+        seconds.append(time.perf_counter() - t0)
+        assert handle is not None
+        mgr.wait()
+    mgr.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"mode": "job", "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": None,
+            "seconds": seconds, "prepare_s": prepare_s, "pause_s": args.pause}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
         return 0
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; choose among {', '.join(MODES)}")
     runs = []
     try:
         for _rep in range(args.reps):
-            for mode in MODES:
+            for mode in modes:
                 cmd = [sys.executable, "-m", "benchmarks.first_save", "--worker", mode,
-                       "--gb", repr(args.gb), "--dir", str(args.dir)]
+                       "--gb", repr(args.gb), "--dir", str(args.dir),
+                       "--pause", repr(args.pause)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
                                       timeout=900)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -127,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     med = statistics.median
-    backends = sorted({str(r.get("io_backend", "posix")) for r in runs})
+    backends = sorted({str(r["io_backend"]) for r in runs if r.get("io_backend")}) or ["-"]
     out = [f"# {args.gb} GB state, medians of {args.reps} fresh processes per mode; "
            f"io_backend {', '.join(backends)}", ""]
     sync = [r for r in runs if r["mode"] == "sync"]
@@ -151,7 +195,10 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         out += ["", f"| {mode} call | s | x one memory copy |", "|---|---:|---:|",
                 f"| memory copy of the state | {memcpy:.3f} | 1.00 |"]
         if mode == "async_prepared":
-            out.append(f"| prepare(path, state=), before the first call | "
+            out.append(f"| prepare(path, state=, wait=True), before the first call | "
+                       f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
+        if mode == "job":
+            out.append(f"| mgr.restore(state) call, nothing there ({args.pause:g} s pause after) | "
                        f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
         out += [f"| first call | {first:.3f} | {first / memcpy:.2f} |",
                 f"| later calls | {later:.3f} | {later / memcpy:.2f} |"]

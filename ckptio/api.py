@@ -26,7 +26,9 @@ from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy
 from ckptio.options import Options
-from ckptio.planning.plan import PlanCache
+from ckptio.format.flatten import flatten
+from ckptio.planning.layout import plan_files
+from ckptio.planning.plan import PlanCache, build_plan
 from ckptio.resources import ReusedIOResources
 from ckptio.saving import save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
@@ -78,17 +80,31 @@ class Checkpointer:
         pool = self._resources.pool
         return 0 if pool is None else pool.nbytes
 
-    def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None) -> None:
+    def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None, *,
+                wait: bool | None = None) -> None:
         """Allocate and pre-fault the staging pool and start the I/O backend now, for the
         store of ``path``: call at startup so the first save or load does not pay for it (an
         ``s3://`` path: its boto3 client is made too, a visible part of a fresh process's
         first load: docs/BENCH_S3.md, "the client made at a job's start"; nothing is sent to
-        the store). With
-        ``state``: size the pool for async saves of it, as the first async save would after
-        it (within Options.host_budget_bytes), so the first one returns at copy speed too."""
+        the store). With ``state``: size the pool for async saves of it, as the first async
+        save would (within Options.host_budget_bytes), so the first one returns at copy speed
+        too. ``wait``: return only once every page is faulted in (and the pool pinned where
+        the backend pins it); by default (None) so without a state, and with a state not: the
+        pages are faulted in on the pool's own thread, buffer by buffer, while the caller goes
+        on, and a save that comes before the end uses the buffers already faulted in and
+        waits only for the ones it needs (CheckpointManager.restore() prepares so)."""
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes))
-        self._resources.prepare(None if path is None else store_for(path, self.options))
+            self._resources.fit(self._planned_file_nbytes(state))
+        store = None if path is None else store_for(path, self.options)
+        self._resources.prepare(store, wait=state is None if wait is None else wait)
+
+    def _planned_file_nbytes(self, state: Any) -> list[int]:
+        """The sizes of the data files one process's save of ``state`` writes, planned through
+        this Checkpointer's plan cache: the first save then reuses the plan (an unchanged
+        layout), as later saves do."""
+        plan, _sources = build_plan(flatten(state), allow_pickle=True, cache=self._plan_cache)
+        return [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
+                                             max_file_bytes=self.options.max_file_bytes)]
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
@@ -151,7 +167,10 @@ class Checkpointer:
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
         Staging: a state larger than the pool grows it after the save, up to
-        Options.host_budget_bytes, so later async saves return at copy speed.
+        Options.host_budget_bytes, so later async saves return at copy speed; prepare(state=)
+        (or CheckpointManager.restore()) grows it before the first one, in the background
+        (growing it inside the first call, before its capture, was slower than streaming the
+        first save through the pool: docs/BENCH_LIMIT.md, "small states and the first save").
         metrics, metadata, base: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,

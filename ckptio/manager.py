@@ -4,17 +4,18 @@ save, which steps to keep, which to load.
     mgr = ckptio.CheckpointManager("ckpts", keep_last=3, save_every=500)      # one tier
     mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=2),
                                           ckptio.Tier("/nvme/ckpt", every=10)])
-    start = mgr.restore(state) or 0          # None: nothing saved there yet
+    start = mgr.restore(state) or 0          # None: nothing saved there yet (prepares too)
     for step in range(start + 1, total + 1):
         ...
         mgr.save(step, state, asynchronous=True, metrics={"loss": loss})   # None unless due
     mgr.close()
 
 A directory is a manager with one tier. Call order: construct (every rank together), then
-restore(), then save() per step, then close(). Every save goes into the first tier; once it
-commits there the first tier's retention runs and its followers (managing/follower.py: the
-protection across hosts, the drain to the slower tiers) take the step. The specification of
-each choice is on the methods and in docs/MANAGER.md.
+restore() (or prepare(), in a loop that never restores), then save() per step, then close().
+Every save goes into the first tier; once it commits there the first tier's retention runs and
+its followers (managing/follower.py: the protection across hosts, the drain to the slower
+tiers) take the step. The specification of each choice is on the methods and in
+docs/MANAGER.md.
 
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
 flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
@@ -347,14 +348,30 @@ class CheckpointManager:
         step restored; ``last_restore`` says from which tier and how long it took. Newest
         step first, fastest tier first, falling back on damage with one warning
         (managing/restoring.py). None if nothing was ever committed; ``step=N`` with one tier:
-        exactly that step. docs/MANAGER.md says the rest."""
+        exactly that step. Whether or not it restores, it prepares the staging of async saves of
+        ``state`` first, as prepare() does. docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
         if "process_group" in load_kwargs:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self.wait()
-        step = None if step is None else check_step(step)
+        self._staging(state)  # first: the load reads through the pool the saves will use
+        restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
+        if restored is not None:  # a pool that faulted in during the load is pinned now
+            self._staging(None)
+        return restored
+
+    def _staging(self, state: Any) -> None:
+        """prepare(state) (None: only pin what has faulted in); a failure is only logged: the
+        load, or the first save, says what is wrong."""
+        try:
+            self._ck.prepare(self.directory, state=state, wait=False)
+        except CkptError as exc:
+            log.info("ckptio: staging not prepared (%s); the first save sizes it", exc)
+
+    def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any]) -> int | None:
+        """restore()'s load: the guarded one, an exact step, or the newest loadable."""
         if self._guard is not None:
             record = restore_guarded(self._guard, self._levels, self._listings,
                                      self._ck.verify, state, step, load_kwargs)
@@ -369,13 +386,21 @@ class CheckpointManager:
         listings = self._agreed(self._listings)
         if step is None and not any(x["committed"] for x in listings):
             why = self._agreed(lambda: emptiness(self._levels, listings))
-            return nothing_to_restore(self._levels, listings, why, stacklevel=3)
+            return nothing_to_restore(self._levels, listings, why, stacklevel=4)
         restored = restore_first(self._levels, listings, state, step, load_kwargs,
-                                 stacklevel=3)
+                                 stacklevel=4)
         self.last_restore = restored.record()
         log.info("ckptio: restored step %d from tier %d (%s) in %.3f s", restored.step,
                  restored.tier, restored.location, restored.seconds)
         return restored.step
+
+    def prepare(self, state: Any) -> None:
+        """Size the staging of async saves of ``state`` (within Options.host_budget_bytes) and
+        start faulting it in on the pool's own thread; returns without waiting for that, and
+        a save that comes first waits only for the buffers it needs, so the first save of the
+        job costs what later ones do. restore() does it; call it in a loop that never
+        restores (this rank only, not a collective)."""
+        self._ck.prepare(self.directory, state=state, wait=False)
 
     def verify(self, step: int | None = None) -> int:
         """Read back every byte of ``step`` (default: the newest committed) in the fastest

@@ -7,10 +7,11 @@ pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); w
 allows it the backend pins the whole pool (io_uring's fixed buffers, ``_pin``). How the pool is
 sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 
-Call order: ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or load,
-``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit`` after
-an async save (grow within the host budget) -> ``release`` (made again on next use) or ``free``
-(after the last cleanup, forgetting the grown size).
+Call order: ``fit`` for a state (prepare(state=): grow within the host budget, pre-faulted on
+the pool's thread) -> ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or
+load, ``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit``
+after an async save (grow within the host budget) -> ``release`` (made again on next use) or
+``free`` (after the last cleanup, forgetting the grown size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
@@ -49,6 +50,7 @@ class ReusedIOResources:
         self.cleanup = Cleanup()  # removal of superseded files, behind the next save
         self._pool: StagingPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
+        self._stores: dict[str, Store] = {}  # Store.backend_kind -> the store it was made for
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
@@ -83,6 +85,7 @@ class ReusedIOResources:
         backend = self._backends.get(store.backend_kind)
         if backend is None:
             backend = self._backends[store.backend_kind] = store.backend(wanted)
+            self._stores[store.backend_kind] = store
         self._pin(store, backend, pool)
         return pool, StoreFiles(store, backend)
 
@@ -104,6 +107,20 @@ class ReusedIOResources:
             self._pinned.add(kind)
         else:
             self._unpinnable.add(kind)
+
+    def _pin_resident(self, pool: StagingPool) -> None:
+        """On ``pool``'s pre-fault thread, once it is resident: the backends made so far pin
+        it now rather than inside the next save's call (registering a grown pool is a
+        visible part of a first save's call); if a save or load holds the lock,
+        its next files() pins it instead (never waited for: close() joins this thread)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if pool is self._pool:
+                for kind, backend in list(self._backends.items()):
+                    self._pin(self._stores[kind], backend, pool)
+        finally:
+            self.lock.release()
 
     def _drop_pool(self) -> None:
         """Free the pool only, stopping just the backends that pinned it (the others, and what
@@ -143,15 +160,18 @@ class ReusedIOResources:
     def _made_pool(self, nbuffers: int, prefault: bool = True) -> StagingPool:
         if self._pool is None:
             self._pool = StagingPool(nbuffers, self._active.buffer_bytes, prefault=prefault,
-                                    background=True)
+                                    background=True, when_resident=self._pin_resident)
         return self._pool
 
-    def prepare(self, store: Store | None) -> None:
-        """Make the pool and ``store``'s backend (a local one's by default) and fault the pool
-        in now, so the first save does not pay for it."""
+    def prepare(self, store: Store | None, *, wait: bool = True) -> None:
+        """Make the pool and ``store``'s backend (a local one's by default); ``wait``: return
+        once the pool is faulted in (and pinned where the backend can), else its own thread
+        faults it in while the caller goes on (a save meanwhile takes the buffers faulted)."""
         target = LocalStore(".") if store is None else store
         with self.lock:
             pool, _files = self.files(target)
+        if not wait:
+            return
         pool.faulted()
         with self.lock:
             self.files(target)  # resident now: a backend that can pin the pool does
@@ -168,7 +188,8 @@ class ReusedIOResources:
 
     def fit(self, file_nbytes: Sequence[int]) -> None:
         """After an async save, or for prepare(state=): grow the pool to hold files of these
-        sizes whole (so the next async save never waits for the disk), within the budget."""
+        sizes whole (so the next async save never waits for the disk), within the budget; the
+        grown pool faults in on its own thread."""
         with self.lock:
             buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
             current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
@@ -185,9 +206,10 @@ class ReusedIOResources:
 
     def _grow(self, target: int, buffer_bytes: int, current: int) -> None:
         self._grown_nbytes = target * buffer_bytes
-        self.release()  # the next save or load makes the backends (registering the new pool)
+        self._drop_pool()  # and the backends that pinned it (made again, pinning the new one)
         try:
-            self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True)
+            self._pool = self._grown_pool = StagingPool(target, buffer_bytes, background=True,
+                                                        when_resident=self._pin_resident)
         except (OSError, MemoryError) as exc:  # the old size is made again on next use
             self._grown_nbytes = 0
             log.warning("ckptio: could not grow the staging pool to %.2f GiB (%s); async saves "

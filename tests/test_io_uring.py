@@ -212,7 +212,8 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
     in what the background pre-fault has not yet; a pool sized to a small state is not pinned
     while it faults in (that cost a 100 MB cold load 37-39 ms); a pool grown for async saves
     (fit) is pinned only once its pre-fault is done, so the next async_save call does not wait
-    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=) pins it.
+    for all of it (2 GB: 2.2-2.9 s, docs/BENCH_LIMIT.md round six); prepare(state=, wait=True)
+    pins it.
     "Still faulting in" is held by patching StagingPool.resident: a small pool's pre-fault may
     finish before the check could see it running."""
     import ckptio
@@ -242,7 +243,8 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
         ck.close()
     prepared = ckptio.Checkpointer(options)
     try:
-        prepared.prepare(tmp_path, state={"w": torch.zeros(64 << 20, dtype=torch.uint8)})
+        prepared.prepare(tmp_path, state={"w": torch.zeros(64 << 20, dtype=torch.uint8)},
+                         wait=True)
         pool, backend = _local_backend(prepared, tmp_path)
         assert pool.nbuffers >= 64 and backend._registered, "prepare(state=) left the pool unpinned"
     finally:

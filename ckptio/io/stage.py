@@ -83,11 +83,14 @@ class StagingPool:
     """
 
     def __init__(self, nbuffers: int, buffer_bytes: int, *, prefault: bool = True,
-                 background: bool = False) -> None:
+                 background: bool = False,
+                 when_resident: Callable[[StagingPool], None] | None = None) -> None:
         """``background``: fault the pages in on a thread of the pool's own, buffer by buffer,
         each buffer handed out as soon as it is faulted (so a first save overlaps the pre-fault
         with its first writes instead of waiting for all of it). Without CUDA only: page-locking
-        faults every page at once anyway."""
+        faults every page at once anyway. ``when_resident``: called with the pool on that
+        thread once every page is in (not if stopped at exit or close); it must not wait for
+        a lock that close()'s caller may hold."""
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
         self._prefault = prefault
@@ -106,6 +109,8 @@ class StagingPool:
         self._faulter: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
         self._unfaulted = nbuffers if background else 0  # not yet handed out by the pre-fault
+        self._all_in = not background  # every page faulted in (or left to the copies)
+        self._when_resident = when_resident
         if background:
             self._free: list[tuple[int, Buffer]] = []  # a heap: lowest index first
             # Not a daemon: joined at exit once the exit hook has stopped it (within a buffer);
@@ -129,13 +134,17 @@ class StagingPool:
                 self._unfaulted -= 1
                 heapq.heappush(self._free, (buffer.index, buffer))
                 self._cond.notify()
+        if self._stop.is_set():
+            return
+        self._all_in = True
+        if self._when_resident is not None:
+            self._when_resident(self)
 
     @property
     def resident(self) -> bool:
         """Every page of the pool is faulted in now: pre-faulted, and a background pre-fault
         has finished (not stopped at exit). False for a pool made without ``prefault``."""
-        return self._prefault and not self._stop.is_set() and (
-            self._faulter is None or not self._faulter.is_alive())
+        return self._prefault and not self._stop.is_set() and self._all_in
 
     def faulted(self) -> None:
         """Return once every page of the pool is faulted in (at once, unless ``background``)."""
@@ -197,7 +206,9 @@ class StagingPool:
 
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an
-        exception's traceback may still hold one, so the mapping is never force-closed)."""
+        exception's traceback may still hold one, so the mapping is never force-closed). A
+        background pre-fault still running stops within one buffer first."""
+        self.stop_faulting()
         self.faulted()
         if not self.idle():
             raise CkptError("StagingPool.close: buffers are still in use by a save or load")
