@@ -113,7 +113,7 @@ def d2h_worker(args: argparse.Namespace) -> Run:
                 "ceiling_registered_gbps": copy_ceiling(1 << 30, True)}
     ck = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
     root = args.shm_dir / "d2h"
-    ck.prepare(str(root / "c0"), state=state)  # the pool grown to the state, pinned: at startup
+    ck.prepare(str(root / "c0"), state=state, wait=True)  # the pool grown to the state, pinned: at startup
     calls, captures = [], []
     for i in range(6):
         t0 = time.perf_counter()

@@ -85,7 +85,7 @@ class Saver:
         self.ck: Any = None
         if name in TIERED + ("disk_k", "s3_k"):  # as a job does at startup: pool made, sized
             self.ck = ckptio.Checkpointer()
-            self.ck.prepare(state=state)
+            self.ck.prepare(state=state, wait=True)
         if name in TIERED:
             self.shm = Path(os.environ["CKPTIO_SHM_DIR"]) / "run"
             tiers = [ckptio.Tier("shm://run", keep_last=2),

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ck = ckptio.Checkpointer()
         state = {"w": torch.ones(n // 4, dtype=torch.float32)}
-        ck.prepare(state=state)
+        ck.prepare(state=state, wait=True)
 
         def save(i: int) -> None:
             ck.save(state, f"{args.dir}/ckpt-{i}")

@@ -253,6 +253,7 @@ def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
     script.write_text(KILLED_CHILD)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     reused = False
+    owner: dict[int, int] = {}  # inode of a committed step's data file -> the step seen first
     for kill in range(8):
         proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
@@ -268,4 +269,13 @@ def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
         reused |= os.path.isdir(slots) and bool(os.listdir(slots))
         steps = _check_killed_root(keep_last=2)
         assert steps, f"seed {seed}, kill {kill}"
-    assert reused, "no slot was ever kept: the ring was not exercised"
+        for step in steps:  # a data file seen under another step before: a slot was taken
+            for inode in _data_inodes(step):
+                reused |= owner.setdefault(inode, step) != step
+    assert reused, "no slot was ever kept or taken: the ring was not exercised"
+
+
+def _data_inodes(step: int) -> set[int]:
+    path = LocalRoot(checkpoint_path("shm://killed")).path(step)
+    return {os.stat(os.path.join(path, name)).st_ino for name in os.listdir(path)
+            if name.startswith("data-")}
