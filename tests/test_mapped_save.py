@@ -1,9 +1,11 @@
 """Mapped saves into tmpfs (issue 45, "one copy into the memory tier"): storage/mapped.py,
 saving/mapped_regions.py, the mapped mode of saving/persist.py, the slots of local_root.py.
 
-Covers, with real files under /dev/shm (``shm://`` with $CKPTIO_SHM_DIR) and real managers: an
-async save into tmpfs round-trips bit for bit and verifies, and its data files were never
-written through the I/O backend (the capture copied into their pages); a disk directory and
+Covers, with real files under /dev/shm (``shm://`` with $CKPTIO_SHM_DIR) and real managers: a
+memory tier's async saves round-trip bit for bit and verify, the first ones through the pool
+and, once a dropped step's slot of the same size is mapped ahead, with data files never
+written through the I/O backend (the capture copied into their pages); a plain save into
+tmpfs with no slots, a disk directory and
 Options(memory_mapped="off") keep the backend's writes; a manager's memory tier makes the next
 step's data file from a dropped step's (the same inode: a ring of keep_last + 1), sync and
 async, and once the ring is warm no file is mapped afresh; a smaller, then larger, differently
@@ -119,10 +121,40 @@ def _save_counting(tmp_or_shm: str, options: ckptio.Options) -> tuple[_Counting,
 
 
 def test_mapped_async_save_round_trips_with_no_write(shm):
-    counting, path = _save_counting(checkpoint_path("shm://one"), OPTS)
-    assert _data_files(path), "the save made no data file"
-    assert not [n for n in counting.written if n.startswith("data-")], (
-        f"a save into tmpfs wrote its data through the backend: {counting.written}")
+    """A memory tier's ring: the saves before a step is dropped go through the pool (nothing
+    is mapped ahead for them); from keep_last + 1 on, each copies into a slot's pages and
+    writes no data through the backend, and round-trips bit for bit."""
+    keep_last = 1
+    ck = ckptio.Checkpointer(OPTS)
+    root = checkpoint_path("shm://one")
+    os.makedirs(root, exist_ok=True)
+    counting = ck.resources().wrap_backend(LocalStore(root), _Counting)
+    with ckptio.CheckpointManager(tiers=[Tier("shm://one", keep_last=keep_last)],
+                                  checkpointer=ck) as mgr:
+        for step in range(keep_last + 4):
+            before = len(counting.written)
+            handle = mgr.save(step, state_of(step), asynchronous=True)
+            assert handle is not None
+            handle.wait()
+            wrote = [n for n in counting.written[before:] if n.startswith("data-")]
+            path = mgr.path(step)
+            if step <= keep_last:
+                assert wrote, f"step {step}: no slot yet, yet no write through the pool"
+            else:
+                assert _data_files(path) and not wrote, (
+                    f"step {step}: a save into a warm ring wrote its data through the backend: "
+                    f"{wrote}")
+            ckptio.verify(path)
+            assert_same(ckptio.load(path), state_of(step))
+            _assert_no_stale_bytes(path)
+    ck.close()
+
+
+def test_a_plain_save_into_tmpfs_maps_nothing_in_its_call(shm):
+    """No slots (a Checkpointer's own directory): the capture copies into the staging pool and
+    the backend writes, as on a disk, rather than allocating fresh pages inside the call."""
+    counting, path = _save_counting(checkpoint_path("shm://plain"), OPTS)
+    assert set(_data_files(path)) <= set(counting.written) and _data_files(path)
 
 
 def test_memory_mapped_off_writes_through_the_backend(shm):
@@ -154,8 +186,8 @@ def test_a_dropped_steps_data_file_is_the_next_steps(shm, asynchronous):
     with ckptio.CheckpointManager(tiers=[Tier("shm://ring", keep_last=keep_last)],
                                   options=OPTS) as mgr:
         inodes: dict[int, set[int]] = {}
-        for step in range(keep_last + 3):
-            handle = mgr.save(step, state_of(step), asynchronous=asynchronous)
+        for step in range(keep_last + 3):  # one layout: every slot fits the next step
+            handle = mgr.save(step, state_of(2 * step), asynchronous=asynchronous)
             if asynchronous:
                 assert handle is not None
                 handle.wait()
@@ -168,7 +200,7 @@ def test_a_dropped_steps_data_file_is_the_next_steps(shm, asynchronous):
         mgr.wait()
         for step in mgr.steps():
             ckptio.verify(mgr.path(step))
-            assert_same(ckptio.load(mgr.path(step)), state_of(step))
+            assert_same(ckptio.load(mgr.path(step)), state_of(2 * step))
             _assert_no_stale_bytes(mgr.path(step))
         root = checkpoint_path("shm://ring")
         assert len(os.listdir(os.path.join(root, SLOTS_DIR))) <= 1, "more than a step kept"
@@ -196,18 +228,28 @@ def test_the_warm_ring_maps_nothing_new(shm):
         assert seen[0] and all(s == seen[0] for s in seen), seen
 
 
+def _renamed(state: dict[str, Any], key: str, new: str) -> dict[str, Any]:
+    """``state`` with ``key`` renamed: the same data file size, another layout."""
+    return {(new if k == key else k): v for k, v in state.items()}
+
+
 def test_a_reused_slot_holds_no_stale_bytes(shm):
-    """A full state A, then smaller and larger states of other layouts into its pages."""
-    states = [state_of(0, scale=4), state_of(1, scale=4), state_of(5, scale=1),
-              {"other": torch.full((1234,), -1.0), "x": torch.arange(999, dtype=torch.int16)},
-              state_of(7, scale=6)]
+    """States of one file size and four layouts (entries moved by their keys' order) go round
+    the slots, each copied into a dropped step's pages; then states of other sizes (the pool's
+    way, no slot fits) and back."""
+    same = [state_of(0, scale=4), _renamed(state_of(2, scale=4), "big", "zz_big"),
+            _renamed(state_of(4, scale=4), "ints", "aa_ints"),
+            _renamed(state_of(6, scale=4), "half", "zz_half")]
+    other = [state_of(5, scale=1),
+             {"other": torch.full((1234,), -1.0), "x": torch.arange(999, dtype=torch.int16)},
+             state_of(7, scale=6)]
     with ckptio.CheckpointManager(tiers=[Tier("shm://stale", keep_last=1)],
                                   options=OPTS) as mgr:
         seen: set[int] = set()
-        for step, state in enumerate(states):
+        for step, state in enumerate(same + other + same):
             mgr.save(step, state)
             inodes = _inodes(mgr.path(step))
-            if step >= 2:
+            if 2 <= step < len(same):  # a dropped step of the same size: its pages reused
                 assert inodes <= seen, f"step {step} did not reuse a dropped step's file"
             seen |= inodes
             ckptio.verify(mgr.path(step))
@@ -228,7 +270,7 @@ with ckptio.CheckpointManager(tiers=[Tier("shm://killed", keep_last=2)], options
     latest = mgr.latest()
     start = 0 if latest is None else latest + 1
     for step in range(start, start + 100000):
-        mgr.save(step, state_of(step, scale=4), asynchronous=True)
+        mgr.save(step, state_of(2 * step, scale=4), asynchronous=True)
         print(step, flush=True)
 """
 
@@ -241,7 +283,7 @@ def _check_killed_root(keep_last: int) -> list[int]:
     assert len(steps) >= keep_last, f"only {steps} committed after a kill"
     for step in steps:
         ckptio.verify(root.path(step))
-        assert_same(ckptio.load(root.path(step)), state_of(step, scale=4))
+        assert_same(ckptio.load(root.path(step)), state_of(2 * step, scale=4))
         _assert_no_stale_bytes(root.path(step))
     return steps
 

@@ -237,6 +237,7 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
     if ctx.lazy and part.eager_items == 0:  # leave the GIL to the caller until it returns
         control.wait_returned()
     concluded = False
+    mapped = False
     try:
         # claim first: a collective on every rank, and no rank creates a file before the
         # coordinator holds the lock; attempt() removes this rank's files on failure.
@@ -246,7 +247,8 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
-            written, error = _write(ctx, part, control)
+            mapped = _mapped(ctx, [f.nbytes for f in part.files])
+            written, error = _write(ctx, part, control, mapped)
             concluded = True
             _conclude(ctx, part.agreement, written, error, held)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
@@ -255,7 +257,7 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
         control.finished(0, exc)
         return
     try:
-        if ctx.grow_staging and not _mapped(ctx):  # 11: before wait() returns, so the next
+        if ctx.grow_staging and not mapped:  # 11: before wait() returns, so the next
             # save finds it done (a mapped save stages nothing)
             ctx.resources.fit([f.nbytes for f in part.files])
     finally:
@@ -271,13 +273,12 @@ def _opened(store: Store, names: list[str]) -> Iterator[None]:
         yield
 
 
-def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
+def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) -> tuple[
         Written | None, BaseException | None]:
-    """5 capture, 6 drain, 7 fsync: this rank's bytes durable; -> (its results keyed by item
-    index, None) or (None, why)."""
+    """5 capture, 6 drain, 7 fsync: this rank's bytes durable (``mapped``: copied into its
+    files' pages); -> (its results keyed by item index, None) or (None, why)."""
     job: persist.SaveJob | None = None
     try:
-        mapped = _mapped(ctx)
         staged = (None if ctx.packing is not None else
                   0 if mapped else sum(f.nbytes for f in part.files))
         # a pool no larger than the state (the smallest for a mapped save, which copies into
@@ -309,11 +310,12 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl) -> tuple[
         return None, exc
 
 
-def _mapped(ctx: SaveContext) -> bool:
-    """Whether this save copies straight into its data files' pages (Options.memory_mapped:
-    a plain save into a directory on tmpfs; storage/mapped.py)."""
+def _mapped(ctx: SaveContext, sizes: list[int]) -> bool:
+    """Whether this save of files of ``sizes`` copies straight into their pages
+    (Options.memory_mapped: a plain save into a directory on tmpfs whose slots of those sizes
+    are mapped ahead; storage/files.mappable)."""
     return (ctx.options.memory_mapped != "off" and ctx.packing is None
-            and mappable(ctx.store))
+            and mappable(ctx.store, sizes))
 
 
 def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:

@@ -77,11 +77,15 @@ class StoreFiles:
         self.backend.close(fh, sync=sync)
 
 
-def mappable(store: Store) -> bool:
-    """Whether a save may write ``store``'s files as shared mappings: a local directory on
-    tmpfs, whose pages are the files (storage/mapped.py); on a disk the backend's writes stay."""
+def mappable(store: Store, sizes: Sequence[int]) -> bool:
+    """Whether a save of files of ``sizes`` may write ``store``'s files as shared mappings: a
+    local directory on tmpfs, whose pages are the files, beside slots of those sizes that this
+    process has mapped ahead (storage/mapped.py; a manager's memory tier once its retention
+    dropped a step). Elsewhere, and until then, the capture copies into the staging pool and
+    the backend writes: a fresh mapping would allocate and fault its pages inside the call."""
     directory = store.capabilities.filesystem
-    return directory is not None and mapped.on_tmpfs(directory)
+    return (directory is not None and mapped.on_tmpfs(directory)
+            and mapped.warm_fit(directory, sizes))
 
 
 class IOResources(Protocol):

@@ -24,7 +24,7 @@ import shutil
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local import LocalStore
-from ckptio.storage.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs
+from ckptio.storage.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs, warm_slots
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -90,6 +90,11 @@ class LocalRoot:
         if leftovers and fsync_dir(self.location):
             if self.slots and on_tmpfs(self.location):  # renames only: the thread deletes
                 keep_slots(self.location, sorted(leftovers, key=_hidden_step))
+                # Here, not on the removal thread: the next save maps the slots only if they
+                # are mapped ahead (storage/files.mappable), and it starts right after this
+                # pass. Only slots written through the pool cost anything: a mapped save's
+                # files are mapped here already.
+                warm_slots(self.location)
             return functools.partial(remove, leftovers)
         return None
 
@@ -163,3 +168,4 @@ def fsync_dir(path: str) -> bool:
               "the listing are removed by the next retention")
         return False
     return True
+

@@ -11,7 +11,9 @@ unmapped at the next open) where its root keeps slots, so a reused slot is neith
 nor faulted in again.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped step into
 ``.ckptio-slots`` beside the steps, and the older slots into that step, removed with it;
-``drop_slots`` (the manager's close) removes them.
+``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes them. A save is
+mapped only where ``warm_fit`` says slots of its files' sizes are mapped ahead: otherwise the
+call would allocate and fault fresh pages, and the staging pool is the faster way in.
 
 Hand-written through ctypes: os.statvfs has no filesystem type (statfs's f_type is what tells
 tmpfs), Python's mmap refuses to unmap while a tensor views it, and os.rename replaces its
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from ckptio.errors import StorageIOError
 
 __all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_tmpfs",
-           "open_file", "release", "slot_nbytes"]
+           "open_file", "release", "slot_nbytes", "warm_fit", "warm_slots"]
 
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
@@ -46,6 +48,7 @@ _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_SHARED = 0x01
+_MAP_POPULATE = 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -151,10 +154,11 @@ def _sized(fd: int, nbytes: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def _map(fd: int, nbytes: int) -> int:
+def _map(fd: int, nbytes: int, *, populate: bool = False) -> int:
     if nbytes == 0:
         return 0
-    address = _c().mmap(None, nbytes, _PROT_READ_WRITE, _MAP_SHARED, fd, 0)
+    flags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    address = _c().mmap(None, nbytes, _PROT_READ_WRITE, flags, fd, 0)
     if address in (None, _MAP_FAILED):
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
@@ -290,6 +294,73 @@ def keep_slots(root: str, dropped: Sequence[str]) -> None:
     except OSError as exc:
         log.warning("ckptio: could not keep the pages of %s for later saves (%s); they are "
                     "removed with it", newest, exc)
+
+
+def warm_slots(root: str) -> None:
+    """Map ``root``'s slot files here with every page-table entry populated (MAP_POPULATE), so
+    the save that takes one copies into resident, mapped pages (the retention's pass, before
+    the next save: only slots written through the staging pool cost anything, a mapped save's
+    files are mapped here already and left as they are)."""
+    try:
+        with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
+            paths = [e.path for e in it if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # taken by a save meanwhile
+        _warm(path, fd)
+
+
+def _warm(path: str, fd: int) -> None:
+    """Cache a populated mapping of the open slot file ``fd`` (closed if not kept)."""
+    try:
+        info = os.fstat(fd)
+        key = (info.st_dev, info.st_ino)
+        with _lock:
+            known = key in _cache
+        if known or not info.st_size:
+            os.close(fd)
+            return
+        entry = MappedFile(path, info.st_size, _map(fd, info.st_size, populate=True), fd, key,
+                           True, in_use=False)
+    except OSError as exc:
+        os.close(fd)
+        log.info("ckptio: could not map the slot %s ahead of the next save (%s)", path, exc)
+        return
+    global _ticks
+    with _lock:
+        if key not in _cache:
+            _ticks += 1
+            entry.tick = _ticks
+            _cache[key] = entry
+            _bound()
+            return
+    _unmap(entry)  # a save mapped it meanwhile
+
+
+def warm_fit(directory: str, sizes: Sequence[int]) -> bool:
+    """Whether the slot files beside step directory ``directory`` that this process has mapped
+    and no save uses hold files of exactly ``sizes``, one each: a save of those files then
+    copies into resident, mapped pages, never allocating or faulting one (a slot of another
+    size would be resized and mapped afresh inside the save's call)."""
+    slots = os.path.join(os.path.dirname(os.path.abspath(directory)), SLOTS_DIR)
+    try:
+        with os.scandir(slots) as it:
+            found = [e.stat(follow_symlinks=False) for e in it if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return False
+    with _lock:
+        warm = sorted(i.st_size for i in found if (entry := _cache.get((i.st_dev, i.st_ino)))
+                      is not None and not entry.in_use and entry.nbytes == i.st_size)
+    for size in sorted(sizes):
+        if size in warm:
+            warm.remove(size)
+        elif size:
+            return False
+    return True
 
 
 def slot_nbytes(root: str) -> int:
