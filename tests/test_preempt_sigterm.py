@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import ckptio
+from tests.conftest import assert_same
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_AT = 5  # the step the SIGTERM lands in (odd: not due on the every=2 disk tier)
@@ -105,24 +106,6 @@ def _script(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def _assert_same(got: Any, want: Any, where: str) -> None:
-    """Same structure; tensors bitwise."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and (
-            got.shape == want.shape), f"{where}: dtype/shape"
-        assert torch.equal(got.reshape(-1).view(torch.uint8),
-                           want.reshape(-1).view(torch.uint8)), f"{where}: bytes differ"
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), f"{where}: keys"
-        for k in want:
-            _assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length"
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
-
 
 def _train_until_sigterm(tmp_path: Path, disk: str, every: int, rate: str) -> tuple[int, str]:
     """Run the training child, SIGTERM it in the middle of step STOP_AT -> (its exit code,
@@ -185,4 +168,4 @@ def test_sigterm_makes_the_step_durable_in_memory_and_on_disk(shm, tmp_path, eve
             os.rename(os.path.join(shm, "run"), os.path.join(shm, "gone"))  # memory lost
         got = _restore(tmp_path, disk, every, which)
         assert got.pop("restored") == STOP_AT and got.pop("tier") == tier, which
-        _assert_same(got, want, which)
+        assert_same(got, want, which)
