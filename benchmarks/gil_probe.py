@@ -121,7 +121,7 @@ class Background:
             import torch
 
             extra = {"persist": "process"} if "persist" in mode else {}
-            self.checkpointer = ckptio.Checkpointer(ckptio.Options(**extra))
+            self.checkpointer = ckptio.Checkpointer(ckptio.Options.from_env(**extra))  # CKPTIO_*
             # lazy: an optimizer owning every tensor (its step() is never called here)
             self.optimizer = torch.optim.SGD(list(state.values()), lr=0.0)
 
