@@ -26,9 +26,7 @@ from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy
 from ckptio.options import Options
-from ckptio.format.flatten import flatten
-from ckptio.planning.layout import plan_files
-from ckptio.planning.plan import PlanCache, build_plan
+from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
 from ckptio.saving import save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
@@ -94,17 +92,10 @@ class Checkpointer:
         on, and a save that comes before the end uses the buffers already faulted in and
         waits only for the ones it needs (CheckpointManager.restore() prepares so)."""
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._resources.fit(self._planned_file_nbytes(state))
+            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes,
+                                                         self._plan_cache))
         store = None if path is None else store_for(path, self.options)
         self._resources.prepare(store, wait=state is None if wait is None else wait)
-
-    def _planned_file_nbytes(self, state: Any) -> list[int]:
-        """The sizes of the data files one process's save of ``state`` writes, planned through
-        this Checkpointer's plan cache: the first save then reuses the plan (an unchanged
-        layout), as later saves do."""
-        plan, _sources = build_plan(flatten(state), allow_pickle=True, cache=self._plan_cache)
-        return [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
-                                             max_file_bytes=self.options.max_file_bytes)]
 
     def close(self) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the

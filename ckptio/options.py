@@ -78,12 +78,13 @@ class Options:
         or the codec, on ``compress_threads`` threads, outruns the disk's measured write rate
         (``ckptio tune``; no profile: not compressed); a codec compresses every chunk that
         shrinks. Loads decode whatever a checkpoint holds.
-    memory_mapped: "auto" (default): a save into a directory on tmpfs (``shm://``), neither
-        compressed nor a delta, copies the state straight into its data files' pages, mapped
-        into the process (no second copy through the staging pool, no write), and a manager's
-        memory tier keeps the data files of the step its retention drops as slots the next
-        save's files are made from (their pages reused, not allocated again; storage/mapped.py).
-        "off": such saves go through the staging pool and the I/O backend like any other.
+    memory_mapped: "auto" (default): a manager's memory tier (a directory on tmpfs,
+        ``shm://``) keeps the data files of the step its retention drops as slots, mapped into
+        the process ahead; the next save whose files have those sizes, neither compressed nor
+        a delta, copies the state straight into their pages (no second copy through the
+        staging pool, no write, no page allocated again; storage/mapped.py). Other saves, and
+        saves before a slot exists, go through the staging pool and the I/O backend.
+        "off": no slots, every save through the pool and the backend like any other.
     compress_threads: threads that encode frames during a compressed or delta save, and decode
         them during a load (the bound on the cores compression takes; the training thread never
         compresses).

@@ -382,10 +382,11 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
                         "ranks: %s", ctx.group.rank, ctx.store.location, other)
 
 
-def file_nbytes(state: Any, max_file_bytes: int) -> list[int]:
+def file_nbytes(state: Any, max_file_bytes: int, cache: PlanCache | None = None) -> list[int]:
     """The sizes of the data files one process's save of ``state`` writes (as planned): what
-    the staging pool must hold for async saves of it to return at copy speed."""
-    plan, _sources = build_plan(flatten(state), allow_pickle=True)
+    the staging pool must hold for async saves of it to return at copy speed. ``cache``: the
+    Checkpointer's plan cache, so that its first save reuses this plan as later ones do."""
+    plan, _sources = build_plan(flatten(state), allow_pickle=True, cache=cache)
     return [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
                                          max_file_bytes=max_file_bytes)]
 
