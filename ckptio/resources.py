@@ -20,6 +20,7 @@ does with them (saving/save_session.py, loading/load_session.py), the pool itsel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -60,15 +61,17 @@ class ReusedIOResources:
 
     # ---------------------------------------------------------------- what a save or load borrows
 
-    def files(self, store: Store, nbytes: int | None = None, *,
-              copy_faults: bool = False) -> tuple[StagingPool, StoreFiles]:
+    def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
+              behind: bool = False) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
         than a pool sized to a smaller use holds. ``copy_faults``: a pool made now is not
         pre-faulted, this use's copies into it fault its pages (a save: torch's copy on every
         core, faster than waiting for a pre-fault thread: docs/BENCH_LIMIT.md, "small states
-        and the first save")."""
+        and the first save"). ``behind``: a save that persists while the caller goes on
+        (async, lazy): io_backend "auto" takes the POSIX threads there, whose Python holds the
+        interpreter less while the loop runs than io_uring's submissions and reaper."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -82,21 +85,23 @@ class ReusedIOResources:
         if self._pool is not None and self._pool.nbuffers < want:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
         pool = self._made_pool(want, prefault=not copy_faults)
-        backend = self._backends.get(store.backend_kind)
+        kind = store.backend_kind
+        if behind and wanted.io_backend == "auto":  # docs/BENCH_LOOP.md, "the backend behind the loop"
+            wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+behind"
+        backend = self._backends.get(kind)
         if backend is None:
-            backend = self._backends[store.backend_kind] = store.backend(wanted)
-            self._stores[store.backend_kind] = store
-        self._pin(store, backend, pool)
+            backend = self._backends[kind] = store.backend(wanted)
+            self._stores[kind] = store
+        self._pin(store, backend, pool, kind)
         return pool, StoreFiles(store, backend)
 
-    def _pin(self, store: Store, backend: IOBackend, pool: StagingPool) -> None:
+    def _pin(self, store: Store, backend: IOBackend, pool: StagingPool, kind: str) -> None:
         """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
         backend's first use, which faults in what the pool has not yet (faster pinned than not:
         docs/BENCH_LIMIT.md, "the save's gap to the disk was page pinning"); a smaller one
         (sized to a small state) or one grown for async saves (``fit``) only once it is
         resident: faulting it all first slowed a small cold load and the async_save call after
         a grown pool (same page)."""
-        kind = store.backend_kind
         if (kind in self._pinned or kind in self._unpinnable
                 or not store.capabilities.registered_buffers):
             return
@@ -118,7 +123,7 @@ class ReusedIOResources:
         try:
             if pool is self._pool:
                 for kind, backend in list(self._backends.items()):
-                    self._pin(self._stores[kind], backend, pool)
+                    self._pin(self._stores[kind], backend, pool, kind)
         finally:
             self.lock.release()
 
@@ -178,10 +183,12 @@ class ReusedIOResources:
 
     def wrap_backend(self, store: Store, wrap: Callable[[IOBackend], IOBackend]) -> IOBackend:
         """Replace the backend of ``store``'s kind by ``wrap(it)`` (test support: fault
-        injection); release() drops it."""
+        injection), for the saves behind the caller too; release() drops it."""
+        kind = store.backend_kind
         with self.lock:
             _pool, files = self.files(store)
-            wrapped = self._backends[store.backend_kind] = wrap(files.backend)
+            wrapped = self._backends[kind] = self._backends[f"{kind}+behind"] = wrap(files.backend)
+            self._stores[f"{kind}+behind"] = store
         return wrapped
 
     # ---------------------------------------------------------------- growing the pool

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import os
 import signal
 import time
@@ -256,3 +257,46 @@ def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_byt
     nbytes = sum(e.stat().st_size for e in os.scandir(own) if e.is_file())
     mgr.close()
     return {"saved": saved, "error": error, "step_nbytes": nbytes}
+
+
+def _paced_tiers(spec: str, disk: str, rate: float) -> list[Tier]:
+    kind, _, n = spec.partition("-")
+    redundancy = (ckptio.Partners(int(n), rate=rate) if kind == "partners"
+                  else ckptio.Parity(k=int(n), rate=rate))
+    return [Tier("shm://run", keep_last=2, redundancy=redundancy), Tier(disk, every=100)]
+
+
+def save_paced(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+               rate: float) -> dict[str, Any]:
+    """One rank per host: save one step of a ``mib`` MiB tensor under a protection budget of
+    ``rate`` bytes per second per host -> the seconds from the save's return to protected(),
+    the bytes of the step in this host's memory and the tensor's bytes."""
+    _play_host(rank, 1, base)
+    weights = torch.randn(mib * MiB // 4, generator=torch.Generator().manual_seed(rank))
+    mgr = ckptio.CheckpointManager(tiers=_paced_tiers(spec, disk, rate), options=OPTS)
+    mgr.save(1, {"w": weights, "step": 1})
+    start = time.monotonic()
+    mgr.protected()
+    seconds = time.monotonic() - start
+    step_dir = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", "step-1")
+    nbytes = sum(os.path.getsize(os.path.join(step_dir, n)) for n in os.listdir(step_dir))
+    status = mgr.status()[0]
+    mgr.close()
+    return {"seconds": seconds, "nbytes": nbytes, "status": status,
+            "digest": _digest(weights)}
+
+
+def restore_paced(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+                  rate: float) -> dict[str, Any]:
+    """A restarted job of save_paced's -> the step, where from, and the tensor's digest."""
+    _play_host(rank, 1, base)
+    state = {"w": torch.zeros(mib * MiB // 4), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_paced_tiers(spec, disk, rate), options=OPTS)
+    step = mgr.restore(state)
+    how = mgr.last_restore
+    mgr.close()
+    return {"step": step, "state_step": state["step"], "how": how, "digest": _digest(state["w"])}
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -20,13 +20,16 @@ import torch
 import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
+from ckptio.tiering.budget import CHUNK
 from ckptio.tiering.topology import Topology
 from tests.redundancy_cases import (
     host_dir,
     peer_dies,
     replay,
+    save_paced,
     restore,
     restore_broken,
+    restore_paced,
     restore_deltas,
     train,
     train_budget,
@@ -74,6 +77,37 @@ def _check_restored(trained: list[Any], restored: list[Any], step: int) -> None:
 
 
 # ------------------------------------------------------------------ topology (no ranks)
+
+
+@pytest.mark.parametrize("spec", ["partners-1", "parity-2"])
+def test_the_protection_budget_holds_each_hosts_send_rate(base, tmp_path, spec):
+    """3 hosts of one rank, 12 MiB each, a budget of 24 MB/s per host: every rank's protection
+    takes at least what its bytes cost at that rate (measured here; unpaced, the same bytes
+    cross this machine's loopback in a fraction of it), and a lost host restores bitwise from
+    what was sent in paced chunks."""
+    disk, rate, mib = str(tmp_path / "disk"), 24e6, 12
+    saved = run_ranks(3, save_paced, base, disk, spec, mib, rate, timeout_s=TIMEOUT)
+    for s in saved:
+        assert s["status"]["protected"] == 1 and s["status"]["redundancy"].endswith(
+            f", rate={rate:g})"), s["status"]
+        floor = 0.9 * (s["nbytes"] - CHUNK) / rate  # every chunk but the first waits its turn
+        assert s["seconds"] >= floor, f"{s['nbytes']} B protected in {s['seconds']:.3f} s: " \
+            f"faster than {rate:g} B/s allows ({floor:.3f} s)"
+    _wipe(base, 1)
+    restored = run_ranks(3, restore_paced, base, disk, spec, mib, rate, timeout_s=TIMEOUT)
+    assert [r["step"] for r in restored] == [1, 1, 1]
+    assert [r["digest"] for r in restored] == [s["digest"] for s in saved]
+    assert restored[1]["how"]["source"] == ("partner" if spec.startswith("partners") else "parity")
+
+
+def test_a_protection_budget_must_be_a_positive_rate():
+    for bad in (0, -1.0, "fast", True):
+        with pytest.raises(CkptError, match="rate="):
+            ckptio.Partners(1, rate=bad)
+        with pytest.raises(CkptError, match="rate="):
+            ckptio.Parity(k=2, rate=bad)
+    assert ckptio.Parity(k=2, rate=2e8).describe() == "parity(k=2, rate=2e+08)"
+    assert ckptio.Partners(1).describe() == "partners(n=1)"
 
 
 def test_topology_rules_and_refusals():

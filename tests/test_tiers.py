@@ -409,8 +409,8 @@ def test_issue_30_options_with_tiers(shm, tmp_path):
 
 
 def test_damaged_memory_copy_is_never_drained(shm, tmp_path):
-    """A step damaged in memory before its drain: the copy verifies the source first, so the
-    disk tier gets nothing of it, and the error is raised by drained()."""
+    """A step damaged in memory before its drain: the copy checks every entry as it passes and
+    commits nothing, removing what it wrote, and the error is raised by drained()."""
     disk = str(tmp_path / "disk")
     model, opt = _build()
     with _tiered(Tier("shm://run", keep_last=2)) as mgr:  # no disk tier yet
@@ -419,7 +419,9 @@ def test_damaged_memory_copy_is_never_drained(shm, tmp_path):
     mgr = _tiered(Tier("shm://run", keep_last=2), Tier(disk, every=2))  # resumes: step 4 due
     with pytest.raises(CorruptCheckpointError):
         mgr.drained(timeout=60)
-    assert not os.path.exists(os.path.join(disk, "step-4"))  # nothing written
+    left = os.listdir(os.path.join(disk, "step-4"))  # nothing committed, no data file kept
+    assert not [n for n in left if n.startswith("data-") or n == "manifest.json"], left
+    assert _steps_in(disk) == []
     assert "CorruptCheckpointError" in mgr.status()[1]["error"]
     mgr.close()  # raised once already
 

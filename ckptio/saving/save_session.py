@@ -283,7 +283,8 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
                   0 if mapped else sum(f.nbytes for f in part.files))
         # a pool no larger than the state (the smallest for a mapped save, which copies into
         # its files' pages), faulted in by the capture's own copies
-        pool, target = ctx.resources.files(ctx.store, staged, copy_faults=True)
+        pool, target = ctx.resources.files(ctx.store, staged, copy_faults=True,
+                                           behind=ctx.grow_staging)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=control.progress,

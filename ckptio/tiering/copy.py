@@ -3,10 +3,13 @@ what the drain does for each step it moves to a slower tier.
 
     nbytes = copy_checkpoint(staging, source, target, pace=throttle)
 
-1. verify the source: every byte read back and checked against its checksums (a damaged copy
-   in host memory is never propagated; loading/load_session.verify);
-2. copy each file the manifest names (data and index files) through one staging buffer, the
-   source's names kept, each file durable (fsync / completed upload) before the next;
+1. copy each file the manifest names (data and index files) through one staging buffer, the
+   source's names kept, each file durable (fsync / completed upload) before the next; every
+   entry's bytes are hashed as they pass (``_Streamed``) and checked against the manifest's
+   checksums: the source is read once. A checkpoint with compressed, delta or not-yet-resolved
+   DCP entries is verified first instead (loading/load_session.verify), then copied;
+2. every entry checked (a damaged copy in host memory is never propagated: the mismatch is
+   raised and what this copy wrote is removed);
 3. commit the source's manifest bytes in the target (storage's atomic commit, under the
    target's claim). A failure before the commit removes the files this copy wrote
    (storage/steps.attempt), and a kill leaves the target without a manifest: incomplete, which
@@ -23,9 +26,13 @@ Owns: that copy. Does not own: which step to copy when (drain.py), the staging's
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from ckptio.errors import CkptError, StorageIOError
-from ckptio.loading import load_session
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.format.checksum import stored_algorithm
+from ckptio.format.types import Manifest, TensorEntry
+from ckptio.loading import dcpdir, load_session
+from ckptio.loading.checks import Checker
 from ckptio.options import BLOCK
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store, new_save_id
@@ -40,10 +47,11 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
                     pace: Pace | None = None) -> int:
     """Copy the checkpoint committed in ``source`` to ``target`` (see the module docstring);
     -> bytes copied. CorruptCheckpointError if the source fails verification (nothing is
-    written then)."""
+    written, or what was is removed)."""
     manifest = source.read_manifest()
     opened = load_session.open_checkpoint(resources, source, None, allow_pickle=False)
-    load_session.verify(resources, opened)
+    if not _streamable(opened.record):
+        load_session.verify(resources, opened)
     files = {f.name: f.nbytes for f in opened.record.files}
     for name, nbytes in files.items():
         if nbytes % BLOCK:
@@ -64,12 +72,15 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
                 if pool is not _pool:  # a staging that remakes its pool per store cannot copy
                     raise CkptError("copy_checkpoint: the staging made another pool for "
                                     f"{target.location}; give it use_profile=False options")
+                check = _Streamed(reader, opened.record) if _streamable(opened.record) else None
                 buffer = pool.acquire()
                 try:
                     for name, nbytes in files.items():
-                        _copy_file(reader, writer, name, nbytes, buffer.view, pace)
+                        _copy_file(reader, writer, name, nbytes, buffer.view, pace, check)
                 finally:
                     pool.release(buffer)
+                if check is not None:
+                    check.finished()
             target.commit(manifest, new_save_id(), held)
             committed = True
         finally:
@@ -78,7 +89,7 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
 
 
 def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
-               view: memoryview, pace: Pace | None) -> None:
+               view: memoryview, pace: Pace | None, check: _Streamed | None) -> None:
     src = reader.open_read(name)
     try:
         dst = writer.open_write(name, nbytes)
@@ -91,6 +102,8 @@ def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
                 if got != len(piece):
                     raise StorageIOError(f"{reader.where(name)} ends at byte {offset + got}, "
                                          f"before the {nbytes} bytes its manifest names")
+                if check is not None:
+                    check.passing(name, offset, piece)
                 writer.submit_write(dst, offset, piece).result()
                 offset += len(piece)
                 if pace is not None:
@@ -102,3 +115,61 @@ def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
                 writer.close(dst, sync=False)
     finally:
         reader.close(src, sync=False)
+
+
+def _streamable(record: Manifest) -> bool:
+    """Whether every entry is checked from its stored bytes alone as they pass (no decoding,
+    no base checkpoint, no DCP item left to open)."""
+    return not any(e.coded or e.order for e in record.tensors) and not dcpdir.has_pending(record)
+
+
+@dataclass
+class _Whole:
+    """One entry's bytes as one span (checks.Span)."""
+
+    entry: TensorEntry
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+class _Streamed:
+    """Each entry's checksums over the bytes of its file as the copy reads them, in order
+    (entries may overlap: each is fed every byte of its own range)."""
+
+    def __init__(self, reader: StoreFiles, record: Manifest) -> None:
+        self.checker = Checker(reader, stored_algorithm(record.checksum_algorithm),
+                               record.block_nbytes, check_blocks=True)
+        self.waiting: dict[str, list[_Whole]] = {}  # per file, by offset: not yet reached
+        self.active: dict[str, list[_Whole]] = {}  # per file: started, not yet ended
+        for entry in sorted(record.tensors, key=lambda e: (e.file, e.offset)):
+            if entry.nbytes == 0:  # stored nowhere: its checksum is the empty input's
+                self.checker.whole(_Whole(entry, entry.offset, 0), memoryview(b""), last=True)
+            else:
+                self.waiting.setdefault(entry.file, []).append(_Whole(entry, entry.offset, entry.nbytes))
+
+    def passing(self, name: str, offset: int, piece: memoryview) -> None:
+        """Bytes [offset, offset + len(piece)) of file ``name``, read in order."""
+        end, waiting = offset + len(piece), self.waiting.get(name, [])
+        active = self.active.setdefault(name, [])
+        while waiting and waiting[0].offset < end:
+            active.append(waiting.pop(0))
+        still = []
+        for span in active:
+            lo, hi = max(span.offset, offset), min(span.end, end)
+            self.checker.whole(span, piece[lo - offset:hi - offset], last=hi == span.end)
+            if hi < span.end:
+                still.append(span)
+        self.active[name] = still
+
+    def finished(self) -> None:
+        """Every entry was checked whole (a manifest naming bytes past a file's end fails)."""
+        left = [s.entry for spans in (*self.waiting.values(), *self.active.values()) for s in spans]
+        if left:
+            raise CorruptCheckpointError(
+                f"key {left[0].key!r}: {self.checker.path(left[0])} was not read as far as "
+                f"byte {left[0].offset + left[0].nbytes}, where its manifest ends it; the "
+                "checkpoint is damaged, load an earlier one")

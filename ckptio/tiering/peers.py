@@ -6,7 +6,8 @@ protection (protect.py) and restore (rebuild.py) share.
   read through its Store; rebuilt into a checkpoint by writing the files, the manifest last.
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
-  messages, point-to-point send/recv of uint8 tensors.
+  messages, point-to-point send/recv of uint8 tensors; under a bandwidth budget (budget.py)
+  in chunks of budget.CHUNK, every receive posted before the first paced send.
 Where the copies live on each host: marks.py.
 
 Owns: the stream, its reading and writing, the transport. Does not own: what to send where
@@ -26,10 +27,11 @@ import xxhash
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.store_contract import TreeStore, new_save_id
+from ckptio.tiering.budget import CHUNK, Budget
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
-           "piece_len", "piece_nbytes", "read_stream", "recv", "send", "write_checkpoint",
-           "write_json", "xor_into"]
+           "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "send", "send_paced",
+           "write_checkpoint", "write_json", "xor_into"]
 
 
 @dataclass
@@ -154,6 +156,31 @@ def recv(group: Any, nbytes: int, src: int, tag: int = 0) -> torch.Tensor:
     if nbytes:
         dist.recv(out, src, group=group, tag=tag)
     return out
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + CHUNK, nbytes)) for lo in range(0, nbytes, CHUNK)]
+
+
+def post_recv(group: Any, nbytes: int, src: int) -> tuple[torch.Tensor, list[Any]]:
+    """Post the receives of ``nbytes`` from rank ``src``, sent by send_paced in chunks ->
+    (the tensor they land in, the works to wait on)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    return out, [dist.irecv(out[lo:hi], src, group=group) for lo, hi in _chunks(nbytes)]
+
+
+def send_paced(group: Any, sends: list[tuple[torch.Tensor, int]],
+               budget: Budget) -> list[tuple[int, Any]]:
+    """Send each (data, dst) in chunks, round-robin over the destinations, each chunk posted
+    once ``budget`` allows it -> (dst, work) per chunk. The receivers posted post_recv first."""
+    works = []
+    for lo, hi in _chunks(max((data.numel() for data, _dst in sends), default=0)):
+        for data, dst in sends:
+            piece = data[lo:min(hi, data.numel())]
+            if piece.numel():
+                budget.spend(piece.numel())
+                works.append((dst, dist.isend(piece, dst, group=group)))
+    return works
 
 
 def agree_min(group: Any, value: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ import torch
 from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.store_contract import TreeStore
 from ckptio.tiering import marks, peers
+from ckptio.tiering.budget import Budget
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import Root, protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
@@ -80,6 +81,8 @@ class Protector:
         self._state = _State(protected=newest_protected(self._tree, rank))
         self._submitted: dict[int, float] = {}
         self._buffer: torch.Tensor | None = None  # read_stream's, reused from step to step
+        # the host's budget shared by its ranks (each rank sends for its own shard)
+        self._budget = Budget(spec.rate / topology.local_size if spec.rate else None)
         self._worker: Worker[_Job] = Worker("ckptio-protect", self)
         self._lock = self._worker.lock
         if isinstance(spec, Partners):
@@ -254,13 +257,11 @@ class Protector:
         write, so a failed write never leaves a peer waiting), then write the copies."""
         n = self.spec.n  # type: ignore[union-attr]
         step = metas[self.rank]["step"]
-        works = [(dst, peers.send(self.group, stream.data, dst))
-                 for dst in self.topology.partners(self.rank, n)]
-        got = []
-        for src in self.topology.partnered(self.rank, n):
-            with self._talking(step, "receiving a partner copy from", src):
-                got.append((src, peers.recv(self.group, metas[src]["nbytes"], src)))
-        self._wait(step, works)
+        sends = [(stream.data, dst) for dst in self.topology.partners(self.rank, n)]
+        got: list[tuple[int, torch.Tensor]] = []
+        self._exchange(step, sends, [(src, metas[src]["nbytes"]) for src in
+                                     self.topology.partnered(self.rank, n)],
+                       "a partner copy", lambda src, data: got.append((src, data)))
         held = []
         for src, data in got:
             meta = metas[src]
@@ -282,16 +283,13 @@ class Protector:
         members = [topo.rank_at(h, local) for h in topo.groups(k)[group]]
         n, me, step = len(members), topo.position(host, k), metas[self.rank]["step"]
         p = peers.piece_nbytes(max(metas[r]["nbytes"] for r in members), n - 1)
-        works = [(dst, peers.send(self.group, peers.piece(stream.data, topo.contributed(j, me, n),
-                                                          p), dst))
+        sends = [(peers.piece(stream.data, topo.contributed(j, me, n), p), dst)
                  for j, dst in enumerate(members) if j != me]
         block = torch.zeros(p, dtype=torch.uint8)
-        for h, src in enumerate(members):
-            if h != me:
-                size = peers.piece_len(metas[src]["nbytes"], topo.contributed(me, h, n), p)
-                with self._talking(step, "receiving a parity piece from", src):
-                    peers.xor_into(block, peers.recv(self.group, size, src))
-        self._wait(step, works)
+        sizes = [(src, peers.piece_len(metas[src]["nbytes"], topo.contributed(me, h, n), p))
+                 for h, src in enumerate(members) if h != me]
+        self._exchange(step, sends, sizes, "a parity piece",
+                       lambda _src, data: peers.xor_into(block, data))
         name = marks.parity_name(group, local)
         directory.write_file(f"{name}.bin",
                              memoryview(block.numpy()).cast("B") if block.numel() else b"")
@@ -303,10 +301,32 @@ class Protector:
         peers.write_json(directory, f"{name}.json", info)
         return [{key: v for key, v in info.items() if key != "members"}]
 
-    def _wait(self, step: int, works: list[tuple[int, Any]]) -> None:
+    def _exchange(self, step: int, sends: list[tuple[torch.Tensor, int]],
+                  receives: list[tuple[int, int]], what: str,
+                  take: Callable[[int, torch.Tensor], None]) -> None:
+        """Send each (data, dst), receive each (src, nbytes) and ``take(src, data)`` each.
+        Unlimited: every send posted whole, then each receive in turn, taken as it lands (one
+        in memory at a time). Under the budget: every receive posted first, then the sends
+        paced in chunks (peers.send_paced): bytes leave no faster than the budget allows."""
+        if not self._budget.rate:
+            works = [(dst, peers.send(self.group, data, dst)) for data, dst in sends]
+            for src, nbytes in receives:
+                with self._talking(step, f"receiving {what} from", src):
+                    data = peers.recv(self.group, nbytes, src)
+                take(src, data)
+            self._wait(step, works)
+            return
+        posted = [(src, *peers.post_recv(self.group, nbytes, src)) for src, nbytes in receives]
+        works = peers.send_paced(self.group, sends, self._budget)
+        for src, data, pieces in posted:
+            self._wait(step, [(src, work) for work in pieces], f"receiving {what} from")
+            take(src, data)
+        self._wait(step, works)
+
+    def _wait(self, step: int, works: list[tuple[int, Any]], what: str = "sending to") -> None:
         for dst, work in works:
             if work is not None:
-                with self._talking(step, "sending to", dst):
+                with self._talking(step, what, dst):
                     work.wait()
 
     @contextmanager

@@ -35,16 +35,20 @@ __all__ = ["Parity", "Partners", "Redundancy", "check_redundancy"]
 
 @dataclass(frozen=True)
 class Partners:
-    """Full copies of each rank's newest memory step in ``n`` other hosts' memory."""
+    """Full copies of each rank's newest memory step in ``n`` other hosts' memory. ``rate``:
+    the bytes per second each host's ranks together send for it (None: as fast as the link
+    goes; a budget leaves the link to the training's own traffic, tiering/budget.py)."""
 
     n: int = 1
+    rate: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise CkptError(f"ckptio.Partners({self.n!r}): the number of copies, an integer >= 1")
+        _check_rate(self, self.rate)
 
     def describe(self) -> str:
-        return f"partners(n={self.n})"
+        return f"partners(n={self.n}{_rate_text(self.rate)})"
 
 
 @dataclass(frozen=True)
@@ -53,14 +57,27 @@ class Parity:
     (tiering/topology.py)."""
 
     k: int = 3
+    rate: float | None = None  # as Partners.rate
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise CkptError(f"ckptio.Parity(k={self.k!r}): hosts per parity group, an integer "
                             ">= 1 (3: 1.33x memory)")
+        _check_rate(self, self.rate)
 
     def describe(self) -> str:
-        return f"parity(k={self.k})"
+        return f"parity(k={self.k}{_rate_text(self.rate)})"
+
+
+def _check_rate(spec: object, rate: object) -> None:
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not rate > 0):
+        raise CkptError(f"ckptio.{type(spec).__name__}(rate={rate!r}): bytes per second each "
+                        "host sends for the protection, > 0 (e.g. 200e6), or None: unlimited")
+
+
+def _rate_text(rate: float | None) -> str:
+    return "" if rate is None else f", rate={rate:g}"
 
 
 Redundancy = Partners | Parity
