@@ -65,7 +65,10 @@ class Options:
         (io_uring; falls back to posix, logged once, where io_uring is unavailable). io_uring
         pins the staging pool once (fixed buffers) where POSIX I/O pins every request's pages
         again, which made a save slower (docs/BENCH_LIMIT.md, "the save's gap to the disk was
-        page pinning").
+        page pinning"). Under "auto", saves that persist behind the caller (async, lazy) and
+        every transfer of a store in host memory (tmpfs) take the POSIX threads
+        (docs/BENCH_LOOP.md: they hold the interpreter less, and spread tmpfs copies over the
+        cores).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
         io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
     if_locked: what a save does when another save (another process, job or machine sharing the

@@ -32,7 +32,7 @@ from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
 from ckptio.storage.store_contract import Store
 from ckptio.storage import mapped
-from ckptio.storage.files import StoreFiles
+from ckptio.storage.files import StoreFiles, in_memory
 from ckptio.storage.local import LocalStore
 from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
 
@@ -86,8 +86,8 @@ class ReusedIOResources:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
         pool = self._made_pool(want, prefault=not copy_faults)
         kind = store.backend_kind
-        if behind and wanted.io_backend == "auto":  # docs/BENCH_LOOP.md, "the backend behind the loop"
-            wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+behind"
+        if wanted.io_backend == "auto" and (behind or in_memory(store)):
+            wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+threads"
         backend = self._backends.get(kind)
         if backend is None:
             backend = self._backends[kind] = store.backend(wanted)
@@ -187,8 +187,8 @@ class ReusedIOResources:
         kind = store.backend_kind
         with self.lock:
             _pool, files = self.files(store)
-            wrapped = self._backends[kind] = self._backends[f"{kind}+behind"] = wrap(files.backend)
-            self._stores[f"{kind}+behind"] = store
+            wrapped = self._backends[kind] = self._backends[f"{kind}+threads"] = wrap(files.backend)
+            self._stores[f"{kind}+threads"] = store
         return wrapped
 
     # ---------------------------------------------------------------- growing the pool
@@ -267,3 +267,4 @@ class ReusedIOResources:
             self.release()
             self._grown_nbytes = 0
         mapped.forget()  # the mapped saves' files stay, their mappings in this process go
+

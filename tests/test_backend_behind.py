@@ -14,8 +14,15 @@ import ckptio
 from ckptio import io
 
 
-def _threads(prefix: str) -> int:
-    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+def _threads(prefix: str, since: set[int] | None = None) -> int:
+    """Live threads named ``prefix``..., not counting those alive at ``since`` (idents): other
+    tests' Checkpointers may still hold theirs."""
+    return sum(t.name.startswith(prefix) and t.ident not in (since or set())
+               for t in threading.enumerate())
+
+
+def _idents() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -24,28 +31,30 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def test_auto_persists_behind_the_caller_on_posix_threads(tmp_path: Path) -> None:
-    state = _state()
+    state, before = _state(), _idents()
     ck = ckptio.Checkpointer()
     try:
         ck.async_save(state, tmp_path / "async").wait()
-        assert _threads("ckptio-io") > 0, "an async save wrote without the POSIX backend's threads"
-        assert _threads("ckptio-uring") == 0, "an async save started io_uring's reaper"
+        assert _threads("ckptio-io", before) > 0, "an async save wrote without the POSIX threads"
+        assert _threads("ckptio-uring", before) == 0, "an async save started io_uring's reaper"
         ck.save(state, tmp_path / "sync")
         if io.uring_unavailable_reason() is None and io.can_pin():
-            assert _threads("ckptio-uring") == 1, "a synchronous save did not take io_uring"
+            assert _threads("ckptio-uring", before) == 1, "a synchronous save did not take io_uring"
         for name in ("async", "sync"):
             loaded = ck.load(tmp_path / name)
             assert all(torch.equal(loaded[k], v) for k, v in state.items())
     finally:
         ck.close()
-    assert _threads("ckptio-io") == 0 and _threads("ckptio-uring") == 0, "close() left I/O threads"
+    assert _threads("ckptio-io", before) == 0 and _threads("ckptio-uring", before) == 0, \
+        "close() left I/O threads"
 
 
 @pytest.mark.skipif(io.uring_unavailable_reason() is not None, reason="no io_uring here")
 def test_an_explicit_backend_holds_for_saves_behind_the_caller(tmp_path: Path) -> None:
+    before = _idents()
     ck = ckptio.Checkpointer(ckptio.Options(io_backend="uring"))
     try:
         ck.async_save(_state(), tmp_path / "a").wait()
-        assert _threads("ckptio-uring") == 1 and _threads("ckptio-io") == 0
+        assert _threads("ckptio-uring", before) == 1 and _threads("ckptio-io", before) == 0
     finally:
         ck.close()

@@ -32,6 +32,7 @@ from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, StagingPool, copy_in, move_in, torch_dtype, typed
+from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded
 from ckptio.loading.shared_blocks import submit_parts
@@ -202,9 +203,11 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
     for span in spans:
         if span.whole and span.nbytes == 0:  # no read covers it
             checker.whole(span, memoryview(b""), last=True)
+    direct, spans = direct_reads.split(source, spans)  # a memory tier's: no staging copy
+    nbytes = direct_reads.read(source, direct, checker) if direct else 0
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
-    nbytes = _run(ranges, pool, source, depth, checker)
+    nbytes += _run(ranges, pool, source, depth, checker)
     with torch.no_grad():
         for read, staged in permuted:
             read.dest.copy_(_permuted_back(read, staged))

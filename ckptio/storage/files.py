@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import stora
     from ckptio.io.stage import StagingPool
     from ckptio.options import Options
 
-__all__ = ["Capabilities", "IOResources", "StoreFiles", "mappable"]
+__all__ = ["Capabilities", "IOResources", "StoreFiles", "in_memory", "mappable"]
 
 
 class StoreFiles:
@@ -62,6 +62,10 @@ class StoreFiles:
         path = self.store.path_of(name)
         return self.backend.open_read(path, cached=True) if cached else self.backend.open_read(path)
 
+    def in_memory(self) -> bool:
+        """Whether the store's files are pages of host memory (``in_memory``)."""
+        return in_memory(self.store)
+
     def open_mapped(self, name: str, nbytes: int) -> mapped.MappedFile:
         """Create file ``name`` of ``nbytes`` mapped writable (a store for which mappable()
         holds; storage/mapped.py): a slot of its root's dropped steps where there is one."""
@@ -77,15 +81,21 @@ class StoreFiles:
         self.backend.close(fh, sync=sync)
 
 
+def in_memory(store: Store) -> bool:
+    """Whether ``store``'s files are pages of host memory (a local directory on tmpfs): a
+    buffered read of them into any address is one copy (loading/direct_reads.py), and its
+    transfers are copies that threads spread over the cores (ckptio/resources.py)."""
+    directory = store.capabilities.filesystem
+    return directory is not None and mapped.on_tmpfs(directory)
+
+
 def mappable(store: Store, sizes: Sequence[int]) -> bool:
     """Whether a save of files of ``sizes`` may write ``store``'s files as shared mappings: a
     local directory on tmpfs, whose pages are the files, beside slots of those sizes that this
     process has mapped ahead (storage/mapped.py; a manager's memory tier once its retention
     dropped a step). Elsewhere, and until then, the capture copies into the staging pool and
     the backend writes: a fresh mapping would allocate and fault its pages inside the call."""
-    directory = store.capabilities.filesystem
-    return (directory is not None and mapped.on_tmpfs(directory)
-            and mapped.warm_fit(directory, sizes))
+    return in_memory(store) and mapped.warm_fit(store.capabilities.filesystem or "", sizes)
 
 
 class IOResources(Protocol):

@@ -1,0 +1,123 @@
+"""Restore from the memory tier against a cold disk and one memory copy, in fresh processes.
+
+A state of --gb GB in --tensors float32 tensors (sizes spread 1:8, as weights, norms and
+moments are) is saved once into a directory on /dev/shm (the memory tier's medium) and once
+into --dir. Each repetition then starts one fresh process per source: it builds the state's
+tensors (pre-faulted), makes the Checkpointer's staging (``prepare``), freezes the garbage
+collector's startup objects, and times ``Checkpointer.load(path, state)`` (in place, verified);
+before the disk's process the page cache is dropped (``sync; echo 3 >
+/proc/sys/vm/drop_caches``, root), so its reads come from the device. The memcpy process
+times ``torch._foreach_copy_`` of the whole state into it. Medians over --reps; run it from two
+checkouts (PYTHONPATH) to compare them.
+
+    python -m benchmarks.restore_memory --gb 1 --reps 5 --dir bench-data --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _state(gb: float, tensors: int, fill: bool) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [1 + (i % 8) for i in range(tensors)]
+    unit = int(gb * 1e9) // 4 // sum(weights)
+    return {f"t{i:05d}": (torch.rand(unit * w, generator=gen) if fill else torch.zeros(unit * w))
+            for i, w in enumerate(weights)}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import gc
+
+    import torch
+
+    import ckptio
+
+    state = _state(args.gb, args.tensors, fill=False)
+    if args.worker == "memcpy":
+        src = [torch.ones_like(t) for t in state.values()]
+        start = time.perf_counter()
+        torch._foreach_copy_(list(state.values()), src)
+        print(json.dumps({"s": time.perf_counter() - start}))
+        return
+    ck = ckptio.Checkpointer()
+    ck.prepare(args.path)
+    gc.collect()
+    gc.freeze()
+    start, cpu = time.perf_counter(), time.process_time()
+    ck.load(args.path, state)
+    print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
+
+
+def _spawn(args: argparse.Namespace, worker: str, path: str) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "benchmarks.restore_memory", "--worker", worker, "--path", path,
+           "--gb", str(args.gb), "--tensors", str(args.tensors)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gb", type=float, default=1.0)
+    p.add_argument("--tensors", type=int, default=1000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=Path("bench-data"))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        _worker(args)
+        return 0
+    import ckptio
+
+    shm = Path(tempfile.mkdtemp(prefix="restore-memory-", dir="/dev/shm"))
+    disk = args.dir / "restore-memory"
+    shutil.rmtree(disk, ignore_errors=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        state = _state(args.gb, args.tensors, fill=True)
+        ckptio.save(state, shm / "step")
+        ckptio.save(state, disk)
+        del state
+        for rep in range(args.reps):
+            memory = _spawn(args, "load", str(shm / "step"))
+            _drop_caches()
+            cold = _spawn(args, "load", str(disk))
+            memcpy = _spawn(args, "memcpy", "")
+            rows.append({"memory_s": memory["s"], "memory_cpu_s": memory["cpu_s"],
+                         "cold_disk_s": cold["s"], "memcpy_s": memcpy["s"]})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["memory_vs_cold_disk"] = statistics.median(r["cold_disk_s"] / r["memory_s"] for r in rows)
+    med["memory_vs_memcpy_bandwidth"] = statistics.median(r["memcpy_s"] / r["memory_s"] for r in rows)
+    print(json.dumps({"median": med}))
+    if args.json:
+        args.json.write_text(json.dumps({"gb": args.gb, "tensors": args.tensors, "reps": rows,
+                                         "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
