@@ -29,8 +29,16 @@ class _Addresses:
         return getattr(self.inner, name)
 
     def submit_read(self, fh: Any, offset: int, into: memoryview) -> Any:
-        self.reads.append((torch.frombuffer(into, dtype=torch.uint8).data_ptr(), len(into)))
+        self.reads.append(_where(into))
         return self.inner.submit_read(fh, offset, into)
+
+    def submit_reads(self, fh: Any, reads: Any, each: Any) -> Any:  # backend_contract.BatchReads
+        self.reads.extend(_where(into) for _offset, into in reads)
+        return self.inner.submit_reads(fh, reads, each)
+
+
+def _where(into: memoryview) -> tuple[int, int]:
+    return torch.frombuffer(into, dtype=torch.uint8).data_ptr() if len(into) else 0, len(into)
 
 
 def _state() -> dict[str, Any]:
@@ -92,6 +100,17 @@ def test_a_flipped_byte_in_memory_is_caught_naming_the_key(shm: str, key: str) -
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(CorruptCheckpointError, match=f"key '{key}'"):
         ckptio.Checkpointer().load(path, _blank(state))
+
+
+@pytest.mark.parametrize("backend", ["posix", "uring"])
+def test_either_backend_reads_a_memory_tier_directly(shm: str, backend: str) -> None:
+    """POSIX batches the reads (BatchReads); io_uring, without batches, one read per entry."""
+    state, path = _state(), os.path.join(shm, "step")
+    os.makedirs(shm)
+    ckptio.save(state, path)
+    into = _blank(state)
+    ckptio.Checkpointer(ckptio.Options(io_backend=backend)).load(path, into)
+    assert_same(into, state)
 
 
 def test_a_truncated_file_in_memory_is_caught(shm: str) -> None:

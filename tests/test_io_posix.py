@@ -59,3 +59,72 @@ def test_only_limitable_checks_may_be_declared_unmeetable() -> None:
                 {"preallocates": " "}):
         with pytest.raises(ValueError):
             check_limits(bad)
+
+
+def _batch_file(tmp_path: Path) -> tuple[str, bytes]:
+    data = os.urandom(3 * MiB + 123)
+    path = str(tmp_path / "batch.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    return path, data
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_submit_reads_fills_each_read_in_order_and_reports_its_parts(tmp_path: Path,
+                                                                     batched: bool) -> None:
+    """BatchReads through StoreFiles: the POSIX backend's batches, and the one-read-per-entry
+    fallback for a backend without them (a wrapper hiding the method)."""
+    from ckptio.io.posix import PosixBackend
+    from ckptio.storage.files import StoreFiles
+
+    path, data = _batch_file(tmp_path)
+    backend = PosixBackend(depth=2, direct_io="off")
+
+    class _Plain:  # only IOBackend's methods: no submit_reads
+        def __getattr__(self, name: str):
+            if name == "submit_reads":
+                raise AttributeError(name)
+            return getattr(backend, name)
+
+    files = StoreFiles(LocalStore(tmp_path), backend if batched else _Plain())  # type: ignore[arg-type]
+    wants = [(0, 5), (4096, 2 * MiB + 1), (3 * MiB, 500)]  # the last runs past the end
+    intos = [memoryview(bytearray(n)) for _o, n in wants]
+    calls: list[tuple[int, int, bool]] = []
+    fh = files.open_read("batch.bin", cached=True)
+    try:
+        got = files.submit_reads(fh, [(o, v) for (o, _n), v in zip(wants, intos)],
+                                 lambda i, filled, last: calls.append((i, filled, last))).result()
+    finally:
+        files.close(fh, sync=False)
+        backend.shutdown()
+    assert got == 5 + 2 * MiB + 1 + 123
+    for (offset, n), into in zip(wants, intos):
+        assert bytes(into[:len(data) - offset]) == data[offset:offset + n][:n]
+    finals = [c for c in calls if c[2]]
+    assert finals == [(0, 5, True), (1, 2 * MiB + 1, True), (2, 123, True)]
+    if batched:  # parts in order, each filled count growing, a part at most READ_CHUNK
+        assert [c[1] for c in calls if c[0] == 1] == [MiB, 2 * MiB, 2 * MiB + 1]
+
+
+def test_an_error_raised_by_each_fails_the_batch(tmp_path: Path) -> None:
+    from ckptio.io.posix import PosixBackend
+    from ckptio.storage.files import StoreFiles
+
+    path, _data = _batch_file(tmp_path)
+    backend = PosixBackend(depth=1, direct_io="off")
+    files = StoreFiles(LocalStore(tmp_path), backend)
+    seen: list[int] = []
+
+    def each(i: int, filled: int, last: bool) -> None:
+        seen.append(i)
+        raise ValueError("bad bytes")
+
+    fh = files.open_read("batch.bin", cached=True)
+    try:
+        with pytest.raises(ValueError, match="bad bytes"):
+            files.submit_reads(fh, [(0, memoryview(bytearray(10))),
+                                    (10, memoryview(bytearray(10)))], each).result()
+    finally:
+        files.close(fh, sync=False)
+        backend.shutdown()
+    assert seen == [0], "the batch went on after its callback failed"

@@ -9,11 +9,13 @@ Does not own: what is written (persist.py) or when a checkpoint counts (the Stor
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["START_S", "FileHandle", "IOBackend", "all_of", "completed", "started_pool"]
+__all__ = ["START_S", "BatchReads", "FileHandle", "Filled", "IOBackend", "all_of", "completed",
+           "started_pool"]
 
 START_S = 5.0  # the longest started_pool waits for its threads (then they start on demand)
 
@@ -63,6 +65,25 @@ class IOBackend(Protocol):
 
     def shutdown(self) -> None:
         """Stop worker threads or rings; the backend may be used again afterwards."""
+        ...
+
+
+Filled = Callable[[int, int, bool], None]  # (read index, bytes of it filled so far, its last call)
+
+
+@runtime_checkable
+class BatchReads(Protocol):
+    """What a backend may add to IOBackend: many reads of one file filled in order by one of
+    its threads, a callback as each part lands (the caller checks bytes while they are still
+    in the core's cache). storage/files.StoreFiles.submit_reads falls back to one submit_read
+    per read for a backend without it."""
+
+    def submit_reads(self, fh: FileHandle, reads: Sequence[tuple[int, memoryview]],
+                     each: Filled) -> Future[int]:
+        """Fill each (offset, into) of ``reads`` in order; after each part of read i lands,
+        ``each(i, bytes of it filled so far, last)`` (last: it is complete, or the file ended
+        before it was: then filled < len(into)); an exception from ``each`` stops the batch
+        and fails the future. The future gives the bytes read."""
         ...
 
 

@@ -30,7 +30,9 @@ from ckptio.io.stage import torch_dtype
 from ckptio.loading.checks import Checker
 from ckptio.storage.files import StoreFiles
 
-__all__ = ["read", "split"]
+__all__ = ["BATCH_NBYTES", "read", "split"]
+
+BATCH_NBYTES = 32 << 20  # bytes of one file one I/O thread reads in one batch
 
 
 class WholeSpan(Protocol):
@@ -69,23 +71,23 @@ def _fits(span: WholeSpan) -> bool:
 
 
 def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> int:
-    """Read and check every span into its destination; the first failure, in span order, is
-    raised once every read has finished. -> bytes read."""
-    handles: dict[str, FileHandle] = {}
-    checked: list[Future[int]] = []
+    """Read and check every span into its destination, in batches of neighbours of one file
+    (StoreFiles.submit_reads: each batch on one I/O thread, each part hashed as it lands); the
+    first failure, in batch order, is raised once every batch has finished. -> bytes read."""
     # every destination's bytes first: torch's calls release the GIL, and once reads are in
-    # flight their threads' callbacks would hold each of them up
+    # flight their threads would hold each of these calls up
     views = [memoryview(s.dests[0].detach().reshape(-1).view(torch.uint8).numpy()) for s in spans]
+    handles: dict[str, FileHandle] = {}
+    batches: list[Future[int]] = []
     try:
-        for span, view in zip(spans, views):
-            if span.file not in handles:
-                handles[span.file] = source.open_read(span.file, cached=True)
-            done: Future[int] = Future()
-            source.submit_read(handles[span.file], span.offset, view).add_done_callback(
-                lambda got, span=span, view=view, done=done: _check(got, span, view, checker, done))
-            checked.append(done)
+        for batch in _batches(list(zip(spans, views))):
+            file = batch[0][0].file
+            if file not in handles:
+                handles[file] = source.open_read(file, cached=True)
+            batches.append(source.submit_reads(handles[file], [(s.offset, v) for s, v in batch],
+                                               _Checking(batch, checker).each))
     finally:
-        errors = [f.exception() for f in checked]  # every read over before its file closes
+        errors = [f.exception() for f in batches]  # every read over before its file closes
         for fh in handles.values():
             source.close(fh, sync=False)
     first = next((e for e in errors if e is not None), None)
@@ -94,18 +96,32 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
     return sum(span.nbytes for span in spans)
 
 
-def _check(got: Future[int], span: WholeSpan, view: memoryview, checker: Checker,
-           done: Future[int]) -> None:
-    """On the thread that completed the read: its length, then its checksum."""
-    try:
-        nbytes = got.result()
-        if nbytes < span.nbytes:
+def _batches(pairs: list[tuple[WholeSpan, memoryview]]) -> list[list[tuple[WholeSpan, memoryview]]]:
+    """The spans by file and offset, cut into runs of about BATCH_NBYTES of one file."""
+    out: list[list[tuple[WholeSpan, memoryview]]] = []
+    size = 0
+    for pair in sorted(pairs, key=lambda p: (p[0].file, p[0].offset)):
+        if not out or out[-1][0][0].file != pair[0].file or size >= BATCH_NBYTES:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += pair[0].nbytes
+    return out
+
+
+class _Checking:
+    """A batch's checks, on the I/O thread that reads it: each part as it lands."""
+
+    def __init__(self, batch: list[tuple[WholeSpan, memoryview]], checker: Checker) -> None:
+        self.batch, self.checker = batch, checker
+        self.seen = [0] * len(batch)
+
+    def each(self, i: int, filled: int, last: bool) -> None:
+        span, view = self.batch[i]
+        if last and filled < span.nbytes:
             raise CorruptCheckpointError(
-                f"data file {checker.path(span.entry)} is truncated: wanted bytes "
-                f"[{span.offset}, {span.end}), file ends at {span.offset + nbytes}; the "
+                f"data file {self.checker.path(span.entry)} is truncated: wanted bytes "
+                f"[{span.offset}, {span.end}), file ends at {span.offset + filled}; the "
                 "checkpoint is damaged: load an earlier one")
-        checker.whole(span, view, last=True)
-    except BaseException as exc:  # noqa: BLE001 - handed to read(), which raises it in order
-        done.set_exception(exc)
-    else:
-        done.set_result(nbytes)
+        self.checker.whole(span, view[self.seen[i]:filled], last=last)
+        self.seen[i] = filled

@@ -23,11 +23,11 @@ does (io/), the names a store holds (store_contract.py), the pool (io/stage.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
-from ckptio.io.backend_contract import FileHandle, IOBackend
+from ckptio.io.backend_contract import BatchReads, FileHandle, Filled, IOBackend, all_of
 from ckptio.storage import mapped
 from ckptio.storage.store_contract import Capabilities, Store
 
@@ -77,6 +77,18 @@ class StoreFiles:
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         return self.backend.submit_read(fh, offset, into)
 
+    def submit_reads(self, fh: FileHandle, reads: Sequence[tuple[int, memoryview]],
+                     each: Filled) -> Future[int]:
+        """backend_contract.BatchReads.submit_reads through the backend where it has it, else
+        one submit_read per read, ``each`` called once per read as it completes."""
+        if isinstance(self.backend, BatchReads):
+            return self.backend.submit_reads(fh, reads, each)
+        futures = []
+        for i, (offset, into) in enumerate(reads):
+            future = self.backend.submit_read(fh, offset, into)
+            futures.append(_then(future, lambda got, i=i, into=into: each(i, got, True)))
+        return all_of(futures)
+
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         self.backend.close(fh, sync=sync)
 
@@ -121,3 +133,21 @@ class IOResources(Protocol):
     def io_depth(self) -> int:
         """Reads in flight per load (the options the backends were made with)."""
         ...
+
+
+def _then(future: Future[int], after: Callable[[int], None]) -> Future[int]:
+    """A future of ``future``'s bytes once ``after(bytes)`` has run (its failure, or
+    ``future``'s, fails it)."""
+    out: Future[int] = Future()
+
+    def done(f: Future[int]) -> None:
+        try:
+            got = f.result()
+            after(got)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through ``out``
+            out.set_exception(exc)
+        else:
+            out.set_result(got)
+
+    future.add_done_callback(done)
+    return out
