@@ -108,7 +108,12 @@ class HandleControl:
         self._lock = threading.Lock()
         self._handover = Handover(path)  # an eager capture, to the caller's thread
         self._returned = threading.Event()
-        self.handle = SaveHandle(self)
+
+    @property
+    def handle(self) -> SaveHandle:
+        """The caller's view of this save (made on each use: holding none keeps a finished
+        save from being a cycle that only the garbage collector frees)."""
+        return SaveHandle(self)
 
     # ---------------------------------------------------------------- read by the handle
 

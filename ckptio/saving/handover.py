@@ -26,6 +26,8 @@ from ckptio.errors import CkptError
 __all__ = ["Handover"]
 
 Capture = Callable[[], None]
+_NOTHING: Future[Capture | None] = Future()  # a settled hand-over: nothing more to run
+_NOTHING.set_result(None)
 
 
 class Handover:
@@ -52,6 +54,7 @@ class Handover:
         interrupt abandons the save (the save's thread raises CkptError) and is re-raised."""
         try:
             capture = self._given.result()
+            self._given = _NOTHING  # the capture (the save's whole job) is not kept past its run
             if capture is None:
                 return False
             capture()
