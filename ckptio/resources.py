@@ -267,4 +267,3 @@ class ReusedIOResources:
             self.release()
             self._grown_nbytes = 0
         mapped.forget()  # the mapped saves' files stay, their mappings in this process go
-
