@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import write_reports
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,10 +61,8 @@ def main() -> int:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     summary = {k: statistics.median(r[k] for r in rows) for k in ("s", "cpu_s", "gbps")}
-    print(json.dumps({"gb": args.gb, "tensors": args.tensors, "median": summary}))
-    if args.json:
-        args.json.write_text(json.dumps({"gb": args.gb, "tensors": args.tensors, "reps": rows,
-                                         "median": summary}, indent=1))
+    write_reports({"gb": args.gb, "tensors": args.tensors, "reps": rows, "median": summary},
+                  args.json, None, json.dumps({"median": summary}))
     return 0
 
 

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import write_reports
+
 
 def _state(gb: float, tensors: int, fill: bool) -> dict[str, Any]:
     import torch
@@ -113,10 +115,8 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med["memory_vs_cold_disk"] = statistics.median(r["cold_disk_s"] / r["memory_s"] for r in rows)
     med["memory_vs_memcpy_bandwidth"] = statistics.median(r["memcpy_s"] / r["memory_s"] for r in rows)
-    print(json.dumps({"median": med}))
-    if args.json:
-        args.json.write_text(json.dumps({"gb": args.gb, "tensors": args.tensors, "reps": rows,
-                                         "median": med}, indent=1))
+    write_reports({"gb": args.gb, "tensors": args.tensors, "reps": rows, "median": med},
+                  args.json, None, json.dumps({"median": med}))
     return 0
 
 

@@ -1,0 +1,47 @@
+"""The issue-45 benchmark drivers (benchmarks/drain_copy.py, restore_memory.py,
+call_overhead.py): a tiny run of each in a fresh process, checked for its report and for the
+files it leaves (none). No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import REPO_ROOT, worker_env
+
+
+def _run(*argv: str) -> str:
+    done = subprocess.run([sys.executable, "-m", *argv], cwd=REPO_ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_drain_copy_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "d.json"
+    _run("benchmarks.drain_copy", "--gb", "0.01", "--tensors", "20", "--reps", "2", "--dir",
+         str(tmp_path / "scratch"), "--json", str(out))
+    report = json.loads(out.read_text())
+    assert len(report["reps"]) == 2 and report["median"]["s"] > 0 and report["median"]["gbps"] > 0
+    assert not list((tmp_path / "scratch").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/dev/shm"),
+                    reason="drops the page cache (root) and uses /dev/shm")
+def test_restore_memory_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    _run("benchmarks.restore_memory", "--gb", "0.01", "--tensors", "20", "--reps", "1", "--dir",
+         str(tmp_path / "scratch"), "--json", str(out))
+    median = json.loads(out.read_text())["median"]
+    assert {"memory_s", "cold_disk_s", "memcpy_s", "memory_vs_cold_disk"} <= set(median)
+    assert not list((tmp_path / "scratch").iterdir())
+
+
+def test_call_overhead_smoke() -> None:
+    text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze")
+    assert text.count("later calls' median") == 2 and "lazy: 40 tensors" in text
