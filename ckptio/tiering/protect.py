@@ -82,7 +82,8 @@ class Protector:
         self._submitted: dict[int, float] = {}
         self._buffer: torch.Tensor | None = None  # read_stream's, reused from step to step
         # the host's budget shared by its ranks (each rank sends for its own shard)
-        self._budget = Budget(spec.rate / topology.local_size if spec.rate else None)
+        self._budget = Budget(spec.rate / len(topology.hosts[topology.host_of(rank)])
+                              if spec.rate else None)
         self._worker: Worker[_Job] = Worker("ckptio-protect", self)
         self._lock = self._worker.lock
         if isinstance(spec, Partners):
@@ -316,8 +317,9 @@ class Protector:
                 take(src, data)
             self._wait(step, works)
             return
-        posted = [(src, *peers.post_recv(self.group, nbytes, src)) for src, nbytes in receives]
-        works = peers.send_paced(self.group, sends, self._budget)
+        with self._talking(step, f"exchanging {what} with", None):
+            posted = [(src, *peers.post_recv(self.group, nbytes, src)) for src, nbytes in receives]
+            works = peers.send_paced(self.group, sends, self._budget)
         for src, data, pieces in posted:
             self._wait(step, [(src, work) for work in pieces], f"receiving {what} from")
             take(src, data)
