@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-restores", default="off,parity", help="engines whose runs also "
                    "time a restore with every host's memory wiped (from the disk tier)")
     p.add_argument("--mode", choices=("auto", "netns", "simulated"), default="auto")
+    p.add_argument("--link-gbit", type=float, help="each host's outgoing link limited to this "
+                   "many Gbit/s (tc tbf on its veth; netns mode only)")
     p.add_argument("--dir", type=Path, default=Path("bench-redundancy"))
     p.add_argument("--timeout", type=float, default=400, help="seconds per job")
     p.add_argument("--seed", type=int, default=0)
@@ -102,7 +104,8 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
     work.mkdir(parents=True)
     cfg = _cfg(args, engine, work)
     run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts, "lost": args.lost}
-    with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size="2g") as hosts:
+    with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size="2g",
+               link_bps=args.link_gbit * 1e9 if args.link_gbit else None) as hosts:
         run["mode"], run["hosts"] = hosts.mode, hosts.describe()
         try:
             run["ranks"] = hosts.run(train_rank, cfg, ranks_per_host=counts,

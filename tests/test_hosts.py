@@ -98,6 +98,21 @@ def fail_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
+def send_timed(rank: int, world: int, nbytes: int) -> float:
+    """Rank 0 sends ``nbytes`` to rank 1 over gloo -> the seconds it took there."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.ones(nbytes, dtype=torch.uint8)
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        dist.send(data, 1)
+    else:
+        dist.recv(data, 0)
+    return time.monotonic() - start
+
+
 def hang(rank: int, world: int, pid_dir: str) -> None:
     with open(os.path.join(pid_dir, f"pid-{rank}"), "w", encoding="utf-8") as f:
         f.write(str(os.getpid()))
@@ -202,6 +217,20 @@ def test_leftovers_of_a_killed_run_are_swept(tmp_path: Any) -> None:
                             check=False).stdout
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         assert tag not in listed and tag not in f.read()
+
+
+@pytest.mark.skipif(netns_possible() is not None, reason="network namespaces not possible here")
+def test_a_limited_link_holds_each_hosts_send_rate(tmp_path: Any) -> None:
+    """Hosts(link_bps=): 6 MB from host 0 to host 1 over a 40 Mbit/s link take at least what
+    the link allows (measured; unlimited, the same bytes cross the bridge in well under it)."""
+    nbytes, bps = 6_000_000, 40e6
+    with Hosts(2, tmp_path, mode="netns", link_bps=bps) as hosts:
+        assert "40000000 bit/s" in hosts.describe()
+        seconds = hosts.run(send_timed, nbytes, timeout_s=120)[1]
+    floor = 0.8 * nbytes * 8 / bps
+    assert seconds >= floor, f"{nbytes} B in {seconds:.3f} s: faster than {bps:g} bit/s"
+    with pytest.raises(ValueError, match="netns mode only"):
+        Hosts(2, tmp_path / "s", mode="simulated", link_bps=bps)
 
 
 def test_best_mode_says_why() -> None:

@@ -52,6 +52,15 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _limit(ns: str, bps: float) -> None:
+    """Host ``ns``'s outgoing link held to ``bps`` bits per second: a token bucket whose burst
+    is a hundredth of a second's bytes (at least 64 KiB, above one tick's worth at HZ=250)."""
+    burst = max(64 * 1024, int(bps / 8 / 100))
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                    "rate", f"{int(bps)}bit", "burst", str(burst), "latency", "200ms"],
+                   capture_output=True, text=True, check=True, timeout=30)
+
+
 def netns_possible() -> str | None:
     """None when this process may make namespaces and mount a tmpfs (netns mode works), else
     why not, in words."""
@@ -138,12 +147,19 @@ class Hosts:
     ``ip netns exec`` mounts over /etc/hosts)."""
 
     def __init__(self, n: int, root: str | os.PathLike[str], mode: str | None = None,
-                 tmpfs_size: str = TMPFS_SIZE) -> None:
+                 tmpfs_size: str = TMPFS_SIZE, link_bps: float | None = None) -> None:
+        """``link_bps``: each host's outgoing link limited to this many bits per second (a
+        token-bucket qdisc, ``tc ... tbf``, on its eth0: the rate a host's NIC gives); netns
+        mode only, as loopback has no per-host link."""
         if n < 1:
             raise ValueError(f"Hosts({n}): at least one host")
         self.mode = mode or best_mode()
         if self.mode not in MODES:
             raise ValueError(f"Hosts(mode={mode!r}): one of {MODES}")
+        if link_bps is not None and (self.mode != "netns" or not link_bps > 0):
+            raise ValueError(f"Hosts(link_bps={link_bps!r}): a rate > 0, in netns mode only "
+                             f"(this is {self.mode})")
+        self.link_bps = link_bps
         if self.mode == "netns" and (why := netns_possible()) is not None:
             raise RuntimeError(f"Hosts(mode='netns'): not possible here: {why}")
         self.root = Path(root)
@@ -182,6 +198,8 @@ class Hosts:
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+                if self.link_bps:
+                    _limit(ns, self.link_bps)
                 self._mount(i, str(shm))
                 self.hosts.append(Host(i, f"h{i}", addr, str(shm), ns))
             else:
@@ -225,7 +243,8 @@ class Hosts:
         where = ", ".join(f"{h.name}={h.addr}" for h in self.hosts)
         what = ("network namespaces, each with its own tmpfs" if self.mode == "netns" else
                 "simulated: 127.0.0.1, a plain directory per host")
-        return f"{len(self.hosts)} hosts ({what}): {where}"
+        link = f", each sending at most {int(self.link_bps)} bit/s" if self.link_bps else ""
+        return f"{len(self.hosts)} hosts ({what}{link}): {where}"
 
     def wipe(self, i: int) -> None:
         """Host ``i`` lost and replaced: its memory directory is empty (netns: a fresh tmpfs).
