@@ -6,7 +6,8 @@ taken, so each parameter has a momentum buffer): --tensors tensors. Twelve saves
 into three rotating directories under a temporary directory, each waited for before the next;
 the median of the calls after the first two (the plan made and reused), in ms, and the
 slowest of them (a generation-2 garbage collection of the interpreter lands in one call now
-and then: ``--freeze`` takes the startup objects out of its walks).
+and then: ``--freeze`` takes the startup objects out of its walks; ``--gc`` times those
+collections and counts the cyclic garbage one save leaves).
 
     python -m benchmarks.call_overhead --tensors 1000
 """
@@ -19,6 +20,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def main() -> int:
@@ -27,7 +30,13 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=12)
     p.add_argument("--freeze", action="store_true", help="gc.collect(); gc.freeze() after "
                    "setup, as a job may: the startup objects leave the collector's walks")
+    p.add_argument("--gc", action="store_true", help="also time every generation-2 collection "
+                   "(gc.callbacks) and count the objects one more eager save leaves as cyclic "
+                   "garbage (gc.DEBUG_SAVEALL)")
     args = p.parse_args()
+    full: list[float] = []
+    if args.gc:
+        gc.callbacks.append(_timing(full))
     import torch
 
     import ckptio
@@ -60,10 +69,49 @@ def main() -> int:
                   f"{statistics.median(calls[2:]) * 1e3:.2f} ms, slowest "
                   f"{max(calls[2:]) * 1e3:.1f} ms "
                   f"({', '.join(f'{c * 1e3:.1f}' for c in calls)})", flush=True)
+        if args.gc:
+            print(f"generation-2 collections: {len(full)}, ms: "
+                  f"{', '.join(f'{ms:.1f}' for ms in full)}; cyclic garbage of one eager save (freed once the next replaces it): "
+                  f"{_garbage_of(lambda: _two_saves(ck, state, scratch))}")
     finally:
         ck.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def _timing(into: list[float]) -> Callable[[str, dict[str, int]], None]:
+    """A gc callback appending each generation-2 collection's ms to ``into``."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            into.append((time.perf_counter() - started[0]) * 1e3)
+
+    return callback
+
+
+def _two_saves(ck: Any, state: dict[str, Any], scratch: str) -> None:
+    """Two eager saves: the Checkpointer lets go of the first once the second runs."""
+    for name in ("g0", "g1"):
+        ck.async_save(state, f"{scratch}/{name}").wait()
+
+
+def _garbage_of(work: Callable[[], object]) -> str:
+    """The objects that ``work`` leaves unreachable only through cycles: all, and ckptio's."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        work()
+        gc.collect()
+        ours = sum(type(o).__module__.startswith("ckptio") for o in gc.garbage)
+        return f"{len(gc.garbage)} objects, {ours} of ckptio's types"
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 if __name__ == "__main__":

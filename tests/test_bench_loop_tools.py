@@ -43,5 +43,6 @@ def test_restore_memory_smoke(tmp_path: Path) -> None:
 
 
 def test_call_overhead_smoke() -> None:
-    text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze")
+    text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze", "--gc")
     assert text.count("later calls' median") == 2 and "lazy: 40 tensors" in text
+    assert "objects, 0 of ckptio's types" in text
