@@ -15,6 +15,7 @@ in the same run, and the markdown/JSON report. Does not own: the model and its s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -24,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,12 @@ from typing import Any
 import torch
 
 from benchmarks import worker_env, write_reports
+from benchmarks.gil_probe import pin_children, pin_others
 
 ENGINES = ("none", "tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3", "disk_k", "s3_k",
-           "dcp_k", "nvrx_step")
+           "dcp_k", "nvrx_step", "tcp_step", "tcp_k", "floor_step")
+PEERS = {"nvrx_step": "nvidia_resiliency_ext", "tcp_step": "torch_checkpointing",
+         "tcp_k": "torch_checkpointing"}  # engine -> the module it needs
 TIERED = ("tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3")
 NEEDS_S3 = ("tiers_s3", "s3_k")
 
@@ -61,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin", action="store_true", help="the GPU-node model: the training thread "
+                   "(one intra-op thread) on core 0, every other thread and child process on "
+                   "core 1 (re-pinned after each save starts)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--print-steps", action="store_true", help=argparse.SUPPRESS)
@@ -78,11 +86,12 @@ class Saver:
         import ckptio
 
         self.name, self.args, self.work, self.opt = name, args, work, opt
-        self.every = 1 if name in TIERED or name == "nvrx_step" else args.every
+        self.every = 1 if name in TIERED or name.endswith("_step") else args.every
         self.results: list[Any] = []
         self.mgr: Any = None
         self.shm: Path | None = None
         self.ck: Any = None
+        self.peer: Any = None
         if name in TIERED + ("disk_k", "s3_k"):  # as a job does at startup: pool made, sized
             self.ck = ckptio.Checkpointer()
             self.ck.prepare(state=state, wait=True)
@@ -104,9 +113,24 @@ class Saver:
 
             self.dcp = DcpAsyncSaver(Context(opt, 0), process=False)
             self.pending: Any = None
-        elif name == "nvrx_step":
-            self.shm = Path(os.environ["CKPTIO_SHM_DIR"]) / "nvrx"  # the driver removes it
-            self.nvrx = _nvrx(self.shm)
+        elif name in ("nvrx_step", "tcp_step"):  # into /dev/shm: the driver removes it
+            from benchmarks.loop_peers import NvrxSaver, TorchCheckpointingSaver
+
+            self.shm = Path(os.environ["CKPTIO_SHM_DIR"]) / name
+            self.peer = NvrxSaver(self.shm) if name == "nvrx_step" else \
+                TorchCheckpointingSaver(self.shm)
+        elif name == "tcp_k":
+            from benchmarks.loop_peers import TorchCheckpointingSaver
+
+            self.peer = TorchCheckpointingSaver(work / "disk")
+        elif name == "floor_step":
+            from benchmarks.loop_peers import FloorSaver
+
+            self.peer = FloorSaver(opt)
+
+    def guard(self) -> Any:
+        """What the optimizer step runs inside (a lazy peer's lock; else nothing)."""
+        return self.peer.guard() if self.peer is not None else contextlib.nullcontext()
 
     def start(self, step: int, state: dict[str, Any]) -> None:
         if self.mgr is not None:
@@ -119,8 +143,8 @@ class Saver:
             if self.pending is not None:
                 self.pending.durable()
             self.pending = self.dcp.start(state, self.work / f"step-{step}")
-        elif self.name == "nvrx_step":
-            self.nvrx(step, state)
+        elif self.peer is not None:
+            self.peer.start(step, state)
 
     def close(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -143,38 +167,9 @@ class Saver:
                 self.pending.durable()
             self.dcp.close()
             record["close_s"] = time.perf_counter() - t0
+        elif self.peer is not None:
+            record = self.peer.close()
         return record
-
-
-def _nvrx(root: Path) -> Any:
-    """NVRx LocalCheckpointManager, sync, on a 1-rank gloo group; its tensor-aware state dict
-    asserts CUDA tensors, so a subclass lets CPU tensors through (see docs/BENCH_TIERS.md)."""
-    import torch.distributed as dist
-    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-
-    from benchmarks.train_engines import free_port
-
-    class CpuStateDict(BasicTensorAwareStateDict):  # type: ignore[misc]
-        def __init__(self, state_dict: dict[str, Any]) -> None:
-            self.state_dict, self._is_hollow = state_dict, False
-
-        def restore_tensor_device(self, non_blocking: bool = True) -> None:
-            pass
-
-    # pickled by reference inside each checkpoint: a module-level name
-    CpuStateDict.__qualname__ = CpuStateDict.__name__ = "CpuStateDict"
-    globals()["CpuStateDict"] = CpuStateDict
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1)
-    manager = LocalCheckpointManager(str(root), session_id="bench")
-
-    def save(step: int, state: dict[str, Any]) -> None:
-        manager.save(CpuStateDict(state), iteration=step, is_async=False)
-
-    return save
 
 
 # ---------------------------------------------------------------- a worker
@@ -185,6 +180,9 @@ def worker_main(args: argparse.Namespace) -> int:
     from benchmarks.train import build_training, checkpoint_state, train_step
     from ckptio.tuning import state as gpt_state
 
+    if args.pin:
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {0})  # this thread; the threads it starts inherit it
     model, opt, cfg = build_training(args.gb, args.seed)
     work = args.dir / f"{args.worker}-r{args.rep}"
     shutil.rmtree(work, ignore_errors=True)
@@ -193,6 +191,9 @@ def worker_main(args: argparse.Namespace) -> int:
              if args.worker != "none" else None)
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(cfg.vocab, (args.steps, args.batch, args.seq + 1), generator=gen)
+    if args.pin:
+        pin_others(threading.get_native_id(), 1)
+        pin_children(1)
     release_free_heap()
     os.sync()
     time.sleep(1.0)
@@ -201,13 +202,16 @@ def worker_main(args: argparse.Namespace) -> int:
     rss_before = status_kib("VmRSS")
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        train_step(model, opt, tokens[step - 1])
+        train_step(model, opt, tokens[step - 1], guard=saver.guard if saver else None)
         step_s.append(time.perf_counter() - t0)
         if saver is not None and step % saver.every == 0:
             saved = checkpoint_state(model, opt, step, args.batch)
             t0 = time.perf_counter()
             saver.start(step, saved)
             call_s.append(time.perf_counter() - t0)
+            if args.pin:  # threads and processes the save started: off the training core
+                pin_others(threading.get_native_id(), 1)
+                pin_children(1)
         if step % max(1, args.steps // 20) == 0:
             rss_kib.append(status_kib("VmRSS"))
             if saver is not None and saver.shm is not None:
@@ -223,7 +227,7 @@ def worker_main(args: argparse.Namespace) -> int:
            [b / 2**20 for b in shm_bytes], **record}
     if args.worker not in TIERED:
         shutil.rmtree(work, ignore_errors=True)
-    if saver is not None and saver.shm is not None and args.worker == "nvrx_step":
+    if saver is not None and saver.shm is not None and args.worker in PEERS:
         shutil.rmtree(saver.shm, ignore_errors=True)
     print(json.dumps(run), flush=True)
     return 0
@@ -295,7 +299,7 @@ def spawn(args: argparse.Namespace, worker: str, rep: int, env: dict[str, str],
     cmd = [sys.executable, "-m", "benchmarks.tiers", "--worker", worker, "--rep", str(rep),
            "--gb", str(args.gb), "--steps", str(args.steps), "--every", str(args.every),
            "--batch", str(args.batch), "--seq", str(args.seq), "--dir", str(args.dir),
-           "--seed", str(args.seed), *(extra or [])]
+           "--seed", str(args.seed), *(["--pin"] if args.pin else []), *(extra or [])]
     if args.s3:
         cmd += ["--s3", args.s3]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
@@ -391,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     shm = Path("/dev/shm") / f"ckptio-bench-{os.getpid()}"
     env = {**worker_env(), "CKPTIO_SHM_DIR": str(shm)}
     names = [e for e in args.engines.split(",") if e and (e not in NEEDS_S3 or args.s3)]
-    if "nvrx_step" in names and _missing("nvidia_resiliency_ext"):
-        names.remove("nvrx_step")
-        print("nvrx_step skipped: nvidia-resiliency-ext is not installed", file=sys.stderr)
+    for name, module in PEERS.items():
+        if name in names and _missing(module):
+            names.remove(name)
+            print(f"{name} skipped: {module} is not installed", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     restores: list[dict[str, Any]] = []
     server = None

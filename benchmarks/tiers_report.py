@@ -25,6 +25,11 @@ NOTES = {
     "s3_k": "ckptio `CheckpointManager(s3://...)`, `asynchronous=True`, every K",
     "dcp_k": "DCP `async_save` (thread executor, FileSystemWriter sync_files=True), every K",
     "nvrx_step": "NVRx `LocalCheckpointManager.save(is_async=False)` into /dev/shm, every step",
+    "tcp_step": "torch_checkpointing 0.1.1 async `save` into /dev/shm, `lock()` around the "
+                "optimizer step, every step (keeps 2; no fsync)",
+    "tcp_k": "torch_checkpointing 0.1.1 async `save` to disk, `lock()` around the optimizer "
+             "step, every K (buffered writes; no fsync)",
+    "floor_step": "the floor: one memcpy of the state on a helper thread, every step",
 }
 
 

@@ -14,6 +14,7 @@ markdown (train_report.py), the model's shape and fill (state.py), the engines
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -119,11 +120,14 @@ def attention(qkv: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(batch, seq, -1)
 
 
-def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+               guard: Callable[[], ContextManager[Any]] | None = None) -> None:
+    """One step; ``guard()`` (a peer's lock against its capture) around the optimizer step."""
     logits = forward(model, tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    opt.step()
+    with guard() if guard is not None else contextlib.nullcontext():
+        opt.step()
     opt.zero_grad(set_to_none=True)
 
 

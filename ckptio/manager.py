@@ -105,6 +105,7 @@ class CheckpointManager:
                                                                    self.directory)
         self._long_every = tuple(t.keep_every for t in self.tiers if t.keep_every)
         self._saves = InFlight()
+        self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
@@ -241,11 +242,11 @@ class CheckpointManager:
             return None
         first = self._levels[0]
         if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
-            estimate = state_nbytes(state) * self._ranks().size  # before a first step's size
             others = None if self._guard is None else self._guard.for_others
             self._agreed(lambda: check_budget(  # rank 0: refuse a save the tier cannot hold
                 self.tiers[0], checkpoint_path(self.directory),
-                step_sizes(first.path(s) for s in first.scan()["committed"]), estimate, others))
+                step_sizes(first.path(s) for s in first.scan()["committed"]),
+                lambda: state_nbytes(state) * self._ranks().size, others))  # before a 1st step
         refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
@@ -256,6 +257,7 @@ class CheckpointManager:
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
             lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
+        self._bases[step] = () if base is None else (base,)  # its retention reads no manifest
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         kwargs = {"metrics": metrics, "metadata": metadata, "allow_pickle": allow_pickle,
@@ -325,7 +327,8 @@ class CheckpointManager:
     def _committed(self, step: int) -> None:
         """Collective, after a save of ours committed in the first tier: its retention runs
         (rank 0 hides the steps it drops), then each follower takes the step."""
-        self._levels[0].saved(step)
+        self._levels[0].saved(step, self._bases.pop(step, None))
+        self._bases = {s: b for s, b in self._bases.items() if s > step}  # failed saves' too
         self._retain(0)
         for follower in self._followers:
             follower.submit(step)

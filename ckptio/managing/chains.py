@@ -69,6 +69,7 @@ class Chains:
         self._read = read
         self._where = where
         self._known: dict[int, Link | None] = {}  # None: damaged or gone (needs no base)
+        self._made: dict[int, tuple[int, ...]] = {}  # the bases of steps this process saved
         self.deferred = False  # the last doomed() kept a base back for one pass
 
     def link(self, step: int) -> Link | None:
@@ -83,6 +84,19 @@ class Chains:
     def forget(self, step: int) -> None:
         """``step`` was saved again (or removed): read its link anew when asked."""
         self._known.pop(step, None)
+        self._made.pop(step, None)
+
+    def made(self, step: int, bases: tuple[int, ...]) -> None:
+        """This process committed ``step`` against ``bases``: retention needs not read its
+        manifest (a delta that turned out to need no base keeps its base one pass longer)."""
+        self._made[step] = bases
+
+    def _bases(self, step: int) -> tuple[int, ...] | None:
+        """``step``'s bases; None if it is damaged or gone (link())."""
+        if step in self._made:
+            return self._made[step]
+        link = self.link(step)
+        return None if link is None else link.bases
 
     def closure(self, committed: list[int], keep: Iterable[int]) -> set[int]:
         """``keep`` plus the bases of every kept step (and, for a kept step whose manifest
@@ -90,15 +104,15 @@ class Chains:
         kept = set(keep)
         for step in sorted(kept):
             try:
-                link = self.link(step)
+                bases = self._bases(step)
             except CkptError as exc:
                 warn(f"ckptio: retention of {self._where} keeps every step before {step}: its "
                      f"manifest cannot be read now, so its base is not known "
                      f"({type(exc).__name__}: {exc})", stacklevel=4)
                 kept.update(s for s in committed if s < step)
                 continue
-            if link is not None:
-                kept.update(b for b in link.bases if b in committed)
+            if bases is not None:
+                kept.update(b for b in bases if b in committed)
         return kept
 
     def doomed(self, committed: list[int], keep: set[int]) -> list[int]:
@@ -108,12 +122,12 @@ class Chains:
         needed: set[int] = set()
         for step in dropped:
             try:
-                link = self.link(step)
+                bases = self._bases(step)
             except CkptError:
                 needed.update(s for s in committed if s < step)
                 continue
-            if link is not None:
-                needed.update(link.bases)
+            if bases is not None:
+                needed.update(bases)
         self.deferred = any(s in needed for s in dropped)
         return [s for s in dropped if s not in needed]
 

@@ -145,11 +145,14 @@ class TierSteps:
         self.verified = step if self.verified is None else max(self.verified, step)
         self._damaged.discard(step)
 
-    def saved(self, step: int) -> None:
-        """``step`` committed here anew (a save or a copy): forget what was known of it."""
+    def saved(self, step: int, bases: tuple[int, ...] | None = None) -> None:
+        """``step`` committed here anew (a save or a copy): forget what was known of it;
+        ``bases``: the steps it was saved against, when the caller made it (chains.py)."""
         self._damaged.discard(step)
         self._metrics.forget(step)
         self._chains.forget(step)
+        if bases is not None:
+            self._chains.made(step, bases)
 
     # ---------------------------------------------------------------- loading
 

@@ -104,14 +104,14 @@ def check_tiers(tiers: object) -> list[Tier]:
     return out
 
 
-def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: int,
+def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: Callable[[], int],
                  others: Callable[[int], tuple[int, int]] | None = None) -> None:
     """Refuse (CkptError) a save into memory tier ``tier`` (at local ``directory``, holding
     steps of ``sizes`` bytes, oldest first) beyond its max_bytes or its filesystem's free
-    space. A step's size is the newest held one's, else ``estimate``. During a save the tier
+    space. A step's size is the newest held one's, else ``estimate()``. During a save the tier
     holds its kept steps plus the new one. ``others(step_nbytes)``: with redundancy, (the
     bytes held now for other hosts, those the new step's protection adds)."""
-    held_nbytes, step_nbytes = sum(sizes), sizes[-1] if sizes else estimate
+    held_nbytes, step_nbytes = sum(sizes), sizes[-1] if sizes else estimate()
     held_others, step_others = (0, 0) if others is None else others(step_nbytes)
     need = held_nbytes + step_nbytes + held_others + step_others
     fits = step_nbytes * ((tier.keep_last or 1) + 1) + 2 * step_others
