@@ -21,6 +21,7 @@ ceilings. Does not own: the ranks' bodies (redundancy_ranks.py), the report
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shutil
@@ -104,14 +105,17 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
     work.mkdir(parents=True)
     cfg = _cfg(args, engine, work)
     run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts, "lost": args.lost}
-    with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size="2g",
+    # a host's tmpfs holds its ranks' kept and new steps, the ring's slot and the copies or
+    # parity it keeps for others (partners: as much again)
+    tmpfs = f"{max(2, math.ceil(8 * args.gb * max(counts)))}g"
+    with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size=tmpfs,
                link_bps=args.link_gbit * 1e9 if args.link_gbit else None) as hosts:
         run["mode"], run["hosts"] = hosts.mode, hosts.describe()
         try:
             run["ranks"] = hosts.run(train_rank, cfg, ranks_per_host=counts,
                                      timeout_s=args.timeout)
         except AssertionError as exc:  # RanksFailed: recorded, the report says so
-            run["error"] = str(exc)[-4000:]
+            run["error"] = _cut(str(exc))
             return run
         run["shm_bytes"] = [_bytes_under(h.shm_dir) for h in hosts.hosts]
         if engine == "none":
@@ -133,7 +137,12 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
     except AssertionError as exc:  # RanksFailed
-        return {"what": args[-1], "error": str(exc)[-4000:]}
+        return {"what": args[-1], "error": _cut(str(exc))}
+
+
+def _cut(text: str, keep: int = 3000) -> str:
+    """The first and last ``keep`` characters (the first error and how the job ended)."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}\n[...]\n{text[-keep:]}"
 
 
 def ceilings(args: argparse.Namespace, nbytes: int) -> dict[str, Any]:
