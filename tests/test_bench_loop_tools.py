@@ -46,3 +46,19 @@ def test_call_overhead_smoke() -> None:
     text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze", "--gc")
     assert text.count("later calls' median") == 2 and "lazy: 40 tensors" in text
     assert "objects, 0 of ckptio's types" in text
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not os.path.isdir("/dev/shm"),
+                    reason="--pin needs cores 0 and 1; the memory tier uses /dev/shm")
+def test_tiers_pinned_smoke(tmp_path: Path) -> None:
+    """The loop benchmark in the GPU-node model (--pin), the floor and a lazy memory tier (the
+    peers need packages CI does not install: they are skipped by name, not failed)."""
+    out = tmp_path / "t.json"
+    _run("benchmarks.tiers", "--pin", "--gb", "0.01", "--steps", "3", "--every", "2", "--reps",
+         "1", "--batch", "1", "--seq", "16", "--engines", "none,floor_step,tiers_lazy,tcp_step",
+         "--kills", "0", "--restores", "0", "--flat-saves", "0", "--dir",
+         str(tmp_path / "scratch"), "--json", str(out))
+    runs = {r["engine"]: r for r in json.loads(out.read_text())["runs"]}
+    assert {"none", "floor_step", "tiers_lazy"} <= set(runs)
+    assert all("error" not in r for r in runs.values()), runs
+    assert len(runs["floor_step"]["call_s"]) == 3 and len(runs["tiers_lazy"]["call_s"]) == 3
