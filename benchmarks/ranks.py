@@ -39,6 +39,7 @@ from typing import Any
 from benchmarks import worker_env
 from benchmarks.ranks_report import (RAW, Run, load_worlds, markdown, save_engines, schedule,
                                      summarize)
+from benchmarks.io_timeline import Timeline
 from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
 
 PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
@@ -72,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "bytes each with O_DIRECT (the N-writer ceiling), measured like a save")
     p.add_argument("--cold-pool", action="store_true", help="ckptio loads also pay for making "
                    "their staging pool and I/O threads inside the clock (default: made before)")
+    p.add_argument("--restart", action="store_true", help="what a restarting job does: ckptio "
+                   "loads are `ckptio.load(path, state)` with the defaults (nothing made before "
+                   "the clock); every load is timed twice in its processes, the first and a "
+                   "later one, each from a cold page cache; each rank's reads are sampled")
     # worker side
     p.add_argument("--worker", help=argparse.SUPPRESS)  # save:ENGINE | load:ENGINE:WORLD | expect
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -277,19 +282,50 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
     gc.collect()
     barrier()
     cache_drop = ceiling.drop_page_cache([args.ckpt]) if args.rank == 0 else ""
-    load = ckptio_loader(args.ckpt, not args.cold_pool) if engine == "ckptio" else dcp_load
+    load = loader(args, engine)
     disk_before = disk_read_bytes(args.ckpt) if args.rank == 0 else None
-    seconds, rss, report = timed(lambda: load(args.ckpt, dest), args.idle)
+    timeline = Timeline()
+    seconds, rss, report = timed(lambda: timeline.around(load, args.ckpt, dest), args.idle)
     disk_after = disk_read_bytes(args.ckpt) if args.rank == 0 else None
     ok = local_digest(dest) == expect["digests"][args.world][args.rank]
+    later = later_load(args, load, dest, expect) if args.restart else {}
     oks, rsses = gather(ok), gather(rss)
     read = gather(getattr(report, "nbytes_read", None))
-    return {"job": "load", "engine": engine, "rep": args.rep, "ranks": args.world,
+    return {**later, "timelines": gather(timeline.summary()),
+            "job": "load", "engine": engine, "rep": args.rep, "ranks": args.world,
             "saved_ranks": args.ranks, "bytes": expect["bytes"], "load_s": seconds,
             "load_rss_mib": max(rsses), "cache_drop": cache_drop, "bitwise_ok": all(oks),
             "bitwise_by_rank": oks, "nbytes_read": None if None in read else sum(read),
             "disk_read_bytes": None if disk_before is None or disk_after is None
             else disk_after - disk_before, "report": _report(report)}
+
+
+def loader(args: argparse.Namespace, engine: str) -> Any:
+    """The load under test: ckptio's (``--restart``: the public ckptio.load with its defaults)
+    or DCP's."""
+    if engine != "ckptio":
+        return dcp_load
+    if args.restart:
+        import ckptio
+
+        return lambda path, dest: ckptio.load(str(path), dest)
+    return ckptio_loader(args.ckpt, not args.cold_pool)
+
+
+def later_load(args: argparse.Namespace, load: Any, dest: Any,
+               expect: dict[str, Any]) -> dict[str, Any]:
+    """The same load again in the same processes, the page cache dropped again: what a load
+    costs once the process has loaded before."""
+    from ckptio.tuning import ceiling
+
+    barrier()
+    if args.rank == 0:
+        ceiling.drop_page_cache([args.ckpt])
+    timeline = Timeline()
+    seconds, _rss, _report = timed(lambda: timeline.around(load, args.ckpt, dest), args.idle)
+    ok = local_digest(dest) == expect["digests"][args.world][args.rank]
+    return {"later_load_s": seconds, "later_bitwise_ok": all(gather(ok)),
+            "later_timelines": gather(timeline.summary())}
 
 
 def disk_read_bytes(path: Path) -> int | None:
@@ -346,6 +382,8 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
             "--timeout", repr(args.timeout), "--loads", args.loads]
     if args.cold_pool:
         base.append("--cold-pool")
+    if args.restart:
+        base.append("--restart")
     if ckpt is not None:
         base += ["--ckpt", str(ckpt)]
     failed: Run = {"job": worker, "rep": rep, "ranks": world}
@@ -380,8 +418,14 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
 def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
     from benchmarks import save_load
 
+    from benchmarks.fio_ceiling import fio_read_ceiling
+
     run = save_load.spawn(args, save_load.CEILING, "gpt", rep)
     run["job"] = "ceiling"
+    if "error" not in run:
+        fio = fio_read_ceiling(args.dir, run["bytes"])
+        if fio is not None:
+            run["fio_read_s"], run["fio_command"] = fio["read_s"], fio["command"]
     return run
 
 
@@ -398,11 +442,21 @@ def progress(run: Run) -> str:
         ok = "ok" if run["bitwise_ok"] else "MISMATCH"
         return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
                 f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
-                f"wall {run['wall_s']:.1f} s{_disk(run)}")
+                f"wall {run['wall_s']:.1f} s{_disk(run)}{_later(run)}")
     if run["job"] == "ceiling":
+        fio = f", fio read {run['fio_read_s']:.2f} s" if "fio_read_s" in run else ""
         return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
-                f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s)")
+                f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s){fio}")
     return f"{head}: {run}"
+
+
+def _later(run: Run) -> str:
+    lines = [f"\n    r{r}: first read {t['first_read_s'] or 0:.3f} s, last {t['last_read_s'] or 0:.3f} s, "
+             f"{t['read_bytes'] / 1e6:.0f} MB, {t['mid_gbps'] or 0:.2f} GB/s mid"
+             for r, t in enumerate(run.get("timelines", []))]
+    if "later_load_s" in run:
+        lines.append(f"\n    later load {run['later_load_s']:.2f} s")
+    return "".join(lines)
 
 
 def _disk(run: Run) -> str:

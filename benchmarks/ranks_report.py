@@ -41,6 +41,8 @@ def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]
 TARGET_SAVE_PCT = 95.0  # issue 29 item 3 (issue 15 had 90 and 1.15)
 TARGET_SAVE_VS_DCP = 3.0
 TARGET_RESHARD = 1.1
+TARGET_LOAD_VS_DCP = 1.5  # issue 51: the first cold load in fresh processes
+TARGET_LOAD_FIO_PCT = 90.0
 
 
 def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
@@ -56,6 +58,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
         "ceiling_read_gbps": median([gbps(r, "read_s") for r in ceil.values()]),
         "ceiling_write_s": median([r["write_s"] for r in ceil.values()]),
         "ceiling_read_s": median([r["read_s"] for r in ceil.values()]),
+        "fio_read_s": median([r["fio_read_s"] for r in ceil.values() if "fio_read_s" in r]),
+        "fio_command": next((r["fio_command"] for r in ceil.values() if "fio_command" in r), None),
     }
 
     def pct(r: Run, seconds: str, ceil_seconds: str) -> float | None:
@@ -88,6 +92,9 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
             "failed": len(all_rs) - len(rs), "load_s": med(rs, lambda r: r["load_s"]),
             "load_gbps": med(rs, lambda r: gbps(r, "load_s")),
             "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
+            "fio_pct": med(rs, lambda r: pct(r, "load_s", "fio_read_s")
+                           if "fio_read_s" in ceil.get(r["rep"], {}) else None),
+            "later_s": med(rs, lambda r: r.get("later_load_s")),
             "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
             "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
             "disk_mb": med(rs, lambda r: None if r.get("disk_read_bytes") is None
@@ -119,8 +126,13 @@ def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
     same = next((l for l in loads if l["engine"] == "ckptio" and l["ranks"] == args.ranks), None)
     dcp_load = next((l for l in loads if l["engine"] == "dcp"), None)
     if same and same["load_s"] and dcp_load and dcp_load["load_s"]:
-        out.append({"what": f"ckptio / DCP load GB/s, {same['layout']}",
-                    "value": dcp_load["load_s"] / same["load_s"], "target": "-", "ok": None})
+        ratio = dcp_load["load_s"] / same["load_s"]
+        out.append({"what": f"ckptio / DCP load GB/s, {same['layout']}", "value": ratio,
+                    "target": f">= {TARGET_LOAD_VS_DCP}", "ok": ratio >= TARGET_LOAD_VS_DCP})
+    if same and same.get("fio_pct") is not None:
+        out.append({"what": f"ckptio load {same['layout']}, % of fio's read ceiling",
+                    "value": same["fio_pct"], "target": f">= {TARGET_LOAD_FIO_PCT:.0f}",
+                    "ok": same["fio_pct"] >= TARGET_LOAD_FIO_PCT})
     for l in loads:
         if l["engine"] == "ckptio" and l is not same and same and same["load_s"] and l["load_s"]:
             ratio = l["load_s"] / same["load_s"]
@@ -160,16 +172,23 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
                      f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
     lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
                  f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
-    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | RSS+ MiB/rank | read MB (all ranks) "
-              "| disk read MB | bitwise |"), "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | % fio ceil | later load s "
+              "| RSS+ MiB/rank | read MB (all ranks) | disk read MB | bitwise |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
         ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
               else "ok" if l["bitwise_ok"] else "MISMATCH")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
-                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['load_rss_mib'], '.0f')} "
+                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['fio_pct'], '.0f')} "
+                     f"| {fmt(l['later_s'])} | {fmt(l['load_rss_mib'], '.0f')} "
                      f"| {fmt(l['read_mb'], '.0f')} | {fmt(l.get('disk_mb'), '.0f')} | {ok} |")
     lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
-                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | {nbytes / 1e6:.0f} | - | - |")
+                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | - | - | {nbytes / 1e6:.0f} "
+                 "| - | - |")
+    fio_s = summary.get("fio_read_s")
+    if fio_s:
+        lines.append(f"| fio (io_uring, O_DIRECT, registered buffers) | - | {fmt(fio_s)} "
+                     f"| {fmt(nbytes / fio_s / 1e9)} | - | 100 | - | - | {nbytes / 1e6:.0f} | - | - |")
     lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
     for c in summary["checks"]:
         met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
@@ -183,6 +202,11 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         f"{RAW}: each rank writes S/N bytes to its own file with O_DIRECT "
         "(ckptio.tuning.ceiling.Writer: 8 MiB x 4 threads, made before the clock), fsyncs it "
         "and the directory: the N-writer ceiling, timed like a save"),
+        *([f"- fio: `{summary['fio_command']}` after its own write of the file and a drop of "
+           "the page cache"] if summary.get("fio_command") else []),
+        *(["- --restart: ckptio loads are `ckptio.load(path, state)` with the defaults, nothing "
+           "made before the clock; 'later load': the same load again in the same processes, "
+           "the page cache dropped again"] if getattr(args, "restart", False) else []),
         "- load: fresh ranks allocate and zero the destination, rank 0 drops the page cache, idle, "
         f"then the clock; {args.ranks}->1 loads into plain full tensors in one process without a "
         "process group; DCP loads the checkpoint of its first --dcp-threads variant, after "

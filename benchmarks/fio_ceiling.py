@@ -1,0 +1,49 @@
+"""The storage's read ceiling by fio (Debian's ``fio``): io_uring, O_DIRECT, registered buffers
+and files, sequential 16 MiB reads (ckptio's buffer size), 8 in flight, one process, from a
+cold page cache; the file is fio's own, written the same way first. The project's ceiling tool
+(ckptio.tuning.ceiling, Python threads over preadv) sits beside it in the same runs; fio is
+the honest bound a C reader reaches (docs/BENCH_RESTART.md says why they differ).
+
+Owns: running fio and reading its JSON. Skipped (None) where fio is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fio_read_ceiling"]
+
+JOB = ["--ioengine=io_uring", "--direct=1", "--fixedbufs", "--registerfiles", "--bs=16m",
+       "--iodepth=8", "--numjobs=1", "--output-format=json"]
+
+
+def fio_read_ceiling(directory: Path, nbytes: int) -> dict[str, Any] | None:
+    """-> {"read_s", "read_gbps", "command"} for reading ``nbytes`` cold, or None without fio."""
+    from ckptio.tuning.ceiling import drop_page_cache
+
+    fio = shutil.which("fio")
+    if fio is None:
+        return None
+    path = directory / "fio-ceiling.bin"
+    size = f"--size={-(-nbytes // (16 << 20)) * (16 << 20)}"
+    try:
+        _run([fio, "--name=write", f"--filename={path}", "--rw=write", size, "--end_fsync=1",
+              *JOB])
+        drop_page_cache([directory])
+        command = [fio, "--name=read", f"--filename={path}", "--rw=read", size, *JOB]
+        out = _run(command)
+    finally:
+        path.unlink(missing_ok=True)
+    job = out["jobs"][0]["read"]
+    seconds = job["runtime"] / 1000  # ms
+    return {"read_s": seconds * nbytes / job["io_bytes"], "read_gbps": job["bw_bytes"] / 1e9,
+            "command": " ".join(["fio", *command[1:]])}
+
+
+def _run(command: list[str]) -> dict[str, Any]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout[done.stdout.index("{"):])
