@@ -62,7 +62,7 @@ class ReusedIOResources:
     # ---------------------------------------------------------------- what a save or load borrows
 
     def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
-              behind: bool = False, reading: bool = False) -> tuple[StagingPool, StoreFiles]:
+              behind: bool = False) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
@@ -71,11 +71,7 @@ class ReusedIOResources:
         core, faster than waiting for a pre-fault thread: docs/BENCH_LIMIT.md, "small states
         and the first save"). ``behind``: a save that persists while the caller goes on
         (async, lazy): io_backend "auto" takes the POSIX threads there, whose Python holds the
-        interpreter less while the loop runs than io_uring's submissions and reaper.
-        ``reading``: a load, which never registers the pool with the backend (pinning a fresh
-        pool first cost a restarting job's first load about a quarter of its time:
-        docs/BENCH_RESTART.md); the next save, or the pre-fault thread once the pool is
-        resident and unused, registers it."""
+        interpreter less while the loop runs than io_uring's submissions and reaper."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -96,8 +92,7 @@ class ReusedIOResources:
         if backend is None:
             backend = self._backends[kind] = store.backend(wanted)
             self._stores[kind] = store
-        if not reading:
-            self._pin(store, backend, pool, kind)
+        self._pin(store, backend, pool, kind)
         return pool, StoreFiles(store, backend)
 
     def _pin(self, store: Store, backend: IOBackend, pool: StagingPool, kind: str) -> None:

@@ -91,9 +91,7 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
         with resources.lock:
-            # a pool made now is faulted in by the reads: a pre-fault thread competed with them
-            pool, files = resources.files(store, _staged_nbytes(reads), copy_faults=True,
-                                          reading=True)
+            pool, files = resources.files(store, _staged_nbytes(reads))
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
@@ -197,7 +195,7 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
     if nbytes:
         with resources.lock:
-            resources.files(store, nbytes, reading=True)
+            resources.files(store, nbytes)
 
 
 def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
