@@ -62,7 +62,7 @@ class ReusedIOResources:
     # ---------------------------------------------------------------- what a save or load borrows
 
     def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
-              behind: bool = False) -> tuple[StagingPool, StoreFiles]:
+              behind: bool = False, reading: bool = False) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
@@ -71,7 +71,11 @@ class ReusedIOResources:
         core, faster than waiting for a pre-fault thread: docs/BENCH_LIMIT.md, "small states
         and the first save"). ``behind``: a save that persists while the caller goes on
         (async, lazy): io_backend "auto" takes the POSIX threads there, whose Python holds the
-        interpreter less while the loop runs than io_uring's submissions and reaper."""
+        interpreter less while the loop runs than io_uring's submissions and reaper.
+        ``reading``: a load, which never registers the pool with the backend (pinning a fresh
+        pool before the first read slowed a restarting job's first load more than registered
+        buffers sped its reads: docs/BENCH_RESTART.md); the next save, or the pre-fault thread
+        once the pool is resident and unused, registers it."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -92,7 +96,8 @@ class ReusedIOResources:
         if backend is None:
             backend = self._backends[kind] = store.backend(wanted)
             self._stores[kind] = store
-        self._pin(store, backend, pool, kind)
+        if not reading:
+            self._pin(store, backend, pool, kind)
         return pool, StoreFiles(store, backend)
 
     def _pin(self, store: Store, backend: IOBackend, pool: StagingPool, kind: str) -> None:

@@ -91,7 +91,9 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
         with resources.lock:
-            pool, files = resources.files(store, _staged_nbytes(reads))
+            # a pool made now is faulted in by the reads: a pre-fault thread competed with them
+            pool, files = resources.files(store, _staged_nbytes(reads), copy_faults=True,
+                                          reading=True)
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
@@ -195,7 +197,7 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
     if nbytes:
         with resources.lock:
-            resources.files(store, nbytes)
+            resources.files(store, nbytes, reading=True)
 
 
 def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
