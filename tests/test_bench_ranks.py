@@ -6,6 +6,7 @@ Checks the report's fields and that every load was bitwise-correct; no timing as
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -55,6 +56,25 @@ def test_ranks_smoke(tmp_path):
     text = (out / "r.md").read_text()
     assert "2->4" in text and "dcp_t1" in text and "MISMATCH" not in text
     assert not data.exists() or not any(p.name.startswith(ranks.PREFIX) for p in data.iterdir())
+
+
+def test_ranks_restart_smoke(tmp_path):
+    """--restart: ckptio.load with the defaults, a later load in the same processes, each
+    rank's read timeline, and fio's ceiling beside the project's where fio is installed."""
+    out = tmp_path / "r.json"
+    argv = ["--ranks", "2", "--gb", "0.004", "--reps", "1", "--idle", "0", "--dcp-threads", "1",
+            "--loads", "same", "--restart", "--dir", str(tmp_path / "data"), "--timeout", "120",
+            "--json", str(out)]
+    assert ranks.main(argv) == 0
+    report = json.loads(out.read_text())
+    (load,) = [r for r in report["runs"] if r["job"] == "load"]
+    assert load["bitwise_ok"] and load["later_bitwise_ok"] and load["later_load_s"] > 0
+    assert len(load["timelines"]) == 2 and len(load["later_timelines"]) == 2
+    for timeline in load["timelines"]:
+        assert {"first_read_s", "last_read_s", "read_bytes", "series"} <= set(timeline)
+    (ceiling,) = [r for r in report["runs"] if r["job"] == "ceiling"]
+    if shutil.which("fio"):
+        assert ceiling["fio_read_s"] > 0 and report["summary"]["fio_read_s"] > 0
 
 
 def test_layout_helpers():
