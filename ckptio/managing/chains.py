@@ -4,6 +4,7 @@ A delta step's entries reference a sibling full step, its base (docs/FORMAT.md v
 manifest's ``bases`` field, read through format.manifest.bases_of). Chains have depth 1: a base
 is self-contained. A step's link (its bases and the bytes its own files hold) is read from its
 manifest once and kept: a committed manifest never changes (a step saved again is forgotten).
+The bases of a step this process saved are told (``made``), so retention reads no manifest.
 
 Retention's rule, for every tier and every root: a base is deleted only with or after its last
 delta. ``closure()`` adds to the kept set the bases of every kept step; ``doomed()`` then
