@@ -55,6 +55,7 @@ class ReusedIOResources:
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
+        self._read_pool: StagingPool | None = None  # one a load made: its reads faulted it in
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -74,8 +75,9 @@ class ReusedIOResources:
         interpreter less while the loop runs than io_uring's submissions and reaper.
         ``reading``: a load, which never registers the pool with the backend (pinning a fresh
         pool before the first read slowed a restarting job's first load more than registered
-        buffers sped its reads: docs/BENCH_RESTART.md); the next save, or the pre-fault thread
-        once the pool is resident and unused, registers it."""
+        buffers sped its reads: docs/BENCH_RESTART.md); the next save registers a pool a load
+        made, whatever its size (with ``copy_faults`` the reads faulted it in, not a pre-fault
+        thread beside them)."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -88,6 +90,8 @@ class ReusedIOResources:
         want = self._nbuffers_for(nbytes)
         if self._pool is not None and self._pool.nbuffers < want:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
+        if reading and self._pool is None:  # registered by the next save, resident or not
+            self._read_pool = self._made_pool(want, prefault=not copy_faults)
         pool = self._made_pool(want, prefault=not copy_faults)
         kind = store.backend_kind
         if wanted.io_backend == "auto" and (behind or in_memory(store)):
@@ -110,8 +114,8 @@ class ReusedIOResources:
         if (kind in self._pinned or kind in self._unpinnable
                 or not store.capabilities.registered_buffers):
             return
-        if not pool.resident and (pool is self._grown_pool
-                                  or pool.nbuffers < self._active.nbuffers):
+        if not pool.resident and pool is not self._read_pool and (
+                pool is self._grown_pool or pool.nbuffers < self._active.nbuffers):
             return
         if backend.register_buffers(pool.whole_view()):
             self._pinned.add(kind)
@@ -141,6 +145,7 @@ class ReusedIOResources:
         self._pinned.clear()
         self._unpinnable.clear()  # a backend may take the next pool (another size)
         self._grown_pool = None
+        self._read_pool = None
         if pool is not None:
             pool.close()
 
@@ -260,6 +265,7 @@ class ReusedIOResources:
         self._pinned.clear()
         self._unpinnable.clear()
         self._grown_pool = None
+        self._read_pool = None
         for backend in backends:
             backend.shutdown()
         if pool is not None:

@@ -54,3 +54,48 @@ def test_a_load_never_pins_the_pool_a_later_save_does(
         assert (pool.nbytes, False) in registrations or (pool.nbytes, True) in registrations
     finally:
         ck.close()
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring is not available")
+def test_a_small_pool_a_load_made_is_still_registered_once_resident(
+        tmp_path: Path, registrations: list[tuple[int, bool]]) -> None:
+    """A pool sized to a small state is pre-faulted as before and registered once resident, so
+    the saves after a restart's load keep io_uring's fixed buffers."""
+    small = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 8 x 4 MiB
+    ckptio.save(small, tmp_path / "ck")
+    options = ckptio.Options(io_backend="uring", buffer_bytes=4 << 20, pool_bytes=128 << 20)
+    ck = ckptio.Checkpointer(options)
+    try:
+        registrations.clear()
+        ck.load(tmp_path / "ck", small)
+        pool = ck.resources().pool
+        assert pool is not None and pool.nbytes < 128 << 20  # sized to the state
+        assert [r for r in registrations if not r[1]] == []
+        pool.faulted()
+        ck.save(small, tmp_path / "again")
+        assert pool.resident and [n for n, _ in registrations] == [pool.nbytes]
+    finally:
+        ck.close()
+
+
+@pytest.mark.skipif(uring_unavailable_reason() is not None, reason="io_uring is not available")
+def test_a_pool_a_many_rank_load_made_is_registered_by_the_next_save(
+        tmp_path: Path, registrations: list[tuple[int, bool]]) -> None:
+    """A rank of many makes its pool at its reads, faulted in by them and never pre-faulted
+    (so never 'resident'): the next save registers it even when it is smaller than the
+    options' pool (a pool a save or fit() makes waits until resident instead)."""
+    from ckptio.storage.local import LocalStore
+
+    small = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 8 x 4 MiB
+    options = ckptio.Options(io_backend="uring", buffer_bytes=4 << 20, pool_bytes=128 << 20)
+    ck = ckptio.Checkpointer(options)
+    try:
+        resources = ck.resources()
+        with resources.lock:  # what loading/load_session.read_fn asks for on a rank of many
+            pool, _files = resources.files(LocalStore(str(tmp_path)), 32 << 20,
+                                           copy_faults=True, reading=True)
+        assert pool.nbytes == 32 << 20 and not pool.resident and registrations == []
+        ck.save(small, tmp_path / "after")
+        assert [n for n, _ in registrations] == [pool.nbytes]
+    finally:
+        ck.close()
