@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
-from benchmarks.ranks_report import (RAW, Run, load_worlds, markdown, save_engines, schedule,
+from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, save_engines, schedule,
                                      summarize)
 from benchmarks.io_timeline import Timeline
 from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dcp-threads", default="1,2,4", help="DCP FileSystemWriter thread_count "
                    "variants, comma list (default 1,2,4); the first one's checkpoint is loaded")
     p.add_argument("--loads", default="same,dcp,to1,to2n", help="loads: same (ckptio N->N), dcp "
-                   "(DCP N->N), to1 (ckptio N->1, plain tensors), to2n (ckptio N->2N); default all")
+                   "(DCP N->N), to1 (ckptio N->1, plain tensors), to2n (ckptio N->2N), tcp (Meta's "
+                   "torch_checkpointing saves and loads N->N; not in the default); default the "
+                   "first four")
     p.add_argument("--json", type=Path, help="write runs and summary as JSON here")
     p.add_argument("--markdown", type=Path, help="write the markdown report here")
     p.add_argument("--idle", type=float, default=2.0, help="idle seconds before each timed phase")
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--reps and --ranks must be >= 1 and --gb > 0")
     args.threads = [int(t) for t in args.dcp_threads.split(",") if t.strip()]
     args.load_kinds = [k.strip() for k in args.loads.split(",") if k.strip()]
-    if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n")]:
+    if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n", "tcp")]:
         p.error(f"unknown --loads {bad}")
     return args
 
@@ -204,6 +206,28 @@ def ckptio_loader(path: Path, warm_pool: bool) -> Any:
     return lambda path, dest: checkpointer.load(str(path), dest)
 
 
+def _tcp_manager() -> Any:
+    """torch_checkpointing's sync manager with buffered writes (its O_DIRECT writes of small
+    items fail on ext4: docs/BENCH_LOOP.md, section 9)."""
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    return config.build()
+
+
+def tcp_save(state: Any, path: Path) -> None:
+    """torch_checkpointing's save, then os.sync() (it has no fsync), as DCP's is timed."""
+    _tcp_manager().save(str(path), {"state": state})
+    os.sync()
+
+
+def tcp_load(path: Path, dest: Any) -> object:
+    _tcp_manager().load(str(path), into={"state": dest})
+    return None
+
+
 def dcp_load(path: Path, dest: Any) -> object:
     import torch.distributed.checkpoint as dcp
 
@@ -247,6 +271,8 @@ def save_worker(args: argparse.Namespace, engine: str) -> Run:
     build_s = time.perf_counter() - t0
     if engine == RAW:
         save = raw_writer_save(nbytes // args.world, args.rank)
+    elif engine == TCP:
+        save = tcp_save
     else:
         save = ckptio_save if engine == "ckptio" else dcp_save(int(engine.removeprefix("dcp_t")))
     ckpt = args.ckpt
@@ -303,6 +329,8 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
 def loader(args: argparse.Namespace, engine: str) -> Any:
     """The load under test: ckptio's (``--restart``: the public ckptio.load with its defaults)
     or DCP's."""
+    if engine == TCP:
+        return tcp_load
     if engine != "ckptio":
         return dcp_load
     if args.restart:
@@ -474,7 +502,7 @@ def run_all(args: argparse.Namespace) -> list[Run]:
         order = 1 if rep % 2 == 0 else -1
         for engine in saves[::order]:
             ckpt = ckpt_dir(args, engine, rep)
-            keep = engine in saves[:2]  # ckptio and the DCP variant whose checkpoint is loaded
+            keep = engine in (*saves[:2], TCP)  # ckptio's, the loaded DCP variant's, tcp's
             runs.append(launch(args, f"save:{engine}", args.ranks, rep, ckpt))
             print(progress(runs[-1]), file=sys.stderr, flush=True)
             if not keep:

@@ -18,16 +18,18 @@ Run = dict[str, Any]
 
 
 def load_worlds(args: argparse.Namespace) -> dict[str, int]:
-    worlds = {"same": args.ranks, "to1": 1, "to2n": 2 * args.ranks}
+    worlds = {"same": args.ranks, "to1": 1, "to2n": 2 * args.ranks}  # ckptio's loads
     return {k: worlds[k] for k in args.load_kinds if k in worlds}
 
 
 def save_engines(args: argparse.Namespace) -> list[str]:
     raw = [RAW] if getattr(args, "raw_writers", False) else []
-    return ["ckptio", *[f"dcp_t{t}" for t in args.threads], *raw]  # [1]: the DCP that is loaded
+    tcp = [TCP] if "tcp" in getattr(args, "load_kinds", ()) else []
+    return ["ckptio", *[f"dcp_t{t}" for t in args.threads], *raw, *tcp]  # [1]: the DCP loaded
 
 
 RAW = "raw_writers"  # N processes each write S/N bytes with O_DIRECT, timed like a save
+TCP = "tcp"  # Meta's torch_checkpointing, sync CheckpointManager (same layout only)
 
 
 def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]]:
@@ -35,6 +37,8 @@ def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]
     loads = [("ckptio", w) for w in load_worlds(args).values()]
     if args.threads and "dcp" in args.load_kinds:
         loads.insert(1, ("dcp", args.ranks))
+    if TCP in args.load_kinds:
+        loads.append((TCP, args.ranks))
     return saves, loads
 
 
