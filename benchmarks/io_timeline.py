@@ -49,15 +49,6 @@ class Timeline:
 
     def around(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` sampled from its first instruction to its return."""
-        import os
-
-        if os.environ.get("RANKS_PROFILE"):  # a developer's look: cProfile per process
-            import cProfile
-
-            with cProfile.Profile() as prof, self:
-                out = fn(*args)
-            prof.dump_stats(f"{os.environ['RANKS_PROFILE']}.{os.getpid()}")
-            return out
         with self:
             return fn(*args)
 

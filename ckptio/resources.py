@@ -90,9 +90,10 @@ class ReusedIOResources:
         want = self._nbuffers_for(nbytes)
         if self._pool is not None and self._pool.nbuffers < want:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
-        if reading and self._pool is None:  # registered by the next save, resident or not
-            self._read_pool = self._made_pool(want, prefault=not copy_faults)
+        fresh = self._pool is None
         pool = self._made_pool(want, prefault=not copy_faults)
+        if reading and fresh:  # registered by the next save, resident or not
+            self._read_pool = pool
         kind = store.backend_kind
         if wanted.io_backend == "auto" and (behind or in_memory(store)):
             wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+threads"
