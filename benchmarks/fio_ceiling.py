@@ -1,6 +1,8 @@
 """The storage's read ceiling by fio (Debian's ``fio``): io_uring, O_DIRECT, registered buffers
 and files, sequential 16 MiB reads (ckptio's buffer size), 8 in flight, one process, from a
-cold page cache; the file is fio's own, written the same way first. The project's ceiling tool
+cold page cache; the file is fio's own, written the same way first (``fio_read_ceiling``), or
+a checkpoint's own data files, one job per file, all at once (``fio_files_ceiling``: on this
+virtual disk the same reads run at half or full speed from file to file). The project's ceiling tool
 (ckptio.tuning.ceiling, Python threads over preadv) sits beside it in the same runs; fio is
 the honest bound a C reader reaches (docs/BENCH_RESTART.md says why they differ).
 
@@ -15,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fio_read_ceiling"]
+__all__ = ["fio_files_ceiling", "fio_read_ceiling"]
 
 JOB = ["--ioengine=io_uring", "--direct=1", "--fixedbufs", "--registerfiles", "--bs=16m",
        "--iodepth=8", "--numjobs=1", "--output-format=json"]
@@ -42,6 +44,27 @@ def fio_read_ceiling(directory: Path, nbytes: int) -> dict[str, Any] | None:
     seconds = job["runtime"] / 1000  # ms
     return {"read_s": seconds * nbytes / job["io_bytes"], "read_gbps": job["bw_bytes"] / 1e9,
             "command": " ".join(["fio", *command[1:]])}
+
+
+def fio_files_ceiling(paths: list[Path]) -> dict[str, Any] | None:
+    """-> {"read_s", "read_bytes", "command"}: every file in ``paths`` read cold at once, one fio
+    job each, until the last job ends; None without fio."""
+    from ckptio.tuning.ceiling import drop_page_cache
+
+    fio = shutil.which("fio")
+    paths = [p for p in paths if p.stat().st_size >= 4096]
+    if fio is None or not paths:
+        return None
+    drop_page_cache(sorted({p.parent for p in paths}))
+    command = [fio, *JOB, "--rw=read", "--readonly"]
+    for i, path in enumerate(paths):  # a file smaller than a read is read in one
+        bs = min(16 << 20, path.stat().st_size // 4096 * 4096)
+        command += [f"--name=file{i}", f"--filename={path}", f"--bs={bs}"]
+    jobs = [job["read"] for job in _run(command)["jobs"]]
+    return {"read_s": max(job["runtime"] for job in jobs) / 1000,
+            "read_bytes": sum(job["io_bytes"] for job in jobs),
+            "command": " ".join(["fio", *JOB, "--rw=read", "--readonly",
+                                 f"--name=fileI --filename=<data file I> (x{len(paths)})"])}
 
 
 def _run(command: list[str]) -> dict[str, Any]:

@@ -457,6 +457,17 @@ def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
     return run
 
 
+def run_fio_files(ckpt: Path, rep: int) -> Run:
+    """fio reading ckptio's checkpoint's own data files (every rank's) at once, cold."""
+    from benchmarks.fio_ceiling import fio_files_ceiling
+
+    fio = fio_files_ceiling(sorted(p for p in ckpt.rglob("data-*.bin")
+                                   if not p.name.endswith("-index.bin")))
+    if fio is None:
+        return {"job": "fio_files", "rep": rep, "error": "fio is not installed"}
+    return {"job": "fio_files", "rep": rep, **fio}
+
+
 def progress(run: Run) -> str:
     head = f"[rep {run.get('rep', 0) + 1}] {run.get('job')} {run.get('engine', '')}"
     if "error" in run:
@@ -471,6 +482,9 @@ def progress(run: Run) -> str:
         return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
                 f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
                 f"wall {run['wall_s']:.1f} s{_disk(run)}{_later(run)}")
+    if run["job"] == "fio_files":
+        return (f"{head}: fio on ckptio's data files {run['read_s']:.2f} s "
+                f"({run['read_bytes'] / 1e9 / run['read_s']:.2f} GB/s)")
     if run["job"] == "ceiling":
         fio = f", fio read {run['fio_read_s']:.2f} s" if "fio_read_s" in run else ""
         return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
@@ -518,6 +532,9 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             run["layout"] = f"{args.ranks}->{world}"
             runs.append(run)
             print(progress(run), file=sys.stderr, flush=True)
+        if not args.no_ceiling:
+            runs.append(run_fio_files(ckpt_dir(args, "ckptio", rep), rep))
+            print(progress(runs[-1]), file=sys.stderr, flush=True)
         for engine in saves:
             shutil.rmtree(ckpt_dir(args, engine, rep), ignore_errors=True)
         if not args.no_ceiling:

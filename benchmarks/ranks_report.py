@@ -55,6 +55,7 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
     good = [r for r in runs if "error" not in r]
     expect = next((r for r in good if r["job"] == "expect"), None)
     ceil = {r["rep"]: r for r in good if r["job"] == "ceiling"}
+    files = {r["rep"]: r for r in good if r["job"] == "fio_files"}
     out: dict[str, Any] = {
         "ranks": args.ranks, "bytes": expect["bytes"] if expect else None,
         "tensors": expect["tensors"] if expect else None,
@@ -64,6 +65,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
         "ceiling_read_s": median([r["read_s"] for r in ceil.values()]),
         "fio_read_s": median([r["fio_read_s"] for r in ceil.values() if "fio_read_s" in r]),
         "fio_command": next((r["fio_command"] for r in ceil.values() if "fio_command" in r), None),
+        "fio_files_s": median([r["read_s"] for r in files.values()]),
+        "fio_files_command": next((r["command"] for r in files.values()), None),
     }
 
     def pct(r: Run, seconds: str, ceil_seconds: str) -> float | None:
@@ -98,6 +101,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
             "load_pct": med(rs, lambda r: pct(r, "load_s", "read_s")),
             "fio_pct": med(rs, lambda r: pct(r, "load_s", "fio_read_s")
                            if "fio_read_s" in ceil.get(r["rep"], {}) else None),
+            "fio_files_pct": med(rs, lambda r: 100 * files[r["rep"]]["read_s"] / r["load_s"]
+                                 if r["rep"] in files else None),
             "later_s": med(rs, lambda r: r.get("later_load_s")),
             "load_rss_mib": med(rs, lambda r: r["load_rss_mib"]),
             "read_mb": med(rs, lambda r: None if r.get("nbytes_read") is None else r["nbytes_read"] / 1e6),
@@ -137,6 +142,10 @@ def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
         out.append({"what": f"ckptio load {same['layout']}, % of fio's read ceiling",
                     "value": same["fio_pct"], "target": f">= {TARGET_LOAD_FIO_PCT:.0f}",
                     "ok": same["fio_pct"] >= TARGET_LOAD_FIO_PCT})
+    if same and same.get("fio_files_pct") is not None:
+        out.append({"what": f"ckptio load {same['layout']}, % of fio on its own data files",
+                    "value": same["fio_files_pct"], "target": f">= {TARGET_LOAD_FIO_PCT:.0f}",
+                    "ok": same["fio_files_pct"] >= TARGET_LOAD_FIO_PCT})
     for l in loads:
         if l["engine"] == "ckptio" and l is not same and same and same["load_s"] and l["load_s"]:
             ratio = l["load_s"] / same["load_s"]
@@ -176,23 +185,28 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
                      f"| {fmt(s['files'], '.0f')} | {fmt(s['disk_mb'], '.0f')} |")
     lines.append(f"| O_DIRECT ceiling | - | - | {fmt(summary['ceiling_write_s'])} "
                  f"| {fmt(summary['ceiling_write_gbps'])} | 100 | - | 1 | {nbytes / 1e6:.0f} |")
-    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | % fio ceil | later load s "
+    lines += ["", ("| engine | layout | load s | load GB/s | % read ceil | % fio ceil "
+              "| % fio on ckptio's files | later load s "
               "| RSS+ MiB/rank | read MB (all ranks) | disk read MB | bitwise |"),
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for l in summary["loads"]:
         ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
               else "ok" if l["bitwise_ok"] else "MISMATCH")
         lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
                      f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['fio_pct'], '.0f')} "
-                     f"| {fmt(l['later_s'])} | {fmt(l['load_rss_mib'], '.0f')} "
+                     f"| {fmt(l.get('fio_files_pct'), '.0f')} | {fmt(l['later_s'])} | {fmt(l['load_rss_mib'], '.0f')} "
                      f"| {fmt(l['read_mb'], '.0f')} | {fmt(l.get('disk_mb'), '.0f')} | {ok} |")
     lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
-                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | - | - | {nbytes / 1e6:.0f} "
+                 f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | - | - | - | {nbytes / 1e6:.0f} "
                  "| - | - |")
     fio_s = summary.get("fio_read_s")
     if fio_s:
         lines.append(f"| fio (io_uring, O_DIRECT, registered buffers) | - | {fmt(fio_s)} "
-                     f"| {fmt(nbytes / fio_s / 1e9)} | - | 100 | - | - | {nbytes / 1e6:.0f} | - | - |")
+                     f"| {fmt(nbytes / fio_s / 1e9)} | - | 100 | - | - | - | {nbytes / 1e6:.0f} | - | - |")
+    files_s = summary.get("fio_files_s")
+    if files_s:
+        lines.append(f"| fio on ckptio's data files (one job per file, at once) | - | {fmt(files_s)} "
+                     f"| {fmt(nbytes / files_s / 1e9)} | - | - | 100 | - | - | {nbytes / 1e6:.0f} | - | - |")
     lines += ["", "| check | value | target | met |", "|---|---:|---|---|"]
     for c in summary["checks"]:
         met = "-" if c["ok"] is None else ("yes" if c["ok"] else "NO")
@@ -208,6 +222,9 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         "and the directory: the N-writer ceiling, timed like a save"),
         *([f"- fio: `{summary['fio_command']}` after its own write of the file and a drop of "
            "the page cache"] if summary.get("fio_command") else []),
+        *([f"- fio on ckptio's files: `{summary['fio_files_command']}`, after every load of the "
+           "repetition and a drop of the page cache; '% fio on ckptio's files' pairs each load "
+           "with its own repetition's run"] if summary.get("fio_files_command") else []),
         *(["- --restart: ckptio loads are `ckptio.load(path, state)` with the defaults, nothing "
            "made before the clock; 'later load': the same load again in the same processes, "
            "the page cache dropped again"] if getattr(args, "restart", False) else []),

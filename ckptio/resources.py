@@ -55,7 +55,6 @@ class ReusedIOResources:
         self._pinned: set[str] = set()  # the kinds whose backend registered the pool
         self._unpinnable: set[str] = set()  # kinds whose backend refused, until the pool changes
         self._grown_pool: StagingPool | None = None  # the pool fit() made, pinned once resident
-        self._read_pool: StagingPool | None = None  # one a load made: its reads faulted it in
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
@@ -73,11 +72,9 @@ class ReusedIOResources:
         and the first save"). ``behind``: a save that persists while the caller goes on
         (async, lazy): io_backend "auto" takes the POSIX threads there, whose Python holds the
         interpreter less while the loop runs than io_uring's submissions and reaper.
-        ``reading``: a load, which never registers the pool with the backend (pinning a fresh
-        pool before the first read slowed a restarting job's first load more than registered
-        buffers sped its reads: docs/BENCH_RESTART.md); the next save registers a pool a load
-        made, whatever its size (with ``copy_faults`` the reads faulted it in, not a pre-fault
-        thread beside them)."""
+        ``reading``: a load, whose backend pins the pool buffer by buffer, each at its first
+        read (pinning a whole fresh pool before the first read slowed a restarting job's first
+        load, reading through unpinned buffers slowed every load: docs/BENCH_RESTART.md)."""
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -90,10 +87,7 @@ class ReusedIOResources:
         want = self._nbuffers_for(nbytes)
         if self._pool is not None and self._pool.nbuffers < want:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
-        fresh = self._pool is None
         pool = self._made_pool(want, prefault=not copy_faults)
-        if reading and fresh:  # registered by the next save, resident or not
-            self._read_pool = pool
         kind = store.backend_kind
         if wanted.io_backend == "auto" and (behind or in_memory(store)):
             wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+threads"
@@ -101,24 +95,25 @@ class ReusedIOResources:
         if backend is None:
             backend = self._backends[kind] = store.backend(wanted)
             self._stores[kind] = store
-        if not reading:
-            self._pin(store, backend, pool, kind)
+        self._pin(store, backend, pool, kind, by_parts=reading)
         return pool, StoreFiles(store, backend)
 
-    def _pin(self, store: Store, backend: IOBackend, pool: StagingPool, kind: str) -> None:
-        """Register the pool with ``backend``, once: a pool of Options.pool_bytes at the
-        backend's first use, which faults in what the pool has not yet (faster pinned than not:
-        docs/BENCH_LIMIT.md, "the save's gap to the disk was page pinning"); a smaller one
-        (sized to a small state) or one grown for async saves (``fit``) only once it is
-        resident: faulting it all first slowed a small cold load and the async_save call after
-        a grown pool (same page)."""
+    def _pin(self, store: Store, backend: IOBackend, pool: StagingPool, kind: str,
+             by_parts: bool = False) -> None:
+        """Register the pool with ``backend``, once: ``by_parts`` (a load), each buffer at its
+        first read; otherwise a pool of Options.pool_bytes at the backend's first use, which
+        faults in what the pool has not yet (faster pinned than not: docs/BENCH_LIMIT.md, "the
+        save's gap to the disk was page pinning"); a smaller one (sized to a small state) or
+        one grown for async saves (``fit``) only once it is resident: faulting it all first
+        slowed a small cold load and the async_save call after a grown pool (same page)."""
         if (kind in self._pinned or kind in self._unpinnable
                 or not store.capabilities.registered_buffers):
             return
-        if not pool.resident and pool is not self._read_pool and (
+        if not by_parts and not pool.resident and (
                 pool is self._grown_pool or pool.nbuffers < self._active.nbuffers):
             return
-        if backend.register_buffers(pool.whole_view()):
+        part_bytes = pool.buffer_bytes if by_parts else 0
+        if backend.register_buffers(pool.whole_view(), part_bytes=part_bytes):
             self._pinned.add(kind)
         else:
             self._unpinnable.add(kind)
@@ -138,15 +133,15 @@ class ReusedIOResources:
             self.lock.release()
 
     def _drop_pool(self) -> None:
-        """Free the pool only, stopping just the backends that pinned it (the others, and what
-        they learnt of their filesystem, stay); the next use makes a pool of its size."""
+        """Free the pool only, stopping the backends that pinned it (which forgets the pool;
+        they, and what they learnt of their filesystem, stay); the next use makes a pool of
+        its size."""
         pool, self._pool = self._pool, None
         for kind in self._pinned:
-            self._backends.pop(kind).shutdown()
+            self._backends[kind].shutdown()
         self._pinned.clear()
         self._unpinnable.clear()  # a backend may take the next pool (another size)
         self._grown_pool = None
-        self._read_pool = None
         if pool is not None:
             pool.close()
 
@@ -266,7 +261,6 @@ class ReusedIOResources:
         self._pinned.clear()
         self._unpinnable.clear()
         self._grown_pool = None
-        self._read_pool = None
         for backend in backends:
             backend.shutdown()
         if pool is not None:

@@ -60,7 +60,8 @@ def test_ranks_smoke(tmp_path):
 
 def test_ranks_restart_smoke(tmp_path):
     """--restart: ckptio.load with the defaults, a later load in the same processes, each
-    rank's read timeline, and fio's ceiling beside the project's where fio is installed."""
+    rank's read timeline, and fio's ceilings (its own file; ckptio's data files) beside the
+    project's where fio is installed."""
     out = tmp_path / "r.json"
     argv = ["--ranks", "2", "--gb", "0.004", "--reps", "1", "--idle", "0", "--dcp-threads", "1",
             "--loads", "same", "--restart", "--dir", str(tmp_path / "data"), "--timeout", "120",
@@ -75,6 +76,9 @@ def test_ranks_restart_smoke(tmp_path):
     (ceiling,) = [r for r in report["runs"] if r["job"] == "ceiling"]
     if shutil.which("fio"):
         assert ceiling["fio_read_s"] > 0 and report["summary"]["fio_read_s"] > 0
+        (files,) = [r for r in report["runs"] if r["job"] == "fio_files"]
+        assert files["read_bytes"] >= 0.004e9 and report["summary"]["fio_files_s"] > 0
+        assert report["summary"]["loads"][0]["fio_files_pct"] > 0
 
 
 def test_layout_helpers():

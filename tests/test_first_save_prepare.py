@@ -156,9 +156,9 @@ def test_the_prepared_pool_is_pinned_on_its_own_thread_once_resident(
     pinned_on: list[str] = []
     register = UringBackend.register_buffers
 
-    def recorded(self: UringBackend, view: memoryview) -> bool:
+    def recorded(self: UringBackend, view: memoryview, *, part_bytes: int = 0) -> bool:
         pinned_on.append(threading.current_thread().name)
-        return register(self, view)
+        return register(self, view, part_bytes=part_bytes)
 
     monkeypatch.setattr(UringBackend, "register_buffers", recorded)
     state = _state()

@@ -91,6 +91,38 @@ def test_registered_pool_buffers_round_trip(tmp_path: os.PathLike[str]) -> None:
         pool.close()
 
 
+def test_a_pool_registered_by_parts_pins_each_part_at_its_first_request(
+        tmp_path: os.PathLike[str]) -> None:
+    """register_buffers(part_bytes=): a request inside one part pins that part (once) and
+    takes the fixed opcode; one across two parts, or outside the pool, stays plain; the bytes
+    are right either way."""
+    from ckptio.io.uring import UringBackend
+
+    backend = UringBackend(depth=4, direct_io="auto")
+    pool = StagingPool(4, MiB, prefault=False)
+    whole = memoryview(pool._mapping)
+    try:
+        assert backend.register_buffers(whole, part_bytes=MiB)
+        path = os.path.join(tmp_path, "parts.bin")
+        data = bytes(range(256)) * (16 * 1024)  # 4 MiB
+        with open(path, "wb") as f:
+            f.write(data)
+        fh = backend.open_read(path)
+        assert backend.submit_read(fh, 0, whole[MiB:2 * MiB]).result(60) == MiB
+        assert backend._parts is not None and backend._parts.pinned == {1}
+        assert backend.submit_read(fh, MiB, whole[MiB // 2:MiB // 2 + MiB]).result(60) == MiB
+        assert backend.submit_read(fh, 0, whole[3 * MiB:]).result(60) == MiB
+        backend.close(fh, sync=False)
+        assert backend._parts.pinned == {1, 3}  # the straddling read pinned nothing
+        assert bytes(whole[MiB // 2:MiB // 2 + MiB]) == data[MiB:2 * MiB]
+        assert bytes(whole[3 * MiB:]) == data[:MiB]
+        assert backend._fixed_index(address_of(whole[3 * MiB:]), MiB) == 3
+        assert backend._fixed_index(address_of(whole[MiB // 2:]), MiB) == -1
+    finally:
+        backend.shutdown()
+        pool.close()
+
+
 def test_forced_off_falls_back_to_posix_and_logs_once() -> None:
     """With io_uring disabled, asking for it gives the POSIX backend and one warning naming why;
     the default ("auto") gives the POSIX backend without a warning (the one logged is uring's)."""

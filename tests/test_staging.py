@@ -9,6 +9,8 @@ exist; without growth, a state larger than the pool waits for the disk inside th
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -295,11 +297,13 @@ def test_a_load_makes_its_pool_before_it_plans_its_reads(tmp_path: os.PathLike[s
                                                           assert_same) -> None:
     """Issue 29 round three: a one-rank load makes its staging pool (sized to the stored bytes
     of the keys it asks for) as soon as the manifest is open, so the pool's background
-    pre-fault overlaps the planning; the reads then use that pool, made once."""
+    pre-fault overlaps the planning; the reads then use that pool, made once. Not a load
+    larger than the buffers it keeps in flight (2 x io_depth): it pins each buffer it cycles
+    through at its first read, no pre-fault (issue 51)."""
     from ckptio.io import stage
     from ckptio.loading import load_session
 
-    options = Options(buffer_bytes=MiB, pool_bytes=16 * MiB, io_depth=2, use_profile=False)
+    options = Options(buffer_bytes=MiB, pool_bytes=16 * MiB, io_depth=4, use_profile=False)
     state = _state(6 * MiB)
     ckptio.save(state, tmp_path / "c", options=options)
     made: list[int] = []
@@ -332,5 +336,12 @@ def test_a_load_makes_its_pool_before_it_plans_its_reads(tmp_path: os.PathLike[s
     other.load(tmp_path / "c", part, keys="w.t0")  # only the keys asked for: 1.5 MiB
     assert torch.equal(part["w"]["t0"], state["w"]["t0"])
     assert at_planning == [[2]] and made == [2]
+    made.clear()
+    at_planning.clear()
+    larger = Checkpointer(dataclasses.replace(options, io_depth=2))  # 6 MiB > 2 x 2 buffers
+    larger.load(tmp_path / "c", dest)
+    assert_same(dest, state)
+    assert at_planning == [[]] and len(made) == 1  # made by the reads, after the planning
     reader.close()
     other.close()
+    larger.close()

@@ -57,10 +57,11 @@ class IOBackend(Protocol):
         """Close, after fsync when ``sync`` (the data is durable when this returns)."""
         ...
 
-    def register_buffers(self, view: memoryview) -> bool:
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
         """Pin ``view`` (the whole staging pool) for transfers that skip per-request mapping
-        (io_uring fixed buffers); False where the backend has no such thing (then nothing
-        changes)."""
+        (io_uring fixed buffers); ``part_bytes`` > 0: each part of that size is pinned at the
+        first transfer inside it, not all at once. False where the backend has no such thing
+        (then nothing changes)."""
         ...
 
     def shutdown(self) -> None:

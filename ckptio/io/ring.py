@@ -33,12 +33,15 @@ OP_NOP, OP_READ_FIXED, OP_WRITE_FIXED, OP_READ, OP_WRITE = 0, 4, 5, 22, 23
 ENTER_GETEVENTS = 1
 FEAT_SINGLE_MMAP = 1
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
-REGISTER_BUFFERS, REGISTER_PROBE = 0, 8
+REGISTER_BUFFERS, REGISTER_PROBE, REGISTER_BUFFERS2, REGISTER_BUFFERS_UPDATE = 0, 8, 15, 16
+RSRC_REGISTER_SPARSE = 1
 MAX_REGISTERED = 1 << 30  # the kernel limits one registered buffer to 1 GiB
 
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # struct io_uring_sqe, 64 bytes
 _CQE = struct.Struct("<QiI")  # struct io_uring_cqe, 16 bytes
 _U32 = struct.Struct("<I")
+_RSRC = struct.Struct("<IIQQQ")  # struct io_uring_rsrc_register, 32 bytes
+_UPDATE = struct.Struct("<IIQQII")  # struct io_uring_rsrc_update2, 32 bytes
 _PARAMS = struct.Struct("<10I" + "8IQ" + "8IQ")  # io_uring_params: 120 bytes
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -142,6 +145,19 @@ class Ring:
         """Pin (address, nbytes) regions so READ_FIXED/WRITE_FIXED skip per-request page pinning."""
         iovecs = (ctypes.c_uint64 * (2 * len(regions)))(*[v for r in regions for v in r])
         _call(SYS_REGISTER, self.fd, REGISTER_BUFFERS, ctypes.cast(iovecs, ctypes.c_void_p), len(regions))
+
+    def register_sparse(self, slots: int) -> None:
+        """An empty table of ``slots`` fixed buffers, filled one by one with ``update_buffer``
+        (Linux >= 5.19)."""
+        rsrc = _RSRC.pack(slots, RSRC_REGISTER_SPARSE, 0, 0, 0)  # io_uring_rsrc_register
+        _call(SYS_REGISTER, self.fd, REGISTER_BUFFERS2, rsrc, len(rsrc))
+
+    def update_buffer(self, slot: int, address: int, nbytes: int) -> None:
+        """Pin the region (address, nbytes) as fixed buffer ``slot`` of a sparse table; requests
+        in flight on other slots go on meanwhile."""
+        iovec = (ctypes.c_uint64 * 2)(address, nbytes)
+        update = _UPDATE.pack(slot, 0, ctypes.addressof(iovec), 0, 1, 0)  # io_uring_rsrc_update2
+        _call(SYS_REGISTER, self.fd, REGISTER_BUFFERS_UPDATE, update, len(update))
 
     def close(self) -> None:
         for m in {id(m): m for m in (self._sqes, self._sq_map, self._cq_map)}.values():

@@ -60,6 +60,7 @@ class UringBackend:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self._registered: list[tuple[int, int]] = []  # (address, nbytes) per fixed buffer
+        self._parts: _Parts | None = None  # a region pinned part by part (register_buffers)
         self._stopping = False
         self._broken: str | None = None  # the reaper died: every later request fails at once
 
@@ -79,19 +80,27 @@ class UringBackend:
     def close(self, fh: FileHandle, *, sync: bool) -> None:
         self._files.close(fh, sync=sync)
 
-    def register_buffers(self, view: memoryview) -> bool:
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
         """Register ``view`` (e.g. the staging pool) as fixed buffers; later requests inside it
-        skip the kernel's per-request page pinning. False if the kernel refused (memlock limit)."""
+        skip the kernel's per-request page pinning. ``part_bytes``: pin each part of that size
+        at the first request inside it (a fresh pool is faulted in part by part beside the
+        requests in flight rather than all before the first; a sparse table). False if the
+        kernel refused (memlock limit, or no sparse tables before Linux 5.19)."""
         base = address_of(view)
-        regions = [(base + at, min(MAX_REGISTERED, len(view) - at))
-                   for at in range(0, len(view), MAX_REGISTERED)]
         with self._lock:
             ring = self._started()
             try:
-                ring.register_buffers(regions)
+                if part_bytes:
+                    parts = _Parts(base, len(view), min(part_bytes, MAX_REGISTERED))
+                    ring.register_sparse(parts.slots)
+                    self._parts = parts
+                else:
+                    regions = [(base + at, min(MAX_REGISTERED, len(view) - at))
+                               for at in range(0, len(view), MAX_REGISTERED)]
+                    ring.register_buffers(regions)
+                    self._registered = regions
             except OSError:
                 return False
-            self._registered = regions
         return True
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
@@ -127,6 +136,9 @@ class UringBackend:
         return request.future
 
     def _fixed_index(self, address: int, nbytes: int) -> int:
+        parts, ring = self._parts, self._ring
+        if parts is not None and ring is not None:
+            return parts.slot(ring, address, nbytes)
         for index, (base, size) in enumerate(self._registered):
             if base <= address and address + nbytes <= base + size:
                 return index
@@ -218,3 +230,41 @@ class UringBackend:
         with self._lock:
             ring.close()
             self._ring, self._reaper, self._registered, self._broken = None, None, [], None
+            self._parts = None
+
+
+@dataclass
+class _Parts:
+    """A region registered as a sparse table of ``part``-byte fixed buffers, each pinned at the
+    first request that lies within it; one the kernel refuses stays unpinned (plain requests)."""
+
+    base: int
+    nbytes: int
+    part: int
+    pinned: set[int] = field(default_factory=set)
+    refused: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def slots(self) -> int:
+        return -(-self.nbytes // self.part)
+
+    def slot(self, ring: Ring, address: int, nbytes: int) -> int:
+        """The fixed buffer holding [address, address + nbytes), pinned now if it is not yet;
+        -1 where none does."""
+        slot = (address - self.base) // self.part
+        start = self.base + slot * self.part
+        if address < self.base or address + nbytes > min(start + self.part, self.base + self.nbytes):
+            return -1
+        if slot in self.pinned:
+            return slot
+        with self.lock:
+            if slot not in self.pinned and slot not in self.refused:
+                try:
+                    ring.update_buffer(slot, start, min(self.part, self.base + self.nbytes - start))
+                    self.pinned.add(slot)
+                except OSError as exc:
+                    self.refused.add(slot)
+                    log.info("ckptio: io_uring did not pin part %d of the pool (%s); its "
+                             "requests map their pages one by one", slot, exc)
+        return slot if slot in self.pinned else -1

@@ -91,7 +91,8 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
         with resources.lock:
-            # a pool made now is faulted in by the reads: a pre-fault thread competed with them
+            # a pool made now is not pre-faulted: a buffer's pages fault in as the backend pins
+            # it at its first read (resources.files), or by that read (docs/BENCH_RESTART.md)
             pool, files = resources.files(store, _staged_nbytes(reads), copy_faults=True,
                                           reading=True)
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
@@ -187,15 +188,18 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
     """Make the pool a one-rank load of ``record``'s plain entries stages through now, sized to
     the stored bytes of the keys it asks for, so that its background pre-fault runs while the
     load plans its reads (before, a fresh process's load planned first and made its pool after:
-    docs/BENCH_LIMIT.md, "the cold small load"). The reads then find it large enough. Not
-    for many ranks (each reads a part) nor for regular or version-4 entries (what those
-    stage is known only once resolved)."""
+    docs/BENCH_LIMIT.md, "the cold small load"). The reads then find it large enough. Only
+    where those bytes fit in the buffers one load keeps in flight (2 x io_depth): a larger
+    load cycles through them, and pre-faulting the whole pool beside its reads slowed it more
+    than the pinning of each buffer at its first read (docs/BENCH_RESTART.md). Not for many
+    ranks (each reads a part) nor for regular or version-4 entries (what those stage is known
+    only once resolved)."""
     if (request.world_size != 1 or record.regular
             or any(t.coded or t.order for t in record.tensors)):
         return
     select = selector(request.keys)
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
-    if nbytes:
+    if 0 < nbytes <= 2 * resources.io_depth * resources.options.buffer_bytes:
         with resources.lock:
             resources.files(store, nbytes, reading=True)
 

@@ -400,7 +400,7 @@ class MemoryBackend:
         with self._lock:
             self._handles.pop(fh.token, None)
 
-    def register_buffers(self, view: memoryview) -> bool:
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
         """No fixed buffers here: every request maps its own."""
         return False
 

@@ -164,8 +164,8 @@ class FaultyBackend:
         if fail:
             raise injected_error("fsync", fh.path, 0, self.error)
 
-    def register_buffers(self, view: memoryview) -> bool:
-        return self.inner.register_buffers(view)
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
+        return self.inner.register_buffers(view, part_bytes=part_bytes)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

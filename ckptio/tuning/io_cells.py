@@ -170,7 +170,7 @@ class SyncBackend:
         finally:
             os.close(fh.token)
 
-    def register_buffers(self, view: memoryview) -> bool:
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
         """No fixed buffers here: every request maps its own."""
         return False
 

@@ -349,7 +349,7 @@ class S3Backend:
             refused = None if pinned is None else s3objects.refusal(status(exc), what, pinned)
             raise (refused or failed(what, exc)) from exc
 
-    def register_buffers(self, view: memoryview) -> bool:
+    def register_buffers(self, view: memoryview, *, part_bytes: int = 0) -> bool:
         """No fixed buffers here: every request maps its own."""
         return False
 
