@@ -3,8 +3,8 @@ fresh set of gloo processes, resharded loads (N -> 1, N -> 2N) against the same-
 
 Owns: the rank launcher (N fresh `python -m benchmarks.ranks --worker` processes joined over
 tcp://127.0.0.1), the timed collective save and cold load, and the bitwise check of every load
-against digests of the reference state. The sharded state is ranks_state.py's; the job list and
-the report are ranks_report.py's. Reuses (does not copy): state.py, engines.py (RSS, heap
+against digests of the reference state. The sharded state is ranks_state.py's; the engines
+ranks_engines.py's; the job list and the report ranks_report.py's. Reuses (does not copy): state.py, engines.py (RSS, heap
 release, disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker,
 medians, report helpers).
 
@@ -31,15 +31,16 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
-from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, save_engines, schedule,
-                                     summarize)
+from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, progress, save_engines,
+                                     schedule, summarize)
 from benchmarks.io_timeline import Timeline
+from benchmarks.ranks_engines import (ckptio_loader, ckptio_save, dcp_load, dcp_save,
+                                      raw_writer_save, tcp_load, tcp_save)
 from benchmarks.ranks_state import destination, local_digest, local_view, sharded_state, skeleton
 
 PREFIX = "ranks-"  # everything this driver creates under --dir starts with it
@@ -154,87 +155,6 @@ def timed(fn: Any, idle: float, reset_peak: bool = True) -> tuple[float, float, 
     barrier()
     seconds = time.perf_counter() - t0
     return seconds, (engines.status_kib("VmHWM") - before) / 1024, out
-
-
-def ckptio_save(state: Any, path: Path) -> None:
-    from benchmarks import engines
-
-    engines.ENGINES["ckptio"].save(state, path)  # durable + committed when it returns
-
-
-def raw_writer_save(share: int, rank: int) -> Any:
-    """The N-writer ceiling: this rank writes ``share`` bytes to its own file with O_DIRECT
-    (threads and buffers made here, before the clock), then fsyncs the file and directory."""
-    from ckptio.tuning import ceiling
-
-    writer = ceiling.Writer()
-
-    def save(state: Any, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        writer.write(path / f"raw-r{rank}.bin", share)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return save
-
-
-def dcp_save(threads: int) -> Any:
-    def save(state: Any, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        writer = dcp.FileSystemWriter(str(path), thread_count=threads, sync_files=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=writer)
-        os.sync()  # .metadata and the directory entries: sync_files fsyncs only the data files
-    return save
-
-
-def ckptio_loader(path: Path, warm_pool: bool) -> Any:
-    """ckptio.load with the engines' options (POSIX backend, no tuned profile) through its own
-    Checkpointer; with ``warm_pool`` its staging pool and I/O threads are made before the clock
-    (as in save_load.py, where the process saved before it loads)."""
-    import ckptio
-
-    from benchmarks import engines
-
-    checkpointer = ckptio.Checkpointer(engines._ckptio_options("posix"))
-    if warm_pool:
-        checkpointer.prepare(path)
-    return lambda path, dest: checkpointer.load(str(path), dest)
-
-
-def _tcp_manager() -> Any:
-    """torch_checkpointing's sync manager with buffered writes (its O_DIRECT writes of small
-    items fail on ext4: docs/BENCH_LOOP.md, section 9)."""
-    from torch_checkpointing import CheckpointManager
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-
-    config = CheckpointManager.Config.with_sync_save()
-    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
-    return config.build()
-
-
-def tcp_save(state: Any, path: Path) -> None:
-    """torch_checkpointing's save, then os.sync() (it has no fsync), as DCP's is timed."""
-    _tcp_manager().save(str(path), {"state": state})
-    os.sync()
-
-
-def tcp_load(path: Path, dest: Any) -> object:
-    _tcp_manager().load(str(path), into={"state": dest})
-    return None
-
-
-def dcp_load(path: Path, dest: Any) -> object:
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
-    return None
 
 
 def gather(value: Any) -> list[Any]:
@@ -466,44 +386,6 @@ def run_fio_files(ckpt: Path, rep: int) -> Run:
     if fio is None:
         return {"job": "fio_files", "rep": rep, "error": "fio is not installed"}
     return {"job": "fio_files", "rep": rep, **fio}
-
-
-def progress(run: Run) -> str:
-    head = f"[rep {run.get('rep', 0) + 1}] {run.get('job')} {run.get('engine', '')}"
-    if "error" in run:
-        return f"{head}: FAILED {run['error']}"
-    gb = run.get("bytes", 0) / 1e9
-    if run["job"] == "save":
-        return (f"{head} {run['ranks']} ranks: save {run['save_s']:.2f} s ({gb / run['save_s']:.2f} "
-                f"GB/s), 1st {run['first_save_s']:.2f} s, RSS+ {run['save_rss_mib']:.0f} MiB, "
-                f"wall {run['wall_s']:.1f} s")
-    if run["job"] == "load":
-        ok = "ok" if run["bitwise_ok"] else "MISMATCH"
-        return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
-                f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
-                f"wall {run['wall_s']:.1f} s{_disk(run)}{_later(run)}")
-    if run["job"] == "fio_files":
-        return (f"{head}: fio on ckptio's data files {run['read_s']:.2f} s "
-                f"({run['read_bytes'] / 1e9 / run['read_s']:.2f} GB/s)")
-    if run["job"] == "ceiling":
-        fio = f", fio read {run['fio_read_s']:.2f} s" if "fio_read_s" in run else ""
-        return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
-                f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s){fio}")
-    return f"{head}: {run}"
-
-
-def _later(run: Run) -> str:
-    lines = [f"\n    r{r}: first read {t['first_read_s'] or 0:.3f} s, last {t['last_read_s'] or 0:.3f} s, "
-             f"{t['read_bytes'] / 1e6:.0f} MB, {t['mid_gbps'] or 0:.2f} GB/s mid"
-             for r, t in enumerate(run.get("timelines", []))]
-    if "later_load_s" in run:
-        lines.append(f"\n    later load {run['later_load_s']:.2f} s")
-    return "".join(lines)
-
-
-def _disk(run: Run) -> str:
-    nbytes = run.get("disk_read_bytes")
-    return "" if nbytes is None else f", disk read {nbytes / 1e6:.0f} MB"
 
 
 def run_all(args: argparse.Namespace) -> list[Run]:

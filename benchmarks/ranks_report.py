@@ -1,5 +1,6 @@
 """The jobs of the many-rank benchmark (ranks.py) and the summary and markdown report of their
-runs: medians, GB/s, % of the disk ceiling, and the issue's targets checked.
+runs: medians, GB/s, % of the disk ceiling, and the issue's targets checked; the one-line
+progress of each run.
 
 Owns: which jobs a run holds (schedule) and how runs become tables. Does not own: running them.
 """
@@ -241,3 +242,41 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
         ("- bitwise: xxh3 of each rank's local tensors and every other leaf, against digests of "
         "the same region of the reference state (untimed)"), ""]
     return "\n".join(lines)
+
+
+def progress(run: Run) -> str:
+    head = f"[rep {run.get('rep', 0) + 1}] {run.get('job')} {run.get('engine', '')}"
+    if "error" in run:
+        return f"{head}: FAILED {run['error']}"
+    gb = run.get("bytes", 0) / 1e9
+    if run["job"] == "save":
+        return (f"{head} {run['ranks']} ranks: save {run['save_s']:.2f} s ({gb / run['save_s']:.2f} "
+                f"GB/s), 1st {run['first_save_s']:.2f} s, RSS+ {run['save_rss_mib']:.0f} MiB, "
+                f"wall {run['wall_s']:.1f} s")
+    if run["job"] == "load":
+        ok = "ok" if run["bitwise_ok"] else "MISMATCH"
+        return (f"{head} {run['saved_ranks']}->{run['ranks']}: load {run['load_s']:.2f} s "
+                f"({gb / run['load_s']:.2f} GB/s), RSS+ {run['load_rss_mib']:.0f} MiB, bitwise {ok}, "
+                f"wall {run['wall_s']:.1f} s{_disk(run)}{_later(run)}")
+    if run["job"] == "fio_files":
+        return (f"{head}: fio on ckptio's data files {run['read_s']:.2f} s "
+                f"({run['read_bytes'] / 1e9 / run['read_s']:.2f} GB/s)")
+    if run["job"] == "ceiling":
+        fio = f", fio read {run['fio_read_s']:.2f} s" if "fio_read_s" in run else ""
+        return (f"{head}: write {run['write_s']:.2f} s ({gb / run['write_s']:.2f} GB/s), read "
+                f"{run['read_s']:.2f} s ({gb / run['read_s']:.2f} GB/s){fio}")
+    return f"{head}: {run}"
+
+
+def _later(run: Run) -> str:
+    lines = [f"\n    r{r}: first read {t['first_read_s'] or 0:.3f} s, last {t['last_read_s'] or 0:.3f} s, "
+             f"{t['read_bytes'] / 1e6:.0f} MB, {t['mid_gbps'] or 0:.2f} GB/s mid"
+             for r, t in enumerate(run.get("timelines", []))]
+    if "later_load_s" in run:
+        lines.append(f"\n    later load {run['later_load_s']:.2f} s")
+    return "".join(lines)
+
+
+def _disk(run: Run) -> str:
+    nbytes = run.get("disk_read_bytes")
+    return "" if nbytes is None else f", disk read {nbytes / 1e6:.0f} MB"
