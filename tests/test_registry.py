@@ -262,3 +262,15 @@ def test_every_built_in_scheme_names_its_store_backend_and_step_root(tmp_path: P
         assert type(root_for(location, OPTS)).__name__ == root
     assert scheme_for("shm://x").backend == "local" and scheme_for("s3://b/p").backend == "s3"
     assert {"file", "shm", "mem", "s3"} <= set(registered_schemes())
+
+
+def test_arguments_swapped_get_a_ckpt_error_naming_the_order(tmp_path: Path) -> None:
+    """ckptio.save(path, state) / ckptio.load(state, path), a common slip (torch.save takes the
+    object first, DCP's load the state first): a CkptError saying which goes where, and
+    nothing written."""
+    state = {"w": torch.ones(3)}
+    with pytest.raises(ckptio.CkptError, match=r"not a dict: the state goes first in ckptio\.save"):
+        ckptio.save(str(tmp_path / "ck"), state)  # type: ignore[arg-type]
+    with pytest.raises(ckptio.CkptError, match=r"second in ckptio\.load\(path, state\)"):
+        ckptio.load(state, str(tmp_path / "ck"))  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

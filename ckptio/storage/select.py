@@ -201,6 +201,11 @@ def scheme_of(location: str) -> str | None:
 
 
 def _text(path: str | os.PathLike[str]) -> str:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise CkptError(
+            f"a checkpoint location is a path or URL (str or os.PathLike), not a "
+            f"{type(path).__name__}: the state goes first in ckptio.save(state, path) and "
+            "second in ckptio.load(path, state)")
     text = os.fspath(path)
     return os.fsdecode(text) if isinstance(text, bytes) else text
 
