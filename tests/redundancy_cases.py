@@ -57,6 +57,21 @@ def _play_host(rank: int, per_host: int, base: str) -> None:
     os.makedirs(host_dir(base, rank // per_host), exist_ok=True)  # the host's tmpfs
 
 
+def train_racks(rank: int, world: int, base: str, disk: str, racks: int, spec: str,
+                steps: int) -> dict[str, Any]:
+    """train() with one rank per host and the hosts in ``racks`` failure domains (host h in rack
+    h * racks // world: the first hosts share a rack, as a scheduler fills one rack first)."""
+    os.environ["CKPTIO_FAILURE_DOMAIN"] = f"rack{rank * racks // world}" if racks else ""
+    return train(rank, world, base, disk, 1, spec, steps)
+
+
+def restore_racks(rank: int, world: int, base: str, disk: str, racks: int,
+                  spec: str) -> dict[str, Any]:
+    """restore() as train_racks() placed the ranks."""
+    os.environ["CKPTIO_FAILURE_DOMAIN"] = f"rack{rank * racks // world}" if racks else ""
+    return restore(rank, world, base, disk, 1, spec)
+
+
 def _spec(name: str) -> Any:
     kind, _, n = name.partition("-")
     return ckptio.Partners(int(n)) if kind == "partners" else ckptio.Parity(k=int(n))

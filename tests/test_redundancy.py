@@ -31,10 +31,12 @@ from tests.redundancy_cases import (
     restore_broken,
     restore_paced,
     restore_deltas,
+    restore_racks,
     train,
     train_budget,
     train_burst,
     train_deltas,
+    train_racks,
 )
 
 TIMEOUT = 240
@@ -145,7 +147,55 @@ def test_topology_rules_and_refusals():
         ckptio.Parity(k=0)
 
 
+def test_failure_domains_interleave_the_hosts_or_are_refused():
+    """CKPTIO_FAILURE_DOMAIN: hosts numbered with the racks interleaved, so each rank's partner
+    and each parity group's hosts are in other racks; a group that cannot be spread is refused
+    naming the hosts and their rack; domains given by some hosts only, or differing within a
+    host, are refused."""
+    topo = Topology.from_ids(list("abcd"), ["r1", "r1", "r2", "r2"])
+    assert topo.ids == ("a", "c", "b", "d") and topo.domains == ("r1", "r2", "r1", "r2")
+    assert topo.partners(0, 1) == [2] and topo.partners(2, 1) == [1]  # a -> c, c -> b
+    topo.check_domains(topo.partner_groups(1), "ckptio.Partners(1)")
+    topo.check_domains(topo.groups(1), "ckptio.Parity(k=1)")  # (a, c), (b, d)
+    with pytest.raises(CkptError, match=r"Parity\(k=3\): host 0 \(a, rank 0, domain r1\) and "
+                       r"host 2 \(b, rank 1, domain r1\).*2 domain\(s\) for 4 hosts"):
+        topo.check_domains(topo.groups(3), "ckptio.Parity(k=3)")
+    with pytest.raises(CkptError, match="in one failure domain"):
+        topo.check_domains(topo.partner_groups(2), "ckptio.Partners(2)")
+    uneven = Topology.from_ids(list("abcdef"), ["r1", "r1", "r1", "r2", "r2", "r3"])
+    assert uneven.domains == ("r1", "r2", "r1", "r2", "r1", "r3")
+    uneven.check_domains(uneven.partner_groups(1), "ckptio.Partners(1)")
+    plain = Topology.from_ids(list("abcd"), ["", "", "", ""])  # none given: rank order
+    assert plain.ids == ("a", "b", "c", "d") and plain.domains == ()
+    plain.check_domains(plain.groups(3), "ckptio.Parity(k=3)")
+    with pytest.raises(CkptError, match="CKPTIO_FAILURE_DOMAIN: host b .* on none"):
+        Topology.from_ids(list("abcd"), ["r1", "", "r2", "r2"])
+    with pytest.raises(CkptError, match=r"host a \(ranks 0-1\) gives \['r1', 'r2'\]"):
+        Topology.from_ids(list("aabb"), ["r1", "r2", "r2", "r2"])
+
+
 # ------------------------------------------------------------------ a lost host, restored
+
+
+@pytest.mark.parametrize("racks", [2, 0], ids=["domains", "no-domains"])
+def test_a_lost_rack_with_failure_domains_restores_from_memory(base, tmp_path, racks):
+    """4 hosts in 2 racks (hosts 0-1, 2-3), Partners(1), 3 steps; then both hosts of rack 0
+    are wiped. With the racks given, each rank's copy is in the other rack: every rank is back
+    at step 3 from memory, bitwise. Without them (the control), rank 0's copy was on host 1,
+    lost with it: the job goes back to the disk tier's step 2 (ranks 2-3 still hold it in
+    memory)."""
+    disk = str(tmp_path / "disk")
+    trained = run_ranks(4, train_racks, base, disk, racks, "partners-1", 3, timeout_s=TIMEOUT)
+    _wipe(base, 0)
+    _wipe(base, 1)
+    restored = run_ranks(4, restore_racks, base, disk, racks, "partners-1", timeout_s=TIMEOUT)
+    if racks:
+        _check_restored(trained, restored, 3)
+        assert [r["how"]["source"] for r in restored] == ["partner", "partner", "own", "own"]
+        assert all(r["how"]["tier"] == 0 for r in restored)
+    else:
+        _check_restored(trained, restored, 2)
+        assert [r["how"]["tier"] for r in restored] == [1, 1, 0, 0]  # ranks 2-3: own memory
 
 
 def test_protection_behind_skips_to_the_newest_step_then_restores_it(base, tmp_path):
@@ -442,3 +492,13 @@ def test_memory_budget_counts_the_copies_held_for_other_hosts(base, tmp_path, sp
         assert r["saved"] == [1, 2], r
         assert "does not fit" in r["error"] and "of copies/parity for other hosts" in r["error"]
         assert f"redundancy={how}" in r["error"], r["error"]
+
+
+def test_a_parity_group_that_cannot_be_spread_over_the_racks_is_refused(base, tmp_path):
+    """Parity(k=3) over 4 hosts in 2 racks: one group of 4 hosts needs 4 racks. Every rank's
+    manager refuses at construction, naming two hosts of one rack; nothing is saved."""
+    disk = str(tmp_path / "disk")
+    with pytest.raises(RanksFailed, match=r"Parity\(k=3\): host \d .*domain rack0\) and host "
+                       r"\d .*domain rack0\).*2 domain\(s\) for 4 hosts"):
+        run_ranks(4, train_racks, base, disk, 2, "parity-3", 1, timeout_s=TIMEOUT)
+    assert not os.path.exists(disk)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
 from ckptio.tiering import marks, peers
-from ckptio.tiering.topology import Topology, host_id
+from ckptio.tiering.topology import Topology, domain_id, host_id
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
 from ckptio.tiering.redundancy import Partners
@@ -64,7 +64,8 @@ class Guard:
         self.peer_timeout_s = peer_timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.topology = Topology.from_ids(peers.all_gather_json(self.control, host_id()))
+        placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
+        self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)

@@ -88,8 +88,9 @@ class Protector:
         self._lock = self._worker.lock
         if isinstance(spec, Partners):
             topology.partners(rank, spec.n)  # refused here if the hosts are too few
+            topology.check_domains(topology.partner_groups(spec.n), f"ckptio.Partners({spec.n})")
         else:
-            topology.groups(spec.k)
+            topology.check_domains(topology.groups(spec.k), f"ckptio.Parity(k={spec.k})")
 
     def submit(self, step: int) -> None:
         """``step`` committed in this rank's memory: protect it (in order). CkptError after

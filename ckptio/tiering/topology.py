@@ -8,12 +8,17 @@ are numbered in the order of their lowest rank, and every host must run the same
 ranks. **Partners(n)**: rank (host h, local l) is copied to (host (h+j) mod H, local l),
 j = 1..n. **Parity(k)** (RAID-5-like, rotating): groups of k + 1 (up to 2k + 1) consecutive
 hosts, each host holding one parity piece of 1/k of a shard, none covering its own host: any
-one lost host per group is rebuilt. The formulas, uneven host counts and what is refused:
-docs/BEHAVIOUR.md, "ckptio.tiering.topology".
+one lost host per group is rebuilt. **Failure domains** (``$CKPTIO_FAILURE_DOMAIN``: a rack, a
+switch, hosts that fail together): the hosts are numbered with the domains interleaved, so a
+rank's partners and a parity group's hosts fall in other domains; a placement that still puts
+two hosts of one group (a rank and its copies, or a parity group) in one domain is refused.
+The formulas, uneven host counts and what is refused: docs/BEHAVIOUR.md,
+"ckptio.tiering.topology".
 
-Call order: ``host_id()`` on every rank -> the ids gathered from every rank (a collective, the
+Call order: ``host_id()`` and ``domain_id()`` on every rank -> the ids gathered from every rank (a collective, the
 caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement methods (``partners``,
-``groups``, ``position``, ``contributed``, ``holder_of``), pure, alike on every rank.
+``groups``, ``position``, ``contributed``, ``holder_of``), pure, alike on every rank;
+``check_domains`` once, where the protection starts.
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
@@ -24,15 +29,17 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptio.errors import CkptError
 from ckptio.storage import holder
 
-__all__ = ["HOST_ID_ENV", "Topology", "host_id"]
+__all__ = ["DOMAIN_ENV", "HOST_ID_ENV", "Topology", "domain_id", "host_id"]
 
 HOST_ID_ENV = "CKPTIO_HOST_ID"
+DOMAIN_ENV = "CKPTIO_FAILURE_DOMAIN"
 
 
 def host_id() -> str:
@@ -44,27 +51,43 @@ def host_id() -> str:
     return explicit or f"{socket.gethostname()}:{holder.boot_id()}"
 
 
+def domain_id() -> str:
+    """This host's failure domain: ``$CKPTIO_FAILURE_DOMAIN`` (any string naming hosts that
+    fail together: a rack, a switch, a power feed), or "" where none is given."""
+    return os.environ.get(DOMAIN_ENV, "").strip()
+
+
 @dataclass(frozen=True)
 class Topology:
-    """The hosts of a job: ``hosts[h]`` the ranks on host h (ascending), ``ids[h]`` its id."""
+    """The hosts of a job: ``hosts[h]`` the ranks on host h (ascending), ``ids[h]`` its id,
+    ``domains[h]`` its failure domain (empty: none given)."""
 
     hosts: tuple[tuple[int, ...], ...]
     ids: tuple[str, ...]
+    domains: tuple[str, ...] = ()
 
     @classmethod
-    def from_ids(cls, ids_by_rank: Sequence[str]) -> Topology:
-        """From every rank's host id (index = rank). CkptError if hosts run unequal counts."""
+    def from_ids(cls, ids_by_rank: Sequence[str],
+                 domains_by_rank: Sequence[str] | None = None) -> Topology:
+        """From every rank's host id (index = rank), and its failure domain if any: hosts in
+        the order of their lowest rank, or with the domains interleaved. CkptError if hosts run
+        unequal counts, or give domains that disagree or only some hosts give one."""
         order: dict[str, list[int]] = {}
         for rank, hid in enumerate(ids_by_rank):
             order.setdefault(hid, []).append(rank)
-        topo = cls(tuple(tuple(r) for r in order.values()), tuple(order))
-        counts = {len(r) for r in topo.hosts}
+        hosts, ids = [tuple(r) for r in order.values()], list(order)
+        counts = {len(r) for r in hosts}
         if len(counts) > 1:
-            listed = ", ".join(f"{hid}: {len(r)}" for hid, r in zip(topo.ids, topo.hosts))
+            listed = ", ".join(f"{hid}: {len(r)}" for hid, r in zip(ids, hosts))
             raise CkptError(f"redundancy across hosts needs the same number of ranks on every "
                             f"host (LOCAL_WORLD_SIZE); ranks per host: {listed}. Run as many "
                             f"ranks on each host, or set {HOST_ID_ENV} to group them evenly")
-        return topo
+        domains = _host_domains(hosts, ids, domains_by_rank)
+        if not domains:
+            return cls(tuple(hosts), tuple(ids))
+        spread = _interleaved(domains)
+        return cls(tuple(hosts[h] for h in spread), tuple(ids[h] for h in spread),
+                   tuple(domains[h] for h in spread))
 
     @property
     def size(self) -> int:
@@ -85,10 +108,27 @@ class Topology:
         return self.hosts[host % self.size][local]
 
     def describe(self, host: int) -> str:
-        """``host 1 (id, ranks 2-3)`` for messages."""
+        """``host 1 (id, ranks 2-3[, domain rack1])`` for messages."""
         ranks = self.hosts[host]
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-        return f"host {host} ({self.ids[host]}, {span})"
+        domain = f", domain {self.domains[host]}" if self.domains else ""
+        return f"host {host} ({self.ids[host]}, {span}{domain})"
+
+    def check_domains(self, groups: Sequence[Sequence[int]], what: str) -> None:
+        """CkptError if two hosts of one group (host indices) share a failure domain."""
+        for group in groups if self.domains else ():
+            seen: dict[str, int] = {}
+            for host in group:
+                other = seen.setdefault(self.domains[host], host)
+                if other != host:
+                    count = len(set(self.domains))
+                    raise CkptError(
+                        f"{what}: {self.describe(other)} and {self.describe(host)} would hold "
+                        f"parts of one group (a rank and its copies, or a parity group of "
+                        f"{len(group)} hosts) in one failure domain, which can fail at once; "
+                        f"{count} domain(s) for {self.size} hosts. Give each group as many "
+                        f"domains as hosts (spread {DOMAIN_ENV} over more racks), or fewer "
+                        "copies / a smaller parity group, or leave the domains out")
 
     # ------------------------------------------------------------ partner copies
 
@@ -100,6 +140,10 @@ class Topology:
                             "is on its own host")
         h, local = self.host_of(rank), self.local_of(rank)
         return [self.rank_at(h + j, local) for j in range(1, n + 1)]
+
+    def partner_groups(self, n: int) -> list[tuple[int, ...]]:
+        """Each host with the n hosts holding its ranks' copies (for check_domains)."""
+        return [tuple((h + j) % self.size for j in range(n + 1)) for h in range(self.size)]
 
     def partnered(self, rank: int, n: int) -> list[int]:
         """The ranks whose copies ``rank`` holds (j-th: the one it is j-th partner of)."""
@@ -139,3 +183,36 @@ class Topology:
     def holder_of(i: int, h: int, n: int) -> int:
         """The position whose parity piece covers piece ``i`` of the member at position h."""
         return (h + 1 + i) % n
+
+
+def _host_domains(hosts: Sequence[tuple[int, ...]], ids: Sequence[str],
+                  by_rank: Sequence[str] | None) -> list[str]:
+    """Each host's failure domain ([]: none given on any rank)."""
+    if by_rank is None or not any(by_rank):
+        return []
+    domains = []
+    for ranks, hid in zip(hosts, ids):
+        found = {by_rank[r] for r in ranks}
+        if len(found) > 1 or "" in found:
+            raise CkptError(
+                f"{DOMAIN_ENV}: host {hid} (ranks {ranks[0]}-{ranks[-1]}) gives "
+                f"{sorted(found)!r}; set it to the same non-empty value on every rank of every "
+                "host (its rack or switch), or on none")
+        domains.append(found.pop())
+    return domains
+
+
+def _interleaved(domains: Sequence[str]) -> list[int]:
+    """Host indices with the domains interleaved: each next host from the domain with the most
+    hosts left (first seen on a tie), never the previous host's domain while another has one."""
+    left: dict[str, deque[int]] = {}
+    for host, domain in enumerate(domains):
+        left.setdefault(domain, deque()).append(host)
+    order: list[int] = []
+    last = None
+    while len(order) < len(domains):
+        ready = [d for d, q in left.items() if q]
+        pick = max([d for d in ready if d != last] or ready, key=lambda d: len(left[d]))
+        order.append(left[pick].popleft())
+        last = pick
+    return order
