@@ -20,7 +20,7 @@ import torch
 
 from ckptio import packed, stepmeta
 from ckptio.distributed import collective, loadsteps
-from ckptio.distributed.dist import Group, Solo, current_group, over_torch
+from ckptio.distributed.dist import Group, Solo, current_group, over_torch, piece_of
 from ckptio.errors import CkptError
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
@@ -203,10 +203,13 @@ class Checkpointer:
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
                                      block_nbytes=self._resources.block_nbytes)
+        piece = piece_of(current_group(process_group))
+        meta = {**save_session.default_meta(), **(user_meta or {}),
+                **({} if piece is None else {"piece": {"rank": piece[0], "world_size": piece[1]}})}
         context = save_session.SaveContext(
             group=group, store=store, options=self.options,
             resources=self._resources, cleanup=self._resources.cleanup, memory=self._memory(group),
-            plan_cache=self._plan_cache, meta={**save_session.default_meta(), **(user_meta or {})},
+            plan_cache=self._plan_cache, meta=meta, piece=piece is not None,
             block_nbytes=self._resources.block_nbytes,
             allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), after_step=after_step, started=started,

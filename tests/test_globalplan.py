@@ -110,6 +110,19 @@ def test_missing_or_overlapping_shards_are_refused_before_writing():
         plan_global(overlap)
 
 
+def test_a_piece_may_miss_shards_but_not_overlap():
+    """One rank's piece of a job's state (the memory tier with redundancy) holds its shards
+    only: its missing rows are the other ranks' pieces; overlapping shards stay refused."""
+    mine = [rank_plan(0, [item("w", 16, Chunk((0, 0), (4, 4)), (8, 4))], sharded={"w"})]
+    assert plan_global(mine, piece=True).assignments[0].writes == (0,)
+    with pytest.raises(PlanConflict, match="missing"):
+        plan_global(mine)  # not a piece: refused as before
+    twice = [rank_plan(0, [item("w", 24, Chunk((0, 0), (6, 4)), (8, 4)),
+                           item("w", 16, Chunk((4, 0), (4, 4)), (8, 4))], sharded={"w"})]
+    with pytest.raises(PlanConflict, match="overlap"):
+        plan_global(twice, piece=True)
+
+
 def test_a_key_that_is_a_tensor_here_and_a_value_there_is_refused():
     plans = [rank_plan(0, [item("x", 4)]), rank_plan(1, [], objects=[ObjectEntry("x", ["none", None])])]
     with pytest.raises(PlanConflict, match="tensor on rank 0 but a none on rank 1"):

@@ -73,9 +73,10 @@ class Agreement:
 
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
-          path: str, reuse: bool) -> Agreement:
+          path: str, reuse: bool, piece: bool = False) -> Agreement:
     """Collective step. ``reuse``: this rank's layout is unchanged since its last save (plan
-    cache hit), so only digests and objects are sent. Raises on every rank if any rank failed."""
+    cache hit), so only digests and objects are sent. ``piece``: one rank's piece of a job's
+    state (its shards need not cover their tensors). Raises on every rank if any rank failed."""
     # The plan cache matched the tensors; values of other kinds (numpy, bytes, pickled) may
     # have changed size or kind, and the tree its shape: all must match the last plan.
     reuse = (reuse and mine is not None and memory.tree == mine.tree
@@ -85,7 +86,7 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     memory.items = mine.items if mine is not None else {}
     memory.regular = mine.regular if mine is not None else None
     if group.size == 1:
-        return _agree_alone(mine, error, memory, reuse)
+        return _agree_alone(mine, error, memory, reuse, piece)
     message = None
     if mine is not None:
         try:
@@ -141,7 +142,7 @@ def _forget(memory: Memory) -> None:
 
 
 def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Memory,
-                 reuse: bool) -> Agreement:
+                 reuse: bool, piece: bool) -> Agreement:
     """One process: the same decisions, without messages."""
     if mine is None:
         memory.last = None
@@ -150,7 +151,7 @@ def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Mem
         memory.reused += 1
         global_plan = dataclasses.replace(memory.last[1], objects=objects_of([mine]))
     else:
-        global_plan = plan_global([mine])
+        global_plan = plan_global([mine], piece=piece)
         memory.last = (frozenset(), global_plan)
     return Agreement(new_save_id(), global_plan.assignments[0], (mine,), global_plan)
 

@@ -8,8 +8,12 @@ exchanging bytes through the job's rendezvous store with deadlines (storegroup.p
 never goes through NCCL or gloo, no process group is made, and a save's background thread never
 shares a communicator with the training loop.
 
-Owns: choosing the group. Does not own: moving bytes (storegroup.py) or what they say
-(wire.py).
+A one-rank group marked a **piece** (``mark_piece``: the memory tier with redundancy,
+tiering/guard.py) saves this rank's piece of a job's state: the DTensor shards it holds, placed
+in their global tensors, which the other ranks' pieces complete.
+
+Owns: choosing the group, and which one-rank groups save pieces. Does not own: moving bytes
+(storegroup.py) or what they say (wire.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,21 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "over_torch"]
+__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of"]
+
+_pieces: dict[int, tuple[Any, int, int]] = {}  # id(group) -> (group, job rank, job world size)
+
+
+def mark_piece(group: Any, rank: int, world_size: int) -> None:
+    """Saves over the one-rank torch process group ``group`` write rank ``rank``'s piece of a
+    ``world_size``-rank job's state (kept referenced: its id stays its own)."""
+    _pieces[id(group)] = (group, rank, world_size)
+
+
+def piece_of(group: Any) -> tuple[int, int] | None:
+    """(job rank, job world size) where saves over ``group`` write a piece, else None."""
+    found = _pieces.get(id(group)) if group is not None else None
+    return None if found is None or found[0] is not group else (found[1], found[2])
 
 
 class Group(Protocol):

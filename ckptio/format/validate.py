@@ -82,8 +82,8 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
         c, raw, world_size, {f.name: f for f in files})
     tree = c.field(raw, "tree", "manifest")
     _check_keys(c, tensors, objects, aliases, tree, tuple(r.key for r in regulars))
-    _check_tilings(c, tensors)
     meta = c.field(raw, "meta", "manifest")
+    _check_tilings(c, tensors, whole=not _is_piece(c, meta, world_size))
     return Manifest(
         version=version, save_id=c.str(c.field(raw, "save_id", "manifest"), "save_id"),
         checksum_algorithm=algorithm, world_size=world_size, files=files, tensors=tensors,
@@ -273,9 +273,25 @@ def _check_shared_bytes(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
                      f"of data file {file}")
 
 
-def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
+def _is_piece(c: Check, meta: object, world_size: int) -> bool:
+    """Whether the manifest is one rank's piece of a job's state (``meta.piece``: {"rank",
+    "world_size"} of the job; a one-rank save of the memory tier with redundancy)."""
+    piece = meta.get("piece") if isinstance(meta, dict) else None
+    if piece is None:
+        return False
+    if not isinstance(piece, dict) or world_size != 1:
+        raise c.fail("meta.piece must be {\"rank\": r, \"world_size\": w} in a one-rank manifest")
+    rank = c.int(c.field(piece, "rank", "meta.piece"), "meta.piece rank")
+    if not 0 <= rank < c.int(c.field(piece, "world_size", "meta.piece"), "meta.piece world_size"):
+        raise c.fail(f"meta.piece: rank {rank} is not below its world_size")
+    return True
+
+
+def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...], whole: bool) -> None:
     """Each key's global chunks tile its shape: every element in exactly one chunk (a load
-    fills the whole tensor; a shape larger than its chunks is refused before any allocation)."""
+    fills the whole tensor; a shape larger than its chunks is refused before any allocation).
+    A piece (not ``whole``) holds some of each tensor: its chunks hold no more elements than
+    the shape (a load of a region they miss is refused, loading/read.py)."""
     chunks: dict[str, list[Chunk]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for t in tensors:
@@ -283,6 +299,14 @@ def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...]) -> None:
             chunks.setdefault(t.key, []).append(t.chunk)
             shapes[t.key] = t.shape
     for key, of_key in chunks.items():
+        if not whole:
+            held, total = sum(ch.numel for ch in of_key), 1
+            for d in shapes[key]:
+                total *= d
+            if held > total:
+                raise c.fail(f"tensor {show(key)}: its chunks hold {held} of the {total} "
+                             "elements of its shape (chunks overlap)")
+            continue
         problem = tiling_problem(of_key, shapes[key])
         if problem is not None:
             raise c.fail(f"tensor {show(key)}: {problem}")

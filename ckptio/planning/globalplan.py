@@ -76,9 +76,11 @@ class PlanConflict(CkptError):
     """Ranks disagree about the state (dtypes, shapes, ties, tree structure)."""
 
 
-def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) -> GlobalPlan:
+def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None,
+                piece: bool = False) -> GlobalPlan:
     """Decide every rank's writes; raise PlanConflict naming keys and ranks on disagreement.
-    ``own``: per_rank_keys(ranks), when the caller has it already."""
+    ``own``: per_rank_keys(ranks), when the caller has it already; ``piece``: one rank's piece
+    of a job's state, whose shards need not cover their tensors (they must not overlap)."""
     _check_kinds(ranks)
     check_regular(ranks, PlanConflict)
     _check_tensor_or_value(ranks)
@@ -104,7 +106,7 @@ def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) ->
                 group_key = (item.key,)
             group = groups.setdefault(group_key, _Group(item.nbytes, item))
             group.holders.append((plan.rank, index))
-    _check_coverage(groups)
+    _check_coverage(groups, piece)
     ordered = sorted(groups.items(), key=lambda kv: -kv[1].nbytes)  # stable: first-seen order
     for _key, group in ordered:
         if len(group.holders) == 1:
@@ -117,10 +119,11 @@ def plan_global(ranks: Sequence[RankPlan], own: frozenset[str] | None = None) ->
     return GlobalPlan(assignments, objects_of(ranks), aliases, merge_trees([p.tree for p in ranks]))
 
 
-def _check_coverage(groups: dict[tuple[object, ...], _Group]) -> None:
+def _check_coverage(groups: dict[tuple[object, ...], _Group], piece: bool) -> None:
     """The distinct regions of each global tensor add up to exactly its elements (fewer: a
-    rank's shard is missing or misplaced; more: regions overlap), checked before anything is
-    written rather than found by a load after the previous checkpoint is gone."""
+    rank's shard is missing or misplaced, allowed in a ``piece``; more: regions overlap),
+    checked before anything is written rather than found by a load after the previous
+    checkpoint is gone."""
     covered: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for group in groups.values():
@@ -131,7 +134,7 @@ def _check_coverage(groups: dict[tuple[object, ...], _Group]) -> None:
         total = 1
         for d in shapes[key]:
             total *= d
-        if count != total:
+        if count != total and not (piece and count < total):
             raise PlanConflict(
                 f"key {key!r}: the ranks' distinct shards hold {count} elements of a tensor of "
                 f"{total} (shape {shapes[key]}); {'a shard is missing or misplaced' if count < total else 'shards overlap'}"

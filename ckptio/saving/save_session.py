@@ -105,6 +105,7 @@ class SaveContext:
     previous_error: BaseException | None = None  # the last save's, unseen: this one fails
     grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
+    piece: bool = False  # this rank's piece of a job's state (dist.mark_piece): shards alone
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,8 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
                                    regular=ctx.packing is None)
     except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
         error = exc
-    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse)
+    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse,
+                                 piece=ctx.piece)
     return plan, sources, agreement
 
 

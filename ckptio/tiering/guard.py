@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptio.distributed.dist import mark_piece
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
 from ckptio.tiering import marks, peers
@@ -67,6 +68,7 @@ class Guard:
         placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
+        mark_piece(self.single, self.rank, dist.get_world_size())  # its shards of DTensors
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
         self.protector: Protector | None = None
