@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError, PickleRefusedError
+from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
@@ -164,6 +164,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
             raise
         return _trusted_torch_load(store, file, state)
     record, plain = opened.record, read_fn(resources, store)
+    _check_piece(record, store.location)
     _stage_early(resources, store, record, request)
     read = read_fn(resources, store, record, verify=request.verify)
     record = expand_torch_save(record, read, where=store.location,
@@ -182,6 +183,26 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
     return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
                          cast=request.cast, allow_pickle=request.allow_pickle,
                          agree_unexpected=request.agree_unexpected, **where)
+
+
+def _check_piece(record: Manifest, where: str) -> None:
+    """A piece of a job's state (``meta.piece``: a one-rank step of a tier with redundancy)
+    loads only into the rank that saved it, in a job of as many ranks: refused otherwise,
+    before anything is read."""
+    piece = record.meta.get("piece")
+    if not isinstance(piece, dict):
+        return
+    dist = torch.distributed
+    on = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    if (rank, world) != (piece.get("rank"), piece.get("world_size")):
+        raise StateMismatchError(
+            f"{where}: rank {piece.get('rank')}'s piece of a {piece.get('world_size')}-rank "
+            f"job's state (a tier with redundancy keeps each rank's own shards), and this is "
+            f"rank {rank} of {world}: it loads only into that rank of a job of as many ranks, "
+            "on the layout that saved it (CheckpointManager.restore does). A restart on "
+            "another number of ranks cannot restore these tiers yet: restart with "
+            f"{piece.get('world_size')} ranks")
 
 
 def _stage_early(resources: IOResources, store: Store, record: Manifest, request: LoadRequest) -> None:
