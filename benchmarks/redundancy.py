@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lost", type=int, default=1, help="the host wiped")
     p.add_argument("--disk-restores", default="off,parity", help="engines whose runs also "
                    "time a restore with every host's memory wiped (from the disk tier)")
+    p.add_argument("--sharded", action="store_true", help="a Shard(0) DTensor state of --gb "
+                   "per rank (FSDP2's layout), no training compute; engines off/partners/parity")
     p.add_argument("--mode", choices=("auto", "netns", "simulated"), default="auto")
     p.add_argument("--link-gbit", type=float, help="each host's outgoing link limited to this "
                    "many Gbit/s (tc tbf on its veth; netns mode only)")
@@ -72,7 +74,7 @@ def _counts(args: argparse.Namespace) -> list[int]:
 def _cfg(args: argparse.Namespace, engine: str, work: Path) -> dict[str, Any]:
     return {"engine": engine, "gb": args.gb, "steps": args.steps, "every": args.every,
             "k": args.k, "batch": args.batch, "seq": args.seq, "seed": args.seed,
-            "asynchronous": args.asynchronous, "dir": str(work)}
+            "asynchronous": args.asynchronous, "dir": str(work), "sharded": args.sharded}
 
 
 def _bytes_under(root: str) -> int:

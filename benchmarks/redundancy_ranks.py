@@ -52,7 +52,10 @@ def _manager(cfg: dict[str, Any]) -> Any:
         return ckptio.CheckpointManager(tiers=[
             ckptio.Tier("shm://run", keep_last=1, redundancy=redundancy),
             ckptio.Tier(str(disk), every=cfg["every"], keep_last=1)])
+    from ckptio.distributed.dist import mark_piece
+
     mine, _all = dist.new_subgroups(group_size=1)
+    mark_piece(mine, dist.get_rank(), dist.get_world_size())  # a sharded state's own shards
     tag = f"r{dist.get_rank():05d}"
     return ckptio.CheckpointManager(tiers=[
         ckptio.Tier(f"shm://run/{tag}", keep_last=1),
@@ -98,18 +101,61 @@ def _protect_seconds(mgr: Any, seen: dict[int, float]) -> None:
         seen[newest] = took
 
 
-def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from benchmarks.engines import release_free_heap, reset_peak_rss, status_kib
+def _gpt_job(rank: int, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """Each rank's own GPT: (step(i): one training step, state(i): what it checkpoints)."""
     from benchmarks.train import build_training, checkpoint_state, train_step
-    from ckptio.tuning import state as gpt_state
 
-    torch.set_num_threads(1)
     model, opt, mcfg = build_training(cfg["gb"], cfg["seed"] + rank)
     gen = torch.Generator().manual_seed(cfg["seed"] + rank)
     tokens = torch.randint(mcfg.vocab, (cfg["steps"], cfg["batch"], cfg["seq"] + 1),
                            generator=gen)
+    return (lambda i: train_step(model, opt, tokens[i - 1]),
+            lambda i: checkpoint_state(model, opt, i, cfg["batch"]))
+
+
+def sharded_state(rank: int, world: int, cfg: dict[str, Any], step: int) -> dict[str, Any]:
+    """``--sharded``: a state of ``gb x world`` GB in 8 float32 tensors, each Shard(0) over
+    every rank (an FSDP2 job's layout; no training compute: the checkpoint is what is
+    measured), as it is after ``step`` steps (each adds 1/1024 to every element: exact)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    cols = 4096
+    rows = max(world, int(cfg["gb"] * world * 1e9 / 4 / cols / 8) // world * world)
+    gen = torch.Generator().manual_seed(cfg["seed"] + rank)
+    state: dict[str, Any] = {}
+    for i in range(8):
+        local = torch.rand(rows // world, cols, generator=gen)
+        for _ in range(step):  # the same additions as the job's steps: bitwise equal
+            local.add_(1 / 1024)
+        state[f"w{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                            shape=torch.Size((rows, cols)), stride=(cols, 1))
+    return {"model": state, "step": step}
+
+
+def _sharded_job(rank: int, world: int, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    state = sharded_state(rank, world, cfg, 0)
+
+    def step(_i: int) -> None:
+        for value in state["model"].values():
+            value.to_local().add_(1 / 1024)
+
+    def checkpoint(i: int) -> dict[str, Any]:
+        state["step"] = i
+        return state
+    return step, checkpoint
+
+
+def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from benchmarks.engines import release_free_heap, reset_peak_rss, status_kib
+    from ckptio.tuning import state as gpt_state
+
+    torch.set_num_threads(1)
+    train_step, checkpoint_state = (_sharded_job(rank, world, cfg) if cfg.get("sharded")
+                                    else _gpt_job(rank, cfg))
     engine = cfg["engine"]
     mgr = nvrx = None
     if engine in TIERED:
@@ -123,12 +169,12 @@ def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     step_s, call_s, protected = [], [], {}
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
-        train_step(model, opt, tokens[step - 1])
+        train_step(step)
         dist.all_reduce(torch.zeros(1))
         step_s.append(time.perf_counter() - t0)
         if engine == "none":
             continue
-        state = checkpoint_state(model, opt, step, cfg["batch"])
+        state = checkpoint_state(step)
         t0 = time.perf_counter()
         if mgr is not None:
             mgr.save(step, state, asynchronous=cfg["asynchronous"], force=True)
@@ -145,7 +191,9 @@ def train_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg["engine"] != "off":
             _protect_seconds(mgr, protected)
         record["status"] = _jsonable(mgr.status())
-    nbytes = gpt_state.tensor_nbytes(checkpoint_state(model, opt, cfg["steps"], cfg["batch"]))
+    final = checkpoint_state(cfg["steps"])
+    nbytes = (sum(v.to_local().nbytes for v in final["model"].values()) if cfg.get("sharded")
+              else gpt_state.tensor_nbytes(final))
     return {"rank": rank, "host": int(os.environ["GROUP_RANK"]), "bytes": nbytes,
             "step_s": step_s, "call_s": call_s, "train_s": sum(step_s) + sum(call_s),
             "protected_s": list(protected.values()), "rss_extra_mib": (status_kib("VmHWM") - rss_before) / 1024,
@@ -159,11 +207,16 @@ def restore_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.train import build_training, checkpoint_state
 
     torch.set_num_threads(1)
-    model, opt, _ = build_training(cfg["gb"], cfg["seed"] + 1000 + rank)
-    for p in model.parameters():  # AdamW's state exists after a step: restore fills it in place
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = checkpoint_state(model, opt, -1, cfg["batch"])
+    if cfg.get("sharded"):
+        state = sharded_state(rank, world, cfg, 0)
+        for value in state["model"].values():
+            value.to_local().zero_()
+    else:
+        model, opt, _ = build_training(cfg["gb"], cfg["seed"] + 1000 + rank)
+        for p in model.parameters():  # AdamW's state exists after a step: restore fills it
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        state = checkpoint_state(model, opt, -1, cfg["batch"])
     engine = cfg["engine"]
     gc.collect()
     gc.freeze()
@@ -185,6 +238,11 @@ def restore_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         info = getattr(mgr, "last_restore", None) or {}
         mgr.close()
         source = info.get("source") or ("own" if info.get("tier") == 0 else "disk")
+        if cfg.get("sharded") and step is not None:  # bitwise against the step recomputed
+            want = sharded_state(rank, world, cfg, step)["model"]
+            bitwise = all(torch.equal(state["model"][k].to_local(), v.to_local())
+                          for k, v in want.items())
+            info = {**info, "bitwise": bitwise}
         return {"rank": rank, "host": int(os.environ["GROUP_RANK"]), "ok": True, "step": step,
                 "restore_s": took, "source": source, "last_restore": _jsonable(info)}
     except Exception as exc:  # noqa: BLE001 - recorded: the report says what failed and where
