@@ -110,6 +110,17 @@ def direct_io(request: pytest.FixtureRequest, tmp_path) -> str:
 
 
 @pytest.fixture
+def hosts_base() -> Any:
+    """A fresh /dev/shm root for simulated hosts' memories (tests/redundancy_cases.host_dir),
+    removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    root = os.path.join("/dev/shm", f"ckptio-test-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
 def shm(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fresh shared-memory root for shm:// tiers ($CKPTIO_SHM_DIR), removed afterwards."""
     if not os.path.isdir("/dev/shm"):
