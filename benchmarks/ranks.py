@@ -4,7 +4,8 @@ fresh set of gloo processes, resharded loads (N -> 1, N -> 2N) against the same-
 Owns: the rank launcher (N fresh `python -m benchmarks.ranks --worker` processes joined over
 tcp://127.0.0.1), the timed collective save and cold load, and the bitwise check of every load
 against digests of the reference state. The sharded state is ranks_state.py's; the engines
-ranks_engines.py's; the job list and the report ranks_report.py's. Reuses (does not copy): state.py, engines.py (RSS, heap
+ranks_engines.py's; the job list and the report ranks_report.py's. Reuses (does not copy):
+state.py, engines.py (RSS, heap
 release, disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker,
 medians, report helpers).
 

@@ -254,7 +254,8 @@ class _Parts:
         -1 where none does."""
         slot = (address - self.base) // self.part
         start = self.base + slot * self.part
-        if address < self.base or address + nbytes > min(start + self.part, self.base + self.nbytes):
+        end = min(start + self.part, self.base + self.nbytes)
+        if address < self.base or address + nbytes > end:
             return -1
         if slot in self.pinned:
             return slot
