@@ -5,9 +5,8 @@ Owns: the rank launcher (N fresh `python -m benchmarks.ranks --worker` processes
 tcp://127.0.0.1), the timed collective save and cold load, and the bitwise check of every load
 against digests of the reference state. The sharded state is ranks_state.py's; the engines
 ranks_engines.py's; the job list and the report ranks_report.py's. Reuses (does not copy):
-state.py, engines.py (RSS, heap
-release, disk settling), ceiling.py (page-cache drop), save_load.py (the ceiling worker,
-medians, report helpers).
+state.py, engines.py (RSS, heap release, disk settling), ceiling.py (page-cache drop),
+save_load.py (the ceiling worker, medians, report helpers).
 
     python -m benchmarks.ranks --ranks 2 --gb 2 --reps 3
     ckptio bench save-load --ranks 2 --gb 2 --reps 3     # the same
