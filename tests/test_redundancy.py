@@ -229,6 +229,9 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
     sources = [r["how"]["source"] for r in restored]
     assert sources == ["own", "own", "partner", "partner", "own", "own"]
     assert all(r["how"]["tier"] == 0 and r["how"]["skipped"] == [] for r in restored)
+    # a rank's step of whole tensors (its own plain state) is a piece that loads anywhere
+    step = ckptio.load(os.path.join(host_dir(base, 0), "run", "r00001", "step-3"))
+    assert step["step"] == 3
 
 
 def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):

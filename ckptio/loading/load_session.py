@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,10 +188,16 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
 
 def _check_piece(record: Manifest, where: str) -> None:
     """A piece of a job's state (``meta.piece``: a one-rank step of a tier with redundancy)
-    loads only into the rank that saved it, in a job of as many ranks: refused otherwise,
-    before anything is read."""
+    that misses part of a tensor (other ranks hold it) loads only into the rank that saved
+    it, in a job of as many ranks: refused otherwise, before anything is read. (A piece of
+    whole tensors, a rank's own plain state, loads anywhere.)"""
     piece = record.meta.get("piece")
-    if not isinstance(piece, dict):
+    held: dict[str, int] = {}
+    for t in record.tensors if isinstance(piece, dict) else ():
+        if t.rank is None:
+            held[t.key] = held.get(t.key, 0) + t.chunk.numel
+    shapes = {t.key: t.shape for t in record.tensors}
+    if all(n >= math.prod(shapes[key]) for key, n in held.items()):
         return
     dist = torch.distributed
     on = dist.is_available() and dist.is_initialized()

@@ -15,10 +15,10 @@ two hosts of one group (a rank and its copies, or a parity group) in one domain 
 The formulas, uneven host counts and what is refused: docs/BEHAVIOUR.md,
 "ckptio.tiering.topology".
 
-Call order: ``host_id()`` and ``domain_id()`` on every rank -> the ids gathered from every rank (a collective, the
-caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement methods (``partners``,
-``groups``, ``position``, ``contributed``, ``holder_of``), pure, alike on every rank;
-``check_domains`` once, where the protection starts.
+Call order: ``host_id()`` and ``domain_id()`` on every rank -> the ids gathered from every
+rank (a collective, the caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement
+methods (``partners``, ``groups``, ``position``, ``contributed``, ``holder_of``), pure,
+alike on every rank; ``check_domains`` once, where the protection starts.
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
 (tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
