@@ -131,6 +131,11 @@ def test_topology_rules_and_refusals():
             assert [Topology.contributed(j, h, n) for j in covering] == list(range(n - 1))
     with pytest.raises(CkptError, match="at most Partners"):
         topo.partners(0, 4)
+    one = Topology.from_ids(["a", "a"])  # one host: no value of n or k fits; none is suggested
+    for refused in (lambda: one.partners(0, 1), lambda: one.groups(1)):
+        with pytest.raises(CkptError, match=r"one host \(a\).* at least 2 hosts") as caught:
+            refused()
+        assert "Partners(0)" not in str(caught.value) and "k <= 0" not in str(caught.value)
     with pytest.raises(CkptError, match="same number of ranks on every host"):
         Topology.from_ids(["a", "a", "b"])
     with pytest.raises(CkptError, match="redundancy protects a memory tier"):

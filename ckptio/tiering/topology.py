@@ -40,6 +40,10 @@ __all__ = ["DOMAIN_ENV", "HOST_ID_ENV", "Topology", "domain_id", "host_id"]
 
 HOST_ID_ENV = "CKPTIO_HOST_ID"
 DOMAIN_ENV = "CKPTIO_FAILURE_DOMAIN"
+_ONE_HOST = (f"{{spec}}: every rank of this job runs on one host ({{hid}}): redundancy keeps "
+             f"copies in other hosts' memory, so it needs at least 2 hosts. On one machine, "
+             f"leave redundancy= out of the memory tier; if these ranks are on several hosts, "
+             f"they report one id: set {HOST_ID_ENV} to each host's own name")
 
 
 def host_id() -> str:
@@ -134,6 +138,8 @@ class Topology:
 
     def partners(self, rank: int, n: int) -> list[int]:
         """The ranks holding ``rank``'s copies, first partner first: (h+j) mod H, same local."""
+        if self.size == 1:
+            raise CkptError(_ONE_HOST.format(spec=f"Partners({n})", hid=self.ids[0]))
         if not 1 <= n < self.size:
             raise CkptError(f"Partners({n}): {self.size} host(s); partner copies need more hosts "
                             f"than copies (at most Partners({self.size - 1})) so that no copy "
@@ -157,11 +163,12 @@ class Topology:
         (k+1)) runs of consecutive hosts as even as can be (the first H mod G of them one host
         longer); a group of m hosts codes with k' = m - 1 >= k."""
         size = self.size
+        if size == 1:
+            raise CkptError(_ONE_HOST.format(spec=f"Parity(k={k})", hid=self.ids[0]))
         if k < 1 or size < k + 1:
             raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
                             f"(each holds 1/k of a shard of parity), so it needs at least "
-                            f"{k + 1} hosts: use Parity(k) with k <= {size - 1}"
-                            + (", or Partners(1)" if size > 1 else ""))
+                            f"{k + 1} hosts: use Parity(k) with k <= {size - 1}, or Partners(1)")
         count = size // (k + 1)
         each, extra = divmod(size, count)
         bounds = [g * each + min(g, extra) for g in range(count + 1)]
