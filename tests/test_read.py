@@ -408,7 +408,10 @@ def test_crc32_records_are_checked_on_the_io_threads_unless_the_crc32_is_zlibs(
     for path in (tmp_path / "ck", tmp_path / "state.pt"):
         back = ckptio.load(path)
         assert all(torch.equal(back[k], v) for k, v in state.items())
-    assert seen["xxh3"] and all(t.startswith(IO_THREADS) for t in seen["xxh3"]), seen
+    # on the I/O threads; a read that completed before its check was attached is checked on
+    # the caller at once (add_done_callback runs it there): a race these tiny reads can win
+    assert any(t.startswith(IO_THREADS) for t in seen["xxh3"]), seen
+    assert seen["xxh3"] <= {t for t in seen["xxh3"] if t.startswith(IO_THREADS)} | {"MainThread"}
     if crc == "isal":  # on an I/O thread, or on the caller when its read had completed before
         # the check was attached (a cached file: add_done_callback then runs it at once)
         assert seen["crc32"], seen
