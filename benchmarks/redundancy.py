@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "time a restore with every host's memory wiped (from the disk tier)")
     p.add_argument("--sharded", action="store_true", help="a Shard(0) DTensor state of --gb "
                    "per rank (FSDP2's layout), no training compute; engines off/partners/parity")
+    p.add_argument("--fewer-hosts", action="store_true", help="also restart on the hosts left "
+                   "after the loss (another rank count: resharded from memory; --sharded)")
     p.add_argument("--mode", choices=("auto", "netns", "simulated"), default="auto")
     p.add_argument("--link-gbit", type=float, help="each host's outgoing link limited to this "
                    "many Gbit/s (tc tbf on its veth; netns mode only)")
@@ -126,6 +128,11 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
         hosts.wipe(args.lost)
         if engine != NVRX or rep == 0:  # NVRx's fails the same way each time (on CPU)
             restores.append(_guarded(_restore, hosts, cfg, counts, args, "host_lost"))
+        if args.fewer_hosts and engine in ("partners", "parity"):
+            hosts.wipe(args.lost)  # what the restore above brought back is lost again
+            left = [0 if i == args.lost else c for i, c in enumerate(counts)]
+            smaller = {**cfg, "saved_world": sum(counts), "k": min(cfg["k"], len(counts) - 2)}
+            restores.append(_guarded(_restore, hosts, smaller, left, args, "fewer_hosts"))
         if engine in TIERED and engine in args.disk_restores.split(","):
             for i in range(len(hosts.hosts)):
                 hosts.wipe(i)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 NVRX = "nvrx_clique"
+COLS = 4096  # the columns of a --sharded state's tensors
 TIERED = ("off", "partners", "parity")
 
 
@@ -113,24 +114,50 @@ def _gpt_job(rank: int, cfg: dict[str, Any]) -> tuple[Any, Any]:
             lambda i: checkpoint_state(model, opt, i, cfg["batch"]))
 
 
+def _rows(cfg: dict[str, Any], world: int) -> int:
+    """The rows of each tensor of a ``--sharded`` state saved by ``world`` ranks."""
+    return max(world, int(cfg["gb"] * world * 1e9 / 4 / COLS / 8) // world * world)
+
+
+def _locals(rank: int, world: int, cfg: dict[str, Any], step: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s 8 shards (of a job of ``world`` ranks) after ``step`` steps (each adds
+    1/1024 to every element: exact)."""
+    gen = torch.Generator().manual_seed(cfg["seed"] + rank)
+    out = []
+    for _ in range(8):
+        local = torch.rand(_rows(cfg, world) // world, COLS, generator=gen)
+        for _ in range(step):  # the same additions as the job's steps: bitwise equal
+            local.add_(1 / 1024)
+        out.append(local)
+    return out
+
+
 def sharded_state(rank: int, world: int, cfg: dict[str, Any], step: int) -> dict[str, Any]:
     """``--sharded``: a state of ``gb x world`` GB in 8 float32 tensors, each Shard(0) over
     every rank (an FSDP2 job's layout; no training compute: the checkpoint is what is
-    measured), as it is after ``step`` steps (each adds 1/1024 to every element: exact)."""
+    measured), as it is after ``step`` steps. ``cfg["saved_world"]``, when set: the job that
+    saved it had that many ranks; this rank then holds its share of that job's tensors,
+    as it should be after resharding (its rows of the old ranks' shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
-    cols = 4096
-    rows = max(world, int(cfg["gb"] * world * 1e9 / 4 / cols / 8) // world * world)
-    gen = torch.Generator().manual_seed(cfg["seed"] + rank)
-    state: dict[str, Any] = {}
-    for i in range(8):
-        local = torch.rand(rows // world, cols, generator=gen)
-        for _ in range(step):  # the same additions as the job's steps: bitwise equal
-            local.add_(1 / 1024)
-        state[f"w{i}"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                            shape=torch.Size((rows, cols)), stride=(cols, 1))
+    old = cfg.get("saved_world") or world
+    rows = _rows(cfg, old)
+    if old == world:
+        shards = _locals(rank, world, cfg, step)
+    else:
+        sizes = [len(c) for c in torch.arange(rows).chunk(world)]
+        lo, per = sum(sizes[:rank]), rows // old
+        hi = lo + sizes[rank]
+        parts: list[list[torch.Tensor]] = [[] for _ in range(8)]
+        for k in range(lo // per, (hi - 1) // per + 1):
+            for i, local in enumerate(_locals(k, old, cfg, step)):
+                parts[i].append(local[max(lo, k * per) - k * per:min(hi, (k + 1) * per) - k * per])
+        shards = [torch.cat(p) for p in parts]
+    state = {f"w{i}": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                         shape=torch.Size((rows, COLS)), stride=(COLS, 1))
+             for i, local in enumerate(shards)}
     return {"model": state, "step": step}
 
 

@@ -41,13 +41,17 @@ def _restore_of(run: dict[str, Any], what: str) -> dict[str, Any] | None:
     bad = [r for r in ranks if not r["ok"]]
     if bad:
         return {"error": f"rank {bad[0]['rank']}: {bad[0]['error'][:300]} at {bad[0]['where']}"}
+    wrong = [r["rank"] for r in ranks if r.get("last_restore", {}).get("bitwise") is False]
+    if wrong:
+        return {"error": f"ranks {wrong} restored other bytes than the step saved"}
     steps = {r["step"] for r in ranks}
     lost_host = int(run.get("lost", 1))
     mine = sorted({r["source"] for r in ranks if r["host"] == lost_host})
     others = sorted({r["source"] for r in ranks if r["host"] != lost_host})
     return {"restore_s": max(r["restore_s"] for r in ranks), "steps": sorted(steps),
             "lost": run["ranks"][0]["last_step"] - min(steps),
-            "sources": [f"lost host: {'/'.join(mine)}, others: {'/'.join(others)}"]}
+            "sources": [f"lost host: {'/'.join(mine)}, others: {'/'.join(others)}" if mine
+                        else f"every rank: {'/'.join(others)}"]}
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "superseded": _median([_superseded(x) for x in ranks if _superseded(x) is not None]),
             "shm_mib_per_rank": shm / MiB, "x_state": shm / state if state else None,
             "rss_extra_mib": _median([x["rss_extra_mib"] for x in ranks])}
-        for what in ("host_lost", "memory_lost"):
+        for what in ("host_lost", "memory_lost", "fewer_hosts"):
             found = [_restore_of(r, what) for r in mine]
             found = [f for f in found if f is not None]
             if not found:
@@ -147,10 +151,29 @@ def markdown(result: dict[str, Any], command: str) -> str:
             f"{_fmt(row['shm_mib_per_rank'], '.1f')} | {_fmt(row['x_state'], '.2f')} | "
             f"{_fmt(lost.get('restore_s'))} | {where or '-'} | {_fmt(lost.get('lost'), 'd')} | "
             f"{_fmt(disk.get('restore_s'))} | {_fmt(speed, '.1f')}x | {NOTES.get(name, '')} |")
+    lines += _fewer(s, pooled)
     lines += ["", f"Restore from the disk tier (every host's memory wiped), pooled over the "
               f"engines that measured it: {_fmt(pooled)} s; 'host lost vs disk' divides it by "
               "the engine's restore after one host lost.", "", _targets(s)]
     return "\n".join(lines) + "\n"
+
+
+def _fewer(s: dict[str, Any], pooled: float | None) -> list[str]:
+    """The restarts on the hosts left after the loss (``--fewer-hosts``), when measured."""
+    rows = [(name, row["fewer_hosts"]) for name, row in s.items()
+            if not name.startswith("_") and "fewer_hosts" in row]
+    if not rows:
+        return []
+    lines = ["", "A restart on the hosts left (one rank fewer per lost host: another rank count, "
+             "every rank's state checked bitwise):", "",
+             "| engine | restore s | from | steps lost | disk (same ranks) s / this |",
+             "|---|---:|---|---:|---:|"]
+    for name, f in rows:
+        speed = pooled / f["restore_s"] if f.get("restore_s") and pooled else None
+        where = "; ".join(f.get("sources", [])) or "; ".join(f.get("errors", []))[:300]
+        lines.append(f"| {name} | {_fmt(f.get('restore_s'))} | {where or '-'} | "
+                     f"{_fmt(f.get('lost'), 'd')} | {_fmt(speed, '.2f')} |")
+    return lines
 
 
 def _targets(s: dict[str, Any]) -> str:

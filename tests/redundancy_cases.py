@@ -114,6 +114,17 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+def kill_during_protection(base: str, host: int, step: int) -> None:
+    """SIGKILL this rank once its host's protection of ``step`` has begun (its location made;
+    CKPTIO_TEST_PROTECT_PAUSE_S holds every rank's protection thread there)."""
+    pending = os.path.join(host_dir(base, host), "run", ".redundancy", f"step-{step}")
+    deadline = time.monotonic() + 60
+    while not os.path.isdir(pending) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # every rank's thread is in the encoding of this step
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str, steps: int,
           kill_at: int = 0, delta: bool = False) -> dict[str, Any]:
     """Train ``steps`` steps saving each; -> the state saved at each step and the status.
@@ -133,13 +144,7 @@ def train(rank: int, world: int, base: str, disk: str, per_host: int, spec: str,
         mgr.save(step, {**_state(model, opt, step), **(_frozen(rank) if delta else {})},
                  metrics={"loss": LOSSES.get(step, 0.0)} if delta else None)
         if step == kill_at:
-            pending = os.path.join(host_dir(base, rank // per_host), "run", ".redundancy",
-                                   f"step-{step}")
-            deadline = time.monotonic() + 60
-            while not os.path.isdir(pending) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.3)  # every rank's thread is in the encoding of this step
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_during_protection(base, rank // per_host, step)
         latest = mgr.latest()  # a collective of this thread while the protection runs
         if latest != step:
             raise AssertionError(f"latest() {latest} after saving step {step}")

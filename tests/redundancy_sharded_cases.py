@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 import ckptio
-from tests.redundancy_cases import _DELTA, LOSSES, OPTS, _play_host, _tiers
+from tests.redundancy_cases import (_DELTA, LOSSES, OPTS, _play_host, _tiers,
+                                    kill_during_protection)
 
 IN, HIDDEN, OUT = 16, 66, 10  # 66 and 10 rows over 2 or 4 ranks: uneven shards
 
@@ -31,7 +32,7 @@ def _build(layout: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
                                 torch.nn.Linear(HIDDEN, OUT))
     if layout == "2d":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
     else:
@@ -73,8 +74,9 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dic
 
 
 def train(rank: int, world: int, base: str, disk: str, layout: str, spec: str, steps: int,
-          delta: bool = False) -> dict[str, Any]:
-    """``steps`` steps, each saved and protected; -> the digests of the state at each step."""
+          delta: bool = False, kill_at: int = 0) -> dict[str, Any]:
+    """``steps`` steps, each saved and protected; -> the digests of the state at each step.
+    ``kill_at``: SIGKILL this process while the protection of that step is being encoded."""
     _play_host(rank, 1, base)
     model, opt = _build(layout, seed=0)
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS,
@@ -83,7 +85,11 @@ def train(rank: int, world: int, base: str, disk: str, layout: str, spec: str, s
     for step in range(1, steps + 1):
         _step(model, opt, step)
         state = _state(model, opt, step)
+        if step == kill_at:
+            os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
         mgr.save(step, state, metrics={"loss": LOSSES.get(step, 0.0)} if delta else None)
+        if step == kill_at:
+            kill_during_protection(base, rank, step)
         mgr.protected()
         digests[step] = _digests(state)
     status = mgr.status()

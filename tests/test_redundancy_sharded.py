@@ -17,6 +17,7 @@ import ckptio
 from ckptio.format.manifest import decode
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from tests.redundancy_cases import host_dir
+from ckptio.tiering.pieces import item_id, plan
 from tests.redundancy_sharded_cases import restore, train
 
 TIMEOUT = 240
@@ -75,14 +76,90 @@ def test_sharded_deltas_with_partners_restore_bitwise_after_a_lost_host(base, tm
     assert [tier for tier, _ in _restored(trained, restored, 4)] == [0, 0, 0, 1]
 
 
-def test_a_restart_on_fewer_hosts_is_refused_loudly(base, tmp_path):
-    """Not yet supported: 4 hosts trained, a host lost, the job restarted on the 3 left. Every
-    tier with redundancy holds per-rank pieces of the 4-rank state, so every rank refuses, at
-    once and naming the rank count to restart with, rather than loading a wrong layout."""
+@pytest.mark.parametrize(("layout", "lost", "world"), [("fsdp", 3, 3), ("2d", 1, 6)],
+                         ids=["fsdp2-4-to-3-hosts", "fsdp2-over-tp-4-to-6-hosts"])
+def test_a_restart_on_another_number_of_hosts_restores_resharded_from_memory(
+        base, tmp_path, layout, lost, world):
+    """4 hosts trained (Partners(1)), one lost, the job restarted on 3 hosts (FSDP2 over 3
+    ranks) or on 6 (a 3x2 mesh; two new hosts with empty memory): every rank restores step 3,
+    the newest, resharded from the pieces left in memory (the lost rank's from its partner's
+    copy), bitwise against the whole tensors trained; the disk tier (step 2) is not used."""
     disk = str(tmp_path / "disk")
-    run_ranks(4, train, base, disk, "fsdp", "partners-1", 2, timeout_s=TIMEOUT)
-    _wipe(base, 3)
-    with pytest.raises(RanksFailed, match=r"piece of a 4-rank job's state .* this is rank \d "
-                       r"of 3.*restart with 4 ranks"):
-        run_ranks(3, restore, base, disk, "fsdp", "partners-1", timeout_s=TIMEOUT)
+    trained = run_ranks(4, train, base, disk, layout, "partners-1", 3, timeout_s=TIMEOUT)
+    _wipe(base, lost)
+    restored = run_ranks(world, restore, base, disk, layout, "partners-1", timeout_s=TIMEOUT)
+    assert _restored([trained[0]] * world, restored, 3) == [(0, "resharded")] * world
+    scratch = os.path.join(host_dir(base, 0), "run", ".redundancy", "step-3")
+    assert not [n for n in os.listdir(scratch) if n.startswith("elastic-")]  # removed after
 
+
+def test_a_damaged_piece_is_passed_over_in_a_restart_on_fewer_hosts(base, tmp_path):
+    """Rank 1's own piece damaged in memory (a flipped byte): its holder's check catches it,
+    the restart on 3 hosts takes rank 1's partner copy instead, names what it passed over,
+    and every rank is bitwise at step 3."""
+    disk = str(tmp_path / "disk")
+    trained = run_ranks(4, train, base, disk, "fsdp", "partners-1", 3, timeout_s=TIMEOUT)
+    _wipe(base, 3)
+    piece = os.path.join(host_dir(base, 1), "run", "r00001", "step-3")
+    data = next(os.path.join(piece, n) for n in os.listdir(piece) if n.endswith(".bin"))
+    with open(data, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    restored = run_ranks(3, restore, base, disk, "fsdp", "partners-1", timeout_s=TIMEOUT)
+    assert _restored([trained[0]] * 3, restored, 3) == [(0, "resharded")] * 3
+    skipped = restored[0]["how"]["skipped"]
+    assert len(skipped) == 1 and "rank 1's piece of step 3 (own)" in skipped[0], skipped
+
+
+def test_a_restart_on_fewer_hosts_that_memory_cannot_supply_is_refused_loudly(base, tmp_path):
+    """Parity(2): a piece lost with its host is not rebuilt for another rank count (not yet),
+    and the disk tier holds only the 4-rank job's pieces: every rank of the 3-rank restart
+    refuses, naming the steps and the rank count to restart with, rather than loading a
+    wrong layout or starting from scratch."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, train, base, disk, "fsdp", "parity-2", 2, timeout_s=TIMEOUT)
+    _wipe(base, 3)
+    with pytest.raises(RanksFailed, match=r"CheckpointNotFoundError.*steps \[1, 2\] were saved "
+                       r"by a job of another number of ranks.*restart with the rank count"):
+        run_ranks(3, restore, base, disk, "fsdp", "parity-2", timeout_s=TIMEOUT)
+
+
+def test_a_kill_during_the_protection_of_a_sharded_step_leaves_the_previous_one(base, tmp_path):
+    """FSDP2 over TP with Parity(3): every rank SIGKILLed while step 3's parity is encoded.
+    Step 3 is in every memory but its protection never committed; with a host then lost, the
+    restarted job restores step 2 (protected), bitwise, the lost rank's rebuilt from parity."""
+    reference = run_ranks(4, train, os.path.join(base, "ref"), str(tmp_path / "ref"), "2d",
+                          "parity-3", 2, timeout_s=TIMEOUT)  # the same training, not killed
+    disk = str(tmp_path / "disk")
+    with pytest.raises(RanksFailed):
+        run_ranks(4, train, base, disk, "2d", "parity-3", 3, False, 3, timeout_s=TIMEOUT)
+    for host in range(4):
+        assert os.path.isdir(os.path.join(host_dir(base, host), f"run/r{host:05d}/step-3"))
+        marks = os.listdir(os.path.join(host_dir(base, host), "run/.redundancy/step-3"))
+        assert not [n for n in marks if n.startswith("protected-")], marks
+    _wipe(base, 1)
+    restored = run_ranks(4, restore, base, disk, "2d", "parity-3", timeout_s=TIMEOUT)
+    assert _restored(reference, restored, 2) == [(0, "own"), (0, "parity"), (0, "own"),
+                                                 (0, "own")]
+
+
+def test_the_plan_of_a_restart_takes_each_piece_once_own_first_newest_step():
+    """Pure (tiering/pieces.plan), from the hosts' surveys: a step saved by as many ranks as
+    this job is not this plan's; own pieces before partner copies, the lowest holder first; a
+    piece passed over (bad) falls to its copy; a step missing a piece is skipped for an older
+    one; ``only`` restricts to one step."""
+    reports = [
+        [[5, 0, 4, "own"], [5, 3, 4, "copy"], [4, 0, 4, "own"], [4, 3, 4, "copy"],
+         [6, 0, 3, "own"]],
+        [[5, 1, 4, "own"], [5, 0, 4, "copy"], [4, 1, 4, "own"], [4, 0, 4, "copy"]],
+        [[5, 2, 4, "own"], [5, 1, 4, "copy"], [4, 2, 4, "own"], [4, 1, 4, "copy"]],
+    ]
+    want = {0: ("own", 0), 1: ("own", 1), 2: ("own", 2), 3: ("copy", 0)}
+    assert plan(reports, 3, set(), None) == (5, 4, want)  # step 6: saved by 3 ranks, as now
+    assert plan(reports, 4, set(), None) is None  # a 4-rank job restores 4-rank steps itself
+    bad = {item_id(5, 1, ("own", 1))}
+    assert plan(reports, 3, bad, None)[2][1] == ("copy", 2)
+    bad |= {item_id(5, 3, ("copy", 0))}
+    assert plan(reports, 3, bad, None)[0] == 4  # step 5 lacks rank 3's piece: the older step
+    assert plan(reports, 3, bad, 5) is None

@@ -691,6 +691,20 @@ def test_pickle_opt_in_on_save_and_on_load(ckpt_dir, small_options):
     assert dest["s"] == {1, 2, 3} and dest["p"] == Point(1, "y") and torch.equal(dest["t"], t)
 
 
+def test_a_value_pickle_cannot_store_is_a_ckpterror_naming_the_key(ckpt_dir, small_options):
+    """allow_pickle=True with a lambda (and a lock): UnsupportedStateError naming the key and
+    the fix, not pickle's own error from inside ckptio; the committed checkpoint stays."""
+    import threading
+
+    ckptio.save({"t": torch.ones(2)}, ckpt_dir, options=small_options)
+    for bad in (lambda x: x, threading.Lock()):
+        with pytest.raises(UnsupportedStateError, match=r"key 'cfg\.fn': allow_pickle=True, but "
+                           r"this .* cannot be pickled .*leave it out of the state"):
+            ckptio.save({"t": torch.zeros(2), "cfg": {"fn": bad}}, ckpt_dir, allow_pickle=True,
+                        options=small_options)
+    assert torch.equal(ckptio.load(ckpt_dir)["t"], torch.ones(2))
+
+
 # --------------------------------------------------------------------------------------------
 # verification, file splitting, errors
 

@@ -26,7 +26,7 @@ from ckptio.loading import merge
 from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
-           "fill_in_place", "selector", "stored_value"]
+           "fill_in_place", "selector", "source_rank", "stored_value"]
 
 KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
 ReadFn = Callable[[list[Read]], int]
@@ -97,7 +97,7 @@ class Sources:
         self.aliases = dict(record.aliases)
         self.own = own
         self.saved_world = record.world_size
-        self.source_rank = _source_rank(per_rank_from, rank, world_size, record.world_size)
+        self.source_rank = source_rank(per_rank_from, rank, world_size, record.world_size)
         self.refused: list[str] = []  # per-rank keys asked for without a rule to pick a rank
         self.absent: list[str] = []  # per-rank keys the chosen saved rank did not save
 
@@ -133,7 +133,7 @@ class Sources:
                 "or keys=... to leave them out")
 
 
-def _source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int) -> int | None:
+def source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int) -> int | None:
     if policy is None:
         return rank if world_size == saved_world else None
     if isinstance(policy, Mapping):

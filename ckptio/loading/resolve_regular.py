@@ -27,7 +27,7 @@ from ckptio.format.types import Chunk, IndexFile, Manifest, Read, TensorEntry
 from ckptio.loading import merge
 from ckptio.planning.sharding import held
 
-__all__ = ["expand", "expand_all", "overlapping", "wanted_in_place"]
+__all__ = ["expand", "expand_all", "overlapping", "wanted_in_place", "wanted_regions"]
 
 ReadFn = Callable[[list[Read]], int]
 
@@ -50,8 +50,14 @@ def wanted_in_place(record: Manifest, flat: FlatState, select: Callable[[str], b
     holds (its DTensor's, its shard's), the whole tensor for a leaf that holds none of it
     (replaced whole) or for a key a Stateful lacks and the load creates (a fresh optimizer's
     state); nothing for keys it leaves out."""
-    regular_keys = {r.key for r in record.regular}
-    aliases = dict(record.aliases)
+    return wanted_regions({r.key for r in record.regular}, dict(record.aliases), flat, select)
+
+
+def wanted_regions(stored: set[str], aliases: dict[str, str], flat: FlatState,
+                   select: Callable[[str], bool]) -> dict[str, Chunk | None]:
+    """wanted_in_place for the keys ``stored`` (aliases: key -> the key it shares a tensor
+    with): the region of each an in-place load of ``flat`` reads, None for the whole."""
+    regular_keys = stored
     may_create = merge.creatable(flat)
     wants: dict[str, Chunk | None] = {}
     for key, leaf in flat.leaves.items():

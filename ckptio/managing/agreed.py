@@ -6,7 +6,10 @@ brought into its memory first where its host was lost (called by CheckpointManag
 2. the newest step every rank holds in some tier (its memory or a slower tier), when newer than
    that or when 1 found none (two hosts of one parity group lost, a copy damaged): each rank
    restores it from the fastest of its tiers holding it, with a warning naming the hosts lost,
-   the copies passed over and the step chosen;
+   the copies passed over and the step chosen. Steps saved by a job of another number of
+   ranks (each rank's piece says so) are left out of 1 and 2: the newest of them whose every
+   piece survives in memory is restored resharded (tiering/elastic.py) when newer than what 1
+   and 2 find; else the error names them;
 3. every rank's load must succeed: each rank's outcome (loaded / damaged and why / another
    error) is exchanged with every rank right after its load. Damage on any rank sends every
    rank to 2; any other error on any rank makes every rank raise RankFailedError naming each
@@ -24,11 +27,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ckptio.errors import CheckpointNotFoundError, RankFailedError
+from ckptio.errors import CheckpointNotFoundError, CkptError, RankFailedError
 from ckptio.managing import warn
 from ckptio.managing.level import TierSteps
 from ckptio.managing.restoring import Restored, restore_first
 from ckptio.tiering.guard import Guard, fallback_step
+from ckptio.tiering.rebuild import Recovery
 
 __all__ = ["restore_guarded"]
 
@@ -43,12 +47,18 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
     or None when nothing was saved anywhere, on any rank."""
     started = time.perf_counter()
-    listing = listings()
-    own = listing[0]["committed"]
-    anywhere = sorted({s for tier in listing for s in tier["committed"]})
+    listing, others = listings(), set()
+    own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
+    anywhere = sorted({s for level, tier in zip(levels, listing)
+                       for s in _this_world(level, tier["committed"], guard.world, others)})
     recovery = guard.recover(own, anywhere, verify, step)
+    others = set(guard.union(sorted(others)))  # alike on every rank: one outcome everywhere
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
+    newest = max((s for s in (recovery.step, fallback) if s is not None), default=None)
+    record = _resharded(guard, levels[0], state, step, newest, load_kwargs, passed)
+    if record is not None:
+        return _done(guard, levels, record, 0, "resharded", started, passed, [])
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
         why = _agreed(guard, f"loading step {memory} from memory",
@@ -59,13 +69,12 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
         passed.append(f"step {memory} in memory: {why}")
         fallback = fallback_step(recovery, step)
     if fallback is None:
-        if step is None and not any(recovery.anywhere):
+        if step is None and not any(recovery.anywhere) and not others:
             return None  # nothing saved anywhere, on any rank
         raise CheckpointNotFoundError(
             f"no step {'' if step is None else f'{step} '}can be restored on every rank: "
-            f"memory: {'; '.join(passed) or 'no step every rank can obtain'}; hosts lost: "
-            f"{', '.join(recovery.lost_hosts) or 'none'}; steps per rank in any tier: "
-            f"{recovery.anywhere}")
+            f"memory: {'; '.join(passed) or 'no step every rank can obtain'}; "
+            f"{_lost_or_other(recovery, others, guard.world)}")
     restored: list[Restored] = []
 
     def load_fallback() -> None:  # the manager's one restore loop, for that step
@@ -81,6 +90,65 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
     return _done(guard, levels, fallback, tier, "own" if tier == 0 else "disk", started, passed,
                  recovery.lost_hosts)
+
+
+def _this_world(level: TierSteps, steps: list[int], world: int, others: set[int]) -> list[int]:
+    """The steps of ``level`` saved by a job of ``world`` ranks (or by one whose pieces do not
+    say: older checkpoints); the others are added to ``others``."""
+    kept = []
+    for step in steps:
+        try:
+            piece = level.manifest(step).meta.get("piece")
+        except CkptError:
+            piece = None  # damaged or gone: the restore names it when it tries the step
+        if isinstance(piece, dict) and piece.get("world_size") != world:
+            others.add(step)
+        else:
+            kept.append(step)
+    return kept
+
+
+def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
+    """The end of the error when no step can be restored: the hosts lost and each rank's
+    steps, or (steps of another rank count found) what a restart on another count needs."""
+    if not others:
+        return (f"hosts lost: {', '.join(recovery.lost_hosts) or 'none'}; steps per rank in "
+                f"any tier: {recovery.anywhere}")
+    return (f"steps {sorted(others)} were saved by a job of another number of ranks (each "
+            f"rank's own piece): a job of {world} ranks restores them only from memory, where "
+            "every rank's piece or its partner's copy must survive (a piece lost under Parity "
+            "is not rebuilt for another rank count yet); restart with the rank count that "
+            "saved them")
+
+
+def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,
+               newest: int | None, load_kwargs: dict[str, Any], passed: list[str]) -> int | None:
+    """Collective: the newest step (``step`` only, when given) a job of another number of ranks
+    left in memory, newer than ``newest``, restored resharded into ``state`` -> that step; None
+    when there is none or its load found damage (named in ``passed``)."""
+    restart = guard.restart(passed)
+    while (choice := restart.next(step)) is not None:
+        if newest is not None and choice.step <= newest:
+            return None
+        fetched = restart.fetch(choice, state, load_kwargs)
+        if fetched is None:
+            continue  # a piece failed its check: passed over, the plan made again
+        kwargs = {k: v for k, v in load_kwargs.items() if k != "per_rank_from"}  # applied
+
+        def load() -> str | None:
+            where = restart.write(fetched)
+            try:
+                return level.try_load_at(where.location, state, kwargs)
+            finally:
+                where.remove_tree()
+
+        why = _agreed(guard, f"restoring step {choice.step} resharded from memory", load)
+        if why is None:
+            return choice.step
+        passed.append(f"step {choice.step} resharded from the memory of {choice.world} ranks: "
+                      f"{why}")
+        return None
+    return None
 
 
 def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | None:
@@ -109,7 +177,8 @@ def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | No
 
 def _done(guard: Guard, levels: Sequence[TierSteps], step: int, tier: int, source: str,
           started: float, passed: list[str], lost: list[str]) -> dict[str, Any]:
-    levels[tier].succeeded(step)
+    if source != "resharded":  # the step was another job's: nothing of this rank's to keep
+        levels[tier].succeeded(step)
     record = {"step": step, "tier": tier, "location": levels[tier].location,
               "seconds": time.perf_counter() - started, "source": source,
               "redundancy": guard.spec.describe(), "lost_hosts": lost, "skipped": passed}

@@ -159,8 +159,12 @@ class TierSteps:
     def try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """Collective: load ``step`` into ``state`` -> None, or why it is damaged (the same on
         every rank). Other errors are raised (on every rank: the load is a collective)."""
+        return self.try_load_at(self.path(step), state, load_kwargs)
+
+    def try_load_at(self, path: str, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+        """try_load of the checkpoint at ``path`` (one this tier holds beside its steps)."""
         try:
-            self.load(step, state, load_kwargs)
+            self._ck.load(path, state, process_group=self._process_group, **load_kwargs)
         except Exception as exc:  # noqa: BLE001 - damage is returned, the rest raised below
             damaged, why = self._ranks.verdict(exc)
             if not damaged:

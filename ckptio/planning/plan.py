@@ -126,7 +126,15 @@ def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
             "stored without pickle; convert it to tensors/str/int/float/bytes, or pass "
             "allow_pickle=True (loading it will then need allow_pickle=True too)"
         )
-    return "pickle", _bytes_source(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # what pickle raises
+        raise UnsupportedStateError(
+            f"key {key!r}: allow_pickle=True, but this {type(value).__module__}."
+            f"{type(value).__qualname__} cannot be pickled ({type(exc).__name__}: {exc}); "
+            "leave it out of the state (keys=... on load), or store what rebuilds it (e.g. "
+            "a module-level function's name instead of a lambda)") from exc
+    return "pickle", _bytes_source(data)
 
 
 @dataclass

@@ -46,8 +46,9 @@ class Job:
                  env: dict[str, str]) -> None:
         n = len(hosts.hosts)
         counts = [ranks_per_host] * n if isinstance(ranks_per_host, int) else list(ranks_per_host)
-        if len(counts) != n or min(counts) < 1:
-            raise ValueError(f"ranks_per_host={ranks_per_host!r}: one count >= 1 per host ({n})")
+        if len(counts) != n or min(counts) < 0 or max(counts) < 1:
+            raise ValueError(f"ranks_per_host={ranks_per_host!r}: one count >= 0 per host ({n}; "
+                             "0: a host left out of this job), one at least >= 1")
         self.hosts, self.timeout_s = hosts, timeout_s
         self.world = sum(counts)
         self.dir = Path(hosts.root) / "jobs" / f"job-{time.monotonic_ns()}"
@@ -55,15 +56,19 @@ class Job:
         netns = hosts.mode == "netns"
         port = next(_PORTS) if netns else free_port()
         first = 0
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | None] = []  # None: a host left out
+        master = next(h for h, c in zip(hosts.hosts, counts) if c)
         self.ranks_of: list[list[int]] = []
         for host, count in zip(hosts.hosts, counts):
             ranks = list(range(first, first + count))
             first += count
             self.ranks_of.append(ranks)
+            if not count:
+                self.procs.append(None)
+                continue
             rank_env = {**env, "CKPTIO_SHM_DIR": host.shm_dir, "GROUP_RANK": str(host.index),
                         "LOCAL_WORLD_SIZE": str(count), "WORLD_SIZE": str(self.world),
-                        "MASTER_ADDR": hosts.hosts[0].addr, "MASTER_PORT": str(port)}
+                        "MASTER_ADDR": master.addr, "MASTER_PORT": str(port)}
             if host_env and not netns:
                 rank_env[host_env] = host.name
             if netns:
@@ -87,19 +92,22 @@ class Job:
     def kill_host(self, i: int) -> None:
         """SIGKILL host ``i``'s agent and ranks (a host lost mid-job); their values are None."""
         self.killed.add(i)
-        _killpg(self.procs[i])
+        proc = self.procs[i]
+        if proc is not None:
+            _killpg(proc)
 
     def kill(self) -> None:
         """SIGKILL every host's agent and ranks still running, and reap them."""
         for proc in self.procs:
-            _killpg(proc)
+            if proc is not None:
+                _killpg(proc)
 
     def wait(self) -> list[Any]:
         """Each rank's value in global rank order, or RanksFailed with every rank's traceback
         (and the agents' output) when one raised, did not answer or the job ran past its
         timeout. A killed host's ranks answer None."""
         try:
-            for proc in self.procs:
+            for proc in filter(None, self.procs):
                 left = self.deadline - time.monotonic()
                 try:
                     proc.wait(timeout=max(left, 0.1))
@@ -123,7 +131,7 @@ class Job:
                     failed.append(f"--- rank {rank} (host {i}) ---\n{value}")
         if failed or missing:
             logs = "\n".join(f"--- agent of host {i} ---\n{_tail(self.dir / f'h{i}.log')}"
-                             for i in range(len(self.procs)))
+                             for i, proc in enumerate(self.procs) if proc is not None)
             raise RanksFailed(f"ranks failed: {len(failed)}; no answer from {missing} (timeout "
                               f"{self.timeout_s} s)\n" + "\n".join(failed) + "\n" + logs)
         return values

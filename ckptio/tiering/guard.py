@@ -6,7 +6,8 @@ saved and drained by that rank alone (a one-rank process group; each rank runs i
 the redundancy's transfers run over a gloo group of their own, made here once for the job
 (collective: every rank constructs the manager at the same point, after
 ``torch.distributed.init_process_group``). A restore is agreed by all ranks (rebuild.py for the
-memory; then the newest step every rank holds in some tier, with the lost hosts named).
+memory; then the newest step every rank holds in some tier, with the lost hosts named; a job
+restarted on another number of ranks reshards the old job's pieces from memory: elastic.py).
 
 A Guard is the manager's follower of the memory tier (managing/follower.py: submit, pinned,
 wait, close, status). Owns: that setup and the agreement of a restore's step. Does not own: the
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from ckptio.distributed.dist import mark_piece
 from ckptio.errors import CkptError
 from ckptio.storage.select import checkpoint_path
-from ckptio.tiering import marks, peers
+from ckptio.tiering import elastic, marks, peers
 from ckptio.tiering.topology import Topology, domain_id, host_id
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
@@ -57,7 +58,7 @@ class Guard:
             raise CkptError("CheckpointManager(tiers=[Tier(..., redundancy=...)], process_group="
                             "...): redundancy spans the whole job; leave process_group out")
         self.spec = spec
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # gloo groups of their own, never the training's. ``group``: the protection thread's,
         # a peer gone noticed after peer_timeout_s; ``control``: this (the caller's) thread's
         # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
@@ -94,6 +95,12 @@ class Guard:
         self.protector.wait()
         return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
                                self._own_dir, verify), own, anywhere, only)
+
+    def restart(self, skipped: list[str]) -> elastic.Restart:
+        """Collective (elastic.Restart): the search of a restart on another number of ranks
+        for the pieces the old job left in memory."""
+        return elastic.Restart(elastic.Context(self.control, self.rank, self.world,
+                                               self.topology, self.root), skipped)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending."""

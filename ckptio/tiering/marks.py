@@ -7,7 +7,8 @@
   partner's copy, a checkpoint), ``parity-g<group>-l<local>.bin`` and ``.json`` (this host's
   parity piece of its group and every member's manifest), ``held-r<rank>.json`` (what rank
   <rank> holds for N, written after its items), ``protected-r<rank>.json`` (the commit of the
-  protection, ``{"step", "how"}``), ``rebuild-r<rank>/`` (a restore's copy being verified).
+  protection, ``{"step", "how"}``), ``rebuild-r<rank>/`` (a restore's copy being verified),
+  ``elastic-r<rank>/`` (a restart on another rank count: rank <rank>'s piece, assembled).
 
 Owns: those names and reading the markers. Does not own: writing them (protect.py), using them
 (rebuild.py), the CLI's text (cli/).
@@ -23,9 +24,9 @@ from ckptio.errors import CkptError
 from ckptio.storage.store_contract import TreeStore
 from ckptio.storage.select import store_for
 
-__all__ = ["REDUNDANCY_DIR", "Root", "copy_name", "held", "held_nbytes", "held_steps",
-           "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
-           "rebuild_name", "tree_of"]
+__all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "elastic_name", "held", "held_nbytes",
+           "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
+           "rebuild_name", "step_dirs", "tree_of"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
@@ -67,6 +68,20 @@ def rebuild_name(rank: int) -> str:
     return f"rebuild-{rank_name(rank)}"
 
 
+def elastic_name(rank: int) -> str:
+    return f"elastic-{rank_name(rank)}"
+
+
+def step_dirs(where: TreeStore) -> dict[int, TreeStore]:
+    """The ``step-N`` locations under ``where`` (a rank's directory), by step."""
+    return {int(m.group(1)): where.child(n) for n in _entries(where) if (m := _STEP.match(n))}
+
+
+def copies(where: TreeStore) -> list[int]:
+    """The ranks whose partner copy ``where`` (a ``.redundancy/step-N``) holds, ascending."""
+    return sorted(int(m.group(1)) for n in _entries(where) if (m := _COPY.match(n)))
+
+
 def rank_dirs(root: Root) -> dict[int, str]:
     """The rank-local locations ``r<rank>`` under ``root`` (none: {})."""
     tree = tree_of(root)
@@ -76,9 +91,7 @@ def rank_dirs(root: Root) -> dict[int, str]:
 
 def held_steps(root: Root) -> dict[int, TreeStore]:
     """The steps with a ``.redundancy/step-N`` location here, ascending."""
-    base = tree_of(root).child(REDUNDANCY_DIR)
-    found = {int(m.group(1)): n for n in _entries(base) if (m := _STEP.match(n))}
-    return {step: base.child(found[step]) for step in sorted(found)}
+    return dict(sorted(step_dirs(tree_of(root).child(REDUNDANCY_DIR)).items()))
 
 
 def protection(root: Root) -> dict[int, dict[str, Any]]:

@@ -30,7 +30,8 @@ from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
-           "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "send", "send_paced",
+           "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "recv_into", "send",
+           "send_paced",
            "write_checkpoint", "write_json", "xor_into"]
 
 
@@ -156,6 +157,12 @@ def recv(group: Any, nbytes: int, src: int, tag: int = 0) -> torch.Tensor:
     if nbytes:
         dist.recv(out, src, group=group, tag=tag)
     return out
+
+
+def recv_into(group: Any, out: torch.Tensor, src: int, tag: int = 0) -> None:
+    """Receive ``out.numel()`` bytes from (global) rank ``src`` into ``out`` (blocking)."""
+    if out.numel():
+        dist.recv(out, src, group=group, tag=tag)
 
 
 def _chunks(nbytes: int) -> list[tuple[int, int]]:

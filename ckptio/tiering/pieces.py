@@ -1,0 +1,139 @@
+"""The pure part of a restart on another number of ranks from memory (tiering/elastic.py does
+the effects): which step and which copy of each old rank's piece, and which entries of those
+pieces a rank of the new job needs.
+
+- ``plan``: from every host's survey, the newest step saved by a job of another rank count of
+  which every old rank's piece is held somewhere (its own first, then a partner's copy; items
+  found bad before passed over), each from the first rank of a host holding it;
+- ``merged``: the entries as a rank of the new job takes them: one per distinct chunk (a
+  replica once), per-rank values (differing between the old ranks) from the old rank
+  ``per_rank_from`` names (StateMismatchError without it), every object;
+- ``needed``: of those, the ones that meet a region the rank's state holds.
+
+Owns: those rules. Does not own: reading, sending or writing (elastic.py), the regions a state
+holds (loading/resolve_regular.wanted_regions), the per-rank rule (loading/fill.source_rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptio.errors import StateMismatchError
+from ckptio.format.flatten import flatten
+from ckptio.format.types import Manifest, ObjectEntry
+from ckptio.loading.fill import selector, source_rank
+from ckptio.loading.resolve_regular import wanted_regions
+from ckptio.planning.reshard import intersect
+
+__all__ = ["Choice", "Found", "Source", "item_id", "merged", "needed", "plan"]
+
+Source = tuple[str, int]  # ("own" | "copy", the rank that sends it)
+Found = list[Any]  # [step, old rank, old rank count, "own" | "copy"]
+
+
+@dataclass
+class Choice:
+    """The step found (the same on every rank)."""
+
+    step: int
+    world: int  # the rank count of the job that saved it
+    sources: dict[int, Source]  # old rank -> where its piece comes from
+    manifests: dict[int, Manifest]  # old rank -> its piece's manifest (verified)
+
+
+def item_id(step: int, k: int, source: Source) -> str:
+    return f"{source[0]}:r{k}:by{source[1]}:s{step}"
+
+
+def plan(reports: list[list[Found]], world: int, bad: set[str],
+         only: int | None) -> tuple[int, int, dict[int, Source]] | None:
+    """Step 2: (step, its rank count, a source per old rank), or None."""
+    offers: dict[int, dict[int, list[Source]]] = {}
+    worlds: dict[int, set[int]] = {}
+    for holder, found in enumerate(reports):
+        for step, k, w, kind in found:
+            offers.setdefault(step, {}).setdefault(k, []).append((kind, holder))
+            worlds.setdefault(step, set()).add(w)
+    for step in sorted(offers, reverse=True):
+        if (only is not None and step != only) or len(worlds[step]) != 1 or world in worlds[step]:
+            continue
+        (old,) = worlds[step]
+        sources = {}
+        for k in range(old):
+            usable = sorted((s for s in offers[step].get(k, []) if item_id(step, k, s) not in bad),
+                            key=lambda s: (s[0] != "own", s[1]))
+            if not usable:
+                break
+            sources[k] = usable[0]
+        else:
+            return step, old, sources
+    return None
+
+
+def merged(choice: Choice, rank: int, world: int, policy: Any) -> tuple[
+        list[tuple[int, int]], list[ObjectEntry]]:
+    """The job's entries as this rank takes them: (old rank, index in its manifest) per
+    tensor entry (a chunk held alike by several pieces once), and the objects."""
+    chunks: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    values: dict[str, list[tuple[int, ObjectEntry]]] = {}
+    for k, record in sorted(choice.manifests.items()):
+        for i, t in enumerate(record.tensors):
+            chunks.setdefault((t.key, t.chunk.offsets, t.chunk.sizes), []).append((k, i))
+        for o in record.objects:
+            values.setdefault(o.key, []).append((k, o))
+    kept, objects, per_rank = [], [], []
+    for (key, _offsets, sizes), held in chunks.items():
+        first = choice.manifests[held[0][0]].tensors[held[0][1]]
+        if len({choice.manifests[k].tensors[i].checksum for k, i in held}) == 1:
+            kept.append(held[0])
+        elif tuple(sizes) != first.shape:
+            raise StateMismatchError(
+                f"key {key!r}: the pieces of step {choice.step} hold its chunk at "
+                f"{list(_offsets)} with other bytes on ranks {[k for k, _ in held]} (replicas "
+                "that differ): the state saved was not consistent across ranks")
+        else:
+            per_rank.append((key, held))
+    for key, entries in values.items():
+        if all(o.value == entries[0][1].value for _k, o in entries):
+            objects.append(entries[0][1])
+        else:
+            per_rank.append((key, [(k, -1) for k, _o in entries]))
+    if not per_rank:
+        return kept, objects
+    src = source_rank(policy, rank, world, choice.world)
+    if src is None:
+        raise StateMismatchError(
+            f"keys {sorted(k for k, _ in per_rank)[:10]} hold each rank's own value, saved by "
+            f"{choice.world} ranks; this job runs {world} ranks, so which rank's value to take is "
+            "not known. Pass per_rank_from=0 (take rank 0's), a mapping or function new rank -> "
+            "saved rank, or keys=... to leave them out")
+    for key, held in per_rank:
+        for k, i in held:
+            if k == src and i >= 0:
+                kept.append((k, i))
+            elif k == src:
+                objects.append(next(o for kk, o in values[key] if kk == k))
+    return kept, objects
+
+
+def needed(choice: Choice, kept: list[tuple[int, int]], state: Any,
+            keys: Any) -> list[tuple[int, int]]:
+    """The kept entries whose chunk meets a region this rank's state holds (a key the state
+    lacks: whole, so the load reports it as it would)."""
+    select = selector(keys)
+    stored = {choice.manifests[k].tensors[i].key for k, i in kept}
+    aliases = dict(choice.manifests[min(choice.manifests)].aliases)
+    wants = wanted_regions(stored, aliases, flatten(state), select)
+    out = []
+    for k, i in kept:
+        t = choice.manifests[k].tensors[i]
+        if not select(t.key):
+            continue
+        want = wants.get(t.key)
+        try:
+            if want is None or intersect(t.chunk, want) is not None:
+                out.append((k, i))
+        except ValueError:  # another number of dimensions: the load names the mismatch
+            out.append((k, i))
+    return out
