@@ -43,7 +43,7 @@ from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
-                                       restore_first, where)
+                                       restore_first, started_fresh, where)
 from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.triggers import Preemption, SaveClock, SavePolicy, Triggers
 from ckptio.options import Options
@@ -345,13 +345,15 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore(self, state: Any, step: int | None = None, **load_kwargs: Any) -> int | None:
+    def restore(self, state: Any, step: int | None = None, *, required: bool = False,
+                **load_kwargs: Any) -> int | None:
         """Load the newest loadable step (or ``step``) into ``state`` in place (ckptio.load
         semantics; ``load_kwargs`` such as strict, keys, cast, per_rank_from go to it) -> the
         step restored; ``last_restore`` says from which tier and how long it took. Newest
         step first, fastest tier first, falling back on damage with one warning
-        (managing/restoring.py). None if nothing was ever committed; ``step=N`` with one tier:
-        exactly that step. Whether or not it restores, it prepares the staging of async saves of
+        (managing/restoring.py). None if nothing was ever committed (a log line says so;
+        ``required=True``: CheckpointNotFoundError instead); ``step=N`` with one tier: exactly
+        that step. Whether or not it restores, it prepares the staging of async saves of
         ``state`` first, as prepare() does. docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
@@ -363,6 +365,8 @@ class CheckpointManager:
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
         if restored is not None:  # a pool that faulted in during the load is pinned now
             self._staging(None)
+        elif step is None:
+            started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
         return restored
 
     def _staging(self, state: Any) -> None:

@@ -380,3 +380,31 @@ def test_ckptio_ls_shows_a_dcp_checkpoint(saved: dict[str, Any]) -> None:
     lines = {line.split()[0]: line for line in out.stdout.splitlines()[2:]}
     assert "float32" in lines["model.0.weight"] and "[30, 12]" in lines["model.0.weight"]
     assert "0.95" in lines["optim.param_groups.0.betas.1"]
+
+
+def test_a_pickled_value_whose_class_is_not_importable_is_a_ckpterror_naming_the_key(
+        tmp_path: Path) -> None:
+    """A namedtuple of a module the loading process lacks, saved by DCP in a process that had
+    it (a pickle inside DCP's bytes): loading with allow_pickle=True raises CkptError naming
+    the key and the missing module, not the unpickler's ModuleNotFoundError. (ckptio's own
+    save keeps a namedtuple as a container: it loads without the module.)"""
+    import subprocess
+    import sys
+
+    (tmp_path / "gone_module_x.py").write_text(
+        "import collections\nPoint = collections.namedtuple('Point', 'x y')\n")
+    dcp_dir = str(tmp_path / "dcp")
+    code = ("import torch, ckptio, torch.distributed.checkpoint as dcp\n"
+            "from gone_module_x import Point\n"
+            f"dcp.save({{'w': torch.ones(2), 'p': Point(1, 2)}}, checkpoint_id={dcp_dir!r})\n"
+            f"ckptio.save({{'w': torch.ones(2), 'p': Point(1, 2)}}, {str(tmp_path / 'own')!r}, "
+            "allow_pickle=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                   timeout=120)
+    with pytest.raises(ckptio.CkptError, match=r"key 'p'.*pickled value names a class this "
+                       r"process cannot find \(ModuleNotFoundError: No module named "
+                       r"'gone_module_x'\); import the module"):
+        ckptio.load(str(tmp_path / "dcp"), allow_pickle=True)
+    own = ckptio.load(str(tmp_path / "own"), allow_pickle=True)  # a container, not a pickle:
+    assert own["p"] == (1, 2) and own["p"]._fields == ("x", "y")  # rebuilt without its module

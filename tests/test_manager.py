@@ -327,9 +327,11 @@ def test_every_step_damaged(tmp_path):
 
 
 @pytest.mark.parametrize("holds", ["nothing", "empty", "other files"])
-def test_nothing_to_restore_returns_none(tmp_path, holds):
+def test_nothing_to_restore_returns_none(tmp_path, holds, caplog):
     """Nothing ever saved there: restore() returns None (the loop starts from scratch), leaves
-    the state alone, warns about nothing; a tiered manager does the same (test_tiers)."""
+    the state alone, raises no warning but logs one line naming the directory (a typo shows);
+    ``required=True`` raises instead, creating nothing; a tiered manager does the same
+    (test_tiers)."""
     d = tmp_path / "run"
     if holds != "nothing":
         d.mkdir()
@@ -337,9 +339,17 @@ def test_nothing_to_restore_returns_none(tmp_path, holds):
         (d / "events.out.tfevents").write_bytes(b"logs")
     mgr = _manager(d)
     state = _blank()
-    with warnings.catch_warnings():
+    with pytest.raises(CheckpointNotFoundError, match=r"required=True\): nothing to restore in "
+                       rf"{re.escape(str(d))}: no step was ever committed there. Check the"):
+        mgr.restore(state, required=True)
+    assert d.exists() == (holds != "nothing")
+    caplog.clear()
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="ckptio"):
         warnings.simplefilter("error")
         assert mgr.restore(state) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ckptio: nothing to restore in {d}: no step was ever committed there; starting fresh "
+        "(restore(state, required=True) raises instead)"]
     assert state["step"] == -1 and mgr.steps() == []
     mgr.save(1, _state(1))  # and the loop goes on from scratch
     assert mgr.restore(state) == 1

@@ -280,6 +280,15 @@ def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -
     assert main(["ls", "shm://run/r00003"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "  protected across hosts: step 3 (parity(k=3))")
+    assert main(["ls", "shm://run"]) == 0  # the parent: one line per rank directory here
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("shm://run: 1 rank directory(ies), each rank's own steps")
+    assert lines[2].split()[:4] == ["r00003", "2,", "3", "0"] and lines[2].endswith("  3")
+    assert lines[-1] == "one rank's steps: ckptio ls shm://run/r00003"
+    assert main(["ls", disk, "--json"]) == 0  # the disk tier: every rank's directory
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "ckptio.ranks/1"
+    assert [r["location"] for r in doc["ranks"]] == [f"{disk}/r{r:05d}" for r in range(4)]
 
 
 def _shard_nbytes(base: str, host: int, rank: int, step: int) -> int:

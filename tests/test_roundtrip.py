@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -557,6 +558,24 @@ def test_non_strict_load_reports_missing_and_unexpected(ckpt_dir, small_options)
     assert sorted(report.unexpected) == ["b", "obj"]
     assert torch.equal(dest["a"], torch.arange(4.0))
     assert torch.equal(dest["c"], torch.zeros(3))
+
+
+def test_a_non_strict_load_into_an_empty_container_warns_that_it_filled_nothing(
+        ckpt_dir, small_options):
+    """An empty dict or defaultdict(list) holds no key to fill in place: strict=False loads
+    nothing, and says so (a warning pointing at the caller's line); a state sharing one key
+    does not warn."""
+    import collections
+
+    _saved_mixed(ckpt_dir, small_options)
+    for empty in ({}, collections.defaultdict(list)):
+        with pytest.warns(UserWarning, match=r"strict=False: the state holds none of the "
+                          r"checkpoint's 3 keys .*nothing was loaded") as caught:
+            report = ckptio.load(ckpt_dir, empty, strict=False)
+        assert report.loaded == () and not empty and caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckptio.load(ckpt_dir, {"a": torch.zeros(4)}, strict=False)
 
 
 def _saved_tree(path, options):

@@ -141,6 +141,9 @@ def _ls(args: argparse.Namespace) -> int:
     steps = ls_run.list_run(args.path)  # None: not a run directory (a checkpoint, or nothing)
     if steps is not None:
         return ls_run.run(args.path, steps, as_json=args.json, exact=args.bytes)
+    ranks = ls_run.list_ranks(args.path)  # each rank's own directory (redundancy's layout)
+    if ranks is not None:
+        return ls_run.run_ranks(args.path, ranks, as_json=args.json, exact=args.bytes)
     return ls.run(open_manifest(args.path), as_json_doc=args.json, depth=args.depth,
                   exact=args.values, flat=args.flat, in_bytes=args.bytes,
                   storage=args.storage)

@@ -42,9 +42,11 @@ from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_fo
 from ckptio.storage.steproot import HIDDEN_PREFIX, StepRoot
 from ckptio.tiering import marks
 
-__all__ = ["SCHEMA", "Step", "list_run", "protected", "run"]
+__all__ = ["RANKS_SCHEMA", "SCHEMA", "Step", "list_ranks", "list_run", "protected", "run",
+           "run_ranks"]
 
 SCHEMA = "ckptio.run/1"
+RANKS_SCHEMA = "ckptio.ranks/1"
 STATES = ("committed", "incomplete", "being deleted")
 
 
@@ -195,3 +197,49 @@ def run(location: str, steps: list[Step], *, as_json: bool, exact: bool) -> int:
         sys.stdout.write("  protected across hosts: " + ", ".join(
             f"step {p['step']} ({p['how']})" for p in guarded) + "\n")
     return 0
+
+
+def list_ranks(location: str) -> dict[str, list[Step]] | None:
+    """A location holding each rank's own directory (``r<rank>``: every tier of a manager with
+    redundancy, e.g. ``shm://NAME`` on one host) -> each rank directory's location and steps;
+    None when it holds none."""
+    text = checkpoint_path(location)
+    if scheme_of(text) is not None or is_s3(text) or not os.path.isdir(text):
+        return None
+    base = location.rstrip("/")
+    found = {f"{base}/{marks.rank_name(r)}" for r in marks.rank_dirs(text)}
+    return {where: list_run(where) or [] for where in sorted(found)} or None
+
+
+def run_ranks(location: str, ranks: dict[str, list[Step]], *, as_json: bool, exact: bool) -> int:
+    """Print each rank directory's steps in one line (text) or whole (JSON, RANKS_SCHEMA)."""
+    if as_json:
+        doc = {"schema": RANKS_SCHEMA, "location": checkpoint_path(location), "ranks": [
+            {"location": where, "steps": [asdict(s) for s in steps],
+             "protected": protected(where, steps)} for where, steps in ranks.items()]}
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    size = (lambda n: str(n)) if exact else human_size
+    out = [f"{location}: {len(ranks)} rank directory(ies), each rank's own steps (the layout "
+           "of a manager with redundancy)",
+           f"  {'RANK':8s}  {'COMMITTED':20s}  {'INCOMPLETE':10s}  {'SIZE':>12s}  PROTECTED"]
+    for where, steps in ranks.items():
+        done = [s.step for s in steps if s.state == "committed"]
+        guarded = protected(where, steps)
+        out.append(f"  {where.rsplit('/', 1)[-1]:8s}  {_steps(done):20s}  "
+                   f"{sum(s.state == 'incomplete' for s in steps):<10d}  "
+                   f"{size(sum(s.nbytes for s in steps)):>12s}  "
+                   f"{', '.join(str(p['step']) for p in guarded) or '-'}")
+    out.append(f"one rank's steps: ckptio ls {next(iter(ranks))}")
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def _steps(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 4:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}..{steps[-1]} ({len(steps)})"
+

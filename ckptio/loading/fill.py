@@ -23,6 +23,7 @@ from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading import merge
+from ckptio.loading.foreign_common import unpicklable
 from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
@@ -175,7 +176,12 @@ def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     raw = tensor.numpy().tobytes()
     if entry.kind == "bytesio":
         return io.BytesIO(raw)
-    return pickle.loads(raw) if entry.kind == "pickle" else raw
+    if entry.kind != "pickle":
+        return raw
+    try:
+        return pickle.loads(raw)
+    except (ImportError, AttributeError) as exc:  # a class the unpickler cannot find
+        raise unpicklable(f"key {entry.key!r}", exc) from None
 
 
 def _empty(entry: TensorEntry, sizes: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -420,6 +426,12 @@ def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str
     if hint:
         warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
                       stacklevel=4)
+    elif unexpected and not set(flat.leaves) - set(missing):
+        warnings.warn(
+            f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "
+            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; an empty container "
+            "(a {} or defaultdict) is not filled in place: for new values load with no state "
+            "(ckptio.load(path)) or build the state first", stacklevel=6)
 
 
 def _some_keys(keys: tuple[str, ...]) -> str:

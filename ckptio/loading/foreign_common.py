@@ -45,7 +45,7 @@ from ckptio.format.types import (
 from ckptio.storage.store_contract import Store
 
 __all__ = ["BLOCK_NBYTES", "ReadFn", "decode_value", "expand_value", "holds_dcp", "item_name",
-           "nest", "raw_read", "read_bytes", "read_small", "torch_load_value"]
+           "nest", "raw_read", "read_bytes", "read_small", "torch_load_value", "unpicklable"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
@@ -133,9 +133,19 @@ def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "")
             f"{where} holds a Python object that torch.load(weights_only=True) refuses "
             f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
             f"load(..., allow_pickle=True) for a checkpoint you trust{note}") from None
+    except (ImportError, AttributeError) as exc:  # a class the unpickler cannot find
+        raise unpicklable(where, exc) from None
     except (RuntimeError, EOFError, ValueError, KeyError) as exc:
         raise CorruptCheckpointError(f"{where} is not a readable torch.save value: "
                                      f"{type(exc).__name__}: {exc}") from None
+
+
+def unpicklable(where: str, exc: ImportError | AttributeError) -> CkptError:
+    """The error for a pickled value whose class this process cannot import."""
+    return CkptError(
+        f"{where}: its pickled value names a class this process cannot find "
+        f"({type(exc).__name__}: {exc}); import the module that defines it before loading "
+        "(the training code's), or leave the key out with keys=...")
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()

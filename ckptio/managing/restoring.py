@@ -19,6 +19,7 @@ Owns: that order and its messages. Does not own: listing (storage/steproot.py), 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +32,10 @@ from ckptio.managing.level import TierSteps
 from ckptio.storage.steproot import is_empty
 
 __all__ = ["Restored", "candidates", "emptiness", "incomplete", "nothing_to_restore",
-           "restore_first", "where"]
+           "restore_first", "started_fresh", "where"]
 
 Listing = dict[str, list[Any]]
+log = logging.getLogger("ckptio")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,20 @@ def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
         warn(f"ckptio: nothing to restore in {where(levels)}: no step was ever committed "
              f"there; incomplete steps {left} (interrupted saves) are left as they are, a save "
              "of the same step replaces one", stacklevel=stacklevel)
+
+
+def started_fresh(levels: Sequence[TierSteps], required: bool, coordinator: bool) -> None:
+    """restore() found no step anywhere: CheckpointNotFoundError when ``required``, else one
+    log line on rank 0 saying so (a mistyped directory then shows at once, not as a run that
+    silently began again at step 0)."""
+    what = (f"nothing to restore in {where(levels)}: no step was ever committed there")
+    if required:
+        raise CheckpointNotFoundError(
+            f"restore(state, required=True): {what}. Check the directory (a typo names a new, "
+            "empty one); leave required out for a first run")
+    if coordinator:
+        log.warning("ckptio: %s; starting fresh (restore(state, required=True) raises instead)",
+                    what)
 
 
 def _name(levels: Sequence[TierSteps], k: int) -> str:
