@@ -306,3 +306,25 @@ def test_long_commands_draw_a_moving_bar_on_a_terminal(tmp_path: Path, command: 
         again.insert(2, "--overwrite")
     quiet, silent = _on_a_terminal(*again)
     assert quiet == 0 and "%" not in silent, silent
+
+
+def test_every_command_and_argument_says_what_it_is() -> None:
+    """Each subcommand has a help line, each of its arguments a help text (positional ones
+    included); verify's description states its exit statuses; the top-level description lists
+    every command, one per line, within 100 columns."""
+    import argparse
+
+    from ckptio.cli import _parser
+
+    parser = _parser([])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helped = {c.dest for c in sub._choices_actions if c.help}
+    assert helped == set(sub.choices), set(sub.choices) - helped
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"ckptio {name}: {action.dest} has no help"
+    assert "Exit 0: every byte checks; 1: damage found" in sub.choices["verify"].description
+    lines = parser.description.splitlines()
+    assert max(map(len, lines)) <= 100
+    assert [n for n in sub.choices if not any(line.startswith(f"  {n} ") for line in lines)] == []

@@ -578,6 +578,38 @@ def test_a_non_strict_load_into_an_empty_container_warns_that_it_filled_nothing(
         ckptio.load(ckpt_dir, {"a": torch.zeros(4)}, strict=False)
 
 
+def test_a_bytearray_comes_back_a_bytearray_through_every_path(tmp_path, small_options):
+    """A bytearray leaf, and one inside a tuple (an inline value), load as bytearray and a
+    bytes leaf as bytes: fresh, in place, through DcpWriter, from a DCP checkpoint and
+    through DcpReader (DCP itself keeps bytearray)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptio.dcp import DcpReader, DcpWriter
+
+    def state():
+        return {"b": bytearray(b"\x00\xffab"), "y": b"xy", "t": (bytearray(b"q"), 1),
+                "w": torch.ones(2)}
+
+    def kinds(loaded):
+        return type(loaded["b"]), type(loaded["y"]), type(loaded["t"][0])
+
+    want = (bytearray, bytes, bytearray)
+    ckptio.save(state(), tmp_path / "own", options=small_options)
+    assert kinds(ckptio.load(tmp_path / "own")) == want
+    dest = {"b": None, "y": None, "t": (None, None), "w": torch.zeros(2)}
+    ckptio.load(tmp_path / "own", dest)
+    assert kinds(dest) == want and dest["b"] == bytearray(b"\x00\xffab")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: no process group, one process assumed
+        dcp.save(state(), storage_writer=DcpWriter(str(tmp_path / "via-writer")))
+        dcp.save(state(), checkpoint_id=str(tmp_path / "dcp"))
+        back = {"b": None, "y": None, "w": torch.zeros(2)}
+        dcp.load(back, storage_reader=DcpReader(str(tmp_path / "own")))
+    assert kinds(ckptio.load(tmp_path / "via-writer")) == want
+    assert kinds(ckptio.load(tmp_path / "dcp")) == want
+    assert (type(back["b"]), type(back["y"])) == (bytearray, bytes)
+
+
 def _saved_tree(path, options):
     state = {"model": {"w": torch.randn(3, 2), "b": torch.randn(2)},
              "mod": {"x": torch.randn(4)}, "opt": {"lr": 0.1}, "step": 5}
@@ -794,3 +826,21 @@ def test_missing_and_incomplete_checkpoints_raise(tmp_path):
     with pytest.raises(IncompleteCheckpointError):
         ckptio.load(tmp_path / "half")
     assert issubclass(IncompleteCheckpointError, CkptError)
+
+
+def test_a_mistyped_path_names_what_is_near(tmp_path, small_options):
+    """A step that is not there names the nearest steps beside it; a mistyped directory the
+    names spelled alike; a path far from anything just says it does not exist."""
+    mgr = ckptio.CheckpointManager(tmp_path / "run", options=small_options)
+    for step in (10, 20, 30):
+        mgr.save(step, {"w": torch.ones(2)})
+    mgr.close()
+    with pytest.raises(CheckpointNotFoundError, match=r"step-25: the path does not exist; its "
+                       r"directory holds 3 step\(s\), step-10 to step-30; nearest: step-20, "
+                       r"step-30$"):
+        ckptio.load(tmp_path / "run" / "step-25")
+    with pytest.raises(CheckpointNotFoundError, match=r"rnu: the path does not exist; did you "
+                       r"mean run\?$"):
+        ckptio.load(tmp_path / "rnu")
+    with pytest.raises(CheckpointNotFoundError, match=r"elsewhere: the path does not exist$"):
+        ckptio.load(tmp_path / "elsewhere")

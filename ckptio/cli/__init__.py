@@ -21,14 +21,21 @@ __all__ = ["main"]
 
 DESCRIPTION = """ckptio: fast, verified PyTorch checkpoints.
 
-Commands: ls (what a checkpoint holds, or the steps of a run directory), diff (what differs between two), verify (check every
-byte, naming every damaged tensor), convert (a DCP directory or torch.save file into a ckptio checkpoint), export (a
-checkpoint into a Hugging Face safetensors directory), status (which steps each tier of a
-tiered manager holds, and which are being copied), demo (train a small model, kill it
-mid-save, resume it bit-exactly), bench (io: the I/O study of ckptio.tuning; save-load, train,
-plan: the peer benchmarks of a ckptio checkout's benchmarks/ folder), tune (measure a
-filesystem's or an S3 endpoint's fastest I/O settings). Errors are one line naming the fix (exit 2).
-ls and diff read a ckptio checkpoint's manifest without importing torch.
+  ls       what a checkpoint holds, or the steps of a run directory (or of each rank's
+           directory of a tier with redundancy)
+  diff     what differs between two checkpoints
+  verify   read every byte back and check it, naming every damaged tensor
+  convert  a checkpoint (ckptio, DCP, torch.save, safetensors) into ckptio, a DCP directory,
+           a torch.save file or safetensors (--to)
+  export   a checkpoint's model into a Hugging Face safetensors directory
+  status   which steps each tier of a tiered manager holds, and which are being copied
+  demo     train a small model, kill it mid-save, resume it bit-exactly
+  bench    io: the I/O study of ckptio.tuning; save-load, train, plan: the peer benchmarks
+           of a ckptio checkout's benchmarks/ folder
+  tune     measure a filesystem's or an S3 endpoint's fastest I/O settings
+
+Errors are one line naming the fix (exit 2). ls and diff read a ckptio checkpoint's manifest
+without importing torch. docs/CLI.md says the rest.
 """
 
 # `ckptio bench WHICH`: the peer benchmarks, modules of the repository's benchmarks/ folder (not
@@ -75,8 +82,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     commands.add_parsers(sub)
     bench = sub.add_parser("bench", help="benchmarks against peers and the disk's ceiling")
-    bench.add_argument("which", choices=[*PEER_BENCHMARKS, "io"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_argument("which", choices=[*PEER_BENCHMARKS, "io"], help="io: ckptio.tuning's "
+                       "I/O study; the others: the peer benchmarks of a ckptio checkout")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
+                       help="the benchmark's own options (ckptio bench WHICH --help)")
     sub.add_parser("demo", help="train a small GPT, SIGKILL it mid-save, resume it in a new "
                    "process and compare every loss bit for bit (--quick: seconds; ckptio demo "
                    "--help for its options)")

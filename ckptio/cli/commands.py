@@ -73,22 +73,29 @@ def add_parsers(sub: Any) -> None:
                     "chunk's codec (raw, zstd, ...) or base reference (ref/xor step-N)")
     diff = sub.add_parser("diff", parents=[quiet], help="what differs between two checkpoints "
                           "(exit 0 the same, 1 different, 2 error)")
-    diff.add_argument("a")
-    diff.add_argument("b")
+    diff.add_argument("a", help="a checkpoint (any format ls reads)")
+    diff.add_argument("b", help="the checkpoint to compare it with")
     diff.add_argument("--data", action="store_true", help="read every tensor of both (the "
                       "ones checksums cannot compare, another checksum or chunking, are read "
                       "without it up to 1 GiB a side) and show the largest differences")
     verify = sub.add_parser("verify", parents=[quiet],
-                            help="read every byte and check it against its checksum")
-    verify.add_argument("path")
+                            help="read every byte and check it against its checksum",
+                            description="Read back every byte of a checkpoint and check it "
+                            "against the checksums its manifest (or a DCP directory's, a "
+                            "torch.save file's records) holds; nothing is loaded or unpickled. "
+                            "Exit 0: every byte checks; 1: damage found (named, with the key, "
+                            "file and byte range); 2: not a checkpoint or unreadable.")
+    verify.add_argument("path", help="a checkpoint: a directory, shm://NAME/..., s3://..., a "
+                        "DCP directory or a torch.save file")
     convert = sub.add_parser("convert", parents=[quiet], help="a checkpoint -> ckptio, a DCP "
                              "directory, a torch.save file or safetensors (--to)",
                              description=CONVERT_HELP)
-    convert.add_argument("src")
-    convert.add_argument("dst")
+    convert.add_argument("src", help="the checkpoint to read (ckptio, DCP, torch.save, "
+                         "safetensors)")
+    convert.add_argument("dst", help="where to write it (a new directory or file)")
     convert.add_argument("--to", choices=TARGETS, default="ckptio", help="what DST becomes "
                          "(default ckptio; dcp: plain dcp.load with FileSystemReader reads it)")
-    convert.add_argument("--overwrite", action="store_true")
+    convert.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     convert.add_argument("--allow-pickle", action="store_true", help="SRC holds pickled Python "
                          "objects you trust (unpickling runs code)")
     convert.add_argument("--per-rank-from", type=int, metavar="RANK", help="SRC was saved by "
@@ -107,8 +114,9 @@ def add_parsers(sub: Any) -> None:
 def _export_parser(sub: Any, quiet: argparse.ArgumentParser) -> None:
     export = sub.add_parser("export", parents=[quiet], help="a checkpoint's model -> a Hugging Face safetensors "
                             "directory (run under torchrun to export with many ranks)")
-    export.add_argument("src")
-    export.add_argument("dst")
+    export.add_argument("src", help="the checkpoint holding the model (ckptio, DCP, "
+                        "torch.save)")
+    export.add_argument("dst", help="the Hugging Face directory to write")
     export.add_argument("--keys", default="model.", metavar="PREFIX", help="export the keys "
                         "under PREFIX, stripped from their names (default 'model.'; '' all)")
     export.add_argument("--rename", type=_rename, action="append", default=[],

@@ -107,8 +107,10 @@ def inline_value(item: DcpItem, data: Any) -> InlineValue | RawBytes | None:
         value = torch_load_value(raw, item.index.fqn, allow_pickle=False)
     except CkptError:  # refused by weights_only, or not a torch.save value: kept as bytes
         return None
-    if isinstance(value, (bytes, bytearray)):
-        return RawBytes("bytes", bytes(value))
+    if isinstance(value, bytearray):
+        return RawBytes("bytearray", bytes(value))
+    if isinstance(value, bytes):
+        return RawBytes("bytes", value)
     if isinstance(value, io.BytesIO):
         return RawBytes("bytesio", value.getvalue())
     objects: list[ObjectEntry] = []
@@ -210,7 +212,8 @@ def manifest_of(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
 
 def _entry(metadata: Metadata, index: MetadataIndex, w: Written, where: str) -> TensorEntry:
     stored = metadata.state_dict_metadata.get(index.fqn)
-    if w.kind in (TORCH_SAVE, "bytes", "bytesio") and isinstance(stored, BytesStorageMetadata):
+    if (w.kind in (TORCH_SAVE, "bytes", "bytearray", "bytesio")
+            and isinstance(stored, BytesStorageMetadata)):
         return TensorEntry(index.fqn, w.kind, "uint8", w.sizes, Chunk.whole(w.sizes), w.file,
                            w.offset, w.nbytes, w.checksum, None, w.blocks)
     if w.kind == "tensor" and isinstance(stored, TensorStorageMetadata):

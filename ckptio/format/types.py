@@ -60,9 +60,10 @@ MAX_TREE_DEPTH = 256
 # How a stored byte range is turned back into a Python value on load. "torch_save": the bytes of
 # torch.save(value) (a DCP BYTE_IO item, kept verbatim), decoded by torch.load(weights_only=True).
 # "bytesio": the content of an io.BytesIO (loaded as a new BytesIO at position 0).
-KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "bytesio", "pickle", "torch_save")
+KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "bytearray", "bytesio", "pickle",
+         "torch_save")
 # The kinds whose entries are 1-D uint8 bytes.
-BYTE_KINDS = ("bytes", "bytesio", "pickle", "torch_save")
+BYTE_KINDS = ("bytes", "bytearray", "bytesio", "pickle", "torch_save")
 
 # The dtypes a "numpy" / "numpy_scalar" entry may have: those numpy itself has (not bfloat16,
 # float8 or complex32, which Tensor.numpy() refuses).

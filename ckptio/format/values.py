@@ -64,7 +64,9 @@ def encode(value: Any) -> Json:
         return ["complex", [_float(value.real), _float(value.imag)]]
     if isinstance(value, str):
         return ["str", value]
-    if isinstance(value, (bytes, bytearray)):
+    if isinstance(value, bytearray):
+        return ["bytearray", base64.b64encode(value).decode("ascii")]
+    if isinstance(value, bytes):
         return ["bytes", base64.b64encode(value).decode("ascii")]
     if isinstance(value, io.BytesIO):
         return ["bytesio", base64.b64encode(value.getbuffer()).decode("ascii")]
@@ -140,6 +142,10 @@ def _bytes(payload: Any) -> bytes:
         raise _fail("bytes", payload, "not base64 text") from None
 
 
+def _bytearray(payload: Any) -> bytearray:
+    return bytearray(_bytes(payload))
+
+
 def _bytesio(payload: Any) -> io.BytesIO:
     return io.BytesIO(_bytes(payload))
 
@@ -203,5 +209,6 @@ def _parse_float(text: Any) -> float:
 
 _DECODERS: dict[str, Callable[[Any], Any]] = {
     "none": _none, "bool": _bool, "int": _int_value, "float": _parse_float, "complex": _complex,
-    "str": _str, "bytes": _bytes, "bytesio": _bytesio, "size": _size, "dtype": _dtype, "device": _device,
+    "str": _str, "bytes": _bytes, "bytearray": _bytearray, "bytesio": _bytesio, "size": _size,
+    "dtype": _dtype, "device": _device,
 }

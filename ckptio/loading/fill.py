@@ -176,6 +176,8 @@ def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
     raw = tensor.numpy().tobytes()
     if entry.kind == "bytesio":
         return io.BytesIO(raw)
+    if entry.kind == "bytearray":
+        return bytearray(raw)
     if entry.kind != "pickle":
         return raw
     try:

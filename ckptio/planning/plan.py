@@ -109,8 +109,8 @@ def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
     if isinstance(value, torch.Tensor):
         _check_tensor(value, key)
         return "tensor", value
-    if isinstance(value, (bytes, bytearray)):
-        return "bytes", _bytes_source(value)
+    if isinstance(value, (bytes, bytearray)):  # each comes back as the type it was
+        return ("bytearray" if isinstance(value, bytearray) else "bytes"), _bytes_source(value)
     if isinstance(value, io.BytesIO):  # DCP's TrainState pattern: its content, no pickle
         return "bytesio", _bytes_source(value.getbuffer())
     numpy_source = _numpy_source(value, key)

@@ -182,7 +182,8 @@ class LocalStore:
     def read_manifest(self) -> bytes:
         path = self.directory
         if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist")
+            raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist"
+                                          f"{_nearby(path)}")
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path} is a file, not a ckptio checkpoint directory"
                                           f"{missing_manifest.file_hint(os.path.basename(path))}")
@@ -332,3 +333,14 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _nearby(path: str) -> str:
+    """missing_manifest.nearby for a local path that does not exist ("" when its parent does
+    not exist either)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    try:
+        return missing_manifest.nearby(name, os.listdir(parent or "."))
+    except OSError:
+        return ""
+

@@ -11,6 +11,7 @@ Owns: those messages, from a listing of the location (any store's). Does not own
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 
@@ -19,9 +20,10 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.store_contract import is_ours
 from ckptio.storage.dirlock import LOCK_NAME
 
-__all__ = ["file_hint", "no_manifest"]
+__all__ = ["file_hint", "nearby", "no_manifest"]
 
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_STEP = re.compile(r"^step-(\d+)$")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
@@ -32,6 +34,20 @@ def file_hint(name: str) -> str:
     if name.endswith(_TORCH_SUFFIXES):
         return ": a torch.save file? ckptio.load reads it, or load it with torch.load"
     return ""
+
+
+def nearby(name: str, siblings: list[str]) -> str:
+    """A hint naming what a missing ``name`` may have meant among its parent's ``siblings``
+    ("" if nothing is near): the closest steps for a ``step-N``, else names spelled alike."""
+    found = _STEP.match(name)
+    steps = sorted((int(m.group(1)), n) for n in siblings if (m := _STEP.match(n)))
+    if found and steps:
+        want = int(found.group(1))
+        near = sorted(steps, key=lambda s: (abs(s[0] - want), s[0]))[:2]
+        return (f"; its directory holds {len(steps)} step(s), {steps[0][1]} to {steps[-1][1]}; "
+                f"nearest: {', '.join(n for _s, n in sorted(near))}")
+    close = difflib.get_close_matches(name, siblings, n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def no_manifest(location: str, names: list[str],

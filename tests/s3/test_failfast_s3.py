@@ -162,3 +162,18 @@ def test_retries_of_a_transient_failure_are_visible_then_the_save_succeeds(
     assert "s3_retry_deadline_s" in warned[0] and len(warned) == 1  # once, not per attempt
     assert rule.fired > 1
     assert torch.equal(ckptio.load(url, options=options)["w"], state["w"])
+
+
+def test_a_missing_bucket_is_named_with_the_fix_on_save_load_and_restore(s3_env: str) -> None:
+    """A bucket name with a typo: save, load and a manager's restore each raise within seconds
+    naming the bucket, that it does not exist, and the fix."""
+    url = "s3://no-such-bucket-ckptio-typo/run"
+    _refused(f"{url}/step-1", "no-such-bucket-ckptio-typo", "does not exist", "create it")
+    for attempt in (lambda: ckptio.load(f"{url}/step-1"),
+                    lambda: ckptio.CheckpointManager(url).restore({"w": torch.zeros(4)})):
+        began = time.monotonic()
+        with pytest.raises(ckptio.CkptError) as info:
+            attempt()
+        assert time.monotonic() - began < FAST_S
+        for phrase in ("no-such-bucket-ckptio-typo", "does not exist", "create it"):
+            assert phrase in str(info.value), str(info.value)

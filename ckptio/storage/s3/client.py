@@ -232,6 +232,10 @@ def failed(what: str, exc: BaseException) -> CkptError:
     """``exc`` as the CkptError to raise for ``what`` (a CkptError stays as it is)."""
     if isinstance(exc, CkptError):
         return exc
+    if code(exc) == "NoSuchBucket":  # a typo in the bucket's name, or another endpoint's
+        return StorageIOError(f"{what} failed: {describe(exc)}: the bucket does not exist: "
+                              "create it, or fix the bucket name in the s3:// location or the "
+                              "endpoint (AWS_ENDPOINT_URL)")
     if status(exc) == 403:  # a wrong secret (SignatureDoesNotMatch) or a missing permission
         return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
                               "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
