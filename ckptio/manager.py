@@ -24,9 +24,11 @@ checkpoint's save, load and verify (api.py), the policies (managing/), the copie
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -118,6 +120,7 @@ class CheckpointManager:
             raise
 
     def _start(self, preemption: bool, drain_rate: float | None) -> None:
+        _unclosed.add(self)  # until close(): an exit before it is said (_say_unclosed)
         if preemption:
             self.install_preemption_handler()
         if self._guard is None:
@@ -299,6 +302,7 @@ class CheckpointManager:
         once), run the retention their pins and the delta chains held back, finish every
         tier's removals, put back the signal handlers, free the Checkpointer if the manager
         made it."""
+        _unclosed.discard(self)
         try:
             self.wait()
         finally:
@@ -440,4 +444,20 @@ class CheckpointManager:
     def _agreed(self, decide: Callable[[], Any]) -> Any:
         """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
         return self._ranking.agreed(decide)
+
+
+_unclosed: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _say_unclosed() -> None:
+    """At interpreter exit: each manager never closed, named (its saves in flight finish, by
+    api.py's own exit hook, but close()'s last retention pass and its followers' do not)."""
+    for mgr in list(_unclosed):
+        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
+                    "finished, but its last retention pass, drain and protection did not run "
+                    "(more steps than keep_last may remain); call mgr.close(), or use it as "
+                    "`with CheckpointManager(...) as mgr:`", mgr.directory)
+
+
+atexit.register(_say_unclosed)
 

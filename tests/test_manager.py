@@ -452,3 +452,25 @@ def test_two_ranks_agree_on_steps_retention_and_fallback(tmp_path):
     # damage on one rank, a mismatched state on the other: nobody falls back
     assert [got["mixed"] for got in out] == ["CorruptCheckpointError", "StateMismatchError"]
     assert sorted(os.listdir(tmp_path / "run")) == ["step-2", "step-3"]
+
+
+def test_an_exit_without_close_is_said(tmp_path):
+    """A script that saves and exits without mgr.close(): its async saves are committed, and
+    one warning at exit names the manager and that its last retention pass did not run (keep_last
+    exceeded); the same script closing it says nothing."""
+    code = ("import ckptio, torch, sys\n"
+            "m = ckptio.CheckpointManager(sys.argv[1], keep_last=1)\n"
+            "for s in (1, 2, 3):\n"
+            "    m.save(s, {'w': torch.full((2,), float(s))}, asynchronous=True)\n"
+            "if sys.argv[2] == 'close':\n"
+            "    m.close()\n")
+    for how in ("exit", "close"):
+        run = tmp_path / how
+        done = subprocess.run([sys.executable, "-c", code, str(run), how], capture_output=True,
+                              text=True, timeout=120, check=True)
+        said = "was not closed before exit: its saves finished, but its last retention pass"
+        assert (said in done.stderr) == (how == "exit"), done.stderr
+        assert (f"CheckpointManager({run})" in done.stderr) == (how == "exit")
+        assert ckptio.load(run / "step-3")["w"].tolist() == [3.0, 3.0]
+    assert sorted(os.listdir(tmp_path / "close")) == ["step-3"]
+    assert len(os.listdir(tmp_path / "exit")) > 1  # what the warning says: more than keep_last

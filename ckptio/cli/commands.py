@@ -84,9 +84,11 @@ def add_parsers(sub: Any) -> None:
                             "against the checksums its manifest (or a DCP directory's, a "
                             "torch.save file's records) holds; nothing is loaded or unpickled. "
                             "Exit 0: every byte checks; 1: damage found (named, with the key, "
-                            "file and byte range); 2: not a checkpoint or unreadable.")
-    verify.add_argument("path", help="a checkpoint: a directory, shm://NAME/..., s3://..., a "
-                        "DCP directory or a torch.save file")
+                            "file and byte range); 2: not a checkpoint or unreadable. A run's "
+                            "directory (a CheckpointManager's): every committed step in turn, "
+                            "a summary last; exit 1 if any is damaged.")
+    verify.add_argument("path", help="a checkpoint (a directory, shm://NAME/..., s3://..., a "
+                        "DCP directory or a torch.save file) or a run's directory of steps")
     convert = sub.add_parser("convert", parents=[quiet], help="a checkpoint -> ckptio, a DCP "
                              "directory, a torch.save file or safetensors (--to)",
                              description=CONVERT_HELP)
@@ -112,8 +114,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def _export_parser(sub: Any, quiet: argparse.ArgumentParser) -> None:
-    export = sub.add_parser("export", parents=[quiet], help="a checkpoint's model -> a Hugging Face safetensors "
-                            "directory (run under torchrun to export with many ranks)")
+    export = sub.add_parser("export", parents=[quiet], help="a checkpoint's model -> a Hugging "
+                            "Face safetensors directory (run under torchrun to export with many "
+                            "ranks)")
     export.add_argument("src", help="the checkpoint holding the model (ckptio, DCP, "
                         "torch.save)")
     export.add_argument("dst", help="the Hugging Face directory to write")
@@ -178,9 +181,14 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ckptio.cli import verify
+    from ckptio.cli import ls_run, verify
 
-    return verify.run(args.path, progress=not args.no_progress)
+    steps = ls_run.list_run(args.path)  # a run's directory: every committed step in turn
+    if steps is None:
+        return verify.run(args.path, progress=not args.no_progress)
+    return verify.run_steps(args.path, [(s.step, s.path) for s in steps if s.state == "committed"],
+                            [s.step for s in steps if s.state == "incomplete"],
+                            progress=not args.no_progress)
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 from ckptio.cli.ls import human_size
 from ckptio.cli.progress import Bar
-from ckptio.errors import CorruptCheckpointError, StorageIOError
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Manifest, TensorEntry
 
 if TYPE_CHECKING:
     from ckptio.api import Checkpointer
 
-__all__ = ["BATCH_NBYTES", "Damage", "fact", "run"]
+__all__ = ["BATCH_NBYTES", "Damage", "fact", "run", "run_steps"]
 
 BATCH_NBYTES = 64 << 20  # verified together; a failing batch is verified again key by key
 # where a read error's own advice (written for a load that stopped) begins: verify says its own
@@ -178,6 +178,27 @@ def run(path: str, *, progress: bool) -> int:
         print(f"{path}: OK, every entry matches its {record.checksum_algorithm} checksum "
               f"({human_size(nbytes)} read)")
     return 0
+
+
+def run_steps(run_dir: str, steps: list[tuple[int, str]], incomplete: list[int], *,
+              progress: bool) -> int:
+    """``ckptio verify RUN``: every committed step (``(step, path)``, ascending), each reported
+    as ``run`` does; one that cannot be checked at all is named and counted as damaged. -> 1 if
+    any step is damaged, else 0; a summary line last."""
+    bad: list[int] = []
+    for step, path in steps:
+        try:
+            failed = run(path, progress=progress) != 0
+        except CkptError as exc:  # unreadable: said, and the other steps still checked
+            print(f"{path}: CANNOT BE CHECKED: {exc}")
+            failed = True
+        if failed:
+            bad.append(step)
+    left = f"; incomplete steps {incomplete} not checked (no committed manifest)" if incomplete \
+        else ""
+    print(f"{run_dir}: {len(steps)} committed step(s) checked, "
+          + (f"{len(bad)} damaged: steps {bad}" if bad else "every one OK") + left)
+    return 1 if bad else 0
 
 
 def _report(path: str, record: Manifest, total: int, damaged: list[Damage]) -> None:
