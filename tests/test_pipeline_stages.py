@@ -18,8 +18,9 @@ K steps and saves. Resumed into fresh, differently initialised stages, checked:
 * the M losses after the resume: bit for bit where the arithmetic is the same (see RTOL);
 * the refusals that remain: a parameter group whose parameters were saved with different
   hyperparameters (stages with different learning rates, loaded as one group), a plain
-  index-keyed optimizer on stages of different sizes (its param_groups lists differ), and
-  OptimizerState given parameters it cannot name;
+  index-keyed optimizer on stages of different sizes (its param_groups lists differ), one on
+  stages of equal sizes loaded with the stages swapped between ranks (the names the save
+  recorded differ), and OptimizerState given parameters it cannot name;
 * the same checkpoints through DCP (the keys are DCP's flattened optimizer state dict's, both
   ways, ckptio.DcpWriter included), Hugging Face export of the stages' weights, a tie held by
   one stage only, and a rank holding two model parts with an optimizer each.
@@ -511,3 +512,48 @@ def test_optimizer_state_refuses_parameters_it_cannot_name() -> None:
     b, _o, _s = _build((2, 2), 0, OTHER_SEED)  # layers 0 and 1 again: the same names
     with pytest.raises(UnsupportedStateError, match="both name a parameter 'layers.0.weight'"):
         ckptio.OptimizerState([a, b], torch.optim.AdamW([*a.parameters(), *b.parameters()]))
+
+
+def equal_stages_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """2 stages of one layer each (equal shapes), a plain index-keyed AdamW, one step, saved;
+    then loaded into fresh stages as saved, and with the stages swapped between the ranks (a
+    launcher that orders ranks another way): -> what each load did."""
+    import ckptio
+
+    torch.set_num_threads(1)
+    model, opt, _sched = _build((1, 1), rank, INIT_SEED)
+    _forward(model, torch.ones(2, H)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt}, f"{root}/plain_equal")
+    saved = _snapshot(model, opt)
+    out: dict[str, Any] = {}
+    for name, stage in (("same", rank), ("swapped", 1 - rank)):
+        fresh, fresh_opt, _s = _build((1, 1), stage, OTHER_SEED)
+        fresh_opt.step()  # AdamW's state exists: the load fills it in place
+        try:
+            ckptio.load(f"{root}/plain_equal", {"model": fresh, "optim": fresh_opt})
+            got = _snapshot(fresh, fresh_opt)
+            out[name] = sorted(got) == sorted(saved) and all(_equal(got[k], v)
+                                                              for k, v in saved.items())
+        except ckptio.CkptError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_plain_optimizer_on_equal_stages_loaded_on_another_split_is_refused(
+        tmp_path: Any) -> None:
+    """Equal stages give every rank the same optimizer indices and shapes: loaded with the
+    stages swapped between ranks, an index-keyed optimizer would take the other stage's
+    moments without a word. The save records each optimizer's parameter names, so that load
+    raises on every rank before anything is read, naming both parameter lists and
+    ckptio.OptimizerState; the load on the split that saved it is bitwise."""
+    got = run_ranks(2, equal_stages_job, str(tmp_path), timeout_s=RANKS_TIMEOUT_S)
+    for rank, result in enumerate(got):
+        assert result["same"] is True, (rank, result["same"])
+        refusal = result["swapped"]
+        assert isinstance(refusal, str) and refusal.startswith("StateMismatchError"), refusal
+        saved, held = (f"layers.{rank}.weight", f"layers.{1 - rank}.weight")
+        assert f"param group 0 was saved (saved rank {rank}) for the parameters ['{saved}'" \
+            in refusal, refusal
+        assert f"this state's optimizer holds ['{held}'" in refusal, refusal
+        assert "Save ckptio.OptimizerState(model, optimizer) in its place" in refusal, refusal

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ckptio.cli.pipe import OutputClosed
 from ckptio.cli.source import Opened, Row, rows, shown
 from ckptio.format.checksum import NO_CHECKSUM
+from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ def compare(a: Opened, b: Opened, data: bool = False) -> Diff:
     """Every difference the manifests show; tensors whose checksums cannot be compared (another
     algorithm or chunking) are left in ``unsettled``, and with ``data`` those whose checksums
     differ too (data_changes reads them)."""
-    ra, rb = rows(a.record), rows(b.record)
+    ra, rb = ({k: r for k, r in rows(x.record).items() if not is_marker(k)}  # not state
+              for x in (a, b))
     same_algorithm = (a.record.checksum_algorithm == b.record.checksum_algorithm
                       and a.record.checksum_algorithm != NO_CHECKSUM)  # safetensors: no checksums
     changes = [Change("-", k, f"only in A: {_what(r)}") for k, r in ra.items() if k not in rb]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import ManifestError, UnsupportedStateError
-from ckptio.format import containers
+from ckptio.format import containers, param_names
 from ckptio.format.types import MAX_TREE_DEPTH, Json
 
 __all__ = ["FlatState", "Leaf", "flatten", "is_stateful", "unflatten"]
@@ -37,6 +37,7 @@ class FlatState:
     # (key prefix, object, the dict its state_dict() returned), outermost first
     statefuls: list[tuple[str, Any, dict[Any, Any]]] = field(default_factory=list)
     root: Any = None  # the state that was flattened
+    names: dict[int, str] | None = None  # a save's: id(parameter) -> name (param_names.py)
 
 
 def is_stateful(value: Any) -> bool:
@@ -53,14 +54,18 @@ def _is_container(value: Any) -> bool:
     )
 
 
-def flatten(state: Any) -> FlatState:
-    """Walk ``state``; every non-container value becomes a leaf under its dotted key."""
+def flatten(state: Any, *, names: bool = False) -> FlatState:
+    """Walk ``state``; every non-container value becomes a leaf under its dotted key.
+    ``names`` (a save): each index-keyed optimizer's param groups get its parameters' names
+    (param_names.py)."""
     if not (_is_container(state) or is_stateful(state)):
         raise UnsupportedStateError(
             f"state must be a dict, list, tuple or an object with state_dict(); got "
             f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
         )
     flat = FlatState(root=state)
+    if names:
+        flat.names = param_names.module_names(state)
     flat.tree = _walk(state, "", None, None, flat)
     return flat
 
@@ -78,6 +83,8 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
         return _leaf(value, key, parent, slot, flat)
     if is_stateful(value):
         inner = value.state_dict()
+        if flat.names and isinstance(value, torch.optim.Optimizer):
+            param_names.name_groups(inner, value, flat.names)
         flat.statefuls.append((key, value, inner))
         return {"s": _walk(inner, key, None, None, flat, depth)}
     if isinstance(value, dict):

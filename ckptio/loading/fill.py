@@ -20,9 +20,10 @@ import torch
 from ckptio.errors import CkptError, ManifestError, PickleRefusedError, StateMismatchError
 from ckptio.format import values
 from ckptio.format.flatten import FlatState, unflatten
+from ckptio.format.param_names import is_marker, without_names
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
-from ckptio.loading import merge
+from ckptio.loading import merge, param_check
 from ckptio.loading.foreign_common import unpicklable
 from ckptio.planning.sharding import check_dense, held
 
@@ -101,6 +102,13 @@ class Sources:
         self.source_rank = source_rank(per_rank_from, rank, world_size, record.world_size)
         self.refused: list[str] = []  # per-rank keys asked for without a rule to pick a rank
         self.absent: list[str] = []  # per-rank keys the chosen saved rank did not save
+
+    def peek(self, key: str) -> ObjectEntry | None:
+        """The object saved under ``key`` for this rank, or None (nothing recorded)."""
+        if key in self.objects:
+            return self.objects[key]
+        found = None if self.source_rank is None else self.own.get(key, {}).get(self.source_rank)
+        return found if isinstance(found, ObjectEntry) else None
 
     def keys(self) -> list[str]:
         return [*self.tensors, *self.unread, *self.objects, *self.own, *self.aliases]
@@ -231,7 +239,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
     are assembled into whole tensors)."""
     select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
-    found = {k: sources.get(k) for k in sources.keys() if select(k)}
+    found = {k: sources.get(k) for k in sources.keys() if select(k) and not is_marker(k)}
     sources.check_refused()
     reads = _Reads()
     made: dict[str, torch.Tensor] = {}
@@ -247,7 +255,8 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
             out[key] = _decode_object(source)
         elif source is not None:
             out[key] = stored_value(source.head, made[id(source.head)])
-    return unflatten(record.tree, out)
+    named = any(is_marker(k) for k in sources.keys())
+    return unflatten(without_names(record.tree) if named else record.tree, out)
 
 
 @dataclass
@@ -346,9 +355,10 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     those no rank asks for."""
     select = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
+    param_check.check(flat, sources)  # an index-keyed optimizer's parameters by name, first
     lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
     in_lists = merge.under(lists.whole)
-    saved = [k for k in sources.keys() if select(k)]
+    saved = [k for k in sources.keys() if select(k) and not is_marker(k)]
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)
         if isinstance(flat.leaves[key].value, torch.Tensor):

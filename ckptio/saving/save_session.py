@@ -180,7 +180,7 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
     try:
         if ctx.previous_error is not None:
             raise ctx.previous_error
-        flat = flatten(state)
+        flat = flatten(state, names=True)
         hits = ctx.plan_cache.hits
         plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
         reuse = ctx.plan_cache.hits > hits

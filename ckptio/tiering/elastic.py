@@ -150,8 +150,9 @@ class Restart:
         try:
             kept, objects = merged(choice, ctx.rank, ctx.world, load_kwargs.get("per_rank_from"))
             needs = needed(choice, kept, state, load_kwargs.get("keys"))
-        except StateMismatchError as exc:
-            error = str(exc)
+        except CkptError as exc:  # said to every rank below: none is left waiting
+            error = str(exc) if isinstance(exc, StateMismatchError) else (
+                f"{type(exc).__name__}: {exc}")
         every = peers.all_gather_json(ctx.group, {"needs": needs, "error": error})
         errors = [f"rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
         if errors:

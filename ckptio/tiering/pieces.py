@@ -39,7 +39,7 @@ class Choice:
     step: int
     world: int  # the rank count of the job that saved it
     sources: dict[int, Source]  # old rank -> where its piece comes from
-    manifests: dict[int, Manifest]  # old rank -> its piece's manifest (verified)
+    manifests: dict[int, Manifest]  # old rank -> its piece's manifest (decoded and validated)
 
 
 def item_id(step: int, k: int, source: Source) -> str:
@@ -83,14 +83,14 @@ def merged(choice: Choice, rank: int, world: int, policy: Any) -> tuple[
         for o in record.objects:
             values.setdefault(o.key, []).append((k, o))
     kept, objects, per_rank = [], [], []
-    for (key, _offsets, sizes), held in chunks.items():
+    for (key, offsets, sizes), held in chunks.items():
         first = choice.manifests[held[0][0]].tensors[held[0][1]]
         if len({choice.manifests[k].tensors[i].checksum for k, i in held}) == 1:
             kept.append(held[0])
         elif tuple(sizes) != first.shape:
             raise StateMismatchError(
                 f"key {key!r}: the pieces of step {choice.step} hold its chunk at "
-                f"{list(_offsets)} with other bytes on ranks {[k for k, _ in held]} (replicas "
+                f"{list(offsets)} with other bytes on ranks {[k for k, _ in held]} (replicas "
                 "that differ): the state saved was not consistent across ranks")
         else:
             per_rank.append((key, held))
@@ -118,7 +118,7 @@ def merged(choice: Choice, rank: int, world: int, policy: Any) -> tuple[
 
 
 def needed(choice: Choice, kept: list[tuple[int, int]], state: Any,
-            keys: Any) -> list[tuple[int, int]]:
+           keys: Any) -> list[tuple[int, int]]:
     """The kept entries whose chunk meets a region this rank's state holds (a key the state
     lacks: whole, so the load reports it as it would)."""
     select = selector(keys)
