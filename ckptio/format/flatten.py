@@ -37,7 +37,8 @@ class FlatState:
     # (key prefix, object, the dict its state_dict() returned), outermost first
     statefuls: list[tuple[str, Any, dict[Any, Any]]] = field(default_factory=list)
     root: Any = None  # the state that was flattened
-    names: dict[int, str] | None = None  # a save's: id(parameter) -> name (param_names.py)
+    want_names: bool = False  # a save: index-keyed optimizers get their parameters' names
+    names: dict[int, str] | None = None  # id(parameter) -> name (param_names.py), when needed
 
 
 def is_stateful(value: Any) -> bool:
@@ -63,9 +64,7 @@ def flatten(state: Any, *, names: bool = False) -> FlatState:
             f"state must be a dict, list, tuple or an object with state_dict(); got "
             f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
         )
-    flat = FlatState(root=state)
-    if names:
-        flat.names = param_names.module_names(state)
+    flat = FlatState(root=state, want_names=names)
     flat.tree = _walk(state, "", None, None, flat)
     return flat
 
@@ -83,7 +82,9 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
         return _leaf(value, key, parent, slot, flat)
     if is_stateful(value):
         inner = value.state_dict()
-        if flat.names and isinstance(value, torch.optim.Optimizer):
+        if flat.want_names and isinstance(value, torch.optim.Optimizer):
+            if flat.names is None:  # the modules' names, once, where an optimizer needs them
+                flat.names = param_names.module_names(flat.root)
             param_names.name_groups(inner, value, flat.names)
         flat.statefuls.append((key, value, inner))
         return {"s": _walk(inner, key, None, None, flat, depth)}
