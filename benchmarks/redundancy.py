@@ -33,7 +33,7 @@ from typing import Any
 from benchmarks import REPO_ROOT, write_reports
 from benchmarks.redundancy_ranks import NVRX, TIERED, restore_rank, train_rank
 
-ENGINES = ("none", "off", "partners", "parity", NVRX)
+ENGINES = ("none", "off", "partners", "partners2", "parity", "parity2", NVRX)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,11 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--asynchronous", action="store_true", help="mgr.save(asynchronous=True)")
-    p.add_argument("--lost", type=int, default=1, help="the host wiped")
+    p.add_argument("--lost", default="1", help="the host wiped, or hosts: 1,3")
     p.add_argument("--disk-restores", default="off,parity", help="engines whose runs also "
                    "time a restore with every host's memory wiped (from the disk tier)")
     p.add_argument("--sharded", action="store_true", help="a Shard(0) DTensor state of --gb "
-                   "per rank (FSDP2's layout), no training compute; engines off/partners/parity")
+                   "per rank (FSDP2's layout), no training compute; ckptio's engines only")
     p.add_argument("--fewer-hosts", action="store_true", help="also restart on the hosts left "
                    "after the loss (another rank count: resharded from memory; --sharded)")
     p.add_argument("--mode", choices=("auto", "netns", "simulated"), default="auto")
@@ -108,7 +108,8 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cfg = _cfg(args, engine, work)
-    run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts, "lost": args.lost}
+    lost = [int(h) for h in args.lost.split(",")]
+    run: dict[str, Any] = {"engine": engine, "rep": rep, "counts": counts, "lost": lost}
     # a host's tmpfs holds its ranks' kept and new steps, the ring's slot and the copies or
     # parity it keeps for others (partners: as much again)
     tmpfs = f"{max(2, math.ceil(8 * args.gb * max(counts)))}g"
@@ -125,12 +126,14 @@ def one_run(args: argparse.Namespace, engine: str, rep: int, mode: str) -> dict[
         if engine == "none":
             return run
         restores = []
-        hosts.wipe(args.lost)
+        for host in lost:
+            hosts.wipe(host)
         if engine != NVRX or rep == 0:  # NVRx's fails the same way each time (on CPU)
             restores.append(_guarded(_restore, hosts, cfg, counts, args, "host_lost"))
         if args.fewer_hosts and engine in ("partners", "parity"):
-            hosts.wipe(args.lost)  # what the restore above brought back is lost again
-            left = [0 if i == args.lost else c for i, c in enumerate(counts)]
+            for host in lost:  # what the restore above brought back is lost again
+                hosts.wipe(host)
+            left = [0 if i in lost else c for i, c in enumerate(counts)]
             smaller = {**cfg, "saved_world": sum(counts), "k": min(cfg["k"], len(counts) - 2)}
             restores.append(_guarded(_restore, hosts, smaller, left, args, "fewer_hosts"))
         if engine in TIERED and engine in args.disk_restores.split(","):

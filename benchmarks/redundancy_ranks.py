@@ -24,18 +24,20 @@ import torch
 
 NVRX = "nvrx_clique"
 COLS = 4096  # the columns of a --sharded state's tensors
-TIERED = ("off", "partners", "parity")
+TIERED = ("off", "partners", "partners2", "parity", "parity2")
 
 
 def redundancy_of(engine: str, k: int) -> Any:
-    """The ``redundancy=`` of the memory tier for a ckptio engine (None: off)."""
+    """The ``redundancy=`` of the memory tier for a ckptio engine (None: off); a trailing 2:
+    two copies, or two parity pieces."""
     import ckptio
 
     if engine == "off":
         return None
-    if engine == "partners":
-        return ckptio.Partners(1)
-    return ckptio.Parity(k=k)
+    two = engine.endswith("2")
+    if engine.startswith("partners"):
+        return ckptio.Partners(2 if two else 1)
+    return ckptio.Parity(k=k, m=2 if two else 1)
 
 
 def _manager(cfg: dict[str, Any]) -> Any:

@@ -73,8 +73,11 @@ def restore_racks(rank: int, world: int, base: str, disk: str, racks: int,
 
 
 def _spec(name: str) -> Any:
+    """partners-N, parity-K, parity2-K (two parity pieces)."""
     kind, _, n = name.partition("-")
-    return ckptio.Partners(int(n)) if kind == "partners" else ckptio.Parity(k=int(n))
+    if kind == "partners":
+        return ckptio.Partners(int(n))
+    return ckptio.Parity(k=int(n), m=2 if kind == "parity2" else 1)
 
 
 def _tiers(spec: str, disk: str) -> list[Tier]:
@@ -280,9 +283,7 @@ def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_byt
 
 
 def _paced_tiers(spec: str, disk: str, rate: float) -> list[Tier]:
-    kind, _, n = spec.partition("-")
-    redundancy = (ckptio.Partners(int(n), rate=rate) if kind == "partners"
-                  else ckptio.Parity(k=int(n), rate=rate))
+    redundancy = dataclasses.replace(_spec(spec), rate=rate)
     return [Tier("shm://run", keep_last=2, redundancy=redundancy), Tier(disk, every=100)]
 
 

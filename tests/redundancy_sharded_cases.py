@@ -114,3 +114,17 @@ def restore(rank: int, world: int, base: str, disk: str, layout: str, spec: str,
     return {"step": step, "state_step": state["step"], "how": how,
             "digests": _digests(_state(model, opt, state["step"])),
             "pid": os.getpid()}
+
+
+def first_step_estimate(rank: int, world: int) -> dict[str, int]:
+    """The memory tier's size estimate of a first step of a Shard(0) DTensor state (what its
+    budget checks before any step is held) and the local shard's bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptio.tiering.tier import state_nbytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    weight = distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)])
+    return {"estimate": state_nbytes({"w": weight, "step": 1}),
+            "local": weight.to_local().numel() * 4}

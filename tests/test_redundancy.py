@@ -76,7 +76,7 @@ def _check_restored(trained: list[Any], restored: list[Any], step: int) -> None:
 # ------------------------------------------------------------------ topology (no ranks)
 
 
-@pytest.mark.parametrize("spec", ["partners-1", "parity-2"])
+@pytest.mark.parametrize("spec", ["partners-1", "parity-2", "parity2-1"])
 def test_the_protection_budget_holds_each_hosts_send_rate(base, tmp_path, spec):
     """3 hosts of one rank, 12 MiB each, a budget of 24 MB/s per host: every rank's protection
     takes at least what its bytes cost at that rate (measured here; unpaced, the same bytes
@@ -129,6 +129,20 @@ def test_topology_rules_and_refusals():
             covering = [Topology.holder_of(i, h, n) for i in range(n - 1)]
             assert h not in covering and len(set(covering)) == n - 1
             assert [Topology.contributed(j, h, n) for j in covering] == list(range(n - 1))
+    for n in range(3, 8):  # two parity pieces: stripe j's P on j, Q on j + 1, data elsewhere
+        for h in range(n):
+            covering = [Topology.holder_of(i, h, n) for i in range(n - 2)]
+            assert not {h, (h - 1) % n} & set(covering) and len(set(covering)) == n - 2
+        for j in range(n):
+            assert Topology.stripe_parity(j, n, 2) == [j, (j + 1) % n]
+            data = Topology.stripe_data(j, n, 2)
+            assert sorted(h for h, _i in data) == sorted(set(range(n)) - {j, (j + 1) % n})
+    assert topo.groups(2, 2) == [(0, 1, 2, 3)] and topo.groups(1, 2) == [(0, 1, 2, 3)]
+    with pytest.raises(CkptError, match=r"at least 5 hosts: use Parity\(k, m=2\) with k <= 2"):
+        topo.groups(3, 2)
+    with pytest.raises(CkptError, match=r"m=3.*1 \(survives one lost host per group\) or 2"):
+        ckptio.Parity(k=2, m=3)
+    assert ckptio.Parity(k=3, m=2).describe() == "parity(k=3, m=2)"
     with pytest.raises(CkptError, match="at most Partners"):
         topo.partners(0, 4)
     one = Topology.from_ids(["a", "a"])  # one host: no value of n or k fits; none is suggested
@@ -241,11 +255,9 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
 
 def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
     """delta=True, compression="zstd", keep_best=1, save_interval_s with Partners(1), 3 hosts:
-    step 1 full, 2..4 deltas against it. Host 1's memory is lost: its partner's copy of step 4 comes back, but not its
-    base (the protection holds the newest step only; the rebuild's verification finds it
-    missing), so that rank loads step 4 from the disk tier (every=2: the drain copied base 1
-    there first) and the others from memory; every rank gets step 4 bit for bit, with a
-    warning naming what was passed over."""
+    step 1 full, 2..4 deltas against it. Host 1's memory is lost: the protection kept step 1's
+    copy beside step 4's (a delta's base), so the partner copies of step 1 then step 4 come
+    back, step 4 verified against its base: every rank gets step 4 from memory, bit for bit."""
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "partners-1")
     trained = run_ranks(3, train_deltas, *args, 4, timeout_s=TIMEOUT)
@@ -258,10 +270,9 @@ def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
     _wipe(base, 1)
     restored = run_ranks(3, restore_deltas, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 4)
-    assert [r["how"]["tier"] for r in restored] == [0, 1, 0]
-    warned = restored[1]["warnings"][-1]
-    assert f"restored step 4 from {disk}/r00001 on rank 1" in warned, warned
-    assert "is a delta of base checkpoint step-1" in warned, warned  # why memory was passed
+    assert [r["how"]["tier"] for r in restored] == [0, 0, 0]
+    assert [r["how"]["source"] for r in restored] == ["own", "partner", "own"]
+    assert not any("restored step" in w for r in restored for w in r["warnings"])
 
 
 def _cli_shows_protection(monkeypatch: Any, capsys: Any, base: str, disk: str) -> None:
@@ -297,18 +308,19 @@ def _shard_nbytes(base: str, host: int, rank: int, step: int) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(step_dir, "data-*")))
 
 
-def _assert_parity_memory(base: str, hosts: int, per_host: int, k: int, step: int) -> None:
-    """Every host holds, per local rank, one parity piece of ceil(shard / k) bytes (rounded up
-    to 8) and a small JSON: 1 + 1/k of the state, with no host holding more."""
+def _assert_parity_memory(base: str, hosts: int, per_host: int, k: int, step: int,
+                          m: int = 1) -> None:
+    """Every host holds, per local rank, m parity pieces of ceil(shard / k) bytes (rounded up
+    to 8) and a small JSON: 1 + m/k of the state, with no host holding more."""
     longest = max(_shard_nbytes(base, r // per_host, r, step) for r in range(hosts * per_host))
-    piece = -(-longest // k)
+    piece = m * -(-longest // k)
     for host in range(hosts):
         held = os.path.join(host_dir(base, host), f"run/.redundancy/step-{step}")
         bins = sorted(glob.glob(os.path.join(held, "*.bin")))
         assert [os.path.basename(b) for b in bins] == [
             f"parity-g0-l{local}.bin" for local in range(per_host)], bins
         for b in bins:
-            assert piece <= os.path.getsize(b) <= piece + 7, (b, os.path.getsize(b), longest)
+            assert piece <= os.path.getsize(b) <= piece + 7 * m, (b, os.path.getsize(b), longest)
         extra = sum(os.path.getsize(os.path.join(held, n)) for n in os.listdir(held)
                     if not n.endswith(".bin"))
         assert extra < 64 * 1024, (held, extra)  # manifests and markers only
@@ -364,6 +376,61 @@ def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
     assert [r["how"]["source"] for r in restored] == ["parity"] * 2 + ["own"] * 4
 
 
+def _damage_block(base: str, host: int, step: int) -> None:
+    """One byte of ``host``'s parity block of ``step`` changed."""
+    block = os.path.join(host_dir(base, host), f"run/.redundancy/step-{step}/parity-g0-l0.bin")
+    with open(block, "r+b") as f:
+        f.seek(100)
+        f.write(b"\x5a")
+
+
+def _names_damaged_block(restored: list[Any], rank: int, step: int) -> None:
+    """Every rank names the block it passed over, and why."""
+    for r in restored:
+        assert any(f"parity piece of group 0 (local rank 0), step {step}, held by rank {rank}"
+                   in s and "corrupted" in s for s in r["how"]["skipped"]), r["how"]["skipped"]
+
+
+@pytest.mark.parametrize(("hosts", "k", "lost"), [(5, 3, (1, 3)), (4, 2, (0, 1))],
+                         ids=["k3-five-hosts-two-apart", "k2-four-hosts-two-adjacent"])
+def test_two_parity_wipe_two_hosts_of_a_group_rebuilds_bitwise(base, tmp_path, hosts, k, lost):
+    """Parity(k, m=2): each host holds P of one stripe and Q of the one before (2/k of a shard:
+    1 + 2/k in all); two hosts of the group wiped (apart; adjacent: a stripe whose P and Q are
+    both lost, and stripes with one data piece and P lost, rebuilt from Q) are rebuilt."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, f"parity2-{k}")
+    trained = run_ranks(hosts, train, *args, 2, timeout_s=TIMEOUT)
+    _assert_parity_memory(base, hosts, 1, k, 2, m=2)
+    assert trained[0]["status"]["redundancy"] == f"parity(k={k}, m=2)"
+    for host in lost:
+        _wipe(base, host)
+    restored = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == [
+        "parity" if h in lost else "own" for h in range(hosts)]
+
+
+def test_two_parity_rebuilds_past_a_damaged_block_and_a_third_loss_uses_the_disk(base,
+                                                                                 tmp_path):
+    """Parity(2, m=2) on 4 hosts: host 2 wiped and host 3's block damaged: two erasures, still
+    rebuilt from memory (the damaged block named); then hosts 0, 1 and 2 wiped: three of the
+    group's four, more than m: every rank falls back to the disk's step."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity2-2")
+    trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
+    _wipe(base, 2)
+    _damage_block(base, 3, 3)
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 3)
+    assert [r["how"]["source"] for r in restored] == ["own", "own", "parity", "own"]
+    _names_damaged_block(restored, 3, 3)
+    for host in (0, 1, 2):
+        _wipe(base, host)
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["disk", "disk", "disk", "own"]
+
+
 # ------------------------------------------------------------------ damaged copies, detected
 
 
@@ -396,16 +463,11 @@ def test_corrupted_parity_piece_is_detected_and_the_disk_used(base, tmp_path):
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
     _wipe(base, 2)  # its rebuild needs every other host's piece, host 3's damaged
-    block = os.path.join(host_dir(base, 3), "run/.redundancy/step-3/parity-g0-l0.bin")
-    with open(block, "r+b") as f:
-        f.seek(100)
-        f.write(b"\x5a")
+    _damage_block(base, 3, 3)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "own", "disk", "own"]
-    for r in restored:
-        assert any("parity piece of group 0 (local rank 0), step 3, held by rank 3" in s
-                   and "corrupted" in s for s in r["how"]["skipped"])
+    _names_damaged_block(restored, 3, 3)
     (message,) = [w for w in restored[2]["warnings"] if "restored step 2" in w]
     assert "hosts lost: host 2 (host2, rank 2)" in message and "parity(k=3)" in message
 

@@ -18,7 +18,7 @@ from ckptio.format.manifest import decode
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from tests.redundancy_cases import host_dir
 from ckptio.tiering.pieces import item_id, plan
-from tests.redundancy_sharded_cases import restore, train
+from tests.redundancy_sharded_cases import first_step_estimate, restore, train
 
 TIMEOUT = 240
 
@@ -44,14 +44,16 @@ def _restored(trained: list[Any], restored: list[Any], step: int) -> list[tuple[
 @pytest.mark.parametrize(("layout", "spec", "lost", "sources"), [
     ("fsdp", "partners-1", 1, [(0, "own"), (0, "partner"), (0, "own"), (0, "own")]),
     ("2d", "parity-3", 2, [(0, "own"), (0, "own"), (0, "parity"), (0, "own")]),
-], ids=["fsdp2-partners", "fsdp2-over-tp-parity"])
+    ("2d", "parity2-2", (0, 1), [(0, "parity"), (0, "parity"), (0, "own"), (0, "own")]),
+], ids=["fsdp2-partners", "fsdp2-over-tp-parity", "fsdp2-over-tp-two-parity-two-lost"])
 def test_a_sharded_state_restores_bitwise_from_memory_after_a_lost_host(
         base, tmp_path, layout, spec, lost, sources):
     disk = str(tmp_path / "disk")
     trained = run_ranks(4, train, base, disk, layout, spec, 3, timeout_s=TIMEOUT)
     assert trained[0]["status"]["protected"] == 3
     assert trained[1]["digests"][3] == trained[0]["digests"][3]  # whole tensors: alike
-    _wipe(base, lost)
+    for host in lost if isinstance(lost, tuple) else (lost,):
+        _wipe(base, host)
     restored = run_ranks(4, restore, base, disk, layout, spec, timeout_s=TIMEOUT)
     assert _restored(trained, restored, 3) == sources
     piece = os.path.join(host_dir(base, 0), "run", "r00000", "step-3")
@@ -63,17 +65,29 @@ def test_a_sharded_state_restores_bitwise_from_memory_after_a_lost_host(
         ckptio.load(piece)  # rank 0's shards alone are not the state: refused before reading
 
 
-def test_sharded_deltas_with_partners_restore_bitwise_after_a_lost_host(base, tmp_path):
-    """delta=True, zstd, keep_best with Partners(1) on an FSDP2 state, 4 steps: every rank is
-    back at step 4, bitwise. The lost rank's step 4 is a delta whose base's copy the rebuild
-    does not install first, so its partner copy is passed over (a warning names the base) and
-    that rank reads step 4 from the disk tier (as for plain states, test_redundancy.py); the
-    other ranks read theirs from memory."""
+@pytest.mark.parametrize(("spec", "lost", "how"), [("partners-1", (3,), "partner"),
+                                                   ("parity2-2", (1, 3), "parity")])
+def test_sharded_deltas_restore_bitwise_from_memory_after_lost_hosts(base, tmp_path, spec, lost,
+                                                                     how):
+    """delta=True, zstd, keep_best on an FSDP2 state, 4 steps (step 4 a delta): the protection
+    keeps its base's while it is the newest protected step, so the lost ranks get the base
+    back first (from a partner's copy, or rebuilt from two parity pieces), then step 4,
+    verified against its base: every rank back at step 4 from memory, bitwise."""
     disk = str(tmp_path / "disk")
-    trained = run_ranks(4, train, base, disk, "fsdp", "partners-1", 4, True, timeout_s=TIMEOUT)
-    _wipe(base, 3)
-    restored = run_ranks(4, restore, base, disk, "fsdp", "partners-1", True, timeout_s=TIMEOUT)
-    assert [tier for tier, _ in _restored(trained, restored, 4)] == [0, 0, 0, 1]
+    trained = run_ranks(4, train, base, disk, "fsdp", spec, 4, True, timeout_s=TIMEOUT)
+    step4 = os.path.join(host_dir(base, 0), "run", "r00000", "step-4")
+    with open(os.path.join(step4, "manifest.json"), "rb") as f:
+        (base_name,) = decode(f.read(), step4).bases  # a delta of one base step
+    held = os.listdir(os.path.join(host_dir(base, 0), "run", ".redundancy"))
+    assert sorted(held) == sorted([base_name, "step-4"]), held  # the newest and its base
+    for host in lost:
+        _wipe(base, host)
+    restored = run_ranks(4, restore, base, disk, "fsdp", spec, True, timeout_s=TIMEOUT)
+    assert _restored(trained, restored, 4) == [
+        (0, how if rank in lost else "own") for rank in range(4)]
+    for host in lost:  # the base came back beside its delta
+        steps = os.listdir(os.path.join(host_dir(base, host), "run", f"r{host:05d}"))
+        assert {base_name, "step-4"} <= set(steps), steps
 
 
 @pytest.mark.parametrize(("layout", "lost", "world"), [("fsdp", 3, 3), ("2d", 1, 6)],
@@ -163,3 +177,11 @@ def test_the_plan_of_a_restart_takes_each_piece_once_own_first_newest_step():
     bad |= {item_id(5, 3, ("copy", 0))}
     assert plan(reports, 3, bad, None)[0] == 4  # step 5 lacks rank 3's piece: the older step
     assert plan(reports, 3, bad, 5) is None
+
+
+def test_a_first_steps_size_estimate_counts_the_local_shards():
+    """Before any step is held, the memory tier's budget estimates a step from the state: a
+    DTensor counts its local shard (before: the whole tensor, so a first save of a 5-host
+    sharded job with Partners(2) was refused as if each rank held the whole state)."""
+    for got in run_ranks(4, first_step_estimate, timeout_s=TIMEOUT):
+        assert got["estimate"] == got["local"] == 64 * 1024 * 4 // 4

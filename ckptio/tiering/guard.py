@@ -112,7 +112,7 @@ class Guard:
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:
         """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
-        adds: n copies with Partners(n), ceil(step / k') of parity with Parity) for the memory
+        adds: n copies with Partners(n), m ceil(step / k') of parity with Parity) for the memory
         tier's budget; the protection of a new step is written before the older one is
         removed."""
         topo, local = self.topology, self.topology.local_of(self.rank)
@@ -121,8 +121,9 @@ class Guard:
             per_step = self.spec.n * step_nbytes
         else:
             ranks = set()
-            group = topo.groups(self.spec.k)[topo.group_of(topo.host_of(self.rank), self.spec.k)]
-            per_step = -(-step_nbytes // (len(group) - 1))
+            k, m = self.spec.k, self.spec.m
+            group = topo.groups(k, m)[topo.group_of(topo.host_of(self.rank), k, m)]
+            per_step = self.spec.block_nbytes(step_nbytes, len(group))
         return marks.held_nbytes(self.root, ranks, local), per_step
 
     # ------------------------------------------------------------ managing.follower.Follower

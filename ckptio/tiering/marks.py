@@ -3,12 +3,13 @@
 (storage/store_contract.py); the layout (under the memory tier's local directory, shm://NAME):
 
 - ``r<rank>/step-N``: each rank's own step (with redundancy every tier is rank-local);
+  ``r<rank>/.rebuild-step-N`` a restore's copy being verified beside it (a delta's base resolves);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
   partner's copy, a checkpoint), ``parity-g<group>-l<local>.bin`` and ``.json`` (this host's
   parity piece of its group and every member's manifest), ``held-r<rank>.json`` (what rank
   <rank> holds for N, written after its items), ``protected-r<rank>.json`` (the commit of the
-  protection, ``{"step", "how"}``), ``rebuild-r<rank>/`` (a restore's copy being verified),
-  ``elastic-r<rank>/`` (a restart on another rank count: rank <rank>'s piece, assembled).
+  protection, ``{"step", "how"}``), ``elastic-r<rank>/`` (a restart on another rank count:
+  rank <rank>'s piece, assembled).
 
 Owns: those names and reading the markers. Does not own: writing them (protect.py), using them
 (rebuild.py), the CLI's text (cli/).
@@ -64,8 +65,8 @@ def parity_name(group: int, local: int) -> str:
     return f"parity-g{group}-l{local}"
 
 
-def rebuild_name(rank: int) -> str:
-    return f"rebuild-{rank_name(rank)}"
+def rebuild_name(step: int) -> str:
+    return f".rebuild-step-{step}"
 
 
 def elastic_name(rank: int) -> str:

@@ -17,6 +17,7 @@ Owns: the stream, its reading and writing, the transport. Does not own: what to 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,11 @@ from ckptio.format import manifest as manifest_format
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "digest", "files_of", "piece",
-           "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "recv_into", "send",
-           "send_paced",
-           "write_checkpoint", "write_json", "xor_into"]
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "digest", "files_of",
+           "piece", "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "recv_into",
+           "send", "send_paced", "write_checkpoint", "write_json", "xor_into"]
+
+_STEP_NAME = re.compile(r"step-(\d+)$", re.ASCII)
 
 
 @dataclass
@@ -42,10 +44,12 @@ class Stream:
     manifest: bytes
     files: list[tuple[str, int]]
     data: torch.Tensor  # uint8, the files concatenated
+    bases: tuple[int, ...] = ()  # the steps a delta step needs (its manifest's bases)
 
     def meta(self) -> dict[str, Any]:
         return {"manifest": self.manifest.decode(), "files": self.files,
-                "nbytes": int(self.data.numel()), "digest": digest(self.manifest)}
+                "nbytes": int(self.data.numel()), "digest": digest(self.manifest),
+                "bases": list(self.bases)}
 
 
 def digest(data: bytes | memoryview | torch.Tensor) -> str:
@@ -58,6 +62,17 @@ def files_of(manifest: bytes, where: str) -> list[tuple[str, int]]:
     """The data files a manifest names, in its order (decoded and checked: CRC, bounds)."""
     record = manifest_format.decode(manifest, where)
     return [(f.name, f.nbytes) for f in record.files]
+
+
+def bases_of(manifest: bytes, where: str) -> tuple[int, ...]:
+    """The steps (``step-B`` siblings) a delta step's manifest needs; () for a full step.
+    CkptError if a base is not named as a step."""
+    names = manifest_format.bases_of(manifest_format.decode(manifest, where))
+    found = [_STEP_NAME.match(name) for name in names]
+    if not all(found):
+        raise CkptError(f"{where}: its bases {list(names)} are not steps (step-N): a memory "
+                        "tier's delta steps are deltas of its own steps")
+    return tuple(int(m.group(1)) for m in found if m)
 
 
 def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
@@ -77,7 +92,7 @@ def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
             raise StorageIOError(f"{store.path_of(name)}: {got} bytes, its manifest names "
                                  f"{nbytes}")
         offset += nbytes
-    return Stream(manifest, files, data)
+    return Stream(manifest, files, data, bases_of(manifest, store.location))
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],
@@ -169,24 +184,25 @@ def _chunks(nbytes: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + CHUNK, nbytes)) for lo in range(0, nbytes, CHUNK)]
 
 
-def post_recv(group: Any, nbytes: int, src: int) -> tuple[torch.Tensor, list[Any]]:
+def post_recv(group: Any, nbytes: int, src: int, tag: int = 0) -> tuple[torch.Tensor, list[Any]]:
     """Post the receives of ``nbytes`` from rank ``src``, sent by send_paced in chunks ->
     (the tensor they land in, the works to wait on)."""
     out = torch.empty(nbytes, dtype=torch.uint8)
-    return out, [dist.irecv(out[lo:hi], src, group=group) for lo, hi in _chunks(nbytes)]
+    return out, [dist.irecv(out[lo:hi], src, group=group, tag=tag) for lo, hi in _chunks(nbytes)]
 
 
-def send_paced(group: Any, sends: list[tuple[torch.Tensor, int]],
+def send_paced(group: Any, sends: list[tuple[torch.Tensor, int, int]],
                budget: Budget) -> list[tuple[int, Any]]:
-    """Send each (data, dst) in chunks, round-robin over the destinations, each chunk posted
-    once ``budget`` allows it -> (dst, work) per chunk. The receivers posted post_recv first."""
+    """Send each (data, dst, tag) in chunks, round-robin over the sends, each chunk posted once
+    ``budget`` allows it -> (dst, work) per chunk. The receivers posted post_recv first (two
+    sends to one rank: told apart by their tags, each one's chunks in order)."""
     works = []
-    for lo, hi in _chunks(max((data.numel() for data, _dst in sends), default=0)):
-        for data, dst in sends:
+    for lo, hi in _chunks(max((data.numel() for data, _dst, _tag in sends), default=0)):
+        for data, dst, tag in sends:
             piece = data[lo:min(hi, data.numel())]
             if piece.numel():
                 budget.spend(piece.numel())
-                works.append((dst, dist.isend(piece, dst, group=group)))
+                works.append((dst, dist.isend(piece, dst, group=group, tag=tag)))
     return works
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.store_contract import TreeStore
-from ckptio.tiering import marks, peers
+from ckptio.tiering import erasure, marks, peers
 from ckptio.tiering.budget import Budget
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import Root, protected_steps
@@ -38,6 +38,7 @@ __all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 
 log = logging.getLogger("ckptio")
 PAUSE_ENV = "CKPTIO_TEST_PROTECT_PAUSE_S"
+P_TAG, Q_TAG = 0, 2  # a rank's pieces for P and for Q go to a holder apart (another stripe)
 
 
 @dataclass
@@ -90,7 +91,8 @@ class Protector:
             topology.partners(rank, spec.n)  # refused here if the hosts are too few
             topology.check_domains(topology.partner_groups(spec.n), f"ckptio.Partners({spec.n})")
         else:
-            topology.check_domains(topology.groups(spec.k), f"ckptio.Parity(k={spec.k})")
+            m = "" if spec.m == 1 else f", m={spec.m}"
+            topology.check_domains(topology.groups(spec.k, spec.m), f"ckptio.Parity(k={spec.k}{m})")
 
     def submit(self, step: int) -> None:
         """``step`` committed in this rank's memory: protect it (in order). CkptError after
@@ -201,7 +203,8 @@ class Protector:
         3. each rank writes ``held-r<rank>.json`` (what it holds for the step), last;
         4. all ranks agree (a MIN all_reduce) that every rank wrote; then each writes
            ``protected-r<rank>.json``: the step is protected, and the protection of older
-           steps is removed (only the newest protected step stays protected).
+           steps is removed (only the newest protected step stays protected, with the
+           protection of its bases where it is a delta: any rank's).
 
         A kill anywhere before 4 leaves the step without ``protected`` markers: restore treats
         its copies as absent and falls back to the previous protected step, whose copies are
@@ -250,7 +253,7 @@ class Protector:
             return False
         peers.write_json(directory, f"protected-{marks.rank_name(self.rank)}.json",
                          {"step": step, "how": self.spec.describe()})
-        self._drop_before(step)
+        self._drop_before(step, {b for m in metas for b in m.get("bases", [])})
         return True
 
     def _partners(self, stream: peers.Stream, metas: list[dict[str, Any]],
@@ -259,11 +262,11 @@ class Protector:
         write, so a failed write never leaves a peer waiting), then write the copies."""
         n = self.spec.n  # type: ignore[union-attr]
         step = metas[self.rank]["step"]
-        sends = [(stream.data, dst) for dst in self.topology.partners(self.rank, n)]
+        sends = [(stream.data, dst, 0) for dst in self.topology.partners(self.rank, n)]
         got: list[tuple[int, torch.Tensor]] = []
-        self._exchange(step, sends, [(src, metas[src]["nbytes"]) for src in
+        self._exchange(step, sends, [(src, metas[src]["nbytes"], 0) for src in
                                      self.topology.partnered(self.rank, n)],
-                       "a partner copy", lambda src, data: got.append((src, data)))
+                       "a partner copy", lambda src, _tag, data: got.append((src, data)))
         held = []
         for src, data in got:
             meta = metas[src]
@@ -271,59 +274,70 @@ class Protector:
                                    meta["manifest"].encode(), [tuple(f) for f in meta["files"]],
                                    data)
             held.append({"kind": "copy", "rank": src, "manifest_digest": meta["digest"],
-                         "digest": peers.digest(data)})
+                         "digest": peers.digest(data), "bases": meta.get("bases", [])})
         return held
 
     def _parity(self, stream: peers.Stream, metas: list[dict[str, Any]],
                 directory: TreeStore) -> list[dict[str, Any]]:
-        """Rotating parity in this rank's group (topology.py): send piece (j - me - 1) mod n of
-        this rank's shard to the member at position j, XOR the pieces received into this
-        rank's parity piece P_me, then write it with its xxh3 and every member's manifest."""
-        k, topo = self.spec.k, self.topology  # type: ignore[union-attr]
+        """Rotating parity in this rank's group of n (topology.py): piece (j - me - 1) mod n of
+        this rank's shard goes to stripe j's P holder (position j) and, with m = 2, to its Q
+        holder (j + 1); the pieces received are coded into this rank's block (P of stripe me,
+        then Q of stripe me - 1), written with its xxh3 and every member's manifest."""
+        spec, topo = self.spec, self.topology
+        assert isinstance(spec, Parity)  # internal: called for Parity only
+        k, m = spec.k, spec.m
         host, local = topo.host_of(self.rank), topo.local_of(self.rank)
-        group = topo.group_of(host, k)
-        members = [topo.rank_at(h, local) for h in topo.groups(k)[group]]
-        n, me, step = len(members), topo.position(host, k), metas[self.rank]["step"]
-        p = peers.piece_nbytes(max(metas[r]["nbytes"] for r in members), n - 1)
-        sends = [(peers.piece(stream.data, topo.contributed(j, me, n), p), dst)
-                 for j, dst in enumerate(members) if j != me]
-        block = torch.zeros(p, dtype=torch.uint8)
-        sizes = [(src, peers.piece_len(metas[src]["nbytes"], topo.contributed(me, h, n), p))
-                 for h, src in enumerate(members) if h != me]
-        self._exchange(step, sends, sizes, "a parity piece",
-                       lambda _src, data: peers.xor_into(block, data))
+        group = topo.group_of(host, k, m)
+        members = [topo.rank_at(h, local) for h in topo.groups(k, m)[group]]
+        n, me, step = len(members), topo.position(host, k, m), metas[self.rank]["step"]
+        p = peers.piece_nbytes(max(metas[r]["nbytes"] for r in members), n - m)
+        sends = [(peers.piece(stream.data, topo.contributed(j, me, n), p), members[h], tag)
+                 for j in range(n) if topo.contributed(j, me, n) < n - m
+                 for h, tag in zip(topo.stripe_parity(j, n, m), (P_TAG, Q_TAG))]
+        receives = [(members[h], peers.piece_len(metas[members[h]]["nbytes"], i, p), tag)
+                    for j, tag in [(me, P_TAG), *([((me - 1) % n, Q_TAG)] if m == 2 else [])]
+                    for h, i in topo.stripe_data(j, n, m)]  # highest position first: Horner
+        block = torch.zeros(m * p, dtype=torch.uint8)
+        q = erasure.Horner(block[p:])
+        self._exchange(step, sends, receives, "a parity piece",
+                       lambda src, tag, got: peers.xor_into(block[:p], got) if tag == P_TAG
+                       else q.add(members.index(src), got))
+        q.finish()
         name = marks.parity_name(group, local)
         directory.write_file(f"{name}.bin",
                              memoryview(block.numpy()).cast("B") if block.numel() else b"")
-        info = {"kind": "parity", "group": group, "local": local, "position": me,
-                "nbytes": p, "digest": peers.digest(block),
+        info = {"kind": "parity", "group": group, "local": local, "position": me, "m": m,
+                "piece": p, "nbytes": m * p, "digest": peers.digest(block),
+                "bases": {str(r): metas[r].get("bases", []) for r in members},
                 "members": [{"rank": r, "host": topo.host_of(r), "nbytes": metas[r]["nbytes"],
                              "manifest": metas[r]["manifest"], "files": metas[r]["files"],
                              "manifest_digest": metas[r]["digest"]} for r in members]}
         peers.write_json(directory, f"{name}.json", info)
         return [{key: v for key, v in info.items() if key != "members"}]
 
-    def _exchange(self, step: int, sends: list[tuple[torch.Tensor, int]],
-                  receives: list[tuple[int, int]], what: str,
-                  take: Callable[[int, torch.Tensor], None]) -> None:
-        """Send each (data, dst), receive each (src, nbytes) and ``take(src, data)`` each.
-        Unlimited: every send posted whole, then each receive in turn, taken as it lands (one
-        in memory at a time). Under the budget: every receive posted first, then the sends
-        paced in chunks (peers.send_paced): bytes leave no faster than the budget allows."""
+    def _exchange(self, step: int, sends: list[tuple[torch.Tensor, int, int]],
+                  receives: list[tuple[int, int, int]], what: str,
+                  take: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Send each (data, dst, tag), receive each (src, nbytes, tag) and ``take(src, tag,
+        data)`` each, in the order given. Unlimited: every send posted whole, then each receive
+        in turn, taken as it lands (one in memory at a time). Under the budget: every receive
+        posted first, then the sends paced in chunks (peers.send_paced): bytes leave no faster
+        than the budget allows."""
         if not self._budget.rate:
-            works = [(dst, peers.send(self.group, data, dst)) for data, dst in sends]
-            for src, nbytes in receives:
+            works = [(dst, peers.send(self.group, data, dst, tag)) for data, dst, tag in sends]
+            for src, nbytes, tag in receives:
                 with self._talking(step, f"receiving {what} from", src):
-                    data = peers.recv(self.group, nbytes, src)
-                take(src, data)
+                    data = peers.recv(self.group, nbytes, src, tag)
+                take(src, tag, data)
             self._wait(step, works)
             return
         with self._talking(step, f"exchanging {what} with", None):
-            posted = [(src, *peers.post_recv(self.group, nbytes, src)) for src, nbytes in receives]
+            posted = [(src, tag, *peers.post_recv(self.group, nbytes, src, tag))
+                      for src, nbytes, tag in receives]
             works = peers.send_paced(self.group, sends, self._budget)
-        for src, data, pieces in posted:
+        for src, tag, data, pieces in posted:
             self._wait(step, [(src, work) for work in pieces], f"receiving {what} from")
-            take(src, data)
+            take(src, tag, data)
         self._wait(step, works)
 
     def _wait(self, step: int, works: list[tuple[int, Any]], what: str = "sending to") -> None:
@@ -351,12 +365,13 @@ class Protector:
             self._broken = error
             raise error from exc
 
-    def _drop_before(self, step: int) -> None:
-        """Remove this host's protection of steps older than ``step`` (local rank 0 does)."""
+    def _drop_before(self, step: int, keep: set[int]) -> None:
+        """Remove this host's protection of steps older than ``step`` but the bases in ``keep``
+        (a delta step's rebuild needs its base's: rebuild.py) (local rank 0 does)."""
         if self.topology.local_of(self.rank) != 0:
             return
         for older, where in marks.held_steps(self._tree).items():
-            if older < step:
+            if older < step and older not in keep:
                 problems = where.remove_tree()
                 if problems:
                     log.debug("ckptio: the protection of step %d stays in part: %s", older,
@@ -367,3 +382,4 @@ def newest_protected(root: Root, rank: int) -> int | None:
     """The newest step whose protection ``rank`` committed under ``root``, or None."""
     steps = protected_steps(root, rank)
     return steps[-1] if steps else None
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.tiering import marks, peers
+from ckptio.tiering import erasure, marks, peers
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
@@ -32,7 +33,7 @@ __all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
-Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members)
+Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members, missing)
 PIECE_TAG = 1  # a parity piece and a member's own stream go the same way: told apart by tag
 
 
@@ -69,9 +70,43 @@ def plan(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, ba
     steps = [s for s in steps if only is None or s == only]
     for step in steps:
         sources = {r: _source(invs, topo, spec, bad, r, step) for r in range(len(invs))}
-        if all(s is not None for s in sources.values()):
+        if all(s is not None and all(_source(invs, topo, spec, bad, r, b) is not None
+                                     for b in _bases(invs, r, step, s))
+               for r, s in sources.items()):
             return step, sources  # type: ignore[return-value]
     return None
+
+
+def _bases(invs: list[dict[str, Any]], rank: int, step: int, src: Source) -> list[int]:
+    """The bases of ``rank``'s ``step`` where it comes from a copy or parity (a delta step:
+    its base comes back first, rebuilt the same way); [] for its own memory."""
+    if src[0] == "own":
+        return []
+    holders = [src[1]] if src[0] == "copy" else [m for m in src[2] if m not in src[3]]
+    for holder in holders:
+        for item in invs[holder]["held"].get(str(step), []):
+            if item["kind"] == "copy" and item["rank"] == rank:
+                return list(item.get("bases", []))
+            if item["kind"] == "parity" and str(rank) in item.get("bases", {}):
+                return list(item["bases"][str(rank)])
+    return []
+
+
+def _base_rounds(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
+                 bad: set[str], step: int,
+                 sources: dict[int, Source]) -> list[tuple[int, dict[int, Source]]]:
+    """(base step, sources) for each base the ranks rebuilt at ``step`` need, oldest first."""
+    needs: dict[int, list[int]] = {}
+    for r, src in sources.items():
+        for b in _bases(invs, r, step, src):
+            needs.setdefault(b, []).append(r)
+    rounds = []
+    for b, ranks in sorted(needs.items()):
+        found: dict[int, Source] = {r: ("own",) for r in range(len(invs))}
+        found.update({r: _source(invs, topo, spec, bad, r, b) for r in ranks})  # type: ignore
+        if any(src[0] != "own" for src in found.values()):
+            rounds.append((b, found))
+    return rounds
 
 
 def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, bad: set[str],
@@ -88,16 +123,15 @@ def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
                 return ("copy", holder)
         return None
     host, local = topo.host_of(rank), topo.local_of(rank)
-    group = topo.group_of(host, spec.k)
-    members = [topo.rank_at(h, local) for h in topo.groups(spec.k)[group]]
-    for m in members:  # every other member: its own step and its parity piece, both good
-        if m != rank and not (
-                _has_own(invs, bad, m, step)
-                and _parity_id(m, group, local, step) not in bad
-                and any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
-                        for i in items(m))):
-            return None
-    return ("parity", group, members)
+    group = topo.group_of(host, spec.k, spec.m)
+    members = [topo.rank_at(h, local) for h in topo.groups(spec.k, spec.m)[group]]
+    missing = [m for m in members if not (  # its own step and its parity piece, both good
+        _has_own(invs, bad, m, step) and _parity_id(m, group, local, step) not in bad
+        and any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
+                for i in items(m)))]
+    if len(missing) > spec.m:
+        return None
+    return ("parity", group, members, missing)
 
 
 def _has_own(invs: list[dict[str, Any]], bad: set[str], rank: int, step: int) -> bool:
@@ -153,21 +187,22 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            (a replacement host, its tmpfs empty) reports nothing.
     2. **plan** (the same on every rank, from the gathered inventories): newest step first, each
            rank's source is its own memory, else a partner's copy (first partner first), else a
-           rebuild from its group's parity with every other member's own step; a step is chosen when
-           every rank has a source. Items found bad before are passed over. Parity: every other
-           member of the rank's group (k + 1 hosts) must hold its own step and its parity piece.
+           rebuild from its group's parity with the other members' own steps; a step is chosen when
+           every rank has a source. Items found bad before are passed over. Parity: at most m
+           members of the rank's group miss their own step or parity block (or hold a bad one).
     3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-           against the digest it recorded. The receiver writes the copy (or rebuilds each of its k
-           pieces from one member's parity piece XOR the other members' pieces in it, topology.py; cut
-           to its length and split into its files) into ``.redundancy/step-N/rebuild-r<rank>``,
+           against the digest it recorded. The receiver writes the copy (or rebuilds each of its
+           pieces from its stripe's P / Q and the other members' pieces, erasure.py; cut
+           to its length and split into its files) into ``r<rank>/.rebuild-step-N``,
            **verifies every byte against the original's manifest** (its entries' checksums:
            Checkpointer.verify), and only then moves it to its ``step-N`` (Store.move_to: one
-           rename).
+           rename). A delta step rebuilt so needs its base: the base is brought back first, the
+           same way (the protection keeps a protected delta's base's: protect.py).
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are
            lost (no step in memory at all) and the caller restores the newest step every rank holds
-           in some tier (the disk tier, where two hosts of one parity group are lost).
+           in some tier (the disk tier, where more than m hosts of one parity group are lost).
     """
     invs = peers.all_gather_json(ctx.group, inventory(ctx.root, ctx.rank, own, anywhere))
     result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
@@ -179,10 +214,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
         if chosen is None:
             return result
         step, sources = chosen
-        failures = _transfer(ctx, step, sources)
-        merged: dict[str, str] = {}
-        for part in peers.all_gather_json(ctx.group, failures):
-            merged.update(part)
+        merged = _attempt(ctx, invs, bad, step, sources)
         if not merged:
             result.step = step
             result.sources = {r: {"own": "own", "copy": "partner", "parity": "parity"}[s[0]]
@@ -196,6 +228,20 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     return result
 
 
+def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
+             sources: dict[int, Source]) -> dict[str, str]:
+    """Steps 3 for ``step``, its bases first where a rank rebuilds a delta step -> {bad item:
+    why}, as every rank saw them (the same on every rank)."""
+    rounds = [*_base_rounds(invs, ctx.topology, ctx.spec, bad, step, sources), (step, sources)]
+    for each, each_sources in rounds:
+        merged: dict[str, str] = {}
+        for part in peers.all_gather_json(ctx.group, _transfer(ctx, each, each_sources)):
+            merged.update(part)
+        if merged:
+            return merged
+    return {}
+
+
 def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, str]:
     """Step 3 for ``step``; -> {bad item: why} as seen on this rank."""
     sends: list[tuple[int, int, str]] = []  # (sender, receiver, item) in one order everywhere
@@ -205,7 +251,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
         elif src[0] == "parity":
             local = ctx.topology.local_of(r)
             for m in src[2]:
-                if m != r:
+                if m not in src[3]:
                     sends += [(m, r, _parity_id(m, src[1], local, step)),
                               (m, r, f"own:r{m}:s{step}")]
     mine: dict[str, Any] = {}
@@ -277,8 +323,11 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
         data = next(t for i, t in received.items() if i.startswith("copy:"))
     else:
         manifest, files, data = _rebuild(ctx, step, src, metas, received)
-    final = marks.tree_of(ctx.own_dir(step))
-    scratch = marks.held(ctx.root, step).child(marks.rebuild_name(ctx.rank))
+    final_path = ctx.own_dir(step)
+    final = marks.tree_of(final_path)
+    # beside its step: a delta step's bases (siblings) resolve when it is verified
+    scratch = marks.tree_of(os.path.join(os.path.dirname(final_path),
+                                         marks.rebuild_name(step)))
     try:
         peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
         ctx.verify(scratch.location)
@@ -289,26 +338,29 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
 
 def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
              received: dict[str, torch.Tensor]) -> tuple[bytes, list[Any], torch.Tensor]:
-    """This rank's shard from its group's parity pieces and the other members' shards: piece i
-    = P_j XOR the other members' contributions to P_j, j = (me + 1 + i) mod n (topology.py)."""
-    topo, (_, group, members) = ctx.topology, src
+    """This rank's shard from its group's parity blocks and the other members' shards: piece i
+    lies in stripe j = (me + 1 + i) mod n (topology.py), solved from the stripe's P and Q
+    (erasure.py) where their holders are not among the missing members."""
+    topo, (_, group, members, missing) = ctx.topology, src
     local, n = topo.local_of(ctx.rank), len(members)
-    me = members.index(ctx.rank)
-    pieces = {j: received[_parity_id(m, group, local, step)] for j, m in enumerate(members)
-              if j != me}
-    shards = {j: received[f"own:r{m}:s{step}"] for j, m in enumerate(members) if j != me}
-    info = metas[_parity_id(members[(me + 1) % n], group, local, step)]["info"]
-    p = int(info["nbytes"])
-    if any(t.numel() != p for t in pieces.values()):
-        raise CkptError(f"the parity pieces of group {group}, step {step} differ in size "
-                        f"({sorted({t.numel() for t in pieces.values()})} bytes)")
-    data = torch.empty(p * (n - 1), dtype=torch.uint8)  # every piece written whole below
-    for i in range(n - 1):
+    me, lost = members.index(ctx.rank), [members.index(r) for r in missing]
+    blocks = {j: received[_parity_id(m, group, local, step)] for j, m in enumerate(members)
+              if j not in lost}
+    shards = {j: received[f"own:r{m}:s{step}"] for j, m in enumerate(members) if j not in lost}
+    info = metas[_parity_id(members[next(iter(blocks))], group, local, step)]["info"]
+    parity_m, p = int(info.get("m", 1)), int(info.get("piece", info["nbytes"]))
+    if any(t.numel() != parity_m * p for t in blocks.values()):
+        raise CkptError(f"the parity blocks of group {group}, step {step} differ in size "
+                        f"({sorted({t.numel() for t in blocks.values()})} bytes)")
+    data = torch.empty(p * (n - parity_m), dtype=torch.uint8)  # every piece written whole
+    for i in range(n - parity_m):
         j = topo.holder_of(i, me, n)
-        acc = data[i * p:(i + 1) * p]
-        acc.copy_(pieces[j])  # XORed in place: no copy of the piece, no second pass
-        for h, shard in shards.items():
-            if h != j:
-                peers.xor_into(acc, peers.piece(shard, topo.contributed(j, h, n), p))
+        data_at = topo.stripe_data(j, n, parity_m)
+        held = [blocks[h][t * p:(t + 1) * p] if h in blocks else None
+                for t, h in enumerate(topo.stripe_parity(j, n, parity_m))]
+        data[i * p:(i + 1) * p] = erasure.solve(
+            p, held[0], held[1] if parity_m == 2 else None,
+            {h: peers.piece(shards[h], c, p) for h, c in data_at if h in shards},
+            [h for h, _c in data_at if h in lost], me)
     mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
     return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]

@@ -2,6 +2,7 @@
 
     ckptio.Tier("shm://run", redundancy=ckptio.Partners(1))   # a full copy on the next host
     ckptio.Tier("shm://run", redundancy=ckptio.Parity(k=3))   # XOR parity, groups of 3+1 hosts
+    ckptio.Tier("shm://run", redundancy=ckptio.Parity(k=3, m=2))  # P+Q, groups of 3+2 hosts
     ckptio.Tier("shm://run")                                  # none (a lost host: disk)
 
 With redundancy, the memory tier is rank-local (NVIDIA resiliency-ext's "local checkpoints"):
@@ -10,15 +11,15 @@ each rank keeps its own state as a one-rank checkpoint in its host's memory, und
 (``<location>/r<rank>/step-N``), copied by each rank's own drain. After each commit in memory a
 background thread (tiering/protect.py) sends the step's bytes over a gloo process group of its
 own to the partner(s), or as parity pieces to the other hosts of its parity group, which keep
-them in their memory under
-``shm://NAME/.redundancy/step-N``; the step is protected once every rank's copies are written
-and a marker is committed last. A restore agrees on the newest step every rank can obtain
-verified: from its own memory, a partner's copy, or rebuilt from parity, else from disk
+them in their memory under ``shm://NAME/.redundancy/step-N``; the step is protected once every
+rank's copies are written and a marker is committed last. A restore agrees on the newest step
+every rank can obtain verified: its own memory, a partner's copy, rebuilt from parity, else disk
 (tiering/rebuild.py). Placement rules: tiering/topology.py.
 
 Partners(n) costs (1 + n) x the state in host memory and survives any n lost hosts; Parity(k)
 costs (1 + 1/k) x (every host holds 1/k of a shard of parity) and survives one lost host per
-group of k + 1 hosts (a second loss in a group: the disk tier).
+group of k + 1 hosts (a second loss in a group: the disk tier); Parity(k, m=2) costs (1 + 2/k) x
+and survives two lost hosts per group of k + 2.
 
 Owns: the declaration and its validation. Does not own: placement (topology.py), encoding and
 transfer (protect.py), restore (rebuild.py).
@@ -53,20 +54,31 @@ class Partners:
 
 @dataclass(frozen=True)
 class Parity:
-    """Rotating XOR parity over groups of ``k + 1`` hosts, each holding 1/k of a shard of parity
-    (tiering/topology.py)."""
+    """Rotating parity over groups of ``k + m`` hosts, each holding m/k of a shard of parity
+    (tiering/topology.py): ``m=1`` XOR, any one lost host per group; ``m=2`` XOR and
+    Reed-Solomon (tiering/erasure.py), any two."""
 
     k: int = 3
     rate: float | None = None  # as Partners.rate
+    m: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise CkptError(f"ckptio.Parity(k={self.k!r}): hosts per parity group, an integer "
                             ">= 1 (3: 1.33x memory)")
+        if self.m not in (1, 2) or isinstance(self.m, bool):
+            raise CkptError(f"ckptio.Parity(k={self.k}, m={self.m!r}): parity pieces per group, "
+                            "1 (survives one lost host per group) or 2 (survives two)")
         _check_rate(self, self.rate)
 
     def describe(self) -> str:
-        return f"parity(k={self.k}{_rate_text(self.rate)})"
+        m = "" if self.m == 1 else f", m={self.m}"
+        return f"parity(k={self.k}{m}{_rate_text(self.rate)})"
+
+    def block_nbytes(self, longest: int, members: int) -> int:
+        """The parity bytes each member of a group of ``members`` hosts holds when the
+        longest shard is ``longest`` bytes: m pieces of ceil(longest / (members - m))."""
+        return self.m * -(-longest // (members - self.m))
 
 
 def _check_rate(spec: object, rate: object) -> None:

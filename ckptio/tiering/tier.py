@@ -35,6 +35,7 @@ from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
+from ckptio.planning.sharding import local_tensor
 from ckptio.storage.mapped import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.topology import host_id
@@ -153,10 +154,10 @@ def one_host(tiers: list[Tier], group: Group) -> None:
 
 
 def state_nbytes(state: Any) -> int:
-    """The bytes of ``state``'s tensors (this rank's part): a first save's size estimate."""
-    leaves = flatten(state).leaves.values()
-    return sum(leaf.value.numel() * leaf.value.element_size() for leaf in leaves
-               if isinstance(leaf.value, torch.Tensor))
+    """The bytes of ``state``'s tensors (this rank's part: a DTensor's local shard): a first
+    save's size estimate."""
+    tensors = [local_tensor(leaf.value) for leaf in flatten(state).leaves.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def step_sizes(paths: Iterable[str]) -> list[int]:

@@ -8,12 +8,12 @@ are numbered in the order of their lowest rank, and every host must run the same
 ranks. **Partners(n)**: rank (host h, local l) is copied to (host (h+j) mod H, local l),
 j = 1..n. **Parity(k)** (RAID-5-like, rotating): groups of k + 1 (up to 2k + 1) consecutive
 hosts, each host holding one parity piece of 1/k of a shard, none covering its own host: any
-one lost host per group is rebuilt. **Failure domains** (``$CKPTIO_FAILURE_DOMAIN``: a rack, a
-switch, hosts that fail together): the hosts are numbered with the domains interleaved, so a
-rank's partners and a parity group's hosts fall in other domains; a placement that still puts
-two hosts of one group (a rank and its copies, or a parity group) in one domain is refused.
-The formulas, uneven host counts and what is refused: docs/BEHAVIOUR.md,
-"ckptio.tiering.topology".
+one lost host per group is rebuilt. **Parity(k, m=2)** (RAID-6-like): groups of k + 2, stripe
+j's P on position j and its Q on j + 1, each host holding 2/k: any two lost hosts per group.
+**Failure domains** (``$CKPTIO_FAILURE_DOMAIN``: a rack, a switch, hosts that fail together):
+the hosts are numbered with the domains interleaved, so a rank's partners and a parity group's
+hosts fall in other domains; one that still puts two hosts of a group in one domain is refused.
+Formulas, uneven host counts, refusals: docs/BEHAVIOUR.md, "ckptio.tiering.topology".
 
 Call order: ``host_id()`` and ``domain_id()`` on every rank -> the ids gathered from every
 rank (a collective, the caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement
@@ -158,37 +158,52 @@ class Topology:
 
     # ------------------------------------------------------------ parity
 
-    def groups(self, k: int) -> list[tuple[int, ...]]:
+    def groups(self, k: int, m: int = 1) -> list[tuple[int, ...]]:
         """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.tiering.topology"): G = floor(H /
-        (k+1)) runs of consecutive hosts as even as can be (the first H mod G of them one host
-        longer); a group of m hosts codes with k' = m - 1 >= k."""
-        size = self.size
+        (k+m)) runs of consecutive hosts as even as can be (the first H mod G of them one host
+        longer); a group of n hosts codes with k' = n - m >= k."""
+        size, spec = self.size, f"Parity(k={k})" if m == 1 else f"Parity(k={k}, m={m})"
         if size == 1:
-            raise CkptError(_ONE_HOST.format(spec=f"Parity(k={k})", hid=self.ids[0]))
-        if k < 1 or size < k + 1:
-            raise CkptError(f"Parity(k={k}): {size} host(s); a parity group is k + 1 hosts "
-                            f"(each holds 1/k of a shard of parity), so it needs at least "
-                            f"{k + 1} hosts: use Parity(k) with k <= {size - 1}, or Partners(1)")
-        count = size // (k + 1)
+            raise CkptError(_ONE_HOST.format(spec=spec, hid=self.ids[0]))
+        if k < 1 or size < k + m:
+            fix = f"Parity(k) with k <= {size - 1}, or Partners(1)" if m == 1 else (
+                f"Parity(k, m={m}) with k <= {size - m}, or Partners({m})" if size > m else
+                f"Partners({size - 1})")
+            raise CkptError(f"{spec}: {size} host(s); a parity group is k + {m} hosts "
+                            f"(each holds {m}/k of a shard of parity), so it needs at least "
+                            f"{k + m} hosts: use {fix}")
+        count = size // (k + m)
         each, extra = divmod(size, count)
         bounds = [g * each + min(g, extra) for g in range(count + 1)]
         return [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
-    def group_of(self, host: int, k: int) -> int:
-        return next(g for g, hosts in enumerate(self.groups(k)) if host in hosts)
+    def group_of(self, host: int, k: int, m: int = 1) -> int:
+        return next(g for g, hosts in enumerate(self.groups(k, m)) if host in hosts)
 
-    def position(self, host: int, k: int) -> int:
-        """``host``'s position in its parity group (0..k')."""
-        return self.groups(k)[self.group_of(host, k)].index(host)
+    def position(self, host: int, k: int, m: int = 1) -> int:
+        """``host``'s position in its parity group (0..n-1)."""
+        return self.groups(k, m)[self.group_of(host, k, m)].index(host)
 
     @staticmethod
     def contributed(j: int, h: int, n: int) -> int:
-        """Which piece the member at position h puts into parity piece P_j (group of n)."""
+        """Which piece the member at position h puts into stripe j (group of n): the stripe's
+        data when it is < n - m (m = 1: h != j; m = 2: h not in (j, j + 1))."""
         return (j - h - 1) % n
 
     @staticmethod
+    def stripe_data(j: int, n: int, m: int) -> list[tuple[int, int]]:
+        """(position, piece index) of stripe j's data members, the highest position first."""
+        return [(h, i) for h in reversed(range(n))
+                if (i := Topology.contributed(j, h, n)) < n - m]
+
+    @staticmethod
+    def stripe_parity(j: int, n: int, m: int) -> list[int]:
+        """The positions holding stripe j's P (j) and, with m = 2, its Q (j + 1)."""
+        return [j, (j + 1) % n][:m]
+
+    @staticmethod
     def holder_of(i: int, h: int, n: int) -> int:
-        """The position whose parity piece covers piece ``i`` of the member at position h."""
+        """The stripe (the position holding its P) of piece ``i`` of the member at position h."""
         return (h + 1 + i) % n
 
 
