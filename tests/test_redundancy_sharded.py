@@ -17,7 +17,7 @@ import ckptio
 from ckptio.format.manifest import decode
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from tests.redundancy_cases import host_dir
-from ckptio.tiering.pieces import item_id, plan
+from ckptio.tiering.pieces import Regrowth, item_id, plan, regrowths
 from tests.redundancy_sharded_cases import first_step_estimate, restore, train
 
 TIMEOUT = 240
@@ -126,13 +126,35 @@ def test_a_damaged_piece_is_passed_over_in_a_restart_on_fewer_hosts(base, tmp_pa
     assert len(skipped) == 1 and "rank 1's piece of step 3 (own)" in skipped[0], skipped
 
 
+@pytest.mark.parametrize(("spec", "hosts", "lost", "restart_spec"), [
+    ("parity-2", 4, (3,), "parity-2"), ("parity2-2", 5, (3, 4), "parity2-1")],
+    ids=["parity-4-to-3-hosts", "two-parity-5-to-3-hosts"])
+def test_a_restart_on_fewer_hosts_rebuilds_lost_pieces_from_parity(base, tmp_path, spec, hosts,
+                                                                   lost, restart_spec):
+    """Parity(2) on 4 hosts, one lost; Parity(2, m=2) on 5, two lost: the job restarted on the 3
+    hosts left first rebuilds each lost rank's piece from its group's blocks and the other
+    pieces (tiering/regrow.py), then restores step 3 resharded from memory, bitwise; the
+    rebuilt pieces stay as partner copies would."""
+    disk = str(tmp_path / "disk")
+    trained = run_ranks(hosts, train, base, disk, "fsdp", spec, 3, timeout_s=TIMEOUT)
+    for host in lost:
+        _wipe(base, host)
+    restored = run_ranks(3, restore, base, disk, "fsdp", restart_spec, timeout_s=TIMEOUT)
+    assert _restored([trained[0]] * 3, restored, 3) == [(0, "resharded")] * 3
+    assert restored[0]["how"]["skipped"] == []
+    copies = [n for h in range(3) for n in os.listdir(
+        os.path.join(host_dir(base, h), "run", ".redundancy", "step-3")) if n.startswith("copy-")]
+    assert sorted(copies) == [f"copy-r{k:05d}" for k in lost], copies
+
+
 def test_a_restart_on_fewer_hosts_that_memory_cannot_supply_is_refused_loudly(base, tmp_path):
-    """Parity(2): a piece lost with its host is not rebuilt for another rank count (not yet),
-    and the disk tier holds only the 4-rank job's pieces: every rank of the 3-rank restart
-    refuses, naming the steps and the rank count to restart with, rather than loading a
-    wrong layout or starting from scratch."""
+    """Parity(2): two hosts of the group lost (one more than its parity rebuilds), and the
+    disk tier holds only the 4-rank job's pieces: every rank of the 3-rank restart refuses,
+    naming the steps and the rank count to restart with, rather than loading a wrong layout
+    or starting from scratch."""
     disk = str(tmp_path / "disk")
     run_ranks(4, train, base, disk, "fsdp", "parity-2", 2, timeout_s=TIMEOUT)
+    _wipe(base, 2)
     _wipe(base, 3)
     with pytest.raises(RanksFailed, match=r"CheckpointNotFoundError.*steps \[1, 2\] were saved "
                        r"by a job of another number of ranks.*restart with the rank count"):
@@ -185,3 +207,22 @@ def test_a_first_steps_size_estimate_counts_the_local_shards():
     sharded job with Partners(2) was refused as if each rank held the whole state)."""
     for got in run_ranks(4, first_step_estimate, timeout_s=TIMEOUT):
         assert got["estimate"] == got["local"] == 64 * 1024 * 4 // 4
+
+
+def test_the_plan_rebuilds_a_lost_piece_from_parity_only_where_its_group_allows():
+    """Pure (tiering/pieces.regrowths): step 5 of a 4-rank job misses rank 3's piece; the 3
+    hosts left hold pieces 0-2 and the blocks of positions 0-2 of the one group (m = 1): rank 3
+    is rebuilt, received by the first block's holder. A newer whole step, a second lost
+    position, or the rebuild found bad before: nothing to rebuild."""
+    reports = [[[5, r, 4, "own"]] for r in range(3)]
+    blocks = [[[5, 0, 0, j, [0, 1, 2, 3], 1]] for j in range(3)]
+    want = Regrowth(5, 3, 0, 0, [0, 1, 2, 3], 1, [3], {j: ("own", j) for j in range(3)},
+                    {0: 0, 1: 1, 2: 2}, 0)
+    assert regrowths(reports, blocks, 3, set(), None) == (5, [want])
+    whole = [[*found, *([[6, r, 4, "own"], [6, 3, 4, "copy"]] if r == 0 else [[6, r, 4, "own"]])]
+             for r, found in enumerate(reports)]
+    assert regrowths(whole, blocks, 3, set(), None) is None  # step 6 needs no rebuild
+    assert regrowths(reports, blocks[:2] + [[]], 3, set(), None) is None  # two lost, m = 1
+    two = [[[5, 0, 0, j, [0, 1, 2, 3], 2]] for j in range(2)] + [[]]
+    assert regrowths(reports, two, 3, set(), None)[1][0].lost == [2, 3]  # m = 2: rebuilt
+    assert regrowths(reports, blocks, 3, {"regrow:r3:s5"}, None) is None

@@ -116,9 +116,9 @@ def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
                 f"any tier: {recovery.anywhere}")
     return (f"steps {sorted(others)} were saved by a job of another number of ranks (each "
             f"rank's own piece): a job of {world} ranks restores them only from memory, where "
-            "every rank's piece or its partner's copy must survive (a piece lost under Parity "
-            "is not rebuilt for another rank count yet); restart with the rank count that "
-            "saved them")
+            "every rank's piece must survive, or its partner's copy, or enough of its parity "
+            "group to rebuild it (delta steps: not resharded from memory); restart with the "
+            "rank count that saved them")
 
 
 def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,

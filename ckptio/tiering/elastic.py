@@ -8,14 +8,15 @@ piece failed, ``next`` again) -> ``write(fetched)`` -> the caller loads that pie
 of this job) and removes it.
 
 1. survey: the first rank of each host lists the pieces its host's memory holds (``r<k>/step-N``
-   and partner copies) with the rank count of the job that saved them;
+   and partner copies) with the rank count of the job that saved them; a piece held nowhere
+   is rebuilt from parity first where its group allows (regrow.py), then surveyed again;
 2. plan (pieces.py): the newest step of another rank count whose every piece is held somewhere,
    each sent by the first rank of a host holding it, which shares its manifest;
 3. fetch: each rank works out the entries its state needs (pieces.py); each holder reads them,
    checks each against its checksum (a piece that fails is passed over, the plan made again)
    and sends every rank its section of that rank's file, received in place;
 4. write: committed as this rank's piece of this job in ``.redundancy/step-N/elastic-r<rank>``.
-Steps the plan does not offer (a piece lost under Parity, deltas): docs/BEHAVIOUR.md.
+Steps the plan does not offer (more pieces lost than parity rebuilds, deltas): docs/BEHAVIOUR.md.
 
 Owns: the survey, the exchange and the assembled piece. Does not own: the plan and which
 entries a rank needs (pieces.py, pure), the load (the caller's tier), the same-world recovery
@@ -38,6 +39,7 @@ from ckptio.format.types import FileInfo, ObjectEntry
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering import marks, peers
 from ckptio.tiering.pieces import Choice, Found, Source, item_id, merged, needed, plan
+from ckptio.tiering.regrow import regrow
 from ckptio.tiering.topology import Topology
 
 __all__ = ["Context", "Fetched", "Restart", "survey"]
@@ -109,6 +111,8 @@ class Restart:
     def __init__(self, ctx: Context, skipped: list[str]) -> None:
         self.ctx, self.skipped = ctx, skipped
         self.reports = peers.all_gather_json(ctx.group, survey(ctx))
+        if regrow(ctx, self.reports, skipped):  # a lost piece rebuilt from parity: now held
+            self.reports = peers.all_gather_json(ctx.group, survey(ctx))
         self.bad: set[str] = set()
         self.rounds = 0
 

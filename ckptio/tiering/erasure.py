@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ckptio.errors import CkptError
+from ckptio.tiering.topology import Topology
 
-__all__ = ["Horner", "mul", "mul_into", "power", "scale", "solve"]
+__all__ = ["Horner", "member", "mul", "mul_into", "power", "scale", "solve"]
 
 _POLY = 0x1D  # x^8 + x^4 + x^3 + x^2 + 1, without x^8
 _CHUNK = 1 << 22  # bytes multiplied at a time (and their int32 indices)
@@ -154,3 +155,23 @@ class Horner:
     def finish(self) -> None:
         if self.last > 0:
             scale(self.acc, power(self.last))
+
+
+def member(n: int, m: int, p: int, me: int, lost: list[int], blocks: Mapping[int, torch.Tensor],
+           shards: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """The n - m pieces of p bytes of the member at position ``me`` of a parity group of n
+    (topology.py's stripes), rebuilt from the ``blocks`` (position -> m * p bytes: P of its
+    stripe, then Q of the one before) and ``shards`` (position -> its bytes) of the members
+    not ``lost``. Piece i lies in stripe j = (me + 1 + i) mod n."""
+    data = torch.empty(p * (n - m), dtype=torch.uint8)
+    for i in range(n - m):
+        j = Topology.holder_of(i, me, n)
+        data_at = Topology.stripe_data(j, n, m)
+        held = [blocks[h][t * p:(t + 1) * p] if h in blocks else None
+                for t, h in enumerate(Topology.stripe_parity(j, n, m))]
+        present = {h: shards[h][min(c * p, shards[h].numel()):min((c + 1) * p,
+                                                                  shards[h].numel())]
+                   for h, c in data_at if h in shards}
+        data[i * p:(i + 1) * p] = solve(p, held[0], held[1] if m == 2 else None, present,
+                                        [h for h, _c in data_at if h in lost], me)
+    return data

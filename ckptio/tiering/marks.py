@@ -27,12 +27,13 @@ from ckptio.storage.select import store_for
 
 __all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "elastic_name", "held", "held_nbytes",
            "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
-           "rebuild_name", "step_dirs", "tree_of"]
+           "parities", "rebuild_name", "step_dirs", "tree_of"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
 _COPY = re.compile(r"copy-r(\d{5,})$", re.ASCII)
+_PARITY = re.compile(r"(parity-g\d+-l\d+)\.json$", re.ASCII)
 _PROTECTED = re.compile(r"protected-r(\d{5,})\.json$", re.ASCII)
 Root = str | TreeStore  # the memory tier's local directory, or its store
 
@@ -81,6 +82,12 @@ def step_dirs(where: TreeStore) -> dict[int, TreeStore]:
 def copies(where: TreeStore) -> list[int]:
     """The ranks whose partner copy ``where`` (a ``.redundancy/step-N``) holds, ascending."""
     return sorted(int(m.group(1)) for n in _entries(where) if (m := _COPY.match(n)))
+
+
+def parities(where: TreeStore) -> list[str]:
+    """The parity blocks' names (``parity-g<group>-l<local>``, each a .bin and a .json) that
+    ``where`` (a ``.redundancy/step-N``) holds."""
+    return sorted(m.group(1) for n in _entries(where) if (m := _PARITY.match(n)))
 
 
 def rank_dirs(root: Root) -> dict[int, str]:

@@ -26,7 +26,8 @@ from ckptio.loading.fill import selector, source_rank
 from ckptio.loading.resolve_regular import wanted_regions
 from ckptio.planning.reshard import intersect
 
-__all__ = ["Choice", "Found", "Source", "item_id", "merged", "needed", "plan"]
+__all__ = ["Choice", "Found", "Held", "Regrowth", "Source", "item_id", "merged", "needed", "plan",
+           "regrowths"]
 
 Source = tuple[str, int]  # ("own" | "copy", the rank that sends it)
 Found = list[Any]  # [step, old rank, old rank count, "own" | "copy"]
@@ -46,28 +47,94 @@ def item_id(step: int, k: int, source: Source) -> str:
     return f"{source[0]}:r{k}:by{source[1]}:s{step}"
 
 
-def plan(reports: list[list[Found]], world: int, bad: set[str],
-         only: int | None) -> tuple[int, int, dict[int, Source]] | None:
-    """Step 2: (step, its rank count, a source per old rank), or None."""
+def _offers(reports: list[list[Found]], world: int, bad: set[str], only: int | None
+            ) -> dict[int, tuple[int, dict[int, Source]]]:
+    """Per step of another rank count (newest first): (that count, the best source of each
+    old rank's piece held; a piece held nowhere is left out)."""
     offers: dict[int, dict[int, list[Source]]] = {}
     worlds: dict[int, set[int]] = {}
     for holder, found in enumerate(reports):
         for step, k, w, kind in found:
-            offers.setdefault(step, {}).setdefault(k, []).append((kind, holder))
+            if item_id(step, k, (kind, holder)) not in bad:
+                offers.setdefault(step, {}).setdefault(k, []).append((kind, holder))
             worlds.setdefault(step, set()).add(w)
-    for step in sorted(offers, reverse=True):
+    out = {}
+    for step in sorted(worlds, reverse=True):
         if (only is not None and step != only) or len(worlds[step]) != 1 or world in worlds[step]:
             continue
-        (old,) = worlds[step]
-        sources = {}
-        for k in range(old):
-            usable = sorted((s for s in offers[step].get(k, []) if item_id(step, k, s) not in bad),
-                            key=lambda s: (s[0] != "own", s[1]))
-            if not usable:
-                break
-            sources[k] = usable[0]
-        else:
+        out[step] = (next(iter(worlds[step])), {
+            k: min(usable, key=lambda s: (s[0] != "own", s[1]))
+            for k, usable in offers.get(step, {}).items()})
+    return out
+
+
+def plan(reports: list[list[Found]], world: int, bad: set[str],
+         only: int | None) -> tuple[int, int, dict[int, Source]] | None:
+    """Step 2: (step, its rank count, a source per old rank), or None."""
+    for step, (old, sources) in _offers(reports, world, bad, only).items():
+        if len(sources) == old:
             return step, old, sources
+    return None
+
+
+@dataclass
+class Regrowth:
+    """A lost old rank's piece rebuilt from its parity group (tiering/regrow.py does it):
+    positions are the group's (``members`` are old ranks), each other member's piece and block
+    from a holder (a rank of this job), the result received by ``receiver``."""
+
+    step: int
+    rank: int  # the old rank whose piece is rebuilt
+    group: int
+    local: int
+    members: list[int]
+    m: int
+    lost: list[int]  # positions whose piece or block is not held
+    pieces: dict[int, Source]  # position -> its piece's source
+    blocks: dict[int, int]  # position -> the rank holding its block
+    receiver: int
+
+
+Held = list[Any]  # [step, group, local, position, members (old ranks), m]: a parity block
+
+
+def regrowths(reports: list[list[Found]], blocks: list[list[Held]], world: int, bad: set[str],
+              only: int | None) -> tuple[int, list[Regrowth]] | None:
+    """The newest step of another rank count that misses pieces every one of which its parity
+    rebuilds (at most m lost positions in its group), with those rebuilds; None when the
+    newest step whose pieces are all held comes first, or none can be rebuilt. Rebuilds found
+    bad before (``regrow:r<rank>:s<step>``) are passed over."""
+    held: dict[tuple[int, int, int], dict[int, int]] = {}
+    groups: dict[tuple[int, int, int], tuple[list[int], int]] = {}
+    for holder, found in enumerate(blocks):
+        for step, group, local, position, members, m in found:
+            held.setdefault((step, group, local), {}).setdefault(position, holder)
+            groups[(step, group, local)] = (list(members), m)
+    for step, (old, sources) in _offers(reports, world, bad, only).items():
+        missing = [k for k in range(old) if k not in sources]
+        if not missing:
+            return None  # a newer step is whole: nothing to rebuild
+        found = [_regrowth(step, k, sources, held, groups) for k in missing
+                 if f"regrow:r{k}:s{step}" not in bad]
+        if len(found) == len(missing) and all(found):
+            return step, found  # type: ignore[return-value]
+    return None
+
+
+def _regrowth(step: int, k: int, sources: dict[int, Source],
+              held: dict[tuple[int, int, int], dict[int, int]],
+              groups: dict[tuple[int, int, int], tuple[list[int], int]]) -> Regrowth | None:
+    for (s, group, local), (members, m) in groups.items():
+        if s != step or k not in members:
+            continue
+        blocks = held[(s, group, local)]
+        ok = [j for j, r in enumerate(members) if r in sources and j in blocks]
+        lost = [j for j in range(len(members)) if j not in ok]
+        if len(lost) > m or not ok:
+            return None
+        return Regrowth(step, k, group, local, members, m, lost,
+                        {j: sources[members[j]] for j in ok}, {j: blocks[j] for j in ok},
+                        blocks[ok[0]])
     return None
 
 

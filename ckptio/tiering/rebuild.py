@@ -352,15 +352,6 @@ def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
     if any(t.numel() != parity_m * p for t in blocks.values()):
         raise CkptError(f"the parity blocks of group {group}, step {step} differ in size "
                         f"({sorted({t.numel() for t in blocks.values()})} bytes)")
-    data = torch.empty(p * (n - parity_m), dtype=torch.uint8)  # every piece written whole
-    for i in range(n - parity_m):
-        j = topo.holder_of(i, me, n)
-        data_at = topo.stripe_data(j, n, parity_m)
-        held = [blocks[h][t * p:(t + 1) * p] if h in blocks else None
-                for t, h in enumerate(topo.stripe_parity(j, n, parity_m))]
-        data[i * p:(i + 1) * p] = erasure.solve(
-            p, held[0], held[1] if parity_m == 2 else None,
-            {h: peers.piece(shards[h], c, p) for h, c in data_at if h in shards},
-            [h for h, _c in data_at if h in lost], me)
+    data = erasure.member(n, parity_m, p, me, lost, blocks, shards)
     mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
     return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]
