@@ -139,6 +139,32 @@ def _ckptio_prepared_load(url: str, dest: Any, args: argparse.Namespace) -> obje
 # ---------------------------------------------------------------- DCP over fsspec / s3fs
 
 
+def _tc_manager(url: str, args: argparse.Namespace) -> tuple[Any, str]:
+    """torch_checkpointing's sync CheckpointManager over ckptio's storage (ckptio/tc_storage.py)
+    rooted at ``url``'s parent -> (it, the checkpoint id: ``url``'s last name)."""
+    from torch_checkpointing import CheckpointManager
+
+    from ckptio.tc_storage import CkptioStorageConfig
+
+    parent, name = url.rstrip("/").rsplit("/", 1)
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = CkptioStorageConfig(parent, _ckptio_options(args, "save"))
+    return config.build(), name
+
+
+def _tc_save(state: Any, url: str, args: argparse.Namespace) -> None:
+    manager, name = _tc_manager(url, args)
+    manager.save(name, {"state": state})
+    manager.close()
+
+
+def _tc_load(url: str, dest: Any, args: argparse.Namespace) -> object:
+    manager, name = _tc_manager(url, args)
+    manager.load(name, into={"state": dest})
+    manager.close()
+    return None
+
+
 def _fsspec_kwargs() -> dict[str, Any]:
     return {"endpoint_url": endpoint()}  # keys and region: AWS_* environment
 
@@ -245,6 +271,11 @@ ENGINES: dict[str, S3Engine] = {
         f"dcp_s3tc_t{k}", PEER, _dcp_s3tc_save(k), _dcp_s3tc_load,
         f"DCP with s3torchconnector S3StorageWriter(thread_count={k}) / S3StorageReader "
         "(CRT client, force_path_style)", DCP + ("s3torchconnector.dcp",)) for k in (1, 4, 8)},
+    "torch_checkpointing": S3Engine(
+        "torch_checkpointing", MAIN, _tc_save, _tc_load,
+        "torch_checkpointing 0.1.1's sync CheckpointManager (save / load(into=...), one "
+        "torch.save file per item and rank) with storage_config=ckptio.tc_storage."
+        "CkptioStorageConfig(s3://...)", CKPTIO_MODULES + ("torch_checkpointing",)),
     "torchsnapshot": S3Engine("torchsnapshot", PEER, _snapshot_save, _snapshot_load,
                               "TorchSnapshot Snapshot.take / restore, its S3 plugin "
                               "(aiobotocore)", ("torchsnapshot",)),
