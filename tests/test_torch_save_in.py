@@ -24,7 +24,7 @@ import torch
 
 import ckptio
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
-                           PickleRefusedError)
+                           PickleRefusedError, UnsupportedStateError)
 from conftest import assert_same
 
 K = 3  # training steps before the save
@@ -223,3 +223,16 @@ def test_not_a_torch_save_file(tmp_path: Path) -> None:
     path.write_bytes(b"hello world, not a zip")
     with pytest.raises(CheckpointNotFoundError, match="nor a torch.save file"):
         ckptio.load(path)
+
+
+def test_a_dotted_key_colliding_with_a_nested_one_is_named_not_called_damage(
+        tmp_path: Path) -> None:
+    """{"a.b": t, "a": {"b": t2}}: both are key 'a.b' once joined with '.'. The file is not
+    damaged: the error says which key collides and the fix (before: "stores the same chunk
+    twice ... damaged")."""
+    path = tmp_path / "dotted.pt"
+    torch.save({"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}}, path)
+    for call in (lambda: ckptio.load(path), lambda: ckptio.load(path, {"a.b": torch.empty(3)})):
+        with pytest.raises(UnsupportedStateError, match=r"key 'a\.b' names two different values "
+                           r".*not damaged: load it with torch\.load"):
+            call()

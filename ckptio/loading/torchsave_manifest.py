@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           UnsupportedStateError)
 from ckptio.format import torchsave as fmt
 from ckptio.format.checksum import crc32
 from ckptio.format import torchzip, validate, values
@@ -147,6 +148,7 @@ class _Walk:
         self.aliases: list[tuple[str, str]] = []
         # storage -> key, dtype, size, order of its first view
         self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...]]] = {}
+        self.leaves: set[str] = set()
 
     def expand(self, value: Any, key: str, depth: int) -> Json:
         if depth > MAX_TREE_DEPTH:
@@ -164,6 +166,12 @@ class _Walk:
             return {"l": [self.expand(v, sub(i), depth + 1) for i, v in enumerate(value)]}
         if isinstance(value, tuple) and not isinstance(value, fmt.TorchSize):
             return {"t": [self.expand(v, sub(i), depth + 1) for i, v in enumerate(value)]}
+        if key in self.leaves:
+            raise UnsupportedStateError(
+                f"{self.where}: key {key!r} names two different values (a dict key containing "
+                "'.' collides with a nested key: ckptio joins keys with '.'); the file is not "
+                "damaged: load it with torch.load, or rename one key and save it again")
+        self.leaves.add(key)
         if isinstance(value, torchzip.TensorRef):
             self._tensor(value, key)
             return {"k": key}
