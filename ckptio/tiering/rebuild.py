@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -323,11 +322,10 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
         data = next(t for i, t in received.items() if i.startswith("copy:"))
     else:
         manifest, files, data = _rebuild(ctx, step, src, metas, received)
-    final_path = ctx.own_dir(step)
-    final = marks.tree_of(final_path)
+    final = marks.tree_of(ctx.own_dir(step))  # r<rank>/step-N under the root
     # beside its step: a delta step's bases (siblings) resolve when it is verified
-    scratch = marks.tree_of(os.path.join(os.path.dirname(final_path),
-                                         marks.rebuild_name(step)))
+    scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
+        marks.rebuild_name(step))
     try:
         peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
         ctx.verify(scratch.location)
