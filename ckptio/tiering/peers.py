@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ckptio.errors import CkptError, StorageIOError
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "digest", "files_of",
-           "piece", "piece_len", "piece_nbytes", "post_recv", "read_stream", "recv", "recv_into",
+           "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
+           "recv_into",
            "send", "send_paced", "write_checkpoint", "write_json", "xor_into"]
 
 _STEP_NAME = re.compile(r"step-(\d+)$", re.ASCII)
@@ -93,6 +94,19 @@ def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
                                  f"{nbytes}")
         offset += nbytes
     return Stream(manifest, files, data, bases_of(manifest, store.location))
+
+
+def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor]:
+    """A parity block ``name`` (``.json`` and ``.bin``) of ``held`` -> (its JSON, its bytes),
+    checked against the xxh3 recorded when it was encoded; CorruptCheckpointError if it does
+    not match, CkptError / ValueError if it cannot be read."""
+    info = json.loads(held.read_file(f"{name}.json"))
+    data = bytearray(held.read_file(f"{name}.bin"))
+    block = torch.frombuffer(data or bytearray(1), dtype=torch.uint8)[:len(data)]
+    if block.numel() != info["nbytes"] or digest(block) != info["digest"]:
+        raise CorruptCheckpointError(f"{held.path_of(name + '.bin')} does not match the xxh3 "
+                                     "recorded when it was encoded (corrupted)")
+    return info, block
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.tiering import erasure, marks, peers
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import protected_steps
@@ -295,15 +295,10 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
             stream = peers.read_stream(held.child(marks.copy_name(of)))
             return {"ok": True, **stream.meta()}, stream.data
         group, local = (int(p[1:]) for p in item.split(":")[2:4])
-        name = marks.parity_name(group, local)
-        info = json.loads(held.read_file(f"{name}.json"))
-        data = held.read_file(f"{name}.bin")
-        block = torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)
-        block = block[:info["nbytes"]]
-        if block.numel() != info["nbytes"] or peers.digest(block) != info["digest"]:
-            return {"ok": False, "why": f"{held.path_of(name + '.bin')} does not match the xxh3 "
-                                        "recorded when it was encoded (corrupted)"}, None
+        info, block = peers.read_block(held, marks.parity_name(group, local))
         return {"ok": True, "nbytes": info["nbytes"], "info": info}, block
+    except CorruptCheckpointError as exc:
+        return {"ok": False, "why": str(exc)}, None
     except (ValueError, KeyError, TypeError, CkptError) as exc:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 

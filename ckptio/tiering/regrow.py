@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.tiering import erasure, marks, peers
 from ckptio.tiering.pieces import Found, Held, Regrowth, regrowths
 
@@ -137,16 +137,12 @@ def _read_piece(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch
 
 def _read_block(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch.Tensor]:
     held = marks.held(ctx.root, task.step)
-    name = marks.parity_name(task.group, task.local)
     try:
-        info = json.loads(held.read_file(f"{name}.json"))
-        data = bytearray(held.read_file(f"{name}.bin"))
-    except (CkptError, ValueError) as exc:
+        info, block = peers.read_block(held, marks.parity_name(task.group, task.local))
+    except CorruptCheckpointError as exc:
+        return {"ok": False, "why": str(exc)}, torch.empty(0)
+    except (CkptError, ValueError, KeyError, TypeError) as exc:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, torch.empty(0)
-    block = torch.frombuffer(data or bytearray(1), dtype=torch.uint8)[:len(data)]
-    if block.numel() != info["nbytes"] or peers.digest(block) != info["digest"]:
-        return {"ok": False, "why": f"{held.path_of(name + '.bin')} does not match the xxh3 "
-                                    "recorded when it was encoded (corrupted)"}, torch.empty(0)
     lost = next(m for m in info["members"] if m["rank"] == task.rank)
     return {"ok": True, "nbytes": int(block.numel()), "piece": int(info.get("piece", 0)),
             "lost": lost}, block
