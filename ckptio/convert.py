@@ -4,9 +4,10 @@
     convert("ckpts/step-100", "out/step-100.dcp", to="dcp")   # plain dcp.load reads it
     convert("ckpts/step-100", "out/step-100.pt", to="torch.save")
     convert("ckpts/step-100", "out/hf", to="safetensors", drop_non_tensors=True)
+    convert("ckpts/step-100", "out/step-100", to="torch_checkpointing")
 
 SRC is anything ``ckptio.load`` reads (a ckptio checkpoint, a DCP directory, a torch.save file,
-safetensors); a checkpoint saved by many ranks comes out whole (DTensor shards joined; its
+safetensors, a torch_checkpointing directory); a checkpoint saved by many ranks comes out whole (DTensor shards joined; its
 per-rank values need ``per_rank_from``).
 
 Call order: ``convert`` -> the destination check -> ``ckptio.load`` of SRC (safetensors:
@@ -32,7 +33,7 @@ from typing import Any
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.types import Manifest
 from ckptio.storage.s3.client import is_s3
-from ckptio.loading import foreign_common, safetensors_manifest
+from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.loading.fill import RankPolicy
 from ckptio.options import Options
 from ckptio.storage import steps
@@ -41,7 +42,7 @@ from ckptio.storage.select import checkpoint_path, local_path, store_for
 
 __all__ = ["TARGETS", "Converted", "convert", "held_at"]
 
-TARGETS = ("ckptio", "dcp", "torch.save", "safetensors")
+TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")
 Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))  # what weights_only=True reads
 
@@ -69,6 +70,7 @@ def held_at(path: str) -> str | None:
     store = store_for(text)
     for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
                         (foreign_common.holds_dcp, "a DCP checkpoint"),
+                        (tcdir.holds_tc, "a torch_checkpointing checkpoint"),
                         (safetensors_manifest.holds_hf, "a Hugging Face folder")):
         if holds(store):
             return what
@@ -102,8 +104,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
       tensors only: Python values, numpy/bytes/pickled entries and per-rank values are
       refused, naming every key, unless ``drop_non_tensors`` leaves them out
       (``Converted.dropped``).
+    * ``"torch_checkpointing"``: a directory that torch_checkpointing's
+      ``CheckpointManager.load(DST, into={...})`` reads in one process: each top-level key is
+      an item, written as its default layout does (``<item>_0.pt``, ``torch.save`` of the
+      item), tensors whole; the state's top-level keys must be strings that name files.
 
-    The DCP directory and the torch.save file are written under a temporary name beside DST
+    The DCP and torch_checkpointing directories and the torch.save file are written under a temporary name beside DST
     and renamed into place when complete and fsynced; ``overwrite`` replaces an existing one
     (a directory is moved aside first, then removed: a crash between the two renames leaves
     the old one as ``.NAME.ckptio-*.old``). Memory: the whole state in host memory (a load,
@@ -122,8 +128,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     if to == "ckptio":
         return _to_ckptio(state, dst_text, allow_pickle, options, progress)
     out = os.path.abspath(local_path(dst_text))
-    if to == "dcp":
-        _write_dcp(state, out)
+    if to in ("dcp", "torch_checkpointing"):
+        (_write_dcp if to == "dcp" else _write_tc)(state, out)
         return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
     _write_torch_save(state, out)
     refused = tuple(k for k, v in _leaves(state) if not _weights_only(v))
@@ -151,8 +157,9 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     elif to == "safetensors" and dst.rstrip("/").endswith(".safetensors"):
         raise CkptError(f"convert to safetensors: {dst} names a file; DST is the Hugging Face "
                         "folder (model.safetensors is written inside it)")
-    elif held is None and to == "dcp" and os.path.isdir(dst) and os.listdir(dst):
-        raise CkptError(f"convert to dcp: {dst} holds files that are not a checkpoint, and "
+    elif held is None and to in ("dcp", "torch_checkpointing") and os.path.isdir(dst) \
+            and os.listdir(dst):
+        raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")
     if held is not None and not overwrite:
@@ -195,31 +202,68 @@ def _to_ckptio(state: Any, dst: str, allow_pickle: bool, options: Options | None
     return Converted(result.path, "ckptio", result.nbytes, result.files)
 
 
-def _write_dcp(state: Any, out: str) -> None:
-    """DCP's FileSystemWriter into a temporary directory beside ``out``, then renamed."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
+def _dir_into_place(out: str, to: str, fill: Callable[[str], None]) -> None:
+    """``fill`` a temporary directory beside ``out``, fsync it, then rename it into place."""
     token = uuid.uuid4().hex[:12]
     tmp, old = _beside(out, token, "tmp"), _beside(out, token, "old")
     try:
-        with warnings.catch_warnings():  # one process, on purpose
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                     no_dist=True)
+        fill(tmp)
         fsync_path(tmp)
         if os.path.lexists(out):
             os.rename(out, old)
         os.rename(tmp, out)
         fsync_path(os.path.dirname(out))
-    except (CheckpointException, ValueError, TypeError) as exc:
-        raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
-                        "nothing was written at DST") from None
     except OSError as exc:
-        raise StorageIOError(f"convert to dcp at {out}: {exc}") from None
+        raise StorageIOError(f"convert to {to} at {out}: {exc}") from None
     finally:
         _remove(tmp)
         _remove(old)
+
+
+def _write_dcp(state: Any, out: str) -> None:
+    """DCP's FileSystemWriter into a temporary directory beside ``out``, then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def fill(tmp: str) -> None:
+        try:
+            with warnings.catch_warnings():  # one process, on purpose
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                         no_dist=True)
+        except (CheckpointException, ValueError, TypeError) as exc:
+            raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
+                            "nothing was written at DST") from None
+
+    _dir_into_place(out, "dcp", fill)
+
+
+def _write_tc(state: Any, out: str) -> None:
+    """Each top-level item torch.saved as ``<item>_0.pt`` (fsynced) into a temporary directory
+    beside ``out``, then renamed."""
+    import pickle
+
+    import torch
+
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and k and "/" not in k and k not in (".", "..") for k in state):
+        shown = list(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CkptError(f"convert to torch_checkpointing at {out}: its items are the state's "
+                        f"top-level keys, which must be strings that name files; not {shown}")
+
+    def fill(tmp: str) -> None:
+        os.makedirs(tmp)
+        try:
+            for item, value in state.items():
+                with open(os.path.join(tmp, f"{item}_0.pt"), "wb") as f:
+                    torch.save(value, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise CkptError(f"convert to torch_checkpointing at {out}: the state cannot be "
+                            f"pickled: {exc}; nothing was written at DST") from None
+
+    _dir_into_place(out, "torch_checkpointing", fill)
 
 
 def _last_line(exc: BaseException) -> str:

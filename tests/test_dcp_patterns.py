@@ -209,13 +209,14 @@ def test_transposed_tensors_from_a_torch_save_file(tmp_path: Path) -> None:
     _same(got["b"], square.t())
 
 
-def test_partial_views_in_a_torch_save_file_are_refused(tmp_path: Path) -> None:
+def test_strided_views_in_a_torch_save_file_are_refused(tmp_path: Path) -> None:
     base = torch.arange(10.0)
-    for name, view in (("slice", base[2:6]), ("step", base[::2])):
-        torch.save({"x": view}, tmp_path / f"{name}.pt")
-        with pytest.raises(ckptio.CkptError, match="key 'x'.*view of part of a storage.*"
-                                                   "contiguous\\(\\).clone\\(\\)"):
-            ckptio.load(tmp_path / f"{name}.pt")
+    torch.save({"x": base[2:6]}, tmp_path / "slice.pt")  # row-major part: read (a slice)
+    _same(ckptio.load(tmp_path / "slice.pt")["x"], base[2:6])
+    torch.save({"x": base[::2]}, tmp_path / "step.pt")
+    with pytest.raises(ckptio.CkptError, match="key 'x'.*view of part of a storage.*"
+                                               "contiguous\\(\\).clone\\(\\)"):
+        ckptio.load(tmp_path / "step.pt")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -205,8 +205,17 @@ def test_tied_weights_alias_and_views(tmp_path: Path) -> None:
     assert torch.equal(state["emb"], emb) and torch.equal(state["head"], emb)
     assert state["n"] is None and state["size"] == torch.Size([2, 3])
     assert state["dt"] is torch.bfloat16 and torch.equal(state["half"], torch.arange(4.0).half())
-    view = tmp_path / "view.pt"  # a view of part of its storage: refused (a transposed view of
-    torch.save({"t": emb[1:]}, view)  # all of it loads: tests/test_dcp_patterns.py)
+    view = tmp_path / "view.pt"  # a row-major view of part of its storage loads (its CRC-32
+    torch.save({"t": emb[1:3]}, view)  # derived from its storage's and the bytes around it)
+    assert torch.equal(ckptio.load(view)["t"], emb[1:3])
+    with open(view, "r+b") as f:  # a flipped byte of the part is caught
+        data = f.read()
+        at = data.index(emb[1:3].numpy().tobytes()) + 5
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x10]))
+    with pytest.raises(ckptio.CorruptCheckpointError, match="'t'"):
+        ckptio.load(view)
+    torch.save({"t": emb[:, 1]}, view)  # a view with gaps: refused
     with pytest.raises(CkptError, match="key 't'.*view of part of a storage.*contiguous"):
         ckptio.load(view)
 

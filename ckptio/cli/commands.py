@@ -23,15 +23,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
           "float16": "float16", "fp32": "float32", "f32": "float32", "float32": "float32"}
-CONVERT_HELP = """Read SRC (a ckptio checkpoint, a DCP checkpoint directory, a torch.save file
-or safetensors) and write it at DST as --to: a ckptio checkpoint (default), a DCP directory
-(DCP's own files: plain dcp.load with FileSystemReader reads it), a torch.save file or a Hugging
-Face safetensors folder (tensors only: values are refused, naming them, unless
+CONVERT_HELP = """Read SRC (a ckptio checkpoint, a DCP checkpoint directory, a torch.save file,
+safetensors or a torch_checkpointing directory) and write it at DST as --to: a ckptio checkpoint
+(default), a DCP directory (DCP's own files: plain dcp.load with FileSystemReader reads it), a
+torch.save file, a torch_checkpointing directory (its CheckpointManager.load reads it; one item
+per top-level key) or a Hugging Face safetensors folder (tensors only: values are refused, naming them, unless
 --drop-non-tensors). Memory: the whole state is loaded into host memory first (about the
 checkpoint's size in RAM, plus ckptio's staging pool), then saved (safetensors streams
 instead). A DST that already holds a checkpoint is refused unless --overwrite (the old one stays
 intact until the new one is complete)."""
-TARGETS = ("ckptio", "dcp", "torch.save", "safetensors")  # ckptio.convert.TARGETS (torch-free)
+TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")  # ckptio.convert.TARGETS (torch-free)
 
 
 def parse_size(text: str) -> int:

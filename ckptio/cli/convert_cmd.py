@@ -48,7 +48,9 @@ def convert(src: str, dst: str, *, to: str, overwrite: bool, allow_pickle: bool,
     finally:
         shown.close()
     what = {"ckptio": "ckptio checkpoint", "dcp": "DCP checkpoint (FileSystemReader reads it)",
-            "torch.save": "torch.save file", "safetensors": "Hugging Face safetensors folder"}
+            "torch.save": "torch.save file", "safetensors": "Hugging Face safetensors folder",
+            "torch_checkpointing": "torch_checkpointing checkpoint (its CheckpointManager "
+                                   "reads it)"}
     print(f"{src} -> {dst}: {what[to]} of {done.nbytes} tensor bytes in {len(done.files)} "
           "file(s)")
     if done.dropped:

@@ -91,7 +91,8 @@ def as_json(opened: Opened, depth: int | None = None, exact: bool = False,
 def _header(opened: Opened, table: dict[str, Row], exact: bool) -> str:
     r = opened.record
     what = {"dcp": "DCP checkpoint", "torch.save": "torch.save file",
-            "safetensors": "safetensors checkpoint"}.get(
+            "safetensors": "safetensors checkpoint",
+            "torch_checkpointing": "torch_checkpointing checkpoint"}.get(
         opened.format, f"ckptio checkpoint (save {r.save_id}"
         + (", dcp.save through ckptio.DcpWriter)" if "dcp" in r.meta else ")"))
     nbytes, stored = sum(t.nbytes for t in r.tensors), stored_nbytes(r)

@@ -28,7 +28,7 @@ class Opened:
 
     path: str
     record: Manifest
-    format: str  # "ckptio", "dcp", "torch.save" or "safetensors"
+    format: str  # "ckptio", "dcp", "torch.save", "safetensors" or "torch_checkpointing"
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,11 @@ class Row:
 
 
 def source_format(record: Manifest) -> str:
-    """What the loader made ``record`` of: a DCP directory, a torch.save file, or "ckptio"."""
+    """What the loader made ``record`` of: a DCP directory, a torch.save file, a
+    torch_checkpointing directory, safetensors, or "ckptio"."""
     if "dcp" in record.meta and record.save_id == "dcp":  # DcpWriter's saves have a save id
         return "dcp"
-    for foreign in ("torch.save", "safetensors"):
+    for foreign in ("torch.save", "safetensors", "torch_checkpointing"):
         if foreign in record.meta:
             return foreign
     return "ckptio"

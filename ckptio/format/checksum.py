@@ -8,7 +8,8 @@ crc32 (8 hex digits) is what torch.save zips record: a DCP checkpoint or torch.s
 through ckptio (loading/dcpdir.py, loading/torchsave_manifest.py) is checked against it. ``crc32`` is
 ISA-L's (the ``isal`` package, ckptio's ``fastcrc`` extra) when it is installed, else zlib's:
 the same polynomial and values, ISA-L's much the faster; both release the GIL
-(docs/BENCH_INTEROP.md, "CRC-32 by ISA-L").
+(docs/BENCH_INTEROP.md, "CRC-32 by ISA-L"). ``crc32_of_part``: the CRC-32 of the middle of a
+record from the record's and its ends' (a tensor that is a view of part of its storage).
 
 An entry of more than one block carries a checksum of every ``block_nbytes`` of its bytes (a
 load of part of it checks those) and one of the whole entry:
@@ -32,7 +33,7 @@ import xxhash
 from ckptio.errors import CkptError
 
 __all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "Hasher", "crc32",
-           "crc32_by", "entry_checksum", "new_hasher", "stored_algorithm", "whole_from_blocks"]
+           "crc32_by", "crc32_of_part", "entry_checksum", "new_hasher", "stored_algorithm", "whole_from_blocks"]
 
 ALGORITHMS = ("xxh3_64_tree", "xxh3_64", "crc32")
 TREE = "xxh3_64_tree"  # an entry's whole checksum is derived from its block checksums
@@ -57,6 +58,69 @@ _CRC32: tuple[str, Crc32Function] = _fastest_crc32()  # (its name, the function)
 def crc32(data: memoryview | bytes, value: int = 0) -> int:
     """The CRC-32 of ``data`` continuing from ``value``: zlib's values, by ``crc32_by()``."""
     return _CRC32[1](data, value)
+
+
+_CRC_POLY = 0x104C11DB7  # CRC-32's polynomial, x^32 + ... + 1, its bits as coefficients
+
+
+def _reflect(value: int) -> int:
+    return int(f"{value:032b}"[::-1], 2)
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a * b modulo CRC-32's polynomial, over GF(2)."""
+    out = 0
+    while b:
+        if b & 1:
+            out ^= a
+        b >>= 1
+        a <<= 1
+        if a >> 32:
+            a ^= _CRC_POLY
+    return out
+
+
+def _x_to(n: int) -> int:
+    """x ** n modulo the polynomial."""
+    out, base = 1, 2
+    while n:
+        if n & 1:
+            out = _mulmod(out, base)
+        base, n = _mulmod(base, base), n >> 1
+    return out
+
+
+def _inverse(a: int) -> int:
+    """a's inverse modulo the polynomial (extended Euclid over GF(2)); a is a power of x."""
+    r0, r1, s0, s1 = _CRC_POLY, a, 0, 1
+    while r1:
+        quotient = 0
+        while r0.bit_length() >= r1.bit_length():
+            shift = r0.bit_length() - r1.bit_length()
+            quotient ^= 1 << shift
+            r0 ^= r1 << shift
+        r0, r1 = r1, r0
+        product, q = 0, quotient
+        while q:  # s0 - quotient * s1, carry-less
+            top = q.bit_length() - 1
+            product ^= s1 << top
+            q ^= 1 << top
+        s0, s1 = s1, s0 ^ product
+    return s0  # of degree below the polynomial's, as Bezout's coefficients are
+
+
+def _shift(crc: int, nbytes: int, inverse: bool = False) -> int:
+    """crc32(X) -> the term zlib's crc32_combine adds for X followed by ``nbytes`` more bytes
+    (or back, ``inverse``)."""
+    factor = _x_to(8 * nbytes)
+    return _reflect(_mulmod(_reflect(crc), _inverse(factor) if inverse else factor))
+
+
+def crc32_of_part(whole: int, head: int, tail: int, part_nbytes: int, tail_nbytes: int) -> int:
+    """crc32(A) from crc32(H + A + T) (``whole``), crc32(H), crc32(T) and the lengths of A and
+    T: crc32(X + Y) = shift(crc32(X), len(Y)) ^ crc32(Y), and the shift is invertible."""
+    head_and_part = _shift(whole ^ tail, tail_nbytes, inverse=True)
+    return head_and_part ^ _shift(head, part_nbytes)
 
 
 def crc32_by() -> str:

@@ -10,7 +10,8 @@ entries, ``data_offset`` turns a record's local header into the offset of its by
 training state: dicts (``collections.OrderedDict`` too), lists, tuples, Python scalars and
 strings, bytes (``_codecs.encode`` of latin-1 text, as protocol 2 pickles them), ``io.BytesIO``
 (from its bytes and position), ``torch.Size``, ``torch.device``, dtypes, and tensors rebuilt by
-``torch._utils._rebuild_tensor_v2/v3`` (``_rebuild_parameter`` too) over storage references.
+``torch._utils._rebuild_tensor_v2/v3`` (``_rebuild_parameter`` too) over storage references,
+DTensors as one rank saves them (format/dtensorpickle.py's stand-ins).
 Any other global raises PickleRefusedError naming it; nothing it names is imported or run.
 
 Owns: that zip and pickle parsing and its checks. Pure, torch-free. Does not own: reading the
@@ -26,6 +27,7 @@ from typing import Any
 
 from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler
+from ckptio.format.dtensorpickle import GLOBALS as DTENSOR_GLOBALS
 from ckptio.format.torchzip import TENSOR_GLOBALS, TensorRef, storage_ref
 from ckptio.format.types import show
 
@@ -242,6 +244,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    **DTENSOR_GLOBALS,
 }
 
 

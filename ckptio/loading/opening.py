@@ -2,9 +2,10 @@
 
 Owns: the committed ckptio manifest (decoded, values checked, data files
 present); the dispatch, when a location holds no ckptio manifest, to the foreign formats
-ckptio reads: a DCP directory (loading/dcpdir.py), a torch.save file (loading/torchsave_manifest.py), a
-safetensors file or Hugging Face folder (loading/safetensors_manifest.py). Does not own: which store and
-file a path names (storage/select.py), reading bytes (the caller passes the read function,
+ckptio reads: a DCP directory (loading/dcpdir.py), a torch_checkpointing directory
+(loading/tcdir.py), a torch.save file (loading/torchsave_manifest.py), a safetensors file or
+Hugging Face folder (loading/safetensors_manifest.py). Does not own: which store and file a
+path names (storage/select.py), reading bytes (the caller passes the read function,
 through its pool and the store's files), decoding any format (format/, loading/), or loading
 into a state (loading/load_session.py, fill.py).
 """
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, torchsave_manifest
+from ckptio.loading import (dcpdir, foreign_common, safetensors_manifest, tcdir,
+                            torchsave_manifest)
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
 
@@ -30,7 +32,8 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
     """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
     manifest) the Manifest loading/dcpdir.py makes of it (``every_item`` False: its tensor
     items left to be opened where a read needs them), for a torch.save ``file`` in it the
-    one loading/torchsave_manifest.py makes, and for a safetensors file or a Hugging Face folder (an
+    one loading/torchsave_manifest.py makes, for a torch_checkpointing directory
+    loading/tcdir.py's, and for a safetensors file or a Hugging Face folder (an
     index or model.safetensors) loading/safetensors_manifest.py's. ``read`` fills unverified Reads."""
     hf = file is not None and safetensors_manifest.is_safetensors_name(file)
     if file is None:
@@ -38,6 +41,8 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
             return committed(store)
         except CheckpointNotFoundError:
             hf = not foreign_common.holds_dcp(store)
+            if hf and tcdir.holds_tc(store):
+                return tcdir.open_tc(store, read)
             if hf and not safetensors_manifest.holds_hf(store):
                 raise
     if hf:

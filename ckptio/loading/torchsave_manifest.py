@@ -18,6 +18,7 @@ and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,8 +26,8 @@ import torch
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
                            UnsupportedStateError)
 from ckptio.format import torchsave as fmt
-from ckptio.format.checksum import crc32
-from ckptio.format import torchzip, validate, values
+from ckptio.format.checksum import crc32, crc32_of_part
+from ckptio.format import dtensorpickle, torchzip, validate, values
 from ckptio.format.dcpmeta import DType
 from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
                                  Manifest, ObjectEntry, TensorEntry)
@@ -34,7 +35,9 @@ from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, raw_read, read_bytes
 from ckptio.storage.store_contract import Store
 
-__all__ = ["open_torch_save"]
+__all__ = ["Archive", "MAX_SLACK_NBYTES", "Walk", "open_torch_save", "read_archive"]
+
+MAX_SLACK_NBYTES = 64 << 20  # a view of part of a storage: at most this much more is read
 
 
 
@@ -52,10 +55,47 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
     Refused, each with a CkptError naming the file: a legacy
     (``_use_new_zipfile_serialization=False``) file (re-save it:
     ``torch.save(torch.load(path, weights_only=True), path)``), a top-level object that is not
-    a dict, list or tuple, a tensor that is a partial or overlapping view of its storage (saved
+    a dict, list or tuple, a tensor that is a view of its storage with gaps or overlaps (saved
     without ``.contiguous()``/``.clone()``; a transposed or channels-last tensor over its whole
-    storage is read: its entry's ``order`` says how its bytes lie), two different views of one
-    storage (two keys with the same view become an alias: tied weights), big-endian files."""
+    storage is read: its entry's ``order`` says how its bytes lie; a row-major view of a part,
+    FSDP2's padded shard or a slice, is read when the rest of its storage is at most
+    MAX_SLACK_NBYTES: ``Walk.settle``), two different views of one storage (two keys with the
+    same view become an alias: tied weights), big-endian files."""
+    archive = read_archive(store, name, read)
+    obj, where = archive.obj, archive.where
+    if not isinstance(obj, (dict, list, tuple)) or isinstance(obj, fmt.TorchSize):
+        raise CkptError(f"{where} holds a {type(obj).__name__}, not a dict, list or tuple: "
+                        "ckptio loads a torch.save file of a state dict (load it with torch.load)")
+    walk = Walk(archive)
+    tree = walk.expand(obj, "", 0)
+    walk.settle(read)
+    manifest = Manifest(
+        version=2, save_id="torch.save", checksum_algorithm="crc32", world_size=1,
+        files=(FileInfo(name, archive.size, 0),), tensors=tuple(walk.tensors),
+        objects=tuple(walk.objects), aliases=tuple(walk.aliases), tree=tree,
+        meta={"torch.save": {"archive": archive.prefix}}, block_nbytes=BLOCK_NBYTES)
+    validate.check_keys(manifest, where)
+    validate.check_values(manifest, where)
+    return manifest
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A torch.save file opened: its decoded object, its storage records by key and the offset
+    where each record's bytes start."""
+
+    name: str
+    where: str
+    size: int
+    prefix: str
+    obj: Any
+    storages: dict[str, fmt.Record]
+    starts: dict[str, int]
+
+
+def read_archive(store: Store, name: str, read: ReadFn) -> Archive:
+    """Torch.save file ``name`` of ``store`` opened (the rounds of reads and the refusals: on
+    open_torch_save); its small records checked against their CRC-32s."""
     where = store.path_of(name)
     size = store.sizes([name]).get(name)
     if size is None:
@@ -100,19 +140,7 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
         raise CkptError(f"{where} was saved {read_bytes(order)!r}-endian; ckptio reads "
                         "little-endian data only")
     obj = fmt.decode_pickle(read_bytes(whole[pkl.name]), where)
-    if not isinstance(obj, (dict, list, tuple)) or isinstance(obj, fmt.TorchSize):
-        raise CkptError(f"{where} holds a {type(obj).__name__}, not a dict, list or tuple: "
-                        "ckptio loads a torch.save file of a state dict (load it with torch.load)")
-    walk = _Walk(name, where, storages, starts)
-    tree = walk.expand(obj, "", 0)
-    manifest = Manifest(
-        version=2, save_id="torch.save", checksum_algorithm="crc32", world_size=1,
-        files=(FileInfo(name, size, 0),), tensors=tuple(walk.tensors),
-        objects=tuple(walk.objects), aliases=tuple(walk.aliases), tree=tree,
-        meta={"torch.save": {"archive": prefix}}, block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
-    validate.check_values(manifest, where)
-    return manifest
+    return Archive(name, where, size, prefix, obj, storages, starts)
 
 
 def _directory(store: Store, name: str, size: int, tail: bytes, read: ReadFn,
@@ -136,18 +164,23 @@ def _directory(store: Store, name: str, size: int, tail: bytes, read: ReadFn,
     return records
 
 
-class _Walk:
+class Walk:
     """The decoded object as ckptio's flatten would hold it: tree nodes, tensor entries (one per
-    storage; a second key with the same view is an alias), inline values."""
+    storage; a second key with the same view is an alias), inline values. ``rank``: the rank
+    whose own values these are (None: a one-rank checkpoint's); ``sharded``: a DTensor's
+    shard becomes its chunk of the global tensor (a many-rank directory; a lone file of one
+    rank's shard is refused), a replica kept only where ``dtensorpickle.primary``."""
 
-    def __init__(self, file: str, where: str, storages: dict[str, fmt.Record],
-                 starts: dict[str, int]) -> None:
-        self.file, self.where, self.storages, self.starts = file, where, storages, starts
+    def __init__(self, archive: Archive, rank: int | None = None, sharded: bool = False) -> None:
+        self.file, self.where = archive.name, archive.where
+        self.storages, self.starts = archive.storages, archive.starts
+        self.rank, self.sharded = rank, sharded
         self.tensors: list[TensorEntry] = []
         self.objects: list[ObjectEntry] = []
         self.aliases: list[tuple[str, str]] = []
-        # storage -> key, dtype, size, order of its first view
-        self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...]]] = {}
+        # storage -> key, dtype, size, order, offset of its first view
+        self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...], int]] = {}
+        self.parts: list[tuple[TensorEntry, fmt.Record, int]] = []  # settle() finishes them
         self.leaves: set[str] = set()
 
     def expand(self, value: Any, key: str, depth: int) -> Json:
@@ -175,14 +208,38 @@ class _Walk:
         if isinstance(value, torchzip.TensorRef):
             self._tensor(value, key)
             return {"k": key}
+        if isinstance(value, dtensorpickle.DTensorRef):
+            self._dtensor(value, key)
+            return {"k": key}
         try:
-            self.objects.append(ObjectEntry(key, values.encode(_real(value))))
+            self.objects.append(ObjectEntry(key, values.encode(_real(value)), self.rank))
         except values.NotEncodable:
             raise CkptError(f"{self.where}: key {key!r} holds a {type(value).__name__}, which "
                             "ckptio does not load from torch.save files") from None
         return {"k": key}
 
-    def _tensor(self, t: Any, key: str) -> None:
+    def _dtensor(self, ref: dtensorpickle.DTensorRef, key: str) -> None:
+        offsets, sizes = dtensorpickle.box(ref, key, self.where)
+        if sizes != ref.shape and not self.sharded:
+            raise CkptError(
+                f"{self.where}: key {key!r} is one rank's shard of a DTensor (mesh {ref.mesh}, "
+                f"coordinate {ref.coordinate}); ckptio reads such files as part of the "
+                "directory that holds every rank's file (a torch_checkpointing checkpoint): "
+                "pass the directory")
+        if ref.local.dtype != ref.dtype or tuple(ref.local.size) != sizes:
+            raise CorruptCheckpointError(
+                f"{self.where}: key {key!r}: its local tensor is {ref.local.dtype} "
+                f"{tuple(ref.local.size)}, its DTensor spec says {ref.dtype} {sizes} (global "
+                f"{ref.shape}); the file is damaged")
+        if not self.sharded:
+            self._tensor(ref.local, key)
+        elif dtensorpickle.primary(ref) and (all(sizes) or not all(ref.shape)):
+            self._tensor(ref.local, key, (ref.shape, offsets))
+
+    def _tensor(self, t: Any, key: str,
+                place: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+        """``place``: a DTensor shard's (global shape, offsets); its entry is then part of one
+        global tensor (rank None)."""
         storage = t.storage
         record = self.storages.get(storage.key)
         if record is None:
@@ -202,32 +259,61 @@ class _Walk:
         for d in size:
             numel *= d
         nbytes = numel * itemsize
+        shape, offsets = place or (size, (0,) * len(size))
+        rank = None if place is not None else self.rank
         if not nbytes:  # no elements: whatever its view, nothing to read
             self.tensors.append(TensorEntry(
-                key=key, kind="tensor", dtype=t.dtype, shape=size, chunk=Chunk.whole(size),
-                file=self.file, offset=0, nbytes=0, checksum=f"{crc32(b''):08x}"))
+                key=key, kind="tensor", dtype=t.dtype, shape=shape, chunk=Chunk(offsets, size),
+                file=self.file, offset=0, nbytes=0, checksum=f"{crc32(b''):08x}", rank=rank))
             return
         order = torchzip.dense_order(size, stride)
-        if offset != 0 or nbytes != record.nbytes or order is None:
+        if order and place is not None and size != shape:
+            order = None  # a transposed shard: read.py permutes whole tensors only
+        head = offset * itemsize
+        whole = offset == 0 and nbytes == record.nbytes and order is not None
+        if not whole and not (order == () and head + nbytes <= record.nbytes
+                              and record.nbytes - nbytes <= MAX_SLACK_NBYTES):
             raise CkptError(
-                f"{self.where}: key {key!r} was saved as a view of part of a storage, or with "
-                f"overlapping elements (storage offset {offset}, size {size}, stride {stride}, "
+                f"{self.where}: key {key!r} was saved as a view of part of a storage with gaps "
+                f"or overlapping elements, or of a storage more than {MAX_SLACK_NBYTES} bytes "
+                f"larger than it (storage offset {offset}, size {size}, stride {stride}, "
                 f"{record.nbytes} storage bytes for {nbytes}), which ckptio does not read; "
                 "save .contiguous().clone() of it, or load the file with torch.load")
         first = self.seen.get(storage.key)
         if first is not None:
-            if first[1:] != (t.dtype, size, order):
+            if first[1:] != (t.dtype, size, order, offset):
                 raise CkptError(f"{self.where}: keys {first[0]!r} and {key!r} are different views "
                                 "of one storage, which ckptio does not read yet; load the file "
                                 "with torch.load")
             self.aliases.append((key, first[0]))
             return
-        self.seen[storage.key] = (key, t.dtype, size, order)
-        start = self.starts[record.name]
-        self.tensors.append(TensorEntry(
-            key=key, kind="tensor", dtype=t.dtype, shape=size, chunk=Chunk((0,) * len(size), size),
-            file=self.file, offset=start, nbytes=nbytes, checksum=f"{record.crc32:08x}",
-            order=order))
+        self.seen[storage.key] = (key, t.dtype, size, order, offset)
+        entry = TensorEntry(
+            key=key, kind="tensor", dtype=t.dtype, shape=shape, chunk=Chunk(offsets, size),
+            file=self.file, offset=self.starts[record.name] + head, nbytes=nbytes,
+            checksum=f"{record.crc32:08x}", order=order, rank=rank)
+        if whole:
+            self.tensors.append(entry)
+        else:
+            self.parts.append((entry, record, head))
+
+    def settle(self, read: ReadFn) -> None:
+        """The entries of tensors that are part of their storage (FSDP2's padded shards, a
+        slice): the storage's bytes around each read (one round) and the entry given the
+        CRC-32 of its own bytes (checksum.crc32_of_part)."""
+        around = []
+        for entry, record, head in self.parts:
+            tail = record.nbytes - head - entry.nbytes
+            start = self.starts[record.name]
+            around.append((raw_read(self.file, start, head) if head else None,
+                           raw_read(self.file, entry.offset + entry.nbytes, tail)
+                           if tail else None, tail))
+        read([r for h, t, _ in around for r in (h, t) if r is not None])
+        for (entry, record, _), (h, t, tail) in zip(self.parts, around):
+            part = crc32_of_part(record.crc32, crc32(read_bytes(h)) if h else 0,
+                                 crc32(read_bytes(t)) if t else 0, entry.nbytes, tail)
+            self.tensors.append(replace(entry, checksum=f"{part:08x}"))
+        self.parts = []
 
 
 def _real(value: Any) -> Any:
