@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
-from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, progress, save_engines,
+from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, peer_worlds, progress,
+                                     save_engines,
                                      schedule, summarize)
 from benchmarks.io_timeline import Timeline
 from benchmarks.ranks_engines import (ckptio_loader, ckptio_save, dcp_load, dcp_save,
@@ -64,8 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "variants, comma list (default 1,2,4); the first one's checkpoint is loaded")
     p.add_argument("--loads", default="same,dcp,to1,to2n", help="loads: same (ckptio N->N), dcp "
                    "(DCP N->N), to1 (ckptio N->1, plain tensors), to2n (ckptio N->2N), tcp (Meta's "
-                   "torch_checkpointing saves and loads N->N; not in the default); default the "
-                   "first four")
+                   "torch_checkpointing saves and loads N->N; not in the default), dcp_to1, "
+                   "dcp_to2n, tcp_to1, tcp_to2n (DCP's and torch_checkpointing's resharded loads); "
+                   "default the first four")
     p.add_argument("--json", type=Path, help="write runs and summary as JSON here")
     p.add_argument("--markdown", type=Path, help="write the markdown report here")
     p.add_argument("--idle", type=float, default=2.0, help="idle seconds before each timed phase")
@@ -92,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--reps and --ranks must be >= 1 and --gb > 0")
     args.threads = [int(t) for t in args.dcp_threads.split(",") if t.strip()]
     args.load_kinds = [k.strip() for k in args.loads.split(",") if k.strip()]
-    if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n", "tcp")]:
+    if bad := [k for k in args.load_kinds if k not in ("same", "dcp", "to1", "to2n", "tcp",
+                                                       "dcp_to1", "dcp_to2n", "tcp_to1",
+                                                       "tcp_to2n")]:
         p.error(f"unknown --loads {bad}")
     return args
 
@@ -107,7 +111,8 @@ def expect_worker(args: argparse.Namespace) -> Run:
 
     t0 = time.perf_counter()
     full = state.build_state(args.gb, args.seed)
-    worlds = sorted({args.ranks, *load_worlds(args).values()})
+    worlds = sorted({args.ranks, *load_worlds(args).values(), *peer_worlds(args, "dcp"),
+                     *peer_worlds(args, TCP)})
     digests = {w: [state.digest(local_view(full, r, w)) for r in range(w)] for w in worlds}
     record = {"skeleton": skeleton(full), "digests": digests, "bytes": state.tensor_nbytes(full),
               "tensors": len(state.tensor_leaves(full))}

@@ -1,7 +1,7 @@
 """The save and load engines benchmarks/ranks.py times on each rank: ckptio's, DCP's
 (FileSystemWriter with k threads and sync_files, then os.sync()), the N-writer O_DIRECT
-ceiling, and Meta's torch_checkpointing (its sync CheckpointManager, buffered writes, then
-os.sync()). Each is a function of (state, path) run inside the rank's clock.
+ceiling, and Meta's torch_checkpointing (its sync CheckpointManager, buffered writes, its
+DefaultResharder on 2+ ranks, then os.sync()). Each is a function of (state, path) run inside the rank's clock.
 
 Owns: how each engine is called and made durable. Does not own: the clock, the ranks or the
 report (ranks.py, ranks_report.py).
@@ -70,35 +70,30 @@ def ckptio_loader(path: Path, warm_pool: bool) -> Any:
     return lambda path, dest: checkpointer.load(str(path), dest)
 
 
-def _tcp_manager() -> Any:
-    """torch_checkpointing's sync manager with buffered writes (its O_DIRECT writes of small
-    items fail on ext4: docs/BENCH_LOOP.md, section 9)."""
-    from torch_checkpointing import CheckpointManager
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-
-    config = CheckpointManager.Config.with_sync_save()
-    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
-    return config.build()
-
-
 def tcp_save(state: Any, path: Path) -> None:
-    """torch_checkpointing's save, then os.sync() (it has no fsync), as DCP's is timed. One
-    rank saves plain tensors (its 1-rank DTensors' local parts): a 1-rank load's destination
-    is plain, and torch_checkpointing loads only into the type it saved."""
+    """torch_checkpointing's save, then os.sync() (it has no fsync), as DCP's is timed. On
+    2+ ranks with its DefaultResharder (its metadata gather made to run on CPU:
+    ckptio/testing/tc_peer.py). One rank saves plain tensors (its 1-rank DTensors' local parts):
+    a 1-rank load's destination is plain, and it loads only into the type it saved."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    from ckptio.testing.tc_peer import manager
 
     def plain(value: Any) -> Any:
         return value.to_local() if isinstance(value, DTensor) else map_containers(value, plain)
 
-    if dist.get_world_size() == 1:
-        state = plain(state)
-    _tcp_manager().save(str(path), {"state": state})
+    one = not dist.is_initialized() or dist.get_world_size() == 1
+    manager(() if one else ("state",)).save(str(path), {"state": plain(state) if one else state})
     os.sync()
 
 
 def tcp_load(path: Path, dest: Any) -> object:
-    _tcp_manager().load(str(path), into={"state": dest})
+    """Its load, with its DefaultResharder when the checkpoint has its metadata (2+ ranks)."""
+    from ckptio.testing.tc_peer import manager
+
+    resharded = ("state",) if (path / "metadata.pkl").exists() else ()
+    manager(resharded).load(str(path), into={"state": dest})
     return None
 
 

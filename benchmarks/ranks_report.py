@@ -23,23 +23,29 @@ def load_worlds(args: argparse.Namespace) -> dict[str, int]:
     return {k: worlds[k] for k in args.load_kinds if k in worlds}
 
 
+def peer_worlds(args: argparse.Namespace, peer: str) -> list[int]:
+    """The worlds DCP's ("dcp") or torch_checkpointing's ("tcp") loads run on: the saving
+    layout (``dcp``/``tcp``), one rank (``*_to1``), twice the ranks (``*_to2n``)."""
+    worlds = {peer: args.ranks, f"{peer}_to1": 1, f"{peer}_to2n": 2 * args.ranks}
+    return [w for k, w in worlds.items() if k in args.load_kinds]
+
+
 def save_engines(args: argparse.Namespace) -> list[str]:
     raw = [RAW] if getattr(args, "raw_writers", False) else []
-    tcp = [TCP] if "tcp" in getattr(args, "load_kinds", ()) else []
+    tcp = [TCP] if any(k.startswith("tcp") for k in getattr(args, "load_kinds", ())) else []
     return ["ckptio", *[f"dcp_t{t}" for t in args.threads], *raw, *tcp]  # [1]: the DCP loaded
 
 
 RAW = "raw_writers"  # N processes each write S/N bytes with O_DIRECT, timed like a save
-TCP = "tcp"  # Meta's torch_checkpointing, sync CheckpointManager (same layout only)
+TCP = "tcp"  # Meta's torch_checkpointing, sync CheckpointManager, DefaultResharder on 2+ ranks
 
 
 def schedule(args: argparse.Namespace) -> tuple[list[str], list[tuple[str, int]]]:
     saves = save_engines(args)
     loads = [("ckptio", w) for w in load_worlds(args).values()]
-    if args.threads and "dcp" in args.load_kinds:
-        loads.insert(1, ("dcp", args.ranks))
-    if TCP in args.load_kinds:
-        loads.append((TCP, args.ranks))
+    if args.threads:
+        loads += [("dcp", w) for w in peer_worlds(args, "dcp")]
+    loads += [(TCP, w) for w in peer_worlds(args, TCP)]
     return saves, loads
 
 

@@ -35,7 +35,8 @@ import torch
 from benchmarks import worker_env, write_reports
 from benchmarks.gil_probe import pin_children, pin_others
 
-ENGINES = ("none", "tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3", "disk_k", "s3_k",
+ENGINES = ("none", "tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3", "disk_k",
+           "disk_lazy_k", "s3_k",
            "dcp_k", "nvrx_step", "tcp_step", "tcp_k", "floor_step")
 PEERS = {"nvrx_step": "nvidia_resiliency_ext", "tcp_step": "torch_checkpointing",
          "tcp_k": "torch_checkpointing"}  # engine -> the module it needs
@@ -92,7 +93,7 @@ class Saver:
         self.shm: Path | None = None
         self.ck: Any = None
         self.peer: Any = None
-        if name in TIERED + ("disk_k", "s3_k"):  # as a job does at startup: pool made, sized
+        if name in TIERED + ("disk_k", "disk_lazy_k", "s3_k"):  # at startup: pool made, sized
             self.ck = ckptio.Checkpointer()
             self.ck.prepare(state=state, wait=True)
         if name in TIERED:
@@ -103,7 +104,7 @@ class Saver:
                 tiers.append(ckptio.Tier(f"{args.s3.rstrip('/')}/{work.name}",
                                          every=2 * args.every, keep_last=2))
             self.mgr = ckptio.CheckpointManager(tiers=tiers, checkpointer=self.ck)
-        elif name == "disk_k":
+        elif name in ("disk_k", "disk_lazy_k"):
             self.mgr = ckptio.CheckpointManager(work / "disk", keep_last=2, checkpointer=self.ck)
         elif name == "s3_k":
             self.mgr = ckptio.CheckpointManager(f"{args.s3.rstrip('/')}/{work.name}", keep_last=2,
@@ -135,7 +136,7 @@ class Saver:
     def start(self, step: int, state: dict[str, Any]) -> None:
         if self.mgr is not None:
             asynchronous = self.name in ("tiers_eager", "tiers_s3", "disk_k", "s3_k")
-            lazy = self.name == "tiers_lazy"
+            lazy = self.name in ("tiers_lazy", "disk_lazy_k")
             result = self.mgr.save(step, state, asynchronous=asynchronous, lazy=lazy,
                                    optimizers=[self.opt] if lazy else (), force=True)
             self.results.append(result)

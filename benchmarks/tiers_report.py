@@ -22,13 +22,15 @@ NOTES = {
                   "forward/backward)",
     "tiers_s3": "as tiers_eager, plus an s3:// tier every 2K (SeaweedFS on this host)",
     "disk_k": "ckptio `CheckpointManager(disk)`, `asynchronous=True`, every K",
+    "disk_lazy_k": "ckptio `CheckpointManager(disk)`, `lazy=True, optimizers=[opt]`, every K",
     "s3_k": "ckptio `CheckpointManager(s3://...)`, `asynchronous=True`, every K",
     "dcp_k": "DCP `async_save` (thread executor, FileSystemWriter sync_files=True), every K",
     "nvrx_step": "NVRx `LocalCheckpointManager.save(is_async=False)` into /dev/shm, every step",
     "tcp_step": "torch_checkpointing 0.1.1 async `save` into /dev/shm, `lock()` around the "
                 "optimizer step, every step (keeps 2; no fsync)",
     "tcp_k": "torch_checkpointing 0.1.1 async `save` to disk, `lock()` around the optimizer "
-             "step, every K (buffered writes; no fsync)",
+             "step, every K (buffered writes; no fsync: its 'durable' column is its future's "
+             "end, written but not fsynced)",
     "floor_step": "the floor: one memcpy of the state on a helper thread, every step",
 }
 

@@ -90,7 +90,8 @@ def _state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def manager_round_trip(root: str, asynchronous: bool) -> None:
     """torch_checkpointing's CheckpointManager (sync, or its async saver's background process)
     saving a model, an optimizer and extras through CkptioStorageConfig(root), then loading
-    them in place into fresh objects: every tensor bitwise, bf16 and special values too."""
+    them in place into fresh objects: every tensor bitwise, bf16 and special values too; then
+    ckptio.load of the same checkpoint (loading/tcdir.py) into other fresh objects."""
     from torch_checkpointing import CheckpointManager
 
     from ckptio.tc_storage import CkptioStorageConfig
@@ -119,3 +120,14 @@ def manager_round_trip(root: str, asynchronous: bool) -> None:
     assert into["extra"]["step"] == 7
     assert torch.equal(into["extra"]["t"].view(torch.int16), extra["t"].view(torch.int16))
     assert str(opt.state_dict()) == str(fresh_opt.state_dict())
+    # and ckptio.load reads the checkpoint it wrote there (its directory format), wherever
+    import ckptio
+
+    again, again_opt = _state(2)
+    state = {"model": again, "optim": again_opt,
+             "extra": {"step": 0, "t": torch.zeros(4, dtype=torch.bfloat16)}}
+    ckptio.load(f"{root.rstrip('/')}/step-7", state)
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    assert state["extra"]["step"] == 7 and str(opt.state_dict()) == str(again_opt.state_dict())
+    assert torch.equal(state["extra"]["t"].view(torch.int16), extra["t"].view(torch.int16))

@@ -108,3 +108,22 @@ def test_a_flipped_record_byte_is_caught_by_either_crc32(tmp_path: Path,
     _flip(pt, want["w"].numpy().tobytes()[:64], 777)
     with pytest.raises(ckptio.CorruptCheckpointError, match=r"key 'w' in .*state\.pt"):
         ckptio.load(pt)
+
+
+def test_the_crc32_of_a_part_follows_from_the_whole_and_its_ends() -> None:
+    import random
+    import zlib
+
+    from ckptio.format.checksum import crc32_of_part
+
+    rng = random.Random(7)
+    for _ in range(200):
+        head, part, tail = (rng.randbytes(rng.randrange(n)) for n in (40, 3000, 70))
+        got = crc32_of_part(zlib.crc32(head + part + tail), zlib.crc32(head), zlib.crc32(tail),
+                            len(part), len(tail))
+        assert got == zlib.crc32(part)
+    assert crc32_of_part(zlib.crc32(b"abcdef"), 0, 0, 6, 0) == zlib.crc32(b"abcdef")
+    # a flipped byte of the part changes the whole, and the derived CRC no longer matches it
+    damaged = crc32_of_part(zlib.crc32(b"ab" + b"cXef" + b"gh"), zlib.crc32(b"ab"),
+                            zlib.crc32(b"gh"), 4, 2)
+    assert damaged != zlib.crc32(b"cdef")

@@ -26,12 +26,12 @@ pytest.importorskip("torch_checkpointing", reason="torch-checkpointing is not in
 
 from conftest import ALL_DTYPES  # noqa: E402
 from special_values import bits_equal, specials  # noqa: E402
-from tc_cases import manager  # noqa: E402
 from test_dcp_in import (K, _assert_same, _build, _dcp_state, _objects, _snapshot,  # noqa: E402
                          _step)
 
 import ckptio  # noqa: E402
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+from ckptio.testing.tc_peer import manager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
@@ -282,3 +282,34 @@ def test_convert_to_torch_checkpointing_is_read_by_it_alone(tmp_path: Path) -> N
                    str(tmp_path / "tc2"))
     assert refused.returncode == 2 and "top-level keys" in refused.stderr, refused.stderr
     assert not (tmp_path / "tc2").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# DTensor placements on a 2 x 2 mesh, uneven shapes: each shard placed where DTensor put it
+
+
+def save_2d(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(7 * 5, dtype=torch.float64).reshape(7, 5)
+    state = {name: distribute_tensor(full.clone() + i, mesh, placements)
+             for i, (name, placements) in enumerate({
+                 "rows_cols": [Shard(0), Shard(1)], "rows_twice": [Shard(0), Shard(0)],
+                 "cols_replicated": [Replicate(), Shard(1)], "cols_rows": [Shard(1), Shard(0)],
+                 "replicated": [Replicate(), Replicate()]}.items())}
+    state["tiny"] = distribute_tensor(torch.ones(3), mesh, [Shard(0), Shard(0)])  # empty shard
+    torch.save(state, os.path.join(path, f"model_{rank}.pt"))
+
+
+def test_dtensor_placements_on_a_2d_mesh_land_where_dtensor_put_them(tmp_path: Path) -> None:
+    run_ranks(4, save_2d, str(tmp_path), timeout_s=300)
+    got = ckptio.load(tmp_path)["model"]
+    full = torch.arange(7 * 5, dtype=torch.float64).reshape(7, 5)
+    for i, name in enumerate(("rows_cols", "rows_twice", "cols_replicated", "cols_rows",
+                              "replicated")):
+        assert torch.equal(got[name], full + i), name
+    assert torch.equal(got["tiny"], torch.ones(3))
+    listed = _cmd("ls", str(tmp_path))
+    assert "torch_checkpointing checkpoint by 4 rank(s)" in listed.stdout, listed.stdout

@@ -1,12 +1,13 @@
-"""torch_checkpointing's saves and loads as its users write them, for the tests of its
-checkpoints in ckptio and out of it (tests/test_tc_checkpoints.py) and the benchmark.
+"""Meta's torch_checkpointing as its users call it, for the tests of its checkpoints in ckptio
+and out of it (tests/test_tc_checkpoints.py) and the benchmarks that run it beside ckptio.
 
 ``manager``: its CheckpointManager, synchronous, buffered writes (its O_DIRECT writes fail on
 ext4 here: BENCH_TORCH_CHECKPOINTING.md), with DefaultResharder on the items named.
 ``cpu_metadata_gather``: its metadata gather (needed by a save or load with a resharder) puts
 its bytes on CUDA (torch_checkpointing 0.1.1, metadata_manager.py line 416:
 ``torch.tensor(..., device="cuda")``), so on gloo ranks without a GPU it fails; this swaps in
-``dist.all_gather_object`` for the same exchange (the tests say so where they use it).
+``dist.all_gather_object`` for the same exchange (the tests and pages say so where they use
+it). Owns: those two. Does not own: torch_checkpointing (an extra: ``ckptio[torch-checkpointing]``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+
+__all__ = ["cpu_metadata_gather", "manager"]
 
 
 def cpu_metadata_gather() -> None:
