@@ -274,6 +274,14 @@ def test_convert_to_torch_checkpointing_is_read_by_it_alone(tmp_path: Path) -> N
     back = ckptio.load(tmp_path / "tc")  # and back through ckptio, bit for bit
     for key, tensor in tensors.items():
         assert bits_equal(back["model"][key], tensor), key
+    tc = manager()  # and what its own manager writes from the same state
+    tc.save(str(tmp_path / "theirs"), want)
+    tc.close()
+    theirs = ckptio.load(tmp_path / "theirs")
+    assert {k: v for k, v in theirs.items() if k != "model"} == {
+        k: v for k, v in want.items() if k != "model"} and str(theirs["lr"]) == "-0.0"
+    for key, tensor in tensors.items():
+        assert bits_equal(theirs["model"][key], tensor), key
     again = _cmd("convert", "--to", "torch_checkpointing", str(tmp_path / "src"),
                  str(tmp_path / "tc"))
     assert again.returncode == 2 and "already holds a torch_checkpointing" in again.stderr
