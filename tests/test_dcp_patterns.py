@@ -531,3 +531,67 @@ def test_malformed_inline_bytes_are_refused(tagged: list[Any]) -> None:
     every = bytes(range(256))
     assert values.decode(values.encode(every)) == every
     assert values.decode(values.encode(io.BytesIO(every))).getvalue() == every
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch's DCP test patterns: a state DCP flattens to nothing, a writer that must not overwrite
+
+
+class _EmptyStateful:
+    """A Stateful whose state_dict() is {} (DCP saves nothing for it)."""
+
+    def __init__(self) -> None:
+        self.loaded: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def _empty_states() -> list[tuple[str, Any]]:
+    return [("empty", lambda: {}), ("empty_level", lambda: {"foo": {}}),
+            ("stateful", lambda: {"s": _EmptyStateful()}),
+            ("with_a_tensor", lambda: {"a": torch.arange(3.0), "e": {}})]
+
+
+@pytest.mark.parametrize("name,make", _empty_states(), ids=[n for n, _ in _empty_states()])
+def test_a_state_dcp_flattens_to_nothing_saves_and_loads(tmp_path: Path, name, make) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # the control: DCP's own writer and reader take it
+        dcp.save(make(), storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+        dcp.load(make(), storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+        got = ckptio.load(tmp_path / "dcp")  # a stock DCP directory: a dict, not a list
+        assert isinstance(got, dict), got
+        # ckptio's writer and reader under dcp.save / dcp.load, the same way
+        dcp.save(make(), storage_writer=ckptio.DcpWriter(tmp_path / "ours"))
+        target = make()
+        dcp.load(target, storage_reader=ckptio.DcpReader(tmp_path / "ours"))
+    if name == "with_a_tensor":
+        _same(target["a"], torch.arange(3.0))
+        assert list(got) == ["a"]
+    else:
+        assert got == {}
+    assert isinstance(ckptio.load(tmp_path / "ours"), dict)
+
+
+def test_a_writer_made_with_overwrite_false_refuses_a_committed_checkpoint(
+        tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"a": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "d")))
+        with pytest.raises(CheckpointException, match="already exists"):  # the control
+            dcp.save({"a": torch.zeros(2)},
+                     storage_writer=dcp.FileSystemWriter(str(tmp_path / "d"), overwrite=False))
+        path = tmp_path / "ours"
+        dcp.save({"a": torch.ones(2)}, storage_writer=ckptio.DcpWriter(path, overwrite=False))
+        with pytest.raises(CheckpointException, match="CkptError.*overwrite=False"):
+            dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path,
+                                                                          overwrite=False))
+        _same(ckptio.load(path)["a"], torch.ones(2))  # left as it was
+        dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path))  # the default
+    _same(ckptio.load(path)["a"], torch.zeros(2))

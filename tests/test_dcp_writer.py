@@ -336,24 +336,26 @@ def test_verify_finds_a_flipped_byte(runs: dict[str, Any], tmp_path: Path):
         ckptio.verify(str(path))
 
 
-def test_the_writer_pickles_to_path_options_and_if_locked(runs: dict[str, Any], tmp_path: Path):
-    """What crosses to DCP's checkpoint daemon: the path, options and if_locked, nothing of
-    the save (claim, store, pool, backend, threads), also right after a save."""
+def test_the_writer_pickles_to_its_arguments(runs: dict[str, Any], tmp_path: Path):
+    """What crosses to DCP's checkpoint daemon: the path, options, if_locked and overwrite,
+    nothing of the save (claim, store, pool, backend, threads), also right after a save."""
     import torch.distributed.checkpoint as dcp
 
     import ckptio
 
-    assert set(runs["saved"][0]["writer_state"]) == {"path", "options", "if_locked"}
+    assert set(runs["saved"][0]["writer_state"]) == {"path", "options", "if_locked", "overwrite"}
     path = str(tmp_path / "ckpt")
     writer = ckptio.DcpWriter(path)
     dcp.save({"a": torch.ones(3), "n": 2}, storage_writer=writer)
     data = pickle.dumps(writer)
     strings = {arg for _op, arg, _pos in pickletools.genops(data) if isinstance(arg, str)}
     assert strings == {"ckptio.dcp.writer", "DcpWriter", "path", path, "options", "if_locked",
-                       "wait"}, strings
+                       "wait", "overwrite"}, strings
     options = ckptio.Options(io_depth=2)
-    back = pickle.loads(pickle.dumps(ckptio.DcpWriter(path, options=options, if_locked="raise")))
-    assert (back.path, back.options, back.if_locked) == (path, options, "raise")
+    back = pickle.loads(pickle.dumps(ckptio.DcpWriter(path, options=options, if_locked="raise",
+                                                      overwrite=False)))
+    assert (back.path, back.options, back.if_locked, back.overwrite) == (path, options, "raise",
+                                                                         False)
     dcp.save({"a": torch.zeros(3), "n": 3}, storage_writer=pickle.loads(data))
     assert ckptio.load(path)["n"] == 3
 

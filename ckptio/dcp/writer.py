@@ -70,24 +70,26 @@ class DcpWriter(StorageWriter):
     path: a local directory or ``s3://bucket/prefix`` (a ``checkpoint_id`` given to dcp.save
     replaces it). options: ckptio Options (default: ``Options.from_env()`` in the process that
     writes). if_locked: "wait" for another save into ``path``, or "raise"
-    CheckpointLockedError. Every rank passes its own DcpWriter; DCP must run with
-    collectives (the default).
+    CheckpointLockedError. overwrite: False refuses (CkptError, on every rank, before a byte
+    is written) a path where a checkpoint is committed, as DCP's FileSystemWriter does. Every
+    rank passes its own DcpWriter; DCP must run with collectives (the default).
 
     If any rank fails DCP never calls ``finish``: nothing is committed, the previous
     checkpoint stays, and the files of the ranks that did write are removed after the next
     commit. The claim is then released by the writer's next save, ``reset``, its garbage
     collection or process exit. One save at a time per writer object (as with DCP's
     FileSystemWriter): a writer whose save is still in flight must not be handed to another
-    save; make one per save. The writer pickles to ``{path, options, if_locked}`` (DCP's
+    save; make one per save. The writer pickles to ``{path, options, if_locked, overwrite}`` (DCP's
     PROCESS executor sends it to its daemon for every save); pool, backend, claim and threads
     live in the process that uses them."""
 
     def __init__(self, path: str | os.PathLike[str], *, options: Options | None = None,
-                 if_locked: str = "wait") -> None:
+                 if_locked: str = "wait", overwrite: bool = True) -> None:
         super().__init__()
         self.path = checkpoint_path(path)
         self.options = options
         self.if_locked = check_if_locked(if_locked)
+        self.overwrite = overwrite
         self._start()
 
     def _start(self) -> None:
@@ -97,11 +99,13 @@ class DcpWriter(StorageWriter):
         weakref.finalize(self, self._claim.release, failed=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "if_locked": self.if_locked}
+        return {"path": self.path, "options": self.options, "if_locked": self.if_locked,
+                "overwrite": self.overwrite}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path, self.options = state["path"], state["options"]
         self.if_locked = check_if_locked(state["if_locked"])
+        self.overwrite = bool(state.get("overwrite", True))
         self._start()
 
     def __repr__(self) -> str:
@@ -131,7 +135,12 @@ class DcpWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        store_for(self.path, self._options())  # a bad path fails every rank here
+        store = store_for(self.path, self._options())  # a bad path fails every rank here
+        if not self.overwrite and steps.is_committed(store):
+            raise CkptError(f"dcp.save into {self.path}: a checkpoint is committed there and "
+                            "the DcpWriter was made with overwrite=False (as DCP's "
+                            "FileSystemWriter refuses); it is left as it was. Choose another "
+                            "path, or pass overwrite=True to replace it")
         writeplan.check_plan(plan, self._rank, self.path)
         return plan
 

@@ -217,8 +217,8 @@ def nest(nodes: Mapping[str, Json], paths: Mapping[str, tuple[str | int, ...]], 
     """The tree holding each key's node at its path (DCP's planner_data: a str part is a dict
     key, an int a list index; a key without a path sits at the top). A dict key DCP stored as a
     canonical decimal string ("0", "17") comes back as an int: DCP turns every dict key into a
-    str, and optimizer state is keyed by int. A level whose indices are exactly 0..n-1 is a
-    list; one with gaps (DCP saves nothing for an empty dict in a list) keeps its indices as
+    str, and optimizer state is keyed by int. A level whose indices are exactly 0..n-1 (n >= 1)
+    is a list (an empty level, the top of a state DCP flattened to nothing, is a dict); one with gaps (DCP saves nothing for an empty dict in a list) keeps its indices as
     dict keys, so every key still names its own value. ``error`` (naming ``where``) for paths
     that collide."""
     root: dict[Any, Any] = {}
@@ -253,6 +253,6 @@ def _part(part: str | int) -> tuple[str, str | int]:
 def _node(level: dict[Any, Any] | _Leaf) -> Json:
     if isinstance(level, _Leaf):
         return level.node
-    if {part for part in level} == {("l", i) for i in range(len(level))}:
+    if level and {part for part in level} == {("l", i) for i in range(len(level))}:
         return {"l": [_node(level[("l", i)]) for i in range(len(level))]}
     return {"d": [[key, _node(child)] for (_kind, key), child in level.items()]}
