@@ -595,3 +595,56 @@ def test_a_writer_made_with_overwrite_false_refuses_a_committed_checkpoint(
         _same(ckptio.load(path)["a"], torch.ones(2))  # left as it was
         dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path))  # the default
     _same(ckptio.load(path)["a"], torch.zeros(2))
+
+
+_PROBE = """
+import multiprocessing as mp
+import os
+import tempfile
+
+import torch
+import torch.distributed.checkpoint as dist_cp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+
+def _child(q):
+    from torch.distributed.checkpoint import FileSystemWriter as W
+    q.put(W.__mro__[1].__name__)
+
+
+def test_round_trip():
+    with tempfile.TemporaryDirectory() as path:
+        dist_cp.save({"a": torch.arange(4.0)}, storage_writer=FileSystemWriter(path=path, thread_count=2),
+                     no_dist=True)
+        out = {"a": torch.zeros(4)}
+        dist_cp.load(out, storage_reader=dist_cp.FileSystemReader(path), no_dist=True)
+        assert torch.equal(out["a"], torch.arange(4.0))
+
+
+def test_which_writer_wrote():
+    with tempfile.TemporaryDirectory() as path:
+        dist_cp.save({"a": torch.ones(2)}, storage_writer=FileSystemWriter(path=path), no_dist=True)
+        assert "manifest.json" in os.listdir(path)
+
+
+def test_a_spawned_child_sees_the_same_writer():
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_child, args=(q,))
+    p.start()
+    assert q.get(timeout=120) == "DcpWriter"
+    p.join()
+"""
+
+
+def test_the_script_that_runs_pytorchs_dcp_tests_swaps_writer_and_reader(tmp_path: Path) -> None:
+    """dev/pytorch_dcp_tests.py (run by hand on PyTorch's own test files) on a probe of ours:
+    DCP's run as it is, then ckptio's DcpWriter/DcpReader in place of FileSystemWriter/Reader,
+    in the test process and in a process it spawns."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_swap_probe.py").write_text(_PROBE)
+    script = Path(__file__).resolve().parents[1] / "dev" / "pytorch_dcp_tests.py"
+    done = subprocess.run([sys.executable, str(script), "--from", str(tmp_path / "tests"),
+                           "--files", "test_swap_probe.py", "--keep", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| test_swap_probe.py | 1 / 2 / 0 | 3 / 0 / 0 |" in done.stdout, done.stdout
