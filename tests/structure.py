@@ -49,6 +49,10 @@ THIRD_PARTY: dict[str, str] = {
     "body._raw_stream":
         "a fully read GET's connection back to urllib3's pool: botocore's StreamingBody has "
         "no public release (its close() drops the connection)",
+    "metadata_manager.DefaultMetadataManager._all_gather_pickled_data":
+        "torch_checkpointing 0.1.1's metadata gather, which puts its bytes on CUDA "
+        "(metadata_manager.py line 416): ckptio/testing/tc_peer.py swaps in a CPU exchange so "
+        "that the peer runs beside ckptio on gloo ranks (tests and benchmarks only)",
     "torch.distributed.tensor._utils":
         "DTensor's local shape and offset of a shard (compute_local_shape_and_global_offset, "
         "_get_shard_size_and_offsets): the same arithmetic DCP uses, not public",

@@ -122,33 +122,42 @@ def _leaf(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json
     return {"k": key}
 
 
-def unflatten(tree: Json, values: dict[str, Any]) -> Any:
-    """Rebuild the nested state from a manifest tree; keys absent from ``values`` are dropped."""
-    return _build(tree, values)
+def unflatten(tree: Json, values: dict[str, Any], *, prune: bool = False) -> Any:
+    """Rebuild the nested state from a manifest tree; keys absent from ``values`` are dropped.
+    ``prune`` (a load of some keys): a container left with none of its leaves is dropped too
+    (the top stays, empty)."""
+    built = _build(tree, values, prune)
+    if built is _MISSING:  # pruned to nothing: an empty top of the saved kind
+        tag = next(iter(tree)) if isinstance(tree, dict) and len(tree) == 1 else "d"
+        return [] if tag == "l" else () if tag == "t" else {}
+    return built
 
 
 _MISSING = object()
 
 
-def _build(node: Json, values: dict[str, Any]) -> Any:
+def _build(node: Json, values: dict[str, Any], prune: bool) -> Any:
     if not isinstance(node, dict) or len(node) != 1:
         raise ManifestError(f"manifest tree node is malformed: {node!r:.120}")
     (tag, body), = node.items()
     if tag == "k":
         return values.get(body, _MISSING)
     if tag == "s":
-        return _build(body, values)
+        return _build(body, values, prune)
     if tag == "c":
-        return containers.rebuild(body[0], _build(body[1], values))
+        inner = _build(body[1], values, prune)
+        return _MISSING if inner is _MISSING else containers.rebuild(body[0], inner)
     if tag == "d":
         out = {}
         for k, child in body:
-            v = _build(child, values)
+            v = _build(child, values, prune)
             if v is not _MISSING:
                 out[k] = v
-        return out
+        return _MISSING if prune and not out else out
     if tag in ("l", "t"):
-        built = [_build(child, values) for child in body]
+        built = [_build(child, values, prune) for child in body]
         kept = [v for v in built if v is not _MISSING]
+        if prune and not kept:
+            return _MISSING
         return kept if tag == "l" else tuple(kept)
     raise ManifestError(f"manifest tree has an unknown node tag {tag!r}")

@@ -256,7 +256,8 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
         elif source is not None:
             out[key] = stored_value(source.head, made[id(source.head)])
     named = any(is_marker(k) for k in sources.keys())
-    return unflatten(without_names(record.tree) if named else record.tree, out)
+    return unflatten(without_names(record.tree) if named else record.tree, out,
+                     prune=keys is not None)
 
 
 @dataclass
