@@ -803,6 +803,16 @@ def test_status_command_lists_committed_and_copying_steps(shm, tmp_path, capsys)
          "copying": [{"step": 5, "from_tier": 0}], "incomplete": [7]}]
     assert main(["status", "shm://../x"]) == 2
     assert "shm://NAME" in capsys.readouterr().err
+    # a tier that cannot be read (nothing answers at the endpoint): its row says why, the
+    # others are listed, exit status 2
+    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y"}
+    proc = subprocess.run([sys.executable, "-m", "ckptio", "status", "shm://run",
+                           "s3://bucket/run"], check=False, capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "committed 4 5" in lines[0] and "unreadable" in lines[1] and "127.0.0.1:9" in lines[1]
 
 
 # ------------------------------------------------------------------ many ranks

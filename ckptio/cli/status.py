@@ -17,7 +17,9 @@ a location is a row, and the memory tier's rows say which steps are protected ac
 A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
 row's ``bases`` maps each delta step to its base steps (full steps are absent).
 
-What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
+A tier that cannot be read (an endpoint down, no credentials) gets a row saying why, the
+others are listed, and the exit status is 2. What a running process queued or skipped is in
+its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
 how a tier lists its steps (storage/steproot.py), draining (tiering/).
@@ -52,7 +54,11 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
         rows = [(None, location)] if not ranks else [
             (r, f"{location.rstrip('/')}/{marks.rank_name(r)}") for r in sorted(ranks)]
         for rank, where in rows:
-            row = _listing(k, where, options, [t for t in out if t.get("rank") == rank])
+            try:
+                row = _listing(k, where, options, [t for t in out if t.get("rank") == rank])
+            except CkptError as exc:  # one unreachable tier: said in its row, the rest shown
+                row = {"tier": k, "location": where, "committed": [], "bases": {},
+                       "copying": [], "incomplete": [], "error": str(exc)}
             if rank is not None:
                 row["rank"] = rank
                 row["protected"] = [{"step": s, "how": p["how"]} for s, p in guarded.items()
@@ -88,12 +94,17 @@ def _bases(path: str, options: Options) -> tuple[int, ...]:
 
 
 def run(locations: list[str], *, as_json: bool) -> int:
+    """Print the tiers; exit status 2 when a tier could not be read (its row says why)."""
     tiers = tiers_status(locations, Options.from_env())
+    failed = 2 if any("error" in t for t in tiers) else 0
     if as_json:
         print(json.dumps({"schema": "ckptio.status/1", "tiers": tiers}, indent=1))
-        return 0
+        return failed
     width = max(len(t["location"]) for t in tiers)
     for t in tiers:
+        if "error" in t:
+            print(f"tier {t['tier']}  {t['location']:<{width}}  unreadable: {t['error']}")
+            continue
         shown = [f"{s}(base {','.join(map(str, t['bases'][str(s)]))})" if str(s) in t["bases"]
                  else str(s) for s in t["committed"]]
         parts = [f"committed {' '.join(shown) or '-'}"]
@@ -104,4 +115,4 @@ def run(locations: list[str], *, as_json: bool) -> int:
             parts.append("protected " + (" ".join(f"{p['step']} ({p['how']})"
                                                   for p in t["protected"]) or "-"))
         print(f"tier {t['tier']}  {t['location']:<{width}}  {'   '.join(parts)}")
-    return 0
+    return failed
