@@ -59,7 +59,9 @@ def save(state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False
     ``state_dict()``. Anything else is refused unless ``allow_pickle=True``.
 
     A crash at any moment leaves the previous checkpoint at ``path`` intact: data files are
-    written and fsynced, then the manifest is committed atomically. With torch.distributed
+    written and fsynced, then the manifest is committed atomically. A save onto a committed
+    checkpoint replaces it once it commits, and logs a warning saying so (a CheckpointManager
+    refuses to save a step it holds committed). With torch.distributed
     initialised, every rank calls it together; each rank writes its own part.
 
     ``metrics`` (str -> number) and ``metadata`` (str -> JSON) are stored in the manifest,

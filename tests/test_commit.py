@@ -686,3 +686,16 @@ def test_cleanup_removes_only_files_a_ckptio_save_creates(tmp_path):
     names = sorted(p.name for p in path.iterdir())
     assert "data-00000-of-00001.arrow" in names and "data-notes.txt" in names
     assert len([n for n in names if n.endswith(".bin")]) == 1
+
+
+def test_a_save_over_a_committed_checkpoint_says_it_replaced_it(tmp_path, caplog):
+    """ckptio.save onto a committed path replaces it (atomically, as before), and says so;
+    the first save into the path, and one into a new path, say nothing."""
+    path = tmp_path / "ckpt"
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        ckptio.save({"a": torch.ones(2)}, path)
+        assert not [r for r in caplog.records if "replaced" in r.getMessage()]
+        ckptio.save({"a": torch.zeros(2)}, path)
+    said = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0], said
+    assert torch.equal(ckptio.load(path)["a"], torch.zeros(2))

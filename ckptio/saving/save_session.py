@@ -249,10 +249,14 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
+            replacing = held is not None and steps.is_committed(ctx.store)
             mapped = _mapped(ctx, [f.nbytes for f in part.files])
             written, error = _write(ctx, part, control, mapped)
             concluded = True
             _conclude(ctx, part.agreement, written, error, held)
+            if replacing:  # said, not silent: the manager refuses a committed step instead
+                log.warning("ckptio: the save replaced the checkpoint committed at %s (the old "
+                            "one stayed intact until this one committed)", ctx.store.location)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
         if not concluded:  # e.g. the directory could not be made: the peers still wait
             _report_failure(ctx, part.agreement, exc, claimed=True)
