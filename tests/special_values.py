@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["SPECIAL_BITS", "bits_equal", "rand", "raw", "specials"]
+__all__ = ["SPECIAL_BITS", "assert_same_bits", "bits_equal", "rand", "raw", "specials"]
 
 # per floating dtype: (its width in bytes, patterns); complex dtypes use their parts' float's
 SPECIAL_BITS: dict[torch.dtype, tuple[int, list[int]]] = {
@@ -59,3 +59,29 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+def assert_same_bits(got: object, want: object, where: str = "") -> None:
+    """Equal values of equal types: tensors and numpy arrays bit for bit, floats by their hex,
+    containers element by element (for the reader scripts that run without ckptio)."""
+    import numpy
+
+    assert type(got) is type(want), (where, type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and bits_equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), (where, list(got), list(want))
+        for k in want:
+            assert_same_bits(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_bits(g, w, f"{where}.{i}")
+    elif isinstance(want, numpy.ndarray):
+        assert isinstance(got, numpy.ndarray), where
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), where
+    elif isinstance(want, float):
+        assert isinstance(got, float) and got.hex() == want.hex() and str(got) == str(want), \
+            (where, got, want)
+    else:
+        assert got == want, (where, got, want)

@@ -79,7 +79,7 @@ _DCP_READER = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from special_values import bits_equal
+    from special_values import assert_same_bits as same
 
     path, expected, whole = sys.argv[1:4]
     want = torch.load(expected, weights_only=False)
@@ -92,25 +92,6 @@ _DCP_READER = textwrap.dedent("""
         if isinstance(value, torch.Tensor):
             return torch.zeros_like(value)
         return None
-
-    def same(got, want, where):
-        assert type(got) is type(want), (where, type(got), type(want))
-        if isinstance(want, torch.Tensor):
-            assert bits_equal(got, want), where
-        elif isinstance(want, dict):
-            assert list(got) == list(want), (where, list(got), list(want))
-            for k in want:
-                same(got[k], want[k], f"{where}.{k}")
-        elif isinstance(want, (list, tuple)):
-            assert len(got) == len(want), where
-            for i, (g, w) in enumerate(zip(got, want)):
-                same(g, w, f"{where}.{i}")
-        elif isinstance(want, numpy.ndarray):
-            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), where
-        elif isinstance(want, float):
-            assert got.hex() == want.hex() and str(got) == str(want), (where, got, want)
-        else:
-            assert got == want, (where, got, want)
 
     template = blank(want)
     dcp.load(template, storage_reader=FileSystemReader(path))

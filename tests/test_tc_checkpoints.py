@@ -217,7 +217,7 @@ _TC_READER = textwrap.dedent("""
     import torch
     from torch_checkpointing.checkpoint_manager import CheckpointManager
     from torch_checkpointing.config import SyncCheckpointSaverConfig
-    from special_values import bits_equal
+    from special_values import assert_same_bits as same
 
     path, expected = sys.argv[1:3]
     want = torch.load(expected, weights_only=False)
@@ -228,19 +228,6 @@ _TC_READER = textwrap.dedent("""
         if isinstance(value, torch.Tensor):
             return torch.zeros_like(value)
         return None
-
-    def same(got, want, where):
-        assert type(got) is type(want), (where, type(got), type(want))
-        if isinstance(want, torch.Tensor):
-            assert bits_equal(got, want), where
-        elif isinstance(want, dict):
-            assert list(got) == list(want), (where, list(got), list(want))
-            for k in want:
-                same(got[k], want[k], f"{where}.{k}")
-        elif isinstance(want, float):
-            assert got.hex() == want.hex(), (where, got, want)
-        else:
-            assert got == want, (where, got, want)
 
     into = blank(want)
     manager = CheckpointManager(CheckpointManager.Config(save=SyncCheckpointSaverConfig()))
