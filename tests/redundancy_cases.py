@@ -321,3 +321,19 @@ def restore_paced(rank: int, world: int, base: str, disk: str, spec: str, mib: i
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def restore_rebuild_raises(rank: int, world: int, base: str, disk: str, per_host: int,
+                           spec: str, broken: int) -> dict[str, Any]:
+    """``restore`` where decoding the parity on rank ``broken`` raises a RuntimeError (a bug,
+    not damage) -> what restore returns, and how long it took."""
+    if rank == broken:
+        from ckptio.tiering import erasure
+
+        def fails(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected: the decode failed")
+
+        erasure.member = fails
+    started = time.monotonic()
+    out = restore(rank, world, base, disk, per_host, spec)
+    return {**out, "seconds": time.monotonic() - started}

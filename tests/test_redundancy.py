@@ -22,6 +22,7 @@ from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from ckptio.tiering.budget import CHUNK
 from ckptio.tiering.topology import Topology
 from tests.redundancy_cases import (
+    restore_rebuild_raises,
     host_dir,
     peer_dies,
     replay,
@@ -473,6 +474,23 @@ def test_corrupted_parity_piece_is_detected_and_the_disk_used(base, tmp_path):
 
 
 # ------------------------------------------------------------------ beyond what it protects
+
+
+def test_a_rebuild_that_raises_a_bug_on_one_rank_falls_back_on_every_rank_at_once(base,
+                                                                                 tmp_path):
+    """Rank 1 rebuilds its lost piece from parity and its decode raises a RuntimeError (not a
+    CkptError): every rank hears of it in the same gather and restores the disk's step within
+    seconds (before: rank 1 left the rebuild and the others waited up to step_timeout_s)."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "parity-3")
+    trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
+    _wipe(base, 1)
+    restored = run_ranks(4, restore_rebuild_raises, *args, 1, timeout_s=TIMEOUT)
+    _check_restored(trained, restored, 2)
+    assert [r["how"]["source"] for r in restored] == ["own", "disk", "own", "own"]
+    assert all(r["seconds"] < 60 for r in restored), [r["seconds"] for r in restored]
+    (message,) = [w for w in restored[1]["warnings"] if "restored step 2" in w]
+    assert "RuntimeError: injected: the decode failed" in message, message
 
 
 def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(base, tmp_path):
