@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def tc_saves(root: Path, t: "torch.Tensor", saves: int) -> list[tuple[float, float]]:
+def tc_saves(root: Path, t: torch.Tensor, saves: int) -> list[tuple[float, float]]:
     import torch
     from torch_checkpointing import CheckpointManager
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
@@ -37,7 +41,7 @@ def tc_saves(root: Path, t: "torch.Tensor", saves: int) -> list[tuple[float, flo
     return out
 
 
-def ckptio_saves(root: Path, t: "torch.Tensor", saves: int) -> list[tuple[float, float]]:
+def ckptio_saves(root: Path, t: torch.Tensor, saves: int) -> list[tuple[float, float]]:
     import torch
 
     import ckptio

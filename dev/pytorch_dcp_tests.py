@@ -101,7 +101,7 @@ def main() -> int:
     swap = work / "swap"
     swap.mkdir(exist_ok=True)
     (swap / "sitecustomize.py").write_text(SWAP)
-    print(f"| file | DCP passed / failed / skipped | ckptio passed / failed / skipped |")
+    print("| file | DCP passed / failed / skipped | ckptio passed / failed / skipped |")
     print("|---|---|---|")
     worse = 0
     for name in names:

@@ -122,13 +122,19 @@ def _same_once(entries: list[E], world: int) -> list[E]:
             by_key.setdefault(e.key, []).append(e)
     for found in by_key.values():
         first = replace(found[0], rank=None)
-        if len(found) == world and all(replace(e, rank=None, file=first.file, offset=first.offset)
-                                       == first if isinstance(e, TensorEntry) else
-                                       replace(e, rank=None) == first for e in found):
+        if len(found) == world and all(_as_shared(e, first) == first for e in found):
             out.append(first)
         else:
             out += found
     return out
+
+
+def _as_shared(entry: E, first: E) -> E:
+    """``entry`` as the one shared entry ``first`` would be: no rank (a tensor's file and
+    offset are its own rank's, so they are not compared)."""
+    if isinstance(entry, TensorEntry) and isinstance(first, TensorEntry):
+        return replace(entry, rank=None, file=first.file, offset=first.offset)
+    return replace(entry, rank=None)
 
 
 def _world(store: Store, read: ReadFn, files: dict[str, dict[int, str]], where: str) -> int:
