@@ -4,14 +4,15 @@ Owns: a mixed-precision GPT trainer on one device (bf16 weights for forward and 
 master weights and fused AdamW moments, gradient accumulation; the forward pass is the training
 benchmark's), the state it checkpoints (live references), and the savers that train_engines.py
 lacks: DCP's ``async_save`` at its best on a GPU (pinned shared-memory staging, asynchronous
-DefaultStager, process executor) and DataStates-LLM (the seeds' lazy engine, built from its
-repository), plus what each one holds page-locked. Does not own: the loop, timing and reports
+DefaultStager, process executor), ckptio's manager with a memory tier, and DataStates-LLM (the
+seeds' lazy engine, built from its repository), plus what each one holds page-locked. Does not own: the loop, timing and reports
 (gpu.py), the ckptio saver and the gloo group DCP needs (train_engines.py).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -128,9 +129,23 @@ def dcp_best(ctx: Context) -> train_engines.Saver:
     from torch.distributed.checkpoint.staging import StagingOptions
 
     on_gpu = torch.cuda.is_available()
-    return train_engines.DcpAsyncSaver(ctx, process=True, staging=StagingOptions(
+    saver = train_engines.DcpAsyncSaver(ctx, process=True, staging=StagingOptions(
         use_pinned_memory=on_gpu, use_shared_memory=on_gpu, use_async_staging=True,
         use_non_blocking_copy=on_gpu))
+    keep_stager_open(saver.stager)
+    return saver
+
+
+def keep_stager_open(stager: Any) -> Any:
+    """torch < 2.13: DefaultStager._stage closes its StateDictStager after every stage, which
+    empties its deepcopy dispatch (the next stage fails: ``KeyError: <class 'type'>``) and its
+    pinned cache. torch 2.13 no longer closes it there; on older torch the same is done here
+    (the process ends with the run, so nothing is leaked that matters)."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 13):
+        inner = stager._state_dict_stager
+        inner.close = lambda: None
+    return stager
 
 
 def dcp_pinned_bytes(saver: Any) -> int:
@@ -139,6 +154,57 @@ def dcp_pinned_bytes(saver: Any) -> int:
     if stager is None or not getattr(stager, "pin_memory", False):
         return 0
     return sum(s.nbytes() for s in stager._cached_storage_mapping.values())
+
+
+# ---------------------------------------------------------------- ckptio's memory tier
+
+
+class TierSaver:
+    """ckptio as a job checkpointing every step configures it: ``CheckpointManager(tiers=[
+    Tier("shm://gpu-run", keep_last=2), Tier(<disk>, every=10, keep_last=2)])``, ``prepare``d
+    with the state at startup, each save lazy with ``optimizers=[opt], after_step=[model]``
+    (the bf16 weights change only after the step). A save is committed in memory once its
+    handle's wait() returns, which the timeline calls before the next save; the drain copies
+    every 10th step to disk in the background."""
+
+    def __init__(self, ctx: Context, model: torch.nn.Module, shm_dir: Path, disk: Path,
+                 state: Any) -> None:
+        import ckptio
+
+        shm_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["CKPTIO_SHM_DIR"] = str(shm_dir)
+        self.shm_dir, self.disk, self.optimizer, self.model = shm_dir, disk, ctx.optimizer, model
+        self.checkpointer = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
+        self.mgr = ckptio.CheckpointManager(
+            tiers=[ckptio.Tier("shm://gpu-run", keep_last=2),
+                   ckptio.Tier(str(disk), every=10, keep_last=2)],
+            checkpointer=self.checkpointer)
+        self.mgr.prepare(state)
+
+    def start(self, state: Any, path: Path) -> Pending:
+        step = int(path.name.rsplit("-", 1)[1])  # the timeline's step-N
+        handle = self.mgr.save(step, state, lazy=True, optimizers=[self.optimizer],
+                               after_step=[self.model], force=True)
+
+        def report() -> dict[str, Any]:
+            result = handle.wait()  # on the training thread, as ckptio requires
+            return {f: getattr(result, f) for f in train_engines.CKPTIO_FIELDS
+                    if hasattr(result, f)}
+
+        return Pending(durable=None, report=report)
+
+    def path_of(self, step: int) -> Path:
+        return Path(self.mgr.path(step))
+
+    def memory_bytes(self) -> int:
+        """Bytes the memory tier holds now (its kept steps and ring slots, on tmpfs)."""
+        return sum(p.stat().st_size for p in self.shm_dir.rglob("*") if p.is_file())
+
+    def close(self) -> None:
+        self.mgr.close()
+        self.checkpointer.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)  # this run's own directories
+        shutil.rmtree(self.disk, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- DataStates-LLM
@@ -196,5 +262,6 @@ class DataStatesSaver:
 
 
 def ckptio_pinned_bytes(saver: Any) -> int:
+    """The staging pool's page-locked bytes (a memory tier's own mapped pages not counted)."""
     pool = saver.checkpointer.staging_nbytes
     return pool if torch.cuda.is_available() else 0

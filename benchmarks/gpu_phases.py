@@ -27,10 +27,13 @@ Run = dict[str, Any]
 WARMUP = 3
 
 
-def make_saver(name: str, trainer: ge.Trainer, nbytes: int) -> Any:
+def make_saver(name: str, trainer: ge.Trainer, nbytes: int, args: argparse.Namespace) -> Any:
     from benchmarks import train_engines
 
     ctx = Context(trainer.opt, 0)
+    if name == "ckptio_tiers":  # the memory tier every step, every 10th drained to --dir
+        return ge.TierSaver(ctx, trainer.model, args.shm_dir / "tier",
+                            args.dir / f"tier-r{args.rep}", trainer.state(0))
     if name == "ckptio_eager":
         return train_engines.CkptioSaver(ctx, lazy=False)
     if name == "ckptio_lazy":  # the bf16 weights change only after the step (copied from masters)
@@ -62,7 +65,7 @@ def train_worker(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
         trainer.forward_backward()
         trainer.optimizer_step()
     nbytes = tensor_nbytes(trainer.state(0))
-    saver = None if args.engine == "none" else make_saver(args.engine, trainer, nbytes)
+    saver = None if args.engine == "none" else make_saver(args.engine, trainer, nbytes, args)
     timeline = SaveTimeline(saver, root) if saver is not None else None
     steps = args.steps if args.every > 1 else max(6, args.steps // 3)
     when = set(range(args.every, steps, args.every)) if args.every > 1 else set(range(3, steps))
@@ -90,6 +93,8 @@ def train_worker(args: argparse.Namespace, trainer: ge.Trainer) -> Run:
     if saver is not None:
         run["pinned_bytes"] = pinned_bytes(args.engine, saver)
         run["bitwise_ok"] = _check_last(args.engine, saver, last)
+        if isinstance(saver, ge.TierSaver):
+            run["memory_tier_bytes"] = saver.memory_bytes()
         saver.close()
     shutil.rmtree(root, ignore_errors=True)
     return run
@@ -108,6 +113,8 @@ def _check_last(engine: str, saver: Any, last: dict[str, Any]) -> bool:
     from ckptio.tuning.state import empty_destination
 
     path: Path = last["path"]
+    if isinstance(saver, ge.TierSaver):
+        path = saver.path_of(int(path.name.rsplit("-", 1)[1]))
     if engine == "datastates":
         import xxhash
 

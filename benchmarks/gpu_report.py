@@ -54,13 +54,15 @@ def d2h_table(r: Run) -> list[str]:
              None, r["ceiling_registered_gbps"])]
     for label, key in (("ckptio `async_save` call, eager (returns once captured)", "ckptio_call_s"),
                        ("ckptio capture_s (plan + copies, from its result)", "ckptio_capture_s"),
+                       ("ckptio capture_s into a memory tier's registered tmpfs pages "
+                        "(the mapped save, ring warm)", "tier_capture_s"),
                        ("DCP `DefaultStager(StagingOptions()).stage` until staged", "dcp_stage_s"),
                        ("DataStates-LLM `async_save` + `wait()` (its D2H copies)",
                         "datastates_copy_s")):
         if r.get(key):
             s = med(r[key])
             rows.append((label, s, n / GB / s))
-    out = [f"### Device to host: {n / GB:.2f} GB of training state (medians of 5 after a first)",
+    out = [f"### Device to host: {n / GB:.2f} GB of training state (medians after warm-up)",
            "", "| what | seconds | GB/s | of the pinned-copy ceiling |", "|---|---|---|---|"]
     out += [f"| {label} | {fmt(s)} | {gbps:.1f} | {100 * gbps / ceiling:.0f} % |"
             for label, s, gbps in rows]

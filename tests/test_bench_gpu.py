@@ -1,12 +1,15 @@
 """The GPU benchmark (benchmarks.gpu) run on CPU at a tiny size, in process: the mixed-precision
 trainer, a lazy ckptio save with after_step through the timed loop, the bitwise check of its last
-checkpoint and the tables. No timing is asserted (docs/BENCH_GPU.md holds the GPU run)."""
+checkpoint and the tables; every step into a manager's memory tier (ckptio_tiers). No timing is asserted (docs/BENCH_GPU.md holds the GPU run)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import gpu_phases, gpu_report
@@ -33,3 +36,22 @@ def test_tiny_training_run_checkpoints_lazily_and_reads_back_bit_exact(tmp_path:
     assert not (tmp_path / "d" / "ckptio_lazy-r0").exists()  # the run's files are removed
     table = "\n".join(gpu_report.train_table(runs, 3))
     assert "| ckptio_lazy |" in table and "| none |" not in table
+
+
+def test_tiny_every_step_run_into_the_memory_tier_reads_back_bit_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTIO_SHM_DIR", str(tmp_path))  # restored: TierSaver sets it
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    args = _args(tmp_path, "ckptio_tiers")
+    args.every, args.shm_dir = 1, shm / f"ckptio-bench-gpu-{os.getpid()}"
+    trainer = build_trainer(0.01, "cpu", 0, batch=1, seq=16, accum=1)
+    try:
+        run = gpu_phases.train_worker(args, trainer)
+        left = sorted(p.name for p in args.shm_dir.iterdir())
+    finally:
+        shutil.rmtree(args.shm_dir, ignore_errors=True)
+    assert left == [], left  # the memory tier's directory and the run's own are removed
+    assert [c["step"] for c in run["checkpoints"]] == [3, 4, 5]
+    assert run["bitwise_ok"] is True  # the last step, read from the memory tier
+    assert run["memory_tier_bytes"] > 0
+    assert not (tmp_path / "d" / "tier-r0").exists()  # the disk tier's
