@@ -36,9 +36,12 @@ def make_saver(name: str, trainer: ge.Trainer, nbytes: int, args: argparse.Names
                             args.dir / f"tier-r{args.rep}", trainer.state(0))
     if name == "ckptio_eager":
         return train_engines.CkptioSaver(ctx, lazy=False)
-    if name == "ckptio_lazy":  # the bf16 weights change only after the step (copied from masters)
-        saver = train_engines.CkptioSaver(ctx, lazy=True)
+    if name in ("ckptio_lazy", "ckptio_lazy_sized"):  # the bf16 weights change only after
+        saver = train_engines.CkptioSaver(ctx, lazy=True)  # the step (copied from masters)
         saver.after_step = [trainer.model]
+        if name == "ckptio_lazy_sized":  # the pool sized for the state at startup, as
+            # DataStates' cache is given its size
+            saver.checkpointer.prepare(str(args.dir), state=trainer.state(0), wait=True)
         return saver
     if name == "dcp_async_best":
         return ge.dcp_best(ctx)
