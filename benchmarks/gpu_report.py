@@ -41,6 +41,8 @@ def markdown(report: Run) -> str:
         train = [r for r in ok if r["worker"] == "train" and r["every"] == every]
         if train:
             lines += ["", *train_table(train, every)]
+        if train and every == 1:
+            lines += ["", *steady_table(train)]
     loads = [r for r in ok if r["worker"] in ("load", "load-setup")]
     if loads:
         lines += ["", *load_table(loads)]
@@ -103,6 +105,38 @@ def train_table(runs: list[Run], every: int) -> list[str]:
             f"| {fmt(med(dur_first), 2)} | {fmt(med(dur_later), 2)} "
             f"| {fmt(med([r.get('pinned_bytes', 0) / GB for r in mine]), 2)} "
             f"| {all(r.get('bitwise_ok') for r in mine)} |")
+    return out
+
+
+STEADY_FROM = 6  # a memory tier's ring (keep_last=2): 3 saves through the pool, 3 first mappings
+
+
+def _steps_from(run: Run, first: int) -> float:
+    """Seconds of the steps from ``first`` (1-based) on, with the save calls and waits there."""
+    steps = sum(s["step_s"] for s in run["steps"][first - 1:])
+    return steps + sum(c["call_s"] + c.get("wait_after_s", 0.0) for c in run["checkpoints"]
+                       if c["step"] >= first)
+
+
+def steady_table(runs: list[Run]) -> list[str]:
+    """Every-step runs once the ring is warm: from the step after the STEADY_FROM-th save on."""
+    first = STEADY_FROM + 3 + 1  # saves begin at step 3
+    base = med([_steps_from(r, first) for r in runs if r["engine"] == "none"])
+    out = [f"Past the warm-up (steps {first} on: a memory tier's first {STEADY_FROM} saves go "
+           "through the pool, then map each slot of its ring once):", "",
+           "| engine | overhead | blocked, median | blocked, 90th pct | saves that waited "
+           "| durable, median |", "|---|---|---|---|---|---|"]
+    for engine in dict.fromkeys(r["engine"] for r in runs if r["engine"] != "none"):
+        mine = [r for r in runs if r["engine"] == engine]
+        over = med([_steps_from(r, first) for r in mine])
+        late = [(b, c) for r in mine for b, c in zip(blocked(r), r["checkpoints"])
+                if c["step"] >= first]
+        times = sorted(b for b, _ in late)
+        waited = sum(1 for _, c in late if c.get("wait_after_s", 0.0) > 0.0)
+        p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else None
+        out.append(f"| {engine} | {fmt(100 * (over / base - 1) if over and base else None, 1)} % "
+                   f"| {fmt(med(times))} | {fmt(p90)} | {waited} of {len(late)} "
+                   f"| {fmt(med([c.get('persist_s') for _, c in late]), 2)} |")
     return out
 
 

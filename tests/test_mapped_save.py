@@ -257,6 +257,67 @@ def test_a_reused_slot_holds_no_stale_bytes(shm):
             _assert_no_stale_bytes(mgr.path(step))
 
 
+def _slot_inodes(root: str) -> set[int]:
+    slots = os.path.join(root, SLOTS_DIR)
+    return {os.stat(os.path.join(slots, n)).st_ino for n in os.listdir(slots)}
+
+
+def test_two_steps_dropped_at_once_both_become_slots(shm):
+    """A drain pins a step, so that no step drops in one pass and two in a later one: both
+    steps' data files are kept (so the ring has a slot for the next pin too; one step's were
+    kept before, and the next pin found none: a save through the pool into fresh pages), and
+    never more than SLOT_STEPS steps' worth."""
+    root = LocalRoot(os.path.join(shm, "pinned"), slots=True)
+    files: dict[int, int] = {}
+    for step in range(1, 7):
+        os.makedirs(root.path(step))
+        path = os.path.join(root.path(step), "data-00000.bin")
+        with open(path, "wb") as f:
+            f.write(bytes([step]) * MiB)
+        files[step] = os.stat(path).st_ino
+
+    def drop(*steps: int) -> None:
+        for step in steps:
+            assert root.hide(step)
+        removal = root.removal()
+        assert removal is not None
+        removal()
+
+    drop(1, 2)  # the pinned step 1 released together with step 2
+    assert _slot_inodes(root.location) == {files[1], files[2]}
+    drop(3)
+    assert _slot_inodes(root.location) == {files[2], files[3]}  # the oldest went
+    drop(4, 5, 6)
+    assert _slot_inodes(root.location) == {files[5], files[6]}
+    assert not any(os.path.exists(root.path(s)) for s in files)
+
+
+def test_a_draining_memory_tier_takes_no_fresh_pages_after_its_first_drain(shm, tmp_path):
+    """Every step into memory, every 6th drained to disk at a bounded rate (the drain pins its
+    step for a few saves): once a pinned step and another dropped together, the ring holds a
+    slot for every later pin, so past the first steps at most one step's data file is fresh
+    (the pin that grew the ring). Before, every pin left the ring a slot short: a fresh file
+    each time, written through the pool, then mapped (on a GPU page-locked) in a later call."""
+    state = {"w": torch.zeros(2_000_000)}  # 8 MB: 0.2 s to drain at the rate below
+    seen: set[int] = set()
+    fresh = []
+    with ckptio.CheckpointManager(tiers=[Tier("shm://drained", keep_last=2),
+                                         Tier(str(tmp_path / "disk"), every=6)],
+                                  options=OPTS, drain_rate=40e6) as mgr:
+        for step in range(36):
+            state["w"].fill_(step)
+            handle = mgr.save(step, state, asynchronous=True)
+            assert handle is not None
+            handle.wait()
+            inodes = _inodes(mgr.path(step))
+            if not inodes <= seen:
+                fresh.append(step)
+            seen |= inodes
+            time.sleep(0.05)  # the step's work
+        assert mgr.drained(timeout=30)
+    assert len([s for s in fresh if s > 3]) <= 1, f"fresh data files at steps {fresh}"
+
+
 # ------------------------------------------------------------------ killed
 
 

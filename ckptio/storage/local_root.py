@@ -89,7 +89,7 @@ class LocalRoot:
         leftovers = hidden(self.location)
         if leftovers and fsync_dir(self.location):
             if self.slots and on_tmpfs(self.location):  # renames only: the thread deletes
-                keep_slots(self.location, sorted(leftovers, key=_hidden_step))
+                keep_slots(self.location, sorted((_hidden_step(p), p) for p in leftovers))
                 # Here, not on the removal thread: the next save maps the slots only if they
                 # are mapped ahead (storage/files.mappable), and it starts right after this
                 # pass. Only slots written through the pool cost anything: a mapped save's

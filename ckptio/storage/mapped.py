@@ -9,9 +9,9 @@ are the file, there is nothing to write or fsync. ``release`` keeps the mapping 
 save into the same file (cached by (st_dev, st_ino), bounded in bytes; a file unlinked since is
 unmapped at the next open) where its root keeps slots, so a reused slot is neither allocated
 nor faulted in again.
-``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped step into
-``.ckptio-slots`` beside the steps, and the older slots into that step, removed with it;
-``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes them. A save is
+``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped steps (at
+most SLOT_STEPS) into ``.ckptio-slots`` beside the steps, older slots into a dropped step,
+removed with it; ``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes them. A save is
 mapped only where ``warm_fit`` says slots of its files' sizes are mapped ahead: otherwise the
 call would allocate and fault fresh pages, and the staging pool is the faster way in.
 
@@ -43,6 +43,7 @@ __all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
 SLOTS_DIR = ".ckptio-slots"  # beside a root's steps: never a step name, never listed
+SLOT_STEPS = 2  # the dropped steps whose data files a root keeps as slots, at most
 DATA_PREFIX = "data-"  # the data files (planning/layout.py's names): what a slot keeps
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -271,29 +272,48 @@ def _rename_noreplace(source: str, target: str) -> int:
     return ctypes.get_errno()
 
 
-def keep_slots(root: str, dropped: Sequence[str]) -> None:
-    """Of the dropped step directories ``dropped`` (out of the listing, oldest first), make the
-    newest's data files the slots of ``root``; the slots held before go into that directory,
-    removed with it. A failure is logged: the removal deletes what is left."""
+def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
+    """Of the dropped step directories ``dropped`` ((step, directory), oldest first), make the
+    data files of the newest steps the slots of ``root``, with the slots held before: the
+    newest SLOT_STEPS steps' files are kept, the older ones go into the newest dropped
+    directory, removed with it. Two steps drop at once where one was pinned (a drain copying
+    it): keeping both keeps the ring big enough that the next pin finds a slot too. A failure
+    is logged: the removal deletes what is left."""
     if not dropped:
         return
-    newest, slots = dropped[-1], os.path.join(root, SLOTS_DIR)
+    newest, slots = dropped[-1][1], os.path.join(root, SLOTS_DIR)
     try:
-        with os.scandir(newest) as it:
-            files = [e.path for e in it
-                     if e.name.startswith(DATA_PREFIX) and e.is_file(follow_symlinks=False)]
-        if not files:
+        fresh = [(step, _data_files(directory)) for step, directory in dropped[-SLOT_STEPS:]]
+        fresh = [(step, files) for step, files in fresh if files]
+        if not fresh:
             return
         os.makedirs(slots, exist_ok=True)
         with os.scandir(slots) as it:
-            old = [(e.path, e.name) for e in it]
-        for source, name in old:
-            os.rename(source, os.path.join(newest, f"old-slot-{name}"))
-        for source in files:
-            os.rename(source, os.path.join(slots, os.path.basename(source)))
+            held = [(e.path, e.name) for e in it]
+        keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n in held})
+        keep = keep[-SLOT_STEPS:]
+        for source, name in held:
+            if _slot_step(name) not in keep:
+                os.rename(source, os.path.join(newest, f"old-slot-{name}"))
+        for step, files in fresh:
+            if step in keep:
+                for source in files:
+                    os.rename(source, os.path.join(slots, f"{step}.{os.path.basename(source)}"))
     except OSError as exc:
         log.warning("ckptio: could not keep the pages of %s for later saves (%s); they are "
                     "removed with it", newest, exc)
+
+
+def _data_files(directory: str) -> list[str]:
+    with os.scandir(directory) as it:
+        return [e.path for e in it
+                if e.name.startswith(DATA_PREFIX) and e.is_file(follow_symlinks=False)]
+
+
+def _slot_step(name: str) -> int:
+    """The dropped step a slot file came from (``<step>.<data file>``; -1: unknown, oldest)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
 
 
 def warm_slots(root: str) -> None:
