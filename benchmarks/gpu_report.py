@@ -109,6 +109,7 @@ def train_table(runs: list[Run], every: int) -> list[str]:
 
 
 STEADY_FROM = 6  # a memory tier's ring (keep_last=2): 3 saves through the pool, 3 first mappings
+WAITED_S = 0.01  # a save "waited" for the previous one longer than this
 
 
 def _steps_from(run: Run, first: int) -> float:
@@ -121,10 +122,12 @@ def _steps_from(run: Run, first: int) -> float:
 def steady_table(runs: list[Run]) -> list[str]:
     """Every-step runs once the ring is warm: from the step after the STEADY_FROM-th save on."""
     first = STEADY_FROM + 3 + 1  # saves begin at step 3
+    if not any(c["step"] >= first for r in runs for c in r["checkpoints"]):
+        return []
     base = med([_steps_from(r, first) for r in runs if r["engine"] == "none"])
     out = [f"Past the warm-up (steps {first} on: a memory tier's first {STEADY_FROM} saves go "
            "through the pool, then map each slot of its ring once):", "",
-           "| engine | overhead | blocked, median | blocked, 90th pct | saves that waited "
+           f"| engine | overhead | blocked, median | blocked, 90th pct | waited > {WAITED_S} s "
            "| durable, median |", "|---|---|---|---|---|---|"]
     for engine in dict.fromkeys(r["engine"] for r in runs if r["engine"] != "none"):
         mine = [r for r in runs if r["engine"] == engine]
@@ -132,7 +135,7 @@ def steady_table(runs: list[Run]) -> list[str]:
         late = [(b, c) for r in mine for b, c in zip(blocked(r), r["checkpoints"])
                 if c["step"] >= first]
         times = sorted(b for b, _ in late)
-        waited = sum(1 for _, c in late if c.get("wait_after_s", 0.0) > 0.0)
+        waited = sum(1 for _, c in late if c.get("wait_after_s", 0.0) > WAITED_S)
         p90 = times[min(len(times) - 1, int(0.9 * len(times)))] if times else None
         out.append(f"| {engine} | {fmt(100 * (over / base - 1) if over and base else None, 1)} % "
                    f"| {fmt(med(times))} | {fmt(p90)} | {waited} of {len(late)} "
