@@ -201,7 +201,9 @@ class CheckpointManager:
 
     def status(self) -> list[dict[str, Any]]:
         """Per tier (this process's view, not a collective): location, every, the committed
-        and incomplete steps, and what the followers say of it (the drain: the step being
+        and incomplete steps, ``pinned`` (the steps kept beyond keep_last and its other
+        rules, each with why: the step restored or verified last, a kept delta's base), and
+        what the followers say of it (the drain: the step being
         copied, the one queued, the steps skipped, the last copies, the last error; the
         protection: how the first tier's steps are protected across hosts)."""
         said: dict[int, dict[str, Any]] = {}
@@ -209,8 +211,9 @@ class CheckpointManager:
             for k, part in follower.status().items():
                 said.setdefault(k, {}).update(part)
         return [{"tier": k, "location": tier.location, "every": tier.every, **listing,
-                 **said.get(k, {})}
-                for k, (tier, listing) in enumerate(zip(self.tiers, self._listings()))]
+                 "pinned": level.pins(listing["committed"]), **said.get(k, {})}
+                for k, (tier, level, listing)
+                in enumerate(zip(self.tiers, self._levels, self._listings()))]
 
     def protected(self, timeout: float | None = None) -> bool:
         """Wait until every step saved so far is protected across hosts (or given up, said in
@@ -260,7 +263,8 @@ class CheckpointManager:
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
             lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
-        self._bases[step] = () if base is None else (base,)  # its retention reads no manifest
+        if base is None:  # a full save: its retention reads no manifest; a delta's reads
+            self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         kwargs = {"metrics": metrics, "metadata": metadata, "allow_pickle": allow_pickle,

@@ -95,7 +95,9 @@ def test_deltas_follow_full_every_and_load_bit_exact(tmp_path, how):
         _loads_exact(mgr.path(step), step)
 
 
-def test_a_delta_that_stopped_paying_makes_the_next_save_full(tmp_path):
+def test_a_delta_that_stopped_paying_makes_the_next_saves_full(tmp_path):
+    """A delta storing more than max_ratio of its base: the next save is a new base, and the
+    policy stops trying deltas for full_every saves (each such delta would pin its base)."""
     def noisy(step: int) -> dict:  # a small frozen part, referenced; the rest all changes
         return {"frozen": torch.arange(4096.0),
                 "x": torch.randn(64 * 1024, generator=torch.Generator().manual_seed(step))}
@@ -105,7 +107,7 @@ def test_a_delta_that_stopped_paying_makes_the_next_save_full(tmp_path):
     for step in range(1, 5):
         mgr.save(step, noisy(step))
     mgr.close()
-    assert [_bases(mgr.path(s)) for s in mgr.steps()] == [[], ["step-1"], [], ["step-3"]]
+    assert [_bases(mgr.path(s)) for s in mgr.steps()] == [[], ["step-1"], [], []]
     for step in mgr.steps():
         assert torch.equal(ckptio.load(mgr.path(step))["x"], noisy(step)["x"])
 
@@ -149,12 +151,12 @@ def test_retention_keeps_each_kept_deltas_base_and_every_step_loads(tmp_path, ho
 
 
 def test_close_drops_a_base_kept_back_one_pass(tmp_path):
-    mgr = _manager(tmp_path / "run", keep_last=1, delta=DeltaPolicy(full_every=3))
-    for step in range(1, 5):  # 1 F, 2-3 d1, 4 F: at 4, 3 goes and 1 waits for 3's removal
+    mgr = _manager(tmp_path / "run", keep_last=2, delta=DeltaPolicy(full_every=3))
+    for step in range(1, 6):  # 1 F, 2-3 d1, 4 F, 5 d4: at 5, 3 goes and 1 waits for its removal
         mgr.save(step, state_at(step))
-    assert mgr.steps() == [1, 4]
+    assert mgr.steps() == [1, 4, 5]
     mgr.close()
-    assert sorted(os.listdir(tmp_path / "run")) == ["step-4"]
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-4", "step-5"]
 
 
 def test_restore_falls_back_past_a_delta_whose_base_is_damaged_or_missing(tmp_path):
@@ -361,3 +363,41 @@ def test_a_kill_during_the_drain_of_deltas_leaves_every_tiers_steps_loadable(tmp
     check = _manager(slow, keep_last=None)
     assert check.steps()  # the drain got somewhere
     check.close()
+
+
+def _footprint(directory: Path) -> int:
+    """Bytes of the committed steps' files (a dropped step still being removed not counted)."""
+    return sum(p.stat().st_size for d in directory.glob("step-*") for p in d.iterdir())
+
+
+def test_full_training_with_deltas_takes_no_more_room_than_full_saves(tmp_path):
+    """Every entry changes each step (AdamW on a whole model): a delta stores every entry
+    whole and needs no base, so it is a full step, keeps no base, and the run takes the same
+    room as one without deltas, step after step (before: each delta kept its base too)."""
+    sizes: dict[str, list[int]] = {}
+    for name, delta in (("plain", None), ("delta", True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with _manager(tmp_path / name, keep_last=2, delta=delta) as mgr:
+            sizes[name] = []
+            for step in range(1, 9):
+                model(torch.randn(4, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+                sizes[name].append(_footprint(tmp_path / name))
+            assert mgr.steps() == [7, 8]
+            assert all(_bases(mgr.path(s)) == [] for s in mgr.steps())
+    # the same files; the manifests differ by a few bytes (times, the policy's fields)
+    assert all(d <= p + 1024 for d, p in zip(sizes["delta"], sizes["plain"])), sizes
+
+
+
+def test_status_names_a_kept_deltas_base(tmp_path):
+    with _manager(tmp_path / "run", keep_last=2, delta=DeltaPolicy(full_every=10)) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state_at(step))  # 1 full, 2-4 deltas against it (the frozen block)
+        assert mgr.steps() == [1, 3, 4]
+        assert mgr.status()[0]["pinned"] == {1: "the base of a kept delta"}

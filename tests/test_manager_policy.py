@@ -317,6 +317,26 @@ def test_retention_keeps_exactly_keep_last_and_bounds_the_disk(tmp_path, asynchr
     assert peak <= (4 if asynchronous else 3), peak
 
 
+def test_status_names_the_steps_kept_beyond_keep_last_and_why(tmp_path):
+    """A restored step stays until a newer one is verified, and status() says so; then it
+    goes. (A delta's base: tests/test_delta_manager.py shows its row's pin.)"""
+    d = tmp_path / "run"
+    with _manager(d, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    with _manager(d, keep_last=2) as mgr:
+        state = _state(0)
+        assert mgr.restore(state, step=2) == 2
+        for step in (4, 5):
+            mgr.save(step, _state(step))
+        assert mgr.steps() == [2, 4, 5]
+        (tier,) = mgr.status()
+        assert tier["pinned"] == {2: "restored or verified last (kept until a newer step is)"}
+        mgr.verify(5)
+        mgr.save(6, _state(6))
+        assert mgr.steps() == [5, 6] and mgr.status()[0]["pinned"] == {}
+
+
 # ------------------------------------------------------------------ two ranks
 
 

@@ -59,7 +59,7 @@ def _manager(disk: str, **kwargs: Any) -> ckptio.CheckpointManager:
     return ckptio.CheckpointManager(
         tiers=[Tier("shm://run", keep_last=1), Tier(disk, every=2, keep_last=None)],
         options=OPTS, keep_best=2, monitor="loss", save_every=1, save_interval_s=3600.0,
-        delta=ckptio.DeltaPolicy(full_every=2), compression="zstd", **kwargs)
+        delta=ckptio.DeltaPolicy(full_every=2, max_ratio=1.0), compression="zstd", **kwargs)
 
 
 def test_a_tiered_manager_is_a_checkpoint_manager(shm, tmp_path):

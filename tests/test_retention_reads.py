@@ -56,11 +56,11 @@ def test_a_resumed_manager_reads_the_steps_it_did_not_save(tmp_path: Path,
 
 def test_a_deltas_base_is_kept_while_the_delta_is(tmp_path: Path) -> None:
     big = torch.arange(4096, dtype=torch.float32)
-    with ckptio.CheckpointManager(tmp_path / "run", keep_last=1,
+    with ckptio.CheckpointManager(tmp_path / "run", keep_last=2,
                                   delta=ckptio.DeltaPolicy(full_every=10)) as mgr:
-        for step in range(1, 4):
+        for step in range(1, 5):
             mgr.save(step, {"big": big, "step": torch.tensor(step)})
-        assert mgr.steps() == [1, 3]  # 3 is a delta against 1: 1 stays
+        assert mgr.steps() == [1, 3, 4]  # 3 and 4 are deltas against 1: 1 stays
         state = {"big": torch.zeros(4096), "step": torch.tensor(0)}
-        assert mgr.restore(state) == 3
-    assert torch.equal(state["big"], big) and int(state["step"]) == 3
+        assert mgr.restore(state) == 4
+    assert torch.equal(state["big"], big) and int(state["step"]) == 4

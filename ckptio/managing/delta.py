@@ -25,7 +25,7 @@ from ckptio.errors import CkptError
 from ckptio.managing.chains import Chains
 from ckptio.options import Options
 
-__all__ = ["DeltaPolicy", "check_delta", "choose_base", "with_compression"]
+__all__ = ["DeltaPolicy", "check_delta", "choose_base", "delta_ratio", "with_compression"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,10 @@ def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Ch
     - ``full_every`` saves have been made since the newest full step, it included (default
       10: a full step, then 9 deltas). ``full_every=1`` makes every save full;
     - the newest delta against that base stored more than ``max_ratio`` of the base's stored
-      bytes (default 0.5: deltas have stopped paying, the state has drifted from its base);
+      bytes (default 0.5: deltas have stopped paying, the state has drifted from its base;
+      keeping keep_last >= 2 steps, a delta whose base has left them costs the base plus
+      keep_last deltas, no more than keep_last full steps up to (keep_last - 1) / keep_last
+      >= 0.5 of its base; the manager then also makes the next saves full: level.py);
     - the step is one a retention keeps for long: divisible by ``keep_every`` of any tier.
       Such a step then stands alone, and an old delta never pins its base for as long; this
       is why the manager needs no compaction.
@@ -111,6 +114,19 @@ def choose_base(policy: DeltaPolicy, step: int, committed: list[int], chains: Ch
         if last_link is not None and last_link.stored > policy.max_ratio * base_link.stored:
             return None
     return base
+
+
+def delta_ratio(chains: Chains, step: int) -> float | None:
+    """Committed ``step``'s stored bytes over its base's; None if it is not a delta (one whose
+    entries all changed stores none against its base: a full step) or cannot be read."""
+    try:
+        link = chains.link(step)
+        base = chains.link(link.bases[0]) if link is not None and link.is_delta else None
+    except CkptError:
+        return None
+    if link is None or base is None or not base.stored:
+        return None
+    return link.stored / base.stored
 
 
 def _is_full(chains: Chains, step: int) -> bool:

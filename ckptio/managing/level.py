@@ -31,7 +31,7 @@ from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.managing.chains import Chains, Link
-from ckptio.managing.delta import DeltaPolicy, choose_base
+from ckptio.managing.delta import DeltaPolicy, choose_base, delta_ratio
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.options import Options
@@ -70,6 +70,9 @@ class TierSteps:
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
         self._deltas_made: dict[int, int] = {}  # base -> delta saves started against it
+        self._last_delta: int | None = None  # the newest step saved as a delta, until judged
+        self._full_saves_left = 0  # saves that are full since a delta took too much room
+        self._pauses = 0  # such deltas in a row
 
     # ---------------------------------------------------------------- the root
 
@@ -126,11 +129,37 @@ class TierSteps:
     def choose_base(self, policy: DeltaPolicy, step: int, long_every: tuple[int, ...]
                     ) -> int | None:
         """Rank 0: the base of a delta save of ``step`` here, or None: a full save."""
+        if self._delta_paused(policy):
+            return None
         base = choose_base(policy, step, self.scan()["committed"], self._chains, self._damaged,
                            long_every, self._deltas_made)
         if base is not None:
             self._deltas_made[base] = self._deltas_made.get(base, 0) + 1
+            self._last_delta = step
         return base
+
+    def _delta_paused(self, policy: DeltaPolicy) -> bool:
+        """Whether this save is full because deltas took more room than full saves: the last
+        delta stored more than ``max_ratio`` of its base (then the next ``full_every`` saves
+        are full, twice as many after each such delta in a row; before, a full-training run
+        alternated full steps and deltas, each delta keeping its base beside the next full)."""
+        limit = policy.max_ratio
+        if self._last_delta is not None:
+            ratio = delta_ratio(self._chains, self._last_delta)
+            self._last_delta = None
+            if ratio is not None and ratio > limit:
+                self._full_saves_left = policy.full_every * 2 ** min(self._pauses, 10)
+                self._pauses += 1
+                log.info("ckptio: %s: the last delta stored %.0f %% of its base (more than "
+                         "max_ratio's %.0f %%: more room than full saves): the next %d saves "
+                         "are full", self.location, 100 * ratio, 100 * limit,
+                         self._full_saves_left)
+            elif ratio is not None:
+                self._pauses = 0
+        if self._full_saves_left:
+            self._full_saves_left -= 1
+            return True
+        return False
 
     # ---------------------------------------------------------------- damaged and verified
 
@@ -210,6 +239,19 @@ class TierSteps:
             keep.update(unreadable)
         kept = self._chains.closure(committed, self.retention.kept(committed, values, keep))
         return self._chains.doomed(committed, kept)  # a base goes with or after its deltas
+
+    def pins(self, committed: list[int]) -> dict[int, str]:
+        """The committed steps kept beyond the retention's own rules, and why (status())."""
+        values: dict[int, float | None] = {}
+        if self.retention.monitor is not None:
+            values, _unreadable = self._metrics.of(committed, self.retention.monitor)
+        own = self.retention.kept(committed, values)
+        why: dict[int, str] = {}
+        if self.verified in committed and self.verified not in own:
+            why[self.verified] = "restored or verified last (kept until a newer step is)"
+        for step in sorted(self._chains.closure(committed, own | set(why)) - own - set(why)):
+            why[step] = "the base of a kept delta"
+        return why
 
     def finish_removal(self, step: int) -> None:
         """Rank 0, before a save of ``step``: finish a removal of it still pending (an S3
