@@ -259,6 +259,30 @@ def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: in
             "close_seconds": time.monotonic() - started}
 
 
+def steps_past_a_frozen_peer(rank: int, world: int, base: str, disk: str, spec: str,
+                             peer_timeout_s: float) -> dict[str, Any]:
+    """One rank per host; step 1 saved and protected; then the last rank freezes (SIGSTOP)
+    while the others call steps(). -> on the others: the error and how long it took."""
+    _play_host(rank, 1, base)
+    model, opt = _build(seed=rank)
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
+    _step(model, opt)
+    mgr.save(1, _state(model, opt, 1))
+    mgr.protected()
+    assert mgr.steps() == [1]
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        mgr.latest()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
 def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_bytes: int,
                  steps: int) -> dict[str, Any]:
     """One rank per host, the memory tier bounded by ``max_bytes``: save ``steps`` steps, each

@@ -27,6 +27,7 @@ from tests.redundancy_cases import (
     peer_dies,
     replay,
     save_paced,
+    steps_past_a_frozen_peer,
     restore,
     restore_broken,
     restore_paced,
@@ -561,6 +562,20 @@ def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound
         assert r["seconds"] < 3.0 + 10, (rank, r["seconds"])
         assert r["status"]["protected"] == 1 and "rank 2" in r["status"]["protect_error"]
         assert r["close_seconds"] < 10, (rank, r["close_seconds"])
+
+
+def test_steps_with_a_frozen_peer_fail_naming_the_bound_within_peer_timeout_s(base, tmp_path):
+    """Partners(1) on 3 hosts, rank 2 frozen (SIGSTOP) when the others call latest(): they
+    raise RankFailedError within peer_timeout_s (+ slack) instead of waiting step_timeout_s
+    (30 min), saying what to check."""
+    got = run_ranks(3, steps_past_a_frozen_peer, base, str(tmp_path / "disk"), "partners-1",
+                    3.0, timeout_s=TIMEOUT, may_die=[2])
+    for rank in (0, 1):
+        kind, _, message = got[rank]["error"].partition("|")
+        assert kind == "RankFailedError", (rank, got[rank]["error"])
+        assert f"rank {rank}: listing the steps every rank holds" in message, message
+        assert "peer_timeout_s=3 s" in message and "restart the job" in message, message
+        assert got[rank]["seconds"] < 3.0 + 10, got[rank]
 
 
 # ------------------------------------------------------------------ the memory budget

@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptio.distributed.dist import mark_piece
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.select import checkpoint_path
 from ckptio.tiering import elastic, marks, peers
 from ckptio.tiering.topology import Topology, domain_id, host_id
@@ -66,6 +66,9 @@ class Guard:
         self.peer_timeout_s = peer_timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # steps()/latest(): a listing every rank answers at once, so a peer frozen (or not
+        # calling it at this point) is named after peer_timeout_s, not step_timeout_s
+        self.listing = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
         placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
@@ -103,8 +106,17 @@ class Guard:
                                                self.topology, self.root), skipped)
 
     def union(self, steps: list[int]) -> list[int]:
-        """Collective: the steps any rank holds, ascending."""
-        return sorted({s for part in peers.all_gather_json(self.control, steps) for s in part})
+        """Collective: the steps any rank holds, ascending; RankFailedError when the ranks do
+        not all answer within peer_timeout_s (the listing group is unusable afterwards)."""
+        try:
+            parts = peers.all_gather_json(self.listing, steps)
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            raise RankFailedError(
+                f"rank {self.rank}: listing the steps every rank holds (steps(), latest()) got "
+                f"no answer from every rank within peer_timeout_s={self.peer_timeout_s:g} s: a "
+                "rank died, is frozen, or does not call steps()/latest() at this point of the "
+                f"program ({type(exc).__name__}: {exc}); restart the job") from exc
+        return sorted({s for part in parts for s in part})
 
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Collective: every rank's outcome (JSON), in rank order."""
