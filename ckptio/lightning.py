@@ -29,6 +29,8 @@ import os
 import re
 import secrets
 import shutil
+import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 from ckptio import (
     Checkpointer,
     CkptError,
+    IncompleteCheckpointError,
     Options,
     SaveHandle,
     SaveResult,
@@ -44,9 +47,11 @@ from ckptio import (
     UnsupportedPathError,
     UnsupportedStateError,
 )
+from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local import fsync_path
+from ckptio.storage.local_root import is_committed
 
-__all__ = ["AsyncCheckpointIO", "CheckpointIO"]
+__all__ = ["AsyncCheckpointIO", "CheckpointIO", "load_from_checkpoint"]
 
 _BASES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
 _HIDDEN = re.compile(r"\.deleting-.+-[0-9a-f]{8}$")
@@ -102,7 +107,14 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         ``map_location`` when that is a device) and Python values. Errors are CkptErrors
         naming the file (CheckpointNotFoundError, CorruptCheckpointError, ...)."""
         allow = self.allow_pickle and weights_only is not True
-        loaded = self.checkpointer.load(os.fspath(path), verify=self.verify, allow_pickle=allow)
+        try:
+            loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
+                                            allow_pickle=allow)
+        except IncompleteCheckpointError:
+            other = _committed_instead_of_last(os.fspath(path))
+            if other is None:
+                raise
+            loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow)
         if not isinstance(loaded, dict):
             raise CkptError(f"{os.fspath(path)} holds a {type(loaded).__name__}, not a Lightning "
                             "checkpoint (a dict): load it with ckptio.load")
@@ -208,6 +220,73 @@ class AsyncCheckpointIO(CheckpointIO):
 
 for _other in _OTHERS:  # the other package's Trainer accepts the plugins too
     _other.register(CheckpointIO)
+
+
+_PATCHING = threading.Lock()
+
+
+def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike[str],
+                         map_location: Any | None = None, *, allow_pickle: bool = False,
+                         options: Options | None = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a ckptio checkpoint, the way to
+    load a trained LightningModule (or LightningDataModule) for inference: Lightning's own
+    steps (hyper-parameters and ``kwargs`` overriding them, ``strict``, the checkpoint's
+    migration, ``on_load_checkpoint``) with the file read by this plugin's load instead of
+    ``torch.load``, which cannot read a ckptio checkpoint (a directory). ``map_location``: a
+    device (or its name) moves the tensors there; anything else loads them on the CPU.
+
+        model = ckptio.lightning.load_from_checkpoint(MyModel, "ckpts/epoch=3-step=32.ckpt")
+
+    Lightning reads files through ``core.saving.pl_load``; it is replaced for the call (one
+    call at a time in a process)."""
+    package = ("lightning.pytorch" if _is_subclass(cls, "lightning.pytorch", "LightningModule",
+                                                    "LightningDataModule")
+               else "pytorch_lightning")
+    saving = importlib.import_module(f"{package}.core.saving")
+    io = CheckpointIO(options, allow_pickle=allow_pickle)
+
+    def read(path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        return io.load_checkpoint(path, device, weights_only=weights_only)
+
+    with _PATCHING:
+        original = saving.pl_load
+        saving.pl_load = read
+        try:
+            return cls.load_from_checkpoint(checkpoint_path, map_location=map_location, **kwargs)
+        finally:
+            saving.pl_load = original
+            io.teardown()
+
+
+def _is_subclass(cls: type, package: str, *names: str) -> bool:
+    if importlib.util.find_spec(package.split(".")[0]) is None:
+        return False
+    module = importlib.import_module(package)
+    return any(isinstance(cls, type) and issubclass(cls, getattr(module, n)) for n in names)
+
+
+def _committed_instead_of_last(path: str) -> str | None:
+    """For ``ckpt_path="last"`` whose last checkpoint was never committed (the job was killed
+    during its first save there): the newest committed checkpoint beside it (by commit time),
+    with a warning; None for any other path (the one asked for is the one loaded) or when
+    there is none."""
+    name, directory = os.path.basename(path.rstrip("/")), os.path.dirname(path.rstrip("/"))
+    if not name.startswith("last") or not os.path.isdir(directory):
+        return None
+    found = []
+    for entry in os.scandir(directory):
+        manifest = os.path.join(entry.path, MANIFEST_NAME)
+        if (entry.name != name and entry.name.endswith(".ckpt") and not _HIDDEN.search(entry.name)
+                and entry.is_dir() and is_committed(entry.path)):
+            found.append((os.stat(manifest).st_mtime_ns, entry.path))
+    if not found:
+        return None
+    newest = max(found)[1]
+    warnings.warn(f"ckptio.lightning: {path} was never committed (the job stopped during that "
+                  f"save); resuming from {newest}, the newest committed checkpoint beside it",
+                  stacklevel=3)
+    return newest
 
 
 @contextlib.contextmanager

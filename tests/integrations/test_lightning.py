@@ -322,6 +322,45 @@ def test_a_damaged_checkpoint_is_a_ckpt_error(tmp_path: Path, one_epoch: Path, d
              ckpt_path=str(ckpt))
 
 
+def test_resume_from_last_passes_over_an_uncommitted_last_to_the_newest_committed(
+        tmp_path: Path) -> None:
+    """A job killed during its first save of last.ckpt leaves it uncommitted (no manifest):
+    ``ckpt_path="last"`` resumes from the newest committed checkpoint beside it, warning,
+    instead of raising (an explicit path to an uncommitted checkpoint still raises: above)."""
+    ckpts = tmp_path / "ckpts"
+    every = ModelCheckpoint(dirpath=ckpts, save_top_k=-1, save_last=True)
+    _fit(tmp_path, plugin("sync"), epochs=2, callbacks=[every])
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt",
+                                         "last.ckpt"]
+    _remove_manifest(ckpts / "last.ckpt")
+    with pytest.warns(UserWarning, match=r"last\.ckpt was never committed .* resuming from "
+                      r".*epoch=1-step=16\.ckpt"):
+        trainer = _fit(tmp_path, plugin("sync"), epochs=3, ckpt_path="last",
+                       callbacks=[ModelCheckpoint(dirpath=ckpts, save_top_k=-1, save_last=True)])
+    assert trainer.global_step == 3 * STEPS_PER_EPOCH  # one epoch after step 16
+
+
+def test_load_from_checkpoint_for_inference_reads_a_ckptio_checkpoint(one_epoch: Path) -> None:
+    """Lightning's load_from_checkpoint calls torch.load, which cannot read a ckptio checkpoint
+    (a directory); ckptio.lightning.load_from_checkpoint runs Lightning's same steps with the
+    plugin's read: the model, its hyper-parameters, kwargs overriding them."""
+    import lightning.pytorch.core.saving as saving
+
+    with pytest.raises(IsADirectoryError):
+        Tiny.load_from_checkpoint(one_epoch)
+    original = saving.pl_load
+    model = ckptio.lightning.load_from_checkpoint(Tiny, one_epoch, map_location="cpu", lr=0.5)
+    assert saving.pl_load is original  # put back
+    stored = ckptio.load(one_epoch)
+    assert isinstance(model, Tiny) and model.hparams.width == 16 and model.hparams.lr == 0.5
+    state = model.state_dict()
+    assert state.keys() == stored["state_dict"].keys()
+    assert all(torch.equal(state[k], v) for k, v in stored["state_dict"].items())
+    with pytest.raises(RuntimeError, match="size mismatch"):  # strict, as Lightning's
+        ckptio.lightning.load_from_checkpoint(Tiny, one_epoch, width=8)
+    assert saving.pl_load is original
+
+
 def test_python_objects_need_allow_pickle_both_ways(tmp_path: Path, one_epoch: Path) -> None:
     checkpoint = ckptio.load(one_epoch)
     checkpoint["hyper_parameters"]["data_dir"] = pathlib.Path("/data")
