@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).parent / "lightning_job.py"
 FINAL_STEP = 4 * STEPS_PER_EPOCH  # 4 epochs
 KILL_AT = 20  # in epoch 2: epochs 0 and 1 are checkpointed (steps 8 and 16)
+DDP_KILL_AT = 10  # two ranks: epoch 2 too (epochs 0 and 1 checkpointed at steps 4 and 8)
 QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False,
          "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0}
 
@@ -58,14 +59,19 @@ def _finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, tuple[int, str
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every process the resume tests compare, two phases of concurrent runs: an uninterrupted
-    run and a sync and an async run killed at step 20; then the resumes: sync from "last",
-    sync from epoch 0's path (a copy of the killed run's directory), async from "last", and a
-    two-rank DDP run from the uninterrupted run's epoch 1."""
+    run and a sync and an async run killed at step 20, a two-rank DDP run with the async plugin
+    and one killed at step 10; then the resumes: sync from "last", sync from epoch 0's path (a
+    copy of the killed run's directory), async from "last", a two-rank DDP run from the
+    uninterrupted run's epoch 1, and the killed DDP run from "last"."""
     base = tmp_path_factory.mktemp("lightning")
     spec = {name: {"dir": str(base / name), "losses": str(base / f"{name}.losses")}
-            for name in ("reference", "sync", "async")}
+            for name in ("reference", "sync", "async", "ddp-reference", "ddp-async")}
     spec["sync"]["kill_at"] = spec["async"]["kill_at"] = KILL_AT
     spec["async"].update(plugin="async", committed=str(base / "async" / "epoch=0-step=8.ckpt"))
+    for name in ("ddp-reference", "ddp-async"):  # two ranks: 4 steps an epoch
+        spec[name].update(devices=2, plugin="async")
+    spec["ddp-async"].update(kill_at=DDP_KILL_AT,
+                             committed=str(base / "ddp-async" / "epoch=0-step=4.ckpt"))
     killed = _finish({name: _start(s) for name, s in spec.items()})
     shutil.copytree(base / "sync", base / "sync-path", symlinks=True)
     shutil.copytree(base / "reference" / "epoch=1-step=16.ckpt", base / "from-1-process")
@@ -76,6 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "async-last": {"dir": str(base / "async"), "ckpt_path": "last", "plugin": "async"},
         "ddp": {"dir": str(base / "ddp"), "ckpt_path": str(base / "from-1-process"),
                 "devices": 2, "top_k": 1},
+        "ddp-async-last": {"dir": str(base / "ddp-async"), "ckpt_path": "last", "devices": 2,
+                           "plugin": "async"},
     }
     for name, s in resumes.items():
         s["losses"] = str(base / f"{name}.losses")
@@ -437,3 +445,21 @@ def test_ddp_two_ranks_resume_and_rank_0_saves_alone(runs: dict[str, Any]) -> No
     for name in os.listdir(ckpts):
         assert ckptio.verify(ckpts / name) > 0
         assert ckptio.load(ckpts / name)["global_step"] == 16 + 2 * half
+
+
+def test_ddp_async_sigkill_then_resume_from_last_is_bitwise(runs: dict[str, Any]) -> None:
+    """Two gloo ranks with AsyncCheckpointIO, both killed at step 10 (epochs 0 and 1 saved,
+    the second perhaps still in flight), resumed on two ranks from "last": every loss after
+    the resume equals the uninterrupted two-rank run's, bit for bit."""
+    exits, losses = runs["exit"], runs["losses"]
+    assert exits["ddp-reference"][0] == 0, exits["ddp-reference"][1][-3000:]
+    assert exits["ddp-async"][0] != 0  # killed
+    assert exits["ddp-async-last"][0] == 0, exits["ddp-async-last"][1][-3000:]
+    end = 4 * STEPS_PER_EPOCH // 2
+    reference = losses["ddp-reference"]
+    assert sorted(reference) == list(range(end))
+    _assert_bitwise_from(losses["ddp-async"], reference, 0, DDP_KILL_AT)
+    first = min(losses["ddp-async-last"])
+    assert first in (STEPS_PER_EPOCH // 2, STEPS_PER_EPOCH), first
+    _assert_bitwise_from(losses["ddp-async-last"], reference, first, end)
+    assert ckptio.load(runs["base"] / "ddp-async" / "last.ckpt")["global_step"] == end
