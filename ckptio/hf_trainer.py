@@ -195,13 +195,12 @@ class CkptioTrainerMixin:
 
     def _ckptio_refuse_unsupported(self) -> None:
         t: Any = self
-        for what, on in (("several processes (DDP)", t.args.world_size > 1),
-                         ("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled),
+        for what, on in (("DeepSpeed", t.is_deepspeed_enabled), ("FSDP", t.is_fsdp_enabled),
                          ("XLA FSDP", getattr(t, "is_fsdp_xla_enabled", False))):
             if on:
                 raise UnsupportedStateError(
-                    f"CkptioTrainer saves single-process training only; {what} is not supported "
-                    "yet: use transformers.Trainer for this run")
+                    f"CkptioTrainer saves one process's or DDP's training; {what} is not "
+                    "supported yet: use transformers.Trainer for this run")
         strategy = HubStrategy(t.args.hub_strategy)
         if t.args.push_to_hub and strategy != HubStrategy.END:
             raise UnsupportedStateError(
@@ -291,7 +290,11 @@ class CkptioTrainerMixin:
             objects = {"model": objects["model"]}
         state = {**objects, "parts": sorted(objects)}
         os.makedirs(output_dir, exist_ok=True)
+        # with DDP every process saves, together: the replicated model and optimizer are
+        # stored once, each process's generators as its own (per-rank values)
         save(state, os.path.join(output_dir, CKPTIO_DIR), options=self.ckptio_options)
+        if not t.args.should_save:  # the files below: the main process's, as transformers'
+            return
         unwrapped = t.accelerator.unwrap_model(t.model, keep_torch_compile=False)
         if isinstance(unwrapped, transformers.PreTrainedModel):
             unwrapped.config.save_pretrained(output_dir)

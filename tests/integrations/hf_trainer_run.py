@@ -2,6 +2,7 @@
 (tests/integrations/test_hf_trainer.py runs it in fresh processes; not a test file itself).
 
     python hf_trainer_run.py OUT LOSSES [--max-steps 8] [--resume] [--kill-in-save STEP]
+    python -m torch.distributed.run --nproc-per-node 2 hf_trainer_run.py ... --ddp
 
 A 2-layer GPT-2 (hidden 32, dropout on, random init, nothing downloaded) on a fixed random token
 dataset, on CPU. Every optimizer step's loss is appended to LOSSES as ``step float.hex()`` (the
@@ -9,7 +10,8 @@ exact float the loss tensor holds), the line flushed before the next step. --kil
 SIGKILL this process inside checkpoint-STEP's save, after its ckptio checkpoint committed and
 before transformers writes its trainer_state.json. --resume: resume_from_checkpoint=True, with
 torch.load made to fail (resuming must unpickle nothing). At the end the model's weights are
-saved with ckptio to OUT/final.
+saved with ckptio to OUT/final. --ddp (under torchrun): DDP over gloo; the main process records
+LOSSES, the others LOSSES.r<rank>.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class LossRecorder:
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = super().training_step(*args, **kwargs)  # type: ignore[misc]
         step = self.state.global_step + 1  # type: ignore[attr-defined]
-        with open(self.losses, "a", encoding="utf-8") as f:
+        rank = self.args.process_index  # type: ignore[attr-defined]
+        with open(self.losses if rank == 0 else f"{self.losses}.r{rank}", "a",
+                  encoding="utf-8") as f:
             f.write(f"{step} {float(loss.item()).hex()}\n")
         return loss
 
@@ -107,16 +111,30 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--ddp", action="store_true", help="under torchrun: DDP over gloo")
     a = parser.parse_args()
     if a.kill_in_save is not None:
         kill_in_save(a.kill_in_save)
     transformers.set_seed(0)
-    trainer = RecordingTrainer(model=tiny_model(), args=training_args(a.out, max_steps=a.max_steps),
+    extra = {"ddp_backend": "gloo"} if a.ddp else {}
+    trainer = RecordingTrainer(model=tiny_model(),
+                               args=training_args(a.out, max_steps=a.max_steps, **extra),
                                train_dataset=TokenData(), losses=a.losses)
     if a.resume:
         refuse_torch_load()
     trainer.train(resume_from_checkpoint=True if a.resume else None)
-    ckptio.save({"model": trainer.model}, os.path.join(a.out, "final"))
+    if trainer.args.process_index == 0:
+        ckptio.save({"model": trainer.model}, os.path.join(a.out, "final"),
+                    process_group=_alone())
+
+
+def _alone() -> Any:
+    """This process alone as a group (None without torch.distributed): the final weights,
+    saved by the main process only."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 if __name__ == "__main__":

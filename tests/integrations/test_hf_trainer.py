@@ -50,6 +50,24 @@ def start(out: Path, losses: Path, *flags: str) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONPATH": path})
 
 
+def start_ddp(out: Path, losses: Path, *flags: str) -> subprocess.Popen[str]:
+    """hf_trainer_run.py on two processes under torchrun: DDP over gloo."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                             "2", "--master-port", str(_free_port()), str(RUN), str(out),
+                             str(losses), "--ddp", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     """-> (return code, stderr) once it ends."""
     _, err = proc.communicate(timeout=240)
@@ -104,6 +122,32 @@ def test_killed_in_a_save_and_resumed_in_a_fresh_process_continues_bitwise(tmp_p
         assert (ckpt / "config.json").exists()
     held = ckptio.load(tmp_path / "run" / "checkpoint-8" / "ckptio", keys=["parts"])["parts"]
     assert held == ["model", "optimizer", "rng", "scheduler"]
+
+
+def test_ddp_on_two_gloo_processes_killed_in_a_save_resumes_bitwise(tmp_path):
+    """DDP over gloo, two processes under torchrun: every checkpoint is one ckptio checkpoint
+    saved by both processes together (the replicated model and optimizer once, each process's
+    generators as its own), killed inside checkpoint-4's save, resumed on two processes from
+    checkpoint-2 with no pickle: both processes' losses and the final weights bitwise equal to
+    an uninterrupted two-process run's."""
+    code, err = finish(start_ddp(tmp_path / "ref", tmp_path / "ref.txt"))
+    assert code == 0, err[-3000:]
+    code, err = finish(start_ddp(tmp_path / "run", tmp_path / "killed.txt", "--kill-in-save", "4"))
+    assert code != 0, err[-3000:]
+    assert not (tmp_path / "run" / "checkpoint-4" / "trainer_state.json").exists()
+    code, err = finish(start_ddp(tmp_path / "run", tmp_path / "resumed.txt", "--resume"))
+    assert code == 0, err[-3000:]
+    for suffix in ("", ".r1"):  # the main process's losses, then the other's
+        expected = read_losses(tmp_path / f"ref.txt{suffix}")
+        assert sorted(expected) == list(range(1, 9))
+        after = read_losses(tmp_path / f"resumed.txt{suffix}")
+        assert after == {s: expected[s] for s in range(3, 9)}, suffix  # from checkpoint-2
+    final, reference = weights(tmp_path / "run"), weights(tmp_path / "ref")
+    assert all(torch.equal(final[key], reference[key]) for key in reference)
+    ckpt = str(tmp_path / "run" / "checkpoint-8" / "ckptio")
+    listing = subprocess.run([sys.executable, "-m", "ckptio", "ls", ckpt], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "by 2 rank(s)" in listing and re.search(r"^  rng\* ", listing, re.M), listing
 
 
 @pytest.fixture(scope="module")
