@@ -6,8 +6,9 @@ torch.save file, as it applies: zero-element tensors; tensors whose strides are 
 (transposed, channels-last, expanded, stepped); ``bytes`` and ``io.BytesIO`` values (DCP's
 end-to-end ``TrainState`` keeps its losses in a BytesIO); lists whose length differs between
 the state and the checkpoint; namedtuples and defaultdicts. Then what ckptio cannot store:
-sparse, quantized and nested tensors and legacy ShardedTensors, each refused with an
-UnsupportedStateError naming the key, the layout and the fix, before anything is written.
+sparse, quantized and nested tensors, each refused with an UnsupportedStateError naming the key,
+the layout and the fix, before anything is written (legacy ShardedTensors are stored:
+tests/test_sharded_tensor.py).
 Every round trip is checked bitwise (torch.equal, dtype, shape, strides where they matter).
 """
 
@@ -492,33 +493,6 @@ def test_layouts_ckptio_cannot_store_are_refused(tmp_path: Path, tensor: torch.T
     ckptio.save({"model": {"w": torch.ones(3, 3)}}, tmp_path / "ok")
     with pytest.raises(UnsupportedStateError, match=f"key 'model.w': a {message}"):
         ckptio.load(tmp_path / "ok", {"model": {"w": tensor}})
-
-
-def sharded_tensor_case(rank: int, world_size: int, tmp: str) -> str:
-    from torch.distributed._shard.sharded_tensor import empty
-    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
-
-    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)])
-    st = empty(spec, 4, 2)
-    messages = []
-    ckptio.save({"w": torch.ones(4, 2)}, os.path.join(tmp, "c"))
-    for attempt in (lambda: ckptio.save({"w": st}, os.path.join(tmp, "d")),
-                    lambda: ckptio.load(os.path.join(tmp, "c"), {"w": st})):
-        try:
-            attempt()
-        except UnsupportedStateError as exc:
-            messages.append(str(exc))
-    return "\n".join(messages)
-
-
-def test_a_legacy_sharded_tensor_is_refused(tmp_path: Path) -> None:
-    for message in run_ranks(2, sharded_tensor_case, str(tmp_path)):
-        lines = message.splitlines()
-        assert len(lines) == 2  # the save and the load, each an UnsupportedStateError
-        for line in lines:
-            assert "key 'w': a legacy ShardedTensor" in line and "DTensor" in line
-            assert "ckptio.TensorShard(shard.tensor" in line
-    assert not (tmp_path / "d" / "manifest.json").exists()
 
 
 @pytest.mark.parametrize("tagged", [["bytes", "not base64!"], ["bytes", 5], ["bytesio", None],

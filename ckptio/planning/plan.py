@@ -21,7 +21,7 @@ from ckptio.errors import UnsupportedStateError
 from ckptio.format.flatten import FlatState
 from ckptio.format.grid import Grid
 from ckptio.planning.sharding import (FlatShard, TensorShard, check_dense, held, is_dtensor,
-                                      local_tensor)
+                                      is_sharded_tensor, local_tensor, sharded_local)
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
 
 __all__ = ["PlanCache", "SavePlan", "build_plan"]
@@ -186,6 +186,10 @@ def _signature(flat: FlatState) -> tuple[Any, ...]:
         elif isinstance(t, FlatShard):
             parts.append((key, "flat", tuple(t.global_shape), t.start,
                           _tensor_signature(t.local, storages)))
+        elif is_sharded_tensor(t):
+            local, chunk = sharded_local(t, key)
+            parts.append((key, "sharded", tuple(t.size()), chunk,
+                          _tensor_signature(local, storages)))
         elif isinstance(t, torch.Tensor):
             check_dense(t, key)  # before its storage is asked for (a sparse tensor has none)
             parts.append((key, _tensor_signature(t, storages)))

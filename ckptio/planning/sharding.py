@@ -1,12 +1,13 @@
 """Which part of a global tensor a state leaf holds: DTensor shards, TensorShard boxes,
-FlatShard slices, or (a plain tensor) all of it.
+FlatShard slices, a legacy ShardedTensor's local shard (FSDP1's sharded state dicts: one box per
+rank, as a TensorShard), or (a plain tensor) all of it.
 
 Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
 (DTensor placements through torch's own local-shape computation, so uneven shards come out as
 torch made them; ``_StridedShard``, FSDP2 over tensor parallelism, through the rows torch's own
 arithmetic gives, stored as the box they form), and refusing what is not a region (Partial, a
-strided shard whose rows are not one box) or not a dense tensor (``check_dense``: sparse,
-quantized, nested, legacy ShardedTensor). Does not own:
+strided shard whose rows are not one box, several ShardedTensor shards on one rank) or not a
+dense tensor (``check_dense``: sparse, quantized, nested). Does not own:
 who writes which region (globalplan.py) or reading regions back (loading/read.py).
 """
 
@@ -23,7 +24,8 @@ from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
 from ckptio.format.grid import REPLICATE, Grid
 
-__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_dtensor", "local_tensor"]
+__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_dtensor", "is_sharded_tensor",
+           "local_tensor", "sharded_local"]
 
 
 @dataclass
@@ -65,12 +67,19 @@ def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and isinstance(value, torch.Tensor)
 
 
+def is_sharded_tensor(value: Any) -> bool:
+    """A legacy ShardedTensor (torch.distributed._shard; FSDP1's sharded state dicts)."""
+    return type(value).__name__ == "ShardedTensor" and isinstance(value, torch.Tensor)
+
+
 def local_tensor(value: Any) -> torch.Tensor:
     """The tensor holding a leaf's bytes: a DTensor's or wrapper's local shard, else itself."""
     if isinstance(value, (TensorShard, FlatShard)):
         return value.local
     if is_dtensor(value):
         return value.to_local()
+    if is_sharded_tensor(value):
+        return sharded_local(value, "?")[0]
     return value
 
 
@@ -81,11 +90,6 @@ _SPARSE = {torch.sparse_coo: "sparse COO", torch.sparse_csr: "sparse CSR",
 
 def _undense(t: torch.Tensor) -> str | None:
     """What makes ``t`` no dense tensor ckptio stores, and the fix; None when it is one."""
-    name = type(t).__name__
-    if name == "ShardedTensor":
-        return ("a legacy ShardedTensor (torch.distributed._shard), which ckptio neither saves "
-                "nor loads into; use a DTensor, or pass each local shard as "
-                "ckptio.TensorShard(shard.tensor, st.size(), shard.metadata.shard_offsets)")
     if t.layout in _SPARSE:
         return (f"a {_SPARSE[t.layout]} tensor (layout {t.layout}), which ckptio does not "
                 "store (dense tensors only); save t.to_dense(), or its index and value tensors "
@@ -110,6 +114,8 @@ def _undense(t: torch.Tensor) -> str | None:
 def check_dense(t: torch.Tensor, key: str) -> None:
     """UnsupportedStateError naming ``key``, the layout and the fix unless ``t`` is a dense
     (strided) plain tensor, Parameter or DTensor: what a save stores and a load fills."""
+    if is_sharded_tensor(t):  # its local shard is what is stored or filled
+        t = sharded_local(t, key)[0]
     why = _undense(t)
     if why is not None:
         raise UnsupportedStateError(f"key {key!r}: {why}")
@@ -122,11 +128,38 @@ def held(value: Any, key: str) -> Held | None:
         return _wrapped(value, key)
     if not isinstance(value, torch.Tensor):
         return None
+    if is_sharded_tensor(value):
+        local, chunk = sharded_local(value, key)
+        check_dense(local, key)
+        return Held(local, tuple(int(d) for d in value.size()), chunk, sharded=True)
     check_dense(value, key)
     if is_dtensor(value):
         return _dtensor(value, key)
     shape = tuple(value.shape)
     return Held(value, shape, Chunk.whole(shape), sharded=False)
+
+
+def sharded_local(value: Any, key: str) -> tuple[torch.Tensor, Chunk]:
+    """A ShardedTensor's one local shard and its box (none here: an empty box), as a
+    TensorShard; several local shards on one rank are refused, naming the fix."""
+    shards = value.local_shards()
+    if len(shards) > 1:
+        raise UnsupportedStateError(
+            f"key {key!r}: a ShardedTensor with {len(shards)} local shards on this rank; ckptio "
+            "stores one box per rank and key: pass each as its own key, e.g. "
+            "ckptio.TensorShard(shard.tensor, st.size(), shard.metadata.shard_offsets)")
+    ndim = len(value.size())
+    if not shards:
+        return (torch.empty((0,) * ndim, dtype=value.dtype),
+                Chunk((0,) * ndim, (0,) * ndim))
+    meta = shards[0].metadata
+    chunk = Chunk(tuple(int(o) for o in meta.shard_offsets),
+                  tuple(int(n) for n in meta.shard_sizes))
+    local = shards[0].tensor
+    if tuple(local.shape) != chunk.sizes:
+        raise UnsupportedStateError(f"key {key!r}: a ShardedTensor's local shard has shape "
+                                    f"{tuple(local.shape)}, its metadata {chunk.sizes}")
+    return local, chunk
 
 
 def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
