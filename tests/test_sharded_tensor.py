@@ -6,7 +6,7 @@ is saved by ``dcp.save`` and by ``ckptio.save``. Then, into fresh ShardedTensor 
 other values: DCP's checkpoint loaded by ``dcp.load`` (the control) and by ``ckptio.load``;
 ckptio's by ``ckptio.load`` and by ``dcp.load`` through ``ckptio.DcpReader``: each rank's rows
 bit for bit, on the saving 2 ranks and resharded on 4 ranks (2 + 2 + 2 + 1 rows); and in one
-process ``ckptio.load`` of either gives the whole tensor. FSDP1's SHARDED_STATE_DICT of a real
+process ``ckptio.load`` of either gives the whole tensor, and ``ckptio.export_hf`` writes it. FSDP1's SHARDED_STATE_DICT of a real
 model on 2 ranks round-trips into another model. Before, ckptio refused a ShardedTensor at save
 and as a template. Several local shards on one rank are refused naming the fix.
 """
@@ -52,11 +52,16 @@ def test_dcp_and_ckptio_checkpoints_load_into_sharded_tensors_both_ways(saved: A
             assert loaded[how]["b"] == b, (rank, how)
 
 
-def test_one_process_loads_the_whole_tensor(saved: Any) -> None:
+def test_one_process_loads_the_whole_tensor_and_exports_it(saved: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
     root, whole = saved
     for name in ("ckptio", "dcp"):
         out = ckptio.load(root / name)
         assert torch.equal(out["w"], whole) and torch.equal(out["b"], torch.arange(3.0) + 1)
+    ckptio.export_hf(root / "ckptio", tmp_path / "hf", keys=None)
+    exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    assert torch.equal(exported["w"], whole)
 
 
 def test_several_local_shards_on_one_rank_are_refused_naming_the_fix(tmp_path: Path) -> None:
