@@ -221,12 +221,10 @@ def restore_broken(rank: int, world: int, base: str, disk: str, per_host: int, s
     return {"error": error, "seconds": seconds}
 
 
-def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: int,
-              peer_timeout_s: float, how: str) -> dict[str, Any]:
-    """One rank per host; step 1 protected; rank ``victim`` is SIGKILLed (``how`` "kill") or
-    frozen (SIGSTOP, "stop": it never answers) while step 2 is being protected (after the
-    metadata exchange, before the transfers). -> on the others: the
-    protection's error, how long protected() took to raise it, status(), close()'s seconds."""
+def _protected_step_1(rank: int, base: str, disk: str, spec: str,
+                      peer_timeout_s: float) -> tuple[Any, Any, Any]:
+    """One rank per host: a manager with ``peer_timeout_s``, step 1 saved and protected ->
+    (the manager, the model, its optimizer)."""
     _play_host(rank, 1, base)
     model, opt = _build(seed=rank)
     options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
@@ -234,6 +232,16 @@ def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: in
     _step(model, opt)
     mgr.save(1, _state(model, opt, 1))
     mgr.protected()
+    return mgr, model, opt
+
+
+def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: int,
+              peer_timeout_s: float, how: str) -> dict[str, Any]:
+    """One rank per host; step 1 protected; rank ``victim`` is SIGKILLed (``how`` "kill") or
+    frozen (SIGSTOP, "stop": it never answers) while step 2 is being protected (after the
+    metadata exchange, before the transfers). -> on the others: the
+    protection's error, how long protected() took to raise it, status(), close()'s seconds."""
+    mgr, model, opt = _protected_step_1(rank, base, disk, spec, peer_timeout_s)
     if rank == victim:
         os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "60"
     mgr.save(2, _state(model, opt, 2))
@@ -244,14 +252,7 @@ def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: in
             time.sleep(0.05)
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    started = time.monotonic()
-    try:
-        mgr.protected()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        error = f"{type(exc).__name__}|{exc}"
-    else:
-        error = ""
-    seconds = time.monotonic() - started
+    error, seconds = _timed_error(mgr.protected)
     status = mgr.status()[0]
     started = time.monotonic()
     mgr.close()
@@ -263,24 +264,22 @@ def steps_past_a_frozen_peer(rank: int, world: int, base: str, disk: str, spec: 
                              peer_timeout_s: float) -> dict[str, Any]:
     """One rank per host; step 1 saved and protected; then the last rank freezes (SIGSTOP)
     while the others call steps(). -> on the others: the error and how long it took."""
-    _play_host(rank, 1, base)
-    model, opt = _build(seed=rank)
-    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
-    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=options)
-    _step(model, opt)
-    mgr.save(1, _state(model, opt, 1))
-    mgr.protected()
+    mgr, _model, _opt = _protected_step_1(rank, base, disk, spec, peer_timeout_s)
     assert mgr.steps() == [1]
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGSTOP)
+    error, seconds = _timed_error(mgr.latest)
+    return {"error": error, "seconds": seconds}
+
+
+def _timed_error(call: Any) -> tuple[str, float]:
+    """-> ("Type|message" of what ``call()`` raised, or "", the seconds it took)."""
     started = time.monotonic()
     try:
-        mgr.latest()
+        call()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
-        error = f"{type(exc).__name__}|{exc}"
-    else:
-        error = ""
-    return {"error": error, "seconds": time.monotonic() - started}
+        return f"{type(exc).__name__}|{exc}", time.monotonic() - started
+    return "", time.monotonic() - started
 
 
 def train_budget(rank: int, world: int, base: str, disk: str, spec: str, max_bytes: int,
