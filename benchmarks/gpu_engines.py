@@ -5,8 +5,9 @@ master weights and fused AdamW moments, gradient accumulation; the forward pass 
 benchmark's), the state it checkpoints (live references), and the savers that train_engines.py
 lacks: DCP's ``async_save`` at its best on a GPU (pinned shared-memory staging, asynchronous
 DefaultStager, process executor), ckptio's manager with a memory tier, and DataStates-LLM (the
-seeds' lazy engine, built from its repository), plus what each one holds page-locked. Does not own: the loop, timing and reports
-(gpu.py), the ckptio saver and the gloo group DCP needs (train_engines.py).
+seeds' lazy engine, built from its repository), plus what each one holds page-locked. Does not
+own: the loop, timing and reports (gpu.py), the ckptio saver and the gloo group DCP needs
+(train_engines.py).
 """
 
 from __future__ import annotations

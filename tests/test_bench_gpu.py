@@ -1,6 +1,7 @@
 """The GPU benchmark (benchmarks.gpu) run on CPU at a tiny size, in process: the mixed-precision
 trainer, a lazy ckptio save with after_step through the timed loop, the bitwise check of its last
-checkpoint and the tables; every step into a manager's memory tier (ckptio_tiers). No timing is asserted (docs/BENCH_GPU.md holds the GPU run)."""
+checkpoint and the tables; every step into a manager's memory tier (ckptio_tiers). No timing is
+asserted (docs/BENCH_GPU.md holds the GPU runs)."""
 
 from __future__ import annotations
 

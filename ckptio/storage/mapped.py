@@ -11,9 +11,9 @@ unmapped at the next open) where its root keeps slots, so a reused slot is neith
 nor faulted in again.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped steps (at
 most SLOT_STEPS) into ``.ckptio-slots`` beside the steps, older slots into a dropped step,
-removed with it; ``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes them. A save is
-mapped only where ``warm_fit`` says slots of its files' sizes are mapped ahead: otherwise the
-call would allocate and fault fresh pages, and the staging pool is the faster way in.
+removed with it; ``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes
+them. A save is mapped only where ``warm_fit`` says slots of its files' sizes are mapped ahead:
+otherwise the call would allocate and fault fresh pages, and the staging pool is faster.
 
 Hand-written through ctypes: os.statvfs has no filesystem type (statfs's f_type is what tells
 tmpfs), Python's mmap refuses to unmap while a tensor views it, and os.rename replaces its
