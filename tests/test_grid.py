@@ -108,6 +108,12 @@ def test_check_regular_names_what_ranks_disagree_on():
     other = Regular((grid,), (RegularItem(0, "w", "float32", (4, 5), 0),))
     with pytest.raises(PlanConflict, match=r"'w': rank 0 .* \(4, 4\).* rank 1 .* \(4, 5\)"):
         check_regular([_plan(0, a), _plan(1, other)], PlanConflict)
+    # the same layout on disjoint submeshes: a module outside the TP plan (or PP stages)
+    sub = [Regular((Grid((2,), ranks, (0,)),), (RegularItem(0, "w", "float32", (4, 4), 0),))
+           for ranks in ((0, 2), (1, 3))]
+    with pytest.raises(PlanConflict, match=r"'w': .* ranks \(0, 2\).* ranks \(1, 3\); the same "
+                       r"layout on disjoint device meshes.*tensor-parallel plan.*prefix"):
+        check_regular([_plan(r, sub[r % 2]) for r in range(4)], PlanConflict)
     lacking = Regular((grid,), ())
     with pytest.raises(PlanConflict, match="'w': rank 1 is in its device mesh"):
         check_regular([_plan(0, a), _plan(1, lacking)], PlanConflict)

@@ -129,12 +129,28 @@ def check_regular(ranks: Sequence[RankView], conflict: type[CkptError]) -> None:
                 raise conflict(
                     f"key {item.key!r}: rank {rank} holds a shard of a {first[0]} tensor of shape "
                     f"{first[1]} on mesh {_mesh(first[2])}, rank {holders[0]} of a {mine[0]} "
-                    f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; every rank must hold "
-                    "the same tensor (pipeline stages: give each stage's keys a prefix)")
+                    f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; "
+                    + _disagreement(first, mine))
     _check_mixed(ranks, seen, conflict)
     by_rank = {plan.rank: plan for plan in ranks}
     for regular, holders in lists.values():
         _check_holders(regular, holders, by_rank, conflict)
+
+
+def _disagreement(first: tuple[str, tuple[int, ...], Grid],
+                  mine: tuple[str, tuple[int, ...], Grid]) -> str:
+    """What two ranks' different layouts of one key mean, and the fix."""
+    a, b = first[2], mine[2]
+    if first[:2] == mine[:2] and (a.shape, a.dims) == (b.shape, b.dims) \
+            and not set(a.ranks) & set(b.ranks):
+        return ("the same layout on disjoint device meshes: replicas of one tensor on "
+                "submeshes (a module left out of the tensor-parallel plan, fully_shard over the "
+                "data-parallel mesh alone) or different tensors under one name (pipeline "
+                "stages). ckptio stores replicas across submeshes only where torch declares them "
+                "(Replicate): put the module in the tensor-parallel plan (e.g. "
+                "parallelize_module(..., {'head': ColwiseParallel(output_layouts=Replicate())})), "
+                "or give each stage's keys a prefix")
+    return "every rank must hold the same tensor (pipeline stages: give each stage's keys a prefix)"
 
 
 def _lacks(plan: RankView | None, keys: frozenset[str]) -> set[str]:
