@@ -319,7 +319,7 @@ class Commit:
 
 
 def simulate_commit(decision: collective.Decision, regular: Regular) -> Commit:
-    save_id, _ = wire.decode_answer(decision.answers[0])
+    save_id, _, _ = wire.decode_answer(decision.answers[0])
     plans, global_plan = decision.plans, decision.global_plan
     agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
     assigned = [collective._assigned(agreement, p.rank) for p in plans]

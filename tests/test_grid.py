@@ -108,12 +108,6 @@ def test_check_regular_names_what_ranks_disagree_on():
     other = Regular((grid,), (RegularItem(0, "w", "float32", (4, 5), 0),))
     with pytest.raises(PlanConflict, match=r"'w': rank 0 .* \(4, 4\).* rank 1 .* \(4, 5\)"):
         check_regular([_plan(0, a), _plan(1, other)], PlanConflict)
-    # the same layout on disjoint submeshes: a module outside the TP plan (or PP stages)
-    sub = [Regular((Grid((2,), ranks, (0,)),), (RegularItem(0, "w", "float32", (4, 4), 0),))
-           for ranks in ((0, 2), (1, 3))]
-    with pytest.raises(PlanConflict, match=r"'w': .* ranks \(0, 2\).* ranks \(1, 3\); the same "
-                       r"layout on disjoint device meshes.*tensor-parallel plan.*prefix"):
-        check_regular([_plan(r, sub[r % 2]) for r in range(4)], PlanConflict)
     lacking = Regular((grid,), ())
     with pytest.raises(PlanConflict, match="'w': rank 1 is in its device mesh"):
         check_regular([_plan(0, a), _plan(1, lacking)], PlanConflict)
@@ -125,6 +119,39 @@ def test_check_regular_names_what_ranks_disagree_on():
     mixed = {0: WriteItem("w", "tensor", "float32", (4, 4), Chunk((2, 0), (2, 4)), 32)}
     with pytest.raises(PlanConflict, match="'w': rank 1 holds it otherwise than the other ranks"):
         check_regular([_plan(0, a), _plan(1, Regular((), ()), mixed)], PlanConflict)
+
+
+def test_the_same_layout_on_disjoint_meshes_is_planned_again():
+    """A module outside the TP plan (or PP stages under one name): one key laid out alike on
+    disjoint submeshes is found, to be planned again per chunk with digests; other
+    disagreements are not (check_regular refuses them)."""
+    from ckptio.planning.globalplan import across_meshes
+    from ckptio.planning.regular_items import submesh_replicas
+
+    def lists(*meshes, shape=((4, 4), (4, 4)), dims=((0,), (0,))):
+        return [Regular((Grid((len(ranks),), ranks, d),), (RegularItem(0, "w", "float32", s, 0),
+                                                          RegularItem(1, "b", "float32", (4,), 0)))
+                for ranks, s, d in zip(meshes, shape, dims)]
+
+    sub = lists((0, 2), (1, 3))
+    plans = [_plan(r, sub[r % 2]) for r in range(4)]
+    assert submesh_replicas(plans) == across_meshes(plans) == {"w", "b"}
+    assert submesh_replicas([_plan(r, sub[0]) for r in (0, 2)]) == set()  # one mesh
+    other = lists((0, 2), (1, 3), shape=((4, 4), (4, 5)))  # "w" differs in shape: not replicas
+    assert submesh_replicas([_plan(r, other[r % 2]) for r in range(4)]) == {"b"}
+    placed = lists((0, 2), (1, 3), dims=((0,), (1,)))  # split on another dim: not alike
+    assert submesh_replicas([_plan(r, placed[r % 2]) for r in range(4)]) == set()
+    overlap = lists((0, 1), (1, 2))  # meshes sharing rank 1: a conflict, not replicas
+    assert submesh_replicas([_plan(0, overlap[0]), _plan(1, overlap[0]),
+                             _plan(2, overlap[1])]) == set()
+    from ckptio.format.types import WriteItem
+
+    def chunked(rank: int, domain: str) -> RankPlan:  # per chunk (a subgroup's save)
+        item = WriteItem("p", "tensor", "float32", (4,), Chunk((0,), (4,)), 16)
+        return RankPlan(rank, {0: item}, frozenset({"p"}), {}, (), (), {"d": []}, {0: domain})
+
+    assert across_meshes([chunked(0, "mesh-a"), chunked(1, "mesh-b")]) == {"p"}
+    assert across_meshes([chunked(0, "mesh-a"), chunked(1, "mesh-a")]) == set()
 
 
 def test_a_tie_stands_for_the_key_on_ranks_that_see_it():

@@ -2,11 +2,13 @@
 in other layouts.
 
 A small transformer (an input projection, 2 blocks of 4-head causal attention and an MLP, hidden
-32, an output head) is trained on 4 real gloo ranks with tensor parallelism (Colwise q/k/v/up and
-input projection, Rowwise o/down/head) on the "tp" dim of a 2x2 ("dp", "tp") CPU mesh and FSDP2
-(``fully_shard``) on the "dp" dim: torch lays the column-parallel weights out as
-``(_StridedShard(0, sf=2), Shard(0))``, the row-parallel ones as ``(Shard(0), Shard(1))``, their
-biases as ``(Shard(0), Replicate())``, Adam's moments alike. That run goes K steps, saves with
+32, a LayerNorm and a Linear outside the TP plan, an output head) is trained on 4 real gloo ranks
+with tensor parallelism (Colwise q/k/v/up and input projection, Rowwise o/down/head) on the "tp"
+dim of a 2x2 ("dp", "tp") CPU mesh and FSDP2 (``fully_shard``) on the "dp" dim: torch lays the
+column-parallel weights out as ``(_StridedShard(0, sf=2), Shard(0))``, the row-parallel ones as
+``(Shard(0), Shard(1))``, their biases as ``(Shard(0), Replicate())``, the modules outside the
+plan as ``(Shard(0),)`` on each TP rank's own dp submesh (replicas across submeshes: stored
+once), Adam's moments alike. That run goes K steps, saves with
 ``ckptio.save`` (each rank writes the box it holds: no gather) and goes on M steps (a save only
 reads the state), so its last M losses are the uninterrupted run's.
 
@@ -31,7 +33,9 @@ gives every rank's box; an interleaving ``_StridedShard`` and ``Partial`` are re
 
 ``ckptio.export_hf`` of the 2x2 checkpoint gives the full tensors; ``dcp.save`` through
 ``ckptio.DcpWriter`` of the 2x2 state and ``dcp.load`` through ``ckptio.DcpReader`` of the ckptio
-checkpoint into the 2x2 layout round-trip bitwise.
+checkpoint into the 2x2 layout round-trip bitwise, as DCP's own save and load do (the control).
+Pipeline stages holding one name on their own submeshes (the same layout as a module outside the
+plan) are stored once while equal and refused once they differ, hand-made shards alike.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ RANKS_TIMEOUT_S = 300  # bounds a hang only
 # over other slices, so each float32 sum is taken in another order and differs by a few ulps
 # (relative ~1e-7). Adam's update divides by sqrt(exp_avg_sq), which after K steps is away from
 # zero, so the losses stay within relative ~1e-7 over M = 2 steps (measured here, printed by
-# test_resharded_resume under -s: 9e-8 for TP 2; 0 for FSDP 4, one process and the transposed
-# mesh, whose few sums happen to round alike). rtol 1e-5 is 100x that, and a load that left the fresh (OTHER_SEED) weights in place, or
+# test_resharded_resume under -s: 8e-8 for TP 2 and FSDP 4, 9e-8 for one process, 0 for the
+# transposed mesh, whose few sums happen to round alike). rtol 1e-5 is 100x that, and a load that left the fresh (OTHER_SEED) weights in place, or
 # dropped the optimizer state, is off by more than 1e-3 (tests/test_fsdp2_resume.py shows the
 # latter for the same optimizer). Against the reference run in the same layout the comparison is
 # bitwise: same layout, same starting bytes, same arithmetic.
@@ -91,13 +95,16 @@ class Net(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(IN, HIDDEN)
         self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        # outside the TP plan (as norms, routers and gates often are): on 2x2 each TP rank
+        # holds them as DTensors on its own dp submesh, replicas of one another
+        self.norm, self.mix = torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN)
         self.head = torch.nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(self.mix(self.norm(x)))
 
 
 def _tp_plan() -> dict[str, Any]:
@@ -245,6 +252,7 @@ def train_and_save(rank: int, world: int, root: str) -> dict[str, Any]:
     state = _state(model, opt, K) | {"big": _big(model, True)}
     ckptio.save(state, os.path.join(root, "ckpt"))
     dcp.save(state, storage_writer=ckptio.DcpWriter(os.path.join(root, "via_dcp")))
+    dcp.save(state, checkpoint_id=os.path.join(root, "dcp_own"))  # the control: DCP alone
     saved = _snapshot(model, opt)
     losses += [_train_step(layout, model, opt, s) for s in range(K, K + M)]
     return {"losses": losses, "saved": saved, "final": _snapshot(model, opt),
@@ -294,21 +302,24 @@ def _reference(layout: Layout, full: dict[str, Any]) -> tuple[list[float], dict[
 
 def load_into_2d(rank: int, world: int, root: str, source: str) -> dict[str, Any]:
     """Load ``root/source`` into the 2x2 layout, with ckptio and with dcp.load through
-    ckptio.DcpReader; -> both states, whole."""
+    ckptio.DcpReader (and DCP's own save loaded by DCP alone: the control); -> the states,
+    whole."""
     import torch.distributed.checkpoint as dcp
 
     import ckptio
 
     torch.set_num_threads(1)
     out = {}
-    for how in ("ckptio", "dcp"):
+    for how in ("ckptio", "dcp", "dcp_own"):
         layout = Layout("2d", world)
         model, opt = layout.build(OTHER_SEED)
         state = _state(model, opt, 0)
         if how == "ckptio":
             ckptio.load(os.path.join(root, source), state, keys=("model", "optim", "step"))
-        else:
+        elif how == "dcp":
             dcp.load(state, storage_reader=ckptio.DcpReader(os.path.join(root, source)))
+        else:
+            dcp.load(state, checkpoint_id=os.path.join(root, "dcp_own"))
         _apply(model, opt, state)
         out[how] = _snapshot(model, opt)
     return out
@@ -357,6 +368,8 @@ def test_fsdp2_over_tp_is_saved_as_strided_shards(saved: dict[str, Any]) -> None
     assert placements["blocks.0.q.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["blocks.0.o.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert placements["blocks.0.o.bias"] == "(Shard(dim=0), Replicate())"
+    # outside the TP plan: on each TP rank's own dp submesh, replicas across them
+    assert placements["norm.weight"] == placements["mix.weight"] == "(Shard(dim=0),)"
     # described once per tensor (a grid over the mesh in cutting order: tp, then dp), not per
     # chunk; no chunk entry of it in the manifest
     with open(os.path.join(saved["root"], "ckpt", "manifest.json"), "rb") as f:
@@ -366,6 +379,10 @@ def test_fsdp2_over_tp_is_saved_as_strided_shards(saved: dict[str, Any]) -> None
         assert regular[key]["dims"] == [0, 0] and regular[key]["ranks"] == [0, 2, 1, 3], (
             key, regular.get(key))
     assert not {t["key"] for t in body["tensors"]} & set(regular)
+    # those replicas are stored once: one row per dp piece, not one per TP rank
+    for key in ("model.norm.weight", "model.mix.weight", "optim.state.mix.weight.exp_avg"):
+        rows = [t for t in body["tensors"] if t["key"] == key]
+        assert len(rows) == 2 and key not in regular, (key, rows)
     full = saved["full"]
     for key, want in saved["saved"].items():
         kind, rest = key.split(".", 1)
@@ -436,6 +453,7 @@ def test_dcp_writer_and_reader_take_strided_shards(saved: dict[str, Any]) -> Non
         got = via_dcp["model"][rest] if kind == "model" else _optim_slot(via_dcp, rest)
         assert got.tobytes() == want.tobytes(), key
     per_rank = run_ranks(4, load_into_2d, saved["root"], "ckpt", timeout_s=RANKS_TIMEOUT_S)
+    _assert_bitwise(per_rank[0]["dcp_own"], saved["saved"], "DCP alone (the control) on 2x2")
     _assert_bitwise(per_rank[0]["dcp"], saved["saved"], "dcp.load via DcpReader into 2x2")
     _assert_bitwise(per_rank[0]["ckptio"], saved["saved"], "ckptio.load into 2x2")
 
@@ -451,6 +469,52 @@ def test_export_hf_takes_strided_shards(saved: dict[str, Any], tmp_path: Any) ->
         exported |= load_file(str(f))
     want = {k.split(".", 1)[1]: v for k, v in saved["saved"].items() if k.startswith("model.")}
     _assert_bitwise(exported, want, "export_hf")
+
+
+def stages_under_one_name(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Pipeline stages on a ("pp", "dp") mesh, each holding key "w" as a DTensor on its own dp
+    submesh (the same layout as a module outside a TP plan): equal values are one tensor's
+    replicas, stored once; once they differ the save is refused, the first checkpoint intact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptio
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    out = {}
+    for kind in ("dtensor", "shard"):  # and hand-made shards, replicas by their bytes alike
+        saver = ckptio.Checkpointer()
+        w = distribute_tensor(full, mesh["dp"], [Shard(0)], src_data_rank=None).to_local() \
+            if kind == "shard" else distribute_tensor(full, mesh["dp"], [Shard(0)],
+                                                      src_data_rank=None)
+        local = w if kind == "shard" else w.to_local()
+        value = (lambda: ckptio.TensorShard(local, (6, 4), (3 * mesh["dp"].get_local_rank(), 0))
+                 ) if kind == "shard" else (lambda: w)
+        saver.save({"w": value()}, os.path.join(root, kind, "equal"))  # built alike at step 0
+        local.add_(stage)  # a step later they are not
+        try:
+            saver.save({"w": value()}, os.path.join(root, kind, "differ"))
+            out[kind] = None
+        except ckptio.CkptError as exc:
+            out[kind] = str(exc)
+    return out
+
+
+def test_stages_under_one_name_are_refused_once_their_values_differ(tmp_path: Any) -> None:
+    import ckptio
+
+    per_rank = run_ranks(4, stages_under_one_name, str(tmp_path), timeout_s=RANKS_TIMEOUT_S)
+    for kind in ("dtensor", "shard"):
+        for result in per_rank:
+            assert result[kind] is not None, f"{kind}: a save keeping one stage's values committed"
+        error = per_rank[0][kind]
+        assert "'w'" in error and "different values" in error and "pipeline stages" in error, error
+        assert not os.path.exists(tmp_path / kind / "differ" / "manifest.json")
+        equal = ckptio.load(str(tmp_path / kind / "equal"))  # the first: committed, whole
+        assert torch.equal(equal["w"], torch.arange(24, dtype=torch.float32).reshape(6, 4))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,14 +3,15 @@ before any byte is copied, and commit after every rank's bytes are durable.
 
 agree(): each rank sends its compact plan (or its error) to the coordinator, which decides who
 writes what (globalplan.py) and answers each rank with its writes and the save id; a failure
-on any rank is answered with an error on every rank. An unchanged layout sends only item
-digests, and the coordinator reuses its previous decisions. exclusive(): in each rank's save
-thread, before any file is created, the coordinator takes the lock of the checkpoint directory
-(Store.exclusive: one save at a time per location, across processes) and tells every rank whether it
-has it. conclude(): each rank sends what it wrote (or its error); the coordinator commits the
-manifest only if every rank succeeded, and tells every rank the outcome; it lets go of the lock
-once its cleanup has chosen what to remove. With one process (dist.Solo) the same steps run
-without peers.
+on any rank is answered with an error on every rank. Keys held alike on disjoint device meshes
+are answered with "plan them again with digests" (the caller does, once: Memory.across). An
+unchanged layout sends only item digests, and the coordinator reuses its previous decisions.
+exclusive(): in each rank's save thread, before any file is created, the coordinator takes the
+lock of the checkpoint directory (Store.exclusive: one save at a time per location, across
+processes) and tells every rank whether it has it. conclude(): each rank sends what it wrote
+(or its error); the coordinator commits the manifest only if every rank succeeded, and tells
+every rank the outcome; it lets go of the lock once its cleanup has chosen what to remove.
+With one process (dist.Solo) the same steps run without peers.
 
 Owns: the order of messages and the coordinator's cached plans. Does not own: planning rules
 (globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (storage/).
@@ -33,7 +34,9 @@ from ckptio.distributed.rankplan import valued_shards
 from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format.gcpause import paused
-from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, check_files, manifest_entries, objects_of, per_rank_keys, plan_global)
+from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, across_meshes,
+                                        check_files, manifest_entries, objects_of,
+                                        per_rank_keys, plan_global)
 from ckptio.planning.regular_items import Regular, regular_section, regular_writes
 from ckptio.format.types import Manifest, WriteItem, Written
 
@@ -61,6 +64,9 @@ class Memory:
     tree: Any = None
     items: Mapping[int, WriteItem] = field(default_factory=dict)
     regular: Regular | None = None
+    # keys held alike on disjoint device meshes (globalplan.across_meshes): planned per chunk
+    # with digests from the save that found them on, by every rank of the group
+    across: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class Agreement:
     plans: tuple[RankPlan, ...] = ()  # on the coordinator
     global_plan: GlobalPlan | None = None  # on the coordinator
     regular: frozenset[int] = frozenset()  # this rank's regular writes (in ``assignment``)
+    replan: frozenset[str] = frozenset()  # keys to plan again (Memory.across), nothing else
 
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -108,7 +115,9 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     if answer is None:
         _forget(memory)
         raise error  # type: ignore[misc]  # answer is None only when this rank brought one
-    save_id, assignment = wire.decode_answer(answer)
+    save_id, assignment, replan = wire.decode_answer(answer)
+    if replan:
+        return Agreement(save_id, assignment, replan=replan)
     regular: frozenset[int] = frozenset()
     if mine is not None and mine.regular is not None:  # this rank's regular writes: its own
         regular = frozenset(regular_writes(mine.regular, group.rank))
@@ -162,7 +171,7 @@ class Decision:
 
     answers: list[bytes]
     plans: tuple[RankPlan, ...]
-    global_plan: GlobalPlan
+    global_plan: GlobalPlan | None  # None when the ranks must plan again (across_meshes)
 
 
 def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
@@ -195,9 +204,13 @@ def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
         layout = layouts[v.fingerprint]
         regular = None if layout.regular_fp is None else regulars[layout.regular_fp]
         plans.append(layout.plan(rank, v, trees[layout.tree_fp], regular))
+    across = across_meshes(plans)
+    if across:
+        return Decision([wire.encode_replan(across)] * len(plans), tuple(plans), None)
     try:
-        own = per_rank_keys(plans)
-        if all_same and memory.last is not None and memory.last[0] == own:
+        own = per_rank_keys(plans)  # decisions reused unless replicas are known by their bytes
+        if all_same and memory.last is not None and memory.last[0] == own \
+                and not any(valued_shards(plan) for plan in plans):
             memory.reused += 1
             global_plan = dataclasses.replace(memory.last[1], objects=objects_of(plans))
         else:

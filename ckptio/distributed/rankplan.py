@@ -28,16 +28,21 @@ __all__ = ["local_plan", "valued_shards"]
 
 
 def local_plan(group: Group, plan: SavePlan, sources: dict[str, torch.Tensor],
-               flat: FlatState, *, regular: bool = True) -> RankPlan:
+               flat: FlatState, *, regular: bool = True,
+               across: frozenset[str] = frozenset()) -> RankPlan:
     """This rank's RankPlan; plain items carry a digest of their bytes when there are peers.
     Regular DTensor items (grid.py) are planned per tensor when the group's ranks are the
     global ranks 0..size-1 and the DTensor's mesh lies inside it (every rank holding the key
     sees that mesh, so all decide alike); every other item per chunk, and every item when not
-    ``regular`` (a packed save, format version 4: its rows carry fields index files lack)."""
+    ``regular`` (a packed save, format version 4: its rows carry fields index files lack).
+    ``across``: DTensor keys the group holds on disjoint device meshes (collective.Memory):
+    per chunk with a digest, so only equal replicas are stored once."""
     grids = {key: grid for key, grid in plan.grids.items()
-             if max(grid.ranks) < group.size} if regular and _whole_job(group) else {}
+             if max(grid.ranks) < group.size and key not in across} \
+        if regular and _whole_job(group) else {}
     items = {index: i for index, i in enumerate(plan.items) if i.key not in grids}
-    domains = {index: plan.domains[i.key] for index, i in items.items() if i.key in plan.domains}
+    domains = {index: plan.domains[i.key] for index, i in items.items()
+               if i.key in plan.domains and i.key not in across}
     digests: dict[int, str] = {}
     if group.size > 1:
         digests = {index: _digest(sources[i.key]) for index, i in items.items()

@@ -26,7 +26,7 @@ from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, Delta, FileInfo, IndexFi
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
-           "encode_result", "fingerprint", "layout_parts"]
+           "encode_replan", "encode_result", "fingerprint", "layout_parts"]
 
 
 class WireError(CkptError):
@@ -203,12 +203,21 @@ def encode_answer(save_id: str, assignment: Assignment | None, error: str | None
                    "own": sorted(assignment.own)})
 
 
-def decode_answer(data: bytes) -> tuple[str, Assignment]:
-    """-> (save_id, this rank's assignment); raises the coordinator's error, if any."""
+def encode_replan(keys: frozenset[str]) -> bytes:
+    """The coordinator's answer when ``keys`` must be planned again with digests
+    (globalplan.across_meshes)."""
+    return _dumps({"replan": sorted(keys)})
+
+
+def decode_answer(data: bytes) -> tuple[str, Assignment, frozenset[str]]:
+    """-> (save_id, this rank's assignment, keys to plan again: then nothing else); raises the
+    coordinator's error, if any."""
     raw = _loads(data, "the coordinator's answer")
     if raw.get("error") is not None:
         raise CkptError(raw["error"])
-    return raw["save_id"], Assignment(tuple(raw["writes"]), frozenset(raw["own"]))
+    if raw.get("replan"):
+        return "", Assignment(()), frozenset(map(str, raw["replan"]))
+    return raw["save_id"], Assignment(tuple(raw["writes"]), frozenset(raw["own"])), frozenset()
 
 
 def encode_result(written: Written) -> bytes:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import CkptError
 from ckptio.format.types import FileInfo, Json, ObjectEntry, TensorEntry, WriteItem
-from ckptio.planning.regular_items import Regular, check_regular
+from ckptio.planning.regular_items import Regular, check_regular, submesh_replicas
 
-__all__ = ["Assignment", "GlobalPlan", "PlanConflict", "RankPlan", "check_files",
+__all__ = ["Assignment", "GlobalPlan", "PlanConflict", "RankPlan", "across_meshes", "check_files",
            "manifest_entries", "merge_trees", "objects_of", "per_rank_keys", "plan_global"]
 
 
@@ -192,7 +192,22 @@ def _check_kinds(ranks: Sequence[RankPlan]) -> None:
                     raise PlanConflict(
                         f"key {item.key!r}: rank {first[0]} and rank {plan.rank} hold the same "
                         f"region {item.chunk.offsets}+{item.chunk.sizes} with different values; "
-                        "replicas must be equal (or give the tensors different keys)")
+                        "replicas must be equal. Two tensors under one name (pipeline stages on "
+                        "their own device meshes?): give each stage's keys a prefix of their own")
+
+
+def across_meshes(ranks: Sequence[RankPlan]) -> frozenset[str]:
+    """Sharded keys held on more than one device mesh: laid out alike on disjoint meshes
+    (submesh_replicas) or, per chunk, under different meshes. Replicas or different tensors:
+    only their bytes tell, so the ranks plan them again with digests (collective.py)."""
+    keys = set(submesh_replicas(ranks))
+    meshes: dict[str, str] = {}
+    for plan in ranks:
+        for index, domain in plan.domains.items():
+            key = plan.items[index].key
+            if meshes.setdefault(key, domain) != domain:
+                keys.add(key)
+    return frozenset(keys)
 
 
 def per_rank_keys(ranks: Sequence[RankPlan]) -> frozenset[str]:

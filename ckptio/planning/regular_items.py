@@ -24,7 +24,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE, RegularTensor, WriteItem
 from ckptio.format.grid import Grid
 
 __all__ = ["RankView", "Regular", "RegularItem", "check_regular", "regular_section",
-           "regular_writes"]
+           "regular_writes", "submesh_replicas"]
 
 
 @dataclass(frozen=True)
@@ -129,28 +129,34 @@ def check_regular(ranks: Sequence[RankView], conflict: type[CkptError]) -> None:
                 raise conflict(
                     f"key {item.key!r}: rank {rank} holds a shard of a {first[0]} tensor of shape "
                     f"{first[1]} on mesh {_mesh(first[2])}, rank {holders[0]} of a {mine[0]} "
-                    f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; "
-                    + _disagreement(first, mine))
+                    f"tensor of shape {mine[1]} on mesh {_mesh(mine[2])}; every rank must hold "
+                    "the same tensor (pipeline stages: give each stage's keys a prefix)")
     _check_mixed(ranks, seen, conflict)
     by_rank = {plan.rank: plan for plan in ranks}
     for regular, holders in lists.values():
         _check_holders(regular, holders, by_rank, conflict)
 
 
-def _disagreement(first: tuple[str, tuple[int, ...], Grid],
-                  mine: tuple[str, tuple[int, ...], Grid]) -> str:
-    """What two ranks' different layouts of one key mean, and the fix."""
-    a, b = first[2], mine[2]
-    if first[:2] == mine[:2] and (a.shape, a.dims) == (b.shape, b.dims) \
-            and not set(a.ranks) & set(b.ranks):
-        return ("the same layout on disjoint device meshes: replicas of one tensor on "
-                "submeshes (a module left out of the tensor-parallel plan, fully_shard over the "
-                "data-parallel mesh alone) or different tensors under one name (pipeline "
-                "stages). ckptio stores replicas across submeshes only where torch declares them "
-                "(Replicate): put the module in the tensor-parallel plan (e.g. "
-                "parallelize_module(..., {'head': ColwiseParallel(output_layouts=Replicate())})), "
-                "or give each stage's keys a prefix")
-    return "every rank must hold the same tensor (pipeline stages: give each stage's keys a prefix)"
+def submesh_replicas(ranks: Sequence[RankView]) -> frozenset[str]:
+    """Keys laid out alike (dtype, shape, mesh shape, placements) on pairwise disjoint device
+    meshes: replicas of one tensor on submeshes (a module left out of the tensor-parallel plan,
+    fully_shard over the data-parallel mesh alone), or different tensors under one name
+    (pipeline stages). Only their bytes tell which, so they are planned again per chunk with
+    digests (collective.py): equal replicas are stored once, different ones refused."""
+    layouts: dict[str, tuple[object, ...]] = {}
+    meshes: dict[str, set[frozenset[int]]] = {}
+    other: set[str] = set()
+    for regular in {id(p.regular): p.regular for p in ranks if p.regular is not None}.values():
+        for item in regular.items:
+            grid = regular.grids[item.grid]
+            if layouts.setdefault(item.key, (item.dtype, item.shape, grid.shape, grid.dims)) \
+                    != (item.dtype, item.shape, grid.shape, grid.dims):
+                other.add(item.key)
+            mesh, seen = frozenset(grid.ranks), meshes.setdefault(item.key, set())
+            if mesh not in seen and any(mesh & s for s in seen):
+                other.add(item.key)
+            seen.add(mesh)
+    return frozenset(key for key, seen in meshes.items() if len(seen) > 1 and key not in other)
 
 
 def _lacks(plan: RankView | None, keys: frozenset[str]) -> set[str]:

@@ -40,6 +40,7 @@ import torch
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
 from ckptio.format import regular_section
+from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.format.types import (
     Chunk,
@@ -171,12 +172,12 @@ def begin(ctx: SaveContext, state: Any) -> Save:
 
 def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tensor],
                                                   collective.Agreement]:
-    """1 flatten, 2 plan, 3 agree. A failure here is raised on every rank before any byte is
-    written (the peers learn of it in agree())."""
-    mine: collective.RankPlan | None = None
+    """1 flatten, 2 plan, 3 agree (again, once, for keys the ranks hold on disjoint device
+    meshes: collective.Memory.across). A failure here is raised on every rank before any byte
+    is written (the peers learn of it in agree())."""
     error: BaseException | None = None
     reuse = False
-    plan, sources = SavePlan((), (), ()), {}  # replaced, unless agree() raises
+    plan, sources, flat = SavePlan((), (), ()), {}, None  # replaced, unless agree() raises
     try:
         if ctx.previous_error is not None:
             raise ctx.previous_error
@@ -184,13 +185,23 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
         hits = ctx.plan_cache.hits
         plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
         reuse = ctx.plan_cache.hits > hits
-        mine = rankplan.local_plan(ctx.group, plan, sources, flat,
-                                   regular=ctx.packing is None)
     except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
         error = exc
-    agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location, reuse,
-                                 piece=ctx.piece)
-    return plan, sources, agreement
+    for _ in range(2):
+        mine: collective.RankPlan | None = None
+        try:
+            if error is None and flat is not None:
+                mine = rankplan.local_plan(ctx.group, plan, sources, flat,
+                                           regular=ctx.packing is None, across=ctx.memory.across)
+        except BaseException as exc:  # noqa: BLE001 - raised by agree() once the peers know
+            error = exc
+        agreement = collective.agree(ctx.group, mine, error, ctx.memory, ctx.store.location,
+                                     reuse, piece=ctx.piece)
+        if not agreement.replan:
+            return plan, sources, agreement
+        ctx.memory.across |= agreement.replan
+    raise CkptError(f"save to {ctx.store.location}: the ranks planned keys "
+                    f"{sorted(agreement.replan)[:3]} again and still disagree (internal)")
 
 
 def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
