@@ -7,8 +7,8 @@
     convert("ckpts/step-100", "out/step-100", to="torch_checkpointing")
 
 SRC is anything ``ckptio.load`` reads (a ckptio checkpoint, a DCP directory, a torch.save file,
-safetensors, a torch_checkpointing directory); a checkpoint saved by many ranks comes out whole (DTensor shards joined; its
-per-rank values need ``per_rank_from``).
+safetensors, a torch_checkpointing directory); a checkpoint saved by many ranks comes out whole
+(DTensor shards joined; its per-rank values need ``per_rank_from``).
 
 Call order: ``convert`` -> the destination check -> ``ckptio.load`` of SRC (safetensors:
 ``export_hf`` streams instead) -> the target's writer (a temporary name beside DST, renamed

@@ -324,8 +324,8 @@ def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn, scratch: 
     """A window's bytes: its part of the header, then its tensors' element ranges, read from
     the source (into ``scratch`` first when the dtype changes)."""
     if window.offset < len(header):
-        part = header[window.offset:window.offset + window.nbytes]
-        buffer.view[:len(part)] = part
+        head = header[window.offset:window.offset + window.nbytes]
+        buffer.view[:len(head)] = head
     reads: list[Read] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for part, staged in zip(window.parts, scratch.views(window.parts)):
@@ -343,8 +343,8 @@ def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn, scratch: 
                               Chunk((part.start,), (part.count,), flat=True), into))
     if reads:
         read(reads)
-    for dest, scratch in casts:
-        dest.copy_(scratch)
+    for dest, staged in casts:
+        dest.copy_(staged)
 
 
 def _commit(group: Group, plan: ExportPlan, error: BaseException | None, out: str, token: str,

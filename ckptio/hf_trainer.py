@@ -42,7 +42,8 @@ try:
     )
 except ImportError as exc:  # an optional integration: say which extra brings it
     raise ImportError("ckptio.hf_trainer needs transformers and accelerate: "
-                      "pip install 'ckptio[hf-trainer]'") from exc
+                      "pip install transformers accelerate (the hf-trainer extra: "
+                      "pip install -e '.[hf-trainer]' in a checkout)") from exc
 
 from ckptio.errors import (
     CheckpointNotFoundError,
@@ -236,8 +237,9 @@ class CkptioTrainerMixin:
         if not os.path.isdir(os.path.join(best, CKPTIO_DIR)):
             super()._load_best_model()  # type: ignore[misc]
             return
-        load(_checked(best, False), {"model": t.model}, keys=["model"],
-             options=self.ckptio_options)
+        where = _checked(best, False)
+        assert where is not None  # internal: best holds a ckptio checkpoint (checked above)
+        load(where, {"model": t.model}, keys=["model"], options=self.ckptio_options)
 
     def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> bool:
         """Load those of ``wanted`` the checkpoint holds and this trainer has (as transformers

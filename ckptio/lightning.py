@@ -22,6 +22,7 @@ classes subclass one package's CheckpointIO and are registered with the other's)
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib
 import importlib.util
@@ -32,7 +33,7 @@ import shutil
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,8 +66,9 @@ def _lightning_bases() -> list[type]:
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             found.append(importlib.import_module(name).CheckpointIO)
     if not found:
-        raise ImportError("ckptio.lightning needs Lightning: pip install 'ckptio[lightning]' "
-                          "(or pytorch_lightning)")
+        raise ImportError("ckptio.lightning needs Lightning: pip install lightning (or "
+                          "pytorch_lightning; the lightning extra: pip install -e '.[lightning]' "
+                          "in a checkout)")
     return found
 
 
@@ -219,13 +221,13 @@ class AsyncCheckpointIO(CheckpointIO):
 
 
 for _other in _OTHERS:  # the other package's Trainer accepts the plugins too
-    _other.register(CheckpointIO)
+    cast(abc.ABCMeta, _other).register(CheckpointIO)
 
 
 _PATCHING = threading.Lock()
 
 
-def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike[str],
+def load_from_checkpoint(cls: type[Any], checkpoint_path: str | os.PathLike[str],
                          map_location: Any | None = None, *, allow_pickle: bool = False,
                          options: Options | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a ckptio checkpoint, the way to
@@ -242,7 +244,7 @@ def load_from_checkpoint(cls: type, checkpoint_path: str | os.PathLike[str],
     package = ("lightning.pytorch" if _is_subclass(cls, "lightning.pytorch", "LightningModule",
                                                     "LightningDataModule")
                else "pytorch_lightning")
-    saving = importlib.import_module(f"{package}.core.saving")
+    saving: Any = importlib.import_module(f"{package}.core.saving")
     io = CheckpointIO(options, allow_pickle=allow_pickle)
 
     def read(path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:

@@ -317,7 +317,7 @@ class CheckpointManager:
                 if len(self._levels) > 1:  # what the drain's pins kept past the last commit
                     self._retain(0)
                 for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
-                    if self._agreed(lambda k=k: self._levels[k].deferred):
+                    if self._agreed(lambda: self._levels[k].deferred):
                         self._retain(k)
             finally:
                 for level in self._levels:
@@ -401,7 +401,8 @@ class CheckpointManager:
         listings = self._agreed(self._listings)
         if step is None and not any(x["committed"] for x in listings):
             why = self._agreed(lambda: emptiness(self._levels, listings))
-            return nothing_to_restore(self._levels, listings, why, stacklevel=4)
+            nothing_to_restore(self._levels, listings, why, stacklevel=4)
+            return None
         restored = restore_first(self._levels, listings, state, step, load_kwargs,
                                  stacklevel=4)
         self.last_restore = restored.record()

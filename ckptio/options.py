@@ -76,7 +76,7 @@ class Options:
         "raise" CheckpointLockedError at once (from wait() for an async save).
     compression: "off" (default), "auto" or a codec ("bytegroup+zstd", "zstd"): lossless
         compression of each saved chunk, in frames of the block checksums' size, on the save's
-        I/O threads (``pip install 'ckptio[compress]'``). "auto" compresses a chunk only when a
+        I/O threads (``pip install zstandard``). "auto" compresses a chunk only when a
         sample of it (its first frame) shrinks by >= 1.1x and either the store is an object store
         or the codec, on ``compress_threads`` threads, outruns the disk's measured write rate
         (``ckptio tune``; no profile: not compressed); a codec compresses every chunk that
@@ -101,10 +101,11 @@ class Options:
         protection across hosts (a copy, a parity piece, the exchange of a step's metadata,
         the listing of steps() / latest()) may wait for a peer: a peer that died or stopped
         answering makes the protection fail with RankFailedError naming it (stored: raised by
-        protected() and close(), shown in status(); steps() raises it) instead of waiting. It must exceed the skew between the ranks' commits of one
-        step (every rank's protection thread meets the others at each step).
+        protected() and close(), shown in status(); steps() raises it) instead of waiting. It
+        must exceed the skew between the ranks' commits of one step (every rank's protection
+        thread meets the others at each step).
 
-    For ``s3://bucket/prefix`` paths (``pip install 'ckptio[s3]'``); left at None, each comes
+    For ``s3://bucket/prefix`` paths (``pip install boto3``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
     the standard credential chain):
     s3_endpoint_url: an S3-compatible endpoint (MinIO, SeaweedFS, Ceph RGW), e.g.

@@ -2,12 +2,12 @@
 (format version 4, saving/packing.py) or a plain one.
 
 Owns: resolving the option ("off", "auto", a codec) against what is installed (a codec that is
-not: CkptError naming ``pip install 'ckptio[compress]'``; "auto" without it: off, logged once),
+not: CkptError naming ``pip install zstandard``; "auto" without it: off, logged once),
 the store's measured write rate for "auto" (the tuner's profile, tuning/profile.py; an object
 store is known to be slow; a local store with no profile, or one faster than the codec's speed
-measured once per process, and no base: a plain save, exactly "off"), and opening the base of a delta save (a sibling checkpoint of the
-same kind of store, self-contained). Does not own: the frames and their files (saving/packing.py),
-reading a base's bytes (storage/entry_reader.py).
+measured once per process, and no base: a plain save, exactly "off"), and opening the base of
+a delta save (a sibling checkpoint of the same kind of store, self-contained). Does not own:
+the frames and their files (saving/packing.py), reading a base's bytes (storage/entry_reader.py).
 """
 
 from __future__ import annotations

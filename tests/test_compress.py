@@ -184,7 +184,7 @@ def test_a_codec_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)  # import zstandard -> ImportError
     ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
                                             compression="zstd"))
-    with pytest.raises(CkptError, match=r"pip install 'ckptio\[compress\]'"):
+    with pytest.raises(CkptError, match=r"pip install zstandard \(the compress extra"):
         ck.save({"w": torch.zeros(10)}, str(tmp_path / "ckpt"))
     assert not os.path.exists(tmp_path / "ckpt" / "manifest.json")
     auto = ckptio.Checkpointer(ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB,
@@ -312,7 +312,7 @@ def test_loading_without_the_codec_names_the_extra(tmp_path, monkeypatch):
                                             compression="zstd"))
     ck.save({"w": compressible(torch.float32, FRAME // 4)}, path)
     monkeypatch.setitem(sys.modules, "zstandard", None)
-    with pytest.raises(CkptError, match=r"reading a compressed.*pip install 'ckptio\[compress\]'"):
+    with pytest.raises(CkptError, match=r"reading a compressed.*pip install zstandard"):
         ck.load(path)
 
 

@@ -1,8 +1,8 @@
 """A rank killed (SIGKILL) or frozen (SIGSTOP: alive, its sockets open, answering nothing) at each
 phase of a save and of a load: every other rank raises RankFailedError naming it, for the reason
-README gives (its silence past Options.rank_timeout_s, or the store's host gone), and a failed
-save commits nothing (the previous checkpoint still loads). Real processes over gloo and the
-job's TCPStore.
+docs/guides/distributed.md gives (its silence past Options.rank_timeout_s, or the store's host
+gone), and a failed save commits nothing (the previous checkpoint still loads). Real processes
+over gloo and the job's TCPStore.
 
 The time bounds here only say that nothing hung and that the step's own limit
 (step_timeout_s, 120 s) was not what ended the wait: they hold on a machine under heavy load.
@@ -83,7 +83,7 @@ def test_a_rank_killed_during_a_load_fails_every_rank(tmp_path, phase, victim):
     _check_survivors(outcomes, victim, mark, _killed_cause(victim))
 
 
-# A frozen rank 0 holding the job's store would stall the others' store calls (README): there the
+# A frozen rank 0 holding the job's store would stall the others' store calls (the guide): there the
 # store is held outside the ranks, as torchrun's agent holds it.
 
 

@@ -105,6 +105,6 @@ def test_s3_options_are_checked_and_read_from_the_environment(monkeypatch):
 def test_without_boto3_an_s3_path_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "boto3", None)
     s3client._clients.clear()
-    with pytest.raises(CkptError, match=r"pip install 'ckptio\[s3\]'"):
+    with pytest.raises(CkptError, match=r"pip install boto3 \(the s3 extra"):
         ckptio.load("s3://bucket/run/step-1")
     s3client._clients.clear()

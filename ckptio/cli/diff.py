@@ -103,7 +103,7 @@ _NAMES = {"d": "dict", "l": "list", "t": "tuple", "s": "state_dict"}
 
 def _nesting(tree: Json, above: tuple[str, ...] = ()) -> Iterator[tuple[str, tuple[str, ...]]]:
     """Each leaf key of a FORMAT.md tree with the containers holding it, outermost first."""
-    (tag, body), = tree.items()  # type: ignore[union-attr]
+    (tag, body), = tree.items()
     if tag == "k":
         yield str(body), above
     elif tag == "s":
@@ -112,7 +112,7 @@ def _nesting(tree: Json, above: tuple[str, ...] = ()) -> Iterator[tuple[str, tup
         for key, inner in _nesting(body[1], above):
             yield key, (*above, body[0][0], *inner[len(above) + 1:])
     else:
-        for _name, child in body if tag == "d" else enumerate(body):  # type: ignore[arg-type]
+        for _name, child in body if tag == "d" else enumerate(body):
             yield from _nesting(child, (*above, _NAMES[tag]))
 
 

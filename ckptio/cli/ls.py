@@ -53,14 +53,14 @@ def _leaf(row: Row, exact: bool) -> dict[str, Any]:
 def _node(name: Json, tree: Json, table: dict[str, Row], depth: int, limit: int | None,
           exact: bool) -> dict[str, Any]:
     """The JSON node of ``tree`` (a FORMAT.md tree node) named ``name`` at ``depth``."""
-    (tag, body), = tree.items()  # type: ignore[union-attr]
+    (tag, body), = tree.items()
     if tag == "k":
         return {"name": name, **_leaf(table[str(body)], exact)}
     if tag == "s":  # an object saved through its state_dict(): its state, marked
         return {**_node(name, body, table, depth, limit, exact), "stateful": True}
     if tag == "c":  # a namedtuple or defaultdict: its tuple or dict, typed
         return {**_node(name, body[1], table, depth, limit, exact), "type": body[0][0]}
-    named = body if tag == "d" else list(enumerate(body))  # type: ignore[arg-type]
+    named = body if tag == "d" else list(enumerate(body))
     children = [_node(k, child, table, depth + 1, limit, exact) for k, child in named]
     node: dict[str, Any] = {"name": name, "type": _CONTAINERS[tag],
                             "leaves": sum(c.get("leaves", 1) for c in children),

@@ -47,7 +47,8 @@ class Row:
     @property
     def ranks(self) -> list[int] | None:
         """The ranks of a per-rank key (saved differently by each rank), else None."""
-        found = [e.rank for e in (*self.chunks, *self.objects) if e.rank is not None]
+        entries: tuple[TensorEntry | ObjectEntry, ...] = (*self.chunks, *self.objects)
+        found = [e.rank for e in entries if e.rank is not None]
         return sorted(found) if found else None
 
 

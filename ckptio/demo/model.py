@@ -57,6 +57,8 @@ PRESETS = {
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.n_head = cfg.n_head

@@ -160,7 +160,7 @@ def hold_commits(mgr: Any) -> None:
         never.wait()
         return finish(job)
 
-    persist.SaveJob.finish = held  # type: ignore[method-assign]
+    persist.SaveJob.finish = held  # type: ignore[method-assign,assignment]
 
 
 def kill_now(note: mmap.mmap, step: int, handle: Any) -> None:

@@ -83,4 +83,4 @@ def _digest(t: torch.Tensor) -> str:
     t = t.contiguous()
     if t.numel() == 0:
         return xxhash.xxh3_64_hexdigest(b"")
-    return xxhash.xxh3_64_hexdigest(memoryview(t.view(-1).view(torch.uint8).numpy()))
+    return xxhash.xxh3_64_hexdigest(t.view(-1).view(torch.uint8).numpy().data)

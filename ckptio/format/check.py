@@ -7,6 +7,7 @@ not own: what each part of a manifest holds (validate.py, regular_section.py).
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -36,17 +37,17 @@ class Check:
             raise self.fail(f"{what} must be an integer in [0, 2^62), got {show(value)}")
         return value
 
-    def str(self, value: Any, what: str) -> str:
+    def str(self, value: Any, what: builtins.str) -> builtins.str:
         if not isinstance(value, str):
             raise self.fail(f"{what} must be a string, got {show(value)}")
         return value
 
-    def list(self, value: Any, what: str) -> list[Any]:
+    def list(self, value: Any, what: builtins.str) -> builtins.list[Any]:
         if not isinstance(value, list):
             raise self.fail(f"{what} must be a list, got {show(value)}")
         return value
 
-    def field(self, obj: Any, name: str, what: str) -> Any:
+    def field(self, obj: Any, name: builtins.str, what: builtins.str) -> Any:
         if not isinstance(obj, dict) or name not in obj:
             raise self.fail(f"{what} lacks field {name!r}")
         return obj[name]

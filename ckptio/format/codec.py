@@ -32,7 +32,7 @@ from ckptio.options import CODECS
 __all__ = ["CODECS", "INSTALL", "check_available", "decode_frame", "encode_frame", "group_of",
            "is_stored_name", "stored_name", "xor_into"]
 
-INSTALL = "pip install 'ckptio[compress]'"
+INSTALL = "pip install zstandard (the compress extra: pip install -e '.[compress]' in a checkout)"
 LEVEL = 1  # zstd level: level 3 compressed no better on training tensors (docs/PROBES.md)
 MAX_GROUP = 16  # complex128
 _NAME = re.compile(r"^(?:zstd|bytegroup(2|4|8|16)\+zstd)$")
@@ -96,7 +96,7 @@ def _decompressor() -> Any:
     return d
 
 
-def encode_frame(name: str, frame: memoryview | bytes) -> bytes | memoryview:
+def encode_frame(name: str, frame: memoryview | bytes | bytearray) -> bytes | bytearray | memoryview:
     """The stored bytes of one frame: compressed when shorter, else the frame itself (raw).
 
     Frame i of an entry holds its logical bytes ``[i * block_nbytes, min((i + 1) *
@@ -139,7 +139,7 @@ def decode_frame(name: str, stored: memoryview | bytes, into: memoryview) -> Non
         into[:] = raw
 
 
-def xor_into(target: memoryview, other: memoryview | bytes) -> None:
+def xor_into(target: memoryview, other: memoryview | bytes | bytearray) -> None:
     """``target ^= other`` byte by byte (equal lengths)."""
     _zstd, np = _modules()
     a = np.frombuffer(target, np.uint8)

@@ -130,7 +130,7 @@ def _stand_in(module: str, qualname: str, fields: tuple[str, ...]) -> type:
     key = (module, qualname, fields)
     if key not in _STAND_INS:
         name = qualname.rsplit(".", 1)[-1]
-        _STAND_INS[key] = collections.namedtuple(  # type: ignore[misc]
+        _STAND_INS[key] = collections.namedtuple(
             name if name.isidentifier() and not keyword.iskeyword(name) else "SavedTuple",
             fields, module=module)
     return _STAND_INS[key]

@@ -18,6 +18,7 @@ DcpMeta into a ckptio Manifest (loading/dcpdir.py).
 
 from __future__ import annotations
 
+import builtins
 import io
 import pickle
 import posixpath
@@ -221,19 +222,19 @@ class _Check:
             raise self.fail(f"{what} must be an integer in [0, 2^62), got {show(value)}")
         return value
 
-    def str(self, value: Any, what: str) -> str:
+    def str(self, value: Any, what: builtins.str) -> builtins.str:
         if type(value) is not str:
             raise self.fail(f"{what} must be a string, got {show(value)}")
         return value
 
-    def ints(self, value: Any, what: str) -> tuple[int, ...]:
+    def ints(self, value: Any, what: builtins.str) -> tuple[builtins.int, ...]:
         if type(value) is not tuple or len(value) > _MAX_NDIM:
             raise self.fail(f"{what} must be a tuple of at most {_MAX_NDIM} integers, got "
                             f"{show(value)}")
         return tuple(self.int(v, what) for v in value)
 
-    def fields(self, obj: Any, name: str, required: tuple[str, ...],
-               optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    def fields(self, obj: Any, name: builtins.str, required: tuple[builtins.str, ...],
+               optional: tuple[builtins.str, ...] = ()) -> dict[builtins.str, Any]:
         """The state of stand-in ``obj`` of record ``name``: a dict of exactly these fields."""
         if type(obj) is not _RECORDS[name]:
             raise self.fail(f"expected a {name}, got {_describe(obj)}")

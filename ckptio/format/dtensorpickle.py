@@ -37,6 +37,8 @@ class _Rec:
 
     __slots__ = ("args", "state")
     name = ""
+    args: tuple[Any, ...]
+    state: dict[str, Any]
 
     def __new__(cls, *args: Any) -> _Rec:
         made = object.__new__(cls)

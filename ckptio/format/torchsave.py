@@ -56,7 +56,7 @@ class Record:
     crc32: int
 
 
-class TorchSize(tuple):  # type: ignore[type-arg]
+class TorchSize(tuple):
     """A ``torch.Size`` decoded from the pickle (loading makes it a real torch.Size)."""
 
 
@@ -165,7 +165,7 @@ def data_offset(local: bytes, record: Record, file_size: int, where: str) -> int
     return start
 
 
-class _ODict(dict):  # type: ignore[type-arg]
+class _ODict(dict):
     """collections.OrderedDict, built empty then filled (its BUILD state, the state_dict's
     ``_metadata``, is dropped)."""
 
@@ -210,7 +210,7 @@ class _BytesIO(io.BytesIO):
         if not (type(state) is tuple and len(state) == 3 and type(state[0]) is bytes
                 and type(state[1]) is int and state[2] in (None, {})):
             raise TypeError("io.BytesIO state is (bytes, position, None)")
-        super().__setstate__((state[0], state[1], None))
+        super().__setstate__((state[0], state[1], None))  # type: ignore[misc]  # not in typeshed
 
 
 def _size(*args: Any) -> TorchSize:

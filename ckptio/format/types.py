@@ -250,7 +250,7 @@ class Manifest:
     bases: tuple[str, ...] = ()
 
 
-E = TypeVar("E")
+E = TypeVar("E", covariant=True)  # a range of spans is a range of what they are
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ def _plain_tensor(raw: Any, sizes: dict[str, int], block_nbytes: int) -> TensorE
             or not all(map(is_checksum, blocks))):
         return None
     return TensorEntry(key, "tensor", dtype, shape, Chunk(offsets, chunk_sizes), file, offset,
-                       nbytes, checksum, None, tuple(blocks))
+                       nbytes, str(checksum), None, tuple(blocks))
 
 
 def _plain_ints(raw: Any, count: int | None) -> tuple[int, ...] | None:

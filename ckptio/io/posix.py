@@ -40,7 +40,7 @@ class PosixBackend:
         return {"depth": self.depth, "direct_io": self.direct_io}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(depth=state["depth"], direct_io=state["direct_io"])  # type: ignore[misc,arg-type]
+        self.__init__(depth=state["depth"], direct_io=state["direct_io"])  # type: ignore[misc]
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -49,7 +49,7 @@ _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
 
-def _call(*args: int | ctypes.c_void_p | None) -> int:
+def _call(*args: int | bytes | ctypes.c_void_p | None) -> int:
     """One system call; OSError with the errno on failure. The GIL is released while in it."""
     result = _syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
     if result < 0:

@@ -68,7 +68,7 @@ class UringBackend:
         return {"depth": self.depth, "direct_io": self.direct_io}
 
     def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(depth=state["depth"], direct_io=state["direct_io"])  # type: ignore[misc,arg-type]
+        self.__init__(depth=state["depth"], direct_io=state["direct_io"])  # type: ignore[misc]
 
     def open_write(self, path: str, nbytes: int) -> FileHandle:
         # Preallocated: writes that extend a file ran at a quarter of the speed through io_uring.

@@ -55,7 +55,8 @@ def split(source: StoreFiles, spans: Sequence[Any]) -> tuple[list[Any], list[Any
     """(the spans read straight into their destination, the rest), both in the given order."""
     if not spans or not source.in_memory():
         return [], list(spans)
-    direct, rest = [], []
+    direct: list[Any] = []
+    rest: list[Any] = []
     for span in spans:
         (direct if _fits(span) else rest).append(span)
     return direct, rest
@@ -76,7 +77,7 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
     first failure, in batch order, is raised once every batch has finished. -> bytes read."""
     # every destination's bytes first: torch's calls release the GIL, and once reads are in
     # flight their threads would hold each of these calls up
-    views = [memoryview(s.dests[0].detach().reshape(-1).view(torch.uint8).numpy()) for s in spans]
+    views = [s.dests[0].detach().reshape(-1).view(torch.uint8).numpy().data for s in spans]
     handles: dict[str, FileHandle] = {}
     batches: list[Future[int]] = []
     try:

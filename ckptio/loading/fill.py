@@ -8,12 +8,13 @@ handed a ``read`` function, see read.py).
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, cast
 
 import torch
 
@@ -30,7 +31,7 @@ from ckptio.planning.sharding import check_dense, held
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
            "fill_in_place", "selector", "source_rank", "stored_value"]
 
-KeyFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
+KeyFilter = None | str | Iterable[str] | Callable[[str], bool]
 ReadFn = Callable[[list[Read]], int]
 
 
@@ -58,7 +59,7 @@ def selector(keys: KeyFilter) -> Callable[[str], bool]:
     return lambda k: any(k == w or k.startswith(w + ".") for w in wanted)
 
 
-RankPolicy = Union[None, int, Mapping[int, int], Callable[[int], int]]
+RankPolicy = None | int | Mapping[int, int] | Callable[[int], int]
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
     found = {k: sources.get(k) for k in sources.keys() if select(k) and not is_marker(k)}
     sources.check_refused()
     reads = _Reads()
-    made: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}  # by id of the stored entry
     for source in found.values():
         if isinstance(source, TensorSource) and id(source.head) not in made:
             made[id(source.head)] = tensor = _whole(source)
@@ -313,9 +314,9 @@ def _replace(plan: _InPlace, key: str, source: TensorSource | ObjectEntry) -> No
     if isinstance(source, TensorSource):
         staged = _whole(source)
         plan.add(source, Chunk.whole(source.head.shape), staged)
-        plan.assign.append((key, lambda e=source.head, t=staged: stored_value(e, t)))
+        plan.assign.append((key, functools.partial(stored_value, source.head, staged)))
     else:
-        plan.assign.append((key, lambda o=source: _decode_object(o)))
+        plan.assign.append((key, functools.partial(_decode_object, source)))
 
 
 def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: bool,
@@ -402,10 +403,11 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:
     loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
     to the embedding): the load fills them, so they are not missing."""
     def view(leaf: object) -> tuple[object, ...] | None:
-        if (type(leaf) not in (torch.Tensor, torch.nn.Parameter) or not leaf.numel()  # type: ignore[union-attr]
-                or leaf.is_meta):  # type: ignore[union-attr]  # every meta tensor's data_ptr is 0
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
             return None
-        t: torch.Tensor = leaf  # type: ignore[assignment]
+        t = cast(torch.Tensor, leaf)
+        if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
+            return None
         return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
     loaded = {v for k in common if (v := view(flat.leaves[k].value)) is not None}

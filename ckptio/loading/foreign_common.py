@@ -218,8 +218,9 @@ def nest(nodes: Mapping[str, Json], paths: Mapping[str, tuple[str | int, ...]], 
     key, an int a list index; a key without a path sits at the top). A dict key DCP stored as a
     canonical decimal string ("0", "17") comes back as an int: DCP turns every dict key into a
     str, and optimizer state is keyed by int. A level whose indices are exactly 0..n-1 (n >= 1)
-    is a list (an empty level, the top of a state DCP flattened to nothing, is a dict); one with gaps (DCP saves nothing for an empty dict in a list) keeps its indices as
-    dict keys, so every key still names its own value. ``error`` (naming ``where``) for paths
+    is a list (an empty level, the top of a state DCP flattened to nothing, is a dict); one
+    with gaps (DCP saves nothing for an empty dict in a list) keeps its indices as dict keys,
+    so every key still names its own value. ``error`` (naming ``where``) for paths
     that collide."""
     root: dict[Any, Any] = {}
     for key, node in nodes.items():

@@ -170,17 +170,18 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
     read = read_fn(resources, store, record, verify=request.verify)
     record = expand_torch_save(record, read, where=store.location,
                                allow_pickle=request.allow_pickle)
-    where = {"rank": request.rank, "world_size": request.world_size,
-             "per_rank_from": request.per_rank_from}
+    where: dict[str, Any] = {"rank": request.rank, "world_size": request.world_size,
+                             "per_rank_from": request.per_rank_from}
     select = selector(request.keys)
     if state is None:  # whole tensors: every chunk of the regular keys asked for
-        record = resolve_regular.expand(record, {r.key: None for r in record.regular if select(r.key)},
-                                plain)
+        record = resolve_regular.expand(record, {r.key: None for r in record.regular
+                                                 if select(r.key)}, plain)
         return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
                           **where)
     flat = flatten(state)
     if record.regular:  # only the chunks this state's regions need, and their index files
-        record = resolve_regular.expand(record, resolve_regular.wanted_in_place(record, flat, select), plain)
+        record = resolve_regular.expand(
+            record, resolve_regular.wanted_in_place(record, flat, select), plain)
     return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
                          cast=request.cast, allow_pickle=request.allow_pickle,
                          agree_unexpected=request.agree_unexpected, **where)
@@ -192,8 +193,10 @@ def _check_piece(record: Manifest, where: str) -> None:
     it, in a job of as many ranks: refused otherwise, before anything is read. (A piece of
     whole tensors, a rank's own plain state, loads anywhere.)"""
     piece = record.meta.get("piece")
+    if not isinstance(piece, dict):
+        return
     held: dict[str, int] = {}
-    for t in record.tensors if isinstance(piece, dict) else ():
+    for t in record.tensors:
         if t.rank is None:
             held[t.key] = held.get(t.key, 0) + t.chunk.numel
     shapes = {t.key: t.shape for t in record.tensors}

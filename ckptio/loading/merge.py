@@ -168,9 +168,9 @@ def _rebuilt(live: tuple[Any, ...], items: list[Any], key: str) -> tuple[Any, ..
     if kind is tuple:
         return tuple(items)
     if hasattr(kind, "_make"):  # a namedtuple
-        return kind._make(items)  # type: ignore[attr-defined, no-any-return]
+        return kind._make(items)
     try:
-        return kind(items)  # type: ignore[no-any-return]
+        return kind(items)
     except TypeError as exc:
         raise StateMismatchError(
             f"{key or 'the state'}: a {kind.__name__} (a tuple subclass) holds values that "

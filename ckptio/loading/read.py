@@ -111,7 +111,8 @@ def plan_spans(reads: Sequence[Read], block_nbytes: int, buffer_bytes: int) -> l
             span.dests.append(read.dest)
     for key in [key for key in wholes if key in parts]:  # one plan for the entry: none read twice
         span = wholes.pop(key)
-        for dest in span.dests or [None]:
+        dests: list[torch.Tensor | None] = [*span.dests] or [None]
+        for dest in dests:
             _add_pieces(parts, span.entry.key, (span.entry,), span.entry.chunk, dest, max_read)
     return [*wholes.values(), *_block_spans(parts, block_nbytes, limit)]
 

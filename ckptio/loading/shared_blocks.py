@@ -36,20 +36,29 @@ Part = tuple[int, int, bool]  # file offset, bytes, through the page cache
 
 
 class _Piece(Protocol):
-    offset: int
-    nbytes: int
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class _Entry(Protocol):
-    offset: int
+    @property
+    def offset(self) -> int: ...
 
 
 class Span(Protocol):
     """What this module reads of read.py's spans."""
 
-    entry: _Entry
-    offset: int
-    whole: bool
+    @property
+    def entry(self) -> _Entry: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def whole(self) -> bool: ...
 
     @property
     def end(self) -> int: ...

@@ -9,7 +9,8 @@ unpickler), its keys put under the item's name; a DTensor's shard becomes its ch
 global tensor (its replicas kept once), so a load fills any layout (one process, another
 rank count, another mesh); a plain tensor or value of a many-rank checkpoint is its rank's
 own (``per_rank_from`` chooses, as for any per-rank value), unless it is the same on every
-rank (a value equal, a tensor of one dtype, shape and CRC-32): then it is one value. 0.1.1 keeps no checksum file: each record's CRC-32 is what a read checks.
+rank (a value equal, a tensor of one dtype, shape and CRC-32): then it is one value. 0.1.1
+keeps no checksum file: each record's CRC-32 is what a read checks.
 
 Call order: ``holds_tc`` (opening.py's dispatch) -> ``open_tc`` -> the load path reads the
 entries like any checkpoint's (read.py, fill.py). Refused, with a CkptError naming the file:
@@ -129,7 +130,8 @@ def _same_once(entries: list[E], world: int) -> list[E]:
     return out
 
 
-def _as_shared(entry: E, first: E) -> E:
+def _as_shared(entry: ObjectEntry | TensorEntry,
+               first: ObjectEntry | TensorEntry) -> ObjectEntry | TensorEntry:
     """``entry`` as the one shared entry ``first`` would be: no rank (a tensor's file and
     offset are its own rank's, so they are not compared)."""
     if isinstance(entry, TensorEntry) and isinstance(first, TensorEntry):

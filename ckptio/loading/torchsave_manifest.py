@@ -179,14 +179,16 @@ class Walk:
         self.objects: list[ObjectEntry] = []
         self.aliases: list[tuple[str, str]] = []
         # storage -> key, dtype, size, order, offset of its first view
-        self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...], int]] = {}
+        self.seen: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...] | None, int]] = {}
         self.parts: list[tuple[TensorEntry, fmt.Record, int]] = []  # settle() finishes them
         self.leaves: set[str] = set()
 
     def expand(self, value: Any, key: str, depth: int) -> Json:
         if depth > MAX_TREE_DEPTH:
             raise CkptError(f"{self.where}: key {key!r} nests deeper than {MAX_TREE_DEPTH} levels")
-        sub = (lambda k: f"{key}.{k}" if key else str(k))
+        def sub(k: object) -> str:
+            return f"{key}.{k}" if key else str(k)
+
         if isinstance(value, dict):
             items = []
             for k, v in value.items():
@@ -288,6 +290,7 @@ class Walk:
             self.aliases.append((key, first[0]))
             return
         self.seen[storage.key] = (key, t.dtype, size, order, offset)
+        assert order is not None  # internal: a whole storage has one, a part is row-major (())
         entry = TensorEntry(
             key=key, kind="tensor", dtype=t.dtype, shape=shape, chunk=Chunk(offsets, size),
             file=self.file, offset=self.starts[record.name] + head, nbytes=nbytes,

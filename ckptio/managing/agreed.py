@@ -47,7 +47,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
     or None when nothing was saved anywhere, on any rank."""
     started = time.perf_counter()
-    listing, others = listings(), set()
+    listing, others = listings(), set[int]()
     own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
     anywhere = sorted({s for level, tier in zip(levels, listing)
                        for s in _this_world(level, tier["committed"], guard.world, others)})

@@ -53,7 +53,7 @@ def declare(directory: str | os.PathLike[str] | None, tiers: Any, *, keep_last: 
         keep_last = 3 if keep_last is UNSET else keep_last
         keep_every = None if keep_every is UNSET else keep_every
         first = Retention.checked(keep_last=keep_last, keep_every=keep_every, **best)
-        tier = Tier(directory, every=every or 1, keep_last=keep_last,
+        tier = Tier(os.fspath(directory), every=every or 1, keep_last=keep_last,
                     keep_every=keep_every)
         return Declared([tier], every, [first])
     if directory is not None:

@@ -284,7 +284,7 @@ def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[st
     """Rank 0: every tier's steps, fastest first. The first tier's listing error is raised; a
     slower tier that cannot be listed now (an object store gone away for the lister's
     deadline) counts as holding nothing, with a warning naming it and why."""
-    out = [dict(levels[0].listing())]
+    out: list[dict[str, list[Any]]] = [dict(levels[0].listing())]
     for level in levels[1:]:
         try:
             out.append(dict(level.listing()))

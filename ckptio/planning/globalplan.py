@@ -135,11 +135,11 @@ def _check_coverage(groups: dict[tuple[object, ...], _Group], piece: bool) -> No
         for d in shapes[key]:
             total *= d
         if count != total and not (piece and count < total):
+            what = "a shard is missing or misplaced" if count < total else "shards overlap"
             raise PlanConflict(
                 f"key {key!r}: the ranks' distinct shards hold {count} elements of a tensor of "
-                f"{total} (shape {shapes[key]}); {'a shard is missing or misplaced' if count < total else 'shards overlap'}"
-                ": check the offsets of every rank's TensorShard / FlatShard, or that every rank "
-                "passes this key")
+                f"{total} (shape {shapes[key]}); {what}: check the offsets of every rank's "
+                "TensorShard / FlatShard, or that every rank passes this key")
 
 
 def _check_tensor_or_value(ranks: Sequence[RankPlan]) -> None:

@@ -166,10 +166,10 @@ def _lacks(plan: RankView | None, keys: frozenset[str]) -> set[str]:
     if plan is None:
         return set(keys)
     lacking = keys - plan.regular.keys if plan.regular is not None else set(keys)
-    return lacking - {key for key, _target in plan.aliases} if lacking else set()
+    return set(lacking) - {key for key, _target in plan.aliases} if lacking else set()
 
 
-def _check_mixed(ranks: Sequence[RankView], seen: dict[str, object],
+def _check_mixed(ranks: Sequence[RankView], seen: Mapping[str, object],
                  conflict: type[CkptError]) -> None:
     """No rank holds a regular key on the per-chunk path."""
     for plan in ranks:
@@ -221,7 +221,7 @@ def regular_section(plans: Sequence[RankView], aliases: Sequence[tuple[str, str]
     distinct list once (ranks of equal lists share one, collective.py). A key the global plan
     made an alias (a tie one rank could not see, its piece being empty) is left out."""
     grids: dict[Grid, int] = {}
-    rows: dict[str, RegularTensor] = dict.fromkeys(key for key, _target in aliases)  # type: ignore[arg-type]
+    rows: dict[str, RegularTensor | None] = dict.fromkeys(key for key, _target in aliases)
     seen: set[int] = set()
     for plan in plans:
         regular = plan.regular

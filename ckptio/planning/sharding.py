@@ -244,7 +244,7 @@ def _check_box(shape: tuple[int, ...], mesh: Any, placements: Any, chunk: Chunk,
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return
-    sizes, indices = list(shape), {}
+    sizes, indices = list(shape), {}  # type: tuple[list[int], dict[int, Any]]
     for mesh_dim, placement in enumerate(placements):
         if type(placement).__name__ not in ("Shard", "_StridedShard"):
             continue

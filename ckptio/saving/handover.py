@@ -58,7 +58,7 @@ class Handover:
             if capture is None:
                 return False
             capture()
-        except Exception as exc:  # the capture failed: the save's thread raises it
+        except Exception as exc:  # noqa: BLE001 - the capture failed: the save's thread raises it
             self._fail(exc)
             return False
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: belong to the caller too

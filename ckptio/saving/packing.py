@@ -347,7 +347,7 @@ class Packer:
         if self._entries:
             missing = min(self._entries)
             raise CkptError(f"internal: packed entry {missing} was not captured whole")
-        for number, placement in enumerate(self.placements, self.first_index):
+        for number, _placement in enumerate(self.placements, self.first_index):
             if number not in self._done:  # no bytes, no frames: a place in a file of the save
                 name = self._files[0].name if self._files else self._segment_name()
                 self._done[number] = Where(name, 0, None, None)

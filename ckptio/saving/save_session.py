@@ -177,7 +177,8 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
     is written (the peers learn of it in agree())."""
     error: BaseException | None = None
     reuse = False
-    plan, sources, flat = SavePlan((), (), ()), {}, None  # replaced, unless agree() raises
+    plan, flat = SavePlan((), (), ()), None  # replaced, unless agree() raises
+    sources: dict[str, torch.Tensor] = {}
     try:
         if ctx.previous_error is not None:
             raise ctx.previous_error
@@ -222,7 +223,8 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
                   else None)
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
-                 frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items, sum(i.nbytes for i in items), persist.ready_events(sources))
+                 frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items,
+                 sum(i.nbytes for i in items), persist.ready_events(sources))
 
 
 def _start_thread(ctx: SaveContext, part: _Part, control: HandleControl) -> threading.Thread:

@@ -86,7 +86,7 @@ class StoreFiles:
         futures = []
         for i, (offset, into) in enumerate(reads):
             future = self.backend.submit_read(fh, offset, into)
-            futures.append(_then(future, lambda got, i=i, into=into: each(i, got, True)))
+            futures.append(_then(future, _last_call(each, i)))
         return all_of(futures)
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
@@ -133,6 +133,11 @@ class IOResources(Protocol):
     def io_depth(self) -> int:
         """Reads in flight per load (the options the backends were made with)."""
         ...
+
+
+def _last_call(each: Filled, i: int) -> Callable[[int], None]:
+    """``each`` for read ``i``, called once with all its bytes."""
+    return lambda got: each(i, got, True)
 
 
 def _then(future: Future[int], after: Callable[[int], None]) -> Future[int]:

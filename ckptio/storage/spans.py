@@ -63,8 +63,8 @@ class Spans:
                     continue
                 index = open_.get(key[:2])
                 span = self._order[index] if index is not None else None
-                if (span is None or offset < span.end or offset - span.end > GAP
-                        or offset + nbytes - span.start > SPAN):
+                if (span is None or index is None or offset < span.end
+                        or offset - span.end > GAP or offset + nbytes - span.start > SPAN):
                     index = open_[key[:2]] = len(self._order)
                     span = _Span(files, name, offset, offset)
                     self._order.append(span)

@@ -26,14 +26,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Union
+from typing import Any
 
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, IOBackend
 
 __all__ = ["FaultyBackend", "inject"]
 
-ErrorSpec = Union[str, int, Callable[[str, str, int], BaseException]]
+ErrorSpec = str | int | Callable[[str, str, int], BaseException]
 
 _ERRNOS = {"eio": errno_mod.EIO, "enospc": errno_mod.ENOSPC, "edquot": errno_mod.EDQUOT}
 _HINTS = {
@@ -180,4 +180,4 @@ def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend
     wrapped = checkpointer.resources().wrap_backend(
         LocalStore(".") if store is None else store,
         lambda backend: FaultyBackend(backend, **faults))
-    return wrapped  # type: ignore[no-any-return]
+    return wrapped

@@ -17,6 +17,7 @@ Does not own: launching ranks on the hosts (hostjob.py). Test support only.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -214,7 +215,7 @@ class Hosts:
         for host in self.hosts:
             etc = Path("/etc/netns") / str(host.netns)
             etc.mkdir(parents=True, exist_ok=True)
-            self._undo.append(lambda etc=etc: shutil.rmtree(etc, ignore_errors=True))
+            self._undo.append(functools.partial(shutil.rmtree, etc, ignore_errors=True))
             (etc / "hosts").write_text(text)
 
     def _add_netns(self, name: str) -> None:

@@ -11,8 +11,9 @@ Every check asserts a rule a broken root would fail: a root that lists ``step-01
 step, sorts steps as text, hides a step it was never given, removes more than the hidden
 steps, or advises deleting anything fails here.
 
-Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local_root.py, memory_root.py, s3/root.py), the stores
-(ckptio/storage/), the policy of which steps a manager keeps (ckptio/manager.py).
+Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local_root.py,
+memory_root.py, s3/root.py), the stores (ckptio/storage/), the policy of which steps a manager
+keeps (ckptio/manager.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 Refuser = Callable[[StepRoot, int], AbstractContextManager[Any]]
-EMPTY = {"committed": [], "incomplete": []}
+EMPTY: dict[str, list[int]] = {"committed": [], "incomplete": []}
 NOT_STEPS = ("step-01", "step-00", "step-x", "step-", "step--1", "step-1a", "Step-3",
              "step-3.bak", "xstep-4", "step-0x5", "step-+6")
 _ADVICE = ("delete", "rm -", "rmtree", "remove it", "remove the", "erase", "wipe")

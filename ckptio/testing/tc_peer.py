@@ -27,7 +27,7 @@ def cpu_metadata_gather() -> None:
         dist.all_gather_object(out, data, group=process_group)
         return dict(enumerate(out))
 
-    metadata_manager.DefaultMetadataManager._all_gather_pickled_data = gather
+    metadata_manager.DefaultMetadataManager._all_gather_pickled_data = gather  # type: ignore[method-assign]
 
 
 def manager(resharded: tuple[str, ...] = (), asynchronous: bool = False) -> Any:

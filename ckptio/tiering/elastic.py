@@ -251,7 +251,7 @@ def _read(ctx: Context, choice: Choice, layouts: list[tuple[list[tuple[int, int,
         else:
             buffer = torch.empty(hi - lo, dtype=torch.uint8)
             _zero_gaps(buffer, choice, mine, lo)
-        view = memoryview(buffer.numpy()).cast("B") if buffer.numel() else memoryview(b"")
+        view = buffer.numpy().data.cast("B") if buffer.numel() else memoryview(b"")
         for k, i, offset in mine:
             at = offset - lo
             why = _read_entry(ctx, choice, k, i, view[at:at + _extent(choice, k, i)])

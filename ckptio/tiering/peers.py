@@ -55,7 +55,7 @@ class Stream:
 
 def digest(data: bytes | memoryview | torch.Tensor) -> str:
     if isinstance(data, torch.Tensor):
-        data = memoryview(data.numpy()).cast("B") if data.numel() else b""
+        data = data.numpy().data.cast("B") if data.numel() else b""
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -85,7 +85,7 @@ def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
     total = sum(n for _, n in files)
     data = (reuse[:total] if reuse is not None and reuse.numel() >= total
             else torch.empty(total, dtype=torch.uint8))
-    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
     offset = 0
     for name, nbytes in files:
         got = store.read_into(name, view[offset:offset + nbytes])
@@ -117,7 +117,7 @@ def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, i
     if problems:
         raise StorageIOError(f"{store.location}: cannot replace what it holds: {problems[0]}")
     store.prepare()
-    view = memoryview(data.numpy()).cast("B") if data.numel() else memoryview(b"")
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
     offset = 0
     for name, nbytes in files:
         store.write_file(name, view[offset:offset + nbytes])

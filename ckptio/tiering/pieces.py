@@ -114,10 +114,10 @@ def regrowths(reports: list[list[Found]], blocks: list[list[Held]], world: int, 
         missing = [k for k in range(old) if k not in sources]
         if not missing:
             return None  # a newer step is whole: nothing to rebuild
-        found = [_regrowth(step, k, sources, held, groups) for k in missing
-                 if f"regrow:r{k}:s{step}" not in bad]
-        if len(found) == len(missing) and all(found):
-            return step, found  # type: ignore[return-value]
+        rebuilt = [r for k in missing if f"regrow:r{k}:s{step}" not in bad
+                   if (r := _regrowth(step, k, sources, held, groups)) is not None]
+        if len(rebuilt) == len(missing):
+            return step, rebuilt
     return None
 
 

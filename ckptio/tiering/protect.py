@@ -213,11 +213,11 @@ class Protector:
         kill ranks during encoding. Its reads reuse one buffer from step to step."""
         self._check_broken(step)
         try:
-            stream: peers.Stream | None = peers.read_stream(marks.tree_of(self._own_dir(step)),
-                                                            self._buffer)
-            if self._buffer is None or stream.data.numel() > self._buffer.numel():
-                self._buffer = stream.data  # sent and waited for before the next step's read
-            meta: dict[str, Any] = {"step": step, **stream.meta()}
+            read = peers.read_stream(marks.tree_of(self._own_dir(step)), self._buffer)
+            if self._buffer is None or read.data.numel() > self._buffer.numel():
+                self._buffer = read.data  # sent and waited for before the next step's read
+            meta: dict[str, Any] = {"step": step, **read.meta()}
+            stream: peers.Stream | None = read
         except CkptError as exc:
             log.warning("ckptio: step %d cannot be protected on rank %d: %s", step, self.rank, exc)
             stream, meta = None, {"step": step, "nbytes": -1}
@@ -305,7 +305,7 @@ class Protector:
         q.finish()
         name = marks.parity_name(group, local)
         directory.write_file(f"{name}.bin",
-                             memoryview(block.numpy()).cast("B") if block.numel() else b"")
+                             block.numpy().data.cast("B") if block.numel() else b"")
         info = {"kind": "parity", "group": group, "local": local, "position": me, "m": m,
                 "piece": p, "nbytes": m * p, "digest": peers.digest(block),
                 "bases": {str(r): metas[r].get("bases", []) for r in members},

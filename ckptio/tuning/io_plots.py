@@ -2,7 +2,7 @@
 
 Owns: throughput vs write size per engine and mode, file per tensor vs aggregated, and the GPT +
 AdamW tensor-size mix, each beside the ceiling of the same run (matplotlib, optional:
-`pip install 'ckptio[bench]'`). Does not own: the summary rows and their selection helpers, the
+`pip install matplotlib`). Does not own: the summary rows and their selection helpers, the
 markdown or the JSON (io_report.py), or measuring anything (io_study.py, io_cells.py).
 """
 

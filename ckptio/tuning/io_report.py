@@ -296,5 +296,5 @@ def write_all(runs: Sequence[Run], ceilings: Sequence[Run], meta: dict[str, Any]
     try:
         written += plots(summary, prefix)
     except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install 'ckptio[bench]')", file=sys.stderr)
+        print("plots skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     print("wrote " + ", ".join(map(str, written)), file=sys.stderr)

@@ -287,9 +287,9 @@ def io_fields(options: Options) -> tuple[object, ...]:
 def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ...]) -> Options:
     """``options`` with those of ``fields`` (named in ``names``) it leaves at their defaults."""
     defaults = Options()
-    chosen = {k: v for k, v in fields.items()
-              if k in names and getattr(options, k) == getattr(defaults, k)}
-    if 2 * int(chosen.get("buffer_bytes", 0)) > options.pool_bytes:  # type: ignore[call-overload]
+    chosen: dict[str, Any] = {k: v for k, v in fields.items()
+                              if k in names and getattr(options, k) == getattr(defaults, k)}
+    if 2 * int(chosen.get("buffer_bytes", 0)) > options.pool_bytes:
         chosen.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
     return dataclasses.replace(options, **chosen)
 

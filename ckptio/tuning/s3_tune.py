@@ -172,8 +172,13 @@ def _remove(settings: S3Settings, written: Sequence[S3Path], cause: BaseExceptio
         except CkptError:
             left.append(where.url)
     if left:
-        cause.add_note(f"ckptio tune could not remove its objects {', '.join(left)}; delete "
-                       "them by hand")
+        note = (f"ckptio tune could not remove its objects {', '.join(left)}; delete them by "
+                "hand")
+        add_note = getattr(cause, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(note)
+        else:
+            print(note, file=sys.stderr)
 
 
 def read_choice(candidates: Sequence[Candidate], buffer: int) -> Candidate | None:

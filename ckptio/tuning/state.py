@@ -182,7 +182,7 @@ def tensor_nbytes(state: Any) -> int:
     """S: bytes of every tensor, storage shared between keys (tied weights) counted once."""
     seen: dict[tuple[int, int, tuple[int, ...]], int] = {}
     for _, t in tensor_leaves(state):
-        seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = (
+        seen[(t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))] = (
             t.numel() * t.element_size()
         )
     return sum(seen.values())
@@ -224,7 +224,7 @@ def digest(state: Any) -> str:
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def empty_destination(state: Any, poison: bool = True) -> Any:

@@ -367,7 +367,8 @@ def _read_body(body: Any, into: memoryview) -> int:
     The bytes go from the socket straight into ``into`` (http.client's readinto) when botocore's
     body is the plain urllib3 response over http.client that it is today: urllib3 2.x's own
     readinto reads into a new bytes object and copies it, one extra copy of every byte and one
-    temporary the size of the read per GET in flight, outside the staging pool (docs/BENCH_S3.md). Any other body (content-encoded, another urllib3) is read through its
+    temporary the size of the read per GET in flight, outside the staging pool
+    (docs/BENCH_S3.md). Any other body (content-encoded, another urllib3) is read through its
     own readinto. A connection cut before the first byte raises ConnectionResetError (retried);
     one cut later returns the bytes that arrived (the caller asks for the rest)."""
     socket_reader = _socket_reader(body)

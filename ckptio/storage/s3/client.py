@@ -2,7 +2,7 @@
 
 ``s3://bucket/prefix`` locations are parsed here (S3Path); the boto3 client is made here,
 imported lazily (without it an s3:// path raises CkptError naming ``pip install
-'ckptio[s3]'``), one per process and settings, shared by threads. Endpoint, region and
+boto3``), one per process and settings, shared by threads. Endpoint, region and
 credentials come the way every AWS tool takes them (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE,
 ~/.aws, instance roles) unless Options name them.
 
@@ -170,7 +170,8 @@ def _make_client(settings: S3Settings) -> Any:
         import boto3
         from botocore.config import Config
     except ImportError as exc:
-        raise CkptError("s3:// paths need boto3: pip install 'ckptio[s3]' "
+        raise CkptError("s3:// paths need boto3: pip install boto3 (the s3 extra: pip install -e "
+                        "'.[s3]' in a checkout) "
                         f"(importing it failed: {exc})") from None
     config = Config(
         request_checksum_calculation="when_required",  # our xxh3 covers every byte at load

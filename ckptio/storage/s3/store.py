@@ -300,7 +300,8 @@ class S3Store:
         """(name, upload id) of every open multipart upload directly under the prefix (deep:
         at any depth, the name then a relative key)."""
         c, bucket, prefix = self._client, self.where.bucket, self.where.dir_prefix
-        cut, out, marker = len(prefix), [], {}
+        cut, out = len(prefix), []
+        marker: dict[str, str] = {}
         while True:
             page = self._call(f"listing the uploads under {self.location}", lambda: c
                               .list_multipart_uploads(Bucket=bucket, Prefix=prefix, **marker))
