@@ -120,7 +120,6 @@ class CheckpointManager:
             raise
 
     def _start(self, preemption: bool, drain_rate: float | None) -> None:
-        _unclosed.add(self)  # until close(): an exit before it is said (_say_unclosed)
         if preemption:
             self.install_preemption_handler()
         if self._guard is None:
@@ -246,6 +245,7 @@ class CheckpointManager:
         step = check_step(step)
         if not force and not self.should_save(step):
             return None
+        _unclosed.add(self)  # until close(): an exit after a save is said (_say_unclosed)
         first = self._levels[0]
         if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
             others = None if self._guard is None else self._guard.for_others
@@ -455,8 +455,9 @@ _unclosed: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 def _say_unclosed() -> None:
-    """At interpreter exit: each manager never closed, named (its saves in flight finish, by
-    api.py's own exit hook, but close()'s last retention pass and its followers' do not)."""
+    """At interpreter exit: each manager that saved and was never closed, named (its saves in
+    flight finish, by api.py's own exit hook, but close()'s last retention pass and its
+    followers' do not)."""
     for mgr in list(_unclosed):
         log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
                     "finished, but its last retention pass, drain and protection did not run "

@@ -391,6 +391,8 @@ def test_no_step_to_restore_says_what_is_there(tmp_path, holds, expect):
     with pytest.raises(CheckpointNotFoundError, match=expect) as info:
         mgr.restore(_blank())
     assert str(d) in str(info.value)
+    if holds == "ckptio":  # its own data files are not torch.save files to torch.load
+        assert "torch.load" not in str(info.value) and ".bin" not in str(info.value)
     mgr.close()
 
 
@@ -474,3 +476,9 @@ def test_an_exit_without_close_is_said(tmp_path):
         assert ckptio.load(run / "step-3")["w"].tolist() == [3.0, 3.0]
     assert sorted(os.listdir(tmp_path / "close")) == ["step-3"]
     assert len(os.listdir(tmp_path / "exit")) > 1  # what the warning says: more than keep_last
+    # a manager that never saved (a restore that found nothing, or refused) has nothing to say
+    done = subprocess.run([sys.executable, "-c", "import ckptio, torch, sys\n"
+                           "m = ckptio.CheckpointManager(sys.argv[1])\n"
+                           "print(m.restore({'w': torch.zeros(2)}))\n", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "None" and "not closed" not in done.stderr, done.stderr

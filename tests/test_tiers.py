@@ -803,6 +803,11 @@ def test_status_command_lists_committed_and_copying_steps(shm, tmp_path, capsys)
          "copying": [{"step": 5, "from_tier": 0}], "incomplete": [7]}]
     assert main(["status", "shm://../x"]) == 2
     assert "shm://NAME" in capsys.readouterr().err
+    # a mistyped directory is not an empty run: said, with the name it may mean, exit 2
+    assert main(["status", disk + "k"]) == 2
+    said = capsys.readouterr().out
+    assert "no such directory" in said and "did you mean disk?" in said, said
+    assert not os.path.exists(disk + "k")
     # a tier that cannot be read (nothing answers at the endpoint): its row says why, the
     # others are listed, exit status 2
     env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",

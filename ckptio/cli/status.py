@@ -17,8 +17,9 @@ a location is a row, and the memory tier's rows say which steps are protected ac
 A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
 row's ``bases`` maps each delta step to its base steps (full steps are absent).
 
-A tier that cannot be read (an endpoint down, no credentials) gets a row saying why, the
-others are listed, and the exit status is 2. What a running process queued or skipped is in
+A tier that cannot be read (an endpoint down, no credentials, a local directory that does not
+exist: a typo, named with the names spelled alike) gets a row saying why, the others are
+listed, and the exit status is 2. What a running process queued or skipped is in
 its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
@@ -31,10 +32,11 @@ import json
 import os
 from typing import Any
 
-from ckptio.errors import CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.format import manifest
 from ckptio.managing.chains import link_of
 from ckptio.options import Options
+from ckptio.storage import missing_manifest
 from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
 from ckptio.tiering import marks
 
@@ -55,6 +57,8 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
             (r, f"{location.rstrip('/')}/{marks.rank_name(r)}") for r in sorted(ranks)]
         for rank, where in rows:
             try:
+                if local is not None and not os.path.exists(local):
+                    raise CheckpointNotFoundError(_missing(local))
                 row = _listing(k, where, options, [t for t in out if t.get("rank") == rank])
             except CkptError as exc:  # one unreachable tier: said in its row, the rest shown
                 row = {"tier": k, "location": where, "committed": [], "bases": {},
@@ -65,6 +69,13 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
                                     if rank in p["ranks"] and s in row["committed"]]
             out.append(row)
     return out
+
+
+def _missing(path: str) -> str:
+    """Why a local tier that does not exist shows nothing, and the names spelled alike."""
+    parent, name = os.path.split(os.path.abspath(path))
+    near = missing_manifest.nearby(name, os.listdir(parent)) if os.path.isdir(parent) else ""
+    return f"no such directory: nothing was ever saved there{near}"
 
 
 def _listing(k: int, location: str, options: Options,

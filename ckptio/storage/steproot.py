@@ -124,7 +124,8 @@ def nothing_message(location: str, names: list[str], *, itself: bool, checkpoint
     ckptio checkpoint, ``checkpoints`` are the names that are; ``noun`` is "directory" or
     "prefix"; ``move`` says how to make them steps. Nothing here advises deleting anything: it
     may be another library's checkpoint."""
-    torch_files = [n for n in names if n.endswith(TORCH_FILES) and n not in checkpoints]
+    torch_files = [] if itself else [  # a checkpoint's own data files are not torch.save files
+        n for n in names if n.endswith(TORCH_FILES) and n not in checkpoints]
     hints = [text for found, text in [
         (itself, "it is itself a ckptio checkpoint, not a directory of "
                  f"steps: load it with ckptio.load({location!r}, state)"),
