@@ -698,7 +698,10 @@ def test_non_strict_load_skips_and_reports_mismatched_keys(ckpt_dir, small_optio
     ckptio.save({"head": {"w": w, "b": b}, "step": 7}, ckpt_dir, options=small_options)
     # a new head of another shape and dtype: fine-tuning loads what fits and says what did not
     dest = {"head": {"w": torch.zeros(9, 3), "b": torch.zeros(3, dtype=torch.float16)}, "step": 0}
-    report = ckptio.load(ckpt_dir, dest, strict=False)
+    with pytest.warns(UserWarning, match=r"strict=False: 2 key\(s\) left as they were, their "
+                      r"dtype or shape differs: head\.w: .*LoadReport\.mismatched") as said:
+        report = ckptio.load(ckpt_dir, dest, strict=False)
+    assert said[0].filename == __file__  # pointing at the caller's line
     assert set(report.loaded) == {"step"}
     assert len(report.mismatched) == 2
     assert any(m.startswith("head.w:") and "shape" in m for m in report.mismatched)
@@ -847,3 +850,7 @@ def test_a_mistyped_path_names_what_is_near(tmp_path, small_options):
         ckptio.load(tmp_path / "rnu")
     with pytest.raises(CheckpointNotFoundError, match=r"elsewhere: the path does not exist$"):
         ckptio.load(tmp_path / "elsewhere")
+    # a step of a mistyped run directory: the name of the run it may mean
+    with pytest.raises(CheckpointNotFoundError, match=r"rnu/step-20: the path does not exist; "
+                       r"rnu: did you mean run\?$"):
+        ckptio.load(tmp_path / "rnu" / "step-20")

@@ -387,6 +387,10 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         missing = (*missing, *sources.absent)
     if plan.problems and strict:
         raise _mismatch(plan.problems)
+    if plan.problems:
+        warnings.warn(f"strict=False: {len(plan.problems)} key(s) left as they were, their dtype "
+                      f"or shape differs: {'; '.join(list(plan.problems.values())[:3])} "
+                      "(LoadReport.mismatched lists them all)", stacklevel=5)
     _refuse_pickles(plan.entries(), allow_pickle)
     nbytes = plan.run(read)
     values = {key: make_value() for key, make_value in plan.assign}
@@ -450,8 +454,8 @@ def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str
 
 
 def _some_keys(keys: tuple[str, ...]) -> str:
-    """The first ten keys as a list, '...' after it when there are more."""
-    return f"{list(keys[:10])}{'...' if len(keys) > 10 else ''}"
+    """The first ten keys as a list, and how many more there are."""
+    return f"{list(keys[:10])}{f' and {len(keys) - 10} more' if len(keys) > 10 else ''}"
 
 
 def _mismatch(problems: dict[str, str]) -> StateMismatchError:

@@ -182,9 +182,12 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
     if record.regular:  # only the chunks this state's regions need, and their index files
         record = resolve_regular.expand(
             record, resolve_regular.wanted_in_place(record, flat, select), plain)
-    return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
-                         cast=request.cast, allow_pickle=request.allow_pickle,
-                         agree_unexpected=request.agree_unexpected, **where)
+    try:
+        return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
+                             cast=request.cast, allow_pickle=request.allow_pickle,
+                             agree_unexpected=request.agree_unexpected, **where)
+    except StateMismatchError as exc:  # which checkpoint (a manager's restore names no path)
+        raise StateMismatchError(f"{store.location}: {exc}") from None
 
 
 def _check_piece(record: Manifest, where: str) -> None:

@@ -336,11 +336,15 @@ def fsync_path(path: str) -> None:
 
 
 def _nearby(path: str) -> str:
-    """missing_manifest.nearby for a local path that does not exist ("" when its parent does
-    not exist either)."""
+    """missing_manifest.nearby for a local path that does not exist, for its first missing
+    component (``run7/step-12`` where ``run7`` is missing: the names spelled like ``run7``)."""
     parent, name = os.path.split(os.path.normpath(path))
+    while parent and not os.path.isdir(parent):
+        parent, name = os.path.split(parent)
     try:
-        return missing_manifest.nearby(name, os.listdir(parent or "."))
+        near = missing_manifest.nearby(name, os.listdir(parent or "."))
     except OSError:
         return ""
+    return near.replace("; did you mean", f"; {name}: did you mean", 1) if near and \
+        name != os.path.basename(os.path.normpath(path)) else near
 
