@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def _needs(module: str) -> None:
 def test_plain_loop(tmp_path: Path) -> None:
     out = _run("examples/plain_loop.py", "--dir", str(tmp_path), "--steps", "16",
                "--kill-at", "12")
-    assert "ok: killed at step 12, resumed at step 11" in out
+    # saves every 5 steps, asynchronous: the step-10 save may still be in flight at the kill
+    assert re.search(r"ok: killed at step 12, resumed at step (11|6); losses", out), out
 
 
 def test_tiers_every_step(tmp_path: Path) -> None:

@@ -18,9 +18,8 @@ A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)`
 row's ``bases`` maps each delta step to its base steps (full steps are absent).
 
 A tier that cannot be read (an endpoint down, no credentials, a local directory that does not
-exist: a typo, named with the names spelled alike) gets a row saying why, the others are
-listed, and the exit status is 2. What a running process queued or skipped is in
-its ``mgr.status()``. Torch-free.
+exist, with the names spelled alike) gets a row saying why, the others are listed, exit status
+2. What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
 how a tier lists its steps (storage/steproot.py), draining (tiering/).
