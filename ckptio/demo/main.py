@@ -195,11 +195,13 @@ def plot(path: str, plan: Plan, ref: dict[str, Any], killed: dict[str, Any],
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    for run, label, style in ((ref, "uninterrupted reference", dict(color="C0", lw=3, alpha=0.5)),
-                              (killed, "run killed by SIGKILL", dict(color="C3", lw=1)),
-                              (resumed, "resumed in a new process", dict(color="C1", lw=1))):
+    for run, label, color, width, alpha in (
+            (ref, "uninterrupted reference", "C0", 3, 0.5),
+            (killed, "run killed by SIGKILL", "C3", 1, 1.0),
+            (resumed, "resumed in a new process", "C1", 1, 1.0)):
         steps = sorted(run["losses"])
-        ax.plot(steps, [run["losses"][s] for s in steps], label=label, **style)
+        ax.plot(steps, [run["losses"][s] for s in steps], label=label, color=color, lw=width,
+                alpha=alpha)
     when = "after" if plan.mode == "sync" else "during"
     ax.axvline(plan.kill_at, color="C3", ls=":", label=f"SIGKILL {when} the save of "
                f"step-{plan.kill_at}")
