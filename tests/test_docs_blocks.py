@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,15 +26,15 @@ def blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
-def _bound(total_steps: int) -> dict[str, Any]:
+def _bound(total_steps: int, device: str = "cpu") -> dict[str, Any]:
     """The README's placeholders: a small real model, optimizer, scheduler and step."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50)
 
     def train_step(step: int) -> float:
-        x = torch.randn(8, 4)
+        x = torch.randn(8, 4, device=device)
         loss = (model(x) - 1).pow(2).mean()
         loss.backward()
         opt.step()
@@ -45,15 +46,20 @@ def _bound(total_steps: int) -> dict[str, Any]:
             "total_steps": total_steps}
 
 
-def test_readme_quick_start_runs_and_resumes(tmp_path: Path, monkeypatch: Any) -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_readme_quick_start_runs_and_resumes(tmp_path: Path, monkeypatch: Any,
+                                             device: str) -> None:
     (code,) = [b for b in blocks(ROOT / "README.md") if "CheckpointManager" in b]
     monkeypatch.chdir(tmp_path)
-    first = _bound(200)
+    first = _bound(200, device)
     exec(compile(code, "README.md", "exec"), first)  # noqa: S102 - the README's own block
     assert first["start"] == 0 and sorted(p.name for p in (tmp_path / "ckpts").iterdir()
                                           if p.name.startswith("step-")) == ["step-100",
                                                                              "step-200"]
-    again = _bound(200)  # fresh objects, the same block: it restores step 200
+    again = _bound(200, device)  # fresh objects, the same block: it restores step 200
     exec(compile(code, "README.md", "exec"), again)  # noqa: S102
     assert again["start"] == 200
     assert torch.equal(again["model"].weight, first["model"].weight)

@@ -1,5 +1,5 @@
 """Every script in examples/ runs as a user would run it (a fresh process, its documented
-command, a tiny size) and ends with its own check passed: the "ok:" line it prints only after
+command, a tiny size) and ends with its own check passed: the "ok" line it prints only after
 its asserts (bitwise resumes, restored steps, verified checkpoints)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -37,17 +38,24 @@ def _needs(module: str) -> None:
         pytest.skip(f"needs {module} (its extra)")
 
 
-def test_plain_loop(tmp_path: Path) -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_loop(tmp_path: Path, device: str) -> None:
     out = _run("examples/plain_loop.py", "--dir", str(tmp_path), "--steps", "16",
-               "--kill-at", "12")
+               "--kill-at", "12", "--device", device)
     # saves every 5 steps, asynchronous: the step-10 save may still be in flight at the kill
-    assert re.search(r"ok: killed at step 12, resumed at step (11|6); losses", out), out
+    assert re.search(rf"ok \({device}\): killed at step 12, resumed at step (11|6); losses",
+                     out), out
 
 
-def test_tiers_every_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiers_every_step(tmp_path: Path, device: str) -> None:
     out = _run("examples/tiers_every_step.py", "--disk", str(tmp_path), "--steps", "12",
-               "--every", "5")
-    assert "memory gone: restored step 10" in out and "ok:" in out
+               "--every", "5", "--device", device)
+    assert "memory gone: restored step 10" in out and f"ok ({device}):" in out
 
 
 def test_fsdp2_two_ranks(tmp_path: Path) -> None:

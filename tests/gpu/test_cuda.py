@@ -113,3 +113,19 @@ def test_rng_state_round_trips_every_cuda_devices_generator(tmp_path):
     again = [torch.randn(64, device=device).cpu() for device in devices]
     assert [torch.equal(a.view(torch.int32), b.view(torch.int32))
             for a, b in zip(again, draws)] == [True] * len(devices)
+
+
+def test_replica_digests_of_device_pieces_match_their_host_bytes():
+    """Keys on disjoint meshes are told apart by an xxh3 of each rank's piece: a device piece
+    (non-contiguous, bf16, empty) must hash as its host copy does, or equal replicas on a GPU
+    rank and a CPU rank would be refused as different."""
+    from ckptio.distributed.rankplan import _digest
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    host = [torch.randn(64, 48, generator=g).t(), torch.randn(333, generator=g).bfloat16(),
+            torch.empty(0, 5), torch.arange(10, dtype=torch.int64)[::3]]
+    for h in host:
+        assert _digest(h.to("cuda")) == _digest(h.contiguous())
+    changed = host[0].clone()
+    changed[3, 7] += 1
+    assert _digest(changed.to("cuda")) != _digest(host[0])
