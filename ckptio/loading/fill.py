@@ -267,6 +267,7 @@ class _InPlace(_Reads):
     assign: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
     create: list[str] = field(default_factory=list)  # keys the state lacks, created in a Stateful
     problems: dict[str, str] = field(default_factory=dict)  # key -> what does not match
+    resized: list[str] = field(default_factory=list)  # keys whose saved shape differs
 
 
 def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool) -> None:
@@ -283,6 +284,7 @@ def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cas
     if region.shape != entry.shape:
         plan.problems[key] = (f"{key}: shape {region.shape} in the state, {entry.shape} in the "
                               "checkpoint")
+        plan.resized.append(key)
         return
     dest, dtype = region.local, torch_dtype(entry.dtype)
     if dest.is_meta:
@@ -377,6 +379,16 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         unexpected = agree_unexpected(unexpected)
     _check_keys(flat, missing, unexpected, strict, lists.hint())
     plan = _plan_in_place(sources, flat, common, cast, created)
+    if plan.resized and not strict:  # their optimizer state has the old shape: left out too
+        stale = param_check.resized_state(flat, plan.resized)
+        dropped = {k: f"{k}: optimizer state of a resized parameter (left out)"
+                   for k in (*common, *created) if stale(k)}
+        if dropped:
+            common = [k for k in common if k not in dropped]
+            problems = {**plan.problems, **dropped}
+            plan = _plan_in_place(sources, flat, common, cast,
+                                  [k for k in created if k not in dropped])
+            plan.problems = problems
     sources.check_refused()
     if sources.absent:
         if strict:
@@ -389,7 +401,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
         raise _mismatch(plan.problems)
     if plan.problems:
         warnings.warn(f"strict=False: {len(plan.problems)} key(s) left as they were, their dtype "
-                      f"or shape differs: {'; '.join(list(plan.problems.values())[:3])} "
+                      "or shape differs (or they hold a resized parameter's optimizer state): "
+                      f"{'; '.join(list(plan.problems.values())[:3])} "
                       "(LoadReport.mismatched lists them all)", stacklevel=5)
     _refuse_pickles(plan.entries(), allow_pickle)
     nbytes = plan.run(read)

@@ -9,12 +9,18 @@ StateMismatchError naming the optimizer, the group, both lists' first names and 
 parameters no module of the state names) is loaded as before. The names themselves are never
 loaded (``is_marker`` keys: left out of every load, in place or fresh).
 
-Call order (fill.fill_in_place): ``check(flat, sources)`` before its reads. Owns: the
-comparison and its message. Does not own: recording the names (format/param_names.py).
+A ``strict=False`` load leaves a resized parameter (its saved shape differs) as it was;
+``resized_state`` names the optimizer state saved for it, which is left out too: its moments
+have the old shape, and the optimizer's next step would fail on them.
+
+Call order (fill.fill_in_place): ``check(flat, sources)`` before its reads; ``resized_state``
+once the plan knows the resized keys. Owns: the comparison and its message. Does not own:
+recording the names (format/param_names.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,7 +29,7 @@ from ckptio.errors import ManifestError, StateMismatchError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
 
-__all__ = ["check"]
+__all__ = ["check", "resized_state"]
 
 
 def check(flat: FlatState, sources: Any) -> None:
@@ -41,6 +47,34 @@ def check(flat: FlatState, sources: Any) -> None:
             saved = _saved(sources, f"{prefix}.param_groups.{g}.{param_names.KEY}".lstrip("."))
             if saved is not None and saved != want:
                 raise StateMismatchError(_message(prefix, g, saved, want, sources))
+
+
+def resized_state(flat: FlatState, resized: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a key is an index-keyed optimizer's state for one of the ``resized`` leaves
+    (a parameter whose saved shape differs from the state's), matched by storage."""
+    leaves = (flat.leaves.get(key) for key in resized)
+    ptrs = {_storage(leaf.value) for leaf in leaves if leaf is not None} - {None}
+    prefixes: list[str] = []
+    for prefix, obj, _inner in flat.statefuls:
+        if isinstance(obj, torch.optim.Optimizer):
+            params = [p for group in obj.param_groups for p in group["params"]]
+            prefixes += [f"{prefix}.state.{i}.".lstrip(".") for i, p in enumerate(params)
+                         if _storage(p) in ptrs]
+    starts = tuple(prefixes)
+    return lambda key: bool(starts) and key.startswith(starts)
+
+
+def _storage(value: Any) -> int | None:
+    """Where a tensor's (a DTensor's local) elements start, or None (empty, no storage)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if local.numel() == 0 or local.is_meta:
+        return None
+    try:
+        return int(local.data_ptr())
+    except RuntimeError:  # a wrapper subclass without storage of its own
+        return None
 
 
 def _saved(sources: Any, base: str) -> list[Any] | None:

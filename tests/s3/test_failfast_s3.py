@@ -177,3 +177,39 @@ def test_a_missing_bucket_is_named_with_the_fix_on_save_load_and_restore(s3_env:
         assert time.monotonic() - began < FAST_S
         for phrase in ("no-such-bucket-ckptio-typo", "does not exist", "create it"):
             assert phrase in str(info.value), str(info.value)
+
+
+def test_an_endpoint_without_its_scheme_or_half_the_credentials_is_named(s3_env: str, s3_live,
+                                                                         monkeypatch):
+    bare = s3_live.endpoint.removeprefix("http://")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", bare)  # botocore says only "Invalid endpoint"
+    _refused(f"{s3_env}/c", f"{bare!r} has no scheme", f"write {s3_live.endpoint}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_live.endpoint)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    _refused(f"{s3_env}/c", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+
+
+def test_an_http_server_that_is_not_s3_is_named_as_such(s3_env: str, monkeypatch):
+    """A live port that is not S3 (a filer's or master's port): 404s with no S3 error code."""
+    import http.server
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+        _refused(f"{s3_env}/c", "answers HTTP but not as S3", "no S3 error code",
+                 "AWS_ENDPOINT_URL")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -183,13 +183,26 @@ def _make_client(settings: S3Settings) -> Any:
         connect_timeout=5, read_timeout=120, tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )
+    _check_scheme(settings.endpoint())
     try:
         session = boto3.session.Session(profile_name=settings.profile,
                                         region_name=settings.region)
         return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
     except Exception as exc:  # noqa: BLE001 - botocore's config errors have no common base
-        raise CkptError(f"cannot make an S3 client for {settings.endpoint()} (profile "
-                        f"{settings.profile!r}, region {settings.region!r}): {exc}") from exc
+        region = (settings.region or os.environ.get("AWS_REGION")
+                  or os.environ.get("AWS_DEFAULT_REGION"))
+        raise StorageIOError(f"cannot make an S3 client for {settings.endpoint()} (profile "
+                             f"{settings.profile!r}, region {region!r}): {exc}. Check the "
+                             "endpoint, the profile and the AWS_* credential variables (both "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or neither)") from exc
+
+
+def _check_scheme(endpoint: str) -> None:
+    """An endpoint without http:// or https:// is refused by botocore as merely "invalid"."""
+    if "://" not in endpoint:
+        raise StorageIOError(f"the S3 endpoint {endpoint!r} has no scheme: write "
+                             f"http://{endpoint} (or https://) in AWS_ENDPOINT_URL or the "
+                             "endpoint setting")
 
 
 def status(exc: BaseException) -> int | None:
@@ -241,6 +254,10 @@ def failed(what: str, exc: BaseException) -> CkptError:
         return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
                               "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                               "AWS_PROFILE) and their permissions on this bucket")
+    if status(exc) is not None and code(exc) == str(status(exc)):  # no S3 error in the body
+        return StorageIOError(f"{what} failed: {describe(exc)}, with no S3 error code: the "
+                              "endpoint answers HTTP but not as S3; is AWS_ENDPOINT_URL (or the "
+                              "endpoint setting) the S3 service's address and port?")
     return StorageIOError(f"{what} failed: {describe(exc)}")
 
 

@@ -47,7 +47,7 @@ from ckptio.storage.files import Capabilities
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
+from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, code, describe, failed,
                                       gets_in_flight, status)
 
 __all__ = ["S3Claim", "S3Store"]
@@ -107,6 +107,23 @@ class S3Store:
 
     # -- the location ---------------------------------------------------------------------
 
+    def _no_bucket(self, bucket: str) -> str:
+        """Why a HEAD of ``bucket`` found nothing. A HEAD answer has no body: one GET tells S3's
+        NoSuchBucket from an endpoint that answers HTTP but is not S3 (a filer's port)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+        endpoint = self.settings.endpoint()
+        try:
+            self._client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+        except ClientError as exc:
+            if code(exc) == str(status(exc)):
+                return (f"{endpoint} answers HTTP but not as S3 ({describe(exc)} with no S3 "
+                        f"error code, for {self.location}): is AWS_ENDPOINT_URL (or the "
+                        "endpoint setting) the S3 service's address and port?")
+        except BotoCoreError:
+            pass
+        return (f"bucket {bucket!r} does not exist at {endpoint} (for {self.location}): "
+                "create it, or fix the bucket name or the endpoint")
+
     def prepare(self) -> None:
         bucket, c = self.where.bucket, self._client
         try:
@@ -114,9 +131,7 @@ class S3Store:
         except Exception as exc:  # noqa: BLE001 - each status gets its own message
             http = status(exc)
             if http == 404:
-                raise StorageIOError(f"bucket {bucket!r} does not exist at "
-                                     f"{self.settings.endpoint()} (for {self.location}): create "
-                                     "it, or fix the bucket name or the endpoint") from None
+                raise StorageIOError(self._no_bucket(bucket)) from None
             if http == 403:
                 raise StorageIOError(f"access to bucket {bucket!r} at {self.settings.endpoint()} "
                                      "was denied: check the credentials (AWS_ACCESS_KEY_ID, "
