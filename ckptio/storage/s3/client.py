@@ -254,11 +254,18 @@ def failed(what: str, exc: BaseException) -> CkptError:
         return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
                               "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                               "AWS_PROFILE) and their permissions on this bucket")
-    if status(exc) is not None and code(exc) == str(status(exc)):  # no S3 error in the body
+    if _not_s3(exc):
         return StorageIOError(f"{what} failed: {describe(exc)}, with no S3 error code: the "
                               "endpoint answers HTTP but not as S3; is AWS_ENDPOINT_URL (or the "
                               "endpoint setting) the S3 service's address and port?")
     return StorageIOError(f"{what} failed: {describe(exc)}")
+
+
+def _not_s3(exc: BaseException) -> bool:
+    """An error answer with no S3 error code in its body (HEAD answers have no body)."""
+    http = status(exc)
+    return (http is not None and code(exc) == str(http)
+            and not str(getattr(exc, "operation_name", "")).startswith("Head"))
 
 
 _gave_up: dict[str, float] = {}  # endpoint -> when a request to it last outlasted its retries
