@@ -39,7 +39,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
-           "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "status"]
+           "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "not_s3", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
@@ -254,14 +254,14 @@ def failed(what: str, exc: BaseException) -> CkptError:
         return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
                               "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                               "AWS_PROFILE) and their permissions on this bucket")
-    if _not_s3(exc):
+    if not_s3(exc):
         return StorageIOError(f"{what} failed: {describe(exc)}, with no S3 error code: the "
                               "endpoint answers HTTP but not as S3; is AWS_ENDPOINT_URL (or the "
                               "endpoint setting) the S3 service's address and port?")
     return StorageIOError(f"{what} failed: {describe(exc)}")
 
 
-def _not_s3(exc: BaseException) -> bool:
+def not_s3(exc: BaseException) -> bool:
     """An error answer with no S3 error code in its body (HEAD answers have no body)."""
     http = status(exc)
     return (http is not None and code(exc) == str(http)

@@ -47,8 +47,8 @@ from ckptio.storage.files import Capabilities
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, code, describe, failed,
-                                      gets_in_flight, status)
+from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
+                                      gets_in_flight, not_s3, status)
 
 __all__ = ["S3Claim", "S3Store"]
 
@@ -107,7 +107,7 @@ class S3Store:
 
     # -- the location ---------------------------------------------------------------------
 
-    def _no_bucket(self, bucket: str) -> str:
+    def _no_bucket(self, bucket: str) -> CkptError:
         """Why a HEAD of ``bucket`` found nothing. A HEAD answer has no body: one GET tells S3's
         NoSuchBucket from an endpoint that answers HTTP but is not S3 (a filer's port)."""
         from botocore.exceptions import BotoCoreError, ClientError
@@ -115,14 +115,14 @@ class S3Store:
         try:
             self._client.list_objects_v2(Bucket=bucket, MaxKeys=1)
         except ClientError as exc:
-            if code(exc) == str(status(exc)):
-                return (f"{endpoint} answers HTTP but not as S3 ({describe(exc)} with no S3 "
-                        f"error code, for {self.location}): is AWS_ENDPOINT_URL (or the "
-                        "endpoint setting) the S3 service's address and port?")
+            if not_s3(exc):
+                return failed(f"looking up bucket {bucket!r} at {endpoint} (for "
+                              f"{self.location})", exc)
         except BotoCoreError:
             pass
-        return (f"bucket {bucket!r} does not exist at {endpoint} (for {self.location}): "
-                "create it, or fix the bucket name or the endpoint")
+        return StorageIOError(f"bucket {bucket!r} does not exist at {endpoint} (for "
+                              f"{self.location}): create it, or fix the bucket name or the "
+                              "endpoint")
 
     def prepare(self) -> None:
         bucket, c = self.where.bucket, self._client
@@ -131,7 +131,7 @@ class S3Store:
         except Exception as exc:  # noqa: BLE001 - each status gets its own message
             http = status(exc)
             if http == 404:
-                raise StorageIOError(self._no_bucket(bucket)) from None
+                raise self._no_bucket(bucket) from None
             if http == 403:
                 raise StorageIOError(f"access to bucket {bucket!r} at {self.settings.endpoint()} "
                                      "was denied: check the credentials (AWS_ACCESS_KEY_ID, "
