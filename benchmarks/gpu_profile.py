@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks import gpu_engines as ge
