@@ -108,7 +108,7 @@ class Checkpointer:
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None,
-             base: str | os.PathLike[str] | None = None) -> SaveResult:
+             base: str | os.PathLike[str] | None = None, overwrite: bool = True) -> SaveResult:
         """Write ``state`` to ``path``; returns once every byte is durable and committed
         (with many ranks: a collective, see async_save). ``metrics`` (str -> number) and
         ``metadata`` (str -> JSON) are stored in the manifest (stepmeta.py), read back without
@@ -118,11 +118,14 @@ class Checkpointer:
         ``base``: a delta save against that checkpoint (a sibling of ``path``, self-contained):
         a chunk equal to the base's is referenced, not written; a changed one may be stored as
         its XOR with the base's, compressed (Options.compression). Loading it reads the base
-        too, so keep the base while the delta is kept."""
+        too, so keep the base while the delta is kept.
+        ``overwrite=False``: refuse (CheckpointLockedError, nothing written) if ``path`` holds
+        a committed checkpoint once this save holds its lock, e.g. one another process committed
+        while this save waited for it (a CheckpointManager never replaces a committed step)."""
         return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=False, user_meta=stepmeta.encode(metrics, metadata),
-                           base=base).wait()
+                           base=base, overwrite=overwrite).wait()
 
     def async_save(
         self,
@@ -138,6 +141,7 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         base: str | os.PathLike[str] | None = None,
+        overwrite: bool = True,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
 
@@ -162,20 +166,20 @@ class Checkpointer:
         (or CheckpointManager.restore()) grows it before the first one, in the background
         (growing it inside the first call, before its capture, was slower than streaming the
         first save through the pool: docs/BENCH_LIMIT.md, "small states and the first save").
-        metrics, metadata, base: as save().
+        metrics, metadata, base, overwrite: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
                            after_step=_after_step_tensors(after_step, lazy), if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=True, user_meta=stepmeta.encode(metrics, metadata),
-                           base=base)
+                           base=base, overwrite=overwrite)
 
     def _start(self, state: Any, path: str | os.PathLike[str], *, lazy: bool,
                optimizers: Sequence[torch.optim.Optimizer], if_busy: str, allow_pickle: bool,
                process_group: Any, grow_staging: bool,
                user_meta: dict[str, Any] | None = None,
                base: str | os.PathLike[str] | None = None,
-               after_step: tuple[torch.Tensor, ...] = ()) -> SaveHandle:
+               after_step: tuple[torch.Tensor, ...] = (), overwrite: bool = True) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")
@@ -213,7 +217,8 @@ class Checkpointer:
             block_nbytes=self._resources.block_nbytes,
             allow_pickle=allow_pickle,
             lazy=lazy, optimizers=tuple(optimizers), after_step=after_step, started=started,
-            previous_error=previous_error, grow_staging=grow_staging, packing=packing)
+            previous_error=previous_error, grow_staging=grow_staging, packing=packing,
+            overwrite=overwrite)
         save = save_session.begin(context, state)
         self._inflight, self._thread = save.control, save.thread
         _running.add(save.thread)

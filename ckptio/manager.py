@@ -50,6 +50,7 @@ from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.triggers import Preemption, SaveClock, SavePolicy, Triggers
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.storage.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
@@ -74,7 +75,7 @@ class CheckpointManager:
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, tiers: Sequence[Tier] | None = None,
                  delta: DeltaPolicy | bool | None = None, compression: str | None = None,
-                 drain_rate: float | None = None) -> None:
+                 drain_rate: float | None = None, take_over: bool = False) -> None:
         declared = declare(directory, tiers, keep_last=keep_last, keep_every=keep_every,
                            save_every=save_every, save_interval_s=save_interval_s,
                            best={"keep_best": keep_best, "monitor": monitor, "mode": mode,
@@ -111,9 +112,13 @@ class CheckpointManager:
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
+        self._leases: dict[int, RunLease] = {}  # tier -> its lease (one job per local run)
+        self._take_over, self._first_leased = take_over, False
         try:
+            self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
             self._start(preemption, drain_rate)
         except BaseException:
+            self._let_go_leases()
             self._policy.triggers.preemption.uninstall()
             if self._owns_checkpointer:
                 self._ck.close()
@@ -256,6 +261,9 @@ class CheckpointManager:
         refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
         if refusal is not None:
             raise CkptError(refusal)
+        if not self._first_leased:  # the run directory this save makes
+            self._agreed(lambda: self._take_leases([0], create=True))
+            self._first_leased = True
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
             # the new save, which then reuses the pages of the step dropped (storage/mapped.py)
@@ -268,7 +276,7 @@ class CheckpointManager:
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         kwargs = {"metrics": metrics, "metadata": metadata, "allow_pickle": allow_pickle,
-                  "process_group": self._process_group,
+                  "process_group": self._process_group, "overwrite": first.is_damaged(step),
                   **({} if base is None else {"base": first.path(base)})}
         result: SaveResult | SaveHandle
         if not (asynchronous or lazy):
@@ -320,11 +328,14 @@ class CheckpointManager:
                     if self._agreed(lambda: self._levels[k].deferred):
                         self._retain(k)
             finally:
-                for level in self._levels:
-                    level.join_removal()
-                    level.drop_slots()
-                if self._owns_checkpointer:
-                    self._ck.close()
+                try:
+                    for level in self._levels:
+                        level.join_removal()
+                        level.drop_slots()
+                    if self._owns_checkpointer:
+                        self._ck.close()
+                finally:
+                    self._let_go_leases()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -445,6 +456,20 @@ class CheckpointManager:
 
     def _ranks(self) -> Group:
         return self._ranking.group()
+
+    def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
+        """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
+        job holding one (storage/runlease.py)."""
+        for k in tiers:
+            if k not in self._leases:
+                lease = self._levels[k].lease(self._take_over, create=create)
+                if lease is not None:
+                    self._leases[k] = lease
+
+    def _let_go_leases(self) -> None:
+        for lease in self._leases.values():
+            lease.release()
+        self._leases.clear()
 
     def _agreed(self, decide: Callable[[], Any]) -> Any:
         """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""

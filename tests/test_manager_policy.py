@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.storage.runlease import LEASE_NAME
 from ckptio import CheckpointNotFoundError, Checkpointer, CkptError, ManifestError, Options
 from ckptio.manager import CheckpointManager
 from ckptio.testing.rank_processes import run_ranks
@@ -45,7 +46,9 @@ def _manager(directory, **kwargs) -> CheckpointManager:
 
 
 def _entries(directory) -> list[str]:
-    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    """What a run directory holds, less the run lease of the manager open on it."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(n for n in names if n != LEASE_NAME)
 
 
 # ------------------------------------------------------------------ keep the best k

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.storage.runlease import LEASE_NAME
 from ckptio import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, Tier,
                     UnsupportedPathError)
 from ckptio.storage.select import checkpoint_path
@@ -678,7 +679,7 @@ def test_memory_budget_refuses_a_save_before_writing(shm):
         with pytest.raises(CkptError, match="max_bytes") as caught:
             mgr.save(2, state)
         assert "keep_last" in str(caught.value)
-        assert sorted(os.listdir(os.path.join(shm, "tight"))) == ["step-1"]  # nothing of step 2
+        assert sorted(os.listdir(os.path.join(shm, "tight"))) == [LEASE_NAME, "step-1"]  # nothing of step 2
         assert mgr.steps() == [1]
         fresh, fopt, restored = _fresh(width=512)
         assert mgr.restore(restored) == 1

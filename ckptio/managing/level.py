@@ -35,6 +35,9 @@ from ckptio.managing.delta import DeltaPolicy, choose_base, delta_ratio
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.retention import Retention, StepMetrics
 from ckptio.options import Options
+from ckptio.storage import runlease
+from ckptio.storage.local_root import LocalRoot
+from ckptio.storage.runlease import RunLease
 from ckptio.storage.store_contract import Store
 from ckptio.storage.select import root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
@@ -95,6 +98,13 @@ class TierSteps:
         """scan() through the lister (a restore's or status's view); raises a CkptError when
         the tier cannot be listed."""
         return self._lister.scan()
+
+    def lease(self, take_over: bool, *, create: bool) -> RunLease | None:
+        """Rank 0: this tier's run lease, where its root is a local directory (one live job
+        per run: storage/runlease.py) that exists or ``create`` makes; None elsewhere."""
+        if not isinstance(self._root, LocalRoot):
+            return None
+        return runlease.take(self.directory, take_over, create=create)
 
     def is_committed(self, step: int) -> bool:
         return self._root.is_committed(step)

@@ -40,7 +40,7 @@ import torch
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
 from ckptio.format import regular_section
-from ckptio.errors import CkptError
+from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.format.flatten import flatten
 from ckptio.format.types import (
     Chunk,
@@ -107,6 +107,7 @@ class SaveContext:
     grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
     piece: bool = False  # this rank's piece of a job's state (dist.mark_piece): shards alone
+    overwrite: bool = True  # False: a checkpoint committed there once the lock is held refuses
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,8 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
             replacing = held is not None and steps.is_committed(ctx.store)
+            if replacing and not ctx.overwrite:
+                raise _committed_there(ctx.store.location)
             mapped = _mapped(ctx, [f.nbytes for f in part.files])
             written, error = _write(ctx, part, control, mapped)
             concluded = True
@@ -281,6 +284,14 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
             ctx.resources.fit([f.nbytes for f in part.files])
     finally:
         control.finished(control.progress.nbytes_total)
+
+
+def _committed_there(location: str) -> CheckpointLockedError:
+    return CheckpointLockedError(
+        f"{location} holds a checkpoint committed by another save (another process, or a job "
+        "started on the same run directory) while this one waited for its lock; this save "
+        "wrote nothing and that checkpoint is kept (overwrite=False): save under another "
+        "name, or give each job its own directory")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,166 @@
+"""One live job per run directory: the lease a CheckpointManager takes on a local root.
+
+Two jobs started on one run directory would interleave their steps. The manager's coordinator
+takes ``<run>/.ckptio-run.lease`` when it is made (each tier's directory that exists then) or at
+its first save (the first tier's, which that save creates): an exclusive flock(2) held on an open
+file for the manager's life (the kernel lets go when the process dies, however it dies), with
+the holder's record (storage/holder.py: host, boot, pid, start time) written into it for the
+message the next job sees. A second manager on that directory is refused at once naming the
+holder, unless ``take_over=True`` (a restarted job whose old processes, e.g. DataLoader workers
+that inherited the open file, may linger): then it warns and goes on without the lock.
+
+Call order: ``take(directory, take_over)`` -> the manager runs -> ``release()`` (close():
+the file is removed).
+On a filesystem without locks (NFS without lockd) the lease cannot be enforced: a warning says
+so, and saves still never replace a committed step.
+
+Owns: the lease file, its lock and the refusal's wording. Does not own: the per-save lock of
+one checkpoint (dirlock.py), which roots are leased (managing/level.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+
+from ckptio.errors import CheckpointLockedError, StorageIOError
+from ckptio.storage import holder as holders
+
+__all__ = ["LEASE_NAME", "RunLease", "take"]
+
+log = logging.getLogger("ckptio")
+LEASE_NAME = ".ckptio-run.lease"
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+class RunLease:
+    """A run directory's lease as this process holds it (``fd`` None: not enforced)."""
+
+    def __init__(self, directory: str, fd: int | None) -> None:
+        self.directory, self.fd = directory, fd
+
+    def release(self) -> None:
+        """Let go: the file is removed while still locked (a job waiting to lock it sees it
+        gone and locks the next one), then unlocked; never raises."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(os.path.join(self.directory, LEASE_NAME))
+        except OSError as exc:  # the next job locks the same file: it is only a name
+            log.debug("ckptio: could not remove the run lease in %s: %s", self.directory, exc)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: a forked child shares this file
+        except OSError as exc:
+            log.warning("ckptio: letting go of the run lease in %s failed: %s", self.directory,
+                        exc.strerror or exc)
+        finally:
+            os.close(fd)
+
+
+def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
+    """The lease of ``directory``, or CheckpointLockedError naming the live job that holds it
+    (module docstring); None if the directory does not exist and ``create`` is False."""
+    path = os.path.join(directory, LEASE_NAME)
+    if not create and not os.path.isdir(directory):
+        return None
+    while True:
+        fd = _open(directory, path)
+        if fd is None:
+            return RunLease(directory, None)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _held(fd, directory, path, take_over)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKS:
+                raise StorageIOError(f"cannot lock the run lease {path}: {exc.strerror or exc}"
+                                     ) from None
+            log.warning("ckptio: the filesystem of %s has no file locks (%s): a second job "
+                        "started on this run directory is not detected there", directory,
+                        exc.strerror or exc)
+            return RunLease(directory, None)
+        if _still_linked(fd, path):
+            _record(fd)
+            return RunLease(directory, fd)
+        os.close(fd)  # its holder let go and removed it meanwhile: lock the one there now
+
+
+def _open(directory: str, path: str) -> int | None:
+    """The lease file, opened (created if needed); None where the run is read-only."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in _READ_ONLY:  # a run only restored from: no job can save there either
+            log.info("ckptio: no run lease in %s (%s)", directory, exc.strerror or exc)
+            return None
+        raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}"
+                             ) from None
+
+
+def _still_linked(fd: int, path: str) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
+    record = _record_of(fd)
+    os.close(fd)
+    if _is_me(record):  # a second manager of this process (its own code decides)
+        return RunLease(directory, None)
+    who = _describe(record)
+    if take_over:
+        log.warning("ckptio: taking over the run directory %s from %s (take_over=True); if that "
+                    "job is still running, the two write into one run", directory, who)
+        return RunLease(directory, None)
+    raise CheckpointLockedError(
+        f"the run directory {directory} is in use by another job ({who}); two jobs on one run "
+        "would mix their steps, so this CheckpointManager was not made and nothing there was "
+        "touched: give this job its own directory or stop the other one; if it is this job's "
+        "earlier run whose processes linger (e.g. DataLoader workers), wait for them to exit or "
+        f"pass CheckpointManager(..., take_over=True) (the lease file is {path})")
+
+
+def _record(fd: int) -> None:
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holders.me()).encode(), 0)
+    except OSError as exc:  # only the next job's message loses the holder's name
+        log.debug("ckptio: could not record the run lease's holder: %s", exc)
+
+
+def _record_of(fd: int) -> dict[str, object] | None:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _is_me(record: dict[str, object] | None) -> bool:
+    mine = holders.me()
+    return record is not None and all(record.get(k) == mine[k] for k in ("host", "pid", "start"))
+
+
+def _describe(record: dict[str, object] | None) -> str:
+    """Who holds the lease, as its record says; a holder that has exited while the file is
+    still locked left it to processes that inherited the open file."""
+    if record is None:
+        return "holder unknown"
+    who = (f"host {record.get('host')}, pid {record.get('pid')}, started "
+           f"{record.get('since')}")
+    gone = holders.dead(record)
+    if gone is not None:
+        return (f"{who}; {gone}, yet the lease is still held: by processes that inherited it, "
+                "such as its DataLoader workers")
+    return who

@@ -1,0 +1,188 @@
+"""Two jobs on one run directory (issue 63, item 7).
+
+(1) A second job started on a run directory another live job holds is refused when its
+    CheckpointManager is made, naming the holder's host and pid, nothing there touched (real
+    processes, the training script's own code); ``take_over=True`` goes on with a warning; a
+    holder killed with SIGKILL frees the run at once; a holder that exited while a child it
+    forked (a DataLoader worker's way) still has the lease open is named as exited and the
+    lingering holder blamed.
+(2) A manager never replaces a committed step, whoever held the lock: a save of step 12 that
+    waited for the lock of ``run/step-12`` while another save committed there is refused
+    (CheckpointLockedError), that checkpoint kept bitwise; on today's code it replaced it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import Checkpointer, CheckpointManager, Options
+from ckptio.errors import CheckpointLockedError
+from ckptio.storage.local import LocalStore
+from ckptio.testing.faults import FaultyBackend
+
+from conftest import assert_same
+
+DEADLINE_S = 60  # a guard against a hang, not a timing check
+MiB = 1 << 20
+
+JOB = textwrap.dedent("""
+    import os, sys, time, torch, ckptio
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckptio.CheckpointManager("run", save_every=1, keep_last=2)
+    start = mgr.restore(state) or 0
+    mgr.save(start + 1, state)
+    if sys.argv[1] == "fork-and-die":  # a child inherits the lease's open file, then lingers
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        print("ready", flush=True)
+        os._exit(0)
+    print("ready", flush=True)
+    time.sleep(60)  # a job still training
+""")
+
+
+def _job(cwd: Path, mode: str = "hold") -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", JOB, mode], cwd=cwd, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line.strip() == "ready", child.stderr.read() if child.stderr else line
+    return child
+
+
+def _second_job(cwd: Path, take_over: bool = False) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(f"""
+        import torch, ckptio
+        model = torch.nn.Linear(8, 8)
+        state = {{"model": model, "optim": torch.optim.AdamW(model.parameters()), "step": 0}}
+        try:
+            mgr = ckptio.CheckpointManager("run", save_every=1, take_over={take_over})
+        except ckptio.CkptError as exc:
+            print("REFUSED", type(exc).__name__, exc)
+        else:
+            print("RESTORED", mgr.restore(state))
+            mgr.close()
+    """)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, text=True,
+                          capture_output=True, timeout=DEADLINE_S)
+
+
+def _listing(run: Path) -> dict[str, float]:
+    return {str(p.relative_to(run)): p.stat().st_mtime for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_second_job_on_a_live_run_is_refused_at_construction(tmp_path: Path) -> None:
+    first = _job(tmp_path)
+    try:
+        before = _listing(tmp_path / "run")
+        second = _second_job(tmp_path)
+        assert second.stdout.startswith("REFUSED CheckpointLockedError"), second
+        assert f"pid {first.pid}" in second.stdout and "in use by another job" in second.stdout
+        assert "take_over=True" in second.stdout
+        assert _listing(tmp_path / "run") == before  # nothing touched
+        taken = _second_job(tmp_path, take_over=True)
+        assert taken.stdout.strip() == "RESTORED 1", taken
+        assert "taking over the run directory" in taken.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(DEADLINE_S)
+    after = _second_job(tmp_path)  # the kernel let go with the killed holder
+    assert after.stdout.strip() == "RESTORED 1", after
+
+
+def test_a_lease_left_to_a_lingering_child_names_the_exited_holder(tmp_path: Path) -> None:
+    first = _job(tmp_path, "fork-and-die")
+    first.wait(DEADLINE_S)
+    second = _second_job(tmp_path)
+    try:
+        assert second.stdout.startswith("REFUSED CheckpointLockedError"), second
+        assert f"pid {first.pid}" in second.stdout and "has exited" in second.stdout
+        assert "inherited" in second.stdout
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", "fork-and-die"], check=False)
+
+
+def test_one_process_may_make_a_second_manager_of_its_own_run(tmp_path: Path) -> None:
+    """A process's own second manager is its own code's business (e.g. a restore helper)."""
+    run = tmp_path / "run"
+    with CheckpointManager(run, save_every=1) as a, CheckpointManager(run, save_every=1) as b:
+        a.save(1, {"w": torch.ones(3)})
+        assert b.restore({"w": torch.zeros(3)}) == 1
+
+
+class _Gate(FaultyBackend):
+    """Holds a save at the fsync of its first data file until ``go`` is set."""
+
+    def __init__(self, inner, reached: threading.Event, go: threading.Event) -> None:
+        super().__init__(inner)
+        self.reached, self.go = reached, go
+
+    def close(self, fh, *, sync):
+        if sync and not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(DEADLINE_S)
+        super().close(fh, sync=sync)
+
+
+def test_a_manager_never_replaces_a_step_committed_while_it_waited(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    theirs = {"w": torch.arange(1000.0), "step": 12}
+    other = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=4 * MiB))
+    reached, go = threading.Event(), threading.Event()
+    other.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+    outcome: list[object] = []
+    saver = threading.Thread(target=lambda: outcome.append(other.save(theirs, run / "step-12")))
+    mgr = CheckpointManager(run, save_every=1)
+    try:
+        saver.start()
+        assert reached.wait(DEADLINE_S)  # the other save holds run/step-12's lock
+        mine: list[object] = []
+
+        def save_mine() -> None:
+            try:
+                mine.append(mgr.save(12, {"w": torch.zeros(1000), "step": 12}))
+            except ckptio.CkptError as exc:
+                mine.append(exc)
+
+        waiter = threading.Thread(target=save_mine)
+        waiter.start()
+        time.sleep(0.5)  # the manager's save is past its check and waits for the lock
+        go.set()
+        saver.join(DEADLINE_S)
+        waiter.join(DEADLINE_S)
+        assert isinstance(outcome[0], ckptio.SaveResult), outcome
+        assert isinstance(mine[0], CheckpointLockedError), mine
+        assert "committed by another save" in str(mine[0]) and "step-12" in str(mine[0])
+    finally:
+        go.set()
+        other.close()
+        mgr.close()
+    assert_same(ckptio.load(run / "step-12"), theirs)  # theirs kept, bitwise
+
+
+def test_overwrite_false_refuses_a_committed_checkpoint_and_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    ckptio.save({"w": torch.ones(4)}, path)
+    files = sorted(os.listdir(path))
+    ck = Checkpointer()
+    try:
+        with pytest.raises(CheckpointLockedError, match=r"overwrite=False"):
+            ck.save({"w": torch.zeros(4)}, path, overwrite=False)
+    finally:
+        ck.close()
+    assert sorted(os.listdir(path)) == files
+    assert torch.equal(ckptio.load(path)["w"], torch.ones(4))
