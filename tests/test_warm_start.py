@@ -224,8 +224,8 @@ def test_strict_false_maps_the_optimizer_state_by_name(fresh_loads: Any, how: st
     assert row["lr"] == 0.01  # the saved hyperparameters
     said = [w for w in row["warnings"] if "the model's parameters changed" in w]
     assert len(said) == 1, row["warnings"]
-    assert "optimizer 'optim' was loaded by parameter name (%d parameter(s)' state)" % len(kept) \
-        in said[0], said[0]
+    assert (f"optimizer 'optim' was loaded by parameter name ({len(kept)} parameter(s)' state)"
+            in said[0]), said[0]
     if ADDED[change]:
         assert f"the new parameters {ADDED[change]} start with no optimizer state" in said[0]
     if REMOVED[change]:

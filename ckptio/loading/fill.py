@@ -366,7 +366,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     saved = [k for k in sources.keys() if select(k) and not is_marker(k)]
     lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
     lists.whole = {k: v for k, v in lists.whole.items()  # those the load selects
-                   if any(merge.under({k: v})(s) for s in saved)}
+                   if select(k) or any(merge.under({k: v})(s) and select(s)
+                                       for s in (*saved, *flat.leaves))}
     in_lists = merge.under(lists.whole)
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)

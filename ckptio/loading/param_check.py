@@ -76,7 +76,7 @@ def _renamed(flat: FlatState, sources: Any, prefix: str, opt: torch.optim.Optimi
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     model = None
     for name, param in params.items():
-        key = key_of.get(_storage(param))
+        key = key_of.get(ptr) if (ptr := _storage(param)) is not None else None
         if key is None:
             continue
         model = model or (key[:-len(name)].rstrip(".") if key.endswith(name) else None)
