@@ -362,12 +362,10 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     renamed = param_check.differing(flat, sources, chosen)  # the model changed: first
     if renamed and strict:
         raise StateMismatchError(param_check.refusal(renamed[0], sources))
-    select = _outside(chosen, renamed)  # those optimizers are loaded by name (by_name.py)
+    select = param_check.outside(chosen, renamed)  # those are loaded by name (by_name.py)
     saved = [k for k in sources.keys() if select(k) and not is_marker(k)]
     lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
-    lists.whole = {k: v for k, v in lists.whole.items()  # those the load selects
-                   if select(k) or any(merge.under({k: v})(s) and select(s)
-                                       for s in (*saved, *flat.leaves))}
+    lists.keep_selected(select, (*saved, *flat.leaves))
     in_lists = merge.under(lists.whole)
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)
@@ -428,15 +426,6 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     loaded = tuple(k for k in (*common, *plan.create, *tied, *by_name_keys)
                    if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
-
-
-def _outside(select: Callable[[str], bool], renamed: list[by_name.Renamed]
-             ) -> Callable[[str], bool]:
-    """``select`` without the keys of the ``renamed`` optimizers."""
-    starts = tuple(f"{r.prefix}." for r in renamed if r.prefix)
-    if not renamed or len(starts) < len(renamed):  # none, or the root is one: everything
-        return select if not renamed else lambda _k: False
-    return lambda k: select(k) and not k.startswith(starts)
 
 
 def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:

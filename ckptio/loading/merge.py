@@ -14,7 +14,7 @@ reading bytes, matching keys or the strict rules (fill.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,13 @@ class Lists:
 
     whole: dict[str, Json] = field(default_factory=dict)
     fixed: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def keep_selected(self, select: Callable[[str], bool], keys: Iterable[str]) -> None:
+        """Keep in ``whole`` only the lists a load selects: the list's own key, or one of
+        ``keys`` (the saved and the state's) under it (a list the load leaves out stays as
+        it is)."""
+        self.whole = {k: v for k, v in self.whole.items()
+                      if select(k) or any(under({k: v})(key) and select(key) for key in keys)}
 
     def hint(self) -> str:
         """A sentence for a key mismatch that these lists explain ("" if none)."""

@@ -30,7 +30,7 @@ from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
 from ckptio.loading.by_name import Renamed
 
-__all__ = ["differing", "refusal", "resized_state"]
+__all__ = ["differing", "outside", "refusal", "resized_state"]
 
 
 def differing(flat: FlatState, sources: Any, select: Callable[[str], bool]) -> list[Renamed]:
@@ -53,6 +53,17 @@ def differing(flat: FlatState, sources: Any, select: Callable[[str], bool]) -> l
         if saved and saved != wanted:
             out.append(_renamed(flat, sources, prefix, obj, saved, wanted))
     return out
+
+
+def outside(select: Callable[[str], bool], renamed: list[Renamed]) -> Callable[[str], bool]:
+    """``select`` without the keys of the ``renamed`` optimizers (a strict=False load maps
+    them by name instead: by_name.py)."""
+    if not renamed:
+        return select
+    starts = tuple(f"{r.prefix}." for r in renamed if r.prefix)
+    if len(starts) < len(renamed):  # the state's root is one of them: every key is its
+        return lambda _k: False
+    return lambda k: select(k) and not k.startswith(starts)
 
 
 def _selected(sources: Any, prefix: str, select: Callable[[str], bool]) -> bool:
