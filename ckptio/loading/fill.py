@@ -24,7 +24,7 @@ from ckptio.format.flatten import FlatState, unflatten
 from ckptio.format.param_names import is_marker, without_names
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
-from ckptio.loading import merge, param_check
+from ckptio.loading import by_name, merge, param_check
 from ckptio.loading.foreign_common import unpicklable
 from ckptio.planning.sharding import check_dense, held
 
@@ -357,12 +357,16 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     rebuilding tuples; create the entries a Stateful lacks; call each Stateful's
     load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
     those no rank asks for."""
-    select = selector(keys)
+    chosen = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
-    param_check.check(flat, sources)  # an index-keyed optimizer's parameters by name, first
-    lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
-    in_lists = merge.under(lists.whole)
+    renamed = param_check.differing(flat, sources, chosen)  # the model changed: first
+    if renamed and strict:
+        raise StateMismatchError(param_check.refusal(renamed[0], sources))
+    select = param_check.outside(chosen, renamed)  # those are loaded by name (by_name.py)
     saved = [k for k in sources.keys() if select(k) and not is_marker(k)]
+    lists = merge.whole_lists(flat, record.tree)  # replaced whole: their keys are not matched
+    lists.keep_selected(select, (*saved, *flat.leaves))
+    in_lists = merge.under(lists.whole)
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)
         if isinstance(flat.leaves[key].value, torch.Tensor):
@@ -404,13 +408,22 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
                       "or shape differs (or they hold a resized parameter's optimizer state): "
                       f"{'; '.join(list(plan.problems.values())[:3])} "
                       "(LoadReport.mismatched lists them all)", stacklevel=5)
+    by_name_keys = [k for k in sources.keys() if chosen(k) and not is_marker(k)
+                    and any(r.reads(k) for r in renamed)]
+    for key in by_name_keys:
+        if (source := sources.get(key)) is not None:  # else: per-rank, check_refused said
+            _replace(plan, key, source)
     _refuse_pickles(plan.entries(), allow_pickle)
     nbytes = plan.run(read)
     values = {key: make_value() for key, make_value in plan.assign}
     made = {key: values.pop(key) for key in plan.create}
+    saved_by_name = {key: values.pop(key) for key in by_name_keys}
     merge.put_back(flat, record.tree, values, made, lists.whole)
+    for r in renamed:
+        warnings.warn("strict=False: the model's parameters changed since the save: "
+                      + r.summary(by_name.load_into(r, record.tree, saved_by_name)), stacklevel=5)
     skipped = set(sources.absent) | set(sources.refused)
-    loaded = tuple(k for k in (*common, *plan.create, *tied)
+    loaded = tuple(k for k in (*common, *plan.create, *tied, *by_name_keys)
                    if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
 

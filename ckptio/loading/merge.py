@@ -14,7 +14,7 @@ reading bytes, matching keys or the strict rules (fill.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from ckptio.planning.sharding import FlatShard, TensorShard
 
 _ABSENT = object()
 
-__all__ = ["Lists", "creatable", "equal", "put_back", "under", "whole_lists"]
+__all__ = ["Lists", "creatable", "equal", "load_stateful", "put_back", "under", "whole_lists"]
 
 
 def equal(a: Any, b: Any) -> bool:
@@ -89,6 +89,13 @@ class Lists:
 
     whole: dict[str, Json] = field(default_factory=dict)
     fixed: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def keep_selected(self, select: Callable[[str], bool], keys: Iterable[str]) -> None:
+        """Keep in ``whole`` only the lists a load selects: the list's own key, or one of
+        ``keys`` (the saved and the state's) under it (a list the load leaves out stays as
+        it is)."""
+        self.whole = {k: v for k, v in self.whole.items()
+                      if select(k) or any(under({k: v})(key) and select(key) for key in keys)}
 
     def hint(self) -> str:
         """A sentence for a key mismatch that these lists explain ("" if none)."""
@@ -213,8 +220,11 @@ class _Walk:
             for i, item in enumerate(items):
                 if item is not live[i]:
                     live[i] = item
-            if inside:
-                live.extend(self._built(c) for c in saved_items[len(items):])
+            if inside:  # the saved items beyond, up to the first the load left out
+                for i, c in enumerate(saved_items[len(items):], len(items)):
+                    if _join(key, i) not in self.holding and next(_leaf_keys(c), None):
+                        break
+                    live.append(self._built(c))
             return live
         if all(a is b for a, b in zip(items, live)):
             return live
@@ -290,10 +300,11 @@ def put_back(flat: FlatState, saved_tree: Json, replaced: dict[str, Any],
             f"other values for {differing[:10]}; pass a dict or list as the state (tensors "
             "inside a tuple are filled in place)")
     for prefix, obj, inner in reversed(walk.loads):
-        _load_stateful(prefix, obj, inner)
+        load_stateful(prefix, obj, inner)
 
 
-def _load_stateful(prefix: str, obj: Any, inner: dict[Any, Any]) -> None:
+def load_stateful(prefix: str, obj: Any, inner: dict[Any, Any]) -> None:
+    """``obj.load_state_dict(inner)``; its refusal a StateMismatchError naming ``prefix``."""
     try:
         obj.load_state_dict(inner)
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:

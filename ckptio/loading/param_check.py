@@ -1,21 +1,21 @@
-"""Refuse an in-place load that would hand an index-keyed optimizer other parameters' state.
+"""Find an index-keyed optimizer whose parameters differ from those its state was saved for.
 
 A save records each index-keyed optimizer's parameter names in its param groups
-(format/param_names.py). Before anything is read, a load compares them, group by group, with
-the names its own state gives the optimizer's parameters: any difference (pipeline stages of
-equal sizes split another way give the same indices and shapes to other parameters) is a
-StateMismatchError naming the optimizer, the group, both lists' first names and the fix
-(``ckptio.OptimizerState``). A checkpoint without names (older, or an optimizer whose
-parameters no module of the state names) is loaded as before. The names themselves are never
-loaded (``is_marker`` keys: left out of every load, in place or fresh).
+(format/param_names.py). Before anything is read, a load compares them with the names its own
+state gives the optimizer's parameters (only for an optimizer the load's ``keys`` select): a
+difference means the model gained, lost or reshaped parameters since the save, or pipeline
+stages of equal sizes split another way (the same indices and shapes, other parameters). A
+strict load refuses it (``refusal``: the names added, removed and reshaped, and the fixes:
+strict=False, keys=, ``ckptio.OptimizerState``); a ``strict=False`` load maps the state by name
+(by_name.py). A checkpoint without names (older, or an optimizer whose parameters no module of
+the state names) is loaded as before; the names themselves are never loaded (``is_marker``).
 
-A ``strict=False`` load leaves a resized parameter (its saved shape differs) as it was;
-``resized_state`` names the optimizer state saved for it, which is left out too: its moments
-have the old shape, and the optimizer's next step would fail on them.
+``resized_state``: where the names agree, a strict=False load leaves a resized parameter (its
+saved shape differs) as it was, and the optimizer state saved for it too (old shapes).
 
-Call order (fill.fill_in_place): ``check(flat, sources)`` before its reads; ``resized_state``
-once the plan knows the resized keys. Owns: the comparison and its message. Does not own:
-recording the names (format/param_names.py).
+Call order (fill.fill_in_place): ``differing`` before its reads (``refusal`` if strict);
+``resized_state`` once the plan knows the resized keys. Owns: the comparison and its messages.
+Does not own: recording the names (format/param_names.py), the mapping (by_name.py).
 """
 
 from __future__ import annotations
@@ -25,28 +25,102 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import ManifestError, StateMismatchError
+from ckptio.errors import ManifestError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
+from ckptio.loading.by_name import Renamed
 
-__all__ = ["check", "resized_state"]
+__all__ = ["differing", "outside", "refusal", "resized_state"]
 
 
-def check(flat: FlatState, sources: Any) -> None:
-    """Raise StateMismatchError where the names saved for this rank differ from those this
-    state's optimizers hold. ``sources``: fill.Sources."""
+def differing(flat: FlatState, sources: Any, select: Callable[[str], bool]) -> list[Renamed]:
+    """The index-keyed optimizers of ``flat`` whose parameters' names differ from those saved
+    for this rank, among those with a key ``select`` accepts (a load leaving an optimizer out
+    never looks at it). ``sources``: fill.Sources."""
     names: dict[int, str] | None = None
+    out: list[Renamed] = []
     for prefix, obj, _inner in flat.statefuls:
-        if not isinstance(obj, torch.optim.Optimizer):
+        if not isinstance(obj, torch.optim.Optimizer) or not _selected(sources, prefix, select):
             continue
         names = param_names.module_names(flat.root) if names is None else names
         wanted = param_names.wanted_names(obj, names)
         if wanted is None:
             continue
-        for g, want in enumerate(wanted):
-            saved = _saved(sources, f"{prefix}.param_groups.{g}.{param_names.KEY}".lstrip("."))
-            if saved is not None and saved != want:
-                raise StateMismatchError(_message(prefix, g, saved, want, sources))
+        base = f"{prefix}.param_groups".lstrip(".")
+        saved: list[list[str]] = []
+        while (got := _saved(sources, f"{base}.{len(saved)}.{param_names.KEY}")) is not None:
+            saved.append([str(n) for n in got])
+        if saved and saved != wanted:
+            out.append(_renamed(flat, sources, prefix, obj, saved, wanted))
+    return out
+
+
+def outside(select: Callable[[str], bool], renamed: list[Renamed]) -> Callable[[str], bool]:
+    """``select`` without the keys of the ``renamed`` optimizers (a strict=False load maps
+    them by name instead: by_name.py)."""
+    if not renamed:
+        return select
+    starts = tuple(f"{r.prefix}." for r in renamed if r.prefix)
+    if len(starts) < len(renamed):  # the state's root is one of them: every key is its
+        return lambda _k: False
+    return lambda k: select(k) and not k.startswith(starts)
+
+
+def _selected(sources: Any, prefix: str, select: Callable[[str], bool]) -> bool:
+    start = f"{prefix}." if prefix else ""
+    return any(k.startswith(start) and select(k) and not param_names.is_marker(k)
+               for k in sources.keys())
+
+
+def _renamed(flat: FlatState, sources: Any, prefix: str, opt: torch.optim.Optimizer,
+             saved: list[list[str]], wanted: list[list[str]]) -> Renamed:
+    """What changed: each saved name's index, and the parameters whose model tensor (found in
+    the state by storage) was saved with another shape."""
+    index: dict[str, int] = {}
+    for g, group in enumerate(saved):
+        numbers = _saved(sources, f"{prefix}.param_groups.{g}.params".lstrip("."))
+        if numbers is None or len(numbers) != len(group):  # torch numbers them in order
+            numbers = list(range(len(index), len(index) + len(group)))
+        index.update((name, int(i)) for name, i in zip(group, numbers))
+    key_of = {ptr: k for k, leaf in flat.leaves.items() if (ptr := _storage(leaf.value))}
+    params = {n: p for g, group in enumerate(opt.param_groups) for n, p in zip(wanted[g], group["params"])}
+    reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    model = None
+    for name, param in params.items():
+        key = key_of.get(ptr) if (ptr := _storage(param)) is not None else None
+        if key is None:
+            continue
+        model = model or (key[:-len(name)].rstrip(".") if key.endswith(name) else None)
+        source = sources.tensors.get(sources.aliases.get(key, key))
+        if name in index and source is not None and tuple(source.head.shape) != tuple(param.shape):
+            reshaped[name] = (tuple(param.shape), tuple(source.head.shape))
+    return Renamed(prefix, opt, saved, wanted, index, reshaped, model)
+
+
+def refusal(renamed: Renamed, sources: Any) -> str:
+    """The strict load's error for ``renamed``: what changed and the fixes."""
+    prefix = renamed.prefix
+    split = (sources.saved_world > 1 and not renamed.reshaped and renamed.added
+             and all(_in_checkpoint(renamed, sources, n) for n in renamed.added))
+    leave_out = f"keys=[{renamed.model!r}]" if renamed.model else "keys=..."
+    fixes = (f"Pass strict=False to load what matches (the model's tensors of unchanged name and "
+             "shape, and this optimizer's state mapped by parameter name: added parameters "
+             f"start with none), or {leave_out} to leave the optimizer out (with strict=False "
+             "as well where the model's own keys changed)")
+    if split:
+        g = next((g for g, (a, b) in enumerate(zip(renamed.saved, renamed.wanted)) if a != b), 0)
+        return _message(prefix, g, renamed.saved[g], renamed.wanted[g], sources) + (
+            f"; if the model changed instead ({renamed.changes()}): {fixes[0].lower()}{fixes[1:]}")
+    return (f"key {prefix or '(the state)'!r}: the model's parameters changed since the save "
+            f"({renamed.changes()}), and this optimizer keys its state by parameter index: "
+            "loaded by index, parameters would get other parameters' state. " + fixes)
+
+
+def _in_checkpoint(renamed: Renamed, sources: Any, name: str) -> bool:
+    """Whether the checkpoint holds the model tensor of parameter ``name`` (saved by a stage
+    that holds it: pipeline stages split another way)."""
+    key = f"{renamed.model}.{name}" if renamed.model else name
+    return sources.aliases.get(key, key) in sources.tensors or key in sources.unread
 
 
 def resized_state(flat: FlatState, resized: Iterable[str]) -> Callable[[str], bool]:

@@ -20,18 +20,22 @@ Owns: that order and its messages. Does not own: listing (storage/steproot.py), 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.managing import warn
 from ckptio.managing.level import TierSteps
+from ckptio.storage import missing_manifest
+from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
 
-__all__ = ["Restored", "candidates", "emptiness", "incomplete", "nothing_to_restore",
+__all__ = ["Restored", "candidates", "emptiness", "incomplete", "neighbours", "nothing_to_restore",
            "restore_first", "started_fresh", "where"]
 
 Listing = dict[str, list[Any]]
@@ -136,18 +140,58 @@ def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
              "of the same step replaces one", stacklevel=stacklevel)
 
 
-def started_fresh(levels: Sequence[TierSteps], required: bool, coordinator: bool) -> None:
+def started_fresh(levels: Sequence[TierSteps], required: bool, coordinator: bool,
+                  stacklevel: int = 3) -> None:
     """restore() found no step anywhere: CheckpointNotFoundError when ``required``, else one
     log line on rank 0 saying so (a mistyped directory then shows at once, not as a run that
-    silently began again at step 0)."""
+    silently began again at step 0); and where a directory spelled alike holds committed steps
+    (``neighbours``), a warning on rank 0 naming it and its newest step (a first run stays a
+    warning: the quick start restores into a new directory)."""
     what = (f"nothing to restore in {where(levels)}: no step was ever committed there")
+    found = neighbours(levels) if required or coordinator else []
+    near = "; ".join(f"did you mean {path}? It holds committed steps (the newest: step {newest})"
+                     for path, newest in found)
     if required:
         raise CheckpointNotFoundError(
-            f"restore(state, required=True): {what}. Check the directory (a typo names a new, "
-            "empty one); leave required out for a first run")
+            f"restore(state, required=True): {what}{'; ' + near if near else ''}. Check the "
+            "directory (a typo names a new, empty one); leave required out for a first run")
     if coordinator:
         log.warning("ckptio: %s; starting fresh (restore(state, required=True) raises instead)",
                     what)
+    if near:
+        warn(f"ckptio: {what}, so this run starts fresh; {near}. restore(state, required=True) "
+             "raises instead of starting fresh", stacklevel=stacklevel)
+
+
+def neighbours(levels: Sequence[TierSteps]) -> list[tuple[str, int]]:
+    """For each local tier, the directories beside it spelled alike (missing_manifest's "did
+    you mean") that hold committed steps, with the newest. A name that differs only in its
+    digits (run2 beside run1) is another run of a series, not a typo; object stores are not
+    listed."""
+    found = []
+    for level in levels:
+        if "://" in level.directory:
+            continue
+        parent, name = os.path.split(os.path.normpath(level.directory))
+        try:
+            siblings = [n for n in os.listdir(parent or ".") if n != name
+                        and os.path.isdir(os.path.join(parent, n))
+                        and _digitless(n) != _digitless(name)]
+        except OSError:
+            continue
+        for sibling in missing_manifest.spelled_alike(name, siblings):
+            path = os.path.join(parent, sibling)
+            try:
+                committed = root_for(path, level.options).scan()["committed"]
+            except CkptError:
+                continue
+            if committed:
+                found.append((path, max(committed)))
+    return found
+
+
+def _digitless(name: str) -> str:
+    return re.sub(r"\d+", "#", name)
 
 
 def _name(levels: Sequence[TierSteps], k: int) -> str:

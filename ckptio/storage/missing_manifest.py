@@ -20,7 +20,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.store_contract import is_ours
 from ckptio.storage.dirlock import LOCK_NAME
 
-__all__ = ["file_hint", "nearby", "no_manifest"]
+__all__ = ["file_hint", "nearby", "no_manifest", "spelled_alike"]
 
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _STEP = re.compile(r"^step-(\d+)$")
@@ -46,8 +46,14 @@ def nearby(name: str, siblings: list[str]) -> str:
         near = sorted(steps, key=lambda s: (abs(s[0] - want), s[0]))[:2]
         return (f"; its directory holds {len(steps)} step(s), {steps[0][1]} to {steps[-1][1]}; "
                 f"nearest: {', '.join(n for _s, n in sorted(near))}")
-    close = difflib.get_close_matches(name, siblings, n=2, cutoff=0.6)
+    close = spelled_alike(name, siblings)
     return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def spelled_alike(name: str, siblings: list[str]) -> list[str]:
+    """The (at most two) ``siblings`` spelled like ``name``, closest first: the names a "did
+    you mean" hint offers."""
+    return difflib.get_close_matches(name, siblings, n=2, cutoff=0.6)
 
 
 def no_manifest(location: str, names: list[str],
