@@ -77,3 +77,93 @@ def test_a_failed_directory_fsync_over_a_checkpoint_puts_the_previous_one_back(f
     assert ckptio.verify(path) > 0
     ckptio.save(_state(2.0), path)
     assert torch.equal(ckptio.load(path)["w"], _state(2.0)["w"])
+
+
+# ------------------------------------------------------------------------------- item 4
+
+WARN_S = 0.5  # Options.io_stall_warn_s for these tests (the default is 60 s)
+
+
+def _stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "made no progress" in r.getMessage()]
+
+
+def _wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("then", [None, "eio"])
+def test_a_hung_fsync_is_said_and_wait_and_close_give_up_in_time(fs, caplog, then):
+    """An fsync of a data file that does not return: warnings naming the rank, the file and
+    the seconds, repeated; wait(timeout=) and close(timeout=) raise SaveTimeoutError in time,
+    naming the step, the rank and the file; once the fsync returns (or fails) the save ends
+    cleanly and the previous step is intact."""
+    caplog.set_level("WARNING", logger="ckptio")
+    run = fs.mountpoint / "run"
+    mgr = ckptio.CheckpointManager(run, options=ckptio.Options(io_stall_warn_s=WARN_S))
+    mgr.save(1, _state(1.0), force=True)
+    fs.stall("fsync", r"/run/step-2/data-")
+    mgr.save(2, _state(2.0), force=True, asynchronous=True)
+    stalled = fs.wait_stalled(30)
+    _wait_for(lambda: len(_stall_warnings(caplog)) >= 2, 10 * WARN_S + 10)
+    said = _stall_warnings(caplog)
+    assert all("rank 0" in m and "fsync" in m and "/run/step-2/data-" in m for m in said), said
+    assert said[0] != said[1]  # the seconds waited grow
+    started = time.monotonic()
+    with pytest.raises(ckptio.SaveTimeoutError, match=r"(?s)step 2.*rank 0 has waited [\d.]+ s for "
+                                                      r"the fsync of .*/step-2/data-"):
+        mgr.wait(timeout=1.0)
+    assert time.monotonic() - started < 5
+    with pytest.raises(ckptio.CkptError, match="rank 0"):
+        mgr.close(timeout=0.2)
+    assert stalled.startswith("/run/step-2/data-")
+    fs.release(then)
+    if then is None:
+        mgr.close()
+        assert mgr.steps() == [1, 2]
+        assert torch.equal(ckptio.load(run / "step-2")["w"], _state(2.0)["w"])
+    else:
+        with pytest.raises(ckptio.StorageIOError, match="step-2"):
+            mgr.close()
+        assert ckptio.CheckpointManager(run).steps() == [1]
+    assert torch.equal(ckptio.load(run / "step-1")["w"], _state(1.0)["w"])
+    assert any("goes on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hung_commit_is_said_on_a_synchronous_save(fs, caplog):
+    """ckptio.save whose manifest fsync hangs: the caller is blocked, the warning names the
+    commit's file; released, the save commits."""
+    caplog.set_level("WARNING", logger="ckptio")
+    path = fs.mountpoint / "ckpt"
+    fs.stall("fsync", r"^/ckpt/\.?[^/]*\.tmp$")
+    ck = ckptio.Checkpointer(ckptio.Options(io_stall_warn_s=WARN_S))
+    import threading
+    saving = threading.Thread(target=ck.save, args=(_state(1.0), path))
+    saving.start()
+    fs.wait_stalled(30)
+    _wait_for(lambda: _stall_warnings(caplog), 10 * WARN_S + 10)
+    assert "commit of" in _stall_warnings(caplog)[0] and "manifest.json" in _stall_warnings(caplog)[0]
+    fs.release()
+    saving.join(30)
+    assert not saving.is_alive()
+    assert torch.equal(ckptio.load(path)["w"], _state(1.0)["w"])
+    ck.close()
+
+
+def test_a_background_failure_raised_at_the_next_save_says_that_step_was_not_saved(fs):
+    """An async save of step 3 fails (its fsync: EIO); the error surfaces at save(4), which
+    says that step 4 was not saved (and why); a retry of step 4 commits."""
+    run = fs.mountpoint / "run"
+    mgr = ckptio.CheckpointManager(run)
+    fs.fail("fsync", r"/run/step-3/data-")
+    mgr.save(3, _state(3.0), force=True, asynchronous=True)
+    with pytest.raises(ckptio.StorageIOError, match=r"(?s)^step 4 was not saved.*step 3.*"
+                                                    r"Input/output error"):
+        mgr.save(4, _state(4.0), force=True)
+    assert mgr.steps() == []
+    mgr.save(4, _state(4.0), force=True)
+    mgr.close()
+    assert mgr.steps() == [4]
