@@ -1,7 +1,8 @@
 """The one exception family ckptio raises.
 
-Owns: CkptError and its subclasses, and restating one with more said first. Every message names
-what went wrong (key, file, rank where known) and how to fix it. Does not own: deciding when to raise (each module raises its own).
+Owns: CkptError and its subclasses, and restating one with more said first. Every message
+names what went wrong (key, file, rank where known) and how to fix it. Does not own: deciding
+when to raise (each module raises its own).
 """
 
 from __future__ import annotations

@@ -285,9 +285,10 @@ class CheckpointManager:
         """Wait for the async save in flight (None if there is none), then apply the first
         tier's retention. Its error is raised here (and not again by close() or the next
         save). ``timeout``: SaveTimeoutError if it has not finished within that many seconds,
-        naming the step, the rank and the file it waits for (it stays in flight: wait again). The followers are not waited for (drained(), protected()), except once
-        preemption is reached: then the newest step goes on to every slower tier, unpaced, and
-        wait() returns once it is durable there (docs/MANAGER.md, Preemption)."""
+        naming the step, the rank and the file it waits for (it stays in flight: wait again).
+        The followers are not waited for (drained(), protected()), except once preemption is
+        reached: then the newest step goes on to every slower tier, unpaced, and wait()
+        returns once it is durable there (docs/MANAGER.md, Preemption)."""
         result, committed = self._saves.wait(timeout)
         for done in committed:
             self._committed(done)

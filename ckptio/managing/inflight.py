@@ -67,7 +67,7 @@ class InFlight:
         previous = self._pending
         try:
             result = ck.save(state, path, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
             raise _not_saved(exc, previous, step) from exc.__cause__
         finally:
             self._forget_done(previous)
@@ -80,7 +80,7 @@ class InFlight:
         previous = self._pending
         try:
             handle = ck.async_save(state, path, **kwargs)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
             raise _not_saved(exc, previous, step) from exc.__cause__
         finally:
             self._forget_done(previous)

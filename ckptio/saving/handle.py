@@ -66,9 +66,10 @@ class SaveHandle:
 
     ``wait(timeout=None)``: block until it is durable and committed; returns its SaveResult or
     raises what went wrong (once); SaveTimeoutError after ``timeout`` seconds, naming the rank
-    and the file the save waits for (it goes on: wait again). ``done()``: committed or failed. ``staged()``: every byte has
-    been copied out of the state, which may change again. ``progress()``: bytes staged and
-    written so far. ``path``: where it saves. The save drives it through its HandleControl.
+    and the file the save waits for (it goes on: wait again). ``done()``: committed or failed.
+    ``staged()``: every byte has been copied out of the state, which may change again.
+    ``progress()``: bytes staged and written so far. ``path``: where it saves. The save drives
+    it through its HandleControl.
     """
 
     def __init__(self, control: HandleControl) -> None:

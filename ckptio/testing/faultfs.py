@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -155,7 +156,7 @@ class FaultFS:
 
     def fired(self) -> list[tuple[str, str, str]]:
         """Every fault that fired: (op, path, "eio" / "enospc" / "stall")."""
-        return [tuple(x) for x in self._ask({"cmd": "fired"})]  # type: ignore[misc]
+        return [(str(op), str(path), str(what)) for op, path, what in self._ask({"cmd": "fired"})]
 
     def stop(self) -> None:
         """Release stalled calls, unmount, end the server."""
@@ -270,18 +271,21 @@ def _serve(backing: str, mountpoint: str, control: socket.socket) -> None:
         rules.command({"cmd": "release", "error": None})  # the client is gone: nothing blocks
         subprocess.run(["umount", "-l", mountpoint], capture_output=True, check=False)
 
-    ops = _passthrough(mfusepy, backing, rules, lambda: threading.Thread(
-        target=listen, daemon=True).start() or say("ready"))
+    def mounted() -> None:
+        threading.Thread(target=listen, daemon=True).start()
+        say("ready")
+
+    ops = _passthrough(mfusepy, backing, rules, mounted)
     mfusepy.FUSE(ops, mountpoint, foreground=True, nothreads=False)
 
 
-def _passthrough(mfusepy: Any, root: str, rules: _Rules, on_mount: Any) -> Any:
+def _passthrough(mfusepy: Any, root: str, rules: _Rules, on_mount: Callable[[], None]) -> Any:
     """The Operations: every call on the backing directory, the rules checked first."""
 
     def real(path: str) -> str:
         return os.path.join(root, path.lstrip("/"))
 
-    class Passthrough(mfusepy.Operations):  # type: ignore[misc,name-defined]
+    class Passthrough(mfusepy.Operations):
         use_ns = True
 
         def init(self, path: str) -> None:
