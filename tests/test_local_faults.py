@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,7 +141,6 @@ def test_a_hung_commit_is_said_on_a_synchronous_save(fs, caplog):
     path = fs.mountpoint / "ckpt"
     fs.stall("fsync", r"^/ckpt/\.?[^/]*\.tmp$")
     ck = ckptio.Checkpointer(ckptio.Options(io_stall_warn_s=WARN_S))
-    import threading
     saving = threading.Thread(target=ck.save, args=(_state(1.0), path))
     saving.start()
     fs.wait_stalled(30)
@@ -167,3 +167,23 @@ def test_a_background_failure_raised_at_the_next_save_says_that_step_was_not_sav
     mgr.save(4, _state(4.0), force=True)
     mgr.close()
     assert mgr.steps() == [4]
+
+
+def test_checkpointer_close_with_a_timeout_gives_up_and_frees_nothing(fs):
+    """Checkpointer.close(timeout=) on an async save whose data fsync hangs: SaveTimeoutError
+    naming the path, the rank and the file, in time; the save still owns its staging pool, so
+    a later close() finishes it and the checkpoint loads."""
+    path = fs.mountpoint / "ckpt"
+    ck = ckptio.Checkpointer(ckptio.Options(io_stall_warn_s=WARN_S))
+    fs.stall("fsync", r"^/ckpt/data-")
+    handle = ck.async_save(_state(5.0), path)
+    fs.wait_stalled(30)
+    started = time.monotonic()
+    with pytest.raises(ckptio.SaveTimeoutError, match=r"(?s)ckpt did not finish within 0.5 s: "
+                                                      r"rank 0 has waited .* fsync of .*/data-"):
+        ck.close(timeout=0.5)
+    assert time.monotonic() - started < 5
+    assert ck.staging_nbytes > 0 and not handle.done()
+    fs.release()
+    ck.close()
+    assert handle.done() and torch.equal(ckptio.load(path)["w"], _state(5.0)["w"])
