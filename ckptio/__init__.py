@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
         ManifestError,
         PickleRefusedError,
         RankFailedError,
+        SaveTimeoutError,
         StateMismatchError,
         StorageIOError,
         UnsupportedPathError,
@@ -73,6 +74,7 @@ __all__ = [
     "Progress",
     "RNGState",
     "RankFailedError",
+    "SaveTimeoutError",
     "SaveHandle",
     "SaveResult",
     "StateMismatchError",
@@ -108,7 +110,8 @@ _HOME = {
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
-        "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError")},
+        "SaveTimeoutError", "StateMismatchError", "StorageIOError", "UnsupportedPathError",
+        "UnsupportedStateError")},
 }
 
 

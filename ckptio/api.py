@@ -21,7 +21,7 @@ import torch
 from ckptio import packed, stepmeta
 from ckptio.distributed import collective, loadsteps
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch, piece_of
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy
@@ -97,13 +97,21 @@ class Checkpointer:
         store = None if path is None else store_for(path, self.options)
         self._resources.prepare(store, wait=state is None if wait is None else wait)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the
-        Checkpointer stays usable. A background error nobody has waited for is raised here."""
+        Checkpointer stays usable. A background error nobody has waited for is raised here.
+        ``timeout``: SaveTimeoutError if the save in flight has not finished within that many
+        seconds (naming the rank and the file it waits for); then nothing is freed (the save
+        still uses the pool): close() again later."""
+        timed_out = False
         try:
-            self._settle()
+            self._settle(timeout)
+        except SaveTimeoutError:
+            timed_out = True
+            raise
         finally:
-            self._resources.free()
+            if not timed_out:
+                self._resources.free()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
@@ -200,9 +208,13 @@ class Checkpointer:
         try:
             self._settle()
         except BaseException as exc:
+            said = restated(exc, f"{path} was not saved (nothing of it was written): the save "
+                                 f"before it, to {previous.path if previous else '?'}, failed "
+                                 "in the background: ")
+            said.__cause__ = exc  # the manager names the step from it (managing/inflight.py)
             if group.size == 1:
-                raise
-            previous_error = exc
+                raise said from exc
+            previous_error = said
         self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
         store = store_for(path, self.options)
         packing = packed.packing_for(self.options, store, base,
@@ -240,17 +252,21 @@ class Checkpointer:
         return self._memories.setdefault(None if isinstance(group, Solo) else id(group),
                                          collective.Memory())
 
-    def settle(self) -> None:
+    def settle(self, timeout: float | None = None) -> None:
         """Wait for the async save in flight (if any); raise its error if nobody has seen it
         yet (the next save would raise it first). A CheckpointManager calls it before it
-        chooses a delta's base among the committed steps."""
-        self._settle()
+        chooses a delta's base among the committed steps. ``timeout``: SaveTimeoutError if it
+        has not finished within that many seconds (it goes on; settle again later)."""
+        self._settle(timeout)
 
-    def _settle(self) -> None:
+    def _settle(self, timeout: float | None = None) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
         control, thread = self._inflight, self._thread
         if thread is not None:
-            thread.join()
+            thread.join(timeout)
+            if thread.is_alive():
+                assert control is not None  # internal: set together with the thread
+                raise control.timed_out(timeout)
         if control is not None:
             if not control.remove_hooks():  # another thread: the trainer's next save removes them
                 self._stale_hooks.append(control)

@@ -1,15 +1,18 @@
 """The one exception family ckptio raises.
 
-Owns: CkptError and its subclasses. Every message names what went wrong (key, file, rank where
-known) and how to fix it. Does not own: deciding when to raise (each module raises its own).
+Owns: CkptError and its subclasses, and restating one with more said first. Every message
+names what went wrong (key, file, rank where known) and how to fix it. Does not own: deciding
+when to raise (each module raises its own).
 """
 
 from __future__ import annotations
 
+import copy
+
 __all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
-           "PickleRefusedError", "RankFailedError", "StateMismatchError", "StorageIOError",
-           "UnsupportedPathError", "UnsupportedStateError"]
+           "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
+           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "restated"]
 
 
 class CkptError(Exception):
@@ -66,3 +69,17 @@ class CheckpointLockedError(CkptError):
     """Another save holds the path (Options.if_locked="raise"), or committed there while this
     save ran because the path's lock is not honoured; the message names the path and the
     holder. Nothing of this save was committed; the checkpoint there is untouched."""
+
+
+class SaveTimeoutError(CkptError, TimeoutError):
+    """``wait(timeout=...)`` or ``close(timeout=...)`` gave up on a save still running; the
+    message names the path, the rank and the file whose write, fsync or commit it waits for.
+    The save goes on in the background (a call in the kernel cannot be cancelled): wait again,
+    or end the process; nothing partial is committed either way."""
+
+
+def restated(error: BaseException, prefix: str) -> BaseException:
+    """A copy of ``error`` (same type, same attributes) whose message begins with ``prefix``."""
+    again = copy.copy(error)
+    again.args = (f"{prefix}{error}", *error.args[1:])
+    return again

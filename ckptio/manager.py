@@ -36,7 +36,7 @@ import torch
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError, SaveTimeoutError
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
@@ -289,13 +289,15 @@ class CheckpointManager:
             self._committed(done)
         return result
 
-    def wait(self) -> SaveResult | None:
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight (None if there is none), then apply the first
         tier's retention. Its error is raised here (and not again by close() or the next
-        save). The followers are not waited for (drained(), protected()), except once
-        preemption is reached: then the newest step goes on to every slower tier, unpaced, and
-        wait() returns once it is durable there (docs/MANAGER.md, Preemption)."""
-        result, committed = self._saves.wait()
+        save). ``timeout``: SaveTimeoutError if it has not finished within that many seconds,
+        naming the step, the rank and the file it waits for (it stays in flight: wait again).
+        The followers are not waited for (drained(), protected()), except once preemption is
+        reached: then the newest step goes on to every slower tier, unpaced, and wait()
+        returns once it is durable there (docs/MANAGER.md, Preemption)."""
+        result, committed = self._saves.wait(timeout)
         for done in committed:
             self._committed(done)
         if self._drain is not None and self._policy.triggers.preempted:
@@ -309,33 +311,43 @@ class CheckpointManager:
         for done in self._saves.settle(self._ck):
             self._committed(done)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """wait(), let the followers finish (their first error not raised yet is raised here,
         once), run the retention their pins and the delta chains held back, finish every
         tier's removals, put back the signal handlers, free the Checkpointer if the manager
-        made it."""
-        _unclosed.discard(self)
+        made it. ``timeout``: as wait()'s, for the save in flight; then nothing is closed
+        (close() again later)."""
+        timed_out = False
         try:
-            self.wait()
+            self.wait(timeout)
+        except SaveTimeoutError:
+            timed_out = True
+            raise
         finally:
-            self._policy.triggers.preemption.uninstall()
+            if not timed_out:
+                self._close()
+
+    def _close(self) -> None:
+        """close() after its wait(): the followers, the last retention, the removals."""
+        _unclosed.discard(self)
+        self._policy.triggers.preemption.uninstall()
+        try:
+            for follower in self._followers:
+                follower.close()
+            if len(self._levels) > 1:  # what the drain's pins kept past the last commit
+                self._retain(0)
+            for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
+                if self._agreed(lambda: self._levels[k].deferred):
+                    self._retain(k)
+        finally:
             try:
-                for follower in self._followers:
-                    follower.close()
-                if len(self._levels) > 1:  # what the drain's pins kept past the last commit
-                    self._retain(0)
-                for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
-                    if self._agreed(lambda: self._levels[k].deferred):
-                        self._retain(k)
+                for level in self._levels:
+                    level.join_removal()
+                    level.drop_slots()
+                if self._owns_checkpointer:
+                    self._ck.close()
             finally:
-                try:
-                    for level in self._levels:
-                        level.join_removal()
-                        level.drop_slots()
-                    if self._owns_checkpointer:
-                        self._ck.close()
-                finally:
-                    self._let_go_leases()
+                self._let_go_leases()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -105,6 +105,12 @@ class Options:
         must exceed the skew between the ranks' commits of one step (every rank's protection
         thread meets the others at each step).
 
+    io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit) makes no progress
+        for this many seconds is said: a warning on the ``ckptio`` logger naming the rank, the
+        file and the seconds waited, repeated every io_stall_warn_s while it lasts (a hung NFS
+        or Lustre server, a dying disk: the call is in the kernel and cannot be cancelled).
+        The save keeps waiting: ``wait(timeout=...)`` and ``close(timeout=...)`` stop waiting
+        for it. 0: never warned.
     For ``s3://bucket/prefix`` paths (``pip install boto3``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
     the standard credential chain):
@@ -147,6 +153,7 @@ class Options:
     rank_timeout_s: float = 60.0
     step_timeout_s: float = 1800.0
     peer_timeout_s: float = 60.0
+    io_stall_warn_s: float = 60.0
     compression: str = "off"
     compress_threads: int = 2
     memory_mapped: str = "auto"
@@ -184,6 +191,9 @@ class Options:
                             f"{self.step_timeout_s}: need 0 < rank_timeout_s <= step_timeout_s")
         if not self.peer_timeout_s > 0:
             raise CkptError(f"Options.peer_timeout_s={self.peer_timeout_s}: seconds > 0")
+        if not self.io_stall_warn_s >= 0:
+            raise CkptError(f"Options.io_stall_warn_s={self.io_stall_warn_s}: seconds >= 0 "
+                            "(0: never warned)")
         if self.compression not in COMPRESSION_MODES:
             raise CkptError(f"Options.compression={self.compression!r}: use "
                             + ", ".join(map(repr, COMPRESSION_MODES)))

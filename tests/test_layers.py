@@ -90,6 +90,7 @@ PUBLIC = {
     "LoadReport", "Progress", "__version__", "export_hf", "register_store",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
+    "SaveTimeoutError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
     "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata", "DeltaPolicy",
 }

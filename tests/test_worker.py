@@ -1,4 +1,4 @@
-"""The one background-worker class (ckptio/tiering/worker.py) the drain and the protection run on:
+"""The one background-worker class (ckptio/io/worker.py) the drain and the protection run on:
 its thread starts on first use under its name at a lowered CPU priority, a job's first error is
 kept (shown by status()) and raised once by wait() or close(), close() joins the thread, and work
 queued after close() is refused; the drain keeps those rules on it."""
@@ -13,7 +13,7 @@ import pytest
 from ckptio.errors import CkptError
 from ckptio.options import MiB, Options
 from ckptio.tiering.drain import Drain
-from ckptio.tiering.worker import NICE, Worker
+from ckptio.io.worker import NICE, Worker
 
 
 class _Fifo:

@@ -43,6 +43,8 @@ from ckptio.format.types import Manifest, WriteItem, Written
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree",
            "conclude", "exclusive", "manifest_of", "skip_exclusive"]
 
+Guard = contextlib.AbstractContextManager[Any]  # what conclude()'s commit runs in
+
 # what a rank wrote: its entries keyed by item index in its plan (but its regular items'), its
 # files, and its index file of its regular items' chunks (format/regular_section.py), if it wrote any
 
@@ -302,11 +304,13 @@ def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
 def conclude(group: Group, agreement: Agreement, written: Written | None,
              error: BaseException | None, store: Store, meta: dict[str, Any], algorithm: str,
              block_nbytes: int, committed: Callable[[list[str]], None],
-             held: Exclusive | None = None) -> None:
+             held: Exclusive | None = None,
+             watched: Callable[[], Guard] = contextlib.nullcontext) -> None:
     """Collective step, after this rank's writes (``written``) or its failure (``error``): the
     coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
     ``committed(names)``: on the coordinator after the commit, with every data file's name.
     ``held``: the coordinator's claim on the store (the commit is conditional on it).
+    ``watched()``: the context the store's commit runs in (the save's stall watch).
     Raises this rank's own error, else RankFailedError naming the failed ranks (with one
     process, or on the coordinator, the commit's own error)."""
     if group.size == 1:  # one process: its own result, as written, no encoding
@@ -314,7 +318,7 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
             raise error
         assert written is not None  # internal: a rank without an error wrote
         _commit([written], [_assigned(agreement, 0)], agreement, store, meta, algorithm,
-                block_nbytes, committed, held)
+                block_nbytes, committed, held, watched)
         return
     mine = None if written is None or error is not None else wire.encode_result(written)
 
@@ -324,7 +328,7 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
             results = [wire.decode_result(data, rank, assigned[rank])
                        for rank, data in enumerate(messages)]
         _commit(results, assigned, agreement, store, meta, algorithm, block_nbytes, committed,
-                held)
+                held, watched)
         return [b""] * len(messages)
 
     def failed(failures: list[str]) -> str:
@@ -346,13 +350,15 @@ def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
 def _commit(results: list[Written],
             assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store,
             meta: dict[str, Any], algorithm: str, block_nbytes: int,
-            committed: Callable[[list[str]], None], held: Exclusive | None) -> None:
+            committed: Callable[[list[str]], None], held: Exclusive | None,
+            watched: Callable[[], Guard]) -> None:
     """On the coordinator, once every rank has written: build, check and commit the manifest."""
     record = manifest_of(results, assigned, agreement, meta, algorithm, block_nbytes)
     # The reader's key rules, before the commit: a manifest that would not load must not
     # replace one that does (its files are deleted once the new one is committed).
     manifest.check_keys(record, store.path_of(manifest.MANIFEST_NAME))
-    store.commit(manifest.encode(record), agreement.save_id, held)
+    with watched():
+        store.commit(manifest.encode(record), agreement.save_id, held)
     committed([f.name for f in record.files])
 
 

@@ -1,6 +1,7 @@
-"""The io layer: I/O backends behind one small contract (backend_contract.IOBackend), chosen by name, and the
-staging buffers (stage.py). Internal: the public surface is ``ckptio`` itself
-(ckptio/__init__.py's ``__all__``); testing/io_conformance.py states the backend contract.
+"""The io layer: I/O backends behind one small contract (backend_contract.IOBackend), chosen by
+name, the staging buffers (stage.py) and the one background-worker thread class (worker.py).
+Internal: the public surface is ``ckptio`` itself (ckptio/__init__.py's ``__all__``);
+testing/io_conformance.py states the backend contract.
 
 Owns: building a backend from its name (the names are options.IO_BACKENDS, re-exported here as
 NAMES): "auto" is io_uring where this process can use it and POSIX otherwise; "uring" falls back

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
+from ckptio.errors import SaveTimeoutError, restated
 from ckptio.managing.level import TierSteps
 from ckptio.saving.handle import SaveHandle, SaveResult
 
@@ -66,6 +67,8 @@ class InFlight:
         previous = self._pending
         try:
             result = ck.save(state, path, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
+            raise _not_saved(exc, previous, step) from exc.__cause__
         finally:
             self._forget_done(previous)
         return result, [*self._ok(previous), step]
@@ -77,17 +80,24 @@ class InFlight:
         previous = self._pending
         try:
             handle = ck.async_save(state, path, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
+            raise _not_saved(exc, previous, step) from exc.__cause__
         finally:
             self._forget_done(previous)
         self._pending = _Pending(step, handle, base)
         return handle, self._ok(previous)
 
-    def wait(self) -> tuple[SaveResult | None, list[int]]:
-        """Wait for the save in flight (its error raised here) -> its result and [its step]."""
+    def wait(self, timeout: float | None = None) -> tuple[SaveResult | None, list[int]]:
+        """Wait for the save in flight (its error raised here) -> its result and [its step].
+        SaveTimeoutError after ``timeout`` seconds: the save stays in flight."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None, []
-        return pending.handle.wait(), [pending.step]
+        try:
+            return pending.handle.wait(timeout), [pending.step]
+        except SaveTimeoutError as exc:
+            self._pending = pending
+            raise restated(exc, f"step {pending.step}: ") from None
 
     def settle(self, ck: Checkpointer) -> list[int]:
         """The save in flight finishes (as the Checkpointer's next save would wait for it, on
@@ -117,3 +127,20 @@ class InFlight:
         except Exception:  # noqa: BLE001 - reported already (see above)
             return []
         return [pending.step]
+
+
+def _not_saved(exc: BaseException, previous: _Pending | None, step: int) -> BaseException:
+    """A save of ``step`` refused because the async save before it had failed in the
+    background (the Checkpointer raises that error restated, caused by it): said with both
+    steps. Any other error: ``exc`` itself."""
+    cause = exc.__cause__
+    if previous is None or cause is None or not previous.handle.done():
+        return exc
+    try:
+        previous.handle.wait(0)
+    except BaseException as seen:  # noqa: BLE001 - compared, not handled
+        if seen is cause:
+            return restated(cause, f"step {step} was not saved (nothing of it was written): "
+                                   f"the save of step {previous.step} before it failed in the "
+                                   "background: ")
+    return exc

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from ckptio.errors import SaveTimeoutError
 from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
+from ckptio.saving.stall import Activity
 from ckptio.planning.sharding import local_tensor
 from ckptio.format.types import WriteItem
 
@@ -63,9 +65,11 @@ class SaveHandle:
     """A save in flight, as ``async_save`` returns it.
 
     ``wait(timeout=None)``: block until it is durable and committed; returns its SaveResult or
-    raises what went wrong (once). ``done()``: committed or failed. ``staged()``: every byte has
-    been copied out of the state, which may change again. ``progress()``: bytes staged and
-    written so far. ``path``: where it saves. The save drives it through its HandleControl.
+    raises what went wrong (once); SaveTimeoutError after ``timeout`` seconds, naming the rank
+    and the file the save waits for (it goes on: wait again). ``done()``: committed or failed.
+    ``staged()``: every byte has been copied out of the state, which may change again.
+    ``progress()``: bytes staged and written so far. ``path``: where it saves. The save drives
+    it through its HandleControl.
     """
 
     def __init__(self, control: HandleControl) -> None:
@@ -85,7 +89,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Block until durable and committed; the background error, if any, is raised here.
-        Safe from any thread."""
+        SaveTimeoutError after ``timeout`` seconds (the save goes on). Safe from any thread."""
         return self._control.wait(timeout)
 
 
@@ -94,8 +98,9 @@ class HandleControl:
     below, the caller's SaveHandle (``handle``) and the Checkpointer read it. Thread-safe."""
 
     def __init__(self, path: str, progress: Progress, files: tuple[str, ...],
-                 started: float) -> None:
+                 started: float, activity: Activity | None = None) -> None:
         self.path, self.progress, self._files = path, progress, files
+        self.activity = activity or Activity(path, 0, 0.0)  # its I/O calls (stall.py)
         self._times = _Timings(started)
         self._eager = threading.Event()  # what must be captured before the call returns
         self._staged = threading.Event()
@@ -126,7 +131,7 @@ class HandleControl:
     def wait(self, timeout: float | None) -> SaveResult:
         """SaveHandle.wait(): the result, or the error (then counted as reported)."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+            raise self.timed_out(timeout)
         self.remove_hooks()
         with self._lock:
             self._reported = True
@@ -135,6 +140,14 @@ class HandleControl:
         assert self._result is not None  # internal: _done is set only with a result or an error
         # blocked_s read now: an optimizer hook on this (training) thread has added its wait
         return dataclasses.replace(self._result, blocked_s=self._times.blocked)
+
+    def timed_out(self, timeout: float | None) -> SaveTimeoutError:
+        """What a wait for this save that gave up after ``timeout`` seconds raises."""
+        return SaveTimeoutError(
+            f"the save to {self.path} did not finish within {timeout} s: "
+            f"{self.activity.describe()}. It goes on in the background (a call in the kernel "
+            "cannot be cancelled): wait again, or end the process; nothing partial is "
+            "committed either way. Check the storage (dmesg, the network filesystem's server)")
 
     # ---------------------------------------------------------------- for the Checkpointer
 
@@ -201,6 +214,7 @@ class HandleControl:
         self._eager.set()
         self._staged.set()
         self._handover.close()
+        self.activity.finish()
         self._done.set()
 
     # ---------------------------------------------------------------- lazy saves

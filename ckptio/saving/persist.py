@@ -34,6 +34,7 @@ from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
+from ckptio.saving.stall import Activity
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob", "ready_events"]
@@ -62,18 +63,21 @@ class SaveJob:
                  sources: dict[str, torch.Tensor], *, pool: StagingPool, algorithm: str, rank: int,
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
                  block_nbytes: int = 1 << 20, packer: Packer | None = None,
-                 write_at_once: bool = False, mapped: bool = False) -> None:
+                 write_at_once: bool = False, mapped: bool = False,
+                 activity: Activity | None = None) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread). ``packer``: a packed save
         (packing.py): ``files`` is one layout that only orders the capture, its bytes go to
         the packer's files. ``write_at_once``: checksums and writes start with the first full
         buffer (a synchronous save, whose caller waits for the writes anyway), not once the
         capture is done or the pool runs dry. ``mapped``: the files are made as shared
-        mappings (``target`` mappable, no packer) and the capture copies into them."""
+        mappings (``target`` mappable, no packer) and the capture copies into them.
+        ``activity``: where its writes and fsyncs are watched (stall.py)."""
         self.target, self.files, self.sources = target, files, sources
         self.packer = packer
         self.pool, self.rank = pool, rank
         self.algorithm = algorithm
+        self.activity = activity or Activity(target.location, rank, 0.0)
         self.progress = progress or Progress(sum(p.item.nbytes for f in files for p in f.placements))
         # Hashers are made by the hasher thread as each entry's first bytes arrive and manifest
         # rows by finish(): the caller, waiting for its capture, pays for neither (thousands of
@@ -195,7 +199,7 @@ class SaveJob:
                 future: Future[int] = Future()  # mapped: the pages are the file, written
                 future.set_result(nbytes)
             else:
-                future = self.target.submit_write(self._handle(file), offset, buffer.view[:nbytes])
+                future = self._submit(file, offset, buffer.view[:nbytes])
         except BaseException as exc:
             self.release(buffer)
             self._fail(exc)
@@ -204,6 +208,17 @@ class SaveJob:
         with self._lock:
             self._writes_in_flight += 1
         future.add_done_callback(lambda f: self._written(f, buffer, written))
+
+    def _submit(self, file: int, offset: int, view: memoryview) -> Future[int]:
+        """A write of file ``file`` (opened on first use), watched until it returns."""
+        call = self.activity.begin("write", self.target.where(self.files[file].name))
+        try:
+            future = self.target.submit_write(self._handle(file), offset, view)
+        except BaseException:
+            self.activity.end(call)
+            raise
+        future.add_done_callback(lambda _f: self.activity.end(call))
+        return future
 
     def _hasher(self, index: int) -> BlockHasher:
         hasher = self._hashers.get(index)
@@ -247,7 +262,9 @@ class SaveJob:
         if self.mapped is not None:  # tmpfs: the pages are the file, nothing to fsync
             self.mapped.close(keep=True)
         while self._handles:
-            self.target.close(self._handles.pop(min(self._handles)), sync=True)
+            index = min(self._handles)
+            with self.activity.call("fsync", self.target.where(self.files[index].name)):
+                self.target.close(self._handles.pop(index), sync=True)
         placed = ((f.name, p) for f in self.files for p in f.placements)
         entries = [_entry(name, p, *self._hasher(index).digests())
                    for index, (name, p) in enumerate(placed)]

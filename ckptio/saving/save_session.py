@@ -42,6 +42,7 @@ from ckptio.distributed.dist import Group
 from ckptio.format import regular_section
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.format.flatten import flatten
+from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import (
     Chunk,
     FileInfo,
@@ -55,7 +56,7 @@ from ckptio.format.types import (
 from ckptio.options import BLOCK, Options
 from ckptio.planning.layout import align_up, plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
-from ckptio.saving import persist
+from ckptio.saving import persist, stall
 from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
@@ -162,8 +163,10 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
+        activity = stall.watched(ctx.store.location, ctx.group.rank,
+                                 ctx.options.io_stall_warn_s)
         control = HandleControl(ctx.store.location, persist.Progress(part.nbytes),
-                                tuple(f.name for f in part.files), ctx.started)
+                                tuple(f.name for f in part.files), ctx.started, activity)
         thread = _start_thread(ctx, part, control)
     except BaseException as exc:
         _report_failure(ctx, agreement, exc)  # the peers wait for this rank in the next steps
@@ -269,7 +272,7 @@ def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
             mapped = _mapped(ctx, [f.nbytes for f in part.files])
             written, error = _write(ctx, part, control, mapped)
             concluded = True
-            _conclude(ctx, part.agreement, written, error, held)
+            _conclude(ctx, part.agreement, written, error, held, control.activity)
             if replacing:  # said, not silent: the manager refuses a committed step instead
                 log.warning("ckptio: the save replaced the checkpoint committed at %s (the old "
                             "one stayed intact until this one committed)", ctx.store.location)
@@ -320,7 +323,7 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
                               ready=part.ready, progress=control.progress,
                               block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
                               write_at_once=not ctx.grow_staging,  # a synchronous save
-                              mapped=mapped)
+                              mapped=mapped, activity=control.activity)
         if ctx.lazy:
             job.capture(part.eager_items, control.eager_captured)
         else:
@@ -332,7 +335,8 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
         index = None
         if part.index_file is not None:  # the regular items' rows go to the index file
             rows = [e for e in entries if e.key in part.regular]
-            index, info = _write_index(ctx, part.index_file, part.agreement.save_id, rows)
+            index, info = _write_index(ctx, part.index_file, part.agreement.save_id, rows,
+                                       control.activity)
             entries, infos = [e for e in entries if e.key not in part.regular], [*infos, info]
         return Written({part.index_of[e.key]: e for e in entries}, tuple(infos), index), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
@@ -367,8 +371,8 @@ def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:
                   segment_nbytes=min(SEGMENT_NBYTES, ctx.options.max_file_bytes))
 
 
-def _write_index(ctx: SaveContext, name: str, save_id: str,
-                 rows: list[TensorEntry]) -> tuple[IndexFile, FileInfo]:
+def _write_index(ctx: SaveContext, name: str, save_id: str, rows: list[TensorEntry],
+                 activity: stall.Activity) -> tuple[IndexFile, FileInfo]:
     """Write this rank's index file of its regular chunks ``rows`` (format/regular_section.py) through
     the same pool, backend and checksums as its data, durably."""
     data = regular_section.encode_index(save_id, ctx.group.rank, [
@@ -378,8 +382,8 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
     pool, target = ctx.resources.files(ctx.store, len(data))  # a small pool will do
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
-                          pool=pool, algorithm=ctx.options.checksum,
-                          rank=ctx.group.rank, block_nbytes=ctx.block_nbytes)
+                          pool=pool, algorithm=ctx.options.checksum, rank=ctx.group.rank,
+                          block_nbytes=ctx.block_nbytes, activity=activity)
     try:
         job.capture()
         (entry,), (info,) = job.finish()
@@ -391,11 +395,13 @@ def _write_index(ctx: SaveContext, name: str, save_id: str,
 
 def _conclude(ctx: SaveContext, agreement: collective.Agreement,
               written: Written | None, error: BaseException | None,
-              held: Exclusive | None) -> None:
-    """8 conclude, 9 commit (on the coordinator), 10 clean up started after the commit."""
+              held: Exclusive | None, activity: stall.Activity) -> None:
+    """8 conclude, 9 commit (on the coordinator, watched), 10 clean up started after it."""
+    manifest = ctx.store.path_of(MANIFEST_NAME)
     collective.conclude(ctx.group, agreement, written, error, ctx.store, ctx.meta,
                         ctx.options.checksum, ctx.block_nbytes,
-                        lambda names: ctx.cleanup.start(ctx.store, names), held)
+                        lambda names: ctx.cleanup.start(ctx.store, names), held,
+                        lambda: activity.call("commit", manifest))
 
 
 def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: BaseException, *,

@@ -136,17 +136,17 @@ class LocalStore:
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """Make the save durable and visible in one rename; with ``held``, only if the manifest
-        there is still the one seen when the lock was taken."""
+        there is still the one seen when the lock was taken. If the directory's fsync after the
+        rename fails, the rename is undone (_take_back): a save that raises is not committed."""
         claim = claim_of(held, LocalClaim, os.path.abspath(self.directory))
         tmp_name = f"{TMP_PREFIX}{save_id}.tmp"
         tmp = self.path_of(tmp_name)
         try:
             write_durably(tmp, manifest)
+            previous = self._committed_bytes()
             if claim is not None:
-                self._check_unchanged(claim)
+                self._check_unchanged(claim, previous)
             os.rename(tmp, os.path.join(self.directory, MANIFEST_NAME))
-            fsync_path(self.directory)
-            fsync_path(os.path.dirname(os.path.abspath(self.directory)))
         except OSError as exc:
             error = StorageIOError(f"committing the manifest of {self.location} failed: "
                                    f"{exc.strerror or exc}; the previous checkpoint there, if "
@@ -156,11 +156,58 @@ class LocalStore:
         except CheckpointLockedError as exc:
             steps.remove_quietly(self, [tmp_name], exc)
             raise
+        try:
+            fsync_path(self.directory)
+            fsync_path(os.path.dirname(os.path.abspath(self.directory)))
+        except OSError as exc:
+            raise self._take_back(previous, save_id, exc) from None
 
-    def _check_unchanged(self, claim: LocalClaim) -> None:
-        """Refuse if another save has committed here since the lock was taken, which only a
-        save that does not honour the lock can have done."""
-        if self._digest() != claim.seen:
+    def _take_back(self, previous: bytes | None, save_id: str, exc: OSError) -> StorageIOError:
+        """After the manifest's rename, the directory's fsync failed (``exc``): whether the
+        rename reaches the disk is unknown. Undo it (the previous manifest written back, or
+        none), so that what the save's error says is what a listing, a load and a retry find:
+        not committed. -> the error to raise (saying so, or, if the undo fails too, that the
+        new checkpoint is visible but not known to be durable)."""
+        failed = (f"committing the manifest of {self.location} failed: fsync of the directory "
+                  f"after the manifest's rename: {exc.strerror or exc}")
+        target = os.path.join(self.directory, MANIFEST_NAME)
+        back = self.path_of(f"{TMP_PREFIX}{save_id}.back.tmp")
+        try:
+            if previous is None:
+                os.rename(target, back)
+            else:
+                write_durably(back, previous)
+                os.rename(back, target)
+        except OSError as undo:
+            steps.remove_quietly(self, [os.path.basename(back)], undo)  # a copy not renamed
+            return StorageIOError(
+                f"{failed}; taking it back failed too ({undo.strerror or undo}): the new "
+                f"checkpoint at {self.location} is visible and loads, but it is not known to be "
+                "durable (a crash may lose it); the storage is failing: check it (dmesg) "
+                "before saving there again")
+        error = StorageIOError(
+            f"{failed}; the manifest was taken back, so this save is not committed and the "
+            "previous checkpoint there, if any, is in place; save again (the same step may be "
+            "retried), and if it keeps failing check the storage (dmesg)")
+        steps.remove_quietly(self, [os.path.basename(back)], error)  # the manifest taken back
+        try:
+            fsync_path(self.directory)
+        except OSError:  # the undo's own: either manifest on disk names a whole checkpoint
+            pass
+        return error
+
+    def _committed_bytes(self) -> bytes | None:
+        """The manifest committed now (None: none, or unreadable)."""
+        try:
+            with open(os.path.join(self.directory, MANIFEST_NAME), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def _check_unchanged(self, claim: LocalClaim, now: bytes | None) -> None:
+        """Refuse if another save has committed here since the lock was taken (``now``: the
+        manifest there now), which only a save that does not honour the lock can have done."""
+        if _digest_of(now) != claim.seen:
             raise CheckpointLockedError(
                 f"another save committed {self.location} while this one was writing, so the "
                 f"lock {os.path.join(self.directory, dirlock.LOCK_NAME)} is not honoured there "
@@ -170,12 +217,7 @@ class LocalStore:
                 "one at a time")
 
     def _digest(self) -> bytes | None:
-        try:
-            with open(os.path.join(self.directory, MANIFEST_NAME), "rb") as f:
-                text = f.read()
-        except OSError:  # none (or unreadable): any manifest committed later differs from this
-            return None
-        return hashlib.blake2b(text, digest_size=16).digest()
+        return _digest_of(self._committed_bytes())
 
     # -- reading --------------------------------------------------------------------------
 
@@ -333,6 +375,11 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _digest_of(manifest: bytes | None) -> bytes | None:
+    """A manifest's digest (None for none: any manifest committed later differs from it)."""
+    return None if manifest is None else hashlib.blake2b(manifest, digest_size=16).digest()
 
 
 def _nearby(path: str) -> str:

@@ -27,7 +27,7 @@ from ckptio.options import GiB, Options
 from ckptio.resources import ReusedIOResources
 from ckptio.storage.store_contract import Store
 from ckptio.tiering.copy import copy_checkpoint
-from ckptio.tiering.worker import NICE, Worker
+from ckptio.io.worker import NICE, Worker
 
 __all__ = ["DRAIN_BUFFERS", "Drain", "Route"]
 

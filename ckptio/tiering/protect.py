@@ -32,7 +32,7 @@ from ckptio.tiering.budget import Budget
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import Root, protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
-from ckptio.tiering.worker import Worker
+from ckptio.io.worker import Worker
 
 __all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 

@@ -1,5 +1,6 @@
-"""One background thread that runs an owner's jobs one at a time: what the drain (drain.py) and
-the protection (protect.py) are built on.
+"""One background thread that runs an owner's jobs one at a time: what the drain
+(tiering/drain.py), the protection (tiering/protect.py) and the saves' stall watch
+(saving/stall.py) are built on.
 
 Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued work (under
 ``lock`` or not), which starts the thread on first use; the thread asks ``jobs.take()`` (under
