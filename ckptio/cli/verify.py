@@ -6,8 +6,9 @@ is named ("its base step-10 (...) fails verification"), exit status 1.
 
 The tensors are verified a batch at a time (``Checkpointer.verify`` on the part of the manifest
 each batch holds); a batch that fails is verified again key by key, so the report names every
-damaged key, not only the first, each with what is wrong (checksum mismatch, truncated file,
-missing file), and the keys that verified. Exit status: 0 every byte matches, 1 damage found
+damaged key, not only the first, each with what is wrong (checksum mismatch, missing file),
+and the keys that verified; a truncated data file is one line: where it ends and the tensors
+stored past that. Exit status: 0 every byte matches, 1 damage found
 (the report on stdout), 2 the checkpoint could not be checked at all (one line on stderr).
 
 Owns: the batches, the per-key report and verify's advice (which is about the checkpoint, not a
