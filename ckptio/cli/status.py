@@ -17,10 +17,9 @@ a location is a row, and the memory tier's rows say which steps are protected ac
 A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
 row's ``bases`` maps each delta step to its base steps (full steps are absent).
 
-A tier that cannot be read (an endpoint down, no credentials, a local directory that does not
-exist, with the names spelled alike), or that holds no step but something else (one checkpoint,
-a DCP checkpoint, other names: "not a run") gets a row saying why, the others are listed, exit
-status 2. What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
+A tier that cannot be read (an endpoint down, no credentials, a missing directory, with names
+spelled alike) or holds no step but something else ("not a run": one checkpoint, other names)
+gets a row saying why, the others are listed, exit status 2. What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
 how a tier lists its steps (storage/steproot.py), draining (tiering/).
