@@ -15,11 +15,11 @@ a location is a row, and the memory tier's rows say which steps are protected ac
     tier 1  /nvme/ckpt/r00002 committed 2
 
 A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
-row's ``bases`` maps each delta step to its base steps (full steps are absent).
+row's ``bases`` maps each delta step to its base steps.
 
 A tier that cannot be read (an endpoint down, no credentials, a missing directory, with names
 spelled alike) or holds no step but something else ("not a run": one checkpoint, other names)
-gets a row saying why, the others are listed, exit status 2. What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
+gets a row saying why, the others are listed, exit status 2. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
 how a tier lists its steps (storage/steproot.py), draining (tiering/).
