@@ -4,7 +4,8 @@ already in docs/results/ (nothing is measured here):
     python -m benchmarks.docs_plots        # needs matplotlib (pip install -e '.[bench]')
 
 1. save_load.png: durable save and first cold load of a 2 GB GPT + AdamW state in GB/s, ckptio,
-   DCP and torch_checkpointing against the disk's ceiling (O_DIRECT write, fio read), 1 and 2
+   DCP and torch_checkpointing against the disk measured in the same run (fio's read ceiling;
+   for saves the project's O_DIRECT write, which ckptio's save beats: no fio write), 1 and 2
    ranks (docs/results/i47/ranks{1,2}_2gb.json, docs/BENCH_TORCH_CHECKPOINTING.md).
 2. loop_overhead.png: how much a save every 5 steps slows the training loop, each engine, on
    shared and on pinned cores (docs/results/i47/loop_every5_{shared,pinned}.json).
@@ -44,7 +45,7 @@ def save_load(plt: Any) -> Path:
                [loads.get(e, loads.get(e.removesuffix("_t4"), 0.0)) for e in engines], 0.4,
                label="first cold load")
         ax.axhline(gb / summary["ceiling_write_s"], color="C0", linestyle="--", linewidth=1,
-                   label="O_DIRECT write ceiling")
+                   label="one O_DIRECT write (not a ceiling)")
         ax.axhline(gb / summary["fio_read_s"], color="C1", linestyle=":", linewidth=1,
                    label="fio read ceiling")
         ax.set_xticks(list(xs), [NAMES[e] for e in engines])

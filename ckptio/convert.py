@@ -102,8 +102,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     * ``"safetensors"``: a Hugging Face folder by ``export_hf`` (every key, names as the dotted
       keys; a tied alias is left out, as Hugging Face ties weights itself). Safetensors holds
       tensors only: Python values, numpy/bytes/pickled entries and per-rank values are
-      refused, naming every key, unless ``drop_non_tensors`` leaves them out
-      (``Converted.dropped``).
+      refused, naming every key, unless ``drop_non_tensors`` leaves them out, each with the
+      rest of its top-level entry (``Converted.dropped``): of a training state
+      ``{"model", "optim", "rng", "step"}`` the model's tensors are kept, as ``model.*``
+      (``export_hf(src, dst, keys="model.")`` writes them without the prefix, for
+      ``from_pretrained``).
     * ``"torch_checkpointing"``: a directory that torch_checkpointing's
       ``CheckpointManager.load(DST, into={...})`` reads in one process: each top-level key is
       an item, written as its default layout does (``<item>_0.pt``, ``torch.save`` of the
@@ -302,9 +305,10 @@ def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,
 
     checkpointer = Checkpointer(options or Options.from_env())
     try:
-        cannot = _not_safetensors(checkpointer.manifest(src))
+        record = checkpointer.manifest(src)
     finally:
         checkpointer.close()
+    cannot = _not_safetensors(record)
     if cannot and not drop:
         named = "; ".join(f"{k} ({why})" for k, why in list(cannot.items())[:20])
         more = f" and {len(cannot) - 20} more" if len(cannot) > 20 else ""
@@ -312,6 +316,7 @@ def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,
                         f"cannot hold: {named}{more}; pass drop_non_tensors=True (ckptio "
                         "convert --drop-non-tensors) to leave them out, or convert to dcp or "
                         "torch.save, which keep them")
+    cannot = _whole_entries(record, cannot)
     done = export_hf(src, dst, keys=None, overwrite=overwrite, options=options,
                      rename=(lambda key: None if key in cannot else key) if cannot else None,
                      progress=progress)
@@ -330,6 +335,19 @@ def _not_safetensors(record: Manifest) -> dict[str, str]:
         elif entry.kind != "tensor":
             cannot.setdefault(entry.key, f"saved as {entry.kind}")
     return cannot
+
+
+def _whole_entries(record: Manifest, cannot: dict[str, str]) -> dict[str, str]:
+    """``cannot`` plus every tensor of a top-level entry that holds one of its keys: a part of
+    an entry does not load (an optimizer's moments without its param groups, an RNG state's
+    arrays without its version), and model.safetensors should hold the model's weights."""
+    broken = {key.split(".", 1)[0] for key in cannot}
+    out = dict(cannot)
+    for entry in record.tensors:
+        top = entry.key.split(".", 1)[0]
+        if top in broken and top != entry.key:
+            out.setdefault(entry.key, f"part of {top!r}, which safetensors cannot hold whole")
+    return out
 
 
 # ------------------------------------------------------------------------------------- values

@@ -115,7 +115,7 @@ def load(path: str | os.PathLike[str], state: Any = None, *, strict: bool = True
     and tuples (RNG states, ``betas``) are replaced in their containers; objects with
     ``load_state_dict`` (model, optimizer, scheduler, ``ckptio.RNGState()``, your data loader)
     are loaded through it, with entries they lack created (a freshly built optimizer has no
-    per-parameter state until its first step). So build everything fresh, then::
+    per-parameter state until its first step). So build everything fresh, then:
 
         state = {"model": model, "optim": opt, "sched": sched, "rng": ckptio.RNGState()}
         ckptio.load("ckpts/step-100", state)

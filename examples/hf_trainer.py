@@ -11,6 +11,7 @@ A 2-layer GPT-2 built from a config (nothing downloaded) on random tokens, on CP
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
@@ -54,10 +55,12 @@ def train(out: str, max_steps: int, resume: bool) -> transformers.TrainerState:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="a new directory under it per run")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    out = args.out or tempfile.mkdtemp(prefix="ckptio-hf-")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    out = tempfile.mkdtemp(prefix="ckptio-hf-", dir=args.out)  # so the command can be repeated
     train(out, args.steps, resume=False)
     Steps.ran = 0
     state = train(out, args.steps + 2, resume=True)  # from checkpoint-<steps>: 2 more steps

@@ -57,10 +57,12 @@ def fit(directory: str, epochs: int) -> L.Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default=None)
+    parser.add_argument("--dir", default=None, help="a new directory under it per run")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
-    directory = args.dir or tempfile.mkdtemp(prefix="ckptio-lightning-")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="ckptio-lightning-", dir=args.dir)  # so runs can repeat
     first = fit(directory, args.epochs)
     resumed = fit(directory, args.epochs + 1)  # resumes from last.ckpt, one more epoch
     assert resumed.current_epoch == args.epochs + 1, resumed.current_epoch

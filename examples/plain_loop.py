@@ -6,7 +6,8 @@ an uninterrupted run's.
     python examples/plain_loop.py --device cuda    # the same on a GPU (RNGState holds CUDA's)
 
 Three processes: an uninterrupted run, a run that kills itself at --kill-at (an async save may
-be in flight: the newest committed step is what a resume finds), and the resume.
+be in flight: the newest committed step is what a resume finds), and the resume. Each run of
+the script writes into a new directory under --dir, so the command can be run again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def train(directory: str, steps: int, kill_at: int | None, device: str) -> dict[
     with ckptio.CheckpointManager(directory, save_every=5, keep_last=2) as mgr:
         start = mgr.restore(state) or 0
         for step in range(start + 1, steps + 1):
-            if step == kill_at:
+            if kill_at and step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: as a crash
             x = torch.randn(32, 16, device=device)
             loss = (model(x) - x[:, :1] * x[:, 1:2]).pow(2).mean()
@@ -58,7 +59,7 @@ def train(directory: str, steps: int, kill_at: int | None, device: str) -> dict[
 def _child(directory: str, steps: int, kill_at: int | None, device: str) -> dict[int, str]:
     out = os.path.join(directory, "..", f"losses-{os.getpid()}-{kill_at}.json")
     command = [sys.executable, __file__, "--child", "--dir", directory, "--steps", str(steps),
-               "--out", out, "--device", device] + (["--kill-at", str(kill_at)] if kill_at else [])
+               "--out", out, "--device", device, "--kill-at", str(kill_at or 0)]  # 0: never
     done = subprocess.run(command)
     if kill_at:
         assert done.returncode == -signal.SIGKILL, done.returncode
@@ -72,7 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=None, help="the run's checkpoint directory")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kill-at", type=int, default=27)
+    parser.add_argument("--kill-at", type=int, default=27,
+                        help="the step at which the second run kills itself (SIGKILL)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -82,14 +84,16 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(losses, f)
         return
-    root = args.dir or tempfile.mkdtemp(prefix="ckptio-plain-")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="ckptio-plain-", dir=args.dir)  # a new one per run
     whole = _child(os.path.join(root, "whole"), args.steps, None, args.device)
     _child(os.path.join(root, "run"), args.steps, args.kill_at, args.device)
     resumed = _child(os.path.join(root, "run"), args.steps, None, args.device)
     first = min(resumed)
     assert all(resumed[s] == whole[s] for s in resumed), "a loss after the resume differs"
     print(f"ok ({args.device}): killed at step {args.kill_at}, resumed at step {first}; "
-          f"losses {first}-{args.steps} bitwise equal to the uninterrupted run's")
+          f"losses {first}-{args.steps} bitwise equal to the uninterrupted run's ({root})")
 
 
 if __name__ == "__main__":

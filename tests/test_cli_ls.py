@@ -169,8 +169,10 @@ def test_verify_names_every_tensor_of_a_truncated_file(tmp_path: Path):
     os.truncate(data, t2["offset"] + 10)  # t0 and t1 whole, t2 cut, t3 gone
     done = ckptio_cmd("verify", str(path))
     assert done.returncode == 1, (done.stdout, done.stderr)
-    named = [line.split()[0] for line in done.stdout.splitlines()[1:-1]]
-    assert named == ["t2", "t3"] and "truncated" in done.stdout
+    (cut,) = done.stdout.splitlines()[1:-1]  # one line for the short file
+    assert cut.endswith(f"is truncated: it ends at byte {t2['offset'] + 10} of the "
+                        f"{4 * 4096} bytes the manifest records; the 2 tensor(s) stored past "
+                        "that fail (t2, t3)"), cut
     data.unlink()  # every tensor gone: named as missing, and no "the keys not listed" advice
     gone = ckptio_cmd("verify", str(path))
     lines = gone.stdout.splitlines()
@@ -357,3 +359,38 @@ def test_verify_of_a_run_checks_every_committed_step(tmp_path, capsys) -> None:
     assert out[-1] == (f"{run}: 3 committed step(s) checked, 1 damaged: steps [2]; incomplete "
                        "steps [4] not checked (no committed manifest)")
     assert f"{run}/step-3: OK" in "\n".join(out)
+
+
+def test_verify_of_a_file_cut_halfway_says_where_it_ends_in_one_line(tmp_path: Path) -> None:
+    """94 tensors, their data file cut in the middle: one line names the file and the byte it
+    ends at, and the tensors past it, not one line per tensor."""
+    ckptio.save({f"layer{i}.weight": torch.full((64, 64), float(i)) for i in range(94)},
+                tmp_path / "ck")
+    (data,) = tmp_path.joinpath("ck").glob("data-*")
+    half = data.stat().st_size // 2 + 1000  # inside a tensor
+    os.truncate(data, half)
+    done = ckptio_cmd("verify", "--no-progress", str(tmp_path / "ck"))
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 4, done.stdout
+    (cut,) = [line for line in lines if "is truncated" in line]
+    assert f"{data.name} is truncated: it ends at byte {half} of the" in cut, cut
+    assert re.search(r"the 47 tensor\(s\) stored past that fail \(layer47\.weight \.\.\. "
+                     r"layer93\.weight\)", cut), cut
+
+
+def test_status_of_one_checkpoint_or_a_directory_of_other_names_is_not_a_run(
+        tmp_path: Path) -> None:
+    ckptio.save({"w": torch.zeros(4)}, tmp_path / "ck")
+    done = ckptio_cmd("status", str(tmp_path / "ck"))
+    assert done.returncode == 2, done.stdout
+    assert "not a run: it is itself a ckptio checkpoint" in done.stdout, done.stdout
+    assert "committed -" not in done.stdout
+    (tmp_path / "runs" / "run-a").mkdir(parents=True)
+    (tmp_path / "runs" / "run-b").mkdir()
+    done = ckptio_cmd("status", str(tmp_path / "runs"))
+    assert done.returncode == 2 and "not a run: it holds no step-<N> checkpoint, only run-a, " \
+                                      "run-b" in done.stdout, done.stdout
+    (tmp_path / "fresh").mkdir()  # a tier nothing was saved in yet: as before
+    done = ckptio_cmd("status", str(tmp_path / "fresh"))
+    assert done.returncode == 0 and "committed -" in done.stdout, done.stdout

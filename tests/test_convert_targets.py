@@ -14,6 +14,7 @@ unless ``--overwrite``, replaced whole and intact until then, no temporary left 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -324,3 +325,29 @@ def test_targets_and_destination_refusals(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(ckptio.CkptError, match="is a file, and dcp writes a directory"):
         convert(tmp_path / "src", tmp_path / "f", to="dcp")
+
+
+def test_drop_non_tensors_leaves_a_training_states_optimizer_and_rng_out(tmp_path: Path) -> None:
+    """A training state to safetensors with --drop-non-tensors: model.safetensors holds the
+    model's tensors, not the optimizer's moments or the RNG's arrays (each a part of an entry
+    whose other part, param groups or the RNG's version, safetensors cannot hold), and the
+    command points to `ckptio export --keys model.` for a from_pretrained folder."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt, "rng": ckptio.RNGState(), "step": 3},
+                tmp_path / "src", options=OPTS)
+    done = ckptio_cmd("convert", "--to", "safetensors", "--drop-non-tensors",
+                      str(tmp_path / "src"), str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(load_file(tmp_path / "hf" / "model.safetensors")) == ["model.bias",
+                                                                         "model.weight"]
+    assert re.search(r"left out .*: optim \(\d+ keys\), rng \(\d+ keys\), step", done.stdout)
+    assert f"ckptio export {tmp_path / 'src'} {tmp_path / 'hf'} --keys model." in done.stdout
+    kept = convert(tmp_path / "src", tmp_path / "hf2", to="safetensors", drop_non_tensors=True,
+                   options=OPTS)
+    assert "optim.state.0.exp_avg" in kept.dropped and "rng.torch" in kept.dropped

@@ -110,3 +110,12 @@ def test_the_readme_fits_and_its_links_resolve() -> None:
     assert links, "README.md links to nothing"
     broken = [link for link in links if "://" not in link and not (ROOT / link).exists()]
     assert not broken, f"README.md links to missing files: {broken}"
+
+
+def test_the_sites_home_page_has_the_install_and_the_quick_start() -> None:
+    """docs/index.md (the site's home) shows the install line and the README's quick start,
+    the same block, so the README's test above runs it."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert ".venv/bin/pip install -q torch==2.13.0 -e ." in index
+    (readme_quick,) = [b for b in blocks(ROOT / "README.md") if "CheckpointManager" in b]
+    assert readme_quick in blocks(ROOT / "docs" / "index.md")

@@ -1,95 +1,91 @@
-"""Every script in examples/ runs as a user would run it (a fresh process, its documented
-command, a tiny size) and ends with its own check passed: the "ok" line it prints only after
-its asserts (bitwise resumes, restored steps, verified checkpoints)."""
+"""Every script in examples/ runs as its docstring tells a reader to run it: each command
+there, verbatim, in a fresh process with the user's environment (tests/typed_commands.py), and
+ends with its own check passed: the "ok" line it prints only after its asserts (bitwise
+resumes, restored steps, verified checkpoints). The commands take /tmp paths; each example
+writes a new directory under them per run, so a command can be run again."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from typed_commands import ROOT, Case, docstring_commands, run_case
+
 EXAMPLES = ROOT / "examples"
+LIGHTNING, HF, S3 = ("lightning",), ("transformers", "accelerate"), ("boto3", "weed")
+
+# each docstring command (as written) -> what its output must show
+EXPECT = {
+    "python examples/plain_loop.py --dir /tmp/ckptio-plain --steps 40 --kill-at 27":
+        # saves every 5 steps, asynchronous: the step-25 save may be in flight at the kill
+        r"ok \(cpu\): killed at step 27, resumed at step (26|21); losses \d+-40 bitwise",
+    "python examples/plain_loop.py --device cuda    # the same on a GPU (RNGState holds CUDA's)":
+        r"ok \(cuda\): killed at step 27",
+    "python examples/tiers_every_step.py --disk /tmp/ckptio-tiers --steps 30 --every 10":
+        r"memory gone: restored step 30 [\s\S]*ok \(cpu\)",
+    "python examples/tiers_every_step.py --device cuda    # a model on a GPU":
+        r"memory gone: restored step 30 [\s\S]*ok \(cuda\)",
+    "torchrun --standalone --nproc-per-node 2 examples/fsdp2_two_ranks.py --dir /tmp/f2":
+        "saved step 3 on 2 ranks",
+    "python examples/fsdp2_two_ranks.py --dir /tmp/f2 --load-on-one":
+        "ok: the 2-rank FSDP2 checkpoint loaded into one process",
+    "python examples/lightning_trainer.py --dir /tmp/ckptio-lightning --epochs 3":
+        "ok: resumed at epoch 3",
+    "python examples/hf_trainer.py --out /tmp/ckptio-hf --steps 6": "ok: resumed from",
+    "python examples/s3_seaweedfs.py --url s3://ckpt/example-run --steps 6":
+        "ok: saved to s3://ckpt/example-run, restored step 6 bitwise, verified",
+}
 
 
-def _run(*args: str, timeout: float = 240) -> str:
-    """The script's output; on a timeout its whole process group (torchrun's ranks) is killed."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{args} ran over {timeout} s: {out[-2000:]}{err[-2000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    return out
+def example_case(script: str, *, cuda: bool = False, needs: tuple[str, ...] = ()) -> Case:
+    """The docstring commands of ``script`` (those for CUDA, or the others), in order."""
+    commands = [c for c in docstring_commands(EXAMPLES / script) if ("cuda" in c) == cuda]
+    assert commands, f"{script} documents no command{' for CUDA' if cuda else ''}"
+    return Case(tuple((c, EXPECT[c]) for c in commands), needs=needs + (("cuda",) if cuda else ()))
 
 
-def _needs(module: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"needs {module} (its extra)")
+DEVICES = [pytest.param(False, id="cpu"), pytest.param(True, id="cuda")]
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+@pytest.mark.parametrize("cuda", DEVICES)
+def test_plain_loop(tmp_path: Path, cuda: bool) -> None:
+    run_case(example_case("plain_loop.py", cuda=cuda), tmp_path)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_plain_loop(tmp_path: Path, device: str) -> None:
-    out = _run("examples/plain_loop.py", "--dir", str(tmp_path), "--steps", "16",
-               "--kill-at", "12", "--device", device)
-    # saves every 5 steps, asynchronous: the step-10 save may still be in flight at the kill
-    assert re.search(rf"ok \({device}\): killed at step 12, resumed at step (11|6); losses",
-                     out), out
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_tiers_every_step(tmp_path: Path, device: str) -> None:
-    out = _run("examples/tiers_every_step.py", "--disk", str(tmp_path), "--steps", "12",
-               "--every", "5", "--device", device)
-    assert "memory gone: restored step 10" in out and f"ok ({device}):" in out
+@pytest.mark.parametrize("cuda", DEVICES)
+def test_tiers_every_step(tmp_path: Path, cuda: bool) -> None:
+    run_case(example_case("tiers_every_step.py", cuda=cuda), tmp_path)
 
 
 def test_fsdp2_two_ranks(tmp_path: Path) -> None:
-    _run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/fsdp2_two_ranks.py", "--dir", str(tmp_path))
-    assert "ok: the 2-rank FSDP2 checkpoint loaded into one process" in _run(
-        "examples/fsdp2_two_ranks.py", "--dir", str(tmp_path), "--load-on-one")
+    run_case(example_case("fsdp2_two_ranks.py"), tmp_path)
 
 
 def test_lightning_trainer(tmp_path: Path) -> None:
-    _needs("lightning")
-    assert "ok: resumed at epoch 2" in _run("examples/lightning_trainer.py", "--dir",
-                                            str(tmp_path), "--epochs", "2")
+    run_case(example_case("lightning_trainer.py", needs=LIGHTNING), tmp_path)
 
 
 def test_hf_trainer(tmp_path: Path) -> None:
-    _needs("transformers")
-    _needs("accelerate")
-    assert "ok: resumed from" in _run("examples/hf_trainer.py", "--out", str(tmp_path),
-                                      "--steps", "4")
+    run_case(example_case("hf_trainer.py", needs=HF), tmp_path)
 
 
-def test_s3_seaweedfs() -> None:
-    _needs("boto3")
-    from ckptio.testing.s3server import ServerError, weed_binary
+def test_s3_seaweedfs(tmp_path: Path) -> None:
+    run_case(example_case("s3_seaweedfs.py", needs=S3), tmp_path)
 
-    try:
-        weed_binary()
-    except ServerError as exc:
-        pytest.skip(str(exc))
-    assert "ok: saved to s3://ckpt/example-run" in _run("examples/s3_seaweedfs.py")
+
+def test_plain_loop_with_no_arguments(tmp_path: Path) -> None:
+    """The script as it stands, its defaults (--steps 40 --kill-at 27) and a temporary
+    directory: its uninterrupted run must not inherit --kill-at."""
+    run_case(Case((("python examples/plain_loop.py", r"ok \(cpu\): killed at step 27"),)),
+             tmp_path)
 
 
 def test_every_example_is_tested() -> None:
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_")}
     scripts = {p.stem for p in EXAMPLES.glob("*.py")}
     assert scripts <= tested, f"examples without a test: {sorted(scripts - tested)}"
+    documented = {c for p in EXAMPLES.glob("*.py") for c in docstring_commands(p)}
+    assert documented == set(EXPECT), (f"documented, not checked: {documented - set(EXPECT)}; "
+                                       f"checked, no longer documented: "
+                                       f"{set(EXPECT) - documented}")

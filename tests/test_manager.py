@@ -483,3 +483,14 @@ def test_an_exit_without_close_is_said(tmp_path):
                            "print(m.restore({'w': torch.zeros(2)}))\n", str(tmp_path / "none")],
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "None" and "not closed" not in done.stderr, done.stderr
+
+
+def test_tiers_given_positionally_are_a_ckpt_error_naming_tiers() -> None:
+    """CheckpointManager([Tier, Tier]) (the tiers as the first argument) says to give them by
+    name, instead of a raw TypeError from the path handling."""
+    tiers = [ckptio.Tier("shm://positional"), ckptio.Tier("ckpts", every=10)]
+    with pytest.raises(CkptError, match=r"CheckpointManager\(list of 2\): give tiers by name, "
+                                        r"CheckpointManager\(tiers=\[\.\.\.\]\)"):
+        CheckpointManager(tiers)
+    with pytest.raises(CkptError, match="the first argument is the directory of the steps"):
+        CheckpointManager(5)  # type: ignore[arg-type]

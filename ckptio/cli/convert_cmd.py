@@ -54,12 +54,23 @@ def convert(src: str, dst: str, *, to: str, overwrite: bool, allow_pickle: bool,
     print(f"{src} -> {dst}: {what[to]} of {done.nbytes} tensor bytes in {len(done.files)} "
           "file(s)")
     if done.dropped:
-        print(f"left out (safetensors cannot hold them, or tied aliases): "
-              f"{', '.join(done.dropped)}")
+        print(f"left out (safetensors cannot hold them, or the rest of their top-level entry, "
+              f"or tied aliases): {_grouped(done.dropped)}")
+        print(f"for a from_pretrained folder of the model alone, names without its prefix: "
+              f"ckptio export {src} {dst} --keys model.")
     if done.needs_pickle:
         print(f"torch.load(weights_only=True) refuses {', '.join(done.needs_pickle)} (numpy "
               "values or pickled objects): load it with weights_only=False if you trust it")
     return 0
+
+
+def _grouped(keys: tuple[str, ...]) -> str:
+    """``keys`` with those of one top-level entry shown as the entry and their count."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.split(".", 1)[0], []).append(key)
+    return ", ".join(members[0] if len(members) == 1 else f"{top} ({len(members)} keys)"
+                     for top, members in groups.items())
 
 
 def renamer(pairs: list[tuple[str, str]]) -> Callable[[str], str] | None:

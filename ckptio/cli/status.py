@@ -15,11 +15,11 @@ a location is a row, and the memory tier's rows say which steps are protected ac
     tier 1  /nvme/ckpt/r00002 committed 2
 
 A committed delta step (docs/FORMAT.md version 4) shows its base, ``41(base 40)``; the JSON
-row's ``bases`` maps each delta step to its base steps (full steps are absent).
+row's ``bases`` maps each delta step to its base steps.
 
-A tier that cannot be read (an endpoint down, no credentials, a local directory that does not
-exist, with the names spelled alike) gets a row saying why, the others are listed, exit status
-2. What a running process queued or skipped is in its ``mgr.status()``. Torch-free.
+A tier that cannot be read (an endpoint down, no credentials, a missing directory, with names
+spelled alike) or holds no step but something else ("not a run": one checkpoint, other names)
+gets a row saying why, the others are listed, exit status 2. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
 how a tier lists its steps (storage/steproot.py), draining (tiering/).
@@ -62,6 +62,8 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
             except CkptError as exc:  # one unreachable tier: said in its row, the rest shown
                 row = {"tier": k, "location": where, "committed": [], "bases": {},
                        "copying": [], "incomplete": [], "error": str(exc)}
+                if isinstance(exc, _NotARun):
+                    row["not_a_run"] = True
             if rank is not None:
                 row["rank"] = rank
                 row["protected"] = [{"step": s, "how": p["how"]} for s, p in guarded.items()
@@ -81,6 +83,8 @@ def _listing(k: int, location: str, options: Options,
              faster: list[dict[str, Any]]) -> dict[str, Any]:
     root = root_for(location, options)
     listing = root.scan()
+    if not listing["committed"] and not listing["incomplete"]:
+        _check_a_run(root.nothing_here(), location)
     copying = {}
     for step in listing["incomplete"]:
         source = next((t["tier"] for t in faster if step in t["committed"]), None)
@@ -91,6 +95,27 @@ def _listing(k: int, location: str, options: Options,
     return {"tier": k, "location": location, "committed": listing["committed"], "bases": bases,
             "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
             "incomplete": [s for s in listing["incomplete"] if s not in copying]}
+
+
+class _NotARun(CkptError):
+    """A location that holds something other than a run's steps (its row says what)."""
+
+
+def _check_a_run(why: str, location: str) -> None:
+    """Raise _NotARun when ``location``, holding no step, holds something else: ``why`` is its
+    root's nothing_here() (a checkpoint itself, DCP, torch.save files), or local entries that
+    are not steps. An empty or absent location is a tier nothing was saved in yet."""
+    if not getattr(why, "empty", True):
+        what = why.split(": ", 1)[1] if why.startswith("no checkpoint to restore in ") else why
+        raise _NotARun(f"{what} (`ckptio ls {location}` lists it); status takes a run's "
+                       "directory, the one a CheckpointManager saves step-<N> into")
+    local = None if scheme_of(checkpoint_path(location)) else checkpoint_path(location)
+    names = sorted(n for n in os.listdir(local) if not n.startswith(".")) \
+        if local is not None and os.path.isdir(local) else []
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise _NotARun(f"it holds no step-<N> checkpoint, only {shown}: give a run's "
+                       "directory, the one a CheckpointManager saves step-<N> into")
 
 
 def _bases(path: str, options: Options) -> tuple[int, ...]:
@@ -113,7 +138,8 @@ def run(locations: list[str], *, as_json: bool) -> int:
     width = max(len(t["location"]) for t in tiers)
     for t in tiers:
         if "error" in t:
-            print(f"tier {t['tier']}  {t['location']:<{width}}  unreadable: {t['error']}")
+            what = "not a run" if t.get("not_a_run") else "unreadable"
+            print(f"tier {t['tier']}  {t['location']:<{width}}  {what}: {t['error']}")
             continue
         shown = [f"{s}(base {','.join(map(str, t['bases'][str(s)]))})" if str(s) in t["bases"]
                  else str(s) for s in t["committed"]]

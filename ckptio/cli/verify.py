@@ -6,8 +6,9 @@ is named ("its base step-10 (...) fails verification"), exit status 1.
 
 The tensors are verified a batch at a time (``Checkpointer.verify`` on the part of the manifest
 each batch holds); a batch that fails is verified again key by key, so the report names every
-damaged key, not only the first, each with what is wrong (checksum mismatch, truncated file,
-missing file), and the keys that verified. Exit status: 0 every byte matches, 1 damage found
+damaged key, not only the first, each with what is wrong (checksum mismatch, missing file),
+and the keys that verified; a truncated data file is one line: where it ends and the tensors
+stored past that. Exit status: 0 every byte matches, 1 damage found
 (the report on stdout), 2 the checkpoint could not be checked at all (one line on stderr).
 
 Owns: the batches, the per-key report and verify's advice (which is about the checkpoint, not a
@@ -201,17 +202,49 @@ def run_steps(run_dir: str, steps: list[tuple[int, str]], incomplete: list[int],
     return 1 if bad else 0
 
 
+_TRUNCATED = re.compile(r"^data file (?P<file>.+?) is truncated: .*file ends at "
+                        r"(?:or before )?(?P<end>\d+)")
+
+
+def _truncations(damaged: list[Damage]) -> tuple[dict[str, tuple[int, list[str]]],
+                                                  list[Damage]]:
+    """The damage of short data files, per file: (where it ends, the keys past that), and the
+    rest. Where a file ends: the least offset reported (a tensor wholly past the end reports
+    its own start)."""
+    truncated: dict[str, tuple[int, list[str]]] = {}
+    others = []
+    for d in damaged:
+        found = _TRUNCATED.match(d.what)
+        if found is None:
+            others.append(d)
+            continue
+        end, keys = truncated.get(found["file"], (int(found["end"]), []))
+        truncated[found["file"]] = (min(end, int(found["end"])), [*keys, d.key])
+    return truncated, others
+
+
+def _span(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else f"{keys[0]} ... {keys[-1]}" if len(keys) > 3 else \
+        ", ".join(keys)
+
+
 def _report(path: str, record: Manifest, total: int, damaged: list[Damage]) -> None:
     width = min(60, max(len(d.key) for d in damaged))
     rest = total - len(damaged)
     print(f"{path}: DAMAGED, {len(damaged)} of {total} tensor(s) fail verification"
           + (f" (the other {rest} match their {record.checksum_algorithm} checksums)" if rest
              else "") + ":")
-    for d in damaged:
+    truncated, others = _truncations(damaged)
+    for d in others:
         print(f"  {d.key:{width}s}  {d.what}")
+    for name, (end, keys) in truncated.items():
+        wanted = next((f" of the {f.nbytes} bytes the manifest records" for f in record.files
+                       if name.endswith(f.name)), "")
+        print(f"  data file {name} is truncated: it ends at byte {end}{wanted}; the "
+              f"{len(keys)} tensor(s) stored past that fail ({_span(keys)})")
     if rest:
         print(f"{path} does not load whole: restore an earlier checkpoint or another copy of "
-              "this one; the keys not listed read correctly (ckptio.load(path, state, keys=...) "
+              "this one; the other keys read correctly (ckptio.load(path, state, keys=...) "
               "loads only those)")
     else:
         print(f"{path} does not load: restore an earlier checkpoint or another copy of this one")

@@ -122,7 +122,7 @@ class _Checking:
         if last and filled < span.nbytes:
             raise CorruptCheckpointError(
                 f"data file {self.checker.path(span.entry)} is truncated: wanted bytes "
-                f"[{span.offset}, {span.end}), file ends at {span.offset + filled}; the "
-                "checkpoint is damaged: load an earlier one")
+                f"[{span.offset}, {span.end}), file ends at {'' if filled else 'or before '}"
+                f"{span.offset + filled}; the checkpoint is damaged: load an earlier one")
         self.checker.whole(span, view[self.seen[i]:filled], last=last)
         self.seen[i] = filled

@@ -375,7 +375,8 @@ def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: Checker) ->
         if rng.offset + got < hi:
             raise CorruptCheckpointError(
                 f"data file {checker.path(span.entry)} is truncated: wanted bytes [{lo}, {hi}), "
-                f"file ends at {rng.offset + got}; the checkpoint is damaged: load an earlier one")
+                f"file ends at {'' if got else 'or before '}{rng.offset + got}; the checkpoint "
+                "is damaged: load an earlier one")
         start = lo - rng.offset
         view = buffer.view[start:start + hi - lo]
         if span.whole:  # checked before the copy: an entry within one read never lands corrupt

@@ -30,6 +30,20 @@ __all__ = ["UNSET", "Declared", "check_step", "declare", "settings_of"]
 UNSET: Any = object()  # an argument not given
 
 
+def _check_directory(directory: Any) -> None:
+    """The first argument is one directory (or URL); tiers go by name, ``tiers=[...]``."""
+    if directory is None or isinstance(directory, (str, os.PathLike)):
+        return
+    if isinstance(directory, (list, tuple)):
+        raise CkptError(f"CheckpointManager({type(directory).__name__} of "
+                        f"{len(directory)}): give tiers by name, CheckpointManager(tiers=[...]) "
+                        "(e.g. tiers=[ckptio.Tier('shm://run'), ckptio.Tier('ckpts', every=10)]); "
+                        "the first argument is one directory or URL")
+    raise CkptError(f"CheckpointManager({directory!r}): the first argument is the directory of "
+                    "the steps, a path or URL (shm://NAME, s3://bucket/prefix); got a "
+                    f"{type(directory).__name__}")
+
+
 @dataclass(frozen=True)
 class Declared:
     """The manager's tiers (fastest first), its save interval (None: by time or signal only)
@@ -45,6 +59,7 @@ def declare(directory: str | os.PathLike[str] | None, tiers: Any, *, keep_last: 
             best: dict[str, Any]) -> Declared:
     """The tiers the arguments declare (module docstring); ``best``: keep_best, monitor, mode,
     keep_without_metric as given."""
+    _check_directory(directory)
     if tiers is None:
         if directory is None:
             raise CkptError("CheckpointManager(): give the directory of the steps, or "

@@ -1,0 +1,128 @@
+"""The shell commands of README.md and the pages under docs/ run as typed (collected and run
+as tests/typed_commands.py says: verbatim, fresh processes, the user's environment, a
+deadline), each followed by a check of what the page promises; the examples' docstring
+commands are run by tests/test_examples.py.
+
+A documented command that cannot run here is classified in NOT_RUN with why, and their number
+is pinned, so a new one fails here until it is run (CASES) or classified.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from docs_blocks import marked_blocks
+from test_examples import EXPECT as EXAMPLE_COMMANDS
+from typed_commands import ROOT, Case, documented, run_case
+
+# What cannot run here, each with why: (a pattern of the command, the reason).
+NOT_RUN: list[tuple[str, str]] = [
+    (r"^python3 -m venv ", "makes a virtual environment for the pip install after it"),
+    (r"pip install ", "installs torch and the extras over the network (minutes)"),
+    (r"^\.venv/bin/python -m pytest -q$", "the whole suite, about 23 minutes: CI runs it"),
+    (r"^\.venv/bin/ckptio demo$", "trains for minutes (165 s on a busy 2-core machine): too "
+                                  "slow beside the rest; tests/test_resume_real.py runs the "
+                                  "demo with --quick"),
+    (r"-m benchmarks\.", "a benchmark run as its page recorded it: minutes to hours of "
+                         "measuring on a quiet machine, several with placeholders ([--pin], N, "
+                         "...); it checks nothing"),
+]
+# README: venv, 2 pip installs, the demo, the whole suite; BENCH_S3_CLIENTS: venv, pip; 31
+# benchmarks
+NOT_RUN_COUNT = 38
+
+
+def _not_run(command: str) -> str | None:
+    return next((why for pattern, why in NOT_RUN if re.search(pattern, command)), None)
+
+
+def _training_state(here: Path, env: dict[str, str]) -> None:
+    """What docs/guides/convert.md converts: a run's step 1000 and a torch.save file."""
+    import ckptio
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt, "rng": ckptio.RNGState(), "step": 1000},
+                here / "ckpts" / "step-1000")
+    torch.save({"model": model.state_dict(), "step": 7}, here / "run.pt")
+
+
+def _hf_folder_is_the_model(here: Path) -> None:
+    from safetensors.torch import load_file
+
+    keys = sorted(load_file(here / "out" / "hf" / "model.safetensors"))
+    assert keys == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"], keys
+
+
+def _s3_run(here: Path, env: dict[str, str], done: int) -> None:
+    """After the bucket is made: the guide's Python block that saves s3://ckpt/run-1, run in
+    a fresh process."""
+    if done != 0:
+        return
+    (code,) = [c for c, _ in marked_blocks(ROOT / "docs/guides/s3.md") if "s3://ckpt/run-1" in c]
+    ran = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+
+
+CASES: dict[str, Case] = {
+    "readme_first_check": Case(((".venv/bin/python -m pytest -q tests/test_docs_blocks.py",
+                                 r"\d+ passed"),), timeout=120),
+    "convert": Case((
+        ("ckptio convert ckpts/step-1000 out/step-1000.dcp --to dcp          # DCP's own "
+         "FileSystemWriter files", "DCP checkpoint"),
+        ("ckptio convert ckpts/step-1000 out/step-1000.pt  --to torch.save   # one torch.save "
+         "file", "torch.save file"),
+        ("ckptio convert ckpts/step-1000 out/hf --to safetensors --drop-non-tensors  # Hugging "
+         "Face folder", r"optim \(\d+ keys\), rng \(\d+ keys\), step[\s\S]*ckptio export "
+                        r"ckpts/step-1000 out/hf --keys model\."),
+        ("ckptio convert run.pt ckpts/imported                                # (default --to "
+         "ckptio)", "ckptio checkpoint")), needs=("safetensors",), setup=_training_state,
+        check=_hf_folder_is_the_model),
+    "s3_guide": Case((
+        ("python -c \"import boto3; boto3.client('s3').create_bucket(Bucket='ckpt')\"   # once",
+         ""),
+        ("ckptio ls s3://ckpt/run-1            # the run's steps", r"committed"),
+        ("ckptio verify s3://ckpt/run-1/step-2", r"step-2: OK")), needs=("boto3", "weed"),
+        after=_s3_run, s3=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_documented_command_runs_as_typed(name: str, tmp_path: Path) -> None:
+    run_case(CASES[name], tmp_path)
+
+
+def test_every_documented_command_is_run_or_classified() -> None:
+    found = documented()
+    run = {c for case in CASES.values() for c, _ in case.commands} | set(EXAMPLE_COMMANDS)
+    stale = sorted(run - set(found))
+    assert not stale, f"run here but no longer documented (update CASES): {stale}"
+    not_run = {c: where for c, where in found.items() if c not in run}
+    unclassified = [f"{where}: {c}" for c, where in not_run.items() if _not_run(c) is None]
+    assert not unclassified, ("documented commands neither run here (CASES) nor classified "
+                              "(NOT_RUN, with why):\n" + "\n".join(unclassified))
+    assert len(not_run) == NOT_RUN_COUNT, (
+        f"{len(not_run)} documented commands are not run (NOT_RUN_COUNT {NOT_RUN_COUNT}): "
+        "a new one must be run in CASES or classified; update the count and say why")
+
+
+def test_the_first_check_needs_the_test_extra() -> None:
+    """The README's "first check in seconds" runs pytest, which only the second command's
+    test extra installs (the first installs the base): the README says so with the promise."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("pytest") for d in project["dependencies"])
+    assert any(d.startswith("pytest") for d in project["optional-dependencies"]["test"])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    (promise,) = [s for s in readme.split(". ") if "pytest -q tests/test_docs_blocks.py" in s]
+    assert "first check" in promise and "test extra" in promise, promise
