@@ -124,10 +124,14 @@ class S3Settings:
         """Ranged GETs in flight at most."""
         return self.read_concurrency or self.concurrency
 
-    def endpoint(self) -> str:
-        """For messages: the endpoint as configured (or AWS's default)."""
+    def configured(self) -> str | None:
+        """The endpoint URL set in Options or the environment; None: AWS's own for the region."""
         return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or _AWS)
+                or os.environ.get("AWS_ENDPOINT_URL"))
+
+    def endpoint(self) -> str:
+        """For messages and as a key: the endpoint as configured (or AWS's default)."""
+        return self.configured() or _AWS
 
 
 # (endpoint, region, profile, pid, environment) -> (its connection pool's size, the client)
@@ -177,24 +181,31 @@ def _make_client(settings: S3Settings) -> Any:
         request_checksum_calculation="when_required",  # our xxh3 covers every byte at load
         response_checksum_validation="when_required",
         s3={"payload_signing_enabled": False, "addressing_style": "path"
-            if settings.endpoint() != _AWS else "auto"},
+            if settings.configured() else "auto"},
         retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
         max_pool_connections=connections(settings),
         connect_timeout=5, read_timeout=120, tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )
-    _check_scheme(settings.endpoint())
+    configured = settings.configured()
+    if configured is not None:  # else botocore resolves AWS's regional endpoint itself
+        _check_scheme(configured)
     try:
         session = boto3.session.Session(profile_name=settings.profile,
-                                        region_name=settings.region)
+                                        region_name=_region(settings))
         return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
     except Exception as exc:  # noqa: BLE001 - botocore's config errors have no common base
-        region = (settings.region or os.environ.get("AWS_REGION")
-                  or os.environ.get("AWS_DEFAULT_REGION"))
+        region = _region(settings) or os.environ.get("AWS_DEFAULT_REGION")
         raise StorageIOError(f"cannot make an S3 client for {settings.endpoint()} (profile "
                              f"{settings.profile!r}, region {region!r}): {exc}. Check the "
                              "endpoint, the profile and the AWS_* credential variables (both "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or neither)") from exc
+
+
+def _region(settings: S3Settings) -> str | None:
+    """The region set in Options or AWS_REGION (what AWS's other SDKs and its compute services
+    set; botocore reads only AWS_DEFAULT_REGION and the profile, which None leaves to it)."""
+    return settings.region or os.environ.get("AWS_REGION") or None
 
 
 def _check_scheme(endpoint: str) -> None:
