@@ -2,7 +2,7 @@
 connection, reads the request and answers nothing (a partition, a stuck load balancer).
 
 Every save and load, its cleanup included, fails within ``s3_retry_deadline_s`` + 10 s with a
-StorageIOError naming the object and the endpoint (storage/s3/budget.py); nothing partial
+StorageIOError naming the object and the endpoint (storage/s3/timeouts.py); nothing partial
 loads, the previous checkpoint stays whole, and the next save (network healed) succeeds and
 removes what the failed one left. Short resets and SlowDown are absorbed; lasting ones fail in
 time too. Deadlines here are a few seconds, so the whole file runs in well under a minute."""

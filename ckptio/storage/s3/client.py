@@ -4,19 +4,20 @@
 imported lazily (without it an s3:// path raises CkptError naming ``pip install
 boto3``), one per process and settings, shared by threads. Endpoint, region and
 credentials come the way every AWS tool takes them (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE,
-~/.aws, instance roles) unless Options name them.
+~/.aws, instance roles) unless Options name them; with no endpoint, botocore resolves AWS's.
 
 Retries are ours, not botocore's (turned off): throttling, 5xx, 409 ConditionalRequestConflict,
 timeouts and resets are retried with full-jitter backoff until ``s3_retry_deadline_s``; anything
 else is not. Ours because a body cut short while read into the caller's buffer (backend.py)
-must be asked for again, the budget is a time, and once one request to an endpoint gave up the
-others give up at once. A request still retrying after RETRY_WARN_S logs a warning. What
+must be asked for again, the budget is a time (each attempt waits for answers at most what is
+left of it: timeouts.py), and once one request to an endpoint gave up the others give up at
+once. A request still retrying after RETRY_WARN_S logs a warning. What
 retrying cannot fix fails at once, naming the cause and the fix: no credentials, a TLS
 handshake that cannot succeed, an endpoint that never answered this process (retried for
 UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
 Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
-Does not own: what is written or read (backend.py, store.py, root.py).
+Does not own: each attempt's timeout, outages (timeouts.py), what is written or read.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
-from ckptio.storage.s3 import budget
+from ckptio.storage.s3 import timeouts
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
            "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "not_s3", "status"]
@@ -46,7 +47,7 @@ log = logging.getLogger("ckptio")
 SCHEME = "s3://"
 UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
 RETRY_WARN_S = 3.0  # a request retrying this long logs a warning
-CONNECT_TIMEOUT_S = 5.0  # one attempt's wait for its TCP connection (its answer: budget.py)
+CONNECT_TIMEOUT_S = 5.0  # one attempt's wait for its TCP connection (its answer: timeouts.py)
 T = TypeVar("T")
 _AWS = "AWS S3 (default endpoint)"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
@@ -186,7 +187,7 @@ def _make_client(settings: S3Settings) -> Any:
             if settings.configured() else "auto"},
         retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
         max_pool_connections=connections(settings),
-        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=budget.READ_TIMEOUT_S,
+        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=timeouts.READ_TIMEOUT_S,
         tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )
@@ -203,7 +204,7 @@ def _make_client(settings: S3Settings) -> Any:
                              f"{settings.profile!r}, region {region!r}): {exc}. Check the "
                              "endpoint, the profile and the AWS_* credential variables (both "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or neither)") from exc
-    budget.install(made)
+    timeouts.install(made)
     return made
 
 
@@ -357,17 +358,17 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
     fix (no credentials, a TLS mismatch, an endpoint that never answered for UNREACHED_S)
     becomes StorageIOError naming the cause at once; one that outlasts the retries becomes
     StorageIOError naming ``what``, the endpoint, the attempts and the cause. Each attempt
-    waits for answers at most what is left of the deadline (budget.py), so a silent network
+    waits for answers at most what is left of the deadline (timeouts.py), so a silent network
     fails the request at its deadline. Once one request to an endpoint has given up, the
     others (in flight, or started during the outage: a failed save's cleanup) give up at their
     next transient failure, and those started in the outage share a short grace; a success to
     the endpoint ends the outage."""
     endpoint = settings.endpoint()
-    spent = budget.Budget(endpoint, settings.retry_deadline_s)
+    spent = timeouts.Budget(endpoint, settings.retry_deadline_s)
     attempt = 0
     while True:
         try:
-            with budget.attempt(spent):
+            with timeouts.attempt(spent):
                 answer = request()
         except Exception as exc:  # noqa: BLE001 - classified below; the rest re-raised
             _answered(endpoint, exc)
@@ -382,7 +383,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                     and elapsed >= min(UNREACHED_S, settings.retry_deadline_s)):
                 raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
             if spent.over():
-                budget.ended(spent)
+                timeouts.ended(spent)
                 raise _gave_up(endpoint, what, attempt, elapsed, exc) from exc
             if elapsed >= RETRY_WARN_S:
                 _report_retrying(endpoint, what, exc, attempt, elapsed,
@@ -395,7 +396,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
             sleep(pause)
         else:
             _answered(endpoint)
-            budget.recovered(endpoint)
+            timeouts.recovered(endpoint)
             return answer
 
 

@@ -44,7 +44,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 from ckptio.storage.files import Capabilities
-from ckptio.storage.s3 import budget
+from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
@@ -114,7 +114,7 @@ class S3Store:
         from botocore.exceptions import BotoCoreError, ClientError
         endpoint = self.settings.endpoint()
         try:
-            with budget.limited(self.settings.retry_deadline_s):  # one attempt
+            with timeouts.limited(self.settings.retry_deadline_s):  # one attempt
                 self._client.list_objects_v2(Bucket=bucket, MaxKeys=1)
         except ClientError as exc:
             if not_s3(exc):
