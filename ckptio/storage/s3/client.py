@@ -384,7 +384,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                 raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
             if spent.over():
                 timeouts.ended(spent)
-                raise _gave_up(endpoint, what, attempt, elapsed, exc) from exc
+                raise _giving_up(endpoint, what, attempt, elapsed, exc) from exc
             if elapsed >= RETRY_WARN_S:
                 _report_retrying(endpoint, what, exc, attempt, elapsed,
                                  settings.retry_deadline_s)
@@ -400,7 +400,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
             return answer
 
 
-def _gave_up(endpoint: str, what: str, attempt: int, elapsed: float,
+def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
              exc: BaseException) -> StorageIOError:
     silent = _timed_out(exc)
     why = ("the store at {0} did not answer in time (the network or the store is silent: "
