@@ -85,7 +85,7 @@ class S3Lock:
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:  # a renewal the network holds up is not waited out
-            self._thread.join(timeouts.GRACE_S)
+            self._thread.join(timeouts.FLOOR_S)
         c, where = client(self.settings), self.where
         try:
             call(self.settings, f"releasing the lock {where.url}", lambda: c.delete_object(

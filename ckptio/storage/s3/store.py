@@ -364,6 +364,10 @@ class S3Store:
         if not keys:
             return problems
         problems += self._abort_uploads(keys)
+        endpoint = self.settings.endpoint()
+        if timeouts.hopeless(endpoint, self.settings.retry_deadline_s):  # left for the next save
+            return problems + [f"{name}: not deleted: the store at {endpoint} is not answering"
+                               for name in keys.values()]
         batch = list(keys)
         for start in range(0, len(batch), 1000):
             problems += self._delete(batch[start:start + 1000], keys)
