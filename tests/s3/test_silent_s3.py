@@ -194,7 +194,9 @@ def test_a_manager_under_a_silent_commit_fails_in_time_and_a_later_manager_goes_
     s3_proxy.clear()
     later = CheckpointManager(run, keep_last=2, options=options)
     target = {"w": torch.zeros_like(states[3]["w"]), "step": 0}
-    assert later.restore(target) == 2 and torch.equal(target["w"], states[2]["w"])
+    with pytest.warns(UserWarning, match="step 3: incomplete"):  # the failed save's leftovers
+        assert later.restore(target) == 2
+    assert torch.equal(target["w"], states[2]["w"])
     later.save(3, states[3])  # takes over the lock the failed save could not release
     later.close()
     assert sorted(CheckpointManager(run, keep_last=2, options=options).steps()) == [2, 3]
