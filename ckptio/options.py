@@ -123,8 +123,9 @@ class Options:
         several GETs of this size (filling one buffer, in flight side by side), so a load reads
         in the ranges the store serves best while saves upload parts of buffer_bytes. 0
         (default): one GET per read, as large as the buffer.
-    s3_retry_deadline_s: how long a request is retried (throttling, 5xx, resets) before the
-        save or load fails naming the object.
+    s3_retry_deadline_s: how long a request is retried (throttling, 5xx, resets), and waits
+        for answers (a silent network), before the save or load fails naming the object and
+        the endpoint; a failed save's cleanup adds a few seconds (storage/s3/timeouts.py).
     s3_lock_lease_s: a save's claim on a prefix expires this long after its holder stopped
         renewing it (a killed save delays the next one by at most this).
     s3_conditional: "require" refuses a store without conditional writes (If-None-Match /

@@ -36,9 +36,9 @@ class _Flaky:
 
 @pytest.fixture(autouse=True)
 def _nothing_down():
-    s3client._gave_up.clear()
+    s3client.timeouts.reset()
     yield
-    s3client._gave_up.clear()
+    s3client.timeouts.reset()
 
 
 def test_transient_failures_are_retried_until_success():

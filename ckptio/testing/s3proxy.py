@@ -6,6 +6,7 @@
         proxy.drop_response(op="CompleteMultipartUpload")    # acted on, never answered
         proxy.delay(2.0, op="GetObject")
         proxy.on_request(lambda req: server.kill(), op="UploadPart", part_number=3)
+        proxy.black_hole(op="PutObject", key="manifest.json$", partition=True)  # silence
         ...; proxy.counts["UploadPart"], proxy.range_bytes, proxy.requests
 
 Bytes pass VERBATIM in both directions (SigV4 signs the Host header, so nothing is rewritten);
@@ -76,7 +77,7 @@ class Rule:
     """A fault or hook: ``fired`` counts the requests it acted on, ``times`` how many are left
     (None: forever)."""
 
-    kind: str  # "fail", "reset", "drop_response", "cut_response", "delay", "on_request"
+    kind: str  # "fail", "reset", "drop_response", "cut_response", "black_hole", "delay", ...
     match: Match
     times: int | None
     fired: int = 0
@@ -86,10 +87,11 @@ class Rule:
     after_bytes: int = 0
     seconds: float = 0.0
     callback: Callable[[Request], object] | None = None
+    partition: bool = False  # black_hole: every later request too, until clear()
 
     @property
     def terminal(self) -> bool:
-        return self.kind in ("fail", "reset", "drop_response", "cut_response")
+        return self.kind in ("fail", "reset", "drop_response", "cut_response", "black_hole")
 
 
 class _Reset(Exception):
@@ -146,6 +148,10 @@ class _Connection:
                 elif r.callback is not None:
                     r.callback(req)
             length = req.headers.get("content-length", "0")
+            if rule is not None and rule.kind == "black_hole":  # read, never forwarded
+                for _ in reader.body(req.headers, length):
+                    pass
+                continue
             if rule is not None and rule.kind == "fail":
                 if not self._fail(req, reader, rule, length):
                     return
@@ -342,6 +348,17 @@ class FaultProxy:
         ``after_bytes`` bytes of its body, then reset both connections (RST)."""
         return self._add(Rule("cut_response", Match(**match), times, after_bytes=after_bytes))
 
+    def black_hole(self, *, times: int | None = None, partition: bool = False,
+                   **match: Any) -> Rule:
+        """Read matching requests whole and forward nothing, the connection kept open: the
+        client hears nothing back, as behind a partition or a stuck load balancer.
+        ``partition``: from the first match on, every request is swallowed so (until clear())."""
+        return self._add(Rule("black_hole", Match(**match), times, partition=partition))
+
+    def partition(self) -> Rule:
+        """Swallow every request from now on (a black hole for all), until clear()."""
+        return self.black_hole()
+
     def delay(self, seconds: float, *, times: int | None = 1, **match: Any) -> Rule:
         return self._add(Rule("delay", Match(**match), times, seconds=seconds))
 
@@ -389,6 +406,9 @@ class FaultProxy:
         chosen: Rule | None = None
         with self._lock:
             for rule in self._rules:
+                if rule.kind == "black_hole" and rule.partition and rule.fired:
+                    rule.fired += 1  # the partition has begun: everything is swallowed
+                    return [], rule
                 if rule.times == 0 or (rule.terminal and chosen is not None) or not rule.match(req):
                     continue
                 rule.fired += 1

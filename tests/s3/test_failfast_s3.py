@@ -32,10 +32,10 @@ FAST_S = 10.0  # "within seconds": every refusal here comes well inside this
 def _fresh_endpoints() -> Iterator[None]:
     """Endpoints answered or given up on by earlier tests do not carry over."""
     s3client._reached.clear()
-    s3client._gave_up.clear()
+    s3client.timeouts.reset()
     yield
     s3client._reached.clear()
-    s3client._gave_up.clear()
+    s3client.timeouts.reset()
 
 
 def _closed_port() -> int:

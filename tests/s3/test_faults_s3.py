@@ -175,6 +175,11 @@ def test_a_server_that_stays_down_fails_the_save_then_the_next_save_cleans_up(
         checkpointer.save(_state(5), url)
     s3_live.restart()
     assert torch.equal(_committed(url, options)["w"], before["w"])
+    checkpointer.close()
+    # a restarted SeaweedFS may take seconds to answer its first writes; the deadline bounds
+    # each answer's wait (storage/s3/timeouts.py), so this save gets a deadline that allows it
+    checkpointer = ckptio.Checkpointer(_options(s3_proxy.endpoint, s3_retry_deadline_s=30.0,
+                                                s3_lock_lease_s=2.0))
     after = _state(6)
     checkpointer.save(after, url)
     checkpointer.close()

@@ -34,7 +34,7 @@ def _own_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "profiles.json"
     monkeypatch.setenv(profile.PATH_ENV, str(path))
     s3client._reached.clear()
-    s3client._gave_up.clear()
+    s3client.timeouts.reset()
     return path
 
 

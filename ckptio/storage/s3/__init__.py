@@ -2,6 +2,7 @@
 
 Its registry entry (storage/select.py) names the three parts, each importing the ones below it:
 
+    timeouts.py  how long one request may wait: its deadline, each attempt's timeout, outages
     client.py    URLs (S3Path), settings, the boto3 client, the retry loop, what an error means
     objects.py   what a store's look-up saw of an object, handed to the backend's reads
     backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
@@ -20,4 +21,4 @@ storage/store_contract.py, storage/steproot.py), the order of a save (saving/).
 
 from __future__ import annotations
 
-__all__ = ["backend", "client", "lock", "objects", "root", "store"]
+__all__ = ["backend", "client", "lock", "objects", "root", "store", "timeouts"]

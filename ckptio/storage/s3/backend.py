@@ -30,6 +30,7 @@ from typing import Any
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, all_of, completed, started_pool
 from ckptio.options import MiB
+from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
 
@@ -267,8 +268,9 @@ class S3Backend:
         """Wait for parts in flight, then abort the upload (never raises: a failed save's
         cleanup also aborts uploads it finds)."""
         _wait(upload)
-        if upload.upload_id is None:
-            return
+        if upload.upload_id is None or timeouts.hopeless(self.settings.endpoint(),
+                                                       self.settings.retry_deadline_s):
+            return  # an endpoint in an outage: the next save's cleanup aborts it
         where, c = upload.where, self._client
         try:
             self._call(f"aborting the upload of {where.url}", lambda: c.abort_multipart_upload(

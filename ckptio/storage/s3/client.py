@@ -4,19 +4,20 @@
 imported lazily (without it an s3:// path raises CkptError naming ``pip install
 boto3``), one per process and settings, shared by threads. Endpoint, region and
 credentials come the way every AWS tool takes them (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE,
-~/.aws, instance roles) unless Options name them.
+~/.aws, instance roles) unless Options name them; with no endpoint, botocore resolves AWS's.
 
 Retries are ours, not botocore's (turned off): throttling, 5xx, 409 ConditionalRequestConflict,
 timeouts and resets are retried with full-jitter backoff until ``s3_retry_deadline_s``; anything
 else is not. Ours because a body cut short while read into the caller's buffer (backend.py)
-must be asked for again, the budget is a time, and once one request to an endpoint gave up the
-others give up at once. A request still retrying after RETRY_WARN_S logs a warning. What
+must be asked for again, the budget is a time (each attempt waits for answers at most what is
+left of it: timeouts.py), and once one request to an endpoint gave up the others give up at
+once. A request still retrying after RETRY_WARN_S logs a warning. What
 retrying cannot fix fails at once, naming the cause and the fix: no credentials, a TLS
 handshake that cannot succeed, an endpoint that never answered this process (retried for
 UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
 Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
-Does not own: what is written or read (backend.py, store.py, root.py).
+Does not own: each attempt's timeout, outages (timeouts.py), what is written or read.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import Options
+from ckptio.storage.s3 import timeouts
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
            "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "not_s3", "status"]
@@ -45,6 +47,7 @@ log = logging.getLogger("ckptio")
 SCHEME = "s3://"
 UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
 RETRY_WARN_S = 3.0  # a request retrying this long logs a warning
+CONNECT_TIMEOUT_S = 5.0  # one attempt's wait for its TCP connection (its answer: timeouts.py)
 T = TypeVar("T")
 _AWS = "AWS S3 (default endpoint)"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
@@ -124,10 +127,14 @@ class S3Settings:
         """Ranged GETs in flight at most."""
         return self.read_concurrency or self.concurrency
 
-    def endpoint(self) -> str:
-        """For messages: the endpoint as configured (or AWS's default)."""
+    def configured(self) -> str | None:
+        """The endpoint URL set in Options or the environment; None: AWS's own for the region."""
         return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or _AWS)
+                or os.environ.get("AWS_ENDPOINT_URL"))
+
+    def endpoint(self) -> str:
+        """For messages and as a key: the endpoint as configured (or AWS's default)."""
+        return self.configured() or _AWS
 
 
 # (endpoint, region, profile, pid, environment) -> (its connection pool's size, the client)
@@ -177,24 +184,34 @@ def _make_client(settings: S3Settings) -> Any:
         request_checksum_calculation="when_required",  # our xxh3 covers every byte at load
         response_checksum_validation="when_required",
         s3={"payload_signing_enabled": False, "addressing_style": "path"
-            if settings.endpoint() != _AWS else "auto"},
+            if settings.configured() else "auto"},
         retries={"mode": "standard", "total_max_attempts": 1},  # call() retries
         max_pool_connections=connections(settings),
-        connect_timeout=5, read_timeout=120, tcp_keepalive=True,
+        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=timeouts.READ_TIMEOUT_S,
+        tcp_keepalive=True,
         parameter_validation=False,  # lets a Body be a staging buffer's memoryview
     )
-    _check_scheme(settings.endpoint())
+    configured = settings.configured()
+    if configured is not None:  # else botocore resolves AWS's regional endpoint itself
+        _check_scheme(configured)
     try:
         session = boto3.session.Session(profile_name=settings.profile,
-                                        region_name=settings.region)
-        return session.client("s3", endpoint_url=settings.endpoint_url, config=config)
+                                        region_name=_region(settings))
+        made = session.client("s3", endpoint_url=settings.endpoint_url, config=config)
     except Exception as exc:  # noqa: BLE001 - botocore's config errors have no common base
-        region = (settings.region or os.environ.get("AWS_REGION")
-                  or os.environ.get("AWS_DEFAULT_REGION"))
+        region = _region(settings) or os.environ.get("AWS_DEFAULT_REGION")
         raise StorageIOError(f"cannot make an S3 client for {settings.endpoint()} (profile "
                              f"{settings.profile!r}, region {region!r}): {exc}. Check the "
                              "endpoint, the profile and the AWS_* credential variables (both "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or neither)") from exc
+    timeouts.install(made)
+    return made
+
+
+def _region(settings: S3Settings) -> str | None:
+    """The region set in Options or AWS_REGION (what AWS's other SDKs and its compute services
+    set; botocore reads only AWS_DEFAULT_REGION and the profile, which None leaves to it)."""
+    return settings.region or os.environ.get("AWS_REGION") or None
 
 
 def _check_scheme(endpoint: str) -> None:
@@ -268,8 +285,7 @@ def not_s3(exc: BaseException) -> bool:
             and not str(getattr(exc, "operation_name", "")).startswith("Head"))
 
 
-_gave_up: dict[str, float] = {}  # endpoint -> when a request to it last outlasted its retries
-_gave_up_lock = threading.Lock()
+_warned_lock = threading.Lock()
 _reached: set[str] = set()  # endpoints that answered this process (a response, even an error)
 _warned: dict[str, float] = {}  # endpoint -> when retries to it were last reported
 
@@ -324,7 +340,7 @@ def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
                      elapsed: float, deadline: float) -> None:
     """A warning for a request retrying RETRY_WARN_S or more (one per endpoint at a time)."""
     now = time.monotonic()
-    with _gave_up_lock:
+    with _warned_lock:
         if now - _warned.get(endpoint, -math.inf) < RETRY_WARN_S * 10:
             return
         _warned[endpoint] = now
@@ -341,16 +357,19 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
     is not transient is raised as it is (the caller maps 404/412); one that retrying cannot
     fix (no credentials, a TLS mismatch, an endpoint that never answered for UNREACHED_S)
     becomes StorageIOError naming the cause at once; one that outlasts the retries becomes
-    StorageIOError naming ``what``, the attempts and the cause. Once one request to an
-    endpoint has given up, the others (in flight, or started within the next deadline: a
-    failed save's cleanup) give up at their next transient failure instead of waiting out a
-    deadline each; a success to the endpoint ends that."""
+    StorageIOError naming ``what``, the endpoint, the attempts and the cause. Each attempt
+    waits for answers at most what is left of the deadline (timeouts.py), so a silent network
+    fails the request at its deadline. Once one request to an endpoint has given up, the
+    others (in flight, or started during the outage: a failed save's cleanup) give up at their
+    next transient failure, and those started in the outage share a short grace; a success to
+    the endpoint ends the outage."""
     endpoint = settings.endpoint()
-    started = time.monotonic()
+    spent = timeouts.Budget(endpoint, settings.retry_deadline_s)
     attempt = 0
     while True:
         try:
-            answer = request()
+            with timeouts.attempt(spent):
+                answer = request()
         except Exception as exc:  # noqa: BLE001 - classified below; the rest re-raised
             _answered(endpoint, exc)
             cause = _unfixable(exc, endpoint) if not isinstance(exc, CkptError) else None
@@ -359,38 +378,42 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
             if not _retryable(exc):
                 raise
             attempt += 1
-            elapsed = time.monotonic() - started
+            elapsed = spent.elapsed()
             if (_unreached(exc) and endpoint not in _reached
                     and elapsed >= min(UNREACHED_S, settings.retry_deadline_s)):
                 raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
-            if elapsed >= settings.retry_deadline_s or _down(endpoint, started, settings):
-                with _gave_up_lock:
-                    _gave_up[endpoint] = time.monotonic()
-                raise StorageIOError(
-                    f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
-                    f"{describe(exc)}; the store at {endpoint} kept refusing or dropping "
-                    "requests: check that it is up and reachable (raise "
-                    "Options.s3_retry_deadline_s to wait longer)") from exc
+            if spent.over():
+                timeouts.ended(spent)
+                raise _giving_up(endpoint, what, attempt, elapsed, exc) from exc
             if elapsed >= RETRY_WARN_S:
                 _report_retrying(endpoint, what, exc, attempt, elapsed,
                                  settings.retry_deadline_s)
             base = 0.5 if code(exc) == "SlowDown" else 0.1
             pause = random.uniform(0, min(5.0, base * 2 ** attempt))
-            pause = min(pause, max(0.0, settings.retry_deadline_s - elapsed))
+            pause = min(pause, spent.left())
             log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, describe(exc),
                      pause, attempt + 1)
             sleep(pause)
         else:
             _answered(endpoint)
-            if _gave_up:
-                with _gave_up_lock:
-                    _gave_up.pop(endpoint, None)
+            timeouts.recovered(endpoint)
             return answer
 
 
-def _down(endpoint: str, started: float, settings: S3Settings) -> bool:
-    """Whether a request to ``endpoint`` gave up after this one started, or less than a
-    deadline before it."""
-    with _gave_up_lock:
-        when = _gave_up.get(endpoint)
-    return when is not None and when > started - settings.retry_deadline_s
+def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
+             exc: BaseException) -> StorageIOError:
+    silent = _timed_out(exc)
+    why = ("the store at {0} did not answer in time (the network or the store is silent: "
+           "a partition, a stuck proxy or load balancer, an overloaded store)" if silent else
+           "the store at {0} kept refusing or dropping requests").format(endpoint)
+    return StorageIOError(
+        f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: {describe(exc)}; "
+        f"{why}: check that it is up and reachable (raise Options.s3_retry_deadline_s to wait "
+        "longer)")
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A connect or read timeout (nothing came back in time)."""
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+    return isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError))

@@ -33,6 +33,7 @@ from typing import Any
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, S3Settings, call, client, describe, failed, status
 
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
@@ -83,8 +84,8 @@ class S3Lock:
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # a renewal the network holds up is not waited out
+            self._thread.join(timeouts.FLOOR_S)
         c, where = client(self.settings), self.where
         try:
             call(self.settings, f"releasing the lock {where.url}", lambda: c.delete_object(
@@ -192,8 +193,9 @@ def _holder(where: S3Path, settings: S3Settings) -> tuple[dict[str, Any] | None,
     gone or unreadable)."""
     c = client(settings)
     try:
-        answer = c.get_object(Bucket=where.bucket, Key=where.key)
-        holder = json.loads(answer["Body"].read())
+        with timeouts.limited(settings.retry_deadline_s):  # one attempt, not call()'s retries
+            answer = c.get_object(Bucket=where.bucket, Key=where.key)
+            holder = json.loads(answer["Body"].read())
     except Exception:  # noqa: BLE001 - advisory: the caller falls back to its own settings
         return None, None
     return (holder, str(answer["ETag"])) if isinstance(holder, dict) else (None, None)

@@ -44,6 +44,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 from ckptio.storage.files import Capabilities
+from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
@@ -113,7 +114,8 @@ class S3Store:
         from botocore.exceptions import BotoCoreError, ClientError
         endpoint = self.settings.endpoint()
         try:
-            self._client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+            with timeouts.limited(self.settings.retry_deadline_s):  # one attempt
+                self._client.list_objects_v2(Bucket=bucket, MaxKeys=1)
         except ClientError as exc:
             if not_s3(exc):
                 return failed(f"looking up bucket {bucket!r} at {endpoint} (for "
@@ -126,8 +128,9 @@ class S3Store:
 
     def prepare(self) -> None:
         bucket, c = self.where.bucket, self._client
+        what = f"looking up bucket {bucket} (for {self.location})"
         try:
-            call(self.settings, f"looking up bucket {bucket}", lambda: c.head_bucket(Bucket=bucket))
+            call(self.settings, what, lambda: c.head_bucket(Bucket=bucket))
         except Exception as exc:  # noqa: BLE001 - each status gets its own message
             http = status(exc)
             if http == 404:
@@ -136,7 +139,7 @@ class S3Store:
                 raise StorageIOError(f"access to bucket {bucket!r} at {self.settings.endpoint()} "
                                      "was denied: check the credentials (AWS_ACCESS_KEY_ID, "
                                      "AWS_PROFILE) and their permissions") from None
-            raise failed(f"looking up bucket {bucket}", exc) from exc
+            raise failed(what, exc) from exc
         if self.where.key and self._head(self.where.key) is not None:
             raise StorageIOError(f"checkpoint location {self.location} is an object (a file); "
                                  "choose another location")
@@ -361,6 +364,10 @@ class S3Store:
         if not keys:
             return problems
         problems += self._abort_uploads(keys)
+        endpoint = self.settings.endpoint()
+        if timeouts.hopeless(endpoint, self.settings.retry_deadline_s):  # left for the next save
+            return problems + [f"{name}: not deleted: the store at {endpoint} is not answering"
+                               for name in keys.values()]
         batch = list(keys)
         for start in range(0, len(batch), 1000):
             problems += self._delete(batch[start:start + 1000], keys)
@@ -368,13 +375,17 @@ class S3Store:
 
     def _delete(self, batch: list[str], names: dict[str, str]) -> list[str]:
         """DeleteObjects of ``batch``; where the store refuses the batch request as a whole
-        (not every S3-compatible store has it), one DeleteObject per key."""
+        (not every S3-compatible store has it), one DeleteObject per key. A store that did not
+        answer is not asked once per key: the next save's cleanup removes them."""
         c, bucket = self._client, self.where.bucket
         request = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
+        what = f"deleting {len(batch)} objects under {self.location}"
         try:
-            answer = self._call(f"deleting {len(batch)} objects under {self.location}",
-                                lambda: c.delete_objects(Bucket=bucket, Delete=request))
-        except CkptError:
+            answer = call(self.settings, what,
+                          lambda: c.delete_objects(Bucket=bucket, Delete=request))
+        except Exception as exc:  # noqa: BLE001 - an answer: one by one; the rest: reported
+            if status(exc) is None:
+                return [f"{names[key]}: {failed(what, exc)}" for key in batch]
             return [problem for key in batch for problem in self._delete_one(key, names[key])]
         return [f"{names.get(e.get('Key', ''), e.get('Key'))}: {e.get('Code')} {e.get('Message')}"
                 for e in answer.get("Errors", [])]
