@@ -699,3 +699,32 @@ def test_a_save_over_a_committed_checkpoint_says_it_replaced_it(tmp_path, caplog
     said = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0], said
     assert torch.equal(ckptio.load(path)["a"], torch.zeros(2))
+
+
+def test_a_failed_save_keeps_its_files_when_the_manifest_cannot_be_read(tmp_path, monkeypatch,
+                                                                        caplog):
+    """After a failed save its files are removed only once the committed manifest, read, does
+    not name them. Where that read fails (on S3: a commit whose answer was lost may have
+    landed) they are kept with a warning, and the next save there removes them."""
+    path = tmp_path / "ckpt"
+    ckptio.save({"w": torch.ones(1000)}, path)
+    committed = sorted(os.listdir(path))
+    ck = ckptio.Checkpointer()
+    faulty = inject(ck, fail_write=1)
+    real = LocalStore.read_manifest
+
+    def unreadable_once_failed(store: LocalStore) -> bytes:
+        if faulty.injected:
+            raise ckptio.StorageIOError(f"cannot read {store.location}/manifest.json: I/O error")
+        return real(store)
+
+    monkeypatch.setattr(LocalStore, "read_manifest", unreadable_once_failed)
+    with caplog.at_level(logging.WARNING, logger="ckptio"), pytest.raises(ckptio.StorageIOError):
+        ck.save({"w": torch.zeros(1000)}, path)
+    assert "could not be read" in caplog.text and "kept until the next save" in caplog.text
+    assert len(os.listdir(path)) > len(committed)  # the failed save's files stay
+    monkeypatch.setattr(LocalStore, "read_manifest", real)
+    ck.close()
+    assert torch.equal(ckptio.load(path)["w"], torch.ones(1000))
+    ckptio.save({"w": torch.full((1000,), 3.0)}, path)
+    assert len(os.listdir(path)) == len(committed)  # the leftovers removed by the next save

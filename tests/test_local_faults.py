@@ -187,3 +187,4 @@ def test_checkpointer_close_with_a_timeout_gives_up_and_frees_nothing(fs):
     fs.release()
     ck.close()
     assert handle.done() and torch.equal(ckptio.load(path)["w"], _state(5.0)["w"])
+

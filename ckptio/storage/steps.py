@@ -74,9 +74,28 @@ def attempt(store: Store, names: list[str]) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        if not references(store, names):  # else committed before the failure: keep its files
+        if not _maybe_committed(store, names, exc):  # else keep its files
             remove_quietly(store, names, exc)
         raise
+
+
+def _maybe_committed(store: Store, names: Iterable[str], cause: BaseException) -> bool:
+    """Whether the committed manifest names any of ``names``, or cannot be read to tell (a
+    commit whose answer was lost may have landed: its files are kept, and the next save
+    removes them if it did not)."""
+    try:
+        text = store.read_manifest()
+    except StorageIOError as exc:
+        log.warning("ckptio: after this failure the manifest of %s could not be read (%s); the "
+                    "failed save's files are kept until the next save there", store.location, exc)
+        add_note = getattr(cause, "add_note", None)
+        if add_note is not None:
+            add_note(f"ckptio: the failed save's files in {store.location} were kept: its "
+                     "manifest could not be read to tell whether its commit landed")
+        return True
+    except CkptError:  # none committed, or not a whole manifest
+        return False
+    return not named(text).isdisjoint(names)
 
 
 def remove_quietly(store: Store, names: list[str], cause: BaseException) -> None:
