@@ -393,6 +393,11 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
             plan = _plan_in_place(sources, flat, common, cast,
                                   [k for k in created if k not in dropped])
             plan.problems = problems
+    by_name_keys = [k for k in sources.keys() if chosen(k) and not is_marker(k)
+                    and any(r.reads(k) for r in renamed)]
+    by_name_sources = {k: src for k in by_name_keys  # None: per-rank (check_refused says)
+                       if (src := sources.get(k)) is not None}
+    by_name_keys = list(by_name_sources)
     sources.check_refused()
     if sources.absent:
         if strict:
@@ -408,11 +413,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
                       "or shape differs (or they hold a resized parameter's optimizer state): "
                       f"{'; '.join(list(plan.problems.values())[:3])} "
                       "(LoadReport.mismatched lists them all)", stacklevel=5)
-    by_name_keys = [k for k in sources.keys() if chosen(k) and not is_marker(k)
-                    and any(r.reads(k) for r in renamed)]
     for key in by_name_keys:
-        if (source := sources.get(key)) is not None:  # else: per-rank, check_refused said
-            _replace(plan, key, source)
+        _replace(plan, key, by_name_sources[key])
     _refuse_pickles(plan.entries(), allow_pickle)
     nbytes = plan.run(read)
     values = {key: make_value() for key, make_value in plan.assign}

@@ -86,10 +86,14 @@ class S3Lock:
         self._stop.set()
         if self._thread is not None:  # a renewal the network holds up is not waited out
             self._thread.join(timeouts.FLOOR_S)
+        etag = self.etag
+        if self._lock.acquire(timeout=timeouts.FLOOR_S):  # a renewal that landed: its etag
+            etag = self.etag
+            self._lock.release()
         c, where = client(self.settings), self.where
         try:
             call(self.settings, f"releasing the lock {where.url}", lambda: c.delete_object(
-                Bucket=where.bucket, Key=where.key, IfMatch=self.etag))
+                Bucket=where.bucket, Key=where.key, IfMatch=etag))
         except Exception as exc:  # noqa: BLE001 - a lock left behind expires after its lease
             if status(exc) not in (404, 412):
                 log.warning("ckptio: releasing the lock %s failed (%s); the next save waits "

@@ -9,11 +9,12 @@ put in the request's context by the hook install() registers on the client), fro
 thread-local value attempt() sets around it.
 
 Once a request to an endpoint gave up, the endpoint is in an outage until a request to it
-succeeds, or a deadline passes with no request giving up. Requests that start in an outage (a
+succeeds, or WINDOW_S pass with no request giving up (the next save, unless it starts right
+after the failure, has its whole deadline and retries). Requests that start in an outage (a
 failed save's cleanup: aborting its uploads, reading the manifest, releasing its lock) share
 GRACE_S after the outage's first give-up, then have one attempt of FLOOR_S each: a failed
 save's cleanup adds seconds, not a deadline per request. A request that starts after the
-outage expired has its whole deadline again.
+outage ended has its whole deadline again.
 
 Owns: Budget (one request's), the outage record, the timeout hook. Does not own: what is
 retried, the retry loop and its messages (client.py).
@@ -27,12 +28,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FLOOR_S", "GRACE_S", "READ_TIMEOUT_S", "Budget", "attempt", "ended", "hopeless",
+__all__ = ["FLOOR_S", "GRACE_S", "READ_TIMEOUT_S", "WINDOW_S", "Budget", "attempt", "ended", "hopeless",
            "install", "limited", "outage_since", "recovered", "reset"]
 
 READ_TIMEOUT_S = 120.0  # the longest one attempt waits for an answer
 FLOOR_S = 1.0  # the shortest
 GRACE_S = 3.0  # what requests that start in an outage share (a failed save's cleanup)
+WINDOW_S = 2 * GRACE_S  # an outage lasts this long after its last give-up, unless one succeeds
 
 _outage: dict[str, tuple[float, float]] = {}  # endpoint -> (first, last) give-up, no success since
 _lock = threading.Lock()
@@ -51,7 +53,7 @@ def ended(budget: Budget) -> None:
     now = time.monotonic()
     with _lock:
         known = _outage.get(budget.endpoint)
-        met = known is not None and known[1] > budget.started - budget.deadline_s
+        met = known is not None and known[1] > budget.started - WINDOW_S
         _outage[budget.endpoint] = (known[0] if met and known else now, now)
 
 
@@ -73,7 +75,7 @@ def hopeless(endpoint: str, deadline_s: float) -> bool:
     attempt only (what cleanup that can wait for the next save skips)."""
     known = outage_since(endpoint)
     now = time.monotonic()
-    return known is not None and known[1] > now - deadline_s and now >= known[0] + GRACE_S
+    return known is not None and known[1] > now - WINDOW_S and now >= known[0] + GRACE_S
 
 
 class Budget:
@@ -84,7 +86,7 @@ class Budget:
         self.started = time.monotonic()
         self.end = self.started + deadline_s
         known = outage_since(endpoint)
-        if known is not None and known[1] > self.started - deadline_s:
+        if known is not None and known[1] > self.started - WINDOW_S:
             self.end = min(self.end, known[0] + GRACE_S)  # started in an outage
 
     def elapsed(self) -> float:
@@ -95,11 +97,11 @@ class Budget:
 
     def over(self) -> bool:
         """Past its end, or an outage of its endpoint began after it started (or less than a
-        deadline before): the request gives up at its next transient failure."""
+        WINDOW_S before): the request gives up at its next transient failure."""
         if time.monotonic() >= self.end:
             return True
         known = outage_since(self.endpoint)
-        return known is not None and known[1] > self.started - self.deadline_s
+        return known is not None and known[1] > self.started - WINDOW_S
 
     def read_timeout(self) -> float:
         """The next attempt's read timeout: what is left, within [FLOOR_S, READ_TIMEOUT_S]."""
