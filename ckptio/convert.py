@@ -36,6 +36,7 @@ from ckptio.format.types import Manifest
 from ckptio.storage.s3.client import is_s3
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.loading.fill import RankPolicy
+from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.local import fsync_path
@@ -230,13 +231,9 @@ def _name_optimizers(state: Any, src: str, options: Options | None) -> None:
     """Key each optimizer state_dict by the parameter names SRC recorded, as DCP's
     ``get_state_dict(model, opt)`` gives it (what ``dcp.load`` of that form looks for); warn
     about one that stays keyed by index."""
-    from ckptio.api import Checkpointer
-
-    checkpointer = Checkpointer(options or Options.from_env())
-    try:
-        objects = checkpointer.manifest(src).objects
-    finally:
-        checkpointer.close()
+    text = checkpoint_path(src)
+    store = None if not is_s3(text) and os.path.isfile(text) else store_for(text, options)
+    objects = committed(store).objects if store is not None and steps.is_committed(store) else ()
     names = param_names.recorded({o.key: values.decode(o.value) for o in objects
                                   if param_names.is_marker(o.key)})
     for key in param_names.rekey(state, names):
