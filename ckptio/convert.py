@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
+from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
 from ckptio.storage.s3.client import is_s3
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.loading.fill import RankPolicy
+from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.local import fsync_path
@@ -95,7 +97,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
       arrays, objects) is stored by DCP's own pickle (``torch.save``), which DCP's loader
       unpickles. DCP's flattening shows through: a dict key that is not a str comes back from
       ``dcp.load`` as a str, an empty dict is left out, a tensor held under two keys is stored
-      twice.
+      twice. An optimizer's state is keyed by parameter name, as DCP's ``get_state_dict(model,
+      opt)`` gives it (``set_state_dict`` then loads it), where SRC recorded the names
+      (``ckptio.save`` of a state holding the model and the optimizer); otherwise it stays
+      keyed by index, with a warning.
     * ``"torch.save"``: one file holding the state as ``ckptio.load`` returns it (values, tied
       tensors and tuples kept); ``torch.load(weights_only=True)`` reads it unless it holds
       numpy values or pickled objects (``Converted.needs_pickle`` names those keys).
@@ -131,6 +136,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     if to == "ckptio":
         return _to_ckptio(state, dst_text, allow_pickle, options, progress)
     out = os.path.abspath(local_path(dst_text))
+    if to == "dcp":
+        _name_optimizers(state, src_text, options)
     if to in ("dcp", "torch_checkpointing"):
         (_write_dcp if to == "dcp" else _write_tc)(state, out)
         return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
@@ -221,6 +228,24 @@ def _dir_into_place(out: str, to: str, fill: Callable[[str], None]) -> None:
     finally:
         _remove(tmp)
         _remove(old)
+
+
+def _name_optimizers(state: Any, src: str, options: Options | None) -> None:
+    """Key each optimizer state_dict by the parameter names SRC recorded, as DCP's
+    ``get_state_dict(model, opt)`` gives it (what ``dcp.load`` of that form looks for); warn
+    about one that stays keyed by index."""
+    text = checkpoint_path(src)
+    store = None if not is_s3(text) and os.path.isfile(text) else store_for(text, options)
+    objects = committed(store).objects if store is not None and steps.is_committed(store) else ()
+    names = param_names.recorded({o.key: values.decode(o.value) for o in objects
+                                  if param_names.is_marker(o.key)})
+    for key in param_names.rekey(state, names):
+        warnings.warn(f"convert to dcp: the optimizer state at {key!r} stays keyed by parameter "
+                      f"index: {src} recorded no parameter names for it (ckptio.save records them "
+                      "when the model is in the same state), so DCP's get_state_dict(model, opt) "
+                      "form, keyed by name, will not load it; load it with ckptio.load(DST, "
+                      "{..., 'optim': opt}) or dcp.load into opt.state_dict() after a step",
+                      stacklevel=3)
 
 
 def _write_dcp(state: Any, out: str) -> None:

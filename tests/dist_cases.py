@@ -3,7 +3,8 @@
 Layouts build a state leaf holding part of a reference tensor: "full" (a plain tensor),
 "shard0" / "shard1" / "replicate" (DTensor on a 1-D mesh), "mesh2d" (DTensor on a 2 x W/2 mesh,
 Shard(0) x Shard(1)), "flat" / "flat2" (FlatShard slices cut off row boundaries, unevenly,
-some empty), "box" (TensorShard row blocks of uneven height). ``save_layout`` / ``load_layout``
+some empty), "box" (TensorShard row blocks of uneven height), "checkpointable" (padded row
+blocks declaring DCP's CheckpointableTensor fields). ``save_layout`` / ``load_layout``
 also move SPECIALS between ranks (NaN payloads, -0.0, subnormals, float8, complex64, bool:
 tests/special_values.py), compared byte for byte.
 """
@@ -91,7 +92,22 @@ def leaf(layout: str, full: torch.Tensor, rank: int, world: int) -> Any:
         cuts = _cuts(full.shape[0], world, 0.6)
         offsets = (cuts[rank],) + (0,) * (full.dim() - 1)
         return ckptio.TensorShard(full[cuts[rank]:cuts[rank + 1]].clone(), tuple(full.shape), offsets)
+    if layout == "checkpointable":
+        return checkpointable(full, rank, world)
     raise ValueError(layout)
+
+
+def checkpointable(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """A plain tensor with the fields of DCP's CheckpointableTensor protocol (torch 2.14+;
+    duck-typed, so any torch): this rank's uneven row block of ``full`` after one padding row."""
+    cuts = _cuts(full.shape[0], world, 0.45)
+    piece = full[cuts[rank]:cuts[rank + 1]]
+    padded = torch.cat([torch.zeros((1, *full.shape[1:]), dtype=full.dtype), piece])
+    padded.global_shape = tuple(full.shape)  # type: ignore[attr-defined]
+    padded.global_offsets = ((cuts[rank],) + (0,) * (full.dim() - 1),)  # type: ignore[attr-defined]
+    padded.local_offsets = ((1,) + (0,) * (full.dim() - 1),)  # type: ignore[attr-defined]
+    padded.local_sizes = (tuple(piece.shape),)  # type: ignore[attr-defined]
+    return padded
 
 
 def _local_dtensor(full: torch.Tensor, mesh: Any, placements: list[Any]) -> Any:
@@ -134,6 +150,8 @@ def local(value: Any) -> torch.Tensor:
         return value.local
     if type(value).__name__ == "DTensor":
         return value.to_local()
+    if hasattr(value, "global_offsets"):  # checkpointable(): its shard, not the padding
+        return value[1:1 + value.local_sizes[0][0]]
     return value
 
 

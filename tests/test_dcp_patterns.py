@@ -566,6 +566,12 @@ def test_a_writer_made_with_overwrite_false_refuses_a_committed_checkpoint(
         with pytest.raises(CheckpointException, match="CkptError.*overwrite=False"):
             dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path,
                                                                           overwrite=False))
+        # PyTorch's own test_overwrite matches DCP's words, through any writer
+        with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as caught:
+            dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path,
+                                                                          overwrite=False))
+        (cause, _trace), = caught.value.failures.values()
+        assert isinstance(cause, ckptio.CkptError)
         _same(ckptio.load(path)["a"], torch.ones(2))  # left as it was
         dcp.save({"a": torch.zeros(2)}, storage_writer=ckptio.DcpWriter(path))  # the default
     _same(ckptio.load(path)["a"], torch.zeros(2))

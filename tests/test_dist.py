@@ -76,6 +76,8 @@ MATRIX = [
     (4, "flat", 1, "full"),
     (2, "shard1", 2, "flat"),
     (4, "box", 2, "shard0"),
+    (3, "checkpointable", 2, "shard1"),
+    (2, "mesh2d", 3, "checkpointable"),
 ]
 
 

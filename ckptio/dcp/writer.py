@@ -71,7 +71,8 @@ class DcpWriter(StorageWriter):
     replaces it). options: ckptio Options (default: ``Options.from_env()`` in the process that
     writes). if_locked: "wait" for another save into ``path``, or "raise"
     CheckpointLockedError. overwrite: False refuses (CkptError, on every rank, before a byte
-    is written) a path where a checkpoint is committed, as DCP's FileSystemWriter does. Every
+    is written) a path where a checkpoint is committed, as DCP's FileSystemWriter does and in
+    its words ("Checkpoint already exists"; dcp.save raises it in a CheckpointException). Every
     rank passes its own DcpWriter; DCP must run with collectives (the default).
 
     If any rank fails DCP never calls ``finish``: nothing is committed, the previous
@@ -137,10 +138,11 @@ class DcpWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         store = store_for(self.path, self._options())  # a bad path fails every rank here
         if not self.overwrite and steps.is_committed(store):
-            raise CkptError(f"dcp.save into {self.path}: a checkpoint is committed there and "
-                            "the DcpWriter was made with overwrite=False (as DCP's "
-                            "FileSystemWriter refuses); it is left as it was. Choose another "
-                            "path, or pass overwrite=True to replace it")
+            raise CkptError(f"Checkpoint already exists and self.overwrite=False: dcp.save into "
+                            f"{self.path}: a checkpoint is committed there and the DcpWriter was "
+                            "made with overwrite=False (DCP's FileSystemWriter refuses in the "
+                            "same words); it is left as it was. Choose another path, or pass "
+                            "overwrite=True to replace it")
         writeplan.check_plan(plan, self._rank, self.path)
         return plan
 

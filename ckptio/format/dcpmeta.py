@@ -2,7 +2,7 @@
 
 torch.distributed.checkpoint's FileSystemWriter pickles a ``Metadata`` object into
 ``.metadata``. This module reads it with an allow-list unpickler: ``find_class`` returns
-torch-free stand-ins for exactly the globals a torch 2.13 ``.metadata`` holds (``_ALLOWED``,
+torch-free stand-ins for exactly the globals a torch 2.13-2.15 ``.metadata`` holds (``_ALLOWED``,
 whose comment lists them), refuses any other global (PickleRefusedError naming it and the
 file) and every persistent id. The stand-ins are then checked field by field (types, bounds,
 chunks tiling their tensor, every chunk stored once, stored items inside no one else's bytes)
@@ -154,8 +154,8 @@ def _posix_path(*parts: Any) -> str:
     return posixpath.join(*parts) if parts else "."
 
 
-# The globals a torch 2.13 ``.metadata`` holds (found by disassembling real checkpoints of
-# varied states with pickletools); anything else is refused:
+# The globals a torch 2.13 to 2.15 ``.metadata`` holds (found by disassembling real checkpoints
+# of varied states with pickletools; tests/fixtures/dcp has one of each); anything else is refused:
 #     torch.distributed.checkpoint.metadata  Metadata, TensorStorageMetadata,
 #                                            BytesStorageMetadata, ChunkStorageMetadata,
 #                                            StorageMeta, MetadataIndex, TensorProperties,
@@ -343,20 +343,7 @@ def _tensor(c: _Check, fqn: str, record: Any,
             by_index: dict[tuple[str, tuple[int, ...] | None], DcpItem]) -> DcpTensor:
     raw = c.fields(record, "TensorStorageMetadata", ("properties", "size", "chunks"))
     what = f"key {fqn!r}"
-    props = raw["properties"]
-    if type(props) is not _RECORDS["TensorProperties"]:
-        raise c.fail(f"{what}: properties must be a TensorProperties, got {_describe(props)}")
-    state = getattr(props, "state", None)
-    if type(state) is not tuple or len(state) != 5:
-        raise c.fail(f"{what}: TensorProperties must hold (dtype, layout, requires_grad, "
-                     f"memory_format, pin_memory), got {_describe(state)}")
-    dtype, layout = state[0], state[1]
-    if type(dtype) is not DType:
-        raise c.fail(f"{what}: dtype must be a torch dtype ckptio knows, got {_describe(dtype)}")
-    if layout != _Layout("strided"):
-        raise c.fail(f"{what}: layout must be torch.strided, got {_describe(layout)}")
-    if type(state[2]) is not bool or type(state[3]) is not int or type(state[4]) is not bool:
-        raise c.fail(f"{what}: requires_grad, memory_format or pin_memory has the wrong type")
+    dtype = _properties(c, raw["properties"], what)
     shape = c.ints(raw["size"], f"{what}: size")
     numel = 1
     for d in shape:
@@ -378,6 +365,28 @@ def _tensor(c: _Check, fqn: str, record: Any,
     if problem is not None:
         raise c.fail(f"{what}: its chunks do not tile shape {shape}: {problem}")
     return DcpTensor(fqn, dtype.name, shape, tuple(chunks))
+
+
+def _properties(c: _Check, props: Any, what: str) -> DType:
+    """The dtype of a TensorProperties, its other fields checked: torch up to 2.14 pickles
+    (dtype, layout, requires_grad, memory_format, pin_memory), torch 2.15 adds ``strides`` (the
+    saved tensor's ``stride()``, a tuple of ints, or None)."""
+    if type(props) is not _RECORDS["TensorProperties"]:
+        raise c.fail(f"{what}: properties must be a TensorProperties, got {_describe(props)}")
+    state = getattr(props, "state", None)
+    if type(state) is not tuple or len(state) not in (5, 6):
+        raise c.fail(f"{what}: TensorProperties must hold (dtype, layout, requires_grad, "
+                     f"memory_format, pin_memory[, strides]), got {_describe(state)}")
+    dtype, layout = state[0], state[1]
+    if type(dtype) is not DType:
+        raise c.fail(f"{what}: dtype must be a torch dtype ckptio knows, got {_describe(dtype)}")
+    if layout != _Layout("strided"):
+        raise c.fail(f"{what}: layout must be torch.strided, got {_describe(layout)}")
+    if type(state[2]) is not bool or type(state[3]) is not int or type(state[4]) is not bool:
+        raise c.fail(f"{what}: requires_grad, memory_format or pin_memory has the wrong type")
+    if len(state) == 6 and state[5] is not None:
+        c.ints(state[5], f"{what}: TensorProperties.strides")
+    return dtype
 
 
 def _check_overlaps(c: _Check, items: list[DcpItem]) -> None:

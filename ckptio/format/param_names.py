@@ -12,8 +12,10 @@ optimizer keeping torch's own names, or with a parameter no module of the state 
 as it is.
 
 Call order: ``flatten(state, names=True)`` (a save) -> ``module_names(state)`` once ->
-``name_groups`` for each optimizer's state_dict. Owns: finding the modules and the names. Does
-not own: the check (loading/param_check.py), how the values are stored (plan.py).
+``name_groups`` for each optimizer's state_dict. ``recorded`` reads them back from a manifest's
+values and ``rekey`` / ``by_name`` key a loaded state's optimizer state_dicts by them (DCP's
+``get_state_dict`` form, for ``convert --to dcp``). Owns: finding the modules and the names. Does not own: the
+check (loading/param_check.py), how the values are stored (plan.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch-free at import: ckptio diff and ls skip the names (is_marker)
     import torch
 
-__all__ = ["KEY", "TORCH_KEY", "is_marker", "module_names", "name_groups", "without_names",
-           "wanted_names"]
+__all__ = ["KEY", "TORCH_KEY", "by_name", "is_marker", "module_names", "name_groups", "recorded",
+           "rekey", "without_names", "wanted_names"]
 
 KEY = "ckptio_param_names"
 TORCH_KEY = "param_names"  # torch's named optimizers' own
@@ -94,3 +96,64 @@ def without_names(tree: Any) -> Any:
         return {"c": [body[0], without_names(body[1])]}
     return tree
 
+
+
+def recorded(values: dict[str, Any]) -> dict[str, list[list[str]]]:
+    """The names a save recorded, from a checkpoint's flat values (key -> decoded value): the
+    optimizer's key (``optim``) -> each param group's names, in ``params`` order."""
+    found: dict[str, dict[int, dict[int, str]]] = {}
+    for key, name in values.items():
+        if not is_marker(key) or not isinstance(name, str):
+            continue
+        parts = key.split(".")
+        if parts[-3].isdigit() and parts[-1].isdigit():
+            groups = found.setdefault(".".join(parts[:-4]), {})
+            groups.setdefault(int(parts[-3]), {})[int(parts[-1])] = name
+    return {prefix: [[names[i] for i in sorted(names)] for _g, names in sorted(groups.items())]
+            for prefix, groups in found.items()}
+
+
+def by_name(inner: dict[Any, Any], names: list[list[str]]) -> dict[Any, Any] | None:
+    """An optimizer's state_dict keyed by parameter name, as DCP's ``get_state_dict`` gives it
+    (``state`` by name, each group's ``params`` the names), or None when ``names`` do not fit
+    its groups (another optimizer, or one already keyed by name)."""
+    groups, state = inner.get("param_groups"), inner.get("state")
+    if (not isinstance(groups, list) or not isinstance(state, dict) or len(groups) != len(names)
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                       and len(g["params"]) == len(n) for g, n in zip(groups, names))):
+        return None
+    rename = {index: name for group, got in zip(groups, names)
+              for index, name in zip(group["params"], got)}
+    if set(state) - set(rename):
+        return None
+    return {**inner, "state": {rename[k]: v for k, v in state.items()},
+            "param_groups": [{**g, "params": list(n)} for g, n in zip(groups, names)]}
+
+
+def rekey(state: Any, names: dict[str, list[list[str]]], key: str = "", depth: int = 0) -> list[str]:
+    """Key each optimizer state_dict in ``state`` (a loaded state: dicts and lists) by the names
+    ``recorded`` found for its key, in place (``by_name``). -> the keys of the optimizer
+    state_dicts left keyed by index (no names recorded for them, or names that do not fit)."""
+    left: list[str] = []
+    items = (state.items() if isinstance(state, dict)
+             else enumerate(state) if isinstance(state, list) and depth <= 8 else ())
+    for part, child in list(items):
+        here = f"{key}.{part}" if key else str(part)
+        if _index_keyed(child):
+            named = by_name(child, names[here]) if here in names else None
+            if named is None:
+                left.append(here)
+            else:
+                state[part] = named
+        elif depth < 8:
+            left += rekey(child, names, here, depth + 1)
+    return left
+
+
+def _index_keyed(value: Any) -> bool:
+    """An optimizer state_dict keyed by parameter index (torch.optim's own form)."""
+    return (isinstance(value, dict) and isinstance(value.get("param_groups"), list)
+            and isinstance(value.get("state"), dict)
+            and all(type(k) is int for k in value["state"])
+            and all(isinstance(g, dict) and all(type(i) is int for i in g.get("params", ()))
+                    for g in value["param_groups"]))

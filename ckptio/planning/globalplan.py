@@ -139,7 +139,8 @@ def _check_coverage(groups: dict[tuple[object, ...], _Group], piece: bool) -> No
             raise PlanConflict(
                 f"key {key!r}: the ranks' distinct shards hold {count} elements of a tensor of "
                 f"{total} (shape {shapes[key]}); {what}: check the offsets of every rank's "
-                "TensorShard / FlatShard, or that every rank passes this key")
+                "TensorShard / FlatShard / CheckpointableTensor, or that every rank passes this "
+                "key")
 
 
 def _check_tensor_or_value(ranks: Sequence[RankPlan]) -> None:

@@ -1,6 +1,7 @@
 """Which part of a global tensor a state leaf holds: DTensor shards, TensorShard boxes,
 FlatShard slices, a legacy ShardedTensor's local shard (FSDP1's sharded state dicts: one box per
-rank, as a TensorShard), or (a plain tensor) all of it.
+rank, as a TensorShard), a tensor with DCP's CheckpointableTensor fields (one shard: a box), or
+(a plain tensor) all of it.
 
 Owns: the user-facing TensorShard / FlatShard wrappers, reading a leaf's global shape and region
 (DTensor placements through torch's own local-shape computation, so uneven shards come out as
@@ -24,8 +25,8 @@ from ckptio.errors import UnsupportedStateError
 from ckptio.format.types import Chunk
 from ckptio.format.grid import REPLICATE, Grid
 
-__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_dtensor", "is_sharded_tensor",
-           "local_tensor", "sharded_local"]
+__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_checkpointable", "is_dtensor",
+           "is_sharded_tensor", "local_tensor", "sharded_local"]
 
 
 @dataclass
@@ -72,6 +73,16 @@ def is_sharded_tensor(value: Any) -> bool:
     return type(value).__name__ == "ShardedTensor" and isinstance(value, torch.Tensor)
 
 
+_PROTOCOL = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+
+
+def is_checkpointable(value: Any) -> bool:
+    """A tensor with the fields of DCP's ``CheckpointableTensor`` protocol (torch 2.14+,
+    ``torch.distributed.checkpoint.CheckpointableTensor``): a local tensor that declares the
+    global shape and where its shards sit, checked by name as torch's runtime protocol does."""
+    return isinstance(value, torch.Tensor) and all(hasattr(value, f) for f in _PROTOCOL)
+
+
 def local_tensor(value: Any) -> torch.Tensor:
     """The tensor holding a leaf's bytes: a DTensor's or wrapper's local shard, else itself."""
     if isinstance(value, (TensorShard, FlatShard)):
@@ -80,6 +91,8 @@ def local_tensor(value: Any) -> torch.Tensor:
         return value.to_local()
     if is_sharded_tensor(value):
         return sharded_local(value, "?")[0]
+    if is_checkpointable(value):
+        return _checkpointable(value, "?").local
     return value
 
 
@@ -135,6 +148,8 @@ def held(value: Any, key: str) -> Held | None:
     check_dense(value, key)
     if is_dtensor(value):
         return _dtensor(value, key)
+    if is_checkpointable(value):
+        return _checkpointable(value, key)
     shape = tuple(value.shape)
     return Held(value, shape, Chunk.whole(shape), sharded=False)
 
@@ -181,6 +196,41 @@ def _wrapped(value: TensorShard | FlatShard, key: str) -> Held:
         raise UnsupportedStateError(
             f"key {key!r}: TensorShard of shape {chunk.sizes} at offsets {chunk.offsets} does not "
             f"fit a tensor of shape {shape}")
+    return Held(local, shape, chunk, sharded=True)
+
+
+def _checkpointable(value: torch.Tensor, key: str) -> Held:
+    """A CheckpointableTensor's shard as one box: ``value[local_offsets[0] : + local_sizes[0]]``
+    is the block at ``global_offsets[0]`` of a tensor of ``global_shape`` (no shard: an empty
+    box). Several shards in one tensor are refused, naming the fix."""
+    try:
+        shape = tuple(int(d) for d in value.global_shape)  # type: ignore[attr-defined]
+        shards = [(tuple(int(o) for o in g), tuple(int(o) for o in lo), tuple(int(n) for n in ls))
+                  for g, lo, ls in zip(value.global_offsets, value.local_offsets,  # type: ignore[attr-defined]
+                                       value.local_sizes, strict=True)]  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedStateError(
+            f"key {key!r}: a CheckpointableTensor whose global_shape, global_offsets, "
+            f"local_offsets and local_sizes are not tuples of ints of one length ({exc})") from None
+    if not shards:
+        return Held(value[(slice(0, 0),) * value.dim()], shape,
+                    Chunk((0,) * len(shape), (0,) * len(shape)), sharded=True)
+    if len(shards) > 1:
+        raise UnsupportedStateError(
+            f"key {key!r}: a CheckpointableTensor holding {len(shards)} shards; ckptio stores one "
+            "box per rank and key: save each shard as its own key, e.g. ckptio.TensorShard("
+            "t[slices], t.global_shape, t.global_offsets[i]), or save the state with dcp.save "
+            "and ckptio.DcpWriter")
+    offsets, local_at, sizes = shards[0]
+    chunk = Chunk(offsets, sizes)
+    inside = Chunk(local_at, sizes).fits(tuple(value.shape)) if local_at else (
+        sizes == tuple(value.shape))  # no local offsets: the whole local tensor (as in torch)
+    if not (inside and chunk.fits(shape)):
+        raise UnsupportedStateError(
+            f"key {key!r}: a CheckpointableTensor's shard of sizes {sizes} at local offsets "
+            f"{local_at} of its {tuple(value.shape)} tensor and at global offsets {offsets} does "
+            f"not fit them or its global shape {shape}")
+    local = value[tuple(slice(o, o + n) for o, n in zip(local_at, sizes))] if local_at else value
     return Held(local, shape, chunk, sharded=True)
 
 
