@@ -211,6 +211,8 @@ class Checkpointer:
             said = restated(exc, f"{path} was not saved (nothing of it was written): the save "
                                  f"before it, to {previous.path if previous else '?'}, failed "
                                  "in the background: ")
+            if said is exc:  # an interrupt while waiting: itself
+                raise
             said.__cause__ = exc  # the manager names the step from it (managing/inflight.py)
             if group.size == 1:
                 raise said from exc

@@ -75,11 +75,19 @@ class SaveTimeoutError(CkptError, TimeoutError):
     """``wait(timeout=...)`` or ``close(timeout=...)`` gave up on a save still running; the
     message names the path, the rank and the file whose write, fsync or commit it waits for.
     The save goes on in the background (a call in the kernel cannot be cancelled): wait again,
-    or end the process; nothing partial is committed either way."""
+    or kill the process (a normal exit waits for the save); nothing partial is committed."""
 
 
 def restated(error: BaseException, prefix: str) -> BaseException:
-    """A copy of ``error`` (same type, same attributes) whose message begins with ``prefix``."""
+    """A copy of ``error`` (same type, same attributes) whose message begins with ``prefix``; a
+    CkptError caused by it where it is not one (an OSError's message is not its args[0]); an
+    interrupt (KeyboardInterrupt, SystemExit) itself, unchanged."""
+    if not isinstance(error, Exception):
+        return error
+    if not isinstance(error, CkptError):
+        wrapped = CkptError(f"{prefix}{type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        return wrapped
     again = copy.copy(error)
     again.args = (f"{prefix}{error}", *error.args[1:])
     return again

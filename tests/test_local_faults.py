@@ -188,3 +188,31 @@ def test_checkpointer_close_with_a_timeout_gives_up_and_frees_nothing(fs):
     ck.close()
     assert handle.done() and torch.equal(ckptio.load(path)["w"], _state(5.0)["w"])
 
+
+
+def _child_watch_alive(path: str, out: object) -> None:
+    from ckptio.testing.faults import inject
+
+    ck = ckptio.Checkpointer()
+    inject(ck, delay_s=0.3)  # each write held: the save lasts while it is looked at
+    handle = ck.async_save(_state(2.0), path)
+    time.sleep(0.2)
+    alive = any(t.name == "ckptio-stall-watch" and t.is_alive() for t in threading.enumerate())
+    handle.wait()
+    ck.close()
+    out.put(alive)  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_s_saves_are_watched_too(tmp_path: Path) -> None:
+    """The watch of saves' I/O is one thread per process: a child forked after the parent's
+    saves started it gets its own (the parent's thread is not in the child)."""
+    import multiprocessing as mp
+
+    ckptio.save(_state(1.0), tmp_path / "parent")  # the parent's watch thread has run
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_watch_alive, args=(str(tmp_path / "child"), out))
+    child.start()
+    alive = out.get(timeout=120)
+    child.join(60)
+    assert child.exitcode == 0 and alive is True

@@ -68,7 +68,10 @@ class InFlight:
         try:
             result = ck.save(state, path, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
-            raise _not_saved(exc, previous, step) from exc.__cause__
+            said = _not_saved(exc, previous, step)
+            if said is exc:
+                raise
+            raise said from exc.__cause__
         finally:
             self._forget_done(previous)
         return result, [*self._ok(previous), step]
@@ -81,7 +84,10 @@ class InFlight:
         try:
             handle = ck.async_save(state, path, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
-            raise _not_saved(exc, previous, step) from exc.__cause__
+            said = _not_saved(exc, previous, step)
+            if said is exc:
+                raise
+            raise said from exc.__cause__
         finally:
             self._forget_done(previous)
         self._pending = _Pending(step, handle, base)

@@ -146,8 +146,9 @@ class HandleControl:
         return SaveTimeoutError(
             f"the save to {self.path} did not finish within {timeout} s: "
             f"{self.activity.describe()}. It goes on in the background (a call in the kernel "
-            "cannot be cancelled): wait again, or end the process; nothing partial is "
-            "committed either way. Check the storage (dmesg, the network filesystem's server)")
+            "cannot be cancelled): wait again, or kill the process (SIGKILL: a normal exit "
+            "waits for the save to finish); nothing partial is committed either way. "
+            "Check the storage (dmesg, the network filesystem's server)")
 
     # ---------------------------------------------------------------- for the Checkpointer
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -159,6 +160,16 @@ class _Watch:
 
 
 _WATCH = _Watch()
+
+
+def _new_watch_in_child() -> None:
+    """A forked child has none of the parent's threads (and maybe a lock a parent's thread
+    held): its saves get a watch of their own."""
+    global _WATCH
+    _WATCH = _Watch()
+
+
+os.register_at_fork(after_in_child=_new_watch_in_child)
 
 
 def watched(location: str, rank: int, warn_s: float) -> Activity:

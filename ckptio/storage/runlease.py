@@ -35,6 +35,7 @@ log = logging.getLogger("ckptio")
 LEASE_NAME = ".ckptio-run.lease"
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class RunLease:
@@ -99,6 +100,10 @@ def _open(directory: str, path: str) -> int | None:
     except OSError as exc:
         if exc.errno in _READ_ONLY:  # a run only restored from: no job can save there either
             log.info("ckptio: no run lease in %s (%s)", directory, exc.strerror or exc)
+            return None
+        if exc.errno in _FULL:  # a restore must still work on a full disk
+            log.warning("ckptio: no run lease in %s (%s): a second job started on this run is "
+                        "not detected", directory, exc.strerror or exc)
             return None
         raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}"
                              ) from None

@@ -31,7 +31,6 @@ __all__ = [
     "committed_or_none",
     "is_committed",
     "named",
-    "references",
     "remove_quietly",
     "remove_unreferenced",
 ]
@@ -52,12 +51,6 @@ def committed_or_none(store: Store) -> bytes | None:
         return store.read_manifest()
     except CkptError:
         return None
-
-
-def references(store: Store, names: Iterable[str]) -> bool:
-    """Whether the committed manifest names any of ``names`` (unique to one save)."""
-    text = committed_or_none(store)
-    return text is not None and not named(text).isdisjoint(names)
 
 
 def is_committed(store: Store) -> bool:
