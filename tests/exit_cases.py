@@ -7,8 +7,10 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -77,3 +79,52 @@ def late_gloo_work(rank: int, world: int, path: str, flags: str) -> int:
     dist.all_reduce(torch.ones(8))
     open(os.path.join(flags, "done"), "w").close()
     return rank
+
+
+class _StoreWait:
+    """A Worker's Jobs: one job, waiting in the c10d store (a torch call, the GIL released)
+    for a key nobody sets before exit, for at most ``wait_s``."""
+
+    def __init__(self, store: Any, wait_s: float) -> None:
+        self.store, self.wait_s = store, wait_s
+        self.queued, self.running = True, threading.Event()
+
+    def take(self) -> bool | None:
+        job, self.queued = (True if self.queued else None), False
+        return job
+
+    def pending(self) -> bool:
+        return self.queued
+
+    def run(self, job: bool) -> None:
+        self.running.set()
+        self.store.wait(["late"], timedelta(seconds=self.wait_s))
+
+    def finish(self, job: bool, error: Exception | None) -> None:
+        pass
+
+
+class _SetsAtFinalization:
+    """Cleared with this module while the interpreter finalizes: sets the key the job waits
+    for, then lets the job's thread wake in that time."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __del__(self) -> None:
+        self.store.set("late", b"1")
+        time.sleep(0.5)
+
+
+def worker_busy_at_exit() -> None:
+    """A process whose background Worker (the drain's, the protection's) is inside a torch
+    call when the main thread returns; run with ``python -c``: it must exit with status 0."""
+    from ckptio.tiering.worker import Worker
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    jobs = _StoreWait(master, wait_s=1.0)
+    worker: Worker[bool] = Worker("ckptio-test", jobs)
+    worker.wake()
+    jobs.running.wait(10)
+    time.sleep(0.2)  # inside store.wait
+    _held.append(_SetsAtFinalization(dist.TCPStore("127.0.0.1", master.port, is_master=False)))

@@ -6,6 +6,11 @@ with a status other than 0, with that rank's standard error."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import exit_cases as cases
 from ckptio.testing.rank_processes import run_ranks
 
@@ -25,3 +30,15 @@ def test_gloo_work_finishing_at_exit_after_a_ckptio_save_does_not_abort(tmp_path
     flags = tmp_path / "flags"
     flags.mkdir()
     assert run_ranks(2, cases.late_gloo_work, str(tmp_path), str(flags), spawn=True) == [0, 1]
+
+
+def test_a_background_worker_inside_a_torch_call_at_exit_does_not_abort():
+    """The drain's and the protection's thread (tiering/worker.py) was a daemon: inside a
+    torch call (a gloo collective, a store call; the GIL released) when the interpreter
+    finalized, it woke, could not take the GIL back and the process died with 'terminate
+    called'. Now the running job finishes before finalization (here: its wait times out)."""
+    done = subprocess.run([sys.executable, "-c", "import exit_cases; exit_cases.worker_busy_at_exit()"],
+                          cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr

@@ -7,8 +7,8 @@ each rank returned, or every rank's traceback.
 forkserver, never from the caller, so no thread or lock state of the caller leaks into them.
 The job's store (a TCPStore) lives in rank 0's process, as with ``init_process_group`` alone, or
 with ``agent_store=True`` in the caller's, as torchrun's agent holds it. Every rank still alive
-when run_ranks returns or raises (one frozen by the test, one that hung) is killed (SIGKILL,
-which also ends a stopped process) and reaped. Each rank's standard error goes to a file of its
+when run_ranks returns or raises (one frozen by the test, one that hung; a rank that answered
+has EXIT_WAIT_S to exit) is killed (SIGKILL, which also ends a stopped process) and reaped. Each rank's standard error goes to a file of its
 own, written out here once the ranks are gone, and the end of it is in the error of a rank that
 failed, gave no answer or exited uncleanly (an abort at exit prints only there). Test support only.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RanksFailed", "free_port", "run_ranks"]
+__all__ = ["EXIT_WAIT_S", "RanksFailed", "free_port", "run_ranks"]
 
 
 def free_port() -> int:
@@ -71,6 +71,7 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
 
 
 _CTX: Any = None
+EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all together
 
 
 def _context() -> Any:
@@ -140,7 +141,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
                                errs[r], destroy))
              for r in range(world_size)]
     try:
-        got = _collect(procs, results, world_size, may_die, timeout_s)
+        got = _collect(procs, results, world_size, may_die, timeout_s, errs)
         _echo(errs)
         _check(procs, got, errs, world_size, may_die)
     finally:
@@ -149,7 +150,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
 
 
 def _collect(procs: list[Any], results: Any, world_size: int, may_die: Collection[int],
-             timeout_s: float) -> dict[int, tuple[bool, Any]]:
+             timeout_s: float, errs: list[str]) -> dict[int, tuple[bool, Any]]:
     """Start the ranks, take their answers, and end every rank (killed if still alive)."""
     got: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
@@ -171,17 +172,30 @@ def _collect(procs: list[Any], results: Any, world_size: int, may_die: Collectio
                 continue
             got[rank] = (ok, pickle.loads(value) if ok else value)
     finally:
-        for r, p in enumerate(procs):
-            if p.pid is None:
-                continue  # never started
-            p.join(timeout=1 if r in may_die else 10)
-            if p.is_alive() and r not in may_die:  # hung: its threads' stacks to its stderr
-                os.kill(p.pid, signal.SIGUSR1)
-                p.join(timeout=1)
-            if p.is_alive():  # frozen (SIGSTOP) or hung: SIGKILL ends a stopped process too
-                p.kill()
-                p.join(timeout=10)
+        _end(procs, got, may_die, errs)
     return got
+
+
+def _end(procs: list[Any], answered: Collection[int], may_die: Collection[int],
+         errs: list[str]) -> None:
+    """Wait for each rank to exit (a rank that answered: up to EXIT_WAIT_S for them all, as a
+    loaded machine finalizes slowly; one that did not: 10 s), then kill it; a rank that must
+    not die first writes its threads' stacks to its standard error."""
+    until = time.monotonic() + EXIT_WAIT_S
+    for r, p in enumerate(procs):
+        if p.pid is None:
+            continue  # never started
+        wait = max(1.0, until - time.monotonic()) if r in answered else 10.0
+        p.join(timeout=1 if r in may_die else wait)
+        if p.is_alive() and r not in may_die:  # hung: its stacks (unless already finalizing)
+            os.kill(p.pid, signal.SIGUSR1)
+            p.join(timeout=1)
+        if p.is_alive():  # frozen (SIGSTOP) or hung: SIGKILL ends a stopped process too
+            p.kill()
+            p.join(timeout=10)
+            with open(errs[r], "a") as f:
+                f.write(f"run_ranks: rank {r} still ran {wait:.0f} s after "
+                        f"{'it answered' if r in answered else 'the run ended'}: killed\n")
 
 
 def _check(procs: list[Any], got: dict[int, tuple[bool, Any]], errs: list[str], world_size: int,
