@@ -22,11 +22,18 @@ import dist_cases as cases
 _held: list[Any] = []  # kept until the interpreter clears this module at exit
 
 
-def world_freed_by_destroy(rank: int, world: int, path: str) -> bool:
+def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     """Save on these ranks, load back, save and restore through a CheckpointManager kept
-    referenced (a script's global), then destroy_process_group: -> whether the WORLD group is
+    referenced (a script's global), mark a one-rank group as the memory tier's redundancy
+    does, then destroy_process_group: -> whether the WORLD group and the one-rank group are
     gone. Plain tensors: a DeviceMesh keeps its groups past destroy_process_group itself."""
+    from ckptio.distributed.dist import mark_piece
+
     ref = weakref.ref(dist.group.WORLD)
+    single, subgroups = dist.new_subgroups(group_size=1, backend="gloo")
+    mark_piece(single, rank, world)
+    piece_ref = weakref.ref(single)
+    del single, subgroups
     state = {"w": torch.arange(6.0), "step": 3}
     ckptio.save(state, os.path.join(path, "ck"), options=cases.SMALL)
     ckptio.load(os.path.join(path, "ck"), state, options=cases.SMALL)
@@ -36,7 +43,7 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> bool:
     mgr.close()
     dist.destroy_process_group()
     gc.collect()
-    freed = ref() is None
+    freed = [ref() is None, piece_ref() is None]
     del mgr
     return freed
 

@@ -19,7 +19,7 @@ def test_destroy_process_group_frees_the_group_ckptio_used(tmp_path):
     """ckptio.save/load and a CheckpointManager (kept referenced, as a script's global is) over
     the default group: destroy_process_group frees it, as it does without ckptio. A group that
     outlived it stayed until interpreter exit, its gloo threads still running there."""
-    assert run_ranks(2, cases.world_freed_by_destroy, str(tmp_path), destroy=False) == [True, True]
+    assert run_ranks(2, cases.world_freed_by_destroy, str(tmp_path), destroy=False) == [[True, True]] * 2
 
 
 def test_gloo_work_finishing_at_exit_after_a_ckptio_save_does_not_abort(tmp_path):
