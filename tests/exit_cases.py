@@ -23,10 +23,10 @@ _held: list[Any] = []  # kept until the interpreter clears this module at exit
 
 
 def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
-    """Save on these ranks, load back, save and restore through a CheckpointManager kept
-    referenced (a script's global), mark a one-rank group as the memory tier's redundancy
-    does, then destroy_process_group: -> whether the WORLD group and the one-rank group are
-    gone. Plain tensors: a DeviceMesh keeps its groups past destroy_process_group itself."""
+    """Save DTensors on these ranks, load them back resharded, save and restore through a
+    CheckpointManager kept referenced (a script's global), mark a one-rank group as the memory
+    tier's redundancy does, then destroy_process_group: -> whether the WORLD group and the
+    one-rank group are gone (as they are without ckptio)."""
     from ckptio.distributed.dist import mark_piece
 
     ref = weakref.ref(dist.group.WORLD)
@@ -34,9 +34,9 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     mark_piece(single, rank, world)
     piece_ref = weakref.ref(single)
     del single, subgroups
+    cases.save_layout(rank, world, os.path.join(path, "ck"), "shard0")
+    cases.load_layout(rank, world, os.path.join(path, "ck"), "shard1")
     state = {"w": torch.arange(6.0), "step": 3}
-    ckptio.save(state, os.path.join(path, "ck"), options=cases.SMALL)
-    ckptio.load(os.path.join(path, "ck"), state, options=cases.SMALL)
     mgr = ckptio.CheckpointManager(os.path.join(path, "run"), options=cases.SMALL)
     mgr.save(1, state)
     mgr.restore(state)

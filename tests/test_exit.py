@@ -16,9 +16,11 @@ from ckptio.testing.rank_processes import run_ranks
 
 
 def test_destroy_process_group_frees_the_group_ckptio_used(tmp_path):
-    """ckptio.save/load and a CheckpointManager (kept referenced, as a script's global is) over
-    the default group: destroy_process_group frees it, as it does without ckptio. A group that
-    outlived it stayed until interpreter exit, its gloo threads still running there."""
+    """ckptio.save/load of DTensors (resharded) and a CheckpointManager (kept referenced, as a
+    script's global is) over the default group, and a one-rank group marked for the memory
+    tier's pieces: destroy_process_group frees them, as it does without ckptio. ckptio held
+    them (the default Checkpointer's groups, its caches of device meshes, the marked pieces)
+    until interpreter exit, their gloo threads still running there."""
     assert run_ranks(2, cases.world_freed_by_destroy, str(tmp_path), destroy=False) == [[True, True]] * 2
 
 
