@@ -5,12 +5,13 @@ each rank returned, or every rank's traceback.
 
 ``fn`` must be importable by name (a module-level function): ranks are forked from a clean
 forkserver, never from the caller, so no thread or lock state of the caller leaks into them.
-The job's store (a TCPStore) lives in rank 0's process, as with ``init_process_group`` alone, or
-with ``agent_store=True`` in the caller's, as torchrun's agent holds it. Every rank still alive
-when run_ranks returns or raises (one frozen by the test, one that hung; a rank that answered
-has EXIT_WAIT_S to exit) is killed (SIGKILL, which also ends a stopped process) and reaped. Each rank's standard error goes to a file of its
-own, written out here once the ranks are gone, and the end of it is in the error of a rank that
-failed, gave no answer or exited uncleanly (an abort at exit prints only there). Test support only.
+The job's store (a TCPStore) lives in rank 0's process, as with ``init_process_group`` alone,
+or with ``agent_store=True`` in the caller's, as torchrun's agent holds it. Every rank still
+alive when run_ranks returns or raises (one frozen by the test, one that hung; a rank that
+answered has EXIT_WAIT_S to exit) is killed (SIGKILL, which also ends a stopped process) and
+reaped. Each rank's standard error goes to a file of its own, written out here once the ranks
+are gone; its end is in the error of a rank that failed, gave no answer or exited uncleanly
+(an abort at exit prints only there). Test support only.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
 
 _CTX: Any = None
 EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all together
+UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the run has ended
 
 
 def _context() -> Any:
@@ -179,13 +181,13 @@ def _collect(procs: list[Any], results: Any, world_size: int, may_die: Collectio
 def _end(procs: list[Any], answered: Collection[int], may_die: Collection[int],
          errs: list[str]) -> None:
     """Wait for each rank to exit (a rank that answered: up to EXIT_WAIT_S for them all, as a
-    loaded machine finalizes slowly; one that did not: 10 s), then kill it; a rank that must
-    not die first writes its threads' stacks to its standard error."""
+    loaded machine finalizes slowly; one that did not: UNANSWERED_WAIT_S), then kill it; a
+    rank that must not die first writes its threads' stacks to its standard error."""
     until = time.monotonic() + EXIT_WAIT_S
     for r, p in enumerate(procs):
         if p.pid is None:
             continue  # never started
-        wait = max(1.0, until - time.monotonic()) if r in answered else 10.0
+        wait = max(1.0, until - time.monotonic()) if r in answered else UNANSWERED_WAIT_S
         p.join(timeout=1 if r in may_die else wait)
         if p.is_alive() and r not in may_die:  # hung: its stacks (unless already finalizing)
             os.kill(p.pid, signal.SIGUSR1)
