@@ -55,7 +55,9 @@ class Checkpointer:
         self._resources = ReusedIOResources(self.options)
         self._plan_cache = PlanCache()
         self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
-        self._groups: dict[int, tuple[Any, Group]] = {}
+        # per torch group: weakly, so destroy_process_group frees it (drains its workers) at
+        # once, not at interpreter exit; the entry goes with the group
+        self._groups: dict[int, tuple[weakref.ref[Any], Group]] = {}
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._thread: threading.Thread | None = None
@@ -245,9 +247,12 @@ class Checkpointer:
         torch_group = current_group(process_group)
         if torch_group is None:
             return Solo()
-        if id(torch_group) not in self._groups:
-            self._groups[id(torch_group)] = (torch_group, over_torch(torch_group, self.options))
-        return self._groups[id(torch_group)][1]
+        known = self._groups.get(id(torch_group))
+        if known is None or known[0]() is not torch_group:
+            known = (weakref.ref(torch_group, _forget(self._groups, self._memories)),
+                     over_torch(torch_group, self.options))
+            self._groups[id(torch_group)] = known
+        return known[1]
 
     def _memory(self, group: Group) -> collective.Memory:
         """The plans of the last save over ``group`` (reused while the layout is unchanged)."""
@@ -374,6 +379,18 @@ class Checkpointer:
 
 
 _running: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every Checkpointer's saves
+
+
+def _forget(groups: dict[int, tuple[weakref.ref[Any], Group]],
+            memories: dict[int | None, collective.Memory]) -> Callable[[weakref.ref[Any]], None]:
+    """The callback that drops a freed torch group's entry and its plans from a Checkpointer
+    (holding neither the Checkpointer nor the group)."""
+    def forget(ref: weakref.ref[Any]) -> None:
+        for key, (known, group) in list(groups.items()):
+            if known is ref:
+                del groups[key]
+                memories.pop(id(group), None)
+    return forget
 
 
 def _after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],

@@ -18,6 +18,7 @@ Owns: choosing the group, and which one-rank groups save pieces. Does not own: m
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from typing import Any, Protocol
 
@@ -29,19 +30,27 @@ from ckptio.options import Options
 
 __all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of"]
 
-_pieces: dict[int, tuple[Any, int, int]] = {}  # id(group) -> (group, job rank, job world size)
+# id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
+# goes with it; job rank, job world size)
+_pieces: dict[int, tuple[weakref.ref[Any], int, int]] = {}
 
 
 def mark_piece(group: Any, rank: int, world_size: int) -> None:
     """Saves over the one-rank torch process group ``group`` write rank ``rank``'s piece of a
-    ``world_size``-rank job's state (kept referenced: its id stays its own)."""
-    _pieces[id(group)] = (group, rank, world_size)
+    ``world_size``-rank job's state (while ``group`` lives)."""
+    key = id(group)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if key in _pieces and _pieces[key][0] is ref:
+            del _pieces[key]
+
+    _pieces[key] = (weakref.ref(group, forget), rank, world_size)
 
 
 def piece_of(group: Any) -> tuple[int, int] | None:
     """(job rank, job world size) where saves over ``group`` write a piece, else None."""
     found = _pieces.get(id(group)) if group is not None else None
-    return None if found is None or found[0] is not group else (found[1], found[2])
+    return None if found is None or found[0]() is not group else (found[1], found[2])
 
 
 class Group(Protocol):

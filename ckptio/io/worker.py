@@ -10,7 +10,10 @@ error)`` under ``lock``; ``wait(timeout)`` until ``jobs.pending()`` is False; ``
 Owns: the thread (started lazily, named, a daemon), its lowered CPU priority (``nice``; the
 threads it starts inherit it on Linux), the condition the owner guards its queue with and the
 thread sleeps on, the first error a job raised (kept, reported by ``status()``, raised once by
-``wait()`` or ``close()``), the refusal of work after ``close()``. Does not own: what is queued,
+``wait()`` or ``close()``), the refusal of work after ``close()``, and its stop at interpreter
+exit: the job running then finishes, queued ones do not start, and the thread is joined before
+the interpreter finalizes (a daemon thread still inside a torch call, a gloo collective of the
+protection, then aborted the process). Does not own: what is queued,
 which job runs next or what a job does (the owner's ``Jobs``).
 """
 
@@ -20,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio.errors import CkptError
@@ -78,7 +82,10 @@ class Worker(Generic[J]):
         self._nice = nice
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._exiting = False  # the interpreter exits: no job starts any more
+        self._ended = False  # the thread has returned
         self._error: Exception | None = None  # the first one wait() has not raised yet
+        _workers.add(self)
 
     def wake(self) -> None:
         """The owner queued work: start the thread if not yet, wake it. CkptError after
@@ -87,19 +94,20 @@ class Worker(Generic[J]):
             if self._closed:
                 raise CkptError(f"{self.name}: work was queued after close(); it will not run. "
                                 "Queue work only while the manager is open")
-            if self._thread is None:
+            if self._thread is None and not self._exiting:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
             self.lock.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until nothing is pending (-> True) or ``timeout`` seconds passed (-> False); the
-        first job error not raised yet is raised here, once."""
+        """Until nothing is pending (-> True) or ``timeout`` seconds passed, or the interpreter
+        exits and no job runs any more (-> False); the first job error not raised yet is raised
+        here, once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             while self._jobs.pending():
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if (left is not None and left <= 0) or self._stopped():
                     return False
                 self.lock.wait(left)
             error, self._error = self._error, None
@@ -133,11 +141,13 @@ class Worker(Generic[J]):
         self._lower_priority()
         while True:
             with self.lock:
-                job = self._jobs.take()
-                while job is None and not self._closed:
+                job = self._next()
+                while job is None and not (self._closed or self._exiting):
                     self.lock.wait()
-                    job = self._jobs.take()
+                    job = self._next()
                 if job is None:
+                    self._ended = True
+                    self.lock.notify_all()  # a wait() at exit: nothing runs any more
                     return
             error: Exception | None = None
             try:
@@ -150,8 +160,38 @@ class Worker(Generic[J]):
                 self._jobs.finish(job, error)
                 self.lock.notify_all()
 
+    def _stopped(self) -> bool:
+        """Whether no job will run any more: the interpreter exits and the thread ended."""
+        return self._exiting and (self._thread is None or self._ended)
+
+    def _next(self) -> J | None:
+        """The next job to run (under ``lock``); none once the interpreter exits."""
+        return None if self._exiting else self._jobs.take()
+
+    def stop_for_exit(self) -> None:
+        """At interpreter exit: let the running job finish, start no other, join the thread."""
+        with self.lock:
+            self._exiting = True
+            self.lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def _lower_priority(self) -> None:
         try:  # Linux: per thread; the threads this one starts inherit it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (OSError, AttributeError):
             log.debug("ckptio: %s runs at normal priority (setpriority refused)", self.name)
+
+
+_workers: weakref.WeakSet[Worker[Any]] = weakref.WeakSet()
+
+
+def _stop_at_exit() -> None:
+    """threading's exit hook, before the interpreter finalizes: every worker's running job
+    finishes, none starts (work queued by a save finishing at exit included)."""
+    for worker in list(_workers):
+        worker.stop_for_exit()
+
+
+threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ who writes which region (globalplan.py) or reading regions back (loading/read.py
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,15 +323,16 @@ def _grid(mesh: Any, placements: Any, shape: tuple[int, ...], chunk: Chunk) -> G
     order = _cut_order(mesh, placements)
     if coordinate is None or 0 in shape or order is None:
         return None
-    shape_and_ranks = _MESHES.get((mesh, order))
+    known = _MESHES.setdefault(mesh, {})
+    shape_and_ranks = known.get(order)
     if shape_and_ranks is None:
         ranks = mesh.mesh.permute(order)
-        shape_and_ranks = _MESHES[(mesh, order)] = (
+        shape_and_ranks = known[order] = (
             tuple(int(d) for d in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
     dims = tuple(REPLICATE if type(placements[m]).__name__ == "Replicate"
                  else int(placements[m].dim) % len(shape) for m in order)
-    grid = _GRIDS.setdefault((mesh, order, dims),
-                             Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
+    grid = _GRIDS.setdefault(mesh, {}).setdefault(
+        (order, dims), Grid(shape_and_ranks[0], shape_and_ranks[1], dims))
     mine = grid.chunk(shape, tuple(int(coordinate[m]) for m in order))
     if mine != chunk and not mine.numel == chunk.numel == 0:  # torch versions place an empty
         return None  # piece differently; it is never written, so where does not matter
@@ -355,11 +357,15 @@ def _cut_order(mesh: Any, placements: Any) -> tuple[int, ...] | None:
     return tuple(order)
 
 
-_MESHES: dict[tuple[Any, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-_GRIDS: dict[tuple[Any, tuple[int, ...], tuple[int, ...]], Grid] = {}  # per mesh and placements
-
-
-_DOMAINS: dict[Any, str] = {}  # mesh -> its domain (a job has a few meshes; each made once)
+# Per device mesh, held weakly: a mesh holds its process groups, which destroy_process_group
+# must free before exit (a group alive at interpreter exit may abort it from its gloo threads).
+# mesh -> cut order -> (the permuted mesh's shape, its ranks)
+_MESHES: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...],
+                                             tuple[tuple[int, ...], tuple[int, ...]]]] = (
+    weakref.WeakKeyDictionary())
+_GRIDS: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[int, ...], tuple[int, ...]], Grid]] = (
+    weakref.WeakKeyDictionary())  # mesh -> (cut order, dims) -> its grid
+_DOMAINS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # mesh -> domain
 
 
 def _mesh_domain(mesh: Any) -> str:
