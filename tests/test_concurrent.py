@@ -40,7 +40,7 @@ from ckptio import Checkpointer, Options
 from ckptio.storage import dirlock, steps
 from ckptio.storage.local import LocalStore
 from ckptio.errors import CheckpointLockedError
-from ckptio.testing.faults import FaultyBackend
+from ckptio.testing.faults import FaultyBackend, FsyncGate
 from ckptio.testing.rank_processes import run_ranks
 
 from conftest import assert_same
@@ -376,20 +376,6 @@ def test_a_rank_failing_to_start_its_save_does_not_hang_the_lock_step(tmp_path, 
 
 # -- (3) where the lock is not honoured ---------------------------------------------------------
 
-class _Gate(FaultyBackend):
-    """Holds a save at the fsync of its first data file until ``go`` is set."""
-
-    def __init__(self, inner, reached: threading.Event, go: threading.Event) -> None:
-        super().__init__(inner)
-        self.reached, self.go = reached, go
-
-    def close(self, fh, *, sync):
-        if sync and not self.reached.is_set():
-            self.reached.set()
-            assert self.go.wait(DEADLINE_S)
-        super().close(fh, sync=sync)
-
-
 def test_two_checkpointers_of_one_process_exclude_each_other(tmp_path):
     """flock belongs to the open file: a second Checkpointer of the same process is refused
     (a process-owned fcntl/lockf lock would have been granted to it)."""
@@ -399,7 +385,7 @@ def test_two_checkpointers_of_one_process_exclude_each_other(tmp_path):
     reached, go = threading.Event(), threading.Event()
     outcome: list = []
     try:
-        holder.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+        holder.resources().wrap_backend(LocalStore("."), lambda b: FsyncGate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(holder, state(1), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)
@@ -430,7 +416,7 @@ def test_unhonoured_lock_commit_check_keeps_the_other_checkpoint(tmp_path, monke
     try:
         slow.save(state(1), path)
         assert "has no file locks" in caplog.text
-        slow.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+        slow.resources().wrap_backend(LocalStore("."), lambda b: FsyncGate(b, reached, go))
         saver = threading.Thread(target=lambda: outcome.append(_attempt(slow, state(2), path)))
         saver.start()
         assert reached.wait(DEADLINE_S)

@@ -29,7 +29,7 @@ import ckptio
 from ckptio import Checkpointer, CheckpointManager, Options
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage.local import LocalStore
-from ckptio.testing.faults import FaultyBackend
+from ckptio.testing.faults import FsyncGate
 
 from conftest import assert_same
 
@@ -124,26 +124,12 @@ def test_one_process_may_make_a_second_manager_of_its_own_run(tmp_path: Path) ->
         assert b.restore({"w": torch.zeros(3)}) == 1
 
 
-class _Gate(FaultyBackend):
-    """Holds a save at the fsync of its first data file until ``go`` is set."""
-
-    def __init__(self, inner, reached: threading.Event, go: threading.Event) -> None:
-        super().__init__(inner)
-        self.reached, self.go = reached, go
-
-    def close(self, fh, *, sync):
-        if sync and not self.reached.is_set():
-            self.reached.set()
-            assert self.go.wait(DEADLINE_S)
-        super().close(fh, sync=sync)
-
-
 def test_a_manager_never_replaces_a_step_committed_while_it_waited(tmp_path: Path) -> None:
     run = tmp_path / "run"
     theirs = {"w": torch.arange(1000.0), "step": 12}
     other = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=4 * MiB))
     reached, go = threading.Event(), threading.Event()
-    other.resources().wrap_backend(LocalStore("."), lambda b: _Gate(b, reached, go))
+    other.resources().wrap_backend(LocalStore("."), lambda b: FsyncGate(b, reached, go))
     outcome: list[object] = []
     saver = threading.Thread(target=lambda: outcome.append(other.save(theirs, run / "step-12")))
     mgr = CheckpointManager(run, save_every=1)

@@ -31,7 +31,7 @@ from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.store_contract import check_if_locked
 
-__all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "unlock"]
+__all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "still_linked", "unlock"]
 
 log = logging.getLogger("ckptio")
 LOCK_NAME = ".ckptio.lock"
@@ -94,7 +94,7 @@ def _acquire(path: str, if_locked: str) -> int | None:
         fd = _open_lock_file(path, file)
         try:
             taken = _take(fd, path, if_locked)
-            if taken and _still_linked(fd, file):
+            if taken and still_linked(fd, file):
                 _record_holder(fd)
                 return fd
         except BaseException:
@@ -152,7 +152,8 @@ def _no_locks(fd: int, path: str, exc: OSError) -> bool:
     return False
 
 
-def _still_linked(fd: int, file: str) -> bool:
+def still_linked(fd: int, file: str) -> bool:
+    """Whether ``file`` is still the file open as ``fd`` (its holder did not remove it)."""
     try:
         now = os.stat(file)
     except FileNotFoundError:

@@ -28,6 +28,7 @@ import os
 
 from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
+from ckptio.storage.dirlock import still_linked
 
 __all__ = ["LEASE_NAME", "RunLease", "take"]
 
@@ -86,7 +87,7 @@ def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
                         "started on this run directory is not detected there", directory,
                         exc.strerror or exc)
             return RunLease(directory, None)
-        if _still_linked(fd, path):
+        if still_linked(fd, path):
             _record(fd)
             return RunLease(directory, fd)
         os.close(fd)  # its holder let go and removed it meanwhile: lock the one there now
@@ -107,15 +108,6 @@ def _open(directory: str, path: str) -> int | None:
             return None
         raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}"
                              ) from None
-
-
-def _still_linked(fd: int, path: str) -> bool:
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:

@@ -31,7 +31,7 @@ from typing import Any
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, IOBackend
 
-__all__ = ["FaultyBackend", "inject"]
+__all__ = ["FaultyBackend", "FsyncGate", "inject"]
 
 ErrorSpec = str | int | Callable[[str, str, int], BaseException]
 
@@ -169,6 +169,23 @@ class FaultyBackend:
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+class FsyncGate(FaultyBackend):
+    """Holds a save at the fsync of its first data file: sets ``reached`` there, goes on once
+    ``go`` is set (AssertionError if not within ``timeout_s``: a test's guard against a hang)."""
+
+    def __init__(self, inner: IOBackend, reached: threading.Event, go: threading.Event,
+                 timeout_s: float = 120.0) -> None:
+        super().__init__(inner)
+        self.reached, self.go, self.timeout_s = reached, go, timeout_s
+
+    def close(self, fh: FileHandle, *, sync: bool) -> None:
+        if sync and not self.reached.is_set():
+            self.reached.set()
+            if not self.go.wait(self.timeout_s):
+                raise AssertionError("FsyncGate: go was not set in time")
+        super().close(fh, sync=sync)
 
 
 def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend:
