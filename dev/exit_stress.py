@@ -6,8 +6,10 @@ exit uncleanly and 'terminate called' in their standard error.
 
 Variants per round: ckptio.save/ckptio.load, CheckpointManager save/restore, async_save; each
 with and without destroy_process_group at the end of the rank function. ``--hogs N`` runs N
-niced CPU burners meanwhile. Prints one line per run and a summary; exit status 1 if any rank
-exited uncleanly.
+niced CPU burners meanwhile; ``--only 4-4-manager-1`` repeats one case. Each rank prints, at
+exit, the threads still alive (Python stacks, native names: gloo threads there mean a process
+group that destroy_process_group did not free); an unclean rank's report carries it. Prints
+one line per run and a summary; exit status 1 if any rank exited uncleanly.
 """
 
 from __future__ import annotations
@@ -37,8 +39,38 @@ def _state(rank: int, world: int, zeros: bool) -> dict[str, Any]:
     return {"model": {"w": sharded, "b": bias}, "step": 0 if zeros else 7}
 
 
+def _show_threads_at_exit() -> None:
+    """Print, at interpreter exit (after threading joined its threads), each Python thread
+    still alive with its stack, and the process's native threads: in the standard error an
+    unclean rank's report carries."""
+    import atexit
+    import os
+    import threading
+    import traceback
+
+    def show() -> None:
+        frames = sys._current_frames()
+        for t in threading.enumerate():
+            if t is not threading.main_thread():
+                stack = "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else ""
+                sys.stderr.write(f"alive at exit: {t.name} daemon={t.daemon}\n{stack}")
+        names = []
+        for task in sorted(os.listdir("/proc/self/task")):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                continue
+        sys.stderr.write(f"native threads at exit: {names}\n")
+        sys.stderr.flush()
+
+    atexit.register(show)
+
+
 def save_case(rank: int, world: int, path: str, variant: str) -> None:
     import ckptio
+
+    _show_threads_at_exit()
 
     state = _state(rank, world, zeros=False)
     if variant == "api":
@@ -53,6 +85,8 @@ def save_case(rank: int, world: int, path: str, variant: str) -> None:
 
 def load_case(rank: int, world: int, path: str, variant: str) -> int:
     import ckptio
+
+    _show_threads_at_exit()
 
     state = _state(rank, world, zeros=True)
     if variant == "manager":
@@ -86,6 +120,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hogs", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=35.0)
+    parser.add_argument("--only", default="", help="e.g. '4-4-manager-1': one case")
     args = parser.parse_args()
     hogs = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while 1: pass"])
             for _ in range(args.hogs)]
@@ -97,6 +132,8 @@ def main() -> int:
                     range(args.rounds), itertools.product(MATRIX, VARIANTS, [True, False])):
                 if time.monotonic() > stop_at:
                     break
+                if args.only and args.only != f"{n}-{m}-{variant}-{int(destroy)}":
+                    continue
                 began = time.monotonic()
                 failure = _one(n, m, variant, destroy, root)
                 runs += 1
