@@ -419,7 +419,7 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             run["layout"] = f"{args.ranks}->{world}"
             runs.append(run)
             print(progress(run), file=sys.stderr, flush=True)
-        if not args.no_ceiling:
+        if not args.no_ceiling and shutil.which("fio"):  # fio's reading of ckptio's files
             runs.append(run_fio_files(ckpt_dir(args, "ckptio", rep), rep))
             print(progress(runs[-1]), file=sys.stderr, flush=True)
         for engine in saves:

@@ -126,7 +126,7 @@ class _SetsAtFinalization:
 def worker_busy_at_exit() -> None:
     """A process whose background Worker (the drain's, the protection's) is inside a torch
     call when the main thread returns; run with ``python -c``: it must exit with status 0."""
-    from ckptio.tiering.worker import Worker
+    from ckptio.io.worker import Worker
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     jobs = _StoreWait(master, wait_s=1.0)

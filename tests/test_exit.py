@@ -35,7 +35,7 @@ def test_gloo_work_finishing_at_exit_after_a_ckptio_save_does_not_abort(tmp_path
 
 
 def test_a_background_worker_inside_a_torch_call_at_exit_does_not_abort():
-    """The drain's and the protection's thread (tiering/worker.py) was a daemon: inside a
+    """The drain's and the protection's thread (io/worker.py) was a daemon: inside a
     torch call (a gloo collective, a store call; the GIL released) when the interpreter
     finalized, it woke, could not take the GIL back and the process died with 'terminate
     called'. Now the running job finishes before finalization (here: its wait times out)."""
