@@ -268,8 +268,7 @@ class S3Backend:
         """Wait for parts in flight, then abort the upload (never raises: a failed save's
         cleanup also aborts uploads it finds)."""
         _wait(upload)
-        if upload.upload_id is None or timeouts.hopeless(self.settings.endpoint(),
-                                                       self.settings.retry_deadline_s):
+        if upload.upload_id is None or timeouts.hopeless(self.settings.endpoint()):
             return  # an endpoint in an outage: the next save's cleanup aborts it
         where, c = upload.where, self._client
         try:

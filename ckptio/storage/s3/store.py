@@ -365,7 +365,7 @@ class S3Store:
             return problems
         problems += self._abort_uploads(keys)
         endpoint = self.settings.endpoint()
-        if timeouts.hopeless(endpoint, self.settings.retry_deadline_s):  # left for the next save
+        if timeouts.hopeless(endpoint):  # left for the next save
             return problems + [f"{name}: not deleted: the store at {endpoint} is not answering"
                                for name in keys.values()]
         batch = list(keys)

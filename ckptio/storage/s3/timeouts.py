@@ -70,7 +70,7 @@ def reset() -> None:
         _outage.clear()
 
 
-def hopeless(endpoint: str, deadline_s: float) -> bool:
+def hopeless(endpoint: str) -> bool:
     """Whether ``endpoint`` is in an outage past its grace: a request now would have one short
     attempt only (what cleanup that can wait for the next save skips)."""
     known = outage_since(endpoint)
