@@ -48,6 +48,32 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     return freed
 
 
+def world_freed_before_collection(rank: int, world: int, path: str) -> bool:
+    """A CheckpointManager save of a DTensor (a 1-D mesh over the world) and a ckptio.load of
+    it, then destroy_process_group with no garbage collection between (collections disabled,
+    as loops that avoid their pauses run): -> whether WORLD is gone at once. A recursive
+    closure in the load (loading/merge.py) held the state, its mesh and WORLD in a reference
+    cycle until the next collection, which may run while the interpreter finalizes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ref = weakref.ref(dist.group.WORLD)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"model": {"w": distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)]),
+                       "b": torch.ones(4)}, "step": 7}
+    gc.collect()  # torch's own cycles (frames of distribute_tensor's first call) go here
+    gc.disable()  # then no automatic collection hides a cycle ckptio makes
+    mgr = ckptio.CheckpointManager(path, options=cases.SMALL)
+    mgr.save(7, state)
+    mgr.close()
+    ckptio.load(os.path.join(path, "step-7"), state)
+    del mgr, state, mesh
+    dist.destroy_process_group()
+    freed = ref() is None
+    gc.enable()
+    return freed
+
+
 class _Finalizing:
     """Cleared with this module while the interpreter finalizes: says so (a file), then holds
     the finalization until the peer says its collective is done (another file)."""

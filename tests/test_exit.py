@@ -24,6 +24,14 @@ def test_destroy_process_group_frees_the_group_ckptio_used(tmp_path):
     assert run_ranks(2, cases.world_freed_by_destroy, str(tmp_path), destroy=False) == [[True, True]] * 2
 
 
+def test_destroy_process_group_frees_world_without_a_garbage_collection(tmp_path):
+    """After a manager save and a load of DTensors, WORLD goes with destroy_process_group, not
+    at a later collection (which may run while the interpreter finalizes, the gloo threads
+    still there)."""
+    assert run_ranks(2, cases.world_freed_before_collection, str(tmp_path / "run"),
+                     destroy=False) == [True, True]
+
+
 def test_gloo_work_finishing_at_exit_after_a_ckptio_save_does_not_abort(tmp_path):
     """A collective still running when its rank returns: destroy_process_group waits for it,
     so its Python callback runs before exit. ckptio's cache of the default group kept the

@@ -1,16 +1,18 @@
 """The structure checks of tests/structure.py: no private-member reach across objects, no
-import circle (tests/test_layers.py asserts the circles with the layers), allow-lists naming
-only what is there, and the command that prints the counts. Then the checker itself, on
+import circle (tests/test_layers.py asserts the circles with the layers), no recursive closure,
+allow-lists naming only what is there, and the command that prints the counts. Then the checker itself, on
 made-up packages."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.structure import (
     CIRCLES_TO_VANISH,
+    PACKAGE,
     REACHES_TO_VANISH,
     ROOT,
     THIRD_PARTY,
@@ -154,3 +156,30 @@ def test_a_repeated_module_file_name_is_named_and_fails(tmp_path, capsys):
 
 def test_no_module_file_name_repeats_in_the_package():
     assert duplicate_names() == [], "one name, one module: rename one of each pair"
+
+
+def _recursive_closures(tree: ast.Module) -> list[tuple[str, int]]:
+    """(name, line) of each function defined inside another function's body (not a method of a
+    class there) that calls itself by name: its cell refers back to it, a reference cycle."""
+    found = []
+    for outer in ast.walk(tree):
+        if not isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in outer.body:
+            if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    isinstance(n, ast.Name) and n.id == inner.name for n in ast.walk(inner)):
+                found.append((inner.name, inner.lineno))
+    return found
+
+
+def test_no_recursive_closure_in_the_package():
+    """A recursive nested function keeps everything it closes over in a reference cycle until a
+    garbage collection: a load's walk held the state, its device mesh and WORLD past
+    destroy_process_group (tests/test_exit.py). Recursion lives in module-level functions or
+    objects. The finder finds one, too."""
+    planted = ast.parse("def f(x):\n    def walk(n):\n        return walk(n - 1) if n else x\n"
+                        "    return walk(3)\n")
+    assert _recursive_closures(planted) == [("walk", 2)]
+    found = {f"{path}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
+             for name, line in _recursive_closures(ast.parse(path.read_text()))}
+    assert not found, found

@@ -284,25 +284,39 @@ def overlapping(grid: Grid, tensor: RegularTensor, region: Chunk | None) -> Iter
     if region is not None and not region.numel:
         return
     fixed = _writer_digits(grid, tensor.key)
-    coordinate = [0] * len(grid.shape)
+    walk = _Walk(grid, shape, fixed, region, [0] * len(grid.shape))
+    yield from walk.chunks(0, [0] * len(shape), list(shape))
 
-    def walk(m: int, offsets: list[int], sizes: list[int]) -> Iterator[tuple[int, Chunk]]:
+
+@dataclass
+class _Walk:
+    """overlapping's walk over the mesh dims (an object, not a recursive closure, so no
+    reference cycle outlives the call)."""
+
+    grid: Grid
+    shape: tuple[int, ...]
+    fixed: dict[int, int]
+    region: Chunk | None
+    coordinate: list[int]
+
+    def chunks(self, m: int, offsets: list[int], sizes: list[int]) -> Iterator[
+            tuple[int, Chunk]]:
+        grid, coordinate = self.grid, self.coordinate
         if m == len(grid.shape):
             if all(sizes):
-                yield grid.ranks[_flat(grid, coordinate)], grid.chunk(shape, tuple(coordinate))
+                yield grid.ranks[_flat(grid, coordinate)], grid.chunk(self.shape,
+                                                                      tuple(coordinate))
             return
         dim, parts = grid.dims[m], grid.shape[m]
         if dim == REPLICATE:
-            coordinate[m] = fixed[m]
-            yield from walk(m + 1, offsets, sizes)
+            coordinate[m] = self.fixed[m]
+            yield from self.chunks(m + 1, offsets, sizes)
             return
-        for index in _reaching(parts, offsets[dim], sizes[dim], region, dim):
+        for index in _reaching(parts, offsets[dim], sizes[dim], self.region, dim):
             start, length = split(sizes[dim], parts, index)
             coordinate[m] = index
-            yield from walk(m + 1, _set(offsets, dim, offsets[dim] + start),
-                            _set(sizes, dim, length))
-
-    yield from walk(0, [0] * len(shape), list(shape))
+            yield from self.chunks(m + 1, _set(offsets, dim, offsets[dim] + start),
+                                   _set(sizes, dim, length))
 
 
 def _reaching(parts: int, base: int, size: int, region: Chunk | None, dim: int) -> range:

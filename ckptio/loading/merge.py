@@ -112,33 +112,35 @@ def whole_lists(flat: FlatState, saved_tree: Json) -> Lists:
     Python values (no tensor or array, which a load fills in place; an empty list too) are
     replaced whole."""
     found = Lists()
-
-    def walk(mine: Json, saved: Json, key: str) -> None:
-        (tag, body), = mine.items()
-        saved = _unwrap(saved)
-        if tag in ("s", "c"):
-            walk(body if tag == "s" else body[1], saved, key)
-        elif tag == "d":
-            theirs = {p[0]: p[1] for p in _children(saved, "d") or ()
-                      if isinstance(p, list) and len(p) == 2}
-            for k, child in body:
-                if k in theirs:
-                    walk(child, theirs[k], _join(key, k))
-        elif tag in ("l", "t"):
-            theirs = _children(saved, tag)
-            if not isinstance(theirs, list):
-                return
-            if tag == "l" and len(theirs) != len(body):
-                if any(_in_place(flat.leaves[k].value) for k in _leaf_keys(mine)):
-                    found.fixed[key] = (len(body), len(theirs))
-                else:
-                    found.whole[key] = {"l": theirs}
-                    return
-            for i, (child, their) in enumerate(zip(body, theirs)):
-                walk(child, their, _join(key, i))
-
-    walk(flat.tree, saved_tree, "")
+    _walk_lists(flat, found, flat.tree, saved_tree, "")
     return found
+
+
+def _walk_lists(flat: FlatState, found: Lists, mine: Json, saved: Json, key: str) -> None:
+    """whole_lists' walk: module level, so no closure cycle keeps the state (and its process
+    groups) alive past the load until a garbage collection."""
+    (tag, body), = mine.items()
+    saved = _unwrap(saved)
+    if tag in ("s", "c"):
+        _walk_lists(flat, found, body if tag == "s" else body[1], saved, key)
+    elif tag == "d":
+        theirs = {p[0]: p[1] for p in _children(saved, "d") or ()
+                  if isinstance(p, list) and len(p) == 2}
+        for k, child in body:
+            if k in theirs:
+                _walk_lists(flat, found, child, theirs[k], _join(key, k))
+    elif tag in ("l", "t"):
+        theirs = _children(saved, tag)
+        if not isinstance(theirs, list):
+            return
+        if tag == "l" and len(theirs) != len(body):
+            if any(_in_place(flat.leaves[k].value) for k in _leaf_keys(mine)):
+                found.fixed[key] = (len(body), len(theirs))
+            else:
+                found.whole[key] = {"l": theirs}
+                return
+        for i, (child, their) in enumerate(zip(body, theirs)):
+            _walk_lists(flat, found, child, their, _join(key, i))
 
 
 def _in_place(value: Any) -> bool:
