@@ -228,19 +228,21 @@ def per_rank_keys(ranks: Sequence[RankPlan]) -> frozenset[str]:
 
 
 def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
-    """An object equal on every rank holding it is stored once; otherwise once per rank."""
+    """An object equal on every rank holding it is stored once; otherwise once per rank. A
+    rank's entry is kept as it is where it fits (no new object per leaf and save)."""
     if len(ranks) == 1:
-        return tuple(ObjectEntry(e.key, e.value) for e in ranks[0].objects)
-    by_key: dict[str, list[ObjectEntry]] = {}
+        return tuple(e if e.rank is None else ObjectEntry(e.key, e.value) for e in ranks[0].objects)
+    by_key: dict[str, list[tuple[int, ObjectEntry]]] = {}
     for plan in ranks:
         for entry in plan.objects:
-            by_key.setdefault(entry.key, []).append(ObjectEntry(entry.key, entry.value, plan.rank))
+            by_key.setdefault(entry.key, []).append((plan.rank, entry))
     out: list[ObjectEntry] = []
     for key, entries in by_key.items():
-        if len(ranks) == 1 or all(e.value == entries[0].value for e in entries):
-            out.append(ObjectEntry(key, entries[0].value))
+        first = entries[0][1]
+        if all(e.value == first.value for _rank, e in entries):
+            out.append(first if first.rank is None else ObjectEntry(key, first.value))
         else:
-            out.extend(entries)
+            out.extend(ObjectEntry(key, e.value, rank) for rank, e in entries)
     return tuple(out)
 
 

@@ -22,7 +22,7 @@ from ckptio.format.flatten import FlatState
 from ckptio.format.grid import Grid
 from ckptio.planning.sharding import (FlatShard, TensorShard, check_dense, held, is_dtensor,
                                       is_sharded_tensor, local_tensor, sharded_local)
-from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, ObjectEntry, WriteItem
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Json, ObjectEntry, WriteItem
 
 __all__ = ["PlanCache", "SavePlan", "build_plan"]
 
@@ -146,7 +146,9 @@ class PlanCache:
     Only metadata is reused: which keys are items or aliases, their dtype, shape and size. The
     bytes always come from the state passed to this save (``sources`` is rebuilt every time), so
     a reused plan can never write an earlier save's values. Non-tensor leaves are classified
-    afresh every time (their values and sizes may change).
+    afresh every time (their values and sizes may change); an object leaf whose encoded value
+    equals the last one's, and a tree equal to the last one, are the last save's objects: a
+    save then leaves no new per-leaf objects alive for the collector to promote and walk.
     """
 
     signature: tuple[Any, ...] | None = None
@@ -155,6 +157,8 @@ class PlanCache:
     sharded: frozenset[str] = frozenset()
     domains: dict[str, str] = field(default_factory=dict)
     grids: dict[str, Grid] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    tree: Json = None
     hits: int = 0
 
 
@@ -205,12 +209,18 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
     With a ``cache``, an unchanged tensor layout skips re-planning its tensors."""
     if cache is None:
         return _build(flat, allow_pickle, None)
+    if flat.tree == cache.tree:
+        flat.tree = cache.tree
+    cache.tree = flat.tree
     signature = _signature(flat)
     if signature == cache.signature:
         cache.hits += 1
-        return _build(flat, allow_pickle, cache)
+        plan, sources = _build(flat, allow_pickle, cache)
+        cache.objects = {entry.key: entry for entry in plan.objects}
+        return plan, sources
     cache.signature, cache.tensor_items, cache.alias_of = None, {}, {}
     plan, sources = _build(flat, allow_pickle, None)
+    cache.objects = {entry.key: entry for entry in plan.objects}
     for item in plan.items:
         if item.kind == "tensor":
             cache.tensor_items[item.key] = item
@@ -245,7 +255,9 @@ def _build(flat: FlatState, allow_pickle: bool,
         else:
             kind, payload = _classify(leaf.value, key, allow_pickle)
         if kind == "object":
-            objects.append(ObjectEntry(key, payload))
+            last = reuse.objects.get(key) if reuse is not None else None
+            objects.append(last if last is not None and last.value == payload
+                           else ObjectEntry(key, payload))
             continue
         identity = _view_identity(payload) if kind == "tensor" else None
         if identity is not None and identity in first_key_of_view:
