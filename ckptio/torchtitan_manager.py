@@ -206,7 +206,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             kind = self.manager.metadata(newest).get("metadata", {}).get(KIND, "full")
             if newest == 0 or kind == "model":  # a seed or a final model-only step
                 states = self._states_to_load(model_only=True)
-                self.manager.restore(states, step=newest)
+                self.manager.restore(states, step=newest, cast=True)  # export_dtype back
             else:
                 states = self._states_to_load(model_only=False)
                 self.manager.restore(states, step=None if step == -1 else step)
