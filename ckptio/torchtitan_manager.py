@@ -44,7 +44,7 @@ __all__ = ["CkptioCheckpointManager"]
 KIND = "torchtitan"  # the metadata key saying what a step holds: "full" or "model"
 
 
-class _SaveFuture(Future):  # type: ignore[type-arg]
+class _SaveFuture(Future):
     """TorchTitan's ``save_future`` for a ckptio async save: ``result()`` waits for it."""
 
     def __init__(self, handle: SaveHandle) -> None:
@@ -85,7 +85,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
                  sd_adapter: Any, base_folder: str = "") -> None:
         self.enable = config.enable
-        self.save_future: Future | None = None  # type: ignore[type-arg]
+        self.save_future: Future | None = None
         if not self.enable:
             return
         self.config = config
