@@ -95,7 +95,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                             DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
         self.sd_adapter = sd_adapter
         if config.last_save_in_hf and sd_adapter is None:
-            raise ValueError("checkpoint.last_save_in_hf is True, but sd_adapter is not provided.")
+            raise CkptError("checkpoint.last_save_in_hf needs the model's state-dict adapter "
+                            "(sd_adapter), and this job has none: set last_save_in_hf=False")
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
@@ -226,8 +227,6 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             path = getattr(self.sd_adapter, "hf_assets_path", None)
         if path is None:
             return False
-        if not filesystem.exists(path):
-            raise CheckpointNotFoundError(f"checkpoint.initial_load_path {path} does not exist")
         states = self._states_to_load(model_only=config.initial_load_model_only)
         if config.initial_load_in_hf:
             hf_state = self.sd_adapter.to_hf(states)

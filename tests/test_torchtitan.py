@@ -41,7 +41,7 @@ from torchtitan.components.checkpointer import dcp as titan_dcp
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import default_adamw
 
-from ckptio.errors import CheckpointNotFoundError
+from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.testing.rank_processes import free_port, run_ranks
 from ckptio.torchtitan_manager import CkptioCheckpointManager
 from dist_cases import fully_shard_linears
@@ -299,6 +299,12 @@ def test_load_returns_false_without_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="load_step=3"):
         job.checkpointer.load(step=3)
     job.checkpointer.close()
+    missing = Job(tmp_path / "b", initial_load_path=str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointNotFoundError, match="nowhere"):
+        missing.checkpointer.load()
+    missing.checkpointer.close()
+    with pytest.raises(CkptError, match="sd_adapter"):
+        Job(tmp_path / "c", last_save_model_only=True, last_save_in_hf=True)
 
 
 def test_interval_first_step_and_load_only(tmp_path: Path) -> None:
