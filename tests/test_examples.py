@@ -14,6 +14,7 @@ from typed_commands import ROOT, Case, docstring_commands, run_case
 
 EXAMPLES = ROOT / "examples"
 LIGHTNING, HF, S3 = ("lightning",), ("transformers", "accelerate"), ("boto3", "weed")
+TITAN = ("torchtitan",)
 
 # each docstring command (as written) -> what its output must show
 EXPECT = {
@@ -33,6 +34,9 @@ EXPECT = {
     "python examples/lightning_trainer.py --dir /tmp/ckptio-lightning --epochs 3":
         "ok: resumed at epoch 3",
     "python examples/hf_trainer.py --out /tmp/ckptio-hf --steps 6": "ok: resumed from",
+    "python examples/torchtitan_manager.py --dir /tmp/ckptio-titan --steps 8 --kill-at 5":
+        # saves every 2 steps, asynchronous: the step-4 save may be in flight at the kill
+        r"ok: killed at step 5, resumed at step (4|2); losses (5|3)-8 bitwise",
     "python examples/s3_seaweedfs.py --url s3://ckpt/example-run --steps 6":
         "ok: saved to s3://ckpt/example-run, restored step 6 bitwise, verified",
 }
@@ -68,6 +72,10 @@ def test_lightning_trainer(tmp_path: Path) -> None:
 
 def test_hf_trainer(tmp_path: Path) -> None:
     run_case(example_case("hf_trainer.py", needs=HF), tmp_path)
+
+
+def test_torchtitan_manager(tmp_path: Path) -> None:
+    run_case(example_case("torchtitan_manager.py", needs=TITAN), tmp_path)
 
 
 def test_s3_seaweedfs(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.managing",),  # the manager's parts: tiers at run time, policies, the restore loop
     ("ckptio.manager",),  # the CheckpointManager
     ("ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.hf_trainer",
-     "ckptio.tc_storage"),  # interop drivers
+     "ckptio.tc_storage", "ckptio.torchtitan_manager"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.demo"),  # users of ``import ckptio``
     ("ckptio.cli", "ckptio.__main__"),  # the command line

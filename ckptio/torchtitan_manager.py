@@ -1,0 +1,238 @@
+"""TorchTitan's checkpoints through ckptio, chosen by configuration (TorchTitan >= 0.3.0):
+
+    from ckptio.torchtitan_manager import CkptioCheckpointManager
+    config.checkpoint = CkptioCheckpointManager.Config(enable=True, interval=500,
+                                                       keep_latest_k=3, async_mode="async")
+
+Call order (TorchTitan's Trainer): build on every rank, ``load(step)`` (-1: the newest), per
+step ``maybe_wait_for_staging()`` before the optimizer step and ``save(step, last_step)``,
+``close()`` at the end. Each save is one ckptio checkpoint ``<folder>/step-<N>`` of TorchTitan's
+flattened state (model keys at the top, ``optimizer``, ``lr_scheduler``, ``dataloader``,
+``train_state``); the folder may be ``s3://bucket/prefix``. What each option does and the
+limits: docs/guides/torchtitan.md.
+
+Owns: TorchTitan's policies (interval, first and last step, model-only and Hugging Face final
+saves, load_only, exclude_from_loading, initial loads) mapped onto one ckptio CheckpointManager,
+and its ``async_mode`` mapped onto ckptio's eager and lazy async saves.
+Does not own: the saves, loads, retention and the scan for the newest committed step
+(ckptio.manager), the Hugging Face files (ckptio.export), TorchTitan's Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torchtitan.components.checkpointer.base import (DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER,
+                                                     BaseCheckpointManager, ModelWrapper)
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools import filesystem
+
+from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.export import export_hf
+from ckptio.manager import CheckpointManager
+from ckptio.saving.handle import SaveHandle
+from ckptio.shared import load, save
+
+__all__ = ["CkptioCheckpointManager"]
+
+KIND = "torchtitan"  # the metadata key saying what a step holds: "full" or "model"
+
+
+class _SaveFuture(Future):
+    """TorchTitan's ``save_future`` for a ckptio async save: ``result()`` waits for it."""
+
+    def __init__(self, handle: SaveHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.handle.wait(timeout)
+
+
+class CkptioCheckpointManager(BaseCheckpointManager):
+    """A TorchTitan checkpoint manager that saves and loads through ckptio's CheckpointManager
+    (module docstring; docs/guides/torchtitan.md)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+        """disabled: a save returns once committed; async: once the state is copied into
+        ckptio's staging pool (eager async save); async_with_pinned_mem: at once, the copy runs
+        in the background until the next optimizer step (lazy async save)."""
+
+        keep_every: int | None = None
+        """Also keep every step divisible by this (ckptio's keep_every), beside keep_latest_k."""
+
+        hf_folder: str = "hf"
+        """last_save_in_hf: the Hugging Face export goes to ``<folder>/<hf_folder>/step-<N>``."""
+
+        def __post_init__(self) -> None:
+            BaseCheckpointManager.Config.__post_init__(self)
+            self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
+            if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
+                raise ValueError(f"Invalid async_mode: {self.async_mode}")
+
+    def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module],
+                 optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
+                 sd_adapter: Any, base_folder: str = "") -> None:
+        self.enable = config.enable
+        self.save_future: Future | None = None
+        if not self.enable:
+            return
+        self.config = config
+        self.folder = filesystem.join(base_folder, config.folder)
+        self.states = states
+        self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
+                            DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
+        self.sd_adapter = sd_adapter
+        if config.last_save_in_hf and sd_adapter is None:
+            raise CkptError("checkpoint.last_save_in_hf needs the model's state-dict adapter "
+                            "(sd_adapter), and this job has none: set last_save_in_hf=False")
+        self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
+        self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
+        self._staging: SaveHandle | None = None
+        self.manager = CheckpointManager(
+            self.folder, keep_last=config.keep_latest_k or None, keep_every=config.keep_every,
+            save_every=config.interval)
+
+    # ------------------------------------------------------------------ saving
+
+    def _should_save(self, curr_step: int, last_step: bool) -> bool:
+        if self.config.load_only:
+            return False
+        if curr_step == 1 and self.config.enable_first_step_checkpoint:
+            return True
+        return last_step or curr_step % self.config.interval == 0
+
+    def _flattened(self, states: dict[str, Any]) -> dict[str, Any]:
+        """TorchTitan's layout: the model's keys at the top, the other states by name."""
+        out = {k: v for k, v in states.items() if k != MODEL}
+        if MODEL in states:
+            out.update(states[MODEL].state_dict())
+        return out
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if not self._should_save(curr_step, last_step):
+            return False
+        self.maybe_wait_for_saving()
+        if last_step and self.config.last_save_model_only:
+            self._save_model_only(curr_step)
+            return True
+        mode = "disabled" if last_step else self.config.async_mode
+        result = self.manager.save(
+            curr_step, self._flattened(self.states), force=True,
+            asynchronous=mode == "async", lazy=mode == "async_with_pinned_mem",
+            optimizers=self._inner_optimizers if mode == "async_with_pinned_mem" else (),
+            metadata={KIND: "full"})
+        if isinstance(result, SaveHandle):
+            self.save_future = _SaveFuture(result)
+            self._staging = result if mode == "async_with_pinned_mem" else None
+        return True
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model's state in ``export_dtype`` (TorchTitan's final model-only save)."""
+        return {k: v.to(self.export_dtype) if isinstance(v, torch.Tensor)
+                and v.is_floating_point() and v.dtype != self.export_dtype else v
+                for k, v in self.states[MODEL].state_dict().items()}
+
+    def _save_model_only(self, step: int) -> None:
+        """The last step, model only: a ckptio step (resume loads the model only), or with
+        last_save_in_hf a Hugging Face safetensors folder made by ckptio.export_hf."""
+        state = self._model_state()
+        if not self.config.last_save_in_hf:
+            self.manager.save(step, state, force=True, metadata={KIND: "model"})
+            return
+        hf_state = self.sd_adapter.to_hf(state)
+        out = filesystem.join(filesystem.join(self.folder, self.config.hf_folder), f"step-{step}")
+        scratch = filesystem.join(self.folder, f".hf-step-{step}-{uuid.uuid4().hex[:8]}")
+        if torch.distributed.is_initialized():  # one name on every rank
+            names = [scratch]
+            torch.distributed.broadcast_object_list(names, src=0)
+            scratch = names[0]
+        save(hf_state, scratch)
+        try:
+            export_hf(scratch, out, keys=None, overwrite=True)
+        finally:
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                filesystem.rmtree(scratch)
+
+    def _maybe_wait_for_staging(self) -> None:
+        """async_with_pinned_mem: until the lazy save has copied the state (the optimizers'
+        step pre-hooks wait for it too)."""
+        handle, self._staging = self._staging, None
+        while handle is not None and not (handle.staged() or handle.done()):
+            time.sleep(0.001)
+
+    def _wait_for_saving(self) -> None:
+        self.save_future = None
+        self._staging = None
+        self.manager.wait()
+
+    def _close(self) -> None:
+        self.save_future = None
+        self.manager.close()
+
+    # ------------------------------------------------------------------ loading
+
+    def _states_to_load(self, model_only: bool) -> dict[str, Any]:
+        if model_only:
+            return dict(self.states[MODEL].state_dict())
+        for key in self.config.exclude_from_loading:
+            if key not in self.states:
+                raise CkptError(f"checkpoint.exclude_from_loading: {key!r} is not a state of "
+                                f"this job (it has {sorted(self.states)})")
+        return self._flattened({k: v for k, v in self.states.items()
+                                if k not in self.config.exclude_from_loading})
+
+    @torch.no_grad()
+    def _load(self, step: int = -1) -> bool:
+        """The newest committed step (or ``step``) of the folder; else the initial load."""
+        steps = self.manager.steps()
+        if step != -1 and step not in steps:
+            raise CheckpointNotFoundError(
+                f"--checkpoint.load_step={step}: {self.folder} has no committed step {step} "
+                f"(committed: {steps or 'none'})")
+        if steps:
+            newest = steps[-1] if step == -1 else step
+            kind = self.manager.metadata(newest).get("metadata", {}).get(KIND, "full")
+            if newest == 0 or kind == "model":  # a seed or a final model-only step
+                states = self._states_to_load(model_only=True)
+                self.manager.restore(states, step=newest, cast=True)  # export_dtype back
+            else:
+                states = self._states_to_load(model_only=False)
+                self.manager.restore(states, step=None if step == -1 else step)
+            self.states[MODEL].load_state_dict(states)
+            return True
+        return self._initial_load()
+
+    def _initial_load(self) -> bool:
+        """An empty folder: TorchTitan's initial_load_path (a ckptio, DCP or safetensors
+        checkpoint), or the Hugging Face weights of model.hf_assets_path; else a fresh start."""
+        config = self.config
+        path = config.initial_load_path
+        if config.initial_load_in_hf_quantized:
+            raise CkptError("checkpoint.initial_load_in_hf_quantized: not supported by "
+                            "CkptioCheckpointManager; use TorchTitan's CheckpointManager for it")
+        if path is None and config.initial_load_in_hf:
+            path = getattr(self.sd_adapter, "hf_assets_path", None)
+        if path is None:
+            return False
+        states = self._states_to_load(model_only=config.initial_load_model_only)
+        if config.initial_load_in_hf:
+            hf_state = self.sd_adapter.to_hf(states)
+            load(os.fspath(path), hf_state)
+            states = self.sd_adapter.from_hf(hf_state)
+        else:
+            load(os.fspath(path), states)
+        self.states[MODEL].load_state_dict(states)
+        return True
