@@ -1,0 +1,98 @@
+"""How many of the interpreter's full (generation-2) garbage collections a checkpointing loop
+causes, and how many objects a steady save leaves alive (issue 65): counts, not times, so a
+busy machine does not change them.
+
+A ModuleList of --tensors / 2 ``Linear(16, 16, bias=False)`` and SGD with momentum (a momentum
+buffer per parameter), a CheckpointManager with one ``shm://`` tier saving every step (eager
+async or lazy), 20 warm-up steps, then --saves steps counted with ``gc.callbacks``; "none" is
+the same loop without ckptio. Then one more save with the collector paused: the objects it
+creates and leaves alive once completed (tensors counted apart: a module's state_dict() makes
+a fresh detached alias of each parameter).
+
+    python -m benchmarks.gc_pressure --tensors 1000 --saves 100 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+
+def run(mode: str, tensors: int, saves: int) -> dict[str, Any]:
+    import torch
+
+    import ckptio
+
+    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(tensors // 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    opt.step()
+    state = {"model": model, "optim": opt}
+    mgr = (None if mode == "none" else
+           ckptio.CheckpointManager(tiers=[ckptio.Tier(f"shm://gc-pressure-{mode}", keep_last=2)]))
+
+    def step(n: int) -> None:
+        if mgr is not None:
+            mgr.save(n, state, asynchronous=True, lazy=mode == "lazy",
+                     optimizers=[opt] if mode == "lazy" else ())
+        opt.step()
+
+    full = [0]
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        full[0] += phase == "stop" and info["generation"] == 2
+
+    for n in range(1, 21):
+        step(n)
+    gc.collect()
+    gc.callbacks.append(count)
+    for n in range(21, 21 + saves):
+        step(n)
+    gc.callbacks.remove(count)
+    if mgr is not None:
+        mgr.wait()
+    gc.collect()
+    gc.disable()
+    before = {id(o) for o in gc.get_objects()}
+    step(10_000)
+    if mgr is not None:
+        mgr.wait()
+    new = [o for o in gc.get_objects() if id(o) not in before]
+    gc.enable()
+    alive_tensors = sum(isinstance(o, torch.Tensor) for o in new)
+    if mgr is not None:
+        mgr.close()
+    return {"mode": mode, "tensors": tensors, "saves": saves, "full_collections": full[0],
+            "per_100_saves": round(full[0] * 100 / saves, 1), "tracked_at_start": len(before),
+            "alive_after_a_save": len(new) - alive_tensors, "alive_tensors": alive_tensors}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tensors", type=int, default=1000)
+    p.add_argument("--saves", type=int, default=100)
+    p.add_argument("--json")
+    args = p.parse_args()
+    shm = tempfile.mkdtemp(prefix="ckptio-gc-pressure-", dir="/dev/shm")
+    os.environ["CKPTIO_SHM_DIR"] = shm
+    rows = []
+    try:
+        for mode in ("none", "eager", "lazy"):
+            rows.append(run(mode, args.tensors, args.saves))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
