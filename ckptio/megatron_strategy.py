@@ -18,6 +18,7 @@ Megatron-Core 0.19.2 has no strategy registry: ``save`` keeps a strategy only if
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,16 +60,48 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _boxed(sh: ShardedTensor, local: torch.Tensor) -> ckptio.TensorShard:
-    """``local`` (the shard's data, or where it loads) as the box at its global offset; the
-    axes Megatron prepends (``prepend_axis_num``, e.g. a layer index) become size-1 axes."""
+def _full(sh: ShardedTensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (the shard's data, or where it loads) with the axes Megatron prepends
+    (``prepend_axis_num``, e.g. a layer's index in a stack of layers) as size-1 axes."""
     if getattr(sh, "flattened_range", None) is not None:
         raise UnsupportedStateError(
             f"ShardedTensor {sh.key!r} on rank {_rank()}: flattened_range is not supported "
             "(Megatron-Core 0.19 refuses it too); save the unflattened shard")
     for _ in range(sh.prepend_axis_num):
         local = local.unsqueeze(0)
-    return ckptio.TensorShard(local, tuple(sh.global_shape), tuple(sh.global_offset))
+    return local
+
+
+Region = tuple[slice, ...]
+
+
+def _box(key: str, shards: list[ShardedTensor],
+         locals_: list[torch.Tensor]) -> tuple[ckptio.TensorShard, list[tuple[Region, torch.Tensor]]]:
+    """A rank's pieces of one key as one ckptio.TensorShard, and (region of the box, piece)
+    pairs to copy in or out when there are several (a pipeline stage's layers, all layers of a
+    TP 1 load): they must tile one box, which is then a new tensor."""
+    full = [_full(sh, t) for sh, t in zip(shards, locals_)]
+    shape = tuple(shards[0].global_shape)
+    if len(shards) == 1:
+        return ckptio.TensorShard(full[0], shape, tuple(shards[0].global_offset)), []
+    lo = [min(sh.global_offset[d] for sh in shards) for d in range(len(shape))]
+    hi = [max(sh.global_offset[d] + t.shape[d] for sh, t in zip(shards, full))
+          for d in range(len(shape))]
+    regions = [tuple(slice(o - low, o - low + n) for o, low, n in
+                     zip(sh.global_offset, lo, t.shape)) for sh, t in zip(shards, full)]
+    size = [h - low for h, low in zip(hi, lo)]
+    if sum(t.numel() for t in full) != math.prod(size) or _overlap(regions):
+        raise UnsupportedStateError(
+            f"ShardedTensor {key!r}: rank {_rank()} holds {len(shards)} pieces that do not form "
+            "one box (an interleaved pipeline schedule's layers?); the ckptio strategy stores "
+            "one box of a key per rank")
+    box = torch.empty(size, dtype=full[0].dtype, device=full[0].device)
+    return ckptio.TensorShard(box, shape, tuple(lo)), list(zip(regions, full))
+
+
+def _overlap(regions: list[Region]) -> bool:
+    return any(all(a.start < b.stop and b.start < a.stop for a, b in zip(r, q))
+               for i, r in enumerate(regions) for q in regions[i + 1:])
 
 
 def _items(sharded_state_dict: Any) -> Iterator[ShardedTensor | ShardedObject]:
@@ -83,7 +116,7 @@ def _items(sharded_state_dict: Any) -> Iterator[ShardedTensor | ShardedObject]:
 
 def _save_state(sharded_state_dict: Any) -> tuple[dict[str, Any], Any, bool]:
     """-> (ckptio state, the common state, whether this rank holds it)."""
-    tensors: dict[str, ckptio.TensorShard] = {}
+    shards: dict[str, list[ShardedTensor]] = {}
     objects: dict[str, Any] = {}
     common: Any = None
     has_common = False
@@ -91,15 +124,16 @@ def _save_state(sharded_state_dict: Any) -> tuple[dict[str, Any], Any, bool]:
         if not is_main_replica(item.replica_id):
             continue
         if isinstance(item, ShardedTensor):
-            if item.key in tensors:
-                raise UnsupportedStateError(
-                    f"ShardedTensor {item.key!r}: two main-replica shards on rank {_rank()}; "
-                    "the ckptio strategy takes one shard of a key per rank")
-            tensors[item.key] = _boxed(item, item.data.detach())
+            shards.setdefault(item.key, []).append(item)
         elif item.key == _COMMON_KEY:
             common, has_common = item.data, True
         else:
             objects[item.unique_key] = item.data
+    tensors: dict[str, ckptio.TensorShard] = {}
+    for key, held in shards.items():
+        tensors[key], pieces = _box(key, held, [sh.data.detach() for sh in held])
+        for region, piece in pieces:
+            tensors[key].local[region].copy_(piece)
     return {_TENSORS: tensors, _OBJECTS: objects}, common, has_common
 
 
@@ -193,14 +227,23 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         _check_common(self.checkpointer, os.fspath(checkpoint_dir))
         items = list(_items(sharded_state_dict))
         dests = _destinations(items)
-        boxes = {sh.key: _boxed(sh, dests[id(sh)]) for sh in items
-                 if isinstance(sh, ShardedTensor)}
+        shards: dict[str, list[ShardedTensor]] = {}
+        for sh in items:
+            if isinstance(sh, ShardedTensor):
+                shards.setdefault(sh.key, []).append(sh)
+        boxes: dict[str, ckptio.TensorShard] = {}
+        copies: list[tuple[Region, torch.Tensor, torch.Tensor]] = []
+        for key, held in shards.items():
+            boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
+            copies += [(region, piece, boxes[key].local) for region, piece in pieces]
         report = self.checkpointer.load(path, {_TENSORS: boxes}, keys=_TENSORS, strict=False)
         if report.missing or report.mismatched:  # keys no rank asks for are Megatron's to judge
             raise StateMismatchError(
                 f"{path}: rank {_rank()} cannot load {[*report.missing, *report.mismatched][:5]}"
                 " (missing or mismatched); load with strict=False in dist_checkpointing.load "
                 "to skip missing ones")
+        for region, piece, box in copies:
+            piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
         objects = self._objects(path, wanted)
 
@@ -275,19 +318,10 @@ def _dtype(name: str) -> torch.dtype:
 def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch.Tensor]:
     """id(ShardedTensor) -> the tensor it loads into (its data, or a new one of its shape)."""
     out: dict[int, torch.Tensor] = {}
-    seen: set[str] = set()
     for sh in items:
-        if not isinstance(sh, ShardedTensor):
-            continue
-        if sh.key in seen:
-            raise UnsupportedStateError(
-                f"ShardedTensor {sh.key!r}: two shards on rank {_rank()}; the ckptio "
-                "strategy loads one shard of a key per rank")
-        seen.add(sh.key)
-        data = sh.data
-        if data is None:
-            data = torch.empty(sh.local_shape, dtype=sh.dtype)
-        out[id(sh)] = data
+        if isinstance(sh, ShardedTensor):
+            data = sh.data
+            out[id(sh)] = torch.empty(sh.local_shape, dtype=sh.dtype) if data is None else data
     return out
 
 

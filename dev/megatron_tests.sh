@@ -17,12 +17,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-$HOME/.cache/ckptio/venv-megatron}
 python312=${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import megatron.core, torch, xxhash, pytest" 2>/dev/null; then
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import megatron.core, torch, xxhash, pytest, psutil" 2>/dev/null; then
   mkdir -p "$(dirname "$venv")"
   "$python312" -m venv "$venv"
   empty=$(mktemp)
   start=$(date +%s)
-  PIP_CONSTRAINT=$empty "$venv/bin/pip" install -q "torch==2.13.0" "megatron-core==0.19.2" numpy \
+  PIP_CONSTRAINT=$empty "$venv/bin/pip" install -q "torch==2.13.0" "megatron-core==0.19.2" numpy psutil \
     xxhash tqdm pytest
   rm -f "$empty"
   echo "+ installed torch and megatron-core in $venv in $(( $(date +%s) - start )) s"

@@ -9,13 +9,15 @@ Megatron's own ``torch_dist`` strategy saving and loading the same state in the 
 
 Megatron-Core 0.19 needs Python >= 3.12: skipped where it is not installed (CI's 3.11 venv);
 dev/megatron_tests.sh runs this file in a 3.12 venv that has it (docs/guides/megatron.md).
-torch_dist calls ``torch.cuda.current_device()`` in its state-dict saver; on a machine without
-a GPU the control replaces it (ckptio's strategy runs first, without that replacement).
+torch_dist calls ``torch.cuda.current_device()`` in its state-dict saver and
+``torch.cuda.synchronize()`` in its writer; on a machine without a GPU the control replaces both
+(ckptio's strategy saves first, before those replacements).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import signal
 from pathlib import Path
@@ -109,13 +111,17 @@ def _check(got: dict[str, Any], tp: int, tp_rank: int, obj: int) -> None:
 
 
 def _no_cuda_for_torch_dist() -> None:
-    """torch_dist's saver puts a flag on ``torch.cuda.current_device()``; on CPU, the host."""
+    """torch_dist's saver puts a flag on ``torch.cuda.current_device()`` (on CPU: the host), its
+    writer calls ``torch.cuda.synchronize()`` after staging and starts a multiprocessing
+    Manager, which a daemonic rank process may not."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    mp.current_process().daemon = False
 
 
 def _save_both(rank: int, world: int, root: str) -> None:
-    """TP = world: ckptio's strategy (before any CUDA workaround), then torch_dist's."""
+    """TP = world: ckptio's strategy (before any workaround for torch_dist), then torch_dist's."""
     for name in ("ckptio", "torch_dist"):
         if name == "torch_dist":
             _no_cuda_for_torch_dist()
@@ -133,29 +139,23 @@ def _load_both(rank: int, world: int, root: str, tp: int, swap: bool) -> dict[st
     _no_cuda_for_torch_dist()
     tp_rank = (world - 1 - rank if swap else rank) % tp
     dp_rank = rank // tp
+    obj = world - 1 - rank if swap else rank
     got = {}
     for name in ("ckptio", "torch_dist"):
         strategy = CkptioLoadShardedStrategy() if name == "ckptio" else None
-        got[name] = mdc.load(_state(tp, tp_rank, dp_rank, 1 - rank if swap else rank, False),
-                             str(Path(root, name)), sharded_strategy=strategy,
+        got[name] = mdc.load(_state(tp, tp_rank, dp_rank, obj, False), str(Path(root, name)),
+                             sharded_strategy=strategy,
                              validate_access_integrity=world > 1)  # 1 rank: object piece 0 only
-        _check(got[name], tp, tp_rank, 1 - rank if swap else rank)
+        _check(got[name], tp, tp_rank, obj)
     return {"tp_rank": tp_rank, "A": got["ckptio"]["model"]["A"]}
 
 
-def test_tp2_saved_loads_as_tp2_swapped_tp1_dp2_and_one_process(tmp_path: Path) -> None:
-    run_ranks(2, _save_both, str(tmp_path))
-    assert (tmp_path / "ckptio" / "ckptio").is_dir()  # ckptio's files inside Megatron's dir
-    assert (tmp_path / "ckptio" / "metadata.json").is_file()
-    swapped = run_ranks(2, _load_both, str(tmp_path), 2, True)
-    assert [r["tp_rank"] for r in swapped] == [1, 0]
-    whole = run_ranks(2, _load_both, str(tmp_path), 1, False)  # TP 1, DP 2
-    assert all(torch.equal(r["A"], A) for r in whole)
-    (one,) = run_ranks(1, _load_both, str(tmp_path), 1, False)
-    assert torch.equal(one["A"], A)
+def _save_then_load(rank: int, world: int, root: str) -> list[dict[str, Any]]:
+    _save_both(rank, world, root)
+    return [_load_both(rank, world, root, 2, True), _load_both(rank, world, root, 1, False)]
 
 
-def _metadata(rank: int, world: int, root: str) -> tuple[Any, ...]:
+def _metadata(root: str) -> tuple[Any, ...]:
     strategy = CkptioLoadShardedStrategy()
     tensors = mdc.load_tensors_metadata(root, strategy)
     sharded = mdc.load_sharded_metadata(root, strategy)
@@ -168,10 +168,30 @@ def _metadata(rank: int, world: int, root: str) -> tuple[Any, ...]:
             sorted(missing), sorted(unexpected))
 
 
-def test_metadata_and_strict_keys(tmp_path: Path) -> None:
-    run_ranks(2, _save_both, str(tmp_path))
-    (got,) = run_ranks(1, _metadata, str(tmp_path / "ckptio"))
-    tensors, sharded, missing, unexpected = got
+def _one_process(rank: int, world: int, root: str) -> tuple[Any, ...]:
+    return _load_both(rank, world, root, 1, False), _metadata(str(Path(root, "ckptio")))
+
+
+@pytest.fixture(scope="module")
+def saved_tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    """Saved by both strategies on 2 ranks as TP 2, loaded back there as TP 2 with the ranks
+    swapped and as TP 1 / DP 2."""
+    root = tmp_path_factory.mktemp("tp2")
+    return root, run_ranks(2, _save_then_load, str(root))
+
+
+def test_tp2_saved_loads_as_tp2_swapped_and_tp1_dp2(saved_tp2: tuple[Path, list[Any]]) -> None:
+    root, (rank0, rank1) = saved_tp2
+    assert (root / "ckptio" / "ckptio").is_dir()  # ckptio's files inside Megatron's dir
+    assert (root / "ckptio" / "metadata.json").is_file()
+    assert [rank0[0]["tp_rank"], rank1[0]["tp_rank"]] == [1, 0]
+    assert torch.equal(rank0[1]["A"], A) and torch.equal(rank1[1]["A"], A)
+
+
+def test_one_process_load_metadata_and_strict_keys(saved_tp2: tuple[Path, list[Any]]) -> None:
+    (got,) = run_ranks(1, _one_process, str(saved_tp2[0]))
+    loaded, (tensors, sharded, missing, unexpected) = got
+    assert torch.equal(loaded["A"], A)
     assert tensors["A"] == ((8, 6), torch.float32)
     assert tensors["B"] == ((2, 5, 4), torch.int64)
     assert tensors["C"] == ((3, 7), torch.bfloat16)
