@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import xxhash
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -40,8 +41,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 import ckptio
 from ckptio.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptio.shared import checkpointer
 
-__all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy", "data_path"]
+__all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
+           "MissingInCheckpointError", "data_path"]
 
 BACKEND = "ckptio"  # metadata.json's backend for checkpoints these strategies write
 _DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
@@ -49,6 +52,11 @@ _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _COMMON_KEY = "common_state"
 _TENSORS, _OBJECTS = "tensors", "objects"
 _DIGEST = "megatron_common_xxh3"
+
+
+class MissingInCheckpointError(StateMismatchError, CheckpointingException):
+    """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
+    CheckpointingException Megatron's callers catch."""
 
 
 def data_path(checkpoint_dir: str | os.PathLike[str]) -> str:
@@ -73,10 +81,11 @@ def _full(sh: ShardedTensor, local: torch.Tensor) -> torch.Tensor:
 
 
 Region = tuple[slice, ...]
+Piece = tuple[Region, torch.Tensor]  # where in a rank's box one ShardedTensor's data lies
 
 
 def _box(key: str, shards: list[ShardedTensor],
-         locals_: list[torch.Tensor]) -> tuple[ckptio.TensorShard, list[tuple[Region, torch.Tensor]]]:
+         locals_: list[torch.Tensor]) -> tuple[ckptio.TensorShard, list[Piece]]:
     """A rank's pieces of one key as one ckptio.TensorShard, and (region of the box, piece)
     pairs to copy in or out when there are several (a pipeline stage's layers, all layers of a
     TP 1 load): they must tile one box, which is then a new tensor."""
@@ -161,13 +170,14 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
     ``dist_checkpointing.save(..., sharded_strategy=CkptioSaveShardedStrategy())`` (or as a
     trainer's ``checkpointing_context['save_strategy']``). ``allow_pickle``: store
     ShardedObjects that are not JSON / tensors / bytes pickled (their load needs it too).
-    ``options``: ckptio.Options for this strategy's own Checkpointer."""
+    ``options``: ckptio.Options (default: the process's shared Checkpointer, as ckptio.save
+    uses, so a strategy made per save reuses its staging pool)."""
 
     def __init__(self, *, allow_pickle: bool = False, options: ckptio.Options | None = None,
                  backend: str = BACKEND, version: int = 1) -> None:
         super().__init__(backend=backend, version=version)
         self.allow_pickle = allow_pickle
-        self.checkpointer = ckptio.Checkpointer(options)
+        self.options = options
 
     def _prepare(self, sharded_state_dict: Any) -> tuple[dict[str, Any], bytes | None]:
         state, common, has_common = _save_state(sharded_state_dict)
@@ -176,8 +186,8 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Every rank: durable and committed when it returns."""
         state, common = self._prepare(sharded_state_dict)
-        self.checkpointer.save(state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle,
-                               metadata=_meta(common))
+        checkpointer(self.options).save(state, data_path(checkpoint_dir),
+                                        allow_pickle=self.allow_pickle, metadata=_meta(common))
         _finish(os.fspath(checkpoint_dir), common)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
@@ -186,9 +196,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         threads, not in a process of Megatron's); the request's finalize step waits for the
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
         state, common = self._prepare(sharded_state_dict)
-        handle = self.checkpointer.async_save(state, data_path(checkpoint_dir),
-                                              allow_pickle=self.allow_pickle,
-                                              metadata=_meta(common))
+        handle = checkpointer(self.options).async_save(
+            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle,
+            metadata=_meta(common))
         target = os.fspath(checkpoint_dir)
 
         def finalize() -> None:
@@ -211,20 +221,21 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     """Megatron's load strategy interface, read by ckptio: pass it as
     ``dist_checkpointing.load(..., sharded_strategy=CkptioLoadShardedStrategy())``. Each rank
     reads only the regions its ShardedTensors hold, whatever layout saved them.
-    ``allow_pickle``: unpickle ShardedObjects saved pickled (only for trusted checkpoints)."""
+    ``allow_pickle``: unpickle ShardedObjects saved pickled (only for trusted checkpoints).
+    ``options``: as the save strategy's."""
 
     def __init__(self, *, allow_pickle: bool = False,
                  options: ckptio.Options | None = None) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
-        self.checkpointer = ckptio.Checkpointer(options)
+        self.options = options
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any,
              async_strategy: str = "mcore") -> Any:
         """Every rank together -> the state dict with tensors and objects in place of their
         ShardedTensors / ShardedObjects (tensors loaded into the ShardedTensors' own data)."""
         path = data_path(checkpoint_dir)
-        _check_common(self.checkpointer, os.fspath(checkpoint_dir))
+        _check_common(os.fspath(checkpoint_dir))
         items = list(_items(sharded_state_dict))
         dests = _destinations(items)
         shards: dict[str, list[ShardedTensor]] = {}
@@ -236,12 +247,14 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         for key, held in shards.items():
             boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
-        report = self.checkpointer.load(path, {_TENSORS: boxes}, keys=_TENSORS, strict=False)
+        report = checkpointer(self.options).load(path, {_TENSORS: boxes}, keys=_TENSORS,
+                                                 strict=False)
         if report.missing or report.mismatched:  # keys no rank asks for are Megatron's to judge
-            raise StateMismatchError(
-                f"{path}: rank {_rank()} cannot load {[*report.missing, *report.mismatched][:5]}"
-                " (missing or mismatched); load with strict=False in dist_checkpointing.load "
-                "to skip missing ones")
+            named = [k.removeprefix(_TENSORS + ".") for k in (*report.missing, *report.mismatched)]
+            raise MissingInCheckpointError(
+                f"{path}: rank {_rank()} cannot load ShardedTensors {named[:5]} (missing or "
+                "mismatched); load with strict=False in dist_checkpointing.load to skip "
+                "missing ones")
         for region, piece, box in copies:
             piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
@@ -257,19 +270,19 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def _objects(self, path: str, wanted: list[str]) -> dict[str, Any]:
         if not wanted:
             return {}
-        got = self.checkpointer.load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
+        got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
                                      allow_pickle=self.allow_pickle)
         found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
         missing = [k for k in wanted if k not in found]
         if missing:
-            raise StateMismatchError(
+            raise MissingInCheckpointError(
                 f"{path}: rank {_rank()} asks for ShardedObjects the checkpoint lacks: "
                 f"{missing[:5]}; load with strict=False in dist_checkpointing.load to skip them")
         return dict(found)
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
         """Each saved ShardedTensor key -> a ShardedTensor without data (global shape, dtype)."""
-        record = self.checkpointer.manifest(data_path(checkpoint_dir))
+        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
         out: dict[str, Any] = {}
         prefix = _TENSORS + "."
         for entry in record.tensors:
@@ -282,7 +295,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir: Path) -> dict[str, Any]:
         """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
         out = self.load_tensors_metadata(checkpoint_dir)
-        record = self.checkpointer.manifest(data_path(checkpoint_dir))
+        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
         prefix = _OBJECTS + "."
         keys = [e.key for e in record.tensors if e.key.startswith(prefix)]
         keys += [e.key for e in record.objects if e.key.startswith(prefix)]
@@ -325,7 +338,7 @@ def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch
     return out
 
 
-def _check_common(checkpointer: ckptio.Checkpointer, checkpoint_dir: str) -> None:
+def _check_common(checkpoint_dir: str) -> None:
     """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
     killed between ckptio's commit and ``common.pt``'s replacement)."""
     meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
