@@ -6,6 +6,9 @@
 #     dev/megatron_tests.sh                      # the tests
 #     dev/megatron_tests.sh -k kill              # pytest's arguments pass through
 #     BENCH=1 dev/megatron_tests.sh              # also benchmarks/megatron_strategy.py
+#     MEGATRON_LM=~/src/Megatron-LM dev/megatron_tests.sh   # also Megatron's own
+#         test_serialization.py (tag core_v0.19.0) in one CPU process, with its default
+#         strategies swapped for ckptio's (dev/megatron_own_conftest.py), then with torch_dist
 #
 # The venv is made once, outside the checkout (VENV, default ~/.cache/ckptio/venv-megatron),
 # from a Python 3.12 (PYTHON312, default python3.12; pyenv's where it is not on PATH) with
@@ -32,4 +35,17 @@ echo "+ PYTHONPATH=$PWD $venv/bin/python -m pytest -q -p no:cacheprovider tests/
 PYTHONPATH=$PWD "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_megatron.py "$@"
 if [ "${BENCH:-0}" = 1 ]; then
   PYTHONPATH=$PWD "$venv/bin/python" benchmarks/megatron_strategy.py
+fi
+if [ -n "${MEGATRON_LM:-}" ]; then
+  own=$(mktemp -d)
+  git -C "$MEGATRON_LM" archive core_v0.19.0 tests/__init__.py tests/unit_tests/__init__.py \
+    tests/unit_tests/test_utilities.py tests/unit_tests/dist_checkpointing | tar x -C "$own"
+  cp dev/megatron_own_conftest.py "$own/tests/unit_tests/conftest.py"
+  for swap in ckptio torch_dist; do
+    echo "+ Megatron's test_serialization.py, default strategies: $swap"
+    (cd "$own" && SWAP=$swap PYTHONPATH=$OLDPWD:$own WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 \
+      "$venv/bin/python" -m pytest -q -p no:cacheprovider --tb=no -rp \
+      tests/unit_tests/dist_checkpointing/test_serialization.py | grep -E "^PASSED|passed|failed" || true)
+  done
+  rm -rf "$own"
 fi
