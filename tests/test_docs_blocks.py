@@ -82,9 +82,10 @@ RUN = {ROOT / "README.md", ROOT / "docs" / "getting-started.md"}
 PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p not in RUN)
 # Marked <!-- not run: why --> in their pages: 12 probes that measure (docs/PROBES.md,
 # docs/results/s3), torchtitan's hook and its config registry (torchtitan is not in the test
-# extra; its Trainer needs triton), a dp x tp CUDA mesh, an NCCL job across hosts. Every other
-# block runs: tests/test_docs_guides.py.
-NOT_RUN_COUNT = 16
+# extra; its Trainer needs triton), a dp x tp CUDA mesh, an NCCL job across hosts, Megatron-Core's
+# strategies (Python >= 3.12; tests/test_megatron.py). Every other block runs:
+# tests/test_docs_guides.py.
+NOT_RUN_COUNT = 17
 
 
 def test_every_block_compiles_and_those_not_run_are_counted() -> None:

@@ -1,0 +1,357 @@
+"""Megatron-Core ``dist_checkpointing`` save and load strategies backed by ckptio.
+
+Megatron calls ``strategy.save`` / ``async_save`` / ``load`` with its sharded state dict; this
+module maps each ShardedTensor (its main replica only: ``replica_id`` 0) to a
+``ckptio.TensorShard`` at its global offset, so a load into any TP / PP / DP layout reads its
+own region; each ShardedObject (its main replica) to a ckptio value under its unique key (JSON,
+tensors, bytes; a pickle only with ``allow_pickle=True``, on save and on load alike). The
+common state (Megatron's ``common_state`` object) goes to ``common.pt`` by ``torch.save``, which
+Megatron's own ``load_common_state_dict`` reads (``torch.load``, weights only); its digest is in
+ckptio's manifest and a load refuses a ``common.pt`` of another save. ckptio's files live in
+``<checkpoint_dir>/ckptio`` and commit atomically.
+
+Owns: the two strategy classes and the mapping. Does not own: Megatron's preprocessing
+(factories, validation, ``metadata.json``: its ``serialization.save/load``) or the format.
+Megatron-Core 0.19.2 has no strategy registry: ``save`` keeps a strategy only if it subclasses
+``TorchDistSaveShardedStrategy``, which is why these subclass Megatron's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    is_main_replica,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+import ckptio
+from ckptio.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptio.shared import checkpointer
+
+__all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
+           "MissingInCheckpointError", "data_path"]
+
+BACKEND = "ckptio"  # metadata.json's backend for checkpoints these strategies write
+_DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
+_COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
+_COMMON_KEY = "common_state"
+_TENSORS, _OBJECTS = "tensors", "objects"
+_DIGEST = "megatron_common_xxh3"
+
+
+class MissingInCheckpointError(StateMismatchError, CheckpointingException):
+    """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
+    CheckpointingException Megatron's callers catch."""
+
+
+def data_path(checkpoint_dir: str | os.PathLike[str]) -> str:
+    """Where ckptio's checkpoint lies inside Megatron's ``checkpoint_dir``."""
+    return os.path.join(os.fspath(checkpoint_dir), _DIR)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _full(sh: ShardedTensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (the shard's data, or where it loads) with the axes Megatron prepends
+    (``prepend_axis_num``, e.g. a layer's index in a stack of layers) as size-1 axes."""
+    if getattr(sh, "flattened_range", None) is not None:
+        raise UnsupportedStateError(
+            f"ShardedTensor {sh.key!r} on rank {_rank()}: flattened_range is not supported "
+            "(Megatron-Core 0.19 refuses it too); save the unflattened shard")
+    for _ in range(sh.prepend_axis_num):
+        local = local.unsqueeze(0)
+    return local
+
+
+Region = tuple[slice, ...]
+Piece = tuple[Region, torch.Tensor]  # where in a rank's box one ShardedTensor's data lies
+
+
+def _box(key: str, shards: list[ShardedTensor],
+         locals_: list[torch.Tensor]) -> tuple[ckptio.TensorShard, list[Piece]]:
+    """A rank's pieces of one key as one ckptio.TensorShard, and (region of the box, piece)
+    pairs to copy in or out when there are several (a pipeline stage's layers, all layers of a
+    TP 1 load): they must tile one box, which is then a new tensor."""
+    full = [_full(sh, t) for sh, t in zip(shards, locals_)]
+    shape = tuple(shards[0].global_shape)
+    if len(shards) == 1:
+        return ckptio.TensorShard(full[0], shape, tuple(shards[0].global_offset)), []
+    lo = [min(sh.global_offset[d] for sh in shards) for d in range(len(shape))]
+    hi = [max(sh.global_offset[d] + t.shape[d] for sh, t in zip(shards, full))
+          for d in range(len(shape))]
+    regions = [tuple(slice(o - low, o - low + n) for o, low, n in
+                     zip(sh.global_offset, lo, t.shape)) for sh, t in zip(shards, full)]
+    size = [h - low for h, low in zip(hi, lo)]
+    if sum(t.numel() for t in full) != math.prod(size) or _overlap(regions):
+        raise UnsupportedStateError(
+            f"ShardedTensor {key!r}: rank {_rank()} holds {len(shards)} pieces that do not form "
+            "one box (an interleaved pipeline schedule's layers?); the ckptio strategy stores "
+            "one box of a key per rank")
+    box = torch.empty(size, dtype=full[0].dtype, device=full[0].device)
+    return ckptio.TensorShard(box, shape, tuple(lo)), list(zip(regions, full))
+
+
+def _overlap(regions: list[Region]) -> bool:
+    return any(all(a.start < b.stop and b.start < a.stop for a, b in zip(r, q))
+               for i, r in enumerate(regions) for q in regions[i + 1:])
+
+
+def _items(sharded_state_dict: Any) -> Iterator[ShardedTensor | ShardedObject]:
+    for item in nested_values(sharded_state_dict):
+        if not isinstance(item, (ShardedTensor, ShardedObject)):
+            raise UnsupportedStateError(
+                f"rank {_rank()}: a {type(item).__name__} reached the ckptio strategy; "
+                "call megatron.core.dist_checkpointing.save/load, which resolve factories "
+                "and non-persistent objects first")
+        yield item
+
+
+def _save_state(sharded_state_dict: Any) -> tuple[dict[str, Any], Any, bool]:
+    """-> (ckptio state, the common state, whether this rank holds it)."""
+    shards: dict[str, list[ShardedTensor]] = {}
+    objects: dict[str, Any] = {}
+    common: Any = None
+    has_common = False
+    for item in _items(sharded_state_dict):
+        if not is_main_replica(item.replica_id):
+            continue
+        if isinstance(item, ShardedTensor):
+            shards.setdefault(item.key, []).append(item)
+        elif item.key == _COMMON_KEY:
+            common, has_common = item.data, True
+        else:
+            objects[item.unique_key] = item.data
+    tensors: dict[str, ckptio.TensorShard] = {}
+    for key, held in shards.items():
+        tensors[key], pieces = _box(key, held, [sh.data.detach() for sh in held])
+        for region, piece in pieces:
+            tensors[key].local[region].copy_(piece)
+    return {_TENSORS: tensors, _OBJECTS: objects}, common, has_common
+
+
+def _common_bytes(common: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(common, buffer)
+    return buffer.getvalue()
+
+
+def _write_common(checkpoint_dir: str, data: bytes) -> None:
+    """``common.pt`` replaced atomically (written beside it, synced, renamed)."""
+    target = os.path.join(checkpoint_dir, _COMMON)
+    partial = f"{target}.partial-{os.getpid()}"
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+
+
+class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
+    """Megatron's save strategy interface, written by ckptio. Pass it as
+    ``dist_checkpointing.save(..., sharded_strategy=CkptioSaveShardedStrategy())`` (or as a
+    trainer's ``checkpointing_context['save_strategy']``). ``allow_pickle``: store
+    ShardedObjects that are not JSON / tensors / bytes pickled (their load needs it too).
+    ``options``: ckptio.Options (default: the process's shared Checkpointer, as ckptio.save
+    uses, so a strategy made per save reuses its staging pool)."""
+
+    def __init__(self, *, allow_pickle: bool = False, options: ckptio.Options | None = None,
+                 backend: str = BACKEND, version: int = 1) -> None:
+        super().__init__(backend=backend, version=version)
+        self.allow_pickle = allow_pickle
+        self.options = options
+
+    def _prepare(self, sharded_state_dict: Any) -> tuple[dict[str, Any], bytes | None]:
+        state, common, has_common = _save_state(sharded_state_dict)
+        return state, _common_bytes(common) if has_common else None
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        """Every rank: durable and committed when it returns."""
+        state, common = self._prepare(sharded_state_dict)
+        checkpointer(self.options).save(state, data_path(checkpoint_dir),
+                                        allow_pickle=self.allow_pickle, metadata=_meta(common))
+        _finish(os.fspath(checkpoint_dir), common)
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
+                   async_strategy: str = "nvrx") -> AsyncRequest:
+        """Every rank: returns once the tensors are staged (ckptio writes them in its own
+        threads, not in a process of Megatron's); the request's finalize step waits for the
+        commit, then writes ``common.pt``. ``async_strategy`` is not used."""
+        state, common = self._prepare(sharded_state_dict)
+        handle = checkpointer(self.options).async_save(
+            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle,
+            metadata=_meta(common))
+        target = os.fspath(checkpoint_dir)
+
+        def finalize() -> None:
+            handle.wait()
+            _finish(target, common)
+
+        return AsyncRequest(None, (), [finalize])
+
+
+def _meta(common: bytes | None) -> dict[str, Any] | None:
+    return None if common is None else {_DIGEST: xxhash.xxh3_64_hexdigest(common)}
+
+
+def _finish(checkpoint_dir: str, common: bytes | None) -> None:
+    if common is not None:
+        _write_common(checkpoint_dir, common)
+
+
+class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """Megatron's load strategy interface, read by ckptio: pass it as
+    ``dist_checkpointing.load(..., sharded_strategy=CkptioLoadShardedStrategy())``. Each rank
+    reads only the regions its ShardedTensors hold, whatever layout saved them.
+    ``allow_pickle``: unpickle ShardedObjects saved pickled (only for trusted checkpoints).
+    ``options``: as the save strategy's."""
+
+    def __init__(self, *, allow_pickle: bool = False,
+                 options: ckptio.Options | None = None) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.options = options
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any,
+             async_strategy: str = "mcore") -> Any:
+        """Every rank together -> the state dict with tensors and objects in place of their
+        ShardedTensors / ShardedObjects (tensors loaded into the ShardedTensors' own data)."""
+        path = data_path(checkpoint_dir)
+        _check_common(os.fspath(checkpoint_dir))
+        items = list(_items(sharded_state_dict))
+        dests = _destinations(items)
+        shards: dict[str, list[ShardedTensor]] = {}
+        for sh in items:
+            if isinstance(sh, ShardedTensor):
+                shards.setdefault(sh.key, []).append(sh)
+        boxes: dict[str, ckptio.TensorShard] = {}
+        copies: list[tuple[Region, torch.Tensor, torch.Tensor]] = []
+        for key, held in shards.items():
+            boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
+            copies += [(region, piece, boxes[key].local) for region, piece in pieces]
+        report = checkpointer(self.options).load(path, {_TENSORS: boxes}, keys=_TENSORS,
+                                                 strict=False)
+        if report.missing or report.mismatched:  # keys no rank asks for are Megatron's to judge
+            named = [k.removeprefix(_TENSORS + ".") for k in (*report.missing, *report.mismatched)]
+            raise MissingInCheckpointError(
+                f"{path}: rank {_rank()} cannot load ShardedTensors {named[:5]} (missing or "
+                "mismatched); load with strict=False in dist_checkpointing.load to skip "
+                "missing ones")
+        for region, piece, box in copies:
+            piece.copy_(box[region])
+        wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
+        objects = self._objects(path, wanted)
+
+        def value(item: Any) -> Any:
+            if isinstance(item, ShardedTensor):
+                return dests[id(item)]
+            return objects[item.unique_key]
+
+        return dict_list_map_outplace(value, sharded_state_dict)
+
+    def _objects(self, path: str, wanted: list[str]) -> dict[str, Any]:
+        if not wanted:
+            return {}
+        got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
+                                     allow_pickle=self.allow_pickle)
+        found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
+        missing = [k for k in wanted if k not in found]
+        if missing:
+            raise MissingInCheckpointError(
+                f"{path}: rank {_rank()} asks for ShardedObjects the checkpoint lacks: "
+                f"{missing[:5]}; load with strict=False in dist_checkpointing.load to skip them")
+        return dict(found)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
+        """Each saved ShardedTensor key -> a ShardedTensor without data (global shape, dtype)."""
+        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
+        out: dict[str, Any] = {}
+        prefix = _TENSORS + "."
+        for entry in record.tensors:
+            key = entry.key.removeprefix(prefix)
+            if entry.key.startswith(prefix) and key not in out:
+                meta = torch.empty(entry.shape, dtype=_dtype(entry.dtype), device="meta")
+                out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> dict[str, Any]:
+        """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
+        out = self.load_tensors_metadata(checkpoint_dir)
+        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
+        prefix = _OBJECTS + "."
+        keys = [e.key for e in record.tensors if e.key.startswith(prefix)]
+        keys += [e.key for e in record.objects if e.key.startswith(prefix)]
+        for key in keys:
+            unique = _unique_key(key.removeprefix(prefix))
+            if unique is not None and unique not in out:
+                out[unique] = ShardedObject.empty_from_unique_key(unique)
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Not supported: a ckptio checkpoint is rewritten, not edited in place."""
+        raise UnsupportedStateError(
+            f"{checkpoint_dir}: remove_sharded_tensors is not supported by the ckptio strategy; "
+            "load the keys you keep and save them to a new checkpoint")
+
+
+def _unique_key(flat: str) -> str | None:
+    """A ShardedObject's unique key (``key/shard_<offset>_<shape>``) from a flattened key."""
+    at = flat.rfind("/shard_")
+    if at < 0:
+        return None
+    end = flat.find(".", at)
+    return flat if end < 0 else flat[:end]
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in a ckptio manifest")
+    return found
+
+
+def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch.Tensor]:
+    """id(ShardedTensor) -> the tensor it loads into (its data, or a new one of its shape)."""
+    out: dict[int, torch.Tensor] = {}
+    for sh in items:
+        if isinstance(sh, ShardedTensor):
+            data = sh.data
+            out[id(sh)] = torch.empty(sh.local_shape, dtype=sh.dtype) if data is None else data
+    return out
+
+
+def _check_common(checkpoint_dir: str) -> None:
+    """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
+    killed between ckptio's commit and ``common.pt``'s replacement)."""
+    meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
+    want = meta.get(_DIGEST)
+    if want is None:
+        return
+    path = os.path.join(checkpoint_dir, _COMMON)
+    try:
+        with open(path, "rb") as f:
+            have = xxhash.xxh3_64_hexdigest(f.read())
+    except FileNotFoundError:
+        have = None
+    if have != want:
+        raise CorruptCheckpointError(
+            f"{path}: not the common state saved with {data_path(checkpoint_dir)} (a save "
+            "stopped before writing it); load an earlier checkpoint or save this one again")
