@@ -1,8 +1,9 @@
 """MLPerf Storage's checkpoint workload through DLIO, scaled to this machine, per engine.
 
     python -m benchmarks.dlio_run [--engines torch,torch_fsync,ckptio,s3torch] [--repeats 3]
-        [--np 2] [--num-write 10] [--num-read 10] [--dir /work/cache/dlio-run]
-        [--venv /work/cache/dlio-venv] [--out bench-dlio/dlio.json]
+        [--np 2] [--num-write 10] [--num-read 10] [--s3-num 3] [--dir /work/cache/dlio-run]
+        [--venv /work/cache/dlio-venv] [--out bench-dlio/dlio.json] [--workload W]
+        [--set KEY=VALUE ...] [--fio-gib G]
 
 Runs with ckptio's own venv (it starts SeaweedFS through ckptio.testing.s3server); DLIO runs
 under ``mpirun -np N`` in the venv benchmarks/dlio_setup.sh builds, on the workload
@@ -12,7 +13,8 @@ write phase (``num_checkpoints_read=0``), the page cache dropped (``drop_caches`
 read phase (``num_checkpoints_write=0``). Each checkpoint's duration is the maximum over ranks
 of DLIO's per-rank duration, its throughput DLIO's size over that (the minimum over ranks).
 Engines: DLIO's torch.save (as shipped), torch.save with fsync and ckptio
-(benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS.
+(benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS
+(benchmarks/dlio_s3torch.py: its read run's checkpoint count fixed), fewer checkpoints there.
 
 Owns: running and summarising. Does not own: the engines, the venv, the fio job's options
 (benchmarks/fio_ceiling.py's JOB).
@@ -43,37 +45,47 @@ ENGINES = {  # name -> DLIO overrides choosing it
                     "benchmarks.dlio_ckptio.TorchFsyncCheckpointing"],
     "ckptio": ["++workload.checkpoint.checkpoint_mechanism_classname="
                "benchmarks.dlio_ckptio.CkptioCheckpointing"],
-    "s3torch": [],  # storage overrides added once the server is up
+    # DLIO's PyTorchS3Checkpointing, its read run able to count what its write run stored;
+    # storage overrides added once the server is up
+    "s3torch": ["++workload.checkpoint.checkpoint_mechanism_classname="
+                "benchmarks.dlio_s3torch.S3TorchCheckpointing"],
 }
 
 
 def dlio(args: argparse.Namespace, folder: str, out: Path, extra: list[str], *, write: bool,
-         env: dict[str, str]) -> dict[str, Any]:
+         num: int, env: dict[str, str]) -> dict[str, Any]:
     """One DLIO phase under mpirun -> per-checkpoint durations (max over ranks) and size."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    counts = ([f"++workload.checkpoint.num_checkpoints_write={args.num_write}",
+    counts = ([f"++workload.checkpoint.num_checkpoints_write={num}",
                "++workload.checkpoint.num_checkpoints_read=0"] if write else
               ["++workload.checkpoint.num_checkpoints_write=0",
-               f"++workload.checkpoint.num_checkpoints_read={args.num_read}"])
+               f"++workload.checkpoint.num_checkpoints_read={num}"])
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.np),
                "-x", "PYTHONPATH", *[a for k in env for a in ("-x", k)],
                str(Path(args.venv) / "bin" / "dlio_benchmark"), f"--config-dir={CONFIGS}",
-               f"workload={WORKLOAD}", f"++workload.checkpoint.checkpoint_folder={folder}",
-               f"++workload.output.folder={out}", f"hydra.run.dir={out / 'hydra'}", *counts, *extra]
+               f"workload={args.workload}", f"++workload.checkpoint.checkpoint_folder={folder}",
+               f"++workload.output.folder={out}", f"hydra.run.dir={out / 'hydra'}", *counts, *extra,
+               *[f"++workload.{kv}" for kv in args.set]]
     done = subprocess.run(command, cwd=out, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                           capture_output=True, text=True, timeout=1800)
     (out / "log.txt").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"DLIO failed ({done.returncode}), log {out / 'log.txt'}:\n"
                            + (done.stdout + done.stderr)[-3000:])
+    return {**read_phase(out, args.np, write=write), "command": " ".join(command)}
+
+
+def read_phase(out: Path, ranks: int, *, write: bool) -> dict[str, Any]:
+    """DLIO's per-rank stats of one phase -> each checkpoint's duration, the maximum over ranks
+    (MLPerf Storage's rule; its throughput, size over that, is the minimum over ranks)."""
     kind = "save_ckpt" if write else "load_ckpt"
-    ranks = [json.loads((out / f"{r}_per_epoch_stats.json").read_text())["1"]
-             for r in range(args.np)]
-    blocks = sorted({k for rank in ranks for k in rank if k.startswith(kind)})
+    stats = [json.loads((out / f"{r}_per_epoch_stats.json").read_text())["1"] for r in range(ranks)]
+    blocks = sorted({k for rank in stats for k in rank if k.startswith(kind)},
+                    key=lambda k: int(k.removeprefix(kind)))
     size = json.loads((out / "summary.json").read_text())["metric"]["checkpoint_size_GB"]
-    durations = [max(rank[b]["duration"] for rank in ranks) for b in blocks]
-    return {"size_GB": size, "durations_s": durations, "command": " ".join(command)}
+    return {"size_GB": size, "durations_s": [max(rank[b]["duration"] for rank in stats)
+                                             for b in blocks]}
 
 
 def phase_summary(phase: dict[str, Any]) -> dict[str, float]:
@@ -99,9 +111,12 @@ def run_engine(args: argparse.Namespace, name: str, rep: int, s3: Any) -> dict[s
         folder = str(Path(args.dir) / "ckpt" / name)
         shutil.rmtree(folder, ignore_errors=True)
     try:
-        write = dlio(args, folder, out / "write", extra, write=True, env=env)
+        s3_num = args.s3_num if name == "s3torch" else None
+        write = dlio(args, folder, out / "write", extra, write=True, num=s3_num or args.num_write,
+                     env=env)
         method = drop_page_cache([Path(args.dir)])
-        read = dlio(args, folder, out / "read", extra, write=False, env=env)
+        read = dlio(args, folder, out / "read", extra, write=False, num=s3_num or args.num_read,
+                    env=env)
     finally:
         if name != "s3torch":
             shutil.rmtree(folder, ignore_errors=True)
@@ -164,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--num-write", type=int, default=10)
     p.add_argument("--num-read", type=int, default=10)
+    p.add_argument("--s3-num", type=int, default=3, help="checkpoints written and read over S3")
+    p.add_argument("--workload", default=WORKLOAD, help="a DLIO workload (its own, or ours)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a DLIO workload override, e.g. checkpoint.mode=subset")
+    p.add_argument("--fio-gib", type=float, default=1.716, help="bytes fio moves (the checkpoint's)")
     p.add_argument("--dir", default="/work/cache/dlio-run")
     p.add_argument("--venv", default="/work/cache/dlio-venv")
     p.add_argument("--out", default=str(ROOT / "bench-dlio" / "dlio.json"))
@@ -178,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         s3 = SeaweedServer(Path(args.dir) / "weed").start()  # data on the same disk
     try:
         for rep in range(args.repeats):
-            runs.append({"engine": "fio", "rep": rep, **fio_ceiling(Path(args.dir), 1757 << 20, args.np)})
+            fio = fio_ceiling(Path(args.dir), int(args.fio_gib * 2**30), args.np)
+            runs.append({"engine": "fio", "rep": rep, **fio})
             order = engines[rep % len(engines):] + engines[:rep % len(engines)]
             for name in order:
                 began = time.monotonic()
