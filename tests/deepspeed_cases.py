@@ -156,21 +156,25 @@ def save_each(rank: int, world_size: int, root: str,
             for i, (stage, decoupled) in enumerate(runs)]
 
 
-def resume_each(rank: int, world_size: int, root: str,
-                runs: list[tuple[int, bool]]) -> list[Any]:
-    """resume for each run of save_each, in one fresh job: its result, or its error."""
+def resume_each(rank: int, world_size: int, jobs: list[tuple[str, int, str | None]]) -> list[Any]:
+    """For each (root, stage, tag) in one fresh job: resume's result (tag None: DeepSpeed's
+    'latest'), or load_tag's text where a tag is given."""
     out: list[Any] = []
-    for i, (stage, _) in enumerate(runs):
+    for root, stage, tag in jobs:
+        if tag is not None:
+            out.append(load_tag(rank, world_size, root, stage, tag))
+            continue
         try:
-            out.append(resume(rank, world_size, os.path.join(root, str(i)), stage))
+            out.append(resume(rank, world_size, root, stage))
         except Exception as exc:  # noqa: BLE001 - reported to the test, which names the stage
             out.append(f"{type(exc).__name__}: {exc}")
     return out
 
 
-def killed_job(root: str, runs: list[tuple[int, bool]], timeout_s: float = 240) -> list[int]:
+def start_killed_job(root: str, runs: list[tuple[int, bool]]) -> list[Any]:
     """killed_mid_save on two fresh processes (run_ranks wants an answer from some rank; here
-    every rank dies) -> their exit codes."""
+    every rank dies) -> the processes (wait() gives their exit codes); their output goes to
+    root.rank<r>.log."""
     import json
     import subprocess
     import sys
@@ -183,15 +187,13 @@ def killed_job(root: str, runs: list[tuple[int, bool]], timeout_s: float = 240) 
             "rank=r, world_size=2); c.killed_mid_save(r, 2, sys.argv[3], json.loads(sys.argv[4]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), f"tcp://127.0.0.1:{port}",
-                               root, json.dumps(runs)], env=env) for r in range(2)]
-    try:
-        return [p.wait(timeout=timeout_s) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = []
+    for r in range(2):  # their output in root.rank<r>.log
+        with open(f"{root}.rank{r}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, str(r),
+                                           f"tcp://127.0.0.1:{port}", root, json.dumps(runs)],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
 
 
 def weights_on_fewer(rank: int, world_size: int, root: str, stage: int) -> Any:

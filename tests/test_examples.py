@@ -14,6 +14,7 @@ from typed_commands import ROOT, Case, docstring_commands, run_case
 
 EXAMPLES = ROOT / "examples"
 LIGHTNING, HF, S3 = ("lightning",), ("transformers", "accelerate"), ("boto3", "weed")
+DEEPSPEED = ("deepspeed",)
 
 # each docstring command (as written) -> what its output must show
 EXPECT = {
@@ -33,6 +34,10 @@ EXPECT = {
     "python examples/lightning_trainer.py --dir /tmp/ckptio-lightning --epochs 3":
         "ok: resumed at epoch 3",
     "python examples/hf_trainer.py --out /tmp/ckptio-hf --steps 6": "ok: resumed from",
+    "torchrun --standalone --nproc-per-node 2 examples/deepspeed_zero.py --dir /tmp/ckptio-ds "
+    "--stage 3": "saved global_step3 through ckptio, trained to step 6",
+    "torchrun --standalone --nproc-per-node 2 examples/deepspeed_zero.py --dir /tmp/ckptio-ds "
+    "--stage 3 --resume": r"ok: resumed global_step3 on ZeRO stage 3; losses of steps 4-6 bitwise",
     "python examples/s3_seaweedfs.py --url s3://ckpt/example-run --steps 6":
         "ok: saved to s3://ckpt/example-run, restored step 6 bitwise, verified",
 }
@@ -68,6 +73,10 @@ def test_lightning_trainer(tmp_path: Path) -> None:
 
 def test_hf_trainer(tmp_path: Path) -> None:
     run_case(example_case("hf_trainer.py", needs=HF), tmp_path)
+
+
+def test_deepspeed_zero(tmp_path: Path) -> None:
+    run_case(example_case("deepspeed_zero.py", needs=DEEPSPEED), tmp_path)
 
 
 def test_s3_seaweedfs(tmp_path: Path) -> None:
