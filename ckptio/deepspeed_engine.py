@@ -20,14 +20,17 @@ Checkpointer). DeepSpeed has no configuration key for a third-party engine.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
 
 from ckptio.api import Checkpointer, SaveHandle
+from ckptio.convert import convert
 from ckptio.distributed.dist import rank_alone_group
 from ckptio.errors import CkptError, UnsupportedStateError
 from ckptio.options import Options
+from ckptio.storage.local_root import is_committed
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -39,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - the message is what a user with
                       "deepspeed==0.19.8 plus its needs (the deepspeed extra: pip install -e "
                       "'.[deepspeed]' in a checkout)") from exc
 
-__all__ = ["CkptioCheckpointEngine", "use"]
+__all__ = ["CkptioCheckpointEngine", "commit_now", "to_torch_save", "use"]
 
 ENGINE_NAME = "CkptioCheckpointEngine"
 
@@ -150,6 +153,38 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
     engine.checkpoint_engine = ours
     return ours
+
+
+def commit_now(engine: Any) -> None:
+    """Commit a decoupled save now (every rank calls it): DeepSpeed commits one at the next
+    step(), and its destroy() waits for the files but writes no ``latest``, so a save after
+    the last step needs this to be the one a resume loads."""
+    ours = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ours, CkptioCheckpointEngine):
+        raise CkptError("ckptio.deepspeed_engine.commit_now(): the engine does not save through "
+                        "ckptio; call ckptio.deepspeed_engine.use(engine) first")
+    if ours.is_decoupled():
+        engine._commit_decoupled_checkpoint()
+
+
+def to_torch_save(save_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
+    """A copy of DeepSpeed checkpoint directory ``save_dir`` (its tags, ``latest``, scripts)
+    in which every ckptio checkpoint is a torch.save file again, for DeepSpeed's offline tools
+    that call torch.load themselves (zero_to_fp32.py, ds_to_universal.py). -> out_dir."""
+    src, dst = os.fspath(save_dir), os.fspath(out_dir)
+    if os.path.exists(dst):
+        raise CkptError(f"{dst} exists: to_torch_save writes a new directory (name another)")
+    for here, dirs, files in os.walk(src):
+        rel = os.path.relpath(here, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in files:
+            shutil.copy2(os.path.join(here, name), os.path.join(dst, rel, name))
+        for name in list(dirs):
+            if is_committed(os.path.join(here, name)):
+                dirs.remove(name)
+                convert(os.path.join(here, name), os.path.join(dst, rel, name), to="torch.save",
+                        allow_pickle=True)
+    return dst
 
 
 def _device(map_location: Any) -> torch.device | None:

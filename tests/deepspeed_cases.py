@@ -87,6 +87,9 @@ def save_then_go_on(rank: int, world_size: int, root: str, stage: int,
     train(engine, SAVE_AT)
     engine.save_checkpoint(root)
     losses = train(engine, MORE)
+    if decoupled:  # a save after the last step: committed by commit_now, not by a step
+        engine.save_checkpoint(f"{root}-final")
+        ckptio.deepspeed_engine.commit_now(engine)
     engine.destroy()
     return {**snapshot(engine), "losses": losses}
 

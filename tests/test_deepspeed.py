@@ -124,6 +124,39 @@ def test_fewer_ranks_is_deepspeeds_refusal(jobs: dict[str, Any], i: int) -> None
     assert "DP world size of 2 but the current world size is 1" in said
 
 
+@pytest.mark.parametrize("i", [i for i, (_, d) in enumerate(RUNS) if d],
+                         ids=[n for n, (_, d) in zip(IDS, RUNS) if d])
+def test_commit_now_commits_a_last_decoupled_save(jobs: dict[str, Any], i: int) -> None:
+    """A decoupled save after the last step, then commit_now: 'latest' names it (DeepSpeed's
+    destroy() alone would leave it uncommitted), and every file of it is committed."""
+    final = jobs["root"] / "runs" / f"{i}-final"
+    tag = f"global_step{cases.SAVE_AT + cases.MORE}"
+    assert (final / "latest").read_text() == tag
+    assert all((f / "manifest.json").is_file() for f in (final / tag).iterdir())
+
+
+def test_deepspeeds_offline_tools_read_a_converted_copy(jobs: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """to_torch_save: a copy with torch.save files, which zero_to_fp32 (torch.load inside)
+    consolidates: the ZeRO-3 run's weights at step 3, within float rounding of the ZeRO-1 run's
+    (the same training, other reduction order)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckptio.deepspeed_engine import to_torch_save
+
+    zero3 = RUNS.index((3, False))
+    out = to_torch_save(jobs["root"] / "runs" / str(zero3), tmp_path / "torch")
+    assert (Path(out) / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    whole = get_fp32_state_dict_from_zero_checkpoint(out)
+    zero1 = jobs["root"] / "runs" / str(RUNS.index((1, False))) / "global_step3"
+    reference = ckptio.load(zero1 / "mp_rank_00_model_states.pt", allow_pickle=True)["module"]
+    assert whole.keys() == reference.keys()
+    for key, value in whole.items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-6)
+    with pytest.raises(ckptio.CkptError, match="exists"):
+        to_torch_save(jobs["root"] / "runs" / str(zero3), out)
+
+
 def _info(tmp_path: Path, tag: str = "t1") -> CheckpointCommitInfo:
     return CheckpointCommitInfo(tag=tag, save_dir=str(tmp_path), save_latest=True)
 
