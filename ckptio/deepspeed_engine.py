@@ -47,7 +47,7 @@ __all__ = ["CkptioCheckpointEngine", "commit_now", "to_torch_save", "use"]
 ENGINE_NAME = "CkptioCheckpointEngine"
 
 
-class CkptioCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+class CkptioCheckpointEngine(CheckpointEngine):
     """A DeepSpeed CheckpointEngine writing each file as a ckptio checkpoint (a directory).
 
     decoupled=False: ``save`` returns once the file is durable and committed (as DeepSpeed's
