@@ -6,8 +6,9 @@ Owns: the launcher (2 fresh `python -m benchmarks.deepspeed_engines --worker` pr
 job, joined over tcp://127.0.0.1, DeepSpeed's CPU accelerator) and the timed phases: save stall
 (what save_checkpoint blocks), time to durable (torch engine: plus an fsync of every file it
 wrote, which it does not do itself; ckptio sync: the stall; decoupled: until commit_now), load
-time in a fresh job (page cache warm), and the save's peak host RSS increase (ru_maxrss, the
-larger rank's). Each phase starts after a barrier; times are the slower rank's.
+time in a fresh job (page cache warm), and the save's peak host RSS increase (VmRSS sampled
+during the save to durable, less the RSS just before; the larger rank's). Each phase starts
+after a barrier; times are the slower rank's.
 
     python -m benchmarks.deepspeed_engines --mb 400 --reps 3 --stage 2
 
@@ -20,12 +21,12 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -77,6 +78,34 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
+class _PeakRss:
+    """The highest VmRSS of this process while the block runs, sampled every few ms."""
+
+    def __enter__(self) -> _PeakRss:
+        self.before = self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _fsync_tree(path: str) -> None:
     for here, _dirs, files in os.walk(path):
         for name in files:
@@ -96,21 +125,20 @@ def worker(args: argparse.Namespace) -> None:
     try:
         ds = _engine(args.engine, args.stage, args.mb)
         if args.phase == "save":
-            rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             dist.barrier()
-            t0 = time.perf_counter()
-            ds.save_checkpoint(args.dir, tag="bench")
-            stall = time.perf_counter() - t0
-            if args.engine == "ckptio-decoupled":
-                import ckptio.deepspeed_engine
+            with _PeakRss() as rss:
+                t0 = time.perf_counter()
+                ds.save_checkpoint(args.dir, tag="bench")
+                stall = time.perf_counter() - t0
+                if args.engine == "ckptio-decoupled":
+                    import ckptio.deepspeed_engine
 
-                ckptio.deepspeed_engine.commit_now(ds)
-            elif args.engine == "torch":
-                _fsync_tree(os.path.join(args.dir, "bench"))
-            durable = time.perf_counter() - t0
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+                    ckptio.deepspeed_engine.commit_now(ds)
+                elif args.engine == "torch":
+                    _fsync_tree(os.path.join(args.dir, "bench"))
+                durable = time.perf_counter() - t0
             out = {"stall_s": _slowest(stall), "durable_s": _slowest(durable),
-                   "peak_rss_mb": _slowest(rss / 1024)}
+                   "peak_rss_mb": _slowest(rss.peak - rss.before)}
             ds.destroy()
         else:
             dist.barrier()
