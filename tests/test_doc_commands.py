@@ -33,9 +33,9 @@ NOT_RUN: list[tuple[str, str]] = [
                          "measuring on a quiet machine, several with placeholders ([--pin], N, "
                          "...); it checks nothing"),
 ]
-# README: venv, 2 pip installs, the demo, the whole suite; BENCH_S3_CLIENTS: venv, pip; 31
+# README: venv, 2 pip installs, the demo, the whole suite; BENCH_S3_CLIENTS: venv, pip; 32
 # benchmarks
-NOT_RUN_COUNT = 38
+NOT_RUN_COUNT = 39
 
 
 def _not_run(command: str) -> str | None:
