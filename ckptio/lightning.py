@@ -48,6 +48,7 @@ from ckptio import (
     UnsupportedPathError,
     UnsupportedStateError,
 )
+from ckptio.distributed.dist import rank_alone_group
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local import fsync_path
 from ckptio.storage.local_root import is_committed
@@ -92,7 +93,6 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
-        self._own: tuple[Any, Any] | None = None  # (the default group, this rank's own group)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -160,15 +160,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
     def _own_group(self) -> Any:
         """None in one process. With several ranks Lightning calls the plugin on rank 0 only,
         while a ckptio save over the default group is a collective of every rank: the save runs
-        over a group of this rank alone, made by this rank alone (``use_local_synchronization``),
-        once per default group."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        world = dist.group.WORLD
-        if self._own is None or self._own[0] is not world:
-            self._own = (world, dist.new_group([dist.get_rank()], use_local_synchronization=True))
-        return self._own[1]
+        over a group of this rank alone (distributed/dist.py, rank_alone_group)."""
+        return rank_alone_group()
 
 
 class AsyncCheckpointIO(CheckpointIO):

@@ -53,6 +53,10 @@ THIRD_PARTY: dict[str, str] = {
         "torch_checkpointing 0.1.1's metadata gather, which puts its bytes on CUDA "
         "(metadata_manager.py line 416): ckptio/testing/tc_peer.py swaps in a CPU exchange so "
         "that the peer runs beside ckptio on gloo ranks (tests and benchmarks only)",
+    "engine._commit_decoupled_checkpoint":
+        "DeepSpeed 0.19's only way to commit a decoupled engine's pending tag (and write its "
+        "'latest') outside step(): ckptio.deepspeed_engine's use() before it replaces such an "
+        "engine, and commit_now() for a save after the last step",
     "torch.distributed.tensor._utils":
         "DTensor's local shape and offset of a shard (compute_local_shape_and_global_offset, "
         "_get_shard_size_and_offsets): the same arithmetic DCP uses, not public",

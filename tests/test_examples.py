@@ -15,6 +15,7 @@ from typed_commands import ROOT, Case, docstring_commands, run_case
 EXAMPLES = ROOT / "examples"
 LIGHTNING, HF, S3 = ("lightning",), ("transformers", "accelerate"), ("boto3", "weed")
 TITAN = ("torchtitan",)
+DEEPSPEED = ("deepspeed",)
 
 # each docstring command (as written) -> what its output must show
 EXPECT = {
@@ -37,6 +38,10 @@ EXPECT = {
     "python examples/torchtitan_manager.py --dir /tmp/ckptio-titan --steps 8 --kill-at 5":
         # saves every 2 steps, asynchronous: the step-4 save may be in flight at the kill
         r"ok: killed at step 5, resumed at step (4|2); losses (5|3)-8 bitwise",
+    "torchrun --standalone --nproc-per-node 2 examples/deepspeed_zero.py --dir /tmp/ckptio-ds "
+    "--stage 3": "saved global_step3 through ckptio, trained to step 6",
+    "torchrun --standalone --nproc-per-node 2 examples/deepspeed_zero.py --dir /tmp/ckptio-ds "
+    "--stage 3 --resume": r"ok: resumed global_step3 on ZeRO stage 3; losses of steps 4-6 bitwise",
     "python examples/s3_seaweedfs.py --url s3://ckpt/example-run --steps 6":
         "ok: saved to s3://ckpt/example-run, restored step 6 bitwise, verified",
 }
@@ -76,6 +81,8 @@ def test_hf_trainer(tmp_path: Path) -> None:
 
 def test_torchtitan_manager(tmp_path: Path) -> None:
     run_case(example_case("torchtitan_manager.py", needs=TITAN), tmp_path)
+def test_deepspeed_zero(tmp_path: Path) -> None:
+    run_case(example_case("deepspeed_zero.py", needs=DEEPSPEED), tmp_path)
 
 
 def test_s3_seaweedfs(tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.hf_trainer",
      "ckptio.tc_storage", "ckptio.torchtitan_manager"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
-    ("ckptio.lightning", "ckptio.demo", "ckptio.megatron_strategy"),  # users of ``import ckptio``
+    ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.demo",
+     "ckptio.megatron_strategy"),  # users of ``import ckptio``
     ("ckptio.cli", "ckptio.__main__"),  # the command line
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))

@@ -28,7 +28,8 @@ from ckptio.distributed import liveness
 from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
-__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of"]
+__all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
+           "rank_alone_group"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
@@ -153,3 +154,20 @@ def current_group(process_group: Any = None) -> Any | None:
         return None
     group = torch.distributed.group.WORLD
     return group if torch.distributed.get_world_size(group) > 1 else None
+
+
+_alone: list[Any] = []  # [the default group, this rank's group of itself] once made
+
+
+def rank_alone_group() -> Any | None:
+    """A process group of this rank alone, for a save or load that one rank makes by itself
+    (a framework that writes per-rank files, or saves on rank 0 only), while a ckptio call
+    over the default group is a collective of every rank. Made by this rank alone
+    (``use_local_synchronization``), once per default group; None in one process."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if not _alone or _alone[0] is not world:
+        _alone[:] = [world, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
+    return _alone[1]

@@ -1,0 +1,206 @@
+"""DeepSpeed's checkpoints through ckptio: a DeepSpeed ``CheckpointEngine`` backed by ckptio.
+
+    engine, *_ = deepspeed.initialize(model=model, config=config, ...)
+    ckptio.deepspeed_engine.use(engine)                  # or use(engine, decoupled=True)
+    engine.save_checkpoint("ckpts")                      # files under ckpts/<tag>/ are ckptio's
+    engine.load_checkpoint("ckpts")                      # the tag DeepSpeed's 'latest' names
+
+Call order (DeepSpeed 0.19's): ``save_checkpoint`` calls ``create(info)``, ``save(state, path)``
+once per file this rank writes, then ``commit(info)`` and writes ``latest`` itself; a decoupled
+engine is committed at the next ``step()`` instead (before the optimizer changes anything) and
+at ``destroy()``. ``load_checkpoint`` calls ``load(path)`` per file. docs/guides/deepspeed.md.
+
+Owns: the engine (each DeepSpeed file becomes a ckptio checkpoint, a directory at the file's
+path, written by this rank alone; tensors are never pickled), when a save is durable (sync: on
+return; decoupled: once committed), and ``use`` which installs it on a DeepSpeed engine.
+Does not own: which files and tags DeepSpeed writes, its ``latest`` file, nor the format (the
+Checkpointer). DeepSpeed has no configuration key for a third-party engine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ckptio.api import Checkpointer, SaveHandle
+from ckptio.convert import convert
+from ckptio.distributed.dist import rank_alone_group
+from ckptio.errors import CkptError, UnsupportedStateError
+from ckptio.options import Options
+from ckptio.storage.local_root import is_committed
+
+try:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+        CheckpointCommitInfo,
+        CheckpointEngine,
+    )
+except ImportError as exc:  # pragma: no cover - the message is what a user without it sees
+    raise ImportError("ckptio.deepspeed_engine needs DeepSpeed: pip install --no-deps "
+                      "deepspeed==0.19.8 plus its needs (the deepspeed extra: pip install -e "
+                      "'.[deepspeed]' in a checkout)") from exc
+
+__all__ = ["CkptioCheckpointEngine", "commit_now", "to_torch_save", "use"]
+
+ENGINE_NAME = "CkptioCheckpointEngine"
+
+
+class CkptioCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed CheckpointEngine writing each file as a ckptio checkpoint (a directory).
+
+    decoupled=False: ``save`` returns once the file is durable and committed (as DeepSpeed's
+    torch engine, whose ``latest`` is written right after). decoupled=True: ``save`` returns
+    once the tensors are copied into ckptio's staging pool; DeepSpeed commits the tag (waits
+    for every file of this rank, then writes ``latest``) at the next ``step()`` or ``destroy()``;
+    a second file of the same tag waits for the first one's write.
+    options: ckptio.Options (default: the defaults and CKPTIO_* environment). allow_pickle:
+    values that are neither tensors nor plain Python values (DeepSpeed's loss scaler and
+    enums) are stored pickled and unpickled on load, the trust DeepSpeed's torch.load
+    (weights_only=False) already asks for; tensors are never pickled. False refuses them.
+    verify: check checksums on load (default Options.verify).
+    """
+
+    def __init__(self, config_params: Any = None, *, options: Options | None = None,
+                 decoupled: bool = False, allow_pickle: bool = True,
+                 verify: bool | None = None) -> None:
+        super().__init__(config_params)
+        self.name = ENGINE_NAME
+        self.options = options if options is not None else Options.from_env()
+        self.decoupled = decoupled
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        self.checkpointer = Checkpointer(self.options)
+        self._info: CheckpointCommitInfo | None = None
+        self._handles: list[SaveHandle] = []
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """A tag starts: the previous tag's saves in flight are waited for first."""
+        self._settle()
+        self._info = info
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone)."""
+        try:
+            if self.decoupled:
+                self._handles.append(self.checkpointer.async_save(
+                    state_dict, path, allow_pickle=self.allow_pickle,
+                    process_group=rank_alone_group()))
+            else:
+                self.checkpointer.save(state_dict, path, allow_pickle=self.allow_pickle,
+                                       process_group=rank_alone_group())
+        except UnsupportedStateError as exc:
+            raise UnsupportedStateError(
+                f"{exc} (through DeepSpeed: CkptioCheckpointEngine(allow_pickle=True), "
+                "the default, stores such values pickled)") from exc
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state saved at ``path``: CPU tensors (moved to ``map_location`` when that names
+        a device) and Python values. A file DeepSpeed's torch engine wrote (its default zip
+        format) loads too, so a job can switch engines between two tags."""
+        self._settle()
+        loaded = self.checkpointer.load(path, verify=self.verify, allow_pickle=self.allow_pickle,
+                                        process_group=rank_alone_group())
+        device = _device(map_location)
+        return loaded if device is None else _to_device(loaded, device)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """The tag's files of this rank are durable and committed when this returns (True);
+        a failed background write is raised here (then DeepSpeed writes no ``latest``)."""
+        if info is None:
+            return False
+        self._settle()
+        self._info = None
+        return True
+
+    def is_decoupled(self) -> bool:
+        return self.decoupled
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The tag a decoupled save left to commit (DeepSpeed asks at each step)."""
+        return self._info if self.decoupled else None
+
+    def preserves_storage_sharing(self) -> bool:
+        """False: ckptio stores a view's own bytes, so DeepSpeed need not clone the tensors
+        first (as it does for torch.save, which would write a view's whole storage)."""
+        return False
+
+    def cleanup(self) -> None:
+        """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy())."""
+        self._settle()
+        self.checkpointer.close()
+
+    def _settle(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.wait()
+
+
+def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
+        allow_pickle: bool = True, verify: bool | None = None) -> CkptioCheckpointEngine:
+    """Make DeepSpeed ``engine`` (what deepspeed.initialize returned) save and load through
+    ckptio from now on; returns the CkptioCheckpointEngine. Call it on every rank, before the
+    first save_checkpoint or load_checkpoint. Arguments as CkptioCheckpointEngine's."""
+    previous = getattr(engine, "checkpoint_engine", None)
+    if previous is None or not hasattr(engine, "save_checkpoint"):
+        raise CkptError(f"ckptio.deepspeed_engine.use() takes the engine deepspeed.initialize "
+                        f"returned, not a {type(engine).__name__}")
+    if previous.is_decoupled():  # DeepSpeed's own decoupled engine: its pending tag first
+        engine._commit_decoupled_checkpoint()
+        previous.cleanup()
+    ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
+                                  decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
+    engine.checkpoint_engine = ours
+    return ours
+
+
+def commit_now(engine: Any) -> None:
+    """Commit a decoupled save now (every rank calls it): DeepSpeed commits one at the next
+    step(), and its destroy() waits for the files but writes no ``latest``, so a save after
+    the last step needs this to be the one a resume loads."""
+    ours = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ours, CkptioCheckpointEngine):
+        raise CkptError("ckptio.deepspeed_engine.commit_now(): the engine does not save through "
+                        "ckptio; call ckptio.deepspeed_engine.use(engine) first")
+    if ours.is_decoupled():
+        engine._commit_decoupled_checkpoint()
+
+
+def to_torch_save(save_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
+    """A copy of DeepSpeed checkpoint directory ``save_dir`` (its tags, ``latest``, scripts)
+    in which every ckptio checkpoint is a torch.save file again, for DeepSpeed's offline tools
+    that call torch.load themselves (zero_to_fp32.py, ds_to_universal.py). -> out_dir."""
+    src, dst = os.fspath(save_dir), os.fspath(out_dir)
+    if os.path.exists(dst):
+        raise CkptError(f"{dst} exists: to_torch_save writes a new directory (name another)")
+    for here, dirs, files in os.walk(src):
+        rel = os.path.relpath(here, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in files:
+            shutil.copy2(os.path.join(here, name), os.path.join(dst, rel, name))
+        for name in list(dirs):
+            if is_committed(os.path.join(here, name)):
+                dirs.remove(name)
+                convert(os.path.join(here, name), os.path.join(dst, rel, name), to="torch.save",
+                        allow_pickle=True)
+    return dst
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """The device ``map_location`` names; None (CPU tensors) for the CPU and for anything else
+    (None; DeepSpeed's ``lambda storage, loc: storage``, which keeps tensors on the CPU)."""
+    if not isinstance(map_location, (str, int, torch.device)):
+        return None
+    device = torch.device(map_location)
+    return None if device.type == "cpu" else device
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value

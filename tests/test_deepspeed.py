@@ -1,0 +1,208 @@
+"""ckptio.deepspeed_engine with real DeepSpeed engines (its CPU accelerator, 2 gloo ranks, a
+small model with Adam and a WarmupLR scheduler): ZeRO stage 1, 2 and 3, sync and decoupled,
+saved through ckptio and resumed by a fresh job bitwise (parameters, optimizer and scheduler
+state, the losses that follow); a job killed during a save resumes from the tag DeepSpeed's
+'latest' names; loading on fewer ranks is what DeepSpeed allows. Skipped where DeepSpeed is not
+installed (pip install --no-deps deepspeed==0.19.8 and its needs: the deepspeed extra).
+The DeepSpeed jobs of the file run once (a module fixture); each test checks one thing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptio
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install --no-deps "
+                    "deepspeed==0.19.8 and the deepspeed extra's needs)")
+import deepspeed_cases as cases  # noqa: E402 - after the skip
+from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+
+from ckptio.deepspeed_engine import CkptioCheckpointEngine, use  # noqa: E402
+from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+
+RUNS = [(1, False), (2, True), (3, False), (3, True)]  # (ZeRO stage, decoupled)
+KILLED = [(2, True), (3, False)]
+IDS = [f"zero{s}-{'decoupled' if d else 'sync'}" for s, d in RUNS]
+LIMIT_S = 300
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The saving jobs (one uninterrupted per RUNS entry; one killed per KILLED entry, at the
+    same time), then one fresh job resuming all of them, then one on a single rank."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    killed = cases.start_killed_job(str(root / "killed"), KILLED)
+    try:
+        saved = run_ranks(2, cases.save_each, str(root / "runs"), RUNS, timeout_s=LIMIT_S)
+    finally:
+        codes = [p.wait(timeout=LIMIT_S) for p in killed]
+    logs = [(root / f"killed.rank{r}.log").read_text(errors="replace")[-3000:] for r in (0, 1)]
+    assert codes == [-9, -9], f"the killed job ended with {codes}, not SIGKILL:\n{logs}"
+    resumes = ([(str(root / "runs" / str(i)), s, None) for i, (s, _) in enumerate(RUNS)]
+               + [(str(root / "killed" / str(i)), s, None) for i, (s, _) in enumerate(KILLED)]
+               + [(str(root / "killed" / "1"), KILLED[1][0], "global_step5")])
+    resumed = run_ranks(2, cases.resume_each, resumes, timeout_s=LIMIT_S)
+    one = run_ranks(1, cases.resume_each, resumes[:len(RUNS)], timeout_s=LIMIT_S)[0]
+    return {"root": root, "saved": saved, "resumed": resumed, "one": one}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["step"] == b["step"] == cases.SAVE_AT + cases.MORE
+    assert len(a["params"]) == len(b["params"])
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    assert [k for k, _ in a["optimizer"]] == [k for k, _ in b["optimizer"]]
+    for (key, x), (_, y) in zip(a["optimizer"], b["optimizer"]):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, key
+    assert a["scheduler"] == b["scheduler"]
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=IDS)
+def test_resume_is_bitwise(jobs: dict[str, Any], i: int) -> None:
+    """A fresh job loads the tag through ckptio and trains on exactly as the saving job did."""
+    for rank in (0, 1):
+        got = jobs["resumed"][rank][i]
+        assert not isinstance(got, str), got
+        assert "global_step3" in got["loaded"]
+        _same(jobs["saved"][rank][i], got)
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=IDS)
+def test_files_are_ckptio_checkpoints(jobs: dict[str, Any], i: int) -> None:
+    """Every file DeepSpeed wrote for the tag is a committed ckptio checkpoint (a directory)
+    whose tensors load without unpickling anything: only DeepSpeed's loss scaler and
+    param_slice_mappings (small Python objects) are stored pickled."""
+    tag = jobs["root"] / "runs" / str(i) / "global_step3"
+    files = sorted(tag.iterdir())
+    assert len(files) == (4 if RUNS[i][0] == 3 else 3)
+    pickled = ("optimizer_state_dict.loss_scaler", "optimizer_state_dict.param_slice_mappings")
+    for path in files:
+        assert path.is_dir() and (path / "manifest.json").is_file(), path
+        ckptio.Checkpointer().verify(path)
+        state = ckptio.load(path, keys=lambda k: not k.startswith(pickled))
+        assert any(isinstance(v, torch.Tensor) for _, v in cases.flat(state)), path
+
+
+@pytest.mark.parametrize("k", range(len(KILLED)), ids=["decoupled-uncommitted", "sync-mid-tag"])
+def test_killed_job_resumes_from_latest(jobs: dict[str, Any], k: int) -> None:
+    """Killed while saving global_step5 (decoupled: after save_checkpoint returned, before the
+    next step committed it; sync: between two files of the tag): 'latest' still names
+    global_step3, and a fresh job resumes from it bitwise."""
+    root = jobs["root"] / "killed" / str(k)
+    assert (root / "latest").read_text() == "global_step3"
+    assert (root / "global_step5").is_dir()
+    reference = RUNS.index(KILLED[k])
+    for rank in (0, 1):
+        got = jobs["resumed"][rank][len(RUNS) + k]
+        assert not isinstance(got, str), got
+        assert "global_step3" in got["loaded"]
+        _same(jobs["saved"][rank][reference], got)
+
+
+def test_partial_tag_is_refused(jobs: dict[str, Any]) -> None:
+    """Asking for the tag the kill cut short: ckptio's CheckpointNotFoundError naming the file
+    that was never written, on every rank."""
+    for rank in (0, 1):
+        said = jobs["resumed"][rank][-1]
+        assert said.startswith("ckptio.errors.CheckpointNotFoundError"), said
+        assert f"global_step5/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in said
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=IDS)
+def test_fewer_ranks_is_deepspeeds_refusal(jobs: dict[str, Any], i: int) -> None:
+    """2 ranks -> 1: DeepSpeed itself refuses ZeRO's partitioned optimizer state on another
+    data-parallel size (with any engine; its universal checkpointing is the way)."""
+    said = jobs["one"][i]
+    assert isinstance(said, str) and "ZeRORuntimeException" in said, said
+    assert "DP world size of 2 but the current world size is 1" in said
+
+
+@pytest.mark.parametrize("i", [i for i, (_, d) in enumerate(RUNS) if d],
+                         ids=[n for n, (_, d) in zip(IDS, RUNS) if d])
+def test_commit_now_commits_a_last_decoupled_save(jobs: dict[str, Any], i: int) -> None:
+    """A decoupled save after the last step, then commit_now: 'latest' names it (DeepSpeed's
+    destroy() alone would leave it uncommitted), and every file of it is committed."""
+    final = jobs["root"] / "runs" / f"{i}-final"
+    tag = f"global_step{cases.SAVE_AT + cases.MORE}"
+    assert (final / "latest").read_text() == tag
+    assert all((f / "manifest.json").is_file() for f in (final / tag).iterdir())
+
+
+def test_deepspeeds_offline_tools_read_a_converted_copy(jobs: dict[str, Any],
+                                                        tmp_path: Path) -> None:
+    """to_torch_save: a copy with torch.save files, which zero_to_fp32 (torch.load inside)
+    consolidates: the ZeRO-3 run's weights at step 3, within float rounding of the ZeRO-1 run's
+    (the same training, other reduction order)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckptio.deepspeed_engine import to_torch_save
+
+    zero3 = RUNS.index((3, False))
+    out = to_torch_save(jobs["root"] / "runs" / str(zero3), tmp_path / "torch")
+    assert (Path(out) / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    whole = get_fp32_state_dict_from_zero_checkpoint(out)
+    zero1 = jobs["root"] / "runs" / str(RUNS.index((1, False))) / "global_step3"
+    reference = ckptio.load(zero1 / "mp_rank_00_model_states.pt", allow_pickle=True)["module"]
+    assert whole.keys() == reference.keys()
+    for key, value in whole.items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-6)
+    with pytest.raises(ckptio.CkptError, match="exists"):
+        to_torch_save(jobs["root"] / "runs" / str(zero3), out)
+
+
+def _info(tmp_path: Path, tag: str = "t1") -> CheckpointCommitInfo:
+    return CheckpointCommitInfo(tag=tag, save_dir=str(tmp_path), save_latest=True)
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["sync", "decoupled"])
+def test_engine_contract_in_one_process(tmp_path: Path, decoupled: bool) -> None:
+    """create / save / commit / load as DeepSpeed calls them: a view is stored as its own bytes
+    (no clone needed: preserves_storage_sharing is False), a decoupled tag is reported by
+    get_commit_info until committed, and the state comes back equal."""
+    engine = CkptioCheckpointEngine(decoupled=decoupled)
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    state = {"module": {"w": big[:16].view(4, 4)}, "step": 3, "ds_version": "0.19.8"}
+    info = _info(tmp_path)
+    engine.create(info)
+    path = str(tmp_path / "t1" / "mp_rank_00_model_states.pt")
+    engine.save(state_dict=state, path=path)
+    assert engine.is_decoupled() is decoupled and not engine.preserves_storage_sharing()
+    assert engine.get_commit_info() == (info if decoupled else None)
+    assert engine.commit(info) is True and engine.get_commit_info() is None
+    stored = sum(f.stat().st_size for f in Path(path).iterdir())
+    assert stored < big.numel() * 4 // 16, stored
+    loaded = engine.load(path, map_location=torch.device("cpu"))
+    assert torch.equal(loaded["module"]["w"], big[:16].view(4, 4))
+    assert loaded["step"] == 3 and loaded["ds_version"] == "0.19.8"
+    engine.cleanup()
+
+
+def test_reads_deepspeeds_torch_engine_files(tmp_path: Path) -> None:
+    """A tag DeepSpeed's default engine wrote (torch.save, zip format) loads through ours, so a
+    job can switch engines between tags."""
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(3)}, "global_steps": 7}, path)
+    loaded = CkptioCheckpointEngine().load(str(path), map_location="cpu")
+    assert torch.equal(loaded["module"]["w"], torch.ones(3)) and loaded["global_steps"] == 7
+
+
+def test_pickle_refused_names_the_fix(tmp_path: Path) -> None:
+    """allow_pickle=False: a DeepSpeed object (here a dataclass like its loss scaler) is
+    refused with a CkptError naming the key and the engine's switch; nothing is committed."""
+    engine = CkptioCheckpointEngine(allow_pickle=False)
+    path = tmp_path / "t" / "optim_states.pt"
+    with pytest.raises(ckptio.UnsupportedStateError, match=r"loss_scaler[\s\S]*allow_pickle"):
+        engine.save({"loss_scaler": _info(tmp_path), "w": torch.ones(2)}, str(path))
+    assert not (path / "manifest.json").exists()
+
+
+def test_use_takes_a_deepspeed_engine() -> None:
+    with pytest.raises(ckptio.CkptError, match="deepspeed.initialize"):
+        use(torch.nn.Linear(2, 2))
