@@ -25,15 +25,18 @@ _held: list[Any] = []  # kept until the interpreter clears this module at exit
 def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     """Save DTensors on these ranks, load them back resharded, save and restore through a
     CheckpointManager kept referenced (a script's global), mark a one-rank group as the memory
-    tier's redundancy does, then destroy_process_group: -> whether the WORLD group and the
-    one-rank group are gone (as they are without ckptio)."""
-    from ckptio.distributed.dist import mark_piece
+    tier's redundancy does, save over rank_alone_group(), then destroy_process_group: ->
+    whether the WORLD group and the one-rank groups are gone (as they are without ckptio)."""
+    from ckptio.distributed.dist import mark_piece, rank_alone_group
 
     ref = weakref.ref(dist.group.WORLD)
     single, subgroups = dist.new_subgroups(group_size=1, backend="gloo")
     mark_piece(single, rank, world)
     piece_ref = weakref.ref(single)
-    del single, subgroups
+    alone = rank_alone_group()  # a per-rank file's group (the DeepSpeed and Lightning plugins)
+    ckptio.save({"w": torch.ones(3)}, os.path.join(path, f"alone-{rank}"), process_group=alone)
+    alone_ref = weakref.ref(alone)
+    del single, subgroups, alone
     cases.save_layout(rank, world, os.path.join(path, "ck"), "shard0")
     cases.load_layout(rank, world, os.path.join(path, "ck"), "shard1")
     state = {"w": torch.arange(6.0), "step": 3}
@@ -43,7 +46,7 @@ def world_freed_by_destroy(rank: int, world: int, path: str) -> list[bool]:
     mgr.close()
     dist.destroy_process_group()
     gc.collect()
-    freed = [ref() is None, piece_ref() is None]
+    freed = [ref() is None, piece_ref() is None, alone_ref() is None]
     del mgr
     return freed
 

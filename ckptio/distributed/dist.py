@@ -156,7 +156,9 @@ def current_group(process_group: Any = None) -> Any | None:
     return group if torch.distributed.get_world_size(group) > 1 else None
 
 
-_alone: list[Any] = []  # [the default group, this rank's group of itself] once made
+# weak references to [the default group, this rank's group of itself] once made: holding
+# either would keep its gloo threads alive past destroy_process_group (tests/test_exit.py)
+_alone: list[weakref.ref[Any]] = []
 
 
 def rank_alone_group() -> Any | None:
@@ -168,6 +170,8 @@ def rank_alone_group() -> Any | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     world = dist.group.WORLD
-    if not _alone or _alone[0] is not world:
-        _alone[:] = [world, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
-    return _alone[1]
+    mine = _alone[1]() if _alone and _alone[0]() is world else None
+    if mine is None:  # torch's registry holds the group until destroy_process_group
+        mine = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        _alone[:] = [weakref.ref(world), weakref.ref(mine)]
+    return mine
