@@ -16,12 +16,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:-2.15.0}
 venv=${VENV:-$HOME/.cache/ckptio/venv-torch-$version}
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, xxhash, pytest" 2>/dev/null; then
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, xxhash, pytest, xdist" 2>/dev/null; then
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
   empty=$(mktemp)
   start=$(date +%s)
-  PIP_CONSTRAINT=$empty "$venv/bin/pip" install -q "torch==$version" numpy xxhash tqdm pytest \
+  PIP_CONSTRAINT=$empty "$venv/bin/pip" install -q "torch==$version" numpy xxhash tqdm pytest pytest-xdist \
     hypothesis zstandard isal safetensors
   rm -f "$empty"
   echo "+ installed torch $version in $venv in $(( $(date +%s) - start )) s"

@@ -387,9 +387,8 @@ def _check_restored(saved: list[dict[str, Any]], restored: list[dict[str, Any]],
 
 # Every scenario runs on simulated hosts in tests/test_redundancy.py; here, over real hosts,
 # the two that cover the most (parity per local rank; a partner wrapping round to host 0), and
-# the rest with CKPTIO_TEST_ALL_HOSTS=1 (they add a minute to the suite on 2 cores).
-_ALL = os.environ.get("CKPTIO_TEST_ALL_HOSTS") == "1"
-_ALSO = pytest.mark.skipif(not _ALL, reason="also in test_redundancy.py; CKPTIO_TEST_ALL_HOSTS=1")
+# the rest in the slow tier (`pytest -m slow`, docs/TESTS.md: they add a minute on 2 cores).
+_ALSO = pytest.mark.slow
 
 
 @pytest.mark.parametrize("mode", MODE)
