@@ -61,7 +61,8 @@ def _engine(engine: str, stage: int, mb: int) -> Any:
     if engine.startswith("ckptio"):
         import ckptio.deepspeed_engine
 
-        ckptio.deepspeed_engine.use(ds, decoupled=engine == "ckptio-decoupled")
+        ckptio.deepspeed_engine.use(ds, decoupled=engine == "ckptio-decoupled",
+                                   allow_pickle=True)
     for _ in range(2):
         loss = ds(torch.randn(2, width)).pow(2).mean()
         ds.backward(loss)

@@ -1,7 +1,7 @@
 """DeepSpeed's checkpoints through ckptio: a DeepSpeed ``CheckpointEngine`` backed by ckptio.
 
     engine, *_ = deepspeed.initialize(model=model, config=config, ...)
-    ckptio.deepspeed_engine.use(engine)                  # or use(engine, decoupled=True)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)  # or also decoupled=True
     engine.save_checkpoint("ckpts")                      # files under ckpts/<tag>/ are ckptio's
     engine.load_checkpoint("ckpts")                      # the tag DeepSpeed's 'latest' names
 
@@ -55,15 +55,16 @@ class CkptioCheckpointEngine(CheckpointEngine):
     once the tensors are copied into ckptio's staging pool; DeepSpeed commits the tag (waits
     for every file of this rank, then writes ``latest``) at the next ``step()`` or ``destroy()``;
     a second file of the same tag waits for the first one's write.
-    options: ckptio.Options (default: the defaults and CKPTIO_* environment). allow_pickle:
-    values that are neither tensors nor plain Python values (DeepSpeed's loss scaler and
-    enums) are stored pickled and unpickled on load, the trust DeepSpeed's torch.load
-    (weights_only=False) already asks for; tensors are never pickled. False refuses them.
+    options: ckptio.Options (default: the defaults and CKPTIO_* environment). allow_pickle
+    (the caller's opt-in, off by default): values that are neither tensors nor plain Python
+    values (ZeRO's loss scaler and param_slice_mappings) are stored pickled and unpickled on
+    load, the trust DeepSpeed's own torch.load (weights_only=False) asks for; tensors are never
+    pickled. Without it such a value is refused at save, naming the key and this switch.
     verify: check checksums on load (default Options.verify).
     """
 
     def __init__(self, config_params: Any = None, *, options: Options | None = None,
-                 decoupled: bool = False, allow_pickle: bool = True,
+                 decoupled: bool = False, allow_pickle: bool = False,
                  verify: bool | None = None) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
@@ -92,8 +93,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
                                        process_group=rank_alone_group())
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(
-                f"{exc} (through DeepSpeed: CkptioCheckpointEngine(allow_pickle=True), "
-                "the default, stores such values pickled)") from exc
+                f"{exc} (through DeepSpeed: ckptio.deepspeed_engine.use(engine, "
+                "allow_pickle=True) stores ZeRO's loss scaler and param_slice_mappings pickled; "
+                "loading them then unpickles, so only for checkpoints you trust)") from exc
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state saved at ``path``: CPU tensors (moved to ``map_location`` when that names
@@ -138,7 +140,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
 
 
 def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
-        allow_pickle: bool = True, verify: bool | None = None) -> CkptioCheckpointEngine:
+        allow_pickle: bool = False, verify: bool | None = None) -> CkptioCheckpointEngine:
     """Make DeepSpeed ``engine`` (what deepspeed.initialize returned) save and load through
     ckptio from now on; returns the CkptioCheckpointEngine. Call it on every rank, before the
     first save_checkpoint or load_checkpoint. Arguments as CkptioCheckpointEngine's."""

@@ -40,7 +40,8 @@ def make_engine(stage: int, decoupled: bool) -> object:
               "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
-    ckptio.deepspeed_engine.use(engine, decoupled=decoupled)  # saves and loads through ckptio
+    # saves and loads through ckptio; allow_pickle: ZeRO's loss scaler and slice mappings
+    ckptio.deepspeed_engine.use(engine, decoupled=decoupled, allow_pickle=True)
     return engine
 
 

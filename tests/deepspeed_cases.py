@@ -83,7 +83,7 @@ def save_then_go_on(rank: int, world_size: int, root: str, stage: int,
     import ckptio.deepspeed_engine
 
     engine = engine_for(stage, world_size)
-    ckptio.deepspeed_engine.use(engine, decoupled=decoupled)
+    ckptio.deepspeed_engine.use(engine, decoupled=decoupled, allow_pickle=True)
     train(engine, SAVE_AT)
     engine.save_checkpoint(root)
     losses = train(engine, MORE)
@@ -100,7 +100,7 @@ def resume(rank: int, world_size: int, root: str, stage: int, tag: str | None = 
     import ckptio.deepspeed_engine
 
     engine = engine_for(stage, world_size)
-    ckptio.deepspeed_engine.use(engine)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)
     path, client = engine.load_checkpoint(root, tag=tag)
     assert path is not None, f"nothing loaded from {root}"
     losses = train(engine, steps)
@@ -117,7 +117,7 @@ def killed_mid_save(rank: int, world_size: int, root: str,
 
     for i, (stage, decoupled) in enumerate(runs):
         engine = engine_for(stage, world_size)
-        ours = ckptio.deepspeed_engine.use(engine, decoupled=decoupled)
+        ours = ckptio.deepspeed_engine.use(engine, decoupled=decoupled, allow_pickle=True)
         train(engine, SAVE_AT)
         engine.save_checkpoint(os.path.join(root, str(i)))
         train(engine, 2)
@@ -144,7 +144,7 @@ def load_tag(rank: int, world_size: int, root: str, stage: int, tag: str) -> str
     import ckptio.deepspeed_engine
 
     engine = engine_for(stage, world_size)
-    ckptio.deepspeed_engine.use(engine)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)
     try:
         path, _ = engine.load_checkpoint(root, tag=tag)
     except Exception as exc:  # noqa: BLE001 - the test checks which error it is
@@ -205,7 +205,7 @@ def weights_on_fewer(rank: int, world_size: int, root: str, stage: int) -> Any:
     import ckptio.deepspeed_engine
 
     engine = engine_for(stage, world_size)
-    ckptio.deepspeed_engine.use(engine)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)
     try:
         path, _ = engine.load_checkpoint(root, load_module_only=True,
                                          load_optimizer_states=False,

@@ -194,9 +194,10 @@ def test_reads_deepspeeds_torch_engine_files(tmp_path: Path) -> None:
 
 
 def test_pickle_refused_names_the_fix(tmp_path: Path) -> None:
-    """allow_pickle=False: a DeepSpeed object (here a dataclass like its loss scaler) is
-    refused with a CkptError naming the key and the engine's switch; nothing is committed."""
-    engine = CkptioCheckpointEngine(allow_pickle=False)
+    """Without the caller's opt-in (allow_pickle, off by default) a DeepSpeed object (here a
+    dataclass like its loss scaler) is refused with a CkptError naming the key and the switch;
+    nothing is committed."""
+    engine = CkptioCheckpointEngine()
     path = tmp_path / "t" / "optim_states.pt"
     with pytest.raises(ckptio.UnsupportedStateError, match=r"loss_scaler[\s\S]*allow_pickle"):
         engine.save({"loss_scaler": _info(tmp_path), "w": torch.ones(2)}, str(path))
