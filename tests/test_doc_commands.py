@@ -25,7 +25,7 @@ from typed_commands import ROOT, Case, documented, run_case
 NOT_RUN: list[tuple[str, str]] = [
     (r"^python3 -m venv ", "makes a virtual environment for the pip install after it"),
     (r"pip install ", "installs torch and the extras over the network (minutes)"),
-    (r"^\.venv/bin/python -m pytest -q$", "the whole suite, about 23 minutes: CI runs it"),
+    (r"^\.venv/bin/python -m pytest -q$", "the whole suite, about 25 minutes: CI runs it"),
     (r"^\.venv/bin/ckptio demo$", "trains for minutes (165 s on a busy 2-core machine): too "
                                   "slow beside the rest; tests/test_resume_real.py runs the "
                                   "demo with --quick"),
