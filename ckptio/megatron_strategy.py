@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 import ckptio
 from ckptio.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptio.io.stage import torch_dtype
 from ckptio.shared import checkpointer
 
 __all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
@@ -288,7 +289,8 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         for entry in record.tensors:
             key = entry.key.removeprefix(prefix)
             if entry.key.startswith(prefix) and key not in out:
-                meta = torch.empty(entry.shape, dtype=_dtype(entry.dtype), device="meta")
+                dtype = torch_dtype(entry.dtype.removeprefix("torch."))
+                meta = torch.empty(entry.shape, dtype=dtype, device="meta")
                 out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
         return out
 
@@ -319,13 +321,6 @@ def _unique_key(flat: str) -> str | None:
         return None
     end = flat.find(".", at)
     return flat if end < 0 else flat[:end]
-
-
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in a ckptio manifest")
-    return found
 
 
 def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Issue 63 item 11, what is left: after a CheckpointManager save and a ckptio.load of DTensors
-in one process, torch's WORLD group outlives destroy_process_group until the next garbage
-collection (a reference cycle through a closure cell holds it), so it can be freed while the
-interpreter finalizes. Prints, per rank, whether WORLD is alive after destroy_process_group and
-after gc.collect(); 'True, False' is the cycle.
+"""Issue 63 item 11's last cause, as a probe: after a CheckpointManager save and a ckptio.load
+of DTensors in one process, is torch's WORLD group gone once destroy_process_group returns?
+A reference cycle (a recursive closure over the loaded state in loading/merge.py, fixed) held it
+until the next garbage collection, which may run while the interpreter finalizes. Prints, per
+rank, whether WORLD is alive after destroy_process_group and after gc.collect(); 'True, False'
+is such a cycle, '(False, False)' on every rank is clean (tests/test_exit.py asserts it).
 
     PYTHONPATH=$PWD python dev/exit_probe_world.py
 """

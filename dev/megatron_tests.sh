@@ -13,20 +13,24 @@
 # The venv is made once, outside the checkout (VENV, default ~/.cache/ckptio/venv-megatron),
 # from a Python 3.12 (PYTHON312, default python3.12; pyenv's where it is not on PATH) with
 # PyPI's torch (a CUDA build of about 5 GB; it runs on the CPU), megatron-core 0.19.2 and
-# ckptio's runtime and test dependencies, not ckptio itself: the tests import this checkout
-# through PYTHONPATH. A pip constraint file capping torch (PIP_CONSTRAINT, or the machine's
-# pip configuration) is lifted for this one install.
+# ckptio's runtime and test dependencies (pytest-xdist: pyproject's addopts), not ckptio
+# itself: the tests import this checkout through PYTHONPATH. A pip constraint file capping
+# torch (PIP_CONSTRAINT, or the machine's pip configuration) is lifted for this one install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-$HOME/.cache/ckptio/venv-megatron}
-python312=${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import megatron.core, torch, xxhash, pytest, psutil" 2>/dev/null; then
+python312=${PYTHON312:-}
+if [ -z "$python312" ]; then  # a pyenv shim answers command -v and then refuses to run
+  if python3.12 -c "" 2>/dev/null; then python312=python3.12
+  else python312=$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1); fi
+fi
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import megatron.core, torch, xxhash, pytest, xdist, psutil" 2>/dev/null; then
   mkdir -p "$(dirname "$venv")"
   "$python312" -m venv "$venv"
   empty=$(mktemp)
   start=$(date +%s)
   PIP_CONSTRAINT=$empty "$venv/bin/pip" install -q "torch==2.13.0" "megatron-core==0.19.2" numpy psutil \
-    xxhash tqdm pytest
+    xxhash tqdm pytest pytest-xdist
   rm -f "$empty"
   echo "+ installed torch and megatron-core in $venv in $(( $(date +%s) - start )) s"
 fi
