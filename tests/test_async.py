@@ -10,6 +10,7 @@ changes, however fast or loaded the machine: no delay races the test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -422,6 +423,28 @@ def test_reused_plan_follows_values_that_change_kind_or_size(tmp_path: os.PathLi
             assert np.array_equal(loaded["x"], value), step
         else:
             assert loaded["x"] == value, step
+    ck.close()
+
+
+def test_reused_plan_keeps_each_scalar_exact_and_refuses_a_changed_tensor(
+        tmp_path: os.PathLike[str]) -> None:
+    """The one-pass reuse of a plan (plan.py ``_again``): 1 becoming True, 0.0 becoming -0.0,
+    a str becoming None and back come back as they were saved, save after save; a tensor that
+    becomes sparse at a key that held a dense one is refused naming the key, as on a first save."""
+    weight = torch.arange(16.0)
+    ck = Checkpointer(SMALL_POOL)
+    values = [1, True, 1, 0.0, -0.0, "a", None, "a", "a"]
+    for step, value in enumerate(values):
+        ck.save({"w": weight, "x": value, "n": [step, "name"]}, tmp_path / f"s{step}")
+    for step, value in enumerate(values):
+        loaded = ckptio.load(tmp_path / f"s{step}")
+        assert type(loaded["x"]) is type(value) and loaded["x"] == value, step
+        assert math.copysign(1.0, loaded["x"]) == math.copysign(1.0, value) if isinstance(
+            value, float) else True, step
+        assert loaded["n"] == [step, "name"] and torch.equal(loaded["w"], weight)
+    with pytest.raises(ckptio.CkptError, match="'w'.*sparse"):
+        ck.save({"w": weight.to_sparse(), "x": 1, "n": [0, "name"]}, tmp_path / "sparse")
+    assert not os.path.exists(tmp_path / "sparse" / "manifest.json")
     ck.close()
 
 

@@ -21,7 +21,7 @@ from ckptio.format.types import MAX_TREE_DEPTH, Json
 __all__ = ["FlatState", "Leaf", "flatten", "is_stateful", "unflatten"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """A leaf and where it lives, so an in-place load can replace immutable values."""
 
@@ -47,6 +47,12 @@ def is_stateful(value: Any) -> bool:
         and callable(getattr(value, "state_dict", None))
         and callable(getattr(value, "load_state_dict", None))
     )
+
+
+# Types that are always a leaf (no state_dict, no container): a state's thousands of tensors
+# and optimizer indices and names skip the walk's checks (_children).
+_PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, str, bool, float,
+                           type(None)})
 
 
 def _is_container(value: Any) -> bool:
@@ -96,10 +102,15 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
                     f"key {_join(key, repr(k))}: dict keys must be str or int, got "
                     f"{type(k).__name__}; convert the key before saving"
                 )
-            items.append([k, _walk(v, _join(key, k), value, k, flat, depth)])
+            child = f"{key}.{k}" if key else str(k)
+            items.append([k, _leaf(v, child, value, k, flat) if type(v) in _PLAIN_LEAVES
+                          else _walk(v, child, value, k, flat, depth)])
         return _typed(value, key, {"d": items})
     if isinstance(value, list):
-        return {"l": [_walk(v, _join(key, i), value, i, flat, depth) for i, v in enumerate(value)]}
+        return {"l": [_leaf(v, f"{key}.{i}" if key else str(i), value, i, flat)
+                      if type(v) in _PLAIN_LEAVES
+                      else _walk(v, _join(key, i), value, i, flat, depth)
+                      for i, v in enumerate(value)]}
     if _is_container(value):  # tuple, not torch.Size
         return _typed(value, key, {"t": [_walk(v, _join(key, i), None, i, flat, depth)
                                          for i, v in enumerate(value)]})

@@ -8,6 +8,7 @@ name. Does not own: where bytes go (layout.py) or how they are copied (stage.py)
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import warnings
@@ -158,6 +159,8 @@ class PlanCache:
     domains: dict[str, str] = field(default_factory=dict)
     grids: dict[str, Grid] = field(default_factory=dict)
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)  # key -> an int/str/bool/None leaf
+    plan: SavePlan | None = None  # the last plan (``_again``)
     tree: Json = None
     hits: int = 0
 
@@ -177,29 +180,85 @@ def _tensor_signature(t: torch.Tensor, storages: dict[int, int]) -> tuple[Any, .
 
 
 def _signature(flat: FlatState) -> tuple[Any, ...]:
-    parts: list[Any] = []
     storages: dict[int, int] = {}  # storage address -> its position in this save
-    for key, leaf in flat.leaves.items():
-        t = leaf.value
-        if is_dtensor(t):
-            parts.append((key, tuple(t.placements), id(t.device_mesh), tuple(t.shape),
-                          _tensor_signature(t.to_local(), storages)))
-        elif isinstance(t, TensorShard):
-            parts.append((key, "box", tuple(t.global_shape), tuple(t.offsets),
-                          _tensor_signature(t.local, storages)))
-        elif isinstance(t, FlatShard):
-            parts.append((key, "flat", tuple(t.global_shape), t.start,
-                          _tensor_signature(t.local, storages)))
-        elif is_sharded_tensor(t):
-            local, chunk = sharded_local(t, key)
-            parts.append((key, "sharded", tuple(t.size()), chunk,
-                          _tensor_signature(local, storages)))
-        elif isinstance(t, torch.Tensor):
-            check_dense(t, key)  # before its storage is asked for (a sparse tensor has none)
-            parts.append((key, _tensor_signature(t, storages)))
-        else:
-            parts.append((key, None))
-    return tuple(parts)
+    return tuple(_part(key, leaf.value, storages) for key, leaf in flat.leaves.items())
+
+
+def _part(key: str, t: Any, storages: dict[int, int]) -> tuple[Any, ...]:
+    """One leaf's part of the signature: its key and what planning it depends on."""
+    if is_dtensor(t):
+        return (key, tuple(t.placements), id(t.device_mesh), tuple(t.shape),
+                _tensor_signature(t.to_local(), storages))
+    if isinstance(t, TensorShard):
+        return (key, "box", tuple(t.global_shape), tuple(t.offsets),
+                _tensor_signature(t.local, storages))
+    if isinstance(t, FlatShard):
+        return (key, "flat", tuple(t.global_shape), t.start, _tensor_signature(t.local, storages))
+    if is_sharded_tensor(t):
+        local, chunk = sharded_local(t, key)
+        return (key, "sharded", tuple(t.size()), chunk, _tensor_signature(local, storages))
+    if isinstance(t, torch.Tensor):
+        check_dense(t, key)  # before its storage is asked for (a sparse tensor has none)
+        return (key, _tensor_signature(t, storages))
+    return (key, None)
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_SCALARS = frozenset({int, str, bool, type(None)})  # equal values are identical ones
+
+
+def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch.Tensor]] | None:
+    """The last plan again in one pass over the leaves, or None at the first leaf that needs
+    planning (the full path then plans): every tensor leaf with the last save's signature,
+    every object leaf of the last plan an int, str, bool, None or float now. A scalar equal to
+    the last save's keeps its entry; the plan is the last one itself unless a value changed."""
+    last, signature = cache.plan, cache.signature
+    if last is None or signature is None or len(signature) != len(flat.leaves):
+        return None
+    storages: dict[int, int] = {}
+    sources: dict[str, torch.Tensor] = {}
+    objects: list[ObjectEntry] = []
+    changed = False
+    for (key, leaf), part in zip(flat.leaves.items(), signature):
+        value = leaf.value
+        if part[1] is None:  # no tensor last time
+            entry = _object_again(key, value, cache)
+            if entry is None:
+                return None
+            changed = changed or entry is not last.objects[len(objects)]
+            objects.append(entry)
+            continue
+        plain = (type(value) in _PLAIN and value.layout is torch.strided and not value.is_nested
+                 and not value.__dict__)  # dense, no CheckpointableTensor fields
+        if part != ((key, _tensor_signature(value, storages)) if plain
+                    else _part(key, value, storages)):
+            return None
+        if key not in cache.alias_of:
+            sources[key] = value if plain else local_tensor(value)
+    if changed:
+        cache.plan = last = dataclasses.replace(last, objects=tuple(objects))
+    return last, sources
+
+
+def _object_again(key: str, value: Any, cache: PlanCache) -> ObjectEntry | None:
+    """The entry of a leaf that was an object in the last plan and is a scalar now: the last
+    one while the value is the same (cache updated otherwise); None for any other leaf."""
+    cls = type(value)
+    entry = cache.objects.get(key)
+    if entry is None or (cls not in _SCALARS and cls is not float):
+        return None
+    if cls is not float:  # equal floats may differ (-0.0): compared by their encoding
+        old = cache.scalars.get(key, _NOTHING)
+        if type(old) is cls and old == value:
+            return entry
+        cache.scalars[key] = value
+    payload = values.encode(value)
+    if entry.value != payload:
+        entry = cache.objects[key] = ObjectEntry(key, payload)
+    return entry
+
+
+_NOTHING = object()
 
 
 def build_plan(flat: FlatState, *, allow_pickle: bool,
@@ -212,21 +271,32 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
     if flat.tree == cache.tree:
         flat.tree = cache.tree
     cache.tree = flat.tree
+    again = _again(flat, cache)
+    if again is not None:
+        cache.hits += 1
+        return again
     signature = _signature(flat)
     if signature == cache.signature:
         cache.hits += 1
-        plan, sources = _build(flat, allow_pickle, cache)
-        cache.objects = {entry.key: entry for entry in plan.objects}
-        return plan, sources
+        return _remember(cache, flat, *_build(flat, allow_pickle, cache))
     cache.signature, cache.tensor_items, cache.alias_of = None, {}, {}
     plan, sources = _build(flat, allow_pickle, None)
-    cache.objects = {entry.key: entry for entry in plan.objects}
     for item in plan.items:
         if item.kind == "tensor":
             cache.tensor_items[item.key] = item
     cache.alias_of = dict(plan.aliases)
     cache.sharded, cache.domains, cache.grids = plan.sharded, plan.domains, plan.grids
     cache.signature = signature
+    return _remember(cache, flat, plan, sources)
+
+
+def _remember(cache: PlanCache, flat: FlatState, plan: SavePlan,
+              sources: dict[str, torch.Tensor]) -> tuple[SavePlan, dict[str, torch.Tensor]]:
+    """Keep ``plan`` and its scalar leaves' values for the next save's ``_again``."""
+    cache.objects = {entry.key: entry for entry in plan.objects}
+    cache.scalars = {entry.key: flat.leaves[entry.key].value for entry in plan.objects
+                     if type(flat.leaves[entry.key].value) in _SCALARS}
+    cache.plan = plan
     return plan, sources
 
 
