@@ -62,7 +62,8 @@ class ReusedIOResources:
     # ---------------------------------------------------------------- what a save or load borrows
 
     def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
-              behind: bool = False, reading: bool = False) -> tuple[StagingPool, StoreFiles]:
+              behind: bool = False, reading: bool = False,
+              fit: Sequence[int] = ()) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
@@ -74,7 +75,11 @@ class ReusedIOResources:
         interpreter less while the loop runs than io_uring's submissions and reaper.
         ``reading``: a load, whose backend pins the pool buffer by buffer, each at its first
         read (pinning a whole fresh pool before the first read slowed a restarting job's first
-        load, reading through unpinned buffers slowed every load: docs/BENCH_RESTART.md)."""
+        load, reading through unpinned buffers slowed every load: docs/BENCH_RESTART.md).
+        ``fit``: an async save's file sizes: the pool grown first to hold them (``fit()``,
+        with the lock held), its buffers handed to the capture as its own thread faults them in."""
+        if fit:
+            self._fit(fit)
         wanted = self.options
         filesystem, endpoint = store.capabilities.filesystem, store.capabilities.endpoint
         if filesystem is not None:
@@ -204,18 +209,21 @@ class ReusedIOResources:
         sizes whole (so the next async save never waits for the disk), within the budget; the
         grown pool faults in on its own thread."""
         with self.lock:
-            buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
-            current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
-                          -(-self._grown_nbytes // buffer_bytes))
-            need = sum(-(-n // buffer_bytes) for n in file_nbytes)
-            if need <= current:
-                return
-            allowed = self._budget(current * buffer_bytes) // buffer_bytes
-            if need > allowed:
-                self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
-            target = min(need, allowed)
-            if target > current:
-                self._grow(target, buffer_bytes, current)
+            self._fit(file_nbytes)
+
+    def _fit(self, file_nbytes: Sequence[int]) -> None:
+        buffer_bytes = self._pool.buffer_bytes if self._pool else self._active.buffer_bytes
+        current = max(self._pool.nbuffers if self._pool else 0, self._active.nbuffers,
+                      -(-self._grown_nbytes // buffer_bytes))
+        need = sum(-(-n // buffer_bytes) for n in file_nbytes)
+        if need <= current:
+            return
+        allowed = self._budget(self._pool.nbytes if self._pool else 0) // buffer_bytes
+        if need > allowed:
+            self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
+        target = min(need, allowed)
+        if target > current:
+            self._grow(target, buffer_bytes, current)
 
     def _grow(self, target: int, buffer_bytes: int, current: int) -> None:
         self._grown_nbytes = target * buffer_bytes

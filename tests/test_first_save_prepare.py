@@ -1,7 +1,8 @@
 """The first save of a job costs what the later ones do (issue 45): the staging of async saves
 is sized to the state and faulted in (and pinned, with io_uring) on the pool's own thread as
 soon as the state is known: at CheckpointManager.restore() (nothing there, or a step restored),
-CheckpointManager.prepare() and Checkpointer.prepare(state=), none of which waits for it.
+CheckpointManager.prepare() and Checkpointer.prepare(state=), none of which waits for it,
+and at a plain Checkpointer's first async save, before its capture.
 
 "Does not wait for the pre-fault" is checked by holding the pre-fault (a gate around the
 page population the pool's thread runs) while the call returns: a call that waited would
@@ -142,6 +143,21 @@ def test_checkpointer_prepare_with_a_state_does_not_wait_unless_asked(
     waited.prepare(tmp_path, state=state, wait=True)
     assert waited.staging_nbytes >= STATE_NBYTES and waited.resources().pool.resident
     waited.close()
+
+
+def test_a_plain_first_async_save_grows_the_pool_before_its_capture(
+        tmp_path: os.PathLike[str], assert_same) -> None:
+    """No prepare, no manager: the first async_save of a state larger than Options.pool_bytes
+    grows the pool to the state before its capture (faulted in buffer by buffer ahead of the
+    copies), so it returns before any write finished; a synchronous save never grows it."""
+    state = _state()
+    ck = Checkpointer(Options(**SMALL))
+    ck.save(state, tmp_path / "sync")
+    assert ck.staging_nbytes == SMALL["pool_bytes"], "a synchronous save grew the pool"
+    _first_save_did_not_stream(ck, lambda: ck.async_save(state, tmp_path / "first"))
+    assert ck.staging_nbytes >= STATE_NBYTES
+    assert_same(ckptio.load(tmp_path / "first"), state)
+    ck.close()
 
 
 @pytest.mark.skipif(io.uring_unavailable_reason() is not None, reason="no io_uring here")

@@ -13,6 +13,7 @@ import dataclasses
 
 import logging
 import os
+from collections.abc import Callable
 import time
 
 import pytest
@@ -120,8 +121,8 @@ def test_budget_option_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         Options(host_budget_bytes=-1)
 
 
-def _pretend_available(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
-    """Make the host report ``nbytes`` of available memory to every ckptio module that asks
+def _pretend_available(monkeypatch: pytest.MonkeyPatch, nbytes: Callable[[], int]) -> None:
+    """Make the host report ``nbytes()`` of available memory to every ckptio module that asks
     (wherever ``available_host_bytes`` is defined or imported)."""
     import sys
 
@@ -129,7 +130,7 @@ def _pretend_available(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
                if name.partition(".")[0] == "ckptio" and callable(getattr(m, "available_host_bytes", None))]
     assert patched, "no ckptio module reads available_host_bytes any more"
     for module in patched:
-        monkeypatch.setattr(module, "available_host_bytes", lambda: nbytes)
+        monkeypatch.setattr(module, "available_host_bytes", nbytes)
 
 
 @pytest.mark.parametrize("local_world_size,budget_mib", [(None, 20), ("2", 10), ("4", 5)])
@@ -137,15 +138,16 @@ def test_the_automatic_budget_is_half_the_available_memory_shared_by_the_hosts_r
         tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch, assert_same,
         local_world_size: str | None, budget_mib: int) -> None:
     """host_budget_bytes=None: half of (available + the pool's own) memory, divided among the
-    LOCAL_WORLD_SIZE ranks of the host (torchrun sets it): 38 MiB available + the 2 MiB pool
-    -> 20 MiB for one rank, 10 MiB each for 2, 5 MiB each for 4; a 32 MiB state is capped."""
+    LOCAL_WORLD_SIZE ranks of the host (torchrun sets it): 40 MiB available before the first
+    save -> 20 MiB for one rank, 10 MiB each for 2, 5 MiB each for 4; a 32 MiB state is
+    capped. The pool's memory is no longer available once made, as on a real host."""
     if local_world_size is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
-    _pretend_available(monkeypatch, 38 * MiB)
     state = _state(32 * MiB)
     ck = Checkpointer(Options(**SMALL))
+    _pretend_available(monkeypatch, lambda: 40 * MiB - ck.staging_nbytes)
     ck.async_save(state, tmp_path / "s").wait()
     assert ck.staging_nbytes == budget_mib * MiB
     assert_same(ckptio.load(tmp_path / "s"), state)

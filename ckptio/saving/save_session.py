@@ -315,9 +315,11 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
         staged = (None if ctx.packing is not None else
                   0 if mapped else sum(f.nbytes for f in part.files))
         # a pool no larger than the state (the smallest for a mapped save, which copies into
-        # its files' pages), faulted in by the capture's own copies
+        # its files' pages), faulted in by the capture's own copies; an async save's first
+        # grows it to hold the state, faulted in buffer by buffer ahead of the capture
+        grow = [f.nbytes for f in part.files] if ctx.grow_staging and staged else []
         pool, target = ctx.resources.files(ctx.store, staged, copy_faults=True,
-                                           behind=ctx.grow_staging)
+                                           behind=ctx.grow_staging, fit=grow)
         job = persist.SaveJob(target, part.files, part.sources, pool=pool,
                               algorithm=ctx.options.checksum, rank=ctx.group.rank,
                               ready=part.ready, progress=control.progress,

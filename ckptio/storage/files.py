@@ -118,11 +118,13 @@ class IOResources(Protocol):
     options: Options  # what the driver was made with (a delta's base stores are opened with it)
 
     def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
-              behind: bool = False, reading: bool = False) -> tuple[StagingPool, StoreFiles]:
+              behind: bool = False, reading: bool = False,
+              fit: Sequence[int] = ()) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind (made on first use;
         ``nbytes``: the bytes this use stages, so a small one gets a small pool;
         ``copy_faults``: a pool made now is faulted in by this use's copies, not beforehand;
-        ``behind``: a save that persists while its caller goes on; ``reading``: a load)."""
+        ``behind``: a save that persists while its caller goes on; ``reading``: a load;
+        ``fit``: file sizes the pool is first grown to hold, as ``fit()``)."""
         ...
 
     def fit(self, file_nbytes: Sequence[int]) -> None:
