@@ -71,7 +71,8 @@ def main() -> int:
                   f"({', '.join(f'{c * 1e3:.1f}' for c in calls)})", flush=True)
         if args.gc:
             print(f"generation-2 collections: {len(full)}, ms: "
-                  f"{', '.join(f'{ms:.1f}' for ms in full)}; cyclic garbage of one eager save (freed once the next replaces it): "
+                  f"{', '.join(f'{ms:.1f}' for ms in full)}; cyclic garbage of one eager save "
+                  "(freed once the next replaces it): "
                   f"{_garbage_of(lambda: _two_saves(ck, state, scratch))}")
     finally:
         ck.close()

@@ -36,8 +36,8 @@ def save_load(plt: Any) -> Path:
         summary = _load(f"i47/ranks{ranks}_2gb.json")["summary"]
         gb = summary["bytes"] / 1e9
         saves = {s["engine"]: gb / s["save_s"] for s in summary["saves"]}
-        loads = {l["engine"]: gb / l["load_s"] for l in summary["loads"]
-                 if l["layout"] == f"{ranks}->{ranks}"}
+        loads = {ld["engine"]: gb / ld["load_s"] for ld in summary["loads"]
+                 if ld["layout"] == f"{ranks}->{ranks}"}
         engines = [e for e in ("ckptio", "dcp_t4", "tcp") if e in saves]
         xs = range(len(engines))
         ax.bar([x - 0.2 for x in xs], [saves[e] for e in engines], 0.4, label="durable save")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 
 class NvrxSaver:
@@ -47,7 +47,7 @@ class NvrxSaver:
         self.state_type = CpuStateDict
         self.manager = LocalCheckpointManager(str(root), session_id="bench")
 
-    def guard(self) -> ContextManager[Any]:
+    def guard(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def start(self, step: int, state: dict[str, Any]) -> None:
@@ -76,7 +76,7 @@ class TorchCheckpointingSaver:
         self.future: Any = None
         self.written: list[float] = []  # seconds from each save call to its future's end
 
-    def guard(self) -> ContextManager[Any]:
+    def guard(self) -> contextlib.AbstractContextManager[Any]:
         return self.manager.lock()
 
     def start(self, step: int, state: dict[str, Any]) -> None:
@@ -113,7 +113,7 @@ class FloorSaver:
         self.copy = Copy(Context(optimizer, 0), copy=True, write=False)
         self.pending: Any = None
 
-    def guard(self) -> ContextManager[Any]:
+    def guard(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def start(self, step: int, state: dict[str, Any]) -> None:

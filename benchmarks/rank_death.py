@@ -130,7 +130,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
               f"ckptio rank_timeout_s = {args.deadline:g} s (target: every survivor within "
               f"{2 * args.deadline:g} s); process group timeout {args.cap / 2:g} s; a survivor "
               f"still waiting after {args.cap:g} s is cut off (hung)."), "",
-             "| phase | runs | median s | max s | within 2x | hung | raised | names the rank | previous checkpoint intact |",
+             "| phase | runs | median s | max s | within 2x | hung | raised | names the rank "
+             "| previous checkpoint intact |",
              "|---|---:|---:|---:|---|---:|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['phase']} | {r['runs']} | {s(r['median_s'])} | {s(r['max_s'])} | "

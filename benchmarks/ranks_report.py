@@ -139,8 +139,8 @@ def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
         ratio = mine["save_gbps"] / best["save_gbps"]
         out.append({"what": f"ckptio save / best DCP save ({best['engine']})", "value": ratio,
                     "target": f">= {TARGET_SAVE_VS_DCP:.0f}", "ok": ratio >= TARGET_SAVE_VS_DCP})
-    same = next((l for l in loads if l["engine"] == "ckptio" and l["ranks"] == args.ranks), None)
-    dcp_load = next((l for l in loads if l["engine"] == "dcp"), None)
+    same = next((ld for ld in loads if ld["engine"] == "ckptio" and ld["ranks"] == args.ranks), None)
+    dcp_load = next((ld for ld in loads if ld["engine"] == "dcp"), None)
     if same and same["load_s"] and dcp_load and dcp_load["load_s"]:
         ratio = dcp_load["load_s"] / same["load_s"]
         out.append({"what": f"ckptio / DCP load GB/s, {same['layout']}", "value": ratio,
@@ -153,10 +153,10 @@ def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
         out.append({"what": f"ckptio load {same['layout']}, % of fio on its own data files",
                     "value": same["fio_files_pct"], "target": f">= {TARGET_LOAD_FIO_PCT:.0f}",
                     "ok": same["fio_files_pct"] >= TARGET_LOAD_FIO_PCT})
-    for l in loads:
-        if l["engine"] == "ckptio" and l is not same and same and same["load_s"] and l["load_s"]:
-            ratio = l["load_s"] / same["load_s"]
-            out.append({"what": f"ckptio load {l['layout']} / {same['layout']} (time)", "value": ratio,
+    for ld in loads:
+        if ld["engine"] == "ckptio" and ld is not same and same and same["load_s"] and ld["load_s"]:
+            ratio = ld["load_s"] / same["load_s"]
+            out.append({"what": f"ckptio load {ld['layout']} / {same['layout']} (time)", "value": ratio,
                         "target": f"<= {TARGET_RESHARD}", "ok": ratio <= TARGET_RESHARD})
     return out
 
@@ -196,13 +196,14 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str])
               "| % fio on ckptio's files | later load s "
               "| RSS+ MiB/rank | read MB (all ranks) | disk read MB | bitwise |"),
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for l in summary["loads"]:
-        ok = (f"FAILED ({l['failed']} run(s) failed; see the log)" if l["failed"]
-              else "ok" if l["bitwise_ok"] else "MISMATCH")
-        lines.append(f"| {l['engine']} | {l['layout']} | {fmt(l['load_s'])} | {fmt(l['load_gbps'])} "
-                     f"| {fmt(l['load_pct'], '.0f')} | {fmt(l['fio_pct'], '.0f')} "
-                     f"| {fmt(l.get('fio_files_pct'), '.0f')} | {fmt(l['later_s'])} | {fmt(l['load_rss_mib'], '.0f')} "
-                     f"| {fmt(l['read_mb'], '.0f')} | {fmt(l.get('disk_mb'), '.0f')} | {ok} |")
+    for ld in summary["loads"]:
+        ok = (f"FAILED ({ld['failed']} run(s) failed; see the log)" if ld["failed"]
+              else "ok" if ld["bitwise_ok"] else "MISMATCH")
+        lines.append(f"| {ld['engine']} | {ld['layout']} | {fmt(ld['load_s'])} | {fmt(ld['load_gbps'])} "
+                     f"| {fmt(ld['load_pct'], '.0f')} | {fmt(ld['fio_pct'], '.0f')} "
+                     f"| {fmt(ld.get('fio_files_pct'), '.0f')} | {fmt(ld['later_s'])} "
+                     f"| {fmt(ld['load_rss_mib'], '.0f')} "
+                     f"| {fmt(ld['read_mb'], '.0f')} | {fmt(ld.get('disk_mb'), '.0f')} | {ok} |")
     lines.append(f"| O_DIRECT ceiling | - | {fmt(summary['ceiling_read_s'])} "
                  f"| {fmt(summary['ceiling_read_gbps'])} | 100 | - | - | - | - | {nbytes / 1e6:.0f} "
                  "| - | - |")

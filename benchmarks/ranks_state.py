@@ -88,9 +88,9 @@ def to_dtensors(full: Any, local: Any, mesh: Any, memo: dict[int, Any] | None = 
     if isinstance(full, dict):
         return type(full)({k: to_dtensors(v, local[k], mesh, memo) for k, v in full.items()})
     if isinstance(full, list):
-        return [to_dtensors(f, l, mesh, memo) for f, l in zip(full, local)]
+        return [to_dtensors(f, part, mesh, memo) for f, part in zip(full, local)]
     if isinstance(full, tuple) and type(full) is tuple:
-        return tuple(to_dtensors(f, l, mesh, memo) for f, l in zip(full, local))
+        return tuple(to_dtensors(f, part, mesh, memo) for f, part in zip(full, local))
     return local
 
 

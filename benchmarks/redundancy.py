@@ -6,8 +6,8 @@ every step (docs/BENCH_REDUNDANCY.md).
 Per (engine, repetition): fresh hosts; a training job (benchmarks/redundancy_ranks.py); the
 host memory each host's tmpfs holds at the end; then one host wiped (lost and replaced) and a
 fresh job restores (timed); then, for the engines of ``--disk-restores``, every host's memory
-wiped and a fresh job restores from the disk tier (timed). In the same run: the ceilings (memcpy and XOR of one rank's state, and the
-disk's cold read of it).
+wiped and a fresh job restores from the disk tier (timed). In the same run: the ceilings
+(memcpy and XOR of one rank's state, and the disk's cold read of it).
 
     python -m benchmarks.redundancy --hosts 4 --ranks-per-host 1 --gb 0.01 --steps 20 \
         --reps 3 --json docs/results/redundancy/redundancy.json \

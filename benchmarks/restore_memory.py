@@ -101,7 +101,7 @@ def main() -> int:
         ckptio.save(state, shm / "step")
         ckptio.save(state, disk)
         del state
-        for rep in range(args.reps):
+        for _ in range(args.reps):
             memory = _spawn(args, "load", str(shm / "step"))
             _drop_caches()
             cold = _spawn(args, "load", str(disk))

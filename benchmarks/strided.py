@@ -133,7 +133,7 @@ def _timed(fn: Any) -> tuple[float, int, str | None]:
     error = None
     try:
         fn()
-    except Exception as exc:  # a bench reports an engine that cannot do it, it does not stop
+    except Exception as exc:  # noqa: BLE001 - a bench reports an engine that cannot do it, it does not stop
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     seconds, nbytes = time.perf_counter() - t0, _rchar() - before
     dist.barrier()
@@ -203,7 +203,8 @@ def worker(rank: int, world: int, root: str, mib: int, reps: int) -> list[dict[s
 
 
 def summarize(per_rank: list[list[dict[str, Any]]], total: int) -> str:
-    lines = ["| engine | phase | time (s), median of slowest rank | bytes read per rank (MiB, ranks 0-3) | bytes right |",
+    lines = ["| engine | phase | time (s), median of slowest rank "
+             "| bytes read per rank (MiB, ranks 0-3) | bytes right |",
              "|---|---|---:|---|---|"]
     keys = sorted({(r["engine"], r["phase"]) for r in per_rank[0]},
                   key=lambda k: (["save 2x2", *[f"load {x}" for x in LAYOUTS]].index(k[1]), k[0]))

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import re
 import shlex
 import shutil
@@ -27,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +120,7 @@ def attention(qkv: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-               guard: Callable[[], ContextManager[Any]] | None = None) -> None:
+               guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
     """One step; ``guard()`` (a peer's lock against its capture) around the optimizer step."""
     logits = forward(model, tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())

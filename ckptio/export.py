@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ckptio.alignment import BLOCK, align_down, align_up
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.distributed.step import coordinate, listed
@@ -42,7 +43,7 @@ from ckptio.format import safetensors as st
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
 from ckptio.storage.s3.client import is_s3
 from ckptio.io.stage import Buffer, StagingPool, torch_dtype, typed
-from ckptio.options import BLOCK, Options
+from ckptio.options import Options
 from ckptio.planning.export_plan import (
     ExportFile,
     ExportPlan,
@@ -52,7 +53,6 @@ from ckptio.planning.export_plan import (
     plan_export,
     windows,
 )
-from ckptio.planning.layout import align_up
 from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
 from ckptio.storage.local import fsync_path, write_durably
@@ -228,7 +228,7 @@ def _window_bytes(options: Options) -> int:
     """How much of an output file one window holds: a quarter of the pool (two windows, one
     filled while the other is written, and half the pool for the reads that fill them), so
     each window's reads run io_depth deep; at least one buffer, a multiple of BLOCK."""
-    quarter = options.pool_bytes // (2 * _WINDOWS) // BLOCK * BLOCK
+    quarter = align_down(options.pool_bytes // (2 * _WINDOWS))
     return max(options.buffer_bytes, quarter)
 
 

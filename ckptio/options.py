@@ -1,9 +1,10 @@
 """Every tunable of ckptio in one frozen dataclass, and the only reader of environment variables.
 
 Owns: defaults, validation of option values, CKPTIO_* environment overrides, and the constants
-every layer shares: the byte units (KiB, MiB, GiB), BLOCK (the O_DIRECT granularity), the I/O
-backend names (IO_BACKENDS; ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
-Does not own: what the options do (stage, io, layout and restore read them).
+every layer shares: the byte units (KiB, MiB, GiB), the I/O backend names (IO_BACKENDS;
+ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
+Does not own: what the options do (stage, io, layout and restore read them), the block size
+(ckptio/alignment.py).
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 
-__all__ = ["BLOCK", "CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
+__all__ = ["CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
            "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options"]
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-BLOCK = 4096  # O_DIRECT granularity we use for offsets, lengths and buffer addresses
 IO_BACKENDS = ("auto", "posix", "uring")  # Options.io_backend; ckptio.io.create builds each
 CODECS = ("zstd", "bytegroup+zstd")  # lossless codecs a save may name (ckptio/format/codec.py)
 COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
@@ -160,7 +161,7 @@ class Options:
     memory_mapped: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.buffer_bytes < MiB or self.buffer_bytes % BLOCK:
+        if self.buffer_bytes < MiB or not is_aligned(self.buffer_bytes):
             raise CkptError(
                 f"Options.buffer_bytes={self.buffer_bytes}: must be >= 1 MiB and a multiple of "
                 f"{BLOCK}; writes smaller than 1 MiB waste the disk's bandwidth"
@@ -211,7 +212,7 @@ class Options:
     def _check_s3(self) -> None:
         if self.s3_concurrency < 1:
             raise CkptError(f"Options.s3_concurrency={self.s3_concurrency}: must be >= 1")
-        if self.s3_read_bytes < 0 or self.s3_read_bytes % BLOCK:
+        if self.s3_read_bytes < 0 or not is_aligned(self.s3_read_bytes):
             raise CkptError(f"Options.s3_read_bytes={self.s3_read_bytes}: must be 0 (one GET per "
                             f"buffer) or a multiple of {BLOCK}, e.g. 16 MiB")
         if not self.s3_retry_deadline_s >= 0:

@@ -5,8 +5,9 @@ that repeat (one name, one module: ``__init__.py``/``__main__.py`` excepted).
     python -m tests.structure        # from the repository root: counts, then each one listed
 
 prints how many private-member reaches, import circles and repeated file names the package has
-and lists them; its exit status is 0 when there is none beyond the allow-lists below (empty). tests/test_layers.py checks the layers with the same reading of imports;
-tests/test_structure.py asserts what this prints.
+and lists them; its exit status is 0 when there is none beyond the allow-lists below (empty).
+tests/test_layers.py checks the layers with the same reading of imports; tests/test_structure.py
+asserts what this prints.
 
 A private reach: ``expr._name`` where ``expr`` is not ``self``/``cls``/``super()`` and ``_name``
 is a private member a ckptio class defines (``def _name`` or ``_name = ...`` in a class body,

@@ -12,7 +12,7 @@ import pytest
 from ckptio import cli
 from ckptio.tuning import io_study
 from ckptio.tuning import state
-from ckptio.options import BLOCK
+from ckptio.alignment import BLOCK
 from ckptio.tuning.io_study import Cell, build_plan
 
 KiB = 1 << 10

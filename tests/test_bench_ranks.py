@@ -40,12 +40,12 @@ def test_ranks_smoke(tmp_path):
         assert s["failed"] == 0
         for field in ("first_save_s", "save_s", "save_gbps", "save_pct", "save_rss_mib"):
             assert s[field] is not None, (s["engine"], field)
-    loads = {(l["engine"], l["layout"]): l for l in summary["loads"]}
+    loads = {(ld["engine"], ld["layout"]): ld for ld in summary["loads"]}
     assert set(loads) == {("ckptio", "2->2"), ("ckptio", "2->4")}
-    for l in loads.values():
-        assert l["bitwise_ok"] and l["failed"] == 0, l
-        assert l["load_s"] > 0 and l["load_gbps"] > 0 and l["load_pct"] is not None
-        assert l["read_mb"] is not None  # ckptio's LoadReport.nbytes_read, all ranks
+    for ld in loads.values():
+        assert ld["bitwise_ok"] and ld["failed"] == 0, ld
+        assert ld["load_s"] > 0 and ld["load_gbps"] > 0 and ld["load_pct"] is not None
+        assert ld["read_mb"] is not None  # ckptio's LoadReport.nbytes_read, all ranks
     load_runs = [r for r in report["runs"] if r["job"] == "load"]
     assert len(load_runs) == 2 and all(all(r["bitwise_by_rank"]) for r in load_runs)
     assert {len(r["bitwise_by_rank"]) for r in load_runs} == {2, 4}

@@ -40,7 +40,7 @@ from ckptio import Checkpointer, Options
 from ckptio.storage import dirlock, steps
 from ckptio.storage.local import LocalStore
 from ckptio.errors import CheckpointLockedError
-from ckptio.testing.faults import FaultyBackend, FsyncGate
+from ckptio.testing.faults import FsyncGate
 from ckptio.testing.rank_processes import run_ranks
 
 from conftest import assert_same

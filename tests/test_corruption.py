@@ -24,7 +24,8 @@ import torch
 
 import ckptio
 from ckptio.storage.local import LocalStore
-from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, IncompleteCheckpointError, ManifestError, Options)
+from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
+                    IncompleteCheckpointError, ManifestError, Options)
 
 MiB = 1 << 20
 BUFFER = MiB  # staging buffer (and largest read) in these tests

@@ -232,7 +232,7 @@ def test_regular_dtensor_layouts_planned_per_tensor_round_trip(tmp_path):
     entries: dict[str, list] = {}
     for t in ckptio.Checkpointer().manifest(path).tensors:  # every chunk, from the index files
         entries.setdefault(t.key, []).append(t)
-    for key, (shape, kinds) in cases.GRID_LAYOUTS.items():
+    for key, (shape, _kinds) in cases.GRID_LAYOUTS.items():
         chunks = {(t.chunk.offsets, t.chunk.sizes) for t in entries[key]}
         assert len(chunks) == len(entries[key]), key  # no chunk twice
         assert sum(math.prod(s) for _o, s in chunks) == math.prod(shape), key

@@ -53,7 +53,10 @@ def test_whole_training_state_in_one_call_values_renamed_away(tmp_path: Path) ->
 
 def test_value_not_renamed_away_is_still_refused_naming_it(tmp_path: Path) -> None:
     ckptio.save(_training_state(), tmp_path / "ck", options=OPTS)
-    keep_step = lambda k: None if k != "step" and _values(k) is None else k
+
+    def keep_step(k: str) -> str | None:
+        return None if k != "step" and _values(k) is None else k
+
     with pytest.raises(ckptio.CkptError, match="'step' is a Python value.*rename it to None"):
         ckptio.export_hf(tmp_path / "ck", tmp_path / "x", keys=None, rename=keep_step,
                          options=OPTS)

@@ -184,7 +184,8 @@ def test_simulated_fallback_round_trip_one_warning(refusing_fs, caplog):
     ck = Checkpointer(Options(**OPTS))
     try:
         _save_load_cycles(ck, refusing_fs, n=4)
-        _pool, files = ck.resources().files(LocalStore(".")); backend = files.backend
+        _pool, files = ck.resources().files(LocalStore("."))
+        backend = files.backend
         fh = backend.open_read(os.path.join(refusing_fs, "ckpt-0", "manifest.json"))
         assert fh.direct is False, "the refusing filesystem must be read buffered"
         backend.close(fh, sync=False)
@@ -232,7 +233,8 @@ def test_direct_io_off_never_warns(tmp_path, caplog):
     ck = Checkpointer(Options(**OPTS, direct_io="off"))
     try:
         _save_load_cycles(ck, str(tmp_path), n=2)
-        _pool, files = ck.resources().files(LocalStore(".")); backend = files.backend
+        _pool, files = ck.resources().files(LocalStore("."))
+        backend = files.backend
         fh = backend.open_read(os.path.join(tmp_path, "ckpt-0", "manifest.json"))
         assert fh.direct is False
         backend.close(fh, sync=False)

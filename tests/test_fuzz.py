@@ -109,7 +109,7 @@ def ck() -> Iterator[Checkpointer]:
 
 
 @pytest.fixture(scope="module")
-def victim(tmp_path_factory: pytest.TempPathFactory, ck: Checkpointer) -> "Victim":
+def victim(tmp_path_factory: pytest.TempPathFactory, ck: Checkpointer) -> Victim:
     path = tmp_path_factory.mktemp("fuzz") / "ckpt"
     ck.save(STATE, path)
     return Victim(path)

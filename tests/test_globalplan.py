@@ -54,7 +54,7 @@ def test_plain_tensors_differing_between_ranks_stay_per_rank():
                        digests=(f"{r:016x}", "f" * 16)) for r in range(3)]
     assert per_rank_keys(plans) == {"rng"}
     out = plan_global(plans)
-    for rank, a in enumerate(out.assignments):
+    for a in out.assignments:
         assert 0 in a.writes and 0 in a.own  # each rank writes its own rng
     assert sum(1 in a.writes for a in out.assignments) == 1  # "same" once
 

@@ -65,7 +65,8 @@ def who_am_i(rank: int, world: int, peer_addr: str) -> dict[str, Any]:
         own = s.getsockname()[0]
     got = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(got, torch.tensor([float(rank + 1)]))
-    return {"hostname": socket.gethostname(), "resolved": _resolve(["h0", "h1"]), "netns": os.readlink("/proc/self/ns/net"),
+    return {"hostname": socket.gethostname(), "resolved": _resolve(["h0", "h1"]),
+            "netns": os.readlink("/proc/self/ns/net"),
             "addr": own, "gathered": [float(t) for t in got],
             "shm": os.environ["CKPTIO_SHM_DIR"], "local_rank": int(os.environ["LOCAL_RANK"]),
             "group_rank": int(os.environ["GROUP_RANK"])}

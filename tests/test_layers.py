@@ -51,7 +51,7 @@ from tests.structure import (
 
 # The layers below the drivers, bottom to top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ckptio.errors", "ckptio.options", "ckptio.version"),
+    ("ckptio.alignment", "ckptio.errors", "ckptio.options", "ckptio.version"),
     ("ckptio.format",),
     ("ckptio.planning", "ckptio.io"),
     ("ckptio.storage",),

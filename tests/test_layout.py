@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from ckptio.planning import layout
 from ckptio.format import validate
-from ckptio.planning.layout import (SMALL_ALIGN, align_down, align_up, coalesce_reads, data_file_name, item_alignment, plan_files)
-from ckptio.options import BLOCK
+from ckptio.planning.layout import coalesce_reads, data_file_name, plan_files
+from ckptio.alignment import BLOCK, SMALL_ALIGN, align_down, align_up, is_aligned, item_alignment, padding
 from ckptio.format.types import Chunk, TensorEntry, WriteItem
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -49,6 +49,12 @@ def test_align_helpers():
     assert [align_up(v, 64) for v in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
     assert [align_down(v, BLOCK) for v in (0, 1, 4095, 4096, 8191)] == [0, 0, 0, 4096, 4096]
     assert align_up(10**15 + 1, BLOCK) % BLOCK == 0
+    # the block is the default alignment; padding and is_aligned agree with align_up
+    assert [align_up(v) for v in (0, 1, BLOCK, BLOCK + 1)] == [0, BLOCK, BLOCK, 2 * BLOCK]
+    assert [align_down(v) for v in (BLOCK - 1, 2 * BLOCK + 5)] == [0, 2 * BLOCK]
+    for v in (0, 1, 63, 64, BLOCK - 1, BLOCK, 3 * BLOCK + 17):
+        assert v + padding(v) == align_up(v) and v + padding(v, 64) == align_up(v, 64)
+        assert is_aligned(v) == (padding(v) == 0) and is_aligned(v, 64) == (v % 64 == 0)
 
 
 def test_item_alignment_boundary():

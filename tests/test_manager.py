@@ -24,7 +24,9 @@ import torch
 
 import ckptio
 from ckptio.storage.runlease import LEASE_NAME
-from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError, ManifestError, Options, SaveHandle, SaveResult, StateMismatchError, StorageIOError)
+from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
+                    ManifestError, Options, SaveHandle, SaveResult, StateMismatchError,
+                    StorageIOError)
 from ckptio.manager import CheckpointManager
 from ckptio.testing.faults import inject
 from ckptio.testing.rank_processes import run_ranks

@@ -31,7 +31,8 @@ def test_profile_sets_defaulted_io_fields_and_saves_load_through_it(tmp_path: os
     ck = Checkpointer(Options(pool_bytes=32 * MiB))
     state = {"w": torch.randn(3 * MiB // 4)}
     ck.save(state, tmp_path / "ck")
-    pool, files = ck.resources().files(LocalStore(str(tmp_path / "ck"))); backend = files.backend
+    pool, files = ck.resources().files(LocalStore(str(tmp_path / "ck")))
+    backend = files.backend
     assert pool.buffer_bytes == 2 * MiB and backend.depth == 3
     assert torch.equal(ck.load(tmp_path / "ck")["w"], state["w"])
     ck.close()

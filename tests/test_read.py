@@ -22,8 +22,8 @@ from ckptio.format import manifest
 from ckptio.format.types import Chunk, Read, TensorEntry
 from ckptio.io import posix
 from ckptio.loading import read as read_module
-from ckptio.options import BLOCK
-from ckptio.planning.layout import align_up, coalesce_reads
+from ckptio.alignment import BLOCK, align_up
+from ckptio.planning.layout import coalesce_reads
 from ckptio.storage.local import LocalStore
 from ckptio.testing.faults import inject
 

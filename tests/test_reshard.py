@@ -16,7 +16,9 @@ pytest.importorskip("hypothesis", reason="the property-based tests need hypothes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptio.planning.reshard import (FlatRange, Piece, Region, Stored, dest_view, execute, flat_boxes, flat_index, intersect, plan_reads, stored_from_entry, subtract)
+from ckptio.planning.reshard import (FlatRange, Piece, Region, Stored, dest_view, execute,
+                                     flat_boxes, flat_index, intersect, plan_reads,
+                                     stored_from_entry, subtract)
 from ckptio.format.types import Chunk, TensorEntry
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True)

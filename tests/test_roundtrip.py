@@ -16,7 +16,9 @@ import ckptio
 from conftest import ALL_DTYPES
 from special_values import bits_equal, rand, raw
 from ckptio.format import manifest
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, IncompleteCheckpointError, PickleRefusedError, StateMismatchError, UnsupportedStateError)
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           IncompleteCheckpointError, PickleRefusedError, StateMismatchError,
+                           UnsupportedStateError)
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ from ckptio.storage.s3 import client as s3client
 from ckptio.storage.s3.client import S3Settings
 
 botocore = pytest.importorskip("botocore")
-from botocore.awsrequest import AWSResponse
+from botocore.awsrequest import AWSPreparedRequest, AWSResponse  # noqa: E402 - only once botocore is there
 
 _EMPTY_LISTING = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
                   b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>my-bucket</Name>'
@@ -58,8 +58,8 @@ def test_with_no_endpoint_set_the_client_targets_the_regions_aws_endpoint(aws_us
     assert made.meta.region_name == "eu-west-1"
     sent: list[str] = []
 
-    def answer(request: object, **_kwargs: object) -> AWSResponse:
-        url = str(getattr(request, "url"))
+    def answer(request: AWSPreparedRequest, **_kwargs: object) -> AWSResponse:
+        url = str(request.url)
         sent.append(url)
         if "list-type=2" in url:  # ListObjectsV2: nothing under the prefix
             return AWSResponse(url, 200, {"Content-Type": "application/xml"},

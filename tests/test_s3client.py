@@ -13,7 +13,7 @@ from ckptio.storage.s3 import client as s3client
 from ckptio.storage.s3.client import S3Path, S3Settings, call
 
 botocore = pytest.importorskip("botocore")
-from botocore.exceptions import ClientError, EndpointConnectionError
+from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402 - only once botocore is there
 
 
 def _error(http: int, code: str) -> ClientError:

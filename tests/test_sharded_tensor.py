@@ -6,9 +6,9 @@ is saved by ``dcp.save`` and by ``ckptio.save``. Then, into fresh ShardedTensor 
 other values: DCP's checkpoint loaded by ``dcp.load`` (the control) and by ``ckptio.load``;
 ckptio's by ``ckptio.load`` and by ``dcp.load`` through ``ckptio.DcpReader``: each rank's rows
 bit for bit, on the saving 2 ranks and resharded on 4 ranks (2 + 2 + 2 + 1 rows); and in one
-process ``ckptio.load`` of either gives the whole tensor, and ``ckptio.export_hf`` writes it. FSDP1's SHARDED_STATE_DICT of a real
-model on 2 ranks round-trips into another model. Before, ckptio refused a ShardedTensor at save
-and as a template. Several local shards on one rank are refused naming the fix.
+process ``ckptio.load`` of either gives the whole tensor, and ``ckptio.export_hf`` writes it.
+FSDP1's SHARDED_STATE_DICT of a real model on 2 ranks round-trips into another model. Before,
+ckptio refused a ShardedTensor at save and as a template. Several local shards on one rank are refused naming the fix.
 """
 
 from __future__ import annotations

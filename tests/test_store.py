@@ -25,7 +25,8 @@ import pytest
 
 from ckptio.storage.select import store_for
 from ckptio.errors import StorageIOError, UnsupportedPathError
-from ckptio.options import BLOCK, Options
+from ckptio.alignment import BLOCK
+from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
 from ckptio.storage.local import LocalStore

@@ -65,10 +65,11 @@ RANKS_TIMEOUT_S = 300  # bounds a hang only
 # (relative ~1e-7). Adam's update divides by sqrt(exp_avg_sq), which after K steps is away from
 # zero, so the losses stay within relative ~1e-7 over M = 2 steps (measured here, printed by
 # test_resharded_resume under -s: 8e-8 for TP 2 and FSDP 4, 9e-8 for one process, 0 for the
-# transposed mesh, whose few sums happen to round alike). rtol 1e-5 is 100x that, and a load that left the fresh (OTHER_SEED) weights in place, or
-# dropped the optimizer state, is off by more than 1e-3 (tests/test_fsdp2_resume.py shows the
-# latter for the same optimizer). Against the reference run in the same layout the comparison is
-# bitwise: same layout, same starting bytes, same arithmetic.
+# transposed mesh, whose few sums happen to round alike). rtol 1e-5 is 100x that, and a load
+# that left the fresh (OTHER_SEED) weights in place, or dropped the optimizer state, is off by
+# more than 1e-3 (tests/test_fsdp2_resume.py shows the latter for the same optimizer). Against
+# the reference run in the same layout the comparison is bitwise: same layout, same starting
+# bytes, same arithmetic.
 RTOL, ATOL = 1e-5, 1e-6
 
 

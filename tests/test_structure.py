@@ -1,7 +1,7 @@
 """The structure checks of tests/structure.py: no private-member reach across objects, no
 import circle (tests/test_layers.py asserts the circles with the layers), no recursive closure,
-allow-lists naming only what is there, and the command that prints the counts. Then the checker itself, on
-made-up packages."""
+one owner of byte geometry (ckptio/alignment.py), allow-lists naming only what is there, and the
+command that prints the counts. Then the checker itself, on made-up packages."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.structure import (
     circles,
     duplicate_names,
     main,
+    package_modules,
     reaches,
     unexpected,
 )
@@ -183,3 +184,106 @@ def test_no_recursive_closure_in_the_package():
     found = {f"{path}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
              for name, line in _recursive_closures(ast.parse(path.read_text()))}
     assert not found, found
+
+
+# ------------------------------------------------------------------------------------------------
+# one owner of byte geometry
+
+GEOMETRY_OWNER = "ckptio.alignment"  # BLOCK, SMALL_ALIGN, align_up/down, padding, is_aligned
+GEOMETRY_NAMES = {"BLOCK", "ALIGN"}  # defined by the owner only
+# Module-level constants whose value holds 4096 without being the block size, each with why:
+# (module, name) -> reason. Every other 4096 in ckptio is the block size: ask the owner.
+NOT_GEOMETRY: dict[tuple[str, str], str] = {
+    ("ckptio.format.torchzip", "HEAD_NBYTES"): "a torch item's zip records before data/0 fit",
+    ("ckptio.format.torchzip", "TAIL_NBYTES"): "a torch item's records after its data fit",
+    ("ckptio.storage.holder", "RECORD_MAX_NBYTES"): "the bound of a lock holder's JSON record",
+    ("ckptio.storage.s3.objects", "SEEN_MAX"): "a count of names remembered",
+    ("ckptio.io.stage", "MAX_KEPT_VIEWS"): "a count of views kept per buffer",
+    ("ckptio.tuning.state", "WIDTHS"): "model widths of the synthetic state",
+    ("ckptio.demo.train", "KILL_NOTE_BYTES"): "the size of the demo's kill note",
+}
+
+
+def _allowed_constants(module: str, tree: ast.Module) -> tuple[set[int], set[str]]:
+    """ids of the nodes inside the values of ``module``'s NOT_GEOMETRY constants, and their names."""
+    nodes, names = set(), set()
+    for stmt in tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
+            [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else [])
+        for target in targets:
+            if isinstance(target, ast.Name) and (module, target.id) in NOT_GEOMETRY:
+                names.add(target.id)
+                nodes.update(id(n) for n in ast.walk(stmt.value))  # type: ignore[arg-type]
+    return nodes, names
+
+
+def _is_block_literal(node: ast.AST) -> bool:
+    """4096, or a shift of two integers that makes it (1 << 12, 4 << 10)."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int and node.value == 4096
+    return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.LShift)
+            and all(isinstance(n, ast.Constant) and type(n.value) is int
+                    for n in (node.left, node.right))
+            and node.left.value << node.right.value == 4096)  # type: ignore[attr-defined]
+
+
+def _is_rounding(node: ast.AST) -> bool:
+    """``x // n * n`` or ``-(-x // n) * n``: a value rounded to a multiple by hand."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+        return False
+    for part, n in ((node.left, node.right), (node.right, node.left)):
+        if isinstance(part, ast.UnaryOp) and isinstance(part.op, ast.USub):
+            part = part.operand
+        if (isinstance(part, ast.BinOp) and isinstance(part.op, ast.FloorDiv)
+                and ast.dump(part.right) == ast.dump(n)):
+            return True
+    return False
+
+
+def geometry_breaches(module: str, tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of each place ``module`` does byte geometry itself instead of asking
+    GEOMETRY_OWNER: a literal block size, its own BLOCK or ALIGN, arithmetic on BLOCK (% or //),
+    or a hand-written rounding to a multiple."""
+    if module == GEOMETRY_OWNER:
+        return []
+    allowed, _ = _allowed_constants(module, tree)
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if _is_block_literal(node) and id(node) not in allowed:
+            found.append((line, "a literal 4096: use BLOCK (or list a constant that is no "
+                                "block size in NOT_GEOMETRY with why)"))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in GEOMETRY_NAMES:
+            found.append((line, f"defines {node.id}: import BLOCK from {GEOMETRY_OWNER}"))
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.FloorDiv))
+              and isinstance(node.right, ast.Name) and node.right.id == "BLOCK"):
+            found.append((line, "arithmetic on BLOCK: use is_aligned, padding, align_down or align_up"))
+        elif _is_rounding(node):
+            found.append((line, "a rounding to a multiple by hand: use align_up or align_down"))
+    return sorted(found)
+
+
+def test_one_owner_of_byte_geometry():
+    """The block size, the alignment rule and every rounding on them live in ckptio/alignment.py;
+    every other module asks it (issue 68). The finder finds each kind of breach, too."""
+    planted = ast.parse("ALIGN = 4096\n"
+                        "SHIFTED = 1 << 12\n"
+                        "def f(n, BLOCK):\n"
+                        "    if n % BLOCK:\n"
+                        "        return (n + 7) // 8 * 8\n"
+                        "    return -(-n // ALIGN) * ALIGN\n"
+                        "HEAD_NBYTES = 4096\n")
+    assert [line for line, _ in geometry_breaches("ckptio.x", planted)] == [1, 1, 2, 4, 5, 6, 7]
+    assert len(geometry_breaches("ckptio.format.torchzip", planted)) == 6  # HEAD_NBYTES listed
+    assert geometry_breaches(GEOMETRY_OWNER, planted) == []
+    found = [f"{module}:{line} {what}" for module, path in package_modules().items()
+             for line, what in geometry_breaches(module, ast.parse(path.read_text()))]
+    assert not found, "byte geometry outside ckptio/alignment.py:\n  " + "\n  ".join(found)
+
+
+def test_the_not_geometry_list_names_only_what_is_there():
+    modules = package_modules()
+    gone = sorted(f"{m}.{name}" for m, name in NOT_GEOMETRY
+                  if m not in modules
+                  or name not in _allowed_constants(m, ast.parse(modules[m].read_text()))[1])
+    assert not gone, f"no longer found, remove from NOT_GEOMETRY: {gone}"

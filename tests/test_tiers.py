@@ -4,16 +4,16 @@ from the fastest verified copy.
 
 Covers, with real models and AdamW compared bit for bit after a restore into freshly built ones:
 round trips through each tier (shm alone, shm + disk every 2 / 3, mem:// first, async and lazy
-saves, the first tier's interval, three tiers); memory lost
-(the shm directory removed) -> the newest step the disk holds; a damaged copy in tier 0 -> the
-same step from tier 1, with a warning; damaged everywhere -> an older step; nothing anywhere ->
-None (restore) / CheckpointNotFoundError (a step asked for); issue 30's manager options (metrics
-and metadata drained with their step, a preemption hook, the others on the first tier); a damaged memory copy never propagated by the drain; a process killed
-(SIGKILL) during a drain (no step lost, the drain resumes on start) and during a save into
-memory (the previous step restored); retention per tier; a drain that falls behind skipping to
-the newest step; the memory budget; validation errors; a drain error raised once; the
-``ckptio status`` command; two gloo ranks saving and restoring, and a resharded restore in one
-process from the disk tier.
+saves, the first tier's interval, three tiers); memory lost (the shm directory removed) -> the
+newest step the disk holds; a damaged copy in tier 0 -> the same step from tier 1, with a
+warning; damaged everywhere -> an older step; nothing anywhere -> None (restore) /
+CheckpointNotFoundError (a step asked for); issue 30's manager options (metrics and metadata
+drained with their step, a preemption hook, the others on the first tier); a damaged memory copy
+never propagated by the drain; a process killed (SIGKILL) during a drain (no step lost, the
+drain resumes on start) and during a save into memory (the previous step restored); retention
+per tier; a drain that falls behind skipping to the newest step; the memory budget; validation
+errors; a drain error raised once; the ``ckptio status`` command; two gloo ranks saving and
+restoring, and a resharded restore in one process from the disk tier.
 """
 
 from __future__ import annotations

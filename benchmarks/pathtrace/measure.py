@@ -1,6 +1,6 @@
 """python measure.py TRACE.json REV: for each path, besides the count (run.py), the lines of the
-files counted (at git revision REV of the checkout in $CKPTIO_REPO, default .), the functions seen on the own spine, and the
-jumps back up (a chain re-entering a module it left for another one: A > B > A)."""
+files counted (at git revision REV of the checkout in $CKPTIO_REPO, default .), the functions
+seen on the own spine, and the jumps back up (a chain re-entering a module it left for another one: A > B > A)."""
 from __future__ import annotations
 
 import json

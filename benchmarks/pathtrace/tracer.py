@@ -9,7 +9,6 @@ frames outside the floor; their modules are the path's "spine".
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import types

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptio.alignment import padding
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Json, show
 
@@ -79,8 +80,7 @@ def encode_header(tensors: Sequence[STensor], metadata: Mapping[str, str] | None
         header[t.name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
                           "data_offsets": [t.begin, t.end]}
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    total = -(-(PREFIX_NBYTES + len(body)) // align) * align
-    body += b" " * (total - PREFIX_NBYTES - len(body))
+    body += b" " * padding(PREFIX_NBYTES + len(body), align)
     return struct.pack("<Q", len(body)) + body
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ckptio.alignment import BLOCK
 from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
@@ -37,7 +38,6 @@ from ckptio.loading.opening import ReadFn
 from ckptio.loading import read as reading
 from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
 from ckptio.loading.torchvalues import expand_torch_save
-from ckptio.options import BLOCK
 from ckptio.storage.store_contract import Store
 from ckptio.storage.entry_reader import Bases, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles

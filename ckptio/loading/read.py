@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ckptio.alignment import BLOCK, align_down, align_up
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
@@ -36,8 +37,7 @@ from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded
 from ckptio.loading.shared_blocks import submit_parts
-from ckptio.options import BLOCK
-from ckptio.planning.layout import MAX_GAP, align_up, coalesce_reads
+from ckptio.planning.layout import MAX_GAP, coalesce_reads
 from ckptio.planning.reshard import (
     Piece,
     execute,
@@ -151,8 +151,8 @@ def _block_spans(parts: Parts, block_nbytes: int, limit: int) -> list[_Span]:
 def _blocks(entry: TensorEntry, piece: Piece, block_nbytes: int) -> tuple[int, int]:
     """The piece's byte range widened to whole blocks of its entry (file offsets)."""
     start = piece.offset - entry.offset
-    lo = start // block_nbytes * block_nbytes
-    hi = min(-(-(start + piece.nbytes) // block_nbytes) * block_nbytes, entry.nbytes)
+    lo = align_down(start, block_nbytes)
+    hi = min(align_up(start + piece.nbytes, block_nbytes), entry.nbytes)
     return entry.offset + lo, entry.offset + hi
 
 
@@ -327,7 +327,7 @@ def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], 
     """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
     oldest read in flight is done) holds before a buffer is free."""
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
-    buffers = StagingPool(1, align_up(rng.nbytes, BLOCK), prefault=False) if own else pool
+    buffers = StagingPool(1, align_up(rng.nbytes), prefault=False) if own else pool
     buffer = buffers.acquire() if ready is None or own else buffers.acquire_unless(ready)
     if buffer is None:
         return None

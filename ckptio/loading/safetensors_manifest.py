@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ckptio.alignment import BLOCK
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format import safetensors as st
 from ckptio.format import validate
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Chunk, FileInfo, Manifest, Read, TensorEntry
 from ckptio.loading.foreign_common import raw_read, read_bytes, read_small
-from ckptio.options import BLOCK
 from ckptio.storage.store_contract import Store
 
 __all__ = ["BLOCK_NBYTES", "HEAD_NBYTES", "holds_hf", "is_safetensors_name", "open_safetensors"]

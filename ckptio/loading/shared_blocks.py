@@ -23,11 +23,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
+from ckptio.alignment import align_down, align_up
 from ckptio.format.types import ReadRange
 from ckptio.io import FileHandle
 from ckptio.io.backend_contract import all_of
-from ckptio.options import BLOCK
-from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["submit_parts"]
@@ -102,7 +101,7 @@ def cut(rng: ReadRange[Span], block_nbytes: int) -> list[Part]:
     its block spans through the cache, the bytes between them direct."""
     end = rng.offset + rng.nbytes
     cached = _merged(sorted(
-        (max(align_down(lo, BLOCK), rng.offset), min(align_up(hi, BLOCK), end))
+        (max(align_down(lo), rng.offset), min(align_up(hi), end))
         for span in rng.entries for lo, hi in _partly_wanted(span, block_nbytes)))
     parts: list[Part] = []
     pos = rng.offset
@@ -130,7 +129,7 @@ def _partly_wanted(span: Span, block_nbytes: int) -> list[tuple[int, int]]:
     if first > span.offset:
         out.append((span.offset, min(span.end, span.offset + block_nbytes)))
     if last < span.end:
-        out.append((max(span.offset, base + (span.end - 1 - base) // block_nbytes * block_nbytes),
+        out.append((max(span.offset, base + align_down(span.end - 1 - base, block_nbytes)),
                     span.end))
     return out
 

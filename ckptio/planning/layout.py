@@ -1,9 +1,10 @@
 """Where bytes go: pack write items into a few large files at aligned offsets, and coalesce the
 byte extents a load needs into a few large aligned reads.
 
-Owns: the alignment rule, the file-splitting rule, data file names and read coalescing (the one
-loop every load's reads go through, and how far it reads through a gap: ``MAX_GAP``).
-Does not own: which extents a load needs or how they are verified (loading/read.py).
+Owns: the file-splitting rule, data file names and read coalescing (the one loop every load's
+reads go through, and how far it reads through a gap: ``MAX_GAP``).
+Does not own: the block size and alignment rule (ckptio/alignment.py), which extents a load
+needs or how they are verified (loading/read.py).
 Pure: dataclasses in, dataclasses out; no I/O, no torch.
 """
 
@@ -13,27 +14,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ckptio.options import BLOCK
+from ckptio.alignment import align_down, align_up, item_alignment
 from ckptio.format.types import FileLayout, Placement, ReadRange, WriteItem
 
-__all__ = ["Extent", "MAX_GAP", "SMALL_ALIGN", "align_down", "align_up", "coalesce_reads",
-           "data_file_name", "item_alignment", "plan_files"]
+__all__ = ["Extent", "MAX_GAP", "coalesce_reads", "data_file_name", "plan_files"]
 
-SMALL_ALIGN = 64  # small items: cache-line aligned, so thousands of them waste little space
 MAX_GAP = 512 << 10  # a load reads through gaps up to this size rather than issue another request
-
-
-def align_up(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
-def align_down(value: int, alignment: int) -> int:
-    return value // alignment * alignment
-
-
-def item_alignment(nbytes: int) -> int:
-    """Items of a page or more start on a page (O_DIRECT-readable, mmap-able); smaller ones on 64."""
-    return BLOCK if nbytes >= BLOCK else SMALL_ALIGN
 
 
 def data_file_name(save_id: str, rank: int, index: int) -> str:
@@ -83,7 +69,7 @@ def _place(items: Sequence[WriteItem], *, save_id: str, rank: int,
 
 def _close(save_id: str, rank: int, index: int, end: int, placements: list[Placement]) -> FileLayout:
     name = data_file_name(save_id, rank, index)
-    return FileLayout(name=name, nbytes=align_up(end, BLOCK), placements=tuple(placements))
+    return FileLayout(name=name, nbytes=align_up(end), placements=tuple(placements))
 
 
 class Extent(Protocol):
@@ -142,9 +128,9 @@ def coalesce_reads(extents: Iterable[E], *, max_read: int, max_gap: int,
                                              max_gap):
                 if current is not None:
                     ranges.append(current.freeze())
-                start = align_down(pos, BLOCK)
+                start = align_down(pos)
                 current = _OpenRange(extent.file, start, start)
-            stop = align_up(end, BLOCK)
+            stop = align_up(end)
             if not unsplit:
                 stop = min(stop, current.start + max_read)
             current.add(extent, stop)
@@ -161,5 +147,5 @@ def _joins(current: _OpenRange[E], file: str, pos: int, end: int, unsplit: bool,
     if current.file != file or pos > current.end + max_gap:
         return False
     if unsplit:
-        return align_up(end, BLOCK) - current.start <= max_read
+        return align_up(end) - current.start <= max_read
     return current.start + max_read > max(pos, current.end)

@@ -23,13 +23,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ckptio.alignment import BLOCK, SMALL_ALIGN, align_up, item_alignment
 from ckptio.errors import CkptError
 from ckptio.format import codec
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Delta, FileInfo, Placement, Stored, TensorEntry
 from ckptio.io import FileHandle
-from ckptio.options import BLOCK
-from ckptio.planning.layout import SMALL_ALIGN, align_up, data_file_name, item_alignment
+from ckptio.planning.layout import data_file_name
 from ckptio.storage.entry_reader import Base, EntryReader
 from ckptio.storage.files import StoreFiles
 
@@ -101,7 +101,7 @@ class Packer:
     most ``threads`` worker threads (the bound: never the training thread); the buffer goes
     back to the pool once its frames are encoded (a frame cut by a buffer's end is copied).
     Finished entries are appended to a segment in memory, which becomes a data file
-    (``open_write`` with its exact size, padded to 4096, one write, fsynced at the end) once it
+    (``open_write`` with its exact size, padded to BLOCK, one write, fsynced at the end) once it
     passes ``segment_nbytes``: a segment holds whole entries, so the memory held is at most a
     segment plus the largest entry's stored bytes."""
 
@@ -314,7 +314,7 @@ class Packer:
 
     def _write_segment(self) -> None:
         """The segment as a data file of its exact (padded) size, written in one request."""
-        name, nbytes = self._segment_name(), align_up(len(self._segment), BLOCK)
+        name, nbytes = self._segment_name(), align_up(len(self._segment))
         self._files.append(FileInfo(name, nbytes, self.rank))
         fh = self.target.open_write(name, nbytes)
         data: mmap.mmap | bytearray

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
+from ckptio.alignment import align_up
 from ckptio.format.checksum import BlockHasher
 from ckptio.errors import CkptError
 from ckptio.io import FileHandle
-from ckptio.planning.layout import align_up
-from ckptio.options import BLOCK
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.saving.mapped_regions import MappedTarget
@@ -354,7 +353,7 @@ class _Window:
         self.pad_to(file_nbytes)
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
-            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled, BLOCK),
+            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled),
                               self.pieces)
         elif buffer is not None:
             self.job.release(buffer)

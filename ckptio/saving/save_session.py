@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckptio.alignment import align_up
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
 from ckptio.format import regular_section
@@ -53,8 +54,8 @@ from ckptio.format.types import (
     WriteItem,
     Written,
 )
-from ckptio.options import BLOCK, Options
-from ckptio.planning.layout import align_up, plan_files
+from ckptio.options import Options
+from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist, stall
 from ckptio.saving.packing import Compression, DeltaBase, Packer
@@ -380,7 +381,7 @@ def _write_index(ctx: SaveContext, name: str, save_id: str, rows: list[TensorEnt
     data = regular_section.encode_index(save_id, ctx.group.rank, [
         regular_section.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
     item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
-    layout = FileLayout(name, align_up(len(data), BLOCK), (Placement(item, 0),))
+    layout = FileLayout(name, align_up(len(data)), (Placement(item, 0),))
     pool, target = ctx.resources.files(ctx.store, len(data))  # a small pool will do
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},

@@ -20,12 +20,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from ckptio.alignment import align_up
 from ckptio.errors import StorageIOError
 from ckptio.io import IOBackend
 from ckptio.io.stage import Buffer, StagingPool
-from ckptio.options import BLOCK
 from ckptio.planning.export_plan import Window
-from ckptio.planning.layout import align_up
 
 __all__ = ["write_windows"]
 
@@ -36,7 +35,7 @@ def write_windows(backend: IOBackend, pool: StagingPool, path: str, nbytes: int,
                   windows: Sequence[Window], fill: Fill) -> int:
     """Write file ``path`` of exactly ``nbytes`` bytes window by window (see the module
     docstring); durable when this returns. -> bytes written."""
-    fh = backend.open_write(path, align_up(nbytes, BLOCK))
+    fh = backend.open_write(path, align_up(nbytes))
     inflight: deque[tuple[Future[int], Buffer, int]] = deque()
     written = 0
     try:
@@ -46,7 +45,7 @@ def write_windows(backend: IOBackend, pool: StagingPool, path: str, nbytes: int,
             buffer = pool.acquire()
             try:
                 fill(window, buffer)
-                length = align_up(window.nbytes, BLOCK)
+                length = align_up(window.nbytes)
                 if length > buffer.nbytes:
                     raise ValueError(f"window of {length} bytes > buffer")  # internal: planned
                 buffer.data[window.nbytes:length].zero_()

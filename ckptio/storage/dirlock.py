@@ -176,7 +176,7 @@ def _holder(fd: int) -> str:
     right after, so an empty file is read again for a moment."""
     for _ in range(_HOLDER_READS):
         try:
-            who = json.loads(os.pread(fd, 4096, 0))
+            who = json.loads(os.pread(fd, holders.RECORD_MAX_NBYTES, 0))
             host, pid, since = str(who["host"]), int(who["pid"]), str(who["since"])
             break
         except (OSError, ValueError, KeyError, TypeError):

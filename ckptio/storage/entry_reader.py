@@ -25,13 +25,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckptio.alignment import align_down, align_up
 from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format import codec, manifest
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import Chunk, Manifest, TensorEntry
 from ckptio.io.backend_contract import FileHandle
-from ckptio.options import BLOCK
-from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.store_contract import Store
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.spans import SPAN, Range, Spans
@@ -221,7 +220,7 @@ class EntryReader:
         planned = self._spans.take(files, entry.file, offset, nbytes)
         if planned is not None:
             return planned
-        start, end = align_down(offset, BLOCK), align_up(offset + nbytes, BLOCK)
+        start, end = align_down(offset), align_up(offset + nbytes)
         buffer = mmap.mmap(-1, end - start)  # page-aligned: fit for O_DIRECT
         got = files.submit_read(self._handle(files, entry.file), start,
                                 memoryview(buffer)).result()

@@ -18,7 +18,9 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["boot_id", "dead", "me", "started"]
+__all__ = ["RECORD_MAX_NBYTES", "boot_id", "dead", "me", "started"]
+
+RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 
 
 def boot_id() -> str:

@@ -138,7 +138,7 @@ def _record(fd: int) -> None:
 
 def _record_of(fd: int) -> dict[str, object] | None:
     try:
-        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+        record = json.loads(os.pread(fd, holders.RECORD_MAX_NBYTES, 0) or b"null")
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None

@@ -17,10 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from ckptio.alignment import align_down, align_up
 from ckptio.errors import CorruptCheckpointError
 from ckptio.io.backend_contract import FileHandle
-from ckptio.options import BLOCK
-from ckptio.planning.layout import align_down, align_up
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["AHEAD", "GAP", "SPAN", "Range", "Spans"]
@@ -86,7 +85,7 @@ class Spans:
             if span.left == 0:
                 span.buffer = None
         assert buffer is not None and read is not None  # internal: submitted above
-        start = align_down(span.start, BLOCK)
+        start = align_down(span.start)
         got = read.result()
         if got < offset + nbytes - start:
             raise CorruptCheckpointError(
@@ -97,7 +96,7 @@ class Spans:
     def _submit(self, span: _Span) -> None:
         if span.read is not None or span.left == 0:
             return
-        start, end = align_down(span.start, BLOCK), align_up(span.end, BLOCK)
+        start, end = align_down(span.start), align_up(span.end)
         span.buffer = mmap.mmap(-1, end - start)  # page-aligned: fit for O_DIRECT
         fh = self._handle(span.files, span.name)
         span.read = span.files.submit_read(fh, start, memoryview(span.buffer))

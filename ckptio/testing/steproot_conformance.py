@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
+from ckptio.alignment import BLOCK
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.options import BLOCK
 from ckptio.storage.steproot import StepRoot
 from ckptio.storage.store_contract import Store, new_save_id
 from ckptio.testing.store_conformance import data_name, write_file

@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import (
     CheckpointLockedError,
     CheckpointNotFoundError,
@@ -44,7 +45,7 @@ from ckptio.errors import (
 )
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.stage import StagingPool
-from ckptio.options import BLOCK, MiB, Options
+from ckptio.options import MiB, Options
 from ckptio.storage.store_contract import Store, TreeStore, is_ours, new_save_id
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.steps import is_committed
@@ -78,7 +79,7 @@ def data_name(index: int = 0, save_id: str | None = None) -> str:
 
 def write_file(store: Store, name: str, data: bytes) -> None:
     """Write ``data`` (a multiple of BLOCK bytes) as file ``name`` through the store's backend."""
-    if len(data) % BLOCK:
+    if not is_aligned(len(data)):
         raise ValueError(f"write_file needs a multiple of {BLOCK} bytes, got {len(data)}")
     files = StoreFiles(store, store.backend(OPTIONS))
     pool = StagingPool(1, max(MiB, len(data)))

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
+from ckptio.alignment import BLOCK
 from ckptio.errors import CheckpointNotFoundError, CkptError, StorageIOError
-from ckptio.options import BLOCK
 from ckptio.storage.store_contract import Store, TreeStore, new_save_id
 
 __all__ = ["TREE_CHECKS", "check_tree_child_and_entries", "check_tree_move_to",

@@ -28,12 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.types import Manifest, TensorEntry
 from ckptio.loading import dcpdir, load_session
 from ckptio.loading.checks import Checker
-from ckptio.options import BLOCK
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store, new_save_id
 from ckptio.storage.files import IOResources, StoreFiles
@@ -54,7 +54,7 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
         load_session.verify(resources, opened)
     files = {f.name: f.nbytes for f in opened.record.files}
     for name, nbytes in files.items():
-        if nbytes % BLOCK:
+        if not is_aligned(nbytes):
             raise CkptError(f"{source.path_of(name)}: {nbytes} bytes, not a multiple of {BLOCK}; "
                             "only checkpoints ckptio saved are copied between tiers")
     names = list(files)

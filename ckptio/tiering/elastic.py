@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ckptio.alignment import BLOCK, align_up
 from ckptio.errors import CkptError, StateMismatchError, StorageIOError
 from ckptio.format.checksum import entry_checksum
 from ckptio.format.manifest import MANIFEST_NAME, decode, encode, version_for
@@ -46,7 +47,6 @@ __all__ = ["Context", "Fetched", "Restart", "survey"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
-ALIGN = 4096
 
 
 @dataclass
@@ -213,8 +213,8 @@ def _layout(choice: Choice, wanted: list[tuple[int, int]]) -> tuple[
     placed, at = [], 0
     for k, i in sorted(wanted, key=lambda e: _holder(choice, e[0])):
         placed.append((k, i, at))
-        at = -(-(at + _extent(choice, k, i)) // ALIGN) * ALIGN
-    return placed, max(at, ALIGN)
+        at = align_up(at + _extent(choice, k, i))
+    return placed, max(at, BLOCK)
 
 
 def _section(choice: Choice, placed: list[tuple[int, int, int]], holder: int) -> tuple[

@@ -2,7 +2,7 @@
 protection (protect.py) and restore (rebuild.py) share.
 
 - **A step's stream**: a rank's one-rank checkpoint ``r<rank>/step-N`` as its manifest's bytes
-  plus its data files concatenated in manifest order (every file a multiple of 4096 bytes),
+  plus its data files concatenated in manifest order (every file a multiple of BLOCK bytes),
   read through its Store; rebuilt into a checkpoint by writing the files, the manifest last.
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.store_contract import TreeStore, new_save_id
@@ -137,7 +138,7 @@ def piece_nbytes(longest: int, k: int) -> int:
     """The size of each of the k pieces of a parity group whose longest shard is ``longest``:
     ceil(longest / k), rounded up to 8 bytes (XOR in 64-bit words)."""
     per = -(-longest // k)
-    return (per + 7) // 8 * 8
+    return align_up(per, 8)
 
 
 def piece(data: torch.Tensor, i: int, p: int) -> torch.Tensor:

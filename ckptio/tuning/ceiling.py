@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckptio.options import BLOCK
+from ckptio.alignment import align_up
 
-__all__ = ["GEOMETRIES", "Writer", "drop_page_cache", "read_ceiling", "round_up", "write_ceiling"]
+__all__ = ["GEOMETRIES", "Writer", "drop_page_cache", "read_ceiling", "write_ceiling"]
 
 CHUNK = 8 << 20
 THREADS = 4
@@ -29,10 +29,6 @@ THREADS = 4
 # ckptio's own pattern (16 MiB x 4 in flight): fio's --bs=8M --iodepth=16 sits between these.
 GEOMETRIES: tuple[tuple[int, int], ...] = ((8 << 20, 4), (32 << 20, 8))
 DROP_CACHES = "/proc/sys/vm/drop_caches"
-
-
-def round_up(n: int, alignment: int = BLOCK) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 def drop_page_cache(paths: Iterable[Path] = ()) -> str:
@@ -92,7 +88,7 @@ class _Buffers:
 
 def _chunks(nbytes: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
     """(offset, length) pairs covering ``nbytes`` rounded up to the O_DIRECT block."""
-    total = round_up(nbytes)
+    total = align_up(nbytes)
     return [(off, min(chunk, total - off)) for off in range(0, total, chunk)]
 
 
@@ -141,7 +137,7 @@ class Writer:
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         try:
-            os.posix_fallocate(fd, 0, round_up(nbytes))
+            os.posix_fallocate(fd, 0, align_up(nbytes))
             t_alloc = time.perf_counter() - t0
             chunks = _chunks(nbytes, self.chunk)
             written = sum(self._pool.map(lambda c: self._write(fd, c), chunks))

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptio import io as ckpt_io
+from ckptio.alignment import BLOCK, align_up
 from ckptio.errors import CkptError
 from ckptio.io.backend_contract import FileHandle, IOBackend
-from ckptio.options import BLOCK
 
 __all__ = ["BACKEND_OF", "ENGINES", "MODES", "Cell", "PhaseTimes", "Plan", "Run", "build_plan",
            "engine_unavailable", "equal_sizes", "gpt_sizes", "make_backend",
-           "probe_unaligned_direct", "round_up", "run_phase"]
+           "probe_unaligned_direct", "run_phase"]
 
 Run = dict[str, Any]
 ENGINES = ("posix1", "posix_pool", "uring")  # the study's engines, in the order tables list them
@@ -79,10 +79,6 @@ class Plan:
 # ---------------------------------------------------------------- workloads and plans
 
 
-def round_up(n: int, alignment: int = BLOCK) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
 def equal_sizes(total_nbytes: int, nbytes: int) -> list[int]:
     return [nbytes] * max(1, total_nbytes // nbytes)
 
@@ -112,14 +108,14 @@ def build_plan(sizes: Sequence[int], cell: Cell) -> Plan:
     """Files and requests of ``cell``. O_DIRECT pads every tensor to 4 KiB; aggregated tensors
     start at 4 KiB-aligned offsets (unaligned cells: packed after a one-byte header)."""
     base, chunk = 0 if cell.aligned else 1, cell.write_nbytes
-    pad = round_up if cell.mode == "direct" else (lambda n: n)
+    pad = align_up if cell.mode == "direct" else (lambda n: n)
     if cell.layout == "file_per_tensor":
         files = [FilePlan(f"t{i:06d}.bin", base + pad(n), tuple(_split(base, pad(n), chunk, base)))
                  for i, n in enumerate(sizes)]
         return Plan(tuple(files), sum(sizes), sum(pad(n) for n in sizes))
     reqs, cursor = [], base
     for n in sizes:
-        start = round_up(cursor) if cell.aligned else cursor
+        start = align_up(cursor) if cell.aligned else cursor
         reqs += _split(start, pad(n), chunk, base)
         cursor = start + pad(n)
     if cell.layout == "coalesced":  # the same bytes in few large requests, as ckptio stages them

@@ -35,14 +35,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptio.alignment import BLOCK, align_up
 from ckptio.errors import CkptError
 from ckptio.io.backend_contract import IOBackend
-from ckptio.options import BLOCK, GiB, KiB, MiB
+from ckptio.options import GiB, KiB, MiB
 from ckptio.tuning import ceiling
 # Cell, build_plan, gpt_sizes, engine_unavailable: also imported from here (tests, tune.py).
 from ckptio.tuning.io_cells import (ENGINES, MODES, Cell, PhaseTimes, Plan, Run, build_plan,
                                     engine_unavailable, equal_sizes, gpt_sizes, make_backend,
-                                    probe_unaligned_direct, round_up, run_phase)
+                                    probe_unaligned_direct, run_phase)
 
 __all__ = ["ENGINES", "MODES", "SECTIONS", "Cell", "Study", "StudyConfig", "build_plan",
            "config_from", "engine_unavailable", "gpt_sizes", "main", "make_cells", "parse_args",
@@ -164,7 +165,7 @@ class Study:
         """ceiling.py's O_DIRECT write and cold read of the cell byte count, best geometry."""
         path, nbytes, tries = self.root / "ceiling.bin", self.config.total_nbytes, list[Run]()
         for chunk, threads in ceiling.GEOMETRIES:
-            chunk = min(chunk, round_up(nbytes))
+            chunk = min(chunk, align_up(nbytes))
             try:
                 os.sync()
                 time.sleep(self.config.idle_s)

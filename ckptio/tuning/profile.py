@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptio.options import BLOCK, DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
+from ckptio.alignment import BLOCK, is_aligned
+from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
 
 __all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
            "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
@@ -47,7 +48,7 @@ class ProfileError(ValueError):
 class Profile:
     io_backend: str  # "posix" | "uring"
     direct_io: str  # "auto" (O_DIRECT measured best and accepted) | "off" (buffered best)
-    buffer_bytes: int  # bytes of one staging buffer = one write; >= 1 MiB, multiple of 4096
+    buffer_bytes: int  # bytes of one staging buffer = one write; >= 1 MiB, multiple of BLOCK
     io_depth: int  # writes or reads in flight
     fs_type: str
     device: int  # st_dev of the tuned directory
@@ -218,8 +219,8 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
-        if (p.buffer_bytes < 5 * MiB or p.buffer_bytes % BLOCK or p.s3_concurrency < 1
-                or p.io_depth < 0 or p.read_bytes < 0 or p.read_bytes % BLOCK):
+        if (p.buffer_bytes < 5 * MiB or not is_aligned(p.buffer_bytes) or p.s3_concurrency < 1
+                or p.io_depth < 0 or p.read_bytes < 0 or not is_aligned(p.read_bytes)):
             return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
                     f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} (>= 0) "
                     f"or read_bytes={p.read_bytes} (a multiple of {BLOCK}, >= 0) "
@@ -227,7 +228,7 @@ def _invalid(p: Profile | S3Profile) -> str | None:
         return None
     if p.direct_io not in DIRECT_IO_MODES:
         return f"direct_io={p.direct_io!r} is not auto, on or off"
-    if p.buffer_bytes < MiB or p.buffer_bytes % BLOCK:
+    if p.buffer_bytes < MiB or not is_aligned(p.buffer_bytes):
         return f"buffer_bytes={p.buffer_bytes} is not a multiple of {BLOCK} of at least 1 MiB"
     if p.io_depth < 1 or p.io_backend not in IO_BACKENDS:
         return f"io_depth={p.io_depth} / io_backend={p.io_backend!r} is invalid"

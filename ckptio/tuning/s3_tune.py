@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from datetime import datetime, timezone
 
+from ckptio.alignment import is_aligned
 from ckptio.errors import CkptError
 from ckptio.storage.s3.backend import MIN_PART, S3Backend
 from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, gets_in_flight
-from ckptio.options import BLOCK, MiB, Options
+from ckptio.options import MiB, Options
 from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
 from ckptio.tuning.choice import Candidate, best_of
@@ -54,7 +55,7 @@ def check(parts: Sequence[int], concurrency: Sequence[int], total: int, reps: in
     if not parts or not concurrency or reps < 1:
         raise CkptError("ckptio tune: give at least one part size, one number of requests in "
                         "flight and --reps >= 1")
-    if any(p < MIN_PART or p % BLOCK for p in parts):
+    if any(p < MIN_PART or not is_aligned(p) for p in parts):
         raise CkptError(f"ckptio tune: part sizes {list(parts)} must be >= 5M (S3's smallest "
                         "part) and multiples of 4K")
     if any(c < 1 for c in concurrency) or total < max(parts):

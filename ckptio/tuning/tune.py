@@ -23,8 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptio.alignment import is_aligned
 from ckptio.errors import CkptError
-from ckptio.options import BLOCK, MiB
+from ckptio.options import MiB
 from ckptio.tuning import profile
 from ckptio.tuning.choice import TIE, Candidate, best_of
 
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dir.startswith("s3://"):
         return run_s3(args)
     sizes = parse_list(args.sizes or SIZES, parse_nbytes)
-    if any(n < MiB or n % BLOCK for n in sizes):
+    if any(n < MiB or not is_aligned(n) for n in sizes):
         print("ckptio tune: --sizes must be >= 1M and multiples of 4K", file=sys.stderr)
         return 2
     chosen, candidates = tune(Path(args.dir), parse_nbytes(args.total or "256M"), sizes,

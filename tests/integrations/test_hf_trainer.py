@@ -26,9 +26,9 @@ import ckptio
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem
+from ckptio.hf_trainer import CkptioTrainer, checkpoint_problem  # noqa: E402 - needs transformers
 
-from .hf_trainer_run import (
+from .hf_trainer_run import (  # noqa: E402 - imports transformers, only once it is there
     RecordingHFTrainer,
     RecordingTrainer,
     TokenData,

@@ -14,7 +14,8 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3.backend import MAX_PARTS, MIN_PART, S3Backend, part_nbytes_for
 from ckptio.storage.s3.client import S3Path, S3Settings
 from ckptio.io.stage import StagingPool
-from ckptio.options import BLOCK, MiB, Options
+from ckptio.alignment import BLOCK
+from ckptio.options import MiB, Options
 from ckptio.storage.s3.store import S3Store
 from ckptio.testing.store_conformance import StoreConformance, data_name
 
