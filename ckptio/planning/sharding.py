@@ -84,8 +84,13 @@ def is_checkpointable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and all(hasattr(value, f) for f in _PROTOCOL)
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def local_tensor(value: Any) -> torch.Tensor:
     """The tensor holding a leaf's bytes: a DTensor's or wrapper's local shard, else itself."""
+    if type(value) in _PLAIN and not value.__dict__:  # most leaves: no protocol fields
+        return value
     if isinstance(value, (TensorShard, FlatShard)):
         return value.local
     if is_dtensor(value):
