@@ -11,11 +11,13 @@ the pool sized and faulted in before the first call, its time reported apart), o
 real start (``job``: no ceiling; ``CheckpointManager(dir)``, ``restore(state)`` with nothing
 there, a pause standing in for the first training steps (``--pause``), then three
 ``save(step, state, asynchronous=True)`` calls, each timed, the restore's call reported
-apart); the medians over the processes. Does not own: the state (ckptio/tuning/state.py) or
-the ceiling.
+apart), or DCP's peers (``dcp_async``, ``dcp_async_staged``: ``dcp()``); each save's time to
+durable and the peak RSS growth over the saves; the medians over the processes. Does not
+own: the state (ckptio/tuning/state.py) or the ceiling.
 
     python -m benchmarks.first_save --gb 2 --reps 3 --dir bench-data/first
     python -m benchmarks.first_save --gb 1 --modes async,job --pause 1
+    python -m benchmarks.first_save --gb 2 --reps 5 --modes async,dcp_async,dcp_async_staged
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import worker_env
+from benchmarks import engines, worker_env
 
 SAVES = 3
-MODES = ("sync", "async", "async_prepared", "job")
+MODES = ("sync", "async", "async_prepared", "job", "dcp_async", "dcp_async_staged")
+DCP_THREADS = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,6 +77,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     args.dir.mkdir(parents=True, exist_ok=True)
     if args.worker == "job":
         return job(args, src, nbytes, memcpy_s)
+    if args.worker.startswith("dcp"):
+        return dcp(args, src, nbytes, memcpy_s)
     ceil = []
     for chunk, threads in ceiling.GEOMETRIES:
         path = args.dir / "ceiling.bin"
@@ -88,7 +93,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         ck.prepare(args.dir, state=src, wait=True)
         prepare_s = time.perf_counter() - t0
-    seconds = []
+    seconds, durable = [], []
+    rss0 = engines.status_kib("VmRSS")
+    engines.reset_peak_rss()
     for i in range(SAVES):
         path = args.dir / f"s{i}"
         shutil.rmtree(path, ignore_errors=True)
@@ -102,12 +109,62 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             handle = ck.async_save(src, path)
             seconds.append(time.perf_counter() - t0)
             handle.wait()
+        durable.append(time.perf_counter() - t0)
         shutil.rmtree(path)
+    peak_mib = (engines.status_kib("VmHWM") - rss0) / 1024
     with ck.resources().lock:  # the backend the saves ran on, as the Checkpointer built it
         backend = ck.resources().files(LocalStore(str(args.dir)))[1].backend.name
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
-            "seconds": seconds, "prepare_s": prepare_s, "io_backend": backend}
+            "seconds": seconds, "durable_s": durable, "peak_mib": peak_mib,
+            "prepare_s": prepare_s, "io_backend": backend}
+
+
+def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dict[str, Any]:
+    """dcp.async_save on a 1-rank gloo group, thread executor, FileSystemWriter(DCP_THREADS,
+    sync_files=True): ``dcp_async`` with its default stager (the call copies the state);
+    ``dcp_async_staged`` with DefaultStager(use_async_staging=True) (no pinned or shared
+    memory on CPU), the stall being the call plus the wait for its staging, as a loop's next
+    step must wait. The durable time is the upload's completion."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp_
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from benchmarks.train_engines import free_port
+
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                           use_async_staging=True, use_non_blocking_copy=False))
+              if args.worker == "dcp_async_staged" else None)
+    seconds, durable = [], []
+    rss0 = engines.status_kib("VmRSS")
+    engines.reset_peak_rss()
+    for i in range(SAVES):
+        path = args.dir / f"d{i}"
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+        time.sleep(1)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            response = dcp_.async_save(src, storage_writer=dcp_.FileSystemWriter(
+                str(path), thread_count=DCP_THREADS, sync_files=True), async_stager=stager)
+        staged = getattr(response, "staging_completion", None)
+        if staged is not None:
+            staged.result()
+        seconds.append(time.perf_counter() - t0)
+        getattr(response, "upload_completion", response).result()
+        durable.append(time.perf_counter() - t0)
+        shutil.rmtree(path)
+    peak_mib = (engines.status_kib("VmHWM") - rss0) / 1024
+    if stager is not None:
+        stager.close()
+    dist.destroy_process_group()
+    return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": None,
+            "seconds": seconds, "durable_s": durable, "peak_mib": peak_mib, "prepare_s": None}
 
 
 def job(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dict[str, Any]:
@@ -186,7 +243,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
                       for x in (r["seconds"][:1] if name == "first save" else r["seconds"][1:]))
             out.append(f"| {name} | {s:.3f} | {sync[0]['bytes'] / s / 1e9:.2f} | {100 * pct:.0f} |")
     for mode in MODES[1:]:
-        asyn = [r for r in runs if r["mode"] == mode]
+        asyn = [r for r in runs if r["mode"] == mode]  # the DCP modes' "call": to staged
         if not asyn:
             continue
         memcpy = med(r["memcpy_s"] for r in asyn)
@@ -202,6 +259,12 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
                        f"{med(r['prepare_s'] for r in asyn):.3f} | - |")
         out += [f"| first call | {first:.3f} | {first / memcpy:.2f} |",
                 f"| later calls | {later:.3f} | {later / memcpy:.2f} |"]
+        if all("durable_s" in r for r in asyn):
+            out += [f"| first durable after | {med(r['durable_s'][0] for r in asyn):.3f} | - |",
+                    f"| peak RSS growth over the saves, MiB | "
+                    f"{med(r['peak_mib'] for r in asyn):.0f} | - |"]
+        each = ", ".join(f"{r['seconds'][0]:.3f}" for r in asyn)
+        out.append(f"| first call, each process | {each} | - |")
     return "\n".join(out)
 
 
