@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 
@@ -63,6 +64,9 @@ def run(mode: str, tensors: int, saves: int) -> dict[str, Any]:
     step(10_000)
     if mgr is not None:
         mgr.wait()
+    for thread in threading.enumerate():  # wait() returns as the save's thread ends, its
+        if thread.name == "ckptio-save":  # frame still holding the state's tensors
+            thread.join()
     new = [o for o in gc.get_objects() if id(o) not in before]
     gc.enable()
     alive_tensors = sum(isinstance(o, torch.Tensor) for o in new)

@@ -67,10 +67,13 @@ def test_every_byte_is_hashed_once_on_save_and_on_load(tmp_path, counted, algori
     s = state()
     ck = ckptio.Checkpointer(Options(checksum=algorithm, use_profile=False))
     ck.save(s, str(tmp_path / "c"))
-    # xxh3_64's save hashes every byte twice (whole + block); the tree once (+ the 64 hex
-    # digits of the 4-block entry's block checksums); a whole load hashes each byte once
+    # xxh3_64's save hashes the bytes of an entry of several blocks twice (whole + block),
+    # an entry of one block or less once (its one block checksum is its whole one); the tree
+    # hashes every byte once (+ the 64 hex digits of the 4-block entry's block checksums); a
+    # whole load hashes each byte once
     tree = nbytes(s) + 4 * 16
-    assert counted.total == (tree if passes == 1 else 2 * nbytes(s))
+    big = s["big"].numel() * s["big"].element_size()
+    assert counted.total == (tree if passes == 1 else nbytes(s) + big)
     counted.total = 0
     out = ck.load(str(tmp_path / "c"))
     assert counted.total == (tree if passes == 1 else nbytes(s))
@@ -157,3 +160,26 @@ def test_options_refuse_a_checksum_a_save_cannot_record(name: str) -> None:
     # with it would not load: Options must refuse it before anything is written
     with pytest.raises(CkptError, match="Options.checksum"):
         ckptio.Options(checksum=name)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64_tree", "xxh3_64", "crc32"])
+def test_entry_hashers_give_what_a_block_hasher_gives(algorithm):
+    """EntryHashers (a save's checksums by entry) hash an entry of one block or less that
+    arrives in one piece at once, keeping only its digest: the digests are a BlockHasher's,
+    for every size around the block size, in one piece or several, and for an empty entry."""
+    from ckptio.format.checksum import BlockHasher, EntryHashers
+
+    block = 64
+    sizes = [1, block - 1, block, block + 1, 3 * block + 5, 0]
+    data = [bytes(range(n % 256)) * (n // 256 + 1) for n in sizes]
+    data = [d[:n] for d, n in zip(data, sizes)]
+    for pieces in (1, 3):
+        hashes = EntryHashers(algorithm, block, sizes)
+        for index, d in enumerate(data):
+            step = max(1, -(-len(d) // pieces))
+            for start in range(0, len(d), step):
+                hashes.update(index, memoryview(d)[start:start + step])
+        for index, d in enumerate(data):
+            want = BlockHasher(algorithm, block)
+            want.update(memoryview(d))
+            assert hashes.digests(index) == want.digests(), (pieces, sizes[index])

@@ -25,14 +25,14 @@ Does not own: where checksums are stored (manifest.py) or when they are checked 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import xxhash
 
 from ckptio.errors import CkptError
 
-__all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "Hasher", "crc32",
+__all__ = ["ALGORITHMS", "NO_CHECKSUM", "TREE", "BlockHasher", "Crc32", "EntryHashers", "Hasher", "crc32",
            "crc32_by", "crc32_of_part", "entry_checksum", "new_hasher", "stored_algorithm", "whole_from_blocks"]
 
 ALGORITHMS = ("xxh3_64_tree", "xxh3_64", "crc32")
@@ -166,6 +166,38 @@ def whole_from_blocks(algorithm: str, blocks: tuple[str, ...] | list[str]) -> st
     hasher = new_hasher(algorithm)
     hasher.update("".join(blocks).encode("ascii"))
     return hasher.hexdigest()
+
+
+class EntryHashers:
+    """The checksums of a save's entries (by index), their bytes arriving in order. An entry
+    whose bytes come in one piece of at most one block is hashed at once and only its digest is
+    kept (what its BlockHasher would give): a save of thousands of small entries keeps no
+    hasher per entry alive while it writes, for the collector to promote and walk."""
+
+    def __init__(self, algorithm: str, block_nbytes: int, sizes: Sequence[int]) -> None:
+        self.algorithm, self.block_nbytes, self._sizes = algorithm, block_nbytes, sizes
+        self._hashers: dict[int, BlockHasher] = {}
+        self._whole: dict[int, str] = {}  # index -> the digest of an entry hashed at once
+
+    def update(self, index: int, data: memoryview) -> None:
+        """Entry ``index``'s next bytes."""
+        hasher = self._hashers.get(index)
+        if hasher is None:
+            if len(data) == self._sizes[index] <= self.block_nbytes and index not in self._whole:
+                one = new_hasher(self.algorithm)
+                one.update(data)
+                self._whole[index] = one.hexdigest()
+                return
+            hasher = self._hashers[index] = BlockHasher(self.algorithm, self.block_nbytes)
+        hasher.update(data)
+
+    def digests(self, index: int) -> tuple[str, tuple[str, ...]]:
+        """BlockHasher.digests() of entry ``index`` (an entry given no bytes: the empty one's)."""
+        whole = self._whole.get(index)
+        if whole is not None:
+            return whole, ()
+        hasher = self._hashers.get(index) or BlockHasher(self.algorithm, self.block_nbytes)
+        return hasher.digests()
 
 
 def entry_checksum(algorithm: str, block_nbytes: int, data: memoryview | bytes) -> str:

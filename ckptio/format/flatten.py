@@ -18,21 +18,14 @@ from ckptio.errors import ManifestError, UnsupportedStateError
 from ckptio.format import containers, param_names
 from ckptio.format.types import MAX_TREE_DEPTH, Json
 
-__all__ = ["FlatState", "Leaf", "flatten", "is_stateful", "unflatten"]
-
-
-@dataclass(slots=True)
-class Leaf:
-    """A leaf and where it lives, so an in-place load can replace immutable values."""
-
-    value: Any
-    parent: Any  # the dict or list holding it; None when it cannot be assigned (tuple, root)
-    slot: Any
+__all__ = ["FlatState", "flatten", "is_stateful", "unflatten"]
 
 
 @dataclass
 class FlatState:
-    leaves: dict[str, Leaf] = field(default_factory=dict)
+    # dotted key -> the leaf's value: no object per leaf, so a save of thousands of leaves
+    # leaves nothing per leaf for the collector to promote while it runs
+    leaves: dict[str, Any] = field(default_factory=dict)
     tree: Json = None
     # (key prefix, object, the dict its state_dict() returned), outermost first
     statefuls: list[tuple[str, Any, dict[Any, Any]]] = field(default_factory=list)
@@ -71,7 +64,7 @@ def flatten(state: Any, *, names: bool = False) -> FlatState:
             f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
         )
     flat = FlatState(root=state, want_names=names)
-    flat.tree = _walk(state, "", None, None, flat)
+    flat.tree = _walk(state, "", flat)
     return flat
 
 
@@ -79,13 +72,13 @@ def _join(prefix: str, part: Any) -> str:
     return f"{prefix}.{part}" if prefix else str(part)
 
 
-def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: int = 0) -> Json:
+def _walk(value: Any, key: str, flat: FlatState, depth: int = 0) -> Json:
     if depth > MAX_TREE_DEPTH:
         raise UnsupportedStateError(f"key {key!r}: the state nests deeper than {MAX_TREE_DEPTH} "
                                     "levels")
     depth += 1
     if isinstance(value, torch.Tensor):  # most leaves: skip the container checks
-        return _leaf(value, key, parent, slot, flat)
+        return _leaf(value, key, flat)
     if is_stateful(value):
         inner = value.state_dict()
         if flat.want_names and isinstance(value, torch.optim.Optimizer):
@@ -93,7 +86,7 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
                 flat.names = param_names.module_names(flat.root)
             param_names.name_groups(inner, value, flat.names)
         flat.statefuls.append((key, value, inner))
-        return {"s": _walk(inner, key, None, None, flat, depth)}
+        return {"s": _walk(inner, key, flat, depth)}
     if isinstance(value, dict):
         items = []
         for k, v in value.items():
@@ -103,18 +96,17 @@ def _walk(value: Any, key: str, parent: Any, slot: Any, flat: FlatState, depth: 
                     f"{type(k).__name__}; convert the key before saving"
                 )
             child = f"{key}.{k}" if key else str(k)
-            items.append([k, _leaf(v, child, value, k, flat) if type(v) in _PLAIN_LEAVES
-                          else _walk(v, child, value, k, flat, depth)])
+            items.append([k, _leaf(v, child, flat) if type(v) in _PLAIN_LEAVES
+                          else _walk(v, child, flat, depth)])
         return _typed(value, key, {"d": items})
     if isinstance(value, list):
-        return {"l": [_leaf(v, f"{key}.{i}" if key else str(i), value, i, flat)
-                      if type(v) in _PLAIN_LEAVES
-                      else _walk(v, _join(key, i), value, i, flat, depth)
+        return {"l": [_leaf(v, f"{key}.{i}" if key else str(i), flat)
+                      if type(v) in _PLAIN_LEAVES else _walk(v, _join(key, i), flat, depth)
                       for i, v in enumerate(value)]}
     if _is_container(value):  # tuple, not torch.Size
-        return _typed(value, key, {"t": [_walk(v, _join(key, i), None, i, flat, depth)
+        return _typed(value, key, {"t": [_walk(v, _join(key, i), flat, depth)
                                          for i, v in enumerate(value)]})
-    return _leaf(value, key, parent, slot, flat)
+    return _leaf(value, key, flat)
 
 
 def _typed(value: Any, key: str, node: Json) -> Json:
@@ -123,13 +115,13 @@ def _typed(value: Any, key: str, node: Json) -> Json:
     return node if info is None else {"c": [info, node]}
 
 
-def _leaf(value: Any, key: str, parent: Any, slot: Any, flat: FlatState) -> Json:
+def _leaf(value: Any, key: str, flat: FlatState) -> Json:
     if key in flat.leaves:
         raise UnsupportedStateError(
             f"key {key!r} names two different leaves (a dict key containing '.' collides with "
             "a nested key); rename one of them"
         )
-    flat.leaves[key] = Leaf(value, parent, slot)
+    flat.leaves[key] = value
     return {"k": key}
 
 

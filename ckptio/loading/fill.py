@@ -325,14 +325,14 @@ def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: b
                    created: list[str]) -> _InPlace:
     plan = _InPlace()
     for key in common:
-        leaf, source = flat.leaves[key], sources.get(key)
+        value, source = flat.leaves[key], sources.get(key)
         if source is None:
             continue  # a per-rank key this rank cannot take: reported by check_refused
         kind = source.head.kind if isinstance(source, TensorSource) else None
         if kind == "tensor":
-            _tensor_into(plan, key, leaf.value, source, cast)  # type: ignore[arg-type]
+            _tensor_into(plan, key, value, source, cast)  # type: ignore[arg-type]
             continue
-        dest = _numpy_dest(leaf.value) if kind == "numpy" else None
+        dest = _numpy_dest(value) if kind == "numpy" else None
         if dest is not None:
             _tensor_into(plan, key, dest, source, cast=False)  # type: ignore[arg-type]
         else:  # replaced in its container (tuples rebuilt) once read: merge.put_back
@@ -369,8 +369,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     in_lists = merge.under(lists.whole)
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)
-        if isinstance(flat.leaves[key].value, torch.Tensor):
-            check_dense(flat.leaves[key].value, key)
+        if isinstance(flat.leaves[key], torch.Tensor):
+            check_dense(flat.leaves[key], key)
     saved_set = set(saved)
     common = [k for k in present if k in saved_set]
     tied = _tied(flat, [k for k in present if k not in saved_set], common)
@@ -442,8 +442,8 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:
             return None
         return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
-    loaded = {v for k in common if (v := view(flat.leaves[k].value)) is not None}
-    return {k for k in absent if (v := view(flat.leaves[k].value)) is not None and v in loaded}
+    loaded = {v for k in common if (v := view(flat.leaves[k])) is not None}
+    return {k for k in absent if (v := view(flat.leaves[k])) is not None and v in loaded}
 
 
 def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:

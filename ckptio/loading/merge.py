@@ -134,7 +134,7 @@ def _walk_lists(flat: FlatState, found: Lists, mine: Json, saved: Json, key: str
         if not isinstance(theirs, list):
             return
         if tag == "l" and len(theirs) != len(body):
-            if any(_in_place(flat.leaves[k].value) for k in _leaf_keys(mine)):
+            if any(_in_place(flat.leaves[k]) for k in _leaf_keys(mine)):
                 found.fixed[key] = (len(body), len(theirs))
             else:
                 found.whole[key] = {"l": theirs}
@@ -296,7 +296,7 @@ def put_back(flat: FlatState, saved_tree: Json, replaced: dict[str, Any],
     root = walk.node(flat.tree, saved_tree, flat.root, False)
     if root is not flat.root:
         differing = sorted(k for k, v in replaced.items()
-                           if k in flat.leaves and not equal(v, flat.leaves[k].value))
+                           if k in flat.leaves and not equal(v, flat.leaves[k]))
         raise StateMismatchError(
             f"the state is a tuple, which cannot be changed in place, and the checkpoint holds "
             f"other values for {differing[:10]}; pass a dict or list as the state (tensors "

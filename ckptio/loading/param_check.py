@@ -82,7 +82,7 @@ def _renamed(flat: FlatState, sources: Any, prefix: str, opt: torch.optim.Optimi
         if numbers is None or len(numbers) != len(group):  # torch numbers them in order
             numbers = list(range(len(index), len(index) + len(group)))
         index.update((name, int(i)) for name, i in zip(group, numbers))
-    key_of = {ptr: k for k, leaf in flat.leaves.items() if (ptr := _storage(leaf.value))}
+    key_of = {ptr: k for k, value in flat.leaves.items() if (ptr := _storage(value))}
     params = {n: p for g, group in enumerate(opt.param_groups) for n, p in zip(wanted[g], group["params"])}
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     model = None
@@ -126,8 +126,7 @@ def _in_checkpoint(renamed: Renamed, sources: Any, name: str) -> bool:
 def resized_state(flat: FlatState, resized: Iterable[str]) -> Callable[[str], bool]:
     """Whether a key is an index-keyed optimizer's state for one of the ``resized`` leaves
     (a parameter whose saved shape differs from the state's), matched by storage."""
-    leaves = (flat.leaves.get(key) for key in resized)
-    ptrs = {_storage(leaf.value) for leaf in leaves if leaf is not None} - {None}
+    ptrs = {_storage(flat.leaves[key]) for key in resized if key in flat.leaves} - {None}
     prefixes: list[str] = []
     for prefix, obj, _inner in flat.statefuls:
         if isinstance(obj, torch.optim.Optimizer):

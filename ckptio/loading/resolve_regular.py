@@ -60,10 +60,10 @@ def wanted_regions(stored: set[str], aliases: dict[str, str], flat: FlatState,
     regular_keys = stored
     may_create = merge.creatable(flat)
     wants: dict[str, Chunk | None] = {}
-    for key, leaf in flat.leaves.items():
+    for key, value in flat.leaves.items():
         target = aliases.get(key, key)
         if target in regular_keys and select(key):
-            region = held(leaf.value, key)
+            region = held(value, key)
             whole = region is None or region.chunk.flat or target in wants
             wants[target] = None if whole else region.chunk  # type: ignore[union-attr]
     for key in regular_keys - set(flat.leaves) - set(wants):

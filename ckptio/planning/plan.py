@@ -181,7 +181,7 @@ def _tensor_signature(t: torch.Tensor, storages: dict[int, int]) -> tuple[Any, .
 
 def _signature(flat: FlatState) -> tuple[Any, ...]:
     storages: dict[int, int] = {}  # storage address -> its position in this save
-    return tuple(_part(key, leaf.value, storages) for key, leaf in flat.leaves.items())
+    return tuple(_part(key, value, storages) for key, value in flat.leaves.items())
 
 
 def _part(key: str, t: Any, storages: dict[int, int]) -> tuple[Any, ...]:
@@ -219,8 +219,7 @@ def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch
     sources: dict[str, torch.Tensor] = {}
     objects: list[ObjectEntry] = []
     changed = False
-    for (key, leaf), part in zip(flat.leaves.items(), signature):
-        value = leaf.value
+    for (key, value), part in zip(flat.leaves.items(), signature):
         if part[1] is None:  # no tensor last time
             entry = _object_again(key, value, cache)
             if entry is None:
@@ -294,8 +293,8 @@ def _remember(cache: PlanCache, flat: FlatState, plan: SavePlan,
               sources: dict[str, torch.Tensor]) -> tuple[SavePlan, dict[str, torch.Tensor]]:
     """Keep ``plan`` and its scalar leaves' values for the next save's ``_again``."""
     cache.objects = {entry.key: entry for entry in plan.objects}
-    cache.scalars = {entry.key: flat.leaves[entry.key].value for entry in plan.objects
-                     if type(flat.leaves[entry.key].value) in _SCALARS}
+    cache.scalars = {entry.key: flat.leaves[entry.key] for entry in plan.objects
+                     if type(flat.leaves[entry.key]) in _SCALARS}
     cache.plan = plan
     return plan, sources
 
@@ -310,20 +309,20 @@ def _build(flat: FlatState, allow_pickle: bool,
     domains: dict[str, str] = {}
     grids: dict[str, Grid] = {}
     first_key_of_view: dict[tuple[Any, ...], str] = {}
-    for key, leaf in flat.leaves.items():
-        if reuse is not None and _is_tensor_leaf(leaf.value):
+    for key, value in flat.leaves.items():
+        if reuse is not None and _is_tensor_leaf(value):
             if key in reuse.alias_of:
                 aliases.append((key, reuse.alias_of[key]))
             else:
                 items.append(reuse.tensor_items[key])
-                sources[key] = local_tensor(leaf.value)  # this save's tensor: never a cached one
+                sources[key] = local_tensor(value)  # this save's tensor: never a cached one
             continue
-        region = held(leaf.value, key)
+        region = held(value, key)
         if region is not None and region.sharded:
             kind, payload = "tensor", region.local
             _check_tensor(payload, key)
         else:
-            kind, payload = _classify(leaf.value, key, allow_pickle)
+            kind, payload = _classify(value, key, allow_pickle)
         if kind == "object":
             last = reuse.objects.get(key) if reuse is not None else None
             objects.append(last if last is not None and last.value == payload

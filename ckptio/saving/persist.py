@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ckptio.alignment import align_up
-from ckptio.format.checksum import BlockHasher
+from ckptio.format.checksum import EntryHashers
 from ckptio.errors import CkptError
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
@@ -81,8 +81,8 @@ class SaveJob:
         # Hashers are made by the hasher thread as each entry's first bytes arrive and manifest
         # rows by finish(): the caller, waiting for its capture, pays for neither (thousands of
         # objects, and the garbage collections they set off).
-        self._block_nbytes = block_nbytes
-        self._hashers: dict[int, BlockHasher] = {}  # entry index (in file order) -> its hasher
+        self._hashes = EntryHashers(algorithm, block_nbytes,  # by entry index, in file order
+                                    [p.item.nbytes for f in files for p in f.placements])
         self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
@@ -191,7 +191,7 @@ class SaveJob:
             if self._failure is not None:
                 raise CkptError("an earlier write of this save failed")
             for index, start, n in pieces:
-                self._hasher(index).update(buffer.view[start:start + n])
+                self._hashes.update(index, buffer.view[start:start + n])
             if self.packer is not None or self.mapped is not None:
                 if self.packer is not None:
                     self.packer.take(buffer.view, pieces)
@@ -218,12 +218,6 @@ class SaveJob:
             raise
         future.add_done_callback(lambda _f: self.activity.end(call))
         return future
-
-    def _hasher(self, index: int) -> BlockHasher:
-        hasher = self._hashers.get(index)
-        if hasher is None:
-            hasher = self._hashers[index] = BlockHasher(self.algorithm, self._block_nbytes)
-        return hasher
 
     def _written(self, future: Future[int], buffer: Buffer, nbytes: int) -> None:
         """A write's end (its callback): record the outcome, return the buffer, then count it
@@ -265,13 +259,13 @@ class SaveJob:
             with self.activity.call("fsync", self.target.where(self.files[index].name)):
                 self.target.close(self._handles.pop(index), sync=True)
         placed = ((f.name, p) for f in self.files for p in f.placements)
-        entries = [_entry(name, p, *self._hasher(index).digests())
+        entries = [_entry(name, p, *self._hashes.digests(index))
                    for index, (name, p) in enumerate(placed)]
         return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
 
     def _finish_packed(self, packer: Packer) -> tuple[list[TensorEntry], list[FileInfo]]:
         placed = [p for f in self.files for p in f.placements]
-        digests = {index: self._hasher(index).digests() for index in range(len(placed))}
+        digests = {index: self._hashes.digests(index) for index in range(len(placed))}
         wheres, infos = packer.finish({i: d[0] for i, d in digests.items()})
         return [_packed_entry(p, wheres[i], *digests[i]) for i, p in enumerate(placed)], infos
 

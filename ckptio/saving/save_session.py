@@ -332,6 +332,8 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
         else:
             control.run_on_caller(job.capture)
         control.captured()
+        part.sources.clear()  # the state's tensors, copied: not held while the bytes persist
+        # (an eager save's thousands of them would outlive the collector's young generations)
         entries, infos = job.finish()
         if job.packer is not None:
             control.files_written(tuple(i.name for i in infos))

@@ -156,7 +156,7 @@ def one_host(tiers: list[Tier], group: Group) -> None:
 def state_nbytes(state: Any) -> int:
     """The bytes of ``state``'s tensors (this rank's part: a DTensor's local shard): a first
     save's size estimate."""
-    tensors = [local_tensor(leaf.value) for leaf in flatten(state).leaves.values()]
+    tensors = [local_tensor(value) for value in flatten(state).leaves.values()]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
