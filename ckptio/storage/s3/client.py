@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.options import Options
+from ckptio.options import Options, check_s3
 from ckptio.storage.s3 import timeouts
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
@@ -102,7 +102,10 @@ def gets_in_flight(io_depth: int) -> int:
 
 @dataclass(frozen=True)
 class S3Settings:
-    """What makes a client and its retry policy (from Options; hashable, picklable)."""
+    """The s3:// scheme's settings: what makes a client and its retry policy (hashable,
+    picklable). Given as ``Options(storage={"s3": S3Settings(...)})``, or built from Options'
+    ``s3_*`` fields (their docs say what each does); ``read_concurrency`` is set from
+    Options.io_depth (gets_in_flight)."""
 
     endpoint_url: str | None = None
     region: str | None = None
@@ -114,13 +117,19 @@ class S3Settings:
     read_concurrency: int = 0  # ranged GETs in flight at most; 0: concurrency
     read_bytes: int = 0  # bytes of one ranged GET at most (a larger read is several); 0: any
 
+    def __post_init__(self) -> None:
+        check_s3("S3Settings.", dataclasses.asdict(self))
+
     @classmethod
     def of(cls, options: Options) -> S3Settings:
-        """Options' ``s3_<field>`` for each field (Options holds the defaults users set), and
-        as many GETs as a load keeps reads in flight (gets_in_flight)."""
-        return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)
-                      if f.name != "read_concurrency"},
-                   read_concurrency=gets_in_flight(options.io_depth))
+        """The s3:// settings of ``options``: its ``storage["s3"]``, else its ``s3_<field>``
+        for each field (the older spelling); with as many GETs as a load keeps reads in flight
+        (gets_in_flight of Options.io_depth)."""
+        given = options.settings("s3", cls)
+        if given is None:
+            given = cls(**{f.name: getattr(options, f"s3_{f.name}")
+                           for f in dataclasses.fields(cls) if f.name != "read_concurrency"})
+        return dataclasses.replace(given, read_concurrency=gets_in_flight(options.io_depth))
 
     @property
     def readers(self) -> int:
