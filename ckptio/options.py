@@ -5,7 +5,7 @@ every layer shares: the byte units (KiB, MiB, GiB), the I/O backend names (IO_BA
 ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
 Also owns Options.storage, each scheme's settings object by scheme name (what a scheme's
 registry entry reads: storage/select.settings_for), and the ``s3_*`` fields, the older spelling
-that builds the S3 scheme's settings (storage/s3/client.S3Settings.of).
+that builds the S3 scheme's settings (storage/s3/settings.S3Settings.of).
 Does not own: what the options do (stage, io, layout and restore read them), the block size
 (ckptio/alignment.py), what a scheme's settings hold (its own folder).
 """
@@ -284,7 +284,8 @@ class Options:
 
     def with_settings(self, scheme: str, settings: object) -> Options:
         """These options with ``settings`` as ``scheme``'s (its older Options spelling unset)."""
-        unset = {n: Options.__dataclass_fields__[n].default for n in _SUGAR.get(scheme, ())}
+        unset: dict[str, Any] = {n: Options.__dataclass_fields__[n].default
+                                 for n in _SUGAR.get(scheme, ())}
         return dataclasses.replace(self, storage={**self.storage, scheme: settings}, **unset)
 
     @property

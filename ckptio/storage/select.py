@@ -113,20 +113,20 @@ def _memory_root(location: str, options: Options) -> StepRoot:
 
 
 def _s3_settings(options: Options) -> Any:
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
 
     return S3Settings.of(options)
 
 
 def _s3_store(location: str, options: Options) -> Store:
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.store import S3Store
 
     return S3Store(location, S3Settings.of(options))
 
 
 def _s3_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.root import S3Root
 
     return S3Root(location, S3Settings.of(options))

@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
-from ckptio.storage.s3.client import S3Settings
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
            "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
@@ -320,6 +320,6 @@ def tuned_s3_options(options: Options, endpoint: str) -> Options:
     fields = found.option_fields()
     tuned = _defaulted(options, fields, S3_FIELDS)
     settings, defaults = S3Settings.of(options), S3Settings()
-    chosen = {name: fields[key] for key, name in S3_SETTINGS.items()
+    chosen: dict[str, Any] = {name: fields[key] for key, name in S3_SETTINGS.items()
               if getattr(settings, name) == getattr(defaults, name) != fields[key]}
     return tuned.with_settings("s3", dataclasses.replace(settings, **chosen)) if chosen else tuned

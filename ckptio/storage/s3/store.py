@@ -48,8 +48,8 @@ from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
-                                      not_s3, status)
+from ckptio.storage.s3.client import S3Path, call, client, describe, failed, not_s3, status
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["S3Claim", "S3Store"]
 
