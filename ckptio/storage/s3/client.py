@@ -288,7 +288,7 @@ def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
     return StorageIOError(
         f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
         f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
-        "Options.s3_endpoint_url), its port, and that the server is running")
+        "S3Settings.endpoint_url / Options.s3_endpoint_url), its port, and that the server is running")
 
 
 def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
@@ -300,8 +300,8 @@ def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
             return
         _warned[endpoint] = now
     log.warning("ckptio: %s: %s; still retrying after %.0f s (attempt %d; gives up after "
-                "Options.s3_retry_deadline_s = %.0f s)", what, describe(exc), elapsed, attempt,
-                deadline)
+                "S3Settings.retry_deadline_s, Options.s3_retry_deadline_s = %.0f s)", what,
+                describe(exc), elapsed, attempt, deadline)
 
 
 def call(settings: S3Settings, what: str, request: Callable[[], T],
@@ -363,8 +363,8 @@ def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
            "the store at {0} kept refusing or dropping requests").format(endpoint)
     return StorageIOError(
         f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: {describe(exc)}; "
-        f"{why}: check that it is up and reachable (raise Options.s3_retry_deadline_s to wait "
-        "longer)")
+        f"{why}: check that it is up and reachable (raise S3Settings.retry_deadline_s, "
+        "or Options.s3_retry_deadline_s, to wait longer)")
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -172,8 +172,8 @@ class S3Store:
                     f"the store at {self.settings.endpoint()} ignores conditional writes "
                     "(If-None-Match), which ckptio's commit relies on to never replace a newer "
                     "checkpoint: use a store that supports them (AWS S3, MinIO, SeaweedFS >= "
-                    "3.97), or Options(s3_conditional='off') if only one save ever writes a "
-                    "location at a time")
+                    "3.97), or S3Settings(conditional='off') (Options(s3_conditional='off')) if "
+                    "only one save ever writes a location at a time")
             _probed[key] = True
 
     def exclusive(self, if_locked: str) -> S3Claim:
