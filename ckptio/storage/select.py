@@ -13,6 +13,7 @@ storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one pl
 A scheme's settings (S3's endpoint, a user scheme's own) come as ``Options(storage={"myfs":
 MySettings(...)})``; settings_for() resolves them for a location (defaults where none given), so
 no module outside the scheme's folder reads them.
+
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
 scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of one checkpoint
 (storage/store_contract.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
@@ -20,8 +21,8 @@ Built-in factories import their modules on first use, so the torch-free ``ckptio
 pays only for the schemes it reads.
 
 Owns: the entries, the path forms (file://, shm://), which store and file a local file names,
-which settings a location takes. Does not own: what a scheme's settings hold (its folder).
-Nor what a store or root does (their modules), the backends' lifetime (resources.py).
+which settings a location takes. Does not own: what a scheme's settings hold (its folder),
+what a store or root does (their modules), the backends' lifetime (resources.py).
 """
 
 from __future__ import annotations
