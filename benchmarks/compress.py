@@ -211,7 +211,8 @@ def remove(root: str) -> None:
         return
     import os
 
-    from ckptio.storage.s3.client import S3Settings, client
+    from ckptio.storage.s3.client import client
+    from ckptio.storage.s3.settings import S3Settings
 
     bucket, _, prefix = root[5:].partition("/")
     c = client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))

@@ -236,7 +236,8 @@ def _ckptio_feature_missing(name: str) -> str | None:
 def stored_bytes(path: str) -> int:
     """Bytes of the checkpoint's own files (local) or objects (s3://) under ``path``."""
     if path.startswith("s3://"):
-        from ckptio.storage.s3.client import S3Settings, client
+        from ckptio.storage.s3.client import client
+        from ckptio.storage.s3.settings import S3Settings
 
         bucket, _, prefix = path[5:].partition("/")
         c = client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"]))

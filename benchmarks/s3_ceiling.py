@@ -75,7 +75,8 @@ def source(nbytes: int, seed: int) -> mmap.mmap:
 
 
 def client_for(concurrency: int) -> Any:
-    from ckptio.storage.s3.client import S3Settings, client
+    from ckptio.storage.s3.client import client
+    from ckptio.storage.s3.settings import S3Settings
 
     return client(S3Settings(endpoint_url=os.environ["AWS_ENDPOINT_URL"], concurrency=concurrency))
 

@@ -47,7 +47,8 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
     from ckptio.stepmeta import read_metadata
-    from ckptio.storage.select import register_store
+    from ckptio.storage.s3.settings import S3Settings
+    from ckptio.storage.select import register_store, settings_for
     from ckptio.tiering.redundancy import Parity, Partners
     from ckptio.tiering.tier import Tier
 
@@ -74,6 +75,7 @@ __all__ = [
     "Progress",
     "RNGState",
     "RankFailedError",
+    "S3Settings",
     "SaveTimeoutError",
     "SaveHandle",
     "SaveResult",
@@ -90,6 +92,7 @@ __all__ = [
     "read_metadata",
     "register_store",
     "save",
+    "settings_for",
     "verify",
 ]
 
@@ -105,6 +108,7 @@ _HOME = {
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
+    "settings_for": "ckptio.storage.select", "S3Settings": "ckptio.storage.s3.settings",
     "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
     "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
     **{name: "ckptio.errors" for name in (

@@ -3,22 +3,27 @@
 Owns: defaults, validation of option values, CKPTIO_* environment overrides, and the constants
 every layer shares: the byte units (KiB, MiB, GiB), the I/O backend names (IO_BACKENDS;
 ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
+Also owns Options.storage, each scheme's settings object by scheme name (what a scheme's
+registry entry reads: storage/select.settings_for), and the ``s3_*`` fields, the older spelling
+that builds the S3 scheme's settings (storage/s3/settings.S3Settings.of).
 Does not own: what the options do (stage, io, layout and restore read them), the block size
-(ckptio/alignment.py).
+(ckptio/alignment.py), what a scheme's settings hold (its own folder).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args
 
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 
 __all__ = ["CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
-           "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options"]
+           "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
+           "check_s3"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -35,6 +40,33 @@ DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
 S3Conditional = Literal["require", "off"]
+T = TypeVar("T")
+# The fields that spell the S3 scheme's settings in Options (S3Settings' fields, ``s3_`` first)
+_S3_FIELDS = ("s3_endpoint_url", "s3_region", "s3_profile", "s3_concurrency", "s3_read_bytes",
+             "s3_retry_deadline_s", "s3_lock_lease_s", "s3_conditional")
+_SUGAR = {"s3": _S3_FIELDS}  # a scheme -> the Options fields that also spell its settings
+
+
+class _Settings(Mapping[str, Any]):
+    """Options.storage once made: read-only and hashable (by its schemes), as Options is."""
+
+    def __init__(self, given: Mapping[str, Any]) -> None:
+        self._items = {str(k).lower(): v for k, v in given.items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._items)))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 @dataclass(frozen=True)
@@ -131,6 +163,15 @@ class Options:
         renewing it (a killed save delays the next one by at most this).
     s3_conditional: "require" refuses a store without conditional writes (If-None-Match /
         If-Match), which the commit relies on; "off" commits without them (last writer wins).
+    These eight fields (and their CKPTIO_S3_* variables) are the older spelling of
+    ``storage={"s3": S3Settings(...)}``, which they build; give one spelling, not both.
+
+    storage: each scheme's settings by scheme name, the primary spelling of a store's settings:
+        a settings object of the class its registry entry names (``{"s3":
+        ckptio.S3Settings(endpoint_url=..., region=...)}``), or a mapping of that class's
+        fields (``{"s3": {"endpoint_url": ...}}``). A scheme left out takes its defaults (S3:
+        from the ``s3_*`` fields). ckptio.register_store(..., settings=MySettings) names a
+        scheme's class; its store factory reads them with ckptio.settings_for(location, options).
     """
 
     buffer_bytes: int = 16 * MiB
@@ -159,6 +200,7 @@ class Options:
     compression: str = "off"
     compress_threads: int = 2
     memory_mapped: str = "auto"
+    storage: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.buffer_bytes < MiB or not is_aligned(self.buffer_bytes):
@@ -207,24 +249,44 @@ class Options:
                             + " or ".join(map(repr, MEMORY_MAPPED_MODES)))
         if self.compress_threads < 1:
             raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
-        self._check_s3()
+        check_s3("Options.s3_", {name[3:]: getattr(self, name) for name in _S3_FIELDS})
+        self._check_storage()
 
-    def _check_s3(self) -> None:
-        if self.s3_concurrency < 1:
-            raise CkptError(f"Options.s3_concurrency={self.s3_concurrency}: must be >= 1")
-        if self.s3_read_bytes < 0 or not is_aligned(self.s3_read_bytes):
-            raise CkptError(f"Options.s3_read_bytes={self.s3_read_bytes}: must be 0 (one GET per "
-                            f"buffer) or a multiple of {BLOCK}, e.g. 16 MiB")
-        if not self.s3_retry_deadline_s >= 0:
-            raise CkptError(f"Options.s3_retry_deadline_s={self.s3_retry_deadline_s}: must be "
-                            ">= 0 seconds")
-        if not self.s3_lock_lease_s >= 2:  # a lock's age comes from 1-second HTTP dates
-            raise CkptError(f"Options.s3_lock_lease_s={self.s3_lock_lease_s}: must be >= 2 "
-                            "seconds (the store dates a lock to the second, so a shorter lease "
-                            "could let a waiter take a live holder's lock)")
-        if self.s3_conditional not in ("require", "off"):
-            raise CkptError(f"Options.s3_conditional={self.s3_conditional!r}: use 'require' or "
-                            "'off'")
+    def _check_storage(self) -> None:
+        if not isinstance(self.storage, Mapping):
+            raise CkptError(f"Options.storage={self.storage!r}: a mapping of scheme name to its "
+                            "settings, e.g. {'s3': ckptio.S3Settings(endpoint_url=...)}")
+        object.__setattr__(self, "storage", _Settings(self.storage))
+        defaults = Options.__dataclass_fields__
+        for scheme, names in _SUGAR.items():
+            set_too = [n for n in names if getattr(self, n) != defaults[n].default]
+            if scheme in self.storage and set_too:
+                raise CkptError(
+                    f"Options: storage[{scheme!r}] and {', '.join(set_too)} both give the "
+                    f"{scheme}:// settings; give them once, in storage[{scheme!r}] (e.g. "
+                    f"S3Settings(endpoint_url=...)), and unset {set_too[0]} (also its CKPTIO_"
+                    f"{set_too[0].upper()} environment variable)")
+
+    def settings(self, scheme: str, kind: type[T]) -> T | None:
+        """The settings ``storage`` gives ``scheme``, as a ``kind``: the object itself, or
+        ``kind(**mapping)``; None where storage names none for it."""
+        given = self.storage.get(scheme.lower())
+        if given is None or isinstance(given, kind):
+            return given
+        if not isinstance(given, Mapping):
+            raise CkptError(f"Options.storage[{scheme!r}]={given!r}: give a {kind.__name__} "
+                            f"(the {scheme}:// settings) or a mapping of its fields")
+        try:
+            return kind(**given)
+        except TypeError as exc:
+            raise CkptError(f"Options.storage[{scheme!r}]={dict(given)!r}: {exc}; the fields of "
+                            f"{kind.__name__} are the {scheme}:// settings") from None
+
+    def with_settings(self, scheme: str, settings: object) -> Options:
+        """These options with ``settings`` as ``scheme``'s (its older Options spelling unset)."""
+        unset: dict[str, Any] = {n: Options.__dataclass_fields__[n].default
+                                 for n in _SUGAR.get(scheme, ())}
+        return dataclasses.replace(self, storage={**self.storage, scheme: settings}, **unset)
 
     @property
     def nbuffers(self) -> int:
@@ -234,11 +296,11 @@ class Options:
     def from_env(cls, **overrides: object) -> Options:
         """Defaults, then CKPTIO_* environment variables, then explicit ``overrides``."""
         env: dict[str, object] = {}
-        for field in dataclasses.fields(cls):
-            raw = os.environ.get("CKPTIO_" + field.name.upper())
-            if raw is None:
+        for each in dataclasses.fields(cls):
+            raw = os.environ.get("CKPTIO_" + each.name.upper())
+            if raw is None or each.name == "storage":  # objects: not spelt in the environment
                 continue
-            env[field.name] = _parse(field.name, raw, field.type)
+            env[each.name] = _parse(each.name, raw, each.type)
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)  # type: ignore[arg-type]
 
@@ -266,3 +328,24 @@ def _parse(name: str, raw: str, annotation: object) -> object:
             return False
         raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected 1/0 or true/false")
     return raw
+
+
+def check_s3(prefix: str, settings: Mapping[str, Any]) -> None:
+    """The rules of the S3 settings (concurrency, read_bytes, retry_deadline_s, lock_lease_s,
+    conditional), for Options' ``s3_*`` fields and S3Settings alike; errors name
+    ``prefix + field``."""
+    if settings["concurrency"] < 1:
+        raise CkptError(f"{prefix}concurrency={settings['concurrency']}: must be >= 1")
+    read = settings["read_bytes"]
+    if read < 0 or not is_aligned(read):
+        raise CkptError(f"{prefix}read_bytes={read}: must be 0 (one GET per buffer) or a "
+                        f"multiple of {BLOCK}, e.g. 16 MiB")
+    if not settings["retry_deadline_s"] >= 0:
+        raise CkptError(f"{prefix}retry_deadline_s={settings['retry_deadline_s']}: must be >= 0 "
+                        "seconds")
+    if not settings["lock_lease_s"] >= 2:  # a lock's age comes from 1-second HTTP dates
+        raise CkptError(f"{prefix}lock_lease_s={settings['lock_lease_s']}: must be >= 2 seconds "
+                        "(the store dates a lock to the second, so a shorter lease could let a "
+                        "waiter take a live holder's lock)")
+    if settings["conditional"] not in ("require", "off"):
+        raise CkptError(f"{prefix}conditional={settings['conditional']!r}: use 'require' or 'off'")

@@ -12,7 +12,7 @@ import pytest
 
 import ckptio
 from ckptio.storage.s3 import client as s3client
-from ckptio.storage.s3.client import S3Settings
+from ckptio.storage.s3.settings import S3Settings
 
 botocore = pytest.importorskip("botocore")
 from botocore.awsrequest import AWSPreparedRequest, AWSResponse  # noqa: E402 - only once botocore is there

@@ -10,7 +10,8 @@ import pytest
 import ckptio
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3 import client as s3client
-from ckptio.storage.s3.client import S3Path, S3Settings, call
+from ckptio.storage.s3.client import S3Path, call
+from ckptio.storage.s3.settings import S3Settings
 
 botocore = pytest.importorskip("botocore")
 from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402 - only once botocore is there

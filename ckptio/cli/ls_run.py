@@ -33,7 +33,8 @@ from ckptio.cli.chain import logical_nbytes
 from ckptio.cli.ls import human_size
 from ckptio.errors import CkptError
 from ckptio.format import manifest
-from ckptio.storage.s3.client import S3Path, S3Settings, call, client, failed, is_s3
+from ckptio.storage.s3.client import S3Path, call, client, failed, is_s3
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.options import Options
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local_root import LocalRoot, hidden

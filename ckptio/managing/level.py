@@ -18,7 +18,6 @@ hiding (storage/steproot.py), when to save or which tier to load from (manager.p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ from ckptio.storage import runlease
 from ckptio.storage.local_root import LocalRoot
 from ckptio.storage.runlease import RunLease
 from ckptio.storage.store_contract import Store
-from ckptio.storage.select import root_for, store_for
+from ckptio.storage.select import capped, root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
 from ckptio.tiering.tier import Tier
 
@@ -309,12 +308,11 @@ def make_levels(tiers: Sequence[Tier], retentions: Sequence[Retention], ck: Chec
                 ranks: Ranks, process_group: Any) -> list[TierSteps]:
     """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
     restore then goes on without it)."""
-    quick = dataclasses.replace(ck.options, s3_retry_deadline_s=min(
-        PROBE_DEADLINE_S, ck.options.s3_retry_deadline_s))
     levels = []
     for k, (tier, retention) in enumerate(zip(tiers, retentions)):
         root = root_for(tier.location, ck.options)
-        lister = root if k == 0 else root_for(tier.location, quick)
+        lister = root if k == 0 else root_for(
+            tier.location, capped(tier.location, ck.options, PROBE_DEADLINE_S))
         levels.append(TierSteps(tier.location, tier.every, root, lister, retention, ck, ranks,
                                 process_group))
     return levels

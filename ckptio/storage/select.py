@@ -1,13 +1,18 @@
-"""The registry of storage schemes: one entry per scheme names its Store, its I/O backend and
-the StepRoot a CheckpointManager keeps steps in.
+"""The registry of storage schemes: one entry per scheme names its Store, its I/O backend, its
+settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
 process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
 storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one plug a storage in:
 
-    ckptio.register_store("myfs", lambda location, options: MyStore(location),
+    ckptio.register_store("myfs", lambda location, options: MyStore(location,
+                          ckptio.settings_for(location, options)), settings=MySettings,
                           step_root=lambda location, options: MyRoot(location))
+
+A scheme's settings (S3's endpoint, a user scheme's own) come as ``Options(storage={"myfs":
+MySettings(...)})``; settings_for() resolves them for a location (defaults where none given), so
+no module outside the scheme's folder reads them.
 
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
 scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of one checkpoint
@@ -15,16 +20,19 @@ scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of 
 Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
 pays only for the schemes it reads.
 
-Owns: the entries, the path forms (file://, shm://), which store and file a local file names.
-Does not own: what a store or root does (their modules), the backends' lifetime (resources.py).
+Owns: the entries, the path forms (file://, shm://), which store and file a local file names,
+which settings a location takes. Does not own: what a scheme's settings hold (its folder),
+what a store or root does (their modules), the backends' lifetime (resources.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from ckptio.errors import CkptError, UnsupportedPathError
@@ -37,6 +45,7 @@ __all__ = [
     "Scheme",
     "StepRootFactory",
     "StoreFactory",
+    "capped",
     "checkpoint_path",
     "is_checkpoint_id",
     "local_path",
@@ -45,6 +54,7 @@ __all__ = [
     "root_for",
     "scheme_for",
     "scheme_of",
+    "settings_for",
     "shm_path",
     "shm_root",
     "store_and_file",
@@ -53,6 +63,7 @@ __all__ = [
 
 StoreFactory = Callable[[str, Options], Store]  # (location as written, options) -> its Store
 StepRootFactory = Callable[[str, Options], StepRoot]  # (a manager's location, options) -> root
+SettingsOf = Callable[[Options], Any]  # options -> the scheme's settings object
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
@@ -66,13 +77,15 @@ class Scheme:
     names the kind of I/O backend those stores make (Store.backend(); resources.py keeps one per
     Store.backend_kind, which is this kind or starts with it; None: the store's own); ``step_root``
     makes a manager's StepRoot (None: a manager is refused, naming what to register); ``local``
-    turns a URL into the local directory it names (file://, shm://), served as that path."""
+    turns a URL into the local directory it names (file://, shm://), served as that path;
+    ``settings`` resolves the scheme's settings from Options (None: the scheme has none)."""
 
     name: str
     store: StoreFactory
     backend: str | None = None
     step_root: StepRootFactory | None = None
     local: Callable[[str], str] | None = None
+    settings: SettingsOf | None = None
 
 
 # -- the built-in schemes (each imports its modules on first use) ---------------------------------
@@ -100,15 +113,21 @@ def _memory_root(location: str, options: Options) -> StepRoot:
     return MemoryRoot(location)
 
 
+def _s3_settings(options: Options) -> Any:
+    from ckptio.storage.s3.settings import S3Settings
+
+    return S3Settings.of(options)
+
+
 def _s3_store(location: str, options: Options) -> Store:
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.store import S3Store
 
     return S3Store(location, S3Settings.of(options))
 
 
 def _s3_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.root import S3Root
 
     return S3Root(location, S3Settings.of(options))
@@ -152,7 +171,7 @@ _SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
     _LOCAL,
     Scheme("shm", _local_store, "local", _local_root, local=shm_path),
     Scheme("mem", _memory_store, "memory", _memory_root),
-    Scheme("s3", _s3_store, "s3", _s3_root),
+    Scheme("s3", _s3_store, "s3", _s3_root, settings=_s3_settings),
 )}
 _BUILT_IN = frozenset(_SCHEMES)
 
@@ -161,13 +180,16 @@ _BUILT_IN = frozenset(_SCHEMES)
 
 
 def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
-                   step_root: StepRootFactory | None = None) -> None:
+                   step_root: StepRootFactory | None = None,
+                   settings: type | None = None) -> None:
     """Serve locations ``<scheme>://...`` with the Store ``factory(location, options)`` makes
     (ckptio.save, load, verify); with ``step_root``, a CheckpointManager keeps its steps there
     too, in the StepRoot ``step_root(location, options)`` makes (the protocol of
-    ckptio/storage/steproot.py; ckptio/testing/steproot_conformance.py checks one). A scheme
-    already registered is refused unless ``replace`` (which replaces its whole entry); the
-    built-in ones (file, shm, mem, s3) are never replaced."""
+    ckptio/storage/steproot.py; ckptio/testing/steproot_conformance.py checks one). With
+    ``settings`` (a class whose no-argument instance is the defaults), ``Options(storage={scheme:
+    settings(...)})`` gives the scheme its settings and the factories read them with
+    settings_for(location, options). A scheme already registered is refused unless ``replace``
+    (which replaces its whole entry); the built-in ones (file, shm, mem, s3) are never replaced."""
     if not isinstance(scheme, str) or not _NAME.fullmatch(scheme):
         raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
                         "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")
@@ -177,6 +199,9 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
     if step_root is not None and not callable(step_root):
         raise CkptError(f"register_store({scheme!r}, step_root={step_root!r}): the step root "
                         "must be callable as step_root(location, options) -> StepRoot")
+    if settings is not None and not isinstance(settings, type):
+        raise CkptError(f"register_store({scheme!r}, settings={settings!r}): give the settings' "
+                        "class (its instance with no arguments holds the defaults)")
     key = scheme.lower()
     with _lock:
         if key in _BUILT_IN:
@@ -185,7 +210,16 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
         if key in _SCHEMES and not replace:
             raise CkptError(f"register_store({scheme!r}): {key}:// is registered already; "
                             "pass replace=True to replace it")
-        _SCHEMES[key] = Scheme(key, factory, step_root=step_root)
+        _SCHEMES[key] = Scheme(key, factory, step_root=step_root,
+                               settings=None if settings is None else _settings_of(key, settings))
+
+
+def _settings_of(scheme: str, kind: type) -> SettingsOf:
+    def resolve(options: Options) -> Any:
+        given = options.settings(scheme, kind)
+        return kind() if given is None else given
+
+    return resolve
 
 
 def registered_schemes() -> list[str]:
@@ -262,6 +296,36 @@ def store_for(path: str | os.PathLike[str], options: Options | None = None) -> S
         raise CkptError(f"the store registered for {entry.name}:// returned {store!r}, which is "
                         "not a ckptio Store (storage/store_contract.py); fix its factory")
     return store
+
+
+def settings_for(location: str | os.PathLike[str], options: Options | None = None) -> Any:
+    """The settings of ``location``'s scheme (what a store or root of it is made with):
+    ``options.storage[scheme]``, else the scheme's defaults (S3: from Options' ``s3_*``
+    fields); None for a scheme without settings (local paths, shm://, mem://). A storage
+    entry naming no registered scheme with settings is refused, naming the ones there are."""
+    text = checkpoint_path(location)
+    entry = scheme_for(text)
+    options = options or Options.from_env()
+    with _lock:
+        takes = sorted(name for name, each in _SCHEMES.items() if each.settings is not None)
+    for named in options.storage:
+        if named not in takes:
+            raise CkptError(f"Options.storage[{named!r}]: no registered scheme {named}:// takes "
+                            f"settings (those that do: {', '.join(takes)}); fix the name, or "
+                            "register the scheme with ckptio.register_store(..., settings=)")
+    return None if entry.settings is None else entry.settings(options)
+
+
+def capped(location: str | os.PathLike[str], options: Options, deadline_s: float) -> Options:
+    """``options`` whose settings for ``location``'s scheme retry a request for at most
+    ``deadline_s`` (a settings dataclass with a ``retry_deadline_s`` field; else unchanged)."""
+    settings = settings_for(location, options)
+    current = getattr(settings, "retry_deadline_s", None)
+    if not dataclasses.is_dataclass(settings) or current is None or current <= deadline_s:
+        return options
+    name = scheme_for(checkpoint_path(location)).name
+    return options.with_settings(name, dataclasses.replace(  # type: ignore[type-var]
+        settings, retry_deadline_s=deadline_s))
 
 
 def root_for(location: str | os.PathLike[str], options: Options) -> StepRoot:

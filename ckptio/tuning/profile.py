@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
            "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
@@ -90,8 +91,9 @@ class S3Profile:
         return f"{S3_KEY}{self.endpoint}"
 
     def option_fields(self) -> dict[str, object]:
-        """The Options fields this profile sets: uploads in flight, the part size (= the
-        staging buffer), a load's reads in flight (io_depth) and the bytes of each GET."""
+        """What this profile sets: uploads in flight, the part size (= the staging buffer), a
+        load's reads in flight (io_depth) and the bytes of each GET (the first and last are
+        the S3 settings' concurrency and read_bytes: S3_SETTINGS)."""
         return {"s3_concurrency": self.s3_concurrency,
                 "io_depth": self.io_depth or self.s3_concurrency,
                 "buffer_bytes": self.buffer_bytes, "s3_read_bytes": self.read_bytes}
@@ -276,13 +278,14 @@ def _warn_once(path: Path, exc: Exception) -> None:
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
-S3_FIELDS = ("s3_concurrency", "io_depth", "buffer_bytes", "s3_read_bytes")
+S3_FIELDS = ("io_depth", "buffer_bytes")  # the Options fields an endpoint's profile sets
+S3_SETTINGS = {"s3_concurrency": "concurrency", "s3_read_bytes": "read_bytes"}  # -> S3Settings
 
 
 def io_fields(options: Options) -> tuple[object, ...]:
-    """The fields a pool and its backends are made for (a change makes them again)."""
-    return tuple(getattr(options, name) for name in (*IO_FIELDS, "s3_concurrency",
-                                                     "s3_read_bytes"))
+    """The fields a pool and its backends are made for (a change makes them again): the I/O
+    fields and the schemes' settings (a tuned endpoint's S3 settings among them)."""
+    return (*(getattr(options, name) for name in IO_FIELDS), options.storage)
 
 
 def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ...]) -> Options:
@@ -305,10 +308,18 @@ def tuned_options(options: Options, path: str) -> Options:
 
 
 def tuned_s3_options(options: Options, endpoint: str) -> Options:
-    """``options`` with s3_concurrency, io_depth, buffer_bytes and s3_read_bytes, where it leaves
-    them at their defaults, taken from the tuned profile of the S3 endpoint ``endpoint`` (``ckptio tune
-    s3://...``); unchanged without a profile or with use_profile off."""
+    """``options`` with io_depth and buffer_bytes, and the S3 settings' concurrency and
+    read_bytes, where it leaves them at their defaults, taken from the tuned profile of the S3
+    endpoint ``endpoint`` (``ckptio tune s3://...``); unchanged without a profile or with
+    use_profile off."""
     if not options.use_profile:
         return options
     found = lookup_s3(endpoint)
-    return options if found is None else _defaulted(options, found.option_fields(), S3_FIELDS)
+    if found is None:
+        return options
+    fields = found.option_fields()
+    tuned = _defaulted(options, fields, S3_FIELDS)
+    settings, defaults = S3Settings.of(options), S3Settings()
+    chosen: dict[str, Any] = {name: fields[key] for key, name in S3_SETTINGS.items()
+              if getattr(settings, name) == getattr(defaults, name) != fields[key]}
+    return tuned.with_settings("s3", dataclasses.replace(settings, **chosen)) if chosen else tuned

@@ -49,7 +49,7 @@ def test_ls_of_a_run_on_s3_lists_its_steps(s3_env: str, s3_client):
     """A manager's steps under a prefix: committed, incomplete (its manifest never committed),
     and one a retention marked and has not removed yet (``step-N/.deleting``): listed as being
     deleted, never as a checkpoint; torch never imported."""
-    from ckptio.storage.s3.client import S3Settings
+    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.root import S3Root
 
     manager = ckptio.CheckpointManager(s3_env, keep_last=None)

@@ -12,7 +12,7 @@ import torch
 
 import ckptio
 from ckptio.storage.s3 import objects as s3objects
-from ckptio.storage.s3.client import S3Settings
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.options import MiB, Options
 from ckptio.storage.s3.store import S3Store
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from ckptio.storage.s3.client import S3Settings
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.options import MiB, Options
 from ckptio.storage.s3.store import S3Store
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.s3.client import S3Settings
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.options import Options
 from ckptio.storage.steproot import StepRoot
 from ckptio.storage.s3.root import MARKER, S3Root

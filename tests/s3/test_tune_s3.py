@@ -20,6 +20,7 @@ import torch
 import ckptio
 from ckptio import Checkpointer, Options
 from ckptio.storage.s3 import client as s3client
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
 
@@ -51,7 +52,7 @@ def _keys(s3_client, url: str) -> list[str]:
 
 
 def _backend_of(ck: Checkpointer, url: str):
-    _pool, files = ck.resources().files(S3Store(url, s3client.S3Settings.of(ck.options)))
+    _pool, files = ck.resources().files(S3Store(url, S3Settings.of(ck.options)))
     return _pool, files.backend
 
 
@@ -147,7 +148,7 @@ def test_a_study_that_fails_half_way_removes_what_it_wrote(s3_env, s3_proxy, s3_
     where = s3client.S3Path.parse(s3_env)
     s3_client.put_object(Bucket=where.bucket, Key=where.child("keep").key, Body=b"mine")
     refused = s3_proxy.fail(403, "AccessDenied", times=None, op="GetObject", key=r"-c2-")
-    settings = s3client.S3Settings(endpoint_url=s3_proxy.endpoint)
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint)
     with pytest.raises(ckptio.CkptError, match="access denied"):
         s3_tune.study(s3_env, settings, 10 * MiB, [5 * MiB], [1, 2], 1)
     assert refused.fired >= 1
@@ -164,7 +165,7 @@ def test_the_read_depth_is_chosen_from_the_reads_not_the_writes(s3_env, s3_proxy
 
     gets = s3_proxy.delay(0.2, times=None, op="GetObject")
     s3_proxy.delay(2.0, times=None, op="UploadPart", key=r"-c4-")
-    settings = s3client.S3Settings(endpoint_url=s3_proxy.endpoint)
+    settings = S3Settings(endpoint_url=s3_proxy.endpoint)
     candidates = s3_tune.study(s3_env, settings, 20 * MiB, [5 * MiB], [1, 4], 1)
     by_depth = {c.io_depth: c for c in candidates}
     assert by_depth[4].read_gbps > 1.3 * by_depth[1].read_gbps, candidates

@@ -3,7 +3,8 @@
 Its registry entry (storage/select.py) names the three parts, each importing the ones below it:
 
     timeouts.py  how long one request may wait: its deadline, each attempt's timeout, outages
-    client.py    URLs (S3Path), settings, the boto3 client, the retry loop, what an error means
+    settings.py  S3Settings, the scheme's settings (Options.storage["s3"] or Options.s3_*)
+    client.py    URLs (S3Path), the boto3 client, the retry loop, what an error means
     objects.py   what a store's look-up saw of an object, handed to the backend's reads
     backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
                  io/backend_contract.py)
@@ -21,4 +22,4 @@ storage/store_contract.py, storage/steproot.py), the order of a save (saving/).
 
 from __future__ import annotations
 
-__all__ = ["backend", "client", "lock", "objects", "root", "store", "timeouts"]
+__all__ = ["backend", "client", "lock", "objects", "root", "settings", "store", "timeouts"]

@@ -32,7 +32,8 @@ from ckptio.io.backend_contract import FileHandle, all_of, completed, started_po
 from ckptio.options import MiB
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import objects as s3objects
-from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]
 

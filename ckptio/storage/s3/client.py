@@ -16,13 +16,12 @@ retrying cannot fix fails at once, naming the cause and the fix: no credentials,
 handshake that cannot succeed, an endpoint that never answered this process (retried for
 UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
-Owns: S3Path, S3Settings, client(), call() (the retry loop), status()/code() of a failure.
-Does not own: each attempt's timeout, outages (timeouts.py), what is written or read.
+Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure.
+Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), what
+is written or read.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import http.client
 import logging
@@ -37,11 +36,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.options import Options
 from ckptio.storage.s3 import timeouts
+from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "S3Settings", "call", "client",
-           "code", "connections", "describe", "failed", "gets_in_flight", "is_s3", "not_s3", "status"]
+__all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "call", "client", "code",
+           "connections", "describe", "failed", "is_s3", "not_s3", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
@@ -49,7 +48,6 @@ UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a ser
 RETRY_WARN_S = 3.0  # a request retrying this long logs a warning
 CONNECT_TIMEOUT_S = 5.0  # one attempt's wait for its TCP connection (its answer: timeouts.py)
 T = TypeVar("T")
-_AWS = "AWS S3 (default endpoint)"
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                 "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
@@ -92,49 +90,6 @@ class S3Path:
     def dir_prefix(self) -> str:
         """The prefix that lists what is inside this location ("" for a whole bucket)."""
         return f"{self.key}/" if self.key else ""
-
-
-def gets_in_flight(io_depth: int) -> int:
-    """Ranged GETs a load keeps in flight at ``io_depth``: its read-ahead of 2 x io_depth reads
-    (loading/read.py), each one GET."""
-    return 2 * io_depth
-
-
-@dataclass(frozen=True)
-class S3Settings:
-    """What makes a client and its retry policy (from Options; hashable, picklable)."""
-
-    endpoint_url: str | None = None
-    region: str | None = None
-    profile: str | None = None
-    concurrency: int = 16
-    retry_deadline_s: float = 120.0
-    lock_lease_s: float = 30.0
-    conditional: str = "require"
-    read_concurrency: int = 0  # ranged GETs in flight at most; 0: concurrency
-    read_bytes: int = 0  # bytes of one ranged GET at most (a larger read is several); 0: any
-
-    @classmethod
-    def of(cls, options: Options) -> S3Settings:
-        """Options' ``s3_<field>`` for each field (Options holds the defaults users set), and
-        as many GETs as a load keeps reads in flight (gets_in_flight)."""
-        return cls(**{f.name: getattr(options, f"s3_{f.name}") for f in dataclasses.fields(cls)
-                      if f.name != "read_concurrency"},
-                   read_concurrency=gets_in_flight(options.io_depth))
-
-    @property
-    def readers(self) -> int:
-        """Ranged GETs in flight at most."""
-        return self.read_concurrency or self.concurrency
-
-    def configured(self) -> str | None:
-        """The endpoint URL set in Options or the environment; None: AWS's own for the region."""
-        return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL"))
-
-    def endpoint(self) -> str:
-        """For messages and as a key: the endpoint as configured (or AWS's default)."""
-        return self.configured() or _AWS
 
 
 # (endpoint, region, profile, pid, environment) -> (its connection pool's size, the client)
@@ -333,7 +288,7 @@ def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
     return StorageIOError(
         f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
         f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
-        "Options.s3_endpoint_url), its port, and that the server is running")
+        "S3Settings.endpoint_url / Options.s3_endpoint_url), its port, and that the server is running")
 
 
 def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
@@ -345,8 +300,8 @@ def _report_retrying(endpoint: str, what: str, exc: BaseException, attempt: int,
             return
         _warned[endpoint] = now
     log.warning("ckptio: %s: %s; still retrying after %.0f s (attempt %d; gives up after "
-                "Options.s3_retry_deadline_s = %.0f s)", what, describe(exc), elapsed, attempt,
-                deadline)
+                "S3Settings.retry_deadline_s, Options.s3_retry_deadline_s = %.0f s)", what,
+                describe(exc), elapsed, attempt, deadline)
 
 
 def call(settings: S3Settings, what: str, request: Callable[[], T],
@@ -408,8 +363,8 @@ def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
            "the store at {0} kept refusing or dropping requests").format(endpoint)
     return StorageIOError(
         f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: {describe(exc)}; "
-        f"{why}: check that it is up and reachable (raise Options.s3_retry_deadline_s to wait "
-        "longer)")
+        f"{why}: check that it is up and reachable (raise S3Settings.retry_deadline_s, "
+        "or Options.s3_retry_deadline_s, to wait longer)")
 
 
 def _timed_out(exc: BaseException) -> bool:

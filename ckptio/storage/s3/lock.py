@@ -34,7 +34,8 @@ from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
 from ckptio.storage.s3 import timeouts
-from ckptio.storage.s3.client import S3Path, S3Settings, call, client, describe, failed, status
+from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
 

@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.s3.client import S3Path, S3Settings, call, client, code, failed, status
+from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steproot import (
     Listing,
     Nothing,

@@ -48,8 +48,8 @@ from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import (S3Path, S3Settings, call, client, describe, failed,
-                                      gets_in_flight, not_s3, status)
+from ckptio.storage.s3.client import S3Path, call, client, describe, failed, not_s3, status
+from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["S3Claim", "S3Store"]
 
@@ -172,8 +172,8 @@ class S3Store:
                     f"the store at {self.settings.endpoint()} ignores conditional writes "
                     "(If-None-Match), which ckptio's commit relies on to never replace a newer "
                     "checkpoint: use a store that supports them (AWS S3, MinIO, SeaweedFS >= "
-                    "3.97), or Options(s3_conditional='off') if only one save ever writes a "
-                    "location at a time")
+                    "3.97), or S3Settings(conditional='off') (Options(s3_conditional='off')) if "
+                    "only one save ever writes a location at a time")
             _probed[key] = True
 
     def exclusive(self, if_locked: str) -> S3Claim:
@@ -191,13 +191,14 @@ class S3Store:
         return self.where.child(plain_name(name, self.location)).url
 
     def backend(self, options: Options) -> S3Backend:
-        """Parts of ``options.buffer_bytes``, ``options.s3_concurrency`` uploads in flight, as
-        many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
-        loading/read.py), each of ``options.s3_read_bytes`` at most (the endpoint's tuned
-        profile may have set all four, resources.py)."""
-        settings = dataclasses.replace(self.settings, concurrency=options.s3_concurrency,
-                                       read_concurrency=gets_in_flight(options.io_depth),
-                                       read_bytes=options.s3_read_bytes)
+        """Parts of ``options.buffer_bytes``, the concurrency of ``options``' S3 settings in
+        flight, as many ranged GETs as a load keeps reads in flight (2 x ``options.io_depth``,
+        loading/read.py), each of their read_bytes at most (the endpoint's tuned profile may
+        have set all four, tuning/profile.py)."""
+        tuned = S3Settings.of(options)
+        settings = dataclasses.replace(self.settings, concurrency=tuned.concurrency,
+                                       read_concurrency=tuned.read_concurrency,
+                                       read_bytes=tuned.read_bytes)
         return S3Backend(settings, options.buffer_bytes)
 
     # -- the commit -----------------------------------------------------------------------
