@@ -171,11 +171,11 @@ class Checkpointer:
         With torch.distributed initialised (or ``process_group`` given), every rank calls this
         together: each writes its own part, replicas once, and the coordinator commits after
         every rank's bytes are durable. A failure on any rank raises on every rank.
-        Staging: a state larger than the pool grows it after the save, up to
-        Options.host_budget_bytes, so later async saves return at copy speed; prepare(state=)
-        (or CheckpointManager.restore()) grows it before the first one, in the background
-        (growing it inside the first call, before its capture, was slower than streaming the
-        first save through the pool: docs/BENCH_LIMIT.md, "small states and the first save").
+        Staging: the first async save of a state larger than the pool grows it before its
+        capture, up to Options.host_budget_bytes, the new pages faulted in on the pool's own
+        thread buffer by buffer ahead of the copies (docs/BENCH_LOOP.md, "The first save");
+        prepare(state=) (or CheckpointManager.restore()) does it before the first save, in
+        the background, so that save copies into memory already faulted in.
         metrics, metadata, base, overwrite: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
