@@ -1,0 +1,92 @@
+"""A restore from the memory tier is the copy and its hash, nothing beside it: the staging that
+later saves use is faulted in after the reads, not against them, and the restore's own work
+does not grow with what the state does not hold (issue 66)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+import ckptio
+from ckptio.io import stage
+from ckptio.io.stage import StagingPool
+from ckptio.loading import direct_reads
+from tests.conftest import assert_same
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"w{i}": torch.randn(64, 64, generator=gen) for i in range(8)}
+
+
+def test_a_restore_from_memory_holds_the_staging_prefault_back_while_it_reads(
+        shm: str, monkeypatch: Any) -> None:
+    """CheckpointManager.restore prepares the staging of later saves first (its pages faulted
+    in on the pool's own thread); a memory tier's reads need none of it, and on few cores that
+    pre-fault beside them cost the fresh process's restore several copies of the state."""
+    state = _state()
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1)]) as mgr:
+        mgr.save(1, state)
+    reading = threading.Event()
+    faults: list[bool] = []  # per buffer pre-faulted: whether the restore's reads were running
+    populate, read = stage._populate, direct_reads.read
+
+    def slow_populate(address: int, nbytes: int) -> None:
+        faults.append(reading.is_set())
+        time.sleep(0.01)  # a buffer's pre-fault lasts a while, as on a loaded VM
+        populate(address, nbytes)
+
+    def watched_read(*args: Any, **kwargs: Any) -> int:
+        time.sleep(0.05)  # the buffer under way when the reads began ends first
+        reading.set()
+        time.sleep(0.1)  # a pre-fault left running would start buffers in here
+        try:
+            return read(*args, **kwargs)
+        finally:
+            reading.clear()
+
+    monkeypatch.setattr(stage, "_populate", slow_populate)
+    monkeypatch.setattr(direct_reads, "read", watched_read)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck = ckptio.Checkpointer()
+    try:
+        mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1)],
+                                       checkpointer=ck)
+        assert mgr.restore(into) == 1
+        pool = ck.resources().pool
+        assert pool is not None
+        pool.faulted()  # and the pre-fault goes on after the restore, to the last buffer
+        assert pool.resident
+        mgr.close()
+    finally:
+        ck.close()
+    assert_same(into, state)
+    assert faults and not any(faults), (
+        f"{sum(faults)} staging buffers were pre-faulted while the restore read from memory")
+
+
+def test_a_held_back_prefault_still_faults_the_buffer_an_acquire_waits_for() -> None:
+    pool = StagingPool(4, 1 << 20, background=True)
+    got: list[Any] = []
+    with pool.held_back():
+        taker = threading.Thread(target=lambda: got.extend(pool.acquire() for _ in range(4)))
+        taker.start()
+        taker.join(timeout=30)
+        assert not taker.is_alive(), "an acquire inside held_back() waited forever"
+    assert sorted(b.index for b in got) == [0, 1, 2, 3]
+    for buffer in got:
+        pool.release(buffer)
+    pool.close()
+
+
+def test_closing_a_held_back_pool_does_not_wait_for_the_hold() -> None:
+    pool = StagingPool(64, 1 << 20, background=True)
+    closed = threading.Event()
+    with pool.held_back():
+        closer = threading.Thread(target=lambda: (pool.close(), closed.set()))
+        closer.start()
+        closer.join(timeout=30)
+        assert closed.is_set(), "close() waited for a held-back pre-fault"
