@@ -3,8 +3,11 @@
     python dev/restore_profile.py setup            # saves both states under /dev/shm/rp-*
     python dev/restore_profile.py run big|mlp [--prof N] [--reps R]
 
-big: 1 GB in 1,000 float32 tensors (sizes 1:8, as benchmarks/restore_memory.py); mlp: a
-12-layer MLP (1024 wide) and AdamW's state, about 150 MB, loaded with Checkpointer.load.
+big: 1 GB in 1,000 float32 tensors (sizes 1:8, as benchmarks/restore_memory.py); small: 0.1 GB
+so; mlp: a 12-layer MLP (1024 wide) and AdamW's state, about 150 MB: each loaded with
+Checkpointer.load after prepare(path) (``-unprepared``: without); mgr: the MLP restored by a
+CheckpointManager with one shm:// tier, made in the timed process; memcpy-big, memcpy-mlp:
+one torch._foreach_copy_ of that state.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import time
 ROOT = "/dev/shm/rp"
 
 
-def big_state(fill: bool):  # type: ignore[no-untyped-def]
+def big_state(fill: bool, gb: float = 1.0):  # type: ignore[no-untyped-def]
     import torch
 
     gen = torch.Generator().manual_seed(0)
     weights = [1 + (i % 8) for i in range(1000)]
-    unit = int(1e9) // 4 // sum(weights)
+    unit = int(gb * 1e9) // 4 // sum(weights)
     return {f"t{i:05d}": (torch.rand(unit * w, generator=gen) if fill
                           else torch.empty(unit * w).fill_(0)) for i, w in enumerate(weights)}
 
@@ -42,6 +45,17 @@ def mlp_state(fill: bool):  # type: ignore[no-untyped-def]
     return {"model": model, "optim": opt}
 
 
+def _tensors(state):  # type: ignore[no-untyped-def]
+    import torch
+
+    if "model" not in state:
+        return list(state.values())
+    out = list(state["model"].parameters())
+    for per in state["optim"].state.values():
+        out += [v for v in per.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return out
+
+
 def setup() -> None:
     import shutil
 
@@ -50,6 +64,7 @@ def setup() -> None:
     shutil.rmtree(ROOT, ignore_errors=True)
     ckptio.save(big_state(True), f"{ROOT}/big")
     ckptio.save(mlp_state(True), f"{ROOT}/mlp")
+    ckptio.save(big_state(True, 0.1), f"{ROOT}/small")
     shutil.rmtree("/dev/shm/ckptio/rp-mgr", ignore_errors=True)
     with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://rp-mgr", keep_last=1)]) as mgr:
         mgr.save(1, mlp_state(True))
@@ -92,9 +107,24 @@ def run(which: str, prof: int) -> None:
     if which == "mgr":
         run_mgr(prof)
         return
-    state = big_state(False) if which == "big" else mlp_state(False)
+    if which.startswith("memcpy-"):  # one torch._foreach_copy_ of that state, for the ratio
+        import torch
+
+        dst = big_state(False) if which == "memcpy-big" else mlp_state(False)
+        tensors = [t for t in _tensors(dst)]
+        src = [torch.ones_like(t) for t in tensors]
+        with torch.no_grad():
+            start = time.perf_counter()
+            torch._foreach_copy_(tensors, src)
+        print(json.dumps({"s": time.perf_counter() - start}))
+        return
+    unprepared = which.endswith("-unprepared")  # no prepare(): the load makes what it needs
+    which = which.removesuffix("-unprepared")
+    state = {"big": big_state, "mlp": mlp_state,
+             "small": lambda fill: big_state(fill, 0.1)}[which](False)
     ck = ckptio.Checkpointer()
-    ck.prepare(f"{ROOT}/{which}")
+    if not unprepared:
+        ck.prepare(f"{ROOT}/{which}")
     gc.collect()
     gc.freeze()
     if prof:

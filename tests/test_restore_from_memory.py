@@ -90,3 +90,30 @@ def test_closing_a_held_back_pool_does_not_wait_for_the_hold() -> None:
         closer.start()
         closer.join(timeout=30)
         assert closed.is_set(), "close() waited for a held-back pre-fault"
+
+
+def test_a_load_from_memory_faults_no_staging_in(shm: str, monkeypatch: Any) -> None:
+    """A fresh Checkpointer's load of a small state from a memory store: its entries go
+    straight into their tensors, so no staging pool is pre-faulted for it (a pool made early
+    for a small load's staging is for stores that stage; here it only competed)."""
+    state, path = _state(), f"{shm}/step"
+    ckptio.save(state, path)
+    populated: list[int] = []
+    populate = stage._populate
+
+    def counted(address: int, nbytes: int) -> None:
+        populated.append(nbytes)
+        populate(address, nbytes)
+
+    monkeypatch.setattr(stage, "_populate", counted)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck = ckptio.Checkpointer()
+    try:
+        ck.load(path, into)
+        pool = ck.resources().pool
+        if pool is not None:
+            pool.faulted()  # a background pre-fault, had one started, ends here
+    finally:
+        ck.close()
+    assert_same(into, state)
+    assert populated == [], f"{len(populated)} staging buffers were pre-faulted for the load"
