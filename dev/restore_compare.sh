@@ -6,7 +6,7 @@ py=${PYTHON:-/work/main/.venv/bin/python}
 for rep in $(seq "$reps"); do
   for side in before after; do
     dir=$here; [ "$side" = before ] && dir=$before
-    for what in mgr big mlp; do
+    for what in mgr big mlp small-unprepared; do
       echo "{\"side\": \"$side\", \"what\": \"$what\", \"r\": $(PYTHONPATH=$dir $py "$here/dev/restore_profile.py" run $what | tail -1)}"
     done
   done

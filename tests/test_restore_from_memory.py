@@ -117,3 +117,38 @@ def test_a_load_from_memory_faults_no_staging_in(shm: str, monkeypatch: Any) -> 
         ck.close()
     assert_same(into, state)
     assert populated == [], f"{len(populated)} staging buffers were pre-faulted for the load"
+
+
+def test_a_restore_reads_one_manifest_and_opens_one_step_however_many_the_tier_holds(
+        shm: str, monkeypatch: Any) -> None:
+    """The restore's fixed work: one manifest decoded and the one step's data files opened,
+    not one per step the tier keeps (the listing only names them)."""
+    from ckptio.format import manifest
+    from ckptio.io.posix import PosixBackend
+
+    state = _state()
+    tier = ckptio.Tier("shm://run", keep_last=6)
+    with ckptio.CheckpointManager(tiers=[tier]) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, state)
+    decoded: list[str] = []
+    opened: list[str] = []
+    decode, open_read = manifest.decode, PosixBackend.open_read
+
+    def counted_decode(data: bytes, where: str) -> Any:
+        decoded.append(where)
+        return decode(data, where)
+
+    def counted_open(self: PosixBackend, path: str, *, cached: bool = False) -> Any:
+        opened.append(path)
+        return open_read(self, path, cached=cached)
+
+    monkeypatch.setattr(manifest, "decode", counted_decode)
+    monkeypatch.setattr(PosixBackend, "open_read", counted_open)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    with ckptio.CheckpointManager(tiers=[tier]) as mgr:
+        assert mgr.restore(into) == 6
+    assert_same(into, state)
+    assert len(decoded) == 1 and "step-6" in decoded[0], decoded
+    assert opened and all("step-6" in path for path in opened), opened
+    assert len(opened) == len(set(opened)), f"a data file was opened twice: {opened}"
