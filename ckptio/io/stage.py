@@ -10,6 +10,7 @@ streams and events). Does not own: what is copied where (saving/persist.py, load
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import heapq
 import mmap
@@ -110,6 +111,8 @@ class StagingPool:
         self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
         self._unfaulted = nbuffers if background else 0  # not yet handed out by the pre-fault
         self._all_in = not background  # every page faulted in (or left to the copies)
+        self._held = 0  # held_back()s open: the pre-fault waits between buffers
+        self._waiting = 0  # acquires waiting for a buffer: the pre-fault goes on for them
         self._when_resident = when_resident
         if background:
             self._free: list[tuple[int, Buffer]] = []  # a heap: lowest index first
@@ -125,6 +128,9 @@ class StagingPool:
     def _fault_in(self) -> None:
         """The background pre-fault: each buffer's pages, then the buffer is free to use."""
         for buffer in self._all:
+            with self._cond:
+                while self._held and not self._waiting and not self._stop.is_set():
+                    self._cond.wait()
             if not self._stop.is_set():
                 # No torch op: it would start a second team of intra-op threads beside the
                 # training loop's, and on few cores both teams then slowed every training step
@@ -139,6 +145,21 @@ class StagingPool:
         self._all_in = True
         if self._when_resident is not None:
             self._when_resident(self)
+
+    @contextlib.contextmanager
+    def held_back(self) -> Iterator[None]:
+        """While inside: a background pre-fault starts no further buffer (the one under way
+        ends), so that a load that never uses the pool (loading/direct_reads.py) has the
+        cores and the memory bandwidth to itself; an acquire that waits for a buffer still
+        gets one faulted in."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
 
     @property
     def resident(self) -> bool:
@@ -164,8 +185,17 @@ class StagingPool:
         same from one save to the next); waits while none is free."""
         with self._cond:
             while not self._free:
-                self._cond.wait()
+                self._wait_for_buffer()
             return heapq.heappop(self._free)[1]
+
+    def _wait_for_buffer(self) -> None:
+        """Wait (holding the condition) for a release or a faulted buffer, counted as waiting."""
+        self._waiting += 1
+        self._cond.notify_all()  # a held-back pre-fault goes on for this waiter
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting -= 1
 
     def acquire_unless(self, ready: Callable[[], bool]) -> Buffer | None:
         """The free buffer of lowest index, waiting while none is free; None as soon as
@@ -175,7 +205,7 @@ class StagingPool:
             while not self._free:
                 if ready():
                     return None
-                self._cond.wait()
+                self._wait_for_buffer()
             return heapq.heappop(self._free)[1]
 
     def wake(self) -> None:
@@ -203,6 +233,8 @@ class StagingPool:
         """Hand out the buffers not yet faulted in as they are (interpreter exit: the
         background pre-fault stops within one buffer's time)."""
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()  # a held-back pre-fault stops waiting
 
     def close(self) -> None:
         """Drop the pool's references; the memory is freed once no view of it is alive (an

@@ -40,7 +40,7 @@ from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill
 from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.storage.store_contract import Store
 from ckptio.storage.entry_reader import Bases, EntryReader
-from ckptio.storage.files import IOResources, StoreFiles
+from ckptio.storage.files import IOResources, StoreFiles, in_memory
 from ckptio.storage.select import store_for
 
 __all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
@@ -227,8 +227,10 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
     load cycles through them, and pre-faulting the whole pool beside its reads slowed it more
     than the pinning of each buffer at its first read (docs/BENCH_RESTART.md). Not for many
     ranks (each reads a part) nor for regular or version-4 entries (what those stage is known
-    only once resolved)."""
-    if (request.world_size != 1 or record.regular
+    only once resolved), nor for a store in memory (a memory tier's): its whole entries are read
+    straight into their tensors (direct_reads.py), and a pool faulting in beside the restore
+    slowed it; what does stage there gets a pool at the read, faulted by its copies."""
+    if (request.world_size != 1 or record.regular or in_memory(store)
             or any(t.coded or t.order for t in record.tensors)):
         return
     select = selector(request.keys)

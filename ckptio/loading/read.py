@@ -205,7 +205,10 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
         if span.whole and span.nbytes == 0:  # no read covers it
             checker.whole(span, memoryview(b""), last=True)
     direct, spans = direct_reads.split(source, spans)  # a memory tier's: no staging copy
-    nbytes = direct_reads.read(source, direct, checker) if direct else 0
+    nbytes = 0
+    if direct:
+        with pool.held_back():  # its pre-fault (for later saves) waits: these reads need no pool
+            nbytes = direct_reads.read(source, direct, checker)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
     nbytes += _run(ranges, pool, source, depth, checker)

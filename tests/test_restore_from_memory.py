@@ -1,0 +1,154 @@
+"""A restore from the memory tier is the copy and its hash, nothing beside it: the staging that
+later saves use is faulted in after the reads, not against them, and the restore's own work
+does not grow with what the state does not hold (issue 66)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+import ckptio
+from ckptio.io import stage
+from ckptio.io.stage import StagingPool
+from ckptio.loading import direct_reads
+from tests.conftest import assert_same
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"w{i}": torch.randn(64, 64, generator=gen) for i in range(8)}
+
+
+def test_a_restore_from_memory_holds_the_staging_prefault_back_while_it_reads(
+        shm: str, monkeypatch: Any) -> None:
+    """CheckpointManager.restore prepares the staging of later saves first (its pages faulted
+    in on the pool's own thread); a memory tier's reads need none of it, and on few cores that
+    pre-fault beside them cost the fresh process's restore several copies of the state."""
+    state = _state()
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1)]) as mgr:
+        mgr.save(1, state)
+    reading = threading.Event()
+    faults: list[bool] = []  # per buffer pre-faulted: whether the restore's reads were running
+    populate, read = stage._populate, direct_reads.read
+
+    def slow_populate(address: int, nbytes: int) -> None:
+        faults.append(reading.is_set())
+        time.sleep(0.01)  # a buffer's pre-fault lasts a while, as on a loaded VM
+        populate(address, nbytes)
+
+    def watched_read(*args: Any, **kwargs: Any) -> int:
+        time.sleep(0.05)  # the buffer under way when the reads began ends first
+        reading.set()
+        time.sleep(0.1)  # a pre-fault left running would start buffers in here
+        try:
+            return read(*args, **kwargs)
+        finally:
+            reading.clear()
+
+    monkeypatch.setattr(stage, "_populate", slow_populate)
+    monkeypatch.setattr(direct_reads, "read", watched_read)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck = ckptio.Checkpointer()
+    try:
+        mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1)],
+                                       checkpointer=ck)
+        assert mgr.restore(into) == 1
+        pool = ck.resources().pool
+        assert pool is not None
+        pool.faulted()  # and the pre-fault goes on after the restore, to the last buffer
+        assert pool.resident
+        mgr.close()
+    finally:
+        ck.close()
+    assert_same(into, state)
+    assert faults and not any(faults), (
+        f"{sum(faults)} staging buffers were pre-faulted while the restore read from memory")
+
+
+def test_a_held_back_prefault_still_faults_the_buffer_an_acquire_waits_for() -> None:
+    pool = StagingPool(4, 1 << 20, background=True)
+    got: list[Any] = []
+    with pool.held_back():
+        taker = threading.Thread(target=lambda: got.extend(pool.acquire() for _ in range(4)))
+        taker.start()
+        taker.join(timeout=30)
+        assert not taker.is_alive(), "an acquire inside held_back() waited forever"
+    assert sorted(b.index for b in got) == [0, 1, 2, 3]
+    for buffer in got:
+        pool.release(buffer)
+    pool.close()
+
+
+def test_closing_a_held_back_pool_does_not_wait_for_the_hold() -> None:
+    pool = StagingPool(64, 1 << 20, background=True)
+    closed = threading.Event()
+    with pool.held_back():
+        closer = threading.Thread(target=lambda: (pool.close(), closed.set()))
+        closer.start()
+        closer.join(timeout=30)
+        assert closed.is_set(), "close() waited for a held-back pre-fault"
+
+
+def test_a_load_from_memory_faults_no_staging_in(shm: str, monkeypatch: Any) -> None:
+    """A fresh Checkpointer's load of a small state from a memory store: its entries go
+    straight into their tensors, so no staging pool is pre-faulted for it (a pool made early
+    for a small load's staging is for stores that stage; here it only competed)."""
+    state, path = _state(), f"{shm}/step"
+    ckptio.save(state, path)
+    populated: list[int] = []
+    populate = stage._populate
+
+    def counted(address: int, nbytes: int) -> None:
+        populated.append(nbytes)
+        populate(address, nbytes)
+
+    monkeypatch.setattr(stage, "_populate", counted)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    ck = ckptio.Checkpointer()
+    try:
+        ck.load(path, into)
+        pool = ck.resources().pool
+        if pool is not None:
+            pool.faulted()  # a background pre-fault, had one started, ends here
+    finally:
+        ck.close()
+    assert_same(into, state)
+    assert populated == [], f"{len(populated)} staging buffers were pre-faulted for the load"
+
+
+def test_a_restore_reads_one_manifest_and_opens_one_step_however_many_the_tier_holds(
+        shm: str, monkeypatch: Any) -> None:
+    """The restore's fixed work: one manifest decoded and the one step's data files opened,
+    not one per step the tier keeps (the listing only names them)."""
+    from ckptio.format import manifest
+    from ckptio.io.posix import PosixBackend
+
+    state = _state()
+    tier = ckptio.Tier("shm://run", keep_last=6)
+    with ckptio.CheckpointManager(tiers=[tier]) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, state)
+    decoded: list[str] = []
+    opened: list[str] = []
+    decode, open_read = manifest.decode, PosixBackend.open_read
+
+    def counted_decode(data: bytes, where: str) -> Any:
+        decoded.append(where)
+        return decode(data, where)
+
+    def counted_open(self: PosixBackend, path: str, *, cached: bool = False) -> Any:
+        opened.append(path)
+        return open_read(self, path, cached=cached)
+
+    monkeypatch.setattr(manifest, "decode", counted_decode)
+    monkeypatch.setattr(PosixBackend, "open_read", counted_open)
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    with ckptio.CheckpointManager(tiers=[tier]) as mgr:
+        assert mgr.restore(into) == 6
+    assert_same(into, state)
+    assert len(decoded) == 1 and "step-6" in decoded[0], decoded
+    assert opened and all("step-6" in path for path in opened), opened
+    assert len(opened) == len(set(opened)), f"a data file was opened twice: {opened}"
