@@ -7,7 +7,7 @@ than the pool: the pool grows before the capture, its pages faulted in on its ow
 child announces the phase it is held in and is SIGKILLed there:
 
 - ``prefault``: the grown pool's first buffer is being faulted in (no byte of B copied yet);
-- ``capture``: B's capture has filled the first buffer and waits for the next to fault in;
+- ``capture``: B's capture is copying (the pre-fault is on its second buffer);
 - ``write``: the capture is done (async_save returned), B's writes are in flight.
 """
 

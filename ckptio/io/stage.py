@@ -95,7 +95,7 @@ class StagingPool:
         self.buffer_bytes = buffer_bytes
         self.nbuffers = nbuffers
         self._prefault = prefault
-        self._mapping = mmap.mmap(-1, nbuffers * buffer_bytes)
+        self._mapping = _private_mapping(nbuffers * buffer_bytes)
         whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
         background = background and prefault and not torch.cuda.is_available()
         if prefault and not background:
@@ -110,6 +110,8 @@ class StagingPool:
         self._faulter: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: hand out the rest unfaulted
         self._unfaulted = nbuffers if background else 0  # not yet handed out by the pre-fault
+        self._claimed = 0 if background else nbuffers  # buffers the pre-fault or a taker began
+        self._taken: list[Buffer] = []  # claimed by an acquire: faulted by its copies
         self._all_in = not background  # every page faulted in (or left to the copies)
         self._held = 0  # held_back()s open: the pre-fault waits between buffers
         self._waiting = 0  # acquires waiting for a buffer: the pre-fault goes on for them
@@ -126,11 +128,10 @@ class StagingPool:
             self._free = [(b.index, b) for b in self._all]
 
     def _fault_in(self) -> None:
-        """The background pre-fault: each buffer's pages, then the buffer is free to use."""
-        for buffer in self._all:
-            with self._cond:
-                while self._held and not self._waiting and not self._stop.is_set():
-                    self._cond.wait()
+        """The background pre-fault: each buffer's pages, then the buffer is free to use; the
+        buffers an acquire took meanwhile (their copies fault them) are populated last, so
+        the pool is resident when it says so."""
+        while (buffer := self._claim()) is not None:
             if not self._stop.is_set():
                 # No torch op: it would start a second team of intra-op threads beside the
                 # training loop's, and on few cores both teams then slowed every training step
@@ -140,11 +141,36 @@ class StagingPool:
                 self._unfaulted -= 1
                 heapq.heappush(self._free, (buffer.index, buffer))
                 self._cond.notify()
+        for buffer in self._taken:  # in use maybe: populating changes no byte
+            if not self._stop.is_set():
+                _populate(buffer.data.data_ptr(), buffer.nbytes)
         if self._stop.is_set():
             return
         self._all_in = True
         if self._when_resident is not None:
             self._when_resident(self)
+
+    def _claim(self) -> Buffer | None:
+        """The next buffer nobody began to fault in, for the pre-fault (None: none left)."""
+        with self._cond:
+            while self._held and not self._waiting and not self._stop.is_set():
+                self._cond.wait()
+            if self._claimed == self.nbuffers:
+                return None
+            self._claimed += 1
+            return self._all[self._claimed - 1]
+
+    def _take_unfaulted(self) -> Buffer | None:
+        """With the condition held and no buffer free: the next buffer the pre-fault has not
+        begun, taken as it is (the taker's copies fault its pages in, beside the pre-fault's
+        own, on two cores instead of one); None when the pre-fault has begun them all."""
+        if self._claimed == self.nbuffers:
+            return None
+        buffer = self._all[self._claimed]
+        self._claimed += 1
+        self._unfaulted -= 1
+        self._taken.append(buffer)
+        return buffer
 
     @contextlib.contextmanager
     def held_back(self) -> Iterator[None]:
@@ -185,6 +211,9 @@ class StagingPool:
         same from one save to the next); waits while none is free."""
         with self._cond:
             while not self._free:
+                taken = self._take_unfaulted()
+                if taken is not None:
+                    return taken
                 self._wait_for_buffer()
             return heapq.heappop(self._free)[1]
 
@@ -263,6 +292,17 @@ def _stop_faulting_at_exit() -> None:
 
 
 threading._register_atexit(_stop_faulting_at_exit)  # type: ignore[attr-defined]
+
+
+def _private_mapping(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of this process alone: private pages fault in faster than shared ones
+    here (docs/BENCH_LOOP.md, "The first save"), and a child forked later (a DataLoader's
+    workers) inherits none of it, so no write into the pool ever copies a page for a child."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    dontfork = getattr(mmap, "MADV_DONTFORK", None)
+    if dontfork is not None and nbytes:
+        mapping.madvise(dontfork)
+    return mapping
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
