@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,31 +94,41 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         ck.prepare(args.dir, state=src, wait=True)
         prepare_s = time.perf_counter() - t0
-    seconds, durable = [], []
-    rss0 = engines.status_kib("VmRSS")
-    engines.reset_peak_rss()
-    for i in range(SAVES):
-        path = args.dir / f"s{i}"
-        shutil.rmtree(path, ignore_errors=True)
-        os.sync()
-        time.sleep(1)
-        t0 = time.perf_counter()
+    def start(path: Path) -> Callable[[], object]:
         if args.worker == "sync":
             ck.save(src, path)
-            seconds.append(time.perf_counter() - t0)
-        else:
-            handle = ck.async_save(src, path)
-            seconds.append(time.perf_counter() - t0)
-            handle.wait()
-        durable.append(time.perf_counter() - t0)
-        shutil.rmtree(path)
-    peak_mib = (engines.status_kib("VmHWM") - rss0) / 1024
+            return lambda: None
+        return ck.async_save(src, path).wait
+
+    seconds, durable, peak_mib = timed_saves(args.dir / "s", start)
     with ck.resources().lock:  # the backend the saves ran on, as the Checkpointer built it
         backend = ck.resources().files(LocalStore(str(args.dir)))[1].backend.name
     ck.close()
     return {"mode": args.worker, "bytes": nbytes, "memcpy_s": memcpy_s, "ceiling_s": min(ceil),
             "seconds": seconds, "durable_s": durable, "peak_mib": peak_mib,
             "prepare_s": prepare_s, "io_backend": backend}
+
+
+def timed_saves(prefix: Path, start: Callable[[Path], Callable[[], object]]) -> tuple[
+        list[float], list[float], float]:
+    """SAVES saves to ``prefix``0, 1, ... after a sync and a second's rest each: ``start(path)``
+    returns once the caller may go on and returns what waits until durable. -> (each call's
+    seconds, each save's seconds to durable, peak RSS growth over them in MiB)."""
+    seconds, durable = [], []
+    rss0 = engines.status_kib("VmRSS")
+    engines.reset_peak_rss()
+    for i in range(SAVES):
+        path = prefix.with_name(f"{prefix.name}{i}")
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+        time.sleep(1)
+        t0 = time.perf_counter()
+        wait = start(path)
+        seconds.append(time.perf_counter() - t0)
+        wait()
+        durable.append(time.perf_counter() - t0)
+        shutil.rmtree(path)
+    return seconds, durable, (engines.status_kib("VmHWM") - rss0) / 1024
 
 
 def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dict[str, Any]:
@@ -139,15 +150,7 @@ def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dic
     stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                            use_async_staging=True, use_non_blocking_copy=False))
               if args.worker == "dcp_async_staged" else None)
-    seconds, durable = [], []
-    rss0 = engines.status_kib("VmRSS")
-    engines.reset_peak_rss()
-    for i in range(SAVES):
-        path = args.dir / f"d{i}"
-        shutil.rmtree(path, ignore_errors=True)
-        os.sync()
-        time.sleep(1)
-        t0 = time.perf_counter()
+    def start(path: Path) -> Callable[[], object]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             response = dcp_.async_save(src, storage_writer=dcp_.FileSystemWriter(
@@ -155,11 +158,9 @@ def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dic
         staged = getattr(response, "staging_completion", None)
         if staged is not None:
             staged.result()
-        seconds.append(time.perf_counter() - t0)
-        getattr(response, "upload_completion", response).result()
-        durable.append(time.perf_counter() - t0)
-        shutil.rmtree(path)
-    peak_mib = (engines.status_kib("VmHWM") - rss0) / 1024
+        return getattr(response, "upload_completion", response).result
+
+    seconds, durable, peak_mib = timed_saves(args.dir / "d", start)
     if stager is not None:
         stager.close()
     dist.destroy_process_group()
