@@ -43,7 +43,7 @@ def is_stateful(value: Any) -> bool:
 
 
 # Types that are always a leaf (no state_dict, no container): a state's thousands of tensors
-# and optimizer indices and names skip the walk's checks (_children).
+# and optimizer indices and names skip the checks _walk makes of a value.
 _PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, int, str, bool, float,
                            type(None)})
 
