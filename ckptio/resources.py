@@ -199,7 +199,7 @@ class ReusedIOResources:
         with self.lock:
             _pool, files = self.files(store)
             wrapped = self._backends[kind] = self._backends[f"{kind}+threads"] = wrap(files.backend)
-            self._stores[f"{kind}+threads"] = store
+            self._stores[kind] = self._stores[f"{kind}+threads"] = store  # both kinds pin by it
         return wrapped
 
     # ---------------------------------------------------------------- growing the pool

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -232,3 +234,26 @@ def test_prepare_after_close_and_close_during_the_prefault(tmp_path: os.PathLike
     with CheckpointManager(tmp_path / "m") as mgr:  # a manager's own Checkpointer, closed
         mgr.prepare(state)
     assert_same(ckptio.load(tmp_path / "a"), state)
+
+
+def test_a_grown_pool_pins_beside_a_wrapped_backend_of_a_store_in_memory(
+        tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend wrapped for a store in memory (inject(), from a working directory on tmpfs)
+    and an async save that grows the pool: once the pool is resident, its thread pins it with
+    every backend made so far, without an error in that thread (it looked up a store it never
+    recorded for the wrapped kind: KeyError 'local')."""
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        monkeypatch.chdir(shm)
+        ck = Checkpointer(Options(**SMALL))
+        inject(ck)
+        ck.async_save(_state(), tmp_path / "s").wait()
+        pool = ck.resources().pool
+        assert pool is not None
+        pool.faulted()  # the pool's thread, when_resident included, has ended
+        assert errors == []
+        ck.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
