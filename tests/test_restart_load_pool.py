@@ -33,13 +33,13 @@ def registrations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 
 
 @pytest.fixture
-def pinned_parts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The bytes of every part of a sparse table pinned, in order."""
-    calls: list[int] = []
+def pinned_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(slot, bytes) of every part of a sparse table pinned, in order."""
+    calls: list[tuple[int, int]] = []
     real = ring.Ring.update_buffer
 
     def counting(self: ring.Ring, slot: int, address: int, nbytes: int) -> None:
-        calls.append(nbytes)
+        calls.append((slot, nbytes))
         real(self, slot, address, nbytes)
     monkeypatch.setattr(ring.Ring, "update_buffer", counting)
     return calls
@@ -50,7 +50,8 @@ def _state(fill: float, n: int = 40) -> dict[str, torch.Tensor]:
 
 
 def test_a_load_pins_the_pool_buffer_by_buffer_and_never_prefaults_it(
-        tmp_path: Path, registrations: list[tuple[int, int]], pinned_parts: list[int]) -> None:
+        tmp_path: Path, registrations: list[tuple[int, int]],
+        pinned_parts: list[tuple[int, int]]) -> None:
     """The state is larger than the pool: the load cycles through its 2 x io_depth buffers, so
     only those are pinned (and faulted); the rest of the pool stays untouched."""
     ckptio.save(_state(1.0), tmp_path / "ck")
@@ -65,11 +66,15 @@ def test_a_load_pins_the_pool_buffer_by_buffer_and_never_prefaults_it(
         pool = ck.resources().pool
         assert pool is not None and not pool.resident  # no pre-fault thread ran
         assert registrations == [(pool.nbytes, 4 << 20)]
-        assert pinned_parts == [4 << 20] * 4  # 2 x io_depth buffers, each pinned once
+        assert [n for _, n in pinned_parts] == [4 << 20] * 4  # 2 x io_depth buffers
         ck.load(tmp_path / "ck", dest)  # a later load: the same buffers, pinned already
         assert len(pinned_parts) == 4
         ck.save(dest, tmp_path / "again")  # a save keeps the pool and pins what it uses
-        assert len(registrations) == 1 and len(pinned_parts) == 8
+        # How many buffers the save's writes keep in flight depends on the disk's pace; what
+        # must hold is one registration and no buffer pinned twice.
+        slots = [slot for slot, _ in pinned_parts]
+        assert len(registrations) == 1 and len(slots) == len(set(slots))
+        assert 4 <= len(slots) <= pool.nbytes // (4 << 20)
         back = _state(0.0)
         ck.load(tmp_path / "again", back)
         assert all(torch.equal(back[k], v) for k, v in _state(1.0).items())
@@ -78,7 +83,8 @@ def test_a_load_pins_the_pool_buffer_by_buffer_and_never_prefaults_it(
 
 
 def test_a_save_first_still_pins_the_whole_pool_at_once(
-        tmp_path: Path, registrations: list[tuple[int, int]], pinned_parts: list[int]) -> None:
+        tmp_path: Path, registrations: list[tuple[int, int]],
+        pinned_parts: list[tuple[int, int]]) -> None:
     """A pool a save makes is registered whole (a save fills every buffer); a load after it
     reads through the same registration."""
     options = ckptio.Options(io_backend="uring", buffer_bytes=4 << 20, pool_bytes=32 << 20)
