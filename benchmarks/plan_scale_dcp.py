@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from benchmarks.plan_scale import ITEMSIZE, Tensor, median_time, region
 
-__all__ = ["measure_dcp"]
+__all__ = ["measure_dcp", "saved_metadata"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,6 +74,16 @@ def results_of(rank: int, plan: SavePlan, dtype: str) -> list[WriteResult]:
                                storage_data=_StorageInfo(f"__{rank}_0.distcp", offset, nbytes)))
         offset += nbytes
     return out
+
+
+def saved_metadata(world: int, tp: int, tensors: list[Tensor], dtype: str) -> bytes:
+    """The pickled .metadata of a (world / tp, tp) save of ``tensors`` (untimed: for a load)."""
+    dp = world // tp
+    plans = [SavePlan(rank_items(r, dp, tp, tensors, dtype)) for r in range(world)]
+    global_plans, metadata = DefaultSavePlanner(flatten_state_dict=False).create_global_plan(plans)
+    metadata.storage_data = {wr.index: wr.storage_data for r, plan in enumerate(global_plans)
+                             for wr in results_of(r, plan, dtype)}
+    return pickle.dumps(metadata, protocol=pickle.DEFAULT_PROTOCOL)
 
 
 def measure_dcp(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int) -> dict[str, Any]:

@@ -98,3 +98,17 @@ def test_dcp_planner_on_the_same_layout():
     assert theirs["chunks"] == ours["chunks"]
     for field in plan_scale.PHASES + ("load_s",):
         assert theirs[field] > 0, field
+
+
+def test_reshard_plan_covers_each_wanted_region_as_dcp_does(capsys):
+    """A (64 -> 48)-rank resharded load: ckptio plans one span per piece DCP reads (the same
+    overlaps found from the grids as from DCP's chunk scan), on a first, middle and last rank."""
+    from benchmarks import reshard_plan
+
+    assert reshard_plan.main(["--save-world", "64", "--load-world", "48", "--tensors", "12",
+                              "--reps", "1", "--ranks", "0,21,47"]) == 0
+    ours, dcp = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert ours["engine"] == "ckptio" and dcp["engine"] == "dcp"
+    for rank in (0, 21, 47):
+        assert ours[f"rank{rank}_reads"] == dcp[f"rank{rank}_reads"] > 12, rank
+    assert ours["chunks"] == dcp["chunks"] - 64  # DCP's count holds each rank's RNG item
