@@ -10,8 +10,9 @@ sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 Call order: ``fit`` for a state (prepare(state=): grow within this rank's share of the host's
 budget, io/hostbudget.py, pre-faulted on the pool's thread) -> ``prepare(store)`` (optional,
 at startup) -> under ``lock``, per save or load, ``files(store, nbytes=)`` (the pool and the
-store's files through its backend) -> ``fit`` after an async save (grow within that share) -> ``release`` (made again on next use) or
-``free`` (after the last cleanup, forgetting the grown size).
+store's files through its backend) -> ``fit`` after an async save (grow within that share) ->
+``release`` (made again on next use) or ``free`` (after the last cleanup, forgetting the grown
+size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
