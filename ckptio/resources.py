@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ckptio.io.backend_contract import IOBackend
-from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size
+from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size_text
 from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
@@ -249,13 +249,12 @@ class ReusedIOResources:
         self._over_budget_logged = True
         floor = ""
         if budget.share < floor_nbytes:
-            floor = (f"; the pool stays at {floor_nbytes / GiB:.2f} GiB (Options.pool_bytes, "
-                     f"the least a save streams through), so this host's {budget.ranks} "
-                     "rank(s) may hold that much each: lower Options.pool_bytes to stay within")
-        log.warning("ckptio: this rank's state (%.2f GiB of files) is larger than the host "
-                    "memory its async saves may stage (%s, Options.host_budget_bytes): "
-                    "async_save waits for the disk for the rest%s", need_nbytes / GiB,
-                    budget.describe(), floor)
+            floor = (f"; the pool stays at {size_text(floor_nbytes)} (Options.pool_bytes, the "
+                     f"least a save streams through), so this host's {budget.ranks} rank(s) "
+                     "may hold that much each: lower Options.pool_bytes to stay within")
+        log.warning("ckptio: this rank's state (%s of files) is larger than the host memory "
+                    "its async saves may stage (%s): async_save waits for the disk for the "
+                    "rest%s", size_text(need_nbytes), budget.describe(), floor)
 
     def _budget(self, pool_nbytes: int) -> HostBudget:
         """The host's staging budget and this rank's share of it (io/hostbudget.py)."""

@@ -123,6 +123,27 @@ def test_other_launchers_ranks_per_host_and_the_warning(
     ck.close()
 
 
+def test_a_share_below_the_floor_says_what_the_host_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, assert_same: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """4 ranks per host, a 4 MiB budget: this rank's 1 MiB share is below its 2 MiB pool; the
+    pool stays, the save works, and the one warning says the host may hold 4 such pools and
+    how to stay within (lower pool_bytes)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    state = _state(8 * MiB)
+    ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=FLOOR, io_depth=2,
+                              use_profile=False, host_budget_bytes=4 * MiB))
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        for i in range(2):
+            ck.async_save(state, tmp_path / f"s{i}").wait()
+    assert ck.staging_nbytes == FLOOR
+    warned = [r.getMessage() for r in caplog.records if "host_budget_bytes" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "over its 4 ranks" in warned[0] and "lower Options.pool_bytes" in warned[0], warned
+    assert_same(ckptio.load(tmp_path / "s1"), state)
+    ck.close()
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-2"])
 def test_a_bad_ranks_per_host_is_refused_at_once(monkeypatch: pytest.MonkeyPatch,
                                                  value: str) -> None:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from ckptio.errors import CkptError
 from ckptio.io.stage import available_host_bytes
-from ckptio.options import GiB
+from ckptio.options import GiB, MiB
 
-__all__ = ["LOCAL_SIZE_ENVS", "HostBudget", "host_budget", "local_world_size"]
+__all__ = ["LOCAL_SIZE_ENVS", "HostBudget", "host_budget", "local_world_size", "size_text"]
 
 # where launchers put the number of ranks on this host, first found wins: torchrun (and
 # accelerate, DeepSpeed's launcher), Open MPI's mpirun, MPICH / Intel MPI's hydra
@@ -71,11 +71,16 @@ class HostBudget:
     def describe(self) -> str:
         """For messages: the share and where it comes from."""
         whole = ("Options.host_budget_bytes" if self.explicit
-                 else "half of the memory available")
+                 else "Options.host_budget_bytes=None: half of the memory available")
         if self.ranks == 1:
-            return f"{self.share / GiB:.2f} GiB, {whole}"
-        return (f"{self.share / GiB:.2f} GiB, this rank's share of the host's "
-                f"{self.nbytes / GiB:.2f} GiB ({whole}) over its {self.ranks} ranks")
+            return f"{size_text(self.share)}: {whole}"
+        return (f"{size_text(self.share)}: this rank's share of the host's "
+                f"{size_text(self.nbytes)} ({whole}) over its {self.ranks} ranks")
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for a message: in GiB from 1 GiB on, else in MiB."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
 
 
 def host_budget(explicit: int | None, pool_nbytes: int, ranks: int) -> HostBudget:
