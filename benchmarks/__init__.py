@@ -10,6 +10,7 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.compress --reps 3                # docs/BENCH_COMPRESS.md
     python -m benchmarks.compress_study --reps 3          # docs/PROBES.md (codecs)
     python -m benchmarks.redundancy --hosts 4 --reps 3    # docs/BENCH_REDUNDANCY.md
+    python -m benchmarks.node_budget --ranks 4 --gb 2 --budget-gb 4  # one host's staging
 
 Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
 puts this checkout first on PYTHONPATH, so they work from any working directory.

@@ -75,8 +75,8 @@ class Checkpointer:
     @property
     def staging_nbytes(self) -> int:
         """Host memory the staging pool holds now: 0 before the first save or load and after
-        close(); Options.pool_bytes, or more once an async save has grown it
-        (Options.host_budget_bytes)."""
+        close(); Options.pool_bytes, or more once an async save has grown it (up to this
+        rank's share of Options.host_budget_bytes, the budget of its host)."""
         pool = self._resources.pool
         return 0 if pool is None else pool.nbytes
 

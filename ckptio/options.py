@@ -78,13 +78,17 @@ class Options:
     host_budget_bytes: how far an async save may grow the staging pool so that async_save
         returns at memory-copy speed. After an async save (eager or lazy) of a state larger than
         the pool, the pool grows (on the save's thread, once the save is committed and before
-        its wait() returns) to hold this rank's whole state, up to this many bytes; it is
+        its wait() returns) to hold this rank's whole state, up to its share of this budget; it is
         pre-faulted once, in the background, and reused by every later save and load
-        (Checkpointer.close frees it). Beyond the budget the state streams
-        through the pool and async_save waits for the disk for the rest (logged once). None
-        (default): half of the host memory available when the pool grows (MemAvailable),
-        shared by the ranks of the host (LOCAL_WORLD_SIZE); 0: never beyond pool_bytes.
-        Synchronous saves never grow the pool.
+        (Checkpointer.close frees it). The budget is the host's (per node, not per process):
+        the ranks of one host (LOCAL_WORLD_SIZE as torchrun sets it, else Open MPI's or
+        MPICH's local size; 1 without a launcher) each grow to an equal share, so their pools
+        together stay within it. Beyond its share a rank's state streams through the pool
+        and async_save waits for the disk for the rest (logged once). A pool never shrinks
+        below pool_bytes (what a save streams through, the largest tensor too): where a share
+        is smaller the host holds up to ranks x pool_bytes. None (default): half of the host
+        memory available when the pool grows (MemAvailable); 0: never beyond pool_bytes.
+        Synchronous saves never grow the pool (ckptio/io/hostbudget.py).
     io_depth: writes or reads in flight at once.
     max_file_bytes: a data file is closed and a new one begun past this size.
     direct_io: "auto" uses O_DIRECT where the filesystem accepts it, else buffered (logged once).

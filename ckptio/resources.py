@@ -7,11 +7,12 @@ pool. Backends are made for the store's tuned I/O profile (tuning/profile.py); w
 allows it the backend pins the whole pool (io_uring's fixed buffers, ``_pin``). How the pool is
 sized, grown and pinned: docs/BEHAVIOUR.md, "ckptio.resources".
 
-Call order: ``fit`` for a state (prepare(state=): grow within the host budget, pre-faulted on
-the pool's thread) -> ``prepare(store)`` (optional, at startup) -> under ``lock``, per save or
-load, ``files(store, nbytes=)`` (the pool and the store's files through its backend) -> ``fit``
-after an async save (grow within the host budget) -> ``release`` (made again on next use) or
-``free`` (after the last cleanup, forgetting the grown size).
+Call order: ``fit`` for a state (prepare(state=): grow within this rank's share of the host's
+budget, io/hostbudget.py, pre-faulted on the pool's thread) -> ``prepare(store)`` (optional,
+at startup) -> under ``lock``, per save or load, ``files(store, nbytes=)`` (the pool and the
+store's files through its backend) -> ``fit`` after an async save (grow within that share) ->
+``release`` (made again on next use) or ``free`` (after the last cleanup, forgetting the grown
+size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save. Does not own: what a save or load
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 
 from ckptio.io.backend_contract import IOBackend
-from ckptio.io.stage import StagingPool, available_host_bytes
+from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size_text
+from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
 from ckptio.storage.store_contract import Store
@@ -58,6 +59,7 @@ class ReusedIOResources:
         self._grown_nbytes = 0  # the pool's size since an async save grew it (0: not grown)
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
+        self._local_ranks = local_world_size()  # the ranks sharing this host's budget
 
     # ---------------------------------------------------------------- what a save or load borrows
 
@@ -218,9 +220,10 @@ class ReusedIOResources:
         need = sum(-(-n // buffer_bytes) for n in file_nbytes)
         if need <= current:
             return
-        allowed = self._budget(self._pool.nbytes if self._pool else 0) // buffer_bytes
+        budget = self._budget(self._pool.nbytes if self._pool else 0)
+        allowed = budget.share // buffer_bytes
         if need > allowed:
-            self._log_over_budget(need * buffer_bytes, allowed * buffer_bytes)
+            self._log_over_budget(need * buffer_bytes, budget, current * buffer_bytes)
         target = min(need, allowed)
         if target > current:
             self._grow(target, buffer_bytes, current)
@@ -240,25 +243,22 @@ class ReusedIOResources:
         log.info("ckptio: staging pool grown to %.2f GiB so that async saves of this state "
                  "return at copy speed (Options.host_budget_bytes)", target * buffer_bytes / GiB)
 
-    def _log_over_budget(self, need_nbytes: int, allowed_nbytes: int) -> None:
+    def _log_over_budget(self, need_nbytes: int, budget: HostBudget, floor_nbytes: int) -> None:
         if self._over_budget_logged:
             return
         self._over_budget_logged = True
-        log.warning("ckptio: this rank's state (%.2f GiB of files) is larger than the host "
-                    "memory async saves may stage (%.2f GiB, Options.host_budget_bytes): "
-                    "async_save waits for the disk for the rest", need_nbytes / GiB,
-                    allowed_nbytes / GiB)
+        floor = ""
+        if budget.share < floor_nbytes:
+            floor = (f"; the pool stays at {size_text(floor_nbytes)} (Options.pool_bytes, the "
+                     f"least a save streams through), so this host's {budget.ranks} rank(s) "
+                     "may hold that much each: lower Options.pool_bytes to stay within")
+        log.warning("ckptio: this rank's state (%s of files) is larger than the host memory "
+                    "its async saves may stage (%s): async_save waits for the disk for the "
+                    "rest%s", size_text(need_nbytes), budget.describe(), floor)
 
-    def _budget(self, pool_nbytes: int) -> int:
-        """Bytes of staging an async save may keep (Options.host_budget_bytes, or automatic:
-        half of the memory available, with the pool's own, per rank of this host)."""
-        if self.options.host_budget_bytes is not None:
-            return self.options.host_budget_bytes
-        try:
-            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        except ValueError:
-            local_ranks = 1
-        return (available_host_bytes() + pool_nbytes) // (2 * local_ranks)
+    def _budget(self, pool_nbytes: int) -> HostBudget:
+        """The host's staging budget and this rank's share of it (io/hostbudget.py)."""
+        return host_budget(self.options.host_budget_bytes, pool_nbytes, self._local_ranks)
 
     # ---------------------------------------------------------------- letting go
 
