@@ -155,13 +155,18 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
             peaks[name] = max(peaks[name], sum(s[name] for s in sampled))
         least_available = min(least_available, _available())
         time.sleep(SAMPLE_S)
-    ranks = []
+    ranks, failed = [], []
     for r, p in enumerate(procs):
         out, err = p.communicate()
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         if p.returncode or not lines:
-            raise SystemExit(f"rank {r} failed (exit {p.returncode}): {err[-2000:]}")
-        ranks.append(json.loads(lines[-1]))
+            killed = " (killed: the kernel's OOM killer, see dmesg)" if p.returncode == -9 else ""
+            failed.append((p.returncode != -9, f"rank {r} failed (exit {p.returncode}){killed}: "
+                                               f"{err[-2000:]}"))
+        else:
+            ranks.append(json.loads(lines[-1]))
+    if failed:  # a killed rank first: the others' errors follow from it
+        raise SystemExit("\n".join(text for _, text in sorted(failed)))
     budget = int(args.budget_gb * GB) if args.budget_gb is not None else available0 // 2
     return {"ranks": ranks, "budget_bytes": budget, "budget_given": args.budget_gb is not None,
             "available_start_bytes": available0,
