@@ -160,6 +160,14 @@ def failed(what: str, exc: BaseException, settings: GcsSettings) -> CkptError:
         return StorageIOError(f"{what} failed: {_describe(exc)}: access denied: check the "
                               "credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth) and "
                               "their permissions on this bucket")
+    from google.api_core.exceptions import RetryError
+
+    if _retryable(exc) or isinstance(exc, RetryError):
+        return StorageIOError(
+            f"{what} failed: {_describe(exc)}; the store at {settings.endpoint()} did not answer "
+            f"within GcsSettings.retry_deadline_s ({settings.retry_deadline_s:g} s) or kept "
+            "refusing: check that it is up and reachable (raise GcsSettings.retry_deadline_s "
+            "to wait longer)")
     return StorageIOError(f"{what} failed at {settings.endpoint()}: {_describe(exc)}")
 
 
@@ -183,6 +191,8 @@ def _unreached(exc: BaseException) -> bool:
 
 
 _reached: set[str] = set()  # endpoints that answered this process (a response, even an error)
+_gave_up: dict[str, float] = {}  # endpoint -> when a request to it last gave up (an outage)
+OUTAGE_S = 10.0  # after a give-up, other requests to the endpoint give up at their first failure
 
 
 def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
@@ -192,7 +202,9 @@ def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
     ``what`` names the operation and object. A failure that is not transient is raised as it
     is (the caller maps 404/412: ``status``); an endpoint that never answered becomes
     StorageIOError after UNREACHED_S; one that outlasts the deadline becomes StorageIOError
-    naming ``what``, the endpoint, the attempts and the cause."""
+    naming ``what``, the endpoint, the attempts and the cause. Once one request to an endpoint
+    gave up, the others give up at their next transient failure (for OUTAGE_S, or until one
+    succeeds)."""
     endpoint, deadline = settings.endpoint(), settings.retry_deadline_s
     start, attempt, caught = time.monotonic(), 0, errors()
     while True:
@@ -207,14 +219,18 @@ def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
                 raise
             attempt += 1
             elapsed = time.monotonic() - start
+            if _in_outage(endpoint):
+                elapsed = deadline  # another request gave up on it just now: so does this one
             if _unreached(exc) and endpoint not in _reached and elapsed >= min(UNREACHED_S,
                                                                                deadline):
+                _gave_up[endpoint] = time.monotonic()
                 raise StorageIOError(
                     f"{what} failed: nothing answers at {endpoint} ({_describe(exc)}; {attempt} "
                     f"attempt(s) in {elapsed:.1f} s): check the endpoint "
                     "(GcsSettings.endpoint_url or STORAGE_EMULATOR_HOST), its port, and that "
                     "the server is running") from exc
             if elapsed >= deadline:
+                _gave_up[endpoint] = time.monotonic()
                 raise StorageIOError(
                     f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
                     f"{_describe(exc)}; the store at {endpoint} did not answer in time or kept "
@@ -226,7 +242,15 @@ def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
             sleep(max(pause, 0.0))
         else:
             _reached.add(endpoint)
+            _gave_up.pop(endpoint, None)
             return answer
+
+
+def _in_outage(endpoint: str) -> bool:
+    """Whether a request to ``endpoint`` gave up within OUTAGE_S (a failed save's cleanup then
+    fails at once instead of waiting out a deadline of its own)."""
+    since = _gave_up.get(endpoint)
+    return since is not None and time.monotonic() - since < OUTAGE_S
 
 
 def mapped(settings: GcsSettings, what: str, request: Callable[[Timeout], T]) -> T:
