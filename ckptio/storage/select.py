@@ -3,17 +3,16 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
-process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
-storage/s3/; the ``[s3]`` extra), ``gs://`` (a Google Cloud Storage prefix, storage/gcs/; the
-``[gcs]`` extra), or one a user registers, as fsspec lets one plug a storage in:
+process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` (an S3 / Google Cloud
+Storage prefix: storage/s3/, storage/gcs/; the ``[s3]`` / ``[gcs]`` extras), or one a user
+registers, as fsspec lets one plug a storage in:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
                           step_root=lambda location, options: MyRoot(location))
 
-A scheme's settings (S3's endpoint, a user scheme's own) come as ``Options(storage={"myfs":
-MySettings(...)})``; settings_for() resolves them for a location (defaults where none given), so
-no module outside the scheme's folder reads them.
+A scheme's settings come as ``Options(storage={"myfs": MySettings(...)})``; settings_for()
+resolves them for a location (defaults where none given): no module outside its folder reads them.
 
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
 scheme rather than taking ``hdfs:`` for a folder); store_for() makes the Store of one checkpoint
@@ -135,21 +134,21 @@ def _s3_root(location: str, options: Options) -> StepRoot:
 
 
 def _gcs_settings(options: Options) -> Any:
-    from ckptio.storage.gcs.settings import GcsSettings
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
 
     return GcsSettings.of(options)
 
 
 def _gcs_store(location: str, options: Options) -> Store:
-    from ckptio.storage.gcs.settings import GcsSettings
-    from ckptio.storage.gcs.store import GcsStore
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
+    from ckptio.storage.gcs.gcs_store import GcsStore
 
     return GcsStore(location, GcsSettings.of(options))
 
 
 def _gcs_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.gcs.root import GcsRoot
-    from ckptio.storage.gcs.settings import GcsSettings
+    from ckptio.storage.gcs.gcs_root import GcsRoot
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
 
     return GcsRoot(location, GcsSettings.of(options))
 

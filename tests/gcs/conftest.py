@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ckptio.options import Options
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.testing.s3proxy import FaultProxy
 
 HERE = Path(__file__).resolve().parent

@@ -12,10 +12,10 @@ import torch
 
 import ckptio
 from ckptio.manager import CheckpointManager
-from ckptio.storage.gcs.store import GcsStore
+from ckptio.storage.gcs.gcs_store import GcsStore
 
 SETTINGS = """
-    from ckptio.storage.gcs.settings import GcsSettings
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
     options = ckptio.Options(storage={"gs": GcsSettings(
         endpoint_url=sys.argv[2], credentials="anonymous", conditional="off")})
 """

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 
 from gcs.conftest import settings_at
 

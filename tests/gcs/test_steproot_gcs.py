@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.gcs.root import MARKER, GcsRoot
-from ckptio.storage.gcs.store import GcsStore
+from ckptio.storage.gcs.gcs_root import MARKER, GcsRoot
+from ckptio.storage.gcs.gcs_store import GcsStore
 from ckptio.storage.steproot import StepRoot
 from ckptio.testing.s3proxy import FaultProxy
 from ckptio.testing.steproot_conformance import Roots, StepRootConformance, commit_by_store

@@ -13,9 +13,9 @@ from ckptio.alignment import BLOCK
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.io.stage import StagingPool
 from ckptio.options import MiB
-from ckptio.storage.gcs.backend import GcsBackend
-from ckptio.storage.gcs.client import GcsPath
-from ckptio.storage.gcs.store import GcsStore
+from ckptio.storage.gcs.gcs_backend import GcsBackend
+from ckptio.storage.gcs.gcs_client import GcsPath
+from ckptio.storage.gcs.gcs_store import GcsStore
 from ckptio.storage.select import store_for
 from ckptio.testing.store_conformance import StoreConformance, data_name
 

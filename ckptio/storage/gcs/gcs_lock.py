@@ -12,10 +12,10 @@ gcp-storage-emulator) the create is a look-up then a write: two processes racing
 believe they hold it; within one process claims are still exclusive (``_held``).
 
 The lock makes a second save wait (or raise); what keeps a checkpoint safe is the commit's
-precondition (store.py).
+precondition (gcs_store.py).
 
 Owns: GcsLock (take, renew, release), the holder text. Does not own: the manifest's condition
-(store.py), the client and retries (client.py), whether a holder is dead (holder.py).
+(gcs_store.py), the client and retries (gcs_client.py), whether a holder is dead (holder.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
-from ckptio.storage.gcs.client import GcsPath, call, client, errors, failed, missing, status
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_client import GcsPath, call, client, errors, failed, missing, status
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 
 __all__ = ["LOCK_NAME", "GcsLock", "take"]
 
@@ -180,9 +180,10 @@ def _take(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int 
 
 def _read(blob: Any) -> dict[str, Any] | None:
     """What the lock object says of its holder (None if unreadable: advisory only)."""
+    unreadable: tuple[type[BaseException], ...] = (ValueError, *errors())
     try:
         holder = json.loads(blob.download_as_bytes(timeout=5.0, retry=None))
-    except (ValueError, *errors()):
+    except unreadable:
         return None
     return holder if isinstance(holder, dict) else None
 

@@ -13,7 +13,7 @@ for UNREACHED_S only). Only the library's own exception types are caught (``erro
 mapped to StorageIOError naming the object and the fix.
 
 Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed().
-Does not own: the settings (settings.py), what is written or read.
+Does not own: the settings (gcs_settings.py), what is written or read.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 
 __all__ = ["SCHEME", "UNREACHED_S", "GcsPath", "Timeout", "call", "client", "errors", "failed",
            "mapped", "missing", "status"]

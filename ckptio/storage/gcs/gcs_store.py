@@ -1,6 +1,6 @@
 """A Store in a Google Cloud Storage bucket: a checkpoint is the prefix ``gs://bucket/run/step-N``.
 
-Data files are objects ``<prefix>/data-...bin`` (written by backend.py's GcsBackend: resumable
+Data files are objects ``<prefix>/data-...bin`` (written by gcs_backend.py's GcsBackend: resumable
 uploads, ranged reads); the commit is one upload of ``<prefix>/manifest.json``, made only after
 every rank's uploads completed. What it relies on:
 
@@ -15,8 +15,8 @@ every rank's uploads completed. What it relies on:
 - an object appears only whole: a killed save leaves at most an unfinished resumable upload,
   which GCS drops on its own (nothing to list or remove).
 
-Owns: GcsStore, GcsClaim, the probe. Does not own: the lock object (lock.py), URLs, the client
-and retries (client.py), the data path (backend.py), the order of a save.
+Owns: GcsStore, GcsClaim, the probe. Does not own: the lock object (gcs_lock.py), URLs, the client
+and retries (gcs_client.py), the data path (gcs_backend.py), the order of a save.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
 from ckptio.storage import missing_manifest
 from ckptio.storage.files import Capabilities
-from ckptio.storage.gcs import lock as gcslock
-from ckptio.storage.gcs.backend import GcsBackend
-from ckptio.storage.gcs.client import (
+from ckptio.storage.gcs import gcs_lock as gcslock
+from ckptio.storage.gcs.gcs_backend import GcsBackend
+from ckptio.storage.gcs.gcs_client import (
     GcsPath,
     call,
     client,
@@ -43,7 +43,7 @@ from ckptio.storage.gcs.client import (
     missing,
     status,
 )
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
@@ -267,7 +267,7 @@ class GcsStore:
 
         return mapped(self.settings, f"listing {self.location}", request)
 
-    def _objects(self) -> dict[str, int]:
+    def objects(self) -> dict[str, int]:
         """Name -> size of the objects directly under the prefix."""
         cut = len(self.where.dir_prefix)
         return {b.name[cut:]: int(b.size) for b in self._listing(True)[0]
@@ -279,14 +279,14 @@ class GcsStore:
         if len(wanted) <= 2:
             found = {n: self._size(self.where.child(n).key) for n in wanted}
         else:
-            stored = self._objects()
+            stored = self.objects()
             found = {n: stored.get(n) for n in wanted}
         return {n: size for n, size in found.items() if size is not None}
 
     def names(self) -> list[str]:
-        return sorted(n for n in self._objects() if is_ours(n))
+        return sorted(n for n in self.objects() if is_ours(n))
 
-    def _delete_key(self, key: str, label: str) -> list[str]:
+    def delete_key(self, key: str, label: str) -> list[str]:
         """Delete one object (a missing one is fine) -> ["label: why"] on failure."""
         blob = self._bucket.blob(key)
         try:
@@ -304,7 +304,7 @@ class GcsStore:
             except CkptError as exc:
                 problems.append(f"{name}: {exc}")
                 continue
-            problems += self._delete_key(key, name)
+            problems += self.delete_key(key, name)
         return problems
 
     # -- the tree (store_contract.TreeStore) ------------------------------------------------
@@ -346,7 +346,7 @@ class GcsStore:
             return [f"{self.location}: {exc}"]
         cut, problems = len(self.where.dir_prefix), []
         for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] != MANIFEST_NAME):
-            problems += self._delete_key(key, key[cut:])
+            problems += self.delete_key(key, key[cut:])
         return problems
 
     def move_to(self, target: TreeStore) -> None:

@@ -13,12 +13,13 @@ Reads are ranged GETs of the object generation seen at open, on the same threads
 request goes through client.call (deadline, retries); the upload's chunks through the
 library's retry, bounded by the same deadline.
 
-Owns: GcsBackend. Does not own: URLs, the client, retries (client.py), which objects make a
-checkpoint and its commit (store.py), what is written (saving/).
+Owns: GcsBackend. Does not own: URLs, the client, retries (gcs_client.py), which objects make a
+checkpoint and its commit (gcs_store.py), what is written (saving/).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ from typing import Any
 
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, completed, started_pool
-from ckptio.storage.gcs.client import GcsPath, client, errors, failed, mapped, missing, status
-from ckptio.storage.gcs.settings import GcsSettings
+from ckptio.storage.gcs.gcs_client import GcsPath, client, errors, failed, mapped, missing, status
+from ckptio.storage.gcs.gcs_settings import GcsSettings
 
 __all__ = ["GcsBackend"]
 
@@ -108,8 +109,8 @@ class GcsBackend:
 
         s = self.settings
         condition = {"if_generation_match": 0} if s.conditional == "require" else {}
-        writer = self._blob(where).open(
-            "wb", chunk_size=s.chunk_bytes, ignore_flush=True,
+        writer = _writer_class()(
+            self._blob(where), chunk_size=s.chunk_bytes, ignore_flush=True,
             retry=Retry(predicate=_transient, timeout=s.retry_deadline_s),
             timeout=(s.connect_timeout_s, min(s.read_timeout_s, s.retry_deadline_s)),
             content_type="application/octet-stream", **condition)
@@ -228,9 +229,23 @@ class GcsBackend:
 
 def _drop(writer: Any) -> None:
     """Let an upload go unfinished: nothing becomes visible (GCS expires an unfinished
-    resumable upload). Its buffer is closed first: the writer is an io object, whose close()
-    at garbage collection would otherwise finish the upload with what it holds."""
-    writer._buffer.close()
+    resumable upload)."""
+    writer.abandon()
+
+
+@functools.cache
+def _writer_class() -> type:
+    """The library's BlobWriter (a resumable upload fed in order), able to be abandoned: it is
+    an io object whose close() at garbage collection would finish the upload with what it
+    holds, and its terminate() sends a DELETE with no timeout (which a partition hangs), so
+    abandon() closes its buffer and sends nothing."""
+    from google.cloud.storage.fileio import BlobWriter
+
+    class Writer(BlobWriter):
+        def abandon(self) -> None:
+            self._buffer.close()
+
+    return Writer
 
 
 def _transient(exc: BaseException) -> bool:

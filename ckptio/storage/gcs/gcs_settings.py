@@ -4,7 +4,7 @@ Given as ``Options(storage={"gs": GcsSettings(...)})`` (a mapping of its fields 
 registry entry in storage/select.py resolves it (settings_for), defaults where none is given.
 
 Owns: GcsSettings and the rules of its values. Does not own: the client, retries or requests
-they configure (client.py).
+they configure (gcs_client.py).
 """
 
 from __future__ import annotations

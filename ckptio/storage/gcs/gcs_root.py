@@ -2,7 +2,7 @@
 
 Steps are the sub-prefixes ``<root>/step-N/`` of a delimited listing; a step is committed when
 ``step-N/manifest.json`` exists, incomplete when it holds other objects only. GCS has no
-rename, so a retention removes a step in an order that is safe at every point (as s3/root.py):
+rename, so a retention removes a step in an order that is safe at every point (as s3/root.py does):
 
 1. write the marker ``step-N/.deleting`` (only on a committed step): from then on the prefix is
    left out of every listing, so a kill leaves no half-deleted step listed;
@@ -14,7 +14,7 @@ A marker left by a kill is found by the next scan, its removal finished by the n
 a save into step N first finishes a removal pending there. Incomplete steps are never deleted.
 
 Owns: GcsRoot. Does not own: which steps to keep (the manager), one checkpoint's objects and
-its commit (store.py), the client and retries (client.py).
+its commit (gcs_store.py), the client and retries (gcs_client.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import logging
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.gcs.settings import GcsSettings
-from ckptio.storage.gcs.store import GcsStore
+from ckptio.storage.gcs.gcs_settings import GcsSettings
+from ckptio.storage.gcs.gcs_store import GcsStore
 from ckptio.storage.steproot import (
     Listing,
     Nothing,
@@ -151,7 +151,7 @@ class GcsRoot:
         cut = len(store.where.dir_prefix)
         for key in store.keys():
             if key != marker:
-                problems += store._delete_key(key, key[cut:])
+                problems += store.delete_key(key, key[cut:])
         if problems:
             return problems
         left = [k for k in store.keys() if k != marker]
@@ -168,7 +168,7 @@ class GcsRoot:
             return Nothing(f"no checkpoint to restore: nothing is stored under {self.location} "
                            f"at {self.settings.endpoint()} (nothing saved there yet)", empty=True)
         names = set(entries)
-        objects = set(self.store._objects())
+        objects = set(self.store.objects())
         prefixes = sorted(names - objects)
         probed = prefixes[:_NAMES_PROBED]
         checkpoints = [p for p in probed
