@@ -3,7 +3,7 @@ gcp-storage-emulator) and the fault proxy: a closed port, a missing bucket and m
 credentials raise StorageIOError (a CkptError) naming the cause and the fix within seconds under
 the default 120 s retry deadline; a black-holed connection (the proxy swallows every data
 upload, the connection kept open) fails the save at its deadline, naming the location and the
-setting, and the checkpoint saved there before is intact."""
+setting, and the checkpoint saved there before is intact; a black-holed read fails the load so."""
 
 from __future__ import annotations
 
@@ -75,3 +75,16 @@ def test_a_black_holed_upload_fails_at_its_deadline_and_keeps_the_checkpoint(
     ckptio.load(url, after, options=ckptio.Options(storage={"gs": settings_at(
         gcs_server.endpoint)}))
     assert torch.equal(after["w"], before["w"]), "the failed save damaged the checkpoint"
+
+
+def test_a_black_holed_read_fails_the_load_at_its_deadline(gcs_url, gcs_server, gcs_proxy):
+    url = f"{gcs_url}/c"
+    ckptio.save({"w": torch.arange(1000.0)}, url, options=ckptio.Options(storage={
+        "gs": settings_at(gcs_server.endpoint)}))
+    settings = settings_at(gcs_proxy.endpoint, retry_deadline_s=2.0)
+    gcs_proxy.black_hole(method="GET", key="data-")  # the data file's ranged GETs
+    began = time.monotonic()
+    with pytest.raises(ckptio.StorageIOError) as info:
+        ckptio.load(url, {"w": torch.zeros(1000)}, options=ckptio.Options(storage={"gs": settings}))
+    assert time.monotonic() - began < 2.0 + FAST_S, str(info.value)
+    assert url in str(info.value) and "retry_deadline_s" in str(info.value), str(info.value)

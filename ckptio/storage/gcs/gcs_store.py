@@ -104,7 +104,9 @@ class GcsStore:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(locking=True, remote=True, endpoint=self.settings.endpoint(),
+        """No ``endpoint``: that names an S3 endpoint's tuned profile (``ckptio tune``), which
+        GCS has none of."""
+        return Capabilities(locking=True, remote=True,
                             conditional_commit=self.settings.conditional == "require")
 
     # -- the location ---------------------------------------------------------------------
