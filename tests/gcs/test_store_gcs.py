@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from ckptio.alignment import BLOCK
-from ckptio.errors import CkptError, StorageIOError
+from ckptio.errors import CheckpointLockedError, CkptError, StorageIOError
 from ckptio.io.stage import StagingPool
 from ckptio.options import MiB
 from ckptio.storage.gcs.gcs_backend import GcsBackend
@@ -115,3 +115,26 @@ def test_a_store_ignoring_preconditions_is_refused_unless_conditional_off(gcs_ur
     with pytest.raises(StorageIOError, match="conditional='off'"):
         strict.prepare()
     GcsStore(gcs_url, settings_at(gcs_server.endpoint)).prepare()
+
+
+def test_a_commit_refused_by_its_precondition_raises_locked_and_keeps_theirs(gcs_url, gcs_server,
+                                                                             gcs_proxy):
+    """With conditional='require' against a store honouring generation preconditions (the
+    emulator ignores them, so the proxy answers 412 where GCS would): the probe passes, and a
+    commit whose ifGenerationMatch fails (another save committed since the claim) raises
+    CheckpointLockedError naming the location; the other save's manifest is kept."""
+    probe = {"ifGenerationMatch": "0"}
+    gcs_proxy.on_request(lambda req: gcs_proxy.fail(412, "conditionNotMet", query=probe),
+                         query=probe)  # the probe's second create is refused, as GCS would
+    store = GcsStore(f"{gcs_url}/c", settings_at(gcs_proxy.endpoint, conditional="require"))
+    assert store.capabilities.conditional_commit
+    claim = store.exclusive("raise")
+    try:
+        theirs = b'{"theirs": 1}'
+        GcsStore(store.location, settings_at(gcs_server.endpoint)).commit(theirs, "x")
+        gcs_proxy.fail(412, "conditionNotMet", method="POST", query=probe)
+        with pytest.raises(CheckpointLockedError, match=re.escape(store.location)):
+            store.commit(b'{"mine": 1}', "y", claim)
+        assert store.read_manifest() == theirs
+    finally:
+        claim.release()
