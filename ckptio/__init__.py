@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
     from ckptio.stepmeta import read_metadata
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
     from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.select import register_store, settings_for
     from ckptio.tiering.redundancy import Parity, Partners
@@ -76,6 +77,7 @@ __all__ = [
     "RNGState",
     "RankFailedError",
     "S3Settings",
+    "GcsSettings",
     "SaveTimeoutError",
     "SaveHandle",
     "SaveResult",
@@ -109,6 +111,7 @@ _HOME = {
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
     "settings_for": "ckptio.storage.select", "S3Settings": "ckptio.storage.s3.settings",
+    "GcsSettings": "ckptio.storage.gcs.gcs_settings",
     "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
     "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
     **{name: "ckptio.errors" for name in (

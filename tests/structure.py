@@ -58,6 +58,9 @@ THIRD_PARTY: dict[str, str] = {
         "DeepSpeed 0.19's only way to commit a decoupled engine's pending tag (and write its "
         "'latest') outside step(): ckptio.deepspeed_engine's use() before it replaces such an "
         "engine, and commit_now() for a save after the last step",
+    "made._http":
+        "google-cloud-storage's requests session, to mount a connection pool as large as the "
+        "requests in flight (the library sets no pool size; requests' default keeps 10)",
     "torch.distributed.tensor._utils":
         "DTensor's local shape and offset of a shard (compute_local_shape_and_global_offset, "
         "_get_shard_size_and_offsets): the same arithmetic DCP uses, not public",

@@ -498,7 +498,7 @@ def test_errors_are_one_line_naming_the_path(saved: Path, tmp_path: Path):
     _one_line_error(ckptio_cmd("ls", str(missing)), str(missing), "does not exist")
     _one_line_error(ckptio_cmd("diff", str(saved), str(missing)), str(missing))
     _one_line_error(ckptio_cmd("verify", str(missing)), str(missing))
-    _one_line_error(ckptio_cmd("ls", "gs://bucket/x"), "gs://", "s3://")
+    _one_line_error(ckptio_cmd("ls", "hdfs://bucket/x"), "hdfs://", "s3://")
     broken = tmp_path / "broken"
     broken.mkdir()
     body = bytearray((saved / "manifest.json").read_bytes())

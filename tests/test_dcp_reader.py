@@ -392,7 +392,8 @@ def test_the_reader_pickles_without_resources_and_checks_ids(tmp_path: Path) -> 
     _same(out["w"], torch.full((3,), 2.0))
     assert ckptio.DcpReader.validate_checkpoint_id(path)
     assert ckptio.DcpReader.validate_checkpoint_id("s3://bucket/prefix/step-1")
-    assert not ckptio.DcpReader.validate_checkpoint_id("gs://bucket/x")
+    assert ckptio.DcpReader.validate_checkpoint_id("gs://bucket/prefix/step-1")
+    assert not ckptio.DcpReader.validate_checkpoint_id("hdfs://bucket/x")
     assert isinstance(reader, dcp.StorageReader)
 
 

@@ -105,6 +105,20 @@ def on_s3(s3: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
 
 
+@pytest.fixture
+def on_gcs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The page's emulator (bucket ``ckpt``), reached through STORAGE_EMULATOR_HOST as it says."""
+    if importlib.util.find_spec("gcp_storage_emulator") is None or importlib.util.find_spec(
+            "google.cloud.storage") is None:
+        pytest.skip("needs google-cloud-storage and gcp-storage-emulator (the test extra)")
+    from gcs.conftest import Emulator
+    server = Emulator(tmp_path / "emulator.log")
+    server.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+    yield
+    server.close()
+
+
 def _empty_s3(bucket: str, prefix: str) -> None:
     import boto3
     client = boto3.client("s3")
@@ -202,6 +216,15 @@ def test_s3(here: Path, on_s3: None) -> None:
     assert ns["start"] is None and ckptio.CheckpointManager("s3://ckpt/run-1").steps() == [1, 2]
     again: dict[str, Any] = {}  # the try-it block run again: it restores step 2 in place
     exec(compile(marked_blocks(DOCS / "guides/s3.md")[1][0], "s3.md", "exec"), again)
+    assert again["start"] == 2 and torch.equal(again["state"]["w"], ns["state"]["w"])
+
+
+def test_gcs(here: Path, on_gcs: None) -> None:
+    ns = _run_page("guides/gcs.md", _user())
+    assert ns["start"] is None
+    assert ckptio.CheckpointManager("gs://ckpt/run-1", options=ns["options"]).steps() == [1, 2]
+    again: dict[str, Any] = {}  # the try-it block run again: it restores step 2 in place
+    exec(compile(marked_blocks(DOCS / "guides/gcs.md")[1][0], "gcs.md", "exec"), again)
     assert again["start"] == 2 and torch.equal(again["state"]["w"], ns["state"]["w"])
 
 
@@ -318,6 +341,7 @@ TESTED: dict[str, Callable[..., None]] = {
     "guides/compression.md": test_compression, "guides/torch-save.md": test_torch_save,
     "guides/convert.md": test_convert, "guides/dcp.md": test_dcp,
     "guides/distributed.md": test_distributed_on_one_rank, "guides/s3.md": test_s3,
+    "guides/gcs.md": test_gcs,
     "guides/tiers.md": test_tiers, "guides/torch-checkpointing.md": test_torch_checkpointing,
     "BENCH_TORCH_CHECKPOINTING.md": test_torch_checkpointing_side_by_side,
     "CLI.md": test_cli_dcp_output_reads_with_dcp_alone,

@@ -89,7 +89,7 @@ PUBLIC = {
     "RNGState", "OptimizerState", "TensorShard", "FlatShard", "SaveHandle", "SaveResult",
     "AsyncSaveResult",
     "LoadReport", "Progress", "__version__", "export_hf", "register_store", "settings_for",
-    "S3Settings",
+    "S3Settings", "GcsSettings",
     "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",
     "SaveTimeoutError",

@@ -161,7 +161,7 @@ def test_root_for_gives_memory_roots_for_mem_locations(tmp_path):
         with pytest.raises(CkptError, match="must name something"):
             root_for(bad, OPTS)
     with pytest.raises(UnsupportedPathError):
-        root_for("gs://bucket/run", OPTS)
+        root_for("hdfs://bucket/run", OPTS)
     assert isinstance(root_for(f"file://{tmp_path}/run", OPTS), LocalRoot)
 
 

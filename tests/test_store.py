@@ -92,7 +92,7 @@ def test_local_store_messages_keep_the_path_as_given(tmp_path):
     store = store_for(tmp_path / "ckpt")
     assert isinstance(store, LocalStore) and store.location == str(tmp_path / "ckpt")
     with pytest.raises(UnsupportedPathError):
-        store_for("gs://bucket/ckpt")
+        store_for("hdfs://bucket/ckpt")
     assert type(store_for("s3://bucket/run/step-1/")).__name__ == "S3Store"
     assert store_for("s3://bucket/run/step-1/").location == "s3://bucket/run/step-1"
 

@@ -6,9 +6,10 @@ contract: ``store_contract.Store``), the kind of I/O backend its stores make and
 contract: ``steproot.StepRoot``). Local paths, file:// and shm://: ``local.LocalStore`` (O_DIRECT
 / io_uring backends, io/) and ``local_root.LocalRoot``; mem://: ``memory.MemoryStore`` (its
 backend beside it) and ``memory_root.MemoryRoot``; s3://: the ``s3/`` folder (client, backend,
-lock, store, root). ``files`` binds a store to a backend (the only way above storage/ reaches a
-file); ``steps`` builds a save's and load's whole-checkpoint steps from any store. Conformance
-suites: ckptio/testing/store_conformance.py and steproot_conformance.py.
+lock, store, root); gs://: the ``gcs/`` folder (the same parts, for Google Cloud Storage).
+``files`` binds a store to a backend (the only way above storage/ reaches a file); ``steps``
+builds a save's and load's whole-checkpoint steps from any store. Conformance suites:
+ckptio/testing/store_conformance.py and steproot_conformance.py.
 
 Layer: above planning, io and format; below distributed.
 

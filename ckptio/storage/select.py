@@ -3,19 +3,19 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
-process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
-storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one plug a storage in:
+process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` (an S3 / Google Cloud
+Storage prefix: storage/s3/, storage/gcs/; the ``[s3]`` / ``[gcs]`` extras), or one a user
+registers, as fsspec lets one plug a storage in:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
                           step_root=lambda location, options: MyRoot(location))
 
-A scheme's settings (S3's endpoint, a user scheme's own) come as ``Options(storage={"myfs":
-MySettings(...)})``; settings_for() resolves them for a location (defaults where none given), so
-no module outside the scheme's folder reads them.
+A scheme's settings come as ``Options(storage={"myfs": MySettings(...)})``; settings_for()
+resolves them for a location (defaults where none given): no module outside its folder reads them.
 
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
-scheme rather than taking ``gs:`` for a folder); store_for() makes the Store of one checkpoint
+scheme rather than taking ``hdfs:`` for a folder); store_for() makes the Store of one checkpoint
 (storage/store_contract.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
 Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
 pays only for the schemes it reads.
@@ -133,6 +133,26 @@ def _s3_root(location: str, options: Options) -> StepRoot:
     return S3Root(location, S3Settings.of(options))
 
 
+def _gcs_settings(options: Options) -> Any:
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
+
+    return GcsSettings.of(options)
+
+
+def _gcs_store(location: str, options: Options) -> Store:
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
+    from ckptio.storage.gcs.gcs_store import GcsStore
+
+    return GcsStore(location, GcsSettings.of(options))
+
+
+def _gcs_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.gcs.gcs_root import GcsRoot
+    from ckptio.storage.gcs.gcs_settings import GcsSettings
+
+    return GcsRoot(location, GcsSettings.of(options))
+
+
 def _file_path(text: str) -> str:
     rest = text[len("file://"):]
     if rest.startswith("localhost/"):
@@ -172,6 +192,7 @@ _SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
     Scheme("shm", _local_store, "local", _local_root, local=shm_path),
     Scheme("mem", _memory_store, "memory", _memory_root),
     Scheme("s3", _s3_store, "s3", _s3_root, settings=_s3_settings),
+    Scheme("gs", _gcs_store, "gs", _gcs_root, settings=_gcs_settings),
 )}
 _BUILT_IN = frozenset(_SCHEMES)
 
@@ -189,7 +210,7 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
     ``settings`` (a class whose no-argument instance is the defaults), ``Options(storage={scheme:
     settings(...)})`` gives the scheme its settings and the factories read them with
     settings_for(location, options). A scheme already registered is refused unless ``replace``
-    (which replaces its whole entry); the built-in ones (file, shm, mem, s3) are never replaced."""
+    (which replaces its whole entry); the built-in ones (file, shm, mem, s3, gs) are never replaced."""
     if not isinstance(scheme, str) or not _NAME.fullmatch(scheme):
         raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
                         "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")

@@ -1,0 +1,271 @@
+"""Talking to Google Cloud Storage: URLs, the client, retries and what an error means.
+
+``gs://bucket/prefix`` locations are parsed here (GcsPath); the google-cloud-storage client is
+made here, imported lazily (without it a gs:// path raises CkptError naming the ``[gcs]``
+extra), one per process and settings, shared by threads.
+
+Retries are ours, not the library's (every request is sent with ``retry=None``): 408, 429,
+5xx, resets and timeouts are retried with full-jitter backoff until
+``GcsSettings.retry_deadline_s``; each attempt waits at most what is left of it, so a silent
+network fails the request at its deadline. What retrying cannot fix fails at once, naming the
+cause and the fix: missing credentials, an endpoint that never answered this process (retried
+for UNREACHED_S only). Only the library's own exception types are caught (``errors()``), each
+mapped to StorageIOError naming the object and the fix.
+
+Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed().
+Does not own: the settings (gcs_settings.py), what is written or read.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.storage.gcs.gcs_settings import GcsSettings
+
+__all__ = ["SCHEME", "UNREACHED_S", "GcsPath", "Timeout", "call", "client", "errors", "failed",
+           "mapped", "missing", "status"]
+
+log = logging.getLogger("ckptio")
+SCHEME = "gs://"
+UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
+T = TypeVar("T")
+Timeout = tuple[float, float]  # (connect, read) seconds of one attempt
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+_RETRIED = (408, 429, 500, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class GcsPath:
+    """``gs://bucket/key``: a location (key = its prefix, no trailing '/') or an object."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, url: str) -> GcsPath:
+        if not url.startswith(SCHEME):
+            raise CkptError(f"{url!r} is not a gs:// URL")
+        bucket, _, key = url[len(SCHEME):].partition("/")
+        if not _BUCKET.fullmatch(bucket):
+            raise CkptError(f"{url}: {bucket!r} is not a GCS bucket name; write "
+                            "gs://BUCKET/PREFIX, e.g. gs://my-bucket/run-7/step-100")
+        key = key.rstrip("/")
+        if "//" in key or any(part in (".", "..") for part in key.split("/")):
+            raise CkptError(f"{url}: the object prefix {key!r} has an empty, '.' or '..' part; "
+                            "write gs://BUCKET/PREFIX with plain parts")
+        return cls(bucket, key)
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
+
+    def child(self, name: str) -> GcsPath:
+        return GcsPath(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+    @property
+    def dir_prefix(self) -> str:
+        """The prefix that lists what is inside this location ("" for a whole bucket)."""
+        return f"{self.key}/" if self.key else ""
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client(settings: GcsSettings) -> Any:
+    """The process's google-cloud-storage client for ``settings``' endpoint, project and
+    credentials (never shared across a fork)."""
+    key = (settings.configured(), settings.project, settings.credentials,
+           settings.concurrency, os.getpid(), os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"))
+    with _clients_lock:
+        made = _clients.get(key)
+        if made is None:
+            made = _clients[key] = _make_client(settings)
+        return made
+
+
+def _make_client(settings: GcsSettings) -> Any:
+    try:
+        import requests.adapters
+        from google.auth.credentials import AnonymousCredentials
+        from google.auth.exceptions import GoogleAuthError
+        from google.cloud import storage
+    except ImportError as exc:
+        raise CkptError("gs:// paths need google-cloud-storage: pip install 'ckptio[gcs]' "
+                        f"(importing it failed: {exc})") from None
+    endpoint = settings.configured()
+    options = {"api_endpoint": endpoint} if endpoint else None
+    anonymous = settings.credentials == "anonymous"
+    try:
+        made = storage.Client(project=settings.project or ("ckptio" if anonymous else None),
+                              credentials=AnonymousCredentials() if anonymous else None,
+                              client_options=options)
+    except GoogleAuthError as exc:
+        raise StorageIOError(
+            f"cannot make a GCS client for {settings.endpoint()}: {exc}. Set up Application "
+            "Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth "
+            "application-default login), or use GcsSettings(credentials='anonymous') for an "
+            "emulator") from None
+    pool = requests.adapters.HTTPAdapter(pool_connections=4,
+                                         pool_maxsize=max(settings.concurrency * 2, 16))
+    for prefix in ("http://", "https://"):
+        made._http.mount(prefix, pool)
+    return made
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """The exception types a request through the library raises (caught, then mapped)."""
+    import requests
+    from google.api_core.exceptions import GoogleAPIError
+    from google.auth.exceptions import GoogleAuthError
+    from google.resumable_media.common import DataCorruption, InvalidResponse
+
+    return (GoogleAPIError, GoogleAuthError, InvalidResponse, DataCorruption,
+            requests.RequestException, http.client.HTTPException, ConnectionError,
+            TimeoutError)
+
+
+def status(exc: BaseException) -> int | None:
+    """The HTTP status of a failure, else None."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _describe(exc: BaseException) -> str:
+    http = status(exc)
+    text = str(getattr(exc, "message", "") or exc).splitlines()[0][:300] if str(exc) else ""
+    return f"{http} {text}" if http is not None else f"{type(exc).__name__}: {text}"
+
+
+def failed(what: str, exc: BaseException, settings: GcsSettings) -> CkptError:
+    """``exc`` as the CkptError to raise for ``what`` (a CkptError stays as it is)."""
+    if isinstance(exc, CkptError):
+        return exc
+    http = status(exc)
+    if http in (401, 403):
+        return StorageIOError(f"{what} failed: {_describe(exc)}: access denied: check the "
+                              "credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth) and "
+                              "their permissions on this bucket")
+    from google.api_core.exceptions import RetryError
+
+    if _retryable(exc) or isinstance(exc, RetryError):
+        return StorageIOError(
+            f"{what} failed: {_describe(exc)}; the store at {settings.endpoint()} did not answer "
+            f"within GcsSettings.retry_deadline_s ({settings.retry_deadline_s:g} s) or kept "
+            "refusing: check that it is up and reachable (raise GcsSettings.retry_deadline_s "
+            "to wait longer)")
+    return StorageIOError(f"{what} failed at {settings.endpoint()}: {_describe(exc)}")
+
+
+def _retryable(exc: BaseException) -> bool:
+    import requests
+    from google.auth.exceptions import TransportError
+
+    if status(exc) in _RETRIED:
+        return True
+    return isinstance(exc, (requests.ConnectionError, requests.Timeout, TransportError,
+                            requests.exceptions.ChunkedEncodingError, ConnectionError,
+                            TimeoutError, http.client.HTTPException))
+
+
+def _unreached(exc: BaseException) -> bool:
+    """A connection that could not be made (refused, no such host, connect timeout)."""
+    import requests
+
+    return (isinstance(exc, (requests.ConnectionError, ConnectionRefusedError))
+            and not isinstance(exc, requests.ReadTimeout) and status(exc) is None)
+
+
+_reached: set[str] = set()  # endpoints that answered this process (a response, even an error)
+_gave_up: dict[str, float] = {}  # endpoint -> when a request to it last gave up (an outage)
+OUTAGE_S = 10.0  # after a give-up, other requests to the endpoint give up at their first failure
+
+
+def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
+         *, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``request(timeout)`` retried while its failure is transient, until the deadline.
+
+    ``what`` names the operation and object. A failure that is not transient is raised as it
+    is (the caller maps 404/412: ``status``); an endpoint that never answered becomes
+    StorageIOError after UNREACHED_S; one that outlasts the deadline becomes StorageIOError
+    naming ``what``, the endpoint, the attempts and the cause. Once one request to an endpoint
+    gave up, the others give up at their next transient failure (for OUTAGE_S, or until one
+    succeeds)."""
+    endpoint, deadline = settings.endpoint(), settings.retry_deadline_s
+    start, attempt, caught = time.monotonic(), 0, errors()
+    while True:
+        left = max(deadline - (time.monotonic() - start), 0.05)
+        try:
+            answer = request((min(settings.connect_timeout_s, left),
+                              min(settings.read_timeout_s, left)))
+        except caught as exc:
+            if status(exc) is not None:
+                _reached.add(endpoint)
+            if not _retryable(exc):
+                raise
+            attempt += 1
+            elapsed = time.monotonic() - start
+            if _in_outage(endpoint):
+                elapsed = deadline  # another request gave up on it just now: so does this one
+            if _unreached(exc) and endpoint not in _reached and elapsed >= min(UNREACHED_S,
+                                                                               deadline):
+                _gave_up[endpoint] = time.monotonic()
+                raise StorageIOError(
+                    f"{what} failed: nothing answers at {endpoint} ({_describe(exc)}; {attempt} "
+                    f"attempt(s) in {elapsed:.1f} s): check the endpoint "
+                    "(GcsSettings.endpoint_url or STORAGE_EMULATOR_HOST), its port, and that "
+                    "the server is running") from exc
+            if elapsed >= deadline:
+                _gave_up[endpoint] = time.monotonic()
+                raise StorageIOError(
+                    f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
+                    f"{_describe(exc)}; the store at {endpoint} did not answer in time or kept "
+                    "refusing: check that it is up and reachable (raise "
+                    "GcsSettings.retry_deadline_s to wait longer)") from exc
+            pause = min(random.uniform(0, min(5.0, 0.1 * 2 ** attempt)), deadline - elapsed)
+            log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, _describe(exc),
+                     pause, attempt + 1)
+            sleep(max(pause, 0.0))
+        else:
+            _reached.add(endpoint)
+            _gave_up.pop(endpoint, None)
+            return answer
+
+
+def _in_outage(endpoint: str) -> bool:
+    """Whether a request to ``endpoint`` gave up within OUTAGE_S (a failed save's cleanup then
+    fails at once instead of waiting out a deadline of its own)."""
+    since = _gave_up.get(endpoint)
+    return since is not None and time.monotonic() - since < OUTAGE_S
+
+
+def mapped(settings: GcsSettings, what: str, request: Callable[[Timeout], T]) -> T:
+    """call() with every failure as a CkptError naming ``what``."""
+    try:
+        return call(settings, what, request)
+    except errors() as exc:
+        raise failed(what, exc, settings) from exc
+
+
+def missing(settings: GcsSettings, what: str, request: Callable[[Timeout], T]) -> T | None:
+    """call(), None where the answer is 404; every other failure as a CkptError."""
+    try:
+        return call(settings, what, request)
+    except errors() as exc:
+        if status(exc) == 404:
+            return None
+        raise failed(what, exc, settings) from exc
