@@ -4,7 +4,8 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
 process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
-storage/s3/; the ``[s3]`` extra), or one a user registers, as fsspec lets one plug a storage in:
+storage/s3/; the ``[s3]`` extra), ``az://`` (an Azure Blob container prefix, storage/azure/; the
+``[azure]`` extra), or one a user registers, as fsspec lets one plug a storage in:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
@@ -133,6 +134,25 @@ def _s3_root(location: str, options: Options) -> StepRoot:
     return S3Root(location, S3Settings.of(options))
 
 
+def _az_settings(options: Options) -> Any:
+    from ckptio.storage.azure.az_settings import AzureSettings
+
+    given = options.settings("az", AzureSettings)
+    return AzureSettings() if given is None else given
+
+
+def _az_store(location: str, options: Options) -> Store:
+    from ckptio.storage.azure.az_store import AzureStore
+
+    return AzureStore(location, _az_settings(options))
+
+
+def _az_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.azure.az_root import AzureRoot
+
+    return AzureRoot(location, _az_settings(options))
+
+
 def _file_path(text: str) -> str:
     rest = text[len("file://"):]
     if rest.startswith("localhost/"):
@@ -172,6 +192,7 @@ _SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
     Scheme("shm", _local_store, "local", _local_root, local=shm_path),
     Scheme("mem", _memory_store, "memory", _memory_root),
     Scheme("s3", _s3_store, "s3", _s3_root, settings=_s3_settings),
+    Scheme("az", _az_store, "azure", _az_root, settings=_az_settings),
 )}
 _BUILT_IN = frozenset(_SCHEMES)
 
@@ -189,7 +210,7 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
     ``settings`` (a class whose no-argument instance is the defaults), ``Options(storage={scheme:
     settings(...)})`` gives the scheme its settings and the factories read them with
     settings_for(location, options). A scheme already registered is refused unless ``replace``
-    (which replaces its whole entry); the built-in ones (file, shm, mem, s3) are never replaced."""
+    (which replaces its whole entry); the built-in ones (file, shm, mem, s3, az) are never replaced."""
     if not isinstance(scheme, str) or not _NAME.fullmatch(scheme):
         raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
                         "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")
