@@ -44,7 +44,7 @@ T = TypeVar("T")
 Timeouts = dict[str, float]  # the per-request keyword arguments of one attempt
 _CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}")
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
-_clients: dict[AzureSettings, Any] = {}
+_clients: dict[tuple[AzureSettings, str | None], Any] = {}
 _clients_lock = threading.Lock()
 _reached: set[str] = set()  # endpoints that answered this process
 
@@ -86,10 +86,11 @@ class AzPath:
 
 def container(settings: AzureSettings, name: str) -> Any:
     """The ContainerClient of ``name`` through this process's client for ``settings``."""
+    key = (settings, settings.connection())  # the environment's account may change
     with _clients_lock:
-        service = _clients.get(settings)
+        service = _clients.get(key)
         if service is None:
-            service = _clients[settings] = _make_service(settings)
+            service = _clients[key] = _make_service(settings)
     return service.get_container_client(name)
 
 
