@@ -18,7 +18,8 @@ import ckptio
 from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
 from ckptio.storage.s3.timeouts import FLOOR_S, GRACE_S
 
-from azure_blob.conftest import connection_string, through
+from azure_blob.conftest import through
+from ckptio.testing.azurite import connection_string
 
 FAST_S = 10.0  # "within seconds": every refusal here comes well inside this
 DEADLINE_S = 2.0
