@@ -3,9 +3,8 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
-process), ``mem://`` (this process's memory, storage/memory.py), ``s3://`` (a bucket prefix,
-storage/s3/; the ``[s3]`` extra), ``az://`` (an Azure Blob container prefix, storage/azure/; the
-``[azure]`` extra), or one a user registers, as fsspec lets one plug a storage in:
+process), ``mem://`` (this process's memory), ``s3://`` (a bucket prefix, storage/s3/),
+``az://`` (an Azure Blob container prefix, storage/azure/), or one a user registers:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,

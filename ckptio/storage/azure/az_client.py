@@ -100,9 +100,10 @@ def _make_service(settings: AzureSettings) -> Any:
     except ImportError:
         raise CkptError("az:// locations need azure-storage-blob: pip install 'ckptio[azure]'"
                         ) from None
-    config = {"retry_total": 0, "connection_timeout": CONNECT_S,
-              "max_single_get_size": SINGLE_BYTES, "max_chunk_get_size": SINGLE_BYTES,
-              "max_single_put_size": SINGLE_BYTES, "max_block_size": SINGLE_BYTES}
+    config: dict[str, Any] = {
+        "retry_total": 0, "connection_timeout": CONNECT_S, "max_single_get_size": SINGLE_BYTES,
+        "max_chunk_get_size": SINGLE_BYTES, "max_single_put_size": SINGLE_BYTES,
+        "max_block_size": SINGLE_BYTES}
     try:
         if settings.account_url:
             return BlobServiceClient(settings.account_url, credential=_credential(), **config)
@@ -121,7 +122,7 @@ def _make_service(settings: AzureSettings) -> Any:
 def _credential() -> Any:
     """azure-identity's DefaultAzureCredential where installed; else None (a SAS in the URL)."""
     try:
-        from azure.identity import DefaultAzureCredential  # type: ignore[import-not-found]
+        from azure.identity import DefaultAzureCredential
     except ImportError:
         return None
     return DefaultAzureCredential()
