@@ -1,6 +1,6 @@
 """az:// fails fast and within its deadline, as S3 does, against a real Azurite server: a
 network gone silent in the middle of a save (the fault proxy swallows every request from the
-first staged block on) ends the save in StorageIOError (a CkptError) naming the location and
+first staged block on) ends the save, and then a load, in StorageIOError (a CkptError) naming the location and
 the setting to raise, within the deadline and a short cleanup grace, and the checkpoint there
 before is intact; a missing container, an endpoint where nothing listens, no account and a
 malformed one each raise a CkptError naming the fix within seconds under the default 120 s
@@ -54,14 +54,23 @@ def test_a_silent_network_mid_save_fails_within_the_deadline(az_env, az_proxy):
     assert DEADLINE_S <= elapsed < DEADLINE_S + FLOOR_S + GRACE_S + 5, f"{elapsed:.1f} s: {message}"
     assert url in message and "did not answer in time" in message, message
     assert "retry_deadline_s" in message, message
-    az_proxy.clear()
     restored = {"w": torch.zeros(50_000)}
+    began = time.monotonic()
+    with pytest.raises(ckptio.StorageIOError) as info:  # a load through it: the same bound
+        ckptio.load(url, restored, options=silent)
+    elapsed = time.monotonic() - began
+    assert elapsed < DEADLINE_S + FLOOR_S + GRACE_S + 5, f"{elapsed:.1f} s: {info.value}"
+    assert url in str(info.value), str(info.value)
+    az_proxy.clear()
     ckptio.load(url, restored)
     assert torch.equal(restored["w"], before["w"]), "the checkpoint there before was changed"
 
 
 def test_a_missing_container_is_named(az_env):
     _refused("az://no-such-box/run/ckpt", "'no-such-box' does not exist", "create it")
+    with pytest.raises(ckptio.CkptError, match="container does not exist: create it") as info:
+        ckptio.load("az://no-such-box/run/ckpt", {"w": torch.zeros(4)})
+    assert "az://no-such-box/run" in str(info.value)
 
 
 def test_an_endpoint_where_nothing_listens_fails_at_once(az_env, monkeypatch):

@@ -88,6 +88,10 @@ class AzureStore:
     def _box(self) -> Any:
         return container(self.settings, self.where.container)
 
+    def _url(self, name: str) -> str:
+        """The az:// URL of blob ``name`` of this container (what messages name)."""
+        return AzPath(self.where.container, name).url
+
     def _blob(self, name: str) -> Any:
         return self._box.get_blob_client(name)
 
@@ -193,7 +197,7 @@ class AzureStore:
             return bytes(blob.download_blob(offset=None if whole else offset, length=nbytes,
                                             **t).readall())
 
-        return checked(self.settings, f"reading {self.where.container}/{name} ({span})",
+        return checked(self.settings, f"reading {self._url(name)} ({span})",
                        request, none_on=none_on)
 
     def read_file(self, name: str, offset: int = 0, nbytes: int | None = None) -> bytes:
@@ -256,7 +260,7 @@ class AzureStore:
     def _delete(self, name: str) -> None:
         """Delete blob ``name`` (a missing one is fine); CkptError if it cannot."""
         blob = self._blob(name)
-        checked(self.settings, f"deleting {self.where.container}/{name}",
+        checked(self.settings, f"deleting {self._url(name)}",
                 lambda t: blob.delete_blob(**t), none_on=(404,))
 
     # -- the tree (store_contract.TreeStore) ----------------------------------------------
@@ -325,7 +329,7 @@ class AzureStore:
         """Copy blob ``key`` to ``dest`` on the service, waiting for the copy to finish."""
         source = self._blob(key).url
         blob = container(self.settings, dest.container).get_blob_client(dest.name)
-        what = f"copying {self.where.container}/{key} to {dest.url}"
+        what = f"copying {self._url(key)} to {dest.url}"
         checked(self.settings, what, lambda t: blob.start_copy_from_url(source, **t))
         while True:
             props = checked(self.settings, what, lambda t: blob.get_blob_properties(**t))
