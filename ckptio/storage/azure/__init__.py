@@ -9,8 +9,8 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
     az_store.py     AzureStore, the Store of one checkpoint prefix (storage/store_contract.py)
     az_root.py      AzureRoot, a CheckpointManager's steps under a prefix (storage/steproot.py)
 
-Internal: nothing here is public API but AzureSettings (ckptio.AzureSettings is not exported:
-import it from ckptio.storage.azure.az_settings). Nothing here is imported until an ``az://``
+Internal: nothing here is public API (users give the settings as ``Options(storage={"az":
+{...}})``, a mapping of AzureSettings' fields). Nothing here is imported until an ``az://``
 location is used (azure-storage-blob is the ``[azure]`` extra's).
 
 Owns: everything particular to Azure Blob Storage. Does not own: the contracts it implements,
