@@ -114,3 +114,30 @@ class TestAzureRoot(StepRootConformance):
             return _denied(az_proxy, method="DELETE")
 
         return refuse
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    from ckptio.storage.azure.az_settings import AzureSettings
+    from ckptio.storage.azure.az_store import AzureStore
+    AzureStore(sys.argv[1], AzureSettings()).exclusive("raise")
+    os.kill(os.getpid(), signal.SIGKILL)  # dies holding the lease, which nothing renews
+""")
+
+
+def test_a_killed_savers_lock_is_taken_over_at_once_and_a_live_one_is_refused(az_env, caplog):
+    """A save SIGKILLed while it held the claim leaves its lease; a save on this host sees the
+    holder's process is gone and takes the lock over at once (not after the lease), saying so;
+    while a live save holds it, another is refused naming the holder."""
+    url = f"{az_env}/killed"
+    ran = subprocess.run([sys.executable, "-c", KILLED, url], env=os.environ.copy(), timeout=120)
+    assert ran.returncode == -9
+    store = AzureStore(url, AzureSettings())
+    claim = store.exclusive("raise")
+    try:
+        assert "took over the lock" in caplog.text and "has exited" in caplog.text
+        with pytest.raises(ckptio.CheckpointLockedError, match=f"pid {os.getpid()}"):
+            AzureStore(url, AzureSettings()).exclusive("raise")
+    finally:
+        claim.release()
+    ckptio.save({"w": torch.ones(3)}, url)  # released: the lock is free again

@@ -33,8 +33,8 @@ from ckptio.options import MiB
 from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
 from ckptio.storage.s3 import timeouts
 
-__all__ = ["CONNECT_S", "SCHEME", "UNREACHED_S", "AzPath", "Timeouts", "call", "checked", "code", "describe",
-           "container", "failed", "sdk_error", "status"]
+__all__ = ["CONNECT_S", "SCHEME", "UNREACHED_S", "AzPath", "Timeouts", "call", "checked", "code",
+           "container", "describe", "failed", "sdk_error", "status"]
 
 SCHEME = "az://"
 UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)

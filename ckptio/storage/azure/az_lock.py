@@ -4,7 +4,8 @@ Azure leases are the service's own mutual exclusion: the lock blob is created if
 body: who holds it), then leased for ``AzureSettings.lock_lease_s``; a second save's lease is
 refused (409), so it waits or raises CheckpointLockedError naming the holder. A thread renews
 the lease at a third of its term while the save runs; a save that died stops renewing and its
-lease lapses, so the next save takes the lock then. release() deletes the lock blob under the
+lease lapses, so the next save takes the lock then (at once where the holder is provably dead:
+a process of this host that is gone, storage/holder.py). release() deletes the lock blob under the
 lease (nothing is left at a prefix that held nothing).
 
 Owns: AzureLock, take(). Does not own: the commit (az_store.py), the client (az_client.py).
@@ -21,7 +22,15 @@ from typing import Any
 
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.storage import holder as holders
-from ckptio.storage.azure.az_client import AzPath, call, checked, container, describe, sdk_error
+from ckptio.storage.azure.az_client import (
+    AzPath,
+    Timeouts,
+    call,
+    checked,
+    container,
+    describe,
+    sdk_error,
+)
 from ckptio.storage.azure.az_settings import AzureSettings
 from ckptio.storage.dirlock import LOCK_NAME
 
@@ -88,7 +97,10 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
             lock = AzureLock(where, settings, lease)
             lock.start_renewing()
             return lock
-        other = _holder_text(blob, where, settings)
+        holder, etag = _holder(blob, where, settings)
+        if _took_over(blob, where, settings, holder, etag):
+            continue
+        other = _holder_text(holder, where)
         if if_locked == "raise":
             raise CheckpointLockedError(
                 f"{location.url} is being saved by another save ({other}); this save did not "
@@ -103,14 +115,46 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
         pause = min(_POLL_MAX_S, pause * 1.5)
 
 
-def _holder_text(blob: Any, where: AzPath, settings: AzureSettings) -> str:
-    data = checked(settings, f"reading the lock {where.url}",
-                   lambda t: blob.download_blob(**t).readall(), none_on=(404,))
+def _holder(blob: Any, where: AzPath,
+            settings: AzureSettings) -> tuple[dict[str, Any] | None, str | None]:
+    """What the lock blob says of its holder, and that version's ETag (None, None if gone)."""
+    def request(t: Timeouts) -> tuple[bytes, str]:
+        answer = blob.download_blob(**t)
+        return answer.readall(), str(answer.properties.etag)
+
+    got = checked(settings, f"reading the lock {where.url}", request, none_on=(404,))
+    if got is None:
+        return None, None
     try:
-        holder = json.loads(data) if data else None
+        holder = json.loads(got[0])
     except ValueError:
         holder = None
-    if not isinstance(holder, dict):
+    return (holder if isinstance(holder, dict) else None), got[1]
+
+
+def _took_over(blob: Any, where: AzPath, settings: AzureSettings, holder: dict[str, Any] | None,
+               etag: str | None) -> bool:
+    """Break the lease of a holder that is provably dead (a process of this host and boot that
+    is gone: it cannot renew) rather than wait for it to lapse; True if broken."""
+    from azure.core import MatchConditions
+    from azure.storage.blob import BlobLeaseClient
+
+    gone = holders.dead(holder)
+    if gone is None or etag is None:
+        return False
+    broken = checked(settings, f"breaking the lease of {where.url}", lambda t: BlobLeaseClient(
+        blob).break_lease(lease_break_period=0, etag=etag,
+                          match_condition=MatchConditions.IfNotModified, **t),
+        none_on=(404, 409, 412))  # gone, not leased, or rewritten: try again
+    if broken is not None:
+        log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
+                    "cannot renew it; its lease of %s s was not waited out", where.url,
+                    (holder or {}).get("save"), gone, (holder or {}).get("lease_s"))
+    return True
+
+
+def _holder_text(holder: dict[str, Any] | None, where: AzPath) -> str:
+    if holder is None:
         return f"its lock is {where.url}"
     return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; "
             f"lock {where.url}")
