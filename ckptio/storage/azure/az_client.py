@@ -41,7 +41,7 @@ UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a ser
 CONNECT_S = 5.0  # one attempt's wait for its TCP connection
 SINGLE_BYTES = 256 * MiB  # one GET or PUT at most (no chunking by the SDK below this)
 T = TypeVar("T")
-Timeouts = dict[str, float]  # the per-request keyword arguments of one attempt
+Timeouts = dict[str, Any]  # the per-request keyword arguments of one attempt (seconds)
 _CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}")
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _clients: dict[tuple[AzureSettings, str | None], Any] = {}
