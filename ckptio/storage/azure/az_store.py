@@ -103,8 +103,8 @@ class AzureStore:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(locking=True, conditional_commit=True, remote=True,
-                            endpoint=self.settings.endpoint())
+        # no endpoint: the tuned profiles (tuning/profile.py) are S3's and the filesystems'
+        return Capabilities(locking=True, conditional_commit=True, remote=True)
 
     # -- the location ---------------------------------------------------------------------
 
