@@ -127,6 +127,17 @@ def _empty_s3(bucket: str, prefix: str) -> None:
             client.delete_object(Bucket=bucket, Key=item["Key"])
 
 
+@pytest.fixture(scope="module")
+def azurite() -> Iterator[str]:
+    """A local Azurite blob service with the container the Azure guide names (``ckpt``)."""
+    from ckptio.testing.azurite import AzuriteServer, missing
+    why = missing()
+    if why is not None:
+        pytest.skip(f"needs Azurite: {why}")
+    with AzuriteServer(container="ckpt") as server:
+        yield server.connection
+
+
 @pytest.fixture
 def one_rank() -> Iterator[None]:
     """A one-rank gloo job, as torchrun would start: DCP's process-based async_save needs one."""
@@ -226,6 +237,13 @@ def test_gcs(here: Path, on_gcs: None) -> None:
     again: dict[str, Any] = {}  # the try-it block run again: it restores step 2 in place
     exec(compile(marked_blocks(DOCS / "guides/gcs.md")[1][0], "gcs.md", "exec"), again)
     assert again["start"] == 2 and torch.equal(again["state"]["w"], ns["state"]["w"])
+
+
+def test_azure(here: Path, azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite)
+    ns = _run_page("guides/azure.md", _user())
+    assert torch.equal(ns["restored"]["w"], ns["state"]["w"])
+    assert ckptio.CheckpointManager("az://ckpt/run-1/steps").steps() == [1, 2]
 
 
 def test_tiers(here: Path, on_s3: None) -> None:
@@ -342,6 +360,7 @@ TESTED: dict[str, Callable[..., None]] = {
     "guides/convert.md": test_convert, "guides/dcp.md": test_dcp,
     "guides/distributed.md": test_distributed_on_one_rank, "guides/s3.md": test_s3,
     "guides/gcs.md": test_gcs,
+    "guides/azure.md": test_azure,
     "guides/tiers.md": test_tiers, "guides/torch-checkpointing.md": test_torch_checkpointing,
     "BENCH_TORCH_CHECKPOINTING.md": test_torch_checkpointing_side_by_side,
     "CLI.md": test_cli_dcp_output_reads_with_dcp_alone,

@@ -3,9 +3,10 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
-process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` (an S3 / Google Cloud
-Storage prefix: storage/s3/, storage/gcs/; the ``[s3]`` / ``[gcs]`` extras), or one a user
-registers, as fsspec lets one plug a storage in:
+process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` / ``az://`` (an S3 /
+Google Cloud Storage / Azure Blob prefix: storage/s3/, storage/gcs/, storage/azure/; the
+``[s3]`` / ``[gcs]`` / ``[azure]`` extras), or one a user registers, as fsspec lets one plug
+a storage in:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
@@ -153,6 +154,25 @@ def _gcs_root(location: str, options: Options) -> StepRoot:
     return GcsRoot(location, GcsSettings.of(options))
 
 
+def _az_settings(options: Options) -> Any:
+    from ckptio.storage.azure.az_settings import AzureSettings
+
+    given = options.settings("az", AzureSettings)
+    return AzureSettings() if given is None else given
+
+
+def _az_store(location: str, options: Options) -> Store:
+    from ckptio.storage.azure.az_store import AzureStore
+
+    return AzureStore(location, _az_settings(options))
+
+
+def _az_root(location: str, options: Options) -> StepRoot:
+    from ckptio.storage.azure.az_root import AzureRoot
+
+    return AzureRoot(location, _az_settings(options))
+
+
 def _file_path(text: str) -> str:
     rest = text[len("file://"):]
     if rest.startswith("localhost/"):
@@ -193,6 +213,7 @@ _SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
     Scheme("mem", _memory_store, "memory", _memory_root),
     Scheme("s3", _s3_store, "s3", _s3_root, settings=_s3_settings),
     Scheme("gs", _gcs_store, "gs", _gcs_root, settings=_gcs_settings),
+    Scheme("az", _az_store, "azure", _az_root, settings=_az_settings),
 )}
 _BUILT_IN = frozenset(_SCHEMES)
 
@@ -210,7 +231,7 @@ def register_store(scheme: str, factory: StoreFactory, *, replace: bool = False,
     ``settings`` (a class whose no-argument instance is the defaults), ``Options(storage={scheme:
     settings(...)})`` gives the scheme its settings and the factories read them with
     settings_for(location, options). A scheme already registered is refused unless ``replace``
-    (which replaces its whole entry); the built-in ones (file, shm, mem, s3, gs) are never replaced."""
+    (which replaces its whole entry); the built-in ones (file, shm, mem, s3, gs, az) are never replaced."""
     if not isinstance(scheme, str) or not _NAME.fullmatch(scheme):
         raise CkptError(f"register_store({scheme!r}): a scheme is a letter, then letters, "
                         "digits, '+', '-' or '.' (e.g. 'myfs'), without '://'")

@@ -5,7 +5,8 @@ or as plain functions: ``store_conformance`` (every Store), ``io_conformance`` (
 through its store's files by name), ``steproot_conformance`` (every StepRoot a manager keeps its
 steps in); ``faults`` (an IOBackend wrapper that fails chosen calls, to show that a failing
 save commits nothing and a failing load leaks nothing); the helpers that run real ranks
-(``rank_processes``, ``killed``) and a real S3 server (``s3server``, ``s3proxy``); ``accepts_o_direct``.
+(``rank_processes``, ``killed``), a real S3 server (``s3server``, ``s3proxy``) and Azure
+Blob server (``azurite``); ``accepts_o_direct``.
 Nothing here is imported by ckptio itself; pytest is needed only by the base classes.
 
 Test support, not ckptio's public API (that is ``ckptio`` itself, ckptio/__init__.py's

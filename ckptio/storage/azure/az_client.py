@@ -1,0 +1,235 @@
+"""Talking to Azure Blob Storage: az:// URLs, the client, retries and what an error means.
+
+``az://container/prefix`` locations are parsed here (AzPath); the container clients of
+azure-storage-blob are made here, imported lazily (without the package an az:// path raises
+CkptError naming ``pip install 'ckptio[azure]'``), one service client per process and
+settings, shared by threads.
+
+Retries are ours, not the SDK's (``retry_total=0``), as in storage/s3/client.py and sharing its
+deadline and outage record (storage/s3/timeouts.py): throttling, 5xx, timeouts and resets are
+retried with full-jitter backoff until ``AzureSettings.retry_deadline_s``; each attempt waits for
+an answer at most what is left of it (the SDK's per-request ``read_timeout``), so a silent
+network fails at the deadline. An endpoint that never answered this process fails after
+UNREACHED_S; a malformed account fails at once. Giving up raises StorageIOError naming the
+blob, the endpoint and the fix; an error answer is raised as the SDK's HttpResponseError for
+the caller to read (404, 409, 412) or map with failed().
+
+Owns: AzPath, container(), call(), status()/code()/failed(). Does not own: the deadline and
+outage bookkeeping (s3/timeouts.py), the settings (az_settings.py), what is written or read.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.options import MiB
+from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
+from ckptio.storage.s3 import timeouts
+
+__all__ = ["CONNECT_S", "SCHEME", "UNREACHED_S", "AzPath", "Timeouts", "call", "checked", "code",
+           "container", "describe", "failed", "sdk_error", "status"]
+
+SCHEME = "az://"
+UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
+CONNECT_S = 5.0  # one attempt's wait for its TCP connection
+SINGLE_BYTES = 256 * MiB  # one GET or PUT at most (no chunking by the SDK below this)
+T = TypeVar("T")
+Timeouts = dict[str, Any]  # the per-request keyword arguments of one attempt (seconds)
+_CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}")
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_clients: dict[tuple[AzureSettings, str | None], Any] = {}
+_clients_lock = threading.Lock()
+_reached: set[str] = set()  # endpoints that answered this process
+
+
+@dataclass(frozen=True)
+class AzPath:
+    """``az://container/name``: a location (name = its prefix, no trailing '/') or a blob."""
+
+    container: str
+    name: str
+
+    @classmethod
+    def parse(cls, url: str) -> AzPath:
+        if not url.startswith(SCHEME):
+            raise CkptError(f"{url!r} is not an az:// URL")
+        box, _, name = url[len(SCHEME):].partition("/")
+        if not _CONTAINER.fullmatch(box):
+            raise CkptError(f"{url}: {box!r} is not an Azure container name (3-63 lower-case "
+                            "letters, digits and single hyphens); write az://CONTAINER/PREFIX, "
+                            "e.g. az://checkpoints/run-7")
+        name = name.rstrip("/")
+        if "//" in name or any(part in (".", "..") for part in name.split("/")):
+            raise CkptError(f"{url}: the prefix {name!r} has an empty, '.' or '..' part; write "
+                            "az://CONTAINER/PREFIX with plain parts")
+        return cls(box, name)
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.container}/{self.name}" if self.name else SCHEME + self.container
+
+    def child(self, name: str) -> AzPath:
+        return AzPath(self.container, f"{self.name}/{name}" if self.name else name)
+
+    @property
+    def dir_prefix(self) -> str:
+        """The prefix that lists what is inside this location ("" for a whole container)."""
+        return f"{self.name}/" if self.name else ""
+
+
+def container(settings: AzureSettings, name: str) -> Any:
+    """The ContainerClient of ``name`` through this process's client for ``settings``."""
+    key = (settings, settings.connection())  # the environment's account may change
+    with _clients_lock:
+        service = _clients.get(key)
+        if service is None:
+            service = _clients[key] = _make_service(settings)
+    return service.get_container_client(name)
+
+
+def _make_service(settings: AzureSettings) -> Any:
+    try:
+        from azure.storage.blob import BlobServiceClient
+    except ImportError:
+        raise CkptError("az:// locations need azure-storage-blob: pip install 'ckptio[azure]'"
+                        ) from None
+    config: dict[str, Any] = {
+        "retry_total": 0, "connection_timeout": CONNECT_S, "max_single_get_size": SINGLE_BYTES,
+        "max_chunk_get_size": SINGLE_BYTES, "max_single_put_size": SINGLE_BYTES,
+        "max_block_size": SINGLE_BYTES}
+    try:
+        if settings.account_url:
+            return BlobServiceClient(settings.account_url, credential=_credential(), **config)
+        connection = settings.connection()
+        if connection is None:
+            raise CkptError(f"az:// locations need an Azure storage account: set {CONNECTION_ENV} "
+                            "or give Options(storage={'az': AzureSettings(connection_string=...)}) "
+                            "(or account_url=...)")
+        return BlobServiceClient.from_connection_string(connection, **config)
+    except ValueError as exc:  # a malformed connection string or URL
+        raise CkptError(f"the Azure account in the settings is malformed ({exc}): fix the "
+                        f"connection string ({CONNECTION_ENV}) or AzureSettings.account_url"
+                        ) from None
+
+
+def _credential() -> Any:
+    """azure-identity's DefaultAzureCredential where installed; else None (a SAS in the URL)."""
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError:
+        return None
+    return DefaultAzureCredential()
+
+
+def sdk_error() -> type[Exception]:
+    """The base class of the SDK's exceptions (what the callers of call() catch)."""
+    from azure.core.exceptions import AzureError
+
+    return AzureError
+
+
+def checked(settings: AzureSettings, what: str, request: Callable[[Timeouts], T], *,
+            none_on: tuple[int, ...] = ()) -> T | None:
+    """call(), with an error answer whose status is in ``none_on`` as None and every other
+    failure as the CkptError failed() makes of it."""
+    try:
+        return call(settings, what, request)
+    except sdk_error() as exc:
+        if status(exc) in none_on:
+            return None
+        raise failed(what, exc) from exc
+
+
+def status(exc: BaseException) -> int | None:
+    """The HTTP status of an error answer; None for no answer (or not the SDK's)."""
+    value = getattr(exc, "status_code", None)
+    return value if isinstance(value, int) else None
+
+
+def code(exc: BaseException) -> str:
+    """The Azure error code of an error answer ("" for none)."""
+    return str(getattr(exc, "error_code", "") or "")
+
+
+def failed(what: str, exc: BaseException) -> CkptError:
+    """``exc`` as the CkptError to raise for ``what`` (a CkptError stays as it is)."""
+    if isinstance(exc, CkptError):
+        return exc
+    if code(exc) == "ContainerNotFound":
+        return StorageIOError(f"{what} failed: the container does not exist: create it (az "
+                              "storage container create), or fix the container name in the "
+                              "az:// location or the account")
+    if status(exc) == 403:
+        return StorageIOError(f"{what} failed: access denied ({code(exc)}): check the account "
+                              f"key or SAS in {CONNECTION_ENV} (or the settings) and its "
+                              "permissions on this container")
+    return StorageIOError(f"{what} failed: {describe(exc)}")
+
+
+def describe(exc: BaseException) -> str:
+    http = status(exc)
+    if http is not None:
+        return f"{http} {code(exc)}".rstrip()
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _retryable(exc: BaseException) -> bool:
+    from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+
+    if isinstance(exc, (ServiceRequestError, ServiceResponseError)):
+        return True
+    return isinstance(exc, HttpResponseError) and (status(exc) is None
+                                                   or status(exc) in _RETRY_STATUS)
+
+
+def call(settings: AzureSettings, what: str, request: Callable[[Timeouts], T],
+         *, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``request(timeouts)`` retried while its failure is transient, until the deadline;
+    ``timeouts`` are the SDK keyword arguments of the attempt (pass them to the SDK call).
+
+    An error answer that retrying cannot fix is raised as the SDK's exception (the caller maps
+    404, 409, 412); giving up, or an endpoint that never answered for UNREACHED_S, becomes
+    StorageIOError naming ``what``, the endpoint and the fix. Once one request to the endpoint
+    gave up, the others give up at their next transient failure (s3/timeouts.py)."""
+    from azure.core.exceptions import AzureError, ServiceRequestError
+
+    endpoint = settings.endpoint()
+    spent = timeouts.Budget(endpoint, settings.retry_deadline_s)
+    attempt = 0
+    while True:
+        try:
+            answer = request({"connection_timeout": CONNECT_S,
+                              "read_timeout": spent.read_timeout()})
+        except AzureError as exc:
+            if status(exc) is not None:
+                _reached.add(endpoint)
+            if not _retryable(exc):
+                raise
+            attempt += 1
+            elapsed = spent.elapsed()
+            if (isinstance(exc, ServiceRequestError) and endpoint not in _reached
+                    and elapsed >= min(UNREACHED_S, settings.retry_deadline_s)):
+                raise StorageIOError(
+                    f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} "
+                    f"attempt(s) in {elapsed:.1f} s): check the blob endpoint in "
+                    f"{CONNECTION_ENV} (or AzureSettings), its port, and that the service is "
+                    "running") from exc
+            if spent.over():
+                timeouts.ended(spent)
+                raise StorageIOError(
+                    f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
+                    f"{describe(exc)}; the service at {endpoint} did not answer in time or kept "
+                    "refusing: check that it is up and reachable (raise AzureSettings."
+                    "retry_deadline_s to wait longer)") from exc
+            sleep(min(random.uniform(0, min(5.0, 0.1 * 2 ** attempt)), spent.left()))
+        else:
+            _reached.add(endpoint)
+            timeouts.recovered(endpoint)
+            return answer

@@ -1,0 +1,160 @@
+"""A save's claim on an az:// prefix: a lease on the lock blob ``<prefix>/.ckptio.lock``.
+
+Azure leases are the service's own mutual exclusion: the lock blob is created if missing (its
+body: who holds it), then leased for ``AzureSettings.lock_lease_s``; a second save's lease is
+refused (409), so it waits or raises CheckpointLockedError naming the holder. A thread renews
+the lease at a third of its term while the save runs; a save that died stops renewing and its
+lease lapses, so the next save takes the lock then (at once where the holder is provably dead:
+a process of this host that is gone, storage/holder.py). release() deletes the lock blob under the
+lease (nothing is left at a prefix that held nothing).
+
+Owns: AzureLock, take(). Does not own: the commit (az_store.py), the client (az_client.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptio.errors import CheckpointLockedError, CkptError
+from ckptio.storage import holder as holders
+from ckptio.storage.azure.az_client import (
+    AzPath,
+    Timeouts,
+    call,
+    checked,
+    container,
+    describe,
+    sdk_error,
+)
+from ckptio.storage.azure.az_settings import AzureSettings
+from ckptio.storage.dirlock import LOCK_NAME
+
+__all__ = ["AzureLock", "take"]
+
+log = logging.getLogger("ckptio")
+_POLL_FIRST_S, _POLL_MAX_S = 0.2, 2.0
+
+
+@dataclass
+class AzureLock:
+    """A held lease on the lock blob; ``release()`` lets it go (never raises)."""
+
+    where: AzPath
+    settings: AzureSettings
+    lease: Any  # the SDK's BlobLeaseClient
+    lost: str | None = None  # why a renewal failed
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, name="ckptio-azure-lock",
+                                        daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.settings.lock_lease_s / 3):
+            try:
+                call(self.settings, f"renewing the lease of {self.where.url}",
+                     lambda t: self.lease.renew(**t))
+            except (CkptError, sdk_error()) as exc:
+                self.lost = describe(exc)
+                log.warning("ckptio: renewing the lock %s failed (%s)", self.where.url, self.lost)
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        blob = container(self.settings, self.where.container).get_blob_client(self.where.name)
+        try:
+            call(self.settings, f"releasing the lock {self.where.url}",
+                 lambda t: blob.delete_blob(lease=self.lease, **t))
+        except (CkptError, sdk_error()) as exc:
+            log.warning("ckptio: releasing the lock %s failed (%s); the next save waits at most "
+                        "%d s for its lease to lapse", self.where.url, describe(exc),
+                        self.settings.lock_lease_s)
+
+
+def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -> AzureLock:
+    """Take the lock of ``location`` ("wait" until free, or "raise")."""
+    where = location.child(LOCK_NAME)
+    blob = container(settings, where.container).get_blob_client(where.name)
+    body = json.dumps({**holders.me(), "save": save, "lease_s": settings.lock_lease_s}).encode()
+    waited, pause = False, _POLL_FIRST_S
+    while True:
+        checked(settings, f"creating the lock {where.url}", lambda t: blob.upload_blob(
+            body, overwrite=False, **t), none_on=(409, 412))  # there already: leased or not
+        lease = checked(settings, f"taking the lock {where.url}", lambda t: blob.acquire_lease(
+            lease_duration=settings.lock_lease_s, **t), none_on=(404, 409))
+        if lease is not None:
+            checked(settings, f"writing the lock {where.url}", lambda t: blob.upload_blob(
+                body, overwrite=True, lease=lease, **t))
+            lock = AzureLock(where, settings, lease)
+            lock.start_renewing()
+            return lock
+        holder, etag = _holder(blob, where, settings)
+        if _took_over(blob, where, settings, holder, etag):
+            continue
+        other = _holder_text(holder, where)
+        if if_locked == "raise":
+            raise CheckpointLockedError(
+                f"{location.url} is being saved by another save ({other}); this save did not "
+                "start and the checkpoint there is untouched: wait for that save to finish, "
+                "save to another location, or use Options(if_locked='wait') to wait for it")
+        if not waited:
+            log.warning("ckptio: waiting for the lock of %s: another save is running there "
+                        "(%s); its lease lapses %d s after its holder stops renewing it",
+                        location.url, other, settings.lock_lease_s)
+            waited = True
+        time.sleep(pause)
+        pause = min(_POLL_MAX_S, pause * 1.5)
+
+
+def _holder(blob: Any, where: AzPath,
+            settings: AzureSettings) -> tuple[dict[str, Any] | None, str | None]:
+    """What the lock blob says of its holder, and that version's ETag (None, None if gone)."""
+    def request(t: Timeouts) -> tuple[bytes, str]:
+        answer = blob.download_blob(**t)
+        return answer.readall(), str(answer.properties.etag)
+
+    got = checked(settings, f"reading the lock {where.url}", request, none_on=(404,))
+    if got is None:
+        return None, None
+    try:
+        holder = json.loads(got[0])
+    except ValueError:
+        holder = None
+    return (holder if isinstance(holder, dict) else None), got[1]
+
+
+def _took_over(blob: Any, where: AzPath, settings: AzureSettings, holder: dict[str, Any] | None,
+               etag: str | None) -> bool:
+    """Break the lease of a holder that is provably dead (a process of this host and boot that
+    is gone: it cannot renew) rather than wait for it to lapse; True if broken."""
+    from azure.core import MatchConditions
+    from azure.storage.blob import BlobLeaseClient
+
+    gone = holders.dead(holder)
+    if gone is None or etag is None:
+        return False
+    broken = checked(settings, f"breaking the lease of {where.url}", lambda t: BlobLeaseClient(
+        blob).break_lease(lease_break_period=0, etag=etag,
+                          match_condition=MatchConditions.IfNotModified, **t),
+        none_on=(404, 409, 412))  # gone, not leased, or rewritten: try again
+    if broken is not None:
+        log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
+                    "cannot renew it; its lease of %s s was not waited out", where.url,
+                    (holder or {}).get("save"), gone, (holder or {}).get("lease_s"))
+    return True
+
+
+def _holder_text(holder: dict[str, Any] | None, where: AzPath) -> str:
+    if holder is None:
+        return f"its lock is {where.url}"
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; "
+            f"lock {where.url}")

@@ -1,0 +1,177 @@
+"""A CheckpointManager's steps under an az:// prefix: AzureRoot (the ``az://`` entry's root).
+
+Steps are the prefixes ``<root>/step-N/`` of a listing with delimiter "/"; a step is committed
+when ``step-N/manifest.json`` exists, incomplete when it holds other blobs only. Blob storage
+has no rename, so a retention removes a step in the order storage/s3/root.py does, safe at
+every point: put the marker ``step-N/.deleting`` (only on a committed step; the step is then
+hidden from every listing), delete the manifest (no longer committed), then on the manager's
+removal thread delete the manifest again, every blob under ``step-N/``, and the marker last. A
+marker left by a kill is found by the next scan and its removal finished by the next
+retention; a save into step N first finishes a removal pending there.
+
+Owns: AzureRoot. Does not own: which steps to keep (the manager), one checkpoint's blobs and
+its commit (az_store.py), URLs, the client and retries (az_client.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ckptio.errors import CkptError, StorageIOError
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.azure.az_settings import AzureSettings
+from ckptio.storage.azure.az_store import AzureStore
+from ckptio.storage.steproot import (
+    Listing,
+    Nothing,
+    Removal,
+    nothing_message,
+    step_name,
+    step_of,
+    warn,
+)
+
+__all__ = ["MARKER", "AzureRoot"]
+
+log = logging.getLogger("ckptio")
+MARKER = ".deleting"
+_MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
+_NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
+
+
+class AzureRoot:
+    """A prefix of ``step-N/`` prefixes (see the module docstring). Not thread-safe, except
+    that the removal it hands out may run on another thread."""
+
+    def __init__(self, location: str, settings: AzureSettings) -> None:
+        self.store = AzureStore(location, settings)
+        self.location = self.store.location
+        self.settings = settings
+        self._marked: set[int] = set()  # marked steps seen, not yet handed to a removal
+
+    def __repr__(self) -> str:
+        return f"AzureRoot({self.location!r})"
+
+    def path(self, step: int) -> str:
+        return self.store.child(step_name(step)).location
+
+    def _step(self, step: int) -> AzureStore:
+        return self.store.child(step_name(step))
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def scan(self) -> Listing:
+        """The step prefixes, committed and incomplete, ascending; marked ones left out (and
+        remembered for the next removal())."""
+        steps = sorted({s for s in map(step_of, self.store.entries()) if s is not None})
+        states = {step: self._state(step) for step in steps}
+        self._marked.update(s for s, state in states.items() if state == "marked")
+        return {kind: [s for s in steps if states[s] == kind]
+                for kind in ("committed", "incomplete")}
+
+    def _state(self, step: int) -> str:
+        """"marked", "committed", "incomplete" or "empty" (a blob named step-N, no step)."""
+        held = self._step(step).entries()
+        if MARKER in held:
+            return "marked"
+        if MANIFEST_NAME in held:
+            return "committed"
+        return "incomplete" if held else "empty"
+
+    def is_committed(self, step: int) -> bool:
+        return MANIFEST_NAME in self._step(step).sizes([MANIFEST_NAME])
+
+    def marked(self) -> list[int]:
+        """The steps scan() found marked for removal, not yet handed to a removal."""
+        return sorted(self._marked)
+
+    # -- removal ----------------------------------------------------------------------------
+
+    def hide(self, step: int) -> bool:
+        """Mark the step (hidden from listings), then delete its manifest; False (and a
+        warning) if it holds no committed manifest or the marker could not be written."""
+        url, held = self.path(step), self._step(step)
+        try:
+            if not self.is_committed(step):
+                warn(f"ckptio: retention could not remove {url}: it holds no committed "
+                     "checkpoint (removed already?)")
+                return False
+            held.write_file(MARKER, _MARKER_BODY)
+        except CkptError as exc:
+            warn(f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
+                 "again after the next save")
+            return False
+        self._marked.add(step)
+        problems = held.remove([MANIFEST_NAME])
+        if problems:  # hidden all the same: the removal deletes the manifest first
+            log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
+                        "of the listing and its removal tries again", url, "; ".join(problems))
+        return True
+
+    def removal(self, step: int | None = None) -> Removal | None:
+        """``step=None``: finishing every marked step the last scan() or hide() saw (failures
+        logged). ``step=N``: finishing N's removal if one is pending, raising if it cannot;
+        None if there is nothing to do."""
+        if step is None:
+            todo, self._marked = sorted(self._marked), set()
+            return functools.partial(self._finish_quietly, todo) if todo else None
+        self._marked.discard(step)
+        if MARKER not in self._step(step).sizes([MARKER]):
+            return None
+        return functools.partial(self._finish_now, step)
+
+    def _finish_quietly(self, steps: list[int]) -> None:
+        for step in steps:
+            try:
+                problems = self._finish(step)
+            except CkptError as exc:
+                problems = [str(exc)]
+            if problems:
+                log.warning("ckptio: could not finish removing %s (an old step, already out of "
+                            "the listing): %s; the next retention tries again", self.path(step),
+                            "; ".join(problems[:5]))
+
+    def _finish_now(self, step: int) -> None:
+        problems = self._finish(step)
+        if problems:
+            url = self.path(step)
+            raise StorageIOError(
+                f"cannot save into {url}: the removal of the old step there (marked by "
+                f"{url}/{MARKER}, out of the listing) could not be finished: "
+                f"{'; '.join(problems[:5])}. Nothing was saved; check the access to the "
+                f"container at {self.settings.endpoint()} (Delete Blob, List Blobs) and save "
+                "again")
+
+    def _finish(self, step: int) -> list[str]:
+        """Delete the manifest, every other blob under the marked ``step``, then the marker
+        -> the problems (the marker is kept if there are any)."""
+        held = self._step(step)
+        problems = held.remove([MANIFEST_NAME])
+        if problems:
+            return problems
+        for name in held.entries():
+            if name != MARKER:
+                problems += held.child(name).remove_tree() + held.remove([name])
+        if problems:
+            return problems
+        left = [n for n in held.entries() if n != MARKER]
+        if left:
+            return [f"{len(left)} blobs appeared under {self.path(step)} while it was removed "
+                    f"(another writer there?), e.g. {left[0]}"]
+        return held.remove([MARKER])
+
+    # -- what is here instead ---------------------------------------------------------------
+
+    def nothing_here(self) -> str:
+        """Why there is no step to restore, and what the prefix holds instead."""
+        names = self.store.entries()
+        if not names:
+            return Nothing(f"no checkpoint to restore: nothing is stored under {self.location} "
+                           f"at {self.settings.endpoint()} (nothing saved there yet)", empty=True)
+        probed = names[:_NAMES_PROBED]
+        checkpoints = [n for n in probed if n != MANIFEST_NAME and MANIFEST_NAME in
+                       self.store.child(n).sizes([MANIFEST_NAME])]
+        return nothing_message(self.location, names, itself=MANIFEST_NAME in names,
+                               checkpoints=checkpoints, noun="prefix",
+                               move="copy them under step-<N>/")
