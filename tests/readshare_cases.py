@@ -104,8 +104,9 @@ def _die_sending(mark: str) -> None:
 
 def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
          mark: str = "", broadcast: bool = True) -> dict[str, Any]:
-    """Load the saved state in place (``broadcast``: Options.broadcast_replicated) -> {"read": bytes read from storage, "error": (type, message)
-    or None, "warnings": [...], "equal": the state equals the saved one, "ended": when}."""
+    """Load the saved state in place (``broadcast``: Options.broadcast_replicated) ->
+    {"read": bytes read from storage, "error": (type, message) or None, "warnings": [...],
+    "equal": the state equals the saved one, "ended": when}."""
     _count_reads()
     if rank == victim and fault == "flip":
         _flip_sent_bytes()

@@ -186,6 +186,7 @@ def _check(unit: Unit, landing: torch.Tensor, algorithm: str | None, block_nbyte
 def _land(unit: Unit, landing: torch.Tensor) -> None:
     """A checked unit's bytes into each of its destinations not already holding them."""
     for dest in unit.dests:
-        if host_bytes(dest) is not None and host_bytes(dest).data_ptr() == landing.data_ptr():
+        direct = host_bytes(dest)
+        if direct is not None and direct.data_ptr() == landing.data_ptr():
             continue
         dest.copy_(landing.view(dest.dtype).view(dest.shape))

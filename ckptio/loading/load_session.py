@@ -189,8 +189,9 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         record = resolve_regular.expand(
             record, resolve_regular.wanted_in_place(record, flat, select), plain)
     try:
-        return fill_in_place(record, flat, _shared(read, store, record, request), keys=request.keys, strict=request.strict,
-                             cast=request.cast, allow_pickle=request.allow_pickle,
+        return fill_in_place(record, flat, _shared(read, store, record, request),
+                             keys=request.keys, strict=request.strict, cast=request.cast,
+                             allow_pickle=request.allow_pickle,
                              agree_unexpected=request.agree_unexpected, **where)
     except StateMismatchError as exc:  # which checkpoint (a manager's restore names no path)
         raise StateMismatchError(f"{store.location}: {exc}") from None
