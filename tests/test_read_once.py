@@ -67,7 +67,8 @@ def test_a_sender_killed_mid_load_is_read_around_and_named(tmp_path):
     for rank in (0, 2):
         g = got[rank]
         assert g["equal"], (rank, g)  # what rank 1 was to send was read from storage
-        assert any("from rank 1" in w and "read" in w for w in g["warnings"]), (rank, g)
+        assert any("with rank 1 (" in w and "from storage instead" in w
+                   for w in g["warnings"]), (rank, g)
         kind, message = g["error"]  # the load's final agreement: a rank of the job is gone
         assert kind == "RankFailedError" and "rank 1" in message, (rank, g)
         assert g["ended"] - died_at < NOT_HUNG_S, (rank, g["ended"] - died_at)

@@ -78,13 +78,7 @@ class SharedReads:
 
     def __call__(self, reads: list[Read], read: ReadFn, place: ReadPlace) -> int:
         units, rest, by_unit = _units(reads, place)
-        on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
-        mine = {"on": on, "wire": self._generation(), "units": [[u.name, u.entry.nbytes]
-                                                                for u in units],
-                "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
-        self.pending = None
-        answer = coordinate(self.group, json.dumps(mine).encode(), None, _decide, self._failed)
-        decision = json.loads(answer or b"{}")
+        decision = self._plan(units, rest, place)
         if not decision.get("shared"):
             return read(reads)
         share = Share(tuple(decision["owner"]), {int(i): tuple(to)
@@ -98,16 +92,27 @@ class SharedReads:
             raise
         self._read_done(None)
         failed = self._exchange(units, share, decision["wire"], place)
-        if failed:
-            again = [r for i in range(len(units)) if share.owner[i] in failed
-                     for r in by_unit[i]]
-            warnings.warn(
-                f"{self.path}: rank {self.group.rank} read {len(again)} tensor(s) from storage "
-                "that another rank read for it, as their bytes did not arrive: "
-                + "; ".join(f"from rank {r}: {why}" for r, why in sorted(failed.items())),
-                stacklevel=4)
-            nbytes += read(again)
-        return nbytes
+        if not failed:
+            return nbytes
+        again = [r for i in range(len(units)) if share.owner[i] in failed for r in by_unit[i]]
+        warnings.warn(
+            f"{self.path}: rank {self.group.rank} could not exchange replicated tensors with "
+            + "; ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+            + f"; it read the {len(again)} tensor(s) those ranks were to send it from storage "
+            "instead", stacklevel=4)
+        return nbytes + read(again)
+
+    def _plan(self, units: list[sendreads.Unit], rest: list[Read],
+              place: ReadPlace) -> dict[str, Any]:
+        """The plan step: this rank's units out, its part of the decision back."""
+        on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
+        mine = {"on": on, "wire": self._generation(),
+                "units": [[u.name, u.entry.nbytes] for u in units],
+                "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
+        self.pending = None
+        answer = coordinate(self.group, json.dumps(mine).encode(), None, _decide, self._failed)
+        decision: dict[str, Any] = json.loads(answer or b"{}")
+        return decision
 
     def fail(self, error: BaseException) -> None:
         """This rank failed before its part of the step (or within it): the others learn it."""
