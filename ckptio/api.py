@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ckptio import packed, stepmeta
-from ckptio.distributed import collective, loadsteps
+from ckptio.distributed import collective, loadsteps, readshare
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch, piece_of
 from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.format.types import Manifest, Read
@@ -358,11 +358,14 @@ class Checkpointer:
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
         key_step = loadsteps.UnexpectedKeys(group, path)
+        read_step = None if state is None or torch_group is None or group.size == 1 else (
+            readshare.SharedReads(group, torch_group, self.options.broadcast_replicated,
+                                  self.options.rank_timeout_s, path))
         request = loading.LoadRequest(
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,
             per_rank_from=per_rank_from, rank=rank, world_size=world_size,
-            agree_unexpected=key_step)
+            agree_unexpected=key_step, shared_reads=read_step)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = store_and_file(path, self.options)
@@ -370,6 +373,8 @@ class Checkpointer:
         except BaseException as exc:
             if state is not None:
                 key_step.fail(exc)
+            if read_step is not None:
+                read_step.fail(exc)
             loadsteps.agree_loaded(group, exc, path)
             raise
         loadsteps.agree_loaded(group, None, path)

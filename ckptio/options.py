@@ -142,6 +142,13 @@ class Options:
         must exceed the skew between the ranks' commits of one step (every rank's protection
         thread meets the others at each step).
 
+    broadcast_replicated: with torch.distributed, an in-place load reads each stored tensor
+        that several ranks need identically (a replicated one: plain DDP, HSDP's replicas,
+        TP-replicated norms) from storage on one rank only, and sends it to the others over a
+        gloo group of the load's own (each receiver checks it against the manifest's checksum
+        when ``verify``); the ranks share the reading out by bytes. A rank whose sender dies or
+        does not answer within rank_timeout_s reads those tensors from storage instead
+        (warned). False: every rank reads all it needs. Give every rank the same value.
     io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit) makes no progress
         for this many seconds is said: a warning on the ``ckptio`` logger naming the rank, the
         file and the seconds waited, repeated every io_stall_warn_s while it lasts (a hung NFS
@@ -201,6 +208,7 @@ class Options:
     step_timeout_s: float = 1800.0
     peer_timeout_s: float = 60.0
     io_stall_warn_s: float = 60.0
+    broadcast_replicated: bool = True
     compression: str = "off"
     compress_threads: int = 2
     memory_mapped: str = "auto"

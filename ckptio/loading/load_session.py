@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ckptio.alignment import BLOCK
+from ckptio.distributed.readshare import ReadPlace
 from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
@@ -58,6 +59,9 @@ class Opened:
     record: Manifest
 
 
+SharedReadFn = Callable[[list[Read], ReadFn, ReadPlace], int]
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     """What one load asks for (Checkpointer.load's arguments, resolved)."""
@@ -71,6 +75,8 @@ class LoadRequest:
     rank: int
     world_size: int
     agree_unexpected: AgreeFn | None  # many ranks: the keys step (fill.py)
+    # many ranks: the read step (distributed/readshare.py), in place of reading alone
+    shared_reads: SharedReadFn | None = None
 
 
 def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
@@ -183,11 +189,22 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         record = resolve_regular.expand(
             record, resolve_regular.wanted_in_place(record, flat, select), plain)
     try:
-        return fill_in_place(record, flat, read, keys=request.keys, strict=request.strict,
-                             cast=request.cast, allow_pickle=request.allow_pickle,
+        return fill_in_place(record, flat, _shared(read, store, record, request),
+                             keys=request.keys, strict=request.strict, cast=request.cast,
+                             allow_pickle=request.allow_pickle,
                              agree_unexpected=request.agree_unexpected, **where)
     except StateMismatchError as exc:  # which checkpoint (a manager's restore names no path)
         raise StateMismatchError(f"{store.location}: {exc}") from None
+
+
+def _shared(read: ReadFn, store: Store, record: Manifest, request: LoadRequest) -> ReadFn:
+    """``read``, or with peers the read step that shares replicated entries between ranks."""
+    step = request.shared_reads
+    if step is None:
+        return read
+    place = ReadPlace(store.location, record.checksum_algorithm, record.block_nbytes,
+                      request.verify, in_memory(store), store.path_of)
+    return lambda reads: step(reads, read, place)
 
 
 def _check_piece(record: Manifest, where: str) -> None:
