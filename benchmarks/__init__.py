@@ -10,7 +10,9 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.compress --reps 3                # docs/BENCH_COMPRESS.md
     python -m benchmarks.compress_study --reps 3          # docs/PROBES.md (codecs)
     python -m benchmarks.redundancy --hosts 4 --reps 3    # docs/BENCH_REDUNDANCY.md
-    python -m benchmarks.node_budget --ranks 4 --gb 2 --budget-gb 4  # one host's staging
+    python -m benchmarks.node_budget --ranks 4 --gb 1 --budget-gb 2  # docs/BENCH_RANKS.md
+    python -m benchmarks.read_once --ranks 4 --gb 0.4     # docs/BENCH_RANKS.md
+    python -m benchmarks.reshard_plan                     # docs/BENCH_RANKS.md
 
 Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
 puts this checkout first on PYTHONPATH, so they work from any working directory.
