@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.optim import OptimizerState
     from ckptio.options import Options
     from ckptio.planning.sharding import FlatShard, TensorShard
+    from ckptio.policies import (AnyOf, KeepAll, KeepBest, KeepEvery, KeepLatest, KeepRecent,
+                                 RetentionPolicy, SaveEvery, SaveMoment, SaveOnPreemption,
+                                 SavePolicy, StepInfo)
     from ckptio.rng import RNGState
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
@@ -53,6 +56,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.tiering.tier import Tier
 
 __all__ = [
+    "AnyOf",
     "AsyncSaveResult",
     "CheckpointLockedError",
     "CheckpointManager",
@@ -65,6 +69,11 @@ __all__ = [
     "DeltaPolicy",
     "FlatShard",
     "IncompleteCheckpointError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "KeepRecent",
     "LoadReport",
     "ManifestError",
     "OptimizerState",
@@ -75,11 +84,17 @@ __all__ = [
     "Progress",
     "RNGState",
     "RankFailedError",
+    "RetentionPolicy",
     "S3Settings",
     "SaveTimeoutError",
+    "SaveEvery",
     "SaveHandle",
+    "SaveMoment",
+    "SaveOnPreemption",
+    "SavePolicy",
     "SaveResult",
     "StateMismatchError",
+    "StepInfo",
     "StorageIOError",
     "TensorShard",
     "Tier",
@@ -111,6 +126,10 @@ _HOME = {
     "settings_for": "ckptio.storage.select", "S3Settings": "ckptio.storage.s3.settings",
     "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
     "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
+    **{name: "ckptio.policies" for name in (
+        "AnyOf", "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepRecent",
+        "RetentionPolicy", "SaveEvery", "SaveMoment", "SaveOnPreemption", "SavePolicy",
+        "StepInfo")},
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

@@ -47,8 +47,9 @@ from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, started_fresh, where)
 from ckptio.managing.route import TierRoute, resume
-from ckptio.managing.triggers import Preemption, SaveClock, SavePolicy, Triggers
+from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
+from ckptio.policies import AnyOf, KeepEvery, RetentionPolicy, SaveOnPreemption, SavePolicy, leaves
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
@@ -75,18 +76,22 @@ class CheckpointManager:
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, tiers: Sequence[Tier] | None = None,
                  delta: DeltaPolicy | bool | None = None, compression: str | None = None,
-                 drain_rate: float | None = None, take_over: bool = False) -> None:
+                 drain_rate: float | None = None, take_over: bool = False,
+                 keep: RetentionPolicy | None = None, save: SavePolicy | None = None) -> None:
         declared = declare(directory, tiers, keep_last=keep_last, keep_every=keep_every,
                            save_every=save_every, save_interval_s=save_interval_s,
                            best={"keep_best": keep_best, "monitor": monitor, "mode": mode,
-                                 "keep_without_metric": keep_without_metric})
+                                 "keep_without_metric": keep_without_metric},
+                           keep=keep, save=save)
         settings = settings_of(options, checkpointer, compression, preemption, drain_rate)
         self.delta = check_delta(delta)
-        self.retention = declared.retentions[0]
-        self.keep_last, self.keep_every = self.retention.keep_last, self.retention.keep_every
+        self.retention = declared.retentions[0]  # the keywords (None with keep=)
+        self.keep_last = None if self.retention is None else self.retention.keep_last
+        self.keep_every = None if self.retention is None else self.retention.keep_every
+        self.keep_policies = declared.keeps  # per tier (ckptio/policies.py)
         self.save_every = declared.save_every
-        clock = None if save_interval_s is None else SaveClock(save_interval_s)
-        self._policy = SavePolicy(self.save_every, Triggers(clock, Preemption()))
+        self.save_policy = _with_preemption(declared.save) if preemption else declared.save
+        self._policy = Saving(self.save_policy, Triggers(Preemption()))
         self.tiers = declared.tiers
         self._guard: Guard | None = None
         job_group = process_group
@@ -99,14 +104,15 @@ class CheckpointManager:
         self._process_group = process_group
         self._ranking = Ranks(process_group, self._ck.options,
                               checkpoint_path(self.tiers[0].location))
-        self._levels = make_levels(self.tiers, declared.retentions, self._ck, self._ranking,
+        self._levels = make_levels(self.tiers, declared.keeps, self._ck, self._ranking,
                                    process_group)
         self.directory = self._levels[0].directory
         # the clock and the signal are agreed by the whole job (with redundancy, the saves'
         # group is this rank alone)
         self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
                                                                    self.directory)
-        self._long_every = tuple(t.keep_every for t in self.tiers if t.keep_every)
+        self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
+                                 if isinstance(p, KeepEvery) and p.steps)
         self._saves = InFlight()
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
@@ -116,7 +122,7 @@ class CheckpointManager:
         self._take_over, self._first_leased = take_over, False
         try:
             self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
-            self._start(preemption, drain_rate)
+            self._start(self._policy.wants_preemption, drain_rate)
         except BaseException:
             self._let_go_leases()
             self._policy.triggers.preemption.uninstall()
@@ -486,6 +492,14 @@ class CheckpointManager:
     def _agreed(self, decide: Callable[[], Any]) -> Any:
         """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
         return self._ranking.agreed(decide)
+
+
+def _with_preemption(save: SavePolicy) -> SavePolicy:
+    """``preemption=True``: the save policy, also due on preemption (SaveOnPreemption)."""
+    if any(isinstance(p, SaveOnPreemption) for p in leaves(save)):
+        return save
+    members = save.policies if isinstance(save, AnyOf) else (save,)
+    return AnyOf(*members, SaveOnPreemption())
 
 
 _unclosed: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()

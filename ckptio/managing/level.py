@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,8 +33,9 @@ from ckptio.managing import warn
 from ckptio.managing.chains import Chains, Link
 from ckptio.managing.delta import DeltaPolicy, choose_base, delta_ratio
 from ckptio.managing.agreement import Ranks
-from ckptio.managing.retention import Retention, StepMetrics
+from ckptio.managing.retention import StepMeta
 from ckptio.options import Options
+from ckptio.policies import RetentionPolicy, StepInfo, kept_by
 from ckptio.storage import runlease
 from ckptio.storage.local_root import LocalRoot
 from ckptio.storage.runlease import RunLease
@@ -52,22 +54,25 @@ class TierSteps:
     """The steps of one tier: ``root`` lists and hides them (storage.select.root_for), ``lister``
     lists them for a restore or a status (a root with shorter deadlines, or ``root``).
     ``location``: the tier as declared (what a restore's messages name); ``directory``: the
-    root's location (a directory, or an s3:// URL); ``every``: the tier's interval."""
+    root's location (a directory, or an s3:// URL); ``every``: the tier's interval; ``keep``:
+    its retention policy; ``index``: its place (0: the first)."""
 
     def __init__(self, location: str, every: int, root: StepRoot,
-                 lister: StepRoot, retention: Retention, checkpointer: Checkpointer,
-                 ranks: Ranks, process_group: Any) -> None:
+                 lister: StepRoot, keep: RetentionPolicy, checkpointer: Checkpointer,
+                 ranks: Ranks, process_group: Any, index: int = 0) -> None:
         self.location = location
+        self.index = index
         self.every = every  # the steps this tier receives: those divisible by it
         self.directory: str = root.location
         self._root = root
         self._lister = lister
-        self.retention = retention
+        self.keep = keep
         self._ck = checkpointer
         self._ranks = ranks
         self._process_group = process_group
         self._chains = Chains(self.manifest, self.directory)
-        self._metrics = StepMetrics(self.read_metadata, self.directory)
+        self._meta = StepMeta(self.read_metadata, self.directory)
+        self._facts = _Facts(self._meta, self._chains)
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
@@ -187,7 +192,7 @@ class TierSteps:
         """``step`` committed here anew (a save or a copy): forget what was known of it;
         ``bases``: the steps it was saved against, when the caller made it (chains.py)."""
         self._damaged.discard(step)
-        self._metrics.forget(step)
+        self._meta.forget(step)
         self._chains.forget(step)
         if bases is not None:
             self._chains.made(step, bases)
@@ -242,19 +247,19 @@ class TierSteps:
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
         keep = set(also) | ({self.verified} if self.verified is not None else set())
-        values: dict[int, float | None] = {}
-        if self.retention.monitor is not None:
-            values, unreadable = self._metrics.of(committed, self.retention.monitor)
-            keep.update(unreadable)
-        kept = self._chains.closure(committed, self.retention.kept(committed, values, keep))
+        kept = self._chains.closure(committed, keep | self._own(committed))
         return self._chains.doomed(committed, kept)  # a base goes with or after its deltas
+
+    def _own(self, committed: list[int]) -> set[int]:
+        """What the policy keeps of ``committed``, its output checked (policies.kept_by), plus
+        what no policy drops: the newest step and those whose metadata cannot be read now."""
+        self._meta.begin()
+        infos = [StepInfo.read_from(s, self.index, self._facts) for s in committed]
+        return kept_by(self.keep, infos, time.time()) | set(committed[-1:]) | self._meta.unreadable
 
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
-        values: dict[int, float | None] = {}
-        if self.retention.monitor is not None:
-            values, _unreadable = self._metrics.of(committed, self.retention.monitor)
-        own = self.retention.kept(committed, values)
+        own = self._own(committed)
         why: dict[int, str] = {}
         if self.verified in committed and self.verified not in own:
             why[self.verified] = "restored or verified last (kept until a newer step is)"
@@ -282,6 +287,33 @@ class TierSteps:
             self._root.drop_slots()
 
 
+class _Facts:
+    """What a StepInfo of this tier reads when a policy asks (policies.StepFacts): metadata
+    through the cache (StepMeta), bases and bytes through the chains; unknown when they cannot
+    be read now (the step is then kept: StepMeta.unreadable)."""
+
+    def __init__(self, meta: StepMeta, chains: Chains) -> None:
+        self._meta, self._chains = meta, chains
+
+    def metadata(self, step: int) -> dict[str, Any] | None:
+        return self._meta.of(step)
+
+    def bases(self, step: int) -> tuple[int, ...]:
+        try:
+            return self._chains.bases(step) or ()
+        except CkptError:
+            self._meta.unreadable.add(step)
+            return ()
+
+    def nbytes(self, step: int) -> int | None:
+        try:
+            link = self._chains.link(step)
+        except CkptError:
+            self._meta.unreadable.add(step)
+            return None
+        return None if link is None else link.stored
+
+
 @runtime_checkable
 class _KeepsSlots(Protocol):
     """A root that keeps dropped steps' data files for the next saves (LocalRoot)."""
@@ -304,15 +336,15 @@ def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[st
     return out
 
 
-def make_levels(tiers: Sequence[Tier], retentions: Sequence[Retention], ck: Checkpointer,
+def make_levels(tiers: Sequence[Tier], keeps: Sequence[RetentionPolicy], ck: Checkpointer,
                 ranks: Ranks, process_group: Any) -> list[TierSteps]:
     """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
     restore then goes on without it)."""
     levels = []
-    for k, (tier, retention) in enumerate(zip(tiers, retentions)):
+    for k, (tier, keep) in enumerate(zip(tiers, keeps)):
         root = root_for(tier.location, ck.options)
         lister = root if k == 0 else root_for(
             tier.location, capped(tier.location, ck.options, PROBE_DEADLINE_S))
-        levels.append(TierSteps(tier.location, tier.every, root, lister, retention, ck, ranks,
-                                process_group))
+        levels.append(TierSteps(tier.location, tier.every, root, lister, keep, ck, ranks,
+                                process_group, k))
     return levels
