@@ -40,7 +40,7 @@ from ckptio.errors import CheckpointNotFoundError, CkptError, SaveTimeoutError
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
-from ckptio.managing.delta import DeltaPolicy, check_delta
+from ckptio.managing.delta import check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
@@ -49,7 +49,8 @@ from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothin
 from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
-from ckptio.policies import AnyOf, KeepEvery, RetentionPolicy, SaveOnPreemption, SavePolicy, leaves
+from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepEvery, RetentionPolicy,
+                             SaveOnPreemption, SavePolicy, leaves)
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
@@ -75,7 +76,7 @@ class CheckpointManager:
                  save_interval_s: float | None = None, preemption: bool = False,
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, tiers: Sequence[Tier] | None = None,
-                 delta: DeltaPolicy | bool | None = None, compression: str | None = None,
+                 delta: DeltaPolicy | DeltaBasePolicy | bool | None = None, compression: str | None = None,
                  drain_rate: float | None = None, take_over: bool = False,
                  keep: RetentionPolicy | None = None, save: SavePolicy | None = None) -> None:
         declared = declare(directory, tiers, keep_last=keep_last, keep_every=keep_every,
@@ -276,7 +277,7 @@ class CheckpointManager:
             self._settle()
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
-            lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
+            lambda: first.choose_base(self.delta, step, self._long_every))
         if base is None:  # a full save: its retention reads no manifest; a delta's reads
             self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above

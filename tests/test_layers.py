@@ -97,6 +97,7 @@ PUBLIC = {
     "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata", "DeltaPolicy",
     "StepInfo", "SaveMoment", "RetentionPolicy", "SavePolicy", "KeepAll", "KeepLatest",
     "KeepEvery", "KeepRecent", "KeepBest", "SaveEvery", "SaveOnPreemption", "AnyOf",
+    "DeltaBasePolicy",
 }
 
 ORDER = LAYERS + DRIVERS  # every layer, bottom to top

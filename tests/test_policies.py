@@ -297,3 +297,59 @@ def test_step_info_reads_what_a_policy_asks_for(tmp_path: Path) -> None:
     steps = {s: (t, n, b) for s, t, n, b in seen}
     assert steps[1][0] == 0 and steps[1][1] > 0 and steps[1][2] == ()
     assert steps[2][2] == (1,)
+
+
+# ------------------------------------------------------------------ the delta-base policy
+
+
+class AgainstTheFirst:
+    """A user's delta-base rule: every save a delta against the oldest full step."""
+
+    def base(self, step, steps):
+        full = [s.step for s in steps if s.is_full]
+        return full[0] if full else None
+
+
+class AgainstTheNewest:
+    """Returns the newest step, a delta once there is one: refused (chains have depth 1)."""
+
+    def base(self, step, steps):
+        return steps[-1].step if steps else None
+
+
+def _delta_state(step: int) -> dict[str, object]:
+    return {"frozen": torch.ones(4096), "w": torch.full((64,), float(step)), "step": step}
+
+
+def test_a_users_delta_base_policy_chooses_the_base(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    with ckptio.CheckpointManager(d, keep=KeepAll(), delta=AgainstTheFirst(),
+                                  options=OPTS) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, _delta_state(step))
+    assert [_bases(d / f"step-{s}") for s in range(1, 5)] == [[], ["step-1"], ["step-1"],
+                                                               ["step-1"]]
+    assert ckptio.load(str(d / "step-4"))["step"] == 4
+    mgr = ckptio.CheckpointManager(tmp_path / "bad", delta=AgainstTheNewest(), options=OPTS)
+    mgr.save(1, _delta_state(1))
+    mgr.save(2, _delta_state(2))  # a delta against 1
+    with pytest.raises(CkptError, match=r"AgainstTheNewest.*base\(3, \.\.\.\) returned int 2"):
+        mgr.save(3, _delta_state(3))
+    assert _on_disk(tmp_path / "bad") == [1, 2]
+    mgr.close()
+
+
+def test_each_manager_counts_its_own_deltas(tmp_path: Path) -> None:
+    """One DeltaPolicy given to two managers: each holds its own copy of the saves it counts
+    (full_every=3: full, delta, delta, full, ... in each run)."""
+    policy = DeltaPolicy(full_every=3)
+    for name in ("a", "b"):
+        with ckptio.CheckpointManager(tmp_path / name, keep=KeepAll(), delta=policy,
+                                      options=OPTS) as mgr:
+            for step in range(1, 5):
+                mgr.save(step, _delta_state(step))
+        assert [bool(_bases(tmp_path / name / f"step-{s}")) for s in range(1, 5)] == [
+            False, True, True, False]
+    steps = [StepInfo(1, nbytes=100), StepInfo(2, nbytes=10, bases=(1,))]
+    assert DeltaPolicy(full_every=3).base(3, steps) == 1  # a policy asked with built StepInfo
+    assert DeltaPolicy(full_every=3, max_ratio=0.05).base(3, steps) is None  # 10 > 5 % of 100

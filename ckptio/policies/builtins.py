@@ -1,133 +1,28 @@
-"""A CheckpointManager's policies as objects: when to save, which steps to keep.
+"""The built-in policies (ckptio/policies/__init__.py says what a policy is).
 
-    class KeepFirstOfEachEpoch:                       # a user's own, in the user's own file
-        def kept(self, steps, now):
-            return {s.step for s in steps if s.step % 1000 == 0}
-
-    ckptio.Tier("ckpts", keep=ckptio.AnyOf(ckptio.KeepLatest(2), KeepFirstOfEachEpoch()))
-
-Two one-verb protocols: a retention policy's ``kept(steps, now)`` (the StepInfo of every
-committed step of one tier, oldest first, and the time) returns the set of step numbers to
-keep; a save policy's ``due(moment)`` (a SaveMoment) says whether a save is due. The built-ins
-cover the keyword spellings (keep_last, keep_every, keep_best, save_every, save_interval_s,
-preemption, which build them) plus time-based retention; AnyOf unions them.
-
-What no policy can change: the manager keeps the newest committed step, the step restored or
-verified last, the bases of every kept delta (managing/chains.py) and what its followers pin.
-
-Owns: StepInfo, SaveMoment, the protocols, the built-ins, the checks of what a policy returns.
-Does not own: running them (managing/level.py, managing/triggers.py), the keyword sugar
+Retention: KeepAll, KeepLatest(n), KeepEvery(steps=N | seconds=S), KeepRecent(seconds),
+KeepBest(n, metric, mode). Saving: SaveEvery(steps=N | seconds=S), SaveOnPreemption. AnyOf
+unions either kind. The keyword arguments of the manager and Tier build these
 (managing/declare.py, managing/retention.py).
+
+Owns: the built-ins, walking an AnyOf tree (leaves), the checks that an object is a policy of
+a kind (check_keep, check_save, check_base). Does not own: the records and protocols
+(records.py), the delta-base built-in (delta.py), running them (managing/).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence, Set
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from ckptio.errors import CkptError
+from ckptio.policies.records import (DeltaBasePolicy, RetentionPolicy, SaveMoment, SavePolicy,
+                                     StepInfo, due_by, kept_by)
 
 __all__ = ["AnyOf", "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepRecent",
-           "RetentionPolicy", "SaveEvery", "SaveMoment", "SaveOnPreemption", "SavePolicy",
-           "StepFacts", "StepInfo", "check_keep", "check_save", "due_by", "kept_by", "leaves"]
-
-
-class StepFacts(Protocol):
-    """Where a StepInfo the manager builds reads what it is asked, once (managing/level.py)."""
-
-    def metadata(self, step: int) -> Mapping[str, Any] | None: ...
-
-    def bases(self, step: int) -> tuple[int, ...]: ...
-
-    def nbytes(self, step: int) -> int | None: ...
-
-
-class StepInfo:
-    """One committed step of one tier, as a retention policy sees it: ``step``, ``tier`` (0:
-    the first), ``committed_at`` (Unix time the save started, None if unknown), ``nbytes``
-    (bytes its own files hold), ``metrics`` (what save(..., metrics=) stored) and ``bases``
-    (the steps a delta step needs; () for a full one). Build your own to test a policy; the
-    manager's reads a step's manifest only when a policy asks for one of the last four."""
-
-    __slots__ = ("step", "tier", "_given", "_facts")
-
-    def __init__(self, step: int, *, tier: int = 0, committed_at: float | None = None,
-                 nbytes: int | None = None, metrics: Mapping[str, float] | None = None,
-                 bases: Sequence[int] = ()) -> None:
-        self.step, self.tier = step, tier
-        self._given: dict[str, Any] = {"committed_at": committed_at, "nbytes": nbytes,
-                                       "metrics": dict(metrics or {}), "bases": tuple(bases)}
-        self._facts: StepFacts | None = None
-
-    @classmethod
-    def read_from(cls, step: int, tier: int, facts: StepFacts) -> StepInfo:
-        """The manager's StepInfo: each fact read from ``facts`` when first asked."""
-        info = cls(step, tier=tier)
-        info._given, info._facts = {}, facts
-        return info
-
-    def _fact(self, name: str) -> Any:
-        if name not in self._given:
-            assert self._facts is not None  # internal: only read_from() leaves facts unread
-            if name in ("committed_at", "metrics"):
-                meta = self._facts.metadata(self.step) or {}
-                self._given["committed_at"] = meta.get("created_unix")
-                self._given["metrics"] = dict(meta.get("metrics") or {})
-            elif name == "bases":
-                self._given["bases"] = self._facts.bases(self.step)
-            else:
-                self._given["nbytes"] = self._facts.nbytes(self.step)
-        return self._given[name]
-
-    @property
-    def committed_at(self) -> float | None:
-        return self._fact("committed_at")  # type: ignore[no-any-return]
-
-    @property
-    def nbytes(self) -> int | None:
-        return self._fact("nbytes")  # type: ignore[no-any-return]
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        return self._fact("metrics")  # type: ignore[no-any-return]
-
-    @property
-    def bases(self) -> tuple[int, ...]:
-        return self._fact("bases")  # type: ignore[no-any-return]
-
-    def __repr__(self) -> str:
-        return f"StepInfo(step={self.step}, tier={self.tier})"
-
-
-@dataclass(frozen=True)
-class SaveMoment:
-    """What a save policy is asked: ``step``, ``now`` (Unix time; with many ranks rank 0's),
-    the last save this manager started (``last_step``, None before the first, and
-    ``last_time``, or when the manager was made) and ``preempted`` (a signal reached)."""
-
-    step: int
-    now: float
-    last_step: int | None
-    last_time: float
-    preempted: bool = False
-
-
-@runtime_checkable
-class RetentionPolicy(Protocol):
-    """Which committed steps of a tier to keep: ``kept(steps, now)`` -> a set of step numbers
-    among ``steps`` (StepInfo, oldest first; ``now``: Unix time)."""
-
-    def kept(self, steps: Sequence[StepInfo], now: float) -> Set[int]: ...
-
-
-@runtime_checkable
-class SavePolicy(Protocol):
-    """When a save is due: ``due(moment)`` -> bool. With many ranks every rank asks it with
-    rank 0's moment: answer from the moment alone, so every rank answers alike."""
-
-    def due(self, moment: SaveMoment) -> bool: ...
+           "SaveEvery", "SaveOnPreemption", "check_base", "check_keep", "check_save", "leaves"]
 
 
 # ------------------------------------------------------------------------ built-ins: retention
@@ -321,7 +216,8 @@ def leaves(policy: Any) -> Iterator[Any]:
 
 
 def _check(policy: Any, verb: str, kind: str, where: str) -> Any:
-    example = "KeepLatest(3)" if verb == "kept" else "SaveEvery(steps=100)"
+    example = {"kept": "KeepLatest(3)", "due": "SaveEvery(steps=100)",
+               "base": "DeltaPolicy()"}[verb]
     for leaf in leaves(policy):
         if not callable(getattr(leaf, verb, None)):
             raise CkptError(f"{where}={leaf!r}): not a {kind} policy, which has a method "
@@ -341,34 +237,8 @@ def check_save(policy: Any, where: str) -> SavePolicy:
     return _check(policy, "due", "save", where)  # type: ignore[no-any-return]
 
 
-def kept_by(policy: Any, steps: Sequence[StepInfo], now: float) -> set[int]:
-    """``policy.kept(steps, now)``, checked: a set of step numbers among ``steps``, else a
-    CkptError naming the policy and what it returned."""
-    got = policy.kept(steps, now)
-    known = {s.step for s in steps}
-    if not isinstance(got, Set) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in got):
-        raise CkptError(f"retention policy {policy!r}: kept() returned {_short(got)}; it must "
-                        "return a set of step numbers (ints) among the StepInfo it was given")
-    unknown = sorted(set(got) - known)
-    if unknown:
-        raise CkptError(f"retention policy {policy!r}: kept() returned steps {unknown[:8]}, "
-                        f"which are not among the committed steps it was given "
-                        f"({sorted(known)[:8]}{'...' if len(known) > 8 else ''}); return "
-                        "only steps of the StepInfo passed to it")
-    return set(got)
-
-
-def due_by(policy: Any, moment: SaveMoment) -> bool:
-    """``policy.due(moment)``, checked: a bool, else a CkptError naming the policy."""
-    got = policy.due(moment)
-    if not isinstance(got, bool):
-        raise CkptError(f"save policy {policy!r}: due() returned {_short(got)}; it must return "
-                        "True or False")
-    return got
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
-
+def check_base(policy: Any, where: str) -> DeltaBasePolicy:
+    """``policy`` if it has ``base`` (an AnyOf of them is not one), else CkptError."""
+    if isinstance(policy, AnyOf):
+        raise CkptError(f"{where}={policy!r}): one delta-base policy, not an AnyOf")
+    return _check(policy, "base", "delta-base", where)  # type: ignore[no-any-return]
