@@ -19,7 +19,8 @@ docs/MANAGER.md.
 
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
 flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
-checkpoint's save, load and verify (api.py), the policies (managing/), the copies (tiering/).
+checkpoint's save, load and verify (api.py), the policies (policies/, run by managing/), the
+copies (tiering/).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class CheckpointManager:
             self._settle()
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
-            lambda: first.choose_base(self.delta, step, self._long_every))
+            lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
         if base is None:  # a full save: its retention reads no manifest; a delta's reads
             self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above

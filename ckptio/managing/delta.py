@@ -1,9 +1,9 @@
 """A CheckpointManager's ``delta=`` argument (check_delta), its compression (with_compression),
-and choose_base(): the built-in DeltaPolicy's rules (ckptio/policies/delta.py) asked over a
+and choose_base(): the built-in DeltaPolicy's rules (ckptio/policies/delta_base.py) asked over a
 root's Chains, as retention's own tests and tools see them.
 
 Owns: those checks; each manager's own copy of a DeltaPolicy (its state counts that manager's
-saves). Does not own: the policy (policies/delta.py), reading the links (chains.py), asking the
+saves). Does not own: the policy (policies/delta_base.py), reading the links (chains.py), asking the
 policy before a save (level.py).
 """
 
@@ -18,7 +18,7 @@ from ckptio.managing.chains import Chains
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, DeltaPolicy, StepInfo, check_base
 
-__all__ = ["DeltaPolicy", "check_delta", "choose_base", "with_compression"]
+__all__ = ["ChainFacts", "DeltaPolicy", "check_delta", "choose_base", "with_compression"]
 
 
 def check_delta(delta: Any) -> DeltaBasePolicy | None:
@@ -75,7 +75,7 @@ class ChainFacts:
         self.unreadable: set[int] = set()
 
     def metadata(self, step: int) -> dict[str, Any] | None:
-        return None if self._meta is None else self._meta(step)  # type: ignore[no-any-return]
+        return None if self._meta is None else self._meta(step)
 
     def bases(self, step: int) -> tuple[int, ...]:
         try:

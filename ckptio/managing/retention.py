@@ -89,7 +89,8 @@ class Retention:
         """The steps of ``committed`` (ascending) to keep: policy()'s, the newest and
         ``also``. ``metrics``: each step's value of the monitored metric (None: without)."""
         name = self.monitor or ""
-        infos = [StepInfo(s, metrics=None if metrics.get(s) is None else {name: metrics[s]})
+        values = {s: v for s, v in metrics.items() if v is not None}
+        infos = [StepInfo(s, metrics={name: values[s]} if s in values else None)
                  for s in committed]
         return kept_by(self.policy(), infos, time.time()) | set(committed[-1:]) | set(also)
 

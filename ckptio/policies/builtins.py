@@ -7,7 +7,7 @@ unions either kind. The keyword arguments of the manager and Tier build these
 
 Owns: the built-ins, walking an AnyOf tree (leaves), the checks that an object is a policy of
 a kind (check_keep, check_save, check_base). Does not own: the records and protocols
-(records.py), the delta-base built-in (delta.py), running them (managing/).
+(records.py), the delta-base built-in (delta_base.py), running them (managing/).
 """
 
 from __future__ import annotations
@@ -229,16 +229,16 @@ def _check(policy: Any, verb: str, kind: str, where: str) -> Any:
 def check_keep(policy: Any, where: str) -> RetentionPolicy:
     """``policy`` if it (every member of an AnyOf) has ``kept``, else CkptError naming
     ``where`` (e.g. ``Tier('ckpts', keep``)."""
-    return _check(policy, "kept", "retention", where)  # type: ignore[no-any-return]
+    return _check(policy, "kept", "retention", where)
 
 
 def check_save(policy: Any, where: str) -> SavePolicy:
     """``policy`` if it (every member of an AnyOf) has ``due``, else CkptError."""
-    return _check(policy, "due", "save", where)  # type: ignore[no-any-return]
+    return _check(policy, "due", "save", where)
 
 
 def check_base(policy: Any, where: str) -> DeltaBasePolicy:
     """``policy`` if it has ``base`` (an AnyOf of them is not one), else CkptError."""
     if isinstance(policy, AnyOf):
         raise CkptError(f"{where}={policy!r}): one delta-base policy, not an AnyOf")
-    return _check(policy, "base", "delta-base", where)  # type: ignore[no-any-return]
+    return _check(policy, "base", "delta-base", where)

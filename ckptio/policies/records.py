@@ -6,7 +6,7 @@ RetentionPolicy.kept, SavePolicy.due, DeltaBasePolicy.base. kept_by / due_by / b
 a policy and check what it returned, naming the policy when it is not what the verb promises.
 
 Owns: those records, protocols and checks. Does not own: the built-ins (builtins.py,
-delta.py), running them (managing/).
+delta_base.py), running them (managing/).
 """
 
 from __future__ import annotations
@@ -45,19 +45,18 @@ class StepInfo:
 
     def __init__(self, step: int, *, tier: int = 0, committed_at: float | None = None,
                  nbytes: int | None = None, metrics: Mapping[str, float] | None = None,
-                 bases: Sequence[int] = (), damaged: bool = False) -> None:
+                 bases: Sequence[int] = (), damaged: bool = False,
+                 facts: StepFacts | None = None) -> None:
         self.step, self.tier = step, tier
-        self._given: dict[str, Any] = {"committed_at": committed_at, "nbytes": nbytes,
-                                       "metrics": dict(metrics or {}), "bases": tuple(bases),
-                                       "damaged": damaged}
-        self._facts: StepFacts | None = None
+        self._given: dict[str, Any] = {} if facts is not None else {
+            "committed_at": committed_at, "nbytes": nbytes, "metrics": dict(metrics or {}),
+            "bases": tuple(bases), "damaged": damaged}
+        self._facts = facts  # given: each fact read from it when first asked
 
     @classmethod
     def read_from(cls, step: int, tier: int, facts: StepFacts) -> StepInfo:
         """The manager's StepInfo: each fact read from ``facts`` when first asked."""
-        info = cls(step, tier=tier)
-        info._given, info._facts = {}, facts
-        return info
+        return cls(step, tier=tier, facts=facts)
 
     def _fact(self, name: str) -> Any:
         if name not in self._given:
@@ -72,23 +71,23 @@ class StepInfo:
 
     @property
     def committed_at(self) -> float | None:
-        return self._fact("committed_at")  # type: ignore[no-any-return]
+        return self._fact("committed_at")
 
     @property
     def nbytes(self) -> int | None:
-        return self._fact("nbytes")  # type: ignore[no-any-return]
+        return self._fact("nbytes")
 
     @property
     def metrics(self) -> dict[str, float]:
-        return self._fact("metrics")  # type: ignore[no-any-return]
+        return self._fact("metrics")
 
     @property
     def bases(self) -> tuple[int, ...]:
-        return self._fact("bases")  # type: ignore[no-any-return]
+        return self._fact("bases")
 
     @property
     def damaged(self) -> bool:
-        return self._fact("damaged")  # type: ignore[no-any-return]
+        return self._fact("damaged")
 
     @property
     def is_full(self) -> bool:
