@@ -19,6 +19,9 @@ from ckptio import (AnyOf, CkptError, DeltaPolicy, KeepAll, KeepBest, KeepEvery,
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
 from ckptio.storage.runlease import LEASE_NAME
 from ckptio.storage.select import store_for
+from ckptio.testing.rank_processes import run_ranks
+
+import policy_cases as cases
 
 OPTS = Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 
@@ -94,6 +97,17 @@ def test_a_users_save_trigger_decides_when_the_manager_saves(tmp_path: Path) -> 
             if mgr.save(s, _state(s), force=s == 5) is not None:
                 saved.append(s)
     assert saved == [1, 4, 5, 8, 11]
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_two_ranks_ask_a_users_save_policy_with_rank_0s_moment(tmp_path: Path,
+                                                               sleeper: int) -> None:
+    """Rank ``sleeper`` sleeps before asking: its own clock would say due, the other's not;
+    both get rank 0's answer (tests/policy_cases.py holds the user's class)."""
+    out = run_ranks(2, cases.users_policy_on_rank_0s_moment, str(tmp_path / "run"), sleeper)
+    want = sleeper == 0
+    assert [got["due"] for got in out] == [[want], [want]]
+    assert [got["saved"] for got in out] == [want, want]
 
 
 # ------------------------------------------------------------------ time-based retention

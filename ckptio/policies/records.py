@@ -35,11 +35,12 @@ class StepFacts(Protocol):
 
 class StepInfo:
     """One committed step of one tier, as a retention policy sees it: ``step``, ``tier`` (0:
-    the first), ``committed_at`` (Unix time the save started, None if unknown), ``nbytes``
-    (bytes its own files hold), ``metrics`` (what save(..., metrics=) stored) and ``bases``
-    (the steps a delta step needs; () for a full one), ``damaged`` (a load found it damaged).
-    Build your own to test a policy; the manager's reads a step's manifest only when a policy
-    asks for committed_at, nbytes, metrics or bases."""
+    the first), ``committed_at`` (the Unix time of its save, its manifest's created_unix; None
+    if unknown), ``nbytes`` (bytes its own files hold), ``metrics`` (what save(...,
+    metrics=) stored), ``bases`` (the steps a delta step needs; () for a full one) and
+    ``damaged`` (a load found it damaged). Build your own to test a policy; the manager's
+    reads a step's manifest only when a policy asks for committed_at, nbytes, metrics or
+    bases (``facts``: where it reads them, policies.StepFacts)."""
 
     __slots__ = ("step", "tier", "_given", "_facts")
 
