@@ -90,7 +90,7 @@ class CheckpointManager:
         self.retention = declared.retentions[0]  # the keywords (None with keep=)
         self.keep_last = None if self.retention is None else self.retention.keep_last
         self.keep_every = None if self.retention is None else self.retention.keep_every
-        self.keep_policies = declared.keeps  # per tier (ckptio/policies.py)
+        self.keep_policies = declared.keeps  # per tier (ckptio/policies/)
         self.save_every = declared.save_every
         self.save_policy = _with_preemption(declared.save) if preemption else declared.save
         self._policy = Saving(self.save_policy, Triggers(Preemption()))
@@ -150,9 +150,10 @@ class CheckpointManager:
     # ---------------------------------------------------------------- queries
 
     def should_save(self, step: int) -> bool:
-        """Whether a save of ``step`` is due: ``step % save_every == 0`` (the first tier's
-        ``every``), or ``save_interval_s`` since the last save started (rank 0's clock), or
-        preemption reached. With a clock or a preemption handler, a collective."""
+        """Whether a save of ``step`` is due: as the save policy (``save_policy``: ``save=``, or
+        built from save_every / save_interval_s / preemption) says, asked with rank 0's moment,
+        or preemption reached. A collective unless the policy is only step intervals and no
+        preemption handler is installed (managing/triggers.py)."""
         return self._policy.due(check_step(step), self._job.group)
 
     def reached_preemption(self, step: int) -> bool:

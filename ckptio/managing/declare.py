@@ -4,7 +4,7 @@
 ``Tier("ckpts", every=N, keep_last=3, keep_every=K)``; ``CheckpointManager(tiers=[...])``
 declares its tiers. Either way ``save_every`` is the first tier's ``every``, and ``keep_best``
 / ``monitor`` / ``mode`` / ``keep_without_metric`` are the first tier's retention
-(retention.py). The policies (ckptio/policies.py) come out of it: each tier's retention
+(retention.py). The policies (ckptio/policies/) come out of it: each tier's retention
 (``keep=`` as given, else built from the keywords) and the save policy (``save=`` as given, else
 SaveEvery(steps=save_every) and SaveEvery(seconds=save_interval_s), unioned). What cannot
 combine is refused here, naming both options and why.

@@ -3,7 +3,7 @@ each step's metadata (StepMeta), which the StepInfo of a retention pass read.
 
 ``keep_last`` / ``keep_every`` / ``keep_best`` / ``monitor`` / ``mode`` /
 ``keep_without_metric`` are sugar: Retention.checked() checks them as given, and policy()
-builds the equivalent built-in of ckptio/policies.py (their union, AnyOf):
+builds the equivalent built-in of ckptio/policies/ (their union, AnyOf):
 
 - ``keep_last=n``: KeepLatest(n) (None: KeepAll(), so nothing is ever dropped);
 - ``keep_every=N``: KeepEvery(steps=N);
@@ -14,7 +14,7 @@ succeeded on, steps whose metadata could not be read, the bases of kept deltas, 
 manager pins) is added by the tier at run time (managing/level.py).
 
 Owns: the options' checks, their translation, the metadata cache (StepMeta: a committed step's
-manifest never changes, so it is read once). Does not own: the rules (policies.py), the
+manifest never changes, so it is read once). Does not own: the rules (policies/), the
 metadata's format (stepmeta.py), listing or deleting steps (level.py, storage/steproot.py).
 """
 

@@ -1,4 +1,4 @@
-"""When a manager's save is due: its save policy (ckptio/policies.py) run by Saving, asked with
+"""When a manager's save is due: its save policy (ckptio/policies/) run by Saving, asked with
 a SaveMoment agreed across ranks (Triggers: rank 0's clock and last save, a preemption signal
 (Preemption) seen by any rank).
 
@@ -15,7 +15,7 @@ its last save; preemption is reached once any rank has received a signal, and st
 tier, docs/MANAGER.md). A policy made only of SaveEvery(steps=N) needs no agreement.
 
 Owns: the clock, the signal handlers, the per-step agreement, running the save policy. Does
-not own: the policies (policies.py), what the manager does about a save.
+not own: the policies (policies/), what the manager does about a save.
 """
 
 from __future__ import annotations

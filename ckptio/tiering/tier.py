@@ -8,7 +8,7 @@ Tiers are listed fastest first. The first tier takes every save (``every`` is it
 the old ``save_every``); each later tier receives, by the background drain, the committed steps
 divisible by its own ``every``, which must be a multiple of the first tier's (a step reaches a
 slower tier only through a faster one). ``keep`` is that tier's retention policy
-(ckptio/policies.py: KeepLatest(2), AnyOf(...), or a class of your own), or spelled
+(ckptio/policies/: KeepLatest(2), AnyOf(...), or a class of your own), or spelled
 ``keep_last`` / ``keep_every`` (sugar for KeepLatest / KeepEvery; default keep_last=2); the
 manager's keep_best / monitor / mode apply to the first tier. ``save``: the first tier's save
 policy (SaveEvery, ..., or your own), instead of ``every``.
@@ -67,7 +67,7 @@ class Tier:
     keep_every: int | None = None
     max_bytes: int | None = None
     redundancy: Partners | Parity | None = None  # tiering/redundancy.py; the first tier only
-    keep: RetentionPolicy | None = None  # ckptio/policies.py; None: keep_last / keep_every
+    keep: RetentionPolicy | None = None  # ckptio/policies/; None: keep_last / keep_every
     save: SavePolicy | None = None  # the first tier's; None: every (and the manager's options)
 
     def __post_init__(self) -> None:
