@@ -39,10 +39,12 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     )
     from ckptio.export import export_hf
     from ckptio.manager import CheckpointManager
-    from ckptio.managing.delta import DeltaPolicy
     from ckptio.optim import OptimizerState
     from ckptio.options import Options
     from ckptio.planning.sharding import FlatShard, TensorShard
+    from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepAll, KeepBest,
+                                 KeepEvery, KeepLatest, KeepRecent, RetentionPolicy, SaveEvery,
+                                 SaveMoment, SaveOnPreemption, SavePolicy, StepInfo)
     from ckptio.rng import RNGState
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
@@ -54,6 +56,7 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.tiering.tier import Tier
 
 __all__ = [
+    "AnyOf",
     "AsyncSaveResult",
     "CheckpointLockedError",
     "CheckpointManager",
@@ -63,9 +66,15 @@ __all__ = [
     "CorruptCheckpointError",
     "DcpReader",
     "DcpWriter",
+    "DeltaBasePolicy",
     "DeltaPolicy",
     "FlatShard",
     "IncompleteCheckpointError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "KeepRecent",
     "LoadReport",
     "ManifestError",
     "OptimizerState",
@@ -76,12 +85,18 @@ __all__ = [
     "Progress",
     "RNGState",
     "RankFailedError",
+    "RetentionPolicy",
     "S3Settings",
     "GcsSettings",
     "SaveTimeoutError",
+    "SaveEvery",
     "SaveHandle",
+    "SaveMoment",
+    "SaveOnPreemption",
+    "SavePolicy",
     "SaveResult",
     "StateMismatchError",
+    "StepInfo",
     "StorageIOError",
     "TensorShard",
     "Tier",
@@ -106,7 +121,7 @@ _HOME = {
     "async_save": "ckptio.shared", "load": "ckptio.shared", "save": "ckptio.shared",
     "verify": "ckptio.shared", "Progress": "ckptio.saving.persist", "Options": "ckptio.options",
     "RNGState": "ckptio.rng", "OptimizerState": "ckptio.optim",
-    "CheckpointManager": "ckptio.manager", "DeltaPolicy": "ckptio.managing.delta",
+    "CheckpointManager": "ckptio.manager",
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
@@ -114,6 +129,10 @@ _HOME = {
     "GcsSettings": "ckptio.storage.gcs.gcs_settings",
     "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
     "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
+    **{name: "ckptio.policies" for name in (
+        "AnyOf", "DeltaBasePolicy", "DeltaPolicy", "KeepAll", "KeepBest", "KeepEvery",
+        "KeepLatest", "KeepRecent", "RetentionPolicy", "SaveEvery", "SaveMoment",
+        "SaveOnPreemption", "SavePolicy", "StepInfo")},
     **{name: "ckptio.errors" for name in (
         "CkptError", "CheckpointLockedError", "CheckpointNotFoundError", "CorruptCheckpointError",
         "IncompleteCheckpointError", "ManifestError", "PickleRefusedError", "RankFailedError",

@@ -19,7 +19,8 @@ docs/MANAGER.md.
 
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
 flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
-checkpoint's save, load and verify (api.py), the policies (managing/), the copies (tiering/).
+checkpoint's save, load and verify (api.py), the policies (policies/, run by managing/), the
+copies (tiering/).
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ from ckptio.errors import CheckpointNotFoundError, CkptError, SaveTimeoutError
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
-from ckptio.managing.delta import DeltaPolicy, check_delta
+from ckptio.managing.delta import check_delta
 from ckptio.managing.follower import Follower
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
                                        restore_first, started_fresh, where)
 from ckptio.managing.route import TierRoute, resume
-from ckptio.managing.triggers import Preemption, SaveClock, SavePolicy, Triggers
+from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
+from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepEvery, RetentionPolicy,
+                             SaveOnPreemption, SavePolicy, leaves)
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
@@ -74,19 +77,23 @@ class CheckpointManager:
                  save_interval_s: float | None = None, preemption: bool = False,
                  options: Options | None = None, checkpointer: Checkpointer | None = None,
                  process_group: Any = None, tiers: Sequence[Tier] | None = None,
-                 delta: DeltaPolicy | bool | None = None, compression: str | None = None,
-                 drain_rate: float | None = None, take_over: bool = False) -> None:
+                 delta: DeltaPolicy | DeltaBasePolicy | bool | None = None, compression: str | None = None,
+                 drain_rate: float | None = None, take_over: bool = False,
+                 keep: RetentionPolicy | None = None, save: SavePolicy | None = None) -> None:
         declared = declare(directory, tiers, keep_last=keep_last, keep_every=keep_every,
                            save_every=save_every, save_interval_s=save_interval_s,
                            best={"keep_best": keep_best, "monitor": monitor, "mode": mode,
-                                 "keep_without_metric": keep_without_metric})
+                                 "keep_without_metric": keep_without_metric},
+                           keep=keep, save=save)
         settings = settings_of(options, checkpointer, compression, preemption, drain_rate)
         self.delta = check_delta(delta)
-        self.retention = declared.retentions[0]
-        self.keep_last, self.keep_every = self.retention.keep_last, self.retention.keep_every
+        self.retention = declared.retentions[0]  # the keywords (None with keep=)
+        self.keep_last = None if self.retention is None else self.retention.keep_last
+        self.keep_every = None if self.retention is None else self.retention.keep_every
+        self.keep_policies = declared.keeps  # per tier (ckptio/policies/)
         self.save_every = declared.save_every
-        clock = None if save_interval_s is None else SaveClock(save_interval_s)
-        self._policy = SavePolicy(self.save_every, Triggers(clock, Preemption()))
+        self.save_policy = _with_preemption(declared.save) if preemption else declared.save
+        self._policy = Saving(self.save_policy, Triggers(Preemption()))
         self.tiers = declared.tiers
         self._guard: Guard | None = None
         job_group = process_group
@@ -99,14 +106,15 @@ class CheckpointManager:
         self._process_group = process_group
         self._ranking = Ranks(process_group, self._ck.options,
                               checkpoint_path(self.tiers[0].location))
-        self._levels = make_levels(self.tiers, declared.retentions, self._ck, self._ranking,
+        self._levels = make_levels(self.tiers, declared.keeps, self._ck, self._ranking,
                                    process_group)
         self.directory = self._levels[0].directory
         # the clock and the signal are agreed by the whole job (with redundancy, the saves'
         # group is this rank alone)
         self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
                                                                    self.directory)
-        self._long_every = tuple(t.keep_every for t in self.tiers if t.keep_every)
+        self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
+                                 if isinstance(p, KeepEvery) and p.steps)
         self._saves = InFlight()
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
@@ -116,7 +124,7 @@ class CheckpointManager:
         self._take_over, self._first_leased = take_over, False
         try:
             self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
-            self._start(preemption, drain_rate)
+            self._start(self._policy.wants_preemption, drain_rate)
         except BaseException:
             self._let_go_leases()
             self._policy.triggers.preemption.uninstall()
@@ -142,9 +150,10 @@ class CheckpointManager:
     # ---------------------------------------------------------------- queries
 
     def should_save(self, step: int) -> bool:
-        """Whether a save of ``step`` is due: ``step % save_every == 0`` (the first tier's
-        ``every``), or ``save_interval_s`` since the last save started (rank 0's clock), or
-        preemption reached. With a clock or a preemption handler, a collective."""
+        """Whether a save of ``step`` is due: as the save policy (``save_policy``: ``save=``, or
+        built from save_every / save_interval_s / preemption) says, asked with rank 0's moment,
+        or preemption reached. A collective unless the policy is only step intervals and no
+        preemption handler is installed (managing/triggers.py)."""
         return self._policy.due(check_step(step), self._job.group)
 
     def reached_preemption(self, step: int) -> bool:
@@ -486,6 +495,14 @@ class CheckpointManager:
     def _agreed(self, decide: Callable[[], Any]) -> Any:
         """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
         return self._ranking.agreed(decide)
+
+
+def _with_preemption(save: SavePolicy) -> SavePolicy:
+    """``preemption=True``: the save policy, also due on preemption (SaveOnPreemption)."""
+    if any(isinstance(p, SaveOnPreemption) for p in leaves(save)):
+        return save
+    members = save.policies if isinstance(save, AnyOf) else (save,)
+    return AnyOf(*members, SaveOnPreemption())
 
 
 _unclosed: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()

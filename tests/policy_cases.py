@@ -53,6 +53,25 @@ def clock_of_rank_0(rank: int, world: int, root: str, sleeper: int) -> dict[str,
     return {"due": due, "saved": saved}
 
 
+class AfterHalfASecond:
+    """A user's save policy: due half a second after the last save started (or the start)."""
+
+    def due(self, moment: Any) -> bool:
+        return bool(moment.now - moment.last_time >= 0.5)
+
+
+def users_policy_on_rank_0s_moment(rank: int, world: int, root: str,
+                                   sleeper: int) -> dict[str, Any]:
+    """clock_of_rank_0 with a user's save policy: every rank asks it with rank 0's moment."""
+    mgr = CheckpointManager(root, save=AfterHalfASecond(), options=SMALL)
+    if rank == sleeper:
+        time.sleep(0.8)
+    due = [mgr.should_save(1)]
+    saved = mgr.save(1, _state(rank, 1)) is not None
+    mgr.close()
+    return {"due": due, "saved": saved}
+
+
 def best_by_rank_0(rank: int, world: int, root: str) -> dict[str, Any]:
     """keep_best=1 by 'loss' (min), keep_last=1; rank 1 passes the opposite losses: rank 0's
     decide which step is kept and are what is stored."""

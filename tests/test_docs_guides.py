@@ -164,6 +164,7 @@ def test_resume(here: Path) -> None:
     ns = _run_page("guides/resume.md", _user())
     assert ns["start"] == 0 and _steps("ckpts") == ["step-1", "step-1000", "step-500"]
     assert ns["mgr"].metadata(1000)["metadata"]["config"] == {"lr": 1e-2}
+    assert _steps("ckpts-own") == ["step-200", "step-400", "step-500"]  # the user's policies
     again = _user()  # a second run of the page's first block restores step 1000
     exec(compile(marked_blocks(DOCS / "guides/resume.md")[0][0], "resume.md", "exec"), again)
     assert again["start"] == 1000 and again["loader"].index == ns["loader"].index

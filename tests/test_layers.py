@@ -62,7 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # The drivers (the top layer) in their sub-layers, bottom to top.
 DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim",
-     "ckptio.packed"),  # base helpers
+     "ckptio.packed", "ckptio.policies"),  # base helpers
     ("ckptio.api",),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
     ("ckptio.tiering",),  # tiers, drain, protection (the manager's followers)
@@ -95,6 +95,9 @@ PUBLIC = {
     "SaveTimeoutError",
     "StateMismatchError", "StorageIOError", "UnsupportedPathError", "UnsupportedStateError",
     "DcpReader", "DcpWriter", "Tier", "Partners", "Parity", "read_metadata", "DeltaPolicy",
+    "StepInfo", "SaveMoment", "RetentionPolicy", "SavePolicy", "KeepAll", "KeepLatest",
+    "KeepEvery", "KeepRecent", "KeepBest", "SaveEvery", "SaveOnPreemption", "AnyOf",
+    "DeltaBasePolicy",
 }
 
 ORDER = LAYERS + DRIVERS  # every layer, bottom to top

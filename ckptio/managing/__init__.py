@@ -3,12 +3,14 @@ declare.py (its arguments -> tiers and their retention), level.py (TierSteps: on
 time), follower.py (the Follower protocol of what follows a commit in the first tier),
 route.py (the drain's route through the tiers), inflight.py (the save in flight),
 restoring.py (the one restore loop), agreed.py (with redundancy: the step every rank agrees
-on first). The policies, each one verb: triggers.py (SavePolicy.due), retention.py
-(Retention.kept), delta.py (choose_base), with chains.py (each step's bases) and agreement.py
-(rank 0's decisions agreed). warn() below is the one channel a manager's warnings take.
+on first). The policies are objects (ckptio/policies/, public); here they run: triggers.py
+(Saving: the save policy, agreed across ranks), level.py (the retention and delta-base
+policies, asked with each step's StepInfo), with retention.py and delta.py (the keyword
+sugar), chains.py (each step's bases) and agreement.py (rank 0's decisions agreed). warn()
+below is the one channel a manager's warnings take.
 
 Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API.
-The public surface is ``ckptio`` itself (CheckpointManager, DeltaPolicy). Owns: those parts.
+The public surface is ``ckptio`` itself (CheckpointManager, the policies). Owns: those parts.
 Does not own: one checkpoint (api.py), listing or hiding steps (storage/steproot.py), copies and
 redundancy (tiering/).
 """

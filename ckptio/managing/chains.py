@@ -92,7 +92,7 @@ class Chains:
         manifest (a delta that turned out to need no base keeps its base one pass longer)."""
         self._made[step] = bases
 
-    def _bases(self, step: int) -> tuple[int, ...] | None:
+    def bases(self, step: int) -> tuple[int, ...] | None:
         """``step``'s bases; None if it is damaged or gone (link())."""
         if step in self._made:
             return self._made[step]
@@ -105,7 +105,7 @@ class Chains:
         kept = set(keep)
         for step in sorted(kept):
             try:
-                bases = self._bases(step)
+                bases = self.bases(step)
             except CkptError as exc:
                 warn(f"ckptio: retention of {self._where} keeps every step before {step}: its "
                      f"manifest cannot be read now, so its base is not known "
@@ -123,7 +123,7 @@ class Chains:
         needed: set[int] = set()
         for step in dropped:
             try:
-                bases = self._bases(step)
+                bases = self.bases(step)
             except CkptError:
                 needed.update(s for s in committed if s < step)
                 continue

@@ -2,8 +2,9 @@
 
 The manager holds one TierSteps per tier (a directory is a manager with one tier) and reaches a
 tier's steps only through it: their root (path, listing, committed or not), their retention
-(hide what the policy drops, remove it in a background thread, joined by the next pass and by
-the manager's close()), their delta chains, which of them a load found damaged or succeeded
+(ask the retention policy with each step's StepInfo, hide what it drops, remove it in a
+background thread, joined by the next pass and by the manager's close()), their delta chains
+and the base a delta-base policy chooses among them, which of them a load found damaged or succeeded
 on, and loading one of them. Call order per save: ``saved(step)`` once the step committed in
 this tier, then ``retain(also)``; ``join_removal()`` and ``drop_slots()`` before the manager
 lets go.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,10 +32,11 @@ from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
 from ckptio.managing.chains import Chains, Link
-from ckptio.managing.delta import DeltaPolicy, choose_base, delta_ratio
+from ckptio.managing.delta import ChainFacts
 from ckptio.managing.agreement import Ranks
-from ckptio.managing.retention import Retention, StepMetrics
+from ckptio.managing.retention import StepMeta
 from ckptio.options import Options
+from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
 from ckptio.storage import runlease
 from ckptio.storage.local_root import LocalRoot
 from ckptio.storage.runlease import RunLease
@@ -52,29 +55,27 @@ class TierSteps:
     """The steps of one tier: ``root`` lists and hides them (storage.select.root_for), ``lister``
     lists them for a restore or a status (a root with shorter deadlines, or ``root``).
     ``location``: the tier as declared (what a restore's messages name); ``directory``: the
-    root's location (a directory, or an s3:// URL); ``every``: the tier's interval."""
+    root's location (a directory, or an s3:// URL); ``every``: the tier's interval; ``keep``:
+    its retention policy; ``index``: its place (0: the first)."""
 
     def __init__(self, location: str, every: int, root: StepRoot,
-                 lister: StepRoot, retention: Retention, checkpointer: Checkpointer,
-                 ranks: Ranks, process_group: Any) -> None:
+                 lister: StepRoot, keep: RetentionPolicy, checkpointer: Checkpointer,
+                 ranks: Ranks, process_group: Any, index: int = 0) -> None:
         self.location = location
+        self.index = index
         self.every = every  # the steps this tier receives: those divisible by it
         self.directory: str = root.location
         self._root = root
         self._lister = lister
-        self.retention = retention
+        self.keep = keep
         self._ck = checkpointer
         self._ranks = ranks
         self._process_group = process_group
         self._chains = Chains(self.manifest, self.directory)
-        self._metrics = StepMetrics(self.read_metadata, self.directory)
+        self._meta = StepMeta(self.read_metadata, self.directory)
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
-        self._deltas_made: dict[int, int] = {}  # base -> delta saves started against it
-        self._last_delta: int | None = None  # the newest step saved as a delta, until judged
-        self._full_saves_left = 0  # saves that are full since a delta took too much room
-        self._pauses = 0  # such deltas in a row
 
     # ---------------------------------------------------------------- the root
 
@@ -135,40 +136,19 @@ class TierSteps:
             return ""
         return self._chains.describe(step)
 
-    def choose_base(self, policy: DeltaPolicy, step: int, long_every: tuple[int, ...]
+    def choose_base(self, policy: DeltaBasePolicy, step: int, long_every: tuple[int, ...]
                     ) -> int | None:
-        """Rank 0: the base of a delta save of ``step`` here, or None: a full save."""
-        if self._delta_paused(policy):
+        """Rank 0: the base of a delta save of ``step`` here (``policy.base()``, checked:
+        policies.base_by), or None: a full save, always for a step a retention keeps for long
+        (divisible by ``long_every``: it then stands alone, so no old delta pins its base)."""
+        if any(step % every == 0 for every in long_every):
             return None
-        base = choose_base(policy, step, self.scan()["committed"], self._chains, self._damaged,
-                           long_every, self._deltas_made)
-        if base is not None:
-            self._deltas_made[base] = self._deltas_made.get(base, 0) + 1
-            self._last_delta = step
-        return base
+        return base_by(policy, step, self._infos(self.scan()["committed"])[0])
 
-    def _delta_paused(self, policy: DeltaPolicy) -> bool:
-        """Whether this save is full because deltas took more room than full saves: the last
-        delta stored more than ``max_ratio`` of its base (then the next ``full_every`` saves
-        are full, twice as many after each such delta in a row; before, a full-training run
-        alternated full steps and deltas, each delta keeping its base beside the next full)."""
-        limit = policy.max_ratio
-        if self._last_delta is not None:
-            ratio = delta_ratio(self._chains, self._last_delta)
-            self._last_delta = None
-            if ratio is not None and ratio > limit:
-                self._full_saves_left = policy.full_every * 2 ** min(self._pauses, 10)
-                self._pauses += 1
-                log.info("ckptio: %s: the last delta stored %.0f %% of its base (more than "
-                         "max_ratio's %.0f %%: more room than full saves): the next %d saves "
-                         "are full", self.location, 100 * ratio, 100 * limit,
-                         self._full_saves_left)
-            elif ratio is not None:
-                self._pauses = 0
-        if self._full_saves_left:
-            self._full_saves_left -= 1
-            return True
-        return False
+    def _infos(self, committed: list[int]) -> tuple[list[StepInfo], ChainFacts]:
+        """The StepInfo of ``committed``, reading through one ChainFacts (its unreadable)."""
+        facts = ChainFacts(self._chains, self._damaged, self._meta.of)
+        return [StepInfo.read_from(s, self.index, facts) for s in committed], facts
 
     # ---------------------------------------------------------------- damaged and verified
 
@@ -187,7 +167,7 @@ class TierSteps:
         """``step`` committed here anew (a save or a copy): forget what was known of it;
         ``bases``: the steps it was saved against, when the caller made it (chains.py)."""
         self._damaged.discard(step)
-        self._metrics.forget(step)
+        self._meta.forget(step)
         self._chains.forget(step)
         if bases is not None:
             self._chains.made(step, bases)
@@ -242,19 +222,20 @@ class TierSteps:
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
         keep = set(also) | ({self.verified} if self.verified is not None else set())
-        values: dict[int, float | None] = {}
-        if self.retention.monitor is not None:
-            values, unreadable = self._metrics.of(committed, self.retention.monitor)
-            keep.update(unreadable)
-        kept = self._chains.closure(committed, self.retention.kept(committed, values, keep))
+        kept = self._chains.closure(committed, keep | self._own(committed))
         return self._chains.doomed(committed, kept)  # a base goes with or after its deltas
+
+    def _own(self, committed: list[int]) -> set[int]:
+        """What the policy keeps of ``committed``, its output checked (policies.kept_by), plus
+        what no policy drops: the newest step and those whose metadata cannot be read now."""
+        self._meta.begin()
+        infos, facts = self._infos(committed)
+        kept = kept_by(self.keep, infos, time.time())
+        return kept | set(committed[-1:]) | self._meta.unreadable | facts.unreadable
 
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
-        values: dict[int, float | None] = {}
-        if self.retention.monitor is not None:
-            values, _unreadable = self._metrics.of(committed, self.retention.monitor)
-        own = self.retention.kept(committed, values)
+        own = self._own(committed)
         why: dict[int, str] = {}
         if self.verified in committed and self.verified not in own:
             why[self.verified] = "restored or verified last (kept until a newer step is)"
@@ -304,15 +285,15 @@ def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[st
     return out
 
 
-def make_levels(tiers: Sequence[Tier], retentions: Sequence[Retention], ck: Checkpointer,
+def make_levels(tiers: Sequence[Tier], keeps: Sequence[RetentionPolicy], ck: Checkpointer,
                 ranks: Ranks, process_group: Any) -> list[TierSteps]:
     """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
     restore then goes on without it)."""
     levels = []
-    for k, (tier, retention) in enumerate(zip(tiers, retentions)):
+    for k, (tier, keep) in enumerate(zip(tiers, keeps)):
         root = root_for(tier.location, ck.options)
         lister = root if k == 0 else root_for(
             tier.location, capped(tier.location, ck.options, PROBE_DEADLINE_S))
-        levels.append(TierSteps(tier.location, tier.every, root, lister, retention, ck, ranks,
-                                process_group))
+        levels.append(TierSteps(tier.location, tier.every, root, lister, keep, ck, ranks,
+                                process_group, k))
     return levels

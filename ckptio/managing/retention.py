@@ -1,34 +1,36 @@
-"""Which committed steps a CheckpointManager keeps: Retention.
+"""The keyword spelling of a CheckpointManager's retention (Retention), and rank 0's cache of
+each step's metadata (StepMeta), which the StepInfo of a retention pass read.
 
-The kept set is the union of:
+``keep_last`` / ``keep_every`` / ``keep_best`` / ``monitor`` / ``mode`` /
+``keep_without_metric`` are sugar: Retention.checked() checks them as given, and policy()
+builds the equivalent built-in of ckptio/policies/ (their union, AnyOf):
 
-- the newest ``keep_last`` committed steps (None: every step, so nothing is ever dropped);
-- every step divisible by ``keep_every``;
-- with ``keep_best=k, monitor=NAME``: the k steps with the best value of metric NAME (``mode``
-  "min": lowest; "max": highest), among the steps saved with that metric. NaN ranks worst.
-  Ties: the newer step ranks first (as Orbax; Lightning keeps the older);
-- steps saved without the metric only if ``keep_without_metric`` (default False: they are
-  kept by the rules above only; Orbax keeps them forever by default, which fills a disk when
-  most saves carry no evaluation);
-- and, from the manager: the newest committed step, the newest step restore()/verify()
-  succeeded on, steps whose metric could not be read, and what a tiered manager pins.
+- ``keep_last=n``: KeepLatest(n) (None: KeepAll(), so nothing is ever dropped);
+- ``keep_every=N``: KeepEvery(steps=N);
+- ``keep_best=k, monitor=NAME, mode, keep_without_metric``: KeepBest(k, NAME, mode, ...).
 
-Owns: the options' checks, the kept set, rank 0's cache of each step's metric (StepMetrics:
-a committed step's manifest never changes, so it is read once). Does not own: the metadata's
-format (stepmeta.py), listing or deleting steps (manager.py, storage/steproot.py).
+What no policy changes (the newest committed step, the newest step restore()/verify()
+succeeded on, steps whose metadata could not be read, the bases of kept deltas, what a tiered
+manager pins) is added by the tier at run time (managing/level.py).
+
+Owns: the options' checks, their translation, the metadata cache (StepMeta: a committed step's
+manifest never changes, so it is read once). Does not own: the rules (policies/), the
+metadata's format (stepmeta.py), listing or deleting steps (level.py, storage/steproot.py).
 """
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.managing import warn
+from ckptio.policies import (AnyOf, KeepAll, KeepBest, KeepEvery, KeepLatest, RetentionPolicy,
+                             StepInfo, kept_by)
 
-__all__ = ["MODES", "Retention", "StepMetrics"]
+__all__ = ["MODES", "Retention", "StepMeta"]
 
 MODES = ("min", "max")
 
@@ -71,53 +73,56 @@ class Retention:
                             "to keep only the newest step besides the best")
         return cls(keep_last, keep_every, keep_best, monitor, mode, keep_without_metric)
 
+    def policy(self) -> RetentionPolicy:
+        """The built-in policy these options spell (module docstring)."""
+        rules: list[RetentionPolicy] = [
+            KeepAll() if self.keep_last is None else KeepLatest(self.keep_last)]
+        if self.keep_every is not None:
+            rules.append(KeepEvery(steps=self.keep_every))
+        if self.keep_best is not None and self.monitor is not None:
+            rules.append(KeepBest(self.keep_best, self.monitor, self.mode,
+                                  self.keep_without_metric))
+        return rules[0] if len(rules) == 1 else AnyOf(*rules)
+
     def kept(self, committed: list[int], metrics: Mapping[int, float | None],
              also: Iterable[int] = ()) -> set[int]:
-        """The steps of ``committed`` (ascending) to keep. ``metrics``: each step's value of
-        the monitored metric (None: saved without it); ``also``: steps kept regardless."""
-        keep = set(committed if self.keep_last is None else committed[-self.keep_last:])
-        if self.keep_every is not None:
-            keep.update(s for s in committed if s % self.keep_every == 0)
-        keep.update(committed[-1:])
-        keep.update(also)
-        if self.keep_best is not None:
-            scored = [s for s in committed if metrics.get(s) is not None]
-            keep.update(sorted(scored, key=lambda s: self._rank(metrics[s], s))[:self.keep_best])
-            if self.keep_without_metric:
-                keep.update(s for s in committed if metrics.get(s) is None)
-        return keep
-
-    def _rank(self, value: float | None, step: int) -> tuple[bool, float, int]:
-        """Sort key, best first: NaN last, then by value in ``mode``'s order, then newer first."""
-        assert value is not None  # internal: only steps with the metric are ranked
-        if math.isnan(value):
-            return True, 0.0, -step
-        return False, value if self.mode == "min" else -value, -step
+        """The steps of ``committed`` (ascending) to keep: policy()'s, the newest and
+        ``also``. ``metrics``: each step's value of the monitored metric (None: without)."""
+        name = self.monitor or ""
+        values = {s: v for s, v in metrics.items() if v is not None}
+        infos = [StepInfo(s, metrics={name: values[s]} if s in values else None)
+                 for s in committed]
+        return kept_by(self.policy(), infos, time.time()) | set(committed[-1:]) | set(also)
 
 
-class StepMetrics:
-    """Each step's value of one metric, read (``read(step)``: stepmeta.read_metadata of the
-    step) once and kept; forget() a step saved again."""
+class StepMeta:
+    """Each step's metadata (``read(step)``: stepmeta.read_metadata of the step), read once
+    and kept; forget() a step saved again. A step whose metadata cannot be read now is
+    warned of and listed in ``unreadable`` (retention keeps it; it is asked again later)."""
 
     def __init__(self, read: Callable[[int], dict[str, Any]], where: str) -> None:
         self._read = read
         self._where = where
-        self._known: dict[int, float | None] = {}
+        self._known: dict[int, dict[str, Any]] = {}
+        self.unreadable: set[int] = set()  # since the last pass began (begin())
 
-    def of(self, steps: list[int], name: str) -> tuple[dict[int, float | None], set[int]]:
-        """-> (each step's value of ``name``, None where saved without it; the steps whose
-        metadata cannot be read now, with a warning: keep them, they are asked again later)."""
-        unreadable = set()
-        for step in steps:
-            if step in self._known:
-                continue
+    def begin(self) -> None:
+        """A retention pass starts: forget which steps could not be read."""
+        self.unreadable = set()
+
+    def of(self, step: int) -> dict[str, Any] | None:
+        """``step``'s metadata, or None (with a warning) when it cannot be read now."""
+        if step not in self._known:
             try:
-                self._known[step] = self._read(step)["metrics"].get(name)
+                self._known[step] = self._read(step)
             except CkptError as exc:
-                warn(f"ckptio: retention keeps step {step} of {self._where}: its metric "
-                     f"{name!r} cannot be read ({type(exc).__name__}: {exc})", stacklevel=4)
-                unreadable.add(step)
-        return {s: self._known[s] for s in steps if s not in unreadable}, unreadable
+                if step not in self.unreadable:
+                    warn(f"ckptio: retention keeps step {step} of {self._where}: its metadata "
+                         f"(metrics, commit time) cannot be read ({type(exc).__name__}: "
+                         f"{exc})", stacklevel=5)
+                self.unreadable.add(step)
+                return None
+        return self._known[step]
 
     def forget(self, step: int) -> None:
         self._known.pop(step, None)

@@ -1,6 +1,6 @@
-"""What makes a save due besides the step interval: a time interval (SaveClock) and a
-preemption signal (Preemption). Both are this process's view; the manager agrees on them
-across ranks (rank 0's clock; a signal seen by any rank).
+"""When a manager's save is due: its save policy (ckptio/policies/) run by Saving, asked with
+a SaveMoment agreed across ranks (Triggers: rank 0's clock and last save, a preemption signal
+(Preemption) seen by any rank).
 
 Preemption: ``install()`` replaces the handlers of ``signals`` (default SIGTERM, what SLURM,
 Kubernetes and most schedulers send before killing a job) with one that only records the
@@ -9,13 +9,13 @@ puts the previous handlers back. The previous handler is not chained: it would u
 default, which ends the process before the final checkpoint. Later signals are recorded too;
 a job that must die at once is sent SIGKILL.
 
-Triggers agrees on both, once per step, in one all-gather: the time is due when rank 0's clock
-says so; preemption is reached once any rank has received a signal, and stays reached
+Triggers agrees on the moment, once per step, in one all-gather: rank 0's time and the time of
+its last save; preemption is reached once any rank has received a signal, and stays reached
 (``preempted``: then the manager's wait() and close() make its newest step durable in every
-tier, docs/MANAGER.md).
+tier, docs/MANAGER.md). A policy made only of SaveEvery(steps=N) needs no agreement.
 
-Owns: the clock, the signal handlers, the per-step agreement. Does not own: what the manager
-does about them.
+Owns: the clock, the signal handlers, the per-step agreement, running the save policy. Does
+not own: the policies (policies/), what the manager does about a save.
 """
 
 from __future__ import annotations
@@ -30,27 +30,10 @@ from typing import Any
 
 from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
+from ckptio.policies import (SaveEvery, SaveMoment, SaveOnPreemption, SavePolicy, due_by,
+                             leaves)
 
-__all__ = ["Preemption", "SaveClock", "SavePolicy", "Triggers"]
-
-
-class SaveClock:
-    """Whether ``interval_s`` seconds have passed since the last save started (or since the
-    clock was made)."""
-
-    def __init__(self, interval_s: float) -> None:
-        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not (
-                0 < interval_s < float("inf")):
-            raise CkptError(f"CheckpointManager(save_interval_s={interval_s!r}): seconds > 0")
-        self.interval_s = float(interval_s)
-        self._last = time.monotonic()
-
-    def due(self) -> bool:
-        return time.monotonic() - self._last >= self.interval_s
-
-    def saved(self) -> None:
-        """A save started now: the next one is due ``interval_s`` from now."""
-        self._last = time.monotonic()
+__all__ = ["Preemption", "Saving", "Triggers"]
 
 
 class Preemption:
@@ -101,59 +84,64 @@ class Preemption:
 class Triggers:
     """A manager's clock and preemption handler, agreed across ranks once per step."""
 
-    def __init__(self, clock: SaveClock | None, preemption: Preemption) -> None:
-        self.clock = clock
+    def __init__(self, preemption: Preemption) -> None:
         self.preemption = preemption
         self._preempted = False  # latched: once reached, reached at every later step
-        self._last: tuple[int, dict[str, bool]] | None = None  # the step last agreed on
-
-    def active(self) -> bool:
-        """Whether anything but the step interval can make a save due (else no collective)."""
-        return self.clock is not None or self.preemption.installed
+        self._last: tuple[int, dict[str, Any]] | None = None  # the step last agreed on
+        self.last_step: int | None = None  # the last save started, and when (Unix time)
+        self.last_time = time.time()
 
     @property
     def preempted(self) -> bool:
         """Whether preemption was reached at a step agreed on so far (latched)."""
         return self._preempted
 
-    def at(self, step: int, group: Group) -> dict[str, bool]:
-        """``{"time": due by rank 0's clock, "preempted": any rank signalled}`` for ``step``,
-        the same on every rank. A collective the first time per step; asked again for the same
-        step (should_save, then save, then reached_preemption), the answer is reused."""
+    def at(self, step: int, group: Group) -> dict[str, Any]:
+        """``{"now": rank 0's time, "last": when rank 0's last save started, "preempted": any
+        rank signalled}`` for ``step``, the same on every rank. A collective the first time per
+        step; asked again for the same step (should_save, then save, then
+        reached_preemption), the answer is reused."""
         if self._last is not None and self._last[0] == step:
             return self._last[1]
-        mine = {"time": self.clock is not None and self.clock.due(),
+        mine = {"now": time.time(), "last": self.last_time,
                 "signal": self.preemption.received is not None}
         if group.size > 1:
             reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
-            mine = {"time": bool(reports[0]["time"]),
-                    "signal": any(r["signal"] for r in reports)}
-        self._preempted = self._preempted or mine["signal"]
-        agreed = {"time": mine["time"], "preempted": self._preempted}
+            mine = {**reports[0], "signal": any(r["signal"] for r in reports)}
+        self._preempted = self._preempted or bool(mine["signal"])
+        agreed = {"now": float(mine["now"]), "last": float(mine["last"]),
+                  "preempted": self._preempted}
         self._last = (step, agreed)
         return agreed
 
     def saved(self, step: int) -> None:
         """A save of ``step`` started: the clock restarts (a later ask for ``step`` keeps its
         answer)."""
-        if self.clock is not None:
-            self.clock.saved()
+        self.last_step, self.last_time = step, time.time()
 
 
-class SavePolicy:
-    """When a manager's save is due: every ``every`` steps (None: by time or signal only), or
-    when its Triggers say so (rank 0's clock, a preemption signal on any rank)."""
+class Saving:
+    """Runs a manager's save policy: ``due(step)`` asks it with the agreed SaveMoment; a save is
+    due at once, with no agreement, where a SaveEvery(steps=N) in it says so, and whenever
+    preemption is reached with a handler installed."""
 
-    def __init__(self, every: int | None, triggers: Triggers) -> None:
-        self.every = every
+    def __init__(self, policy: SavePolicy, triggers: Triggers) -> None:
+        self.policy = policy
         self.triggers = triggers
+        parts = list(leaves(policy))
+        self._every = [p.steps for p in parts if isinstance(p, SaveEvery) and p.steps]
+        self._steps_only = len(self._every) == len(parts)
+        self.wants_preemption = any(isinstance(p, SaveOnPreemption) for p in parts)
 
     def due(self, step: int, group: Callable[[], Group]) -> bool:
-        """Whether a save of ``step`` is due; a collective (over ``group()``) only with a clock
-        or a preemption handler."""
-        if self.every is not None and step % self.every == 0:
+        """Whether a save of ``step`` is due; a collective (over ``group()``) unless the
+        policy is only step intervals and no preemption handler is installed."""
+        if any(step % every == 0 for every in self._every):
             return True
-        if not self.triggers.active():
+        if self._steps_only and not self.triggers.preemption.installed:
             return False
-        due = self.triggers.at(step, group())
-        return due["time"] or due["preempted"]
+        agreed = self.triggers.at(step, group())
+        if agreed["preempted"]:
+            return True
+        return due_by(self.policy, SaveMoment(step, agreed["now"], self.triggers.last_step,
+                                              agreed["last"], False))

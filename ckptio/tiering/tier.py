@@ -7,9 +7,11 @@
 Tiers are listed fastest first. The first tier takes every save (``every`` is its interval,
 the old ``save_every``); each later tier receives, by the background drain, the committed steps
 divisible by its own ``every``, which must be a multiple of the first tier's (a step reaches a
-slower tier only through a faster one). ``keep_last`` / ``keep_every`` are that tier's
-retention (managing/retention.py's rules, per tier); the manager's keep_best / monitor / mode
-apply to the first tier.
+slower tier only through a faster one). ``keep`` is that tier's retention policy
+(ckptio/policies/: KeepLatest(2), AnyOf(...), or a class of your own), or spelled
+``keep_last`` / ``keep_every`` (sugar for KeepLatest / KeepEvery; default keep_last=2); the
+manager's keep_best / monitor / mode apply to the first tier. ``save``: the first tier's save
+policy (SaveEvery, ..., or your own), instead of ``every``.
 
 The first tier, when it is ``shm://``, may be protected across hosts by
 ``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (tiering/redundancy.py).
@@ -36,6 +38,7 @@ from ckptio.errors import CkptError
 from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.planning.sharding import local_tensor
+from ckptio.policies import RetentionPolicy, SavePolicy, check_keep, check_save
 from ckptio.storage.mapped import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.topology import host_id
@@ -47,16 +50,25 @@ __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory",
 MEMORY_SCHEMES = ("shm", "mem")
 
 
+class _Default(int):
+    """keep_last's default (2), told apart from a keep_last=2 given beside keep=."""
+
+
+_KEEP_LAST = _Default(2)
+
+
 @dataclass(frozen=True)
 class Tier:
     """Where a tiered CheckpointManager keeps steps, how often, and how many (module doc)."""
 
     location: str
     every: int = 1
-    keep_last: int | None = 2
+    keep_last: int | None = _KEEP_LAST
     keep_every: int | None = None
     max_bytes: int | None = None
     redundancy: Partners | Parity | None = None  # tiering/redundancy.py; the first tier only
+    keep: RetentionPolicy | None = None  # ckptio/policies/; None: keep_last / keep_every
+    save: SavePolicy | None = None  # the first tier's; None: every (and the manager's options)
 
     def __post_init__(self) -> None:
         if not isinstance(self.location, (str, os.PathLike)):
@@ -68,6 +80,24 @@ class Tier:
             if getattr(self, name) is not None:
                 _positive(self, name, getattr(self, name))
         check_redundancy(self.location, self.redundancy, scheme_of(self.location) == "shm")
+        self._policies()
+
+    def _policies(self) -> None:
+        """keep= replaces keep_last / keep_every (then both None); save= replaces every."""
+        if self.keep is not None:
+            check_keep(self.keep, f"Tier({self.location!r}, keep")
+            given = [n for n in ("keep_last", "keep_every") if getattr(self, n) is not None
+                     and not isinstance(getattr(self, n), _Default)]
+            if given:
+                raise CkptError(f"Tier({self.location!r}, keep=..., {given[0]}=...): give one "
+                                f"of them (keep_last=n is ckptio.KeepLatest(n), keep_every=N "
+                                "ckptio.KeepEvery(steps=N); join rules with ckptio.AnyOf)")
+            object.__setattr__(self, "keep_last", None)
+        if self.save is not None:
+            check_save(self.save, f"Tier({self.location!r}, save")
+            if self.every != 1:
+                raise CkptError(f"Tier({self.location!r}, save=..., every={self.every}): give one "
+                                "of them (every=N is ckptio.SaveEvery(steps=N))")
 
 
 def is_memory(tier: Tier) -> bool:
@@ -93,6 +123,9 @@ def check_tiers(tiers: object) -> list[Tier]:
                             "are the same place; give each tier its own location")
         seen[where] = tier.location
     for tier in out[1:]:
+        if tier.save is not None:
+            raise CkptError(f"Tier({tier.location!r}, save=...): only the first tier takes "
+                            "saves; a slower tier receives the steps divisible by its every=")
         if tier.redundancy is not None:
             raise CkptError(f"Tier({tier.location!r}, redundancy=...): only the first tier (host "
                             "memory) takes redundancy; the slower tiers are its fallback")
