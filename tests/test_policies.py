@@ -367,3 +367,24 @@ def test_each_manager_counts_its_own_deltas(tmp_path: Path) -> None:
     steps = [StepInfo(1, nbytes=100), StepInfo(2, nbytes=10, bases=(1,))]
     assert DeltaPolicy(full_every=3).base(3, steps) == 1  # a policy asked with built StepInfo
     assert DeltaPolicy(full_every=3, max_ratio=0.05).base(3, steps) is None  # 10 > 5 % of 100
+
+
+def test_a_wall_clock_jump_neither_fires_nor_holds_back_a_save_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_interval_s counts on the monotonic clock: the wall clock jumping a day forward
+    (an NTP step, a VM resumed) does not make a SaveEvery(seconds=60) due; the moment's
+    ``now`` is still the wall clock (what StepInfo.committed_at is compared with)."""
+    import time as real_time
+
+    from ckptio.distributed.dist import Solo
+    from ckptio.managing.triggers import Preemption, Triggers
+
+    triggers = Triggers(Preemption())
+    triggers.saved(0)
+    wall = real_time.time()
+    monkeypatch.setattr("ckptio.managing.triggers.time.time", lambda: wall + 86400.0)
+    moment = triggers.at(1, Solo())
+    assert moment["now"] == wall + 86400.0
+    assert moment["now"] - moment["last"] < 60.0
+    assert not ckptio.SaveEvery(seconds=60).due(ckptio.SaveMoment(
+        step=1, now=moment["now"], last_step=0, last_time=moment["last"], preempted=False))

@@ -88,8 +88,8 @@ class Triggers:
         self.preemption = preemption
         self._preempted = False  # latched: once reached, reached at every later step
         self._last: tuple[int, dict[str, Any]] | None = None  # the step last agreed on
-        self.last_step: int | None = None  # the last save started, and when (Unix time)
-        self.last_time = time.time()
+        self.last_step: int | None = None  # the last save started
+        self._last_started = time.monotonic()  # when: a clock that a wall-clock jump leaves alone
 
     @property
     def preempted(self) -> bool:
@@ -103,7 +103,9 @@ class Triggers:
         reached_preemption), the answer is reused."""
         if self._last is not None and self._last[0] == step:
             return self._last[1]
-        mine = {"now": time.time(), "last": self.last_time,
+        now = time.time()  # Unix time, as StepInfo.committed_at; "last" is as long ago as the
+        # monotonic clock says, so a save interval is not stretched or cut by a clock jump
+        mine = {"now": now, "last": now - (time.monotonic() - self._last_started),
                 "signal": self.preemption.received is not None}
         if group.size > 1:
             reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
@@ -117,7 +119,7 @@ class Triggers:
     def saved(self, step: int) -> None:
         """A save of ``step`` started: the clock restarts (a later ask for ``step`` keeps its
         answer)."""
-        self.last_step, self.last_time = step, time.time()
+        self.last_step, self._last_started = step, time.monotonic()
 
 
 class Saving:
