@@ -35,7 +35,7 @@ NOT_RUN: list[tuple[str, str]] = [
 ]
 # README: venv, 2 pip installs, the demo, the whole suite; BENCH_S3_CLIENTS: venv, pip; 37
 # benchmarks (BENCH_LOOP section 12's gc_pressure and first_save the latest)
-NOT_RUN_COUNT = 45
+NOT_RUN_COUNT = 44
 
 
 def _not_run(command: str) -> str | None:
