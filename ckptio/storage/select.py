@@ -3,10 +3,8 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
-process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` / ``az://`` (an S3 /
-Google Cloud Storage / Azure Blob prefix: storage/s3/, storage/gcs/, storage/azure/; the
-``[s3]`` / ``[gcs]`` / ``[azure]`` extras), or one a user registers, as fsspec lets one plug
-a storage in:
+process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` / ``az://`` (storage/s3/,
+gcs/, azure/; the extras of those names), or one a user registers, as in fsspec:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
