@@ -4,7 +4,7 @@ settings and the StepRoot a CheckpointManager keeps steps in.
 A location is a local (or mounted) directory path, or a URL of a registered scheme: ``file://``
 (a local path), ``shm://NAME`` (a local directory under the shared-memory root, outliving the
 process), ``mem://`` (this process's memory), ``s3://`` / ``gs://`` / ``az://`` (storage/s3/,
-gcs/, azure/; the extras of those names), or one a user registers, as in fsspec:
+gcs/, azure/; extras s3, gcs, azure), or one a user registers, as in fsspec:
 
     ckptio.register_store("myfs", lambda location, options: MyStore(location,
                           ckptio.settings_for(location, options)), settings=MySettings,
