@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
+from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, completed
 from ckptio.storage.azure.az_client import (
     AzPath,
@@ -78,8 +79,7 @@ class AzureBackend:
 
     def __init__(self, settings: AzureSettings, buffer_nbytes: int) -> None:
         self.settings, self.buffer_nbytes = settings, buffer_nbytes
-        self._open: dict[int, _Blob | _Reading] = {}
-        self._next = 0
+        self._open: OpenHandles[_Blob | _Reading] = OpenHandles("Azure")
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -98,19 +98,6 @@ class AzureBackend:
                 self._pool = ThreadPoolExecutor(self.settings.concurrency, "ckptio-azure")
             return self._pool.submit(work, *args)
 
-    def _handle(self, path: str, opened: _Blob | _Reading) -> FileHandle:
-        with self._lock:
-            self._next += 1
-            self._open[self._next] = opened
-            return FileHandle(path, self._next, direct=False)
-
-    def _opened(self, fh: FileHandle) -> _Blob | _Reading:
-        with self._lock:
-            opened = self._open.get(fh.token)
-        if opened is None:
-            raise StorageIOError(f"{fh.path} is not open in this Azure backend (closed already?)")
-        return opened
-
     # -- writes ---------------------------------------------------------------------------
 
     def open_write(self, path: str, nbytes: int) -> FileHandle:
@@ -122,11 +109,11 @@ class AzureBackend:
         if head(self.settings, where) is not None:
             raise StorageIOError(f"cannot create {path}: it exists (a data file is never "
                                  "overwritten); save into a new location")
-        return self._handle(path, _Blob(where, nbytes))
+        return self._open.add(path, _Blob(where, nbytes))
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         try:
-            blob = self._opened(fh)
+            blob = self._open.get(fh)
             if not isinstance(blob, _Blob):
                 raise StorageIOError(f"writing {fh.path} failed: it is open for reading")
             if offset < 0 or offset + len(data) > blob.nbytes:
@@ -154,8 +141,7 @@ class AzureBackend:
         return len(data)
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
-        with self._lock:
-            opened = self._open.pop(fh.token, None)
+        opened = self._open.pop(fh)
         if not isinstance(opened, _Blob):
             return
         with opened.lock:
@@ -204,11 +190,11 @@ class AzureBackend:
         stored = head(self.settings, where)
         if stored is None:
             raise StorageIOError(f"cannot open {path} for reading: no such blob")
-        return self._handle(path, _Reading(where, *stored))
+        return self._open.add(path, _Reading(where, *stored))
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         try:
-            opened = self._opened(fh)
+            opened = self._open.get(fh)
             if not isinstance(opened, _Reading):
                 raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
         except StorageIOError as exc:

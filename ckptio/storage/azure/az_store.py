@@ -21,10 +21,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
+from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage import missing_manifest
+from ckptio.storage.object_common import lost_commit, no_checkpoint
 from ckptio.storage.azure import az_lock
 from ckptio.storage.azure.az_backend import AzureBackend, head
 from ckptio.storage.azure.az_client import (
@@ -163,28 +163,17 @@ class AzureStore:
                                      "there, if any, is untouched") from exc
             if self._manifest_or_none() == body:
                 return  # a retried Put Blob whose first attempt landed: ours
-            raise CheckpointLockedError(
-                f"another save committed {self.location} while this one was writing, so its "
-                "claim was not honoured there (a writer that does not take ckptio's lock, or "
-                "this save outlived its lease); this save was not committed and the checkpoint "
-                "there is kept: make the saves take the claim, or give each its own "
-                "location") from None
+            raise lost_commit(self.location) from None
 
     def read_manifest(self) -> bytes:
         manifest = self._manifest_or_none()
         if manifest is not None:
             return manifest
         entries = self._entries()
-        if not entries:
-            if self.where.name and self._head(self.where.name) is not None:
-                raise CheckpointNotFoundError(
-                    f"{self.location} is a blob (a file), not a ckptio checkpoint prefix"
-                    f"{missing_manifest.file_hint(self.where.name.rsplit('/', 1)[-1])}")
-            raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
-                                          f"under that prefix at {self.settings.endpoint()}")
-        raise missing_manifest.no_manifest(
-            self.location, entries,
-            lambda name: self._head(self.where.child(f"{name}/{MANIFEST_NAME}").name) is not None)
+        raise no_checkpoint(self.location, entries, self.where.name,
+                            lambda name: self._head(name) is not None,
+                            lambda rel: self.where.child(rel).name, self.settings.endpoint(),
+                            "blob")
 
     def _download(self, name: str, offset: int = 0, nbytes: int | None = None,
                   none_on: tuple[int, ...] = ()) -> bytes | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
+from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, completed, started_pool
 from ckptio.storage.gcs.gcs_client import GcsPath, client, errors, failed, mapped, missing, status
 from ckptio.storage.gcs.gcs_settings import GcsSettings
@@ -64,8 +65,7 @@ class GcsBackend:
 
     def __init__(self, settings: GcsSettings) -> None:
         self.settings = settings
-        self._open: dict[int, _Upload | _Object] = {}
-        self._next = 0
+        self._open: OpenHandles[_Upload | _Object] = OpenHandles("GCS")
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         client(settings)  # now, not at the first request: Checkpointer.prepare(url) pays for it
@@ -81,19 +81,6 @@ class GcsBackend:
             if self._pool is None:
                 self._pool = started_pool(self.settings.concurrency, "ckptio-gcs")
             return self._pool.submit(work, *args)
-
-    def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
-        with self._lock:
-            self._next += 1
-            self._open[self._next] = opened
-            return FileHandle(url, self._next, direct=False)
-
-    def _opened(self, fh: FileHandle) -> _Upload | _Object:
-        with self._lock:
-            opened = self._open.get(fh.token)
-        if opened is None:
-            raise StorageIOError(f"{fh.path} is not open in this GCS backend (closed already?)")
-        return opened
 
     def _blob(self, where: GcsPath, generation: int | None = None) -> Any:
         return client(self.settings).bucket(where.bucket).blob(where.key, generation=generation)
@@ -114,11 +101,11 @@ class GcsBackend:
             retry=Retry(predicate=_transient, timeout=s.retry_deadline_s),
             timeout=(s.connect_timeout_s, min(s.read_timeout_s, s.retry_deadline_s)),
             content_type="application/octet-stream", **condition)
-        return self._handle(path, _Upload(where, nbytes, writer))
+        return self._open.add(path, _Upload(where, nbytes, writer))
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         try:
-            upload = self._opened(fh)
+            upload = self._open.get(fh)
             if not isinstance(upload, _Upload):
                 raise StorageIOError(f"writing {fh.path} failed: it is open for reading")
             if offset < 0 or offset + len(data) > upload.nbytes:
@@ -151,8 +138,7 @@ class GcsBackend:
         upload.done += len(data)
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
-        with self._lock:
-            opened = self._open.pop(fh.token, None)
+        opened = self._open.pop(fh)
         if not isinstance(opened, _Upload):
             return
         with opened.lock:
@@ -189,11 +175,11 @@ class GcsBackend:
         stored = self._lookup(where)
         if stored is None:
             raise StorageIOError(f"cannot open {path} for reading: no such object")
-        return self._handle(path, _Object(where, *stored))
+        return self._open.add(path, _Object(where, *stored))
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         try:
-            opened = self._opened(fh)
+            opened = self._open.get(fh)
             if not isinstance(opened, _Object):
                 raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
         except StorageIOError as exc:

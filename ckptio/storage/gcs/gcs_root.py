@@ -19,13 +19,12 @@ its commit (gcs_store.py), the client and retries (gcs_client.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 
-from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.gcs.gcs_store import GcsStore
+from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
 from ckptio.storage.steproot import (
     Listing,
     Nothing,
@@ -33,14 +32,11 @@ from ckptio.storage.steproot import (
     nothing_message,
     step_name,
     step_of,
-    warn,
 )
 
 __all__ = ["MARKER", "GcsRoot"]
 
 log = logging.getLogger("ckptio")
-MARKER = ".deleting"
-_MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
 
 
@@ -51,7 +47,10 @@ class GcsRoot:
         self.store = GcsStore(location, settings)
         self.location = self.store.location
         self.settings = settings
-        self._marked: set[int] = set()  # marked steps seen, not yet handed to a removal
+        self._marked = MarkedSteps(  # marked steps seen, not yet handed to a removal
+            self.path, self._finish, lambda step: MARKER in self._step(step).sizes([MARKER]),
+            lambda: f"the bucket at {self.settings.endpoint()} (storage.objects.delete, "
+                    "storage.objects.list)")
 
     def __repr__(self) -> str:
         return f"GcsRoot({self.location!r})"
@@ -74,7 +73,7 @@ class GcsRoot:
     def scan(self) -> Listing:
         steps = sorted({s for s in map(step_of, self.store.entries()) if s is not None})
         states = {s: self._state(s) for s in steps}
-        self._marked.update(s for s, state in states.items() if state == "marked")
+        self._marked.add(s for s, state in states.items() if state == "marked")
         return {kind: [s for s in steps if states[s] == kind]
                 for kind in ("committed", "incomplete")}
 
@@ -83,63 +82,21 @@ class GcsRoot:
 
     def marked(self) -> list[int]:
         """The steps scan() found marked for removal and not yet handed to a removal."""
-        return sorted(self._marked)
+        return self._marked.sorted()
 
     # -- removal ----------------------------------------------------------------------------
 
     def hide(self, step: int) -> bool:
-        """Mark the step, then delete its manifest; False (and a warning) if it holds no
-        committed manifest or the marker could not be written: the step is then kept whole."""
-        url, store = self.path(step), self._step(step)
-        try:
-            if not self.is_committed(step):
-                warn(f"ckptio: retention could not remove {url}: it holds no committed "
-                     "checkpoint (removed already?)")
-                return False
-            store.write_file(MARKER, _MARKER_BODY)
-        except CkptError as exc:
-            warn(f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
-                 "again after the next save")
-            return False
-        self._marked.add(step)
-        problems = store.remove([MANIFEST_NAME])
-        if problems:  # hidden all the same: the removal deletes the manifest first
-            log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
-                        "of the listing and its removal tries again", url, "; ".join(problems))
-        return True
+        """object_common.MarkedSteps.hide: the marker written through the step's store."""
+        held = self._step(step)
+        return self._marked.hide(step, lambda: self.is_committed(step),
+                                 lambda: held.write_file(MARKER, MARKER_BODY),
+                                 lambda: held.remove([MANIFEST_NAME]))
 
     def removal(self, step: int | None = None) -> Removal | None:
-        """``step=None``: finishing every marked step the last scan() or hide() saw (failures
-        logged). ``step=N``: finishing N's removal if one is pending, raising if it cannot."""
-        if step is None:
-            todo, self._marked = sorted(self._marked), set()
-            return functools.partial(self._finish_quietly, todo) if todo else None
-        self._marked.discard(step)
-        if not self._step(step).sizes([MARKER]):
-            return None
-        return functools.partial(self._finish_now, step)
-
-    def _finish_quietly(self, steps: list[int]) -> None:
-        for step in steps:
-            try:
-                problems = self._finish(step)
-            except CkptError as exc:
-                problems = [str(exc)]
-            if problems:
-                log.warning("ckptio: could not finish removing %s (an old step, already out of "
-                            "the listing): %s; the next retention tries again", self.path(step),
-                            "; ".join(problems[:5]))
-
-    def _finish_now(self, step: int) -> None:
-        problems = self._finish(step)
-        if problems:
-            url = self.path(step)
-            raise StorageIOError(
-                f"cannot save into {url}: the removal of the old step there (marked by "
-                f"{url}/{MARKER}, out of the listing) could not be finished: "
-                f"{'; '.join(problems[:5])}. Nothing was saved; check the access to the bucket "
-                f"at {self.settings.endpoint()} (storage.objects.delete, storage.objects.list) "
-                "and save again")
+        """object_common.MarkedSteps.removal: every marked step in the background, or step N's
+        before a save into it."""
+        return self._marked.removal(step)
 
     def _finish(self, step: int) -> list[str]:
         """Delete the manifest, then every object under the marked step, then the marker."""

@@ -26,10 +26,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError, CheckpointNotFoundError, CkptError, StorageIOError
+from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage import missing_manifest
+from ckptio.storage.object_common import lost_commit, no_checkpoint
 from ckptio.storage.files import Capabilities
 from ckptio.storage.gcs import gcs_lock as gcslock
 from ckptio.storage.gcs.gcs_backend import GcsBackend
@@ -193,28 +193,17 @@ class GcsStore:
                                      "checkpoint there, if any, is untouched") from exc
             if self._manifest_or_none() == body:
                 return  # a retried upload whose first attempt landed: ours
-            raise CheckpointLockedError(
-                f"another save committed {self.location} while this one was writing, so its "
-                "claim was not honoured there (a writer that does not take ckptio's lock, or "
-                "this save outlived its lock's lease); this save was not committed and the "
-                "checkpoint there is kept: make the saves take the claim, or give each its own "
-                "location") from None
+            raise lost_commit(self.location) from None
 
     def read_manifest(self) -> bytes:
         manifest = self._manifest_or_none()
         if manifest is not None:
             return manifest
         entries = self.entries()
-        if not entries:
-            if self.where.key and self._size(self.where.key) is not None:
-                raise CheckpointNotFoundError(
-                    f"{self.location} is an object (a file), not a ckptio checkpoint prefix"
-                    f"{missing_manifest.file_hint(self.where.key.rsplit('/', 1)[-1])}")
-            raise CheckpointNotFoundError(f"no checkpoint at {self.location}: nothing is stored "
-                                          f"under that prefix at {self.settings.endpoint()}")
-        raise missing_manifest.no_manifest(
-            self.location, entries,
-            lambda name: self._size(self.where.child(f"{name}/{MANIFEST_NAME}").key) is not None)
+        raise no_checkpoint(self.location, entries, self.where.key,
+                            lambda name: self._size(name) is not None,
+                            lambda rel: self.where.child(rel).key, self.settings.endpoint(),
+                            "object")
 
     def _manifest_or_none(self) -> bytes | None:
         blob = self._blob(MANIFEST_NAME)

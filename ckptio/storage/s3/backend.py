@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
+from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, all_of, completed, started_pool
 from ckptio.options import MiB
 from ckptio.storage.s3 import timeouts
@@ -93,8 +94,7 @@ class S3Backend:
 
     def __init__(self, settings: S3Settings, buffer_nbytes: int) -> None:
         self.settings, self.buffer_nbytes = settings, buffer_nbytes
-        self._open: dict[int, _Upload | _Object] = {}
-        self._next = 0
+        self._open: OpenHandles[_Upload | _Object] = OpenHandles("S3")
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
@@ -128,19 +128,6 @@ class S3Backend:
                 self._readers = started_pool(self.settings.readers, "ckptio-s3-get")
             return self._readers.submit(work, *args)
 
-    def _handle(self, url: str, opened: _Upload | _Object) -> FileHandle:
-        with self._lock:
-            self._next += 1
-            self._open[self._next] = opened
-            return FileHandle(url, self._next, direct=False)
-
-    def _opened(self, fh: FileHandle) -> _Upload | _Object:
-        with self._lock:
-            opened = self._open.get(fh.token)
-        if opened is None:
-            raise StorageIOError(f"{fh.path} is not open in this S3 backend (closed already?)")
-        return opened
-
     # ------------------------------------------------------------------------------- writes
 
     def open_write(self, path: str, nbytes: int) -> FileHandle:
@@ -154,11 +141,11 @@ class S3Backend:
             created = self._call(f"starting the upload of {path}", lambda: self._client
                                  .create_multipart_upload(Bucket=where.bucket, Key=where.key))
             upload_id = created["UploadId"]
-        return self._handle(path, _Upload(where, nbytes, part, upload_id))
+        return self._open.add(path, _Upload(where, nbytes, part, upload_id))
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         try:
-            upload = self._opened(fh)
+            upload = self._open.get(fh)
             if not isinstance(upload, _Upload):
                 raise StorageIOError(f"writing {fh.path} failed: it is open for reading")
             if offset < 0 or offset + len(data) > upload.nbytes:
@@ -217,8 +204,7 @@ class S3Backend:
             done += n
 
     def close(self, fh: FileHandle, *, sync: bool) -> None:
-        with self._lock:
-            opened = self._open.pop(fh.token, None)
+        opened = self._open.pop(fh)
         if not isinstance(opened, _Upload):
             return
         if not sync:
@@ -285,11 +271,11 @@ class S3Backend:
         stored = s3objects.take(self.settings.endpoint(), where.url) or self._head(where)
         if stored is None:
             raise StorageIOError(f"cannot open {path} for reading: no such object")
-        return self._handle(path, _Object(where, *stored))
+        return self._open.add(path, _Object(where, *stored))
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
         try:
-            opened = self._opened(fh)
+            opened = self._open.get(fh)
             if not isinstance(opened, _Object):
                 raise StorageIOError(f"reading {fh.path} failed: it is open for writing")
         except StorageIOError as exc:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
 from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steproot import (
@@ -40,15 +41,12 @@ from ckptio.storage.steproot import (
     nothing_message,
     step_name,
     step_of,
-    warn,
 )
 
 __all__ = ["MARKER", "S3Root"]
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
-MARKER = ".deleting"
-_MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
 _BATCH = 1000  # DeleteObjects' limit
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
 
@@ -61,7 +59,10 @@ class S3Root:
         self.where = S3Path.parse(location)
         self.location = self.where.url
         self.settings = settings
-        self._marked: set[int] = set()  # marked steps seen, not yet handed to a removal
+        self._marked = MarkedSteps(  # marked steps seen, not yet handed to a removal
+            self.path, self._finish, lambda step: self._exists(self._base(step) + MARKER),
+            lambda: f"the bucket at {self.settings.endpoint()} (DeleteObject, ListBucket, "
+                    "AbortMultipartUpload)")
 
     def __repr__(self) -> str:
         return f"S3Root({self.location!r})"
@@ -76,7 +77,7 @@ class S3Root:
         remembered for the next removal())."""
         steps = sorted({s for s in map(step_of, self._entries()[1]) if s is not None})
         states = dict(zip(steps, self._each(self._state, steps)))
-        self._marked.update(s for s, state in states.items() if state == "marked")
+        self._marked.add(s for s, state in states.items() if state == "marked")
         return {kind: [s for s in steps if states[s] == kind]
                 for kind in ("committed", "incomplete")}
 
@@ -95,75 +96,23 @@ class S3Root:
     def marked(self) -> list[int]:
         """The steps scan() found marked for removal and not yet handed to a removal: being
         deleted (``ckptio ls`` shows them as such), ascending."""
-        return sorted(self._marked)
+        return self._marked.sorted()
 
     # -- removal ----------------------------------------------------------------------------
 
     def hide(self, step: int) -> bool:
-        """Mark the step (hidden from listings), then delete its manifest; False (and a
-        warning) if it holds no committed manifest (nothing is marked) or the marker could not
-        be written: the step is then kept whole."""
-        base, url = self._base(step), self.path(step)
-        refusal = self._mark(step)
-        if refusal is not None:
-            _warn(refusal)
-            return False
-        self._marked.add(step)
-        problems = self._delete([base + MANIFEST_NAME], url)
-        if problems:  # hidden all the same: the removal deletes the manifest first
-            log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
-                        "of the listing and its removal tries again", url, "; ".join(problems))
-        return True
-
-    def _mark(self, step: int) -> str | None:
-        """PUT the marker of a committed ``step`` -> None, or why it was not marked."""
+        """object_common.MarkedSteps.hide: the marker PUT beside the step's manifest."""
         base, url, c, bucket = self._base(step), self.path(step), self._client, self.where.bucket
-        try:
-            if not self._exists(base + MANIFEST_NAME):
-                return (f"ckptio: retention could not remove {url}: it holds no committed "
-                        "checkpoint (removed already?)")
-            self._call(f"marking {url} for removal", lambda: c.put_object(
-                Bucket=bucket, Key=base + MARKER, Body=_MARKER_BODY))
-        except CkptError as exc:
-            return (f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
-                    "again after the next save")
-        return None
+        return self._marked.hide(
+            step, lambda: self._exists(base + MANIFEST_NAME),
+            lambda: self._call(f"marking {url} for removal", lambda: c.put_object(
+                Bucket=bucket, Key=base + MARKER, Body=MARKER_BODY)),
+            lambda: self._delete([base + MANIFEST_NAME], url))
 
     def removal(self, step: int | None = None) -> Removal | None:
-        """``step=None``: finishing every marked step the last scan() or hide() saw (failures
-        logged; the next retention tries again). ``step=N``: finishing N's removal if one is
-        pending (a marker there), raising if it cannot; None if there is nothing to do."""
-        if step is None:
-            todo, self._marked = sorted(self._marked), set()
-            return functools.partial(self._finish_quietly, todo) if todo else None
-        self._marked.discard(step)
-        if not self._exists(self._base(step) + MARKER):
-            return None
-        return functools.partial(self._finish_now, step)
-
-    def _finish_quietly(self, steps: list[int]) -> None:
-        """The removal thread."""
-        for step in steps:
-            try:
-                problems = self._finish(step)
-            except CkptError as exc:
-                problems = [str(exc)]
-            if problems:
-                log.warning("ckptio: could not finish removing %s (an old step, already out of "
-                            "the listing): %s; the next retention tries again", self.path(step),
-                            "; ".join(problems[:5]))
-
-    def _finish_now(self, step: int) -> None:
-        """Before a save into ``step``: its pending removal, finished or raised."""
-        problems = self._finish(step)
-        if problems:
-            url = self.path(step)
-            raise StorageIOError(
-                f"cannot save into {url}: the removal of the old step there (marked by "
-                f"{url}/{MARKER}, out of the listing) could not be finished: "
-                f"{'; '.join(problems[:5])}. Nothing was saved; check the access to the bucket "
-                f"at {self.settings.endpoint()} (DeleteObject, ListBucket, "
-                "AbortMultipartUpload) and save again")
+        """object_common.MarkedSteps.removal: every marked step in the background, or step N's
+        before a save into it."""
+        return self._marked.removal(step)
 
     def _finish(self, step: int) -> list[str]:
         """Delete the manifest, then every object and open upload under the marked ``step``,
@@ -311,7 +260,3 @@ class S3Root:
         workers = min(len(items), self.settings.concurrency)
         with ThreadPoolExecutor(workers, thread_name_prefix="ckptio-steps") as pool:
             return list(pool.map(probe, items))
-
-
-def _warn(message: str) -> None:
-    warn(message, stacklevel=3)  # once, through warnings (steproot.warn)

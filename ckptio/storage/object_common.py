@@ -1,0 +1,169 @@
+"""What the object-store schemes (s3://, gs://, az://) share: their backends' table of open
+handles, the errors of a commit another writer won and of a prefix without a manifest, and
+their step roots' pending removals of hidden steps.
+
+Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
+whose rules are the same whatever the service, kept once so that a fix reaches all three.
+
+Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
+close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
+read_manifest with no manifest -> ``no_checkpoint``. A root's scan() -> ``MarkedSteps.add``,
+its hide() -> ``MarkedSteps.hide``, its removal() -> ``MarkedSteps.removal``.
+
+Owns: the handle numbering, those messages, the removal's two modes (quiet in the background,
+raising before a save into the step). Does not own: any request to a service (the schemes'
+folders), the marker's name or the order of deletions (each root's ``finish``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+from ckptio.errors import (
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    CkptError,
+    StorageIOError,
+)
+from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io.backend_contract import FileHandle
+from ckptio.storage import missing_manifest
+from ckptio.storage.steproot import Removal, warn
+
+__all__ = ["MARKER", "MARKER_BODY", "MarkedSteps", "OpenHandles", "lost_commit", "no_checkpoint"]
+
+log = logging.getLogger("ckptio")
+T = TypeVar("T")
+MARKER = ".deleting"  # a step being removed: out of the listing, its removal pending
+MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
+
+
+class OpenHandles(Generic[T]):
+    """A backend's open files: a FileHandle per opened object, numbered from 1."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._open: dict[int, T] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def add(self, path: str, opened: T) -> FileHandle:
+        with self._lock:
+            self._next += 1
+            self._open[self._next] = opened
+            return FileHandle(path, self._next, direct=False)
+
+    def get(self, fh: FileHandle) -> T:
+        with self._lock:
+            opened = self._open.get(fh.token)
+        if opened is None:
+            raise StorageIOError(f"{fh.path} is not open in this {self.backend} backend (closed "
+                                 "already?)")
+        return opened
+
+    def pop(self, fh: FileHandle) -> T | None:
+        with self._lock:
+            return self._open.pop(fh.token, None)
+
+
+def lost_commit(location: str) -> CheckpointLockedError:
+    """A conditional commit refused because another save committed ``location`` meanwhile."""
+    return CheckpointLockedError(
+        f"another save committed {location} while this one was writing, so its claim was not "
+        "honoured there (a writer that does not take ckptio's lock, or this save outlived its "
+        "lock's lease); this save was not committed and the checkpoint there is kept: make the "
+        "saves take the claim, or give each its own location")
+
+
+def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable[[str], bool],
+                  child: Callable[[str], str], endpoint: str, noun: str) -> CkptError:
+    """Why ``location`` (object name ``name`` under its bucket or container) holds no manifest:
+    an ``noun`` (object, blob) rather than a prefix, nothing under it, or ``entries`` (the
+    names directly under it) that look like a run's steps or something else. ``exists(name)``
+    asks the service; ``child(rel)`` is the object name of ``rel`` under the prefix."""
+    if not entries:
+        if name and exists(name):
+            return CheckpointNotFoundError(
+                f"{location} is an {noun} (a file), not a ckptio checkpoint prefix"
+                f"{missing_manifest.file_hint(name.rsplit('/', 1)[-1])}")
+        return CheckpointNotFoundError(f"no checkpoint at {location}: nothing is stored under "
+                                       f"that prefix at {endpoint}")
+    return missing_manifest.no_manifest(location, entries,
+                                        lambda step: exists(child(f"{step}/{MANIFEST_NAME}")))
+
+
+class MarkedSteps:
+    """A root's steps hidden by a marker and not yet removed (seen by scan() or hide()), and the
+    removal of each: ``finish(step)`` deletes what is left of it and returns the problems."""
+
+    def __init__(self, path: Callable[[int], str], finish: Callable[[int], list[str]],
+                 has_marker: Callable[[int], bool], access: Callable[[], str]) -> None:
+        self._path, self._finish, self._has_marker = path, finish, has_marker
+        self._access = access  # what a failed removal asks the user to check
+        self._steps: set[int] = set()
+
+    def add(self, steps: Iterable[int]) -> None:
+        self._steps.update(steps)
+
+    def sorted(self) -> list[int]:
+        return sorted(self._steps)
+
+    def hide(self, step: int, committed: Callable[[], bool], mark: Callable[[], None],
+             drop_manifest: Callable[[], list[str]]) -> bool:
+        """Mark ``step`` (``mark``: write its MARKER; hidden from listings from then on), then
+        delete its manifest; False (and a warning) if it holds no committed manifest or the
+        marker could not be written: the step is then kept whole."""
+        url = self._path(step)
+        try:
+            if not committed():
+                warn(f"ckptio: retention could not remove {url}: it holds no committed "
+                     "checkpoint (removed already?)", stacklevel=3)
+                return False
+            mark()
+        except CkptError as exc:
+            warn(f"ckptio: retention could not remove {url} ({exc}); it is kept and tried "
+                 "again after the next save", stacklevel=3)
+            return False
+        self._steps.add(step)
+        problems = drop_manifest()
+        if problems:  # hidden all the same: the removal deletes the manifest first
+            log.warning("ckptio: could not delete the manifest of %s yet (%s); the step is out "
+                        "of the listing and its removal tries again", url, "; ".join(problems))
+        return True
+
+    def removal(self, step: int | None = None) -> Removal | None:
+        """``step=None``: finishing every marked step seen so far (failures logged; the next
+        retention tries again). ``step=N``: finishing N's removal if one is pending (its
+        marker is there), raising if it cannot; None if there is nothing to do."""
+        if step is None:
+            todo, self._steps = sorted(self._steps), set()
+            return functools.partial(self._finish_quietly, todo) if todo else None
+        self._steps.discard(step)
+        if not self._has_marker(step):
+            return None
+        return functools.partial(self._finish_now, step)
+
+    def _finish_quietly(self, steps: list[int]) -> None:
+        for step in steps:
+            try:
+                problems = self._finish(step)
+            except CkptError as exc:
+                problems = [str(exc)]
+            if problems:
+                log.warning("ckptio: could not finish removing %s (an old step, already out of "
+                            "the listing): %s; the next retention tries again", self._path(step),
+                            "; ".join(problems[:5]))
+
+    def _finish_now(self, step: int) -> None:
+        problems = self._finish(step)
+        if problems:
+            url = self._path(step)
+            raise StorageIOError(
+                f"cannot save into {url}: the removal of the old step there (marked by "
+                f"{url}/{MARKER}, out of the listing) could not be finished: "
+                f"{'; '.join(problems[:5])}. Nothing was saved; check the access to "
+                f"{self._access()} and save again")
