@@ -283,6 +283,17 @@ for step in range(start, start + 100000):
 """
 
 
+def _committed_after(run: str, last: int, timeout_s: float = 60.0) -> None:
+    """Wait until a step after ``last`` has its manifest in ``run``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for step in Path(run).glob("step-*"):
+            if int(step.name.split("-")[1]) > last and (step / MANIFEST_NAME).exists():
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"no step after {last} was committed in {run} within {timeout_s} s")
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_kill_during_delta_saves_and_retention_leaves_every_committed_step_loadable(
         tmp_path, asynchronous):
@@ -293,6 +304,7 @@ def test_a_kill_during_delta_saves_and_retention_leaves_every_committed_step_loa
         proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        _committed_after(run, last)  # the kill lands among later saves, however slow the host
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

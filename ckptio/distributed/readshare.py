@@ -33,6 +33,7 @@ import torch
 from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
+from ckptio.errors import RankFailedError
 from ckptio.format.checksum import TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read
 from ckptio.io.stage import torch_dtype
@@ -110,7 +111,16 @@ class SharedReads:
                 "units": [[u.name, u.entry.nbytes] for u in units],
                 "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
         self.pending = None
-        answer = coordinate(self.group, json.dumps(mine).encode(), None, _decide, self._failed)
+        try:
+            answer = coordinate(self.group, json.dumps(mine).encode(), None, _decide,
+                                self._failed)
+        except RankFailedError as exc:
+            if exc.ranks:  # a rank died or hung: nothing more to agree on
+                raise
+            # another rank met an error of its own before reading (a state that does not
+            # match): this rank reads all it wants, as without peers, so that an error of its
+            # own (damage) is what it raises; the load's last step then names the other
+            return {}
         decision: dict[str, Any] = json.loads(answer or b"{}")
         return decision
 
