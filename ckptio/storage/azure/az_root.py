@@ -1,132 +1,25 @@
-"""A CheckpointManager's steps under an az:// prefix: AzureRoot (the ``az://`` entry's root).
+"""A CheckpointManager's steps under an az:// prefix: AzureRoot (the ``az://`` entry's root),
+storage/tree_root.py's MarkedTreeRoot over an AzureStore (its order of removal, safe at every
+point, is described there).
 
-Steps are the prefixes ``<root>/step-N/`` of a listing with delimiter "/"; a step is committed
-when ``step-N/manifest.json`` exists, incomplete when it holds other blobs only. Blob storage
-has no rename, so a retention removes a step in the order storage/s3/root.py does, safe at
-every point: put the marker ``step-N/.deleting`` (only on a committed step; the step is then
-hidden from every listing), delete the manifest (no longer committed), then on the manager's
-removal thread delete the manifest again, every blob under ``step-N/``, and the marker last. A
-marker left by a kill is found by the next scan and its removal finished by the next
-retention; a save into step N first finishes a removal pending there.
-
-Owns: AzureRoot. Does not own: which steps to keep (the manager), one checkpoint's blobs and
-its commit (az_store.py), URLs, the client and retries (az_client.py).
+Owns: AzureRoot's settings and what a failed removal asks of the container. Does not own: the
+listing and removal (tree_root.py), one checkpoint's blobs and its commit (az_store.py).
 """
 
 from __future__ import annotations
 
-import logging
-
-from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.azure.az_settings import AzureSettings
 from ckptio.storage.azure.az_store import AzureStore
-from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
-from ckptio.storage.steproot import (
-    Listing,
-    Nothing,
-    Removal,
-    nothing_message,
-    step_name,
-    step_of,
-)
+from ckptio.storage.object_common import MARKER
+from ckptio.storage.tree_root import MarkedTreeRoot
 
 __all__ = ["MARKER", "AzureRoot"]
 
-log = logging.getLogger("ckptio")
-_NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
 
-
-class AzureRoot:
-    """A prefix of ``step-N/`` prefixes (see the module docstring). Not thread-safe, except
-    that the removal it hands out may run on another thread."""
+class AzureRoot(MarkedTreeRoot):
+    """A container prefix of ``step-N/`` prefixes."""
 
     def __init__(self, location: str, settings: AzureSettings) -> None:
-        self.store = AzureStore(location, settings)
-        self.location = self.store.location
+        super().__init__(AzureStore(location, settings), settings.endpoint(),
+                         f"the container at {settings.endpoint()} (Delete Blob, List Blobs)")
         self.settings = settings
-        self._marked = MarkedSteps(  # marked steps seen, not yet handed to a removal
-            self.path, self._finish, lambda step: MARKER in self._step(step).sizes([MARKER]),
-            lambda: f"the container at {self.settings.endpoint()} (Delete Blob, List Blobs)")
-
-    def __repr__(self) -> str:
-        return f"AzureRoot({self.location!r})"
-
-    def path(self, step: int) -> str:
-        return self.store.child(step_name(step)).location
-
-    def _step(self, step: int) -> AzureStore:
-        return self.store.child(step_name(step))
-
-    # -- listing ----------------------------------------------------------------------------
-
-    def scan(self) -> Listing:
-        """The step prefixes, committed and incomplete, ascending; marked ones left out (and
-        remembered for the next removal())."""
-        steps = sorted({s for s in map(step_of, self.store.entries()) if s is not None})
-        states = {step: self._state(step) for step in steps}
-        self._marked.add(s for s, state in states.items() if state == "marked")
-        return {kind: [s for s in steps if states[s] == kind]
-                for kind in ("committed", "incomplete")}
-
-    def _state(self, step: int) -> str:
-        """"marked", "committed", "incomplete" or "empty" (a blob named step-N, no step)."""
-        held = self._step(step).entries()
-        if MARKER in held:
-            return "marked"
-        if MANIFEST_NAME in held:
-            return "committed"
-        return "incomplete" if held else "empty"
-
-    def is_committed(self, step: int) -> bool:
-        return MANIFEST_NAME in self._step(step).sizes([MANIFEST_NAME])
-
-    def marked(self) -> list[int]:
-        """The steps scan() found marked for removal, not yet handed to a removal."""
-        return self._marked.sorted()
-
-    # -- removal ----------------------------------------------------------------------------
-
-    def hide(self, step: int) -> bool:
-        """object_common.MarkedSteps.hide: the marker written through the step's store."""
-        held = self._step(step)
-        return self._marked.hide(step, lambda: self.is_committed(step),
-                                 lambda: held.write_file(MARKER, MARKER_BODY),
-                                 lambda: held.remove([MANIFEST_NAME]))
-
-    def removal(self, step: int | None = None) -> Removal | None:
-        """object_common.MarkedSteps.removal: every marked step in the background, or step N's
-        before a save into it."""
-        return self._marked.removal(step)
-
-    def _finish(self, step: int) -> list[str]:
-        """Delete the manifest, every other blob under the marked ``step``, then the marker
-        -> the problems (the marker is kept if there are any)."""
-        held = self._step(step)
-        problems = held.remove([MANIFEST_NAME])
-        if problems:
-            return problems
-        for name in held.entries():
-            if name != MARKER:
-                problems += held.child(name).remove_tree() + held.remove([name])
-        if problems:
-            return problems
-        left = [n for n in held.entries() if n != MARKER]
-        if left:
-            return [f"{len(left)} blobs appeared under {self.path(step)} while it was removed "
-                    f"(another writer there?), e.g. {left[0]}"]
-        return held.remove([MARKER])
-
-    # -- what is here instead ---------------------------------------------------------------
-
-    def nothing_here(self) -> str:
-        """Why there is no step to restore, and what the prefix holds instead."""
-        names = self.store.entries()
-        if not names:
-            return Nothing(f"no checkpoint to restore: nothing is stored under {self.location} "
-                           f"at {self.settings.endpoint()} (nothing saved there yet)", empty=True)
-        probed = names[:_NAMES_PROBED]
-        checkpoints = [n for n in probed if n != MANIFEST_NAME and MANIFEST_NAME in
-                       self.store.child(n).sizes([MANIFEST_NAME])]
-        return nothing_message(self.location, names, itself=MANIFEST_NAME in names,
-                               checkpoints=checkpoints, noun="prefix",
-                               move="copy them under step-<N>/")

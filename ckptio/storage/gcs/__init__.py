@@ -7,7 +7,7 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
     gcs_backend.py   GcsBackend, the IOBackend: resumable uploads and ranged reads
     gcs_lock.py      a save's claim on a prefix: a lock object with a lease
     gcs_store.py     GcsStore, the Store of one checkpoint prefix (storage/store_contract.py)
-    gcs_root.py      GcsRoot, a CheckpointManager's steps under a prefix (steproot.py)
+    gcs_root.py      GcsRoot: tree_root.MarkedTreeRoot over a GcsStore (steproot.py)
 
 Internal: nothing here is public API (the public surface is ``ckptio`` itself). Nothing here
 is imported until a ``gs://`` location is used (google-cloud-storage is the ``[gcs]`` extra's).
