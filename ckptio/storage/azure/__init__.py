@@ -7,7 +7,7 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
     az_backend.py   AzureBackend, the IOBackend: staged blocks and ranged reads
     az_lock.py      a save's claim on a prefix: a lease on a lock blob, renewed
     az_store.py     AzureStore, the Store of one checkpoint prefix (storage/store_contract.py)
-    az_root.py      AzureRoot, a CheckpointManager's steps under a prefix (storage/steproot.py)
+    az_root.py      AzureRoot: tree_root.MarkedTreeRoot over an AzureStore (steproot.py)
 
 Internal: nothing here is public API (users give the settings as ``Options(storage={"az":
 {...}})``, a mapping of AzureSettings' fields). Nothing here is imported until an ``az://``
