@@ -1,4 +1,5 @@
-"""``ckptio ls RUN_DIR``: the steps a CheckpointManager keeps in a directory or an S3 prefix.
+"""``ckptio ls RUN_DIR``: the steps a CheckpointManager keeps in a directory or under a prefix
+(s3://, gs://, az://: any root that lists, storage/steproot.ListedRoot).
 
     $ ckptio ls ckpts/run-7
     ckpts/run-7: 4 step(s): 3 committed, 1 incomplete; 1 being deleted; 12.9 MiB in all
@@ -6,18 +7,20 @@
       20    committed           4.1 MiB       4.1 MiB      2  2026-11-24 13:17:05  full
       21    committed         512.0 KiB       4.1 MiB      2  2026-11-24 13:17:06  step-20
 
-What each column and state means, and the JSON schema: docs/CLI.md, "ls". Sizes and
-times come from a listing of the step's files (local: stat; S3: ListObjectsV2, LastModified);
-torch is never imported. A rank's directory of a memory tier with redundancy
-(``shm://NAME/r<rank>``) ends with the steps whose protection across hosts is committed.
+What each column and state means, and the JSON schema: docs/CLI.md, "ls". Sizes and times
+come from the root's listing of each step (``usage``: local stat, S3's ListObjectsV2; gs:// and
+az:// give no times); torch is never imported. A rank's directory of a memory tier with
+redundancy (``shm://NAME/r<rank>``) ends with the steps whose protection across hosts is
+committed.
 
 Call order (cli/commands.py): ``list_run(location)`` (None: not a run directory) -> ``run``
 (text by ``text_lines``, or JSON with ``protected``).
 
 Owns: telling a run directory from a checkpoint (a location with no committed manifest of its
-own whose root lists steps), the per-step sizes and times, the text and JSON (schema
+own whose root lists steps), the text and JSON (schema
 ``ckptio.run/1``). Does not own: which names are steps or hidden (storage/steproot.py), how a root
-scans (storage/*_root.py, storage/s3/root.py), the checkpoint listing (cli/ls.py).
+scans and sizes its steps (storage/*_root.py, storage/s3/root.py), the checkpoint listing
+(cli/ls.py).
 """
 
 from __future__ import annotations
@@ -33,14 +36,10 @@ from ckptio.cli.chain import logical_nbytes
 from ckptio.cli.ls import human_size
 from ckptio.errors import CkptError
 from ckptio.format import manifest
-from ckptio.storage.s3.client import S3Path, call, client, failed, is_s3
-from ckptio.storage.s3.settings import S3Settings
 from ckptio.options import Options
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.local_root import LocalRoot, hidden
-from ckptio.storage.s3.root import S3Root
-from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
-from ckptio.storage.steproot import HIDDEN_PREFIX, StepRoot
+from ckptio.storage.select import checkpoint_path, root_for, scheme_for, scheme_of, store_for
+from ckptio.storage.steproot import ListedRoot
 from ckptio.tiering import marks
 
 __all__ = ["RANKS_SCHEMA", "SCHEMA", "Step", "list_ranks", "list_run", "protected", "run",
@@ -68,21 +67,23 @@ class Step:
 def list_run(location: str) -> list[Step] | None:
     """The steps under ``location``, ascending (a step being deleted before a new save of the
     same number); None when ``location`` is not a run: a checkpoint itself, a file, a scheme
-    without step roots, or a place that lists no step at all."""
+    whose root does not list (storage/steproot.ListedRoot), or a place with no step at all."""
     text = checkpoint_path(location)
-    if not is_s3(text) and (scheme_of(text) is not None or not os.path.isdir(text)):
+    if scheme_of(text) is None and not os.path.isdir(text):
         return None
-    if storage_steps.is_committed(store_for(text)):
-        return None  # a checkpoint: ls lists what it holds
+    if scheme_for(text).step_root is None or storage_steps.is_committed(store_for(text)):
+        return None  # a checkpoint (ls lists what it holds) or a scheme without steps
     root = root_for(text, Options.from_env())
+    if not isinstance(root, ListedRoot):
+        return None
     listing = root.scan()
     found = [(s, "committed", root.path(s)) for s in listing["committed"]]
     found += [(s, "incomplete", root.path(s)) for s in listing["incomplete"]]
-    found += _being_deleted(root)
+    found += [(s, "being deleted", where) for s, where in root.being_deleted()]
     if not found:
         return None
     found.sort(key=lambda item: (item[0], STATES.index(item[1]) != 2))
-    return [Step(s, state, path, *_usage(root, path),
+    return [Step(s, state, path, *root.usage(path),
                  *(_chain(path) if state == "committed" else (None, ())))
             for s, state, path in found]
 
@@ -95,50 +96,6 @@ def _chain(path: str) -> tuple[int | None, tuple[str, ...]]:
     except CkptError:
         return None, ()
     return logical_nbytes(record), manifest.bases_of(record)
-
-
-def _being_deleted(root: StepRoot) -> list[tuple[int, str, str]]:
-    if isinstance(root, LocalRoot):
-        return [(int(os.path.basename(p)[len(HIDDEN_PREFIX):].split("-")[0]), "being deleted", p)
-                for p in hidden(root.location)]
-    if isinstance(root, S3Root):
-        return [(s, "being deleted", root.path(s)) for s in root.marked()]
-    return []
-
-
-def _usage(root: StepRoot, path: str) -> tuple[int, int, float | None]:
-    """Bytes, files and newest modification time under a step's ``path``."""
-    if isinstance(root, S3Root):
-        return _s3_usage(S3Path.parse(path), root.settings)
-    nbytes = files = 0
-    newest: float | None = None
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue  # removed while listed (a removal running)
-            nbytes, files = nbytes + st.st_size, files + 1
-            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
-    return nbytes, files, newest
-
-
-def _s3_usage(where: S3Path, settings: S3Settings) -> tuple[int, int, float | None]:
-    c = client(settings)
-    what = f"listing {where.url}"
-    pages = c.get_paginator("list_objects_v2").paginate(Bucket=where.bucket,
-                                                          Prefix=where.dir_prefix)
-    nbytes = files = 0
-    newest: float | None = None
-    try:
-        for page in call(settings, what, lambda: list(pages)):
-            for obj in page.get("Contents", []):
-                nbytes, files = nbytes + int(obj["Size"]), files + 1
-                when = obj["LastModified"].timestamp()
-                newest = when if newest is None else max(newest, when)
-    except Exception as exc:  # noqa: BLE001 - mapped to the CkptError naming the step
-        raise failed(what, exc) from exc
-    return nbytes, files, newest
 
 
 def _when(mtime: float | None) -> str:
@@ -170,7 +127,7 @@ def protected(location: str, steps: list[Step]) -> list[dict[str, Any]]:
     """The committed steps of a rank-local memory run (``shm://NAME/r<rank>``, a tier with
     redundancy) whose protection across hosts that rank committed: ``{"step", "how"}``."""
     text = checkpoint_path(location)
-    if scheme_of(text) is not None or is_s3(text):
+    if scheme_of(text) is not None:
         return []
     parent, name = os.path.split(text.rstrip("/"))
     rank = next((r for r, d in marks.rank_dirs(parent).items() if os.path.basename(d) == name),
@@ -205,7 +162,7 @@ def list_ranks(location: str) -> dict[str, list[Step]] | None:
     redundancy, e.g. ``shm://NAME`` on one host) -> each rank directory's location and steps;
     None when it holds none."""
     text = checkpoint_path(location)
-    if scheme_of(text) is not None or is_s3(text) or not os.path.isdir(text):
+    if scheme_of(text) is not None or not os.path.isdir(text):
         return None
     base = location.rstrip("/")
     found = {f"{base}/{marks.rank_name(r)}" for r in marks.rank_dirs(text)}

@@ -30,6 +30,7 @@ from ckptio.storage.steproot import (
     Listing,
     Nothing,
     Removal,
+    Usage,
     hidden_name,
     is_hidden,
     nothing_message,
@@ -102,6 +103,24 @@ class LocalRoot:
         """The manager lets go: the dropped steps' data files kept for its saves are removed."""
         if self.slots:
             drop_slots(self.location)
+
+    def being_deleted(self) -> list[tuple[int, str]]:
+        """The hidden step directories not yet removed (ListedRoot)."""
+        return [(_hidden_step(p), p) for p in hidden(self.location)]
+
+    def usage(self, where: str) -> Usage:
+        """Bytes, files and newest modification time under the directory ``where``."""
+        nbytes = files = 0
+        newest: float | None = None
+        for dirpath, _dirs, names in os.walk(where):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue  # removed while listed (a removal running)
+                nbytes, files = nbytes + st.st_size, files + 1
+                newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+        return nbytes, files, newest
 
     def nothing_here(self) -> str:
         """Why there is no step to restore, and what the directory holds instead."""

@@ -15,6 +15,9 @@ prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers
 - ``nothing_here()``: why the root holds no step (a Nothing whose ``empty`` says it holds
   nothing a restore could mean: restore() then returns None instead of raising).
 
+``ckptio ls RUN`` asks a root for more (ListedRoot, optional): ``being_deleted()``, the steps
+hidden and not yet removed, and ``usage(where)``, a step's bytes, files and newest time.
+
 Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
 root gives a dropped step, the wording of nothing_here() and the roots' warning channel. Does
 not own: which steps to keep or restore (the manager), one checkpoint's files (the Stores).
@@ -31,10 +34,12 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
+    "ListedRoot",
     "Listing",
     "Nothing",
     "Removal",
     "StepRoot",
+    "Usage",
     "hidden_name",
     "is_empty",
     "is_hidden",
@@ -46,6 +51,7 @@ __all__ = [
 
 Listing = dict[str, list[int]]  # "committed" and "incomplete": steps, ascending
 Removal = Callable[[], None]  # finishes removing hidden steps; its failures are logged
+Usage = tuple[int, int, float | None]  # bytes, files, newest modification time (None: unknown)
 TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
 HIDDEN_PREFIX = ".deleting-step-"
@@ -69,6 +75,17 @@ class StepRoot(Protocol):
     def removal(self, step: int | None = None) -> Removal | None: ...
 
     def nothing_here(self) -> str: ...
+
+
+@runtime_checkable
+class ListedRoot(Protocol):
+    """What ``ckptio ls`` lists beyond a StepRoot: ``being_deleted()`` -> (step, where) of the
+    steps hidden and not yet removed; ``usage(where)`` -> the bytes, files and newest
+    modification time under a step's location (``path(step)`` or a being_deleted place)."""
+
+    def being_deleted(self) -> list[tuple[int, str]]: ...
+
+    def usage(self, where: str) -> Usage: ...
 
 
 class Nothing(str):

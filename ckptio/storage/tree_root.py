@@ -21,12 +21,14 @@ requests (its scheme's folder), which steps to keep (the manager).
 
 from __future__ import annotations
 
+from ckptio.errors import CkptError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
 from ckptio.storage.steproot import (
     Listing,
     Nothing,
     Removal,
+    Usage,
     nothing_message,
     step_name,
     step_of,
@@ -87,6 +89,19 @@ class MarkedTreeRoot:
         """The steps scan() found marked for removal, not yet handed to a removal."""
         return self._marked.sorted()
 
+    def being_deleted(self) -> list[tuple[int, str]]:
+        """ListedRoot: the marked steps, each at its own prefix."""
+        return [(step, self.path(step)) for step in self.marked()]
+
+    def usage(self, where: str) -> Usage:
+        """Bytes and objects under the step prefix ``where`` (``path(step)``); the TreeStore
+        lists no modification times (None)."""
+        name = where[len(self.location):].strip("/")
+        if not where.startswith(self.location) or step_of(name) is None:
+            raise CkptError(f"{where} is not a step of {self.location}")
+        nbytes, files = _usage(self.store.child(name))
+        return nbytes, files, None
+
     # -- removal ----------------------------------------------------------------------------
 
     def hide(self, step: int) -> bool:
@@ -133,3 +148,15 @@ class MarkedTreeRoot:
         return nothing_message(self.location, names, itself=MANIFEST_NAME in names,
                                checkpoints=checkpoints, noun="prefix",
                                move="copy them under step-<N>/")
+
+
+def _usage(store: TreeStore) -> tuple[int, int]:
+    """Bytes and objects under ``store``: its files, then each sub-prefix's."""
+    names = store.entries()
+    sizes = store.sizes(names)
+    nbytes, files = sum(sizes.values()), len(sizes)
+    for name in names:
+        if name not in sizes:
+            below = _usage(store.child(name))
+            nbytes, files = nbytes + below[0], files + below[1]
+    return nbytes, files

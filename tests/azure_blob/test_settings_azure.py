@@ -58,3 +58,17 @@ def test_the_command_lists_and_verifies_an_az_checkpoint(az_env):
     verified = subprocess.run([sys.executable, "-m", "ckptio", "verify", f"{url}/step-1"],
                               capture_output=True, text=True, env=os.environ.copy(), timeout=120)
     assert verified.returncode == 0 and "OK" in verified.stdout, verified.stdout + verified.stderr
+
+
+def test_the_command_lists_a_run_on_az(az_env):
+    """``ckptio ls az://container/run`` lists the manager's steps, as it does for s3:// runs."""
+    url = f"{az_env}/run"
+    with ckptio.CheckpointManager(url, keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.ones(1000)})
+        mgr.save(2, {"w": torch.ones(1000)})
+    listed = subprocess.run([sys.executable, "-m", "ckptio", "ls", url],
+                            capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    head, _columns, *rows = listed.stdout.splitlines()
+    assert "2 step(s): 2 committed, 0 incomplete" in head, listed.stdout
+    assert [row.split()[:2] for row in rows] == [["1", "committed"], ["2", "committed"]]

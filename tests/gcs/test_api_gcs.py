@@ -4,6 +4,8 @@ on a gs:// prefix keeping the last two steps and restoring the newest in a fresh
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,3 +68,19 @@ def test_a_manager_keeps_the_last_steps_and_restores_the_newest(gcs_url, gcs_opt
     root = GcsStore(gcs_url, gcs_options.storage["gs"])
     assert [n for n in root.entries() if n.startswith("step-")] == ["step-3", "step-4"], \
         "the dropped steps' objects were not removed"
+
+
+def test_the_command_lists_a_run_on_gs(gcs_url, gcs_options, gcs_server):
+    """``ckptio ls gs://bucket/run`` lists the manager's steps, as it does for s3:// runs."""
+    with CheckpointManager(gcs_url, keep_last=None, options=gcs_options) as mgr:
+        mgr.save(1, {"w": torch.ones(1000)})
+        mgr.save(2, {"w": torch.ones(1000)})
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": gcs_server.endpoint}
+    listed = subprocess.run([sys.executable, "-m", "ckptio", "ls", "--json", gcs_url],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    doc = json.loads(listed.stdout)
+    assert doc["schema"] == "ckptio.run/1"
+    assert [(s["step"], s["state"]) for s in doc["steps"]] == [(1, "committed"),
+                                                               (2, "committed")]
+    assert all(s["nbytes"] >= 4000 and s["files"] >= 2 for s in doc["steps"])

@@ -38,6 +38,7 @@ from ckptio.storage.steproot import (
     Listing,
     Nothing,
     Removal,
+    Usage,
     nothing_message,
     step_name,
     step_of,
@@ -97,6 +98,21 @@ class S3Root:
         """The steps scan() found marked for removal and not yet handed to a removal: being
         deleted (``ckptio ls`` shows them as such), ascending."""
         return self._marked.sorted()
+
+    def being_deleted(self) -> list[tuple[int, str]]:
+        """ListedRoot: the marked steps, each at its own prefix."""
+        return [(step, self.path(step)) for step in self.marked()]
+
+    def usage(self, where: str) -> Usage:
+        """Bytes, objects and newest LastModified under the prefix ``where`` (ListObjectsV2)."""
+        nbytes = files = 0
+        newest: float | None = None
+        for page in self._pages(S3Path.parse(where).dir_prefix):
+            for obj in page.get("Contents", []):
+                nbytes, files = nbytes + int(obj["Size"]), files + 1
+                when = obj["LastModified"].timestamp()
+                newest = when if newest is None else max(newest, when)
+        return nbytes, files, newest
 
     # -- removal ----------------------------------------------------------------------------
 
