@@ -1,8 +1,8 @@
 """Read once, send to the others (issue 67): N gloo ranks on this host loading a replicated (DDP-
 like) state in place, cold, from a local directory: the bytes the kernel read from storage per
 rank and in all, and the load's time, for ckptio with its shared reads (the default), ckptio
-with them off (``Options(broadcast_replicated=False)``) and DCP (``dcp.load``, FileSystemReader)
-in the same run.
+with them off (``Options(broadcast_replicated=False)``), DCP (``dcp.load``, FileSystemReader)
+and ckptio loading DCP's own directory (``ckptio_dcp_dir``, shared reads) in the same run.
 
 Owns: one job of ``--ranks`` fresh processes (ckptio.testing.rank_processes: gloo over
 127.0.0.1), each building the same ``--gb`` GB state (``--tensors`` float32 tensors, seeded
@@ -32,7 +32,7 @@ import torch
 
 from benchmarks import shown_path, write_reports
 
-ENGINES = ("ckptio", "ckptio_each_reads", "dcp")
+ENGINES = ("ckptio", "ckptio_each_reads", "dcp", "ckptio_dcp_dir")
 
 
 def state(gb: float, tensors: int) -> dict[str, torch.Tensor]:
@@ -65,7 +65,7 @@ def _load(engine: str, path: Path, dest: dict[str, torch.Tensor]) -> None:
 
         dcp.load(dest, storage_reader=dcp.FileSystemReader(str(path)))
         return
-    options = ckptio.Options(broadcast_replicated=engine == "ckptio")
+    options = ckptio.Options(broadcast_replicated=engine != "ckptio_each_reads")
     ckptio.load(str(path), dest, options=options)
 
 
@@ -88,7 +88,7 @@ def job(rank: int, world: int, root: str, gb: float, tensors: int, reps: int) ->
                 t.zero_()
             _drop_caches(rank)
             before, t0 = _read_bytes(), time.perf_counter()
-            _load(engine, paths["ckptio" if engine != "dcp" else "dcp"], dest)
+            _load(engine, paths["dcp" if "dcp" in engine else "ckptio"], dest)
             seconds = time.perf_counter() - t0
             read = _read_bytes() - before
             dist.barrier()

@@ -145,8 +145,8 @@ class Options:
     broadcast_replicated: with torch.distributed, an in-place load reads each stored tensor
         that several ranks need identically (a replicated one: plain DDP, HSDP's replicas,
         TP-replicated norms) from storage on one rank only, and sends it to the others over a
-        gloo group of the load's own (each receiver checks it against the manifest's checksum
-        when ``verify``); the ranks share the reading out by bytes. A rank whose sender dies or
+        gloo group of the load's own (each receiver checks it against the manifest's checksum,
+        or a DCP item's CRC-32, when ``verify``); the ranks share the reading out by bytes. A rank whose sender dies or
         does not answer within rank_timeout_s reads those tensors from storage instead
         (warned). False: every rank reads all it needs. Give every rank the same value.
     io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit) makes no progress

@@ -61,6 +61,18 @@ def save(rank: int, world: int, path: str) -> None:
     ckptio.save(state(rank), path, options=options())
 
 
+def save_dcp(rank: int, world: int, path: str) -> None:
+    """The replicated part of the state, written by torch.distributed.checkpoint (DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(replicated(rank), checkpoint_id=path)
+
+
+def replicated(rank: int, zeros: bool = False) -> dict[str, Any]:
+    """state() without the rank's own tensor: what every rank holds alike."""
+    return {k: v for k, v in state(rank, zeros).items() if not k.startswith("own")}
+
+
 _counted = [0]
 
 
@@ -103,16 +115,18 @@ def _die_sending(mark: str) -> None:
 
 
 def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
-         mark: str = "", broadcast: bool = True) -> dict[str, Any]:
+         mark: str = "", broadcast: bool = True, shared_only: bool = False) -> dict[str, Any]:
     """Load the saved state in place (``broadcast``: Options.broadcast_replicated) ->
     {"read": bytes read from storage, "error": (type, message) or None, "warnings": [...],
-    "equal": the state equals the saved one, "ended": when}."""
+    "equal": the state equals the saved one, "ended": when}. ``shared_only``: only the
+    replicated tensors (a DCP directory's state, save_dcp)."""
     _count_reads()
     if rank == victim and fault == "flip":
         _flip_sent_bytes()
     if rank == victim and fault == "die":
         _die_sending(mark)
-    into = state(rank, zeros=True)
+    made = replicated if shared_only else state
+    into = made(rank, zeros=True)
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -121,4 +135,4 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
         except ckptio.CkptError as exc:
             error = (type(exc).__name__, str(exc))
     return {"read": _counted[0], "error": error, "warnings": [str(w.message) for w in caught],
-            "equal": _equal(into, state(rank)), "ended": time.time()}
+            "equal": _equal(into, made(rank)), "ended": time.time()}

@@ -24,3 +24,4 @@ def test_two_ranks_read_the_replicated_state_once_in_all(tmp_path: Path) -> None
     assert all(r["bitwise_ok"] for r in rows.values())
     assert 0.95 <= rows["ckptio"]["read_x"] <= 1.1, rows["ckptio"]
     assert 1.9 <= rows["ckptio_each_reads"]["read_x"] <= 2.2, rows["ckptio_each_reads"]
+    assert rows["ckptio_dcp_dir"]["read_x"] <= 1.2, rows["ckptio_dcp_dir"]  # DCP's files, once

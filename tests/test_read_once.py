@@ -37,6 +37,30 @@ def test_a_replicated_load_reads_each_byte_once_across_ranks(tmp_path):
     assert max(read) <= 0.7 * data, (read, data)  # shared out, not all on one rank
 
 
+def test_a_dcp_directory_is_read_once_across_ranks(tmp_path):
+    """A DCP checkpoint of replicated tensors, loaded in place by ckptio on every rank: each
+    of its items read from storage by one rank and sent to the others, checked against the
+    item's CRC-32 by each receiver."""
+    path = str(tmp_path / "dcp")
+    run_ranks(cases.WORLD, cases.save_dcp, path)
+    data = sum(f.stat().st_size for f in Path(path).iterdir() if f.name.endswith(".distcp"))
+    got = run_ranks(cases.WORLD, cases.load, path, "", 1, "", True, True)
+    read = [g["read"] for g in got]
+    assert all(g["equal"] and g["error"] is None and not g["warnings"] for g in got), got
+    assert sum(read) <= 1.25 * data, (read, data)  # once in all, not once per rank
+    assert max(read) <= 0.7 * data, (read, data)
+
+
+def test_a_dcp_item_damaged_between_ranks_is_caught_by_its_receiver(tmp_path):
+    path = str(tmp_path / "dcp")
+    run_ranks(cases.WORLD, cases.save_dcp, path)
+    got = run_ranks(cases.WORLD, cases.load, path, "flip", 1, "", True, True)
+    damaged = [g["error"][1] for r, g in enumerate(got) if r != 1 and g["error"] is not None
+               and g["error"][0] == "CorruptCheckpointError"]
+    assert damaged, got
+    assert all("received from rank 1" in m and str(Path(path)) in m for m in damaged), damaged
+
+
 def test_the_option_off_reads_everything_on_every_rank(tmp_path):
     path = _saved(tmp_path)
     data = _data_nbytes(path)

@@ -34,15 +34,14 @@ from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import RankFailedError
-from ckptio.format.checksum import TREE
-from ckptio.format.types import DTYPE_ITEMSIZE, Read
+from ckptio.format.checksum import ALGORITHMS
+from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.planning.shared_reads import Share, Want, assign, unit_name
 
 __all__ = ["ReadPlace", "SharedReads"]
 
 ReadFn = Callable[[list[Read]], int]
-_OWN_FORMAT = (TREE, "xxh3_64")  # ckptio's own checkpoints' checksums
 
 
 @dataclass(frozen=True)
@@ -187,7 +186,7 @@ def _units(reads: list[Read],
     rest: list[Read] = []
     for read in reads:
         entry = read.whole
-        if (entry is None or place.algorithm not in _OWN_FORMAT or not _fits(read)):
+        if entry is None or not _checkable(entry, place) or not _fits(read):
             rest.append(read)
             continue
         i = index.setdefault(id(entry), len(units))
@@ -197,6 +196,13 @@ def _units(reads: list[Read],
         units[i].dests.append(read.dest)
         by_unit[i].append(read)
     return units, rest, by_unit
+
+
+def _checkable(entry: TensorEntry, place: ReadPlace) -> bool:
+    """Whether a receiver can check ``entry``'s bytes as the load would have: against its
+    checksum (ckptio's own, or the CRC-32 of a DCP item or torch.save record), or not at all
+    when the load does not verify."""
+    return not place.verify or (place.algorithm in ALGORITHMS and bool(entry.checksum))
 
 
 def _fits(read: Read) -> bool:

@@ -189,7 +189,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         record = resolve_regular.expand(
             record, resolve_regular.wanted_in_place(record, flat, select), plain)
     try:
-        return fill_in_place(record, flat, _shared(read, store, record, request),
+        return fill_in_place(record, flat, _shared(read, resources, store, record, request),
                              keys=request.keys, strict=request.strict, cast=request.cast,
                              allow_pickle=request.allow_pickle,
                              agree_unexpected=request.agree_unexpected, **where)
@@ -197,14 +197,17 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         raise StateMismatchError(f"{store.location}: {exc}") from None
 
 
-def _shared(read: ReadFn, store: Store, record: Manifest, request: LoadRequest) -> ReadFn:
-    """``read``, or with peers the read step that shares replicated entries between ranks."""
+def _shared(read: ReadFn, resources: IOResources, store: Store, record: Manifest,
+            request: LoadRequest) -> ReadFn:
+    """``read``, or with peers the read step that shares replicated entries between ranks (a
+    DCP directory's items opened first: what is shared is named by where its data lies and
+    checked against its CRC-32)."""
     step = request.shared_reads
     if step is None:
         return read
     place = ReadPlace(store.location, record.checksum_algorithm, record.block_nbytes,
                       request.verify, in_memory(store), store.path_of)
-    return lambda reads: step(reads, read, place)
+    return lambda reads: step(_open_items(resources, store, record, reads), read, place)
 
 
 def _check_piece(record: Manifest, where: str) -> None:
