@@ -41,7 +41,6 @@ from benchmarks.read_once import _drop_caches, _read_bytes
 ENGINES = ("ckptio", "ckptio_each_reads", "dcp")
 LAYOUTS = ("replicated", "hsdp")
 SOURCES = ("s3", "dir")
-_counted = [0]
 
 
 def _full(gb: float, tensors: int) -> dict[str, torch.Tensor]:
@@ -65,24 +64,6 @@ def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _count_store_reads() -> None:
-    """Count the bytes of every read this process submits to a store's files (the S3 GETs)."""
-    from ckptio.storage.files import StoreFiles
-
-    single, batch = StoreFiles.submit_read, StoreFiles.submit_reads
-
-    def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
-        _counted[0] += len(into)
-        return single(self, fh, offset, into)
-
-    def submit_reads(self: StoreFiles, fh: Any, reads: Any, each: Any) -> Any:
-        _counted[0] += sum(len(into) for _offset, into in reads)
-        return batch(self, fh, reads, each)
-
-    StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
-    StoreFiles.submit_reads = submit_reads  # type: ignore[method-assign]
-
-
 def _where(source: str, layout: str, engine: str, root: str) -> str:
     name = f"{layout}-{'dcp' if engine == 'dcp' else 'ckptio'}"
     return f"s3://ckpt/{name}" if source == "s3" else f"{root}/{name}"
@@ -93,7 +74,9 @@ def _runs(rank: int, root: str, gb: float, tensors: int, reps: int) -> list[dict
     import torch.distributed.checkpoint as dcp
 
     import ckptio
+    from ckptio.testing.readcount import count_store_reads
 
+    store_reads = count_store_reads()
     rows = []
     for layout in LAYOUTS:
         expect = _state(layout, gb, tensors)
@@ -112,14 +95,14 @@ def _runs(rank: int, root: str, gb: float, tensors: int, reps: int) -> list[dict
                         _local(t).zero_()
                     _drop_caches(rank)
                     where = _where(source, layout, engine, root)
-                    before, counted, t0 = _read_bytes(), _counted[0], time.perf_counter()
+                    before, counted, t0 = _read_bytes(), store_reads(), time.perf_counter()
                     if engine == "dcp":
                         dcp.load(dest, storage_reader=dcp.FileSystemReader(where))
                     else:
                         ckptio.load(where, dest, options=ckptio.Options(
                             broadcast_replicated=engine == "ckptio"))
                     seconds = time.perf_counter() - t0
-                    read = (_counted[0] - counted) if source == "s3" else _read_bytes() - before
+                    read = (store_reads() - counted) if source == "s3" else _read_bytes() - before
                     dist.barrier()
                     ok = all(torch.equal(_local(dest[k]), _local(v)) for k, v in expect.items())
                     rows.append({"rep": rep, "layout": layout, "source": source,
@@ -135,7 +118,6 @@ def job(rank: int, world: int, root: str, gb: float, tensors: int, reps: int,
     import os
 
     os.environ.update(s3_env)
-    _count_store_reads()
     return _runs(rank, root, gb, tensors, reps)
 
 

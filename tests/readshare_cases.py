@@ -15,7 +15,7 @@ import torch
 
 import ckptio
 from ckptio.distributed import sendreads
-from ckptio.storage.files import StoreFiles
+from ckptio.testing.readcount import count_store_reads
 
 WORLD = 3
 DEADLINE_S = 3.0  # Options.rank_timeout_s of the fault cases
@@ -73,25 +73,6 @@ def replicated(rank: int, zeros: bool = False) -> dict[str, Any]:
     return {k: v for k, v in state(rank, zeros).items() if not k.startswith("own")}
 
 
-_counted = [0]
-
-
-def _count_reads() -> None:
-    """Count the bytes of every read this process submits to a store's files."""
-    single, batch = StoreFiles.submit_read, StoreFiles.submit_reads
-
-    def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
-        _counted[0] += len(into)
-        return single(self, fh, offset, into)
-
-    def submit_reads(self: StoreFiles, fh: Any, reads: Any, each: Any) -> Any:
-        _counted[0] += sum(len(into) for _offset, into in reads)
-        return batch(self, fh, reads, each)
-
-    StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
-    StoreFiles.submit_reads = submit_reads  # type: ignore[method-assign]
-
-
 def _flip_sent_bytes() -> None:
     """This rank sends every message with its first byte flipped (its own tensors intact)."""
     build = sendreads._send_buffer
@@ -120,7 +101,7 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
     {"read": bytes read from storage, "error": (type, message) or None, "warnings": [...],
     "equal": the state equals the saved one, "ended": when}. ``shared_only``: only the
     replicated tensors (a DCP directory's state, save_dcp)."""
-    _count_reads()
+    store_reads = count_store_reads()
     if rank == victim and fault == "flip":
         _flip_sent_bytes()
     if rank == victim and fault == "die":
@@ -134,5 +115,5 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
             ckptio.load(path, into, options=options(broadcast_replicated=broadcast))
         except ckptio.CkptError as exc:
             error = (type(exc).__name__, str(exc))
-    return {"read": _counted[0], "error": error, "warnings": [str(w.message) for w in caught],
+    return {"read": store_reads(), "error": error, "warnings": [str(w.message) for w in caught],
             "equal": _equal(into, made(rank)), "ended": time.time()}
