@@ -12,6 +12,7 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.redundancy --hosts 4 --reps 3    # docs/BENCH_REDUNDANCY.md
     python -m benchmarks.node_budget --ranks 4 --gb 1 --budget-gb 2  # docs/BENCH_RANKS.md
     python -m benchmarks.read_once --ranks 4 --gb 0.4     # docs/BENCH_RANKS.md
+    python -m benchmarks.read_once_hosts --gb 0.2         # docs/BENCH_RANKS.md
     python -m benchmarks.reshard_plan                     # docs/BENCH_RANKS.md
 
 Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
+from typing import Any
 
-__all__ = ["REPO_ROOT", "shown_path", "worker_env"]
+__all__ = ["REPO_ROOT", "fmt", "gbps", "median", "shown_path", "worker_env", "write_reports"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout holding benchmarks/ and ckptio/
 
@@ -37,6 +40,21 @@ def shown_path(path: Path) -> str:
         return str(resolved.relative_to(REPO_ROOT)) or "."
     except ValueError:
         return str(resolved)
+
+
+def median(values: list[float]) -> float | None:
+    """The median, None for no values."""
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """A table cell: ``value`` formatted, "-" for None."""
+    return "-" if value is None else format(value, spec)
+
+
+def gbps(run: dict[str, Any], seconds: str) -> float:
+    """A run's GB/s: its ``bytes`` over its ``seconds`` field."""
+    return run["bytes"] / 1e9 / run[seconds]
 
 
 def worker_env() -> dict[str, str]:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import worker_env
-from benchmarks.save_load import fmt, median, worker_error
+from benchmarks import fmt, median
+from benchmarks.save_load import worker_error
 
 Run = dict[str, Any]
 CEILING = "ceiling"

@@ -11,7 +11,7 @@ RNG state under a key of its own, since DCP has no per-rank values) and the timi
   manifest  the coordinator's FileSystemWriter.finish without the file: every rank's results
             merged into Metadata.storage_data, then pickled (the .metadata file's bytes)
   load      pickle.loads of those bytes: what every loading rank does before planning its reads
-Does not own: the layout (plan_scale.py) or the report.
+Does not own: the layout (plan_model.py) or the report.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from benchmarks.plan_scale import ITEMSIZE, Tensor, median_time, region
+from benchmarks.plan_model import ITEMSIZE, Tensor, median_time, region
 
 __all__ = ["measure_dcp", "saved_metadata"]
 

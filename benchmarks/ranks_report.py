@@ -13,7 +13,7 @@ import shlex
 import time
 from typing import Any
 
-from benchmarks import shown_path
+from benchmarks import fmt, gbps, median, shown_path
 
 Run = dict[str, Any]
 
@@ -57,7 +57,6 @@ TARGET_LOAD_FIO_PCT = 90.0
 
 
 def summarize(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.save_load import gbps, median
 
     good = [r for r in runs if "error" not in r]
     expect = next((r for r in good if r["job"] == "expect"), None)
@@ -167,7 +166,6 @@ def checks(saves: list[dict[str, Any]], loads: list[dict[str, Any]],
 def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str]) -> str:
     from ckptio.tuning import ceiling
     from ckptio.tuning import state
-    from benchmarks.save_load import fmt
 
     cfg = state.gpt_config(args.gb)
     command = shlex.join(["python", "-m", "benchmarks.ranks", *argv])

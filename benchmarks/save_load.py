@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import shown_path, worker_env
+from benchmarks import fmt, gbps, median, shown_path, worker_env
 
 Run = dict[str, Any]
 CEILING = "ceiling"
@@ -48,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=Path("bench-data"), help="scratch directory on the "
                    "disk under test (default ./bench-data); everything written there is deleted")
     p.add_argument("--reps", type=int, default=3, help="repetitions per engine (default 3)")
+    p.add_argument("--ranks", type=int, default=1, help="1 (many ranks: python -m "
+                   "benchmarks.ranks, where `ckptio bench save-load --ranks N` goes)")
     p.add_argument("--engines", default="", help="comma list (default: all available): "
                    "torch_save,dcp_t1,dcp_t2,dcp_t4,torchsnapshot,ckptio")
     p.add_argument("--large", action="store_true", help="also run the all-large-tensor state")
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reps < 1 or args.gb <= 0:
         p.error("--reps must be >= 1 and --gb > 0")
+    if args.ranks != 1:
+        p.error(f"--ranks {args.ranks}: this is the one-rank benchmark; many ranks: python -m "
+                "benchmarks.ranks with the same options")
     return args
 
 
@@ -262,14 +266,6 @@ def choose_engines(spec: str) -> list[str]:
 # ---------------------------------------------------------------- summary
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def gbps(r: Run, seconds: str) -> float:
-    return r["bytes"] / 1e9 / r[seconds]
-
-
 def summarize(runs: list[Run], reps: int) -> dict[str, Any]:
     """Per (engine, state): medians over all reps, of the first and of the second save in each
     fresh process, of the load, and of the ceiling measured in the same repetition."""
@@ -339,10 +335,6 @@ HEADER = ("| engine | state | 1st save s | save s | save GB/s | % write ceil | l
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def outcome(r: dict[str, Any]) -> str:
     """The bitwise cell: ok, MISMATCH (loaded bytes differ), or FAILED: the first error (a
     worker that crashed compared nothing: it is not a mismatch)."""
@@ -405,10 +397,6 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, argv: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if _ranks(argv) > 1:  # many ranks: ckptio vs DCP on a sharded state (ranks.py)
-        from benchmarks import ranks
-
-        return ranks.main(argv)
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -444,16 +432,6 @@ def missing_numpy() -> str | None:
         return ("ckptio bench save-load needs numpy, which is not installed (its bitwise check "
                 "reads tensor bytes through it): pip install 'ckptio[bench]' (or pip install numpy)")
     return None
-
-
-def _ranks(argv: list[str]) -> int:
-    """The value of --ranks N / --ranks=N (1 when absent or not a number)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--ranks=") else (
-            argv[i + 1] if arg == "--ranks" and i + 1 < len(argv) else None)
-        if value is not None:
-            return int(value) if value.isdigit() else 1
-    return 1
 
 
 def cleanup(root: Path, created: bool) -> None:

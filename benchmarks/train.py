@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from benchmarks import worker_env
 # t_block is not used here: it stays importable from train (the tests use train.t_block).
-from benchmarks.train_report import (BASELINE, annotate, markdown, progress,  # noqa: F401
+from benchmarks.train_report import (BASELINE, annotate, checkpoint_steps, markdown, progress,  # noqa: F401
                                      summarize, t_block)
 
 if TYPE_CHECKING:
@@ -135,11 +135,6 @@ def checkpoint_state(model: GPT, opt: torch.optim.Optimizer, step: int,
     """What a training job saves: live references, no copies (engines must capture them)."""
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
             "rng": torch.get_rng_state(), "loader": {"epoch": 0, "index": step * batch, "seed": 7}}
-
-
-def checkpoint_steps(steps: int, every: int) -> list[int]:
-    """Every K-th step but the last: each checkpoint is followed by steps it can overlap."""
-    return list(range(every, steps, every))
 
 
 # ---------------------------------------------------------------- worker

@@ -28,6 +28,11 @@ LAZY_T_BLOCK_S = 0.020  # issue 15: lazy T_block <= 20 ms
 # ---------------------------------------------------------------- progress
 
 
+def checkpoint_steps(steps: int, every: int) -> list[int]:
+    """Every K-th step but the last: each checkpoint is followed by steps it can overlap."""
+    return list(range(every, steps, every))
+
+
 def progress(run: Run, index: int, total: int) -> str:
     head = f"[{index}/{total} rep {run['rep'] + 1}] {run['engine']}:"
     if "error" in run:
@@ -170,7 +175,6 @@ def table_row(r: dict[str, Any]) -> str:
 
 
 def markdown(summary: dict[str, Any], args: argparse.Namespace, command: str) -> str:
-    from benchmarks.train import checkpoint_steps  # train.py imports this module at its top
     from benchmarks.train_engines import ENGINES
 
     s, m, pool = summary["bytes"] or 0, summary["model"], summary["pool_bytes"]

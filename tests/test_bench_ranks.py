@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import ranks
 from benchmarks import ranks_state
-from benchmarks import save_load
+from ckptio import cli
 
 pytest.importorskip("torch.distributed.checkpoint")
 
@@ -26,7 +26,7 @@ def test_ranks_smoke(tmp_path):
             "--json", str(out / "r.json"), "--markdown", str(out / "r.md")]
     # DCP saves (the ratio's peer) but is not loaded, to keep the test short: the real run's
     # default --loads adds the DCP load and the N->1 load
-    rc = save_load.main(argv)  # the --ranks route of `ckptio bench save-load`
+    rc = cli.main(["bench", "save-load", *argv])  # the --ranks route of `ckptio bench save-load`
     report = json.loads((out / "r.json").read_text())
     errors = [r for r in report["runs"] if "error" in r]
     assert not errors, errors

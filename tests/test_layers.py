@@ -295,6 +295,13 @@ def test_no_import_circle_over_all_imports():
     assert not found, "import circles:\n  " + "\n  ".join(found)
 
 
+def test_no_import_circle_in_the_benchmarks():
+    """The peer benchmarks (benchmarks/, outside the package) form no import circle either:
+    shared pieces live in benchmarks/__init__.py or a module of their own (plan_model.py)."""
+    found = [c.text for c in circles(ROOT / BENCHMARKS)]
+    assert not found, "import circles:\n  " + "\n  ".join(found)
+
+
 def test_no_import_cycle():
     modules = package_modules()
     graph = runtime_graph(all_imports(), set(modules))

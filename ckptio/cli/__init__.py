@@ -41,6 +41,7 @@ without importing torch. docs/CLI.md says the rest.
 # `ckptio bench WHICH`: the peer benchmarks, modules of the repository's benchmarks/ folder (not
 # installed with ckptio, which never imports them otherwise); "io" is ckptio.tuning.io_study.
 PEER_BENCHMARKS = {"save-load": "save_load", "train": "train", "plan": "plan_scale"}
+MANY_RANKS = {"save-load": "ranks"}  # the benchmark a --ranks N > 1 of these runs instead
 
 
 def _checkout(module: str) -> str | None:
@@ -59,7 +60,8 @@ def _bench(which: str, rest: list[str]) -> int:
         from ckptio.tuning import io_study
 
         return io_study.main(rest)
-    module = PEER_BENCHMARKS[which]
+    module = MANY_RANKS[which] if which in MANY_RANKS and _ranks(rest) > 1 else (
+        PEER_BENCHMARKS[which])
     root = _checkout(module)
     if root is None:
         print(f"ckptio bench {which}: the peer benchmarks are not installed with ckptio; from a "
@@ -69,6 +71,16 @@ def _bench(which: str, rest: list[str]) -> int:
     if root not in sys.path:
         sys.path.insert(0, root)
     return importlib.import_module(f"benchmarks.{module}").main(rest)
+
+
+def _ranks(argv: list[str]) -> int:
+    """The value of --ranks N / --ranks=N (1 when absent or not a number)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--ranks=") else (
+            argv[i + 1] if arg == "--ranks" and i + 1 < len(argv) else None)
+        if value is not None:
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
