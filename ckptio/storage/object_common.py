@@ -3,7 +3,8 @@ handles, the errors of a commit another writer won and of a prefix without a man
 their step roots' pending removals of hidden steps.
 
 Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
-whose rules are the same whatever the service, kept once so that a fix reaches all three.
+whose rules are the same whatever the service, kept once so that a fix reaches all three (and
+the claim a store's exclusive() returns: ``LockClaim``).
 
 Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
 close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
@@ -21,7 +22,8 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio.errors import (
     CheckpointLockedError,
@@ -34,12 +36,34 @@ from ckptio.io.backend_contract import FileHandle
 from ckptio.storage import missing_manifest
 from ckptio.storage.steproot import Removal, warn
 
-__all__ = ["MARKER", "MARKER_BODY", "MarkedSteps", "OpenHandles", "lost_commit", "no_checkpoint"]
+__all__ = ["MARKER", "MARKER_BODY", "LockClaim", "MarkedSteps", "OpenHandles", "lost_commit",
+           "no_checkpoint"]
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
 MARKER = ".deleting"  # a step being removed: out of the listing, its removal pending
 MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
+
+
+class _Lock(Protocol):
+    def release(self) -> None: ...
+
+
+@dataclass
+class LockClaim:
+    """An object store's exclusive() claim on ``location``: its lock (released once), and what
+    the store saw of the committed manifest under it (``seen``: S3's and Azure's ETag or None,
+    GCS's generation or 0), which the commit makes its condition."""
+
+    location: str
+    lock: _Lock
+    seen: Any
+    released: bool = field(default=False)
+
+    def release(self, *, failed: bool = False) -> None:
+        if not self.released:
+            self.released = True
+            self.lock.release()
 
 
 class OpenHandles(Generic[T]):

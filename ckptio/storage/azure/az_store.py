@@ -10,7 +10,7 @@ lease, never replaces a newer checkpoint (409/412 -> CheckpointLockedError, noth
 Blob storage is strongly consistent: a listing after a write sees it. A killed save leaves at
 most uncommitted blocks, which no listing shows and the service drops after a week.
 
-Owns: AzureStore, AzureClaim. Does not own: the lock's lease (az_lock.py), URLs, the client and
+Owns: AzureStore. Does not own: the lock's lease (az_lock.py), URLs, the client and
 retries (az_client.py), the data path (az_backend.py), the order of a save.
 """
 
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage.object_common import lost_commit, no_checkpoint
+from ckptio.storage.object_common import LockClaim, lost_commit, no_checkpoint
 from ckptio.storage.azure import az_lock
 from ckptio.storage.azure.az_backend import AzureBackend, head
 from ckptio.storage.azure.az_client import (
@@ -51,24 +50,9 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["AzureClaim", "AzureStore"]
+__all__ = ["AzureStore"]
 
 _COPY_POLL_S = 0.05
-
-
-@dataclass
-class AzureClaim:
-    """AzureStore.exclusive()'s claim: the lock's lease, and the manifest ETag seen under it."""
-
-    location: str
-    lock: az_lock.AzureLock
-    seen: str | None  # the committed manifest's ETag when claimed (None: none committed)
-    released: bool = field(default=False)
-
-    def release(self, *, failed: bool = False) -> None:
-        if not self.released:
-            self.released = True
-            self.lock.release()
 
 
 class AzureStore:
@@ -121,13 +105,13 @@ class AzureStore:
             raise StorageIOError(f"checkpoint location {self.location} is a blob (a file); "
                                  "choose another location")
 
-    def exclusive(self, if_locked: str) -> AzureClaim:
+    def exclusive(self, if_locked: str) -> LockClaim:
         self.prepare()
         lock = az_lock.take(self.where, self.settings, check_if_locked(if_locked),
                             save=new_save_id())
         try:
             manifest = self._head(self.where.child(MANIFEST_NAME).name)
-            return AzureClaim(self.location, lock, None if manifest is None else manifest[1])
+            return LockClaim(self.location, lock, None if manifest is None else manifest[1])
         except BaseException:
             lock.release()
             raise
@@ -145,7 +129,7 @@ class AzureStore:
         """One Put Blob of the manifest; with ``held``, conditional on the ETag seen then."""
         from azure.core import MatchConditions
 
-        claim = claim_of(held, AzureClaim, self.location)
+        claim = claim_of(held, LockClaim, self.location)
         target = self.where.child(MANIFEST_NAME)
         blob, body = self._blob(target.name), bytes(manifest)
         condition: dict[str, Any] = {}

@@ -15,7 +15,7 @@ every rank's uploads completed. What it relies on:
 - an object appears only whole: a killed save leaves at most an unfinished resumable upload,
   which GCS drops on its own (nothing to list or remove).
 
-Owns: GcsStore, GcsClaim, the probe. Does not own: the lock object (gcs_lock.py), URLs, the client
+Owns: GcsStore, the probe. Does not own: the lock object (gcs_lock.py), URLs, the client
 and retries (gcs_client.py), the data path (gcs_backend.py), the order of a save.
 """
 
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage.object_common import lost_commit, no_checkpoint
+from ckptio.storage.object_common import LockClaim, lost_commit, no_checkpoint
 from ckptio.storage.files import Capabilities
 from ckptio.storage.gcs import gcs_lock as gcslock
 from ckptio.storage.gcs.gcs_backend import GcsBackend
@@ -55,26 +54,10 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["GcsClaim", "GcsStore"]
+__all__ = ["GcsStore"]
 
 _probed: set[tuple[GcsSettings, str]] = set()
 _probed_lock = threading.Lock()
-
-
-@dataclass
-class GcsClaim:
-    """GcsStore.exclusive()'s claim: the lock object, and the manifest generation seen under it
-    (0: none committed)."""
-
-    location: str
-    lock: gcslock.GcsLock
-    seen: int
-    released: bool = field(default=False)
-
-    def release(self, *, failed: bool = False) -> None:
-        if not self.released:
-            self.released = True
-            self.lock.release()
 
 
 class GcsStore:
@@ -157,13 +140,13 @@ class GcsStore:
                     "at a time (an emulator)")
             _probed.add(key)
 
-    def exclusive(self, if_locked: str) -> GcsClaim:
+    def exclusive(self, if_locked: str) -> LockClaim:
         self.prepare()
         lock = gcslock.take(self.where, self.settings, check_if_locked(if_locked),
                             save=new_save_id())
         try:
             blob = self._get(self.where.child(MANIFEST_NAME).key)
-            return GcsClaim(self.location, lock, 0 if blob is None else int(blob.generation))
+            return LockClaim(self.location, lock, 0 if blob is None else int(blob.generation))
         except BaseException:
             lock.release()
             raise
@@ -178,7 +161,7 @@ class GcsStore:
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """One upload of the manifest; with ``held``, conditional on the generation seen then."""
-        claim = claim_of(held, GcsClaim, self.location)
+        claim = claim_of(held, LockClaim, self.location)
         blob, body = self._blob(MANIFEST_NAME), bytes(manifest)
         condition = {}
         if claim is not None and self.capabilities.conditional_commit:

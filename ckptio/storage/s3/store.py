@@ -16,7 +16,7 @@ uploads straight from the staging pool, ranged GETs); the commit is one PutObjec
 - S3 makes an object visible only whole: a killed save leaves at most open multipart uploads,
   which names() lists and remove() aborts, so the next save's cleanup removes them.
 
-Owns: S3Store, S3Claim, the probe. Does not own: the lock object's protocol (lock.py), URLs,
+Owns: S3Store, the probe. Does not own: the lock object's protocol (lock.py), URLs,
 the client and retries (client.py), the data path (backend.py), the order of a save.
 """
 
@@ -26,13 +26,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage.object_common import lost_commit, no_checkpoint
+from ckptio.storage.object_common import LockClaim, lost_commit, no_checkpoint
 from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
@@ -51,26 +50,11 @@ from ckptio.storage.s3.backend import S3Backend
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, not_s3, status
 from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["S3Claim", "S3Store"]
+__all__ = ["S3Store"]
 
 log = logging.getLogger("ckptio")
 _probed: dict[tuple[S3Settings, str], bool] = {}
 _probed_lock = threading.Lock()
-
-
-@dataclass
-class S3Claim:
-    """S3Store.exclusive()'s claim: the lock object, and the manifest ETag seen under it."""
-
-    location: str
-    lock: s3lock.S3Lock
-    seen: str | None  # the committed manifest's ETag when claimed (None: none committed)
-    released: bool = field(default=False)
-
-    def release(self, *, failed: bool = False) -> None:
-        if not self.released:
-            self.released = True
-            self.lock.release()
 
 
 class S3Store:
@@ -176,13 +160,13 @@ class S3Store:
                     "only one save ever writes a location at a time")
             _probed[key] = True
 
-    def exclusive(self, if_locked: str) -> S3Claim:
+    def exclusive(self, if_locked: str) -> LockClaim:
         self.prepare()
         lock = s3lock.take(self.where, self.settings, check_if_locked(if_locked),
                            save=new_save_id())
         try:
             head = self._head(self.where.child(MANIFEST_NAME).key)
-            return S3Claim(self.location, lock, None if head is None else head[1])
+            return LockClaim(self.location, lock, None if head is None else head[1])
         except BaseException:
             lock.release()
             raise
@@ -205,7 +189,7 @@ class S3Store:
 
     def commit(self, manifest: bytes, save_id: str, held: Exclusive | None = None) -> None:
         """One PutObject of the manifest; with ``held``, conditional on the ETag seen then."""
-        claim = claim_of(held, S3Claim, self.location)
+        claim = claim_of(held, LockClaim, self.location)
         target, c = self.where.child(MANIFEST_NAME), self._client
         condition: dict[str, str] = {}
         if claim is not None and self.capabilities.conditional_commit:
