@@ -4,7 +4,8 @@ their step roots' pending removals of hidden steps.
 
 Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
 whose rules are the same whatever the service, kept once so that a fix reaches all three (and
-the claim a store's exclusive() returns: ``LockClaim``).
+the claim a store's exclusive() returns: ``LockClaim``; a save's wait for a lock another save
+holds: ``LockWait``).
 
 Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
 close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -36,7 +38,7 @@ from ckptio.io.backend_contract import FileHandle
 from ckptio.storage import missing_manifest
 from ckptio.storage.steproot import Removal, warn
 
-__all__ = ["MARKER", "MARKER_BODY", "LockClaim", "MarkedSteps", "OpenHandles", "lost_commit",
+__all__ = ["MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedSteps", "OpenHandles", "lost_commit",
            "no_checkpoint"]
 
 log = logging.getLogger("ckptio")
@@ -64,6 +66,29 @@ class LockClaim:
         if not self.released:
             self.released = True
             self.lock.release()
+
+
+class LockWait:
+    """A save's wait for the lock of ``url`` while another save holds it: ``busy(other)`` after
+    each failed try refuses at once (``if_locked="raise"``), else warns once (``lapse`` says when
+    a dead holder's lock is taken over) and sleeps, a little longer each time, up to ``most_s``."""
+
+    def __init__(self, url: str, if_locked: str, lapse: str, most_s: float = 5.0) -> None:
+        self.url, self.if_locked, self.lapse, self.most_s = url, if_locked, lapse, most_s
+        self.waited, self.pause = False, 0.2
+
+    def busy(self, other: str) -> None:
+        if self.if_locked == "raise":
+            raise CheckpointLockedError(
+                f"{self.url} is being saved by another save ({other}); this save did not "
+                "start and the checkpoint there is untouched: wait for that save to finish, "
+                "save to another location, or use Options(if_locked='wait') to wait for it")
+        if not self.waited:
+            log.warning("ckptio: waiting for the lock of %s: another save is running there "
+                        "(%s); %s", self.url, other, self.lapse)
+            self.waited = True
+        time.sleep(self.pause)
+        self.pause = min(self.most_s, self.pause * 1.5)
 
 
 class OpenHandles(Generic[T]):

@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError, CkptError
+from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.azure.az_client import (
     AzPath,
@@ -33,11 +32,11 @@ from ckptio.storage.azure.az_client import (
 )
 from ckptio.storage.azure.az_settings import AzureSettings
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.object_common import LockWait
 
 __all__ = ["AzureLock", "take"]
 
 log = logging.getLogger("ckptio")
-_POLL_FIRST_S, _POLL_MAX_S = 0.2, 2.0
 
 
 @dataclass
@@ -85,7 +84,8 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
     where = location.child(LOCK_NAME)
     blob = container(settings, where.container).get_blob_client(where.name)
     body = json.dumps({**holders.me(), "save": save, "lease_s": settings.lock_lease_s}).encode()
-    waited, pause = False, _POLL_FIRST_S
+    wait = LockWait(location.url, if_locked, f"its lease lapses {settings.lock_lease_s} s "
+                    "after its holder stops renewing it", most_s=2.0)
     while True:
         checked(settings, f"creating the lock {where.url}", lambda t: blob.upload_blob(
             body, overwrite=False, **t), none_on=(409, 412))  # there already: leased or not
@@ -101,18 +101,7 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
         if _took_over(blob, where, settings, holder, etag):
             continue
         other = _holder_text(holder, where)
-        if if_locked == "raise":
-            raise CheckpointLockedError(
-                f"{location.url} is being saved by another save ({other}); this save did not "
-                "start and the checkpoint there is untouched: wait for that save to finish, "
-                "save to another location, or use Options(if_locked='wait') to wait for it")
-        if not waited:
-            log.warning("ckptio: waiting for the lock of %s: another save is running there "
-                        "(%s); its lease lapses %d s after its holder stops renewing it",
-                        location.url, other, settings.lock_lease_s)
-            waited = True
-        time.sleep(pause)
-        pause = min(_POLL_MAX_S, pause * 1.5)
+        wait.busy(other)
 
 
 def _holder(blob: Any, where: AzPath,

@@ -24,20 +24,19 @@ import datetime
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError, CkptError
+from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.object_common import LockWait
 from ckptio.storage.gcs.gcs_client import GcsPath, call, client, errors, failed, missing, status
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 
 __all__ = ["LOCK_NAME", "GcsLock", "take"]
 
 log = logging.getLogger("ckptio")
-_POLL_FIRST_S, _POLL_MAX_S = 0.2, 5.0
 _held: set[str] = set()  # lock URLs this process holds
 _held_lock = threading.Lock()
 
@@ -120,7 +119,8 @@ def take(location: GcsPath, settings: GcsSettings, if_locked: str, save: str) ->
     """Take the lock of ``location`` ("wait" until free or stale, or "raise")."""
     where = location.child(LOCK_NAME)
     holder = {**holders.me(), "save": save, "lease_s": settings.lock_lease_s}
-    waited, pause = False, _POLL_FIRST_S
+    wait = LockWait(location.url, if_locked, "a lock is taken over once its holder stops "
+                    f"renewing it for {settings.lock_lease_s:.0f} s")
     while True:
         generation = _try(where, settings, holder)
         if generation is not None:
@@ -128,18 +128,7 @@ def take(location: GcsPath, settings: GcsSettings, if_locked: str, save: str) ->
             lock.start_renewing()
             return lock
         other = _holder_text(where, settings)
-        if if_locked == "raise":
-            raise CheckpointLockedError(
-                f"{location.url} is being saved by another save ({other}); this save did not "
-                "start and the checkpoint there is untouched: wait for that save to finish, "
-                "save to another location, or use Options(if_locked='wait') to wait for it")
-        if not waited:
-            log.warning("ckptio: waiting for the lock of %s: another save is running there "
-                        "(%s); a lock is taken over once its holder stops renewing it for "
-                        "%.0f s", location.url, other, settings.lock_lease_s)
-            waited = True
-        time.sleep(pause)
-        pause = min(_POLL_MAX_S, pause * 1.5)
+        wait.busy(other)
 
 
 def _try(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int | None:

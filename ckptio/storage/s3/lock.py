@@ -25,14 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
 from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.object_common import LockWait
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
 from ckptio.storage.s3.settings import S3Settings
@@ -40,7 +39,6 @@ from ckptio.storage.s3.settings import S3Settings
 __all__ = ["LOCK_NAME", "S3Lock", "take"]
 
 log = logging.getLogger("ckptio")
-_POLL_FIRST_S, _POLL_MAX_S = 0.2, 5.0
 
 
 @dataclass
@@ -106,7 +104,8 @@ def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S
     """Take the lock of ``location`` ("wait" until free or stale, or "raise")."""
     where = location.child(LOCK_NAME)
     holder = {**holders.me(), "save": save, "lease_s": settings.lock_lease_s}
-    waited, pause = False, _POLL_FIRST_S
+    wait = LockWait(location.url, if_locked, "a lock is taken over once its holder stops "
+                    f"renewing it for {settings.lock_lease_s:.0f} s")
     while True:
         etag = _create(where, settings, holder)
         if etag is None:
@@ -116,18 +115,7 @@ def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S
             lock.start_renewing()
             return lock
         other = _holder_text(where, settings)
-        if if_locked == "raise":
-            raise CheckpointLockedError(
-                f"{location.url} is being saved by another save ({other}); this save did not "
-                "start and the checkpoint there is untouched: wait for that save to finish, "
-                "save to another location, or use Options(if_locked='wait') to wait for it")
-        if not waited:
-            log.warning("ckptio: waiting for the lock of %s: another save is running there "
-                        "(%s); a lock is taken over once its holder stops renewing it for "
-                        "%.0f s", location.url, other, settings.lock_lease_s)
-            waited = True
-        time.sleep(pause)
-        pause = min(_POLL_MAX_S, pause * 1.5)
+        wait.busy(other)
 
 
 def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
