@@ -127,7 +127,7 @@ class Ckptio:
     def restore(self) -> tuple[int, str]:
         step = self.mgr.restore(self.state)
         info = self.mgr.last_restore or {}
-        where = info.get("source") or f"tier {info.get('tier')}"
+        where = info.get("source") or ("disk" if info.get("tier") is not None else "?")
         return step or 0, str(where) if step else "none"
 
     def save(self, step: int) -> None:
@@ -146,13 +146,32 @@ class Ckptio:
 
 class Peer:
     """DCP (``dcp.save`` / ``dcp.load`` of one global checkpoint, each rank's keys its own) or
-    torch_checkpointing (its sync CheckpointManager, one directory per rank), to the disk every
-    ``every`` steps; a step counts once every rank's save of it is durable."""
+    torch_checkpointing (its sync CheckpointManager: each rank its own file, rank 0 renames the
+    step's directory into place after its barrier), to the disk every ``every`` steps; a step
+    counts once committed (DCP's .metadata written, tc's directory in place)."""
 
     def __init__(self, cfg: dict[str, Any], rank: int, model: Any, opt: Any) -> None:
         self.cfg, self.rank, self.model, self.opt = cfg, rank, model, opt
         self.root = Path(cfg["dir"]) / "disk"
         self.dcp = cfg["source"] == "dcp"
+        self.first = 0  # the step resumed from
+
+    def _tc(self, step: int) -> Any:
+        """torch_checkpointing's sync manager (as ckptio/testing/tc_peer.py makes it), its
+        barrier's generation named by the step resumed from and the step: its default (the
+        agent's restart count and a counter) differs on a replacement host, whose agent's
+        count starts at 0, and the first save after the resume then waits forever."""
+        from torch_checkpointing.barriers import DefaultStoreBarrierConfig
+        from torch_checkpointing.checkpoint_manager import CheckpointManager
+        from torch_checkpointing.checkpoint_writer import CheckpointWriterConfig
+        from torch_checkpointing.config import SyncCheckpointSaverConfig
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+        barrier = DefaultStoreBarrierConfig(generation=f"from{self.first}.{step}")
+        return CheckpointManager(CheckpointManager.Config(
+            save=SyncCheckpointSaverConfig(
+                writer_config=CheckpointWriterConfig(barrier_config=barrier)),
+            storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
 
     def _state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -161,10 +180,8 @@ class Peer:
         return {f"rank{self.rank}": {"model": msd, "optim": osd}}
 
     def _done(self, step: int) -> bool:
-        where = self.root / f"step-{step}"
-        if self.dcp:
-            return (where / ".metadata").exists()
-        return all((where / f"r{r}.done").exists() for r in range(self.cfg["world"]))
+        where = self.root / f"step-{step}"  # DCP: rank 0 writes .metadata last; tc: rank 0
+        return (where / ".metadata").exists() if self.dcp else where.is_dir()  # renames last
 
     def restore(self) -> tuple[int, str]:
         import torch.distributed.checkpoint as dcp
@@ -180,9 +197,8 @@ class Peer:
         if self.dcp:
             dcp.load(state, checkpoint_id=str(where))
         else:
-            from ckptio.testing.tc_peer import manager
-
-            manager(()).load(str(where / f"r{self.rank}"), into={"state": state})
+            self._tc(step).load(str(where), into={"state": state})
+            self.first = step
         mine = state[f"rank{self.rank}"]
         set_state_dict(self.model, self.opt, model_state_dict=mine["model"],
                        optim_state_dict=mine["optim"])
@@ -198,11 +214,7 @@ class Peer:
             dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(str(where),
                                                                         sync_files=True))
         else:
-            from ckptio.testing.tc_peer import manager
-
-            manager(()).save(str(where / f"r{self.rank}"), {"state": self._state()})
-            os.sync()
-            (where / f"r{self.rank}.done").write_text("ok")
+            self._tc(step).save(str(where), {"state": self._state()})  # its state_<rank>.pt
         os.sync()
 
     def settle(self) -> None:
@@ -222,7 +234,9 @@ def run(cfg: dict[str, Any], ev: Events) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - every source's imports, before "imported"
     from torch.distributed.checkpoint import state_dict  # noqa: F401
 
-    import ckptio  # noqa: F401
+    import torch_checkpointing.checkpoint_manager  # noqa: F401
+
+    import ckptio.manager  # noqa: F401 - ckptio imports its modules lazily
 
     ev("imported")
     torch.set_num_threads(1)
