@@ -118,8 +118,11 @@ class Agents:
     def start(self, i: int) -> None:
         host = self.hosts.hosts[i]
         env = {**worker_env(), "OMP_NUM_THREADS": "1", "CKPTIO_SHM_DIR": host.shm_dir,
-               "BENCH_HOST": str(i), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # doc: see the page
-               "BENCH_PARENT_UTS": os.readlink("/proc/self/ns/uts"), "GLOO_SOCKET_IFNAME": "eth0" if self.netns else "lo"}
+               "BENCH_HOST": str(i), "BENCH_PARENT_UTS": os.readlink("/proc/self/ns/uts"),
+               "GLOO_SOCKET_IFNAME": "eth0" if self.netns else "lo",
+               # a replacement agent waits forever for the shared store's MASTER_ADDR key
+               # otherwise (docs/BENCH_RECOVERY.md, "Settings the run needs")
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if not self.netns:
             env["CKPTIO_HOST_ID"] = host.name
         log = open(self.work / f"agent-h{i}-{len(self.all)}.log", "wb")  # noqa: SIM115
@@ -234,7 +237,9 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
     cfg_path = work / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     run: dict[str, Any] = {"source": source, "rep": rep, "cfg": cfg}
-    tmpfs = f"{max(64, int(8 * args.mb))}m"
+    # a host's tmpfs: its rank's steps (the newest, the protected one, one being written) and
+    # as many copies for its partner, or parity (a bound, not an allocation)
+    tmpfs = f"{max(64, int(12 * args.mb))}m"
     with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size=tmpfs) as hosts:
         run["mode"], run["hosts"] = hosts.mode, hosts.describe()
         agents = Agents(args, hosts, cfg_path, work)

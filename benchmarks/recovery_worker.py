@@ -115,7 +115,7 @@ class Ckptio:
         source = cfg["source"]
         if source in MEMORY:
             red = ckptio.Partners(1) if source == "partners" else ckptio.Parity(k=cfg["k"])
-            tiers = [ckptio.Tier("shm://run", keep_last=2, redundancy=red),
+            tiers = [ckptio.Tier("shm://run", keep_last=1, redundancy=red),  # + the protected
                      ckptio.Tier(disk, every=cfg["every"], keep_last=2)]
         else:
             tiers = [ckptio.Tier(disk, keep_last=2)]
@@ -227,17 +227,23 @@ class Peer:
 # ------------------------------------------------------------------ the job
 
 
+def _import(source: str) -> None:
+    """The source's library imported before "imported" (as a job imports what it uses; ckptio
+    imports its modules lazily, so its manager is named here)."""
+    import importlib
+
+    names = {"dcp": ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"],
+             "tcp": ["torch.distributed.checkpoint.state_dict",
+                     "torch_checkpointing.checkpoint_manager"]}.get(source, ["ckptio.manager"])
+    for name in names:
+        importlib.import_module(name)
+
+
 def run(cfg: dict[str, Any], ev: Events) -> None:
     import torch
     import torch.distributed as dist
 
-    import torch.distributed.checkpoint  # noqa: F401 - every source's imports, before "imported"
-    from torch.distributed.checkpoint import state_dict  # noqa: F401
-
-    import torch_checkpointing.checkpoint_manager  # noqa: F401
-
-    import ckptio.manager  # noqa: F401 - ckptio imports its modules lazily
-
+    _import(cfg["source"])
     ev("imported")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
