@@ -269,8 +269,11 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
         run["events"] = read_events(work / "events")
         run["logs"] = {p.name: p.read_bytes()[-3000:].decode(errors="replace")
                        for p in sorted(work.glob("agent-*.log"))}
-    if "error" not in run and run.get("codes") == [0] * args.hosts:  # else kept for a look
+    if "error" not in run and run.get("codes") == [0] * args.hosts:
         shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"{source} rep {rep} failed: its files (agents' logs, events) kept in {work}",
+              file=sys.stderr, flush=True)
     return run
 
 

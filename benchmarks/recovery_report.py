@@ -182,8 +182,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"Hosts: {a['hosts']} ({result['mode']}), one rank each; {a['mb']} MiB per rank; "
              f"killed: {a['kill']} {a['victim']} after step {a['kill_step']} (+{a['kill_delay']} s); "
              f"disk saves every {a['every']} steps; medians of {a['reps']} run(s). Seconds.\n",
-             "| source | runs ok | " + " | ".join(PHASES) + " | kill -> step | restore | "
-             "restore share |", "|---" * (len(PHASES) + 5) + "|"]
+             "| source | runs ok | " + " | ".join(PHASES) + " | kill -> step | restore, slowest rank "
+             "| restore share |", "|---" * (len(PHASES) + 5) + "|"]
     for source, b in s["by_source"].items():
         lines.append(f"| {source} | {b['n']}/{b['of']} | "
                      + " | ".join(_s(b["phases"][p]) for p in PHASES)
