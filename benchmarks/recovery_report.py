@@ -197,10 +197,12 @@ def markdown(result: dict[str, Any], command: str) -> str:
         lines.append(f"| {source} | {_mark(b['total_s'] is not None and b['total_s'] <= TOTAL_S)}"
                      f" | {_mark(b['share'] is not None and b['share'] <= RESTORE_SHARE)} | "
                      f"{_mark(bool(runs) and all(r.get('bitwise') for r in runs))} |")
-    lines += ["", "Each run (moments from the kill; restored step and source per rank):", ""]
+    lines += ["", "Each run (moments from the kill; per rank the step and source restored, and "
+              "its restore's seconds: manager made + restore / the restore call alone):", ""]
     for r in s["runs"]:
         d = r.get("detail", {})
-        ranks = ", ".join(f"{x['step']}:{x['source']}" for x in r.get("ranks", []))
+        ranks = ", ".join(f"{x['step']}:{x['source']} {x['restore_s']:.2f}/{x['call_s']:.2f}"
+                          for x in r.get("ranks", []))
         lines.append(f"- {r['source']} rep {r['rep']}: {'ok' if r['ok'] else 'FAILED'}; total "
                      f"{_s(r.get('total_s'))}; " + ", ".join(f"{k} {_s(v)}" for k, v in d.items())
                      + f"; restored [{ranks}]" + (f"; why: {r['why']}" if r.get("why") else ""))
