@@ -10,6 +10,7 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.compress --reps 3                # docs/BENCH_COMPRESS.md
     python -m benchmarks.compress_study --reps 3          # docs/PROBES.md (codecs)
     python -m benchmarks.redundancy --hosts 4 --reps 3    # docs/BENCH_REDUNDANCY.md
+    python -m benchmarks.recovery --hosts 4 --mb 256 --reps 3  # docs/BENCH_RECOVERY.md
     python -m benchmarks.node_budget --ranks 4 --gb 1 --budget-gb 2  # docs/BENCH_RANKS.md
     python -m benchmarks.read_once --ranks 4 --gb 0.4     # docs/BENCH_RANKS.md
     python -m benchmarks.read_once_hosts --gb 0.2         # docs/BENCH_RANKS.md

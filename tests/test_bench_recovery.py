@@ -1,0 +1,107 @@
+"""The recovery benchmark (benchmarks/recovery.py, docs/BENCH_RECOVERY.md): its smoke run as a
+user types it (``python -m benchmarks.recovery --quick``, a fresh process: 2 hosts, torchrun's
+elastic agents, host 1 killed, its memory wiped, a replacement agent) restores every rank from a
+checkpoint (host 1 from its partner's copy) and ends bitwise where an uninterrupted run does, with
+every phase on the time line; and the report's phases from hand-made events: they add up to the
+total, a wrong final state or a rank started fresh fails the run.
+
+The smoke run takes the best hosts possible here (network namespaces as root; else hosts simulated
+on 127.0.0.1 with CKPTIO_HOST_ID, as tests/test_hosts.py does), and says which in its output.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.recovery import QUICK, parse_args
+from benchmarks.recovery_report import PHASES, markdown, summarize, timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_recovers_bitwise(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--quick", "--timeout",
+                           "120", "--dir", str(tmp_path / "w"), "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (run,) = result["summary"]["runs"]
+    assert run["ok"] and run["bitwise"], run.get("why")
+    assert [r["step"] for r in run["ranks"]] == [2, 2]  # the kill step, protected on both
+    assert [r["source"] for r in run["ranks"]] == ["own", "partner"]
+    assert all(run["phases"][p] is not None and run["phases"][p] >= 0 for p in PHASES)
+    assert abs(sum(run["phases"].values()) - run["total_s"]) < 1e-6
+    assert run["detail"]["replacement_agent_ready"] is not None  # host 1's agent was replaced
+    assert "| partners | 1/1 |" in done.stdout
+
+
+def _ev(t: float, ev: str, kind: str, pid: int, **extra: Any) -> dict[str, Any]:
+    return {"t": t, "ev": ev, "kind": kind, "pid": pid, **extra}
+
+
+def _run(digests: list[str], restored: tuple[int, int] = (4, 4)) -> dict[str, Any]:
+    """Two hosts, host 1 killed at t=100: its old agent (pid 2) gone, a replacement (pid 3)."""
+    events = [_ev(90, "agent_start", "a", 1, host="0"), _ev(90, "agent_start", "a", 2, host="1")]
+    events += [_ev(100.5, "workers_failed", "a", 1, host="0"),
+               _ev(100.6, "rendezvous_begin", "a", 1, host="0"),
+               _ev(100.2, "agent_start", "a", 3, host="1"),
+               _ev(102.0, "agent_ready", "a", 3, host="1"),
+               _ev(102.1, "rendezvous_begin", "a", 3, host="1")]
+    for pid in (1, 3):
+        events += [_ev(103, "rendezvous_end", "a", pid, host=str(pid // 3)),
+                   _ev(103.1, "start_workers_end", "a", pid, host=str(pid // 3)),
+                   _ev(120, "agent_exit", "a", pid, host=str(pid // 3))]
+    for rank in (0, 1):
+        pid = 10 + rank
+        events += [_ev(103.2, "start", "w", pid, rank=rank), _ev(105, "imported", "w", pid, rank=rank),
+                   _ev(105.1 + rank, "pg", "w", pid, rank=rank),
+                   _ev(106.5, "built", "w", pid, rank=rank),
+                   _ev(107, "engine", "w", pid, rank=rank),
+                   _ev(107.5 + rank / 10, "restored", "w", pid, rank=rank, step=restored[rank],
+                       source="own"),
+                   _ev(108, "step", "w", pid, rank=rank, step=5),
+                   _ev(109, "final", "w", pid, rank=rank, digest=digests[rank])]
+    return {"source": "partners", "rep": 0, "t_kill": 100.0, "victim": 1, "codes": [0, 0],
+            "cfg": {"kill": "host"}, "events": sorted(events, key=lambda e: e["t"])}
+
+
+def test_phases_add_up_from_events() -> None:
+    out = timeline(_run(["a", "b"]), ["a", "b"])
+    assert out["ok"], out["why"]
+    got = {k: round(v, 3) for k, v in out["phases"].items()}
+    assert got == {"detection": 0.5, "relaunch": 1.6, "rendezvous": 4.0, "build": 0.4,
+                   "restore": 1.1, "first_step": 0.4}
+    assert round(out["total_s"], 3) == 8.0 and round(out["restore_s"], 3) == 1.1
+    assert out["detail"]["replacement_agent_ready"] == pytest.approx(2.0)
+
+
+def test_wrong_state_or_a_fresh_start_fails_the_run() -> None:
+    wrong = timeline(_run(["a", "x"]), ["a", "b"])
+    assert not wrong["ok"] and "ranks [1]" in wrong["why"]
+    fresh = timeline(_run(["a", "b"], restored=(4, 0)), ["a", "b"])
+    assert not fresh["ok"] and "not every rank from a checkpoint" in fresh["why"]
+
+
+def test_report_marks_targets() -> None:
+    result = {"args": {"hosts": "2", "mb": "2", "kill": "host", "victim": "1", "kill_step": "4",
+                       "kill_delay": "0.3", "every": "2", "reps": "1"}, "mode": "netns",
+              "reference": ["a", "b"], "runs": [_run(["a", "b"])]}
+    result["summary"] = summarize(result)
+    text = markdown(result, "python -m benchmarks.recovery ...")
+    assert "| partners | met | met | met |" in text  # 8.0 s <= 10 s; 1.1 / 8.0 <= 20 %
+
+
+def test_quick_defaults_and_checks() -> None:
+    args = parse_args(["--quick", "--steps", "6"])
+    assert args.hosts == QUICK["hosts"] and args.sources == "partners" and args.steps == 6
+    full = parse_args([])
+    assert (full.hosts, full.mb, full.sources) == (4, 256, "partners,parity,disk,dcp,tcp")
+    with pytest.raises(SystemExit):
+        parse_args(["--victim", "0"])  # host 0 holds the rendezvous store
