@@ -8,6 +8,7 @@ the storage is) and checks its pieces bitwise."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any
 
@@ -71,9 +72,13 @@ def save_one(path: str) -> None:
     ckptio.save(full_state(), path, options=options())
 
 
-def load_sharded(rank: int, world: int, path: str, broadcast: bool = True) -> dict[str, Any]:
-    """Load onto ``world`` ranks (2+-dim tensors Shard(0), the 1-D one Replicate) -> the bytes
-    this rank read, its warnings, and whether every local piece is the saved one's."""
+def load_sharded(rank: int, world: int, path: str, broadcast: bool = True,
+                 hosts: bool = True) -> dict[str, Any]:
+    """Load onto ``world`` ranks (2+-dim tensors Shard(0), the 1-D one Replicate), each playing
+    a host of its own (``hosts``; else all on this one) -> the bytes this rank read, its
+    warnings, and whether every local piece is the saved one's."""
+    if hosts:
+        os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

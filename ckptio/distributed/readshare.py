@@ -43,6 +43,7 @@ from ckptio.format.checksum import TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read
 from ckptio.io.stage import torch_dtype
 from ckptio.planning.shared_reads import Share, Want, assign, shared_blocks, unit_name
+from ckptio.storage.holder import host_id
 
 __all__ = ["Known", "ReadPlace", "ReadWith", "SharedReads"]
 
@@ -153,6 +154,7 @@ class SharedReads:
         on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
         mine = {"on": on, "wire": self._generation(),
                 "units": [[u.name, u.entry.nbytes] for u in units], "nwhole": nwhole,
+                "host": host_id(),
                 "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
         self.pending = None
         try:
@@ -271,8 +273,7 @@ def _decide(messages: list[bytes]) -> list[bytes]:
     mine = [json.loads(m) for m in messages]
     if not all(m["on"] for m in mine):
         return [b'{"shared": false}'] * len(mine)
-    shares = assign([[Want(n, b) for n, b in m["units"]] for m in mine],
-                    [m["alone"] for m in mine])
+    shares = assign(_wants(mine), [m["alone"] for m in mine])
     if not any(s.sends_or_receives for s in shares):
         return [b'{"shared": false}'] * len(mine)
     generations = {m["wire"] for m in mine}
@@ -301,3 +302,15 @@ def _split(share: Share, nwhole: int) -> tuple[Share, Share]:
                      {i: to for i, to in share.to.items() if keep(i)})
 
     return part(lambda i: i < nwhole), part(lambda i: i >= nwhole)
+
+
+def _wants(mine: list[dict[str, Any]]) -> list[list[Want]]:
+    """Every rank's units as wants; a block that only ranks of one host want is each one's
+    own (its name made the rank's): they read it through that host's page cache, which fetches
+    it from storage once (loading/shared_blocks.py), and a send would cost them more."""
+    hosts: dict[str, set[str]] = {}
+    for m in mine:
+        for name, _nbytes in m["units"][m["nwhole"]:]:
+            hosts.setdefault(name, set()).add(m["host"])
+    return [[Want(n if i < m["nwhole"] or len(hosts[n]) > 1 else f"{n}@{rank}", b)
+             for i, (n, b) in enumerate(m["units"])] for rank, m in enumerate(mine)]
