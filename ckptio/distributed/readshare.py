@@ -101,7 +101,7 @@ class SharedReads:
                                                  for i, to in decision["to"].items()})
         whole, parts = _split(share, len(units))
         wire = _Wire(self.members, self.timeout_s, decision["wire"])
-        nbytes, known, failed = 0, {}, {}
+        nbytes, known, failed = 0, Known(), dict[int, str]()
         if decision.get("blocks"):  # every rank takes the blocks step, or none
             nbytes, known, failed = self._blocks(units + blocks, parts, read, place, wire)
         self.pending = "read"
