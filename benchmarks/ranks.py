@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "loads are `ckptio.load(path, state)` with the defaults (nothing made before "
                    "the clock); every load is timed twice in its processes, the first and a "
                    "later one, each from a cold page cache; each rank's reads are sampled")
+    p.add_argument("--host-per-rank", action="store_true", help="each rank plays a host of its "
+                   "own (CKPTIO_HOST_ID): a resharded load's shared checksum blocks are read by "
+                   "one rank and sent, as across hosts")
     # worker side
     p.add_argument("--worker", help=argparse.SUPPRESS)  # save:ENGINE | load:ENGINE:WORLD | expect
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -342,7 +345,8 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
     failed: Run = {"job": worker, "rep": rep, "ranks": world}
     t0 = time.perf_counter()
     procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(world)]
+                              stderr=subprocess.PIPE, text=True, env=_rank_env(args, env, r))
+             for r in range(world)]
     outs: list[tuple[str, str]] = []
     try:
         for p in procs:
@@ -428,6 +432,13 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             runs.append(run_ceiling(args, rep))
             print(progress(runs[-1]), file=sys.stderr, flush=True)
     return runs
+
+
+def _rank_env(args: argparse.Namespace, env: dict[str, str], rank: int) -> dict[str, str]:
+    """A worker's environment: with --host-per-rank, a host id of its own (CKPTIO_HOST_ID), so
+    that ckptio treats the ranks as on separate hosts (shared checksum blocks sent between
+    them, not read by each through one page cache)."""
+    return {**env, "CKPTIO_HOST_ID": f"bench-host-{rank}"} if args.host_per_rank else env
 
 
 # ---------------------------------------------------------------- entry point

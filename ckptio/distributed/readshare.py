@@ -1,11 +1,16 @@
 """The read step of an in-place load with peers: each stored entry that several ranks want whole
-(a replicated tensor: plain DDP, HSDP's replicas, TP-replicated norms) is read from storage by
-one of them and sent to the others (Options.broadcast_replicated).
+(a replicated tensor: plain DDP, HSDP's replicas, TP-replicated norms), and each checksum block
+that several ranks' resharded pieces want part of (a cut between their regions inside it), is
+read from storage by one of them and sent to the others (Options.broadcast_replicated).
 
-    plan       every rank names the entries it reads whole (planning/shared_reads.py); the
-               coordinator picks each shared one's owner and answers every rank (one step)
+    plan       every rank names the entries it reads whole and the blocks it wants part of
+               (planning/shared_reads.py); the coordinator picks each shared one's owner and
+               answers every rank (one step)
+    blocks     (where blocks are shared) owners read their shared blocks; one step: all read,
+               or all fail; then the blocks are exchanged and checked (sendreads.py)
     read       each rank reads from storage what it owns, what it alone wants and every other
-               region (resharded ones), as without peers; then one step: all read, or all fail
+               region (resharded ones, the shared blocks it holds taken from memory: ``Known``),
+               as without peers; then one step: all read, or all fail
     exchange   owners send, the others receive and check (sendreads.py), over a gloo group of
                the load's own, its timeout Options.rank_timeout_s (made once, kept for later loads)
 
@@ -14,7 +19,7 @@ units are read from storage, with a warning naming it and why (the load's final 
 fails on every rank if it is gone). Every rank runs the step once: with its reads
 (``__call__``), or with the error it met before (``fail``).
 
-Owns: the two steps, the wire group, the fallback. Does not own: the messages' bytes
+Owns: the steps, the wire group, the fallback. Does not own: the messages' bytes
 (sendreads.py), the decisions (planning/shared_reads.py), the reads themselves (loading/).
 """
 
@@ -26,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,14 +39,24 @@ from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import RankFailedError
-from ckptio.format.checksum import ALGORITHMS
+from ckptio.format.checksum import ALGORITHMS, TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
-from ckptio.planning.shared_reads import Share, Want, assign, unit_name
+from ckptio.planning.shared_reads import Share, Want, assign, shared_blocks, unit_name
+from ckptio.storage.holder import host_id
 
-__all__ = ["ReadPlace", "SharedReads"]
+__all__ = ["Known", "ReadPlace", "ReadWith", "SharedReads"]
 
-ReadFn = Callable[[list[Read]], int]
+Known = dict[str, list[tuple[int, torch.Tensor]]]  # file -> (offset, the bytes there, uint8)
+
+
+class ReadWith(Protocol):
+    """A load's read: fills ``reads`` from storage, taking the stored bytes in ``known`` from
+    memory instead. -> bytes read from storage."""
+
+    def __call__(self, reads: list[Read], known: Known | None = None) -> int: ...
+
+_OWN_FORMAT = (TREE, "xxh3_64")  # ckptio's own checkpoints' checksums (blocks' too)
 
 
 @dataclass(frozen=True)
@@ -76,38 +91,70 @@ class SharedReads:
                              torch.distributed.get_process_group_ranks(torch_group))
         self.pending: str | None = "plan"  # the step this rank still owes the others
 
-    def __call__(self, reads: list[Read], read: ReadFn, place: ReadPlace) -> int:
+    def __call__(self, reads: list[Read], read: ReadWith, place: ReadPlace) -> int:
         units, rest, by_unit = _units(reads, place)
-        decision = self._plan(units, rest, place)
+        blocks = _block_units(rest, place)
+        decision = self._plan(units + blocks, len(units), rest, place)
         if not decision.get("shared"):
             return read(reads)
         share = Share(tuple(decision["owner"]), {int(i): tuple(to)
                                                  for i, to in decision["to"].items()})
+        whole, parts = _split(share, len(units))
+        wire = _Wire(self.members, self.timeout_s, decision["wire"])
+        nbytes, known, failed = 0, Known(), dict[int, str]()
+        if decision.get("blocks"):  # every rank takes the blocks step, or none
+            nbytes, known, failed = self._blocks(units + blocks, parts, read, place, wire)
         self.pending = "read"
         try:
-            nbytes = read(rest + [r for i in range(len(units)) if share.owner[i] == -1
-                                  for r in by_unit[i]])
+            nbytes += read(rest + [r for i in range(len(units)) if share.owner[i] == -1
+                                   for r in by_unit[i]], known)
         except BaseException as exc:
             self.fail(exc)
             raise
         self._read_done(None)
-        failed = self._exchange(units, share, decision["wire"], place)
+        failed_units = wire.exchange(units + blocks, whole, place)
+        wire.close(bool(failed or failed_units))
+        again = [r for i in range(len(units)) if share.owner[i] in failed_units
+                 for r in by_unit[i]]
+        failed.update(failed_units)
         if not failed:
             return nbytes
-        again = [r for i in range(len(units)) if share.owner[i] in failed for r in by_unit[i]]
         warnings.warn(
-            f"{self.path}: rank {self.group.rank} could not exchange replicated tensors with "
+            f"{self.path}: rank {self.group.rank} could not exchange replicated tensors or "
+            "shared checksum blocks with "
             + "; ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
-            + f"; it read the {len(again)} tensor(s) those ranks were to send it from storage "
-            "instead", stacklevel=4)
+            + f"; it read the {len(again)} tensor(s) and the blocks those ranks were to send it "
+            "from storage instead", stacklevel=4)
         return nbytes + read(again)
 
-    def _plan(self, units: list[sendreads.Unit], rest: list[Read],
+    def _blocks(self, units: list[sendreads.Unit], parts: Share, read: ReadWith,
+                place: ReadPlace, wire: _Wire) -> tuple[int, Known, dict[int, str]]:
+        """The blocks step: read the shared blocks this rank owns, agree all did, exchange.
+        -> bytes read, the blocks held (owned and received), the peers whose blocks failed."""
+        self.pending = "blocks"
+        owned = [i for i in parts.to]
+        try:
+            nbytes = read([Read.of(units[i].entry, units[i].dests[0]) for i in owned])
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        self._read_done(None)
+        failed = wire.exchange(units, parts, place)
+        known: Known = {}
+        for i, owner in enumerate(parts.owner):
+            if i in parts.to or (owner != -1 and owner not in failed):
+                entry = units[i].entry
+                known.setdefault(entry.file, []).append(
+                    (entry.offset, units[i].dests[0].reshape(-1).view(torch.uint8)))
+        return nbytes, known, failed
+
+    def _plan(self, units: list[sendreads.Unit], nwhole: int, rest: list[Read],
               place: ReadPlace) -> dict[str, Any]:
         """The plan step: this rank's units out, its part of the decision back."""
         on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
         mine = {"on": on, "wire": self._generation(),
-                "units": [[u.name, u.entry.nbytes] for u in units],
+                "units": [[u.name, u.entry.nbytes] for u in units], "nwhole": nwhole,
+                "host": host_id(),
                 "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
         self.pending = None
         try:
@@ -128,7 +175,7 @@ class SharedReads:
         if self.pending == "plan":
             self.pending = None
             coordinate(self.group, None, error, _decide, self._failed)
-        elif self.pending == "read":
+        elif self.pending in ("blocks", "read"):
             self._read_done(error)
 
     def _read_done(self, error: BaseException | None) -> None:
@@ -139,28 +186,43 @@ class SharedReads:
     def _failed(self, failures: list[str]) -> str:
         return f"load of {self.path} failed on {listed(failures)}"
 
-    def _exchange(self, units: list[sendreads.Unit], share: Share, generation: int,
-                  place: ReadPlace) -> dict[int, str]:
-        key = (self.members, self.timeout_s)
-        try:
-            wire = _wire(key, generation)
-        except RuntimeError as exc:  # the wire group could not be made (a peer gone)
-            _wires.pop(key, None)
-            return {o: f"{type(exc).__name__}: {exc}" for o in share.owner if o != -1}
-        try:
-            failed = sendreads.exchange(wire, units, share,
-                                        place.algorithm if place.verify else None,
-                                        place.block_nbytes, place.path_of)
-        except BaseException:
-            _wires.pop(key, None)
-            raise
-        if failed:  # its pairs may be closed: the next load makes a new one
-            _wires.pop(key, None)
-        return failed
-
     def _generation(self) -> int:
         known = _wires.get((self.members, self.timeout_s))
         return known[0] if known is not None and known[1]() is not None else 0
+
+
+class _Wire:
+    """The wire group of one load (made at its first exchange, kept for its second)."""
+
+    def __init__(self, members: tuple[int, ...], timeout_s: float, generation: int) -> None:
+        self.key, self.generation = (members, timeout_s), generation
+        self.group: Any = None
+        self.error: str | None = None
+
+    def exchange(self, units: list[sendreads.Unit], share: Share,
+                 place: ReadPlace) -> dict[int, str]:
+        """sendreads.exchange over the wire group (made here by every member, at the load's
+        first exchange) -> the peers whose messages failed."""
+        if self.group is None and self.error is None:
+            try:
+                self.group = _wire(self.key, self.generation)
+            except RuntimeError as exc:  # the wire group could not be made (a peer gone)
+                self.error = f"{type(exc).__name__}: {exc}"
+        if self.group is None:
+            _wires.pop(self.key, None)
+            return {o: str(self.error) for o in share.owner if o != -1}
+        try:
+            return sendreads.exchange(self.group, units, share,
+                                      place.algorithm if place.verify else None,
+                                      place.block_nbytes, place.path_of)
+        except BaseException:
+            _wires.pop(self.key, None)
+            raise
+
+    def close(self, failed: bool) -> None:
+        """After a failed exchange its pairs may be closed: the next load makes a new one."""
+        if failed:
+            _wires.pop(self.key, None)
 
 
 def _wire(key: tuple[tuple[int, ...], float], generation: int) -> Any:
@@ -218,12 +280,44 @@ def _decide(messages: list[bytes]) -> list[bytes]:
     mine = [json.loads(m) for m in messages]
     if not all(m["on"] for m in mine):
         return [b'{"shared": false}'] * len(mine)
-    shares = assign([[Want(n, b) for n, b in m["units"]] for m in mine],
-                    [m["alone"] for m in mine])
+    shares = assign(_wants(mine), [m["alone"] for m in mine])
     if not any(s.sends_or_receives for s in shares):
         return [b'{"shared": false}'] * len(mine)
     generations = {m["wire"] for m in mine}
     generation = generations.pop() if len(generations) == 1 and 0 not in generations else (
         max(m["wire"] for m in mine) + 1)
-    return [json.dumps({"shared": True, "wire": generation, "owner": s.owner,
-                        "to": s.to}).encode() for s in shares]
+    blocks = any(o != -1 for s, m in zip(shares, mine) for o in s.owner[m["nwhole"]:])
+    return [json.dumps({"shared": True, "wire": generation, "owner": s.owner, "to": s.to,
+                        "blocks": blocks}).encode() for s in shares]
+
+
+def _block_units(rest: list[Read], place: ReadPlace) -> list[sendreads.Unit]:
+    """The checksum blocks the resharded ``rest`` want part of, as units read into tensors of
+    their own (only where the load checks blocks: unchecked, a read is not widened to them)."""
+    if not place.verify or place.algorithm not in _OWN_FORMAT:
+        return []
+    return [sendreads.Unit(unit_name(place.location, entry), entry,
+                           [torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))])
+            for entry in shared_blocks(rest, place.block_nbytes)]
+
+
+def _split(share: Share, nwhole: int) -> tuple[Share, Share]:
+    """``share`` as two over the same units: the whole entries' (the first ``nwhole``), the
+    blocks' (the others), each with the other's units neither sent nor received."""
+    def part(keep: Callable[[int], bool]) -> Share:
+        return Share(tuple(o if keep(i) else -1 for i, o in enumerate(share.owner)),
+                     {i: to for i, to in share.to.items() if keep(i)})
+
+    return part(lambda i: i < nwhole), part(lambda i: i >= nwhole)
+
+
+def _wants(mine: list[dict[str, Any]]) -> list[list[Want]]:
+    """Every rank's units as wants; a block that only ranks of one host want is each one's
+    own (its name made the rank's): they read it through that host's page cache, which fetches
+    it from storage once (loading/shared_blocks.py), and a send would cost them more."""
+    hosts: dict[str, set[str]] = {}
+    for m in mine:
+        for name, _nbytes in m["units"][m["nwhole"]:]:
+            hosts.setdefault(name, set()).add(m["host"])
+    return [[Want(n if i < m["nwhole"] or len(hosts[n]) > 1 else f"{n}@{rank}", b)
+             for i, (n, b) in enumerate(m["units"])] for rank, m in enumerate(mine)]

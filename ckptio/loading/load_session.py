@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ckptio.alignment import BLOCK
-from ckptio.distributed.readshare import ReadPlace
+from ckptio.distributed.readshare import Known, ReadPlace, ReadWith
 from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
@@ -59,7 +59,7 @@ class Opened:
     record: Manifest
 
 
-SharedReadFn = Callable[[list[Read], ReadFn, ReadPlace], int]
+SharedReadFn = Callable[[list[Read], ReadWith, ReadPlace], int]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class LoadRequest:
 
 
 def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
-            verify: bool = False) -> ReadFn:
+            verify: bool = False) -> ReadWith:
     """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
     reads; a foreign checkpoint's "block" is its whole entry). The DCP items of ``record``
@@ -94,7 +94,7 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
     bases = _bases(resources, store, record)
     items = read_fn(resources, store) if record is not None and dcpdir.has_pending(record) else None
 
-    def read(reads: list[Read]) -> int:
+    def read(reads: list[Read], known: Known | None = None) -> int:
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
         with resources.lock:
@@ -105,7 +105,7 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
-                                            coded=coded)
+                                            coded=coded, known=known)
 
     return read
 
@@ -197,7 +197,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         raise StateMismatchError(f"{store.location}: {exc}") from None
 
 
-def _shared(read: ReadFn, resources: IOResources, store: Store, record: Manifest,
+def _shared(read: ReadWith, resources: IOResources, store: Store, record: Manifest,
             request: LoadRequest) -> ReadFn:
     """``read``, or with peers the read step that shares replicated entries between ranks (a
     DCP directory's items opened first: what is shared is named by where its data lies and

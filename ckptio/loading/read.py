@@ -8,7 +8,8 @@ Call order: ``read_regions`` (version 4 entries through loading/coded_reads.py) 
 rules are on plan_spans) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP
 share one aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool
 (``_run``: what is checked where, and in what order) -> bytes checked, then copied into the
-destinations. Partly wanted checksum blocks go through the page cache (shared_blocks.py).
+destinations. Partly wanted checksum blocks go through the page cache, or come from memory
+where the load holds them (``known``: received from another rank; shared_blocks.py).
 
 Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
 not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
@@ -36,7 +37,8 @@ from ckptio.io.stage import Buffer, StagingPool, copy_in, move_in, torch_dtype, 
 from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded
-from ckptio.loading.shared_blocks import submit_parts
+from ckptio.distributed.readshare import Known
+from ckptio.loading.shared_blocks import Seen, submit_parts
 from ckptio.planning.layout import MAX_GAP, coalesce_reads
 from ckptio.planning.reshard import (
     Piece,
@@ -176,11 +178,14 @@ def _misaligned(entry: TensorEntry) -> bool:
 
 def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                  algorithm: str | None, block_nbytes: int, depth: int,
-                 check_blocks: bool = False, coded: EntryReader | None = None) -> int:
+                 check_blocks: bool = False, coded: EntryReader | None = None,
+                 known: Known | None = None) -> int:
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. Reads of version 4 entries (compressed,
-    references, XOR deltas) go through ``coded`` (loading/coded_reads.py). -> bytes read."""
+    references, XOR deltas) go through ``coded`` (loading/coded_reads.py). ``known``: stored
+    bytes the load holds already (checksum blocks another rank sent), not read again. -> bytes
+    read from storage."""
     nbytes = 0
     if any(is_coded(r) for r in reads):
         if coded is None:
@@ -192,12 +197,12 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool
         reads = [r for r in reads if not is_coded(r)]
     return nbytes + _read_plain(source, reads, pool=pool, algorithm=algorithm,
                                 block_nbytes=block_nbytes, depth=depth,
-                                check_blocks=check_blocks)
+                                check_blocks=check_blocks, known=known)
 
 
 def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                 algorithm: str | None, block_nbytes: int, depth: int,
-                check_blocks: bool) -> int:
+                check_blocks: bool, known: Known | None) -> int:
     reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
     checker = Checker(source, algorithm, block_nbytes, check_blocks)
@@ -211,7 +216,7 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
             nbytes = direct_reads.read(source, direct, checker)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
                             in_one_read=_in_one_read)
-    nbytes += _run(ranges, pool, source, depth, checker)
+    nbytes += _run(ranges, pool, source, depth, checker, known)
     with torch.no_grad():
         for read, staged in permuted:
             read.dest.copy_(_permuted_back(read, staged))
@@ -264,6 +269,7 @@ class _InFlight:
     own: bool
     buffer: Buffer
     future: Future[int]
+    held: int = 0  # of its bytes, those storage did not serve (from memory, cached again)
     applied: Future[int] | None = None
 
     def done(self) -> Future[int]:
@@ -281,7 +287,7 @@ def _give_back(pool: StagingPool, own: bool, buffer: Buffer) -> None:
 
 
 def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, depth: int,
-         checker: Checker) -> int:
+         checker: Checker, known: Known | None = None) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
     whose spans all check on their own is checked and copied out by the I/O thread that read it,
     where its bytes are hot and beside the other reads (both cores of a one-process load busy,
@@ -292,6 +298,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, 
     flight has finished. -> bytes read."""
     todo = deque(ranges)
     handles: dict[tuple[str, bool], FileHandle] = {}  # (file, cached) -> its handle
+    seen = Seen()  # parts read through the cache: read again, not counted again
     pending: deque[_InFlight] = deque()
     ahead = max(1, min(pool.nbuffers, 2 * depth))
     stop = threading.Event()  # set on a failure: reads still in flight skip their copies
@@ -300,7 +307,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, 
         while todo or pending:
             while todo and len(pending) < ahead:
                 flight = _submit(todo[0], handles, pool, source, checker, stop,
-                                 pending[0].done().done if pending else None)
+                                 pending[0].done().done if pending else None, known, seen)
                 if flight is None:
                     break
                 todo.popleft()
@@ -311,7 +318,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, 
                     flight.applied.result()
                 else:
                     _apply(flight.range, flight.buffer, flight.future.result(), checker)
-                nbytes += flight.range.nbytes
+                nbytes += flight.range.nbytes - flight.held
             finally:
                 flight.release()
     finally:
@@ -326,7 +333,8 @@ def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, 
 
 def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], pool: StagingPool,
             source: StoreFiles, checker: Checker, stop: threading.Event,
-            ready: Callable[[], bool] | None) -> _InFlight | None:
+            ready: Callable[[], bool] | None, known: Known | None,
+            seen: Seen) -> _InFlight | None:
     """Submit ``rng``'s read into a free buffer; None, submitting nothing, if ``ready()`` (the
     oldest read in flight is done) holds before a buffer is free."""
     own = rng.nbytes > pool.buffer_bytes  # a block span larger than a buffer
@@ -335,12 +343,12 @@ def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], 
     if buffer is None:
         return None
     try:
-        future = submit_parts(source, handles, rng, buffer.view[:rng.nbytes],
-                              checker.block_nbytes)
+        future, held = submit_parts(source, handles, rng, buffer.view[:rng.nbytes],
+                                    checker.block_nbytes, known, seen)
     except BaseException:
         _give_back(buffers, own, buffer)
         raise
-    flight = _InFlight(rng, buffers, own, buffer, future)
+    flight = _InFlight(rng, buffers, own, buffer, future, held)
     if checker.on_io_threads and _checks_alone(rng):
         applied: Future[int] = Future()
         flight.applied = applied

@@ -12,7 +12,11 @@ it in memory. Within one process, a block two spans of one entry share (a span b
 a block) is fetched once for the same reason. Nothing about checking changes: the buffer holds
 the same bytes either way and is checked whole as before.
 
-Owns: which byte ranges of a read go through the cache, submitting the parts (joined by
+Blocks the load already holds (``known``: blocks another rank read and sent, or this rank read
+first to send, planning/shared_reads.py) are copied into the buffer from memory, not read
+(their 4 KiB-aligned inside; a partial 4 KiB page at an edge is still read).
+
+Owns: which byte ranges of a read go through the cache or come from memory, submitting the parts (joined by
 io.backend_contract.all_of). Does not own: the spans (read.py), opening files (the store's StoreFiles) or
 the I/O.
 """
@@ -23,15 +27,19 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
+import torch
+
 from ckptio.alignment import align_down, align_up
+from ckptio.distributed.readshare import Known
 from ckptio.format.types import ReadRange
 from ckptio.io import FileHandle
 from ckptio.io.backend_contract import all_of
 from ckptio.storage.files import StoreFiles
 
-__all__ = ["submit_parts"]
+__all__ = ["CACHED", "DIRECT", "MEMORY", "Seen", "submit_parts"]
 
-Part = tuple[int, int, bool]  # file offset, bytes, through the page cache
+DIRECT, CACHED, MEMORY = 0, 1, 2  # how a part's bytes come: O_DIRECT, page cache, held bytes
+Part = tuple[int, int, int]  # file offset, bytes, how (DIRECT, CACHED or MEMORY)
 
 
 class _Piece(Protocol):
@@ -67,26 +75,68 @@ class Span(Protocol):
 
 
 def submit_parts(source: StoreFiles, handles: dict[tuple[str, bool], FileHandle],
-                 rng: ReadRange[Span], into: memoryview, block_nbytes: int) -> Future[int]:
+                 rng: ReadRange[Span], into: memoryview, block_nbytes: int,
+                 known: Known | None = None,
+                 seen: Seen | None = None) -> tuple[Future[int], int]:
     """Read ``rng`` into ``into`` (its ``nbytes`` bytes): one read through its direct handle,
-    or, where it holds partly wanted blocks, parts of it through a cached handle too. The
-    future gives the bytes read from ``rng.offset`` on (fewer only at end of file)."""
+    or, where it holds partly wanted blocks or ``known`` ones, parts of it through a cached
+    handle or copied from memory too. -> a future of the bytes in ``into`` from ``rng.offset``
+    on (fewer only at end of file), and how many of them storage did not serve: copied from
+    memory, or read through the cache again (a part in ``seen``, the cached parts read before
+    by the same load, which adds this read's)."""
     direct = _handle(source, handles, rng.file, False)
-    parts = cut(rng, block_nbytes) if direct.direct else []
-    if not any(cached for _, _, cached in parts):
-        return source.submit_read(direct, rng.offset, into)
-    cached = _handle(source, handles, rng.file, True)
+    parts = cut(rng, block_nbytes, known) if direct.direct else []
+    if all(how == DIRECT for _, _, how in parts):
+        return source.submit_read(direct, rng.offset, into), 0
+    cached = _handle(source, handles, rng.file, True) if any(
+        how == CACHED for _, _, how in parts) else direct
     submitted: list[Future[int]] = []
+    held = 0
     try:
-        for offset, nbytes, through_cache in parts:
+        for offset, nbytes, how in parts:
             at = offset - rng.offset
-            submitted.append(source.submit_read(cached if through_cache else direct, offset,
+            if how == MEMORY:
+                submitted.append(_copied(known or {}, rng.file, offset, into[at:at + nbytes]))
+                held += nbytes
+                continue
+            if how == CACHED and seen is not None:
+                held += nbytes - seen.add(rng.file, offset, offset + nbytes)
+            submitted.append(source.submit_read(cached if how == CACHED else direct, offset,
                                                 into[at:at + nbytes]))
     except BaseException:
         for future in submitted:  # the buffer is not given back under a read in flight
             future.exception()
         raise
-    return all_of(submitted)  # consecutive parts: a short one (end of file) ends the bytes
+    return all_of(submitted), held  # consecutive parts: a short one (end of file) ends the bytes
+
+
+class Seen:
+    """The bytes of each file one load has read through the page cache (read again, the
+    host's cache serves them: not counted as read from storage twice)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def add(self, file: str, lo: int, hi: int) -> int:
+        """Note [lo, hi) of ``file`` read -> how many of its bytes were not read before."""
+        ranges = self.ranges.setdefault(file, [])
+        old = sum(max(0, min(hi, b) - max(lo, a)) for a, b in ranges)
+        ranges[:] = _merged(sorted([*ranges, (lo, hi)]))
+        return hi - lo - old
+
+
+def _copied(known: Known, file: str, offset: int, into: memoryview) -> Future[int]:
+    """``into`` filled from the held blocks of ``file`` that cover ``offset`` on (``cut``
+    makes memory parts of held bytes only; adjacent held blocks may make one part)."""
+    out = torch.frombuffer(into, dtype=torch.uint8) if len(into) else None
+    end = offset + len(into)
+    for lo, data in known.get(file, ()):
+        a, b = max(lo, offset), min(lo + data.numel(), end)
+        if out is not None and a < b:
+            out[a - offset:b - offset].copy_(data[a - lo:b - lo])
+    done: Future[int] = Future()
+    done.set_result(len(into))
+    return done
 
 
 def _handle(source: StoreFiles, handles: dict[tuple[str, bool], FileHandle], name: str,
@@ -96,25 +146,33 @@ def _handle(source: StoreFiles, handles: dict[tuple[str, bool], FileHandle], nam
     return handles[name, cached]
 
 
-def cut(rng: ReadRange[Span], block_nbytes: int) -> list[Part]:
-    """``rng`` as consecutive parts, each BLOCK-aligned: the partly wanted checksum blocks of
-    its block spans through the cache, the bytes between them direct."""
+def cut(rng: ReadRange[Span], block_nbytes: int, known: Known | None = None) -> list[Part]:
+    """``rng`` as consecutive parts, each BLOCK-aligned: the held (``known``) blocks' aligned
+    insides from memory, the other partly wanted checksum blocks of its block spans through
+    the cache, the bytes between them direct."""
     end = rng.offset + rng.nbytes
     cached = _merged(sorted(
         (max(align_down(lo), rng.offset), min(align_up(hi), end))
         for span in rng.entries for lo, hi in _partly_wanted(span, block_nbytes)))
+    held = _merged(sorted(
+        (max(align_up(lo), rng.offset), min(align_down(lo + data.numel()), end))
+        for lo, data in (known or {}).get(rng.file, ())
+        if lo < end and lo + data.numel() > rng.offset))
+    cached, held = [r for r in cached if r[0] < r[1]], [r for r in held if r[0] < r[1]]
+    edges = sorted({rng.offset, end, *(x for r in cached + held for x in r)})
     parts: list[Part] = []
-    pos = rng.offset
-    for lo, hi in cached:
-        if lo >= hi:
-            continue
-        if pos < lo:
-            parts.append((pos, lo - pos, False))
-        parts.append((max(lo, pos), hi - max(lo, pos), True))
-        pos = max(pos, hi)
-    if pos < end:
-        parts.append((pos, end - pos, False))
+    for lo, hi in zip(edges, edges[1:]):
+        how = (MEMORY if _inside(held, lo, hi) else CACHED if _inside(cached, lo, hi)
+               else DIRECT)
+        if parts and parts[-1][2] == how:
+            parts[-1] = (parts[-1][0], parts[-1][1] + hi - lo, how)
+        else:
+            parts.append((lo, hi - lo, how))
     return parts
+
+
+def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(a <= lo and hi <= b for a, b in ranges)
 
 
 def _partly_wanted(span: Span, block_nbytes: int) -> list[tuple[int, int]]:

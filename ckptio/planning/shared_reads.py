@@ -10,8 +10,15 @@ go in name order (both sides sort alike, nothing more is said), as ``messages``:
 least SMALL_NBYTES in messages of its own of at most MESSAGE_NBYTES, smaller ones packed
 together up to that size.
 
+A resharded load's unit is a checksum block (``shared_blocks``): a block that a rank's pieces
+want only part of (a cut between two ranks' regions inside it) is wanted whole, since only the
+whole block can be checked; as a unit (``block_entry``: the block as a one-block entry whose
+checksum is the block's) one rank reads it and the others receive it, so the block is read from
+storage once, not once per rank that shares it.
+
 Owns: these decisions. Does not own: the exchange and its failures (distributed/readshare.py,
-distributed/sendreads.py), which reads a load makes (loading/fill.py).
+distributed/sendreads.py), which reads a load makes (loading/fill.py), the pieces
+(reshard.py).
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import dataclasses
+
 import xxhash
 
-from ckptio.format.types import TensorEntry
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, TensorEntry
+from ckptio.planning.reshard import plan_reads, region_of, stored_from_entry
 
-__all__ = ["MESSAGE_NBYTES", "SMALL_NBYTES", "Piece", "Share", "Want", "assign", "messages",
-           "unit_name"]
+__all__ = ["MESSAGE_NBYTES", "SMALL_NBYTES", "Piece", "Share", "Want", "assign", "block_entry",
+           "messages", "shared_blocks", "unit_name"]
 
 SMALL_NBYTES = 1 << 20  # units below this are packed together into messages
 MESSAGE_NBYTES = 32 << 20  # the most bytes of one message
@@ -115,4 +125,59 @@ def messages(nbytes: Sequence[int], limit: int = MESSAGE_NBYTES,
         batch_nbytes += n
     if batch:
         out.append(batch)
+    return out
+
+
+def shared_blocks(reads: Sequence[Read], block_nbytes: int) -> list[TensorEntry]:
+    """The checksum blocks that the resharded ``reads`` of one rank want part of, each once and
+    as ``block_entry``: the blocks at the edges of the byte ranges its pieces cover in each
+    stored entry (all ``reads`` of an entry together). Entries read otherwise than as their
+    plain bytes (coded, permuted) have none."""
+    covered: dict[int, tuple[TensorEntry, list[tuple[int, int]]]] = {}
+    for read in reads:
+        if read.whole is not None or any(e.coded or e.order for e in read.entries):
+            continue
+        head = read.entries[0]
+        try:
+            pieces = plan_reads([stored_from_entry(e) for e in read.entries],
+                                region_of(read.region), head.shape, DTYPE_ITEMSIZE[head.dtype],
+                                1 << 62)
+        except ValueError:  # the load's own planning names it (loading/read.py)
+            continue
+        for piece in pieces:
+            entry = read.entries[piece.source]
+            covered.setdefault(id(entry), (entry, []))[1].append(
+                (piece.offset - entry.offset, piece.offset - entry.offset + piece.nbytes))
+    out: list[TensorEntry] = []
+    for entry, ranges in covered.values():
+        merged = _merged(sorted(ranges))
+        edges = sorted({lo // block_nbytes for lo, _ in merged}
+                       | {(hi - 1) // block_nbytes for _, hi in merged})
+        for index in edges:
+            lo = index * block_nbytes
+            hi = min(lo + block_nbytes, entry.nbytes)
+            if 0 < sum(max(0, min(hi, b) - max(lo, a)) for a, b in merged) < hi - lo:
+                out.append(block_entry(entry, index, block_nbytes))
+    return out
+
+
+def block_entry(entry: TensorEntry, index: int, block_nbytes: int) -> TensorEntry:
+    """Block ``index`` of ``entry`` as an entry of its own: its bytes as a 1-D tensor of the
+    entry's dtype, its checksum the block's (the entry's own when it is one block)."""
+    lo = index * block_nbytes
+    nbytes = min(block_nbytes, entry.nbytes - lo)
+    numel = nbytes // DTYPE_ITEMSIZE[entry.dtype]
+    checksum = entry.blocks[index] if entry.blocks else entry.checksum
+    return dataclasses.replace(entry, shape=(numel,), chunk=Chunk.whole((numel,)),
+                               offset=entry.offset + lo, nbytes=nbytes, checksum=checksum,
+                               blocks=())
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
     return out

@@ -8,7 +8,9 @@ here: the same host and the same boot, and no process with that pid (or one star
 time). A holder on another host, from before a reboot of this one with no boot id, or whose
 record lacks a field, is never called dead: the lock's lease decides (storage/s3/lock.py).
 
-Owns: the holder record and the proof of death. Does not own: the locks (dirlock.py, s3/lock.py).
+Also this process's host id (``host_id``: what tells the ranks of one host from another's).
+
+Owns: the holder record and the proof of death, the host id. Does not own: the locks (dirlock.py, s3/lock.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["RECORD_MAX_NBYTES", "boot_id", "dead", "me", "started"]
+__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "boot_id", "dead", "host_id", "me", "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
+HOST_ID_ENV = "CKPTIO_HOST_ID"
 
 
 def boot_id() -> str:
@@ -30,6 +33,15 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def host_id() -> str:
+    """This process's host id: ``$CKPTIO_HOST_ID`` (any string; tests give several groups of
+    ranks on one machine their own ids, and their own ``$CKPTIO_SHM_DIR``, to play several
+    hosts), else ``hostname:boot_id`` (two containers of one machine share a boot id but not a
+    hostname)."""
+    explicit = os.environ.get(HOST_ID_ENV, "").strip()
+    return explicit or f"{socket.gethostname()}:{boot_id()}"
 
 
 def _stat(pid: int) -> list[str]:

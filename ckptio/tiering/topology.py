@@ -28,31 +28,20 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptio.errors import CkptError
-from ckptio.storage import holder
+from ckptio.storage.holder import HOST_ID_ENV, host_id
 
 __all__ = ["DOMAIN_ENV", "HOST_ID_ENV", "Topology", "domain_id", "host_id"]
 
-HOST_ID_ENV = "CKPTIO_HOST_ID"
 DOMAIN_ENV = "CKPTIO_FAILURE_DOMAIN"
 _ONE_HOST = (f"{{spec}}: every rank of this job runs on one host ({{hid}}): redundancy keeps "
              f"copies in other hosts' memory, so it needs at least 2 hosts. On one machine, "
              f"leave redundancy= out of the memory tier; if these ranks are on several hosts, "
              f"they report one id: set {HOST_ID_ENV} to each host's own name")
-
-
-def host_id() -> str:
-    """This process's host id: ``$CKPTIO_HOST_ID`` (any string; tests give several groups of
-    ranks on one machine their own ids, and their own ``$CKPTIO_SHM_DIR``, to play several
-    hosts), else ``hostname:boot_id`` (two containers of one machine share a boot id but not a
-    hostname)."""
-    explicit = os.environ.get(HOST_ID_ENV, "").strip()
-    return explicit or f"{socket.gethostname()}:{holder.boot_id()}"
 
 
 def domain_id() -> str:

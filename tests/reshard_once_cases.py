@@ -1,0 +1,98 @@
+"""Per-rank bodies of tests/test_reshard_read_once.py (module-level: run_ranks forks ranks that
+import them). A state saved by one process is loaded onto more ranks as DTensor ``Shard(0)``
+pieces whose cuts fall inside checksum blocks; each rank counts the bytes it asks its store's
+files for (StoreFiles, the one way a load's reads reach storage; the same bytes read again
+through the page cache by the same process count once: that host's cache serves them, wherever
+the storage is) and checks its pieces bitwise."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+import torch
+
+import ckptio
+from ckptio.storage.files import StoreFiles
+
+# rows cut by 2, 3 and 4 ranks inside 1 MiB checksum blocks; several dtypes; one small tensor
+SHAPES = {"w": ((1000, 1024), torch.float32), "m": ((1537, 700), torch.bfloat16),
+          "ids": ((3001, 41), torch.int64), "flags": ((700, 3001), torch.bool),
+          "tiny": ((9, 7), torch.float32)}
+
+
+def options(**changes: Any) -> ckptio.Options:
+    """A small pool (each rank would otherwise pre-fault 256 MiB) and short deadlines."""
+    return dataclasses.replace(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20),
+                               rank_timeout_s=10.0, **changes)
+
+
+_counted = [0]
+
+
+def _count_reads() -> None:
+    """Count the bytes of every read this process submits to a store's files (bytes read
+    through the page cache before, by this process, count once)."""
+    single = StoreFiles.submit_read
+    cached: dict[str, set[int]] = {}  # file -> the 4 KiB pages read through the cache
+
+    def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
+        if fh.direct:
+            _counted[0] += len(into)
+        else:
+            pages = cached.setdefault(fh.path, set())
+            for page in range(offset // 4096, -(-(offset + len(into)) // 4096)):
+                if page not in pages:
+                    pages.add(page)
+                    _counted[0] += min(offset + len(into), (page + 1) * 4096) - max(
+                        offset, page * 4096)
+        return single(self, fh, offset, into)
+
+    StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(67)
+    out = {}
+    for name, (shape, dtype) in SHAPES.items():
+        if dtype == torch.bool:
+            out[name] = torch.randint(0, 2, shape, generator=g).bool()
+        elif dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=g).to(dtype)
+        else:
+            out[name] = torch.randint(-1 << 40, 1 << 40, shape, generator=g, dtype=dtype)
+    out["norm"] = torch.randn(333, generator=g)  # replicated: read once, sent (whole entry)
+    return out
+
+
+def save_one(path: str) -> None:
+    """The state saved by one process (no process group)."""
+    ckptio.save(full_state(), path, options=options())
+
+
+def load_sharded(rank: int, world: int, path: str, broadcast: bool = True,
+                 hosts: bool = True) -> dict[str, Any]:
+    """Load onto ``world`` ranks (2+-dim tensors Shard(0), the 1-D one Replicate), each playing
+    a host of its own (``hosts``; else all on this one) -> the bytes this rank read, its
+    warnings, and whether every local piece is the saved one's."""
+    if hosts:
+        os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    _count_reads()
+    mesh = init_device_mesh("cpu", (world,))
+    full = full_state()
+    into = {k: distribute_tensor(torch.zeros_like(v), mesh,
+                                 [Shard(0) if v.dim() > 1 else Replicate()])
+            for k, v in full.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckptio.load(path, into, options=options(broadcast_replicated=broadcast))
+    equal = all(torch.equal(into[k].to_local().view(torch.uint8),
+                            distribute_tensor(v, mesh, [Shard(0) if v.dim() > 1 else Replicate()])
+                            .to_local().view(torch.uint8))
+                for k, v in full.items())
+    return {"read": _counted[0], "equal": equal, "warnings": [str(w.message) for w in caught]}

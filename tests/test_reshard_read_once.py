@@ -1,0 +1,37 @@
+"""A resharded load reads no more than its pieces need: a checksum block that the pieces of
+two ranks share (a cut inside it) is read from storage by one of them and sent to the other,
+which checks it against the block's checksum (Options.broadcast_replicated, on by default).
+Real gloo ranks loading a one-process checkpoint; bodies in reshard_once_cases.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import reshard_once_cases as cases
+from ckptio.testing.rank_processes import run_ranks
+
+SLACK = 64 << 10  # the index and 4 KiB-aligned edges of each shared block
+
+
+def _saved(tmp_path: Path) -> tuple[str, int]:
+    path = str(tmp_path / "ck")
+    cases.save_one(path)
+    data = sum(f.stat().st_size for f in Path(path).iterdir() if f.name != "manifest.json")
+    return path, data
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_load_onto_more_ranks_reads_each_block_once(tmp_path, world):
+    path, data = _saved(tmp_path)
+    got = run_ranks(world, cases.load_sharded, path)
+    read = [g["read"] for g in got]
+    assert all(g["equal"] and not g["warnings"] for g in got), got
+    assert sum(read) <= 1.01 * data + SLACK, (read, data)
+
+
+def test_with_the_option_off_each_rank_reads_whole_blocks(tmp_path):
+    path, data = _saved(tmp_path)
+    got = run_ranks(2, cases.load_sharded, path, False)
+    assert all(g["equal"] for g in got), got
+    assert sum(g["read"] for g in got) > 1.1 * data, ([g["read"] for g in got], data)
