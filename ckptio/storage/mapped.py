@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import StorageIOError
 
-__all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_tmpfs",
+__all__ = ["SLOTS_DIR", "MappedFile", "borrow", "drop_slots", "forget", "keep_slots", "on_tmpfs",
            "open_file", "release", "slot_nbytes", "warm_fit", "warm_slots"]
 
 log = logging.getLogger("ckptio")
@@ -191,6 +191,22 @@ def release(entry: MappedFile, *, keep: bool = True) -> None:
         if _cache.get(entry.key) is entry:
             del _cache[entry.key]
     _unmap(entry)
+
+
+def borrow(path: str) -> MappedFile | None:
+    """The idle mapping this process holds of file ``path`` (a save here wrote it), in use
+    until ``release(entry)``: a load copies out of its pages, no read and no page faults;
+    None where there is none (another process's file: read() is the one copy there)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    with _lock:
+        entry = _cache.get((info.st_dev, info.st_ino))
+        if entry is None or entry.in_use or entry.nbytes != info.st_size:
+            return None
+        entry.in_use = True
+        return entry
 
 
 def forget() -> None:
