@@ -255,3 +255,28 @@ def test_a_flipped_byte_in_a_mapped_file_names_it(shm: str, monkeypatch: Any) ->
         mgr.close()
     assert reads == []
     assert flipped in str(raised.value) and "checksum mismatch" in str(raised.value)
+
+
+def test_a_fresh_process_imports_the_manager_with_no_collection() -> None:
+    """A restarted job's first ``ckptio.CheckpointManager`` imports most of ckptio; the
+    collections those allocations trigger would each walk torch's whole heap (a fixed cost of
+    every restore in a fresh process). The import runs with the collector paused."""
+    import subprocess
+    import sys
+
+    from benchmarks import REPO_ROOT, worker_env
+
+    code = ("import gc, torch, ckptio\n"
+            "runs = []\n"
+            "gc.callbacks.append(lambda phase, info: runs.append(info['generation'])"
+            " if phase == 'start' else None)\n"
+            "ckptio.CheckpointManager\n"
+            "gc.callbacks.clear()\n"
+            "print(len(runs), runs.count(2), gc.isenabled())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs, full, enabled = done.stdout.split()
+    # at most the young generation's, due once the collector is on again
+    assert int(runs) <= 1 and full == "0" and enabled == "True", (
+        f"{runs} collections ({full} full) during the manager's import; gc on after: {enabled}")
