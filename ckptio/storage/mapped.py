@@ -8,7 +8,8 @@ full tmpfs is an error here, never a SIGBUS inside the copy) and maps it MAP_SHA
 are the file, there is nothing to write or fsync. ``release`` keeps the mapping for a later
 save into the same file (cached by (st_dev, st_ino), bounded in bytes; a file unlinked since is
 unmapped at the next open) where its root keeps slots, so a reused slot is neither allocated
-nor faulted in again.
+nor faulted in again. ``borrow`` lends a load the idle mapping of a file a save here wrote
+(loading/direct_reads.py copies out of it), in use until ``release``.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped steps (at
 most SLOT_STEPS) into ``.ckptio-slots`` beside the steps, older slots into a dropped step,
 removed with it; ``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes
