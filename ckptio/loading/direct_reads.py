@@ -42,7 +42,7 @@ __all__ = ["BATCH_NBYTES", "COPY_NBYTES", "read", "split"]
 
 BATCH_NBYTES = 32 << 20  # bytes of one file one I/O thread reads in one batch
 COPY_NBYTES = 512 << 10  # bytes copied out of a mapping at once: hashed while in the cache
-_copiers: list[ThreadPoolExecutor] = []  # the threads that copy out of mappings (made once)
+_copiers: dict[int, ThreadPoolExecutor] = {}  # pid -> the threads that copy out of mappings
 _copiers_lock = threading.Lock()
 
 
@@ -120,12 +120,14 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
 
 def _copier() -> ThreadPoolExecutor:
     """The threads that copy out of mappings (as many as the I/O backend's by default),
-    made at the first such copy."""
+    made at this process's first such copy (a forked child has none of its parent's)."""
     with _copiers_lock:
-        if not _copiers:
-            _copiers.append(ThreadPoolExecutor(min(4, os.cpu_count() or 1),
-                                               thread_name_prefix="ckptio-copy"))
-        return _copiers[0]
+        pid = os.getpid()
+        if pid not in _copiers:
+            _copiers.clear()
+            _copiers[pid] = ThreadPoolExecutor(min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="ckptio-copy")
+        return _copiers[pid]
 
 
 def _copy_each(source: mapped.MappedFile, reads: Sequence[tuple[int, memoryview]],
