@@ -7,8 +7,11 @@ tensors (pre-faulted), makes the Checkpointer's staging (``prepare``), freezes t
 collector's startup objects, and times ``Checkpointer.load(path, state)`` (in place, verified);
 before the disk's process the page cache is dropped (``sync; echo 3 >
 /proc/sys/vm/drop_caches``, root), so its reads come from the device. The memcpy process
-times ``torch._foreach_copy_`` of the whole state into it. Medians over --reps; run it from two
-checkouts (PYTHONPATH) to compare them.
+times ``torch._foreach_copy_`` of the whole state into it. The rollback process restores in
+the process that saved: a CheckpointManager with one ``shm://`` tier saves the state four
+times (from the third save on its files are written through mappings this process keeps)
+and its ``restore(state)`` is timed, copying out of those mappings. Medians over --reps; run
+it from two checkouts (PYTHONPATH) to compare them.
 
     python -m benchmarks.restore_memory --gb 1 --reps 5 --dir bench-data --json out.json
 """
@@ -49,6 +52,9 @@ def _worker(args: argparse.Namespace) -> None:
     import ckptio
 
     state = _state(args.gb, args.tensors, fill=False)
+    if args.worker == "rollback":
+        _rollback(args, state)
+        return
     if args.worker == "memcpy":
         src = [torch.ones_like(t) for t in state.values()]
         start = time.perf_counter()
@@ -62,6 +68,29 @@ def _worker(args: argparse.Namespace) -> None:
     start, cpu = time.perf_counter(), time.process_time()
     ck.load(args.path, state)
     print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
+
+
+def _rollback(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    """Four saves through a manager's memory tier under ``args.path``, then its restore of
+    the newest into ``state``, timed."""
+    import gc
+
+    import ckptio
+
+    os.environ["CKPTIO_SHM_DIR"] = args.path
+    saved = _state(args.gb, args.tensors, fill=True)
+    mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://rollback", keep_last=1)])
+    try:
+        for step in range(1, 5):
+            mgr.save(step, saved)
+            mgr.wait()
+        gc.collect()
+        gc.freeze()
+        start, cpu = time.perf_counter(), time.process_time()
+        assert mgr.restore(state) == 4
+        print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
+    finally:
+        mgr.close()
 
 
 def _spawn(args: argparse.Namespace, worker: str, path: str) -> dict[str, float]:
@@ -106,8 +135,10 @@ def main() -> int:
             _drop_caches()
             cold = _spawn(args, "load", str(disk))
             memcpy = _spawn(args, "memcpy", "")
+            rollback = _spawn(args, "rollback", str(shm / "tiers"))
             rows.append({"memory_s": memory["s"], "memory_cpu_s": memory["cpu_s"],
-                         "cold_disk_s": cold["s"], "memcpy_s": memcpy["s"]})
+                         "cold_disk_s": cold["s"], "memcpy_s": memcpy["s"],
+                         "rollback_s": rollback["s"], "rollback_cpu_s": rollback["cpu_s"]})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -115,6 +146,8 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med["memory_vs_cold_disk"] = statistics.median(r["cold_disk_s"] / r["memory_s"] for r in rows)
     med["memory_vs_memcpy_bandwidth"] = statistics.median(r["memcpy_s"] / r["memory_s"] for r in rows)
+    med["rollback_vs_memcpy_bandwidth"] = statistics.median(r["memcpy_s"] / r["rollback_s"]
+                                                            for r in rows)
     write_reports({"gb": args.gb, "tensors": args.tensors, "reps": rows, "median": med},
                   args.json, None, json.dumps({"median": med}))
     return 0

@@ -142,13 +142,19 @@ _HOME = {
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: a public name, imported from its module on first access and kept here."""
+    """PEP 562: a public name, imported from its module on first access and kept here. The
+    collector is paused meanwhile: the import makes only module-level objects, which live on,
+    and each collection it would trigger walks the whole heap (a fresh process's torch), a
+    visible part of a restarted job's first CheckpointManager or load."""
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module 'ckptio' has no attribute {name!r}")
     import importlib
 
-    module = importlib.import_module(home)
+    from ckptio.format.gcpause import paused
+
+    with paused():
+        module = importlib.import_module(home)
     value = getattr(module, name)
     globals()[name] = value
     return value

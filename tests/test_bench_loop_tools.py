@@ -38,7 +38,8 @@ def test_restore_memory_smoke(tmp_path: Path) -> None:
     _run("benchmarks.restore_memory", "--gb", "0.01", "--tensors", "20", "--reps", "1", "--dir",
          str(tmp_path / "scratch"), "--json", str(out))
     median = json.loads(out.read_text())["median"]
-    assert {"memory_s", "cold_disk_s", "memcpy_s", "memory_vs_cold_disk"} <= set(median)
+    assert {"memory_s", "cold_disk_s", "memcpy_s", "memory_vs_cold_disk", "rollback_s",
+            "rollback_vs_memcpy_bandwidth"} <= set(median)
     assert not list((tmp_path / "scratch").iterdir())
 
 

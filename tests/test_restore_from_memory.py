@@ -8,9 +8,11 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import ckptio
+from ckptio.errors import CorruptCheckpointError
 from ckptio.io import stage
 from ckptio.io.stage import StagingPool
 from ckptio.loading import direct_reads
@@ -152,3 +154,129 @@ def test_a_restore_reads_one_manifest_and_opens_one_step_however_many_the_tier_h
     assert len(decoded) == 1 and "step-6" in decoded[0], decoded
     assert opened and all("step-6" in path for path in opened), opened
     assert len(opened) == len(set(opened)), f"a data file was opened twice: {opened}"
+
+
+def _saved_mapped(shm: str, tiers: list[ckptio.Tier]) -> tuple[ckptio.CheckpointManager, Any]:
+    """A manager whose memory tier's newest step was written through mappings this process
+    keeps (the tier's slots: from the third save on), and the state saved there."""
+    state = _state()
+    mgr = ckptio.CheckpointManager(tiers=tiers)
+    for step in range(1, 5):
+        for v in state.values():
+            v.add_(1)
+        mgr.save(step, state)
+        assert mgr.drained(timeout=60)  # a slower tier has the step before it is damaged
+    return mgr, {k: v.clone() for k, v in state.items()}
+
+
+def _count_reads(monkeypatch: Any) -> list[str]:
+    from ckptio.io import posix
+
+    reads: list[str] = []
+    pread_each = posix._pread_each
+
+    def counted(fh: Any, *args: Any) -> int:
+        reads.append(fh.path)
+        return pread_each(fh, *args)
+
+    monkeypatch.setattr(posix, "_pread_each", counted)
+    return reads
+
+
+def test_a_restore_in_the_saving_process_copies_out_of_its_mapping(
+        shm: str, monkeypatch: Any) -> None:
+    """A rollback (restore in the process that saved): the memory tier's files are still
+    mapped here, so the load copies out of those pages, hashing each block as it lands: no
+    read() into the tensors, no mapping made anew; bitwise."""
+    mgr, saved = _saved_mapped(shm, [ckptio.Tier("shm://run", keep_last=1)])
+    try:
+        reads = _count_reads(monkeypatch)
+        into = {k: torch.zeros_like(v) for k, v in saved.items()}
+        assert mgr.restore(into) == 4
+    finally:
+        mgr.close()
+    assert_same(into, saved)
+    assert reads == [], f"the restore read the mapped files again: {reads}"
+
+
+def _flip_in_newest(root: str) -> str:
+    import glob
+    import os
+
+    (step,) = glob.glob(os.path.join(root, "step-4"))
+    path = max(glob.glob(os.path.join(step, "data-*.bin")), key=os.path.getsize)
+    with open(path, "r+b") as f:  # through the file: the mapping shares its pages
+        f.seek(1000)
+        byte = f.read(1)[0]
+        f.seek(1000)
+        f.write(bytes([byte ^ 0x5A]))
+    return path
+
+
+def test_a_flipped_byte_in_a_mapped_memory_copy_falls_back_to_disk(
+        shm: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """The copy out of the mapping is checked as it lands: a byte flipped in the memory
+    tier's file is caught, the restore says so and loads the same step from disk."""
+    import os
+    import warnings
+
+    disk = str(tmp_path / "disk")
+    tiers = [ckptio.Tier("shm://run", keep_last=1), ckptio.Tier(disk, keep_last=1)]
+    mgr, saved = _saved_mapped(shm, tiers)
+    try:
+        flipped = _flip_in_newest(os.path.join(shm, "run"))
+        reads = _count_reads(monkeypatch)
+        into = {k: torch.zeros_like(v) for k, v in saved.items()}
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            assert mgr.restore(into) == 4
+        assert mgr.last_restore is not None and mgr.last_restore["tier"] == 1
+    finally:
+        mgr.close()
+    assert_same(into, saved)
+    assert not any(p.startswith(shm) for p in reads), reads  # memory: copied, not read
+    text = " ".join(str(w.message) for w in record)
+    assert "CorruptCheckpointError" in text and "step 4 in shm://run" in text, text
+    assert f"restored step 4 from {disk}" in text and flipped in text, text
+
+
+def test_a_flipped_byte_in_a_mapped_file_names_it(shm: str, monkeypatch: Any) -> None:
+    """With no other copy: CorruptCheckpointError naming the key and the data file."""
+    import os
+
+    mgr, saved = _saved_mapped(shm, [ckptio.Tier("shm://run", keep_last=1)])
+    try:
+        flipped = _flip_in_newest(os.path.join(shm, "run"))
+        reads = _count_reads(monkeypatch)
+        into = {k: torch.zeros_like(v) for k, v in saved.items()}
+        with pytest.raises(CorruptCheckpointError) as raised:
+            ckptio.load(os.path.dirname(flipped), into)
+    finally:
+        mgr.close()
+    assert reads == []
+    assert flipped in str(raised.value) and "checksum mismatch" in str(raised.value)
+
+
+def test_a_fresh_process_imports_the_manager_with_no_collection() -> None:
+    """A restarted job's first ``ckptio.CheckpointManager`` imports most of ckptio; the
+    collections those allocations trigger would each walk torch's whole heap (a fixed cost of
+    every restore in a fresh process). The import runs with the collector paused."""
+    import subprocess
+    import sys
+
+    from benchmarks import REPO_ROOT, worker_env
+
+    code = ("import gc, torch, ckptio\n"
+            "runs = []\n"
+            "gc.callbacks.append(lambda phase, info: runs.append(info['generation'])"
+            " if phase == 'start' else None)\n"
+            "ckptio.CheckpointManager\n"
+            "gc.callbacks.clear()\n"
+            "print(len(runs), runs.count(2), gc.isenabled())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs, full, enabled = done.stdout.split()
+    # at most the young generation's, due once the collector is on again
+    assert int(runs) <= 1 and full == "0" and enabled == "True", (
+        f"{runs} collections ({full} full) during the manager's import; gc on after: {enabled}")

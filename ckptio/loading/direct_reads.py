@@ -5,21 +5,26 @@ tmpfs, the memory tier) is read with buffered reads, which take any address; the
 pool's copy is a pass over the bytes that the load can do without. A whole entry that one CPU
 tensor wants, contiguous, of the entry's dtype and size, is read by the backend straight into
 that tensor's bytes (the kernel's copy out of the tmpfs pages is the one copy) and hashed
-there, on the I/O thread that read it. Its bytes land before their check: a mismatch raises
-CorruptCheckpointError naming the key, as any load's does, and leaves the destination filled
-in part, as a load that fails part-way does (a manager's restore then loads another copy).
-Everything else goes through read.py's staging loop.
+there, on the I/O thread that read it. A file this process still maps (a save here wrote it:
+storage/mapped.py's cache, a rollback's restore) is copied out of that mapping instead, block
+by block, each block hashed as it lands (no read, no page faults; a fresh process maps
+nothing: mapping a file costs a page-table fill that a read does not pay). Its bytes land
+before their check: a mismatch raises CorruptCheckpointError naming the key, as any load's
+does, and leaves the destination filled in part (a manager's restore then loads another copy).
 
 Call order (read.py's _read_plain, after planning spans): ``split`` -> ``read`` -> the loop
-for the rest. Owns: which spans qualify, their reads, the order errors are raised in. Does not
-own: the checks (checks.py), the I/O (the store's backend), the spans (read.py).
+for the rest. Owns: which spans qualify, their reads and copies, the order errors are raised
+in. Does not own: the checks (checks.py), the I/O (the store's backend), the mappings
+(storage/mapped.py), the spans (read.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -27,13 +32,18 @@ import torch
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, TensorEntry
 from ckptio.io import FileHandle
+from ckptio.io.backend_contract import Filled
 from ckptio.io.stage import torch_dtype
 from ckptio.loading.checks import Checker
+from ckptio.storage import mapped
 from ckptio.storage.files import StoreFiles
 
-__all__ = ["BATCH_NBYTES", "read", "split"]
+__all__ = ["BATCH_NBYTES", "COPY_NBYTES", "read", "split"]
 
 BATCH_NBYTES = 32 << 20  # bytes of one file one I/O thread reads in one batch
+COPY_NBYTES = 512 << 10  # bytes copied out of a mapping at once: hashed while in the cache
+_copiers: dict[int, ThreadPoolExecutor] = {}  # pid -> the threads that copy out of mappings
+_copiers_lock = threading.Lock()
 
 
 class WholeSpan(Protocol):
@@ -80,22 +90,65 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
     # flight their threads would hold each of these calls up
     views = [_bytes_of(s.dests[0], s.nbytes) for s in spans]
     handles: dict[str, FileHandle] = {}
+    maps: dict[str, mapped.MappedFile | None] = {}
     batches: list[Future[int]] = []
     try:
         for batch in _batches(list(zip(spans, views))):
             file = batch[0][0].file
+            if file not in maps:
+                maps[file] = mapped.borrow(source.where(file))
+            reads = [(s.offset, v) for s, v in batch]
+            entry, each = maps[file], _Checking(batch, checker).each
+            if entry is not None:
+                batches.append(_copier().submit(_copy_each, entry, reads, each))
+                continue
             if file not in handles:
                 handles[file] = source.open_read(file, cached=True)
-            batches.append(source.submit_reads(handles[file], [(s.offset, v) for s, v in batch],
-                                               _Checking(batch, checker).each))
+            batches.append(source.submit_reads(handles[file], reads, each))
     finally:
         errors = [f.exception() for f in batches]  # every read over before its file closes
         for fh in handles.values():
             source.close(fh, sync=False)
+        for borrowed in maps.values():
+            if borrowed is not None:
+                mapped.release(borrowed)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
     return sum(span.nbytes for span in spans)
+
+
+def _copier() -> ThreadPoolExecutor:
+    """The threads that copy out of mappings (as many as the I/O backend's by default),
+    made at this process's first such copy (a forked child has none of its parent's)."""
+    with _copiers_lock:
+        pid = os.getpid()
+        if pid not in _copiers:
+            _copiers.clear()
+            _copiers[pid] = ThreadPoolExecutor(min(4, os.cpu_count() or 1),
+                                               thread_name_prefix="ckptio-copy")
+        return _copiers[pid]
+
+
+def _copy_each(source: mapped.MappedFile, reads: Sequence[tuple[int, memoryview]],
+               each: Filled) -> int:
+    """backend_contract.BatchReads.submit_reads' work out of a mapping: every read in order,
+    COPY_NBYTES at a time, ``each`` after each (the block still in the core's cache); a read
+    past the file's end stops there and ``each`` sees it short. -> bytes copied."""
+    total = 0
+    for i, (offset, into) in enumerate(reads):
+        want = min(len(into), max(0, source.nbytes - offset))
+        to = ctypes.addressof(ctypes.c_char.from_buffer(into)) if len(into) else 0
+        done = 0
+        while done < want:
+            n = min(COPY_NBYTES, want - done)
+            ctypes.memmove(to + done, source.address + offset + done, n)  # frees the GIL
+            done += n
+            each(i, done, done == len(into))
+        if done < len(into) or not into:
+            each(i, done, True)
+        total += done
+    return total
 
 
 def _bytes_of(dest: torch.Tensor, nbytes: int) -> memoryview:

@@ -8,7 +8,8 @@ full tmpfs is an error here, never a SIGBUS inside the copy) and maps it MAP_SHA
 are the file, there is nothing to write or fsync. ``release`` keeps the mapping for a later
 save into the same file (cached by (st_dev, st_ino), bounded in bytes; a file unlinked since is
 unmapped at the next open) where its root keeps slots, so a reused slot is neither allocated
-nor faulted in again.
+nor faulted in again. ``borrow`` lends a load the idle mapping of a file a save here wrote
+(loading/direct_reads.py copies out of it), in use until ``release``.
 ``keep_slots`` (a LocalRoot's retention) moves the data files of the newest dropped steps (at
 most SLOT_STEPS) into ``.ckptio-slots`` beside the steps, older slots into a dropped step,
 removed with it; ``warm_slots`` maps them ahead; ``drop_slots`` (the manager's close) removes
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import StorageIOError
 
-__all__ = ["SLOTS_DIR", "MappedFile", "drop_slots", "forget", "keep_slots", "on_tmpfs",
+__all__ = ["SLOTS_DIR", "MappedFile", "borrow", "drop_slots", "forget", "keep_slots", "on_tmpfs",
            "open_file", "release", "slot_nbytes", "warm_fit", "warm_slots"]
 
 log = logging.getLogger("ckptio")
@@ -191,6 +192,22 @@ def release(entry: MappedFile, *, keep: bool = True) -> None:
         if _cache.get(entry.key) is entry:
             del _cache[entry.key]
     _unmap(entry)
+
+
+def borrow(path: str) -> MappedFile | None:
+    """The idle mapping this process holds of file ``path`` (a save here wrote it), in use
+    until ``release(entry)``: a load copies out of its pages, no read and no page faults;
+    None where there is none (another process's file: read() is the one copy there)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    with _lock:
+        entry = _cache.get((info.st_dev, info.st_ino))
+        if entry is None or entry.in_use or entry.nbytes != info.st_size:
+            return None
+        entry.in_use = True
+        return entry
 
 
 def forget() -> None:
