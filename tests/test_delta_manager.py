@@ -30,6 +30,7 @@ from ckptio import CorruptCheckpointError, DeltaPolicy, Options, Tier
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
 from ckptio.manager import CheckpointManager
 from ckptio.storage.select import store_for
+from ckptio.testing.cli_process import run_cli
 
 OPTS = Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +76,9 @@ def _save(mgr, step: int, how: str, state=None) -> None:
 
 
 def _ckptio(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
-                          text=True, env=ENV, timeout=120, check=False)
+    """``ckptio ARGS`` in a process of its own forked from a warm interpreter
+    (ckptio.testing.cli_process; tests/test_cli_ls.py checks it against ``python -m ckptio``)."""
+    return run_cli(*args, env=ENV)
 
 
 # ------------------------------------------------------------------ the cadence
