@@ -48,8 +48,8 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
         code = done.code
     finally:  # what the interpreter's exit does: threading's exit hooks (a thread pool's
         # workers are told to stop) and a join of every non-daemon thread, then atexit functions
-        threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001
-        atexit._run_exitfuncs()  # noqa: SLF001
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
     raise SystemExit(code)
 
 
