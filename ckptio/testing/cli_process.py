@@ -21,6 +21,7 @@ import selectors
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -86,30 +87,42 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None,
     ``subprocess.run(..., capture_output=True, text=True)`` gives them."""
     proc, out_r, err_r = start_cli(*args, env=env)
     assert err_r is not None
-    got = _read_all({out_r: b"", err_r: b""}, timeout)
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
+    deadline = time.monotonic() + timeout
+    try:
+        got = _read_all({out_r: b"", err_r: b""}, deadline, ["ckptio", *args], timeout)
+        proc.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        if proc.exitcode is None:  # past the deadline: killed, as subprocess.run(timeout=) does
+            proc.kill()
+            proc.join()
+    if proc.exitcode < 0 and time.monotonic() >= deadline:
         raise subprocess.TimeoutExpired(["ckptio", *args], timeout)
     return subprocess.CompletedProcess(["ckptio", *args], proc.exitcode,
                                        got[out_r].decode(), got[err_r].decode())
 
 
-def _read_all(got: dict[int, bytes], timeout: float) -> dict[int, bytes]:
-    """Read each fd to its end (both at once, as subprocess.communicate does); closes them."""
+def _read_all(got: dict[int, bytes], deadline: float, cmd: list[str],
+              timeout: float) -> dict[int, bytes]:
+    """Read each fd to its end (both at once, as subprocess.communicate does), then close it;
+    subprocess.TimeoutExpired (fds closed) at the deadline."""
     with selectors.DefaultSelector() as sel:
         for fd in got:
             sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map():
-            ready = sel.select(timeout)
-            if not ready:
-                raise subprocess.TimeoutExpired("ckptio", timeout)
-            for key, _ in ready:
-                chunk = os.read(key.fd, 65536)
-                if chunk:
-                    got[key.fd] += chunk
-                else:
-                    sel.unregister(key.fd)
-                    os.close(key.fd)
+        try:
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                ready = sel.select(left) if left > 0 else []
+                if not ready:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                for key, _ in ready:
+                    chunk = os.read(key.fd, 65536)
+                    if chunk:
+                        got[key.fd] += chunk
+                    else:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+        finally:
+            for key in list(sel.get_map().values()):
+                sel.unregister(key.fd)
+                os.close(key.fd)
     return got
