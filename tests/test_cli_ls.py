@@ -142,7 +142,8 @@ def test_version():
 def test_warm_runs_say_what_python_m_ckptio_says(tmp_path: Path):
     """The forked runs of ckptio_cmd (this file's and tests/test_cli_interop.py's) against
     ``python -m ckptio`` in a fresh interpreter: the same exit status, stdout and stderr for a
-    command that reads through torch, a report of damage, a one-line error and a diff."""
+    command that reads through torch, a report of damage, a one-line error, a diff and a
+    conversion."""
     ckptio.save({f"t{i}": torch.full((1024,), float(i)) for i in range(3)}, tmp_path / "a")
     ckptio.save({f"t{i}": torch.full((1024,), float(i + 1)) for i in range(3)}, tmp_path / "b")
     torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
@@ -153,6 +154,12 @@ def test_warm_runs_say_what_python_m_ckptio_says(tmp_path: Path):
         assert (warm.returncode, warm.stdout, warm.stderr) == (
             fresh.returncode, fresh.stdout, fresh.stderr), args
         assert fresh.stdout or fresh.stderr, args
+    # a command that writes (and imports what a conversion needs on its own): the same words
+    fresh = python_m_ckptio("convert", str(tmp_path / "m.pt"), str(tmp_path / "fresh"))
+    warm = ckptio_cmd("convert", str(tmp_path / "m.pt"), str(tmp_path / "warm"))
+    said = warm.stdout.replace(str(tmp_path / "warm"), str(tmp_path / "fresh"))
+    assert (warm.returncode, said, warm.stderr) == (
+        fresh.returncode, fresh.stdout, fresh.stderr) and fresh.returncode == 0, fresh.stderr
 
 
 # ------------------------------------------------------------------------------------------------
