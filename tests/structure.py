@@ -43,6 +43,13 @@ THIRD_PARTY: dict[str, str] = {
     "threading._register_atexit":
         "work that must end before threading joins non-daemon threads at exit (a save in "
         "flight finishes, pre-faulting and the liveness beat stop); atexit runs after that",
+    "threading._shutdown":
+        "what the interpreter's exit does before atexit (threading's exit hooks, then a join of "
+        "every non-daemon thread): ckptio/testing/cli_process.py ends a command forked from a "
+        "warm interpreter as python -m ckptio would end (tests only)",
+    "atexit._run_exitfuncs":
+        "the interpreter's atexit step, which a forked child ending with os._exit skips: "
+        "ckptio/testing/cli_process.py runs it as python -m ckptio's exit would (tests only)",
     "c10d._get_default_store": "the job's c10d store, which torch exposes no public getter for",
     "c10d._get_process_group_store": "a sub-group's c10d store (no public getter)",
     "c10d._world": "a sub-group's c10d store on older torch, which lacks "

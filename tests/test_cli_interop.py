@@ -1,9 +1,11 @@
-"""The ``ckptio`` command as users type it (subprocesses of ``python -m ckptio`` importing this
+"""The ``ckptio`` command as users type it (processes of their own importing this
 checkout): ls (text, --json schema ckptio.ls/1, --depth), diff (exit codes, checksum and --data
 paths), verify, convert (a DCP directory saved by torch.distributed.checkpoint, a torch.save
 file), export (its arguments; a transformers model's state for real, read back by safetensors),
 one-line errors, a closed pipe, progress bars on a terminal only, and that ls and
 diff on ckptio checkpoints never import torch. docs/CLI.md documents what is checked here.
+The commands run forked from a warm interpreter (``ckptio_cmd``), and as ``python -m ckptio``
+in a fresh one where the interpreter is the point (imports, a closed pipe at exit).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio import cli
 from ckptio.cli import commands
+from ckptio.testing.cli_process import run_cli
 from conftest import ALL_DTYPES, assert_same
 from special_values import bits_equal, specials
 from test_cli_ls import _on_a_terminal
@@ -33,9 +36,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-    """``ckptio ARGS`` as a user runs it (stdout and stderr are pipes, not terminals)."""
-    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
-                          text=True, env=ENV, timeout=120, check=False)
+    """``ckptio ARGS`` in a process of its own (stdout and stderr are pipes, not terminals),
+    forked from a warm interpreter (ckptio.testing.cli_process; tests/test_cli_ls.py checks
+    that it says what ``python -m ckptio`` says)."""
+    return run_cli(*args, env=ENV)
 
 
 def _one_line_error(done: subprocess.CompletedProcess[str], *phrases: str) -> str:

@@ -4,8 +4,11 @@ a CheckpointManager's steps (committed, incomplete, being deleted: never an inte
 every damaged tensor with verify's own advice, ``diff`` of a converted checkpoint comparing data
 (or one line naming ``--data``), and progress bars drawn on a real terminal (a pty).
 
-Everything runs the real command in a subprocess (``python -m ckptio``) on real checkpoints;
-in-process runs (``cli.main``) only where a module constant is changed for the test.
+Everything runs the command in a process of its own on real checkpoints: forked from a warm
+interpreter (ckptio.testing.cli_process: torch imported once, not per command), and
+``python -m ckptio`` itself where a fresh interpreter is the point (``--version``, and that the
+warm runs say what ``python -m ckptio`` says); in-process runs (``cli.main``) only where a module
+constant is changed for the test.
 """
 
 from __future__ import annotations
@@ -34,14 +37,22 @@ from ckptio import cli
 from ckptio.cli import diff as cli_diff
 from ckptio.cli.ls import human_size
 from ckptio.storage.local_root import LocalRoot
+from ckptio.testing.cli_process import run_cli, start_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+def python_m_ckptio(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ckptio ARGS`` in a fresh interpreter, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
                           text=True, env=ENV, timeout=120, check=False)
+
+
+def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ckptio ARGS`` in a process of its own forked from a warm interpreter (stdout and
+    stderr pipes); test_warm_runs_say_what_python_m_ckptio_says checks it against the above."""
+    return run_cli(*args, env=ENV)
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -124,8 +135,30 @@ def test_human_sizes(nbytes: int, text: str):
 
 
 def test_version():
-    done = ckptio_cmd("--version")
+    done = python_m_ckptio("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"ckptio {ckptio.__version__}"
+
+
+def test_warm_runs_say_what_python_m_ckptio_says(tmp_path: Path):
+    """The forked runs of ckptio_cmd (this file's and tests/test_cli_interop.py's) against
+    ``python -m ckptio`` in a fresh interpreter: the same exit status, stdout and stderr for a
+    report of damage (read through torch), a one-line error, a diff and a conversion."""
+    ckptio.save({f"t{i}": torch.full((1024,), float(i)) for i in range(3)}, tmp_path / "a")
+    ckptio.save({f"t{i}": torch.full((1024,), float(i + 1)) for i in range(3)}, tmp_path / "b")
+    torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
+    _flip(tmp_path / "b", {"t1"})
+    for args in (("verify", str(tmp_path / "b")), ("ls", str(tmp_path / "nope")),
+                 ("diff", str(tmp_path / "a"), str(tmp_path / "b"))):
+        fresh, warm = python_m_ckptio(*args), ckptio_cmd(*args)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (
+            fresh.returncode, fresh.stdout, fresh.stderr), args
+        assert fresh.stdout or fresh.stderr, args
+    # a command that writes (and imports what a conversion needs on its own): the same words
+    fresh = python_m_ckptio("convert", str(tmp_path / "m.pt"), str(tmp_path / "fresh"))
+    warm = ckptio_cmd("convert", str(tmp_path / "m.pt"), str(tmp_path / "warm"))
+    said = warm.stdout.replace(str(tmp_path / "warm"), str(tmp_path / "fresh"))
+    assert (warm.returncode, said, warm.stderr) == (
+        fresh.returncode, fresh.stdout, fresh.stderr) and fresh.returncode == 0, fresh.stderr
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,8 +302,7 @@ def _on_a_terminal(*args: str) -> tuple[int, str]:
     """Run ``ckptio ARGS`` with stderr on a pty (stdout a pipe); -> (status, what the pty got)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
-    proc = subprocess.Popen([sys.executable, "-m", "ckptio", *args], env=ENV,
-                            stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL)
+    proc, out, _ = start_cli(*args, env=ENV, stderr_fd=slave)
     os.close(slave)
     got = b""
     deadline = time.monotonic() + 120
@@ -284,13 +316,12 @@ def _on_a_terminal(*args: str) -> tuple[int, str]:
             if not chunk:
                 break
             got += chunk
-        elif proc.poll() is not None:
+        elif proc.exitcode is not None:
             break
-    proc.wait(timeout=60)
+    proc.join(timeout=60)
     os.close(master)
-    assert proc.stdout is not None
-    proc.stdout.close()
-    return proc.returncode, got.decode(errors="replace")
+    os.close(out)
+    return proc.exitcode, got.decode(errors="replace")
 
 
 @pytest.mark.parametrize("command", ["verify", "diff --data", "convert", "convert --to safetensors",

@@ -31,6 +31,7 @@ from special_values import bits_equal, specials
 import ckptio
 from ckptio.cli import commands
 from ckptio.convert import TARGETS, convert
+from ckptio.testing.cli_process import run_cli
 from ckptio.testing.rank_processes import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +41,9 @@ OPTS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 
 
 def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
-                          text=True, env=ENV, timeout=180, check=False)
+    """``ckptio ARGS`` in a process of its own forked from a warm interpreter
+    (ckptio.testing.cli_process; tests/test_cli_ls.py checks it against ``python -m ckptio``)."""
+    return run_cli(*args, env=ENV, timeout=180)
 
 
 def _name(dtype: torch.dtype) -> str:

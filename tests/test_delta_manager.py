@@ -5,7 +5,8 @@ retention with chains (a base kept while a kept delta needs it, dropped one pass
 delta); restore() falling back past a delta whose base is damaged or missing, with a warning
 naming the step and its base; a tiered manager whose drain copies a delta's base first; the
 ``ckptio`` command's view of chains (ls, ls --storage, ls RUN, verify of a chain, status); and
-a real subprocess SIGKILLed at random moments of a delta-saving loop (saves and retention),
+a real process (forked from the warm forkserver of ckptio.testing.rank_processes) SIGKILLed
+at random moments of a delta-saving loop (saves and retention),
 after which every committed step loads bit-exact and the run resumes.
 The policy's rules on their own: tests/test_delta_policy.py.
 """
@@ -15,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +32,8 @@ from ckptio import CorruptCheckpointError, DeltaPolicy, Options, Tier
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
 from ckptio.manager import CheckpointManager
 from ckptio.storage.select import store_for
+from ckptio.testing.cli_process import run_cli
+from ckptio.testing.rank_processes import warm_context
 
 OPTS = Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +79,9 @@ def _save(mgr, step: int, how: str, state=None) -> None:
 
 
 def _ckptio(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
-                          text=True, env=ENV, timeout=120, check=False)
+    """``ckptio ARGS`` in a process of its own forked from a warm interpreter
+    (ckptio.testing.cli_process; tests/test_cli_ls.py checks it against ``python -m ckptio``)."""
+    return run_cli(*args, env=ENV)
 
 
 # ------------------------------------------------------------------ the cadence
@@ -270,17 +275,36 @@ def test_ckptio_ls_and_verify_show_and_check_a_chain(tmp_path):
 
 # ------------------------------------------------------------------ a kill anywhere
 
-_LOOP = """
-import sys, torch, ckptio
-sys.path.insert(0, {tests!r})
-from test_delta_manager import state_at, OPTS
-mgr = ckptio.CheckpointManager({run!r}, keep_last=2, options=OPTS,
-                               delta=ckptio.DeltaPolicy(full_every=3))
-start = (mgr.restore(state_at(0)) or 0) + 1
-print("ready", flush=True)
-for step in range(start, start + 100000):
-    mgr.save(step, state_at(step), asynchronous={asynchronous})
-"""
+def _saving_loop(err: str, ready: Any, make: Callable[[], CheckpointManager],
+                 asynchronous: bool = False) -> None:
+    """A training job until it is killed (a process of its own, forked from the warm
+    forkserver of ckptio.testing.rank_processes): restore, say so, then save every step."""
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
+    mgr = make()
+    start = (mgr.restore(state_at(0)) or 0) + 1 if mgr.latest() is not None else 1
+    ready.set()
+    for step in range(start, start + 100000):
+        mgr.save(step, state_at(step), asynchronous=asynchronous)
+
+
+def _one_tier(run: str) -> CheckpointManager:
+    return CheckpointManager(run, keep_last=2, options=OPTS, delta=DeltaPolicy(full_every=3))
+
+
+def _start_job(tmp_path: Path, make: Callable[[], CheckpointManager],
+               asynchronous: bool = False) -> tuple[Any, str]:
+    """Start _saving_loop and wait until it has restored -> (the process, its stderr file)."""
+    ctx = warm_context()
+    ready, err = ctx.Event(), str(tmp_path / "job.stderr")
+    proc = ctx.Process(target=_saving_loop, args=(err, ready, make, asynchronous), daemon=True)
+    proc.start()
+    assert ready.wait(120), Path(err).read_text() if os.path.exists(err) else "no stderr"
+    return proc, err
+
+
+def _kill(proc: Any) -> None:
+    proc.kill()  # SIGKILL
+    proc.join(30)
 
 
 def _committed_after(run: str, last: int, timeout_s: float = 60.0) -> None:
@@ -298,19 +322,15 @@ def _committed_after(run: str, last: int, timeout_s: float = 60.0) -> None:
 def test_a_kill_during_delta_saves_and_retention_leaves_every_committed_step_loadable(
         tmp_path, asynchronous):
     run = str(tmp_path / "run")
-    code = _LOOP.format(tests=str(ROOT / "tests"), run=run, asynchronous=asynchronous)
     last = 0
     for delay in (0.3, 0.45, 0.6, 0.75):
-        proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc, err = _start_job(tmp_path, partial(_one_tier, run), asynchronous)
         _committed_after(run, last)  # the kill lands among later saves, however slow the host
         time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill(proc)
         mgr = _manager(run, keep_last=2)
         committed = mgr.steps()
-        assert committed and committed[-1] > last, (committed, proc.stderr.read())
+        assert committed and committed[-1] > last, (committed, Path(err).read_text())
         last = committed[-1]
         for step in committed:
             for name in _bases(mgr.path(step)):
@@ -340,30 +360,18 @@ def test_two_ranks_save_deltas_against_rank_0s_choice(tmp_path):
         assert got["restored"] == 5 and got["w"], (rank, got)
 
 
-_TIERED_LOOP = """
-import sys, torch, ckptio
-sys.path.insert(0, {tests!r})
-from test_delta_manager import state_at, OPTS
-mgr = ckptio.CheckpointManager(
-    tiers=[ckptio.Tier({fast!r}, keep_last=2), ckptio.Tier({slow!r}, every=2, keep_last=1)],
-    options=OPTS, delta=ckptio.DeltaPolicy(full_every=4))
-start = (mgr.restore(state_at(0)) or 0) + 1 if mgr.latest() is not None else 1
-print("ready", flush=True)
-for step in range(start, start + 100000):
-    mgr.save(step, state_at(step))
-"""
+def _two_tiers(fast: str, slow: str) -> CheckpointManager:
+    return CheckpointManager(
+        tiers=[Tier(fast, keep_last=2), Tier(slow, every=2, keep_last=1)],
+        options=OPTS, delta=DeltaPolicy(full_every=4))
 
 
 def test_a_kill_during_the_drain_of_deltas_leaves_every_tiers_steps_loadable(tmp_path):
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
-    code = _TIERED_LOOP.format(tests=str(ROOT / "tests"), fast=fast, slow=slow)
     for delay in (0.4, 0.7, 1.0):
-        proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc, _ = _start_job(tmp_path, partial(_two_tiers, fast, slow))
         time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        _kill(proc)
         for where in (fast, slow):
             mgr = _manager(where, keep_last=None)
             committed = mgr.steps()

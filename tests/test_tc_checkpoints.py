@@ -30,6 +30,7 @@ from test_dcp_in import (K, _assert_same, _build, _dcp_state, _objects, _snapsho
                          _step)
 
 import ckptio  # noqa: E402
+from ckptio.testing.cli_process import run_cli  # noqa: E402
 from ckptio.testing.rank_processes import run_ranks  # noqa: E402
 from ckptio.testing.tc_peer import manager  # noqa: E402
 
@@ -38,8 +39,9 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
 
 def _cmd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptio", *args], capture_output=True,
-                          text=True, env=ENV, timeout=180, check=False)
+    """``ckptio ARGS`` in a process of its own forked from a warm interpreter
+    (ckptio.testing.cli_process; tests/test_cli_ls.py checks it against ``python -m ckptio``)."""
+    return run_cli(*args, env=ENV, timeout=180)
 
 
 @pytest.fixture(scope="module")

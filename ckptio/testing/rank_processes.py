@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["EXIT_WAIT_S", "RanksFailed", "free_port", "run_ranks"]
+__all__ = ["EXIT_WAIT_S", "RanksFailed", "free_port", "run_ranks", "warm_context"]
 
 
 def free_port() -> int:
@@ -76,10 +76,11 @@ EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all to
 UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the run has ended
 
 
-def _context() -> Any:
-    """A forkserver with torch and ckptio imported once: each rank is a fork of that clean,
-    single-threaded server (no state of the caller's threads), without paying the import
-    of torch per rank (docs/PROBES.md, "Figures moved out of the code")."""
+def warm_context() -> Any:
+    """A forkserver with torch and ckptio imported once: each rank (and each command of
+    ckptio.testing.cli_process) is a fork of that clean, single-threaded server (no state of
+    the caller's threads), without paying the import of torch per process (docs/PROBES.md,
+    "Figures moved out of the code")."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -132,7 +133,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     happen there). ``agent_store``: the job's store is held by this process, not by rank 0 (so
     that rank 0 can be frozen without stalling the others' store calls, as under torchrun).
     ``destroy=False``: the ranks exit without destroy_process_group, as many scripts do."""
-    ctx = mp.get_context("spawn") if spawn else _context()
+    ctx = mp.get_context("spawn") if spawn else warm_context()
     results = ctx.Queue()
     logs = tempfile.mkdtemp(prefix="ckptio-ranks-")
     errs = [os.path.join(logs, f"rank{r}.stderr") for r in range(world_size)]

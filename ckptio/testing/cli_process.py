@@ -1,0 +1,128 @@
+"""Run the ``ckptio`` command as ``python -m ckptio ARGS`` does, in a process forked from the
+warm forkserver of ckptio.testing.rank_processes (torch and ckptio already imported), so a
+test that runs many commands does not pay an interpreter start and torch's import per command.
+
+    done = run_cli("verify", str(path))   # a subprocess.CompletedProcess[str], as subprocess.run
+
+The child gets its own standard output and error (pipes, or a terminal the caller passes), the
+caller's environment and working directory, and runs ckptio's ``__main__`` with that argv; at
+its end it does what an interpreter's exit does (joins non-daemon threads, runs atexit
+functions, flushes) before its exit status is taken. What only a fresh interpreter shows (which
+modules a command imports, a closed pipe at interpreter exit, the installed entry point) is
+tested with real ``python -m ckptio`` processes. Test support only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ckptio.testing.rank_processes import warm_context
+
+__all__ = ["run_cli", "start_cli"]
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
+           err: Connection) -> None:
+    """The forked command: its fds 1 and 2, environment and directory, then ckptio's main."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = ["ckptio", *argv]
+    code: Any = 0
+    try:
+        runpy.run_module("ckptio", run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        code = done.code
+    finally:  # what the interpreter's exit does: threading's exit hooks (a thread pool's
+        # workers are told to stop) and a join of every non-daemon thread, then atexit functions
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    raise SystemExit(code)
+
+
+def _pipe() -> tuple[int, Connection]:
+    """(read fd for this process, write end as a Connection the forkserver passes on)."""
+    r, w = os.pipe()
+    return r, Connection(w, readable=False)
+
+
+def start_cli(*args: str, env: Mapping[str, str] | None = None,
+              stderr_fd: int | None = None) -> tuple[Any, int, int | None]:
+    """Start ``ckptio ARGS`` -> (process, stdout read fd, stderr read fd or None when
+    ``stderr_fd`` — a terminal, say — was given)."""
+    out_r, out_w = _pipe()
+    if stderr_fd is None:
+        err_r: int | None
+        err_r, err_w = _pipe()
+    else:
+        err_r, err_w = None, Connection(os.dup(stderr_fd), readable=False)
+    proc = warm_context().Process(
+        target=_child, args=([*args], dict(os.environ if env is None else env), os.getcwd(),
+                             out_w, err_w), daemon=True)
+    try:
+        proc.start()
+    finally:
+        out_w.close()
+        err_w.close()
+    return proc, out_r, err_r
+
+
+def run_cli(*args: str, env: Mapping[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``ckptio ARGS`` with stdout and stderr pipes -> its exit status and output, as
+    ``subprocess.run(..., capture_output=True, text=True)`` gives them."""
+    proc, out_r, err_r = start_cli(*args, env=env)
+    assert err_r is not None
+    deadline = time.monotonic() + timeout
+    try:
+        got = _read_all({out_r: b"", err_r: b""}, deadline, ["ckptio", *args], timeout)
+        proc.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        if proc.exitcode is None:  # past the deadline: killed, as subprocess.run(timeout=) does
+            proc.kill()
+            proc.join()
+    if proc.exitcode < 0 and time.monotonic() >= deadline:
+        raise subprocess.TimeoutExpired(["ckptio", *args], timeout)
+    return subprocess.CompletedProcess(["ckptio", *args], proc.exitcode,
+                                       got[out_r].decode(), got[err_r].decode())
+
+
+def _read_all(got: dict[int, bytes], deadline: float, cmd: list[str],
+              timeout: float) -> dict[int, bytes]:
+    """Read each fd to its end (both at once, as subprocess.communicate does), then close it;
+    subprocess.TimeoutExpired (fds closed) at the deadline."""
+    with selectors.DefaultSelector() as sel:
+        for fd in got:
+            sel.register(fd, selectors.EVENT_READ)
+        try:
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                ready = sel.select(left) if left > 0 else []
+                if not ready:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                for key, _ in ready:
+                    chunk = os.read(key.fd, 65536)
+                    if chunk:
+                        got[key.fd] += chunk
+                    else:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+        finally:
+            for key in list(sel.get_map().values()):
+                sel.unregister(key.fd)
+                os.close(key.fd)
+    return got
