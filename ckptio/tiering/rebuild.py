@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.tiering import marks, peers, stripes
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import protected_steps
@@ -210,7 +210,15 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
     result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
                          if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
-    _rounds(ctx, invs, result, only)
+    try:
+        _rounds(ctx, invs, result, only)
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+        raise RankFailedError(
+            f"rank {ctx.rank}: restoring from the memory of other hosts failed: a rank it "
+            f"exchanges copies, parity or its pieces of a rebuild with died or gave no answer "
+            f"within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and "
+            "every step in memory is kept: restart the job (the restore is made again with "
+            "the ranks alive then)") from exc
     result.received = ctx.received
     return result
 
