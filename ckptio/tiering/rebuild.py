@@ -365,11 +365,11 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         held = marks.held(ctx.root, step)
         kind = item.split(":")[0]
         if kind == "own":
-            stream = peers.read_stream(marks.tree_of(ctx.own_dir(step)))
+            stream = peers.map_stream(marks.tree_of(ctx.own_dir(step)))
             return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
         if kind == "copy":
             of = int(item.split(":")[2][2:])
-            stream = peers.read_stream(held.child(marks.copy_name(of)))
+            stream = peers.map_stream(held.child(marks.copy_name(of)))
             return {"ok": True, **stream.meta()}, stream.data
         group, local = (int(p[1:]) for p in item.split(":")[2:4])
         info, block = peers.read_block(held, marks.parity_name(group, local))
