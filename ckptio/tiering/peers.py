@@ -28,12 +28,14 @@ import xxhash
 
 from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.local import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "digest", "files_of",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "check_stream",
+           "digest", "files_of",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
            "recv_into",
            "send", "send_paced", "write_checkpoint", "write_json", "xor_into"]
@@ -137,6 +139,34 @@ def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor
         raise CorruptCheckpointError(f"{held.path_of(name + '.bin')} does not match the xxh3 "
                                      "recorded when it was encoded (corrupted)")
     return info, block
+
+
+def check_stream(manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
+                 where: str) -> bool:
+    """Check every tensor entry's stored bytes in ``data`` (the stream of ``files``) against
+    its checksum in ``manifest``, in memory: one hash pass, nothing read back. -> False where
+    the manifest holds what only a full verify checks (compressed or delta entries, regular
+    sections, index files, bases): the caller verifies the written step instead.
+    CorruptCheckpointError naming the entry where a checksum differs."""
+    record = manifest_format.decode(manifest, where)
+    if (record.regular or record.indexes or record.bases or record.checksum_algorithm
+            not in ("xxh3_64_tree", "xxh3_64")
+            or any(e.stored is not None or e.delta is not None for e in record.tensors)):
+        return False
+    starts, offset = {}, 0
+    for name, nbytes in files:
+        starts[name] = offset
+        offset += nbytes
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
+    for entry in record.tensors:
+        lo = starts[entry.file] + entry.offset
+        got = checksum.entry_checksum(record.checksum_algorithm, record.block_nbytes,
+                                      view[lo:lo + entry.nbytes])
+        if got != entry.checksum:
+            raise CorruptCheckpointError(
+                f"{where}: entry {entry.key!r} ({entry.file} at {entry.offset}) does not match "
+                f"its checksum ({got} != {entry.checksum}): the copy or rebuild is damaged")
+    return True
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],

@@ -384,7 +384,8 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
 def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
              data: torch.Tensor) -> None:
     """Write this rank's step (a copy's bytes, or rebuilt from parity) as ``step-N``, verified
-    first."""
+    first: its entries' checksums checked in memory (peers.check_stream), or, where its manifest
+    needs more, the written step verified (Checkpointer.verify) before it is moved in place."""
     if src[0] == "copy":
         meta = metas[_copy_id(src[1], ctx.rank, step)]
     else:
@@ -395,8 +396,10 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
     scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
         marks.rebuild_name(step))
     try:
+        checked = peers.check_stream(manifest, [tuple(f) for f in files], data, final.location)
         peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
-        ctx.verify(scratch.location)
+        if not checked:
+            ctx.verify(scratch.location)
         scratch.move_to(final)
     finally:
         scratch.remove_tree()
