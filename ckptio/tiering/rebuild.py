@@ -192,14 +192,16 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            rebuild from its group's parity with the other members' own steps; a step is chosen when
            every rank has a source. Items found bad before are passed over. Parity: at most m
            members of the rank's group miss their own step or parity block (or hold a bad one).
-    3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-           against the digest it recorded. The receiver writes the copy (or rebuilds each of its
-           pieces from its stripe's P / Q and the other members' pieces, erasure.py; cut
-           to its length and split into its files) into ``r<rank>/.rebuild-step-N``,
-           **verifies every byte against the original's manifest** (its entries' checksums:
-           Checkpointer.verify), and only then moves it to its ``step-N`` (Store.move_to: one
-           rename). A delta step rebuilt so needs its base: the base is brought back first, the
-           same way (the protection keeps a protected delta's base's: protect.py).
+    3. **transfer**: each holder maps its items (peers.map_stream) and checks its block
+           against the digest it recorded; a partner copy is sent whole, a rank rebuilt from
+           parity receives only its own pieces, each summed along its stripe's survivors
+           (stripes.py). The receiver **checks every entry against the original's manifest**
+           in memory (peers.check_stream; where its manifest needs more, Checkpointer.verify
+           of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
+           it to its ``step-N`` (Store.move_to: one rename). A delta step rebuilt so needs its
+           base: the base is brought back first, the same way (the protection keeps a
+           protected delta's base's: protect.py). A rank gone during the transfers:
+           RankFailedError on the others (torch.distributed's error, named).
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are

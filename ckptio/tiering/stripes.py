@@ -122,20 +122,8 @@ def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tenso
     bytes). A failure of this rank's own sum is recorded (``Outcome.error``) and the chunk
     passed on as it is, so no rank waits for it; the receiver's check finds the piece wrong."""
     outcome = Outcome()
-    posted: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
-    for c, chain in enumerate(chains):
-        for t in range(len(chain.terms) + 1):
-            here = chain.terms[t].rank if t < len(chain.terms) else chain.receiver
-            if here != rank or t == 0:
-                continue
-            src = chain.terms[t - 1].rank
-            buf = (out[chain.offset:chain.offset + chain.length] if t == len(chain.terms)
-                   else torch.empty(chain.length, dtype=torch.uint8))
-            for q, (lo, hi) in enumerate(_chunks(chain.length)):
-                posted[(c, q)] = (buf, dist.irecv(buf[lo:hi], src, group=group,
-                                                  tag=base_tag + c))
-                outcome.received += hi - lo
-    sends = []
+    posted = _post(group, rank, chains, out, base_tag, outcome)
+    sends: list[Any] = []
     for q in range(max((len(_chunks(ch.length)) for ch in chains), default=0)):
         for c, chain in enumerate(chains):
             spans = _chunks(chain.length)
@@ -152,6 +140,31 @@ def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tenso
     for work in sends:
         work.wait()
     return outcome
+
+
+Posted = dict[tuple[int, int], tuple[torch.Tensor, Any]]  # (chain, chunk) -> (buffer, work)
+
+
+def _post(group: Any, rank: int, chains: list[Chain], out: torch.Tensor | None, base_tag: int,
+          outcome: Outcome) -> Posted:
+    """Every receive of this rank posted, before any send: the sums it adds to (a buffer of
+    its own each) and its own pieces (into ``out``)."""
+    posted: Posted = {}
+    for c, chain in enumerate(chains):
+        for t in range(1, len(chain.terms) + 1):
+            last = t == len(chain.terms)
+            if (chain.receiver if last else chain.terms[t].rank) != rank:
+                continue
+            if last:
+                assert out is not None  # internal: a receiver has its step's bytes
+                buf = out[chain.offset:chain.offset + chain.length]
+            else:
+                buf = torch.empty(chain.length, dtype=torch.uint8)
+            for q, (lo, hi) in enumerate(_chunks(chain.length)):
+                posted[(c, q)] = (buf, dist.irecv(buf[lo:hi], chain.terms[t - 1].rank,
+                                                  group=group, tag=base_tag + c))
+                outcome.received += hi - lo
+    return posted
 
 
 def _sum(got: tuple[torch.Tensor, Any] | None, data: torch.Tensor, c: int, lo: int, hi: int,
