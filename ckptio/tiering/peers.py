@@ -157,8 +157,10 @@ def check_stream(manifest: bytes, files: list[tuple[str, int]], data: torch.Tens
     for name, nbytes in files:
         starts[name] = offset
         offset += nbytes
+    if any(e.nbytes and e.file not in starts for e in record.tensors):
+        return False  # an entry outside this stream: the full verify names it
     view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
-    for entry in record.tensors:
+    for entry in (e for e in record.tensors if e.nbytes):
         lo = starts[entry.file] + entry.offset
         got = checksum.entry_checksum(record.checksum_algorithm, record.block_nbytes,
                                       view[lo:lo + entry.nbytes])
