@@ -350,15 +350,16 @@ def _digest(t: torch.Tensor) -> str:
 
 def restore_rebuild_raises(rank: int, world: int, base: str, disk: str, per_host: int,
                            spec: str, broken: int) -> dict[str, Any]:
-    """``restore`` where decoding the parity on rank ``broken`` raises a RuntimeError (a bug,
-    not damage) -> what restore returns, and how long it took."""
+    """``restore`` where rank ``broken``'s sum of its part of a lost piece (its share of the
+    parity decode, tiering/stripes.py) raises a RuntimeError (a bug, not damage) -> what
+    restore returns, and how long it took."""
     if rank == broken:
         from ckptio.tiering import erasure
 
         def fails(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected: the decode failed")
 
-        erasure.member = fails
+        erasure.mul_into = fails
     started = time.monotonic()
     out = restore(rank, world, base, disk, per_host, spec)
     return {**out, "seconds": time.monotonic() - started}

@@ -65,7 +65,8 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
                       lambda: levels[0].try_load(memory, state, load_kwargs))
         if why is None:
             source = recovery.sources[guard.rank]
-            return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts)
+            return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,
+                         recovery.received)
         passed.append(f"step {memory} in memory: {why}")
         fallback = fallback_step(recovery, step)
     if fallback is None:
@@ -89,7 +90,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
          f"lost: {lost}; {guard.spec.describe()}"
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
     return _done(guard, levels, fallback, tier, "own" if tier == 0 else "disk", started, passed,
-                 recovery.lost_hosts)
+                 recovery.lost_hosts, recovery.received)
 
 
 def _this_world(level: TierSteps, steps: list[int], world: int, others: set[int]) -> list[int]:
@@ -176,12 +177,14 @@ def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | No
 
 
 def _done(guard: Guard, levels: Sequence[TierSteps], step: int, tier: int, source: str,
-          started: float, passed: list[str], lost: list[str]) -> dict[str, Any]:
+          started: float, passed: list[str], lost: list[str],
+          received: int = 0) -> dict[str, Any]:
     if source != "resharded":  # the step was another job's: nothing of this rank's to keep
         levels[tier].succeeded(step)
     record = {"step": step, "tier": tier, "location": levels[tier].location,
               "seconds": time.perf_counter() - started, "source": source,
-              "redundancy": guard.spec.describe(), "lost_hosts": lost, "skipped": passed}
+              "redundancy": guard.spec.describe(), "lost_hosts": lost, "skipped": passed,
+              "received_bytes": received}
     log.info("ckptio: rank %d restored step %d (%s) in %.3f s", guard.rank, step, source,
              record["seconds"])
     return record

@@ -25,7 +25,7 @@ import torch
 from ckptio.errors import CkptError
 from ckptio.tiering.topology import Topology
 
-__all__ = ["Horner", "member", "mul", "mul_into", "power", "scale", "solve"]
+__all__ = ["Horner", "inverse", "member", "mul", "mul_into", "power", "scale", "solve"]
 
 _POLY = 0x1D  # x^8 + x^4 + x^3 + x^2 + 1, without x^8
 _CHUNK = 1 << 22  # bytes multiplied at a time (and their int32 indices)
@@ -54,7 +54,8 @@ def power(h: int) -> int:
     return _EXP[h % 255]
 
 
-def _inverse(a: int) -> int:
+def inverse(a: int) -> int:
+    """1 / a in GF(2^8); CkptError for 0."""
     if a == 0:
         raise CkptError("internal: no inverse of 0 in GF(2^8)")
     return _EXP[255 - _LOG[a]]
@@ -88,7 +89,8 @@ def scale(block: torch.Tensor, c: int) -> None:
 def mul_into(acc: torch.Tensor, data: torch.Tensor, c: int) -> None:
     """acc[:len(data)] ^= c * data in GF(2^8) (uint8)."""
     n = data.numel()
-    if c == 1 and n % 8 == 0 and acc.numel() % 8 == 0:
+    if c == 1 and n % 8 == 0 and acc.storage_offset() % 8 == 0 \
+            and data.storage_offset() % 8 == 0:
         acc[:n].view(torch.int64).bitwise_xor_(data.view(torch.int64))
         return
     if c == 1:
@@ -118,14 +120,14 @@ def solve(size: int, p: torch.Tensor | None, q: torch.Tensor | None,
     if len(lost) == 1:
         assert q is not None  # internal: checked above
         out = _syndrome(size, q, present, power)
-        scale(out, _inverse(power(want)))
+        scale(out, inverse(power(want)))
         return out
     assert p is not None and q is not None  # internal: checked above
     other = next(h for h in lost if h != want)
     pxy = _syndrome(size, p, present, lambda _h: 1)  # d_want ^ d_other
     qxy = _syndrome(size, q, present, power)  # g^want d_want ^ g^other d_other
     mul_into(qxy, pxy, power(other))  # (g^want ^ g^other) d_want
-    scale(qxy, _inverse(power(want) ^ power(other)))
+    scale(qxy, inverse(power(want) ^ power(other)))
     return qxy
 
 

@@ -17,6 +17,7 @@ Owns: the stream, its reading and writing, the transport. Does not own: what to 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +28,15 @@ import xxhash
 
 from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
+from ckptio.storage.local import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "digest", "files_of",
-           "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "check_stream",
+           "digest", "files_of",
+           "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
            "recv_into",
            "send", "send_paced", "write_checkpoint", "write_json", "xor_into"]
 
@@ -97,17 +101,74 @@ def read_stream(store: TreeStore, reuse: torch.Tensor | None = None) -> Stream:
     return Stream(manifest, files, data, bases_of(manifest, store.location))
 
 
+def map_stream(store: TreeStore) -> Stream:
+    """read_stream, but a step of one data file on a local filesystem (the memory tier's tmpfs)
+    is mapped, not copied: its pages are sent or read where they lie (read-only)."""
+    manifest = store.read_manifest()
+    files = files_of(manifest, store.location)
+    data = _mapped(store, files[0][0], files[0][1]) if len(files) == 1 else None
+    if data is None:
+        return read_stream(store)
+    return Stream(manifest, files, data, bases_of(manifest, store.location))
+
+
+def _mapped(store: TreeStore, name: str, nbytes: int) -> torch.Tensor | None:
+    """File ``name`` of ``store`` mapped read-only (MAP_PRIVATE: never written back), where it
+    is a local file of ``nbytes``; else None (the caller reads it)."""
+    if not isinstance(store, LocalStore) or nbytes == 0:
+        return None
+    path = store.path_of(name)
+    try:
+        if os.path.getsize(path) != nbytes:
+            return None  # read_stream's read names the difference
+    except OSError:
+        return None
+    return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+
+
 def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor]:
-    """A parity block ``name`` (``.json`` and ``.bin``) of ``held`` -> (its JSON, its bytes),
-    checked against the xxh3 recorded when it was encoded; CorruptCheckpointError if it does
-    not match, CkptError / ValueError if it cannot be read."""
+    """A parity block ``name`` (``.json`` and ``.bin``) of ``held`` -> (its JSON, its bytes:
+    mapped where local), checked against the xxh3 recorded when it was encoded;
+    CorruptCheckpointError if it does not match, CkptError / ValueError if it cannot be read."""
     info = json.loads(held.read_file(f"{name}.json"))
-    data = bytearray(held.read_file(f"{name}.bin"))
-    block = torch.frombuffer(data or bytearray(1), dtype=torch.uint8)[:len(data)]
+    block = _mapped(held, f"{name}.bin", int(info["nbytes"]))
+    if block is None:
+        data = bytearray(held.read_file(f"{name}.bin"))
+        block = torch.frombuffer(data or bytearray(1), dtype=torch.uint8)[:len(data)]
     if block.numel() != info["nbytes"] or digest(block) != info["digest"]:
         raise CorruptCheckpointError(f"{held.path_of(name + '.bin')} does not match the xxh3 "
                                      "recorded when it was encoded (corrupted)")
     return info, block
+
+
+def check_stream(manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
+                 where: str) -> bool:
+    """Check every tensor entry's stored bytes in ``data`` (the stream of ``files``) against
+    its checksum in ``manifest``, in memory: one hash pass, nothing read back. -> False where
+    the manifest holds what only a full verify checks (compressed or delta entries, regular
+    sections, index files, bases): the caller verifies the written step instead.
+    CorruptCheckpointError naming the entry where a checksum differs."""
+    record = manifest_format.decode(manifest, where)
+    if (record.regular or record.indexes or record.bases or record.checksum_algorithm
+            not in ("xxh3_64_tree", "xxh3_64")
+            or any(e.stored is not None or e.delta is not None for e in record.tensors)):
+        return False
+    starts, offset = {}, 0
+    for name, nbytes in files:
+        starts[name] = offset
+        offset += nbytes
+    if any(e.nbytes and e.file not in starts for e in record.tensors):
+        return False  # an entry outside this stream: the full verify names it
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
+    for entry in (e for e in record.tensors if e.nbytes):
+        lo = starts[entry.file] + entry.offset
+        got = checksum.entry_checksum(record.checksum_algorithm, record.block_nbytes,
+                                      view[lo:lo + entry.nbytes])
+        if got != entry.checksum:
+            raise CorruptCheckpointError(
+                f"{where}: entry {entry.key!r} ({entry.file} at {entry.offset}) does not match "
+                f"its checksum ({got} != {entry.checksum}): the copy or rebuild is damaged")
+    return True
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],

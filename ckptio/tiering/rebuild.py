@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ckptio.errors import CkptError, CorruptCheckpointError
-from ckptio.tiering import erasure, marks, peers
+from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
+from ckptio.tiering import marks, peers, stripes
 from ckptio.tiering.topology import Topology
 from ckptio.tiering.marks import protected_steps
 from ckptio.tiering.redundancy import Parity, Partners
@@ -33,7 +34,7 @@ __all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
 Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members, missing)
-PIECE_TAG = 1  # a parity piece and a member's own stream go the same way: told apart by tag
+COPY_TAG = 1  # a partner copy's chunks (the parity chains' tags: stripes.TAG_BASE on)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Recovery:
     lost_hosts: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # each item passed over, and why
     anywhere: list[list[int]] = field(default_factory=list)  # per rank: steps in any tier
+    received: int = 0  # bytes of steps this rank received from peers (copies, parity sums)
 
 
 def inventory(root: marks.Root, rank: int, own: list[int],
@@ -174,6 +176,7 @@ class Context:
     root: str  # the memory tier's local directory (marks.py's layout under it)
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
+    received: int = 0  # bytes this rank received in the restore's transfers (stat)
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
@@ -189,14 +192,16 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            rebuild from its group's parity with the other members' own steps; a step is chosen when
            every rank has a source. Items found bad before are passed over. Parity: at most m
            members of the rank's group miss their own step or parity block (or hold a bad one).
-    3. **transfer**: each source sends its bytes (peers.py); a parity holder first checks its block
-           against the digest it recorded. The receiver writes the copy (or rebuilds each of its
-           pieces from its stripe's P / Q and the other members' pieces, erasure.py; cut
-           to its length and split into its files) into ``r<rank>/.rebuild-step-N``,
-           **verifies every byte against the original's manifest** (its entries' checksums:
-           Checkpointer.verify), and only then moves it to its ``step-N`` (Store.move_to: one
-           rename). A delta step rebuilt so needs its base: the base is brought back first, the
-           same way (the protection keeps a protected delta's base's: protect.py).
+    3. **transfer**: each holder maps its items (peers.map_stream) and checks its block
+           against the digest it recorded; a partner copy is sent whole, a rank rebuilt from
+           parity receives only its own pieces, each summed along its stripe's survivors
+           (stripes.py). The receiver **checks every entry against the original's manifest**
+           in memory (peers.check_stream; where its manifest needs more, Checkpointer.verify
+           of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
+           it to its ``step-N`` (Store.move_to: one rename). A delta step rebuilt so needs its
+           base: the base is brought back first, the same way (the protection keeps a
+           protected delta's base's: protect.py). A rank gone during the transfers:
+           RankFailedError on the others (torch.distributed's error, named).
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are
@@ -207,24 +212,39 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
     result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
     result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
                          if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
+    try:
+        _rounds(ctx, invs, result, only)
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+        raise RankFailedError(
+            f"rank {ctx.rank}: restoring from the memory of other hosts failed: a rank it "
+            f"exchanges copies, parity or its pieces of a rebuild with died or gave no answer "
+            f"within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and "
+            "every step in memory is kept: restart the job (the restore is made again with "
+            "the ranks alive then)") from exc
+    result.received = ctx.received
+    return result
+
+
+def _rounds(ctx: Context, invs: list[dict[str, Any]], result: Recovery,
+            only: int | None) -> None:
+    """Steps 2-4 into ``result``: plan, transfer, and plan again past each bad item."""
     bad: set[str] = set()
     for _ in range(MAX_ROUNDS):
         chosen = plan(invs, ctx.topology, ctx.spec, bad, only)
         if chosen is None:
-            return result
+            return
         step, sources = chosen
         merged = _attempt(ctx, invs, bad, step, sources)
         if not merged:
             result.step = step
             result.sources = {r: {"own": "own", "copy": "partner", "parity": "parity"}[s[0]]
                               for r, s in sources.items()}
-            return result
+            return
         for item, why in sorted(merged.items()):
             text = f"{describe_item(item, ctx.topology)}: {why}"
             result.skipped.append(text)
             log.warning("ckptio: restore passes over %s", text)
         bad |= set(merged)
-    return result
 
 
 def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
@@ -242,7 +262,11 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
 
 
 def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, str]:
-    """Step 3 for ``step``; -> {bad item: why} as seen on this rank."""
+    """Step 3 for ``step``; -> {bad item: why} as seen on this rank. Each holder reads its
+    items and checks its blocks; the metadata are gathered (any item bad: nothing moves); a
+    partner copy is sent whole to its rank, a rank rebuilt from parity receives only its own
+    pieces, summed along the survivors of its stripes (stripes.py); each receiver installs
+    what it got."""
     sends: list[tuple[int, int, str]] = []  # (sender, receiver, item) in one order everywhere
     for r, src in sorted(sources.items()):
         if src[0] == "copy":
@@ -256,7 +280,7 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
     for sender, _receiver, item in sends:
-        if sender == ctx.rank:
+        if sender == ctx.rank and item not in mine:
             mine[item], data = _read_item(ctx, item, step)
             if data is not None:
                 payload[item] = data
@@ -264,23 +288,77 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     for part in peers.all_gather_json(ctx.group, mine):
         metas.update(part)
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
-    works = [peers.send(ctx.group, payload[item], receiver, _tag(item))
-             for sender, receiver, item in sends if sender == ctx.rank and item in payload]
-    received = {item: peers.recv(ctx.group, metas[item]["nbytes"], sender, _tag(item))
-                for sender, receiver, item in sends
-                if receiver == ctx.rank and metas[item]["ok"]}
-    for work in works:
+    if failures:
+        return failures  # alike on every rank: the plan is made again, nothing moved
+    copies = [(s, r, i) for s, r, i in sends if i.startswith("copy:")]
+    works = [peers.send(ctx.group, payload[i], r, COPY_TAG) for s, r, i in copies
+             if s == ctx.rank]
+    got = {i: _post_recv(ctx, metas[i]["nbytes"], s) for s, r, i in copies if r == ctx.rank}
+    ctx.received += sum(metas[i]["nbytes"] for i in got)
+    chains, out = _chains(ctx, step, sources, metas)
+    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
+                          out)
+    ctx.received += outcome.received
+    for work in [w for _data, ws in got.values() for w in ws] + works:
         if work is not None:
             work.wait()
+    if outcome.error is not None:
+        src = sources[next(c.receiver for c in chains if ctx.rank in (t.rank for t in c.terms))]
+        failures[_parity_id(ctx.rank, src[1], ctx.topology.local_of(ctx.rank), step)] = (
+            f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     src = sources[ctx.rank]
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
-            _install(ctx, step, src, metas, received)
+            data = next(iter(got.values()))[0] if src[0] == "copy" else out
+            assert data is not None  # internal: a receiver of parity has its out
+            _install(ctx, step, src, metas, data)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
             # next gather, up to step_timeout_s); its type and text travel in the reason
             failures[item] = f"{type(exc).__name__}: {exc}"
     return failures
+
+
+def _post_recv(ctx: Context, nbytes: int, src: int) -> tuple[torch.Tensor, list[Any]]:
+    """A partner copy's receive, posted (sent whole by peers.send)."""
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    return out, [dist.irecv(out, src, group=ctx.group, tag=COPY_TAG)] if nbytes else []
+
+
+def _chains(ctx: Context, step: int, sources: dict[int, Source],
+            metas: dict[str, Any]) -> tuple[list[stripes.Chain], torch.Tensor | None]:
+    """Every rank's parity rebuild as chains (alike on every rank), and this rank's step's
+    bytes to receive into where it is rebuilt."""
+    chains: list[stripes.Chain] = []
+    out = None
+    for r, src in sorted(sources.items()):
+        if src[0] != "parity":
+            continue
+        info = _info(ctx, step, src, r, metas)
+        nbytes = _member(info, r)["nbytes"]
+        chains += stripes.plan(src[2], src[3], r, int(info.get("m", 1)), int(info["piece"]),
+                               nbytes)
+        if r == ctx.rank:
+            out = torch.empty(nbytes, dtype=torch.uint8)
+    return chains, out
+
+
+def _info(ctx: Context, step: int, src: Source, rank: int, metas: dict[str, Any]) -> Any:
+    """The JSON of a surviving block of ``rank``'s parity group (its members' manifests)."""
+    local = ctx.topology.local_of(rank)
+    holder = next(m for m in src[2] if m not in src[3])
+    return metas[_parity_id(holder, src[1], local, step)]["info"]
+
+
+def _member(info: Any, rank: int) -> Any:
+    return next(m for m in info["members"] if m["rank"] == rank)
+
+
+def _part(ctx: Context, step: int, kind: str, payload: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's own step's bytes ("data") or its parity block's ("block")."""
+    if kind == "data":
+        return payload[f"own:r{ctx.rank}:s{step}"]
+    return next(t for i, t in payload.items() if i.startswith(f"parity:r{ctx.rank}:"))
 
 
 def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -289,11 +367,11 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         held = marks.held(ctx.root, step)
         kind = item.split(":")[0]
         if kind == "own":
-            stream = peers.read_stream(marks.tree_of(ctx.own_dir(step)))
+            stream = peers.map_stream(marks.tree_of(ctx.own_dir(step)))
             return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
         if kind == "copy":
             of = int(item.split(":")[2][2:])
-            stream = peers.read_stream(held.child(marks.copy_name(of)))
+            stream = peers.map_stream(held.child(marks.copy_name(of)))
             return {"ok": True, **stream.meta()}, stream.data
         group, local = (int(p[1:]) for p in item.split(":")[2:4])
         info, block = peers.read_block(held, marks.parity_name(group, local))
@@ -305,48 +383,25 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 
 
-def _tag(item: str) -> int:
-    return PIECE_TAG if item.startswith("parity:") else 0
-
-
 def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
-             received: dict[str, torch.Tensor]) -> None:
-    """Write what this rank received as ``step-N`` (a copy, or rebuilt from parity), verified
-    first."""
+             data: torch.Tensor) -> None:
+    """Write this rank's step (a copy's bytes, or rebuilt from parity) as ``step-N``, verified
+    first: its entries' checksums checked in memory (peers.check_stream), or, where its manifest
+    needs more, the written step verified (Checkpointer.verify) before it is moved in place."""
     if src[0] == "copy":
-        meta = next(metas[i] for i in received if i.startswith("copy:"))
-        manifest, files = meta["manifest"].encode(), meta["files"]
-        data = next(t for i, t in received.items() if i.startswith("copy:"))
+        meta = metas[_copy_id(src[1], ctx.rank, step)]
     else:
-        manifest, files, data = _rebuild(ctx, step, src, metas, received)
+        meta = _member(_info(ctx, step, src, ctx.rank, metas), ctx.rank)
+    manifest, files = meta["manifest"].encode(), meta["files"]
     final = marks.tree_of(ctx.own_dir(step))  # r<rank>/step-N under the root
     # beside its step: a delta step's bases (siblings) resolve when it is verified
     scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
         marks.rebuild_name(step))
     try:
+        checked = peers.check_stream(manifest, [tuple(f) for f in files], data, final.location)
         peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
-        ctx.verify(scratch.location)
+        if not checked:
+            ctx.verify(scratch.location)
         scratch.move_to(final)
     finally:
         scratch.remove_tree()
-
-
-def _rebuild(ctx: Context, step: int, src: Source, metas: dict[str, Any],
-             received: dict[str, torch.Tensor]) -> tuple[bytes, list[Any], torch.Tensor]:
-    """This rank's shard from its group's parity blocks and the other members' shards: piece i
-    lies in stripe j = (me + 1 + i) mod n (topology.py), solved from the stripe's P and Q
-    (erasure.py) where their holders are not among the missing members."""
-    topo, (_, group, members, missing) = ctx.topology, src
-    local, n = topo.local_of(ctx.rank), len(members)
-    me, lost = members.index(ctx.rank), [members.index(r) for r in missing]
-    blocks = {j: received[_parity_id(m, group, local, step)] for j, m in enumerate(members)
-              if j not in lost}
-    shards = {j: received[f"own:r{m}:s{step}"] for j, m in enumerate(members) if j not in lost}
-    info = metas[_parity_id(members[next(iter(blocks))], group, local, step)]["info"]
-    parity_m, p = int(info.get("m", 1)), int(info.get("piece", info["nbytes"]))
-    if any(t.numel() != parity_m * p for t in blocks.values()):
-        raise CkptError(f"the parity blocks of group {group}, step {step} differ in size "
-                        f"({sorted({t.numel() for t in blocks.values()})} bytes)")
-    data = erasure.member(n, parity_m, p, me, lost, blocks, shards)
-    mine = next(m for m in info["members"] if m["rank"] == ctx.rank)
-    return mine["manifest"].encode(), mine["files"], data[:mine["nbytes"]]

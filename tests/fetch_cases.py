@@ -1,0 +1,79 @@
+"""Rank functions of tests/test_redundancy_fetch.py (importable by name: ranks are forked from
+a clean forkserver): one rank per host (tests/redundancy_cases.py's hosts), a state of a few
+MiB (so a rank's pieces span several of the transfers' chunks), saved and protected once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import ckptio
+from ckptio import Tier
+from tests.redundancy_cases import OPTS, host_dir
+
+MiB = 1 << 20
+
+
+SPECS = {"partners": ckptio.Partners(1), "parity": ckptio.Parity(k=3),
+         "parity2": ckptio.Parity(k=3, m=2)}
+
+
+def _tiers(spec: str, disk: str) -> list[Tier]:
+    return [Tier("shm://run", keep_last=2, redundancy=SPECS[spec]), Tier(disk, every=100)]
+
+
+def _state(rank: int, mib: int) -> dict[str, Any]:
+    """Each rank's own values, of unequal lengths (the shorter shards' pieces are padded)."""
+    gen = torch.Generator().manual_seed(rank)
+    return {"w": torch.randn((mib * MiB + rank * 4096) // 4, generator=gen), "step": 1}
+
+
+def _host(rank: int, base: str) -> None:
+    os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank)
+    os.makedirs(host_dir(base, rank), exist_ok=True)
+
+
+def step_nbytes(base: str, rank: int, step: int) -> int:
+    """The bytes of ``rank``'s memory step (its data files: the stream peers send)."""
+    where = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", f"step-{step}")
+    return sum(e.stat().st_size for e in os.scandir(where) if e.name.startswith("data-"))
+
+
+def save(rank: int, world: int, base: str, disk: str, spec: str, mib: int) -> int:
+    """Save and protect step 1 -> its bytes in this rank's memory."""
+    _host(rank, base)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    mgr.save(1, _state(rank, mib))
+    mgr.protected()
+    mgr.close()
+    return step_nbytes(base, rank, 1)
+
+
+def restore(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+            victim: int = -1) -> dict[str, Any]:
+    """A fresh job restores -> whether bitwise, where from, the bytes received, or its error.
+    ``victim``: that rank SIGKILLs itself when it first passes on a piece of the rebuild."""
+    _host(rank, base)
+    if rank == victim:
+        from ckptio.tiering import stripes
+
+        def dies(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        stripes._sum = dies  # type: ignore[attr-defined]
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    started = time.monotonic()
+    try:
+        step = mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    finally:
+        mgr.close()
+    return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
+            "how": mgr.last_restore, "error": None}

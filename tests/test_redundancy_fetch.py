@@ -1,0 +1,74 @@
+"""A lost host's ranks fetch only their own bytes from their peers (issue 66): a rank rebuilt
+from parity receives its own pieces, each summed along the survivors of its stripe
+(tiering/stripes.py), never the other members' whole steps; a holder killed during the fetch
+is named and the next job restores bitwise.
+
+Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py); the bytes
+each rank received are ``last_restore["received_bytes"]``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from ckptio.testing.rank_processes import run_ranks
+from tests.fetch_cases import restore, save
+from tests.redundancy_cases import host_dir
+
+TIMEOUT = 240
+OVERHEAD = 64 * 1024  # a piece's rounding, per rank: far below any other member's step
+
+
+@pytest.fixture
+def base(hosts_base: str) -> str:
+    return hosts_base
+
+
+def _wipe(base: str, host: int) -> None:
+    shutil.rmtree(host_dir(base, host))
+    os.makedirs(host_dir(base, host))
+
+
+@pytest.mark.parametrize(("spec", "hosts", "lost"), [
+    ("parity", 4, (1,)), ("partners", 4, (2,)), ("parity2", 5, (1, 3))])
+def test_a_lost_rank_receives_only_its_own_step(base, tmp_path, spec, hosts, lost):
+    """Before: a rank rebuilt from Parity(k=3) received the 3 other members' whole steps and
+    their 3 blocks (4x its step). Now every lost rank receives its step's bytes, the others
+    no more than one step each (single loss: the pieces they sum and pass on)."""
+    disk = str(tmp_path / "disk")
+    sizes = run_ranks(hosts, save, base, disk, spec, 6, timeout_s=TIMEOUT)
+    for host in lost:
+        _wipe(base, host)
+    restored = run_ranks(hosts, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    want = "partner" if spec == "partners" else "parity"
+    assert [r["how"]["source"] for r in restored] == [
+        want if h in lost else "own" for h in range(hosts)]
+    got = [r["how"]["received_bytes"] for r in restored]
+    for rank in lost:
+        assert sizes[rank] <= got[rank] <= sizes[rank] + OVERHEAD, (rank, got, sizes)
+    if len(lost) == 1:
+        assert all(g <= s + OVERHEAD for g, s in zip(got, sizes)), (got, sizes)
+
+
+def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bitwise(
+        base, tmp_path):
+    """Parity(k=3) on 4 hosts, host 1 lost; rank 2 dies (SIGKILL) as it passes on its first
+    piece of rank 1's rebuild: the other ranks' restore raises RankFailedError (a restore
+    from other hosts' memory failed, restart the job) within seconds, nothing half-installed;
+    the restarted job (rank 2's host and memory intact) rebuilds rank 1 bitwise."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "parity", 6, timeout_s=TIMEOUT)
+    _wipe(base, 1)
+    failed = run_ranks(4, restore, base, disk, "parity", 6, 2, may_die=(2,), timeout_s=TIMEOUT)
+    for rank in (0, 1, 3):
+        error = failed[rank]["error"]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "restoring from the memory of other hosts failed" in error, error
+        assert failed[rank]["seconds"] < 60, failed[rank]
+    assert not os.path.exists(os.path.join(host_dir(base, 1), "run", "r00001", "step-1"))
+    restored = run_ranks(4, restore, base, disk, "parity", 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
