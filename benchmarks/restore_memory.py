@@ -130,12 +130,13 @@ def main() -> int:
         ckptio.save(state, shm / "step")
         ckptio.save(state, disk)
         del state
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             memory = _spawn(args, "load", str(shm / "step"))
             _drop_caches()
             cold = _spawn(args, "load", str(disk))
             memcpy = _spawn(args, "memcpy", "")
-            rollback = _spawn(args, "rollback", str(shm / "tiers"))
+            rollback = _spawn(args, "rollback", str(shm / f"tiers-{rep}"))  # a fresh run
+            shutil.rmtree(shm / f"tiers-{rep}", ignore_errors=True)
             rows.append({"memory_s": memory["s"], "memory_cpu_s": memory["cpu_s"],
                          "cold_disk_s": cold["s"], "memcpy_s": memcpy["s"],
                          "rollback_s": rollback["s"], "rollback_cpu_s": rollback["cpu_s"]})
