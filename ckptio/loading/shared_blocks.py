@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ckptio.alignment import align_down, align_up
+from ckptio.alignment import align_down, align_up, merged
 from ckptio.distributed.readshare import Known
 from ckptio.format.types import ReadRange
 from ckptio.io import FileHandle
@@ -121,7 +121,7 @@ class Seen:
         """Note [lo, hi) of ``file`` read -> how many of its bytes were not read before."""
         ranges = self.ranges.setdefault(file, [])
         old = sum(max(0, min(hi, b) - max(lo, a)) for a, b in ranges)
-        ranges[:] = _merged(sorted([*ranges, (lo, hi)]))
+        ranges[:] = merged(sorted([*ranges, (lo, hi)]))
         return hi - lo - old
 
 
@@ -151,10 +151,10 @@ def cut(rng: ReadRange[Span], block_nbytes: int, known: Known | None = None) -> 
     insides from memory, the other partly wanted checksum blocks of its block spans through
     the cache, the bytes between them direct."""
     end = rng.offset + rng.nbytes
-    cached = _merged(sorted(
+    cached = merged(sorted(
         (max(align_down(lo), rng.offset), min(align_up(hi), end))
         for span in rng.entries for lo, hi in _partly_wanted(span, block_nbytes)))
-    held = _merged(sorted(
+    held = merged(sorted(
         (max(align_up(lo), rng.offset), min(align_down(lo + data.numel()), end))
         for lo, data in (known or {}).get(rng.file, ())
         if lo < end and lo + data.numel() > rng.offset))
@@ -189,14 +189,4 @@ def _partly_wanted(span: Span, block_nbytes: int) -> list[tuple[int, int]]:
     if last < span.end:
         out.append((max(span.offset, base + align_down(span.end - 1 - base, block_nbytes)),
                     span.end))
-    return out
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in ranges:
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
     return out

@@ -30,6 +30,7 @@ import dataclasses
 
 import xxhash
 
+from ckptio.alignment import merged
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, TensorEntry
 from ckptio.planning.reshard import plan_reads, region_of, stored_from_entry
 
@@ -150,13 +151,13 @@ def shared_blocks(reads: Sequence[Read], block_nbytes: int) -> list[TensorEntry]
                 (piece.offset - entry.offset, piece.offset - entry.offset + piece.nbytes))
     out: list[TensorEntry] = []
     for entry, ranges in covered.values():
-        merged = _merged(sorted(ranges))
-        edges = sorted({lo // block_nbytes for lo, _ in merged}
-                       | {(hi - 1) // block_nbytes for _, hi in merged})
+        joined = merged(sorted(ranges))
+        edges = sorted({lo // block_nbytes for lo, _ in joined}
+                       | {(hi - 1) // block_nbytes for _, hi in joined})
         for index in edges:
             lo = index * block_nbytes
             hi = min(lo + block_nbytes, entry.nbytes)
-            if 0 < sum(max(0, min(hi, b) - max(lo, a)) for a, b in merged) < hi - lo:
+            if 0 < sum(max(0, min(hi, b) - max(lo, a)) for a, b in joined) < hi - lo:
                 out.append(block_entry(entry, index, block_nbytes))
     return out
 
@@ -171,13 +172,3 @@ def block_entry(entry: TensorEntry, index: int, block_nbytes: int) -> TensorEntr
     return dataclasses.replace(entry, shape=(numel,), chunk=Chunk.whole((numel,)),
                                offset=entry.offset + lo, nbytes=nbytes, checksum=checksum,
                                blocks=())
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in ranges:
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
