@@ -17,7 +17,6 @@ Owns: the stream, its reading and writing, the transport. Does not own: what to 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -117,13 +116,9 @@ def _mapped(store: TreeStore, name: str, nbytes: int) -> torch.Tensor | None:
     is a local file of ``nbytes``; else None (the caller reads it)."""
     if not isinstance(store, LocalStore) or nbytes == 0:
         return None
-    path = store.path_of(name)
-    try:
-        if os.path.getsize(path) != nbytes:
-            return None  # read_stream's read names the difference
-    except OSError:
-        return None
-    return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    if store.sizes([name]).get(name) != nbytes:
+        return None  # read_stream's read names the difference
+    return torch.from_file(store.path_of(name), shared=False, size=nbytes, dtype=torch.uint8)
 
 
 def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor]:
