@@ -12,6 +12,10 @@ import reshard_once_cases as cases
 from ckptio.testing.rank_processes import run_ranks
 
 SLACK = 64 << 10  # the index and 4 KiB-aligned edges of each shared block
+# Reads split where the staging buffers fall, which depends on the pace of the reads before them:
+# on a loaded machine (CI) a 1 -> 3 load read 1.057x. Before shared blocks: 1.11x (1 -> 2) and
+# 1.23x (1 -> 3), both still over this bound.
+BOUND = 1.08
 
 
 def _saved(tmp_path: Path) -> tuple[str, int]:
@@ -27,7 +31,7 @@ def test_a_load_onto_more_ranks_reads_each_block_once(tmp_path, world):
     got = run_ranks(world, cases.load_sharded, path)
     read = [g["read"] for g in got]
     assert all(g["equal"] and not g["warnings"] for g in got), got
-    assert sum(read) <= 1.01 * data + SLACK, (read, data)
+    assert sum(read) <= BOUND * data + SLACK, (read, data)
 
 
 def test_with_the_option_off_each_rank_reads_whole_blocks(tmp_path):
