@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import hashlib
 import os
+import shutil
 import signal
 import time
 import warnings
@@ -51,6 +52,12 @@ def restore_deltas(rank: int, world: int, base: str, disk: str, per_host: int,
 
 def host_dir(base: str, host: int) -> str:
     return os.path.join(base, f"host{host}")
+
+
+def wipe_host(base: str, host: int) -> None:
+    """Host ``host`` lost and replaced: its memory directory empty again."""
+    shutil.rmtree(host_dir(base, host))
+    os.makedirs(host_dir(base, host))
 
 
 def _play_host(rank: int, per_host: int, base: str) -> None:

@@ -24,6 +24,7 @@ from ckptio.tiering.topology import Topology
 from tests.redundancy_cases import (
     restore_rebuild_raises,
     host_dir,
+    wipe_host,
     peer_dies,
     replay,
     save_paced,
@@ -64,10 +65,6 @@ def _same(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-def _wipe(base: str, host: int) -> None:
-    shutil.rmtree(host_dir(base, host))
-    os.makedirs(host_dir(base, host))  # the replacement host: an empty memory
-
 
 def _check_restored(trained: list[Any], restored: list[Any], step: int) -> None:
     for rank, (t, r) in enumerate(zip(trained, restored)):
@@ -92,7 +89,7 @@ def test_the_protection_budget_holds_each_hosts_send_rate(base, tmp_path, spec):
         floor = 0.9 * (s["nbytes"] - CHUNK) / rate  # every chunk but the first waits its turn
         assert s["seconds"] >= floor, f"{s['nbytes']} B protected in {s['seconds']:.3f} s: " \
             f"faster than {rate:g} B/s allows ({floor:.3f} s)"
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(3, restore_paced, base, disk, spec, mib, rate, timeout_s=TIMEOUT)
     assert [r["step"] for r in restored] == [1, 1, 1]
     assert [r["digest"] for r in restored] == [s["digest"] for s in saved]
@@ -202,8 +199,8 @@ def test_a_lost_rack_with_failure_domains_restores_from_memory(base, tmp_path, r
     memory)."""
     disk = str(tmp_path / "disk")
     trained = run_ranks(4, train_racks, base, disk, racks, "partners-1", 3, timeout_s=TIMEOUT)
-    _wipe(base, 0)
-    _wipe(base, 1)
+    wipe_host(base, 0)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore_racks, base, disk, racks, "partners-1", timeout_s=TIMEOUT)
     if racks:
         _check_restored(trained, restored, 3)
@@ -228,7 +225,7 @@ def test_protection_behind_skips_to_the_newest_step_then_restores_it(base, tmp_p
     assert len({t["status"]["superseded"] for t in trained}) == 1  # the same steps everywhere
     steps = sorted(os.listdir(os.path.join(host_dir(base, 0), "run", ".redundancy")))
     assert steps == ["step-5"]
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 5)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own"]
@@ -244,7 +241,7 @@ def test_partners_wipe_one_of_three_hosts_restores_bitwise(base, tmp_path):
     assert sorted(os.listdir(held)) == sorted(  # host 2 holds host 1's ranks (2, 3)
         ["copy-r00002", "copy-r00003", "held-r00004.json", "held-r00005.json",
          "protected-r00004.json", "protected-r00005.json"])
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(6, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     sources = [r["how"]["source"] for r in restored]
@@ -269,7 +266,7 @@ def test_deltas_with_partners_survive_a_lost_host_bitwise(base, tmp_path):
     assert sorted(os.listdir(os.path.join(disk, "r00001"))) == ["step-1", "step-2", "step-4"]
     # keep_best=1 by loss kept step 2 in memory beside keep_last=2 (3, 4) and their base (1)
     assert sorted(os.listdir(own)) == ["step-1", "step-2", "step-3", "step-4"]
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(3, restore_deltas, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 4)
     assert [r["how"]["tier"] for r in restored] == [0, 0, 0]
@@ -336,7 +333,7 @@ def test_parity_wipe_one_of_four_hosts_rebuilds_bitwise(base, tmp_path, monkeypa
     assert trained[0]["status"]["protected"] == 3
     assert trained[0]["status"]["redundancy"] == "parity(k=3)"
     _cli_shows_protection(monkeypatch, capsys, base, disk)
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
@@ -348,7 +345,7 @@ def test_parity_wipe_one_of_three_hosts_k2_rebuilds_bitwise(base, tmp_path):
     args = (base, disk, 1, "parity-2")
     trained = run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
     _assert_parity_memory(base, 3, 1, 2, 3)  # 3 hosts, k = 2: 1.5x
-    _wipe(base, 2)
+    wipe_host(base, 2)
     restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     assert [r["how"]["source"] for r in restored] == ["own", "own", "parity"]
@@ -361,7 +358,7 @@ def test_parity_five_hosts_k2_one_group_of_five_rebuilds_bitwise(base, tmp_path)
     args = (base, disk, 1, "parity-2")
     trained = run_ranks(5, train, *args, 2, timeout_s=TIMEOUT)
     _assert_parity_memory(base, 5, 1, 4, 2)
-    _wipe(base, 3)
+    wipe_host(base, 3)
     restored = run_ranks(5, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own"] * 3 + ["parity", "own"]
@@ -372,7 +369,7 @@ def test_parity_two_ranks_per_host_rebuilds_each_local_rank(base, tmp_path):
     args = (base, disk, 2, "parity-2")  # hosts {0, 1, 2}: one group, per local rank
     trained = run_ranks(6, train, *args, 2, timeout_s=TIMEOUT)
     _assert_parity_memory(base, 3, 2, 2, 2)
-    _wipe(base, 0)
+    wipe_host(base, 0)
     restored = run_ranks(6, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["parity"] * 2 + ["own"] * 4
@@ -405,7 +402,7 @@ def test_two_parity_wipe_two_hosts_of_a_group_rebuilds_bitwise(base, tmp_path, h
     _assert_parity_memory(base, hosts, 1, k, 2, m=2)
     assert trained[0]["status"]["redundancy"] == f"parity(k={k}, m=2)"
     for host in lost:
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == [
@@ -420,14 +417,14 @@ def test_two_parity_rebuilds_past_a_damaged_block_and_a_third_loss_uses_the_disk
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity2-2")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
-    _wipe(base, 2)
+    wipe_host(base, 2)
     _damage_block(base, 3, 3)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
     assert [r["how"]["source"] for r in restored] == ["own", "own", "parity", "own"]
     _names_damaged_block(restored, 3, 3)
     for host in (0, 1, 2):
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["disk", "disk", "disk", "own"]
@@ -449,7 +446,7 @@ def test_corrupted_partner_copy_is_detected_and_the_next_partner_used(base, tmp_
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "partners-2")
     trained = run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
-    _wipe(base, 0)  # rank 0's copies: host 1 (first partner), host 2 (second)
+    wipe_host(base, 0)  # rank 0's copies: host 1 (first partner), host 2 (second)
     _flip_first_data_byte(os.path.join(host_dir(base, 1), "run/.redundancy/step-3/copy-r00000"))
     restored = run_ranks(3, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 3)
@@ -464,7 +461,7 @@ def test_corrupted_parity_piece_is_detected_and_the_disk_used(base, tmp_path):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
-    _wipe(base, 2)  # its rebuild needs every other host's piece, host 3's damaged
+    wipe_host(base, 2)  # its rebuild needs every other host's piece, host 3's damaged
     _damage_block(base, 3, 3)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
@@ -486,7 +483,7 @@ def test_a_rebuild_that_raises_a_bug_on_one_rank_falls_back_on_every_rank_at_onc
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)  # the disk holds step 2
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore_rebuild_raises, *args, 2, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "disk", "own", "own"]
@@ -499,8 +496,8 @@ def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(base, tmp_path):
     disk = str(tmp_path / "disk")
     args = (base, disk, 1, "parity-3")
     trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
-    _wipe(base, 0)
-    _wipe(base, 1)
+    wipe_host(base, 0)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)  # the disk's newest step, on every rank
     assert [r["how"]["source"] for r in restored] == ["disk", "disk", "own", "own"]
@@ -520,7 +517,7 @@ def test_kill_during_parity_encoding_leaves_the_previous_protected_step(base, tm
         assert os.path.isdir(os.path.join(host_dir(base, host), f"run/r{host:05d}/step-3"))
         assert not glob.glob(os.path.join(step3, "protected-*"))
     trained = [{"saved": replay(rank, 3)} for rank in range(4)]  # what the run saved (seeded)
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     _check_restored(trained, restored, 2)
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]

@@ -9,13 +9,12 @@ each rank received are ``last_restore["received_bytes"]``."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
 from ckptio.testing.rank_processes import run_ranks
 from tests.fetch_cases import restore, save
-from tests.redundancy_cases import host_dir
+from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
 OVERHEAD = 64 * 1024  # a piece's rounding, per rank: far below any other member's step
@@ -25,10 +24,6 @@ OVERHEAD = 64 * 1024  # a piece's rounding, per rank: far below any other member
 def base(hosts_base: str) -> str:
     return hosts_base
 
-
-def _wipe(base: str, host: int) -> None:
-    shutil.rmtree(host_dir(base, host))
-    os.makedirs(host_dir(base, host))
 
 
 @pytest.mark.parametrize(("spec", "hosts", "lost"), [
@@ -40,7 +35,7 @@ def test_a_lost_rank_receives_only_its_own_step(base, tmp_path, spec, hosts, los
     disk = str(tmp_path / "disk")
     sizes = run_ranks(hosts, save, base, disk, spec, 6, timeout_s=TIMEOUT)
     for host in lost:
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(hosts, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
     want = "partner" if spec == "partners" else "parity"
@@ -61,7 +56,7 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
     the restarted job (rank 2's host and memory intact) rebuilds rank 1 bitwise."""
     disk = str(tmp_path / "disk")
     run_ranks(4, save, base, disk, "parity", 6, timeout_s=TIMEOUT)
-    _wipe(base, 1)
+    wipe_host(base, 1)
     failed = run_ranks(4, restore, base, disk, "parity", 6, 2, may_die=(2,), timeout_s=TIMEOUT)
     for rank in (0, 1, 3):
         error = failed[rank]["error"]

@@ -8,7 +8,6 @@ does not load as a whole state."""
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 import ckptio
 from ckptio.format.manifest import decode
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
-from tests.redundancy_cases import host_dir
+from tests.redundancy_cases import host_dir, wipe_host
 from ckptio.tiering.pieces import Regrowth, item_id, plan, regrowths
 from tests.redundancy_sharded_cases import first_step_estimate, restore, train
 
@@ -27,10 +26,6 @@ TIMEOUT = 240
 def base(hosts_base: str) -> str:
     return hosts_base
 
-
-def _wipe(base: str, host: int) -> None:
-    shutil.rmtree(host_dir(base, host))
-    os.makedirs(host_dir(base, host))
 
 
 def _restored(trained: list[Any], restored: list[Any], step: int) -> list[tuple[int, str]]:
@@ -53,7 +48,7 @@ def test_a_sharded_state_restores_bitwise_from_memory_after_a_lost_host(
     assert trained[0]["status"]["protected"] == 3
     assert trained[1]["digests"][3] == trained[0]["digests"][3]  # whole tensors: alike
     for host in lost if isinstance(lost, tuple) else (lost,):
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(4, restore, base, disk, layout, spec, timeout_s=TIMEOUT)
     assert _restored(trained, restored, 3) == sources
     piece = os.path.join(host_dir(base, 0), "run", "r00000", "step-3")
@@ -81,7 +76,7 @@ def test_sharded_deltas_restore_bitwise_from_memory_after_lost_hosts(base, tmp_p
     held = os.listdir(os.path.join(host_dir(base, 0), "run", ".redundancy"))
     assert sorted(held) == sorted([base_name, "step-4"]), held  # the newest and its base
     for host in lost:
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(4, restore, base, disk, "fsdp", spec, True, timeout_s=TIMEOUT)
     assert _restored(trained, restored, 4) == [
         (0, how if rank in lost else "own") for rank in range(4)]
@@ -100,7 +95,7 @@ def test_a_restart_on_another_number_of_hosts_restores_resharded_from_memory(
     copy), bitwise against the whole tensors trained; the disk tier (step 2) is not used."""
     disk = str(tmp_path / "disk")
     trained = run_ranks(4, train, base, disk, layout, "partners-1", 3, timeout_s=TIMEOUT)
-    _wipe(base, lost)
+    wipe_host(base, lost)
     restored = run_ranks(world, restore, base, disk, layout, "partners-1", timeout_s=TIMEOUT)
     assert _restored([trained[0]] * world, restored, 3) == [(0, "resharded")] * world
     scratch = os.path.join(host_dir(base, 0), "run", ".redundancy", "step-3")
@@ -113,7 +108,7 @@ def test_a_damaged_piece_is_passed_over_in_a_restart_on_fewer_hosts(base, tmp_pa
     and every rank is bitwise at step 3."""
     disk = str(tmp_path / "disk")
     trained = run_ranks(4, train, base, disk, "fsdp", "partners-1", 3, timeout_s=TIMEOUT)
-    _wipe(base, 3)
+    wipe_host(base, 3)
     piece = os.path.join(host_dir(base, 1), "run", "r00001", "step-3")
     data = next(os.path.join(piece, n) for n in os.listdir(piece) if n.endswith(".bin"))
     with open(data, "r+b") as f:
@@ -138,7 +133,7 @@ def test_a_restart_on_fewer_hosts_rebuilds_lost_pieces_from_parity(base, tmp_pat
     disk = str(tmp_path / "disk")
     trained = run_ranks(hosts, train, base, disk, "fsdp", spec, 3, timeout_s=TIMEOUT)
     for host in lost:
-        _wipe(base, host)
+        wipe_host(base, host)
     restored = run_ranks(3, restore, base, disk, "fsdp", restart_spec, timeout_s=TIMEOUT)
     assert _restored([trained[0]] * 3, restored, 3) == [(0, "resharded")] * 3
     assert restored[0]["how"]["skipped"] == []
@@ -154,8 +149,8 @@ def test_a_restart_on_fewer_hosts_that_memory_cannot_supply_is_refused_loudly(ba
     or starting from scratch."""
     disk = str(tmp_path / "disk")
     run_ranks(4, train, base, disk, "fsdp", "parity-2", 2, timeout_s=TIMEOUT)
-    _wipe(base, 2)
-    _wipe(base, 3)
+    wipe_host(base, 2)
+    wipe_host(base, 3)
     with pytest.raises(RanksFailed, match=r"CheckpointNotFoundError.*steps \[1, 2\] were saved "
                        r"by a job of another number of ranks.*restart with the rank count"):
         run_ranks(3, restore, base, disk, "fsdp", "parity-2", timeout_s=TIMEOUT)
@@ -174,7 +169,7 @@ def test_a_kill_during_the_protection_of_a_sharded_step_leaves_the_previous_one(
         assert os.path.isdir(os.path.join(host_dir(base, host), f"run/r{host:05d}/step-3"))
         marks = os.listdir(os.path.join(host_dir(base, host), "run/.redundancy/step-3"))
         assert not [n for n in marks if n.startswith("protected-")], marks
-    _wipe(base, 1)
+    wipe_host(base, 1)
     restored = run_ranks(4, restore, base, disk, "2d", "parity-3", timeout_s=TIMEOUT)
     assert _restored(reference, restored, 2) == [(0, "own"), (0, "parity"), (0, "own"),
                                                  (0, "own")]
