@@ -6,7 +6,8 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
     az_client.py    URLs (AzPath), the azure-storage-blob client, the retry loop, errors
     az_backend.py   AzureBackend, the IOBackend: staged blocks and ranged reads
     az_lock.py      a save's claim on a prefix: a lease on a lock blob, renewed
-    az_store.py     AzureStore, the Store of one checkpoint prefix (storage/store_contract.py)
+    az_store.py     AzureBucket (the requests on a container) and AzureStore:
+                    storage/object_tree.py's ObjectTreeStore over it, one checkpoint prefix
     az_root.py      AzureRoot: tree_root.MarkedTreeRoot over an AzureStore (steproot.py)
 
 Internal: nothing here is public API (users give the settings as ``Options(storage={"az":

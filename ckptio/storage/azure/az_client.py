@@ -79,6 +79,11 @@ class AzPath:
         return AzPath(self.container, f"{self.name}/{name}" if self.name else name)
 
     @property
+    def key(self) -> str:
+        """The blob name (object_tree.Place's key)."""
+        return self.name
+
+    @property
     def dir_prefix(self) -> str:
         """The prefix that lists what is inside this location ("" for a whole container)."""
         return f"{self.name}/" if self.name else ""

@@ -6,7 +6,8 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
     gcs_client.py    URLs (GcsPath), the google-cloud-storage client, the retry loop, errors
     gcs_backend.py   GcsBackend, the IOBackend: resumable uploads and ranged reads
     gcs_lock.py      a save's claim on a prefix: a lock object with a lease
-    gcs_store.py     GcsStore, the Store of one checkpoint prefix (storage/store_contract.py)
+    gcs_store.py     GcsBucket (the requests on a bucket) and GcsStore: storage/object_tree.py's
+                     ObjectTreeStore over it, the Store of one checkpoint prefix
     gcs_root.py      GcsRoot: tree_root.MarkedTreeRoot over a GcsStore (steproot.py)
 
 Internal: nothing here is public API (the public surface is ``ckptio`` itself). Nothing here
