@@ -34,7 +34,7 @@ def main() -> int:
 
     import ckptio
     from ckptio.resources import ReusedIOResources
-    from ckptio.storage.local import LocalStore
+    from ckptio.storage.local.local_store import LocalStore
     from ckptio.tiering.copy import copy_checkpoint
 
     gen = torch.Generator().manual_seed(0)

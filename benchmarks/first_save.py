@@ -61,7 +61,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     import ckptio
     import ckptio.api  # noqa: F401 - imported before any clock
-    from ckptio.storage.local import LocalStore
+    from ckptio.storage.local.local_store import LocalStore
     from ckptio.tuning import ceiling, state
 
     src = state.build_state(args.gb, 0)

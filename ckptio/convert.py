@@ -39,7 +39,7 @@ from ckptio.loading.fill import RankPolicy
 from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
-from ckptio.storage.local import fsync_path
+from ckptio.storage.local.local_store import fsync_path
 from ckptio.storage.select import checkpoint_path, local_path, store_for
 
 __all__ = ["TARGETS", "Converted", "convert", "held_at"]

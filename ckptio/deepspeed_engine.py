@@ -30,7 +30,7 @@ from ckptio.convert import convert
 from ckptio.distributed.dist import rank_alone_group
 from ckptio.errors import CkptError, UnsupportedStateError
 from ckptio.options import Options
-from ckptio.storage.local_root import is_committed
+from ckptio.storage.local.local_root import is_committed
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (

@@ -55,7 +55,7 @@ from ckptio.errors import (
 from ckptio.options import Options
 from ckptio.rng import RNGState
 from ckptio.shared import load, save
-from ckptio.storage.local_root import is_committed
+from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
            "last_checkpoint"]

@@ -53,7 +53,7 @@ from ckptio.options import Options
 from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepEvery, RetentionPolicy,
                              SaveOnPreemption, SavePolicy, leaves)
 from ckptio.saving.handle import SaveHandle, SaveResult
-from ckptio.storage.runlease import RunLease
+from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
 from ckptio.tiering.drain import Drain
 from ckptio.tiering.guard import Guard
@@ -480,7 +480,7 @@ class CheckpointManager:
 
     def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
         """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
-        job holding one (storage/runlease.py)."""
+        job holding one (storage/local/runlease.py)."""
         for k in tiers:
             if k not in self._leases:
                 lease = self._levels[k].lease(self._take_over, create=create)

@@ -34,7 +34,7 @@ from ckptio.saving.cleanup import Cleanup
 from ckptio.storage.store_contract import Store
 from ckptio.storage import mapped
 from ckptio.storage.files import StoreFiles, in_memory
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
 
 __all__ = ["BLOCK_CHECKSUM_NBYTES", "ReusedIOResources"]

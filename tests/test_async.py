@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio import Checkpointer, CkptError, Options, StorageIOError
 from ckptio.testing.faults import inject
 
@@ -346,7 +346,7 @@ def test_pool_is_prefaulted_and_reused(tmp_path: os.PathLike[str]) -> None:
     either way later saves reuse those pages: RSS never grows beyond the pool."""
     code = r"""
 import os, sys, time, torch, ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
@@ -505,7 +505,7 @@ def test_exit_while_the_pool_is_still_faulting_in(tmp_path: os.PathLike[str]) ->
     at exit is POSIX's (or a grown one's, which this same exit hook stops)."""
     code = r"""
 import os, sys, torch, ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=1 << 30,
                                         io_backend="posix"))
 with ck.resources().lock:  # the whole pool_bytes, as a use of unknown size makes it (a tiny

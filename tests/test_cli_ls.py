@@ -36,7 +36,7 @@ import ckptio
 from ckptio import cli
 from ckptio.cli import diff as cli_diff
 from ckptio.cli.ls import human_size
-from ckptio.storage.local_root import LocalRoot
+from ckptio.storage.local.local_root import LocalRoot
 from ckptio.testing.cli_process import run_cli, start_cli
 
 ROOT = Path(__file__).resolve().parents[1]

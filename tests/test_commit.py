@@ -39,7 +39,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio import (CheckpointNotFoundError, Checkpointer, IncompleteCheckpointError, Options, StorageIOError)
 from ckptio.testing.faults import FaultyBackend, inject
 

@@ -37,8 +37,9 @@ import torch
 
 import ckptio
 from ckptio import Checkpointer, Options
-from ckptio.storage import dirlock, steps
-from ckptio.storage.local import LocalStore
+from ckptio.storage import steps
+from ckptio.storage.local import dirlock
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.errors import CheckpointLockedError
 from ckptio.testing.faults import FsyncGate
 from ckptio.testing.rank_processes import run_ranks
@@ -91,7 +92,7 @@ while True:
 HOLDER = r"""
 import os, sys, time, torch, ckptio
 from ckptio.testing.faults import FaultyBackend
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 path, release = sys.argv[1], sys.argv[2]
 exec(sys.argv[3])
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
                     IncompleteCheckpointError, ManifestError, Options)
 

@@ -15,7 +15,7 @@ import ckptio
 from ckptio import CorruptCheckpointError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from tests.conftest import assert_same
 
 

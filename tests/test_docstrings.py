@@ -66,7 +66,7 @@ FIGURES: dict[str, re.Pattern[str]] = {
 # (file, text on the line, reason): lines whose number reads like a figure and is not one.
 NOT_FIGURES: tuple[tuple[str, str, str], ...] = (
     ("ckptio/demo/model.py", "cosine decay to 10%", "the demo schedule's parameter"),
-    ("ckptio/storage/dirlock.py", "x 10 ms", "the lock's poll pause, a constant"),
+    ("ckptio/storage/local/dirlock.py", "x 10 ms", "the lock's poll pause, a constant"),
     (
         "ckptio/distributed/storegroup.py",
         "under 20k/s",

@@ -29,7 +29,7 @@ import torch
 
 import ckptio.io.posix as posix_module
 from ckptio import Checkpointer, IncompleteCheckpointError, Options, StorageIOError
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 
 MiB = 1 << 20
 OPTS = dict(buffer_bytes=MiB, pool_bytes=4 * MiB)

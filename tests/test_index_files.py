@@ -20,7 +20,7 @@ from ckptio.format.types import Chunk, RegularTensor
 from ckptio.loading import resolve_regular as resolve
 from ckptio.loading.opening import committed
 from ckptio.loading.load_session import read_fn
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckptio.options import MiB, Options
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing import accepts_o_direct
 from ckptio.testing.io_conformance import (
     Factory,

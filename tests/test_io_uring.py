@@ -17,7 +17,7 @@ from ckptio import io
 from ckptio.io.ring import address_of
 from ckptio.io.stage import StagingPool
 from ckptio.options import MiB, Options
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing import accepts_o_direct
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files
 
@@ -208,7 +208,7 @@ def test_auto_takes_posix_where_the_pool_could_not_be_pinned(monkeypatch) -> Non
 
 
 def _local_backend(ck, where):
-    from ckptio.storage.local import LocalStore
+    from ckptio.storage.local.local_store import LocalStore
 
     with ck.resources().lock:
         pool, files = ck.resources().files(LocalStore(str(where)))

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.runlease import LEASE_NAME
+from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
                     ManifestError, Options, SaveHandle, SaveResult, StateMismatchError,
                     StorageIOError)

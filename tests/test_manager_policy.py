@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.runlease import LEASE_NAME
+from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio import CheckpointNotFoundError, Checkpointer, CkptError, ManifestError, Options
 from ckptio.manager import CheckpointManager
 from ckptio.testing.rank_processes import run_ranks

@@ -33,8 +33,8 @@ import ckptio
 from ckptio import CkptError, Tier
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.local import LocalStore
-from ckptio.storage.local_root import LocalRoot
+from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.mapped import SLOTS_DIR, on_tmpfs
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same

@@ -17,7 +17,7 @@ import ckptio
 from ckptio import (AnyOf, CkptError, DeltaPolicy, KeepAll, KeepBest, KeepEvery, KeepLatest,
                     KeepRecent, Options, SaveEvery, SaveMoment, SaveOnPreemption, StepInfo, Tier)
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
-from ckptio.storage.runlease import LEASE_NAME
+from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio.storage.select import store_for
 from ckptio.testing.rank_processes import run_ranks
 

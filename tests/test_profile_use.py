@@ -11,7 +11,7 @@ import ckptio
 from ckptio import Checkpointer, Options
 from ckptio.tuning import profile
 from ckptio.tuning.profile import tuned_options
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 
 MiB = 1 << 20
 

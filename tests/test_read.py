@@ -24,7 +24,7 @@ from ckptio.io import posix
 from ckptio.loading import read as read_module
 from ckptio.alignment import BLOCK, align_up
 from ckptio.planning.layout import coalesce_reads
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing.faults import inject
 
 MiB, KiB = 1 << 20, 1 << 10

@@ -17,8 +17,8 @@ import torch
 from ckptio.errors import CkptError
 from ckptio.options import Options
 from ckptio.storage.store_contract import Exclusive, Store, TreeStore
-from ckptio.storage.local import LocalStore
-from ckptio.storage.memory import MemoryStore
+from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.tiering import marks, peers
 
 

@@ -28,7 +28,7 @@ import torch
 import ckptio
 from ckptio import Checkpointer, CheckpointManager, Options
 from ckptio.errors import CheckpointLockedError
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.testing.faults import FsyncGate
 
 from conftest import assert_same

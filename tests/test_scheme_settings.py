@@ -19,7 +19,7 @@ import torch
 
 import ckptio
 from ckptio.options import Options
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.select import capped, store_for
 from ckptio.testing.store_conformance import StoreConformance
 from ckptio.tuning import profile

@@ -32,10 +32,10 @@ import ckptio
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.manager import CheckpointManager
 from ckptio.options import MiB, Options
-from ckptio.storage.local import LocalStore
-from ckptio.storage.local_root import LocalRoot
-from ckptio.storage.memory import HOST, MemoryStore
-from ckptio.storage.memory_root import MemoryRoot
+from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.local.local_root import LocalRoot
+from ckptio.storage.memory.memory_store import HOST, MemoryStore
+from ckptio.storage.memory.memory_root import MemoryRoot
 from ckptio.storage.select import register_store, root_for
 from ckptio.storage.steproot import StepRoot
 from ckptio.testing.steproot_conformance import (

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.runlease import LEASE_NAME
+from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio import (CheckpointNotFoundError, CkptError, CorruptCheckpointError, Tier,
                     UnsupportedPathError)
 from ckptio.storage.select import checkpoint_path

@@ -37,9 +37,9 @@ from ckptio.managing.agreement import Ranks
 from ckptio.managing.retention import StepMeta
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
-from ckptio.storage import runlease
-from ckptio.storage.local_root import LocalRoot
-from ckptio.storage.runlease import RunLease
+from ckptio.storage.local import runlease
+from ckptio.storage.local.local_root import LocalRoot
+from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.store_contract import Store
 from ckptio.storage.select import capped, root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
@@ -101,7 +101,7 @@ class TierSteps:
 
     def lease(self, take_over: bool, *, create: bool) -> RunLease | None:
         """Rank 0: this tier's run lease, where its root is a local directory (one live job
-        per run: storage/runlease.py) that exists or ``create`` makes; None elsewhere."""
+        per run: storage/local/runlease.py) that exists or ``create`` makes; None elsewhere."""
         if not isinstance(self._root, LocalRoot):
             return None
         return runlease.take(self.directory, take_over, create=create)
@@ -258,7 +258,7 @@ class TierSteps:
 
     def drop_slots(self) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
-        one on tmpfs, storage/local_root.py) removes them."""
+        one on tmpfs, storage/local/local_root.py) removes them."""
         if isinstance(self._root, _KeepsSlots):
             self._root.drop_slots()
 

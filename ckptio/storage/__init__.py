@@ -3,10 +3,10 @@ CheckpointManager's steps live.
 
 ``select`` is the registry of storage schemes: one entry per scheme names its Store (the
 contract: ``store_contract.Store``), the kind of I/O backend its stores make and its StepRoot (the
-contract: ``steproot.StepRoot``). Local paths, file:// and shm://: ``local.LocalStore`` (O_DIRECT
-/ io_uring backends, io/) and ``local_root.LocalRoot``; mem://: ``memory.MemoryStore`` (its
-backend beside it) and ``memory_root.MemoryRoot``; s3://: the ``s3/`` folder (client, backend,
-lock, store, root); gs://: the ``gcs/`` folder (the same parts, for Google Cloud Storage).
+contract: ``steproot.StepRoot``), each scheme in its folder: local paths, file:// and shm://
+the ``local/`` folder (LocalStore over io/'s O_DIRECT / io_uring backends, LocalRoot); mem://
+the ``memory/`` folder; s3:// the ``s3/`` folder (client, backend, lock, store, root); gs:// and
+az:// the ``gcs/`` and ``azure/`` folders, their Stores on one core (``object_tree``).
 ``files`` binds a store to a backend (the only way above storage/ reaches a file); ``steps``
 builds a save's and load's whole-checkpoint steps from any store. Conformance suites:
 ckptio/testing/store_conformance.py and steproot_conformance.py.
@@ -21,7 +21,7 @@ Internal: nothing here is public API. The public surface is ``ckptio`` itself
 from __future__ import annotations
 
 from ckptio.storage.store_contract import Exclusive, Store
-from ckptio.storage.local import LocalStore
-from ckptio.storage.memory import MemoryStore
+from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.memory.memory_store import MemoryStore
 
 __all__ = ["Exclusive", "LocalStore", "MemoryStore", "Store"]

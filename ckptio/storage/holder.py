@@ -10,7 +10,7 @@ record lacks a field, is never called dead: the lock's lease decides (storage/s3
 
 Also this process's host id (``host_id``: what tells the ranks of one host from another's).
 
-Owns: the holder record and the proof of death, the host id. Does not own: the locks (dirlock.py, s3/lock.py).
+Owns: the holder record and the proof of death, the host id. Does not own: the locks (local/dirlock.py, s3/lock.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ nothing. Each is named as what it is, with how to load it. No message advises de
 it may be another library's good checkpoint.
 
 Owns: those messages, from a listing of the location (any store's). Does not own: the listing
-(each store's), finding the manifest (local.py, memory.py).
+(each store's), finding the manifest (local/, memory/).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.store_contract import is_ours
-from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.local.dirlock import LOCK_NAME
 
 __all__ = ["file_hint", "nearby", "no_manifest", "spelled_alike"]
 

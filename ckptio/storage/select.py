@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.options import Options
 from ckptio.storage.store_contract import Store
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.steproot import StepRoot
 
 __all__ = [
@@ -95,19 +95,19 @@ def _local_store(location: str, options: Options) -> Store:
 
 
 def _local_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.local_root import LocalRoot
+    from ckptio.storage.local.local_root import LocalRoot
 
     return LocalRoot(location, slots=options.memory_mapped != "off")
 
 
 def _memory_store(location: str, options: Options) -> Store:
-    from ckptio.storage.memory import MemoryStore
+    from ckptio.storage.memory.memory_store import MemoryStore
 
     return MemoryStore(location)
 
 
 def _memory_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.memory_root import MemoryRoot
+    from ckptio.storage.memory.memory_root import MemoryRoot
 
     return MemoryRoot(location)
 

@@ -1,7 +1,7 @@
 """The root a CheckpointManager keeps its steps in, as a small protocol: StepRoot.
 
 A scheme's registry entry (select.py) names the factory of its root: a local directory
-(local_root.py: ``<dir>/step-<N>``), host memory (memory_root.py: ``mem://run/step-<N>``), an S3
+(local/local_root.py: ``<dir>/step-<N>``), host memory (memory/memory_root.py: ``mem://run/step-<N>``), an S3
 prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers with
 ``register_store(..., step_root=...)``. The manager goes only through these methods:
 

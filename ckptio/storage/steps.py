@@ -8,8 +8,8 @@
 - check_files(): every data file a committed manifest names is there, and long enough.
 - is_committed(): whether a manifest is committed at a location (without reading it).
 
-Owns: those steps' rules and messages. Does not own: how a store does each operation (local.py,
-memory.py), the order of a save (saving/save_session.py), the manifest's content.
+Owns: those steps' rules and messages. Does not own: how a store does each operation (local/,
+memory/), the order of a save (saving/save_session.py), the manifest's content.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The storage contract: where one checkpoint's files live and how it is committed.
 
-A ``Store`` is one checkpoint location (a local directory: local.py; host memory: memory.py;
+A ``Store`` is one checkpoint location (a local directory: local/; host memory: memory/;
 a prefix in an S3 bucket: s3/store.py; any other scheme a user registers: select.py). Data
 bytes move through an ``IOBackend`` the store makes (``backend()``), one per ``backend_kind``,
 and reach the store's files only by name, through files.StoreFiles (``path_of``); what a store
@@ -17,7 +17,7 @@ why this order is crash-safe, and the naming rules (``is_ours``, ``new_save_id``
 docs/BEHAVIOUR.md, "ckptio.storage.store_contract".
 
 Owns: the Protocols, the naming rules every store lists and cleans by. Does not own: any
-implementation (local.py, memory.py, s3/), the manifest's content (format/manifest.py), the
+implementation (local/, memory/, s3/), the manifest's content (format/manifest.py), the
 order of a save (saving/save_session.py, steps.py).
 """
 

@@ -192,7 +192,7 @@ def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend
     """Wrap ``checkpointer``'s backend for ``store``'s kind (a local directory's by default)
     in a FaultyBackend. ``checkpointer.close()`` drops the wrapper; the next save or load gets
     a plain backend."""
-    from ckptio.storage.local import LocalStore
+    from ckptio.storage.local.local_store import LocalStore
 
     wrapped = checkpointer.resources().wrap_backend(
         LocalStore(".") if store is None else store,

@@ -11,7 +11,7 @@ Every check asserts a rule a broken root would fail: a root that lists ``step-01
 step, sorts steps as text, hides a step it was never given, removes more than the hidden
 steps, or advises deleting anything fails here.
 
-Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local_root.py,
+Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local/local_root.py,
 memory_root.py, s3/root.py), the stores (ckptio/storage/), the policy of which steps a manager
 keeps (ckptio/manager.py).
 """

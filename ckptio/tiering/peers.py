@@ -29,7 +29,7 @@ from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

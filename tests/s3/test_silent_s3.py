@@ -20,7 +20,7 @@ import torch
 import ckptio
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.manager import CheckpointManager
-from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.s3.client import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.s3.store import S3Store

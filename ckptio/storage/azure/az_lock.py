@@ -31,7 +31,7 @@ from ckptio.storage.azure.az_client import (
     sdk_error,
 )
 from ckptio.storage.azure.az_settings import AzureSettings
-from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
 
 __all__ = ["AzureLock", "take"]

@@ -30,7 +30,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from ckptio.storage import holder as holders
-from ckptio.storage.dirlock import LOCK_NAME
+from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status

@@ -4,7 +4,7 @@ The committing process (the coordinator, rank 0) holds an exclusive flock(2) on
 ``<dir>/.ckptio.lock`` from before any data file of its save is created until its cleanup has
 chosen what to remove, so two saves into one path cannot remove each other's files. Why flock,
 what happens on NFS and on filesystems without locks, and the lock file's life:
-docs/BEHAVIOUR.md, "ckptio.storage.dirlock".
+docs/BEHAVIOUR.md, "ckptio.storage.local.dirlock".
 
 Call order: ``lock(path, if_locked)`` (creates the directory if needed; waits, or raises
 CheckpointLockedError naming the holder) -> the save writes and commits -> ``unlock(held,

@@ -23,7 +23,7 @@ import shutil
 
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.local import LocalStore
+from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs, warm_slots
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,

@@ -41,7 +41,8 @@ from ckptio.errors import (
 )
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
-from ckptio.storage import dirlock, missing_manifest, steps
+from ckptio.storage import missing_manifest, steps
+from ckptio.storage.local import dirlock
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
     Exclusive,

@@ -28,7 +28,7 @@ import os
 
 from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
-from ckptio.storage.dirlock import still_linked
+from ckptio.storage.local.dirlock import still_linked
 
 __all__ = ["LEASE_NAME", "RunLease", "take"]
 

@@ -1,0 +1,19 @@
+"""Local (and mounted) directories in one place: paths, ``file://`` and ``shm://`` locations.
+
+Its registry entry (storage/select.py) names the parts, each importing the ones below it:
+
+    dirlock.py      the lock that lets one save at a time commit into one directory
+    runlease.py     one live job per run directory: a manager's lease on its root
+    local_store.py  LocalStore, the Store of one checkpoint directory (storage/store_contract.py;
+                    its bytes move through io/'s POSIX or io_uring backends)
+    local_root.py   LocalRoot, a CheckpointManager's steps in a directory (storage/steproot.py)
+
+Internal: nothing here is public API (the public surface is ``ckptio`` itself).
+
+Owns: everything particular to a local file system. Does not own: the contracts it implements,
+the I/O backends (io/), the tmpfs mappings a memory tier reuses (storage/mapped.py).
+"""
+
+from __future__ import annotations
+
+__all__ = ["dirlock", "local_root", "local_store", "runlease"]
