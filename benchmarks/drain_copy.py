@@ -1,7 +1,7 @@
 """The drain's copy of one step from the memory tier to a disk tier, timed: wall and CPU seconds.
 
 A state of --gb GB in --tensors float32 tensors is saved once into a directory on /dev/shm;
-then each repetition copies it with the drain's own function (tiering/copy.copy_checkpoint)
+then each repetition copies it with the drain's own function (managing/copy.copy_checkpoint)
 into a fresh directory under --dir (page cache of the source warm, as a memory tier's is),
 durable at return. Reports the median wall seconds, GB/s and CPU seconds of the process (every
 thread) per repetition. Run it from two checkouts (PYTHONPATH) to compare them:
@@ -35,7 +35,7 @@ def main() -> int:
     import ckptio
     from ckptio.resources import ReusedIOResources
     from ckptio.storage.local.local_store import LocalStore
-    from ckptio.tiering.copy import copy_checkpoint
+    from ckptio.managing.copy import copy_checkpoint
 
     gen = torch.Generator().manual_seed(0)
     per = int(args.gb * 1e9) // 4 // args.tensors

@@ -234,7 +234,7 @@ def _import(source: str) -> None:
 
     names = {"dcp": ["torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict"],
              "tcp": ["torch.distributed.checkpoint.state_dict",
-                     "torch_checkpointing.checkpoint_manager"]}.get(source, ["ckptio.manager"])
+                     "torch_checkpointing.checkpoint_manager"]}.get(source, ["ckptio.managing.manager"])
     for name in names:
         importlib.import_module(name)
 

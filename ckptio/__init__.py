@@ -38,13 +38,28 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
         UnsupportedStateError,
     )
     from ckptio.export import export_hf
-    from ckptio.manager import CheckpointManager
+    from ckptio.managing.manager import CheckpointManager
+    from ckptio.managing.tier import Tier
     from ckptio.optim import OptimizerState
     from ckptio.options import Options
     from ckptio.planning.sharding import FlatShard, TensorShard
-    from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepAll, KeepBest,
-                                 KeepEvery, KeepLatest, KeepRecent, RetentionPolicy, SaveEvery,
-                                 SaveMoment, SaveOnPreemption, SavePolicy, StepInfo)
+    from ckptio.policies import (
+        AnyOf,
+        DeltaBasePolicy,
+        DeltaPolicy,
+        KeepAll,
+        KeepBest,
+        KeepEvery,
+        KeepLatest,
+        KeepRecent,
+        RetentionPolicy,
+        SaveEvery,
+        SaveMoment,
+        SaveOnPreemption,
+        SavePolicy,
+        StepInfo,
+    )
+    from ckptio.redundancy.redundancy import Parity, Partners
     from ckptio.rng import RNGState
     from ckptio.saving.persist import Progress
     from ckptio.shared import async_save, load, save, verify
@@ -52,8 +67,6 @@ if TYPE_CHECKING:  # bound on first use by __getattr__ below (type checkers see 
     from ckptio.storage.gcs.gcs_settings import GcsSettings
     from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.select import register_store, settings_for
-    from ckptio.tiering.redundancy import Parity, Partners
-    from ckptio.tiering.tier import Tier
 
 __all__ = [
     "AnyOf",
@@ -121,14 +134,14 @@ _HOME = {
     "async_save": "ckptio.shared", "load": "ckptio.shared", "save": "ckptio.shared",
     "verify": "ckptio.shared", "Progress": "ckptio.saving.persist", "Options": "ckptio.options",
     "RNGState": "ckptio.rng", "OptimizerState": "ckptio.optim",
-    "CheckpointManager": "ckptio.manager",
+    "CheckpointManager": "ckptio.managing.manager",
     "FlatShard": "ckptio.planning.sharding", "TensorShard": "ckptio.planning.sharding",
     "DcpReader": "ckptio.dcp.reader", "DcpWriter": "ckptio.dcp.writer",
     "export_hf": "ckptio.export", "register_store": "ckptio.storage.select",
     "settings_for": "ckptio.storage.select", "S3Settings": "ckptio.storage.s3.settings",
     "GcsSettings": "ckptio.storage.gcs.gcs_settings",
-    "Tier": "ckptio.tiering.tier", "Partners": "ckptio.tiering.redundancy",
-    "Parity": "ckptio.tiering.redundancy", "read_metadata": "ckptio.stepmeta",
+    "Tier": "ckptio.managing.tier", "Partners": "ckptio.redundancy.redundancy",
+    "Parity": "ckptio.redundancy.redundancy", "read_metadata": "ckptio.stepmeta",
     **{name: "ckptio.policies" for name in (
         "AnyOf", "DeltaBasePolicy", "DeltaPolicy", "KeepAll", "KeepBest", "KeepEvery",
         "KeepLatest", "KeepRecent", "RetentionPolicy", "SaveEvery", "SaveMoment",

@@ -33,13 +33,13 @@ from typing import Any
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
-from ckptio.storage.s3.client import is_s3
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.loading.fill import RankPolicy
 from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.local.local_store import fsync_path
+from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, local_path, store_for
 
 __all__ = ["TARGETS", "Converted", "convert", "held_at"]

@@ -41,7 +41,6 @@ from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
-from ckptio.storage.s3.client import is_s3
 from ckptio.io.stage import Buffer, StagingPool, torch_dtype, typed
 from ckptio.options import Options
 from ckptio.planning.export_plan import (
@@ -56,6 +55,7 @@ from ckptio.planning.export_plan import (
 from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
 from ckptio.storage.local.local_store import fsync_path, write_durably
+from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ckptio.api import Checkpointer
-from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.loading.fill import KeyFilter, RankPolicy
 from ckptio.options import Options
+from ckptio.saving.handle import SaveHandle, SaveResult
 
 __all__ = ["async_save", "checkpointer", "load", "save", "verify"]
 

@@ -15,7 +15,7 @@ Owns: TorchTitan's policies (interval, first and last step, model-only and Huggi
 saves, load_only, exclude_from_loading, initial loads) mapped onto one ckptio CheckpointManager,
 and its ``async_mode`` mapped onto ckptio's eager and lazy async saves.
 Does not own: the saves, loads, retention and the scan for the newest committed step
-(ckptio.manager), the Hugging Face files (ckptio.export), TorchTitan's Trainer.
+(ckptio.managing.manager), the Hugging Face files (ckptio.export), TorchTitan's Trainer.
 """
 
 from __future__ import annotations
@@ -28,14 +28,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torchtitan.components.checkpointer.base import (DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER,
-                                                     BaseCheckpointManager, ModelWrapper)
+from torchtitan.components.checkpointer.base import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    BaseCheckpointManager,
+    ModelWrapper,
+)
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.export import export_hf
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
 from ckptio.shared import load, save
 

@@ -424,7 +424,7 @@ def manager_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     then restore again after rank 0 damaged rank 1's part of step 3: -> what each rank saw."""
     import warnings
 
-    from ckptio.manager import CheckpointManager
+    from ckptio.managing.manager import CheckpointManager
 
     hidden: list[str] = []  # steps this rank renamed away (retention)
     rename = os.rename

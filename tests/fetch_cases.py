@@ -60,7 +60,7 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
     ``victim``: that rank SIGKILLs itself when it first passes on a piece of the rebuild."""
     _host(rank, base)
     if rank == victim:
-        from ckptio.tiering import stripes
+        from ckptio.redundancy import stripes
 
         def dies(*args: Any, **kwargs: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)

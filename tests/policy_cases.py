@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import ckptio
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 
 SMALL = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 

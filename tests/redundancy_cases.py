@@ -358,10 +358,10 @@ def _digest(t: torch.Tensor) -> str:
 def restore_rebuild_raises(rank: int, world: int, base: str, disk: str, per_host: int,
                            spec: str, broken: int) -> dict[str, Any]:
     """``restore`` where rank ``broken``'s sum of its part of a lost piece (its share of the
-    parity decode, tiering/stripes.py) raises a RuntimeError (a bug, not damage) -> what
+    parity decode, redundancy/stripes.py) raises a RuntimeError (a bug, not damage) -> what
     restore returns, and how long it took."""
     if rank == broken:
-        from ckptio.tiering import erasure
+        from ckptio.redundancy import erasure
 
         def fails(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected: the decode failed")

@@ -122,7 +122,7 @@ def first_step_estimate(rank: int, world: int) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ckptio.tiering.tier import state_nbytes
+    from ckptio.managing.tier import state_nbytes
 
     mesh = init_device_mesh("cpu", (world,))
     weight = distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)])

@@ -18,7 +18,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import MiB
 from ckptio.resources import ReusedIOResources
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.tiering.copy import copy_checkpoint
+from ckptio.managing.copy import copy_checkpoint
 from tests.conftest import assert_same
 
 

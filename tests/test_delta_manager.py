@@ -30,7 +30,7 @@ import torch
 import ckptio
 from ckptio import CorruptCheckpointError, DeltaPolicy, Options, Tier
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.select import store_for
 from ckptio.testing.cli_process import run_cli
 from ckptio.testing.rank_processes import warm_context

@@ -1,4 +1,4 @@
-"""The two-parity code of Parity(k, m=2) (tiering/erasure.py): its field arithmetic against a
+"""The two-parity code of Parity(k, m=2) (redundancy/erasure.py): its field arithmetic against a
 bit-by-bit reference, Q by Horner's scheme against the direct sum, and every one or two lost
 pieces of a stripe solved back to their bytes, with pieces of uneven lengths."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.tiering import erasure
+from ckptio.redundancy import erasure
 
 
 def _slow_mul(a: int, b: int) -> int:

@@ -65,9 +65,8 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
      "ckptio.packed", "ckptio.policies"),  # base helpers
     ("ckptio.api",),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
-    ("ckptio.tiering",),  # tiers, drain, protection (the manager's followers)
-    ("ckptio.managing",),  # the manager's parts: tiers at run time, policies, the restore loop
-    ("ckptio.manager",),  # the CheckpointManager
+    ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild
+    ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
     ("ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.hf_trainer",
      "ckptio.tc_storage", "ckptio.torchtitan_manager"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
@@ -278,7 +277,7 @@ def test_known_upward_imports_still_occur():
 
 def test_a_listed_module_that_does_not_exist_is_no_error(monkeypatch):
     """Modules come and go (stepdir/ moves into storage/, tiering/manager.py merges into
-    manager.py): a layer entry naming none is no error, and the rules still hold for the rest."""
+    managing/manager.py): a layer entry naming none is no error, and the rules still hold for the rest."""
     ghost = ("ckptio.gone", "ckptio.gone.too")
     monkeypatch.setattr(sys.modules[__name__], "ORDER", (*ORDER[:-1], ghost, ORDER[-1]))
     assert group_of("ckptio.gone.sub") == "ckptio.gone"
@@ -379,11 +378,11 @@ def test_ckptio_bench_outside_a_checkout_says_how_to_run_the_peer_benchmarks(mon
     ("ckptio.newthing", "ckptio.errors", "ckptio.newthing is in no layer"),
     ("ckptio.resources", "ckptio.api", "layer ckptio.resources may not import layer ckptio.api"),
     ("ckptio.api", "ckptio.shared", "layer ckptio.api may not import layer ckptio.shared"),
-    ("ckptio.managing.chains", "ckptio.manager", "(drivers: resources, stepmeta"),
-    ("ckptio.tiering.drain", "ckptio.manager", "layer ckptio.tiering may not import"),
-    ("ckptio.tiering.guard", "ckptio.managing.level",
-     "layer ckptio.tiering may not import layer ckptio.managing"),
-    ("ckptio.manager", "ckptio.dcp.reader", "layer ckptio.manager may not import layer ckptio.dcp"),
+    ("ckptio.shared", "ckptio.managing.manager", "(drivers: resources, stepmeta"),
+    ("ckptio.redundancy.protect", "ckptio.managing.manager", "layer ckptio.redundancy may not import"),
+    ("ckptio.redundancy.rebuild", "ckptio.managing.level",
+     "layer ckptio.redundancy may not import layer ckptio.managing"),
+    ("ckptio.managing.manager", "ckptio.dcp.reader", "layer ckptio.managing may not import layer ckptio.dcp"),
     ("ckptio.export", "ckptio", "layer ckptio.export may not import layer ckptio,"),
     ("ckptio", "ckptio.cli", "layer ckptio may not import layer ckptio.cli"),
 ])
@@ -398,10 +397,10 @@ def test_a_wrong_way_import_is_named(importer, imported, says):
     ("ckptio.testing.faults", "ckptio.api"), ("ckptio.options", "ckptio.errors"),
     ("ckptio.saving.save_session", "ckptio.distributed.collective"),
     ("ckptio.planning.reshard", "ckptio.format.geometry"), ("ckptio.demo.train", "ckptio"),
-    ("ckptio.manager", "ckptio.tiering.drain"), ("ckptio.manager", "ckptio.managing.chains"),
-    ("ckptio.managing.agreed", "ckptio.tiering.guard"), ("ckptio.shared", "ckptio.api"),
-    ("ckptio.cli.ls_run", "ckptio.tiering.marks"), ("ckptio.lightning", "ckptio"),
-    ("ckptio", "ckptio.manager"), ("ckptio.convert", "ckptio.export"),
+    ("ckptio.managing.manager", "ckptio.managing.drain"), ("ckptio.managing.manager", "ckptio.managing.chains"),
+    ("ckptio.managing.agreed", "ckptio.managing.guard"), ("ckptio.shared", "ckptio.api"),
+    ("ckptio.cli.ls_run", "ckptio.redundancy.marks"), ("ckptio.lightning", "ckptio"),
+    ("ckptio", "ckptio.managing.manager"), ("ckptio.convert", "ckptio.export"),
 ])
 def test_a_right_way_import_passes(importer, imported):
     assert violation(Import(importer, imported, 1, True)) is None

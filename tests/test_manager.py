@@ -27,7 +27,7 @@ from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio import (CheckpointNotFoundError, Checkpointer, CkptError, CorruptCheckpointError,
                     ManifestError, Options, SaveHandle, SaveResult, StateMismatchError,
                     StorageIOError)
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.testing.faults import inject
 from ckptio.testing.rank_processes import run_ranks
 
@@ -405,7 +405,7 @@ CHILD = r"""
 import os, shutil, signal, sys
 import torch
 import ckptio
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 
 def killed_half_way(path, *args, **kwargs):
     os.unlink(os.path.join(path, sorted(os.listdir(path))[0]))  # a data file: half-deleted

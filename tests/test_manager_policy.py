@@ -28,7 +28,7 @@ import torch
 import ckptio
 from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio import CheckpointNotFoundError, Checkpointer, CkptError, ManifestError, Options
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.testing.rank_processes import run_ranks
 
 import policy_cases as cases
@@ -214,7 +214,7 @@ def test_save_interval_s_alone_and_with_save_every(tmp_path):
 CHILD = r"""
 import os, sys, time, torch
 from ckptio import Options
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 
 root, progress = sys.argv[1], sys.argv[2]
 mgr = CheckpointManager(root, save_every=4, keep_last=2, preemption=True,

@@ -19,8 +19,8 @@ import torch
 import ckptio
 from ckptio.errors import CkptError
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
-from ckptio.tiering.budget import CHUNK
-from ckptio.tiering.topology import Topology
+from ckptio.redundancy.budget import CHUNK
+from ckptio.redundancy.topology import Topology
 from tests.redundancy_cases import (
     restore_rebuild_raises,
     host_dir,

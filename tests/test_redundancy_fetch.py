@@ -1,6 +1,6 @@
 """A lost host's ranks fetch only their own bytes from their peers (issue 66): a rank rebuilt
 from parity receives its own pieces, each summed along the survivors of its stripe
-(tiering/stripes.py), never the other members' whole steps; a holder killed during the fetch
+(redundancy/stripes.py), never the other members' whole steps; a holder killed during the fetch
 is named and the next job restores bitwise.
 
 Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py); the bytes

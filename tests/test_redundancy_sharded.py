@@ -16,7 +16,7 @@ import ckptio
 from ckptio.format.manifest import decode
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from tests.redundancy_cases import host_dir, wipe_host
-from ckptio.tiering.pieces import Regrowth, item_id, plan, regrowths
+from ckptio.redundancy.pieces import Regrowth, item_id, plan, regrowths
 from tests.redundancy_sharded_cases import first_step_estimate, restore, train
 
 TIMEOUT = 240
@@ -128,7 +128,7 @@ def test_a_restart_on_fewer_hosts_rebuilds_lost_pieces_from_parity(base, tmp_pat
                                                                    lost, restart_spec):
     """Parity(2) on 4 hosts, one lost; Parity(2, m=2) on 5, two lost: the job restarted on the 3
     hosts left first rebuilds each lost rank's piece from its group's blocks and the other
-    pieces (tiering/regrow.py), then restores step 3 resharded from memory, bitwise; the
+    pieces (redundancy/regrow.py), then restores step 3 resharded from memory, bitwise; the
     rebuilt pieces stay as partner copies would."""
     disk = str(tmp_path / "disk")
     trained = run_ranks(hosts, train, base, disk, "fsdp", spec, 3, timeout_s=TIMEOUT)
@@ -176,7 +176,7 @@ def test_a_kill_during_the_protection_of_a_sharded_step_leaves_the_previous_one(
 
 
 def test_the_plan_of_a_restart_takes_each_piece_once_own_first_newest_step():
-    """Pure (tiering/pieces.plan), from the hosts' surveys: a step saved by as many ranks as
+    """Pure (redundancy/pieces.plan), from the hosts' surveys: a step saved by as many ranks as
     this job is not this plan's; own pieces before partner copies, the lowest holder first; a
     piece passed over (bad) falls to its copy; a step missing a piece is skipped for an older
     one; ``only`` restricts to one step."""
@@ -205,7 +205,7 @@ def test_a_first_steps_size_estimate_counts_the_local_shards():
 
 
 def test_the_plan_rebuilds_a_lost_piece_from_parity_only_where_its_group_allows():
-    """Pure (tiering/pieces.regrowths): step 5 of a 4-rank job misses rank 3's piece; the 3
+    """Pure (redundancy/pieces.regrowths): step 5 of a 4-rank job misses rank 3's piece; the 3
     hosts left hold pieces 0-2 and the blocks of positions 0-2 of the one group (m = 1): rank 3
     is rebuilt, received by the first block's holder. A newer whole step, a second lost
     position, or the rebuild found bad before: nothing to rebuild."""

@@ -1,4 +1,4 @@
-"""The redundancy's layout goes through the memory tier's TreeStore (tiering/marks.py): its markers,
+"""The redundancy's layout goes through the memory tier's TreeStore (redundancy/marks.py): its markers,
 partner copies and parity pieces are read and written by store methods, so the same code serves
 any TreeStore (a directory, host memory), and a store that is only a Store is refused with a
 message naming it."""
@@ -19,7 +19,7 @@ from ckptio.options import Options
 from ckptio.storage.store_contract import Exclusive, Store, TreeStore
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.memory.memory_store import MemoryStore
-from ckptio.tiering import marks, peers
+from ckptio.redundancy import marks, peers
 
 
 class _PlainStore:

@@ -30,7 +30,7 @@ import torch
 
 import ckptio
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.options import MiB, Options
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot

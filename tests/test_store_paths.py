@@ -4,7 +4,7 @@ reaches a checkpoint's files builds a file path or opens one itself. Checked fro
 
 The modules checked are those between a state and its bytes: the save and load paths (saving/,
 loading/), the collective steps (distributed/), planning and the format (planning/, format/),
-the DCP adapter (dcp/), the tiers with their drain and redundancy (tiering/: copies, parity
+the DCP adapter (dcp/), the tiers with their drain and redundancy (managing/, redundancy/: copies, parity
 pieces and markers go through the root's TreeStore, storage/store_contract.py) and the drivers that run
 them (api, resources, shared, manager). They may
 name a file in a message (``Store.path_of``, ``StoreFiles.where``) but never join a path,
@@ -13,7 +13,7 @@ files.py), small metadata is read with ``Store.read_file``.
 
 The modules let off, each with its reason (LET_OFF): saving/stream.py writes a Hugging Face
 export's output file (a safetensors file in a folder export.py owns, truncated to its exact
-size), not a file of a checkpoint store; tiering/tier.py asks the filesystem under a memory
+size), not a file of a checkpoint store; managing/tier.py asks the filesystem under a memory
 tier for its free space (statvfs) and sums the files of its step directories (the memory
 budget: every file, the manifest and index files too).
 """
@@ -24,10 +24,12 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ckptio"
-CHECKED = ["saving", "loading", "distributed", "planning", "format", "dcp", "tiering", "api.py",
-           "resources.py", "shared.py", "manager.py"]
+CHECKED = ["saving", "loading", "distributed", "planning", "format", "dcp", "redundancy", "api.py",
+           "resources.py", "shared.py", "managing"]
 LET_OFF = {"saving/stream.py": "a Hugging Face export's output file, owned by export.py",
-           "tiering/tier.py": "a memory tier's free space (statvfs) and its steps' sizes"}
+           "managing/tier.py": "a memory tier's free space (statvfs) and its steps' sizes",
+           "managing/restoring.py": "a run directory's siblings, listed for a 'did you mean' "
+                                    "(never a checkpoint's file)"}
 # os.path.<name>, os.<name>, builtins and modules that reach a file by its path
 PATH_CALLS = {"join", "isfile", "isdir", "exists", "getsize", "abspath", "realpath"}
 OS_CALLS = {"open", "stat", "lstat", "listdir", "scandir", "unlink", "remove", "rename",
@@ -69,7 +71,7 @@ def _problems(path: Path) -> list[str]:
 def test_only_storage_and_io_reach_files_by_path() -> None:
     files = _files()
     assert len(files) > 40, "the checked packages were not found"
-    assert any(str(f.relative_to(ROOT)).startswith("tiering/") for f in files), "tiering/ checked"
+    assert any(str(f.relative_to(ROOT)).startswith("redundancy/") for f in files), "redundancy/ checked"
     problems = [p for f in files for p in _problems(f)]
     assert not problems, ("outside storage/ and io/, files are reached through the Store "
                           "(storage/files.StoreFiles, Store.read_file):\n  " + "\n  ".join(problems))

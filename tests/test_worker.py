@@ -12,7 +12,7 @@ import pytest
 
 from ckptio.errors import CkptError
 from ckptio.options import MiB, Options
-from ckptio.tiering.drain import Drain
+from ckptio.managing.drain import Drain
 from ckptio.io.worker import NICE, Worker
 
 

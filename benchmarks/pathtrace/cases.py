@@ -6,10 +6,10 @@ import torch
 
 import ckptio
 import ckptio.shared  # noqa: F401  - every module a path runs is imported before tracing:
-import ckptio.manager  # noqa: F401    the traced call is the first use (cold), imports excluded
+import ckptio.managing.manager  # noqa: F401    the traced call is the first use (cold), imports excluded
 try:  # the layout before issue 44 (670eac5): the tiered manager, imported lazily by __new__
     import ckptio.tiering.manager  # noqa: F401
-except ImportError:  # after: manager.py imports every part at module level
+except ImportError:  # after: managing/manager.py imports every part at module level
     pass
 from tracer import Tracer
 

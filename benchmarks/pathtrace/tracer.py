@@ -19,7 +19,7 @@ FLOOR_PREFIXES = ("ckptio.storage.", "ckptio.io.", "ckptio.stepdir.")
 FLOOR_MODULES = {"ckptio.storage", "ckptio.io", "ckptio.stepdir",
                  "ckptio.distributed.dist", "ckptio.distributed.storegroup",
                  "ckptio.distributed.step", "ckptio.distributed.liveness",
-                 "ckptio.tiering.peers"}
+                 "ckptio.redundancy.peers"}
 # torch.distributed's collectives and groups (not DTensor / DeviceMesh attribute reads)
 OTHER_PRIMITIVE_PREFIXES = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger",
                             "shutil")

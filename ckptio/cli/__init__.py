@@ -85,7 +85,6 @@ def _ranks(argv: list[str]) -> int:
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
     from ckptio.cli import commands
-
     from ckptio.version import __version__
 
     parser = argparse.ArgumentParser(prog="ckptio", description=DESCRIPTION,

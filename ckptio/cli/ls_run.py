@@ -37,10 +37,10 @@ from ckptio.cli.ls import human_size
 from ckptio.errors import CkptError
 from ckptio.format import manifest
 from ckptio.options import Options
+from ckptio.redundancy import marks
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import checkpoint_path, root_for, scheme_for, scheme_of, store_for
 from ckptio.storage.steproot import ListedRoot
-from ckptio.tiering import marks
 
 __all__ = ["RANKS_SCHEMA", "SCHEMA", "Step", "list_ranks", "list_run", "protected", "run",
            "run_ranks"]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest, regular_section, values
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
-from ckptio.storage.s3.client import is_s3
 from ckptio.options import Options
+from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 
 __all__ = ["Opened", "Row", "open_manifest", "rows", "shown", "source_format"]

@@ -22,7 +22,7 @@ spelled alike) or holds no step but something else ("not a run": one checkpoint,
 gets a row saying why, the others are listed, exit status 2. Torch-free.
 
 Owns: the listing across tiers and its text and JSON (schema ckptio.status/1). Does not own:
-how a tier lists its steps (storage/steproot.py), draining (tiering/).
+how a tier lists its steps (storage/steproot.py), draining (managing/drain.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from ckptio.errors import CheckpointNotFoundError, CkptError
 from ckptio.format import manifest
 from ckptio.managing.chains import link_of
 from ckptio.options import Options
+from ckptio.redundancy import marks
 from ckptio.storage import missing_manifest
 from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
-from ckptio.tiering import marks
 
 __all__ = ["run", "tiers_status"]
 

@@ -46,8 +46,8 @@ from ckptio.format.types import (
     WriteItem,
 )
 from ckptio.loading.foreign_common import expand_value, nest, torch_load_value
-from ckptio.planning import plan
 from ckptio.loading.torchvalues import TORCH_SAVE
+from ckptio.planning import plan
 
 __all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "RawBytes", "Written", "check_plan",
            "dtype_name", "inline_value", "item_key", "manifest_of", "paths_of", "write_item", "written"]

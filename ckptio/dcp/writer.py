@@ -43,8 +43,8 @@ from ckptio.planning.layout import plan_files
 from ckptio.saving.persist import SaveJob
 from ckptio.shared import checkpointer
 from ckptio.storage import steps
-from ckptio.storage.store_contract import Exclusive, Store, check_if_locked, new_save_id
 from ckptio.storage.select import checkpoint_path, is_checkpoint_id, store_for
+from ckptio.storage.store_contract import Exclusive, Store, check_if_locked, new_save_id
 from ckptio.version import __version__
 
 __all__ = ["DcpWriter"]

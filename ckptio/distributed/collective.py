@@ -26,19 +26,27 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptio.storage.store_contract import Exclusive, Store, new_save_id
-from ckptio.format import entryform, manifest
 from ckptio.distributed import wire
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.distributed.rankplan import valued_shards
 from ckptio.distributed.step import coordinate, describe, listed
 from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
+from ckptio.format import entryform, manifest
 from ckptio.format.gcpause import paused
-from ckptio.planning.globalplan import (Assignment, GlobalPlan, RankPlan, across_meshes,
-                                        check_files, manifest_entries, objects_of,
-                                        per_rank_keys, plan_global)
-from ckptio.planning.regular_items import Regular, regular_section, regular_writes
 from ckptio.format.types import Manifest, WriteItem, Written
+from ckptio.planning.globalplan import (
+    Assignment,
+    GlobalPlan,
+    RankPlan,
+    across_meshes,
+    check_files,
+    manifest_entries,
+    objects_of,
+    per_rank_keys,
+    plan_global,
+)
+from ckptio.planning.regular_items import Regular, regular_section, regular_writes
+from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree",
            "conclude", "exclusive", "manifest_of", "skip_exclusive"]

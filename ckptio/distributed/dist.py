@@ -9,7 +9,7 @@ never goes through NCCL or gloo, no process group is made, and a save's backgrou
 shares a communicator with the training loop.
 
 A one-rank group marked a **piece** (``mark_piece``: the memory tier with redundancy,
-tiering/guard.py) saves this rank's piece of a job's state: the DTensor shards it holds, placed
+managing/guard.py) saves this rank's piece of a job's state: the DTensor shards it holds, placed
 in their global tensors, which the other ranks' pieces complete.
 
 Owns: choosing the group, and which one-rank groups save pieces. Does not own: moving bytes

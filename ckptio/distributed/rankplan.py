@@ -19,8 +19,8 @@ import xxhash
 
 from ckptio.distributed.dist import Group
 from ckptio.format.flatten import FlatState
-from ckptio.planning.globalplan import RankPlan
 from ckptio.format.grid import Grid
+from ckptio.planning.globalplan import RankPlan
 from ckptio.planning.plan import SavePlan
 from ckptio.planning.regular_items import Regular, RegularItem
 

@@ -17,12 +17,22 @@ from typing import Any
 import xxhash
 
 from ckptio.errors import CkptError
-from ckptio.planning.globalplan import Assignment, RankPlan
-from ckptio.format.grid import Grid
-from ckptio.planning.regular_items import Regular, RegularItem
 from ckptio.format import entryform
-from ckptio.format.types import (DTYPE_ITEMSIZE, Chunk, Delta, FileInfo, IndexFile, ObjectEntry,
-                                 Stored, TensorEntry, WriteItem, Written)
+from ckptio.format.grid import Grid
+from ckptio.format.types import (
+    DTYPE_ITEMSIZE,
+    Chunk,
+    Delta,
+    FileInfo,
+    IndexFile,
+    ObjectEntry,
+    Stored,
+    TensorEntry,
+    WriteItem,
+    Written,
+)
+from ckptio.planning.globalplan import Assignment, RankPlan
+from ckptio.planning.regular_items import Regular, RegularItem
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",

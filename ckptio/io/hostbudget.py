@@ -10,7 +10,7 @@ pool is grown once and kept for every later save, so a ledger would hand whichev
 first a lasting larger share and the last ones less, decided by timing; the ranks of a job
 save states of like size at once, so an even share loses little; and a share needs no shared
 state, so a rank killed with kill -9 leaves nothing behind that the others wait for. The
-protection's send rate is shared by a host's ranks the same way (tiering/protect.py).
+protection's send rate is shared by a host's ranks the same way (redundancy/protect.py).
 
 The floor: a pool never shrinks below the one a save streams through (Options.pool_bytes, or
 a smaller state's size), and any tensor, the largest too, streams through it buffer by buffer;

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle
 from ckptio.io.posix import PosixBackend, _error
-from ckptio.io.ring import (MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of)
+from ckptio.io.ring import MAX_REGISTERED, OP_NOP, OP_READ, OP_READ_FIXED, OP_WRITE, OP_WRITE_FIXED, Ring, address_of
 
 __all__ = ["UringBackend"]
 

@@ -1,5 +1,5 @@
 """One background thread that runs an owner's jobs one at a time: what the drain
-(tiering/drain.py), the protection (tiering/protect.py) and the saves' stall watch
+(managing/drain.py), the protection (redundancy/protect.py) and the saves' stall watch
 (saving/stall.py) are built on.
 
 Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued work (under

@@ -35,14 +35,14 @@ from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import dcpdir, foreign_common, opening, resolve_regular
-from ckptio.loading.opening import ReadFn
 from ckptio.loading import read as reading
 from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
+from ckptio.loading.opening import ReadFn
 from ckptio.loading.torchvalues import expand_torch_save
-from ckptio.storage.store_contract import Store
 from ckptio.storage.entry_reader import Bases, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles, in_memory
 from ckptio.storage.select import store_for
+from ckptio.storage.store_contract import Store
 
 __all__ = ["VERIFY_BATCH_NBYTES", "LoadRequest", "Opened", "load", "open_checkpoint", "read_fn", "verify"]
 

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
-from ckptio.loading import (dcpdir, foreign_common, safetensors_manifest, tcdir,
-                            torchsave_manifest)
+from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, tcdir, torchsave_manifest
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
 

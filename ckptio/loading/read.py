@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptio.alignment import BLOCK, align_down, align_up
+from ckptio.distributed.readshare import Known
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
@@ -37,7 +38,6 @@ from ckptio.io.stage import Buffer, StagingPool, copy_in, move_in, torch_dtype, 
 from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded
-from ckptio.distributed.readshare import Known
 from ckptio.loading.shared_blocks import Seen, submit_parts
 from ckptio.planning.layout import MAX_GAP, coalesce_reads
 from ckptio.planning.reshard import (

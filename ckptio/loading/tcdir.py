@@ -27,8 +27,7 @@ import re
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from ckptio.errors import (CkptError, CorruptCheckpointError, PickleRefusedError,
-                           UnsupportedStateError)
+from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError, UnsupportedStateError
 from ckptio.format import validate
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show

@@ -23,14 +23,22 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
-                           UnsupportedStateError)
+from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UnsupportedStateError
+from ckptio.format import dtensorpickle, torchzip, validate, values
 from ckptio.format import torchsave as fmt
 from ckptio.format.checksum import crc32, crc32_of_part
-from ckptio.format import dtensorpickle, torchzip, validate, values
 from ckptio.format.dcpmeta import DType
-from ckptio.format.types import (DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, FileInfo, Json,
-                                 Manifest, ObjectEntry, TensorEntry)
+from ckptio.format.types import (
+    DTYPE_ITEMSIZE,
+    MAX_TREE_DEPTH,
+    Chunk,
+    FileInfo,
+    Json,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+)
+
 # a record has one CRC and no block checksums, as a DCP item: the same widening
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, raw_read, read_bytes
 from ckptio.storage.store_contract import Store

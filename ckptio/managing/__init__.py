@@ -1,18 +1,20 @@
-"""The parts of the one CheckpointManager (manager.py composes them), in call order:
-declare.py (its arguments -> tiers and their retention), level.py (TierSteps: one tier at run
-time), follower.py (the Follower protocol of what follows a commit in the first tier),
-route.py (the drain's route through the tiers), inflight.py (the save in flight),
-restoring.py (the one restore loop), agreed.py (with redundancy: the step every rank agrees
-on first). The policies are objects (ckptio/policies/, public); here they run: triggers.py
-(Saving: the save policy, agreed across ranks), level.py (the retention and delta-base
-policies, asked with each step's StepInfo), with retention.py and delta.py (the keyword
-sugar), chains.py (each step's bases) and agreement.py (rank 0's decisions agreed). warn()
-below is the one channel a manager's warnings take.
+"""The one CheckpointManager (managing/manager.py) and the parts it composes, in call order:
+declare.py (its arguments -> tiers and their retention), tier.py (``ckptio.Tier``, the
+declaration, the memory budget), level.py (TierSteps: one tier at run time), follower.py (the
+Follower protocol of what follows a commit in the first tier), route.py and drain.py (the
+drain's route through the tiers and its background thread, copy.py a verified copy of one
+step between stores), guard.py (with redundancy: the rank-local setup, its follower),
+inflight.py (the save in flight), restoring.py (the one restore loop), agreed.py (with
+redundancy: the step every rank agrees on first). The policies are objects (ckptio/policies/,
+public); here they run: triggers.py (Saving: the save policy, agreed across ranks), level.py
+(the retention and delta-base policies, asked with each step's StepInfo), with retention.py
+and delta.py (the keyword sugar), chains.py (each step's bases) and agreement.py (rank 0's
+decisions agreed). warn() below is the one channel a manager's warnings take.
 
-Layer: the drivers' (below manager.py, above tiering/). Internal: nothing here is public API.
-The public surface is ``ckptio`` itself (CheckpointManager, the policies). Owns: those parts.
-Does not own: one checkpoint (api.py), listing or hiding steps (storage/steproot.py), copies and
-redundancy (tiering/).
+Layer: the drivers' (above redundancy/ and api.py; managing/manager.py on top of its parts, which never
+import it). Internal: nothing here is public API. The public surface is ``ckptio`` itself
+(CheckpointManager, Tier, the policies). Owns: those parts. Does not own: one checkpoint
+(api.py), listing or hiding steps (storage/steproot.py), copies across hosts (redundancy/).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ brought into its memory first where its host was lost (called by CheckpointManag
    restores it from the fastest of its tiers holding it, with a warning naming the hosts lost,
    the copies passed over and the step chosen. Steps saved by a job of another number of
    ranks (each rank's piece says so) are left out of 1 and 2: the newest of them whose every
-   piece survives in memory is restored resharded (tiering/elastic.py) when newer than what 1
+   piece survives in memory is restored resharded (redundancy/elastic.py) when newer than what 1
    and 2 find; else the error names them;
 3. every rank's load must succeed: each rank's outcome (loaded / damaged and why / another
    error) is exchanged with every rank right after its load. Damage on any rank sends every
@@ -29,10 +29,10 @@ from typing import Any
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, RankFailedError
 from ckptio.managing import warn
+from ckptio.managing.guard import Guard, fallback_step
 from ckptio.managing.level import TierSteps
 from ckptio.managing.restoring import Restored, restore_first
-from ckptio.tiering.guard import Guard, fallback_step
-from ckptio.tiering.rebuild import Recovery
+from ckptio.redundancy.rebuild import Recovery
 
 __all__ = ["restore_guarded"]
 

@@ -7,7 +7,7 @@
 - ``verdict(error)``: after a load that failed on every rank, all-gather why, and fall back
   together only if some rank found damage and none failed otherwise.
 
-Owns: those two exchanges. Does not own: what is decided (manager.py, managing/level.py).
+Owns: those two exchanges. Does not own: what is decided (managing/manager.py, managing/level.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
-from ckptio.errors import (CheckpointNotFoundError, CorruptCheckpointError,
-                           IncompleteCheckpointError, RankFailedError)
+from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError
 from ckptio.options import Options
 
 __all__ = ["DAMAGE", "Ranks"]

@@ -28,8 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
-                           IncompleteCheckpointError, ManifestError)
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+)
 from ckptio.format.manifest import bases_of
 from ckptio.format.types import Manifest
 from ckptio.managing import warn

@@ -10,7 +10,7 @@ SaveEvery(steps=save_every) and SaveEvery(seconds=save_interval_s), unioned). Wh
 combine is refused here, naming both options and why.
 
 Called once, first, by the manager's constructor. Owns: those checks and defaults. Does not
-own: the tiers' validation (tiering/tier.py), the retention's (retention.py).
+own: the tiers' validation (managing/tier.py), the retention's (retention.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from ckptio.api import Checkpointer
 from ckptio.errors import CkptError
 from ckptio.managing.delta import with_compression
 from ckptio.managing.retention import Retention
+from ckptio.managing.tier import Tier, check_tiers
 from ckptio.options import Options
-from ckptio.policies import (AnyOf, KeepBest, RetentionPolicy, SaveEvery, SavePolicy, check_keep,
-                             check_save)
-from ckptio.tiering.tier import Tier, check_tiers
+from ckptio.policies import AnyOf, KeepBest, RetentionPolicy, SaveEvery, SavePolicy, check_keep, check_save
 
 __all__ = ["UNSET", "Declared", "check_step", "declare", "settings_of"]
 

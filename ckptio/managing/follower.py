@@ -1,13 +1,14 @@
 """What follows a commit in a manager's first tier: the Follower protocol.
 
 After a save of ours committed in the first tier (and that tier's retention ran), the manager
-calls ``submit(step)`` on each follower in turn: the protection across hosts (tiering/guard.py)
-first, then the drain to the slower tiers (tiering/drain.py). The first tier's retention keeps
+calls ``submit(step)`` on each follower in turn: the protection across hosts (managing/guard.py)
+first, then the drain to the slower tiers (managing/drain.py). The first tier's retention keeps
 the union of their ``pinned()`` steps. ``drained()`` / ``protected()`` call ``wait(timeout)``;
 close() calls ``close()`` on each (the first error a follower's background work met is raised
 once, by wait() or close()). ``status()`` is merged into the manager's per-tier status.
 
-Owns: that contract. Does not own: the followers (tiering/), when they are called (manager.py).
+Owns: that contract. Does not own: the followers (managing/drain.py, managing/guard.py), when
+they are called (managing/manager.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ costs an older step; with async saves, SaveHandle having no done-callback, in wa
 save or close()).
 
 Owns: the one async save in flight (step, handle, the base it is a delta against). Does not
-own: saving (api.Checkpointer), retention (level.py), the followers (manager.py).
+own: saving (api.Checkpointer), retention (level.py), the followers (managing/manager.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ its one Ranks object, managing/agreement.py); try_load() is a collective (the lo
 
 Owns: that tier's caches (links, metrics, damaged and verified steps) and its removal thread.
 Does not own: the retention rules (retention.py), the chains' rules (chains.py), listing and
-hiding (storage/steproot.py), when to save or which tier to load from (manager.py, restoring.py).
+hiding (storage/steproot.py), when to save or which tier to load from (managing/manager.py, restoring.py).
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ from ckptio.errors import CkptError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
+from ckptio.managing.agreement import Ranks
 from ckptio.managing.chains import Chains, Link
 from ckptio.managing.delta import ChainFacts
-from ckptio.managing.agreement import Ranks
 from ckptio.managing.retention import StepMeta
+from ckptio.managing.tier import Tier
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
 from ckptio.storage.local import runlease
 from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.runlease import RunLease
-from ckptio.storage.store_contract import Store
 from ckptio.storage.select import capped, root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
-from ckptio.tiering.tier import Tier
+from ckptio.storage.store_contract import Store
 
 __all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
 

@@ -27,8 +27,7 @@ from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.managing import warn
-from ckptio.policies import (AnyOf, KeepAll, KeepBest, KeepEvery, KeepLatest, RetentionPolicy,
-                             StepInfo, kept_by)
+from ckptio.policies import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLatest, RetentionPolicy, StepInfo, kept_by
 
 __all__ = ["MODES", "Retention", "StepMeta"]
 

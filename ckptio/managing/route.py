@@ -1,4 +1,4 @@
-"""The drain's route through a manager's tiers: TierRoute (tiering/drain.py's Route protocol).
+"""The drain's route through a manager's tiers: TierRoute (managing/drain.py's Route protocol).
 
 The drain thread (on the coordinating rank) asks it where a step is read from (the fastest tier
 before the target holding it committed), where it is written, which bases a delta needs first,

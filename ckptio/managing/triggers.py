@@ -30,8 +30,7 @@ from typing import Any
 
 from ckptio.distributed.dist import Group
 from ckptio.errors import CkptError
-from ckptio.policies import (SaveEvery, SaveMoment, SaveOnPreemption, SavePolicy, due_by,
-                             leaves)
+from ckptio.policies import SaveEvery, SaveMoment, SaveOnPreemption, SavePolicy, due_by, leaves
 
 __all__ = ["Preemption", "Saving", "Triggers"]
 

@@ -17,7 +17,6 @@ torch, no collectives (dist.py moves the bytes, wire.py encodes them).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 

@@ -17,13 +17,21 @@ from typing import Any
 
 import torch
 
-from ckptio.format import values
 from ckptio.errors import UnsupportedStateError
+from ckptio.format import values
 from ckptio.format.flatten import FlatState
 from ckptio.format.grid import Grid
-from ckptio.planning.sharding import (FlatShard, TensorShard, check_dense, held, is_dtensor,
-                                      is_sharded_tensor, local_tensor, sharded_local)
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Json, ObjectEntry, WriteItem
+from ckptio.planning.sharding import (
+    FlatShard,
+    TensorShard,
+    check_dense,
+    held,
+    is_dtensor,
+    is_sharded_tensor,
+    local_tensor,
+    sharded_local,
+)
 
 __all__ = ["PlanCache", "SavePlan", "build_plan"]
 

@@ -20,8 +20,8 @@ from functools import cached_property
 from typing import Protocol
 
 from ckptio.errors import CkptError
-from ckptio.format.types import DTYPE_ITEMSIZE, RegularTensor, WriteItem
 from ckptio.format.grid import Grid
+from ckptio.format.types import DTYPE_ITEMSIZE, RegularTensor, WriteItem
 
 __all__ = ["RankView", "Regular", "RegularItem", "check_regular", "regular_section",
            "regular_writes", "submesh_replicas"]

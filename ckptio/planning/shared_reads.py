@@ -23,10 +23,9 @@ distributed/sendreads.py), which reads a load makes (loading/fill.py), the piece
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import dataclasses
 
 import xxhash
 

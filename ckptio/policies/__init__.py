@@ -23,12 +23,32 @@ Its modules are internal: the public surface is ``ckptio`` itself (ckptio.KeepLa
 
 from __future__ import annotations
 
-from ckptio.policies.builtins import (AnyOf, KeepAll, KeepBest, KeepEvery, KeepLatest, KeepRecent,
-                                      SaveEvery, SaveOnPreemption, check_base, check_keep,
-                                      check_save, leaves)
+from ckptio.policies.builtins import (
+                                      AnyOf,
+                                      KeepAll,
+                                      KeepBest,
+                                      KeepEvery,
+                                      KeepLatest,
+                                      KeepRecent,
+                                      SaveEvery,
+                                      SaveOnPreemption,
+                                      check_base,
+                                      check_keep,
+                                      check_save,
+                                      leaves,
+)
 from ckptio.policies.delta_base import DeltaPolicy
-from ckptio.policies.records import (DeltaBasePolicy, RetentionPolicy, SaveMoment, SavePolicy,
-                                     StepFacts, StepInfo, base_by, due_by, kept_by)
+from ckptio.policies.records import (
+                                      DeltaBasePolicy,
+                                      RetentionPolicy,
+                                      SaveMoment,
+                                      SavePolicy,
+                                      StepFacts,
+                                      StepInfo,
+                                      base_by,
+                                      due_by,
+                                      kept_by,
+)
 
 __all__ = ["AnyOf", "DeltaBasePolicy", "DeltaPolicy", "KeepAll", "KeepBest", "KeepEvery",
            "KeepLatest", "KeepRecent", "RetentionPolicy", "SaveEvery", "SaveMoment",

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError
-from ckptio.policies.records import (DeltaBasePolicy, RetentionPolicy, SaveMoment, SavePolicy,
-                                     StepInfo, due_by, kept_by)
+from ckptio.policies.records import DeltaBasePolicy, RetentionPolicy, SaveMoment, SavePolicy, StepInfo, due_by, kept_by
 
 __all__ = ["AnyOf", "KeepAll", "KeepBest", "KeepEvery", "KeepLatest", "KeepRecent",
            "SaveEvery", "SaveOnPreemption", "check_base", "check_keep", "check_save", "leaves"]

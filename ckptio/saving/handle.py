@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from ckptio.errors import SaveTimeoutError
+from ckptio.format.types import WriteItem
+from ckptio.planning.sharding import local_tensor
 from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
-from ckptio.planning.sharding import local_tensor
-from ckptio.format.types import WriteItem
 
 __all__ = ["HandleControl", "SaveHandle", "SaveResult", "lazy_order", "skipped_handle"]
 

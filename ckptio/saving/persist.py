@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from ckptio.alignment import align_up
-from ckptio.format.checksum import EntryHashers
 from ckptio.errors import CkptError
+from ckptio.format.checksum import EntryHashers
+from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
-from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
 from ckptio.saving.stall import Activity

@@ -40,8 +40,8 @@ import torch
 from ckptio.alignment import align_up
 from ckptio.distributed import collective, rankplan
 from ckptio.distributed.dist import Group
-from ckptio.format import regular_section
 from ckptio.errors import CheckpointLockedError, CkptError
+from ckptio.format import regular_section
 from ckptio.format.flatten import flatten
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import (
@@ -58,13 +58,13 @@ from ckptio.options import Options
 from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist, stall
-from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
+from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.storage import steps
-from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.storage.entry_reader import Base, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles, mappable
+from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.version import __version__
 
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",

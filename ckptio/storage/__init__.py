@@ -20,8 +20,8 @@ Internal: nothing here is public API. The public surface is ``ckptio`` itself
 
 from __future__ import annotations
 
-from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.memory.memory_store import MemoryStore
+from ckptio.storage.store_contract import Exclusive, Store
 
 __all__ = ["Exclusive", "LocalStore", "MemoryStore", "Store"]

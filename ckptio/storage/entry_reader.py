@@ -31,9 +31,9 @@ from ckptio.format import codec, manifest
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import Chunk, Manifest, TensorEntry
 from ckptio.io.backend_contract import FileHandle
-from ckptio.storage.store_contract import Store
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.spans import SPAN, Range, Spans
+from ckptio.storage.store_contract import Store
 
 __all__ = ["Base", "Bases", "EntryReader", "base_key", "sibling_location"]
 

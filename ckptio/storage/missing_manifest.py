@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, IncompleteCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.store_contract import is_ours
 from ckptio.storage.local.dirlock import LOCK_NAME
+from ckptio.storage.store_contract import is_ours
 
 __all__ = ["file_hint", "nearby", "no_manifest", "spelled_alike"]
 

@@ -31,14 +31,14 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.options import Options
-from ckptio.storage.store_contract import Store
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.steproot import StepRoot
+from ckptio.storage.store_contract import Store
 
 __all__ = [
     "Scheme",
@@ -126,8 +126,8 @@ def _s3_store(location: str, options: Options) -> Store:
 
 
 def _s3_root(location: str, options: Options) -> StepRoot:
-    from ckptio.storage.s3.settings import S3Settings
     from ckptio.storage.s3.root import S3Root
+    from ckptio.storage.s3.settings import S3Settings
 
     return S3Root(location, S3Settings.of(options))
 

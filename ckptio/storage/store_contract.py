@@ -6,7 +6,7 @@ bytes move through an ``IOBackend`` the store makes (``backend()``), one per ``b
 and reach the store's files only by name, through files.StoreFiles (``path_of``); what a store
 can do is its ``capabilities`` (Capabilities, below), never a type check. A ``TreeStore`` (every
 built-in store) also holds sub-locations and whole named files (the redundancy's,
-tiering/marks.py); a user's store need only be a Store.
+redundancy/marks.py); a user's store need only be a Store.
 
 Call order of a save (the caller's: saving/save_session.py, steps.py): ``prepare()`` ->
 ``exclusive(...)`` -> data files written and made durable through the backend ->
@@ -205,7 +205,7 @@ class TreeStore(Store, Protocol):
     whole named files written at once; every method takes plain names (``plain_name``).
     LocalStore, MemoryStore and S3Store are TreeStores; a user's registered store need only be
     a Store: the feature that needs a TreeStore (redundancy) refuses it, naming it
-    (tiering/marks.tree_of). ckptio/testing/tree_conformance.py holds the checks."""
+    (redundancy/marks.tree_of). ckptio/testing/tree_conformance.py holds the checks."""
 
     def child(self, name: str) -> TreeStore:
         """The store of sub-location ``name`` of this location (same kind and settings);

@@ -37,8 +37,8 @@ from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, IOBackend
 from ckptio.io.stage import Buffer, StagingPool
 from ckptio.options import MiB, Options
-from ckptio.storage.store_contract import Store
 from ckptio.storage.files import Capabilities, StoreFiles
+from ckptio.storage.store_contract import Store
 from ckptio.testing.store_conformance import data_name
 
 Factory = Callable[[], StoreFiles]

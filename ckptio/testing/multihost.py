@@ -140,7 +140,7 @@ class Hosts:
 
     simulated mode: every host is 127.0.0.1; ``<root>/h<i>/shm`` is a plain directory; a wipe
     empties it. The host's identity reaches ckptio through ``host_env`` (hostjob.py; by
-    default ``CKPTIO_HOST_ID``, ckptio's host-id override: ckptio/tiering/topology.py), which
+    default ``CKPTIO_HOST_ID``, ckptio's host-id override: ckptio/redundancy/topology.py), which
     netns mode does not need: there ckptio tells the hosts apart by their hostnames, as on a
     cluster.
 

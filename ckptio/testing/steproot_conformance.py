@@ -13,7 +13,7 @@ steps, or advises deleting anything fails here.
 
 Owns: the checks and their helpers. Does not own: the roots (ckptio/storage/: local/local_root.py,
 memory_root.py, s3/root.py), the stores (ckptio/storage/), the policy of which steps a manager
-keeps (ckptio/manager.py).
+keeps (ckptio/managing/manager.py).
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.stage import StagingPool
 from ckptio.options import MiB, Options
-from ckptio.storage.store_contract import Store, TreeStore, is_ours, new_save_id
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.steps import is_committed
+from ckptio.storage.store_contract import Store, TreeStore, is_ours, new_save_id
 from ckptio.testing import tree_conformance as tree
 
 Factory = Callable[[str], Store]

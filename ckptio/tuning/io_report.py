@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckptio.tuning.profile import filesystem_key
 from ckptio.options import GiB, KiB, MiB
 from ckptio.tuning.io_cells import ENGINES, MODES, Cell, Run
+from ckptio.tuning.profile import filesystem_key
 
 __all__ = ["Row", "configs", "engine_label", "fmt_nbytes", "machine", "mix_stats", "progress",
            "select", "summarize", "write_all"]

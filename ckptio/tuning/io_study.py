@@ -40,10 +40,23 @@ from ckptio.errors import CkptError
 from ckptio.io.backend_contract import IOBackend
 from ckptio.options import GiB, KiB, MiB
 from ckptio.tuning import ceiling
+
 # Cell, build_plan, gpt_sizes, engine_unavailable: also imported from here (tests, tune.py).
-from ckptio.tuning.io_cells import (ENGINES, MODES, Cell, PhaseTimes, Plan, Run, build_plan,
-                                    engine_unavailable, equal_sizes, gpt_sizes, make_backend,
-                                    probe_unaligned_direct, run_phase)
+from ckptio.tuning.io_cells import (
+    ENGINES,
+    MODES,
+    Cell,
+    PhaseTimes,
+    Plan,
+    Run,
+    build_plan,
+    engine_unavailable,
+    equal_sizes,
+    gpt_sizes,
+    make_backend,
+    probe_unaligned_direct,
+    run_phase,
+)
 
 __all__ = ["ENGINES", "MODES", "SECTIONS", "Cell", "Study", "StudyConfig", "build_plan",
            "config_from", "engine_unavailable", "gpt_sizes", "main", "make_cells", "parse_args",

@@ -13,7 +13,7 @@ import textwrap
 import torch
 
 import ckptio
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.gcs.gcs_store import GcsStore
 
 SETTINGS = """
@@ -32,7 +32,7 @@ LOAD = textwrap.dedent("""
 
 RESTORE = textwrap.dedent("""
     import sys, torch, ckptio
-    from ckptio.manager import CheckpointManager
+    from ckptio.managing.manager import CheckpointManager
 """) + textwrap.dedent(SETTINGS) + textwrap.dedent("""
     state = {"w": torch.zeros(1000), "step": -1}
     with CheckpointManager(sys.argv[1], keep_last=2, options=options) as mgr:

@@ -21,7 +21,7 @@ import torch
 
 import ckptio
 from ckptio.storage.s3.client import S3Path
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases
@@ -105,7 +105,7 @@ RESTORE = textwrap.dedent("""
     import sys, torch, ckptio
     sys.path.insert(0, sys.argv[2])
     from s3_models import build, train
-    from ckptio.manager import CheckpointManager
+    from ckptio.managing.manager import CheckpointManager
     model, opt, sched = build()
     state = {"model": model, "opt": opt, "sched": sched, "rng": ckptio.RNGState(), "step": 0}
     options = ckptio.Options(buffer_bytes=5 << 20, pool_bytes=20 << 20)
@@ -179,7 +179,7 @@ def test_restore_falls_back_past_a_damaged_newest_step_and_the_step_can_be_saved
 
 KILLED = textwrap.dedent("""
     import os, signal, sys, torch, ckptio
-    from ckptio.manager import CheckpointManager
+    from ckptio.managing.manager import CheckpointManager
     from ckptio.storage.s3.root import S3Root
 
     real = S3Root._delete

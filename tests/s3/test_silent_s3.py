@@ -19,7 +19,7 @@ import torch
 
 import ckptio
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.manager import CheckpointManager
+from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.s3.client import S3Path
 from ckptio.storage.s3.settings import S3Settings

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, completed
 from ckptio.storage.azure.az_client import (
     AzPath,
@@ -35,6 +34,7 @@ from ckptio.storage.azure.az_client import (
     status,
 )
 from ckptio.storage.azure.az_settings import AzureSettings
+from ckptio.storage.object_common import OpenHandles
 
 __all__ = ["MAX_BLOCKS", "AzureBackend", "block_id", "head"]
 

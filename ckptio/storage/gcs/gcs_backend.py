@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, completed, started_pool
 from ckptio.storage.gcs.gcs_client import GcsPath, client, errors, failed, mapped, missing, status
 from ckptio.storage.gcs.gcs_settings import GcsSettings
+from ckptio.storage.object_common import OpenHandles
 
 __all__ = ["GcsBackend"]
 

@@ -29,10 +29,10 @@ from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
-from ckptio.storage.local.dirlock import LOCK_NAME
-from ckptio.storage.object_common import LockWait
 from ckptio.storage.gcs.gcs_client import GcsPath, call, client, errors, failed, missing, status
 from ckptio.storage.gcs.gcs_settings import GcsSettings
+from ckptio.storage.local.dirlock import LOCK_NAME
+from ckptio.storage.object_common import LockWait
 
 __all__ = ["LOCK_NAME", "GcsLock", "take"]
 

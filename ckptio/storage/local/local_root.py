@@ -11,7 +11,7 @@ manager's close) removes them.
 
 Owns: LocalRoot (listing, the rename, the fsync, the removal, what a directory holds instead
 of steps). Does not own: the hidden names (steproot.py), which steps to keep or restore
-(manager.py) or one checkpoint's files (storage/).
+(managing/manager.py) or one checkpoint's files (storage/).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
 from ckptio.storage import missing_manifest, steps
+from ckptio.storage.files import Capabilities
 from ckptio.storage.local import dirlock
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
@@ -53,7 +54,6 @@ from ckptio.storage.store_contract import (
     new_save_id,
     plain_name,
 )
-from ckptio.storage.files import Capabilities
 
 __all__ = ["LocalClaim", "LocalStore", "fsync_path", "write_durably"]
 

@@ -13,7 +13,7 @@ into a location no longer listed.
 
 Owns: MemoryRoot (listing, the move, the removal, what a memory location holds instead of
 steps). Does not own: the memory files, locations and claims (storage/memory/memory_store.py), the hidden
-names (steproot.py), which steps to keep or restore (manager.py).
+names (steproot.py), which steps to keep or restore (managing/manager.py).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.backend_contract import FileHandle, completed
 from ckptio.options import Options
 from ckptio.storage import missing_manifest
+from ckptio.storage.files import Capabilities
 from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
@@ -50,7 +51,6 @@ from ckptio.storage.store_contract import (
     is_ours,
     plain_name,
 )
-from ckptio.storage.files import Capabilities
 
 __all__ = ["HOST", "SCHEME", "HostMemory", "MemoryBackend", "MemoryClaim", "MemoryStore"]
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.object_common import OpenHandles
 from ckptio.io.backend_contract import FileHandle, all_of, completed, started_pool
 from ckptio.options import MiB
-from ckptio.storage.s3 import timeouts
+from ckptio.storage.object_common import OpenHandles
 from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
 from ckptio.storage.s3.settings import S3Settings
 

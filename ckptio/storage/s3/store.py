@@ -31,7 +31,14 @@ from typing import Any
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.options import Options
+from ckptio.storage.files import Capabilities
 from ckptio.storage.object_common import LockClaim, lost_commit, no_checkpoint
+from ckptio.storage.s3 import lock as s3lock
+from ckptio.storage.s3 import objects as s3objects
+from ckptio.storage.s3 import timeouts
+from ckptio.storage.s3.backend import S3Backend
+from ckptio.storage.s3.client import S3Path, call, client, describe, failed, not_s3, status
+from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
@@ -42,13 +49,6 @@ from ckptio.storage.store_contract import (
     new_save_id,
     plain_name,
 )
-from ckptio.storage.files import Capabilities
-from ckptio.storage.s3 import timeouts
-from ckptio.storage.s3 import lock as s3lock
-from ckptio.storage.s3 import objects as s3objects
-from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import S3Path, call, client, describe, failed, not_s3, status
-from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["S3Store"]
 

@@ -13,15 +13,15 @@ j's P on position j and its Q on j + 1, each host holding 2/k: any two lost host
 **Failure domains** (``$CKPTIO_FAILURE_DOMAIN``: a rack, a switch, hosts that fail together):
 the hosts are numbered with the domains interleaved, so a rank's partners and a parity group's
 hosts fall in other domains; one that still puts two hosts of a group in one domain is refused.
-Formulas, uneven host counts, refusals: docs/BEHAVIOUR.md, "ckptio.tiering.topology".
+Formulas, uneven host counts, refusals: docs/BEHAVIOUR.md, "ckptio.redundancy.topology".
 
 Call order: ``host_id()`` and ``domain_id()`` on every rank -> the ids gathered from every
-rank (a collective, the caller's: tiering/guard.py) -> ``Topology.from_ids`` -> the placement
+rank (a collective, the caller's: managing/guard.py) -> ``Topology.from_ids`` -> the placement
 methods (``partners``, ``groups``, ``position``, ``contributed``, ``holder_of``), pure,
 alike on every rank; ``check_domains`` once, where the protection starts.
 
 Owns: the host ids, the numbering, the placement rules. Does not own: moving bytes
-(tiering/protect.py, tiering/rebuild.py), the Partners/Parity declaration (tiering/redundancy.py).
+(redundancy/protect.py, redundancy/rebuild.py), the Partners/Parity declaration (redundancy/redundancy.py).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Topology:
     # ------------------------------------------------------------ parity
 
     def groups(self, k: int, m: int = 1) -> list[tuple[int, ...]]:
-        """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.tiering.topology"): G = floor(H /
+        """Parity groups of hosts (docs/BEHAVIOUR.md, "ckptio.redundancy.topology"): G = floor(H /
         (k+m)) runs of consecutive hosts as even as can be (the first H mod G of them one host
         longer); a group of n hosts codes with k' = n - m >= k."""
         size, spec = self.size, f"Parity(k={k})" if m == 1 else f"Parity(k={k}, m={m})"

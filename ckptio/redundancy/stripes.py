@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ckptio.errors import CkptError
-from ckptio.tiering import erasure, peers
-from ckptio.tiering.budget import CHUNK
-from ckptio.tiering.topology import Topology
+from ckptio.redundancy import erasure, peers
+from ckptio.redundancy.budget import CHUNK
+from ckptio.redundancy.topology import Topology
 
 __all__ = ["Chain", "Term", "plan", "run"]
 

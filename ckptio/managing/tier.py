@@ -14,14 +14,14 @@ manager's keep_best / monitor / mode apply to the first tier. ``save``: the firs
 policy (SaveEvery, ..., or your own), instead of ``every``.
 
 The first tier, when it is ``shm://``, may be protected across hosts by
-``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (tiering/redundancy.py).
+``redundancy=ckptio.Partners(n)`` or ``ckptio.Parity(k)`` (redundancy/redundancy.py).
 
 A memory tier (``shm://``, or ``mem://`` within one process) is bounded by ``max_bytes``: a save
 into it is refused, before anything is written, when the steps it holds plus the new one would
 exceed it (or exceed the free space of its tmpfs), with a message saying how to fit.
 
 Owns: the declaration, its validation, which tiers are host memory, the memory budget check.
-Does not own: saving, draining, restoring (manager.py, managing/, tiering/drain.py).
+Does not own: saving, draining, restoring (managing/manager.py, managing/, managing/drain.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from ckptio.format.flatten import flatten
 from ckptio.options import GiB
 from ckptio.planning.sharding import local_tensor
 from ckptio.policies import RetentionPolicy, SavePolicy, check_keep, check_save
+from ckptio.redundancy.redundancy import Parity, Partners, check_redundancy
+from ckptio.redundancy.topology import host_id
 from ckptio.storage.mapped import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.tiering.topology import host_id
-from ckptio.tiering.redundancy import Parity, Partners, check_redundancy
 
 __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "one_host",
            "state_nbytes", "step_sizes"]
@@ -66,7 +66,7 @@ class Tier:
     keep_last: int | None = _KEEP_LAST
     keep_every: int | None = None
     max_bytes: int | None = None
-    redundancy: Partners | Parity | None = None  # tiering/redundancy.py; the first tier only
+    redundancy: Partners | Parity | None = None  # redundancy/redundancy.py; the first tier only
     keep: RetentionPolicy | None = None  # ckptio/policies/; None: keep_last / keep_every
     save: SavePolicy | None = None  # the first tier's; None: every (and the manager's options)
 

@@ -9,12 +9,12 @@ With redundancy, the memory tier is rank-local (NVIDIA resiliency-ext's "local c
 each rank keeps its own state as a one-rank checkpoint in its host's memory, under
 ``shm://NAME/r<rank>/step-N``, and the slower tiers hold the same per rank
 (``<location>/r<rank>/step-N``), copied by each rank's own drain. After each commit in memory a
-background thread (tiering/protect.py) sends the step's bytes over a gloo process group of its
+background thread (redundancy/protect.py) sends the step's bytes over a gloo process group of its
 own to the partner(s), or as parity pieces to the other hosts of its parity group, which keep
 them in their memory under ``shm://NAME/.redundancy/step-N``; the step is protected once every
 rank's copies are written and a marker is committed last. A restore agrees on the newest step
 every rank can obtain verified: its own memory, a partner's copy, rebuilt from parity, else disk
-(tiering/rebuild.py). Placement rules: tiering/topology.py.
+(redundancy/rebuild.py). Placement rules: redundancy/topology.py.
 
 Partners(n) costs (1 + n) x the state in host memory and survives any n lost hosts; Parity(k)
 costs (1 + 1/k) x (every host holds 1/k of a shard of parity) and survives one lost host per
@@ -38,7 +38,7 @@ __all__ = ["Parity", "Partners", "Redundancy", "check_redundancy"]
 class Partners:
     """Full copies of each rank's newest memory step in ``n`` other hosts' memory. ``rate``:
     the bytes per second each host's ranks together send for it (None: as fast as the link
-    goes; a budget leaves the link to the training's own traffic, tiering/budget.py)."""
+    goes; a budget leaves the link to the training's own traffic, redundancy/budget.py)."""
 
     n: int = 1
     rate: float | None = None
@@ -55,8 +55,8 @@ class Partners:
 @dataclass(frozen=True)
 class Parity:
     """Rotating parity over groups of ``k + m`` hosts, each holding m/k of a shard of parity
-    (tiering/topology.py): ``m=1`` XOR, any one lost host per group; ``m=2`` XOR and
-    Reed-Solomon (tiering/erasure.py), any two."""
+    (redundancy/topology.py): ``m=1`` XOR, any one lost host per group; ``m=2`` XOR and
+    Reed-Solomon (redundancy/erasure.py), any two."""
 
     k: int = 3
     rate: float | None = None  # as Partners.rate

@@ -1,4 +1,4 @@
-"""The pure part of a restart on another number of ranks from memory (tiering/elastic.py does
+"""The pure part of a restart on another number of ranks from memory (redundancy/elastic.py does
 the effects): which step and which copy of each old rank's piece, and which entries of those
 pieces a rank of the new job needs.
 
@@ -79,7 +79,7 @@ def plan(reports: list[list[Found]], world: int, bad: set[str],
 
 @dataclass
 class Regrowth:
-    """A lost old rank's piece rebuilt from its parity group (tiering/regrow.py does it):
+    """A lost old rank's piece rebuilt from its parity group (redundancy/regrow.py does it):
     positions are the group's (``members`` are old ranks), each other member's piece and block
     from a holder (a rank of this job), the result received by ``receiver``."""
 

@@ -20,7 +20,7 @@ docs/MANAGER.md.
 Owns: the tiers at run time (managing/level.py, one TierSteps each), the followers, the save in
 flight, the agreement across ranks (one managing/agreement.py Ranks). Does not own: one
 checkpoint's save, load and verify (api.py), the policies (policies/, run by managing/), the
-copies (tiering/).
+copies (managing/copy.py, redundancy/).
 """
 
 from __future__ import annotations
@@ -42,23 +42,37 @@ from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, check_step, declare, settings_of
 from ckptio.managing.delta import check_delta
+from ckptio.managing.drain import Drain
 from ckptio.managing.follower import Follower
+from ckptio.managing.guard import Guard
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
-from ckptio.managing.restoring import (candidates, emptiness, incomplete, nothing_to_restore,
-                                       restore_first, started_fresh, where)
+from ckptio.managing.restoring import (
+    candidates,
+    emptiness,
+    incomplete,
+    nothing_to_restore,
+    restore_first,
+    started_fresh,
+    where,
+)
 from ckptio.managing.route import TierRoute, resume
+from ckptio.managing.tier import Tier, check_budget, is_memory, one_host, state_nbytes, step_sizes
 from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
-from ckptio.policies import (AnyOf, DeltaBasePolicy, DeltaPolicy, KeepEvery, RetentionPolicy,
-                             SaveOnPreemption, SavePolicy, leaves)
+from ckptio.policies import (
+    AnyOf,
+    DeltaBasePolicy,
+    DeltaPolicy,
+    KeepEvery,
+    RetentionPolicy,
+    SaveOnPreemption,
+    SavePolicy,
+    leaves,
+)
 from ckptio.saving.handle import SaveHandle, SaveResult
 from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.tiering.drain import Drain
-from ckptio.tiering.guard import Guard
-from ckptio.tiering.tier import (Tier, check_budget, is_memory, one_host, state_nbytes,
-                                 step_sizes)
 
 __all__ = ["CheckpointManager"]
 

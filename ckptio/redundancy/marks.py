@@ -22,8 +22,8 @@ import re
 from typing import Any
 
 from ckptio.errors import CkptError
-from ckptio.storage.store_contract import TreeStore
 from ckptio.storage.select import store_for
+from ckptio.storage.store_contract import TreeStore
 
 __all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "elastic_name", "held", "held_nbytes",
            "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",

@@ -37,11 +37,11 @@ from ckptio.errors import CkptError, StateMismatchError, StorageIOError
 from ckptio.format.checksum import entry_checksum
 from ckptio.format.manifest import MANIFEST_NAME, decode, encode, version_for
 from ckptio.format.types import FileInfo, ObjectEntry
+from ckptio.redundancy import marks, peers
+from ckptio.redundancy.pieces import Choice, Found, Source, item_id, merged, needed, plan
+from ckptio.redundancy.regrow import regrow
+from ckptio.redundancy.topology import Topology
 from ckptio.storage.store_contract import TreeStore, new_save_id
-from ckptio.tiering import marks, peers
-from ckptio.tiering.pieces import Choice, Found, Source, item_id, merged, needed, plan
-from ckptio.tiering.regrow import regrow
-from ckptio.tiering.topology import Topology
 
 __all__ = ["Context", "Fetched", "Restart", "survey"]
 

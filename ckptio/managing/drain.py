@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptio.errors import CkptError
+from ckptio.io.worker import NICE, Worker
+from ckptio.managing.copy import copy_checkpoint
 from ckptio.options import GiB, Options
 from ckptio.resources import ReusedIOResources
 from ckptio.storage.store_contract import Store
-from ckptio.tiering.copy import copy_checkpoint
-from ckptio.io.worker import NICE, Worker
 
 __all__ = ["DRAIN_BUFFERS", "Drain", "Route"]
 

@@ -8,7 +8,7 @@ fails (``recover`` spells the steps out). Every byte goes through the memory tie
 (marks.py's layout).
 
 Owns: the inventory, the plan, the transfers of a restore and their verification. Does not own:
-the load itself and the fallback to slower tiers (manager.py), placement (topology.py).
+the load itself and the fallback to slower tiers (managing/manager.py), placement (topology.py).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
-from ckptio.tiering import marks, peers, stripes
-from ckptio.tiering.topology import Topology
-from ckptio.tiering.marks import protected_steps
-from ckptio.tiering.redundancy import Parity, Partners
+from ckptio.redundancy import marks, peers, stripes
+from ckptio.redundancy.marks import protected_steps
+from ckptio.redundancy.redundancy import Parity, Partners
+from ckptio.redundancy.topology import Topology
 
 __all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover"]
 

@@ -11,7 +11,7 @@ restarted on another number of ranks reshards the old job's pieces from memory: 
 
 A Guard is the manager's follower of the memory tier (managing/follower.py: submit, pinned,
 wait, close, status). Owns: that setup and the agreement of a restore's step. Does not own: the
-tiers' own saving, draining and loading (manager.py), protection (protect.py), memory
+tiers' own saving, draining and loading (managing/manager.py), protection (protect.py), memory
 recovery (rebuild.py).
 """
 
@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from ckptio.distributed.dist import mark_piece
 from ckptio.errors import CkptError, RankFailedError
+from ckptio.managing.tier import Tier
+from ckptio.redundancy import elastic, marks, peers
+from ckptio.redundancy.protect import Protector
+from ckptio.redundancy.rebuild import Context, Recovery, recover
+from ckptio.redundancy.redundancy import Partners
+from ckptio.redundancy.topology import Topology, domain_id, host_id
 from ckptio.storage.select import checkpoint_path
-from ckptio.tiering import elastic, marks, peers
-from ckptio.tiering.topology import Topology, domain_id, host_id
-from ckptio.tiering.protect import Protector
-from ckptio.tiering.rebuild import Context, Recovery, recover
-from ckptio.tiering.redundancy import Partners
-from ckptio.tiering.tier import Tier
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
 

@@ -35,8 +35,8 @@ from ckptio.format.types import Manifest, TensorEntry
 from ckptio.loading import dcpdir, load_session
 from ckptio.loading.checks import Checker
 from ckptio.storage import steps
-from ckptio.storage.store_contract import Store, new_save_id
 from ckptio.storage.files import IOResources, StoreFiles
+from ckptio.storage.store_contract import Store, new_save_id
 
 __all__ = ["Pace", "copy_checkpoint"]
 

@@ -29,9 +29,9 @@ from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
+from ckptio.redundancy.budget import CHUNK, Budget
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
-from ckptio.tiering.budget import CHUNK, Budget
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "check_stream",
            "digest", "files_of",

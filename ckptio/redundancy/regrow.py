@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError
-from ckptio.tiering import erasure, marks, peers
-from ckptio.tiering.pieces import Found, Held, Regrowth, regrowths
+from ckptio.redundancy import erasure, marks, peers
+from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
 
 __all__ = ["regrow"]
 

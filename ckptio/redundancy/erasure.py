@@ -4,16 +4,16 @@ pieces, and the decoding of one or two lost pieces of a stripe. Pure: tensors in
 A stripe holds one piece ``d_h`` of each of its data members (h: the member's position in its
 parity group) and two parity pieces, ``P = XOR d_h`` and ``Q = sum g^h d_h`` in GF(2^8) with
 the polynomial 0x11d and generator g = 2 (RAID-6's code, as Linux md computes it), so any two of
-a stripe's pieces can be lost: ``solve``. Placement of the stripes: tiering/topology.py.
+a stripe's pieces can be lost: ``solve``. Placement of the stripes: redundancy/topology.py.
 
 Written by hand (why): the libraries for Reed-Solomon in Python are GPL (zfec) or need a C
 library and its headers (pyeclib), and neither works on torch tensors; the code needs only
 multiplication of bytes by a constant: a lookup in that constant's 256-byte table
 (``torch.index_select``, a chunk at a time), and XOR. The field tables are built once.
 
-Call order: ``Horner`` to encode Q (tiering/protect.py); ``solve`` to
-rebuild a lost piece (tiering/rebuild.py). Owns: the field arithmetic. Does not own: placement,
-transfers, lengths (pieces are padded to 8 bytes by tiering/peers.py).
+Call order: ``Horner`` to encode Q (redundancy/protect.py); ``solve`` to
+rebuild a lost piece (redundancy/rebuild.py). Owns: the field arithmetic. Does not own: placement,
+transfers, lengths (pieces are padded to 8 bytes by redundancy/peers.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.tiering.topology import Topology
+from ckptio.redundancy.topology import Topology
 
 __all__ = ["Horner", "inverse", "member", "mul", "mul_into", "power", "scale", "solve"]
 

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, RankFailedError
-from ckptio.storage.store_contract import TreeStore
-from ckptio.tiering import erasure, marks, peers
-from ckptio.tiering.budget import Budget
-from ckptio.tiering.topology import Topology
-from ckptio.tiering.marks import Root, protected_steps
-from ckptio.tiering.redundancy import Parity, Partners
 from ckptio.io.worker import Worker
+from ckptio.redundancy import erasure, marks, peers
+from ckptio.redundancy.budget import Budget
+from ckptio.redundancy.marks import Root, protected_steps
+from ckptio.redundancy.redundancy import Parity, Partners
+from ckptio.redundancy.topology import Topology
+from ckptio.storage.store_contract import TreeStore
 
 __all__ = ["PAUSE_ENV", "Protector", "newest_protected"]
 
