@@ -1,5 +1,5 @@
 """One checkpoint prefix in an object store as a TreeStore, over a scheme's ``Bucket``: the core
-that gs:// (gcs/gcs_store.py) and az:// (azure/az_store.py) share.
+that s3:// (s3/store.py), gs:// (gcs/gcs_store.py) and az:// (azure/az_store.py) share.
 
 A scheme gives a ``Bucket`` (a few requests on one bucket or container, each failure a CkptError
 naming what failed) and a ``Place`` (its parsed URL); ``ObjectTreeStore`` makes every Store and

@@ -9,7 +9,8 @@ Its registry entry (storage/select.py) names the three parts, each importing the
     backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
                  io/backend_contract.py)
     lock.py      a save's claim on a prefix: a lock object with a lease
-    store.py     S3Store, the Store of one checkpoint prefix (contract: storage/store_contract.py)
+    store.py     S3Bucket (the requests on a bucket) and S3Store, storage/object_tree.py's core
+                 over it: the Store of one checkpoint prefix (storage/store_contract.py)
     root.py      S3Root, a CheckpointManager's steps under a prefix (contract: steproot.py)
 
 Internal: nothing here is public API. The public surface is ``ckptio`` itself
