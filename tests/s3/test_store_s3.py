@@ -160,3 +160,21 @@ def test_missing_bucket_and_object_location_are_named(s3_env, s3_client):
     s3_client.put_object(Bucket=where.bucket, Key=where.key, Body=b"not a checkpoint")
     with pytest.raises(StorageIOError, match="is an object"):
         S3Store(where.url, _settings()).prepare()
+
+
+def test_a_tree_is_removed_manifests_first(s3_env):
+    """remove_tree deletes every manifest in a batch before any data object (a kill part way
+    leaves no committed checkpoint missing its data); before, one batch held both, the
+    manifests last."""
+    root = S3Store(f"{s3_env}/tree", _settings())
+    for step in ("step-1", "step-2"):
+        store = root.child(step)
+        store.write_file(data_name(), b"data")
+        store.commit(b"{}", "save")
+    batches: list[list[str]] = []
+    delete_many = root.bucket.delete_many
+    root.bucket.delete_many = lambda keys: (batches.append(keys), delete_many(keys))[1]  # type: ignore[method-assign]
+    assert root.remove_tree() == []
+    kinds = [{"manifest" if k.endswith("/manifest.json") else "data" for k in b} for b in batches]
+    assert kinds == [{"manifest"}, {"data"}], batches
+    assert root.entries() == []
