@@ -409,8 +409,9 @@ class CheckpointManager:
         if sizing:
             self._staging(state)  # first: the load reads through the pool the saves will use
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
-        if restored is not None and sizing:  # a pool that faulted in during the load is pinned
-            self._staging(None)
+        if restored is not None:
+            if sizing:  # a pool that faulted in during the load is pinned now
+                self._staging(None)
         elif step is None:
             started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
         return restored

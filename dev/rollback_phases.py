@@ -73,10 +73,10 @@ def _timed(mgr, state, prof: int) -> None:  # type: ignore[no-untyped-def]
         start, cpu = time.perf_counter(), time.process_time()
         if profiler:
             profiler.enable()
-        mgr.restore(state)
+        restored = mgr.restore(state)
         if profiler:
             profiler.disable()
-        print(json.dumps({"rep": rep, "s": time.perf_counter() - start,
+        print(json.dumps({"rep": rep, "step": restored, "s": time.perf_counter() - start,
                           "cpu_s": time.process_time() - cpu}))
         if "dev.phase_probe" in sys.modules:
             print(json.dumps(sys.modules["dev.phase_probe"].take()))

@@ -4,6 +4,7 @@ does not grow with what the state does not hold (issue 66)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -199,7 +200,8 @@ def test_a_restore_in_the_saving_process_copies_out_of_its_mapping(
     assert reads == [], f"the restore read the mapped files again: {reads}"
 
 
-def test_a_rollback_leaves_the_staging_as_the_saves_sized_it(shm: str, monkeypatch: Any) -> None:
+def test_a_rollback_leaves_the_staging_as_the_saves_sized_it(shm: str, monkeypatch: Any,
+                                                             caplog: Any) -> None:
     """A restore in the process whose manager saved: the staging is the one its saves made, so
     the restore plans no save of the state and drops, makes and faults in no pool beside its
     copy (before, it sized the pool for async saves of the state: dropped the saves' pool and
@@ -220,8 +222,10 @@ def test_a_rollback_leaves_the_staging_as_the_saves_sized_it(shm: str, monkeypat
                             _counting(save_session.file_nbytes, made, "planned"))
         before = ck.staging_nbytes
         into = {k: torch.zeros_like(v) for k, v in saved.items()}
-        assert mgr.restore(into) == 3
+        with caplog.at_level(logging.INFO, logger="ckptio"):
+            assert mgr.restore(into) == 3
         assert made == [] and ck.staging_nbytes == before, made
+        assert "restored step 3" in caplog.text and "nothing to restore" not in caplog.text
         assert_same(into, saved)
     finally:
         mgr.close()
