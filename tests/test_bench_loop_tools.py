@@ -35,11 +35,13 @@ def test_drain_copy_smoke(tmp_path: Path) -> None:
                     reason="drops the page cache (root) and uses /dev/shm")
 def test_restore_memory_smoke(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    _run("benchmarks.restore_memory", "--gb", "0.01", "--tensors", "20", "--reps", "1", "--dir",
-         str(tmp_path / "scratch"), "--json", str(out))
+    _run("benchmarks.restore_memory", "--quick", "--dir", str(tmp_path / "scratch"), "--json",
+         str(out))
     median = json.loads(out.read_text())["median"]
     assert {"memory_s", "cold_disk_s", "memcpy_s", "memory_vs_cold_disk", "rollback_s",
-            "rollback_vs_memcpy_bandwidth"} <= set(median)
+            "rollback_load_s", "rollback_vs_memcpy_bandwidth", "mlp_restore_s", "mlp_memcpy_s",
+            "mlp_memcpys"} <= set(median)
+    assert all(median[k] > 0 for k in ("rollback_load_s", "mlp_restore_s", "mlp_memcpys"))
     assert not list((tmp_path / "scratch").iterdir())
 
 

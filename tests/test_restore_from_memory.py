@@ -4,6 +4,7 @@ does not grow with what the state does not hold (issue 66)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -197,6 +198,45 @@ def test_a_restore_in_the_saving_process_copies_out_of_its_mapping(
         mgr.close()
     assert_same(into, saved)
     assert reads == [], f"the restore read the mapped files again: {reads}"
+
+
+def test_a_rollback_leaves_the_staging_as_the_saves_sized_it(shm: str, monkeypatch: Any,
+                                                             caplog: Any) -> None:
+    """A restore in the process whose manager saved: the staging is the one its saves made, so
+    the restore plans no save of the state and drops, makes and faults in no pool beside its
+    copy (before, it sized the pool for async saves of the state: dropped the saves' pool and
+    faulted a new one of the state's size in, inside the restore's call)."""
+    from ckptio.saving import save_session
+
+    ck = ckptio.Checkpointer(ckptio.Options(pool_bytes=2 << 20, buffer_bytes=1 << 20))
+    gen = torch.Generator().manual_seed(7)
+    saved = {f"w{i}": torch.randn(256, 1024, generator=gen) for i in range(8)}  # 8 MiB: > pool
+    mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1)], checkpointer=ck)
+    try:
+        for step in range(1, 4):
+            mgr.save(step, saved)
+        made: list[str] = []
+        monkeypatch.setattr(StagingPool, "__init__", _counting(StagingPool.__init__, made, "made"))
+        monkeypatch.setattr(StagingPool, "close", _counting(StagingPool.close, made, "closed"))
+        monkeypatch.setattr(save_session, "file_nbytes",
+                            _counting(save_session.file_nbytes, made, "planned"))
+        before = ck.staging_nbytes
+        into = {k: torch.zeros_like(v) for k, v in saved.items()}
+        with caplog.at_level(logging.INFO, logger="ckptio"):
+            assert mgr.restore(into) == 3
+        assert made == [] and ck.staging_nbytes == before, made
+        assert "restored step 3" in caplog.text and "nothing to restore" not in caplog.text
+        assert_same(into, saved)
+    finally:
+        mgr.close()
+        ck.close()
+
+
+def _counting(fn: Any, calls: list[str], name: str) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return counted
 
 
 def _flip_in_newest(root: str) -> str:

@@ -44,6 +44,10 @@ BATCH_NBYTES = 32 << 20  # bytes of one file one I/O thread reads in one batch
 COPY_NBYTES = 512 << 10  # bytes copied out of a mapping at once: hashed while in the cache
 _copiers: dict[int, ThreadPoolExecutor] = {}  # pid -> the threads that copy out of mappings
 _copiers_lock = threading.Lock()
+_PYBUF_WRITE = 0x200
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory  # (address, nbytes, flags): format "B"
+_memory_view.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_memory_view.restype = ctypes.py_object
 
 
 class WholeSpan(Protocol):
@@ -153,9 +157,11 @@ def _copy_each(source: mapped.MappedFile, reads: Sequence[tuple[int, memoryview]
 
 def _bytes_of(dest: torch.Tensor, nbytes: int) -> memoryview:
     """The ``nbytes`` of contiguous CPU tensor ``dest`` as writable bytes, made from its address
-    (one call, where a view through numpy took five per tensor); the span holds ``dest``, and
-    read() returns only once every read into it has ended."""
-    return memoryview((ctypes.c_char * nbytes).from_address(dest.data_ptr())).cast("B")
+    (one C call, where a view through numpy took five per tensor, and a ctypes array made a new
+    type for each size it had not seen); the span holds ``dest``, and read() returns only once
+    every read into it has ended."""
+    return _memory_view(dest.data_ptr(), nbytes, _PYBUF_WRITE)
+
 
 
 def _batches(pairs: list[tuple[WholeSpan, memoryview]]) -> list[list[tuple[WholeSpan, memoryview]]]:

@@ -136,6 +136,7 @@ class CheckpointManager:
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
         self._leases: dict[int, RunLease] = {}  # tier -> its lease (one job per local run)
         self._take_over, self._first_leased = take_over, False
+        self._saved_here = False  # a save started: the staging is the one the saves sized
         try:
             self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
             self._start(self._policy.wants_preemption, drain_rate)
@@ -302,6 +303,7 @@ class CheckpointManager:
                   "process_group": self._process_group, "overwrite": first.is_damaged(step),
                   **({} if base is None else {"base": first.path(base)})}
         result: SaveResult | SaveHandle
+        self._saved_here = True
         if not (asynchronous or lazy):
             result, committed = self._saves.save(self._ck, step, first.path(step), state, kwargs)
         else:
@@ -408,17 +410,22 @@ class CheckpointManager:
         (managing/restoring.py). None if nothing was ever committed (a log line says so;
         ``required=True``: CheckpointNotFoundError instead); ``step=N`` with one tier: exactly
         that step. Whether or not it restores, it prepares the staging of async saves of
-        ``state`` first, as prepare() does. docs/MANAGER.md says the rest."""
+        ``state`` first, as prepare() does, unless this manager has saved already (a rollback:
+        the staging stays as its saves sized it, and the restore pays for no pool dropped,
+        made or faulted in). docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
         if "process_group" in load_kwargs:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self.wait()
-        self._staging(state)  # first: the load reads through the pool the saves will use
+        sizing = not self._saved_here  # a rollback: the staging stays as this run's saves left it
+        if sizing:
+            self._staging(state)  # first: the load reads through the pool the saves will use
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
-        if restored is not None:  # a pool that faulted in during the load is pinned now
-            self._staging(None)
+        if restored is not None:
+            if sizing:  # a pool that faulted in during the load is pinned now
+                self._staging(None)
         elif step is None:
             started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
         return restored
