@@ -11,9 +11,9 @@ from typing import Any
 
 TIMES: dict[str, float] = defaultdict(float)
 PROBES = [
-    ("ckptio.manager", "CheckpointManager.wait"),
-    ("ckptio.manager", "CheckpointManager._staging"),
-    ("ckptio.manager", "CheckpointManager._listings"),
+    ("ckptio.managing.manager", "CheckpointManager.wait"),
+    ("ckptio.managing.manager", "CheckpointManager._staging"),
+    ("ckptio.managing.manager", "CheckpointManager._listings"),
     ("ckptio.api", "Checkpointer.load"),
     ("ckptio.loading.load_session", "open_checkpoint"),
     ("ckptio.loading.fill", "_plan_in_place"),
