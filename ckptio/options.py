@@ -122,7 +122,7 @@ class Options:
         ``shm://``) keeps the data files of the step its retention drops as slots, mapped into
         the process ahead; the next save whose files have those sizes, neither compressed nor
         a delta, copies the state straight into their pages (no second copy through the
-        staging pool, no write, no page allocated again; storage/mapped.py). Other saves, and
+        staging pool, no write, no page allocated again; storage/local/mapped.py). Other saves, and
         saves before a slot exists, go through the staging pool and the I/O backend.
         "off": no slots, every save through the pool and the backend like any other.
     compress_threads: threads that encode frames during a compressed or delta save, and decode

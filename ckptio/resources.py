@@ -31,7 +31,7 @@ from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size
 from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
-from ckptio.storage import mapped
+from ckptio.storage.local import mapped
 from ckptio.storage.files import StoreFiles, in_memory
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import Store

@@ -1,4 +1,4 @@
-"""Mapped saves into tmpfs (issue 45, "one copy into the memory tier"): storage/mapped.py,
+"""Mapped saves into tmpfs (issue 45, "one copy into the memory tier"): storage/local/mapped.py,
 saving/mapped_regions.py, the mapped mode of saving/persist.py, the slots of local_root.py.
 
 Covers, with real files under /dev/shm (``shm://`` with $CKPTIO_SHM_DIR) and real managers: a
@@ -35,7 +35,7 @@ from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot
-from ckptio.storage.mapped import SLOTS_DIR, on_tmpfs
+from ckptio.storage.local.mapped import SLOTS_DIR, on_tmpfs
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
 

@@ -6,7 +6,7 @@ pool's copy is a pass over the bytes that the load can do without. A whole entry
 tensor wants, contiguous, of the entry's dtype and size, is read by the backend straight into
 that tensor's bytes (the kernel's copy out of the tmpfs pages is the one copy) and hashed
 there, on the I/O thread that read it. A file this process still maps (a save here wrote it:
-storage/mapped.py's cache, a rollback's restore) is copied out of that mapping instead, block
+storage/local/mapped.py's cache, a rollback's restore) is copied out of that mapping instead, block
 by block, each block hashed as it lands (no read, no page faults; a fresh process maps
 nothing: mapping a file costs a page-table fill that a read does not pay). Its bytes land
 before their check: a mismatch raises CorruptCheckpointError naming the key, as any load's
@@ -15,7 +15,7 @@ does, and leaves the destination filled in part (a manager's restore then loads 
 Call order (read.py's _read_plain, after planning spans): ``split`` -> ``read`` -> the loop
 for the rest. Owns: which spans qualify, their reads and copies, the order errors are raised
 in. Does not own: the checks (checks.py), the I/O (the store's backend), the mappings
-(storage/mapped.py), the spans (read.py).
+(storage/local/mapped.py), the spans (read.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ckptio.io import FileHandle
 from ckptio.io.backend_contract import Filled
 from ckptio.io.stage import torch_dtype
 from ckptio.loading.checks import Checker
-from ckptio.storage import mapped
+from ckptio.storage.local import mapped
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["BATCH_NBYTES", "COPY_NBYTES", "read", "split"]

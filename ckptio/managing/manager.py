@@ -290,7 +290,7 @@ class CheckpointManager:
             self._first_leased = True
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
-            # the new save, which then reuses the pages of the step dropped (storage/mapped.py)
+            # the new save, which then reuses the pages of the step dropped (storage/local/mapped.py)
             self._settle()
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(

@@ -2,7 +2,7 @@
 
 In a mapped save (persist.SaveJob(mapped=True), chosen by save_session.py for a store on tmpfs)
 a _Window's "buffer" is the region [start, start + region_nbytes) of its file's mapping
-(storage/mapped.py), a stage.Buffer over those pages: the capture's copies are the checkpoint's
+(storage/local/mapped.py), a stage.Buffer over those pages: the capture's copies are the checkpoint's
 bytes, the hasher reads them there, nothing is written. A region is made once per mapping and
 kept with it (with the views the capture makes in it), so a save into a reused slot finds them.
 Where CUDA is present and the save has device sources, each mapping is page-locked once
@@ -12,7 +12,7 @@ Call order: ``region(file, start)`` while capturing (opens the file on first use
 for every file at the end (a file of only empty items is created still), ``close(keep=)``.
 
 Owns: the regions, the page-locking. Does not own: the files and their cache
-(storage/mapped.py), what is copied and hashed (persist.py).
+(storage/local/mapped.py), what is copied and hashed (persist.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from ckptio.format.types import FileLayout
 from ckptio.io.stage import Buffer
 from ckptio.storage.files import StoreFiles
-from ckptio.storage.mapped import MappedFile, release
+from ckptio.storage.local.mapped import MappedFile, release
 
 __all__ = ["MappedTarget"]
 

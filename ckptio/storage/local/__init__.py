@@ -2,6 +2,7 @@
 
 Its registry entry (storage/select.py) names the parts, each importing the ones below it:
 
+    mapped.py       tmpfs (shm://) files mapped, cached for reuse, and the slots of dropped steps
     dirlock.py      the lock that lets one save at a time commit into one directory
     runlease.py     one live job per run directory: a manager's lease on its root
     local_store.py  LocalStore, the Store of one checkpoint directory (storage/store_contract.py;
@@ -11,9 +12,9 @@ Its registry entry (storage/select.py) names the parts, each importing the ones 
 Internal: nothing here is public API (the public surface is ``ckptio`` itself).
 
 Owns: everything particular to a local file system. Does not own: the contracts it implements,
-the I/O backends (io/), the tmpfs mappings a memory tier reuses (storage/mapped.py).
+the I/O backends (io/).
 """
 
 from __future__ import annotations
 
-__all__ = ["dirlock", "local_root", "local_store", "runlease"]
+__all__ = ["dirlock", "local_root", "local_store", "mapped", "runlease"]
