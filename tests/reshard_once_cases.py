@@ -96,3 +96,31 @@ def load_sharded(rank: int, world: int, path: str, broadcast: bool = True,
                             .to_local().view(torch.uint8))
                 for k, v in full.items())
     return {"read": _counted[0], "equal": equal, "warnings": [str(w.message) for w in caught]}
+
+
+def load_reading_during_exchange(rank: int, world: int, path: str) -> dict[str, Any]:
+    """load_sharded (each rank a host of its own), with this rank's first exchange (the shared
+    checksum blocks') held until this rank submits a read from storage, for up to 3 s -> also
+    whether one came: whether reads go on while the blocks are exchanged."""
+    import threading
+
+    from ckptio.distributed import sendreads
+
+    started, read = threading.Event(), threading.Event()
+    calls: list[bool] = []
+    exchange, submit = sendreads.exchange, StoreFiles.submit_read
+
+    def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
+        if started.is_set():
+            read.set()
+        return submit(self, fh, offset, into)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            started.set()
+            calls.append(read.wait(3.0))
+        return exchange(*args, **kwargs)
+
+    StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
+    sendreads.exchange = held  # type: ignore[assignment]
+    return {**load_sharded(rank, world, path), "read_during_exchange": calls[:1] == [True]}

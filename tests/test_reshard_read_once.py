@@ -39,3 +39,14 @@ def test_with_the_option_off_each_rank_reads_whole_blocks(tmp_path):
     got = run_ranks(2, cases.load_sharded, path, False)
     assert all(g["equal"] for g in got), got
     assert sum(g["read"] for g in got) > 1.1 * data, ([g["read"] for g in got], data)
+
+
+def test_reads_go_on_while_the_shared_blocks_are_exchanged(tmp_path):
+    """A rank reads what needs no block from another rank while the blocks are exchanged (each
+    rank's first exchange is held until that rank reads from storage): before, every read
+    waited for the exchange to end, and the exchange, not the disk, set the pace."""
+    path, data = _saved(tmp_path)
+    got = run_ranks(2, cases.load_reading_during_exchange, path)
+    assert all(g["equal"] and not g["warnings"] for g in got), got
+    assert any(g["read_during_exchange"] for g in got), got
+    assert sum(g["read"] for g in got) <= BOUND * data + SLACK, ([g["read"] for g in got], data)
