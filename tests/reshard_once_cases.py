@@ -124,3 +124,23 @@ def load_reading_during_exchange(rank: int, world: int, path: str) -> dict[str, 
     StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
     sendreads.exchange = held  # type: ignore[assignment]
     return {**load_sharded(rank, world, path), "read_during_exchange": calls[:1] == [True]}
+
+
+def load_flipped(rank: int, world: int, path: str) -> dict[str, Any]:
+    """load_sharded with every message rank 1 sends damaged (its first byte flipped) -> also
+    the error this rank's load raised: (type, message) or None."""
+    from ckptio.distributed import sendreads
+
+    if rank == 1:
+        build = sendreads._send_buffer
+
+        def flipped(sources: Any, pieces: Any) -> torch.Tensor:
+            out = build(sources, pieces).clone()
+            out[0] ^= 0xFF
+            return out
+
+        sendreads._send_buffer = flipped  # type: ignore[assignment]
+    try:
+        return {**load_sharded(rank, world, path), "error": None}
+    except ckptio.CkptError as exc:
+        return {"error": (type(exc).__name__, str(exc))}

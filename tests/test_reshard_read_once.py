@@ -50,3 +50,13 @@ def test_reads_go_on_while_the_shared_blocks_are_exchanged(tmp_path):
     assert all(g["equal"] and not g["warnings"] for g in got), got
     assert any(g["read_during_exchange"] for g in got), got
     assert sum(g["read"] for g in got) <= BOUND * data + SLACK, ([g["read"] for g in got], data)
+
+
+def test_a_shared_block_damaged_between_ranks_is_caught_by_its_receiver(tmp_path):
+    """The blocks are exchanged on a thread of their own: its error is raised by the load,
+    once, and the sender learns the load failed."""
+    path, _data = _saved(tmp_path)
+    got = run_ranks(2, cases.load_flipped, path)
+    kind, message = got[0]["error"]
+    assert kind == "CorruptCheckpointError" and "received from rank 1" in message, got
+    assert got[1]["error"] is not None and got[1]["error"][0] == "RankFailedError", got
