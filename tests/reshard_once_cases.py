@@ -144,3 +144,39 @@ def load_flipped(rank: int, world: int, path: str) -> dict[str, Any]:
         return {**load_sharded(rank, world, path), "error": None}
     except ckptio.CkptError as exc:
         return {"error": (type(exc).__name__, str(exc))}
+
+
+def count_boxes(rank: int, world: int, path: str, n: int) -> dict[str, Any]:
+    """Load ``n`` same-shaped tensors (saved by save_alike) onto ``world`` ranks as Shard(0)
+    DTensors -> how often torch's DTensor box arithmetic ran during the load, and whether every
+    local piece is the saved one's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import _utils
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = alike(n)
+    into = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    calls = [0]
+    compute = _utils.compute_local_shape_and_global_offset
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return compute(*args, **kwargs)
+
+    _utils.compute_local_shape_and_global_offset = counted  # type: ignore[assignment]
+    ckptio.load(path, into, options=options())
+    _utils.compute_local_shape_and_global_offset = compute  # type: ignore[assignment]
+    equal = all(torch.equal(into[k].to_local(), distribute_tensor(v, mesh, [Shard(0)]).to_local())
+                for k, v in full.items())
+    return {"calls": calls[0], "equal": equal}
+
+
+def alike(n: int) -> dict[str, torch.Tensor]:
+    """``n`` tensors of one shape (a model's repeated layers)."""
+    g = torch.Generator().manual_seed(7)
+    return {f"layer{i}.w": torch.randn((64, 48), generator=g) for i in range(n)}
+
+
+def save_alike(path: str, n: int) -> None:
+    ckptio.save(alike(n), path, options=options())

@@ -60,3 +60,14 @@ def test_a_shared_block_damaged_between_ranks_is_caught_by_its_receiver(tmp_path
     kind, message = got[0]["error"]
     assert kind == "CorruptCheckpointError" and "received from rank 1" in message, got
     assert got[1]["error"] is not None and got[1]["error"][0] == "RankFailedError", got
+
+
+def test_torch_box_arithmetic_runs_once_per_shape(tmp_path):
+    """A DTensor's region is torch's arithmetic (compute_local_shape_and_global_offset, which
+    builds index tensors per call): a load of many same-shaped DTensors runs it once per shape
+    and mesh, not once per tensor (before: at least once per tensor, before any read)."""
+    path, n = str(tmp_path / "ck"), 40
+    cases.save_alike(path, n)
+    got = run_ranks(2, cases.count_boxes, path, n)
+    assert all(g["equal"] for g in got), got
+    assert all(g["calls"] <= 2 for g in got), got
