@@ -7,10 +7,12 @@ read from storage by one of them and sent to the others (Options.broadcast_repli
                (planning/shared_reads.py); the coordinator picks each shared one's owner and
                answers every rank (one step)
     blocks     (where blocks are shared) owners read their shared blocks; one step: all read,
-               or all fail; then the blocks are exchanged and checked (sendreads.py)
+               or all fail; then the blocks are exchanged and checked (sendreads.py) on a
+               thread of their own, while the read below begins
     read       each rank reads from storage what it owns, what it alone wants and every other
                region (resharded ones, the shared blocks it holds taken from memory: ``Known``),
-               as without peers; then one step: all read, or all fail
+               as without peers, those that need a block from another rank once it is here;
+               then one step: all read, or all fail
     exchange   owners send, the others receive and check (sendreads.py), over a gloo group of
                the load's own, its timeout Options.rank_timeout_s (made once, kept for later loads)
 
@@ -279,7 +281,7 @@ class _Background:
         def run() -> None:
             try:
                 self.value = fn()
-            except BaseException as exc:  # re-raised by join, on the caller's thread
+            except BaseException as exc:  # noqa: BLE001 - kept for join(), which raises it
                 self.error = exc
 
         self.thread = threading.Thread(target=run, name="ckptio-block-exchange", daemon=True)
