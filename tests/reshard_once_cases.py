@@ -96,3 +96,87 @@ def load_sharded(rank: int, world: int, path: str, broadcast: bool = True,
                             .to_local().view(torch.uint8))
                 for k, v in full.items())
     return {"read": _counted[0], "equal": equal, "warnings": [str(w.message) for w in caught]}
+
+
+def load_reading_during_exchange(rank: int, world: int, path: str) -> dict[str, Any]:
+    """load_sharded (each rank a host of its own), with this rank's first exchange (the shared
+    checksum blocks') held until this rank submits a read from storage, for up to 3 s -> also
+    whether one came: whether reads go on while the blocks are exchanged."""
+    import threading
+
+    from ckptio.distributed import sendreads
+
+    started, read = threading.Event(), threading.Event()
+    calls: list[bool] = []
+    exchange, submit = sendreads.exchange, StoreFiles.submit_read
+
+    def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
+        if started.is_set():
+            read.set()
+        return submit(self, fh, offset, into)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            started.set()
+            calls.append(read.wait(3.0))
+        return exchange(*args, **kwargs)
+
+    StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
+    sendreads.exchange = held  # type: ignore[assignment]
+    return {**load_sharded(rank, world, path), "read_during_exchange": calls[:1] == [True]}
+
+
+def load_flipped(rank: int, world: int, path: str) -> dict[str, Any]:
+    """load_sharded with every message rank 1 sends damaged (its first byte flipped) -> also
+    the error this rank's load raised: (type, message) or None."""
+    from ckptio.distributed import sendreads
+
+    if rank == 1:
+        build = sendreads._send_buffer
+
+        def flipped(sources: Any, pieces: Any) -> torch.Tensor:
+            out = build(sources, pieces).clone()
+            out[0] ^= 0xFF
+            return out
+
+        sendreads._send_buffer = flipped  # type: ignore[assignment]
+    try:
+        return {**load_sharded(rank, world, path), "error": None}
+    except ckptio.CkptError as exc:
+        return {"error": (type(exc).__name__, str(exc))}
+
+
+def count_boxes(rank: int, world: int, path: str, n: int) -> dict[str, Any]:
+    """Load ``n`` same-shaped tensors (saved by save_alike) onto ``world`` ranks as Shard(0)
+    DTensors -> how often torch's DTensor box arithmetic ran during the load, and whether every
+    local piece is the saved one's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import _utils
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = alike(n)
+    into = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    calls = [0]
+    compute = _utils.compute_local_shape_and_global_offset
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return compute(*args, **kwargs)
+
+    _utils.compute_local_shape_and_global_offset = counted  # type: ignore[assignment]
+    ckptio.load(path, into, options=options())
+    _utils.compute_local_shape_and_global_offset = compute  # type: ignore[assignment]
+    equal = all(torch.equal(into[k].to_local(), distribute_tensor(v, mesh, [Shard(0)]).to_local())
+                for k, v in full.items())
+    return {"calls": calls[0], "equal": equal}
+
+
+def alike(n: int) -> dict[str, torch.Tensor]:
+    """``n`` tensors of one shape (a model's repeated layers)."""
+    g = torch.Generator().manual_seed(7)
+    return {f"layer{i}.w": torch.randn((64, 48), generator=g) for i in range(n)}
+
+
+def save_alike(path: str, n: int) -> None:
+    ckptio.save(alike(n), path, options=options())

@@ -7,10 +7,12 @@ read from storage by one of them and sent to the others (Options.broadcast_repli
                (planning/shared_reads.py); the coordinator picks each shared one's owner and
                answers every rank (one step)
     blocks     (where blocks are shared) owners read their shared blocks; one step: all read,
-               or all fail; then the blocks are exchanged and checked (sendreads.py)
+               or all fail; then the blocks are exchanged and checked (sendreads.py) on a
+               thread of their own, while the read below begins
     read       each rank reads from storage what it owns, what it alone wants and every other
                region (resharded ones, the shared blocks it holds taken from memory: ``Known``),
-               as without peers; then one step: all read, or all fail
+               as without peers, those that need a block from another rank once it is here;
+               then one step: all read, or all fail
     exchange   owners send, the others receive and check (sendreads.py), over a gloo group of
                the load's own, its timeout Options.rank_timeout_s (made once, kept for later loads)
 
@@ -26,6 +28,7 @@ Owns: the steps, the wire group, the fallback. Does not own: the messages' bytes
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -101,13 +104,15 @@ class SharedReads:
                                                  for i, to in decision["to"].items()})
         whole, parts = _split(share, len(units))
         wire = _Wire(self.members, self.timeout_s, decision["wire"])
+        main = rest + [r for i in range(len(units)) if share.owner[i] == -1 for r in by_unit[i]]
         nbytes, known, failed = 0, Known(), dict[int, str]()
-        if decision.get("blocks"):  # every rank takes the blocks step, or none
-            nbytes, known, failed = self._blocks(units + blocks, parts, read, place, wire)
         self.pending = "read"
         try:
-            nbytes += read(rest + [r for i in range(len(units)) if share.owner[i] == -1
-                                   for r in by_unit[i]], known)
+            if decision.get("blocks"):  # every rank takes the blocks step, or none
+                nbytes, known, failed = self._blocks(units + blocks, parts, main, read, place,
+                                                     wire)
+            else:
+                nbytes = read(main)
         except BaseException as exc:
             self.fail(exc)
             raise
@@ -127,26 +132,29 @@ class SharedReads:
             "from storage instead", stacklevel=4)
         return nbytes + read(again)
 
-    def _blocks(self, units: list[sendreads.Unit], parts: Share, read: ReadWith,
-                place: ReadPlace, wire: _Wire) -> tuple[int, Known, dict[int, str]]:
-        """The blocks step: read the shared blocks this rank owns, agree all did, exchange.
+    def _blocks(self, units: list[sendreads.Unit], parts: Share, main: list[Read],
+                read: ReadWith, place: ReadPlace,
+                wire: _Wire) -> tuple[int, Known, dict[int, str]]:
+        """The blocks step and this rank's reads: read the shared blocks this rank owns, agree
+        all did; then, while the blocks are exchanged (a thread of its own), read the ``main``
+        reads that need no block from another rank, and the others once the blocks are here.
         -> bytes read, the blocks held (owned and received), the peers whose blocks failed."""
         self.pending = "blocks"
         owned = [i for i in parts.to]
-        try:
-            nbytes = read([Read.of(units[i].entry, units[i].dests[0]) for i in owned])
-        except BaseException as exc:
-            self.fail(exc)
-            raise
+        nbytes = read([Read.of(units[i].entry, units[i].dests[0]) for i in owned])
         self._read_done(None)
-        failed = wire.exchange(units, parts, place)
-        known: Known = {}
-        for i, owner in enumerate(parts.owner):
-            if i in parts.to or (owner != -1 and owner not in failed):
-                entry = units[i].entry
-                known.setdefault(entry.file, []).append(
-                    (entry.offset, units[i].dests[0].reshape(-1).view(torch.uint8)))
-        return nbytes, known, failed
+        self.pending = "read"
+        known = _held(units, owned)
+        coming = [units[i].entry for i, owner in enumerate(parts.owner) if owner != -1]
+        early, late = _waiting_for(main, coming)
+        exchange = _Background(lambda: wire.exchange(units, parts, place))
+        try:
+            nbytes += read(early, known)
+        finally:
+            failed = exchange.join()
+        known = _held(units, [i for i, owner in enumerate(parts.owner)
+                              if i in parts.to or (owner != -1 and owner not in failed)])
+        return nbytes + read(late, known), known, failed
 
     def _plan(self, units: list[sendreads.Unit], nwhole: int, rest: list[Read],
               place: ReadPlace) -> dict[str, Any]:
@@ -236,6 +244,55 @@ def _wire(key: tuple[tuple[int, ...], float], generation: int) -> Any:
                                             use_local_synchronization=True)
         _wires[key] = (generation, weakref.ref(group))
     return group
+
+
+def _held(units: list[sendreads.Unit], which: list[int]) -> Known:
+    """The bytes of ``units``' blocks ``which``, by file, as a read takes them from memory."""
+    known: Known = {}
+    for i in which:
+        entry = units[i].entry
+        known.setdefault(entry.file, []).append(
+            (entry.offset, units[i].dests[0].reshape(-1).view(torch.uint8)))
+    return known
+
+
+def _waiting_for(reads: list[Read], coming: list[TensorEntry]) -> tuple[list[Read], list[Read]]:
+    """``reads`` as those that touch none of the stored bytes of ``coming`` (blocks another rank
+    sends: read now) and those that do (read once they are here)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for entry in coming:
+        spans.setdefault(entry.file, []).append((entry.offset, entry.offset + entry.nbytes))
+
+    def waits(read: Read) -> bool:
+        return any(lo < e.offset + e.nbytes and e.offset < hi for e in read.entries
+                   for lo, hi in spans.get(e.file, ()))
+
+    early = [r for r in reads if not waits(r)]
+    return early, [r for r in reads if waits(r)]
+
+
+class _Background:
+    """``fn()`` on a thread of its own; ``join`` returns its value or raises its error, once."""
+
+    def __init__(self, fn: Callable[[], dict[int, str]]) -> None:
+        self.value: dict[int, str] = {}
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn()
+            except BaseException as exc:  # noqa: BLE001 - kept for join(), which raises it
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="ckptio-block-exchange", daemon=True)
+        self.thread.start()
+
+    def join(self) -> dict[int, str]:
+        self.thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return self.value
 
 
 def _units(reads: list[Read],

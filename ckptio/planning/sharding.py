@@ -241,14 +241,12 @@ def _checkpointable(value: torch.Tensor, key: str) -> Held:
 
 
 def _dtensor(value: torch.Tensor, key: str) -> Held:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     placements = value.placements  # type: ignore[attr-defined]
     strided = _check_placements(placements, key)
     shape = tuple(value.shape)
     local = value.to_local()  # type: ignore[attr-defined]
     mesh = value.device_mesh  # type: ignore[attr-defined]
-    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    sizes, offsets = _box(shape, mesh, tuple(placements))
     if tuple(local.shape) != tuple(sizes):
         raise UnsupportedStateError(
             f"key {key!r}: DTensor local shard has shape {tuple(local.shape)}, its placements "
@@ -258,6 +256,22 @@ def _dtensor(value: torch.Tensor, key: str) -> Held:
         _check_box(shape, mesh, placements, chunk, key)
     return Held(local, shape, chunk, sharded=True, domain=_mesh_domain(mesh),
                 grid=_grid(mesh, placements, shape, chunk))
+
+
+def _box(shape: tuple[int, ...], mesh: Any,
+         placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's (sizes, offsets) of a DTensor of ``shape`` on ``mesh``: torch's arithmetic
+    (compute_local_shape_and_global_offset), once per shape and placements of a mesh (it builds
+    index tensors per call; a model's layers repeat a few shapes many times over)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    known = _BOXES.setdefault(mesh, {})
+    box = known.get((shape, placements))
+    if box is None:
+        sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+        box = known[shape, placements] = (tuple(int(n) for n in sizes),
+                                          tuple(int(o) for o in offsets))
+    return box
 
 
 def _check_placements(placements: Any, key: str) -> bool:
@@ -371,6 +385,10 @@ _MESHES: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...],
 _GRIDS: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[int, ...], tuple[int, ...]], Grid]] = (
     weakref.WeakKeyDictionary())  # mesh -> (cut order, dims) -> its grid
 _DOMAINS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # mesh -> domain
+# mesh -> (shape, placements) -> this rank's (sizes, offsets) (_box)
+_BOXES: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[int, ...], tuple[Any, ...]],
+                                            tuple[tuple[int, ...], tuple[int, ...]]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _mesh_domain(mesh: Any) -> str:
