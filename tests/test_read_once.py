@@ -7,6 +7,7 @@ readshare_cases.py. The time bound only says nothing hung (rank_timeout_s is 3 s
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import readshare_cases as cases
@@ -91,7 +92,9 @@ def test_a_sender_killed_mid_load_is_read_around_and_named(tmp_path):
     for rank in (0, 2):
         g = got[rank]
         assert g["equal"], (rank, g)  # what rank 1 was to send was read from storage
-        assert any("with rank 1 (" in w and "from storage instead" in w
+        # rank 1 named among the peers it could not exchange with (with the block exchange
+        # beside the reads, a survivor's exchange with another survivor may break too)
+        assert any(re.search(r"exchange .* with .*\brank 1 \(", w) and "from storage instead" in w
                    for w in g["warnings"]), (rank, g)
         kind, message = g["error"]  # the load's final agreement: a rank of the job is gone
         assert kind == "RankFailedError" and "rank 1" in message, (rank, g)

@@ -28,10 +28,10 @@ Owns: the steps, the wire group, the fallback. Does not own: the messages' bytes
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -147,11 +147,12 @@ class SharedReads:
         known = _held(units, owned)
         coming = [units[i].entry for i, owner in enumerate(parts.owner) if owner != -1]
         early, late = _waiting_for(main, coming)
-        exchange = _Background(lambda: wire.exchange(units, parts, place))
-        try:
-            nbytes += read(early, known)
-        finally:
-            failed = exchange.join()
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptio-block-exchange") as pool:
+            exchange = pool.submit(wire.exchange, units, parts, place)
+            try:
+                nbytes += read(early, known)
+            finally:
+                failed = exchange.result()  # its error, raised once here
         known = _held(units, [i for i, owner in enumerate(parts.owner)
                               if i in parts.to or (owner != -1 and owner not in failed)])
         return nbytes + read(late, known), known, failed
@@ -269,30 +270,6 @@ def _waiting_for(reads: list[Read], coming: list[TensorEntry]) -> tuple[list[Rea
 
     early = [r for r in reads if not waits(r)]
     return early, [r for r in reads if waits(r)]
-
-
-class _Background:
-    """``fn()`` on a thread of its own; ``join`` returns its value or raises its error, once."""
-
-    def __init__(self, fn: Callable[[], dict[int, str]]) -> None:
-        self.value: dict[int, str] = {}
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.value = fn()
-            except BaseException as exc:  # noqa: BLE001 - kept for join(), which raises it
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, name="ckptio-block-exchange", daemon=True)
-        self.thread.start()
-
-    def join(self) -> dict[int, str]:
-        self.thread.join()
-        error, self.error = self.error, None
-        if error is not None:
-            raise error
-        return self.value
 
 
 def _units(reads: list[Read],
