@@ -88,25 +88,44 @@ def _walk(value: Any, key: str, flat: FlatState, depth: int = 0) -> Json:
         flat.statefuls.append((key, value, inner))
         return {"s": _walk(inner, key, flat, depth)}
     if isinstance(value, dict):
-        items = []
-        for k, v in value.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise UnsupportedStateError(
-                    f"key {_join(key, repr(k))}: dict keys must be str or int, got "
-                    f"{type(k).__name__}; convert the key before saving"
-                )
-            child = f"{key}.{k}" if key else str(k)
-            items.append([k, _leaf(v, child, flat) if type(v) in _PLAIN_LEAVES
-                          else _walk(v, child, flat, depth)])
-        return _typed(value, key, {"d": items})
+        return _typed(value, key, {"d": _dict_items(value, key, flat, depth)})
     if isinstance(value, list):
-        return {"l": [_leaf(v, f"{key}.{i}" if key else str(i), flat)
-                      if type(v) in _PLAIN_LEAVES else _walk(v, _join(key, i), flat, depth)
-                      for i, v in enumerate(value)]}
+        leaves = flat.leaves
+        nodes: list[Json] = []
+        for i, v in enumerate(value):
+            child = f"{key}.{i}" if key else str(i)
+            if type(v) in _PLAIN_LEAVES and child not in leaves:  # _leaf, inline
+                leaves[child] = v
+                nodes.append({"k": child})
+            else:
+                nodes.append(_walk(v, child, flat, depth))
+        return {"l": nodes}
     if _is_container(value):  # tuple, not torch.Size
         return _typed(value, key, {"t": [_walk(v, _join(key, i), flat, depth)
                                          for i, v in enumerate(value)]})
     return _leaf(value, key, flat)
+
+
+def _dict_items(value: dict[Any, Any], key: str, flat: FlatState, depth: int) -> list[Json]:
+    """A dict's ``[key, node]`` pairs. Per leaf, this is the save's Python: a plain leaf is
+    recorded here (``_leaf`` inline) and only other values go through ``_walk``."""
+    leaves = flat.leaves
+    items: list[Json] = []
+    for k, v in value.items():
+        kind = type(k)
+        if kind is not str and kind is not int and (
+                not isinstance(k, (str, int)) or isinstance(k, bool)):
+            raise UnsupportedStateError(
+                f"key {_join(key, repr(k))}: dict keys must be str or int, got "
+                f"{type(k).__name__}; convert the key before saving"
+            )
+        child = f"{key}.{k}" if key else str(k)
+        if type(v) in _PLAIN_LEAVES and child not in leaves:
+            leaves[child] = v
+            items.append([k, {"k": child}])
+        else:  # a container, another leaf, or a key seen already (_leaf refuses it)
+            items.append([k, _walk(v, child, flat, depth)])
+    return items
 
 
 def _typed(value: Any, key: str, node: Json) -> Json:
