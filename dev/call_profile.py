@@ -49,7 +49,9 @@ def main() -> int:
             if args.lazy:
                 opt.step()
             handle.wait()
-        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+        stats = pstats.Stats(prof).sort_stats(args.sort)
+        stats.print_stats(args.top)
+        stats.print_callees("begin|_agree|_start$|async_save")
     finally:
         ck.close()
         shutil.rmtree(scratch, ignore_errors=True)

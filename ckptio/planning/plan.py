@@ -19,7 +19,7 @@ import torch
 
 from ckptio.format import values
 from ckptio.errors import UnsupportedStateError
-from ckptio.format.flatten import FlatState
+from ckptio.format.flatten import FlatCache, FlatState
 from ckptio.format.grid import Grid
 from ckptio.planning.sharding import (FlatShard, TensorShard, check_dense, held, is_dtensor,
                                       is_sharded_tensor, local_tensor, sharded_local)
@@ -163,6 +163,7 @@ class PlanCache:
     plan: SavePlan | None = None  # the last plan (``_again``)
     tree: Json = None
     hits: int = 0
+    flat: FlatCache = field(default_factory=FlatCache)  # the state's structure (flatten.py)
 
 
 def _is_tensor_leaf(value: Any) -> bool:
