@@ -10,7 +10,7 @@ import timeit
 import torch
 
 from ckptio.format import param_names
-from ckptio.format.flatten import flatten
+from ckptio.format.flatten import FlatCache, flatten
 from ckptio.planning.plan import PlanCache, build_plan
 
 
@@ -22,14 +22,15 @@ def main() -> None:
     opt.step()
     state = {"model": model, "optim": opt}
     cache = PlanCache()
-    build_plan(flatten(state, names=True), allow_pickle=False, cache=cache)
-    flat = flatten(state, names=True)
+    build_plan(flatten(state, names=True, cache=cache.flat), allow_pickle=False, cache=cache)
+    flat = flatten(state, names=True, cache=cache.flat)
     parts = {
         "model.state_dict()": lambda: model.state_dict(),
         "opt.state_dict()": lambda: opt.state_dict(),
         "module_names": lambda: param_names.module_names(state),
         "flatten, names": lambda: flatten(state, names=True),
-        "flatten, no names": lambda: flatten(state, names=False),
+        "flatten, names, cached": lambda: flatten(state, names=True, cache=cache.flat),
+        "flatten, no names, cached": lambda: flatten(state, cache=cache.flat),
         "build_plan (reused)": lambda: build_plan(flat, allow_pickle=False, cache=cache),
     }
     for name, fn in parts.items():
