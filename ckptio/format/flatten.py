@@ -9,7 +9,10 @@ stored as (plan.py) or how a leaf is filled on load (loading/).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -18,7 +21,19 @@ from ckptio.errors import ManifestError, UnsupportedStateError
 from ckptio.format import containers, param_names
 from ckptio.format.types import MAX_TREE_DEPTH, Json
 
-__all__ = ["FlatState", "flatten", "is_stateful", "unflatten"]
+__all__ = ["FlatCache", "FlatState", "flatten", "is_stateful", "unflatten"]
+
+
+@dataclass
+class FlatCache:
+    """Kept between saves: for each dict or list of plain leaves (a module's state_dict, an
+    optimizer's parameter indices), its keys, its leaves' dotted keys and its tree node. A save
+    finding the same keys records the container's current values with no Python per leaf and
+    its tree is the last save's node (no new objects per leaf). Only the structure is kept:
+    the values are read from the state every time, and any other key, key type or value type
+    walks the container afresh."""
+
+    nodes: dict[str, tuple[Any, tuple[str, ...], Json]] = field(default_factory=dict)
 
 
 @dataclass
@@ -32,6 +47,7 @@ class FlatState:
     root: Any = None  # the state that was flattened
     want_names: bool = False  # a save: index-keyed optimizers get their parameters' names
     names: dict[int, str] | None = None  # id(parameter) -> name (param_names.py), when needed
+    cache: FlatCache | None = None  # a save's: the containers' structure from the last save
 
 
 def is_stateful(value: Any) -> bool:
@@ -54,16 +70,16 @@ def _is_container(value: Any) -> bool:
     )
 
 
-def flatten(state: Any, *, names: bool = False) -> FlatState:
+def flatten(state: Any, *, names: bool = False, cache: FlatCache | None = None) -> FlatState:
     """Walk ``state``; every non-container value becomes a leaf under its dotted key.
     ``names`` (a save): each index-keyed optimizer's param groups get its parameters' names
-    (param_names.py)."""
+    (param_names.py). ``cache``: the containers' structure from the last flatten (FlatCache)."""
     if not (_is_container(state) or is_stateful(state)):
         raise UnsupportedStateError(
             f"state must be a dict, list, tuple or an object with state_dict(); got "
             f"{type(state).__name__}. Wrap it: ckptio.save({{'value': obj}}, path)"
         )
-    flat = FlatState(root=state, want_names=names)
+    flat = FlatState(root=state, want_names=names, cache=cache)
     flat.tree = _walk(state, "", flat)
     return flat
 
@@ -87,26 +103,128 @@ def _walk(value: Any, key: str, flat: FlatState, depth: int = 0) -> Json:
             param_names.name_groups(inner, value, flat.names)
         flat.statefuls.append((key, value, inner))
         return {"s": _walk(inner, key, flat, depth)}
+    if flat.cache is not None:
+        node = _cached(value, key, flat, flat.cache, depth)
+        if node is not None:
+            return node
     if isinstance(value, dict):
-        items = []
-        for k, v in value.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise UnsupportedStateError(
-                    f"key {_join(key, repr(k))}: dict keys must be str or int, got "
-                    f"{type(k).__name__}; convert the key before saving"
-                )
-            child = f"{key}.{k}" if key else str(k)
-            items.append([k, _leaf(v, child, flat) if type(v) in _PLAIN_LEAVES
-                          else _walk(v, child, flat, depth)])
-        return _typed(value, key, {"d": items})
+        return _typed(value, key, {"d": _dict_items(value, key, flat, depth)})
     if isinstance(value, list):
-        return {"l": [_leaf(v, f"{key}.{i}" if key else str(i), flat)
-                      if type(v) in _PLAIN_LEAVES else _walk(v, _join(key, i), flat, depth)
-                      for i, v in enumerate(value)]}
+        leaves = flat.leaves
+        nodes: list[Json] = []
+        for i, v in enumerate(value):
+            child = f"{key}.{i}" if key else str(i)
+            if type(v) in _PLAIN_LEAVES and child not in leaves:  # _leaf, inline
+                leaves[child] = v
+                nodes.append({"k": child})
+            else:
+                nodes.append(_walk(v, child, flat, depth))
+        return {"l": nodes}
     if _is_container(value):  # tuple, not torch.Size
         return _typed(value, key, {"t": [_walk(v, _join(key, i), flat, depth)
                                          for i, v in enumerate(value)]})
     return _leaf(value, key, flat)
+
+
+_KEY_TYPES = frozenset({str, int})
+_DICTS = frozenset({dict})
+_MAX_CACHED = 1 << 16  # containers a FlatCache keeps (beyond, it starts again)
+
+
+def _cached(value: Any, key: str, flat: FlatState, cache: FlatCache, depth: int) -> Json | None:
+    """The node of a dict (or OrderedDict) with str/int keys, or a list, of plain leaves only,
+    or a dict of such plain dicts (an optimizer's state), its leaves recorded (FlatCache); None
+    for any other value, and where a leaf's key is taken already (``_walk`` then refuses it by
+    name)."""
+    found = _shape(value, depth)
+    if found is None:
+        return None
+    shape, values = found
+    hit = cache.nodes.get(key)
+    if hit is None or type(hit[0]) is not type(shape) or hit[0] != shape:
+        hit = _structure(shape, key)
+        if hit is None:
+            return None
+        if len(cache.nodes) >= _MAX_CACHED:
+            cache.nodes.clear()
+        cache.nodes[key] = hit
+    children, leaves = hit[1], flat.leaves
+    if not leaves.keys().isdisjoint(children):
+        return None
+    count = len(leaves)
+    leaves.update(zip(children, values))
+    if len(leaves) != count + len(children):  # fewer values than keys: changed meanwhile
+        raise UnsupportedStateError(f"key {key!r}: the state changed while it was saved")
+    return hit[2]
+
+
+def _shape(value: Any, depth: int) -> tuple[Any, Iterable[Any]] | None:
+    """(what the node depends on, the leaves in order) of a container ``_cached`` takes: a
+    list's length, a dict's keys, or a dict of dicts' keys and each inner dict's keys."""
+    kind = type(value)
+    if kind is list:
+        shape: Any = len(value)
+        values: Iterable[Any] = value
+    elif kind is dict or kind is OrderedDict:
+        shape = tuple(value)
+        if not _KEY_TYPES.issuperset(map(type, shape)):
+            return None
+        values = value.values()
+        if shape and depth < MAX_TREE_DEPTH and _DICTS.issuperset(map(type, values)):
+            inner = tuple(map(tuple, values))
+            if not _KEY_TYPES.issuperset(map(type, chain.from_iterable(inner))):
+                return None
+            shape, values = (shape, inner), list(chain.from_iterable(map(dict.values, values)))
+    else:
+        return None
+    if not _PLAIN_LEAVES.issuperset(map(type, values)):
+        return None
+    return shape, values
+
+
+def _structure(shape: Any, key: str) -> tuple[Any, tuple[str, ...], Json] | None:
+    """(shape, the leaves' dotted keys, the node) as ``_walk`` makes them; None where two keys
+    join to one dotted key (1 and "1")."""
+    if isinstance(shape, int):
+        children = _children(key, range(shape))
+        node: Json = {"l": [{"k": c} for c in children]}
+    elif shape and isinstance(shape[0], tuple):  # a dict of dicts
+        parts = [(k, _children(_join(key, k), inner)) for k, inner in zip(*shape)]
+        children = tuple(chain.from_iterable(c for _k, c in parts))
+        node = {"d": [[k, {"d": [[k2, {"k": c}] for k2, c in zip(inner, cs)]}]
+                      for (k, cs), inner in zip(parts, shape[1])]}
+    else:
+        children = _children(key, shape)
+        node = {"d": [[k, {"k": c}] for k, c in zip(shape, children)]}
+    if len(set(children)) != len(children):
+        return None
+    return shape, children, node
+
+
+def _children(key: str, parts: Iterable[Any]) -> tuple[str, ...]:
+    return tuple(f"{key}.{k}" if key else str(k) for k in parts)
+
+
+def _dict_items(value: dict[Any, Any], key: str, flat: FlatState, depth: int) -> list[Json]:
+    """A dict's ``[key, node]`` pairs. Per leaf, this is the save's Python: a plain leaf is
+    recorded here (``_leaf`` inline) and only other values go through ``_walk``."""
+    leaves = flat.leaves
+    items: list[Json] = []
+    for k, v in value.items():
+        kind = type(k)
+        if kind is not str and kind is not int and (
+                not isinstance(k, (str, int)) or isinstance(k, bool)):
+            raise UnsupportedStateError(
+                f"key {_join(key, repr(k))}: dict keys must be str or int, got "
+                f"{type(k).__name__}; convert the key before saving"
+            )
+        child = f"{key}.{k}" if key else str(k)
+        if type(v) in _PLAIN_LEAVES and child not in leaves:
+            leaves[child] = v
+            items.append([k, {"k": child}])
+        else:  # a container, another leaf, or a key seen already (_leaf refuses it)
+            items.append([k, _walk(v, child, flat, depth)])
+    return items
 
 
 def _typed(value: Any, key: str, node: Json) -> Json:

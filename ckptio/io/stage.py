@@ -429,10 +429,10 @@ def move_out(src: torch.Tensor, dtype: torch.dtype, buffer: Buffer, start: int,
     """``src``'s ``nbytes`` bytes into bytes [start, start + nbytes) of ``buffer`` by one
     memmove (GIL released, no torch kernel), when ``src`` is a plain, contiguous host tensor
     of ``dtype`` of exactly those bytes (move_in's rule); -> False, nothing copied, otherwise."""
-    if (not _plain_host(src, dtype) or src.numel() * src.element_size() != nbytes
-            or not 0 <= start <= buffer.nbytes - nbytes):
+    if (not _plain_host(src, dtype) or src.nbytes != nbytes
+            or not 0 <= start <= len(buffer.view) - nbytes):
         return False
-    ctypes.memmove(buffer.address + start, src.data_ptr(), nbytes)
+    ctypes.memmove(buffer.data.data_ptr() + start, src.data_ptr(), nbytes)
     return True
 
 
@@ -459,6 +459,6 @@ def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> Non
 def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """``t`` is a plain, contiguous host tensor of ``dtype`` whose bytes copy as they are (no
     subclass, conjugate or negative bit, not an inference tensor): memmove may fill or read it."""
-    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.dtype == dtype
-            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.dtype is dtype
+            and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg() and not t.is_inference())

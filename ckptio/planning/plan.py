@@ -19,7 +19,7 @@ import torch
 
 from ckptio.errors import UnsupportedStateError
 from ckptio.format import values
-from ckptio.format.flatten import FlatState
+from ckptio.format.flatten import FlatCache, FlatState
 from ckptio.format.grid import Grid
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Json, ObjectEntry, WriteItem
 from ckptio.planning.sharding import (
@@ -171,6 +171,7 @@ class PlanCache:
     plan: SavePlan | None = None  # the last plan (``_again``)
     tree: Json = None
     hits: int = 0
+    flat: FlatCache = field(default_factory=FlatCache)  # the state's structure (flatten.py)
 
 
 def _is_tensor_leaf(value: Any) -> bool:
@@ -227,21 +228,39 @@ def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch
     sources: dict[str, torch.Tensor] = {}
     objects: list[ObjectEntry] = []
     changed = False
+    alias_of, strided = cache.alias_of, torch.strided
+    scalars, entries = cache.scalars, cache.objects
     for (key, value), part in zip(flat.leaves.items(), signature):
-        if part[1] is None:  # no tensor last time
-            entry = _object_again(key, value, cache)
+        was = part[1]
+        if was is None:  # no tensor last time
+            old = scalars.get(key, _NOTHING)  # _object_again's first case, inline
+            entry = (entries[key] if type(old) is type(value) and type(value) in _SCALARS
+                     and old == value else _object_again(key, value, cache))
             if entry is None:
                 return None
             changed = changed or entry is not last.objects[len(objects)]
             objects.append(entry)
             continue
-        plain = (type(value) in _PLAIN and value.layout is torch.strided and not value.is_nested
-                 and not value.__dict__)  # dense, no CheckpointableTensor fields
-        if part != ((key, _tensor_signature(value, storages)) if plain
-                    else _part(key, value, storages)):
+        cls = type(value)
+        if (cls in _PLAIN and value.layout is strided and not value.is_nested
+                and not value.__dict__):  # dense, no CheckpointableTensor fields
+            # _tensor_signature inline, compared field by field (the cheapest first): this
+            # loop is the save's Python per tensor
+            if (part[0] != key or len(was) != 8 or was[0] is not cls
+                    or was[3] is not value.dtype or was[4] != value.shape
+                    or was[5] != value.stride() or was[6] != value.storage_offset()
+                    or was[2] != value.device or was[1] is not strided
+                    or was[7] != storages.setdefault(
+                        value.untyped_storage().data_ptr() if value.numel() else 0,
+                        len(storages))):
+                return None
+            if key not in alias_of:
+                sources[key] = value
+            continue
+        if part != _part(key, value, storages):
             return None
-        if key not in cache.alias_of:
-            sources[key] = value if plain else local_tensor(value)
+        if key not in alias_of:
+            sources[key] = local_tensor(value)
     if changed:
         cache.plan = last = dataclasses.replace(last, objects=tuple(objects))
     return last, sources

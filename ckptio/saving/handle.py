@@ -265,7 +265,12 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
 
 def _storage(t: torch.Tensor) -> int:
     """The address of the memory holding ``t``'s bytes (a DTensor's: its local shard's)."""
-    return local_tensor(t).untyped_storage().data_ptr()
+    if type(t) not in _PLAIN or t.__dict__:  # local_tensor's own first case, inline
+        t = local_tensor(t)
+    return t.untyped_storage().data_ptr()
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # their own storage: no local_tensor
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],

@@ -317,22 +317,26 @@ class _Window:
             self.filled += n
 
     def put(self, offset: int, item: Any, source: torch.Tensor, index: int) -> None:
-        self.pad_to(offset)
-        itemsize = DTYPE_ITEMSIZE[item.dtype]
+        if offset != self.start + self.filled:
+            self.pad_to(offset)
+        nbytes, filled, buffer = item.nbytes, self.filled, self.buffer
         dtype = torch_dtype(item.dtype)
-        buffer = self.buffer
-        if (buffer is not None and source.is_contiguous() and item.nbytes
-                and self.filled + item.nbytes <= buffer.nbytes):
+        moved = bool(buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
+                 and nbytes <= MEMMOVE_MAX_NBYTES and move_out(source, dtype, buffer, filled,
+                                                               nbytes))
+        if moved or (buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
+                     and source.is_contiguous()):
             # The common case in one copy and three views (a state has thousands of small
             # tensors: per-tensor Python work is what the caller waits for after the copy); a
-            # small host tensor in one memmove, no torch kernel at all.
-            if item.nbytes > MEMMOVE_MAX_NBYTES or not move_out(source, dtype, buffer,
-                                                                self.filled, item.nbytes):
-                buffer.view_at(self.filled, dtype, source.shape).copy_(
+            # small host tensor in one memmove (move_out), no torch kernel at all.
+            if not moved:
+                assert buffer is not None  # (for mypy: checked above)
+                buffer.view_at(filled, dtype, source.shape).copy_(
                     source, non_blocking=source.is_cuda and self.job.async_copies)
-            self.pieces.append((index, self.filled, item.nbytes))
-            self.filled += item.nbytes
+            self.pieces.append((index, filled, nbytes))
+            self.filled = filled + nbytes
             return
+        itemsize = DTYPE_ITEMSIZE[item.dtype]
         done, total = 0, item.nbytes // itemsize
         while done < total:
             buffer = self._room()

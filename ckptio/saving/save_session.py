@@ -187,7 +187,7 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
     try:
         if ctx.previous_error is not None:
             raise ctx.previous_error
-        flat = flatten(state, names=True)
+        flat = flatten(state, names=True, cache=ctx.plan_cache.flat)
         hits = ctx.plan_cache.hits
         plan, sources = build_plan(flat, allow_pickle=ctx.allow_pickle, cache=ctx.plan_cache)
         reuse = ctx.plan_cache.hits > hits
