@@ -119,8 +119,15 @@ class Guard:
         return sorted({s for part in parts for s in part})
 
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Collective: every rank's outcome (JSON), in rank order."""
-        return peers.all_gather_json(self.control, mine)
+        """Collective: every rank's outcome (JSON), in rank order; RankFailedError when a rank
+        died or gave no answer."""
+        try:
+            return peers.all_gather_json(self.control, mine)
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            raise RankFailedError(
+                f"rank {self.rank}: exchanging the ranks' outcomes of a restore got no answer "
+                f"from every rank: a rank died or gave no answer within step_timeout_s "
+                f"({type(exc).__name__}: {exc}); restart the job") from exc
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:
         """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
