@@ -45,6 +45,23 @@ def test_a_restart_on_fewer_hosts_receives_only_the_rows_its_shards_need(base, t
     assert not [n for n in os.listdir(held) if n.startswith("elastic-")]
 
 
+def test_a_restart_on_fewer_hosts_rebuilds_a_lost_piece_along_its_stripes(base, tmp_path):
+    """Parity(k=3) on 4 hosts, host 3 lost, the job restarted on the 3 others (Parity(k=2)):
+    old rank 3's piece is rebuilt along its stripes' survivors (stripes.py's chains), so no
+    rank receives more than that piece's length beside the rows of its new shard (before: the
+    rebuilding rank received the other members' whole pieces and blocks); bitwise."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, train, base, disk, "parity-3", 3, timeout_s=TIMEOUT)
+    wipe_host(base, 3)
+    restored = run_ranks(3, restore, base, disk, "parity-2", timeout_s=TIMEOUT)
+    for rank, r in enumerate(restored):
+        assert r["error"] is None and r["bitwise"], (rank, r)
+        assert (r["step"], r["how"]["source"], r["how"]["skipped"]) == (3, "resharded", [])
+    got = [r["how"]["received_bytes"] for r in restored]
+    piece = 120 * ROW_NBYTES
+    assert all(0 < g <= 160 * ROW_NBYTES + piece for g in got), got
+
+
 def test_a_holder_killed_during_a_restarts_fetch_is_named_and_nothing_is_loaded(base, tmp_path):
     """Rank 1 (old rank 1's piece, which rank 0 needs rows of) dies as it starts sending: the
     other ranks raise RankFailedError within seconds, their states untouched; a second restart

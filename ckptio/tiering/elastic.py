@@ -107,7 +107,8 @@ class Restart:
         self.ctx, self.skipped = ctx, skipped
         with _named(ctx, "surveying the pieces left"):
             self.reports = peers.all_gather_json(ctx.group, survey(ctx))
-            if regrow(ctx, self.reports, skipped):  # a lost piece rebuilt from parity: held
+            rebuilt, self.received = regrow(ctx, self.reports, skipped)
+            if rebuilt:  # a lost piece rebuilt from parity: now held
                 self.reports = peers.all_gather_json(ctx.group, survey(ctx))
         self.bad: set[str] = set()
         self.rounds = 0
@@ -182,7 +183,7 @@ class Restart:
             self._pass_over(choice.step, choice.sources, {int(k): w for k, w in bad.items()})
             return None
         received = exchange.exchange(ctx, choice, payloads, placed, out)
-        return Fetched(choice, placed, objects, out, mine, received)
+        return Fetched(choice, placed, objects, out, mine, self.received + received)
 
     def install(self, fetched: Fetched) -> TreeStore:
         """What this rank received as a checkpoint in this process's memory -> its store
