@@ -13,7 +13,7 @@ import os
 import pytest
 
 from ckptio.testing.rank_processes import run_ranks
-from tests.fetch_cases import restore, save
+from tests.fetch_cases import restore, restore_written_later, save
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -67,3 +67,21 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
     restored = run_ranks(4, restore, base, disk, "parity", 6, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+@pytest.mark.parametrize(("spec", "lost"), [("partners", 2), ("parity", 1)])
+def test_a_lost_ranks_step_is_loaded_from_memory_and_written_after(base, tmp_path, spec, lost):
+    """Before: the lost rank wrote its received step into its memory tier, then loaded it from
+    there. Now it loads the checked bytes from memory while a thread writes the step (joined
+    by the next restore, save, wait or close): its write, held here until its restore has
+    returned, does not hold the restore up; the step is in its memory tier after close(), and
+    the next job finds it there (its own)."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, spec, 6, timeout_s=TIMEOUT)
+    wipe_host(base, lost)
+    restored = run_ranks(4, restore_written_later, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 and r["in_tier"] for r in restored), restored
+    assert restored[lost]["written_later"] is True, restored[lost]
+    assert [r["written_later"] for i, r in enumerate(restored) if i != lost] == [None] * 3
+    again = run_ranks(4, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert [r["how"]["source"] for r in again] == ["own"] * 4, again

@@ -47,6 +47,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
     or None when nothing was saved anywhere, on any rank."""
     started = time.perf_counter()
+    guard.settle()  # a previous restore's step still being written: listed once written
     listing, others = listings(), set[int]()
     own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
     anywhere = sorted({s for level, tier in zip(levels, listing)
@@ -62,8 +63,10 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
                      resharded[1])
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
+        landed = recovery.landed  # received from peers, still being written: from memory
         why = _agreed(guard, f"loading step {memory} from memory",
-                      lambda: levels[0].try_load(memory, state, load_kwargs))
+                      lambda: levels[0].try_load(memory, state, load_kwargs) if landed is None
+                      else levels[0].try_load_at(landed, state, load_kwargs))
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,

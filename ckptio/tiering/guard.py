@@ -29,6 +29,7 @@ from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.select import checkpoint_path
 from ckptio.tiering import elastic, marks, peers
 from ckptio.tiering.topology import Topology, domain_id, host_id
+from ckptio.tiering.landing import Landing
 from ckptio.tiering.protect import Protector
 from ckptio.tiering.rebuild import Context, Recovery, recover
 from ckptio.tiering.redundancy import Partners
@@ -76,6 +77,7 @@ class Guard:
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
         self.protector: Protector | None = None
+        self._landings: list[Landing] = []  # a restore's steps still being written (settle)
 
     def start(self, own_dir: Callable[[int], str]) -> None:
         """Make the protection thread (own_dir: step -> this rank's memory step directory)."""
@@ -96,8 +98,24 @@ class Guard:
         """Collective (rebuild.recover): the memory step every rank now holds, or None."""
         assert self.protector is not None  # internal
         self.protector.wait()
-        return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
-                               self._own_dir, verify), own, anywhere, only)
+        self.settle()
+        recovery = recover(Context(self.spec, self.topology, self.control, self.rank,
+                                   self.root, self._own_dir, verify), own, anywhere, only)
+        self._landings = list(recovery.pending)
+        return recovery
+
+    def settle(self) -> None:
+        """Wait for the writes of steps a restore loaded from memory (rebuild.Recovery.pending)
+        into this rank's memory tier; raise the first one's error (once)."""
+        landings, self._landings = self._landings, []
+        errors = []
+        for landing in landings:
+            try:
+                landing.settle()
+            except CkptError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def restart(self, skipped: list[str]) -> elastic.Restart:
         """Collective (elastic.Restart): the search of a restart on another number of ranks
@@ -150,15 +168,20 @@ class Guard:
     def submit(self, step: int) -> None:
         """``step`` committed in this rank's memory tier: protect it in other hosts' memory."""
         assert self.protector is not None  # internal: started by the manager
+        self.settle()
         self.protector.submit(step)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every step submitted is protected (or given up) -> True, or ``timeout``."""
+        self.settle()
         return True if self.protector is None else self.protector.wait(timeout)
 
     def close(self) -> None:
-        if self.protector is not None:
-            self.protector.close()
+        try:
+            self.settle()
+        finally:
+            if self.protector is not None:
+                self.protector.close()
 
     def status(self) -> dict[int, dict[str, Any]]:
         """{0: how the memory tier's steps are protected across hosts}."""
