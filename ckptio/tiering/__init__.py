@@ -12,9 +12,10 @@ checkpoint between stores), drain.py (the background thread); the memory tier's 
 across hosts (issue 27):
 redundancy.py (ckptio.Partners, ckptio.Parity), topology.py (the host topology and placement
 rules), marks.py (names and markers on each host), peers.py (a step's bytes and the gloo
-transport), erasure.py (the two-parity code), protect.py (the protection thread), rebuild.py
-(restore's fetch and rebuild, verified), elastic.py, pieces.py and regrow.py (a restart on
-another number of ranks from memory), guard.py (the manager's rank-local setup and its follower), worker.py (the one
+transport), erasure.py (the two-parity code), protect.py (the protection thread), rebuild.py,
+recovery_plan.py, stripes.py and landing.py (restore's fetch and rebuild, verified, installed),
+elastic.py, pieces.py, reshard_fetch.py and regrow.py (a restart on another number of ranks
+from memory), guard.py (the manager's rank-local setup and its follower), worker.py (the one
 background thread class of the drain and the protection). Nothing here imports
 managing/ or the manager. Does not own: the manager, its tiers' steps and the agreed restore
 (ckptio/manager.py, managing/, storage/steproot.py).
