@@ -1,7 +1,7 @@
 """A lost rank's step, received from its peers in a same-world recovery (rebuild.py), installed
-into its memory tier: checked in memory first, then either written before the load (``now``)
-or offered to the load from this process's memory while it is written in the background
-(``later``).
+into its memory tier: checked in memory as its chunks land (``StreamCheck``), then either
+written before the load (``now``) or offered to the load from this process's memory while it
+is written in the background (``later``).
 
 - ``now``: written into ``r<rank>/.rebuild-step-N``, verified there where its manifest needs
   more than the in-memory check (compressed or delta entries, bases: Checkpointer.verify), then
@@ -12,8 +12,9 @@ or offered to the load from this process's memory while it is written in the bac
   it to ``step-N``; ``Landing.settle`` joins it (the Guard calls it before anything else reads or
   writes the tier: the next restore, save, wait or close) and raises its error, once.
 
-Owns: the install and the background write. Does not own: the transfers and the plan
-(rebuild.py), the check (peers.check_stream), the load (managing/agreed.py).
+Owns: the fused check, the install and the background write. Does not own: the transfers and
+the plan (rebuild.py, stripes.py), which entries a stream's checksums cover (peers.py), the
+load (managing/agreed.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,74 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import StorageIOError
+from ckptio.alignment import merged
+from ckptio.errors import CorruptCheckpointError, StorageIOError
+from ckptio.format import checksum
+from ckptio.format import manifest as manifest_format
 from ckptio.storage.memory import MemoryStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering import peers
 
-__all__ = ["Landing", "now"]
+__all__ = ["Landing", "StreamCheck", "now"]
+
+
+class StreamCheck:
+    """peers.check_stream fused with the receive: each entry of a step's stream hashed as its
+    bytes land (``landed``, in any order; each entry's bytes hashed once, in order, as far as
+    they are there), so the check ends with the last chunk. ``checked()``: whether every entry
+    was checked (False where the manifest needs a full verify: check_stream's rule);
+    CorruptCheckpointError naming an entry that differs."""
+
+    def __init__(self, manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
+                 where: str) -> None:
+        self.where, self.data = where, data
+        self.entries = peers.stream_entries(manifest, files, where)
+        record = manifest_format.decode(manifest, where)
+        self.algorithm, self.block_nbytes = record.checksum_algorithm, record.block_nbytes
+        self.done = [0] * len(self.entries or [])  # bytes of each entry hashed so far
+        self.hashers: dict[int, checksum.BlockHasher] = {}
+        self.ranges: list[tuple[int, int]] = []
+        self.error: CorruptCheckpointError | None = None
+
+    def landed(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of the stream are in ``data``: hash what that completes."""
+        if self.entries is None or hi <= lo:
+            return
+        self.ranges = merged(sorted([*self.ranges, (lo, hi)]))
+        view = self.data.numpy().data.cast("B")
+        for n, (at, entry) in enumerate(self.entries):
+            start = at + self.done[n]
+            if self.done[n] == entry.nbytes or not self._has(start):
+                continue
+            end = min(at + entry.nbytes, self._end(start))
+            if end > start:
+                hasher = self.hashers.setdefault(
+                    n, checksum.BlockHasher(self.algorithm, self.block_nbytes))
+                hasher.update(view[start:end])
+                self.done[n] = end - at
+                if self.done[n] == entry.nbytes:
+                    got = self.hashers.pop(n).digests()[0]
+                    if got != entry.checksum and self.error is None:
+                        self.error = peers.stream_damage(self.where, entry, got)
+
+    def _has(self, point: int) -> bool:
+        return any(a <= point < b for a, b in self.ranges)
+
+    def _end(self, point: int) -> int:
+        return next((b for a, b in self.ranges if a <= point < b), point)
+
+    def checked(self) -> bool:
+        """Every entry hashed and matched -> True; False: the manifest needs a full verify;
+        CorruptCheckpointError: an entry differs (or never landed whole)."""
+        if self.entries is None:
+            return False
+        if self.error is not None:
+            raise self.error
+        short = next((e for n, (_a, e) in enumerate(self.entries)
+                      if self.done[n] != e.nbytes), None)
+        if short is not None:
+            raise peers.stream_damage(self.where, short, "(not all of it received)")
+        return True
 
 
 def now(final: TreeStore, scratch: TreeStore, manifest: bytes, files: list[tuple[str, int]],

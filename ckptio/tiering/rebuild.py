@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ckptio.errors import CorruptCheckpointError, RankFailedError
+from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.tiering import marks, peers, stripes
-from ckptio.tiering.landing import Landing, now
+from ckptio.tiering.landing import Landing, StreamCheck, now
 from ckptio.tiering.recovery_plan import (Source, base_rounds, copy_id, describe_item, inventory,
                                           parity_id, plan)
 from ckptio.tiering.topology import Topology
@@ -188,38 +187,48 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     if failures:
         return failures  # alike on every rank: the plan is made again, nothing moved
     copies = [(s, r, i) for s, r, i in sends if i.startswith("copy:")]
-    works = [peers.send(ctx.group, payload[i], r, COPY_TAG) for s, r, i in copies
-             if s == ctx.rank]
-    got = {i: _post_recv(ctx, metas[i]["nbytes"], s) for s, r, i in copies if r == ctx.rank}
+    works = [w for s, r, i in copies if s == ctx.rank
+             for w in peers.send_chunks(ctx.group, payload[i], r, COPY_TAG)]
+    got = {i: peers.post_recv(ctx.group, metas[i]["nbytes"], s, COPY_TAG)
+           for s, r, i in copies if r == ctx.rank}
     ctx.received += sum(metas[i]["nbytes"] for i in got)
     chains, out = _chains(ctx, step, sources, metas)
-    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
-                          out)
-    ctx.received += outcome.received
-    for work in [w for _data, ws in got.values() for w in ws] + works:
-        if work is not None:
-            work.wait()
-    if outcome.error is not None:
-        src = sources[next(c.receiver for c in chains if ctx.rank in (t.rank for t in c.terms))]
-        failures[parity_id(ctx.rank, src[1], ctx.topology.local_of(ctx.rank), step)] = (
-            f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     src = sources[ctx.rank]
+    data = next(iter(got.values()))[0] if got else out
+    check, broken = None, None
+    if src[0] != "own" and data is not None:
+        try:  # hashed as it lands (landing.StreamCheck)
+            check = StreamCheck(_meta(ctx, step, src, metas)["manifest"].encode(),
+                                _files(ctx, step, src, metas), data,
+                                marks.tree_of(ctx.own_dir(step)).location)
+        except CkptError as exc:  # said as this item's failure once the transfers are done
+            broken = exc
+    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
+                          out, landed=None if check is None else check.landed)
+    ctx.received += outcome.received
+    for _data, chunk_works in got.values():
+        for (lo, hi), work in zip(peers.chunk_spans(int(_data.numel())), chunk_works):
+            work.wait()
+            if check is not None:
+                check.landed(lo, hi)
+    for work in works:
+        work.wait()
+    if outcome.error is not None:
+        summed = sources[next(c.receiver for c in chains
+                              if ctx.rank in (t.rank for t in c.terms))]
+        failures[parity_id(ctx.rank, summed[1], ctx.topology.local_of(ctx.rank), step)] = (
+            f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
-            data = next(iter(got.values()))[0] if src[0] == "copy" else out
-            assert data is not None  # internal: a receiver of parity has its out
-            _install(ctx, step, src, metas, data, later)
+            if broken is not None:
+                raise broken
+            assert data is not None and check is not None  # internal: a receiver has both
+            _install(ctx, step, src, metas, data, later, check)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
             # next gather, up to step_timeout_s); its type and text travel in the reason
             failures[item] = f"{type(exc).__name__}: {exc}"
     return failures
-
-
-def _post_recv(ctx: Context, nbytes: int, src: int) -> tuple[torch.Tensor, list[Any]]:
-    """A partner copy's receive, posted (sent whole by peers.send)."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    return out, [dist.irecv(out, src, group=ctx.group, tag=COPY_TAG)] if nbytes else []
 
 
 def _chains(ctx: Context, step: int, sources: dict[int, Source],
@@ -280,22 +289,30 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 
 
+def _meta(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> Any:
+    """What this rank's received step is (its manifest, files, bytes)."""
+    if src[0] == "copy":
+        return metas[copy_id(src[1], ctx.rank, step)]
+    return _member(_info(ctx, step, src, ctx.rank, metas), ctx.rank)
+
+
+def _files(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(str(n), int(b)) for n, b in _meta(ctx, step, src, metas)["files"]]
+
+
 def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
-             data: torch.Tensor, later: bool) -> None:
+             data: torch.Tensor, later: bool, check: StreamCheck) -> None:
     """Install this rank's step (a copy's bytes, or rebuilt from parity), its entries'
-    checksums checked in memory first (peers.check_stream): ``later`` and nothing more to
+    checksums checked in memory as they landed (``check``): ``later`` and nothing more to
     verify, offered to the load from memory while it is written (landing.Landing); else
     written, verified where its manifest needs more (Checkpointer.verify), moved in place."""
-    if src[0] == "copy":
-        meta = metas[copy_id(src[1], ctx.rank, step)]
-    else:
-        meta = _member(_info(ctx, step, src, ctx.rank, metas), ctx.rank)
-    manifest, files = meta["manifest"].encode(), [tuple(f) for f in meta["files"]]
+    manifest, files = _meta(ctx, step, src, metas)["manifest"].encode(), _files(
+        ctx, step, src, metas)
     final = marks.tree_of(ctx.own_dir(step))  # r<rank>/step-N under the root
     # beside its step: a delta step's bases (siblings) resolve when it is verified
     scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
         marks.rebuild_name(step))
-    checked = peers.check_stream(manifest, files, data, final.location)
+    checked = check.checked()
     for earlier in ctx.landings:  # a round passed over: its write ends before another starts
         earlier.settle()
     ctx.landings.clear()

@@ -116,13 +116,14 @@ class Outcome:
 
 
 def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tensor | None,
-        base_tag: int = TAG_BASE) -> Outcome:
+        base_tag: int = TAG_BASE, landed: Callable[[int, int], None] | None = None) -> Outcome:
     """Run this rank's share of ``chains`` (all of the round's, alike on every rank): its terms'
     sums passed on, and, where it is a receiver, its pieces received into ``out`` (its step's
     bytes). A failure of this rank's own sum is recorded (``Outcome.error``) and the chunk
     passed on as it is, so no rank waits for it; the receiver's check finds the piece wrong.
     A link from this rank to itself (two terms, or the last term and the receiver, on one
-    rank) hands the chunk over in memory."""
+    rank) hands the chunk over in memory. ``landed(lo, hi)``: told of each range of ``out``
+    received, as it lands (in the order the senders send)."""
     outcome = Outcome()
     posted = _post(group, rank, chains, out, base_tag, outcome)
     sends: list[Any] = []
@@ -143,11 +144,16 @@ def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tenso
                 elif last:
                     assert out is not None  # internal: a receiver has its step's bytes
                     out[chain.offset + lo:chain.offset + hi].copy_(chunk)
+                    if landed is not None:
+                        landed(chain.offset + lo, chain.offset + hi)
                 else:  # a copy: the chunk may be this rank's own bytes, left as they are
                     posted[(c, q, t + 1)] = (chunk.clone(), None)
-    for key, (_buf, work) in posted.items():  # the pieces this rank receives as a receiver
-        if key[2] == -1:
-            work.wait()
+    for c, q, t in sorted(posted, key=lambda k: (k[1], k[0])):  # as the senders send them
+        if t == -1:  # a piece this rank receives as a receiver
+            posted[(c, q, t)][1].wait()
+            if landed is not None:
+                lo, hi = _chunks(chains[c].length)[q]
+                landed(chains[c].offset + lo, chains[c].offset + hi)
     for work in sends:
         work.wait()
     return outcome
