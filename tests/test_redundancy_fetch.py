@@ -11,8 +11,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+import ckptio
+from ckptio.errors import CorruptCheckpointError
 from ckptio.testing.rank_processes import run_ranks
+from ckptio.tiering import peers
+from ckptio.tiering.landing import StreamCheck
 from tests.fetch_cases import restore, restore_written_later, save
 from tests.redundancy_cases import host_dir, wipe_host
 
@@ -85,3 +90,30 @@ def test_a_lost_ranks_step_is_loaded_from_memory_and_written_after(base, tmp_pat
     assert [r["written_later"] for i, r in enumerate(restored) if i != lost] == [None] * 3
     again = run_ranks(4, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
     assert [r["how"]["source"] for r in again] == ["own"] * 4, again
+
+
+def test_the_check_fused_with_the_receive_takes_chunks_in_any_order_and_names_a_flipped_byte(
+        tmp_path):
+    """landing.StreamCheck (the lost rank's check as its chunks land): chunks landing in any
+    order check every entry once they are all there; a flipped byte names its entry; an
+    entry not wholly received is not taken for checked."""
+    ckptio.save({"a": torch.randn(600_000), "b": torch.randn(1000)}, str(tmp_path / "c"))
+    manifest = (tmp_path / "c" / "manifest.json").read_bytes()
+    files = peers.files_of(manifest, "c")
+    data = torch.cat([torch.frombuffer(bytearray((tmp_path / "c" / n).read_bytes()),
+                                       dtype=torch.uint8) for n, _ in files])
+    spans = [(lo, min(lo + 65536, data.numel())) for lo in range(0, data.numel(), 65536)]
+
+    def check(order, bytes_):
+        fused = StreamCheck(manifest, files, bytes_, "c")
+        for lo, hi in order:
+            fused.landed(lo, hi)
+        return fused.checked()
+
+    assert check(spans[::-1], data) and check(spans[1::2] + spans[::2], data)
+    flipped = data.clone()
+    flipped[100] ^= 0xFF
+    with pytest.raises(CorruptCheckpointError, match="entry 'a'"):
+        check(spans, flipped)
+    with pytest.raises(CorruptCheckpointError, match="not all of it received"):
+        check(spans[1:], data)

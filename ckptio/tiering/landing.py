@@ -37,10 +37,10 @@ __all__ = ["Landing", "StreamCheck", "now"]
 
 
 class StreamCheck:
-    """peers.check_stream fused with the receive: each entry of a step's stream hashed as its
-    bytes land (``landed``, in any order; each entry's bytes hashed once, in order, as far as
-    they are there), so the check ends with the last chunk. ``checked()``: whether every entry
-    was checked (False where the manifest needs a full verify: check_stream's rule);
+    """A received step's entries checked against their checksums, fused with the receive:
+    each entry hashed as its bytes land (``landed``, in any order; each entry's bytes hashed
+    once, in order, as far as they are there), so the check ends with the last chunk. ``checked()``: whether every entry
+    was checked (False where the manifest needs a full verify: peers.stream_entries);
     CorruptCheckpointError naming an entry that differs."""
 
     def __init__(self, manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,

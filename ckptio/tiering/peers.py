@@ -27,13 +27,12 @@ import xxhash
 
 from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
-from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.local import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.tiering.budget import CHUNK, Budget
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "check_stream",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
            "chunk_spans", "send_chunks",
            "digest", "files_of",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
@@ -137,30 +136,11 @@ def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor
     return info, block
 
 
-def check_stream(manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
-                 where: str) -> bool:
-    """Check every tensor entry's stored bytes in ``data`` (the stream of ``files``) against
-    its checksum in ``manifest``, in memory: one hash pass, nothing read back. -> False where
-    the manifest holds what only a full verify checks (compressed or delta entries, regular
-    sections, index files, bases): the caller verifies the written step instead.
-    CorruptCheckpointError naming the entry where a checksum differs."""
-    spans = stream_entries(manifest, files, where)
-    if spans is None:
-        return False
-    record = manifest_format.decode(manifest, where)
-    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
-    for lo, entry in spans:
-        got = checksum.entry_checksum(record.checksum_algorithm, record.block_nbytes,
-                                      view[lo:lo + entry.nbytes])
-        if got != entry.checksum:
-            raise stream_damage(where, entry, got)
-    return True
-
-
 def stream_entries(manifest: bytes, files: list[tuple[str, int]],
                    where: str) -> list[tuple[int, Any]] | None:
     """(offset in the stream, entry) of every tensor entry with bytes, where the manifest's
-    checksums alone check the stream (check_stream); else None."""
+    checksums alone check the stream (landing.StreamCheck); else None: a compressed or
+    delta entry, regular sections, index files, bases (the written step is verified whole)."""
     record = manifest_format.decode(manifest, where)
     if (record.regular or record.indexes or record.bases or record.checksum_algorithm
             not in ("xxh3_64_tree", "xxh3_64")

@@ -85,7 +85,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            against the digest it recorded; a partner copy is sent whole, a rank rebuilt from
            parity receives only its own pieces, each summed along its stripe's survivors
            (stripes.py). The receiver **checks every entry against the original's manifest**
-           in memory (peers.check_stream; where its manifest needs more, Checkpointer.verify
+           in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
            of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
            it to its ``step-N`` (Store.move_to: one rename); the step the load takes next, where
            the in-memory check was all, is offered to the load from memory and written so in
