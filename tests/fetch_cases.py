@@ -77,3 +77,32 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
         mgr.close()
     return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
             "how": mgr.last_restore, "error": None}
+
+
+def restore_written_later(rank: int, world: int, base: str, disk: str, spec: str,
+                          mib: int) -> dict[str, Any]:
+    """restore(), each write of a step into this rank's memory tier held until its restore has
+    returned (at most 20 s) -> also whether such a write waited for it, and whether step 1 is
+    in this rank's memory tier after close()."""
+    import threading
+
+    from ckptio.redundancy import peers
+
+    _host(rank, base)
+    returned, seen = threading.Event(), {}
+    write = peers.write_checkpoint
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        seen["after_restore"] = returned.wait(20)
+        return write(*args, **kwargs)
+
+    peers.write_checkpoint = held  # type: ignore[assignment]
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    step = mgr.restore(state)
+    returned.set()
+    mgr.close()
+    where = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", "step-1", "manifest.json")
+    return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
+            "how": mgr.last_restore, "written_later": seen.get("after_restore"),
+            "in_tier": os.path.exists(where)}

@@ -11,9 +11,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+import ckptio
+from ckptio.errors import CorruptCheckpointError
 from ckptio.testing.rank_processes import run_ranks
-from tests.fetch_cases import restore, save
+from ckptio.redundancy import peers
+from ckptio.redundancy.landing import StreamCheck
+from tests.fetch_cases import restore, restore_written_later, save
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -67,3 +72,48 @@ def test_a_holder_killed_during_the_fetch_is_named_then_the_next_job_restores_bi
     restored = run_ranks(4, restore, base, disk, "parity", 6, timeout_s=TIMEOUT)
     assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
     assert [r["how"]["source"] for r in restored] == ["own", "parity", "own", "own"]
+
+
+@pytest.mark.parametrize(("spec", "lost"), [("partners", 2), ("parity", 1)])
+def test_a_lost_ranks_step_is_loaded_from_memory_and_written_after(base, tmp_path, spec, lost):
+    """Before: the lost rank wrote its received step into its memory tier, then loaded it from
+    there. Now it loads the checked bytes from memory while a thread writes the step (joined
+    by the next restore, save, wait or close): its write, held here until its restore has
+    returned, does not hold the restore up; the step is in its memory tier after close(), and
+    the next job finds it there (its own)."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, spec, 6, timeout_s=TIMEOUT)
+    wipe_host(base, lost)
+    restored = run_ranks(4, restore_written_later, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 and r["in_tier"] for r in restored), restored
+    assert restored[lost]["written_later"] is True, restored[lost]
+    assert [r["written_later"] for i, r in enumerate(restored) if i != lost] == [None] * 3
+    again = run_ranks(4, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert [r["how"]["source"] for r in again] == ["own"] * 4, again
+
+
+def test_the_check_fused_with_the_receive_takes_chunks_in_any_order_and_names_a_flipped_byte(
+        tmp_path):
+    """landing.StreamCheck (the lost rank's check as its chunks land): chunks landing in any
+    order check every entry once they are all there; a flipped byte names its entry; an
+    entry not wholly received is not taken for checked."""
+    ckptio.save({"a": torch.randn(600_000), "b": torch.randn(1000)}, str(tmp_path / "c"))
+    manifest = (tmp_path / "c" / "manifest.json").read_bytes()
+    files = peers.files_of(manifest, "c")
+    data = torch.cat([torch.frombuffer(bytearray((tmp_path / "c" / n).read_bytes()),
+                                       dtype=torch.uint8) for n, _ in files])
+    spans = [(lo, min(lo + 65536, data.numel())) for lo in range(0, data.numel(), 65536)]
+
+    def check(order, bytes_):
+        fused = StreamCheck(manifest, files, bytes_, "c")
+        for lo, hi in order:
+            fused.landed(lo, hi)
+        return fused.checked()
+
+    assert check(spans[::-1], data) and check(spans[1::2] + spans[::2], data)
+    flipped = data.clone()
+    flipped[100] ^= 0xFF
+    with pytest.raises(CorruptCheckpointError, match="entry 'a'"):
+        check(spans, flipped)
+    with pytest.raises(CorruptCheckpointError, match="not all of it received"):
+        check(spans[1:], data)

@@ -47,6 +47,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
     or None when nothing was saved anywhere, on any rank."""
     started = time.perf_counter()
+    guard.settle()  # a previous restore's step still being written: listed once written
     listing, others = listings(), set[int]()
     own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
     anywhere = sorted({s for level, tier in zip(levels, listing)
@@ -56,13 +57,16 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
     newest = max((s for s in (recovery.step, fallback) if s is not None), default=None)
-    record = _resharded(guard, levels[0], state, step, newest, load_kwargs, passed)
-    if record is not None:
-        return _done(guard, levels, record, 0, "resharded", started, passed, [])
+    resharded = _resharded(guard, levels[0], state, step, newest, load_kwargs, passed)
+    if resharded is not None:
+        return _done(guard, levels, resharded[0], 0, "resharded", started, passed, [],
+                     resharded[1])
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
+        landed = recovery.landed  # received from peers, still being written: from memory
         why = _agreed(guard, f"loading step {memory} from memory",
-                      lambda: levels[0].try_load(memory, state, load_kwargs))
+                      lambda: levels[0].try_load(memory, state, load_kwargs) if landed is None
+                      else levels[0].try_load_at(landed, state, load_kwargs))
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,
@@ -123,10 +127,12 @@ def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
 
 
 def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,
-               newest: int | None, load_kwargs: dict[str, Any], passed: list[str]) -> int | None:
+               newest: int | None, load_kwargs: dict[str, Any],
+               passed: list[str]) -> tuple[int, int] | None:
     """Collective: the newest step (``step`` only, when given) a job of another number of ranks
-    left in memory, newer than ``newest``, restored resharded into ``state`` -> that step; None
-    when there is none or its load found damage (named in ``passed``)."""
+    left in memory, newer than ``newest``, restored resharded into ``state`` -> (that step, the
+    bytes this rank received); None when there is none or its load found damage (named in
+    ``passed``)."""
     restart = guard.restart(passed)
     while (choice := restart.next(step)) is not None:
         if newest is not None and choice.step <= newest:
@@ -137,7 +143,7 @@ def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,
         kwargs = {k: v for k, v in load_kwargs.items() if k != "per_rank_from"}  # applied
 
         def load() -> str | None:
-            where = restart.write(fetched)
+            where = restart.install(fetched)
             try:
                 return level.try_load_at(where.location, state, kwargs)
             finally:
@@ -145,7 +151,7 @@ def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,
 
         why = _agreed(guard, f"restoring step {choice.step} resharded from memory", load)
         if why is None:
-            return choice.step
+            return choice.step, fetched.received
         passed.append(f"step {choice.step} resharded from the memory of {choice.world} ranks: "
                       f"{why}")
         return None

@@ -11,7 +11,7 @@ restarted on another number of ranks reshards the old job's pieces from memory: 
 
 A Guard is the manager's follower of the memory tier (managing/follower.py: submit, pinned,
 wait, close, status). Owns: that setup and the agreement of a restore's step. Does not own: the
-tiers' own saving, draining and loading (managing/manager.py), protection (protect.py), memory
+tiers' own saving, draining and loading (manager.py), protection (protect.py), memory
 recovery (rebuild.py).
 """
 
@@ -26,13 +26,14 @@ import torch.distributed as dist
 
 from ckptio.distributed.dist import mark_piece
 from ckptio.errors import CkptError, RankFailedError
-from ckptio.managing.tier import Tier
+from ckptio.storage.select import checkpoint_path
 from ckptio.redundancy import elastic, marks, peers
+from ckptio.redundancy.topology import Topology, domain_id, host_id
+from ckptio.redundancy.landing import Landing
 from ckptio.redundancy.protect import Protector
 from ckptio.redundancy.rebuild import Context, Recovery, recover
 from ckptio.redundancy.redundancy import Partners
-from ckptio.redundancy.topology import Topology, domain_id, host_id
-from ckptio.storage.select import checkpoint_path
+from ckptio.managing.tier import Tier
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
 
@@ -76,6 +77,7 @@ class Guard:
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
         self.protector: Protector | None = None
+        self._landings: list[Landing] = []  # a restore's steps still being written (settle)
 
     def start(self, own_dir: Callable[[int], str]) -> None:
         """Make the protection thread (own_dir: step -> this rank's memory step directory)."""
@@ -96,8 +98,24 @@ class Guard:
         """Collective (rebuild.recover): the memory step every rank now holds, or None."""
         assert self.protector is not None  # internal
         self.protector.wait()
-        return recover(Context(self.spec, self.topology, self.control, self.rank, self.root,
-                               self._own_dir, verify), own, anywhere, only)
+        self.settle()
+        recovery = recover(Context(self.spec, self.topology, self.control, self.rank,
+                                   self.root, self._own_dir, verify), own, anywhere, only)
+        self._landings = list(recovery.pending)
+        return recovery
+
+    def settle(self) -> None:
+        """Wait for the writes of steps a restore loaded from memory (rebuild.Recovery.pending)
+        into this rank's memory tier; raise the first one's error (once)."""
+        landings, self._landings = self._landings, []
+        errors = []
+        for landing in landings:
+            try:
+                landing.settle()
+            except CkptError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def restart(self, skipped: list[str]) -> elastic.Restart:
         """Collective (elastic.Restart): the search of a restart on another number of ranks
@@ -119,8 +137,15 @@ class Guard:
         return sorted({s for part in parts for s in part})
 
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Collective: every rank's outcome (JSON), in rank order."""
-        return peers.all_gather_json(self.control, mine)
+        """Collective: every rank's outcome (JSON), in rank order; RankFailedError when a rank
+        died or gave no answer."""
+        try:
+            return peers.all_gather_json(self.control, mine)
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            raise RankFailedError(
+                f"rank {self.rank}: exchanging the ranks' outcomes of a restore got no answer "
+                f"from every rank: a rank died or gave no answer within step_timeout_s "
+                f"({type(exc).__name__}: {exc}); restart the job") from exc
 
     def for_others(self, step_nbytes: int) -> tuple[int, int]:
         """(bytes this rank holds now for other hosts' ranks, bytes a step of ``step_nbytes``
@@ -143,15 +168,20 @@ class Guard:
     def submit(self, step: int) -> None:
         """``step`` committed in this rank's memory tier: protect it in other hosts' memory."""
         assert self.protector is not None  # internal: started by the manager
+        self.settle()
         self.protector.submit(step)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every step submitted is protected (or given up) -> True, or ``timeout``."""
+        self.settle()
         return True if self.protector is None else self.protector.wait(timeout)
 
     def close(self) -> None:
-        if self.protector is not None:
-            self.protector.close()
+        try:
+            self.settle()
+        finally:
+            if self.protector is not None:
+                self.protector.close()
 
     def status(self) -> dict[int, dict[str, Any]]:
         """{0: how the memory tier's steps are protected across hosts}."""

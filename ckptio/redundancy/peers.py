@@ -27,17 +27,17 @@ import xxhash
 
 from ckptio.alignment import align_up
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
-from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
 from ckptio.redundancy.budget import CHUNK, Budget
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
-__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of", "check_stream",
+__all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
+           "chunk_spans", "send_chunks",
            "digest", "files_of",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
            "recv_into",
-           "send", "send_paced", "write_checkpoint", "write_json", "xor_into"]
+           "send", "stream_damage", "stream_entries", "send_paced", "write_checkpoint", "write_json", "xor_into"]
 
 _STEP_NAME = re.compile(r"step-(\d+)$", re.ASCII)
 
@@ -136,34 +136,29 @@ def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor
     return info, block
 
 
-def check_stream(manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
-                 where: str) -> bool:
-    """Check every tensor entry's stored bytes in ``data`` (the stream of ``files``) against
-    its checksum in ``manifest``, in memory: one hash pass, nothing read back. -> False where
-    the manifest holds what only a full verify checks (compressed or delta entries, regular
-    sections, index files, bases): the caller verifies the written step instead.
-    CorruptCheckpointError naming the entry where a checksum differs."""
+def stream_entries(manifest: bytes, files: list[tuple[str, int]],
+                   where: str) -> list[tuple[int, Any]] | None:
+    """(offset in the stream, entry) of every tensor entry with bytes, where the manifest's
+    checksums alone check the stream (landing.StreamCheck); else None: a compressed or
+    delta entry, regular sections, index files, bases (the written step is verified whole)."""
     record = manifest_format.decode(manifest, where)
     if (record.regular or record.indexes or record.bases or record.checksum_algorithm
             not in ("xxh3_64_tree", "xxh3_64")
             or any(e.stored is not None or e.delta is not None for e in record.tensors)):
-        return False
+        return None
     starts, offset = {}, 0
     for name, nbytes in files:
         starts[name] = offset
         offset += nbytes
     if any(e.nbytes and e.file not in starts for e in record.tensors):
-        return False  # an entry outside this stream: the full verify names it
-    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
-    for entry in (e for e in record.tensors if e.nbytes):
-        lo = starts[entry.file] + entry.offset
-        got = checksum.entry_checksum(record.checksum_algorithm, record.block_nbytes,
-                                      view[lo:lo + entry.nbytes])
-        if got != entry.checksum:
-            raise CorruptCheckpointError(
-                f"{where}: entry {entry.key!r} ({entry.file} at {entry.offset}) does not match "
-                f"its checksum ({got} != {entry.checksum}): the copy or rebuild is damaged")
-    return True
+        return None  # an entry outside this stream: the full verify names it
+    return [(starts[e.file] + e.offset, e) for e in record.tensors if e.nbytes]
+
+
+def stream_damage(where: str, entry: Any, got: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: entry {entry.key!r} ({entry.file} at {entry.offset}) does not match its "
+        f"checksum ({got} != {entry.checksum}): the copy or rebuild is damaged")
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],
@@ -251,15 +246,22 @@ def recv_into(group: Any, out: torch.Tensor, src: int, tag: int = 0) -> None:
         dist.recv(out, src, group=group, tag=tag)
 
 
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
+def chunk_spans(nbytes: int) -> list[tuple[int, int]]:
+    """The chunks [lo, hi) of budget.CHUNK bytes that ``nbytes`` are sent in."""
     return [(lo, min(lo + CHUNK, nbytes)) for lo in range(0, nbytes, CHUNK)]
+
+
+def send_chunks(group: Any, data: torch.Tensor, dst: int, tag: int = 0) -> list[Any]:
+    """Send ``data`` to rank ``dst`` in chunk_spans (received by post_recv) -> the works."""
+    return [dist.isend(data[lo:hi], dst, group=group, tag=tag)
+            for lo, hi in chunk_spans(data.numel())]
 
 
 def post_recv(group: Any, nbytes: int, src: int, tag: int = 0) -> tuple[torch.Tensor, list[Any]]:
     """Post the receives of ``nbytes`` from rank ``src``, sent by send_paced in chunks ->
     (the tensor they land in, the works to wait on)."""
     out = torch.empty(nbytes, dtype=torch.uint8)
-    return out, [dist.irecv(out[lo:hi], src, group=group, tag=tag) for lo, hi in _chunks(nbytes)]
+    return out, [dist.irecv(out[lo:hi], src, group=group, tag=tag) for lo, hi in chunk_spans(nbytes)]
 
 
 def send_paced(group: Any, sends: list[tuple[torch.Tensor, int, int]],
@@ -268,7 +270,7 @@ def send_paced(group: Any, sends: list[tuple[torch.Tensor, int, int]],
     ``budget`` allows it -> (dst, work) per chunk. The receivers posted post_recv first (two
     sends to one rank: told apart by their tags, each one's chunks in order)."""
     works = []
-    for lo, hi in _chunks(max((data.numel() for data, _dst, _tag in sends), default=0)):
+    for lo, hi in chunk_spans(max((data.numel() for data, _dst, _tag in sends), default=0)):
         for data, dst, tag in sends:
             piece = data[lo:min(hi, data.numel())]
             if piece.numel():

@@ -8,7 +8,9 @@ pieces a rank of the new job needs.
 - ``merged``: the entries as a rank of the new job takes them: one per distinct chunk (a
   replica once), per-rank values (differing between the old ranks) from the old rank
   ``per_rank_from`` names (StateMismatchError without it), every object;
-- ``needed``: of those, the ones that meet a region the rank's state holds.
+- ``needed``: of those, the ones that meet a region the rank's state holds, each with the
+  byte range of it the rank reads (``byte_range``: the rows it needs; ``sub_entry``: them as
+  an entry of their own).
 
 Owns: those rules. Does not own: reading, sending or writing (elastic.py), the regions a state
 holds (loading/resolve_regular.wanted_regions), the per-rank rule (loading/fill.source_rank).
@@ -16,18 +18,19 @@ holds (loading/resolve_regular.wanted_regions), the per-rank rule (loading/fill.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import StateMismatchError
 from ckptio.format.flatten import flatten
-from ckptio.format.types import Manifest, ObjectEntry
+from ckptio.format.types import Chunk, Manifest, ObjectEntry, TensorEntry
 from ckptio.loading.fill import selector, source_rank
 from ckptio.loading.resolve_regular import wanted_regions
 from ckptio.planning.reshard import intersect
 
 __all__ = ["Choice", "Found", "Held", "Regrowth", "Source", "item_id", "merged", "needed", "plan",
-           "regrowths"]
+           "regrowths", "sub_entry", "byte_range"]
 
 Source = tuple[str, int]  # ("own" | "copy", the rank that sends it)
 Found = list[Any]  # [step, old rank, old rank count, "own" | "copy"]
@@ -185,9 +188,10 @@ def merged(choice: Choice, rank: int, world: int, policy: Any) -> tuple[
 
 
 def needed(choice: Choice, kept: list[tuple[int, int]], state: Any,
-           keys: Any) -> list[tuple[int, int]]:
-    """The kept entries whose chunk meets a region this rank's state holds (a key the state
-    lacks: whole, so the load reports it as it would)."""
+           keys: Any) -> list[tuple[int, int, int, int]]:
+    """The kept entries whose chunk meets a region this rank's state holds, each as (old rank,
+    index, the byte range [lo, hi) of it the rank reads: ``byte_range``); a key the state
+    lacks: whole, so the load reports it as it would."""
     select = selector(keys)
     stored = {choice.manifests[k].tensors[i].key for k, i in kept}
     aliases = dict(choice.manifests[min(choice.manifests)].aliases)
@@ -199,8 +203,36 @@ def needed(choice: Choice, kept: list[tuple[int, int]], state: Any,
             continue
         want = wants.get(t.key)
         try:
-            if want is None or intersect(t.chunk, want) is not None:
-                out.append((k, i))
+            box = None if want is None else intersect(t.chunk, want)
         except ValueError:  # another number of dimensions: the load names the mismatch
-            out.append((k, i))
+            want = box = None
+        if want is None or box is not None:
+            lo, hi = byte_range(t, box, choice.manifests[k].block_nbytes)
+            out.append((k, i, lo, hi))
     return out
+
+
+def byte_range(t: TensorEntry, box: Chunk | None, block_nbytes: int) -> tuple[int, int]:
+    """The bytes of entry ``t`` a rank that reads ``box`` of its chunk (None: all) needs: the
+    rows (dim 0) of the chunk that ``box`` meets, whole rows, so they are a chunk of their own
+    (``sub_entry``); the whole entry where it is coded, permuted, a rank's own value, not a
+    tensor, or more than one block with no block checksums to check part of it against."""
+    whole = (0, t.extent_nbytes)
+    rows = t.chunk.sizes[0] if t.chunk.sizes else 0
+    if (box is None or t.kind != "tensor" or t.coded or t.order or t.rank is not None
+            or t.chunk.flat or not rows or t.nbytes % rows
+            or (t.nbytes > block_nbytes and not t.blocks)):
+        return whole
+    per, first = t.nbytes // rows, box.offsets[0] - t.chunk.offsets[0]
+    return first * per, (first + box.sizes[0]) * per
+
+
+def sub_entry(t: TensorEntry, lo: int, hi: int) -> TensorEntry:
+    """Bytes [lo, hi) of ``t`` (a ``byte_range`` of it: whole rows) as an entry of their own:
+    its chunk those rows; file, offset and checksums left to the caller."""
+    if (lo, hi) == (0, t.extent_nbytes):
+        return t
+    per = t.nbytes // t.chunk.sizes[0]
+    offsets = (t.chunk.offsets[0] + lo // per, *t.chunk.offsets[1:])
+    sizes = ((hi - lo) // per, *t.chunk.sizes[1:])
+    return dataclasses.replace(t, chunk=Chunk(offsets, sizes), nbytes=hi - lo)

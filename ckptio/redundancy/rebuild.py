@@ -3,37 +3,36 @@ and bring the missing ranks' copies into their memory first.
 
 Call order: ``recover(Context(...), own, anywhere)``, collective over the redundancy's gloo
 group, on every rank, before the load (the Guard, guard.py): an inventory of every rank, one
-plan made the same on every rank, the transfers, a verified install, a new plan where an item
-fails (``recover`` spells the steps out). Every byte goes through the memory tier's TreeStore
-(marks.py's layout).
+plan made the same on every rank (recovery_plan.py), the transfers, a verified install
+(landing.py: the step loaded next is offered from memory and written in the background), a new
+plan where an item fails (``recover`` spells the steps out).
 
-Owns: the inventory, the plan, the transfers of a restore and their verification. Does not own:
-the load itself and the fallback to slower tiers (managing/manager.py), placement (topology.py).
+Owns: the transfers of a restore and their verification. Does not own: the inventory and the
+plan (recovery_plan.py), the install (landing.py), the load itself and the fallback to slower
+tiers (managing/agreed.py), placement (topology.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.redundancy import marks, peers, stripes
-from ckptio.redundancy.marks import protected_steps
-from ckptio.redundancy.redundancy import Parity, Partners
+from ckptio.redundancy.landing import Landing, StreamCheck, now
+from ckptio.redundancy.recovery_plan import (Source, base_rounds, copy_id, describe_item, inventory,
+                                          parity_id, plan)
 from ckptio.redundancy.topology import Topology
+from ckptio.redundancy.redundancy import Parity, Partners
 
-__all__ = ["Context", "Recovery", "describe_item", "inventory", "plan", "recover"]
+__all__ = ["Context", "Recovery", "recover"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 16
-Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members, missing)
 COPY_TAG = 1  # a partner copy's chunks (the parity chains' tags: stripes.TAG_BASE on)
 
 
@@ -47,119 +46,8 @@ class Recovery:
     skipped: list[str] = field(default_factory=list)  # each item passed over, and why
     anywhere: list[list[int]] = field(default_factory=list)  # per rank: steps in any tier
     received: int = 0  # bytes of steps this rank received from peers (copies, parity sums)
-
-
-def inventory(root: marks.Root, rank: int, own: list[int],
-              anywhere: list[int]) -> dict[str, Any]:
-    """This rank's report (step 1)."""
-    held: dict[str, list[dict[str, Any]]] = {}
-    tree = marks.tree_of(root)
-    for step in protected_steps(tree, rank):
-        where, name = marks.held(tree, step), f"held-{marks.rank_name(rank)}.json"
-        try:
-            held[str(step)] = json.loads(where.read_file(name))["items"]
-        except (CkptError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ckptio: %s unreadable (%s): its copies are passed over",
-                        where.path_of(name), exc)
-    return {"own": sorted(own), "anywhere": sorted(anywhere), "held": held}
-
-
-def plan(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, bad: set[str],
-         only: int | None = None) -> tuple[int, dict[int, Source]] | None:
-    """Step 2: (step, source per rank), or None. ``only``: that step or none."""
-    steps = sorted({s for inv in invs for s in inv["own"]}, reverse=True)
-    steps = [s for s in steps if only is None or s == only]
-    for step in steps:
-        sources = {r: _source(invs, topo, spec, bad, r, step) for r in range(len(invs))}
-        if all(s is not None and all(_source(invs, topo, spec, bad, r, b) is not None
-                                     for b in _bases(invs, r, step, s))
-               for r, s in sources.items()):
-            return step, sources  # type: ignore[return-value]
-    return None
-
-
-def _bases(invs: list[dict[str, Any]], rank: int, step: int, src: Source) -> list[int]:
-    """The bases of ``rank``'s ``step`` where it comes from a copy or parity (a delta step:
-    its base comes back first, rebuilt the same way); [] for its own memory."""
-    if src[0] == "own":
-        return []
-    holders = [src[1]] if src[0] == "copy" else [m for m in src[2] if m not in src[3]]
-    for holder in holders:
-        for item in invs[holder]["held"].get(str(step), []):
-            if item["kind"] == "copy" and item["rank"] == rank:
-                return list(item.get("bases", []))
-            if item["kind"] == "parity" and str(rank) in item.get("bases", {}):
-                return list(item["bases"][str(rank)])
-    return []
-
-
-def _base_rounds(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
-                 bad: set[str], step: int,
-                 sources: dict[int, Source]) -> list[tuple[int, dict[int, Source]]]:
-    """(base step, sources) for each base the ranks rebuilt at ``step`` need, oldest first."""
-    needs: dict[int, list[int]] = {}
-    for r, src in sources.items():
-        for b in _bases(invs, r, step, src):
-            needs.setdefault(b, []).append(r)
-    rounds = []
-    for b, ranks in sorted(needs.items()):
-        found: dict[int, Source] = {r: ("own",) for r in range(len(invs))}
-        found.update({r: _source(invs, topo, spec, bad, r, b) for r in ranks})  # type: ignore
-        if any(src[0] != "own" for src in found.values()):
-            rounds.append((b, found))
-    return rounds
-
-
-def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity, bad: set[str],
-            rank: int, step: int) -> Source | None:
-    if _has_own(invs, bad, rank, step):
-        return ("own",)
-    def items(holder: int) -> list[dict[str, Any]]:
-        return invs[holder]["held"].get(str(step), [])
-
-    if isinstance(spec, Partners):
-        for holder in topo.partners(rank, spec.n):
-            if (any(i["kind"] == "copy" and i["rank"] == rank for i in items(holder))
-                    and _copy_id(holder, rank, step) not in bad):
-                return ("copy", holder)
-        return None
-    host, local = topo.host_of(rank), topo.local_of(rank)
-    group = topo.group_of(host, spec.k, spec.m)
-    members = [topo.rank_at(h, local) for h in topo.groups(spec.k, spec.m)[group]]
-    missing = [m for m in members if not (  # its own step and its parity piece, both good
-        _has_own(invs, bad, m, step) and _parity_id(m, group, local, step) not in bad
-        and any(i["kind"] == "parity" and i["group"] == group and i["local"] == local
-                for i in items(m)))]
-    if len(missing) > spec.m:
-        return None
-    return ("parity", group, members, missing)
-
-
-def _has_own(invs: list[dict[str, Any]], bad: set[str], rank: int, step: int) -> bool:
-    return step in invs[rank]["own"] and f"own:r{rank}:s{step}" not in bad
-
-
-def _copy_id(holder: int, rank: int, step: int) -> str:
-    return f"copy:r{holder}:of{rank}:s{step}"
-
-
-def _parity_id(holder: int, group: int, local: int, step: int) -> str:
-    return f"parity:r{holder}:g{group}:l{local}:s{step}"
-
-
-def describe_item(item: str, topo: Topology) -> str:
-    """``copy:r1:of3:s4`` -> readable words for messages."""
-    kind, *fields = item.split(":")
-    parts = {m.group(1): m.group(2) for f in fields if (m := re.match(r"([a-z]+)(\d+)$", f))}
-    if kind == "copy":
-        holder = int(parts["r"])
-        return (f"the partner copy of rank {parts['of']}, step {parts['s']}, held by rank "
-                f"{holder} on {topo.describe(topo.host_of(holder))}")
-    if kind == "parity":
-        holder = int(parts["r"])
-        return (f"the parity piece of group {parts['g']} (local rank {parts['l']}), step "
-                f"{parts['s']}, held by rank {holder} on {topo.describe(topo.host_of(holder))}")
-    return f"rank {parts['r']}'s own memory copy of step {parts['s']}"
+    landed: str | None = None  # where this rank's step lies in memory for the load (landing.py)
+    pending: list[Landing] = field(default_factory=list)  # background writes: Guard settles
 
 
 # ------------------------------------------------------------------ the collective
@@ -177,6 +65,7 @@ class Context:
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
     received: int = 0  # bytes this rank received in the restore's transfers (stat)
+    landings: list[Landing] = field(default_factory=list)  # this rank's, newest last
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
@@ -196,9 +85,12 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            against the digest it recorded; a partner copy is sent whole, a rank rebuilt from
            parity receives only its own pieces, each summed along its stripe's survivors
            (stripes.py). The receiver **checks every entry against the original's manifest**
-           in memory (peers.check_stream; where its manifest needs more, Checkpointer.verify
+           in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
            of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
-           it to its ``step-N`` (Store.move_to: one rename). A delta step rebuilt so needs its
+           it to its ``step-N`` (Store.move_to: one rename); the step the load takes next, where
+           the in-memory check was all, is offered to the load from memory and written so in
+           the background instead (landing.py: ``Recovery.landed``, the Guard settles
+           ``Recovery.pending`` before the tier is used again). A delta step rebuilt so needs its
            base: the base is brought back first, the same way (the protection keeps a
            protected delta's base's: protect.py). A rank gone during the transfers:
            RankFailedError on the others (torch.distributed's error, named).
@@ -221,7 +113,9 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
             f"within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and "
             "every step in memory is kept: restart the job (the restore is made again with "
             "the ranks alive then)") from exc
-    result.received = ctx.received
+    result.received, result.pending = ctx.received, ctx.landings
+    landed = [each for each in ctx.landings if each.step == result.step]
+    result.landed = landed[-1].location if landed and result.step is not None else None
     return result
 
 
@@ -251,17 +145,19 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
              sources: dict[int, Source]) -> dict[str, str]:
     """Steps 3 for ``step``, its bases first where a rank rebuilds a delta step -> {bad item:
     why}, as every rank saw them (the same on every rank)."""
-    rounds = [*_base_rounds(invs, ctx.topology, ctx.spec, bad, step, sources), (step, sources)]
+    rounds = [*base_rounds(invs, ctx.topology, ctx.spec, bad, step, sources), (step, sources)]
     for each, each_sources in rounds:
         merged: dict[str, str] = {}
-        for part in peers.all_gather_json(ctx.group, _transfer(ctx, each, each_sources)):
+        later = each == step  # the step loaded next: written while it loads (landing.py)
+        for part in peers.all_gather_json(ctx.group, _transfer(ctx, each, each_sources, later)):
             merged.update(part)
         if merged:
             return merged
     return {}
 
 
-def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, str]:
+def _transfer(ctx: Context, step: int, sources: dict[int, Source],
+              later: bool = False) -> dict[str, str]:
     """Step 3 for ``step``; -> {bad item: why} as seen on this rank. Each holder reads its
     items and checks its blocks; the metadata are gathered (any item bad: nothing moves); a
     partner copy is sent whole to its rank, a rank rebuilt from parity receives only its own
@@ -270,12 +166,12 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     sends: list[tuple[int, int, str]] = []  # (sender, receiver, item) in one order everywhere
     for r, src in sorted(sources.items()):
         if src[0] == "copy":
-            sends.append((src[1], r, _copy_id(src[1], r, step)))
+            sends.append((src[1], r, copy_id(src[1], r, step)))
         elif src[0] == "parity":
             local = ctx.topology.local_of(r)
             for m in src[2]:
                 if m not in src[3]:
-                    sends += [(m, r, _parity_id(m, src[1], local, step)),
+                    sends += [(m, r, parity_id(m, src[1], local, step)),
                               (m, r, f"own:r{m}:s{step}")]
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
@@ -291,38 +187,48 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source]) -> dict[str, 
     if failures:
         return failures  # alike on every rank: the plan is made again, nothing moved
     copies = [(s, r, i) for s, r, i in sends if i.startswith("copy:")]
-    works = [peers.send(ctx.group, payload[i], r, COPY_TAG) for s, r, i in copies
-             if s == ctx.rank]
-    got = {i: _post_recv(ctx, metas[i]["nbytes"], s) for s, r, i in copies if r == ctx.rank}
+    works = [w for s, r, i in copies if s == ctx.rank
+             for w in peers.send_chunks(ctx.group, payload[i], r, COPY_TAG)]
+    got = {i: peers.post_recv(ctx.group, metas[i]["nbytes"], s, COPY_TAG)
+           for s, r, i in copies if r == ctx.rank}
     ctx.received += sum(metas[i]["nbytes"] for i in got)
     chains, out = _chains(ctx, step, sources, metas)
-    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
-                          out)
-    ctx.received += outcome.received
-    for work in [w for _data, ws in got.values() for w in ws] + works:
-        if work is not None:
-            work.wait()
-    if outcome.error is not None:
-        src = sources[next(c.receiver for c in chains if ctx.rank in (t.rank for t in c.terms))]
-        failures[_parity_id(ctx.rank, src[1], ctx.topology.local_of(ctx.rank), step)] = (
-            f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     src = sources[ctx.rank]
+    data = next(iter(got.values()))[0] if got else out
+    check, broken = None, None
+    if src[0] != "own" and data is not None:
+        try:  # hashed as it lands (landing.StreamCheck)
+            check = StreamCheck(_meta(ctx, step, src, metas)["manifest"].encode(),
+                                _files(ctx, step, src, metas), data,
+                                marks.tree_of(ctx.own_dir(step)).location)
+        except CkptError as exc:  # said as this item's failure once the transfers are done
+            broken = exc
+    outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
+                          out, landed=None if check is None else check.landed)
+    ctx.received += outcome.received
+    for _data, chunk_works in got.values():
+        for (lo, hi), work in zip(peers.chunk_spans(int(_data.numel())), chunk_works):
+            work.wait()
+            if check is not None:
+                check.landed(lo, hi)
+    for work in works:
+        work.wait()
+    if outcome.error is not None:
+        summed = sources[next(c.receiver for c in chains
+                              if ctx.rank in (t.rank for t in c.terms))]
+        failures[parity_id(ctx.rank, summed[1], ctx.topology.local_of(ctx.rank), step)] = (
+            f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     if src[0] != "own" and not failures:
         item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
-            data = next(iter(got.values()))[0] if src[0] == "copy" else out
-            assert data is not None  # internal: a receiver of parity has its out
-            _install(ctx, step, src, metas, data)
+            if broken is not None:
+                raise broken
+            assert data is not None and check is not None  # internal: a receiver has both
+            _install(ctx, step, src, metas, data, later, check)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
             # next gather, up to step_timeout_s); its type and text travel in the reason
             failures[item] = f"{type(exc).__name__}: {exc}"
     return failures
-
-
-def _post_recv(ctx: Context, nbytes: int, src: int) -> tuple[torch.Tensor, list[Any]]:
-    """A partner copy's receive, posted (sent whole by peers.send)."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    return out, [dist.irecv(out, src, group=ctx.group, tag=COPY_TAG)] if nbytes else []
 
 
 def _chains(ctx: Context, step: int, sources: dict[int, Source],
@@ -347,7 +253,7 @@ def _info(ctx: Context, step: int, src: Source, rank: int, metas: dict[str, Any]
     """The JSON of a surviving block of ``rank``'s parity group (its members' manifests)."""
     local = ctx.topology.local_of(rank)
     holder = next(m for m in src[2] if m not in src[3])
-    return metas[_parity_id(holder, src[1], local, step)]["info"]
+    return metas[parity_id(holder, src[1], local, step)]["info"]
 
 
 def _member(info: Any, rank: int) -> Any:
@@ -383,25 +289,34 @@ def _read_item(ctx: Context, item: str, step: int) -> tuple[dict[str, Any], torc
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, None
 
 
-def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
-             data: torch.Tensor) -> None:
-    """Write this rank's step (a copy's bytes, or rebuilt from parity) as ``step-N``, verified
-    first: its entries' checksums checked in memory (peers.check_stream), or, where its manifest
-    needs more, the written step verified (Checkpointer.verify) before it is moved in place."""
+def _meta(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> Any:
+    """What this rank's received step is (its manifest, files, bytes)."""
     if src[0] == "copy":
-        meta = metas[_copy_id(src[1], ctx.rank, step)]
-    else:
-        meta = _member(_info(ctx, step, src, ctx.rank, metas), ctx.rank)
-    manifest, files = meta["manifest"].encode(), meta["files"]
+        return metas[copy_id(src[1], ctx.rank, step)]
+    return _member(_info(ctx, step, src, ctx.rank, metas), ctx.rank)
+
+
+def _files(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(str(n), int(b)) for n, b in _meta(ctx, step, src, metas)["files"]]
+
+
+def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
+             data: torch.Tensor, later: bool, check: StreamCheck) -> None:
+    """Install this rank's step (a copy's bytes, or rebuilt from parity), its entries'
+    checksums checked in memory as they landed (``check``): ``later`` and nothing more to
+    verify, offered to the load from memory while it is written (landing.Landing); else
+    written, verified where its manifest needs more (Checkpointer.verify), moved in place."""
+    manifest, files = _meta(ctx, step, src, metas)["manifest"].encode(), _files(
+        ctx, step, src, metas)
     final = marks.tree_of(ctx.own_dir(step))  # r<rank>/step-N under the root
     # beside its step: a delta step's bases (siblings) resolve when it is verified
     scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
         marks.rebuild_name(step))
-    try:
-        checked = peers.check_stream(manifest, [tuple(f) for f in files], data, final.location)
-        peers.write_checkpoint(scratch, manifest, [tuple(f) for f in files], data)
-        if not checked:
-            ctx.verify(scratch.location)
-        scratch.move_to(final)
-    finally:
-        scratch.remove_tree()
+    checked = check.checked()
+    for earlier in ctx.landings:  # a round passed over: its write ends before another starts
+        earlier.settle()
+    ctx.landings.clear()
+    if later and checked:
+        ctx.landings.append(Landing(step, final, scratch, manifest, files, data))
+    else:
+        now(final, scratch, manifest, files, data, checked, ctx.verify)

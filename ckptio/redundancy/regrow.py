@@ -9,18 +9,20 @@ skipped)`` from elastic.Restart, with the restart's survey of pieces:
 1. survey: the first rank of each host lists the parity blocks its host holds;
 2. plan (pieces.regrowths, pure): the newest step of another rank count that misses pieces,
    each rebuildable (at most m positions of its group lost), newer than any whole step;
-3. per rebuild: each holder of a member's piece sends it, each holder of a block checks it
-   against the digest recorded when it was encoded and sends it; the receiver decodes the lost
-   piece (erasure.member) and commits it as ``.redundancy/step-N/copy-r<old rank>`` (the
-   restart checks every entry it reads against its checksum, and the load checks the rest);
+3. per rebuild: each holder of a member's piece maps it, each holder of a block checks it
+   against the digest recorded when it was encoded; the lost piece is summed along its
+   stripes' survivors (stripes.py's chains, planned over the group's positions), so the
+   receiver gets the piece's length only, and commits it as ``.redundancy/step-N/copy-r<old
+   rank>`` (the restart checks every range it reads against its checksums, the load the rest);
 4. a rebuild that fails is named in ``skipped`` and passed over (an older step, or none).
 
 Owns: the parity survey and the rebuild's exchange. Does not own: the plan (pieces.py), the
-code (erasure.py), the restart (elastic.py), the names on each host (marks.py).
+chains and the code (stripes.py, erasure.py), the restart (elastic.py), the names (marks.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -28,14 +30,13 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError
-from ckptio.redundancy import erasure, marks, peers
+from ckptio.redundancy import marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
 
 __all__ = ["regrow"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 8
-BLOCK_TAG = 1
 
 
 def survey_blocks(root: str, first: bool) -> list[Held]:
@@ -55,21 +56,24 @@ def survey_blocks(root: str, first: bool) -> list[Held]:
     return found
 
 
-def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> bool:
-    """Steps 1-4 (collective; ``ctx``: elastic.Context) -> whether a piece was rebuilt (the
-    caller surveys again)."""
+def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> tuple[bool, int]:
+    """Steps 1-4 (collective; ``ctx``: elastic.Context) -> (whether a piece was rebuilt: the
+    caller surveys again, the bytes this rank received)."""
     topo = ctx.topology
     first = topo.hosts[topo.host_of(ctx.rank)][0] == ctx.rank
     blocks = peers.all_gather_json(ctx.group, survey_blocks(ctx.root, first))
     bad: set[str] = set()
+    received = 0
     for _ in range(MAX_ROUNDS):
         chosen = regrowths(reports, blocks, ctx.world, bad, None)
         if chosen is None:
-            return False
+            return False, received
         step, todo = chosen
         for task in todo:
+            mine, got = _rebuild(ctx, task)
+            received += got
             failures: dict[str, str] = {}
-            for part in peers.all_gather_json(ctx.group, _rebuild(ctx, task)):
+            for part in peers.all_gather_json(ctx.group, mine):
                 failures.update(part)
             if failures:
                 why = "; ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
@@ -79,47 +83,55 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> bool:
                 bad.add(f"regrow:r{task.rank}:s{step}")
                 break
         else:
-            return True
-    return False
+            return True, received
+    return False, received
 
 
-def _rebuild(ctx: Any, task: Regrowth) -> dict[str, str]:
-    """Step 3 for one lost piece -> {item: why} as this rank saw it."""
+def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int]:
+    """Step 3 for one lost piece -> ({item: why} as this rank saw it, the bytes it received).
+    Each holder maps its member's piece and reads its block; the lost piece is summed along
+    its stripes' survivors (stripes.py: the chains of the same-world rebuild), the receiver
+    getting the piece's length only."""
     mine: dict[str, Any] = {}
     payload: dict[str, torch.Tensor] = {}
     for j in sorted(task.pieces):
         if task.pieces[j][1] == ctx.rank:
-            mine[f"piece {j}"], payload[f"piece {j}"] = _read_piece(ctx, task, j)
+            mine[f"piece {j}"], payload[f"data:{j}"] = _read_piece(ctx, task, j)
         if task.blocks[j] == ctx.rank:
-            mine[f"block {j}"], payload[f"block {j}"] = _read_block(ctx, task, j)
+            mine[f"block {j}"], payload[f"block:{j}"] = _read_block(ctx, task, j)
     metas: dict[str, Any] = {}
     for part in peers.all_gather_json(ctx.group, mine):
         metas.update(part)
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
-        return failures
-    works = [peers.send(ctx.group, data, task.receiver, BLOCK_TAG if item[0] == "b" else 0)
-             for item, data in sorted(payload.items()) if ctx.rank != task.receiver]
-    received = {}
-    if ctx.rank == task.receiver:
-        received = {item: payload[item] if _sender(task, item) == ctx.rank else
-                    peers.recv(ctx.group, metas[item]["nbytes"], _sender(task, item),
-                               BLOCK_TAG if item[0] == "b" else 0) for item in sorted(metas)}
-    for work in works:
-        if work is not None:
-            work.wait()
-    if ctx.rank != task.receiver:
-        return {}
+        return failures, 0
+    info = next(meta for item, meta in metas.items() if item.startswith("block"))
+    lost = info["lost"]
+    out = torch.empty(lost["nbytes"], dtype=torch.uint8) if ctx.rank == task.receiver else None
+    outcome = stripes.run(ctx.group, ctx.rank, _chains(task, info), payload.__getitem__, out)
+    if outcome.error is not None:
+        return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received
+    if out is None:
+        return {}, outcome.received
     try:
-        _install(ctx, task, metas, received)
+        _install(ctx, task, lost, out)
     except (CkptError, OSError) as exc:
-        return {"the rebuilt piece": f"{type(exc).__name__}: {exc}"}
-    return {}
+        return {"the rebuilt piece": f"{type(exc).__name__}: {exc}"}, outcome.received
+    return {}, outcome.received
 
 
-def _sender(task: Regrowth, item: str) -> int:
-    kind, j = item.split()
-    return task.pieces[int(j)][1] if kind == "piece" else task.blocks[int(j)]
+def _chains(task: Regrowth, info: dict[str, Any]) -> list[stripes.Chain]:
+    """The chains that rebuild the lost piece (alike on every rank): planned over the group's
+    positions, each term then taken by the rank holding that position's piece ("data:<j>") or
+    block ("block:<j>"), the result sent to the receiver."""
+    n = len(task.members)
+    me = task.members.index(task.rank)
+    chains = stripes.plan(list(range(n)), task.lost, me, task.m, info["piece"] or info["nbytes"],
+                          info["lost"]["nbytes"])
+    return [dataclasses.replace(chain, receiver=task.receiver, terms=tuple(
+        dataclasses.replace(t, kind=f"{t.kind}:{t.rank}", rank=(
+            task.pieces[t.rank][1] if t.kind == "data" else task.blocks[t.rank]))
+        for t in chain.terms)) for chain in chains]
 
 
 def _read_piece(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch.Tensor]:
@@ -129,7 +141,7 @@ def _read_piece(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch
     store = (tree.child(marks.rank_name(old)).child(f"step-{task.step}") if kind == "own" else
              marks.held(tree, task.step).child(marks.copy_name(old)))
     try:
-        stream = peers.read_stream(store)
+        stream = peers.map_stream(store)
     except CkptError as exc:
         return {"ok": False, "why": f"{type(exc).__name__}: {exc}"}, torch.empty(0)
     return {"ok": True, "nbytes": int(stream.data.numel())}, stream.data
@@ -148,15 +160,9 @@ def _read_block(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch
             "lost": lost}, block
 
 
-def _install(ctx: Any, task: Regrowth, metas: dict[str, Any],
-             received: dict[str, torch.Tensor]) -> None:
-    """Decode the lost piece and commit it as its partner copy would be."""
-    info = next(meta for item, meta in metas.items() if item.startswith("block"))
-    p, lost = info["piece"] or info["nbytes"], info["lost"]
-    blocks = {int(i.split()[1]): t for i, t in received.items() if i.startswith("block")}
-    shards = {int(i.split()[1]): t for i, t in received.items() if i.startswith("piece")}
-    data = erasure.member(len(task.members), task.m, p, task.members.index(task.rank),
-                          task.lost, blocks, shards)[:lost["nbytes"]]
+def _install(ctx: Any, task: Regrowth, lost: dict[str, Any], data: torch.Tensor) -> None:
+    """Commit the rebuilt piece as its partner copy would be (the restart checks every entry
+    it reads against its checksum)."""
     held = marks.held(ctx.root, task.step)
     scratch = held.child(f".regrow-{marks.copy_name(task.rank)}")
     try:

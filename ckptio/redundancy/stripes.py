@@ -116,11 +116,14 @@ class Outcome:
 
 
 def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tensor | None,
-        base_tag: int = TAG_BASE) -> Outcome:
+        base_tag: int = TAG_BASE, landed: Callable[[int, int], None] | None = None) -> Outcome:
     """Run this rank's share of ``chains`` (all of the round's, alike on every rank): its terms'
     sums passed on, and, where it is a receiver, its pieces received into ``out`` (its step's
     bytes). A failure of this rank's own sum is recorded (``Outcome.error``) and the chunk
-    passed on as it is, so no rank waits for it; the receiver's check finds the piece wrong."""
+    passed on as it is, so no rank waits for it; the receiver's check finds the piece wrong.
+    A link from this rank to itself (two terms, or the last term and the receiver, on one
+    rank) hands the chunk over in memory. ``landed(lo, hi)``: told of each range of ``out``
+    received, as it lands (in the order the senders send)."""
     outcome = Outcome()
     posted = _post(group, rank, chains, out, base_tag, outcome)
     sends: list[Any] = []
@@ -132,28 +135,44 @@ def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tenso
                     continue
                 lo, hi = spans[q]
                 data = part(term.kind)[term.offset:]
-                chunk = _sum(posted.pop((c, q), None), data, term.coefficient, lo, hi, outcome)
-                dst = (chain.terms[t + 1].rank if t + 1 < len(chain.terms) else chain.receiver)
-                sends.append(dist.isend(chunk, dst, group=group, tag=base_tag + c))
-    for _buf, work in posted.values():  # the pieces this rank receives as a receiver
-        work.wait()
+                chunk = _sum(posted.pop((c, q, t), None), data, term.coefficient, lo, hi,
+                             outcome)
+                last = t + 1 == len(chain.terms)
+                dst = chain.receiver if last else chain.terms[t + 1].rank
+                if dst != rank:
+                    sends.append(dist.isend(chunk, dst, group=group, tag=base_tag + c))
+                elif last:
+                    assert out is not None  # internal: a receiver has its step's bytes
+                    out[chain.offset + lo:chain.offset + hi].copy_(chunk)
+                    if landed is not None:
+                        landed(chain.offset + lo, chain.offset + hi)
+                else:  # a copy: the chunk may be this rank's own bytes, left as they are
+                    posted[(c, q, t + 1)] = (chunk.clone(), None)
+    for c, q, t in sorted(posted, key=lambda k: (k[1], k[0])):  # as the senders send them
+        if t == -1:  # a piece this rank receives as a receiver
+            posted[(c, q, t)][1].wait()
+            if landed is not None:
+                lo, hi = _chunks(chains[c].length)[q]
+                landed(chains[c].offset + lo, chains[c].offset + hi)
     for work in sends:
         work.wait()
     return outcome
 
 
-Posted = dict[tuple[int, int], tuple[torch.Tensor, Any]]  # (chain, chunk) -> (buffer, work)
+# (chain, chunk, term that adds to it; -1: the receiver) -> (buffer, work; None: at hand)
+Posted = dict[tuple[int, int, int], tuple[torch.Tensor, Any]]
 
 
 def _post(group: Any, rank: int, chains: list[Chain], out: torch.Tensor | None, base_tag: int,
           outcome: Outcome) -> Posted:
     """Every receive of this rank posted, before any send: the sums it adds to (a buffer of
-    its own each) and its own pieces (into ``out``)."""
+    its own each) and its own pieces (into ``out``); none from itself."""
     posted: Posted = {}
     for c, chain in enumerate(chains):
         for t in range(1, len(chain.terms) + 1):
             last = t == len(chain.terms)
-            if (chain.receiver if last else chain.terms[t].rank) != rank:
+            src = chain.terms[t - 1].rank
+            if (chain.receiver if last else chain.terms[t].rank) != rank or src == rank:
                 continue
             if last:
                 assert out is not None  # internal: a receiver has its step's bytes
@@ -161,21 +180,24 @@ def _post(group: Any, rank: int, chains: list[Chain], out: torch.Tensor | None, 
             else:
                 buf = torch.empty(chain.length, dtype=torch.uint8)
             for q, (lo, hi) in enumerate(_chunks(chain.length)):
-                posted[(c, q)] = (buf, dist.irecv(buf[lo:hi], chain.terms[t - 1].rank,
-                                                  group=group, tag=base_tag + c))
+                posted[(c, q, -1 if last else t)] = (buf, dist.irecv(
+                    buf[lo:hi], src, group=group, tag=base_tag + c))
                 outcome.received += hi - lo
     return posted
 
 
 def _sum(got: tuple[torch.Tensor, Any] | None, data: torch.Tensor, c: int, lo: int, hi: int,
          outcome: Outcome) -> torch.Tensor:
-    """Chunk [lo, hi) of what arrived (None: this rank starts the chain) plus ``c`` times this
-    rank's part (shorter where its shard ends: zeros beyond)."""
+    """Chunk [lo, hi) of what arrived (None: this rank starts the chain; a work of None: the
+    chunk itself, handed over by this rank) plus ``c`` times this rank's part (shorter where
+    its shard ends: zeros beyond)."""
     mine = data[min(lo, data.numel()):min(hi, data.numel())]
     if got is None:
         if c == 1 and mine.numel() == hi - lo:
             return mine  # sent as it is: no copy
         acc = torch.zeros(hi - lo, dtype=torch.uint8)
+    elif got[1] is None:
+        acc = got[0]
     else:
         buf, work = got
         work.wait()

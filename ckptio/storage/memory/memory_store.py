@@ -63,7 +63,7 @@ class HostMemory:
 
     def __init__(self) -> None:
         self.lock = threading.Condition()  # guards everything below; claims wait on it
-        self.files: dict[str, bytearray | bytes] = {}
+        self.files: dict[str, bytearray | bytes | memoryview] = {}
         self.locations: set[str] = set()  # prepared (or claimed) locations, even empty ones
         self.commits: dict[str, int] = {}  # location -> manifests committed there so far
         self.claims: dict[str, MemoryClaim] = {}
@@ -269,6 +269,14 @@ class MemoryStore:
             HOST.locations.add(self.location)
             HOST.files[path] = bytes(data)
 
+    def adopt_file(self, name: str, data: memoryview) -> None:
+        """Create file ``name`` as ``data`` itself, not a copy (bytes received in place: the
+        caller leaves them unchanged while the file exists)."""
+        path = self.path_of(name)
+        with HOST.lock:
+            HOST.locations.add(self.location)
+            HOST.files[path] = data
+
     def read_into(self, name: str, into: memoryview, offset: int = 0) -> int:
         path = self.path_of(name)
         with HOST.lock:
@@ -318,7 +326,7 @@ def _holder() -> str:
 
 @dataclass
 class _Open:
-    data: bytearray | bytes
+    data: bytearray | bytes | memoryview
     writable: bool
 
 

@@ -1,0 +1,149 @@
+"""A lost rank's step, received from its peers in a same-world recovery (rebuild.py), installed
+into its memory tier: checked in memory as its chunks land (``StreamCheck``), then either
+written before the load (``now``) or offered to the load from this process's memory while it
+is written in the background (``later``).
+
+- ``now``: written into ``r<rank>/.rebuild-step-N``, verified there where its manifest needs
+  more than the in-memory check (compressed or delta entries, bases: Checkpointer.verify), then
+  moved to ``step-N`` (one rename); a delta step's bases and every step but the one the
+  recovery lands on go this way;
+- ``later``: the bytes received are adopted (no copy) as a checkpoint of this process's memory
+  (``mem://``) that the load reads, and a thread writes them into ``.rebuild-step-N`` and moves
+  it to ``step-N``; ``Landing.settle`` joins it (the Guard calls it before anything else reads or
+  writes the tier: the next restore, save, wait or close) and raises its error, once.
+
+Owns: the fused check, the install and the background write. Does not own: the transfers and
+the plan (rebuild.py, stripes.py), which entries a stream's checksums cover (peers.py), the
+load (managing/agreed.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptio.alignment import merged
+from ckptio.errors import CorruptCheckpointError, StorageIOError
+from ckptio.format import checksum
+from ckptio.format import manifest as manifest_format
+from ckptio.storage.memory.memory_store import MemoryStore
+from ckptio.storage.store_contract import TreeStore, new_save_id
+from ckptio.redundancy import peers
+
+__all__ = ["Landing", "StreamCheck", "now"]
+
+
+class StreamCheck:
+    """A received step's entries checked against their checksums, fused with the receive:
+    each entry hashed as its bytes land (``landed``, in any order; each entry's bytes hashed
+    once, in order, as far as they are there), so the check ends with the last chunk. ``checked()``: whether every entry
+    was checked (False where the manifest needs a full verify: peers.stream_entries);
+    CorruptCheckpointError naming an entry that differs."""
+
+    def __init__(self, manifest: bytes, files: list[tuple[str, int]], data: torch.Tensor,
+                 where: str) -> None:
+        self.where, self.data = where, data
+        self.entries = peers.stream_entries(manifest, files, where)
+        record = manifest_format.decode(manifest, where)
+        self.algorithm, self.block_nbytes = record.checksum_algorithm, record.block_nbytes
+        self.done = [0] * len(self.entries or [])  # bytes of each entry hashed so far
+        self.hashers: dict[int, checksum.BlockHasher] = {}
+        self.ranges: list[tuple[int, int]] = []
+        self.error: CorruptCheckpointError | None = None
+
+    def landed(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of the stream are in ``data``: hash what that completes."""
+        if self.entries is None or hi <= lo:
+            return
+        self.ranges = merged(sorted([*self.ranges, (lo, hi)]))
+        view = self.data.numpy().data.cast("B")
+        for n, (at, entry) in enumerate(self.entries):
+            start = at + self.done[n]
+            if self.done[n] == entry.nbytes or not self._has(start):
+                continue
+            end = min(at + entry.nbytes, self._end(start))
+            if end > start:
+                hasher = self.hashers.setdefault(
+                    n, checksum.BlockHasher(self.algorithm, self.block_nbytes))
+                hasher.update(view[start:end])
+                self.done[n] = end - at
+                if self.done[n] == entry.nbytes:
+                    got = self.hashers.pop(n).digests()[0]
+                    if got != entry.checksum and self.error is None:
+                        self.error = peers.stream_damage(self.where, entry, got)
+
+    def _has(self, point: int) -> bool:
+        return any(a <= point < b for a, b in self.ranges)
+
+    def _end(self, point: int) -> int:
+        return next((b for a, b in self.ranges if a <= point < b), point)
+
+    def checked(self) -> bool:
+        """Every entry hashed and matched -> True; False: the manifest needs a full verify;
+        CorruptCheckpointError: an entry differs (or never landed whole)."""
+        if self.entries is None:
+            return False
+        if self.error is not None:
+            raise self.error
+        short = next((e for n, (_a, e) in enumerate(self.entries)
+                      if self.done[n] != e.nbytes), None)
+        if short is not None:
+            raise peers.stream_damage(self.where, short, "(not all of it received)")
+        return True
+
+
+def now(final: TreeStore, scratch: TreeStore, manifest: bytes, files: list[tuple[str, int]],
+        data: torch.Tensor, checked: bool, verify: Callable[[str], Any]) -> None:
+    """Write the step (checked in memory, or verified once written) and move it in place."""
+    try:
+        peers.write_checkpoint(scratch, manifest, files, data)
+        if not checked:
+            verify(scratch.location)
+        scratch.move_to(final)
+    finally:
+        scratch.remove_tree()
+
+
+class Landing:
+    """A checked step offered to the load from memory (``location``) while a thread writes it
+    into the memory tier (module docstring)."""
+
+    def __init__(self, step: int, final: TreeStore, scratch: TreeStore, manifest: bytes,
+                 files: list[tuple[str, int]], data: torch.Tensor) -> None:
+        self.step = step
+        self.memory = MemoryStore(f"mem://ckptio-landing/step-{step}-{new_save_id()}")
+        self.memory.prepare()
+        view = data.numpy().data.cast("B") if data.numel() else memoryview(bytearray())
+        at = 0
+        for name, nbytes in files:
+            self.memory.adopt_file(name, view[at:at + nbytes])
+            at += nbytes
+        self.memory.commit(manifest, new_save_id())
+        self.location = self.memory.location
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._write, args=(final, scratch, manifest, files, data),
+            name=f"ckptio-landing-step-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, final: TreeStore, scratch: TreeStore, manifest: bytes,
+               files: list[tuple[str, int]], data: torch.Tensor) -> None:
+        try:
+            now(final, scratch, manifest, files, data, True, lambda _where: None)
+        except BaseException as exc:  # noqa: BLE001 - stored, raised once by settle()
+            self._error = exc
+
+    def settle(self) -> None:
+        """Wait for the write; drop the in-memory copy; raise the write's error (once)."""
+        self._thread.join()
+        self.memory.remove_tree()
+        error, self._error = self._error, None
+        if error is not None:
+            raise StorageIOError(
+                f"step {self.step}, restored from peers and loaded, could not be written into "
+                f"this rank's memory tier ({type(error).__name__}: {error}): that tier lacks "
+                "it until the next save; free space there (or check the tier's directory) and "
+                "save again") from error

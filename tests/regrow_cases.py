@@ -1,0 +1,75 @@
+"""Rank functions of tests/test_redundancy_regrow.py (importable by name: ranks are forked from
+a clean forkserver): one rank per simulated host (tests/redundancy_cases.py's hosts), a state
+of one float32 tensor Shard(0) over every rank (an FSDP2 job's layout) large enough that its
+shards span several checksum blocks, saved and protected each step, then restored by a job of
+another number of ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import ckptio
+from tests.redundancy_cases import OPTS, _play_host, _tiers
+
+ROWS, COLS = 480, 4096  # 7.5 MiB: 4 ranks hold 120 rows each (2 blocks), 3 ranks 160
+ROW_NBYTES = COLS * 4
+
+
+def whole(step: int) -> torch.Tensor:
+    """The job's whole tensor after ``step`` steps (alike on every rank)."""
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0)) + step
+
+
+def _state(world: int, rank: int, step: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = whole(step).chunk(world)[rank].clone()
+    return {"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                    shape=torch.Size((ROWS, COLS)), stride=(COLS, 1)),
+            "step": step}
+
+
+def train(rank: int, world: int, base: str, disk: str, spec: str, steps: int) -> None:
+    """``steps`` steps, each saved and protected (the disk tier takes every second)."""
+    _play_host(rank, 1, base)
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    for step in range(1, steps + 1):
+        mgr.save(step, _state(world, rank, step))
+        mgr.protected()
+    mgr.close()
+
+
+def restore(rank: int, world: int, base: str, disk: str, spec: str,
+            victim: int = -1) -> dict[str, Any]:
+    """A restarted job restores into zeros -> the step, ``last_restore``, whether bitwise, or
+    the error (and whether the state was left untouched). ``victim``: that rank SIGKILLs
+    itself as it starts sending its pieces' bytes."""
+    _play_host(rank, 1, base)
+    if rank == victim:
+        from ckptio.redundancy import peers
+
+        def dies(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        peers.send = dies  # type: ignore[assignment]
+    state = _state(world, rank, 0)
+    state["w"].to_local().zero_()
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    started = time.monotonic()
+    try:
+        step = mgr.restore(state)
+    except ckptio.errors.CkptError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started,
+                "untouched": not state["w"].to_local().any().item() and state["step"] == 0}
+    finally:
+        mgr.close()
+    want = whole(step or 0).chunk(world)[rank]
+    return {"step": step, "state_step": state["step"], "how": mgr.last_restore, "error": None,
+            "bitwise": torch.equal(state["w"].to_local(), want)}
