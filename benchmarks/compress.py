@@ -322,7 +322,7 @@ def throughput(codec: compress_codecs.Codec, tensors: dict[str, torch.Tensor], t
 
 def spawn(args: argparse.Namespace, argv: list[str], store: str, rep: int) -> Run:
     cmd = [sys.executable, "-m", "benchmarks.compress", *argv, "--worker", store, "--rep", str(rep)]
-    return harness.spawn(cmd, timeout=args.timeout, strict=True)
+    return harness.spawn(cmd, timeout=args.timeout, strict=True, cwd=REPO_ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:

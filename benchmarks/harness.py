@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks import REPO_ROOT, worker_env
+from benchmarks import worker_env
 
 __all__ = ["Run", "cold", "command", "emit", "markdown_table", "repeat", "schedule", "spawn",
            "spread", "summarize", "worker_error"]
@@ -64,33 +64,34 @@ def command(module: str, *args: object) -> list[str]:
     return [sys.executable, "-m", module, "--worker", *(str(a) for a in args)]
 
 
-def worker_error(returncode: int, stderr: str) -> str:
-    """What went wrong in a worker that left no result: its exit and the last line of its
-    stderr (the exception, for a Python error), on one line."""
-    last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+def worker_error(returncode: int, stderr: str, lines: int = 1) -> str:
+    """What went wrong in a worker that left no result: its exit and the last ``lines`` lines of
+    its stderr (the last: the exception, for a Python error)."""
+    last = "\n".join([ln.rstrip() for ln in stderr.splitlines() if ln.strip()][-lines:])
     how = f"killed by signal {-returncode}" if returncode < 0 else f"exited {returncode}"
     return f"worker {how}: {last}" if last else f"worker {how} without a result or an error"
 
 
 def spawn(cmd: Sequence[str], *, timeout: float = 600, label: Run | None = None,
-          strict: bool = False, echo: int = 0, cwd: Path | None = None,
+          strict: bool = False, echo: int = 0, tail: int = 1, cwd: Path | None = None,
           env: dict[str, str] | None = None) -> Run:
-    """Run ``cmd`` in a fresh process (``worker_env()``, cwd the checkout) and return its last
+    """Run ``cmd`` in a fresh process (``worker_env()``, this cwd) and return its last
     JSON line on stdout, with ``label`` and the wall time (``wall_s``) added. A worker that
     leaves no result (a non-zero exit, a time-out) gives ``{**label, "error": ...}``, or
-    SystemExit with ``strict``. ``echo``: the last lines of its stderr passed on, indented."""
+    SystemExit with ``strict``, naming the last ``tail`` lines of its stderr. ``echo``: the
+    last lines of its stderr passed on, indented, whatever the outcome."""
     label = dict(label or {})
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              env=env or worker_env(), cwd=cwd or REPO_ROOT, check=False)
+                              env=env or worker_env(), cwd=cwd, check=False)
     except subprocess.TimeoutExpired:
         return _failed(label, f"timed out after {timeout} s", strict)
     for line in proc.stderr.strip().splitlines()[-echo:] if echo else ():
         print(f"    | {line}", file=sys.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines or (strict and proc.returncode != 0):
-        return _failed(label, worker_error(proc.returncode, proc.stderr), strict)
+        return _failed(label, worker_error(proc.returncode, proc.stderr, tail), strict)
     return {**label, **json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
 
 
