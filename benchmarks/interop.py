@@ -87,7 +87,7 @@ def setup_worker(args: argparse.Namespace) -> Run:
 def engine_worker(args: argparse.Namespace) -> Run:
     from benchmarks import engines as timing
     from benchmarks.interop_engines import ENGINES, EXPORT, LOAD, RUNNERS
-    from ckptio.tuning import ceiling, state
+    from ckptio.tuning import state
 
     importlib_prepare()
     engine, inputs = ENGINES[args.worker], inputs_of(args.dir)
@@ -96,7 +96,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
     shutil.rmtree(out, ignore_errors=True)
     run: Run = {"engine": engine.name, "part": engine.part, "rep": args.rep}
     if engine.part == EXPORT:
-        cache = ceiling.drop_page_cache([args.dir])
+        cache = harness.cold([args.dir])
         phase = timing.timed_phase(lambda: RUNNERS[engine.name](inputs, out), args.idle)
         ok = export_matches(out, digests["model"], set(digests["tied"]))
         nbytes = digests["model_bytes"]
@@ -105,7 +105,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
         dest = state.empty_destination(src)
         del src
         state.prefault(dest)
-        cache = ceiling.drop_page_cache([args.dir])
+        cache = harness.cold([args.dir])
         phase = timing.timed_phase(lambda: RUNNERS[engine.name](inputs, dest), args.idle)
         ok, nbytes = state.digest(dest) == digests["state"], digests["state_bytes"]
     else:

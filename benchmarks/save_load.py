@@ -100,7 +100,6 @@ def report_fields(report: object) -> object:
 
 
 def engine_worker(args: argparse.Namespace) -> Run:
-    from ckptio.tuning import ceiling
     from benchmarks import engines
     from ckptio.tuning import state
 
@@ -127,7 +126,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
     del src
     gc.collect()
     state.prefault(dest)  # a freshly built model is initialised: its pages exist before load
-    cache_drop = ceiling.drop_page_cache([work])
+    cache_drop = harness.cold([work])
     load = engines.timed_load(engine, ckpt, dest, args.idle)
     ok = state.digest(dest) == want
     files, on_disk, apparent = disk_usage(work)
