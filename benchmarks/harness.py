@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from benchmarks import worker_env
 
 __all__ = ["Run", "cold", "command", "emit", "markdown_table", "repeat", "schedule", "spawn",
-           "spread", "summarize", "worker_error"]
+           "spawn_ranks", "spread", "summarize", "worker_error"]
 
 Run = dict[str, Any]
 T = TypeVar("T")
@@ -93,6 +93,41 @@ def spawn(cmd: Sequence[str], *, timeout: float = 600, label: Run | None = None,
     if not lines or (strict and proc.returncode != 0):
         return _failed(label, worker_error(proc.returncode, proc.stderr, tail), strict)
     return {**label, **json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
+
+
+def spawn_ranks(cmd: Sequence[str] | Callable[[int], Sequence[str]], world: int, *,
+                env: dict[str, str] | None = None,
+                timeout: float = 600, strict: bool = False, tail: int = 1,
+                cwd: Path | None = None) -> list[Run]:
+    """``world`` fresh processes of ``cmd`` (or of ``cmd(rank)``), started together (a job's
+    ranks: RANK and LOCAL_RANK set in each one's ``env``, default ``worker_env()``), and each
+    one's result as
+    ``spawn`` reads it, in rank order. A time-out kills them all; a rank without a result is
+    ``{"rank": r, "error": ...}``, or SystemExit with ``strict``."""
+    base = env or worker_env()
+    procs = [subprocess.Popen(list(cmd(r) if callable(cmd) else cmd), cwd=cwd, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(world)]
+    runs: list[Run] = []
+    for r, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            runs += [{"rank": q, "error": f"timed out after {timeout} s"} for q in range(r, world)]
+            break
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if not lines or proc.returncode != 0:
+            runs.append({"rank": r, "error": worker_error(proc.returncode, err, tail)})
+        else:
+            runs.append(json.loads(lines[-1]))
+    failed = [run for run in runs if "error" in run]
+    if strict and failed:
+        raise SystemExit("\n".join(f"rank {run['rank']} failed: {run['error']}" for run in failed))
+    return runs
 
 
 def _failed(label: Run, error: str, strict: bool) -> Run:

@@ -62,3 +62,21 @@ def test_a_failed_worker_is_an_error_record_naming_its_exit_or_a_system_exit() -
 def test_spread_leaves_out_missing_values() -> None:
     assert harness.spread([3, None, 1, 2]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert harness.spread([None]) is None
+
+
+def test_ranks_start_together_each_with_its_rank(tmp_path) -> None:
+    # each rank waits for the other's file: they only finish if both run at once
+    code = ("import os, sys, time, json; d = sys.argv[1]; r = os.environ['RANK']; "
+            "open(os.path.join(d, r), 'w').close(); "
+            "[time.sleep(0.01) for _ in range(2000) if len(os.listdir(d)) < 2]; "
+            "print(json.dumps({'rank': int(r), 'local': int(os.environ['LOCAL_RANK']), "
+            "'saw': len(os.listdir(d))}))")
+    runs = harness.spawn_ranks([sys.executable, "-c", code, str(tmp_path)], 2, timeout=60)
+    assert runs == [{"rank": 0, "local": 0, "saw": 2}, {"rank": 1, "local": 1, "saw": 2}]
+    fail = [sys.executable, "-c", "import os; raise SystemExit(int(os.environ['RANK']) + 4)"]
+    assert harness.spawn_ranks(fail, 2) == [{"rank": 0, "error": "worker exited 4 without a "
+                                             "result or an error"},
+                                            {"rank": 1, "error": "worker exited 5 without a "
+                                             "result or an error"}]
+    with pytest.raises(SystemExit, match="rank 1 failed: worker exited 5"):
+        harness.spawn_ranks(fail, 2, strict=True)
