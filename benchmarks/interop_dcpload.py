@@ -212,12 +212,9 @@ def run_all(args: argparse.Namespace, sides: dict[str, Path], worlds: list[int])
     return runs
 
 
-def median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-
-
 def markdown(runs: list[Run], argv: list[str]) -> str:
+    from benchmarks import median  # the driver's: a worker may run another checkout's
+
     ceil = median([r["read_gbps"] for r in runs if r["engine"] == "ceiling" and "read_gbps" in r])
     lines = [f"`{shlex.join(['python', '-m', 'benchmarks.interop_dcpload', *argv])}`  ",
              (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; medians (min-max) of "
