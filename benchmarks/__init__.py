@@ -17,7 +17,8 @@ bench save-load/train/plan`` runs them from a checkout). Run them from the repos
     python -m benchmarks.reshard_plan                     # docs/BENCH_RANKS.md
 
 Each spawns fresh ``python -m benchmarks.X --worker ...`` processes with ``worker_env()``, which
-puts this checkout first on PYTHONPATH, so they work from any working directory.
+puts this checkout first on PYTHONPATH, so they work from any working directory; the spawning,
+repetitions, cold reads and spreads live in benchmarks/harness.py (docs/BENCHMARKING.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ import json
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +35,8 @@ from benchmarks import (
     REPO_ROOT,
     compress_codecs,
     compress_traj,
+    harness,
     shown_path,
-    worker_env,
     write_reports,
 )
 from benchmarks import compress_engines as ce
@@ -322,30 +321,19 @@ def throughput(codec: compress_codecs.Codec, tensors: dict[str, torch.Tensor], t
 
 
 def spawn(args: argparse.Namespace, argv: list[str], store: str, rep: int) -> Run:
-    cmd = [sys.executable, "-m", "benchmarks.compress", *argv, "--worker", store,
-           "--rep", str(rep)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
-                          timeout=args.timeout, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"worker {store} r{rep} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, "-m", "benchmarks.compress", *argv, "--worker", store, "--rep", str(rep)]
+    return harness.spawn(cmd, timeout=args.timeout, strict=True, cwd=REPO_ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
-        return 0
+        return harness.emit(worker(args))
     snaps, info = trajectories(args)
-    workers = []
-    for rep in range(args.reps):
-        stores = args.store_list if rep % 2 == 0 else args.store_list[::-1]
-        for store in stores:
-            t0 = time.perf_counter()
-            workers.append(spawn(args, argv, store, rep))
-            print(f"rep {rep} {store}: {time.perf_counter() - t0:.0f} s", file=sys.stderr,
-                  flush=True)
+    workers = harness.repeat(args.store_list, args.reps,
+                             lambda store, rep: spawn(args, argv, store, rep),
+                             lambda run, i, n: f"[{i}/{n}] {run['wall_s']:.0f} s")
     skipped = {f"{n} on {s}": why for s in args.store_list for n in args.engine_list
                if (why := ce.unavailable_reason(n, s))}
     result = {"command": "python -m benchmarks.compress " + shlex.join(argv), "runs": info,

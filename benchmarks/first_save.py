@@ -27,14 +27,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import engines, worker_env
+from benchmarks import engines, harness
 
 SAVES = 3
 MODES = ("sync", "async", "async_prepared", "job", "dcp_async", "dcp_async_staged")
@@ -199,26 +198,15 @@ def job(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dic
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)), flush=True)
-        return 0
+        return harness.emit(worker(args))
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; choose among {', '.join(MODES)}")
-    runs = []
     try:
-        for _rep in range(args.reps):
-            for mode in modes:
-                cmd = [sys.executable, "-m", "benchmarks.first_save", "--worker", mode,
-                       "--gb", repr(args.gb), "--dir", str(args.dir),
-                       "--pause", repr(args.pause)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(),
-                                      timeout=900)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-                if proc.returncode or not lines:
-                    raise SystemExit(f"worker {mode} failed: {proc.stderr[-2000:]}")
-                runs.append(json.loads(lines[-1]))
-                print(lines[-1], file=sys.stderr, flush=True)
+        runs = harness.repeat(modes, args.reps, lambda mode, _rep: harness.spawn(
+            harness.command("benchmarks.first_save", mode, "--gb", repr(args.gb), "--dir",
+                            args.dir, "--pause", repr(args.pause)), timeout=900, strict=True))
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     print(report(runs, args))

@@ -31,13 +31,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness, worker_env
 
 MODES = ("idle", "memcpy", "ckptio", "ckptio_shm", "ckptio_lazy", "ckptio_lazy_shm")
 TRAIN_CORE, BACKGROUND_CORE = 0, 1
@@ -265,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.mode:
-        print(json.dumps(run_mode(args)), flush=True)
-        return 0
+        return harness.emit(run_mode(args))
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("the probe needs two cores (one for the loop, one for the background)")
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -275,12 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         where = "/dev/shm" if mode.endswith("_shm") else str(args.dir)
         cmd = [sys.executable, "-m", "benchmarks.gil_probe", *argv, "--mode", mode,
                "--where", where]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if out.returncode != 0:
-            print(f"[{mode}] FAILED rc={out.returncode}\n{out.stderr[-3000:]}", file=sys.stderr)
+        run = harness.spawn(cmd, timeout=3600, tail=30,
+                            env={**worker_env(), "OMP_NUM_THREADS": "1"})
+        if "error" in run:
+            print(f"[{mode}] FAILED {run['error']}", file=sys.stderr)
             continue
-        run = json.loads(out.stdout.strip().splitlines()[-1])
         runs.append(run)
         rows.append(summarize(run))
         print(f"[{mode}] {rows[-1]}", file=sys.stderr)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_engines as ge
-from benchmarks import write_reports
+from benchmarks import harness, write_reports
 from ckptio.tuning.state import tensor_nbytes
 
 Run = dict[str, Any]
@@ -199,8 +199,7 @@ def worker_main(args: argparse.Namespace) -> int:
         run = gpu_phases.load_worker(args, build(args))
     else:
         raise SystemExit(f"unknown worker {args.worker!r}")
-    print(json.dumps(run))
-    return 0
+    return harness.emit(run)
 
 
 def spawn(args: argparse.Namespace, worker: str, engine: str = "-", every: int = 10,
@@ -211,13 +210,8 @@ def spawn(args: argparse.Namespace, worker: str, engine: str = "-", every: int =
            str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq), "--accum",
            str(args.accum), "--device", args.device, "--dir", str(args.dir), "--shm-dir",
            str(args.shm_dir)]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    head = {"worker": worker, "engine": engine, "every": every, "rep": rep,
-            "wall_s": time.perf_counter() - t0}
-    if done.returncode != 0:
-        return {**head, "error": done.stderr[-2500:]}
-    return {**head, **json.loads(done.stdout.strip().splitlines()[-1])}
+    head = {"worker": worker, "engine": engine, "every": every, "rep": rep}
+    return harness.spawn(cmd, timeout=args.timeout, label=head, tail=40)
 
 
 def run_phases(args: argparse.Namespace) -> list[Run]:

@@ -19,16 +19,14 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks import worker_env
+from benchmarks import harness
 from benchmarks import fmt, median
-from benchmarks.save_load import worker_error
 
 Run = dict[str, Any]
 CEILING = "ceiling"
@@ -89,7 +87,7 @@ def setup_worker(args: argparse.Namespace) -> Run:
 def engine_worker(args: argparse.Namespace) -> Run:
     from benchmarks import engines as timing
     from benchmarks.interop_engines import ENGINES, EXPORT, LOAD, RUNNERS
-    from ckptio.tuning import ceiling, state
+    from ckptio.tuning import state
 
     importlib_prepare()
     engine, inputs = ENGINES[args.worker], inputs_of(args.dir)
@@ -98,7 +96,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
     shutil.rmtree(out, ignore_errors=True)
     run: Run = {"engine": engine.name, "part": engine.part, "rep": args.rep}
     if engine.part == EXPORT:
-        cache = ceiling.drop_page_cache([args.dir])
+        cache = harness.cold([args.dir])
         phase = timing.timed_phase(lambda: RUNNERS[engine.name](inputs, out), args.idle)
         ok = export_matches(out, digests["model"], set(digests["tied"]))
         nbytes = digests["model_bytes"]
@@ -107,7 +105,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
         dest = state.empty_destination(src)
         del src
         state.prefault(dest)
-        cache = ceiling.drop_page_cache([args.dir])
+        cache = harness.cold([args.dir])
         phase = timing.timed_phase(lambda: RUNNERS[engine.name](inputs, dest), args.idle)
         ok, nbytes = state.digest(dest) == digests["state"], digests["state_bytes"]
     else:
@@ -193,8 +191,7 @@ def saved_matches(engine: str, path: Path, want: str, gb: float) -> bool:
 def worker_main(args: argparse.Namespace) -> int:
     warnings.simplefilter("ignore")
     run = setup_worker(args) if args.worker == "setup" else engine_worker(args)
-    print(json.dumps(run), flush=True)
-    return 0
+    return harness.emit(run)
 
 
 # ---------------------------------------------------------------- driver
@@ -202,18 +199,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def spawn(args: argparse.Namespace, worker: str, rep: int) -> Run:
     module = "benchmarks.save_load" if worker == CEILING else "benchmarks.interop"
-    cmd = [sys.executable, "-m", module, "--worker", worker, "--gb", repr(args.gb), "--dir",
-           str(args.dir), "--rep", str(rep), "--idle", repr(args.idle)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout,
-                              env=worker_env())
-    except subprocess.TimeoutExpired:
-        return {"engine": worker, "rep": rep, "error": f"timed out after {args.timeout} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {"engine": worker, "rep": rep, "error": worker_error(proc.returncode, proc.stderr)}
-    return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
+    return harness.spawn(harness.command(module, worker, "--gb", repr(args.gb), "--dir", args.dir,
+                                         "--rep", rep, "--idle", repr(args.idle)),
+                         timeout=args.timeout, label={"engine": worker, "rep": rep})
 
 
 def choose(spec: str) -> list[str]:
@@ -241,13 +229,9 @@ def describe(run: Run) -> str:
 
 
 def run_all(args: argparse.Namespace, engines: list[str]) -> list[Run]:
-    runs = []
-    items = engines + [CEILING]
-    for rep in range(args.reps):
-        for worker in items if rep % 2 == 0 else items[::-1]:
-            runs.append(spawn(args, worker, rep))
-            print(describe(runs[-1]), file=sys.stderr, flush=True)
-    return runs
+    return harness.repeat(engines + [CEILING], args.reps,
+                          lambda worker, rep: spawn(args, worker, rep),
+                          lambda run, _i, _n: describe(run))
 
 
 # ---------------------------------------------------------------- summary and markdown

@@ -29,7 +29,6 @@ import os
 import pickle
 import shlex
 import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -170,39 +169,28 @@ def free_port() -> int:
 def launch(args: argparse.Namespace, root: Path, worker: str, world: int, engine: str = "") -> Run:
     """``world`` fresh ranks of ``worker`` importing ckptio from ``root``; rank 0's result
     (bitwise_ok: every rank's)."""
+    from benchmarks import harness  # the driver's: a worker may run another checkout's
+
     port = free_port() if world > 1 else 0
     env = {**os.environ, "PYTHONPATH": f"{root}:{HERE}", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", worker, "--engine", engine,
-         "--gb", repr(args.gb), "--dir", str(args.dir.resolve()), "--idle", repr(args.idle),
-         "--rank", str(r), "--world", str(world), "--port", str(port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            return {"error": f"timed out after {args.timeout} s"}
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if proc.returncode or not lines:
-            return {"error": f"rc {proc.returncode}: {err.strip().splitlines()[-1:]}"}
-        outs.append(json.loads(lines[-1]))
+    outs = harness.spawn_ranks(lambda r: [
+        sys.executable, "-P", str(Path(__file__).resolve()), "--worker", worker, "--engine", engine,
+        "--gb", repr(args.gb), "--dir", str(args.dir.resolve()), "--idle", repr(args.idle),
+        "--rank", str(r), "--world", str(world), "--port", str(port)],
+        world, env=env, timeout=args.timeout)
+    if errors := [o["error"] for o in outs if "error" in o]:
+        return {"error": errors[0]}
     return {**outs[0], "bitwise_ok": all(o.get("bitwise_ok", True) for o in outs),
             "full_gcs_by_rank": [o.get("full_gcs") for o in outs]}
 
 
 def run_ceiling(args: argparse.Namespace, rep: int) -> Run:
-    cmd = [sys.executable, "-m", "benchmarks.save_load", "--worker", "ceiling", "--gb", repr(args.gb),
-           "--dir", str(args.dir.resolve()), "--rep", str(rep), "--idle", repr(args.idle)]
-    proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=args.timeout,
-                          check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {"error": proc.stderr.strip().splitlines()[-1:]}
-    r = json.loads(lines[-1])
-    return {"read_gbps": r["bytes"] / 1e9 / r["read_s"]}
+    from benchmarks import harness  # the driver's: a worker may run another checkout's
+
+    r = harness.spawn(harness.command("benchmarks.save_load", "ceiling", "--gb", repr(args.gb),
+                                      "--dir", args.dir.resolve(), "--rep", rep, "--idle",
+                                      repr(args.idle)), timeout=args.timeout, cwd=HERE)
+    return r if "error" in r else {"read_gbps": r["bytes"] / 1e9 / r["read_s"]}
 
 
 def run_all(args: argparse.Namespace, sides: dict[str, Path], worlds: list[int]) -> list[Run]:
@@ -224,12 +212,9 @@ def run_all(args: argparse.Namespace, sides: dict[str, Path], worlds: list[int])
     return runs
 
 
-def median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-
-
 def markdown(runs: list[Run], argv: list[str]) -> str:
+    from benchmarks import median  # the driver's: a worker may run another checkout's
+
     ceil = median([r["read_gbps"] for r in runs if r["engine"] == "ceiling" and "read_gbps" in r])
     lines = [f"`{shlex.join(['python', '-m', 'benchmarks.interop_dcpload', *argv])}`  ",
              (f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; medians (min-max) of "

@@ -26,7 +26,6 @@ import json
 import os
 import pickle
 import pstats
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -177,23 +176,15 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def launch(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
     from benchmarks.interop_dcpload import free_port
+    from benchmarks import harness
 
     port = free_port() if args.ranks > 1 else 0
     env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-P", "-m", "benchmarks.interop_dcpprofile", "--worker", "--dir",
-         str(args.dir.resolve()), "--ranks", str(args.ranks), "--rank", str(r), "--port",
-         str(port), "--engine", args.engine, "--idle", repr(args.idle), *extra],
-        cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(args.ranks)]
-    outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if proc.returncode or not lines:
-            raise SystemExit(f"a rank failed (rc {proc.returncode}): {err[-2000:]}")
-        outs.append(json.loads(lines[-1]))
-    return outs
+    return harness.spawn_ranks(lambda r: [
+        sys.executable, "-P", "-m", "benchmarks.interop_dcpprofile", "--worker", "--dir",
+        str(args.dir.resolve()), "--ranks", str(args.ranks), "--rank", str(r), "--port",
+        str(port), "--engine", args.engine, "--idle", repr(args.idle), *extra],
+        args.ranks, env=env, cwd=HERE, strict=True, tail=30)
 
 
 def report(rep: int, outs: list[dict[str, Any]]) -> str:

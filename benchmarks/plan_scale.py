@@ -49,7 +49,7 @@ from typing import Any
 
 import xxhash
 
-from benchmarks import worker_env
+from benchmarks import harness
 from benchmarks.plan_model import (  # noqa: F401 - the layout, also reached as plan_scale.X
     ITEMSIZE,
     Tensor,
@@ -442,8 +442,6 @@ def peak_rss_mib() -> float:
 
 def spawn(argv: list[str], world: int, timeout: float, engine: str) -> dict[str, Any] | None:
     """One world size in a fresh interpreter (its own peak RSS); None if it failed."""
-    import subprocess
-
     drop_next = {"--world", "--json", "--markdown", "--timeout", "--engines"}
     rest: list[str] = []
     skip = False
@@ -459,20 +457,12 @@ def spawn(argv: list[str], world: int, timeout: float, engine: str) -> dict[str,
         rest.append(a)
     cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--worker", "--world", str(world),
            "--engines", engine, *rest]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=worker_env())
-    except subprocess.TimeoutExpired:
-        print(f"world {world}: timed out after {timeout:.0f} s; stopping", file=sys.stderr)
+    run = harness.spawn(cmd, timeout=timeout, strict=False)
+    if "error" in run:
+        print(f"world {world}: {run['error']} (MemoryError: over --mem-limit-gb; signal 9: "
+              "killed for memory); stopping", file=sys.stderr)
         return None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        print(f"world {world}: worker exited {proc.returncode} (MemoryError: over --mem-limit-gb; "
-              f"-9: killed for memory)\n{tail}",
-              file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+    return run
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -524,8 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                           plan_only=args.plan_only)
         row["engine"] = args.engine_list[0]
         row["peak_rss_mib"] = peak_rss_mib()
-        print(json.dumps(row), flush=True)
-        return 0
+        return harness.emit(row)
     rows = []
     stopped: set[str] = set()
     for world in args.worlds:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import REPO_ROOT, shown_path, worker_env
+from benchmarks import REPO_ROOT, harness, shown_path, worker_env
 from benchmarks import s3_report as report
 from benchmarks.s3_peers import MAIN, engine
 
@@ -145,21 +145,7 @@ def split_name(name: str) -> tuple[str, dict[str, str]]:
 def spawn(command: list[str], server: Any, timeout: float, extra: dict[str, str] | None = None) -> Run:
     """Run one worker; its last JSON line on stdout is the result (stderr tail passed on)."""
     env = {**worker_env(), **server.env(), **(extra or {})}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False,
-                              cwd=REPO_ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    for line in proc.stderr.strip().splitlines()[-12:]:
-        print(f"    | {line}", file=sys.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
-        return {"error": f"worker exited {proc.returncode}: {last.strip()}"}
-    run: Run = json.loads(lines[-1])
-    run["wall_s"] = time.perf_counter() - t0
-    return run
+    return harness.spawn(command, timeout=timeout, env=env, cwd=REPO_ROOT, echo=12)
 
 
 def python_for(name: str, args: argparse.Namespace) -> str:

@@ -19,14 +19,13 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fmt, gbps, median, shown_path, worker_env
+from benchmarks import fmt, gbps, harness, median, shown_path
 
 Run = dict[str, Any]
 CEILING = "ceiling"
@@ -101,7 +100,6 @@ def report_fields(report: object) -> object:
 
 
 def engine_worker(args: argparse.Namespace) -> Run:
-    from ckptio.tuning import ceiling
     from benchmarks import engines
     from ckptio.tuning import state
 
@@ -128,7 +126,7 @@ def engine_worker(args: argparse.Namespace) -> Run:
     del src
     gc.collect()
     state.prefault(dest)  # a freshly built model is initialised: its pages exist before load
-    cache_drop = ceiling.drop_page_cache([work])
+    cache_drop = harness.cold([work])
     load = engines.timed_load(engine, ckpt, dest, args.idle)
     ok = state.digest(dest) == want
     files, on_disk, apparent = disk_usage(work)
@@ -174,7 +172,7 @@ def ceiling_worker(args: argparse.Namespace) -> Run:
 
 def worker_main(args: argparse.Namespace) -> int:
     run = ceiling_worker(args) if args.worker == CEILING else engine_worker(args)
-    print(json.dumps(run), flush=True)
+    harness.emit(run)
     return 0 if run["bitwise_ok"] else 3
 
 
@@ -182,38 +180,16 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def worker_command(args: argparse.Namespace, engine: str, kind: str, rep: int) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.save_load", "--worker", engine, "--kind", kind,
-            "--gb", repr(args.gb), "--dir", str(args.dir), "--rep", str(rep),
-            "--idle", repr(args.idle), "--seed", str(args.seed)]
+    return harness.command("benchmarks.save_load", engine, "--kind", kind, "--gb", repr(args.gb),
+                           "--dir", args.dir, "--rep", rep, "--idle", repr(args.idle),
+                           "--seed", args.seed)
 
 
 def spawn(args: argparse.Namespace, engine: str, kind: str, rep: int) -> Run:
     """Run one worker in a fresh interpreter; its last JSON line on stdout is the result.
     Its stderr (warnings, fallbacks an engine logs) is passed on, indented."""
-    env = worker_env()
-    failed: Run = {"engine": engine, "kind": kind, "rep": rep}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(worker_command(args, engine, kind, rep), capture_output=True,
-                              text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {**failed, "error": f"timed out after {args.timeout} s"}
-    for line in proc.stderr.strip().splitlines()[-20:]:
-        print(f"    | {line}", file=sys.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {**failed, "error": worker_error(proc.returncode, proc.stderr)}
-    run: Run = json.loads(lines[-1])
-    run["wall_s"] = time.perf_counter() - t0
-    return run
-
-
-def worker_error(returncode: int, stderr: str) -> str:
-    """What went wrong in a worker that left no result: its exit and the last line of its
-    stderr (the exception, for a Python error), on one line."""
-    last = next((ln.strip() for ln in reversed(stderr.splitlines()) if ln.strip()), "")
-    how = f"killed by signal {-returncode}" if returncode < 0 else f"exited {returncode}"
-    return f"worker {how}: {last}" if last else f"worker {how} without a result or an error"
+    return harness.spawn(worker_command(args, engine, kind, rep), timeout=args.timeout, echo=20,
+                         label={"engine": engine, "kind": kind, "rep": rep})
 
 
 def schedule(engines: list[str], large: bool) -> list[tuple[str, str]]:
@@ -239,13 +215,8 @@ def progress(run: Run, index: int, total: int) -> str:
 
 def run_all(args: argparse.Namespace, engines: list[str]) -> list[Run]:
     """Every item once per repetition, the order reversed on odd repetitions."""
-    items = schedule(engines, args.large)
-    total, runs = args.reps * len(items), []
-    for rep in range(args.reps):
-        for engine, kind in items if rep % 2 == 0 else items[::-1]:
-            runs.append(spawn(args, engine, kind, rep))
-            print(progress(runs[-1], len(runs), total), file=sys.stderr, flush=True)
-    return runs
+    return harness.repeat(schedule(engines, args.large), args.reps,
+                          lambda item, rep: spawn(args, *item, rep), progress)
 
 
 def choose_engines(spec: str) -> list[str]:

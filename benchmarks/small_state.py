@@ -23,13 +23,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import worker_env
+from benchmarks import harness
 
 ENGINES = ("torch_save", "ckptio")
 EXPORTERS = ("dcp", "ckptio")  # dcp_to_torch_save from DCP; convert(to="torch.save") from ckptio
@@ -158,14 +157,9 @@ def export_worker(args: argparse.Namespace, what: str, name: str, mode: str) -> 
 
 
 def spawn(args: argparse.Namespace, spec: str, rep: int) -> Run:
-    cmd = [sys.executable, "-m", "benchmarks.small_state", "--worker", spec, "--gb",
-           repr(args.gb), "--export-gb", repr(args.export_gb), "--dir", str(args.dir), "--idle",
-           repr(args.idle), "--rep", str(rep)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(), timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"worker {spec} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    return harness.spawn(harness.command(
+        "benchmarks.small_state", spec, "--gb", repr(args.gb), "--export-gb", repr(args.export_gb),
+        "--dir", args.dir, "--idle", repr(args.idle), "--rep", rep), strict=True)
 
 
 def specs(phases: list[str], rep: int) -> list[str]:
@@ -182,8 +176,7 @@ def specs(phases: list[str], rep: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)), flush=True)
-        return 0
+        return harness.emit(worker(args))
     phases = args.phases.split(",")
     if not set(phases) <= set(PHASES) or ("load" in phases and "save" not in phases):
         raise SystemExit(f"--phases {args.phases}: of {', '.join(PHASES)} (load reads what "

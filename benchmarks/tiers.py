@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import worker_env, write_reports
+from benchmarks import harness, worker_env, write_reports
 from benchmarks.gil_probe import pin_children, pin_others
 
 ENGINES = ("none", "tiers_sync", "tiers_eager", "tiers_lazy", "tiers_s3", "disk_k",
@@ -230,7 +230,7 @@ def worker_main(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     if saver is not None and saver.shm is not None and args.worker in PEERS:
         shutil.rmtree(saver.shm, ignore_errors=True)
-    print(json.dumps(run), flush=True)
+    harness.emit(run)
     return 0
 
 
@@ -303,10 +303,7 @@ def spawn(args: argparse.Namespace, worker: str, rep: int, env: dict[str, str],
            "--seed", str(args.seed), *(["--pin"] if args.pin else []), *(extra or [])]
     if args.s3:
         cmd += ["--s3", args.s3]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        return {"engine": worker, "rep": rep, "error": done.stderr[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return harness.spawn(cmd, env=env, timeout=3600, tail=30, label={"engine": worker, "rep": rep})
 
 
 def restore_series(args: argparse.Namespace, env: dict[str, str], shm: Path,

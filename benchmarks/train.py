@@ -20,7 +20,6 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks import worker_env
+from benchmarks import harness, worker_env
 # t_block is not used here: it stays importable from train (the tests use train.t_block).
 from benchmarks.train_report import (BASELINE, annotate, checkpoint_steps, markdown, progress,  # noqa: F401
                                      summarize, t_block)
@@ -206,7 +205,7 @@ def worker_main(args: argparse.Namespace) -> int:
                 "build_s": build_s, "d_model": cfg.d_model, "layers": cfg.n_layers,
                 "vocab": cfg.vocab, "params": cfg.n_params, "memcpy_gbps": memcpy_gbps(nbytes)})
     shutil.rmtree(work)
-    print(json.dumps(run), flush=True)
+    harness.emit(run)
     return 0 if run["bitwise_ok"] else 3
 
 
@@ -326,18 +325,8 @@ def spawn(args: argparse.Namespace, engine: str, rep: int) -> Run:
            "--batch", str(args.batch), "--seq", str(args.seq), "--dir", str(args.dir),
            "--idle", repr(args.idle), "--seed", str(args.seed)]
     cmd += ["--pool-gb", repr(args.pool_gb)] if args.pool_gb else []
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"engine": engine, "rep": rep, "error": f"timed out after {args.timeout} s"}
-    for line in proc.stderr.strip().splitlines()[-20:]:
-        print(f"    | {line}", file=sys.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        return {"engine": engine, "rep": rep,
-                "error": f"worker exited {proc.returncode} without a result (see above)"}
-    return {**json.loads(lines[-1]), "wall_s": time.perf_counter() - t0}
+    return harness.spawn(cmd, timeout=args.timeout, env=env, echo=20,
+                         label={"engine": engine, "rep": rep})
 
 
 def choose_engines(spec: str) -> tuple[list[str], dict[str, str]]:
@@ -357,12 +346,7 @@ def choose_engines(spec: str) -> tuple[list[str], dict[str, str]]:
 
 def run_all(args: argparse.Namespace, names: list[str]) -> list[Run]:
     """Every engine once per repetition, the order reversed on odd repetitions."""
-    total, runs = args.reps * len(names), []
-    for rep in range(args.reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            runs.append(spawn(args, name, rep))
-            print(progress(runs[-1], len(runs), total), file=sys.stderr, flush=True)
-    return runs
+    return harness.repeat(names, args.reps, lambda name, rep: spawn(args, name, rep), progress)
 
 
 def cleanup(root: Path, created: bool) -> None:
