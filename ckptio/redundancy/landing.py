@@ -19,8 +19,8 @@ load (managing/agreed.py).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -123,24 +123,18 @@ class Landing:
             at += nbytes
         self.memory.commit(manifest, new_save_id())
         self.location = self.memory.location
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._write, args=(final, scratch, manifest, files, data),
-            name=f"ckptio-landing-step-{step}", daemon=True)
-        self._thread.start()
-
-    def _write(self, final: TreeStore, scratch: TreeStore, manifest: bytes,
-               files: list[tuple[str, int]], data: torch.Tensor) -> None:
-        try:
-            now(final, scratch, manifest, files, data, True, lambda _where: None)
-        except BaseException as exc:  # noqa: BLE001 - stored, raised once by settle()
-            self._error = exc
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckptio-landing-step-{step}")
+        self._write: Future[None] | None = self._pool.submit(
+            now, final, scratch, manifest, files, data, True, lambda _where: None)
 
     def settle(self) -> None:
         """Wait for the write; drop the in-memory copy; raise the write's error (once)."""
-        self._thread.join()
+        write, self._write = self._write, None
+        if write is None:
+            return
+        error = write.exception()  # waits; its error is kept by the future, raised here once
+        self._pool.shutdown()
         self.memory.remove_tree()
-        error, self._error = self._error, None
         if error is not None:
             raise StorageIOError(
                 f"step {self.step}, restored from peers and loaded, could not be written into "
