@@ -24,6 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 
+def many_tensors_state(tensors: int) -> dict[str, Any]:
+    """``{"model", "optim"}``: ``tensors`` / 2 ``Linear(16, 16, bias=False)`` in a ModuleList and
+    SGD with momentum, one step taken (each parameter has its momentum buffer): ``tensors``
+    tensors (the dev/ probes of the call use it too)."""
+    import torch
+
+    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(tensors // 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensors", type=int, default=1000)
@@ -37,17 +51,10 @@ def main() -> int:
     full: list[float] = []
     if args.gc:
         gc.callbacks.append(_timing(full))
-    import torch
-
     import ckptio
 
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False)
-                                for _ in range(args.tensors // 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = many_tensors_state(args.tensors)
+    opt = state["optim"]
     scratch = tempfile.mkdtemp()
     ck = ckptio.Checkpointer()
     if args.freeze:

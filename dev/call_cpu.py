@@ -19,17 +19,11 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=30)
     p.add_argument("--tensors", type=int, default=1000)
     args = p.parse_args()
-    import torch
-
     import ckptio
+    from benchmarks.call_overhead import many_tensors_state
 
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False)
-                                for _ in range(args.tensors // 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = many_tensors_state(args.tensors)
+    opt = state["optim"]
     scratch = tempfile.mkdtemp()
     ck = ckptio.Checkpointer()
     try:

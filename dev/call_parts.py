@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import timeit
 
-import torch
+
+from benchmarks.call_overhead import many_tensors_state
 
 from ckptio.format import param_names
-from ckptio.format.flatten import FlatCache, flatten
+from ckptio.format.flatten import flatten
 from ckptio.planning.plan import PlanCache, build_plan
 
 
 def main() -> None:
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(500))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = many_tensors_state(1000)
+    model, opt = state["model"], state["optim"]
     cache = PlanCache()
     build_plan(flatten(state, names=True, cache=cache.flat), allow_pickle=False, cache=cache)
     flat = flatten(state, names=True, cache=cache.flat)

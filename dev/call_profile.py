@@ -20,17 +20,11 @@ def main() -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--sort", default="tottime")
     args = p.parse_args()
-    import torch
-
     import ckptio
+    from benchmarks.call_overhead import many_tensors_state
 
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False)
-                                for _ in range(args.tensors // 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = many_tensors_state(args.tensors)
+    opt = state["optim"]
     scratch = tempfile.mkdtemp()
     ck = ckptio.Checkpointer()
     extra = {"optimizers": [opt]} if args.lazy else {}

@@ -19,7 +19,8 @@ import tempfile
 from collections import Counter
 from typing import Any
 
-import torch
+
+from benchmarks.call_overhead import many_tensors_state
 
 import ckptio
 
@@ -27,12 +28,8 @@ import ckptio
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "eager"
     os.environ["CKPTIO_SHM_DIR"] = tempfile.mkdtemp(dir="/dev/shm")
-    model = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(500))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    state = {"model": model, "optim": opt}
+    state = many_tensors_state(1000)
+    opt = state["optim"]
     mgr = (None if mode == "none" else
            ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://promotions", keep_last=2)]))
 
