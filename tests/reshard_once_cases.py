@@ -101,27 +101,37 @@ def load_sharded(rank: int, world: int, path: str, broadcast: bool = True,
 def load_reading_during_exchange(rank: int, world: int, path: str) -> dict[str, Any]:
     """load_sharded (each rank a host of its own), with this rank's first exchange (the shared
     checksum blocks') held until this rank submits a read from storage, for up to 3 s -> also
-    whether one came: whether reads go on while the blocks are exchanged."""
+    whether one came: a read submitted after this rank's own blocks were read and before that
+    exchange returned (reads go on while the blocks are exchanged; before, they followed it)."""
     import threading
 
-    from ckptio.distributed import sendreads
+    from ckptio.distributed import readshare, sendreads
 
-    started, read = threading.Event(), threading.Event()
+    blocks_read, exchanged, read = threading.Event(), threading.Event(), threading.Event()
     calls: list[bool] = []
     exchange, submit = sendreads.exchange, StoreFiles.submit_read
+    read_done = readshare.SharedReads._read_done
 
     def submit_read(self: StoreFiles, fh: Any, offset: int, into: memoryview) -> Any:
-        if started.is_set():
+        if blocks_read.is_set() and not exchanged.is_set():
             read.set()
         return submit(self, fh, offset, into)
 
+    def done(self: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks_read.set()  # the first: this rank's own shared blocks are read
+        return read_done(self, *args, **kwargs)
+
     def held(*args: Any, **kwargs: Any) -> Any:
-        if not calls:
-            started.set()
-            calls.append(read.wait(3.0))
-        return exchange(*args, **kwargs)
+        if calls:
+            return exchange(*args, **kwargs)
+        calls.append(read.wait(3.0))
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            exchanged.set()
 
     StoreFiles.submit_read = submit_read  # type: ignore[method-assign]
+    readshare.SharedReads._read_done = done  # type: ignore[method-assign]
     sendreads.exchange = held  # type: ignore[assignment]
     return {**load_sharded(rank, world, path), "read_during_exchange": calls[:1] == [True]}
 
