@@ -165,6 +165,8 @@ def test_a_steady_save_promotes_no_per_leaf_objects(lazy, shm):
     young collections inside it run is what sets the collections off. Before: the flattened
     state's tree (a list per leaf) and the like, about 850 objects (not tensors) promoted per
     save of 1,000 tensors; now the state's structure is the last save's (flatten.FlatCache).
-    Tensors are counted apart: a module's state_dict() makes fresh detached aliases."""
+    Tensors are counted apart: a module's state_dict() makes fresh detached aliases. The count
+    depends on when the young collections fall (about 2,100 alone, 4,623 once in a loaded CI
+    worker): the bound is far below the code before's 17,000."""
     objects, tensors = _promoted(lazy, 20)
-    assert objects < 2000, (objects, tensors)
+    assert objects < 8000, (objects, tensors)
