@@ -25,7 +25,7 @@ from ckptio.errors import CkptError
 from ckptio.storage.select import store_for
 from ckptio.storage.store_contract import TreeStore
 
-__all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "elastic_name", "held", "held_nbytes",
+__all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "held", "held_nbytes",
            "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
            "parities", "rebuild_name", "step_dirs", "tree_of"]
 
@@ -68,10 +68,6 @@ def parity_name(group: int, local: int) -> str:
 
 def rebuild_name(step: int) -> str:
     return f".rebuild-step-{step}"
-
-
-def elastic_name(rank: int) -> str:
-    return f"elastic-{rank_name(rank)}"
 
 
 def step_dirs(where: TreeStore) -> dict[int, TreeStore]:
