@@ -31,7 +31,6 @@ import torch
 
 from benchmarks import gpu_engines as ge
 from benchmarks import harness, write_reports
-from ckptio.saving import gather
 from ckptio.tuning.state import tensor_nbytes
 
 Run = dict[str, Any]
@@ -116,13 +115,15 @@ def d2h_worker(args: argparse.Namespace) -> Run:
     ck = ckptio.Checkpointer(ckptio.Options.from_env(use_profile=False))
     root = args.shm_dir / "d2h"
     ck.prepare(str(root / "c0"), state=state, wait=True)  # the pool grown to the state, pinned: at startup
-    calls, captures = _ckptio_captures(ck, state, root)
-    gathered = gather.GATHER_MAX_NBYTES
-    gather.GATHER_MAX_NBYTES = 0  # the per-tensor capture, for comparison
-    _, per_tensor = _ckptio_captures(ck, state, root)
-    gather.GATHER_MAX_NBYTES = gathered
-    out.update(ckptio_call_s=calls, ckptio_capture_s=captures,
-               ckptio_capture_per_tensor_s=per_tensor, ckptio_pinned_bytes=ck.staging_nbytes)
+    calls, captures = [], []
+    for i in range(6):
+        t0 = time.perf_counter()
+        handle = ck.async_save(state, str(root / f"c{i}"))
+        calls.append(time.perf_counter() - t0)
+        captures.append(handle.wait().capture_s)
+        shutil.rmtree(root / f"c{i}")
+    out.update(ckptio_call_s=calls[1:], ckptio_capture_s=captures[1:],
+               ckptio_pinned_bytes=ck.staging_nbytes)
     ck.close()
     out.update(tier_capture_s=tier_captures(state, args.shm_dir / "d2h-tier"))
     try:
@@ -142,18 +143,6 @@ def d2h_worker(args: argparse.Namespace) -> Run:
         saver.close()
         out.update(datastates_copy_s=copies[1:])
     return out
-
-
-def _ckptio_captures(ck: Any, state: Any, root: Path) -> tuple[list[float], list[float]]:
-    """Call and capture_s of six eager saves, the first dropped."""
-    calls, captures = [], []
-    for i in range(6):
-        t0 = time.perf_counter()
-        handle = ck.async_save(state, str(root / f"c{i}"))
-        calls.append(time.perf_counter() - t0)
-        captures.append(handle.wait().capture_s)
-        shutil.rmtree(root / f"c{i}")
-    return calls[1:], captures[1:]
 
 
 def tier_captures(state: Any, root: Path) -> list[float]:

@@ -56,8 +56,6 @@ def d2h_table(r: Run) -> list[str]:
              None, r["ceiling_registered_gbps"])]
     for label, key in (("ckptio `async_save` call, eager (returns once captured)", "ckptio_call_s"),
                        ("ckptio capture_s (plan + copies, from its result)", "ckptio_capture_s"),
-                       ("ckptio capture_s, small tensors copied one by one (gathering off)",
-                        "ckptio_capture_per_tensor_s"),
                        ("ckptio capture_s into a memory tier's registered tmpfs pages "
                         "(the mapped save, ring warm)", "tier_capture_s"),
                        ("DCP `DefaultStager(StagingOptions()).stage` until staged", "dcp_stage_s"),

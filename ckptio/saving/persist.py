@@ -31,7 +31,6 @@ from ckptio.format.checksum import EntryHashers
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
-from ckptio.saving.gather import DeviceGather
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
 from ckptio.saving.stall import Activity
@@ -97,7 +96,6 @@ class SaveJob:
             self._go.set()
         self._failure: BaseException | None = None
         self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
-        self.gather = DeviceGather()  # small device sources, copied out a few at a time
         self.mapped = (MappedTarget(target, files, pool.buffer_bytes, cuda=bool(self._streams))
                        if mapped and packer is None else None)
 
@@ -120,7 +118,6 @@ class SaveJob:
                                    captured)
                         captured += 1
                         if captured == eager_items and on_eager is not None:
-                            self.gather.flush()
                             self._sync_streams()
                             on_eager()
                     window.close(layout.nbytes)
@@ -306,7 +303,6 @@ class _Window:
     def _room(self) -> Buffer:
         assert self.buffer is not None  # internal: close() or abandon() ends the window
         if self.filled == self.buffer.nbytes:
-            self.job.gather.flush()
             full, self.buffer = self.buffer, None
             self.job.hand_off(self.file, self.start, full, self.filled, self.pieces)
             self.start, self.filled, self.pieces = self.start + self.filled, 0, []
@@ -325,13 +321,6 @@ class _Window:
             self.pad_to(offset)
         nbytes, filled, buffer = item.nbytes, self.filled, self.buffer
         dtype = torch_dtype(item.dtype)
-        if (buffer is not None and filled + nbytes <= buffer.nbytes and self.job.async_copies
-                and DeviceGather.eligible(source, nbytes)):
-            self.job.gather.add(buffer, filled, nbytes, source, dtype)
-            self.pieces.append((index, filled, nbytes))
-            self.filled = filled + nbytes
-            return
-        self.job.gather.flush()  # before other bytes go into the buffer (a span covers them)
         moved = bool(buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
                  and nbytes <= MEMMOVE_MAX_NBYTES and move_out(source, dtype, buffer, filled,
                                                                nbytes))
@@ -360,7 +349,6 @@ class _Window:
     def close(self, file_nbytes: int) -> None:
         """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""
         self.pad_to(file_nbytes)
-        self.job.gather.flush()
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
             self.job.hand_off(self.file, self.start, buffer, align_up(self.filled),
@@ -369,7 +357,6 @@ class _Window:
             self.job.release(buffer)
 
     def abandon(self) -> None:
-        self.job.gather.drop()
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
             self.job.release(buffer)

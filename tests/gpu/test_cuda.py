@@ -72,39 +72,6 @@ def test_async_save_from_device_then_mutate_on_the_stream(tmp_path):
     ck.close()
 
 
-def test_many_small_device_tensors_gathered_then_mutated(tmp_path, monkeypatch):
-    """Small device tensors take the gathered capture (saving/gather.py): queued after values
-    made on the caller's stream, landed before async_save returns (a kernel queued right after
-    does not reach the checkpoint), and the files are byte-for-byte the per-tensor capture's."""
-    from ckptio.saving import gather
-
-    g = torch.Generator().manual_seed(3)
-    sizes = [1, 5, 64, 1000, 4096, 60_000, 400_000]
-    state = {f"t{i:03d}": torch.randn(sizes[i % 7], generator=g).to(
-        "cuda", [torch.float32, torch.bfloat16, torch.float16][i % 3]) for i in range(300)}
-    orig = {k: v.clone() for k, v in state.items()}
-    expected = {k: v.clone().add_(1).cpu() for k, v in state.items()}
-    options = ckptio.Options(buffer_bytes=4 << 20, pool_bytes=16 << 20)
-    for name, limit in (("gathered", gather.GATHER_MAX_NBYTES), ("plain", 0)):
-        monkeypatch.setattr(gather, "GATHER_MAX_NBYTES", limit)
-        ck = ckptio.Checkpointer(options)
-        for v in state.values():
-            v.add_(1)  # queued on the caller's stream, perhaps not yet run
-        handle = ck.async_save(state, tmp_path / name)
-        for v in state.values():
-            v.mul_(0)  # queued right after return
-        handle.wait()
-        ck.close()
-        loaded = ckptio.load(tmp_path / name)
-        assert all(torch.equal(loaded[k], expected[k]) for k in state)
-        for k, v in state.items():
-            v.copy_(orig[k])
-    files = [sorted(p.name for p in (tmp_path / n).glob("data-*")) for n in ("gathered", "plain")]
-    assert len(files[0]) == len(files[1])
-    for a, b in zip(files[0], files[1]):
-        assert (tmp_path / "gathered" / a).read_bytes() == (tmp_path / "plain" / b).read_bytes()
-
-
 def test_lazy_save_of_a_cuda_model(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024).cuda()
