@@ -36,6 +36,7 @@ from ckptio.tuning.state import tensor_nbytes
 Run = dict[str, Any]
 PHASES = ("d2h", "train10", "train1", "load")
 TRAIN_ENGINES = ("none", "ckptio_eager", "ckptio_lazy", "ckptio_lazy_sized", "ckptio_tiers",
+                 "ckptio_tiers_ready",
                  "dcp_async_best", "datastates")
 LOAD_ENGINES = ("ckptio", "dcp", "torch_save")
 GB = 1e9

@@ -162,14 +162,15 @@ def dcp_pinned_bytes(saver: Any) -> int:
 
 class TierSaver:
     """ckptio as a job checkpointing every step configures it: ``CheckpointManager(tiers=[
-    Tier("shm://gpu-run", keep_last=2), Tier(<disk>, every=10, keep_last=2)])``, ``prepare``d
-    with the state at startup, each save lazy with ``optimizers=[opt], after_step=[model]``
-    (the bf16 weights change only after the step). A save is committed in memory once its
-    handle's wait() returns, which the timeline calls before the next save; the drain copies
+    Tier("shm://gpu-run", keep_last=2), Tier(<disk>, every=10, keep_last=2)])``,
+    ``prepare``d with the state at startup (``wait``: until its staging and slots are
+    ready), each save lazy with ``optimizers=[opt], after_step=[model]`` (the bf16 weights
+    change only after the step). A save is committed in memory once its handle's wait()
+    returns, which the timeline calls before the next save; the drain copies
     every 10th step to disk in the background."""
 
     def __init__(self, ctx: Context, model: torch.nn.Module, shm_dir: Path, disk: Path,
-                 state: Any) -> None:
+                 state: Any, wait: bool = False) -> None:
         import ckptio
 
         shm_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +181,7 @@ class TierSaver:
             tiers=[ckptio.Tier("shm://gpu-run", keep_last=2),
                    ckptio.Tier(str(disk), every=10, keep_last=2)],
             checkpointer=self.checkpointer)
-        self.mgr.prepare(state)
+        self.mgr.prepare(state, wait=wait)
 
     def start(self, state: Any, path: Path) -> Pending:
         step = int(path.name.rsplit("-", 1)[1])  # the timeline's step-N

@@ -31,9 +31,11 @@ def make_saver(name: str, trainer: ge.Trainer, nbytes: int, args: argparse.Names
     from benchmarks import train_engines
 
     ctx = Context(trainer.opt, 0)
-    if name == "ckptio_tiers":  # the memory tier every step, every 10th drained to --dir
+    if name in ("ckptio_tiers", "ckptio_tiers_ready"):  # the memory tier every step, every
+        # 10th drained to --dir; _ready: prepare(state, wait=True) at startup
         return ge.TierSaver(ctx, trainer.model, args.shm_dir / "tier",
-                            args.dir / f"tier-r{args.rep}", trainer.state(0))
+                            args.dir / f"tier-r{args.rep}", trainer.state(0),
+                            wait=name == "ckptio_tiers_ready")
     if name == "ckptio_eager":
         return train_engines.CkptioSaver(ctx, lazy=False)
     if name in ("ckptio_lazy", "ckptio_lazy_sized"):  # the bf16 weights change only after

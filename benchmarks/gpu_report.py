@@ -125,8 +125,9 @@ def steady_table(runs: list[Run]) -> list[str]:
     if not any(c["step"] >= first for r in runs for c in r["checkpoints"]):
         return []
     base = med([_steps_from(r, first) for r in runs if r["engine"] == "none"])
-    out = [f"Past the warm-up (steps {first} on: a memory tier's first {STEADY_FROM} saves go "
-           "through the pool, then map each slot of its ring once):", "",
+    out = [f"Past the warm-up (steps {first} on: with no slots made ahead, a memory tier's "
+           f"first {STEADY_FROM} saves go through the pool, then map each slot of its ring "
+           "once):", "",
            f"| engine | overhead | blocked, median | blocked, 90th pct | waited > {WAITED_S} s "
            "| durable, median |", "|---|---|---|---|---|---|"]
     for engine in dict.fromkeys(r["engine"] for r in runs if r["engine"] != "none"):

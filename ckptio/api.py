@@ -81,7 +81,7 @@ class Checkpointer:
         return 0 if pool is None else pool.nbytes
 
     def prepare(self, path: str | os.PathLike[str] | None = None, state: Any = None, *,
-                wait: bool | None = None) -> None:
+                wait: bool | None = None) -> tuple[list[int], bool]:
         """Allocate and pre-fault the staging pool and start the I/O backend now, for the
         store of ``path``: call at startup so the first save or load does not pay for it (an
         ``s3://`` path: its boto3 client is made too, a visible part of a fresh process's
@@ -92,12 +92,17 @@ class Checkpointer:
         the backend pins it); by default (None) so without a state, and with a state not: the
         pages are faulted in on the pool's own thread, buffer by buffer, while the caller goes
         on, and a save that comes before the end uses the buffers already faulted in and
-        waits only for the ones it needs (CheckpointManager.restore() prepares so)."""
+        waits only for the ones it needs (CheckpointManager.restore() prepares so).
+        -> the sizes of the data files a save of ``state`` writes and whether any of its
+        tensors is on a CUDA device (([], False) without a state)."""
+        planned: tuple[list[int], bool] = ([], False)
         if state is not None:  # first: the pool is then made once, at its grown size
-            self._resources.fit(save_session.file_nbytes(state, self.options.max_file_bytes,
-                                                         self._plan_cache))
+            planned = save_session.planned_files(state, self.options.max_file_bytes,
+                                                 self._plan_cache)
+            self._resources.fit(planned[0])
         store = None if path is None else store_for(path, self.options)
         self._resources.prepare(store, wait=state is None if wait is None else wait)
+        return planned
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for a save in flight, free the staging pool and stop I/O threads; the

@@ -35,7 +35,7 @@ from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot
-from ckptio.storage.local.mapped import SLOTS_DIR, on_tmpfs
+from ckptio.storage.local.mapped import SLOTS_DIR, on_tmpfs, warm_fit
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
 
@@ -147,6 +147,48 @@ def test_mapped_async_save_round_trips_with_no_write(shm):
             ckptio.verify(path)
             assert_same(ckptio.load(path), state_of(step))
             _assert_no_stale_bytes(path)
+    ck.close()
+
+
+def _slots_warm(mgr: ckptio.CheckpointManager, sizes: list[int], sets: int) -> bool:
+    """Whether ``sets`` slots of each of ``sizes`` beside the memory tier's steps are mapped
+    here and idle (the background thread of prepare() has made them)."""
+    return warm_fit(mgr.path(0), sorted(sizes * sets))
+
+
+@pytest.mark.parametrize("via", ["prepare", "restore"])
+def test_prepare_makes_the_first_saves_mapped(shm, via):
+    """A manager that knows its state (prepare(), or a restore that found nothing) makes its
+    memory tier's slots for the first saves in the background: every save from the first
+    copies into mapped pages and writes no data through the backend; bit for bit, no stale
+    byte; close() removes the slots no save took."""
+    ck = ckptio.Checkpointer(OPTS)
+    root = checkpoint_path("shm://ahead")
+    os.makedirs(root, exist_ok=True)
+    counting = ck.resources().wrap_backend(LocalStore(root), _Counting)
+    mgr = ckptio.CheckpointManager(tiers=[Tier("shm://ahead", keep_last=2)], checkpointer=ck)
+    with mgr:
+        if via == "prepare":
+            mgr.prepare(state_of(0), wait=True)
+            assert _slots_warm(mgr, ck.prepare(None, state=state_of(0))[0], 3)
+        else:
+            assert mgr.restore(state_of(0)) is None
+        sizes, _cuda = ck.prepare(None, state=state_of(0))
+        deadline = time.monotonic() + 30
+        while not _slots_warm(mgr, sizes, 3):
+            assert time.monotonic() < deadline, f"no slots mapped ahead: {os.listdir(root)}"
+            time.sleep(0.05)
+        for step in range(5):
+            handle = mgr.save(step, state_of(2 * step), asynchronous=True)
+            assert handle is not None
+            handle.wait()
+            wrote = [n for n in counting.written if n.startswith("data-")]
+            assert not wrote, f"step {step} wrote its data through the backend: {wrote}"
+            ckptio.verify(mgr.path(step))
+            assert_same(ckptio.load(mgr.path(step)), state_of(2 * step))
+            _assert_no_stale_bytes(mgr.path(step))
+    assert not os.path.exists(os.path.join(root, SLOTS_DIR)) or not os.listdir(
+        os.path.join(root, SLOTS_DIR))
     ck.close()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ckptio import stepmeta
@@ -38,8 +38,10 @@ from ckptio.managing.retention import StepMeta
 from ckptio.managing.tier import Tier
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
+from ckptio.saving.mapped_regions import pin
 from ckptio.storage.local import runlease
 from ckptio.storage.local.local_root import LocalRoot
+from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.select import capped, root_for, store_for
 from ckptio.storage.steproot import Listing, StepRoot
@@ -256,16 +258,32 @@ class TierSteps:
             self._removal.join()
             self._removal = None
 
+    def prepare_slots(self, sizes: Sequence[int], cuda: bool) -> None:
+        """The manager knows the state: a root keeping slots (a memory tier) makes and maps
+        them for files of ``sizes`` (page-locked for device copies where ``cuda``) on this
+        tier's background thread; the next retention pass joins it."""
+        if not isinstance(self._root, _KeepsSlots):
+            return
+        self.join_removal()
+        on_mapped = pin if cuda else None
+        self._removal = threading.Thread(target=self._root.prepare_slots,
+                                         args=(sizes, on_mapped), name="ckptio-slots")
+        self._removal.start()
+
     def drop_slots(self) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
         one on tmpfs, storage/local/local_root.py) removes them."""
         if isinstance(self._root, _KeepsSlots):
+            self.join_removal()  # slots being made ahead are removed too
             self._root.drop_slots()
 
 
 @runtime_checkable
 class _KeepsSlots(Protocol):
     """A root that keeps dropped steps' data files for the next saves (LocalRoot)."""
+
+    def prepare_slots(self, sizes: Sequence[int],
+                      on_mapped: Callable[[MappedFile], object] | None = None) -> None: ...
 
     def drop_slots(self) -> None: ...
 

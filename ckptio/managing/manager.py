@@ -420,23 +420,33 @@ class CheckpointManager:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self.wait()
         sizing = not self._saved_here  # a rollback: the staging stays as this run's saves left it
-        if sizing:
-            self._staging(state)  # first: the load reads through the pool the saves will use
+        planned = self._staging(state) if sizing else ([], False)  # the load reads through
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
         if restored is not None:
             if sizing:  # a pool that faulted in during the load is pinned now
                 self._staging(None)
         elif step is None:
             started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
+        self._slots_ahead(planned)  # after the load, which they would slow down
         return restored
 
-    def _staging(self, state: Any) -> None:
-        """prepare(state) (None: only pin what has faulted in); a failure is only logged: the
-        load, or the first save, says what is wrong."""
+    def _staging(self, state: Any) -> tuple[list[int], bool]:
+        """prepare(state) (None: only pin what has faulted in) -> Checkpointer.prepare's
+        planned files; a failure is only logged: the load, or the first save, says what is
+        wrong."""
         try:
-            self._ck.prepare(self.directory, state=state, wait=False)
+            return self._ck.prepare(self.directory, state=state, wait=False)
         except CkptError as exc:
             log.info("ckptio: staging not prepared (%s); the first save sizes it", exc)
+            return [], False
+
+    def _slots_ahead(self, planned: tuple[list[int], bool]) -> None:
+        """A memory tier's first saves' files made and mapped ahead, in the background
+        (TierSteps.prepare_slots): those saves copy into resident pages from the first."""
+        sizes, cuda = planned
+        if sizes:
+            for level in self._levels:
+                level.prepare_slots(sizes, cuda)
 
     def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any]) -> int | None:
         """restore()'s load: the guarded one, an exact step, or the newest loadable."""
@@ -463,13 +473,18 @@ class CheckpointManager:
                  restored.tier, restored.location, restored.seconds)
         return restored.step
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any, *, wait: bool = False) -> None:
         """Size the staging of async saves of ``state`` (within Options.host_budget_bytes) and
         start faulting it in on the pool's own thread; returns without waiting for that, and
         a save that comes first waits only for the buffers it needs, so the first save of the
-        job costs what later ones do. restore() does it; call it in a loop that never
-        restores (this rank only, not a collective)."""
-        self._ck.prepare(self.directory, state=state, wait=False)
+        job costs what later ones do; a memory tier's first saves' files are made and mapped
+        ahead too, in the background. ``wait``: return once all of it is done (at startup,
+        before the loop). restore() does it; call it in a loop that never restores (this
+        rank only, not a collective)."""
+        self._slots_ahead(self._ck.prepare(self.directory, state=state, wait=wait))
+        if wait:
+            for level in self._levels:
+                level.join_removal()
 
     def verify(self, step: int | None = None) -> int:
         """Read back every byte of ``step`` (default: the newest committed) in the fastest

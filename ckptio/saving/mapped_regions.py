@@ -27,7 +27,7 @@ from ckptio.io.stage import Buffer
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.local.mapped import MappedFile, release
 
-__all__ = ["MappedTarget"]
+__all__ = ["MappedTarget", "pin"]
 
 
 class MappedTarget:
@@ -47,7 +47,7 @@ class MappedTarget:
             layout = self.files[file]
             mapping = self._open[file] = self.target.open_mapped(layout.name, layout.nbytes)
             if self.cuda:
-                self.pinned = _pin(mapping) and self.pinned
+                self.pinned = pin(mapping) and self.pinned
         return mapping
 
     def region(self, file: int, start: int) -> Buffer:
@@ -72,8 +72,9 @@ class MappedTarget:
             release(self._open.popitem()[1], keep=keep)
 
 
-def _pin(mapping: MappedFile) -> bool:
-    """Page-lock ``mapping`` for device->host copies, once per mapping -> whether it is."""
+def pin(mapping: MappedFile) -> bool:
+    """Page-lock ``mapping`` for device->host copies, once per mapping -> whether it is (also
+    ahead of a save: a slot made at a manager's prepare, managing/level.py)."""
     if mapping.kept.get("pinned") or not mapping.nbytes:
         return True
     cudart = torch.cuda.cudart()

@@ -68,7 +68,7 @@ from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.version import __version__
 
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
-           "file_nbytes"]
+           "planned_files"]
 
 PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
 # a packed save's data files (packing.py): at least this, whole entries; small enough that
@@ -424,13 +424,16 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
                         "ranks: %s", ctx.group.rank, ctx.store.location, other)
 
 
-def file_nbytes(state: Any, max_file_bytes: int, cache: PlanCache | None = None) -> list[int]:
+def planned_files(state: Any, max_file_bytes: int,
+                  cache: PlanCache | None = None) -> tuple[list[int], bool]:
     """The sizes of the data files one process's save of ``state`` writes (as planned): what
-    the staging pool must hold for async saves of it to return at copy speed. ``cache``: the
-    Checkpointer's plan cache, so that its first save reuses this plan as later ones do."""
-    plan, _sources = build_plan(flatten(state), allow_pickle=True, cache=cache)
-    return [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
-                                         max_file_bytes=max_file_bytes)]
+    the staging pool must hold for async saves of it to return at copy speed; and whether any
+    of its tensors is on a CUDA device. ``cache``: the Checkpointer's plan cache, so that its
+    first save reuses this plan as later ones do."""
+    plan, sources = build_plan(flatten(state), allow_pickle=True, cache=cache)
+    sizes = [f.nbytes for f in plan_files(plan.items, save_id="size", rank=0,
+                                          max_file_bytes=max_file_bytes)]
+    return sizes, any(isinstance(t, torch.Tensor) and t.is_cuda for t in sources.values())
 
 
 def default_meta() -> dict[str, Any]:

@@ -90,3 +90,40 @@ def test_lazy_device_saves_with_after_step_keep_the_pre_step_values(shm):
             loaded = ckptio.load(mgr.path(step))
             for key, want in saved[step].items():
                 assert torch.equal(loaded["model"][key], want), (step, key)
+
+
+def test_prepare_makes_and_page_locks_the_first_saves_slots(shm):
+    """prepare(state, wait=True) with a device state: the memory tier's slots for the first
+    saves are made, mapped and page-locked ahead, so the first save copies into them
+    (non_blocking copies; a kernel queued right after the call does not reach the checkpoint)
+    and loads back bit for bit."""
+    import os
+
+    from ckptio.storage.local.mapped import SLOTS_DIR, borrow, release
+    from ckptio.storage.select import checkpoint_path
+
+    with ckptio.CheckpointManager(tiers=[Tier("shm://gpu-ahead", keep_last=2)],
+                                  options=OPTS) as mgr:
+        mgr.prepare(_device_state(0), wait=True)
+        slots = os.path.join(checkpoint_path("shm://gpu-ahead"), SLOTS_DIR)
+        names = sorted(os.listdir(slots))
+        assert names and all(n.startswith("prepared.") for n in names), names
+        for name in names:
+            entry = borrow(os.path.join(slots, name))
+            assert entry is not None and entry.kept.get("pinned"), f"{name} not page-locked"
+            release(entry)
+        prepared = {os.stat(os.path.join(slots, n)).st_ino for n in names}
+        state = _device_state(0)
+        expected = {k: (v.cpu().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in state.items()}
+        handle = mgr.save(0, state, asynchronous=True)
+        assert handle is not None
+        for key in ("w", "h", "i"):
+            state[key].zero_()
+        handle.wait()
+        assert _inodes(mgr.path(0)) <= prepared, "the first save did not take a prepared slot"
+        loaded = ckptio.load(mgr.path(0))
+        for key, want in expected.items():
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(loaded[key], want), key
+        _assert_no_stale_bytes(mgr.path(0))

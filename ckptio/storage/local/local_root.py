@@ -20,11 +20,21 @@ import functools
 import logging
 import os
 import shutil
+from collections.abc import Callable, Sequence
 
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.local.mapped import SLOTS_DIR, drop_slots, keep_slots, on_tmpfs, warm_slots
+from ckptio.storage.local.mapped import (
+    SLOT_STEPS,
+    SLOTS_DIR,
+    MappedFile,
+    drop_slots,
+    keep_slots,
+    make_slots,
+    on_tmpfs,
+    warm_slots,
+)
 from ckptio.storage.steproot import (
     HIDDEN_PREFIX,
     Listing,
@@ -98,6 +108,20 @@ class LocalRoot:
                 warm_slots(self.location)
             return functools.partial(remove, leftovers)
         return None
+
+    def prepare_slots(self, sizes: Sequence[int],
+                      on_mapped: Callable[[MappedFile], object] | None = None) -> None:
+        """A manager knows its state (prepare): slots of the data files' ``sizes`` for the
+        saves before retention drops a step, made and mapped ahead (``on_mapped``: each new
+        mapping, page-locked for device copies), so those saves too copy into resident pages
+        rather than through the pool. Where no slots are kept: nothing."""
+        if not (self.slots and on_tmpfs(self.location)):
+            return
+        try:
+            make_slots(self.location, sizes, SLOT_STEPS + 1)
+        except OSError as exc:  # a full tmpfs, say: the first saves go through the pool
+            log.info("ckptio: no slots made ahead in %s (%s)", self.location, exc)
+        warm_slots(self.location, on_mapped)
 
     def drop_slots(self) -> None:
         """The manager lets go: the dropped steps' data files kept for its saves are removed."""

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 from ckptio.errors import StorageIOError
 
-__all__ = ["SLOTS_DIR", "MappedFile", "borrow", "drop_slots", "forget", "keep_slots", "on_tmpfs",
-           "open_file", "release", "slot_nbytes", "warm_fit", "warm_slots"]
+__all__ = ["SLOTS_DIR", "SLOT_STEPS", "MappedFile", "borrow", "drop_slots", "forget", "keep_slots",
+           "make_slots", "on_tmpfs", "open_file", "release", "slot_nbytes", "warm_fit",
+           "warm_slots"]
 
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
@@ -333,11 +334,33 @@ def _slot_step(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def warm_slots(root: str) -> None:
+def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
+    """Slot files of ``sizes`` for ``root``'s first ``sets`` saves, every page allocated (a
+    manager's prepare: its memory tier's first saves then copy into slots mapped ahead, not
+    through the pool). Sizes the slot directory holds already count; named as the oldest
+    dropped step (``prepared.*``), so a dropped step's files outrank them."""
+    slots = os.path.join(root, SLOTS_DIR)
+    os.makedirs(slots, exist_ok=True)
+    with os.scandir(slots) as it:
+        held = [e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False)]
+    for index, size in enumerate(sorted(list(sizes) * sets)):
+        if size in held:
+            held.remove(size)
+            continue
+        fd = os.open(os.path.join(slots, f"prepared.{index:04d}.{size}"),
+                     os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _sized(fd, size)
+        finally:
+            os.close(fd)
+
+
+def warm_slots(root: str, on_mapped: Callable[[MappedFile], object] | None = None) -> None:
     """Map ``root``'s slot files here with every page-table entry populated (MAP_POPULATE), so
     the save that takes one copies into resident, mapped pages (the retention's pass, before
     the next save: only slots written through the staging pool cost anything, a mapped save's
-    files are mapped here already and left as they are)."""
+    files are mapped here already and left as they are). ``on_mapped``: called with each
+    newly mapped slot (page-locking it for device copies)."""
     try:
         with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
             paths = [e.path for e in it if e.is_file(follow_symlinks=False)]
@@ -348,11 +371,14 @@ def warm_slots(root: str) -> None:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # taken by a save meanwhile
-        _warm(path, fd)
+        entry = _warm(path, fd)
+        if entry is not None and on_mapped is not None:
+            on_mapped(entry)
 
 
-def _warm(path: str, fd: int) -> None:
-    """Cache a populated mapping of the open slot file ``fd`` (closed if not kept)."""
+def _warm(path: str, fd: int) -> MappedFile | None:
+    """Cache a populated mapping of the open slot file ``fd`` (closed if not kept) -> the new
+    mapping, None where none was made."""
     try:
         info = os.fstat(fd)
         key = (info.st_dev, info.st_ino)
@@ -360,13 +386,13 @@ def _warm(path: str, fd: int) -> None:
             known = key in _cache
         if known or not info.st_size:
             os.close(fd)
-            return
+            return None
         entry = MappedFile(path, info.st_size, _map(fd, info.st_size, populate=True), fd, key,
                            True, in_use=False)
     except OSError as exc:
         os.close(fd)
         log.info("ckptio: could not map the slot %s ahead of the next save (%s)", path, exc)
-        return
+        return None
     global _ticks
     with _lock:
         if key not in _cache:
@@ -374,8 +400,9 @@ def _warm(path: str, fd: int) -> None:
             entry.tick = _ticks
             _cache[key] = entry
             _bound()
-            return
+            return entry
     _unmap(entry)  # a save mapped it meanwhile
+    return None
 
 
 def warm_fit(directory: str, sizes: Sequence[int]) -> bool:
