@@ -337,17 +337,20 @@ def _slot_step(name: str) -> int:
 def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
     """Slot files of ``sizes`` for ``root``'s first ``sets`` saves, every page allocated (a
     manager's prepare: its memory tier's first saves then copy into slots mapped ahead, not
-    through the pool). Sizes the slot directory holds already count; named as the oldest
-    dropped step (``prepared.*``), so a dropped step's files outrank them."""
-    slots = os.path.join(root, SLOTS_DIR)
+    through the pool). Sizes held already count: dropped steps' files and this process's own
+    (another rank's are its own). Named as the oldest dropped step (``prepared.*``), so a
+    dropped step's files outrank them."""
+    slots, mine = os.path.join(root, SLOTS_DIR), f"prepared.{os.getpid()}."
     os.makedirs(slots, exist_ok=True)
     with os.scandir(slots) as it:
-        held = [e.stat(follow_symlinks=False).st_size for e in it if e.is_file(follow_symlinks=False)]
+        held = [e.stat(follow_symlinks=False).st_size for e in it
+                if e.is_file(follow_symlinks=False)
+                and (e.name.startswith(mine) or not e.name.startswith("prepared."))]
     for index, size in enumerate(sorted(list(sizes) * sets)):
         if size in held:
             held.remove(size)
             continue
-        fd = os.open(os.path.join(slots, f"prepared.{index:04d}.{size}"),
+        fd = os.open(os.path.join(slots, f"{mine}{index:04d}.{size}"),
                      os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             _sized(fd, size)
