@@ -104,6 +104,7 @@ class Saver:
                 tiers.append(ckptio.Tier(f"{args.s3.rstrip('/')}/{work.name}",
                                          every=2 * args.every, keep_last=2))
             self.mgr = ckptio.CheckpointManager(tiers=tiers, checkpointer=self.ck)
+            self.mgr.prepare(state, wait=True)  # at startup: the memory tier's slots made too
         elif name in ("disk_k", "disk_lazy_k"):
             self.mgr = ckptio.CheckpointManager(work / "disk", keep_last=2, checkpointer=self.ck)
         elif name == "s3_k":
