@@ -35,7 +35,8 @@ from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot
-from ckptio.storage.local.mapped import SLOTS_DIR, on_tmpfs, warm_fit
+from ckptio.storage.local.mapped import on_tmpfs
+from ckptio.storage.local.slots import SLOTS_DIR, warm_fit
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
 

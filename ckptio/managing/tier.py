@@ -41,7 +41,7 @@ from ckptio.planning.sharding import local_tensor
 from ckptio.policies import RetentionPolicy, SavePolicy, check_keep, check_save
 from ckptio.redundancy.redundancy import Parity, Partners, check_redundancy
 from ckptio.redundancy.topology import host_id
-from ckptio.storage.local.mapped import slot_nbytes
+from ckptio.storage.local.slots import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
 
 __all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "one_host",

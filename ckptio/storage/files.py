@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 from ckptio.io.backend_contract import BatchReads, FileHandle, Filled, IOBackend, all_of
-from ckptio.storage.local import mapped
+from ckptio.storage.local import mapped, slots
 from ckptio.storage.store_contract import Capabilities, Store
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
@@ -68,8 +68,10 @@ class StoreFiles:
 
     def open_mapped(self, name: str, nbytes: int) -> mapped.MappedFile:
         """Create file ``name`` of ``nbytes`` mapped writable (a store for which mappable()
-        holds; storage/local/mapped.py): a slot of its root's dropped steps where there is one."""
-        return mapped.open_file(self.store.path_of(name), nbytes)
+        holds; storage/local/mapped.py): a slot of its root's dropped steps where there is one
+        (storage/local/slots.py)."""
+        path = self.store.path_of(name)
+        return mapped.open_file(path, nbytes, reused=slots.take_slot(path, nbytes))
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)
@@ -104,10 +106,10 @@ def in_memory(store: Store) -> bool:
 def mappable(store: Store, sizes: Sequence[int]) -> bool:
     """Whether a save of files of ``sizes`` may write ``store``'s files as shared mappings: a
     local directory on tmpfs, whose pages are the files, beside slots of those sizes that this
-    process has mapped ahead (storage/local/mapped.py; a manager's memory tier once its retention
+    process has mapped ahead (storage/local/slots.py; a manager's memory tier once its retention
     dropped a step). Elsewhere, and until then, the capture copies into the staging pool and
     the backend writes: a fresh mapping would allocate and fault its pages inside the call."""
-    return in_memory(store) and mapped.warm_fit(store.capabilities.filesystem or "", sizes)
+    return in_memory(store) and slots.warm_fit(store.capabilities.filesystem or "", sizes)
 
 
 class IOResources(Protocol):

@@ -99,7 +99,8 @@ def test_prepare_makes_and_page_locks_the_first_saves_slots(shm):
     and loads back bit for bit."""
     import os
 
-    from ckptio.storage.local.mapped import SLOTS_DIR, borrow, release
+    from ckptio.storage.local.mapped import borrow, release
+    from ckptio.storage.local.slots import SLOTS_DIR
     from ckptio.storage.select import checkpoint_path
 
     with ckptio.CheckpointManager(tiers=[Tier("shm://gpu-ahead", keep_last=2)],

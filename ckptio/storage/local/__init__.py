@@ -2,7 +2,8 @@
 
 Its registry entry (storage/select.py) names the parts, each importing the ones below it:
 
-    mapped.py       tmpfs (shm://) files mapped, cached for reuse, and the slots of dropped steps
+    mapped.py       tmpfs (shm://) files mapped and cached for reuse
+    slots.py        a memory tier's slots: dropped steps' files (or files made ahead) reused
     dirlock.py      the lock that lets one save at a time commit into one directory
     runlease.py     one live job per run directory: a manager's lease on its root
     local_store.py  LocalStore, the Store of one checkpoint directory (storage/store_contract.py;
@@ -17,4 +18,4 @@ the I/O backends (io/).
 
 from __future__ import annotations
 
-__all__ = ["dirlock", "local_root", "local_store", "mapped", "runlease"]
+__all__ = ["dirlock", "local_root", "local_store", "mapped", "runlease", "slots"]

@@ -5,7 +5,7 @@ retention hides a dropped step by renaming it ``.deleting-step-<N>-<hex>`` (atom
 the directory, and only then removes it (shutil.rmtree, on the manager's thread): a kill never
 leaves a half-deleted step listed, and the next retention finishes such leftovers. On tmpfs
 (``slots``: Options.memory_mapped) the newest dropped step's data files are first moved into
-``.ckptio-slots`` (storage/local/mapped.py), where the next mapped save takes its files from: the
+``.ckptio-slots`` (storage/local/slots.py), where the next mapped save takes its files from: the
 memory tier reuses their pages, a ring of keep_last + 1 steps' worth; ``drop_slots()`` (the
 manager's close) removes them.
 
@@ -25,14 +25,13 @@ from collections.abc import Callable, Sequence
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.local.mapped import (
+from ckptio.storage.local.mapped import MappedFile, on_tmpfs
+from ckptio.storage.local.slots import (
     SLOT_STEPS,
     SLOTS_DIR,
-    MappedFile,
     drop_slots,
     keep_slots,
     make_slots,
-    on_tmpfs,
     warm_slots,
 )
 from ckptio.storage.steproot import (
