@@ -218,8 +218,8 @@ def test_a_rollback_leaves_the_staging_as_the_saves_sized_it(shm: str, monkeypat
         made: list[str] = []
         monkeypatch.setattr(StagingPool, "__init__", _counting(StagingPool.__init__, made, "made"))
         monkeypatch.setattr(StagingPool, "close", _counting(StagingPool.close, made, "closed"))
-        monkeypatch.setattr(save_session, "file_nbytes",
-                            _counting(save_session.file_nbytes, made, "planned"))
+        monkeypatch.setattr(save_session, "planned_files",
+                            _counting(save_session.planned_files, made, "planned"))
         before = ck.staging_nbytes
         into = {k: torch.zeros_like(v) for k, v in saved.items()}
         with caplog.at_level(logging.INFO, logger="ckptio"):
