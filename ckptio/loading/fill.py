@@ -26,6 +26,7 @@ from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading import by_name, merge, param_check
 from ckptio.loading.foreign_common import unpicklable
+from ckptio.loading.resolve_regular import held_leaf
 from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
@@ -270,10 +271,11 @@ class _InPlace(_Reads):
     resized: list[str] = field(default_factory=list)  # keys whose saved shape differs
 
 
-def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool) -> None:
+def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool,
+                 flat: FlatState | None = None) -> None:
     """Plan filling a state leaf (tensor, DTensor, TensorShard, FlatShard, numpy array) with
-    the region of the saved tensor it holds."""
-    region = held(value, key)
+    the region of the saved tensor it holds (``flat``'s, known once per load, for its leaf)."""
+    region = held(value, key) if flat is None else held_leaf(flat, key)
     if region is None:
         if isinstance(value, torch.Tensor):
             plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
@@ -330,7 +332,7 @@ def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: b
             continue  # a per-rank key this rank cannot take: reported by check_refused
         kind = source.head.kind if isinstance(source, TensorSource) else None
         if kind == "tensor":
-            _tensor_into(plan, key, value, source, cast)  # type: ignore[arg-type]
+            _tensor_into(plan, key, value, source, cast, flat)  # type: ignore[arg-type]
             continue
         dest = _numpy_dest(value) if kind == "numpy" else None
         if dest is not None:
