@@ -6,7 +6,9 @@ chunks' resolution, the key step, the in-place plan, the read-plan step, the rea
 read-done and final steps) to note when each was first entered and last left, in wall-clock
 seconds (one clock for the ranks of one host); ``marks()`` returns them with the process's
 start and the end of its imports. ``table()`` lays every rank's marks out, in seconds after
-the earliest rank's load began.
+the earliest rank's load began; ``main`` prints them from a benchmarks.ranks JSON file.
+With LOAD_PHASES_PROFILE=PREFIX set, each rank's first load also runs under cProfile, its
+statistics written to PREFIX.<pid>.
 
 Owns: the wrappers and the table. Does not own: the load (ckptio), the clock (ranks.py).
 """
@@ -18,7 +20,7 @@ import os
 import time
 from typing import Any
 
-__all__ = ["install", "mark", "marks", "table"]
+__all__ = ["install", "main", "mark", "marks", "table"]
 
 _marks: dict[str, float] = {}
 _PHASES = (  # (label, module, attribute, "enter" | "exit" | "both")
@@ -114,3 +116,26 @@ def table(per_rank: list[dict[str, float]]) -> str:
         cells = [f"{m[label] - zero:+.3f}" if label in m else "-" for m in per_rank]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.load_phases RUN.json``: the phase table of every traced ckptio
+    first load in a benchmarks.ranks JSON file."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m benchmarks.load_phases RUN.json", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        runs = json.load(f)["runs"]
+    for run in runs:
+        if run.get("phases") and run.get("engine") == "ckptio":
+            print(f"\n{run.get('layout')}, repetition {run.get('rep', 0) + 1}: load "
+                  f"{run.get('load_s', 0):.2f} s\n\n{table(run['phases'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,7 +60,7 @@ def wanted_regions(stored: set[str], aliases: dict[str, str], flat: FlatState,
     regular_keys = stored
     may_create = merge.creatable(flat)
     wants: dict[str, Chunk | None] = {}
-    for key, value in flat.leaves.items():
+    for key in flat.leaves:
         target = aliases.get(key, key)
         if target in regular_keys and select(key):
             region = held_leaf(flat, key)
