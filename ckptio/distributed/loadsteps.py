@@ -1,7 +1,7 @@
 """The collective steps of an in-place load with peers: the key step and the final agreement.
 
 UnexpectedKeys: a checkpoint key that one rank's state lacks is unexpected only if no rank asks
-for it (a step of its own with one rank, else carried by the read step: readshare.py).
+for it (carried by the read step where the load has one, readshare.py; else a step of its own).
 agree_loaded(): at the end of a load, a failure on any rank raises on every rank.
 
 Owns: these two steps' messages. Does not own: the transport and the failure rules

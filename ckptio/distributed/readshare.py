@@ -3,10 +3,9 @@
 that several ranks' resharded pieces want part of (a cut between their regions inside it), is
 read from storage by one of them and sent to the others (Options.broadcast_replicated).
 
-    plan       every rank names the entries it reads whole and the blocks it wants part of
-               (planning/shared_reads.py), and its unexpected keys (the key step, carried:
-               loadsteps.py); the coordinator picks each shared one's owner, finds the keys no
-               rank asks for and answers every rank (one step); each checks its keys then
+    plan       every rank names the entries it reads whole, the blocks it wants part of
+               (planning/shared_reads.py) and its unexpected keys (loadsteps.py); the
+               coordinator picks owners and the keys no rank asks for: one step, then keys checked
     blocks     (where blocks are shared) owners read their shared blocks; one step: all read,
                or all fail; then the blocks are exchanged and checked (sendreads.py) on a
                thread of their own, while the read below begins
