@@ -35,7 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks import worker_env
+from benchmarks import load_phases, worker_env
 from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, peer_worlds, progress,
                                      save_engines,
                                      schedule, summarize)
@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-per-rank", action="store_true", help="each rank plays a host of its "
                    "own (CKPTIO_HOST_ID): a resharded load's shared checksum blocks are read by "
                    "one rank and sent, as across hosts")
+    p.add_argument("--trace", action="store_true", help="each rank's phases of every ckptio "
+                   "first load, printed (benchmarks/load_phases.py)")
     # worker side
     p.add_argument("--worker", help=argparse.SUPPRESS)  # save:ENGINE | load:ENGINE:WORLD | expect
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -237,15 +239,18 @@ def load_worker(args: argparse.Namespace, engine: str) -> Run:
     barrier()
     cache_drop = ceiling.drop_page_cache([args.ckpt]) if args.rank == 0 else ""
     load = loader(args, engine)
+    if args.trace and engine == "ckptio":
+        load_phases.install()
     disk_before = disk_read_bytes(args.ckpt) if args.rank == 0 else None
     timeline = Timeline()
     seconds, rss, report = timed(lambda: timeline.around(load, args.ckpt, dest), args.idle)
     disk_after = disk_read_bytes(args.ckpt) if args.rank == 0 else None
     ok = local_digest(dest) == expect["digests"][args.world][args.rank]
+    phases = gather(load_phases.marks()) if args.trace else None
     later = later_load(args, load, dest, expect) if args.restart else {}
     oks, rsses = gather(ok), gather(rss)
     read = gather(getattr(report, "nbytes_read", None))
-    return {**later, "timelines": gather(timeline.summary()),
+    return {**later, "phases": phases, "timelines": gather(timeline.summary()),
             "job": "load", "engine": engine, "rep": args.rep, "ranks": args.world,
             "saved_ranks": args.ranks, "bytes": expect["bytes"], "load_s": seconds,
             "load_rss_mib": max(rsses), "cache_drop": cache_drop, "bitwise_ok": all(oks),
@@ -340,6 +345,8 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
         base.append("--cold-pool")
     if args.restart:
         base.append("--restart")
+    if args.trace:
+        base.append("--trace")
     if ckpt is not None:
         base += ["--ckpt", str(ckpt)]
     failed: Run = {"job": worker, "rep": rep, "ranks": world}
@@ -423,6 +430,8 @@ def run_all(args: argparse.Namespace) -> list[Run]:
             run["layout"] = f"{args.ranks}->{world}"
             runs.append(run)
             print(progress(run), file=sys.stderr, flush=True)
+            if run.get("phases") and run.get("engine") == "ckptio":
+                print(load_phases.table(run["phases"]), file=sys.stderr, flush=True)
         if not args.no_ceiling and shutil.which("fio"):  # fio's reading of ckptio's files
             runs.append(run_fio_files(ckpt_dir(args, "ckptio", rep), rep))
             print(progress(runs[-1]), file=sys.stderr, flush=True)

@@ -362,10 +362,11 @@ class Checkpointer:
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
-        key_step = loadsteps.UnexpectedKeys(group, path)
-        read_step = None if state is None or torch_group is None or group.size == 1 else (
+        many = state is not None and torch_group is not None and group.size > 1
+        key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
+        read_step = None if not many else (
             readshare.SharedReads(group, torch_group, self.options.broadcast_replicated,
-                                  self.options.rank_timeout_s, path))
+                                  self.options.rank_timeout_s, path, key_step))
         request = loading.LoadRequest(
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,

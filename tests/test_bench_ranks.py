@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from benchmarks import ranks
+from benchmarks import load_phases, ranks
 from benchmarks import ranks_state
 from ckptio import cli
 
@@ -58,17 +58,21 @@ def test_ranks_smoke(tmp_path):
     assert not data.exists() or not any(p.name.startswith(ranks.PREFIX) for p in data.iterdir())
 
 
-def test_ranks_restart_smoke(tmp_path):
+def test_ranks_restart_smoke(tmp_path, capsys):
     """--restart: ckptio.load with the defaults, a later load in the same processes, each
     rank's read timeline, and fio's ceilings (its own file; ckptio's data files) beside the
-    project's where fio is installed."""
+    project's where fio is installed. --trace: each rank's load phases, printed from the JSON."""
     out = tmp_path / "r.json"
     argv = ["--ranks", "2", "--gb", "0.004", "--reps", "1", "--idle", "0", "--dcp-threads", "1",
-            "--loads", "same", "--restart", "--dir", str(tmp_path / "data"), "--timeout", "120",
-            "--json", str(out)]
+            "--loads", "same", "--restart", "--trace", "--dir", str(tmp_path / "data"),
+            "--timeout", "120", "--json", str(out)]
     assert ranks.main(argv) == 0
     report = json.loads(out.read_text())
     (load,) = [r for r in report["runs"] if r["job"] == "load"]
+    assert len(load["phases"]) == 2 and all(
+        {"load in", "read-plan step out", "reads in", "final step out"} <= set(p)
+        for p in load["phases"]), load["phases"]
+    assert load_phases.main([str(out)]) == 0 and "| read-plan step in |" in capsys.readouterr().out
     assert load["bitwise_ok"] and load["later_bitwise_ok"] and load["later_load_s"] > 0
     assert len(load["timelines"]) == 2 and len(load["later_timelines"]) == 2
     for timeline in load["timelines"]:

@@ -1,7 +1,8 @@
 """The collective steps of an in-place load with peers: the key step and the final agreement.
 
 UnexpectedKeys: a checkpoint key that one rank's state lacks is unexpected only if no rank asks
-for it. agree_loaded(): at the end of a load, a failure on any rank raises on every rank.
+for it (carried by the read step where the load has one, readshare.py; else a step of its own).
+agree_loaded(): at the end of a load, a failure on any rank raises on every rank.
 
 Owns: these two steps' messages. Does not own: the transport and the failure rules
 (step.py, dist.py), what a load reads (loading/).
@@ -10,11 +11,14 @@ Owns: these two steps' messages. Does not own: the transport and the failure rul
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
 
-__all__ = ["UnexpectedKeys", "agree_loaded"]
+__all__ = ["UnexpectedKeys", "agree_loaded", "nobody_asks"]
+
+Then = Callable[[tuple[str, ...]], None]  # what the load does with its agreed unexpected keys
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:
@@ -29,20 +33,38 @@ class UnexpectedKeys:
     """The key step of an in-place load with peers: a checkpoint key that this rank's state
     lacks is unexpected only if no rank asks for it (ranks may hold different keys: per-rank
     values under distinct names, pipeline stages). Every rank runs it exactly once: with its
-    own unexpected keys (``__call__``), or with its error if it failed before (``fail``)."""
+    own unexpected keys (``__call__``), or with its error if it failed before (``fail``).
+    ``rides``: the load's read step carries it (readshare.py: one collective for both, its
+    answer handed back through ``agreed`` before any read); else it is a collective of its own."""
 
-    def __init__(self, group: Group, path: str) -> None:
-        self.group, self.path, self.done = group, path, False
+    def __init__(self, group: Group, path: str, rides: bool = False) -> None:
+        self.group, self.path, self.done, self.rides = group, path, False, rides
+        self.held: tuple[tuple[str, ...], Then] | None = None
 
-    def __call__(self, mine: tuple[str, ...]) -> tuple[str, ...]:
+    def __call__(self, mine: tuple[str, ...], then: Then) -> None:
+        """Hand the keys no rank asks for, of ``mine``, to ``then`` (now, or once agreed)."""
         self.done = True
+        if self.rides:
+            self.held = (mine, then)
+            return
         answer = coordinate(self.group, json.dumps(list(mine)).encode(), None, _nobody_asks,
                             self._failed)
         nobody = set(json.loads(answer or b"[]"))
-        return tuple(k for k in mine if k in nobody)
+        then(tuple(k for k in mine if k in nobody))
+
+    def message(self) -> list[str]:
+        """This rank's unexpected keys, for the step that carries them."""
+        return list(self.held[0]) if self.held is not None else []
+
+    def agreed(self, nobody: list[str] | None) -> None:
+        """The carrying step's answer: the keys no rank asks for (None: the step failed on
+        another rank, which the load's last step names; this rank counts none unexpected)."""
+        if self.held is not None:
+            (mine, then), self.held = self.held, None
+            then(tuple(k for k in mine if k in set(nobody or ())))
 
     def fail(self, error: BaseException) -> None:
-        if not self.done:
+        if not self.done and not self.rides:  # riding, the read step carries the error
             self.done = True
             coordinate(self.group, None, error, _nobody_asks, self._failed)
 
@@ -50,10 +72,15 @@ class UnexpectedKeys:
         return f"load of {self.path} failed on {listed(failures)}"
 
 
+def nobody_asks(unexpected: list[list[str]]) -> list[str]:
+    """The keys every rank found unexpected."""
+    nobody: set[str] | None = None
+    for keys in unexpected:
+        nobody = set(keys) if nobody is None else nobody & set(keys)
+    return sorted(nobody or ())
+
+
 def _nobody_asks(messages: list[bytes]) -> list[bytes]:
     """On the coordinator: the keys every rank found unexpected, for every rank."""
-    nobody: set[str] | None = None
-    for message in messages:
-        keys = set(json.loads(message))
-        nobody = keys if nobody is None else nobody & keys
-    return [json.dumps(sorted(nobody or ())).encode()] * len(messages)
+    nobody = nobody_asks([json.loads(m) for m in messages])
+    return [json.dumps(nobody).encode()] * len(messages)

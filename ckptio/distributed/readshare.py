@@ -3,9 +3,9 @@
 that several ranks' resharded pieces want part of (a cut between their regions inside it), is
 read from storage by one of them and sent to the others (Options.broadcast_replicated).
 
-    plan       every rank names the entries it reads whole and the blocks it wants part of
-               (planning/shared_reads.py); the coordinator picks each shared one's owner and
-               answers every rank (one step)
+    plan       every rank names the entries it reads whole, the blocks it wants part of
+               (planning/shared_reads.py) and its unexpected keys (loadsteps.py); the
+               coordinator picks owners and the keys no rank asks for: one step, then keys checked
     blocks     (where blocks are shared) owners read their shared blocks; one step: all read,
                or all fail; then the blocks are exchanged and checked (sendreads.py) on a
                thread of their own, while the read below begins
@@ -40,6 +40,7 @@ import torch
 
 from ckptio.distributed import sendreads
 from ckptio.distributed.dist import Group
+from ckptio.distributed.loadsteps import UnexpectedKeys, nobody_asks
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import RankFailedError
 from ckptio.format.checksum import ALGORITHMS, TREE
@@ -87,8 +88,8 @@ class SharedReads:
     ``torch_group`` (whose members the wire group joins)."""
 
     def __init__(self, group: Group, torch_group: Any, on: bool, timeout_s: float,
-                 path: str) -> None:
-        self.group, self.torch_group, self.on = group, torch_group, on
+                 path: str, keys: UnexpectedKeys | None = None) -> None:
+        self.group, self.torch_group, self.on, self.keys = group, torch_group, on, keys
         self.timeout_s, self.path = timeout_s, path
         self.members = tuple(int(r) for r in
                              torch.distributed.get_process_group_ranks(torch_group))
@@ -98,6 +99,11 @@ class SharedReads:
         units, rest, by_unit = _units(reads, place)
         blocks = _block_units(rest, place)
         decision = self._plan(units + blocks, len(units), rest, place)
+        if self.keys is not None:  # the key step, carried: checked before any read
+            shared = decision.get("shared")
+            self.pending = ("blocks" if decision.get("blocks") else "read") if shared else None
+            self.keys.agreed(decision.get("unexpected"))
+            self.pending = None
         if not decision.get("shared"):
             return read(reads)
         share = Share(tuple(decision["owner"]), {int(i): tuple(to)
@@ -163,7 +169,7 @@ class SharedReads:
         on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
         mine = {"on": on, "wire": self._generation(),
                 "units": [[u.name, u.entry.nbytes] for u in units], "nwhole": nwhole,
-                "host": host_id(),
+                "host": host_id(), "unexpected": self.keys.message() if self.keys else [],
                 "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
         self.pending = None
         try:
@@ -312,17 +318,18 @@ def _fits(read: Read) -> bool:
 def _decide(messages: list[bytes]) -> list[bytes]:
     """On the coordinator: each rank's owners and receivers, or no sharing at all."""
     mine = [json.loads(m) for m in messages]
+    keys = {"unexpected": nobody_asks([m["unexpected"] for m in mine])}  # the key step's answer
     if not all(m["on"] for m in mine):
-        return [b'{"shared": false}'] * len(mine)
+        return [json.dumps({"shared": False, **keys}).encode()] * len(mine)
     shares = assign(_wants(mine), [m["alone"] for m in mine])
     if not any(s.sends_or_receives for s in shares):
-        return [b'{"shared": false}'] * len(mine)
+        return [json.dumps({"shared": False, **keys}).encode()] * len(mine)
     generations = {m["wire"] for m in mine}
     generation = generations.pop() if len(generations) == 1 and 0 not in generations else (
         max(m["wire"] for m in mine) + 1)
     blocks = any(o != -1 for s, m in zip(shares, mine) for o in s.owner[m["nwhole"]:])
     return [json.dumps({"shared": True, "wire": generation, "owner": s.owner, "to": s.to,
-                        "blocks": blocks}).encode() for s in shares]
+                        "blocks": blocks, **keys}).encode() for s in shares]
 
 
 def _block_units(rest: list[Read], place: ReadPlace) -> list[sendreads.Unit]:

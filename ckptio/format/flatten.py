@@ -48,6 +48,9 @@ class FlatState:
     want_names: bool = False  # a save: index-keyed optimizers get their parameters' names
     names: dict[int, str] | None = None  # id(parameter) -> name (param_names.py), when needed
     cache: FlatCache | None = None  # a save's: the containers' structure from the last save
+    # a load's: key -> the region its leaf holds (planning/sharding.Held, or None), worked out
+    # once for the load's planning steps (loading/resolve_regular.held_leaf)
+    regions: dict[str, Any] = field(default_factory=dict)
 
 
 def is_stateful(value: Any) -> bool:

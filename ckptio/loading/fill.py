@@ -26,6 +26,7 @@ from ckptio.format.types import Chunk, Manifest, ObjectEntry, Read, TensorEntry
 from ckptio.io.stage import torch_dtype
 from ckptio.loading import by_name, merge, param_check
 from ckptio.loading.foreign_common import unpicklable
+from ckptio.loading.resolve_regular import held_leaf
 from ckptio.planning.sharding import check_dense, held
 
 __all__ = ["AgreeFn", "KeyFilter", "LoadReport", "RankPolicy", "Sources", "TensorSource", "fill_fresh",
@@ -270,10 +271,11 @@ class _InPlace(_Reads):
     resized: list[str] = field(default_factory=list)  # keys whose saved shape differs
 
 
-def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool) -> None:
+def _tensor_into(plan: _InPlace, key: str, value: Any, source: TensorSource, cast: bool,
+                 flat: FlatState | None = None) -> None:
     """Plan filling a state leaf (tensor, DTensor, TensorShard, FlatShard, numpy array) with
-    the region of the saved tensor it holds."""
-    region = held(value, key)
+    the region of the saved tensor it holds (``flat``'s, known once per load, for its leaf)."""
+    region = held(value, key) if flat is None else held_leaf(flat, key)
     if region is None:
         if isinstance(value, torch.Tensor):
             plan.problems[key] = f"{key}: the checkpoint holds a tensor, the state a {type(value).__name__}"
@@ -330,7 +332,7 @@ def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: b
             continue  # a per-rank key this rank cannot take: reported by check_refused
         kind = source.head.kind if isinstance(source, TensorSource) else None
         if kind == "tensor":
-            _tensor_into(plan, key, value, source, cast)  # type: ignore[arg-type]
+            _tensor_into(plan, key, value, source, cast, flat)  # type: ignore[arg-type]
             continue
         dest = _numpy_dest(value) if kind == "numpy" else None
         if dest is not None:
@@ -345,7 +347,9 @@ def _plan_in_place(sources: Sources, flat: FlatState, common: list[str], cast: b
     return plan
 
 
-AgreeFn = Callable[[tuple[str, ...]], tuple[str, ...]]
+# many ranks' key step: this rank's unexpected keys, and what to do with those no rank asks
+# for once known (at once, or where the read step agrees them: distributed/loadsteps.py)
+AgreeFn = Callable[[tuple[str, ...], Callable[[tuple[str, ...]], None]], None]
 
 
 def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyFilter,
@@ -356,7 +360,8 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     tensor it holds, whatever layout saved it); put other values into their containers,
     rebuilding tuples; create the entries a Stateful lacks; call each Stateful's
     load_state_dict. ``agree_unexpected`` (many ranks) turns this rank's unexpected keys into
-    those no rank asks for."""
+    those no rank asks for, before anything is read; every check that refuses the load runs
+    then, still before anything is read."""
     chosen = selector(keys)
     sources = Sources(record, rank, world_size, per_rank_from)
     renamed = param_check.differing(flat, sources, chosen)  # the model changed: first
@@ -379,9 +384,6 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     may_create = merge.creatable(flat)
     created = [k for k in extra if may_create(k) or in_lists(k)]
     unexpected = tuple(k for k in extra if not (may_create(k) or in_lists(k)))
-    if agree_unexpected is not None:
-        unexpected = agree_unexpected(unexpected)
-    _check_keys(flat, missing, unexpected, strict, lists.hint())
     plan = _plan_in_place(sources, flat, common, cast, created)
     if plan.resized and not strict:  # their optimizer state has the old shape: left out too
         stale = param_check.resized_state(flat, plan.resized)
@@ -398,25 +400,24 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     by_name_sources = {k: src for k in by_name_keys  # None: per-rank (check_refused says)
                        if (src := sources.get(k)) is not None}
     by_name_keys = list(by_name_sources)
-    sources.check_refused()
-    if sources.absent:
-        if strict:
-            raise StateMismatchError(
-                f"keys {sorted(sources.absent)[:10]} hold each saved rank's own value, and saved "
-                f"rank {sources.source_rank} did not save them; choose another rank with "
-                "per_rank_from=..., or pass strict=False (or keys=...) to leave them out")
-        missing = (*missing, *sources.absent)
-    if plan.problems and strict:
-        raise _mismatch(plan.problems)
-    if plan.problems:
-        warnings.warn(f"strict=False: {len(plan.problems)} key(s) left as they were, their dtype "
-                      "or shape differs (or they hold a resized parameter's optimizer state): "
-                      f"{'; '.join(list(plan.problems.values())[:3])} "
-                      "(LoadReport.mismatched lists them all)", stacklevel=5)
     for key in by_name_keys:
         _replace(plan, key, by_name_sources[key])
-    _refuse_pickles(plan.entries(), allow_pickle)
+    outcome: list[Any] = []  # (missing, unexpected, warnings) once checked
+
+    def check(agreed: tuple[str, ...]) -> None:
+        said = _check_keys(flat, missing, agreed, strict, lists.hint())
+        outcome[:] = [*_check_plan(plan, sources, missing, strict, allow_pickle), agreed, said]
+
+    if agree_unexpected is None:
+        check(unexpected)
+    else:  # at once, or (many ranks) in the read step, before its reads
+        agree_unexpected(unexpected, check)
     nbytes = plan.run(read)
+    if len(outcome) != 4:
+        raise CkptError("internal: a load read before its keys were checked")
+    missing, plan_said, unexpected, said = outcome
+    for text, level in (*said, *plan_said):  # from here: they name the caller's line
+        warnings.warn(text, stacklevel=level)
     values = {key: make_value() for key, make_value in plan.assign}
     made = {key: values.pop(key) for key in plan.create}
     saved_by_name = {key: values.pop(key) for key in by_name_keys}
@@ -428,6 +429,33 @@ def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, *, keys: KeyF
     loaded = tuple(k for k in (*common, *plan.create, *tied, *by_name_keys)
                    if k not in plan.problems and k not in skipped)
     return LoadReport(loaded, missing, unexpected, nbytes, tuple(plan.problems.values()))
+
+
+Said = list[tuple[str, int]]  # warnings to give: (text, stacklevel from fill_in_place)
+
+
+def _check_plan(plan: _InPlace, sources: Sources, missing: tuple[str, ...], strict: bool,
+                allow_pickle: bool) -> tuple[tuple[str, ...], Said]:
+    """The load's refusals after its keys' (per-rank values, dtypes and shapes, pickles) ->
+    the missing keys (with the per-rank ones this rank's source lacks) and its warnings."""
+    sources.check_refused()
+    if sources.absent:
+        if strict:
+            raise StateMismatchError(
+                f"keys {sorted(sources.absent)[:10]} hold each saved rank's own value, and saved "
+                f"rank {sources.source_rank} did not save them; choose another rank with "
+                "per_rank_from=..., or pass strict=False (or keys=...) to leave them out")
+        missing = (*missing, *sources.absent)
+    if plan.problems and strict:
+        raise _mismatch(plan.problems)
+    said: Said = []
+    if plan.problems:
+        said.append((f"strict=False: {len(plan.problems)} key(s) left as they were, their dtype "
+                     "or shape differs (or they hold a resized parameter's optimizer state): "
+                     f"{'; '.join(list(plan.problems.values())[:3])} "
+                     "(LoadReport.mismatched lists them all)", 5))
+    _refuse_pickles(plan.entries(), allow_pickle)
+    return missing, said
 
 
 def _tied(flat: FlatState, absent: list[str], common: list[str]) -> set[str]:
@@ -461,7 +489,8 @@ def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
 
 
 def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str, ...],
-                strict: bool, lists_hint: str = "") -> None:
+                strict: bool, lists_hint: str = "") -> Said:
+    """StateMismatchError where the keys differ and ``strict``; -> the warnings to give."""
     hint = _optimizer_hint(flat, unexpected)
     if strict and (missing or unexpected):
         differ = "; ".join(f"{what} {_some_keys(keys)}" for what, keys in (
@@ -471,14 +500,14 @@ def _check_keys(flat: FlatState, missing: tuple[str, ...], unexpected: tuple[str
             f"state and checkpoint keys differ: {differ}.{hint}{lists_hint}{rest} "
             "strict=False to load the keys both have, or keys=... to choose which to load")
     if hint:
-        warnings.warn(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}",
-                      stacklevel=4)
-    elif unexpected and not set(flat.leaves) - set(missing):
-        warnings.warn(
+        return [(f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}", 3)]
+    if unexpected and not set(flat.leaves) - set(missing):
+        return [(
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "
             f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; an empty container "
             "(a {} or defaultdict) is not filled in place: for new values load with no state "
-            "(ckptio.load(path)) or build the state first", stacklevel=6)
+            "(ckptio.load(path)) or build the state first", 5)]
+    return []
 
 
 def _some_keys(keys: tuple[str, ...]) -> str:

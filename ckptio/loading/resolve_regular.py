@@ -25,9 +25,9 @@ from ckptio.format.flatten import FlatState
 from ckptio.format.regular_section import Wants, overlapping
 from ckptio.format.types import Chunk, IndexFile, Manifest, Read, TensorEntry
 from ckptio.loading import merge
-from ckptio.planning.sharding import held
+from ckptio.planning.sharding import Held, held
 
-__all__ = ["expand", "expand_all", "overlapping", "wanted_in_place", "wanted_regions"]
+__all__ = ["expand", "expand_all", "held_leaf", "overlapping", "wanted_in_place", "wanted_regions"]
 
 ReadFn = Callable[[list[Read]], int]
 
@@ -60,16 +60,26 @@ def wanted_regions(stored: set[str], aliases: dict[str, str], flat: FlatState,
     regular_keys = stored
     may_create = merge.creatable(flat)
     wants: dict[str, Chunk | None] = {}
-    for key, value in flat.leaves.items():
+    for key in flat.leaves:
         target = aliases.get(key, key)
         if target in regular_keys and select(key):
-            region = held(value, key)
+            region = held_leaf(flat, key)
             whole = region is None or region.chunk.flat or target in wants
             wants[target] = None if whole else region.chunk  # type: ignore[union-attr]
     for key in regular_keys - set(flat.leaves) - set(wants):
         if select(key) and may_create(key):
             wants[key] = None
     return wants
+
+
+def held_leaf(flat: FlatState, key: str) -> Held | None:
+    """The region the leaf of ``flat`` at ``key`` holds (sharding.held), worked out once per
+    flattened state: a load's region wants and its fill plan ask for every leaf's (a DTensor's
+    is torch's box arithmetic and its mesh's grid)."""
+    if key not in flat.regions:
+        flat.regions[key] = held(flat.leaves[key], key)
+    region: Held | None = flat.regions[key]
+    return region
 
 
 def _index_reader(read: ReadFn) -> regular_section.ReadIndexes:
