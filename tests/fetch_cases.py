@@ -18,7 +18,8 @@ from tests.redundancy_cases import OPTS, host_dir
 MiB = 1 << 20
 
 
-SPECS = {"partners": ckptio.Partners(1), "parity": ckptio.Parity(k=3),
+SPECS = {"partners": ckptio.Partners(1), "partners2": ckptio.Partners(2),
+         "parity": ckptio.Parity(k=3),
          "parity2": ckptio.Parity(k=3, m=2)}
 
 
@@ -106,3 +107,21 @@ def restore_written_later(rank: int, world: int, base: str, disk: str, spec: str
     return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
             "how": mgr.last_restore, "written_later": seen.get("after_restore"),
             "in_tier": os.path.exists(where)}
+
+
+def restore_a_holder_dies(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+                          victim: int) -> dict[str, Any]:
+    """restore(), rank ``victim`` SIGKILLing itself as it is about to send its share of a
+    partner copy (the other holders send theirs)."""
+    if rank == victim:
+        from ckptio.redundancy import copy_fetch
+
+        send = copy_fetch.send
+
+        def dies(group: Any, me: int, fetches: list[Any], *args: Any) -> Any:
+            if any(me in fetch.holders for fetch in fetches):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(group, me, fetches, *args)
+
+        copy_fetch.send = dies  # type: ignore[assignment]
+    return restore(rank, world, base, disk, spec, mib)

@@ -17,8 +17,10 @@ import ckptio
 from ckptio.errors import CorruptCheckpointError
 from ckptio.testing.rank_processes import run_ranks
 from ckptio.redundancy import peers
+from ckptio.redundancy.budget import CHUNK
 from ckptio.redundancy.landing import StreamCheck
-from tests.fetch_cases import restore, restore_written_later, save
+from ckptio.redundancy.copy_fetch import Fetch, Receiving
+from tests.fetch_cases import restore, restore_a_holder_dies, restore_written_later, save
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -117,3 +119,95 @@ def test_the_check_fused_with_the_receive_takes_chunks_in_any_order_and_names_a_
         check(spans, flipped)
     with pytest.raises(CorruptCheckpointError, match="not all of it received"):
         check(spans[1:], data)
+
+
+def _copy_file(base: str, holder: int, of: int) -> str:
+    """The data file of ``holder``'s partner copy of rank ``of``'s step 1."""
+    where = os.path.join(host_dir(base, holder), "run", ".redundancy", "step-1",
+                         f"copy-r{of:05d}")
+    return next(e.path for e in os.scandir(where) if e.name.startswith("data-"))
+
+
+def test_a_partner_copy_is_fetched_from_every_holder_at_once(base, tmp_path):
+    """Partners(2) on 4 hosts, host 2 lost: before, its copy came whole from its first partner
+    (rank 3); now ranks 3 and 0 each send half of its chunks, received at once, and the step
+    is restored bitwise, its bytes received once."""
+    disk = str(tmp_path / "disk")
+    sizes = run_ranks(4, save, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    wipe_host(base, 2)
+    restored = run_ranks(4, restore, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    assert [r["how"]["source"] for r in restored] == ["own", "own", "partner", "own"]
+    got = restored[2]["how"]["received_from"]
+    assert sorted(got) == [0, 3], got
+    assert sum(got.values()) == sizes[2] == restored[2]["how"]["received_bytes"], (got, sizes)
+    assert abs(got[0] - got[3]) <= CHUNK, got
+
+
+def test_a_flipped_byte_in_a_split_copy_is_fetched_again_one_holder_at_a_time(base, tmp_path):
+    """Partners(2), host 2 lost, one byte flipped in its first partner's (rank 3's) copy; the
+    step is one entry, so its check cannot tell which holder's chunks were wrong: the split
+    fetch is named and passed over, rank 3's copy alone then fails its check and is named,
+    and rank 0's copy alone restores the step bitwise (rank 0's copy is never named)."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    wipe_host(base, 2)
+    with open(_copy_file(base, 3, 2), "r+b") as f:  # chunk 2: one of rank 3's share
+        f.seek(2 * CHUNK + 12345)
+        byte = f.read(1)
+        f.seek(2 * CHUNK + 12345)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    restored = run_ranks(4, restore, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    how = restored[2]["how"]
+    assert how["source"] == "partner", how
+    first, second = how["skipped"]
+    assert "fetched from several holders at once" in first, first
+    assert "partner copy of rank 2, step 1, held by rank 3" in second, second
+    assert "does not match its checksum" in first and "does not match its checksum" in second
+    assert "held by rank 0" not in " ".join(how["skipped"]), how["skipped"]
+
+
+def test_a_holder_killed_while_sending_its_share_is_named_then_the_next_job_restores(
+        base, tmp_path):
+    """Partners(2), host 2 lost; rank 0 dies (SIGKILL) as it is about to send its share of
+    rank 2's copy (rank 3 sends its own): the other ranks' restore raises RankFailedError (a restore from other
+    hosts' memory failed, restart the job) within seconds, nothing installed; the restarted
+    job (rank 0's host intact) restores rank 2 bitwise from both holders."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, save, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    wipe_host(base, 2)
+    failed = run_ranks(4, restore_a_holder_dies, base, disk, "partners2", 9, 0, may_die=(0,),
+                       timeout_s=TIMEOUT)
+    for rank in (1, 2, 3):
+        error = failed[rank]["error"]
+        assert error and error.startswith("RankFailedError"), (rank, failed[rank])
+        assert "restoring from the memory of other hosts failed" in error, error
+        assert failed[rank]["seconds"] < 60, failed[rank]
+    assert not os.path.exists(os.path.join(host_dir(base, 2), "run", "r00002", "step-1"))
+    restored = run_ranks(4, restore, base, disk, "partners2", 9, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    assert sorted(restored[2]["how"]["received_from"]) == [0, 3], restored[2]["how"]
+
+
+def test_a_damaged_entry_names_the_one_holder_whose_chunks_it_spans():
+    """An entry inside one holder's chunks names that holder's copy; one across two holders'
+    chunks (or a failure no entry explains) names the split, fetched again one at a time."""
+    fetch = Fetch(2, (3, 0), ("copy:r3:of2:s1", "copy:r0:of2:s1"), 3 * CHUNK)
+
+    class Check:
+        bad: tuple[int, int] | None = None
+
+    check = Check()
+    got = Receiving(fetch, torch.empty(0, dtype=torch.uint8), [])
+    check.bad = (CHUNK + 10, CHUNK + 20)  # chunk 1: rank 0's
+    assert got.blame(check, 1) == ["copy:r0:of2:s1"]  # type: ignore[arg-type]
+    check.bad = (2 * CHUNK, 2 * CHUNK + 1)  # chunk 2: rank 3's
+    assert got.blame(check, 1) == ["copy:r3:of2:s1"]  # type: ignore[arg-type]
+    check.bad = (CHUNK - 5, CHUNK + 5)  # across chunks 0 and 1
+    assert got.blame(check, 1) == ["split:r2:s1"]  # type: ignore[arg-type]
+    assert got.blame(None, 1) == ["split:r2:s1"]
+    alone = Receiving(Fetch(2, (3,), ("copy:r3:of2:s1",), 3 * CHUNK), got.out, [])
+    assert alone.blame(None, 1) == ["copy:r3:of2:s1"]
+    assert fetch.spans(3) == [(0, CHUNK), (2 * CHUNK, 3 * CHUNK)]
+    assert fetch.spans(0) == [(CHUNK, 2 * CHUNK)]

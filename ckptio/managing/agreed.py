@@ -70,7 +70,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,
-                         recovery.received)
+                         recovery.received, recovery.received_from)
         passed.append(f"step {memory} in memory: {why}")
         fallback = fallback_step(recovery, step)
     if fallback is None:
@@ -94,7 +94,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
          f"lost: {lost}; {guard.spec.describe()}"
          f"{'; passed over: ' + '; '.join(passed) if passed else ''})", stacklevel=4)
     return _done(guard, levels, fallback, tier, "own" if tier == 0 else "disk", started, passed,
-                 recovery.lost_hosts, recovery.received)
+                 recovery.lost_hosts, recovery.received, recovery.received_from)
 
 
 def _this_world(level: TierSteps, steps: list[int], world: int, others: set[int]) -> list[int]:
@@ -184,13 +184,13 @@ def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | No
 
 def _done(guard: Guard, levels: Sequence[TierSteps], step: int, tier: int, source: str,
           started: float, passed: list[str], lost: list[str],
-          received: int = 0) -> dict[str, Any]:
+          received: int = 0, received_from: dict[int, int] | None = None) -> dict[str, Any]:
     if source != "resharded":  # the step was another job's: nothing of this rank's to keep
         levels[tier].succeeded(step)
     record = {"step": step, "tier": tier, "location": levels[tier].location,
               "seconds": time.perf_counter() - started, "source": source,
               "redundancy": guard.spec.describe(), "lost_hosts": lost, "skipped": passed,
-              "received_bytes": received}
+              "received_bytes": received, "received_from": dict(received_from or {})}
     log.info("ckptio: rank %d restored step %d (%s) in %.3f s", guard.rank, step, source,
              record["seconds"])
     return record

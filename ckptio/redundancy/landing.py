@@ -53,6 +53,7 @@ class StreamCheck:
         self.hashers: dict[int, checksum.BlockHasher] = {}
         self.ranges: list[tuple[int, int]] = []
         self.error: CorruptCheckpointError | None = None
+        self.bad: tuple[int, int] | None = None  # the stream's range of the entry that differs
 
     def landed(self, lo: int, hi: int) -> None:
         """Bytes [lo, hi) of the stream are in ``data``: hash what that completes."""
@@ -74,6 +75,7 @@ class StreamCheck:
                     got = self.hashers.pop(n).digests()[0]
                     if got != entry.checksum and self.error is None:
                         self.error = peers.stream_damage(self.where, entry, got)
+                        self.bad = (at, at + entry.nbytes)
 
     def _has(self, point: int) -> bool:
         return any(a <= point < b for a, b in self.ranges)

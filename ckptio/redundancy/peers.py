@@ -33,7 +33,7 @@ from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
-           "chunk_spans", "send_chunks",
+           "chunk_spans",
            "digest", "files_of",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
            "recv_into",
@@ -249,12 +249,6 @@ def recv_into(group: Any, out: torch.Tensor, src: int, tag: int = 0) -> None:
 def chunk_spans(nbytes: int) -> list[tuple[int, int]]:
     """The chunks [lo, hi) of budget.CHUNK bytes that ``nbytes`` are sent in."""
     return [(lo, min(lo + CHUNK, nbytes)) for lo in range(0, nbytes, CHUNK)]
-
-
-def send_chunks(group: Any, data: torch.Tensor, dst: int, tag: int = 0) -> list[Any]:
-    """Send ``data`` to rank ``dst`` in chunk_spans (received by post_recv) -> the works."""
-    return [dist.isend(data[lo:hi], dst, group=group, tag=tag)
-            for lo, hi in chunk_spans(data.numel())]
 
 
 def post_recv(group: Any, nbytes: int, src: int, tag: int = 0) -> tuple[torch.Tensor, list[Any]]:

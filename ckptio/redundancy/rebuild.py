@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
-from ckptio.redundancy import marks, peers, stripes
+from ckptio.redundancy import copy_fetch, marks, peers, stripes
 from ckptio.redundancy.landing import Landing, StreamCheck, now
 from ckptio.redundancy.recovery_plan import (Source, base_rounds, copy_id, describe_item, inventory,
                                           parity_id, plan)
@@ -46,6 +46,7 @@ class Recovery:
     skipped: list[str] = field(default_factory=list)  # each item passed over, and why
     anywhere: list[list[int]] = field(default_factory=list)  # per rank: steps in any tier
     received: int = 0  # bytes of steps this rank received from peers (copies, parity sums)
+    received_from: dict[int, int] = field(default_factory=dict)  # its step's bytes, per sender
     landed: str | None = None  # where this rank's step lies in memory for the load (landing.py)
     pending: list[Landing] = field(default_factory=list)  # background writes: Guard settles
 
@@ -65,6 +66,7 @@ class Context:
     own_dir: Callable[[int], str]  # step -> this rank's step directory
     verify: Callable[[str], Any]  # a committed checkpoint directory -> raises if damaged
     received: int = 0  # bytes this rank received in the restore's transfers (stat)
+    senders: dict[int, int] = field(default_factory=dict)  # of its step's bytes: rank -> bytes
     landings: list[Landing] = field(default_factory=list)  # this rank's, newest last
 
 
@@ -82,8 +84,9 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            every rank has a source. Items found bad before are passed over. Parity: at most m
            members of the rank's group miss their own step or parity block (or hold a bad one).
     3. **transfer**: each holder maps its items (peers.map_stream) and checks its block
-           against the digest it recorded; a partner copy is sent whole, a rank rebuilt from
-           parity receives only its own pieces, each summed along its stripe's survivors
+           against the digest it recorded; a partner copy comes from every holder of a good
+           copy at once, each sending its share of its chunks (copy_fetch.py); a rank rebuilt
+           from parity receives only its own pieces, each summed along its stripe's survivors
            (stripes.py). The receiver **checks every entry against the original's manifest**
            in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
            of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
@@ -114,6 +117,7 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
             "every step in memory is kept: restart the job (the restore is made again with "
             "the ranks alive then)") from exc
     result.received, result.pending = ctx.received, ctx.landings
+    result.received_from = dict(sorted(ctx.senders.items()))
     landed = [each for each in ctx.landings if each.step == result.step]
     result.landed = landed[-1].location if landed and result.step is not None else None
     return result
@@ -160,13 +164,13 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
               later: bool = False) -> dict[str, str]:
     """Step 3 for ``step``; -> {bad item: why} as seen on this rank. Each holder reads its
     items and checks its blocks; the metadata are gathered (any item bad: nothing moves); a
-    partner copy is sent whole to its rank, a rank rebuilt from parity receives only its own
-    pieces, summed along the survivors of its stripes (stripes.py); each receiver installs
-    what it got."""
+    partner copy is sent to its rank by every holder at once (copy_fetch.py), a rank rebuilt
+    from parity receives only its own pieces, summed along the survivors of its stripes
+    (stripes.py); each receiver installs what it got."""
     sends: list[tuple[int, int, str]] = []  # (sender, receiver, item) in one order everywhere
     for r, src in sorted(sources.items()):
-        if src[0] == "copy":
-            sends.append((src[1], r, copy_id(src[1], r, step)))
+        if src[0] == "copy":  # every holder of a good copy: each sends its share
+            sends += [(h, r, copy_id(h, r, step)) for h in src[2]]
         elif src[0] == "parity":
             local = ctx.topology.local_of(r)
             for m in src[2]:
@@ -186,15 +190,13 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
         return failures  # alike on every rank: the plan is made again, nothing moved
-    copies = [(s, r, i) for s, r, i in sends if i.startswith("copy:")]
-    works = [w for s, r, i in copies if s == ctx.rank
-             for w in peers.send_chunks(ctx.group, payload[i], r, COPY_TAG)]
-    got = {i: peers.post_recv(ctx.group, metas[i]["nbytes"], s, COPY_TAG)
-           for s, r, i in copies if r == ctx.rank}
-    ctx.received += sum(metas[i]["nbytes"] for i in got)
+    copies = copy_fetch.plan(step, sources, metas)
+    works = copy_fetch.send(ctx.group, ctx.rank, copies, payload, COPY_TAG)
+    got = copy_fetch.post(ctx.group, ctx.rank, copies, COPY_TAG)
     chains, out = _chains(ctx, step, sources, metas)
+    _count(ctx, chains, got)
     src = sources[ctx.rank]
-    data = next(iter(got.values()))[0] if got else out
+    data = got.out if got is not None else out
     check, broken = None, None
     if src[0] != "own" and data is not None:
         try:  # hashed as it lands (landing.StreamCheck)
@@ -206,11 +208,8 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     outcome = stripes.run(ctx.group, ctx.rank, chains, lambda kind: _part(ctx, step, kind, payload),
                           out, landed=None if check is None else check.landed)
     ctx.received += outcome.received
-    for _data, chunk_works in got.values():
-        for (lo, hi), work in zip(peers.chunk_spans(int(_data.numel())), chunk_works):
-            work.wait()
-            if check is not None:
-                check.landed(lo, hi)
+    if got is not None:
+        got.land(check)
     for work in works:
         work.wait()
     if outcome.error is not None:
@@ -219,7 +218,6 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
         failures[parity_id(ctx.rank, summed[1], ctx.topology.local_of(ctx.rank), step)] = (
             f"rank {ctx.rank} summing its part of a lost piece: {outcome.error}")
     if src[0] != "own" and not failures:
-        item = next(i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))
         try:
             if broken is not None:
                 raise broken
@@ -227,8 +225,23 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             _install(ctx, step, src, metas, data, later, check)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (they wait in the
             # next gather, up to step_timeout_s); its type and text travel in the reason
-            failures[item] = f"{type(exc).__name__}: {exc}"
+            items = got.blame(check, step) if got is not None else [next(
+                i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))]
+            failures.update({item: f"{type(exc).__name__}: {exc}" for item in items})
     return failures
+
+
+def _count(ctx: Context, chains: list[stripes.Chain],
+           got: copy_fetch.Receiving | None) -> None:
+    """The bytes this rank receives of its step this round, per sending rank."""
+    senders = got.received_from() if got is not None else {}
+    for chain in chains:
+        last = chain.terms[-1].rank
+        if chain.receiver == ctx.rank and last != ctx.rank:
+            senders[last] = senders.get(last, 0) + chain.length
+    for rank, nbytes in senders.items():
+        ctx.senders[rank] = ctx.senders.get(rank, 0) + nbytes
+    ctx.received += got.fetch.nbytes if got is not None else 0
 
 
 def _chains(ctx: Context, step: int, sources: dict[int, Source],

@@ -4,7 +4,8 @@ rank can obtain: from its own memory, a partner's copy or its parity group, item
 before passed over, a delta step's bases first.
 
 Owns: the inventory's reading, the plan, the items' names (``copy:r1:of3:s4``) and their words
-for messages. Does not own: the transfers, their checks and the install (rebuild.py,
+for messages (``split:r2:s4``: a copy fetched from several holders at once failed, so fetch
+it from one at a time). Does not own: the transfers, their checks and the install (rebuild.py,
 landing.py), placement (topology.py).
 """
 
@@ -21,10 +22,13 @@ from ckptio.redundancy.marks import protected_steps
 from ckptio.redundancy.redundancy import Parity, Partners
 from ckptio.redundancy.topology import Topology
 
-__all__ = ["Source", "base_rounds", "copy_id", "describe_item", "inventory", "parity_id", "plan"]
+__all__ = ["Source", "base_rounds", "copy_id", "describe_item", "inventory", "parity_id", "plan",
+           "split_id"]
 
 log = logging.getLogger("ckptio")
-Source = tuple[Any, ...]  # ("own",) | ("copy", holder) | ("parity", group, members, missing)
+# ("own",) | ("copy", first holder, every holder of a good copy) | ("parity", group, members,
+# missing)
+Source = tuple[Any, ...]
 
 
 def inventory(root: marks.Root, rank: int, own: list[int],
@@ -96,11 +100,12 @@ def _source(invs: list[dict[str, Any]], topo: Topology, spec: Partners | Parity,
         return invs[holder]["held"].get(str(step), [])
 
     if isinstance(spec, Partners):
-        for holder in topo.partners(rank, spec.n):
-            if (any(i["kind"] == "copy" and i["rank"] == rank for i in items(holder))
-                    and copy_id(holder, rank, step) not in bad):
-                return ("copy", holder)
-        return None
+        holders = tuple(h for h in topo.partners(rank, spec.n)
+                        if any(i["kind"] == "copy" and i["rank"] == rank for i in items(h))
+                        and copy_id(h, rank, step) not in bad)
+        if split_id(rank, step) in bad:  # a split fetch failed: one holder at a time
+            holders = holders[:1]
+        return ("copy", holders[0], holders) if holders else None
     host, local = topo.host_of(rank), topo.local_of(rank)
     group = topo.group_of(host, spec.k, spec.m)
     members = [topo.rank_at(h, local) for h in topo.groups(spec.k, spec.m)[group]]
@@ -125,6 +130,11 @@ def parity_id(holder: int, group: int, local: int, step: int) -> str:
     return f"parity:r{holder}:g{group}:l{local}:s{step}"
 
 
+def split_id(rank: int, step: int) -> str:
+    """``rank``'s copy of ``step`` fetched from several holders at once (copy_fetch.py)."""
+    return f"split:r{rank}:s{step}"
+
+
 def describe_item(item: str, topo: Topology) -> str:
     """``copy:r1:of3:s4`` -> readable words for messages."""
     kind, *fields = item.split(":")
@@ -137,4 +147,7 @@ def describe_item(item: str, topo: Topology) -> str:
         holder = int(parts["r"])
         return (f"the parity piece of group {parts['g']} (local rank {parts['l']}), step "
                 f"{parts['s']}, held by rank {holder} on {topo.describe(topo.host_of(holder))}")
+    if kind == "split":
+        return (f"the partner copies of rank {parts['r']}, step {parts['s']}, fetched from "
+                "several holders at once (fetched again from one holder at a time)")
     return f"rank {parts['r']}'s own memory copy of step {parts['s']}"
