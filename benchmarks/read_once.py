@@ -42,12 +42,12 @@ def state(gb: float, tensors: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(each, generator=g) for i in range(tensors)}
 
 
-def _read_bytes() -> int:
+def disk_read_so_far() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _drop_caches(rank: int) -> None:
+def drop_caches_on_all(rank: int) -> None:
     import torch.distributed as dist
 
     dist.barrier()
@@ -86,11 +86,11 @@ def job(rank: int, world: int, root: str, gb: float, tensors: int, reps: int) ->
         for engine in ENGINES:
             for t in dest.values():
                 t.zero_()
-            _drop_caches(rank)
-            before, t0 = _read_bytes(), time.perf_counter()
+            drop_caches_on_all(rank)
+            before, t0 = disk_read_so_far(), time.perf_counter()
             _load(engine, paths["dcp" if "dcp" in engine else "ckptio"], dest)
             seconds = time.perf_counter() - t0
-            read = _read_bytes() - before
+            read = disk_read_so_far() - before
             dist.barrier()
             ok = all(torch.equal(dest[k], v) for k, v in expect.items())
             rows.append({"rep": rep, "engine": engine, "rank": rank, "seconds": seconds,
