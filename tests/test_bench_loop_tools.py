@@ -50,7 +50,7 @@ def test_call_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "c.json"
     text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze", "--gc",
                 "--reps", "2", "--json", str(out))
-    assert text.count("later calls' median ") == 4 and text.count("lazy: 40 tensors") == 2
+    assert text.count("tensors, first call") == 4 and text.count("lazy: 40 tensors") == 2
     assert text.count("objects, 0 of ckptio's types") == 2
     assert "lazy: median over 2 runs of the later calls' median" in text
     runs = json.loads(out.read_text())["runs"]
