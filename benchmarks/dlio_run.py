@@ -9,11 +9,11 @@ Runs with ckptio's own venv (it starts SeaweedFS through ckptio.testing.s3server
 under ``mpirun -np N`` in the venv benchmarks/dlio_setup.sh builds, on the workload
 benchmarks/dlio_configs/workload/llama3_8b_scaled.yaml. Per repeat, on benchmarks/harness.py's
 schedule (the order reversed on odd repeats): fio's write and read ceiling on the same disk,
-and per engine as the rules order: a write phase (``num_checkpoints_read=0``), the page cache dropped (``drop_caches``, as root), a
-read phase (``num_checkpoints_write=0``). Each checkpoint's duration is the maximum over ranks
-of DLIO's per-rank duration, its throughput DLIO's size over that (the minimum over ranks).
-Engines: DLIO's torch.save (as shipped), torch.save with fsync and ckptio
-(benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS
+and per engine as the rules order: a write phase (``num_checkpoints_read=0``), the page cache
+dropped (``drop_caches``, as root), a read phase (``num_checkpoints_write=0``). Each
+checkpoint's duration is the maximum over ranks of DLIO's per-rank duration, its throughput
+DLIO's size over that (the minimum over ranks). Engines: DLIO's torch.save (as shipped),
+torch.save with fsync and ckptio (benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS
 (benchmarks/dlio_s3torch.py: its read run's checkpoint count fixed), fewer checkpoints there.
 
 Owns: running and summarising. Does not own: the engines, the venv, the fio job's options
