@@ -98,21 +98,28 @@ def spawn(cmd: Sequence[str], *, timeout: float = 600, label: Run | None = None,
 def spawn_ranks(cmd: Sequence[str] | Callable[[int], Sequence[str]], world: int, *,
                 env: dict[str, str] | None = None,
                 timeout: float = 600, strict: bool = False, tail: int = 1,
-                cwd: Path | None = None) -> list[Run]:
+                cwd: Path | None = None, sample: Callable[[list[int]], None] | None = None,
+                every_s: float = 0.02) -> list[Run]:
     """``world`` fresh processes of ``cmd`` (or of ``cmd(rank)``), started together (a job's
     ranks: RANK and LOCAL_RANK set in each one's ``env``, default ``worker_env()``), and each
     one's result as
     ``spawn`` reads it, in rank order. A time-out kills them all; a rank without a result is
-    ``{"rank": r, "error": ...}``, or SystemExit with ``strict``."""
+    ``{"rank": r, "error": ...}``, or SystemExit with ``strict``. ``sample``: called with the
+    ranks' pids every ``every_s`` seconds while any runs (e.g. to read their /proc status)."""
     base = env or worker_env()
     procs = [subprocess.Popen(list(cmd(r) if callable(cmd) else cmd), cwd=cwd, text=True,
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while sample is not None and time.monotonic() < deadline and any(
+            p.poll() is None for p in procs):
+        sample([p.pid for p in procs])
+        time.sleep(every_s)
     runs: list[Run] = []
     for r, proc in enumerate(procs):
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()

@@ -80,3 +80,14 @@ def test_ranks_start_together_each_with_its_rank(tmp_path) -> None:
                                              "result or an error"}]
     with pytest.raises(SystemExit, match="rank 1 failed: worker exited 5"):
         harness.spawn_ranks(fail, 2, strict=True)
+
+
+def test_ranks_are_sampled_while_they_run() -> None:
+    """``sample`` sees every rank's pid while they run (benchmarks/node_budget.py reads their
+    /proc status through it); the results come back as without it."""
+    seen: list[list[int]] = []
+    code = "import os, time, json; time.sleep(0.5); print(json.dumps({'rank': int(os.environ['RANK'])}))"
+    runs = harness.spawn_ranks([sys.executable, "-c", code], 2, timeout=60,
+                               sample=seen.append, every_s=0.05)
+    assert runs == [{"rank": 0}, {"rank": 1}]
+    assert len(seen) >= 2 and all(len(pids) == 2 for pids in seen)
