@@ -9,7 +9,10 @@ slowest of them (a generation-2 garbage collection of the interpreter lands in o
 and then: ``--freeze`` takes the startup objects out of its walks; ``--gc`` times those
 collections and counts the cyclic garbage one save leaves).
 
-    python -m benchmarks.call_overhead --tensors 1000
+    python -m benchmarks.call_overhead --tensors 1000 [--reps 3] [--json out.json]
+
+Each repetition is a fresh worker process (benchmarks/harness.py) printing the lines above;
+with --reps above 1 the medians over the repetitions follow, and --json keeps every run.
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ import argparse
 import gc
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from benchmarks import harness, write_reports
 
 
 def many_tensors_state(tensors: int) -> dict[str, Any]:
@@ -38,7 +45,7 @@ def many_tensors_state(tensors: int) -> dict[str, Any]:
     return {"model": model, "optim": opt}
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensors", type=int, default=1000)
     p.add_argument("--saves", type=int, default=12)
@@ -47,7 +54,37 @@ def main() -> int:
     p.add_argument("--gc", action="store_true", help="also time every generation-2 collection "
                    "(gc.callbacks) and count the objects one more eager save leaves as cyclic "
                    "garbage (gc.DEBUG_SAVEALL)")
-    args = p.parse_args()
+    p.add_argument("--reps", type=int, default=1, help="fresh worker processes, one each")
+    p.add_argument("--json", type=Path, help="every run's calls (ms) and the medians")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        return harness.emit(measure(args))
+    flags = [f"--{name}" for name in ("freeze", "gc") if getattr(args, name)]
+
+    def run_one(_item: str, rep: int) -> harness.Run:
+        return harness.spawn(harness.command("benchmarks.call_overhead", "--tensors",
+                                             args.tensors, "--saves", args.saves, *flags),
+                             label={"rep": rep}, strict=True, tail=20)
+
+    runs = harness.repeat(["call"], args.reps, run_one, progress=lambda r, i, n: f"run {i}/{n}")
+    lines = [line for run in runs for line in run["lines"]]
+    if args.reps > 1:
+        for kind in ("eager", "lazy"):
+            later = harness.spread(run[kind]["later_median_ms"] for run in runs)
+            assert later is not None  # every run is strict
+            lines.append(f"{kind}: median over {args.reps} runs of the later calls' median "
+                         f"{later['median']:.2f} ms ({later['min']:.2f}-{later['max']:.2f})")
+    write_reports({"runs": runs}, args.json, None, "\n".join(lines))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> harness.Run:
+    """The worker: the saves' call times, and the lines the driver prints."""
     full: list[float] = []
     if args.gc:
         gc.callbacks.append(_timing(full))
@@ -60,6 +97,7 @@ def main() -> int:
     if args.freeze:
         gc.collect()
         gc.freeze()
+    run: harness.Run = {"tensors": args.tensors, "lines": []}
     try:
         for lazy in (False, True):
             calls = []
@@ -71,20 +109,26 @@ def main() -> int:
                 if lazy:
                     opt.step()
                 handle.wait()
-            print(f"{'lazy' if lazy else 'eager'}: {args.tensors} tensors, first call "
-                  f"{calls[0] * 1e3:.1f} ms, later calls' median "
-                  f"{statistics.median(calls[2:]) * 1e3:.2f} ms, slowest "
-                  f"{max(calls[2:]) * 1e3:.1f} ms "
-                  f"({', '.join(f'{c * 1e3:.1f}' for c in calls)})", flush=True)
+            run["lazy" if lazy else "eager"] = {
+                "calls_ms": [c * 1e3 for c in calls],
+                "later_median_ms": statistics.median(calls[2:]) * 1e3}
+            run["lines"].append(
+                f"{'lazy' if lazy else 'eager'}: {args.tensors} tensors, first call "
+                f"{calls[0] * 1e3:.1f} ms, later calls' median "
+                f"{statistics.median(calls[2:]) * 1e3:.2f} ms, slowest "
+                f"{max(calls[2:]) * 1e3:.1f} ms "
+                f"({', '.join(f'{c * 1e3:.1f}' for c in calls)})")
         if args.gc:
-            print(f"generation-2 collections: {len(full)}, ms: "
-                  f"{', '.join(f'{ms:.1f}' for ms in full)}; cyclic garbage of one eager save "
-                  "(freed once the next replaces it): "
-                  f"{_garbage_of(lambda: _two_saves(ck, state, scratch))}")
+            run["gen2_ms"] = full
+            run["lines"].append(
+                f"generation-2 collections: {len(full)}, ms: "
+                f"{', '.join(f'{ms:.1f}' for ms in full)}; cyclic garbage of one eager save "
+                "(freed once the next replaces it): "
+                f"{_garbage_of(lambda: _two_saves(ck, state, scratch))}")
     finally:
         ck.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+    return run
 
 
 def _timing(into: list[float]) -> Callable[[str, dict[str, int]], None]:
@@ -123,4 +167,4 @@ def _garbage_of(work: Callable[[], object]) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compress_traj import CLASSES, tensor_class
-from benchmarks.engines import _torch_load, _torch_save
+from benchmarks.engines import torch_load_into, torch_save_to
 
 __all__ = ["ENGINES", "Engine", "Session", "class_bytes", "stored_bytes", "unavailable_reason"]
 
@@ -171,11 +171,11 @@ class DcpSession(Session):
 class TorchSaveSession(Session):
     def save(self, root: str, step: int, state: Any) -> str:
         path = self.path(root, step)
-        _torch_save(state, Path(path))
+        torch_save_to(state, Path(path))
         return path
 
     def load(self, path: str, dest: Any) -> None:
-        _torch_load(Path(path), dest)
+        torch_load_into(Path(path), dest)
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in [

@@ -38,12 +38,12 @@ class CkptioCheckpointing(PyTorchCheckpointing):
 
     _instance: CkptioCheckpointing | None = None
 
-    @staticmethod
-    def get_instance() -> CkptioCheckpointing:
+    @classmethod
+    def get_instance(cls) -> CkptioCheckpointing:
         """DLIO's factory asks the class for its one instance per process."""
-        if CkptioCheckpointing._instance is None:
-            CkptioCheckpointing._instance = CkptioCheckpointing()
-        return CkptioCheckpointing._instance
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
 
     def __init__(self) -> None:
         BaseCheckpointing.__init__(self, "ckptio")
@@ -63,12 +63,12 @@ class TorchFsyncCheckpointing(PyTorchCheckpointing):
 
     _instance: TorchFsyncCheckpointing | None = None
 
-    @staticmethod
-    def get_instance() -> TorchFsyncCheckpointing:
+    @classmethod
+    def get_instance(cls) -> TorchFsyncCheckpointing:
         """DLIO's factory asks the class for its one instance per process."""
-        if TorchFsyncCheckpointing._instance is None:
-            TorchFsyncCheckpointing._instance = TorchFsyncCheckpointing()
-        return TorchFsyncCheckpointing._instance
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
 
     def save_state(self, suffix: str, state: dict[str, Any], fsync: bool = False) -> None:
         """DLIO's save_state with fsync on (the file only, as DLIO does; not its directory)."""

@@ -7,17 +7,17 @@
 
 Runs with ckptio's own venv (it starts SeaweedFS through ckptio.testing.s3server); DLIO runs
 under ``mpirun -np N`` in the venv benchmarks/dlio_setup.sh builds, on the workload
-benchmarks/dlio_configs/workload/llama3_8b_scaled.yaml. Per repeat: fio's write and read
-ceiling on the same disk, then per engine (order rotated each repeat) as the rules order: a
-write phase (``num_checkpoints_read=0``), the page cache dropped (``drop_caches``, as root), a
-read phase (``num_checkpoints_write=0``). Each checkpoint's duration is the maximum over ranks
-of DLIO's per-rank duration, its throughput DLIO's size over that (the minimum over ranks).
-Engines: DLIO's torch.save (as shipped), torch.save with fsync and ckptio
-(benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS
+benchmarks/dlio_configs/workload/llama3_8b_scaled.yaml. Per repeat, on benchmarks/harness.py's
+schedule (the order reversed on odd repeats): fio's write and read ceiling on the same disk,
+and per engine as the rules order: a write phase (``num_checkpoints_read=0``), the page cache
+dropped (``drop_caches``, as root), a read phase (``num_checkpoints_write=0``). Each
+checkpoint's duration is the maximum over ranks of DLIO's per-rank duration, its throughput
+DLIO's size over that (the minimum over ranks). Engines: DLIO's torch.save (as shipped),
+torch.save with fsync and ckptio (benchmarks/dlio_ckptio.py), DLIO's s3torchconnector one against a local SeaweedFS
 (benchmarks/dlio_s3torch.py: its read run's checkpoint count fixed), fewer checkpoints there.
 
 Owns: running and summarising. Does not own: the engines, the venv, the fio job's options
-(benchmarks/fio_ceiling.py's JOB).
+(benchmarks/fio_ceiling.py's fio_jobs_ceiling).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fio_ceiling import JOB
-from ckptio.tuning.ceiling import drop_page_cache
+from benchmarks import harness
+from benchmarks.fio_ceiling import fio_jobs_ceiling
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "benchmarks" / "dlio_configs"
@@ -114,7 +114,7 @@ def run_engine(args: argparse.Namespace, name: str, rep: int, s3: Any) -> dict[s
         s3_num = args.s3_num if name == "s3torch" else None
         write = dlio(args, folder, out / "write", extra, write=True, num=s3_num or args.num_write,
                      env=env)
-        method = drop_page_cache([Path(args.dir)])
+        method = harness.cold([Path(args.dir)])
         read = dlio(args, folder, out / "read", extra, write=False, num=s3_num or args.num_read,
                     env=env)
     finally:
@@ -135,41 +135,17 @@ def empty_bucket(s3: Any, prefix: str) -> None:
             client.delete_object(Bucket=s3.bucket, Key=obj["Key"])
 
 
-def fio_ceiling(directory: Path, nbytes: int, jobs: int) -> dict[str, Any]:
-    """fio writing (fsync at the end) then reading cold ``nbytes`` in ``jobs`` files at once."""
-    path = directory / "fio"
-    path.mkdir(parents=True, exist_ok=True)
-    each = -(-nbytes // jobs // (16 << 20)) * (16 << 20)
-    common = [f"--directory={path}", f"--size={each}", "--group_reporting", *JOB[:-2],
-              f"--numjobs={jobs}", "--output-format=json"]
-    try:
-        w = _fio(["--name=ckpt", "--rw=write", "--end_fsync=1", *common])["write"]
-        drop_page_cache([path])
-        r = _fio(["--name=ckpt", "--rw=read", *common])["read"]
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-    gib = 1024 ** 3  # DLIO's "GB"
-    return {"bytes": each * jobs, "write_GBps": w["bw_bytes"] / gib, "read_GBps": r["bw_bytes"] / gib,
-            "write_s": w["runtime"] / 1000, "read_s": r["runtime"] / 1000,
-            "command": "fio " + " ".join(common) + " --name=ckpt --rw=write|read"}
-
-
-def _fio(options: list[str]) -> dict[str, Any]:
-    done = subprocess.run(["fio", *options], capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
-
-
 def report(runs: list[dict[str, Any]]) -> str:
     """Markdown rows: medians over repeats of each engine's write and read."""
-    rows = ["| engine | write GB/s | write s | read GB/s | read s | repeats |", "|---|---|---|---|---|---|"]
-    names = list(dict.fromkeys(r["engine"] for r in runs))
-    for name in names:
+    rows = []
+    for name in dict.fromkeys(r["engine"] for r in runs):
         mine = [r for r in runs if r["engine"] == name]
         med = {f"{p}_{k}": statistics.median(r[p][k] for r in mine)
                for p in ("write", "read") for k in ("GBps", "s")}
-        rows.append(f"| {name} | {med['write_GBps']:.3f} | {med['write_s']:.2f} | "
-                    f"{med['read_GBps']:.3f} | {med['read_s']:.2f} | {len(mine)} |")
-    return "\n".join(rows)
+        rows.append((name, f"{med['write_GBps']:.3f}", f"{med['write_s']:.2f}",
+                     f"{med['read_GBps']:.3f}", f"{med['read_s']:.2f}", len(mine)))
+    return harness.markdown_table(["engine", "write GB/s", "write s", "read GB/s", "read s",
+                                   "repeats"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,15 +173,15 @@ def main(argv: list[str] | None = None) -> int:
 
         s3 = SeaweedServer(Path(args.dir) / "weed").start()  # data on the same disk
     try:
-        for rep in range(args.repeats):
-            fio = fio_ceiling(Path(args.dir), int(args.fio_gib * 2**30), args.np)
-            runs.append({"engine": "fio", "rep": rep, **fio})
-            order = engines[rep % len(engines):] + engines[:rep % len(engines)]
-            for name in order:
-                began = time.monotonic()
+        for rep, name in harness.schedule(["fio", *engines], args.repeats):
+            began = time.monotonic()
+            if name == "fio":
+                fio = fio_jobs_ceiling(Path(args.dir), int(args.fio_gib * 2**30), args.np)
+                runs.append({"engine": "fio", "rep": rep, **fio})
+            else:
                 runs.append(run_engine(args, name, rep, s3))
-                print(f"rep {rep} {name}: {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
-                Path(args.out).write_text(json.dumps(runs, indent=1))
+            print(f"rep {rep} {name}: {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+            Path(args.out).write_text(json.dumps(runs, indent=1))
     finally:
         if s3 is not None:
             s3.close()

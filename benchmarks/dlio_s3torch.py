@@ -43,12 +43,12 @@ class S3TorchCheckpointing(PyTorchS3Checkpointing):
 
     _instance: S3TorchCheckpointing | None = None
 
-    @staticmethod
-    def get_instance() -> S3TorchCheckpointing:
+    @classmethod
+    def get_instance(cls) -> S3TorchCheckpointing:
         """DLIO's factory asks the class for its one instance per process."""
-        if S3TorchCheckpointing._instance is None:
-            S3TorchCheckpointing._instance = S3TorchCheckpointing()
-        return S3TorchCheckpointing._instance
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
 
     def __init__(self) -> None:
         lister = S3PyTorchConnectorStorage.list_objects

@@ -72,7 +72,7 @@ def merge_into(dest: Any, src: Any) -> Any:
 # ---------------------------------------------------------------- torch.save
 
 
-def _torch_save(state: Any, path: Path) -> None:
+def torch_save_to(state: Any, path: Path) -> None:
     path.mkdir(parents=True)
     with open(path / "state.pt", "wb") as f:
         torch.save(state, f)
@@ -81,7 +81,7 @@ def _torch_save(state: Any, path: Path) -> None:
     os.sync()
 
 
-def _torch_load(path: Path, dest: Any) -> None:
+def torch_load_into(path: Path, dest: Any) -> None:
     loaded = torch.load(path / "state.pt", mmap=False, weights_only=True)
     merge_into(dest, loaded)
 
@@ -112,7 +112,7 @@ def _dcp_load(path: Path, dest: Any) -> None:
 # ---------------------------------------------------------------- TorchSnapshot
 
 
-class _DictStateful:
+class DictStateful:
     """TorchSnapshot saves Stateful objects only; this wraps a plain state dict."""
 
     def __init__(self, state: dict[str, Any]) -> None:
@@ -128,14 +128,14 @@ class _DictStateful:
 def _snapshot_save(state: Any, path: Path) -> None:
     from torchsnapshot import Snapshot
 
-    Snapshot.take(path=str(path), app_state={"state": _DictStateful(state)})
+    Snapshot.take(path=str(path), app_state={"state": DictStateful(state)})
     os.sync()  # take() writes through the page cache and never fsyncs
 
 
 def _snapshot_load(path: Path, dest: Any) -> None:
     from torchsnapshot import Snapshot
 
-    Snapshot(path=str(path)).restore(app_state={"state": _DictStateful(dest)})
+    Snapshot(path=str(path)).restore(app_state={"state": DictStateful(dest)})
 
 
 # ---------------------------------------------------------------- ckptio
@@ -144,18 +144,18 @@ def _snapshot_load(path: Path, dest: Any) -> None:
 def _ckptio_save(backend: str) -> SaveFn:
     def save(state: Any, path: Path) -> None:
         ckptio = importlib.import_module("ckptio")
-        ckptio.save(state, str(path), options=_ckptio_options(backend))
+        ckptio.save(state, str(path), options=ckptio_options(backend))
     return save
 
 
 def _ckptio_load(backend: str) -> Callable[[Path, Any], object]:
     def load(path: Path, dest: Any) -> object:
         ckptio = importlib.import_module("ckptio")
-        return ckptio.load(str(path), dest, options=_ckptio_options(backend))
+        return ckptio.load(str(path), dest, options=ckptio_options(backend))
     return load
 
 
-def _ckptio_options(backend: str) -> Any:
+def ckptio_options(backend: str) -> Any:
     """Defaults (and CKPTIO_* env) with the backend fixed; no tuned profile, so runs compare
     the engines, not whatever `ckptio tune` stored on this machine."""
     ckptio = importlib.import_module("ckptio")
@@ -169,7 +169,7 @@ def _ckptio_options(backend: str) -> Any:
 _CKPTIO_MODULES = ("ckptio", "ckptio.api", "ckptio.shared")
 
 ENGINES: dict[str, Engine] = {
-    "torch_save": Engine("torch_save", _torch_save, _torch_load,
+    "torch_save": Engine("torch_save", torch_save_to, torch_load_into,
                          "torch.save, fsync of the file and os.sync() inside the clock; "
                          "load = torch.load(mmap=False, weights_only=True) + copy_ into place"),
     **{f"dcp_t{k}": Engine(f"dcp_t{k}", _dcp_save(k), _dcp_load,

@@ -9,7 +9,10 @@ the same loop without ckptio. Then one more save with the collector paused: the 
 creates and leaves alive once completed (tensors counted apart: a module's state_dict() makes
 a fresh detached alias of each parameter).
 
-    python -m benchmarks.gc_pressure --tensors 1000 --saves 100 [--json out.json]
+    python -m benchmarks.gc_pressure --tensors 1000 --saves 100 [--reps 1] [--json out.json]
+
+Each mode runs in a fresh worker process (benchmarks/harness.py), the modes' order reversed on
+odd repetitions; each run's row is printed as a JSON line, and --json keeps them all.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
+import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
+
+from benchmarks import harness, worker_env
+
+MODES = ("none", "eager", "lazy")
 
 
 def run(mode: str, tensors: int, saves: int) -> dict[str, Any]:
@@ -77,26 +85,35 @@ def run(mode: str, tensors: int, saves: int) -> dict[str, Any]:
             "alive_after_a_save": len(new) - alive_tensors, "alive_tensors": alive_tensors}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tensors", type=int, default=1000)
     p.add_argument("--saves", type=int, default=100)
-    p.add_argument("--json")
-    args = p.parse_args()
+    p.add_argument("--reps", type=int, default=1, help="runs of each mode, a fresh process each")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return harness.emit(run(args.worker, args.tensors, args.saves))
     shm = tempfile.mkdtemp(prefix="ckptio-gc-pressure-", dir="/dev/shm")
-    os.environ["CKPTIO_SHM_DIR"] = shm
-    rows = []
+    env = {**worker_env(), "CKPTIO_SHM_DIR": shm}
+
+    def run_one(mode: str, rep: int) -> harness.Run:
+        cmd = [*harness.command("benchmarks.gc_pressure", mode), "--tensors", str(args.tensors),
+               "--saves", str(args.saves)]
+        row = harness.spawn(cmd, label={"rep": rep}, strict=True, tail=20, env=env)
+        print(json.dumps(row), flush=True)
+        return row
+
     try:
-        for mode in ("none", "eager", "lazy"):
-            rows.append(run(mode, args.tensors, args.saves))
-            print(json.dumps(rows[-1]), flush=True)
+        rows = harness.repeat(MODES, args.reps, run_one,
+                              progress=lambda r, i, n: f"run {i}/{n}: {r['mode']}")
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

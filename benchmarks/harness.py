@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -96,31 +96,41 @@ def spawn(cmd: Sequence[str], *, timeout: float = 600, label: Run | None = None,
 
 
 def spawn_ranks(cmd: Sequence[str] | Callable[[int], Sequence[str]], world: int, *,
-                env: dict[str, str] | None = None,
+                env: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                 timeout: float = 600, strict: bool = False, tail: int = 1,
-                cwd: Path | None = None) -> list[Run]:
+                cwd: Path | None = None, sample: Callable[[list[int]], None] | None = None,
+                every_s: float = 0.02, ok: Collection[int] = (0,), echo: int = 0) -> list[Run]:
     """``world`` fresh processes of ``cmd`` (or of ``cmd(rank)``), started together (a job's
-    ranks: RANK and LOCAL_RANK set in each one's ``env``, default ``worker_env()``), and each
-    one's result as
-    ``spawn`` reads it, in rank order. A time-out kills them all; a rank without a result is
-    ``{"rank": r, "error": ...}``, or SystemExit with ``strict``."""
-    base = env or worker_env()
+    ranks: RANK and LOCAL_RANK set in each one's ``env`` or ``env(rank)``, default
+    ``worker_env()``), and each one's result as ``spawn`` reads it, in rank order. A time-out
+    kills them all; a rank without a result, or exiting with a status not in ``ok``, is
+    ``{"rank": r, "error": ...}``, or SystemExit with ``strict``. ``sample``: called with the
+    ranks' pids every ``every_s`` seconds while any runs (e.g. to read their /proc status).
+    ``echo``: the last lines of each rank's stderr passed on, indented and marked ``r<rank>``."""
     procs = [subprocess.Popen(list(cmd(r) if callable(cmd) else cmd), cwd=cwd, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              env={**(env(r) if callable(env) else env or worker_env()),
+                                   "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while sample is not None and time.monotonic() < deadline and any(
+            p.poll() is None for p in procs):
+        sample([p.pid for p in procs])
+        time.sleep(every_s)
     runs: list[Run] = []
     for r, proc in enumerate(procs):
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
                 p.wait()
             runs += [{"rank": q, "error": f"timed out after {timeout} s"} for q in range(r, world)]
             break
+        for line in err.strip().splitlines()[-echo:] if echo else ():
+            print(f"    | r{r} {line}", file=sys.stderr)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if not lines or proc.returncode != 0:
+        if not lines or proc.returncode not in ok:
             runs.append({"rank": r, "error": worker_error(proc.returncode, err, tail)})
         else:
             runs.append(json.loads(lines[-1]))

@@ -22,15 +22,13 @@ rule (ckptio) or the state.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import shown_path, worker_env, write_reports
+from benchmarks import harness, shown_path, worker_env, write_reports
 from benchmarks.engines import reset_peak_rss, status_kib
 
 GB = 1e9
@@ -53,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="scratch directory (removed at the end)")
     p.add_argument("--json", type=Path, help="write the runs and the summary here")
     p.add_argument("--markdown", type=Path, help="write the summary table here")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the job may run")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # this rank
     return p.parse_args(argv)
 
@@ -143,34 +142,25 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     if args.budget_gb is not None:
         argv += ["--budget-gb", repr(args.budget_gb)]
     available0 = _available()
-    procs = [subprocess.Popen([*argv, "--worker", str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(args.ranks)]
     peaks = dict.fromkeys(FIELDS, 0)
-    least_available = available0
-    while any(p.poll() is None for p in procs):
-        sampled = [_proc_kib(p.pid) for p in procs]
+    least_available = [available0]
+
+    def sample(pids: list[int]) -> None:
+        sampled = [_proc_kib(pid) for pid in pids]
         for name in FIELDS:
             peaks[name] = max(peaks[name], sum(s[name] for s in sampled))
-        least_available = min(least_available, _available())
-        time.sleep(SAMPLE_S)
-    ranks, failed = [], []
-    for r, p in enumerate(procs):
-        out, err = p.communicate()
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if p.returncode or not lines:
-            killed = " (killed: the kernel's OOM killer, see dmesg)" if p.returncode == -9 else ""
-            failed.append((p.returncode != -9, f"rank {r} failed (exit {p.returncode}){killed}: "
-                                               f"{err[-2000:]}"))
-        else:
-            ranks.append(json.loads(lines[-1]))
-    if failed:  # a killed rank first: the others' errors follow from it
-        raise SystemExit("\n".join(text for _, text in sorted(failed)))
+        least_available[0] = min(least_available[0], _available())
+
+    ranks = harness.spawn_ranks(lambda r: [*argv, "--worker", str(r)], args.ranks, env=env,
+                                timeout=args.timeout, tail=40, sample=sample, every_s=SAMPLE_S)
+    failed = [r for r in ranks if "error" in r]
+    if failed:  # a killed rank first (the kernel's OOM killer, see dmesg): the others follow
+        raise SystemExit("\n".join(f"rank {r['rank']} failed: {r['error']}" for r in sorted(
+            failed, key=lambda r: "killed by signal 9" not in r["error"])))
     budget = int(args.budget_gb * GB) if args.budget_gb is not None else available0 // 2
     return {"ranks": ranks, "budget_bytes": budget, "budget_given": args.budget_gb is not None,
             "available_start_bytes": available0,
-            "available_drop_bytes": available0 - least_available,
+            "available_drop_bytes": available0 - least_available[0],
             "peak_sum_mib": {name: kib / 1024 for name, kib in peaks.items()}}
 
 
@@ -202,8 +192,7 @@ def report(run: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        print(json.dumps(worker(args)), flush=True)
-        return 0
+        return harness.emit(worker(args))
     if args.ranks < 1 or args.saves < 1:
         raise SystemExit("--ranks and --saves: at least 1")
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -10,7 +10,7 @@ wire.py, manifest.py are called as they are, never copied).
 Phases timed (median of --reps):
   local      one rank's message to the coordinator: layout_parts + encode_plan (every rank
              does this in parallel, so it counts once)
-  decide     the coordinator: collective._decide on every rank's message (decode_plan of all,
+  decide     the coordinator: collective.decide_plans on every rank's message (decode_plan of all,
              each distinct layout part fetched and decoded once, check_regular, per_rank_keys +
              plan_global of the per-chunk items, encode_answer of all) + one decode_answer
   again      the same for a later save of the same layout (parts remembered, decisions reused)
@@ -210,7 +210,7 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
 
     def decide() -> tuple[collective.Decision, collective.Memory]:
         memory = collective.Memory()  # a first save: nothing cached
-        decision = collective._decide(messages, memory, group)
+        decision = collective.decide_plans(messages, memory, group)
         wire.decode_answer(decision.answers[0])
         return decision, memory
 
@@ -218,14 +218,14 @@ def measure(world: int, tp: int, tensors: list[Tensor], dtype: str, reps: int,
     local_s, _ = median_time(local, reps)
     decide_s, (decision, memory) = median_time(decide, reps)
     # a later save of the same layout: the same messages (values and the fingerprint)
-    reused_s, _ = median_time(lambda: collective._decide(messages, memory, group), reps)
+    reused_s, _ = median_time(lambda: collective.decide_plans(messages, memory, group), reps)
     off()
     if memory.reused < 1:
         raise RuntimeError("the repeated save did not reuse the plan")
     row = {"world": world, "dp": dp, "tp": tp, "tensors": len(tensors),
            "regular": len(regular.items), "plan_msg_bytes": len(messages[0]),
            "plan_msgs_bytes": sum(len(m) for m in messages),
-           "published_bytes": sum(map(len, group._published.values())),
+           "published_bytes": group.published_nbytes(),
            "local_s": local_s, "decide_s": decide_s, "decide_reused_s": reused_s,
            "setup_s": setup_s, "reused": memory.reused}
     if not plan_only:
@@ -261,12 +261,12 @@ def simulate_commit(decision: collective.Decision, regular: Regular) -> Commit:
     save_id, _, _ = wire.decode_answer(decision.answers[0])
     plans, global_plan = decision.plans, decision.global_plan
     agreement = collective.Agreement(save_id, global_plan.assignments[0], plans, global_plan)
-    assigned = [collective._assigned(agreement, p.rank) for p in plans]
+    assigned = [collective.assigned_items(agreement, p.rank) for p in plans]
     stored: dict[str, bytes] = {}
     need = {rank for t in regular.items for grid in [regular.grids[t.grid]]
             for rank, _chunk in overlapping(grid, RegularTensor(t.key, t.dtype, t.shape, t.grid),
                                             grid.chunk(t.shape, grid.coordinate(0)))}
-    reports = [_report(p, assigned[p.rank], regular, save_id, stored, p.rank in need)
+    reports = [rank_report(p, assigned[p.rank], regular, save_id, stored, p.rank in need)
                for p in plans]
     results = [wire.encode_result(parts) for parts, _rows in reports]
     return Commit(agreement, assigned, results, stored, need, *reports[0])
@@ -298,7 +298,7 @@ def measure_commit(decision: collective.Decision, regular: Regular, reps: int,
             "load_s": load_s, "load_index_files": ranks_read, "commit_setup_s": setup_s}
 
 
-def _report(plan: RankPlan, assigned: dict[int, WriteItem], regular: Regular, save_id: str,
+def rank_report(plan: RankPlan, assigned: dict[int, WriteItem], regular: Regular, save_id: str,
             stored: dict[str, bytes], needed: bool) -> tuple[Written, list[IndexRow]]:
     """Rank ``plan.rank``'s result (entries, files, index file) and index rows; the rows and
     the index file's content (in ``stored``) only where rank 0's load reads them (``needed``:
@@ -364,7 +364,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[st
         f"{args.reps}; {n_params} tensors ({'params + AdamW exp_avg, exp_avg_sq' if args.optim else 'params'}"
         f", {args.dtype}), Llama-70B-like shapes, mesh (dp, tp) with placements [Shard(0), "
         "Shard(0)|Shard(1)|Replicate], + per-rank RNG and a step  "),
-        ("local: one rank's layout_parts + encode_plan; decide: coordinator _decide (decode every "
+        ("local: one rank's layout_parts + encode_plan; decide: coordinator decide_plans (decode every "
         "message, fetch and decode each distinct layout part once, check the regular items, "
         "plan_global of the per-chunk ones, answers; a first save); decide again: the same for a "
         "later save of the same layout (parts remembered, decisions reused); result: one rank's "

@@ -11,7 +11,8 @@ each step began, when the final save was called, when it committed in the first 
 exit, then checks with ckptio that the step is committed (and verifies) on disk and in memory.
 Configurations: ``tiers`` (shm:// every step + a disk Tier every K), ``tiers_paced`` (the same
 with ``drain_rate``: the preempted step's drain is unpaced), ``disk`` (one disk directory,
-every K: the comparison).
+every K: the comparison). The configurations alternate on benchmarks/harness.py's schedule (the
+order reversed on odd repetitions).
 
     python -m benchmarks.preempt --gb 1 --reps 3 \
         --json docs/results/i45/preempt.json --markdown docs/results/i45/preempt.md
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import worker_env, write_reports
+from benchmarks import harness, worker_env, write_reports
 
 __all__ = ["CONFIGS", "main"]
 
@@ -128,9 +129,9 @@ def one_run(args: argparse.Namespace, config: str, rep: int, env: dict[str, str]
     shutil.rmtree(args.dir, ignore_errors=True)
     shutil.rmtree(Path(env["CKPTIO_SHM_DIR"]), ignore_errors=True)
     target = rng.randint(args.every + 1, max(args.every + 1, 2 * args.every - 1))
-    cmd = [sys.executable, "-m", "benchmarks.preempt", "--worker", config, "--gb", str(args.gb),
-           "--every", str(args.every), "--rate", str(args.rate), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--dir", str(args.dir), "--seed", str(args.seed + rep)]
+    cmd = harness.command("benchmarks.preempt", config, "--gb", args.gb, "--every", args.every,
+                          "--rate", args.rate, "--batch", args.batch, "--seq", args.seq,
+                          "--dir", args.dir, "--seed", args.seed + rep)
     with tempfile.TemporaryFile("w+") as log:  # the drain's warnings must never fill a pipe
         child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         events, killed = _follow(child, target, rng)
@@ -191,8 +192,8 @@ def durability(args: argparse.Namespace, step: int, memory: bool) -> dict[str, A
 
 
 def _median(values: list[Any]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    got = harness.spread(values)
+    return None if got is None else got["median"]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -268,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.dir.mkdir(parents=True, exist_ok=True)
         write = write_ceiling(args.dir / "ceiling.bin", state_nbytes(gpt_config(args.gb)))
-        for rep in range(args.reps):
-            for config in [c for c in args.configs.split(",") if c]:
-                runs.append(one_run(args, config, rep, env, rng))
-                print(json.dumps(runs[-1])[:400], file=sys.stderr, flush=True)
+        configs = [c for c in args.configs.split(",") if c]
+        runs = harness.repeat(configs, args.reps,
+                              lambda config, rep: one_run(args, config, rep, env, rng),
+                              progress=lambda run, _i, _n: json.dumps(run)[:400])
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -28,14 +28,13 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks import load_phases, worker_env
+from benchmarks import harness, load_phases, worker_env
 from benchmarks.ranks_report import (RAW, TCP, Run, load_worlds, markdown, peer_worlds, progress,
                                      save_engines,
                                      schedule, summarize)
@@ -315,8 +314,8 @@ def worker_main(args: argparse.Namespace) -> int:
         run = save_worker(args, engine)
     else:
         run = load_worker(args, engine)
-    if args.rank == 0:
-        print(json.dumps(run), flush=True)
+    # every rank's record (harness.spawn_ranks reads one from each); rank 0's is the job's
+    harness.emit(run if args.rank == 0 else {"rank": args.rank, "bitwise_ok": run["bitwise_ok"]})
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -351,31 +350,16 @@ def launch(args: argparse.Namespace, worker: str, world: int, rep: int, ckpt: Pa
         base += ["--ckpt", str(ckpt)]
     failed: Run = {"job": worker, "rep": rep, "ranks": world}
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_rank_env(args, env, r))
-             for r in range(world)]
-    outs: list[tuple[str, str]] = []
-    try:
-        for p in procs:
-            remaining = max(1.0, args.timeout - (time.perf_counter() - t0))
-            outs.append(p.communicate(timeout=remaining))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-        return {**failed, "error": f"timed out after {args.timeout} s"}
-    for r, (_, err) in enumerate(outs):
-        for line in err.strip().splitlines()[-12:]:
-            print(f"    | r{r} {line}", file=sys.stderr)
-    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("{")]
-    codes = [p.returncode for p in procs]
-    if not lines:
-        return {**failed, "error": f"workers exited {codes} without a result (see above)"}
-    run: Run = json.loads(lines[-1])
+    ranks = harness.spawn_ranks(lambda r: [*base, "--rank", str(r)], world,
+                                env=lambda r: _rank_env(args, env, r), timeout=args.timeout,
+                                ok=(0, 3), echo=12, tail=3)  # 3: a result that mismatched
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
+    if "error" in ranks[0]:
+        return {**failed, "error": "; ".join(errors)}
+    run: Run = ranks[0]
     run["wall_s"] = time.perf_counter() - t0
-    if any(c not in (0, 3) for c in codes):
-        run["error"] = f"workers exited {codes}"
+    if errors:
+        run["error"] = "; ".join(errors)
     return run
 
 

@@ -64,7 +64,7 @@ def ckptio_loader(path: Path, warm_pool: bool) -> Any:
 
     from benchmarks import engines
 
-    checkpointer = ckptio.Checkpointer(engines._ckptio_options("posix"))
+    checkpointer = ckptio.Checkpointer(engines.ckptio_options("posix"))
     if warm_pool:
         checkpointer.prepare(path)
     return lambda path, dest: checkpointer.load(str(path), dest)

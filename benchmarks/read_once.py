@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import shown_path, write_reports
+from benchmarks import harness, shown_path, write_reports
 
 ENGINES = ("ckptio", "ckptio_each_reads", "dcp", "ckptio_dcp_dir")
 
@@ -42,18 +42,19 @@ def state(gb: float, tensors: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(each, generator=g) for i in range(tensors)}
 
 
-def _read_bytes() -> int:
+def disk_read_so_far() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _drop_caches(rank: int) -> None:
+def drop_caches_on_all(rank: int) -> None:
+    """Rank 0 drops the page cache (benchmarks/harness.py's ``cold``: drop_caches, as root)
+    between two barriers: every rank's next read is cold."""
     import torch.distributed as dist
 
     dist.barrier()
     if rank == 0:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        harness.cold()
     dist.barrier()
 
 
@@ -82,53 +83,55 @@ def job(rank: int, world: int, root: str, gb: float, tensors: int, reps: int) ->
     dcp.save(expect, storage_writer=dcp.FileSystemWriter(str(paths["dcp"])))
     dest = {k: torch.empty_like(v) for k, v in expect.items()}
     rows = []
-    for rep in range(reps):
-        for engine in ENGINES:
-            for t in dest.values():
-                t.zero_()
-            _drop_caches(rank)
-            before, t0 = _read_bytes(), time.perf_counter()
-            _load(engine, paths["dcp" if "dcp" in engine else "ckptio"], dest)
-            seconds = time.perf_counter() - t0
-            read = _read_bytes() - before
-            dist.barrier()
-            ok = all(torch.equal(dest[k], v) for k, v in expect.items())
-            rows.append({"rep": rep, "engine": engine, "rank": rank, "seconds": seconds,
-                         "read_bytes": read, "bitwise_ok": ok})
+    for rep, engine in harness.schedule(ENGINES, reps):  # the order reversed on odd reps
+        for t in dest.values():
+            t.zero_()
+        drop_caches_on_all(rank)
+        before, t0 = disk_read_so_far(), time.perf_counter()
+        _load(engine, paths["dcp" if "dcp" in engine else "ckptio"], dest)
+        seconds = time.perf_counter() - t0
+        read = disk_read_so_far() - before
+        dist.barrier()
+        ok = all(torch.equal(dest[k], v) for k, v in expect.items())
+        rows.append({"rep": rep, "engine": engine, "rank": rank, "seconds": seconds,
+                     "read_bytes": read, "bitwise_ok": ok})
     return rows
 
 
 def summary(runs: list[dict[str, Any]], ranks: int, nbytes: int) -> list[dict[str, Any]]:
+    """Per engine: the load's time (the slowest rank's, median and range over repetitions),
+    the bytes read from storage by all ranks (median) and by each, and the bitwise check."""
     out = []
     for engine in ENGINES:
         mine = [r for r in runs if r["engine"] == engine]
         reps = sorted({r["rep"] for r in mine})
         per_rep = [[r for r in mine if r["rep"] == rep] for rep in reps]
-        totals = [sum(r["read_bytes"] for r in rows) for rows in per_rep]
-        times = [max(r["seconds"] for r in rows) for rows in per_rep]
+        times = harness.spread(max(r["seconds"] for r in rows) for rows in per_rep)
+        totals = harness.spread(sum(r["read_bytes"] for r in rows) for rows in per_rep)
+        assert times is not None and totals is not None  # every rank returns every row
         per_rank = [statistics.median(r["read_bytes"] for r in mine if r["rank"] == k)
                     for k in range(ranks)]
-        out.append({"engine": engine, "load_s": statistics.median(times),
-                    "load_s_range": [min(times), max(times)],
-                    "read_mb": statistics.median(totals) / 1e6,
-                    "read_x": statistics.median(totals) / nbytes,
+        out.append({"engine": engine, "load_s": times["median"],
+                    "load_s_range": [times["min"], times["max"]],
+                    "read_mb": totals["median"] / 1e6,
+                    "read_x": totals["median"] / nbytes,
                     "per_rank_read_mb": [b / 1e6 for b in per_rank],
                     "bitwise_ok": all(r["bitwise_ok"] for r in mine)})
     return out
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, nbytes: int) -> str:
-    lines = [f"{args.ranks} gloo ranks on one host, a replicated {nbytes / 1e6:.0f} MB state "
-             f"({args.tensors} tensors), page cache dropped before each load, medians of "
-             f"{args.reps} (dir {shown_path(args.dir)})", "",
-             "| engine | load s (range) | read from storage MB | x the checkpoint | per rank MB | bitwise |",
-             "|---|---:|---:|---:|---|---|"]
-    for r in rows:
-        lo, hi = r["load_s_range"]
-        per = " / ".join(f"{b:.0f}" for b in r["per_rank_read_mb"])
-        lines.append(f"| {r['engine']} | {r['load_s']:.3f} ({lo:.3f}-{hi:.3f}) | "
-                     f"{r['read_mb']:.0f} | {r['read_x']:.2f} | {per} | {r['bitwise_ok']} |")
-    return "\n".join(lines) + "\n"
+    head = (f"{args.ranks} gloo ranks on one host, a replicated {nbytes / 1e6:.0f} MB state "
+            f"({args.tensors} tensors), page cache dropped before each load, medians of "
+            f"{args.reps} (dir {shown_path(args.dir)})")
+    table = harness.markdown_table(
+        ["engine", "load s (range)", "read from storage MB", "x the checkpoint", "per rank MB",
+         "bitwise"],
+        [(r["engine"], f"{r['load_s']:.3f} ({r['load_s_range'][0]:.3f}-{r['load_s_range'][1]:.3f})",
+          f"{r['read_mb']:.0f}", f"{r['read_x']:.2f}",
+          " / ".join(f"{b:.0f}" for b in r["per_rank_read_mb"]), r["bitwise_ok"]) for r in rows],
+        align="lrrrll")
+    return f"{head}\n\n{table}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

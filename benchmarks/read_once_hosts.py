@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks import shown_path, write_reports
-from benchmarks.read_once import _drop_caches, _read_bytes
+from benchmarks.read_once import drop_caches_on_all, disk_read_so_far
 
 ENGINES = ("ckptio", "ckptio_each_reads", "dcp")
 LAYOUTS = ("replicated", "hsdp")
@@ -93,16 +93,16 @@ def _runs(rank: int, root: str, gb: float, tensors: int, reps: int) -> list[dict
                         continue
                     for t in dest.values():
                         _local(t).zero_()
-                    _drop_caches(rank)
+                    drop_caches_on_all(rank)
                     where = _where(source, layout, engine, root)
-                    before, counted, t0 = _read_bytes(), store_reads(), time.perf_counter()
+                    before, counted, t0 = disk_read_so_far(), store_reads(), time.perf_counter()
                     if engine == "dcp":
                         dcp.load(dest, storage_reader=dcp.FileSystemReader(where))
                     else:
                         ckptio.load(where, dest, options=ckptio.Options(
                             broadcast_replicated=engine == "ckptio"))
                     seconds = time.perf_counter() - t0
-                    read = (store_reads() - counted) if source == "s3" else _read_bytes() - before
+                    read = (store_reads() - counted) if source == "s3" else disk_read_so_far() - before
                     dist.barrier()
                     ok = all(torch.equal(_local(dest[k]), _local(v)) for k, v in expect.items())
                     rows.append({"rep": rep, "layout": layout, "source": source,

@@ -34,7 +34,7 @@ from benchmarks.plan_scale import (
     ITEMSIZE,
     BLOCK_NBYTES,
     Tensor,
-    _report,
+    rank_report,
     median_time,
     messages_of,
     model_tensors,
@@ -68,17 +68,17 @@ def saved(world: int, tp: int, tensors: list[Tensor], dtype: str,
     regular = regular_of(dp, tp, tensors, dtype)
     group = Solo()
     messages = messages_of(world, dp, tp, tensors, dtype, tree_of(tensors), regular, group)
-    decision = collective._decide(messages, collective.Memory(), group)
+    decision = collective.decide_plans(messages, collective.Memory(), group)
     save_id, _, _ = wire.decode_answer(decision.answers[0])
     agreement = collective.Agreement(save_id, decision.global_plan.assignments[0],
                                      decision.plans, decision.global_plan)
-    assigned = [collective._assigned(agreement, p.rank) for p in decision.plans]
+    assigned = [collective.assigned_items(agreement, p.rank) for p in decision.plans]
     need = {rank for want in wants for t in regular.items
             for grid in [regular.grids[t.grid]]
             for rank, _ in overlapping(grid, RegularTensor(t.key, t.dtype, t.shape, t.grid),
                                        want[t.key])}
     stored: dict[str, bytes] = {}
-    results = [wire.encode_result(_report(p, assigned[p.rank], regular, save_id, stored,
+    results = [wire.encode_result(rank_report(p, assigned[p.rank], regular, save_id, stored,
                                           p.rank in need)[0]) for p in decision.plans]
     decoded = [wire.decode_result(data, rank, assigned[rank]) for rank, data in enumerate(results)]
     record = collective.manifest_of(decoded, assigned, agreement,

@@ -5,8 +5,8 @@ moments are) is saved once into a directory on /dev/shm (the memory tier's mediu
 into --dir. Each repetition then starts one fresh process per source: it builds the state's
 tensors (pre-faulted), makes the Checkpointer's staging (``prepare``), freezes the garbage
 collector's startup objects, and times ``Checkpointer.load(path, state)`` (in place, verified);
-before the disk's process the page cache is dropped (``sync; echo 3 >
-/proc/sys/vm/drop_caches``, root), so its reads come from the device. The memcpy process
+before the disk's process the page cache is dropped (benchmarks/harness.py's ``cold``:
+``drop_caches`` as root), so its reads come from the device. The memcpy process
 times ``torch._foreach_copy_`` of the whole state into it. The rollback process restores in
 the process that saved: a CheckpointManager with one ``shm://`` tier saves the state four
 times (from the third save on its files are written through mappings this process keeps)
@@ -28,14 +28,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import write_reports
+from benchmarks import harness, write_reports
 
 
 def _state(gb: float, tensors: int, fill: bool) -> dict[str, Any]:
@@ -67,7 +65,7 @@ def _worker(args: argparse.Namespace) -> None:
         src = [torch.ones_like(t) for t in state.values()]
         start = time.perf_counter()
         torch._foreach_copy_(list(state.values()), src)
-        print(json.dumps({"s": time.perf_counter() - start}))
+        harness.emit({"s": time.perf_counter() - start})
         return
     ck = ckptio.Checkpointer()
     ck.prepare(args.path)
@@ -75,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
     gc.freeze()
     start, cpu = time.perf_counter(), time.process_time()
     ck.load(args.path, state)
-    print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
+    harness.emit({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
 
 
 def _rollback(args: argparse.Namespace, state: dict[str, Any]) -> None:
@@ -98,7 +96,7 @@ def _rollback(args: argparse.Namespace, state: dict[str, Any]) -> None:
         assert mgr.restore(state) == 4
         took, cpu = time.perf_counter() - start, time.process_time() - cpu
         load = (mgr.last_restore or {}).get("seconds", took)
-        print(json.dumps({"s": took, "cpu_s": cpu, "load_s": load}))
+        harness.emit({"s": took, "cpu_s": cpu, "load_s": load})
     finally:
         mgr.close()
 
@@ -144,7 +142,7 @@ def _small(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         with torch.no_grad():
             torch._foreach_copy_(tensors, src)
-        print(json.dumps({"s": time.perf_counter() - start}))
+        harness.emit({"s": time.perf_counter() - start})
         return
     os.environ["CKPTIO_SHM_DIR"] = args.path
     mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://mlp", keep_last=1)])
@@ -153,7 +151,7 @@ def _small(args: argparse.Namespace) -> None:
         gc.freeze()
         start, cpu = time.perf_counter(), time.process_time()
         assert mgr.restore(state) == 1
-        print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}))
+        harness.emit({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu})
     finally:
         mgr.close()
 
@@ -167,17 +165,11 @@ def _save_mlp(args: argparse.Namespace, root: Path) -> None:
 
 
 def _spawn(args: argparse.Namespace, worker: str, path: str) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "benchmarks.restore_memory", "--worker", worker, "--path", path,
-           "--gb", str(args.gb), "--tensors", str(args.tensors), "--mlp-width",
-           str(args.mlp_width)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
+    """One fresh worker process (benchmarks/harness.py) measuring ``worker`` on ``path``."""
+    return harness.spawn(harness.command("benchmarks.restore_memory", worker, "--path", path,
+                                         "--gb", args.gb, "--tensors", args.tensors,
+                                         "--mlp-width", args.mlp_width),
+                         strict=True, tail=20)
 
 
 def main() -> int:
@@ -212,7 +204,7 @@ def main() -> int:
         _save_mlp(args, shm / "mlp")
         for rep in range(args.reps):
             memory = _spawn(args, "load", str(shm / "step"))
-            _drop_caches()
+            harness.cold([disk])
             cold = _spawn(args, "load", str(disk))
             memcpy = _spawn(args, "memcpy", "")
             rollback = _spawn(args, "rollback", str(shm / f"tiers-{rep}"))  # a fresh run

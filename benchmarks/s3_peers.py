@@ -229,17 +229,17 @@ def _dcp_s3tc_load(url: str, dest: Any, args: argparse.Namespace) -> object:
 def _snapshot_save(state: Any, url: str, args: argparse.Namespace) -> None:
     from torchsnapshot import Snapshot
 
-    from benchmarks.engines import _DictStateful
+    from benchmarks.engines import DictStateful
 
-    Snapshot.take(path=url, app_state={"state": _DictStateful(state)})
+    Snapshot.take(path=url, app_state={"state": DictStateful(state)})
 
 
 def _snapshot_load(url: str, dest: Any, args: argparse.Namespace) -> object:
     from torchsnapshot import Snapshot
 
-    from benchmarks.engines import _DictStateful
+    from benchmarks.engines import DictStateful
 
-    Snapshot(path=url).restore(app_state={"state": _DictStateful(dest)})
+    Snapshot(path=url).restore(app_state={"state": DictStateful(dest)})
     return None
 
 

@@ -96,7 +96,7 @@ def build_training(gb: float, seed: int) -> tuple[GPT, torch.optim.Optimizer, GP
 
     torch.manual_seed(seed)
     cfg = state.gpt_config(gb)
-    model = state._build_model(cfg, state.Filler(seed))
+    model = state.build_model(cfg, state.Filler(seed))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     return model, opt, cfg
 

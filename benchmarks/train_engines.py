@@ -180,7 +180,7 @@ class SnapshotSaver:
         from torchsnapshot import Snapshot
 
         pending = Snapshot.async_take(path=str(path),
-                                      app_state={"state": engines._DictStateful(state)})
+                                      app_state={"state": engines.DictStateful(state)})
 
         def durable() -> None:
             pending.wait()

@@ -27,9 +27,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CIRCLES_TO_VANISH", "PACKAGE", "REACHES_TO_VANISH", "ROOT", "THIRD_PARTY", "Circle",
-           "Import", "Reach", "all_imports", "circles", "components", "cycles", "duplicate_names", "import_graph",
-           "imports_of", "main", "package_modules", "private_members", "reaches", "report",
+__all__ = ["CIRCLES_TO_VANISH", "NAMEDTUPLE", "PACKAGE", "REACHES_TO_VANISH", "ROOT",
+           "THIRD_PARTY", "Circle", "Import", "Reach", "all_imports", "circles", "components",
+           "cycles", "duplicate_names", "import_graph", "imports_of", "is_own", "is_private",
+           "main", "package_modules", "private_members", "reaches", "report",
            "resolve", "runtime_graph", "show_cycle", "sub_package", "sub_package_graph",
            "unexpected", "walk_one"]
 
@@ -168,7 +169,7 @@ def imports_of(name: str, path: Path, modules: set[str]) -> list[Import]:
 
 def _ours(module: str) -> bool:
     top = module.split(".")[0]
-    return top in ("ckptio", BENCHMARKS)
+    return top in ("ckptio", BENCHMARKS, "tests")
 
 
 def all_imports(package: Path = PACKAGE) -> list[Import]:
@@ -333,7 +334,7 @@ class Reach:
         return f"{self.module}: {self.text}"
 
 
-def _private(name: str) -> bool:
+def is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
@@ -353,10 +354,10 @@ def private_members(trees: Iterable[ast.Module]) -> set[str]:
                 elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                       and isinstance(node.value, ast.Name) and node.value.id == "self"):
                     names.add(node.attr)
-    return {n for n in names if _private(n)}
+    return {n for n in names if is_private(n)}
 
 
-def _own(value: ast.expr) -> bool:
+def is_own(value: ast.expr) -> bool:
     """``self``, ``cls`` or ``super()``: the object itself."""
     return (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
         isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
@@ -372,18 +373,18 @@ def reaches(package: Path = PACKAGE) -> list[Reach]:
     found: list[Reach] = []
     for module, tree in trees.items():
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value)
+            if (isinstance(node, ast.Attribute) and is_private(node.attr) and not is_own(node.value)
                     and node.attr not in NAMEDTUPLE):
                 found.append(Reach(module, node.lineno, ast.unparse(node),
                                    node.attr not in members))
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 if node.module.split(".")[0] in ("ckptio", BENCHMARKS):
                     continue  # ckptio's own: tests/test_layers.py checks names against __all__
-                if any(_private(p) for p in node.module.split(".")):
+                if any(is_private(p) for p in node.module.split(".")):
                     found.append(Reach(module, node.lineno, node.module, True))
                 else:
                     found += [Reach(module, node.lineno, f"{node.module}.{a.name}", True)
-                              for a in node.names if _private(a.name)]
+                              for a in node.names if is_private(a.name)]
     return sorted(found, key=lambda r: (r.module, r.line, r.text))
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness, write_reports
+from benchmarks import harness, worker_env, write_reports
 
 # A toy worker: its result names its process and echoes its item and repetition.
 TOY = ("import os, sys; from benchmarks import harness; "
@@ -80,3 +80,28 @@ def test_ranks_start_together_each_with_its_rank(tmp_path) -> None:
                                              "result or an error"}]
     with pytest.raises(SystemExit, match="rank 1 failed: worker exited 5"):
         harness.spawn_ranks(fail, 2, strict=True)
+
+
+def test_ranks_are_sampled_while_they_run() -> None:
+    """``sample`` sees every rank's pid while they run (benchmarks/node_budget.py reads their
+    /proc status through it); the results come back as without it."""
+    seen: list[list[int]] = []
+    code = "import os, time, json; time.sleep(0.5); print(json.dumps({'rank': int(os.environ['RANK'])}))"
+    runs = harness.spawn_ranks([sys.executable, "-c", code], 2, timeout=60,
+                               sample=seen.append, every_s=0.05)
+    assert runs == [{"rank": 0}, {"rank": 1}]
+    assert len(seen) >= 2 and all(len(pids) == 2 for pids in seen)
+
+
+def test_a_rank_has_its_own_environment_and_may_keep_a_result_with_a_listed_status(capsys) -> None:
+    """benchmarks/ranks.py: a host id per rank (``env(rank)``), exit status 3 for a result that
+    mismatched (kept through ``ok``), each rank's last stderr lines passed on (``echo``)."""
+    code = ("import os, sys, json; print(json.dumps({'host': os.environ['BENCH_HOST']})); "
+            "print('note', file=sys.stderr); raise SystemExit(3)")
+    cmd = [sys.executable, "-c", code]
+    runs = harness.spawn_ranks(cmd, 2, env=lambda r: {**worker_env(), "BENCH_HOST": f"h{r}"},
+                               ok=(0, 3), echo=1, timeout=60)
+    assert runs == [{"host": "h0"}, {"host": "h1"}]
+    assert "    | r1 note" in capsys.readouterr().err
+    (refused,) = harness.spawn_ranks(cmd, 1, env={**worker_env(), "BENCH_HOST": "h"}, timeout=60)
+    assert refused == {"rank": 0, "error": "worker exited 3: note"}

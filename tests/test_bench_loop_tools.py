@@ -45,10 +45,31 @@ def test_restore_memory_smoke(tmp_path: Path) -> None:
     assert not list((tmp_path / "scratch").iterdir())
 
 
-def test_call_overhead_smoke() -> None:
-    text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze", "--gc")
-    assert text.count("later calls' median") == 2 and "lazy: 40 tensors" in text
-    assert "objects, 0 of ckptio's types" in text
+def test_call_overhead_smoke(tmp_path: Path) -> None:
+    """Each repetition a fresh worker (benchmarks/harness.py): its lines, then the medians."""
+    out = tmp_path / "c.json"
+    text = _run("benchmarks.call_overhead", "--tensors", "40", "--saves", "4", "--freeze", "--gc",
+                "--reps", "2", "--json", str(out))
+    assert text.count("tensors, first call") == 4 and text.count("lazy: 40 tensors") == 2
+    assert text.count("objects, 0 of ckptio's types") == 2
+    assert "lazy: median over 2 runs of the later calls' median" in text
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["rep"] for r in runs] == [0, 1] and all(r["peak_rss_mib"] > 0 for r in runs)
+    assert all(len(r["eager"]["calls_ms"]) == 4 for r in runs)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the memory tier uses /dev/shm")
+def test_gc_pressure_smoke(tmp_path: Path) -> None:
+    """Each mode in a fresh worker (benchmarks/harness.py), a JSON line per run, none left in
+    /dev/shm."""
+    out = tmp_path / "g.json"
+    shm_before = set(os.listdir("/dev/shm"))
+    text = _run("benchmarks.gc_pressure", "--tensors", "20", "--saves", "2", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["none", "eager", "lazy"]
+    assert [json.loads(line) for line in text.splitlines()] == rows
+    assert all(r["peak_rss_mib"] > 0 and r["alive_tensors"] >= 0 for r in rows)
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if "gc-pressure" in n}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not os.path.isdir("/dev/shm"),

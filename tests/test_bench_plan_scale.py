@@ -58,7 +58,7 @@ def test_manifest_is_valid_and_complete():
     group = Solo()
     messages = plan_scale.messages_of(dp * tp, dp, tp, tensors, "bfloat16",
                                       plan_scale.tree_of(tensors), regular, group)
-    decision = collective._decide(messages, collective.Memory(), group)
+    decision = collective.decide_plans(messages, collective.Memory(), group)
     commit = plan_scale.simulate_commit(decision, regular)
     record = manifest.decode(commit.build_manifest(), "m")
     assert record.version == 3 and record.world_size == dp * tp
@@ -112,3 +112,15 @@ def test_reshard_plan_covers_each_wanted_region_as_dcp_does(capsys):
     for rank in (0, 21, 47):
         assert ours[f"rank{rank}_reads"] == dcp[f"rank{rank}_reads"] > 12, rank
     assert ours["chunks"] == dcp["chunks"] - 64  # DCP's count holds each rank's RNG item
+
+
+def test_a_solo_group_counts_each_published_name_once():
+    """Solo.published_nbytes, the published_bytes benchmarks/plan_scale.py reports."""
+    from ckptio.distributed.dist import Solo
+
+    group = Solo()
+    assert group.published_nbytes() == 0
+    group.publish("layout", b"abc")
+    group.publish("layout", b"longer")  # a name is published once: the first kept
+    group.publish("tree", b"z")
+    assert group.published_nbytes() == 4 and group.fetch(["layout"]) == [b"abc"]

@@ -113,3 +113,14 @@ def test_ckptio_engines_report_unavailable_without_async_save(
     monkeypatch.setattr(ckptio, "async_save", None, raising=False)  # lazy: delattr is a no-op
     assert te.unavailable_reason("ckptio_eager") == "ckptio has no async_save yet"
     assert (te.unavailable_reason("nonsense") or "").startswith("unknown engine")
+
+
+def test_build_model_is_seeded_with_its_head_tied() -> None:
+    """ckptio.tuning.state.build_model, the model benchmarks/train.py trains."""
+    from ckptio.tuning import state
+
+    cfg = state.gpt_config(0.002)
+    one, two = (state.build_model(cfg, state.Filler(3)) for _ in range(2))
+    assert one.lm_head.weight is one.tok_emb.weight
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(),
+                                                  two.state_dict().values()))

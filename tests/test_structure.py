@@ -23,6 +23,13 @@ from tests.structure import (
     reaches,
     unexpected,
 )
+from tests.structure_trees import (
+    FOLDERS,
+    every_reach,
+    listed_but_gone,
+    tree_reaches,
+    unexpected_in,
+)
 
 
 def test_no_private_member_reach_across_objects():
@@ -287,3 +294,51 @@ def test_the_not_geometry_list_names_only_what_is_there():
                   if m not in modules
                   or name not in _allowed_constants(m, ast.parse(modules[m].read_text()))[1])
     assert not gone, f"no longer found, remove from NOT_GEOMETRY: {gone}"
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/ and tests/ (tests/structure_trees.py, its lists in tests/structure_lists.py)
+
+
+def test_no_private_reach_in_benchmarks_or_tests_beyond_the_lists():
+    """benchmarks/ uses public API (BENCH_REACHES: what cannot, with why); a test reaches the
+    privates of what it tests only as TEST_REACHES lists them, per module with why."""
+    found = [f"{r.module}:{r.line} {r.text}" for r in unexpected_in(every_reach())]
+    assert not found, ("private reaches (use public API, or list the reach in "
+                       "tests/structure_lists.py with why):\n  " + "\n  ".join(found))
+
+
+def test_the_outside_lists_name_only_what_is_there():
+    assert listed_but_gone() == [], "remove from tests/structure_lists.py"
+
+
+def test_a_new_reach_in_a_benchmark_or_a_test_is_found(tmp_path):
+    """A private member or module-level name of ckptio or of another benchmark, taken from a
+    benchmark or a test, is a reach; one of another library is its; a test's listed reach is
+    allowed only in its own module."""
+    _package(tmp_path, {"wire.py": "def _decide(x):\n    return x\nclass Solo:\n"
+                                   "    def __init__(self):\n        self._published = {}\n"})
+    for rel, text in {
+            "benchmarks/__init__.py": "",
+            "benchmarks/engines.py": "def _opts():\n    return 1\n",
+            "benchmarks/scale.py": ("import os\nfrom ckptio import wire\n"
+                                    "from benchmarks.engines import _opts\n"
+                                    "def run(group):\n    os._exit(0)\n"
+                                    "    return wire._decide(group._published), _opts()\n"),
+            "tests/__init__.py": "",
+            "tests/test_io_uring.py": "def test(backend):\n    backend._ring\n",
+            "tests/test_other.py": "def test(backend):\n    backend._ring\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    bench = {(r.text, r.third_party) for r in tree_reaches("benchmarks", tmp_path)}
+    assert bench == {("benchmarks.engines._opts", False), ("wire._decide", False),
+                     ("group._published", False), ("os._exit", True)}
+    assert {r.text for r in unexpected_in(tree_reaches("benchmarks", tmp_path))} == {
+        "benchmarks.engines._opts", "wire._decide", "group._published"}
+    tests = unexpected_in(tree_reaches("tests", tmp_path))  # _ring: not a member here: theirs
+    assert [(r.module, r.text) for r in tests] == [("tests.test_other", "backend._ring")]
+
+
+def test_no_import_circle_in_benchmarks_or_tests():
+    found = [c.text for f in FOLDERS for c in circles(ROOT / f)]
+    assert not found, "import circles:\n  " + "\n  ".join(found)

@@ -108,10 +108,11 @@ class Tracer:
     def start(self) -> None:
         tracer = self
         orig = self._orig_start
+        logical = self._logical
 
         def start(thread_self, *a, **k):
             if tracer.active:
-                thread_self._pathtrace_parent = tracer._logical(sys._getframe(1))
+                thread_self._pathtrace_parent = logical(sys._getframe(1))
             return orig(thread_self, *a, **k)
 
         threading.Thread.start = start

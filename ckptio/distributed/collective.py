@@ -48,8 +48,8 @@ from ckptio.planning.globalplan import (
 from ckptio.planning.regular_items import Regular, regular_section, regular_writes
 from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 
-__all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree",
-           "conclude", "exclusive", "manifest_of", "skip_exclusive"]
+__all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree", "assigned_items",
+           "conclude", "decide_plans", "exclusive", "manifest_of", "skip_exclusive"]
 
 Guard = contextlib.AbstractContextManager[Any]  # what conclude()'s commit runs in
 
@@ -114,7 +114,7 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
-            decided.append(_decide(messages, memory, group))
+            decided.append(decide_plans(messages, memory, group))
         return decided[0].answers
 
     try:
@@ -184,10 +184,11 @@ class Decision:
     global_plan: GlobalPlan | None  # None when the ranks must plan again (across_meshes)
 
 
-def _decide(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
+def decide_plans(gathered: list[bytes], memory: Memory, group: Group) -> Decision:
     """On the coordinator: every rank's plan -> every rank's answer; raises CkptError when the
     ranks' plans cannot be combined (every rank then fails). Each distinct layout is fetched
-    and decoded once, and kept while ranks still send it."""
+    and decoded once, and kept while ranks still send it. Public so that a simulation of many
+    ranks in one process (benchmarks/plan_scale.py, over a ``Solo`` group) runs the same step."""
     values: list[wire.Values] = []
     for rank, data in enumerate(gathered):
         decoded = wire.decode_plan(data, rank)
@@ -325,14 +326,14 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
         if error is not None:
             raise error
         assert written is not None  # internal: a rank without an error wrote
-        _commit([written], [_assigned(agreement, 0)], agreement, store, meta, algorithm,
+        _commit([written], [assigned_items(agreement, 0)], agreement, store, meta, algorithm,
                 block_nbytes, committed, held, watched)
         return
     mine = None if written is None or error is not None else wire.encode_result(written)
 
     def decide(messages: list[bytes]) -> list[bytes]:
         with paused():
-            assigned = [_assigned(agreement, rank) for rank in range(len(messages))]
+            assigned = [assigned_items(agreement, rank) for rank in range(len(messages))]
             results = [wire.decode_result(data, rank, assigned[rank])
                        for rank, data in enumerate(messages)]
         _commit(results, assigned, agreement, store, meta, algorithm, block_nbytes, committed,
@@ -347,9 +348,10 @@ def conclude(group: Group, agreement: Agreement, written: Written | None,
         raise error  # type: ignore[misc]  # None only when this rank brought one
 
 
-def _assigned(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
+def assigned_items(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
     """Rank ``rank``'s items the coordinator assigned, by their index in its plan (what its
-    result is keyed by). Its regular items' chunks are in its index file, not its result."""
+    result is keyed by). Its regular items' chunks are in its index file, not its result.
+    Public for the same simulations as ``decide_plans``."""
     assert agreement.global_plan is not None  # internal: set on the coordinator
     plan = agreement.plans[rank]
     return {i: plan.items[i] for i in agreement.global_plan.assignments[rank].writes}

@@ -112,6 +112,11 @@ class Solo:
     def fetch(self, names: list[str]) -> list[bytes]:
         return [self._published[name] for name in names]
 
+    def published_nbytes(self) -> int:
+        """Bytes published so far (each name once): what the ranks' layouts a coordinator
+        fetches weigh, which benchmarks/plan_scale.py reports."""
+        return sum(map(len, self._published.values()))
+
 
 _instances: dict[tuple[int, ...], int] = {}  # groups made in this process, per set of ranks
 

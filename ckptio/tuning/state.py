@@ -18,8 +18,8 @@ import torch
 import xxhash
 from torch import nn
 
-__all__ = ["Filler", "GB", "GPT", "GPTConfig", "LARGE_TENSORS", "build_large_state", "build_state",
-           "digest", "empty_destination", "gpt_config", "prefault", "rng_nbytes", "state_nbytes",
+__all__ = ["Filler", "GB", "GPT", "GPTConfig", "LARGE_TENSORS", "build_large_state", "build_model",
+           "build_state", "digest", "empty_destination", "gpt_config", "prefault", "rng_nbytes", "state_nbytes",
            "tensor_leaves", "tensor_nbytes"]
 
 GB = 1e9
@@ -131,8 +131,9 @@ def _embedding(rows: int, dim: int, device: torch.device) -> nn.Embedding:
     return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim, device=device))
 
 
-def _build_model(cfg: GPTConfig, fill: Filler) -> GPT:
-    """Allocate without the default (slow) init, then fill cheaply and deterministically."""
+def build_model(cfg: GPTConfig, fill: Filler) -> GPT:
+    """Allocate without the default (slow) init, then fill cheaply and deterministically (the
+    head tied to the embedding). Public for benchmarks/train.py, which trains this model."""
     model = GPT(cfg, torch.device("meta"))
     model.to_empty(device="cpu")
     model.lm_head.weight = model.tok_emb.weight  # to_empty unties
@@ -158,7 +159,7 @@ def build_state(gb: float, seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     fill = Filler(seed)
     cfg = gpt_config(gb)
-    model = _build_model(cfg, fill)
+    model = build_model(cfg, fill)
     opt = _adamw_step(model, fill)
     return {
         "model": model.state_dict(),
