@@ -5,11 +5,11 @@ checkpoint's tree: Python values replaced in their parent containers (tuples reb
 Stateful lacks inserted, lists of another length replaced whole, and every Stateful handed its
 complete state (the rules: on ``put_back``).
 
-Call order (fill.py): ``whole_lists`` (which lists are replaced whole) and ``creatable`` (which
+Call order (matching.py, then fill.py): ``whole_lists`` (which lists are replaced whole) and ``creatable`` (which
 absent keys may be created) before the reads -> the reads -> ``put_back``.
 
 Owns: the walk, tuple rebuilding, which keys may be created (``creatable``). Does not own:
-reading bytes, matching keys or the strict rules (fill.py).
+reading bytes, matching keys or the strict rules (matching.py).
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def put_back(flat: FlatState, saved_tree: Json, replaced: dict[str, Any],
     - the contents of a list of Python values whose length differs from the saved one are
       replaced by the saved list (``whole_lists``: as DCP, which stores such a list as one
       value; the list object stays the caller's). A list holding tensors is filled element by
-      element: its length must match (fill.py's strict rules);
+      element: its length must match (matching.py's strict rules);
     - every Stateful gets its complete state through its own ``load_state_dict``, innermost
       first.
 
