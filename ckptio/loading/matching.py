@@ -1,12 +1,12 @@
 """Stage one of an in-place load: the state's keys matched with the checkpoint's, one record out.
 
-Every key rule of an in-place load lives here, one function each, applied by ``match`` in this
+Every key rule of an in-place load is applied here, one function each, by ``match`` in this
 order: renamed optimizers (param_check.py: refused if strict, else mapped by name), lists
-replaced whole (merge.whole_lists), dense tensors only, which keys both hold, which the state
-ties, which are missing, created inside a Stateful or unexpected (with peers: those no rank
-asks for), the strict key rule, each leaf's destination with its type, shape, meta and dtype
-rules (``_leaf``), a resized parameter's optimizer state, the per-rank rules and the strict
-mismatch rule. The outcome is a ``Match``, which fill_plan.py turns into reads.
+replaced whole (state_keys.py), dense tensors only, which keys both hold, which the state
+ties, which are missing, created inside a Stateful (state_keys.py) or unexpected (with peers:
+those no rank asks for), the strict key rule, each leaf's destination with its type, shape,
+meta and dtype rules (``_leaf``), a resized parameter's optimizer state, the per-rank rules
+and the strict mismatch rule. The outcome is a ``Match``, which fill_plan.py turns into reads.
 
 Owns: the rules, their errors and their warnings (kept in the record: the caller emits them,
 so they point at the user's line). Does not own: the stored side (stored.py), reads
@@ -26,7 +26,7 @@ from ckptio.format.flatten import FlatState
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json, Manifest, ObjectEntry
 from ckptio.io.stage import torch_dtype
-from ckptio.loading import merge, param_check
+from ckptio.loading import param_check, state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.stored import KeyFilter, RankPolicy, Sources, TensorSource, selector
 from ckptio.planning.sharding import Held, check_dense, held
@@ -72,12 +72,12 @@ class _Mismatch:
 class Match:
     """The outcome of every key rule. ``leaves``: keys both hold; ``created``: keys a Stateful
     lacks, created in it; ``by_name``: a renamed optimizer's keys (by_name.py); ``lists``:
-    the lists replaced whole (merge.whole_lists); ``problems``: key -> why it is left as it
-    was; ``warnings``: (message, its stacklevel as if warned in fill_in_place)."""
+    the lists replaced whole (state_keys.py); ``problems``: key -> why it is left as it was;
+    ``warnings``: (message, its stacklevel as if warned in fill_in_place)."""
 
     sources: Sources
     renamed: list[Renamed]
-    lists: merge.Lists = field(default_factory=merge.Lists)
+    lists: state_keys.Lists = field(default_factory=state_keys.Lists)
     common: list[str] = field(default_factory=list)
     leaves: list[Leaf] = field(default_factory=list)
     created: list[Leaf] = field(default_factory=list)
@@ -128,10 +128,10 @@ def _match_keys(m: Match, flat: FlatState, tree: Json, select: Callable[[str], b
                 agree: AgreeFn | None) -> list[str]:
     """Which keys both hold, are tied, missing or unexpected; -> the keys to create."""
     saved = [k for k in m.sources.keys() if select(k) and not is_marker(k)]
-    lists = merge.whole_lists(flat, tree)  # replaced whole: their keys are not matched
+    lists = state_keys.whole_lists(flat, tree)  # replaced whole: their keys are not matched
     lists.keep_selected(select, (*saved, *flat.leaves))
     m.lists = lists
-    in_lists = merge.under(lists.whole)
+    in_lists = state_keys.under(lists.whole)
     present = [k for k in flat.leaves if select(k) and not in_lists(k)]
     for key in present:  # before any tensor's storage is asked for (a sparse one has none)
         if isinstance(flat.leaves[key], torch.Tensor):
@@ -142,7 +142,7 @@ def _match_keys(m: Match, flat: FlatState, tree: Json, select: Callable[[str], b
     m.tied = _tied(flat, absent, m.common)
     m.missing = tuple(k for k in absent if k not in m.tied)
     extra = [k for k in saved if k not in flat.leaves or in_lists(k)]
-    may_create = merge.creatable(flat)
+    may_create = state_keys.creatable(flat)
     created = [k for k in extra if may_create(k) or in_lists(k)]
     unexpected = tuple(k for k in extra if not (may_create(k) or in_lists(k)))
     m.unexpected = unexpected if agree is None else agree(unexpected)

@@ -26,7 +26,7 @@ from ckptio.errors import UnsupportedStateError
 from ckptio.format.grid import REPLICATE, Grid
 from ckptio.format.types import Chunk
 
-__all__ = ["FlatShard", "TensorShard", "check_dense", "held", "is_checkpointable", "is_dtensor",
+__all__ = ["FlatShard", "Held", "TensorShard", "check_dense", "held", "is_checkpointable", "is_dtensor",
            "is_sharded_tensor", "local_tensor", "sharded_local"]
 
 
