@@ -24,7 +24,8 @@ from ckptio.distributed.dist import Group, Solo, current_group, over_torch, piec
 from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
-from ckptio.loading.fill import KeyFilter, LoadReport, RankPolicy
+from ckptio.loading.fill import LoadReport
+from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources

@@ -34,7 +34,7 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
-from ckptio.loading.fill import RankPolicy
+from ckptio.loading.stored import RankPolicy
 from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps

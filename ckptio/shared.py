@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ckptio.api import Checkpointer
-from ckptio.loading.fill import KeyFilter, RankPolicy
+from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.saving.handle import SaveHandle, SaveResult
 

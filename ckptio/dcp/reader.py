@@ -49,7 +49,7 @@ from ckptio.format import values
 from ckptio.format.flatten import unflatten
 from ckptio.format.types import Chunk, Manifest, Read
 from ckptio.io.stage import torch_dtype
-from ckptio.loading.fill import RankPolicy, stored_value
+from ckptio.loading.stored import RankPolicy, stored_value
 from ckptio.loading.foreign_common import torch_load_value
 from ckptio.options import Options
 from ckptio.shared import checkpointer

@@ -14,7 +14,7 @@ and ``...betas.1``.
 Tensor keys become boxes (DCP chunks): a box chunk as it is, a flat chunk (FlatShard, FSDP1)
 as the at most ``2*ndim-1`` boxes it is made of (format/geometry.py), each backed by the entry.
 A per-rank key is the value of the saved rank ``per_rank_from`` picks for this rank (loading/
-fill.Sources); one this rank cannot take is a BYTE_IO key whose load raises, naming the fix.
+stored.Sources); one this rank cannot take is a BYTE_IO key whose load raises, naming the fix.
 An alias key is backed by its target's entries.
 
 Owns: the key walk and what backs each key. Does not own: DCP's own types (reader.py builds
@@ -29,7 +29,7 @@ from typing import Any
 from ckptio.errors import CkptError, StateMismatchError
 from ckptio.format.geometry import FlatRange, flat_boxes
 from ckptio.format.types import Chunk, Json, Manifest, ObjectEntry, TensorEntry
-from ckptio.loading.fill import RankPolicy, Sources, TensorSource
+from ckptio.loading.stored import RankPolicy, Sources, TensorSource
 
 __all__ = ["Box", "DcpView", "Path", "TensorKey", "ValueKey", "dcp_view", "refuse", "region"]
 

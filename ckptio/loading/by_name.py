@@ -9,10 +9,10 @@ what it has (nothing, in a freshly built optimizer: its first step creates it), 
 reshaped one's saved state is left out, and each param group takes the hyperparameters of the
 saved group that held its parameters.
 
-Call order (fill.fill_in_place): param_check.differing -> ``Renamed.reads`` (which saved keys
-the load reads, with the rest of its reads) -> merge.put_back -> ``load_into`` (the optimizer's
-own load_state_dict) -> ``Renamed.summary`` for the warning. Owns: the mapping. Does not own:
-detecting the change or its refusal (param_check.py), reading bytes (fill.py).
+Call order (fill.fill_in_place): param_check.differing and ``Renamed.reads`` (which saved keys
+the load reads) in matching.py -> the reads (fill_plan.py) -> merge.put_back -> ``load_into``
+(the optimizer's own load_state_dict) -> ``Renamed.summary`` for the warning. Owns: the
+mapping. Does not own: detecting the change or its refusal (param_check.py), reading bytes.
 """
 
 from __future__ import annotations

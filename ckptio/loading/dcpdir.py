@@ -13,7 +13,7 @@ overlap, and those alone) -> read.py checks each item's data against its CRC-32 
 
 Owns: the synthesized Manifest, pending entries and when items are opened. Does not own: the
 pickle and zip parsing (format/), the value decoding and expansion (foreign_common.py), reading bytes
-(read.py), matching keys (fill.py).
+(read.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

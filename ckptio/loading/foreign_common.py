@@ -17,7 +17,7 @@ and turning saved Python values into ckptio's inline values and tree.
   with a CkptError naming the key and the fix), and the tree of DCP's planner_data.
 
 Owns: those helpers. Does not own: the DCP Manifest and its items (dcpdir.py), the pickle and
-zip parsing (format/), reading bytes (read.py), matching keys (fill.py).
+zip parsing (format/), reading bytes (read.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
     resolve   a version-3 manifest's regular tensors: only the chunks the state needs, and
               their writers' index files (resolve_regular.py)
     expand    values a torch.save file or a DCP checkpoint keeps as pickles (torchvalues.py)
-    fill      in place into the state's leaves, or a fresh state (fill.py), each region read
-              in one coalesced, checksummed pass (read.py)
+    fill      in place into the state's leaves (match, plan, read, put back), or a fresh
+              state (fill.py), each region read in one coalesced, checksummed pass (read.py)
 
 Every byte goes through the store's files (storage/files.StoreFiles) and the staging pool the
 driver lends (storage/files.IOResources), under its lock.
@@ -36,8 +36,10 @@ from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import dcpdir, foreign_common, opening, resolve_regular
 from ckptio.loading import read as reading
-from ckptio.loading.fill import AgreeFn, KeyFilter, RankPolicy, fill_fresh, fill_in_place, selector
+from ckptio.loading.fill import fill_fresh, fill_in_place
+from ckptio.loading.matching import AgreeFn, Rules
 from ckptio.loading.opening import ReadFn
+from ckptio.loading.stored import KeyFilter, RankPolicy, selector
 from ckptio.loading.torchvalues import expand_torch_save
 from ckptio.storage.entry_reader import Bases, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles, in_memory
@@ -74,9 +76,14 @@ class LoadRequest:
     per_rank_from: RankPolicy
     rank: int
     world_size: int
-    agree_unexpected: AgreeFn | None  # many ranks: the keys step (fill.py)
+    agree_unexpected: AgreeFn | None  # many ranks: the keys step (matching.py)
     # many ranks: the read step (distributed/readshare.py), in place of reading alone
     shared_reads: SharedReadFn | None = None
+
+    def rules(self) -> Rules:
+        """The key rules of an in-place load (matching.py)."""
+        return Rules(self.keys, self.strict, self.cast, self.rank, self.world_size,
+                     self.per_rank_from, self.agree_unexpected)
 
 
 def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
@@ -176,23 +183,20 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
     read = read_fn(resources, store, record, verify=request.verify)
     record = expand_torch_save(record, read, where=store.location,
                                allow_pickle=request.allow_pickle)
-    where: dict[str, Any] = {"rank": request.rank, "world_size": request.world_size,
-                             "per_rank_from": request.per_rank_from}
     select = selector(request.keys)
     if state is None:  # whole tensors: every chunk of the regular keys asked for
         record = resolve_regular.expand(record, {r.key: None for r in record.regular
                                                  if select(r.key)}, plain)
         return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
-                          **where)
+                          rank=request.rank, world_size=request.world_size,
+                          per_rank_from=request.per_rank_from)
     flat = flatten(state)
     if record.regular:  # only the chunks this state's regions need, and their index files
         record = resolve_regular.expand(
             record, resolve_regular.wanted_in_place(record, flat, select), plain)
     try:
         return fill_in_place(record, flat, _shared(read, resources, store, record, request),
-                             keys=request.keys, strict=request.strict, cast=request.cast,
-                             allow_pickle=request.allow_pickle,
-                             agree_unexpected=request.agree_unexpected, **where)
+                             request.rules(), allow_pickle=request.allow_pickle)
     except StateMismatchError as exc:  # which checkpoint (a manager's restore names no path)
         raise StateMismatchError(f"{store.location}: {exc}") from None
 

@@ -13,7 +13,7 @@ the state names) is loaded as before; the names themselves are never loaded (``i
 ``resized_state``: where the names agree, a strict=False load leaves a resized parameter (its
 saved shape differs) as it was, and the optimizer state saved for it too (old shapes).
 
-Call order (fill.fill_in_place): ``differing`` before its reads (``refusal`` if strict);
+Call order (matching.match, the first rule): ``differing`` before its reads (``refusal`` if strict);
 ``resized_state`` once the plan knows the resized keys. Owns: the comparison and its messages.
 Does not own: recording the names (format/param_names.py), the mapping (by_name.py).
 """
@@ -29,14 +29,15 @@ from ckptio.errors import ManifestError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
 from ckptio.loading.by_name import Renamed
+from ckptio.loading.stored import Sources
 
 __all__ = ["differing", "outside", "refusal", "resized_state"]
 
 
-def differing(flat: FlatState, sources: Any, select: Callable[[str], bool]) -> list[Renamed]:
+def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool]) -> list[Renamed]:
     """The index-keyed optimizers of ``flat`` whose parameters' names differ from those saved
     for this rank, among those with a key ``select`` accepts (a load leaving an optimizer out
-    never looks at it). ``sources``: fill.Sources."""
+    never looks at it)."""
     names: dict[int, str] | None = None
     out: list[Renamed] = []
     for prefix, obj, _inner in flat.statefuls:
@@ -66,13 +67,13 @@ def outside(select: Callable[[str], bool], renamed: list[Renamed]) -> Callable[[
     return lambda k: select(k) and not k.startswith(starts)
 
 
-def _selected(sources: Any, prefix: str, select: Callable[[str], bool]) -> bool:
+def _selected(sources: Sources, prefix: str, select: Callable[[str], bool]) -> bool:
     start = f"{prefix}." if prefix else ""
     return any(k.startswith(start) and select(k) and not param_names.is_marker(k)
                for k in sources.keys())
 
 
-def _renamed(flat: FlatState, sources: Any, prefix: str, opt: torch.optim.Optimizer,
+def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Optimizer,
              saved: list[list[str]], wanted: list[list[str]]) -> Renamed:
     """What changed: each saved name's index, and the parameters whose model tensor (found in
     the state by storage) was saved with another shape."""
@@ -97,7 +98,7 @@ def _renamed(flat: FlatState, sources: Any, prefix: str, opt: torch.optim.Optimi
     return Renamed(prefix, opt, saved, wanted, index, reshaped, model)
 
 
-def refusal(renamed: Renamed, sources: Any) -> str:
+def refusal(renamed: Renamed, sources: Sources) -> str:
     """The strict load's error for ``renamed``: what changed and the fixes."""
     prefix = renamed.prefix
     split = (sources.saved_world > 1 and not renamed.reshaped and renamed.added
@@ -116,7 +117,7 @@ def refusal(renamed: Renamed, sources: Any) -> str:
             "loaded by index, parameters would get other parameters' state. " + fixes)
 
 
-def _in_checkpoint(renamed: Renamed, sources: Any, name: str) -> bool:
+def _in_checkpoint(renamed: Renamed, sources: Sources, name: str) -> bool:
     """Whether the checkpoint holds the model tensor of parameter ``name`` (saved by a stage
     that holds it: pipeline stages split another way)."""
     key = f"{renamed.model}.{name}" if renamed.model else name
@@ -150,7 +151,7 @@ def _storage(value: Any) -> int | None:
         return None
 
 
-def _saved(sources: Any, base: str) -> list[Any] | None:
+def _saved(sources: Sources, base: str) -> list[Any] | None:
     """The list saved under ``base`` for this rank, or None."""
     got: list[Any] = []
     while (entry := sources.peek(f"{base}.{len(got)}")) is not None:
@@ -163,7 +164,7 @@ def _saved(sources: Any, base: str) -> list[Any] | None:
 
 
 def _message(prefix: str, group: int, saved: list[Any], wanted: list[str],
-             sources: Any) -> str:
+             sources: Sources) -> str:
     def some(names: list[Any]) -> str:
         return f"{names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)})"
     return (f"key {prefix or '(the state)'!r}: this optimizer keys its state by index, and param "

@@ -12,7 +12,7 @@ destinations. Partly wanted checksum blocks go through the page cache, or come f
 where the load holds them (``known``: received from another rank; shared_blocks.py).
 
 Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
-not own: the checksum comparisons (checks.py), which regions are wanted (fill.py), the piece
+not own: the checksum comparisons (checks.py), which regions are wanted (matching.py, fill_plan.py), the piece
 arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
 StoreFiles, storage/files.py), the I/O (io) or how one read is cut into direct and cached
 parts (shared_blocks.py).

@@ -24,7 +24,7 @@ from ckptio.format import regular_section
 from ckptio.format.flatten import FlatState
 from ckptio.format.regular_section import Wants, overlapping
 from ckptio.format.types import Chunk, IndexFile, Manifest, Read, TensorEntry
-from ckptio.loading import merge
+from ckptio.loading import state_keys
 from ckptio.planning.sharding import Held, held
 
 __all__ = ["expand", "expand_all", "held_leaf", "overlapping", "wanted_in_place", "wanted_regions"]
@@ -58,7 +58,7 @@ def wanted_regions(stored: set[str], aliases: dict[str, str], flat: FlatState,
     """wanted_in_place for the keys ``stored`` (aliases: key -> the key it shares a tensor
     with): the region of each an in-place load of ``flat`` reads, None for the whole."""
     regular_keys = stored
-    may_create = merge.creatable(flat)
+    may_create = state_keys.creatable(flat)
     wants: dict[str, Chunk | None] = {}
     for key in flat.leaves:
         target = aliases.get(key, key)

@@ -14,7 +14,7 @@ An index must agree with the files: every name it maps is in its file, every ten
 files is in the map, no name is in two files.
 
 Owns: detecting the layout, the header reads, the synthesized Manifest. Does not own: header
-parsing (format/safetensors.py), reading data (read.py), matching keys (fill.py).
+parsing (format/safetensors.py), reading data (read.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

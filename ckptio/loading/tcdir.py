@@ -18,7 +18,7 @@ a rank's file missing, ranks whose keys differ, a ``metadata.pkl`` naming any Py
 (it never does) or a custom layout, and whatever torchsave_manifest.py refuses.
 
 Owns: detecting the directory, its metadata check and the merged Manifest. Does not own: the
-zip and pickle parsing (format/), reading bytes (read.py), matching keys (fill.py).
+zip and pickle parsing (format/), reading bytes (read.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ allow-list unpickler; the rounds and what is refused: on open_torch_save) -> the
 reads the entries like any checkpoint's (read.py, fill.py).
 
 Owns: detecting a torch.save file, the reads and the synthesized Manifest. Does not own: the zip
-and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys (fill.py).
+and pickle parsing (format/torchsave.py), reading bytes (read.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ only with ``allow_pickle=True``), and expands it by ckptio's flatten rules
 those values inline and the tree nodes replaced, so fill.py loads it unchanged.
 
 Owns: the decoding and the rewrite of the manifest. Does not own: reading and checking bytes
-(read.py, through ``read``), the expansion rules (foreign_common.py), matching keys (fill.py).
+(read.py, through ``read``), the expansion rules (foreign_common.py), matching keys (matching.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ checksum is the block's) one rank reads it and the others receive it, so the blo
 storage once, not once per rank that shares it.
 
 Owns: these decisions. Does not own: the exchange and its failures (distributed/readshare.py,
-distributed/sendreads.py), which reads a load makes (loading/fill.py), the pieces
+distributed/sendreads.py), which reads a load makes (loading/fill_plan.py), the pieces
 (reshard.py).
 """
 

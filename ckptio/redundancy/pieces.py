@@ -13,7 +13,7 @@ pieces a rank of the new job needs.
   an entry of their own).
 
 Owns: those rules. Does not own: reading, sending or writing (elastic.py), the regions a state
-holds (loading/resolve_regular.wanted_regions), the per-rank rule (loading/fill.source_rank).
+holds (loading/resolve_regular.wanted_regions), the per-rank rule (loading/stored.source_rank).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from ckptio.errors import StateMismatchError
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Chunk, Manifest, ObjectEntry, TensorEntry
-from ckptio.loading.fill import selector, source_rank
+from ckptio.loading.stored import selector, source_rank
 from ckptio.loading.resolve_regular import wanted_regions
 from ckptio.planning.reshard import intersect
 
