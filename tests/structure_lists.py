@@ -57,6 +57,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
         "ckptio.distributed.rankplan._digest"})),
     "tests.gpu.test_cuda_tiers": (_HELPER, frozenset({
         "tests.test_mapped_save._assert_no_stale_bytes", "tests.test_mapped_save._inodes"})),
+    "tests.restart_plan_cases": (_WHITE + "counts each DTensor region worked out (the function "
+                                 "a load calls per leaf)", frozenset({"sharding._dtensor"})),
     "tests.readshare_cases": (_WHITE + "a shared read's send buffer; a rank killed with os._exit",
                               frozenset({"os._exit", "sendreads._send_buffer"})),
     "tests.redundancy_sharded_cases": (_HELPER, frozenset({
