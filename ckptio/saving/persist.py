@@ -389,7 +389,7 @@ def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
     Streams are per thread; the copies, made on another thread, wait for these so that work the
     caller queued before the save (the backward pass producing these values) comes first."""
     events = []
-    for device in sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0):
+    for device in _cuda_devices(sources):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
@@ -398,12 +398,19 @@ def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
 
 def _side_streams(sources: dict[str, torch.Tensor], ready: Sequence[Any]) -> list[Any]:
     """One CUDA stream per device holding a source, for device->host copies (none on CPU)."""
-    devices = sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
-    streams = [torch.cuda.Stream(device=device) for device in devices]
+    streams = [torch.cuda.Stream(device=device) for device in _cuda_devices(sources)]
     for stream in streams:
         for event in ready:
             stream.wait_event(event)
     return streams
+
+
+def _cuda_devices(sources: dict[str, torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices holding a source, in index order; none without a look at each source
+    where CUDA is not initialised in this process (then no tensor can be on a GPU)."""
+    if not torch.cuda.is_initialized():
+        return []
+    return sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
 
 
 @contextlib.contextmanager

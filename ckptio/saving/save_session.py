@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -72,6 +73,7 @@ from ckptio.version import __version__
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
            "file_nbytes"]
 
+_NBYTES = operator.attrgetter("nbytes")
 PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
 # a packed save's data files (packing.py): at least this, whole entries; small enough that
 # writing one overlaps encoding the next
@@ -234,7 +236,7 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
                  frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items,
-                 sum(i.nbytes for i in items), persist.ready_events(sources))
+                 sum(map(_NBYTES, items)), persist.ready_events(sources))
 
 
 def _queue(ctx: SaveContext, part: _Part, control: HandleControl) -> Future[None]:
