@@ -4,8 +4,7 @@
         1 flatten    the state -> leaves and the tree that rebuilds it
         2 plan       this rank's writes and inline values (reused for an unchanged layout)
         3 agree      collective: who writes what; if one rank fails, every rank fails
-        4 lay out    this rank's files, named for this save only; the rest queued on the
-                     Checkpointer's save thread (workers.py: no thread started per save)
+        4 lay out    this rank's files, named for this save only; the rest queued (workers.py)
     save.capture_here()                        # still the caller's thread:
         5 capture    eager: the state copied into the staging pool here; lazy: only the
                      tensors no optimizer owns, the rest by the save's thread
