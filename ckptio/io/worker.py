@@ -195,7 +195,7 @@ class Worker(Generic[J]):
             log.debug("ckptio: %s runs at normal priority (setpriority refused)", self.name)
 
 
-_Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+_Call = list[Any]  # [its Future, the function, its arguments], emptied as it runs
 
 
 class Calls:
@@ -214,7 +214,7 @@ class Calls:
         future: Future[R] = Future()
         with self.worker.lock:
             self.worker.wake()
-            self._queue.append((future, fn, args))
+            self._queue.append([future, fn, args])
         return future
 
     def close(self, *, wait: bool = True) -> None:
@@ -234,13 +234,16 @@ class Calls:
 
     def run(self, job: _Call) -> None:
         future, fn, args = job
+        job.clear()
         if not future.set_running_or_notify_cancel():
             return
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - kept in its Future, raised by its waiter
+            del fn, args
             future.set_exception(exc)
         else:
+            del fn, args  # a waiter woken by the Future finds the call's arguments let go
             future.set_result(result)
 
     def finish(self, job: _Call, error: Exception | None) -> None:
