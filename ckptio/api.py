@@ -7,6 +7,7 @@ and backends they borrow are ckptio/resources.py's.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import threading
@@ -61,7 +62,7 @@ class Checkpointer:
         self._groups: dict[int, tuple[weakref.ref[Any], Group]] = {}
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
-        self._thread: threading.Thread | None = None
+        self._running: concurrent.futures.Future[None] | None = None  # its steps, queued
 
     def resources(self) -> ReusedIOResources:
         """This Checkpointer's staging pool and backends, the lock a save or load holds while
@@ -234,7 +235,8 @@ class Checkpointer:
                 **({} if piece is None else {"piece": {"rank": piece[0], "world_size": piece[1]}})}
         context = save_session.SaveContext(
             group=group, store=store, options=self.options,
-            resources=self._resources, cleanup=self._resources.cleanup, memory=self._memory(group),
+            resources=self._resources, cleanup=self._resources.cleanup,
+            workers=self._resources.workers, memory=self._memory(group),
             plan_cache=self._plan_cache, meta=meta, piece=piece is not None,
             block_nbytes=self._resources.block_nbytes,
             allow_pickle=allow_pickle,
@@ -242,8 +244,8 @@ class Checkpointer:
             previous_error=previous_error, grow_staging=grow_staging, packing=packing,
             overwrite=overwrite)
         save = save_session.begin(context, state)
-        self._inflight, self._thread = save.control, save.thread
-        _running.add(save.thread)
+        self._inflight, self._running = save.control, save.running
+        _running.add(save.running)
         save.capture_here()
         return save.handle
 
@@ -274,16 +276,16 @@ class Checkpointer:
 
     def _settle(self, timeout: float | None = None) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
-        control, thread = self._inflight, self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                assert control is not None  # internal: set together with the thread
+        control, running = self._inflight, self._running
+        if running is not None:
+            concurrent.futures.wait([running], timeout)
+            if not running.done():
+                assert control is not None  # internal: set together with its steps
                 raise control.timed_out(timeout)
         if control is not None:
             if not control.remove_hooks():  # another thread: the trainer's next save removes them
                 self._stale_hooks.append(control)
-            self._inflight, self._thread = None, None
+            self._inflight, self._running = None, None
             error = control.unreported_error()
             if error is not None:
                 raise error
@@ -390,7 +392,8 @@ class Checkpointer:
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
-_running: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # every Checkpointer's saves
+# every Checkpointer's saves in flight: their steps' Futures
+_running: weakref.WeakSet[concurrent.futures.Future[None]] = weakref.WeakSet()
 
 
 def _forget(groups: dict[int, tuple[weakref.ref[Any], Group]],
@@ -424,12 +427,10 @@ def _after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
 
 
 def _finish_saves_at_exit() -> None:
-    """At interpreter exit, before concurrent.futures stops accepting work (threading runs
-    these callbacks newest first, and concurrent.futures registered its own at import): let
-    every save in flight finish and commit rather than fail half-way."""
-    for thread in list(_running):
-        if thread.is_alive():
-            thread.join()
+    """At interpreter exit, before concurrent.futures stops accepting work and the save threads
+    (io/worker.py) stop (threading runs these callbacks newest first, and both registered
+    theirs at import): let every save in flight finish and commit rather than fail half-way."""
+    concurrent.futures.wait(list(_running))
 
 
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]

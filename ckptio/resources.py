@@ -15,8 +15,9 @@ store's files through its backend) -> ``fit`` after an async save (grow within t
 size).
 
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
-them, the cleanup of superseded files behind the next save. Does not own: what a save or load
-does with them (saving/save_session.py, loading/load_session.py), the pool itself (io/stage.py).
+them, the cleanup of superseded files behind the next save, the saves' threads
+(saving/workers.py). Does not own: what a save or load does with them (saving/save_session.py,
+loading/load_session.py), the pool itself (io/stage.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size
 from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
+from ckptio.saving.workers import SaveWorkers
 from ckptio.storage.local import mapped
 from ckptio.storage.files import StoreFiles, in_memory
 from ckptio.storage.local.local_store import LocalStore
@@ -49,7 +51,8 @@ class ReusedIOResources:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.lock = threading.Lock()
-        self.cleanup = Cleanup()  # removal of superseded files, behind the next save
+        self.workers = SaveWorkers()  # the threads saves run on, kept from save to save
+        self.cleanup = Cleanup(self.workers)  # removal of superseded files, behind the next save
         self._pool: StagingPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._stores: dict[str, Store] = {}  # Store.backend_kind -> the store it was made for
@@ -275,9 +278,11 @@ class ReusedIOResources:
             pool.close()
 
     def free(self) -> None:
-        """release(), after the last save's cleanup, and forget the grown size."""
+        """release(), after the last save's cleanup, and forget the grown size; the save
+        threads are joined (made again by the next save)."""
         with self.lock:
             self.cleanup.finish()
+            self.workers.close()
             self.release()
             self._grown_nbytes = 0
         mapped.forget()  # the mapped saves' files stay, their mappings in this process go

@@ -17,6 +17,8 @@ BENCH_REACHES: dict[str, str] = {
 OUTSIDE_THIRD_PARTY: dict[str, str] = {
     "os._exit": "the documented exit of a process without cleanup: a rank killed mid-save",
     "sys._getframe": "the tracer's starting frame (pathtrace; CPython's documented call)",
+    "sys._current_frames": "whether the long-lived save thread is back idle (gc_pressure: "
+                           "CPython's documented call; the thread is never joined now)",
     "torch._foreach_copy_": "the peer's fastest copy of many tensors (what a hand-written "
                             "restore or a GIL probe would use); torch exposes no public one",
     "stager._state_dict_stager": "DCP's staging object inside DefaultStager: kept open on torch "
@@ -57,6 +59,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
         "ckptio.distributed.rankplan._digest"})),
     "tests.gpu.test_cuda_tiers": (_HELPER, frozenset({
         "tests.test_mapped_save._assert_no_stale_bytes", "tests.test_mapped_save._inodes"})),
+    "tests.restart_plan_cases": (_WHITE + "counts each DTensor region worked out (the function "
+                                 "a load calls per leaf)", frozenset({"sharding._dtensor"})),
     "tests.readshare_cases": (_WHITE + "a shared read's send buffer; a rank killed with os._exit",
                               frozenset({"os._exit", "sendreads._send_buffer"})),
     "tests.redundancy_sharded_cases": (_HELPER, frozenset({

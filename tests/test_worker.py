@@ -1,4 +1,5 @@
-"""The one background-worker class (ckptio/io/worker.py) the drain and the protection run on:
+"""The one background-worker class (ckptio/io/worker.py) the drain, the protection and (through
+Calls) a Checkpointer's save threads run on:
 its thread starts on first use under its name at a lowered CPU priority, a job's first error is
 kept (shown by status()) and raised once by wait() or close(), close() joins the thread, and work
 queued after close() is refused; the drain keeps those rules on it."""
@@ -13,7 +14,7 @@ import pytest
 from ckptio.errors import CkptError
 from ckptio.options import MiB, Options
 from ckptio.managing.drain import Drain
-from ckptio.io.worker import NICE, Worker
+from ckptio.io.worker import NICE, Calls, Worker
 
 
 class _Fifo:
@@ -177,3 +178,25 @@ def test_the_drain_runs_on_the_worker() -> None:
     drain.close()
     with pytest.raises(CkptError):
         drain.submit(5)
+
+
+def test_calls_run_in_order_on_one_kept_thread_each_outcome_in_its_future() -> None:
+    """Calls (a save's threads, saving/workers.py): in order, one thread for every call (none
+    started per call), each outcome in its Future and none kept by the Worker; after close()
+    the thread is joined and a call is refused."""
+    calls = Calls("ckptio-test-calls")
+    ran: list[tuple[int, int]] = []
+    futures = [calls.submit(lambda i: ran.append((i, threading.get_ident())) or i * 10, i)
+               for i in range(5)]
+    failed = calls.submit(lambda: {}["missing"])
+    after = calls.submit(lambda: "after")
+    assert [f.result(30) for f in futures] == [0, 10, 20, 30, 40]
+    assert [i for i, _t in ran] == [0, 1, 2, 3, 4], "in order"
+    assert len({t for _i, t in ran}) == 1 and ran[0][1] != threading.get_ident(), "one thread"
+    assert isinstance(failed.exception(30), KeyError), "the error is the call's, in its Future"
+    assert after.result(30) == "after", "a failed call does not stop the next ones"
+    assert calls.worker.status()["error"] is None, "the Worker keeps none (raised by the waiter)"
+    calls.close()
+    assert "ckptio-test-calls" not in {t.name for t in threading.enumerate()}, "joined"
+    with pytest.raises(CkptError, match="after close"):
+        calls.submit(lambda: None)

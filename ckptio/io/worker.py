@@ -1,6 +1,6 @@
 """One background thread that runs an owner's jobs one at a time: what the drain
-(managing/drain.py), the protection (redundancy/protect.py) and the saves' stall watch
-(saving/stall.py) are built on.
+(managing/drain.py), the protection (redundancy/protect.py), the saves' stall watch
+(saving/stall.py) and a Checkpointer's save threads (``Calls``, saving/workers.py) are built on.
 
 Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued work (under
 ``lock`` or not), which starts the thread on first use; the thread asks ``jobs.take()`` (under
@@ -19,20 +19,24 @@ which job runs next or what a job does (the owner's ``Jobs``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Generic, Protocol, TypeVar
 
 from ckptio.errors import CkptError
 
-__all__ = ["NICE", "Jobs", "Worker"]
+__all__ = ["NICE", "Calls", "Jobs", "Worker"]
 
 log = logging.getLogger("ckptio")
 NICE = 10  # the background threads' CPU priority: they take what training leaves
 J = TypeVar("J")
+R = TypeVar("R")
 
 
 class Jobs(Protocol[J]):
@@ -115,9 +119,16 @@ class Worker(Generic[J]):
             raise error
         return True
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         """wait(), then stop and join the thread; later wake() is refused. The error wait()
-        raises is raised after the thread is joined."""
+        raises is raised after the thread is joined. ``wait=False`` (an owner collected
+        without closing it): refuse later work, let the thread end once the queued jobs ran,
+        join nothing."""
+        if not wait:
+            with self.lock:
+                self._closed = True
+                self.lock.notify_all()
+            return
         try:
             self.wait()
         finally:
@@ -182,6 +193,61 @@ class Worker(Generic[J]):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (OSError, AttributeError):
             log.debug("ckptio: %s runs at normal priority (setpriority refused)", self.name)
+
+
+_Call = list[Any]  # [its Future, the function, its arguments], emptied as it runs
+
+
+class Calls:
+    """Calls run in order on one Worker's thread, each with a Future for its outcome: what a
+    one-thread executor gives, on a thread kept from call to call. A call's exception goes to
+    its Future and is raised by whoever waits for it (the Worker keeps none). At interpreter
+    exit a call not started yet never runs: an owner waits for what it needs before then."""
+
+    def __init__(self, name: str, *, nice: int = 0) -> None:
+        self._queue: collections.deque[_Call] = collections.deque()
+        self._busy = False
+        self.worker: Worker[_Call] = Worker(name, self, nice=nice)
+
+    def submit(self, fn: Callable[..., R], /, *args: Any) -> Future[R]:
+        """Queue ``fn(*args)``; its Future. CkptError after close()."""
+        future: Future[R] = Future()
+        with self.worker.lock:
+            self.worker.wake()
+            self._queue.append([future, fn, args])
+        return future
+
+    def close(self, *, wait: bool = True) -> None:
+        """The queued calls run, then the thread ends (joined unless ``wait=False``)."""
+        self.worker.close(wait=wait)
+
+    # ---------------------------------------------------------------- Jobs, for the Worker
+
+    def take(self) -> _Call | None:
+        if not self._queue:
+            return None
+        self._busy = True
+        return self._queue.popleft()
+
+    def pending(self) -> bool:
+        return bool(self._queue) or self._busy
+
+    def run(self, job: _Call) -> None:
+        future, fn, args = job
+        job.clear()
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - kept in its Future, raised by its waiter
+            del fn, args
+            future.set_exception(exc)
+        else:
+            del fn, args  # a waiter woken by the Future finds the call's arguments let go
+            future.set_result(result)
+
+    def finish(self, job: _Call, error: Exception | None) -> None:
+        self._busy = False
 
 
 _workers: weakref.WeakSet[Worker[Any]] = weakref.WeakSet()

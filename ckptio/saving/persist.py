@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from ckptio.errors import CkptError
 from ckptio.format.checksum import EntryHashers
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
+from ckptio.io.worker import Calls
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
@@ -63,7 +64,7 @@ class SaveJob:
                  ready: Sequence[Any] | None = None, progress: Progress | None = None,
                  block_nbytes: int = 1 << 20, packer: Packer | None = None,
                  write_at_once: bool = False, mapped: bool = False,
-                 activity: Activity | None = None) -> None:
+                 activity: Activity | None = None, hashing: Calls | None = None) -> None:
         """``ready``: events from ready_events() recorded on the caller's thread; None records
         them here (the job is made on the caller's thread). ``packer``: a packed save
         (packing.py): ``files`` is one layout that only orders the capture, its bytes go to
@@ -71,7 +72,9 @@ class SaveJob:
         buffer (a synchronous save, whose caller waits for the writes anyway), not once the
         capture is done or the pool runs dry. ``mapped``: the files are made as shared
         mappings (``target`` mappable, no packer) and the capture copies into them.
-        ``activity``: where its writes and fsyncs are watched (stall.py)."""
+        ``activity``: where its writes and fsyncs are watched (stall.py). ``hashing``: the
+        owner's long-lived hasher thread (saving/workers.py; one job on it at a time); None: a
+        thread of the job's own, joined by finish() or abandon()."""
         self.target, self.files, self.sources = target, files, sources
         self.packer = packer
         self.pool, self.rank = pool, rank
@@ -84,7 +87,8 @@ class SaveJob:
         self._hashes = EntryHashers(algorithm, block_nbytes,  # by entry index, in file order
                                     [p.item.nbytes for f in files for p in f.placements])
         self._handles: dict[int, FileHandle] = {}  # file index -> handle, opened by the hasher
-        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="ckptio-hash")  # FIFO: in order
+        self._own_hashing = hashing is None
+        self._hashing = Calls("ckptio-hash") if hashing is None else hashing  # FIFO: in order
         self._pending: list[Future[None]] = []  # hash-then-submit tasks
         self._lock = threading.Lock()
         self._writes_in_flight = 0
@@ -274,7 +278,8 @@ class SaveJob:
         self._go.set()
         for task in self._pending:
             task.exception()
-        self._hashing.shutdown(wait=True)
+        if self._own_hashing:
+            self._hashing.close()
         with self._lock:
             while self._writes_in_flight:
                 self._idle.wait()
@@ -384,7 +389,7 @@ def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
     Streams are per thread; the copies, made on another thread, wait for these so that work the
     caller queued before the save (the backward pass producing these values) comes first."""
     events = []
-    for device in sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0):
+    for device in _cuda_devices(sources):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
@@ -393,12 +398,19 @@ def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
 
 def _side_streams(sources: dict[str, torch.Tensor], ready: Sequence[Any]) -> list[Any]:
     """One CUDA stream per device holding a source, for device->host copies (none on CPU)."""
-    devices = sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
-    streams = [torch.cuda.Stream(device=device) for device in devices]
+    streams = [torch.cuda.Stream(device=device) for device in _cuda_devices(sources)]
     for stream in streams:
         for event in ready:
             stream.wait_event(event)
     return streams
+
+
+def _cuda_devices(sources: dict[str, torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices holding a source, in index order; none without a look at each source
+    where CUDA is not initialised in this process (then no tensor can be on a GPU)."""
+    if not torch.cuda.is_initialized():
+        return []
+    return sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@
         1 flatten    the state -> leaves and the tree that rebuilds it
         2 plan       this rank's writes and inline values (reused for an unchanged layout)
         3 agree      collective: who writes what; if one rank fails, every rank fails
-        4 lay out    this rank's files, named for this save only; the save's thread starts
+        4 lay out    this rank's files, named for this save only; the rest queued (workers.py)
     save.capture_here()                        # still the caller's thread:
         5 capture    eager: the state copied into the staging pool here; lazy: only the
                      tensors no optimizer owns, the rest by the save's thread
@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
+import operator
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ from ckptio.saving import persist, stall
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
 from ckptio.saving.packing import Compression, DeltaBase, Packer
+from ckptio.saving.workers import SaveWorkers
 from ckptio.storage import steps
 from ckptio.storage.entry_reader import Base, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles, mappable
@@ -70,6 +72,7 @@ from ckptio.version import __version__
 __all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
            "planned_files"]
 
+_NBYTES = operator.attrgetter("nbytes")
 PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
 # a packed save's data files (packing.py): at least this, whole entries; small enough that
 # writing one overlaps encoding the next
@@ -96,6 +99,7 @@ class SaveContext:
     options: Options
     resources: IOResources
     cleanup: Cleanup
+    workers: SaveWorkers  # the threads the save runs on after its call (and hashes on)
     memory: collective.Memory  # this group's plans of the last save
     plan_cache: PlanCache
     meta: dict[str, Any]
@@ -138,10 +142,11 @@ class _Part:
 
 @dataclass(frozen=True)
 class Save:
-    """A save begun: the session's control of it (the caller gets ``handle``), its thread."""
+    """A save begun: the session's control of it (the caller gets ``handle``), and the
+    Future of its steps on the save thread (done once they have all returned)."""
 
     control: HandleControl
-    thread: threading.Thread
+    running: Future[None]
     lazy: bool
 
     @property
@@ -160,7 +165,8 @@ class Save:
 
 
 def begin(ctx: SaveContext, state: Any) -> Save:
-    """Steps 1-4 on the caller's thread; the save's thread started. Collective with peers."""
+    """Steps 1-4 on the caller's thread; the rest queued on the save thread. Collective with
+    peers."""
     plan, sources, agreement = _agree(ctx, state)
     try:
         part = _lay_out(ctx, plan, sources, agreement)
@@ -168,11 +174,11 @@ def begin(ctx: SaveContext, state: Any) -> Save:
                                  ctx.options.io_stall_warn_s)
         control = HandleControl(ctx.store.location, persist.Progress(part.nbytes),
                                 tuple(f.name for f in part.files), ctx.started, activity)
-        thread = _start_thread(ctx, part, control)
+        running = _queue(ctx, part, control)
     except BaseException as exc:
         _report_failure(ctx, agreement, exc)  # the peers wait for this rank in the next steps
         raise
-    return Save(control, thread, ctx.lazy)
+    return Save(control, running, ctx.lazy)
 
 
 def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tensor],
@@ -229,22 +235,23 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
                  frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items,
-                 sum(i.nbytes for i in items), persist.ready_events(sources))
+                 sum(map(_NBYTES, items)), persist.ready_events(sources))
 
 
-def _start_thread(ctx: SaveContext, part: _Part, control: HandleControl) -> threading.Thread:
-    thread = threading.Thread(target=_run, name="ckptio-save", args=(ctx, part, control))
-    if ctx.lazy:  # before the thread starts: no capture may begin unguarded
+def _queue(ctx: SaveContext, part: _Part, control: HandleControl) -> Future[None]:
+    """_run queued on the Checkpointer's save thread (a save running at exit is finished:
+    api.py waits for it before the threads stop)."""
+    if ctx.lazy:  # before it is queued: no capture may begin unguarded
         control.hook_optimizers(ctx.optimizers)
     try:
-        thread.start()  # not a daemon: a save running at exit is finished (api.py)
+        running = ctx.workers.calls("ckptio-save").submit(_run, ctx, part, control)
     except BaseException as exc:
         control.finished(0, exc)  # releases the hooks' wait
         control.remove_hooks()
         raise
     if ctx.lazy and part.eager_items == 0:  # nothing outside the optimizers to wait for
         control.eager_captured()
-    return thread
+    return running
 
 
 def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
@@ -326,7 +333,8 @@ def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) 
                               ready=part.ready, progress=control.progress,
                               block_nbytes=ctx.block_nbytes, packer=_packer(ctx, part, target),
                               write_at_once=not ctx.grow_staging,  # a synchronous save
-                              mapped=mapped, activity=control.activity)
+                              mapped=mapped, activity=control.activity,
+                              hashing=ctx.workers.calls("ckptio-hash"))
         if ctx.lazy:
             job.capture(part.eager_items, control.eager_captured)
         else:
@@ -388,7 +396,8 @@ def _write_index(ctx: SaveContext, name: str, save_id: str, rows: list[TensorEnt
     job = persist.SaveJob(target, [layout],
                           {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
                           pool=pool, algorithm=ctx.options.checksum, rank=ctx.group.rank,
-                          block_nbytes=ctx.block_nbytes, activity=activity)
+                          block_nbytes=ctx.block_nbytes, activity=activity,
+                          hashing=ctx.workers.calls("ckptio-hash"))
     try:
         job.capture()
         (entry,), (info,) = job.finish()
