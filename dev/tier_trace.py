@@ -1,8 +1,9 @@
 """Probe: where the training thread's time goes in the GPU-node model with a lazy save into the
 memory tier every step (benchmarks/tiers.py's tiers_lazy engine, pinned). Per step: the wall,
-the training thread's own CPU (time.thread_time), the time its optimizer hook waited for the
-capture (SaveResult.blocked_s less the call), its minor page faults and involuntary context
-switches; per background thread (by name): CPU seconds over the run. One fresh process per
+the training thread's own CPU (time.thread_time), its time queued for its core (schedstat: the
+machine's other load), the time its optimizer hook waited for the capture (SaveResult.blocked_s
+less the call), the rest (off the CPU otherwise: waiting for the interpreter's GIL), its minor
+page faults and involuntary context switches; per background thread (by name): CPU seconds over the run. One fresh process per
 mode; medians of the steps after the first --skip.
 
     python dev/tier_trace.py --mode none|lazy [--steps 20] [--skip 4]
@@ -42,6 +43,12 @@ def thread_stats() -> dict[str, tuple[float, int, int]]:
         nvcsw = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
         out[f"{name}/{tid}"] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[7]), nvcsw)
     return out
+
+
+def run_queue_s(tid: int) -> float:
+    """Seconds thread ``tid`` has waited on a run queue (runnable, another task on its core)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
 
 
 def main() -> int:
@@ -84,9 +91,11 @@ def main() -> int:
     results: list[Any] = []
     for step in range(1, args.steps + 1):
         own = {k: v for k, v in thread_stats().items() if k.endswith(f"/{me}")}
+        q0 = run_queue_s(me)
         t0, c0 = time.perf_counter(), time.thread_time()
         train_step(model, opt, tokens[step - 1])
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        queued = run_queue_s(me) - q0
         own2 = {k: v for k, v in thread_stats().items() if k.endswith(f"/{me}")}
         (_, f0, s0), (_, f1, s1) = next(iter(own.values())), next(iter(own2.values()))
         saved = checkpoint_state(model, opt, step, 2)
@@ -97,7 +106,8 @@ def main() -> int:
             floor.start(step, saved)
         call = time.perf_counter() - t1
         pin_others(me, 1)
-        rows.append({"wall": wall, "cpu": cpu, "blocked": 0.0, "faults": f1 - f0,
+        rows.append({"wall": wall, "cpu": cpu, "queued": queued, "blocked": 0.0,
+                     "faults": f1 - f0,
                      "nvcsw": s1 - s0, "call": call})
     NAMES.update({t.native_id: t.name.split("-")[0] + "-" + t.name.split("-")[1]
                   if t.name.count("-") else t.name
@@ -106,7 +116,9 @@ def main() -> int:
     for i, result in enumerate(results[:-1]):  # save i's hook held step i + 1's optimizer step
         done = result.wait() if hasattr(result, "wait") else result
         if done is not None:
-            rows[i + 1]["blocked"] = done.blocked_s - rows[i]["call"]
+            rows[i + 1]["blocked"] = max(0.0, done.blocked_s - rows[i]["call"])
+    for row in rows:  # off the CPU, not queued for it, not in the hook: waiting for the GIL
+        row["gil"] = row["wall"] - row["cpu"] - row["queued"] - row["blocked"]
     if mgr is not None:
         mgr.close()
         ck.close()
