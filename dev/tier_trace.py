@@ -6,7 +6,10 @@ less the call), the rest (off the CPU otherwise: waiting for the interpreter's G
 page faults and involuntary context switches; per background thread (by name): CPU seconds over the run. One fresh process per
 mode; medians of the steps after the first --skip.
 
-    python dev/tier_trace.py --mode none|lazy [--steps 20] [--skip 4]
+    python dev/tier_trace.py --mode none|lazy|floor [--steps 20] [--skip 4] [--switch 0.0005]
+
+Under py-spy, which thread holds the GIL (its stacks): py-spy record --gil --threads
+--nonblocking -r 250 --format raw -o out.txt -- python dev/tier_trace.py --mode lazy
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -57,7 +61,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--skip", type=int, default=4)
     p.add_argument("--gb", type=float, default=0.15)
+    p.add_argument("--switch", type=float, default=None,
+                   help="sys.setswitchinterval (s) first: how long a GIL waiter waits")
     args = p.parse_args()
+    if args.switch is not None:
+        sys.setswitchinterval(args.switch)
     import torch
 
     import ckptio
