@@ -333,9 +333,10 @@ _passed: list[tuple[Any, ...] | None] = [None]  # _key_inputs of the last check_
 
 def _key_inputs(m: Manifest) -> tuple[Any, ...] | None:
     """All that _check_keys reads of ``m``, the tree as marshal's bytes (a copy no caller can
-    change later); None for a tree marshal refuses (then it is checked every time)."""
+    change later; format 0 shares no objects, so equal trees give equal bytes whatever their
+    reference counts); None for a tree marshal refuses (then it is checked every time)."""
     try:
-        tree = marshal.dumps(m.tree)
+        tree = marshal.dumps(m.tree, 0)
     except ValueError:
         return None
     return (tuple(map(_KEY_FIELDS, m.tensors)), tuple((o.key, o.rank) for o in m.objects),
