@@ -3,8 +3,8 @@ memory tier every step (benchmarks/tiers.py's tiers_lazy engine, pinned). Per st
 the training thread's own CPU (time.thread_time), its time queued for its core (schedstat: the
 machine's other load), the time its optimizer hook waited for the capture (SaveResult.blocked_s
 less the call), the rest (off the CPU otherwise: waiting for the interpreter's GIL), its minor
-page faults and involuntary context switches; per background thread (by name): CPU seconds over the run. One fresh process per
-mode; medians of the steps after the first --skip.
+page faults and involuntary context switches; per background thread (by name): CPU seconds
+over the run. One fresh process per mode; medians of the steps after the first --skip.
 
     python dev/tier_trace.py --mode none|lazy|floor [--steps 20] [--skip 4] [--switch 0.0005]
 
