@@ -16,13 +16,13 @@ from ckptio.managing import level
 
 
 @pytest.fixture
-def decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts every manifest the tiers' retention decodes."""
-    calls: list[int] = []
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The path of every manifest the tiers' retention decodes."""
+    calls: list[str] = []
     real = level.decode
 
     def counting(raw: bytes, where: str) -> object:
-        calls.append(1)
+        calls.append(where)
         return real(raw, where)
     monkeypatch.setattr(level, "decode", counting)
     return calls
@@ -34,7 +34,7 @@ def _state(step: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_own_saves_are_retained_without_reading_their_manifests(
-        tmp_path: Path, decodes: list[int], asynchronous: bool) -> None:
+        tmp_path: Path, decodes: list[str], asynchronous: bool) -> None:
     with ckptio.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
         for step in range(1, 7):
             mgr.save(step, _state(step), asynchronous=asynchronous)
@@ -43,8 +43,31 @@ def test_own_saves_are_retained_without_reading_their_manifests(
     assert decodes == []
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_the_drain_retains_its_copies_without_reading_their_manifests(
+        tmp_path: Path, shm: str, decodes: list[str], delta: bool) -> None:
+    """The drain's copy has the source step's bytes: the slower tier's retention takes its
+    bases from the source tier (which this manager saved), as the fast tier's does."""
+    policy = ckptio.DeltaPolicy(full_every=3) if delta else None
+    big = torch.arange(4096, dtype=torch.float32)
+    tiers = [ckptio.Tier("shm://run", keep_last=2),
+             ckptio.Tier(str(tmp_path / "disk"), every=2, keep_last=2)]
+    with ckptio.CheckpointManager(tiers=tiers, delta=policy) as mgr:
+        for step in range(1, 11):
+            mgr.save(step, {"big": big + (step % 2), "step": torch.tensor(step)})
+            mgr.wait()
+    # (the fast tier's delta steps are still read: their bases are not told at the save)
+    assert [where for where in decodes if not delta or "disk" in where] == []
+    with ckptio.CheckpointManager(tmp_path / "disk") as again:  # the copies kept restore
+        kept = again.steps()
+        assert kept[-1] == 10 and len(kept) <= 2 + delta  # a delta's base stays with it
+        state = {"big": torch.zeros(4096), "step": torch.tensor(0)}
+        assert again.restore(state) == 10
+    assert torch.equal(state["big"], big) and int(state["step"]) == 10
+
+
 def test_a_resumed_manager_reads_the_steps_it_did_not_save(tmp_path: Path,
-                                                           decodes: list[int]) -> None:
+                                                           decodes: list[str]) -> None:
     with ckptio.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step))

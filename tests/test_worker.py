@@ -6,6 +6,8 @@ queued after close() is refused; the drain keeps those rules on it."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 import threading
 
@@ -14,7 +16,7 @@ import pytest
 from ckptio.errors import CkptError
 from ckptio.options import MiB, Options
 from ckptio.managing.drain import Drain
-from ckptio.io.worker import NICE, Calls, Worker
+from ckptio.io.worker import IOPRIO_BE_LOWEST, NICE, Calls, Worker
 
 
 class _Fifo:
@@ -200,3 +202,31 @@ def test_calls_run_in_order_on_one_kept_thread_each_outcome_in_its_future() -> N
     assert "ckptio-test-calls" not in {t.name for t in threading.enumerate()}, "joined"
     with pytest.raises(CkptError, match="after close"):
         calls.submit(lambda: None)
+
+
+def _ioprio_of(tid: int) -> int:
+    """ioprio_get(IOPRIO_WHO_PROCESS, tid), by the system call itself (x86-64 / arm64)."""
+    number = {"x86_64": 252, "aarch64": 31}[os.uname().machine]
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = int(libc.syscall(ctypes.c_long(number), ctypes.c_long(1), ctypes.c_long(tid)))
+    assert value >= 0, os.strerror(ctypes.get_errno())
+    return value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="ioprio_get: Linux on x86-64 or arm64")
+def test_a_niced_thread_also_yields_the_disk_and_the_caller_keeps_its_io_priority() -> None:
+    mine = _ioprio_of(threading.get_native_id())
+
+    class _Probe(_Fifo):
+        def run(self, job: object) -> None:
+            super().run(job)
+            self.ioprio = _ioprio_of(threading.get_native_id())
+
+    jobs = _Probe()
+    worker: Worker[object] = Worker("ckptio-test", jobs)
+    _queue(worker, jobs, 1)
+    worker.close()
+    assert jobs.ioprio == IOPRIO_BE_LOWEST, "class best-effort, level 7 (the lowest)"
+    assert _ioprio_of(threading.get_native_id()) == mine, "the caller's I/O priority is untouched"

@@ -15,6 +15,8 @@ claims (storage/steps.check_files, loading/read.py).
 
 from __future__ import annotations
 
+import marshal
+import operator
 import re
 from collections import Counter
 from typing import Any
@@ -315,9 +317,30 @@ def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...], whole: bool) -> N
 def check_keys(manifest: Manifest, where: str) -> None:
     """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
     or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
-    to be written: a save must not commit what its own reader would refuse."""
+    to be written: a save must not commit what its own reader would refuse. Keys laid out as
+    in the last manifest that passed (a save whose plan was reused) are not walked again."""
+    inputs = _key_inputs(manifest)
+    if inputs is not None and inputs == _passed[0]:
+        return
     _check_keys(Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree,
                 tuple(r.key for r in manifest.regular))
+    _passed[0] = inputs
+
+
+_KEY_FIELDS = operator.attrgetter("key", "rank", "chunk", "kind", "dtype", "shape")
+_passed: list[tuple[Any, ...] | None] = [None]  # _key_inputs of the last check_keys passed
+
+
+def _key_inputs(m: Manifest) -> tuple[Any, ...] | None:
+    """All that _check_keys reads of ``m``, the tree as marshal's bytes (a copy no caller can
+    change later; format 0 shares no objects, so equal trees give equal bytes whatever their
+    reference counts); None for a tree marshal refuses (then it is checked every time)."""
+    try:
+        tree = marshal.dumps(m.tree, 0)
+    except ValueError:
+        return None
+    return (tuple(map(_KEY_FIELDS, m.tensors)), tuple((o.key, o.rank) for o in m.objects),
+            m.aliases, tree, tuple(r.key for r in m.regular))
 
 
 def _check_keys(c: Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],

@@ -8,20 +8,22 @@ Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued w
 error)`` under ``lock``; ``wait(timeout)`` until ``jobs.pending()`` is False; ``close()`` last.
 
 Owns: the thread (started lazily, named, a daemon), its lowered CPU priority (``nice``; the
-threads it starts inherit it on Linux), the condition the owner guards its queue with and the
-thread sleeps on, the first error a job raised (kept, reported by ``status()``, raised once by
-``wait()`` or ``close()``), the refusal of work after ``close()``, and its stop at interpreter
-exit: the job running then finishes, queued ones do not start, and the thread is joined before
-the interpreter finalizes (a daemon thread still inside a torch call, a gloo collective of the
-protection, then aborted the process). Does not own: what is queued,
-which job runs next or what a job does (the owner's ``Jobs``).
+threads it starts inherit it on Linux) and, when niced, the lowest best-effort I/O priority;
+the condition the owner guards its queue with and the thread sleeps on, the first error a job
+raised (kept, reported by ``status()``, raised once by ``wait()`` or ``close()``), the refusal
+of work after ``close()``, and its stop at interpreter exit: the job running then finishes,
+queued ones do not start, and the thread is joined before the interpreter finalizes (a daemon
+thread still inside a torch call, a gloo collective of the protection, then aborted the
+process). Does not own: what is queued, which job runs next or what a job does (``Jobs``).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +37,8 @@ __all__ = ["NICE", "Calls", "Jobs", "Worker"]
 
 log = logging.getLogger("ckptio")
 NICE = 10  # the background threads' CPU priority: they take what training leaves
+IOPRIO_BE_LOWEST = (2 << 13) | 7  # ioprio_set(2): class best-effort (2), its lowest level (7)
+_IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31)}  # (ioprio_set, ioprio_get)
 J = TypeVar("J")
 R = TypeVar("R")
 
@@ -193,6 +197,20 @@ class Worker(Generic[J]):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
         except (OSError, AttributeError):
             log.debug("ckptio: %s runs at normal priority (setpriority refused)", self.name)
+        if self._nice > 0 and not set_io_priority(threading.get_native_id(), IOPRIO_BE_LOWEST):
+            log.debug("ckptio: %s runs at normal I/O priority (ioprio_set refused)", self.name)
+
+
+def set_io_priority(tid: int, value: int) -> bool:
+    """ioprio_set(2) of thread ``tid`` (Linux; inherited by the threads it starts): a thread
+    that yields the CPU yields the disk too, where the I/O scheduler weighs priorities (BFQ;
+    mq-deadline by class). -> False where refused or not Linux on x86-64 or arm64."""
+    numbers = _IOPRIO_SYSCALLS.get(os.uname().machine) if sys.platform == "linux" else None
+    if numbers is None:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(ctypes.c_long(numbers[0]), ctypes.c_long(1), ctypes.c_long(tid),
+                            ctypes.c_long(value))) == 0  # 1: IOPRIO_WHO_PROCESS (a thread id)
 
 
 _Call = list[Any]  # [its Future, the function, its arguments], emptied as it runs

@@ -130,6 +130,10 @@ class TierSteps:
         """``step``'s bases and stored bytes (chains.py); None if damaged or gone."""
         return self._chains.link(step)
 
+    def bases(self, step: int) -> tuple[int, ...] | None:
+        """``step``'s bases: as told by saved(), else from its link; None if damaged or gone."""
+        return self._chains.bases(step)
+
     def describe(self, step: int) -> str:
         """`` (a delta against base step B)`` for a delta step, else '' (never raises)."""
         try:

@@ -47,12 +47,19 @@ class TierRoute:
     def bases(self, step: int, tier: int) -> tuple[int, ...]:
         """The bases of ``step`` as the fastest tier before ``tier`` holding it has it."""
         holder = self._holder(step, tier)
-        link = None if holder is None else holder.link(step)
-        return () if link is None else link.bases
+        bases = None if holder is None else holder.bases(step)
+        return () if bases is None else bases
 
     def landed(self, step: int, tier: int) -> None:
+        """The copy of ``step`` committed in ``tier``: its bases are the source's (the same
+        bytes), so that tier's retention reads no manifest of it; then the retention runs."""
+        holder = self._holder(step, tier)
+        try:
+            bases = None if holder is None else holder.bases(step)
+        except CkptError:  # the source unreadable now: the copy's own manifest is read
+            bases = None
         level = self._levels[tier]
-        level.saved(step)
+        level.saved(step, bases)
         level.retain(set())
 
 
