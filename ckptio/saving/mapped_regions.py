@@ -25,7 +25,7 @@ import torch
 from ckptio.format.types import FileLayout
 from ckptio.io.stage import Buffer
 from ckptio.storage.files import StoreFiles
-from ckptio.storage.local.mapped import MappedFile, release
+from ckptio.storage.local.mapped import MappedFile
 
 __all__ = ["MappedTarget", "pin"]
 
@@ -69,7 +69,7 @@ class MappedTarget:
         """Done with every mapping: kept for a later save into the same file (``keep``), else
         unmapped (a failed save, whose files are removed). Idempotent."""
         while self._open:
-            release(self._open.popitem()[1], keep=keep)
+            self.target.release_mapped(self._open.popitem()[1], keep=keep)
 
 
 def pin(mapping: MappedFile) -> bool:
