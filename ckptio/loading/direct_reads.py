@@ -33,7 +33,7 @@ from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.backend_contract import Filled
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading.checks import Checker
 from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.files import StoreFiles
