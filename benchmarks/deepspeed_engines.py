@@ -2,8 +2,9 @@
 TorchCheckpointEngine, ckptio's engine (sync and decoupled), and DeepSpeed's Fast, Decoupled and
 DataStates engines where they run (on a CPU-only machine they fail; their error is reported).
 
-Owns: the launcher (2 fresh `python -m benchmarks.deepspeed_engines --worker` processes per
-job, joined over tcp://127.0.0.1, DeepSpeed's CPU accelerator) and the timed phases: save stall
+Owns: the job (2 fresh `python -m benchmarks.deepspeed_engines --worker` ranks per job, started
+by benchmarks/harness.py's spawn_ranks, joined over tcp://127.0.0.1, DeepSpeed's CPU
+accelerator; each rank's record printed with harness.emit) and the timed phases: save stall
 (what save_checkpoint blocks), time to durable (torch engine: plus an fsync of every file it
 wrote, which it does not do itself; ckptio sync: the stall; decoupled: until commit_now), load
 time in a fresh job (page cache warm), and the save's peak host RSS increase (VmRSS sampled
@@ -12,23 +13,23 @@ after a barrier; times are the slower rank's.
 
     python -m benchmarks.deepspeed_engines --mb 400 --reps 3 --stage 2
 
-Writes a markdown table to stdout (medians over --reps fresh jobs per engine).
+Writes a markdown table to stdout (medians over --reps fresh jobs per engine: harness.spread,
+harness.markdown_table; the timed engines alternate as harness.schedule orders them, the others
+run once, in the first repetition).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
+
+from benchmarks import harness, worker_env
 
 ENGINES = ("torch", "ckptio", "ckptio-decoupled", "fast", "fast-decoupled", "datastates")
 TIMED = ("torch", "ckptio", "ckptio-decoupled")
@@ -149,74 +150,85 @@ def worker(args: argparse.Namespace) -> None:
             out = {"load_s": _slowest(time.perf_counter() - t0)}
     except Exception as exc:  # noqa: BLE001 - the engine's own error is the result
         out = {"error": f"{type(exc).__name__}: {exc}"}
-    if dist.get_rank() == 0:
-        with open(args.result, "w") as f:
-            json.dump(out, f)
+    harness.emit(out if dist.get_rank() == 0 else {"rank": dist.get_rank()})  # every rank's
     os._exit(0)  # DeepSpeed's writer processes and threads: the job is over
 
 
 def _job(engine: str, phase: str, directory: str, args: argparse.Namespace) -> dict[str, Any]:
-    result = tempfile.mktemp(prefix="ds-bench-", suffix=".json")
+    """One job of 2 ranks (harness.spawn_ranks) -> rank 0's record, or the first failed
+    rank's error."""
     port = 29500 + (os.getpid() + int(time.time())) % 2000
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1",
+    env = {**worker_env(), "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "WORLD_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1",
            "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.deepspeed_engines", "--worker", "--engine", engine,
-           "--phase", phase, "--dir", directory, "--result", result, "--mb", str(args.mb),
-           "--stage", str(args.stage)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in range(2)]
-    errs = [p.communicate(timeout=args.timeout)[1] for p in procs]
-    if not os.path.exists(result):
-        return {"error": f"no result: {errs[0].decode(errors='replace')[-800:]}"}
-    with open(result) as f:
-        got: dict[str, Any] = json.load(f)
-    os.remove(result)
-    return got
+    cmd = [*harness.command("benchmarks.deepspeed_engines"), "--engine", engine, "--phase",
+           phase, "--dir", directory, "--mb", args.mb, "--stage", args.stage]
+    ranks = harness.spawn_ranks([str(c) for c in cmd], 2, env=env, timeout=args.timeout, tail=8)
+    failed = [run for run in ranks if "error" in run and "rank" in run]  # no record at all
+    if failed:
+        return {"error": f"no result: {failed[0]['error'][-800:]}"}
+    ranks[0].pop("peak_rss_mib", None)  # the worker's whole-life peak; peak_rss_mb is the save's
+    return ranks[0]
 
 
-def main() -> None:
+def plan(reps: int) -> list[tuple[int, str]]:
+    """(rep, engine) in run order: the timed engines every repetition (harness.schedule), the
+    others once, after the first repetition's."""
+    order = list(harness.schedule(TIMED, reps))
+    order[len(TIMED):len(TIMED)] = [(0, e) for e in ENGINES[len(TIMED):]]
+    return order
+
+
+def table(rows: dict[str, list[dict[str, Any]]]) -> str:
+    """The markdown table of each engine's medians (or its first error)."""
+    lines = []
+    for engine, got in rows.items():
+        ok = [g for g in got if "error" not in g and "load_s" in g]
+        if not ok:
+            error = got[0].get("error", "?") if got else "not run"
+            lines.append([engine, f"fails: {error[:300]}", "", "", ""])
+            continue
+        med = {k: (harness.spread(g[k] for g in ok) or {}).get("median", 0.0)
+               for k in ("stall_s", "durable_s", "load_s", "peak_rss_mb")}
+        lines.append([engine, f"{med['stall_s']:.2f}", f"{med['durable_s']:.2f}",
+                      f"{med['load_s']:.2f}", f"{med['peak_rss_mb']:.0f}"])
+    return harness.markdown_table(
+        ["engine", "save stall s", "durable s", "load s", "peak RSS +MB"], lines, "lllll")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="torch", choices=ENGINES)
     parser.add_argument("--phase", default="save", choices=("save", "load"))
     parser.add_argument("--dir", default="")
-    parser.add_argument("--result", default="")
     parser.add_argument("--mb", type=int, default=400, help="model parameters, MB of fp32")
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--root", default="/tmp/ckptio-ds-bench")
     parser.add_argument("--timeout", type=float, default=900)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         worker(args)
         return
     rows: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
-    for rep in range(args.reps):
-        order = TIMED if rep % 2 == 0 else TIMED[::-1]
-        for engine in order + (ENGINES[len(TIMED):] if rep == 0 else ()):
-            directory = os.path.join(args.root, engine)
-            shutil.rmtree(directory, ignore_errors=True)
-            saved = _job(engine, "save", directory, args)
-            if "error" not in saved:
-                saved.update(_job(engine, "load", directory, args))
-            rows[engine].append(saved)
-            print(f"# rep {rep} {engine}: {saved}", file=sys.stderr, flush=True)
-            shutil.rmtree(directory, ignore_errors=True)
+    for rep, engine in plan(args.reps):
+        directory = os.path.join(args.root, engine)
+        shutil.rmtree(directory, ignore_errors=True)
+        saved = _job(engine, "save", directory, args)
+        if "error" not in saved:
+            saved.update(_job(engine, "load", directory, args))
+        rows[engine].append(saved)
+        print(f"# rep {rep} {engine}: {saved}", file=sys.stderr, flush=True)
+        shutil.rmtree(directory, ignore_errors=True)
     print(f"ZeRO stage {args.stage}, {args.mb} MB of fp32 parameters, 2 gloo ranks, "
           f"medians of {args.reps} fresh jobs\n")
-    print("| engine | save stall s | durable s | load s | peak RSS +MB |\n| --- | --- | --- | --- | --- |")
-    for engine, got in rows.items():
-        ok = [g for g in got if "error" not in g and "load_s" in g]
-        if not ok:
-            error = got[0].get("error", "?") if got else "not run"
-            print(f"| {engine} | fails: {error[:300]} | | | |")
-            continue
-        med = {k: statistics.median(g[k] for g in ok) for k in ok[0]}
-        print(f"| {engine} | {med['stall_s']:.2f} | {med['durable_s']:.2f} | "
-              f"{med['load_s']:.2f} | {med['peak_rss_mb']:.0f} |")
+    print(table(rows))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

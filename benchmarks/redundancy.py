@@ -13,9 +13,13 @@ wiped and a fresh job restores from the disk tier (timed). In the same run: the 
         --reps 3 --json docs/results/redundancy/redundancy.json \
         --markdown docs/results/redundancy/redundancy.md
 
-Owns: the schedule (which engine when, the wipes), the measurements outside the ranks, the
-ceilings. Does not own: the ranks' bodies (redundancy_ranks.py), the report
-(redundancy_report.py), the hosts (ckptio/testing/multihost.py).
+The engines run on benchmarks/harness.py's schedule (every engine once per repetition, the
+order reversed on odd repetitions; ``harness.repeat``), each restore after ``harness.cold``.
+
+Owns: which engine runs when on fresh hosts, the wipes, the measurements outside the ranks, the
+ceilings. Does not own: the schedule, the page-cache drop (benchmarks/harness.py), the ranks'
+bodies (redundancy_ranks.py), the report (redundancy_report.py), the hosts
+(ckptio/testing/multihost.py).
 """
 
 from __future__ import annotations
@@ -23,14 +27,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import REPO_ROOT, write_reports
+from benchmarks import REPO_ROOT, harness, write_reports
 from benchmarks.redundancy_ranks import NVRX, TIERED, restore_rank, train_rank
 
 ENGINES = ("none", "off", "partners", "partners2", "parity", "parity2", NVRX)
@@ -92,9 +95,7 @@ def _bytes_under(root: str) -> int:
 
 def _restore(hosts: Any, cfg: dict[str, Any], counts: list[int], args: argparse.Namespace,
              what: str) -> dict[str, Any]:
-    from ckptio.tuning.ceiling import drop_page_cache
-
-    drop_page_cache()
+    harness.cold()
     t0 = time.perf_counter()
     ranks = hosts.run(restore_rank, cfg, ranks_per_host=counts, timeout_s=args.timeout)
     return {"what": what, "job_s": time.perf_counter() - t0, "ranks": ranks}
@@ -200,14 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--engines: unknown {unknown}; known: {', '.join(ENGINES)}")
     args.dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    runs = []
-    for rep in range(args.reps):
-        order = engines[:]
-        rng.shuffle(order)
-        for engine in order:
-            print(f"rep {rep} {engine} ...", file=sys.stderr, flush=True)
-            runs.append(one_run(args, engine, rep, mode))
+    runs = harness.repeat(engines, args.reps, lambda engine, rep: one_run(args, engine, rep, mode),
+                          progress=lambda run, i, n: f"run {i}/{n}: rep {run['rep']} "
+                          f"{run['engine']}{' failed' if 'error' in run else ''}")
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "mode": mode,
               "why_not_netns": netns_possible() if mode != "netns" else None,
               "ceilings": ceilings(args, state_nbytes(gpt_config(args.gb))), "runs": runs}

@@ -1,13 +1,15 @@
 """The redundancy benchmark's numbers: per-engine medians over repetitions, the targets of issue
 27 checked against them, and the markdown of docs/BENCH_REDUNDANCY.md.
 
-Owns: those reductions and that text. Does not own: the runs (benchmarks/redundancy.py).
+Owns: those reductions and that text. Does not own: the runs (benchmarks/redundancy.py), the
+medians and the tables' markdown (benchmarks/harness.py: spread, markdown_table).
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
+
+from benchmarks import harness
 
 __all__ = ["markdown", "summarize"]
 
@@ -29,8 +31,8 @@ NOTES = {
 
 
 def _median(values: list[Any]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    cell = harness.spread(values)
+    return None if cell is None else cell["median"]
 
 
 def _restore_of(run: dict[str, Any], what: str) -> dict[str, Any] | None:
@@ -131,30 +133,29 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"{args['reps']} repetitions. Same-run ceilings for one rank's state "
              f"({c['bytes'] / MiB:.1f} MiB): memcpy {c['memcpy_gbps']:.2f} GB/s, XOR "
              f"{c['xor_gbps']:.2f} GB/s, disk cold read {c['disk_read_gbps']:.2f} GB/s "
-             f"({c['disk_read_s']:.3f} s).", "",
-             "| engine | overhead % | step s | save call s | protected s | steps superseded | "
-             "memory MiB/rank | "
-             "x state | restore, host lost s | from | steps lost | restore, memory lost (disk) s"
-             " | host lost vs disk | what |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+             f"({c['disk_read_s']:.3f} s).", ""]
     pooled = s.get("_disk_restore_s")
+    rows: list[list[str]] = []
     for name, row in s.items():
         if name.startswith("_"):
             continue
         if "error" in row:
-            lines.append(f"| {name} | failed: {row['error'][:200]!r} |")
+            rows.append([name, f"failed: {row['error'][:200]!r}"])
             continue
         lost, disk = row.get("host_lost", {}), row.get("memory_lost", {})
         speed = (pooled / lost["restore_s"] if lost.get("restore_s") and pooled and
                  lost.get("sources", [""])[0].split(",")[0] != "lost host: disk" else None)
         where = "; ".join(lost.get("sources", [])) or "; ".join(lost.get("errors", []))[:300]
-        lines.append(
-            f"| {name} | {_fmt(row['overhead_pct'], '+.1f')} | {_fmt(row['step_s'])} | "
-            f"{_fmt(row['call_s'])} | {_fmt(row['protected_s'])} | "
-            f"{_fmt(row.get('superseded'), 'g')} | "
-            f"{_fmt(row['shm_mib_per_rank'], '.1f')} | {_fmt(row['x_state'], '.2f')} | "
-            f"{_fmt(lost.get('restore_s'))} | {where or '-'} | {_fmt(lost.get('lost'), 'd')} | "
-            f"{_fmt(disk.get('restore_s'))} | {_fmt(speed, '.1f')}x | {NOTES.get(name, '')} |")
+        rows.append([
+            name, _fmt(row['overhead_pct'], '+.1f'), _fmt(row['step_s']), _fmt(row['call_s']),
+            _fmt(row['protected_s']), _fmt(row.get('superseded'), 'g'),
+            _fmt(row['shm_mib_per_rank'], '.1f'), _fmt(row['x_state'], '.2f'),
+            _fmt(lost.get('restore_s')), where or '-', _fmt(lost.get('lost'), 'd'),
+            _fmt(disk.get('restore_s')), f"{_fmt(speed, '.1f')}x", NOTES.get(name, '')])
+    lines.append(harness.markdown_table(
+        ["engine", "overhead %", "step s", "save call s", "protected s", "steps superseded",
+         "memory MiB/rank", "x state", "restore, host lost s", "from", "steps lost",
+         "restore, memory lost (disk) s", "host lost vs disk", "what"], rows, "lrrrrrrrrlrrrl"))
     lines += _fewer(s, pooled)
     lines += ["", f"Restore from the disk tier (every host's memory wiped), pooled over the "
               f"engines that measured it: {_fmt(pooled)} s; 'host lost vs disk' divides it by "
@@ -170,20 +171,21 @@ def _fewer(s: dict[str, Any], pooled: float | None) -> list[str]:
     if not rows:
         return []
     lines = ["", "A restart on the hosts left (one rank fewer per lost host: another rank count, "
-             "every rank's state checked bitwise):", "",
-             "| engine | restore s | from | steps lost | disk (same ranks) s / this |",
-             "|---|---:|---|---:|---:|"]
+             "every rank's state checked bitwise):", ""]
+    table = []
     for name, f in rows:
         speed = pooled / f["restore_s"] if f.get("restore_s") and pooled else None
         where = "; ".join(f.get("sources", [])) or "; ".join(f.get("errors", []))[:300]
-        lines.append(f"| {name} | {_fmt(f.get('restore_s'))} | {where or '-'} | "
-                     f"{_fmt(f.get('lost'), 'd')} | {_fmt(speed, '.2f')} |")
-    return lines
+        table.append([name, _fmt(f.get("restore_s")), where or "-", _fmt(f.get("lost"), "d"),
+                      _fmt(speed, ".2f")])
+    return [*lines, harness.markdown_table(
+        ["engine", "restore s", "from", "steps lost", "disk (same ranks) s / this"], table,
+        "lrlrr")]
 
 
 def _targets(s: dict[str, Any]) -> str:
     """Issue 27's targets, each met or missed, from this run's numbers."""
-    par, lines = s.get("parity", {}), ["| target | measured | met |", "|---|---|---|"]
+    par = s.get("parity", {})
     if not par or "error" in par:
         return "(no parity run: targets not checked)"
     lost = par.get("host_lost", {})
@@ -196,10 +198,7 @@ def _targets(s: dict[str, Any]) -> str:
                lambda v: v <= 3, "+.1f"),
               ("restore after a host loss >= 3x faster than from local disk", speed,
                lambda v: v >= 3, ".1f")]
-    for what, value, ok, spec in checks:
-        met = "-" if value is None else ("met" if ok(value) else "**missed**")
-        lines.append(f"| {what} | {_fmt(value, spec)} | {met} |")
-    return "\n".join(lines)
+    return _checked(["target", "measured", "met"], checks)
 
 
 def _two_losses(s: dict[str, Any], k: int) -> list[str]:
@@ -215,8 +214,12 @@ def _two_losses(s: dict[str, Any], k: int) -> list[str]:
                two["x_state"], lambda v: v <= 1 + 2 / k + 0.01, ".2f"),
               ("its restore from memory faster than from a cold disk", speed, lambda v: v > 1,
                ".2f")]
-    lines = ["", "| target (two parity pieces) | measured | met |", "|---|---|---|"]
-    for what, value, ok, spec in checks:
-        met = "-" if value is None else ("met" if ok(value) else "**missed**")
-        lines.append(f"| {what} | {_fmt(value, spec)} | {met} |")
-    return lines
+    return ["", _checked(["target (two parity pieces)", "measured", "met"], checks)]
+
+
+def _checked(header: list[str], checks: list[tuple[str, Any, Any, str]]) -> str:
+    """The targets' table: each one's value and whether it is met ("-": not measured)."""
+    rows = [[what, _fmt(value, spec),
+             "-" if value is None else ("met" if ok(value) else "**missed**")]
+            for what, value, ok, spec in checks]
+    return harness.markdown_table(header, rows, "lll")

@@ -5,7 +5,7 @@ evidence for or against changes docs/BENCH_S3.md discusses.
 (``readinto``, GET bodies read from the socket straight into the staging buffer, was measured
 here first and is now ckptio's own read: storage/s3/backend.py ``_read_body``.)
 
-- ``memmove``: the staging copies (stage.copy_in / copy_out) as ctypes.memmove of contiguous
+- ``memmove``: the staging copies (buffers.copy_in / copy_out) as ctypes.memmove of contiguous
   CPU blocks (GIL released, one thread) instead of Tensor.copy_, whose OpenMP intra-op pool
   spins when the other core is busy (here: the server and the request threads).
 - ``threads1``: torch.set_num_threads(1) in the whole process (what memmove avoids needing).
@@ -19,12 +19,12 @@ import torch
 
 
 def _patch_memmove() -> None:
-    """ckptio's staging copies (stage.copy_in / copy_out) as one ctypes.memmove per contiguous
+    """ckptio's staging copies (buffers.copy_in / copy_out) as one ctypes.memmove per contiguous
     CPU block of the same dtype (GIL released, one thread) instead of Tensor.copy_, which runs
     on torch's intra-op OpenMP pool and spins when the other core is busy."""
     import ctypes
 
-    from ckptio.io import stage
+    from ckptio.io import buffers
     from ckptio.loading import read
     from ckptio.saving import persist
 
@@ -34,7 +34,7 @@ def _patch_memmove() -> None:
 
     def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> None:
         pos = 0
-        for block in stage.element_blocks(src, start, count):
+        for block in buffers.element_blocks(src, start, count):
             n = block.numel()
             piece = dst[pos:pos + n]
             if plain(block, piece):
@@ -45,7 +45,7 @@ def _patch_memmove() -> None:
 
     def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:
         pos = 0
-        for block in stage.element_blocks(dst, start, count):
+        for block in buffers.element_blocks(dst, start, count):
             n = block.numel()
             piece = src[pos:pos + n]
             if plain(block, piece):
@@ -54,7 +54,7 @@ def _patch_memmove() -> None:
                 block.copy_(piece.view(block.shape))
             pos += n
 
-    stage.copy_out, stage.copy_in = copy_out, copy_in
+    buffers.copy_out, buffers.copy_in = copy_out, copy_in
     persist.copy_out, read.copy_in = copy_out, copy_in
 
 

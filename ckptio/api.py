@@ -32,7 +32,7 @@ from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
 from ckptio.saving import save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
-from ckptio.storage.select import checkpoint_path, store_and_file, store_for
+from ckptio.storage.select import checkpoint_path, store_for
 
 AsyncSaveResult = SaveResult  # the result of an async save's handle.wait(): a save's fields
 
@@ -102,7 +102,7 @@ class Checkpointer:
             planned = save_session.planned_files(state, self.options.max_file_bytes,
                                                  self._plan_cache)
             self._resources.fit(planned[0])
-        store = None if path is None else store_for(path, self.options)
+        store = None if path is None else self._resources.served(store_for(path, self.options))
         self._resources.prepare(store, wait=state is None if wait is None else wait)
         return planned
 
@@ -227,7 +227,7 @@ class Checkpointer:
                 raise said from exc
             previous_error = said
         self._stale_hooks = [c for c in self._stale_hooks if not c.remove_hooks()]
-        store = store_for(path, self.options)
+        store = self._resources.served(store_for(path, self.options))
         packing = packed.packing_for(self.options, store, base,
                                      block_nbytes=self._resources.block_nbytes)
         piece = piece_of(current_group(process_group))
@@ -293,7 +293,7 @@ class Checkpointer:
     def manifest(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Manifest:
         """What the checkpoint at ``path`` holds, as a load sees it: its committed manifest, or
         the one made of a DCP checkpoint there (``ckptio ls``)."""
-        store, file = store_and_file(path, self.options)
+        store, file = self._resources.located(path)
         return loading.open_checkpoint(self._resources, store, file,
                                        allow_pickle=allow_pickle).record
 
@@ -303,7 +303,7 @@ class Checkpointer:
         ``manifest(path)`` gave it) in one coalesced pass through this Checkpointer's pool and
         the store's files, checksums checked unless ``verify`` is False (default
         Options.verify). For drivers that plan their own reads (ckptio.DcpReader). -> bytes read."""
-        store, _file = store_and_file(path, self.options)
+        store, _file = self._resources.located(path)
         verify = self.options.verify if verify is None else verify
         return loading.read_fn(self._resources, store, record, verify=verify)(list(reads))
 
@@ -320,7 +320,7 @@ class Checkpointer:
         bar); without it everything is read in one pass. ``record``: what ``manifest(path)``
         gave, when the caller has it (not read again).
         """
-        store, file = store_and_file(path, self.options)
+        store, file = self._resources.located(path)
         opened = (loading.Opened(store, file, record) if record is not None else
                   loading.open_checkpoint(self._resources, store, file, allow_pickle=False))
         return loading.verify(self._resources, opened, progress)
@@ -377,7 +377,7 @@ class Checkpointer:
             agree_unexpected=key_step, shared_reads=read_step)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
-            store, file = store_and_file(path, self.options)
+            store, file = self._resources.located(path)
             result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
             if state is not None:

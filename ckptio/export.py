@@ -41,7 +41,8 @@ from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
-from ckptio.io.stage import Buffer, StagingPool, torch_dtype, typed
+from ckptio.io.buffers import Buffer, torch_dtype, typed
+from ckptio.io.stage import StagingPool
 from ckptio.options import Options
 from ckptio.planning.export_plan import (
     ExportFile,

@@ -41,7 +41,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 import ckptio
 from ckptio.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.shared import checkpointer
 
 __all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -33,9 +34,10 @@ from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
 from ckptio.saving.workers import SaveWorkers
-from ckptio.storage.local import mapped
 from ckptio.storage.files import StoreFiles, in_memory
+from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.select import store_and_file
 from ckptio.storage.store_contract import Store
 from ckptio.tuning.profile import io_fields, tuned_options, tuned_s3_options
 
@@ -63,6 +65,30 @@ class ReusedIOResources:
         self._over_budget_logged = False
         self._active = options  # the options the pool and backends were made with
         self._local_ranks = local_world_size()  # the ranks sharing this host's budget
+        self._roots: dict[str, LocalRoot] = {}  # a manager's local tier roots, by location
+
+    # ---------------------------------------------------------------- which store a path is
+
+    def serve(self, root: LocalRoot) -> None:
+        """A manager's local tier: its steps' stores are made by ``root`` (LocalRoot.store_at,
+        carrying the mappings the root owns for a memory tier), so its saves, restores and
+        drains through this Checkpointer share them. A second root at the same location (two
+        managers over one Checkpointer) shares the first one's mappings."""
+        known = self._roots.setdefault(root.location, root)
+        root.mappings = known.mappings
+
+    def served(self, store: Store) -> Store:
+        """``store`` (select.store_for's), or, for a step of a root ``serve`` was given, the
+        store that root makes of it."""
+        if not isinstance(store, LocalStore) or store.mappings is not None:
+            return store
+        root = self._roots.get(os.path.dirname(store.location.rstrip("/")))
+        return store if root is None else root.store_at(store.location)
+
+    def located(self, path: str | os.PathLike[str]) -> tuple[Store, str | None]:
+        """select.store_and_file(path) with its store ``served``."""
+        store, file = store_and_file(path, self.options)
+        return self.served(store), file
 
     # ---------------------------------------------------------------- what a save or load borrows
 
@@ -285,4 +311,5 @@ class ReusedIOResources:
             self.workers.close()
             self.release()
             self._grown_nbytes = 0
-        mapped.forget()  # the mapped saves' files stay, their mappings in this process go
+        for root in list(self._roots.values()):  # the mapped saves' files stay, their
+            root.mappings.forget()  # idle mappings in this process go

@@ -36,6 +36,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import on_tmpfs
+from ckptio.storage.files import mappings_of
 from ckptio.storage.local.slots import SLOTS_DIR, warm_fit
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
@@ -151,10 +152,13 @@ def test_mapped_async_save_round_trips_with_no_write(shm):
     ck.close()
 
 
-def _slots_warm(mgr: ckptio.CheckpointManager, sizes: list[int], sets: int) -> bool:
+def _slots_warm(ck: ckptio.Checkpointer, mgr: ckptio.CheckpointManager, sizes: list[int],
+                sets: int) -> bool:
     """Whether ``sets`` slots of each of ``sizes`` beside the memory tier's steps are mapped
     here and idle (the background thread of prepare() has made them)."""
-    return warm_fit(mgr.path(0), sorted(sizes * sets))
+    mappings = mappings_of(ck.resources().served(LocalStore(mgr.path(0))))
+    assert mappings is not None, "the memory tier's step store carries no mappings"
+    return warm_fit(mgr.path(0), sorted(sizes * sets), mappings)
 
 
 @pytest.mark.parametrize("via", ["prepare", "restore"])
@@ -171,12 +175,12 @@ def test_prepare_makes_the_first_saves_mapped(shm, via):
     with mgr:
         if via == "prepare":
             mgr.prepare(state_of(0), wait=True)
-            assert _slots_warm(mgr, ck.prepare(None, state=state_of(0))[0], 3)
+            assert _slots_warm(ck, mgr, ck.prepare(None, state=state_of(0))[0], 3)
         else:
             assert mgr.restore(state_of(0)) is None
         sizes, _cuda = ck.prepare(None, state=state_of(0))
         deadline = time.monotonic() + 30
-        while not _slots_warm(mgr, sizes, 3):
+        while not _slots_warm(ck, mgr, sizes, 3):
             assert time.monotonic() < deadline, f"no slots mapped ahead: {os.listdir(root)}"
             time.sleep(0.05)
         for step in range(5):

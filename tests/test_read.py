@@ -248,7 +248,7 @@ def test_a_corrupt_byte_in_a_resharded_piece_checked_on_an_io_thread_never_lands
     ck.close()
 
 # ------------------------------------------------------------------------------------------------
-# copying into destinations without a torch kernel (stage.move_in), and reads applied while the
+# copying into destinations without a torch kernel (buffers.move_in), and reads applied while the
 # pool is still being faulted in
 
 
@@ -259,7 +259,8 @@ class _Sub(torch.Tensor):
 def test_move_in_copies_into_plain_host_tensors_only():
     """One memmove into a plain contiguous host tensor of the buffer's dtype (its version
     bumped as copy_ bumps it); anything else is left untouched for copy_in."""
-    from ckptio.io.stage import StagingPool, move_in
+    from ckptio.io.buffers import move_in
+    from ckptio.io.stage import StagingPool
 
     pool = StagingPool(1, MiB)
     buffer = pool.acquire()

@@ -157,11 +157,13 @@ def test_a_restore_reads_one_manifest_and_opens_one_step_however_many_the_tier_h
     assert len(opened) == len(set(opened)), f"a data file was opened twice: {opened}"
 
 
-def _saved_mapped(shm: str, tiers: list[ckptio.Tier]) -> tuple[ckptio.CheckpointManager, Any]:
-    """A manager whose memory tier's newest step was written through mappings this process
-    keeps (the tier's slots: from the third save on), and the state saved there."""
+def _saved_mapped(shm: str, tiers: list[ckptio.Tier],
+                  checkpointer: ckptio.Checkpointer | None = None
+                  ) -> tuple[ckptio.CheckpointManager, Any]:
+    """A manager whose memory tier's newest step was written through mappings its memory
+    tier's root keeps (the tier's slots: from the third save on), and the state saved there."""
     state = _state()
-    mgr = ckptio.CheckpointManager(tiers=tiers)
+    mgr = ckptio.CheckpointManager(tiers=tiers, checkpointer=checkpointer)
     for step in range(1, 5):
         for v in state.values():
             v.add_(1)
@@ -284,15 +286,17 @@ def test_a_flipped_byte_in_a_mapped_file_names_it(shm: str, monkeypatch: Any) ->
     """With no other copy: CorruptCheckpointError naming the key and the data file."""
     import os
 
-    mgr, saved = _saved_mapped(shm, [ckptio.Tier("shm://run", keep_last=1)])
+    ck = ckptio.Checkpointer()  # the manager's: its loads copy out of the tier's mappings
+    mgr, saved = _saved_mapped(shm, [ckptio.Tier("shm://run", keep_last=1)], ck)
     try:
         flipped = _flip_in_newest(os.path.join(shm, "run"))
         reads = _count_reads(monkeypatch)
         into = {k: torch.zeros_like(v) for k, v in saved.items()}
         with pytest.raises(CorruptCheckpointError) as raised:
-            ckptio.load(os.path.dirname(flipped), into)
+            ck.load(os.path.dirname(flipped), into)
     finally:
         mgr.close()
+        ck.close()
     assert reads == []
     assert flipped in str(raised.value) and "checksum mismatch" in str(raised.value)
 

@@ -1,11 +1,12 @@
-"""io/stage.copy_in: contiguous host blocks go by one memmove (no intra-op pool), everything else
+"""io/buffers.copy_in: contiguous host blocks go by one memmove (no intra-op pool), everything else
 by Tensor.copy_; both land the same bytes, and an in-place copy's version bump is kept."""
 
 from __future__ import annotations
 
 import torch
 
-from ckptio.io.stage import StagingPool, copy_in, typed
+from ckptio.io.buffers import copy_in, typed
+from ckptio.io.stage import StagingPool
 
 
 def _staged(values: torch.Tensor) -> tuple[StagingPool, torch.Tensor]:

@@ -171,7 +171,8 @@ def test_views_kept_in_buffers_follow_a_changed_layout(tmp_path: os.PathLike[str
 
 
 def test_pool_hands_out_lowest_buffers_first_and_bounds_kept_views() -> None:
-    from ckptio.io.stage import MAX_KEPT_VIEWS, StagingPool
+    from ckptio.io.buffers import MAX_KEPT_VIEWS
+    from ckptio.io.stage import StagingPool
 
     pool = StagingPool(4, MiB)
     taken = [pool.acquire() for _ in range(4)]

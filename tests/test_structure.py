@@ -205,7 +205,7 @@ NOT_GEOMETRY: dict[tuple[str, str], str] = {
     ("ckptio.format.torchzip", "TAIL_NBYTES"): "a torch item's records after its data fit",
     ("ckptio.storage.holder", "RECORD_MAX_NBYTES"): "the bound of a lock holder's JSON record",
     ("ckptio.storage.s3.objects", "SEEN_MAX"): "a count of names remembered",
-    ("ckptio.io.stage", "MAX_KEPT_VIEWS"): "a count of views kept per buffer",
+    ("ckptio.io.buffers", "MAX_KEPT_VIEWS"): "a count of views kept per buffer",
     ("ckptio.tuning.state", "WIDTHS"): "model widths of the synthetic state",
     ("ckptio.demo.train", "KILL_NOTE_BYTES"): "the size of the demo's kill note",
 }

@@ -171,7 +171,7 @@ def _loaded(path: str, batch: list[Row]) -> dict[str, torch.Tensor]:
     import torch
 
     import ckptio
-    from ckptio.io.stage import torch_dtype
+    from ckptio.io.buffers import torch_dtype
 
     state = {r.key: torch.empty(r.shape, dtype=torch_dtype(r.dtype)) for r in batch}
     wanted = set(state)

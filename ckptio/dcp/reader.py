@@ -48,7 +48,7 @@ from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
 from ckptio.format.flatten import unflatten
 from ckptio.format.types import Chunk, Manifest, Read
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading.stored import RankPolicy, stored_value
 from ckptio.loading.foreign_common import torch_load_value
 from ckptio.options import Options

@@ -45,7 +45,7 @@ from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import RankFailedError
 from ckptio.format.checksum import ALGORITHMS, TREE
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.planning.shared_reads import Share, Want, assign, shared_blocks, unit_name
 from ckptio.storage.holder import host_id
 

@@ -1,5 +1,6 @@
 """The io layer: I/O backends behind one small contract (backend_contract.IOBackend), chosen by
-name, the staging buffers (stage.py) and the one background-worker thread class (worker.py).
+name, the staging pool (stage.py), a buffer's bytes as tensors and the copies into and out of
+them (buffers.py), and the one background-worker thread class (worker.py).
 Internal: the public surface is ``ckptio`` itself (ckptio/__init__.py's ``__all__``);
 testing/io_conformance.py states the backend contract.
 

@@ -1,11 +1,11 @@
-"""Host staging: a fixed pool of aligned, pre-faulted buffers reused by every save and load, and
-element-exact copies between tensors (any strides, host or CUDA) and those buffers.
+"""Host staging: a fixed pool of aligned, pre-faulted buffers reused by every save and load.
 
 Owns: staging memory (allocated once, pre-faulted because this kind of VM faults fresh pages
 slowly, page-locked with cudaHostRegister when CUDA is present so device copies run
-asynchronously), its admission (acquire blocks while every buffer is in use) and tensor<->bytes
-copies (device->host copies are non_blocking on whatever stream is current: the caller owns
-streams and events). Does not own: what is copied where (saving/persist.py, loading/read.py) or I/O (io/).
+asynchronously) and its admission (acquire blocks while every buffer is in use). Does not own:
+a buffer's bytes as tensors and the copies between tensors and buffers (io/buffers.py; its
+names used by saving/persist.py are re-exported here until that import moves), what is copied
+where (saving/persist.py, loading/read.py) or I/O (io/).
 """
 
 from __future__ import annotations
@@ -18,59 +18,15 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.format.types import DTYPE_ITEMSIZE
+from ckptio.io.buffers import Buffer, copy_out, move_out, torch_dtype, typed
 
-MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
-
-__all__ = ["Buffer", "StagingPool", "available_host_bytes", "copy_in", "copy_out", "move_in",
-           "move_out", "torch_dtype", "typed"]
-
-
-@dataclass
-class Buffer:
-    """One page-aligned staging buffer; ``data`` is a uint8 tensor over the same memory."""
-
-    index: int
-    view: memoryview
-    data: torch.Tensor
-    _as: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # whole buffer per dtype
-    _views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.view)
-
-    @property
-    def address(self) -> int:
-        """Where the buffer's first byte lies in memory."""
-        return self.data.data_ptr()
-
-    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole buffer as a 1-D tensor of ``dtype``, made once and kept."""
-        whole = self._as.get(dtype)
-        if whole is None:
-            whole = self._as[dtype] = self.data.view(dtype)
-        return whole
-
-    def view_at(self, start: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """Bytes from ``start`` (a multiple of the itemsize) as a contiguous tensor of ``dtype``
-        and ``shape``. Kept: a save of an unchanged layout finds the same views in the same
-        buffers (the pool hands buffers out lowest first), and making thousands of views was
-        a third of what a save's caller waited for beyond the copy itself."""
-        key = (start, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= MAX_KEPT_VIEWS:
-                self._views.clear()
-            itemsize = dtype.itemsize
-            view = self.as_dtype(dtype)[start // itemsize:start // itemsize + shape.numel()].view(shape)
-            self._views[key] = view
-        return view
+# Buffer and the copies are io/buffers.py's; re-exported for saving/persist.py's import only
+__all__ = ["Buffer", "StagingPool", "available_host_bytes", "copy_out", "move_out",
+           "torch_dtype", "typed"]
 
 
 class StagingPool:
@@ -341,124 +297,3 @@ def _pin(whole: torch.Tensor) -> bool:
     if int(err) != 0:  # e.g. a memlock limit: copies still work, only synchronously
         return False
     return True
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype) or name not in DTYPE_ITEMSIZE:
-            raise CkptError(f"dtype {name!r} is not available in this torch {torch.__version__}")
-        _DTYPES[name] = dtype
-    return dtype
-
-
-_DTYPES: dict[str, torch.dtype] = {}  # torch_dtype's answers
-
-
-def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bytes [start, start+nbytes) of a buffer as a 1-D tensor of ``dtype``."""
-    itemsize = dtype.itemsize
-    if start % itemsize == 0 and nbytes % itemsize == 0:  # always, for ckptio's aligned entries
-        return buffer.as_dtype(dtype)[start // itemsize:(start + nbytes) // itemsize]
-    raw = buffer.data[start:start + nbytes]
-    return raw.clone().view(dtype) if start % itemsize else raw.view(dtype)  # foreign entries
-
-
-def element_blocks(t: torch.Tensor, start: int, count: int) -> Iterator[torch.Tensor]:
-    """Views of ``t`` that together cover elements [start, start+count) in row-major order.
-
-    Lets a strided tensor of any size stream through fixed-size buffers without a contiguous
-    copy of the whole tensor: O(ndim) views per range.
-    """
-    if count <= 0:
-        return
-    if t.dim() <= 1 or t.is_contiguous():
-        yield t.reshape(-1)[start:start + count]
-        return
-    row = t[0].numel()
-    first, offset = divmod(start, row)
-    end_row, end_offset = divmod(start + count, row)
-    if first == end_row:
-        yield from element_blocks(t[first], offset, count)
-        return
-    if offset:
-        yield from element_blocks(t[first], offset, row - offset)
-        first += 1
-    if end_row > first:
-        yield t[first:end_row]
-    if end_offset:
-        yield from element_blocks(t[end_row], 0, end_offset)
-
-
-def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> None:
-    """Elements [start, start+count) of ``src`` -> contiguous 1-D ``dst`` of ``count`` elements."""
-    pos = 0
-    for block in element_blocks(src, start, count):
-        n = block.numel()
-        # From a device: asynchronous into pinned memory on the current stream; the caller records
-        # an event and synchronizes before the bytes are read (persist.py).
-        dst[pos:pos + n].view(block.shape).copy_(block, non_blocking=block.is_cuda)
-        pos += n
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def move_in(buffer: Buffer, start: int, nbytes: int, dst: torch.Tensor, dtype: torch.dtype,
-            at: int) -> bool:
-    """Bytes [start, start + nbytes) of ``buffer`` into bytes [at, at + nbytes) of ``dst`` by
-    one memmove (GIL released), when ``dst`` is a plain, contiguous host tensor of ``dtype``
-    holding those bytes (no subclass, conjugate or negative bit, not an inference tensor); its
-    version counter is bumped as copy_ bumps it. -> False, nothing copied, otherwise (copy_in).
-    No torch kernel runs: in a fresh process with a cold page cache torch's copy code was paged
-    in from disk inside the first copy, behind every read in flight (docs/BENCH_LIMIT.md, "the
-    cold small load"), and its two-thread copy stalled whenever the other core was busy; for the
-    many small entries of a state the per-call cost is a fraction of copy_'s."""
-    if (not _plain_host(dst, dtype)
-            or not 0 <= at <= dst.numel() * dst.element_size() - nbytes
-            or not 0 <= start <= buffer.nbytes - nbytes):
-        return False
-    ctypes.memmove(dst.data_ptr() + at, buffer.address + start, nbytes)
-    torch.autograd.graph.increment_version(dst)
-    return True
-
-
-def move_out(src: torch.Tensor, dtype: torch.dtype, buffer: Buffer, start: int,
-             nbytes: int) -> bool:
-    """``src``'s ``nbytes`` bytes into bytes [start, start + nbytes) of ``buffer`` by one
-    memmove (GIL released, no torch kernel), when ``src`` is a plain, contiguous host tensor
-    of ``dtype`` of exactly those bytes (move_in's rule); -> False, nothing copied, otherwise."""
-    if (not _plain_host(src, dtype) or src.nbytes != nbytes
-            or not 0 <= start <= len(buffer.view) - nbytes):
-        return False
-    ctypes.memmove(buffer.data.data_ptr() + start, src.data_ptr(), nbytes)
-    return True
-
-
-def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:
-    """Contiguous 1-D ``src`` of ``count`` elements -> elements [start, start+count) of ``dst``.
-
-    A contiguous host block of ``src``'s dtype is one memmove (one thread, GIL released; its
-    version counter bumped as an in-place copy would): Tensor.copy_ hands it to torch's intra-op
-    pool, whose threads wait for a core the I/O threads (and a local S3 server) hold; a load's
-    copies then cost more CPU and ran slower than memmove (docs/BENCH_S3.md, "where a load's CPU
-    went"). Anything else (strided, another dtype or device) goes through copy_."""
-    pos = 0
-    for block in element_blocks(dst, start, count):
-        n = block.numel()
-        piece = src[pos:pos + n]
-        if _plain_host(block, piece.dtype) and _plain_host(piece, piece.dtype):
-            ctypes.memmove(block.data_ptr(), piece.data_ptr(), n * block.element_size())
-            torch.autograd.graph.increment_version(block)
-        else:
-            block.copy_(piece.view(block.shape))
-        pos += n
-
-
-def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """``t`` is a plain, contiguous host tensor of ``dtype`` whose bytes copy as they are (no
-    subclass, conjugate or negative bit, not an inference tensor): memmove may fill or read it."""
-    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.dtype is dtype
-            and t.layout is torch.strided and t.is_contiguous() and not t.is_conj()
-            and not t.is_neg() and not t.is_inference())

@@ -23,7 +23,7 @@ import torch
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.checksum import TREE, new_hasher, whole_from_blocks
 from ckptio.format.types import DTYPE_ITEMSIZE, Read, TensorEntry
-from ckptio.io.stage import copy_in, torch_dtype
+from ckptio.io.buffers import copy_in, torch_dtype
 from ckptio.planning.reshard import Piece, execute, plan_reads, region_of, stored_from_entry
 from ckptio.storage.entry_reader import EntryReader
 

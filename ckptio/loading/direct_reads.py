@@ -6,7 +6,7 @@ pool's copy is a pass over the bytes that the load can do without. A whole entry
 tensor wants, contiguous, of the entry's dtype and size, is read by the backend straight into
 that tensor's bytes (the kernel's copy out of the tmpfs pages is the one copy) and hashed
 there, on the I/O thread that read it. A file this process still maps (a save here wrote it:
-storage/local/mapped.py's cache, a rollback's restore) is copied out of that mapping instead, block
+the memory tier's Mappings, a rollback's restore) is copied out of that mapping instead, block
 by block, each block hashed as it lands (no read, no page faults; a fresh process maps
 nothing: mapping a file costs a page-table fill that a read does not pay). Its bytes land
 before their check: a mismatch raises CorruptCheckpointError naming the key, as any load's
@@ -33,9 +33,9 @@ from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.backend_contract import Filled
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading.checks import Checker
-from ckptio.storage.local import mapped
+from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["BATCH_NBYTES", "COPY_NBYTES", "read", "split"]
@@ -94,13 +94,13 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
     # flight their threads would hold each of these calls up
     views = [_bytes_of(s.dests[0], s.nbytes) for s in spans]
     handles: dict[str, FileHandle] = {}
-    maps: dict[str, mapped.MappedFile | None] = {}
+    maps: dict[str, MappedFile | None] = {}
     batches: list[Future[int]] = []
     try:
         for batch in _batches(list(zip(spans, views))):
             file = batch[0][0].file
             if file not in maps:
-                maps[file] = mapped.borrow(source.where(file))
+                maps[file] = source.borrow_mapped(file)
             reads = [(s.offset, v) for s, v in batch]
             entry, each = maps[file], _Checking(batch, checker).each
             if entry is not None:
@@ -115,7 +115,7 @@ def read(source: StoreFiles, spans: Sequence[WholeSpan], checker: Checker) -> in
             source.close(fh, sync=False)
         for borrowed in maps.values():
             if borrowed is not None:
-                mapped.release(borrowed)
+                source.release_mapped(borrowed)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
@@ -134,7 +134,7 @@ def _copier() -> ThreadPoolExecutor:
         return _copiers[pid]
 
 
-def _copy_each(source: mapped.MappedFile, reads: Sequence[tuple[int, memoryview]],
+def _copy_each(source: MappedFile, reads: Sequence[tuple[int, memoryview]],
                each: Filled) -> int:
     """backend_contract.BatchReads.submit_reads' work out of a mapping: every read in order,
     COPY_NBYTES at a time, ``each`` after each (the block still in the core's cache); a read

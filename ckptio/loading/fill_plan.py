@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ckptio.format.types import Chunk, ObjectEntry, Read, TensorEntry
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading.matching import Leaf, Match
 from ckptio.loading.stored import TensorSource, decode_object, stored_value
 from ckptio.planning.sharding import Held

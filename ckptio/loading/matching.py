@@ -27,7 +27,7 @@ from ckptio.errors import StateMismatchError
 from ckptio.format.flatten import FlatState
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json, Manifest, ObjectEntry
-from ckptio.io.stage import torch_dtype
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading import param_check, state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf

@@ -34,7 +34,8 @@ from ckptio.distributed.readshare import Known
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
 from ckptio.io import FileHandle
-from ckptio.io.stage import Buffer, StagingPool, copy_in, move_in, torch_dtype, typed
+from ckptio.io.buffers import Buffer, copy_in, move_in, torch_dtype, typed
+from ckptio.io.stage import StagingPool
 from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded

@@ -78,6 +78,8 @@ class TierSteps:
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
+        if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
+            checkpointer.resources().serve(root)
 
     # ---------------------------------------------------------------- the root
 
@@ -90,7 +92,7 @@ class TierSteps:
         return self._root.path(step)
 
     def store(self, step: int) -> Store:
-        return store_for(self.path(step), self._ck.options)
+        return self._ck.resources().served(store_for(self.path(step), self._ck.options))
 
     def scan(self) -> Listing:
         """Rank 0: {"committed": [...], "incomplete": [...]}, ascending."""

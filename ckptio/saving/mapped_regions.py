@@ -2,9 +2,9 @@
 
 In a mapped save (persist.SaveJob(mapped=True), chosen by save_session.py for a store on tmpfs)
 a _Window's "buffer" is the region [start, start + region_nbytes) of its file's mapping
-(storage/local/mapped.py), a stage.Buffer over those pages: the capture's copies are the checkpoint's
-bytes, the hasher reads them there, nothing is written. A region is made once per mapping and
-kept with it (with the views the capture makes in it), so a save into a reused slot finds them.
+(storage/local/mapped.py), a buffers.Buffer over those pages: the capture's copies are the
+checkpoint's bytes, the hasher reads them there, nothing is written. A region is made once per
+mapping and kept with it (with the views the capture makes in it), so a save into a reused slot finds them.
 Where CUDA is present and the save has device sources, each mapping is page-locked once
 (cudaHostRegister, undone before it is unmapped): the device->host copies land in the file.
 
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import torch
 
 from ckptio.format.types import FileLayout
-from ckptio.io.stage import Buffer
+from ckptio.io.buffers import Buffer
 from ckptio.storage.files import StoreFiles
-from ckptio.storage.local.mapped import MappedFile, release
+from ckptio.storage.local.mapped import MappedFile
 
 __all__ = ["MappedTarget", "pin"]
 
@@ -69,7 +69,7 @@ class MappedTarget:
         """Done with every mapping: kept for a later save into the same file (``keep``), else
         unmapped (a failed save, whose files are removed). Idempotent."""
         while self._open:
-            release(self._open.popitem()[1], keep=keep)
+            self.target.release_mapped(self._open.popitem()[1], keep=keep)
 
 
 def pin(mapping: MappedFile) -> bool:

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from ckptio.alignment import align_up
 from ckptio.errors import StorageIOError
 from ckptio.io import IOBackend
-from ckptio.io.stage import Buffer, StagingPool
+from ckptio.io.buffers import Buffer
+from ckptio.io.stage import StagingPool
 from ckptio.planning.export_plan import Window
 
 __all__ = ["write_windows"]

@@ -27,15 +27,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
+from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import BatchReads, FileHandle, Filled, IOBackend, all_of
-from ckptio.storage.local import mapped, slots
+from ckptio.storage.local import slots
+from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.store_contract import Capabilities, Store
 
 if TYPE_CHECKING:  # torch-free at run time: manifest-only commands import storage/
     from ckptio.io.stage import StagingPool
     from ckptio.options import Options
 
-__all__ = ["Capabilities", "IOResources", "StoreFiles", "in_memory", "mappable"]
+__all__ = ["Capabilities", "IOResources", "StoreFiles", "in_memory", "mappable", "mappings_of"]
 
 
 class StoreFiles:
@@ -66,12 +68,29 @@ class StoreFiles:
         """Whether the store's files are pages of host memory (``in_memory``)."""
         return in_memory(self.store)
 
-    def open_mapped(self, name: str, nbytes: int) -> mapped.MappedFile:
+    def open_mapped(self, name: str, nbytes: int) -> MappedFile:
         """Create file ``name`` of ``nbytes`` mapped writable (a store for which mappable()
         holds; storage/local/mapped.py): a slot of its root's dropped steps where there is one
-        (storage/local/slots.py)."""
-        path = self.store.path_of(name)
-        return mapped.open_file(path, nbytes, reused=slots.take_slot(path, nbytes))
+        (storage/local/slots.py), mapped into the store's Mappings (its root's)."""
+        mappings, path = self._mappings(), self.store.path_of(name)
+        return mappings.open_file(path, nbytes, reused=slots.take_slot(path, nbytes, mappings))
+
+    def borrow_mapped(self, name: str) -> MappedFile | None:
+        """The idle mapping of file ``name`` in the store's Mappings (a save through them wrote
+        it), in use until ``release_mapped``; None where there is none (Mappings.borrow)."""
+        mappings = mappings_of(self.store)
+        return None if mappings is None else mappings.borrow(self.store.path_of(name))
+
+    def release_mapped(self, entry: MappedFile, *, keep: bool = True) -> None:
+        """Done with ``entry`` (from open_mapped or borrow_mapped): Mappings.release."""
+        self._mappings().release(entry, keep=keep)
+
+    def _mappings(self) -> Mappings:
+        mappings = mappings_of(self.store)
+        if mappings is None:
+            raise StorageIOError(f"{self.location} keeps no mappings (only a memory tier's step "
+                                 "does, storage/files.mappable): nothing is mapped here")
+        return mappings
 
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self.backend.submit_write(fh, offset, data)
@@ -100,7 +119,7 @@ def in_memory(store: Store) -> bool:
     buffered read of them into any address is one copy (loading/direct_reads.py), and its
     transfers are copies that threads spread over the cores (ckptio/resources.py)."""
     directory = store.capabilities.filesystem
-    return directory is not None and mapped.on_tmpfs(directory)
+    return directory is not None and on_tmpfs(directory)
 
 
 def mappable(store: Store, sizes: Sequence[int]) -> bool:
@@ -109,7 +128,16 @@ def mappable(store: Store, sizes: Sequence[int]) -> bool:
     process has mapped ahead (storage/local/slots.py; a manager's memory tier once its retention
     dropped a step). Elsewhere, and until then, the capture copies into the staging pool and
     the backend writes: a fresh mapping would allocate and fault its pages inside the call."""
-    return in_memory(store) and slots.warm_fit(store.capabilities.filesystem or "", sizes)
+    mappings = mappings_of(store)
+    return (mappings is not None and in_memory(store)
+            and slots.warm_fit(store.capabilities.filesystem or "", sizes, mappings))
+
+
+def mappings_of(store: Store) -> Mappings | None:
+    """The Mappings ``store``'s files are kept in: a memory tier's step's (its root's, carried
+    by the LocalStore the root made, LocalRoot.store_at); None for any other store."""
+    found = getattr(store, "mappings", None)
+    return found if isinstance(found, Mappings) else None
 
 
 class IOResources(Protocol):

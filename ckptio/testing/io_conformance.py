@@ -35,7 +35,8 @@ import pytest
 from ckptio.alignment import BLOCK
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, IOBackend
-from ckptio.io.stage import Buffer, StagingPool
+from ckptio.io.buffers import Buffer
+from ckptio.io.stage import StagingPool
 from ckptio.options import MiB, Options
 from ckptio.storage.files import Capabilities, StoreFiles
 from ckptio.storage.store_contract import Store

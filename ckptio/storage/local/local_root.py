@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from ckptio.errors import StorageIOError
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.local.mapped import MappedFile, on_tmpfs
+from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.local.slots import (
     SLOT_STEPS,
     SLOTS_DIR,
@@ -57,9 +57,16 @@ class LocalRoot:
     """A directory of ``step-N`` directories (see the module docstring)."""
 
     def __init__(self, directory: str, *, slots: bool = False) -> None:
-        """``slots``: keep a dropped step's data files for later saves, on tmpfs."""
+        """``slots``: keep a dropped step's data files for later saves, on tmpfs (their
+        mappings in ``mappings``, which this root owns and its steps' stores carry)."""
         self.location = directory
         self.slots = slots
+        self.mappings = Mappings()
+
+    def store_at(self, location: str) -> LocalStore:
+        """The store of step directory ``location`` (one of this root's), carrying the root's
+        mappings where it keeps slots: a save there maps its files into them."""
+        return LocalStore(location, mappings=self.mappings if self.slots else None)
 
     def __repr__(self) -> str:
         return f"LocalRoot({self.location!r})"
@@ -104,7 +111,7 @@ class LocalRoot:
                 # are mapped ahead (storage/files.mappable), and it starts right after this
                 # pass. Only slots written through the pool cost anything: a mapped save's
                 # files are mapped here already.
-                warm_slots(self.location)
+                warm_slots(self.location, self.mappings)
             return functools.partial(remove, leftovers)
         return None
 
@@ -120,12 +127,14 @@ class LocalRoot:
             make_slots(self.location, sizes, SLOT_STEPS + 1)
         except OSError as exc:  # a full tmpfs, say: the first saves go through the pool
             log.info("ckptio: no slots made ahead in %s (%s)", self.location, exc)
-        warm_slots(self.location, on_mapped)
+        warm_slots(self.location, self.mappings, on_mapped)
 
     def drop_slots(self) -> None:
-        """The manager lets go: the dropped steps' data files kept for its saves are removed."""
+        """The manager lets go: the dropped steps' data files kept for its saves are removed,
+        and the idle mappings of its steps' files go."""
         if self.slots:
-            drop_slots(self.location)
+            drop_slots(self.location, self.mappings)
+            self.mappings.forget()
 
     def being_deleted(self) -> list[tuple[int, str]]:
         """The hidden step directories not yet removed (ListedRoot)."""

@@ -44,6 +44,7 @@ from ckptio.options import Options
 from ckptio.storage import missing_manifest, steps
 from ckptio.storage.files import Capabilities
 from ckptio.storage.local import dirlock
+from ckptio.storage.local.mapped import Mappings
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
     Exclusive,
@@ -79,10 +80,14 @@ class LocalStore:
 
     backend_kind = "local"
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *,
+                 mappings: Mappings | None = None) -> None:
+        """``mappings``: where a memory tier's step keeps its files' mappings (its root's:
+        LocalRoot.store_at); None: nothing is mapped (storage/files.mappable)."""
         text = os.fspath(directory)
         self.directory = os.fsdecode(text) if isinstance(text, bytes) else text
         self.location = self.directory
+        self.mappings = mappings
 
     def __repr__(self) -> str:
         return f"LocalStore({self.directory!r})"

@@ -11,7 +11,8 @@ prepare, and ``drop_slots`` at the manager's close. A mapped save's file is take
 through the staging pool: a fresh mapping would allocate and fault pages inside the call).
 
 Owns: the slot directory and which slot a file is taken from. Does not own: the mappings and
-their process-wide cache (storage/local/mapped.py), which steps are dropped (the manager).
+their cache (storage/local/mapped.py's Mappings, the root's, passed in), which steps are
+dropped (the manager).
 """
 
 from __future__ import annotations
@@ -23,16 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 
-from ckptio.storage.local.mapped import (
-    SLOTS_DIR,
-    MappedFile,
-    cache_idle,
-    idle,
-    idle_keys,
-    libc,
-    prune,
-    size_file,
-)
+from ckptio.storage.local.mapped import SLOTS_DIR, MappedFile, Mappings, libc, size_file
 
 __all__ = ["SLOTS_DIR", "SLOT_STEPS", "drop_slots", "keep_slots", "make_slots", "slot_nbytes",
            "take_slot", "warm_fit", "warm_slots"]
@@ -44,8 +36,9 @@ _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 
 
-def take_slot(path: str, nbytes: int) -> bool:
-    """Rename the best-sized slot file of ``path``'s root (two levels up) to ``path``."""
+def take_slot(path: str, nbytes: int, mappings: Mappings) -> bool:
+    """Rename the best-sized slot file of ``path``'s root (two levels up) to ``path`` (of the
+    size and mapped idle in ``mappings``, the root's, first)."""
     slots = _slots_of(path)
     try:
         with os.scandir(slots) as it:
@@ -53,7 +46,7 @@ def take_slot(path: str, nbytes: int) -> bool:
                      if e.is_file(follow_symlinks=False)]
     except OSError:
         return False
-    mapped = idle_keys()  # the best fit: of the size, mapped here already, else the nearest
+    mapped = mappings.idle_keys()  # the best fit: of the size, mapped already, else the nearest
     found.sort(key=lambda s: (s[0].st_size != nbytes, (s[0].st_dev, s[0].st_ino) not in mapped,
                               s[0].st_size < nbytes, abs(s[0].st_size - nbytes)))
     for _info, source in found:
@@ -149,11 +142,12 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
             os.close(fd)
 
 
-def warm_slots(root: str, on_mapped: Callable[[MappedFile], object] | None = None) -> None:
-    """Map ``root``'s slot files here with every page-table entry populated (MAP_POPULATE), so
-    the save that takes one copies into resident, mapped pages (the retention's pass, before
-    the next save: only slots written through the staging pool cost anything, a mapped save's
-    files are mapped here already and left as they are). ``on_mapped``: called with each
+def warm_slots(root: str, mappings: Mappings,
+               on_mapped: Callable[[MappedFile], object] | None = None) -> None:
+    """Map ``root``'s slot files into ``mappings`` (the root's) with every page-table entry
+    populated (MAP_POPULATE), so the save that takes one copies into resident, mapped pages
+    (the retention's pass, before the next save: only slots written through the staging pool
+    cost anything, a mapped save's files are mapped already and left as they are). ``on_mapped``: called with each
     newly mapped slot (page-locking it for device copies)."""
     try:
         with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
@@ -165,14 +159,14 @@ def warm_slots(root: str, on_mapped: Callable[[MappedFile], object] | None = Non
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # taken by a save meanwhile
-        entry = cache_idle(path, fd)
+        entry = mappings.cache_idle(path, fd)
         if entry is not None and on_mapped is not None:
             on_mapped(entry)
 
 
-def warm_fit(directory: str, sizes: Sequence[int]) -> bool:
-    """Whether the slot files beside step directory ``directory`` that this process has mapped
-    and no save uses hold files of exactly ``sizes``, one each: a save of those files then
+def warm_fit(directory: str, sizes: Sequence[int], mappings: Mappings) -> bool:
+    """Whether the slot files beside step directory ``directory`` that ``mappings`` (the root's)
+    holds idle hold files of exactly ``sizes``, one each: a save of those files then
     copies into resident, mapped pages, never allocating or faulting one (a slot of another
     size would be resized and mapped afresh inside the save's call)."""
     slots = os.path.join(os.path.dirname(os.path.abspath(directory)), SLOTS_DIR)
@@ -181,7 +175,7 @@ def warm_fit(directory: str, sizes: Sequence[int]) -> bool:
             found = [e.stat(follow_symlinks=False) for e in it if e.is_file(follow_symlinks=False)]
     except OSError:
         return False
-    warm = sorted(i.st_size for i in found if idle((i.st_dev, i.st_ino), i.st_size))
+    warm = sorted(i.st_size for i in found if mappings.idle((i.st_dev, i.st_ino), i.st_size))
     for size in sorted(sizes):
         if size in warm:
             warm.remove(size)
@@ -200,8 +194,8 @@ def slot_nbytes(root: str) -> int:
         return 0
 
 
-def drop_slots(root: str) -> None:
-    """Remove ``root``'s slots (no later save of this manager takes them) and unmap this
-    process's mappings of files removed: their pages go back to the host."""
+def drop_slots(root: str, mappings: Mappings) -> None:
+    """Remove ``root``'s slots (no later save of this manager takes them) and unmap the
+    mappings (the root's) of files removed: their pages go back to the host."""
     shutil.rmtree(os.path.join(root, SLOTS_DIR), ignore_errors=True)
-    prune()
+    mappings.prune()
