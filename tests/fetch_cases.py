@@ -125,3 +125,49 @@ def restore_a_holder_dies(rank: int, world: int, base: str, disk: str, spec: str
 
         copy_fetch.send = dies  # type: ignore[assignment]
     return restore(rank, world, base, disk, spec, mib)
+
+
+def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
+                    mib: int) -> dict[str, Any]:
+    """restore(), counting during ``mgr.restore`` the bytes this rank hashed with xxh3 (the
+    received step's check and the load's verify both hash through format/checksum.py) and the
+    redundancy's gathers (peers.all_gather_json: inventory, items, outcomes...)."""
+    import xxhash
+
+    from ckptio.format import checksum
+    from ckptio.redundancy import peers
+
+    counts = {"hashed": 0, "gathers": 0, "on": False}
+
+    class Counted:
+        def __init__(self) -> None:
+            self.inner = xxhash.xxh3_64()
+
+        def update(self, data: Any) -> None:
+            counts["hashed"] += len(data) if counts["on"] else 0
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    class Module:
+        def __getattr__(self, name: str) -> Any:
+            return Counted if name == "xxh3_64" else getattr(xxhash, name)
+
+    gather = peers.all_gather_json
+
+    def counted(*args: Any) -> Any:
+        counts["gathers"] += 1 if counts["on"] else 0
+        return gather(*args)
+
+    checksum.xxhash = Module()  # type: ignore[assignment]
+    peers.all_gather_json = counted  # type: ignore[assignment]
+    _host(rank, base)
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    counts["on"] = True
+    step = mgr.restore(state)
+    counts["on"] = False
+    mgr.close()
+    return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
+            "how": mgr.last_restore, "hashed": counts["hashed"], "gathers": counts["gathers"]}
