@@ -70,6 +70,7 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
         why = _agreed(guard, f"loading step {memory} from memory",
                       lambda: levels[0].try_load(memory, state, load_kwargs) if landed is None
                       else levels[0].try_load_at(landed, state, checked))
+        guard.start_writes()  # its load done: the received step written into the tier now
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,

@@ -109,6 +109,11 @@ class Guard:
         self._landings = list(recovery.pending)
         return recovery
 
+    def start_writes(self) -> None:
+        """Start the writes of the steps a restore loaded from memory (its load is done)."""
+        for landing in self._landings:
+            landing.start()
+
     def settle(self) -> None:
         """Wait for the writes of steps a restore loaded from memory (rebuild.Recovery.pending)
         into this rank's memory tier; raise the first one's error (once)."""
