@@ -10,8 +10,7 @@ Call order (collective over the Guard's control group, every rank; managing/agre
 1. survey: the first rank of each host lists the pieces its host's memory holds (``r<k>/step-N``
    and partner copies) with the rank count of the job that saved them (``reports``: gathered
    with the same-world recovery's inventory); a piece held nowhere is rebuilt from parity
-   first where its group allows (regrow.py; only when a piece of another rank count is
-   held), then surveyed again;
+   first where its group allows (regrow.py), then surveyed again;
 2. plan (pieces.py): the newest step of another rank count whose every piece is held somewhere,
    each sent by the first rank of a host holding it, which shares its manifest;
 3. fetch: each rank works out the byte ranges of the entries its state needs (the rows its

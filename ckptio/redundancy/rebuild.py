@@ -95,9 +95,10 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
            of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
            it to its ``step-N`` (Store.move_to: one rename); the step the load takes next, where
-           the in-memory check was all, is offered to the load from memory and written so in
-           the background instead (landing.py: ``Recovery.landed``, the Guard settles
-           ``Recovery.pending`` before the tier is used again). A delta step rebuilt so needs its
+           the in-memory check was all, is offered to the load from memory (not checked again)
+           and written so in the background once loaded instead (landing.py:
+           ``Recovery.landed``; the Guard starts ``Recovery.pending``'s writes after the load
+           and settles them before the tier is used again). A delta step rebuilt so needs its
            base: the base is brought back first, the same way (the protection keeps a
            protected delta's base's: protect.py). A rank gone during the transfers:
            RankFailedError on the others (torch.distributed's error, named).
