@@ -125,3 +125,68 @@ def restore_a_holder_dies(rank: int, world: int, base: str, disk: str, spec: str
 
         copy_fetch.send = dies  # type: ignore[assignment]
     return restore(rank, world, base, disk, spec, mib)
+
+
+def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
+                    mib: int) -> dict[str, Any]:
+    """restore(), counting during ``mgr.restore`` the bytes this rank hashed with xxh3 (the
+    received step's check and the load's verify both hash through format/checksum.py) and the
+    redundancy's gathers (peers.all_gather_json: inventory, items, outcomes...), and the bytes
+    of a step written into the memory tier by a write that began before the load had ended."""
+    import xxhash
+
+    from ckptio.format import checksum
+    from ckptio.managing.level import TierSteps
+    from ckptio.redundancy import peers
+
+    counts = {"hashed": 0, "gathers": 0, "on": False, "loaded": False, "written_early": 0}
+
+    class Counted:
+        def __init__(self) -> None:
+            self.inner = xxhash.xxh3_64()
+
+        def update(self, data: Any) -> None:
+            counts["hashed"] += len(data) if counts["on"] else 0
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    class Module:
+        def __getattr__(self, name: str) -> Any:
+            return Counted if name == "xxh3_64" else getattr(xxhash, name)
+
+    gather = peers.all_gather_json
+
+    def counted(*args: Any) -> Any:
+        counts["gathers"] += 1 if counts["on"] else 0
+        return gather(*args)
+
+    load, write = TierSteps.try_load_at, peers.write_checkpoint
+
+    def loaded(*args: Any) -> Any:
+        try:
+            return load(*args)
+        finally:
+            counts["loaded"] = True
+
+    def written(store: Any, manifest: bytes, files: Any, data: torch.Tensor) -> None:
+        counts["written_early"] += 0 if counts["loaded"] else data.numel()
+        write(store, manifest, files, data)
+
+    checksum.xxhash = Module()  # type: ignore[assignment]
+    peers.all_gather_json = counted  # type: ignore[assignment]
+    TierSteps.try_load_at = loaded  # type: ignore[method-assign]
+    peers.write_checkpoint = written  # type: ignore[assignment]
+    _host(rank, base)
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    counts["on"] = True
+    step = mgr.restore(state)
+    counts["on"] = False
+    mgr.close()
+    return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
+            "how": mgr.last_restore, "hashed": counts["hashed"], "gathers": counts["gathers"],
+            "written_early": counts["written_early"],
+            "in_tier": os.path.exists(os.path.join(host_dir(base, rank), "run",
+                                                   f"r{rank:05d}", "step-1", "manifest.json"))}

@@ -20,7 +20,8 @@ from ckptio.redundancy import peers
 from ckptio.redundancy.budget import CHUNK
 from ckptio.redundancy.landing import StreamCheck
 from ckptio.redundancy.copy_fetch import Fetch, Receiving
-from tests.fetch_cases import restore, restore_a_holder_dies, restore_written_later, save
+from tests.fetch_cases import (restore, restore_a_holder_dies, restore_counted,
+                               restore_written_later, save)
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -92,6 +93,34 @@ def test_a_lost_ranks_step_is_loaded_from_memory_and_written_after(base, tmp_pat
     assert [r["written_later"] for i, r in enumerate(restored) if i != lost] == [None] * 3
     again = run_ranks(4, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
     assert [r["how"]["source"] for r in again] == ["own"] * 4, again
+
+
+@pytest.mark.parametrize(("spec", "lost"), [("partners", 2), ("parity", 1)])
+def test_a_lost_rank_hashes_its_step_once_and_the_restore_gathers_only_what_it_needs(
+        base, tmp_path, spec, lost):
+    """Before: the lost rank hashed its received step as it landed, then its load from memory
+    hashed every byte again (its verify: 2x its step), and it began writing the step into its
+    memory tier before that load (the two shared the cores); every restore gathered 7 times
+    over gloo (the elastic survey, its parity blocks and the steps of another rank count, each
+    a gather of its own, and a transfer round where every rank held its own step). Now: the
+    received step is hashed once (the load takes the checked bytes as they are), the survivors
+    their own step once (their load's verify); the step is written once the load has ended
+    (in the tier after close()); a lost host's restore gathers 4 times (the inventory with the
+    survey, the items, the failures, the outcomes), a restore with nothing lost twice."""
+    disk = str(tmp_path / "disk")
+    sizes = run_ranks(4, save, base, disk, spec, 6, timeout_s=TIMEOUT)
+    whole = run_ranks(4, restore_counted, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert [r["how"]["source"] for r in whole] == ["own"] * 4, whole
+    assert [r["gathers"] for r in whole] == [2] * 4, whole
+    wipe_host(base, lost)
+    restored = run_ranks(4, restore_counted, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in restored), restored
+    assert restored[lost]["how"]["source"] != "own", restored[lost]
+    for rank, got in enumerate(restored):
+        assert sizes[rank] <= got["hashed"] <= sizes[rank] + OVERHEAD, (rank, got, sizes)
+    assert [r["gathers"] for r in restored] == [4] * 4, restored
+    assert [r["written_early"] for r in restored] == [0] * 4, restored
+    assert all(r["in_tier"] for r in restored), restored
 
 
 def test_the_check_fused_with_the_receive_takes_chunks_in_any_order_and_names_a_flipped_byte(

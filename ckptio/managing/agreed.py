@@ -52,21 +52,25 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
     anywhere = sorted({s for level, tier in zip(levels, listing)
                        for s in _this_world(level, tier["committed"], guard.world, others)})
-    recovery = guard.recover(own, anywhere, verify, step)
-    others = set(guard.union(sorted(others)))  # alike on every rank: one outcome everywhere
+    recovery = guard.recover(own, anywhere, verify, step, sorted(others))
+    # every rank's, gathered with the inventory: alike on every rank, one outcome everywhere
+    others = {s for extra in recovery.extras for s in extra["others"]}
     fallback = fallback_step(recovery, step)
     passed = list(recovery.skipped)
     newest = max((s for s in (recovery.step, fallback) if s is not None), default=None)
-    resharded = _resharded(guard, levels[0], state, step, newest, load_kwargs, passed)
+    resharded = _resharded(guard, recovery, levels[0], state, step, newest, load_kwargs,
+                           passed)
     if resharded is not None:
         return _done(guard, levels, resharded[0], 0, "resharded", started, passed, [],
                      resharded[1])
     if recovery.step is not None and (fallback is None or recovery.step >= fallback):
         memory = recovery.step
         landed = recovery.landed  # received from peers, still being written: from memory
+        checked = {**load_kwargs, "verify": False}  # every entry checked as it landed
         why = _agreed(guard, f"loading step {memory} from memory",
                       lambda: levels[0].try_load(memory, state, load_kwargs) if landed is None
-                      else levels[0].try_load_at(landed, state, load_kwargs))
+                      else levels[0].try_load_at(landed, state, checked))
+        guard.start_writes()  # its load done: the received step written into the tier now
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,
@@ -126,14 +130,14 @@ def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
             "rank count that saved them")
 
 
-def _resharded(guard: Guard, level: TierSteps, state: Any, step: int | None,
+def _resharded(guard: Guard, recovery: Recovery, level: TierSteps, state: Any, step: int | None,
                newest: int | None, load_kwargs: dict[str, Any],
                passed: list[str]) -> tuple[int, int] | None:
     """Collective: the newest step (``step`` only, when given) a job of another number of ranks
     left in memory, newer than ``newest``, restored resharded into ``state`` -> (that step, the
     bytes this rank received); None when there is none or its load found damage (named in
     ``passed``)."""
-    restart = guard.restart(passed)
+    restart = guard.restart(passed, recovery)
     while (choice := restart.next(step)) is not None:
         if newest is not None and choice.step <= newest:
             return None

@@ -94,15 +94,25 @@ class Guard:
                 if s is not None}
 
     def recover(self, own: list[int], anywhere: list[int], verify: Callable[[str], Any],
-                only: int | None) -> Recovery:
-        """Collective (rebuild.recover): the memory step every rank now holds, or None."""
+                only: int | None, others: list[int]) -> Recovery:
+        """Collective (rebuild.recover): the memory step every rank now holds, or None.
+        Rides on its inventory's gather (``Recovery.extras``, per rank): ``others`` (this
+        rank's steps of another rank count) and the pieces its host's memory holds (elastic.
+        survey: what ``restart`` then searches, with no gather of its own)."""
         assert self.protector is not None  # internal
         self.protector.wait()
         self.settle()
+        pieces = elastic.survey(self._restart_context())
         recovery = recover(Context(self.spec, self.topology, self.control, self.rank,
-                                   self.root, self._own_dir, verify), own, anywhere, only)
+                                   self.root, self._own_dir, verify), own, anywhere, only,
+                           {"others": others, "pieces": pieces})
         self._landings = list(recovery.pending)
         return recovery
+
+    def start_writes(self) -> None:
+        """Start the writes of the steps a restore loaded from memory (its load is done)."""
+        for landing in self._landings:
+            landing.start()
 
     def settle(self) -> None:
         """Wait for the writes of steps a restore loaded from memory (rebuild.Recovery.pending)
@@ -117,11 +127,14 @@ class Guard:
         if errors:
             raise errors[0]
 
-    def restart(self, skipped: list[str]) -> elastic.Restart:
+    def restart(self, skipped: list[str], recovery: Recovery) -> elastic.Restart:
         """Collective (elastic.Restart): the search of a restart on another number of ranks
-        for the pieces the old job left in memory."""
-        return elastic.Restart(elastic.Context(self.control, self.rank, self.world,
-                                               self.topology, self.root), skipped)
+        for the pieces the old job left in memory, surveyed by ``recover`` (its extras)."""
+        return elastic.Restart(self._restart_context(), skipped,
+                               [extra["pieces"] for extra in recovery.extras])
+
+    def _restart_context(self) -> elastic.Context:
+        return elastic.Context(self.control, self.rank, self.world, self.topology, self.root)
 
     def union(self, steps: list[int]) -> list[int]:
         """Collective: the steps any rank holds, ascending; RankFailedError when the ranks do

@@ -3,13 +3,14 @@ previous job's pieces (each rank's own one-rank step, its shards placed in their
 tensors: ``meta.piece``) gathered from the hosts' memory and resharded into this job's layout.
 
 Call order (collective over the Guard's control group, every rank; managing/agreed.py):
-``Restart(ctx, skipped)`` -> ``next(only)`` -> ``fetch(choice, state, load_kwargs)`` (None: a
-piece failed, ``next`` again) -> ``install(fetched)`` -> the caller loads that piece (this
-rank's of this job, in this process's memory) and removes it.
+``Restart(ctx, skipped, reports)`` -> ``next(only)`` -> ``fetch(choice, state, load_kwargs)``
+(None: a piece failed, ``next`` again) -> ``install(fetched)`` -> the caller loads that piece
+(this rank's of this job, in this process's memory) and removes it.
 
 1. survey: the first rank of each host lists the pieces its host's memory holds (``r<k>/step-N``
-   and partner copies) with the rank count of the job that saved them; a piece held nowhere
-   is rebuilt from parity first where its group allows (regrow.py), then surveyed again;
+   and partner copies) with the rank count of the job that saved them (``reports``: gathered
+   with the same-world recovery's inventory); a piece held nowhere is rebuilt from parity
+   first where its group allows (regrow.py), then surveyed again;
 2. plan (pieces.py): the newest step of another rank count whose every piece is held somewhere,
    each sent by the first rank of a host holding it, which shares its manifest;
 3. fetch: each rank works out the byte ranges of the entries its state needs (the rows its
@@ -103,10 +104,14 @@ class Restart:
     """One restore's search (collective: construct, then ``next`` / ``fetch`` on every rank).
     Each piece passed over is appended to ``skipped`` (and logged)."""
 
-    def __init__(self, ctx: Context, skipped: list[str]) -> None:
+    def __init__(self, ctx: Context, skipped: list[str],
+                 reports: list[list[Found]] | None = None) -> None:
         self.ctx, self.skipped = ctx, skipped
         with _named(ctx, "surveying the pieces left"):
-            self.reports = peers.all_gather_json(ctx.group, survey(ctx))
+            # ``reports``: every rank's survey, gathered already (with the same-world
+            # recovery's inventory: managing/guard.py), else gathered here
+            self.reports = (peers.all_gather_json(ctx.group, survey(ctx)) if reports is None
+                            else reports)
             rebuilt, self.received = regrow(ctx, self.reports, skipped)
             if rebuilt:  # a lost piece rebuilt from parity: now held
                 self.reports = peers.all_gather_json(ctx.group, survey(ctx))

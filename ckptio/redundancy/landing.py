@@ -8,9 +8,11 @@ is written in the background (``later``).
   moved to ``step-N`` (one rename); a delta step's bases and every step but the one the
   recovery lands on go this way;
 - ``later``: the bytes received are adopted (no copy) as a checkpoint of this process's memory
-  (``mem://``) that the load reads, and a thread writes them into ``.rebuild-step-N`` and moves
-  it to ``step-N``; ``Landing.settle`` joins it (the Guard calls it before anything else reads or
-  writes the tier: the next restore, save, wait or close) and raises its error, once.
+  (``mem://``) that the load reads as they are (checked already: no second pass), and once the
+  load is done (``Landing.start``, the Guard's ``start_writes``) a thread writes them into
+  ``.rebuild-step-N`` and moves it to ``step-N``; ``Landing.settle`` joins it (the Guard calls
+  it before anything else reads or writes the tier: the next restore, save, wait or close) and
+  raises its error, once.
 
 Owns: the fused check, the install and the background write. Does not own: the transfers and
 the plan (rebuild.py, stripes.py), which entries a stream's checksums cover (peers.py), the
@@ -110,8 +112,8 @@ def now(final: TreeStore, scratch: TreeStore, manifest: bytes, files: list[tuple
 
 
 class Landing:
-    """A checked step offered to the load from memory (``location``) while a thread writes it
-    into the memory tier (module docstring)."""
+    """A checked step offered to the load from memory (``location``), then written into the
+    memory tier by a thread (``start``, after the load; module docstring)."""
 
     def __init__(self, step: int, final: TreeStore, scratch: TreeStore, manifest: bytes,
                  files: list[tuple[str, int]], data: torch.Tensor) -> None:
@@ -125,15 +127,25 @@ class Landing:
             at += nbytes
         self.memory.commit(manifest, new_save_id())
         self.location = self.memory.location
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckptio-landing-step-{step}")
-        self._write: Future[None] | None = self._pool.submit(
-            now, final, scratch, manifest, files, data, True, lambda _where: None)
+        self._args = (final, scratch, manifest, files, data)
+        self._pool: ThreadPoolExecutor | None = None
+        self._write: Future[None] | None = None
+        self._settled = False
+
+    def start(self) -> None:
+        """Start the write (once): after the load, so that the two do not share the cores."""
+        if self._pool is None and not self._settled:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckptio-landing-{self.step}")
+            self._write = self._pool.submit(now, *self._args, True, lambda _where: None)
 
     def settle(self) -> None:
-        """Wait for the write; drop the in-memory copy; raise the write's error (once)."""
-        write, self._write = self._write, None
+        """Wait for the write (started here if it was not); drop the in-memory copy; raise the
+        write's error (once)."""
+        self.start()
+        write, self._write, self._settled = self._write, None, True
         if write is None:
             return
+        assert self._pool is not None  # internal: started with its write
         error = write.exception()  # waits; its error is kept by the future, raised here once
         self._pool.shutdown()
         self.memory.remove_tree()

@@ -49,6 +49,7 @@ class Recovery:
     received_from: dict[int, int] = field(default_factory=dict)  # its step's bytes, per sender
     landed: str | None = None  # where this rank's step lies in memory for the load (landing.py)
     pending: list[Landing] = field(default_factory=list)  # background writes: Guard settles
+    extras: list[Any] = field(default_factory=list)  # per rank: ``extra`` of its inventory
 
 
 # ------------------------------------------------------------------ the collective
@@ -70,9 +71,12 @@ class Context:
     landings: list[Landing] = field(default_factory=list)  # this rank's, newest last
 
 
-def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None) -> Recovery:
+def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None,
+            extra: Any = None) -> Recovery:
     """Collective; -> the memory step every rank now holds (or None, with the lost hosts
-    named):
+    named). ``extra`` (JSON) rides on the inventory's gather: every rank's, in rank order, is
+    ``Recovery.extras`` (the Guard's survey for a restart on another rank count, no gather of
+    its own):
 
     1. **inventory**: each rank reports the steps committed in its own memory, the steps in its
            slower tiers, and the items it holds for others (partner copies, parity pieces) of steps
@@ -91,9 +95,10 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
            of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
            it to its ``step-N`` (Store.move_to: one rename); the step the load takes next, where
-           the in-memory check was all, is offered to the load from memory and written so in
-           the background instead (landing.py: ``Recovery.landed``, the Guard settles
-           ``Recovery.pending`` before the tier is used again). A delta step rebuilt so needs its
+           the in-memory check was all, is offered to the load from memory (not checked again)
+           and written so in the background once loaded instead (landing.py:
+           ``Recovery.landed``; the Guard starts ``Recovery.pending``'s writes after the load
+           and settles them before the tier is used again). A delta step rebuilt so needs its
            base: the base is brought back first, the same way (the protection keeps a
            protected delta's base's: protect.py). A rank gone during the transfers:
            RankFailedError on the others (torch.distributed's error, named).
@@ -103,8 +108,10 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            lost (no step in memory at all) and the caller restores the newest step every rank holds
            in some tier (the disk tier, where more than m hosts of one parity group are lost).
     """
-    invs = peers.all_gather_json(ctx.group, inventory(ctx.root, ctx.rank, own, anywhere))
-    result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs])
+    invs = peers.all_gather_json(ctx.group, {
+        **inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra})
+    result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
+                      extras=[inv["extra"] for inv in invs])
     result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
                          if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
     try:
@@ -151,6 +158,8 @@ def _attempt(ctx: Context, invs: list[dict[str, Any]], bad: set[str], step: int,
     why}, as every rank saw them (the same on every rank)."""
     rounds = [*base_rounds(invs, ctx.topology, ctx.spec, bad, step, sources), (step, sources)]
     for each, each_sources in rounds:
+        if all(src[0] == "own" for src in each_sources.values()):
+            continue  # nothing to move: alike on every rank, so no gather either
         merged: dict[str, str] = {}
         later = each == step  # the step loaded next: written while it loads (landing.py)
         for part in peers.all_gather_json(ctx.group, _transfer(ctx, each, each_sources, later)):

@@ -59,6 +59,8 @@ def survey_blocks(root: str, first: bool) -> list[Held]:
 def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> tuple[bool, int]:
     """Steps 1-4 (collective; ``ctx``: elastic.Context) -> (whether a piece was rebuilt: the
     caller surveys again, the bytes this rank received)."""
+    if not any(found[2] != ctx.world for report in reports for found in report):
+        return False, 0  # no piece of another rank count: nothing to rebuild (alike everywhere)
     topo = ctx.topology
     first = topo.hosts[topo.host_of(ctx.rank)][0] == ctx.rank
     blocks = peers.all_gather_json(ctx.group, survey_blocks(ctx.root, first))
