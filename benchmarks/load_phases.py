@@ -4,9 +4,12 @@ many-rank load spends its time before, between and after its reads.
 ``install()`` wraps ckptio's load steps in this process (the manifest's open, the regular
 chunks' resolution, the key step, the in-place plan, the read-plan step, the reads, the
 read-done and final steps) to note when each was first entered and last left, in wall-clock
-seconds (one clock for the ranks of one host); ``marks()`` returns them with the process's
-start and the end of its imports. ``table()`` lays every rank's marks out, in seconds after
-the earliest rank's load began; ``main`` prints them from a benchmarks.ranks JSON file.
+seconds (one clock for the ranks of one host), and the read loop's reads (``read_stats``: count,
+sizes, how many in flight, seconds checking and copying, CPU seconds; LOAD_PHASES_READS=PREFIX
+writes every read to PREFIX.<pid>); ``marks()`` returns them with the process's start and the
+end of its imports (the read statistics under keys starting with '#'). ``table()`` lays every
+rank's marks out, in seconds after the earliest rank's load began; ``main`` prints them from a
+benchmarks.ranks JSON file.
 With LOAD_PHASES_PROFILE=PREFIX set, each rank's first load also runs under cProfile, its
 statistics written to PREFIX.<pid>.
 
@@ -92,7 +95,7 @@ def _install_reads() -> None:
 
     def traced_submit(rng: Any, *args: Any, **kwargs: Any) -> Any:
         if "reads cpu" not in _cpu:
-            _cpu["reads cpu"] = sum(os.times()[:2])
+            _cpu["reads cpu"], _cpu["reads sys"] = sum(os.times()[:2]), os.times()[1]
             _cpu["reads t0"] = time.time()
         flight = submit(rng, *args, **kwargs)
         if flight is not None:
@@ -111,7 +114,7 @@ def _install_reads() -> None:
             return apply(*args, **kwargs)
         finally:
             _applies.append((t0, time.time(), threading.get_ident()))
-            _cpu["reads cpu end"] = sum(os.times()[:2])
+            _cpu["reads cpu end"], _cpu["reads sys end"] = sum(os.times()[:2]), os.times()[1]
             _cpu["reads t1"] = time.time()
 
     read._submit, read._apply = traced_submit, traced_apply
@@ -147,6 +150,7 @@ def read_stats() -> dict[str, float]:
             "apply s (check+copy)": sum(b - a for a, b, _t in _applies),
             "apply threads": len({t for *_x, t in _applies}),
             "cpu s in reads": _cpu.get("reads cpu end", 0.0) - _cpu.get("reads cpu", 0.0),
+            "of which sys s": _cpu.get("reads sys end", 0.0) - _cpu.get("reads sys", 0.0),
             "cpu/wall in reads": (_cpu.get("reads cpu end", 0.0) - _cpu.get("reads cpu", 0.0))
             / wall if wall > 0 else 0.0}
 

@@ -64,3 +64,12 @@ def load(rank: int, world: int, path: str) -> dict[str, Any]:
 
 def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_error(rank: int, world: int, path: str) -> tuple[str, str] | None:
+    """Load in place -> the error the load raised on this rank: (type, message) or None."""
+    try:
+        ckptio.load(path, _state(world, zeros=True))
+    except ckptio.CkptError as exc:
+        return type(exc).__name__, str(exc)
+    return None
