@@ -10,6 +10,12 @@ BENCH_REACHES: dict[str, str] = {
     "benchmarks.pathtrace.tracer: thread_self._pathtrace_parent":
         "the tracer's own mark on each thread it sees start (the starting frame, read back by "
         "the same tracer in the new thread); a name no other code uses",
+    "benchmarks.load_phases: read._submit":
+        "--trace times each read the load's read loop submits (size, in flight, done): the "
+        "loop's own step, which no public API shows",
+    "benchmarks.load_phases: read._apply":
+        "--trace times each read's check and copy, on the thread that runs it: the loop's own "
+        "step, which no public API shows",
 }
 
 # Private names of other libraries that benchmarks/ (and tests/) use, each with why, as

@@ -37,3 +37,24 @@ def test_messages_pack_small_units_and_cut_large_ones():
     assert out == [[(3, 0, 100)], [(3, 100, 200)], [(3, 200, 250)],  # a large one alone
                    [(0, 0, 10), (2, 0, 20), (4, 0, 30)]]  # small ones together
     assert all(sum(hi - lo for _i, lo, hi in m) <= 100 for m in out)
+
+
+def test_a_small_unit_goes_to_the_rank_reading_its_file():
+    """A bias in rank 1's file goes to rank 1, which reads the weights around it, even where
+    rank 0 has fewer bytes to read; a large unit still goes to the rank with the fewest."""
+    units = [Want("bias", 4096, "data-r1"), Want("big", 8 << 20, "data-r0")]
+    shares = assign([units, units], [0, 1 << 20], [{"data-r0": 0}, {"data-r1": 1 << 20}])
+    assert shares[1].owner[0] == -1 and shares[1].to[0] == (0,)  # rank 1 reads the bias
+    assert shares[0].owner[1] == -1 and shares[0].to[1] == (1,)  # rank 0 reads the big one
+
+
+def test_small_units_follow_the_large_ones_of_their_file():
+    """Everything replicated (no rank reads alone): small units go where their file's large
+    units went."""
+    units = [Want("w0", 4 << 20, "f0"), Want("w1", 4 << 20, "f1"),
+             *(Want(f"b{i}", 100, f"f{i % 2}") for i in range(6))]
+    shares = assign([units, units], [0, 0])
+    owner = {u.name: next(r for r in (0, 1) if shares[r].owner[i] == -1)
+             for i, u in enumerate(units)}
+    for i in range(6):
+        assert owner[f"b{i}"] == owner[f"w{i % 2}"], owner

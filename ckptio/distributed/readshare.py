@@ -167,10 +167,15 @@ class SharedReads:
               place: ReadPlace) -> dict[str, Any]:
         """The plan step: this rank's units out, its part of the decision back."""
         on = self.on and not place.in_memory and self.members == tuple(sorted(self.members))
-        mine = {"on": on, "wire": self._generation(),
-                "units": [[u.name, u.entry.nbytes] for u in units], "nwhole": nwhole,
-                "host": host_id(), "unexpected": self.keys.message() if self.keys else [],
-                "alone": sum(r.region.numel * DTYPE_ITEMSIZE[r.entries[0].dtype] for r in rest)}
+        files = _alone_by_file(rest)
+        for unit in units:
+            files.setdefault(unit.entry.file, 0)
+        index = {file: i for i, file in enumerate(files)}
+        mine = {"on": on, "wire": self._generation(), "files": [*files.items()],
+                "units": [[u.name, u.entry.nbytes, index[u.entry.file]] for u in units],
+                "nwhole": nwhole, "host": host_id(),
+                "unexpected": self.keys.message() if self.keys else [],
+                "alone": sum(files.values())}
         self.pending = None
         try:
             answer = coordinate(self.group, json.dumps(mine).encode(), None, _decide,
@@ -321,7 +326,8 @@ def _decide(messages: list[bytes]) -> list[bytes]:
     keys = {"unexpected": nobody_asks([m["unexpected"] for m in mine])}  # the key step's answer
     if not all(m["on"] for m in mine):
         return [json.dumps({"shared": False, **keys}).encode()] * len(mine)
-    shares = assign(_wants(mine), [m["alone"] for m in mine])
+    shares = assign(_wants(mine), [m["alone"] for m in mine],
+                    [dict(m["files"]) for m in mine])
     if not any(s.sends_or_receives for s in shares):
         return [json.dumps({"shared": False, **keys}).encode()] * len(mine)
     generations = {m["wire"] for m in mine}
@@ -355,10 +361,23 @@ def _split(share: Share, nwhole: int) -> tuple[Share, Share]:
 def _wants(mine: list[dict[str, Any]]) -> list[list[Want]]:
     """Every rank's units as wants; a block that only ranks of one host want is each one's
     own (its name made the rank's): they read it through that host's page cache, which fetches
-    it from storage once (loading/shared_blocks.py), and a send would cost them more."""
+    it from storage once (loading/shared_blocks.py), and a send would cost them more. Blocks
+    carry no file: each is cut by the pieces of two ranks, read around it by both, so the bytes
+    decide (assign)."""
     hosts: dict[str, set[str]] = {}
     for m in mine:
-        for name, _nbytes in m["units"][m["nwhole"]:]:
+        for name, _nbytes, _file in m["units"][m["nwhole"]:]:
             hosts.setdefault(name, set()).add(m["host"])
-    return [[Want(n if i < m["nwhole"] or len(hosts[n]) > 1 else f"{n}@{rank}", b)
-             for i, (n, b) in enumerate(m["units"])] for rank, m in enumerate(mine)]
+    return [[Want(n, b, m["files"][f][0]) if i < m["nwhole"] else
+             Want(n if len(hosts[n]) > 1 else f"{n}@{rank}", b)
+             for i, (n, b, f) in enumerate(m["units"])] for rank, m in enumerate(mine)]
+
+
+def _alone_by_file(rest: list[Read]) -> dict[str, int]:
+    """The bytes of the reads that are no unit, by the data file of their first entry."""
+    files: dict[str, int] = {}
+    for read in rest:
+        file = read.entries[0].file
+        files[file] = files.get(file, 0) + read.region.numel * DTYPE_ITEMSIZE[
+            read.entries[0].dtype]
+    return files

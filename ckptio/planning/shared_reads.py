@@ -4,7 +4,9 @@ several ranks want whole, and how its bytes go from that rank to the others.
 A unit is one stored entry of one checkpoint (its file, offset, size and checksum: ``unit_name``)
 that a rank reads whole into a tensor. Given every rank's units, the coordinator makes each unit
 that two or more ranks want the charge of one of them, its owner (``assign``: largest first, to
-the wanting rank with the fewest bytes to read so far, counting what it reads alone); the owner
+the wanting rank with the fewest bytes to read so far, counting what it reads alone; a unit
+below SMALL_NBYTES to the wanting rank that reads the most of its data file, whose reads of its
+neighbours take it in, rather than a request of its own among another rank's reads); the owner
 reads it from storage and sends it to the others. Between one owner and one receiver the units
 go in name order (both sides sort alike, nothing more is said), as ``messages``: a unit of at
 least SMALL_NBYTES in messages of its own of at most MESSAGE_NBYTES, smaller ones packed
@@ -24,7 +26,7 @@ distributed/sendreads.py), which reads a load makes (loading/fill_plan.py), the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -44,10 +46,11 @@ Piece = tuple[int, int, int]  # (a unit's index in the pair's list, first byte, 
 
 @dataclass(frozen=True)
 class Want:
-    """A unit a rank wants: its name and its bytes."""
+    """A unit a rank wants: its name, its bytes and the data file holding them."""
 
     name: str
     nbytes: int
+    file: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,37 +74,55 @@ def unit_name(location: str, entry: TensorEntry) -> str:
     return xxhash.xxh3_128_hexdigest(ident.encode())
 
 
-def assign(wants: Sequence[Sequence[Want]], alone_nbytes: Sequence[int]) -> list[Share]:
+def assign(wants: Sequence[Sequence[Want]], alone_nbytes: Sequence[int],
+           alone_files: Sequence[Mapping[str, int]] = ()) -> list[Share]:
     """Every rank's Share, given each rank's units (in its order) and the bytes it reads that
-    are no unit (resharded regions). A unit one rank wants is its own (owner -1: no exchange)."""
+    are no unit (resharded regions; ``alone_files``: the same by data file). A unit one rank
+    wants is its own (owner -1: no exchange). Units largest first: one of SMALL_NBYTES or more
+    to the wanting rank with the fewest bytes so far; a smaller one to the wanting rank that
+    reads the most bytes of its file (then the fewest bytes so far): its reads around the unit
+    take it in, where another rank would read it alone, a request among the first's."""
     ranks_of: dict[str, list[int]] = {}
-    size_of: dict[str, int] = {}
+    unit_of: dict[str, Want] = {}
     for rank, units in enumerate(wants):
         for want in units:
             holders = ranks_of.setdefault(want.name, [])
             if not holders or holders[-1] != rank:
                 holders.append(rank)
-            size_of[want.name] = want.nbytes
+            unit_of[want.name] = want
     load = list(alone_nbytes)
+    in_file = [dict(f) for f in alone_files] or [{} for _ in wants]
+
+    def take(rank: int, want: Want) -> None:
+        load[rank] += want.nbytes
+        in_file[rank][want.file] = in_file[rank].get(want.file, 0) + want.nbytes
+
     for name, holders in ranks_of.items():
         if len(holders) == 1:
-            load[holders[0]] += size_of[name]
+            take(holders[0], unit_of[name])
     owner_of: dict[str, int] = {}
     for name in sorted((n for n, h in ranks_of.items() if len(h) > 1),
-                       key=lambda n: (-size_of[n], n)):
-        chosen = min(ranks_of[name], key=lambda r: (load[r], r))
+                       key=lambda n: (-unit_of[n].nbytes, n)):
+        want = unit_of[name]
+        if want.nbytes < SMALL_NBYTES and want.file:
+            chosen = min(ranks_of[name],
+                         key=lambda r: (-in_file[r].get(want.file, 0), load[r], r))
+        else:
+            chosen = min(ranks_of[name], key=lambda r: (load[r], r))
         owner_of[name] = chosen
-        load[chosen] += size_of[name]
-    shares = []
-    for rank, units in enumerate(wants):
-        owners, to = [], {}
-        for i, want in enumerate(units):
-            owner = owner_of.get(want.name, -1)
-            owners.append(-1 if owner in (-1, rank) else owner)
-            if owner == rank:
-                to[i] = tuple(r for r in ranks_of[want.name] if r != rank)
-        shares.append(Share(tuple(owners), to))
-    return shares
+        take(chosen, want)
+    return [_share(rank, units, owner_of, ranks_of) for rank, units in enumerate(wants)]
+
+
+def _share(rank: int, units: Sequence[Want], owner_of: Mapping[str, int],
+           ranks_of: Mapping[str, list[int]]) -> Share:
+    owners, to = [], {}
+    for i, want in enumerate(units):
+        owner = owner_of.get(want.name, -1)
+        owners.append(-1 if owner in (-1, rank) else owner)
+        if owner == rank:
+            to[i] = tuple(r for r in ranks_of[want.name] if r != rank)
+    return Share(tuple(owners), to)
 
 
 def messages(nbytes: Sequence[int], limit: int = MESSAGE_NBYTES,

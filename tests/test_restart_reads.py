@@ -1,0 +1,50 @@
+"""A restarting job's load reads each rank's part in few large requests: a small replicated
+tensor (a bias, a norm) that several ranks want is read by the rank whose reads of its data
+file take it in (planning/shared_reads.assign), not by whichever rank had the fewest bytes,
+which read it alone, one small request among another rank's large reads (docs/BENCH_RESTART.md,
+round six). Real gloo ranks, fresh processes, the defaults; bodies in restart_reads_cases.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import restart_reads_cases as cases
+from ckptio.testing.rank_processes import run_ranks
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("restart_reads") / "ck"
+    run_ranks(2, cases.save, str(path))
+    return path
+
+
+def test_each_rank_reads_its_part_in_few_requests(saved: Path) -> None:
+    path = str(saved)
+    data = sum(f.stat().st_size for f in Path(path).glob("data-*"))
+    got = run_ranks(2, cases.load, path)
+    assert all(g["equal"] for g in got), got
+    # before: each rank read about half the small tensors of the other rank's file, one
+    # request each (11 per rank here)
+    assert all(g["requests"] <= 4 for g in got), got
+    assert sum(g["read"] for g in got) <= data + (64 << 10), ([g["read"] for g in got], data)
+
+
+def test_a_flipped_byte_in_a_small_replicated_tensor_is_still_caught(saved: Path,
+                                                                     tmp_path: Path) -> None:
+    """The rank that now reads a bias checks it: the load fails on both ranks, naming it."""
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    body = json.loads((path / "manifest.json").read_bytes().split(b"\n", 1)[1])
+    entry = next(t for t in body["tensors"] if t["key"] == "l5.b")
+    with open(path / entry["file"], "r+b") as f:
+        f.seek(entry["offset"] + 7)
+        byte = f.read(1)[0]
+        f.seek(entry["offset"] + 7)
+        f.write(bytes([byte ^ 0x04]))
+    got = run_ranks(2, cases.load_error, str(path))
+    assert all(g is not None for g in got), got
+    assert any(kind == "CorruptCheckpointError" and "l5.b" in message for kind, message in got), got
