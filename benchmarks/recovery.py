@@ -75,9 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    argv = sys.argv[1:] if argv is None else argv  # --quick's defaults yield to those given
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0][2:].replace("-", "_") for a in (argv or []) if a[:2] == "--"}
+        given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a[:2] == "--"}
         for key, value in QUICK.items():
             if key not in given:
                 setattr(args, key, value)
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 < args.kill_step < args.steps:
         p.error("--kill-step: between 1 and --steps - 1")
     if args.restart == "inprocess":
-        _inprocess_args(p, args, given=any(a.startswith("--sources") for a in argv or []))
+        _inprocess_args(p, args, given=any(a.startswith("--sources") for a in argv))
     return args
 
 
