@@ -6,8 +6,8 @@ The same model, data, sources and events as recovery_worker.py. Rank 0 holds one
 the whole job (host 0 is never the victim); each generation of the process group runs on a
 prefix of it of its own (``gen<N>/``), so a stale key of a failed generation is never read. The
 spare (RANK=-1) starts with torch and ckptio imported and its model built, and waits for the key
-that names the rank it takes. When a collective fails (a peer gone), each survivor closes its
-manager (the protection in flight fails: expected), destroys the process group and checks in;
+that names the rank it takes. When a collective fails (a peer gone), each survivor destroys the
+process group, closes its manager (the protection in flight fails: expected) and checks in;
 rank 0 names the ranks that did not check in and gives the first to the spare; every rank forms
 the next generation's group and makes a new CheckpointManager on the same tiers, whose restore
 rolls the survivors back to the newest step every rank can obtain (they may have trained past
@@ -75,17 +75,17 @@ def _engine(cfg: dict[str, Any], rank: int, model: Any, opt: Any, ev: Events) ->
 
 def _recover(cfg: dict[str, Any], store: Any, generation: int, rank: int, engine: Ckptio,
              ev: Events) -> None:
-    """A survivor after a failed collective: its manager closed, its group destroyed, checked
+    """A survivor after a failed collective: its group destroyed, its manager closed, checked
     in, the next generation's group formed."""
     import torch.distributed as dist
 
     from ckptio.errors import CkptError
 
+    dist.destroy_process_group()  # first: the manager's close() then agrees with no one
     try:
         engine.close()
     except CkptError as exc:  # the protection of a step in flight failed with the peer
         ev("close_error", what=f"{type(exc).__name__}: {str(exc)[:300]}")
-    dist.destroy_process_group()
     ev("torn_down")
     if rank == 0:
         ev("assigned", lost=assign(store, generation, cfg["world"]))

@@ -1,6 +1,6 @@
-"""Recovery without a relaunch (issue 66, docs/guides/inprocess_recovery.md): 3 gloo ranks on 3
-simulated hosts (each its own CKPTIO_HOST_ID and memory directory) save every step; rank 1 dies
-mid-run. The survivors catch the collective's error, destroy the process group, close their
+"""Recovery without a relaunch (issue 66, docs/guides/redundancy.md "Recovery without a
+relaunch"): 3 gloo ranks on 3 simulated hosts (each its own CKPTIO_HOST_ID and memory directory)
+save every step; rank 1 dies mid-run. The survivors catch the collective's error, destroy the process group, close their
 manager and form a new group (a new store prefix) with a hot spare (a fourth process, waiting
 with torch imported on a host of its own) that takes rank 1; every rank then makes a new
 CheckpointManager on the same tiers and restores. Every rank's final state is bitwise an
