@@ -6,8 +6,12 @@ The same model, data, sources and events as recovery_worker.py. Rank 0 holds one
 the whole job (host 0 is never the victim); each generation of the process group runs on a
 prefix of it of its own (``gen<N>/``), so a stale key of a failed generation is never read. The
 spare (RANK=-1) starts with torch and ckptio imported and its model built, and waits for the key
-that names the rank it takes. When a collective fails (a peer gone), each survivor destroys the
-process group, closes its manager (the protection in flight fails: expected) and checks in;
+that names the rank it takes. When a collective fails (a peer gone), the survivor says so in the
+store; a survivor not adjacent to the lost rank in gloo's ring, whose collective would wait for
+its timeout, sees that key while it waits (``sync``). Each survivor then keeps a reference to the
+failed group (gloo cannot abort a collective: destroying a group whose collective still waits
+would block for its timeout), destroys it, closes its manager (the protection in flight fails:
+expected) and checks in;
 rank 0 names the ranks that did not check in and gives the first to the spare; every rank forms
 the next generation's group and makes a new CheckpointManager on the same tiers, whose restore
 rolls the survivors back to the newest step every rank can obtain (they may have trained past
@@ -34,6 +38,25 @@ from benchmarks.recovery_agent import set_hostname  # noqa: E402
 from benchmarks.recovery_worker import Ckptio, Events, build, digest, import_source, train_step  # noqa: E402
 
 CHECK_IN_S = 30.0  # rank 0 waits this long for the survivors to check in after a failure
+POLL_S = 0.002  # a rank waiting in the step's collective looks at the store this often
+_FAILED: list[Any] = []  # failed groups, kept: their destructor waits for their collective
+
+
+class PeerFailed(RuntimeError):
+    """Another survivor said in the store that the generation's collective failed."""
+
+
+def sync(store: Any, generation: int, loss: Any) -> None:
+    """The step's all_reduce; PeerFailed when the generation is said failed meanwhile."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(loss, async_op=True)
+    while not work.is_completed():
+        if store.check([f"gen{generation + 1}/failed"]):
+            _FAILED.append(work)
+            raise PeerFailed(f"generation {generation} failed (said in the store)")
+        time.sleep(POLL_S)
+    work.wait()
 
 
 def join(store: Any, generation: int, rank: int, cfg: dict[str, Any]) -> None:
@@ -81,6 +104,8 @@ def _recover(cfg: dict[str, Any], store: Any, generation: int, rank: int, engine
 
     from ckptio.errors import CkptError
 
+    store.set(f"gen{generation}/failed", "1")
+    _FAILED.append(dist.group.WORLD)
     dist.destroy_process_group()  # first: the manager's close() then agrees with no one
     try:
         engine.close()
@@ -126,7 +151,7 @@ def run(cfg: dict[str, Any], ev: Events, rank: int) -> None:
             if step == cfg["kill_step"] + 1 and not generation and rank == cfg["victim"]:
                 ev("hold")  # the kill comes mid-run: the others wait in the collective
                 time.sleep(cfg["hold_s"])
-            dist.all_reduce(loss)
+            sync(store, generation, loss)
             ev("step", step=step)
             engine.save(step)
             if step == cfg["kill_step"] and not generation:
@@ -143,6 +168,9 @@ def run(cfg: dict[str, Any], ev: Events, rank: int) -> None:
     engine.close()
     ev("final", digest=digest(model, opt))
     dist.destroy_process_group()
+    if _FAILED:  # their collectives end at their timeout: not waited for at the exit
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def main(argv: list[str]) -> int:
