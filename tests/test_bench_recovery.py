@@ -2,8 +2,9 @@
 user types it (``python -m benchmarks.recovery --quick``, a fresh process: 2 hosts, torchrun's
 elastic agents, host 1 killed, its memory wiped, a replacement agent) restores every rank from a
 checkpoint (host 1 from its partner's copy) and ends bitwise where an uninterrupted run does, with
-every phase on the time line; and the report's phases from hand-made events: they add up to the
-total, a wrong final state or a rank started fresh fails the run.
+every phase on the time line; the same without a relaunch (``--restart inprocess``: a hot spare
+takes the lost rank, the survivor keeps its process); and the report's phases from hand-made
+events: they add up to the total, a wrong final state or a rank started fresh fails the run.
 
 The smoke run takes the best hosts possible here (network namespaces as root; else hosts simulated
 on 127.0.0.1 with CKPTIO_HOST_ID, as tests/test_hosts.py does), and says which in its output.

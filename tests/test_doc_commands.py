@@ -42,8 +42,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # BENCH_RESTART's round four, three; BENCH_LOOP section 13's three, issue 65's call;
 # BENCH_REDUNDANCY's fewer hosts and peers round two, three; this stop, nine more: BENCH_GPU
 # run 11, BENCH_LOOP sections 14 and 15, BENCH_RESTART round five, BENCH_REDUNDANCY's two
-# holders)
-NOT_RUN_COUNT = 74
+# holders; BENCH_RECOVERY's in-process run and its --quick smoke run, which
+# tests/test_bench_recovery.py runs)
+NOT_RUN_COUNT = 76
 
 
 def _not_run(command: str) -> str | None:
