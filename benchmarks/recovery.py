@@ -12,6 +12,10 @@ uninterrupted run of the same seeds.
     python -m benchmarks.recovery --hosts 4 --mb 256 --reps 3 \
         --json docs/results/recovery/recovery.json --markdown docs/results/recovery/recovery.md
     python -m benchmarks.recovery --quick        # 2 hosts, a tiny state, partners only
+    python -m benchmarks.recovery --restart inprocess ...  # no relaunch: a hot spare joins
+
+With ``--restart inprocess`` (recovery_inproc.py) no agent restarts anything: the survivors keep
+their processes and re-form the process group with a spare already running on a host of its own.
 
 Owns: the schedule, the agents' commands, the kill and the replacement, collecting events.
 Does not own: the job (recovery_worker.py), the agent's hooks (recovery_agent.py), the phases
@@ -34,6 +38,8 @@ from typing import Any
 from benchmarks import REPO_ROOT, worker_env, write_reports
 from benchmarks.recovery_worker import MEMORY, SOURCES
 
+INPROCESS = ("partners", "parity", "disk")  # ckptio's: a new manager restores after re-forming
+
 QUICK = {"hosts": 2, "mb": 2.0, "sources": "partners", "steps": 4, "kill_step": 2,
          "every": 2, "batch": 4, "reps": 1}
 
@@ -50,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(and protected) on every rank")
     p.add_argument("--kill-delay", type=float, default=0.3, help="seconds after that")
     p.add_argument("--kill", choices=("host", "rank"), default="host")
+    p.add_argument("--restart", choices=("relaunch", "inprocess"), default="relaunch",
+                   help="relaunch: torchrun's agents restart the job; inprocess: the survivors "
+                   "keep their processes, a hot spare takes the lost rank (ckptio sources only)")
     p.add_argument("--victim", type=int, default=1, help="the host (or rank) killed; not 0, "
                    "whose agent holds the rendezvous store")
     p.add_argument("--every", type=int, default=4, help="disk saves every N steps")
@@ -66,9 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    argv = sys.argv[1:] if argv is None else argv  # --quick's defaults yield to those given
     args = p.parse_args(argv)
     if args.quick:
-        given = {a.split("=")[0][2:].replace("-", "_") for a in (argv or []) if a[:2] == "--"}
+        given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a[:2] == "--"}
         for key, value in QUICK.items():
             if key not in given:
                 setattr(args, key, value)
@@ -76,7 +86,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--victim {args.victim} --hosts {args.hosts}: 0 < victim < hosts <= 9")
     if not 0 < args.kill_step < args.steps:
         p.error("--kill-step: between 1 and --steps - 1")
+    if args.restart == "inprocess":
+        _inprocess_args(p, args, given=any(a.startswith("--sources") for a in argv))
     return args
+
+
+def _inprocess_args(p: argparse.ArgumentParser, args: argparse.Namespace, given: bool) -> None:
+    if args.kill != "host":
+        p.error("--restart inprocess: --kill host only (the spare runs on a host of its own)")
+    if not given and not args.quick:
+        args.sources = ",".join(INPROCESS)
+    wrong = sorted(set(args.sources.split(",")) - set(INPROCESS) - {""})
+    if wrong:
+        p.error(f"--restart inprocess: sources {', '.join(INPROCESS)} only, not {wrong}")
 
 
 def job_cfg(args: argparse.Namespace, source: str, work: Path) -> dict[str, Any]:
@@ -84,7 +106,7 @@ def job_cfg(args: argparse.Namespace, source: str, work: Path) -> dict[str, Any]
             "every": args.every, "k": min(args.k, args.hosts - 1), "batch": args.batch,
             "seed": args.seed, "world": args.hosts, "kill": args.kill, "pg_timeout": 120,
             "dir": str(work), "events": str(work / "events"),
-            "victim": args.victim, "hold_s": args.timeout}
+            "victim": args.victim, "hold_s": args.timeout, "restart": args.restart}
 
 
 class Agents:
@@ -112,6 +134,9 @@ class Agents:
                     "-m", "benchmarks.recovery_worker", str(self.cfg_path)]
         cmd = [sys.executable, "-m", "benchmarks.recovery_agent",
                host.name if self.netns else "-", str(self.work / "events"), "--", *torchrun]
+        if a.restart == "inprocess":  # the job itself: one process, the spare on the last host
+            cmd = [sys.executable, "-m", "benchmarks.recovery_inproc",
+                   host.name if self.netns else "-", str(self.cfg_path)]
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts", *cmd] if self.netns \
             else cmd
 
@@ -125,6 +150,9 @@ class Agents:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if not self.netns:
             env["CKPTIO_HOST_ID"] = host.name
+        if self.args.restart == "inprocess":  # rank i on host i; -1: the spare
+            env.update(RANK=str(i if i < self.args.hosts else -1), MASTER_PORT=str(self.port),
+                       MASTER_ADDR=self.hosts.hosts[0].addr if self.netns else "127.0.0.1")
         log = open(self.work / f"agent-h{i}-{len(self.all)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(self.command(i), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO_ROOT, start_new_session=True)
@@ -205,9 +233,11 @@ def read_events(root: Path) -> list[dict[str, Any]]:
 
 
 def _wait_ready(events: Path, world: int, deadline: float, agents: Agents) -> None:
+    spares = len(agents.procs) - world  # in-process: the spare is ready too
     while time.monotonic() < deadline:
-        ready = {e["rank"] for e in read_events(events) if e["ev"] == "ready"}
-        if len(ready) == world:
+        seen = read_events(events)
+        ready = {e["rank"] for e in seen if e["ev"] == "ready"}
+        if len(ready) == world and sum(e["ev"] == "spare_ready" for e in seen) == spares:
             return
         if any(p.poll() is not None for p in agents.procs):
             raise RuntimeError("an agent ended before the kill")
@@ -240,11 +270,12 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
     # a host's tmpfs: its rank's steps (the newest, the protected one, one being written) and
     # as many copies for its partner, or parity (a bound, not an allocation)
     tmpfs = f"{max(64, int(12 * args.mb))}m"
-    with Hosts(args.hosts, work / "hosts", mode=mode, tmpfs_size=tmpfs) as hosts:
+    inprocess = args.restart == "inprocess"
+    with Hosts(args.hosts + inprocess, work / "hosts", mode=mode, tmpfs_size=tmpfs) as hosts:
         run["mode"], run["hosts"] = hosts.mode, hosts.describe()
         agents = Agents(args, hosts, cfg_path, work)
         try:
-            for i in range(args.hosts):
+            for i in range(args.hosts + inprocess):
                 agents.start(i)
             deadline = time.monotonic() + args.timeout
             _wait_ready(work / "events", args.hosts, deadline, agents)
@@ -252,7 +283,10 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
                 _cold(work / "disk")
             time.sleep(args.kill_delay)
             run["t_kill"] = time.time()
-            if args.kill == "host":
+            if inprocess:  # no replacement started: the spare takes the lost rank
+                agents.kill_host(args.victim)
+                run["t_killed"] = time.time()
+            elif args.kill == "host":
                 agents.kill_host(args.victim)
                 run["t_killed"] = time.time()
                 hosts.wipe(args.victim)
@@ -261,7 +295,8 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
                 run["t_replaced"] = time.time()
             else:
                 _kill_rank(work / "events", args.victim)
-            run["codes"] = agents.wait(deadline)
+            codes = agents.wait(deadline)
+            run["codes"] = [c for i, c in enumerate(codes) if not inprocess or i != args.victim]
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
             run["error"] = f"{type(exc).__name__}: {exc}"
         finally:

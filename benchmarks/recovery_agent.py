@@ -90,7 +90,7 @@ def hook(ev: AgentEvents) -> None:
     LocalElasticAgent._restart_workers = restarted  # type: ignore[method-assign]
 
 
-def _set_hostname(name: str) -> None:
+def set_hostname(name: str) -> None:
     """This UTS namespace's hostname := ``name``; refused in the driver's namespace
     ($BENCH_PARENT_UTS)."""
     if os.readlink("/proc/self/ns/uts") == os.environ.get("BENCH_PARENT_UTS"):
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     if dash != "--":
         raise SystemExit("usage: python -m benchmarks.recovery_agent HOSTNAME|- EVENTS -- ARGS")
     if hostname != "-":
-        _set_hostname(hostname)
+        set_hostname(hostname)
     ev = AgentEvents(events, os.environ.get("BENCH_HOST", "?"))
     ev("agent_start", t=T0)
     hook(ev)

@@ -12,6 +12,12 @@ each the moment the LAST rank or agent passed it (so the phases add up to the to
     restore     -> every worker has restored (the source's manager made, then its restore)
     first step  -> every worker has completed its first step after the resume
 
+Without a relaunch (``--restart inprocess``, recovery_inproc.py) the phases are: detection (the
+kill -> every survivor's collective failed), re-form (-> every rank, the spare's included, has
+the next generation's process group: the old manager closed, the group destroyed, the check-in,
+the spare told, init_process_group), restore (-> every rank restored: a new manager made, its
+restore), first step.
+
 Owns: the phases, the checks (bitwise against the reference, restored from a checkpoint), the
 medians, the targets and the markdown. Does not own: running anything.
 """
@@ -22,6 +28,7 @@ import statistics
 from typing import Any
 
 PHASES = ("detection", "relaunch", "rendezvous", "build", "restore", "first_step")
+PHASES_INPROCESS = ("detection", "reform", "restore", "first_step")
 DETECT = ("workers_failed", "nodes_waiting", "restart_workers_begin")
 TOTAL_S, RESTORE_SHARE = 10.0, 0.20  # issue 66's targets
 
@@ -46,6 +53,8 @@ def timeline(run: dict[str, Any], reference: list[str]) -> dict[str, Any]:
         out["why"] = run.get("error", "no kill")
         return out
     tk, events, cfg = run["t_kill"], run["events"], run["cfg"]
+    if cfg.get("restart") == "inprocess":
+        return _inprocess(run, reference, out)
     victim = str(run.get("victim", 1))
     agents = _by(events, "a", "pid")
     old = [evs for evs in agents.values() if evs[0]["t"] < tk]
@@ -75,6 +84,36 @@ def timeline(run: dict[str, Any], reference: list[str]) -> dict[str, Any]:
     return out
 
 
+def phases_of(cfg: dict[str, Any]) -> tuple[str, ...]:
+    return PHASES_INPROCESS if cfg.get("restart") == "inprocess" else PHASES
+
+
+def _inprocess(run: dict[str, Any], reference: list[str], out: dict[str, Any]) -> dict[str, Any]:
+    """timeline() of a run without a relaunch (module doc): the survivors' and the spare's
+    processes (each rank's last), no agents."""
+    tk = run["t_kill"]
+    workers = [evs for evs in _by(run["events"], "w", "pid").values() if evs[-1]["t"] > tk]
+    survivors = [evs for evs in workers if evs[0]["rank"] >= 0]  # the spare starts as -1
+    bounds: dict[str, float | None] = {}
+    for phase, ev, group in (("detection", "failed", survivors), ("reform", "pg", workers),
+                             ("restore", "restored", workers)):
+        times = [_first(evs, ev, tk) for evs in group]
+        bounds[phase] = max(times) if group and None not in times else None  # type: ignore[type-var]
+    firsts = [_first(evs, "step", r) if (r := _first(evs, "restored", tk)) else None
+              for evs in workers]
+    bounds["first_step"] = max(firsts) if workers and None not in firsts else None  # type: ignore[type-var]
+    out["bounds"] = {k: None if v is None else v - tk for k, v in bounds.items()}
+    out["phases"] = _phases(bounds, tk, PHASES_INPROCESS)
+    out["total_s"] = None if bounds["first_step"] is None else bounds["first_step"] - tk
+    torn = [_first(evs, "torn_down", tk) for evs in survivors]
+    told = [_first(evs, "assigned", tk) for evs in workers if evs[0]["rank"] < 0]
+    out["detail"] = {"torn_down": None if not torn or None in torn else max(torn) - tk,  # type: ignore[type-var,operator]
+                     "spare_told": None if not told or None in told else max(told) - tk}  # type: ignore[type-var,operator]
+    out.update(_restores(sorted(workers, key=lambda evs: evs[-1]["rank"]), start="pg"))
+    out.update(_checks(run, reference, out))
+    return out
+
+
 def _last_workers(procs: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
     """Per rank, the worker process that finished the job (else the last one started)."""
     best: dict[int, list[dict[str, Any]]] = {}
@@ -83,10 +122,11 @@ def _last_workers(procs: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]
     return [best[r] for r in sorted(best)]
 
 
-def _phases(bounds: dict[str, float | None], tk: float) -> dict[str, float | None]:
+def _phases(bounds: dict[str, float | None], tk: float,
+            names: tuple[str, ...] = PHASES) -> dict[str, float | None]:
     phases: dict[str, float | None] = {}
     last: float | None = tk
-    for name in PHASES:
+    for name in names:
         now = bounds[name]
         phases[name] = None if now is None or last is None else now - last
         last = now
@@ -111,17 +151,17 @@ def _detail(events: list[dict[str, Any]], tk: float, workers: list[list[dict[str
             "workers_up": last(workers, "start"), "torch_imported": last(workers, "imported")}
 
 
-def _restores(workers: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per rank: the step and source restored, the restore's seconds (manager made + restore)
-    and the restore call's alone."""
+def _restores(workers: list[list[dict[str, Any]]], start: str = "built") -> dict[str, Any]:
+    """Per rank: the step and source restored, the restore's seconds (manager made + restore,
+    from the last ``start`` event) and the restore call's alone."""
     per: dict[int, dict[str, Any]] = {}
     for evs in workers:
-        at = {e["ev"]: e for e in evs}
-        if "restored" in at and "built" in at:
-            per[evs[0]["rank"]] = {
+        at = {e["ev"]: e for e in evs}  # each event's last
+        if "restored" in at and start in at:
+            per[evs[-1]["rank"]] = {
                 "step": at["restored"]["step"], "source": at["restored"]["source"],
-                "restore_s": at["restored"]["t"] - at["built"]["t"],
-                "call_s": at["restored"]["t"] - at.get("engine", at["built"])["t"]}
+                "restore_s": at["restored"]["t"] - at[start]["t"],
+                "call_s": at["restored"]["t"] - at.get("engine", at[start])["t"]}
     ranks = [per[r] for r in sorted(per)]
     return {"ranks": ranks,
             "restore_s": max((r["restore_s"] for r in ranks), default=None)}
@@ -153,9 +193,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     runs = [timeline({**r, "victim": result["args"].get("victim", 1)}, result["reference"])
             for r in result["runs"]]
     by: dict[str, dict[str, Any]] = {}
+    names = phases_of(result["runs"][0]["cfg"]) if result["runs"] else PHASES
     for source in dict.fromkeys(r["source"] for r in runs):
         mine = [r for r in runs if r["source"] == source and r["ok"]]
-        med = {p: _median([r["phases"][p] for r in mine]) for p in PHASES}
+        med = {p: _median([r["phases"][p] for r in mine]) for p in names}
         by[source] = {"n": len(mine), "of": sum(r["source"] == source for r in runs),
                       "phases": med, "total_s": _median([r["total_s"] for r in mine]),
                       "restore_s": _median([r["restore_s"] for r in mine]),
@@ -178,15 +219,18 @@ def _mark(ok: bool) -> str:
 
 def markdown(result: dict[str, Any], command: str) -> str:
     s, a = result["summary"], result["args"]
+    restart = a.get("restart", "relaunch")
+    names = PHASES_INPROCESS if restart == "inprocess" else PHASES
     lines = [f"# Recovery, end to end\n\n`{command}`\n",
              f"Hosts: {a['hosts']} ({result['mode']}), one rank each; {a['mb']} MiB per rank; "
              f"killed: {a['kill']} {a['victim']} after step {a['kill_step']} (+{a['kill_delay']} s); "
+             f"restart: {restart}; "
              f"disk saves every {a['every']} steps; medians of {a['reps']} run(s). Seconds.\n",
-             "| source | runs ok | " + " | ".join(PHASES) + " | kill -> step | restore, slowest rank "
-             "| restore share |", "|---" * (len(PHASES) + 5) + "|"]
+             "| source | runs ok | " + " | ".join(names) + " | kill -> step | restore, slowest rank "
+             "| restore share |", "|---" * (len(names) + 5) + "|"]
     for source, b in s["by_source"].items():
         lines.append(f"| {source} | {b['n']}/{b['of']} | "
-                     + " | ".join(_s(b["phases"][p]) for p in PHASES)
+                     + " | ".join(_s(b["phases"][p]) for p in names)
                      + f" | {_s(b['total_s'])} | {_s(b['restore_s'])} | "
                      + ("-" if b["share"] is None else f"{100 * b['share']:.0f} %") + " |")
     lines += ["", "Targets (issue 66): kill -> next step <= 10 s; ckptio's restore <= 20 % of "

@@ -227,7 +227,7 @@ class Peer:
 # ------------------------------------------------------------------ the job
 
 
-def _import(source: str) -> None:
+def import_source(source: str) -> None:
     """The source's library imported before "imported" (as a job imports what it uses; ckptio
     imports its modules lazily, so its manager is named here)."""
     import importlib
@@ -243,7 +243,7 @@ def run(cfg: dict[str, Any], ev: Events) -> None:
     import torch
     import torch.distributed as dist
 
-    _import(cfg["source"])
+    import_source(cfg["source"])
     ev("imported")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

@@ -2,8 +2,9 @@
 user types it (``python -m benchmarks.recovery --quick``, a fresh process: 2 hosts, torchrun's
 elastic agents, host 1 killed, its memory wiped, a replacement agent) restores every rank from a
 checkpoint (host 1 from its partner's copy) and ends bitwise where an uninterrupted run does, with
-every phase on the time line; and the report's phases from hand-made events: they add up to the
-total, a wrong final state or a rank started fresh fails the run.
+every phase on the time line; the same without a relaunch (``--restart inprocess``: a hot spare
+takes the lost rank, the survivor keeps its process); and the report's phases from hand-made
+events: they add up to the total, a wrong final state or a rank started fresh fails the run.
 
 The smoke run takes the best hosts possible here (network namespaces as root; else hosts simulated
 on 127.0.0.1 with CKPTIO_HOST_ID, as tests/test_hosts.py does), and says which in its output.
@@ -40,6 +41,25 @@ def test_quick_run_recovers_bitwise(tmp_path: Path) -> None:
     assert abs(sum(run["phases"].values()) - run["total_s"]) < 1e-6
     assert run["detail"]["replacement_agent_ready"] is not None  # host 1's agent was replaced
     assert "| partners | 1/1 |" in done.stdout
+
+
+def test_quick_run_without_a_relaunch_recovers_bitwise(tmp_path: Path) -> None:
+    """``--restart inprocess``: no agent; the survivor keeps its process and rolls back from its
+    own memory, the hot spare (a third host) takes rank 1 and restores its partner's copy."""
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--quick", "--restart",
+                           "inprocess", "--timeout", "120", "--dir", str(tmp_path / "w"),
+                           "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["summary"]["runs"]
+    assert run["ok"] and run["bitwise"], run.get("why")
+    assert [(r["step"], r["source"]) for r in run["ranks"]] == [(2, "own"), (2, "partner")]
+    assert list(run["phases"]) == ["detection", "reform", "restore", "first_step"]
+    assert all(v is not None and v >= 0 for v in run["phases"].values())
+    assert abs(sum(run["phases"].values()) - run["total_s"]) < 1e-6
+    assert run["detail"]["spare_told"] is not None  # the spare took the lost rank
+    assert "restart: inprocess" in done.stdout and "| partners | 1/1 |" in done.stdout
 
 
 def _ev(t: float, ev: str, kind: str, pid: int, **extra: Any) -> dict[str, Any]:
@@ -105,3 +125,7 @@ def test_quick_defaults_and_checks() -> None:
     assert (full.hosts, full.mb, full.sources) == (4, 256, "partners,parity,disk,dcp,tcp")
     with pytest.raises(SystemExit):
         parse_args(["--victim", "0"])  # host 0 holds the rendezvous store
+    assert parse_args(["--restart", "inprocess"]).sources == "partners,parity,disk"
+    for wrong in (["--sources", "dcp"], ["--kill", "rank"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--restart", "inprocess", *wrong])  # ckptio's sources, hosts killed

@@ -43,8 +43,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # BENCH_REDUNDANCY's fewer hosts and peers round two, three; this stop, nine more: BENCH_GPU
 # run 11, BENCH_LOOP sections 14 and 15, BENCH_RESTART round five, BENCH_REDUNDANCY's two
 # holders; BENCH_LOOP section 17 (issue 65): the loop and three dev/tier_trace.py probes;
-# issue 66's one pass over the received step: BENCH_REDUNDANCY's two; BENCH_RESTART round six's four)
-NOT_RUN_COUNT = 84
+# issue 66's one pass over the received step: BENCH_REDUNDANCY's two; BENCH_RESTART round six's four;
+# BENCH_RECOVERY's in-process run and its --quick smoke run, which tests/test_bench_recovery.py runs)
+NOT_RUN_COUNT = 86
 
 
 def _not_run(command: str) -> str | None:

@@ -118,7 +118,22 @@ class Solo:
         return sum(map(len, self._published.values()))
 
 
-_instances: dict[tuple[int, ...], int] = {}  # groups made in this process, per set of ranks
+# groups made in this process per set of ranks, counted under one default group (a weak
+# reference to it): a job that re-forms its default group in the same processes (a spare joins
+# the survivors) counts anew on every rank, so the names agree with a fresh process's
+_instances: dict[tuple[int, ...], int] = {}
+_counted_under: list[weakref.ref[Any]] = []
+
+
+def _instance(members: tuple[int, ...]) -> int:
+    """The number of ``members``' groups made before under the current default group."""
+    world = torch.distributed.group.WORLD
+    if not _counted_under or _counted_under[0]() is not world:
+        _instances.clear()
+        _counted_under[:] = [weakref.ref(world)]
+    instance = _instances.get(members, 0)
+    _instances[members] = instance + 1
+    return instance
 
 
 def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
@@ -131,8 +146,7 @@ def over_torch(group: Any, options: Options | None = None) -> StoreGroup:
     options = options or Options.from_env()
     deadlines = Deadlines(options.rank_timeout_s, options.step_timeout_s)
     members = tuple(int(r) for r in dist.get_process_group_ranks(group))
-    instance = _instances.get(members, 0)
-    _instances[members] = instance + 1
+    instance = _instance(members)
     ranks = ",".join(map(str, members)) if len(members) <= 8 else (
         f"{len(members)}-{zlib.crc32(repr(members).encode()):08x}")
     alive_store = c10d._get_default_store()

@@ -45,7 +45,24 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
                     load_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """CheckpointManager.restore with redundancy (module docstring); collective. ``levels``:
     this rank's tiers; ``listings()``: their steps. -> the manager's ``last_restore`` record,
-    or None when nothing was saved anywhere, on any rank."""
+    or None when nothing was saved anywhere, on any rank.
+
+    A restore of the newest step (``step`` None) that agreed on an older step than this rank
+    holds committed (a step another rank lost before it was protected) leaves those newer
+    steps unusable as the job's: the saves after the resume may replace them, as they
+    replace a step a load found damaged."""
+    record = _restore(guard, levels, listings, verify, state, step, load_kwargs)
+    if record is not None and step is None:
+        for level, tier in zip(levels, listings()):
+            for newer in (s for s in tier["committed"] if s > record["step"]):
+                level.mark_damaged(newer)
+    return record
+
+
+def _restore(guard: Guard, levels: Sequence[TierSteps],
+             listings: Callable[[], list[dict[str, list[Any]]]],
+             verify: Callable[[str], Any], state: Any, step: int | None,
+             load_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     started = time.perf_counter()
     guard.settle()  # a previous restore's step still being written: listed once written
     listing, others = listings(), set[int]()

@@ -13,6 +13,7 @@ Owns: those two exchanges. Does not own: what is decided (managing/manager.py, m
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,13 +35,22 @@ class Ranks:
         self._options = options
         self._where = where  # the manager's location, for messages
         self._group: Group | None = None  # made at the first collective call
+        self._under: weakref.ref[Any] | None = None  # the default group it was made under
 
     def group(self) -> Group:
         if self._group is None:
             torch_group = current_group(self._process_group)
             self._group = Solo() if torch_group is None else over_torch(torch_group,
                                                                           self._options)
+            if torch_group is not None:
+                self._under = weakref.ref(_default_group())
         return self._group
+
+    def gone(self) -> bool:
+        """Whether the default process group these ranks agree under was destroyed (or
+        replaced) since their first collective: a job that lost a rank tore it down, and no
+        rank is left to agree with."""
+        return self._under is not None and self._under() is not _default_group()
 
     def agreed(self, decide: Callable[[], Any]) -> Any:
         """Collective: ``decide()`` runs on rank 0 and every rank gets its answer (module doc)."""
@@ -75,3 +85,9 @@ class Ranks:
         kinds = {k for k, _ in reports}
         why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
         return "damaged" in kinds and "other" not in kinds, why
+
+
+def _default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

@@ -359,6 +359,8 @@ class CheckpointManager:
         try:
             for follower in self._followers:
                 follower.close()
+            if self._ranking.gone():  # the job tore its process group down (a rank lost):
+                return  # nothing to agree on; the next manager's first save runs retention
             if len(self._levels) > 1:  # what the drain's pins kept past the last commit
                 self._retain(0)
             for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
