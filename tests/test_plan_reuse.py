@@ -1,7 +1,7 @@
 """A steady save proves its plan unchanged with one pass per field over all tensors at once
 (planning/reuse.py) and copies its small host tensors with one call per dtype
 (saving/grouped.py), issue 65: no Python line runs per tensor in the plan's check, the capture
-issues one copy per dtype group, and no change after ten saves goes unnoticed (each changed
+issues one copy per dtype group (counted with a TorchFunctionMode), and no change after ten saves goes unnoticed (each changed
 checkpoint is loaded back bitwise)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 import ckptio
 
@@ -63,15 +63,16 @@ def test_the_reused_plan_runs_no_python_line_per_tensor(tmp_path: Path) -> None:
     assert lines[400] - lines[40] < 100, lines
 
 
-class _Copies(TorchDispatchMode):
-    """Counts the aten copy calls and the tensors each copies."""
+class _Copies(TorchFunctionMode):
+    """Counts the torch copy calls made from Python and the tensors each copies."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int]] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = str(func.overloadpacket)
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
         if "copy" in name:
             self.calls.append((name, len(args[0]) if isinstance(args[0], (list, tuple)) else 1))
         return func(*args, **(kwargs or {}))
@@ -171,3 +172,24 @@ def test_untying_after_ten_tied_saves_is_noticed(tmp_path: Path) -> None:
     assert loaded["model"]["w1"] is not loaded["model"]["w0"]
     assert torch.equal(loaded["model"]["w1"], state["model"]["w1"])
     assert torch.equal(loaded["model"]["w0"], state["model"]["w0"])
+
+
+def test_a_lazy_saves_small_tensors_are_copied_before_its_call_returns(tmp_path: Path) -> None:
+    """The tensors no optimizer owns are grouped too: a lazy save's call returns once their
+    copies are made, so changing them right after the call does not reach the checkpoint (the
+    optimizer's large parameter after them is still being copied then)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048, bias=False) for _ in range(6)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = [torch.full((8,), float(i)) for i in range(50)]
+    state = {"model": model, "optim": opt, "extra": extra}
+    ck = ckptio.Checkpointer()
+    try:
+        for i in range(3):
+            handle = ck.async_save(state, tmp_path / f"s{i}", lazy=True, optimizers=[opt])
+            for t in extra:
+                t.add_(100.0)
+            handle.wait()
+    finally:
+        ck.close()
+    loaded = ckptio.load(tmp_path / "s2")
+    assert [t[0].item() for t in loaded["extra"]] == [200.0 + i for i in range(50)]

@@ -277,10 +277,11 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
     if flat.tree == cache.tree:
         flat.tree = cache.tree
     cache.tree = flat.tree
+    recorded = cache.reuse is not None  # None: the state has leaves Reuse does not cover
     again = _reused(flat, cache)
     if again is None:
         again = _again(flat, cache)
-        if again is not None:  # the walk may have changed entries the record compares to
+        if again is not None and recorded:  # the walk may have changed what the record holds
             _record(cache, flat)
     if again is not None:
         cache.hits += 1

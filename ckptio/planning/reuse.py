@@ -120,8 +120,11 @@ class Reuse:
         now = list(map(values.__getitem__, self.scalars))
         if list(map(type, now)) != self.scalar_types:
             return None
+        differing = _differing(now, self.scalar_values)
         redo = [(self.scalar_index[i], self.keys[self.scalars[i]], value)
-                for i, value in _differing(now, self.scalar_values)]
+                for i, value in differing]
+        if not differing:  # the record's own list: nothing new kept alive
+            now = self.scalar_values
         redo += [(index, self.keys[p], values[p]) for p, index in self.others]
         return dict(zip(self.source_keys, map(ts.__getitem__, self.sources))), redo, now
 

@@ -307,6 +307,9 @@ class _Window:
         self.filled = 0
         self.pieces: list[Piece] = []
         self.groups = Groups()  # small host tensors' copies, made before a hand-off
+        # only into the pool's buffers, whose views are made once and kept (Buffer.view_at): a
+        # mapped save's regions come and go with its files, and would keep a view per tensor
+        self.grouping = job.mapped is None
 
     def _room(self) -> Buffer:
         assert self.buffer is not None  # internal: close() or abandon() ends the window
@@ -330,7 +333,7 @@ class _Window:
             self.pad_to(offset)
         nbytes, filled, buffer = item.nbytes, self.filled, self.buffer
         dtype = torch_dtype(item.dtype)
-        if (buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
+        if (self.grouping and buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
                 and Groups.takes(source, dtype, nbytes)):  # one copy per dtype (grouped.py)
             self.groups.add(buffer.view_at(filled, dtype, source.shape), source)
             self.pieces.append((index, filled, nbytes))
