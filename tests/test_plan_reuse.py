@@ -1,8 +1,8 @@
 """A steady save proves its plan unchanged with one pass per field over all tensors at once
 (planning/reuse.py) and copies its small host tensors with one call per dtype
-(saving/grouped.py), issue 65: no Python line runs per tensor in the plan's check, the capture
-issues one copy per dtype group (counted with a TorchFunctionMode), and no change after ten saves goes unnoticed (each changed
-checkpoint is loaded back bitwise)."""
+(saving/grouped.py), issue 65: no Python line runs per tensor in the plan's check, the
+capture issues one copy per dtype group (counted with a TorchFunctionMode), and no change
+after ten saves goes unnoticed (each changed checkpoint is loaded back bitwise)."""
 
 from __future__ import annotations
 
