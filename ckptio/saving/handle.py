@@ -19,8 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress
-from operator import attrgetter, methodcaller, not_
 from typing import Any
 
 import torch
@@ -259,18 +257,10 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     storages: set[int] = set()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            storages.update(_addresses(list(group["params"])))
-        values = chain.from_iterable(map(_VALUES, optimizer.state.values()))
-        storages.update(_addresses([v for v in values if isinstance(v, torch.Tensor)]))
+            storages.update(_storage(p) for p in group["params"])
+        for state in optimizer.state.values():
+            storages.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
     return storages
-
-
-def _addresses(tensors: list[torch.Tensor]) -> Iterable[int]:
-    """``_storage`` of each tensor: one map over all of them where every one is a plain tensor
-    (no Python per tensor), ``_storage`` one by one otherwise."""
-    if _PLAIN.issuperset(map(type, tensors)) and not any(map(_DICT, tensors)):
-        return map(_DATA_PTR, map(_STORAGE, tensors))
-    return map(_storage, tensors)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -281,9 +271,6 @@ def _storage(t: torch.Tensor) -> int:
 
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # their own storage: no local_tensor
-_DICT, _KEY = attrgetter("__dict__"), attrgetter("key")
-_STORAGE, _DATA_PTR, _VALUES = (methodcaller("untyped_storage"), methodcaller("data_ptr"),
-                                methodcaller("values"))
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
@@ -292,7 +279,8 @@ def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
     """Items neither the optimizers nor ``after_step`` own first (copied before a lazy save
     returns), then theirs; -> (items, how many come first)."""
     owned = optimizer_storages(optimizers) | {_storage(t) for t in after_step}
-    sourced = map(sources.__getitem__, map(_KEY, items))  # local tensors (plan.py): no wrappers
-    late = list(map(owned.__contains__, map(_DATA_PTR, map(_STORAGE, sourced))))
-    eager = tuple(compress(items, map(not_, late)))
-    return eager + tuple(compress(items, late)), len(eager)
+    eager: list[WriteItem] = []
+    lazy: list[WriteItem] = []
+    for item in items:
+        (lazy if sources[item.key].untyped_storage().data_ptr() in owned else eager).append(item)
+    return tuple(eager + lazy), len(eager)
