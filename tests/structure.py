@@ -72,6 +72,9 @@ THIRD_PARTY: dict[str, str] = {
     "torch.distributed.tensor._utils":
         "DTensor's local shape and offset of a shard (compute_local_shape_and_global_offset, "
         "_get_shard_size_and_offsets): the same arithmetic DCP uses, not public",
+    "torch._foreach_copy_":
+        "a capture's small host tensors of one dtype copied with one call, not one per tensor "
+        "(saving/grouped.py): torch exposes no public copy of many tensors",
 }
 NAMEDTUPLE = {"_make", "_replace", "_fields", "_asdict", "_field_defaults"}
 

@@ -22,6 +22,7 @@ from ckptio.format import values
 from ckptio.format.flatten import FlatCache, FlatState
 from ckptio.format.grid import Grid
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Json, ObjectEntry, WriteItem
+from ckptio.planning.reuse import NOTHING, SCALARS, Reuse, object_again
 from ckptio.planning.sharding import (
     FlatShard,
     TensorShard,
@@ -172,6 +173,7 @@ class PlanCache:
     tree: Json = None
     hits: int = 0
     flat: FlatCache = field(default_factory=FlatCache)  # the state's structure (flatten.py)
+    reuse: Reuse | None = None  # the last plan's fields, checked all at once (reuse.py)
 
 
 def _is_tensor_leaf(value: Any) -> bool:
@@ -213,7 +215,6 @@ def _part(key: str, t: Any, storages: dict[int, int]) -> tuple[Any, ...]:
 
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_SCALARS = frozenset({int, str, bool, type(None)})  # equal values are identical ones
 
 
 def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch.Tensor]] | None:
@@ -233,9 +234,9 @@ def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch
     for (key, value), part in zip(flat.leaves.items(), signature):
         was = part[1]
         if was is None:  # no tensor last time
-            old = scalars.get(key, _NOTHING)  # _object_again's first case, inline
-            entry = (entries[key] if type(old) is type(value) and type(value) in _SCALARS
-                     and old == value else _object_again(key, value, cache))
+            old = scalars.get(key, NOTHING)  # object_again's first case, inline
+            entry = (entries[key] if type(old) is type(value) and type(value) in SCALARS
+                     and old == value else object_again(key, value, cache.objects, cache.scalars))
             if entry is None:
                 return None
             changed = changed or entry is not last.objects[len(objects)]
@@ -266,27 +267,6 @@ def _again(flat: FlatState, cache: PlanCache) -> tuple[SavePlan, dict[str, torch
     return last, sources
 
 
-def _object_again(key: str, value: Any, cache: PlanCache) -> ObjectEntry | None:
-    """The entry of a leaf that was an object in the last plan and is a scalar now: the last
-    one while the value is the same (cache updated otherwise); None for any other leaf."""
-    cls = type(value)
-    entry = cache.objects.get(key)
-    if entry is None or (cls not in _SCALARS and cls is not float):
-        return None
-    if cls is not float:  # equal floats may differ (-0.0): compared by their encoding
-        old = cache.scalars.get(key, _NOTHING)
-        if type(old) is cls and old == value:
-            return entry
-        cache.scalars[key] = value
-    payload = values.encode(value)
-    if entry.value != payload:
-        entry = cache.objects[key] = ObjectEntry(key, payload)
-    return entry
-
-
-_NOTHING = object()
-
-
 def build_plan(flat: FlatState, *, allow_pickle: bool,
                cache: PlanCache | None = None) -> tuple[SavePlan, dict[str, torch.Tensor]]:
     """-> (plan, sources): sources maps each item's key to the tensor holding its bytes.
@@ -297,7 +277,12 @@ def build_plan(flat: FlatState, *, allow_pickle: bool,
     if flat.tree == cache.tree:
         flat.tree = cache.tree
     cache.tree = flat.tree
-    again = _again(flat, cache)
+    recorded = cache.reuse is not None  # None: the state has leaves Reuse does not cover
+    again = _reused(flat, cache)
+    if again is None:
+        again = _again(flat, cache)
+        if again is not None and recorded:  # the walk may have changed what the record holds
+            _record(cache, flat)
     if again is not None:
         cache.hits += 1
         return again
@@ -321,9 +306,43 @@ def _remember(cache: PlanCache, flat: FlatState, plan: SavePlan,
     """Keep ``plan`` and its scalar leaves' values for the next save's ``_again``."""
     cache.objects = {entry.key: entry for entry in plan.objects}
     cache.scalars = {entry.key: flat.leaves[entry.key] for entry in plan.objects
-                     if type(flat.leaves[entry.key]) in _SCALARS}
+                     if type(flat.leaves[entry.key]) in SCALARS}
     cache.plan = plan
+    _record(cache, flat)
     return plan, sources
+
+
+def _record(cache: PlanCache, flat: FlatState) -> None:
+    """The last plan's Reuse record, made from this state (its plan and signature)."""
+    cache.reuse = None
+    if cache.signature is not None and cache.plan is not None:
+        cache.reuse = Reuse.of(flat.leaves, cache.signature, cache.alias_of,
+                               [entry.key for entry in cache.plan.objects])
+
+
+def _reused(flat: FlatState, cache: PlanCache
+            ) -> tuple[SavePlan, dict[str, torch.Tensor]] | None:
+    """The last plan again where Reuse.check proves every tensor leaf and key unchanged (the
+    scalars that changed, and the floats, get their entries as in _again); None otherwise."""
+    last, reuse = cache.plan, cache.reuse
+    if last is None or reuse is None:
+        return None
+    checked = reuse.check(flat.leaves)
+    if checked is None:
+        return None
+    sources, redo, scalars = checked
+    objects: list[ObjectEntry] | None = None
+    for index, key, value in redo:
+        entry = object_again(key, value, cache.objects, cache.scalars)
+        if entry is None:
+            return None
+        if entry is not last.objects[index]:
+            objects = list(last.objects) if objects is None else objects
+            objects[index] = entry
+    if objects is not None:
+        cache.plan = last = dataclasses.replace(last, objects=tuple(objects))
+    reuse.scalar_values = scalars
+    return last, sources
 
 
 def _build(flat: FlatState, allow_pickle: bool,

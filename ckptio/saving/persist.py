@@ -32,6 +32,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement,
 from ckptio.io import FileHandle
 from ckptio.io.worker import Calls
 from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
+from ckptio.saving.grouped import Groups
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
 from ckptio.saving.stall import Activity
@@ -122,6 +123,7 @@ class SaveJob:
                                    captured)
                         captured += 1
                         if captured == eager_items and on_eager is not None:
+                            window.groups.flush()
                             self._sync_streams()
                             on_eager()
                     window.close(layout.nbytes)
@@ -304,10 +306,15 @@ class _Window:
         self.start = 0  # file offset of the buffer's first byte
         self.filled = 0
         self.pieces: list[Piece] = []
+        self.groups = Groups()  # small host tensors' copies, made before a hand-off
+        # only into the pool's buffers, whose views are made once and kept (Buffer.view_at): a
+        # mapped save's regions come and go with its files, and would keep a view per tensor
+        self.grouping = job.mapped is None
 
     def _room(self) -> Buffer:
         assert self.buffer is not None  # internal: close() or abandon() ends the window
         if self.filled == self.buffer.nbytes:
+            self.groups.flush()
             full, self.buffer = self.buffer, None
             self.job.hand_off(self.file, self.start, full, self.filled, self.pieces)
             self.start, self.filled, self.pieces = self.start + self.filled, 0, []
@@ -326,6 +333,12 @@ class _Window:
             self.pad_to(offset)
         nbytes, filled, buffer = item.nbytes, self.filled, self.buffer
         dtype = torch_dtype(item.dtype)
+        if (self.grouping and buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
+                and Groups.takes(source, dtype, nbytes)):  # one copy per dtype (grouped.py)
+            self.groups.add(buffer.view_at(filled, dtype, source.shape), source)
+            self.pieces.append((index, filled, nbytes))
+            self.filled = filled + nbytes
+            return
         moved = bool(buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
                  and nbytes <= MEMMOVE_MAX_NBYTES and move_out(source, dtype, buffer, filled,
                                                                nbytes))
@@ -354,6 +367,7 @@ class _Window:
     def close(self, file_nbytes: int) -> None:
         """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""
         self.pad_to(file_nbytes)
+        self.groups.flush()
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.filled:
             self.job.hand_off(self.file, self.start, buffer, align_up(self.filled),
@@ -362,6 +376,7 @@ class _Window:
             self.job.release(buffer)
 
     def abandon(self) -> None:
+        self.groups.drop()
         buffer, self.buffer = self.buffer, None
         if buffer is not None:
             self.job.release(buffer)
