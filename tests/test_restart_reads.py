@@ -63,5 +63,5 @@ def test_a_ranks_first_reads_find_their_buffers_pinned(tmp_path: Path) -> None:
     if any(g is None for g in got):
         pytest.skip("the load's backend here is not io_uring pinning part by part")
     assert all(g["equal"] for g in got), got
-    # before: only the buffer the index files' reads used (part 0) was pinned
+    # before: none (each was pinned at its first read, in the thread submitting the reads)
     assert all(g["pinned"] == [0, 1, 2] for g in got), got

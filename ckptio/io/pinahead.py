@@ -2,11 +2,10 @@
 
 A load's backend pins the pool part by part, each buffer at its first read (resources.py); in
 the thread that submits the reads that put a buffer's fault-in and pinning between one read and
-the next, so a rank's first ``io_depth`` reads left one by one (docs/BENCH_RESTART.md, round
-six). ``PinAhead`` pins the first buffers a load will take (the pool hands out the free buffer
-of lowest index first) before its reads: the read step waits for the first ``io_depth`` of
-them (those it needs), most of which are pinned by then, and its first reads go out back to
-back.
+the next, so a rank's first ``io_depth`` reads left one by one (docs/BENCH_RESTART.md).
+``PinAhead`` pins the first buffers a load will take (the pool hands out the free buffer of
+lowest index first) before its reads: the read step waits for the first ``io_depth`` of them
+(those it needs), most of which are pinned by then, and its first reads go out back to back.
 
 Owns: the thread and the order of the pins. Does not own: which buffers or how many
 (resources.py, loading/load_session.py), what pinning is (the backend's ``pin_part``).

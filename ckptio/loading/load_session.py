@@ -276,7 +276,7 @@ def _pin_early(resources: IOResources, store: Store, record: Manifest, request: 
     for (never faulted beyond what its reads touch), and pin the first buffers its share of
     those bytes takes on a thread of their own while the ranks plan, so that its first
     io_depth reads leave back to back (before, each buffer was faulted in and pinned at its
-    first read, between one submit and the next: docs/BENCH_RESTART.md, round six)."""
+    first read, between one submit and the next: docs/BENCH_RESTART.md)."""
     select = selector(request.keys)
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
     nbytes += sum(math.prod(r.shape) * torch_dtype(r.dtype).itemsize
