@@ -73,3 +73,48 @@ def load_error(rank: int, world: int, path: str) -> tuple[str, str] | None:
     except ckptio.CkptError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+BIG_LAYERS = 6  # 16 MiB weights: each rank's half of the state fills three 16 MiB buffers
+
+
+def _big(world: int, zeros: bool = False) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(671)
+    out: dict[str, Any] = {}
+    for i in range(BIG_LAYERS):
+        value = torch.zeros(4096, 1024) if zeros else torch.randn(4096, 1024, generator=g)
+        out[f"w{i}"] = distribute_tensor(value, mesh, [Shard(0)])
+    return out
+
+
+def save_big(rank: int, world: int, path: str) -> None:
+    ckptio.save(_big(world), path)
+
+
+def load_pins(rank: int, world: int, path: str) -> dict[str, Any] | None:
+    """Load in place -> {"pinned": staging buffers pinned when the first large read (1 MiB or
+    more) of a data file was submitted, "equal"}; None where the backend is not io_uring
+    pinning part by part."""
+    from ckptio.io.uring import UringBackend
+
+    seen: dict[str, Any] = {}
+    submit = UringBackend.submit_read
+
+    def submit_read(self: UringBackend, fh: Any, offset: int, into: memoryview) -> Any:
+        if "data-" in str(fh.path) and len(into) >= 1 << 20 and "pinned" not in seen:
+            parts = self._parts
+            seen["pinned"] = None if parts is None else sorted(parts.pinned)
+        return submit(self, fh, offset, into)
+
+    UringBackend.submit_read = submit_read  # type: ignore[method-assign]
+    into = _big(world, zeros=True)
+    ckptio.load(path, into)
+    if seen.get("pinned") is None:
+        return None
+    equal = all(torch.equal(into[k].to_local().view(torch.uint8), v.to_local().view(torch.uint8))
+                for k, v in _big(world).items())
+    return {"pinned": seen["pinned"], "equal": equal}
