@@ -3,9 +3,8 @@
 Owns: staging memory (allocated once, pre-faulted because this kind of VM faults fresh pages
 slowly, page-locked with cudaHostRegister when CUDA is present so device copies run
 asynchronously) and its admission (acquire blocks while every buffer is in use). Does not own:
-a buffer's bytes as tensors and the copies between tensors and buffers (io/buffers.py; its
-names used by saving/persist.py are re-exported here until that import moves), what is copied
-where (saving/persist.py, loading/read.py) or I/O (io/).
+a buffer's bytes as tensors and the copies between tensors and buffers (io/buffers.py), what
+is copied where (saving/persist.py, loading/read.py) or I/O (io/).
 """
 
 from __future__ import annotations
@@ -22,11 +21,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ckptio.errors import CkptError
-from ckptio.io.buffers import Buffer, copy_out, move_out, torch_dtype, typed
+from ckptio.io.buffers import Buffer
 
-# Buffer and the copies are io/buffers.py's; re-exported for saving/persist.py's import only
-__all__ = ["Buffer", "StagingPool", "available_host_bytes", "copy_out", "move_out",
-           "torch_dtype", "typed"]
+__all__ = ["StagingPool", "available_host_bytes"]
 
 
 class StagingPool:

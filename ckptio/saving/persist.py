@@ -31,7 +31,8 @@ from ckptio.format.checksum import EntryHashers
 from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.worker import Calls
-from ckptio.io.stage import Buffer, StagingPool, copy_out, move_out, torch_dtype, typed
+from ckptio.io.buffers import Buffer, copy_out, move_out, torch_dtype, typed
+from ckptio.io.stage import StagingPool
 from ckptio.saving.grouped import Groups
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
