@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 
 from ckptio.io.backend_contract import IOBackend
 from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size_text
-from ckptio.io.pinahead import PinAhead
 from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
@@ -67,7 +66,6 @@ class ReusedIOResources:
         self._active = options  # the options the pool and backends were made with
         self._local_ranks = local_world_size()  # the ranks sharing this host's budget
         self._roots: dict[str, LocalRoot] = {}  # a manager's local tier roots, by location
-        self._ahead: PinAhead | None = None  # a load's first buffers, pinned while it plans
 
     # ---------------------------------------------------------------- which store a path is
 
@@ -156,32 +154,6 @@ class ReusedIOResources:
         else:
             self._unpinnable.add(kind)
 
-    def pin_ahead(self, store: Store, nbytes: int, staged: int) -> None:
-        """Under ``lock``: make the pool a load of ``store`` reads through (sized to ``nbytes``,
-        faulted by its reads) and pin, on a thread of its own while the load plans, the first
-        buffers its ``staged`` bytes take (2 x io_depth at most, the buffers one load keeps in
-        flight); the rest are pinned at their first read as before. Nothing for a backend that
-        pins no part ahead (POSIX, object stores)."""
-        pool, files = self.files(store, nbytes, copy_faults=True, reading=True)
-        pin = getattr(files.backend, "pin_part", None)
-        count = min(pool.nbuffers, 2 * self.io_depth, -(-staged // pool.buffer_bytes))
-        if pin is None or count <= 0 or store.backend_kind not in self._pinned:
-            return
-        self._stop_pin_ahead()
-        self._ahead = PinAhead(pin, count)
-
-    def pinned_ahead(self, staged: int) -> None:
-        """Under ``lock``, before a read step's first read: wait until the buffers pin_ahead
-        pins that its ``staged`` bytes take first (io_depth at most) are pinned, so those
-        reads go out back to back (most are pinned by then)."""
-        if self._ahead is not None and self._pool is not None:
-            self._ahead.wait_for(min(self.io_depth, -(-staged // self._pool.buffer_bytes)))
-
-    def _stop_pin_ahead(self) -> None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.join()
-
     def _pin_resident(self, pool: StagingPool) -> None:
         """On ``pool``'s pre-fault thread, once it is resident: the backends made so far pin
         it now rather than inside the next save's call (registering a grown pool is a
@@ -200,7 +172,6 @@ class ReusedIOResources:
         """Free the pool only, stopping the backends that pinned it (which forgets the pool;
         they, and what they learnt of their filesystem, stay); the next use makes a pool of
         its size."""
-        self._stop_pin_ahead()
         pool, self._pool = self._pool, None
         for kind in self._pinned:
             self._backends[kind].shutdown()
@@ -322,7 +293,6 @@ class ReusedIOResources:
 
     def release(self) -> None:
         """Free the pool and stop every backend (made again on next use)."""
-        self._stop_pin_ahead()
         pool, backends = self._pool, list(self._backends.values())
         self._pool, self._backends = None, {}
         self._pinned.clear()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import restart_reads_cases as cases
-from ckptio.io import can_pin
 from ckptio.testing.rank_processes import run_ranks
 
 
@@ -49,19 +48,3 @@ def test_a_flipped_byte_in_a_small_replicated_tensor_is_still_caught(saved: Path
     got = run_ranks(2, cases.load_error, str(path))
     assert all(g is not None for g in got), got
     assert any(kind == "CorruptCheckpointError" and "l5.b" in message for kind, message in got), got
-
-
-def test_a_ranks_first_reads_find_their_buffers_pinned(tmp_path: Path) -> None:
-    """Each rank's first staging buffers are pinned (and faulted in) while the ranks plan, not
-    one by one between its first submits (docs/BENCH_RESTART.md, round six): when a rank
-    submits its first read of a data file, the three buffers its 48 MiB take are pinned."""
-    if not can_pin():
-        pytest.skip("io_uring cannot pin the staging pool here (memlock limit): no pinning")
-    path = str(tmp_path / "ck")
-    run_ranks(2, cases.save_big, path)
-    got = run_ranks(2, cases.load_pins, path)
-    if any(g is None for g in got):
-        pytest.skip("the load's backend here is not io_uring pinning part by part")
-    assert all(g["equal"] for g in got), got
-    # before: none (each was pinned at its first read, in the thread submitting the reads)
-    assert all(g["pinned"] == [0, 1, 2] for g in got), got

@@ -103,15 +103,6 @@ class UringBackend:
                 return False
         return True
 
-    def pin_part(self, index: int) -> bool:
-        """Pin part ``index`` of a region registered part by part now (faulting its pages in),
-        not at its first request: a load's first buffers, pinned ahead while the load plans
-        (io/pinahead.py). False where there is no such part or the kernel refused it."""
-        parts, ring = self._parts, self._ring
-        if parts is None or ring is None or not 0 <= index < parts.slots:
-            return False
-        return parts.slot(ring, parts.base + index * parts.part, 1) >= 0
-
     def submit_write(self, fh: FileHandle, offset: int, data: memoryview) -> Future[int]:
         return self._submit(True, fh, offset, data)
 

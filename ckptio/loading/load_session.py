@@ -34,7 +34,6 @@ from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
-from ckptio.io.buffers import torch_dtype
 from ckptio.loading import dcpdir, foreign_common, opening, resolve_regular
 from ckptio.loading import read as reading
 from ckptio.loading.fill import fill_fresh, fill_in_place
@@ -108,9 +107,8 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
         with resources.lock:
             # a pool made now is not pre-faulted: a buffer's pages fault in as the backend pins
             # it at its first read (resources.files), or by that read (docs/BENCH_RESTART.md)
-            staged = _staged_nbytes(reads)
-            pool, files = resources.files(store, staged, copy_faults=True, reading=True)
-            resources.pinned_ahead(staged)  # the first io_depth reads leave back to back
+            pool, files = resources.files(store, _staged_nbytes(reads), copy_faults=True,
+                                          reading=True)
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
@@ -255,35 +253,15 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
     ranks (each reads a part) nor for regular or version-4 entries (what those stage is known
     only once resolved), nor for a store in memory (a memory tier's): its whole entries are read
     straight into their tensors (direct_reads.py), and a pool faulting in beside the restore
-    slowed it; what does stage there gets a pool at the read, faulted by its copies.
-    A rank of many (``_pin_early``) instead gets its pool's first buffers pinned while it plans."""
-    if in_memory(store) or any(t.coded or t.order for t in record.tensors):
-        return
-    if request.world_size != 1:
-        _pin_early(resources, store, record, request)
-        return
-    if record.regular:
+    slowed it; what does stage there gets a pool at the read, faulted by its copies."""
+    if (request.world_size != 1 or record.regular or in_memory(store)
+            or any(t.coded or t.order for t in record.tensors)):
         return
     select = selector(request.keys)
     nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
     if 0 < nbytes <= 2 * resources.io_depth * resources.options.buffer_bytes:
         with resources.lock:
             resources.files(store, nbytes, reading=True)
-
-
-def _pin_early(resources: IOResources, store: Store, record: Manifest, request: LoadRequest) -> None:
-    """A rank of many: make its pool now, large enough for any rank's part of the keys asked
-    for (never faulted beyond what its reads touch), and pin the first buffers its share of
-    those bytes takes on a thread of their own while the ranks plan, so that its first
-    io_depth reads leave back to back (before, each buffer was faulted in and pinned at its
-    first read, between one submit and the next: docs/BENCH_RESTART.md)."""
-    select = selector(request.keys)
-    nbytes = sum(t.extent_nbytes for t in record.tensors if select(t.key))
-    nbytes += sum(math.prod(r.shape) * torch_dtype(r.dtype).itemsize
-                  for r in record.regular if select(r.key))
-    if nbytes > 0:
-        with resources.lock:
-            resources.pin_ahead(store, nbytes, -(-nbytes // request.world_size))
 
 
 def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:

@@ -161,16 +161,6 @@ class IOResources(Protocol):
         """Make the pool hold files of these sizes whole, where the budget allows."""
         ...
 
-    def pin_ahead(self, store: Store, nbytes: int, staged: int) -> None:
-        """Make a load's pool (``nbytes``) and pin the first buffers its ``staged`` bytes
-        take while the load plans (where the backend pins part by part)."""
-        ...
-
-    def pinned_ahead(self, staged: int) -> None:
-        """Before a read step's first read: wait for the buffers pin_ahead pins that its
-        ``staged`` bytes take first (io_depth at most)."""
-        ...
-
     @property
     def io_depth(self) -> int:
         """Reads in flight per load (the options the backends were made with)."""
