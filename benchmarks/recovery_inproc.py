@@ -35,7 +35,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks.recovery_agent import set_hostname  # noqa: E402
-from benchmarks.recovery_worker import Ckptio, Events, build, digest, import_source, train_step  # noqa: E402
+from benchmarks.recovery_worker import (  # noqa: E402
+    Ckptio, Events, build, digest, fail_fast, import_source, train_step)
 
 CHECK_IN_S = 30.0  # rank 0 waits this long for the survivors to check in after a failure
 POLL_S = 0.002  # a rank waiting in the step's collective looks at the store this often
@@ -180,14 +181,7 @@ def main(argv: list[str]) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     rank = int(os.environ["RANK"])  # -1: the spare
     ev = Events(cfg["events"], rank)
-    ev("start", t=T0)
-    try:
-        run(cfg, ev, rank)
-    except BaseException as exc:  # noqa: BLE001 - written down, then the process fails at once
-        ev("error", what=f"{type(exc).__name__}: {str(exc)[:500]}")
-        sys.stderr.flush()
-        os._exit(1)
-    return 0
+    return fail_fast(ev, lambda: run(cfg, ev, rank))
 
 
 if __name__ == "__main__":

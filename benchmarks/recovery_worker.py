@@ -25,6 +25,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 SOURCES = ("partners", "parity", "disk", "dcp", "tcp")  # memory x2, ckptio disk, the peers
@@ -278,17 +279,23 @@ def run(cfg: dict[str, Any], ev: Events) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> int:
-    cfg = json.loads(Path(argv[0]).read_text())
-    ev = Events(cfg["events"], int(os.environ["RANK"]))
+def fail_fast(ev: Events, body: Callable[[], object]) -> int:
+    """Run a worker's ``body``; any error is written down as an event, then the process exits
+    at once (no interpreter teardown that could hang on a dead peer's group)."""
     ev("start", t=T0)
     try:
-        run(cfg, ev)
+        body()
     except BaseException as exc:  # noqa: BLE001 - written down, then the worker fails at once
         ev("error", what=f"{type(exc).__name__}: {str(exc)[:500]}")
         sys.stderr.flush()
         os._exit(1)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    cfg = json.loads(Path(argv[0]).read_text())
+    ev = Events(cfg["events"], int(os.environ["RANK"]))
+    return fail_fast(ev, lambda: run(cfg, ev))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from ckptio.storage.files import mappings_of
 from ckptio.storage.local.slots import SLOTS_DIR, warm_fit
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
+from tests.write_counting import WriteCounting
 
 MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
@@ -65,21 +66,6 @@ def state_of(step: int, scale: int = 1) -> dict[str, Any]:
     }
 
 
-class _Counting:
-    """A backend that records the file of every write (then does it)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.written: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def submit_write(self, fh: Any, offset: int, data: memoryview) -> Any:
-        self.written.append(os.path.basename(fh.path))
-        return self.inner.submit_write(fh, offset, data)
-
-
 def _data_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.startswith("data-"))
 
@@ -102,13 +88,13 @@ def _assert_no_stale_bytes(path: str) -> None:
         assert not any(data), f"{path}/{name}: bytes outside the entries are not zero"
 
 
-def _save_counting(tmp_or_shm: str, options: ckptio.Options) -> tuple[_Counting, str]:
+def _save_counting(tmp_or_shm: str, options: ckptio.Options) -> tuple[WriteCounting, str]:
     """An async save of state_of(1) into ``tmp_or_shm`` through a counting backend; checked
     back bit for bit and verified -> (the backend, the path)."""
     ck = ckptio.Checkpointer(options)
     try:
         os.makedirs(tmp_or_shm, exist_ok=True)
-        counting = ck.resources().wrap_backend(LocalStore(tmp_or_shm), _Counting)
+        counting = ck.resources().wrap_backend(LocalStore(tmp_or_shm), WriteCounting)
         path = os.path.join(tmp_or_shm, "ckpt")
         ck.async_save(state_of(1), path).wait()
         ckptio.verify(path)
@@ -130,7 +116,7 @@ def test_mapped_async_save_round_trips_with_no_write(shm):
     ck = ckptio.Checkpointer(OPTS)
     root = checkpoint_path("shm://one")
     os.makedirs(root, exist_ok=True)
-    counting = ck.resources().wrap_backend(LocalStore(root), _Counting)
+    counting = ck.resources().wrap_backend(LocalStore(root), WriteCounting)
     with ckptio.CheckpointManager(tiers=[Tier("shm://one", keep_last=keep_last)],
                                   checkpointer=ck) as mgr:
         for step in range(keep_last + 4):
@@ -170,7 +156,7 @@ def test_prepare_makes_the_first_saves_mapped(shm, via):
     ck = ckptio.Checkpointer(OPTS)
     root = checkpoint_path("shm://ahead")
     os.makedirs(root, exist_ok=True)
-    counting = ck.resources().wrap_backend(LocalStore(root), _Counting)
+    counting = ck.resources().wrap_backend(LocalStore(root), WriteCounting)
     mgr = ckptio.CheckpointManager(tiers=[Tier("shm://ahead", keep_last=2)], checkpointer=ck)
     with mgr:
         if via == "prepare":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,6 +23,7 @@ from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.select import checkpoint_path
 from tests.conftest import assert_same
+from tests.write_counting import WriteCounting
 
 MiB = 1 << 20
 OPTS = ckptio.Options(buffer_bytes=MiB, pool_bytes=4 * MiB)
@@ -74,21 +74,6 @@ def test_no_module_level_cache_in_storage_local():
             f"ALLOWED names {name}:{binding}, which is gone: drop it from the list")
 
 
-class _Counting:
-    """A backend that records the file of every write (then does it)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.written: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def submit_write(self, fh: Any, offset: int, data: memoryview) -> Any:
-        self.written.append(os.path.basename(fh.path))
-        return self.inner.submit_write(fh, offset, data)
-
-
 def _state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(200_000, generator=g), "b": torch.randn(33, generator=g)}
@@ -108,7 +93,7 @@ def test_closing_another_checkpointer_leaves_this_tiers_slots_mapped(shm: str) -
     ck_b = ckptio.Checkpointer(OPTS)
     root_b = checkpoint_path("shm://b")
     os.makedirs(root_b, exist_ok=True)
-    counting = ck_b.resources().wrap_backend(LocalStore(root_b), _Counting)
+    counting = ck_b.resources().wrap_backend(LocalStore(root_b), WriteCounting)
     mgr_b = _run("shm://b", range(3), ck_b)  # from step 2 on: mapped, the ring warm
     try:
         ck_a = ckptio.Checkpointer(OPTS)
