@@ -4,9 +4,10 @@ Owns: running one worker (``python -m benchmarks.X --worker ...``) in a fresh in
 reading its result (its last JSON line on stdout, or an error record), the worker's side of that
 (``emit``: the run and the process's peak RSS), the schedule (every item once per repetition, the
 order reversed on odd repetitions so no engine always runs first), dropping the page cache
-between phases, per-cell spreads (median, range, count) and the markdown table. Does not own:
-timing a phase inside a worker (engines.timed_phase), the disk ceiling (ckptio.tuning.ceiling),
-the JSON and markdown files (benchmarks.write_reports) or what a script measures.
+between phases (or a run's own files only), per-cell spreads (median, range, count) and the
+markdown table. Does not own: timing a phase inside a worker (engines.timed_phase), the disk
+ceiling (ckptio.tuning.ceiling), the JSON and markdown files (benchmarks.write_reports) or what a
+script measures.
 
 Why not pyperf: it fits a micro-benchmark (one function, calibrated loops, warmups, one value
 per process) but not these runs. A worker here measures several phases in one process (save then
@@ -19,6 +20,7 @@ command line. Its statistics are the ones ``statistics`` gives. Measured: docs/B
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -48,12 +50,22 @@ def emit(run: Run) -> int:
     return 0
 
 
-def cold(paths: Iterable[Path] = ()) -> str:
+def cold(paths: Iterable[Path] = (), *, only: bool = False) -> str:
     """Drop the page cache (drop_caches as root, else POSIX_FADV_DONTNEED on the files under
-    ``paths``); returns the method used, for the run's record."""
-    from ckptio.tuning.ceiling import drop_page_cache
+    ``paths``); returns the method used, for the run's record. ``only``: those files alone,
+    even as root, so the rest stays cached (a running job's code, its imports)."""
+    if not only:
+        from ckptio.tuning.ceiling import drop_page_cache
 
-    return drop_page_cache(paths)
+        return drop_page_cache(paths)
+    for root in paths:
+        for path in (p for p in Path(root).rglob("*") if p.is_file()):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
 
 
 # ---------------------------------------------------------------- the driver's side

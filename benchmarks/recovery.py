@@ -17,9 +17,14 @@ uninterrupted run of the same seeds.
 With ``--restart inprocess`` (recovery_inproc.py) no agent restarts anything: the survivors keep
 their processes and re-form the process group with a spare already running on a host of its own.
 
-Owns: the schedule, the agents' commands, the kill and the replacement, collecting events.
-Does not own: the job (recovery_worker.py), the agent's hooks (recovery_agent.py), the phases
-and the report (recovery_report.py), the hosts (ckptio/testing/multihost.py).
+The sources run on benchmarks/harness.py's schedule (every source once per repetition, the
+order reversed on odd repetitions; ``harness.repeat``); before each kill of a disk source its
+checkpoints leave the page cache (``harness.cold(..., only=True)``).
+
+Owns: which source runs when on fresh hosts, the agents' commands, the kill and the replacement,
+collecting events. Does not own: the schedule, the page-cache drop (benchmarks/harness.py), the
+job (recovery_worker.py), the agent's hooks (recovery_agent.py), the phases and the report
+(recovery_report.py), the hosts (ckptio/testing/multihost.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import REPO_ROOT, worker_env, write_reports
+from benchmarks import REPO_ROOT, harness, worker_env, write_reports
 from benchmarks.recovery_worker import MEMORY, SOURCES
 
 INPROCESS = ("partners", "parity", "disk")  # ckptio's: a new manager restores after re-forming
@@ -245,18 +250,6 @@ def _wait_ready(events: Path, world: int, deadline: float, agents: Agents) -> No
     raise TimeoutError("the ranks did not reach the kill step in time")
 
 
-def _cold(root: Path) -> None:
-    """The checkpoints' pages dropped from the page cache (written durably by then): the
-    restore reads the disk, while the job's own code stays cached."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[str, Any]:
     from ckptio.testing.multihost import Hosts
 
@@ -279,8 +272,9 @@ def one_run(args: argparse.Namespace, source: str, rep: int, mode: str) -> dict[
                 agents.start(i)
             deadline = time.monotonic() + args.timeout
             _wait_ready(work / "events", args.hosts, deadline, agents)
-            if source not in MEMORY:
-                _cold(work / "disk")
+            if source not in MEMORY:  # the checkpoints (durable by then) leave the page
+                # cache; the job's own code stays cached
+                run["cold"] = harness.cold([work / "disk"], only=True)
             time.sleep(args.kill_delay)
             run["t_kill"] = time.time()
             if inprocess:  # no replacement started: the spare takes the lost rank
@@ -318,6 +312,16 @@ def _kill_rank(events: Path, rank: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def run_all(args: argparse.Namespace, sources: list[str], mode: str) -> list[dict[str, Any]]:
+    """Every source ``args.reps`` times in harness.schedule's order, one job each (one_run)."""
+    def progress(run: dict[str, Any], i: int, n: int) -> str:
+        failed = "error" in run or run.get("codes") != [0] * args.hosts
+        return f"run {i}/{n}: rep {run['rep']} {run['source']}{' failed' if failed else ''}"
+
+    return harness.repeat(sources, args.reps, lambda source, rep: one_run(args, source, rep, mode),
+                          progress=progress)
+
+
 def references(args: argparse.Namespace) -> list[str]:
     """Each rank's final digest after an uninterrupted run (computed here, one thread)."""
     import torch
@@ -342,11 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if "parity" in sources and args.hosts < 3:
         raise SystemExit("--sources parity: needs --hosts 3 or more")
     args.dir.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for rep in range(args.reps):
-        for source in sources:
-            print(f"rep {rep} {source} ...", file=sys.stderr, flush=True)
-            runs.append(one_run(args, source, rep, mode))
+    runs = run_all(args, sources, mode)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "mode": mode,
               "why_not_netns": netns_possible() if mode != "netns" else None,
               "reference": references(args), "runs": runs}

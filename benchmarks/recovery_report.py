@@ -19,13 +19,15 @@ the spare told, init_process_group), restore (-> every rank restored: a new mana
 restore), first step.
 
 Owns: the phases, the checks (bitwise against the reference, restored from a checkpoint), the
-medians, the targets and the markdown. Does not own: running anything.
+targets and the markdown. Does not own: running anything, the medians and the tables' markdown
+(benchmarks/harness.py: spread, markdown_table).
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
+
+from benchmarks import harness
 
 PHASES = ("detection", "relaunch", "rendezvous", "build", "restore", "first_step")
 PHASES_INPROCESS = ("detection", "reform", "restore", "first_step")
@@ -205,8 +207,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _median(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
+    cell = harness.spread(values)
+    return None if cell is None else cell["median"]
 
 
 def _s(value: float | None) -> str:
@@ -225,22 +227,24 @@ def markdown(result: dict[str, Any], command: str) -> str:
              f"Hosts: {a['hosts']} ({result['mode']}), one rank each; {a['mb']} MiB per rank; "
              f"killed: {a['kill']} {a['victim']} after step {a['kill_step']} (+{a['kill_delay']} s); "
              f"restart: {restart}; "
-             f"disk saves every {a['every']} steps; medians of {a['reps']} run(s). Seconds.\n",
-             "| source | runs ok | " + " | ".join(names) + " | kill -> step | restore, slowest rank "
-             "| restore share |", "|---" * (len(names) + 5) + "|"]
-    for source, b in s["by_source"].items():
-        lines.append(f"| {source} | {b['n']}/{b['of']} | "
-                     + " | ".join(_s(b["phases"][p]) for p in names)
-                     + f" | {_s(b['total_s'])} | {_s(b['restore_s'])} | "
-                     + ("-" if b["share"] is None else f"{100 * b['share']:.0f} %") + " |")
+             f"disk saves every {a['every']} steps; medians of {a['reps']} run(s). Seconds.\n"]
+    medians = [[source, f"{b['n']}/{b['of']}", *(_s(b["phases"][p]) for p in names),
+                _s(b["total_s"]), _s(b["restore_s"]),
+                "-" if b["share"] is None else f"{100 * b['share']:.0f} %"]
+               for source, b in s["by_source"].items()]
+    lines.append(harness.markdown_table(
+        ["source", "runs ok", *names, "kill -> step", "restore, slowest rank", "restore share"],
+        medians, "l" * (len(names) + 5)))
     lines += ["", "Targets (issue 66): kill -> next step <= 10 s; ckptio's restore <= 20 % of "
-              "it; every step after the resume bitwise an uninterrupted run's.", "",
-              "| source | kill -> step <= 10 s | restore <= 20 % | bitwise |", "|---|---|---|---|"]
+              "it; every step after the resume bitwise an uninterrupted run's.", ""]
+    targets = []
     for source, b in s["by_source"].items():
         runs = [r for r in s["runs"] if r["source"] == source]
-        lines.append(f"| {source} | {_mark(b['total_s'] is not None and b['total_s'] <= TOTAL_S)}"
-                     f" | {_mark(b['share'] is not None and b['share'] <= RESTORE_SHARE)} | "
-                     f"{_mark(bool(runs) and all(r.get('bitwise') for r in runs))} |")
+        targets.append([source, _mark(b["total_s"] is not None and b["total_s"] <= TOTAL_S),
+                        _mark(b["share"] is not None and b["share"] <= RESTORE_SHARE),
+                        _mark(bool(runs) and all(r.get("bitwise") for r in runs))])
+    lines.append(harness.markdown_table(
+        ["source", "kill -> step <= 10 s", "restore <= 20 %", "bitwise"], targets, "llll"))
     lines += ["", "Each run (moments from the kill; per rank the step and source restored, and "
               "its restore's seconds: manager made + restore / the restore call alone):", ""]
     for r in s["runs"]:

@@ -5,6 +5,10 @@ checkpoint (host 1 from its partner's copy) and ends bitwise where an uninterrup
 every phase on the time line; the same without a relaunch (``--restart inprocess``: a hot spare
 takes the lost rank, the survivor keeps its process); and the report's phases from hand-made
 events: they add up to the total, a wrong final state or a rank started fresh fails the run.
+On benchmarks/harness.py: the sources' run order (harness.schedule: reversed on odd
+repetitions), the report's medians (harness.spread) and tables (harness.markdown_table), the
+disk checkpoints' eviction (harness.cold with only=True: those files alone, no drop_caches),
+and every documented command line (docs/BENCH_RECOVERY.md, the module's docstring) still parses.
 
 The smoke run takes the best hosts possible here (network namespaces as root; else hosts simulated
 on 127.0.0.1 with CKPTIO_HOST_ID, as tests/test_hosts.py does), and says which in its output.
@@ -13,6 +17,9 @@ on 127.0.0.1 with CKPTIO_HOST_ID, as tests/test_hosts.py does), and says which i
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.recovery import QUICK, parse_args
+from benchmarks import harness, recovery
+from benchmarks.recovery import QUICK, parse_args, run_all
 from benchmarks.recovery_report import PHASES, markdown, summarize, timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +137,90 @@ def test_quick_defaults_and_checks() -> None:
     for wrong in (["--sources", "dcp"], ["--kill", "rank"]):
         with pytest.raises(SystemExit):
             parse_args(["--restart", "inprocess", *wrong])  # ckptio's sources, hosts killed
+
+
+def test_the_sources_alternate_on_the_harness_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every source once per repetition, reversed on odd ones (was: --sources order always)."""
+    calls: list[tuple[str, int]] = []
+
+    def fake(args: Any, source: str, rep: int, mode: str) -> dict[str, Any]:
+        calls.append((source, rep))
+        return {"source": source, "rep": rep, "codes": [0] * args.hosts}
+
+    monkeypatch.setattr(recovery, "one_run", fake)
+    args = parse_args(["--hosts", "3", "--reps", "3", "--sources", "partners,disk,dcp"])
+    runs = run_all(args, ["partners", "disk", "dcp"], "simulated")
+    order = [("partners", 0), ("disk", 0), ("dcp", 0), ("dcp", 1), ("disk", 1), ("partners", 1),
+             ("partners", 2), ("disk", 2), ("dcp", 2)]
+    assert calls == order and [(r["source"], r["rep"]) for r in runs] == order
+
+
+def test_the_report_takes_medians_and_tables_from_the_harness() -> None:
+    """Three runs of one source: the medians row (harness.spread) in harness.markdown_table's
+    table, a failed run counted in 'runs ok' but left out of the medians."""
+    runs = []
+    for rep, (shift, digests) in enumerate([(0.3, ["a", "b"]), (0.1, ["a", "b"]),
+                                            (0.2, ["a", "b"]), (5.0, ["a", "x"])]):
+        run = _run(digests)
+        for e in run["events"]:  # the first step later by ``shift``: total 8 + shift
+            e["t"] += shift if e["ev"] in ("step", "final") else 0
+        runs.append({**run, "rep": rep})
+    result = {"args": {"hosts": "2", "mb": "2", "kill": "host", "victim": "1", "kill_step": "4",
+                       "kill_delay": "0.3", "every": "2", "reps": "4"}, "mode": "netns",
+              "reference": ["a", "b"], "runs": runs}
+    result["summary"] = summarize(result)
+    by = result["summary"]["by_source"]["partners"]
+    assert (by["n"], by["of"]) == (3, 4) and by["total_s"] == pytest.approx(8.2)
+    assert by["phases"]["first_step"] == pytest.approx(0.6)
+    lines = markdown(result, "python -m benchmarks.recovery ...").splitlines()
+    header = "| source | runs ok | " + " | ".join(PHASES) + " | kill -> step | restore, " \
+        "slowest rank | restore share |"
+    at = lines.index(header)
+    assert lines[at + 1] == "| " + " | ".join(["---"] * (len(PHASES) + 5)) + " |"
+    assert lines[at + 2] == "| partners | 3/4 | 0.50 | 1.60 | 4.00 | 0.40 | 1.10 | 0.60 | " \
+        "8.20 | 1.10 | 13 % |"
+    assert "| partners | met | met | **missed** |" in lines  # one run not bitwise
+
+
+def test_disk_checkpoints_leave_the_cache_alone(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    """harness.cold(paths, only=True): one POSIX_FADV_DONTNEED per file under ``paths`` and no
+    drop_caches even where it would work (the job's code stays cached)."""
+    import ckptio.tuning.ceiling
+
+    for name in ("a/0.bin", "a/b/1.bin", "c.bin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    advised: list[int] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append(how))
+
+    def dropped(paths: Any = ()) -> str:
+        raise AssertionError("drop_caches: the whole page cache")
+
+    monkeypatch.setattr(ckptio.tuning.ceiling, "drop_page_cache", dropped)
+    assert harness.cold([tmp_path / "a"], only=True) == "fadvise"
+    assert advised == [os.POSIX_FADV_DONTNEED] * 2  # a/0.bin, a/b/1.bin; not c.bin
+
+
+def _documented() -> list[str]:
+    """Every ``python -m benchmarks.recovery`` command of the docs' bash blocks and of the
+    module's docstring (continuation lines joined, comments dropped), "..." ones left out."""
+    docs = (ROOT / "docs" / "BENCH_RECOVERY.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", docs, re.S) + [recovery.__doc__ or ""]
+    found = []
+    for block in blocks:
+        for cmd in block.replace("\\\n", " ").splitlines():
+            cmd = cmd.split("#")[0].strip()
+            if cmd.startswith("python -m benchmarks.recovery ") and "..." not in cmd:
+                found.append(cmd)
+    return found
+
+
+def test_the_documented_commands_parse() -> None:
+    commands = _documented()
+    assert len(commands) >= 6, commands  # BENCH_RECOVERY's 5, the module's 2
+    for cmd in commands:
+        args = parse_args(shlex.split(cmd)[3:])
+        assert args.hosts >= 2 and args.reps >= 1, cmd
+    main = parse_args(shlex.split(commands[0])[3:])
+    assert (main.hosts, main.mb, main.reps, str(main.dir)) == (4, 256, 3, "/tmp/bench-recovery")
