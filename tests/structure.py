@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["CIRCLES_TO_VANISH", "NAMEDTUPLE", "PACKAGE", "REACHES_TO_VANISH", "ROOT",
            "THIRD_PARTY", "Circle", "Import", "Reach", "all_imports", "circles", "components",
            "cycles", "duplicate_names", "import_graph", "imports_of", "is_own", "is_private",
-           "main", "package_modules", "private_members", "reaches", "report",
+           "forget", "main", "package_modules", "parse", "private_members", "reaches", "report",
            "resolve", "runtime_graph", "show_cycle", "sub_package", "sub_package_graph",
            "unexpected", "walk_one"]
 
@@ -151,9 +151,28 @@ def resolve(importer: str, is_package: bool, module: str | None, level: int) -> 
     return ".".join(base + ([module] if module else []))
 
 
+_TREES: dict[tuple[str, str], ast.Module] = {}
+
+
+def parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per text: the checks here, in tests/structure_trees.py,
+    tests/test_layers.py and tests/test_structure.py read the same files many times. The trees
+    are shared: read them, never change them. ``forget`` empties the memo."""
+    text = path.read_text()
+    key = (str(path), text)
+    if key not in _TREES:
+        _TREES[key] = ast.parse(text, str(path))
+    return _TREES[key]
+
+
+def forget() -> None:
+    """Drop the parsed trees (a test module's teardown: they are large)."""
+    _TREES.clear()
+
+
 def imports_of(name: str, path: Path, modules: set[str]) -> list[Import]:
     """The imports in module ``name`` (file ``path``) of ckptio modules and of benchmarks."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path)
     is_package = path.name == "__init__.py"
     out: list[Import] = []
     for node, runtime in walk_one(tree, True):
@@ -371,7 +390,7 @@ def reaches(package: Path = PACKAGE) -> list[Reach]:
     """Every private-member access across objects in the package, and every private name of
     another library it uses (attributes, and names or modules it imports)."""
     modules = package_modules(package)
-    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in modules.items()}
+    trees = {m: parse(p) for m, p in modules.items()}
     members = private_members(trees.values())
     found: list[Reach] = []
     for module, tree in trees.items():

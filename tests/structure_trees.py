@@ -29,6 +29,7 @@ from tests.structure import (
     is_own,
     is_private,
     package_modules,
+    parse,
     private_members,
 )
 from tests.structure_lists import BENCH_REACHES, OUTSIDE_THIRD_PARTY, TEST_REACHES
@@ -77,7 +78,7 @@ def tree_reaches(folder: str, root: Path = ROOT) -> list[Reach]:
     """Every private reach in ``root/folder`` (benchmarks or tests), as the docstring says."""
     every = {**package_modules(root / "ckptio"),
              **{m: p for f in FOLDERS for m, p in package_modules(root / f).items()}}
-    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in every.items()}
+    trees = {m: parse(p) for m, p in every.items()}
     return _reaches_in(folder, trees, _tops(root))
 
 
@@ -121,13 +122,14 @@ def every_reach(root: Path = ROOT) -> list[Reach]:
     """tree_reaches of both folders, their sources read once."""
     every = {**package_modules(root / "ckptio"),
              **{m: p for f in FOLDERS for m, p in package_modules(root / f).items()}}
-    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in every.items()}
+    trees = {m: parse(p) for m, p in every.items()}
     return [r for f in FOLDERS for r in _reaches_in(f, trees, _tops(root))]
 
 
-def listed_but_gone(root: Path = ROOT) -> list[str]:
-    """Entries of BENCH_REACHES and TEST_REACHES that no longer occur."""
-    found = every_reach(root)
+def listed_but_gone(root: Path = ROOT, found: list[Reach] | None = None) -> list[str]:
+    """Entries of BENCH_REACHES and TEST_REACHES that no longer occur (in ``found``, by default
+    every_reach(root))."""
+    found = every_reach(root) if found is None else found
     keys = {r.key for r in found}
     gone = sorted(k for k in BENCH_REACHES if k not in keys)
     gone += sorted(t for t in OUTSIDE_THIRD_PARTY if t not in {r.text for r in found})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,23 @@ from tests.structure import (
     all_imports,
     circles,
     cycles,
+    forget,
     imports_of,
     package_modules,
+    parse,
     resolve,
     runtime_graph,
     show_cycle,
     walk_one,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parsed_once() -> Iterator[None]:
+    """The package's files are parsed once for this module's tests (tests/structure.py parse)
+    and the trees dropped after them."""
+    yield
+    forget()
 
 # ------------------------------------------------------------------------------------------------
 # the layer table: edit here
@@ -170,7 +181,7 @@ def violation(imp: Import) -> str | None:
 
 def module_all(path: Path) -> list[str] | None:
     """The module's literal ``__all__``, or None when it declares none at module level."""
-    for node in ast.parse(path.read_text()).body:
+    for node in parse(path).body:
         targets = (node.targets if isinstance(node, ast.Assign) else
                    [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
         if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
@@ -183,7 +194,7 @@ def module_all(path: Path) -> list[str] | None:
 def bound_names(path: Path) -> set[str]:
     """Names a module binds at module level (defs, classes, assignments, imports)."""
     names: set[str] = set()
-    for node, runtime in walk_one(ast.parse(path.read_text()), True):
+    for node, runtime in walk_one(parse(path), True):
         if not runtime and not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -241,7 +252,7 @@ def uses_outside_all(package: Path = PACKAGE) -> list[str]:
         for imp in imports_of(name, path, set(modules)):
             if imp.name is not None and imp.name != "*" and imp.imported in modules:
                 check(name, imp.imported, imp.name, imp.line)
-        tree = ast.parse(path.read_text())
+        tree = parse(path)
         aliases = _module_aliases(tree, name, path.name == "__init__.py", set(modules))
         aliases = {a: m for a, m in aliases.items() if not _rebound(tree, a)}
         for node in ast.walk(tree):
@@ -340,7 +351,7 @@ def test_the_public_surface_is_ckptio_all():
 
 def test_sub_packages_say_they_are_internal():
     for init in sorted(PACKAGE.glob("*/__init__.py")):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        doc = ast.get_docstring(parse(init)) or ""
         assert "public" in doc and "``ckptio`` itself" in doc, (
             f"{init.relative_to(ROOT)}: its docstring should say what the layer holds, that it is "
             "internal, and that the public surface is ``ckptio`` itself")
@@ -448,7 +459,7 @@ def test_torch_free_modules_import_no_torch():
     modules = package_modules()
     problems = []
     for name in sorted(TORCH_FREE):
-        tree = ast.parse(modules[name].read_text())
+        tree = parse(modules[name])
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 found = [alias.name for alias in node.names]

@@ -8,7 +8,10 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.structure import (
     CIRCLES_TO_VANISH,
@@ -16,10 +19,13 @@ from tests.structure import (
     REACHES_TO_VANISH,
     ROOT,
     THIRD_PARTY,
+    Reach,
     circles,
     duplicate_names,
+    forget,
     main,
     package_modules,
+    parse,
     reaches,
     unexpected,
 )
@@ -32,17 +38,37 @@ from tests.structure_trees import (
 )
 
 
-def test_no_private_member_reach_across_objects():
+@pytest.fixture(scope="module", autouse=True)
+def _parsed_once() -> Iterator[None]:
+    """The sources are parsed once for this module's tests (tests/structure.py parse) and the
+    trees dropped after them."""
+    yield
+    forget()
+
+
+@pytest.fixture(scope="module")
+def package_reaches() -> list[Reach]:
+    """reaches() of the package, found once for the three tests that read it."""
+    return reaches()
+
+
+@pytest.fixture(scope="module")
+def outside_reaches() -> list[Reach]:
+    """every_reach() of benchmarks/ and tests/, found once for the two tests that read it."""
+    return every_reach()
+
+
+def test_no_private_member_reach_across_objects(package_reaches):
     found = [f"{r.module}:{r.line} {r.text}" + (" (a private name of another library: list it "
                                                 "in THIRD_PARTY with why)" if r.third_party else "")
-             for r in unexpected(reaches())]
+             for r in unexpected(package_reaches)]
     assert not found, ("private members reached across objects (use a public method or a "
                        "Protocol beside the class):\n  " + "\n  ".join(found))
 
 
-def test_the_allow_lists_name_only_what_is_there():
+def test_the_allow_lists_name_only_what_is_there(package_reaches):
     """An entry whose reach or circle is gone is removed from its list (tests/structure.py)."""
-    found = reaches()
+    found = package_reaches
     gone = sorted(REACHES_TO_VANISH - {r.key for r in found})
     gone += sorted(set(THIRD_PARTY) - {r.text for r in found})
     members = {c.members for c in circles()}
@@ -52,12 +78,12 @@ def test_the_allow_lists_name_only_what_is_there():
                       + "\n  ".join(gone))
 
 
-def test_the_command_prints_the_counts_and_lists_them():
+def test_the_command_prints_the_counts_and_lists_them(package_reaches):
     run = subprocess.run([sys.executable, "-m", "tests.structure"], cwd=ROOT, text=True,
                          capture_output=True, timeout=120, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    ours = [r for r in reaches() if not r.third_party]
+    ours = [r for r in package_reaches if not r.third_party]
     assert lines[0] == f"private-member reaches across objects: {len(ours)}"
     assert lines[-1] == "beyond the allow-lists: 0 reaches, 0 circles, 0 repeated file names"
     assert "module file names that repeat: 0" in lines
@@ -162,6 +188,17 @@ def test_a_repeated_module_file_name_is_named_and_fails(tmp_path, capsys):
         "beyond the allow-lists: 0 reaches, 0 circles, 1 repeated file names")
 
 
+def test_a_file_is_parsed_once_per_text(tmp_path):
+    """tests/structure.py parse: the same text gives the same tree (the structure and layer
+    tests share it), a changed file its new tree."""
+    path = tmp_path / "m.py"
+    path.write_text("A = 1\n")
+    first = parse(path)
+    assert parse(path) is first
+    path.write_text("B = 2\n")
+    assert ast.unparse(parse(path)) == "B = 2"
+
+
 def test_no_module_file_name_repeats_in_the_package():
     assert duplicate_names() == [], "one name, one module: rename one of each pair"
 
@@ -189,7 +226,7 @@ def test_no_recursive_closure_in_the_package():
                         "    return walk(3)\n")
     assert _recursive_closures(planted) == [("walk", 2)]
     found = {f"{path}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
-             for name, line in _recursive_closures(ast.parse(path.read_text()))}
+             for name, line in _recursive_closures(parse(path))}
     assert not found, found
 
 
@@ -284,7 +321,7 @@ def test_one_owner_of_byte_geometry():
     assert len(geometry_breaches("ckptio.format.torchzip", planted)) == 6  # HEAD_NBYTES listed
     assert geometry_breaches(GEOMETRY_OWNER, planted) == []
     found = [f"{module}:{line} {what}" for module, path in package_modules().items()
-             for line, what in geometry_breaches(module, ast.parse(path.read_text()))]
+             for line, what in geometry_breaches(module, parse(path))]
     assert not found, "byte geometry outside ckptio/alignment.py:\n  " + "\n  ".join(found)
 
 
@@ -292,7 +329,7 @@ def test_the_not_geometry_list_names_only_what_is_there():
     modules = package_modules()
     gone = sorted(f"{m}.{name}" for m, name in NOT_GEOMETRY
                   if m not in modules
-                  or name not in _allowed_constants(m, ast.parse(modules[m].read_text()))[1])
+                  or name not in _allowed_constants(m, parse(modules[m]))[1])
     assert not gone, f"no longer found, remove from NOT_GEOMETRY: {gone}"
 
 
@@ -300,16 +337,16 @@ def test_the_not_geometry_list_names_only_what_is_there():
 # benchmarks/ and tests/ (tests/structure_trees.py, its lists in tests/structure_lists.py)
 
 
-def test_no_private_reach_in_benchmarks_or_tests_beyond_the_lists():
+def test_no_private_reach_in_benchmarks_or_tests_beyond_the_lists(outside_reaches):
     """benchmarks/ uses public API (BENCH_REACHES: what cannot, with why); a test reaches the
     privates of what it tests only as TEST_REACHES lists them, per module with why."""
-    found = [f"{r.module}:{r.line} {r.text}" for r in unexpected_in(every_reach())]
+    found = [f"{r.module}:{r.line} {r.text}" for r in unexpected_in(outside_reaches)]
     assert not found, ("private reaches (use public API, or list the reach in "
                        "tests/structure_lists.py with why):\n  " + "\n  ".join(found))
 
 
-def test_the_outside_lists_name_only_what_is_there():
-    assert listed_but_gone() == [], "remove from tests/structure_lists.py"
+def test_the_outside_lists_name_only_what_is_there(outside_reaches):
+    assert listed_but_gone(found=outside_reaches) == [], "remove from tests/structure_lists.py"
 
 
 def test_a_new_reach_in_a_benchmark_or_a_test_is_found(tmp_path):
