@@ -34,6 +34,7 @@ from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format import entryform, manifest
 from ckptio.format.gcpause import paused
 from ckptio.format.types import Manifest, WriteItem, Written
+from ckptio.format.validate import KeysPassed
 from ckptio.planning.globalplan import (
     Assignment,
     GlobalPlan,
@@ -77,6 +78,8 @@ class Memory:
     # keys held alike on disjoint device meshes (globalplan.across_meshes): planned per chunk
     # with digests from the save that found them on, by every rank of the group
     across: frozenset[str] = frozenset()
+    # the key rules' memory on the coordinator: a reused layout's manifest is not walked again
+    keys: KeysPassed = field(default_factory=KeysPassed)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class Agreement:
     global_plan: GlobalPlan | None = None  # on the coordinator
     regular: frozenset[int] = frozenset()  # this rank's regular writes (in ``assignment``)
     replan: frozenset[str] = frozenset()  # keys to plan again (Memory.across), nothing else
+    # whose memory the commit's key rules use (Memory.keys; a fresh one: checked in full)
+    keys: KeysPassed = field(default_factory=KeysPassed, compare=False, repr=False)
 
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -133,8 +138,9 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
         regular = frozenset(regular_writes(mine.regular, group.rank))
         assignment = Assignment(tuple(sorted({*assignment.writes, *regular})), assignment.own)
     if not decided:
-        return Agreement(save_id, assignment, regular=regular)
-    return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan, regular)
+        return Agreement(save_id, assignment, regular=regular, keys=memory.keys)
+    return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan, regular,
+                     keys=memory.keys)
 
 
 def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
@@ -172,7 +178,8 @@ def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Mem
     else:
         global_plan = plan_global([mine], piece=piece)
         memory.last = (frozenset(), global_plan)
-    return Agreement(new_save_id(), global_plan.assignments[0], (mine,), global_plan)
+    return Agreement(new_save_id(), global_plan.assignments[0], (mine,), global_plan,
+                     keys=memory.keys)
 
 
 @dataclass(frozen=True)
@@ -366,7 +373,7 @@ def _commit(results: list[Written],
     record = manifest_of(results, assigned, agreement, meta, algorithm, block_nbytes)
     # The reader's key rules, before the commit: a manifest that would not load must not
     # replace one that does (its files are deleted once the new one is committed).
-    manifest.check_keys(record, store.path_of(manifest.MANIFEST_NAME))
+    agreement.keys.check(record, store.path_of(manifest.MANIFEST_NAME))
     with watched():
         store.commit(manifest.encode(record), agreement.save_id, held)
     committed([f.name for f in record.files])

@@ -6,9 +6,10 @@ CRC and depth checks): every field's type and range, offsets (inside their file,
 element size, no two entries sharing bytes), lengths, dtypes and the kinds that can hold them,
 shapes, chunks (a key's chunks tile its shape exactly, tiling.py, so a load never allocates more
 than the data files hold), block checksums, file names, keys and the tree (version 3's regular
-section: regular_section.py). check_keys runs the key rules on a Manifest about to be written;
-check_values decodes every inline value (values.decode, which a load runs on each value it
-returns). Pure: no file access, no pickle.
+section: regular_section.py). check_keys runs the key rules on a Manifest about to be written
+(KeysPassed: the same, skipping a layout its owner saw pass last); check_values decodes every
+inline value (values.decode, which a load runs on each value it returns). Pure: no file access,
+no pickle, no module-level state (the memo is the KeysPassed its owner holds).
 Does not own: the byte framing (manifest.py), whether the data files hold the bytes the manifest
 claims (storage/steps.check_files, loading/read.py).
 """
@@ -47,7 +48,7 @@ from ckptio.format.types import (
     show,
 )
 
-__all__ = ["FILE_NAME", "MAX_NDIM", "check_keys", "check_values", "from_body"]
+__all__ = ["FILE_NAME", "MAX_NDIM", "KeysPassed", "check_keys", "check_values", "from_body"]
 
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # a data file's name: plain, no path
 
@@ -317,18 +318,31 @@ def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...], whole: bool) -> N
 def check_keys(manifest: Manifest, where: str) -> None:
     """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
     or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
-    to be written: a save must not commit what its own reader would refuse. Keys laid out as
-    in the last manifest that passed (a save whose plan was reused) are not walked again."""
-    inputs = _key_inputs(manifest)
-    if inputs is not None and inputs == _passed[0]:
-        return
+    to be written: a save must not commit what its own reader would refuse."""
     _check_keys(Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree,
                 tuple(r.key for r in manifest.regular))
-    _passed[0] = inputs
 
 
 _KEY_FIELDS = operator.attrgetter("key", "rank", "chunk", "kind", "dtype", "shape")
-_passed: list[tuple[Any, ...] | None] = [None]  # _key_inputs of the last check_keys passed
+
+
+class KeysPassed:
+    """check_keys with a memory of one: the key inputs of the last manifest that passed, owned
+    by whoever saves a run of manifests (a save group's plan memory, collective.Memory). Keys
+    laid out as in that one (a save whose plan was reused) are not walked again."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, ...] | None = None  # _key_inputs of the last manifest passed
+
+    def check(self, manifest: Manifest, where: str) -> None:
+        """check_keys(manifest, where), unless its key inputs equal the last ones passed."""
+        inputs = _key_inputs(manifest)
+        if inputs is not None and inputs == self._last:
+            return
+        check_keys(manifest, where)
+        self._last = inputs
 
 
 def _key_inputs(m: Manifest) -> tuple[Any, ...] | None:

@@ -1,4 +1,5 @@
-"""The one CheckpointManager (managing/manager.py) and the parts it composes, in call order:
+"""The one CheckpointManager (managing/manager.py: its verbs, on parts.py's ManagerParts: its
+construction, the save in flight to its commit, close()) and the parts it composes, in call order:
 declare.py (its arguments -> tiers and their retention), tier.py (``ckptio.Tier``, the
 declaration, the memory budget), level.py (TierSteps: one tier at run time), follower.py (the
 Follower protocol of what follows a commit in the first tier), route.py and drain.py (the

@@ -1,0 +1,299 @@
+"""The CheckpointManager's parts and their life (ManagerParts, which manager.py's
+CheckpointManager extends with its public verbs): construction (declare the tiers and policies,
+the Guard with redundancy, the Ranks, one TierSteps per tier, the followers, the run leases),
+the save in flight up to its commit (wait, then the first tier's retention and the followers),
+close(), and the rank-0 decisions every rank agrees on (managing/agreement.py).
+
+Call order: constructed by CheckpointManager(...) on every rank together; the verbs in
+manager.py call _room_for, _committed and _retain around each save; close() last.
+Owns: the tiers at run time, the followers, the save in flight, the run leases, the preemption
+handler, the agreement across ranks, the exit-time line for a manager never closed. Does not
+own: the public verbs (manager.py), the policies (policies/), one checkpoint's save and load
+(api.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ckptio.api import Checkpointer
+from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.errors import SaveTimeoutError
+from ckptio.managing.agreement import Ranks
+from ckptio.managing.declare import UNSET, declare, settings_of
+from ckptio.managing.delta import check_delta
+from ckptio.managing.drain import Drain
+from ckptio.managing.follower import Follower
+from ckptio.managing.guard import Guard
+from ckptio.managing.inflight import InFlight
+from ckptio.managing.level import list_tiers, make_levels
+from ckptio.managing.route import TierRoute, resume
+from ckptio.managing.tier import Tier, check_budget, is_memory, one_host, state_nbytes, step_sizes
+from ckptio.managing.triggers import Preemption, Saving, Triggers
+from ckptio.options import Options
+from ckptio.policies import (
+    AnyOf,
+    DeltaBasePolicy,
+    DeltaPolicy,
+    KeepEvery,
+    RetentionPolicy,
+    SaveOnPreemption,
+    SavePolicy,
+    leaves,
+)
+from ckptio.saving.handle import SaveResult
+from ckptio.storage.local.runlease import RunLease
+from ckptio.storage.select import checkpoint_path, scheme_of
+
+__all__ = ["ManagerParts"]
+
+log = logging.getLogger("ckptio")
+
+
+class ManagerParts:
+    """The state of a CheckpointManager and its life (module docstring); the verbs are
+    CheckpointManager's (managing/manager.py)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *,
+                 keep_last: int | None = UNSET, keep_every: int | None = UNSET,
+                 keep_best: int | None = None, monitor: str | None = None, mode: str = "min",
+                 keep_without_metric: bool = False, save_every: int | None = UNSET,
+                 save_interval_s: float | None = None, preemption: bool = False,
+                 options: Options | None = None, checkpointer: Checkpointer | None = None,
+                 process_group: Any = None, tiers: Sequence[Tier] | None = None,
+                 delta: DeltaPolicy | DeltaBasePolicy | bool | None = None, compression: str | None = None,
+                 drain_rate: float | None = None, take_over: bool = False,
+                 keep: RetentionPolicy | None = None, save: SavePolicy | None = None) -> None:
+        declared = declare(directory, tiers, keep_last=keep_last, keep_every=keep_every,
+                           save_every=save_every, save_interval_s=save_interval_s,
+                           best={"keep_best": keep_best, "monitor": monitor, "mode": mode,
+                                 "keep_without_metric": keep_without_metric},
+                           keep=keep, save=save)
+        settings = settings_of(options, checkpointer, compression, preemption, drain_rate)
+        self.delta = check_delta(delta)
+        self.retention = declared.retentions[0]  # the keywords (None with keep=)
+        self.keep_last = None if self.retention is None else self.retention.keep_last
+        self.keep_every = None if self.retention is None else self.retention.keep_every
+        self.keep_policies = declared.keeps  # per tier (ckptio/policies/)
+        self.save_every = declared.save_every
+        self.save_policy = _with_preemption(declared.save) if preemption else declared.save
+        self._policy = Saving(self.save_policy, Triggers(Preemption()))
+        self.tiers = declared.tiers
+        self._guard: Guard | None = None
+        job_group = process_group
+        if self.tiers[0].redundancy is not None:  # rank-local tiers, protected across hosts
+            self._guard = Guard(self.tiers, process_group, settings.step_timeout_s,
+                                settings.peer_timeout_s)
+            self.tiers, process_group = self._guard.tiers, self._guard.single
+        self._owns_checkpointer = checkpointer is None
+        self._ck = checkpointer or Checkpointer(settings)
+        self._process_group = process_group
+        self._ranking = Ranks(process_group, self._ck.options,
+                              checkpoint_path(self.tiers[0].location))
+        self._levels = make_levels(self.tiers, declared.keeps, self._ck, self._ranking,
+                                   process_group)
+        self.directory = self._levels[0].directory
+        # the clock and the signal are agreed by the whole job (with redundancy, the saves'
+        # group is this rank alone)
+        self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
+                                                                   self.directory)
+        self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
+                                 if isinstance(p, KeepEvery) and p.steps)
+        self._saves = InFlight()
+        self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
+        self._drain: Drain | None = None
+        self._followers: list[Follower] = []
+        self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
+        self._leases: dict[int, RunLease] = {}  # tier -> its lease (one job per local run)
+        self._take_over, self._first_leased = take_over, False
+        self._saved_here = False  # a save started: the staging is the one the saves sized
+        try:
+            self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
+            self._start(self._policy.wants_preemption, drain_rate)
+        except BaseException:
+            self._let_go_leases()
+            self._policy.triggers.preemption.uninstall()
+            if self._owns_checkpointer:
+                self._ck.close()
+            raise
+
+    def _start(self, preemption: bool, drain_rate: float | None) -> None:
+        if preemption:
+            self.install_preemption_handler()
+        if self._guard is None:
+            one_host(self.tiers, self._ranks())
+        else:
+            self._guard.start(lambda s: checkpoint_path(self._levels[0].path(s)))
+            self._followers.append(self._guard)
+        if len(self._levels) > 1:
+            if self._ranks().rank == COORDINATOR:
+                self._drain = Drain(TierRoute(self._levels), [t.every for t in self.tiers],
+                                    self._ck.options, rate=drain_rate)
+                self._followers.append(self._drain)
+            self._agreed(lambda: resume(self._levels, self._drain))
+
+    def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
+        """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
+        (managing/triggers.py). Call on every rank, from the main thread."""
+        triggers = self._policy.triggers
+        if triggers.preemption.installed:
+            return
+        triggers.preemption = Preemption(signals)
+        triggers.preemption.install()
+
+    def _said_at_exit(self) -> None:
+        """A save started: until close(), an exit says this manager was not closed."""
+        _unclosed.add(self)
+
+    def _room_for(self, state: Any) -> None:
+        """Collective, before a save into a memory tier on this host: rank 0 refuses a save the
+        tier cannot hold (managing/tier.py check_budget; sized from ``state`` before a first
+        step)."""
+        first = self._levels[0]
+        if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
+            others = None if self._guard is None else self._guard.for_others
+            self._agreed(lambda: check_budget(  # rank 0: refuse a save the tier cannot hold
+                self.tiers[0], checkpoint_path(self.directory),
+                step_sizes(first.path(s) for s in first.scan()["committed"]),
+                lambda: state_nbytes(state) * self._ranks().size, others))  # before a 1st step
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Wait for the async save in flight (None if there is none), then apply the first
+        tier's retention. Its error is raised here (and not again by close() or the next
+        save). ``timeout``: SaveTimeoutError if it has not finished within that many seconds,
+        naming the step, the rank and the file it waits for (it stays in flight: wait again).
+        The followers are not waited for (drained(), protected()), except once preemption is
+        reached: then the newest step goes on to every slower tier, unpaced, and wait()
+        returns once it is durable there (docs/MANAGER.md, Preemption)."""
+        result, committed = self._saves.wait(timeout)
+        for done in committed:
+            self._committed(done)
+        if self._drain is not None and self._policy.triggers.preempted:
+            self._drain.final()
+            self._drain.wait()
+        return result
+
+    def _settle(self) -> None:
+        """The async save in flight finishes (its unseen error raised here); committed, its
+        retention runs."""
+        for done in self._saves.settle(self._ck):
+            self._committed(done)
+
+    def close(self, timeout: float | None = None) -> None:
+        """wait(), let the followers finish (their first error not raised yet is raised here,
+        once), run the retention their pins and the delta chains held back, finish every
+        tier's removals, put back the signal handlers, free the Checkpointer if the manager
+        made it. ``timeout``: as wait()'s, for the save in flight; then nothing is closed
+        (close() again later)."""
+        timed_out = False
+        try:
+            self.wait(timeout)
+        except SaveTimeoutError:
+            timed_out = True
+            raise
+        finally:
+            if not timed_out:
+                self._close()
+
+    def _close(self) -> None:
+        """close() after its wait(): the followers, the last retention, the removals."""
+        _unclosed.discard(self)
+        self._policy.triggers.preemption.uninstall()
+        try:
+            for follower in self._followers:
+                follower.close()
+            if self._ranking.gone():  # the job tore its process group down (a rank lost):
+                return  # nothing to agree on; the next manager's first save runs retention
+            if len(self._levels) > 1:  # what the drain's pins kept past the last commit
+                self._retain(0)
+            for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
+                if self._agreed(lambda: self._levels[k].deferred):
+                    self._retain(k)
+        finally:
+            try:
+                for level in self._levels:
+                    level.join_removal()
+                    level.drop_slots()
+                if self._owns_checkpointer:
+                    self._ck.close()
+            finally:
+                self._let_go_leases()
+
+    def _committed(self, step: int) -> None:
+        """Collective, after a save of ours committed in the first tier: its retention runs
+        (rank 0 hides the steps it drops), then each follower takes the step."""
+        self._levels[0].saved(step, self._bases.pop(step, None))
+        self._bases = {s: b for s, b in self._bases.items() if s > step}  # failed saves' too
+        self._retain(0)
+        for follower in self._followers:
+            follower.submit(step)
+
+    def _retain(self, k: int) -> list[int]:
+        """Collective: tier ``k``'s retention pass (rank 0), keeping what the save in flight
+        and the followers need in the first tier."""
+        also: set[int] = set()
+        if k == 0:
+            also = set(self._saves.base_in_flight())
+            for follower in self._followers:
+                also |= follower.pinned()
+        return list(self._agreed(lambda: self._levels[k].retain(also)))
+
+    # ---------------------------------------------------------------- rank 0's decisions
+
+    def _listings(self) -> list[dict[str, list[Any]]]:
+        """Rank 0: every tier's steps (level.list_tiers: a slower tier that cannot be listed
+        counts as holding nothing, with a warning)."""
+        return list_tiers(self._levels, stacklevel=4)
+
+    def _ranks(self) -> Group:
+        return self._ranking.group()
+
+    def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
+        """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
+        job holding one (storage/local/runlease.py)."""
+        for k in tiers:
+            if k not in self._leases:
+                lease = self._levels[k].lease(self._take_over, create=create)
+                if lease is not None:
+                    self._leases[k] = lease
+
+    def _let_go_leases(self) -> None:
+        for lease in self._leases.values():
+            lease.release()
+        self._leases.clear()
+
+    def _agreed(self, decide: Callable[[], Any]) -> Any:
+        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
+        return self._ranking.agreed(decide)
+
+
+def _with_preemption(save: SavePolicy) -> SavePolicy:
+    """``preemption=True``: the save policy, also due on preemption (SaveOnPreemption)."""
+    if any(isinstance(p, SaveOnPreemption) for p in leaves(save)):
+        return save
+    members = save.policies if isinstance(save, AnyOf) else (save,)
+    return AnyOf(*members, SaveOnPreemption())
+
+
+_unclosed: weakref.WeakSet[ManagerParts] = weakref.WeakSet()
+
+
+def _say_unclosed() -> None:
+    """At interpreter exit: each manager that saved and was never closed, named (its saves in
+    flight finish, by api.py's own exit hook, but close()'s last retention pass and its
+    followers' do not)."""
+    for mgr in list(_unclosed):
+        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
+                    "finished, but its last retention pass, drain and protection did not run "
+                    "(more steps than keep_last may remain); call mgr.close(), or use it as "
+                    "`with CheckpointManager(...) as mgr:`", mgr.directory)
+
+
+atexit.register(_say_unclosed)
+
