@@ -31,7 +31,7 @@ from typing import Any
 from ckptio.format import entryform, regular_section
 from ckptio.format.types import Manifest, ObjectEntry, TensorEntry
 
-__all__ = ["body_json", "body_text", "full_text"]
+__all__ = ["body_json", "body_text", "forget", "full_text"]
 
 _SEPARATORS = (",", ":")
 _MARK = "\x00ckptio-splice:"  # + one letter: S save id, N file name, F file, C checksum, B
@@ -238,6 +238,14 @@ def _template(m: Manifest, small: bytes, fields: list[Any]) -> _Template | None:
             _keep(_templates, key, template)
     _last[0] = template
     return template
+
+
+def forget() -> None:
+    """Drop every layout seen and every template (their memory; a test's fresh start)."""
+    with _lock:
+        _seen.clear()
+        _templates.clear()
+        _last[0] = None
 
 
 def _keep(table: dict[bytes, Any], key: bytes, value: Any) -> None:
