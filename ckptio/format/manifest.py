@@ -19,10 +19,10 @@ from itertools import accumulate
 from typing import Any
 
 from ckptio.errors import ManifestError
-from ckptio.format import entryform, regular_section, validate
+from ckptio.format import entryform, splice, validate
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
-from ckptio.format.types import MAX_TREE_DEPTH, Manifest, ObjectEntry, TensorEntry, show
+from ckptio.format.types import MAX_TREE_DEPTH, Manifest, TensorEntry, show
 from ckptio.format.validate import MAX_NDIM, check_keys, check_values
 
 # The names callers use (decode, encode, check_keys, check_values, the constants, tiling_problem)
@@ -56,53 +56,13 @@ def bases_of(manifest: Manifest) -> tuple[str, ...]:
 
 
 def encode(manifest: Manifest) -> bytes:
+    """The manifest's bytes. A save of a layout seen before splices its per-save fields into
+    that layout's template (splice.py): the same bytes as encoding it in full."""
     with paused():
-        body = json.dumps(_body(manifest), separators=(",", ":"), allow_nan=False).encode()
+        body = splice.body_text(manifest).encode()
     header = {"magic": MAGIC, "version": manifest.version, "body_nbytes": len(body),
               "body_crc32": zlib.crc32(body)}
     return json.dumps(header).encode() + b"\n" + body + b"\n"
-
-
-def _body(m: Manifest) -> dict[str, Any]:
-    return {
-        "format": "ckptio",
-        "version": m.version,
-        "save_id": m.save_id,
-        "checksum_algorithm": m.checksum_algorithm,
-        "world_size": m.world_size,
-        "files": [{"name": f.name, "nbytes": f.nbytes, "rank": f.rank} for f in m.files],
-        "tensors": [_tensor_json(t) for t in m.tensors],
-        "objects": [_object_json(o) for o in m.objects],
-        "aliases": [list(pair) for pair in m.aliases],
-        "tree": m.tree,
-        "meta": m.meta,
-        "block_nbytes": m.block_nbytes,
-        **(regular_section.section_json(m) if m.version >= 3 else {}),
-        **({"bases": list(m.bases)} if m.bases else {}),
-    }
-
-
-def _tensor_json(t: TensorEntry) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"offsets": list(t.chunk.offsets), "sizes": list(t.chunk.sizes)}
-    if t.chunk.flat:
-        chunk["flat"] = True
-    out = {
-        "key": t.key, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "chunk": chunk,
-        "file": t.file, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum,
-    }
-    if t.rank is not None:
-        out["rank"] = t.rank
-    if t.blocks:
-        out["blocks"] = list(t.blocks)
-    out.update(entryform.entry_json(t))
-    return out
-
-
-def _object_json(o: ObjectEntry) -> dict[str, Any]:
-    out = {"key": o.key, "value": o.value}
-    if o.rank is not None:
-        out["rank"] = o.rank
-    return out
 
 
 def decode(data: bytes, where: str) -> Manifest:
