@@ -38,9 +38,9 @@ def main() -> int:
     records: list[Any] = []
     real = manifest.encode
 
-    def keeping(m: Any) -> bytes:
+    def keeping(m: Any, templates: Any = None) -> bytes:
         records.append(m)
-        return real(m)
+        return real(m, templates)
     manifest.encode = keeping  # type: ignore[assignment]
     ck = ckptio.Checkpointer()
     with tempfile.TemporaryDirectory() as work:
@@ -53,7 +53,12 @@ def main() -> int:
     def full(m: Any) -> bytes:
         return splice.full_text(m).encode()
 
-    assert real(m).split(b"\n")[1] == full(m)
+    templates = splice.Templates()  # a saver's: the layout seen, then its template made
+    assert real(m, templates).split(b"\n")[1] == full(m)
+    assert real(m, templates).split(b"\n")[1] == full(m)
+
+    def spliced(m: Any) -> bytes:
+        return real(m, templates)
     sys.setswitchinterval(0.0005)
     ticks: list[float] = []
     stop = threading.Event()
@@ -65,7 +70,7 @@ def main() -> int:
     probe = threading.Thread(target=spin, daemon=True)
     probe.start()
     runs: dict[str, tuple[list[float], list[float]]] = {"full": ([], []), "template": ([], [])}
-    ways: dict[str, Callable[[Any], bytes]] = {"full": full, "template": real}
+    ways: dict[str, Callable[[Any], bytes]] = {"full": full, "template": spliced}
     gc.disable()
     for _ in range(args.reps):
         for name, way in ways.items():

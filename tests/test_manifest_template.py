@@ -26,11 +26,15 @@ from ckptio.format.types import Chunk, FileInfo, Manifest, ObjectEntry, Stored, 
 _DUMPS = json.dumps  # the reference's, not counted by full_encodes
 
 
+_TEMPLATES: list[splice.Templates] = []  # the test's own (one saver's)
+
+
 @pytest.fixture(autouse=True)
 def fresh_templates() -> Iterator[None]:
-    """No template of another test's layouts."""
-    splice.forget()
+    """No template of another test's layouts: each test encodes with a saver's fresh ones."""
+    _TEMPLATES[:] = [splice.Templates()]
     yield
+    _TEMPLATES.clear()
 
 
 def _full(m: Manifest) -> bytes:
@@ -62,8 +66,8 @@ def written(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Manifest, bytes]]:
     out: list[tuple[Manifest, bytes]] = []
     real = manifest.encode
 
-    def recording(m: Manifest) -> bytes:
-        data = real(m)
+    def recording(m: Manifest, templates: splice.Templates | None = None) -> bytes:
+        data = real(m, templates)
         out.append((m, data))
         return data
     monkeypatch.setattr(manifest, "encode", recording)
@@ -132,7 +136,7 @@ def _manifest(save_id: str, **changes: Any) -> Manifest:
 
 def _encoded(m: Manifest, readable: bool = True) -> bytes:
     """``m``'s bytes, checked to be its full encoding (and, ``readable``, to decode to it)."""
-    data = manifest.encode(m)
+    data = manifest.encode(m, _TEMPLATES[0])
     assert data == _full(m)
     if readable:
         assert manifest.decode(data, "x") == m

@@ -34,6 +34,7 @@ from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
 from ckptio.format import entryform, manifest
 from ckptio.format.gcpause import paused
 from ckptio.format.types import Manifest, WriteItem, Written
+from ckptio.format.splice import Templates
 from ckptio.format.validate import KeysPassed
 from ckptio.planning.globalplan import (
     Assignment,
@@ -80,6 +81,8 @@ class Memory:
     across: frozenset[str] = frozenset()
     # the key rules' memory on the coordinator: a reused layout's manifest is not walked again
     keys: KeysPassed = field(default_factory=KeysPassed)
+    # the manifest's templates by layout: a reused layout's body is spliced, not encoded in full
+    templates: Templates = field(default_factory=Templates)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Agreement:
     replan: frozenset[str] = frozenset()  # keys to plan again (Memory.across), nothing else
     # whose memory the commit's key rules use (Memory.keys; a fresh one: checked in full)
     keys: KeysPassed = field(default_factory=KeysPassed, compare=False, repr=False)
+    templates: Templates = field(default_factory=Templates, compare=False, repr=False)
 
 
 def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memory: Memory,
@@ -138,9 +142,10 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
         regular = frozenset(regular_writes(mine.regular, group.rank))
         assignment = Assignment(tuple(sorted({*assignment.writes, *regular})), assignment.own)
     if not decided:
-        return Agreement(save_id, assignment, regular=regular, keys=memory.keys)
+        return Agreement(save_id, assignment, regular=regular, keys=memory.keys,
+                         templates=memory.templates)
     return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan, regular,
-                     keys=memory.keys)
+                     keys=memory.keys, templates=memory.templates)
 
 
 def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:
@@ -179,7 +184,7 @@ def _agree_alone(mine: RankPlan | None, error: BaseException | None, memory: Mem
         global_plan = plan_global([mine], piece=piece)
         memory.last = (frozenset(), global_plan)
     return Agreement(new_save_id(), global_plan.assignments[0], (mine,), global_plan,
-                     keys=memory.keys)
+                     keys=memory.keys, templates=memory.templates)
 
 
 @dataclass(frozen=True)
@@ -375,7 +380,7 @@ def _commit(results: list[Written],
     # replace one that does (its files are deleted once the new one is committed).
     agreement.keys.check(record, store.path_of(manifest.MANIFEST_NAME))
     with watched():
-        store.commit(manifest.encode(record), agreement.save_id, held)
+        store.commit(manifest.encode(record, agreement.templates), agreement.save_id, held)
     committed([f.name for f in record.files])
 
 

@@ -55,11 +55,13 @@ def bases_of(manifest: Manifest) -> tuple[str, ...]:
     return manifest.bases
 
 
-def encode(manifest: Manifest) -> bytes:
-    """The manifest's bytes. A save of a layout seen before splices its per-save fields into
-    that layout's template (splice.py): the same bytes as encoding it in full."""
+def encode(manifest: Manifest, templates: splice.Templates | None = None) -> bytes:
+    """The manifest's bytes. With ``templates`` (the saver's), a save of a layout seen before
+    splices its per-save fields into that layout's template (splice.py): the same bytes as
+    encoding it in full."""
     with paused():
-        body = splice.body_text(manifest).encode()
+        text = splice.body_text(manifest) if templates is None else templates.body_text(manifest)
+        body = text.encode()
     header = {"magic": MAGIC, "version": manifest.version, "body_nbytes": len(body),
               "body_crc32": zlib.crc32(body)}
     return json.dumps(header).encode() + b"\n" + body + b"\n"

@@ -1,9 +1,10 @@
 """The manifest body's JSON text, and for saves of one layout a template of it spliced per save.
 
 Owns: ``body_json`` (the body as JSON values: the one definition of its fields and their order),
-``body_text`` (its compact JSON text), and the templates: the text of a body whose per-save
+``body_text`` (its compact JSON text), and ``Templates``: the text of a body whose per-save
 fields (save id, file names, each entry's file, checksum and block checksums, the objects, meta)
-are markers, split at them. manifest.encode calls ``body_text``; a layout's first save is
+are markers, split at them, held by the saver that encodes (no module state: collective.Memory
+owns one per save group). manifest.encode calls ``Templates.body_text``; a layout's first save is
 encoded in full and remembered by its key, the second makes the template (kept only if it
 gives that save's full text), later ones only encode the per-save fields and join. The key is
 marshal's bytes (exact in types, a copy no caller can change) of every other field the text
@@ -31,7 +32,7 @@ from typing import Any
 from ckptio.format import entryform, regular_section
 from ckptio.format.types import Manifest, ObjectEntry, TensorEntry
 
-__all__ = ["body_json", "body_text", "forget", "full_text"]
+__all__ = ["Templates", "body_json", "body_text", "full_text"]
 
 _SEPARATORS = (",", ":")
 _MARK = "\x00ckptio-splice:"  # + one letter: S save id, N file name, F file, C checksum, B
@@ -194,58 +195,60 @@ def _fields(m: Manifest) -> list[Any]:
     return list(chain.from_iterable(map(_ENTRY, m.tensors)))
 
 
-_lock = threading.Lock()  # the tables below, shared by every thread that encodes
-_seen: dict[bytes, None] = {}  # keys of layouts seen once, the oldest first
-_templates: dict[bytes, _Template | None] = {}  # by key; None: the layout has no template
-_last: list[_Template | None] = [None]  # the template used last
-
-
 def body_text(m: Manifest) -> str:
-    """The body's JSON text: the template's of ``m``'s layout where there is one, else in full
-    (a layout seen for the second time gets its template)."""
-    small = _small(m)
-    if small is None:
-        return full_text(m)
-    fields = _fields(m)
-    template = _last[0]
-    if template is None or not template.holds(small, fields):
-        template = _template(m, small, fields)
-    text = template.fill(m) if template is not None else None
-    return full_text(m) if text is None else text
+    """The body's JSON text, encoded in full (a caller with no Templates)."""
+    return full_text(m)
 
 
-def _template(m: Manifest, small: bytes, fields: list[Any]) -> _Template | None:
-    """The template of ``m``'s layout, by its key (``small`` and the entries' fields, as
-    marshal's bytes), made on its second sight; None where there is none (yet)."""
-    try:
-        key = small + marshal.dumps(tuple(fields), 0)
-    except ValueError:  # a field marshal refuses (a compressed entry, a delta)
-        return None
-    with _lock:
-        known = key in _templates
-        template = _templates.get(key)
-        if not known and key not in _seen:
-            _keep(_seen, key, None)
+class Templates:
+    """The templates of the layouts one saver encodes (a save group's plan memory,
+    collective.Memory, owns one): layouts seen once, templates by key, the one used last."""
+
+    __slots__ = ("_lock", "_seen", "_templates", "_last")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the tables, shared by the threads that encode
+        self._seen: dict[bytes, None] = {}  # keys of layouts seen once, the oldest first
+        self._templates: dict[bytes, _Template | None] = {}  # None: the layout has none
+        self._last: _Template | None = None  # the template used last
+
+    def body_text(self, m: Manifest) -> str:
+        """The body's JSON text: the template's of ``m``'s layout where there is one, else in
+        full (a layout seen for the second time gets its template)."""
+        small = _small(m)
+        if small is None:
+            return full_text(m)
+        fields = _fields(m)
+        template = self._last
+        if template is None or not template.holds(small, fields):
+            template = self._template(m, small, fields)
+        text = template.fill(m) if template is not None else None
+        return full_text(m) if text is None else text
+
+    def _template(self, m: Manifest, small: bytes, fields: list[Any]) -> _Template | None:
+        """The template of ``m``'s layout, by its key (``small`` and the entries' fields, as
+        marshal's bytes), made on its second sight; None where there is none (yet)."""
+        try:
+            key = small + marshal.dumps(tuple(fields), 0)
+        except ValueError:  # a field marshal refuses (a compressed entry, a delta)
             return None
-    if not known:
-        template = _Template.of(m, small, fields)
-        with _lock:
-            _seen.pop(key, None)
-            _keep(_templates, key, template)
-    elif template is not None and template.fields is not fields:
-        template = dataclasses.replace(template, fields=fields)  # this layout's objects now
-        with _lock:
-            _keep(_templates, key, template)
-    _last[0] = template
-    return template
-
-
-def forget() -> None:
-    """Drop every layout seen and every template (their memory; a test's fresh start)."""
-    with _lock:
-        _seen.clear()
-        _templates.clear()
-        _last[0] = None
+        with self._lock:
+            known = key in self._templates
+            template = self._templates.get(key)
+            if not known and key not in self._seen:
+                _keep(self._seen, key, None)
+                return None
+        if not known:
+            template = _Template.of(m, small, fields)
+            with self._lock:
+                self._seen.pop(key, None)
+                _keep(self._templates, key, template)
+        elif template is not None and template.fields is not fields:
+            template = dataclasses.replace(template, fields=fields)  # this layout's objects now
+            with self._lock:
+                _keep(self._templates, key, template)
+        self._last = template
+        return template
 
 
 def _keep(table: dict[bytes, Any], key: bytes, value: Any) -> None:
