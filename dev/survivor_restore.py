@@ -3,10 +3,12 @@ its own (CKPTIO_HOST_ID, its own memory directory), save STEPS steps into a memo
 Partners(1) (and a disk tier every EVERY steps), wait until protected; then every rank destroys
 its process group, forms the next generation's (a new store prefix, as
 benchmarks/recovery_inproc.py does), makes a new CheckpointManager on the same tiers and
-restores (each rolls back from its own memory). Each rank prints one JSON line: the phases'
-seconds and counts (probes around the functions named in PROBES; nested probes overlap).
+restores (each rolls back from its own memory; with --lose R, rank R's host is replaced by
+an empty one and its restore fetches its partner's copy, as the benchmark's spare does). Each
+rank prints one JSON line: the phases' seconds and counts (probes around the functions named in
+PROBES; nested probes overlap).
 
-    python dev/survivor_restore.py [--world 4] [--mib 64] [--steps 4] [--every 2]
+    python dev/survivor_restore.py [--world 4] [--mib 64] [--steps 4] [--every 2] [--lose 1]
 """
 
 from __future__ import annotations
@@ -140,12 +142,18 @@ def _rank(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     mgr.close()
+    if rank == args.lose:  # its host replaced: another host id, an empty memory (a spare's)
+        os.environ.update(CKPTIO_HOST_ID="spare", CKPTIO_SHM_DIR=os.path.join(root, "spare"))
+        for each in state[f"rank{rank}"].values():
+            each.zero_()
     join(1)
     install()
     t0 = time.perf_counter()
     mgr = manager()
     made = time.perf_counter() - t0
     restored = mgr.restore(state)
+    assert all(bool((t == float(rank + i)).all()) for i, t in
+               enumerate(state[f"rank{rank}"].values())), f"rank {rank}: not restored"
     total = time.perf_counter() - t0
     print(json.dumps({"rank": rank, "restored": restored, "source": mgr.last_restore["source"],
                       "construct_s": round(made, 4), "restore_s": round(total - made, 4),
@@ -162,6 +170,8 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--every", type=int, default=2)
+    p.add_argument("--lose", type=int, default=-1, help="this rank's host is replaced (its "
+                   "restore fetches its partner's copy, as the benchmark's spare does)")
     args = p.parse_args()
     from ckptio.testing.rank_processes import free_port, warm_context
 

@@ -7,7 +7,7 @@ Partners(1) and a disk tier, close, and make a new manager on the same tiers tha
   itself: no collective group creation per rank of the job (torch's new_subgroups made one
   per rank, each a collective of every rank);
 - its restore lists each tier once (the steps newer than the one restored are read from that
-  listing, not from a second scan).
+  listing, not from a second scan) and reads each stored step's manifest once.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def rollback_counts(rank: int, world: int, base: str) -> dict[str, Any]:
     assert mgr.protected(timeout=60)
     mgr.close()
     counts: Counter[str] = Counter()
-    made, listing = c10d.new_group, TierSteps.listing
+    made, listing, manifest = c10d.new_group, TierSteps.listing, TierSteps.manifest
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
         local = kwargs.get("use_local_synchronization", False)
@@ -59,20 +59,27 @@ def rollback_counts(rank: int, world: int, base: str) -> dict[str, Any]:
         counts[f"tier {self.index} listed"] += 1
         return listing(self)
 
+    def decoded(self: TierSteps, step: int) -> Any:
+        counts[f"tier {self.index} step {step} manifest"] += 1
+        return manifest(self, step)
+
     c10d.new_group = dist.new_group = new_group  # new_subgroups calls c10d's
     TierSteps.listing = listed  # type: ignore[method-assign]
+    TierSteps.manifest = decoded  # type: ignore[method-assign]
     try:
         mgr = ckptio.CheckpointManager(tiers=_tiers(disk))
         made_counts = dict(counts)
         counts.clear()
         state["w"].zero_()
         restored = mgr.restore(state)
+        restore_counts = dict(counts)
     finally:
         c10d.new_group = dist.new_group = made
         TierSteps.listing = listing  # type: ignore[method-assign]
+        TierSteps.manifest = manifest  # type: ignore[method-assign]
     ok = bool(torch.equal(state["w"], torch.full((1024,), float(rank))))
     mgr.close()
-    return {"made": made_counts, "restore": dict(counts), "restored": restored, "ok": ok}
+    return {"made": made_counts, "restore": restore_counts, "restored": restored, "ok": ok}
 
 
 def test_a_survivors_new_manager_makes_its_groups_once_and_lists_once(tmp_path: Path) -> None:
@@ -83,4 +90,10 @@ def test_a_survivors_new_manager_makes_its_groups_once_and_lists_once(tmp_path: 
         # (and, construction's probe of its tiers, managing/route.py's resume: each listed once)
         assert each["made"] == {"groups made by every rank": 3, "groups made alone": 1,
                                 "tier 0 listed": 1, "tier 1 listed": 1}, each
-        assert each["restore"] == {"tier 0 listed": 1, "tier 1 listed": 1}, each
+        listed = {k: v for k, v in each["restore"].items() if k.endswith("listed")}
+        assert listed == {"tier 0 listed": 1, "tier 1 listed": 1}, each
+        decoded = {k: v for k, v in each["restore"].items() if k.endswith("manifest")}
+        # the steps of both tiers, each step's manifest read once (the memory tier's were read
+        # twice: for its own steps, then again among every tier's)
+        assert "tier 0 step 3 manifest" in decoded and "tier 1 step 2 manifest" in decoded, each
+        assert set(decoded.values()) == {1}, each

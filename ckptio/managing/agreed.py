@@ -71,9 +71,9 @@ def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, 
     """restore_guarded's restore, from ``listing`` (every tier's steps, listed once);
     ``listings()`` lists them anew for the fallback to slower tiers."""
     others = set[int]()
-    own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
-    anywhere = sorted({s for level, tier in zip(levels, listing)
-                       for s in _this_world(level, tier["committed"], guard.world, others)})
+    kept = [_this_world(level, tier["committed"], guard.world, others)  # each manifest once
+            for level, tier in zip(levels, listing)]
+    own, anywhere = kept[0], sorted({s for steps in kept for s in steps})
     recovery = guard.recover(own, anywhere, verify, step, sorted(others))
     # every rank's, gathered with the inventory: alike on every rank, one outcome everywhere
     others = {s for extra in recovery.extras for s in extra["others"]}
