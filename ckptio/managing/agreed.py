@@ -50,25 +50,30 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
     A restore of the newest step (``step`` None) that agreed on an older step than this rank
     holds committed (a step another rank lost before it was protected) leaves those newer
     steps unusable as the job's: the saves after the resume may replace them, as they
-    replace a step a load found damaged."""
-    record = _restore(guard, levels, listings, verify, state, step, load_kwargs)
+    replace a step a load found damaged. Every tier is listed once (those newer steps are
+    read from the same listing: the restore commits no newer step in the first tier)."""
+    started = time.perf_counter()
+    guard.settle()  # a previous restore's step still being written: listed once written
+    listing = listings()
+    record = _restore(guard, levels, listing, listings, verify, state, step, load_kwargs,
+                      started)
     if record is not None and step is None:
-        for level, tier in zip(levels, listings()):
+        for level, tier in zip(levels, listing):
             for newer in (s for s in tier["committed"] if s > record["step"]):
                 level.mark_damaged(newer)
     return record
 
 
-def _restore(guard: Guard, levels: Sequence[TierSteps],
+def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, list[Any]]],
              listings: Callable[[], list[dict[str, list[Any]]]],
              verify: Callable[[str], Any], state: Any, step: int | None,
-             load_kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    started = time.perf_counter()
-    guard.settle()  # a previous restore's step still being written: listed once written
-    listing, others = listings(), set[int]()
-    own = _this_world(levels[0], listing[0]["committed"], guard.world, others)
-    anywhere = sorted({s for level, tier in zip(levels, listing)
-                       for s in _this_world(level, tier["committed"], guard.world, others)})
+             load_kwargs: dict[str, Any], started: float) -> dict[str, Any] | None:
+    """restore_guarded's restore, from ``listing`` (every tier's steps, listed once);
+    ``listings()`` lists them anew for the fallback to slower tiers."""
+    others = set[int]()
+    kept = [_this_world(level, tier["committed"], guard.world, others)  # each manifest once
+            for level, tier in zip(levels, listing)]
+    own, anywhere = kept[0], sorted({s for steps in kept for s in steps})
     recovery = guard.recover(own, anywhere, verify, step, sorted(others))
     # every rank's, gathered with the inventory: alike on every rank, one outcome everywhere
     others = {s for extra in recovery.extras for s in extra["others"]}

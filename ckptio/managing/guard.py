@@ -72,7 +72,9 @@ class Guard:
         self.listing = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
         placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
-        self.single, _ = dist.new_subgroups(group_size=1, backend="gloo")  # this rank's saves
+        # this rank's saves: a group of this rank alone, made by it alone (no collective, one
+        # group whatever the number of ranks; new_subgroups made one per rank on every rank)
+        self.single = dist.new_group([self.rank], backend="gloo", use_local_synchronization=True)
         mark_piece(self.single, self.rank, dist.get_world_size())  # its shards of DTensors
         self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
