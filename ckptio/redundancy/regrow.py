@@ -95,12 +95,17 @@ def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
         step, todo = chosen
         kept: list[TreeStore] = []
         for task in todo:
-            mine, got, store = _rebuild(ctx, task)
-            out.received += got
-            kept += [store] if store is not None else []
-            failures: dict[str, str] = {}
-            for part in peers.all_gather_json(ctx.group, mine):
-                failures.update(part)
+            try:
+                mine, got, store = _rebuild(ctx, task)
+                out.received += got
+                kept += [store] if store is not None else []
+                failures: dict[str, str] = {}
+                for part in peers.all_gather_json(ctx.group, mine):
+                    failures.update(part)
+            except BaseException:  # a rank gone (elastic.py names it): no piece kept
+                out.stores += kept
+                out.close()
+                raise
             if failures:
                 why = "; ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
                 text = f"rank {task.rank}'s piece of step {step}, rebuilt from parity: {why}"
