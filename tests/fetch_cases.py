@@ -190,3 +190,56 @@ def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
             "written_early": counts["written_early"],
             "in_tier": os.path.exists(os.path.join(host_dir(base, rank), "run",
                                                    f"r{rank:05d}", "step-1", "manifest.json"))}
+
+
+def chains_in_order(rank: int, world: int, lost: int, chunk: int) -> dict[str, Any]:
+    """stripes.run on its own: a parity group of ``world`` members (one rank each), Parity
+    m = 1, shards of unequal lengths, the member at ``lost`` rebuilt by the others, in chunks
+    of ``chunk`` bytes -> this rank's sends and waits in the order it made them (("send", tag)
+    or ("wait", tag)), the bytes it XORed in and received, and (the receiver) whether its
+    shard came back bitwise."""
+    import torch.distributed as dist
+
+    from ckptio.redundancy import erasure, peers, stripes
+    from ckptio.redundancy.topology import Topology
+
+    stripes.CHUNK = chunk  # type: ignore[attr-defined]
+    n, p = world, peers.piece_nbytes(10 * chunk + 3 * 8 * (world - 1), world - 1)
+    shards = [torch.randint(0, 256, (10 * chunk + 3 * 8 * h,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(h)) for h in range(n)]
+    block = torch.zeros(p, dtype=torch.uint8)  # P of stripe ``rank``: this rank holds it
+    for h, i in Topology.stripe_data(rank, n, 1):
+        piece = peers.piece(shards[h], i, p)
+        peers.xor_into(block, piece)
+    events: list[tuple[str, int]] = []
+    counts = {"xored": 0}
+    isend, irecv, mul_into = dist.isend, dist.irecv, erasure.mul_into
+
+    class Waited:
+        def __init__(self, work: Any, tag: int) -> None:
+            self.work, self.tag = work, tag
+
+        def wait(self) -> Any:
+            events.append(("wait", self.tag))
+            return self.work.wait()
+
+    def sent(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Any:
+        events.append(("send", tag))
+        return isend(tensor, dst, group=group, tag=tag)
+
+    def received(tensor: Any, src: int, group: Any = None, tag: int = 0) -> Any:
+        return Waited(irecv(tensor, src, group=group, tag=tag), tag)
+
+    def xored(acc: Any, data: Any, c: int) -> None:
+        counts["xored"] += data.numel()
+        mul_into(acc, data, c)
+
+    dist.isend, dist.irecv, erasure.mul_into = sent, received, xored  # type: ignore[assignment]
+    chains = stripes.plan(list(range(n)), [lost], lost, 1, p, shards[lost].numel())
+    out = torch.zeros(shards[lost].numel(), dtype=torch.uint8) if rank == lost else None
+    outcome = stripes.run(dist.group.WORLD, rank, chains,
+                          lambda kind: shards[rank] if kind == "data" else block, out)
+    return {"events": events, "xored": counts["xored"], "received": outcome.received,
+            "error": outcome.error, "starts": sum(
+                -(-ch.length // chunk) for ch in chains if ch.terms[0].rank == rank),
+            "bitwise": None if out is None else torch.equal(out, shards[lost])}

@@ -49,8 +49,9 @@ def train(rank: int, world: int, base: str, disk: str, spec: str, steps: int) ->
 def restore(rank: int, world: int, base: str, disk: str, spec: str,
             victim: int = -1) -> dict[str, Any]:
     """A restarted job restores into zeros -> the step, ``last_restore``, whether bitwise, or
-    the error (and whether the state was left untouched). ``victim``: that rank SIGKILLs
-    itself as it starts sending its pieces' bytes."""
+    the error (and whether the state was left untouched), and the bytes this rank wrote as
+    checkpoints into its memory tier (peers.write_checkpoint) during the restore.
+    ``victim``: that rank SIGKILLs itself as it starts sending its pieces' bytes."""
     _play_host(rank, 1, base)
     if rank == victim:
         from ckptio.redundancy import peers
@@ -59,6 +60,15 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str,
             os.kill(os.getpid(), signal.SIGKILL)
 
         peers.send = dies  # type: ignore[assignment]
+    from ckptio.redundancy import peers
+
+    written, write = [0], peers.write_checkpoint
+
+    def counted(store: Any, manifest: bytes, files: Any, data: Any) -> None:
+        written[0] += data.numel()
+        write(store, manifest, files, data)
+
+    peers.write_checkpoint = counted  # type: ignore[assignment]
     state = _state(world, rank, 0)
     state["w"].to_local().zero_()
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
@@ -72,4 +82,4 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str,
         mgr.close()
     want = whole(step or 0).chunk(world)[rank]
     return {"step": step, "state_step": state["step"], "how": mgr.last_restore, "error": None,
-            "bitwise": torch.equal(state["w"].to_local(), want)}
+            "bitwise": torch.equal(state["w"].to_local(), want), "written": written[0]}

@@ -20,8 +20,8 @@ from ckptio.redundancy import peers
 from ckptio.redundancy.budget import CHUNK
 from ckptio.redundancy.landing import StreamCheck
 from ckptio.redundancy.copy_fetch import Fetch, Receiving
-from tests.fetch_cases import (restore, restore_a_holder_dies, restore_counted,
-                               restore_written_later, save)
+from tests.fetch_cases import (chains_in_order, restore, restore_a_holder_dies,
+                               restore_counted, restore_written_later, save)
 from tests.redundancy_cases import host_dir, wipe_host
 
 TIMEOUT = 240
@@ -240,3 +240,26 @@ def test_a_damaged_entry_names_the_one_holder_whose_chunks_it_spans():
     assert alone.blame(None, 1) == ["copy:r3:of2:s1"]
     assert fetch.spans(3) == [(0, CHUNK), (2 * CHUNK, 3 * CHUNK)]
     assert fetch.spans(0) == [(CHUNK, 2 * CHUNK)]
+
+
+def test_the_chains_a_rank_starts_are_sent_before_it_waits_for_any_chunk():
+    """stripes.run alone, 4 ranks (one parity group, m = 1), rank 1 rebuilt, each piece in 3
+    or more chunks. Before: a rank sent the chunks of the chains it starts one at a time as its
+    loop reached them, after waiting for the chunks of other chains it passes on (the chains
+    advanced one chunk at a time, in step). Now every such chunk is sent before its first
+    wait; each survivor still XORs in two pieces' bytes (the two chains it adds to) and
+    receives them, the lost rank its shard's length, bitwise."""
+    chunk = 4096
+    ranks = run_ranks(4, chains_in_order, 1, chunk, timeout_s=TIMEOUT)
+    for rank, got in enumerate(ranks):
+        assert got["error"] is None, got
+        events = got["events"]
+        waits = [n for n, (what, _tag) in enumerate(events) if what == "wait"]
+        before = sum(1 for what, _tag in events[:waits[0] if waits else len(events)]
+                     if what == "send")
+        if rank == 1:
+            assert got["bitwise"] and got["starts"] == 0 and before == 0, got
+            assert got["received"] == 10 * chunk + 3 * 8, got
+            continue
+        assert got["starts"] >= 3 and before == got["starts"], (rank, got["starts"], events)
+        assert got["xored"] <= got["received"] <= 2 * (10 * chunk + 3 * 8 * 3) // 3 + 64, got

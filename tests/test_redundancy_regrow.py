@@ -49,7 +49,9 @@ def test_a_restart_on_fewer_hosts_rebuilds_a_lost_piece_along_its_stripes(base, 
     """Parity(k=3) on 4 hosts, host 3 lost, the job restarted on the 3 others (Parity(k=2)):
     old rank 3's piece is rebuilt along its stripes' survivors (stripes.py's chains), so no
     rank receives more than that piece's length beside the rows of its new shard (before: the
-    rebuilding rank received the other members' whole pieces and blocks); bitwise."""
+    rebuilding rank received the other members' whole pieces and blocks); bitwise. The
+    rebuilt piece is kept in its receiver's memory for the restart, not written into the
+    memory tier (before: its receiver wrote it there as a partner copy, then read it back)."""
     disk = str(tmp_path / "disk")
     run_ranks(4, train, base, disk, "parity-3", 3, timeout_s=TIMEOUT)
     wipe_host(base, 3)
@@ -60,6 +62,10 @@ def test_a_restart_on_fewer_hosts_rebuilds_a_lost_piece_along_its_stripes(base, 
     got = [r["how"]["received_bytes"] for r in restored]
     piece = 120 * ROW_NBYTES
     assert all(0 < g <= 160 * ROW_NBYTES + piece for g in got), got
+    assert [r["written"] for r in restored] == [0] * 3, restored
+    for host in range(3):
+        held = os.path.join(host_dir(base, host), "run", ".redundancy", "step-3")
+        assert not [n for n in os.listdir(held) if n.startswith("copy-")], (host, held)
 
 
 def test_a_holder_killed_during_a_restarts_fetch_is_named_and_nothing_is_loaded(base, tmp_path):

@@ -160,28 +160,31 @@ def _resharded(guard: Guard, recovery: Recovery, level: TierSteps, state: Any, s
     bytes this rank received); None when there is none or its load found damage (named in
     ``passed``)."""
     restart = guard.restart(passed, recovery)
-    while (choice := restart.next(step)) is not None:
-        if newest is not None and choice.step <= newest:
+    try:
+        while (choice := restart.next(step)) is not None:
+            if newest is not None and choice.step <= newest:
+                return None
+            fetched = restart.fetch(choice, state, load_kwargs)
+            if fetched is None:
+                continue  # a piece failed its check: passed over, the plan made again
+            kwargs = {k: v for k, v in load_kwargs.items() if k != "per_rank_from"}  # applied
+
+            def load() -> str | None:
+                where = restart.install(fetched)
+                try:
+                    return level.try_load_at(where.location, state, kwargs)
+                finally:
+                    where.remove_tree()
+
+            why = _agreed(guard, f"restoring step {choice.step} resharded from memory", load)
+            if why is None:
+                return choice.step, fetched.received
+            passed.append(f"step {choice.step} resharded from the memory of {choice.world} ranks: "
+                          f"{why}")
             return None
-        fetched = restart.fetch(choice, state, load_kwargs)
-        if fetched is None:
-            continue  # a piece failed its check: passed over, the plan made again
-        kwargs = {k: v for k, v in load_kwargs.items() if k != "per_rank_from"}  # applied
-
-        def load() -> str | None:
-            where = restart.install(fetched)
-            try:
-                return level.try_load_at(where.location, state, kwargs)
-            finally:
-                where.remove_tree()
-
-        why = _agreed(guard, f"restoring step {choice.step} resharded from memory", load)
-        if why is None:
-            return choice.step, fetched.received
-        passed.append(f"step {choice.step} resharded from the memory of {choice.world} ranks: "
-                      f"{why}")
         return None
-    return None
+    finally:
+        restart.close()  # the pieces it rebuilt from parity (in this process's memory)
 
 
 def _agreed(guard: Guard, what: str, load: Callable[[], str | None]) -> str | None:

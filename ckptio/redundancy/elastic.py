@@ -5,12 +5,12 @@ tensors: ``meta.piece``) gathered from the hosts' memory and resharded into this
 Call order (collective over the Guard's control group, every rank; managing/agreed.py):
 ``Restart(ctx, skipped, reports)`` -> ``next(only)`` -> ``fetch(choice, state, load_kwargs)``
 (None: a piece failed, ``next`` again) -> ``install(fetched)`` -> the caller loads that piece
-(this rank's of this job, in this process's memory) and removes it.
+(this rank's of this job, in this process's memory) and removes it -> ``close()``.
 
 1. survey: the first rank of each host lists the pieces its host's memory holds (``r<k>/step-N``
    and partner copies) with the rank count of the job that saved them (``reports``: gathered
    with the same-world recovery's inventory); a piece held nowhere is rebuilt from parity
-   first where its group allows (regrow.py), then surveyed again;
+   first where its group allows (regrow.py), into its receiver's memory, held there;
 2. plan (pieces.py): the newest step of another rank count whose every piece is held somewhere,
    each sent by the first rank of a host holding it, which shares its manifest;
 3. fetch: each rank works out the byte ranges of the entries its state needs (the rows its
@@ -110,11 +110,12 @@ class Restart:
         with _named(ctx, "surveying the pieces left"):
             # ``reports``: every rank's survey, gathered already (with the same-world
             # recovery's inventory: managing/guard.py), else gathered here
-            self.reports = (peers.all_gather_json(ctx.group, survey(ctx)) if reports is None
-                            else reports)
-            rebuilt, self.received = regrow(ctx, self.reports, skipped)
-            if rebuilt:  # a lost piece rebuilt from parity: now held
-                self.reports = peers.all_gather_json(ctx.group, survey(ctx))
+            self.reports = [list(r) for r in (
+                peers.all_gather_json(ctx.group, survey(ctx)) if reports is None else reports)]
+            self.regrown = regrow(ctx, self.reports, skipped)
+            self.received = self.regrown.received
+            for rank, found in self.regrown.found.items():  # rebuilt: held in its memory
+                self.reports[rank] += found
         self.bad: set[str] = set()
         self.rounds = 0
 
@@ -194,6 +195,10 @@ class Restart:
         """What this rank received as a checkpoint in this process's memory -> its store
         (remove it after the load)."""
         return exchange.install(self.ctx, fetched)
+
+    def close(self) -> None:
+        """Drop the pieces this rank rebuilt from parity (once the restart is over)."""
+        self.regrown.close()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
 """A lost rank's piece rebuilt from parity for a restart on another number of ranks: before the
 restart's plan (elastic.py), a piece of the old job held nowhere is rebuilt from its parity
-group's blocks and the other members' pieces, left in this job's hosts' memory, and kept as a
-partner copy would be, so the restart then finds every piece.
+group's blocks and the other members' pieces into the memory of the rank that receives it
+(``mem://``, never written into the memory tier), so the restart then finds every piece.
 
 Call order (collective over the Guard's control group, every rank): ``regrow(ctx, reports,
-skipped)`` from elastic.Restart, with the restart's survey of pieces:
+skipped)`` from elastic.Restart, with the restart's survey of pieces; ``Regrown.close`` once
+the restart has loaded:
 
 1. survey: the first rank of each host lists the parity blocks its host holds;
 2. plan (pieces.regrowths, pure): the newest step of another rank count that misses pieces,
@@ -12,12 +13,15 @@ skipped)`` from elastic.Restart, with the restart's survey of pieces:
 3. per rebuild: each holder of a member's piece maps it, each holder of a block checks it
    against the digest recorded when it was encoded; the lost piece is summed along its
    stripes' survivors (stripes.py's chains, planned over the group's positions), so the
-   receiver gets the piece's length only, and commits it as ``.redundancy/step-N/copy-r<old
-   rank>`` (the restart checks every range it reads against its checksums, the load the rest);
+   receiver gets the piece's length only, and keeps it as a checkpoint of its process's
+   memory (reshard_fetch.store_of, kind "rebuilt"): ``Regrown.found`` offers it to the
+   restart's plan as held by the receiver, with no survey again (the restart checks every
+   range it reads against its checksums, the load the rest);
 4. a rebuild that fails is named in ``skipped`` and passed over (an older step, or none).
 
-Owns: the parity survey and the rebuild's exchange. Does not own: the plan (pieces.py), the
-chains and the code (stripes.py, erasure.py), the restart (elastic.py), the names (marks.py).
+Owns: the parity survey, the rebuild's exchange and the rebuilt pieces until ``close``. Does
+not own: the plan (pieces.py), the chains and the code (stripes.py, erasure.py), the restart
+(elastic.py), the names (marks.py, reshard_fetch.store_of).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,8 +37,10 @@ import torch
 from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.redundancy import marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
+from ckptio.redundancy.reshard_fetch import store_of
+from ckptio.storage.store_contract import TreeStore, new_save_id
 
-__all__ = ["regrow"]
+__all__ = ["Regrown", "regrow"]
 
 log = logging.getLogger("ckptio")
 MAX_ROUNDS = 8
@@ -56,41 +63,75 @@ def survey_blocks(root: str, first: bool) -> list[Held]:
     return found
 
 
-def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> tuple[bool, int]:
-    """Steps 1-4 (collective; ``ctx``: elastic.Context) -> (whether a piece was rebuilt: the
-    caller surveys again, the bytes this rank received)."""
+@dataclass
+class Regrown:
+    """What ``regrow`` did (alike on every rank but ``received`` and ``stores``)."""
+
+    found: dict[int, list[Found]] = field(default_factory=dict)  # receiver -> pieces it holds
+    received: int = 0  # bytes this rank received
+    stores: list[TreeStore] = field(default_factory=list)  # this rank's rebuilt pieces
+
+    def close(self) -> None:
+        """Drop this rank's rebuilt pieces (after the restart's load)."""
+        for store in self.stores:
+            store.remove_tree()
+        self.stores.clear()
+
+
+def regrow(ctx: Any, reports: list[list[Found]], skipped: list[str]) -> Regrown:
+    """Steps 1-4 (collective; ``ctx``: elastic.Context) -> the pieces rebuilt, each offered as
+    held by its receiver (``Regrown.found``: add them to the survey), in its memory."""
+    out = Regrown()
     if not any(found[2] != ctx.world for report in reports for found in report):
-        return False, 0  # no piece of another rank count: nothing to rebuild (alike everywhere)
+        return out  # no piece of another rank count: nothing to rebuild (alike everywhere)
     topo = ctx.topology
     first = topo.hosts[topo.host_of(ctx.rank)][0] == ctx.rank
     blocks = peers.all_gather_json(ctx.group, survey_blocks(ctx.root, first))
     bad: set[str] = set()
-    received = 0
     for _ in range(MAX_ROUNDS):
         chosen = regrowths(reports, blocks, ctx.world, bad, None)
         if chosen is None:
-            return False, received
+            return out
         step, todo = chosen
+        kept: list[TreeStore] = []
         for task in todo:
-            mine, got = _rebuild(ctx, task)
-            received += got
-            failures: dict[str, str] = {}
-            for part in peers.all_gather_json(ctx.group, mine):
-                failures.update(part)
+            try:
+                mine, got, store = _rebuild(ctx, task)
+                out.received += got
+                kept += [store] if store is not None else []
+                failures: dict[str, str] = {}
+                for part in peers.all_gather_json(ctx.group, mine):
+                    failures.update(part)
+            except BaseException:  # a rank gone (elastic.py names it): no piece kept
+                out.stores += kept
+                out.close()
+                raise
             if failures:
                 why = "; ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
                 text = f"rank {task.rank}'s piece of step {step}, rebuilt from parity: {why}"
                 skipped.append(text)
                 log.warning("ckptio: a restart on %d ranks passes over %s", ctx.world, text)
                 bad.add(f"regrow:r{task.rank}:s{step}")
+                for each in kept:
+                    each.remove_tree()
                 break
         else:
-            return True, received
-    return False, received
+            out.stores += kept
+            for task in todo:
+                out.found.setdefault(task.receiver, []).append(
+                    [step, task.rank, _world(reports, step), "rebuilt"])
+            return out
+    return out
 
 
-def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int]:
-    """Step 3 for one lost piece -> ({item: why} as this rank saw it, the bytes it received).
+def _world(reports: list[list[Found]], step: int) -> int:
+    """The rank count of the job that saved ``step`` (one, where pieces.regrowths chose it)."""
+    return next(int(found[2]) for report in reports for found in report if found[0] == step)
+
+
+def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int, TreeStore | None]:
+    """Step 3 for one lost piece -> ({item: why} as this rank saw it, the bytes it received,
+    the receiver's piece in its memory).
     Each holder maps its member's piece and reads its block; the lost piece is summed along
     its stripes' survivors (stripes.py: the chains of the same-world rebuild), the receiver
     getting the piece's length only."""
@@ -106,20 +147,16 @@ def _rebuild(ctx: Any, task: Regrowth) -> tuple[dict[str, str], int]:
         metas.update(part)
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
-        return failures, 0
+        return failures, 0, None
     info = next(meta for item, meta in metas.items() if item.startswith("block"))
     lost = info["lost"]
     out = torch.empty(lost["nbytes"], dtype=torch.uint8) if ctx.rank == task.receiver else None
     outcome = stripes.run(ctx.group, ctx.rank, _chains(task, info), payload.__getitem__, out)
     if outcome.error is not None:
-        return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received
+        return {f"rank {ctx.rank}'s sums": outcome.error}, outcome.received, None
     if out is None:
-        return {}, outcome.received
-    try:
-        _install(ctx, task, lost, out)
-    except (CkptError, OSError) as exc:
-        return {"the rebuilt piece": f"{type(exc).__name__}: {exc}"}, outcome.received
-    return {}, outcome.received
+        return {}, outcome.received, None
+    return {}, outcome.received, _install(ctx, task, lost, out)
 
 
 def _chains(task: Regrowth, info: dict[str, Any]) -> list[stripes.Chain]:
@@ -162,14 +199,16 @@ def _read_block(ctx: Any, task: Regrowth, j: int) -> tuple[dict[str, Any], torch
             "lost": lost}, block
 
 
-def _install(ctx: Any, task: Regrowth, lost: dict[str, Any], data: torch.Tensor) -> None:
-    """Commit the rebuilt piece as its partner copy would be (the restart checks every entry
-    it reads against its checksum)."""
-    held = marks.held(ctx.root, task.step)
-    scratch = held.child(f".regrow-{marks.copy_name(task.rank)}")
-    try:
-        peers.write_checkpoint(scratch, lost["manifest"].encode(),
-                               [tuple(f) for f in lost["files"]], data)
-        scratch.move_to(held.child(marks.copy_name(task.rank)))
-    finally:
-        scratch.remove_tree()
+def _install(ctx: Any, task: Regrowth, lost: dict[str, Any], data: torch.Tensor) -> TreeStore:
+    """The rebuilt piece as a checkpoint of this process's memory (``data`` adopted, no copy;
+    the restart checks every entry it reads against its checksum)."""
+    store = store_of(ctx.root, task.step, task.rank, "rebuilt")
+    store.remove_tree()
+    store.prepare()
+    view = data.numpy().data.cast("B") if data.numel() else memoryview(bytearray())
+    at = 0
+    for name, nbytes in lost["files"]:
+        store.adopt_file(str(name), view[at:at + int(nbytes)])
+        at += int(nbytes)
+    store.commit(lost["manifest"].encode(), new_save_id())
+    return store

@@ -56,7 +56,10 @@ class Fetched:
 
 
 def store_of(root: str, step: int, k: int, kind: str) -> TreeStore:
-    """Where old rank ``k``'s piece of ``step`` lies on this host ("own" or "copy")."""
+    """Where old rank ``k``'s piece of ``step`` lies on this host ("own" or "copy"), or in
+    this process's memory ("rebuilt": rebuilt from parity by this rank, regrow.py)."""
+    if kind == "rebuilt":
+        return MemoryStore(f"mem://ckptio-regrow/{root.strip('/')}/step-{step}/r{k}")
     tree = marks.tree_of(root)
     if kind == "own":
         return tree.child(marks.rank_name(k)).child(f"step-{step}")

@@ -8,8 +8,9 @@ what the previous one sent and passing it on, the last one sending the piece to 
 which receives it straight into its step's bytes. A lost rank receives its step's length (the
 pieces' zero padding is never sent), each piece from the stripe's last survivor: several
 survivors at once. Every transfer is cut into chunks of ``budget.CHUNK``, so a chain is a
-pipeline; every rank posts its receives first and then handles its chunks in one order, the
-same on every rank (no cycle: a chunk waits only on earlier ones).
+pipeline; every rank posts its receives first, sends the chunks of the chains it starts (they
+need nothing received), then handles its other chunks in one order, the same on every rank (no
+cycle: a chunk waits only on earlier ones).
 
 Call order (rebuild.py, on every rank, after the items' metadata are gathered): ``plan`` (pure,
 the same everywhere) -> ``run``. Owns: the chains and their transfers. Does not own: the field
@@ -122,32 +123,33 @@ def run(group: Any, rank: int, chains: list[Chain], part: Part, out: torch.Tenso
     bytes). A failure of this rank's own sum is recorded (``Outcome.error``) and the chunk
     passed on as it is, so no rank waits for it; the receiver's check finds the piece wrong.
     A link from this rank to itself (two terms, or the last term and the receiver, on one
-    rank) hands the chunk over in memory. ``landed(lo, hi)``: told of each range of ``out``
-    received, as it lands (in the order the senders send)."""
+    rank) hands the chunk over in memory. The chunks of the chains this rank starts are all
+    sent before it waits for any (they need nothing received). ``landed(lo, hi)``: told of
+    each range of ``out`` received, as it lands (in the order the senders send)."""
     outcome = Outcome()
     posted = _post(group, rank, chains, out, base_tag, outcome)
     sends: list[Any] = []
-    for q in range(max((len(_chunks(ch.length)) for ch in chains), default=0)):
-        for c, chain in enumerate(chains):
-            spans = _chunks(chain.length)
-            for t, term in enumerate(chain.terms):
-                if term.rank != rank or q >= len(spans):
-                    continue
-                lo, hi = spans[q]
-                data = part(term.kind)[term.offset:]
-                chunk = _sum(posted.pop((c, q, t), None), data, term.coefficient, lo, hi,
-                             outcome)
-                last = t + 1 == len(chain.terms)
-                dst = chain.receiver if last else chain.terms[t + 1].rank
-                if dst != rank:
-                    sends.append(dist.isend(chunk, dst, group=group, tag=base_tag + c))
-                elif last:
-                    assert out is not None  # internal: a receiver has its step's bytes
-                    out[chain.offset + lo:chain.offset + hi].copy_(chunk)
-                    if landed is not None:
-                        landed(chain.offset + lo, chain.offset + hi)
-                else:  # a copy: the chunk may be this rank's own bytes, left as they are
-                    posted[(c, q, t + 1)] = (chunk.clone(), None)
+    mine = [(q, c, t) for q in range(max((len(_chunks(ch.length)) for ch in chains), default=0))
+            for c, chain in enumerate(chains) for t, term in enumerate(chain.terms)
+            if term.rank == rank and q < len(_chunks(chain.length))]
+    # a chain's first term needs nothing received: all of those chunks go first (stable: in
+    # the order above), so no chain waits for this rank's loop to reach its start
+    for q, c, t in sorted(mine, key=lambda e: e[2] != 0):
+        chain = chains[c]
+        term, (lo, hi) = chain.terms[t], _chunks(chain.length)[q]
+        data = part(term.kind)[term.offset:]
+        chunk = _sum(posted.pop((c, q, t), None), data, term.coefficient, lo, hi, outcome)
+        last = t + 1 == len(chain.terms)
+        dst = chain.receiver if last else chain.terms[t + 1].rank
+        if dst != rank:
+            sends.append(dist.isend(chunk, dst, group=group, tag=base_tag + c))
+        elif last:
+            assert out is not None  # internal: a receiver has its step's bytes
+            out[chain.offset + lo:chain.offset + hi].copy_(chunk)
+            if landed is not None:
+                landed(chain.offset + lo, chain.offset + hi)
+        else:  # a copy: the chunk may be this rank's own bytes, left as they are
+            posted[(c, q, t + 1)] = (chunk.clone(), None)
     for c, q, t in sorted(posted, key=lambda k: (k[1], k[0])):  # as the senders send them
         if t == -1:  # a piece this rank receives as a receiver
             posted[(c, q, t)][1].wait()
@@ -195,6 +197,11 @@ def _sum(got: tuple[torch.Tensor, Any] | None, data: torch.Tensor, c: int, lo: i
     if got is None:
         if c == 1 and mine.numel() == hi - lo:
             return mine  # sent as it is: no copy
+        if c == 1:  # where its shard ends: copied and the rest zeroed, not XORed into zeros
+            acc = torch.empty(hi - lo, dtype=torch.uint8)
+            acc[:mine.numel()].copy_(mine)
+            acc[mine.numel():].zero_()
+            return acc
         acc = torch.zeros(hi - lo, dtype=torch.uint8)
     elif got[1] is None:
         acc = got[0]
