@@ -236,6 +236,7 @@ class Checkpointer:
         context = save_session.SaveContext(
             group=group, store=store, options=self.options,
             resources=self._resources, cleanup=self._resources.cleanup,
+            commits=self._resources.commits,
             workers=self._resources.workers, memory=self._memory(group),
             plan_cache=self._plan_cache, meta=meta, piece=piece is not None,
             block_nbytes=self._resources.block_nbytes,

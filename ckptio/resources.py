@@ -33,6 +33,7 @@ from ckptio.io.hostbudget import HostBudget, host_budget, local_world_size, size
 from ckptio.io.stage import StagingPool
 from ckptio.options import GiB, Options
 from ckptio.saving.cleanup import Cleanup
+from ckptio.saving.commits import Commits
 from ckptio.saving.workers import SaveWorkers
 from ckptio.storage.files import StoreFiles, in_memory
 from ckptio.storage.local.local_root import LocalRoot
@@ -55,6 +56,7 @@ class ReusedIOResources:
         self.lock = threading.Lock()
         self.workers = SaveWorkers()  # the threads saves run on, kept from save to save
         self.cleanup = Cleanup(self.workers)  # removal of superseded files, behind the next save
+        self.commits = Commits()  # the manifests its saves committed last (managing/copy.py)
         self._pool: StagingPool | None = None
         self._backends: dict[str, IOBackend] = {}  # Store.backend_kind -> its backend
         self._stores: dict[str, Store] = {}  # Store.backend_kind -> the store it was made for

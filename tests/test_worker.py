@@ -159,6 +159,9 @@ class _Route:
     def bases(self, step: int, tier: int) -> tuple[int, ...]:
         return ()
 
+    def known(self, step: int, tier: int) -> None:
+        return None
+
     def landed(self, step: int, tier: int) -> None:
         raise AssertionError("never asked")
 

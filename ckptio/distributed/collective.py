@@ -324,12 +324,12 @@ def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
 
 def conclude(group: Group, agreement: Agreement, written: Written | None,
              error: BaseException | None, store: Store, meta: dict[str, Any], algorithm: str,
-             block_nbytes: int, committed: Callable[[list[str]], None],
+             block_nbytes: int, committed: Callable[[Manifest, bytes], None],
              held: Exclusive | None = None,
              watched: Callable[[], Guard] = contextlib.nullcontext) -> None:
     """Collective step, after this rank's writes (``written``) or its failure (``error``): the
     coordinator commits the manifest if every rank succeeded; every rank learns the outcome.
-    ``committed(names)``: on the coordinator after the commit, with every data file's name.
+    ``committed(record, data)``: on the coordinator after the commit, with the manifest and its bytes.
     ``held``: the coordinator's claim on the store (the commit is conditional on it).
     ``watched()``: the context the store's commit runs in (the save's stall watch).
     Raises this rank's own error, else RankFailedError naming the failed ranks (with one
@@ -372,16 +372,17 @@ def assigned_items(agreement: Agreement, rank: int) -> dict[int, WriteItem]:
 def _commit(results: list[Written],
             assigned: list[dict[int, WriteItem]], agreement: Agreement, store: Store,
             meta: dict[str, Any], algorithm: str, block_nbytes: int,
-            committed: Callable[[list[str]], None], held: Exclusive | None,
+            committed: Callable[[Manifest, bytes], None], held: Exclusive | None,
             watched: Callable[[], Guard]) -> None:
     """On the coordinator, once every rank has written: build, check and commit the manifest."""
     record = manifest_of(results, assigned, agreement, meta, algorithm, block_nbytes)
     # The reader's key rules, before the commit: a manifest that would not load must not
     # replace one that does (its files are deleted once the new one is committed).
     agreement.keys.check(record, store.path_of(manifest.MANIFEST_NAME))
+    data = manifest.encode(record, agreement.templates)
     with watched():
-        store.commit(manifest.encode(record, agreement.templates), agreement.save_id, held)
-    committed([f.name for f in record.files])
+        store.commit(data, agreement.save_id, held)
+    committed(record, data)
 
 
 def manifest_of(results: list[Written], assigned: list[dict[int, WriteItem]],

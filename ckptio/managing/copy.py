@@ -38,21 +38,27 @@ from ckptio.storage import steps
 from ckptio.storage.files import IOResources, StoreFiles
 from ckptio.storage.store_contract import Store, new_save_id
 
-__all__ = ["Pace", "copy_checkpoint"]
+__all__ = ["Known", "Pace", "copy_checkpoint"]
 
 Pace = Callable[[int], None]  # called with the bytes just copied; may sleep to hold a rate
+# the source's manifest bytes -> the record this process committed as those bytes, or None
+Known = Callable[[bytes], Manifest | None]
 
 
 def copy_checkpoint(resources: IOResources, source: Store, target: Store,
-                    pace: Pace | None = None) -> int:
+                    pace: Pace | None = None, *, known: Known | None = None) -> int:
     """Copy the checkpoint committed in ``source`` to ``target`` (see the module docstring);
     -> bytes copied. CorruptCheckpointError if the source fails verification (nothing is
-    written, or what was is removed)."""
+    written, or what was is removed). ``known``: the record this process committed as the
+    source's manifest bytes (saving/commits.py), which then is not decoded again."""
     manifest = source.read_manifest()
-    opened = load_session.open_checkpoint(resources, source, None, allow_pickle=False)
-    if not _streamable(opened.record):
-        load_session.verify(resources, opened)
-    files = {f.name: f.nbytes for f in opened.record.files}
+    record = _committed_here(source, manifest, known)
+    if record is None:
+        opened = load_session.open_checkpoint(resources, source, None, allow_pickle=False)
+        record = opened.record
+        if not _streamable(record):
+            load_session.verify(resources, opened)
+    files = {f.name: f.nbytes for f in record.files}
     for name, nbytes in files.items():
         if not is_aligned(nbytes):
             raise CkptError(f"{source.path_of(name)}: {nbytes} bytes, not a multiple of {BLOCK}; "
@@ -72,7 +78,7 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
                 if pool is not _pool:  # a staging that remakes its pool per store cannot copy
                     raise CkptError("copy_checkpoint: the staging made another pool for "
                                     f"{target.location}; give it use_profile=False options")
-                check = _Streamed(reader, opened.record) if _streamable(opened.record) else None
+                check = _Streamed(reader, record) if _streamable(record) else None
                 buffer = pool.acquire()
                 try:
                     for name, nbytes in files.items():
@@ -115,6 +121,17 @@ def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
                 writer.close(dst, sync=False)
     finally:
         reader.close(src, sync=False)
+
+
+def _committed_here(source: Store, data: bytes, known: Known | None) -> Manifest | None:
+    """The record ``known`` has for exactly ``data``, where the copy checks every entry as it
+    passes and it has no regular section (whose chunks a full open lists): its data files
+    checked present and long enough, as the full open does. Else None: open it in full."""
+    record = None if known is None else known(data)
+    if record is None or record.regular or not _streamable(record):
+        return None
+    steps.check_files(source, record)
+    return record
 
 
 def _streamable(record: Manifest) -> bool:

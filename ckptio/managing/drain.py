@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ckptio.errors import CkptError
 from ckptio.io.worker import NICE, Worker
-from ckptio.managing.copy import copy_checkpoint
+from ckptio.managing.copy import Known, copy_checkpoint
 from ckptio.options import GiB, Options
 from ckptio.resources import ReusedIOResources
 from ckptio.storage.store_contract import Store
@@ -51,6 +51,11 @@ class Route(Protocol):
 
     def bases(self, step: int, tier: int) -> tuple[int, ...]:
         """The steps ``step`` is a delta against (() for a full step), as the source has it."""
+        ...
+
+    def known(self, step: int, tier: int) -> Known | None:
+        """The source's manifest of ``step`` by its bytes, where this process committed it
+        (copy.py's Known); None: the copy decodes it."""
         ...
 
     def landed(self, step: int, tier: int) -> None:
@@ -229,7 +234,8 @@ class Drain:
             return
         nbytes = self._copy_bases(k, step)
         nbytes += copy_checkpoint(self._resources, source, self._route.target(step, k),
-                                  self._pace if self._rate else None)
+                                  self._pace if self._rate else None,
+                                  known=self._route.known(step, k))
         durable_s = time.monotonic() - job.since
         log.info("ckptio: step %d durable in tier %d, %.2f s after its commit (%.3f GiB)",
                  step, k, durable_s, nbytes / GiB)
@@ -249,7 +255,8 @@ class Drain:
             log.info("ckptio: the drain copies base step %d to tier %d before its delta %d",
                      base, k, step)
             nbytes += copy_checkpoint(self._resources, source, self._route.target(base, k),
-                                      self._pace if self._rate else None)
+                                      self._pace if self._rate else None,
+                                      known=self._route.known(base, k))
         return nbytes
 
     def _pace(self, nbytes: int) -> None:

@@ -113,6 +113,11 @@ class TierSteps:
     def is_committed(self, step: int) -> bool:
         return self._root.is_committed(step)
 
+    def committed_here(self, step: int, data: bytes) -> Manifest | None:
+        """The manifest a save through this manager's Checkpointer committed as ``step``, if
+        its bytes were ``data`` (saving/commits.py); else None: decode ``data``."""
+        return self._ck.resources().commits.known(self.store(step).location, data)
+
     def nothing_here(self) -> str:
         """Why the tier has no step to restore (steproot.is_empty() of it says whether the
         location holds anything else)."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptio.errors import CkptError
+from ckptio.managing.copy import Known
 from ckptio.managing.level import TierSteps
 from ckptio.storage.store_contract import Store
 
@@ -43,6 +44,11 @@ class TierRoute:
 
     def holds(self, step: int, tier: int) -> bool:
         return self._levels[tier].is_committed(step)
+
+    def known(self, step: int, tier: int) -> Known | None:
+        """The source's manifest of ``step`` as this process committed it, by its bytes."""
+        holder = self._holder(step, tier)
+        return None if holder is None else (lambda data: holder.committed_here(step, data))
 
     def bases(self, step: int, tier: int) -> tuple[int, ...]:
         """The bases of ``step`` as the fastest tier before ``tier`` holding it has it."""

@@ -50,6 +50,7 @@ from ckptio.format.types import (
     FileInfo,
     FileLayout,
     IndexFile,
+    Manifest,
     Placement,
     TensorEntry,
     WriteItem,
@@ -60,6 +61,7 @@ from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import persist, stall
 from ckptio.saving.cleanup import Cleanup
+from ckptio.saving.commits import Commits
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
 from ckptio.saving.packing import Compression, DeltaBase, Packer
 from ckptio.saving.workers import SaveWorkers
@@ -114,6 +116,7 @@ class SaveContext:
     packing: Packing | None = None  # compressed and/or a delta: every item packed
     piece: bool = False  # this rank's piece of a job's state (dist.mark_piece): shards alone
     overwrite: bool = True  # False: a checkpoint committed there once the lock is held refuses
+    commits: Commits | None = None  # the Checkpointer's memo of its commits (a drain's copy reads it)
 
 
 @dataclass(frozen=True)
@@ -412,9 +415,14 @@ def _conclude(ctx: SaveContext, agreement: collective.Agreement,
               held: Exclusive | None, activity: stall.Activity) -> None:
     """8 conclude, 9 commit (on the coordinator, watched), 10 clean up started after it."""
     manifest = ctx.store.path_of(MANIFEST_NAME)
+
+    def committed(record: Manifest, data: bytes) -> None:
+        if ctx.commits is not None:
+            ctx.commits.remember(ctx.store.location, data, record)
+        ctx.cleanup.start(ctx.store, [f.name for f in record.files])
+
     collective.conclude(ctx.group, agreement, written, error, ctx.store, ctx.meta,
-                        ctx.options.checksum, ctx.block_nbytes,
-                        lambda names: ctx.cleanup.start(ctx.store, names), held,
+                        ctx.options.checksum, ctx.block_nbytes, committed, held,
                         lambda: activity.call("commit", manifest))
 
 
@@ -426,7 +434,7 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
         if not claimed:
             collective.skip_exclusive(ctx.group, ctx.store.location, exc)
         collective.conclude(ctx.group, agreement, None, exc, ctx.store, ctx.meta,
-                            ctx.options.checksum, ctx.block_nbytes, lambda _names: None)
+                            ctx.options.checksum, ctx.block_nbytes, lambda _record, _data: None)
     except BaseException as other:  # noqa: BLE001 - exc is what the caller reports
         if other is not exc:
             log.warning("ckptio: rank %d could not report its failed save of %s to the other "
