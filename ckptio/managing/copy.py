@@ -7,7 +7,8 @@ what the drain does for each step it moves to a slower tier.
    source's names kept, each file durable (fsync / completed upload) before the next; every
    entry's bytes are hashed as they pass (``_Streamed``) and checked against the manifest's
    checksums: the source is read once. A checkpoint with compressed, delta or not-yet-resolved
-   DCP entries is verified first instead (loading/load_session.verify), then copied;
+   DCP entries is verified first instead (loading/load_session.verify), then copied. The
+   manifest is decoded unless ``known`` has the record this process committed as its bytes;
 2. every entry checked (a damaged copy in host memory is never propagated: the mismatch is
    raised and what this copy wrote is removed);
 3. commit the source's manifest bytes in the target (storage's atomic commit, under the
