@@ -29,10 +29,10 @@ __all__ = ["UringBackend"]
 log = logging.getLogger("ckptio")
 _WAKE = 0  # user_data of the NOP that wakes the reaper for shutdown; requests count from 1
 _RETRY = (errno.EINTR, errno.EAGAIN)
-# Reads admitted into the kernel per unit of ``depth`` (writes: one): a load keeps 2 x depth
-# reads submitted (loading/read.py), and admitting only ``depth`` of them left a rank's disk
-# queue at 2-3 reads on average while the reaper checked and copied (docs/BENCH_RESTART.md,
-# "round seven"). 1 gives the reads the writes' depth again (the A/B there).
+# Reads admitted into the kernel per unit of ``depth`` (writes: one): a load keeps twice the
+# depth of reads submitted (loading/read.py), and admitting only ``depth`` of them left a rank's
+# disk queue short while the reaper checked and copied (docs/BENCH_RESTART.md, the seventh
+# round). 1 gives the reads the writes' depth again (the A/B there).
 READS_PER_DEPTH = 2
 
 
