@@ -31,7 +31,8 @@ _SENT, _READ_YOURSELF = b"M", b"-"  # the manifest step's tag: its bytes follow,
 class SharedManifest:
     """The manifest step: every rank runs it exactly once, at the open of a load's committed
     manifest (``__call__``), or not at all where the load opens a file of a foreign format
-    (``skip``), or with the error it met before (``fail``)."""
+    (``skip``), or with the error it met before (``fail``). The coordinator goes on once every
+    rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
 
     def __init__(self, group: Group) -> None:
         self.group, self.pending = group, True
