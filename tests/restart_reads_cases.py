@@ -114,3 +114,15 @@ def load_missing(rank: int, world: int, path: str) -> str | None:
     except ckptio.CkptError as exc:
         return type(exc).__name__
     return None
+
+
+def load_one_other_path(rank: int, world: int, path: str, other: str) -> str | None:
+    """Rank 0 loads the checkpoint at ``path``, rank 1 ``other``, a file that is no checkpoint
+    (its load opens a file: no manifest step of its own, then fails), both with a group
+    timeout longer than the run's -> the error's type on this rank."""
+    options = ckptio.Options(rank_timeout_s=600)
+    try:
+        ckptio.Checkpointer(options).load(path if rank == 0 else other, _state(world, zeros=True))
+    except ckptio.CkptError as exc:
+        return type(exc).__name__
+    return None

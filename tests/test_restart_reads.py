@@ -72,3 +72,14 @@ def test_no_checkpoint_is_said_on_every_rank(tmp_path: Path) -> None:
     the same error (the foreign formats' dispatch behind it unchanged)."""
     got = run_ranks(2, cases.load_missing, str(tmp_path / "nothing"))
     assert got == ["CheckpointNotFoundError"] * 2, got
+
+
+def test_a_rank_that_opens_a_file_leaves_no_rank_waiting(saved: Path, tmp_path: Path) -> None:
+    """Rank 1's path names a file (no manifest step of its own): it still takes its part of
+    the step, so rank 0 goes on and fails at the next step, naming rank 1, well within the
+    run's deadline (before, rank 0 waited for rank 1 to read the manifest until the group's
+    timeout, here longer than the run's)."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint" * 64)
+    got = run_ranks(2, cases.load_one_other_path, str(saved), str(junk), timeout_s=120)
+    assert got[0] == "RankFailedError" and got[1] is not None, got

@@ -30,8 +30,8 @@ _SENT, _READ_YOURSELF = b"M", b"-"  # the manifest step's tag: its bytes follow,
 
 class SharedManifest:
     """The manifest step: every rank runs it exactly once, at the open of a load's committed
-    manifest (``__call__``), or not at all where the load opens a file of a foreign format
-    (``skip``), or with the error it met before (``fail``). The coordinator goes on once every
+    manifest (``__call__``), at the open of a file (``skip``), or with the error it met before
+    (``fail``). The coordinator goes on once every
     rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
 
     def __init__(self, group: Group) -> None:
@@ -58,12 +58,13 @@ class SharedManifest:
         return raw
 
     def skip(self) -> None:
-        """This load opens no committed manifest (every rank alike: the same path)."""
-        self.pending = False
+        """This rank's load opens no committed manifest (a file): it still takes its part, so
+        a rank whose path names something else never leaves the others waiting."""
+        self.fail(None)
 
-    def fail(self, error: BaseException) -> None:
-        """This rank failed before the step: the others read for themselves (and learn of
-        the failure at the load's next step)."""
+    def fail(self, error: BaseException | None) -> None:
+        """This rank failed before the step (``error``) or skips it: the others read for
+        themselves (and learn of a failure at the load's next step)."""
         if self.pending:
             self.pending = False
             if self.group.rank == 0:
