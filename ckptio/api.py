@@ -366,6 +366,8 @@ class Checkpointer:
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
         many = state is not None and torch_group is not None and group.size > 1
+        manifest_step = (loadsteps.SharedManifest(group)
+                         if many and self.options.broadcast_replicated else None)
         key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
         read_step = None if not many else (
             readshare.SharedReads(group, torch_group, self.options.broadcast_replicated,
@@ -374,12 +376,14 @@ class Checkpointer:
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,
             per_rank_from=per_rank_from, rank=rank, world_size=world_size,
-            agree_unexpected=key_step, shared_reads=read_step)
+            agree_unexpected=key_step, shared_reads=read_step, shared_manifest=manifest_step)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = self._resources.located(path)
             result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
+            if manifest_step is not None:
+                manifest_step.fail(exc)
             if state is not None:
                 key_step.fail(exc)
             if read_step is not None:
