@@ -30,7 +30,7 @@ from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
-from ckptio.saving import save_session
+from ckptio.saving import save_context, save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
 from ckptio.storage.select import checkpoint_path, store_for
 
@@ -233,7 +233,7 @@ class Checkpointer:
         piece = piece_of(current_group(process_group))
         meta = {**save_session.default_meta(), **(user_meta or {}),
                 **({} if piece is None else {"piece": {"rank": piece[0], "world_size": piece[1]}})}
-        context = save_session.SaveContext(
+        context = save_context.SaveContext(
             group=group, store=store, options=self.options,
             resources=self._resources, cleanup=self._resources.cleanup,
             workers=self._resources.workers, memory=self._memory(group),
