@@ -30,7 +30,7 @@ from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
-from ckptio.saving import save_session
+from ckptio.saving import save_context, save_session
 from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
 from ckptio.storage.select import checkpoint_path, store_for
 
@@ -233,7 +233,7 @@ class Checkpointer:
         piece = piece_of(current_group(process_group))
         meta = {**save_session.default_meta(), **(user_meta or {}),
                 **({} if piece is None else {"piece": {"rank": piece[0], "world_size": piece[1]}})}
-        context = save_session.SaveContext(
+        context = save_context.SaveContext(
             group=group, store=store, options=self.options,
             resources=self._resources, cleanup=self._resources.cleanup,
             commits=self._resources.commits,
@@ -367,6 +367,8 @@ class Checkpointer:
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
         many = state is not None and torch_group is not None and group.size > 1
+        manifest_step = (loadsteps.SharedManifest(group)
+                         if many and self.options.broadcast_replicated else None)
         key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
         read_step = None if not many else (
             readshare.SharedReads(group, torch_group, self.options.broadcast_replicated,
@@ -375,12 +377,14 @@ class Checkpointer:
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,
             per_rank_from=per_rank_from, rank=rank, world_size=world_size,
-            agree_unexpected=key_step, shared_reads=read_step)
+            agree_unexpected=key_step, shared_reads=read_step, shared_manifest=manifest_step)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = self._resources.located(path)
             result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
+            if manifest_step is not None:
+                manifest_step.fail(exc)
             if state is not None:
                 key_step.fail(exc)
             if read_step is not None:

@@ -148,7 +148,9 @@ class Options:
         gloo group of the load's own (each receiver checks it against the manifest's checksum,
         or a DCP item's CRC-32, when ``verify``); the ranks share the reading out by bytes. A rank whose sender dies or
         does not answer within rank_timeout_s reads those tensors from storage instead
-        (warned). False: every rank reads all it needs. Give every rank the same value.
+        (warned). The committed manifest, likewise, is read (and its data files checked) by
+        one rank and sent to the others. False: every rank reads all it needs. Give every rank
+        the same value.
     io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit) makes no progress
         for this many seconds is said: a warning on the ``ckptio`` logger naming the rank, the
         file and the seconds waited, repeated every io_stall_warn_s while it lasts (a hung NFS

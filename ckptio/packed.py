@@ -23,7 +23,7 @@ from ckptio.errors import CkptError
 from ckptio.format import codec
 from ckptio.options import Options
 from ckptio.saving.packing import SPEED_MARGIN, Compression
-from ckptio.saving.save_session import Packing
+from ckptio.saving.save_context import Packing
 from ckptio.storage.entry_reader import Base, Bases, sibling_location
 from ckptio.storage.select import checkpoint_path, store_for
 from ckptio.storage.store_contract import Store

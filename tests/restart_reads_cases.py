@@ -73,3 +73,56 @@ def load_error(rank: int, world: int, path: str) -> tuple[str, str] | None:
     except ckptio.CkptError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def load_opens(rank: int, world: int, path: str, share: bool = True) -> dict[str, Any]:
+    """Load in place (Options.broadcast_replicated=``share``) -> this rank's reads of the
+    manifest, its checks of the data files' sizes, the index files it opened, and "equal"."""
+    from ckptio.storage.local.local_store import LocalStore
+
+    counted: dict[str, Any] = {"manifest": 0, "sizes": 0, "index": []}
+    read_manifest, sizes, open_read = LocalStore.read_manifest, LocalStore.sizes, StoreFiles.open_read
+
+    def counted_manifest(self: LocalStore) -> bytes:
+        counted["manifest"] += 1
+        return read_manifest(self)
+
+    def counted_sizes(self: LocalStore, names: Any) -> dict[str, int]:
+        counted["sizes"] += 1
+        return sizes(self, names)
+
+    def counted_open(self: StoreFiles, name: str, **kw: Any) -> Any:
+        if name.endswith("-index.bin"):
+            counted["index"].append(name)
+        return open_read(self, name, **kw)
+
+    LocalStore.read_manifest = counted_manifest  # type: ignore[method-assign]
+    LocalStore.sizes = counted_sizes  # type: ignore[method-assign]
+    StoreFiles.open_read = counted_open  # type: ignore[method-assign]
+    into = _state(world, zeros=True)
+    ckptio.Checkpointer(ckptio.Options(broadcast_replicated=share)).load(path, into)
+    expected = _state(world)
+    equal = all(torch.equal(_local(into[k]).view(torch.uint8), _local(v).view(torch.uint8))
+                for k, v in expected.items())
+    return {**counted, "equal": equal}
+
+
+def load_missing(rank: int, world: int, path: str) -> str | None:
+    """Load in place from a location with no checkpoint -> the error's type on this rank."""
+    try:
+        ckptio.load(path, _state(world, zeros=True))
+    except ckptio.CkptError as exc:
+        return type(exc).__name__
+    return None
+
+
+def load_one_other_path(rank: int, world: int, path: str, other: str) -> str | None:
+    """Rank 0 loads the checkpoint at ``path``, rank 1 ``other``, a file that is no checkpoint
+    (its load opens a file: no manifest step of its own, then fails), both with a group
+    timeout longer than the run's -> the error's type on this rank."""
+    options = ckptio.Options(rank_timeout_s=600)
+    try:
+        ckptio.Checkpointer(options).load(path if rank == 0 else other, _state(world, zeros=True))
+    except ckptio.CkptError as exc:
+        return type(exc).__name__
+    return None

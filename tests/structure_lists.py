@@ -97,8 +97,7 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.sharded_tensor_cases": ("torch's ShardedTensor, which lives in a private package",
                                    frozenset({"torch.distributed._shard",
                                               "torch.distributed._shard.sharding_spec"})),
-    "tests.test_async": (_WHITE + "the plan cache and the write window", frozenset({
-        "ck._plan_cache", "persist._Window"})),
+    "tests.test_async": (_WHITE + "the plan cache", frozenset({"ck._plan_cache"})),
     "tests.test_bench_dlio": ("resets the DLIO engines' per-process singleton between tests",
                               frozenset({"engine_module.CkptioCheckpointing._instance",
                                          "engine_module.TorchFsyncCheckpointing._instance"})),
@@ -151,9 +150,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.test_s3client": (_WHITE + "the client cache", frozenset({"s3client._clients"})),
     "tests.test_stage_copy_in": (_WHITE + "the staging pool and a tensor's version counter",
                                  frozenset({"pool._all", "whole._version"})),
-    "tests.test_staging": (_WHITE + "staging's views and page population, the write window",
-                           frozenset({"buffer._views", "ckptio.io.stage._populate",
-                                      "persist._Window"})),
+    "tests.test_staging": (_WHITE + "staging's views and page population",
+                           frozenset({"buffer._views", "ckptio.io.stage._populate"})),
     "tests.test_storegroup": (_WHITE + "the store group's wait", frozenset({"group._wait"})),
     "tests.test_strided_shard": ("FSDP2+TP's placement and torch's fake process group",
                                  frozenset({"torch.distributed.tensor.placement_types"

@@ -468,9 +468,9 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the caller copies: it reaches the caller, nothing is committed, nothing
     hangs, and the Checkpointer saves again afterwards (the next save names the abandoned one)."""
-    from ckptio.saving import persist
+    from ckptio.saving import capture_window
 
-    real_put = persist._Window.put
+    real_put = capture_window.Window.put
     calls = {"n": 0}
 
     def interrupted_put(self, *args, **kwargs):  # the signal lands in the middle of the copy
@@ -480,10 +480,10 @@ def test_interrupt_during_eager_capture_abandons_the_save(tmp_path: os.PathLike[
         return real_put(self, *args, **kwargs)
 
     ck = Checkpointer(SMALL_POOL)
-    monkeypatch.setattr(persist._Window, "put", interrupted_put)
+    monkeypatch.setattr(capture_window.Window, "put", interrupted_put)
     with pytest.raises(KeyboardInterrupt):
         ck.async_save(_state(seed=1), tmp_path / "a")
-    monkeypatch.setattr(persist._Window, "put", real_put)
+    monkeypatch.setattr(capture_window.Window, "put", real_put)
     with pytest.raises(CkptError, match="abandoned: the calling thread was interrupted"):
         ck.save(_state(seed=2), tmp_path / "b")
     assert not os.path.exists(tmp_path / "a" / "manifest.json")

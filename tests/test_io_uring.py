@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -281,3 +282,61 @@ def test_the_pool_is_pinned_at_first_use_and_a_grown_one_once_resident(tmp_path,
         assert pool.nbuffers >= 64 and backend._registered, "prepare(state=) left the pool unpinned"
     finally:
         prepared.close()
+
+
+def _admitted(tmp_path: os.PathLike[str], *, write: bool) -> int:
+    """How many requests a backend of io_depth 4 (made as a store makes it) lets into the
+    kernel while its reaper is held: the first request's completion callback blocks the
+    reaper, so no later request finishes and each holds its admission; a thread submits until
+    submit blocks. A count, not a time: the wait only lets that thread run."""
+    import threading
+    import time
+
+    options = Options(buffer_bytes=MiB, pool_bytes=2 * MiB, io_backend="uring", io_depth=4,
+                      direct_io="off")
+    backend = LocalStore(tmp_path).backend(options)
+    os.makedirs(tmp_path, exist_ok=True)
+    path = os.path.join(tmp_path, "depth.bin")
+    if not write:
+        with open(path, "wb") as f:
+            f.write(b"\1" * (64 * 4096))
+    fh = backend.open_write(path, 64 * 4096) if write else backend.open_read(path)
+    held, release = threading.Event(), threading.Event()
+    bufs = [bytearray(4096) for _ in range(17)]
+    submitted: list[int] = []
+
+    def submit(i: int) -> Future[int]:
+        view = memoryview(bufs[i])
+        return (backend.submit_write(fh, i * 4096, view) if write
+                else backend.submit_read(fh, i * 4096, view))
+
+    first = submit(0)
+    first.add_done_callback(lambda _f: (held.set(), release.wait(60)))
+    try:
+        assert held.wait(60)
+        pusher = threading.Thread(target=lambda: [submitted.append(submit(i)) for i in range(1, 17)],
+                                  daemon=True)
+        pusher.start()
+        last, since = -1, time.monotonic()
+        while time.monotonic() - since < 2:  # until the pusher has stopped advancing
+            if len(submitted) != last:
+                last, since = len(submitted), time.monotonic()
+            time.sleep(0.05)
+        return len(submitted)
+    finally:
+        release.set()
+        pusher.join(60)
+        assert all(f.result(60) == 4096 for f in submitted)
+        backend.close(fh, sync=write)
+        backend.shutdown()
+
+
+def test_a_load_keeps_twice_the_io_depth_of_reads_in_the_kernel(tmp_path: Path) -> None:
+    """READS_PER_DEPTH: io_depth 4 admits 8 reads into the kernel (a load keeps 2 x io_depth
+    reads submitted; fio's ceiling keeps 8) and still 4 writes (saves unchanged). Before, reads
+    took the writes' 4 (docs/BENCH_RESTART.md, round seven)."""
+    from ckptio.io import uring
+
+    assert uring.READS_PER_DEPTH == 2
+    assert _admitted(tmp_path / "r", write=False) == 8
+    assert _admitted(tmp_path / "w", write=True) == 4

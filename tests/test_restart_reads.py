@@ -48,3 +48,38 @@ def test_a_flipped_byte_in_a_small_replicated_tensor_is_still_caught(saved: Path
     got = run_ranks(2, cases.load_error, str(path))
     assert all(g is not None for g in got), got
     assert any(kind == "CorruptCheckpointError" and "l5.b" in message for kind, message in got), got
+
+
+def test_the_manifest_is_read_once_and_handed_to_the_other_ranks(saved: Path) -> None:
+    """One rank reads the manifest and checks the data files' sizes; the other decodes the
+    bytes it was sent (distributed/loadsteps.SharedManifest; before: every rank read it and
+    checked every data file, on shared storage one read and one listing per rank). Each index
+    file is opened by one rank (the same layout: each its own writer's). Options.
+    broadcast_replicated=False: every rank reads for itself, as before."""
+    got = run_ranks(2, cases.load_opens, str(saved))
+    assert all(g["equal"] for g in got), got
+    assert [g["manifest"] for g in got] == [1, 0], got
+    assert got[1]["sizes"] == 0, got
+    opened = [name for g in got for name in g["index"]]
+    assert len(opened) == len(set(opened)) == 2, got
+    alone = run_ranks(2, cases.load_opens, str(saved), False)
+    assert all(g["equal"] for g in alone), alone
+    assert [g["manifest"] for g in alone] == [1, 1], alone
+
+
+def test_no_checkpoint_is_said_on_every_rank(tmp_path: Path) -> None:
+    """The rank that reads the manifest finds none: every rank reads for itself and raises
+    the same error (the foreign formats' dispatch behind it unchanged)."""
+    got = run_ranks(2, cases.load_missing, str(tmp_path / "nothing"))
+    assert got == ["CheckpointNotFoundError"] * 2, got
+
+
+def test_a_rank_that_opens_a_file_leaves_no_rank_waiting(saved: Path, tmp_path: Path) -> None:
+    """Rank 1's path names a file (no manifest step of its own): it still takes its part of
+    the step, so rank 0 goes on and fails at the next step, naming rank 1, well within the
+    run's deadline (before, rank 0 waited for rank 1 to read the manifest until the group's
+    timeout, here longer than the run's)."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint" * 64)
+    got = run_ranks(2, cases.load_one_other_path, str(saved), str(junk), timeout_s=120)
+    assert got[0] == "RankFailedError" and got[1] is not None, got

@@ -272,15 +272,15 @@ def test_a_synchronous_save_writes_while_it_still_copies(
     """Issue 29: a synchronous save's writes start with its first full buffer, not once the
     whole state is copied (an async save's caller waits only for the copy, a synchronous one's
     for the writes too): held at the end of its capture, it has written already."""
-    from ckptio.saving import persist
+    from ckptio.saving import capture_window
 
     state = _state(8 * MiB)
     ck = Checkpointer(Options(buffer_bytes=MiB, pool_bytes=16 * MiB, use_profile=False))
     faulty = inject(ck)
     writes_before_the_end = []
-    close = persist._Window.close
+    close = capture_window.Window.close
 
-    def held_close(window: persist._Window, file_nbytes: int) -> None:
+    def held_close(window: capture_window.Window, file_nbytes: int) -> None:
         if window.file == 0 and not writes_before_the_end:
             deadline = time.monotonic() + 5
             while faulty.calls["write"] == 0 and time.monotonic() < deadline:
@@ -288,7 +288,7 @@ def test_a_synchronous_save_writes_while_it_still_copies(
             writes_before_the_end.append(faulty.calls["write"])
         close(window, file_nbytes)
 
-    monkeypatch.setattr(persist._Window, "close", held_close)
+    monkeypatch.setattr(capture_window.Window, "close", held_close)
     ck.save(state, tmp_path / "sync")
     assert writes_before_the_end[0] >= 1
     assert_same(ckptio.load(tmp_path / "sync"), state)

@@ -1,5 +1,9 @@
-"""The collective steps of an in-place load with peers: the key step and the final agreement.
+"""The collective steps of an in-place load with peers: the manifest step, the key step and the
+final agreement.
 
+SharedManifest: the committed manifest read (and its data files checked) by the coordinator
+alone, its bytes broadcast to the others (Options.broadcast_replicated); where the coordinator
+could not read one (a foreign format, an error of its own), each rank reads for itself.
 UnexpectedKeys: a checkpoint key that one rank's state lacks is unexpected only if no rank asks
 for it (carried by the read step where the load has one, readshare.py; else a step of its own).
 agree_loaded(): at the end of a load, a failure on any rank raises on every rank.
@@ -10,15 +14,68 @@ Owns: these two steps' messages. Does not own: the transport and the failure rul
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
+from ckptio.errors import RankFailedError
 
-__all__ = ["UnexpectedKeys", "agree_loaded", "nobody_asks"]
+__all__ = ["SharedManifest", "UnexpectedKeys", "agree_loaded", "nobody_asks"]
 
 Then = Callable[[tuple[str, ...]], None]  # what the load does with its agreed unexpected keys
+_SENT, _READ_YOURSELF = b"M", b"-"  # the manifest step's tag: its bytes follow, or none
+
+
+class SharedManifest:
+    """The manifest step: every rank runs it exactly once, at the open of a load's committed
+    manifest (``__call__``), at the open of a file (``skip``), or with the error it met before
+    (``fail``). The coordinator goes on once every
+    rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
+
+    def __init__(self, group: Group) -> None:
+        self.group, self.pending = group, True
+
+    def __call__(self, produce: Callable[[], bytes]) -> bytes | None:
+        """The manifest's bytes: ``produce()``'s on the coordinator (its error raised there
+        once the others know to read for themselves), the coordinator's elsewhere; None: read
+        it yourself (the coordinator could not, or the group failed: the load's later steps
+        name the rank)."""
+        self.pending = False
+        if self.group.rank != 0:
+            try:
+                got = self.group.broadcast(None)
+            except RankFailedError:
+                return None
+            return got[1:] if got[:1] == _SENT else None
+        try:
+            raw = produce()
+        except BaseException:
+            self._read_yourself()
+            raise
+        self.group.broadcast(_SENT + raw)
+        return raw
+
+    def skip(self) -> None:
+        """This rank's load opens no committed manifest (a file): it still takes its part, so
+        a rank whose path names something else never leaves the others waiting."""
+        self.fail(None)
+
+    def fail(self, error: BaseException | None) -> None:
+        """This rank failed before the step (``error``) or skips it: the others read for
+        themselves (and learn of a failure at the load's next step)."""
+        if self.pending:
+            self.pending = False
+            if self.group.rank == 0:
+                self._read_yourself()
+            else:
+                with contextlib.suppress(RankFailedError):
+                    self.group.broadcast(None)
+
+    def _read_yourself(self) -> None:
+        with contextlib.suppress(RankFailedError):  # this rank's own error is what it raises
+            self.group.broadcast(_READ_YOURSELF)
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:

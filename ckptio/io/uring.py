@@ -1,6 +1,7 @@
 """io_uring backend: many positioned reads and writes in flight on one ring, completions as futures.
 
-Owns: admission (at most ``depth`` requests in the kernel; submit blocks beyond that), batching
+Owns: admission (at most ``depth`` writes and READS_PER_DEPTH x ``depth`` reads in the kernel;
+submit blocks beyond that), batching
 (requests queued while the ring is busy go to the kernel in one io_uring_enter), the reaper thread
 that maps completions back to requests, resubmission of short transfers and of EINTR/EAGAIN, and
 registered (fixed) buffers for memory the caller registers. Opening, preallocating, fsync and
@@ -28,6 +29,11 @@ __all__ = ["UringBackend"]
 log = logging.getLogger("ckptio")
 _WAKE = 0  # user_data of the NOP that wakes the reaper for shutdown; requests count from 1
 _RETRY = (errno.EINTR, errno.EAGAIN)
+# Reads admitted into the kernel per unit of ``depth`` (writes: one): a load keeps twice the
+# depth of reads submitted (loading/read.py), and admitting only ``depth`` of them left a rank's
+# disk queue short while the reaper checked and copied (docs/BENCH_RESTART.md, the seventh
+# round). 1 gives the reads the writes' depth again (the A/B there).
+READS_PER_DEPTH = 2
 
 
 @dataclass
@@ -54,7 +60,9 @@ class UringBackend:
         self.depth, self.direct_io = depth, direct_io
         self._files = PosixBackend(depth=1, direct_io=direct_io)  # opens and closes; no threads
         self._lock = threading.Lock()  # guards the submission ring and the request table
-        self._slots = threading.Semaphore(depth)
+        self.read_depth = depth * READS_PER_DEPTH
+        self._slots = threading.Semaphore(depth)  # writes in the kernel
+        self._read_slots = threading.Semaphore(self.read_depth)  # reads in the kernel
         self._ring: Ring | None = None
         self._reaper: threading.Thread | None = None
         self._requests: dict[int, _Request] = {}
@@ -116,7 +124,7 @@ class UringBackend:
             return future
         address = address_of(view)
         request = _Request(write, fh, offset, view, address, self._fixed_index(address, len(view)))
-        self._slots.acquire()  # at most ``depth`` in the kernel: the completion ring never overflows
+        self._admission(write).acquire()  # bounded in the kernel: the completion ring never overflows
         request_id = 0
         try:
             with self._lock:
@@ -135,6 +143,9 @@ class UringBackend:
             raise
         return request.future
 
+    def _admission(self, write: bool) -> threading.Semaphore:
+        return self._slots if write else self._read_slots
+
     def _fixed_index(self, address: int, nbytes: int) -> int:
         parts, ring = self._parts, self._ring
         if parts is not None and ring is not None:
@@ -151,8 +162,9 @@ class UringBackend:
     def _started(self) -> Ring:
         """The ring and its reaper, created on first use (caller holds the lock)."""
         if self._ring is None:
-            # Twice the depth of submission slots: resubmissions of short transfers never wait.
-            self._ring = Ring(max(2, 2 * self.depth))
+            # Twice the admitted requests (reads and writes) of submission slots: resubmissions
+            # of short transfers never wait.
+            self._ring = Ring(max(2, 2 * (self.depth + self.read_depth)))
             self._stopping = False
             self._reaper = threading.Thread(target=self._reap_forever, args=(self._ring,),
                                             name="ckptio-uring", daemon=True)
@@ -179,7 +191,7 @@ class UringBackend:
         with self._lock:
             requests, self._requests = self._requests, {}
         for request in requests.values():
-            self._slots.release()
+            self._admission(request.write).release()
             request.future.set_exception(StorageIOError(
                 f"{'writing' if request.write else 'reading'} {request.fh.path} at byte "
                 f"{request.offset} did not finish: {why}"))
@@ -210,7 +222,7 @@ class UringBackend:
         with self._lock:
             known = self._requests.pop(request_id, None) is not None or request_id == 0
         if known:  # _fail_all may have taken it already
-            self._slots.release()
+            self._admission(request.write).release()
         if error is not None:
             request.future.set_exception(error)
         else:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ckptio.alignment import BLOCK
+from ckptio.distributed.loadsteps import SharedManifest
 from ckptio.distributed.readshare import Known, ReadPlace, ReadWith
 from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
@@ -79,6 +80,8 @@ class LoadRequest:
     agree_unexpected: AgreeFn | None  # many ranks: the keys step (matching.py)
     # many ranks: the read step (distributed/readshare.py), in place of reading alone
     shared_reads: SharedReadFn | None = None
+    # many ranks: the manifest read by one rank, handed to the others (loadsteps.py)
+    shared_manifest: SharedManifest | None = None
 
     def rules(self) -> Rules:
         """The key rules of an in-place load (matching.py)."""
@@ -152,14 +155,19 @@ def _open_items(resources: IOResources, store: Store, record: Manifest,
 
 
 def open_checkpoint(resources: IOResources, store: Store, file: str | None, *, allow_pickle: bool,
-                    every_chunk: bool = True, every_item: bool = True) -> Opened:
+                    every_chunk: bool = True, every_item: bool = True,
+                    shared: SharedManifest | None = None) -> Opened:
     """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
     ``every_chunk``: a row for every chunk of its regular tensors too (their index files
     read); else a load resolves the ones it needs. ``every_item``: a DCP directory's tensor
-    items opened (heads read and checked); else each read opens those it needs (dcpdir.py)."""
+    items opened (heads read and checked); else each read opens those it needs (dcpdir.py).
+    ``shared``: with peers, a committed manifest read by one rank (skipped for a ``file``)."""
     plain = read_fn(resources, store)
+    if shared is not None and file is not None:
+        shared.skip()
+        shared = None
     record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle,
-                                   every_item=every_item)
+                                   every_item=every_item, shared=shared)
     return Opened(store, file, resolve_regular.expand_all(record, plain) if every_chunk else record)
 
 
@@ -172,7 +180,8 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         # items it needs"); a rank of
         # many opens those its reads need (dcpdir.py)
         opened = open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
-                                 every_chunk=False, every_item=request.world_size == 1)
+                                 every_chunk=False, every_item=request.world_size == 1,
+                                 shared=request.shared_manifest)
     except PickleRefusedError:
         if file is None or not request.allow_pickle:
             raise

@@ -1,13 +1,14 @@
 """Which checkpoint a path names, and how it opens as a Manifest whatever its format.
 
-Owns: the committed ckptio manifest (decoded, values checked, data files
-present); the dispatch, when a location holds no ckptio manifest, to the foreign formats
-ckptio reads: a DCP directory (loading/dcpdir.py), a torch_checkpointing directory
-(loading/tcdir.py), a torch.save file (loading/torchsave_manifest.py), a safetensors file or
-Hugging Face folder (loading/safetensors_manifest.py). Does not own: which store and file a
-path names (storage/select.py), reading bytes (the caller passes the read function,
-through its pool and the store's files), decoding any format (format/, loading/), or loading
-into a state (loading/load_session.py, fill.py).
+Owns: the committed ckptio manifest (decoded, values checked, data files present; with peers,
+read by one rank and handed to the others: ``ShareManifest``); the dispatch, when a location
+holds no ckptio manifest, to the foreign formats ckptio reads: a DCP directory
+(loading/dcpdir.py), a torch_checkpointing directory (loading/tcdir.py), a torch.save file
+(loading/torchsave_manifest.py), a safetensors file or Hugging Face folder
+(loading/safetensors_manifest.py). Does not own: which store and file a path names
+(storage/select.py), reading bytes (the caller passes the read function, through its pool and
+the store's files), decoding any format (format/, loading/), or loading into a state
+(loading/load_session.py, fill.py).
 """
 
 from __future__ import annotations
@@ -21,23 +22,28 @@ from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, tcdir, 
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
 
-__all__ = ["ReadFn", "committed", "open_manifest"]
+__all__ = ["ReadFn", "ShareManifest", "committed", "open_manifest"]
 
 ReadFn = Callable[[list[Read]], int]
+# With peers (distributed/loadsteps.SharedManifest): the committed manifest's bytes, produced
+# (read and checked) on one rank and handed to every rank; None: read it yourself.
+ShareManifest = Callable[[Callable[[], bytes]], bytes | None]
 
 
 def open_manifest(store: Store, file: str | None, read: ReadFn, *,
-                  allow_pickle: bool, every_item: bool = True) -> Manifest:
+                  allow_pickle: bool, every_item: bool = True,
+                  shared: ShareManifest | None = None) -> Manifest:
     """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
     manifest) the Manifest loading/dcpdir.py makes of it (``every_item`` False: its tensor
     items left to be opened where a read needs them), for a torch.save ``file`` in it the
     one loading/torchsave_manifest.py makes, for a torch_checkpointing directory
     loading/tcdir.py's, and for a safetensors file or a Hugging Face folder (an
-    index or model.safetensors) loading/safetensors_manifest.py's. ``read`` fills unverified Reads."""
+    index or model.safetensors) loading/safetensors_manifest.py's. ``read`` fills unverified Reads.
+    ``shared``: the committed manifest as one rank read it (``committed``)."""
     hf = file is not None and safetensors_manifest.is_safetensors_name(file)
     if file is None:
         try:
-            return committed(store)
+            return committed(store, shared)
         except CheckpointNotFoundError:
             hf = not foreign_common.holds_dcp(store)
             if hf and tcdir.holds_tc(store):
@@ -53,11 +59,34 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
     return record
 
 
-def committed(store: Store) -> Manifest:
+def committed(store: Store, shared: ShareManifest | None = None) -> Manifest:
     """The committed manifest of ``store``, decoded, its inline values checked, and every
-    data file it names there and long enough (what every read relies on)."""
+    data file it names there and long enough (what every read relies on). ``shared``: read
+    and its files checked by the rank that produces it; the others decode its bytes (one
+    rank's reads of the manifest and of its data files' sizes, not every rank's)."""
     where = store.path_of(manifest.MANIFEST_NAME)
-    record = manifest.decode(store.read_manifest(), where)
+    if shared is None:
+        return _checked(store, where)[1]
+    mine: list[Manifest] = []
+
+    def produce() -> bytes:
+        raw, record = _checked(store, where)
+        mine.append(record)
+        return raw
+
+    raw = shared(produce)
+    if mine:
+        return mine[0]
+    if raw is None:
+        return _checked(store, where)[1]
+    record = manifest.decode(raw, where)
+    manifest.check_values(record, where)
+    return record
+
+
+def _checked(store: Store, where: str) -> tuple[bytes, Manifest]:
+    raw = store.read_manifest()
+    record = manifest.decode(raw, where)
     manifest.check_values(record, where)
     steps.check_files(store, record)
-    return record
+    return raw, record

@@ -90,7 +90,7 @@ class CheckpointManager(ManagerParts):
                                           f"holds {held}): no metadata")
         target, holders = found[0]
         level = self._levels[holders[0]]
-        return self._agreed(lambda: level.read_metadata(target))
+        return self._agreed(level.read_metadata, target)
 
     def path(self, step: int, tier: int = 0) -> str:
         """Where ``step`` is (or would be) in tier ``tier`` (0: the first)."""
@@ -165,11 +165,11 @@ class CheckpointManager(ManagerParts):
         self._said_at_exit()  # until close(): an exit after a save is said (_say_unclosed)
         first = self._levels[0]
         self._room_for(state)
-        refusal = self._agreed(lambda: self._saves.refusal(first, step, metrics, metadata))
+        refusal = self._agreed(self._saves.refusal, first, step, metrics, metadata)
         if refusal is not None:
             raise CkptError(refusal)
         if not self._first_leased:  # the run directory this save makes
-            self._agreed(lambda: self._take_leases([0], create=True))
+            self._agreed(self._take_leases, [0], create=True)
             self._first_leased = True
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
@@ -177,7 +177,7 @@ class CheckpointManager(ManagerParts):
             self._settle()
         self._policy.triggers.saved(step)
         base = None if self.delta is None else self._agreed(
-            lambda: first.choose_base(self.delta, step, self._long_every))  # type: ignore[arg-type]
+            first.choose_base, self.delta, step, self._long_every)
         if base is None:  # a full save: its retention reads no manifest; a delta's reads
             self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
@@ -267,7 +267,7 @@ class CheckpointManager(ManagerParts):
             return step
         listings = self._agreed(self._listings)
         if step is None and not any(x["committed"] for x in listings):
-            why = self._agreed(lambda: emptiness(self._levels, listings))
+            why = self._agreed(emptiness, self._levels, listings)
             nothing_to_restore(self._levels, listings, why, stacklevel=4)
             return None
         restored = restore_first(self._levels, listings, state, step, load_kwargs,
@@ -304,6 +304,6 @@ class CheckpointManager(ManagerParts):
             raise CheckpointNotFoundError(f"no {what} in {where(self._levels)} to verify")
         target, holders = found[0]
         level = self._levels[holders[0]]
-        nbytes = int(self._agreed(lambda: level.verify(target)))
+        nbytes = int(self._agreed(level.verify, target))
         level.succeeded(target)
         return nbytes

@@ -15,6 +15,7 @@ own: the public verbs (manager.py), the policies (policies/), one checkpoint's s
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import signal
@@ -114,7 +115,7 @@ class ManagerParts:
         self._take_over, self._first_leased = take_over, False
         self._saved_here = False  # a save started: the staging is the one the saves sized
         try:
-            self._agreed(lambda: self._take_leases(range(len(self._levels)), create=False))
+            self._agreed(self._take_leases, range(len(self._levels)), create=False)
             self._start(self._policy.wants_preemption, drain_rate)
         except BaseException:
             self._let_go_leases()
@@ -136,7 +137,7 @@ class ManagerParts:
                 self._drain = Drain(TierRoute(self._levels), [t.every for t in self.tiers],
                                     self._ck.options, rate=drain_rate)
                 self._followers.append(self._drain)
-            self._agreed(lambda: resume(self._levels, self._drain))
+            self._agreed(resume, self._levels, self._drain)
 
     def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
@@ -155,13 +156,22 @@ class ManagerParts:
         """Collective, before a save into a memory tier on this host: rank 0 refuses a save the
         tier cannot hold (managing/tier.py check_budget; sized from ``state`` before a first
         step)."""
-        first = self._levels[0]
         if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
             others = None if self._guard is None else self._guard.for_others
-            self._agreed(lambda: check_budget(  # rank 0: refuse a save the tier cannot hold
-                self.tiers[0], checkpoint_path(self.directory),
-                step_sizes(first.path(s) for s in first.scan()["committed"]),
-                lambda: state_nbytes(state) * self._ranks().size, others))  # before a 1st step
+            self._agreed(self._check_budget, state, others)
+
+    def _check_budget(self, state: Any,
+                      others: Callable[[int], tuple[int, int]] | None) -> None:
+        """Rank 0: refuse a save the first (memory) tier cannot hold, its committed steps'
+        sizes listed here (``state``'s own sized only before a first step)."""
+        first = self._levels[0]
+        check_budget(self.tiers[0], checkpoint_path(self.directory),
+                     step_sizes(first.path(s) for s in first.scan()["committed"]),
+                     functools.partial(self._job_nbytes, state), others)
+
+    def _job_nbytes(self, state: Any) -> int:
+        """The bytes of ``state`` on every rank (each rank's taken to be as large as this one's)."""
+        return state_nbytes(state) * self._ranks().size
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the async save in flight (None if there is none), then apply the first
@@ -213,7 +223,7 @@ class ManagerParts:
             if len(self._levels) > 1:  # what the drain's pins kept past the last commit
                 self._retain(0)
             for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
-                if self._agreed(lambda: self._levels[k].deferred):
+                if self._agreed(self._deferred, k):
                     self._retain(k)
         finally:
             try:
@@ -242,7 +252,7 @@ class ManagerParts:
             also = set(self._saves.base_in_flight())
             for follower in self._followers:
                 also |= follower.pinned()
-        return list(self._agreed(lambda: self._levels[k].retain(also)))
+        return list(self._agreed(self._levels[k].retain, also))
 
     # ---------------------------------------------------------------- rank 0's decisions
 
@@ -268,9 +278,15 @@ class ManagerParts:
             lease.release()
         self._leases.clear()
 
-    def _agreed(self, decide: Callable[[], Any]) -> Any:
-        """Collective: ``decide()`` runs on rank 0, every rank gets its answer (managing/agreement.py)."""
-        return self._ranking.agreed(decide)
+    def _deferred(self, k: int) -> bool:
+        """Rank 0: whether tier ``k`` kept bases back one retention pass (chains.py)."""
+        return self._levels[k].deferred
+
+    def _agreed(self, decide: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Collective: ``decide(*args, **kwargs)`` runs on rank 0, every rank gets its answer
+        (managing/agreement.py); the arguments are made on every rank, so they are plain
+        values the decision reads, never work of its own."""
+        return self._ranking.agreed(functools.partial(decide, *args, **kwargs))
 
 
 def _with_preemption(save: SavePolicy) -> SavePolicy:

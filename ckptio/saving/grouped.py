@@ -1,6 +1,6 @@
 """A capture's small host tensors copied with one call per dtype, not one per tensor.
 
-Owns: ``Groups``, which a capture window (persist._Window) into the staging pool fills with
+Owns: ``Groups``, which a capture window (capture_window.Window) into the staging pool fills with
 (destination view in a pool buffer, source) pairs and empties with one
 ``torch._foreach_copy_`` per dtype before the buffer's bytes are read (hand-off, a lazy save's
 eager boundary). The copy has ``Tensor.copy_``'s meaning (strides, conjugate and negative
@@ -8,7 +8,7 @@ bits, inference tensors: the values in row-major order), as the per-tensor path'
 host tensors up to GROUP_MAX_NBYTES join (below torch's grain for splitting a copy across
 threads, so the copy stays on the caller's thread); larger ones, subclasses and device tensors
 keep the per-tensor path. Does not own: the buffers, the placement of bytes or the device
-copies (persist.py)."""
+copies (capture_window.py, persist.py)."""
 
 from __future__ import annotations
 

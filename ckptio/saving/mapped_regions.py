@@ -1,8 +1,8 @@
 """A mapped save's data files as the capture sees them: regions of their shared mappings.
 
 In a mapped save (persist.SaveJob(mapped=True), chosen by save_session.py for a store on tmpfs)
-a _Window's "buffer" is the region [start, start + region_nbytes) of its file's mapping
-(storage/local/mapped.py), a buffers.Buffer over those pages: the capture's copies are the
+a capture window's "buffer" (capture_window.py) is the region [start, start + region_nbytes)
+of its file's mapping (storage/local/mapped.py), a buffers.Buffer over those pages: the capture's copies are the
 checkpoint's bytes, the hasher reads them there, nothing is written. A region is made once per
 mapping and kept with it (with the views the capture makes in it), so a save into a reused slot finds them.
 Where CUDA is present and the save has device sources, each mapping is page-locked once

@@ -1,48 +1,47 @@
 """Save data path: stream planned items through the staging pool into data files, in two halves.
 
-``capture`` copies every item's bytes into pool buffers in file order (blocking only while the
-pool is full) and may run on any thread; once it returns the source tensors may change. Each full
-buffer goes to a hasher thread, which checksums the exact bytes and hands the buffer to the I/O
-backend; a finished write returns the buffer to the pool. ``finish`` waits for all of it and
-fsyncs. Keeping checksums off the capturing thread keeps the training loop's share to the copy.
-A mapped save (``mapped=True``: a store on tmpfs) fills regions of the data files' own mappings
-instead of pool buffers (mapped_regions.py): hashed as they are, never written.
+``capture`` copies every item's bytes into pool buffers in file order, one capture window per
+file (capture_window.py), blocking only while the pool is full, and may run on any thread; once
+it returns the source tensors may change. Each full buffer goes to a hasher thread, which
+checksums the exact bytes and hands the buffer to the I/O backend; a finished write returns the
+buffer to the pool. ``finish`` waits for all of it and fsyncs. Keeping checksums off the
+capturing thread keeps the training loop's share to the copy. A mapped save (``mapped=True``: a
+store on tmpfs) fills regions of the data files' own mappings instead of pool buffers
+(mapped_regions.py): hashed as they are, never written.
 
-Owns: filling buffers, zeroed padding, checksums of the bytes written, device->host copies on a
-side stream with one event per buffer (no per-tensor synchronisation), progress counters,
-waiting for every write, fsync. Does not own: where items go (layout.py), the files themselves
+Owns: the hand-off of full buffers, checksums of the bytes written, one synchronisation of the
+device->host copies per save (no per-tensor one), progress counters, waiting for every write,
+fsync. Does not own: filling a buffer (capture_window.py), the side streams and events of the
+device copies (copy_streams.py), where items go (layout.py), the files themselves
 (opened by name through the store's StoreFiles, storage/files.py), their commit (the Store),
 the pool (io/stage.py) or the order of a whole save (save_session.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from ckptio.alignment import align_up
 from ckptio.errors import CkptError
 from ckptio.format.checksum import EntryHashers
-from ckptio.format.types import DTYPE_ITEMSIZE, FileInfo, FileLayout, Placement, TensorEntry
+from ckptio.format.types import FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.worker import Calls
-from ckptio.io.buffers import Buffer, copy_out, move_out, torch_dtype, typed
+from ckptio.io.buffers import Buffer
 from ckptio.io.stage import StagingPool
-from ckptio.saving.grouped import Groups
+from ckptio.saving.capture_window import Piece, Window
+from ckptio.saving.copy_streams import on_streams, ready_events, record_events, side_streams
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
 from ckptio.saving.stall import Activity
 from ckptio.storage.files import StoreFiles
 
-__all__ = ["Progress", "SaveJob", "ready_events"]
+__all__ = ["Progress", "SaveJob"]
 
-Piece = tuple[int, int, int]  # (entry index, start in buffer, nbytes)
-MEMMOVE_MAX_NBYTES = 1 << 20  # a host tensor up to this: one memmove; larger: copy_ (threads)
 
 
 class Progress:
@@ -101,7 +100,7 @@ class SaveJob:
         if write_at_once:
             self._go.set()
         self._failure: BaseException | None = None
-        self._streams = _side_streams(sources, ready_events(sources) if ready is None else ready)
+        self._streams = side_streams(sources, ready_events(sources) if ready is None else ready)
         self.mapped = (MappedTarget(target, files, pool.buffer_bytes, cuda=bool(self._streams))
                        if mapped and packer is None else None)
 
@@ -115,9 +114,9 @@ class SaveJob:
         captured = 0
         if eager_items == 0 and on_eager is not None:
             on_eager()
-        with torch.no_grad(), _on_streams(self._streams):
+        with torch.no_grad(), on_streams(self._streams):
             for index, layout in enumerate(self.files):
-                window = _Window(self, index)
+                window = Window(self, index)
                 try:
                     for placement in layout.placements:
                         window.put(placement.offset, placement.item, self.sources[placement.item.key],
@@ -177,11 +176,11 @@ class SaveJob:
 
     def hand_off(self, file: int, offset: int, buffer: Buffer, nbytes: int,
                  pieces: list[Piece]) -> None:
-        """A full buffer leaves the capturing thread (its _Window): checksum, then write, in
+        """A full buffer leaves the capturing thread (its capture_window.Window): checksum, then write, in
         submission order."""
         try:
             self._raise_failure()
-            events = _record(self._streams)
+            events = record_events(self._streams)
             task = self._hashing.submit(self._hash_and_write, file, offset, buffer, nbytes, pieces, events)
         except BaseException:
             self.release(buffer)
@@ -298,91 +297,6 @@ class SaveJob:
             self.packer.abandon()
 
 
-class _Window:
-    """Bytes of one file, in offset order, through one buffer at a time."""
-
-    def __init__(self, job: SaveJob, file: int) -> None:
-        self.job, self.file = job, file
-        self.buffer: Buffer | None = job.region(file, 0)
-        self.start = 0  # file offset of the buffer's first byte
-        self.filled = 0
-        self.pieces: list[Piece] = []
-        self.groups = Groups()  # small host tensors' copies, made before a hand-off
-        # only into the pool's buffers, whose views are made once and kept (Buffer.view_at): a
-        # mapped save's regions come and go with its files, and would keep a view per tensor
-        self.grouping = job.mapped is None
-
-    def _room(self) -> Buffer:
-        assert self.buffer is not None  # internal: close() or abandon() ends the window
-        if self.filled == self.buffer.nbytes:
-            self.groups.flush()
-            full, self.buffer = self.buffer, None
-            self.job.hand_off(self.file, self.start, full, self.filled, self.pieces)
-            self.start, self.filled, self.pieces = self.start + self.filled, 0, []
-            self.buffer = self.job.region(self.file, self.start)
-        return self.buffer
-
-    def pad_to(self, offset: int) -> None:
-        while self.start + self.filled < offset:
-            buffer = self._room()
-            n = min(buffer.nbytes - self.filled, offset - self.start - self.filled)
-            buffer.data[self.filled:self.filled + n].zero_()
-            self.filled += n
-
-    def put(self, offset: int, item: Any, source: torch.Tensor, index: int) -> None:
-        if offset != self.start + self.filled:
-            self.pad_to(offset)
-        nbytes, filled, buffer = item.nbytes, self.filled, self.buffer
-        dtype = torch_dtype(item.dtype)
-        if (self.grouping and buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
-                and Groups.takes(source, dtype, nbytes)):  # one copy per dtype (grouped.py)
-            self.groups.add(buffer.view_at(filled, dtype, source.shape), source)
-            self.pieces.append((index, filled, nbytes))
-            self.filled = filled + nbytes
-            return
-        moved = bool(buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
-                 and nbytes <= MEMMOVE_MAX_NBYTES and move_out(source, dtype, buffer, filled,
-                                                               nbytes))
-        if moved or (buffer is not None and nbytes and filled + nbytes <= buffer.nbytes
-                     and source.is_contiguous()):
-            # The common case in one copy and three views (a state has thousands of small
-            # tensors: per-tensor Python work is what the caller waits for after the copy); a
-            # small host tensor in one memmove (move_out), no torch kernel at all.
-            if not moved:
-                assert buffer is not None  # (for mypy: checked above)
-                buffer.view_at(filled, dtype, source.shape).copy_(
-                    source, non_blocking=source.is_cuda and self.job.async_copies)
-            self.pieces.append((index, filled, nbytes))
-            self.filled = filled + nbytes
-            return
-        itemsize = DTYPE_ITEMSIZE[item.dtype]
-        done, total = 0, item.nbytes // itemsize
-        while done < total:
-            buffer = self._room()
-            count = min((buffer.nbytes - self.filled) // itemsize, total - done)
-            copy_out(source, done, count, typed(buffer, self.filled, count * itemsize, dtype))
-            self.pieces.append((index, self.filled, count * itemsize))
-            self.filled += count * itemsize
-            done += count
-
-    def close(self, file_nbytes: int) -> None:
-        """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""
-        self.pad_to(file_nbytes)
-        self.groups.flush()
-        buffer, self.buffer = self.buffer, None
-        if buffer is not None and self.filled:
-            self.job.hand_off(self.file, self.start, buffer, align_up(self.filled),
-                              self.pieces)
-        elif buffer is not None:
-            self.job.release(buffer)
-
-    def abandon(self) -> None:
-        self.groups.drop()
-        buffer, self.buffer = self.buffer, None
-        if buffer is not None:
-            self.job.release(buffer)
-
-
 def _entry(file: str, placement: Placement, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
     """The manifest row of a written item."""
     item = placement.item
@@ -397,52 +311,3 @@ def _packed_entry(placement: Placement, where: Where, checksum: str,
     return TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk, where.file,
                        where.offset, item.nbytes, checksum, blocks=blocks, stored=where.stored,
                        delta=where.delta)
-
-
-def ready_events(sources: dict[str, torch.Tensor]) -> list[Any]:
-    """On the caller's thread: an event on its current stream of every device holding a source.
-
-    Streams are per thread; the copies, made on another thread, wait for these so that work the
-    caller queued before the save (the backward pass producing these values) comes first."""
-    events = []
-    for device in _cuda_devices(sources):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
-    return events
-
-
-def _side_streams(sources: dict[str, torch.Tensor], ready: Sequence[Any]) -> list[Any]:
-    """One CUDA stream per device holding a source, for device->host copies (none on CPU)."""
-    streams = [torch.cuda.Stream(device=device) for device in _cuda_devices(sources)]
-    for stream in streams:
-        for event in ready:
-            stream.wait_event(event)
-    return streams
-
-
-def _cuda_devices(sources: dict[str, torch.Tensor]) -> list[torch.device]:
-    """The CUDA devices holding a source, in index order; none without a look at each source
-    where CUDA is not initialised in this process (then no tensor can be on a GPU)."""
-    if not torch.cuda.is_initialized():
-        return []
-    return sorted({t.device for t in sources.values() if t.is_cuda}, key=lambda d: d.index or 0)
-
-
-@contextlib.contextmanager
-def _on_streams(streams: list[Any]) -> Iterator[None]:
-    """Make each side stream current on its device (copies from a device run on its stream)."""
-    with contextlib.ExitStack() as stack:
-        for stream in streams:
-            stack.enter_context(torch.cuda.stream(stream))
-        yield
-
-
-def _record(streams: list[Any]) -> list[Any]:
-    """Events marking every copy queued so far; a buffer is read only after they complete."""
-    events = []
-    for stream in streams:
-        event = torch.cuda.Event()
-        event.record(stream)
-        events.append(event)
-    return events

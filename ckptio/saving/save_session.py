@@ -16,8 +16,8 @@
         9 commit     the coordinator writes the manifest last, atomically
        10 clean up   files no committed manifest names, in the background (cleanup.py)
        11 grow       an async save's pool grows (within Options.host_budget_bytes)
-Everything the save needs is fixed in one SaveContext when it starts; a failure on any rank
-reaches every rank (a collective step) and is raised by wait().
+Everything the save needs is fixed in one SaveContext (save_context.py) when it starts; a
+failure on any rank reaches every rank (a collective step) and is raised by wait().
 
 Owns: the order of those steps. Does not own: planning (planning/), the collective steps
 (distributed/collective.py), the bytes (persist.py), the commit (the Store, storage/), the
@@ -40,7 +40,6 @@ import torch
 
 from ckptio.alignment import align_up
 from ckptio.distributed import collective, rankplan
-from ckptio.distributed.dist import Group
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.format import regular_section
 from ckptio.format.flatten import flatten
@@ -56,91 +55,26 @@ from ckptio.format.types import (
     WriteItem,
     Written,
 )
-from ckptio.options import Options
 from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
-from ckptio.saving import persist, stall
-from ckptio.saving.cleanup import Cleanup
-from ckptio.saving.commits import Commits
+from ckptio.saving import copy_streams, persist, stall
 from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
-from ckptio.saving.packing import Compression, DeltaBase, Packer
-from ckptio.saving.workers import SaveWorkers
+from ckptio.saving.packing import DeltaBase, Packer
+from ckptio.saving.save_context import PACKED_FILE, RankPart, SaveContext
 from ckptio.storage import steps
-from ckptio.storage.entry_reader import Base, EntryReader
-from ckptio.storage.files import IOResources, StoreFiles, mappable
+from ckptio.storage.entry_reader import EntryReader
+from ckptio.storage.files import StoreFiles, mappable
 from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.version import __version__
 
-__all__ = ["PACKED_FILE", "Packing", "Save", "SaveContext", "begin", "default_meta",
-           "planned_files"]
+__all__ = ["Save", "begin", "default_meta", "planned_files"]
 
 _NBYTES = operator.attrgetter("nbytes")
-PACKED_FILE = "packed"  # the capture order of a packed save: a layout, never a file
 # a packed save's data files (packing.py): at least this, whole entries; small enough that
 # writing one overlaps encoding the next
 SEGMENT_NBYTES = 64 << 20
 
-
-@dataclass(frozen=True)
-class Packing:
-    """A packed save (format version 4, saving/packing.py): how it compresses, and the base
-    checkpoint it is a delta of (None: self-contained)."""
-
-    compression: Compression
-    base: Base | None
-
 log = logging.getLogger("ckptio")
-
-
-@dataclass(frozen=True)
-class SaveContext:
-    """What one save needs, fixed when it starts."""
-
-    group: Group
-    store: Store  # where the checkpoint goes (its location names it in messages)
-    options: Options
-    resources: IOResources
-    cleanup: Cleanup
-    workers: SaveWorkers  # the threads the save runs on after its call (and hashes on)
-    memory: collective.Memory  # this group's plans of the last save
-    plan_cache: PlanCache
-    meta: dict[str, Any]
-    block_nbytes: int
-    allow_pickle: bool
-    lazy: bool
-    optimizers: tuple[torch.optim.Optimizer, ...]
-    started: float
-    after_step: tuple[torch.Tensor, ...] = ()  # lazy: changed only in or after a step too
-    previous_error: BaseException | None = None  # the last save's, unseen: this one fails
-    grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
-    packing: Packing | None = None  # compressed and/or a delta: every item packed
-    piece: bool = False  # this rank's piece of a job's state (dist.mark_piece): shards alone
-    overwrite: bool = True  # False: a checkpoint committed there once the lock is held refuses
-    commits: Commits | None = None  # the Checkpointer's memo of its commits (a drain's copy reads it)
-
-
-@dataclass(frozen=True)
-class _Part:
-    """This rank's part of the save, as agreed."""
-
-    agreement: collective.Agreement
-    files: tuple[FileLayout, ...]
-    sources: dict[str, torch.Tensor]
-    index_of: dict[str, int]  # key -> index of its item in this rank's plan (results keyed by it)
-    index_file: str | None  # of this rank's regular items' chunks (format/regular_section.py), if any
-    regular: frozenset[str]  # keys of those items
-    per_rank: frozenset[str]  # keys of the items saved as this rank's own value
-    eager_items: int  # items copied before a lazy save returns
-    nbytes: int  # bytes of the items this rank writes
-    ready: list[Any]  # CUDA events the copies wait for
-
-    @property
-    def names(self) -> list[str]:
-        """Every file this rank's part creates (a packed save's are named as it writes them,
-        and removed by its packer on failure)."""
-        if self.files and self.files[0].name == PACKED_FILE:
-            return []
-        return [f.name for f in self.files] + ([self.index_file] if self.index_file else [])
 
 
 @dataclass(frozen=True)
@@ -220,7 +154,7 @@ def _agree(ctx: SaveContext, state: Any) -> tuple[SavePlan, dict[str, torch.Tens
 
 
 def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
-             agreement: collective.Agreement) -> _Part:
+             agreement: collective.Agreement) -> RankPart:
     """4: the files this rank writes (a lazy save's non-optimizer items first)."""
     writes: Sequence[int] = agreement.assignment.writes
     items = tuple(plan.items[i] for i in writes)
@@ -235,13 +169,13 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
                            max_file_bytes=ctx.options.max_file_bytes)
     index_file = (regular_section.index_name(agreement.save_id, ctx.group.rank) if agreement.regular
                   else None)
-    return _Part(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
+    return RankPart(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
                  frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items,
-                 sum(map(_NBYTES, items)), persist.ready_events(sources))
+                 sum(map(_NBYTES, items)), copy_streams.ready_events(sources))
 
 
-def _queue(ctx: SaveContext, part: _Part, control: HandleControl) -> Future[None]:
+def _queue(ctx: SaveContext, part: RankPart, control: HandleControl) -> Future[None]:
     """_run queued on the Checkpointer's save thread (a save running at exit is finished:
     api.py waits for it before the threads stop)."""
     if ctx.lazy:  # before it is queued: no capture may begin unguarded
@@ -257,7 +191,7 @@ def _queue(ctx: SaveContext, part: _Part, control: HandleControl) -> Future[None
     return running
 
 
-def _run(ctx: SaveContext, part: _Part, control: HandleControl) -> None:
+def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
     """The save's thread: claim, open, 5-7 write (_write), 8-9 conclude and commit, 11 grow.
 
     The open's failure removes this save's files again. The drain (6) starts a synchronous
@@ -317,7 +251,7 @@ def _opened(store: Store, names: list[str]) -> Iterator[None]:
         yield
 
 
-def _write(ctx: SaveContext, part: _Part, control: HandleControl, mapped: bool) -> tuple[
+def _write(ctx: SaveContext, part: RankPart, control: HandleControl, mapped: bool) -> tuple[
         Written | None, BaseException | None]:
     """5 capture, 6 drain, 7 fsync: this rank's bytes durable (``mapped``: copied into its
     files' pages); -> (its results keyed by item index, None) or (None, why)."""
@@ -369,7 +303,7 @@ def _mapped(ctx: SaveContext, sizes: list[int]) -> bool:
             and mappable(ctx.store, sizes))
 
 
-def _packer(ctx: SaveContext, part: _Part, target: StoreFiles) -> Packer | None:
+def _packer(ctx: SaveContext, part: RankPart, target: StoreFiles) -> Packer | None:
     """The packer of a packed save (None for a plain one)."""
     packing = ctx.packing
     if packing is None:
