@@ -37,19 +37,25 @@ def _wrap(name: str, fn: Any) -> Any:
 
 
 def install() -> None:
+    patch(PROBES, _wrap)
+
+
+def patch(probes: list[tuple[str, str]], wrap: Any, prefixes: tuple[str, ...] = ("ckptio",)) -> None:
+    """Each ``(module, name)`` of ``probes`` replaced by ``wrap(label, fn)``: a method on its
+    class, a function in every loaded module under ``prefixes`` that holds it."""
     import importlib
 
-    for modname, qual in PROBES:
+    for modname, qual in probes:
         mod = importlib.import_module(modname)
         if "." in qual:
             cls, attr = qual.split(".")
             owner = getattr(mod, cls)
-            setattr(owner, attr, _wrap(qual, getattr(owner, attr)))
+            setattr(owner, attr, wrap(qual, getattr(owner, attr)))
             continue
         fn = getattr(mod, qual)
-        wrapped = _wrap(f"{modname.rsplit('.', 1)[1]}.{qual}", fn)
+        wrapped = wrap(f"{modname.rsplit('.', 1)[1]}.{qual}", fn)
         for m in list(sys.modules.values()):
-            if getattr(m, "__name__", "").startswith("ckptio") and getattr(m, qual, None) is fn:
+            if (getattr(m, "__name__", "") or "").startswith(prefixes) and getattr(m, qual, None) is fn:
                 setattr(m, qual, wrapped)
 
 

@@ -14,7 +14,6 @@ PROBES; nested probes overlap).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -83,20 +82,9 @@ def _wrap(name: str, fn: Any) -> Any:
 
 
 def install() -> None:
-    for modname, qual in PROBES:
-        mod = importlib.import_module(modname)
-        if "." in qual:
-            cls, attr = qual.split(".")
-            owner = getattr(mod, cls)
-            setattr(owner, attr, _wrap(qual, getattr(owner, attr)))
-            continue
-        fn = getattr(mod, qual)
-        wrapped = _wrap(f"{modname.rsplit('.', 1)[1]}.{qual}", fn)
-        for m in list(sys.modules.values()):
-            name = getattr(m, "__name__", "") or ""
-            if (name.startswith("ckptio") or name.startswith("torch.distributed")) \
-                    and getattr(m, qual, None) is fn:
-                setattr(m, qual, wrapped)
+    from phase_probe import patch  # dev/, beside this file
+
+    patch(PROBES, _wrap, ("ckptio", "torch.distributed"))
 
 
 def take() -> dict[str, Any]:
