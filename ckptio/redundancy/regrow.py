@@ -38,6 +38,7 @@ from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.redundancy import marks, peers, stripes
 from ckptio.redundancy.pieces import Found, Held, Regrowth, regrowths
 from ckptio.redundancy.reshard_fetch import store_of
+from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
 __all__ = ["Regrown", "regrow"]
@@ -203,6 +204,9 @@ def _install(ctx: Any, task: Regrowth, lost: dict[str, Any], data: torch.Tensor)
     """The rebuilt piece as a checkpoint of this process's memory (``data`` adopted, no copy;
     the restart checks every entry it reads against its checksum)."""
     store = store_of(ctx.root, task.step, task.rank, "rebuilt")
+    if not isinstance(store, MemoryStore):  # store_of's "rebuilt" kind is this process's memory
+        raise CkptError(f"step {task.step}: the rebuilt piece's store {store.location} is not "
+                        "in this process's memory; a bug in ckptio, please report it")
     store.remove_tree()
     store.prepare()
     view = data.numpy().data.cast("B") if data.numel() else memoryview(bytearray())
