@@ -471,6 +471,7 @@ def test_manifest_is_the_last_file_written(tmp_path):
 
 def test_concurrent_cleanup_is_joined_by_close(tmp_path):
     """Superseded files are removed in the background; close() waits for that removal."""
+    earlier = set(threading.enumerate())  # another test's Checkpointer is not this one's
     ck = Checkpointer(FAULT_OPTIONS)
     path = tmp_path / "ckpt"
     try:
@@ -480,7 +481,8 @@ def test_concurrent_cleanup_is_joined_by_close(tmp_path):
         _close(ck)
     assert not set(first.files) & _listing(path)
     assert _listing(path) == set(second.files) | {"manifest.json"}
-    assert not [t for t in threading.enumerate() if t.name == "ckptio-cleanup" and t.is_alive()]
+    assert not [t for t in threading.enumerate()
+                if t.name == "ckptio-cleanup" and t.is_alive() and t not in earlier]
 
 
 # -- (5) a failing cleanup never hides the failure ------------------------------------------

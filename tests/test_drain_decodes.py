@@ -85,6 +85,7 @@ def test_the_copy_takes_the_record_only_for_the_same_bytes(tmp_path: Path,
                                                            decodes: list[str]) -> None:
     ck = ckptio.Checkpointer()
     try:
+        ck.resources().commits.listen()  # as a manager with a drain does
         ck.save(_state(3), tmp_path / "src")
         source = LocalStore(tmp_path / "src")
         record = ck.resources().commits.known(source.location, source.read_manifest())
@@ -115,6 +116,9 @@ def test_the_copy_takes_the_record_only_for_the_same_bytes(tmp_path: Path,
 
 def test_commits_keep_the_last_few_by_exact_bytes() -> None:
     commits, record = Commits(), object()
+    commits.remember("/x/1", b"one", record)  # type: ignore[arg-type]
+    assert commits.known("/x/1", b"one") is None, "nothing kept before a drain listens"
+    commits.listen()
     commits.remember("/x/1", b"one", record)  # type: ignore[arg-type]
     assert commits.known("/x/1", b"one") is record
     assert commits.known("/x/1", b"one!") is None and commits.known("/x/2", b"one") is None

@@ -136,6 +136,7 @@ class ManagerParts:
             if self._ranks().rank == COORDINATOR:
                 self._drain = Drain(TierRoute(self._levels), [t.every for t in self.tiers],
                                     self._ck.options, rate=drain_rate)
+                self._ck.resources().commits.listen()
                 self._followers.append(self._drain)
             self._agreed(resume, self._levels, self._drain)
 

@@ -1,5 +1,6 @@
 """The manifests this process committed last: what a drain copying one of them skips decoding.
 
+    commits.listen()                                  # the manager, once it has a drain
     commits.remember(store.location, data, record)   # a save's commit, on the coordinator
     record = commits.known(store.location, data)     # the drain: None unless these very bytes
 
@@ -7,6 +8,8 @@ A save commits a Manifest it built and checked; the drain (managing/copy.py) rea
 bytes back moments later to copy the step to a slower tier. ``known`` gives the record only for
 the exact bytes this process committed at that location (the save id is in them): a step
 another process or job wrote, a restart, or a location committed over since is decoded in full.
+Nothing is remembered until a drain listens: a kept record is a few objects per leaf that
+outlive the save and reach the collector's oldest generation (tests/test_gc_survivors.py).
 
 Owns: the last few (location, bytes, record). Does not own: the commit (distributed/collective.py),
 the copy's checks of the bytes (managing/copy.py).
@@ -30,9 +33,16 @@ class Commits:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the save thread remembers, the drain's asks
         self._kept: OrderedDict[str, tuple[bytes, Manifest]] = OrderedDict()
+        self._listening = False
+
+    def listen(self) -> None:
+        """A drain will ask: remember the commits from now on."""
+        self._listening = True
 
     def remember(self, location: str, data: bytes, record: Manifest) -> None:
-        """``record`` was committed at ``location`` as ``data``."""
+        """``record`` was committed at ``location`` as ``data`` (kept once a drain listens)."""
+        if not self._listening:
+            return
         with self._lock:
             self._kept.pop(location, None)
             self._kept[location] = (data, record)
