@@ -25,7 +25,7 @@ from ckptio.io.stage import StagingPool
 from ckptio.options import MiB, Options
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.store_contract import Store
-from ckptio.testing.store_conformance import data_name
+from ckptio.testing.store_check_tools import data_name
 
 Factory = Callable[[], StoreFiles]
 TIMEOUT = 120.0  # seconds a single request may take before the check gives up (a hang, not speed)

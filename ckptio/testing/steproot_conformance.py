@@ -31,7 +31,7 @@ from ckptio.alignment import BLOCK
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.steproot import StepRoot
 from ckptio.storage.store_contract import Store, new_save_id
-from ckptio.testing.store_conformance import data_name, write_file
+from ckptio.testing.store_check_tools import data_name, write_file
 
 __all__ = [
     "CHECKS", "Refuser", "Roots", "StepRootConformance", "check_empty_root",
