@@ -131,9 +131,6 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                                 "backend._fixed_index", "backend._parts", "backend._reaper",
                                 "backend._registered", "backend._ring",
                                 "files.backend._registered", "io._capable", "pool._mapping"})),
-    "tests.test_keys_checked_once": (_WHITE + "how often the key rules walk a manifest (their "
-                                     "answer is the same either way)",
-                                     frozenset({"validate._check_keys"})),
     "tests.test_layers": (_WHITE + "the CLI's checkout finder (benchmarks from a checkout)",
                           frozenset({"cli._checkout"})),
     "tests.test_manifest": (_WHITE + "the manifest's tensor validation", frozenset({

@@ -1,9 +1,9 @@
 """A save whose plan is reused does not walk its keys again before the commit: the reader's key
-rules (format/validate.py, check_keys) gave the same answer for the same keys, tree and
+rules (format/keyrules.py, check_keys) gave the same answer for the same keys, tree and
 aliases, and for a state of thousands of tensors the walk held the interpreter on the save's
 thread in every save of a training loop (docs/BENCH_LOOP.md section 17). A manifest whose keys
 differ from the last one that passed is still checked. That memory is owned by a
-Checkpointer's plan memory (validate.KeysPassed in collective.Memory), not kept in format/:
+Checkpointer's plan memory (keyrules.KeysPassed in collective.Memory), not kept in format/:
 no function of format/ changes module-level state (found and named here)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import ckptio
 from ckptio.errors import ManifestError
-from ckptio.format import manifest, validate
+from ckptio.format import keyrules, manifest
 from ckptio.format.types import ObjectEntry
 
 FORMAT = Path(__file__).resolve().parent.parent / "ckptio" / "format"
@@ -30,12 +30,12 @@ ALLOWED = {("containers.py", "_STAND_INS"): "one stand-in type per saved namedtu
 def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the walks of the key rules."""
     calls: list[int] = []
-    real = validate._check_keys
+    real = keyrules.check_entries
 
     def counting(*args: object, **kwargs: object) -> None:
         calls.append(1)
         real(*args, **kwargs)  # type: ignore[arg-type]
-    monkeypatch.setattr(validate, "_check_keys", counting)
+    monkeypatch.setattr(keyrules, "check_entries", counting)
     return calls
 
 
@@ -127,7 +127,7 @@ def _state_kept(source: str) -> list[tuple[int, str]]:
 
 def test_format_keeps_no_state_between_calls() -> None:
     """format/ is pure: no function there changes module-level state (a memo such as the key
-    rules' last layout belongs to an object its owner passes, validate.KeysPassed). Its
+    rules' last layout belongs to an object its owner passes, keyrules.KeysPassed). Its
     tables are built at import and only read."""
     planted = ("_passed = [None]\n_seen = {}\nTABLE = {'a': 1}\n"
                "def f(x, table):\n    _passed[0] = x\n    _seen.setdefault(x, 1)\n"
@@ -138,7 +138,7 @@ def test_format_keeps_no_state_between_calls() -> None:
              for line, name in _state_kept(path.read_text())
              if (path.name, name) not in ALLOWED]
     assert not found, ("module-level state changed by format/ (own it by an object passed "
-                       "where needed, e.g. validate.KeysPassed):\n  " + "\n  ".join(found))
+                       "where needed, e.g. keyrules.KeysPassed):\n  " + "\n  ".join(found))
     for (name, binding), _why in ALLOWED.items():
         assert binding in {n for _, n in _state_kept((FORMAT / name).read_text())}, (
             f"ALLOWED names {name}:{binding}, which is gone: drop it from the list")

@@ -35,7 +35,7 @@ from ckptio.format import entryform, manifest
 from ckptio.format.gcpause import paused
 from ckptio.format.types import Manifest, WriteItem, Written
 from ckptio.format.splice import Templates
-from ckptio.format.validate import KeysPassed
+from ckptio.format.keyrules import KeysPassed
 from ckptio.planning.globalplan import (
     Assignment,
     GlobalPlan,

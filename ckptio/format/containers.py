@@ -15,7 +15,7 @@ does). When no such class is loaded, a namedtuple class of the same name and fie
 a defaultdict with any other factory (a lambda, a class) is refused on save, naming the key.
 
 Owns: ``info_of`` (save), ``problem`` (the check of a manifest's info, which is hostile) and
-``rebuild`` (fresh load). Does not own: the tree walk (flatten.py, validate.py). Torch-free.
+``rebuild`` (fresh load). Does not own: the tree walk (flatten.py, keyrules.py). Torch-free.
 """
 
 from __future__ import annotations

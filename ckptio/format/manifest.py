@@ -23,10 +23,11 @@ from ckptio.format import entryform, splice, validate
 from ckptio.format.gcpause import paused
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import MAX_TREE_DEPTH, Manifest, TensorEntry, show
-from ckptio.format.validate import MAX_NDIM, check_keys, check_values
+from ckptio.format.keyrules import check_keys
+from ckptio.format.validate import MAX_NDIM, check_values
 
 # The names callers use (decode, encode, check_keys, check_values, the constants, tiling_problem)
-# stay importable from here; validate.py and tiling.py hold the checks themselves.
+# stay importable from here; validate.py, keyrules.py and tiling.py hold the checks themselves.
 __all__ = ["MAGIC", "MANIFEST_NAME", "MAX_JSON_DEPTH", "MAX_NDIM", "MAX_TREE_DEPTH", "VERSION",
            "VERSION_CODED", "Manifest", "bases_of", "check_keys", "check_values", "decode",
            "encode", "json_depth", "tiling_problem", "version_for"]

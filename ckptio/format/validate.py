@@ -5,24 +5,20 @@ Owns: every check on a parsed manifest body (manifest.decode calls from_body aft
 CRC and depth checks): every field's type and range, offsets (inside their file, aligned to their
 element size, no two entries sharing bytes), lengths, dtypes and the kinds that can hold them,
 shapes, chunks (a key's chunks tile its shape exactly, tiling.py, so a load never allocates more
-than the data files hold), block checksums, file names, keys and the tree (version 3's regular
-section: regular_section.py). check_keys runs the key rules on a Manifest about to be written
-(KeysPassed: the same, skipping a layout its owner saw pass last); check_values decodes every
-inline value (values.decode, which a load runs on each value it returns). Pure: no file access,
-no pickle, no module-level state (the memo is the KeysPassed its owner holds).
-Does not own: the byte framing (manifest.py), whether the data files hold the bytes the manifest
-claims (storage/steps.check_files, loading/read.py).
+than the data files hold), block checksums, file names and version 3's regular section
+(regular_section.py); check_values decodes every inline value (values.decode, which a load runs
+on each value it returns). Pure: no file access, no pickle, no module-level state.
+Does not own: the key rules and the tree (keyrules.py, which from_body runs), the byte framing
+(manifest.py), whether the data files hold the bytes the manifest claims
+(storage/steps.check_files, loading/read.py).
 """
 
 from __future__ import annotations
 
-import marshal
-import operator
 import re
-from collections import Counter
 from typing import Any
 
-from ckptio.format import containers, entryform, regular_section, values
+from ckptio.format import entryform, keyrules, regular_section, values
 from ckptio.format.check import (
     MAX_INT,
     MAX_NDIM,
@@ -38,7 +34,6 @@ from ckptio.format.types import (
     BYTE_KINDS,
     DTYPE_ITEMSIZE,
     KINDS,
-    MAX_TREE_DEPTH,
     NUMPY_DTYPES,
     Chunk,
     FileInfo,
@@ -48,7 +43,7 @@ from ckptio.format.types import (
     show,
 )
 
-__all__ = ["FILE_NAME", "MAX_NDIM", "KeysPassed", "check_keys", "check_values", "from_body"]
+__all__ = ["FILE_NAME", "MAX_NDIM", "check_values", "from_body"]
 
 FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # a data file's name: plain, no path
 
@@ -84,7 +79,7 @@ def from_body(raw: Any, where: str, version: int) -> Manifest:
     grids, regulars, indexes = ((), (), ()) if version < 3 else regular_section.parse_section(
         c, raw, world_size, {f.name: f for f in files})
     tree = c.field(raw, "tree", "manifest")
-    _check_keys(c, tensors, objects, aliases, tree, tuple(r.key for r in regulars))
+    keyrules.check_entries(c, tensors, objects, aliases, tree, tuple(r.key for r in regulars))
     meta = c.field(raw, "meta", "manifest")
     _check_tilings(c, tensors, whole=not _is_piece(c, meta, world_size))
     return Manifest(
@@ -313,131 +308,3 @@ def _check_tilings(c: Check, tensors: tuple[TensorEntry, ...], whole: bool) -> N
         problem = tiling_problem(of_key, shapes[key])
         if problem is not None:
             raise c.fail(f"tensor {show(key)}: {problem}")
-
-
-def check_keys(manifest: Manifest, where: str) -> None:
-    """The key rules a reader enforces (keys unique across tensors, objects and aliases; global
-    or per-rank entries, no chunk twice; aliases to tensors; tree = keys), on a Manifest about
-    to be written: a save must not commit what its own reader would refuse."""
-    _check_keys(Check(where), manifest.tensors, manifest.objects, manifest.aliases, manifest.tree,
-                tuple(r.key for r in manifest.regular))
-
-
-_KEY_FIELDS = operator.attrgetter("key", "rank", "chunk", "kind", "dtype", "shape")
-
-
-class KeysPassed:
-    """check_keys with a memory of one: the key inputs of the last manifest that passed, owned
-    by whoever saves a run of manifests (a save group's plan memory, collective.Memory). Keys
-    laid out as in that one (a save whose plan was reused) are not walked again."""
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[Any, ...] | None = None  # _key_inputs of the last manifest passed
-
-    def check(self, manifest: Manifest, where: str) -> None:
-        """check_keys(manifest, where), unless its key inputs equal the last ones passed."""
-        inputs = _key_inputs(manifest)
-        if inputs is not None and inputs == self._last:
-            return
-        check_keys(manifest, where)
-        self._last = inputs
-
-
-def _key_inputs(m: Manifest) -> tuple[Any, ...] | None:
-    """All that _check_keys reads of ``m``, the tree as marshal's bytes (a copy no caller can
-    change later; format 0 shares no objects, so equal trees give equal bytes whatever their
-    reference counts); None for a tree marshal refuses (then it is checked every time)."""
-    try:
-        tree = marshal.dumps(m.tree, 0)
-    except ValueError:
-        return None
-    return (tuple(map(_KEY_FIELDS, m.tensors)), tuple((o.key, o.rank) for o in m.objects),
-            m.aliases, tree, tuple(r.key for r in m.regular))
-
-
-def _check_keys(c: Check, tensors: tuple[TensorEntry, ...], objects: tuple[ObjectEntry, ...],
-                aliases: tuple[tuple[str, str], ...], tree: Any,
-                regular_keys: tuple[str, ...] = ()) -> None:
-    tensor_keys = [*_check_groups(c, tensors, "tensor"), *regular_keys]
-    object_keys = _check_groups(c, objects, "object")
-    alias_keys = [a for a, _ in aliases]
-    all_keys = [*tensor_keys, *object_keys, *alias_keys]
-    if len(set(all_keys)) != len(all_keys):
-        raise c.fail("a key appears twice (as a tensor, object or alias)")
-    if not {target for _, target in aliases} <= set(tensor_keys):
-        raise c.fail("an alias points at a key that holds no tensor")
-    if Counter(tree_keys(tree, c)) != Counter(all_keys):
-        raise c.fail("the tree and the entries name different keys")
-
-
-def _check_groups(c: Check, entries: tuple[Any, ...], what: str) -> dict[str, Any]:
-    """A key's entries are either global (rank None: one object, or chunks of one tensor with
-    one kind, dtype and shape) or each rank's own (at most one per rank). -> key: first entry."""
-    first: dict[str, Any] = {}
-    ranks: set[tuple[str, int]] = set()
-    chunks: set[tuple[str, Chunk]] = set()
-    for e in entries:
-        head = first.setdefault(e.key, e)
-        if what == "tensor" and e.rank is None:
-            if (e.key, e.chunk) in chunks:
-                raise c.fail(f"tensor {show(e.key)} stores the same chunk twice")
-            chunks.add((e.key, e.chunk))
-        if (head.rank is None) != (e.rank is None):
-            raise c.fail(f"{what} {show(e.key)} has both global and per-rank entries")
-        if e.rank is not None:
-            if (e.key, e.rank) in ranks:
-                raise c.fail(f"{what} {show(e.key)} has two entries of rank {e.rank}")
-            ranks.add((e.key, e.rank))
-        elif e is not head and (what == "object" or (e.kind, e.dtype, e.shape) !=
-                                (head.kind, head.dtype, head.shape)):
-            raise c.fail(f"{what} {show(e.key)} has global entries that disagree (a global object "
-                         "is stored once; a tensor's chunks share kind, dtype and shape)")
-    return first
-
-
-def tree_keys(tree: Any, c: Check) -> list[str]:
-    """Every leaf key of a tree, checking each node's shape and that no dict node holds a key
-    twice (iteratively: hostile depth is an error, not a RecursionError)."""
-    out: list[str] = []
-    stack: list[tuple[Any, int]] = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_TREE_DEPTH:
-            raise c.fail(f"the tree nests deeper than {MAX_TREE_DEPTH} levels")
-        if not isinstance(node, dict) or len(node) != 1:
-            raise c.fail(f"tree node {show(node)} is not a one-field object")
-        (tag, body), = node.items()
-        if tag == "k" and isinstance(body, str):
-            out.append(body)
-        elif tag == "s":
-            stack.append((body, depth + 1))
-        elif tag == "c" and isinstance(body, list) and len(body) == 2:
-            why = containers.problem(body[0], body[1])
-            if why is not None:
-                raise c.fail(f"tree node {show(node)}: {why}")
-            stack.append((body[1], depth))  # a container's type: not a level of nesting
-        elif tag in ("l", "t") and isinstance(body, list):
-            stack.extend((child, depth + 1) for child in reversed(body))
-        elif tag == "d" and isinstance(body, list):
-            stack.extend((child, depth + 1) for child in reversed(_dict_children(c, body)))
-        else:
-            raise c.fail(f"tree node with tag {show(tag)} and body {show(body)} has an unknown "
-                         "tag or a malformed body")
-    return out
-
-
-def _dict_children(c: Check, items: list[Any]) -> list[Any]:
-    seen: set[str | int] = set()
-    for pair in items:
-        if not (isinstance(pair, list) and len(pair) == 2 and _dict_key(pair[0])):
-            raise c.fail(f"tree dict item {show(pair)} is not [str or int key, node]")
-        if pair[0] in seen:
-            raise c.fail(f"a dict of the tree holds key {show(pair[0])} twice")
-        seen.add(pair[0])
-    return [pair[1] for pair in items]
-
-
-def _dict_key(key: Any) -> bool:
-    return isinstance(key, str) or (type(key) is int)

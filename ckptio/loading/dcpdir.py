@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptio.errors import CkptError, CorruptCheckpointError
-from ckptio.format import dcpmeta, torchzip, validate
+from ckptio.format import dcpmeta, keyrules, torchzip, validate
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
     Chunk,
@@ -113,7 +113,7 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False,
         tensors=tuple(opened.get(id(e), e) for e in pending), objects=tuple(objects),
         aliases=(), tree=nest(nodes, meta.paths, where), meta={"dcp": {"version": meta.version}},
         block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
+    keyrules.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from ckptio.alignment import BLOCK
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format import safetensors as st
-from ckptio.format import validate
+from ckptio.format import keyrules
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.types import Chunk, FileInfo, Manifest, Read, TensorEntry
 from ckptio.loading.foreign_common import raw_read, read_bytes, read_small
@@ -81,7 +81,7 @@ def open_safetensors(store: Store, read: ReadFn, file: str | None = None) -> Man
         files=tuple(FileInfo(n, sizes[n], 0) for n in names), tensors=tuple(tensors),
         objects=(), aliases=(), tree={"d": [[t.key, {"k": t.key}] for t in tensors]},
         meta={"safetensors": meta}, block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
+    keyrules.check_keys(manifest, where)
     return manifest
 
 

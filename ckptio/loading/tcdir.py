@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError, UnsupportedStateError
-from ckptio.format import validate
+from ckptio.format import keyrules, validate
 from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
@@ -99,7 +99,7 @@ def open_tc(store: Store, read: ReadFn) -> Manifest:
         aliases=tuple(aliases), tree={"d": tree}, meta={"torch_checkpointing": {
             "items": sorted(files), "metadata": bool(store.sizes([METADATA_NAME]))}},
         block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
+    keyrules.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UnsupportedStateError
-from ckptio.format import dtensorpickle, torchzip, validate, values
+from ckptio.format import dtensorpickle, keyrules, torchzip, validate, values
 from ckptio.format import torchsave as fmt
 from ckptio.format.checksum import crc32, crc32_of_part
 from ckptio.format.dcpmeta import DType
@@ -82,7 +82,7 @@ def open_torch_save(store: Store, name: str, read: ReadFn) -> Manifest:
         files=(FileInfo(name, archive.size, 0),), tensors=tuple(walk.tensors),
         objects=tuple(walk.objects), aliases=tuple(walk.aliases), tree=tree,
         meta={"torch.save": {"archive": archive.prefix}}, block_nbytes=BLOCK_NBYTES)
-    validate.check_keys(manifest, where)
+    keyrules.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ckptio.errors import ManifestError
-from ckptio.format import validate
+from ckptio.format import keyrules, validate
 from ckptio.format.types import Json, Manifest, ObjectEntry, Read
 from ckptio.loading.foreign_common import expand_value, torch_load_value
 
@@ -56,7 +56,7 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
     expanded = dataclasses.replace(
         record, tensors=tuple(e for e in record.tensors if e.kind != TORCH_SAVE),
         objects=tuple(objects), tree=replace_nodes(record.tree, nodes))
-    validate.check_keys(expanded, where)
+    keyrules.check_keys(expanded, where)
     validate.check_values(expanded, where)
     return expanded
 
@@ -64,7 +64,7 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
 def replace_nodes(node: Json, nodes: dict[str, Json]) -> Json:
     """``node`` with each leaf ``{"k": key}`` of ``nodes`` replaced by ``nodes[key]``."""
     if not isinstance(node, dict) or len(node) != 1:
-        return node  # validate.check_keys reports a malformed tree
+        return node  # keyrules.check_keys reports a malformed tree
     (tag, body), = node.items()
     if tag == "k":
         return nodes.get(body, node) if isinstance(body, str) else node
