@@ -2,7 +2,8 @@
 
 Owns: the public methods and their arguments, the save in flight and the agreement of a load's
 ranks. A save's steps are saving/save_session.py's, a load's loading/load_session.py's; the staging pool
-and backends they borrow are ckptio/resources.py's.
+and backends they borrow are ckptio/resources.py's; the ranks of a call and the plans of their last
+save are distributed/rankgroups.py's.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 
 from ckptio import packed, stepmeta
-from ckptio.distributed import collective, loadsteps, readshare
-from ckptio.distributed.dist import Group, Solo, current_group, over_torch, piece_of
+from ckptio.distributed import loadsteps, readshare
+from ckptio.distributed.dist import Solo, current_group, piece_of
+from ckptio.distributed.rankgroups import RankGroups
 from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
@@ -31,7 +33,13 @@ from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
 from ckptio.saving import save_context, save_session
-from ckptio.saving.handle import HandleControl, SaveHandle, SaveResult, skipped_handle
+from ckptio.saving.handle import (
+    HandleControl,
+    SaveHandle,
+    SaveResult,
+    after_step_tensors,
+    skipped_handle,
+)
 from ckptio.storage.select import checkpoint_path, store_for
 
 AsyncSaveResult = SaveResult  # the result of an async save's handle.wait(): a save's fields
@@ -56,10 +64,7 @@ class Checkpointer:
         self.options = options or Options.from_env()
         self._resources = ReusedIOResources(self.options)
         self._plan_cache = PlanCache()
-        self._memories: dict[int | None, collective.Memory] = {}  # per group: plans of the last save
-        # per torch group: weakly, so destroy_process_group frees it (drains its workers) at
-        # once, not at interpreter exit; the entry goes with the group
-        self._groups: dict[int, tuple[weakref.ref[Any], Group]] = {}
+        self._ranks = RankGroups()  # the ranks of each call, and their last save's plans
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._running: concurrent.futures.Future[None] | None = None  # its steps, queued
@@ -186,7 +191,7 @@ class Checkpointer:
         metrics, metadata, base, overwrite: as save().
         """
         return self._start(state, path, lazy=lazy, optimizers=optimizers,
-                           after_step=_after_step_tensors(after_step, lazy), if_busy=if_busy,
+                           after_step=after_step_tensors(after_step, lazy), if_busy=if_busy,
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=True, user_meta=stepmeta.encode(metrics, metadata),
                            base=base, overwrite=overwrite)
@@ -204,7 +209,7 @@ class Checkpointer:
             raise CkptError("async_save(lazy=True) needs optimizers=[...]: their step() is what "
                             "must wait for the capture")
         path = checkpoint_path(path)
-        group = self._group(process_group)
+        group = self._ranks.group(process_group, self.options)
         if group.size > 1 and if_busy == "skip":
             raise CkptError("async_save(if_busy='skip') is not available with many ranks: ranks "
                             "could decide differently and the save would hang; use 'wait'")
@@ -237,7 +242,7 @@ class Checkpointer:
             group=group, store=store, options=self.options,
             resources=self._resources, cleanup=self._resources.cleanup,
             commits=self._resources.commits,
-            workers=self._resources.workers, memory=self._memory(group),
+            workers=self._resources.workers, memory=self._ranks.memory(group),
             plan_cache=self._plan_cache, meta=meta, piece=piece is not None,
             block_nbytes=self._resources.block_nbytes,
             allow_pickle=allow_pickle,
@@ -249,24 +254,6 @@ class Checkpointer:
         _running.add(save.running)
         save.capture_here()
         return save.handle
-
-    def _group(self, process_group: Any) -> Group:
-        """The ranks of this call: one process, or the ranks of the torch process group
-        (exchanging through the job's store, with this checkpointer's deadlines)."""
-        torch_group = current_group(process_group)
-        if torch_group is None:
-            return Solo()
-        known = self._groups.get(id(torch_group))
-        if known is None or known[0]() is not torch_group:
-            known = (weakref.ref(torch_group, _forget(self._groups, self._memories)),
-                     over_torch(torch_group, self.options))
-            self._groups[id(torch_group)] = known
-        return known[1]
-
-    def _memory(self, group: Group) -> collective.Memory:
-        """The plans of the last save over ``group`` (reused while the layout is unchanged)."""
-        return self._memories.setdefault(None if isinstance(group, Solo) else id(group),
-                                         collective.Memory())
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait for the async save in flight (if any); raise its error if nobody has seen it
@@ -362,7 +349,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         path = checkpoint_path(path)
-        group = self._group(process_group) if state is not None else Solo()
+        group = self._ranks.group(process_group, self.options) if state is not None else Solo()
         torch_group = current_group(process_group)
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
@@ -399,36 +386,6 @@ class Checkpointer:
 
 # every Checkpointer's saves in flight: their steps' Futures
 _running: weakref.WeakSet[concurrent.futures.Future[None]] = weakref.WeakSet()
-
-
-def _forget(groups: dict[int, tuple[weakref.ref[Any], Group]],
-            memories: dict[int | None, collective.Memory]) -> Callable[[weakref.ref[Any]], None]:
-    """The callback that drops a freed torch group's entry and its plans from a Checkpointer
-    (holding neither the Checkpointer nor the group)."""
-    def forget(ref: weakref.ref[Any]) -> None:
-        for key, (known, group) in list(groups.items()):
-            if known is ref:
-                del groups[key]
-                memories.pop(id(group), None)
-    return forget
-
-
-def _after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
-                    lazy: bool) -> tuple[torch.Tensor, ...]:
-    """async_save(after_step=...) as tensors: each module's parameters, each tensor itself."""
-    if after_step and not lazy:
-        raise CkptError("async_save(after_step=...) applies to lazy saves: pass lazy=True too "
-                        "(an eager save copies everything before it returns)")
-    tensors: list[torch.Tensor] = []
-    for i, value in enumerate(after_step):
-        if isinstance(value, torch.nn.Module):
-            tensors.extend(p.detach() for p in value.parameters())
-        elif isinstance(value, torch.Tensor):
-            tensors.append(value.detach())
-        else:
-            raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
-                            "pass modules (their parameters) or tensors")
-    return tuple(tensors)
 
 
 def _finish_saves_at_exit() -> None:

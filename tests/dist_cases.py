@@ -283,7 +283,7 @@ def reuse(rank: int, world: int, root: str) -> list[int]:
             state["plain"].fill_(float(rank + 10))  # now per rank
         state["step"] = step
         ck.save(state, os.path.join(root, f"s{step}"))
-    return [sum(m.reused for m in ck._memories.values())]
+    return [sum(m.reused for m in ck._ranks.memories())]
 
 
 def check_reuse(rank: int, world: int, root: str) -> None:

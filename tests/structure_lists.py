@@ -57,8 +57,8 @@ _WHITE = "a white-box check of "
 TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.azure_blob.conftest": (_WHITE + "the client's reached-endpoint memory, reset between "
                                   "tests", frozenset({"az_client._reached"})),
-    "tests.dist_cases": (_WHITE + "a checkpointer's memory tier cache; FSDP2+TP's placement",
-                         frozenset({"ck._memories", "torch.distributed.tensor.placement_types"
+    "tests.dist_cases": (_WHITE + "a checkpointer's plan memories; FSDP2+TP's placement",
+                         frozenset({"ck._ranks", "torch.distributed.tensor.placement_types"
                                     "._StridedShard"})),
     "tests.fetch_cases": (_WHITE + "a stripe's checksum", frozenset({"stripes._sum"})),
     "tests.gpu.test_cuda": (_WHITE + "the rank plan's digest", frozenset({

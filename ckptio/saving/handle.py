@@ -8,8 +8,9 @@ control of the save in flight to settle it before the next save.
 
 Owns: that state machine, timings (blocked, capture, persist, total), reporting a background
 error exactly once (on wait(), or else on the next save), and the hooks that make an optimizer
-step wait until a lazy capture has finished. Does not own: the save's steps (save_session.py) or its
-bytes (persist.py).
+step wait until a lazy capture has finished (and which tensors, like the optimizers' own, a
+lazy capture copies last: after_step_tensors, lazy_order). Does not own: the save's steps
+(save_session.py) or its bytes (persist.py).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import SaveTimeoutError
+from ckptio.errors import CkptError, SaveTimeoutError
 from ckptio.format.types import WriteItem
 from ckptio.planning.sharding import local_tensor
 from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
 
-__all__ = ["HandleControl", "SaveHandle", "SaveResult", "lazy_order", "skipped_handle"]
+__all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "lazy_order",
+           "skipped_handle"]
 
 
 @dataclass(frozen=True)
@@ -284,3 +286,21 @@ def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
     for item in items:
         (lazy if sources[item.key].untyped_storage().data_ptr() in owned else eager).append(item)
     return tuple(eager + lazy), len(eager)
+
+
+def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
+                       lazy: bool) -> tuple[torch.Tensor, ...]:
+    """async_save(after_step=...) as tensors: each module's parameters, each tensor itself."""
+    if after_step and not lazy:
+        raise CkptError("async_save(after_step=...) applies to lazy saves: pass lazy=True too "
+                        "(an eager save copies everything before it returns)")
+    tensors: list[torch.Tensor] = []
+    for i, value in enumerate(after_step):
+        if isinstance(value, torch.nn.Module):
+            tensors.extend(p.detach() for p in value.parameters())
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value.detach())
+        else:
+            raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
+                            "pass modules (their parameters) or tensors")
+    return tuple(tensors)
