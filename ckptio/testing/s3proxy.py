@@ -14,250 +14,26 @@ each client connection gets its own server connection (threads, stdlib only). Th
 parsed and the rules' order and match keys: FaultProxy, and docs/BEHAVIOUR.md,
 "ckptio.testing.s3proxy".
 
-Owns: forwarding, per-request counters (thread-safe), the faults. Does not own: HTTP parsing and
-operation names (testing/s3wire.py), the server (testing/s3server.py), retries or error mapping
-(ckptio/storage/s3/client.py). Test support only.
+Owns: listening, per-request counters (thread-safe), the rule table and which rules fire. Does
+not own: the rules' fields (testing/s3faultrules.py), relaying a connection and acting on its
+faults (testing/s3relay.py), HTTP parsing and operation names (testing/s3wire.py), the server
+(testing/s3server.py), retries or error mapping (ckptio/storage/s3/client.py). Test support only.
 """
 
 from __future__ import annotations
 
-import re
 import socket
-import struct
 import threading
-import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from email.utils import formatdate
-from http import HTTPStatus
+from collections import Counter
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
-from xml.sax.saxutils import escape
 
-from ckptio.testing.s3wire import Request, Stream, parse_head, parse_request, range_nbytes
+from ckptio.testing.s3faultrules import Match, Rule
+from ckptio.testing.s3relay import Relay
+from ckptio.testing.s3wire import Request, parse_request, range_nbytes
 
 __all__ = ["FaultProxy", "Match", "Request", "Rule"]
-
-_MESSAGES = {"SlowDown": "Please reduce your request rate.",
-             "InternalError": "We encountered an internal error. Please try again.",
-             "ServiceUnavailable": "Service is unable to handle request."}
-
-
-@dataclass(frozen=True)
-class Match:
-    """Which requests a rule applies to (match keys: FaultProxy)."""
-
-    method: str | None = None
-    op: str | None = None
-    key: str | None = None
-    part_number: int | None = None
-    upload_id: str | bool | None = None
-    uploads: bool | None = None
-    query: Mapping[str, str | None] | None = None
-
-    def __call__(self, req: Request) -> bool:
-        q = req.query
-        if isinstance(self.upload_id, bool):
-            upload_ok = ("uploadId" in q) is self.upload_id
-        else:
-            upload_ok = self.upload_id is None or q.get("uploadId") == self.upload_id
-        return (upload_ok and (self.method is None or req.method == self.method.upper())
-                and (self.op is None or req.op == self.op)
-                and (self.key is None or re.search(self.key, req.key) is not None)
-                and (self.part_number is None or req.part_number == self.part_number)
-                and (self.uploads is None or ("uploads" in q) is self.uploads)
-                and all(name in q and (want is None or q[name] == want)
-                        for name, want in (self.query or {}).items()))
-
-
-@dataclass
-class Rule:
-    """A fault or hook: ``fired`` counts the requests it acted on, ``times`` how many are left
-    (None: forever)."""
-
-    kind: str  # "fail", "reset", "drop_response", "cut_response", "black_hole", "delay", ...
-    match: Match
-    times: int | None
-    fired: int = 0
-    status: int = 503
-    code: str = "SlowDown"
-    message: str | None = None
-    after_bytes: int = 0
-    seconds: float = 0.0
-    callback: Callable[[Request], object] | None = None
-    partition: bool = False  # black_hole: every later request too, until clear()
-
-    @property
-    def terminal(self) -> bool:
-        return self.kind in ("fail", "reset", "drop_response", "cut_response", "black_hole")
-
-
-class _Reset(Exception):
-    """A ``reset`` rule fired: both connections are to end with RST."""
-
-
-class _Connection:
-    """One client connection and its own server connection; requests read on the thread that
-    serves it, answers relayed by a second thread."""
-
-    def __init__(self, proxy: FaultProxy, client: socket.socket) -> None:
-        self.proxy = proxy
-        self.client = client
-        self.upstream: socket.socket | None = None
-        self.pending: deque[tuple[Request, Rule | None]] = deque()  # (request, its answer's rule)
-        self.lock = threading.Lock()
-        self.write_lock = threading.Lock()
-        self.closed = False
-
-    def serve(self) -> None:
-        try:
-            self.upstream = socket.create_connection(self.proxy.target, timeout=5)
-        except OSError:  # the server is down: the client sees its connection reset
-            self.close(rst=True)
-            return
-        self.upstream.settimeout(None)
-        for sock in (self.client, self.upstream):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=self._guard, args=(self._answers,), daemon=True,
-                         name="s3proxy-answers").start()
-        self._guard(self._requests)
-
-    def _guard(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except _Reset:
-            self.close(rst=True)
-        except OSError:  # a peer went away (ConnectionError is an OSError): end this connection
-            pass
-        except Exception as exc:
-            self.proxy.errors.append(exc)
-            raise
-        finally:
-            self.close()
-
-    def _requests(self) -> None:
-        reader = Stream(self.client)
-        while (head := reader.head()) is not None:
-            req = self.proxy.record_request(head)
-            pre, rule = self.proxy.rules_for(req)
-            for r in pre:
-                if r.kind == "delay":
-                    time.sleep(r.seconds)
-                elif r.callback is not None:
-                    r.callback(req)
-            length = req.headers.get("content-length", "0")
-            if rule is not None and rule.kind == "black_hole":  # read, never forwarded
-                for _ in reader.body(req.headers, length):
-                    pass
-                continue
-            if rule is not None and rule.kind == "fail":
-                if not self._fail(req, reader, rule, length):
-                    return
-                continue
-            left = rule.after_bytes if rule is not None and rule.kind == "reset" else None
-            with self.lock:
-                answer_rule = rule if rule is not None and rule.kind.endswith("_response") else None
-                self.pending.append((req, answer_rule))
-            assert self.upstream is not None
-            for piece in self._chain(head, reader.body(req.headers, length)):
-                if left is not None and len(piece) >= left:
-                    self.upstream.sendall(piece[:left])
-                    raise _Reset
-                if left is not None:
-                    left -= len(piece)
-                self.upstream.sendall(piece)
-            if left is not None:
-                raise _Reset
-
-    @staticmethod
-    def _chain(head: bytes, body: Iterator[bytes]) -> Iterator[bytes]:
-        yield head
-        yield from body
-
-    def _fail(self, req: Request, reader: Stream, rule: Rule, length: str) -> bool:
-        """Answer with an S3 error, forwarding nothing; False when the connection must end."""
-        expect = req.headers.get("expect", "").lower() == "100-continue"
-        if not expect:  # read the body first, so the connection stays usable
-            for _ in reader.body(req.headers, length):
-                pass
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{escape(rule.code)}</Code>'
-                f"<Message>{escape(rule.message or _MESSAGES.get(rule.code, rule.code))}</Message>"
-                f"<Resource>{escape(urlsplit(req.target).path)}</Resource>"
-                f"<RequestId>ckptio-proxy-{id(req):x}</RequestId></Error>").encode()
-        reason = next((s.phrase for s in HTTPStatus if s.value == rule.status), "")
-        head = (f"HTTP/1.1 {rule.status} {reason}\r\nContent-Type: application/xml\r\n"
-                f"Content-Length: {len(body)}\r\nDate: {formatdate(usegmt=True)}\r\n"
-                f"Server: ckptio-fault-proxy\r\n" + ("Connection: close\r\n" if expect else "")
-                + "\r\n").encode()
-        req.status = rule.status
-        self._to_client(head + (b"" if req.method == "HEAD" else body))
-        if not expect:
-            return True
-        # the client may send the body anyway: let it, so closing does not reset the answer
-        self.client.shutdown(socket.SHUT_WR)
-        self.client.settimeout(5)
-        for _ in reader.rest():
-            pass
-        return False
-
-    def _answers(self) -> None:
-        assert self.upstream is not None
-        reader = Stream(self.upstream)
-        while (head := reader.head()) is not None:
-            (_, status_text, *_), headers = parse_head(head)
-            status = int(status_text)
-            if 100 <= status < 200:  # 100 Continue: pass it on, the final answer follows
-                self._to_client(head)
-                continue
-            with self.lock:
-                req, rule = self.pending.popleft() if self.pending else (None, None)
-            if req is not None:
-                req.status = status
-                if status == 206 and req.range and range_nbytes(req.range) is None:
-                    self.proxy.count_range_bytes(int(headers.get("content-length", "0")))
-            if rule is not None and rule.kind == "drop_response":
-                return  # the server has acted; the client never hears of it
-            self._to_client(head)
-            if (req is not None and req.method == "HEAD") or status in (204, 304):
-                continue  # no body, whatever the head says
-            length = headers.get("content-length")
-            left = rule.after_bytes if rule is not None else None  # cut_response
-            for piece in reader.body(headers, length):
-                if left is not None and len(piece) >= left:
-                    self._to_client(piece[:left])
-                    raise _Reset
-                if left is not None:
-                    left -= len(piece)
-                self._to_client(piece)
-            if left is not None:
-                raise _Reset
-            if length is None and "chunked" not in headers.get("transfer-encoding", "").lower():
-                return  # the body ended with the connection
-
-    def _to_client(self, data: bytes) -> None:
-        with self.write_lock:
-            self.client.sendall(data)
-
-    def close(self, rst: bool = False) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        for sock in (self.client, self.upstream):
-            if sock is None:
-                continue
-            try:
-                if rst:  # SO_LINGER 0: close() sends RST; SHUT_RD wakes a thread in recv()
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    sock.shutdown(socket.SHUT_RD)
-                else:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already disconnected
-                pass
-            sock.close()
-        self.proxy.forget(self)
 
 
 class FaultProxy:
@@ -286,7 +62,7 @@ class FaultProxy:
         self.errors: list[BaseException] = []  # bugs met in the proxy's threads (should be none)
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
-        self._connections: set[_Connection] = set()
+        self._connections: set[Relay] = set()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -426,12 +202,12 @@ class FaultProxy:
                 client, _ = listener.accept()
             except OSError:  # stop() closed the listener
                 return
-            conn = _Connection(self, client)
+            conn = Relay(self, client)
             with self._lock:
                 self._connections.add(conn)
             threading.Thread(target=conn.serve, daemon=True, name="s3proxy-requests").start()
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: Relay) -> None:
         """``conn`` has closed."""
         with self._lock:
             self._connections.discard(conn)
