@@ -7,7 +7,7 @@ Phases timed (median of --reps): ``decode_s``, the saved manifest's decode (once
 rank), and ``rank<N>_plan_s``, what each of --ranks of the loading layout plans after it:
   ckptio   manifest.decode of the saved manifest; resolve_regular.expand of the rank's wanted
            regions (the chunks they overlap, from the grids; the writers' index files decoded
-           and checked, from memory), and read.plan_spans of one Read per tensor (the pieces
+           and checked, from memory), and span_plan.plan_spans of one Read per tensor (the pieces
            each wanted region takes from each chunk, widened to checksum blocks: the plan the
            load's reads follow). Key matching (loading/fill.py) is not included.
   dcp      pickle.loads of DCP's .metadata (the same save as plan_scale_dcp.py builds);
@@ -47,7 +47,7 @@ from ckptio.distributed import collective, wire
 from ckptio.distributed.dist import Solo
 from ckptio.format import manifest
 from ckptio.format.types import Chunk, Manifest, Read, RegularTensor
-from ckptio.loading.read import plan_spans
+from ckptio.loading.span_plan import plan_spans
 from ckptio.loading.resolve_regular import expand, overlapping
 from ckptio.planning.regular_items import Regular
 

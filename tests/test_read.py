@@ -22,6 +22,7 @@ from ckptio.format import manifest
 from ckptio.format.types import Chunk, Read, TensorEntry
 from ckptio.io import posix
 from ckptio.loading import read as read_module
+from ckptio.loading.span_plan import plan_spans
 from ckptio.alignment import BLOCK, align_up
 from ckptio.planning.layout import coalesce_reads
 from ckptio.storage.local.local_store import LocalStore
@@ -137,13 +138,13 @@ def test_plan_spans_whole_entry_is_one_span_and_a_region_block_spans():
     entry = TensorEntry("w", "tensor", "float32", (1024, 1024), Chunk.whole((1024, 1024)), "f",
                         BLOCK, 4 * MiB, "00", blocks=tuple("0" * 16 for _ in range(16)))
     a, b = torch.empty(1024, 1024), torch.empty(1024, 1024)
-    (whole,) = read_module.plan_spans([Read.of(entry, a), Read.of(entry, b)], 256 * KiB, MiB)
+    (whole,) = plan_spans([Read.of(entry, a), Read.of(entry, b)], 256 * KiB, MiB)
     assert whole.whole and (whole.offset, whole.nbytes) == (entry.offset, entry.nbytes)
     assert whole.dests == [a, b]  # two destinations, one read of the entry
     rows = Read("w", (entry,), Chunk((100, 0), (10, 1024)), torch.empty(10, 1024))
-    (span,) = read_module.plan_spans([rows], 256 * KiB, MiB)
+    (span,) = plan_spans([rows], 256 * KiB, MiB)
     assert not span.whole and (span.offset, span.nbytes) == (entry.offset + 256 * KiB, 256 * KiB)
-    both = read_module.plan_spans([Read.of(entry, a), rows], 256 * KiB, MiB)
+    both = plan_spans([Read.of(entry, a), rows], 256 * KiB, MiB)
     assert not any(s.whole for s in both)
     covered = sorted((s.offset, s.end) for s in both)
     assert covered[0][0] == entry.offset and covered[-1][1] == entry.offset + entry.nbytes

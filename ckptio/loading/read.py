@@ -3,19 +3,19 @@
 A load hands over Reads (format/types.py): a region of a global tensor, the stored chunks that
 hold it, a destination. Each becomes spans of stored entries, the unit one checksum covers.
 
-Call order: ``read_regions`` (version 4 entries through loading/coded_reads.py) -> ``plan_spans``
-(whole entries as one span, other regions as pieces widened to whole checksum blocks: the
-rules are on plan_spans) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP
-share one aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool
-(``_run``: what is checked where, and in what order) -> bytes checked, then copied into the
+Call order: ``read_regions`` (version 4 entries through loading/coded_reads.py) ->
+``plan_spans`` (span_plan.py: whole entries as one span, other regions as pieces widened to whole
+checksum blocks) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP share one
+aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool (``_run``:
+what is checked where, and in what order) -> bytes checked, then copied into the
 destinations. Partly wanted checksum blocks go through the page cache, or come from memory
 where the load holds them (``known``: received from another rank; shared_blocks.py).
 
-Owns: Reads -> spans, the read-ahead loop, truncation checks, copying into destinations. Does
-not own: the checksum comparisons (checks.py), which regions are wanted (matching.py, fill_plan.py), the piece
-arithmetic (reshard.py), coalescing (layout.py), the files (opened by name through the store's
-StoreFiles, storage/files.py), the I/O (io) or how one read is cut into direct and cached
-parts (shared_blocks.py).
+Owns: the read-ahead loop, truncation checks, copying into destinations. Does not own: Reads ->
+spans (span_plan.py), the checksum comparisons (checks.py), which regions are wanted (matching.py,
+fill_plan.py), the piece arithmetic (reshard.py), coalescing (layout.py), the files (opened by
+name through the store's StoreFiles, storage/files.py), the I/O (io) or how one read is cut
+into direct and cached parts (shared_blocks.py).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ckptio.alignment import BLOCK, align_down, align_up
+from ckptio.alignment import align_up
 from ckptio.distributed.readshare import Known
 from ckptio.errors import CorruptCheckpointError
-from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange, TensorEntry
+from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Read, ReadRange
 from ckptio.io import FileHandle
 from ckptio.io.buffers import Buffer, copy_in, move_in, torch_dtype, typed
 from ckptio.io.stage import StagingPool
@@ -40,138 +40,13 @@ from ckptio.loading import direct_reads
 from ckptio.loading.checks import Checker
 from ckptio.loading.coded_reads import is_coded, read_coded
 from ckptio.loading.shared_blocks import Seen, submit_parts
+from ckptio.loading.span_plan import Span, in_one_read, plan_spans
 from ckptio.planning.layout import MAX_GAP, coalesce_reads
-from ckptio.planning.reshard import (
-    Piece,
-    execute,
-    plan_reads,
-    region_of,
-    stored_from_entry,
-)
+from ckptio.planning.reshard import execute
 from ckptio.storage.entry_reader import EntryReader
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["read_regions"]
-
-Dest = torch.Tensor | None  # None: read and verified, copied nowhere
-Parts = dict[int, tuple[TensorEntry, list[tuple[Piece, Dest]]]]  # id(entry) -> its pieces
-
-
-@dataclass(eq=False)
-class _Span:
-    """Bytes [offset, offset + nbytes) of stored entry ``entry`` that one check covers: the whole
-    entry (``whole``: its checksum; copied into each of ``dests``, maybe over several reads) or
-    whole checksum blocks of it (within one read; copied out as ``pieces``)."""
-
-    entry: TensorEntry
-    offset: int
-    nbytes: int
-    whole: bool
-    dests: list[torch.Tensor] = field(default_factory=list)
-    pieces: list[tuple[Piece, Dest]] = field(default_factory=list)
-
-    @property
-    def file(self) -> str:
-        return self.entry.file
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
-
-
-# ------------------------------------------------------------------------------------------------
-# planning: Reads -> spans
-
-
-def plan_spans(reads: Sequence[Read], block_nbytes: int, buffer_bytes: int) -> list[_Span]:
-    """Every read as spans: a whole entry as one span (however many reads want it), other
-    regions as pieces widened to whole blocks and grouped per entry into spans that fit one
-    buffer with their alignment. An entry wanted whole and in part is planned in part only.
-
-    * a Read of one whole entry (the same layout) is one span over the entry, checked against
-      the entry's whole checksum; it may spread over several reads, and its bytes are copied in
-      as they arrive (an entry within one read is checked before a byte of it is copied);
-    * any other Read is cut into pieces (reshard.plan_reads), each widened to whole checksum
-      blocks of its entry (Manifest.block_nbytes) and grouped per entry into spans that fit
-      one buffer, whose blocks are checked before a byte of them is copied out.
-
-    An entry one Read wants whole and another in part is read in part (block by block) only,
-    so no byte is read twice. An entry whose bytes lie in another order of its dims
-    (``TensorEntry.order``: a DCP or torch.save tensor saved transposed) is read whole into a
-    tensor in that order, and the region wanted of it is copied out permuted back once the
-    read is done (read_regions)."""
-    limit = max(buffer_bytes - 2 * BLOCK, 4 * block_nbytes)  # larger than a buffer: a one-off
-    max_read = limit - 2 * block_nbytes
-    wholes: dict[int, _Span] = {}
-    parts: Parts = {}
-    for read in reads:
-        entry = read.whole
-        if entry is None:
-            _add_pieces(parts, read.key, read.entries, read.region, read.dest, max_read)
-            continue
-        span = wholes.setdefault(id(entry), _Span(entry, entry.offset, entry.nbytes, True))
-        if read.dest is not None:
-            span.dests.append(read.dest)
-    for key in [key for key in wholes if key in parts]:  # one plan for the entry: none read twice
-        span = wholes.pop(key)
-        dests: list[torch.Tensor | None] = [*span.dests] or [None]
-        for dest in dests:
-            _add_pieces(parts, span.entry.key, (span.entry,), span.entry.chunk, dest, max_read)
-    return [*wholes.values(), *_block_spans(parts, block_nbytes, limit)]
-
-
-def _add_pieces(parts: Parts, key: str, entries: tuple[TensorEntry, ...], region: Chunk,
-                dest: Dest, max_read: int) -> None:
-    """The pieces (reshard.plan_reads) that fill ``region`` of ``key`` from ``entries``."""
-    head = entries[0]
-    try:
-        stored = [stored_from_entry(e) for e in entries]
-        pieces = plan_reads(stored, region_of(region), head.shape, DTYPE_ITEMSIZE[head.dtype],
-                            max_read)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"key {key!r}: {exc}") from None
-    for piece in pieces:
-        entry = entries[piece.source]
-        parts.setdefault(id(entry), (entry, []))[1].append((piece, dest))
-
-
-def _block_spans(parts: Parts, block_nbytes: int, limit: int) -> list[_Span]:
-    """Each entry's pieces, widened to whole blocks, as spans of at most ``limit`` bytes."""
-    spans: list[_Span] = []
-    for entry, pieces in parts.values():
-        current: _Span | None = None
-        for piece, dest in sorted(pieces, key=lambda pd: pd[0].offset):
-            lo, hi = _blocks(entry, piece, block_nbytes)
-            if current is not None and max(hi, current.end) - current.offset <= limit:
-                current.nbytes = max(hi, current.end) - current.offset
-            else:
-                current = _Span(entry, lo, hi - lo, False)
-                spans.append(current)
-            current.pieces.append((piece, dest))
-    return spans
-
-
-def _blocks(entry: TensorEntry, piece: Piece, block_nbytes: int) -> tuple[int, int]:
-    """The piece's byte range widened to whole blocks of its entry (file offsets)."""
-    start = piece.offset - entry.offset
-    lo = align_down(start, block_nbytes)
-    hi = min(align_up(start + piece.nbytes, block_nbytes), entry.nbytes)
-    return entry.offset + lo, entry.offset + hi
-
-
-def _in_one_read(span: _Span) -> bool:
-    """Block spans are checked whole within one read; a whole entry may spread over several,
-    except one at an offset that is not a multiple of its itemsize (a foreign checkpoint's, e.g.
-    DCP's) going to a non-contiguous destination: read boundaries would cut its elements, which
-    only a contiguous destination takes byte by byte (_copy_whole)."""
-    if not span.whole:
-        return True
-    return _misaligned(span.entry) and any(not d.is_contiguous() for d in span.dests)
-
-
-def _misaligned(entry: TensorEntry) -> bool:
-    return entry.offset % DTYPE_ITEMSIZE[entry.dtype] != 0
-
 
 # ------------------------------------------------------------------------------------------------
 # the read-ahead loop
@@ -216,7 +91,7 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
         with pool.held_back():  # its pre-fault (for later saves) waits: these reads need no pool
             nbytes = direct_reads.read(source, direct, checker)
     ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
-                            in_one_read=_in_one_read)
+                            in_one_read=in_one_read)
     nbytes += _run(ranges, pool, source, depth, checker, known)
     with torch.no_grad():
         for read, staged in permuted:
@@ -265,7 +140,7 @@ class _InFlight:
     whose spans all check on their own, its check and copy, run by the I/O thread that read it
     (None: the loop applies it, in order)."""
 
-    range: ReadRange[_Span]
+    range: ReadRange[Span]
     pool: StagingPool
     own: bool
     buffer: Buffer
@@ -287,7 +162,7 @@ def _give_back(pool: StagingPool, own: bool, buffer: Buffer) -> None:
         pool.close()
 
 
-def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, depth: int,
+def _run(ranges: list[ReadRange[Span]], pool: StagingPool, source: StoreFiles, depth: int,
          checker: Checker, known: Known | None = None) -> int:
     """Keep up to ``2 * depth`` reads in flight (and no more than the pool has buffers). A read
     whose spans all check on their own is checked and copied out by the I/O thread that read it,
@@ -332,7 +207,7 @@ def _run(ranges: list[ReadRange[_Span]], pool: StagingPool, source: StoreFiles, 
     return nbytes
 
 
-def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], pool: StagingPool,
+def _submit(rng: ReadRange[Span], handles: dict[tuple[str, bool], FileHandle], pool: StagingPool,
             source: StoreFiles, checker: Checker, stop: threading.Event,
             ready: Callable[[], bool] | None, known: Known | None,
             seen: Seen) -> _InFlight | None:
@@ -358,7 +233,7 @@ def _submit(rng: ReadRange[_Span], handles: dict[tuple[str, bool], FileHandle], 
     return flight
 
 
-def _checks_alone(rng: ReadRange[_Span]) -> bool:
+def _checks_alone(rng: ReadRange[Span]) -> bool:
     """Whether every span of the read is checked within it: block spans and whole entries that
     lie inside it (not a whole entry hashed across several reads)."""
     end = rng.offset + rng.nbytes
@@ -380,7 +255,7 @@ def _apply_there(flight: _InFlight, applied: Future[int], read: Future[int], che
         applied.set_result(got)
 
 
-def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: Checker) -> None:
+def _apply(rng: ReadRange[Span], buffer: Buffer, got: int, checker: Checker) -> None:
     """Check and copy out each span's part of a completed read of ``got`` bytes."""
     for span in rng.entries:
         lo, hi = max(span.offset, rng.offset), min(span.end, rng.offset + rng.nbytes)
@@ -399,7 +274,7 @@ def _apply(rng: ReadRange[_Span], buffer: Buffer, got: int, checker: Checker) ->
             _copy_pieces(span, buffer.data[start:start + hi - lo])
 
 
-def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> None:
+def _copy_whole(span: Span, buffer: Buffer, start: int, lo: int, hi: int) -> None:
     """File bytes [lo, hi) of a whole entry, at ``start`` of the buffer, into its destinations."""
     if not span.dests:
         return
@@ -407,7 +282,7 @@ def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> No
     itemsize = DTYPE_ITEMSIZE[entry.dtype]
     at = lo - entry.offset
     if at % itemsize or (hi - lo) % itemsize:  # a misaligned entry cut by a read boundary
-        for dest in span.dests:  # contiguous (_in_one_read): its bytes, in order
+        for dest in span.dests:  # contiguous (in_one_read): its bytes, in order
             dest.reshape(-1).view(torch.uint8)[at:at + hi - lo].copy_(
                 buffer.data[start:start + hi - lo])
         return
@@ -419,7 +294,7 @@ def _copy_whole(span: _Span, buffer: Buffer, start: int, lo: int, hi: int) -> No
             copy_in(src, dest, at // itemsize, (hi - lo) // itemsize)
 
 
-def _copy_pieces(span: _Span, data: torch.Tensor) -> None:
+def _copy_pieces(span: Span, data: torch.Tensor) -> None:
     """A block span's bytes (``data``, uint8) into the destinations of its pieces."""
     dtype = torch_dtype(span.entry.dtype)
     for piece, dest in span.pieces:
