@@ -1,6 +1,7 @@
 """The IOBackend checks that bytes land where they are written: many sizes at many offsets,
-offsets past 4 GiB, many requests in flight, several files at once, preallocation, and
-unwritten bytes reading as zeros; each read back through the backend and through the store.
+offsets too large for a narrow offset field, many requests in flight, several files at once,
+preallocation, and unwritten bytes reading as zeros; each read back through the backend and
+through the store.
 
 Call order: each ``check_*(factory)`` runs one group of checks and raises AssertionError (or
 the backend's own error); io_conformance.py runs them all, or as pytest tests.
