@@ -4,7 +4,7 @@ closed if a check fails, and what the store itself holds (read past the backend 
 
 Call order: a check opens a StoreFiles with ``opened(factory)``, its handles with
 ``open_handles(files)``, buffers from ``staging_pool``; it waits on each request with
-``result_of`` (a bounded wait: a hang fails, no time is measured).
+``result_of`` (a bounded wait: a hang fails; speed is not checked).
 
 Owns: these helpers. Does not own: the checks (io_checks_data.py, io_checks_refusals.py,
 io_checks_lifecycle.py), the suite's entry points (io_conformance.py), the backends
