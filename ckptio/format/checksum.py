@@ -197,7 +197,7 @@ class EntryHashers:
         """update() of each piece (entry index, start in ``view``, nbytes), in order. The pieces
         that are a whole entry of at most one block are hashed by one ``map`` over them where
         the algorithm has a one-shot digest (xxh3_64): no Python per entry."""
-        one = _ONE_SHOT.get(self.algorithm)
+        one = xxhash.xxh3_64_hexdigest if self.algorithm in _ONE_SHOT else None
         rest: Sequence[tuple[int, int, int]] | compress[tuple[int, int, int]] = pieces
         if one is not None and pieces:
             indices = list(map(_FIRST, pieces))
@@ -233,9 +233,8 @@ class EntryHashers:
         return hasher.digests()
 
 
-# an algorithm's digest of one buffer at once, where it has one that needs no Python per call
-_ONE_SHOT: dict[str, Callable[[memoryview], str]] = {"xxh3_64": xxhash.xxh3_64_hexdigest,
-                                                     TREE: xxhash.xxh3_64_hexdigest}
+# the algorithms whose digest of one buffer at once needs no Python per call (xxh3_64's)
+_ONE_SHOT = frozenset({"xxh3_64", TREE})
 _FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
