@@ -24,9 +24,11 @@ Does not own: where checksums are stored (manifest.py) or when they are checked 
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from itertools import compress, repeat
+from typing import Protocol, cast
 
 import xxhash
 
@@ -191,6 +193,37 @@ class EntryHashers:
             hasher = self._hashers[index] = BlockHasher(self.algorithm, self.block_nbytes)
         hasher.update(data)
 
+    def update_pieces(self, view: memoryview, pieces: Sequence[tuple[int, int, int]]) -> None:
+        """update() of each piece (entry index, start in ``view``, nbytes), in order. The pieces
+        that are a whole entry of at most one block are hashed by one ``map`` over them where
+        the algorithm has a one-shot digest (xxh3_64): no Python per entry."""
+        one = xxhash.xxh3_64_hexdigest if self.algorithm in _ONE_SHOT else None
+        rest: Sequence[tuple[int, int, int]] | compress[tuple[int, int, int]] = pieces
+        if one is not None and pieces:
+            indices = list(map(_FIRST, pieces))
+            starts = list(map(_SECOND, pieces))
+            sizes = list(map(_THIRD, pieces))
+            whole = list(map(operator.and_, map(operator.eq, sizes,
+                                                map(self._sizes.__getitem__, indices)),
+                             map(operator.le, sizes, repeat(self.block_nbytes))))
+            if True in whole:
+                views = map(view.__getitem__, map(slice, compress(starts, whole),
+                                                  map(operator.add, compress(starts, whole),
+                                                      compress(sizes, whole))))
+                self._whole.update(zip(compress(indices, whole), map(one, views)))
+                rest = compress(pieces, map(operator.not_, whole))
+        for index, start, n in rest:
+            self.update(index, view[start:start + n])
+
+    def all_digests(self, count: int) -> list[tuple[str, tuple[str, ...]]]:
+        """digests() of entries 0 to ``count`` - 1, those hashed at once by one ``map``."""
+        wholes = list(map(self._whole.get, range(count)))
+        out = cast("list[tuple[str, tuple[str, ...]]]", list(zip(wholes, repeat(()))))
+        if None in wholes:  # entries hashed by a BlockHasher, or given no bytes
+            for index in compress(range(count), map(operator.is_, wholes, repeat(None))):
+                out[index] = self.digests(index)
+        return out
+
     def digests(self, index: int) -> tuple[str, tuple[str, ...]]:
         """BlockHasher.digests() of entry ``index`` (an entry given no bytes: the empty one's)."""
         whole = self._whole.get(index)
@@ -198,6 +231,11 @@ class EntryHashers:
             return whole, ()
         hasher = self._hashers.get(index) or BlockHasher(self.algorithm, self.block_nbytes)
         return hasher.digests()
+
+
+# the algorithms whose digest of one buffer at once needs no Python per call (xxh3_64's)
+_ONE_SHOT = frozenset({"xxh3_64", TREE})
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
 def entry_checksum(algorithm: str, block_nbytes: int, data: memoryview | bytes) -> str:

@@ -35,6 +35,7 @@ def check_keys(manifest: Manifest, where: str) -> None:
 
 
 _KEY_FIELDS = operator.attrgetter("key", "rank", "chunk", "kind", "dtype", "shape")
+_OBJECT_KEY_FIELDS = operator.attrgetter("key", "rank")
 
 
 class KeysPassed:
@@ -64,7 +65,7 @@ def _key_inputs(m: Manifest) -> tuple[Any, ...] | None:
         tree = marshal.dumps(m.tree, 0)
     except ValueError:
         return None
-    return (tuple(map(_KEY_FIELDS, m.tensors)), tuple((o.key, o.rank) for o in m.objects),
+    return (tuple(map(_KEY_FIELDS, m.tensors)), tuple(map(_OBJECT_KEY_FIELDS, m.objects)),
             m.aliases, tree, tuple(r.key for r in m.regular))
 
 

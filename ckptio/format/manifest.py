@@ -13,6 +13,7 @@ loading/read.py).
 from __future__ import annotations
 
 import json
+import operator
 import re
 import zlib
 from itertools import accumulate
@@ -47,7 +48,12 @@ MAX_JSON_DEPTH = 3 * MAX_TREE_DEPTH + 32  # a dict level of the tree is 3 bracke
 def version_for(tensors: tuple[TensorEntry, ...]) -> int:
     """The version a save of these entries writes: 4 if one is compressed, referenced or an
     XOR delta, else 3 (an older ckptio reads it)."""
-    return VERSION_CODED if any(t.coded for t in tensors) else VERSION
+    coded = (list(map(_STORED, tensors)).count(None) < len(tensors)  # TensorEntry.coded,
+             or list(map(_DELTA, tensors)).count(None) < len(tensors))  # by map
+    return VERSION_CODED if coded else VERSION
+
+
+_STORED, _DELTA = operator.attrgetter("stored"), operator.attrgetter("delta")
 
 
 def bases_of(manifest: Manifest) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ check (loading/param_check.py), how the values are stored (plan.py).
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free at import: ckptio diff and ls skip the names (is_marker)
@@ -29,6 +31,7 @@ __all__ = ["KEY", "TORCH_KEY", "by_name", "is_marker", "module_names", "name_gro
            "rekey", "without_names", "wanted_names"]
 
 KEY = "ckptio_param_names"
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 TORCH_KEY = "param_names"  # torch's named optimizers' own
 
 
@@ -44,17 +47,17 @@ def module_names(state: Any, depth: int = 0) -> dict[int, str]:
     import torch
 
     out: dict[int, str] = {}
-    if isinstance(state, torch.nn.Module):
-        for fqn, param in state.named_parameters():
-            out.setdefault(id(param), fqn)
-        return out
+    if isinstance(state, torch.nn.Module):  # (named_parameters gives each parameter once)
+        pairs = list(state.named_parameters())
+        return dict(zip(map(id, map(_SECOND, pairs)), map(_FIRST, pairs)))
     if depth > 8:
         return out
     children = (state.values() if isinstance(state, dict)
                 else state if isinstance(state, (list, tuple)) else ())
     for child in children:
-        for key, name in module_names(child, depth + 1).items():
-            out.setdefault(key, name)
+        found = module_names(child, depth + 1)  # a fresh dict: the names found first win
+        found.update(out)
+        out = found
     return out
 
 
@@ -63,7 +66,8 @@ def wanted_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
     named optimizers) or a parameter has no name in ``names``."""
     if any(TORCH_KEY in group for group in optimizer.param_groups):
         return None
-    out = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
+    out = [list(map(names.get, map(id, group["params"]), repeat("")))
+           for group in optimizer.param_groups]
     return None if any("" in group for group in out) else out
 
 

@@ -121,8 +121,9 @@ class _Template:
         return (small == self.small and len(fields) == len(self.fields)
                 and all(map(is_, fields, self.fields)))
 
-    def fill(self, m: Manifest) -> str | None:
-        """This save's body text, or None where a per-save field is not a plain str."""
+    def fill(self, m: Manifest, objects: str | None = None) -> str | None:
+        """This save's body text, or None where a per-save field is not a plain str.
+        ``objects``: the JSON text of ``m.objects`` where the caller has it."""
         ts, at = m.tensors, self.with_blocks
         names, files, sums = list(map(_NAME, m.files)), list(map(_FILE, ts)), list(map(_CHECKSUM, ts))
         blocks = list(map(_BLOCKS, itemgetter(*at)(ts) if len(at) > 1 else [ts[i] for i in at]))
@@ -131,7 +132,8 @@ class _Template:
             return None
         values = [_quoted(m.save_id), *map(_quoted, names), *map(_quoted, files),
                   *map(_quoted, sums), *map(",".join, map(partial(map, _quoted), blocks)),
-                  _dumps(_objects_json(m.objects)), _dumps(m.meta)]
+                  _dumps(_objects_json(m.objects)) if objects is None else objects,
+                  _dumps(m.meta)]
         out: list[str] = [""] * (2 * len(self.pieces) - 1)
         out[0::2] = self.pieces
         out[1::2] = self.order(values)
@@ -204,13 +206,16 @@ class Templates:
     """The templates of the layouts one saver encodes (a save group's plan memory,
     collective.Memory, owns one): layouts seen once, templates by key, the one used last."""
 
-    __slots__ = ("_lock", "_seen", "_templates", "_last")
+    __slots__ = ("_lock", "_seen", "_templates", "_last", "_objects")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the tables, shared by the threads that encode
         self._seen: dict[bytes, None] = {}  # keys of layouts seen once, the oldest first
         self._templates: dict[bytes, _Template | None] = {}  # None: the layout has none
         self._last: _Template | None = None  # the template used last
+        # the objects of the last body filled and their JSON text: a steady save's objects are
+        # the very entries of the last one (the plan keeps them while equal, plan.PlanCache)
+        self._objects: tuple[tuple[ObjectEntry, ...], str] = ((), "[]")
 
     def body_text(self, m: Manifest) -> str:
         """The body's JSON text: the template's of ``m``'s layout where there is one, else in
@@ -222,8 +227,17 @@ class Templates:
         template = self._last
         if template is None or not template.holds(small, fields):
             template = self._template(m, small, fields)
-        text = template.fill(m) if template is not None else None
+        text = template.fill(m, self._objects_text(m.objects)) if template is not None else None
         return full_text(m) if text is None else text
+
+    def _objects_text(self, objects: tuple[ObjectEntry, ...]) -> str:
+        """The JSON text of ``objects``: the last one's where they are the very same entries
+        (compared by one ``map``), else encoded (and kept)."""
+        last, text = self._objects
+        if len(objects) != len(last) or not all(map(is_, objects, last)):
+            text = _dumps(_objects_json(objects))
+            self._objects = (tuple(objects), text)
+        return text
 
     def _template(self, m: Manifest, small: bytes, fields: list[Any]) -> _Template | None:
         """The template of ``m``'s layout, by its key (``small`` and the entries' fields, as

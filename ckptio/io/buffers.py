@@ -5,7 +5,8 @@ host or CUDA) and those bytes.
 ``typed`` views a range of it as a dtype; ``copy_out`` / ``move_out`` put a tensor's elements
 into bytes, ``copy_in`` / ``move_in`` take them back out (``move_*``: one memmove for a plain,
 contiguous host tensor, no torch kernel); ``element_blocks`` walks a strided tensor as views;
-``torch_dtype`` names a dtype. Device->host copies are non_blocking on whatever stream is
+``move_many`` is move_out over a run of tensors, checked and copied by ``map`` (no Python per
+tensor); ``torch_dtype`` names a dtype. Device->host copies are non_blocking on whatever stream is
 current: the caller owns streams and events.
 
 Owns: the copies and the dtype names. Does not own: the memory a Buffer lies in, its pool and
@@ -15,8 +16,10 @@ its admission (io/stage.py), what is copied where (saving/persist.py, loading/re
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -26,7 +29,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE
 MAX_KEPT_VIEWS = 4096  # views kept per buffer (Buffer.view_at); beyond, they are made afresh
 
 __all__ = ["MAX_KEPT_VIEWS", "Buffer", "copy_in", "copy_out", "element_blocks", "move_in",
-           "move_out", "torch_dtype", "typed"]
+           "move_many", "move_out", "torch_dtype", "torch_dtypes", "typed"]
 
 
 @dataclass
@@ -84,6 +87,14 @@ def torch_dtype(name: str) -> torch.dtype:
 _DTYPES: dict[str, torch.dtype] = {}  # torch_dtype's answers
 
 
+def torch_dtypes(names: Sequence[str]) -> list[torch.dtype]:
+    """torch_dtype of each name (the known ones looked up by one ``map``)."""
+    known = list(map(_DTYPES.get, names))
+    if None in known:
+        known = [torch_dtype(name) for name in names]
+    return known  # type: ignore[return-value]  # no None left
+
+
 def typed(buffer: Buffer, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     """Bytes [start, start+nbytes) of a buffer as a 1-D tensor of ``dtype``."""
     itemsize = dtype.itemsize
@@ -130,9 +141,6 @@ def copy_out(src: torch.Tensor, start: int, count: int, dst: torch.Tensor) -> No
         pos += n
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def move_in(buffer: Buffer, start: int, nbytes: int, dst: torch.Tensor, dtype: torch.dtype,
             at: int) -> bool:
     """Bytes [start, start + nbytes) of ``buffer`` into bytes [at, at + nbytes) of ``dst`` by
@@ -162,6 +170,47 @@ def move_out(src: torch.Tensor, dtype: torch.dtype, buffer: Buffer, start: int,
         return False
     ctypes.memmove(buffer.data.data_ptr() + start, src.data_ptr(), nbytes)
     return True
+
+
+def move_many(srcs: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], buffer: Buffer,
+              starts: Sequence[int], sizes: Sequence[int], max_nbytes: int) -> int:
+    """move_out of each of ``srcs`` in order (its ``sizes[i]`` bytes into bytes from
+    ``starts[i]`` of ``buffer``, within it), for the leading ones move_out takes that are of 1 to
+    ``max_nbytes`` bytes; -> how many were moved (the first that is not: not copied). The same
+    rule as move_out's (_plain_host), read from every tensor by one ``map`` per field, and one
+    memmove each, also by ``map``: no Python runs per tensor (a save's capture of thousands of
+    small tensors held the GIL in that Python)."""
+    plain = list(map(_PLAIN_TYPES.__contains__, map(type, srcs)))
+    count = plain.index(False) if False in plain else len(plain)
+    ts = srcs[:count]  # the others' fields are not read (a subclass may compute them)
+    ok = list(map(operator.le, sizes[:count], repeat(max_nbytes)))
+    for flags in (map(bool, sizes[:count]), map(_IS_CPU, ts),
+                  map(operator.is_, map(_DTYPE, ts), dtypes),
+                  map(operator.is_, map(_LAYOUT, ts), repeat(torch.strided)),
+                  map(_CONTIGUOUS, ts), map(operator.not_, map(_CONJ, ts)),
+                  map(operator.not_, map(_NEG, ts)), map(operator.not_, map(_INFERENCE, ts)),
+                  map(operator.eq, map(_NBYTES, ts), sizes)):
+        ok = list(map(operator.and_, ok, flags))
+    count = ok.index(False) if False in ok else count
+    if not count:
+        return 0
+    if min(starts[:count]) < 0 or max(map(operator.add, starts[:count], sizes)) > len(buffer.view):
+        raise CkptError("move_many: a copy reaches outside its buffer (internal)")
+    list(map(ctypes.memmove, map(buffer.address.__add__, starts[:count]),
+             map(_DATA_PTR, srcs[:count]), sizes[:count]))
+    return count
+
+
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_IS_CPU = operator.attrgetter("is_cpu")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_NBYTES = operator.attrgetter("nbytes")
+_CONTIGUOUS = operator.methodcaller("is_contiguous")
+_CONJ = operator.methodcaller("is_conj")
+_NEG = operator.methodcaller("is_neg")
+_INFERENCE = operator.methodcaller("is_inference")
+_DATA_PTR = operator.methodcaller("data_ptr")
 
 
 def copy_in(src: torch.Tensor, dst: torch.Tensor, start: int, count: int) -> None:

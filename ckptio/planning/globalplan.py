@@ -17,6 +17,7 @@ torch, no collectives (dist.py moves the bytes, wire.py encodes them).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -226,11 +227,17 @@ def per_rank_keys(ranks: Sequence[RankPlan]) -> frozenset[str]:
     return frozenset(own)
 
 
+_RANK = operator.attrgetter("rank")
+
+
 def objects_of(ranks: Sequence[RankPlan]) -> tuple[ObjectEntry, ...]:
     """An object equal on every rank holding it is stored once; otherwise once per rank. A
     rank's entry is kept as it is where it fits (no new object per leaf and save)."""
     if len(ranks) == 1:
-        return tuple(e if e.rank is None else ObjectEntry(e.key, e.value) for e in ranks[0].objects)
+        objects = ranks[0].objects
+        if list(map(_RANK, objects)).count(None) == len(objects):  # as they are: one map
+            return tuple(objects)
+        return tuple(e if e.rank is None else ObjectEntry(e.key, e.value) for e in objects)
     by_key: dict[str, list[tuple[int, ObjectEntry]]] = {}
     for plan in ranks:
         for entry in plan.objects:
@@ -336,6 +343,9 @@ def manifest_entries(plans: Sequence[RankPlan], assignments: Sequence[Assignment
         if set(entries) != set(assignment.writes):
             raise CkptError(f"rank {plan.rank} reported written items {sorted(entries)[:5]}... "
                             f"for assigned items {list(assignment.writes)[:5]}...")
+        if not assignment.own:  # no rank's own values: the entries as they are, by one map
+            out.extend(map(entries.__getitem__, assignment.writes))
+            continue
         for index in assignment.writes:
             entry = entries[index]
             if index in assignment.own:

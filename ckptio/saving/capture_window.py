@@ -1,8 +1,9 @@
 """One file's bytes of a save's capture, in offset order, through one buffer at a time.
 
 Call order: persist.SaveJob.capture opens a ``Window`` per data file, ``put``s each placed item
-at its offset (zeroed padding between), ``close``s it at the padded file size, and ``abandon``s
-it in any case; each full buffer goes back to the job through ``Sink.hand_off``.
+at its offset (zeroed padding between; a mapped save's runs of small host tensors by
+``put_run``, with no Python per tensor), ``close``s it at the padded file size, and
+``abandon``s it in any case; each full buffer goes back to the job through ``Sink.hand_off``.
 
 Owns: filling a buffer (grouped copies of small host tensors, one memmove, one copy_, or a
 large tensor split across buffers), the pieces of each buffer (which entry, where, how many
@@ -12,13 +13,18 @@ checksums, writes and streams (persist.py, copy_streams.py), where items go (lay
 
 from __future__ import annotations
 
+import ctypes
+import operator
+from bisect import bisect_right
+from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Protocol
 
 import torch
 
 from ckptio.alignment import align_up
 from ckptio.format.types import DTYPE_ITEMSIZE
-from ckptio.io.buffers import Buffer, copy_out, move_out, torch_dtype, typed
+from ckptio.io.buffers import Buffer, copy_out, move_many, move_out, torch_dtype, typed
 from ckptio.saving.grouped import Groups
 from ckptio.saving.mapped_regions import MappedTarget
 
@@ -110,6 +116,38 @@ class Window:
             self.pieces.append((index, self.filled, count * itemsize))
             self.filled += count * itemsize
             done += count
+
+    def put_run(self, offsets: Sequence[int], sizes: Sequence[int], ends: Sequence[int],
+                sources: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], first: int,
+                stop: int, index: int) -> int:
+        """The placed items from ``first`` (before ``stop``; the file's offsets, byte sizes,
+        ends, sources and dtypes in placement order, entry indices from ``index``) that lie in
+        the current buffer and are small plain host tensors, each copied by one memmove, read
+        and copied by ``map`` over the run (buffers.move_many; zeroed padding between them
+        once); -> how many (0: none, ``put`` takes the next one). Only into a mapped save's
+        regions: the pool's buffers group their small tensors (``put``)."""
+        buffer = self.buffer
+        if self.grouping or buffer is None or self.filled == buffer.nbytes:
+            return 0
+        start = self.start
+        last = bisect_right(ends, start + buffer.nbytes, first, stop)
+        if last - first < 2 or offsets[first] < start + self.filled:
+            return 0
+        if offsets[first] != start + self.filled:
+            self.pad_to(offsets[first])
+        at = list(map(operator.sub, offsets[first:last], repeat(start)))
+        count = move_many(sources[first:last], dtypes[first:last], buffer, at,
+                          sizes[first:last], MEMMOVE_MAX_NBYTES)
+        if not count:
+            return 0
+        end = first + count
+        if offsets[first + 1:end] != ends[first:end - 1]:  # padding between: zeroed, once
+            for gap, following in zip(ends[first:end - 1], offsets[first + 1:end]):
+                if following != gap:
+                    ctypes.memset(buffer.address + gap - start, 0, following - gap)
+        self.pieces.extend(zip(range(index, index + count), at, sizes[first:end]))
+        self.filled = ends[end - 1] - start
+        return count
 
     def close(self, file_nbytes: int) -> None:
         """Zero the tail up to the padded file size and hand off the last (BLOCK-aligned) buffer."""

@@ -16,10 +16,12 @@ lazy capture copies last: after_step_tensors, lazy_order). Does not own: the sav
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -259,10 +261,19 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     storages: set[int] = set()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            storages.update(_storage(p) for p in group["params"])
-        for state in optimizer.state.values():
-            storages.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
+            storages.update(_storages(group["params"]))
+        values = [v for state in optimizer.state.values() for v in state.values()]
+        storages.update(_storages(list(compress(values, map(isinstance, values,
+                                                            repeat(torch.Tensor))))))
     return storages
+
+
+def _storages(ts: Sequence[torch.Tensor]) -> list[int]:
+    """_storage of each of ``ts``: by one ``map`` where they are all plain tensors."""
+    if (list(map(_PLAIN.__contains__, map(type, ts))).count(True) != len(ts)
+            or any(map(_DICT, ts))):
+        return [_storage(t) for t in ts]
+    return list(map(_DATA_PTR, map(_UNTYPED_STORAGE, ts)))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -273,6 +284,10 @@ def _storage(t: torch.Tensor) -> int:
 
 
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # their own storage: no local_tensor
+_DICT = operator.attrgetter("__dict__")
+_KEY = operator.attrgetter("key")
+_DATA_PTR = operator.methodcaller("data_ptr")
+_UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
@@ -281,11 +296,11 @@ def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
     """Items neither the optimizers nor ``after_step`` own first (copied before a lazy save
     returns), then theirs; -> (items, how many come first)."""
     owned = optimizer_storages(optimizers) | {_storage(t) for t in after_step}
-    eager: list[WriteItem] = []
-    lazy: list[WriteItem] = []
-    for item in items:
-        (lazy if sources[item.key].untyped_storage().data_ptr() in owned else eager).append(item)
-    return tuple(eager + lazy), len(eager)
+    # by map over the items (no Python per tensor): whether each one's storage is owned
+    mine = list(map(owned.__contains__, map(_DATA_PTR, map(_UNTYPED_STORAGE, map(
+        sources.__getitem__, map(_KEY, items))))))
+    eager = tuple(compress(items, map(operator.not_, mine)))
+    return eager + tuple(compress(items, mine)), len(eager)
 
 
 def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],

@@ -19,9 +19,11 @@ the pool (io/stage.py) or the order of a whole save (save_session.py).
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from ckptio.format.checksum import EntryHashers
 from ckptio.format.types import FileInfo, FileLayout, Placement, TensorEntry
 from ckptio.io import FileHandle
 from ckptio.io.worker import Calls
-from ckptio.io.buffers import Buffer
+from ckptio.io.buffers import Buffer, torch_dtypes
 from ckptio.io.stage import StagingPool
 from ckptio.saving.capture_window import Piece, Window
 from ckptio.saving.copy_streams import on_streams, ready_events, record_events, side_streams
@@ -42,6 +44,16 @@ from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob"]
 
+_OFFSET = operator.attrgetter("offset")
+_ITEM = operator.attrgetter("item")
+_NBYTES = operator.attrgetter("nbytes")
+_KEY = operator.attrgetter("key")
+_DTYPE = operator.attrgetter("dtype")
+_PIECE_NBYTES = operator.itemgetter(2)
+_KIND = operator.attrgetter("kind")
+_SHAPE = operator.attrgetter("shape")
+_CHUNK = operator.attrgetter("chunk")
+_CHECKSUM, _BLOCKS = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class Progress:
@@ -118,10 +130,26 @@ class SaveJob:
             for index, layout in enumerate(self.files):
                 window = Window(self, index)
                 try:
-                    for placement in layout.placements:
-                        window.put(placement.offset, placement.item, self.sources[placement.item.key],
-                                   captured)
-                        captured += 1
+                    # the placements' fields read by map, so that runs of small host tensors
+                    # are copied with no Python per tensor (Window.put_run)
+                    placements = layout.placements
+                    offsets = list(map(_OFFSET, placements))
+                    items = list(map(_ITEM, placements))
+                    sizes = list(map(_NBYTES, items))
+                    ends = list(map(operator.add, offsets, sizes))
+                    sources = list(map(self.sources.__getitem__, map(_KEY, items)))
+                    dtypes = torch_dtypes(list(map(_DTYPE, items)))
+                    at, count = 0, len(placements)
+                    while at < count:
+                        stop = (count if captured >= eager_items else
+                                min(count, at + eager_items - captured))
+                        took = window.put_run(offsets, sizes, ends, sources, dtypes, at, stop,
+                                              captured)
+                        if not took:
+                            window.put(offsets[at], items[at], sources[at], captured)
+                            took = 1
+                        at += took
+                        captured += took
                         if captured == eager_items and on_eager is not None:
                             window.groups.flush()
                             self._sync_streams()
@@ -186,7 +214,7 @@ class SaveJob:
             self.release(buffer)
             raise
         self._pending.append(task)
-        self.progress.nbytes_staged += sum(n for _i, _s, n in pieces)
+        self.progress.nbytes_staged += sum(map(_PIECE_NBYTES, pieces))
 
     def _hash_and_write(self, file: int, offset: int, buffer: Buffer, nbytes: int,
                         pieces: list[Piece], events: list[Any]) -> None:
@@ -196,8 +224,7 @@ class SaveJob:
             self._go.wait()
             if self._failure is not None:
                 raise CkptError("an earlier write of this save failed")
-            for index, start, n in pieces:
-                self._hashes.update(index, buffer.view[start:start + n])
+            self._hashes.update_pieces(buffer.view, pieces)
             if self.packer is not None or self.mapped is not None:
                 if self.packer is not None:
                     self.packer.take(buffer.view, pieces)
@@ -209,7 +236,7 @@ class SaveJob:
             self.release(buffer)
             self._fail(exc)
             raise
-        written = sum(n for _i, _s, n in pieces)
+        written = sum(map(_PIECE_NBYTES, pieces))
         with self._lock:
             self._writes_in_flight += 1
         future.add_done_callback(lambda f: self._written(f, buffer, written))
@@ -264,9 +291,16 @@ class SaveJob:
             index = min(self._handles)
             with self.activity.call("fsync", self.target.where(self.files[index].name)):
                 self.target.close(self._handles.pop(index), sync=True)
-        placed = ((f.name, p) for f in self.files for p in f.placements)
-        entries = [_entry(name, p, *self._hashes.digests(index))
-                   for index, (name, p) in enumerate(placed)]
+        # the manifest rows, by map over the items' fields (no Python per entry but its
+        # dataclass's __init__)
+        placed = [p for f in self.files for p in f.placements]
+        names = [f.name for f in self.files for _p in f.placements]
+        items = list(map(_ITEM, placed))
+        digests = self._hashes.all_digests(len(placed))
+        entries = list(map(TensorEntry, map(_KEY, items), map(_KIND, items), map(_DTYPE, items),
+                           map(_SHAPE, items), map(_CHUNK, items), names, map(_OFFSET, placed),
+                           map(_NBYTES, items), map(_CHECKSUM, digests), repeat(None),
+                           map(_BLOCKS, digests)))
         return entries, [FileInfo(f.name, f.nbytes, self.rank) for f in self.files]
 
     def _finish_packed(self, packer: Packer) -> tuple[list[TensorEntry], list[FileInfo]]:
@@ -295,13 +329,6 @@ class SaveJob:
             self.mapped.close(keep=False)
         if self.packer is not None:
             self.packer.abandon()
-
-
-def _entry(file: str, placement: Placement, checksum: str, blocks: tuple[str, ...]) -> TensorEntry:
-    """The manifest row of a written item."""
-    item = placement.item
-    return TensorEntry(item.key, item.kind, item.dtype, item.shape, item.chunk, file,
-                       placement.offset, item.nbytes, checksum, blocks=blocks)
 
 
 def _packed_entry(placement: Placement, where: Where, checksum: str,

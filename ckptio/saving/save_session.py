@@ -157,7 +157,7 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
              agreement: collective.Agreement) -> RankPart:
     """4: the files this rank writes (a lazy save's non-optimizer items first)."""
     writes: Sequence[int] = agreement.assignment.writes
-    items = tuple(plan.items[i] for i in writes)
+    items = tuple(map(plan.items.__getitem__, writes))
     eager_items = len(items)
     if ctx.lazy:
         items, eager_items = lazy_order(items, sources, ctx.optimizers, ctx.after_step)
