@@ -131,15 +131,22 @@ def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
                     mib: int) -> dict[str, Any]:
     """restore(), counting during ``mgr.restore`` the bytes this rank hashed with xxh3 (the
     received step's check and the load's verify both hash through format/checksum.py) and the
-    redundancy's gathers (peers.all_gather_json: inventory, items, outcomes...), and the bytes
-    of a step written into the memory tier by a write that began before the load had ended."""
+    redundancy's gathers (peers.all_gather_json: inventory, items, outcomes...), the bytes
+    of a step written into the memory tier by a write that began before the load had ended,
+    and during ``mgr.restore`` and ``mgr.close`` (which ends a write begun after the load) the
+    bytes copied into data files of a local tier (LocalStore.write_file), and whether a
+    ``.rebuild-step-*`` directory is left in this rank's memory tier after close()."""
+    import glob
+
     import xxhash
 
     from ckptio.format import checksum
     from ckptio.managing.level import TierSteps
     from ckptio.redundancy import peers
+    from ckptio.storage.local.local_store import LocalStore
 
-    counts = {"hashed": 0, "gathers": 0, "on": False, "loaded": False, "written_early": 0}
+    counts = {"hashed": 0, "gathers": 0, "on": False, "loaded": False, "written_early": 0,
+              "copied": 0, "copying": False}
 
     class Counted:
         def __init__(self) -> None:
@@ -170,24 +177,36 @@ def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
         finally:
             counts["loaded"] = True
 
-    def written(store: Any, manifest: bytes, files: Any, data: torch.Tensor) -> None:
+    def written(store: Any, manifest: bytes, files: Any, data: torch.Tensor,
+                **kwargs: Any) -> None:
         counts["written_early"] += 0 if counts["loaded"] else data.numel()
-        write(store, manifest, files, data)
+        write(store, manifest, files, data, **kwargs)
+
+    write_file = LocalStore.write_file
+
+    def copied(store: Any, name: str, data: Any) -> None:
+        if counts["copying"] and name.startswith("data"):
+            counts["copied"] += memoryview(data).nbytes
+        write_file(store, name, data)
 
     checksum.xxhash = Module()  # type: ignore[assignment]
     peers.all_gather_json = counted  # type: ignore[assignment]
     TierSteps.try_load_at = loaded  # type: ignore[method-assign]
     peers.write_checkpoint = written  # type: ignore[assignment]
+    LocalStore.write_file = copied  # type: ignore[method-assign]
     _host(rank, base)
     state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
-    counts["on"] = True
+    counts["on"] = counts["copying"] = True
     step = mgr.restore(state)
     counts["on"] = False
     mgr.close()
+    counts["copying"] = False
+    left = glob.glob(os.path.join(host_dir(base, rank), "run", f"r{rank:05d}", ".rebuild-*"))
     return {"step": step, "bitwise": torch.equal(state["w"], _state(rank, mib)["w"]),
             "how": mgr.last_restore, "hashed": counts["hashed"], "gathers": counts["gathers"],
-            "written_early": counts["written_early"],
+            "written_early": counts["written_early"], "copied": counts["copied"],
+            "scratch_left": left,
             "in_tier": os.path.exists(os.path.join(host_dir(base, rank), "run",
                                                    f"r{rank:05d}", "step-1", "manifest.json"))}
 

@@ -490,6 +490,8 @@ def test_a_rebuild_that_raises_a_bug_on_one_rank_falls_back_on_every_rank_at_onc
     assert all(r["seconds"] < 60 for r in restored), [r["seconds"] for r in restored]
     (message,) = [w for w in restored[1]["warnings"] if "restored step 2" in w]
     assert "RuntimeError: injected: the decode failed" in message, message
+    # the rank rebuilt received into its tier's scratch directory in place: gone again
+    assert not glob.glob(os.path.join(host_dir(base, 1), "run", "r00001", ".rebuild-*"))
 
 
 def test_two_hosts_lost_in_one_parity_group_fall_back_to_disk(base, tmp_path):

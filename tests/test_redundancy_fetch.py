@@ -123,6 +123,31 @@ def test_a_lost_rank_hashes_its_step_once_and_the_restore_gathers_only_what_it_n
     assert all(r["in_tier"] for r in restored), restored
 
 
+@pytest.mark.parametrize(("spec", "lost"), [("parity", 1), ("partners", 2)])
+def test_a_lost_ranks_step_lands_in_its_memory_tier_and_is_never_copied(base, tmp_path, spec,
+                                                                        lost):
+    """Before: the lost rank received its step into fresh memory, loaded it, then a thread
+    copied it into its memory tier's files (its step's bytes copied once more, and held twice
+    until close()). Now its chunks land in the data file of its scratch directory in the tier
+    (tmpfs): the install is the manifest and a rename, no byte copied into the tier by any
+    rank during the restore and close(); bitwise, the received bytes and the checks as before;
+    no scratch directory left; the next job restores the step as its own, bitwise."""
+    disk = str(tmp_path / "disk")
+    sizes = run_ranks(4, save, base, disk, spec, 6, timeout_s=TIMEOUT)
+    wipe_host(base, lost)
+    restored = run_ranks(4, restore_counted, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 and r["in_tier"] for r in restored), restored
+    assert restored[lost]["how"]["source"] != "own", restored[lost]
+    assert [r["copied"] for r in restored] == [0] * 4, ([r["copied"] for r in restored], sizes)
+    got = restored[lost]["how"]["received_bytes"]
+    assert sizes[lost] <= got <= sizes[lost] + OVERHEAD, (got, sizes)
+    assert sizes[lost] <= restored[lost]["hashed"] <= sizes[lost] + OVERHEAD, restored[lost]
+    assert [r["scratch_left"] for r in restored] == [[]] * 4, restored
+    again = run_ranks(4, restore, base, disk, spec, 6, timeout_s=TIMEOUT)
+    assert all(r["bitwise"] and r["step"] == 1 for r in again), again
+    assert [r["how"]["source"] for r in again] == ["own"] * 4, again
+
+
 def test_the_check_fused_with_the_receive_takes_chunks_in_any_order_and_names_a_flipped_byte(
         tmp_path):
     """landing.StreamCheck (the lost rank's check as its chunks land): chunks landing in any

@@ -122,12 +122,15 @@ class Receiving:
         return named if len(named) == 1 else [split_id(self.fetch.receiver, step)]
 
 
-def post(group: Any, rank: int, fetches: list[Fetch], tag: int) -> Receiving | None:
-    """Every receive of this rank's copy posted (None: it receives none)."""
+def post(group: Any, rank: int, fetches: list[Fetch], tag: int,
+         into: torch.Tensor | None = None) -> Receiving | None:
+    """Every receive of this rank's copy posted, into ``into`` (where given: its step's
+    length) or a fresh tensor (None: it receives none)."""
     mine = next((f for f in fetches if f.receiver == rank), None)
     if mine is None:
         return None
-    out = torch.empty(mine.nbytes, dtype=torch.uint8)
+    assert into is None or into.numel() == mine.nbytes  # internal: both from its meta
+    out = torch.empty(mine.nbytes, dtype=torch.uint8) if into is None else into
     return Receiving(mine, out, [
         (lo, hi, dist.irecv(out[lo:hi], mine.sender(q), group=group, tag=tag))
         for q, (lo, hi) in enumerate(peers.chunk_spans(mine.nbytes))])

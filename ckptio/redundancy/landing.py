@@ -3,16 +3,15 @@ into its memory tier: checked in memory as its chunks land (``StreamCheck``), th
 written before the load (``now``) or offered to the load from this process's memory while it
 is written in the background (``later``).
 
-- ``now``: written into ``r<rank>/.rebuild-step-N``, verified there where its manifest needs
-  more than the in-memory check (compressed or delta entries, bases: Checkpointer.verify), then
-  moved to ``step-N`` (one rename); a delta step's bases and every step but the one the
-  recovery lands on go this way;
+- ``now``: written into ``r<rank>/.rebuild-step-N`` (where it was received in place,
+  peers.landing_buffer, its manifest alone), verified there where its manifest needs more than
+  the in-memory check (compressed or delta entries, bases: Checkpointer.verify), then moved to
+  ``step-N`` (one rename): a delta step's bases and every step but the one loaded next;
 - ``later``: the bytes received are adopted (no copy) as a checkpoint of this process's memory
-  (``mem://``) that the load reads as they are (checked already: no second pass), and once the
-  load is done (``Landing.start``, the Guard's ``start_writes``) a thread writes them into
-  ``.rebuild-step-N`` and moves it to ``step-N``; ``Landing.settle`` joins it (the Guard calls
-  it before anything else reads or writes the tier: the next restore, save, wait or close) and
-  raises its error, once.
+  (``mem://``) that the load reads as they are (checked already), and once the load is done
+  (``Landing.start``, the Guard's ``start_writes``) a thread installs them as ``now`` does;
+  ``Landing.settle`` joins it (the Guard calls it before anything else reads or writes the
+  tier: the next restore, save, wait or close) and raises its error, once.
 
 Owns: the fused check, the install and the background write. Does not own: the transfers and
 the plan (rebuild.py, stripes.py), which entries a stream's checksums cover (peers.py), the
@@ -100,10 +99,13 @@ class StreamCheck:
 
 
 def now(final: TreeStore, scratch: TreeStore, manifest: bytes, files: list[tuple[str, int]],
-        data: torch.Tensor, checked: bool, verify: Callable[[str], Any]) -> None:
-    """Write the step (checked in memory, or verified once written) and move it in place."""
+        data: torch.Tensor, checked: bool, verify: Callable[[str], Any],
+        placed: bool = False) -> None:
+    """Write the step (checked in memory, or verified once written) and move it in place.
+    ``placed``: ``data`` is ``scratch``'s file already (peers.landing_buffer): its manifest
+    alone is written."""
     try:
-        peers.write_checkpoint(scratch, manifest, files, data)
+        peers.write_checkpoint(scratch, manifest, files, data, placed=placed)
         if not checked:
             verify(scratch.location)
         scratch.move_to(final)
@@ -116,7 +118,7 @@ class Landing:
     memory tier by a thread (``start``, after the load; module docstring)."""
 
     def __init__(self, step: int, final: TreeStore, scratch: TreeStore, manifest: bytes,
-                 files: list[tuple[str, int]], data: torch.Tensor) -> None:
+                 files: list[tuple[str, int]], data: torch.Tensor, placed: bool = False) -> None:
         self.step = step
         self.memory = MemoryStore(f"mem://ckptio-landing/step-{step}-{new_save_id()}")
         self.memory.prepare()
@@ -128,6 +130,7 @@ class Landing:
         self.memory.commit(manifest, new_save_id())
         self.location = self.memory.location
         self._args = (final, scratch, manifest, files, data)
+        self._placed = placed
         self._pool: ThreadPoolExecutor | None = None
         self._write: Future[None] | None = None
         self._settled = False
@@ -136,7 +139,8 @@ class Landing:
         """Start the write (once): after the load, so that the two do not share the cores."""
         if self._pool is None and not self._settled:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"ckptio-landing-{self.step}")
-            self._write = self._pool.submit(now, *self._args, True, lambda _where: None)
+            self._write = self._pool.submit(now, *self._args, True, lambda _where: None,
+                                            self._placed)
 
     def settle(self) -> None:
         """Wait for the write (started here if it was not); drop the in-memory copy; raise the

@@ -3,7 +3,8 @@ protection (protect.py) and restore (rebuild.py) share.
 
 - **A step's stream**: a rank's one-rank checkpoint ``r<rank>/step-N`` as its manifest's bytes
   plus its data files concatenated in manifest order (every file a multiple of BLOCK bytes),
-  read through its Store; rebuilt into a checkpoint by writing the files, the manifest last.
+  read through its Store; rebuilt into a checkpoint by writing the files, the manifest last
+  (a step of one file on tmpfs is received into that file itself: ``landing_buffer``).
 - **Transport**: a gloo process group of the redundancy's own (made once per manager, so its
   messages never interleave with the training's collectives): all_gather of small JSON
   messages, point-to-point send/recv of uint8 tensors; under a bandwidth budget (budget.py)
@@ -17,6 +18,8 @@ Owns: the stream, its reading and writing, the transport. Does not own: what to 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -30,15 +33,17 @@ from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.redundancy.budget import CHUNK, Budget
 from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.local.mapped import on_tmpfs, size_file
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
            "chunk_spans",
-           "digest", "files_of",
+           "digest", "files_of", "landing_buffer",
            "map_stream", "piece", "piece_len", "piece_nbytes", "post_recv", "read_block", "read_stream", "recv",
            "recv_into",
            "send", "stream_damage", "stream_entries", "send_paced", "write_checkpoint", "write_json", "xor_into"]
 
+log = logging.getLogger("ckptio")
 _STEP_NAME = re.compile(r"step-(\d+)$", re.ASCII)
 
 
@@ -161,19 +166,57 @@ def stream_damage(where: str, entry: Any, got: str) -> CorruptCheckpointError:
         f"checksum ({got} != {entry.checksum}): the copy or rebuild is damaged")
 
 
-def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],
-                     data: torch.Tensor) -> None:
-    """Write ``data`` split into ``files`` in ``store`` (what it held removed first), then
-    commit the manifest: a checkpoint (incomplete until its manifest lands)."""
+def landing_buffer(store: TreeStore, files: list[tuple[str, int]],
+                   nbytes: int) -> tuple[torch.Tensor, bool]:
+    """Where a step of ``nbytes`` received from peers lands -> (the tensor, placed). Placed:
+    ``store`` (the step's scratch directory) is a local directory on tmpfs and the step is one
+    data file, so the tensor is that file's own pages there (what ``store`` held removed
+    first; the file sized and allocated now, so a full tmpfs fails here, never inside a
+    receive; mapped shared): installing the step is committing its manifest
+    (``write_checkpoint(..., placed=True)``), no copy. Else (or where the file cannot be
+    made: logged) a fresh tensor, written by ``write_checkpoint`` as before."""
+    if (nbytes and len(files) == 1 and files[0][1] == nbytes and isinstance(store, LocalStore)
+            and on_tmpfs(store.directory)):
+        try:
+            return _placed(store, files[0][0], nbytes), True
+        except (OSError, RuntimeError, CkptError) as exc:  # from_file's RuntimeError included
+            log.warning("ckptio: %s: the received step cannot land in place (%s): received "
+                        "into memory and written after", store.location, exc)
+            store.remove_tree()
+    return torch.empty(nbytes, dtype=torch.uint8), False
+
+
+def _placed(store: LocalStore, name: str, nbytes: int) -> torch.Tensor:
     problems = store.remove_tree()
     if problems:
         raise StorageIOError(f"{store.location}: cannot replace what it holds: {problems[0]}")
     store.prepare()
-    view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
-    offset = 0
-    for name, nbytes in files:
-        store.write_file(name, view[offset:offset + nbytes])
-        offset += nbytes
+    path = store.path_of(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        size_file(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],
+                     data: torch.Tensor, placed: bool = False) -> None:
+    """Write ``data`` split into ``files`` in ``store`` (what it held removed first), then
+    commit the manifest: a checkpoint (incomplete until its manifest lands). ``placed``:
+    ``data`` is already ``store``'s file (``landing_buffer``): the manifest alone is written."""
+    offset = sum(nbytes for _name, nbytes in files)
+    if not placed:
+        problems = store.remove_tree()
+        if problems:
+            raise StorageIOError(f"{store.location}: cannot replace what it holds: "
+                                 f"{problems[0]}")
+        store.prepare()
+        view = data.numpy().data.cast("B") if data.numel() else memoryview(b"")
+        at = 0
+        for name, nbytes in files:
+            store.write_file(name, view[at:at + nbytes])
+            at += nbytes
     if offset != data.numel():
         raise CkptError(f"{store.location}: {data.numel()} bytes received, the files name "
                         f"{offset}")

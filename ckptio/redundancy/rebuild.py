@@ -28,6 +28,7 @@ from ckptio.redundancy.recovery_plan import (Source, base_rounds, copy_id, descr
                                           parity_id, plan)
 from ckptio.redundancy.topology import Topology
 from ckptio.redundancy.redundancy import Parity, Partners
+from ckptio.storage.store_contract import TreeStore
 
 __all__ = ["Context", "Recovery", "recover"]
 
@@ -69,6 +70,7 @@ class Context:
     received: int = 0  # bytes this rank received in the restore's transfers (stat)
     senders: dict[int, int] = field(default_factory=dict)  # of its step's bytes: rank -> bytes
     landings: list[Landing] = field(default_factory=list)  # this rank's, newest last
+    placed: TreeStore | None = None  # the scratch its step is received into, until installed
 
 
 def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None = None,
@@ -93,10 +95,12 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            from parity receives only its own pieces, each summed along its stripe's survivors
            (stripes.py). The receiver **checks every entry against the original's manifest**
            in memory as it lands (landing.StreamCheck; where its manifest needs more, Checkpointer.verify
-           of the written step), writes it into ``r<rank>/.rebuild-step-N`` and only then moves
-           it to its ``step-N`` (Store.move_to: one rename); the step the load takes next, where
-           the in-memory check was all, is offered to the load from memory (not checked again)
-           and written so in the background once loaded instead (landing.py:
+           of the written step), writes it into ``r<rank>/.rebuild-step-N`` (on tmpfs its
+           chunks land in that directory's data file itself, peers.landing_buffer: the write
+           is its manifest) and only then moves it to its ``step-N`` (one rename); the step
+           the load takes next, where the in-memory check was all, is offered to the load
+           from memory (not checked again) and written so in the background once loaded
+           instead (landing.py:
            ``Recovery.landed``; the Guard starts ``Recovery.pending``'s writes after the load
            and settles them before the tier is used again). A delta step rebuilt so needs its
            base: the base is brought back first, the same way (the protection keeps a
@@ -123,6 +127,8 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
             f"within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and "
             "every step in memory is kept: restart the job (the restore is made again with "
             "the ranks alive then)") from exc
+    finally:
+        _drop_placed(ctx)
     result.received, result.pending = ctx.received, ctx.landings
     result.received_from = dict(sorted(ctx.senders.items()))
     landed = [each for each in ctx.landings if each.step == result.step]
@@ -199,12 +205,13 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
     failures = {item: meta["why"] for item, meta in metas.items() if not meta["ok"]}
     if failures:
         return failures  # alike on every rank: the plan is made again, nothing moved
+    src = sources[ctx.rank]
+    out = _landing(ctx, step, src, metas)
     copies = copy_fetch.plan(step, sources, metas)
     works = copy_fetch.send(ctx.group, ctx.rank, copies, payload, COPY_TAG)
-    got = copy_fetch.post(ctx.group, ctx.rank, copies, COPY_TAG)
-    chains, out = _chains(ctx, step, sources, metas)
+    got = copy_fetch.post(ctx.group, ctx.rank, copies, COPY_TAG, out)
+    chains = _chains(ctx, step, sources, metas)
     _count(ctx, chains, got)
-    src = sources[ctx.rank]
     data = got.out if got is not None else out
     check, broken = None, None
     if src[0] != "own" and data is not None:
@@ -237,7 +244,38 @@ def _transfer(ctx: Context, step: int, sources: dict[int, Source],
             items = got.blame(check, step) if got is not None else [next(
                 i for s, r, i in sends if r == ctx.rank and not i.startswith("own:"))]
             failures.update({item: f"{type(exc).__name__}: {exc}" for item in items})
+    _drop_placed(ctx)  # not installed: its scratch directory goes
     return failures
+
+
+def _landing(ctx: Context, step: int, src: Source, metas: dict[str, Any]) -> torch.Tensor | None:
+    """This rank's step's bytes to receive into (None: it receives none): the data file of
+    its scratch directory where the step can land in place (peers.landing_buffer: installing
+    it is then its manifest and a rename), else fresh memory (also where an earlier round's
+    landing of this step is still to be written from that directory)."""
+    if src[0] == "own":
+        return None
+    nbytes = int(_meta(ctx, step, src, metas)["nbytes"])
+    if any(each.step == step for each in ctx.landings):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    scratch = _scratch(ctx, step)
+    out, placed = peers.landing_buffer(scratch, _files(ctx, step, src, metas), nbytes)
+    ctx.placed = scratch if placed else None
+    return out
+
+
+def _scratch(ctx: Context, step: int) -> TreeStore:
+    """``r<rank>/.rebuild-step-N``: beside its step, so a delta step's bases (siblings)
+    resolve when it is verified."""
+    return marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
+        marks.rebuild_name(step))
+
+
+def _drop_placed(ctx: Context) -> None:
+    """The scratch directory a step was received into and never installed, removed."""
+    if ctx.placed is not None:
+        ctx.placed.remove_tree()
+        ctx.placed = None
 
 
 def _count(ctx: Context, chains: list[stripes.Chain],
@@ -254,21 +292,16 @@ def _count(ctx: Context, chains: list[stripes.Chain],
 
 
 def _chains(ctx: Context, step: int, sources: dict[int, Source],
-            metas: dict[str, Any]) -> tuple[list[stripes.Chain], torch.Tensor | None]:
-    """Every rank's parity rebuild as chains (alike on every rank), and this rank's step's
-    bytes to receive into where it is rebuilt."""
+            metas: dict[str, Any]) -> list[stripes.Chain]:
+    """Every rank's parity rebuild as chains (alike on every rank)."""
     chains: list[stripes.Chain] = []
-    out = None
     for r, src in sorted(sources.items()):
         if src[0] != "parity":
             continue
         info = _info(ctx, step, src, r, metas)
-        nbytes = _member(info, r)["nbytes"]
         chains += stripes.plan(src[2], src[3], r, int(info.get("m", 1)), int(info["piece"]),
-                               nbytes)
-        if r == ctx.rank:
-            out = torch.empty(nbytes, dtype=torch.uint8)
-    return chains, out
+                               _member(info, r)["nbytes"])
+    return chains
 
 
 def _info(ctx: Context, step: int, src: Source, rank: int, metas: dict[str, Any]) -> Any:
@@ -331,14 +364,13 @@ def _install(ctx: Context, step: int, src: Source, metas: dict[str, Any],
     manifest, files = _meta(ctx, step, src, metas)["manifest"].encode(), _files(
         ctx, step, src, metas)
     final = marks.tree_of(ctx.own_dir(step))  # r<rank>/step-N under the root
-    # beside its step: a delta step's bases (siblings) resolve when it is verified
-    scratch = marks.tree_of(ctx.root).child(marks.rank_name(ctx.rank)).child(
-        marks.rebuild_name(step))
+    scratch = _scratch(ctx, step)
     checked = check.checked()
     for earlier in ctx.landings:  # a round passed over: its write ends before another starts
         earlier.settle()
     ctx.landings.clear()
+    placed, ctx.placed = ctx.placed is not None, None  # the scratch is now the install's
     if later and checked:
-        ctx.landings.append(Landing(step, final, scratch, manifest, files, data))
+        ctx.landings.append(Landing(step, final, scratch, manifest, files, data, placed))
     else:
-        now(final, scratch, manifest, files, data, checked, ctx.verify)
+        now(final, scratch, manifest, files, data, checked, ctx.verify, placed)
