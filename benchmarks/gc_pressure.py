@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -45,7 +46,7 @@ def run(mode: str, tensors: int, saves: int) -> dict[str, Any]:
     opt.step()
     state = {"model": model, "optim": opt}
     mgr = (None if mode == "none" else
-           ckptio.CheckpointManager(tiers=[ckptio.Tier(f"shm://gc-pressure-{mode}", keep_last=2)]))
+           ckptio.CheckpointManager(tiers=[ckptio.Tier(f"shm://gc-pressure-{mode}-{os.getpid()}", keep_last=2)]))
 
     def step(n: int) -> None:
         if mgr is not None:
