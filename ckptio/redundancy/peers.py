@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import manifest as manifest_format
 from ckptio.redundancy.budget import CHUNK, Budget
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.local.mapped import on_tmpfs, size_file
+from ckptio.storage.local.mapped import new_shared_file, on_tmpfs
 from ckptio.storage.store_contract import TreeStore, new_save_id
 
 __all__ = ["Stream", "agree_min", "all_gather_json", "all_ok", "bases_of",
@@ -191,13 +190,7 @@ def _placed(store: LocalStore, name: str, nbytes: int) -> torch.Tensor:
     if problems:
         raise StorageIOError(f"{store.location}: cannot replace what it holds: {problems[0]}")
     store.prepare()
-    path = store.path_of(name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        size_file(fd, nbytes)
-    finally:
-        os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return new_shared_file(store.path_of(name), nbytes)
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],

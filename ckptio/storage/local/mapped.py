@@ -7,7 +7,8 @@ fallocate: a full tmpfs is an error here, never a SIGBUS inside the copy) and ma
 MAP_SHARED: the pages are the file, there is nothing to write or fsync. ``release`` keeps the
 mapping for a later save into the same file (cached by (st_dev, st_ino), bounded in bytes; a
 file unlinked since is unmapped at the next open) where its root keeps slots. ``borrow`` lends
-a load the idle mapping of a file a save through the same ``Mappings`` wrote. One ``Mappings``
+a load the idle mapping of a file a save through the same ``Mappings`` wrote; ``new_shared_file``
+makes a file a peer's bytes are received into (redundancy/peers.py). One ``Mappings``
 per memory tier's root (LocalRoot), carried by its steps' LocalStores; nothing module-wide.
 
 Hand-written through ctypes: os.statvfs has no filesystem type (statfs's f_type is what tells
@@ -31,9 +32,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ckptio.errors import StorageIOError
 
-__all__ = ["SLOTS_DIR", "MappedFile", "Mappings", "libc", "on_tmpfs", "size_file"]
+__all__ = ["SLOTS_DIR", "MappedFile", "Mappings", "libc", "new_shared_file", "on_tmpfs",
+           "size_file"]
 
 log = logging.getLogger("ckptio")
 TMPFS_MAGIC = 0x01021994  # statfs f_type of tmpfs (linux/magic.h)
@@ -99,6 +103,18 @@ def size_file(fd: int, nbytes: int) -> tuple[int, int]:
     if nbytes and info.st_blocks * 512 < nbytes:
         os.posix_fallocate(fd, 0, nbytes)
     return info.st_dev, info.st_ino
+
+
+def new_shared_file(path: str, nbytes: int) -> torch.Tensor:
+    """A new file at ``path`` (none may be there), ``nbytes`` long with every page allocated
+    (size_file: a full tmpfs fails here, not at a later write), mapped shared as a uint8
+    tensor: what is written into the tensor is the file's bytes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        size_file(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _map(fd: int, nbytes: int, *, populate: bool = False) -> int:
