@@ -190,7 +190,9 @@ def _placed(store: LocalStore, name: str, nbytes: int) -> torch.Tensor:
     if problems:
         raise StorageIOError(f"{store.location}: cannot replace what it holds: {problems[0]}")
     store.prepare()
-    return new_shared_file(store.path_of(name), nbytes)
+    path = store.path_of(name)
+    new_shared_file(path, nbytes)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def write_checkpoint(store: TreeStore, manifest: bytes, files: list[tuple[str, int]],

@@ -32,8 +32,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from ckptio.errors import StorageIOError
 
 __all__ = ["SLOTS_DIR", "MappedFile", "Mappings", "libc", "new_shared_file", "on_tmpfs",
@@ -105,16 +103,15 @@ def size_file(fd: int, nbytes: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-def new_shared_file(path: str, nbytes: int) -> torch.Tensor:
-    """A new file at ``path`` (none may be there), ``nbytes`` long with every page allocated
-    (size_file: a full tmpfs fails here, not at a later write), mapped shared as a uint8
-    tensor: what is written into the tensor is the file's bytes."""
+def new_shared_file(path: str, nbytes: int) -> None:
+    """Make a new file at ``path`` (none may be there), ``nbytes`` long with every page
+    allocated (size_file: a full tmpfs fails here, not at a later write through a shared
+    mapping of it). No torch here: the CLI imports this module without it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         size_file(fd, nbytes)
     finally:
         os.close(fd)
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _map(fd: int, nbytes: int, *, populate: bool = False) -> int:
