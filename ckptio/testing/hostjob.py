@@ -208,6 +208,10 @@ def _rank(spec: dict[str, Any], local: int, rank: int) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://{env['MASTER_ADDR']}:"
                                 f"{env['MASTER_PORT']}", rank=rank,
                                 world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+        # every rank connected before any runs: a rank whose case makes no collective call
+        # could otherwise finish and close its sockets while a peer's connectFullMesh still
+        # reads from them ("Connection closed by peer" on that peer)
+        dist.barrier()
         try:
             body = pickle.dumps((True, spec["fn"](rank, int(env["WORLD_SIZE"]), *spec["args"])))
         finally:
