@@ -2,11 +2,14 @@
 record to the Checkpointer's memo (saving/commits.py), keyed by the store's location and the
 exact bytes committed, and the copy takes it from there (docs/BENCH_LOOP.md section 19). A step
 another process or manager committed, or bytes that differ, are decoded in full; the copied
-bytes are checked against the record's checksums either way."""
+bytes are checked against the record's checksums either way. The memo lets a record go once
+the drain copies its step no more (Route.done): none outlives the drain (issue 68)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,9 @@ import ckptio
 from ckptio import CorruptCheckpointError
 from ckptio.format import manifest as manifest_format
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.format.types import Manifest, TensorEntry
 from ckptio.managing.copy import copy_checkpoint
+from ckptio.managing.drain import Drain
 from ckptio.options import MiB
 from ckptio.resources import ReusedIOResources
 from ckptio.saving.commits import COMMITS_KEPT, Commits
@@ -61,6 +66,96 @@ def test_drained_saves_decode_no_manifest(tmp_path: Path, shm: str, decodes: lis
             assert mgr.drained(60)
     assert [w for w in decodes if w.startswith(shm)] == [], "the drain decoded its own steps"
     _restored(tmp_path / "disk", 5)
+
+
+def _records_kept(commits: Commits) -> int:
+    """The Manifest and TensorEntry objects ``commits`` keeps alive (followed from it, types,
+    modules and functions left out)."""
+    seen: set[int] = set()
+    todo: list[object] = [commits]
+    count = 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, type(os), type(_state))):
+            continue
+        seen.add(id(obj))
+        count += isinstance(obj, (Manifest, TensorEntry))
+        todo.extend(gc.get_referents(obj))
+    return count
+
+
+def test_no_record_outlives_the_drain(tmp_path: Path, shm: str, decodes: list[str]) -> None:
+    """Two slower tiers copy from the memory tier (every step, every other step): once the
+    drain is done with a step, the memo keeps nothing of it. Before: the last few records (a
+    Manifest and an entry per chunk each) stayed alive between saves."""
+    tiers = [ckptio.Tier("shm://run", keep_last=2),
+             ckptio.Tier(str(tmp_path / "disk"), every=1, keep_last=2),
+             ckptio.Tier(str(tmp_path / "every2"), every=2, keep_last=2)]
+    ck = ckptio.Checkpointer()
+    try:
+        with ckptio.CheckpointManager(tiers=tiers, checkpointer=ck) as mgr:
+            for step in range(1, 7):
+                mgr.save(step, _state(step), asynchronous=True)
+                mgr.wait()
+                assert mgr.drained(60)
+                assert _records_kept(ck.resources().commits) == 0, step
+            copied = {row["tier"]: [c["step"] for c in row["copied"]]
+                      for row in mgr.status()[1:]}
+    finally:
+        ck.close()
+    assert copied == {1: [1, 2, 3, 4, 5, 6], 2: [2, 4, 6]}, copied
+    assert [w for w in decodes if w.startswith(shm)] == [], "the drain decoded its own steps"
+    _restored(tmp_path / "every2", 6)
+
+
+class _Gated:
+    """A drain Route whose first ``holds`` waits for ``gate`` (the drain falls behind); every
+    step is held already, so nothing is copied; ``done`` records the steps let go."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.done_steps: list[int] = []
+
+    def holds(self, step: int, tier: int) -> bool:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return True
+
+    def done(self, step: int) -> None:
+        self.done_steps.append(step)
+
+
+def test_the_drain_lets_a_step_go_once_no_lane_wants_it() -> None:
+    """Each step once: when skipped by every lane that wanted it, after its last copy, or at
+    once when due nowhere (tier 2 is every other step)."""
+    route = _Gated()
+    options = ckptio.Options(buffer_bytes=MiB, pool_bytes=2 * MiB)
+    drain = Drain(route, [1, 1, 2], options)  # type: ignore[arg-type]
+    try:
+        drain.submit(1)  # tier 1 only: its copy starts and waits
+        assert route.entered.wait(30)
+        drain.submit(2)  # due in tiers 1 and 2
+        drain.submit(3)  # tier 1 skips 2; tier 2 still wants it
+        assert route.done_steps == []
+        drain.submit(4)  # tier 1 skips 3, tier 2 skips 2
+        assert route.done_steps == [2, 3]
+        drain.submit(5)  # tier 1 skips 4; tier 2 still wants it
+        assert route.done_steps == [2, 3]
+        route.gate.set()
+        assert drain.wait(30)
+        assert sorted(route.done_steps) == [1, 2, 3, 4, 5], route.done_steps
+    finally:
+        route.gate.set()
+        drain.close()
+    assert drain.status()[1]["skipped"] == [2, 3, 4] and drain.status()[2]["skipped"] == [2]
+    route = _Gated()
+    route.gate.set()
+    drain = Drain(route, [1, 2], options)  # type: ignore[arg-type]
+    try:
+        drain.submit(1)  # due nowhere
+        assert route.done_steps == [1]
+    finally:
+        drain.close()
 
 
 def test_a_step_another_manager_committed_is_decoded(tmp_path: Path, shm: str,

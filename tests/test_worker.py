@@ -165,6 +165,9 @@ class _Route:
     def landed(self, step: int, tier: int) -> None:
         raise AssertionError("never asked")
 
+    def done(self, step: int) -> None:
+        self.seen.append(("done", step))
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux /proc")
 def test_the_drain_runs_on_the_worker() -> None:
@@ -177,7 +180,7 @@ def test_the_drain_runs_on_the_worker() -> None:
     drain.submit(4)
     with pytest.raises(OSError, match="unreachable"):
         drain.wait(30)
-    assert route.seen == [("ckptio-drain", max(NICE, mine))]
+    assert route.seen == [("ckptio-drain", max(NICE, mine)), ("done", 4)], "failed: let go"
     assert "step 4: OSError" in drain.status()[1]["error"]
     assert drain.pinned() == set()
     drain.close()

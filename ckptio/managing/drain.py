@@ -5,7 +5,8 @@ Call order (the manager, on the coordinating rank): ``Drain(route, everies, opti
 ``final()`` once the job is preempted: its newest step to every slower tier, unpaced);
 ``pinned()`` from tier 0's retention; ``status()`` any time; ``wait()`` / ``close()`` last.
 How a step is queued, skipped when the drain is behind, and copied after its base:
-``Drain.submit`` and ``Drain.run``.
+``Drain.submit`` and ``Drain.run``; once no tier wants a step any more (copied, skipped or
+due nowhere) the route is told (``Route.done``: the save's kept record goes).
 
 Owns: the queue of due steps per tier, their pace (``rate``), the drain's own small staging
 (a few buffers, never the saves' pool), its status. The thread, its priority and the error
@@ -62,6 +63,10 @@ class Route(Protocol):
         """``step`` was committed in ``tier``: apply that tier's retention."""
         ...
 
+    def done(self, step: int) -> None:
+        """No copy of ``step`` is due or running any more: what ``known`` kept of it goes."""
+        ...
+
 
 @dataclass
 class _Lane:
@@ -70,6 +75,7 @@ class _Lane:
     every: int
     wanted: tuple[int, float] | None = None  # the newest step due and when it was submitted
     busy: int | None = None
+    ending: bool = False  # the copy of ``busy`` has ended: finish() comes next
     skipped: list[int] = field(default_factory=list)
     copied: list[dict[str, Any]] = field(default_factory=list)  # the last few copies
     error: str | None = None
@@ -128,16 +134,33 @@ class Drain:
         self._submit(step, [tier])
 
     def _submit(self, step: int, tiers: list[int]) -> None:
+        left: set[int] = set()  # the steps this submit may leave due nowhere: let go below
+        taken = False
         with self._lock:
             self._worker.wake()  # first: refused after close(); runs once the lock is let go
             for k in tiers:
                 lane = self._lanes[k]
                 if lane.wanted is not None and lane.wanted[0] < step:
                     lane.skipped.append(lane.wanted[0])
+                    left.add(lane.wanted[0])
                     log.warning("ckptio: the drain to tier %d is behind: step %d skipped, step "
                                 "%d is copied next", k, lane.wanted[0], step)
                 if lane.wanted is None or lane.wanted[0] < step:
                     lane.wanted = (step, time.monotonic())
+                taken = taken or lane.wanted[0] == step
+        self._let_go(left if taken else left | {step})
+
+    def _let_go(self, steps: set[int], ending: int | None = None) -> None:
+        """Tell the route of each of ``steps`` no lane wants or copies any more (``ending``:
+        the tier whose copy just ended). Not under the lock: the route reaches the stores."""
+        with self._lock:
+            if ending is not None:
+                self._lanes[ending].ending = True
+            for lane in self._lanes.values():
+                steps -= {lane.wanted[0] if lane.wanted else None,
+                          None if lane.ending else lane.busy}
+        for step in sorted(steps):
+            self._route.done(step)
 
     def final(self) -> None:
         """The job is preempted: the newest step submitted is due for every slower tier
@@ -191,7 +214,7 @@ class Drain:
         k = min(waiting)[1]
         lane = self._lanes[k]
         (step, since), lane.wanted = lane.wanted, None  # type: ignore[misc]
-        lane.busy = step
+        lane.busy, lane.ending = step, False
         return _Copy(k, step, since)
 
     def pending(self) -> bool:
@@ -221,7 +244,14 @@ class Drain:
         Base-first rather than a self-contained copy: a copy moves bytes through the drain's
         staging and never decodes, and each base moves once however many deltas follow. A
         kill between the two copies leaves the base committed and the delta incomplete:
-        restore never picks the delta, and retention removes the lone base later."""
+        restore never picks the delta, and retention removes the lone base later. Once no
+        other lane wants ``step``, the route is told (``done``), whatever the outcome."""
+        try:
+            self._run(job)
+        finally:
+            self._let_go({job.step}, ending=job.tier)
+
+    def _run(self, job: _Copy) -> None:
         k, step = job.tier, job.step
         if self._route.holds(step, k):
             return

@@ -118,6 +118,11 @@ class TierSteps:
         its bytes were ``data`` (saving/commits.py); else None: decode ``data``."""
         return self._ck.resources().commits.known(self.store(step).location, data)
 
+    def drained(self, step: int) -> None:
+        """No copy of ``step`` out of this tier is due any more: the record its save kept goes
+        (saving/commits.py; committed_here() asked for it later says None: decode)."""
+        self._ck.resources().commits.forget(self.store(step).location)
+
     def nothing_here(self) -> str:
         """Why the tier has no step to restore (steproot.is_empty() of it says whether the
         location holds anything else)."""

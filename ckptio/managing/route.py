@@ -50,6 +50,11 @@ class TierRoute:
         holder = self._holder(step, tier)
         return None if holder is None else (lambda data: holder.committed_here(step, data))
 
+    def done(self, step: int) -> None:
+        """The drain copies ``step`` no more: the record its save kept goes (saves commit only
+        in the first tier)."""
+        self._levels[0].drained(step)
+
     def bases(self, step: int, tier: int) -> tuple[int, ...]:
         """The bases of ``step`` as the fastest tier before ``tier`` holding it has it."""
         holder = self._holder(step, tier)

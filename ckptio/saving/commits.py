@@ -3,13 +3,15 @@
     commits.listen()                                  # the manager, once it has a drain
     commits.remember(store.location, data, record)   # a save's commit, on the coordinator
     record = commits.known(store.location, data)     # the drain: None unless these very bytes
+    commits.forget(store.location)                    # the drain: no copy of it is due any more
 
 A save commits a Manifest it built and checked; the drain (managing/copy.py) reads the committed
 bytes back moments later to copy the step to a slower tier. ``known`` gives the record only for
 the exact bytes this process committed at that location (the save id is in them): a step
 another process or job wrote, a restart, or a location committed over since is decoded in full.
-Nothing is remembered until a drain listens: a kept record is a few objects per leaf that
-outlive the save and reach the collector's oldest generation (tests/test_gc_survivors.py).
+A kept record is a few objects per leaf that would outlive the save into the collector's oldest
+generation: nothing is kept until a drain listens, and the drain forgets a step once no copy of
+it is due or running (tests/test_drain_decodes.py); one asked for later is decoded again.
 
 Owns: the last few (location, bytes, record). Does not own: the commit (distributed/collective.py),
 the copy's checks of the bytes (managing/copy.py).
@@ -54,3 +56,8 @@ class Commits:
         with self._lock:
             kept = self._kept.get(location)
         return kept[1] if kept is not None and kept[0] == data else None
+
+    def forget(self, location: str) -> None:
+        """Nothing will ask for ``location``'s record any more: let it go."""
+        with self._lock:
+            self._kept.pop(location, None)
