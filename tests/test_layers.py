@@ -452,7 +452,7 @@ def test_imports_are_read_with_where_they_run(tmp_path):
 TORCH_FREE = {"ckptio.errors", "ckptio.format.types", "ckptio.format.tiling",
               "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip",
               "ckptio.format.check", "ckptio.format.regular_section", "ckptio.format.grid",
-              "ckptio.format.overlap", "ckptio.format.checksum"}
+              "ckptio.format.overlap", "ckptio.format.checksum", "ckptio.format.allowlist"}
 
 
 def test_torch_free_modules_import_no_torch():
