@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptio.errors import CkptError, StorageIOError
-from ckptio.storage.local.local_store import fsync_path
+from ckptio.storage.local.durable import fsync_path
 
 __all__ = ["write_dcp", "write_tc", "write_torch_save"]
 

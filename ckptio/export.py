@@ -55,7 +55,7 @@ from ckptio.planning.export_plan import (
 )
 from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
-from ckptio.storage.local.local_store import fsync_path, write_durably
+from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import local_path, store_for
 
