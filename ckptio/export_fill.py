@@ -6,7 +6,7 @@ buffer: the part of the header it covers, then each of its parts' element ranges
 the source through the ``read`` handed in; a part whose dtype changes is read as saved into
 ``Scratch`` first and cast into the buffer.
 
-Call order: export.py's step 2 makes one Scratch per export, then calls ``fill_window`` from
+Call order: export.py's write step makes one Scratch per export, then calls ``fill_window`` from
 the write loop's fill, once per window, before that window is written.
 
 Owns: a window's bytes and the scratch a cast reads into (allocated once, grown to the largest

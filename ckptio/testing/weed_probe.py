@@ -7,7 +7,7 @@ s3server.py waits for outside a namespace too: a signed HeadBucket of the bucket
 first start's missing bucket is created, and the look says not yet) and the master lists the
 volume server.
 
-Call order: SeaweedServer's wait in a namespace -> this script, until it exits 0 or the wait
+Call order: SeaweedServer's wait in a namespace -> this script, until it succeeds or the wait
 ends.
 
 Owns: that look. Does not own: the server, its ports and keys, and how long to wait
