@@ -2,7 +2,7 @@
 
 botocore hands a GET's body out as a urllib3 response over http.client. urllib3's own
 ``readinto`` reads into a new bytes object and copies it; ``read_body`` reads the socket
-through http.client's ``readinto`` into the caller's buffer instead (the reason, measured:
+through http.client's ``readinto`` into the caller's buffer instead (why:
 docs/BENCH_S3.md), and falls back to the body's own ``readinto`` for any other shape
 (content-encoded, another urllib3), which ``socket_reader`` tells apart.
 
