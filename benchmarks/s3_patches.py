@@ -3,7 +3,7 @@ worker (``python -m benchmarks.s3 --engines ckptio+memmove``), never in ckptio i
 evidence for or against changes docs/BENCH_S3.md discusses.
 
 (``readinto``, GET bodies read from the socket straight into the staging buffer, was measured
-here first and is now ckptio's own read: storage/s3/backend.py ``_read_body``.)
+here first and is now ckptio's own read: storage/s3/body.py ``read_body``.)
 
 - ``memmove``: the staging copies (buffers.copy_in / copy_out) as ctypes.memmove of contiguous
   CPU blocks (GIL released, one thread) instead of Tensor.copy_, whose OpenMP intra-op pool

@@ -164,7 +164,7 @@ def sweep_table(ceil: list[Run]) -> list[dict[str, Any]]:
 def engine_row(runs: list[Run], ceil: dict[int, Run]) -> dict[str, Any]:
     row: dict[str, Any] = {"engine": runs[0]["engine"], "runs": len(runs)}
     # the ceiling of a load is the faster raw read: botocore's, or http.client's readinto (what
-    # ckptio's reads do since storage/s3/backend.py _read_body reads the socket into the staging buffer)
+    # ckptio's reads do since storage/s3/body.py read_body reads the socket into the staging buffer)
     for phase, cphase in (("save", ("write",)), ("load", ("read", "read_direct"))):
         good = [r for r in runs if "error" not in r[phase]]
         row[phase + "_failed"] = len(runs) - len(good)

@@ -16,21 +16,21 @@ into place when complete and fsynced) -> a ``Converted``. What each target keeps
 not a tensor, and how ``overwrite`` replaces a destination: on ``convert``.
 
 Owns: the targets, the destination checks and the per-target rules. Does not own: loading and
-saving (ckptio.load / save), the export (ckptio/export.py), DCP's files (torch).
+saving (ckptio.load / save), writing the DCP, torch_checkpointing and torch.save files
+(convert_writers.py), the export (ckptio/export.py), DCP's files (torch).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptio.errors import CkptError, StorageIOError
+from ckptio.convert_writers import write_dcp, write_tc, write_torch_save
+from ckptio.errors import CkptError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
@@ -38,7 +38,6 @@ from ckptio.loading.stored import RankPolicy
 from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
-from ckptio.storage.local.local_store import fsync_path
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, local_path, store_for
 
@@ -139,9 +138,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     if to == "dcp":
         _name_optimizers(state, src_text, options)
     if to in ("dcp", "torch_checkpointing"):
-        (_write_dcp if to == "dcp" else _write_tc)(state, out)
+        (write_dcp if to == "dcp" else write_tc)(state, out)
         return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
-    _write_torch_save(state, out)
+    write_torch_save(state, out)
     refused = tuple(k for k, v in _leaves(state) if not _weights_only(v))
     return Converted(out, to, _tensor_bytes(state), (os.path.basename(out),),
                      needs_pickle=refused)
@@ -178,18 +177,6 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
                         "is complete) or choose another DST")
 
 
-def _beside(out: str, token: str, what: str) -> str:
-    head, name = os.path.split(out)
-    return os.path.join(head, f".{name}.ckptio-{token}.{what}")
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
 # ------------------------------------------------------------------------------------ targets
 
 
@@ -212,24 +199,6 @@ def _to_ckptio(state: Any, dst: str, allow_pickle: bool, options: Options | None
     return Converted(result.path, "ckptio", result.nbytes, result.files)
 
 
-def _dir_into_place(out: str, to: str, fill: Callable[[str], None]) -> None:
-    """``fill`` a temporary directory beside ``out``, fsync it, then rename it into place."""
-    token = uuid.uuid4().hex[:12]
-    tmp, old = _beside(out, token, "tmp"), _beside(out, token, "old")
-    try:
-        fill(tmp)
-        fsync_path(tmp)
-        if os.path.lexists(out):
-            os.rename(out, old)
-        os.rename(tmp, out)
-        fsync_path(os.path.dirname(out))
-    except OSError as exc:
-        raise StorageIOError(f"convert to {to} at {out}: {exc}") from None
-    finally:
-        _remove(tmp)
-        _remove(old)
-
-
 def _name_optimizers(state: Any, src: str, options: Options | None) -> None:
     """Key each optimizer state_dict by the parameter names SRC recorded, as DCP's
     ``get_state_dict(model, opt)`` gives it (what ``dcp.load`` of that form looks for); warn
@@ -246,81 +215,6 @@ def _name_optimizers(state: Any, src: str, options: Options | None) -> None:
                       "form, keyed by name, will not load it; load it with ckptio.load(DST, "
                       "{..., 'optim': opt}) or dcp.load into opt.state_dict() after a step",
                       stacklevel=3)
-
-
-def _write_dcp(state: Any, out: str) -> None:
-    """DCP's FileSystemWriter into a temporary directory beside ``out``, then renamed."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    def fill(tmp: str) -> None:
-        try:
-            with warnings.catch_warnings():  # one process, on purpose
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-                         no_dist=True)
-        except (CheckpointException, ValueError, TypeError) as exc:
-            raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
-                            "nothing was written at DST") from None
-
-    _dir_into_place(out, "dcp", fill)
-
-
-def _write_tc(state: Any, out: str) -> None:
-    """Each top-level item torch.saved as ``<item>_0.pt`` (fsynced) into a temporary directory
-    beside ``out``, then renamed."""
-    import pickle
-
-    import torch
-
-    if not isinstance(state, dict) or not all(
-            isinstance(k, str) and k and "/" not in k and k not in (".", "..") for k in state):
-        shown = list(state)[:8] if isinstance(state, dict) else type(state).__name__
-        raise CkptError(f"convert to torch_checkpointing at {out}: its items are the state's "
-                        f"top-level keys, which must be strings that name files; not {shown}")
-
-    def fill(tmp: str) -> None:
-        os.makedirs(tmp)
-        try:
-            for item, value in state.items():
-                with open(os.path.join(tmp, f"{item}_0.pt"), "wb") as f:
-                    torch.save(value, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise CkptError(f"convert to torch_checkpointing at {out}: the state cannot be "
-                            f"pickled: {exc}; nothing was written at DST") from None
-
-    _dir_into_place(out, "torch_checkpointing", fill)
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
-
-
-def _write_torch_save(state: Any, out: str) -> None:
-    """torch.save into a temporary file beside ``out``, fsynced, then renamed over it."""
-    import pickle
-
-    import torch
-
-    tmp = _beside(out, uuid.uuid4().hex[:12], "tmp")
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_path(os.path.dirname(out))
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise CkptError(f"convert to torch.save at {out}: the state cannot be pickled: "
-                        f"{exc}") from None
-    except OSError as exc:
-        raise StorageIOError(f"convert to torch.save at {out}: {exc}") from None
-    finally:
-        _remove(tmp)
 
 
 def _to_safetensors(src: str, dst: str, overwrite: bool, drop: bool,

@@ -16,8 +16,8 @@ Steps (one process, or every rank of a process group together):
 What the commit does in detail and the memory an export holds: on ``export_hf``.
 
 Owns: the order of those steps and the commit. Does not own: the plan (planning/export_plan.py), the
-header bytes (format/safetensors.py), reading (loading/read.py via Checkpointer.reader), the
-write loop (saving/stream.py).
+header bytes (format/safetensors.py), a window's bytes (export_fill.py), reading (loading/read.py
+via Checkpointer.reader), the write loop (saving/stream.py).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from typing import Any
 
 import torch
 
-from ckptio.alignment import BLOCK, align_down, align_up
+from ckptio.alignment import BLOCK, align_down
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
-from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Manifest, Read
-from ckptio.io.buffers import Buffer, torch_dtype, typed
+from ckptio.export_fill import Scratch, fill_window
+from ckptio.format.types import Manifest, Read
+from ckptio.io.buffers import Buffer
 from ckptio.io.stage import StagingPool
 from ckptio.options import Options
 from ckptio.planning.export_plan import (
     ExportFile,
     ExportPlan,
-    Part,
     Window,
     assign,
     plan_export,
@@ -55,16 +55,14 @@ from ckptio.planning.export_plan import (
 )
 from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
-from ckptio.storage.local.local_store import fsync_path, write_durably
+from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]
 
-ReadFn = Callable[[list[Read]], int]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WINDOWS = 2  # window buffers: one being filled while the other is written
-_SCRATCH_ALIGN = 64  # each part's scratch starts aligned for any dtype
 
 
 @dataclass(frozen=True)
@@ -279,12 +277,12 @@ def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
     checkpointer = source.checkpointer
     backend = store_for(out, checkpointer.options).backend(checkpointer.options)
     pool = StagingPool(_WINDOWS, window_bytes, prefault=False)  # faults overlap the reads
-    scratch = _Scratch()
+    scratch = Scratch()
     written = 0
     try:
         for file in files:
             def fill(window: Window, buffer: Buffer, file: ExportFile = file) -> None:
-                _fill(window, buffer, file.header, source.read, scratch)
+                fill_window(window, buffer, file.header, source.read, scratch)
                 if progress is not None:
                     filled[0] += window.nbytes
                     progress(filled[0], total)
@@ -295,57 +293,6 @@ def _write_files(source: _Source, files: list[ExportFile], out: str, token: str,
         pool.close()
         backend.shutdown()
     return written
-
-
-class _Scratch:
-    """Where a window's tensors are read as saved before their dtype changes: allocated once
-    for the export and grown to the largest window's need (up to 4x a window, float64 to
-    bfloat16), not allocated per tensor and window."""
-
-    def __init__(self) -> None:
-        self.data = torch.empty(0, dtype=torch.uint8)
-
-    def views(self, parts: tuple[Part, ...]) -> list[torch.Tensor | None]:
-        """Per part: a 1-D tensor of its saved dtype and element count, or None (no cast)."""
-        sizes = [0 if p.tensor.source.out_dtype == p.tensor.source.dtype
-                 else p.count * DTYPE_ITEMSIZE[p.tensor.source.dtype] for p in parts]
-        need = sum(align_up(n, _SCRATCH_ALIGN) for n in sizes)
-        if need > self.data.numel():
-            self.data = torch.empty(need, dtype=torch.uint8)
-        views: list[torch.Tensor | None] = []
-        at = 0
-        for part, nbytes in zip(parts, sizes):
-            views.append(self.data[at:at + nbytes].view(torch_dtype(part.tensor.source.dtype))
-                         if nbytes else None)
-            at += align_up(nbytes, _SCRATCH_ALIGN)
-        return views
-
-
-def _fill(window: Window, buffer: Buffer, header: bytes, read: ReadFn, scratch: _Scratch) -> None:
-    """A window's bytes: its part of the header, then its tensors' element ranges, read from
-    the source (into ``scratch`` first when the dtype changes)."""
-    if window.offset < len(header):
-        head = header[window.offset:window.offset + window.nbytes]
-        buffer.view[:len(head)] = head
-    reads: list[Read] = []
-    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for part, staged in zip(window.parts, scratch.views(window.parts)):
-        source = part.tensor.source
-        dest = typed(buffer, part.at, part.count * torch_dtype(source.out_dtype).itemsize,
-                     torch_dtype(source.out_dtype))
-        into = dest if staged is None else staged
-        if staged is not None:
-            casts.append((dest, staged))
-        if part.start == 0 and part.count == source.numel:  # whole: the stored chunk's layout
-            reads.append(Read(source.key, source.entries, Chunk.whole(source.shape),
-                              into.view(source.shape)))
-        else:
-            reads.append(Read(source.key, source.entries,
-                              Chunk((part.start,), (part.count,), flat=True), into))
-    if reads:
-        read(reads)
-    for dest, staged in casts:
-        dest.copy_(staged)
 
 
 def _commit(group: Group, plan: ExportPlan, error: BaseException | None, out: str, token: str,

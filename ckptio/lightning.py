@@ -51,7 +51,7 @@ from ckptio import (
 from ckptio.distributed.dist import rank_alone_group
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_root import is_committed
-from ckptio.storage.local.local_store import fsync_path
+from ckptio.storage.local.durable import fsync_path
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO", "load_from_checkpoint"]
 

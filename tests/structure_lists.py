@@ -80,8 +80,6 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                                                    "s3.test_manager_s3._keys"})),
     "tests.s3.test_failfast_s3": (_WHITE + "the client's reached-endpoint memory",
                                   frozenset({"s3client._reached"})),
-    "tests.s3.test_faults_s3": (_WHITE + "the S3 backend's body reads, where faults are injected",
-                                frozenset({"s3_backend._read_body", "s3_backend._socket_reader"})),
     "tests.s3.test_fixed_cost_s3": (_WHITE + "the client factory, counted",
                                     frozenset({"s3client._make_client"})),
     "tests.s3.test_manager_s3": (_HELPER, frozenset({"cases._manager_state"})),

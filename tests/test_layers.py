@@ -78,8 +78,9 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
     ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild
     ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
-    ("ckptio.dcp", "ckptio.export", "ckptio.convert", "ckptio.hf_trainer",
-     "ckptio.tc_storage", "ckptio.torchtitan_manager"),  # interop drivers
+    ("ckptio.dcp", "ckptio.export", "ckptio.export_fill", "ckptio.convert",
+     "ckptio.convert_writers", "ckptio.hf_trainer", "ckptio.tc_storage",
+     "ckptio.torchtitan_manager"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.demo",
      "ckptio.megatron_strategy"),  # users of ``import ckptio``
@@ -452,7 +453,7 @@ def test_imports_are_read_with_where_they_run(tmp_path):
 TORCH_FREE = {"ckptio.errors", "ckptio.format.types", "ckptio.format.tiling",
               "ckptio.format.geometry", "ckptio.format.dcpmeta", "ckptio.format.torchzip",
               "ckptio.format.check", "ckptio.format.regular_section", "ckptio.format.grid",
-              "ckptio.format.checksum"}
+              "ckptio.format.overlap", "ckptio.format.checksum", "ckptio.format.allowlist"}
 
 
 def test_torch_free_modules_import_no_torch():

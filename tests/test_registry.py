@@ -16,7 +16,7 @@ import torch
 import ckptio
 from ckptio.options import Options
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.memory.memory_store import HOST
+from ckptio.storage.memory.host_memory import HOST
 from ckptio.storage.select import checkpoint_path, registered_schemes, store_for
 
 OPTS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)

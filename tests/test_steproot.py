@@ -34,7 +34,8 @@ from ckptio.managing.manager import CheckpointManager
 from ckptio.options import MiB, Options
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.local.local_root import LocalRoot
-from ckptio.storage.memory.memory_store import HOST, MemoryStore
+from ckptio.storage.memory.host_memory import HOST
+from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.storage.memory.memory_root import MemoryRoot
 from ckptio.storage.select import register_store, root_for
 from ckptio.storage.steproot import StepRoot

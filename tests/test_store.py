@@ -30,7 +30,8 @@ from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
 from ckptio.storage.local.local_store import LocalStore
-from ckptio.storage.memory.memory_store import HOST, MemoryBackend, MemoryStore
+from ckptio.storage.memory.host_memory import HOST
+from ckptio.storage.memory.memory_store import MemoryBackend, MemoryStore
 from ckptio.testing.io_conformance import Factory, IOBackendConformance, fresh_files, run_all
 from ckptio.testing.store_conformance import (
     StoreConformance,

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from ckptio.distributed.liveness import Watch, key_of
-from ckptio.distributed.storegroup import Deadlines, StoreGroup, pack, unpack
+from ckptio.distributed.storeframes import pack, unpack
+from ckptio.distributed.storegroup import Deadlines, StoreGroup
 from ckptio.errors import RankFailedError
 
 

@@ -47,7 +47,7 @@ from ckptio.format.types import (
 )
 from ckptio.loading.foreign_common import expand_value, nest, torch_load_value
 from ckptio.loading.torchvalues import TORCH_SAVE
-from ckptio.planning import plan
+from ckptio.planning import leaves
 
 __all__ = ["TORCH_SAVE", "InlineValue", "RankStorage", "RawBytes", "Written", "check_plan",
            "dtype_name", "inline_value", "item_key", "manifest_of", "paths_of", "write_item", "written"]
@@ -129,8 +129,8 @@ def item_key(index: MetadataIndex) -> str:
 
 
 def dtype_name(dtype: torch.dtype, fqn: str) -> str:
-    return plan.dtype_name(dtype, fqn, "convert the tensor before saving, or save it with "
-                                       "DCP's FileSystemWriter")
+    return leaves.dtype_name(dtype, fqn, "convert the tensor before saving, or save it with "
+                                         "DCP's FileSystemWriter")
 
 
 def check_plan(plan: SavePlan, rank: int, path: str) -> None:

@@ -6,31 +6,30 @@ writes what (globalplan.py) and answers each rank with its writes and the save i
 on any rank is answered with an error on every rank. Keys held alike on disjoint device meshes
 are answered with "plan them again with digests" (the caller does, once: Memory.across). An
 unchanged layout sends only item digests, and the coordinator reuses its previous decisions.
-exclusive(): in each rank's save thread, before any file is created, the coordinator takes the
-lock of the checkpoint directory (Store.exclusive: one save at a time per location, across
-processes) and tells every rank whether it has it. conclude(): each rank sends what it wrote
-(or its error); the coordinator commits the manifest only if every rank succeeded, and tells
-every rank the outcome; it lets go of the lock once its cleanup has chosen what to remove.
+Then, before any file is created, the coordinator takes the location's lock (savelock.py).
+conclude(): each rank sends what it wrote (or its error); the coordinator commits the manifest
+only if every rank succeeded, and tells every rank the outcome; it lets go of the lock once its
+cleanup has chosen what to remove.
 With one process (dist.Solo) the same steps run without peers.
 
 Owns: the order of messages and the coordinator's cached plans. Does not own: planning rules
-(globalplan.py), message bytes (wire.py), transport (dist.py), the commit itself (storage/).
+(globalplan.py), message bytes (wire.py), transport (dist.py), the location's lock
+(savelock.py), the commit itself (storage/).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.distributed import wire
-from ckptio.distributed.dist import COORDINATOR, Group
+from ckptio.distributed.dist import Group
 from ckptio.distributed.rankplan import valued_shards
-from ckptio.distributed.step import coordinate, describe, listed
-from ckptio.errors import CheckpointLockedError, CkptError, RankFailedError
+from ckptio.distributed.step import coordinate, listed
+from ckptio.errors import CkptError
 from ckptio.format import entryform, manifest
 from ckptio.format.gcpause import paused
 from ckptio.format.types import Manifest, WriteItem, Written
@@ -51,7 +50,7 @@ from ckptio.planning.regular_items import Regular, regular_section, regular_writ
 from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree", "assigned_items",
-           "conclude", "decide_plans", "exclusive", "manifest_of", "skip_exclusive"]
+           "conclude", "decide_plans", "manifest_of"]
 
 Guard = contextlib.AbstractContextManager[Any]  # what conclude()'s commit runs in
 
@@ -260,66 +259,6 @@ def _fetch(group: Group, memory: Memory, kind: str, wanted: set[str],
 def _refusal(path: str, failures: list[str]) -> str:
     return (f"save to {path} failed before writing, on {listed(failures)}. Nothing was written; "
             "the previous checkpoint there is untouched")
-
-
-@contextlib.contextmanager
-def exclusive(group: Group, store: Store, if_locked: str) -> Iterator[Exclusive | None]:
-    """Collective, in the save's thread before any rank creates a file in ``store``: the
-    coordinator claims the location (Store.exclusive: waits or raises per ``if_locked``) and
-    tells every rank whether it has it; if not, raises on every rank (CheckpointLockedError
-    where another save holds it). Only the coordinator commits, so only it holds the claim; the
-    other ranks create their files after this step, so inside its hold. The body runs holding
-    it; the claim is released when the body ends. Yields the claim on the coordinator, else None.
-
-    In the save's thread rather than in agree(): a save that waits for the claim or is refused
-    reports it where every background error is reported (wait()), on every rank alike. While
-    the coordinator waits (if_locked="wait"), the other ranks wait in the broadcast, up to twice
-    Options.step_timeout_s (the coordinator's heartbeat shows it is alive)."""
-    held: Exclusive | None = None
-    failure: BaseException | None = None
-    if group.rank == COORDINATOR:
-        try:
-            held = store.exclusive(if_locked)
-        except BaseException as exc:  # noqa: BLE001 - raised below, once the peers know
-            failure = exc
-    try:
-        _lock_outcome(group, store.location, failure, raise_it=True)
-        if failure is not None:
-            raise failure
-        yield held
-    except BaseException:
-        if held is not None:
-            held.release(failed=True)
-        raise
-    if held is not None:
-        held.release()
-
-
-def skip_exclusive(group: Group, path: str, error: BaseException) -> None:
-    """Take part in exclusive() for a rank that failed before its save thread ran (the peers'
-    threads wait in it); the coordinator then takes no lock and tells the peers why."""
-    _lock_outcome(group, path, error if group.rank == COORDINATOR else None, raise_it=False)
-
-
-def _lock_outcome(group: Group, path: str, failure: BaseException | None, *,
-                  raise_it: bool) -> None:
-    """The coordinator's lock outcome on every rank; a failure is raised on the other ranks
-    (``raise_it``): CheckpointLockedError if the path was locked, else RankFailedError."""
-    if group.size == 1:
-        return
-    mine = None
-    if group.rank == COORDINATOR:
-        mine = json.dumps({"error": None if failure is None else describe(failure),
-                           "locked": isinstance(failure, CheckpointLockedError)}).encode()
-    outcome = json.loads(group.broadcast(mine))
-    if group.rank == COORDINATOR or outcome["error"] is None or not raise_it:
-        return
-    if outcome["locked"]:  # the message says what to do
-        raise CheckpointLockedError(f"save to {path} refused on the coordinator (rank 0): "
-                                    f"{outcome['error']}")
-    raise RankFailedError(f"save to {path} failed before writing, on the coordinator (rank 0): "
-                          f"{outcome['error']}. Nothing was written; the previous checkpoint "
-                          "there is untouched")
 
 
 def conclude(group: Group, agreement: Agreement, written: Written | None,

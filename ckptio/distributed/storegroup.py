@@ -12,28 +12,27 @@ Call order: ``StoreGroup(...)`` once per group, then ``gather`` / ``scatter`` / 
 in the same order on every rank.
 
 Owns: the Group protocol's implementation over a store, deadlines and the failure record. Does
-not own: what the messages say (wire.py, step.py), or liveness (liveness.py).
+not own: what the messages say (wire.py, step.py), the bytes a key holds (storeframes.py), or
+liveness (liveness.py).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.distributed.liveness import Watch
+from ckptio.distributed.storeframes import pack, stamped, unpack, unstamped
 from ckptio.errors import CkptError, RankFailedError
 
-__all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "pack", "poll_pause", "unpack"]
+__all__ = ["COORDINATOR", "Deadlines", "StoreGroup", "poll_pause"]
 
 log = logging.getLogger("ckptio")
 
 COORDINATOR = 0
-_STAMP = struct.Struct("<Q")
 _POLL_MIN_S = 0.0002  # a waiting rank's shortest pause between two looks at the store
 _POLLS_PER_S = 20000  # the most polls per second a group makes of the store, all ranks together
 _LATE_SHARE = 1 / 16  # a wait ends at most this share of its length after it could have
@@ -152,7 +151,7 @@ class StoreGroup:
         return f"{self.name}/{suffix}"
 
     def _send(self, step: int, data: bytes) -> None:
-        self.store.set(self._key(f"in/{self.rank}"), _STAMP.pack(step) + data)
+        self.store.set(self._key(f"in/{self.rank}"), stamped(step, data))
         self.store.add(self._key(f"in/{self.rank}/n"), 1)  # = step: what the coordinator looks at
         self.store.add(self._key("in/n"), 1)
         self._sent = True
@@ -164,7 +163,7 @@ class StoreGroup:
         self._wait(lambda: int(self.store.add(self._key("in/n"), 0)) >= expected,
                    lambda: self._not_sent(step, arrived), "its part of the step")
         keys = [self._key(f"in/{r}") for r in range(1, self.size)]
-        return [_unstamp(step, value, what=key) for key, value
+        return [unstamped(step, value, what=key) for key, value
                 in zip(keys, _multi_get(self.store, keys))]
 
     def _not_sent(self, step: int, arrived: set[int]) -> list[int]:
@@ -189,7 +188,7 @@ class StoreGroup:
 
     def _answer(self, step: int, parts: list[bytes]) -> None:
         _multi_set(self.store, [self._key(f"out/{r}") for r in range(1, self.size)],
-                   [_STAMP.pack(step) + p for p in parts[1:]])
+                   [stamped(step, p) for p in parts[1:]])
         self.store.add(self._key("out/n"), 1)
         self._delivered(self._key("out/read"), step * (self.size - 1))
 
@@ -197,7 +196,7 @@ class StoreGroup:
         self._wait(lambda: int(self.store.add(self._key("out/n"), 0)) >= step,
                    lambda: [COORDINATOR], "its answer", patience=2)
         key = self._key(f"out/{self.rank}")
-        answer = _unstamp(step, self.store.get(key), what=key)
+        answer = unstamped(step, self.store.get(key), what=key)
         self.store.delete_key(key)
         self._tidy()
         # Last: once every rank said it read its answer, the coordinator may return and its
@@ -376,31 +375,3 @@ def _named_ranks(message: str) -> tuple[int, ...]:
         if len(head) >= 2 and head[0] == "rank" and head[1].isdigit():
             ranks.append(int(head[1]))
     return tuple(ranks)
-
-
-def _unstamp(step: int, value: bytes, *, what: str) -> bytes:
-    value = bytes(value)
-    got = _STAMP.unpack_from(value)[0]
-    if got != step:  # internal: the ranks' steps are out of order
-        raise RankFailedError(f"{what}: expected the message of step {step}, found step {got}; "
-                              "the ranks called ckptio's collective saves or loads in different "
-                              "orders")
-    return value[_STAMP.size:]
-
-
-def pack(parts: list[bytes]) -> bytes:
-    """Byte strings as one: their count, each length, then the bytes; with a CRC32."""
-    body = struct.pack(f"<I{len(parts)}Q", len(parts), *map(len, parts)) + b"".join(parts)
-    return struct.pack("<I", zlib.crc32(body)) + body
-
-
-def unpack(data: bytes) -> list[bytes]:
-    crc, count = struct.unpack_from("<II", data)
-    if zlib.crc32(data[4:]) != crc:
-        raise RankFailedError("all_gather: the coordinator's message arrived damaged")
-    lengths = struct.unpack_from(f"<{count}Q", data, 8)
-    out, at = [], 8 + 8 * count
-    for n in lengths:
-        out.append(data[at:at + n])
-        at += n
-    return out

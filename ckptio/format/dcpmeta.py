@@ -10,8 +10,8 @@ into a ``DcpMeta``: plain frozen dataclasses.
 
 Call order: ``decode(raw, where)`` -> a DcpMeta (loading/dcpdir.py makes a Manifest of it).
 
-Owns: that unpickler, the stand-ins and the checks, and ``DType`` (a dtype by name, shared with
-torchzip.py). Pure: bytes in, DcpMeta out; never imports torch (a test checks it). Does not own:
+Owns: that allow-list, the stand-ins and the checks. Pure: bytes in, DcpMeta out; never
+imports torch (a test checks it). Does not own: the unpickler and ``DType`` (allowlist.py),
 reading the files (loading/dcpdir.py), the items' own zip records (torchzip.py), turning a
 DcpMeta into a ckptio Manifest (loading/dcpdir.py).
 """
@@ -19,21 +19,20 @@ DcpMeta into a ckptio Manifest (loading/dcpdir.py).
 from __future__ import annotations
 
 import builtins
-import io
-import pickle
 import posixpath
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptio.errors import CkptError, ManifestError, PickleRefusedError
+from ckptio.errors import CkptError, ManifestError
+from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.check import shared_bytes
 from ckptio.format.tiling import tiling_problem
 from ckptio.format.types import DTYPE_ITEMSIZE, MAX_TREE_DEPTH, Chunk, show
 
-__all__ = ["AllowListUnpickler", "DType", "DcpItem", "DcpMeta", "DcpTensor", "MAX_METADATA_NBYTES", "METADATA_NAME",
-           "PICKLE_ERRORS", "decode", "file_rank"]
+__all__ = ["DcpItem", "DcpMeta", "DcpTensor", "MAX_METADATA_NBYTES", "METADATA_NAME", "decode",
+           "file_rank"]
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_NBYTES = 256 << 20  # a .metadata larger than this is refused before it is read
@@ -41,9 +40,6 @@ _MAX_INT = 1 << 62
 _MAX_NDIM = 128
 _DCP_FILE = re.compile(r"__(\d{1,9})_(\d{1,9})\.distcp")
 _META = "torch.distributed.checkpoint.metadata"
-# What a hostile pickle can make pickle.Unpickler raise besides our own CkptErrors.
-PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                 IndexError, KeyError, OverflowError, RecursionError, MemoryError)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,13 +114,6 @@ _RECORDS = {name: _stand(name) for name in (
 
 
 @dataclass(frozen=True)
-class DType:
-    """A torch dtype, by its name in types.DTYPE_ITEMSIZE."""
-
-    name: str
-
-
-@dataclass(frozen=True)
 class _Layout:
     name: str
 
@@ -174,27 +163,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): _posix_path,
     **{("torch", name): DType(name) for name in DTYPE_ITEMSIZE},
 }
-
-
-class AllowListUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals in ``allowed`` (to stand-ins, never the real
-    classes or functions) and refuses every other global and every persistent id with a
-    PickleRefusedError; ``refusal(module, name)`` says why, naming the file."""
-
-    def __init__(self, data: bytes, where: str, allowed: dict[tuple[str, str], Any],
-                 refusal: Callable[[str, str], str]) -> None:
-        super().__init__(io.BytesIO(data))
-        self.where, self.allowed, self.refusal = where, allowed, refusal
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise PickleRefusedError(self.refusal(module, name))
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise PickleRefusedError(f"{self.where} holds a pickle persistent id ({show(pid)}), which "
-                                 "DCP metadata never does; refused, nothing was loaded")
 
 
 def _refusal(where: str) -> Callable[[str, str], str]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import UnsupportedStateError
-from ckptio.format.dcpmeta import DType
+from ckptio.format.allowlist import DType
 from ckptio.format.torchzip import TensorRef
 
 __all__ = ["DTensorRef", "GLOBALS", "box", "primary"]

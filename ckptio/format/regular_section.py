@@ -14,9 +14,10 @@ export through ckptio.load's pool) -> ``decode_index`` / ``check_rows`` on each 
 
 Owns: those bytes and every check on them (the file's checksum and length, a row's tensor and
 file exist, its bytes lie inside its file without overlapping another row's, its block count
-fits its length); the chunks and index files a region needs and the rows made of them. Pure:
-no torch, no file access. Does not own: which regions a load wants (loading/resolve_regular.py),
-reading the files (the caller's ``read``), the rest of the manifest (manifest.py, validate.py).
+fits its length); the index files a region's chunks need and the rows made of them. Pure:
+no torch, no file access. Does not own: which chunks overlap a region (overlap.py), which
+regions a load wants (loading/resolve_regular.py), reading the files (the caller's ``read``),
+the rest of the manifest (manifest.py, validate.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ import itertools
 import json
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio.format.check import Check, checksum_of, shape_of
 from ckptio.format.checksum import entry_checksum
-from ckptio.format.grid import REPLICATE, Grid, split
+from ckptio.format.grid import REPLICATE, Grid
+from ckptio.format.overlap import overlapping
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
     Chunk,
@@ -45,8 +47,7 @@ from ckptio.format.types import (
 )
 
 __all__ = ["INDEX_MAGIC", "IndexRow", "ReadIndexes", "Wants", "check_rows", "decode_index",
-           "encode_index", "expand", "expand_all", "index_name", "overlapping", "parse_section",
-           "section_json"]
+           "encode_index", "expand", "expand_all", "index_name", "parse_section", "section_json"]
 
 INDEX_MAGIC = "ckptio-index"
 INDEX_VERSION = 1
@@ -271,85 +272,6 @@ def expand(record: Manifest, wants: Wants, read: ReadIndexes) -> Manifest:
                for rank, rows in _rows(record, needed, read).items()
                for (tensor, chunk), row in zip(needed[rank], rows)]
     return dataclasses.replace(record, tensors=(*record.tensors, *entries))
-
-
-def overlapping(grid: Grid, tensor: RegularTensor, region: Chunk | None) -> Iterator[
-        tuple[int, Chunk]]:
-    """(writer rank, chunk) of each non-empty chunk of ``tensor`` that overlaps ``region``
-    (None: all): along each mesh dim only the pieces that reach the region are visited, and
-    along replicated dims only the writer's coordinate (Grid.writer)."""
-    shape = tensor.shape
-    if region is not None and (region.flat or not region.fits(shape)):
-        region = None
-    if region is not None and not region.numel:
-        return
-    fixed = _writer_digits(grid, tensor.key)
-    walk = _Walk(grid, shape, fixed, region, [0] * len(grid.shape))
-    yield from walk.chunks(0, [0] * len(shape), list(shape))
-
-
-@dataclass
-class _Walk:
-    """overlapping's walk over the mesh dims (an object, not a recursive closure, so no
-    reference cycle outlives the call)."""
-
-    grid: Grid
-    shape: tuple[int, ...]
-    fixed: dict[int, int]
-    region: Chunk | None
-    coordinate: list[int]
-
-    def chunks(self, m: int, offsets: list[int], sizes: list[int]) -> Iterator[
-            tuple[int, Chunk]]:
-        grid, coordinate = self.grid, self.coordinate
-        if m == len(grid.shape):
-            if all(sizes):
-                yield grid.ranks[_flat(grid, coordinate)], grid.chunk(self.shape,
-                                                                      tuple(coordinate))
-            return
-        dim, parts = grid.dims[m], grid.shape[m]
-        if dim == REPLICATE:
-            coordinate[m] = self.fixed[m]
-            yield from self.chunks(m + 1, offsets, sizes)
-            return
-        for index in _reaching(parts, offsets[dim], sizes[dim], self.region, dim):
-            start, length = split(sizes[dim], parts, index)
-            coordinate[m] = index
-            yield from self.chunks(m + 1, _set(offsets, dim, offsets[dim] + start),
-                                   _set(sizes, dim, length))
-
-
-def _reaching(parts: int, base: int, size: int, region: Chunk | None, dim: int) -> range:
-    """The pieces (of ``size`` elements from ``base`` cut into ``parts``) that reach the
-    region along ``dim``."""
-    if region is None or size == 0:
-        return range(parts)
-    piece = -(-size // parts)
-    lo = region.offsets[dim] - base
-    hi = lo + region.sizes[dim]
-    return range(max(0, lo // piece), min(parts, max(0, -(-hi // piece))))
-
-
-def _writer_digits(grid: Grid, key: str) -> dict[int, int]:
-    """The coordinate, along each replicated mesh dim, of the replica that writes ``key``."""
-    writer, digits = grid.writer(key), {}
-    for m in reversed(range(len(grid.shape))):
-        if grid.dims[m] == REPLICATE:
-            writer, digits[m] = divmod(writer, grid.shape[m])
-    return digits
-
-
-def _flat(grid: Grid, coordinate: list[int]) -> int:
-    flat = 0
-    for size, at in zip(grid.shape, coordinate):
-        flat = flat * size + at
-    return flat
-
-
-def _set(values: list[int], at: int, value: int) -> list[int]:
-    out = list(values)
-    out[at] = value
-    return out
 
 
 def _nbytes(tensor: RegularTensor, chunk: Chunk) -> int:

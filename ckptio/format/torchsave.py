@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import CkptError, CorruptCheckpointError
-from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler
+from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.dtensorpickle import GLOBALS as DTENSOR_GLOBALS
 from ckptio.format.torchzip import TENSOR_GLOBALS, TensorRef, storage_ref
 from ckptio.format.types import show
@@ -264,7 +264,7 @@ class _Unpickler(AllowListUnpickler):
 def decode_pickle(data: bytes, where: str) -> Any:
     """The object ``data.pkl`` holds: containers and scalars as themselves, tensors as
     torchzip.TensorRef, ``torch.Size`` as TorchSize, ``torch.device`` as Device, dtypes as
-    dcpmeta.DType."""
+    allowlist.DType."""
     try:
         return _Unpickler(data, where).load()
     except CkptError:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.format.checksum import crc32
-from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler, DType
+from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler, DType
 from ckptio.format.types import DTYPE_ITEMSIZE, show
 
 __all__ = ["DESCRIPTOR_NBYTES", "HEAD_NBYTES", "TAIL_NBYTES", "TENSOR_GLOBALS", "TensorRecord", "TensorRef",

@@ -22,7 +22,8 @@ import torch
 
 from ckptio.format import regular_section
 from ckptio.format.flatten import FlatState
-from ckptio.format.regular_section import Wants, overlapping
+from ckptio.format.overlap import overlapping
+from ckptio.format.regular_section import Wants
 from ckptio.format.types import Chunk, IndexFile, Manifest, Read, TensorEntry
 from ckptio.loading import state_keys
 from ckptio.planning.sharding import Held, held

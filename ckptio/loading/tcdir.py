@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError, UnsupportedStateError
 from ckptio.format import keyrules, validate
-from ckptio.format.dcpmeta import PICKLE_ERRORS, AllowListUnpickler
+from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
 from ckptio.loading.torchsave_manifest import Walk, read_archive

@@ -27,7 +27,7 @@ from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointE
 from ckptio.format import dtensorpickle, keyrules, torchzip, validate, values
 from ckptio.format import torchsave as fmt
 from ckptio.format.checksum import crc32, crc32_of_part
-from ckptio.format.dcpmeta import DType
+from ckptio.format.allowlist import DType
 from ckptio.format.types import (
     DTYPE_ITEMSIZE,
     MAX_TREE_DEPTH,

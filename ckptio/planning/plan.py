@@ -1,27 +1,24 @@
 """Flat state -> this rank's save plan: which bytes are written, which leaves go inline.
 
-Owns: classifying every leaf (tensor, numpy array, bytes, inline Python value, pickled object),
-refusing what cannot be stored without pickle, and writing each storage view once (tied weights
-become aliases). Produces frozen dataclasses plus the host-side tensors whose bytes the items
-name. Does not own: where bytes go (layout.py) or how they are copied (stage.py). No I/O.
+Owns: an item per leaf and writing each storage view once (tied weights become aliases), and
+the plan's reuse while the state keeps its layout (PlanCache). Produces frozen dataclasses plus
+the host-side tensors whose bytes the items name. Does not own: what kind each leaf is and the
+bytes that hold it (leaves.py), where bytes go (layout.py) or how they are copied (stage.py).
+No I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ckptio.errors import UnsupportedStateError
-from ckptio.format import values
 from ckptio.format.flatten import FlatCache, FlatState
 from ckptio.format.grid import Grid
 from ckptio.format.types import DTYPE_ITEMSIZE, Chunk, Json, ObjectEntry, WriteItem
+from ckptio.planning.leaves import check_tensor, classify, dtype_name
 from ckptio.planning.reuse import NOTHING, SCALARS, Reuse, object_again
 from ckptio.planning.sharding import (
     FlatShard,
@@ -53,98 +50,12 @@ class SavePlan:
     grids: dict[str, Grid] = field(default_factory=dict)
 
 
-def dtype_name(dtype: torch.dtype, key: str, fix: str = "convert it to a standard dtype first"
-               ) -> str:
-    """``dtype``'s ckptio name (``float32``); UnsupportedStateError naming ``key`` and ``fix``
-    for one ckptio does not store."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise UnsupportedStateError(
-            f"key {key!r}: dtype {name} is not one ckptio stores ({', '.join(DTYPE_ITEMSIZE)}); "
-            f"{fix}")
-    return name
-
-
-def _check_tensor(t: torch.Tensor, key: str) -> None:
-    check_dense(t, key)
-    if t.device.type == "meta":
-        raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
-
-
 def _view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
     """Two tensors with equal identity are the same view of the same memory."""
     if t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
             tuple(t.shape), t.stride())
-
-
-def _numpy_source(value: Any, key: str) -> tuple[str, torch.Tensor] | None:
-    module = type(value).__module__
-    if not module.startswith("numpy"):
-        return None
-    import numpy as np
-
-    if isinstance(value, np.generic):
-        return "numpy_scalar", _from_numpy(np.asarray(value), key)
-    if isinstance(value, np.ndarray):
-        return "numpy", _from_numpy(value, key)
-    return None
-
-
-def _from_numpy(array: Any, key: str) -> torch.Tensor:
-    import numpy as np
-
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)  # (never on 0-d arrays: it would make them 1-d)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only arrays: we only ever read from them
-            return torch.from_numpy(array)
-    except TypeError:
-        raise UnsupportedStateError(
-            f"key {key!r}: numpy dtype {array.dtype} has no torch equivalent; convert it, or "
-            "pass allow_pickle=True to store it pickled"
-        ) from None
-
-
-def _bytes_source(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _classify(value: Any, key: str, allow_pickle: bool) -> tuple[str, Any]:
-    """-> (kind, payload): payload is a tensor for data kinds, tagged JSON for 'object'."""
-    if isinstance(value, torch.Tensor):
-        _check_tensor(value, key)
-        return "tensor", value
-    if isinstance(value, (bytes, bytearray)):  # each comes back as the type it was
-        return ("bytearray" if isinstance(value, bytearray) else "bytes"), _bytes_source(value)
-    if isinstance(value, io.BytesIO):  # DCP's TrainState pattern: its content, no pickle
-        return "bytesio", _bytes_source(value.getbuffer())
-    numpy_source = _numpy_source(value, key)
-    if numpy_source is not None:
-        return numpy_source
-    try:
-        return "object", values.encode(value)
-    except values.NotEncodable:
-        pass
-    if not allow_pickle:
-        raise UnsupportedStateError(
-            f"key {key!r}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
-            "stored without pickle; convert it to tensors/str/int/float/bytes, or pass "
-            "allow_pickle=True (loading it will then need allow_pickle=True too)"
-        )
-    try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # what pickle raises
-        raise UnsupportedStateError(
-            f"key {key!r}: allow_pickle=True, but this {type(value).__module__}."
-            f"{type(value).__qualname__} cannot be pickled ({type(exc).__name__}: {exc}); "
-            "leave it out of the state (keys=... on load), or store what rebuilds it (e.g. "
-            "a module-level function's name instead of a lambda)") from exc
-    return "pickle", _bytes_source(data)
 
 
 @dataclass
@@ -366,9 +277,9 @@ def _build(flat: FlatState, allow_pickle: bool,
         region = held(value, key)
         if region is not None and region.sharded:
             kind, payload = "tensor", region.local
-            _check_tensor(payload, key)
+            check_tensor(payload, key)
         else:
-            kind, payload = _classify(value, key, allow_pickle)
+            kind, payload = classify(value, key, allow_pickle)
         if kind == "object":
             last = reuse.objects.get(key) if reuse is not None else None
             objects.append(last if last is not None and last.value == payload

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ckptio.alignment import align_up
-from ckptio.distributed import collective, rankplan
+from ckptio.distributed import collective, rankplan, savelock
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.format import regular_section
 from ckptio.format.flatten import flatten
@@ -206,7 +206,7 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
         # claim first: a collective on every rank, and no rank creates a file before the
         # coordinator holds the lock; attempt() removes this rank's files on failure.
         with (ctx.resources.lock,
-              collective.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
+              savelock.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
               _opened(ctx.store, part.names)):
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
@@ -366,7 +366,7 @@ def _report_failure(ctx: SaveContext, agreement: collective.Agreement, exc: Base
     ``exc`` itself). ``claimed``: this rank has already taken part in the claim."""
     try:
         if not claimed:
-            collective.skip_exclusive(ctx.group, ctx.store.location, exc)
+            savelock.skip_exclusive(ctx.group, ctx.store.location, exc)
         collective.conclude(ctx.group, agreement, None, exc, ctx.store, ctx.meta,
                             ctx.options.checksum, ctx.block_nbytes, lambda _record, _data: None)
     except BaseException as other:  # noqa: BLE001 - exc is what the caller reports

@@ -25,7 +25,7 @@ import stat
 
 from ckptio.errors import CkptError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.local.local_store import fsync_path
+from ckptio.storage.local.durable import fsync_path
 
 __all__ = ["check_parents", "files_under", "make_parents"]
 

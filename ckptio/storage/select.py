@@ -19,9 +19,10 @@ scheme rather than taking ``hdfs:`` for a folder); store_for() makes the Store o
 Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
 pays only for the schemes it reads.
 
-Owns: the entries, the path forms (file://, shm://), which store and file a local file names,
-which settings a location takes. Does not own: what a scheme's settings hold (its folder),
-what a store or root does (their modules), the backends' lifetime (resources.py).
+Owns: the entries, which store and file a local file names, which settings a location takes.
+Does not own: what a scheme's settings hold (its folder), what a store or root does (their
+modules), the directory a file:// or shm:// URL names (local/local_urls.py), the backends'
+lifetime (resources.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 from ckptio.errors import CkptError, UnsupportedPathError
 from ckptio.options import Options
 from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.local.local_urls import file_path, shm_path
 from ckptio.storage.steproot import StepRoot
 from ckptio.storage.store_contract import Store
 
@@ -54,8 +56,6 @@ __all__ = [
     "scheme_for",
     "scheme_of",
     "settings_for",
-    "shm_path",
-    "shm_root",
     "store_and_file",
     "store_for",
 ]
@@ -66,7 +66,6 @@ SettingsOf = Callable[[Options], Any]  # options -> the scheme's settings object
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
-SHM_ROOT = "/dev/shm/ckptio"  # tmpfs: host memory, kept after the process exits
 _lock = threading.Lock()
 
 
@@ -171,40 +170,7 @@ def _az_root(location: str, options: Options) -> StepRoot:
     return AzureRoot(location, _az_settings(options))
 
 
-def _file_path(text: str) -> str:
-    rest = text[len("file://"):]
-    if rest.startswith("localhost/"):
-        rest = rest[len("localhost"):]
-    if not rest.startswith("/"):
-        raise UnsupportedPathError(f"{text}: a file:// URL names an absolute path "
-                                   "(file:///dir/ckpt); pass the path itself")
-    return rest
-
-
-def shm_root() -> str:
-    """Where ``shm://`` locations live: ``$CKPTIO_SHM_DIR``, else /dev/shm/ckptio (a tmpfs on
-    Linux: its files are host memory, they outlive the process and go with a reboot)."""
-    return os.environ.get("CKPTIO_SHM_DIR") or SHM_ROOT
-
-
-def shm_path(text: str) -> str:
-    """The local directory of ``shm://NAME[/step-N]``: NAME under shm_root(). A name that is
-    empty, absolute or climbs out (``..``) is refused."""
-    rest = text[len("shm://"):].strip("/")
-    parts = rest.split("/")
-    if not rest or any(p in ("", ".", "..") for p in parts):
-        raise UnsupportedPathError(f"{text}: a shm:// location is shm://NAME (e.g. "
-                                   "shm://run-7), a relative name under the shared-memory "
-                                   f"root {shm_root()} without '.' or '..' parts")
-    root = shm_root()
-    if not os.path.isdir(os.path.dirname(root.rstrip("/")) or "/"):
-        raise UnsupportedPathError(f"{text}: the shared-memory root {root} cannot be made (its "
-                                   "parent is not a directory; no /dev/shm here?): set "
-                                   "CKPTIO_SHM_DIR to a directory on a tmpfs")
-    return os.path.join(root, *parts)
-
-
-_LOCAL = Scheme("file", _local_store, "local", _local_root, local=_file_path)  # and plain paths
+_LOCAL = Scheme("file", _local_store, "local", _local_root, local=file_path)  # and plain paths
 _SCHEMES: dict[str, Scheme] = {entry.name: entry for entry in (
     _LOCAL,
     Scheme("shm", _local_store, "local", _local_root, local=shm_path),

@@ -13,7 +13,8 @@ identity from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment), creat
 and waiting until a signed HeadBucket of it answers 200 and the master lists the volume server
 (else reads fail for seconds after a restart), stopping, killing and restarting it. With
 ``netns`` it runs in that network namespace (``ip netns exec``) on the namespace's address, on
-weed's usual ports (the namespace is a network of its own), and is probed from inside it.
+weed's usual ports (the namespace is a network of its own), and is probed from inside it
+(weed_probe.py).
 weed's own logs go to ``<data_dir>/weed.log`` (``-logtostderr``: none in /tmp); the Unix sockets
 it makes in /tmp, named by port, are removed on stop.
 Does not own: faults between client and server (testing/s3proxy.py), pytest fixtures
@@ -41,6 +42,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from ckptio.testing import weed_probe
+
 __all__ = ["SeaweedServer", "ServerError", "make_client", "weed_binary"]
 
 GRPC_OFFSET = 10_000  # weed's gRPC port for every HTTP port
@@ -50,27 +53,6 @@ _BUSY = ("address already in use", "not available", "bind:")
 _WEED_ENV = ("S3_BUCKET", "S3_TABLE_BUCKET", "S3_EXTERNAL_URL")  # mini's fallbacks for flags
 _USUAL_PORTS = (9333, 8080, 8888, 8333, 23646)  # weed's defaults, in _SERVICES' order
 _live: weakref.WeakSet[SeaweedServer] = weakref.WeakSet()
-# run in the server's namespace: exit 0 once the bucket answers and the volume server is listed
-_PROBE = """
-import json, sys, urllib.request
-import boto3
-from botocore.config import Config
-from botocore.exceptions import ClientError
-endpoint, bucket, master, volume = sys.argv[1:5]
-c = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1",
-    config=Config(s3={"addressing_style": "path"}, connect_timeout=1, read_timeout=5,
-                  retries={"total_max_attempts": 1}))
-try:
-    c.head_bucket(Bucket=bucket)
-except ClientError:
-    c.create_bucket(Bucket=bucket)
-    sys.exit(1)
-status = json.load(urllib.request.urlopen(master + "/dir/status", timeout=2))
-sys.exit(0 if any(n.get("Url") == volume for dc in status["Topology"].get("DataCenters") or []
-                  for r in dc.get("Racks") or [] for n in r.get("DataNodes") or []) else 1)
-"""
-
-
 class ServerError(RuntimeError):
     """weed is missing, did not start, or did not become ready (the message has its log's tail)."""
 
@@ -335,8 +317,9 @@ class SeaweedServer:
             if self._proc.poll() is not None:
                 raise ServerError(f"weed exited with status {self._proc.returncode} before it "
                                   f"was ready; {self.log_path}:\n{_tail(self.log_path)}")
-            probe = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c",
-                                    _PROBE, *args], env=env, capture_output=True, timeout=30)
+            probe = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable,
+                                    weed_probe.__file__, *args], env=env, capture_output=True,
+                                   timeout=30)
             if probe.returncode == 0:
                 return
             time.sleep(0.2)

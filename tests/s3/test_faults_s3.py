@@ -87,7 +87,7 @@ def test_throttling_resets_and_lost_answers_are_absorbed(s3_env, s3_proxy, s3_cl
 def test_get_bodies_cut_short_are_retried_or_resumed(s3_env, s3_proxy):
     """A GET whose connection is reset before the body's first byte is retried; one reset
     mid-body keeps what arrived and asks for the rest (bodies are read from the socket
-    straight into the staging buffer: storage/s3/backend.py _read_body)."""
+    straight into the staging buffer: storage/s3/body.py read_body)."""
     url = f"{s3_env}/cut-bodies"
     options = _options(s3_proxy.endpoint)
     state = _state(3)
@@ -106,15 +106,15 @@ def test_get_bodies_cut_short_are_retried_or_resumed(s3_env, s3_proxy):
 def test_get_bodies_go_from_the_socket_into_the_callers_buffer(s3_env, s3_client):
     """The zero-copy read applies to the bodies botocore hands out today; if botocore or
     urllib3 change shape the read falls back to their readinto, and this test says so."""
-    from ckptio.storage.s3 import backend as s3_backend
+    from ckptio.storage.s3 import body as s3_body
 
     where = S3Path.parse(f"{s3_env}/socket-read/blob")
     payload = os.urandom(3 * MiB + 7)
     s3_client.put_object(Bucket=where.bucket, Key=where.key, Body=payload)
     answer = s3_client.get_object(Bucket=where.bucket, Key=where.key, Range="bytes=5-")
-    assert s3_backend._socket_reader(answer["Body"]) is not None
+    assert s3_body.socket_reader(answer["Body"]) is not None
     into = bytearray(len(payload) - 5)
-    assert s3_backend._read_body(answer["Body"], memoryview(into)) == len(into)
+    assert s3_body.read_body(answer["Body"], memoryview(into)) == len(into)
     assert bytes(into) == payload[5:]
 
 

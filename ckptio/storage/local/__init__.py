@@ -2,6 +2,8 @@
 
 Its registry entry (storage/select.py) names the parts, each importing the ones below it:
 
+    local_urls.py   the directory a file:// or shm:// location names
+    durable.py      a file written and fsynced, or a directory fsynced, by path
     mapped.py       tmpfs (shm://) files mapped and cached for reuse
     slots.py        a memory tier's slots: dropped steps' files (or files made ahead) reused
     dirlock.py      the lock that lets one save at a time commit into one directory
@@ -18,4 +20,5 @@ the I/O backends (io/).
 
 from __future__ import annotations
 
-__all__ = ["dirlock", "local_root", "local_store", "mapped", "runlease", "slots"]
+__all__ = ["dirlock", "durable", "local_root", "local_store", "local_urls", "mapped", "runlease",
+           "slots"]

@@ -17,9 +17,10 @@ between another save's check and its rename. An object store needs the same rule
 conditional write of the manifest (If-Match on its ETag, If-None-Match: * when there is none).
 
 Owns: the directory's layout (path_of), the atomic commit, reading the committed manifest,
-listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), the
-messages about what a directory holds instead (missing_manifest.py), the order of a save (steps.py,
-saving/save_session.py), data bytes (the IOBackend, saving/persist.py).
+listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), a file
+written and fsynced by path (durable.py), the messages about what a directory holds instead
+(missing_manifest.py), the order of a save (steps.py, saving/save_session.py), data bytes (the
+IOBackend, saving/persist.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ckptio.options import Options
 from ckptio.storage import missing_manifest, steps
 from ckptio.storage.files import Capabilities
 from ckptio.storage.local import dirlock
+from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.local.mapped import Mappings
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
@@ -56,7 +58,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["LocalClaim", "LocalStore", "fsync_path", "write_durably"]
+__all__ = ["LocalClaim", "LocalStore"]
 
 
 @dataclass
@@ -360,27 +362,6 @@ class LocalStore:
         except OSError as exc:
             raise StorageIOError(f"moving {self.location} to {target.location} failed: "
                                  f"{exc.strerror or exc}") from None
-
-
-def write_durably(file: str, data: bytes | memoryview) -> None:
-    """Create ``file`` (it must not exist), write ``data``, fsync it."""
-    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a directory (its entries: a rename or create in it) by path."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _digest_of(manifest: bytes | None) -> bytes | None:

@@ -2,6 +2,7 @@
 
 Its registry entry (storage/select.py) names the parts, each importing the ones below it:
 
+    host_memory.py   HOST, this process's memory files, locations and claims
     memory_store.py  MemoryStore, the Store of one checkpoint in memory, and the IOBackend that
                      reaches its files (storage/store_contract.py, io/backend_contract.py)
     memory_root.py   MemoryRoot, a CheckpointManager's steps in memory (storage/steproot.py)
@@ -14,4 +15,4 @@ Owns: everything particular to mem://. Does not own: the contracts it implements
 
 from __future__ import annotations
 
-__all__ = ["memory_root", "memory_store"]
+__all__ = ["host_memory", "memory_root", "memory_store"]

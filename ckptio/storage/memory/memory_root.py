@@ -1,6 +1,6 @@
 """A CheckpointManager's steps in this process's host memory: MemoryRoot.
 
-Steps are the locations ``mem://<root>/step-N`` of storage/memory/memory_store.py's HOST: files under them,
+Steps are the locations ``mem://<root>/step-N`` of storage/memory/host_memory.py's HOST: files under them,
 or a location a save prepared and has not written to yet; whether each is committed its
 MemoryStore says. A retention hides a dropped step by moving every file of it to
 ``<root>/.deleting-step-<N>-<hex>`` at once, under the host's lock (as a rename: a reader sees
@@ -12,7 +12,7 @@ A step a save holds a claim on (MemoryStore.exclusive) is not hidden: that save 
 into a location no longer listed.
 
 Owns: MemoryRoot (listing, the move, the removal, what a memory location holds instead of
-steps). Does not own: the memory files, locations and claims (storage/memory/memory_store.py), the hidden
+steps). Does not own: the memory files, locations and claims (storage/memory/host_memory.py), the hidden
 names (steproot.py), which steps to keep or restore (managing/manager.py).
 """
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 
 from ckptio.storage import steps as storage_steps
-from ckptio.storage.memory.memory_store import HOST, SCHEME, MemoryStore
+from ckptio.storage.memory.host_memory import HOST, SCHEME
+from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.storage.steproot import (
     Listing,
     Nothing,

@@ -16,8 +16,9 @@ process.
 - data files: MemoryBackend writes into and reads from bytearrays (positioned, synchronous:
   its futures are already done).
 
-Owns: HOST, MemoryStore, MemoryBackend. Does not own: the contract (store_contract.py), the messages about
-what a location holds instead (missing_manifest.py), the order of a save (steps.py).
+Owns: MemoryStore, MemoryBackend. Does not own: HOST, its files and claims (host_memory.py),
+the contract (store_contract.py), the messages about what a location holds instead
+(missing_manifest.py), the order of a save (steps.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptio.errors import (
@@ -42,6 +43,7 @@ from ckptio.io.backend_contract import FileHandle, completed
 from ckptio.options import Options
 from ckptio.storage import missing_manifest
 from ckptio.storage.files import Capabilities
+from ckptio.storage.memory.host_memory import HOST, SCHEME, MemoryClaim, check_scheme
 from ckptio.storage.store_contract import (
     Exclusive,
     TreeStore,
@@ -52,80 +54,9 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["HOST", "SCHEME", "HostMemory", "MemoryBackend", "MemoryClaim", "MemoryStore"]
+__all__ = ["MemoryBackend", "MemoryStore"]
 
 log = logging.getLogger("ckptio")
-SCHEME = "mem://"
-
-
-class HostMemory:
-    """One process's memory files (path -> bytes), locations, commit counters and claims."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()  # guards everything below; claims wait on it
-        self.files: dict[str, bytearray | bytes | memoryview] = {}
-        self.locations: set[str] = set()  # prepared (or claimed) locations, even empty ones
-        self.commits: dict[str, int] = {}  # location -> manifests committed there so far
-        self.claims: dict[str, MemoryClaim] = {}
-
-    def read(self, path: str) -> bytes | None:
-        """A file's bytes (a copy), or None (for tests and tools)."""
-        with self.lock:
-            data = self.files.get(path)
-            return None if data is None else bytes(data)
-
-    def write(self, path: str, data: bytes) -> None:
-        """Create or replace a file (for tests and tools)."""
-        _check_scheme(path)
-        with self.lock:
-            self.files[path] = bytearray(data)
-
-    def entries(self, location: str) -> list[str]:
-        """The names directly under ``location``: its files, and the first part of deeper
-        paths (as a directory's subdirectories), sorted."""
-        prefix = location + "/"
-        with self.lock:
-            return sorted({path[len(prefix):].split("/", 1)[0] for path in self.files
-                           if path.startswith(prefix)})
-
-    def exists(self, location: str) -> bool:
-        with self.lock:
-            return location in self.locations or any(
-                path.startswith(location + "/") for path in self.files)
-
-
-HOST = HostMemory()
-
-
-def _check_scheme(path: str) -> str:
-    if not isinstance(path, str) or not path.startswith(SCHEME):
-        raise StorageIOError(f"{path!r} is not a memory path: the memory backend and store reach "
-                             f"only {SCHEME}... paths; use a LocalStore for a directory")
-    return path
-
-
-@dataclass
-class MemoryClaim:
-    """MemoryStore.exclusive()'s claim on one location."""
-
-    location: str
-    seen: int  # commits at the location when claimed
-    created: bool  # the claim made the location
-    holder: str
-    released: bool = field(default=False)
-
-    def release(self, *, failed: bool = False) -> None:
-        with HOST.lock:
-            if self.released:
-                return
-            self.released = True
-            if HOST.claims.get(self.location) is self:
-                del HOST.claims[self.location]
-            if failed and self.created and not HOST.entries(self.location):
-                HOST.locations.discard(self.location)
-            HOST.lock.notify_all()
-
-
 class MemoryStore:
     """A checkpoint location ``mem://...`` in this process's memory. A TreeStore (store_contract.py): a
     sub-location is ``<location>/<name>``."""
@@ -134,7 +65,7 @@ class MemoryStore:
     capabilities = Capabilities(locking=True, conditional_commit=True)
 
     def __init__(self, location: str) -> None:
-        _check_scheme(location)
+        check_scheme(location)
         if location.endswith("/") or location == SCHEME:
             raise CkptError(f"memory location {location!r} must name something after {SCHEME} "
                             "and not end with '/', e.g. mem://job/step-100")
@@ -350,7 +281,7 @@ class MemoryBackend:
 
     def open_write(self, path: str, nbytes: int) -> FileHandle:
         with HOST.lock:
-            if _check_scheme(path) in HOST.files:
+            if check_scheme(path) in HOST.files:
                 raise StorageIOError(f"cannot create {path}: it exists (a data file is never "
                                      "overwritten); save into a new location")
             data = HOST.files[path] = bytearray(nbytes)
@@ -358,7 +289,7 @@ class MemoryBackend:
 
     def open_read(self, path: str, *, cached: bool = False) -> FileHandle:  # memory already
         with HOST.lock:
-            data = HOST.files.get(_check_scheme(path))
+            data = HOST.files.get(check_scheme(path))
         if data is None:
             raise StorageIOError(f"cannot open {path} for reading: no such file in memory")
         return self._handle(path, _Open(data, writable=False))

@@ -15,14 +15,13 @@ a read larger than ``settings.read_bytes`` is split into GETs side by side. Ever
 through client.call (retries). The client is made with the backend, so
 ``Checkpointer.prepare(s3 url)`` takes its cost off the first load.
 
-Owns: S3Backend. Does not own: URLs, the client, retries (client.py), which objects make a
-checkpoint and its commit (store.py), what is written (saving/).
+Owns: S3Backend. Does not own: URLs, the client, retries (client.py), reading a GET's body
+(body.py), which objects make a checkpoint and its commit (store.py), what is written (saving/).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from ckptio.options import MiB
 from ckptio.storage.object_common import OpenHandles
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3 import timeouts
+from ckptio.storage.s3.body import read_body
 from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
 from ckptio.storage.s3.settings import S3Settings
 
@@ -307,7 +307,7 @@ class S3Backend:
                 except StorageIOError:
                     answer["Body"].close()
                     raise
-                return _read_body(answer["Body"], into[got:])
+                return read_body(answer["Body"], into[got:])
 
             n = self._call(what, request, pinned=where.url)
             if n == 0:
@@ -347,63 +347,6 @@ class S3Backend:
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True)
-
-
-def _read_body(body: Any, into: memoryview) -> int:
-    """Read a GET's body into ``into``; the bytes read (fewer if the body ended early).
-
-    The bytes go from the socket straight into ``into`` (http.client's readinto) when botocore's
-    body is the plain urllib3 response over http.client that it is today: urllib3 2.x's own
-    readinto reads into a new bytes object and copies it, one extra copy of every byte and one
-    temporary the size of the read per GET in flight, outside the staging pool
-    (docs/BENCH_S3.md). Any other body (content-encoded, another urllib3) is read through its
-    own readinto. A connection cut before the first byte raises ConnectionResetError (retried);
-    one cut later returns the bytes that arrived (the caller asks for the rest)."""
-    socket_reader = _socket_reader(body)
-    if socket_reader is None:
-        return _read_through(body, into)
-    try:
-        got = _fill(socket_reader.readinto, into)
-    except BaseException:
-        body.close()
-        raise
-    if got == len(into):
-        body._raw_stream.release_conn()  # fully read: the connection goes back to the pool
-        return got
-    body.close()
-    if got == 0:
-        raise ConnectionResetError("the connection closed before the body's first byte")
-    return got
-
-
-def _socket_reader(body: Any) -> Any:
-    """The http.client response under botocore's body, or None where that is not the shape."""
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    headers = getattr(raw, "headers", None)
-    if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
-        return None
-    if headers is None or headers.get("content-encoding"):
-        return None  # urllib3 would decode it; the raw bytes are not the object's
-    return fp
-
-
-def _read_through(body: Any, into: memoryview) -> int:
-    try:
-        return _fill(body.readinto, into)
-    finally:
-        body.close()
-
-
-def _fill(readinto: Callable[[memoryview], int], into: memoryview) -> int:
-    """Read into ``into`` until it is full or the source ends; -> the bytes read."""
-    got = 0
-    while got < len(into):
-        n = readinto(into[got:])
-        if not n:
-            break
-        got += n
-    return got
 
 
 def _wait(upload: _Upload) -> list[Future[int]]:
