@@ -262,3 +262,48 @@ def chains_in_order(rank: int, world: int, lost: int, chunk: int) -> dict[str, A
             "error": outcome.error, "starts": sum(
                 -(-ch.length // chunk) for ch in chains if ch.terms[0].rank == rank),
             "bitwise": None if out is None else torch.equal(out, shards[lost])}
+
+
+def restore_logged(rank: int, world: int, base: str, disk: str, spec: str, mib: int,
+                   victim: int = -1) -> dict[str, Any]:
+    """restore(), also -> this rank's memory tier directory listed once the manager is made
+    (before its restore), the ckptio warnings logged, the error of close() and the scratch
+    directories left after it. ``victim``: that rank (a lost one) SIGKILLs itself once the
+    first chunk of its step has landed (in its scratch directory, on tmpfs)."""
+    import glob
+    import logging
+
+    if rank == victim:
+        from ckptio.redundancy.landing import StreamCheck
+
+        landed = StreamCheck.landed
+
+        def dies(check: StreamCheck, lo: int, hi: int) -> None:
+            landed(check, lo, hi)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        StreamCheck.landed = dies  # type: ignore[method-assign]
+    _host(rank, base)
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("ckptio").addHandler(Said(logging.WARNING))
+    mine = os.path.join(host_dir(base, rank), "run", f"r{rank:05d}")
+    state = {"w": torch.zeros_like(_state(rank, mib)["w"]), "step": 0}
+    mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
+    listed = sorted(os.listdir(mine)) if os.path.isdir(mine) else []
+    out: dict[str, Any] = {"listed": listed, "said": said, "error": None, "closed": None}
+    try:
+        out.update(step=mgr.restore(state), how=mgr.last_restore)
+    except ckptio.errors.CkptError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        mgr.close()
+    except ckptio.errors.CkptError as exc:
+        out["closed"] = f"{type(exc).__name__}: {exc}"
+    out["bitwise"] = torch.equal(state["w"], _state(rank, mib)["w"])
+    out["scratch_left"] = glob.glob(os.path.join(mine, ".rebuild-*"))
+    return out

@@ -20,6 +20,7 @@ from ckptio.storage.store_contract import Exclusive, Store, TreeStore
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.redundancy import marks, peers
+from ckptio.redundancy.landing import drop_scratch
 
 
 class _PlainStore:
@@ -106,3 +107,35 @@ def test_markers_copies_and_parity_through_the_store(root: TreeStore) -> None:
     assert json.loads(marks.held(root, 3).read_file("protected-r00002.json"))["step"] == 3
     assert marks.held_steps(root)[3].remove_tree() == []
     assert list(marks.held_steps(root)) == [5] and marks.protected_steps(root, 2) == [5]
+
+
+def test_the_scratch_directories_a_killed_restore_left_are_removed_and_nothing_else(
+        root: TreeStore, caplog: pytest.LogCaptureFixture) -> None:
+    """landing.drop_scratch (a manager's start with redundancy): this rank's
+    ``.rebuild-step-N`` directories (marks.rebuild_dirs: that exact name) go with their files,
+    each logged with its bytes; its committed step, the names ckptio does not make beside them
+    and another rank's scratch stay."""
+    mine, other = root.child(marks.rank_name(1)), root.child(marks.rank_name(2))
+    for step, nbytes in ((3, 4096), (12, 100)):
+        mine.child(marks.rebuild_name(step)).write_file("data-0.bin", b"x" * nbytes)
+    peers.write_checkpoint(mine.child("step-3"), b'{"m": 1}', [("data-0.bin", 8)],
+                           torch.zeros(8, dtype=torch.uint8))
+    theirs = [".rebuild-step-03", ".rebuild-step-3.keep", ".rebuild-step-", "rebuild-step-3",
+              ".rebuild-step-3x"]
+    for name in theirs:
+        mine.child(name).write_file("x", b"kept")
+    other.child(marks.rebuild_name(3)).write_file("data-0.bin", b"y")
+    assert sorted(marks.rebuild_dirs(mine)) == [3, 12]
+    with caplog.at_level("WARNING", logger="ckptio"):
+        removed = drop_scratch(root, 1)
+    gone = [mine.child(marks.rebuild_name(s)).location for s in (12, 3)]
+    assert sorted(removed) == sorted(gone)
+    said = [r.getMessage() for r in caplog.records]
+    assert f"ckptio: removed {gone[1]} (4096 bytes): the scratch directory of a restore of " \
+        "rank 1 killed before its step was installed" in said, said
+    assert any(f"removed {gone[0]} (100 bytes)" in m for m in said), said
+    assert mine.entries() == sorted([*theirs, "step-3"])
+    assert all(mine.child(name).read_file("x") == b"kept" for name in theirs)
+    assert mine.child("step-3").read_manifest() == b'{"m": 1}'
+    assert other.entries() == [marks.rebuild_name(3)]
+    assert drop_scratch(root, 1) == [] and drop_scratch(root, 7) == []

@@ -13,13 +13,17 @@ is written in the background (``later``).
   ``Landing.settle`` joins it (the Guard calls it before anything else reads or writes the
   tier: the next restore, save, wait or close) and raises its error, once.
 
-Owns: the fused check, the install and the background write. Does not own: the transfers and
-the plan (rebuild.py, stripes.py), which entries a stream's checksums cover (peers.py), the
-load (managing/agreed.py).
+A scratch directory that a kill left (a restore killed before its install: on tmpfs its data
+file holds the step's pages) is removed at the next manager's start (``drop_scratch``).
+
+Owns: the fused check, the install, the background write, the removal of what a kill left.
+Does not own: the transfers and the plan (rebuild.py, stripes.py), which entries a stream's
+checksums cover (peers.py), the load (managing/agreed.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,14 +31,16 @@ from typing import Any
 import torch
 
 from ckptio.alignment import merged
-from ckptio.errors import CorruptCheckpointError, StorageIOError
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
 from ckptio.storage.memory.memory_store import MemoryStore
 from ckptio.storage.store_contract import TreeStore, new_save_id
-from ckptio.redundancy import peers
+from ckptio.redundancy import marks, peers
 
-__all__ = ["Landing", "StreamCheck", "now"]
+__all__ = ["Landing", "StreamCheck", "drop_scratch", "now"]
+
+log = logging.getLogger("ckptio")
 
 
 class StreamCheck:
@@ -159,3 +165,24 @@ class Landing:
                 f"this rank's memory tier ({type(error).__name__}: {error}): that tier lacks "
                 "it until the next save; free space there (or check the tier's directory) and "
                 "save again") from error
+
+
+def drop_scratch(root: marks.Root, rank: int) -> list[str]:
+    """The scratch directories of ``rank`` under ``root`` (``r<rank>/.rebuild-step-N``,
+    marks.rebuild_dirs: no other name) removed, each logged -> their locations. The Guard's
+    start: no restore of ``rank`` runs yet, and its manager holds the lease of ``r<rank>``."""
+    removed: list[str] = []
+    for where in marks.rebuild_dirs(marks.tree_of(root).child(marks.rank_name(rank))).values():
+        try:
+            nbytes = sum(where.sizes(where.entries()).values())
+        except CkptError:
+            nbytes = 0  # unreadable: remove_tree names why, if it cannot either
+        problems = where.remove_tree()
+        if problems:
+            log.warning("ckptio: %s, left by a restore that was killed, cannot be removed: %s",
+                        where.location, problems[0])
+            continue
+        removed.append(where.location)
+        log.warning("ckptio: removed %s (%d bytes): the scratch directory of a restore of rank "
+                    "%d killed before its step was installed", where.location, nbytes, rank)
+    return removed

@@ -3,7 +3,8 @@
 (storage/store_contract.py); the layout (under the memory tier's local directory, shm://NAME):
 
 - ``r<rank>/step-N``: each rank's own step (with redundancy every tier is rank-local);
-  ``r<rank>/.rebuild-step-N`` a restore's copy being verified beside it (a delta's base resolves);
+  ``r<rank>/.rebuild-step-N`` a restore's copy being verified beside it (a delta's base resolves;
+  one a kill left is removed at the next start: landing.drop_scratch);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
   partner's copy, a checkpoint), ``parity-g<group>-l<local>.bin`` and ``.json`` (this host's
   parity piece of its group and every member's manifest), ``held-r<rank>.json`` (what rank
@@ -27,11 +28,12 @@ from ckptio.storage.store_contract import TreeStore
 
 __all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "held", "held_nbytes",
            "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
-           "parities", "rebuild_name", "step_dirs", "tree_of"]
+           "parities", "rebuild_dirs", "rebuild_name", "step_dirs", "tree_of"]
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
 _STEP = re.compile(r"step-(\d+)$", re.ASCII)
+_REBUILD = re.compile(r"\.rebuild-step-(0|[1-9]\d*)", re.ASCII)  # as rebuild_name, exactly
 _COPY = re.compile(r"copy-r(\d{5,})$", re.ASCII)
 _PARITY = re.compile(r"(parity-g\d+-l\d+)\.json$", re.ASCII)
 _PROTECTED = re.compile(r"protected-r(\d{5,})\.json$", re.ASCII)
@@ -73,6 +75,13 @@ def rebuild_name(step: int) -> str:
 def step_dirs(where: TreeStore) -> dict[int, TreeStore]:
     """The ``step-N`` locations under ``where`` (a rank's directory), by step."""
     return {int(m.group(1)): where.child(n) for n in _entries(where) if (m := _STEP.match(n))}
+
+
+def rebuild_dirs(where: TreeStore) -> dict[int, TreeStore]:
+    """The ``.rebuild-step-N`` locations under ``where`` (a rank's directory), by step: only
+    names ``rebuild_name`` makes, exactly."""
+    return {int(m.group(1)): where.child(n) for n in _entries(where)
+            if (m := _REBUILD.fullmatch(n))}
 
 
 def copies(where: TreeStore) -> list[int]:
