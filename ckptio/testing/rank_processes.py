@@ -60,6 +60,7 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
         else:  # rank 0 holds the store
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=world_size, timeout=timeout)
+        dist.barrier()  # every rank connected before any case runs (and could exit early)
         try:
             # pickled here: a queue would pass tensors as shared-memory handles that vanish
             # when this process exits
