@@ -235,7 +235,7 @@ def _read_cached(path: str) -> _Read:
         return last
     profiles = read_all(Path(path))
     read = _Read(identity, profiles, any(isinstance(p, Profile) for p in profiles.values()))
-    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > _SETTLED_NS:
+    if time.time_ns() - stat.st_mtime_ns > _SETTLED_NS:
         _read_last[path] = read
     return read
 
