@@ -2,13 +2,17 @@
 the per-tensor slope shows; counts, not times (ckptio/testing/callcount.py: the profile hook's
 call and c_call events, Python frames entered and built-in functions called).
 
-A CheckpointManager with one ``shm://`` tier (under a temporary $CKPTIO_SHM_DIR), a save every
-step (``asynchronous=True``, eager, or ``lazy=True`` with ``optimizers=[opt]``), ``opt.step()``
-after each, as a loop does; the state of benchmarks/call_overhead.py (Linear(16, 16) layers and
-SGD with momentum, or AdamW with --adamw). Per save: "call" is the training thread inside
+A CheckpointManager with one ``shm://`` tier (under a temporary $CKPTIO_SHM_DIR; --where disk:
+one disk tier; --where plain: a plain Checkpointer's async_save into a directory per step, the
+staging pool's capture), a save every step (``asynchronous=True``, eager, or ``lazy=True`` with
+``optimizers=[opt]``), ``opt.step()`` after each, as a loop does; the state of
+benchmarks/call_overhead.py (Linear(16, 16) layers and SGD with momentum, or AdamW with
+--adamw). Per save: "call" is the training thread inside
 save() (the previous save's settling and retention included, as in a loop), "hooks" the
 training thread's ckptio calls outside it (a lazy save's optimizer hook), "bg" every other
-thread (the save, hash and cleanup threads), over --saves steady saves.
+thread (the save, hash and cleanup threads), over --saves steady saves. --per-save N lists the
+functions with the most calls per steady save at the largest size, in the call and in the
+background, ckptio's and the others'.
 
     python dev/call_counts.py [--tensors 200,1000] [--saves 10] [--adamw] [--top 25]
         [--per-save 30] [--where shm|disk|plain]
