@@ -192,8 +192,9 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
 
 def is_committed(path: str) -> bool:
     """Whether the checkpoint at ``path`` has a committed manifest (its Store's rule, as one
-    stat: local_store.committed_at)."""
-    return committed_at(path)
+    stat: local_store.committed_at; a path-like or bytes ``path`` as LocalStore takes it)."""
+    text = os.fspath(path)
+    return committed_at(os.fsdecode(text) if isinstance(text, bytes) else text)
 
 
 def hidden(directory: str) -> list[str]:
