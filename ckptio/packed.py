@@ -55,7 +55,9 @@ def _compression(options: Options, store: Store, *, delta: bool) -> Compression:
         codec.check_available(mode)
         codec_name = mode
     filesystem = store.capabilities.filesystem
-    measured = profile.lookup(filesystem) if filesystem is not None else None
+    # the tuned write rate decides only whether a codec pays: no codec, nothing to look up
+    measured = (profile.lookup(filesystem) if filesystem is not None and codec_name is not None
+                else None)
     write_bps = None if measured is None else measured.write_gbps * 1e9
     remote = store.capabilities.remote
     if mode == "auto" and codec_name is not None and not (delta or remote) and not _codec_pays(

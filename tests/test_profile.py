@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -151,3 +152,52 @@ def test_choose_mode_keeps_o_direct_unless_buffered_wins_clearly():
     assert choose_mode([cand("posix", 4, MiB, 1.0), cand("posix", 4, MiB, 1.02, "buffered")]) == "direct"
     assert choose_mode([cand("posix", 4, MiB, 1.0), cand("posix", 4, MiB, 1.2, "buffered")]) == "buffered"
     assert choose_mode([cand("posix", 4, MiB, 1.0, "buffered")]) == "buffered"
+
+
+def _old(path, seconds_ago: float) -> None:
+    """Give ``path`` modification times ``seconds_ago`` in the past (a settled file)."""
+    when = time.time() - seconds_ago
+    os.utime(path, (when, when))
+
+
+def test_no_profile_file_reads_no_filesystem_key(tmp_path, monkeypatch, profile_file):
+    """Without the file (most runs), or with only an endpoint's profile in it, a lookup on every
+    save neither works out the filesystem's key nor reads the mount table."""
+    def refused(*_args):
+        raise AssertionError("the filesystem key was worked out")
+
+    monkeypatch.setattr(profile, "filesystem_key", refused)
+    assert profile.lookup(tmp_path) is None
+    s3 = profile.S3Profile(endpoint="http://e", s3_concurrency=4, buffer_bytes=8 * MiB,
+                           measured_at="2026-01-01T00:00:00+00:00", write_gbps=1.0,
+                           read_gbps=1.0)
+    profile.store(s3)
+    assert profile.lookup(tmp_path) is None
+    assert profile.lookup_s3("http://e") == s3
+
+
+def test_a_settled_file_is_parsed_once_and_again_after_any_change(tmp_path, monkeypatch,
+                                                                  profile_file):
+    """The file is parsed again only when it changed: rewritten in place (same inode, same
+    size, another time), replaced by store() (another inode), or changed so recently that its
+    times could not tell a rewrite."""
+    parsed = []
+    read_all = profile.read_all
+    monkeypatch.setattr(profile, "read_all", lambda path=None: parsed.append(1) or read_all(path))
+    first = make_profile(tmp_path, io_depth=2)
+    profile.store(first)
+    parsed.clear()  # store() reads the file it replaces
+    assert profile.lookup(tmp_path) == first and profile.lookup(tmp_path) == first
+    assert len(parsed) == 2  # just written: read each time
+    _old(profile_file, 60)
+    assert profile.lookup(tmp_path) == first and profile.lookup(tmp_path) == first
+    assert len(parsed) == 3  # settled: read once
+    text = profile_file.read_text()
+    profile_file.write_text(text.replace('"io_depth": 2', '"io_depth": 3'))  # same size
+    _old(profile_file, 30)
+    assert profile.lookup(tmp_path).io_depth == 3
+    profile.store(make_profile(tmp_path, io_depth=5))
+    _old(profile_file, 60)
+    assert profile.lookup(tmp_path).io_depth == 5
+    profile_file.unlink()
+    assert profile.lookup(tmp_path) is None

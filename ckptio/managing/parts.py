@@ -35,7 +35,15 @@ from ckptio.managing.guard import Guard
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.route import TierRoute, resume
-from ckptio.managing.tier import Tier, check_budget, is_memory, one_host, state_nbytes, step_sizes
+from ckptio.managing.tier import (
+    Tier,
+    check_budget,
+    is_memory,
+    newest_size,
+    one_host,
+    state_nbytes,
+    step_sizes,
+)
 from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
 from ckptio.policies import (
@@ -107,6 +115,8 @@ class ManagerParts:
         self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
                                  if isinstance(p, KeepEvery) and p.steps)
         self._saves = InFlight()
+        # (tiers[0], directory, its local directory if a memory tier on this host): _budgeted
+        self._budget_where: tuple[Tier, str, str | None] | None = None
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
@@ -157,18 +167,37 @@ class ManagerParts:
         """Collective, before a save into a memory tier on this host: rank 0 refuses a save the
         tier cannot hold (managing/tier.py check_budget; sized from ``state`` before a first
         step)."""
-        if is_memory(self.tiers[0]) and scheme_of(checkpoint_path(self.directory)) is None:
+        if self._budgeted() is not None:
             others = None if self._guard is None else self._guard.for_others
             self._agreed(self._check_budget, state, others)
+
+    def _budgeted(self) -> str | None:
+        """The first tier's local directory if it is a memory tier on this host (its budget is
+        checked before each save), else None; worked out again only when ``tiers[0]`` or
+        ``directory`` is another object than the last time (both are set once, at
+        construction)."""
+        tier, directory = self.tiers[0], self.directory
+        known = self._budget_where
+        if known is None or known[0] is not tier or known[1] is not directory:
+            local = checkpoint_path(directory)
+            known = self._budget_where = (
+                tier, directory, local if is_memory(tier) and scheme_of(local) is None else None)
+        return known[2]
 
     def _check_budget(self, state: Any,
                       others: Callable[[int], tuple[int, int]] | None) -> None:
         """Rank 0: refuse a save the first (memory) tier cannot hold, its committed steps'
         sizes listed here (``state``'s own sized only before a first step)."""
-        first = self._levels[0]
-        check_budget(self.tiers[0], checkpoint_path(self.directory),
-                     step_sizes(first.path(s) for s in first.scan()["committed"]),
-                     functools.partial(self._job_nbytes, state), others)
+        first, tier = self._levels[0], self.tiers[0]
+        directory = self._budgeted()
+        if directory is None:  # not a memory tier on this host (changed since the caller asked)
+            return
+        committed = first.scan()["committed"]
+        if tier.max_bytes is None:  # only the newest step's size counts (check_budget)
+            sizes = newest_size(first.path(s) for s in reversed(committed))
+        else:
+            sizes = step_sizes(first.path(s) for s in committed)
+        check_budget(tier, directory, sizes, functools.partial(self._job_nbytes, state), others)
 
     def _job_nbytes(self, state: Any) -> int:
         """The bytes of ``state`` on every rank (each rank's taken to be as large as this one's)."""

@@ -44,8 +44,8 @@ from ckptio.redundancy.topology import host_id
 from ckptio.storage.local.slots import slot_nbytes
 from ckptio.storage.select import checkpoint_path, scheme_of
 
-__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "one_host",
-           "state_nbytes", "step_sizes"]
+__all__ = ["MEMORY_SCHEMES", "Tier", "check_budget", "check_tiers", "is_memory", "newest_size",
+           "one_host", "state_nbytes", "step_sizes"]
 
 MEMORY_SCHEMES = ("shm", "mem")
 
@@ -203,6 +203,21 @@ def step_sizes(paths: Iterable[str]) -> list[int]:
         except OSError:
             continue
     return sizes
+
+
+def newest_size(newest_first: Iterable[str]) -> list[int]:
+    """``step_sizes`` of the first of ``newest_first`` (local step directories, newest first)
+    that is still there, as a list of one (none there: empty): all check_budget reads of the
+    held steps without a max_bytes."""
+    for size in map(_size_or_none, newest_first):
+        if size is not None:
+            return [size]
+    return []
+
+
+def _size_or_none(path: str) -> int | None:
+    found = step_sizes([path])
+    return found[0] if found else None
 
 
 def _free_nbytes(directory: str) -> int | None:

@@ -1,14 +1,16 @@
 """One file's bytes of a save's capture, in offset order, through one buffer at a time.
 
 Call order: persist.SaveJob.capture opens a ``Window`` per data file, ``put``s each placed item
-at its offset (zeroed padding between; a mapped save's runs of small host tensors by
-``put_run``, with no Python per tensor), ``close``s it at the padded file size, and
-``abandon``s it in any case; each full buffer goes back to the job through ``Sink.hand_off``.
+at its offset (zeroed padding between; runs of small plain host tensors by ``put_run``, with
+no Python per tensor, into a mapped save's regions and the pool's buffers alike), ``close``s
+it at the padded file size, and ``abandon``s it in any case; each full buffer goes back to the
+job through ``Sink.hand_off``.
 
-Owns: filling a buffer (grouped copies of small host tensors, one memmove, one copy_, or a
-large tensor split across buffers), the pieces of each buffer (which entry, where, how many
-bytes), zeroed padding. Does not own: the buffers (the job's pool or its file mappings), the
-checksums, writes and streams (persist.py, copy_streams.py), where items go (layout.py).
+Owns: filling a buffer (runs of memmoves, grouped copies of the small host tensors a run
+refuses, one memmove, one copy_, or a large tensor split across buffers), the pieces of each
+buffer (which entry, where, how many bytes), zeroed padding. Does not own: the buffers (the
+job's pool or its file mappings), the checksums, writes and streams (persist.py,
+copy_streams.py), where items go (layout.py).
 """
 
 from __future__ import annotations
@@ -124,10 +126,11 @@ class Window:
         ends, sources and dtypes in placement order, entry indices from ``index``) that lie in
         the current buffer and are small plain host tensors, each copied by one memmove, read
         and copied by ``map`` over the run (buffers.move_many; zeroed padding between them
-        once); -> how many (0: none, ``put`` takes the next one). Only into a mapped save's
-        regions: the pool's buffers group their small tensors (``put``)."""
+        once); -> how many (0: none, ``put`` takes the next one: into the pool's buffers, a
+        small host tensor the run refuses, a strided or conjugate view say, joins its dtype's
+        group there). Into a mapped save's regions and the pool's buffers alike."""
         buffer = self.buffer
-        if self.grouping or buffer is None or self.filled == buffer.nbytes:
+        if buffer is None or self.filled == buffer.nbytes:
             return 0
         start = self.start
         last = bisect_right(ends, start + buffer.nbytes, first, stop)

@@ -1,8 +1,9 @@
 """A capture's small host tensors copied with one call per dtype, not one per tensor.
 
-Owns: ``Groups``, which a capture window (capture_window.Window) into the staging pool fills with
-(destination view in a pool buffer, source) pairs and empties with one
-``torch._foreach_copy_`` per dtype before the buffer's bytes are read (hand-off, a lazy save's
+Owns: ``Groups``, which a capture window (capture_window.Window) into the staging pool fills
+with the small host tensors its runs of memmoves refuse (a strided or conjugate view, an
+inference tensor: Window.put_run), as (destination view in a pool buffer, source) pairs, and
+empties with one ``torch._foreach_copy_`` per dtype before the buffer's bytes are read (hand-off, a lazy save's
 eager boundary). The copy has ``Tensor.copy_``'s meaning (strides, conjugate and negative
 bits, inference tensors: the values in row-major order), as the per-tensor path's. Only plain
 host tensors up to GROUP_MAX_NBYTES join (below torch's grain for splitting a copy across

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from typing import Any
 
 import torch
@@ -262,7 +262,7 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             storages.update(_storages(group["params"]))
-        values = [v for state in optimizer.state.values() for v in state.values()]
+        values = list(chain.from_iterable(map(_VALUES, optimizer.state.values())))
         storages.update(_storages(list(compress(values, map(isinstance, values,
                                                             repeat(torch.Tensor))))))
     return storages
@@ -288,6 +288,7 @@ _DICT = operator.attrgetter("__dict__")
 _KEY = operator.attrgetter("key")
 _DATA_PTR = operator.methodcaller("data_ptr")
 _UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
+_VALUES = operator.methodcaller("values")  # of each parameter's state (a dict)
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],

@@ -53,7 +53,8 @@ Listing = dict[str, list[int]]  # "committed" and "incomplete": steps, ascending
 Removal = Callable[[], None]  # finishes removing hidden steps; its failures are logged
 Usage = tuple[int, int, float | None]  # bytes, files, newest modification time (None: unknown)
 TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
-_STEP = re.compile(r"step-(\d+)$", re.ASCII)
+# step-N exactly, N without leading zeros: what step_name(N) makes, and nothing else
+_STEP = re.compile(r"step-(0|[1-9][0-9]*)\Z", re.ASCII)
 HIDDEN_PREFIX = ".deleting-step-"
 _HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
 
@@ -120,9 +121,7 @@ def step_name(step: int) -> str:
 def step_of(name: str) -> int | None:
     """N for a name ``step-N`` exactly (no leading zeros), else None."""
     match = _STEP.match(name)
-    if match is None or name != step_name(int(match.group(1))):
-        return None
-    return int(match.group(1))
+    return None if match is None else int(match.group(1))
 
 
 def hidden_name(step: int) -> str:

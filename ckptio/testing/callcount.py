@@ -33,7 +33,8 @@ class CallCounts:
     def __init__(self, *, by_function: bool = False) -> None:
         self._counts: Counter[tuple[int, bool]] = Counter()
         self._names: dict[int, str] = {}
-        self._functions: Counter[tuple[int, str]] | None = Counter() if by_function else None
+        self._functions: Counter[tuple[int, bool, str]] | None = (Counter() if by_function
+                                                                  else None)
         self._ours: dict[str, bool] = {}
         self._reading: int | None = None  # the thread reading the counters: not counted then
 
@@ -65,7 +66,7 @@ class CallCounts:
             code, where = frame.f_code, file.rsplit("/", 1)[-1]
             name = (f"{where}:{code.co_name}:{code.co_firstlineno}" if event == "call" else
                     f"{getattr(arg, '__qualname__', arg)!s} (from {where}:{code.co_name})")
-            self._functions[tid, name] += 1
+            self._functions[tid, ours, name] += 1
 
     def snapshot(self) -> Snapshot:
         """The calls so far: (thread name, "ckptio" / "other") -> count (threads of one name
@@ -80,13 +81,14 @@ class CallCounts:
         finally:
             self._reading = None
 
-    def functions(self) -> Counter[tuple[str, str]]:
-        """(thread name, function) -> calls so far (``by_function=True`` only)."""
+    def functions(self) -> Counter[tuple[str, str, str]]:
+        """(thread name, "ckptio" / "other", function) -> calls so far (``by_function=True``
+        only; a function is ``file:name:line`` entered, or ``builtin (from file:caller)``)."""
         self._reading = threading.get_ident()
         try:
-            out: Counter[tuple[str, str]] = Counter()
-            for (tid, name), count in list((self._functions or {}).items()):
-                out[self._names.get(tid, "?"), name] += count
+            out: Counter[tuple[str, str, str]] = Counter()
+            for (tid, ours, name), count in list((self._functions or {}).items()):
+                out[self._names.get(tid, "?"), "ckptio" if ours else "other", name] += count
             return out
         finally:
             self._reading = None

@@ -5,7 +5,10 @@ key (st_dev + type from /proc/self/mountinfo), the file
 they live in ($CKPTIO_PROFILE_PATH or ~/.cache/ckptio/profiles.json), its atomic rewrite and its
 validation. Does not own: measuring (tune.py) or deciding when a profile applies over explicit
 options (options/api). lookup() is called on every save and load, so it never raises: a missing
-or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too.
+or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too; and
+it is cheap: the file is parsed again only when its identity (inode, size, times) changed, and
+the filesystem's key (the mount table) is worked out only when the file holds a filesystem's
+profile.
 
 File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields},
 "s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile.
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +108,21 @@ def profile_path() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "ckptio" / "profiles.json"
 
 
+_paths: dict[tuple[str | None, str], str] = {}  # ($CKPTIO_PROFILE_PATH, $HOME) -> the file
+
+
+def _profile_file() -> str:
+    """profile_path() as text, kept per value of the two variables it follows ($HOME decides
+    Path.home(); without it the password database does: then it is worked out every time)."""
+    override, home = os.environ.get(PATH_ENV), os.environ.get("HOME")
+    if home is None:
+        return str(profile_path())
+    found = _paths.get((override, home))
+    if found is None:
+        found = _paths[override, home] = str(profile_path())
+    return found
+
+
 # ---------------------------------------------------------------- filesystem key
 
 
@@ -160,31 +179,65 @@ def _is_under(path: str, mount_point: str) -> bool:
 
 
 def lookup(directory: str | os.PathLike[str]) -> Profile | None:
-    """The stored profile of the filesystem holding ``directory``, or None. Never raises."""
-    path = profile_path()
+    """The stored profile of the filesystem holding ``directory``, or None. Never raises. The
+    filesystem's key (and the mount table) is read only when the file holds a filesystem's
+    profile: without the file, a save reads neither."""
+    path = _profile_file()
     try:
+        profiles = _read_cached(path)
+        if not profiles.filesystems:
+            return None
         device, kind = filesystem_key(directory)
-        profiles = read_all(path)
     except ProfileError as exc:
         _warn_once(path, exc)
         return None
     except OSError:
         return None  # no file, unreadable file or directory: run on the defaults
-    found = profiles.get(f"{kind}:{device}")
+    found = profiles.by_key.get(f"{kind}:{device}")
     return found if isinstance(found, Profile) else None
 
 
 def lookup_s3(endpoint: str) -> S3Profile | None:
     """The stored profile of the S3 endpoint ``endpoint``, or None. Never raises."""
-    path = profile_path()
+    path = _profile_file()
     try:
-        found = read_all(path).get(f"{S3_KEY}{endpoint}")
+        found = _read_cached(path).by_key.get(f"{S3_KEY}{endpoint}")
     except ProfileError as exc:
         _warn_once(path, exc)
         return None
     except OSError:
         return None
     return found if isinstance(found, S3Profile) else None
+
+
+@dataclass(frozen=True)
+class _Read:
+    """The file's profiles as last read, and the file's identity then."""
+
+    identity: tuple[int, ...]  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)
+    by_key: dict[str, Profile | S3Profile]
+    filesystems: bool  # whether any of them is a filesystem's
+
+
+_read_last: dict[str, _Read] = {}  # the profile file's path -> what it held when last read
+_SETTLED_NS = 2_000_000_000  # a file changed this recently is read again (timestamps' grain)
+
+
+def _read_cached(path: str) -> _Read:
+    """read_all(path), read again only when the file's identity (device, inode, size,
+    modification and change times) differs from the last read, or it changed so recently that
+    a rewrite within the timestamps' grain could hide. store() replaces the file by a rename (a
+    new inode). Raises as read_all does; a failed read is not kept."""
+    stat = os.stat(path)
+    identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    last = _read_last.get(path)
+    if last is not None and last.identity == identity:
+        return last
+    profiles = read_all(Path(path))
+    read = _Read(identity, profiles, any(isinstance(p, Profile) for p in profiles.values()))
+    if time.time_ns() - stat.st_mtime_ns > _SETTLED_NS:
+        _read_last[path] = read
+    return read
 
 
 def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
@@ -271,7 +324,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _warn_once(path: Path, exc: Exception) -> None:
+def _warn_once(path: Path | str, exc: Exception) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
         log.warning("ckptio: ignoring the I/O profile file: %s; run `ckptio tune DIR` to rewrite it", exc)

@@ -1,6 +1,7 @@
 """A CheckpointManager's steps in a local (or mounted) directory: LocalRoot.
 
-Steps are real directories named ``step-N``; whether each is committed its Store says. A
+Steps are real directories named ``step-N``; whether each is committed its Store's rule says
+(local_store.committed_at). A
 retention hides a dropped step by renaming it ``.deleting-step-<N>-<hex>`` (atomic), fsyncs
 the directory, and only then removes it (shutil.rmtree, on the manager's thread): a kill never
 leaves a half-deleted step listed, and the next retention finishes such leftovers. On tmpfs
@@ -23,8 +24,7 @@ import shutil
 from collections.abc import Callable, Sequence
 
 from ckptio.errors import StorageIOError
-from ckptio.storage import steps as storage_steps
-from ckptio.storage.local.local_store import LocalStore
+from ckptio.storage.local.local_store import LocalStore, committed_at
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.local.slots import (
     SLOT_STEPS,
@@ -60,6 +60,7 @@ class LocalRoot:
         """``slots``: keep a dropped step's data files for later saves, on tmpfs (their
         mappings in ``mappings``, which this root owns and its steps' stores carry)."""
         self.location = directory
+        self._joined = (directory, os.path.join(directory, ""))  # (location, with its separator)
         self.slots = slots
         self.mappings = Mappings()
 
@@ -72,7 +73,10 @@ class LocalRoot:
         return f"LocalRoot({self.location!r})"
 
     def path(self, step: int) -> str:
-        return os.path.join(self.location, step_name(step))
+        location = self.location
+        if location is not self._joined[0]:  # os.path.join's prefix, made once per location
+            self._joined = (location, os.path.join(location, ""))
+        return f"{self._joined[1]}{step_name(step)}"
 
     def scan(self) -> Listing:
         """The step directories, committed and incomplete, ascending."""
@@ -80,7 +84,7 @@ class LocalRoot:
         for entry in _entries(self.location):
             step = step_of(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
-                out["committed" if is_committed(entry.path) else "incomplete"].append(step)
+                out["committed" if committed_at(entry.path) else "incomplete"].append(step)
         return {kind: sorted(steps) for kind, steps in out.items()}
 
     def is_committed(self, step: int) -> bool:
@@ -187,8 +191,10 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
 
 
 def is_committed(path: str) -> bool:
-    """Whether the checkpoint at ``path`` has a committed manifest (its Store says)."""
-    return storage_steps.is_committed(LocalStore(path))
+    """Whether the checkpoint at ``path`` has a committed manifest (its Store's rule, as one
+    stat: local_store.committed_at; a path-like or bytes ``path`` as LocalStore takes it)."""
+    text = os.fspath(path)
+    return committed_at(os.fsdecode(text) if isinstance(text, bytes) else text)
 
 
 def hidden(directory: str) -> list[str]:

@@ -58,7 +58,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["LocalClaim", "LocalStore"]
+__all__ = ["LocalClaim", "LocalStore", "committed_at"]
 
 
 @dataclass
@@ -382,3 +382,16 @@ def _nearby(path: str) -> str:
     return near.replace("; did you mean", f"; {name}: did you mean", 1) if near and \
         name != os.path.basename(os.path.normpath(path)) else near
 
+
+def committed_at(directory: str) -> bool:
+    """``steps.is_committed(LocalStore(directory))`` as one stat, for a listing of many steps:
+    whether a regular file named MANIFEST_NAME is in ``directory`` (LocalStore.sizes' rule:
+    missing is False, another failure StorageIOError)."""
+    file = os.path.join(directory, MANIFEST_NAME)
+    try:
+        info = os.stat(file)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise StorageIOError(f"cannot stat {file}: {exc.strerror or exc}") from None
+    return stat.S_ISREG(info.st_mode)

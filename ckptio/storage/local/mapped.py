@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import operator
 import os
 import sys
 import threading
@@ -44,6 +45,7 @@ _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_SHARED = 0x01
 _MAP_POPULATE = 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_NBYTES, _TICK = operator.attrgetter("nbytes"), operator.attrgetter("tick")
 
 
 @dataclass(eq=False)
@@ -238,8 +240,10 @@ class Mappings:
         """Under the lock: the least recently used idle mappings go while the cache maps more
         than the host's memory."""
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        total = sum(e.nbytes for e in self._cache.values())
-        for entry in sorted(self._cache.values(), key=lambda e: e.tick):
+        total = sum(map(_NBYTES, self._cache.values()))
+        if total <= limit:
+            return
+        for entry in sorted(self._cache.values(), key=_TICK):
             if total <= limit:
                 break
             if not entry.in_use:
