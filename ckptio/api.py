@@ -82,8 +82,9 @@ class Checkpointer:
     @property
     def staging_nbytes(self) -> int:
         """Host memory the staging pool holds now: 0 before the first save or load and after
-        close(); Options.pool_bytes, or more once an async save has grown it (up to this
-        rank's share of Options.host_budget_bytes, the budget of its host)."""
+        close(); Options.pool_bytes at most, less for a smaller state (what its save, load or
+        prepare(state=) stages, in whole buffers), or more once an async save has grown it (up
+        to this rank's share of Options.host_budget_bytes, the budget of its host)."""
         pool = self._resources.pool
         return 0 if pool is None else pool.nbytes
 
@@ -108,7 +109,8 @@ class Checkpointer:
                                                  self._plan_cache)
             self._resources.fit(planned[0])
         store = None if path is None else self._resources.served(store_for(path, self.options))
-        self._resources.prepare(store, wait=state is None if wait is None else wait)
+        self._resources.prepare(store, wait=state is None if wait is None else wait,
+                                whole=planned[0])  # a pool no larger than the state's files
         return planned
 
     def close(self, timeout: float | None = None) -> None:

@@ -95,8 +95,8 @@ class ReusedIOResources:
     # ---------------------------------------------------------------- what a save or load borrows
 
     def files(self, store: Store, nbytes: int | None = None, *, copy_faults: bool = False,
-              behind: bool = False, reading: bool = False,
-              fit: Sequence[int] = ()) -> tuple[StagingPool, StoreFiles]:
+              behind: bool = False, reading: bool = False, fit: Sequence[int] = (),
+              whole: Sequence[int] = ()) -> tuple[StagingPool, StoreFiles]:
         """The pool and ``store``'s files through the backend of its kind; the pool and every
         backend are made again only when a store's filesystem is tuned differently, or when
         this use stages more bytes (``nbytes``; None: unknown, a pool of Options.pool_bytes)
@@ -110,7 +110,9 @@ class ReusedIOResources:
         read (pinning a whole fresh pool before the first read slowed a restarting job's first
         load, reading through unpinned buffers slowed every load: docs/BENCH_RESTART.md).
         ``fit``: an async save's file sizes: the pool grown first to hold them (``fit()``,
-        with the lock held), its buffers handed to the capture as its own thread faults them in."""
+        with the lock held), its buffers handed to the capture as its own thread faults them in.
+        ``whole``: instead of ``nbytes``, files of these sizes, each staged whole in buffers of
+        its own (an async save's, for prepare(state=)): a pool made now holds them and no more."""
         if fit:
             self._fit(fit)
         wanted = self.options
@@ -122,7 +124,7 @@ class ReusedIOResources:
         if io_fields(wanted) != io_fields(self._active) and (self._pool or self._backends):
             self.release()
         self._active = wanted
-        want = self._nbuffers_for(nbytes)
+        want = self._nbuffers_for(nbytes, whole)
         if self._pool is not None and self._pool.nbuffers < want:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
         pool = self._made_pool(want, prefault=not copy_faults)
@@ -198,13 +200,17 @@ class ReusedIOResources:
         """The pool, if made (None before the first save or load and after release())."""
         return self._pool
 
-    def _nbuffers_for(self, nbytes: int | None) -> int:
-        """Buffers a use staging ``nbytes`` wants: as many as those bytes fill, two at least
-        (staging overlaps writing), Options.pool_bytes' worth at most, or the grown size."""
-        default = max(self._active.nbuffers, -(-self._grown_nbytes // self._active.buffer_bytes))
+    def _nbuffers_for(self, nbytes: int | None, whole: Sequence[int] = ()) -> int:
+        """Buffers a use staging ``nbytes`` (or files of the sizes ``whole``, each in buffers
+        of its own) wants: as many as those bytes fill, two at least (staging overlaps
+        writing), Options.pool_bytes' worth at most, or the grown size."""
+        buffer_bytes = self._active.buffer_bytes
+        default = max(self._active.nbuffers, -(-self._grown_nbytes // buffer_bytes))
+        if whole:
+            return min(default, max(2, sum(-(-n // buffer_bytes) for n in whole)))
         if nbytes is None:
             return default
-        return min(default, max(2, -(-nbytes // self._active.buffer_bytes)))
+        return min(default, max(2, -(-nbytes // buffer_bytes)))
 
     def _made_pool(self, nbuffers: int, prefault: bool = True) -> StagingPool:
         if self._pool is None:
@@ -212,25 +218,30 @@ class ReusedIOResources:
                                     background=True, when_resident=self._pin_resident)
         return self._pool
 
-    def prepare(self, store: Store | None, *, wait: bool = True) -> None:
+    def prepare(self, store: Store | None, *, wait: bool = True,
+                whole: Sequence[int] = ()) -> None:
         """Make the pool and ``store``'s backend (a local one's by default); ``wait``: return
         once the pool is faulted in (and pinned where the backend can), else its own thread
-        faults it in while the caller goes on (a save meanwhile takes the buffers faulted)."""
+        faults it in while the caller goes on (a save meanwhile takes the buffers faulted).
+        ``whole``: the sizes of a state's files (prepare(state=)): a pool made now holds them
+        whole and no more, never Options.pool_bytes for a smaller state; without, a pool
+        already made stays as it is (restore()'s pinning after its load keeps the state's)."""
         target = LocalStore(".") if store is None else store
         with self.lock:
-            pool, _files = self.files(target)
+            kept = None if whole or self._pool is None else self._pool.nbytes
+            pool, _files = self.files(target, kept, whole=whole)
         if not wait:
             return
         pool.faulted()
         with self.lock:
-            self.files(target)  # resident now: a backend that can pin the pool does
+            self.files(target, pool.nbytes)  # resident now: a backend that can pin it does
 
     def wrap_backend(self, store: Store, wrap: Callable[[IOBackend], IOBackend]) -> IOBackend:
         """Replace the backend of ``store``'s kind by ``wrap(it)`` (test support: fault
         injection), for the saves behind the caller too; release() drops it."""
         kind = store.backend_kind
-        with self.lock:
-            _pool, files = self.files(store)
+        with self.lock:  # the pool made stays as it is
+            _pool, files = self.files(store, None if self._pool is None else self._pool.nbytes)
             wrapped = self._backends[kind] = self._backends[f"{kind}+threads"] = wrap(files.backend)
             self._stores[kind] = self._stores[f"{kind}+threads"] = store  # both kinds pin by it
         return wrapped

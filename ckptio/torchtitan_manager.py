@@ -211,12 +211,16 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         if steps:
             newest = steps[-1] if step == -1 else step
             kind = self.manager.metadata(newest).get("metadata", {}).get(KIND, "full")
+            # async saves: their staging sized and faulted in behind the load (the first save
+            # returns at copy speed); synchronous ones fault in what they stage themselves
+            ahead = self.config.async_mode != "disabled" and not self.config.load_only
             if newest == 0 or kind == "model":  # a seed or a final model-only step
                 states = self._states_to_load(model_only=True)
-                self.manager.restore(states, step=newest, cast=True)  # export_dtype back
+                self.manager.restore(states, step=newest, cast=True,  # export_dtype back
+                                     prepare=ahead)
             else:
                 states = self._states_to_load(model_only=False)
-                self.manager.restore(states, step=None if step == -1 else step)
+                self.manager.restore(states, step=None if step == -1 else step, prepare=ahead)
             self.states[MODEL].load_state_dict(states)
             return True
         return self._initial_load()

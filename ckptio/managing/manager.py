@@ -206,7 +206,7 @@ class CheckpointManager(ManagerParts):
     # ---------------------------------------------------------------- restoring
 
     def restore(self, state: Any, step: int | None = None, *, required: bool = False,
-                **load_kwargs: Any) -> int | None:
+                prepare: bool = True, **load_kwargs: Any) -> int | None:
         """Load the newest loadable step (or ``step``) into ``state`` in place (ckptio.load
         semantics; ``load_kwargs`` such as strict, keys, cast, per_rank_from go to it) -> the
         step restored; ``last_restore`` says from which tier and how long it took. Newest
@@ -216,14 +216,17 @@ class CheckpointManager(ManagerParts):
         that step. Whether or not it restores, it prepares the staging of async saves of
         ``state`` first, as prepare() does, unless this manager has saved already (a rollback:
         the staging stays as its saves sized it, and the restore pays for no pool dropped,
-        made or faulted in). docs/MANAGER.md says the rest."""
+        made or faulted in). ``prepare=False``: this job's saves are synchronous, so nothing is
+        prepared ahead: the load reads through a pool of its own size, faulted by its reads
+        only, and a save's copies fault in what it stages. docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
         if "process_group" in load_kwargs:
             raise CkptError("restore(process_group=...): give it to CheckpointManager(...)")
         self.wait()
-        sizing = not self._saved_here  # a rollback: the staging stays as this run's saves left it
+        # a rollback: the staging stays as this run's saves left it
+        sizing = prepare and not self._saved_here
         planned = self._staging(state) if sizing else ([], False)  # the load reads through
         restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
         if restored is not None:
