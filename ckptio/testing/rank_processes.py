@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["EXIT_WAIT_S", "RanksFailed", "free_port", "run_ranks", "warm_context"]
+__all__ = ["EXIT_WAIT_S", "PRELOAD", "RanksFailed", "free_port", "run_ranks", "warm_context"]
 
 
 def free_port() -> int:
@@ -72,6 +72,12 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
 
 
 _CTX: Any = None
+# What a warm process imports before it forks ranks (warm_context, hostjob's agents): torch, and
+# ckptio's API modules themselves, as ``import ckptio`` imports none of them (its names are
+# lazy): without them every rank imported (and, with no .pyc, compiled) ckptio's modules anew
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint.state_dict", "ckptio", "ckptio.api", "ckptio.shared",
+           "ckptio.managing.manager")
 EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all together
 UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the run has ended
 
@@ -84,9 +90,7 @@ def warm_context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
-                                     "torch.distributed.fsdp",
-                                     "torch.distributed.checkpoint.state_dict", "ckptio"])
+        _CTX.set_forkserver_preload(list(PRELOAD))
     return _CTX
 
 
