@@ -225,7 +225,7 @@ def api_imported(rank: int, world: int) -> list[str]:
     warm forkserver, which imports them once: rank_processes.PRELOAD)."""
     import sys
 
-    return [m for m in ("ckptio.api", "ckptio.shared", "ckptio.managing.manager")
+    return [m for m in ("torch._dynamo", "ckptio.api", "ckptio.shared", "ckptio.managing.manager")
             if m in sys.modules]
 
 

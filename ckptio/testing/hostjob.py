@@ -186,8 +186,9 @@ def _agent(spec_path: str) -> int:
     import importlib
     import multiprocessing as mp
 
-    for name in PRELOAD:  # imported once, before the forks (not once per rank)
-        importlib.import_module(name)
+    if len(spec["ranks"]) > 1:  # imported once, before the forks, not once per rank (a host
+        for name in PRELOAD:    # of one rank: by the rank, as far as its case needs)
+            importlib.import_module(name)
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_rank, args=(spec, local, rank))
              for local, rank in enumerate(spec["ranks"])]

@@ -72,12 +72,14 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
 
 
 _CTX: Any = None
-# What a warm process imports before it forks ranks (warm_context, hostjob's agents): torch, and
-# ckptio's API modules themselves, as ``import ckptio`` imports none of them (its names are
-# lazy): without them every rank imported (and, with no .pyc, compiled) ckptio's modules anew
+# What a warm process imports before it forks ranks (warm_context, hostjob's agents), so that no
+# rank imports it again: torch; torch._dynamo, which torch imports on the first optimizer a
+# process makes (most ranks make one; it brings sympy and hundreds of modules); and ckptio's API
+# modules, as ``import ckptio`` imports none of them (its names are lazy). docs/TESTS.md, "Where
+# the time goes (per file)", has what each saves.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint.state_dict", "ckptio", "ckptio.api", "ckptio.shared",
-           "ckptio.managing.manager")
+           "torch.distributed.checkpoint.state_dict", "torch._dynamo", "ckptio", "ckptio.api",
+           "ckptio.shared", "ckptio.managing.manager")
 EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all together
 UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the run has ended
 
