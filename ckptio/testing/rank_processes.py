@@ -85,7 +85,7 @@ UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the ru
 
 
 def warm_context() -> Any:
-    """A forkserver with torch and ckptio imported once: each rank (and each command of
+    """A forkserver with torch and ckptio imported once (PRELOAD): each rank (and each command of
     ckptio.testing.cli_process) is a fork of that clean, single-threaded server (no state of
     the caller's threads), without paying the import of torch per process (docs/PROBES.md,
     "Figures moved out of the code")."""
