@@ -220,6 +220,15 @@ def mixed_state(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def api_imported(rank: int, world: int) -> list[str]:
+    """Which of ckptio's API modules this rank found imported when it started (forked from the
+    warm forkserver, which imports them once: rank_processes.PRELOAD)."""
+    import sys
+
+    return [m for m in ("torch._dynamo", "ckptio.api", "ckptio.shared", "ckptio.managing.manager")
+            if m in sys.modules]
+
+
 def roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
     state = mixed_state(rank, world)
     ckptio.save(state, path, options=SMALL)

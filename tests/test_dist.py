@@ -25,6 +25,14 @@ def _manifest(path) -> dict:
         return json.loads(f.readline())
 
 
+def test_ranks_start_with_ckptio_imported_once_by_the_forkserver():
+    """Each rank is forked with ckptio's API modules already imported (``import ckptio`` alone
+    imports none of them) and torch._dynamo (which a process's first optimizer imports): no rank
+    imports them again (docs/TESTS.md, "Where the time goes (per file)")."""
+    want = ["torch._dynamo", "ckptio.api", "ckptio.shared", "ckptio.managing.manager"]
+    assert run_ranks(2, cases.api_imported) == [want, want]
+
+
 def test_two_ranks_round_trip_replicas_once_and_per_rank_values(tmp_path):
     path = str(tmp_path / "ck")
     body = run_ranks(2, cases.roundtrip, path)[0]

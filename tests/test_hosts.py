@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -66,6 +67,7 @@ def who_am_i(rank: int, world: int, peer_addr: str) -> dict[str, Any]:
     got = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(got, torch.tensor([float(rank + 1)]))
     return {"hostname": socket.gethostname(), "resolved": _resolve(["h0", "h1"]),
+            "api_imported": {"torch._dynamo", "ckptio.managing.manager"} <= set(sys.modules),
             "netns": os.readlink("/proc/self/ns/net"),
             "addr": own, "gathered": [float(t) for t in got],
             "shm": os.environ["CKPTIO_SHM_DIR"], "local_rank": int(os.environ["LOCAL_RANK"]),
@@ -129,6 +131,8 @@ def test_two_hosts_talk_gloo(two_hosts: Hosts) -> None:
     assert [v["gathered"] for v in values] == [[1.0, 2.0, 3.0]] * 3
     assert [v["group_rank"] for v in values] == [0, 1, 1]
     assert [v["local_rank"] for v in values] == [0, 0, 1]
+    # host 1's agent imported torch's and ckptio's modules once for its 2 ranks (PRELOAD)
+    assert values[1]["api_imported"] and values[2]["api_imported"]
     assert [v["shm"] for v in values] == [a.shm_dir, b.shm_dir, b.shm_dir]
     if two_hosts.mode == "netns":
         mine = os.readlink("/proc/self/ns/net")

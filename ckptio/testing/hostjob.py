@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptio.testing.rank_processes import RanksFailed, free_port
+from ckptio.testing.rank_processes import PRELOAD, RanksFailed, free_port
 
 __all__ = ["Job", "RanksFailed"]
 
@@ -183,10 +183,12 @@ def _agent(spec_path: str) -> int:
         import socket
 
         socket.sethostname(spec["hostname"])
+    import importlib
     import multiprocessing as mp
 
-    import torch.distributed  # noqa: F401 - imported once, before the forks
-
+    if len(spec["ranks"]) > 1:  # imported once, before the forks, not once per rank (a host
+        for name in PRELOAD:    # of one rank: by the rank, as far as its case needs)
+            importlib.import_module(name)
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_rank, args=(spec, local, rank))
              for local, rank in enumerate(spec["ranks"])]

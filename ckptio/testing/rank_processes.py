@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["EXIT_WAIT_S", "RanksFailed", "free_port", "run_ranks", "warm_context"]
+__all__ = ["EXIT_WAIT_S", "PRELOAD", "RanksFailed", "free_port", "run_ranks", "warm_context"]
 
 
 def free_port() -> int:
@@ -73,21 +73,27 @@ def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout
 
 
 _CTX: Any = None
+# What a warm process imports before it forks ranks (warm_context, hostjob's agents), so that no
+# rank imports it again: torch; torch._dynamo, which torch imports on the first optimizer a
+# process makes (most ranks make one; it brings sympy and hundreds of modules); and ckptio's API
+# modules, as ``import ckptio`` imports none of them (its names are lazy). docs/TESTS.md, "Where
+# the time goes (per file)", has what each saves.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint.state_dict", "torch._dynamo", "ckptio", "ckptio.api",
+           "ckptio.shared", "ckptio.managing.manager")
 EXIT_WAIT_S = 60.0  # how long the ranks have to exit once they answered, all together
 UNANSWERED_WAIT_S = 10.0  # how long a rank that gave no answer has, once the run has ended
 
 
 def warm_context() -> Any:
-    """A forkserver with torch and ckptio imported once: each rank (and each command of
+    """A forkserver with torch and ckptio imported once (PRELOAD): each rank (and each command of
     ckptio.testing.cli_process) is a fork of that clean, single-threaded server (no state of
     the caller's threads), without paying the import of torch per process (docs/PROBES.md,
     "Figures moved out of the code")."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
-                                     "torch.distributed.fsdp",
-                                     "torch.distributed.checkpoint.state_dict", "ckptio"])
+        _CTX.set_forkserver_preload(list(PRELOAD))
     return _CTX
 
 
