@@ -10,6 +10,10 @@ The time bounds here only say that nothing hung and that the step's own limit
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +112,36 @@ def test_a_rank_frozen_during_a_load_fails_every_rank(tmp_path, phase, victim):
     _check_survivors(outcomes, victim, mark, SILENT)
     _check_stayed_frozen(outcomes, victim, mark)
     _check_first_save_loads(path)  # a load changes nothing on disk
+
+
+def _frozen_then_reports(mark: str, returned: str) -> None:
+    cases.killer(mark, "freeze")()  # the stand-in for the phase's function
+    Path(returned).write_text("returned")  # what a continued victim would go on to do
+
+
+def _state_becomes(pid: int, wanted: str, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if cases.process_state(pid) == wanted:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_frozen_victim_that_is_continued_stops_again(tmp_path):
+    """SIGCONT reaches a stopped process from outside (the kernel sends SIGHUP and SIGCONT to a
+    stopped process whose group becomes orphaned; under nohup SIGHUP is ignored): the frozen
+    victim stops again instead of returning into the code it replaced."""
+    mark, returned = str(tmp_path / "frozen"), tmp_path / "returned"
+    proc = multiprocessing.get_context("fork").Process(target=_frozen_then_reports,
+                                                       args=(mark, str(returned)))
+    proc.start()
+    try:
+        assert _state_becomes(proc.pid, "T", 30.0), cases.process_state(proc.pid)
+        for _ in range(3):
+            os.kill(proc.pid, signal.SIGCONT)
+            assert _state_becomes(proc.pid, "T", 10.0), cases.process_state(proc.pid)
+        assert not returned.exists() and proc.is_alive()
+    finally:
+        proc.kill()
+        proc.join(timeout=10)

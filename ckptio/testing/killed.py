@@ -46,10 +46,14 @@ def state(rank: int, step: int) -> dict[str, Any]:
 
 def killer(mark: str, how: str = "kill") -> Any:
     """A function that writes the time to ``mark`` and kills this process (SIGKILL), or with
-    ``how="freeze"`` stops it (SIGSTOP: alive, holding its sockets, answering nothing)."""
+    ``how="freeze"`` stops it (SIGSTOP: alive, holding its sockets, answering nothing). A
+    frozen victim that something continues (SIGCONT: the kernel sends one, after SIGHUP, to a
+    stopped process whose group becomes orphaned, and SIGHUP is ignored under nohup) stops
+    again: it never returns into the code it replaced, so it never answers."""
     def kill(*_args: Any, **_kwargs: Any) -> Any:
         Path(mark).write_text(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
+        while True:  # SIGKILL does not return; a stopped process returns only if continued
+            os.kill(os.getpid(), signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
 
     return kill
 
