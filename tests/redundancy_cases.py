@@ -267,6 +267,25 @@ def peer_dies(rank: int, world: int, base: str, disk: str, spec: str, victim: in
             "close_seconds": time.monotonic() - started}
 
 
+def group_destroyed(rank: int, world: int, base: str, disk: str,
+                    spec: str) -> dict[str, Any]:
+    """One rank per host; step 1 protected; every rank destroys the process group (as a
+    training loop does after a peer's failure) while step 2's protection is paused after its
+    metadata exchange -> close()'s error and seconds, status() after it."""
+    import torch.distributed as dist
+
+    mgr, model, opt = _protected_step_1(rank, base, disk, spec, 10.0)
+    os.environ["CKPTIO_TEST_PROTECT_PAUSE_S"] = "1"
+    mgr.save(2, _state(model, opt, 2))
+    pending = os.path.join(host_dir(base, rank), "run", ".redundancy", "step-2")
+    deadline = time.monotonic() + 60
+    while not os.path.isdir(pending) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dist.destroy_process_group()
+    error, seconds = _timed_error(mgr.close)
+    return {"error": error, "seconds": seconds, "status": mgr.status()[0]}
+
+
 def steps_past_a_frozen_peer(rank: int, world: int, base: str, disk: str, spec: str,
                              peer_timeout_s: float) -> dict[str, Any]:
     """One rank per host; step 1 saved and protected; then the last rank freezes (SIGSTOP)

@@ -28,21 +28,13 @@ from ckptio import Checkpointer, CheckpointManager, Options
 from ckptio import io
 from ckptio.io import stage
 from ckptio.testing.faults import inject
+from tests.pool_states import MiB, STATE_NBYTES, pool_state as _state
 
-MiB = 1 << 20
 SMALL = {"buffer_bytes": MiB, "pool_bytes": 2 * MiB, "io_depth": 2, "use_profile": False,
          "host_budget_bytes": 64 * MiB}
-STATE_NBYTES = 8 * MiB
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="a page-locked (CUDA) pool faults in at once")
-
-
-def _state(seed: int = 0) -> dict[str, object]:
-    g = torch.Generator().manual_seed(seed)
-    n = STATE_NBYTES // 4 // 4
-    return {"w": {f"t{i}": torch.randn(n, generator=g) for i in range(4)},
-            "small": torch.arange(7.0), "step": 3}
 
 
 class Gate:

@@ -25,6 +25,7 @@ from tests.redundancy_cases import (
     restore_rebuild_raises,
     host_dir,
     wipe_host,
+    group_destroyed,
     peer_dies,
     replay,
     save_paced,
@@ -562,6 +563,23 @@ def test_a_peer_lost_during_protection_fails_it_naming_the_peer_within_the_bound
         assert r["seconds"] < 3.0 + 10, (rank, r["seconds"])
         assert r["status"]["protected"] == 1 and "rank 2" in r["status"]["protect_error"]
         assert r["close_seconds"] < 10, (rank, r["close_seconds"])
+
+
+def test_a_group_destroyed_during_the_protection_fails_close_with_a_ckpterror(base, tmp_path):
+    """Partners(1) on 2 hosts: each rank destroys the process group while step 2's protection
+    is in flight (a loop's recovery after a peer died). close() raises RankFailedError saying
+    so (torch's ValueError for a destroyed group used to escape it), blaming no peer, at once;
+    step 1 stays the protected step."""
+    got = run_ranks(2, group_destroyed, base, str(tmp_path / "disk"), "partners-1",
+                    timeout_s=TIMEOUT, destroy=False)
+    for rank in (0, 1):
+        kind, _, message = got[rank]["error"].partition("|")
+        assert kind == "RankFailedError", (rank, got[rank]["error"])
+        assert f"rank {rank}: protecting step 2 across hosts failed" in message, message
+        assert "destroyed the process group (destroy_process_group)" in message, message
+        assert "ValueError" in message and "Step 2 is not protected" in message, message
+        assert got[rank]["seconds"] < 10, got[rank]
+        assert got[rank]["status"]["protected"] == 1, got[rank]["status"]
 
 
 def test_steps_with_a_frozen_peer_fail_naming_the_bound_within_peer_timeout_s(base, tmp_path):

@@ -19,22 +19,14 @@ from ckptio import Checkpointer, CheckpointManager, Options
 from ckptio import resources
 from ckptio.io.stage import StagingPool
 from ckptio.testing.faults import inject
+from tests.pool_states import MiB, STATE_NBYTES, pool_state as _state
 
-MiB = 1 << 20
 OPTIONS = {"buffer_bytes": MiB, "pool_bytes": 32 * MiB, "io_depth": 2, "use_profile": False,
            "host_budget_bytes": 64 * MiB}
-STATE_NBYTES = 8 * MiB
 SLACK = 2 * MiB  # each planned file rounds up to whole buffers (a data file and a small one)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="a page-locked (CUDA) pool faults in at once")
-
-
-def _state(seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    n = STATE_NBYTES // 4 // 4
-    return {"w": {f"t{i}": torch.randn(n, generator=g) for i in range(4)},
-            "small": torch.arange(7.0), "step": 3}
 
 
 class Made:

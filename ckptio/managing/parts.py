@@ -115,8 +115,10 @@ class ManagerParts:
         self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
                                  if isinstance(p, KeepEvery) and p.steps)
         self._saves = InFlight()
-        # (tiers[0], directory, its local directory if a memory tier on this host): _budgeted
-        self._budget_where: tuple[Tier, str, str | None] | None = None
+        # the first tier's local directory if it is a memory tier on this host (its budget is
+        # checked before each save), else None
+        local = checkpoint_path(self.directory)
+        self._budget_dir = local if is_memory(self.tiers[0]) and scheme_of(local) is None else None
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
@@ -167,30 +169,17 @@ class ManagerParts:
         """Collective, before a save into a memory tier on this host: rank 0 refuses a save the
         tier cannot hold (managing/tier.py check_budget; sized from ``state`` before a first
         step)."""
-        if self._budgeted() is not None:
+        if self._budget_dir is not None:
             others = None if self._guard is None else self._guard.for_others
             self._agreed(self._check_budget, state, others)
-
-    def _budgeted(self) -> str | None:
-        """The first tier's local directory if it is a memory tier on this host (its budget is
-        checked before each save), else None; worked out again only when ``tiers[0]`` or
-        ``directory`` is another object than the last time (both are set once, at
-        construction)."""
-        tier, directory = self.tiers[0], self.directory
-        known = self._budget_where
-        if known is None or known[0] is not tier or known[1] is not directory:
-            local = checkpoint_path(directory)
-            known = self._budget_where = (
-                tier, directory, local if is_memory(tier) and scheme_of(local) is None else None)
-        return known[2]
 
     def _check_budget(self, state: Any,
                       others: Callable[[int], tuple[int, int]] | None) -> None:
         """Rank 0: refuse a save the first (memory) tier cannot hold, its committed steps'
         sizes listed here (``state``'s own sized only before a first step)."""
         first, tier = self._levels[0], self.tiers[0]
-        directory = self._budgeted()
-        if directory is None:  # not a memory tier on this host (changed since the caller asked)
+        directory = self._budget_dir
+        if directory is None:  # internal: _room_for calls it only for a budgeted tier
             return
         committed = first.scan()["committed"]
         if tier.max_bytes is None:  # only the newest step's size counts (check_budget)

@@ -324,7 +324,9 @@ class Protector:
         posted first, then the sends paced in chunks (peers.send_paced): bytes leave no faster
         than the budget allows."""
         if not self._budget.rate:
-            works = [(dst, peers.send(self.group, data, dst, tag)) for data, dst, tag in sends]
+            with self._talking(step, f"sending {what} to", None):
+                works = [(dst, peers.send(self.group, data, dst, tag))
+                         for data, dst, tag in sends]
             for src, nbytes, tag in receives:
                 with self._talking(step, f"receiving {what} from", src):
                     data = peers.recv(self.group, nbytes, src, tag)
@@ -349,19 +351,25 @@ class Protector:
     @contextmanager
     def _talking(self, step: int, what: str, peer: int | None) -> Iterator[None]:
         """A transfer with ``peer`` (None: a collective of every rank): its failure (a peer
-        gone: connection closed, or no answer within peer_timeout_s) -> RankFailedError naming
-        it; the group is then unusable, so the protection stops (later steps fail at once)."""
+        gone: connection closed, or no answer within peer_timeout_s; or the group destroyed by
+        this process) -> RankFailedError naming it; the group is then unusable, so the
+        protection stops (later steps fail at once)."""
         try:
             yield
-        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+        except (RuntimeError, ValueError) as exc:  # torch.distributed's errors: a peer gone
+            # (DistBackendError included) or, ValueError, the group destroyed in this process
+            gone = isinstance(exc, RuntimeError)
             who = ("one of the job's ranks" if peer is None else
                    f"rank {peer} on {self.topology.describe(self.topology.host_of(peer))}")
+            why = (f"it died or gave no answer within peer_timeout_s={self.timeout_s:g} s" if gone
+                   else "this process destroyed the process group (destroy_process_group) "
+                   "while the protection was in flight")
             error = RankFailedError(
-                f"rank {self.rank}: protecting step {step} across hosts failed {what} {who}: it "
-                f"died or gave no answer within peer_timeout_s={self.timeout_s:g} s "
-                f"({type(exc).__name__}: {exc}). Step {step} is not protected (the previous "
-                "protected step is kept); the protection stops: restart the job (a restore "
-                "brings lost hosts' ranks back)", () if peer is None else (peer,))
+                f"rank {self.rank}: protecting step {step} across hosts failed {what} {who}: "
+                f"{why} ({type(exc).__name__}: {exc}). Step {step} is not protected (the "
+                "previous protected step is kept); the protection stops: restart the job (a "
+                "restore brings lost hosts' ranks back)",
+                (peer,) if gone and peer is not None else ())
             self._broken = error
             raise error from exc
 
