@@ -52,8 +52,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # BENCH_RECOVERY's in-process round two, two; BENCH_REDUNDANCY's parity chains A/B, two;
 # BENCH_LOOP section 20's dev/call_counts.py probe, one; BENCH_REDUNDANCY's step landing in the
 # tier's pages, one (its A/B command is the chains'); BENCH_LOOP section 21's dev/call_counts.py
-# probes, three (its first is section 20's))
-NOT_RUN_COUNT = 107
+# probes, three (its first is section 20's); section 21's call timing (benchmarks.call_overhead
+# with --reps 3 --json), one)
+NOT_RUN_COUNT = 108
 
 
 def _not_run(command: str) -> str | None:
