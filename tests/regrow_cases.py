@@ -83,3 +83,17 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str,
     want = whole(step or 0).chunk(world)[rank]
     return {"step": step, "state_step": state["step"], "how": mgr.last_restore, "error": None,
             "bitwise": torch.equal(state["w"].to_local(), want), "written": written[0]}
+
+
+def restore_said(rank: int, world: int, base: str, disk: str, spec: str) -> dict[str, Any]:
+    """restore(), also -> the ckptio warnings this rank logged (``said``)."""
+    import logging
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("ckptio").addHandler(Said(logging.WARNING))
+    return {**restore(rank, world, base, disk, spec), "said": said}

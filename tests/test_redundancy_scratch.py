@@ -1,10 +1,13 @@
 """A lost rank's scratch directory ``r<rank>/.rebuild-step-N`` (issue 66): where its step lands
 from its peers (on tmpfs: the step's data file, allocated whole) before the rename installs it.
 What a restore killed mid-receive leaves is removed at the next manager's start
-(redundancy/landing.drop_scratch), nothing else; a tmpfs too full for the step's file sends
+(redundancy/landing.drop_scratch), nothing else, and so is one of a rank number that a job
+restarted on fewer ranks no longer has, unless a live process leases that rank's directory
+(landing.drop_scratch_beyond); a tmpfs too full for the step's file sends
 the step through this process's memory (peers.landing_buffer's fallback), the restore bitwise.
 
-Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py); the full
+Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py,
+tests/regrow_cases.py for the restart on fewer ranks); the full
 tmpfs is a real one, mounted by this process (root) over the lost host's memory directory."""
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from contextlib import contextmanager
 
 import pytest
 
+from ckptio.storage.local import runlease
 from ckptio.testing.multihost import PREFIX
 from ckptio.testing.rank_processes import run_ranks
+from tests import regrow_cases
 from tests.fetch_cases import restore_logged, save
 from tests.redundancy_cases import host_dir, wipe_host
 
@@ -76,6 +81,59 @@ def test_a_restore_killed_as_it_receives_leaves_a_scratch_directory_the_next_sta
         with open(os.path.join(lost, name), encoding="utf-8") as f:
             assert f.read() == "the user's", name
     assert not os.path.exists(scratch) and os.path.isdir(os.path.join(lost, "step-1"))
+
+
+def _plant(directory: str, name: str, nbytes: int) -> str:
+    """``directory/name/data-00000.bin`` of ``nbytes`` bytes -> ``directory/name``."""
+    os.makedirs(os.path.join(directory, name))
+    with open(os.path.join(directory, name, "data-00000.bin"), "wb") as f:
+        f.write(bytes(nbytes))
+    return os.path.join(directory, name)
+
+
+def test_a_restart_on_fewer_ranks_removes_the_scratch_of_ranks_it_no_longer_has(base, tmp_path):
+    """Partners(1) on 4 hosts, host 3 lost, the job restarted on the 3 others. Host 1's memory
+    holds ``r00003/.rebuild-step-2`` (a restore of rank 3 killed there before its install, its
+    data file's pages held on tmpfs) and host 2's ``r00004/.rebuild-step-3``, whose directory's
+    run lease a live process holds (this one: as a job of more ranks restoring there would).
+    Before: no rank of a 3-rank job removed either (each rank drops its own only), so the
+    pages leaked until someone deleted them. Now host 1's first rank removes rank 3's at its
+    start, logged as a rank's own is, and nothing else under ``r00003`` (another name, the
+    stale lease of the old rank); rank 4's stays, with a warning naming why; every rank
+    restores step 3 bitwise, resharded, and the old ranks' steps on the live hosts stay."""
+    disk = str(tmp_path / "disk")
+    run_ranks(4, regrow_cases.train, base, disk, "partners-1", 3, timeout_s=TIMEOUT)
+    wipe_host(base, 3)
+    gone = os.path.join(host_dir(base, 1), "run", "r00003")
+    scratch = _plant(gone, ".rebuild-step-2", 12288)
+    theirs = _plant(gone, ".rebuild-step-2.keep", 4096)  # not a name ckptio makes
+    with open(os.path.join(gone, runlease.LEASE_NAME), "w", encoding="utf-8") as f:
+        f.write('{"host": "old", "pid": 1}')  # the old rank 3's, killed: its flock went with it
+    leased = os.path.join(host_dir(base, 2), "run", "r00004")
+    held = _plant(leased, ".rebuild-step-3", 4096)
+    lease = runlease.take(leased, False, create=False)
+    assert lease is not None and lease.fd is not None
+    try:
+        restored = run_ranks(3, regrow_cases.restore_said, base, disk, "partners-1",
+                             timeout_s=TIMEOUT)
+    finally:
+        lease.release()
+    for rank, r in enumerate(restored):
+        assert r["error"] is None and r["bitwise"], (rank, r)
+        assert (r["step"], r["how"]["source"]) == (3, "resharded"), r["how"]
+    assert not os.path.exists(scratch) and os.path.isfile(os.path.join(theirs, "data-00000.bin"))
+    removed = [(rank, m) for rank, r in enumerate(restored) for m in r["said"]
+               if m.startswith("ckptio: removed ")]
+    assert removed == [(1, f"ckptio: removed {scratch} (12288 bytes): the scratch directory of "
+                           "a restore of rank 3 killed before its step was installed")], removed
+    assert os.path.isfile(os.path.join(held, "data-00000.bin"))
+    (left,) = [m for m in restored[2]["said"] if "are left" in m]
+    assert left.startswith(f"ckptio: the scratch directories of restores in {leased} (a rank "
+                           "this job of 3 ranks does not have) are left: a live process holds "
+                           "its run lease"), left
+    for host in range(3):
+        mine = os.path.join(host_dir(base, host), "run", f"r{host:05d}")
+        assert {"step-2", "step-3"} <= set(os.listdir(mine)), (host, os.listdir(mine))
 
 
 @contextmanager
