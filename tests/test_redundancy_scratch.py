@@ -92,48 +92,56 @@ def _plant(directory: str, name: str, nbytes: int) -> str:
 
 
 def test_a_restart_on_fewer_ranks_removes_the_scratch_of_ranks_it_no_longer_has(base, tmp_path):
-    """Partners(1) on 4 hosts, host 3 lost, the job restarted on the 3 others. Host 1's memory
-    holds ``r00003/.rebuild-step-2`` (a restore of rank 3 killed there before its install, its
-    data file's pages held on tmpfs) and host 2's ``r00004/.rebuild-step-3``, whose directory's
-    run lease a live process holds (this one: as a job of more ranks restoring there would).
-    Before: no rank of a 3-rank job removed either (each rank drops its own only), so the
-    pages leaked until someone deleted them. Now host 1's first rank removes rank 3's at its
-    start, logged as a rank's own is, and nothing else under ``r00003`` (another name, the
-    stale lease of the old rank); rank 4's stays, with a warning naming why; every rank
-    restores step 3 bitwise, resharded, and the old ranks' steps on the live hosts stay."""
+    """Partners(1), 6 ranks on 2 hosts (3 each) restarted as 4 ranks (2 each: host 1 runs
+    ranks 2 and 3). Host 1's memory holds old rank 5's steps (pieces the restart reshards) and
+    ``r00005/.rebuild-step-2`` (a restore of rank 5 killed before its install, its data file's
+    pages on tmpfs), and ``r00004/.rebuild-step-3``, whose directory's run lease a live process
+    holds (this one: as a job of more ranks restoring there would); host 0's
+    ``r00007/.rebuild-step-1`` (an earlier job of 8 ranks). Before: no rank of the 4-rank job
+    removed any (each rank drops its own only), so their pages leaked until someone deleted
+    them. Now each host's first rank (ranks 0 and 2, never 1 or 3) removes rank 5's and rank
+    7's at its start, logged as a rank's own is, and nothing else (another name, old rank 5's
+    steps, its stale lease); rank 4's stays, with a warning naming why; every rank restores
+    step 3 bitwise, resharded."""
     disk = str(tmp_path / "disk")
-    run_ranks(4, regrow_cases.train, base, disk, "partners-1", 3, timeout_s=TIMEOUT)
-    wipe_host(base, 3)
-    gone = os.path.join(host_dir(base, 1), "run", "r00003")
-    scratch = _plant(gone, ".rebuild-step-2", 12288)
-    theirs = _plant(gone, ".rebuild-step-2.keep", 4096)  # not a name ckptio makes
-    with open(os.path.join(gone, runlease.LEASE_NAME), "w", encoding="utf-8") as f:
-        f.write('{"host": "old", "pid": 1}')  # the old rank 3's, killed: its flock went with it
-    leased = os.path.join(host_dir(base, 2), "run", "r00004")
+    run_ranks(6, regrow_cases.train, base, disk, "partners-1", 3, 3, timeout_s=TIMEOUT)
+    old = os.path.join(host_dir(base, 1), "run", "r00005")
+    scratch = _plant(old, ".rebuild-step-2", 12288)
+    theirs = _plant(old, ".rebuild-step-2.keep", 4096)  # not a name ckptio makes
+    with open(os.path.join(old, runlease.LEASE_NAME), "w", encoding="utf-8") as f:
+        f.write('{"host": "old", "pid": 1}')  # old rank 5's, killed: its flock went with it
+    earlier = _plant(os.path.join(host_dir(base, 0), "run", "r00007"), ".rebuild-step-1", 8192)
+    leased = os.path.join(host_dir(base, 1), "run", "r00004")
     held = _plant(leased, ".rebuild-step-3", 4096)
     lease = runlease.take(leased, False, create=False)
     assert lease is not None and lease.fd is not None
     try:
-        restored = run_ranks(3, regrow_cases.restore_said, base, disk, "partners-1",
+        restored = run_ranks(4, regrow_cases.restore_said, base, disk, "partners-1", 2,
                              timeout_s=TIMEOUT)
     finally:
         lease.release()
     for rank, r in enumerate(restored):
         assert r["error"] is None and r["bitwise"], (rank, r)
         assert (r["step"], r["how"]["source"]) == (3, "resharded"), r["how"]
-    assert not os.path.exists(scratch) and os.path.isfile(os.path.join(theirs, "data-00000.bin"))
-    removed = [(rank, m) for rank, r in enumerate(restored) for m in r["said"]
-               if m.startswith("ckptio: removed ")]
-    assert removed == [(1, f"ckptio: removed {scratch} (12288 bytes): the scratch directory of "
-                           "a restore of rank 3 killed before its step was installed")], removed
+    assert not os.path.exists(scratch) and not os.path.exists(earlier)
+    assert os.path.isfile(os.path.join(theirs, "data-00000.bin"))
+    assert {"step-2", "step-3"} <= set(os.listdir(old)), os.listdir(old)
+    removed = sorted((rank, m) for rank, r in enumerate(restored) for m in r["said"]
+                     if m.startswith("ckptio: removed "))
+    assert removed == [
+        (0, f"ckptio: removed {earlier} (8192 bytes): the scratch directory of a restore of "
+            "rank 7 killed before its step was installed"),
+        (2, f"ckptio: removed {scratch} (12288 bytes): the scratch directory of a restore of "
+            "rank 5 killed before its step was installed")], removed
     assert os.path.isfile(os.path.join(held, "data-00000.bin"))
-    (left,) = [m for m in restored[2]["said"] if "are left" in m]
-    assert left.startswith(f"ckptio: the scratch directories of restores in {leased} (a rank "
-                           "this job of 3 ranks does not have) are left: a live process holds "
-                           "its run lease"), left
-    for host in range(3):
-        mine = os.path.join(host_dir(base, host), "run", f"r{host:05d}")
-        assert {"step-2", "step-3"} <= set(os.listdir(mine)), (host, os.listdir(mine))
+    left = [(rank, m) for rank, r in enumerate(restored) for m in r["said"] if "are left" in m]
+    assert len(left) == 1 and left[0][0] == 2, left
+    assert left[0][1].startswith(
+        f"ckptio: the scratch directories of restores in {leased} (a rank this job of 4 ranks "
+        "does not have) are left: a live process holds its run lease"), left
+    for rank in range(6):
+        mine = os.path.join(host_dir(base, rank // 3), "run", f"r{rank:05d}")
+        assert {"step-2", "step-3"} <= set(os.listdir(mine)), (rank, os.listdir(mine))
 
 
 @contextmanager
