@@ -36,9 +36,11 @@ def _state(world: int, rank: int, step: int) -> dict[str, Any]:
             "step": step}
 
 
-def train(rank: int, world: int, base: str, disk: str, spec: str, steps: int) -> None:
-    """``steps`` steps, each saved and protected (the disk tier takes every second)."""
-    _play_host(rank, 1, base)
+def train(rank: int, world: int, base: str, disk: str, spec: str, steps: int,
+          per_host: int = 1) -> None:
+    """``steps`` steps, each saved and protected (the disk tier takes every second);
+    ``per_host`` consecutive ranks play each host."""
+    _play_host(rank, per_host, base)
     mgr = ckptio.CheckpointManager(tiers=_tiers(spec, disk), options=OPTS)
     for step in range(1, steps + 1):
         mgr.save(step, _state(world, rank, step))
@@ -47,12 +49,12 @@ def train(rank: int, world: int, base: str, disk: str, spec: str, steps: int) ->
 
 
 def restore(rank: int, world: int, base: str, disk: str, spec: str,
-            victim: int = -1) -> dict[str, Any]:
+            victim: int = -1, per_host: int = 1) -> dict[str, Any]:
     """A restarted job restores into zeros -> the step, ``last_restore``, whether bitwise, or
     the error (and whether the state was left untouched), and the bytes this rank wrote as
     checkpoints into its memory tier (peers.write_checkpoint) during the restore.
     ``victim``: that rank SIGKILLs itself as it starts sending its pieces' bytes."""
-    _play_host(rank, 1, base)
+    _play_host(rank, per_host, base)
     if rank == victim:
         from ckptio.redundancy import peers
 
@@ -83,3 +85,19 @@ def restore(rank: int, world: int, base: str, disk: str, spec: str,
     want = whole(step or 0).chunk(world)[rank]
     return {"step": step, "state_step": state["step"], "how": mgr.last_restore, "error": None,
             "bitwise": torch.equal(state["w"].to_local(), want), "written": written[0]}
+
+
+def restore_said(rank: int, world: int, base: str, disk: str, spec: str,
+                 per_host: int) -> dict[str, Any]:
+    """restore() with ``per_host`` ranks per host, also -> the ckptio warnings this rank logged
+    (``said``)."""
+    import logging
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("ckptio").addHandler(Said(logging.WARNING))
+    return {**restore(rank, world, base, disk, spec, per_host=per_host), "said": said}

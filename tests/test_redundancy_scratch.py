@@ -1,10 +1,13 @@
 """A lost rank's scratch directory ``r<rank>/.rebuild-step-N`` (issue 66): where its step lands
 from its peers (on tmpfs: the step's data file, allocated whole) before the rename installs it.
 What a restore killed mid-receive leaves is removed at the next manager's start
-(redundancy/landing.drop_scratch), nothing else; a tmpfs too full for the step's file sends
+(redundancy/landing.drop_scratch), nothing else, and so is one of a rank number that a job
+restarted on fewer ranks no longer has, unless a live process leases that rank's directory
+(landing.drop_scratch_beyond); a tmpfs too full for the step's file sends
 the step through this process's memory (peers.landing_buffer's fallback), the restore bitwise.
 
-Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py); the full
+Real gloo ranks on this machine, one rank per simulated host (tests/fetch_cases.py,
+tests/regrow_cases.py for the restart on fewer ranks); the full
 tmpfs is a real one, mounted by this process (root) over the lost host's memory directory."""
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from contextlib import contextmanager
 
 import pytest
 
+from ckptio.storage.local import runlease
 from ckptio.testing.multihost import PREFIX
 from ckptio.testing.rank_processes import run_ranks
+from tests import regrow_cases
 from tests.fetch_cases import restore_logged, save
 from tests.redundancy_cases import host_dir, wipe_host
 
@@ -76,6 +81,67 @@ def test_a_restore_killed_as_it_receives_leaves_a_scratch_directory_the_next_sta
         with open(os.path.join(lost, name), encoding="utf-8") as f:
             assert f.read() == "the user's", name
     assert not os.path.exists(scratch) and os.path.isdir(os.path.join(lost, "step-1"))
+
+
+def _plant(directory: str, name: str, nbytes: int) -> str:
+    """``directory/name/data-00000.bin`` of ``nbytes`` bytes -> ``directory/name``."""
+    os.makedirs(os.path.join(directory, name))
+    with open(os.path.join(directory, name, "data-00000.bin"), "wb") as f:
+        f.write(bytes(nbytes))
+    return os.path.join(directory, name)
+
+
+def test_a_restart_on_fewer_ranks_removes_the_scratch_of_ranks_it_no_longer_has(base, tmp_path):
+    """Partners(1), 6 ranks on 2 hosts (3 each) restarted as 4 ranks (2 each: host 1 runs
+    ranks 2 and 3). Host 1's memory holds old rank 5's steps (pieces the restart reshards) and
+    ``r00005/.rebuild-step-2`` (a restore of rank 5 killed before its install, its data file's
+    pages on tmpfs), and ``r00004/.rebuild-step-3``, whose directory's run lease a live process
+    holds (this one: as a job of more ranks restoring there would); host 0's
+    ``r00007/.rebuild-step-1`` (an earlier job of 8 ranks). Before: no rank of the 4-rank job
+    removed any (each rank drops its own only), so their pages leaked until someone deleted
+    them. Now each host's first rank (ranks 0 and 2, never 1 or 3) removes rank 5's and rank
+    7's at its start, logged as a rank's own is, and nothing else (another name, old rank 5's
+    steps, its stale lease); rank 4's stays, with a warning naming why; every rank restores
+    step 3 bitwise, resharded."""
+    disk = str(tmp_path / "disk")
+    run_ranks(6, regrow_cases.train, base, disk, "partners-1", 3, 3, timeout_s=TIMEOUT)
+    old = os.path.join(host_dir(base, 1), "run", "r00005")
+    scratch = _plant(old, ".rebuild-step-2", 12288)
+    theirs = _plant(old, ".rebuild-step-2.keep", 4096)  # not a name ckptio makes
+    with open(os.path.join(old, runlease.LEASE_NAME), "w", encoding="utf-8") as f:
+        f.write('{"host": "old", "pid": 1}')  # old rank 5's, killed: its flock went with it
+    earlier = _plant(os.path.join(host_dir(base, 0), "run", "r00007"), ".rebuild-step-1", 8192)
+    leased = os.path.join(host_dir(base, 1), "run", "r00004")
+    held = _plant(leased, ".rebuild-step-3", 4096)
+    lease = runlease.take(leased, False, create=False)
+    assert lease is not None and lease.fd is not None
+    try:
+        restored = run_ranks(4, regrow_cases.restore_said, base, disk, "partners-1", 2,
+                             timeout_s=TIMEOUT)
+    finally:
+        lease.release()
+    for rank, r in enumerate(restored):
+        assert r["error"] is None and r["bitwise"], (rank, r)
+        assert (r["step"], r["how"]["source"]) == (3, "resharded"), r["how"]
+    assert not os.path.exists(scratch) and not os.path.exists(earlier)
+    assert os.path.isfile(os.path.join(theirs, "data-00000.bin"))
+    assert {"step-2", "step-3"} <= set(os.listdir(old)), os.listdir(old)
+    removed = sorted((rank, m) for rank, r in enumerate(restored) for m in r["said"]
+                     if m.startswith("ckptio: removed "))
+    assert removed == [
+        (0, f"ckptio: removed {earlier} (8192 bytes): the scratch directory of a restore of "
+            "rank 7 killed before its step was installed"),
+        (2, f"ckptio: removed {scratch} (12288 bytes): the scratch directory of a restore of "
+            "rank 5 killed before its step was installed")], removed
+    assert os.path.isfile(os.path.join(held, "data-00000.bin"))
+    left = [(rank, m) for rank, r in enumerate(restored) for m in r["said"] if "are left" in m]
+    assert len(left) == 1 and left[0][0] == 2, left
+    assert left[0][1].startswith(
+        f"ckptio: the scratch directories of restores in {leased} (a rank this job of 4 ranks "
+        "does not have) are left: a live process holds its run lease"), left
+    for rank in range(6):
+        mine = os.path.join(host_dir(base, rank // 3), "run", f"r{rank:05d}")
+        assert {"step-2", "step-3"} <= set(os.listdir(mine)), (rank, os.listdir(mine))
 
 
 @contextmanager

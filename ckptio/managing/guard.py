@@ -29,7 +29,7 @@ from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.select import checkpoint_path
 from ckptio.redundancy import elastic, marks, peers
 from ckptio.redundancy.topology import Topology, domain_id, host_id
-from ckptio.redundancy.landing import Landing, drop_scratch
+from ckptio.redundancy.landing import Landing, drop_scratch, drop_scratch_beyond
 from ckptio.redundancy.protect import Protector
 from ckptio.redundancy.rebuild import Context, Recovery, recover
 from ckptio.redundancy.redundancy import Partners
@@ -84,9 +84,13 @@ class Guard:
     def start(self, own_dir: Callable[[int], str]) -> None:
         """Make the protection thread (own_dir: step -> this rank's memory step directory),
         once this rank's scratch directories that a killed restore left are removed
-        (landing.drop_scratch: here, with the tier leased and before any restore)."""
+        (landing.drop_scratch: here, with the tier leased and before any restore), and, by the
+        first rank of each host (as protect.py drops old protection), those of ranks this job
+        does not have (landing.drop_scratch_beyond: a restart on fewer ranks)."""
         self._own_dir = own_dir
         drop_scratch(self.root, self.rank)
+        if self.topology.local_of(self.rank) == 0:
+            drop_scratch_beyond(self.root, self.world)
         self.protector = Protector(self.spec, self.topology, self.group, self.rank, self.root,
                                    own_dir, self.peer_timeout_s)
 

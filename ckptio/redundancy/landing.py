@@ -14,7 +14,10 @@ is written in the background (``later``).
   tier: the next restore, save, wait or close) and raises its error, once.
 
 A scratch directory that a kill left (a restore killed before its install: on tmpfs its data
-file holds the step's pages) is removed at the next manager's start (``drop_scratch``).
+file holds the step's pages) is removed at the next manager's start: each rank's own
+(``drop_scratch``), and, by the first rank of each host, those of rank numbers the job no
+longer has (``drop_scratch_beyond``: a restart on fewer ranks), unless a live process holds
+that rank directory's run lease (storage/local/runlease.py). Only that exact name goes.
 
 Owns: the fused check, the install, the background write, the removal of what a kill left.
 Does not own: the transfers and the plan (rebuild.py, stripes.py), which entries a stream's
@@ -31,14 +34,16 @@ from typing import Any
 import torch
 
 from ckptio.alignment import merged
-from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
+from ckptio.errors import CheckpointLockedError, CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import checksum
 from ckptio.format import manifest as manifest_format
+from ckptio.storage.local import runlease
 from ckptio.storage.memory.memory_store import MemoryStore
+from ckptio.storage.select import scheme_of
 from ckptio.storage.store_contract import TreeStore, new_save_id
 from ckptio.redundancy import marks, peers
 
-__all__ = ["Landing", "StreamCheck", "drop_scratch", "now"]
+__all__ = ["Landing", "StreamCheck", "drop_scratch", "drop_scratch_beyond", "now"]
 
 log = logging.getLogger("ckptio")
 
@@ -171,8 +176,63 @@ def drop_scratch(root: marks.Root, rank: int) -> list[str]:
     """The scratch directories of ``rank`` under ``root`` (``r<rank>/.rebuild-step-N``,
     marks.rebuild_dirs: no other name) removed, each logged -> their locations. The Guard's
     start: no restore of ``rank`` runs yet, and its manager holds the lease of ``r<rank>``."""
+    return _drop(marks.tree_of(root).child(marks.rank_name(rank)), rank)
+
+
+def drop_scratch_beyond(root: marks.Root, world: int) -> list[str]:
+    """The scratch directories (as ``drop_scratch``'s) of every rank ``>= world`` under
+    ``root``, a local directory (a job restarted on fewer ranks no longer has those ranks, so
+    no rank of it removes them as its own) -> their locations. Called by one rank per host.
+    A rank directory is touched only while this process holds its run lease (taken and let go
+    here, never created): one whose lease a live process holds (a job of more ranks on this
+    root, a lingering process of the old job), or whose lease cannot be taken, is left, logged;
+    a root that is not a local directory (no lease can tell) is left whole."""
+    if not isinstance(root, str) or scheme_of(root) is not None:
+        return []
     removed: list[str] = []
-    for where in marks.rebuild_dirs(marks.tree_of(root).child(marks.rank_name(rank))).values():
+    for rank, location in sorted(marks.rank_dirs(root).items()):
+        if rank < world:
+            continue
+        where = marks.tree_of(location)
+        if not marks.rebuild_dirs(where):
+            continue
+        lease = _lease(location, world)
+        if lease is None:
+            continue
+        try:
+            removed += _drop(where, rank)
+        finally:
+            lease.release()
+    return removed
+
+
+def _lease(directory: str, world: int) -> runlease.RunLease | None:
+    """``directory``'s run lease, held by this process (its flock), or None: another process
+    holds it, or the lease cannot tell (no file locks, read-only, full), logged; or the
+    directory is gone."""
+    try:
+        lease = runlease.take(directory, False, create=False)
+    except CheckpointLockedError:
+        why = (f"a live process holds its run lease ({runlease.LEASE_NAME} there names it), so "
+               "a job of more ranks may be restoring there")
+    except StorageIOError as exc:
+        why = f"its run lease cannot be taken ({exc})"
+    else:
+        if lease is None or lease.fd is not None:
+            return lease  # gone meanwhile (nothing to remove), or held here
+        why = ("its run lease cannot tell whether a live process uses it (no file locks, a "
+               "read-only or full directory, or a manager of this process holds it)")
+    log.warning("ckptio: the scratch directories of restores in %s (a rank this job of %d ranks "
+                "does not have) are left: %s; remove them once no job uses that directory",
+                directory, world, why)
+    return None
+
+
+def _drop(directory: TreeStore, rank: int) -> list[str]:
+    """The ``.rebuild-step-N`` directories under ``directory`` (``r<rank>``) removed, each
+    logged -> their locations."""
+    removed: list[str] = []
+    for where in marks.rebuild_dirs(directory).values():
         try:
             nbytes = sum(where.sizes(where.entries()).values())
         except CkptError:

@@ -4,7 +4,8 @@
 
 - ``r<rank>/step-N``: each rank's own step (with redundancy every tier is rank-local);
   ``r<rank>/.rebuild-step-N`` a restore's copy being verified beside it (a delta's base resolves;
-  one a kill left is removed at the next start: landing.drop_scratch);
+  one a kill left is removed at the next start: landing.drop_scratch, and those of ranks a job
+  restarted on fewer ranks no longer has: landing.drop_scratch_beyond);
 - ``.redundancy/step-N/``: what this host holds for others' step N: ``copy-r<rank>/`` (a
   partner's copy, a checkpoint), ``parity-g<group>-l<local>.bin`` and ``.json`` (this host's
   parity piece of its group and every member's manifest), ``held-r<rank>.json`` (what rank
