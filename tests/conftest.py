@@ -1,8 +1,11 @@
-"""Shared fixtures: a checkpoint directory under pytest's tmp_path and a small staging pool."""
+"""Shared fixtures: a checkpoint directory under pytest's tmp_path and a small staging pool;
+the checkout's Python compiled once before the run (``pytest_configure``)."""
 
 from __future__ import annotations
 
+import compileall
 import os
+import sys
 import shutil
 import tempfile
 import uuid
@@ -19,6 +22,21 @@ os.environ["CKPTIO_PROFILE_PATH"] = os.path.join(tempfile.mkdtemp(prefix="ckptio
                                                  "profiles.json")
 
 MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller, once: the checkout's packages compiled to ``__pycache__`` before any case
+    runs. Where the environment sets PYTHONDONTWRITEBYTECODE (this project's development and CI
+    machines do), no interpreter writes them, so each of the suite's fresh interpreters (rank
+    agents, examples, the CLI, benchmark smoke runs) compiled ckptio's modules from source again
+    (docs/TESTS.md, "What was cut")."""
+    if hasattr(config, "workerinput") or not sys.dont_write_bytecode:
+        return  # a worker (the controller compiles), or interpreters write them themselves
+    root = os.path.dirname(HERE)
+    for package in ("ckptio", "tests", "benchmarks", "examples"):
+        if os.path.isdir(os.path.join(root, package)):
+            compileall.compile_dir(os.path.join(root, package), quiet=1)
 
 # 1 MiB buffers in a 4 MiB pool: a tensor of a few MiB crosses several buffer boundaries, so
 # save and load both exercise splitting one tensor over several buffers and reads.
