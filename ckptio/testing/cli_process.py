@@ -3,9 +3,12 @@ warm forkserver of ckptio.testing.rank_processes (torch and ckptio already impor
 test that runs many commands does not pay an interpreter start and torch's import per command.
 
     done = run_cli("verify", str(path))   # a subprocess.CompletedProcess[str], as subprocess.run
+    proc, out_r, err_r = start_script("child.py", env=env)   # ``python child.py``, started
 
 The child gets its own standard output and error (pipes, or a terminal the caller passes), the
-caller's environment and working directory, and runs ckptio's ``__main__`` with that argv; at
+caller's environment and working directory, and runs ckptio's ``__main__`` with that argv (or,
+start_script, a script as ``python SCRIPT ARGS`` does: its directory and the environment's
+PYTHONPATH first on sys.path, as an interpreter puts them); at
 its end it does what an interpreter's exit does (joins non-daemon threads, runs atexit
 functions, flushes) before its exit status is taken. What only a fresh interpreter shows (which
 modules a command imports, a closed pipe at interpreter exit, the installed entry point) is
@@ -28,12 +31,13 @@ from typing import Any
 
 from ckptio.testing.rank_processes import warm_context
 
-__all__ = ["run_cli", "start_cli"]
+__all__ = ["run_cli", "start_cli", "start_script"]
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
-           err: Connection) -> None:
-    """The forked command: its fds 1 and 2, environment and directory, then ckptio's main."""
+           err: Connection, script: str | None = None) -> None:
+    """The forked command: its fds 1 and 2, environment and directory, then ckptio's main (or
+    ``script``)."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
@@ -41,10 +45,16 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = ["ckptio", *argv]
+    sys.argv = ["ckptio" if script is None else script, *argv]
+    if script is not None:
+        sys.path[:0] = [os.path.dirname(os.path.abspath(script)),
+                        *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     code: Any = 0
     try:
-        runpy.run_module("ckptio", run_name="__main__", alter_sys=True)
+        if script is None:
+            runpy.run_module("ckptio", run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         code = done.code
     finally:  # what the interpreter's exit does: threading's exit hooks (a thread pool's
@@ -60,10 +70,18 @@ def _pipe() -> tuple[int, Connection]:
     return r, Connection(w, readable=False)
 
 
+def start_script(script: str, *args: str,
+                 env: Mapping[str, str] | None = None) -> tuple[Any, int, int]:
+    """Start ``python SCRIPT ARGS`` -> (process, stdout read fd, stderr read fd)."""
+    proc, out_r, err_r = start_cli(*args, env=env, script=script)
+    assert err_r is not None  # internal: no stderr_fd given
+    return proc, out_r, err_r
+
+
 def start_cli(*args: str, env: Mapping[str, str] | None = None,
-              stderr_fd: int | None = None) -> tuple[Any, int, int | None]:
-    """Start ``ckptio ARGS`` -> (process, stdout read fd, stderr read fd or None when
-    ``stderr_fd`` — a terminal, say — was given)."""
+              stderr_fd: int | None = None, script: str | None = None) -> tuple[Any, int, int | None]:
+    """Start ``ckptio ARGS`` (``python SCRIPT ARGS`` with ``script``) -> (process, stdout read
+    fd, stderr read fd or None when ``stderr_fd`` — a terminal, say — was given)."""
     out_r, out_w = _pipe()
     if stderr_fd is None:
         err_r: int | None
@@ -72,7 +90,7 @@ def start_cli(*args: str, env: Mapping[str, str] | None = None,
         err_r, err_w = None, Connection(os.dup(stderr_fd), readable=False)
     proc = warm_context().Process(
         target=_child, args=([*args], dict(os.environ if env is None else env), os.getcwd(),
-                             out_w, err_w), daemon=True)
+                             out_w, err_w, script), daemon=True)
     try:
         proc.start()
     finally:
