@@ -31,7 +31,7 @@ from typing import Any
 
 from ckptio.testing.rank_processes import warm_context
 
-__all__ = ["run_cli", "start_cli", "start_script"]
+__all__ = ["run_cli", "run_script", "start_cli", "start_script"]
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
@@ -70,16 +70,17 @@ def _pipe() -> tuple[int, Connection]:
     return r, Connection(w, readable=False)
 
 
-def start_script(script: str, *args: str,
-                 env: Mapping[str, str] | None = None) -> tuple[Any, int, int]:
-    """Start ``python SCRIPT ARGS`` -> (process, stdout read fd, stderr read fd)."""
-    proc, out_r, err_r = start_cli(*args, env=env, script=script)
+def start_script(script: str, *args: str, env: Mapping[str, str] | None = None,
+                 cwd: str | None = None) -> tuple[Any, int, int]:
+    """Start ``python SCRIPT ARGS`` (in ``cwd``, default this process's) -> (process, stdout
+    read fd, stderr read fd)."""
+    proc, out_r, err_r = start_cli(*args, env=env, script=script, cwd=cwd)
     assert err_r is not None  # internal: no stderr_fd given
     return proc, out_r, err_r
 
 
-def start_cli(*args: str, env: Mapping[str, str] | None = None,
-              stderr_fd: int | None = None, script: str | None = None) -> tuple[Any, int, int | None]:
+def start_cli(*args: str, env: Mapping[str, str] | None = None, stderr_fd: int | None = None,
+              script: str | None = None, cwd: str | None = None) -> tuple[Any, int, int | None]:
     """Start ``ckptio ARGS`` (``python SCRIPT ARGS`` with ``script``) -> (process, stdout read
     fd, stderr read fd or None when ``stderr_fd`` — a terminal, say — was given)."""
     out_r, out_w = _pipe()
@@ -89,7 +90,8 @@ def start_cli(*args: str, env: Mapping[str, str] | None = None,
     else:
         err_r, err_w = None, Connection(os.dup(stderr_fd), readable=False)
     proc = warm_context().Process(
-        target=_child, args=([*args], dict(os.environ if env is None else env), os.getcwd(),
+        target=_child, args=([*args], dict(os.environ if env is None else env),
+                             os.getcwd() if cwd is None else cwd,
                              out_w, err_w, script), daemon=True)
     try:
         proc.start()
@@ -103,20 +105,32 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``ckptio ARGS`` with stdout and stderr pipes -> its exit status and output, as
     ``subprocess.run(..., capture_output=True, text=True)`` gives them."""
-    proc, out_r, err_r = start_cli(*args, env=env)
-    assert err_r is not None
+    return _run(["ckptio", *args], start_cli(*args, env=env), timeout)
+
+
+def run_script(script: str, *args: str, env: Mapping[str, str] | None = None,
+               cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` as run_cli runs ``ckptio ARGS``."""
+    return _run([script, *args], start_script(script, *args, env=env, cwd=cwd), timeout)
+
+
+def _run(cmd: list[str], started: tuple[Any, int, int | None],
+         timeout: float) -> subprocess.CompletedProcess[str]:
+    """The started command's exit status and output, read to their end within ``timeout``."""
+    proc, out_r, err_r = started
+    assert err_r is not None  # internal: both callers start it with a stderr pipe
     deadline = time.monotonic() + timeout
     try:
-        got = _read_all({out_r: b"", err_r: b""}, deadline, ["ckptio", *args], timeout)
+        got = _read_all({out_r: b"", err_r: b""}, deadline, cmd, timeout)
         proc.join(max(0.0, deadline - time.monotonic()))
     finally:
         if proc.exitcode is None:  # past the deadline: killed, as subprocess.run(timeout=) does
             proc.kill()
             proc.join()
     if proc.exitcode < 0 and time.monotonic() >= deadline:
-        raise subprocess.TimeoutExpired(["ckptio", *args], timeout)
-    return subprocess.CompletedProcess(["ckptio", *args], proc.exitcode,
-                                       got[out_r].decode(), got[err_r].decode())
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, got[out_r].decode(),
+                                       got[err_r].decode())
 
 
 def _read_all(got: dict[int, bytes], deadline: float, cmd: list[str],
