@@ -1,14 +1,16 @@
-"""Run the ``ckptio`` command as ``python -m ckptio ARGS`` does, in a process forked from the
-warm forkserver of ckptio.testing.rank_processes (torch and ckptio already imported), so a
-test that runs many commands does not pay an interpreter start and torch's import per command.
+"""Run the ``ckptio`` command as ``python -m ckptio ARGS`` does (or a script as ``python SCRIPT
+ARGS`` does), in a process forked from the warm forkserver of ckptio.testing.rank_processes
+(torch and ckptio already imported), so a test that runs many commands does not pay an
+interpreter start and torch's import per command.
 
     done = run_cli("verify", str(path))   # a subprocess.CompletedProcess[str], as subprocess.run
-    proc, out_r, err_r = start_script("child.py", env=env)   # ``python child.py``, started
+    done = run_script("job.py", "--steps", "3", cwd=str(tmp))   # the same for a script
+    proc, out_r, err_r = start_script("child.py", env=env)   # started: read, kill, join
 
 The child gets its own standard output and error (pipes, or a terminal the caller passes), the
-caller's environment and working directory, and runs ckptio's ``__main__`` with that argv (or,
-start_script, a script as ``python SCRIPT ARGS`` does: its directory and the environment's
-PYTHONPATH first on sys.path, as an interpreter puts them); at
+caller's environment and working directory (or those given), and runs ckptio's ``__main__``
+with that argv (a script: with its directory and the environment's PYTHONPATH first on
+sys.path, as an interpreter puts them); at
 its end it does what an interpreter's exit does (joins non-daemon threads, runs atexit
 functions, flushes) before its exit status is taken. What only a fresh interpreter shows (which
 modules a command imports, a closed pipe at interpreter exit, the installed entry point) is
