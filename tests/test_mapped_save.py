@@ -21,8 +21,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -39,6 +37,7 @@ from ckptio.storage.local.mapped import on_tmpfs
 from ckptio.storage.files import mappings_of
 from ckptio.storage.local.slots import SLOTS_DIR, warm_fit
 from ckptio.storage.select import checkpoint_path
+from ckptio.testing.cli_process import start_script
 from tests.conftest import assert_same
 from tests.write_counting import WriteCounting
 
@@ -355,7 +354,6 @@ def test_a_draining_memory_tier_takes_no_fresh_pages_after_its_first_drain(shm, 
 
 
 KILLED_CHILD = r"""
-import sys
 import ckptio
 from ckptio import Tier
 from tests.test_mapped_save import OPTS, state_of
@@ -391,16 +389,18 @@ def test_killed_at_random_moments_keeps_keep_last_whole_steps(shm, tmp_path):
     reused = False
     owner: dict[int, int] = {}  # inode of a committed step's data file -> the step seen first
     for kill in range(8):
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-        assert proc.stdout is not None
-        for _ in range(4):  # a few steps in: slots in use, a ring going round
-            line = proc.stdout.readline()
-            assert line, f"the child ended early: {proc.communicate()[1][-2000:]}"
-        time.sleep(rnd.uniform(0.0, 0.4))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        assert proc.returncode == -signal.SIGKILL
+        # a fresh process forked from the warm forkserver (torch and ckptio imported there)
+        proc, out_r, err_r = start_script(str(script), env=env)
+        with os.fdopen(out_r) as out, os.fdopen(err_r) as err:
+            for _ in range(4):  # a few steps in: slots in use, a ring going round
+                line = out.readline()
+                if not line:
+                    proc.join(60)
+                    pytest.fail(f"the child ended early: {err.read()[-2000:]}")
+            time.sleep(rnd.uniform(0.0, 0.4))
+            proc.kill()  # SIGKILL
+            proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL
         slots = os.path.join(checkpoint_path("shm://killed"), SLOTS_DIR)
         reused |= os.path.isdir(slots) and bool(os.listdir(slots))
         steps = _check_killed_root(keep_last=2)

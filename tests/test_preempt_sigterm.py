@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.testing.cli_process import run_script
 from tests.conftest import assert_same
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,9 +136,10 @@ def _train_until_sigterm(tmp_path: Path, disk: str, every: int, rate: str) -> tu
 
 def _restore(tmp_path: Path, disk: str, every: int, which: str) -> dict[str, Any]:
     out = tmp_path / f"restored-{which}.pt"
-    done = subprocess.run([sys.executable, _script(tmp_path, "restore.py", RESTORE), disk,
-                           str(every), "none", str(out), which], capture_output=True, text=True,
-                          timeout=180, cwd=REPO, env=_env())
+    # a fresh process forked from the warm forkserver (torch and ckptio imported there), as
+    # `python restore.py ...` runs, without an interpreter's start and imports
+    done = run_script(_script(tmp_path, "restore.py", RESTORE), disk, str(every), "none",
+                      str(out), which, cwd=REPO, env=_env(), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     return torch.load(out, weights_only=False)
 

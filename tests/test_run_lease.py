@@ -29,6 +29,7 @@ import ckptio
 from ckptio import Checkpointer, CheckpointManager, Options
 from ckptio.errors import CheckpointLockedError
 from ckptio.storage.local.local_store import LocalStore
+from ckptio.testing.cli_process import run_script
 from ckptio.testing.faults import FsyncGate
 
 from conftest import assert_same
@@ -77,8 +78,11 @@ def _second_job(cwd: Path, take_over: bool = False) -> subprocess.CompletedProce
             print("RESTORED", mgr.restore(state))
             mgr.close()
     """)
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, text=True,
-                          capture_output=True, timeout=DEADLINE_S)
+    script = cwd / f"second-job-{take_over}.py"
+    script.write_text(code)
+    # a fresh process forked from the warm forkserver (torch and ckptio imported there): a job
+    # of its own, as `python script` would be, without an interpreter's start and imports
+    return run_script(str(script), cwd=str(cwd), timeout=DEADLINE_S)
 
 
 def _listing(run: Path) -> dict[str, float]:

@@ -1,11 +1,16 @@
-"""Run the ``ckptio`` command as ``python -m ckptio ARGS`` does, in a process forked from the
-warm forkserver of ckptio.testing.rank_processes (torch and ckptio already imported), so a
-test that runs many commands does not pay an interpreter start and torch's import per command.
+"""Run the ``ckptio`` command as ``python -m ckptio ARGS`` does (or a script as ``python SCRIPT
+ARGS`` does), in a process forked from the warm forkserver of ckptio.testing.rank_processes
+(torch and ckptio already imported), so a test that runs many commands does not pay an
+interpreter start and torch's import per command.
 
     done = run_cli("verify", str(path))   # a subprocess.CompletedProcess[str], as subprocess.run
+    done = run_script("job.py", "--steps", "3", cwd=str(tmp))   # the same for a script
+    proc, out_r, err_r = start_script("child.py", env=env)   # started: read, kill, join
 
 The child gets its own standard output and error (pipes, or a terminal the caller passes), the
-caller's environment and working directory, and runs ckptio's ``__main__`` with that argv; at
+caller's environment and working directory (or those given), and runs ckptio's ``__main__``
+with that argv (a script: with its directory and the environment's PYTHONPATH first on
+sys.path, as an interpreter puts them); at
 its end it does what an interpreter's exit does (joins non-daemon threads, runs atexit
 functions, flushes) before its exit status is taken. What only a fresh interpreter shows (which
 modules a command imports, a closed pipe at interpreter exit, the installed entry point) is
@@ -28,12 +33,13 @@ from typing import Any
 
 from ckptio.testing.rank_processes import warm_context
 
-__all__ = ["run_cli", "start_cli"]
+__all__ = ["run_cli", "run_script", "start_cli", "start_script"]
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
-           err: Connection) -> None:
-    """The forked command: its fds 1 and 2, environment and directory, then ckptio's main."""
+           err: Connection, script: str | None = None) -> None:
+    """The forked command: its fds 1 and 2, environment and directory, then ckptio's main (or
+    ``script``)."""
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
@@ -41,10 +47,16 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: Connection,
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = ["ckptio", *argv]
+    sys.argv = ["ckptio" if script is None else script, *argv]
+    if script is not None:
+        sys.path[:0] = [os.path.dirname(os.path.abspath(script)),
+                        *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     code: Any = 0
     try:
-        runpy.run_module("ckptio", run_name="__main__", alter_sys=True)
+        if script is None:
+            runpy.run_module("ckptio", run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as done:
         code = done.code
     finally:  # what the interpreter's exit does: threading's exit hooks (a thread pool's
@@ -60,10 +72,19 @@ def _pipe() -> tuple[int, Connection]:
     return r, Connection(w, readable=False)
 
 
-def start_cli(*args: str, env: Mapping[str, str] | None = None,
-              stderr_fd: int | None = None) -> tuple[Any, int, int | None]:
-    """Start ``ckptio ARGS`` -> (process, stdout read fd, stderr read fd or None when
-    ``stderr_fd`` — a terminal, say — was given)."""
+def start_script(script: str, *args: str, env: Mapping[str, str] | None = None,
+                 cwd: str | None = None) -> tuple[Any, int, int]:
+    """Start ``python SCRIPT ARGS`` (in ``cwd``, default this process's) -> (process, stdout
+    read fd, stderr read fd)."""
+    proc, out_r, err_r = start_cli(*args, env=env, script=script, cwd=cwd)
+    assert err_r is not None  # internal: no stderr_fd given
+    return proc, out_r, err_r
+
+
+def start_cli(*args: str, env: Mapping[str, str] | None = None, stderr_fd: int | None = None,
+              script: str | None = None, cwd: str | None = None) -> tuple[Any, int, int | None]:
+    """Start ``ckptio ARGS`` (``python SCRIPT ARGS`` with ``script``) -> (process, stdout read
+    fd, stderr read fd or None when ``stderr_fd`` — a terminal, say — was given)."""
     out_r, out_w = _pipe()
     if stderr_fd is None:
         err_r: int | None
@@ -71,8 +92,9 @@ def start_cli(*args: str, env: Mapping[str, str] | None = None,
     else:
         err_r, err_w = None, Connection(os.dup(stderr_fd), readable=False)
     proc = warm_context().Process(
-        target=_child, args=([*args], dict(os.environ if env is None else env), os.getcwd(),
-                             out_w, err_w), daemon=True)
+        target=_child, args=([*args], dict(os.environ if env is None else env),
+                             os.getcwd() if cwd is None else cwd,
+                             out_w, err_w, script), daemon=True)
     try:
         proc.start()
     finally:
@@ -85,20 +107,32 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``ckptio ARGS`` with stdout and stderr pipes -> its exit status and output, as
     ``subprocess.run(..., capture_output=True, text=True)`` gives them."""
-    proc, out_r, err_r = start_cli(*args, env=env)
-    assert err_r is not None
+    return _run(["ckptio", *args], start_cli(*args, env=env), timeout)
+
+
+def run_script(script: str, *args: str, env: Mapping[str, str] | None = None,
+               cwd: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` as run_cli runs ``ckptio ARGS``."""
+    return _run([script, *args], start_script(script, *args, env=env, cwd=cwd), timeout)
+
+
+def _run(cmd: list[str], started: tuple[Any, int, int | None],
+         timeout: float) -> subprocess.CompletedProcess[str]:
+    """The started command's exit status and output, read to their end within ``timeout``."""
+    proc, out_r, err_r = started
+    assert err_r is not None  # internal: both callers start it with a stderr pipe
     deadline = time.monotonic() + timeout
     try:
-        got = _read_all({out_r: b"", err_r: b""}, deadline, ["ckptio", *args], timeout)
+        got = _read_all({out_r: b"", err_r: b""}, deadline, cmd, timeout)
         proc.join(max(0.0, deadline - time.monotonic()))
     finally:
         if proc.exitcode is None:  # past the deadline: killed, as subprocess.run(timeout=) does
             proc.kill()
             proc.join()
     if proc.exitcode < 0 and time.monotonic() >= deadline:
-        raise subprocess.TimeoutExpired(["ckptio", *args], timeout)
-    return subprocess.CompletedProcess(["ckptio", *args], proc.exitcode,
-                                       got[out_r].decode(), got[err_r].decode())
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, got[out_r].decode(),
+                                       got[err_r].decode())
 
 
 def _read_all(got: dict[int, bytes], deadline: float, cmd: list[str],

@@ -12,13 +12,22 @@ before transformers writes its trainer_state.json. --resume: resume_from_checkpo
 torch.load made to fail (resuming must unpickle nothing). At the end the model's weights are
 saved with ckptio to OUT/final. --ddp (under torchrun): DDP over gloo; the main process records
 LOSSES, the others LOSSES.r<rank>.
+
+    python hf_trainer_run.py --serve
+
+reads JSON lines from its standard input: ``["start", NAME, LOG, ARG...]`` forks a child that
+is the run above with those arguments (transformers, torch and ckptio imported once, here, not
+once per run), its output in LOG; ``["wait", NAME]`` waits for that child and prints its exit
+code (-9: SIGKILL) as a line (serve).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import sys
 from typing import Any
 
 import torch
@@ -137,5 +146,42 @@ def _alone() -> Any:
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
+def serve() -> None:
+    """Each "start" line a child forked from this process, run as ``python hf_trainer_run.py
+    ARG...`` runs: its argv those arguments, its output in LOG, standard input empty, and it
+    ends as the interpreter does (main, then SystemExit: atexit, flush); each "wait" line that
+    child's exit code; at the end of input, a child not waited for is killed. This process
+    reads its lines alone: no thread runs at a fork."""
+    children: dict[str, int] = {}
+    for line in sys.stdin:  # until the end of input: then a run not waited for is killed
+        verb, name, *rest = json.loads(line)
+        if verb == "wait":
+            _, status = os.waitpid(children.pop(name), 0)
+            print(os.waitstatus_to_exitcode(status), flush=True)
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            log, *argv = rest
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            os.close(null)
+            sys.argv = [os.path.abspath(__file__), *argv]
+            main()
+            sys.exit(0)
+        children[name] = pid
+    for pid in children.values():
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()

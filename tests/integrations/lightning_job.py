@@ -10,10 +10,18 @@ committed checkpoint (the kill then lands while a later save may still be in fli
 ``ckpt_path``: resume from it ("last" or a path). ModelCheckpoint saves every epoch into
 ``dir`` (the ``top_k`` newest, by default all, plus last.ckpt), through the plugin.
 ``devices``: 2 runs DDP on CPU (gloo; rank 0 writes the losses).
+
+    python tests/integrations/lightning_job.py --forked '{"name": {spec}, ...}' LOGDIR
+
+runs each spec at once in its own process forked from this one (Lightning, torch and ckptio
+imported once, here, not once per run), its output in LOGDIR/name.log, and prints
+``{name: exit code}`` (-9: SIGKILL) once every process it started, DDP's second ranks
+included, has ended (run_forked).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -115,5 +123,50 @@ def read_losses(path: str | Path) -> dict[int, str]:
     return found
 
 
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def run_forked(specs: dict[str, dict[str, Any]], logs: str) -> dict[str, int]:
+    """Each of ``specs`` in a child forked from this process, all at once; -> {name: exit code}
+    once every process below this one has ended. A child is a run as the script runs it: its
+    argv the script's with that spec (Lightning's DDP launcher starts the second rank from it, a
+    fresh interpreter as before), its output in ``logs``/name.log, and it ends as the
+    interpreter does (run, then SystemExit: threads joined, atexit, flush). This process is the
+    children's subreaper, so a second rank orphaned by its killed rank 0 is waited for too."""
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    children: dict[int, str] = {}
+    for name, spec in specs.items():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(spec, os.path.join(logs, f"{name}.log"))
+        children[pid] = name
+    codes: dict[str, int] = {}
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:  # none left, orphaned grandchildren included
+            return codes
+        if pid in children:
+            codes[children[pid]] = os.waitstatus_to_exitcode(status)
+
+
+def _child(spec: dict[str, Any], log: str) -> None:
+    """The forked child: output to ``log``, argv as ``python lightning_job.py SPEC``, then the
+    run; ends by SystemExit (or the run's own exception), never returning to the fork loop."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [os.path.abspath(__file__), json.dumps(spec)]
+    run(spec)
+    sys.exit(0)
+
+
 if __name__ == "__main__":
-    run(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--forked":
+        print(json.dumps(run_forked(json.loads(sys.argv[2]), sys.argv[3])))
+    else:
+        run(json.loads(sys.argv[1]))

@@ -10,8 +10,10 @@ through ckptio.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -42,12 +44,41 @@ PICKLE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.
                 "model.safetensors", "pytorch_model.bin", "scaler.pt")
 
 
-def start(out: Path, losses: Path, *flags: str) -> subprocess.Popen[str]:
-    """hf_trainer_run.py in a fresh process (this checkout's ckptio first on its path)."""
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, str(RUN), str(out), str(losses), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": path})
+class Runs:
+    """hf_trainer_run.py's runs, each a fresh process forked from one that imported transformers,
+    torch and ckptio once (``hf_trainer_run.py --serve``), not a fresh interpreter each."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        self.server = subprocess.Popen([sys.executable, str(RUN), "--serve"], text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       env={**os.environ, "PYTHONPATH": path})
+
+    def __enter__(self) -> Runs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """End of input: the server kills a run still going (after a failed assert), then ends."""
+        self.server.communicate(timeout=60)
+
+    def _send(self, *line: str) -> None:
+        assert self.server.stdin is not None
+        self.server.stdin.write(json.dumps(line) + "\n")
+        self.server.stdin.flush()
+
+    def start(self, name: str, out: Path, losses: Path, *flags: str) -> None:
+        self._send("start", name, str(self.tmp / f"{name}.log"), str(out), str(losses), *flags)
+
+    def finish(self, name: str) -> tuple[int, str]:
+        """-> (return code, output) once the run ``name`` ends."""
+        self._send("wait", name)
+        assert self.server.stdout is not None
+        ready, _, _ = select.select([self.server.stdout], [], [], 240)
+        assert ready, f"the run {name} did not end in 240 s"
+        reply = self.server.stdout.readline()
+        assert reply, f"hf_trainer_run.py --serve ended: {self.server.wait(timeout=60)}"
+        return int(reply), (self.tmp / f"{name}.log").read_text()
 
 
 def start_ddp(out: Path, losses: Path, *flags: str) -> subprocess.Popen[str]:
@@ -84,23 +115,20 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_in_a_save_and_resumed_in_a_fresh_process_continues_bitwise(tmp_path):
-    reference_run = start(tmp_path / "ref", tmp_path / "ref.txt")  # alongside the others
-    try:
-        code, err = finish(start(tmp_path / "run", tmp_path / "killed.txt",
-                                 "--kill-in-save", "6"))
+    with Runs(tmp_path) as runs:
+        runs.start("ref", tmp_path / "ref", tmp_path / "ref.txt")  # alongside the others
+        runs.start("killed", tmp_path / "run", tmp_path / "killed.txt", "--kill-in-save", "6")
+        code, err = runs.finish("killed")
         assert code == -9, err[-3000:]
         ckpt6 = tmp_path / "run" / "checkpoint-6"
         assert (ckpt6 / "ckptio" / "manifest.json").exists()
         assert not (ckpt6 / "trainer_state.json").exists()
-        code, err = finish(start(tmp_path / "run", tmp_path / "resumed.txt", "--resume"))
+        runs.start("resumed", tmp_path / "run", tmp_path / "resumed.txt", "--resume")
+        code, err = runs.finish("resumed")
         assert code == 0, err[-3000:]
         assert f"passes over {ckpt6}" in err  # the incomplete newest one, then step 4
-        code, err = finish(reference_run)
+        code, err = runs.finish("ref")
         assert code == 0, err[-3000:]
-    finally:
-        if reference_run.poll() is None:
-            reference_run.kill()
-            reference_run.communicate()
 
     expected = read_losses(tmp_path / "ref.txt")
     assert sorted(expected) == list(range(1, 9))

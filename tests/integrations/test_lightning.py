@@ -2,7 +2,8 @@
 
 - A run killed with SIGKILL after a checkpoint committed, resumed in a fresh process from
   ``ckpt_path="last"`` and from an explicit path, continues with losses bitwise equal to an
-  uninterrupted run's (sync and async plugins; every run is its own process, run side by side);
+  uninterrupted run's (sync and async plugins; every run is its own process, run side by side,
+  forked from one that imported Lightning once: lightning_job.run_forked);
   a two-rank DDP run (gloo) resumes from a one-process checkpoint and saves from rank 0 alone.
 - ModelCheckpoint's top-k with a monitor keeps exactly the k best ckptio checkpoints on disk,
   its "last" link resolves, and removal leaves nothing half-deleted.
@@ -46,14 +47,17 @@ QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": 
          "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0}
 
 
-def _start(spec: dict[str, Any]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(JOB), json.dumps(spec)], cwd=ROOT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def _finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, tuple[int, str]]:
-    return {name: (proc.wait(timeout=240), proc.communicate()[0]) for name, proc in procs.items()}
+def _run_all(specs: dict[str, dict[str, Any]], logs: Path) -> dict[str, tuple[int, str]]:
+    """Every spec at once, each its own process forked from one that imported Lightning, torch
+    and ckptio (lightning_job.run_forked) -> {name: (exit code, output)}."""
+    logs.mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, str(JOB), "--forked", json.dumps(specs), str(logs)],
+                          cwd=ROOT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    codes = json.loads(done.stdout.splitlines()[-1])
+    assert set(codes) == set(specs), (codes, done.stderr[-3000:])
+    return {name: (codes[name], (logs / f"{name}.log").read_text()) for name in specs}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         spec[name].update(devices=2, plugin="async")
     spec["ddp-async"].update(kill_at=DDP_KILL_AT,
                              committed=str(base / "ddp-async" / "epoch=0-step=4.ckpt"))
-    killed = _finish({name: _start(s) for name, s in spec.items()})
+    killed = _run_all(spec, base / "logs")
     shutil.copytree(base / "sync", base / "sync-path", symlinks=True)
     shutil.copytree(base / "reference" / "epoch=1-step=16.ckpt", base / "from-1-process")
     resumes = {
@@ -87,7 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
     for name, s in resumes.items():
         s["losses"] = str(base / f"{name}.losses")
-    resumed = _finish({name: _start(s) for name, s in resumes.items()})
+    resumed = _run_all(resumes, base / "logs")
     return {"base": base, "exit": {**killed, **resumed},
             "losses": {name: read_losses(base / f"{name}.losses")
                        for name in [*spec, *resumes]}}
