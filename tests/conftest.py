@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import re
 import sys
 import shutil
 import tempfile
@@ -36,7 +37,8 @@ def pytest_configure(config: pytest.Config) -> None:
     root = os.path.dirname(HERE)
     for package in ("ckptio", "tests", "benchmarks", "examples"):
         if os.path.isdir(os.path.join(root, package)):
-            compileall.compile_dir(os.path.join(root, package), quiet=1)
+            compileall.compile_dir(os.path.join(root, package), quiet=1,
+                                   rx=re.compile(r"[/\\]fixtures[/\\]"))  # data, listed
 
 # 1 MiB buffers in a 4 MiB pool: a tensor of a few MiB crosses several buffer boundaries, so
 # save and load both exercise splitting one tensor over several buffers and reads.

@@ -60,6 +60,7 @@ def test_a_load_pins_the_pool_buffer_by_buffer_and_never_prefaults_it(
     ck = ckptio.Checkpointer(options)
     try:
         registrations.clear()
+        pinned_parts.clear()  # what the save pinned (the shared default Checkpointer's pool)
         dest = _state(0.0)
         ck.load(tmp_path / "ck", dest)
         assert all(torch.equal(dest[k], v) for k, v in _state(1.0).items())
