@@ -179,8 +179,7 @@ class ManagerParts:
         sizes listed here (``state``'s own sized only before a first step)."""
         first, tier = self._levels[0], self.tiers[0]
         directory = self._budget_dir
-        if directory is None:  # internal: _room_for calls it only for a budgeted tier
-            return
+        assert directory is not None  # internal: _room_for calls it only for a budgeted tier
         committed = first.scan()["committed"]
         if tier.max_bytes is None:  # only the newest step's size counts (check_budget)
             sizes = newest_size(first.path(s) for s in reversed(committed))
