@@ -728,5 +728,7 @@ def test_a_failed_save_keeps_its_files_when_the_manifest_cannot_be_read(tmp_path
     monkeypatch.setattr(LocalStore, "read_manifest", real)
     ck.close()
     assert torch.equal(ckptio.load(path)["w"], torch.ones(1000))
-    ckptio.save({"w": torch.full((1000,), 3.0)}, path)
+    final = ckptio.Checkpointer()
+    final.save({"w": torch.full((1000,), 3.0)}, path)
+    final.close()  # its removal of superseded files runs in the background: waited for here
     assert len(os.listdir(path)) == len(committed)  # the leftovers removed by the next save
