@@ -286,6 +286,23 @@ def group_destroyed(rank: int, world: int, base: str, disk: str,
     return {"error": error, "seconds": seconds, "status": mgr.status()[0]}
 
 
+def calls_after_destroy(rank: int, world: int, base: str, disk: str,
+                        spec: str) -> dict[str, Any]:
+    """One rank per host; step 1 protected; every rank destroys the process group (a loop's
+    recovery), then calls the old manager: steps(), restore(), close() -> each one's error
+    ("Type|message", "" for none) and seconds."""
+    import torch.distributed as dist
+
+    mgr, model, opt = _protected_step_1(rank, base, disk, spec, 10.0)
+    dist.destroy_process_group()
+    out: dict[str, Any] = {}
+    for name, call in (("steps", mgr.steps),
+                       ("restore", lambda: mgr.restore(_state(model, opt, 0))),
+                       ("close", mgr.close)):
+        out[name], out[f"{name}_seconds"] = _timed_error(call)
+    return out
+
+
 def steps_past_a_frozen_peer(rank: int, world: int, base: str, disk: str, spec: str,
                              peer_timeout_s: float) -> dict[str, Any]:
     """One rank per host; step 1 saved and protected; then the last rank freezes (SIGSTOP)

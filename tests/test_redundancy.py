@@ -25,6 +25,7 @@ from tests.redundancy_cases import (
     restore_rebuild_raises,
     host_dir,
     wipe_host,
+    calls_after_destroy,
     group_destroyed,
     peer_dies,
     replay,
@@ -580,6 +581,22 @@ def test_a_group_destroyed_during_the_protection_fails_close_with_a_ckpterror(ba
         assert "ValueError" in message and "Step 2 is not protected" in message, message
         assert got[rank]["seconds"] < 10, got[rank]
         assert got[rank]["status"]["protected"] == 1, got[rank]["status"]
+
+
+def test_the_old_manager_after_destroy_process_group_raises_only_ckpterrors(base, tmp_path):
+    """Partners(1) on 2 hosts, step 1 protected, then every rank destroys the process group (a
+    loop's in-process recovery, which then makes a new manager): the old manager's steps()
+    still lists (its own groups), restore() raises RankFailedError naming torch's error, close()
+    returns; no torch error escapes any of them, and none hangs."""
+    got = run_ranks(2, calls_after_destroy, base, str(tmp_path / "disk"), "partners-1",
+                    timeout_s=TIMEOUT, destroy=False)
+    for rank in (0, 1):
+        assert got[rank]["steps"] == "", (rank, got[rank]["steps"])
+        kind, _, message = got[rank]["restore"].partition("|")
+        assert kind == "RankFailedError", (rank, got[rank]["restore"])
+        assert "Default process group has not been initialized" in message, message
+        assert got[rank]["close"] == "", (rank, got[rank]["close"])
+        assert max(got[rank][f"{call}_seconds"] for call in ("steps", "restore", "close")) < 10
 
 
 def test_steps_with_a_frozen_peer_fail_naming_the_bound_within_peer_timeout_s(base, tmp_path):
