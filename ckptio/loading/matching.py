@@ -4,8 +4,9 @@ Every key rule of an in-place load is applied here, one function each. ``match``
 order: renamed optimizers (param_check.py: refused if strict, else mapped by name), lists
 replaced whole (state_keys.py), dense tensors only, which keys both hold, which the state
 ties, which are missing, created inside a Stateful (state_keys.py) or unexpected on this rank,
-each leaf's destination with its type, shape, meta and dtype rules (``_leaf``), a resized
-parameter's optimizer state. ``check_agreed``, once the unexpected keys are agreed (with peers:
+each leaf's destination with its type, shape, meta and dtype rules (``_leaf``: no inference
+or expanded tensor is written), keys the state ties that the checkpoint holds apart, a resized parameter's
+optimizer state. ``check_agreed``, once the unexpected keys are agreed (with peers:
 those no rank asks for, inside the read step, before any read): the strict key rule, the
 per-rank rules and the strict mismatch rule. The outcome is a ``Match``, which fill_plan.py
 turns into reads.
@@ -178,6 +179,37 @@ def _leaves(m: Match, flat: FlatState, cast: bool) -> None:
             m.problems[key] = got.why
             if got.resized:
                 m.resized.append(key)
+    _tied_apart(m, flat)
+
+
+def _tied_apart(m: Match, flat: FlatState) -> None:
+    """Keys the state ties (one tensor under two keys) that the checkpoint holds as two tensors
+    of different values (saved untied): loading both would leave the first key holding the
+    second's values, so neither is loaded (strict: refused)."""
+    first: dict[tuple[object, ...], Leaf] = {}
+    apart: set[str] = set()
+    for leaf in m.leaves:
+        v = _view(flat.leaves[leaf.key]) if isinstance(leaf.source, TensorSource) else None
+        if v is None:
+            continue
+        other = first.setdefault(v, leaf)
+        if other is leaf or _same_values(other.source, leaf.source):
+            continue
+        apart |= {leaf.key, other.key}
+        m.problems[leaf.key] = (
+            f"{leaf.key}: the state ties it to {other.key} (one tensor), while the checkpoint "
+            "holds different values for them (saved untied): loading both would leave one "
+            "holding the other's values; untie them in the state (or load one with keys=...)")
+    m.leaves = [leaf for leaf in m.leaves if leaf.key not in apart]
+
+
+def _same_values(a: TensorSource | ObjectEntry, b: TensorSource | ObjectEntry) -> bool:
+    """Whether two stored tensors hold the same values (the same entry, or equal checksums)."""
+    if a is b or not isinstance(a, TensorSource) or not isinstance(b, TensorSource):
+        return a is b
+    def sums(s: TensorSource) -> list[tuple[str, ...]]:
+        return sorted((repr(e.chunk), e.dtype, e.checksum, repr(e.order)) for e in s.entries)
+    return sums(a) == sums(b)
 
 
 def _leaf(key: str, flat: FlatState, source: TensorSource | ObjectEntry,
@@ -211,6 +243,14 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
         return _Mismatch(f"{key}: the state's tensor is on the meta device, with no storage to "
                          "load into; materialise the model first (model.to_empty(device=...)) "
                          "or build it on a real device")
+    if dest.is_inference():
+        return _Mismatch(f"{key}: the state's tensor was made under torch.inference_mode() and "
+                         "cannot be written by a load; build it outside inference_mode (or put "
+                         "a clone made outside it in the state)")
+    if any(stride == 0 and size > 1 for stride, size in zip(dest.stride(), dest.shape)):
+        return _Mismatch(f"{key}: the state's tensor is expanded (stride 0: several elements "
+                         "share one memory location), so it cannot hold the saved values; put "
+                         "t.clone() in the state instead")
     if dest.dtype == dtype or cast:
         return Leaf(key, source, region, cast=dest.dtype != dtype)
     return _Mismatch(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint (pass "
@@ -284,16 +324,18 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> tuple[str, .
     """Keys absent from the checkpoint whose destination is the very tensor of a key that is
     loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
     to the embedding): the load fills them, so they are not missing."""
-    def view(leaf: object) -> tuple[object, ...] | None:
-        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        t = cast(torch.Tensor, leaf)
-        if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
-            return None
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    loaded = {v for k in common if (v := _view(flat.leaves[k])) is not None}
+    return tuple(k for k in absent if (v := _view(flat.leaves[k])) is not None and v in loaded)
 
-    loaded = {v for k in common if (v := view(flat.leaves[k])) is not None}
-    return tuple(k for k in absent if (v := view(flat.leaves[k])) is not None and v in loaded)
+
+def _view(leaf: object) -> tuple[object, ...] | None:
+    """What makes two plain tensors one (their elements at the same place), or None."""
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    t = cast(torch.Tensor, leaf)
+    if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
