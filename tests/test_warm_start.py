@@ -298,3 +298,22 @@ def test_the_same_model_loads_exactly_with_no_warning(ckpt_dir: Path) -> None:
     for p, q in zip(new.parameters(), model.parameters()):
         assert torch.equal(p, q)
         assert all(torch.equal(new_opt.state[p][k], v) for k, v in opt.state[q].items())
+
+
+def test_regrouped_parameters_are_named_as_such(ckpt_dir: Path) -> None:
+    """The same parameters split into other param groups since the save (no bias decay, say):
+    the refusal says they were regrouped and how, not that the model changed with an empty
+    list of changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt}, ckpt_dir)
+    params = list(model.parameters())
+    regrouped = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}])
+    with pytest.raises(StateMismatchError, match=r"its parameters were regrouped or reordered since "
+                       r"the save \(the same parameters: saved as 1 param group\(s\) of \[4\], "
+                       r"now 2 of \[1, 3\]\)") as info:
+        ckptio.load(ckpt_dir, {"model": model, "optim": regrouped})
+    assert "()" not in str(info.value)

@@ -112,9 +112,15 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
         g = next((g for g, (a, b) in enumerate(zip(renamed.saved, renamed.wanted)) if a != b), 0)
         return _message(prefix, g, renamed.saved[g], renamed.wanted[g], sources) + (
             f"; if the model changed instead ({renamed.changes()}): {fixes[0].lower()}{fixes[1:]}")
-    return (f"key {prefix or '(the state)'!r}: the model's parameters changed since the save "
-            f"({renamed.changes()}), and this optimizer keys its state by parameter index: "
-            "loaded by index, parameters would get other parameters' state. " + fixes)
+    changes = renamed.changes()
+    what = (f"the model's parameters changed since the save ({changes})" if changes else
+            "its parameters were regrouped or reordered since the save (the same parameters: "
+            f"saved as {len(renamed.saved)} param group(s) of "
+            f"{[len(g) for g in renamed.saved]}, now {len(renamed.wanted)} of "
+            f"{[len(g) for g in renamed.wanted]})")
+    return (f"key {prefix or '(the state)'!r}: {what}, and this optimizer keys its state by "
+            "parameter index: loaded by index, parameters would get other parameters' state. "
+            + fixes)
 
 
 def _in_checkpoint(renamed: Renamed, sources: Sources, name: str) -> bool:
