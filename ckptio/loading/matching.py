@@ -247,7 +247,8 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
         return _Mismatch(f"{key}: the state's tensor was made under torch.inference_mode() and "
                          "cannot be written by a load; build it outside inference_mode (or put "
                          "a clone made outside it in the state)")
-    if any(stride == 0 and size > 1 for stride, size in zip(dest.stride(), dest.shape)):
+    if dest.numel() > 1 and any(stride == 0 and size > 1
+                                for stride, size in zip(dest.stride(), dest.shape)):
         return _Mismatch(f"{key}: the state's tensor is expanded (stride 0: several elements "
                          "share one memory location), so it cannot hold the saved values; put "
                          "t.clone() in the state instead")
