@@ -335,3 +335,22 @@ def test_inference_and_expanded_destinations_are_refused_by_name(tmp_path):
     with pytest.warns(UserWarning, match="expanded"):
         report = ckptio.load(tmp_path / "ck", {"w": torch.zeros(1).expand(3)}, strict=False)
     assert not report.loaded
+
+
+def test_keys_naming_nothing_is_refused_not_a_silent_empty_load(tmp_path):
+    """keys=["modle"] (a typo) selects nothing: a strict in-place load loaded nothing and said
+    nothing. It is refused naming the name and the checkpoint's top-level keys; strict=False
+    warns; a name the state holds but the checkpoint lacks is still a missing key."""
+    ckptio.save({"model": {"w": torch.ones(3)}, "step": 4}, tmp_path / "ck")
+    state = {"model": {"w": torch.zeros(3)}, "step": 0}
+    with pytest.raises(ckptio.StateMismatchError,
+                       match=r"keys=: \['modle'\] select\(s\) no key of the checkpoint or the state "
+                             r"\(the checkpoint's top-level keys: \['model', 'step'\]\)"):
+        ckptio.load(tmp_path / "ck", state, keys=["model", "modle"])
+    assert not state["model"]["w"].any()
+    with pytest.warns(UserWarning, match=r"\['modle'\] select"):
+        ckptio.load(tmp_path / "ck", state, keys="modle", strict=False)
+    with pytest.raises(ckptio.StateMismatchError, match=r"missing from the checkpoint \['ema.w'\]"):
+        ckptio.load(tmp_path / "ck", {**state, "ema": {"w": torch.zeros(3)}}, keys=["ema"])
+    report = ckptio.load(tmp_path / "ck", state, keys=["model.w"])
+    assert report.loaded == ("model.w",) and torch.equal(state["model"]["w"], torch.ones(3))

@@ -32,7 +32,8 @@ from ckptio.io.buffers import torch_dtype
 from ckptio.loading import param_check, state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
-from ckptio.loading.stored import KeyFilter, RankPolicy, Sources, TensorSource, selector
+from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
+                                   named_nothing, selector)
 from ckptio.planning.sharding import Held, check_dense, held
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
@@ -109,7 +110,10 @@ def match(record: Manifest, flat: FlatState, rules: Rules) -> Match:
     check_agreed."""
     chosen = selector(rules.keys)
     sources = Sources(record, rules.rank, rules.world_size, rules.per_rank_from)
+    unknown = named_nothing(rules.keys, sources.keys(), flat.leaves)
     m = Match(sources, _renamed(flat, sources, chosen, rules.strict))
+    if unknown:
+        _named_nothing(m, unknown, rules.strict)
     select = param_check.outside(chosen, m.renamed)  # those are loaded by name (by_name.py)
     created = _match_keys(m, flat, record.tree, select)
     _leaves(m, flat, rules.cast)
@@ -130,6 +134,18 @@ def check_agreed(m: Match, flat: FlatState, strict: bool, agreed: tuple[str, ...
     _absent(m, strict)
     _mismatched(m, strict)
     m.checked = True
+
+
+def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
+    """``keys=`` names that select no key of the checkpoint or the state: refused if strict
+    (a typo would load nothing and say nothing), else a warning."""
+    tops = sorted({k.split(".", 1)[0] for k in m.sources.keys() if not is_marker(k)})
+    message = (f"keys=: {unknown} select(s) no key of the checkpoint or the state (the "
+               f"checkpoint's top-level keys: {tops[:10]}{' ...' if len(tops) > 10 else ''}); "
+               "check the spelling")
+    if strict:
+        raise StateMismatchError(message)
+    m.warnings.append((f"strict=False: {message}", 5))
 
 
 def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
