@@ -317,3 +317,32 @@ def test_regrouped_parameters_are_named_as_such(ckpt_dir: Path) -> None:
                        r"now 2 of \[1, 3\]\)") as info:
         ckptio.load(ckpt_dir, {"model": model, "optim": regrouped})
     assert "()" not in str(info.value)
+
+
+def test_keys_that_differ_only_by_a_wrapper_say_so(ckpt_dir: Path) -> None:
+    """A model saved wrapped (DDP's ``module.``, torch.compile's ``_orig_mod.``) and loaded
+    unwrapped: every key differs, and strict=False (the fix the refusal used to suggest) would
+    load none of the model's tensors. The refusal names the wrapper and the fix instead, for
+    the model's keys and for its optimizer's; strict=False says why nothing was loaded."""
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckptio.save({"model": Wrapped(model), "optim": opt}, ckpt_dir)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    wrapper = r"The keys differ only by a wrapper \(saved with \['module'\], the state has none"
+    with pytest.raises(StateMismatchError, match=wrapper) as info:
+        ckptio.load(ckpt_dir, {"model": plain}, keys=["model"])
+    assert "Pass strict=False" not in str(info.value)
+    with pytest.raises(StateMismatchError, match=r"key 'optim': the model's parameters changed .*" + wrapper):
+        ckptio.load(ckpt_dir, {"model": plain, "optim": torch.optim.AdamW(plain.parameters())})
+    with pytest.warns(UserWarning, match=wrapper):
+        ckptio.load(ckpt_dir, {"model": plain}, keys=["model"], strict=False)
+    ckptio.load(ckpt_dir, {"model": Wrapped(plain), "optim": torch.optim.AdamW(plain.parameters())})
+    assert torch.equal(plain[0].weight, model[0].weight)

@@ -359,16 +359,19 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
     """The strict key rule: missing or unexpected keys refused; else warned about where the
     cause is likely a mistake (a fresh optimizer's state, an empty container)."""
     missing, unexpected = m.missing, m.unexpected
-    hint, lists_hint = _optimizer_hint(flat, unexpected), m.lists.hint()
+    hint = _optimizer_hint(flat, unexpected)
+    wrapped = "" if hint else state_keys.wrapper_hint(missing, unexpected)  # no fix by strict=False
+    lists_hint = m.lists.hint()
     if strict and (missing or unexpected):
         differ = "; ".join(f"{what} {_some_keys(keys)}" for what, keys in (
             ("missing from the checkpoint", missing), ("not in the state", unexpected)) if keys)
-        rest = " Otherwise pass" if hint or lists_hint else " Pass"
-        raise StateMismatchError(
-            f"state and checkpoint keys differ: {differ}.{hint}{lists_hint}{rest} "
-            "strict=False to load the keys both have, or keys=... to choose which to load")
-    if hint:
-        m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}", 3))
+        rest = "" if wrapped else (" Otherwise pass" if hint or lists_hint else " Pass") + (
+            " strict=False to load the keys both have, or keys=... to choose which to load")
+        raise StateMismatchError(f"state and checkpoint keys differ: {differ}.{hint}{wrapped}"
+                                 f"{lists_hint}{rest}")
+    if hint or wrapped:
+        m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
+                           f"{hint}{wrapped}", 3))
     elif unexpected and not set(flat.leaves) - set(missing):
         m.warnings.append((
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "

@@ -28,6 +28,7 @@ import torch
 from ckptio.errors import ManifestError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
+from ckptio.loading import state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.stored import Sources
 
@@ -118,9 +119,10 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
             f"saved as {len(renamed.saved)} param group(s) of "
             f"{[len(g) for g in renamed.saved]}, now {len(renamed.wanted)} of "
             f"{[len(g) for g in renamed.wanted]})")
+    wrapped = state_keys.wrapper_hint(renamed.added, renamed.removed)
     return (f"key {prefix or '(the state)'!r}: {what}, and this optimizer keys its state by "
-            "parameter index: loaded by index, parameters would get other parameters' state. "
-            + fixes)
+            "parameter index: loaded by index, parameters would get other parameters' state."
+            + (wrapped or " " + fixes))
 
 
 def _in_checkpoint(renamed: Renamed, sources: Sources, name: str) -> bool:
