@@ -317,6 +317,10 @@ def test_regrouped_parameters_are_named_as_such(ckpt_dir: Path) -> None:
                        r"now 2 of \[1, 3\]\)") as info:
         ckptio.load(ckpt_dir, {"model": model, "optim": regrouped})
     assert "()" not in str(info.value)
+    reordered = torch.optim.AdamW([*params[2:], *params[:2]])
+    with pytest.raises(StateMismatchError, match=r"its parameters were reordered since the save "
+                       r"\(the same parameters and groups, in another order"):
+        ckptio.load(ckpt_dir, {"model": model, "optim": reordered})
 
 
 def test_keys_that_differ_only_by_a_wrapper_say_so(ckpt_dir: Path) -> None:

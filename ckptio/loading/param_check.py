@@ -114,11 +114,13 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
         return _message(prefix, g, renamed.saved[g], renamed.wanted[g], sources) + (
             f"; if the model changed instead ({renamed.changes()}): {fixes[0].lower()}{fixes[1:]}")
     changes = renamed.changes()
+    sizes = [[len(g) for g in groups] for groups in (renamed.saved, renamed.wanted)]
     what = (f"the model's parameters changed since the save ({changes})" if changes else
+            "its parameters were reordered since the save (the same parameters and groups, in "
+            "another order: modules defined in another order?)" if sizes[0] == sizes[1] else
             "its parameters were regrouped or reordered since the save (the same parameters: "
-            f"saved as {len(renamed.saved)} param group(s) of "
-            f"{[len(g) for g in renamed.saved]}, now {len(renamed.wanted)} of "
-            f"{[len(g) for g in renamed.wanted]})")
+            f"saved as {len(sizes[0])} param group(s) of {sizes[0]}, now {len(sizes[1])} of "
+            f"{sizes[1]})")
     wrapped = state_keys.wrapper_hint(renamed.added, renamed.removed)
     return (f"key {prefix or '(the state)'!r}: {what}, and this optimizer keys its state by "
             "parameter index: loaded by index, parameters would get other parameters' state."
