@@ -53,7 +53,7 @@ def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool]) 
         while (got := _saved(sources, f"{base}.{len(saved)}.{param_names.KEY}")) is not None:
             saved.append([str(n) for n in got])
         if saved and saved != wanted:
-            out.append(_renamed(flat, sources, prefix, obj, saved, wanted))
+            out.append(_renamed(flat, sources, prefix, obj, saved, wanted, frozenset(names.values())))
     return out
 
 
@@ -75,7 +75,7 @@ def _selected(sources: Sources, prefix: str, select: Callable[[str], bool]) -> b
 
 
 def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Optimizer,
-             saved: list[list[str]], wanted: list[list[str]]) -> Renamed:
+             saved: list[list[str]], wanted: list[list[str]], in_model: frozenset[str]) -> Renamed:
     """What changed: each saved name's index, and the parameters whose model tensor (found in
     the state by storage) was saved with another shape."""
     index: dict[str, int] = {}
@@ -96,7 +96,7 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
         source = sources.tensors.get(sources.aliases.get(key, key))
         if name in index and source is not None and tuple(source.head.shape) != tuple(param.shape):
             reshaped[name] = (tuple(param.shape), tuple(source.head.shape))
-    return Renamed(prefix, opt, saved, wanted, index, reshaped, model)
+    return Renamed(prefix, opt, saved, wanted, index, reshaped, model, in_model)
 
 
 def refusal(renamed: Renamed, sources: Sources) -> str:
