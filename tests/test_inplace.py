@@ -283,3 +283,74 @@ def test_a_meta_destination_is_refused_not_skipped(tmp_path):
     with pytest.warns(UserWarning, match="meta device"):
         report = ckptio.load(tmp_path / "ck", {"w": model.weight.view(4)}, strict=False)
     assert not report.loaded and "meta device" in report.mismatched[0]
+
+
+def test_weights_tied_in_the_state_but_saved_apart_are_refused(tmp_path):
+    """A model that ties two weights (one tensor under two keys) cannot hold a checkpoint saved
+    untied, whose two tensors differ: filling both would leave the embedding holding the head's
+    values. A strict load refuses, naming both keys; strict=False leaves both as they were.
+    Saved tied (an alias), or untied with equal values, it loads."""
+    class Tied(torch.nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            if tied:
+                self.head.weight = self.emb.weight
+
+    apart = Tied(tied=False)
+    ckptio.save({"model": apart}, tmp_path / "apart")
+    model = Tied(tied=True)
+    before = model.emb.weight.detach().clone()
+    with pytest.raises(ckptio.StateMismatchError,
+                       match=r"model.head.weight: the state ties it to model.emb.weight"):
+        ckptio.load(tmp_path / "apart", {"model": model})
+    assert torch.equal(model.emb.weight, before)
+    with pytest.warns(UserWarning, match="ties it to"):
+        ckptio.load(tmp_path / "apart", {"model": model}, strict=False)
+    assert torch.equal(model.emb.weight, before)
+    source = Tied(tied=True)
+    ckptio.save({"model": source}, tmp_path / "tied")
+    ckptio.save({"model": {"emb.weight": source.emb.weight, "head.weight": source.emb.weight.detach().clone()}},
+                tmp_path / "equal")
+    for name in ("tied", "equal"):
+        fresh = Tied(tied=True)
+        ckptio.load(tmp_path / name, {"model": fresh})
+        assert torch.equal(fresh.head.weight, source.emb.weight), name
+
+
+def test_inference_and_expanded_destinations_are_refused_by_name(tmp_path):
+    """A tensor made under inference_mode, or an expanded one (stride 0), cannot be written by
+    a load: refused as a StateMismatchError naming the key and the fix, not a RuntimeError
+    from a copy on an I/O thread, inside inference_mode too."""
+    ckptio.save({"w": torch.arange(3.0)}, tmp_path / "ck")
+    with torch.inference_mode():
+        inference = torch.zeros(3)
+    with pytest.raises(ckptio.StateMismatchError, match="w: the state's tensor was made under torch.inference_mode"):
+        ckptio.load(tmp_path / "ck", {"w": inference})
+    with torch.inference_mode(), pytest.raises(ckptio.StateMismatchError, match="inference_mode"):
+        ckptio.load(tmp_path / "ck", {"w": inference})
+    with pytest.raises(ckptio.StateMismatchError, match=r"w: the state's tensor is expanded .*t.clone\(\)"):
+        ckptio.load(tmp_path / "ck", {"w": torch.zeros(1).expand(3)})
+    with pytest.warns(UserWarning, match="expanded"):
+        report = ckptio.load(tmp_path / "ck", {"w": torch.zeros(1).expand(3)}, strict=False)
+    assert not report.loaded
+
+
+def test_keys_naming_nothing_is_refused_not_a_silent_empty_load(tmp_path):
+    """keys=["modle"] (a typo) selects nothing: a strict in-place load loaded nothing and said
+    nothing. It is refused naming the name and the checkpoint's top-level keys; strict=False
+    warns; a name the state holds but the checkpoint lacks is still a missing key."""
+    ckptio.save({"model": {"w": torch.ones(3)}, "step": 4}, tmp_path / "ck")
+    state = {"model": {"w": torch.zeros(3)}, "step": 0}
+    with pytest.raises(ckptio.StateMismatchError,
+                       match=r"keys=: \['modle'\] select\(s\) no key of the checkpoint or the state "
+                             r"\(the checkpoint's top-level keys: \['model', 'step'\]\)"):
+        ckptio.load(tmp_path / "ck", state, keys=["model", "modle"])
+    assert not state["model"]["w"].any()
+    with pytest.warns(UserWarning, match=r"\['modle'\] select"):
+        ckptio.load(tmp_path / "ck", state, keys="modle", strict=False)
+    with pytest.raises(ckptio.StateMismatchError, match=r"missing from the checkpoint \['ema.w'\]"):
+        ckptio.load(tmp_path / "ck", {**state, "ema": {"w": torch.zeros(3)}}, keys=["ema"])
+    report = ckptio.load(tmp_path / "ck", state, keys=["model.w"])
+    assert report.loaded == ("model.w",) and torch.equal(state["model"]["w"], torch.ones(3))

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,11 +102,44 @@ def test_save_steps_latest_path_and_what_counts_as_a_step(tmp_path):
     with pytest.raises(CkptError, match="step 20 already has a committed checkpoint"):
         mgr.save(20, _state(99))
     assert ckptio.load(mgr.path(20))["step"] == 20
-    mgr.save(3, _state(3))
-    assert mgr.steps() == [0, 3, 10, 20] and mgr.incomplete() == []
+    with pytest.raises(CkptError, match=r"step 3 is older than the step\(s\) \[10, 20\] committed"):
+        mgr.save(3, _state(3))  # restore() would pass it over: test_a_rollback_...
+    (d / "step-30").mkdir()
+    (d / "step-30" / "data-0-r00000-0000.bin").write_bytes(b"partial")
+    mgr.save(30, _state(30))
+    assert mgr.steps() == [0, 10, 20, 30] and mgr.incomplete() == [3]
     mgr.close()
-    assert set(os.listdir(d)) == {"step-0", "step-10", "step-15", "step-20", "step-3",
+    assert set(os.listdir(d)) == {"step-0", "step-10", "step-15", "step-20", "step-3", "step-30",
                                   "step-4.tmp", "step-5", "step-007", "step-x", "steps"}
+
+
+def test_a_rollback_refuses_saves_below_the_steps_it_left(tmp_path):
+    """restore(state, step=N) below newer committed steps (a rollback past a loss spike), then
+    save(N + 1): refused, naming the newer steps and the fix. Saved, keep_last would drop it at
+    once (it keeps the newest) and a restart would resume from the abandoned run's newest step,
+    silently. Once they are removed the saves go on; steps a restore passed over as damaged
+    do not count."""
+    d = tmp_path / "run"
+    with _manager(d, keep_last=5) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, _state(step))
+    with _manager(d, keep_last=2) as mgr:
+        assert mgr.restore(_blank(), step=20) == 20
+        with pytest.raises(CkptError, match=r"step 21 is older than the step\(s\) \[30, 40\] "
+                           r"committed in .*a restart would resume from step 40.*remove the newer"):
+            mgr.save(21, _state(21))
+        assert mgr.steps() == [10, 20, 30, 40]
+        for step in (30, 40):
+            shutil.rmtree(mgr.path(step))
+        mgr.save(21, _state(21))
+        mgr.save(22, _state(22))
+        assert mgr.steps() == [20, 21, 22]  # 20: restored last
+    _flip_tensor_byte(os.path.join(d, "step-22"))
+    with _manager(d, keep_last=2) as mgr, pytest.warns(UserWarning, match="not a newer one"):
+        assert mgr.restore(_blank()) == 21
+        mgr.save(22, _state(22))  # replaces the damaged step 22
+        mgr.save(23, _state(23))
+        assert mgr.steps() == [21, 22, 23]  # 21: restored last
 
 
 def test_interval_policy_and_force(tmp_path):

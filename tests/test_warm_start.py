@@ -276,7 +276,8 @@ def test_an_optimizer_over_fewer_parameters_loads_with_keys_model(ckpt_dir: Path
     new = Net()
     new_opt = torch.optim.AdamW([p for n, p in new.named_parameters() if not n.startswith("inp")])
     state = {"model": new, "optim": new_opt}
-    with pytest.raises(StateMismatchError, match=r"removed \['inp\.weight', 'inp\.bias'\]"):
+    with pytest.raises(StateMismatchError, match=r"\(in the model but no longer optimized "
+                       r"\(frozen\?\) \['inp\.weight', 'inp\.bias'\]\)"):  # not "removed"
         ckptio.load(ckpt_dir, state)
     report = ckptio.load(ckpt_dir, state, keys=["model"])
     assert report.missing == () and not new_opt.state
@@ -298,3 +299,55 @@ def test_the_same_model_loads_exactly_with_no_warning(ckpt_dir: Path) -> None:
     for p, q in zip(new.parameters(), model.parameters()):
         assert torch.equal(p, q)
         assert all(torch.equal(new_opt.state[p][k], v) for k, v in opt.state[q].items())
+
+
+def test_regrouped_parameters_are_named_as_such(ckpt_dir: Path) -> None:
+    """The same parameters split into other param groups since the save (no bias decay, say):
+    the refusal says they were regrouped and how, not that the model changed with an empty
+    list of changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckptio.save({"model": model, "optim": opt}, ckpt_dir)
+    params = list(model.parameters())
+    regrouped = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}])
+    with pytest.raises(StateMismatchError, match=r"its parameters were regrouped or reordered since "
+                       r"the save \(the same parameters: saved as 1 param group\(s\) of \[4\], "
+                       r"now 2 of \[1, 3\]\)") as info:
+        ckptio.load(ckpt_dir, {"model": model, "optim": regrouped})
+    assert "()" not in str(info.value)
+    reordered = torch.optim.AdamW([*params[2:], *params[:2]])
+    with pytest.raises(StateMismatchError, match=r"its parameters were reordered since the save "
+                       r"\(the same parameters and groups, in another order"):
+        ckptio.load(ckpt_dir, {"model": model, "optim": reordered})
+
+
+def test_keys_that_differ_only_by_a_wrapper_say_so(ckpt_dir: Path) -> None:
+    """A model saved wrapped (DDP's ``module.``, torch.compile's ``_orig_mod.``) and loaded
+    unwrapped: every key differs, and strict=False (the fix the refusal used to suggest) would
+    load none of the model's tensors. The refusal names the wrapper and the fix instead, for
+    the model's keys and for its optimizer's; strict=False says why nothing was loaded."""
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckptio.save({"model": Wrapped(model), "optim": opt}, ckpt_dir)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    wrapper = r"The keys differ only by a wrapper \(saved with \['module'\], the state has none"
+    with pytest.raises(StateMismatchError, match=wrapper) as info:
+        ckptio.load(ckpt_dir, {"model": plain}, keys=["model"])
+    assert "Pass strict=False" not in str(info.value)
+    with pytest.raises(StateMismatchError, match=r"key 'optim': the model's parameters changed .*" + wrapper):
+        ckptio.load(ckpt_dir, {"model": plain, "optim": torch.optim.AdamW(plain.parameters())})
+    with pytest.warns(UserWarning, match=wrapper):
+        ckptio.load(ckpt_dir, {"model": plain}, keys=["model"], strict=False)
+    ckptio.load(ckpt_dir, {"model": Wrapped(plain), "optim": torch.optim.AdamW(plain.parameters())})
+    assert torch.equal(plain[0].weight, model[0].weight)

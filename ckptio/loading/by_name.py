@@ -41,7 +41,8 @@ class Renamed:
     from those its state was saved for. ``saved``/``wanted``: each param group's names, saved
     and now; ``saved_index``: name -> its index in the saved state; ``reshaped``: name ->
     (shape now, shape saved) of a parameter whose model tensor changed shape; ``model``: the
-    key prefix of the model holding its parameters, if found."""
+    key prefix of the model holding its parameters, if found; ``in_model``: the names of the
+    state's modules' parameters (a removed name among them left the optimizer only)."""
 
     prefix: str
     optimizer: torch.optim.Optimizer
@@ -50,6 +51,7 @@ class Renamed:
     saved_index: dict[str, int]
     reshaped: dict[str, tuple[Shape, Shape]] = field(default_factory=dict)
     model: str | None = None
+    in_model: frozenset[str] = frozenset()  # the names of the state's modules' parameters
 
     @property
     def added(self) -> list[str]:
@@ -70,8 +72,10 @@ class Renamed:
 
     def changes(self) -> str:
         """"added [...]; removed [...]; reshaped [...]" (the non-empty ones)."""
+        out = [n for n in self.removed if n in self.in_model]  # frozen, or left out of it
         parts = [f"{what} {_some(names)}" for what, names in (
-            ("added", self.added), ("removed", self.removed)) if names]
+            ("added", self.added), ("removed", [n for n in self.removed if n not in out]),
+            ("in the model but no longer optimized (frozen?)", out)) if names]
         if self.reshaped:
             parts.append("reshaped " + ", ".join(f"{n} {now}, saved {was}"
                                                   for n, (now, was) in self.reshaped.items()))

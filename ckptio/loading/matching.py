@@ -4,8 +4,9 @@ Every key rule of an in-place load is applied here, one function each. ``match``
 order: renamed optimizers (param_check.py: refused if strict, else mapped by name), lists
 replaced whole (state_keys.py), dense tensors only, which keys both hold, which the state
 ties, which are missing, created inside a Stateful (state_keys.py) or unexpected on this rank,
-each leaf's destination with its type, shape, meta and dtype rules (``_leaf``), a resized
-parameter's optimizer state. ``check_agreed``, once the unexpected keys are agreed (with peers:
+each leaf's destination with its type, shape, meta and dtype rules (``_leaf``: no inference
+or expanded tensor is written), keys the state ties that the checkpoint holds apart, a resized parameter's
+optimizer state. ``check_agreed``, once the unexpected keys are agreed (with peers:
 those no rank asks for, inside the read step, before any read): the strict key rule, the
 per-rank rules and the strict mismatch rule. The outcome is a ``Match``, which fill_plan.py
 turns into reads.
@@ -31,7 +32,8 @@ from ckptio.io.buffers import torch_dtype
 from ckptio.loading import param_check, state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
-from ckptio.loading.stored import KeyFilter, RankPolicy, Sources, TensorSource, selector
+from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
+                                   named_nothing, selector)
 from ckptio.planning.sharding import Held, check_dense, held
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
@@ -108,7 +110,10 @@ def match(record: Manifest, flat: FlatState, rules: Rules) -> Match:
     check_agreed."""
     chosen = selector(rules.keys)
     sources = Sources(record, rules.rank, rules.world_size, rules.per_rank_from)
+    unknown = named_nothing(rules.keys, sources.keys(), flat.leaves)
     m = Match(sources, _renamed(flat, sources, chosen, rules.strict))
+    if unknown:
+        _named_nothing(m, unknown, rules.strict)
     select = param_check.outside(chosen, m.renamed)  # those are loaded by name (by_name.py)
     created = _match_keys(m, flat, record.tree, select)
     _leaves(m, flat, rules.cast)
@@ -129,6 +134,18 @@ def check_agreed(m: Match, flat: FlatState, strict: bool, agreed: tuple[str, ...
     _absent(m, strict)
     _mismatched(m, strict)
     m.checked = True
+
+
+def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
+    """``keys=`` names that select no key of the checkpoint or the state: refused if strict
+    (a typo would load nothing and say nothing), else a warning."""
+    tops = sorted({k.split(".", 1)[0] for k in m.sources.keys() if not is_marker(k)})
+    message = (f"keys=: {unknown} select(s) no key of the checkpoint or the state (the "
+               f"checkpoint's top-level keys: {tops[:10]}{' ...' if len(tops) > 10 else ''}); "
+               "check the spelling")
+    if strict:
+        raise StateMismatchError(message)
+    m.warnings.append((f"strict=False: {message}", 5))
 
 
 def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
@@ -178,6 +195,37 @@ def _leaves(m: Match, flat: FlatState, cast: bool) -> None:
             m.problems[key] = got.why
             if got.resized:
                 m.resized.append(key)
+    _tied_apart(m, flat)
+
+
+def _tied_apart(m: Match, flat: FlatState) -> None:
+    """Keys the state ties (one tensor under two keys) that the checkpoint holds as two tensors
+    of different values (saved untied): loading both would leave the first key holding the
+    second's values, so neither is loaded (strict: refused)."""
+    first: dict[tuple[object, ...], Leaf] = {}
+    apart: set[str] = set()
+    for leaf in m.leaves:
+        v = _view(flat.leaves[leaf.key]) if isinstance(leaf.source, TensorSource) else None
+        if v is None:
+            continue
+        other = first.setdefault(v, leaf)
+        if other is leaf or _same_values(other.source, leaf.source):
+            continue
+        apart |= {leaf.key, other.key}
+        m.problems[leaf.key] = (
+            f"{leaf.key}: the state ties it to {other.key} (one tensor), while the checkpoint "
+            "holds different values for them (saved untied): loading both would leave one "
+            "holding the other's values; untie them in the state (or load one with keys=...)")
+    m.leaves = [leaf for leaf in m.leaves if leaf.key not in apart]
+
+
+def _same_values(a: TensorSource | ObjectEntry, b: TensorSource | ObjectEntry) -> bool:
+    """Whether two stored tensors hold the same values (the same entry, or equal checksums)."""
+    if a is b or not isinstance(a, TensorSource) or not isinstance(b, TensorSource):
+        return a is b
+    def sums(s: TensorSource) -> list[tuple[str, ...]]:
+        return sorted((repr(e.chunk), e.dtype, e.checksum, repr(e.order)) for e in s.entries)
+    return sums(a) == sums(b)
 
 
 def _leaf(key: str, flat: FlatState, source: TensorSource | ObjectEntry,
@@ -211,6 +259,15 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
         return _Mismatch(f"{key}: the state's tensor is on the meta device, with no storage to "
                          "load into; materialise the model first (model.to_empty(device=...)) "
                          "or build it on a real device")
+    if dest.is_inference():
+        return _Mismatch(f"{key}: the state's tensor was made under torch.inference_mode() and "
+                         "cannot be written by a load; build it outside inference_mode (or put "
+                         "a clone made outside it in the state)")
+    if dest.numel() > 1 and any(stride == 0 and size > 1
+                                for stride, size in zip(dest.stride(), dest.shape)):
+        return _Mismatch(f"{key}: the state's tensor is expanded (stride 0: several elements "
+                         "share one memory location), so it cannot hold the saved values; put "
+                         "t.clone() in the state instead")
     if dest.dtype == dtype or cast:
         return Leaf(key, source, region, cast=dest.dtype != dtype)
     return _Mismatch(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint (pass "
@@ -284,32 +341,37 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> tuple[str, .
     """Keys absent from the checkpoint whose destination is the very tensor of a key that is
     loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
     to the embedding): the load fills them, so they are not missing."""
-    def view(leaf: object) -> tuple[object, ...] | None:
-        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        t = cast(torch.Tensor, leaf)
-        if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
-            return None
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    loaded = {v for k in common if (v := _view(flat.leaves[k])) is not None}
+    return tuple(k for k in absent if (v := _view(flat.leaves[k])) is not None and v in loaded)
 
-    loaded = {v for k in common if (v := view(flat.leaves[k])) is not None}
-    return tuple(k for k in absent if (v := view(flat.leaves[k])) is not None and v in loaded)
+
+def _view(leaf: object) -> tuple[object, ...] | None:
+    """What makes two plain tensors one (their elements at the same place), or None."""
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    t = cast(torch.Tensor, leaf)
+    if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
     """The strict key rule: missing or unexpected keys refused; else warned about where the
     cause is likely a mistake (a fresh optimizer's state, an empty container)."""
     missing, unexpected = m.missing, m.unexpected
-    hint, lists_hint = _optimizer_hint(flat, unexpected), m.lists.hint()
+    hint = _optimizer_hint(flat, unexpected)
+    wrapped = "" if hint else state_keys.wrapper_hint(missing, unexpected)  # no fix by strict=False
+    lists_hint = m.lists.hint()
     if strict and (missing or unexpected):
         differ = "; ".join(f"{what} {_some_keys(keys)}" for what, keys in (
             ("missing from the checkpoint", missing), ("not in the state", unexpected)) if keys)
-        rest = " Otherwise pass" if hint or lists_hint else " Pass"
-        raise StateMismatchError(
-            f"state and checkpoint keys differ: {differ}.{hint}{lists_hint}{rest} "
-            "strict=False to load the keys both have, or keys=... to choose which to load")
-    if hint:
-        m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded.{hint}", 3))
+        rest = "" if wrapped else (" Otherwise pass" if hint or lists_hint else " Pass") + (
+            " strict=False to load the keys both have, or keys=... to choose which to load")
+        raise StateMismatchError(f"state and checkpoint keys differ: {differ}.{hint}{wrapped}"
+                                 f"{lists_hint}{rest}")
+    if hint or wrapped:
+        m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
+                           f"{hint}{wrapped}", 3))
     elif unexpected and not set(flat.leaves) - set(missing):
         m.warnings.append((
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "

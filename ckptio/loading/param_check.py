@@ -28,6 +28,7 @@ import torch
 from ckptio.errors import ManifestError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
+from ckptio.loading import state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.stored import Sources
 
@@ -52,7 +53,7 @@ def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool]) 
         while (got := _saved(sources, f"{base}.{len(saved)}.{param_names.KEY}")) is not None:
             saved.append([str(n) for n in got])
         if saved and saved != wanted:
-            out.append(_renamed(flat, sources, prefix, obj, saved, wanted))
+            out.append(_renamed(flat, sources, prefix, obj, saved, wanted, frozenset(names.values())))
     return out
 
 
@@ -74,7 +75,7 @@ def _selected(sources: Sources, prefix: str, select: Callable[[str], bool]) -> b
 
 
 def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Optimizer,
-             saved: list[list[str]], wanted: list[list[str]]) -> Renamed:
+             saved: list[list[str]], wanted: list[list[str]], in_model: frozenset[str]) -> Renamed:
     """What changed: each saved name's index, and the parameters whose model tensor (found in
     the state by storage) was saved with another shape."""
     index: dict[str, int] = {}
@@ -95,7 +96,7 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
         source = sources.tensors.get(sources.aliases.get(key, key))
         if name in index and source is not None and tuple(source.head.shape) != tuple(param.shape):
             reshaped[name] = (tuple(param.shape), tuple(source.head.shape))
-    return Renamed(prefix, opt, saved, wanted, index, reshaped, model)
+    return Renamed(prefix, opt, saved, wanted, index, reshaped, model, in_model)
 
 
 def refusal(renamed: Renamed, sources: Sources) -> str:
@@ -112,9 +113,18 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
         g = next((g for g, (a, b) in enumerate(zip(renamed.saved, renamed.wanted)) if a != b), 0)
         return _message(prefix, g, renamed.saved[g], renamed.wanted[g], sources) + (
             f"; if the model changed instead ({renamed.changes()}): {fixes[0].lower()}{fixes[1:]}")
-    return (f"key {prefix or '(the state)'!r}: the model's parameters changed since the save "
-            f"({renamed.changes()}), and this optimizer keys its state by parameter index: "
-            "loaded by index, parameters would get other parameters' state. " + fixes)
+    changes = renamed.changes()
+    sizes = [[len(g) for g in groups] for groups in (renamed.saved, renamed.wanted)]
+    what = (f"the model's parameters changed since the save ({changes})" if changes else
+            "its parameters were reordered since the save (the same parameters and groups, in "
+            "another order: modules defined in another order?)" if sizes[0] == sizes[1] else
+            "its parameters were regrouped or reordered since the save (the same parameters: "
+            f"saved as {len(sizes[0])} param group(s) of {sizes[0]}, now {len(sizes[1])} of "
+            f"{sizes[1]})")
+    wrapped = state_keys.wrapper_hint(renamed.added, renamed.removed)
+    return (f"key {prefix or '(the state)'!r}: {what}, and this optimizer keys its state by "
+            "parameter index: loaded by index, parameters would get other parameters' state."
+            + (wrapped or " " + fixes))
 
 
 def _in_checkpoint(renamed: Renamed, sources: Sources, name: str) -> bool:

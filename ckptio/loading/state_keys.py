@@ -6,9 +6,12 @@ must match (``Lists.hint`` explains the mismatch). A checkpoint key the state la
 where it falls inside a Stateful other than a module (``creatable``: a fresh optimizer's
 per-parameter state), as far as the Stateful's ``ckptio_creates`` accepts.
 
+``wrapper_hint``: keys that differ only by a wrapper's name (torch.compile's ``_orig_mod``,
+DDP's ``module``), for the messages of the strict key rule and param_check.refusal.
+
 Call order: matching.py (the match stage) and resolve_regular.py (which chunks to read) ask
 these before any read; merge.put_back fills the lists and inserts the created keys after.
-Owns: these two rules. Does not own: the other key rules (matching.py), putting back (merge.py).
+Owns: these two rules and that hint. Does not own: the other key rules (matching.py), putting back (merge.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from ckptio.format.types import Json
 from ckptio.loading.tree_nodes import children, join, leaf_keys, unwrap
 from ckptio.planning.sharding import FlatShard, TensorShard
 
-__all__ = ["Lists", "creatable", "under", "whole_lists"]
+__all__ = ["Lists", "creatable", "under", "whole_lists", "wrapper_hint"]
+
+_WRAPPERS = ("_orig_mod", "module")  # torch.compile's OptimizedModule, DDP / DataParallel
 
 
 def creatable(flat: FlatState) -> Callable[[str], bool]:
@@ -130,3 +135,20 @@ def under(prefixes: Mapping[str, Json]) -> Callable[[str], bool]:
         return lambda _key: True
     dotted = tuple(p + "." for p in prefixes)
     return lambda key: key in prefixes or key.startswith(dotted)
+
+
+def wrapper_hint(ours: Iterable[str], theirs: Iterable[str]) -> str:
+    """A sentence for keys ``ours`` (the state's) and ``theirs`` (the checkpoint's) that are
+    the same once a wrapper's part (``_orig_mod``, ``module``) is left out; else ''."""
+    def bare(keys: Iterable[str]) -> set[str]:
+        return {".".join(p for p in k.split(".") if p not in _WRAPPERS) for k in keys}
+
+    ours, theirs = list(ours), list(theirs)
+    if not ours or not theirs or bare(ours) != bare(theirs):
+        return ""
+    saved = {p for k in theirs for p in k.split(".")} & set(_WRAPPERS)
+    now = {p for k in ours for p in k.split(".")} & set(_WRAPPERS)
+    return (f" The keys differ only by a wrapper (saved with {sorted(saved) or 'none'}, the "
+            f"state has {sorted(now) or 'none'}: torch.compile adds '_orig_mod', DDP "
+            "'module'): load into the model wrapped as it was when saved (or unwrap it on both "
+            "sides: model._orig_mod, model.module); strict=False would load none of them.")

@@ -25,8 +25,8 @@ from ckptio.format import values
 from ckptio.format.types import Manifest, ObjectEntry, TensorEntry
 from ckptio.loading.foreign_common import unpicklable
 
-__all__ = ["KeyFilter", "RankPolicy", "Sources", "TensorSource", "decode_object", "refuse_pickles",
-           "selector", "source_rank", "stored_value"]
+__all__ = ["KeyFilter", "RankPolicy", "Sources", "TensorSource", "decode_object", "named_nothing",
+           "refuse_pickles", "selector", "source_rank", "stored_value"]
 
 KeyFilter = None | str | Iterable[str] | Callable[[str], bool]
 RankPolicy = None | int | Mapping[int, int] | Callable[[int], int]
@@ -41,6 +41,15 @@ def selector(keys: KeyFilter) -> Callable[[str], bool]:
         return keys
     wanted = (keys,) if isinstance(keys, str) else tuple(keys)
     return lambda k: any(k == w or k.startswith(w + ".") for w in wanted)
+
+
+def named_nothing(keys: KeyFilter, *key_sets: Iterable[str]) -> list[str]:
+    """The names in ``keys=`` (not a callable) that select no key of ``key_sets``: a typo."""
+    if keys is None or callable(keys):
+        return []
+    names = (keys,) if isinstance(keys, str) else tuple(keys)
+    known = [k for ks in key_sets for k in ks]
+    return [w for w in names if not any(k == w or k.startswith(w + ".") for k in known)]
 
 
 @dataclass(frozen=True)

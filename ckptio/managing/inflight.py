@@ -38,6 +38,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._pending: _Pending | None = None
+        self._above: int | None = None  # the first tier held no undamaged step above this one
 
     def base_in_flight(self) -> set[int]:
         """The base of the delta save in flight: retention keeps it."""
@@ -49,16 +50,37 @@ class InFlight:
         """Rank 0: why ``step`` may not be saved into ``level`` now, or None; a CkptError for
         bad metrics or metadata. Finishes a removal of ``step`` still pending there first. A
         committed step is never saved over, except one a load found damaged (the atomic commit
-        replaces it safely)."""
+        replaces it safely), nor a step older than an undamaged committed one (a rollback)."""
         stepmeta.encode(metrics, metadata)
         path, pending = level.path(step), self._pending
         if pending is not None and pending.step == step and not pending.handle.done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
         level.finish_removal(step)
-        if level.is_damaged(step) or not level.is_committed(step):
+        if level.is_committed(step) and not level.is_damaged(step):
+            return (f"step {step} already has a committed checkpoint at {path}; steps are never "
+                    f"saved over: save under another step number, or remove {path} first to "
+                    "replace it")
+        newer = self._newer(level, step)
+        if not newer:
             return None
-        return (f"step {step} already has a committed checkpoint at {path}; steps are never saved "
-                f"over: save under another step number, or remove {path} first to replace it")
+        return (f"step {step} is older than the step(s) {newer[:10]} committed in "
+                f"{level.directory}: restore() resumes from the newest step and retention keeps "
+                f"the newest, so this save would be dropped or passed over, and a restart would "
+                f"resume from step {newer[-1]}. After a rollback (restore(state, step=N)), remove "
+                "the newer steps first (they belong to the run rolled back from), or save under "
+                f"step numbers above {newer[-1]}")
+
+    def _newer(self, level: TierSteps, step: int) -> list[int]:
+        """The first tier's undamaged committed steps above ``step``, ascending: listed at a
+        manager's first save and for a step not above the last one checked (after that, only
+        this manager commits there: the run's lease)."""
+        if self._above is not None and step > self._above:
+            self._above = step
+            return []
+        newer = [s for s in level.scan()["committed"] if s > step and not level.is_damaged(s)]
+        if not newer:
+            self._above = step
+        return newer
 
     def save(self, ck: Checkpointer, step: int, path: str, state: Any,
              kwargs: dict[str, Any]) -> tuple[SaveResult, list[int]]:
