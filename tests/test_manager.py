@@ -102,7 +102,7 @@ def test_save_steps_latest_path_and_what_counts_as_a_step(tmp_path):
     with pytest.raises(CkptError, match="step 20 already has a committed checkpoint"):
         mgr.save(20, _state(99))
     assert ckptio.load(mgr.path(20))["step"] == 20
-    with pytest.raises(CkptError, match=r"step 3 is older than the step\(s\) \[10, 20\] committed"):
+    with pytest.raises(CkptError, match=r"step 3 is older than step\(s\) committed before it: \[10, 20\] in "):
         mgr.save(3, _state(3))  # restore() would pass it over: test_a_rollback_...
     (d / "step-30").mkdir()
     (d / "step-30" / "data-0-r00000-0000.bin").write_bytes(b"partial")
@@ -125,8 +125,8 @@ def test_a_rollback_refuses_saves_below_the_steps_it_left(tmp_path):
             mgr.save(step, _state(step))
     with _manager(d, keep_last=2) as mgr:
         assert mgr.restore(_blank(), step=20) == 20
-        with pytest.raises(CkptError, match=r"step 21 is older than the step\(s\) \[30, 40\] "
-                           r"committed in .*a restart would resume from step 40.*remove the newer"):
+        with pytest.raises(CkptError, match=r"step 21 is older than step\(s\) committed before it: "
+                           r"\[30, 40\] in .*a restart would resume from step 40.*remove those newer"):
             mgr.save(21, _state(21))
         assert mgr.steps() == [10, 20, 30, 40]
         for step in (30, 40):

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -122,6 +123,24 @@ def _train_and_save(mgr: Any, steps: range, model: torch.nn.Module,
 def _tiered(*tiers: Tier, **kwargs: Any) -> Any:
     return ckptio.CheckpointManager(tiers=list(tiers), options=OPTS, **kwargs)
 
+
+
+def test_a_rollback_from_the_disk_tier_refuses_saves_below_its_newer_steps(tmp_path, shm):
+    """Memory tier first, disk tier second (the memory is empty after a restart): restore(state,
+    step=20) from the disk, where 30 and 40 are committed, then save(21). Refused, naming the
+    disk tier's newer steps: drained, the disk's keep_last would drop step 21 at once and a
+    restart would resume from step 40, silently (the first tier alone holds nothing newer)."""
+    disk = str(tmp_path / "disk")
+    with _tiered(Tier(disk, keep_last=None)) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    state = {"w": torch.zeros(64), "step": -1}
+    with _tiered(Tier("shm://roll", keep_last=2), Tier(disk, every=1, keep_last=2)) as mgr:
+        assert mgr.restore(state, step=20) == 20 and state["step"] == 20
+        with pytest.raises(CkptError, match=r"step 21 is older than step\(s\) committed before "
+                           rf"it: \[30, 40\] in {re.escape(disk)}\..*resume from step 40"):
+            mgr.save(21, {"w": torch.full((64,), 21.0), "step": 21})
+        assert _steps_in(disk) == [10, 20, 30, 40]
 
 def _steps_in(directory: str) -> list[int]:
     """Steps with a committed manifest in a local tier directory."""

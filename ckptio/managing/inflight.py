@@ -13,17 +13,20 @@ own: saving (api.Checkpointer), retention (level.py), the followers (managing/ma
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
-from ckptio.errors import SaveTimeoutError, restated
+from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.managing.level import TierSteps
 from ckptio.saving.handle import SaveHandle, SaveResult
 
 __all__ = ["InFlight"]
+
+log = logging.getLogger("ckptio")
 
 
 @dataclass(frozen=True)
@@ -38,20 +41,23 @@ class InFlight:
 
     def __init__(self) -> None:
         self._pending: _Pending | None = None
-        self._above: int | None = None  # the first tier held no undamaged step above this one
+        self._above: int | None = None  # no tier held an undamaged step above this one
 
     def base_in_flight(self) -> set[int]:
         """The base of the delta save in flight: retention keeps it."""
         pending = self._pending
         return set() if pending is None or pending.base is None else {pending.base}
 
-    def refusal(self, level: TierSteps, step: int, metrics: Mapping[str, Any] | None,
+    def refusal(self, levels: Sequence[TierSteps], step: int,
+                metrics: Mapping[str, Any] | None,
                 metadata: Mapping[str, Any] | None) -> str | None:
-        """Rank 0: why ``step`` may not be saved into ``level`` now, or None; a CkptError for
-        bad metrics or metadata. Finishes a removal of ``step`` still pending there first. A
-        committed step is never saved over, except one a load found damaged (the atomic commit
-        replaces it safely), nor a step older than an undamaged committed one (a rollback)."""
+        """Rank 0: why ``step`` may not be saved into the first of ``levels`` (the manager's
+        tiers) now, or None; a CkptError for bad metrics or metadata. Finishes a removal of
+        ``step`` still pending there first. A committed step is never saved over, except one a
+        load found damaged (the atomic commit replaces it safely), nor a step older than an
+        undamaged committed one of any tier (a rollback)."""
         stepmeta.encode(metrics, metadata)
+        level = levels[0]
         path, pending = level.path(step), self._pending
         if pending is not None and pending.step == step and not pending.handle.done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
@@ -60,24 +66,39 @@ class InFlight:
             return (f"step {step} already has a committed checkpoint at {path}; steps are never "
                     f"saved over: save under another step number, or remove {path} first to "
                     "replace it")
-        newer = self._newer(level, step)
+        newer = self._newer(levels, step)
         if not newer:
             return None
-        return (f"step {step} is older than the step(s) {newer[:10]} committed in "
-                f"{level.directory}: restore() resumes from the newest step and retention keeps "
-                f"the newest, so this save would be dropped or passed over, and a restart would "
-                f"resume from step {newer[-1]}. After a rollback (restore(state, step=N)), remove "
-                "the newer steps first (they belong to the run rolled back from), or save under "
-                f"step numbers above {newer[-1]}")
+        where = "; ".join(f"{steps[:10]} in {tier}" for tier, steps in newer.items())
+        last = max(s for steps in newer.values() for s in steps)
+        return (f"step {step} is older than step(s) committed before it: {where}. restore() "
+                "resumes from the newest step and retention keeps the newest, so this save "
+                "would be dropped or passed over, and a restart would resume from step "
+                f"{last}. After a rollback (restore(state, step=N)), remove those newer steps "
+                "first (they belong to the run rolled back from), or save under step numbers "
+                f"above {last}")
 
-    def _newer(self, level: TierSteps, step: int) -> list[int]:
-        """The first tier's undamaged committed steps above ``step``, ascending: listed at a
-        manager's first save and for a step not above the last one checked (after that, only
-        this manager commits there: the run's lease)."""
+    def _newer(self, levels: Sequence[TierSteps], step: int) -> dict[str, list[int]]:
+        """Each tier's undamaged committed steps above ``step``, ascending (tiers with none
+        left out): listed at a manager's first save and for a step not above the last one
+        checked (after that, only this manager commits there: the run's lease). A tier other
+        than the first that cannot be listed is passed over, logged (its drains report it)."""
         if self._above is not None and step > self._above:
             self._above = step
-            return []
-        newer = [s for s in level.scan()["committed"] if s > step and not level.is_damaged(s)]
+            return {}
+        newer: dict[str, list[int]] = {}
+        for index, level in enumerate(levels):
+            try:
+                committed = level.scan()["committed"]
+            except CkptError as exc:
+                if index == 0:
+                    raise
+                log.warning("ckptio: the check for steps newer than %d passed over tier %s, "
+                            "which could not be listed: %s", step, level.directory, exc)
+                continue
+            above = [s for s in committed if s > step and not level.is_damaged(s)]
+            if above:
+                newer[level.directory] = above
         if not newer:
             self._above = step
         return newer

@@ -165,7 +165,7 @@ class CheckpointManager(ManagerParts):
         self._said_at_exit()  # until close(): an exit after a save is said (_say_unclosed)
         first = self._levels[0]
         self._room_for(state)
-        refusal = self._agreed(self._saves.refusal, first, step, metrics, metadata)
+        refusal = self._agreed(self._saves.refusal, self._levels, step, metrics, metadata)
         if refusal is not None:
             raise CkptError(refusal)
         if not self._first_leased:  # the run directory this save makes
