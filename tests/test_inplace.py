@@ -283,3 +283,21 @@ def test_a_meta_destination_is_refused_not_skipped(tmp_path):
     with pytest.warns(UserWarning, match="meta device"):
         report = ckptio.load(tmp_path / "ck", {"w": model.weight.view(4)}, strict=False)
     assert not report.loaded and "meta device" in report.mismatched[0]
+
+
+def test_an_expanded_destination_is_refused_naming_the_key(tmp_path):
+    """Loading into a stride-0 view (``torch.zeros(1).expand(4)``: every element one memory
+    location) raised torch's RuntimeError from copy_; it is a StateMismatchError naming the key
+    and the fix, strict=False skips it with a warning and loads the rest."""
+    ckptio.save({"w": torch.arange(4.0), "b": torch.ones(2)}, tmp_path / "ck")
+    with pytest.raises(ckptio.StateMismatchError, match=r"w: the state's tensor is a stride-0 "
+                                                        r"view.*\(\.clone\(\)\)"):
+        ckptio.load(tmp_path / "ck", {"w": torch.zeros(1).expand(4), "b": torch.zeros(2)})
+    state = {"w": torch.zeros(1).expand(4), "b": torch.zeros(2)}
+    with pytest.warns(UserWarning, match="stride-0 view"):
+        report = ckptio.load(tmp_path / "ck", state, strict=False)
+    assert report.loaded == ("b",) and state["b"].tolist() == [1.0, 1.0]
+    ckptio.save({"m": torch.ones(4, 3)}, tmp_path / "m")
+    rows = torch.zeros(4, 1).expand(4, 3)  # a size-1 dim expanded: one location per row
+    with pytest.raises(ckptio.StateMismatchError, match="m: the state's tensor is a stride-0"):
+        ckptio.load(tmp_path / "m", {"m": rows})
