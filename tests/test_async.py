@@ -544,3 +544,29 @@ def test_fresh_tensors_each_save_reuse_the_plan_and_ties_still_count(
     assert tied["a"].data_ptr() == tied["b"].data_ptr()
     assert untied["a"].data_ptr() != untied["b"].data_ptr()
     ck.close()
+
+
+def test_a_failed_async_save_nobody_waited_for_is_said_at_exit(tmp_path) -> None:
+    """A script whose last async save fails in the background and that exits without wait()
+    or close() used to exit quietly (status 0, the manager's exit line saying its saves
+    finished): the exit logs the save's path and error. One whose error was raised says
+    nothing more."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    code = ("import sys, torch, ckptio\n"
+            "ck = ckptio.Checkpointer()\n"
+            "ck.async_save({'w': torch.ones(4)}, sys.argv[1] + '/ok').wait()\n"
+            "h = ck.async_save({'w': torch.ones(4)}, sys.argv[2])\n"
+            "if sys.argv[3] == 'wait':\n"
+            "    try:\n"
+            "        h.wait()\n"
+            "    except ckptio.StorageIOError:\n"
+            "        pass\n")
+    target = str(blocker / "step-2")  # under a file: the background save fails
+    said = (f"ckptio: the save to {target} failed in the background and nothing waited for "
+            "it before exit, so it is not committed: StorageIOError: ")
+    for how in ("exit", "wait"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path), target, how],
+                              capture_output=True, text=True, timeout=120, check=True)
+        assert (said in done.stderr) == (how == "exit"), done.stderr
+    assert ckptio.load(tmp_path / "ok")["w"].tolist() == [1.0] * 4
