@@ -144,6 +144,20 @@ def test_a_run_directory_that_is_a_file_is_named_as_such_at_the_first_save(tmp_p
     assert run.read_bytes() == b"not a run" and sorted(os.listdir(tmp_path)) == ["model.pt"]
 
 
+def test_a_lease_path_that_is_a_directory_names_the_fix(tmp_path: Path) -> None:
+    """Something else at <run>/.ckptio-run.lease (a directory): the manager is refused naming
+    the path and the fix, the committed step untouched."""
+    run = tmp_path / "run"
+    with CheckpointManager(run) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}, force=True)
+    (run / ".ckptio-run.lease").mkdir()
+    with pytest.raises(ckptio.StorageIOError, match=r"cannot open the run lease .*\.ckptio-run"
+                                                    r"\.lease: Is a directory; .*remove what is "
+                                                    r"at that path"):
+        CheckpointManager(run)
+    assert ckptio.load(run / "step-1")["w"].tolist() == [1.0] * 3
+
+
 def test_a_manager_never_replaces_a_step_committed_while_it_waited(tmp_path: Path) -> None:
     run = tmp_path / "run"
     theirs = {"w": torch.arange(1000.0), "step": 12}
