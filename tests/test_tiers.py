@@ -679,6 +679,8 @@ def test_memory_budget_refuses_a_save_before_writing(shm):
         with pytest.raises(CkptError, match="max_bytes") as caught:
             mgr.save(2, state)
         assert "keep_last" in str(caught.value)
+        assert "0.00 GiB" not in str(caught.value)  # a small step's size is said in MiB
+        assert f"max_bytes={int(nbytes * 1.5) / (1 << 20):.1f} MiB" in str(caught.value)
         assert sorted(os.listdir(os.path.join(shm, "tight"))) == [LEASE_NAME, "step-1"]  # nothing of step 2
         assert mgr.steps() == [1]
         fresh, fopt, restored = _fresh(width=512)
@@ -907,17 +909,16 @@ def test_a_drain_copy_cut_short_by_a_kill_does_not_stay_behind(tmp_path) -> None
     start copies step 2, and the interrupted copy of step 1 should not stay in the slower tier
     after the restarted job saves and closes (MANAGER.md: the slower tier's retention)."""
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
-    child = subprocess.Popen([sys.executable, "-c", _DRAIN_KILLED, fast, slow],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "saved"
-        deadline = time.monotonic() + 30
-        while not glob.glob(os.path.join(slow, "step-1", "data-*")):  # the copy has begun
-            assert time.monotonic() < deadline, "the drain never started"
-            time.sleep(0.05)
-    finally:
-        child.kill()
-        child.wait()
+    with subprocess.Popen([sys.executable, "-c", _DRAIN_KILLED, fast, slow],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "saved"
+            deadline = time.monotonic() + 30
+            while not glob.glob(os.path.join(slow, "step-1", "data-*")):  # the copy has begun
+                assert time.monotonic() < deadline, "the drain never started"
+                time.sleep(0.05)
+        finally:
+            child.kill()
     with ckptio.CheckpointManager(tiers=[Tier(fast, keep_last=2), Tier(slow, keep_last=2)]) as mgr:
         assert mgr.restore({"w": torch.zeros(1 << 20)}) == 2
         mgr.save(3, {"w": torch.ones(1 << 20)})
