@@ -516,3 +516,33 @@ def test_a_save_after_close_is_refused_naming_the_fix(tmp_path, asynchronous):
         assert again.restore(_blank()) == 1
         again.save(2, _state(2), asynchronous=asynchronous)
     assert ckptio.load(run / "step-2")["step"] == 2
+
+
+def test_an_emergency_save_after_ctrl_c_in_a_save_is_made(tmp_path, monkeypatch):
+    """Ctrl-C lands while an async save copies the state (the usual ``except KeyboardInterrupt:
+    mgr.save(step, state, force=True)``): the interrupted step is not committed, and the
+    emergency save is made instead of being refused for the abandoned save before it."""
+    from concurrent.futures import Future
+
+    from ckptio.saving.handover import Handover
+
+    real_take = Handover.take
+
+    def interrupted_take(self):  # the signal lands in the capture the caller runs
+        if self._given.result() is not None:
+            def capture() -> None:
+                raise KeyboardInterrupt
+            self._given = Future()
+            self._given.set_result(capture)
+        return real_take(self)
+
+    run = tmp_path / "run"
+    mgr = _manager(run, keep_last=3)
+    mgr.save(1, _state(1))
+    monkeypatch.setattr(Handover, "take", interrupted_take)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, _state(2), asynchronous=True)
+    monkeypatch.setattr(Handover, "take", real_take)
+    mgr.save(3, _state(3), force=True)
+    mgr.close()
+    assert mgr.steps() == [1, 3] and ckptio.load(run / "step-3")["step"] == 3

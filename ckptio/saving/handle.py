@@ -159,9 +159,12 @@ class HandleControl:
     # ---------------------------------------------------------------- for the Checkpointer
 
     def unreported_error(self) -> BaseException | None:
-        """The error of a finished save nobody has waited for (then it counts as reported)."""
+        """The error of a finished save nobody has waited for (then it counts as reported).
+        A save its caller's interrupt abandoned has none: the caller has the interrupt, and a
+        save made after it (an emergency save on Ctrl-C) goes ahead."""
         with self._lock:
-            if self._error is None or self._reported or not self._done.is_set():
+            if self._error is None or self._reported or not self._done.is_set() or \
+                    self._handover.abandoned:
                 return None
             self._reported = True
             return self._error
