@@ -570,3 +570,29 @@ def test_a_failed_async_save_nobody_waited_for_is_said_at_exit(tmp_path) -> None
                               capture_output=True, text=True, timeout=120, check=True)
         assert (said in done.stderr) == (how == "exit"), done.stderr
     assert ckptio.load(tmp_path / "ok")["w"].tolist() == [1.0] * 4
+
+
+def test_ctrl_c_before_a_save_is_queued_does_not_hang_the_exit(tmp_path) -> None:
+    """Ctrl-C landing after a save's stall watch began and before the save was queued left the
+    watch running forever, and the interpreter's exit (which joins the watch's thread) hung: the
+    process never ended. The watch ends with the save that never started; the exit is prompt and
+    the next save is made."""
+    code = ("import sys, torch, ckptio\n"
+            "from ckptio.saving import save_session\n"
+            "real = save_session._queue\n"
+            "def interrupted(*args, **kwargs):\n"
+            "    raise KeyboardInterrupt\n"
+            "ck = ckptio.Checkpointer()\n"
+            "save_session._queue = interrupted\n"
+            "try:\n"
+            "    ck.async_save({'w': torch.ones(4)}, sys.argv[1] + '/a')\n"
+            "except KeyboardInterrupt:\n"
+            "    pass\n"
+            "save_session._queue = real\n"
+            "ck.save({'w': torch.ones(4)}, sys.argv[1] + '/b')\n"
+            "print('saved', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "saved", done.stderr
+    assert ckptio.load(tmp_path / "b")["w"].tolist() == [1.0] * 4
+    assert not os.path.exists(tmp_path / "a" / "manifest.json")
