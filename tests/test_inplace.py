@@ -297,6 +297,9 @@ def test_an_expanded_destination_is_refused_naming_the_key(tmp_path):
     with pytest.warns(UserWarning, match="stride-0 view"):
         report = ckptio.load(tmp_path / "ck", state, strict=False)
     assert report.loaded == ("b",) and state["b"].tolist() == [1.0, 1.0]
+    empty = torch.zeros(0, 4).as_strided((0, 4), (0, 0))  # no element: nothing shared
+    ckptio.save({"e": torch.zeros(0, 4)}, tmp_path / "e")
+    assert ckptio.load(tmp_path / "e", {"e": empty}).loaded == ("e",)
     ckptio.save({"m": torch.ones(4, 3)}, tmp_path / "m")
     rows = torch.zeros(4, 1).expand(4, 3)  # a size-1 dim expanded: one location per row
     with pytest.raises(ckptio.StateMismatchError, match="m: the state's tensor is a stride-0"):

@@ -211,7 +211,8 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
         return _Mismatch(f"{key}: the state's tensor is on the meta device, with no storage to "
                          "load into; materialise the model first (model.to_empty(device=...)) "
                          "or build it on a real device")
-    if any(stride == 0 and size > 1 for size, stride in zip(dest.shape, dest.stride())):
+    if dest.numel() > 1 and any(stride == 0 and size > 1
+                                for size, stride in zip(dest.shape, dest.stride())):
         return _Mismatch(f"{key}: the state's tensor is a stride-0 view (an expand()) whose "
                          "elements share one memory location, so it cannot hold the "
                          "checkpoint's values; give the state a tensor of its own there "
