@@ -38,6 +38,7 @@ from ckptio.saving.handle import (
     SaveHandle,
     SaveResult,
     after_step_tensors,
+    say_unwaited_errors,
     skipped_handle,
 )
 from ckptio.storage.select import checkpoint_path, store_for
@@ -254,6 +255,7 @@ class Checkpointer:
         save = save_session.begin(context, state)
         self._inflight, self._running = save.control, save.running
         _running.add(save.running)
+        _unwaited.add(save.control)
         save.capture_here()
         return save.handle
 
@@ -388,6 +390,7 @@ class Checkpointer:
 
 # every Checkpointer's saves in flight: their steps' Futures
 _running: weakref.WeakSet[concurrent.futures.Future[None]] = weakref.WeakSet()
+_unwaited: weakref.WeakSet[HandleControl] = weakref.WeakSet()  # their errors said at exit
 
 
 def _finish_saves_at_exit() -> None:
@@ -395,6 +398,7 @@ def _finish_saves_at_exit() -> None:
     (io/worker.py) stop (threading runs these callbacks newest first, and both registered
     theirs at import): let every save in flight finish and commit rather than fail half-way."""
     concurrent.futures.wait(list(_running))
+    say_unwaited_errors(_unwaited)
 
 
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]

@@ -530,3 +530,53 @@ def test_tiers_given_positionally_are_a_ckpt_error_naming_tiers() -> None:
         CheckpointManager(tiers)
     with pytest.raises(CkptError, match="the first argument is the directory of the steps"):
         CheckpointManager(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_after_close_is_refused_naming_the_fix(tmp_path, asynchronous):
+    """close() lets go of the run's lease, the drain and the protection: a save after it used
+    to write the step unleased and, asynchronous, lose its error (the exit line said "its saves
+    finished"). It is refused, nothing written; close() again is a no-op; a new manager saves."""
+    run = tmp_path / "run"
+    mgr = _manager(run, keep_last=2)
+    mgr.save(1, _state(1), asynchronous=asynchronous)
+    mgr.close()
+    mgr.close()
+    with pytest.raises(CkptError, match=r"step 2 was not saved: CheckpointManager\(.*run\) was "
+                                        r"closed; make a new CheckpointManager"):
+        mgr.save(2, _state(2), asynchronous=asynchronous)
+    assert sorted(p for p in os.listdir(run) if p.startswith("step-")) == ["step-1"]
+    with _manager(run, keep_last=2) as again:
+        assert again.restore(_blank()) == 1
+        again.save(2, _state(2), asynchronous=asynchronous)
+    assert ckptio.load(run / "step-2")["step"] == 2
+
+
+def test_an_emergency_save_after_ctrl_c_in_a_save_is_made(tmp_path, monkeypatch):
+    """Ctrl-C lands while an async save copies the state (the usual ``except KeyboardInterrupt:
+    mgr.save(step, state, force=True)``): the interrupted step is not committed, and the
+    emergency save is made instead of being refused for the abandoned save before it."""
+    from concurrent.futures import Future
+
+    from ckptio.saving.handover import Handover
+
+    real_take = Handover.take
+
+    def interrupted_take(self):  # the signal lands in the capture the caller runs
+        if self._given.result() is not None:
+            def capture() -> None:
+                raise KeyboardInterrupt
+            self._given = Future()
+            self._given.set_result(capture)
+        return real_take(self)
+
+    run = tmp_path / "run"
+    mgr = _manager(run, keep_last=3)
+    mgr.save(1, _state(1))
+    monkeypatch.setattr(Handover, "take", interrupted_take)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, _state(2), asynchronous=True)
+    monkeypatch.setattr(Handover, "take", real_take)
+    mgr.save(3, _state(3), force=True)
+    mgr.close()
+    assert mgr.steps() == [1, 3] and ckptio.load(run / "step-3")["step"] == 3

@@ -128,6 +128,36 @@ def test_one_process_may_make_a_second_manager_of_its_own_run(tmp_path: Path) ->
         assert b.restore({"w": torch.zeros(3)}) == 1
 
 
+def test_a_run_directory_that_is_a_file_is_named_as_such_at_the_first_save(tmp_path: Path
+                                                                            ) -> None:
+    """A manager given a file's path: its first save said "cannot open the run lease
+    <file>/.ckptio-run.lease: File exists"; it names the file as the run directory and the fix,
+    writing nothing."""
+    run = tmp_path / "model.pt"
+    run.write_bytes(b"not a run")
+    mgr = CheckpointManager(run)
+    with pytest.raises(ckptio.StorageIOError, match=r"the run directory .*model\.pt exists and "
+                                                    r"is not a directory: give the manager a "
+                                                    r"directory"):
+        mgr.save(1, {"w": torch.ones(3)}, force=True)
+    mgr.close()
+    assert run.read_bytes() == b"not a run" and sorted(os.listdir(tmp_path)) == ["model.pt"]
+
+
+def test_a_lease_path_that_is_a_directory_names_the_fix(tmp_path: Path) -> None:
+    """Something else at <run>/.ckptio-run.lease (a directory): the manager is refused naming
+    the path and the fix, the committed step untouched."""
+    run = tmp_path / "run"
+    with CheckpointManager(run) as mgr:
+        mgr.save(1, {"w": torch.ones(3)}, force=True)
+    (run / ".ckptio-run.lease").mkdir()
+    with pytest.raises(ckptio.StorageIOError, match=r"cannot open the run lease .*\.ckptio-run"
+                                                    r"\.lease: Is a directory; .*remove what is "
+                                                    r"at that path"):
+        CheckpointManager(run)
+    assert ckptio.load(run / "step-1")["w"].tolist() == [1.0] * 3
+
+
 def test_a_manager_never_replaces_a_step_committed_while_it_waited(tmp_path: Path) -> None:
     run = tmp_path / "run"
     theirs = {"w": torch.arange(1000.0), "step": 12}

@@ -160,6 +160,10 @@ class CheckpointManager(ManagerParts):
         ``metadata`` (str -> JSON) are stored with the step; rank 0's count. A committed step
         is never saved over (docs/MANAGER.md)."""
         step = check_step(step)
+        if self._closed:  # its lease, drain and protection are gone: a save would go unseen
+            raise CkptError(f"step {step} was not saved: CheckpointManager({self.directory}) "
+                            "was closed; make a new CheckpointManager to save again (it takes "
+                            "the run's lease again)")
         if not force and not self.should_save(step):
             return None
         self._said_at_exit()  # until close(): an exit after a save is said (_say_unclosed)

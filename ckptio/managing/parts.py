@@ -126,6 +126,7 @@ class ManagerParts:
         self._leases: dict[int, RunLease] = {}  # tier -> its lease (one job per local run)
         self._take_over, self._first_leased = take_over, False
         self._saved_here = False  # a save started: the staging is the one the saves sized
+        self._closed = False  # close() ran: its leases, handlers and followers are let go
         try:
             self._agreed(self._take_leases, range(len(self._levels)), create=False)
             self._start(self._policy.wants_preemption, drain_rate)
@@ -232,6 +233,7 @@ class ManagerParts:
     def _close(self) -> None:
         """close() after its wait(): the followers, the last retention, the removals."""
         _unclosed.discard(self)
+        self._closed = True
         self._policy.triggers.preemption.uninstall()
         try:
             for follower in self._followers:

@@ -150,25 +150,31 @@ def check_budget(tier: Tier, directory: str, sizes: list[int], estimate: Callabl
     need = held_nbytes + step_nbytes + held_others + step_others
     fits = step_nbytes * ((tier.keep_last or 1) + 1) + 2 * step_others
     if tier.max_bytes is not None and need > tier.max_bytes:
-        extra = (f" and {held_others / GiB:.2f} GiB of copies/parity for other hosts, "
-                 f"{step_others / GiB:.2f} GiB more with this step (redundancy="
+        extra = (f" and {_amount(held_others)} of copies/parity for other hosts, "
+                 f"{_amount(step_others)} more with this step (redundancy="
                  f"{tier.redundancy.describe()}; the older protection is removed once this "
                  "step is protected)" if tier.redundancy is not None else "")
         raise CkptError(
-            f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit: "
-            f"it holds {held_nbytes / GiB:.2f} GiB{extra} and its budget is max_bytes="
-            f"{tier.max_bytes / GiB:.2f} GiB. It holds keep_last={tier.keep_last} steps plus the "
-            f"one being saved ({fits / GiB:.2f} GiB): raise max_bytes or lower keep_last; the "
+            f"memory tier {tier.location}: a step of {_amount(step_nbytes)} does not fit: "
+            f"it holds {_amount(held_nbytes)}{extra} and its budget is max_bytes="
+            f"{_amount(tier.max_bytes)}. It holds keep_last={tier.keep_last} steps plus the "
+            f"one being saved ({_amount(fits)}): raise max_bytes or lower keep_last; the "
             "steps it holds are kept")
     free = _free_nbytes(directory)
     if free is not None:  # the dropped step's pages kept for the new one are free for it
         free += slot_nbytes(directory)
     if free is not None and step_nbytes + step_others > free:
         raise CkptError(
-            f"memory tier {tier.location}: a step of {step_nbytes / GiB:.2f} GiB does not fit in "
-            f"the {free / GiB:.2f} GiB free on the filesystem of {directory} (a tmpfs is bounded "
+            f"memory tier {tier.location}: a step of {_amount(step_nbytes)} does not fit in "
+            f"the {_amount(free)} free on the filesystem of {directory} (a tmpfs is bounded "
             "by its size= mount option): free host memory there, or lower keep_last; the steps "
             "it holds are kept")
+
+
+def _amount(nbytes: int) -> str:
+    """A size in a budget message: GiB, or MiB below a tenth of one (a small state's step read
+    "0.00 GiB")."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def one_host(tiers: list[Tier], group: Group) -> None:

@@ -16,6 +16,7 @@ lazy capture copies last: after_step_tensors, lazy_order). Does not own: the sav
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import threading
 import time
@@ -34,6 +35,7 @@ from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
 
 __all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "lazy_order",
+           "say_unwaited_errors",
            "skipped_handle"]
 
 
@@ -157,9 +159,12 @@ class HandleControl:
     # ---------------------------------------------------------------- for the Checkpointer
 
     def unreported_error(self) -> BaseException | None:
-        """The error of a finished save nobody has waited for (then it counts as reported)."""
+        """The error of a finished save nobody has waited for (then it counts as reported).
+        A save its caller's interrupt abandoned has none: the caller has the interrupt, and a
+        save made after it (an emergency save on Ctrl-C) goes ahead."""
         with self._lock:
-            if self._error is None or self._reported or not self._done.is_set():
+            if self._error is None or self._reported or not self._done.is_set() or \
+                    self._handover.abandoned:
                 return None
             self._reported = True
             return self._error
@@ -320,3 +325,17 @@ def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
             raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
                             "pass modules (their parameters) or tensors")
     return tuple(tensors)
+
+
+def say_unwaited_errors(controls: Iterable[HandleControl]) -> None:
+    """At interpreter exit, once the saves in flight have finished: each async save that failed
+    and that no wait(), close() or next save raised, logged as an error naming its path (else an
+    exit after a failed last save would look like a successful one)."""
+    for control in list(controls):
+        error = control.unreported_error()
+        if error is not None:
+            logging.getLogger("ckptio").error(
+                "ckptio: the save to %s failed in the background and nothing waited for it "
+                "before exit, so it is not committed: %s: %s. Call handle.wait() or close() "
+                "before exiting to have such errors raised", control.path,
+                type(error).__name__, error)

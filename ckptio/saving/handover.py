@@ -35,6 +35,7 @@ class Handover:
         self.path = path
         self._given: Future[Capture | None] = Future()  # what the caller is to run (None: nothing)
         self._ran: Future[None] = Future()  # the caller ran it (or why not)
+        self.abandoned = False  # an interrupt of the caller ended it: the caller has that error
 
     # ---------------------------------------------------------------- the save's thread
 
@@ -62,6 +63,7 @@ class Handover:
             self._fail(exc)
             return False
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: belong to the caller too
+            self.abandoned = True
             self._fail(CkptError(f"save to {self.path} abandoned: the calling thread was "
                                  f"interrupted ({type(exc).__name__})"))
             raise

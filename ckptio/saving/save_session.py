@@ -105,6 +105,7 @@ def begin(ctx: SaveContext, state: Any) -> Save:
     """Steps 1-4 on the caller's thread; the rest queued on the save thread. Collective with
     peers."""
     plan, sources, agreement = _agree(ctx, state)
+    activity: stall.Activity | None = None
     try:
         part = _lay_out(ctx, plan, sources, agreement)
         activity = stall.watched(ctx.store.location, ctx.group.rank,
@@ -113,6 +114,8 @@ def begin(ctx: SaveContext, state: Any) -> Save:
                                 tuple(f.name for f in part.files), ctx.started, activity)
         running = _queue(ctx, part, control)
     except BaseException as exc:
+        if activity is not None:  # never queued (an error, Ctrl-C): unwatched, or the watch
+            activity.finish()  # would run on and an exit would wait for it forever
         _report_failure(ctx, agreement, exc)  # the peers wait for this rank in the next steps
         raise
     return Save(control, running, ctx.lazy)

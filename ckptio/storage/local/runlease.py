@@ -106,8 +106,13 @@ def _open(directory: str, path: str) -> int | None:
             log.warning("ckptio: no run lease in %s (%s): a second job started on this run is "
                         "not detected", directory, exc.strerror or exc)
             return None
-        raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}"
-                             ) from None
+        if os.path.lexists(directory) and not os.path.isdir(directory):
+            raise StorageIOError(f"the run directory {directory} exists and is not a directory: "
+                                 "give the manager a directory (it saves its steps in it as "
+                                 "step-<N>), or move that file away") from None
+        raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}; it is "
+                             "a plain file ckptio makes: if no job runs on this directory, "
+                             "remove what is at that path") from None
 
 
 def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
