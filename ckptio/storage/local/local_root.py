@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from ckptio.errors import StorageIOError
 from ckptio.storage.local.local_store import LocalStore, committed_at
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
+from ckptio.storage.local.runlease import not_a_run_directory
 from ckptio.storage.local.slots import (
     SLOT_STEPS,
     SLOTS_DIR,
@@ -185,6 +186,8 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
             return list(it)
     except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise not_a_run_directory(directory) from None
     except OSError as exc:
         raise StorageIOError(f"cannot list checkpoint directory {directory}: "
                              f"{exc.strerror or exc}") from None

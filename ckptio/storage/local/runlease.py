@@ -30,7 +30,7 @@ from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import still_linked
 
-__all__ = ["LEASE_NAME", "RunLease", "take"]
+__all__ = ["LEASE_NAME", "RunLease", "not_a_run_directory", "take"]
 
 log = logging.getLogger("ckptio")
 LEASE_NAME = ".ckptio-run.lease"
@@ -107,12 +107,17 @@ def _open(directory: str, path: str) -> int | None:
                         "not detected", directory, exc.strerror or exc)
             return None
         if os.path.lexists(directory) and not os.path.isdir(directory):
-            raise StorageIOError(f"the run directory {directory} exists and is not a directory: "
-                                 "give the manager a directory (it saves its steps in it as "
-                                 "step-<N>), or move that file away") from None
+            raise not_a_run_directory(directory) from None
         raise StorageIOError(f"cannot open the run lease {path}: {exc.strerror or exc}; it is "
                              "a plain file ckptio makes: if no job runs on this directory, "
                              "remove what is at that path") from None
+
+
+def not_a_run_directory(directory: str) -> StorageIOError:
+    """The error for a run directory that exists as something else (a file)."""
+    return StorageIOError(f"the run directory {directory} exists and is not a directory: give "
+                          "the manager a directory (it saves its steps in it as step-<N>), or "
+                          "move that file away")
 
 
 def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
