@@ -919,14 +919,12 @@ sys.stdin.read()
 """
 
 
-@pytest.mark.xfail(strict=True, reason="red-team 2026-11-28: a drain copy cut short by a kill is "
-                   "left incomplete in the slower tier forever once the faster tier has moved on "
-                   "(resume() copies the newest due step, never the interrupted one, and "
-                   "retention never removes incomplete steps): a full-size orphan per kill")
 def test_a_drain_copy_cut_short_by_a_kill_does_not_stay_behind(tmp_path) -> None:
     """A job killed while its drain copies step 1 (step 2 queued behind it), restarted: the next
-    start copies step 2, and the interrupted copy of step 1 should not stay in the slower tier
-    after the restarted job saves and closes (MANAGER.md: the slower tier's retention)."""
+    start copies step 2 (the newest due), and the interrupted copy of step 1, which no copy
+    completes and retention never removed (incomplete), is removed at that start (this manager
+    holds the slower tier's run lease), not left in the slower tier forever (one full-size
+    orphan per kill)."""
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     with subprocess.Popen([sys.executable, "-c", _DRAIN_KILLED, fast, slow],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:

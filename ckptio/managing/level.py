@@ -228,14 +228,32 @@ class TierSteps:
         verified step and the bases of what is kept) and remove them in a background thread.
         -> the steps hidden."""
         self.join_removal()  # one removal at a time: it may still hold hidden directories
-        hidden = [step for step in self._doomed(self.scan()["committed"], also)
-                  if self._root.hide(step)]
+        hidden = self._remove([step for step in self._doomed(self.scan()["committed"], also)])
+        if hidden:
+            log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
+        return hidden
+
+    def drop_incomplete(self) -> list[int]:
+        """Rank 0, at a manager's start, for a slower tier whose run lease it holds (only its
+        drain writes there, and no other job runs there): hide and remove its incomplete
+        steps, copies a killed drain cut short, which no later copy completes once the faster
+        tiers move on. -> the steps hidden."""
+        self.join_removal()
+        hidden = self._remove(self.scan()["incomplete"])
+        if hidden:
+            log.warning("ckptio: %s held the incomplete copies of steps %s, left by a drain "
+                        "cut short (a process killed while copying): removed", self.directory,
+                        hidden)
+        return hidden
+
+    def _remove(self, steps: list[int]) -> list[int]:
+        """Hide ``steps`` (atomic renames) and remove every hidden leftover in a background
+        thread, joined by the next removal -> the steps hidden."""
+        hidden = [step for step in steps if self._root.hide(step)]
         removal = self._root.removal()  # None until the hiding is durable
         if removal is not None:
             self._removal = threading.Thread(target=removal, name="ckptio-retention")
             self._removal.start()  # not a daemon: a removal running at exit is finished
-        if hidden:
-            log.info("ckptio: retention removes steps %s from %s", hidden, self.directory)
         return hidden
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:

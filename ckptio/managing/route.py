@@ -13,7 +13,7 @@ or the queue (drain.py), the tiers' steps (level.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from ckptio.errors import CkptError
@@ -74,11 +74,13 @@ class TierRoute:
         level.retain(set())
 
 
-def resume(levels: Sequence[TierSteps], drain: Any) -> None:
+def resume(levels: Sequence[TierSteps], drain: Any, leased: Collection[int] = ()) -> None:
     """Rank 0, at start with several tiers: every tier must be listable now (a wrong endpoint
     or missing credentials fails here, not at the first drain hours later); ``drain`` (None on
     the other ranks: then only the probe) gets each slower tier's newest due step a faster tier
-    holds and it does not (a drain cut short, or never run)."""
+    holds and it does not (a drain cut short, or never run), once the incomplete copies a drain
+    cut short left in the slower tiers this manager holds the run lease of (``leased``: tier
+    indices) are removed (TierSteps.drop_incomplete)."""
     listings = []
     for level in levels:
         try:
@@ -91,6 +93,8 @@ def resume(levels: Sequence[TierSteps], drain: Any) -> None:
     if drain is None:
         return
     for k in range(1, len(levels)):
+        if k in leased and listings[k]["incomplete"]:
+            levels[k].drop_incomplete()
         faster = {s for x in listings[:k] for s in x["committed"]}
         due = [s for s in faster if s % levels[k].every == 0]
         held = listings[k]["committed"]
