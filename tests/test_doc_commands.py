@@ -53,8 +53,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # BENCH_LOOP section 20's dev/call_counts.py probe, one; BENCH_REDUNDANCY's step landing in the
 # tier's pages, one (its A/B command is the chains'); BENCH_LOOP section 21's dev/call_counts.py
 # probes, three (its first is section 20's); section 21's call timing (benchmarks.call_overhead
-# with --reps 3 --json), one; BENCH_RESTART round eight's 2- and 4-rank reruns, two)
-NOT_RUN_COUNT = 110
+# with --reps 3 --json), one; BENCH_RESTART round eight's 2- and 4-rank reruns, two;
+# BENCH_LOOP's call phases timed inside the call: dev/call_phases.py and dev/call_parts.py, two)
+NOT_RUN_COUNT = 112
 
 
 def _not_run(command: str) -> str | None:
