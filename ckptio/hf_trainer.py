@@ -252,7 +252,15 @@ class CkptioTrainerMixin:
         if inner is None:
             return True
         held = load(inner, keys=["parts"], options=self.ckptio_options)["parts"]
-        objects = {k: v for k, v in self._ckptio_objects().items() if k in wanted and k in held}
+        have = self._ckptio_objects()
+        absent = sorted(k for k in have if k not in held and k != "model")
+        if absent and "optimizer" in wanted:  # said once, at the first of the three loads
+            warnings.warn(
+                f"ckptio: {checkpoint} holds no {', '.join(absent)} (saved with "
+                "save_only_model=True, or without a GradScaler): this run goes on with them as "
+                "they are now, so it does not continue the saved run bitwise; resume from a "
+                "checkpoint saved without save_only_model for that", stacklevel=3)
+        objects = {k: v for k, v in have.items() if k in wanted and k in held}
         if objects:
             self._ckptio_load(inner, objects)
         return False

@@ -349,3 +349,17 @@ def test_resuming_with_another_model_optimizer_or_schedule_says_so_in_trainer_te
     assert "Pass strict=False" not in text and "pass strict=False" not in text, text
     part = "model" if "model" in change else "optimizer / scheduler"
     assert f"this trainer's {part} differ" in text, text
+
+
+def test_resuming_a_save_only_model_checkpoint_warns_it_is_not_bitwise(tmp_path):
+    """save_only_model=True checkpoints hold the model alone: a resume goes on (as transformers'
+    own Trainer does) with a fresh optimizer, scheduler and generators, saying so once."""
+    trainer_for(tmp_path, max_steps=2, save_steps=2, save_only_model=True).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(tmp_path, max_steps=3, save_steps=100, save_only_model=True).train(
+            resume_from_checkpoint=True)
+    said = [str(w.message) for w in caught if "holds no" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert f"{tmp_path / 'checkpoint-2'} holds no optimizer, rng, scheduler" in said[0], said
+    assert "not continue the saved run bitwise" in said[0], said
