@@ -23,6 +23,7 @@ import functools
 import inspect
 import os
 import shutil
+import weakref
 from typing import Any
 
 import torch
@@ -141,6 +142,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
             handle.wait()
 
 
+_GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose load_checkpoint use() wrapped
+
+
 def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
         allow_pickle: bool = False, verify: bool | None = None) -> CkptioCheckpointEngine:
     """Make DeepSpeed ``engine`` (what deepspeed.initialize returned) save and load through
@@ -156,9 +160,9 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
     engine.checkpoint_engine = ours
-    if not getattr(engine, "_ckptio_load_guarded", False):
+    if engine not in _GUARDED:
         engine.load_checkpoint = _guarded_load(engine.load_checkpoint, engine)
-        engine._ckptio_load_guarded = True
+        _GUARDED.add(engine)
     return ours
 
 
