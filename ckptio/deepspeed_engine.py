@@ -19,8 +19,11 @@ Checkpointer). DeepSpeed has no configuration key for a third-party engine.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import shutil
+import weakref
 from typing import Any
 
 import torch
@@ -139,6 +142,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
             handle.wait()
 
 
+_GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose load_checkpoint use() wrapped
+
+
 def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
         allow_pickle: bool = False, verify: bool | None = None) -> CkptioCheckpointEngine:
     """Make DeepSpeed ``engine`` (what deepspeed.initialize returned) save and load through
@@ -154,7 +160,48 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
     engine.checkpoint_engine = ours
+    if engine not in _GUARDED:
+        engine.load_checkpoint = _guarded_load(engine.load_checkpoint, engine)
+        _GUARDED.add(engine)
     return ours
+
+
+def _guarded_load(load_checkpoint: Any, engine: Any) -> Any:
+    """``engine.load_checkpoint`` refusing, as a CkptError, the one load DeepSpeed routes past
+    the checkpoint engine: ZeRO-3 weights without optimizer states go through its zero_to_fp32,
+    which calls torch.load itself (IsADirectoryError on a ckptio file)."""
+    signature = inspect.signature(load_checkpoint)
+
+    @functools.wraps(load_checkpoint)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if (not bound.arguments.get("load_optimizer_states", True)
+                and engine.zero_optimization_partition_weights()
+                and not getattr(engine, "has_moe_layers", False)):
+            _refuse_zero3_weights_only(os.fspath(bound.arguments["load_dir"]),
+                                       bound.arguments.get("tag"))
+        return load_checkpoint(*args, **kwargs)
+
+    return load
+
+
+def _refuse_zero3_weights_only(load_dir: str, tag: Any) -> None:
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return  # nothing to load: DeepSpeed says so itself
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    folder = os.path.join(load_dir, str(tag))
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    if any(os.path.isdir(os.path.join(folder, n)) for n in names if n.endswith(".pt")):
+        raise UnsupportedStateError(
+            f"load_checkpoint({load_dir!r}, load_optimizer_states=False) under ZeRO-3: DeepSpeed "
+            f"reads {folder}'s weights alone through its zero_to_fp32, which calls torch.load "
+            "itself and cannot read ckptio's files; load the whole training state "
+            "(load_optimizer_states=True), or the weights alone from a torch.save copy made by "
+            "ckptio.deepspeed_engine.to_torch_save(load_dir, out_dir)")
 
 
 def commit_now(engine: Any) -> None:

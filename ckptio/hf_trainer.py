@@ -50,6 +50,7 @@ from ckptio.errors import (
     CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    StateMismatchError,
     UnsupportedStateError,
 )
 from ckptio.options import Options
@@ -63,6 +64,7 @@ __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_prob
 CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
+_STRICT_HINT = re.compile(r"\.? *(?:Fix the state, or pass|Pass|Otherwise pass) strict=False")
 _TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                          WEIGHTS_INDEX_NAME)
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
@@ -216,8 +218,7 @@ class CkptioTrainerMixin:
         if inner is None:  # transformers' own files (allow_pickle)
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
-        load(inner, {"model": t.model if model is None else model}, keys=["model"],
-             options=self.ckptio_options)
+        self._ckptio_load(inner, {"model": t.model if model is None else model})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._ckptio_load_parts(checkpoint, ("optimizer", "scheduler")):
@@ -239,7 +240,7 @@ class CkptioTrainerMixin:
             return
         where = _checked(best, False)
         assert where is not None  # internal: best holds a ckptio checkpoint (checked above)
-        load(where, {"model": t.model}, keys=["model"], options=self.ckptio_options)
+        self._ckptio_load(where, {"model": t.model})
 
     def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> bool:
         """Load those of ``wanted`` the checkpoint holds and this trainer has (as transformers
@@ -251,10 +252,33 @@ class CkptioTrainerMixin:
         if inner is None:
             return True
         held = load(inner, keys=["parts"], options=self.ckptio_options)["parts"]
-        objects = {k: v for k, v in self._ckptio_objects().items() if k in wanted and k in held}
+        have = self._ckptio_objects()
+        absent = sorted(k for k in have if k not in held and k != "model")
+        if absent and "optimizer" in wanted:  # said once, at the first of the three loads
+            warnings.warn(
+                f"ckptio: {checkpoint} holds no {', '.join(absent)} (saved with "
+                "save_only_model=True, or without a GradScaler): this run goes on with them as "
+                "they are now, so it does not continue the saved run bitwise; resume from a "
+                "checkpoint saved without save_only_model for that", stacklevel=3)
+        objects = {k: v for k, v in have.items() if k in wanted and k in held}
         if objects:
-            load(inner, objects, keys=list(objects), options=self.ckptio_options)
+            self._ckptio_load(inner, objects)
         return False
+
+    def _ckptio_load(self, inner: str, objects: dict[str, Any]) -> None:
+        """Load ``objects`` from the ckptio checkpoint ``inner``, strictly; a mismatch is said in
+        the Trainer's terms (the load's own hint, strict=False, is no option through it)."""
+        try:
+            load(inner, objects, keys=list(objects), options=self.ckptio_options)
+        except StateMismatchError as exc:
+            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ")
+            raise StateMismatchError(
+                f"cannot resume from {os.path.dirname(inner)}: this trainer's "
+                f"{' / '.join(sorted(objects))} differ from what the checkpoint saved ({what}). "
+                "CkptioTrainer resumes a run with the model and TrainingArguments (optim, "
+                "lr_scheduler_type, ...) that saved it: restore those, or start this "
+                "configuration as a new run (another output_dir, no resume_from_checkpoint); "
+                "strict=False is not available through the Trainer") from exc
 
     # -- save -----------------------------------------------------------------------------------
 

@@ -218,3 +218,35 @@ def weights_on_fewer(rank: int, world_size: int, root: str, stage: int) -> Any:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A ZeRO-3 job saves at step SAVE_AT; fresh jobs then load its weights without optimizer
+    states: straight (refused: DeepSpeed reads them through zero_to_fp32's torch.load) and from
+    a to_torch_save copy -> what each did."""
+    import ckptio.deepspeed_engine
+
+    def fresh() -> Any:
+        engine = engine_for(3, world_size)
+        ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+        return engine
+
+    def params(engine: Any) -> list[torch.Tensor]:
+        return [p.ds_tensor.detach().clone() for p in engine.module.parameters()]
+
+    engine = fresh()
+    train(engine, SAVE_AT)
+    engine.save_checkpoint(root)
+    saved = params(engine)
+    engine.destroy()
+    out: dict[str, Any] = {}
+    try:
+        fresh().load_checkpoint(root, load_optimizer_states=False)
+        out["straight"] = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reads which exception it was
+        out["straight"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    copy = ckptio.deepspeed_engine.to_torch_save(root, f"{root}-torch")
+    engine = fresh()
+    engine.load_checkpoint(copy, load_optimizer_states=False)
+    out["from_copy"] = all(torch.equal(a, b) for a, b in zip(params(engine), saved))
+    return out

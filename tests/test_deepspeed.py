@@ -207,3 +207,15 @@ def test_pickle_refused_names_the_fix(tmp_path: Path) -> None:
 def test_use_takes_a_deepspeed_engine() -> None:
     with pytest.raises(ckptio.CkptError, match="deepspeed.initialize"):
         use(torch.nn.Linear(2, 2))
+
+
+def test_zero3_weights_without_optimizer_states_is_a_ckpt_error_naming_the_ways(
+        tmp_path: Path) -> None:
+    """ZeRO-3 load_checkpoint(load_optimizer_states=False) is read by DeepSpeed's zero_to_fp32
+    (torch.load of each file, not the checkpoint engine): refused with a CkptError naming the
+    ways that work; the weights load bitwise from the to_torch_save copy it names."""
+    got = run_ranks(1, cases.zero3_weights_only, str(tmp_path / "z3"), timeout_s=LIMIT_S)[0]
+    assert got["straight"].startswith("ckptio.errors.UnsupportedStateError"), got["straight"]
+    assert "load_optimizer_states=True" in got["straight"], got["straight"]
+    assert "to_torch_save" in got["straight"], got["straight"]
+    assert got["from_copy"] is True, got

@@ -325,3 +325,41 @@ def test_a_run_of_transformers_own_trainer_resumes_with_allow_pickle_only(tmp_pa
     assert read_losses(tmp_path / "more-losses.txt") == {3: expected[3], 4: expected[4]}
     assert checkpoint_problem(str(tmp_path / "checkpoint-4")) is None
     assert not (tmp_path / "checkpoint-4" / "optimizer.pt").exists()
+
+
+@pytest.mark.parametrize("change", [{"optim": "sgd"}, {"lr_scheduler_type": "constant"},
+                                    {"model": "wider"}])
+def test_resuming_with_another_model_optimizer_or_schedule_says_so_in_trainer_terms(
+        rotated, tmp_path, change):
+    """A changed configuration is refused naming the checkpoint and what differs, with a fix
+    the Trainer offers (not the load's strict=False, which the Trainer cannot pass)."""
+    out = copy_run(rotated[0], tmp_path / "run")
+    overrides = {k: v for k, v in change.items() if k != "model"}
+    trainer = trainer_for(out, max_steps=7, **overrides)
+    if "model" in change:
+        config = transformers.GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=64,
+                                         n_positions=32, bos_token_id=0, eos_token_id=0)
+        trainer.model = transformers.GPT2LMHeadModel(config)
+        trainer.model_wrapped = trainer.model
+    with pytest.raises(ckptio.StateMismatchError) as err:
+        trainer.train(resume_from_checkpoint=True)
+    text = str(err.value)
+    assert f"cannot resume from {out / 'checkpoint-5'}" in text, text
+    assert "lr_scheduler_type" in text and "new run" in text, text
+    assert "Pass strict=False" not in text and "pass strict=False" not in text, text
+    part = "model" if "model" in change else "optimizer / scheduler"
+    assert f"this trainer's {part} differ" in text, text
+
+
+def test_resuming_a_save_only_model_checkpoint_warns_it_is_not_bitwise(tmp_path):
+    """save_only_model=True checkpoints hold the model alone: a resume goes on (as transformers'
+    own Trainer does) with a fresh optimizer, scheduler and generators, saying so once."""
+    trainer_for(tmp_path, max_steps=2, save_steps=2, save_only_model=True).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(tmp_path, max_steps=3, save_steps=100, save_only_model=True).train(
+            resume_from_checkpoint=True)
+    said = [str(w.message) for w in caught if "holds no" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert f"{tmp_path / 'checkpoint-2'} holds no optimizer, rng, scheduler" in said[0], said
+    assert "not continue the saved run bitwise" in said[0], said
