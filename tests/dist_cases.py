@@ -689,3 +689,21 @@ def paths_disagree(rank: int, world: int, root: str) -> dict[str, Any]:
         out["restored"] = mgr.restore(back)
         out["same"] = bits_equal(back["r"], mine["r"]) and bits_equal(back["w"], mine["w"])
     return out
+
+
+def manager_out_of_step(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A manager's ranks calling different methods: rank 0 lists its steps while rank 1 saves
+    (each a different first exchange); -> what each call returned or raised, and the steps
+    every rank lists afterwards, in step again."""
+    opts = ckptio.Options(rank_timeout_s=3, step_timeout_s=6, buffer_bytes=1 << 20,
+                          pool_bytes=4 << 20)
+    out: dict[str, Any] = {}
+    mgr = ckptio.CheckpointManager(root, options=opts)
+    mgr.save(1, {"w": torch.arange(4.0)})
+    try:
+        out["mixed"] = repr(mgr.steps() if rank == 0 else mgr.save(2, {"w": torch.ones(4)}))
+    except ckptio.CkptError as exc:
+        out["mixed"] = f"{type(exc).__name__}: {exc}"
+    out["steps"] = mgr.steps()
+    mgr.close()
+    return out
