@@ -707,3 +707,21 @@ def manager_out_of_step(rank: int, world: int, root: str) -> dict[str, Any]:
     out["steps"] = mgr.steps()
     mgr.close()
     return out
+
+
+def manager_restore_killed(rank: int, world: int, root: str, mark: str) -> str | None:
+    """Save step 1 on every rank, then restore it with rank 1 killed (SIGKILL) while it reads;
+    -> what the survivor's restore raised."""
+    from ckptio.testing import killed
+
+    opts = ckptio.Options(rank_timeout_s=3, step_timeout_s=60, buffer_bytes=1 << 20,
+                          pool_bytes=4 << 20)
+    mgr = ckptio.CheckpointManager(root, options=opts)
+    mgr.save(1, {"w": torch.arange(4.0), "r": torch.full((2,), float(rank))})
+    if rank == 1:
+        killed._arm("load:read", mark, "kill")
+    try:
+        mgr.restore({"w": torch.zeros(4), "r": torch.zeros(2)})
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

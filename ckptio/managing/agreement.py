@@ -90,7 +90,13 @@ class Ranks:
         group = self.group()
         if group.size == 1:
             return kind == "damaged", mine[1]
-        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        try:
+            reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        except RankFailedError as lost:  # a rank lost: the load's own error says which, where
+            if isinstance(error, RankFailedError):
+                raise error from None
+            raise RankFailedError(f"{lost}; this rank's load had failed: {mine[1]}",
+                                  lost.ranks) from error
         kinds = {k for k, _ in reports}
         why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
         return "damaged" in kinds and "other" not in kinds, why
