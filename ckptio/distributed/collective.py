@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,8 +150,9 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
 
 
 def _with_path(path: str, message: bytes) -> bytes:
-    """``message`` led by the location this rank saves to (same_path() takes it off)."""
-    named = path.encode()
+    """``message`` led by the location this rank saves to (same_path() takes it off); a local
+    path as an absolute one ("ck", "./ck/" alike)."""
+    named = (path if "://" in path else os.path.abspath(path)).encode()
     return len(named).to_bytes(4, "big") + named + message
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 
 from ckptio.distributed.dist import Group
@@ -35,7 +36,9 @@ class SharedManifest:
     rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
 
     def __init__(self, group: Group, path: str) -> None:
-        self.group, self.path, self.pending = group, path, True
+        # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike)
+        self.path = path if "://" in path else os.path.abspath(path)
+        self.group, self.pending = group, True
 
     def __call__(self, produce: Callable[[], bytes]) -> bytes | None:
         """The manifest's bytes: ``produce()``'s on the coordinator (its error raised there
