@@ -165,9 +165,17 @@ def _failed(what: str) -> Callable[[list[str]], str]:
 def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, out: str,
            overwrite: bool, copy_from: str | os.PathLike[str] | None) -> str:
     """Step 1: every rank planned the same files; ``dst`` is usable; -> the temp-file token."""
-    mine = b"" if plan is None else repr([(f.name, f.nbytes) for f in plan.files]).encode()
+    mine = b"" if plan is None else (out.encode() + b"\0" +
+                                     repr([(f.name, f.nbytes) for f in plan.files]).encode())
 
-    def decide(plans: list[bytes]) -> list[bytes]:
+    def decide(sent: list[bytes]) -> list[bytes]:
+        outs = [s.split(b"\0", 1)[0].decode(errors="replace") for s in sent]
+        if len(set(outs)) > 1:
+            raise CkptError(
+                "export_hf: ranks disagree on the destination: " + "; ".join(
+                    f"rank {r}: {o}" for r, o in enumerate(outs)) + ". Every rank writes its "
+                "share of one export: pass the same dst on every rank")
+        plans = [s.split(b"\0", 1)[1] for s in sent]
         if any(p != plans[0] for p in plans):
             raise CkptError("export_hf: the ranks planned different files (was the source "
                             "checkpoint changing, or were the arguments different?)")

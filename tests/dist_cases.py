@@ -652,3 +652,76 @@ def per_rank_values_from(rank: int, world: int, path: str,
         out[name] = {"mine": state["mine"].tolist(), "position": state["loader"]["position"],
                      "rng": state["rng"].tolist()}
     return out
+
+
+# ------------------------------------------------------------------ ranks naming other checkpoints
+
+
+def paths_disagree(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Saves and loads where the ranks pass different paths (a step number or a timestamp in
+    the name that differs between ranks): each refused on every rank with a CkptError, nothing
+    committed; a manager whose ranks save different steps keeps its previous step."""
+    out: dict[str, Any] = {}
+    mine = {"w": torch.arange(6.0), "r": torch.full((2,), float(rank))}  # "r": per rank
+    for name, call in (
+            ("save", lambda: ckptio.save(mine, os.path.join(root, f"step-{rank}"), options=SMALL)),
+            ("load", lambda: ckptio.load(os.path.join(root, "AB"[rank]), back, options=SMALL))):
+        if name == "load":
+            for where, fill in (("A", 1.0), ("B", 2.0)):
+                ckptio.save({"w": torch.full((6,), fill)}, os.path.join(root, where),
+                            options=SMALL)
+        back = {"w": torch.zeros(6)}
+        try:
+            call()
+            out[name] = "no error"
+        except ckptio.CkptError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    out["committed"] = sorted(d for d in os.listdir(root)
+                              if os.path.exists(os.path.join(root, d, "manifest.json")))
+    with ckptio.CheckpointManager(os.path.join(root, "run"), options=SMALL) as mgr:
+        mgr.save(1, mine)
+        try:
+            mgr.save(2 + rank, mine)
+            out["manager"] = "no error"
+        except ckptio.CkptError as exc:
+            out["manager"] = f"{type(exc).__name__}: {exc}"
+        back = {"w": torch.zeros(6), "r": torch.zeros(2)}
+        out["restored"] = mgr.restore(back)
+        out["same"] = bits_equal(back["r"], mine["r"]) and bits_equal(back["w"], mine["w"])
+    return out
+
+
+def manager_out_of_step(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A manager's ranks calling different methods: rank 0 lists its steps while rank 1 saves
+    (each a different first exchange); -> what each call returned or raised, and the steps
+    every rank lists afterwards, in step again."""
+    opts = ckptio.Options(rank_timeout_s=3, step_timeout_s=6, buffer_bytes=1 << 20,
+                          pool_bytes=4 << 20)
+    out: dict[str, Any] = {}
+    mgr = ckptio.CheckpointManager(root, options=opts)
+    mgr.save(1, {"w": torch.arange(4.0)})
+    try:
+        out["mixed"] = repr(mgr.steps() if rank == 0 else mgr.save(2, {"w": torch.ones(4)}))
+    except ckptio.CkptError as exc:
+        out["mixed"] = f"{type(exc).__name__}: {exc}"
+    out["steps"] = mgr.steps()
+    mgr.close()
+    return out
+
+
+def manager_restore_killed(rank: int, world: int, root: str, mark: str) -> str | None:
+    """Save step 1 on every rank, then restore it with rank 1 killed (SIGKILL) while it reads;
+    -> what the survivor's restore raised."""
+    from ckptio.testing import killed
+
+    opts = ckptio.Options(rank_timeout_s=3, step_timeout_s=60, buffer_bytes=1 << 20,
+                          pool_bytes=4 << 20)
+    mgr = ckptio.CheckpointManager(root, options=opts)
+    mgr.save(1, {"w": torch.arange(4.0), "r": torch.full((2,), float(rank))})
+    if rank == 1:
+        killed._arm("load:read", mark, "kill")
+    try:
+        mgr.restore({"w": torch.zeros(4), "r": torch.zeros(2)})
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -186,6 +186,25 @@ def test_a_load_failing_on_one_rank_raises_on_every_rank(tmp_path):
     assert outcome == ["RankFailedError", "StateMismatchError"], outcome
 
 
+def test_ranks_passing_different_paths_are_refused_on_every_rank(tmp_path):
+    """A save whose ranks name different checkpoints used to "succeed" on every rank, rank 0
+    committing a manifest that names rank 1's file in the other directory (a damaged
+    checkpoint); a load gave rank 1 rank 0's manifest (an unrelated missing-file error). Both
+    now fail on every rank naming both paths; a manager keeps its previous step."""
+    root = str(tmp_path)
+    out = run_ranks(2, cases.paths_disagree, root)
+    for rank, got in enumerate(out):
+        for what in ("save", "load", "manager"):
+            assert "ranks disagree on the checkpoint" in got[what], (rank, what, got[what])
+            assert "pass the same path on every rank" in got[what], (rank, what, got[what])
+        assert "step-0" in got["save"] and "step-1" in got["save"], got["save"]
+        assert f"{root}/A" in got["load"] and f"{root}/B" in got["load"], got["load"]
+        assert "step-2" in got["manager"] and "step-3" in got["manager"], got["manager"]
+        assert got["committed"] == ["A", "B"], got["committed"]  # neither step-0 nor step-1
+        assert got["restored"] == 1 and got["same"], got
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-1"]
+
+
 def _reshard_runs_exit_cleanly(tmp_path, runs: int) -> None:
     """``runs`` runs of 4 spawned savers and 2 spawned loaders; run_ranks fails a run if any
     rank exits with a status other than 0."""

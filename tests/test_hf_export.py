@@ -387,6 +387,27 @@ def test_one_rank_failing_fails_every_rank(tmp_path: Path) -> None:
     assert not os.path.exists(dst) or not os.listdir(dst)
 
 
+def export_to_own_dst(rank: int, world: int, src: str, root: str) -> str:
+    try:
+        ckptio.export_hf(src, os.path.join(root, f"hf{rank}"), keys=None, options=OPTS)
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ranks_exporting_to_different_folders_are_refused(tmp_path: Path) -> None:
+    """Each rank wrote its share into its own folder and rank 0 indexed all the files in its
+    own (an export naming files that are elsewhere); now refused on every rank, naming both."""
+    src = str(tmp_path / "ck")
+    run_ranks(2, save_two_ranks, src, timeout_s=300)
+    errors = run_ranks(2, export_to_own_dst, src, str(tmp_path), timeout_s=300)
+    for said in errors:
+        assert "ranks disagree on the destination" in said, said
+        assert str(tmp_path / "hf0") in said and str(tmp_path / "hf1") in said, said
+    assert not any(os.listdir(tmp_path / d) for d in ("hf0", "hf1")
+                   if os.path.exists(tmp_path / d))
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_export_from_dcp_dir_and_torch_save_file(tmp_path: Path, verify: bool) -> None:
     import warnings

@@ -493,6 +493,31 @@ def test_two_ranks_agree_on_steps_retention_and_fallback(tmp_path):
     assert sorted(os.listdir(tmp_path / "run")) == ["step-2", "step-3"]
 
 
+def test_ranks_calling_different_manager_methods_are_told_they_are_out_of_step(tmp_path):
+    """Rank 0 lists steps while rank 1 saves: rank 1 took rank 0's listing for its save's
+    refusal (a CkptError quoting a listing); it now raises RankFailedError naming both calls
+    and the fix, and the ranks, back in step, agree again."""
+    out = run_ranks(2, cases.manager_out_of_step, str(tmp_path / "run"), timeout_s=90)
+    assert out[0]["mixed"] == "[1]", out[0]
+    said = out[1]["mixed"]
+    assert said.startswith("RankFailedError") and "out of step" in said, said
+    assert "refusal" in said and "_listings" in said, said
+    assert "same order with the same arguments" in said, said
+    assert [got["steps"] for got in out] == [[1], [1]]
+
+
+def test_a_rank_killed_during_a_restore_is_named_with_the_step_it_restored(tmp_path):
+    """The survivor of a rank killed mid-restore raised the manager's own exchange's error
+    ("rank 1: no sign of life ...", no checkpoint named); it now raises the load's, naming the
+    step's path and the rank."""
+    root = str(tmp_path / "run")
+    out = run_ranks(2, cases.manager_restore_killed, root, str(tmp_path / "mark"),
+                    timeout_s=90, may_die=(1,), agent_store=True)
+    said = out[0]
+    assert said is not None and said.startswith("RankFailedError"), said
+    assert f"load of {root}/step-1 failed on rank 1" in said, said
+
+
 def test_an_exit_without_close_is_said(tmp_path):
     """A script that saves and exits without mgr.close(): its async saves are committed, and
     one warning at exit names the manager and that its last retention pass did not run (keep_last

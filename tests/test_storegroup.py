@@ -118,6 +118,29 @@ def test_a_live_rank_that_never_arrives_fails_the_step_after_step_timeout():
         assert "alive, but stuck?" in str(results[rank])
 
 
+def test_a_live_rank_given_up_on_is_named_for_why_not_for_silence():
+    """Rank 1 beats but skips a load (its broadcast is never read past step_s): rank 0's next
+    step named it with "no sign of life ... exited, was killed, is frozen" (the rank was
+    alive); it now says it was given up on, why, and that every rank calls each save or load."""
+    others_failed = threading.Event()
+
+    def body(group: StoreGroup) -> Any:
+        if group.rank == 1:  # alive (it beats) but calls nothing
+            return others_failed.wait(timeout=60)
+        try:
+            group.broadcast(b"manifest")  # nobody reads it: rank 1 given up on after step_s
+            return group.gather(b"keys")
+        finally:
+            others_failed.set()
+
+    results = _on_threads(2, body, Deadlines(rank_s=1.0, step_s=1.5))
+    assert results[1] is True
+    said = str(results[0])
+    assert isinstance(results[0], RankFailedError) and results[0].ranks == (1,), said
+    assert "no sign of life" not in said and "given up on in an earlier step" in said, said
+    assert "not calling this save or load: every rank calls each" in said, said
+
+
 class _Clock:
     """A monotonic clock that moves only when told (stands for liveness.time)."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ from ckptio.planning.regular_items import Regular, regular_section, regular_writ
 from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree", "assigned_items",
-           "conclude", "decide_plans", "manifest_of"]
+           "conclude", "decide_plans", "manifest_of", "same_path"]
 
 Guard = contextlib.AbstractContextManager[Any]  # what conclude()'s commit runs in
 
@@ -115,14 +116,15 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     message = None
     if mine is not None:
         try:
-            message = _plan_message(group, mine, memory, reuse)
+            message = _with_path(path, _plan_message(group, mine, memory, reuse))
         except BaseException as exc:  # noqa: BLE001 - sent to the peers, then raised below
             mine, error = None, exc
     decided: list[Decision] = []  # the coordinator's decision (it answers the others)
 
     def decide(messages: list[bytes]) -> list[bytes]:
+        plans = same_path(messages, "save")
         with paused():
-            decided.append(decide_plans(messages, memory, group))
+            decided.append(decide_plans(plans, memory, group))
         return decided[0].answers
 
     try:
@@ -145,6 +147,32 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
                          templates=memory.templates)
     return Agreement(save_id, assignment, decided[0].plans, decided[0].global_plan, regular,
                      keys=memory.keys, templates=memory.templates)
+
+
+def _with_path(path: str, message: bytes) -> bytes:
+    """``message`` led by the location this rank saves to (same_path() takes it off); a local
+    path as an absolute one ("ck", "./ck/" alike)."""
+    named = (path if "://" in path else os.path.abspath(path)).encode()
+    return len(named).to_bytes(4, "big") + named + message
+
+
+def same_path(messages: list[bytes], what: str) -> list[bytes]:
+    """On the coordinator: the messages without their locations (_with_path); CkptError naming
+    the ranks and their locations when the ranks do not all name one checkpoint (each would
+    write or read its own, and the one committed would name files that are elsewhere)."""
+    paths, bodies = [], []
+    for message in messages:
+        size = int.from_bytes(message[:4], "big")
+        paths.append(message[4:4 + size].decode(errors="replace"))
+        bodies.append(message[4 + size:])
+    if len(set(paths)) > 1:
+        said = "; ".join(f"rank {rank}: {where}" for rank, where in enumerate(paths)
+                         if where != paths[0])
+        raise CkptError(f"ranks disagree on the checkpoint: rank 0 passed {paths[0]}, {said}. "
+                        f"A collective {what} is of one checkpoint: pass the same "
+                        "path on every rank (with CheckpointManager, the same step), or a "
+                        "process_group= of the ranks that share each path")
+    return bodies
 
 
 def _plan_message(group: Group, mine: RankPlan, memory: Memory, reuse: bool) -> bytes:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
-from ckptio.errors import RankFailedError
+from ckptio.errors import CkptError, RankFailedError
 
 __all__ = ["SharedManifest", "UnexpectedKeys", "agree_loaded", "nobody_asks"]
 
@@ -34,7 +35,9 @@ class SharedManifest:
     (``fail``). The coordinator goes on once every
     rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, path: str) -> None:
+        # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike)
+        self.path = path if "://" in path else os.path.abspath(path)
         self.group, self.pending = group, True
 
     def __call__(self, produce: Callable[[], bytes]) -> bytes | None:
@@ -48,14 +51,28 @@ class SharedManifest:
                 got = self.group.broadcast(None)
             except RankFailedError:
                 return None
-            return got[1:] if got[:1] == _SENT else None
+            return self._same_path(got[1:]) if got[:1] == _SENT else None
         try:
             raw = produce()
         except BaseException:
             self._read_yourself()
             raise
-        self.group.broadcast(_SENT + raw)
+        named = self.path.encode()
+        self.group.broadcast(_SENT + len(named).to_bytes(4, "big") + named + raw)
         return raw
+
+    def _same_path(self, sent: bytes) -> bytes:
+        """The coordinator's manifest, if it read the checkpoint this rank loads; else
+        CkptError (its manifest names files of another checkpoint)."""
+        size = int.from_bytes(sent[:4], "big")
+        theirs = sent[4:4 + size].decode(errors="replace")
+        if theirs != self.path:
+            raise CkptError(
+                f"ranks disagree on the checkpoint: rank {self.group.rank} loads {self.path}, "
+                f"rank 0 loads {theirs}. A collective load is of one checkpoint: pass the same "
+                "path on every rank (with CheckpointManager.restore, the same step), or a "
+                "process_group= of the ranks that share each path")
+        return sent[4 + size:]
 
     def skip(self) -> None:
         """This rank's load opens no committed manifest (a file): it still takes its part, so

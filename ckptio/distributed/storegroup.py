@@ -79,6 +79,7 @@ class StoreGroup:
         self._failed_seen = False
         self._sent = False  # this rank's last gather message is still in the store
         self._dead: set[int] = set()  # found dead after a decision stood (see _delivered)
+        self._why: dict[int, str] = {}  # why each of _dead was given up on, for later steps
 
     # ------------------------------------------------------------- the Group protocol
 
@@ -231,6 +232,7 @@ class StoreGroup:
                        lambda: list(range(1, self.size)), "the answers to be read", record=False)
         except RankFailedError as lost:
             self._dead.update(lost.ranks)
+            self._why.update({r: f"given up on in an earlier step: {lost}" for r in lost.ranks})
             log.warning("ckptio: rank 0 answered, but not every rank read it: %s", lost)
             return False
         return True
@@ -262,16 +264,20 @@ class StoreGroup:
     def _judge(self, missing: list[int], watch: Watch, waited_s: float, what: str,
                patience: float) -> tuple[list[int], str] | None:
         by_global = {self.members[r]: r for r in missing if r not in self._dead}
-        dead = sorted({by_global[g] for g in watch.stale(by_global)} | (self._dead & {*missing}))
-        if dead:
+        stale = {by_global[g] for g in watch.stale(by_global)}
+        dead = sorted(stale | (self._dead & {*missing}))
+        if dead and (stale or not all(r in self._why for r in dead)):
             return dead, (f"no sign of life for {self.deadlines.rank_s:g} s (Options."
                           f"rank_timeout_s) while rank {self.rank} waited for {what}: its "
                           "process exited, was killed, is frozen or was cut off")
+        if dead:  # alive, but given up on before (late past step_timeout_s): say why
+            return dead, self._why[dead[0]]
         limit_s = patience * self.deadlines.step_s
         if missing and waited_s > limit_s:
             unseen = [r for r in missing if watch.seen.get(self.members[r], (0, 0.0))[0] == 0]
             why = ("never seen alive by ckptio: it may have failed before its first save or load"
-                   if len(unseen) == len(missing) else "alive, but stuck?")
+                   if len(unseen) == len(missing) else
+                   "alive, but stuck? (or not calling this save or load: every rank calls each)")
             return missing, (f"did not send {what} within {limit_s:g} s ({patience:g} x "
                              f"Options.step_timeout_s) while rank {self.rank} waited; {why}")
         return None

@@ -57,8 +57,16 @@ class Ranks:
         group = self.group()
         if group.size == 1:
             return decide()
+        what = _decision(decide)
         if group.rank != COORDINATOR:
             answer = json.loads(group.broadcast(None))
+            if answer.get("what") != what:  # rank 0 answered another call of the manager
+                raise RankFailedError(
+                    f"checkpoint manager of {self._where}: the ranks are out of step: rank "
+                    f"{group.rank} waited for {what}, rank 0 answered "
+                    f"{answer.get('what')}. Every rank calls the manager's methods in the same "
+                    "order with the same arguments (restore(state, step=...) alike on every "
+                    "rank); restart the job's ranks together")
             if "error" in answer:
                 raise RankFailedError(f"checkpoint manager of {self._where}: rank 0 failed: "
                                       f"{answer['error']}")
@@ -66,9 +74,10 @@ class Ranks:
         try:
             value = decide()
         except Exception as exc:
-            group.broadcast(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            group.broadcast(json.dumps({"what": what,
+                                        "error": f"{type(exc).__name__}: {exc}"}).encode())
             raise
-        data = json.dumps({"value": value}).encode()
+        data = json.dumps({"what": what, "value": value}).encode()
         group.broadcast(data)
         return json.loads(data)["value"]  # exactly what the other ranks got
 
@@ -81,10 +90,23 @@ class Ranks:
         group = self.group()
         if group.size == 1:
             return kind == "damaged", mine[1]
-        reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        try:
+            reports = [json.loads(b) for b in group.all_gather(json.dumps(mine).encode())]
+        except RankFailedError as lost:  # a rank lost: the load's own error says which, where
+            if isinstance(error, RankFailedError):
+                raise error from None
+            raise RankFailedError(f"{lost}; this rank's load had failed: {mine[1]}",
+                                  lost.ranks) from error
         kinds = {k for k, _ in reports}
         why = "; ".join(f"rank {r}: {m}" for r, (k, m) in enumerate(reports) if k == "damaged")
         return "damaged" in kinds and "other" not in kinds, why
+
+
+def _decision(decide: Callable[[], Any]) -> str:
+    """The name of what ``decide`` decides (a function, or a partial of one), alike on every rank
+    that calls the same method of the manager."""
+    func = getattr(decide, "func", decide)
+    return str(getattr(func, "__qualname__", type(func).__qualname__))
 
 
 def _default_group() -> Any:
