@@ -719,7 +719,7 @@ def manager_restore_killed(rank: int, world: int, root: str, mark: str) -> str |
     mgr = ckptio.CheckpointManager(root, options=opts)
     mgr.save(1, {"w": torch.arange(4.0), "r": torch.full((2,), float(rank))})
     if rank == 1:
-        killed._arm("load:read", mark, "kill")
+        killed.arm("load:read", mark, "kill")
     try:
         mgr.restore({"w": torch.zeros(4), "r": torch.zeros(2)})
     except ckptio.CkptError as exc:

@@ -25,7 +25,7 @@ import ckptio
 from ckptio.distributed import collective, loadsteps, rankplan, storegroup
 from ckptio.saving import persist
 
-__all__ = ["PHASES", "killer", "load_killed", "options", "process_state", "save_for_load",
+__all__ = ["PHASES", "arm", "killer", "load_killed", "options", "process_state", "save_for_load",
            "save_killed", "victim_pid"]
 
 PHASES = ("save:plan", "save:agree", "save:write", "save:conclude", "load:keys", "load:read",
@@ -74,7 +74,7 @@ def process_state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]  # after "pid (name)": the name may hold spaces
 
 
-def _arm(phase: str, mark: str, how: str) -> None:
+def arm(phase: str, mark: str, how: str) -> None:
     """Make this process die (or freeze) at ``phase``."""
     Path(f"{mark}.pid.tmp").write_text(str(os.getpid()))
     os.replace(f"{mark}.pid.tmp", f"{mark}.pid")  # whole when it appears
@@ -114,7 +114,7 @@ def save_killed(rank: int, world: int, path: str, phase: str, victim: int, mark:
                 deadline_s: float, how: str = "kill") -> Any:
     ckptio.save(state(rank, 1), path, options=options(deadline_s))
     if rank == victim:
-        _arm(phase, mark, how)
+        arm(phase, mark, how)
     return _outcome(lambda: ckptio.save(state(rank, 2), path, options=options(deadline_s)),
                     mark)
 
@@ -126,6 +126,6 @@ def save_for_load(rank: int, world: int, path: str) -> None:
 def load_killed(rank: int, world: int, path: str, phase: str, victim: int, mark: str,
                 deadline_s: float, how: str = "kill") -> Any:
     if rank == victim:
-        _arm(phase, mark, how)
+        arm(phase, mark, how)
     into = state(rank, 0)
     return _outcome(lambda: ckptio.load(path, into, options=options(deadline_s)), mark)
