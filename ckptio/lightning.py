@@ -17,7 +17,8 @@ Lightning's file-oriented checkpoint paths map onto ckptio checkpoints, which ar
 Does not own: the checkpoint format, the save and load (ckptio's Checkpointer), nor which
 checkpoints to keep (Lightning's ModelCheckpoint).
 Works with ``import lightning`` and with the standalone ``pytorch_lightning`` package (the
-classes subclass one package's CheckpointIO and are registered with the other's).
+classes subclass one package's CheckpointIO and are registered with the other's). The random
+generators, which Lightning's checkpoint lacks: ``RNGStateCallback`` (ckptio/lightning_rng.py).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ from ckptio import (
     UnsupportedStateError,
 )
 from ckptio.distributed.dist import rank_alone_group
+from ckptio.lightning_rng import RNGStateCallback
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.local.durable import fsync_path
 
-__all__ = ["AsyncCheckpointIO", "CheckpointIO", "load_from_checkpoint"]
+__all__ = ["AsyncCheckpointIO", "CheckpointIO", "RNGStateCallback", "load_from_checkpoint"]
 
 _BASES = ("lightning.fabric.plugins.io.checkpoint_io", "lightning_fabric.plugins.io.checkpoint_io")
 _HIDDEN = re.compile(r"\.deleting-.+-[0-9a-f]{8}$")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,7 @@ from ckptio.planning.globalplan import (
     plan_global,
 )
 from ckptio.planning.regular_items import Regular, regular_section, regular_writes
+from ckptio.storage.select import compared
 from ckptio.storage.store_contract import Exclusive, Store, new_save_id
 
 __all__ = ["Agreement", "Decision", "Memory", "RankPlan", "agree", "assigned_items",
@@ -152,7 +152,7 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
 def _with_path(path: str, message: bytes) -> bytes:
     """``message`` led by the location this rank saves to (same_path() takes it off); a local
     path as an absolute one ("ck", "./ck/" alike)."""
-    named = (path if "://" in path else os.path.abspath(path)).encode()
+    named = compared(path).encode()
     return len(named).to_bytes(4, "big") + named + message
 
 

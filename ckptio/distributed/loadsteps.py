@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable
 
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, RankFailedError
+from ckptio.storage.select import compared
 
 __all__ = ["SharedManifest", "UnexpectedKeys", "agree_loaded", "nobody_asks"]
 
@@ -37,7 +37,7 @@ class SharedManifest:
 
     def __init__(self, group: Group, path: str) -> None:
         # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike)
-        self.path = path if "://" in path else os.path.abspath(path)
+        self.path = compared(path)
         self.group, self.pending = group, True
 
     def __call__(self, produce: Callable[[], bytes]) -> bytes | None:

@@ -48,6 +48,7 @@ __all__ = [
     "StoreFactory",
     "capped",
     "checkpoint_path",
+    "compared",
     "is_checkpoint_id",
     "local_path",
     "register_store",
@@ -291,6 +292,12 @@ def local_path(path: str | os.PathLike[str]) -> str:
         raise UnsupportedPathError(f"{text}: this needs a local (or mounted) directory, not a "
                                    f"{scheme}:// location")
     return text
+
+
+def compared(location: str) -> str:
+    """``location`` as ranks compare theirs: a local path made absolute ("ck", "./ck/" and
+    "/run/ck" alike where that is the working directory), a URL as it is."""
+    return location if "://" in location else os.path.abspath(location)
 
 
 def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:

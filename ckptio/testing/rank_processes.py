@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -36,9 +37,32 @@ __all__ = ["EXIT_WAIT_S", "PRELOAD", "RanksFailed", "free_port", "run_ranks", "w
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port of 127.0.0.1 free now, for a store a rank binds later: drawn below the kernel's
+    ephemeral range (ip_local_port_range), where no other process's outgoing connection takes
+    it meanwhile (a port the kernel handed out as free was once taken that way before rank 0
+    bound it: EADDRINUSE, and the other ranks waited for a store that never came)."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()  # not the tests' seeded generator: processes would collide
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: draw another
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _main(fn: Callable[..., Any], rank: int, world_size: int, port: int, timeout_s: float,

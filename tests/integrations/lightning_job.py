@@ -102,6 +102,8 @@ def run(spec: dict[str, Any]) -> L.Trainer:
                                                    save_top_k=spec.get("top_k", -1))]
     if spec.get("kill_at") is not None:
         callbacks.append(Killer(spec["kill_at"], spec.get("committed")))
+    if spec.get("rng"):  # every rank's generators in the checkpoint (gathered over DDP's group)
+        callbacks.append(ckptio.lightning.RNGStateCallback())
     devices = spec.get("devices", 1)  # 2: DDP over gloo (Lightning starts the second process)
     trainer = L.Trainer(max_epochs=spec.get("epochs", 4), accelerator="cpu", devices=devices,
                         strategy="ddp" if devices > 1 else "auto",

@@ -73,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec["sync"]["kill_at"] = spec["async"]["kill_at"] = KILL_AT
     spec["async"].update(plugin="async", committed=str(base / "async" / "epoch=0-step=8.ckpt"))
     for name in ("ddp-reference", "ddp-async"):  # two ranks: 4 steps an epoch
-        spec[name].update(devices=2, plugin="async")
+        spec[name].update(devices=2, plugin="async", rng=True)
     spec["ddp-async"].update(kill_at=DDP_KILL_AT,
                              committed=str(base / "ddp-async" / "epoch=0-step=4.ckpt"))
     killed = _run_all(spec, base / "logs")
@@ -87,7 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "ddp": {"dir": str(base / "ddp"), "ckpt_path": str(base / "from-1-process"),
                 "devices": 2, "top_k": 1},
         "ddp-async-last": {"dir": str(base / "ddp-async"), "ckpt_path": "last", "devices": 2,
-                           "plugin": "async"},
+                           "plugin": "async", "rng": True},
     }
     for name, s in resumes.items():
         s["losses"] = str(base / f"{name}.losses")
@@ -454,7 +454,8 @@ def test_ddp_two_ranks_resume_and_rank_0_saves_alone(runs: dict[str, Any]) -> No
 def test_ddp_async_sigkill_then_resume_from_last_is_bitwise(runs: dict[str, Any]) -> None:
     """Two gloo ranks with AsyncCheckpointIO, both killed at step 10 (epochs 0 and 1 saved,
     the second perhaps still in flight), resumed on two ranks from "last": every loss after
-    the resume equals the uninterrupted two-rank run's, bit for bit."""
+    the resume equals the uninterrupted two-rank run's, bit for bit. RNGStateCallback in these
+    runs: the checkpoint holds both ranks' generators (gathered over DDP's group)."""
     exits, losses = runs["exit"], runs["losses"]
     assert exits["ddp-reference"][0] == 0, exits["ddp-reference"][1][-3000:]
     assert exits["ddp-async"][0] != 0  # killed
@@ -466,7 +467,10 @@ def test_ddp_async_sigkill_then_resume_from_last_is_bitwise(runs: dict[str, Any]
     first = min(losses["ddp-async-last"])
     assert first in (STEPS_PER_EPOCH // 2, STEPS_PER_EPOCH), first
     _assert_bitwise_from(losses["ddp-async-last"], reference, first, end)
-    assert ckptio.load(runs["base"] / "ddp-async" / "last.ckpt")["global_step"] == end
+    last = ckptio.load(runs["base"] / "ddp-async" / "last.ckpt")
+    assert last["global_step"] == end
+    generators = last["callbacks"]["ckptio.RNGState"]["ranks"]
+    assert len(generators) == 2 and all(g["torch"].dtype == torch.uint8 for g in generators)
 
 
 class _Dropout(Tiny):
@@ -478,16 +482,17 @@ class _Dropout(Tiny):
                                        torch.nn.Linear(16, 1))
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning saves no generator state and neither plugin "
-                   "adds one: a resume of a run using randomness (dropout, shuffle=True) is not "
-                   "bitwise (docs/guides/lightning.md, 'Randomness')")
-def test_resume_of_a_run_with_dropout_is_bitwise(tmp_path: Path) -> None:
+def test_resume_of_a_run_with_dropout_is_bitwise_with_the_rng_callback(tmp_path: Path) -> None:
+    """Lightning's checkpoint holds no generator state: with dropout, every step after an
+    epoch-boundary resume differed from the uninterrupted run's. ckptio.lightning's
+    RNGStateCallback saves the generators and restores them when the fit resumes: bitwise."""
     def run(name: str, epochs: int, ckpt_path: str | None = None) -> dict[int, str]:
         losses = tmp_path / f"{name}.losses"
         torch.manual_seed(0)
         _fit(tmp_path, plugin("sync"), epochs=epochs, model=_Dropout(str(losses)),
              ckpt_path=ckpt_path,
-             callbacks=[ModelCheckpoint(dirpath=tmp_path / name.split("-")[0], save_last=True)])
+             callbacks=[ModelCheckpoint(dirpath=tmp_path / name.split("-")[0], save_last=True),
+                        ckptio.lightning.RNGStateCallback()])
         return read_losses(losses)
 
     reference = run("reference", 2)
