@@ -36,6 +36,7 @@ import torch
 
 from ckptio.alignment import BLOCK, align_down
 from ckptio.api import Checkpointer
+from ckptio.distributed import wire
 from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
@@ -57,7 +58,7 @@ from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
 from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.s3.client import is_s3
-from ckptio.storage.select import local_path, store_for
+from ckptio.storage.select import compared, local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]
 
@@ -165,17 +166,17 @@ def _failed(what: str) -> Callable[[list[str]], str]:
 def _agree(group: Group, plan: ExportPlan | None, error: BaseException | None, out: str,
            overwrite: bool, copy_from: str | os.PathLike[str] | None) -> str:
     """Step 1: every rank planned the same files; ``dst`` is usable; -> the temp-file token."""
-    mine = b"" if plan is None else (out.encode() + b"\0" +
-                                     repr([(f.name, f.nbytes) for f in plan.files]).encode())
+    mine = b"" if plan is None else wire.with_location(
+        compared(out), repr([(f.name, f.nbytes) for f in plan.files]).encode())
 
     def decide(sent: list[bytes]) -> list[bytes]:
-        outs = [s.split(b"\0", 1)[0].decode(errors="replace") for s in sent]
+        split = [wire.split_location(message) for message in sent]
+        outs, plans = [where for where, _ in split], [body for _, body in split]
         if len(set(outs)) > 1:
             raise CkptError(
                 "export_hf: ranks disagree on the destination: " + "; ".join(
                     f"rank {r}: {o}" for r, o in enumerate(outs)) + ". Every rank writes its "
                 "share of one export: pass the same dst on every rank")
-        plans = [s.split(b"\0", 1)[1] for s in sent]
         if any(p != plans[0] for p in plans):
             raise CkptError("export_hf: the ranks planned different files (was the source "
                             "checkpoint changing, or were the arguments different?)")

@@ -116,7 +116,8 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
     message = None
     if mine is not None:
         try:
-            message = _with_path(path, _plan_message(group, mine, memory, reuse))
+            message = wire.with_location(compared(path), _plan_message(group, mine, memory,
+                                                                       reuse))
         except BaseException as exc:  # noqa: BLE001 - sent to the peers, then raised below
             mine, error = None, exc
     decided: list[Decision] = []  # the coordinator's decision (it answers the others)
@@ -149,22 +150,12 @@ def agree(group: Group, mine: RankPlan | None, error: BaseException | None, memo
                      keys=memory.keys, templates=memory.templates)
 
 
-def _with_path(path: str, message: bytes) -> bytes:
-    """``message`` led by the location this rank saves to (same_path() takes it off); a local
-    path as an absolute one ("ck", "./ck/" alike)."""
-    named = compared(path).encode()
-    return len(named).to_bytes(4, "big") + named + message
-
-
 def same_path(messages: list[bytes], what: str) -> list[bytes]:
-    """On the coordinator: the messages without their locations (_with_path); CkptError naming
-    the ranks and their locations when the ranks do not all name one checkpoint (each would
-    write or read its own, and the one committed would name files that are elsewhere)."""
-    paths, bodies = [], []
-    for message in messages:
-        size = int.from_bytes(message[:4], "big")
-        paths.append(message[4:4 + size].decode(errors="replace"))
-        bodies.append(message[4 + size:])
+    """On the coordinator: the messages without their locations (wire.with_location); CkptError
+    naming the ranks and their locations when the ranks do not all name one checkpoint (each
+    would write or read its own, and the one committed would name files that are elsewhere)."""
+    split = [wire.split_location(message) for message in messages]
+    paths, bodies = [where for where, _ in split], [body for _, body in split]
     if len(set(paths)) > 1:
         said = "; ".join(f"rank {rank}: {where}" for rank, where in enumerate(paths)
                          if where != paths[0])

@@ -18,6 +18,7 @@ import contextlib
 import json
 from collections.abc import Callable
 
+from ckptio.distributed import wire
 from ckptio.distributed.dist import Group
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, RankFailedError
@@ -57,22 +58,20 @@ class SharedManifest:
         except BaseException:
             self._read_yourself()
             raise
-        named = self.path.encode()
-        self.group.broadcast(_SENT + len(named).to_bytes(4, "big") + named + raw)
+        self.group.broadcast(_SENT + wire.with_location(self.path, raw))
         return raw
 
     def _same_path(self, sent: bytes) -> bytes:
         """The coordinator's manifest, if it read the checkpoint this rank loads; else
         CkptError (its manifest names files of another checkpoint)."""
-        size = int.from_bytes(sent[:4], "big")
-        theirs = sent[4:4 + size].decode(errors="replace")
+        theirs, raw = wire.split_location(sent)
         if theirs != self.path:
             raise CkptError(
                 f"ranks disagree on the checkpoint: rank {self.group.rank} loads {self.path}, "
                 f"rank 0 loads {theirs}. A collective load is of one checkpoint: pass the same "
                 "path on every rank (with CheckpointManager.restore, the same step), or a "
                 "process_group= of the ranks that share each path")
-        return sent[4 + size:]
+        return raw
 
     def skip(self) -> None:
         """This rank's load opens no committed manifest (a file): it still takes its part, so

@@ -36,11 +36,25 @@ from ckptio.planning.regular_items import Regular, RegularItem
 
 __all__ = ["Layout", "Values", "WireError", "decode_answer", "decode_layout", "decode_plan",
            "decode_regular", "decode_result", "decode_tree", "encode_answer", "encode_plan",
-           "encode_replan", "encode_result", "fingerprint", "layout_parts"]
+           "encode_replan", "encode_result", "fingerprint", "layout_parts", "split_location",
+           "with_location"]
 
 
 class WireError(CkptError):
     """A peer sent a message this rank cannot read (mixed ckptio versions?)."""
+
+
+def with_location(location: str, body: bytes) -> bytes:
+    """``body`` led by the location it is about (a save's, a load's, an export's), so that the
+    receiver can check every rank named the same one (split_location)."""
+    named = location.encode()
+    return len(named).to_bytes(4, "big") + named + body
+
+
+def split_location(message: bytes) -> tuple[str, bytes]:
+    """with_location's (location, body)."""
+    size = int.from_bytes(message[:4], "big")
+    return message[4:4 + size].decode(errors="replace"), message[4 + size:]
 
 
 def _dumps(value: Any) -> bytes:

@@ -297,7 +297,7 @@ def local_path(path: str | os.PathLike[str]) -> str:
 def compared(location: str) -> str:
     """``location`` as ranks compare theirs: a local path made absolute ("ck", "./ck/" and
     "/run/ck" alike where that is the working directory), a URL as it is."""
-    return location if "://" in location else os.path.abspath(location)
+    return location if scheme_of(location) is not None else os.path.abspath(location)
 
 
 def store_for(path: str | os.PathLike[str], options: Options | None = None) -> Store:
