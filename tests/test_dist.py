@@ -337,7 +337,11 @@ def test_per_rank_from_a_mapping_or_a_function_picks_each_ranks_saved_rank(tmp_p
     # one process: the same rules, and a rank the rule does not name (or names wrongly) refused
     assert ckptio.load(path, keys="mine", per_rank_from={0: 1})["mine"].tolist() == [1.0] * 3
     assert ckptio.load(path, keys="mine", per_rank_from=lambda r: r)["mine"].tolist() == [0.0] * 3
-    for policy, said in (({1: 0}, "None"), (lambda r: 2, "2")):
+    for policy, said in (({0: None}, "None"), (lambda r: 2, "2")):
         with pytest.raises(ckptio.StateMismatchError,
                            match=f"per_rank_from gave saved rank {said} for rank 0; .* ranks 0..1"):
             ckptio.load(path, keys="mine", per_rank_from=policy)
+    with pytest.raises(ckptio.StateMismatchError,
+                       match=r"per_rank_from \(a mapping .*\) has no entry for rank 0 of 1; .*"
+                             r"ranks 0..1"):
+        ckptio.load(path, keys="mine", per_rank_from={1: 0})

@@ -138,7 +138,12 @@ def source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int
     if policy is None:
         return rank if world_size == saved_world else None
     if isinstance(policy, Mapping):
-        chosen = policy.get(rank)
+        if rank not in policy:
+            raise StateMismatchError(
+                f"per_rank_from (a mapping new rank -> saved rank) has no entry for rank {rank} "
+                f"of {world_size}; give every new rank one (the checkpoint was saved by ranks "
+                f"0..{saved_world - 1}), or pass a function or one saved rank for all")
+        chosen = policy[rank]
     elif callable(policy):
         chosen = policy(rank)
     else:
