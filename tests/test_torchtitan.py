@@ -237,6 +237,21 @@ def test_resume_passes_over_a_partial_newer_step(tmp_path: Path) -> None:
     assert ckptio.verify(partial) > 0  # saved again, whole, by the resumed job
 
 
+def test_load_step_from_an_older_step_refuses_its_first_save(tmp_path: Path) -> None:
+    """The guide's Limits: resuming with load_step from an older step of a folder holding later
+    ones fails at its first save, naming the later steps, which stay."""
+    _train(Job(tmp_path, last_save_model_only=False), until=6)  # steps 2, 4, 6
+    job = Job(tmp_path, last_save_model_only=False)
+    assert job.checkpointer.load(step=2) and job.state.step == 2
+    job.step()
+    with pytest.raises(CkptError, match=r"step 4 is older than .*step 4 itself is committed"
+                                        r".*\[6\] in .*above 6"):
+        job.step()
+    job.checkpointer.close()
+    assert _steps(tmp_path) == ["step-2", "step-4", "step-6"]
+    assert all(ckptio.verify(tmp_path / "checkpoint" / n) > 0 for n in _steps(tmp_path))
+
+
 def test_last_step_model_only_in_export_dtype_and_a_restart_loads_it(tmp_path: Path) -> None:
     job = Job(tmp_path, last_save_model_only=True, export_dtype="bfloat16")
     _train(job)

@@ -62,16 +62,18 @@ class InFlight:
         if pending is not None and pending.step == step and not pending.handle.done():
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
         level.finish_removal(step)
-        if level.is_committed(step) and not level.is_damaged(step):
+        taken = level.is_committed(step) and not level.is_damaged(step)
+        newer = self._newer(levels, step)
+        if taken and not newer:
             return (f"step {step} already has a committed checkpoint at {path}; steps are never "
                     f"saved over: save under another step number, or remove {path} first to "
                     "replace it")
-        newer = self._newer(levels, step)
         if not newer:
             return None
         where = "; ".join(f"{steps[:10]} in {tier}" for tier, steps in newer.items())
         last = max(s for steps in newer.values() for s in steps)
-        return (f"step {step} is older than step(s) committed before it: {where}. restore() "
+        also = f" (and step {step} itself is committed at {path})" if taken else ""
+        return (f"step {step} is older than step(s) committed before it{also}: {where}. restore() "
                 "resumes from the newest step and retention keeps the newest, so this save "
                 "would be dropped or passed over, and a restart would resume from step "
                 f"{last}. After a rollback (restore(state, step=N)), remove those newer steps "
