@@ -24,7 +24,7 @@ from ckptio import packed, stepmeta
 from ckptio.distributed import loadsteps, readshare
 from ckptio.distributed.dist import Solo, current_group, piece_of
 from ckptio.distributed.rankgroups import RankGroups
-from ckptio.errors import CkptError, SaveTimeoutError, restated
+from ckptio.errors import CkptError, SaveTimeoutError, restated, seconds_to_wait
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import LoadReport
@@ -121,6 +121,7 @@ class Checkpointer:
         seconds (naming the rank and the file it waits for); then nothing is freed (the save
         still uses the pool): close() again later."""
         timed_out = False
+        timeout = seconds_to_wait("Checkpointer.close", timeout)
         try:
             self._settle(timeout)
         except SaveTimeoutError:
@@ -264,7 +265,7 @@ class Checkpointer:
         yet (the next save would raise it first). A CheckpointManager calls it before it
         chooses a delta's base among the committed steps. ``timeout``: SaveTimeoutError if it
         has not finished within that many seconds (it goes on; settle again later)."""
-        self._settle(timeout)
+        self._settle(seconds_to_wait("Checkpointer.settle", timeout))
 
     def _settle(self, timeout: float | None = None) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""

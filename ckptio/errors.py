@@ -1,6 +1,7 @@
 """The one exception family ckptio raises.
 
-Owns: CkptError and its subclasses, and restating one with more said first. Every message
+Owns: CkptError and its subclasses, restating one with more said first, and refusing a
+``timeout=`` that is not a number of seconds (every public wait's argument). Every message
 names what went wrong (key, file, rank where known) and how to fix it. Does not own: deciding
 when to raise (each module raises its own).
 """
@@ -12,7 +13,8 @@ import copy
 __all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
-           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "restated"]
+           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "restated",
+           "seconds_to_wait"]
 
 
 class CkptError(Exception):
@@ -91,3 +93,15 @@ def restated(error: BaseException, prefix: str) -> BaseException:
     again = copy.copy(error)
     again.args = (f"{prefix}{error}", *error.args[1:])
     return again
+
+
+def seconds_to_wait(call: str, timeout: object) -> float | None:
+    """``timeout`` as the public waits take it (None: no limit; seconds >= 0), or a CkptError
+    naming ``call``: a negative or NaN limit gave up at once and said the save was stuck."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise CkptError(f"{call}(timeout={timeout!r}): a number of seconds >= 0, or None to "
+                        "wait as long as it takes")
+    return float(timeout)
+

@@ -605,3 +605,25 @@ def test_an_emergency_save_after_ctrl_c_in_a_save_is_made(tmp_path, monkeypatch)
     mgr.save(3, _state(3), force=True)
     mgr.close()
     assert mgr.steps() == [1, 3] and ckptio.load(run / "step-3")["step"] == 3
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "5", True])
+def test_a_timeout_that_is_not_seconds_is_refused_by_every_public_wait(tmp_path, timeout):
+    """A negative or NaN limit gave up at once and blamed the storage; a string raised torch's
+    or threading's TypeError. Every public wait refuses it by name; the manager stays open."""
+    ck = Checkpointer()
+    handle = ck.async_save(_state(1), str(tmp_path / "one"))
+    mgr = CheckpointManager(str(tmp_path / "run"), checkpointer=ck)
+    mgr.save(1, _state(1), asynchronous=True)
+    calls = {"SaveHandle.wait": handle.wait, "Checkpointer.settle": ck.settle,
+             "CheckpointManager.wait": mgr.wait, "CheckpointManager.drained": mgr.drained,
+             "CheckpointManager.protected": mgr.protected, "CheckpointManager.close": mgr.close,
+             "Checkpointer.close": ck.close}
+    for name, call in calls.items():
+        with pytest.raises(CkptError, match=rf"^{re.escape(name)}\(timeout=.*\): a number of "
+                                            r"seconds >= 0, or None"):
+            call(timeout=timeout)
+    mgr.save(2, _state(2))  # not closed by the refused close()
+    assert mgr.steps() == [1, 2] and handle.wait(timeout=60).nbytes > 0
+    mgr.close()
+    ck.close()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ckptio.distributed.dist import COORDINATOR
-from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError, seconds_to_wait
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.declare import check_step
 from ckptio.managing.parts import ManagerParts
@@ -135,6 +135,7 @@ class CheckpointManager(ManagerParts):
         """Wait until every step saved so far is protected across hosts (or given up, said in
         status()) -> True, or ``timeout`` -> False; raises, once, the first protection error
         not raised yet. True at once without redundancy."""
+        timeout = seconds_to_wait("CheckpointManager.protected", timeout)
         self.wait()
         return True if self._guard is None else self._guard.wait(timeout)
 
@@ -142,6 +143,7 @@ class CheckpointManager(ManagerParts):
         """Wait until the drain has copied every due step (-> True) or ``timeout`` (-> False);
         raises, once, the first drain error not raised yet. True at once with one tier, and
         on the ranks not running the drain."""
+        timeout = seconds_to_wait("CheckpointManager.drained", timeout)
         self.wait()
         return True if self._drain is None else self._drain.wait(timeout)
 

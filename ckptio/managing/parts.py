@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import SaveTimeoutError
+from ckptio.errors import SaveTimeoutError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -200,7 +200,7 @@ class ManagerParts:
         The followers are not waited for (drained(), protected()), except once preemption is
         reached: then the newest step goes on to every slower tier, unpaced, and wait()
         returns once it is durable there (docs/MANAGER.md, Preemption)."""
-        result, committed = self._saves.wait(timeout)
+        result, committed = self._saves.wait(seconds_to_wait("CheckpointManager.wait", timeout))
         for done in committed:
             self._committed(done)
         if self._drain is not None and self._policy.triggers.preempted:
@@ -221,6 +221,7 @@ class ManagerParts:
         made it. ``timeout``: as wait()'s, for the save in flight; then nothing is closed
         (close() again later)."""
         timed_out = False
+        timeout = seconds_to_wait("CheckpointManager.close", timeout)
         try:
             self.wait(timeout)
         except SaveTimeoutError:

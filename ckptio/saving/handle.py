@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CkptError, SaveTimeoutError
+from ckptio.errors import CkptError, SaveTimeoutError, seconds_to_wait
 from ckptio.format.types import WriteItem
 from ckptio.planning.sharding import local_tensor
 from ckptio.saving.handover import Handover
@@ -96,7 +96,7 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Block until durable and committed; the background error, if any, is raised here.
         SaveTimeoutError after ``timeout`` seconds (the save goes on). Safe from any thread."""
-        return self._control.wait(timeout)
+        return self._control.wait(seconds_to_wait("SaveHandle.wait", timeout))
 
 
 class HandleControl:
