@@ -134,7 +134,7 @@ class Checkpointer:
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,
              metadata: Mapping[str, Any] | None = None,
-             base: str | os.PathLike[str] | None = None, overwrite: bool = True) -> SaveResult:
+             base: str | os.PathLike[str] | None = None, overwrite: bool | None = None) -> SaveResult:
         """Write ``state`` to ``path``; returns once every byte is durable and committed
         (with many ranks: a collective, see async_save). ``metrics`` (str -> number) and
         ``metadata`` (str -> JSON) are stored in the manifest (stepmeta.py), read back without
@@ -145,9 +145,12 @@ class Checkpointer:
         a chunk equal to the base's is referenced, not written; a changed one may be stored as
         its XOR with the base's, compressed (Options.compression). Loading it reads the base
         too, so keep the base while the delta is kept.
-        ``overwrite=False``: refuse (CheckpointLockedError, nothing written) if ``path`` holds
-        a committed checkpoint once this save holds its lock, e.g. one another process committed
-        while this save waited for it (a CheckpointManager never replaces a committed step)."""
+        ``overwrite``: a checkpoint committed at ``path`` is replaced (atomically: the old one
+        stays whole until this one commits), with a warning saying so (None, the default) or
+        as asked (True: logged at INFO, e.g. Lightning's ``last.ckpt`` every epoch); False
+        refuses (CheckpointLockedError, nothing written) if ``path`` holds a committed
+        checkpoint once this save holds its lock, e.g. one another process committed while this
+        save waited for it (a CheckpointManager never replaces a committed step)."""
         return self._start(state, path, lazy=False, optimizers=(), if_busy="wait",
                            allow_pickle=allow_pickle, process_group=process_group,
                            grow_staging=False, user_meta=stepmeta.encode(metrics, metadata),
@@ -167,7 +170,7 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         base: str | os.PathLike[str] | None = None,
-        overwrite: bool = True,
+        overwrite: bool | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; bytes are persisted and committed in the background.
 
@@ -205,7 +208,7 @@ class Checkpointer:
                process_group: Any, grow_staging: bool,
                user_meta: dict[str, Any] | None = None,
                base: str | os.PathLike[str] | None = None,
-               after_step: tuple[torch.Tensor, ...] = (), overwrite: bool = True) -> SaveHandle:
+               after_step: tuple[torch.Tensor, ...] = (), overwrite: bool | None = None) -> SaveHandle:
         started = time.perf_counter()
         if if_busy not in ("wait", "skip"):
             raise CkptError(f"async_save(if_busy={if_busy!r}): use 'wait' or 'skip'")

@@ -99,11 +99,12 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         """Save ``checkpoint`` as the ckptio checkpoint (a directory) ``path``; returns once it
-        is durable and committed. A previous checkpoint at ``path`` stays whole until then."""
+        is durable and committed. A previous checkpoint at ``path`` (``last.ckpt`` each time)
+        stays whole until then and is replaced as Lightning asks, logged at INFO."""
         target = self._prepare_save(path, storage_options)
         with _pickle_hint(self.allow_pickle):
             self.checkpointer.save(checkpoint, target, allow_pickle=self.allow_pickle,
-                                   process_group=self._own_group())
+                                   process_group=self._own_group(), overwrite=True)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -190,7 +191,8 @@ class AsyncCheckpointIO(CheckpointIO):
         with _pickle_hint(self.allow_pickle):
             self._handle = self.checkpointer.async_save(checkpoint, target,
                                                         allow_pickle=self.allow_pickle,
-                                                        process_group=self._own_group())
+                                                        process_group=self._own_group(),
+                                                        overwrite=True)
 
     def in_flight(self) -> str | None:
         """The path of the save still running, or None."""

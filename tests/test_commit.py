@@ -185,6 +185,28 @@ def test_kill_during_save_over_checkpoint_keeps_it(tmp_path):
     assert_same(ckptio.load(path), c)
 
 
+@pytest.mark.parametrize("overwrite, level", [(None, logging.WARNING), (True, logging.INFO)])
+def test_a_save_over_a_committed_checkpoint_is_said_as_loudly_as_the_caller_left_it(
+        tmp_path, caplog, overwrite, level):
+    """Left to the default, replacing a committed checkpoint is a warning; asked for
+    (overwrite=True: Lightning's last.ckpt every epoch) it is logged at INFO, not warned;
+    overwrite=False refuses and keeps it."""
+    path = str(tmp_path / "ckpt")
+    ck = Checkpointer()
+    try:
+        ck.save({"w": torch.zeros(4)}, path)
+        with caplog.at_level(logging.INFO, logger="ckptio"):
+            kwargs = {} if overwrite is None else {"overwrite": overwrite}
+            ck.async_save({"w": torch.ones(4)}, path, **kwargs).wait()
+        said = [r.levelno for r in caplog.records if "replaced the checkpoint" in r.getMessage()]
+        assert said == [level]
+        with pytest.raises(ckptio.CheckpointLockedError, match="overwrite=False"):
+            ck.save({"w": torch.full((4,), 2.0)}, path, overwrite=False)
+    finally:
+        _close(ck)
+    assert torch.equal(ckptio.load(path)["w"], torch.ones(4))
+
+
 def test_kill_during_first_save_leaves_incomplete(tmp_path):
     path = tmp_path / "new"
     partial, _ = _kill_mid_save(path, save_a=False)

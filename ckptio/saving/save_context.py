@@ -67,7 +67,9 @@ class SaveContext:
     grow_staging: bool = False  # an async save: afterwards, grow the pool to hold this state
     packing: Packing | None = None  # compressed and/or a delta: every item packed
     piece: bool = False  # this rank's piece of a job's state (dist.mark_piece): shards alone
-    overwrite: bool = True  # False: a checkpoint committed there once the lock is held refuses
+    # a checkpoint committed there once the lock is held: None replaces it with a warning,
+    # True as asked (INFO), False refuses
+    overwrite: bool | None = None
     commits: Commits | None = None  # the Checkpointer's memo of its commits (a drain's copy reads it)
 
 

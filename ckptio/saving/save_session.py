@@ -215,15 +215,16 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
             replacing = held is not None and steps.is_committed(ctx.store)
-            if replacing and not ctx.overwrite:
+            if replacing and ctx.overwrite is False:
                 raise _committed_there(ctx.store.location)
             mapped = _mapped(ctx, [f.nbytes for f in part.files])
             written, error = _write(ctx, part, control, mapped)
             concluded = True
             _conclude(ctx, part.agreement, written, error, held, control.activity)
-            if replacing:  # said, not silent: the manager refuses a committed step instead
-                log.warning("ckptio: the save replaced the checkpoint committed at %s (the old "
-                            "one stayed intact until this one committed)", ctx.store.location)
+            if replacing:  # said, not silent (a warning unless the caller asked for it)
+                log.log(logging.INFO if ctx.overwrite else logging.WARNING,
+                        "ckptio: the save replaced the checkpoint committed at %s (the old one "
+                        "stayed intact until this one committed)", ctx.store.location)
     except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it
         if not concluded:  # e.g. the directory could not be made: the peers still wait
             _report_failure(ctx, part.agreement, exc, claimed=True)
@@ -239,10 +240,12 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
 
 def _committed_there(location: str) -> CheckpointLockedError:
     return CheckpointLockedError(
-        f"{location} holds a checkpoint committed by another save (another process, or a job "
-        "started on the same run directory) while this one waited for its lock; this save "
-        "wrote nothing and that checkpoint is kept (overwrite=False): save under another "
-        "name, or give each job its own directory")
+        f"{location} holds a committed checkpoint once this save holds its lock, and "
+        "overwrite=False refuses to replace it: this save wrote nothing and that checkpoint is "
+        "kept. Save under another name, or pass overwrite=True to replace it. If nothing was "
+        "committed there when the save began (a CheckpointManager checks), it was committed by "
+        "another save while this one waited for the lock (another process, or a job started on "
+        "the same run directory): give each job its own directory")
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -187,6 +188,21 @@ def test_top_k_with_monitor_keeps_exactly_the_k_best(tmp_path: Path) -> None:
     x, y = data(8, seed=2).dataset.tensors
     expected = torch.nn.functional.mse_loss(model.net(x), y).item()
     assert validated[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_last_every_epoch_replaces_last_ckpt_without_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str) -> None:
+    """Lightning saves over last.ckpt every epoch on purpose: replaced as asked (logged at
+    INFO), not warned about three times."""
+    ckpts = tmp_path / "ckpts"
+    with caplog.at_level(logging.INFO, logger="ckptio"):
+        _fit(tmp_path, plugin(mode), epochs=3,
+             callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True)])
+    ckptio_records = [r for r in caplog.records if r.name == "ckptio"]
+    assert [r.getMessage() for r in ckptio_records if r.levelno >= logging.WARNING] == []
+    assert sum("replaced the checkpoint" in r.getMessage() for r in ckptio_records) == 2
+    assert ckptio.load(ckpts / "last.ckpt", keys=["global_step"])["global_step"] == 3 * STEPS_PER_EPOCH
 
 
 def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> None:
