@@ -57,8 +57,9 @@ __all__ = [
 class Checkpointer:
     """Saves and loads with one reused staging pool and I/O backends.
 
-    Create one per training job (or use the module-level ckptio.save/load, which share one).
-    Not safe for concurrent use from several threads; saves and loads run one at a time.
+    Create one per training job (or use the module-level ckptio.save/load, which share one);
+    ``with Checkpointer() as ck:`` closes it at the end. Not safe for concurrent use from
+    several threads; saves and loads run one at a time.
     """
 
     def __init__(self, options: Options | None = None) -> None:
@@ -130,6 +131,12 @@ class Checkpointer:
         finally:
             if not timed_out:
                 self._resources.free()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def save(self, state: Any, path: str | os.PathLike[str], *, allow_pickle: bool = False,
              process_group: Any = None, metrics: Mapping[str, Any] | None = None,

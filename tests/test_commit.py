@@ -192,18 +192,18 @@ def test_a_save_over_a_committed_checkpoint_is_said_as_loudly_as_the_caller_left
     (overwrite=True: Lightning's last.ckpt every epoch) it is logged at INFO, not warned;
     overwrite=False refuses and keeps it."""
     path = str(tmp_path / "ckpt")
-    ck = Checkpointer()
-    try:
+    with Checkpointer() as ck:  # closed at the end, as a CheckpointManager is
         ck.save({"w": torch.zeros(4)}, path)
         with caplog.at_level(logging.INFO, logger="ckptio"):
             kwargs = {} if overwrite is None else {"overwrite": overwrite}
-            ck.async_save({"w": torch.ones(4)}, path, **kwargs).wait()
+            handle = ck.async_save({"w": torch.ones(4)}, path, **kwargs)
+            handle.wait()
         said = [r.levelno for r in caplog.records if "replaced the checkpoint" in r.getMessage()]
         assert said == [level]
         with pytest.raises(ckptio.CheckpointLockedError, match="overwrite=False"):
             ck.save({"w": torch.full((4,), 2.0)}, path, overwrite=False)
-    finally:
-        _close(ck)
+        ck.async_save({"w": torch.full((4,), 3.0)}, str(tmp_path / "other"))
+    assert ckptio.load(tmp_path / "other")["w"][0] == 3.0  # the exit waited for it
     assert torch.equal(ckptio.load(path)["w"], torch.ones(4))
 
 
