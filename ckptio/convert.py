@@ -46,6 +46,9 @@ __all__ = ["TARGETS", "Converted", "convert", "held_at"]
 TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")
 Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))  # what weights_only=True reads
+# the targets written into DST's directory (not a new directory renamed over it): what held_at
+# says of the one each replaces; another checkpoint there would stay beside the new one
+_WRITTEN_INTO = {"ckptio": "a ckptio checkpoint", "safetensors": "a Hugging Face folder"}
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
         raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")
+    if held is not None and overwrite and held != _WRITTEN_INTO.get(to, held):
+        raise CkptError(f"convert to {to}: {dst} holds {held}, and {to} writes its files into "
+                        "the directory beside that one's, so --overwrite would not replace it: "
+                        "the directory would hold both; remove it first or choose another DST")
     if held is not None and not overwrite:
         raise CkptError(f"convert: {dst} already holds {held}; pass overwrite=True (ckptio "
                         "convert --overwrite) to replace it (it stays intact until the new one "

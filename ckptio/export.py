@@ -209,6 +209,13 @@ def _check_copy_from(source: str, out: str) -> None:
 def _check_destination(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CkptError(f"export_hf: {out} exists and is not a directory")
+    from ckptio.convert import held_at
+
+    held = held_at(out) if os.path.isdir(out) else None
+    if held not in (None, "a Hugging Face folder"):  # overwrite replaces an export only
+        raise CkptError(f"export_hf: {out} holds {held}; an export writes its files beside "
+                        "that one's (overwrite replaces an export only), so the directory would "
+                        "hold both: remove it first or choose another directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CkptError(f"export_hf: {out} is not empty; choose an empty or new directory, or "
                         "pass overwrite=True (ckptio export --overwrite) to replace its export")

@@ -1,0 +1,180 @@
+"""The ``ckptio`` command against bad input, as a red team fed it: a full disk or a Ctrl-C in
+the middle of ``convert`` (one line or "interrupted", never torch's RuntimeError, and no
+temporary left), ``--overwrite`` onto a directory holding a checkpoint of another format (refused:
+the writer would leave the old checkpoint beside the new one), and a path that is a symbolic
+link leading nowhere (named as such, not as a missing path "spelled like" itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem
+
+import ckptio
+from ckptio import convert_writers
+from ckptio.cli import main
+from ckptio.testing.cli_process import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+OPTS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
+
+
+def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, env=ENV, timeout=180)
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], *phrases: str) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptio: error: "), done.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    return lines[0]
+
+
+def _saved(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    ckptio.save({"model": {"w": torch.arange(4096.0)}, "step": 3}, src, options=OPTS)
+    return src
+
+
+class _Failing(io.FileIO):
+    """A file whose writes, after its first two, fail as ``fault`` says (a full disk, or a
+    Ctrl-C arriving) with half their bytes written, as a real one does: torch.save's zip writer
+    then fails again as it closes, with a RuntimeError ("unexpected pos ...")."""
+
+    fault: type[BaseException] = OSError
+    writes = 0
+
+    def write(self, data: Any) -> int:
+        self.writes += 1
+        if self.writes <= 2:
+            return super().write(data)
+        view = memoryview(data).cast("B")
+        super().write(view[:len(view) // 2])
+        if self.fault is OSError:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise self.fault()
+
+
+def _failing(fault: type[BaseException]) -> type[_Failing]:
+    return type("Failing", (_Failing,), {"fault": fault})
+
+
+def _left(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name != "src")
+
+
+# ------------------------------------------------------------------------------------------------
+# a full disk or a Ctrl-C while convert writes
+
+
+@pytest.mark.parametrize("to", ["torch.save", "torch_checkpointing"])
+def test_a_full_disk_under_torch_save_is_one_line(monkeypatch, tmp_path: Path, capsys,
+                                                  to: str) -> None:
+    src = _saved(tmp_path)
+    monkeypatch.setattr(convert_writers, "open", _failing(OSError), raising=False)
+    status = main(["convert", "--to", to, str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.count("\n") == 1 and err.startswith("ckptio: error: convert to "), err
+    assert "No space left on device" in err and str(tmp_path / "out") in err
+    assert "unexpected pos" not in err
+    assert _left(tmp_path) == []  # no DST, no temporary
+
+
+@pytest.mark.parametrize("to", ["torch.save", "torch_checkpointing"])
+def test_ctrl_c_under_torch_save_is_an_interrupt(monkeypatch, tmp_path: Path, capsys,
+                                                 to: str) -> None:
+    src = _saved(tmp_path)
+    monkeypatch.setattr(convert_writers, "open", _failing(KeyboardInterrupt), raising=False)
+    assert main(["convert", "--to", to, str(src), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == "ckptio: interrupted\n"
+    assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault", [OSError, KeyboardInterrupt])
+def test_a_full_disk_or_ctrl_c_under_dcp_save(monkeypatch, tmp_path: Path, capsys,
+                                              fault: type[BaseException]) -> None:
+    src = _saved(tmp_path)
+
+    @contextlib.contextmanager
+    def create_stream(self: Any, path: Any, mode: str) -> Iterator[io.IOBase]:
+        with _failing(fault)(str(path), mode) as stream:
+            yield stream
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "torch.distributed is disabled"
+        status = main(["convert", "--to", "dcp", str(src), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    if fault is KeyboardInterrupt:
+        assert (status, err) == (130, "ckptio: interrupted\n")
+    else:
+        assert status == 2 and err.count("\n") == 1, err
+        assert "No space left on device" in err and "dcp.save failed" not in err, err
+    assert _left(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# --overwrite onto another format's checkpoint
+
+
+def test_overwrite_onto_another_format_is_refused_not_mixed(tmp_path: Path) -> None:
+    src = _saved(tmp_path)
+    dcp_dir = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(dcp_dir), no_dist=True)
+    before = sorted(p.name for p in dcp_dir.iterdir())
+    _one_line_error(ckptio_cmd("convert", "--overwrite", str(src), str(dcp_dir)),
+                    str(dcp_dir), "holds a DCP checkpoint", "would hold both", "remove it")
+    assert sorted(p.name for p in dcp_dir.iterdir()) == before  # nothing written beside it
+    other = tmp_path / "other"
+    ckptio.save({"w": torch.ones(2)}, other, options=OPTS)
+    before = sorted(p.name for p in other.iterdir())
+    _one_line_error(ckptio_cmd("convert", "--to", "safetensors", "--drop-non-tensors",
+                               "--overwrite", str(src), str(other)),
+                    "holds a ckptio checkpoint", "would hold both")
+    _one_line_error(ckptio_cmd("export", "--overwrite", str(src), str(other)),
+                    "holds a ckptio checkpoint", "would hold both")
+    assert sorted(p.name for p in other.iterdir()) == before
+    assert torch.equal(ckptio.load(other)["w"], torch.ones(2))
+    # the same format is still replaced
+    done = ckptio_cmd("convert", "--overwrite", str(src), str(other))
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(ckptio.load(other)["model"]["w"], torch.arange(4096.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# a symbolic link that leads nowhere
+
+
+def test_a_dangling_symlink_is_named_as_one(tmp_path: Path) -> None:
+    src = _saved(tmp_path)
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "gone")
+    for args in (("ls", str(link)), ("verify", str(link)), ("convert", str(link), "x")):
+        line = _one_line_error(ckptio_cmd(*args), f"{link} is a symbolic link to",
+                               "fix the link")
+        assert "did you mean" not in line
+    line = _one_line_error(ckptio_cmd("convert", str(src), str(link)), "symbolic link",
+                           "fix the link")
+    assert "exists and is not a directory" not in line
+    status = ckptio_cmd("status", str(link))
+    assert status.returncode == 2 and "symbolic link" in status.stdout, status.stdout
+    assert "did you mean" not in status.stdout
