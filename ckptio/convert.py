@@ -155,11 +155,15 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
         raise CkptError(f"convert: SRC and DST are both {dst}; choose another DST")
-    if to != "ckptio":
-        local_path(dst)  # DCP's FileSystemWriter, torch.save and export_hf write local files
+    if not checkpoint_path(dst):
+        raise CkptError("convert: DST is empty (an unset variable?); give the directory or file "
+                        "to write")
+    # DCP's FileSystemWriter, torch.save and export_hf write local files: checked where they
+    # write (a file:// URL's path), not at DST's spelling
+    local = local_path(dst) if to != "ckptio" else checkpoint_path(dst)
     held = held_at(dst)
     if to == "torch.save":
-        if os.path.isdir(dst):
+        if os.path.isdir(local):
             raise CkptError(f"convert to torch.save: {dst} is a directory, and torch.save "
                             "writes one file; choose a file name such as model.pt")
         held = "a file" if held is not None else None
@@ -169,8 +173,8 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     elif to == "safetensors" and dst.rstrip("/").endswith(".safetensors"):
         raise CkptError(f"convert to safetensors: {dst} names a file; DST is the Hugging Face "
                         "folder (model.safetensors is written inside it)")
-    elif held is None and to in ("dcp", "torch_checkpointing") and os.path.isdir(dst) \
-            and os.listdir(dst):
+    elif held is None and to in ("dcp", "torch_checkpointing") and os.path.isdir(local) \
+            and os.listdir(local):
         raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")

@@ -153,6 +153,9 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 def _destination(dst: str | os.PathLike[str]) -> str:
     text = os.fsdecode(os.fspath(dst))
+    if not text:
+        raise CkptError("export_hf(dst=''): the destination is empty (an unset variable?); "
+                        "give the Hugging Face directory to write")
     if is_s3(text):
         raise UnsupportedPathError(f"export_hf(dst={text!r}): the export goes to a local (or "
                                    "mounted) directory; copy it to object storage afterwards")

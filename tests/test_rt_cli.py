@@ -2,7 +2,9 @@
 the middle of ``convert`` (one line or "interrupted", never torch's RuntimeError, and no
 temporary left), ``--overwrite`` onto a directory holding a checkpoint of another format (refused:
 the writer would leave the old checkpoint beside the new one), and a path that is a symbolic
-link leading nowhere (named as such, not as a missing path "spelled like" itself).
+link leading nowhere (named as such, not as a missing path "spelled like" itself), and a DST
+that the checks and the writer read differently (an empty one, the working directory to the
+writer; a ``file://`` URL): the directory it names is checked, never replaced with its files.
 """
 
 from __future__ import annotations
@@ -178,3 +180,37 @@ def test_a_dangling_symlink_is_named_as_one(tmp_path: Path) -> None:
     status = ckptio_cmd("status", str(link))
     assert status.returncode == 2 and "symbolic link" in status.stdout, status.stdout
     assert "did you mean" not in status.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# a DST spelled so that the checks and the writer saw different places
+
+
+@pytest.mark.parametrize("to", ["dcp", "torch_checkpointing", "torch.save", "ckptio"])
+def test_an_empty_dst_is_refused_not_the_working_directory(monkeypatch, tmp_path: Path, capsys,
+                                                           to: str) -> None:
+    src = _saved(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work)  # `ckptio convert src "$OUT" --to dcp` with OUT unset
+    assert main(["convert", "--to", to, str(src), ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckptio: error: convert: DST is empty") and err.count("\n") == 1, err
+    assert sorted(os.listdir(work)) == ["keep.txt"]
+    assert main(["export", "--overwrite", str(src), ""]) == 2
+    assert "destination is empty" in capsys.readouterr().err
+    assert sorted(os.listdir(work)) == ["keep.txt"]
+
+
+def test_a_file_url_dst_is_checked_where_it_is_written(tmp_path: Path) -> None:
+    src = _saved(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    for to in ("dcp", "torch_checkpointing"):
+        _one_line_error(ckptio_cmd("convert", "--to", to, str(src), f"file://{mine}"),
+                        "holds files that are not a checkpoint")
+    _one_line_error(ckptio_cmd("convert", "--to", "torch.save", str(src), f"file://{mine}"),
+                    "is a directory")
+    assert sorted(os.listdir(mine)) == ["keep.txt"]
