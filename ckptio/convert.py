@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,8 @@ __all__ = ["TARGETS", "Converted", "convert", "held_at"]
 
 TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")
 Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
-_PLAIN = (int, float, complex, bool, str, bytes, type(None))  # what weights_only=True reads
+_PLAIN = (int, float, complex, bool, str, bytes, bytearray, type(None))  # weights_only reads
+_CONTAINERS = (dict, OrderedDict, list, tuple)  # weights_only reads these, not a defaultdict
 # the targets written into DST's directory (not a new directory renamed over it): what held_at
 # says of the one each replaces; another checkpoint there would stay beside the new one
 _WRITTEN_INTO = {"ckptio": "a ckptio checkpoint", "safetensors": "a Hugging Face folder"}
@@ -144,7 +146,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         (write_dcp if to == "dcp" else write_tc)(state, out)
         return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
     write_torch_save(state, out)
-    refused = tuple(k for k, v in _leaves(state) if not _weights_only(v))
+    refused = tuple(_refused(state))
     return Converted(out, to, _tensor_bytes(state), (os.path.basename(out),),
                      needs_pickle=refused)
 
@@ -306,6 +308,18 @@ def _tensor_bytes(state: Any) -> int:
             seen.add(id(value))
             total += value.numel() * value.element_size()
     return total
+
+
+def _refused(state: Any, key: str = "") -> Iterator[str]:
+    """The dotted keys of what ``torch.load(weights_only=True)`` refuses in ``state``: a leaf
+    it does not read, a container of a type it does not rebuild (a defaultdict, a namedtuple;
+    ``""`` for the state itself)."""
+    if type(state) in _CONTAINERS:
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        for name, value in items:
+            yield from _refused(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(state, (dict, list, tuple)) or not _weights_only(state):
+        yield key
 
 
 def _weights_only(value: Any) -> bool:

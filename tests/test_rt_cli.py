@@ -5,14 +5,18 @@ the writer would leave the old checkpoint beside the new one), and a path that i
 link leading nowhere (named as such, not as a missing path "spelled like" itself), and a DST
 that the checks and the writer read differently (an empty one, the working directory to the
 writer; a ``file://`` URL): the directory it names is checked, never replaced with its files.
+What ``convert --to torch.save`` writes is read back: a complex value by ckptio itself, and the
+keys ``torch.load(weights_only=True)`` refuses named exactly (a defaultdict, not a bytearray).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import io
 import os
+import pickle
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint import filesystem
 import ckptio
 from ckptio import convert_writers
 from ckptio.cli import main
+from ckptio.convert import convert
 from ckptio.testing.cli_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,3 +219,31 @@ def test_a_file_url_dst_is_checked_where_it_is_written(tmp_path: Path) -> None:
     _one_line_error(ckptio_cmd("convert", "--to", "torch.save", str(src), f"file://{mine}"),
                     "is a directory")
     assert sorted(os.listdir(mine)) == ["keep.txt"]
+
+
+# ------------------------------------------------------------------------------------------------
+# what convert --to torch.save writes, read back
+
+
+def test_a_complex_value_round_trips_through_torch_save(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    ckptio.save({"w": torch.ones(2), "phase": complex(0.5, -1.0)}, src, options=OPTS)
+    out = tmp_path / "out.pt"
+    done = ckptio_cmd("convert", "--to", "torch.save", str(src), str(out))
+    assert done.returncode == 0 and "weights_only" not in done.stdout, done
+    assert torch.load(out, weights_only=True)["phase"] == complex(0.5, -1.0)
+    listed = ckptio_cmd("ls", str(out))  # ckptio reads back what it wrote
+    assert listed.returncode == 0 and "(0.5-1j)" in listed.stdout, listed.stderr
+    same = ckptio_cmd("diff", str(src), str(out))
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert ckptio.load(out)["phase"] == complex(0.5, -1.0)
+
+
+def test_torch_save_names_exactly_what_weights_only_refuses(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    ckptio.save({"w": torch.ones(2), "counts": collections.defaultdict(int, {"a": 1}),
+                 "raw": bytearray(b"xy"), "opt": {"lr": 0.1}}, src, options=OPTS)
+    done = convert(src, tmp_path / "out.pt", to="torch.save")
+    assert done.needs_pickle == ("counts",)
+    with pytest.raises(pickle.UnpicklingError, match="defaultdict"):
+        torch.load(tmp_path / "out.pt", weights_only=True)
