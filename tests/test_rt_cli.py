@@ -247,3 +247,25 @@ def test_torch_save_names_exactly_what_weights_only_refuses(tmp_path: Path) -> N
     assert done.needs_pickle == ("counts",)
     with pytest.raises(pickle.UnpicklingError, match="defaultdict"):
         torch.load(tmp_path / "out.pt", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# keys that would break or hide a line of ls and diff
+
+
+def test_odd_keys_are_one_visible_word_in_ls_and_diff(tmp_path: Path) -> None:
+    src = tmp_path / "odd"
+    ckptio.save({"ünï": torch.ones(2), "nl\nkey": torch.ones(1), "": torch.ones(1),
+                 "tab\tk": {"in": 3}}, src, options=OPTS)
+    other = _saved(tmp_path)
+    flat = ckptio_cmd("ls", "--flat", str(src))
+    assert flat.returncode == 0, flat.stderr
+    keys = [line.split()[0] for line in flat.stdout.splitlines()[2:]]  # after header and titles
+    assert keys == ["ünï", r"'nl\nkey'", "''", r"'tab\tk.in'"], flat.stdout
+    tree = ckptio_cmd("ls", str(src))
+    assert tree.stdout.count("\n") == 2 + 5, tree.stdout  # 5 nodes: 4 keys, 1 nested
+    diff = ckptio_cmd("diff", str(src), str(other))
+    assert diff.returncode == 1
+    marks = [line.split()[:2] for line in diff.stdout.splitlines()[:-1]]
+    assert ["-", r"'nl\nkey'"] in marks and ["-", "''"] in marks, diff.stdout
+    assert all(m[0] in "-+~?" for m in marks), diff.stdout
