@@ -163,6 +163,10 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     # DCP's FileSystemWriter, torch.save and export_hf write local files: checked where they
     # write (a file:// URL's path), not at DST's spelling
     local = local_path(dst) if to != "ckptio" else checkpoint_path(dst)
+    if os.path.exists(local) and not (os.path.isfile(local) or os.path.isdir(local)):
+        raise CkptError(f"convert to {to}: {dst} is neither a file nor a directory (a device, "
+                        "pipe or socket), which a conversion must not replace, even with "
+                        "--overwrite; choose another DST")
     held = held_at(dst)
     if to == "torch.save":
         if os.path.isdir(local):

@@ -269,3 +269,17 @@ def test_odd_keys_are_one_visible_word_in_ls_and_diff(tmp_path: Path) -> None:
     marks = [line.split()[:2] for line in diff.stdout.splitlines()[:-1]]
     assert ["-", r"'nl\nkey'"] in marks and ["-", "''"] in marks, diff.stdout
     assert all(m[0] in "-+~?" for m in marks), diff.stdout
+
+
+def test_a_device_pipe_or_socket_dst_is_never_replaced(tmp_path: Path) -> None:
+    """`ckptio convert ck /dev/null --to torch.save` replaced /dev/null with a regular file (as
+    root), without --overwrite: every target renamed its output over whatever DST was."""
+    src = _saved(tmp_path)
+    fifo = tmp_path / "fifo"
+    for to in ("dcp", "torch_checkpointing", "torch.save"):
+        os.mkfifo(fifo)
+        for extra in ((), ("--overwrite",)):
+            _one_line_error(ckptio_cmd("convert", "--to", to, *extra, str(src), str(fifo)),
+                            "neither a file nor a directory")
+            assert fifo.is_fifo(), to
+        fifo.unlink()
