@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,11 @@ __all__ = ["TARGETS", "Converted", "convert", "held_at"]
 
 TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")
 Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
-_PLAIN = (int, float, complex, bool, str, bytes, type(None))  # what weights_only=True reads
+_PLAIN = (int, float, complex, bool, str, bytes, bytearray, type(None))  # weights_only reads
+_CONTAINERS = (dict, OrderedDict, list, tuple)  # weights_only reads these, not a defaultdict
+# the targets written into DST's directory (not a new directory renamed over it): what held_at
+# says of the one each replaces; another checkpoint there would stay beside the new one
+_WRITTEN_INTO = {"ckptio": "a ckptio checkpoint", "safetensors": "a Hugging Face folder"}
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         (write_dcp if to == "dcp" else write_tc)(state, out)
         return Converted(out, to, _tensor_bytes(state), tuple(sorted(os.listdir(out))))
     write_torch_save(state, out)
-    refused = tuple(k for k, v in _leaves(state) if not _weights_only(v))
+    refused = tuple(_refused(state))
     return Converted(out, to, _tensor_bytes(state), (os.path.basename(out),),
                      needs_pickle=refused)
 
@@ -152,11 +157,19 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     if checkpoint_path(src).rstrip("/") == checkpoint_path(dst).rstrip("/"):
         raise CkptError(f"convert: SRC and DST are both {dst}; choose another DST")
-    if to != "ckptio":
-        local_path(dst)  # DCP's FileSystemWriter, torch.save and export_hf write local files
+    if not checkpoint_path(dst):
+        raise CkptError("convert: DST is empty (an unset variable?); give the directory or file "
+                        "to write")
+    # DCP's FileSystemWriter, torch.save and export_hf write local files: checked where they
+    # write (a file:// URL's path), not at DST's spelling
+    local = local_path(dst) if to != "ckptio" else checkpoint_path(dst)
+    if os.path.exists(local) and not (os.path.isfile(local) or os.path.isdir(local)):
+        raise CkptError(f"convert to {to}: {dst} is neither a file nor a directory (a device, "
+                        "pipe or socket), which a conversion must not replace, even with "
+                        "--overwrite; choose another DST")
     held = held_at(dst)
     if to == "torch.save":
-        if os.path.isdir(dst):
+        if os.path.isdir(local):
             raise CkptError(f"convert to torch.save: {dst} is a directory, and torch.save "
                             "writes one file; choose a file name such as model.pt")
         held = "a file" if held is not None else None
@@ -166,11 +179,15 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
     elif to == "safetensors" and dst.rstrip("/").endswith(".safetensors"):
         raise CkptError(f"convert to safetensors: {dst} names a file; DST is the Hugging Face "
                         "folder (model.safetensors is written inside it)")
-    elif held is None and to in ("dcp", "torch_checkpointing") and os.path.isdir(dst) \
-            and os.listdir(dst):
+    elif held is None and to in ("dcp", "torch_checkpointing") and os.path.isdir(local) \
+            and os.listdir(local):
         raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")
+    if held is not None and overwrite and held != _WRITTEN_INTO.get(to, held):
+        raise CkptError(f"convert to {to}: {dst} holds {held}, and {to} writes its files into "
+                        "the directory beside that one's, so --overwrite would not replace it: "
+                        "the directory would hold both; remove it first or choose another DST")
     if held is not None and not overwrite:
         raise CkptError(f"convert: {dst} already holds {held}; pass overwrite=True (ckptio "
                         "convert --overwrite) to replace it (it stays intact until the new one "
@@ -295,6 +312,18 @@ def _tensor_bytes(state: Any) -> int:
             seen.add(id(value))
             total += value.numel() * value.element_size()
     return total
+
+
+def _refused(state: Any, key: str = "") -> Iterator[str]:
+    """The dotted keys of what ``torch.load(weights_only=True)`` refuses in ``state``: a leaf
+    it does not read, a container of a type it does not rebuild (a defaultdict, a namedtuple;
+    ``""`` for the state itself)."""
+    if type(state) in _CONTAINERS:
+        items = state.items() if isinstance(state, dict) else enumerate(state)
+        for name, value in items:
+            yield from _refused(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(state, (dict, list, tuple)) or not _weights_only(state):
+        yield key
 
 
 def _weights_only(value: Any) -> bool:

@@ -5,7 +5,9 @@ whole: written under a temporary name beside DST, fsynced, then renamed over it.
 ``write_tc`` torch.saves each top-level item as torch_checkpointing's default layout names
 it; ``write_torch_save`` is one torch.save file. A directory that DST already holds is moved
 aside first and removed once the new one is in place; a failure leaves DST as it was and
-removes every temporary.
+removes every temporary. A full disk or a Ctrl-C is raised as itself (an OSError, named with
+DST as a StorageIOError, or KeyboardInterrupt), not as the RuntimeError torch's zip writer
+raises instead.
 
 Call order: convert.py's ``convert`` loads SRC, checks DST, then calls the target's writer.
 
@@ -21,7 +23,7 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.local.durable import fsync_path
@@ -59,6 +61,27 @@ def _dir_into_place(out: str, to: str, fill: Callable[[str], None]) -> None:
         _remove(old)
 
 
+def _hidden(exc: BaseException) -> BaseException | None:
+    """What cut a write short when it was a failed write (a full disk) or a Ctrl-C: ``exc``
+    itself, or what torch hides: its zip writer, closing after one, raises a RuntimeError
+    ("unexpected pos ...") whose context is the real cause. None otherwise."""
+    cause = exc.__context__ if isinstance(exc, RuntimeError) else exc
+    return cause if isinstance(cause, (OSError, KeyboardInterrupt)) else None
+
+
+def _torch_save(value: Any, f: BinaryIO) -> None:
+    """``torch.save(value, f)`` raising the OSError or KeyboardInterrupt torch hides."""
+    import torch
+
+    try:
+        torch.save(value, f)
+    except RuntimeError as exc:
+        cause = _hidden(exc)
+        if cause is None:
+            raise
+        raise cause from None
+
+
 def write_dcp(state: Any, out: str) -> None:
     """DCP's FileSystemWriter into a temporary directory beside ``out``, then renamed."""
     import torch.distributed.checkpoint as dcp
@@ -70,7 +93,14 @@ def write_dcp(state: Any, out: str) -> None:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
                          no_dist=True)
-        except (CheckpointException, ValueError, TypeError) as exc:
+        except CheckpointException as exc:  # this process's failure, as DCP wraps it
+            for failed, _trace in exc.failures.values():
+                cause = _hidden(failed)
+                if cause is not None:
+                    raise cause from None  # a Ctrl-C, or an OSError: _dir_into_place names it
+            raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
+                            "nothing was written at DST") from None
+        except (ValueError, TypeError) as exc:
             raise CkptError(f"convert to dcp at {out}: dcp.save failed: {_last_line(exc)}; "
                             "nothing was written at DST") from None
 
@@ -81,8 +111,6 @@ def write_tc(state: Any, out: str) -> None:
     """Each top-level item torch.saved as ``<item>_0.pt`` (fsynced) into a temporary directory
     beside ``out``, then renamed."""
     import pickle
-
-    import torch
 
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and k and "/" not in k and k not in (".", "..") for k in state):
@@ -95,7 +123,7 @@ def write_tc(state: Any, out: str) -> None:
         try:
             for item, value in state.items():
                 with open(os.path.join(tmp, f"{item}_0.pt"), "wb") as f:
-                    torch.save(value, f)
+                    _torch_save(value, f)
                     f.flush()
                     os.fsync(f.fileno())
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -114,13 +142,11 @@ def write_torch_save(state: Any, out: str) -> None:
     """torch.save into a temporary file beside ``out``, fsynced, then renamed over it."""
     import pickle
 
-    import torch
-
     tmp = _beside(out, uuid.uuid4().hex[:12], "tmp")
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            _torch_save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

@@ -153,6 +153,9 @@ def export_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
 def _destination(dst: str | os.PathLike[str]) -> str:
     text = os.fsdecode(os.fspath(dst))
+    if not text:
+        raise CkptError("export_hf(dst=''): the destination is empty (an unset variable?); "
+                        "give the Hugging Face directory to write")
     if is_s3(text):
         raise UnsupportedPathError(f"export_hf(dst={text!r}): the export goes to a local (or "
                                    "mounted) directory; copy it to object storage afterwards")
@@ -209,6 +212,13 @@ def _check_copy_from(source: str, out: str) -> None:
 def _check_destination(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CkptError(f"export_hf: {out} exists and is not a directory")
+    from ckptio.convert import held_at
+
+    held = held_at(out) if os.path.isdir(out) else None
+    if held not in (None, "a Hugging Face folder"):  # overwrite replaces an export only
+        raise CkptError(f"export_hf: {out} holds {held}; an export writes its files beside "
+                        "that one's (overwrite replaces an export only), so the directory would "
+                        "hold both: remove it first or choose another directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise CkptError(f"export_hf: {out} is not empty; choose an empty or new directory, or "
                         "pass overwrite=True (ckptio export --overwrite) to replace its export")

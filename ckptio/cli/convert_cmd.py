@@ -60,7 +60,8 @@ def convert(src: str, dst: str, *, to: str, overwrite: bool, allow_pickle: bool,
               f"ckptio export {src} {dst} --keys model.")
     if done.needs_pickle:
         print(f"torch.load(weights_only=True) refuses {', '.join(done.needs_pickle)} (numpy "
-              "values or pickled objects): load it with weights_only=False if you trust it")
+              "values, pickled objects, a defaultdict or namedtuple): load it with "
+              "weights_only=False if you trust it")
     return 0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptio.cli.pipe import OutputClosed
-from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.cli.source import Opened, Row, printed, rows, shown
 from ckptio.format.checksum import NO_CHECKSUM
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json
@@ -268,7 +268,7 @@ def report(a: Opened, b: Opened, changes: list[Change], how: str | None = None) 
     only); -> the exit status (0 the same, 1 not), also when the reader of stdout leaves early
     (OutputClosed)."""
     status = 1 if changes else 0
-    width = min(60, max([len(c.key) for c in changes] + [3]))
+    width = min(60, max([len(printed(c.key)) for c in changes] + [3]))
     unsure = [c for c in changes if c.mark == "?"]
     how = how or "by stored checksums, data not read: --data reads and verifies it"
     settled = (f"the same ({how})" if not changes else f"{len(changes) - len(unsure)} "
@@ -276,7 +276,7 @@ def report(a: Opened, b: Opened, changes: list[Change], how: str | None = None) 
                                   else ""))
     try:
         for c in changes:
-            sys.stdout.write(f"{c.mark} {c.key:{width}s} {c.text}\n")
+            sys.stdout.write(f"{c.mark} {printed(c.key):{width}s} {c.text}\n")
         sys.stdout.write(f"{a.path} vs {b.path}: {settled}\n")
         sys.stdout.flush()
     except BrokenPipeError:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckptio.cli.chain import entry_storage, stored_nbytes
-from ckptio.cli.source import Opened, Row, rows, shown
+from ckptio.cli.source import Opened, Row, printed, rows, shown
 from ckptio.format.manifest import bases_of
 from ckptio.format.types import Json
 
@@ -130,8 +130,9 @@ def _flat(node: dict[str, Any], indent: int) -> Iterator[tuple[int, dict[str, An
 
 def _label(indent: int, node: dict[str, Any], flat: bool) -> str:
     if flat:
-        return str(node["key"])
-    return "  " * (indent - 1) + str(node["name"]) + ("*" if node.get("stateful") else "")
+        return printed(str(node["key"]))
+    return "  " * (indent - 1) + printed(str(node["name"])) + (
+        "*" if node.get("stateful") else "")
 
 
 def text_lines(opened: Opened, depth: int | None = None, exact: bool = False,

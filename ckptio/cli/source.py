@@ -19,7 +19,7 @@ from ckptio.options import Options
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["Opened", "Row", "open_manifest", "rows", "shown", "source_format"]
+__all__ = ["Opened", "Row", "open_manifest", "printed", "rows", "shown", "source_format"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,9 @@ def shown(tagged: Json, exact: bool = False) -> str:
         return repr(values.decode(tagged))
     except ValueError:
         return f"<malformed {tagged!r:.40}>"
+
+
+def printed(key: str) -> str:
+    """A key or name as one visible word of a line: quoted as Python writes it when it is empty
+    or holds a newline, tab or other character that would break the line or hide it."""
+    return key if key.isprintable() and key else repr(key)

@@ -37,6 +37,7 @@ from ckptio.managing.chains import link_of
 from ckptio.options import Options
 from ckptio.redundancy import marks
 from ckptio.storage import missing_manifest
+from ckptio.storage.local import dirlock
 from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
 
 __all__ = ["run", "tiers_status"]
@@ -74,6 +75,8 @@ def tiers_status(locations: list[str], options: Options) -> list[dict[str, Any]]
 
 def _missing(path: str) -> str:
     """Why a local tier that does not exist shows nothing, and the names spelled alike."""
+    if (broken := dirlock.broken_link(path)) is not None:
+        return f"{broken}: fix the link or give the tier's real directory"
     parent, name = os.path.split(os.path.abspath(path))
     near = missing_manifest.nearby(name, os.listdir(parent)) if os.path.isdir(parent) else ""
     return f"no such directory: nothing was ever saved there{near}"

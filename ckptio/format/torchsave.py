@@ -226,6 +226,13 @@ def _device(*args: Any) -> Device:
     return Device(tuple(args))
 
 
+def _complex(*args: Any) -> complex:
+    """complex, rebuilt from its real and imaginary parts only (what pickling one writes)."""
+    if len(args) != 2 or not all(type(a) in (int, float) for a in args):
+        raise TypeError("complex is rebuilt from two numbers only")
+    return complex(*args)
+
+
 def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, *rest: Any) -> Any:
     if type(data) is not TensorRef:
         raise TypeError("_rebuild_parameter takes a tensor")
@@ -241,6 +248,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("__builtin__", "bytes"): _empty_bytes,
     ("builtins", "bytes"): _empty_bytes,
     ("_io", "BytesIO"): _BytesIO,
+    ("__builtin__", "complex"): _complex,  # a Python complex value (weights_only reads it)
+    ("builtins", "complex"): _complex,
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,

@@ -42,9 +42,20 @@ _HOLDER_READS = 20  # x 10 ms
 _unlockable_warned: set[int] = set()  # st_dev of filesystems already reported without locks
 
 
+def broken_link(path: str) -> str | None:
+    """``path`` named as a symbolic link that leads nowhere (its target missing, or links that
+    loop), or None when it is not one."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (or the " \
+        "links loop)"
+
+
 def make_dir(path: str) -> bool:
     """Create the checkpoint directory if needed; -> whether this call created it. A path that
     is something else is refused first (mkdir would only say "File exists")."""
+    if (broken := broken_link(path)) is not None:
+        raise StorageIOError(f"checkpoint path {broken}; fix the link or choose another path")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise StorageIOError(f"checkpoint path {path} exists and is not a directory; "
                              "choose another path")

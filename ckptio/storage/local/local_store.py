@@ -232,8 +232,10 @@ class LocalStore:
     def read_manifest(self) -> bytes:
         path = self.directory
         if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist"
-                                          f"{_nearby(path)}")
+            broken = dirlock.broken_link(path)
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {path}: {broken}; fix the link or give its real path"
+                if broken else f"no checkpoint at {path}: the path does not exist{_nearby(path)}")
         if not os.path.isdir(path):
             raise CheckpointNotFoundError(f"{path} is a file, not a ckptio checkpoint directory"
                                           f"{missing_manifest.file_hint(os.path.basename(path))}")
