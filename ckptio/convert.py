@@ -34,15 +34,14 @@ from ckptio.convert_writers import write_dcp, write_tc, write_torch_save
 from ckptio.errors import CkptError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
-from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.loading.stored import RankPolicy
-from ckptio.loading.opening import committed
+from ckptio.loading.opening import committed, held_at
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, local_path, store_for
 
-__all__ = ["TARGETS", "Converted", "convert", "held_at"]
+__all__ = ["TARGETS", "Converted", "convert"]
 
 TARGETS = ("ckptio", "dcp", "torch.save", "safetensors", "torch_checkpointing")
 Progress = Callable[[int, int], None]  # (bytes written, bytes in all)
@@ -65,22 +64,6 @@ class Converted:
     files: tuple[str, ...]
     dropped: tuple[str, ...] = ()
     needs_pickle: tuple[str, ...] = ()
-
-
-def held_at(path: str) -> str | None:
-    """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
-    Hugging Face folder", "a file"), or None."""
-    text = checkpoint_path(path)
-    if not is_s3(text) and os.path.isfile(text):
-        return "a file"
-    store = store_for(text)
-    for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
-                        (foreign_common.holds_dcp, "a DCP checkpoint"),
-                        (tcdir.holds_tc, "a torch_checkpointing checkpoint"),
-                        (safetensors_manifest.holds_hf, "a Hugging Face folder")):
-        if holds(store):
-            return what
-    return None
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str = "ckptio",

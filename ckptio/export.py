@@ -45,6 +45,7 @@ from ckptio.export_fill import Scratch, fill_window
 from ckptio.format.types import Manifest, Read
 from ckptio.io.buffers import Buffer
 from ckptio.io.stage import StagingPool
+from ckptio.loading.opening import held_at
 from ckptio.options import Options
 from ckptio.planning.export_plan import (
     ExportFile,
@@ -212,8 +213,6 @@ def _check_copy_from(source: str, out: str) -> None:
 def _check_destination(out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise CkptError(f"export_hf: {out} exists and is not a directory")
-    from ckptio.convert import held_at
-
     held = held_at(out) if os.path.isdir(out) else None
     if held not in (None, "a Hugging Face folder"):  # overwrite replaces an export only
         raise CkptError(f"export_hf: {out} holds {held}; an export writes its files beside "

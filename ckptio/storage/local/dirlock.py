@@ -31,7 +31,7 @@ from ckptio.errors import CheckpointLockedError, StorageIOError
 from ckptio.storage import holder as holders
 from ckptio.storage.store_contract import check_if_locked
 
-__all__ = ["LOCK_NAME", "DirLock", "lock", "make_dir", "still_linked", "unlock"]
+__all__ = ["LOCK_NAME", "DirLock", "broken_link", "lock", "make_dir", "still_linked", "unlock"]
 
 log = logging.getLogger("ckptio")
 LOCK_NAME = ".ckptio.lock"
