@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +284,16 @@ def test_a_device_pipe_or_socket_dst_is_never_replaced(tmp_path: Path) -> None:
                             "neither a file nor a directory")
             assert fifo.is_fifo(), to
         fifo.unlink()
+
+
+def test_a_terminal_without_the_keys_characters_gets_them_escaped_not_a_traceback(
+        tmp_path: Path) -> None:
+    """PYTHONIOENCODING=ascii (a C locale's terminal): a non-ASCII key was a UnicodeEncodeError
+    traceback; now it is printed escaped, exit 0."""
+    path = tmp_path / "ck"
+    ckptio.save({"gewicht_\u00e4": torch.zeros(2), "\u043a\u043b\u044e\u0447": 1}, path)
+    done = subprocess.run([sys.executable, "-m", "ckptio", "ls", str(path)], capture_output=True,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"gewicht_\\xe4" in done.stdout and b"\\u043a\\u043b" in done.stdout
+    assert b"Traceback" not in done.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import os
 import shlex
 import sys
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     """The ``ckptio`` command. Exit status: 0 done (diff: the same), 1 diff found differences,
     2 an error, printed as one line on stderr (a CkptError's message names the fix)."""
     argv = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):  # a key or path the terminal's encoding lacks
+        if isinstance(stream, io.TextIOWrapper):  # (PYTHONIOENCODING=ascii) is escaped
+            stream.reconfigure(errors="backslashreplace")
     try:
         status = _run(argv)
         sys.stdout.flush()  # a closed pipe shows here, inside the try
