@@ -316,8 +316,9 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
     waits for answers at most what is left of the deadline (timeouts.py), so a silent network
     fails the request at its deadline. Once one request to an endpoint has given up, the
     others (in flight, or started during the outage: a failed save's cleanup) give up at their
-    next transient failure, and those started in the outage share a short grace; a success to
-    the endpoint ends the outage."""
+    next transient failure, and those started in the outage share a short grace; those started
+    later, with no success since, are short probes (timeouts.py); a success to the endpoint
+    ends the outage."""
     endpoint = settings.endpoint()
     spent = timeouts.Budget(endpoint, settings.retry_deadline_s)
     attempt = 0
@@ -339,7 +340,7 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                 raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
             if spent.over():
                 timeouts.ended(spent)
-                raise _giving_up(endpoint, what, attempt, elapsed, exc) from exc
+                raise _giving_up(endpoint, what, attempt, elapsed, exc, spent.probe) from exc
             if elapsed >= RETRY_WARN_S:
                 _report_retrying(endpoint, what, exc, attempt, elapsed,
                                  settings.retry_deadline_s)
@@ -356,11 +357,14 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
 
 
 def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
-             exc: BaseException) -> StorageIOError:
+               exc: BaseException, probe: bool = False) -> StorageIOError:
     silent = _timed_out(exc)
     why = ("the store at {0} did not answer in time (the network or the store is silent: "
            "a partition, a stuck proxy or load balancer, an overloaded store)" if silent else
            "the store at {0} kept refusing or dropping requests").format(endpoint)
+    if probe:
+        why += (f", as no request to it has succeeded since an earlier one gave up (so this "
+                f"one had {timeouts.PROBE_SHARE:.0%} of the deadline)")
     return StorageIOError(
         f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: {describe(exc)}; "
         f"{why}: check that it is up and reachable (raise S3Settings.retry_deadline_s, "
