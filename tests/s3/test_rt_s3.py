@@ -5,6 +5,12 @@ commits nothing incomplete, and a later restore gets the last good step."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from typing import Any
 
@@ -13,11 +19,26 @@ import torch
 
 import ckptio
 from ckptio.managing.manager import CheckpointManager
+from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.s3 import timeouts
+from ckptio.storage.s3.client import S3Path
 from ckptio.testing.s3proxy import FaultProxy
 
 MiB = 1 << 20
 DEADLINE_S = 4.0
+# a save that waits for another save's lock (if_locked="wait"), reporting when its caller is
+# interrupted; the process must then exit
+WAITER = """
+import sys, time, torch, ckptio
+options = ckptio.Options(s3_endpoint_url=sys.argv[2], s3_retry_deadline_s=4.0,
+                         s3_lock_lease_s=2.0)
+print("saving", flush=True)
+try:
+    ckptio.Checkpointer(options).save({"w": torch.ones(8)}, sys.argv[1])
+    print("saved", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
 
 
 def _state(seed: int, mib: int = 6) -> dict[str, Any]:
@@ -75,3 +96,43 @@ def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_
     assert CheckpointManager(run, keep_last=2, options=_options(s3_proxy.endpoint)).restore(
         target) == 4
     assert torch.equal(target["w"], _state(4)["w"])
+
+
+def test_ctrl_c_while_a_save_waits_for_another_jobs_lock_lets_the_process_exit(
+        s3_env: str, s3_live: Any, s3_client: Any) -> None:
+    """Another job's save holds the prefix's lock (renewed, on another host); this process's
+    save waits for it. Ctrl-C: KeyboardInterrupt, and the process exits within seconds (its
+    save stops waiting: an exit waits for the saves in flight), writing nothing; the other
+    job's lock is left alone."""
+    url = f"{s3_env}/waiting"
+    where = S3Path.parse(url).child(LOCK_NAME)
+    holder = {"host": "other-host", "pid": 1, "since": "now", "save": "theirs", "lease_s": 2.0}
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.is_set():
+            s3_client.put_object(Bucket=where.bucket, Key=where.key,
+                                 Body=json.dumps({**holder, "at": time.time()}).encode())
+            stop.wait(0.3)
+
+    renewing = threading.Thread(target=renew, daemon=True)
+    renewing.start()
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER, url, s3_live.endpoint],
+                              env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "saving"
+        time.sleep(1.5)  # in the lock's wait
+        waiter.send_signal(signal.SIGINT)
+        out, _ = waiter.communicate(timeout=8)  # old code: waits as long as the lock is held
+        assert "interrupted" in out and waiter.returncode == 0, out
+        prefix = S3Path.parse(url).dir_prefix
+        listed = s3_client.list_objects_v2(Bucket=where.bucket, Prefix=prefix)
+        assert [o["Key"] for o in listed.get("Contents", [])] == [where.key]
+        assert not s3_client.list_multipart_uploads(Bucket=where.bucket,
+                                                    Prefix=prefix).get("Uploads")
+    finally:
+        stop.set()
+        renewing.join()
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
