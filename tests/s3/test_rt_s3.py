@@ -136,3 +136,21 @@ def test_ctrl_c_while_a_save_waits_for_another_jobs_lock_lets_the_process_exit(
         if waiter.poll() is None:
             waiter.kill()
             waiter.wait()
+
+
+def test_a_data_object_deleted_while_a_load_reads_it_names_the_cause_and_the_fix(
+        s3_env: str, s3_proxy: FaultProxy, s3_client: Any) -> None:
+    """Another save replaces the checkpoint at the same location (its cleanup deletes the old
+    data objects) while this load reads them: the GET finds nothing (404). The load fails,
+    naming the object, why it is gone and what to do; nothing half-read is returned."""
+    url = f"{s3_env}/replaced"
+    options = _options(s3_proxy.endpoint)
+    ckptio.Checkpointer(options).save(_state(1), url)
+    s3_proxy.on_request(lambda req: s3_client.delete_object(Bucket=req.bucket, Key=req.key),
+                        op="GetObject", key="/data-")
+    target = _state(0)
+    with pytest.raises(ckptio.StorageIOError) as info:
+        ckptio.Checkpointer(options).load(url, target)
+    message = str(info.value)
+    assert "/data-" in message and "no longer exists" in message, message
+    assert "another save replaced this checkpoint" in message and "load it again" in message
