@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 import ckptio
 from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.local.dirlock import LOCK_NAME
+from ckptio.storage.object_common import MARKER
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path
 from ckptio.testing.s3proxy import FaultProxy
@@ -154,3 +156,34 @@ def test_a_data_object_deleted_while_a_load_reads_it_names_the_cause_and_the_fix
     message = str(info.value)
     assert "/data-" in message and "no longer exists" in message, message
     assert "another save replaced this checkpoint" in message and "load it again" in message
+
+
+def test_many_step_prefixes_are_told_apart_by_one_listing_not_lookups_of_each(
+        s3_env: str, s3_proxy: FaultProxy, s3_client: Any) -> None:
+    """A run prefix holding 300 step prefixes (interrupted saves, never deleted; or a run
+    keeping every step): a restore and each save's retention list them page by page instead of
+    sending HEADs for every step (which made each save wait seconds), and tell them apart as
+    the look-ups do: committed, incomplete, marked for removal (hidden), an object named like a
+    step (no step). Restore gets the newest committed step, on the listing's last page."""
+    run = f"{s3_env}/many"
+    where = S3Path.parse(run)
+    options = _options(s3_proxy.endpoint)
+    with CheckpointManager(run, keep_last=2, options=options) as manager:
+        manager.save(900, _state(900, mib=1))
+    keys = [f"{where.dir_prefix}step-{n}/data-x.bin" for n in range(1000, 1300)]
+    keys += [f"{where.dir_prefix}step-1300/{MARKER}", f"{where.dir_prefix}step-1300/manifest.json",
+             f"{where.dir_prefix}step-1301"]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda key: s3_client.put_object(Bucket=where.bucket, Key=key, Body=b"x"),
+                      keys))
+    s3_proxy.reset_counters()
+    manager = CheckpointManager(run, keep_last=2, options=options)
+    target = _state(0, mib=1)
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert manager.restore(target) == 900
+    assert torch.equal(target["w"], _state(900, mib=1)["w"])
+    manager.save(901, _state(901, mib=1))
+    assert s3_proxy.counts["HeadObject"] < 40, dict(s3_proxy.counts)  # old: 2 per step, twice
+    assert manager.steps() == [900, 901]
+    assert manager.incomplete() == list(range(1000, 1300))
+    manager.close()
