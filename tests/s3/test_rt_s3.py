@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import ckptio
 from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import MARKER
-from ckptio.storage.s3 import timeouts
+from ckptio.storage.s3 import client, timeouts
 from ckptio.storage.s3.client import S3Path
 from ckptio.testing.s3proxy import FaultProxy
 
@@ -187,3 +188,23 @@ def test_many_step_prefixes_are_told_apart_by_one_listing_not_lookups_of_each(
     assert manager.steps() == [900, 901]
     assert manager.incomplete() == list(range(1000, 1300))
     manager.close()
+
+
+def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
+        s3_env: str, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        _fresh_outages: None) -> None:
+    """HTTPS_PROXY / HTTP_PROXY name a proxy nothing listens on (a cluster's stale setting):
+    like an endpoint that never answered, the save is refused within seconds (UNREACHED_S and
+    one attempt), naming the proxy variables, not retried for the whole deadline as a store
+    'refusing or dropping requests'."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(name, dead)
+    options = _options(s3_proxy.endpoint, s3_retry_deadline_s=30.0)
+    message = _raises_within(client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(options).save(
+        _state(1, mib=1), f"{s3_env}/proxied"))
+    assert "the proxy to" in message and "HTTPS_PROXY" in message and dead in message, message

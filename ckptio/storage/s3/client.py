@@ -13,8 +13,8 @@ must be asked for again, the budget is a time (each attempt waits for answers at
 left of it: timeouts.py), and once one request to an endpoint gave up the others give up at
 once. A request still retrying after RETRY_WARN_S logs a warning. What
 retrying cannot fix fails at once, naming the cause and the fix: no credentials, a TLS
-handshake that cannot succeed, an endpoint that never answered this process (retried for
-UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
+handshake that cannot succeed, an endpoint (or the proxy to it) that never answered this
+process (retried for UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
 Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure.
 Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), what
@@ -271,10 +271,11 @@ def _unfixable(exc: BaseException, endpoint: str) -> str | None:
 
 
 def _unreached(exc: BaseException) -> bool:
-    """A connection that could not be made (refused, no such host, connect timeout)."""
-    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+    """A connection that could not be made (refused, no such host, connect timeout; to the
+    endpoint, or to the proxy that HTTPS_PROXY / HTTP_PROXY name)."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ProxyConnectionError
 
-    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError))
 
 
 def _answered(endpoint: str, exc: BaseException | None = None) -> None:
@@ -285,6 +286,13 @@ def _answered(endpoint: str, exc: BaseException | None = None) -> None:
 
 def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
                    exc: BaseException) -> StorageIOError:
+    from botocore.exceptions import ProxyConnectionError
+
+    if isinstance(exc, ProxyConnectionError):
+        return StorageIOError(
+            f"{what} failed: the proxy to {endpoint} does not answer ({describe(exc)}; "
+            f"{attempt} attempt(s) in {elapsed:.1f} s): check HTTPS_PROXY / HTTP_PROXY (or "
+            "unset them, or list the endpoint's host in NO_PROXY) and that the proxy is running")
     return StorageIOError(
         f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
         f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
@@ -347,6 +355,8 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
             base = 0.5 if code(exc) == "SlowDown" else 0.1
             pause = random.uniform(0, min(5.0, base * 2 ** attempt))
             pause = min(pause, spent.left())
+            if _unreached(exc) and endpoint not in _reached:  # refused once UNREACHED_S is up
+                pause = min(pause, max(0.0, UNREACHED_S - elapsed))
             log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, describe(exc),
                      pause, attempt + 1)
             sleep(pause)
