@@ -208,3 +208,18 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     message = _raises_within(client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(options).save(
         _state(1, mib=1), f"{s3_env}/proxied"))
     assert "the proxy to" in message and "HTTPS_PROXY" in message and dead in message, message
+
+
+def test_with_no_endpoint_set_and_aws_unreachable_the_save_fails_in_seconds_naming_the_network(
+        s3_env: str, monkeypatch: pytest.MonkeyPatch, _fresh_outages: None) -> None:
+    """An AWS user sets no endpoint; AWS's endpoint for the region cannot be reached (no
+    network here, or a region whose host does not resolve): refused within seconds, naming the
+    network, DNS, proxy and AWS_REGION, not 'check the endpoint URL, its port and that the
+    server is running'."""
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_REGION", "xx-nowhere-9")  # s3.xx-nowhere-9.amazonaws.com: no host
+    message = _raises_within(client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
+        _state(1, mib=1), "s3://ckptio-rts3-nowhere/run/a"))
+    assert "AWS S3 cannot be reached" in message and "AWS_REGION" in message, message
+    assert "network" in message and "AWS_ENDPOINT_URL" in message, message

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3 import timeouts
-from ckptio.storage.s3.settings import S3Settings
+from ckptio.storage.s3.settings import AWS_DEFAULT, S3Settings
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "call", "client", "code",
            "connections", "describe", "failed", "is_s3", "not_s3", "status"]
@@ -293,6 +293,13 @@ def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
             f"{what} failed: the proxy to {endpoint} does not answer ({describe(exc)}; "
             f"{attempt} attempt(s) in {elapsed:.1f} s): check HTTPS_PROXY / HTTP_PROXY (or "
             "unset them, or list the endpoint's host in NO_PROXY) and that the proxy is running")
+    if endpoint == AWS_DEFAULT:  # no endpoint set: AWS's own for the region
+        return StorageIOError(
+            f"{what} failed: AWS S3 cannot be reached from here ({describe(exc)}; {attempt} "
+            f"attempt(s) in {elapsed:.1f} s): check this machine's network, DNS and proxy "
+            "(HTTPS_PROXY) and the region (AWS_REGION; the endpoint is AWS's for it); for "
+            "another S3-compatible store set its URL in AWS_ENDPOINT_URL (or "
+            "S3Settings.endpoint_url / Options.s3_endpoint_url)")
     return StorageIOError(
         f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
         f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
