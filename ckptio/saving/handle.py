@@ -169,6 +169,10 @@ class HandleControl:
             self._reported = True
             return self._error
 
+    def abandoned(self) -> bool:
+        """Whether the caller's interrupt abandoned this save (it waits for nothing more)."""
+        return self._handover.abandoned
+
     def skip(self) -> None:
         """An async save not taken (if_busy='skip'): done at once, with a skipped result."""
         self._result = SaveResult(self.path, 0, (), 0.0, skipped=True)

@@ -64,6 +64,7 @@ from ckptio.saving.save_context import PACKED_FILE, RankPart, SaveContext
 from ckptio.storage import steps
 from ckptio.storage.entry_reader import EntryReader
 from ckptio.storage.files import StoreFiles, mappable
+from ckptio.storage.object_common import abandoned_when
 from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.version import __version__
 
@@ -208,7 +209,7 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
     try:
         # claim first: a collective on every rank, and no rank creates a file before the
         # coordinator holds the lock; attempt() removes this rank's files on failure.
-        with (ctx.resources.lock,
+        with (ctx.resources.lock, abandoned_when(control.abandoned),
               savelock.exclusive(ctx.group, ctx.store, ctx.options.if_locked) as held,
               _opened(ctx.store, part.names)):
             # The previous save's cleanup must have listed its directory before this save

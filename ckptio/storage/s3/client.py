@@ -13,8 +13,8 @@ must be asked for again, the budget is a time (each attempt waits for answers at
 left of it: timeouts.py), and once one request to an endpoint gave up the others give up at
 once. A request still retrying after RETRY_WARN_S logs a warning. What
 retrying cannot fix fails at once, naming the cause and the fix: no credentials, a TLS
-handshake that cannot succeed, an endpoint that never answered this process (retried for
-UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
+handshake that cannot succeed, an endpoint (or the proxy to it) that never answered this
+process (retried for UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
 Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure.
 Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), what
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3 import timeouts
-from ckptio.storage.s3.settings import S3Settings
+from ckptio.storage.s3.settings import AWS_DEFAULT, S3Settings
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "call", "client", "code",
            "connections", "describe", "failed", "is_s3", "not_s3", "status"]
@@ -271,10 +271,11 @@ def _unfixable(exc: BaseException, endpoint: str) -> str | None:
 
 
 def _unreached(exc: BaseException) -> bool:
-    """A connection that could not be made (refused, no such host, connect timeout)."""
-    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+    """A connection that could not be made (refused, no such host, connect timeout; to the
+    endpoint, or to the proxy that HTTPS_PROXY / HTTP_PROXY name)."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ProxyConnectionError
 
-    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError))
+    return isinstance(exc, (EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError))
 
 
 def _answered(endpoint: str, exc: BaseException | None = None) -> None:
@@ -285,6 +286,20 @@ def _answered(endpoint: str, exc: BaseException | None = None) -> None:
 
 def _never_reached(endpoint: str, what: str, attempt: int, elapsed: float,
                    exc: BaseException) -> StorageIOError:
+    from botocore.exceptions import ProxyConnectionError
+
+    if isinstance(exc, ProxyConnectionError):
+        return StorageIOError(
+            f"{what} failed: the proxy to {endpoint} does not answer ({describe(exc)}; "
+            f"{attempt} attempt(s) in {elapsed:.1f} s): check HTTPS_PROXY / HTTP_PROXY (or "
+            "unset them, or list the endpoint's host in NO_PROXY) and that the proxy is running")
+    if endpoint == AWS_DEFAULT:  # no endpoint set: AWS's own for the region
+        return StorageIOError(
+            f"{what} failed: AWS S3 cannot be reached from here ({describe(exc)}; {attempt} "
+            f"attempt(s) in {elapsed:.1f} s): check this machine's network, DNS and proxy "
+            "(HTTPS_PROXY) and the region (AWS_REGION; the endpoint is AWS's for it); for "
+            "another S3-compatible store set its URL in AWS_ENDPOINT_URL (or "
+            "S3Settings.endpoint_url / Options.s3_endpoint_url)")
     return StorageIOError(
         f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} attempt(s) in "
         f"{elapsed:.1f} s): check the endpoint URL (AWS_ENDPOINT_URL, or "
@@ -316,8 +331,9 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
     waits for answers at most what is left of the deadline (timeouts.py), so a silent network
     fails the request at its deadline. Once one request to an endpoint has given up, the
     others (in flight, or started during the outage: a failed save's cleanup) give up at their
-    next transient failure, and those started in the outage share a short grace; a success to
-    the endpoint ends the outage."""
+    next transient failure, and those started in the outage share a short grace; those started
+    later, with no success since, are short probes (timeouts.py); a success to the endpoint
+    ends the outage."""
     endpoint = settings.endpoint()
     spent = timeouts.Budget(endpoint, settings.retry_deadline_s)
     attempt = 0
@@ -339,13 +355,15 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
                 raise _never_reached(endpoint, what, attempt, elapsed, exc) from exc
             if spent.over():
                 timeouts.ended(spent)
-                raise _giving_up(endpoint, what, attempt, elapsed, exc) from exc
+                raise _giving_up(endpoint, what, attempt, elapsed, exc, spent.probe) from exc
             if elapsed >= RETRY_WARN_S:
                 _report_retrying(endpoint, what, exc, attempt, elapsed,
                                  settings.retry_deadline_s)
             base = 0.5 if code(exc) == "SlowDown" else 0.1
             pause = random.uniform(0, min(5.0, base * 2 ** attempt))
             pause = min(pause, spent.left())
+            if _unreached(exc) and endpoint not in _reached:  # refused once UNREACHED_S is up
+                pause = min(pause, max(0.0, UNREACHED_S - elapsed))
             log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, describe(exc),
                      pause, attempt + 1)
             sleep(pause)
@@ -356,11 +374,14 @@ def call(settings: S3Settings, what: str, request: Callable[[], T],
 
 
 def _giving_up(endpoint: str, what: str, attempt: int, elapsed: float,
-             exc: BaseException) -> StorageIOError:
+               exc: BaseException, probe: bool = False) -> StorageIOError:
     silent = _timed_out(exc)
     why = ("the store at {0} did not answer in time (the network or the store is silent: "
            "a partition, a stuck proxy or load balancer, an overloaded store)" if silent else
            "the store at {0} kept refusing or dropping requests").format(endpoint)
+    if probe:
+        why += (f", as no request to it has succeeded since an earlier one gave up (so this "
+                f"one had {timeouts.PROBE_SHARE:.0%} of the deadline)")
     return StorageIOError(
         f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: {describe(exc)}; "
         f"{why}: check that it is up and reachable (raise S3Settings.retry_deadline_s, "

@@ -8,8 +8,8 @@ it (``take``) instead of sending a HEAD of its own (docs/BENCH_S3.md). It is use
 would be: every GET is pinned to the ETag (If-Match), so an object replaced since fails the
 read (412) instead of mixing two versions. Every GET's answer is checked (``check_answer``):
 the size its Content-Range gives must be the size taken, its ETag the one pinned; a GET refused
-because the object changed (412) or is shorter (416) fails naming the object and the fix
-(``refusal``). An entry is taken once, for the same endpoint only, within SEEN_TTL_S; at most
+because the object changed (412), is shorter (416) or is gone (404) fails naming the object
+and the fix (``refusal``). An entry is taken once, for the same endpoint only, within SEEN_TTL_S; at most
 SEEN_MAX are kept, the oldest dropped.
 
 Owns: the hand-off between a store's look-ups and a backend's opens, the checks of a GET's
@@ -77,6 +77,11 @@ def refusal(status: int | None, what: str, url: str) -> StorageIOError | None:
             f"{what} failed: {url} changed since it was opened (412: its ETag is no longer the "
             "one read so far; another writer replaced it): load it again, or load an earlier "
             "checkpoint")
+    if status == 404:
+        return StorageIOError(
+            f"{what} failed: {url} no longer exists (404: it was deleted since it was opened; "
+            "another save replaced this checkpoint, or a retention removed it, while it was "
+            "read): load it again, or load an earlier checkpoint")
     if status == 416:
         return StorageIOError(
             f"{what} failed: {url} is shorter than when it was opened (416: the range asked is "

@@ -50,6 +50,7 @@ log = logging.getLogger("ckptio")
 T = TypeVar("T")
 _BATCH = 1000  # DeleteObjects' limit
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
+_STEPS_PER_PAGE = 32  # scan(): steps a page of the listing of every key must tell apart
 
 
 class S3Root:
@@ -75,9 +76,12 @@ class S3Root:
 
     def scan(self) -> Listing:
         """The step prefixes, committed and incomplete, ascending; marked ones left out (and
-        remembered for the next removal())."""
+        remembered for the next removal()). Many steps are told apart by one listing of every
+        key under the root (_listed_states), else each by its own look-ups (_state)."""
         steps = sorted({s for s in map(step_of, self._entries()[1]) if s is not None})
-        states = dict(zip(steps, self._each(self._state, steps)))
+        states = self._listed_states(steps) if len(steps) > _STEPS_PER_PAGE else None
+        if states is None:
+            states = dict(zip(steps, self._each(self._state, steps)))
         self._marked.add(s for s, state in states.items() if state == "marked")
         return {kind: [s for s in steps if states[s] == kind]
                 for kind in ("committed", "incomplete")}
@@ -90,6 +94,23 @@ class S3Root:
         if self._exists(base + MANIFEST_NAME):
             return "committed"
         return "incomplete" if next(self._keys(base, limit=1), None) is not None else "empty"
+
+    def _listed_states(self, steps: list[int]) -> dict[int, str] | None:
+        """_state() of every one of ``steps`` from one listing of every key under the root,
+        or None if that takes more than a page per _STEPS_PER_PAGE steps (steps of many
+        objects: their look-ups cost less)."""
+        seen: dict[int, set[str]] = {step: set() for step in steps}
+        cut = len(self.where.dir_prefix)
+        for number, page in enumerate(self._pages(self.where.dir_prefix), 1):
+            for obj in page.get("Contents", []):
+                name, inside, rest = obj["Key"][cut:].partition("/")
+                step = step_of(name)
+                if inside and step in seen:
+                    seen[step].add(rest if rest in (MARKER, MANIFEST_NAME) else "")
+            if page.get("IsTruncated") and number >= len(steps) // _STEPS_PER_PAGE:
+                return None
+        return {step: "marked" if MARKER in names else "committed" if MANIFEST_NAME in names
+                else "incomplete" if names else "empty" for step, names in seen.items()}
 
     def is_committed(self, step: int) -> bool:
         return self._exists(self._base(step) + MANIFEST_NAME)

@@ -10,11 +10,14 @@ thread-local value attempt() sets around it.
 
 Once a request to an endpoint gave up, the endpoint is in an outage until a request to it
 succeeds, or WINDOW_S pass with no request giving up (the next save, unless it starts right
-after the failure, has its whole deadline and retries). Requests that start in an outage (a
-failed save's cleanup: aborting its uploads, reading the manifest, releasing its lock) share
-GRACE_S after the outage's first give-up, then have one attempt of FLOOR_S each: a failed
-save's cleanup adds seconds, not a deadline per request. A request that starts after the
-outage ended has its whole deadline again.
+after the failure, retries). Requests that start in an outage (a failed save's
+cleanup: aborting its uploads, reading the manifest, releasing its lock) share GRACE_S after
+the outage's first give-up, then have one attempt of FLOOR_S each: a failed save's cleanup adds
+seconds, not a deadline per request. A request that starts after the outage ended, with no
+request to the endpoint succeeding since, is a probe: it has PROBE_SHARE of its deadline (at
+least FLOOR_S), so a store that stays silent costs each later save (the training loop waits
+for its pre-save checks and its claim) that much, not a whole deadline; the first success
+ends the record and every request has its whole deadline again.
 
 Owns: Budget (one request's), the outage record, the timeout hook. Does not own: what is
 retried, the retry loop and its messages (client.py).
@@ -28,13 +31,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FLOOR_S", "GRACE_S", "READ_TIMEOUT_S", "WINDOW_S", "Budget", "attempt", "ended", "hopeless",
-           "install", "limited", "outage_since", "recovered", "reset"]
+__all__ = ["FLOOR_S", "GRACE_S", "PROBE_SHARE", "READ_TIMEOUT_S", "WINDOW_S", "Budget", "attempt",
+           "ended", "hopeless", "install", "limited", "outage_since", "recovered", "reset"]
 
 READ_TIMEOUT_S = 120.0  # the longest one attempt waits for an answer
 FLOOR_S = 1.0  # the shortest
 GRACE_S = 3.0  # what requests that start in an outage share (a failed save's cleanup)
 WINDOW_S = 2 * GRACE_S  # an outage lasts this long after its last give-up, unless one succeeds
+PROBE_SHARE = 0.1  # of its deadline: a request after an outage, the endpoint silent since
 
 _outage: dict[str, tuple[float, float]] = {}  # endpoint -> (first, last) give-up, no success since
 _lock = threading.Lock()
@@ -58,7 +62,7 @@ def ended(budget: Budget) -> None:
 
 
 def recovered(endpoint: str) -> None:
-    """A request to ``endpoint`` succeeded: no outage."""
+    """A request to ``endpoint`` succeeded: no outage, nor probes after one."""
     if _outage:
         with _lock:
             _outage.pop(endpoint, None)
@@ -85,9 +89,13 @@ class Budget:
         self.endpoint, self.deadline_s = endpoint, deadline_s
         self.started = time.monotonic()
         self.end = self.started + deadline_s
+        self.probe = False  # started after an outage, with no success since
         known = outage_since(endpoint)
         if known is not None and known[1] > self.started - WINDOW_S:
             self.end = min(self.end, known[0] + GRACE_S)  # started in an outage
+        elif known is not None:
+            self.probe = True
+            self.end = min(self.end, self.started + max(FLOOR_S, PROBE_SHARE * deadline_s))
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
