@@ -308,6 +308,43 @@ def test_wait_when_another_process_holds_the_path(tmp_path, caplog):
     assert set(os.listdir(path)) == set(outcome[0].files) | {"manifest.json"}
 
 
+WAITER = """
+import sys, torch, ckptio
+print("saving", flush=True)
+try:
+    ckptio.Checkpointer().save({"w": torch.ones(8)}, sys.argv[1])
+    print("saved", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_while_waiting_for_another_process_lets_this_one_exit(tmp_path):
+    """Another process's save holds the directory; this process's save waits for it (the
+    default if_locked="wait"). Ctrl-C: KeyboardInterrupt, and the process exits within
+    seconds (it waited in a blocking flock, and an exit waits for the saves in flight: it
+    exited only once the other save let go), writing nothing; the holder's save commits."""
+    path = tmp_path / "ckpt"
+    holder = Holder(path, tmp_path)
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER, str(path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "saving"
+        listing = set(os.listdir(path))
+        time.sleep(2.0)  # imported, planned, in the lock's wait
+        waiter.send_signal(signal.SIGINT)
+        out, _ = waiter.communicate(timeout=15)  # old code: as long as the holder holds it
+        assert "interrupted" in out and waiter.returncode == 0, out
+        assert set(os.listdir(path)) == listing, "the abandoned save wrote or removed files"
+        holder.finish()
+        assert_same(ckptio.load(path), state(2))
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+        holder.stop()
+
+
 def test_holder_killed_with_sigkill_does_not_block_the_next_save(tmp_path):
     path = tmp_path / "ckpt"
     holder = Holder(path, tmp_path)

@@ -64,7 +64,7 @@ from ckptio.saving.save_context import PACKED_FILE, RankPart, SaveContext
 from ckptio.storage import steps
 from ckptio.storage.entry_reader import EntryReader
 from ckptio.storage.files import StoreFiles, mappable
-from ckptio.storage.object_common import abandoned_when
+from ckptio.storage.abandon import abandoned_when
 from ckptio.storage.store_contract import Exclusive, Store
 from ckptio.version import __version__
 

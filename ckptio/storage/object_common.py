@@ -5,7 +5,7 @@ their step roots' pending removals of hidden steps.
 Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
 whose rules are the same whatever the service, kept once so that a fix reaches all three (and
 the claim a store's exclusive() returns: ``LockClaim``; a save's wait for a lock another save
-holds: ``LockWait``, which gives up once the save is abandoned: ``abandoned_when``).
+holds: ``LockWait``, which gives up once the save is abandoned: storage/abandon.py).
 
 Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
 close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
@@ -19,12 +19,11 @@ folders), the marker's name or the order of deletions (each root's ``finish``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -36,17 +35,16 @@ from ckptio.errors import (
 )
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.backend_contract import FileHandle
-from ckptio.storage import missing_manifest
+from ckptio.storage import abandon, missing_manifest
 from ckptio.storage.steproot import Removal, warn
 
 __all__ = ["MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedSteps", "OpenHandles",
-           "abandoned_when", "lost_commit", "no_checkpoint"]
+           "lost_commit", "no_checkpoint"]
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
 MARKER = ".deleting"  # a step being removed: out of the listing, its removal pending
 MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
-_waits = threading.local()  # .abandoned: whether this thread's save was abandoned (or None)
 
 
 class _Lock(Protocol):
@@ -85,8 +83,7 @@ class LockWait:
                 f"{self.url} is being saved by another save ({other}); this save did not "
                 "start and the checkpoint there is untouched: wait for that save to finish, "
                 "save to another location, or use Options(if_locked='wait') to wait for it")
-        abandoned = getattr(_waits, "abandoned", None)
-        if abandoned is not None and abandoned():
+        if abandon.abandoned():
             raise CkptError(f"the save to {self.url} stopped waiting for its lock, held by "
                             f"another save ({other}): its caller was interrupted; nothing of it "
                             "was written")
@@ -96,19 +93,6 @@ class LockWait:
             self.waited = True
         time.sleep(self.pause)
         self.pause = min(self.most_s, self.pause * 1.5)
-
-
-@contextlib.contextmanager
-def abandoned_when(abandoned: Callable[[], bool]) -> Iterator[None]:
-    """Inside, a LockWait on this thread gives up (CkptError) once ``abandoned()`` is true: a
-    save whose caller was interrupted (Ctrl-C) waits no longer for another save's lock, which
-    would keep the process from exiting (an exit waits for the saves in flight)."""
-    outer = getattr(_waits, "abandoned", None)
-    _waits.abandoned = abandoned
-    try:
-        yield
-    finally:
-        _waits.abandoned = outer
 
 
 class OpenHandles(Generic[T]):

@@ -6,7 +6,8 @@ chosen what to remove, so two saves into one path cannot remove each other's fil
 what happens on NFS and on filesystems without locks, and the lock file's life:
 docs/BEHAVIOUR.md, "ckptio.storage.local.dirlock".
 
-Call order: ``lock(path, if_locked)`` (creates the directory if needed; waits, or raises
+Call order: ``lock(path, if_locked)`` (creates the directory if needed; waits, trying again
+until a save its caller abandoned gives up (storage/abandon.py), or raises
 CheckpointLockedError naming the holder) -> the save writes and commits -> ``unlock(held,
 failed=...)`` (removes the lock file, still holding it, then lets go; never raises).
 
@@ -27,7 +28,8 @@ import socket
 import time
 from dataclasses import dataclass
 
-from ckptio.errors import CheckpointLockedError, StorageIOError
+from ckptio.errors import CheckpointLockedError, CkptError, StorageIOError
+from ckptio.storage import abandon
 from ckptio.storage import holder as holders
 from ckptio.storage.store_contract import check_if_locked
 
@@ -39,6 +41,7 @@ LOCK_NAME = ".ckptio.lock"
 # without -o flock, some FUSE filesystems), not "the lock is taken"
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _HOLDER_READS = 20  # x 10 ms
+_FIRST_PAUSE_S, _MOST_PAUSE_S = 0.01, 0.2  # between tries of a lock another save holds
 _unlockable_warned: set[int] = set()  # st_dev of filesystems already reported without locks
 
 
@@ -143,11 +146,21 @@ def _take(fd: int, path: str, if_locked: str) -> bool:
             "path, or use Options(if_locked='wait') to wait for it")
     log.warning("ckptio: waiting for the lock of %s: another save is running there (%s)",
                 path, holder)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as exc:
-        return _no_locks(fd, path, exc)
-    return True
+    pause = _FIRST_PAUSE_S
+    while True:  # tries, not a blocking flock: a save its caller abandoned stops waiting
+        if abandon.abandoned():
+            raise CkptError(f"the save to {path} stopped waiting for its lock, held by another "
+                            f"save ({holder}): its caller was interrupted; nothing of it was "
+                            "written")
+        time.sleep(pause)
+        pause = min(_MOST_PAUSE_S, pause * 1.5)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            return _no_locks(fd, path, exc)
 
 
 def _no_locks(fd: int, path: str, exc: OSError) -> bool:
