@@ -9,6 +9,7 @@ pipe. Does not own: the checkpoint commands (cli/commands.py and the modules it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import os
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     for stream in (sys.stdout, sys.stderr):  # a key or path the terminal's encoding lacks
         if isinstance(stream, io.TextIOWrapper):  # (PYTHONIOENCODING=ascii) is escaped
-            stream.reconfigure(errors="backslashreplace")
+            with contextlib.suppress(OSError):  # a stream whose fd was replaced by a pipe
+                stream.reconfigure(errors="backslashreplace")  # after it was made: unchanged
     try:
         status = _run(argv)
         sys.stdout.flush()  # a closed pipe shows here, inside the try
