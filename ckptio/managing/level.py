@@ -263,11 +263,21 @@ class TierSteps:
 
     def _own(self, committed: list[int]) -> set[int]:
         """What the policy keeps of ``committed``, its output checked (policies.kept_by), plus
-        what no policy drops: the newest step and those whose metadata cannot be read now."""
+        what no policy drops: the newest step, those whose metadata cannot be read now and
+        those ahead() (not asked about: they would count as the newest, and a run that
+        restored below them would see each of its saves dropped at once)."""
         self._meta.begin()
-        infos, facts = self._infos(committed)
+        ahead = self.ahead(committed)
+        infos, facts = self._infos([s for s in committed if s not in ahead])
         kept = kept_by(self.keep, infos, time.time())
-        return kept | set(committed[-1:]) | self._meta.unreadable | facts.unreadable
+        return kept | set(committed[-1:]) | ahead | self._meta.unreadable | facts.unreadable
+
+    def ahead(self, committed: list[int]) -> set[int]:
+        """The steps of ``committed`` a load found damaged and newer than every undamaged one
+        (a damaged base and its deltas, say): a run that fell back past them saves below them
+        (inflight.py allows it) and its saves of those steps replace them; kept until then."""
+        sound = [s for s in committed if s not in self._damaged]
+        return {s for s in committed if s in self._damaged and (not sound or s > sound[-1])}
 
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
@@ -275,6 +285,8 @@ class TierSteps:
         why: dict[int, str] = {}
         if self.verified in committed and self.verified not in own:
             why[self.verified] = "restored or verified last (kept until a newer step is)"
+        for step in sorted(self.ahead(committed)):
+            why[step] = "damaged, newer than the loadable steps (kept until a save replaces it)"
         for step in sorted(self._chains.closure(committed, own | set(why)) - own - set(why)):
             why[step] = "the base of a kept delta"
         return why
