@@ -128,6 +128,33 @@ def test_one_process_may_make_a_second_manager_of_its_own_run(tmp_path: Path) ->
         assert b.restore({"w": torch.zeros(3)}) == 1
 
 
+def test_a_tiered_manager_that_only_restored_drops_nothing_at_close(shm: str,
+                                                                     tmp_path: Path) -> None:
+    """A reader of a live run (an evaluation loop: a tiered manager that restores and never
+    saves) closed: its close() ran the first tier's retention with its own keep_last, and
+    deleted the training job's steps there (the base of its next delta, its drain's queue)."""
+    tiers = [ckptio.Tier("shm://run", keep_last=3), ckptio.Tier(str(tmp_path / "disk"), every=4)]
+    trainer = CheckpointManager(tiers=tiers, delta=ckptio.DeltaPolicy(full_every=4),
+                                options=Options(buffer_bytes=MiB, pool_bytes=4 * MiB))
+    state = {"frozen": torch.randn(64 << 10), "w": torch.zeros(1024)}
+    for step in range(1, 9):
+        state["w"][step] = step
+        trainer.save(step, state)
+    assert trainer.drained()
+    kept = trainer.steps()
+    assert kept[-3:] == [6, 7, 8]
+    reader = CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1),
+                                      ckptio.Tier(str(tmp_path / "disk"), every=4)])
+    got = {"frozen": torch.zeros(64 << 10), "w": torch.zeros(1024)}
+    assert reader.restore(got) == 8
+    reader.close()
+    assert trainer.steps() == kept  # nothing of the training job's dropped
+    state["w"][9] = 9
+    trainer.save(9, state)
+    trainer.close()
+    assert_same(ckptio.load(trainer.path(9)), state)
+
+
 def test_a_run_directory_that_is_a_file_is_named_as_such_at_the_first_save(tmp_path: Path
                                                                             ) -> None:
     """A manager given a file's path: its first save said "cannot open the run lease

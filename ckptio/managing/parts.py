@@ -241,7 +241,9 @@ class ManagerParts:
                 follower.close()
             if self._ranking.gone():  # the job tore its process group down (a rank lost):
                 return  # nothing to agree on; the next manager's first save runs retention
-            if len(self._levels) > 1:  # what the drain's pins kept past the last commit
+            # what the drain's pins kept past our last commit; a manager that never saved
+            # (a reader of a live run) drops nothing: the steps are another job's
+            if len(self._levels) > 1 and self._saved_here:
                 self._retain(0)
             for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
                 if self._agreed(self._deferred, k):
