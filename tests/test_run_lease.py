@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -153,6 +155,42 @@ def test_a_tiered_manager_that_only_restored_drops_nothing_at_close(shm: str,
     trainer.save(9, state)
     trainer.close()
     assert_same(ckptio.load(trainer.path(9)), state)
+
+
+@pytest.mark.parametrize("holder", ["another job", "this process"])
+def test_a_manager_not_holding_a_slower_tiers_lease_leaves_its_incomplete_copies(
+        tmp_path: Path, holder: str) -> None:
+    """A reader of a live run (``take_over=True``, or a second manager of the training
+    process) made while the job's drain copies a step into the slower tier: the reader took
+    that tier for its own (a lease taken over, not held) and removed the copy under way as a
+    leftover of a killed drain, so the training job's drain failed."""
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [ckptio.Tier(str(fast), keep_last=2), ckptio.Tier(str(slow), every=4)]
+    with CheckpointManager(tiers=tiers) as first:
+        for step in range(1, 5):
+            first.save(step, {"w": torch.full((1024,), float(step))})
+    trainer, fd = None, None
+    if holder == "another job":  # a live job elsewhere holds the slower tier's lease
+        fd = os.open(slow / ".ckptio-run.lease", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, json.dumps({"host": "elsewhere", "pid": 4321, "start": 1,
+                                  "since": "2026-11-28T00:00:00+0000"}).encode(), 0)
+    else:
+        trainer = CheckpointManager(tiers=tiers)
+    copying = slow / "step-8"  # that job's drain, copying step 8 now
+    copying.mkdir()
+    (copying / "data-1-r00000-0000.bin").write_bytes(bytes(4096))
+    try:
+        reader = CheckpointManager(tiers=tiers, take_over=True)
+        with pytest.warns(UserWarning, match="step 8: incomplete"):
+            assert reader.restore({"w": torch.zeros(1024)}) == 4
+        reader.close()
+        assert os.listdir(copying) == ["data-1-r00000-0000.bin"]
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if fd is not None:
+            os.close(fd)
 
 
 def test_a_run_directory_that_is_a_file_is_named_as_such_at_the_first_save(tmp_path: Path

@@ -151,7 +151,8 @@ class ManagerParts:
                                     self._ck.options, rate=drain_rate)
                 self._ck.resources().commits.listen()
                 self._followers.append(self._drain)
-            self._agreed(resume, self._levels, self._drain, set(self._leases))
+            held = {k for k, lease in self._leases.items() if lease.held}
+            self._agreed(resume, self._levels, self._drain, held)
 
     def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
