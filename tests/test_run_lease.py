@@ -157,25 +157,37 @@ def test_a_tiered_manager_that_only_restored_drops_nothing_at_close(shm: str,
     assert_same(ckptio.load(trainer.path(9)), state)
 
 
-@pytest.mark.parametrize("holder", ["another job", "this process"])
+def _hold_like_another_job(run: Path) -> int:
+    """``run``'s lease locked as a live job elsewhere holds it -> the open file (close it)."""
+    fd = os.open(run / ".ckptio-run.lease", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, json.dumps({"host": "elsewhere", "pid": 4321, "start": 1,
+                              "since": "2026-11-28T00:00:00+0000"}).encode(), 0)
+    return fd
+
+
+@pytest.mark.parametrize("holder", ["another job", "this process", "a job's first run"])
 def test_a_manager_not_holding_a_slower_tiers_lease_leaves_its_incomplete_copies(
         tmp_path: Path, holder: str) -> None:
     """A reader of a live run (``take_over=True``, or a second manager of the training
     process) made while the job's drain copies a step into the slower tier: the reader took
-    that tier for its own (a lease taken over, not held) and removed the copy under way as a
-    leftover of a killed drain, so the training job's drain failed."""
+    that tier for its own (a lease taken over, not held; or, in a job's first run, a slower
+    tier the job never leased: it leased only the tiers that existed when it started) and
+    removed the copy under way as a leftover of a killed drain: the job's drain failed."""
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     tiers = [ckptio.Tier(str(fast), keep_last=2), ckptio.Tier(str(slow), every=4)]
-    with CheckpointManager(tiers=tiers) as first:
-        for step in range(1, 5):
-            first.save(step, {"w": torch.full((1024,), float(step))})
     trainer, fd = None, None
-    if holder == "another job":  # a live job elsewhere holds the slower tier's lease
-        fd = os.open(slow / ".ckptio-run.lease", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.pwrite(fd, json.dumps({"host": "elsewhere", "pid": 4321, "start": 1,
-                                  "since": "2026-11-28T00:00:00+0000"}).encode(), 0)
-    else:
+    if holder == "a job's first run":
+        trainer = CheckpointManager(tiers=tiers)  # neither tier's directory exists yet
+    first = CheckpointManager(tiers=tiers) if trainer is None else trainer
+    for step in range(1, 5):
+        first.save(step, {"w": torch.full((1024,), float(step))})
+    assert first.drained()
+    if trainer is None:
+        first.close()
+    if holder == "another job":
+        fd = _hold_like_another_job(slow)
+    elif holder == "this process":
         trainer = CheckpointManager(tiers=tiers)
     copying = slow / "step-8"  # that job's drain, copying step 8 now
     copying.mkdir()

@@ -174,8 +174,9 @@ class CheckpointManager(ManagerParts):
         refusal = self._agreed(self._saves.refusal, self._levels, step, metrics, metadata)
         if refusal is not None:
             raise CkptError(refusal)
-        if not self._first_leased:  # the run directory this save makes
-            self._agreed(self._take_leases, [0], create=True)
+        if not self._first_leased:  # the run directory this save makes, and the slower
+            # tiers' its drain will make: their incomplete steps are its drain's copies
+            self._agreed(self._take_leases, range(len(self._levels)), create=True)
             self._first_leased = True
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before

@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import SaveTimeoutError, seconds_to_wait
+from ckptio.errors import SaveTimeoutError, StorageIOError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -290,10 +290,19 @@ class ManagerParts:
 
     def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
         """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
-        job holding one (storage/local/runlease.py)."""
+        job holding one (storage/local/runlease.py). A slower tier that cannot be made or
+        locked at the first save (``create``) is logged and passed over: the first tier keeps
+        saving, and the drain's copies there raise why."""
         for k in tiers:
             if k not in self._leases:
-                lease = self._levels[k].lease(self._take_over, create=create)
+                try:
+                    lease = self._levels[k].lease(self._take_over, create=create)
+                except StorageIOError as exc:
+                    if k == 0 or not create:
+                        raise
+                    log.warning("ckptio: no run lease taken in tier %s: %s", self.tiers[k].location,
+                                exc)
+                    continue
                 if lease is not None:
                     self._leases[k] = lease
 
