@@ -221,6 +221,23 @@ def test_saves_below_steps_a_restore_found_damaged_are_kept(tmp_path):
     mgr.close()
 
 
+def test_a_retried_save_that_comes_out_a_delta_keeps_its_base(tmp_path):
+    """A full save that failed (a bad value in the state), retried as the same step once the
+    policy's pause after a costly delta ran out: the retry is a delta, but the manager still
+    took it for the full save it had first chosen, so retention dropped its base and the
+    newest (with keep_last=1, the only) step could not be loaded."""
+    mgr = _manager(tmp_path / "run", keep_last=1, delta=DeltaPolicy(full_every=2, max_ratio=0.001))
+    for step in (1, 2, 3):  # 1 F, 2 d1 (costly: the next 2 saves are full), 3 F
+        mgr.save(step, state_at(step))
+    with pytest.raises(ckptio.UnsupportedStateError):
+        mgr.save(4, {**state_at(4), "bad": object()})  # chosen full, refused
+    mgr.save(4, state_at(4))  # the pause ran out: a delta against step 3
+    assert _bases(mgr.path(4)) == ["step-3"]
+    mgr.close()
+    assert mgr.steps() == [3, 4]
+    _loads_exact(mgr.path(4), 4)
+
+
 # ------------------------------------------------------------------ tiers
 
 
