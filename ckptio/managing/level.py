@@ -78,6 +78,7 @@ class TierSteps:
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
+        self._behind_lock = threading.Lock()  # the training and drain threads both use it
         if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
             checkpointer.resources().serve(root)
 
@@ -252,8 +253,8 @@ class TierSteps:
         hidden = [step for step in steps if self._root.hide(step)]
         removal = self._root.removal()  # None until the hiding is durable
         if removal is not None:
-            self._removal = threading.Thread(target=removal, name="ckptio-retention")
-            self._removal.start()  # not a daemon: a removal running at exit is finished
+            # not a daemon: a removal running at exit is finished
+            self._behind(threading.Thread(target=removal, name="ckptio-retention"))
         return hidden
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
@@ -300,9 +301,21 @@ class TierSteps:
             finish()
 
     def join_removal(self) -> None:
-        if self._removal is not None:
-            self._removal.join()
-            self._removal = None
+        with self._behind_lock:
+            if self._removal is not None:
+                self._removal.join()
+                self._removal = None
+
+    def _behind(self, thread: threading.Thread) -> None:
+        """Run ``thread`` as this tier's background thread, once the one before it ended. A
+        slower tier's is started by the training thread (prepare_slots) and by the drain's
+        (retain): it is published started, under a lock, so that a join from the other thread
+        never meets a thread not started yet (a RuntimeError that failed the drain's copy)."""
+        with self._behind_lock:
+            if self._removal is not None:
+                self._removal.join()
+            self._removal = thread
+            thread.start()
 
     def prepare_slots(self, sizes: Sequence[int], cuda: bool) -> None:
         """The manager knows the state: a root keeping slots (a memory tier) makes and maps
@@ -310,11 +323,9 @@ class TierSteps:
         tier's background thread; the next retention pass joins it."""
         if not isinstance(self._root, _KeepsSlots):
             return
-        self.join_removal()
         on_mapped = pin if cuda else None
-        self._removal = threading.Thread(target=self._root.prepare_slots,
-                                         args=(sizes, on_mapped), name="ckptio-slots")
-        self._removal.start()
+        self._behind(threading.Thread(target=self._root.prepare_slots, args=(sizes, on_mapped),
+                                      name="ckptio-slots"))
 
     def drop_slots(self) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
