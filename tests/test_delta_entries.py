@@ -172,6 +172,22 @@ def test_a_missing_or_delta_base_is_refused(tmp_path):
         ck.load(str(tmp_path / "step-2"))
 
 
+def test_a_delta_named_by_a_bare_relative_path_finds_its_base(tmp_path, monkeypatch):
+    """``cd ckpts && ckptio verify step-2`` (or load("step-2")): the base is the sibling
+    ``step-1`` of the working directory; it was looked for at ``/step-1``, so a sound delta
+    was refused as damaged, and a delta save named so was refused."""
+    state = {"w": torch.randn(1000), "frozen": torch.randn(3000)}
+    ck = ckptio.Checkpointer(options())
+    monkeypatch.chdir(tmp_path)
+    ck.save(state, "step-1")
+    new = {"w": touched(state["w"]), "frozen": state["frozen"]}
+    ck.save(new, "step-2", base="step-1")
+    assert body(str(tmp_path / "step-2"))["bases"] == ["step-1"]
+    out = ck.load("step-2")
+    assert bits_equal(out["w"], new["w"]) and bits_equal(out["frozen"], new["frozen"])
+    assert ck.verify("step-2") > 0
+
+
 @pytest.mark.parametrize("scheme", ["mem", "shm"])
 def test_memory_stores_round_trip_compressed_deltas(tmp_path, scheme, monkeypatch):
     monkeypatch.setenv("CKPTIO_SHM_DIR", str(tmp_path / "shm"))

@@ -191,6 +191,53 @@ def test_restore_falls_back_past_a_delta_whose_base_is_damaged_or_missing(tmp_pa
     mgr.close()
 
 
+def test_saves_below_steps_a_restore_found_damaged_are_kept(tmp_path):
+    """A damaged base makes the newest steps (it and its deltas) unloadable: restore() falls
+    back to an older kept step and the run saves again below them (allowed: damaged steps do
+    not count). The retention counted the damaged steps as the newest, so keep_last=3 kept
+    only them and dropped each new save at once: a crash then lost every step since."""
+    kwargs = {"keep_last": 3, "keep_every": 5, "delta": DeltaPolicy(full_every=10)}
+    mgr = _manager(tmp_path / "run", **kwargs)
+    for step in range(1, 13):  # 5 F and 10 F (keep_every), 11-12 d10
+        mgr.save(step, state_at(step))
+    mgr.close()
+    assert mgr.steps() == [5, 10, 11, 12] and _bases(mgr.path(12)) == ["step-10"]
+    data = next(p for p in Path(mgr.path(10)).iterdir() if p.name != MANIFEST_NAME)
+    raw = bytearray(data.read_bytes())
+    raw[1000] ^= 0xFF  # in the frozen block, which steps 11 and 12 reference
+    data.write_bytes(bytes(raw))
+    mgr = _manager(tmp_path / "run", **kwargs)
+    with pytest.warns(UserWarning, match=r"step 12 \(a delta against base step 10\)"):
+        assert mgr.restore(state_at(0)) == 5
+    for step in range(6, 9):
+        mgr.save(step, state_at(step))
+        assert step in mgr.steps(), (step, mgr.steps())
+    assert mgr.steps() == [5, 6, 7, 8, 10, 11, 12]  # the damaged ones wait to be saved over
+    assert sorted(mgr.status()[0]["pinned"]) == [10, 11, 12]
+    mgr.close()  # the next job resumes from step 8, not 5
+    mgr = _manager(tmp_path / "run", **kwargs)
+    with pytest.warns(UserWarning, match="step 12"):
+        assert mgr.restore(state_at(0)) == 8
+    mgr.close()
+
+
+def test_a_retried_save_that_comes_out_a_delta_keeps_its_base(tmp_path):
+    """A full save that failed (a bad value in the state), retried as the same step once the
+    policy's pause after a costly delta ran out: the retry is a delta, but the manager still
+    took it for the full save it had first chosen, so retention dropped its base and the
+    newest (with keep_last=1, the only) step could not be loaded."""
+    mgr = _manager(tmp_path / "run", keep_last=1, delta=DeltaPolicy(full_every=2, max_ratio=0.001))
+    for step in (1, 2, 3):  # 1 F, 2 d1 (costly: the next 2 saves are full), 3 F
+        mgr.save(step, state_at(step))
+    with pytest.raises(ckptio.UnsupportedStateError):
+        mgr.save(4, {**state_at(4), "bad": object()})  # chosen full, refused
+    mgr.save(4, state_at(4))  # the pause ran out: a delta against step 3
+    assert _bases(mgr.path(4)) == ["step-3"]
+    mgr.close()
+    assert mgr.steps() == [3, 4]
+    _loads_exact(mgr.path(4), 4)
+
+
 # ------------------------------------------------------------------ tiers
 
 

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -126,6 +128,81 @@ def test_one_process_may_make_a_second_manager_of_its_own_run(tmp_path: Path) ->
     with CheckpointManager(run, save_every=1) as a, CheckpointManager(run, save_every=1) as b:
         a.save(1, {"w": torch.ones(3)})
         assert b.restore({"w": torch.zeros(3)}) == 1
+
+
+def test_a_tiered_manager_that_only_restored_drops_nothing_at_close(shm: str,
+                                                                     tmp_path: Path) -> None:
+    """A reader of a live run (an evaluation loop: a tiered manager that restores and never
+    saves) closed: its close() ran the first tier's retention with its own keep_last, and
+    deleted the training job's steps there (the base of its next delta, its drain's queue)."""
+    tiers = [ckptio.Tier("shm://run", keep_last=3), ckptio.Tier(str(tmp_path / "disk"), every=4)]
+    trainer = CheckpointManager(tiers=tiers, delta=ckptio.DeltaPolicy(full_every=4),
+                                options=Options(buffer_bytes=MiB, pool_bytes=4 * MiB))
+    state = {"frozen": torch.randn(64 << 10), "w": torch.zeros(1024)}
+    for step in range(1, 9):
+        state["w"][step] = step
+        trainer.save(step, state)
+    assert trainer.drained()
+    kept = trainer.steps()
+    assert kept[-3:] == [6, 7, 8]
+    reader = CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=1),
+                                      ckptio.Tier(str(tmp_path / "disk"), every=4)])
+    got = {"frozen": torch.zeros(64 << 10), "w": torch.zeros(1024)}
+    assert reader.restore(got) == 8
+    reader.close()
+    assert trainer.steps() == kept  # nothing of the training job's dropped
+    state["w"][9] = 9
+    trainer.save(9, state)
+    trainer.close()
+    assert_same(ckptio.load(trainer.path(9)), state)
+
+
+def _hold_like_another_job(run: Path) -> int:
+    """``run``'s lease locked as a live job elsewhere holds it -> the open file (close it)."""
+    fd = os.open(run / ".ckptio-run.lease", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, json.dumps({"host": "elsewhere", "pid": 4321, "start": 1,
+                              "since": "2026-11-28T00:00:00+0000"}).encode(), 0)
+    return fd
+
+
+@pytest.mark.parametrize("holder", ["another job", "this process", "a job's first run"])
+def test_a_manager_not_holding_a_slower_tiers_lease_leaves_its_incomplete_copies(
+        tmp_path: Path, holder: str) -> None:
+    """A reader of a live run (``take_over=True``, or a second manager of the training
+    process) made while the job's drain copies a step into the slower tier: the reader took
+    that tier for its own (a lease taken over, not held; or, in a job's first run, a slower
+    tier the job never leased: it leased only the tiers that existed when it started) and
+    removed the copy under way as a leftover of a killed drain: the job's drain failed."""
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [ckptio.Tier(str(fast), keep_last=2), ckptio.Tier(str(slow), every=4)]
+    trainer, fd = None, None
+    if holder == "a job's first run":
+        trainer = CheckpointManager(tiers=tiers)  # neither tier's directory exists yet
+    first = CheckpointManager(tiers=tiers) if trainer is None else trainer
+    for step in range(1, 5):
+        first.save(step, {"w": torch.full((1024,), float(step))})
+    assert first.drained()
+    if trainer is None:
+        first.close()
+    if holder == "another job":
+        fd = _hold_like_another_job(slow)
+    elif holder == "this process":
+        trainer = CheckpointManager(tiers=tiers)
+    copying = slow / "step-8"  # that job's drain, copying step 8 now
+    copying.mkdir()
+    (copying / "data-1-r00000-0000.bin").write_bytes(bytes(4096))
+    try:
+        reader = CheckpointManager(tiers=tiers, take_over=True)
+        with pytest.warns(UserWarning, match="step 8: incomplete"):
+            assert reader.restore({"w": torch.zeros(1024)}) == 4
+        reader.close()
+        assert os.listdir(copying) == ["data-1-r00000-0000.bin"]
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if fd is not None:
+            os.close(fd)
 
 
 def test_a_run_directory_that_is_a_file_is_named_as_such_at_the_first_save(tmp_path: Path

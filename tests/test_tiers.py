@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -942,3 +943,37 @@ def test_a_drain_copy_cut_short_by_a_kill_does_not_stay_behind(tmp_path) -> None
         mgr.save(4, {"w": torch.ones(1 << 20)})
     left = sorted(os.listdir(slow))
     assert "step-1" not in left, left
+
+
+def test_a_restore_while_the_resumed_drain_runs_retention_fails_no_copy(tmp_path, monkeypatch):
+    """A manager made over a slower tier lacking the newest due step resumes the drain at once;
+    its restore() then starts the tier's background thread (the slots made ahead) while the
+    drain thread's retention of that tier joins it. The thread was published before it was
+    started: the retention joined a thread not started yet, so the copy failed with a
+    RuntimeError (not a CkptError) raised by drained() and close()."""
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptio.CheckpointManager(fast, keep_last=2) as first:
+        for step in range(1, 5):
+            first.save(step, {"w": torch.full((4096,), float(step))})
+    real_start = threading.Thread.start
+    slots_threads = []
+
+    def start_late(thread: threading.Thread) -> None:  # the training thread preempted there
+        if thread.name == "ckptio-slots":
+            slots_threads.append(thread)
+        if len(slots_threads) == 2 and thread is slots_threads[1]:  # the slower tier's
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(slow, "step-4", "manifest.json")):
+                assert time.monotonic() < deadline, "the drain never copied step 4"
+                time.sleep(0.01)
+            time.sleep(0.3)  # the drain's retention of the slower tier runs meanwhile
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_late)
+    mgr = ckptio.CheckpointManager(tiers=[Tier(fast, keep_last=2), Tier(slow, every=2)],
+                                   drain_rate=32 << 10)  # the copy of step 4 takes ~0.5 s
+    state = {"w": torch.zeros(4096)}
+    assert mgr.restore(state) == 4
+    assert mgr.drained(timeout=60)
+    mgr.close()
+    assert _steps_in(slow) == [4]

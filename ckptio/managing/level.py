@@ -78,6 +78,7 @@ class TierSteps:
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self._removal: threading.Thread | None = None
+        self._behind_lock = threading.Lock()  # the training and drain threads both use it
         if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
             checkpointer.resources().serve(root)
 
@@ -252,8 +253,8 @@ class TierSteps:
         hidden = [step for step in steps if self._root.hide(step)]
         removal = self._root.removal()  # None until the hiding is durable
         if removal is not None:
-            self._removal = threading.Thread(target=removal, name="ckptio-retention")
-            self._removal.start()  # not a daemon: a removal running at exit is finished
+            # not a daemon: a removal running at exit is finished
+            self._behind(threading.Thread(target=removal, name="ckptio-retention"))
         return hidden
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
@@ -263,11 +264,21 @@ class TierSteps:
 
     def _own(self, committed: list[int]) -> set[int]:
         """What the policy keeps of ``committed``, its output checked (policies.kept_by), plus
-        what no policy drops: the newest step and those whose metadata cannot be read now."""
+        what no policy drops: the newest step, those whose metadata cannot be read now and
+        those ahead() (not asked about: they would count as the newest, and a run that
+        restored below them would see each of its saves dropped at once)."""
         self._meta.begin()
-        infos, facts = self._infos(committed)
+        ahead = self.ahead(committed)
+        infos, facts = self._infos([s for s in committed if s not in ahead])
         kept = kept_by(self.keep, infos, time.time())
-        return kept | set(committed[-1:]) | self._meta.unreadable | facts.unreadable
+        return kept | set(committed[-1:]) | ahead | self._meta.unreadable | facts.unreadable
+
+    def ahead(self, committed: list[int]) -> set[int]:
+        """The steps of ``committed`` a load found damaged and newer than every undamaged one
+        (a damaged base and its deltas, say): a run that fell back past them saves below them
+        (inflight.py allows it) and its saves of those steps replace them; kept until then."""
+        sound = [s for s in committed if s not in self._damaged]
+        return {s for s in committed if s in self._damaged and (not sound or s > sound[-1])}
 
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
@@ -275,6 +286,8 @@ class TierSteps:
         why: dict[int, str] = {}
         if self.verified in committed and self.verified not in own:
             why[self.verified] = "restored or verified last (kept until a newer step is)"
+        for step in sorted(self.ahead(committed)):
+            why[step] = "damaged, newer than the loadable steps (kept until a save replaces it)"
         for step in sorted(self._chains.closure(committed, own | set(why)) - own - set(why)):
             why[step] = "the base of a kept delta"
         return why
@@ -288,9 +301,21 @@ class TierSteps:
             finish()
 
     def join_removal(self) -> None:
-        if self._removal is not None:
-            self._removal.join()
-            self._removal = None
+        with self._behind_lock:
+            if self._removal is not None:
+                self._removal.join()
+                self._removal = None
+
+    def _behind(self, thread: threading.Thread) -> None:
+        """Run ``thread`` as this tier's background thread, once the one before it ended. A
+        slower tier's is started by the training thread (prepare_slots) and by the drain's
+        (retain): it is published started, under a lock, so that a join from the other thread
+        never meets a thread not started yet (a RuntimeError that failed the drain's copy)."""
+        with self._behind_lock:
+            if self._removal is not None:
+                self._removal.join()
+            self._removal = thread
+            thread.start()
 
     def prepare_slots(self, sizes: Sequence[int], cuda: bool) -> None:
         """The manager knows the state: a root keeping slots (a memory tier) makes and maps
@@ -298,11 +323,9 @@ class TierSteps:
         tier's background thread; the next retention pass joins it."""
         if not isinstance(self._root, _KeepsSlots):
             return
-        self.join_removal()
         on_mapped = pin if cuda else None
-        self._removal = threading.Thread(target=self._root.prepare_slots,
-                                         args=(sizes, on_mapped), name="ckptio-slots")
-        self._removal.start()
+        self._behind(threading.Thread(target=self._root.prepare_slots, args=(sizes, on_mapped),
+                                      name="ckptio-slots"))
 
     def drop_slots(self) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local

@@ -174,8 +174,9 @@ class CheckpointManager(ManagerParts):
         refusal = self._agreed(self._saves.refusal, self._levels, step, metrics, metadata)
         if refusal is not None:
             raise CkptError(refusal)
-        if not self._first_leased:  # the run directory this save makes
-            self._agreed(self._take_leases, [0], create=True)
+        if not self._first_leased:  # the run directory this save makes, and the slower
+            # tiers' its drain will make: their incomplete steps are its drain's copies
+            self._agreed(self._take_leases, range(len(self._levels)), create=True)
             self._first_leased = True
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
@@ -186,6 +187,8 @@ class CheckpointManager(ManagerParts):
             first.choose_base, self.delta, step, self._long_every)
         if base is None:  # a full save: its retention reads no manifest; a delta's reads
             self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
+        else:  # not a failed full save's of this step, retried as a delta
+            self._bases.pop(step, None)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
             metrics, metadata = None, None
         kwargs = {"metrics": metrics, "metadata": metadata, "allow_pickle": allow_pickle,

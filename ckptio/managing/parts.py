@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import SaveTimeoutError, seconds_to_wait
+from ckptio.errors import SaveTimeoutError, StorageIOError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -151,7 +151,8 @@ class ManagerParts:
                                     self._ck.options, rate=drain_rate)
                 self._ck.resources().commits.listen()
                 self._followers.append(self._drain)
-            self._agreed(resume, self._levels, self._drain, set(self._leases))
+            held = {k for k, lease in self._leases.items() if lease.held}
+            self._agreed(resume, self._levels, self._drain, held)
 
     def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
@@ -241,7 +242,9 @@ class ManagerParts:
                 follower.close()
             if self._ranking.gone():  # the job tore its process group down (a rank lost):
                 return  # nothing to agree on; the next manager's first save runs retention
-            if len(self._levels) > 1:  # what the drain's pins kept past the last commit
+            # what the drain's pins kept past our last commit; a manager that never saved
+            # (a reader of a live run) drops nothing: the steps are another job's
+            if len(self._levels) > 1 and self._saved_here:
                 self._retain(0)
             for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
                 if self._agreed(self._deferred, k):
@@ -287,10 +290,19 @@ class ManagerParts:
 
     def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
         """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
-        job holding one (storage/local/runlease.py)."""
+        job holding one (storage/local/runlease.py). A slower tier that cannot be made or
+        locked at the first save (``create``) is logged and passed over: the first tier keeps
+        saving, and the drain's copies there raise why."""
         for k in tiers:
             if k not in self._leases:
-                lease = self._levels[k].lease(self._take_over, create=create)
+                try:
+                    lease = self._levels[k].lease(self._take_over, create=create)
+                except StorageIOError as exc:
+                    if k == 0 or not create:
+                        raise
+                    log.warning("ckptio: no run lease taken in tier %s: %s", self.tiers[k].location,
+                                exc)
+                    continue
                 if lease is not None:
                     self._leases[k] = lease
 

@@ -16,7 +16,8 @@ keep_every, keep_best, save_every, save_interval_s, preemption build them) plus 
 retention; AnyOf unions them.
 
 What no policy can change: the manager keeps the newest committed step, the step restored or
-verified last, the bases of every kept delta (managing/chains.py) and what its followers pin;
+verified last, the bases of every kept delta (managing/chains.py), what its followers pin and
+the damaged steps newer than every undamaged one (a retention policy is asked without them);
 a base is a full, undamaged, older step. Layer: a base helper (imports only ckptio.errors).
 Its modules are internal: the public surface is ``ckptio`` itself (ckptio.KeepLatest, ...).
 """

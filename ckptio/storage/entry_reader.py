@@ -46,9 +46,10 @@ def base_key(entry: TensorEntry) -> BaseKey:
 
 
 def sibling_location(location: str, name: str) -> str:
-    """The location of checkpoint ``name`` beside the one at ``location`` (same parent)."""
-    parent = location.rstrip("/").rpartition("/")[0]
-    return f"{parent}/{name}"
+    """The location of checkpoint ``name`` beside the one at ``location`` (same parent; a
+    bare relative name's parent is the working directory, not ``/``)."""
+    parent, slash, _ = location.rstrip("/").rpartition("/")
+    return f"{parent}/{name}" if slash else name
 
 
 @dataclass(frozen=True)

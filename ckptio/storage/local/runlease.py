@@ -45,6 +45,12 @@ class RunLease:
     def __init__(self, directory: str, fd: int | None) -> None:
         self.directory, self.fd = directory, fd
 
+    @property
+    def held(self) -> bool:
+        """Whether this process locked the run (not: taken over, a second manager of this
+        process, no locks there): only then is no other job writing there."""
+        return self.fd is not None
+
     def release(self) -> None:
         """Let go: the file is removed while still locked (a job waiting to lock it sees it
         gone and locks the next one), then unlocked; never raises."""
