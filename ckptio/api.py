@@ -39,6 +39,7 @@ from ckptio.saving.handle import (
     SaveResult,
     after_step_tensors,
     say_unwaited_errors,
+    say_waiting_at_exit,
     skipped_handle,
 )
 from ckptio.storage.select import checkpoint_path, store_for
@@ -402,13 +403,16 @@ class Checkpointer:
 # every Checkpointer's saves in flight: their steps' Futures
 _running: weakref.WeakSet[concurrent.futures.Future[None]] = weakref.WeakSet()
 _unwaited: weakref.WeakSet[HandleControl] = weakref.WeakSet()  # their errors said at exit
+_SAY_AFTER_S = 2.0  # an exit waiting longer for saves in flight says so
 
 
 def _finish_saves_at_exit() -> None:
     """At interpreter exit, before concurrent.futures stops accepting work and the save threads
     (io/worker.py) stop (threading runs these callbacks newest first, and both registered
     theirs at import): let every save in flight finish and commit rather than fail half-way."""
-    concurrent.futures.wait(list(_running))
+    if concurrent.futures.wait(list(_running), timeout=_SAY_AFTER_S).not_done:
+        say_waiting_at_exit(_unwaited)
+        concurrent.futures.wait(list(_running))
     say_unwaited_errors(_unwaited)
 
 

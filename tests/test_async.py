@@ -572,6 +572,24 @@ def test_a_failed_async_save_nobody_waited_for_is_said_at_exit(tmp_path) -> None
     assert ckptio.load(tmp_path / "ok")["w"].tolist() == [1.0] * 4
 
 
+def test_an_exit_waiting_for_a_save_in_flight_says_so_and_the_save_commits(tmp_path) -> None:
+    """A script that ends with an async save still writing (a slow store) waited at exit in
+    silence; after a couple of seconds the exit now names the save it waits for and how to stop
+    waiting, and the save commits whole. A save done in time is not mentioned."""
+    code = ("import sys, torch, ckptio\n"
+            "from ckptio.testing.faults import inject\n"
+            "ck = ckptio.Checkpointer()\n"
+            "inject(ck, delay_s=float(sys.argv[2]))\n"
+            "ck.async_save({'w': torch.ones(4)}, sys.argv[1])\n")
+    said = "ckptio: exiting: waiting for 1 save(s) in flight to be committed ("
+    for delay, slow in ((3.0, True), (0.0, False)):
+        target = tmp_path / f"slow-{slow}"
+        done = subprocess.run([sys.executable, "-c", code, str(target), str(delay)],
+                              capture_output=True, text=True, timeout=120, check=True)
+        assert (f"{said}{target})" in done.stderr) == slow, done.stderr
+        assert ckptio.load(target)["w"].tolist() == [1.0] * 4
+
+
 def test_ctrl_c_before_a_save_is_queued_does_not_hang_the_exit(tmp_path) -> None:
     """Ctrl-C landing after a save's stall watch began and before the save was queued left the
     watch running forever, and the interpreter's exit (which joins the watch's thread) hung: the

@@ -532,7 +532,7 @@ def test_an_exit_without_close_is_said(tmp_path):
         run = tmp_path / how
         done = subprocess.run([sys.executable, "-c", code, str(run), how], capture_output=True,
                               text=True, timeout=120, check=True)
-        said = "was not closed before exit: its saves finished, but its last retention pass"
+        said = "was not closed before exit: its saves in flight were waited for, but its last"
         assert (said in done.stderr) == (how == "exit"), done.stderr
         assert (f"CheckpointManager({run})" in done.stderr) == (how == "exit")
         assert ckptio.load(run / "step-3")["w"].tolist() == [3.0, 3.0]

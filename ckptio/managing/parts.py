@@ -339,9 +339,10 @@ def _say_unclosed() -> None:
     followers' do not)."""
     for mgr in list(_unclosed):
         log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
-                    "finished, but its last retention pass, drain and protection did not run "
-                    "(more steps than keep_last may remain); call mgr.close(), or use it as "
-                    "`with CheckpointManager(...) as mgr:`", mgr.directory)
+                    "in flight were waited for, but its last retention pass, drain and "
+                    "protection did not run (more steps than keep_last may remain); call "
+                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
+                    mgr.directory)
 
 
 atexit.register(_say_unclosed)

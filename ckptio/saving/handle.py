@@ -35,7 +35,7 @@ from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
 
 __all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "lazy_order",
-           "say_unwaited_errors",
+           "say_unwaited_errors", "say_waiting_at_exit",
            "skipped_handle"]
 
 
@@ -329,6 +329,18 @@ def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
             raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
                             "pass modules (their parameters) or tensors")
     return tuple(tensors)
+
+
+def say_waiting_at_exit(controls: Iterable[HandleControl]) -> None:
+    """At interpreter exit, while saves are still in flight: their paths, so that an exit that
+    waits (a slow or silent store) says why and how to stop waiting."""
+    paths = [control.path for control in list(controls) if not control.done()]
+    if paths:
+        logging.getLogger("ckptio").warning(
+            "ckptio: exiting: waiting for %d save(s) in flight to be committed (%s%s); an "
+            "interrupt (Ctrl-C) exits now, and they are then not committed (the checkpoints "
+            "committed before stay)", len(paths), ", ".join(paths[:3]),
+            ", ..." if len(paths) > 3 else "")
 
 
 def say_unwaited_errors(controls: Iterable[HandleControl]) -> None:
