@@ -11,10 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,14 +30,12 @@ from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
 from ckptio.resources import ReusedIOResources
-from ckptio.saving import save_context, save_session
+from ckptio.saving import at_exit, save_context, save_session
 from ckptio.saving.handle import (
     HandleControl,
     SaveHandle,
     SaveResult,
     after_step_tensors,
-    say_unwaited_errors,
-    say_waiting_at_exit,
     skipped_handle,
 )
 from ckptio.storage.select import checkpoint_path, store_for
@@ -266,8 +262,7 @@ class Checkpointer:
             overwrite=overwrite)
         save = save_session.begin(context, state)
         self._inflight, self._running = save.control, save.running
-        _running.add(save.running)
-        _unwaited.add(save.control)
+        at_exit.track(save.running, save.control)
         save.capture_here()
         return save.handle
 
@@ -398,22 +393,3 @@ class Checkpointer:
         if state is None:
             return result
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
-
-
-# every Checkpointer's saves in flight: their steps' Futures
-_running: weakref.WeakSet[concurrent.futures.Future[None]] = weakref.WeakSet()
-_unwaited: weakref.WeakSet[HandleControl] = weakref.WeakSet()  # their errors said at exit
-_SAY_AFTER_S = 2.0  # an exit waiting longer for saves in flight says so
-
-
-def _finish_saves_at_exit() -> None:
-    """At interpreter exit, before concurrent.futures stops accepting work and the save threads
-    (io/worker.py) stop (threading runs these callbacks newest first, and both registered
-    theirs at import): let every save in flight finish and commit rather than fail half-way."""
-    if concurrent.futures.wait(list(_running), timeout=_SAY_AFTER_S).not_done:
-        say_waiting_at_exit(_unwaited)
-        concurrent.futures.wait(list(_running))
-    say_unwaited_errors(_unwaited)
-
-
-threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]

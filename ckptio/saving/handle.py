@@ -16,7 +16,6 @@ lazy capture copies last: after_step_tensors, lazy_order). Does not own: the sav
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import threading
 import time
@@ -35,7 +34,6 @@ from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
 
 __all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "lazy_order",
-           "say_unwaited_errors", "say_waiting_at_exit",
            "skipped_handle"]
 
 
@@ -329,29 +327,3 @@ def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],
             raise CkptError(f"async_save(after_step=...): item {i} is a {type(value).__name__}; "
                             "pass modules (their parameters) or tensors")
     return tuple(tensors)
-
-
-def say_waiting_at_exit(controls: Iterable[HandleControl]) -> None:
-    """At interpreter exit, while saves are still in flight: their paths, so that an exit that
-    waits (a slow or silent store) says why and how to stop waiting."""
-    paths = [control.path for control in list(controls) if not control.done()]
-    if paths:
-        logging.getLogger("ckptio").warning(
-            "ckptio: exiting: waiting for %d save(s) in flight to be committed (%s%s); an "
-            "interrupt (Ctrl-C) exits now, and they are then not committed (the checkpoints "
-            "committed before stay)", len(paths), ", ".join(paths[:3]),
-            ", ..." if len(paths) > 3 else "")
-
-
-def say_unwaited_errors(controls: Iterable[HandleControl]) -> None:
-    """At interpreter exit, once the saves in flight have finished: each async save that failed
-    and that no wait(), close() or next save raised, logged as an error naming its path (else an
-    exit after a failed last save would look like a successful one)."""
-    for control in list(controls):
-        error = control.unreported_error()
-        if error is not None:
-            logging.getLogger("ckptio").error(
-                "ckptio: the save to %s failed in the background and nothing waited for it "
-                "before exit, so it is not committed: %s: %s. Call handle.wait() or close() "
-                "before exiting to have such errors raised", control.path,
-                type(error).__name__, error)
