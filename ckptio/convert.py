@@ -35,7 +35,7 @@ from ckptio.errors import CkptError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
 from ckptio.loading.stored import RankPolicy
-from ckptio.loading.opening import committed, held_at
+from ckptio.loading.opening import RUN, committed, held_at
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.s3.client import is_s3
@@ -167,6 +167,10 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
         raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")
+    if held == RUN:
+        raise CkptError(f"convert to {to}: {dst} holds {held}; a conversion never writes over "
+                        "them, even with --overwrite: give a new DST (or one step's directory "
+                        "of the run, to replace that step)")
     if held is not None and overwrite and held != _WRITTEN_INTO.get(to, held):
         raise CkptError(f"convert to {to}: {dst} holds {held}, and {to} writes its files into "
                         "the directory beside that one's, so --overwrite would not replace it: "

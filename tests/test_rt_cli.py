@@ -297,3 +297,21 @@ def test_a_terminal_without_the_keys_characters_gets_them_escaped_not_a_tracebac
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert b"gewicht_\\xe4" in done.stdout and b"\\u043a\\u043b" in done.stdout
     assert b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("to", ["ckptio", "safetensors", "dcp"])
+def test_convert_into_a_managers_run_directory_is_refused_even_with_overwrite(
+        tmp_path: Path, to: str) -> None:
+    """`ckptio convert ts.pt run`, run a CheckpointManager's directory: a ckptio or safetensors
+    target was written at its root (ls then showed it instead of the steps); now every target
+    is refused, even with --overwrite, and the steps stay."""
+    run = tmp_path / "run"
+    with ckptio.CheckpointManager(str(run)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    torch.save({"w": torch.zeros(2)}, tmp_path / "ts.pt")
+    with pytest.raises(ckptio.CkptError, match="holds a run of steps .*even with --overwrite"):
+        convert(tmp_path / "ts.pt", run, to=to, overwrite=True)
+    assert sorted(n for n in os.listdir(run) if not n.startswith(".")) == ["step-1", "step-2"]
+    assert not (run / "manifest.json").exists()
+    assert ckptio.load(run / "step-2")["w"].tolist() == [2.0, 2.0]

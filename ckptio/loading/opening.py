@@ -24,9 +24,12 @@ from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, tcdir, 
 from ckptio.storage import steps
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
+from ckptio.storage.steproot import step_of
 from ckptio.storage.store_contract import Store
 
-__all__ = ["ReadFn", "ShareManifest", "committed", "held_at", "open_manifest"]
+__all__ = ["RUN", "ReadFn", "ShareManifest", "committed", "held_at", "open_manifest"]
+
+RUN = "a run of steps (a CheckpointManager's step-N directories)"  # held_at()
 
 ReadFn = Callable[[list[Read]], int]
 # With peers (distributed/loadsteps.SharedManifest): the committed manifest's bytes, produced
@@ -98,10 +101,14 @@ def _checked(store: Store, where: str) -> tuple[bytes, Manifest]:
 
 def held_at(path: str) -> str | None:
     """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
-    Hugging Face folder", "a file"), or None."""
+    Hugging Face folder", "a file", a local run of steps: RUN), or None."""
     text = checkpoint_path(path)
     if not is_s3(text) and os.path.isfile(text):
         return "a file"
+    if not is_s3(text) and os.path.isdir(text) and any(
+            step_of(name) is not None and os.path.isdir(os.path.join(text, name))
+            for name in os.listdir(text)):
+        return RUN
     store = store_for(text)
     for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
                         (foreign_common.holds_dcp, "a DCP checkpoint"),
