@@ -152,7 +152,7 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
                         "--overwrite; choose another DST")
     held = held_at(dst)
     if to == "torch.save":
-        if os.path.isdir(local):
+        if os.path.isdir(local) or dst.endswith(("/", os.sep)):
             raise CkptError(f"convert to torch.save: {dst} is a directory, and torch.save "
                             "writes one file; choose a file name such as model.pt")
         held = "a file" if held is not None else None
@@ -167,6 +167,10 @@ def _check_destination(src: str, dst: str, to: str, overwrite: bool) -> None:
         raise CkptError(f"convert to {to}: {dst} holds files that are not a checkpoint, and "
                         "--overwrite would replace the directory whole; choose an empty or "
                         "new DST")
+    if held == "a Hugging Face folder" and to in ("dcp", "torch_checkpointing"):
+        raise CkptError(f"convert to {to}: {dst} holds {held}, and {to} would replace the "
+                        "directory whole, its config, tokenizer and other files too, even with "
+                        "--overwrite: remove it first or choose another DST")
     if held == RUN:
         raise CkptError(f"convert to {to}: {dst} holds {held}; a conversion never writes over "
                         "them, even with --overwrite: give a new DST (or one step's directory "

@@ -315,3 +315,21 @@ def test_convert_into_a_managers_run_directory_is_refused_even_with_overwrite(
     assert sorted(n for n in os.listdir(run) if not n.startswith(".")) == ["step-1", "step-2"]
     assert not (run / "manifest.json").exists()
     assert ckptio.load(run / "step-2")["w"].tolist() == [2.0, 2.0]
+
+
+def test_convert_refuses_a_directory_dst_for_torch_save_and_an_hf_folder_for_dcp(
+        tmp_path: Path) -> None:
+    """`convert ck nd/ --to torch.save` wrote a file named nd; `--to dcp --overwrite` onto a
+    Hugging Face folder replaced it whole, its config.json (and a tokenizer) deleted."""
+    src = tmp_path / "ck"
+    ckptio.save({"w": torch.ones(2)}, src)
+    with pytest.raises(ckptio.CkptError, match="is a directory, and torch.save writes one file"):
+        convert(src, f"{tmp_path / 'nd'}/", to="torch.save")
+    assert not (tmp_path / "nd").exists()
+    hf = tmp_path / "hf"
+    convert(src, hf, to="safetensors")
+    (hf / "config.json").write_text("{}")
+    for to in ("dcp", "torch_checkpointing"):
+        with pytest.raises(ckptio.CkptError, match="would replace the directory whole"):
+            convert(src, hf, to=to, overwrite=True)
+    assert (hf / "config.json").read_text() == "{}" and (hf / "model.safetensors").is_file()
