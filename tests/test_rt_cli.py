@@ -333,3 +333,22 @@ def test_convert_refuses_a_directory_dst_for_torch_save_and_an_hf_folder_for_dcp
         with pytest.raises(ckptio.CkptError, match="would replace the directory whole"):
             convert(src, hf, to=to, overwrite=True)
     assert (hf / "config.json").read_text() == "{}" and (hf / "model.safetensors").is_file()
+
+
+def test_ls_verify_and_diff_of_a_dcp_checkpoint_holding_a_pickled_object_say_their_fix(
+        tmp_path: Path) -> None:
+    """A DCP value item that only unpickling opens (an argparse.Namespace): the commands said
+    "needs load(..., allow_pickle=True)", an option none of them has, with torch's terminal
+    styling codes in the text. Now each says it never unpickles and where to open it; nothing
+    is unpickled."""
+    import argparse
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "ns": argparse.Namespace(a=1)}, checkpoint_id=str(path),
+                 no_dist=True)
+    for args in (("ls", str(path)), ("verify", str(path)), ("diff", str(path), str(path))):
+        said = _one_line_error(ckptio_cmd(*args), "never do", "allow_pickle=True",
+                               "torch.distributed.checkpoint.load")
+        assert "\x1b[" not in said and "key 'ns'" in said, said

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ckptio.errors import CheckpointNotFoundError
+from ckptio.errors import CheckpointNotFoundError, PickleRefusedError
 from ckptio.format import manifest, regular_section, values
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
 from ckptio.options import Options
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 
-__all__ = ["Opened", "Row", "open_manifest", "printed", "rows", "shown", "source_format"]
+if TYPE_CHECKING:  # imports torch: the commands that need it import it when they run
+    from ckptio.api import Checkpointer
+
+__all__ = ["Opened", "Row", "manifest_of", "open_manifest", "printed", "rows", "shown",
+           "source_format"]
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,22 @@ def open_manifest(path: str) -> Opened:
 
     checkpointer = Checkpointer(Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
     try:
-        record = checkpointer.manifest(text)
+        record = manifest_of(checkpointer, text)
     finally:
         checkpointer.close()
     return Opened(text, record, source_format(record))
+
+
+def manifest_of(checkpointer: Checkpointer, text: str) -> Manifest:
+    """``checkpointer.manifest(text)``; a checkpoint that opens only by unpickling (a DCP value
+    item) is refused with the commands' own fix, not the load's (allow_pickle)."""
+    try:
+        return checkpointer.manifest(text)
+    except PickleRefusedError as exc:
+        raise PickleRefusedError(
+            f"{text} cannot be opened without unpickling, which ckptio's ls, diff and verify "
+            f"never do: {exc}. Open it in Python, only if you trust it: ckptio.load(..., "
+            "allow_pickle=True), or torch.distributed.checkpoint.load") from None
 
 
 def rows(record: Manifest) -> dict[str, Row]:

@@ -100,11 +100,11 @@ def _manifest(checkpointer: Checkpointer, path: str) -> tuple[Manifest, bool]:
     """The manifest of ``path``, as a load opens it, and whether its data files are all there;
     a ckptio checkpoint whose data files are missing or short is still opened (from its
     manifest alone), so that every tensor in them is named."""
-    from ckptio.cli.source import open_manifest
+    from ckptio.cli.source import manifest_of, open_manifest
     from ckptio.errors import ManifestError
 
     try:
-        return checkpointer.manifest(path), True
+        return manifest_of(checkpointer, path), True
     except CorruptCheckpointError as exc:
         if isinstance(exc, ManifestError):
             raise

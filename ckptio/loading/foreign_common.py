@@ -51,6 +51,7 @@ ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, u
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
 _RANK_METADATA = "__0.metadata"
 _CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the terminal styling in torch's messages
 
 
 def holds_dcp(store: Store) -> bool:
@@ -113,8 +114,7 @@ def decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: 
         raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
                                      "file is damaged: load an earlier checkpoint")
     return torch_load_value(raw, where, allow_pickle, note=(
-        " (or keys=... to leave it out is not enough: values are decoded when the checkpoint is "
-        "opened)"))
+        " (keys=... cannot leave it out: values are decoded when the checkpoint is opened)"))
 
 
 def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "") -> Any:
@@ -131,7 +131,7 @@ def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "")
             raise CorruptCheckpointError(f"{where} cannot be decoded: {exc}") from None
         raise PickleRefusedError(
             f"{where} holds a Python object that torch.load(weights_only=True) refuses "
-            f"({str(exc).splitlines()[0][:200]}); unpickling runs arbitrary code, so it needs "
+            f"({_ANSI.sub('', str(exc).splitlines()[0])[:200]}); unpickling runs arbitrary code, so it needs "
             f"load(..., allow_pickle=True) for a checkpoint you trust{note}") from None
     except (ImportError, AttributeError) as exc:  # a class the unpickler cannot find
         raise unpicklable(where, exc) from None
