@@ -104,4 +104,3 @@ def seconds_to_wait(call: str, timeout: object) -> float | None:
         raise CkptError(f"{call}(timeout={timeout!r}): a number of seconds >= 0, or None to "
                         "wait as long as it takes")
     return float(timeout)
-
