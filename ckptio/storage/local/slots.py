@@ -126,6 +126,7 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
     dropped step's files outrank them."""
     slots, mine = os.path.join(root, SLOTS_DIR), f"prepared.{os.getpid()}."
     os.makedirs(slots, exist_ok=True)
+    _remove_orphans(slots)
     with os.scandir(slots) as it:
         held = [e.stat(follow_symlinks=False).st_size for e in it
                 if e.is_file(follow_symlinks=False)
@@ -140,6 +141,35 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
             size_file(fd, size)
         finally:
             os.close(fd)
+
+
+def _remove_orphans(slots: str) -> None:
+    """Remove the files made ahead by a process that is gone (``prepared.<pid>.*``: killed
+    before its close() removed them). No one takes them but a save of the same sizes, and
+    make_slots counts only its own process's: left, each killed start of a job would leave
+    its first saves' worth of host memory behind for good. A live process's (another rank's
+    on this host) are its own."""
+    with os.scandir(slots) as it:
+        names = [e.name for e in it if e.name.startswith("prepared.")]
+    for name in names:
+        pid = name.split(".")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(slots, name))
+            except FileNotFoundError:
+                continue  # taken by a save, or removed by another rank meanwhile
+            log.info("ckptio: removed %s, made ahead by process %s, which is gone", name, pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host: a tmpfs is one host's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def warm_slots(root: str, mappings: Mappings,

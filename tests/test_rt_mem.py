@@ -1,0 +1,52 @@
+"""Red-team cases of the memory tier (shm://) across kills and restarts: what a killed job
+leaves in host memory, and what the next start does with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+import ckptio
+from ckptio import Tier
+from ckptio.storage.local.mapped import SLOTS_DIR
+
+PREPARED_CHILD = r"""
+import os, signal, sys, torch, ckptio
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+mgr = ckptio.CheckpointManager(tiers=[ckptio.Tier("shm://run", keep_last=2),
+                                      ckptio.Tier(sys.argv[1], every=2)])
+mgr.prepare({"model": model}, wait=True)
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _slots(shm: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(shm, "run", SLOTS_DIR)))
+
+
+def test_a_killed_jobs_slots_made_ahead_are_removed_by_the_next_start(shm, tmp_path):
+    """Each kill after prepare() left its files made ahead (prepared.<pid>.*) in /dev/shm, not
+    counted by the next start, which made its own: a job crash-looping early filled the tmpfs
+    (then every first save failed with ENOSPC). The next start removes a dead process's."""
+    disk = str(tmp_path / "disk")
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    for _ in range(2):  # a job crash-looping after its restore
+        proc = subprocess.run([sys.executable, "-c", PREPARED_CHILD, disk], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        pid = proc.stdout.strip()
+        assert {name.split(".")[1] for name in _slots(shm)} == {pid}, _slots(shm)
+        assert len(_slots(shm)) == 3  # one file per first save, the dead start's gone
+    model = torch.nn.Linear(256, 256)
+    with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2),
+                                         Tier(disk, every=2)]) as mgr:
+        mgr.prepare({"model": model}, wait=True)
+        assert {name.split(".")[1] for name in _slots(shm)} == {str(os.getpid())}
+        assert len(_slots(shm)) == 3
+    assert not os.path.exists(os.path.join(shm, "run", SLOTS_DIR))  # close() removes them
