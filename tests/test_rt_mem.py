@@ -50,3 +50,37 @@ def test_a_killed_jobs_slots_made_ahead_are_removed_by_the_next_start(shm, tmp_p
         assert {name.split(".")[1] for name in _slots(shm)} == {str(os.getpid())}
         assert len(_slots(shm)) == 3
     assert not os.path.exists(os.path.join(shm, "run", SLOTS_DIR))  # close() removes them
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 128)).pow(2).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_resumed_optimizers_slots_are_made_the_size_of_its_saves(shm, tmp_path):
+    """restore() made the memory tier's slots for the first saves from the state before its
+    load: a torch optimizer has no state until its first step (or the load), so a resumed
+    job's slots were sized for the model alone; no save could take them (its first saves
+    went through the pool) and they held host memory until retention dropped a step."""
+    disk = str(tmp_path / "disk")
+    tiers = [Tier("shm://run", keep_last=2), Tier(disk, every=2)]
+    model, opt = _trained()
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    step = os.path.join(shm, "run", "step-1")
+    sizes = sorted(os.path.getsize(os.path.join(step, n)) for n in os.listdir(step)
+                   if n.startswith("data-"))
+    fresh = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 128))
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # no state yet: the load makes it
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        assert mgr.restore({"model": fresh, "optim": fopt}) == 1
+        mgr._levels[0].join_removal()  # the slots are made behind the restore
+        slots = os.path.join(shm, "run", SLOTS_DIR)
+        made = sorted(os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots))
+        assert made == sorted(sizes * 3), (made, sizes)
