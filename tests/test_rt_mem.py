@@ -84,3 +84,52 @@ def test_a_resumed_optimizers_slots_are_made_the_size_of_its_saves(shm, tmp_path
         slots = os.path.join(shm, "run", SLOTS_DIR)
         made = sorted(os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots))
         assert made == sorted(sizes * 3), (made, sizes)
+
+
+def _removed_but_mapped(root: str) -> list[str]:
+    """This process's mappings of files under ``root`` removed since (their pages held)."""
+    with open("/proc/self/maps") as maps:
+        return [line.split(None, 5)[-1].strip() for line in maps
+                if root in line and line.rstrip().endswith("(deleted)")]
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 128)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_slower_tier_on_tmpfs_keeps_no_slots(shm, tmp_path):
+    """A slower tier in a directory on tmpfs (/tmp is one on many hosts) kept the memory
+    tier's slots: files made ahead at restore, and its dropped steps' data files mapped by
+    every retention pass. No drain copy takes a slot, so nothing unmapped them: each dropped
+    step's pages stayed held until the tmpfs was full and every drain failed with ENOSPC."""
+    disk = os.path.join(shm, "disk")  # a plain directory on a tmpfs
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2),
+                                         Tier(disk, keep_last=2)]) as mgr:
+        mgr.restore(state)
+        for step in range(1, 9):
+            _train(model, opt)
+            mgr.save(step, state)
+            assert mgr.drained(timeout=60)
+            assert not os.path.exists(os.path.join(disk, SLOTS_DIR)), step
+        assert _removed_but_mapped(disk) == []
+        assert sorted(os.listdir(disk)) == [".ckptio-run.lease", "step-7", "step-8"]
+
+
+def test_a_memory_tier_whose_saves_do_not_map_unmaps_the_slots_it_removed(shm):
+    """A compressed (packed) save never copies into a mapped file, the only place the root's
+    mappings of removed files were unmapped; every retention pass still mapped its slots
+    ahead, so each slot rotated out with a dropped step stayed mapped: host memory grew by a
+    step's files per save until the tmpfs was full (the save failed with ENOSPC)."""
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2)],
+                                  compression="bytegroup+zstd") as mgr:
+        for step in range(1, 13):
+            _train(model, opt)
+            mgr.save(step, state)
+        held = _removed_but_mapped(shm)
+        assert len(held) <= 2, held  # at most the slots the last pass rotated out

@@ -178,7 +178,11 @@ def warm_slots(root: str, mappings: Mappings,
     populated (MAP_POPULATE), so the save that takes one copies into resident, mapped pages
     (the retention's pass, before the next save: only slots written through the staging pool
     cost anything, a mapped save's files are mapped already and left as they are). ``on_mapped``: called with each
-    newly mapped slot (page-locking it for device copies)."""
+    newly mapped slot (page-locking it for device copies). The mappings of files removed
+    since (slots an earlier pass rotated out with a dropped step) are unmapped first: only a
+    mapped save's open unmaps them otherwise, and a save that never maps (a packed or delta
+    one) kept every removed slot's pages mapped, the tmpfs filling step by step."""
+    mappings.prune()
     try:
         with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
             paths = [e.path for e in it if e.is_file(follow_symlinks=False)]
