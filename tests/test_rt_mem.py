@@ -133,3 +133,25 @@ def test_a_memory_tier_whose_saves_do_not_map_unmaps_the_slots_it_removed(shm):
             mgr.save(step, state)
         held = _removed_but_mapped(shm)
         assert len(held) <= 2, held  # at most the slots the last pass rotated out
+
+
+def test_a_drain_behind_still_copies_the_steps_a_slower_tiers_keep_every_keeps(shm, tmp_path):
+    """A drain that fell behind skipped a queued step for the newest one, even a step the
+    slower tier's keep_every keeps for good: Tier(disk, every=2, keep_every=4) never received
+    step 4 or 8 (a log line only), and once the memory tier dropped them they were lost. They
+    are copied, in order, before the newest step; the steps between them are still skipped."""
+    disk = str(tmp_path / "disk")
+    model, opt = _trained()
+    state = {"model": model, "optim": opt}
+    with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2),
+                                         Tier(disk, every=2, keep_last=1, keep_every=4)],
+                                  drain_rate=2 << 20) as mgr:  # ~0.4 s a copy: behind
+        for step in range(1, 13):
+            _train(model, opt)
+            mgr.save(step, state)
+        assert mgr.drained(timeout=60)
+        skipped = mgr.status()[1]["skipped"]
+        assert skipped and not [s for s in skipped if s % 4 == 0], skipped  # it was behind
+    assert sorted(os.listdir(disk)) == ["step-12", "step-4", "step-8"]
+    for step in (4, 8):
+        assert ckptio.verify(os.path.join(disk, f"step-{step}")) > 0
