@@ -7,11 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+
+import pytest
 
 import torch
 
 import ckptio
 from ckptio import Tier
+from ckptio.managing.drain import Drain
+from ckptio.options import MiB, Options
 from ckptio.storage.local.mapped import SLOTS_DIR
 
 PREPARED_CHILD = r"""
@@ -155,3 +160,48 @@ def test_a_drain_behind_still_copies_the_steps_a_slower_tiers_keep_every_keeps(s
     assert sorted(os.listdir(disk)) == ["step-12", "step-4", "step-8"]
     for step in (4, 8):
         assert ckptio.verify(os.path.join(disk, f"step-{step}")) > 0
+
+
+class _HeldRoute:
+    """A drain Route holding every step already: records the order asked; the first ask
+    waits for ``go`` (the drain busy meanwhile)."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.busy, self.go = threading.Event(), threading.Event()
+
+    def holds(self, step: int, tier: int) -> bool:
+        self.asked.append(step)
+        self.busy.set()
+        assert self.go.wait(30)
+        return True
+
+    def done(self, step: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("preempted", [False, True])
+def test_the_drain_keeps_the_kept_for_good_steps_due_until_preempted(preempted):
+    """Drain: with tier 1 keeping every 4th step for good, a drain behind skips step 6 but
+    not 4 or 8 (pinned meanwhile, then copied in order before the newest); once the job is
+    preempted (final()) only its last step is copied, as before."""
+    route = _HeldRoute()
+    drain = Drain(route, [1, 2], Options(buffer_bytes=MiB, pool_bytes=2 * MiB),  # type: ignore[arg-type]
+                  long_every=[(), (4,)])
+    try:
+        drain.submit(2)
+        assert route.busy.wait(30)
+        for step in (4, 6, 8, 10):
+            drain.submit(step)
+        assert drain.pinned() == {2, 4, 8, 10}
+        if preempted:
+            drain.final()
+            assert drain.pinned() == {2, 10}
+        route.go.set()
+        assert drain.wait(30)
+        assert route.asked == ([2, 10] if preempted else [2, 4, 8, 10])
+        assert drain.status()[1]["skipped"] == ([6, 4, 8] if preempted else [6])
+        assert drain.pinned() == set()
+    finally:
+        route.go.set()
+        drain.close()
