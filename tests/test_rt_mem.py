@@ -205,3 +205,30 @@ def test_the_drain_keeps_the_kept_for_good_steps_due_until_preempted(preempted):
     finally:
         route.go.set()
         drain.close()
+
+
+def test_a_fresh_jobs_slots_of_sizes_no_save_writes_go_at_the_first_drop(shm):
+    """A fresh job's restore() makes the slots ahead from its state before the first step: a
+    torch optimizer has no state yet, so they are the model's size, which no save writes
+    (its saves went through the pool). They stayed until two steps had dropped, while the
+    memory budget counted them as free: a tmpfs that held the steps filled with ENOSPC from
+    the pool's write rather than the budget's refusal. They go with the first dropped step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt}
+    slots = os.path.join(shm, "run", SLOTS_DIR)
+    with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2)]) as mgr:
+        assert mgr.restore(state) is None
+        mgr.prepare({"model": model}, wait=True)  # the same sizes: the ones restore made
+        made = {os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots)}
+        for step in range(1, 4):  # step 1 drops at step 3's retention
+            _train(model, opt)
+            mgr.save(step, state)
+        data = {os.path.getsize(os.path.join(shm, "run", "step-3", n))
+                for n in os.listdir(os.path.join(shm, "run", "step-3")) if n.startswith("data-")}
+        assert made and not made & data  # made for the model alone
+        mgr._levels[0].join_removal()
+        left = {n: os.path.getsize(os.path.join(slots, n)) for n in os.listdir(slots)}
+        assert {n: s for n, s in left.items() if s not in data} == {}

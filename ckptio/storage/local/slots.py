@@ -91,11 +91,15 @@ def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
             return
         os.makedirs(slots, exist_ok=True)
         with os.scandir(slots) as it:
-            held = [(e.path, e.name) for e in it]
-        keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n in held})
+            held = [(e.path, e.name, e.stat(follow_symlinks=False).st_size) for e in it]
+        keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n, _ in held})
         keep = keep[-SLOT_STEPS:]
-        for source, name in held:
-            if _slot_step(name) not in keep:
+        # files made ahead of sizes no save writes (prepare() saw a state before its
+        # optimizer had any: a fresh job's) would hold their pages until two steps dropped
+        sizes = {os.path.getsize(source) for _, files in fresh for source in files}
+        for source, name, size in held:
+            if _slot_step(name) not in keep or (name.startswith("prepared.")
+                                                and size not in sizes):
                 os.rename(source, os.path.join(newest, f"old-slot-{name}"))
         for step, files in fresh:
             if step in keep:
