@@ -121,7 +121,8 @@ def test_a_slower_tier_on_tmpfs_keeps_no_slots(shm, tmp_path):
             assert mgr.drained(timeout=60)
             assert not os.path.exists(os.path.join(disk, SLOTS_DIR)), step
         assert _removed_but_mapped(disk) == []
-        assert sorted(os.listdir(disk)) == [".ckptio-run.lease", "step-7", "step-8"]
+        assert sorted(n for n in os.listdir(disk) if n.startswith("step-")) == ["step-7",
+                                                                                 "step-8"]
 
 
 def test_a_memory_tier_whose_saves_do_not_map_unmaps_the_slots_it_removed(shm):
@@ -150,7 +151,7 @@ def test_a_drain_behind_still_copies_the_steps_a_slower_tiers_keep_every_keeps(s
     state = {"model": model, "optim": opt}
     with ckptio.CheckpointManager(tiers=[Tier("shm://run", keep_last=2),
                                          Tier(disk, every=2, keep_last=1, keep_every=4)],
-                                  drain_rate=2 << 20) as mgr:  # ~0.4 s a copy: behind
+                                  drain_rate=1 << 20) as mgr:  # ~0.8 s a copy: behind
         for step in range(1, 13):
             _train(model, opt)
             mgr.save(step, state)
