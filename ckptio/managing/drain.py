@@ -73,7 +73,9 @@ class _Lane:
     """One slower tier's queue and record."""
 
     every: int
+    long_every: tuple[int, ...] = ()  # the tier keeps a step divisible by one for good
     wanted: tuple[int, float] | None = None  # the newest step due and when it was submitted
+    held: list[tuple[int, float]] = field(default_factory=list)  # kept-for-good steps passed
     busy: int | None = None
     ending: bool = False  # the copy of ``busy`` has ended: finish() comes next
     skipped: list[int] = field(default_factory=list)
@@ -101,12 +103,16 @@ class Drain:
         options: the Checkpointer's Options (the drain's staging uses its buffer size).
         rate: bytes per second the drain may copy (None: as fast as it can).
         nice: the drain thread's CPU priority.
+        long_every: per tier, its retention's keep_every intervals (a step divisible by one
+            is kept there for good: never skipped, see submit).
     """
 
     def __init__(self, route: Route, everies: list[int], options: Options, *,
-                 rate: float | None = None, nice: int = NICE) -> None:
+                 rate: float | None = None, nice: int = NICE,
+                 long_every: list[tuple[int, ...]] | None = None) -> None:
         self._route = route
-        self._lanes = {k: _Lane(every) for k, every in enumerate(everies) if k > 0}
+        lasting = long_every or [() for _ in everies]
+        self._lanes = {k: _Lane(every, lasting[k]) for k, every in enumerate(everies) if k > 0}
         pool = DRAIN_BUFFERS * options.buffer_bytes
         self._resources = ReusedIOResources(dataclasses.replace(
             options, pool_bytes=pool, host_budget_bytes=pool, use_profile=False))
@@ -124,7 +130,10 @@ class Drain:
 
         Each slower tier keeps only the newest step due: a drain that falls behind skips to the
         newest step rather than queueing without bound, and says so (a log line,
-        ``status()[tier]["skipped"]``). CkptError after close()."""
+        ``status()[tier]["skipped"]``), except a step that tier keeps for good (divisible by
+        its keep_every): it stays due, copied before the newer one (tier 0's retention keeps
+        it meanwhile), as the slower tier would otherwise never hold it. CkptError after
+        close()."""
         with self._lock:
             self._newest = step if self._newest is None else max(self._newest, step)
         self._submit(step, [k for k, lane in self._lanes.items() if step % lane.every == 0])
@@ -133,13 +142,25 @@ class Drain:
         """Copy ``step`` to ``tier`` (a drain resumed at start)."""
         self._submit(step, [tier])
 
-    def _submit(self, step: int, tiers: list[int]) -> None:
+    def _submit(self, step: int, tiers: list[int], *, final: bool = False) -> None:
+        """``final``: the job's last step; every older one due is skipped, even those kept
+        for good (the grace period is for the last step)."""
         left: set[int] = set()  # the steps this submit may leave due nowhere: let go below
         taken = False
         with self._lock:
             self._worker.wake()  # first: refused after close(); runs once the lock is let go
             for k in tiers:
                 lane = self._lanes[k]
+                for held, _since in lane.held if final else ():
+                    lane.skipped.append(held)
+                    left.add(held)
+                    log.warning("ckptio: the job is preempted: step %d is not copied to "
+                                "tier %d, step %d is", held, k, step)
+                lane.held = [] if final else lane.held
+                if (not final and lane.wanted is not None and lane.wanted[0] < step
+                        and any(lane.wanted[0] % n == 0 for n in lane.long_every)):
+                    lane.held.append(lane.wanted)
+                    lane.wanted = None
                 if lane.wanted is not None and lane.wanted[0] < step:
                     lane.skipped.append(lane.wanted[0])
                     left.add(lane.wanted[0])
@@ -158,7 +179,7 @@ class Drain:
                 self._lanes[ending].ending = True
             for lane in self._lanes.values():
                 steps -= {lane.wanted[0] if lane.wanted else None,
-                          None if lane.ending else lane.busy}
+                          None if lane.ending else lane.busy, *(s for s, _ in lane.held)}
         for step in sorted(steps):
             self._route.done(step)
 
@@ -172,13 +193,14 @@ class Drain:
             if step is None or step == self._final:
                 return
             self._final = step
-        self._submit(step, list(self._lanes))
+        self._submit(step, list(self._lanes), final=True)
 
     def pinned(self) -> set[int]:
         """Steps the drain is copying or will copy: tier 0's retention keeps them."""
         with self._lock:
             return {s for lane in self._lanes.values()
-                    for s in (lane.busy, lane.wanted[0] if lane.wanted else None)
+                    for s in (lane.busy, lane.wanted[0] if lane.wanted else None,
+                              *(s for s, _ in lane.held))
                     if s is not None}
 
     def status(self) -> dict[int, dict[str, Any]]:
@@ -208,18 +230,23 @@ class Drain:
     def take(self) -> _Copy | None:
         """The step waiting longest (a tie: the faster tier's), so no tier starves (under
         the lock)."""
-        waiting = [(lane.wanted[1], k) for k, lane in self._lanes.items() if lane.wanted]
+        waiting = [((lane.held or [lane.wanted])[0][1], k)  # type: ignore[index]
+                   for k, lane in self._lanes.items() if lane.wanted or lane.held]
         if not waiting:
             return None
         k = min(waiting)[1]
         lane = self._lanes[k]
-        (step, since), lane.wanted = lane.wanted, None  # type: ignore[misc]
+        if lane.held:  # older than the step due: submitted first
+            step, since = lane.held.pop(0)
+        else:
+            (step, since), lane.wanted = lane.wanted, None  # type: ignore[misc]
         lane.busy, lane.ending = step, False
         return _Copy(k, step, since)
 
     def pending(self) -> bool:
         """Whether a step is due or being copied (under the lock)."""
-        return any(lane.wanted or lane.busy is not None for lane in self._lanes.values())
+        return any(lane.wanted or lane.held or lane.busy is not None
+                   for lane in self._lanes.values())
 
     def finish(self, job: _Copy, error: Exception | None) -> None:
         """Record ``job``'s outcome (under the lock). A failed copy is logged at once and the

@@ -19,6 +19,8 @@ hiding (storage/steproot.py), when to save or which tier to load from (managing/
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 import time
@@ -365,10 +367,13 @@ def make_levels(tiers: Sequence[Tier], keeps: Sequence[RetentionPolicy], ck: Che
     """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
     restore then goes on without it)."""
     levels = []
+    # only the first tier's saves copy into mapped files: a slower tier on tmpfs (/tmp, say)
+    # keeping slots would hold pages no drain copy takes
+    slower = dataclasses.replace(ck.options, memory_mapped="off")
     for k, (tier, keep) in enumerate(zip(tiers, keeps)):
-        root = root_for(tier.location, ck.options)
+        root = root_for(tier.location, ck.options if k == 0 else slower)
         lister = root if k == 0 else root_for(
-            tier.location, capped(tier.location, ck.options, PROBE_DEADLINE_S))
+            tier.location, capped(tier.location, slower, PROBE_DEADLINE_S))
         levels.append(TierSteps(tier.location, tier.every, root, lister, keep, ck, ranks,
                                 process_group, k))
     return levels

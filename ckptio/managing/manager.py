@@ -48,6 +48,7 @@ from ckptio.managing.restoring import (
 )
 from ckptio.managing.tier import is_memory
 from ckptio.saving.handle import SaveHandle, SaveResult
+from ckptio.saving.save_session import planned_files
 
 __all__ = ["CheckpointManager"]
 
@@ -241,6 +242,7 @@ class CheckpointManager(ManagerParts):
         if restored is not None:
             if sizing:  # a pool that faulted in during the load is pinned now
                 self._staging(None)
+                planned = self._loaded_files(state, planned)
         elif step is None:
             started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
         self._slots_ahead(planned)  # after the load, which they would slow down
@@ -255,6 +257,18 @@ class CheckpointManager(ManagerParts):
         except CkptError as exc:
             log.info("ckptio: staging not prepared (%s); the first save sizes it", exc)
             return [], False
+
+    def _loaded_files(self, state: Any, planned: tuple[list[int], bool]
+                      ) -> tuple[list[int], bool]:
+        """The files a save of the restored ``state`` writes: a torch optimizer has no state
+        before its first step or a load, so the plan made before the load sized a resumed
+        job's memory-tier slots for the model alone (no save could take them). A failure is
+        only logged, as the staging's: the slots planned before the load are made."""
+        try:
+            return planned_files(state, self._ck.options.max_file_bytes)
+        except CkptError as exc:
+            log.info("ckptio: the restored state's files not planned (%s)", exc)
+            return planned
 
     def _slots_ahead(self, planned: tuple[list[int], bool]) -> None:
         """A memory tier's first saves' files made and mapped ahead, in the background

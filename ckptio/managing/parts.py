@@ -112,8 +112,11 @@ class ManagerParts:
         # group is this rank alone)
         self._job = self._ranking if self._guard is None else Ranks(job_group, settings,
                                                                    self.directory)
-        self._long_every = tuple(p.steps for keep in declared.keeps for p in leaves(keep)
-                                 if isinstance(p, KeepEvery) and p.steps)
+        # per tier, the keep_every intervals of its retention (a step kept there for good)
+        self._tier_long_every = [tuple(p.steps for p in leaves(keep)
+                                       if isinstance(p, KeepEvery) and p.steps)
+                                 for keep in declared.keeps]
+        self._long_every = tuple(n for every in self._tier_long_every for n in every)
         self._saves = InFlight()
         # the first tier's local directory if it is a memory tier on this host (its budget is
         # checked before each save), else None
@@ -148,7 +151,8 @@ class ManagerParts:
         if len(self._levels) > 1:
             if self._ranks().rank == COORDINATOR:
                 self._drain = Drain(TierRoute(self._levels), [t.every for t in self.tiers],
-                                    self._ck.options, rate=drain_rate)
+                                    self._ck.options, rate=drain_rate,
+                                    long_every=self._tier_long_every)
                 self._ck.resources().commits.listen()
                 self._followers.append(self._drain)
             held = {k for k, lease in self._leases.items() if lease.held}

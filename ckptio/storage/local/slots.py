@@ -91,11 +91,15 @@ def keep_slots(root: str, dropped: Sequence[tuple[int, str]]) -> None:
             return
         os.makedirs(slots, exist_ok=True)
         with os.scandir(slots) as it:
-            held = [(e.path, e.name) for e in it]
-        keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n in held})
+            held = [(e.path, e.name, e.stat(follow_symlinks=False).st_size) for e in it]
+        keep = sorted({step for step, _ in fresh} | {_slot_step(n) for _, n, _ in held})
         keep = keep[-SLOT_STEPS:]
-        for source, name in held:
-            if _slot_step(name) not in keep:
+        # files made ahead of sizes no save writes (prepare() saw a state before its
+        # optimizer had any: a fresh job's) would hold their pages until two steps dropped
+        sizes = {os.path.getsize(source) for _, files in fresh for source in files}
+        for source, name, size in held:
+            if _slot_step(name) not in keep or (name.startswith("prepared.")
+                                                and size not in sizes):
                 os.rename(source, os.path.join(newest, f"old-slot-{name}"))
         for step, files in fresh:
             if step in keep:
@@ -126,6 +130,7 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
     dropped step's files outrank them."""
     slots, mine = os.path.join(root, SLOTS_DIR), f"prepared.{os.getpid()}."
     os.makedirs(slots, exist_ok=True)
+    _remove_orphans(slots)
     with os.scandir(slots) as it:
         held = [e.stat(follow_symlinks=False).st_size for e in it
                 if e.is_file(follow_symlinks=False)
@@ -142,13 +147,46 @@ def make_slots(root: str, sizes: Sequence[int], sets: int) -> None:
             os.close(fd)
 
 
+def _remove_orphans(slots: str) -> None:
+    """Remove the files made ahead by a process that is gone (``prepared.<pid>.*``: killed
+    before its close() removed them). No one takes them but a save of the same sizes, and
+    make_slots counts only its own process's: left, each killed start of a job would leave
+    its first saves' worth of host memory behind for good. A live process's (another rank's
+    on this host) are its own."""
+    with os.scandir(slots) as it:
+        names = [e.name for e in it if e.name.startswith("prepared.")]
+    for name in names:
+        pid = name.split(".")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(slots, name))
+            except FileNotFoundError:
+                continue  # taken by a save, or removed by another rank meanwhile
+            log.info("ckptio: removed %s, made ahead by process %s, which is gone", name, pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host: a tmpfs is one host's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def warm_slots(root: str, mappings: Mappings,
                on_mapped: Callable[[MappedFile], object] | None = None) -> None:
     """Map ``root``'s slot files into ``mappings`` (the root's) with every page-table entry
     populated (MAP_POPULATE), so the save that takes one copies into resident, mapped pages
     (the retention's pass, before the next save: only slots written through the staging pool
     cost anything, a mapped save's files are mapped already and left as they are). ``on_mapped``: called with each
-    newly mapped slot (page-locking it for device copies)."""
+    newly mapped slot (page-locking it for device copies). The mappings of files removed
+    since (slots an earlier pass rotated out with a dropped step) are unmapped first: only a
+    mapped save's open unmaps them otherwise, and a save that never maps (a packed or delta
+    one) kept every removed slot's pages mapped, the tmpfs filling step by step."""
+    mappings.prune()
     try:
         with os.scandir(os.path.join(root, SLOTS_DIR)) as it:
             paths = [e.path for e in it if e.is_file(follow_symlinks=False)]
