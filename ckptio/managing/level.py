@@ -20,7 +20,6 @@ hiding (storage/steproot.py), when to save or which tier to load from (managing/
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import threading
 import time
