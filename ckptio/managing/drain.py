@@ -230,7 +230,7 @@ class Drain:
     def take(self) -> _Copy | None:
         """The step waiting longest (a tie: the faster tier's), so no tier starves (under
         the lock)."""
-        waiting = [((lane.held or [lane.wanted])[0][1], k)  # type: ignore[index]
+        waiting = [(lane.held[0][1] if lane.held else lane.wanted[1], k)  # type: ignore[index]
                    for k, lane in self._lanes.items() if lane.wanted or lane.held]
         if not waiting:
             return None
