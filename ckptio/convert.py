@@ -35,7 +35,8 @@ from ckptio.errors import CkptError
 from ckptio.format import param_names, values
 from ckptio.format.types import Manifest
 from ckptio.loading.stored import RankPolicy
-from ckptio.loading.opening import RUN, committed, held_at
+from ckptio.destination import RUN, held_at
+from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
 from ckptio.storage.s3.client import is_s3

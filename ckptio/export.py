@@ -41,11 +41,11 @@ from ckptio.distributed.dist import Group, Solo, current_group, over_torch
 from ckptio.distributed.step import coordinate, listed
 from ckptio.errors import CkptError, StorageIOError, UnsupportedPathError
 from ckptio.format import safetensors as st
+from ckptio.destination import held_at
 from ckptio.export_fill import Scratch, fill_window
 from ckptio.format.types import Manifest, Read
 from ckptio.io.buffers import Buffer
 from ckptio.io.stage import StagingPool
-from ckptio.loading.opening import held_at
 from ckptio.options import Options
 from ckptio.planning.export_plan import (
     ExportFile,

@@ -73,7 +73,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # The drivers (the top layer) in their sub-layers, bottom to top.
 DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim",
-     "ckptio.packed", "ckptio.policies"),  # base helpers
+     "ckptio.packed", "ckptio.policies", "ckptio.destination"),  # base helpers
     ("ckptio.api",),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
     ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild

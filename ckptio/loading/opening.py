@@ -5,8 +5,7 @@ read by one rank and handed to the others: ``ShareManifest``); the dispatch, whe
 holds no ckptio manifest, to the foreign formats ckptio reads: a DCP directory
 (loading/dcpdir.py), a torch_checkpointing directory (loading/tcdir.py), a torch.save file
 (loading/torchsave_manifest.py), a safetensors file or Hugging Face folder
-(loading/safetensors_manifest.py); and which of those a path holds (``held_at``: what a
-conversion or an export would replace). Does not own: which store and file a path names
+(loading/safetensors_manifest.py). Does not own: which store and file a path names
 (storage/select.py), reading bytes (the caller passes the read function, through its pool and
 the store's files), decoding any format (format/, loading/), or loading into a state
 (loading/load_session.py, fill.py).
@@ -14,7 +13,6 @@ the store's files), decoding any format (format/, loading/), or loading into a s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from ckptio.errors import CheckpointNotFoundError
@@ -22,14 +20,9 @@ from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, tcdir, torchsave_manifest
 from ckptio.storage import steps
-from ckptio.storage.s3.client import is_s3
-from ckptio.storage.select import checkpoint_path, store_for
-from ckptio.storage.steproot import step_of
 from ckptio.storage.store_contract import Store
 
-__all__ = ["RUN", "ReadFn", "ShareManifest", "committed", "held_at", "open_manifest"]
-
-RUN = "a run of steps (a CheckpointManager's step-N directories)"  # held_at()
+__all__ = ["ReadFn", "ShareManifest", "committed", "open_manifest"]
 
 ReadFn = Callable[[list[Read]], int]
 # With peers (distributed/loadsteps.SharedManifest): the committed manifest's bytes, produced
@@ -97,23 +90,3 @@ def _checked(store: Store, where: str) -> tuple[bytes, Manifest]:
     manifest.check_values(record, where)
     steps.check_files(store, record)
     return raw, record
-
-
-def held_at(path: str) -> str | None:
-    """What checkpoint ``path`` already holds ("a ckptio checkpoint", "a DCP checkpoint", "a
-    Hugging Face folder", "a file", a local run of steps: RUN), or None."""
-    text = checkpoint_path(path)
-    if not is_s3(text) and os.path.isfile(text):
-        return "a file"
-    if not is_s3(text) and os.path.isdir(text) and any(
-            step_of(name) is not None and os.path.isdir(os.path.join(text, name))
-            for name in os.listdir(text)):
-        return RUN
-    store = store_for(text)
-    for holds, what in ((steps.is_committed, "a ckptio checkpoint"),
-                        (foreign_common.holds_dcp, "a DCP checkpoint"),
-                        (tcdir.holds_tc, "a torch_checkpointing checkpoint"),
-                        (safetensors_manifest.holds_hf, "a Hugging Face folder")):
-        if holds(store):
-            return what
-    return None
