@@ -1,0 +1,150 @@
+"""Kernel faults around a CheckpointManager (ckptio.testing.faultfs): a memory or local first
+tier and a slower tier on the FUSE mount, whose calls hang or fail. What the user's waits
+(wait / drained / protected / close with a timeout) do while a drain's copy or a save is
+blocked in the kernel, and what a later manager restores, bit for bit.
+
+Each hung call is released by a timer after a few seconds, so a wait that does not give up
+in time fails its test rather than hanging it. Skipped only where /dev/fuse is unusable.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import Tier
+from ckptio.testing.faultfs import FaultFS, fuse_unusable
+
+pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
+
+RELEASE_S = 6.0  # a hung call is let go after this long: a wait still blocked then is a bug
+GIVE_UP_S = 0.5  # the timeout the tests give wait / drained / close
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[FaultFS]:
+    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
+        yield mounted
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4096,), value), "b": torch.arange(16.0) + value}
+
+
+def _release_later(fs: FaultFS, error: str | None) -> threading.Timer:
+    timer = threading.Timer(RELEASE_S, fs.release, kwargs={"error": error})
+    timer.start()
+    return timer
+
+
+def _restored(run: str) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """What a new manager on ``run`` restores (the next job's view)."""
+    state = {"w": torch.zeros(4096), "b": torch.zeros(16)}
+    with ckptio.CheckpointManager(run) as again:
+        return again.restore(state), state
+
+
+def _assert_state(got: dict[str, torch.Tensor], value: float) -> None:
+    want = _state(value)
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def test_close_with_a_timeout_gives_up_on_a_drain_hung_in_the_slower_tier(fs):
+    """Memory first, the disk tier on the mount: the drain's fsync of step 2 hangs. drained()
+    says False in time; close(timeout=) raises SaveTimeoutError in time naming the step, the
+    tier and its directory (before: it waited for the hung copy, however long); once the fsync
+    fails, close() raises the copy's error and the disk keeps step 1 only, intact."""
+    run = str(fs.mountpoint / "run")
+    mgr = ckptio.CheckpointManager(tiers=[Tier(f"mem://rtfuse-{uuid.uuid4().hex}", keep_last=2),
+                                          Tier(run, every=1, keep_last=2)])
+    mgr.save(1, _state(1.0))
+    assert mgr.drained(timeout=30)
+    fs.stall("fsync", r"^/run/step-2/data-")
+    mgr.save(2, _state(2.0))
+    assert fs.wait_stalled(10).startswith("/run/step-2/data-")
+    timer = _release_later(fs, "eio")
+    try:
+        started = time.monotonic()
+        assert mgr.drained(timeout=GIVE_UP_S) is False
+        with pytest.raises(ckptio.SaveTimeoutError,
+                           match=r"close: the drain's copy of step 2 to tier 1 \(.*/run\) did "
+                                 r"not finish within 0\.5 s.*close\(\) again"):
+            mgr.close(timeout=GIVE_UP_S)
+        assert time.monotonic() - started < RELEASE_S - 1
+    finally:
+        timer.cancel()
+        fs.release("eio")
+    with pytest.raises(ckptio.StorageIOError, match=r"/run/step-2/data-.*Input/output"):
+        mgr.close()
+    step, state = _restored(run)
+    assert step == 1
+    _assert_state(state, 1.0)
+
+
+def test_drained_with_a_timeout_returns_while_the_first_tier_s_save_hangs(fs, tmp_path):
+    """The first tier on the mount, its async save's fsync hung: drained(timeout=) and
+    protected(timeout=) return False in time (before: they waited for the save without a
+    limit); close gives up in time too; released, both tiers hold both steps."""
+    run, slow = str(fs.mountpoint / "run"), str(tmp_path / "slow")
+    mgr = ckptio.CheckpointManager(tiers=[Tier(run, keep_last=2), Tier(slow, every=1)])
+    mgr.save(1, _state(1.0))
+    fs.stall("fsync", r"^/run/step-2/data-")
+    mgr.save(2, _state(2.0), asynchronous=True)
+    fs.wait_stalled(10)
+    timer = _release_later(fs, None)
+    try:
+        started = time.monotonic()
+        assert mgr.drained(timeout=GIVE_UP_S) is False
+        assert mgr.protected(timeout=GIVE_UP_S) is False  # step 2 is not even committed
+        with pytest.raises(ckptio.SaveTimeoutError, match=r"step 2.*fsync of .*/run/step-2/"):
+            mgr.close(timeout=GIVE_UP_S)
+        assert time.monotonic() - started < RELEASE_S - 1
+    finally:
+        timer.cancel()
+        fs.release()
+    assert mgr.drained(timeout=30)
+    mgr.close()
+    for where in (run, slow):
+        step, state = _restored(where)
+        assert step == 2
+        _assert_state(state, 2.0)
+
+
+def test_a_preempted_wait_with_a_timeout_gives_up_on_a_hung_drain(fs):
+    """Preempted (SIGTERM), wait() carries the newest step to the slower tier: with a timeout
+    it raises SaveTimeoutError naming that copy once the time is up (before: it waited for the
+    hung fsync without a limit); released, the step lands and a new manager restores it."""
+    run = str(fs.mountpoint / "run")
+    mgr = ckptio.CheckpointManager(tiers=[Tier(f"mem://rtfuse-{uuid.uuid4().hex}", keep_last=2),
+                                          Tier(run, every=4, keep_last=2)], preemption=True)
+    try:
+        mgr.save(4, _state(4.0))
+        assert mgr.drained(timeout=30)
+        fs.stall("fsync", r"^/run/step-5/data-")
+        signal.raise_signal(signal.SIGTERM)
+        assert mgr.reached_preemption(5)
+        mgr.save(5, _state(5.0))
+        timer = _release_later(fs, None)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ckptio.SaveTimeoutError,
+                               match=r"wait: the drain's copy of step 5 to tier 1"):
+                mgr.wait(timeout=GIVE_UP_S)
+            assert time.monotonic() - started < RELEASE_S - 1
+        finally:
+            timer.cancel()
+            fs.release()
+        mgr.wait()
+    finally:
+        mgr.close()
+    step, state = _restored(run)
+    assert step == 5
+    _assert_state(state, 5.0)
