@@ -148,3 +148,42 @@ def test_a_preempted_wait_with_a_timeout_gives_up_on_a_hung_drain(fs):
     step, state = _restored(run)
     assert step == 5
     _assert_state(state, 5.0)
+
+
+def _model(value: float) -> dict[str, torch.Tensor]:
+    """A state whose next steps differ a little (delta saves store the changed blocks)."""
+    w = torch.randn(65536, generator=torch.Generator().manual_seed(0))
+    w[:100] += value
+    return {"w": w, "b": torch.arange(16.0) + value}
+
+
+def test_a_delta_save_whose_base_read_fails_says_an_io_error_and_commits_nothing(fs):
+    """A manager's delta save (zstd, base step 1) whose base manifest's read fails with EIO:
+    StorageIOError naming the base's manifest (before: a plain CkptError whose advice was to
+    restore the base), step 3 not committed; ckptio.load of a committed delta against that
+    base says StorageIOError too (before: CorruptCheckpointError, for a checkpoint that is
+    whole). Once the storage reads again, the retry commits and every step loads bit for bit."""
+    run = fs.mountpoint / "run"
+    opts = ckptio.Options(compression="zstd")
+    mgr = ckptio.CheckpointManager(run, keep_last=None, options=opts,
+                                   delta=ckptio.DeltaPolicy(full_every=4))
+    mgr.save(1, _model(1.0))
+    mgr.save(2, _model(2.0))
+    assert '"bases":["step-1"]' in (run / "step-2" / "manifest.json").read_text()  # a delta
+    fs.fail("read", r"^/run/step-1/manifest\.json$", times=100)
+    with pytest.raises(ckptio.StorageIOError, match=r"base checkpoint step-1.*/run/step-1/"
+                                                    r"manifest\.json.*Input/output error"):
+        mgr.save(3, _model(3.0))
+    with pytest.raises(ckptio.StorageIOError, match=r"step-2 is a delta of base checkpoint "
+                                                    r"step-1.*Input/output error.*retry"):
+        ckptio.load(run / "step-2")
+    assert mgr.steps() == [1, 2]
+    fs.clear()
+    mgr.save(3, _model(3.0))
+    mgr.close()
+    for step in (1, 2, 3):
+        _assert_state_of(ckptio.load(run / f"step-{step}"), _model(float(step)))
+
+
+def _assert_state_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
