@@ -52,19 +52,32 @@ def _restored(run: str) -> tuple[int | None, dict[str, torch.Tensor]]:
         return again.restore(state), state
 
 
+def _stall_warnings(caplog: pytest.LogCaptureFixture, within: float) -> list[str]:
+    """The stall warnings logged, once there is one (or ``within`` seconds passed)."""
+    deadline = time.monotonic() + within
+    while True:
+        said = [r.getMessage() for r in caplog.records if "made no progress" in r.getMessage()]
+        if said or time.monotonic() > deadline:
+            return said
+        time.sleep(0.05)
+
+
 def _assert_state(got: dict[str, torch.Tensor], value: float) -> None:
     want = _state(value)
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
 
 
-def test_close_with_a_timeout_gives_up_on_a_drain_hung_in_the_slower_tier(fs):
-    """Memory first, the disk tier on the mount: the drain's fsync of step 2 hangs. drained()
-    says False in time; close(timeout=) raises SaveTimeoutError in time naming the step, the
-    tier and its directory (before: it waited for the hung copy, however long); once the fsync
-    fails, close() raises the copy's error and the disk keeps step 1 only, intact."""
+def test_close_with_a_timeout_gives_up_on_a_drain_hung_in_the_slower_tier(fs, caplog):
+    """Memory first, the disk tier on the mount: the drain's fsync of step 2 hangs. It is
+    warned about as a save's is, naming the file (before: nothing said); drained() says False
+    in time; close(timeout=) raises SaveTimeoutError in time naming the step, the tier and its
+    directory (before: it waited for the hung copy, however long); once the fsync fails,
+    close() raises the copy's error and the disk keeps step 1 only, intact."""
+    caplog.set_level("WARNING", logger="ckptio")
     run = str(fs.mountpoint / "run")
     mgr = ckptio.CheckpointManager(tiers=[Tier(f"mem://rtfuse-{uuid.uuid4().hex}", keep_last=2),
-                                          Tier(run, every=1, keep_last=2)])
+                                          Tier(run, every=1, keep_last=2)],
+                                   options=ckptio.Options(io_stall_warn_s=0.2))
     mgr.save(1, _state(1.0))
     assert mgr.drained(timeout=30)
     fs.stall("fsync", r"^/run/step-2/data-")
@@ -74,6 +87,8 @@ def test_close_with_a_timeout_gives_up_on_a_drain_hung_in_the_slower_tier(fs):
     try:
         started = time.monotonic()
         assert mgr.drained(timeout=GIVE_UP_S) is False
+        said = _stall_warnings(caplog, 3.0)
+        assert said and all("fsync" in m and "/run/step-2/data-" in m for m in said), said
         with pytest.raises(ckptio.SaveTimeoutError,
                            match=r"close: the drain's copy of step 2 to tier 1 \(.*/run\) did "
                                  r"not finish within 0\.5 s.*close\(\) again"):
