@@ -202,3 +202,26 @@ def test_a_delta_save_whose_base_read_fails_says_an_io_error_and_commits_nothing
 
 def _assert_state_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def test_a_restore_stopped_by_an_io_error_says_the_state_is_partly_filled(fs):
+    """A restore whose third data file's read fails (EIO) after two were loaded in place: the
+    StorageIOError names the file and says the state may be partly overwritten (before: only
+    the read that failed, while two tensors already held the step's values and the rest their
+    old ones); restored again once the storage reads, the state is the step's, bit for bit."""
+    run = fs.mountpoint / "run"
+    small = ckptio.Options(max_file_bytes=1 << 20, buffer_bytes=1 << 20, pool_bytes=4 << 20)
+    saved = {f"k{i}": torch.full((1 << 18,), float(i + 1)) for i in range(8)}  # a file each
+    with ckptio.CheckpointManager(run, options=small) as mgr:
+        mgr.save(1, saved)
+    fs.fail("read", r"^/run/step-1/data-", nth=3, times=100)
+    state = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with ckptio.CheckpointManager(run) as mgr:
+        with pytest.raises(ckptio.StorageIOError, match=r"(?s)may hold some of that step's "
+                                                        r"tensors.*restore again before using "
+                                                        r"it.*/run/step-1/data-.*Input/output"):
+            mgr.restore(state)
+        assert any(state[k].abs().sum() > 0 for k in state)  # what the message warns of
+        fs.clear()
+        assert mgr.restore(state) == 1
+    _assert_state_of(state, saved)

@@ -34,7 +34,14 @@ from typing import Any
 import torch
 
 from ckptio.distributed.dist import COORDINATOR
-from ckptio.errors import CheckpointNotFoundError, CkptError, SaveTimeoutError, seconds_to_wait
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    SaveTimeoutError,
+    StorageIOError,
+    restated,
+    seconds_to_wait,
+)
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.declare import check_step
 from ckptio.managing.parts import ManagerParts
@@ -250,7 +257,14 @@ class CheckpointManager(ManagerParts):
         # a rollback: the staging stays as this run's saves left it
         sizing = prepare and not self._saved_here
         planned = self._staging(state) if sizing else ([], False)  # the load reads through
-        restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
+        try:
+            restored = self._restore(state, None if step is None else check_step(step),
+                                     load_kwargs)
+        except StorageIOError as exc:  # not damage: no older step is tried in its place
+            raise restated(exc, "restore() stopped on a storage error; the state it fills in "
+                                "place may hold some of that step's tensors and keep its "
+                                "previous values elsewhere: restore again before using it: "
+                           ) from None
         if restored is not None:
             if sizing:  # a pool that faulted in during the load is pinned now
                 self._staging(None)
