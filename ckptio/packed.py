@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, restated
 from ckptio.format import codec
 from ckptio.options import Options
 from ckptio.saving.packing import SPEED_MARGIN, Compression
@@ -114,5 +114,5 @@ def _open_base(store: Store, base: str | os.PathLike[str], options: Options,
                   block_nbytes=block_nbytes)
     try:
         return bases.get(name)
-    except CkptError as exc:
-        raise CkptError(f"save(base={text!r}) cannot use that base: {exc}") from None
+    except CkptError as exc:  # its class kept: an I/O error is not a damaged base
+        raise restated(exc, f"save(base={text!r}) cannot use that base: ") from None

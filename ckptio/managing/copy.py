@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format.checksum import stored_algorithm
+from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import Manifest, TensorEntry
 from ckptio.loading import dcpdir, load_session
 from ckptio.loading.checks import Checker
+from ckptio.saving import stall
 from ckptio.storage import steps
 from ckptio.storage.files import IOResources, StoreFiles
 from ckptio.storage.store_contract import Store, new_save_id
@@ -64,6 +66,19 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
         if not is_aligned(nbytes):
             raise CkptError(f"{source.path_of(name)}: {nbytes} bytes, not a multiple of {BLOCK}; "
                             "only checkpoints ckptio saved are copied between tiers")
+    activity = stall.watched(target.location, 0, resources.options.io_stall_warn_s)
+    try:
+        _copy_files(resources, source, target, record, files, manifest, pace, activity)
+    finally:
+        activity.finish()
+    return sum(files.values())
+
+
+def _copy_files(resources: IOResources, source: Store, target: Store, record: Manifest,
+                files: dict[str, int], manifest: bytes, pace: Pace | None,
+                activity: stall.Activity) -> None:
+    """copy_checkpoint's files and commit, their writes, fsyncs and commit watched (a copy
+    hung in the target's storage is warned about as a save's is: saving/stall.py)."""
     names = list(files)
     with steps.attempt(target, names):
         held = target.exclusive("raise")
@@ -83,20 +98,22 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
                 buffer = pool.acquire()
                 try:
                     for name, nbytes in files.items():
-                        _copy_file(reader, writer, name, nbytes, buffer.view, pace, check)
+                        _copy_file(reader, writer, name, nbytes, buffer.view, pace, check,
+                                   activity)
                 finally:
                     pool.release(buffer)
                 if check is not None:
                     check.finished()
-            target.commit(manifest, new_save_id(), held)
+            with activity.call("commit", target.path_of(MANIFEST_NAME)):
+                target.commit(manifest, new_save_id(), held)
             committed = True
         finally:
             held.release(failed=not committed)
-    return sum(files.values())
 
 
 def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
-               view: memoryview, pace: Pace | None, check: _Streamed | None) -> None:
+               view: memoryview, pace: Pace | None, check: _Streamed | None,
+               activity: stall.Activity) -> None:
     src = reader.open_read(name)
     try:
         dst = writer.open_write(name, nbytes)
@@ -111,12 +128,14 @@ def _copy_file(reader: StoreFiles, writer: StoreFiles, name: str, nbytes: int,
                                          f"before the {nbytes} bytes its manifest names")
                 if check is not None:
                     check.passing(name, offset, piece)
-                writer.submit_write(dst, offset, piece).result()
+                with activity.call("write", writer.where(name)):
+                    writer.submit_write(dst, offset, piece).result()
                 offset += len(piece)
                 if pace is not None:
                     pace(len(piece))
             closing = True
-            writer.close(dst, sync=True)
+            with activity.call("fsync", writer.where(name)):
+                writer.close(dst, sync=True)
         finally:
             if not closing:
                 writer.close(dst, sync=False)

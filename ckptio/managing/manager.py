@@ -27,13 +27,21 @@ redundancy/).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ckptio.distributed.dist import COORDINATOR
-from ckptio.errors import CheckpointNotFoundError, CkptError, seconds_to_wait
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    SaveTimeoutError,
+    StorageIOError,
+    restated,
+    seconds_to_wait,
+)
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.declare import check_step
 from ckptio.managing.parts import ManagerParts
@@ -135,18 +143,30 @@ class CheckpointManager(ManagerParts):
     def protected(self, timeout: float | None = None) -> bool:
         """Wait until every step saved so far is protected across hosts (or given up, said in
         status()) -> True, or ``timeout`` -> False; raises, once, the first protection error
-        not raised yet. True at once without redundancy."""
+        not raised yet. True without redundancy, once the save in flight committed."""
         timeout = seconds_to_wait("CheckpointManager.protected", timeout)
-        self.wait()
-        return True if self._guard is None else self._guard.wait(timeout)
+        left = self._saved_within(timeout)
+        return left is not False and (self._guard is None or self._guard.wait(left))
 
     def drained(self, timeout: float | None = None) -> bool:
         """Wait until the drain has copied every due step (-> True) or ``timeout`` (-> False);
-        raises, once, the first drain error not raised yet. True at once with one tier, and
-        on the ranks not running the drain."""
+        raises, once, the first drain error not raised yet. True with one tier, and on the
+        ranks not running the drain, once the save in flight committed (not within
+        ``timeout``: False, like a copy still running)."""
         timeout = seconds_to_wait("CheckpointManager.drained", timeout)
-        self.wait()
-        return True if self._drain is None else self._drain.wait(timeout)
+        left = self._saved_within(timeout)
+        return left is not False and (self._drain is None or self._drain.wait(left))
+
+    def _saved_within(self, timeout: float | None) -> float | None | bool:
+        """wait() for the save in flight, within ``timeout`` -> the seconds left (None: no
+        limit), or False if it is still running then (a hung write or fsync of the first
+        tier: nothing after it can be drained or protected yet; wait() names the file)."""
+        started = time.monotonic()
+        try:
+            self.wait(timeout)
+        except SaveTimeoutError:
+            return False
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
 
     # ---------------------------------------------------------------- saving
 
@@ -238,7 +258,14 @@ class CheckpointManager(ManagerParts):
         # a rollback: the staging stays as this run's saves left it
         sizing = prepare and not self._saved_here
         planned = self._staging(state) if sizing else ([], False)  # the load reads through
-        restored = self._restore(state, None if step is None else check_step(step), load_kwargs)
+        try:
+            restored = self._restore(state, None if step is None else check_step(step),
+                                     load_kwargs)
+        except StorageIOError as exc:  # not damage: no older step is tried in its place
+            raise restated(exc, "restore() stopped on a storage error; the state it fills in "
+                                "place may hold some of that step's tensors and keep its "
+                                "previous values elsewhere: restore again before using it: "
+                           ) from None
         if restored is not None:
             if sizing:  # a pool that faulted in during the load is pinned now
                 self._staging(None)

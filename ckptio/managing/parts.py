@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -204,14 +205,39 @@ class ManagerParts:
         naming the step, the rank and the file it waits for (it stays in flight: wait again).
         The followers are not waited for (drained(), protected()), except once preemption is
         reached: then the newest step goes on to every slower tier, unpaced, and wait()
-        returns once it is durable there (docs/MANAGER.md, Preemption)."""
-        result, committed = self._saves.wait(seconds_to_wait("CheckpointManager.wait", timeout))
+        returns once it is durable there, within ``timeout`` too (docs/MANAGER.md,
+        Preemption)."""
+        timeout = seconds_to_wait("CheckpointManager.wait", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result, committed = self._saves.wait(timeout)
         for done in committed:
             self._committed(done)
         if self._drain is not None and self._policy.triggers.preempted:
             self._drain.final()
-            self._drain.wait()
+            self._followers_within(deadline, [self._drain], "wait", timeout)
         return result
+
+    def _followers_within(self, deadline: float | None, followers: Sequence[Follower],
+                          verb: str, timeout: float | None) -> None:
+        """Wait for ``followers`` until ``deadline`` (None: for as long as they take), or
+        SaveTimeoutError naming the steps the drain still copies and where (a copy blocked in
+        the kernel, a hung fsync of a slower tier, cannot be cancelled: it goes on).
+        ``verb`` and ``timeout``: the call that gave them that long, for the message."""
+        for follower in followers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if follower.wait(left):
+                continue
+            busy = [f"step {part.get('draining') or part.get('queued')} to tier {k} "
+                    f"({self.tiers[k].location})" for k, part in follower.status().items()
+                    if part.get("draining") is not None or part.get("queued") is not None]
+            what = ("the drain's copy of " + ", ".join(busy)) if busy else "the protection"
+            raise SaveTimeoutError(
+                f"CheckpointManager.{verb}: {what} did not finish within {timeout} s. It goes "
+                "on in the "
+                "background (a call in the kernel cannot be cancelled): call "
+                f"{verb}() again later, or kill the process; nothing partial is committed "
+                "there, and the steps the first tier committed stay. Check that storage "
+                "(dmesg, the network filesystem's server)")
 
     def _settle(self) -> None:
         """The async save in flight finishes (its unseen error raised here); committed, its
@@ -223,12 +249,16 @@ class ManagerParts:
         """wait(), let the followers finish (their first error not raised yet is raised here,
         once), run the retention their pins and the delta chains held back, finish every
         tier's removals, put back the signal handlers, free the Checkpointer if the manager
-        made it. ``timeout``: as wait()'s, for the save in flight; then nothing is closed
-        (close() again later)."""
+        made it. ``timeout``: as wait()'s, for the save in flight and then the followers (a
+        drain's copy blocked in a slower tier's storage): SaveTimeoutError naming what is still
+        running; then nothing is closed (close() again later)."""
         timed_out = False
         timeout = seconds_to_wait("CheckpointManager.close", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.wait(timeout)
+            if deadline is not None:  # the followers too: close() closes them last
+                self._followers_within(deadline, self._followers, "close", timeout)
         except SaveTimeoutError:
             timed_out = True
             raise

@@ -342,7 +342,8 @@ class Packer:
     def finish(self, digests: dict[int, str]) -> tuple[dict[int, Where], list[FileInfo]]:
         """Every entry placed and every file durable; -> each entry's place (by entry index)
         and the files written. ``digests``: each entry's checksum (a ref must match its base)."""
-        self._workers.shutdown(wait=True)
+        self._workers.shutdown(wait=True)  # every frame encoded: the base is read no more
+        self._close_base()
         self._place_finished()
         if self._entries:
             missing = min(self._entries)
@@ -373,11 +374,19 @@ class Packer:
     def abandon(self) -> None:
         """After a failure: stop the workers, close the files unsynced and remove them."""
         self._workers.shutdown(wait=True, cancel_futures=True)
+        self._close_base()
         while self._writing:
             self._close_oldest(sync=False)
         names = [f.name for f in self._files]
         if names:
             self.target.store.remove(names)
+
+
+    def _close_base(self) -> None:
+        """Close the base's files the delta's encoding opened (each save opens its own: left
+        open, a long run kept one per save, and a dropped base's disk space with them)."""
+        if self.base is not None:
+            self.base.reader.close()
 
 
 def _block(entry: TensorEntry, index: int) -> str:

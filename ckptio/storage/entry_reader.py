@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptio.alignment import align_down, align_up
-from ckptio.errors import CkptError, CorruptCheckpointError
+from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format import codec, manifest
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import Chunk, Manifest, TensorEntry
@@ -93,6 +93,11 @@ class Bases:
         where = store.path_of(manifest.MANIFEST_NAME)
         try:
             record = manifest.decode(store.read_manifest(), where)
+        except StorageIOError as exc:  # the storage failed (EIO): not damage, said as such
+            raise StorageIOError(
+                f"{self.location} is a delta of base checkpoint {name}, whose manifest cannot "
+                f"be read now ({exc}); the base is needed: retry, and if it keeps failing "
+                "check the storage (dmesg)") from None
         except CkptError as exc:
             raise CorruptCheckpointError(
                 f"{self.location} is a delta of base checkpoint {name}, which cannot be read "

@@ -9,7 +9,8 @@ side of a save or load, not from inside the process.
         fs.release()               # it goes on (release("eio"): it fails)
         fs.fired()                 # [(op, path, what)] of every fault that fired
 
-Operations: write, fsync, fsyncdir, rename (matched on its destination) and read. A rule counts
+Operations: write, fsync, fsyncdir, rename (matched on its destination), read, open (a file's
+open or create), unlink and rmdir. A rule counts
 the calls whose path matches ``pattern`` (re.search on the path under the mount, "/" first),
 from the moment it is set (with ``after``: from the first call of that op and pattern on) and
 fires on the ``nth`` and the ``times - 1`` after it; then it passes calls through again.

@@ -3,8 +3,9 @@
 faultfs.py's client runs this file as a script (the standard library and mfusepy, no torch,
 nothing of ckptio): it mounts the backing directory at the mount point, passes every call
 through to the backing directory, and checks the rules first on write, fsync, fsyncdir,
-rename (its destination) and read, so that a fault is a real errno from a real system call
-and a stalled call blocks its caller in the kernel.
+rename (its destination), read, open (a file's open or create), unlink and rmdir, so that a
+fault is a real errno from a real system call and a stalled call blocks its caller in the
+kernel.
 
 Call order: the client starts the process with the backing directory, the mount point and
 its end of a socket pair -> ``_serve`` mounts and says "ready" -> one JSON line per command
@@ -31,7 +32,7 @@ from typing import Any
 
 __all__ = ["ERRNOS", "OPS"]
 
-OPS = ("write", "fsync", "fsyncdir", "rename", "read")
+OPS = ("write", "fsync", "fsyncdir", "rename", "read", "open", "unlink", "rmdir")
 ERRNOS = {"eio": errno.EIO, "enospc": errno.ENOSPC}
 
 
@@ -166,9 +167,11 @@ def _passthrough(mfusepy: Any, root: str, rules: _Rules, on_mount: Callable[[], 
             return 0
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
+            rules.check("open", path)
             return os.open(real(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
         def open(self, path: str, flags: int) -> int:
+            rules.check("open", path)
             return os.open(real(path), flags & ~os.O_DIRECT & ~os.O_CREAT & ~os.O_EXCL)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
@@ -215,10 +218,12 @@ def _passthrough(mfusepy: Any, root: str, rules: _Rules, on_mount: Callable[[], 
             return 0
 
         def rmdir(self, path: str) -> int:
+            rules.check("rmdir", path)
             os.rmdir(real(path))
             return 0
 
         def unlink(self, path: str) -> int:
+            rules.check("unlink", path)
             os.unlink(real(path))
             return 0
 
