@@ -142,6 +142,7 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                                    "read_module._run", "stage._populate"})),
     "tests.test_restore_from_memory": (_WHITE + "the reads a restore makes", frozenset({
         "posix._pread_each", "stage._populate"})),
+    "tests.test_rt_cli": (_HELPER, frozenset({"test_cli_interop._one_line_error"})),
     "tests.test_rt_mem": (_WHITE + "the memory tier's slots, made behind a restore: waited "
                           "for before they are counted", frozenset({"mgr._levels"})),
     "tests.test_s3client": (_WHITE + "the client cache", frozenset({"s3client._clients"})),

@@ -34,6 +34,7 @@ from ckptio import convert_writers
 from ckptio.cli import main
 from ckptio.convert import convert
 from ckptio.testing.cli_process import run_cli
+from test_cli_interop import _one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -42,16 +43,6 @@ OPTS = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
 
 def ckptio_cmd(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(*args, env=ENV, timeout=180)
-
-
-def _one_line_error(done: subprocess.CompletedProcess[str], *phrases: str) -> str:
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ckptio: error: "), done.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
 
 
 def _saved(tmp_path: Path) -> Path:

@@ -20,7 +20,8 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "boot_id", "dead", "host_id", "me", "started"]
+__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "alive", "boot_id", "dead", "host_id", "me",
+           "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 HOST_ID_ENV = "CKPTIO_HOST_ID"
@@ -69,6 +70,17 @@ def me() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "start": started(pid),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def dead(holder: dict[str, Any] | None) -> str | None:

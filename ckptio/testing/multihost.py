@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ckptio.storage.holder import alive
+
 __all__ = ["MODES", "Host", "Hosts", "best_mode", "netns_possible", "sweep_stale"]
 
 MODES = ("netns", "simulated")
@@ -84,15 +86,6 @@ def best_mode() -> str:
     return "netns" if netns_possible() is None else "simulated"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def sweep_stale() -> list[str]:
     """Remove the namespaces and tmpfs mounts left by a Hosts whose process is gone -> what was
@@ -100,14 +93,14 @@ def sweep_stale() -> list[str]:
     removed = []
     for source, target in _mounts():
         match = re.match(rf"^{PREFIX}(\d+)-", source)
-        if match and not _alive(int(match.group(1))):
+        if match and not alive(int(match.group(1))):
             subprocess.run(["umount", "-l", target], capture_output=True, check=False)
             removed.append(f"{source} at {target}")
     if shutil.which("ip") is not None:
         names = _ip("netns", "list", check=False).stdout.split()
         for name in names:
             match = _NAME.match(name)
-            if match and not _alive(int(match.group(1))):
+            if match and not alive(int(match.group(1))):
                 _ip("netns", "delete", name, check=False)
                 shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
                 removed.append(name)

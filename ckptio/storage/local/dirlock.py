@@ -130,37 +130,34 @@ def _open_lock_file(path: str, file: str) -> int:
 
 
 def _take(fd: int, path: str, if_locked: str) -> bool:
-    """flock ``fd`` exclusively; -> False where the filesystem has no locks."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        pass
-    except OSError as exc:
-        return _no_locks(fd, path, exc)
-    holder = _holder(fd)
-    if if_locked == "raise":
-        raise CheckpointLockedError(
-            f"{path} is being saved by another save ({holder}); this save did not start and "
-            "the checkpoint there is untouched: wait for that save to finish, save to another "
-            "path, or use Options(if_locked='wait') to wait for it")
-    log.warning("ckptio: waiting for the lock of %s: another save is running there (%s)",
-                path, holder)
-    pause = _FIRST_PAUSE_S
-    while True:  # tries, not a blocking flock: a save its caller abandoned stops waiting
+    """flock ``fd`` exclusively; -> False where the filesystem has no locks. Held by another
+    save: refused (``if_locked="raise"``) or waited for by tries, not a blocking flock, so
+    that a save its caller abandoned stops waiting (storage/abandon.py)."""
+    pause, holder = _FIRST_PAUSE_S, None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            return _no_locks(fd, path, exc)
+        if holder is None:
+            holder = _holder(fd)
+            if if_locked == "raise":
+                raise CheckpointLockedError(
+                    f"{path} is being saved by another save ({holder}); this save did not "
+                    "start and the checkpoint there is untouched: wait for that save to "
+                    "finish, save to another path, or use Options(if_locked='wait') to wait "
+                    "for it")
+            log.warning("ckptio: waiting for the lock of %s: another save is running there "
+                        "(%s)", path, holder)
         if abandon.abandoned():
             raise CkptError(f"the save to {path} stopped waiting for its lock, held by another "
                             f"save ({holder}): its caller was interrupted; nothing of it was "
                             "written")
         time.sleep(pause)
         pause = min(_MOST_PAUSE_S, pause * 1.5)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            continue
-        except OSError as exc:
-            return _no_locks(fd, path, exc)
 
 
 def _no_locks(fd: int, path: str, exc: OSError) -> bool:

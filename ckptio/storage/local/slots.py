@@ -24,6 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 
+from ckptio.storage import holder as holders
 from ckptio.storage.local.mapped import SLOTS_DIR, MappedFile, Mappings, libc, size_file
 
 __all__ = ["SLOTS_DIR", "SLOT_STEPS", "drop_slots", "keep_slots", "make_slots", "slot_nbytes",
@@ -157,23 +158,13 @@ def _remove_orphans(slots: str) -> None:
         names = [e.name for e in it if e.name.startswith("prepared.")]
     for name in names:
         pid = name.split(".")[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not holders.alive(int(pid)):
             try:
                 os.unlink(os.path.join(slots, name))
             except FileNotFoundError:
                 continue  # taken by a save, or removed by another rank meanwhile
             log.info("ckptio: removed %s, made ahead by process %s, which is gone", name, pid)
 
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this host: a tmpfs is one host's)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
 
 
 def warm_slots(root: str, mappings: Mappings,
