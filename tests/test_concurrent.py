@@ -309,6 +309,8 @@ def test_wait_when_another_process_holds_the_path(tmp_path, caplog):
 
 
 WAITER = """
+import signal  # Ctrl-C raises, as in a terminal: a background job (CI's) ignores SIGINT
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import sys, torch, ckptio
 print("saving", flush=True)
 try:

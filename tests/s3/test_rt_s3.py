@@ -32,6 +32,8 @@ DEADLINE_S = 4.0
 # a save that waits for another save's lock (if_locked="wait"), reporting when its caller is
 # interrupted; the process must then exit
 WAITER = """
+import signal  # Ctrl-C raises, as in a terminal: a background job (CI's) ignores SIGINT
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import sys, time, torch, ckptio
 options = ckptio.Options(s3_endpoint_url=sys.argv[2], s3_retry_deadline_s=4.0,
                          s3_lock_lease_s=2.0)
