@@ -381,7 +381,6 @@ class Packer:
         if names:
             self.target.store.remove(names)
 
-
     def _close_base(self) -> None:
         """Close the base's files the delta's encoding opened (each save opens its own: left
         open, a long run kept one per save, and a dropped base's disk space with them)."""

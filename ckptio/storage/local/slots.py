@@ -166,7 +166,6 @@ def _remove_orphans(slots: str) -> None:
             log.info("ckptio: removed %s, made ahead by process %s, which is gone", name, pid)
 
 
-
 def warm_slots(root: str, mappings: Mappings,
                on_mapped: Callable[[MappedFile], object] | None = None) -> None:
     """Map ``root``'s slot files into ``mappings`` (the root's) with every page-table entry
