@@ -83,6 +83,7 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.s3.test_fixed_cost_s3": (_WHITE + "the client factory, counted",
                                     frozenset({"s3client._make_client"})),
     "tests.s3.test_manager_s3": (_HELPER, frozenset({"cases._manager_state"})),
+    "tests.s3.test_rt_s3": (_HELPER, frozenset({"s3.test_silent_s3._options"})),
     "tests.s3.test_server_and_proxy": ("botocore's signer credentials, checked against the "
                                        "fixture's", frozenset({
                                            "client._request_signer",

@@ -26,9 +26,9 @@ from ckptio.storage.object_common import MARKER
 from ckptio.storage.s3 import client, timeouts
 from ckptio.storage.s3.client import S3Path
 from ckptio.testing.s3proxy import FaultProxy
+from s3.test_silent_s3 import DEADLINE_S, _options
 
 MiB = 1 << 20
-DEADLINE_S = 4.0
 # a save that waits for another save's lock (if_locked="wait"), reporting when its caller is
 # interrupted; the process must then exit
 WAITER = """
@@ -49,13 +49,6 @@ except KeyboardInterrupt:
 def _state(seed: int, mib: int = 6) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(mib * MiB // 4, generator=g), "step": seed}
-
-
-def _options(endpoint: str, **changes: Any) -> ckptio.Options:
-    settings: dict[str, Any] = {"buffer_bytes": 5 * MiB, "pool_bytes": 20 * MiB,
-                                "s3_endpoint_url": endpoint, "s3_retry_deadline_s": DEADLINE_S,
-                                "s3_lock_lease_s": 2.0}
-    return ckptio.Options(**{**settings, **changes})
 
 
 def _raises_within(seconds: float, work: Any) -> str:
