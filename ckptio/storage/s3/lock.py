@@ -15,9 +15,14 @@ the end; it is not what keeps a checkpoint safe. That is the commit's condition 
 the manifest is written with If-Match on the ETag seen when the claim was taken), so a holder
 that stalled past its lease and a taker cannot both commit.
 
-Owns: S3Lock (take, renew, release), the holder text. Does not own: the manifest's condition
-and the store's other operations (store.py), the client and retries (client.py), whether a
-holder is dead (holder.py).
+Kept for a manager's life it is a run's lease (``take_run``, ``<run>/.ckptio-run.lease``: one
+live job per run), renewed through network failures, lost (``lost``) only to a taker's write.
+Held by this process: not taken; by a dead holder or with ``take_over``: taken over at once;
+else watched up to a lease: a renewal shows a live job (refused), none a dead one (taken over).
+
+Owns: S3Lock (take, renew, release), the run lease's taking, the holder text. Does not own:
+the manifest's condition and the store's other operations (store.py), the client and retries
+(client.py), whether a holder is dead (holder.py).
 """
 
 from __future__ import annotations
@@ -25,18 +30,21 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import LOCK_NAME
+from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio.storage.object_common import LockWait
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
 from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["LOCK_NAME", "S3Lock", "take"]
+__all__ = ["LEASE_NAME", "LOCK_NAME", "S3Lock", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 
@@ -50,9 +58,15 @@ class S3Lock:
     etag: str
     holder: dict[str, Any]
     lost: str | None = None  # why a renewal failed (another save took the lock over)
+    run: bool = False  # a run's lease (take_run): lost only to a taker's write
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def held(self) -> bool:
+        """Lease (steproot.py): this process took the object."""
+        return True
 
     def start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, name="ckptio-s3-lock",
@@ -65,8 +79,18 @@ class S3Lock:
             try:
                 self._renew()
             except Exception as exc:  # noqa: BLE001 - recorded; the commit's condition decides
+                if self.run and status(exc) not in (404, 412):
+                    log.warning("ckptio: renewing the run lease %s failed (%s); trying again "
+                                "in %.0f s", self.where.url, describe(exc), period)
+                    continue
                 with self._lock:
-                    self.lost = describe(exc)
+                    self.lost = (f"{_holder_text(self.where, self.settings)}" if self.run
+                                 else describe(exc))
+                if self.run:
+                    log.warning("ckptio: another job took over the run lease %s (%s): this "
+                                "job's manager saves nothing there any more", self.where.url,
+                                self.lost)
+                    return
                 log.warning("ckptio: renewing the lock of %s failed (%s); this save's commit "
                             "will still refuse to overwrite a newer checkpoint",
                             self.where.url, describe(exc))
@@ -116,6 +140,93 @@ def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S
             return lock
         other = _holder_text(where, settings)
         wait.busy(other)
+
+
+def take_run(root: S3Path, settings: S3Settings, take_over: bool) -> S3Lock | None:
+    """The run lease of ``root`` (module docstring); None where this process holds it
+    already (a second manager of its own), or CheckpointLockedError naming the live job."""
+    where, seen = root.child(LEASE_NAME), None
+    holder = {**holders.me(), "run": root.url, "lease_s": settings.lock_lease_s}
+    while True:
+        etag = _create(where, settings, holder)
+        if etag is None:
+            other, head = _holder(where, settings), _head(where, settings)
+            if head is None:
+                continue  # let go meanwhile: create it again
+            if holders.is_me(other[0]):
+                return None
+            seen = seen or (_version(head), time.monotonic())
+            if _run_stale(other[0], head, seen, settings, take_over):
+                etag = _replace(where, settings, holder, head["ETag"], other[0], take_over)
+            elif _version(head) != seen[0]:
+                raise _run_in_use(root, where, other[0])
+        if etag is not None:
+            lease = S3Lock(where, settings, etag, holder, run=True)
+            lease.start_renewing()
+            return lease
+        time.sleep(min(5.0, max(0.2, _lease_s(other[0], settings) / 6)))
+
+
+def _version(head: dict[str, Any]) -> str:
+    """Which write of an object a HEAD saw (a renewal changes it)."""
+    return f"{head['ETag']} {head.get('LastModified')}"
+
+
+def _run_stale(other: dict[str, Any] | None, head: dict[str, Any], seen: tuple[str, float],
+               settings: S3Settings, take_over: bool) -> bool:
+    """Whether a run lease may be taken over now: ``take_over``, its holder provably dead, or
+    not renewed within its lease (by the server's clock, or by ours since we first saw it)."""
+    lease = _lease_s(other, settings)
+    if take_over or holders.dead(other) is not None or _age_s(head) > lease:
+        return True
+    return _version(head) == seen[0] and time.monotonic() - seen[1] > lease
+
+
+def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str,
+             other: dict[str, Any] | None, take_over: bool) -> str | None:
+    """Take the run lease over (If-Match ``etag``), warning whom from; None: another won."""
+    c, body = client(settings), json.dumps(holder).encode()
+    try:
+        answer = call(settings, f"taking over the run lease {where.url}", lambda: c.put_object(
+            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
+    except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
+        if status(exc) in (404, 412):
+            return None
+        raise failed(f"taking over the run lease {where.url}", exc) from exc
+    why = ("take_over=True" if take_over else holders.dead(other)
+           or f"not renewed for over {_lease_s(other, settings):.0f} s: a job that died")
+    log.warning("ckptio: took over the run %s from %s (%s); if that job is still running, it "
+                "saves nothing there any more", where.url.rsplit("/", 1)[0], _who(other), why)
+    return str(answer["ETag"])
+
+
+def _run_in_use(root: S3Path, where: S3Path, other: dict[str, Any] | None
+                ) -> CheckpointLockedError:
+    return CheckpointLockedError(
+        f"the run {root.url} is in use by another job ({_who(other)}; it renewed its lease "
+        f"{where.url} just now); two jobs on one run would drop each other's steps, so this "
+        "save did not start and nothing there was touched: give this job its own prefix or "
+        "stop the other one; if that job is this job's earlier run, pass "
+        "CheckpointManager(..., take_over=True)")
+
+
+def _who(other: dict[str, Any] | None) -> str:
+    if other is None:
+        return "holder unknown"
+    return f"host {other.get('host')}, pid {other.get('pid')}, since {other.get('since')}"
+
+
+def _head(where: S3Path, settings: S3Settings) -> dict[str, Any] | None:
+    """HEAD of ``where`` (None: gone)."""
+    c = client(settings)
+    try:
+        head: dict[str, Any] = call(settings, f"looking up {where.url}",
+                                    lambda: c.head_object(Bucket=where.bucket, Key=where.key))
+    except Exception as exc:  # noqa: BLE001 - 404: released meanwhile; the rest mapped
+        if status(exc) == 404:
+            return None
+        raise failed(f"looking up {where.url}", exc) from exc
+    return head
 
 
 def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
