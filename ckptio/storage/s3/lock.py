@@ -16,9 +16,8 @@ the manifest is written with If-Match on the ETag seen when the claim was taken)
 that stalled past its lease and a taker cannot both commit.
 
 Kept for a manager's life it is a run's lease (``take_run``, ``<run>/.ckptio-run.lease``: one
-live job per run), renewed through network failures, lost (``lost``) only to a taker's write.
-Held by this process: not taken; by a dead holder or with ``take_over``: taken over at once;
-else watched up to a lease: a renewal shows a live job (refused), none a dead one (taken over).
+live job per run), renewed through network failures, lost (``lost``) only to a taker's write;
+one found held is watched (storage/object_lease.py), one this process holds is not taken.
 
 Owns: S3Lock (take, renew, release), the run lease's taking, the holder text. Does not own:
 the manifest's condition and the store's other operations (store.py), the client and retries
@@ -35,11 +34,10 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from ckptio.errors import CheckpointLockedError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import LOCK_NAME
-from ckptio.storage.local.runlease import LEASE_NAME
 from ckptio.storage.object_common import LockWait
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
 from ckptio.storage.s3.settings import S3Settings
@@ -145,75 +143,43 @@ def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S
 def take_run(root: S3Path, settings: S3Settings, take_over: bool) -> S3Lock | None:
     """The run lease of ``root`` (module docstring); None where this process holds it
     already (a second manager of its own), or CheckpointLockedError naming the live job."""
-    where, seen = root.child(LEASE_NAME), None
+    where, watch = root.child(LEASE_NAME), RunWatch(root.url, take_over, settings.lock_lease_s)
     holder = {**holders.me(), "run": root.url, "lease_s": settings.lock_lease_s}
     while True:
         etag = _create(where, settings, holder)
         if etag is None:
-            other, head = _holder(where, settings), _head(where, settings)
+            other, head = _holder(where, settings)[0], _head(where, settings)
             if head is None:
                 continue  # let go meanwhile: create it again
-            if holders.is_me(other[0]):
+            if holders.is_me(other):
                 return None
-            seen = seen or (_version(head), time.monotonic())
-            if _run_stale(other[0], head, seen, settings, take_over):
-                etag = _replace(where, settings, holder, head["ETag"], other[0], take_over)
-            elif _version(head) != seen[0]:
-                raise _run_in_use(root, where, other[0])
+            verdict = watch.verdict(other, f"{head['ETag']} {head.get('LastModified')}",
+                                    _age_s(head))
+            if verdict == "refuse":
+                raise watch.refused(other)
+            if verdict == "take":
+                etag = _replace(where, settings, holder, head["ETag"])
+                if etag is not None:
+                    watch.taken(other)
         if etag is not None:
             lease = S3Lock(where, settings, etag, holder, run=True)
             lease.start_renewing()
             return lease
-        time.sleep(min(5.0, max(0.2, _lease_s(other[0], settings) / 6)))
+        time.sleep(watch.pause(other))
 
 
-def _version(head: dict[str, Any]) -> str:
-    """Which write of an object a HEAD saw (a renewal changes it)."""
-    return f"{head['ETag']} {head.get('LastModified')}"
-
-
-def _run_stale(other: dict[str, Any] | None, head: dict[str, Any], seen: tuple[str, float],
-               settings: S3Settings, take_over: bool) -> bool:
-    """Whether a run lease may be taken over now: ``take_over``, its holder provably dead, or
-    not renewed within its lease (by the server's clock, or by ours since we first saw it)."""
-    lease = _lease_s(other, settings)
-    if take_over or holders.dead(other) is not None or _age_s(head) > lease:
-        return True
-    return _version(head) == seen[0] and time.monotonic() - seen[1] > lease
-
-
-def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str,
-             other: dict[str, Any] | None, take_over: bool) -> str | None:
-    """Take the run lease over (If-Match ``etag``), warning whom from; None: another won."""
+def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str
+             ) -> str | None:
+    """Take a lock object over (If-Match ``etag``); None: another taker won."""
     c, body = client(settings), json.dumps(holder).encode()
     try:
-        answer = call(settings, f"taking over the run lease {where.url}", lambda: c.put_object(
+        answer = call(settings, f"taking over {where.url}", lambda: c.put_object(
             Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
     except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
         if status(exc) in (404, 412):
             return None
-        raise failed(f"taking over the run lease {where.url}", exc) from exc
-    why = ("take_over=True" if take_over else holders.dead(other)
-           or f"not renewed for over {_lease_s(other, settings):.0f} s: a job that died")
-    log.warning("ckptio: took over the run %s from %s (%s); if that job is still running, it "
-                "saves nothing there any more", where.url.rsplit("/", 1)[0], _who(other), why)
+        raise failed(f"taking over {where.url}", exc) from exc
     return str(answer["ETag"])
-
-
-def _run_in_use(root: S3Path, where: S3Path, other: dict[str, Any] | None
-                ) -> CheckpointLockedError:
-    return CheckpointLockedError(
-        f"the run {root.url} is in use by another job ({_who(other)}; it renewed its lease "
-        f"{where.url} just now); two jobs on one run would drop each other's steps, so this "
-        "save did not start and nothing there was touched: give this job its own prefix or "
-        "stop the other one; if that job is this job's earlier run, pass "
-        "CheckpointManager(..., take_over=True)")
-
-
-def _who(other: dict[str, Any] | None) -> str:
-    if other is None:
-        return "holder unknown"
-    return f"host {other.get('host')}, pid {other.get('pid')}, since {other.get('since')}"
 
 
 def _head(where: S3Path, settings: S3Settings) -> dict[str, Any] | None:
@@ -245,42 +211,24 @@ def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str 
 def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
     """Take over a lock whose holder stopped renewing it, or is provably dead; None if it is
     live (or just went: the caller tries to create it again)."""
-    c = client(settings)
-    try:
-        head = call(settings, f"looking up the lock {where.url}",
-                    lambda: c.head_object(Bucket=where.bucket, Key=where.key))
-    except Exception as exc:  # noqa: BLE001 - 404: released meanwhile; the rest mapped
-        if status(exc) == 404:
-            return None
-        raise failed(f"looking up the lock {where.url}", exc) from exc
+    head = _head(where, settings)
+    if head is None:
+        return None
     other, etag = _holder(where, settings)
     gone = holders.dead(other)
     if gone is None:
         etag = head["ETag"]
-        if _age_s(head) <= _lease_s(other, settings):
+        if _age_s(head) <= lease_of(other, settings.lock_lease_s):
             return None
-    body = json.dumps(holder).encode()
-    try:
-        answer = call(settings, f"taking over the lock {where.url}", lambda: c.put_object(
-            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
-    except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
-        if status(exc) in (404, 412):
-            return None
-        raise failed(f"taking over the lock {where.url}", exc) from exc
-    if gone is not None:
+    taken = None if etag is None else _replace(where, settings, holder, etag)
+    if taken is not None and gone is not None:
         log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
                     "cannot renew it; its lease of %.0f s was not waited out", where.url,
-                    (other or {}).get("save"), gone, _lease_s(other, settings))
-    else:
+                    (other or {}).get("save"), gone, lease_of(other, settings.lock_lease_s))
+    elif taken is not None:
         log.warning("ckptio: took over the lock %s: its holder stopped renewing it over %.0f s "
                     "ago (a save that died)", where.url, settings.lock_lease_s)
-    return str(answer["ETag"])
-
-
-def _lease_s(other: dict[str, Any] | None, settings: S3Settings) -> float:
-    """The lease its holder renews the lock within (recorded in it), else ours."""
-    lease = other.get("lease_s") if other else None
-    return float(lease) if isinstance(lease, (int, float)) and lease > 0 else settings.lock_lease_s
+    return taken
 
 
 def _age_s(head: dict[str, Any]) -> float:
