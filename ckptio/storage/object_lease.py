@@ -65,9 +65,11 @@ class RunWatch:
         """Seconds until the next look (a sixth of the holder's lease, within bounds)."""
         return min(5.0, max(0.2, lease_of(record, self.lease_s) / 6))
 
-    def taken(self, record: dict[str, Any] | None) -> None:
+    def taken(self, record: dict[str, Any] | None, why: str | None = None) -> None:
+        """Warn that the lease was taken over from ``record``'s job (``why``: else the
+        verdict's reason)."""
         log.warning("ckptio: took over the run %s from %s (%s); if that job is still running, "
-                    "it saves nothing there any more", self.run, who(record), self._why)
+                    "it saves nothing there any more", self.run, who(record), why or self._why)
 
     def refused(self, record: dict[str, Any] | None) -> CheckpointLockedError:
         return CheckpointLockedError(
