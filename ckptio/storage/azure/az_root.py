@@ -3,8 +3,8 @@ storage/tree_root.py's MarkedTreeRoot over an AzureStore (its order of removal, 
 point, is described there).
 
 Owns: AzureRoot's settings, what a failed removal asks of the container, when the run's
-lease is taken. Does not own: the
-listing and removal (tree_root.py), one checkpoint's blobs and its commit (az_store.py).
+lease is taken. Does not own: the listing and removal (tree_root.py), one checkpoint's blobs
+and its commit (az_store.py), the lease blob (az_lock.py).
 """
 
 from __future__ import annotations

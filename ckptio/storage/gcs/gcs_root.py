@@ -3,8 +3,8 @@ storage/tree_root.py's MarkedTreeRoot over a GcsStore (its order of removal, saf
 point, is described there).
 
 Owns: GcsRoot's settings, what a failed removal asks of the bucket, when the run's lease is
-taken. Does not own: the
-listing and removal (tree_root.py), one checkpoint's objects and its commit (gcs_store.py).
+taken. Does not own: the listing and removal (tree_root.py), one checkpoint's objects and its
+commit (gcs_store.py), the lease object (gcs_lock.py).
 """
 
 from __future__ import annotations
