@@ -360,6 +360,16 @@ class ManagerParts:
         """Rank 0: whether no run lease this manager took was taken over by another job."""
         return all(lease.lost is None for lease in self._leases.values())
 
+    def at_exit(self) -> None:
+        """At interpreter exit, unclosed after a save (_say_unclosed): say so, let go of the
+        run leases."""
+        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
+                    "in flight were waited for, but its last retention pass, drain and "
+                    "protection did not run (more steps than keep_last may remain); call "
+                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
+                    self.directory)
+        self._let_go_leases()
+
     def _let_go_leases(self) -> None:
         for lease in self._leases.values():
             lease.release()
@@ -390,13 +400,10 @@ _unclosed: weakref.WeakSet[ManagerParts] = weakref.WeakSet()
 def _say_unclosed() -> None:
     """At interpreter exit: each manager that saved and was never closed, named (its saves in
     flight finish, by api.py's own exit hook, but close()'s last retention pass and its
-    followers' do not)."""
+    followers' do not), and its run leases let go (an object store's would otherwise hold the
+    run for a lease after the exit)."""
     for mgr in list(_unclosed):
-        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
-                    "in flight were waited for, but its last retention pass, drain and "
-                    "protection did not run (more steps than keep_last may remain); call "
-                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
-                    mgr.directory)
+        mgr.at_exit()
 
 
 atexit.register(_say_unclosed)

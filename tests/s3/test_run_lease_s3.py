@@ -157,6 +157,21 @@ def test_a_killed_holder_frees_the_run_at_once(s3_env: str, s3_client: Any) -> N
     assert LEASE not in _keys(s3_client, run)  # close() let it go
 
 
+def test_a_job_that_exits_without_close_lets_the_run_go(s3_env: str, s3_client: Any) -> None:
+    """A script that ends without close() (the common case) leaves no lease for the next
+    job, on another host, to wait out."""
+    script = textwrap.dedent("""
+        import sys, torch, ckptio
+        mgr = ckptio.CheckpointManager(sys.argv[1], save_every=1)
+        mgr.save(1, {"w": torch.ones(3)})
+    """)
+    done = subprocess.run([sys.executable, "-c", script, s3_env], capture_output=True,
+                          text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0 and "was not closed before exit" in done.stderr, done.stderr
+    assert LEASE not in _keys(s3_client, s3_env) and "step-1/manifest.json" in _keys(
+        s3_client, s3_env)
+
+
 def _foreign_lease(s3_client: Any, run: str, renewed: int = 0) -> None:
     bucket, _, prefix = run[len("s3://"):].partition("/")
     record = {"host": "another-host", "boot": "b", "pid": 4242, "start": 1, "since": "then",
