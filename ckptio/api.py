@@ -183,7 +183,8 @@ class Checkpointer:
         change from then on. Lazy (``lazy=True``): returns once the tensors that ``optimizers``
         do not own are copied; the rest is copied in the background while forward and backward
         run, and each optimizer's next step() waits until that copy is done. Do not change
-        tensors an optimizer owns other than through its step() before then.
+        tensors an optimizer owns other than through its step() before then (a change made
+        before they were copied fails the save: CkptError naming the keys).
         after_step (lazy only): modules (their parameters, not buffers: forward may change
         those) or tensors that, like the optimizers' own, change only in or after an
         optimizer's step, e.g. the bf16 weights of mixed-precision training that are copied
