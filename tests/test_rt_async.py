@@ -274,3 +274,50 @@ def test_meta_tensors_are_refused_naming_the_key_and_the_fix(tmp_path) -> None:
                               lazy=lazy, optimizers=[opt] if lazy else ())
             assert "to_empty" in str(raised.value), raised.value
         assert not os.listdir(tmp_path)
+
+
+FORK_SAVER = r"""
+import multiprocessing, sys, threading, torch
+import ckptio
+from ckptio.testing.faults import inject
+d = sys.argv[1]
+ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20, io_depth=2))
+ck.async_save({"a": torch.arange(10.0)}, d + "/first").wait()
+ckptio.save({"a": torch.arange(3.0)}, d + "/shared")  # the module-level Checkpointer's pool
+opened = threading.Event()
+backend = inject(ck)
+passing = backend.submit_write
+backend.submit_write = lambda *a, **k: (opened.wait(60), passing(*a, **k))[1]
+handle = ck.async_save({"a": torch.randn(1 << 20)}, d + "/parent")
+
+def child():
+    assert torch.equal(ck.load(d + "/first")["a"], torch.arange(10.0))
+    ck.save({"a": torch.arange(5.0)}, d + "/child")
+    ck.async_save({"a": torch.arange(6.0)}, d + "/child_async").wait()
+    ckptio.save({"a": torch.arange(7.0)}, d + "/child_shared")
+
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(30)
+print("child", process.exitcode, flush=True)
+if process.is_alive():
+    process.kill()
+opened.set()
+handle.wait()
+ck.close()
+"""
+
+
+def test_a_forked_child_saves_and_loads_through_the_parents_checkpointer(tmp_path) -> None:
+    """A forked child (a multiprocessing worker) that saves or loads through a Checkpointer its
+    parent had used, while the parent's save is in flight: the child touched the parent's
+    staging pool, which is not mapped in a child, and died of SIGSEGV. Now it makes its own
+    pool and backends, waits for none of the parent's saves, and every save commits."""
+    done = subprocess.run([sys.executable, "-c", FORK_SAVER, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0 and done.stdout.split() == ["child", "0"], (
+        done.stdout + done.stderr)
+    for name, n in (("child", 5), ("child_async", 6), ("child_shared", 7)):
+        assert torch.equal(ckptio.load(tmp_path / name)["a"], torch.arange(float(n))), name
+    assert ckptio.load(tmp_path / "parent")["a"].shape == (1 << 20,)
