@@ -164,7 +164,7 @@ def test_forked_workers_exit_while_a_save_is_in_flight(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     child, loader = (line.split() for line in done.stdout.splitlines())
     assert child[1] == "0" and float(child[2]) < 10, done.stdout
-    assert loader[1] == "4" and float(loader[2]) < 4, done.stdout
+    assert loader[1] == "4" and float(loader[2]) < 6, done.stdout  # was 10 s (2 x 5 s)
     assert "waiting for" not in done.stderr, done.stderr  # no child said it waits for it
     assert ckptio.load(tmp_path / "s")["a"].shape == (1 << 20,)  # the save committed
 
@@ -195,17 +195,16 @@ def test_disk_full_under_a_background_save_is_raised_once_and_the_next_save_work
     """A background save that fills the disk (a 2 MiB tmpfs): the next save raises it once,
     naming the file and the disk, and writes nothing; the save after it commits; close()
     raises nothing more; the failed save left no files."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) to mount a small tmpfs")
     mount = tmp_path / "mnt"
     mount.mkdir()
+    probe = ["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("needs unshare(1) and a user namespace to mount a small tmpfs")
     script = (f"mount -t tmpfs -o size=2m tmpfs {mount} && "
               f"{sys.executable} -c \"$CHILD\" {mount}")
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True,
                           text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT, "CHILD": DISK_FULL_CHILD})
-    if done.returncode and "mount" in done.stderr and "ckptio" not in done.stderr:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
     raised, listing, intact = done.stdout.splitlines()
     errors = eval(raised)  # noqa: S307 - the repr of a list of strings the child printed
