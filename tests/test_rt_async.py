@@ -320,3 +320,43 @@ def test_a_forked_child_saves_and_loads_through_the_parents_checkpointer(tmp_pat
     for name, n in (("child", 5), ("child_async", 6), ("child_shared", 7)):
         assert torch.equal(ckptio.load(tmp_path / name)["a"], torch.arange(float(n))), name
     assert ckptio.load(tmp_path / "parent")["a"].shape == (1 << 20,)
+
+
+FORK_STEPPER = r"""
+import multiprocessing, sys, threading, torch
+import ckptio
+from ckptio.testing.faults import inject
+ck = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=2 << 20, io_depth=2))
+opened = threading.Event()
+backend = inject(ck)
+passing = backend.submit_write
+backend.submit_write = lambda *a, **k: (opened.wait(60), passing(*a, **k))[1]
+model = torch.nn.Linear(1024, 1024)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(2, 1024)).sum().backward()
+handle = ck.async_save({"model": model}, sys.argv[1], lazy=True, optimizers=[opt])
+def child():  # its own copy of the optimizer; one intra-op thread: a fork while the save's
+    torch.set_num_threads(1)  # thread copies may leave the OpenMP pool unusable in the child
+    opt.step()
+
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(15)
+print("child", process.exitcode, flush=True)
+if process.is_alive():
+    process.kill()
+opened.set()
+handle.wait()
+ck.close()
+"""
+
+
+def test_a_forked_child_steps_its_copy_of_an_optimizer_a_lazy_save_hooked(tmp_path) -> None:
+    """A child forked while a lazy save's capture is pending (a search or evaluation process
+    that trains its copy of the model): its optimizer's step waited for the parent's capture,
+    which never ends in the child, and hung for ever. Now the child's step goes ahead."""
+    done = subprocess.run([sys.executable, "-c", FORK_STEPPER, str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0 and done.stdout.split() == ["child", "0"], (
+        done.stdout + done.stderr)

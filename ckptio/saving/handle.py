@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -114,6 +115,7 @@ class HandleControl:
         self._reported = False
         self._hooks: list[Any] = []
         self._hooks_thread: int | None = None  # the thread that may remove them (the trainer's)
+        self._hooks_pid = 0  # the process whose capture they wait for
         self._lock = threading.Lock()
         self._handover = Handover(path)  # an eager capture, to the caller's thread
         self._returned = threading.Event()
@@ -234,11 +236,12 @@ class HandleControl:
     def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Make each optimizer's next step wait until the capture has finished."""
         self._hooks_thread = threading.get_ident()
+        self._hooks_pid = os.getpid()  # a forked child's step waits for no capture of ours
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if self._staged.is_set():
+        if self._staged.is_set() or os.getpid() != self._hooks_pid:
             return
         began = time.perf_counter()
         self._staged.wait()
