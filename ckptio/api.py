@@ -67,6 +67,14 @@ class Checkpointer:
         self._stale_hooks: list[HandleControl] = []  # lazy hooks to remove from their own thread
         self._inflight: HandleControl | None = None  # the control of the save in flight
         self._running: concurrent.futures.Future[None] | None = None  # its steps, queued
+        self._pid = os.getpid()  # a forked child forgets the parent's save in flight
+
+    def _in_flight(self) -> tuple[HandleControl | None, concurrent.futures.Future[None] | None]:
+        """The save in flight and its steps; none in a forked child (the parent's never ends there)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._inflight, self._running, self._stale_hooks = None, None, []
+        return self._inflight, self._running
 
     def resources(self) -> ReusedIOResources:
         """This Checkpointer's staging pool and backends, the lock a save or load holds while
@@ -183,7 +191,7 @@ class Checkpointer:
         change from then on. Lazy (``lazy=True``): returns once the tensors that ``optimizers``
         do not own are copied; the rest is copied in the background while forward and backward
         run, and each optimizer's next step() waits until that copy is done. Do not change
-        tensors an optimizer owns other than through its step() before then.
+        tensors an optimizer owns other than through its step() before then (CkptError if so).
         after_step (lazy only): modules (their parameters, not buffers: forward may change
         those) or tensors that, like the optimizers' own, change only in or after an
         optimizer's step, e.g. the bf16 weights of mixed-precision training that are copied
@@ -224,7 +232,7 @@ class Checkpointer:
         if group.size > 1 and if_busy == "skip":
             raise CkptError("async_save(if_busy='skip') is not available with many ranks: ranks "
                             "could decide differently and the save would hang; use 'wait'")
-        previous = self._inflight
+        previous, _ = self._in_flight()
         if previous is not None and not previous.done() and if_busy == "skip":
             warnings.warn(f"ckptio: save to {path} skipped: the save to {previous.path} is still "
                           "running (if_busy='skip')", stacklevel=2)
@@ -275,7 +283,7 @@ class Checkpointer:
 
     def _settle(self, timeout: float | None = None) -> None:
         """Wait for the save in flight; raise its error if nobody has seen it yet."""
-        control, running = self._inflight, self._running
+        control, running = self._in_flight()
         if running is not None:
             concurrent.futures.wait([running], timeout)
             if not running.done():

@@ -14,6 +14,10 @@ store's files through its backend) -> ``fit`` after an async save (grow within t
 ``release`` (made again on next use) or ``free`` (after the last cleanup, forgetting the grown
 size).
 
+A forked child (a DataLoader worker, a multiprocessing Process) that saves or loads through
+the parent's Checkpointer makes its own pool and backends: the parent's pool is not mapped in
+it (io/stage.py), and the parent's rings, threads and locks are not the child's.
+
 Owns: the pool's and backends' lifetime and size, the lock one save or load holds while using
 them, the cleanup of superseded files behind the next save, the saves' threads
 (saving/workers.py). Does not own: what a save or load does with them (saving/save_session.py,
@@ -26,6 +30,7 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 from ckptio.io.backend_contract import IOBackend
@@ -68,6 +73,7 @@ class ReusedIOResources:
         self._active = options  # the options the pool and backends were made with
         self._local_ranks = local_world_size()  # the ranks sharing this host's budget
         self._roots: dict[str, LocalRoot] = {}  # a manager's local tier roots, by location
+        _made.add(self)
 
     # ---------------------------------------------------------------- which store a path is
 
@@ -304,6 +310,16 @@ class ReusedIOResources:
 
     # ---------------------------------------------------------------- letting go
 
+    def forget_parent(self) -> None:
+        """In a forked child: forget the parent's pool (not mapped here: touching it faulted
+        the child), backends, cleanup and lock (a parent's thread may have held it), without
+        stopping them (that would act on the parent's rings); made anew on next use."""
+        self.lock = threading.Lock()
+        self.cleanup = Cleanup(self.workers)
+        self._pool, self._grown_pool, self._grown_nbytes = None, None, 0
+        self._backends, self._stores = {}, {}
+        self._pinned, self._unpinnable = set(), set()
+
     def release(self) -> None:
         """Free the pool and stop every backend (made again on next use)."""
         pool, backends = self._pool, list(self._backends.values())
@@ -326,3 +342,14 @@ class ReusedIOResources:
             self._grown_nbytes = 0
         for root in list(self._roots.values()):  # the mapped saves' files stay, their
             root.mappings.forget()  # idle mappings in this process go
+
+
+_made: weakref.WeakSet[ReusedIOResources] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for each in list(_made):
+        each.forget_parent()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -72,6 +72,11 @@ THIRD_PARTY: dict[str, str] = {
     "torch.distributed.tensor._utils":
         "DTensor's local shape and offset of a shard (compute_local_shape_and_global_offset, "
         "_get_shard_size_and_offsets): the same arithmetic DCP uses, not public",
+    "tensor._version":
+        "torch's version counter of a tensor, which every in-place change advances: a lazy "
+        "save's check that the tensors it copies in the background were not changed before "
+        "it copied them (saving/handle.py; also read by an attrgetter there); torch exposes "
+        "it under no public name",
     "torch._foreach_copy_":
         "a capture's small host tensors of one dtype copied with one call, not one per tensor "
         "(saving/grouped.py): torch exposes no public copy of many tensors",

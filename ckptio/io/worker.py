@@ -14,7 +14,8 @@ raised (kept, reported by ``status()``, raised once by ``wait()`` or ``close()``
 of work after ``close()``, and its stop at interpreter exit: the job running then finishes,
 queued ones do not start, and the thread is joined before the interpreter finalizes (a daemon
 thread still inside a torch call, a gloo collective of the protection, then aborted the
-process). Does not own: what is queued, which job runs next or what a job does (``Jobs``).
+process); a forked child's exit stops only the workers the child made. Does not own: what is
+queued, which job runs next or what a job does (``Jobs``).
 """
 
 from __future__ import annotations
@@ -278,4 +279,11 @@ def _stop_at_exit() -> None:
         worker.stop_for_exit()
 
 
+def _forget_in_child() -> None:
+    """After a fork, in the child: the parent's workers' threads are not there (a lock one of
+    them held may never be let go), so the child's exit stops only the workers it makes."""
+    _workers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]

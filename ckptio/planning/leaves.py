@@ -48,7 +48,10 @@ def dtype_name(dtype: torch.dtype, key: str, fix: str = "convert it to a standar
 def check_tensor(t: torch.Tensor, key: str) -> None:
     check_dense(t, key)
     if t.device.type == "meta":
-        raise UnsupportedStateError(f"key {key!r}: meta tensors hold no data to save")
+        raise UnsupportedStateError(
+            f"key {key!r}: a meta tensor holds no data to save (a module built under "
+            'torch.device("meta") and never materialized): give it its values first '
+            '(module.to_empty(device=...) then init or load them), or leave it out of the state')
 
 
 def _numpy_source(value: Any, key: str) -> tuple[str, torch.Tensor] | None:

@@ -6,6 +6,9 @@ Call order: the Checkpointer (api.py) calls ``track`` for each save it starts; t
 registered here runs at exit before concurrent.futures stops accepting work and the save
 threads (io/worker.py) stop: threading runs these hooks newest first, and io/worker.py
 registers its own when imported, which this module's import makes happen first.
+A forked child (a DataLoader worker, a multiprocessing Process) starts with an empty registry:
+the parent's saves run on the parent's threads, never finish in the child, and its exit must
+not wait for them.
 Owns: the registry of saves in flight (weak: a finished save is not kept) and the exit's
 messages. Does not own: the saves (save_session.py) or their errors' reporting
 (HandleControl).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import weakref
 
@@ -66,4 +70,12 @@ def _say_unwaited_errors() -> None:
                       type(error).__name__, error)
 
 
+def _forget_in_child() -> None:
+    """After a fork, in the child: none of the parent's saves is this process's to wait for
+    or to report."""
+    _running.clear()
+    _controls.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]

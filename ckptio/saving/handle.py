@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,8 +34,8 @@ from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
 from ckptio.saving.stall import Activity
 
-__all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "lazy_order",
-           "skipped_handle"]
+__all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "check_unchanged",
+           "lazy_order", "lazy_versions", "skipped_handle"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class HandleControl:
         self._reported = False
         self._hooks: list[Any] = []
         self._hooks_thread: int | None = None  # the thread that may remove them (the trainer's)
+        self._hooks_pid = 0  # the process whose capture they wait for
         self._lock = threading.Lock()
         self._handover = Handover(path)  # an eager capture, to the caller's thread
         self._returned = threading.Event()
@@ -234,11 +236,12 @@ class HandleControl:
     def hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Make each optimizer's next step wait until the capture has finished."""
         self._hooks_thread = threading.get_ident()
+        self._hooks_pid = os.getpid()  # a forked child's step waits for no capture of ours
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _before_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if self._staged.is_set():
+        if self._staged.is_set() or os.getpid() != self._hooks_pid:
             return
         began = time.perf_counter()
         self._staged.wait()
@@ -295,7 +298,9 @@ _DICT = operator.attrgetter("__dict__")
 _KEY = operator.attrgetter("key")
 _DATA_PTR = operator.methodcaller("data_ptr")
 _UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
-_VALUES = operator.methodcaller("values")  # of each parameter's state (a dict)
+_VALUES = operator.methodcaller("values")
+_VERSION = operator.attrgetter("_version")  # torch's version counter (tests/structure.py)
+_IS_INFERENCE = operator.methodcaller("is_inference")  # of each parameter's state (a dict)
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
@@ -309,6 +314,40 @@ def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
         sources.__getitem__, map(_KEY, items))))))
     eager = tuple(compress(items, map(operator.not_, mine)))
     return eager + tuple(compress(items, mine)), len(eager)
+
+
+def lazy_versions(items: Sequence[WriteItem],
+                  sources: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The version counter of each tensor a lazy save copies in the background, read when the
+    save is called: every in-place change (an optimizer's step, ``p.mul_()``, ``copy_``,
+    ``resize_``) advances it, so the capture can tell a tensor changed before it was copied.
+    Inference tensors keep no counter and are left out."""
+    keys = list(map(_KEY, items))
+    tensors = list(map(sources.__getitem__, keys))
+    if any(map(_IS_INFERENCE, tensors)):
+        pairs = [(k, t) for k, t in zip(keys, tensors) if not t.is_inference()]
+        keys, tensors = [k for k, _ in pairs], [t for _, t in pairs]
+    return dict(zip(keys, map(_VERSION, tensors)))
+
+
+def check_unchanged(path: str, versions: dict[str, int], sources: dict[str, torch.Tensor]) -> None:
+    """After a lazy capture, before any optimizer step may run: CkptError naming the tensors
+    changed in place since the save was called (their copy may hold the new values, or part
+    of them), so that such a save fails instead of committing values the state never had at
+    the call."""
+    changed = []
+    for key, version in versions.items():
+        tensor = sources[key]
+        if tensor._version != version:
+            changed.append(key)
+    if changed:
+        raise CkptError(
+            f"the save to {path} is not committed: {len(changed)} tensor(s) it copies in the background "
+            f"({', '.join(map(repr, changed[:3]))}{', ...' if len(changed) > 3 else ''}) were "
+            "changed in place after async_save(lazy=True) returned and before the save had "
+            "copied them (a change outside the optimizer's step(): p.mul_() or copy_() under "
+            "no_grad, resize_, a load into them). Change them only through step(), or only once "
+            "handle.staged() is true (handle.wait() waits for it), or save with lazy=False")
 
 
 def after_step_tensors(after_step: Sequence[torch.nn.Module | torch.Tensor],

@@ -11,7 +11,7 @@ that fill or use them (save_session.py), the bytes (persist.py), the agreement i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,6 +87,7 @@ class RankPart:
     eager_items: int  # items copied before a lazy save returns
     nbytes: int  # bytes of the items this rank writes
     ready: list[Any]  # CUDA events the copies wait for
+    versions: dict[str, int] = field(default_factory=dict)  # lazy: handle.lazy_versions
 
     @property
     def names(self) -> list[str]:

@@ -58,7 +58,13 @@ from ckptio.format.types import (
 from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import copy_streams, persist, stall
-from ckptio.saving.handle import HandleControl, SaveHandle, lazy_order
+from ckptio.saving.handle import (
+    HandleControl,
+    SaveHandle,
+    check_unchanged,
+    lazy_order,
+    lazy_versions,
+)
 from ckptio.saving.packing import DeltaBase, Packer
 from ckptio.saving.save_context import PACKED_FILE, RankPart, SaveContext
 from ckptio.storage import steps
@@ -176,7 +182,8 @@ def _lay_out(ctx: SaveContext, plan: SavePlan, sources: dict[str, torch.Tensor],
     return RankPart(agreement, tuple(files), sources, {plan.items[i].key: i for i in writes},
                  index_file, frozenset(plan.items[i].key for i in agreement.regular),
                  frozenset(plan.items[i].key for i in agreement.assignment.own), eager_items,
-                 sum(map(_NBYTES, items)), copy_streams.ready_events(sources))
+                 sum(map(_NBYTES, items)), copy_streams.ready_events(sources),
+                 lazy_versions(items[eager_items:], sources) if ctx.lazy else {})
 
 
 def _queue(ctx: SaveContext, part: RankPart, control: HandleControl) -> Future[None]:
@@ -281,6 +288,7 @@ def _write(ctx: SaveContext, part: RankPart, control: HandleControl, mapped: boo
                               hashing=ctx.workers.calls("ckptio-hash"))
         if ctx.lazy:
             job.capture(part.eager_items, control.eager_captured)
+            check_unchanged(ctx.store.location, part.versions, part.sources)  # before a step
         else:
             control.run_on_caller(job.capture)
         control.captured()
