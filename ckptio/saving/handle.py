@@ -298,9 +298,9 @@ _DICT = operator.attrgetter("__dict__")
 _KEY = operator.attrgetter("key")
 _DATA_PTR = operator.methodcaller("data_ptr")
 _UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
-_VALUES = operator.methodcaller("values")
+_VALUES = operator.methodcaller("values")  # of each parameter's state (a dict)
 _VERSION = operator.attrgetter("_version")  # torch's version counter (tests/structure.py)
-_IS_INFERENCE = operator.methodcaller("is_inference")  # of each parameter's state (a dict)
+_IS_INFERENCE = operator.methodcaller("is_inference")
 
 
 def lazy_order(items: Sequence[WriteItem], sources: dict[str, torch.Tensor],
