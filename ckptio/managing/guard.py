@@ -18,6 +18,7 @@ recovery (rebuild.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -65,11 +66,11 @@ class Guard:
         # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
         # while the others wait), so the two threads never interleave on one group
         self.peer_timeout_s = peer_timeout_s
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.group = _job_group(peer_timeout_s, peer_timeout_s)
+        self.control = _job_group(timeout_s, peer_timeout_s)
         # steps()/latest(): a listing every rank answers at once, so a peer frozen (or not
         # calling it at this point) is named after peer_timeout_s, not step_timeout_s
-        self.listing = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
+        self.listing = _job_group(peer_timeout_s, peer_timeout_s)
         placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         # this rank's saves: a group of this rank alone, made by it alone (no collective, one
@@ -210,6 +211,24 @@ class Guard:
         assert self.protector is not None  # internal
         return {0: {**self.protector.status(), "hosts": self.topology.size,
                     "host": self.topology.host_of(self.rank)}}
+
+
+def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
+    """A gloo group of every rank (collective) -> it. RankFailedError, naming the rank the
+    others waited for where torch's message says it, when a rank does not come within
+    peer_timeout_s (it never constructs its manager, or died before)."""
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # torch's DistStoreError: a rank never came
+        found = re.search(r"keys: \S*/(\d+)\s*$", str(exc))
+        who = f"rank {found.group(1)}" if found else "a rank"
+        raise RankFailedError(
+            f"CheckpointManager with redundancy on rank {dist.get_rank()}: {who} did not "
+            f"construct its manager within Options.peer_timeout_s={peer_timeout_s:g} s "
+            f"({type(exc).__name__}: {exc}). Every rank constructs the manager, with the "
+            "same tiers, at the same point of the script (a collective): check that rank "
+            "for an error or a branch that skips it, or raise peer_timeout_s",
+            (int(found.group(1)),) if found else ()) from exc
 
 
 def fallback_step(recovery: Recovery, requested: int | None) -> int | None:

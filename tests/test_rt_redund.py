@@ -1,0 +1,126 @@
+"""A demanding user of the memory tier's redundancy across hosts, with real gloo ranks (each
+rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundancy_cases.py).
+
+- A rank's own memory copy of the newest protected step damaged (a truncated data file, a
+  manifest cut short), no host lost: that copy counts as lost, the rank's step comes back
+  bitwise from its partner's copy or its group's parity (before: every rank raised
+  RankFailedError, the step the protection held never used).
+- A rank that never constructs its manager: every other rank's CheckpointManager raises a
+  RankFailedError naming that rank and Options.peer_timeout_s within that bound (before:
+  torch's DistStoreError about a store key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import time
+from typing import Any
+
+import pytest
+
+import ckptio
+from ckptio.testing.rank_processes import run_ranks
+from tests.redundancy_cases import OPTS, host_dir, restore, train
+
+TIMEOUT = 240
+
+
+@pytest.fixture
+def base(hosts_base: str) -> str:
+    return hosts_base
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    import torch
+
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got.reshape(-1).view(torch.uint8),
+                           want.reshape(-1).view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert sorted(map(str, got)) == sorted(map(str, want)), where
+        for k in want:
+            _same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+def _cut_data(step_dir: str) -> str:
+    (data,) = glob.glob(os.path.join(step_dir, "data-*"))
+    os.truncate(data, os.path.getsize(data) // 2)
+    return data
+
+
+def _cut_manifest(step_dir: str) -> str:
+    path = os.path.join(step_dir, "manifest.json")
+    os.truncate(path, 1)
+    return path
+
+
+@pytest.mark.parametrize(("spec", "hosts", "source", "damage"), [
+    ("parity-3", 4, "parity", _cut_data), ("partners-1", 3, "partner", _cut_manifest)],
+    ids=["parity-data", "partners-manifest"])
+def test_a_damaged_own_memory_copy_is_rebuilt_from_its_redundancy_bitwise(
+        base, tmp_path, spec, hosts, source, damage):
+    """Step 3 protected on every host (the disk holds step 2); rank 0's own copy of step 3 in
+    its memory then damaged, its host otherwise whole: every rank restores step 3 bitwise,
+    rank 0's from the redundancy, and the damaged copy is named in last_restore's skipped."""
+    args = (base, str(tmp_path / "disk"), 1, spec)
+    trained = run_ranks(hosts, train, *args, 3, timeout_s=TIMEOUT)
+    assert all(t["status"]["protected"] == 3 for t in trained)
+    damaged = damage(os.path.join(host_dir(base, 0), "run", "r00000", "step-3"))
+    restored = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
+    for rank, (t, r) in enumerate(zip(trained, restored)):
+        assert r["step"] == 3 and r["state_step"] == 3, (rank, r["how"])
+        _same(r["got"], t["saved"][3], f"rank {rank}")
+    assert [r["how"]["source"] for r in restored] == [source] + ["own"] * (hosts - 1)
+    for r in restored:
+        assert any("step 3 in memory" in s and damaged in s for s in r["how"]["skipped"]), \
+            r["how"]["skipped"]
+    # the copy rebuilt replaced the damaged one: the next job loads it from its own memory
+    again = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
+    assert [r["how"]["source"] for r in again] == ["own"] * hosts
+    _same(again[0]["got"], trained[0]["saved"][3], "rank 0, next job")
+
+
+def never_makes_its_manager(rank: int, world: int, base: str, disk: str, absent: int,
+                            peer_timeout_s: float) -> dict[str, Any]:
+    """Rank ``absent`` never constructs its manager (it waits until the others have given
+    up); every other rank does -> its error ("Type|message") and the seconds it took."""
+    flag = os.path.join(base, "gave-up")
+    if rank == absent:
+        deadline = time.monotonic() + 10 * peer_timeout_s
+        while len(glob.glob(flag + "-*")) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {"error": "", "seconds": 0.0}
+    os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank)
+    options = dataclasses.replace(OPTS, peer_timeout_s=peer_timeout_s)
+    tiers = [ckptio.Tier("shm://run", redundancy=ckptio.Partners(1)), ckptio.Tier(disk)]
+    started = time.monotonic()
+    try:
+        ckptio.CheckpointManager(tiers=tiers, options=options).close()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank got
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    seconds = time.monotonic() - started
+    with open(f"{flag}-{rank}", "w", encoding="utf-8"):
+        pass
+    return {"error": error, "seconds": seconds}
+
+
+def test_a_rank_that_never_makes_its_manager_is_named_within_peer_timeout_s(base, tmp_path):
+    os.makedirs(base, exist_ok=True)
+    got = run_ranks(3, never_makes_its_manager, base, str(tmp_path / "disk"), 1, 4.0,
+                    timeout_s=TIMEOUT)
+    for rank in (0, 2):
+        error, seconds = got[rank]["error"], got[rank]["seconds"]
+        assert error.startswith("RankFailedError|"), error
+        assert "rank 1 did not construct its manager" in error, error
+        assert "peer_timeout_s=4 s" in error, error
+        assert seconds < 4.0 + 10, seconds
