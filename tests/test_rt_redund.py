@@ -8,6 +8,10 @@ rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundan
 - A rank that never constructs its manager: every other rank's CheckpointManager raises a
   RankFailedError naming that rank and Options.peer_timeout_s within that bound (before:
   torch's DistStoreError about a store key).
+- The job restarted with its ranks on other hosts (the scheduler placed rank 0 where rank 1
+  was, and back), no host lost: every rank restores the newest step bitwise from the other
+  hosts' memories (before: every piece in memory, yet every rank fell back to the disk's
+  older step, the warning naming two hosts "lost").
 """
 
 from __future__ import annotations
@@ -124,3 +128,38 @@ def test_a_rank_that_never_makes_its_manager_is_named_within_peer_timeout_s(base
         assert "rank 1 did not construct its manager" in error, error
         assert "peer_timeout_s=4 s" in error, error
         assert seconds < 4.0 + 10, seconds
+
+
+def restore_on_other_hosts(rank: int, world: int, base: str, disk: str, spec: str,
+                           hosts: list[int]) -> dict[str, Any]:
+    """restore() with this rank on host ``hosts[rank]`` (the ranks placed anew)."""
+    os.environ["CKPTIO_HOST_ID"] = f"host{hosts[rank]}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, hosts[rank])
+    import torch
+
+    torch.manual_seed(1000 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = ckptio.CheckpointManager(tiers=[
+        ckptio.Tier("shm://run", keep_last=2, redundancy=ckptio.Partners(1)),
+        ckptio.Tier(disk, every=2, keep_last=2)], options=OPTS)
+    state = {"model": model, "optim": opt, "rng": ckptio.RNGState(), "step": -1}
+    step = mgr.restore(state)
+    how = mgr.last_restore
+    mgr.close()
+    return {"step": step, "state_step": state["step"], "how": how,
+            "got": {"model": model.state_dict(), "optim": opt.state_dict(),
+                    "rng": torch.get_rng_state()}}
+
+
+def test_ranks_restarted_on_other_hosts_restore_the_newest_step_bitwise(base, tmp_path):
+    """Partners(1) on 4 hosts, step 3 protected (the disk holds step 2); the next job runs
+    rank 0 on host 1 and rank 1 on host 0: step 3 on every rank, bitwise, from memory."""
+    disk = str(tmp_path / "disk")
+    trained = run_ranks(4, train, base, disk, 1, "partners-1", 3, timeout_s=TIMEOUT)
+    restored = run_ranks(4, restore_on_other_hosts, base, disk, "partners-1", [1, 0, 2, 3],
+                         timeout_s=TIMEOUT)
+    for rank, (t, r) in enumerate(zip(trained, restored)):
+        assert r["step"] == 3 and r["state_step"] == 3, (rank, r["how"])
+        _same(r["got"], t["saved"][3], f"rank {rank}")
+        assert r["how"]["tier"] == 0, r["how"]

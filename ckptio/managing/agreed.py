@@ -177,7 +177,9 @@ def _resharded(guard: Guard, recovery: Recovery, level: TierSteps, state: Any, s
     ``passed``)."""
     restart = guard.restart(passed, recovery)
     try:
-        while (choice := restart.next(step)) is not None:
+        # a step of this rank count too, newer than ``newest``: its pieces in other hosts'
+        # memories (the ranks restarted on other hosts), every one held somewhere
+        while (choice := restart.next(step, -1 if newest is None else newest)) is not None:
             if newest is not None and choice.step <= newest:
                 return None
             fetched = restart.fetch(choice, state, load_kwargs)
