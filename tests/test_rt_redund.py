@@ -12,6 +12,10 @@ rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundan
   was, and back), no host lost: every rank restores the newest step bitwise from the other
   hosts' memories (before: every piece in memory, yet every rank fell back to the disk's
   older step, the warning naming two hosts "lost").
+- Two managers with redundancy on one memory tier in one process (the model's and an EMA's,
+  other disks, other step numbers): the second is refused naming the tier and the fix (before:
+  each one's retention removed the other's steps; the first one's committed step 2 was gone
+  before its drain copied it, its protection stopped); once the first is closed, it is made.
 """
 
 from __future__ import annotations
@@ -163,3 +167,48 @@ def test_ranks_restarted_on_other_hosts_restore_the_newest_step_bitwise(base, tm
         assert r["step"] == 3 and r["state_step"] == 3, (rank, r["how"])
         _same(r["got"], t["saved"][3], f"rank {rank}")
         assert r["how"]["tier"] == 0, r["how"]
+
+
+def two_managers_one_memory(rank: int, world: int, base: str, disk: str) -> dict[str, Any]:
+    """One rank per host: manager ``a`` saves steps 1-3, then a second manager on the same
+    shm://run (another disk) is made -> its error, a's status, and whether a second manager
+    is made once a is closed."""
+    os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank)
+    os.makedirs(host_dir(base, rank), exist_ok=True)
+    import torch
+
+    def tiers(sub: str) -> list[Any]:
+        return [ckptio.Tier("shm://run", keep_last=2, redundancy=ckptio.Partners(1)),
+                ckptio.Tier(os.path.join(disk, sub), every=2, keep_last=2)]
+
+    a = ckptio.CheckpointManager(tiers=tiers("a"), options=OPTS)
+    for step in range(1, 4):
+        a.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    a.protected()
+    try:
+        ckptio.CheckpointManager(tiers=tiers("b"), options=OPTS)
+    except ckptio.errors.CkptError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    status = a.status()[0]
+    a.close()
+    own = sorted(n for n in os.listdir(os.path.join(host_dir(base, rank), "run", f"r{rank:05d}"))
+                 if n.startswith("step-"))
+    b = ckptio.CheckpointManager(tiers=tiers("b"), options=OPTS)
+    b.save(1001, {"w": torch.zeros(64), "step": 1001})
+    b.protected()
+    b.close()
+    return {"error": error, "status": status, "own": own}
+
+
+def test_a_second_manager_on_one_protected_memory_tier_is_refused(base, tmp_path):
+    got = run_ranks(3, two_managers_one_memory, base, str(tmp_path / "disk"), timeout_s=TIMEOUT)
+    for rank, g in enumerate(got):
+        assert "another CheckpointManager of this process protects that memory tier" in \
+            g["error"] and host_dir(base, rank) in g["error"], g["error"]
+        assert "shm://NAME" in g["error"] and "close() the other" in g["error"], g["error"]
+        assert g["status"]["protected"] == 3 and g["status"]["protect_error"] is None, g["status"]
+        assert g["own"] == ["step-2", "step-3"], g["own"]  # a's steps, none removed
+        assert "step-2" in os.listdir(os.path.join(str(tmp_path / "disk"), "a", f"r{rank:05d}"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,7 @@ class Guard:
         if process_group is not None and process_group is not dist.group.WORLD:
             raise CkptError("CheckpointManager(tiers=[Tier(..., redundancy=...)], process_group="
                             "...): redundancy spans the whole job; leave process_group out")
+        self.root = _unclaimed(checkpoint_path(tiers[0].location), tiers[0].location)
         self.spec = spec
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # gloo groups of their own, never the training's. ``group``: the protection thread's,
@@ -77,10 +79,10 @@ class Guard:
         # group whatever the number of ranks; new_subgroups made one per rank on every rank)
         self.single = dist.new_group([self.rank], backend="gloo", use_local_synchronization=True)
         mark_piece(self.single, self.rank, dist.get_world_size())  # its shards of DTensors
-        self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
         self.protector: Protector | None = None
         self._landings: list[Landing] = []  # a restore's steps still being written (settle)
+        _OPEN[self.root] = self  # made: this memory tier is this Guard's until close()
 
     def start(self, own_dir: Callable[[int], str]) -> None:
         """Make the protection thread (own_dir: step -> this rank's memory step directory),
@@ -200,6 +202,8 @@ class Guard:
         return True if self.protector is None else self.protector.wait(timeout)
 
     def close(self) -> None:
+        if _OPEN.get(self.root) is self:
+            del _OPEN[self.root]  # closed: another manager may protect this memory tier
         try:
             self.settle()
         finally:
@@ -211,6 +215,22 @@ class Guard:
         assert self.protector is not None  # internal
         return {0: {**self.protector.status(), "hosts": self.topology.size,
                     "host": self.topology.host_of(self.rank)}}
+
+
+# each memory tier's directory -> the Guard protecting it in this process, until closed
+_OPEN: weakref.WeakValueDictionary[str, Guard] = weakref.WeakValueDictionary()
+
+
+def _unclaimed(root: str, location: str) -> str:
+    """-> ``root``; CkptError while an open Guard of this process protects it (its retention
+    and protection would remove another manager's steps there)."""
+    if _OPEN.get(root) is not None:
+        raise CkptError(
+            f"Tier({location!r}, redundancy=...): another CheckpointManager of this process "
+            f"protects that memory tier ({root}) and is not closed; two managers on one memory "
+            "tier remove each other's steps and their protection. Give each manager its own "
+            "tier (shm://NAME), or close() the other manager first")
+    return root
 
 
 def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
