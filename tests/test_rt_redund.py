@@ -16,6 +16,9 @@ rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundan
   other disks, other step numbers): the second is refused naming the tier and the fix (before:
   each one's retention removed the other's steps; the first one's committed step 2 was gone
   before its drain copied it, its protection stopped); once the first is closed, it is made.
+- A protection marker on a holder damaged (not JSON), then a host of its group lost: every
+  rank falls back to the disk's step, bitwise, and the holder's log names the marker (before:
+  nothing said why the protected step was passed over).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import pytest
 
 import ckptio
 from ckptio.testing.rank_processes import run_ranks
-from tests.redundancy_cases import OPTS, host_dir, restore, train
+from tests.redundancy_cases import OPTS, host_dir, restore, train, wipe_host
 
 TIMEOUT = 240
 
@@ -212,3 +215,39 @@ def test_a_second_manager_on_one_protected_memory_tier_is_refused(base, tmp_path
         assert g["status"]["protected"] == 3 and g["status"]["protect_error"] is None, g["status"]
         assert g["own"] == ["step-2", "step-3"], g["own"]  # a's steps, none removed
         assert "step-2" in os.listdir(os.path.join(str(tmp_path / "disk"), "a", f"r{rank:05d}"))
+
+
+def restore_logged(rank: int, world: int, base: str, disk: str, spec: str) -> dict[str, Any]:
+    """restore() with every ckptio log record of WARNING and above kept."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("ckptio").addHandler(handler)
+    try:
+        out = restore(rank, world, base, disk, 1, spec)
+    finally:
+        logging.getLogger("ckptio").removeHandler(handler)
+    return {**out, "said": said}
+
+
+def test_a_damaged_protection_marker_is_named_and_the_disk_step_restored(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    trained = run_ranks(4, train, base, disk, 1, "parity-3", 3, timeout_s=TIMEOUT)
+    marker = os.path.join(host_dir(base, 3), "run", ".redundancy", "step-3",
+                          "protected-r00003.json")
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write("{not json")
+    wipe_host(base, 1)
+    restored = run_ranks(4, restore_logged, base, disk, "parity-3", timeout_s=TIMEOUT)
+    for rank, (t, r) in enumerate(zip(trained, restored)):
+        assert r["step"] == 2 and r["state_step"] == 2, (rank, r["how"])
+        _same(r["got"], t["saved"][2], f"rank {rank}")
+    assert [r["how"]["source"] for r in restored] == ["own", "disk", "own", "own"]
+    assert any(marker in m and "unreadable" in m and "step 3" in m
+               for m in restored[3]["said"]), restored[3]["said"]
