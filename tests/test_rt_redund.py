@@ -133,7 +133,7 @@ def test_a_rank_that_never_makes_its_manager_is_named_within_peer_timeout_s(base
         error, seconds = got[rank]["error"], got[rank]["seconds"]
         assert error.startswith("RankFailedError|"), error
         assert "rank 1 did not construct its manager" in error, error
-        assert "peer_timeout_s=4 s" in error, error
+        assert "Options.peer_timeout_s=4 s" in error, error
         assert seconds < 4.0 + 10, seconds
 
 

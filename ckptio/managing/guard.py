@@ -239,15 +239,15 @@ def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
     peer_timeout_s (it never constructs its manager, or died before)."""
     try:
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # torch's DistStoreError: a rank never came
+    except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a rank never came
         found = re.search(r"keys: \S*/(\d+)\s*$", str(exc))
         who = f"rank {found.group(1)}" if found else "a rank"
         raise RankFailedError(
             f"CheckpointManager with redundancy on rank {dist.get_rank()}: {who} did not "
-            f"construct its manager within Options.peer_timeout_s={peer_timeout_s:g} s "
-            f"({type(exc).__name__}: {exc}). Every rank constructs the manager, with the "
-            "same tiers, at the same point of the script (a collective): check that rank "
-            "for an error or a branch that skips it, or raise peer_timeout_s",
+            f"construct its manager (it died, or did not come within Options.peer_timeout_s="
+            f"{peer_timeout_s:g} s: {type(exc).__name__}: {exc}). Every rank constructs the "
+            "manager, with the same tiers, at the same point of the script (a collective): "
+            "check that rank for an error or a branch that skips it, or raise peer_timeout_s",
             (int(found.group(1)),) if found else ()) from exc
 
 
