@@ -19,6 +19,9 @@ rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundan
 - A protection marker on a holder damaged (not JSON), then a host of its group lost: every
   rank falls back to the disk's step, bitwise, and the holder's log names the marker (before:
   nothing said why the protected step was passed over).
+- A rank that makes its manager, then exits without calling restore() while the others
+  restore: each of them raises RankFailedError saying so, at once (before: gloo's
+  RuntimeError "Connection closed by peer" escaped restore()).
 """
 
 from __future__ import annotations
@@ -251,3 +254,40 @@ def test_a_damaged_protection_marker_is_named_and_the_disk_step_restored(base, t
     assert [r["how"]["source"] for r in restored] == ["own", "disk", "own", "own"]
     assert any(marker in m and "unreadable" in m and "step 3" in m
                for m in restored[3]["said"]), restored[3]["said"]
+
+
+def one_rank_leaves_before_restore(rank: int, world: int, base: str, disk: str,
+                                   leaver: int) -> dict[str, Any]:
+    """Every rank makes its manager; rank ``leaver`` then exits (never calls restore) while the
+    others restore -> their error ("Type|message") and the seconds it took."""
+    os.environ["CKPTIO_HOST_ID"] = f"host{rank}"
+    os.environ["CKPTIO_SHM_DIR"] = host_dir(base, rank)
+    import torch
+
+    mgr = ckptio.CheckpointManager(tiers=[
+        ckptio.Tier("shm://run", keep_last=2, redundancy=ckptio.Partners(1)),
+        ckptio.Tier(disk, every=2, keep_last=2)], options=OPTS)
+    if rank == leaver:
+        time.sleep(1.0)  # the others are in restore() by now
+        return {"error": "", "seconds": 0.0}
+    started = time.monotonic()
+    try:
+        mgr.restore({"w": torch.zeros(4), "step": 0})
+    except Exception as exc:  # noqa: BLE001 - the test inspects what every rank got
+        error = f"{type(exc).__name__}|{exc}"
+    else:
+        error = ""
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
+def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterror(
+        base, tmp_path):
+    disk = str(tmp_path / "disk")
+    run_ranks(3, train, base, disk, 1, "partners-1", 2, timeout_s=TIMEOUT)
+    got = run_ranks(3, one_rank_leaves_before_restore, base, disk, 2, timeout_s=TIMEOUT,
+                    destroy=False)
+    for rank in (0, 1):
+        error, seconds = got[rank]["error"], got[rank]["seconds"]
+        assert error.startswith("RankFailedError|"), error
+        assert "does not call restore() at this point" in error, error
+        assert seconds < 30, seconds

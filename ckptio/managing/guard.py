@@ -73,7 +73,13 @@ class Guard:
         # steps()/latest(): a listing every rank answers at once, so a peer frozen (or not
         # calling it at this point) is named after peer_timeout_s, not step_timeout_s
         self.listing = _job_group(peer_timeout_s, peer_timeout_s)
-        placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
+        try:
+            placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
+        except RuntimeError as exc:  # torch.distributed's errors: a rank gone meanwhile
+            raise RankFailedError(
+                f"CheckpointManager with redundancy on rank {self.rank}: a rank died while the "
+                f"managers were being made ({type(exc).__name__}: {exc}); restart the job") \
+                from exc
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         # this rank's saves: a group of this rank alone, made by it alone (no collective, one
         # group whatever the number of ranks; new_subgroups made one per rank on every rank)
