@@ -11,9 +11,11 @@ brought into its memory first where its host was lost (called by CheckpointManag
    piece survives in memory is restored resharded (redundancy/elastic.py) when newer than what 1
    and 2 find; else the error names them;
 3. every rank's load must succeed: each rank's outcome (loaded / damaged and why / another
-   error) is exchanged with every rank right after its load. Damage on any rank sends every
-   rank to 2; any other error on any rank makes every rank raise RankFailedError naming each
-   failing rank and its error at once (no rank is left waiting for a timeout).
+   error) is exchanged with every rank right after its load. Damage on any rank makes every
+   rank go through 1 once more, a damaged copy in a rank's own memory counted as lost (its
+   partner's copy or its parity brings the step back), then 2; any other error on any rank
+   makes every rank raise RankFailedError naming each failing rank and its error at once (no
+   rank is left waiting for a timeout).
 
 Owns: that order and its messages, ``last_restore``'s redundancy fields. Does not own: the
 recovery (rebuild.py), the per-rank restore through the tiers (managing/restoring.py, the
@@ -67,18 +69,24 @@ def restore_guarded(guard: Guard, levels: Sequence[TierSteps],
 def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, list[Any]]],
              listings: Callable[[], list[dict[str, list[Any]]]],
              verify: Callable[[str], Any], state: Any, step: int | None,
-             load_kwargs: dict[str, Any], started: float) -> dict[str, Any] | None:
+             load_kwargs: dict[str, Any], started: float,
+             damaged: int | None = None, passed: list[str] | None = None
+             ) -> dict[str, Any] | None:
     """restore_guarded's restore, from ``listing`` (every tier's steps, listed once);
-    ``listings()`` lists them anew for the fallback to slower tiers."""
+    ``listings()`` lists them anew for the fallback to slower tiers. ``damaged``: the step
+    whose load from this rank's memory found it damaged (the restore made again, once,
+    with that copy counted as lost: a partner's copy or its parity rebuild it, else the
+    fallback leaves it out); ``passed``: what the first try passed over."""
     others = set[int]()
     kept = [_this_world(level, tier["committed"], guard.world, others)  # each manifest once
             for level, tier in zip(levels, listing)]
+    kept[0] = [s for s in kept[0] if s != damaged]
     own, anywhere = kept[0], sorted({s for steps in kept for s in steps})
     recovery = guard.recover(own, anywhere, verify, step, sorted(others))
     # every rank's, gathered with the inventory: alike on every rank, one outcome everywhere
     others = {s for extra in recovery.extras for s in extra["others"]}
     fallback = fallback_step(recovery, step)
-    passed = list(recovery.skipped)
+    retry, passed = passed is None, [*(passed or []), *recovery.skipped]
     newest = max((s for s in (recovery.step, fallback) if s is not None), default=None)
     resharded = _resharded(guard, recovery, levels[0], state, step, newest, load_kwargs,
                            passed)
@@ -89,15 +97,23 @@ def _restore(guard: Guard, levels: Sequence[TierSteps], listing: list[dict[str, 
         memory = recovery.step
         landed = recovery.landed  # received from peers, still being written: from memory
         checked = {**load_kwargs, "verify": False}  # every entry checked as it landed
-        why = _agreed(guard, f"loading step {memory} from memory",
-                      lambda: levels[0].try_load(memory, state, load_kwargs) if landed is None
-                      else levels[0].try_load_at(landed, state, checked))
+        mine: list[str | None] = []
+
+        def load_memory() -> str | None:
+            mine.append(levels[0].try_load(memory, state, load_kwargs) if landed is None
+                        else levels[0].try_load_at(landed, state, checked))
+            return mine[0]
+
+        why = _agreed(guard, f"loading step {memory} from memory", load_memory)
         guard.start_writes()  # its load done: the received step written into the tier now
         if why is None:
             source = recovery.sources[guard.rank]
             return _done(guard, levels, memory, 0, source, started, passed, recovery.lost_hosts,
                          recovery.received, recovery.received_from)
         passed.append(f"step {memory} in memory: {why}")
+        if retry:  # every rank again, a damaged copy counted as lost (once)
+            return _restore(guard, levels, listing, listings, verify, state, step,
+                            load_kwargs, started, memory if mine and mine[0] else None, passed)
         fallback = fallback_step(recovery, step)
     if fallback is None:
         if step is None and not any(recovery.anywhere) and not others:
@@ -161,7 +177,9 @@ def _resharded(guard: Guard, recovery: Recovery, level: TierSteps, state: Any, s
     ``passed``)."""
     restart = guard.restart(passed, recovery)
     try:
-        while (choice := restart.next(step)) is not None:
+        # a step of this rank count too, newer than ``newest``: its pieces in other hosts'
+        # memories (the ranks restarted on other hosts), every one held somewhere
+        while (choice := restart.next(step, -1 if newest is None else newest)) is not None:
             if newest is not None and choice.step <= newest:
                 return None
             fetched = restart.fetch(choice, state, load_kwargs)

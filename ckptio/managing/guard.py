@@ -18,6 +18,8 @@ recovery (rebuild.py).
 from __future__ import annotations
 
 import dataclasses
+import re
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -58,6 +60,7 @@ class Guard:
         if process_group is not None and process_group is not dist.group.WORLD:
             raise CkptError("CheckpointManager(tiers=[Tier(..., redundancy=...)], process_group="
                             "...): redundancy spans the whole job; leave process_group out")
+        self.root = _unclaimed(checkpoint_path(tiers[0].location), tiers[0].location)
         self.spec = spec
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # gloo groups of their own, never the training's. ``group``: the protection thread's,
@@ -65,21 +68,27 @@ class Guard:
         # (restore, steps()), after timeout_s (step_timeout_s: a rank may load from a slow tier
         # while the others wait), so the two threads never interleave on one group
         self.peer_timeout_s = peer_timeout_s
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.group = _job_group(peer_timeout_s, peer_timeout_s)
+        self.control = _job_group(timeout_s, peer_timeout_s)
         # steps()/latest(): a listing every rank answers at once, so a peer frozen (or not
         # calling it at this point) is named after peer_timeout_s, not step_timeout_s
-        self.listing = dist.new_group(backend="gloo", timeout=timedelta(seconds=peer_timeout_s))
-        placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
+        self.listing = _job_group(peer_timeout_s, peer_timeout_s)
+        try:
+            placed = peers.all_gather_json(self.control, [host_id(), domain_id()])
+        except RuntimeError as exc:  # torch.distributed's errors: a rank gone meanwhile
+            raise RankFailedError(
+                f"CheckpointManager with redundancy on rank {self.rank}: a rank died while the "
+                f"managers were being made ({type(exc).__name__}: {exc}); restart the job") \
+                from exc
         self.topology = Topology.from_ids([p[0] for p in placed], [p[1] for p in placed])
         # this rank's saves: a group of this rank alone, made by it alone (no collective, one
         # group whatever the number of ranks; new_subgroups made one per rank on every rank)
         self.single = dist.new_group([self.rank], backend="gloo", use_local_synchronization=True)
         mark_piece(self.single, self.rank, dist.get_world_size())  # its shards of DTensors
-        self.root = checkpoint_path(tiers[0].location)
         self.tiers = rank_tiers(tiers, self.rank)
         self.protector: Protector | None = None
         self._landings: list[Landing] = []  # a restore's steps still being written (settle)
+        _OPEN[self.root] = self  # made: this memory tier is this Guard's until close()
 
     def start(self, own_dir: Callable[[int], str]) -> None:
         """Make the protection thread (own_dir: step -> this rank's memory step directory),
@@ -199,6 +208,8 @@ class Guard:
         return True if self.protector is None else self.protector.wait(timeout)
 
     def close(self) -> None:
+        if _OPEN.get(self.root) is self:
+            del _OPEN[self.root]  # closed: another manager may protect this memory tier
         try:
             self.settle()
         finally:
@@ -210,6 +221,40 @@ class Guard:
         assert self.protector is not None  # internal
         return {0: {**self.protector.status(), "hosts": self.topology.size,
                     "host": self.topology.host_of(self.rank)}}
+
+
+# each memory tier's directory -> the Guard protecting it in this process, until closed
+_OPEN: weakref.WeakValueDictionary[str, Guard] = weakref.WeakValueDictionary()
+
+
+def _unclaimed(root: str, location: str) -> str:
+    """-> ``root``; CkptError while an open Guard of this process protects it (its retention
+    and protection would remove another manager's steps there)."""
+    if _OPEN.get(root) is not None:
+        raise CkptError(
+            f"Tier({location!r}, redundancy=...): another CheckpointManager of this process "
+            f"protects that memory tier ({root}) and is not closed; two managers on one memory "
+            "tier remove each other's steps and their protection. Give each manager its own "
+            "tier (shm://NAME), or close() the other manager first")
+    return root
+
+
+def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
+    """A gloo group of every rank (collective) -> it. RankFailedError, naming the rank the
+    others waited for where torch's message says it, when a rank does not come within
+    peer_timeout_s (it never constructs its manager, or died before)."""
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # torch's DistStoreError / DistNetworkError: a rank never came
+        found = re.search(r"keys: \S*/(\d+)\s*$", str(exc))
+        who = f"rank {found.group(1)}" if found else "a rank"
+        raise RankFailedError(
+            f"CheckpointManager with redundancy on rank {dist.get_rank()}: {who} did not "
+            f"construct its manager (it died, or did not come within Options.peer_timeout_s="
+            f"{peer_timeout_s:g} s: {type(exc).__name__}: {exc}). Every rank constructs the "
+            "manager, with the same tiers, at the same point of the script (a collective): "
+            "check that rank for an error or a branch that skips it, or raise peer_timeout_s",
+            (int(found.group(1)),) if found else ()) from exc
 
 
 def fallback_step(recovery: Recovery, requested: int | None) -> int | None:

@@ -11,8 +11,8 @@ Call order (collective over the Guard's control group, every rank; managing/agre
    and partner copies) with the rank count of the job that saved them (``reports``: gathered
    with the same-world recovery's inventory); a piece held nowhere is rebuilt from parity
    first where its group allows (regrow.py), into its receiver's memory, held there;
-2. plan (pieces.py): the newest step of another rank count whose every piece is held somewhere,
-   each sent by the first rank of a host holding it, which shares its manifest;
+2. plan (pieces.py): the newest step of another rank count (or of this one, ranks on other
+   hosts) whose every piece is held, each sent by a holder, which shares its manifest;
 3. fetch: each rank works out the byte ranges of the entries its state needs (the rows its
    shards meet: pieces.py); each holder reads them, checks them against their checksums (a
    piece that fails is passed over, the plan made again) and sends every rank its section of
@@ -119,15 +119,16 @@ class Restart:
         self.bad: set[str] = set()
         self.rounds = 0
 
-    def next(self, only: int | None) -> Choice | None:
-        """Step 2: the newest step every piece of which is held (its manifests read), or None."""
+    def next(self, only: int | None, above: int | None = None) -> Choice | None:
+        """Step 2: the newest step every piece of which is held (its manifests read), or None.
+        ``above``: a step of this job's rank count newer than it is searched too (pieces.plan)."""
         with _named(self.ctx, "reading the pieces' manifests"):
-            return self._next(only)
+            return self._next(only, above)
 
-    def _next(self, only: int | None) -> Choice | None:
+    def _next(self, only: int | None, above: int | None) -> Choice | None:
         while self.rounds < MAX_ROUNDS:
             self.rounds += 1
-            chosen = plan(self.reports, self.ctx.world, self.bad, only)
+            chosen = plan(self.reports, self.ctx.world, self.bad, only, above)
             if chosen is None:
                 return None
             step, old, sources = chosen

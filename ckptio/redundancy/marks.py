@@ -20,6 +20,7 @@ Owns: those names and reading the markers. Does not own: writing them (protect.p
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
@@ -30,6 +31,8 @@ from ckptio.storage.store_contract import TreeStore
 __all__ = ["REDUNDANCY_DIR", "Root", "copies", "copy_name", "held", "held_nbytes",
            "held_steps", "parity_name", "protected_steps", "protection", "rank_dirs", "rank_name",
            "parities", "rebuild_dirs", "rebuild_name", "step_dirs", "tree_of"]
+
+log = logging.getLogger("ckptio")
 
 REDUNDANCY_DIR = ".redundancy"
 _RANK = re.compile(r"r(\d{5,})$", re.ASCII)
@@ -118,8 +121,13 @@ def protection(root: Root) -> dict[int, dict[str, Any]]:
         for rank, name in markers:
             try:
                 how = str(json.loads(where.read_file(name)).get("how", "?"))
-            except (CkptError, ValueError, AttributeError):
-                continue  # removed while listed, or unreadable
+            except CkptError:
+                continue  # removed while listed
+            except (ValueError, AttributeError) as exc:  # damaged: as if never committed
+                log.warning("ckptio: %s unreadable (%s): step %d's copies and parity held "
+                            "here for rank %d are passed over", where.path_of(name), exc,
+                            step, rank)
+                continue
             entry = out.setdefault(step, {"how": how, "ranks": []})
             entry["ranks"].append(rank)
     return out

@@ -50,10 +50,12 @@ def item_id(step: int, k: int, source: Source) -> str:
     return f"{source[0]}:r{k}:by{source[1]}:s{step}"
 
 
-def _offers(reports: list[list[Found]], world: int, bad: set[str], only: int | None
-            ) -> dict[int, tuple[int, dict[int, Source]]]:
+def _offers(reports: list[list[Found]], world: int, bad: set[str], only: int | None,
+            above: int | None = None) -> dict[int, tuple[int, dict[int, Source]]]:
     """Per step of another rank count (newest first): (that count, the best source of each
-    old rank's piece held; a piece held nowhere is left out)."""
+    old rank's piece held; a piece held nowhere is left out). ``above``: steps of this rank
+    count newer than it are offered too (the same-world recovery found none that new: the
+    ranks restarted on other hosts, each piece in another host's memory)."""
     offers: dict[int, dict[int, list[Source]]] = {}
     worlds: dict[int, set[int]] = {}
     for holder, found in enumerate(reports):
@@ -63,7 +65,8 @@ def _offers(reports: list[list[Found]], world: int, bad: set[str], only: int | N
             worlds.setdefault(step, set()).add(w)
     out = {}
     for step in sorted(worlds, reverse=True):
-        if (only is not None and step != only) or len(worlds[step]) != 1 or world in worlds[step]:
+        same = world in worlds[step] and (above is None or step <= above)
+        if (only is not None and step != only) or len(worlds[step]) != 1 or same:
             continue
         out[step] = (next(iter(worlds[step])), {
             k: min(usable, key=lambda s: (s[0] != "own", s[1]))
@@ -71,10 +74,10 @@ def _offers(reports: list[list[Found]], world: int, bad: set[str], only: int | N
     return out
 
 
-def plan(reports: list[list[Found]], world: int, bad: set[str],
-         only: int | None) -> tuple[int, int, dict[int, Source]] | None:
-    """Step 2: (step, its rank count, a source per old rank), or None."""
-    for step, (old, sources) in _offers(reports, world, bad, only).items():
+def plan(reports: list[list[Found]], world: int, bad: set[str], only: int | None,
+         above: int | None = None) -> tuple[int, int, dict[int, Source]] | None:
+    """Step 2: (step, its rank count, a source per old rank), or None (``above``: _offers)."""
+    for step, (old, sources) in _offers(reports, world, bad, only, above).items():
         if len(sources) == old:
             return step, old, sources
     return None

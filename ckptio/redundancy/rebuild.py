@@ -112,21 +112,23 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            lost (no step in memory at all) and the caller restores the newest step every rank holds
            in some tier (the disk tier, where more than m hosts of one parity group are lost).
     """
-    invs = peers.all_gather_json(ctx.group, {
-        **inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra})
-    result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
-                      extras=[inv["extra"] for inv in invs])
-    result.lost_hosts = [ctx.topology.describe(h) for h, ranks in enumerate(ctx.topology.hosts)
-                         if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
+    mine = {**inventory(ctx.root, ctx.rank, own, anywhere), "extra": extra}
     try:
+        invs = peers.all_gather_json(ctx.group, mine)  # every rank's restore meets here
+        result = Recovery(None, anywhere=[inv["anywhere"] for inv in invs],
+                          extras=[inv["extra"] for inv in invs])
+        result.lost_hosts = [ctx.topology.describe(h)
+                             for h, ranks in enumerate(ctx.topology.hosts)
+                             if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
         _rounds(ctx, invs, result, only)
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
         raise RankFailedError(
-            f"rank {ctx.rank}: restoring from the memory of other hosts failed: a rank it "
-            f"exchanges copies, parity or its pieces of a rebuild with died or gave no answer "
-            f"within step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and "
-            "every step in memory is kept: restart the job (the restore is made again with "
-            "the ranks alive then)") from exc
+            f"rank {ctx.rank}: restoring from the memory of other hosts failed: a rank of the "
+            f"job (one it exchanges its inventory, copies, parity or pieces of a rebuild with) "
+            f"died, does not call restore() at this point, or gave no answer within "
+            f"step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and every step "
+            "in memory is kept: restart the job (the restore is made again with the ranks "
+            "alive then)") from exc
     finally:
         _drop_placed(ctx)
     result.received, result.pending = ctx.received, ctx.landings
