@@ -22,6 +22,7 @@ rank plays a host: its own CKPTIO_HOST_ID and shared-memory root, tests/redundan
 - A rank that makes its manager, then exits without calling restore() while the others
   restore: each of them raises RankFailedError saying so, at once (before: gloo's
   RuntimeError "Connection closed by peer" escaped restore()).
+- More hosts lost than the redundancy covers, nothing on disk: the error names the way out.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import shutil
 import time
 from typing import Any
 
 import pytest
 
 import ckptio
-from ckptio.testing.rank_processes import run_ranks
+from ckptio.testing.rank_processes import RanksFailed, run_ranks
 from tests.redundancy_cases import OPTS, host_dir, restore, train, wipe_host
 
 TIMEOUT = 240
@@ -291,3 +293,22 @@ def test_a_rank_that_leaves_instead_of_restoring_fails_the_others_with_a_ckpterr
         assert error.startswith("RankFailedError|"), error
         assert "does not call restore() at this point" in error, error
         assert seconds < 30, seconds
+
+
+def test_more_hosts_lost_than_the_redundancy_covers_names_the_fix(base: str,
+                                                                  tmp_path: Any) -> None:
+    """Two of three hosts lost with Partners(1) and nothing kept on disk: every rank's
+    CheckpointNotFoundError names the hosts lost and the way out (before: the hosts and
+    each rank's steps only)."""
+    disk = str(tmp_path / "disk")
+    args = (base, disk, 1, "partners-1")
+    run_ranks(3, train, *args, 3, timeout_s=TIMEOUT)
+    shutil.rmtree(disk)
+    os.makedirs(disk)  # nothing kept on the slower tier
+    wipe_host(base, 1)
+    wipe_host(base, 2)
+    with pytest.raises(RanksFailed) as raised:
+        run_ranks(3, restore, *args, timeout_s=TIMEOUT)
+    message = str(raised.value)
+    assert "CheckpointNotFoundError" in message and "hosts lost: host 1" in message
+    assert "More hosts were lost than the memory tier's redundancy rebuilds" in message

@@ -159,8 +159,12 @@ def _lost_or_other(recovery: Recovery, others: set[int], world: int) -> str:
     """The end of the error when no step can be restored: the hosts lost and each rank's
     steps, or (steps of another rank count found) what a restart on another count needs."""
     if not others:
+        fix = ("" if not recovery.lost_hosts else ". More hosts were lost than the memory "
+               "tier's redundancy rebuilds: start from scratch or from a step kept elsewhere; "
+               "a slower tier (tiers=[Tier('shm://...', redundancy=...), Tier('/disk/run', "
+               "every=...)]) keeps one for the next time")
         return (f"hosts lost: {', '.join(recovery.lost_hosts) or 'none'}; steps per rank in "
-                f"any tier: {recovery.anywhere}")
+                f"any tier: {recovery.anywhere}{fix}")
     return (f"steps {sorted(others)} were saved by a job of another number of ranks (each "
             f"rank's own piece): a job of {world} ranks restores them only from memory, where "
             "every rank's piece must survive, or its partner's copy, or enough of its parity "
