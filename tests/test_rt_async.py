@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -62,6 +63,12 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def _holds(ck: Checkpointer, path: Any, values: dict[str, torch.Tensor]) -> None:
+    """The checkpoint at ``path`` holds ``values`` (the model's at the save's call) bitwise."""
+    loaded = ck.load(path)["model"]
+    assert all(torch.equal(loaded[k], v) for k, v in values.items())
+
+
 def test_lazy_save_of_params_changed_in_place_fails_naming_them(tmp_path, held_ck) -> None:
     """A lazy save, then ``p.mul_()`` under no_grad before the optimizer's step (a weight
     decay or a clamp written by hand): the background capture copied the changed values and
@@ -70,17 +77,21 @@ def test_lazy_save_of_params_changed_in_place_fails_naming_them(tmp_path, held_c
     ck, gate = held_ck
     model, opt = _trained()
     state = {"model": model, "optim": opt}
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
     handle = ck.async_save(state, tmp_path / "lazy", lazy=True, optimizers=[opt])
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(2)
     gate.open()
-    with pytest.raises(CkptError) as raised:
+    try:
         handle.wait()
-    message = str(raised.value)
-    assert "'model.weight'" in message and "'model.bias'" in message, message
-    assert "lazy=False" in message and "step()" in message, message
-    assert not os.path.exists(tmp_path / "lazy" / "manifest.json")
+    except CkptError as raised:
+        message = str(raised)
+        assert "'model.weight'" in message and "'model.bias'" in message, message
+        assert "lazy=False" in message and "step()" in message, message
+        assert not os.path.exists(tmp_path / "lazy" / "manifest.json")
+    else:  # a busy machine: the pool grew and the capture ran before the change; its values
+        _holds(ck, tmp_path / "lazy", at_call)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     ck.async_save(state, tmp_path / "next", lazy=True, optimizers=[opt])  # not raised again
     opt.step()  # waits for the capture: the step's values are not in it
@@ -96,15 +107,23 @@ def test_lazy_save_change_unseen_by_wait_is_raised_once_by_the_next_save(tmp_pat
     ck, gate = held_ck
     model, opt = _trained()
     state = {"model": model, "optim": opt}
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
     ck.async_save(state, tmp_path / "a", lazy=True, optimizers=[opt])
     with torch.no_grad():
         model.weight.copy_(torch.zeros_like(model.weight))
     gate.open()
-    with pytest.raises(CkptError, match="'model.weight'"):
+    try:
         ck.async_save(state, tmp_path / "b", lazy=True, optimizers=[opt])
+    except CkptError as raised:
+        assert "'model.weight'" in str(raised)
+        made = ["c"]
+    else:  # a busy machine: the pool grew and the capture ran before the change; its values
+        ck.settle()
+        _holds(ck, tmp_path / "a", at_call)
+        made = ["a", "b", "c"]
     ck.async_save(state, tmp_path / "c", lazy=True, optimizers=[opt]).wait()
     assert torch.equal(ck.load(tmp_path / "c")["model"]["weight"], model.weight)
-    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert sorted(os.listdir(tmp_path)) == made
 
 
 def test_lazy_save_with_steps_and_replaced_params_commits_the_values_at_the_call(
