@@ -154,12 +154,13 @@ def _take(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int 
     if found is None:
         made = _write(where, settings, holder, 0, "taking")
         return None if made < 0 else made
-    other = _read(found)
+    seen, age = int(found.generation), _age_s(found)  # before _read: a download resets them
+    other = _read(found)  # from its headers, which a store may not send (the emulator)
     gone = holders.dead(other)
     lease = _lease_s(other, settings)
-    if gone is None and _age_s(found) <= lease:
+    if gone is None and age <= lease:
         return None
-    made = _write(where, settings, holder, int(found.generation), "taking over")
+    made = _write(where, settings, holder, seen, "taking over")
     if made < 0:
         return None
     log.warning("ckptio: took over the lock %s: its holder (save %s) %s", where.url,
