@@ -251,3 +251,40 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
     assert manager.steps() == [900, 901]
     assert manager.incomplete() == list(range(1000, 1300))
     manager.close()
+
+
+@pytest.mark.parametrize("fault", ["reset", "throttle", "lost answers"])
+def test_an_upload_reset_throttled_or_unanswered_part_way_is_retried_and_commits(
+        az_env: str, az_proxy: FaultProxy, fault: str) -> None:
+    """A connection reset in the middle of a staged block, the service answering 503 to blocks
+    and the block list, or the block list's and the manifest's commits acted on but their
+    answers lost: each is retried within the deadline, the save commits once, a load gets it."""
+    url = f"{az_env}/{fault.replace(' ', '-')}"
+    options = _options(through(az_proxy), retry_deadline_s=20.0)
+    if fault == "reset":
+        rules = [az_proxy.reset(after_bytes=300_000, times=2, method="PUT",
+                                query={"comp": "block"})]
+    elif fault == "throttle":
+        rules = [az_proxy.fail(503, "ServerBusy", times=2, method="PUT", query={"comp": "block"}),
+                 az_proxy.fail(503, "ServerBusy", times=1, method="PUT",
+                               query={"comp": "blocklist"})]
+    else:
+        rules = [az_proxy.drop_response(method="PUT", query={"comp": "blocklist"}),
+                 az_proxy.drop_response(method="PUT", key="manifest.json$")]
+    ckptio.Checkpointer(options).save(_state(3), url)
+    assert all(rule.fired for rule in rules), [rule.fired for rule in rules]
+    target = _state(0)
+    ckptio.Checkpointer(options).load(url, target)
+    assert torch.equal(target["w"], _state(3)["w"])
+
+
+def test_a_manager_restore_on_a_container_that_does_not_exist_says_nothing_was_loaded(
+        az_env: str) -> None:
+    """restore() of a manager on az://no-such-container/run fails listing its steps: the error
+    names the container and the fix, and does not claim the state may be partly filled."""
+    manager = CheckpointManager("az://no-such-box-rt/run")
+    target = _state(0, mib=1)
+    message = _raises_within(5.0, lambda: manager.restore(target))
+    assert "container does not exist: create it" in message, message
+    assert "may hold some" not in message, message
+    manager.close()

@@ -298,3 +298,37 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
     assert manager.steps() == [900, 901]
     assert manager.incomplete() == list(range(1000, 1300))
     manager.close()
+
+
+@pytest.mark.parametrize("fault", ["reset", "throttle"])
+def test_an_upload_reset_or_throttled_part_way_is_retried_and_the_save_commits(
+        gcs_url: str, gcs_proxy: FaultProxy, fault: str) -> None:
+    """A connection reset in the middle of a resumable upload's chunk, or the store answering
+    503/429 to it: the chunk is retried within the deadline, the save commits, a load gets it."""
+    url = f"{gcs_url}/{fault}"
+    options = _options(gcs_proxy.endpoint, retry_deadline_s=20.0, chunk_bytes=1 << 20)
+    if fault == "reset":
+        rules = [gcs_proxy.reset(after_bytes=300_000, times=2, method="PUT")]
+    else:
+        rules = [gcs_proxy.fail(503, "SlowDown", times=2, method="PUT"),
+                 gcs_proxy.fail(429, "SlowDown", times=1, method="PUT")]
+    ckptio.Checkpointer(options).save(_state(3), url)
+    assert all(rule.fired for rule in rules), [rule.fired for rule in rules]
+    target = _state(0)
+    ckptio.Checkpointer(options).load(url, target)
+    assert torch.equal(target["w"], _state(3)["w"])
+
+
+def test_a_manager_on_a_bucket_that_does_not_exist_names_it_and_the_fix(
+        gcs_server: Emulator) -> None:
+    """A CheckpointManager on gs://no-such-bucket/run: each save, restore and listing names the
+    bucket and says to create it (not a bare '404 ... unknown error'); restore does not claim
+    the state may be partly filled, as nothing was read."""
+    options = _options(gcs_server.endpoint)
+    manager = CheckpointManager("gs://ckptio-rt-no-such-bucket/run", options=options)
+    for work in (lambda: manager.save(1, _state(1, mib=1)), lambda: manager.steps(),
+                 lambda: manager.restore(_state(0, mib=1))):
+        message = _raises_within(5.0, work)
+        assert "bucket 'ckptio-rt-no-such-bucket' does not exist" in message, message
+        assert "create it" in message and "may hold some" not in message, message
+    manager.close()
