@@ -288,3 +288,25 @@ def test_a_manager_restore_on_a_container_that_does_not_exist_says_nothing_was_l
     assert "container does not exist: create it" in message, message
     assert "may hold some" not in message, message
     manager.close()
+
+
+def test_a_lease_renewal_left_unanswered_does_not_hold_up_the_save_that_finished(
+        az_env: str, az_proxy: FaultProxy) -> None:
+    """The lock's lease renewal is swallowed by the network (the rest gets through) while a
+    slow save runs: the save commits (its commit is conditional, not on the lease) and returns
+    soon after its last write, not after the renewal's deadline (it waited for it)."""
+    url = f"{az_env}/renewal"
+    options = _options(through(az_proxy), retry_deadline_s=60.0, lock_lease_s=15)
+    swallowed: list[Any] = []  # from the first block on (the lease is taken by then)
+    az_proxy.on_request(lambda req: swallowed.append(az_proxy.black_hole(
+        method="PUT", query={"comp": "lease"})), method="PUT", query={"comp": "block"})
+    az_proxy.delay(7.0, times=1, method="PUT", query={"comp": "block"})
+    began = time.monotonic()
+    ckptio.Checkpointer(options).save(_state(5), url)
+    took = time.monotonic() - began
+    assert swallowed and swallowed[0].fired, "no renewal was sent"
+    assert took < 7.0 + 6, f"the save returned {took:.1f} s after it began"
+    az_proxy.clear()
+    target = _state(0)
+    ckptio.Checkpointer(options).load(url, target)
+    assert torch.equal(target["w"], _state(5)["w"])

@@ -22,6 +22,7 @@ from typing import Any
 from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.azure.az_client import (
+    CONNECT_S,
     AzPath,
     Timeouts,
     call,
@@ -62,13 +63,18 @@ class AzureLock:
                      lambda t: self.lease.renew(**t))
             except (CkptError, sdk_error()) as exc:
                 self.lost = describe(exc)
-                log.warning("ckptio: renewing the lock %s failed (%s)", self.where.url, self.lost)
+                if not self._stop.is_set():  # after release(): the lock is let go anyway
+                    log.warning("ckptio: renewing the lock %s failed (%s)", self.where.url,
+                                self.lost)
                 return
 
     def release(self) -> None:
+        """Stop renewing and delete the lock blob. A renewal still waiting for its answer (a
+        network that swallows it) is waited for CONNECT_S at most, not its deadline: the save
+        has ended, and the renewal's thread ends when its request does."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(CONNECT_S)
         blob = container(self.settings, self.where.container).get_blob_client(self.where.name)
         try:
             call(self.settings, f"releasing the lock {self.where.url}",
