@@ -1,8 +1,10 @@
 """Red-team checks of the az:// store through the public API, against a real Azurite server
-behind the fault proxy: what a demanding user meets when the network fails part way, or
-another job works at the same prefix. Each fault ends in a CkptError naming the location and
-the fix within a stated time, commits nothing incomplete, and a later restore gets the last
-good step."""
+behind the fault proxy: what a demanding user meets when the network fails part way (a service
+silent across saves, a dead HTTPS_PROXY, an account whose host does not resolve, a lease
+renewal swallowed, resets, throttling, lost answers), another job works at the same prefix
+(its lock, a data blob deleted under a load), a container that does not exist, Ctrl-C, or a run
+of many step prefixes. Each fault ends in a CkptError naming the location and the fix within a
+stated time, commits nothing incomplete, and a later restore gets the last good step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Red-team checks of the gs:// store through the public API, against the gcp-storage-emulator
-behind the fault proxy: what a demanding user meets when the network fails part way, no
-endpoint or credentials are set, or another job works at the same prefix. Each fault ends in a
-CkptError naming the location and the fix within a stated time, commits nothing incomplete, and
-a later restore gets the last good step."""
+behind the fault proxy: what a demanding user meets when the network fails part way (a store
+silent across saves, a dead HTTPS_PROXY, resets, throttling), no endpoint is set and Google
+(or its token service) cannot be reached, another job works at the same prefix (its lock, a
+data object deleted under a load), a bucket that does not exist, Ctrl-C, or a run of many step
+prefixes. Each fault ends in a CkptError naming the location and the fix within a stated time,
+commits nothing incomplete, and a later restore gets the last good step."""
 
 from __future__ import annotations
 
