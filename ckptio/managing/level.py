@@ -40,12 +40,10 @@ from ckptio.managing.tier import Tier
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
 from ckptio.saving.mapped_regions import pin
-from ckptio.storage.local import runlease
 from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import MappedFile
-from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.select import capped, root_for, store_for
-from ckptio.storage.steproot import Listing, StepRoot
+from ckptio.storage.steproot import Lease, LeasedRoot, Listing, StepRoot
 from ckptio.storage.store_contract import Store
 
 __all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
@@ -105,12 +103,13 @@ class TierSteps:
         the tier cannot be listed."""
         return self._lister.scan()
 
-    def lease(self, take_over: bool, *, create: bool) -> RunLease | None:
-        """Rank 0: this tier's run lease, where its root is a local directory (one live job
-        per run: storage/local/runlease.py) that exists or ``create`` makes; None elsewhere."""
-        if not isinstance(self._root, LocalRoot):
+    def lease(self, take_over: bool, *, create: bool) -> Lease | None:
+        """Rank 0: this tier's run lease, where its root keeps one live job per run (a local
+        directory that exists or ``create`` makes, an S3 prefix at the first save:
+        steproot.LeasedRoot); None elsewhere."""
+        if not isinstance(self._root, LeasedRoot):
             return None
-        return runlease.take(self.directory, take_over, create=create)
+        return self._root.lease(take_over, create=create)
 
     def is_committed(self, step: int) -> bool:
         return self._root.is_committed(step)

@@ -192,13 +192,13 @@ class CheckpointManager(ManagerParts):
         self._said_at_exit()  # until close(): an exit after a save is said (_say_unclosed)
         first = self._levels[0]
         self._room_for(state)
-        refusal = self._agreed(self._saves.refusal, self._levels, step, metrics, metadata)
-        if refusal is not None:
-            raise CkptError(refusal)
         if not self._first_leased:  # the run directory this save makes, and the slower
             # tiers' its drain will make: their incomplete steps are its drain's copies
             self._agreed(self._take_leases, range(len(self._levels)), create=True)
             self._first_leased = True
+        refusal = self._agreed(self._refusal, step, metrics, metadata)
+        if refusal is not None:
+            raise CkptError(refusal)
         if self.delta is not None or is_memory(self.tiers[0]):
             # a base is chosen among committed steps; a memory tier's retention runs before
             # the new save, which then reuses the pages of the step dropped (storage/local/mapped.py)

@@ -21,12 +21,12 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import SaveTimeoutError, StorageIOError, seconds_to_wait
+from ckptio.errors import CheckpointLockedError, SaveTimeoutError, StorageIOError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -58,8 +58,8 @@ from ckptio.policies import (
     leaves,
 )
 from ckptio.saving.handle import SaveResult
-from ckptio.storage.local.runlease import RunLease
 from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.storage.steproot import Lease
 
 __all__ = ["ManagerParts"]
 
@@ -127,7 +127,7 @@ class ManagerParts:
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
         self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
-        self._leases: dict[int, RunLease] = {}  # tier -> its lease (one job per local run)
+        self._leases: dict[int, Lease] = {}  # tier -> its lease (one job per run)
         self._take_over, self._first_leased = take_over, False
         self._saved_here = False  # a save started: the staging is the one the saves sized
         self._closed = False  # close() ran: its leases, handlers and followers are let go
@@ -276,6 +276,8 @@ class ManagerParts:
                 follower.close()
             if self._ranking.gone():  # the job tore its process group down (a rank lost):
                 return  # nothing to agree on; the next manager's first save runs retention
+            if not self._agreed(self._leases_kept):  # the steps there are another job's now
+                return
             # what the drain's pins kept past our last commit; a manager that never saved
             # (a reader of a live run) drops nothing: the steps are another job's
             if len(self._levels) > 1 and self._saved_here:
@@ -340,6 +342,34 @@ class ManagerParts:
                 if lease is not None:
                     self._leases[k] = lease
 
+    def _refusal(self, step: int, metrics: Mapping[str, Any] | None,
+                 metadata: Mapping[str, Any] | None) -> str | None:
+        """Rank 0: why ``step`` may not be saved now (InFlight.refusal), or the refusal
+        naming a run lease another job took over since it was taken."""
+        for k, lease in self._leases.items():
+            if lease.lost is not None:
+                raise CheckpointLockedError(
+                    f"step {step} was not saved: this job's lease on the run "
+                    f"{self.tiers[k].location} was taken over by another job ({lease.lost}); "
+                    "two jobs on one run would drop each other's steps, so this manager saves "
+                    "and drops nothing there any more: stop one of the jobs (a job restarted "
+                    "with take_over=True took it on purpose), or save to another location")
+        return self._saves.refusal(self._levels, step, metrics, metadata)
+
+    def _leases_kept(self) -> bool:
+        """Rank 0: whether no run lease this manager took was taken over by another job."""
+        return all(lease.lost is None for lease in self._leases.values())
+
+    def at_exit(self) -> None:
+        """At interpreter exit, unclosed after a save (_say_unclosed): say so, let go of the
+        run leases."""
+        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
+                    "in flight were waited for, but its last retention pass, drain and "
+                    "protection did not run (more steps than keep_last may remain); call "
+                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
+                    self.directory)
+        self._let_go_leases()
+
     def _let_go_leases(self) -> None:
         for lease in self._leases.values():
             lease.release()
@@ -370,13 +400,10 @@ _unclosed: weakref.WeakSet[ManagerParts] = weakref.WeakSet()
 def _say_unclosed() -> None:
     """At interpreter exit: each manager that saved and was never closed, named (its saves in
     flight finish, by api.py's own exit hook, but close()'s last retention pass and its
-    followers' do not)."""
+    followers' do not), and its run leases let go (an object store's would otherwise hold the
+    run for a lease after the exit)."""
     for mgr in list(_unclosed):
-        log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
-                    "in flight were waited for, but its last retention pass, drain and "
-                    "protection did not run (more steps than keep_last may remain); call "
-                    "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
-                    mgr.directory)
+        mgr.at_exit()
 
 
 atexit.register(_say_unclosed)

@@ -20,8 +20,8 @@ import socket
 import time
 from typing import Any
 
-__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "alive", "boot_id", "dead", "host_id", "me",
-           "started"]
+__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "alive", "boot_id", "dead", "host_id", "is_me",
+           "me", "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 HOST_ID_ENV = "CKPTIO_HOST_ID"
@@ -70,6 +70,13 @@ def me() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "start": started(pid),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def is_me(record: dict[str, Any] | None) -> bool:
+    """Whether ``record`` (a holder read back) is this process."""
+    mine = me()
+    return isinstance(record, dict) and all(record.get(k) == mine[k] for k in ("host", "pid",
+                                                                               "start"))
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,8 @@ prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers
 - ``nothing_here()``: why the root holds no step (a Nothing whose ``empty`` says it holds
   nothing a restore could mean: restore() then returns None instead of raising).
 
-``ckptio ls RUN`` asks a root for more (ListedRoot, optional): ``being_deleted()``, the steps
+Optional: ``lease(take_over, create=)``, the manager's Lease on the run (LeasedRoot: local
+directories, S3 prefixes); for ``ckptio ls RUN`` (ListedRoot) ``being_deleted()``, the steps
 hidden and not yet removed, and ``usage(where)``, a step's bytes, files and newest time.
 
 Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
@@ -34,6 +35,8 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
+    "Lease",
+    "LeasedRoot",
     "ListedRoot",
     "Listing",
     "Nothing",
@@ -87,6 +90,28 @@ class ListedRoot(Protocol):
     def being_deleted(self) -> list[tuple[int, str]]: ...
 
     def usage(self, where: str) -> Usage: ...
+
+
+class Lease(Protocol):
+    """A run's lease as a manager holds it: ``held`` (this process excludes other jobs there),
+    ``lost`` (why another job took it over since: None while kept), ``release()`` (never
+    raises)."""
+
+    lost: str | None
+
+    @property
+    def held(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class LeasedRoot(Protocol):
+    """A root that keeps one live job per run: ``lease(take_over, create=)`` -> its Lease, or
+    None where none is taken (``create`` False: only a run that exists already), or
+    CheckpointLockedError naming the live job that holds it."""
+
+    def lease(self, take_over: bool, *, create: bool) -> Lease | None: ...
 
 
 class Nothing(str):

@@ -8,7 +8,10 @@ lease lapses, so the next save takes the lock then (at once where the holder is 
 a process of this host that is gone, storage/holder.py). release() deletes the lock blob under the
 lease (nothing is left at a prefix that held nothing).
 
-Owns: AzureLock, take(). Does not own: the commit (az_store.py), the client (az_client.py).
+Kept for a manager's life it is a run's lease (``take_run``, storage/object_lease.py), its
+record rewritten at each renewal so that a watcher sees a live job; lost to another's lease.
+
+Owns: AzureLock, take(), take_run(). Does not own: the commit (az_store.py), the client (az_client.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +34,14 @@ from ckptio.storage.azure.az_client import (
     container,
     describe,
     sdk_error,
+    status,
 )
 from ckptio.storage.azure.az_settings import AzureSettings
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch
 
-__all__ = ["AzureLock", "take"]
+__all__ = ["LEASE_NAME", "AzureLock", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 
@@ -48,8 +54,14 @@ class AzureLock:
     settings: AzureSettings
     lease: Any  # the SDK's BlobLeaseClient
     lost: str | None = None  # why a renewal failed
+    body: dict[str, Any] | None = None  # a run lease: its record, rewritten at each renewal
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        """Lease (steproot.py): this process holds the blob's lease."""
+        return True
 
     def start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, name="ckptio-azure-lock",
@@ -61,12 +73,28 @@ class AzureLock:
             try:
                 call(self.settings, f"renewing the lease of {self.where.url}",
                      lambda t: self.lease.renew(**t))
+                if self.body is not None:  # a run lease: a watcher sees it renewed
+                    self._rewrite()
             except (CkptError, sdk_error()) as exc:
+                if self.body is not None and status(exc) not in (409, 412):
+                    log.warning("ckptio: renewing the run lease %s failed (%s); trying again",
+                                self.where.url, describe(exc))
+                    continue
                 self.lost = describe(exc)
                 if not self._stop.is_set():  # after release(): the lock is let go anyway
-                    log.warning("ckptio: renewing the lock %s failed (%s)", self.where.url,
-                                self.lost)
+                    log.warning("ckptio: renewing the %s %s failed (%s)%s", "run lease"
+                                if self.body is not None else "lock", self.where.url, self.lost,
+                                ": another job took it over, this job's manager saves nothing "
+                                "there any more" if self.body is not None else "")
                 return
+
+    def _rewrite(self) -> None:
+        assert self.body is not None  # internal: run leases only
+        self.body["renewed"] = self.body.get("renewed", 0) + 1
+        data = json.dumps(self.body).encode()
+        blob = container(self.settings, self.where.container).get_blob_client(self.where.name)
+        call(self.settings, f"renewing {self.where.url}", lambda t: blob.upload_blob(
+            data, overwrite=True, lease=self.lease, **t))
 
     def release(self) -> None:
         """Stop renewing and delete the lock blob. A renewal still waiting for its answer (a
@@ -75,6 +103,8 @@ class AzureLock:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(CONNECT_S)
+        if self.lost is not None:  # another job holds it now
+            return
         blob = container(self.settings, self.where.container).get_blob_client(self.where.name)
         try:
             call(self.settings, f"releasing the lock {self.where.url}",
@@ -93,13 +123,8 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
     wait = LockWait(location.url, if_locked, f"its lease lapses {settings.lock_lease_s} s "
                     "after its holder stops renewing it", most_s=2.0)
     while True:
-        checked(settings, f"creating the lock {where.url}", lambda t: blob.upload_blob(
-            body, overwrite=False, **t), none_on=(409, 412))  # there already: leased or not
-        lease = checked(settings, f"taking the lock {where.url}", lambda t: blob.acquire_lease(
-            lease_duration=settings.lock_lease_s, **t), none_on=(404, 409))
+        lease = _acquired(blob, where, settings, body)
         if lease is not None:
-            checked(settings, f"writing the lock {where.url}", lambda t: blob.upload_blob(
-                body, overwrite=True, lease=lease, **t))
             lock = AzureLock(where, settings, lease)
             lock.start_renewing()
             return lock
@@ -108,6 +133,63 @@ def take(location: AzPath, settings: AzureSettings, if_locked: str, save: str) -
             continue
         other = _holder_text(holder, where)
         wait.busy(other)
+
+
+def take_run(root: AzPath, settings: AzureSettings, take_over: bool) -> AzureLock | None:
+    """The run lease of ``root`` (``<run>/.ckptio-run.lease`` under a blob lease, its record
+    rewritten at each renewal: storage/object_lease.py); None where this process holds it
+    already, or CheckpointLockedError naming the live job."""
+    where, watch = root.child(LEASE_NAME), RunWatch(root.url, take_over, settings.lock_lease_s)
+    blob = container(settings, where.container).get_blob_client(where.name)
+    record = {**holders.me(), "run": root.url, "lease_s": settings.lock_lease_s}
+    other: dict[str, Any] | None = None
+    while True:
+        before: list[dict[str, Any] | None] = []
+        lease = _acquired(blob, where, settings, json.dumps(record).encode(), before)
+        if lease is not None:
+            if before and before[0] is not None and not holders.is_me(before[0]):
+                watch.taken(before[0], None if other is not None else "its lease had lapsed")
+            lock = AzureLock(where, settings, lease, body=record)
+            lock.start_renewing()
+            return lock
+        other, etag = _holder(blob, where, settings)
+        if holders.is_me(other):
+            return None
+        verdict = "wait" if etag is None else watch.verdict(other, etag, None)
+        if verdict == "refuse":
+            raise watch.refused(other)
+        if verdict == "take":
+            _break(blob, where, settings, etag)
+        else:
+            time.sleep(watch.pause(other))
+
+
+def _acquired(blob: Any, where: AzPath, settings: AzureSettings, body: bytes,
+              before: list[dict[str, Any] | None] | None = None) -> Any:
+    """The lease of ``where``'s blob (made if missing) with ``body`` written under it; None
+    while another holds it. ``before`` gets the record a blob there already held."""
+    made = checked(settings, f"creating {where.url}", lambda t: blob.upload_blob(
+        body, overwrite=False, **t), none_on=(409, 412))  # there already: leased or not
+    lease = checked(settings, f"taking {where.url}", lambda t: blob.acquire_lease(
+        lease_duration=settings.lock_lease_s, **t), none_on=(404, 409))
+    if lease is not None and made is None and before is not None:
+        before.append(_holder(blob, where, settings)[0])
+    if lease is not None:
+        checked(settings, f"writing {where.url}", lambda t: blob.upload_blob(
+            body, overwrite=True, lease=lease, **t))
+    return lease
+
+
+def _break(blob: Any, where: AzPath, settings: AzureSettings, etag: str | None) -> Any:
+    """Break the blob's lease at once, if its version is still ``etag`` (None: gone, not
+    leased, or rewritten meanwhile)."""
+    from azure.core import MatchConditions
+    from azure.storage.blob import BlobLeaseClient
+
+    return checked(settings, f"breaking the lease of {where.url}", lambda t: BlobLeaseClient(
+        blob).break_lease(lease_break_period=0, etag=etag,
+                          match_condition=MatchConditions.IfNotModified, **t),
+        none_on=(404, 409, 412))
 
 
 def _holder(blob: Any, where: AzPath,
@@ -131,16 +213,10 @@ def _took_over(blob: Any, where: AzPath, settings: AzureSettings, holder: dict[s
                etag: str | None) -> bool:
     """Break the lease of a holder that is provably dead (a process of this host and boot that
     is gone: it cannot renew) rather than wait for it to lapse; True if broken."""
-    from azure.core import MatchConditions
-    from azure.storage.blob import BlobLeaseClient
-
     gone = holders.dead(holder)
     if gone is None or etag is None:
         return False
-    broken = checked(settings, f"breaking the lease of {where.url}", lambda t: BlobLeaseClient(
-        blob).break_lease(lease_break_period=0, etag=etag,
-                          match_condition=MatchConditions.IfNotModified, **t),
-        none_on=(404, 409, 412))  # gone, not leased, or rewritten: try again
+    broken = _break(blob, where, settings, etag)  # None: try again
     if broken is not None:
         log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
                     "cannot renew it; its lease of %s s was not waited out", where.url,

@@ -14,7 +14,8 @@ endpoint (or the proxy to it, or Google's token service) that never answered thi
 (retried for UNREACHED_S only). Only the library's own exception types are caught (``errors()``), each
 mapped to StorageIOError naming the object and the fix.
 
-Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed().
+Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed(),
+no_bucket().
 Does not own: the settings (gcs_settings.py), what is written or read, the deadline and outage
 bookkeeping (s3/timeouts.py), the wording of an endpoint never reached (object_common.py).
 """
@@ -38,7 +39,7 @@ from ckptio.storage.object_common import unreached
 from ckptio.storage.s3 import timeouts
 
 __all__ = ["SCHEME", "UNREACHED_S", "GcsPath", "Timeout", "call", "client", "errors", "failed",
-           "mapped", "missing", "status"]
+           "mapped", "missing", "no_bucket", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "gs://"
@@ -174,6 +175,14 @@ def failed(what: str, exc: BaseException, settings: GcsSettings) -> CkptError:
             "refusing: check that it is up and reachable (raise GcsSettings.retry_deadline_s "
             "to wait longer)")
     return StorageIOError(f"{what} failed at {settings.endpoint()}: {_describe(exc)}")
+
+
+def no_bucket(settings: GcsSettings, bucket: str, location: str) -> StorageIOError:
+    """``bucket`` (of ``location``) is not there: a 404 of a bucket's request (a listing, a
+    bucket look-up, a write into it)."""
+    return StorageIOError(f"bucket {bucket!r} does not exist at {settings.endpoint()} (for "
+                          f"{location}): create it, or fix the bucket name or the endpoint "
+                          "(GcsSettings.endpoint_url)")
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -12,7 +12,8 @@ gcp-storage-emulator) the create is a look-up then a write: two processes racing
 believe they hold it; within one process claims are still exclusive (``_held``).
 
 The lock makes a second save wait (or raise); what keeps a checkpoint safe is the commit's
-precondition (gcs_store.py).
+precondition (gcs_store.py). Kept for a manager's life it is a run's lease (``take_run``:
+storage/object_lease.py), renewed through failures, lost when its record is another job's.
 
 Owns: GcsLock (take, renew, release), the holder text. Does not own: the manifest's condition
 (gcs_store.py), the client and retries (gcs_client.py), whether a holder is dead (holder.py).
@@ -24,17 +25,28 @@ import datetime
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
-from ckptio.storage.gcs.gcs_client import GcsPath, call, client, errors, failed, missing, status
+from ckptio.storage.gcs.gcs_client import (
+    GcsPath,
+    call,
+    client,
+    errors,
+    failed,
+    missing,
+    no_bucket,
+    status,
+)
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of, who
 
-__all__ = ["LOCK_NAME", "GcsLock", "take"]
+__all__ = ["LEASE_NAME", "LOCK_NAME", "GcsLock", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 _held: set[str] = set()  # lock URLs this process holds
@@ -49,9 +61,16 @@ class GcsLock:
     settings: GcsSettings
     generation: int
     holder: dict[str, Any]
+    lost: str | None = None  # a run lease: who took it over
+    run: bool = False  # a run's lease (take_run): renewed through failures, lost to a taker
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def held(self) -> bool:
+        """Lease (steproot.py): this process took the object."""
+        return True
 
     def start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, name="ckptio-gcs-lock",
@@ -62,13 +81,46 @@ class GcsLock:
         while not self._stop.wait(self.settings.lock_lease_s / 3):
             try:
                 with self._lock:
-                    self.holder["renewed"] = self.holder.get("renewed", 0) + 1
-                    self.generation = _write(self.where, self.settings, self.holder,
-                                             self.generation, "renewing")
+                    self.lost = self._taker() if self.run else None
+                    if self.lost is None:
+                        self.holder["renewed"] = self.holder.get("renewed", 0) + 1
+                        self.generation = _write(self.where, self.settings, self.holder,
+                                                 self.generation, "renewing")
+                    if self.generation < 0:  # another's write won
+                        self.lost = (self._taker() if self.run else None) or "it was rewritten"
             except CkptError as exc:
-                log.warning("ckptio: renewing the lock %s failed (%s); this save's commit will "
-                            "still refuse to overwrite a newer checkpoint", self.where.url, exc)
+                log.warning("ckptio: renewing the lock %s failed (%s)%s", self.where.url, exc,
+                            "; trying again" if self.run else "; this save's commit will still "
+                            "refuse to overwrite a newer checkpoint")
+                if self.run:
+                    continue
                 return
+            if self.lost is not None:
+                log.warning("ckptio: %s %s was taken over (%s)%s", "the run lease" if self.run
+                            else "the lock", self.where.url, self.lost, ": this job's manager "
+                            "saves nothing there any more" if self.run else "")
+                return
+
+    def _another_holds(self) -> bool:
+        """A run lease at release: whether another job holds it now (its object is then left;
+        without preconditions a delete could not tell)."""
+        try:
+            self.lost = self.lost or self._taker()
+        except CkptError as exc:
+            log.warning("ckptio: could not look up the run lease %s at release (%s); it is left "
+                        "to lapse", self.where.url, exc)
+            return True
+        return self.lost is not None
+
+    def _taker(self) -> str | None:
+        """A run lease: who holds it now if not this process (None: still ours)."""
+        bucket = _bucket(self.settings, self.where)
+        found = missing(self.settings, f"looking up the run lease {self.where.url}",
+                        lambda t: bucket.get_blob(self.where.key, timeout=t, retry=None))
+        record = None if found is None else _read(found)
+        if found is None:
+            return "its lease object was deleted"
+        return None if holders.is_me(record) else who(record)
 
     def release(self) -> None:
         self._stop.set()
@@ -78,6 +130,8 @@ class GcsLock:
             generation = self.generation
         with _held_lock:
             _held.discard(self.where.url)
+        if self.run and self._another_holds():
+            return
         blob = _bucket(self.settings, self.where).blob(self.where.key)
         condition = _condition(self.settings, generation)
         try:
@@ -111,8 +165,15 @@ def _write(where: GcsPath, settings: GcsSettings, holder: dict[str, Any], genera
     except errors() as exc:
         if status(exc) == 412:
             return -1
+        if status(exc) == 404:  # a write's 404: no such bucket
+            raise no_bucket(settings, where.bucket, where.url) from exc
         raise failed(f"{doing} the lock {where.url}", exc, settings) from exc
-    return int(blob.generation)
+    return _generation(blob)
+
+
+def _generation(blob: Any) -> int:
+    """A blob's generation (0 where the store gives none: an emulator without preconditions)."""
+    return int(blob.generation or 0)
 
 
 def take(location: GcsPath, settings: GcsSettings, if_locked: str, save: str) -> GcsLock:
@@ -129,6 +190,36 @@ def take(location: GcsPath, settings: GcsSettings, if_locked: str, save: str) ->
             return lock
         other = _holder_text(where, settings)
         wait.busy(other)
+
+
+def take_run(root: GcsPath, settings: GcsSettings, take_over: bool) -> GcsLock | None:
+    """The run lease of ``root`` (``<run>/.ckptio-run.lease``, storage/object_lease.py); None
+    where this process holds it already, or CheckpointLockedError naming the live job."""
+    where, watch = root.child(LEASE_NAME), RunWatch(root.url, take_over, settings.lock_lease_s)
+    holder = {**holders.me(), "run": root.url, "lease_s": settings.lock_lease_s}
+    bucket = _bucket(settings, where)
+    while True:
+        found = missing(settings, f"looking up the run lease {where.url}",
+                        lambda t: bucket.get_blob(where.key, timeout=t, retry=None))
+        other = None if found is None else _read(found)
+        if found is None:
+            made = _write(where, settings, holder, 0, "taking")
+        elif holders.is_me(other):
+            return None
+        else:
+            verdict = watch.verdict(other, f"{found.generation} {found.updated}", _age_s(found))
+            if verdict == "refuse":
+                raise watch.refused(other)
+            made = -1
+            if verdict == "take":
+                made = _write(where, settings, holder, _generation(found), "taking over")
+                if made >= 0:
+                    watch.taken(other)
+        if made >= 0:
+            lease = GcsLock(where, settings, made, holder, run=True)
+            lease.start_renewing()
+            return lease
+        time.sleep(watch.pause(other))
 
 
 def _try(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int | None:
@@ -154,10 +245,10 @@ def _take(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int 
     if found is None:
         made = _write(where, settings, holder, 0, "taking")
         return None if made < 0 else made
-    seen, age = int(found.generation), _age_s(found)  # before _read: a download resets them
+    seen, age = _generation(found), _age_s(found)  # before _read: a download resets them
     other = _read(found)  # from its headers, which a store may not send (the emulator)
     gone = holders.dead(other)
-    lease = _lease_s(other, settings)
+    lease = lease_of(other, settings.lock_lease_s)
     if gone is None and age <= lease:
         return None
     made = _write(where, settings, holder, seen, "taking over")
@@ -176,11 +267,6 @@ def _read(blob: Any) -> dict[str, Any] | None:
     except unreadable:
         return None
     return holder if isinstance(holder, dict) else None
-
-
-def _lease_s(other: dict[str, Any] | None, settings: GcsSettings) -> float:
-    lease = other.get("lease_s") if other else None
-    return float(lease) if isinstance(lease, (int, float)) and lease > 0 else settings.lock_lease_s
 
 
 def _age_s(blob: Any) -> float:

@@ -2,12 +2,15 @@
 storage/tree_root.py's MarkedTreeRoot over a GcsStore (its order of removal, safe at every
 point, is described there).
 
-Owns: GcsRoot's settings and what a failed removal asks of the bucket. Does not own: the
-listing and removal (tree_root.py), one checkpoint's objects and its commit (gcs_store.py).
+Owns: GcsRoot's settings, what a failed removal asks of the bucket, when the run's lease is
+taken. Does not own: the listing and removal (tree_root.py), one checkpoint's objects and its
+commit (gcs_store.py), the lease object (gcs_lock.py).
 """
 
 from __future__ import annotations
 
+from ckptio.storage.gcs import gcs_lock
+from ckptio.storage.gcs.gcs_client import GcsPath
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.gcs.gcs_store import GcsStore
 from ckptio.storage.object_common import MARKER
@@ -24,3 +27,10 @@ class GcsRoot(MarkedTreeRoot):
                          f"the bucket at {settings.endpoint()} (storage.objects.delete, "
                          "storage.objects.list)")
         self.settings = settings
+
+    def lease(self, take_over: bool, *, create: bool) -> gcs_lock.GcsLock | None:
+        """LeasedRoot: the run's lease (gcs_lock.take_run), taken at the manager's first save
+        (``create``; a reader of a live run writes nothing there)."""
+        if not create:
+            return None
+        return gcs_lock.take_run(GcsPath.parse(self.location), self.settings, take_over)

@@ -38,6 +38,7 @@ from ckptio.storage.gcs.gcs_client import (
     failed,
     mapped,
     missing,
+    no_bucket,
     status,
 )
 from ckptio.storage.gcs.gcs_settings import GcsSettings
@@ -76,9 +77,7 @@ class GcsBucket:
             raise self._no_bucket(location)
 
     def _no_bucket(self, location: str) -> StorageIOError:
-        return StorageIOError(f"bucket {self.name!r} does not exist at "
-                              f"{self.settings.endpoint()} (for {location}): create it, or "
-                              "fix the bucket name or the endpoint (GcsSettings.endpoint_url)")
+        return no_bucket(self.settings, self.name, location)
 
     def head(self, key: str) -> Found | None:
         blob = missing(self.settings, f"looking up {self.url(key)}",

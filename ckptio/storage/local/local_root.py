@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 from ckptio.errors import StorageIOError
 from ckptio.storage.local.local_store import LocalStore, committed_at
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
-from ckptio.storage.local.runlease import not_a_run_directory
+from ckptio.storage.local import runlease
+from ckptio.storage.local.runlease import RunLease, not_a_run_directory
 from ckptio.storage.local.slots import (
     SLOT_STEPS,
     SLOTS_DIR,
@@ -78,6 +79,10 @@ class LocalRoot:
         if location is not self._joined[0]:  # os.path.join's prefix, made once per location
             self._joined = (location, os.path.join(location, ""))
         return f"{self._joined[1]}{step_name(step)}"
+
+    def lease(self, take_over: bool, *, create: bool) -> RunLease | None:
+        """LeasedRoot: the run directory's lease (runlease.py), if it exists or ``create``."""
+        return runlease.take(self.location, take_over, create=create)
 
     def scan(self) -> Listing:
         """The step directories, committed and incomplete, ascending."""

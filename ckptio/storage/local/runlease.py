@@ -42,6 +42,8 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 class RunLease:
     """A run directory's lease as this process holds it (``fd`` None: not enforced)."""
 
+    lost: str | None = None  # a lock held by the kernel is never lost while the process lives
+
     def __init__(self, directory: str, fd: int | None) -> None:
         self.directory, self.fd = directory, fd
 
@@ -129,7 +131,7 @@ def not_a_run_directory(directory: str) -> StorageIOError:
 def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
     record = _record_of(fd)
     os.close(fd)
-    if _is_me(record):  # a second manager of this process (its own code decides)
+    if holders.is_me(record):  # a second manager of this process (its own code decides)
         return RunLease(directory, None)
     who = _describe(record)
     if take_over:
@@ -158,11 +160,6 @@ def _record_of(fd: int) -> dict[str, object] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
-
-
-def _is_me(record: dict[str, object] | None) -> bool:
-    mine = holders.me()
-    return record is not None and all(record.get(k) == mine[k] for k in ("host", "pid", "start"))
 
 
 def _describe(record: dict[str, object] | None) -> str:

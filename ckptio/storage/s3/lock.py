@@ -15,9 +15,13 @@ the end; it is not what keeps a checkpoint safe. That is the commit's condition 
 the manifest is written with If-Match on the ETag seen when the claim was taken), so a holder
 that stalled past its lease and a taker cannot both commit.
 
-Owns: S3Lock (take, renew, release), the holder text. Does not own: the manifest's condition
-and the store's other operations (store.py), the client and retries (client.py), whether a
-holder is dead (holder.py).
+Kept for a manager's life it is a run's lease (``take_run``, ``<run>/.ckptio-run.lease``: one
+live job per run), renewed through network failures, lost (``lost``) only to a taker's write;
+one found held is watched (storage/object_lease.py), one this process holds is not taken.
+
+Owns: S3Lock (take, renew, release), the run lease's taking, the holder text. Does not own:
+the manifest's condition and the store's other operations (store.py), the client and retries
+(client.py), whether a holder is dead (holder.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -32,11 +37,12 @@ from typing import Any
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
+from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
 from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["LOCK_NAME", "S3Lock", "take"]
+__all__ = ["LEASE_NAME", "LOCK_NAME", "S3Lock", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 
@@ -50,9 +56,15 @@ class S3Lock:
     etag: str
     holder: dict[str, Any]
     lost: str | None = None  # why a renewal failed (another save took the lock over)
+    run: bool = False  # a run's lease (take_run): lost only to a taker's write
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def held(self) -> bool:
+        """Lease (steproot.py): this process took the object."""
+        return True
 
     def start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, name="ckptio-s3-lock",
@@ -65,8 +77,18 @@ class S3Lock:
             try:
                 self._renew()
             except Exception as exc:  # noqa: BLE001 - recorded; the commit's condition decides
+                if self.run and status(exc) not in (404, 412):
+                    log.warning("ckptio: renewing the run lease %s failed (%s); trying again "
+                                "in %.0f s", self.where.url, describe(exc), period)
+                    continue
                 with self._lock:
-                    self.lost = describe(exc)
+                    self.lost = (f"{_holder_text(self.where, self.settings)}" if self.run
+                                 else describe(exc))
+                if self.run:
+                    log.warning("ckptio: another job took over the run lease %s (%s): this "
+                                "job's manager saves nothing there any more", self.where.url,
+                                self.lost)
+                    return
                 log.warning("ckptio: renewing the lock of %s failed (%s); this save's commit "
                             "will still refuse to overwrite a newer checkpoint",
                             self.where.url, describe(exc))
@@ -118,6 +140,61 @@ def take(location: S3Path, settings: S3Settings, if_locked: str, save: str) -> S
         wait.busy(other)
 
 
+def take_run(root: S3Path, settings: S3Settings, take_over: bool) -> S3Lock | None:
+    """The run lease of ``root`` (module docstring); None where this process holds it
+    already (a second manager of its own), or CheckpointLockedError naming the live job."""
+    where, watch = root.child(LEASE_NAME), RunWatch(root.url, take_over, settings.lock_lease_s)
+    holder = {**holders.me(), "run": root.url, "lease_s": settings.lock_lease_s}
+    while True:
+        etag = _create(where, settings, holder)
+        if etag is None:
+            other, head = _holder(where, settings)[0], _head(where, settings)
+            if head is None:
+                continue  # let go meanwhile: create it again
+            if holders.is_me(other):
+                return None
+            verdict = watch.verdict(other, f"{head['ETag']} {head.get('LastModified')}",
+                                    _age_s(head))
+            if verdict == "refuse":
+                raise watch.refused(other)
+            if verdict == "take":
+                etag = _replace(where, settings, holder, head["ETag"])
+                if etag is not None:
+                    watch.taken(other)
+        if etag is not None:
+            lease = S3Lock(where, settings, etag, holder, run=True)
+            lease.start_renewing()
+            return lease
+        time.sleep(watch.pause(other))
+
+
+def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str
+             ) -> str | None:
+    """Take a lock object over (If-Match ``etag``); None: another taker won."""
+    c, body = client(settings), json.dumps(holder).encode()
+    try:
+        answer = call(settings, f"taking over {where.url}", lambda: c.put_object(
+            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
+    except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
+        if status(exc) in (404, 412):
+            return None
+        raise failed(f"taking over {where.url}", exc) from exc
+    return str(answer["ETag"])
+
+
+def _head(where: S3Path, settings: S3Settings) -> dict[str, Any] | None:
+    """HEAD of ``where`` (None: gone)."""
+    c = client(settings)
+    try:
+        head: dict[str, Any] = call(settings, f"looking up {where.url}",
+                                    lambda: c.head_object(Bucket=where.bucket, Key=where.key))
+    except Exception as exc:  # noqa: BLE001 - 404: released meanwhile; the rest mapped
+        if status(exc) == 404:
+            return None
+        raise failed(f"looking up {where.url}", exc) from exc
+    return head
+
+
 def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
     """The new lock's ETag, or None if a lock exists."""
     c, body = client(settings), json.dumps(holder).encode()
@@ -134,42 +211,24 @@ def _create(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str 
 def _take_stale(where: S3Path, settings: S3Settings, holder: dict[str, Any]) -> str | None:
     """Take over a lock whose holder stopped renewing it, or is provably dead; None if it is
     live (or just went: the caller tries to create it again)."""
-    c = client(settings)
-    try:
-        head = call(settings, f"looking up the lock {where.url}",
-                    lambda: c.head_object(Bucket=where.bucket, Key=where.key))
-    except Exception as exc:  # noqa: BLE001 - 404: released meanwhile; the rest mapped
-        if status(exc) == 404:
-            return None
-        raise failed(f"looking up the lock {where.url}", exc) from exc
+    head = _head(where, settings)
+    if head is None:
+        return None
     other, etag = _holder(where, settings)
     gone = holders.dead(other)
     if gone is None:
         etag = head["ETag"]
-        if _age_s(head) <= _lease_s(other, settings):
+        if _age_s(head) <= lease_of(other, settings.lock_lease_s):
             return None
-    body = json.dumps(holder).encode()
-    try:
-        answer = call(settings, f"taking over the lock {where.url}", lambda: c.put_object(
-            Bucket=where.bucket, Key=where.key, Body=body, IfMatch=etag))
-    except Exception as exc:  # noqa: BLE001 - 412/404: another taker won
-        if status(exc) in (404, 412):
-            return None
-        raise failed(f"taking over the lock {where.url}", exc) from exc
-    if gone is not None:
+    taken = None if etag is None else _replace(where, settings, holder, etag)
+    if taken is not None and gone is not None:
         log.warning("ckptio: took over the lock %s at once: its holder (save %s) %s, so it "
                     "cannot renew it; its lease of %.0f s was not waited out", where.url,
-                    (other or {}).get("save"), gone, _lease_s(other, settings))
-    else:
+                    (other or {}).get("save"), gone, lease_of(other, settings.lock_lease_s))
+    elif taken is not None:
         log.warning("ckptio: took over the lock %s: its holder stopped renewing it over %.0f s "
                     "ago (a save that died)", where.url, settings.lock_lease_s)
-    return str(answer["ETag"])
-
-
-def _lease_s(other: dict[str, Any] | None, settings: S3Settings) -> float:
-    """The lease its holder renews the lock within (recorded in it), else ours."""
-    lease = other.get("lease_s") if other else None
-    return float(lease) if isinstance(lease, (int, float)) and lease > 0 else settings.lock_lease_s
+    return taken
 
 
 def _age_s(head: dict[str, Any]) -> float:

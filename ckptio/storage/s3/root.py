@@ -17,8 +17,9 @@ a save into step N first finishes a removal pending there. Only marked prefixes 
 incomplete steps are never deleted.
 
 Owns: S3Root (listing, the marker, the order of a removal, what a prefix holds instead of
-steps). Does not own: which steps to keep (the manager), one checkpoint's objects and its commit
-(store.py), URLs, the client and retries (client.py).
+steps, when the run's lease is taken). Does not own: which steps to keep (the manager), one
+checkpoint's objects and its commit (store.py), the lease object (lock.py), URLs, the client
+and retries (client.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
+from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steproot import (
@@ -71,6 +73,14 @@ class S3Root:
 
     def path(self, step: int) -> str:
         return self.where.child(step_name(step)).url
+
+    def lease(self, take_over: bool, *, create: bool) -> s3lock.S3Lock | None:
+        """LeasedRoot: the run's lease (lock.take_run), taken at the manager's first save
+        (``create``; a reader of a live run writes nothing there); none on a store whose
+        conditional writes are off (it could not tell two takers apart)."""
+        if not create or self.settings.conditional != "require":
+            return None
+        return s3lock.take_run(self.where, self.settings, take_over)
 
     # -- listing ----------------------------------------------------------------------------
 
