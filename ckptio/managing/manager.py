@@ -258,9 +258,11 @@ class CheckpointManager(ManagerParts):
         # a rollback: the staging stays as this run's saves left it
         sizing = prepare and not self._saved_here
         planned = self._staging(state) if sizing else ([], False)  # the load reads through
+        wanted = None if step is None else check_step(step)
+        # listed before the load: a listing's storage error leaves the state untouched
+        listings = self._agreed(self._listings) if self._lists_first(wanted) else None
         try:
-            restored = self._restore(state, None if step is None else check_step(step),
-                                     load_kwargs)
+            restored = self._restore(state, wanted, load_kwargs, listings)
         except StorageIOError as exc:  # not damage: no older step is tried in its place
             raise restated(exc, "restore() stopped on a storage error; the state it fills in "
                                 "place may hold some of that step's tensors and keep its "
@@ -305,8 +307,15 @@ class CheckpointManager(ManagerParts):
             for level in self._levels:
                 level.prepare_slots(sizes, cuda)
 
-    def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any]) -> int | None:
-        """restore()'s load: the guarded one, an exact step, or the newest loadable."""
+    def _lists_first(self, step: int | None) -> bool:
+        """Whether _restore() loads from the tiers' listings (not a guarded restore, nor an
+        exact step of the one tier)."""
+        return self._guard is None and not (step is not None and len(self._levels) == 1)
+
+    def _restore(self, state: Any, step: int | None, load_kwargs: dict[str, Any],
+                 listings: Any = None) -> int | None:
+        """restore()'s load: the guarded one, an exact step, or the newest loadable of
+        ``listings`` (the tiers', agreed: _lists_first())."""
         if self._guard is not None:
             record = restore_guarded(self._guard, self._levels, self._listings,
                                      self._ck.verify, state, step, load_kwargs)
@@ -318,7 +327,8 @@ class CheckpointManager(ManagerParts):
             self._levels[0].load(step, state, load_kwargs)
             self._levels[0].succeeded(step)
             return step
-        listings = self._agreed(self._listings)
+        if listings is None:
+            listings = self._agreed(self._listings)
         if step is None and not any(x["committed"] for x in listings):
             why = self._agreed(emptiness, self._levels, listings)
             nothing_to_restore(self._levels, listings, why, stacklevel=4)

@@ -1,6 +1,7 @@
 """What the object-store schemes (s3://, gs://, az://) share: their backends' table of open
-handles, the errors of a commit another writer won and of a prefix without a manifest, and
-their step roots' pending removals of hidden steps.
+handles, the errors of a commit another writer won, of a prefix without a manifest, of an
+object deleted while it was read and of an endpoint that never answered, and their step roots'
+pending removals of hidden steps.
 
 Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
 whose rules are the same whatever the service, kept once so that a fix reaches all three (and
@@ -12,7 +13,8 @@ close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; it
 read_manifest with no manifest -> ``no_checkpoint``. A root's scan() -> ``MarkedSteps.add``,
 its hide() -> ``MarkedSteps.hide``, its removal() -> ``MarkedSteps.removal``.
 
-Owns: the handle numbering, those messages, the removal's two modes (quiet in the background,
+Owns: the handle numbering, those messages (which proxy the environment names for an
+endpoint: ``proxy_for``), the removal's two modes (quiet in the background,
 raising before a save into the step). Does not own: any request to a service (the schemes'
 folders), the marker's name or the order of deletions (each root's ``finish``).
 """
@@ -23,6 +25,8 @@ import functools
 import logging
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -39,7 +43,7 @@ from ckptio.storage import abandon, missing_manifest
 from ckptio.storage.steproot import Removal, warn
 
 __all__ = ["MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedSteps", "OpenHandles",
-           "lost_commit", "no_checkpoint"]
+           "deleted_while_read", "lost_commit", "no_checkpoint", "proxy_for", "unreached"]
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
@@ -130,6 +134,43 @@ def lost_commit(location: str) -> CheckpointLockedError:
         "honoured there (a writer that does not take ckptio's lock, or this save outlived its "
         "lock's lease); this save was not committed and the checkpoint there is kept: make the "
         "saves take the claim, or give each its own location")
+
+
+def deleted_while_read(what: str, url: str) -> StorageIOError:
+    """A read of ``url`` answered 404 though the object was there when opened."""
+    return StorageIOError(
+        f"{what} failed: {url} no longer exists (404: it was deleted since it was opened; "
+        "another save replaced this checkpoint, or a retention removed it, while it was "
+        "read): load it again, or load an earlier checkpoint")
+
+
+def proxy_for(endpoint: str) -> str | None:
+    """The proxy HTTPS_PROXY / HTTP_PROXY name for ``endpoint`` (NO_PROXY honoured), or None."""
+    parts = urllib.parse.urlsplit(endpoint)
+    proxies = urllib.request.getproxies_environment()
+    if not parts.hostname or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return proxies.get(parts.scheme) or None
+
+
+def unreached(what: str, endpoint: str, tried: str, *, cloud: str | None,
+              fix: str) -> StorageIOError:
+    """An endpoint that never answered this process (``tried``: the cause and the attempts):
+    the proxy the environment names for it, else ``cloud`` (a provider's own endpoint, by its
+    name: this machine's network), else the endpoint as configured; ``fix`` says where the
+    endpoint is set."""
+    proxy = proxy_for(endpoint)
+    if proxy is not None:
+        return StorageIOError(
+            f"{what} failed: the proxy to {endpoint} ({proxy}) does not answer ({tried}): check "
+            "HTTPS_PROXY / HTTP_PROXY (or unset them, or list the endpoint's host in NO_PROXY) "
+            "and that the proxy is running")
+    if cloud is not None:
+        return StorageIOError(
+            f"{what} failed: {cloud} cannot be reached from here ({tried}): check this "
+            f"machine's network, DNS and proxy (HTTPS_PROXY); {fix}")
+    return StorageIOError(f"{what} failed: nothing answers at {endpoint} ({tried}): {fix}, its "
+                          "port, and that the server is running")
 
 
 def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable[[str], bool],

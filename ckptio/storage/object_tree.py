@@ -250,6 +250,13 @@ class ObjectTreeStore:
         found, _ = self.bucket.listing(self.where.dir_prefix, False)
         return sorted(found, key=lambda k: (k.rsplit("/", 1)[-1] == MANIFEST_NAME, k))
 
+    def names_below(self) -> list[str]:
+        """Every object's name under the prefix, at any depth, relative to it (one listing,
+        paged by the service)."""
+        cut = len(self.where.dir_prefix)
+        found, _ = self.bucket.listing(self.where.dir_prefix, False)
+        return sorted(key[cut:] for key in found if key[cut:])
+
     def remove_tree(self) -> list[str]:
         """Every object under the prefix deleted, manifests first (a kill part way leaves no
         committed checkpoint missing its data)."""

@@ -15,8 +15,8 @@ A marker left by a kill is found by the next scan, its removal finished by the n
 a save into step N first finishes a removal pending there (object_common.MarkedSteps).
 Incomplete steps are never deleted.
 
-Owns: the listing, the hide and the removal through any TreeStore. Does not own: the store's
-requests (its scheme's folder), which steps to keep (the manager).
+Owns: the listing, the hide and the removal through an ObjectTreeStore (object_tree.py). Does
+not own: the store's requests (its scheme's folder), which steps to keep (the manager).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from ckptio.storage.steproot import (
     step_name,
     step_of,
 )
-from ckptio.storage.store_contract import TreeStore
+from ckptio.storage.object_tree import ObjectTreeStore
 
 __all__ = ["MarkedTreeRoot"]
 
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
+_MANY_STEPS = 16  # scan(): more steps than this are told apart by one listing of the root
 
 
 class MarkedTreeRoot:
@@ -45,7 +46,7 @@ class MarkedTreeRoot:
     and ``access`` (what a failed removal asks the user to check) name the service. Not
     thread-safe, except that the removal it hands out may run on another thread."""
 
-    def __init__(self, store: TreeStore, endpoint: str, access: str) -> None:
+    def __init__(self, store: ObjectTreeStore, endpoint: str, access: str) -> None:
         self.store = store
         self.location = store.location
         self.endpoint = endpoint
@@ -59,16 +60,20 @@ class MarkedTreeRoot:
     def path(self, step: int) -> str:
         return self._step(step).location
 
-    def _step(self, step: int) -> TreeStore:
+    def _step(self, step: int) -> ObjectTreeStore:
         return self.store.child(step_name(step))
 
     # -- listing ----------------------------------------------------------------------------
 
     def scan(self) -> Listing:
         """The step prefixes, committed and incomplete, ascending; marked ones left out (and
-        remembered for the next removal())."""
+        remembered for the next removal()). Many steps are told apart by one listing of every
+        object under the root (_listed_states), a few each by its own listing (_state)."""
         steps = sorted({s for s in map(step_of, self.store.entries()) if s is not None})
-        states = {step: self._state(step) for step in steps}
+        if len(steps) > _MANY_STEPS:
+            states = self._listed_states(steps)
+        else:
+            states = {step: self._state(step) for step in steps}
         self._marked.add(s for s, state in states.items() if state == "marked")
         return {kind: [s for s in steps if states[s] == kind]
                 for kind in ("committed", "incomplete")}
@@ -81,6 +86,18 @@ class MarkedTreeRoot:
         if MANIFEST_NAME in held:
             return "committed"
         return "incomplete" if held else "empty"
+
+    def _listed_states(self, steps: list[int]) -> dict[int, str]:
+        """_state() of every one of ``steps`` from one listing of every object under the root
+        (the service pages it: a page holds the objects of many steps)."""
+        seen: dict[int, set[str]] = {step: set() for step in steps}
+        for name in self.store.names_below():
+            first, inside, rest = name.partition("/")
+            step = step_of(first)
+            if inside and step in seen:
+                seen[step].add(rest if rest in (MARKER, MANIFEST_NAME) else "")
+        return {step: "marked" if MARKER in names else "committed" if MANIFEST_NAME in names
+                else "incomplete" if names else "empty" for step, names in seen.items()}
 
     def is_committed(self, step: int) -> bool:
         return MANIFEST_NAME in self._step(step).sizes([MANIFEST_NAME])
@@ -150,7 +167,7 @@ class MarkedTreeRoot:
                                move="copy them under step-<N>/")
 
 
-def _usage(store: TreeStore) -> tuple[int, int]:
+def _usage(store: ObjectTreeStore) -> tuple[int, int]:
     """Bytes and objects under ``store``: its files, then each sub-prefix's."""
     names = store.entries()
     sizes = store.sizes(names)

@@ -34,7 +34,7 @@ from ckptio.storage.azure.az_client import (
     status,
 )
 from ckptio.storage.azure.az_settings import AzureSettings
-from ckptio.storage.object_common import OpenHandles
+from ckptio.storage.object_common import OpenHandles, deleted_while_read
 
 __all__ = ["MAX_BLOCKS", "AzureBackend", "block_id", "head"]
 
@@ -217,10 +217,12 @@ class AzureBackend:
 
         try:
             data = call(self.settings, what, request)
-        except sdk_error() as exc:  # 412: replaced since opened; the rest mapped
+        except sdk_error() as exc:  # 412: replaced since opened; 404: deleted; the rest mapped
             if status(exc) == 412:
                 raise StorageIOError(f"{what} failed: the blob was replaced while it was read; "
-                                     "load again") from exc
+                                     "load it again, or load an earlier checkpoint") from exc
+            if status(exc) == 404:
+                raise deleted_while_read(what, opened.where.url) from exc
             raise failed(what, exc) from exc
         into[:len(data)] = data
         return len(data)

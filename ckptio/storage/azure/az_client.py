@@ -15,7 +15,8 @@ blob, the endpoint and the fix; an error answer is raised as the SDK's HttpRespo
 the caller to read (404, 409, 412) or map with failed().
 
 Owns: AzPath, container(), call(), status()/code()/failed(). Does not own: the deadline and
-outage bookkeeping (s3/timeouts.py), the settings (az_settings.py), what is written or read.
+outage bookkeeping (s3/timeouts.py), the settings (az_settings.py), what is written or read,
+the wording of an endpoint never reached (object_common.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import random
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import MiB
 from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
+from ckptio.storage.object_common import unreached
 from ckptio.storage.s3 import timeouts
 
 __all__ = ["CONNECT_S", "SCHEME", "UNREACHED_S", "AzPath", "Timeouts", "call", "checked", "code",
@@ -194,6 +197,20 @@ def _retryable(exc: BaseException) -> bool:
                                                    or status(exc) in _RETRY_STATUS)
 
 
+def _never_answered(what: str, endpoint: str, tried: str) -> StorageIOError:
+    """An endpoint that never answered: a host named in DNS (Azure's own, an account's) is a
+    cloud endpoint (this machine's network, or a misspelt account: its host does not
+    resolve); a loopback or IP one is a server of the user's (an emulator)."""
+    host = urllib.parse.urlsplit(endpoint).hostname or ""
+    local = host == "localhost" or host.replace(".", "").isdigit() or ":" in host
+    if local:
+        return unreached(what, endpoint, tried, cloud=None, fix=(
+            f"check the blob endpoint in {CONNECTION_ENV} (or AzureSettings)"))
+    return unreached(what, endpoint, tried, cloud=f"Azure Blob Storage at {endpoint}", fix=(
+        "check the account name in the connection string or AzureSettings.account_url (a "
+        f"misspelt account's host does not resolve), and the endpoint in {CONNECTION_ENV}"))
+
+
 def call(settings: AzureSettings, what: str, request: Callable[[Timeouts], T],
          *, sleep: Callable[[float], None] = time.sleep) -> T:
     """``request(timeouts)`` retried while its failure is transient, until the deadline;
@@ -221,18 +238,16 @@ def call(settings: AzureSettings, what: str, request: Callable[[Timeouts], T],
             elapsed = spent.elapsed()
             if (isinstance(exc, ServiceRequestError) and endpoint not in _reached
                     and elapsed >= min(UNREACHED_S, settings.retry_deadline_s)):
-                raise StorageIOError(
-                    f"{what} failed: nothing answers at {endpoint} ({describe(exc)}; {attempt} "
-                    f"attempt(s) in {elapsed:.1f} s): check the blob endpoint in "
-                    f"{CONNECTION_ENV} (or AzureSettings), its port, and that the service is "
-                    "running") from exc
+                timeouts.ended(spent)
+                raise _never_answered(what, endpoint, f"{describe(exc)}; {attempt} attempt(s) "
+                                      f"in {elapsed:.1f} s") from exc
             if spent.over():
                 timeouts.ended(spent)
                 raise StorageIOError(
                     f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
                     f"{describe(exc)}; the service at {endpoint} did not answer in time or kept "
-                    "refusing: check that it is up and reachable (raise AzureSettings."
-                    "retry_deadline_s to wait longer)") from exc
+                    f"refusing{timeouts.probed(spent)}: check that it is up and reachable (raise "
+                    "AzureSettings.retry_deadline_s to wait longer)") from exc
             sleep(min(random.uniform(0, min(5.0, 0.1 * 2 ** attempt)), spent.left()))
         else:
             _reached.add(endpoint)

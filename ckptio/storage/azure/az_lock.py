@@ -26,6 +26,7 @@ from typing import Any
 from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.azure.az_client import (
+    CONNECT_S,
     AzPath,
     Timeouts,
     call,
@@ -80,10 +81,11 @@ class AzureLock:
                                 self.where.url, describe(exc))
                     continue
                 self.lost = describe(exc)
-                log.warning("ckptio: renewing the %s %s failed (%s)%s", "run lease" if self.body
-                            is not None else "lock", self.where.url, self.lost, ": another job "
-                            "took it over, this job's manager saves nothing there any more"
-                            if self.body is not None else "")
+                if not self._stop.is_set():  # after release(): the lock is let go anyway
+                    log.warning("ckptio: renewing the %s %s failed (%s)%s", "run lease"
+                                if self.body is not None else "lock", self.where.url, self.lost,
+                                ": another job took it over, this job's manager saves nothing "
+                                "there any more" if self.body is not None else "")
                 return
 
     def _rewrite(self) -> None:
@@ -95,9 +97,12 @@ class AzureLock:
             data, overwrite=True, lease=self.lease, **t))
 
     def release(self) -> None:
+        """Stop renewing and delete the lock blob. A renewal still waiting for its answer (a
+        network that swallows it) is waited for CONNECT_S at most, not its deadline: the save
+        has ended, and the renewal's thread ends when its request does."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(CONNECT_S)
         if self.lost is not None:  # another job holds it now
             return
         blob = container(self.settings, self.where.container).get_blob_client(self.where.name)

@@ -27,9 +27,17 @@ from typing import Any
 
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, completed, started_pool
-from ckptio.storage.gcs.gcs_client import GcsPath, client, errors, failed, mapped, missing, status
+from ckptio.storage.gcs.gcs_client import (
+    GcsPath,
+    call,
+    client,
+    errors,
+    failed,
+    missing,
+    status,
+)
 from ckptio.storage.gcs.gcs_settings import GcsSettings
-from ckptio.storage.object_common import OpenHandles
+from ckptio.storage.object_common import OpenHandles, deleted_while_read
 
 __all__ = ["GcsBackend"]
 
@@ -193,8 +201,13 @@ class GcsBackend:
         blob = self._blob(opened.where, opened.generation)
         end = offset + len(into) - 1
         what = f"reading bytes {offset}-{end} of {opened.where.url}"
-        data = mapped(self.settings, what, lambda t: blob.download_as_bytes(
-            start=offset, end=end, raw_download=True, checksum=None, timeout=t, retry=None))
+        try:
+            data = call(self.settings, what, lambda t: blob.download_as_bytes(
+                start=offset, end=end, raw_download=True, checksum=None, timeout=t, retry=None))
+        except errors() as exc:  # 404: that generation was deleted since opened
+            if status(exc) == 404:
+                raise deleted_while_read(what, opened.where.url) from exc
+            raise failed(what, exc, self.settings) from exc
         if len(data) != len(into):
             raise StorageIOError(f"{what} failed: the store sent {len(data)} bytes though the "
                                  f"object had {opened.size} when opened (replaced or "

@@ -7,13 +7,17 @@ extra), one per process and settings, shared by threads.
 Retries are ours, not the library's (every request is sent with ``retry=None``): 408, 429,
 5xx, resets and timeouts are retried with full-jitter backoff until
 ``GcsSettings.retry_deadline_s``; each attempt waits at most what is left of it, so a silent
-network fails the request at its deadline. What retrying cannot fix fails at once, naming the
-cause and the fix: missing credentials, an endpoint that never answered this process (retried
-for UNREACHED_S only). Only the library's own exception types are caught (``errors()``), each
+network fails the request at its deadline; the outage record (a save's cleanup after a
+give-up, short probes while the endpoint stays silent) is S3's, shared (s3/timeouts.py). What
+retrying cannot fix fails at once, naming the cause and the fix: missing credentials, an
+endpoint (or the proxy to it, or Google's token service) that never answered this process
+(retried for UNREACHED_S only). Only the library's own exception types are caught (``errors()``), each
 mapped to StorageIOError naming the object and the fix.
 
-Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed().
-Does not own: the settings (gcs_settings.py), what is written or read.
+Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed(),
+no_bucket().
+Does not own: the settings (gcs_settings.py), what is written or read, the deadline and outage
+bookkeeping (s3/timeouts.py), the wording of an endpoint never reached (object_common.py).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.gcs.gcs_settings import GcsSettings
+from ckptio.storage.object_common import unreached
+from ckptio.storage.s3 import timeouts
 
 __all__ = ["SCHEME", "UNREACHED_S", "GcsPath", "Timeout", "call", "client", "errors", "failed",
-           "mapped", "missing", "status"]
+           "mapped", "missing", "no_bucket", "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "gs://"
@@ -171,6 +177,14 @@ def failed(what: str, exc: BaseException, settings: GcsSettings) -> CkptError:
     return StorageIOError(f"{what} failed at {settings.endpoint()}: {_describe(exc)}")
 
 
+def no_bucket(settings: GcsSettings, bucket: str, location: str) -> StorageIOError:
+    """``bucket`` (of ``location``) is not there: a 404 of a bucket's request (a listing, a
+    bucket look-up, a write into it)."""
+    return StorageIOError(f"bucket {bucket!r} does not exist at {settings.endpoint()} (for "
+                          f"{location}): create it, or fix the bucket name or the endpoint "
+                          "(GcsSettings.endpoint_url)")
+
+
 def _retryable(exc: BaseException) -> bool:
     import requests
     from google.auth.exceptions import TransportError
@@ -183,16 +197,19 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _unreached(exc: BaseException) -> bool:
-    """A connection that could not be made (refused, no such host, connect timeout)."""
+    """A connection that could not be made (refused, no such host, connect timeout; to the
+    endpoint, to the proxy in between, or to Google's token service for the credentials)."""
     import requests
+    from google.auth.exceptions import TransportError
 
+    if isinstance(exc, TransportError):  # the credentials' refresh: its cause says which
+        cause = exc.__cause__ or exc.__context__
+        return cause is not None and _unreached(cause)
     return (isinstance(exc, (requests.ConnectionError, ConnectionRefusedError))
             and not isinstance(exc, requests.ReadTimeout) and status(exc) is None)
 
 
 _reached: set[str] = set()  # endpoints that answered this process (a response, even an error)
-_gave_up: dict[str, float] = {}  # endpoint -> when a request to it last gave up (an outage)
-OUTAGE_S = 10.0  # after a give-up, other requests to the endpoint give up at their first failure
 
 
 def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
@@ -202,55 +219,53 @@ def call(settings: GcsSettings, what: str, request: Callable[[Timeout], T],
     ``what`` names the operation and object. A failure that is not transient is raised as it
     is (the caller maps 404/412: ``status``); an endpoint that never answered becomes
     StorageIOError after UNREACHED_S; one that outlasts the deadline becomes StorageIOError
-    naming ``what``, the endpoint, the attempts and the cause. Once one request to an endpoint
-    gave up, the others give up at their next transient failure (for OUTAGE_S, or until one
-    succeeds)."""
+    naming ``what``, the endpoint, the attempts and the cause. The outage record is S3's
+    (s3/timeouts.py): once one request to an endpoint gave up, the others give up at their next
+    transient failure, and a request after that outage, the endpoint silent since, is a short
+    probe until one succeeds."""
     endpoint, deadline = settings.endpoint(), settings.retry_deadline_s
-    start, attempt, caught = time.monotonic(), 0, errors()
+    spent, attempt, caught = timeouts.Budget(endpoint, deadline), 0, errors()
     while True:
-        left = max(deadline - (time.monotonic() - start), 0.05)
+        wait = min(settings.read_timeout_s, spent.read_timeout())
         try:
-            answer = request((min(settings.connect_timeout_s, left),
-                              min(settings.read_timeout_s, left)))
+            answer = request((min(settings.connect_timeout_s, wait), wait))
         except caught as exc:
             if status(exc) is not None:
                 _reached.add(endpoint)
             if not _retryable(exc):
                 raise
             attempt += 1
-            elapsed = time.monotonic() - start
-            if _in_outage(endpoint):
-                elapsed = deadline  # another request gave up on it just now: so does this one
+            elapsed = spent.elapsed()
             if _unreached(exc) and endpoint not in _reached and elapsed >= min(UNREACHED_S,
                                                                                deadline):
-                _gave_up[endpoint] = time.monotonic()
-                raise StorageIOError(
-                    f"{what} failed: nothing answers at {endpoint} ({_describe(exc)}; {attempt} "
-                    f"attempt(s) in {elapsed:.1f} s): check the endpoint "
-                    "(GcsSettings.endpoint_url or STORAGE_EMULATOR_HOST), its port, and that "
-                    "the server is running") from exc
-            if elapsed >= deadline:
-                _gave_up[endpoint] = time.monotonic()
+                timeouts.ended(spent)
+                raise _never_answered(what, settings, f"{_describe(exc)}; {attempt} "
+                                      f"attempt(s) in {elapsed:.1f} s") from exc
+            if spent.over():
+                timeouts.ended(spent)
                 raise StorageIOError(
                     f"{what} failed after {attempt} attempt(s) in {elapsed:.0f} s: "
                     f"{_describe(exc)}; the store at {endpoint} did not answer in time or kept "
-                    "refusing: check that it is up and reachable (raise "
-                    "GcsSettings.retry_deadline_s to wait longer)") from exc
-            pause = min(random.uniform(0, min(5.0, 0.1 * 2 ** attempt)), deadline - elapsed)
+                    f"refusing{timeouts.probed(spent)}: check that it is up and reachable "
+                    "(raise GcsSettings.retry_deadline_s to wait longer)") from exc
+            pause = min(random.uniform(0, min(5.0, 0.1 * 2 ** attempt)), spent.left())
             log.info("ckptio: %s: %s; retrying in %.2f s (attempt %d)", what, _describe(exc),
                      pause, attempt + 1)
-            sleep(max(pause, 0.0))
+            sleep(pause)
         else:
             _reached.add(endpoint)
-            _gave_up.pop(endpoint, None)
+            timeouts.recovered(endpoint)
             return answer
 
 
-def _in_outage(endpoint: str) -> bool:
-    """Whether a request to ``endpoint`` gave up within OUTAGE_S (a failed save's cleanup then
-    fails at once instead of waiting out a deadline of its own)."""
-    since = _gave_up.get(endpoint)
-    return since is not None and time.monotonic() - since < OUTAGE_S
+def _never_answered(what: str, settings: GcsSettings, tried: str) -> StorageIOError:
+    endpoint = settings.configured() or "https://storage.googleapis.com"
+    if settings.configured() is None:
+        return unreached(what, endpoint, tried, cloud="Google Cloud Storage", fix=(
+            "for an emulator or another server, set STORAGE_EMULATOR_HOST or "
+            "GcsSettings.endpoint_url"))
+    return unreached(what, endpoint, tried, cloud=None, fix=(
+        "check the endpoint (GcsSettings.endpoint_url or STORAGE_EMULATOR_HOST)"))
 
 
 def mapped(settings: GcsSettings, what: str, request: Callable[[Timeout], T]) -> T:

@@ -31,7 +31,16 @@ from typing import Any
 
 from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
-from ckptio.storage.gcs.gcs_client import GcsPath, call, client, errors, failed, missing, status
+from ckptio.storage.gcs.gcs_client import (
+    GcsPath,
+    call,
+    client,
+    errors,
+    failed,
+    missing,
+    no_bucket,
+    status,
+)
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
@@ -156,6 +165,8 @@ def _write(where: GcsPath, settings: GcsSettings, holder: dict[str, Any], genera
     except errors() as exc:
         if status(exc) == 412:
             return -1
+        if status(exc) == 404:  # a write's 404: no such bucket
+            raise no_bucket(settings, where.bucket, where.url) from exc
         raise failed(f"{doing} the lock {where.url}", exc, settings) from exc
     return _generation(blob)
 
@@ -234,12 +245,13 @@ def _take(where: GcsPath, settings: GcsSettings, holder: dict[str, Any]) -> int 
     if found is None:
         made = _write(where, settings, holder, 0, "taking")
         return None if made < 0 else made
-    other = _read(found)
+    seen, age = _generation(found), _age_s(found)  # before _read: a download resets them
+    other = _read(found)  # from its headers, which a store may not send (the emulator)
     gone = holders.dead(other)
     lease = lease_of(other, settings.lock_lease_s)
-    if gone is None and _age_s(found) <= lease:
+    if gone is None and age <= lease:
         return None
-    made = _write(where, settings, holder, _generation(found), "taking over")
+    made = _write(where, settings, holder, seen, "taking over")
     if made < 0:
         return None
     log.warning("ckptio: took over the lock %s: its holder (save %s) %s", where.url,

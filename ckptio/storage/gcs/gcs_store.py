@@ -38,6 +38,7 @@ from ckptio.storage.gcs.gcs_client import (
     failed,
     mapped,
     missing,
+    no_bucket,
     status,
 )
 from ckptio.storage.gcs.gcs_settings import GcsSettings
@@ -73,9 +74,10 @@ class GcsBucket:
                        lambda t: client(self.settings).lookup_bucket(self.name, timeout=t,
                                                                      retry=None))
         if found is None:
-            raise StorageIOError(f"bucket {self.name!r} does not exist at "
-                                 f"{self.settings.endpoint()} (for {location}): create it, or "
-                                 "fix the bucket name or the endpoint (GcsSettings.endpoint_url)")
+            raise self._no_bucket(location)
+
+    def _no_bucket(self, location: str) -> StorageIOError:
+        return no_bucket(self.settings, self.name, location)
 
     def head(self, key: str) -> Found | None:
         blob = missing(self.settings, f"looking up {self.url(key)}",
@@ -116,7 +118,13 @@ class GcsBucket:
             found = {b.name: Found(int(b.size), int(b.generation)) for b in pages}
             return found, sorted(pages.prefixes)
 
-        return mapped(self.settings, f"listing {self.url(prefix.rstrip('/'))}", request)
+        what = f"listing {self.url(prefix.rstrip('/'))}"
+        try:
+            return call(self.settings, what, request)
+        except errors() as exc:  # 404: the bucket (a listing finds no object, not a 404)
+            if status(exc) == 404:
+                raise self._no_bucket(self.url(prefix.rstrip("/"))) from exc
+            raise failed(what, exc, self.settings) from exc
 
     def delete(self, key: str) -> None:
         blob = self.handle.blob(key)

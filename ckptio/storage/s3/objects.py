@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ckptio.errors import StorageIOError
+from ckptio.storage.object_common import deleted_while_read
 
 __all__ = ["SEEN_MAX", "SEEN_TTL_S", "check_answer", "refusal", "remember", "take"]
 
@@ -78,10 +79,7 @@ def refusal(status: int | None, what: str, url: str) -> StorageIOError | None:
             "one read so far; another writer replaced it): load it again, or load an earlier "
             "checkpoint")
     if status == 404:
-        return StorageIOError(
-            f"{what} failed: {url} no longer exists (404: it was deleted since it was opened; "
-            "another save replaced this checkpoint, or a retention removed it, while it was "
-            "read): load it again, or load an earlier checkpoint")
+        return deleted_while_read(what, url)
     if status == 416:
         return StorageIOError(
             f"{what} failed: {url} is shorter than when it was opened (416: the range asked is "

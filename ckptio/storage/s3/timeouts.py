@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["FLOOR_S", "GRACE_S", "PROBE_SHARE", "READ_TIMEOUT_S", "WINDOW_S", "Budget", "attempt",
-           "ended", "hopeless", "install", "limited", "outage_since", "recovered", "reset"]
+           "ended", "hopeless", "install", "limited", "outage_since", "probed", "recovered", "reset"]
 
 READ_TIMEOUT_S = 120.0  # the longest one attempt waits for an answer
 FLOOR_S = 1.0  # the shortest
@@ -114,6 +114,14 @@ class Budget:
     def read_timeout(self) -> float:
         """The next attempt's read timeout: what is left, within [FLOOR_S, READ_TIMEOUT_S]."""
         return max(FLOOR_S, min(READ_TIMEOUT_S, self.left()))
+
+
+def probed(budget: Budget) -> str:
+    """What a give-up message adds when ``budget``'s request was a probe ("" if not)."""
+    if not budget.probe:
+        return ""
+    return (", as no request to it has succeeded since an earlier one gave up (so this one had "
+            f"{PROBE_SHARE:.0%} of the deadline)")
 
 
 @contextlib.contextmanager
