@@ -22,7 +22,7 @@ from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 
 __all__ = ["CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
-           "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
+           "MAX_IO_DEPTH", "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
            "check_s3"]
 
 KiB = 1 << 10
@@ -35,6 +35,9 @@ COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
 # checksum of the foreign records of DCP and torch.save files ckptio reads, never writes)
 SAVE_CHECKSUMS = ("xxh3_64_tree", "xxh3_64")
 MEMORY_MAPPED_MODES = ("auto", "off")  # Options.memory_mapped
+# Options.io_depth's bound: far above any disk's useful depth, below io_uring's ring limit
+# (the ring holds slots for the writes and reads of io_depth) and a thread pool's sane size
+MAX_IO_DEPTH = 1024
 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
@@ -230,8 +233,9 @@ class Options:
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
             raise CkptError(f"Options.host_budget_bytes={self.host_budget_bytes}: must be >= 0 "
                             "(0: the pool never grows beyond pool_bytes; None: automatic)")
-        if self.io_depth < 1:
-            raise CkptError(f"Options.io_depth={self.io_depth}: must be >= 1")
+        if not 1 <= self.io_depth <= MAX_IO_DEPTH:
+            raise CkptError(f"Options.io_depth={self.io_depth}: must be >= 1 and <= "
+                            f"{MAX_IO_DEPTH} (writes or reads in flight at once)")
         if self.max_file_bytes < self.buffer_bytes:
             raise CkptError(
                 f"Options.max_file_bytes={self.max_file_bytes}: must be >= buffer_bytes"

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from ckptio.alignment import BLOCK, is_aligned
-from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
+from ckptio.errors import CkptError
+from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MAX_IO_DEPTH, MiB, Options
 from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
+__all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "check_storable",
+           "filesystem_key",
            "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
            "tuned_options", "tuned_s3_options"]
 
@@ -275,9 +277,12 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
         if (p.buffer_bytes < 5 * MiB or not is_aligned(p.buffer_bytes) or p.s3_concurrency < 1
-                or p.io_depth < 0 or p.read_bytes < 0 or not is_aligned(p.read_bytes)):
+                or p.io_depth < 0 or (p.io_depth or p.s3_concurrency) > MAX_IO_DEPTH
+                or p.read_bytes < 0
+                or not is_aligned(p.read_bytes)):
             return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
-                    f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} (>= 0) "
+                    f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} "
+                    f"(0 to {MAX_IO_DEPTH}) "
                     f"or read_bytes={p.read_bytes} (a multiple of {BLOCK}, >= 0) "
                     "is invalid")
         return None
@@ -285,8 +290,9 @@ def _invalid(p: Profile | S3Profile) -> str | None:
         return f"direct_io={p.direct_io!r} is not auto, on or off"
     if p.buffer_bytes < MiB or not is_aligned(p.buffer_bytes):
         return f"buffer_bytes={p.buffer_bytes} is not a multiple of {BLOCK} of at least 1 MiB"
-    if p.io_depth < 1 or p.io_backend not in IO_BACKENDS:
-        return f"io_depth={p.io_depth} / io_backend={p.io_backend!r} is invalid"
+    if not 1 <= p.io_depth <= MAX_IO_DEPTH or p.io_backend not in IO_BACKENDS:
+        return (f"io_depth={p.io_depth} (1 to {MAX_IO_DEPTH}) / io_backend={p.io_backend!r} "
+                "is invalid")
     return None
 
 
@@ -297,6 +303,7 @@ def store(profile: Profile | S3Profile) -> str:
     if problem:
         raise ProfileError(problem)
     path = profile_path()
+    check_storable(path)
     try:
         profiles = read_all(path)
     except FileNotFoundError:
@@ -308,6 +315,38 @@ def store(profile: Profile | S3Profile) -> str:
     doc = {"version": VERSION, "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
     _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
     return str(path)
+
+
+def check_storable(path: Path | None = None) -> None:
+    """Raise CkptError, naming the file and the fix, where store() could not write the profile
+    file: one written by a newer ckptio (never replaced: its profiles would be lost), a
+    directory, or a folder this process cannot write. ``ckptio tune`` asks before measuring."""
+    path = profile_path() if path is None else path
+    fix = f"or set {PATH_ENV} to another file"
+    newer = _newer_version(path)
+    if newer is not None:
+        raise CkptError(f"the profile file {path} is version {newer}, written by a newer ckptio "
+                        f"(this one writes version {VERSION}); tune with that ckptio, {fix}")
+    if path.is_dir():
+        raise CkptError(f"the profile file {path} is a directory; remove it, {fix}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", dir=path.parent):
+            pass
+    except OSError as exc:
+        raise CkptError(f"cannot write the profile file {path} ({exc.strerror or exc}); make "
+                        f"its folder writable, {fix}") from None
+
+
+def _newer_version(path: Path) -> int | None:
+    """The version of the profile file at ``path`` where it is above VERSION, else None."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    version = doc.get("version") if isinstance(doc, dict) else None
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
+    return version if newer else None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -346,8 +385,9 @@ def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ..
     defaults = Options()
     chosen: dict[str, Any] = {k: v for k, v in fields.items()
                               if k in names and getattr(options, k) == getattr(defaults, k)}
-    if 2 * int(chosen.get("buffer_bytes", 0)) > options.pool_bytes:
-        chosen.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    tuned = int(chosen.get("buffer_bytes", 0))
+    if 2 * tuned > options.pool_bytes or tuned > options.max_file_bytes:
+        chosen.pop("buffer_bytes")  # the pool holds two buffers, a file one: keep those given
     return dataclasses.replace(options, **chosen)
 
 

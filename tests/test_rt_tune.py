@@ -1,0 +1,150 @@
+"""Red team of the tuner and its profiles as a new user meets them: `ckptio tune` given bad
+options, an unwritable or newer profile file, a path that does not exist yet, SIGTERM mid-run;
+a hand-edited profile with an absurd io_depth; a tuned buffer the user's max_file_bytes cannot
+hold; an io_depth beyond any backend's reach."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import cli
+from ckptio.tuning import profile
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["--total", "2M", "--sizes", "1M", "--pool-depths", "1", "--uring-depths", "4",
+         "--reps", "1"]
+
+
+@pytest.fixture(autouse=True)
+def profile_file(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / "profiles.json"
+    monkeypatch.setenv(profile.PATH_ENV, str(path))
+    return path
+
+
+def make_profile(directory: Path, **changes: object) -> profile.Profile:
+    device, fs_type = profile.filesystem_key(directory)
+    p = profile.Profile(io_backend="posix", direct_io="off", buffer_bytes=16 * MiB, io_depth=4,
+                        fs_type=fs_type, device=device, measured_at="2026-01-01T00:00:00+00:00",
+                        write_gbps=1.5, read_gbps=1.2)
+    return dataclasses.replace(p, **changes)
+
+
+def write_raw(path: Path, doc: object) -> None:
+    """A profile file as a hand edit (or another ckptio) leaves it, settled (older than the
+    re-read window) so a lookup keeps what it parsed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    old = time.time() - 60
+    os.utime(path, (old, old))
+
+
+@pytest.mark.parametrize("bad", [["--sizes", "abc"], ["--pool-depths", "x"],
+                                 ["--pool-depths", "0"], ["--uring-depths", "100000"],
+                                 ["--reps", "0"], ["--total", "1K"], ["--sizes", ","]])
+def test_tune_refuses_bad_options_in_one_line_before_measuring(tmp_path, capsys, bad):
+    data = tmp_path / "data"
+    assert cli.main(["tune", str(data), *QUICK, *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckptio: error: ckptio tune: ") and err.count("\n") == 1
+    assert "e.g. --" in err  # names an example of the option written right
+    assert not data.exists()  # nothing measured, nothing made
+
+
+def test_tune_never_replaces_a_profile_file_of_a_newer_ckptio(tmp_path, profile_file, capsys):
+    doc = {"version": profile.VERSION + 1, "profiles": {"s3:http://x": {"anything": 1}}}
+    write_raw(profile_file, doc)
+    before = profile_file.read_bytes()
+    assert cli.main(["tune", str(tmp_path / "data"), *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert str(profile_file) in err and "newer ckptio" in err and profile.PATH_ENV in err
+    assert profile_file.read_bytes() == before
+    with pytest.raises(ckptio.CkptError, match="newer ckptio"):
+        profile.store(make_profile(tmp_path))
+    assert profile_file.read_bytes() == before
+    assert not (tmp_path / "data").exists()
+
+
+def test_tune_says_the_profile_file_cannot_be_written_before_measuring(tmp_path, monkeypatch,
+                                                                      capsys):
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    monkeypatch.setenv(profile.PATH_ENV, str(folder))  # a directory, not a file
+    assert cli.main(["tune", str(tmp_path / "data"), *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert str(folder) in err and "directory" in err and profile.PATH_ENV in err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(profile.PATH_ENV, str(blocker / "profiles.json"))  # its folder is a file
+    assert cli.main(["tune", str(tmp_path / "data"), *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the profile file" in err and profile.PATH_ENV in err
+    assert not (tmp_path / "data").exists()
+
+
+def test_tune_of_a_path_that_does_not_exist_leaves_no_folder_behind(tmp_path, profile_file):
+    target = tmp_path / "not" / "yet" / "there"
+    assert cli.main(["tune", str(target), *QUICK]) == 0
+    assert not (tmp_path / "not").exists()  # every folder the run made is gone
+    assert profile.lookup(target) is not None
+
+
+def test_sigterm_mid_tune_removes_its_scratch_and_keeps_the_profile(tmp_path, profile_file):
+    data = tmp_path / "data"
+    data.mkdir()
+    profile.store(make_profile(data))
+    before = profile_file.read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "ckptio", "tune", str(data), "--total", "256M", "--sizes",
+            "1M,4M", "--pool-depths", "1,2", "--uring-depths", "4", "--reps", "3"]
+    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        proc.stderr.readline()  # the first cell measured: the scratch folder exists
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert list(data.iterdir()) == []  # the study's scratch files are gone
+    assert profile_file.read_bytes() == before
+
+
+def test_a_profile_with_an_absurd_io_depth_is_ignored_naming_the_file(tmp_path, profile_file,
+                                                                    caplog):
+    data = tmp_path / "data"
+    data.mkdir()
+    entry = dataclasses.asdict(make_profile(data, io_backend="uring", io_depth=100000))
+    write_raw(profile_file, {"version": profile.VERSION, "profiles": {
+        f"{entry['fs_type']}:{entry['device']}": entry}})
+    with caplog.at_level("WARNING", logger="ckptio"):
+        ckptio.save({"w": torch.arange(8.0)}, data / "step", options=ckptio.Options())
+    assert torch.equal(ckptio.load(data / "step")["w"], torch.arange(8.0))
+    assert any(str(profile_file) in r.getMessage() and "io_depth=100000" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_an_absurd_io_depth_is_refused_naming_the_option():
+    with pytest.raises(ckptio.CkptError, match=r"Options.io_depth=100000: .*<= 1024"):
+        ckptio.Options(io_depth=100000)
+
+
+def test_a_tuned_buffer_larger_than_max_file_bytes_leaves_the_users_options_valid(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    profile.store(make_profile(data, buffer_bytes=64 * MiB, io_depth=2))
+    options = ckptio.Options(max_file_bytes=16 * MiB)
+    state = {"w": torch.arange(1000.0)}
+    ckptio.save(state, data / "step", options=options)
+    assert torch.equal(ckptio.load(data / "step", options=options)["w"], state["w"])
+    tuned = profile.tuned_options(options, str(data))
+    assert tuned.io_depth == 2 and tuned.buffer_bytes == options.buffer_bytes
