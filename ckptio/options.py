@@ -13,6 +13,7 @@ Does not own: what the options do (stage, io, layout and restore read them), the
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ T = TypeVar("T")
 _S3_FIELDS = ("s3_endpoint_url", "s3_region", "s3_profile", "s3_concurrency", "s3_read_bytes",
              "s3_retry_deadline_s", "s3_lock_lease_s", "s3_conditional")
 _SUGAR = {"s3": _S3_FIELDS}  # a scheme -> the Options fields that also spell its settings
+# A field's annotation -> the types its value may have, and what the error asks for instead
+# (a switch given as text is refused: "false" is true)
+_KINDS: dict[str, tuple[type, str]] = {"int": (numbers.Integral, "an int"),
+                                        "float": (numbers.Real, "a number")}
 
 
 class _Settings(Mapping[str, Any]):
@@ -220,6 +225,7 @@ class Options:
     storage: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.buffer_bytes < MiB or not is_aligned(self.buffer_bytes):
             raise CkptError(
                 f"Options.buffer_bytes={self.buffer_bytes}: must be >= 1 MiB and a multiple of "
@@ -269,6 +275,16 @@ class Options:
             raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
         check_s3("Options.s3_", {name[3:]: getattr(self, name) for name in _S3_FIELDS})
         self._check_storage()
+
+    def _check_types(self) -> None:
+        """Each number and switch of the kind its field takes: a float byte count, a string
+        "false" (always true) or "4" would otherwise fail deep inside a save, or be obeyed wrongly."""
+        for each in dataclasses.fields(self):
+            value, kind = getattr(self, each.name), str(each.type)
+            wrong = None if value is None and kind.endswith(" | None") else (
+                _wrong_kind(value, kind.removesuffix(" | None")))
+            if wrong:
+                raise CkptError(f"Options.{each.name}={value!r}: {wrong}")
 
     def _check_storage(self) -> None:
         if not isinstance(self.storage, Mapping):
@@ -348,10 +364,26 @@ def _parse(name: str, raw: str, annotation: object) -> object:
     return raw
 
 
+def _wrong_kind(value: object, kind: str) -> str | None:
+    """What ``value`` should have been, where it is not of the annotation ``kind`` ("int",
+    "float", "bool"; other annotations are not checked here); None where it is."""
+    if kind == "bool":
+        return "True or False, not a string" if isinstance(value, (str, bytes)) else None
+    wanted = _KINDS.get(kind)
+    if wanted is None or (isinstance(value, wanted[0]) and not isinstance(value, bool)):
+        return None
+    return f"{wanted[1]}, not a {type(value).__name__}"
+
+
 def check_s3(prefix: str, settings: Mapping[str, Any]) -> None:
     """The rules of the S3 settings (concurrency, read_bytes, retry_deadline_s, lock_lease_s,
     conditional), for Options' ``s3_*`` fields and S3Settings alike; errors name
     ``prefix + field``."""
+    for name, kind in (("concurrency", "int"), ("read_bytes", "int"),
+                       ("retry_deadline_s", "float"), ("lock_lease_s", "float")):
+        wrong = _wrong_kind(settings[name], kind)
+        if wrong:
+            raise CkptError(f"{prefix}{name}={settings[name]!r}: {wrong}")
     if settings["concurrency"] < 1:
         raise CkptError(f"{prefix}concurrency={settings['concurrency']}: must be >= 1")
     read = settings["read_bytes"]

@@ -148,3 +148,26 @@ def test_a_tuned_buffer_larger_than_max_file_bytes_leaves_the_users_options_vali
     assert torch.equal(ckptio.load(data / "step", options=options)["w"], state["w"])
     tuned = profile.tuned_options(options, str(data))
     assert tuned.io_depth == 2 and tuned.buffer_bytes == options.buffer_bytes
+
+
+@pytest.mark.parametrize(("given", "said"), [
+    ({"buffer_bytes": 16.0 * MiB}, r"Options.buffer_bytes=16777216.0: an int, not a float"),
+    ({"io_depth": "4"}, r"Options.io_depth='4': an int, not a str"),
+    ({"verify": "false"}, r"Options.verify='false': True or False"),  # "false" is true
+    ({"use_profile": "no"}, r"Options.use_profile='no': True or False"),
+    ({"rank_timeout_s": "5"}, r"Options.rank_timeout_s='5': a number"),
+    ({"host_budget_bytes": 0.5 * (1 << 30)}, r"Options.host_budget_bytes=.*: an int")])
+def test_an_option_of_the_wrong_type_is_refused_naming_it(tmp_path, given, said):
+    """As a YAML config or argparse without type= gives them: before, a float byte count
+    failed inside the save with a bare TypeError and verify='false' verified."""
+    with pytest.raises(ckptio.CkptError, match=said):
+        ckptio.Options(**given)
+
+
+def test_s3_settings_of_the_wrong_type_are_refused_naming_them():
+    with pytest.raises(ckptio.CkptError, match=r"S3Settings.concurrency='4': an int"):
+        ckptio.S3Settings(concurrency="4")
+    with pytest.raises(ckptio.CkptError, match=r"S3Settings.read_bytes=16777216.0: an int"):
+        ckptio.settings_for("s3://bucket/prefix",
+                            ckptio.Options(storage={"s3": {"read_bytes": 16.0 * MiB}}))
+    assert ckptio.Options(io_depth=8, verify=False, host_budget_bytes=None).io_depth == 8

@@ -202,8 +202,6 @@ def run(args: argparse.Namespace) -> int:
     if args.dir is None:
         print("ckptio tune: a directory or s3:// location is required (or --show)", file=sys.stderr)
         return 2
-    if args.reps < 1:
-        raise CkptError(f"ckptio tune: --reps {args.reps}: at least 1 repetition, e.g. --reps 2")
     profile.check_storable()  # before minutes of measuring, not after
     with _terminate_as_exit():
         if args.dir.startswith("s3://"):
@@ -255,6 +253,8 @@ def _study_args(args: argparse.Namespace) -> tuple[tuple[int, ...], int, tuple[i
     if not sizes or any(n < MiB or not is_aligned(n) for n in sizes):
         raise CkptError(f"ckptio tune: --sizes {args.sizes}: write sizes >= 1M and multiples "
                         "of 4K, e.g. --sizes 1M,4M,16M")
+    if args.reps < 1:
+        raise CkptError(f"ckptio tune: --reps {args.reps}: --reps >= 1 repetitions, e.g. --reps 2")
     if total < max(sizes):
         raise CkptError(f"ckptio tune: --total {args.total}: bytes per measurement must hold "
                         f"the largest write size ({max(sizes)} bytes), e.g. --total 256M")
