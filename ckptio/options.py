@@ -13,6 +13,8 @@ Does not own: what the options do (stage, io, layout and restore read them), the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import numbers
 import os
 from collections.abc import Iterator, Mapping
@@ -45,6 +47,7 @@ DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
 S3Conditional = Literal["require", "off"]
 T = TypeVar("T")
+log = logging.getLogger("ckptio")
 # The fields that spell the S3 scheme's settings in Options (S3Settings' fields, ``s3_`` first)
 _S3_FIELDS = ("s3_endpoint_url", "s3_region", "s3_profile", "s3_concurrency", "s3_read_bytes",
              "s3_retry_deadline_s", "s3_lock_lease_s", "s3_conditional")
@@ -336,7 +339,25 @@ class Options:
                 continue
             env[each.name] = _parse(each.name, raw, each.type)
         env.update({k: v for k, v in overrides.items() if v is not None})
+        _warn_misspelt(cls)
         return cls(**env)  # type: ignore[arg-type]
+
+
+_seen: set[str] = set()  # the CKPTIO_* variables already looked at for a misspelling
+
+
+def _warn_misspelt(cls: type[Options]) -> None:
+    """Warn, once per variable, of a CKPTIO_* variable that names no option but nearly spells
+    one (CKPTIO_IO_DEPHT): it is ignored, which would otherwise go unnoticed."""
+    names = {"CKPTIO_" + each.name.upper() for each in dataclasses.fields(cls)}
+    for var in os.environ:
+        if not var.startswith("CKPTIO_") or var in names or var in _seen:
+            continue
+        _seen.add(var)
+        near = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
+        if near:
+            log.warning("ckptio: the environment variable %s names no option and is ignored; "
+                        "did you mean %s?", var, near[0])
 
 
 def _parse(name: str, raw: str, annotation: object) -> object:

@@ -171,3 +171,15 @@ def test_s3_settings_of_the_wrong_type_are_refused_naming_them():
         ckptio.settings_for("s3://bucket/prefix",
                             ckptio.Options(storage={"s3": {"read_bytes": 16.0 * MiB}}))
     assert ckptio.Options(io_depth=8, verify=False, host_budget_bytes=None).io_depth == 8
+
+
+def test_a_misspelt_environment_variable_is_named_once_with_the_right_one(monkeypatch, caplog):
+    """CKPTIO_IO_DEPHT=16 was ignored without a word: the job ran on io_depth 4."""
+    monkeypatch.setenv("CKPTIO_IO_DEPHT", "16")
+    monkeypatch.setenv("CKPTIO_SHM_DIR", "/nowhere")  # another of ckptio's variables: not said
+    with caplog.at_level("WARNING", logger="ckptio"):
+        assert ckptio.Options.from_env().io_depth == 4
+        ckptio.Options.from_env()
+    said = [r.getMessage() for r in caplog.records if "CKPTIO_" in r.getMessage()]
+    assert said == ["ckptio: the environment variable CKPTIO_IO_DEPHT names no option and is "
+                    "ignored; did you mean CKPTIO_IO_DEPTH?"]
