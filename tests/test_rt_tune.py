@@ -183,3 +183,24 @@ def test_a_misspelt_environment_variable_is_named_once_with_the_right_one(monkey
     said = [r.getMessage() for r in caplog.records if "CKPTIO_" in r.getMessage()]
     assert said == ["ckptio: the environment variable CKPTIO_IO_DEPHT names no option and is "
                     "ignored; did you mean CKPTIO_IO_DEPTH?"]
+
+
+def test_a_newer_profile_file_is_said_as_such_not_as_corrupt(tmp_path, profile_file, capsys):
+    write_raw(profile_file, {"version": profile.VERSION + 1, "profiles": {}})
+    assert cli.main(["tune", "--show"]) == 1
+    err = capsys.readouterr().err
+    assert f"version {profile.VERSION + 1}, written by a newer ckptio" in err
+    assert "ckptio tune DIR" not in err  # tune would refuse to rewrite it
+
+
+def test_an_unusable_profile_file_replaced_by_tune_is_kept_aside(tmp_path, profile_file, caplog):
+    """A hand edit with one stray comma: every profile in the file was lost to the next tune."""
+    profile_file.parent.mkdir(parents=True)
+    edited = b'{"version": 1, "profiles": {"xfs:7": {"io_depth": 8,}}}'
+    profile_file.write_bytes(edited)
+    with caplog.at_level("WARNING", logger="ckptio"):
+        profile.store(make_profile(tmp_path))
+    kept = profile_file.with_name(profile_file.name + ".unusable")
+    assert kept.read_bytes() == edited
+    assert any(str(kept) in r.getMessage() for r in caplog.records)
+    assert profile.lookup(tmp_path) == make_profile(tmp_path)

@@ -8,7 +8,7 @@ options (options/api). lookup() is called on every save and load, so it never ra
 or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too; and
 it is cheap: the file is parsed again only when its identity (inode, size, times) changed, and
 the filesystem's key (the mount table) is worked out only when the file holds a filesystem's
-profile.
+profile. store() never replaces a file of a newer version, and keeps an unusable one aside.
 
 File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields},
 "s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile.
@@ -248,10 +248,16 @@ def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
     try:
         doc = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path} is not valid JSON: {exc}") from None
+        raise ProfileError(f"{path} is not valid JSON: {exc}; run `ckptio tune DIR` to "
+                           "rewrite it") from None
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
+    newer = _newer_version(doc)
+    if newer is not None:
+        raise ProfileError(f"{path} is version {newer}, written by a newer ckptio (this one "
+                           f"reads version {VERSION}); its profiles are not used here")
     if not isinstance(profiles, dict) or doc.get("version") != VERSION:
-        raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file")
+        raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file; run "
+                           "`ckptio tune DIR` to rewrite it")
     return {key: _from_dict(value, path, S3Profile if key.startswith(S3_KEY) else Profile)
             for key, value in profiles.items()}
 
@@ -308,8 +314,11 @@ def store(profile: Profile | S3Profile) -> str:
         profiles = read_all(path)
     except FileNotFoundError:
         profiles = {}
-    except ProfileError as exc:
-        log.warning("ckptio: replacing the unusable profile file (%s)", exc)
+    except ProfileError as exc:  # kept aside: a hand edit gone wrong can be mended from it
+        kept = path.with_name(path.name + ".unusable")
+        os.replace(path, kept)
+        log.warning("ckptio: replacing the unusable profile file (%s); it is kept as %s", exc,
+                    kept)
         profiles = {}
     profiles[profile.key] = profile
     doc = {"version": VERSION, "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
@@ -323,7 +332,10 @@ def check_storable(path: Path | None = None) -> None:
     directory, or a folder this process cannot write. ``ckptio tune`` asks before measuring."""
     path = profile_path() if path is None else path
     fix = f"or set {PATH_ENV} to another file"
-    newer = _newer_version(path)
+    try:
+        newer = _newer_version(json.loads(path.read_bytes()))
+    except (OSError, ValueError, UnicodeDecodeError):
+        newer = None  # none, or unusable: store() replaces it
     if newer is not None:
         raise CkptError(f"the profile file {path} is version {newer}, written by a newer ckptio "
                         f"(this one writes version {VERSION}); tune with that ckptio, {fix}")
@@ -338,12 +350,8 @@ def check_storable(path: Path | None = None) -> None:
                         f"its folder writable, {fix}") from None
 
 
-def _newer_version(path: Path) -> int | None:
-    """The version of the profile file at ``path`` where it is above VERSION, else None."""
-    try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
+def _newer_version(doc: object) -> int | None:
+    """The version of a profile file's parsed ``doc`` where it is above VERSION, else None."""
     version = doc.get("version") if isinstance(doc, dict) else None
     newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
     return version if newer else None
@@ -366,7 +374,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _warn_once(path: Path | str, exc: Exception) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
-        log.warning("ckptio: ignoring the I/O profile file: %s; run `ckptio tune DIR` to rewrite it", exc)
+        log.warning("ckptio: ignoring the I/O profile file: %s", exc)
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
