@@ -204,3 +204,18 @@ def test_an_unusable_profile_file_replaced_by_tune_is_kept_aside(tmp_path, profi
     assert kept.read_bytes() == edited
     assert any(str(kept) in r.getMessage() for r in caplog.records)
     assert profile.lookup(tmp_path) == make_profile(tmp_path)
+
+
+def test_two_tunes_storing_at_once_keep_each_others_profiles(tmp_path, profile_file):
+    """Two `ckptio tune` at once (two disks, or nodes sharing a home): each read the file,
+    added its profile and replaced it, so the other's profile was lost."""
+    code = ("import dataclasses, sys\nfrom ckptio.tuning import profile\n"
+            "base = profile.Profile('posix', 'off', 1 << 20, 4, 'xfs', 0, 'x', 1.0, 1.0)\n"
+            "for i in range(60):\n"
+            "    profile.store(dataclasses.replace(base, device=int(sys.argv[1]) + i))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), profile.PATH_ENV: str(profile_file)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(first)], env=env)
+             for first in (1000, 2000)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert len(profile.read_all(profile_file)) == 120
+    assert sorted(f.name for f in profile_file.parent.iterdir()) == ["profiles.json"]

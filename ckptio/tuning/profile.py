@@ -16,13 +16,16 @@ File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Prof
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,20 +313,41 @@ def store(profile: Profile | S3Profile) -> str:
         raise ProfileError(problem)
     path = profile_path()
     check_storable(path)
-    try:
-        profiles = read_all(path)
-    except FileNotFoundError:
-        profiles = {}
-    except ProfileError as exc:  # kept aside: a hand edit gone wrong can be mended from it
-        kept = path.with_name(path.name + ".unusable")
-        os.replace(path, kept)
-        log.warning("ckptio: replacing the unusable profile file (%s); it is kept as %s", exc,
-                    kept)
-        profiles = {}
-    profiles[profile.key] = profile
-    doc = {"version": VERSION, "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
-    _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
+    with _locked(path):  # two tunes at once: each keeps the other's profile
+        try:
+            profiles = read_all(path)
+        except FileNotFoundError:
+            profiles = {}
+        except ProfileError as exc:  # kept aside: a hand edit gone wrong can be mended from it
+            kept = path.with_name(path.name + ".unusable")
+            os.replace(path, kept)
+            log.warning("ckptio: replacing the unusable profile file (%s); it is kept as %s",
+                        exc, kept)
+            profiles = {}
+        profiles[profile.key] = profile
+        doc = {"version": VERSION,
+               "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
+        _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
     return str(path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on the profile file's folder (flock) while store() reads, changes and
+    replaces the file. A filesystem that refuses to lock a folder (NFS emulates flock with
+    locks that need a file open for writing) locks a hidden file beside the profile instead."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_storable(path: Path | None = None) -> None:
