@@ -1,10 +1,10 @@
 """Tuned I/O profiles, one per filesystem and one per object-store endpoint, in a small JSON file.
 
 Owns: the Profile record (a filesystem), the S3Profile record (an S3 endpoint), the filesystem
-key (st_dev + type from /proc/self/mountinfo), the file
-they live in ($CKPTIO_PROFILE_PATH or ~/.cache/ckptio/profiles.json), its atomic rewrite and its
-validation. Does not own: measuring (tune.py) or deciding when a profile applies over explicit
-options (options/api). lookup() is called on every save and load, so it never raises: a missing
+key (st_dev + type from /proc/self/mountinfo), the file they live in ($CKPTIO_PROFILE_PATH or
+~/.cache/ckptio/profiles.json), its versions and its validation. Does not own: how the file is
+written (profile_file.py: whole, under a lock), measuring (tune.py) or deciding when a profile
+applies over explicit options (options/api). lookup() is called on every save and load, so it never raises: a missing
 or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too; and
 it is cheap: the file is parsed again only when its identity (inode, size, times) changed, and
 the filesystem's key (the mount table) is worked out only when the file holds a filesystem's
@@ -16,16 +16,12 @@ File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Prof
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
 import re
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +30,7 @@ from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MAX_IO_DEPTH, MiB, Options
 from ckptio.storage.s3.settings import S3Settings
+from ckptio.tuning import profile_file
 
 __all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "check_storable",
            "filesystem_key",
@@ -313,7 +310,7 @@ def store(profile: Profile | S3Profile) -> str:
         raise ProfileError(problem)
     path = profile_path()
     check_storable(path)
-    with _locked(path):  # two tunes at once: each keeps the other's profile
+    with profile_file.locked(path):  # two tunes at once: each keeps the other's profile
         try:
             profiles = read_all(path)
         except FileNotFoundError:
@@ -327,27 +324,8 @@ def store(profile: Profile | S3Profile) -> str:
         profiles[profile.key] = profile
         doc = {"version": VERSION,
                "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
-        _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
+        profile_file.atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
     return str(path)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on the profile file's folder (flock) while store() reads, changes and
-    replaces the file. A filesystem that refuses to lock a folder (NFS emulates flock with
-    locks that need a file open for writing) locks a hidden file beside the profile instead."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            os.close(fd)
-            fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def check_storable(path: Path | None = None) -> None:
@@ -365,13 +343,10 @@ def check_storable(path: Path | None = None) -> None:
                         f"(this one writes version {VERSION}); tune with that ckptio, {fix}")
     if path.is_dir():
         raise CkptError(f"the profile file {path} is a directory; remove it, {fix}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", dir=path.parent):
-            pass
-    except OSError as exc:
-        raise CkptError(f"cannot write the profile file {path} ({exc.strerror or exc}); make "
-                        f"its folder writable, {fix}") from None
+    problem = profile_file.unwritable(path)
+    if problem:
+        raise CkptError(f"cannot write the profile file {path} ({problem}); make its folder "
+                        f"writable, {fix}")
 
 
 def _newer_version(doc: object) -> int | None:
@@ -379,20 +354,6 @@ def _newer_version(doc: object) -> int | None:
     version = doc.get("version") if isinstance(doc, dict) else None
     newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
     return version if newer else None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _warn_once(path: Path | str, exc: Exception) -> None:
