@@ -219,3 +219,11 @@ def test_two_tunes_storing_at_once_keep_each_others_profiles(tmp_path, profile_f
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert len(profile.read_all(profile_file)) == 120
     assert sorted(f.name for f in profile_file.parent.iterdir()) == ["profiles.json"]
+
+
+def test_tune_of_a_file_says_to_give_a_directory(tmp_path, capsys):
+    target = tmp_path / "weights.bin"
+    target.write_bytes(b"mine")
+    assert cli.main(["tune", str(target), *QUICK]) == 2
+    assert f"{target} is a file; give a directory" in capsys.readouterr().err
+    assert target.read_bytes() == b"mine"

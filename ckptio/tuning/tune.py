@@ -227,6 +227,9 @@ def _terminate_as_exit() -> Iterator[None]:
 
 def run_dir(args: argparse.Namespace) -> int:
     sizes, total, pool_depths, uring_depths = _study_args(args)
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise CkptError(f"ckptio tune: {args.dir} is a file; give a directory on the filesystem "
+                        f"to tune (its folder: ckptio tune {Path(args.dir).parent})")
     chosen, candidates = tune(Path(args.dir), total, sizes, pool_depths, uring_depths, args.reps)
     for c in sorted(candidates, key=lambda c: -c.score):
         print(f"  {c.engine:5s} d{c.io_depth:<3d} {c.buffer_bytes / MiB:5g} MiB {c.mode:8s} "
