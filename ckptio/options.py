@@ -84,6 +84,13 @@ class _Settings(Mapping[str, Any]):
 class Options:
     """How a save or load runs. Change with ``dataclasses.replace``.
 
+    The environment: each field but storage is also a variable, CKPTIO_ and the field's name
+    in capitals (CKPTIO_IO_DEPTH=8, CKPTIO_VERIFY=0), read where no options are given (a save,
+    load or Checkpointer without ``options``) or by ``Options.from_env(**fields)``, whose
+    fields win over the variables. An ``Options(...)`` made directly reads none of them: pass
+    ``Options.from_env(verify=False)`` to keep the variables and change one field. A variable
+    that nearly spells a field (CKPTIO_IO_DEPHT) is named in a warning; its value is ignored.
+
     buffer_bytes: size of one staging buffer, and of one write or coalesced read.
     pool_bytes: total staging memory (buffer_bytes x number of buffers); allocated once, reused.
     host_budget_bytes: how far an async save may grow the staging pool so that async_save
