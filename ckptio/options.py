@@ -125,7 +125,8 @@ class Options:
         (docs/BENCH_LOOP.md: they hold the interpreter less, and spread tmpfs copies over the
         cores).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
-        io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
+        io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults
+        (a save behind the caller still takes the POSIX threads where io_backend is "auto").
     if_locked: what a save does when another save (another process, job or machine sharing the
         filesystem) is saving into the same path: "wait" until it has finished (logged), or
         "raise" CheckpointLockedError at once (from wait() for an async save).

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio import cli
+from ckptio import cli, io
 from ckptio.tuning import profile
 
 MiB = 1 << 20
@@ -227,3 +228,28 @@ def test_tune_of_a_file_says_to_give_a_directory(tmp_path, capsys):
     assert cli.main(["tune", str(target), *QUICK]) == 2
     assert f"{target} is a file; give a directory" in capsys.readouterr().err
     assert target.read_bytes() == b"mine"
+
+
+def _threads(prefix: str, since: set[int]) -> int:
+    return sum(t.name.startswith(prefix) and t.ident not in since for t in threading.enumerate())
+
+
+@pytest.mark.skipif(io.uring_unavailable_reason() is not None, reason="no io_uring here")
+def test_a_tuned_uring_profile_leaves_saves_behind_the_caller_on_posix_threads(tmp_path):
+    """The tuner measures saves the caller waits for; its "uring" took over the async saves that
+    io_backend "auto" (left so by the user) runs on the POSIX threads (docs/BENCH_LOOP.md)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    profile.store(make_profile(data, io_backend="uring", direct_io="off", io_depth=4))
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}
+    before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    ck = ckptio.Checkpointer()
+    try:
+        ck.async_save(state, data / "async").wait()
+        assert _threads("ckptio-io", before) > 0
+        assert _threads("ckptio-uring", before) == 0
+        ck.save(state, data / "sync")  # a save waited for: the profile's io_uring
+        assert _threads("ckptio-uring", before) > 0
+    finally:
+        ck.close()
+    assert torch.equal(ckptio.load(data / "async")["w0"], state["w0"])
