@@ -253,3 +253,22 @@ def test_a_tuned_uring_profile_leaves_saves_behind_the_caller_on_posix_threads(t
     finally:
         ck.close()
     assert torch.equal(ckptio.load(data / "async")["w0"], state["w0"])
+
+
+def test_a_field_of_a_newer_ckptio_neither_hides_the_file_nor_is_lost_by_a_tune(
+        tmp_path, profile_file, caplog):
+    """A newer ckptio (another venv sharing ~/.cache) adds a field within version 1, as
+    S3Profile's io_depth and read_bytes once were: this one ignored the whole file (every
+    profile), and its next tune wrote the file back without the newer one's fields."""
+    data = tmp_path / "data"
+    data.mkdir()
+    mine = make_profile(data, io_depth=2)
+    theirs = {**dataclasses.asdict(make_profile(data, device=7, fs_type="xfs")), "numa_node": 1}
+    write_raw(profile_file, {"version": profile.VERSION, "profiles": {
+        mine.key: dataclasses.asdict(mine), "xfs:7": theirs}})
+    with caplog.at_level("WARNING", logger="ckptio"):
+        assert profile.lookup(data) == mine
+    assert any("['numa_node'] are unknown" in r.getMessage() for r in caplog.records)
+    profile.store(make_profile(data, io_depth=8))
+    kept = json.loads(profile_file.read_text())["profiles"]
+    assert kept["xfs:7"] == theirs and kept[mine.key]["io_depth"] == 8

@@ -11,7 +11,9 @@ the filesystem's key (the mount table) is worked out only when the file holds a 
 profile. store() never replaces a file of a newer version, and keeps an unusable one aside.
 
 File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields},
-"s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile.
+"s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile. A field
+a record lacks (a newer ckptio's) is warned about once and left out; store() writes the other
+entries back as they were.
 """
 
 from __future__ import annotations
@@ -265,9 +267,15 @@ def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
 def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Profile | S3Profile:
     fields = {f.name: f.type for f in dataclasses.fields(record)}
     optional = {f.name for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
-    if not isinstance(value, dict) or not set(fields) - optional <= set(value) <= set(fields):
+    if not isinstance(value, dict) or not set(fields) - optional <= set(value):
         raise ProfileError(f"{path}: a profile must have the fields "
                            f"{sorted(set(fields) - optional)} and may have {sorted(optional)}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:  # a newer ckptio's added field (as io_depth and read_bytes once were), or a typo
+        _say_once(f"{path}:{unknown}", f"ckptio: the I/O profile file {path}: fields {unknown} "
+                  f"are unknown to this ckptio (a newer one's, or misspelt: the fields are "
+                  f"{sorted(fields)}); the rest of the profile is used")
+        value = {name: v for name, v in value.items() if name in fields}
     fields = {name: kind for name, kind in fields.items() if name in value}
     kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
     for name, kind in fields.items():
@@ -312,7 +320,8 @@ def store(profile: Profile | S3Profile) -> str:
     check_storable(path)
     with profile_file.locked(path):  # two tunes at once: each keeps the other's profile
         try:
-            profiles = read_all(path)
+            read_all(path)  # usable: its entries are kept as they are, fields of newer ckptios too
+            profiles = json.loads(path.read_bytes())["profiles"]
         except FileNotFoundError:
             profiles = {}
         except ProfileError as exc:  # kept aside: a hand edit gone wrong can be mended from it
@@ -321,9 +330,8 @@ def store(profile: Profile | S3Profile) -> str:
             log.warning("ckptio: replacing the unusable profile file (%s); it is kept as %s",
                         exc, kept)
             profiles = {}
-        profiles[profile.key] = profile
-        doc = {"version": VERSION,
-               "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
+        profiles[profile.key] = dataclasses.asdict(profile)
+        doc = {"version": VERSION, "profiles": dict(sorted(profiles.items()))}
         profile_file.atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
     return str(path)
 
@@ -357,9 +365,13 @@ def _newer_version(doc: object) -> int | None:
 
 
 def _warn_once(path: Path | str, exc: Exception) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        log.warning("ckptio: ignoring the I/O profile file: %s", exc)
+    _say_once(str(path), f"ckptio: ignoring the I/O profile file: {exc}")
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
