@@ -85,7 +85,7 @@ class Options:
     """How a save or load runs. Change with ``dataclasses.replace``.
 
     The environment: each field but storage is also a variable, CKPTIO_ and the field's name
-    in capitals (CKPTIO_IO_DEPTH=8, CKPTIO_VERIFY=0), read where no options are given (a save,
+    in capitals (CKPTIO_IO_DEPTH, CKPTIO_VERIFY), read where no options are given (a save,
     load or Checkpointer without ``options``) or by ``Options.from_env(**fields)``, whose
     fields win over the variables. An ``Options(...)`` made directly reads none of them: pass
     ``Options.from_env(verify=False)`` to keep the variables and change one field. A variable
@@ -289,7 +289,8 @@ class Options:
 
     def _check_types(self) -> None:
         """Each number and switch of the kind its field takes: a float byte count, a string
-        "false" (always true) or "4" would otherwise fail deep inside a save, or be obeyed wrongly."""
+        "false" (always true) or a count given as text would otherwise fail deep inside a save,
+        or be obeyed wrongly."""
         for each in dataclasses.fields(self):
             value, kind = getattr(self, each.name), str(each.type)
             wrong = None if value is None and kind.endswith(" | None") else (
