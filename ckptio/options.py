@@ -13,6 +13,9 @@ Does not own: what the options do (stage, io, layout and restore read them), the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +25,7 @@ from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 
 __all__ = ["CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
-           "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
+           "MAX_IO_DEPTH", "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
            "check_s3"]
 
 KiB = 1 << 10
@@ -35,16 +38,24 @@ COMPRESSION_MODES = ("off", "auto", *CODECS)  # Options.compression
 # checksum of the foreign records of DCP and torch.save files ckptio reads, never writes)
 SAVE_CHECKSUMS = ("xxh3_64_tree", "xxh3_64")
 MEMORY_MAPPED_MODES = ("auto", "off")  # Options.memory_mapped
+# Options.io_depth's bound: far above any disk's useful depth, below io_uring's ring limit
+# (the ring holds slots for the writes and reads of io_depth) and a thread pool's sane size
+MAX_IO_DEPTH = 1024
 
 DirectIO = Literal["auto", "on", "off"]
 DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
 S3Conditional = Literal["require", "off"]
 T = TypeVar("T")
+log = logging.getLogger("ckptio")
 # The fields that spell the S3 scheme's settings in Options (S3Settings' fields, ``s3_`` first)
 _S3_FIELDS = ("s3_endpoint_url", "s3_region", "s3_profile", "s3_concurrency", "s3_read_bytes",
              "s3_retry_deadline_s", "s3_lock_lease_s", "s3_conditional")
 _SUGAR = {"s3": _S3_FIELDS}  # a scheme -> the Options fields that also spell its settings
+# A field's annotation -> the types its value may have, and what the error asks for instead
+# (a switch given as text is refused: "false" is true)
+_KINDS: dict[str, tuple[type, str]] = {"int": (numbers.Integral, "an int"),
+                                        "float": (numbers.Real, "a number")}
 
 
 class _Settings(Mapping[str, Any]):
@@ -72,6 +83,13 @@ class _Settings(Mapping[str, Any]):
 @dataclass(frozen=True)
 class Options:
     """How a save or load runs. Change with ``dataclasses.replace``.
+
+    The environment: each field but storage is also a variable, CKPTIO_ and the field's name
+    in capitals (CKPTIO_IO_DEPTH, CKPTIO_VERIFY), read where no options are given (a save,
+    load or Checkpointer without ``options``) or by ``Options.from_env(**fields)``, whose
+    fields win over the variables. An ``Options(...)`` made directly reads none of them: pass
+    ``Options.from_env(verify=False)`` to keep the variables and change one field. A variable
+    that nearly spells a field (CKPTIO_IO_DEPHT) is named in a warning; its value is ignored.
 
     buffer_bytes: size of one staging buffer, and of one write or coalesced read.
     pool_bytes: total staging memory (buffer_bytes x number of buffers); allocated once, reused.
@@ -107,7 +125,8 @@ class Options:
         (docs/BENCH_LOOP.md: they hold the interpreter less, and spread tmpfs copies over the
         cores).
     use_profile: let a tuned profile (``ckptio tune DIR``) of the target filesystem set
-        io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults.
+        io_backend, direct_io, buffer_bytes and io_depth where these are left at their defaults
+        (a save behind the caller still takes the POSIX threads where io_backend is "auto").
     if_locked: what a save does when another save (another process, job or machine sharing the
         filesystem) is saving into the same path: "wait" until it has finished (logged), or
         "raise" CheckpointLockedError at once (from wait() for an async save).
@@ -217,6 +236,7 @@ class Options:
     storage: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.buffer_bytes < MiB or not is_aligned(self.buffer_bytes):
             raise CkptError(
                 f"Options.buffer_bytes={self.buffer_bytes}: must be >= 1 MiB and a multiple of "
@@ -230,8 +250,9 @@ class Options:
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
             raise CkptError(f"Options.host_budget_bytes={self.host_budget_bytes}: must be >= 0 "
                             "(0: the pool never grows beyond pool_bytes; None: automatic)")
-        if self.io_depth < 1:
-            raise CkptError(f"Options.io_depth={self.io_depth}: must be >= 1")
+        if not 1 <= self.io_depth <= MAX_IO_DEPTH:
+            raise CkptError(f"Options.io_depth={self.io_depth}: must be >= 1 and <= "
+                            f"{MAX_IO_DEPTH} (writes or reads in flight at once)")
         if self.max_file_bytes < self.buffer_bytes:
             raise CkptError(
                 f"Options.max_file_bytes={self.max_file_bytes}: must be >= buffer_bytes"
@@ -265,6 +286,17 @@ class Options:
             raise CkptError(f"Options.compress_threads={self.compress_threads}: must be >= 1")
         check_s3("Options.s3_", {name[3:]: getattr(self, name) for name in _S3_FIELDS})
         self._check_storage()
+
+    def _check_types(self) -> None:
+        """Each number and switch of the kind its field takes: a float byte count, a string
+        "false" (always true) or a count given as text would otherwise fail deep inside a save,
+        or be obeyed wrongly."""
+        for each in dataclasses.fields(self):
+            value, kind = getattr(self, each.name), str(each.type)
+            wrong = None if value is None and kind.endswith(" | None") else (
+                _wrong_kind(value, kind.removesuffix(" | None")))
+            if wrong:
+                raise CkptError(f"Options.{each.name}={value!r}: {wrong}")
 
     def _check_storage(self) -> None:
         if not isinstance(self.storage, Mapping):
@@ -316,7 +348,25 @@ class Options:
                 continue
             env[each.name] = _parse(each.name, raw, each.type)
         env.update({k: v for k, v in overrides.items() if v is not None})
+        _warn_misspelt(cls)
         return cls(**env)  # type: ignore[arg-type]
+
+
+_seen: set[str] = set()  # the CKPTIO_* variables already looked at for a misspelling
+
+
+def _warn_misspelt(cls: type[Options]) -> None:
+    """Warn, once per variable, of a CKPTIO_* variable that names no option but nearly spells
+    one (CKPTIO_IO_DEPHT): it is ignored, which would otherwise go unnoticed."""
+    names = {"CKPTIO_" + each.name.upper() for each in dataclasses.fields(cls)}
+    for var in os.environ:
+        if not var.startswith("CKPTIO_") or var in names or var in _seen:
+            continue
+        _seen.add(var)
+        near = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
+        if near:
+            log.warning("ckptio: the environment variable %s names no option and is ignored; "
+                        "did you mean %s?", var, near[0])
 
 
 def _parse(name: str, raw: str, annotation: object) -> object:
@@ -344,10 +394,26 @@ def _parse(name: str, raw: str, annotation: object) -> object:
     return raw
 
 
+def _wrong_kind(value: object, kind: str) -> str | None:
+    """What ``value`` should have been, where it is not of the annotation ``kind`` ("int",
+    "float", "bool"; other annotations are not checked here); None where it is."""
+    if kind == "bool":
+        return "True or False, not a string" if isinstance(value, (str, bytes)) else None
+    wanted = _KINDS.get(kind)
+    if wanted is None or (isinstance(value, wanted[0]) and not isinstance(value, bool)):
+        return None
+    return f"{wanted[1]}, not a {type(value).__name__}"
+
+
 def check_s3(prefix: str, settings: Mapping[str, Any]) -> None:
     """The rules of the S3 settings (concurrency, read_bytes, retry_deadline_s, lock_lease_s,
     conditional), for Options' ``s3_*`` fields and S3Settings alike; errors name
     ``prefix + field``."""
+    for name, kind in (("concurrency", "int"), ("read_bytes", "int"),
+                       ("retry_deadline_s", "float"), ("lock_lease_s", "float")):
+        wrong = _wrong_kind(settings[name], kind)
+        if wrong:
+            raise CkptError(f"{prefix}{name}={settings[name]!r}: {wrong}")
     if settings["concurrency"] < 1:
         raise CkptError(f"{prefix}concurrency={settings['concurrency']}: must be >= 1")
     read = settings["read_bytes"]

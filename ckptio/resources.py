@@ -135,7 +135,10 @@ class ReusedIOResources:
             self._drop_pool()  # a pool sized to a smaller state: made again at this use's size
         pool = self._made_pool(want, prefault=not copy_faults)
         kind = store.backend_kind
-        if wanted.io_backend == "auto" and (behind or in_memory(store)):
+        # behind the caller: the user's "auto" holds over a tuned backend (the tuner measures
+        # saves waited for, not the loop they run beside)
+        if (self.options.io_backend == "auto" and behind) or (
+                wanted.io_backend == "auto" and in_memory(store)):
             wanted, kind = dataclasses.replace(wanted, io_backend="posix"), f"{kind}+threads"
         backend = self._backends.get(kind)
         if backend is None:

@@ -96,13 +96,23 @@ def _faulted(nbytes: int, pattern: bytes) -> mmap.mmap:
     return buf
 
 
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost folder of ``directory`` (itself or a parent) that does not exist yet:
+    what making it creates; None where it exists."""
+    missing = None
+    path = directory.absolute()
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
 class Study:
     """The scratch directory, the two reused buffers and the backends of one run."""
 
     def __init__(self, directory: Path, config: StudyConfig) -> None:
         self.directory, self.config = directory, config
         self.root = directory / f".ckptio-io-study-{os.getpid()}"
-        self._created = not directory.exists()
+        self._made = _first_missing(directory)  # the folder this run makes, removed after it
         self._backends: dict[tuple[str, int, str], IOBackend] = {}
         self.fixed_buffers: dict[str, bool] = {}  # backend label -> buffers registered with it
         self._plans: dict[Cell, Plan] = {}
@@ -120,7 +130,7 @@ class Study:
     def __exit__(self, *exc: object) -> None:
         for backend in self._backends.values():
             backend.shutdown()
-        shutil.rmtree(self.directory if self._created else self.root, ignore_errors=True)
+        shutil.rmtree(self.root if self._made is None else self._made, ignore_errors=True)
         for view in (self.src, self.sink, self.buffers):
             view.release()
         with contextlib.suppress(BufferError):  # a slice still referenced (a failed request's

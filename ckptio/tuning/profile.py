@@ -1,17 +1,19 @@
 """Tuned I/O profiles, one per filesystem and one per object-store endpoint, in a small JSON file.
 
 Owns: the Profile record (a filesystem), the S3Profile record (an S3 endpoint), the filesystem
-key (st_dev + type from /proc/self/mountinfo), the file
-they live in ($CKPTIO_PROFILE_PATH or ~/.cache/ckptio/profiles.json), its atomic rewrite and its
-validation. Does not own: measuring (tune.py) or deciding when a profile applies over explicit
-options (options/api). lookup() is called on every save and load, so it never raises: a missing
+key (st_dev + type from /proc/self/mountinfo), the file they live in ($CKPTIO_PROFILE_PATH or
+~/.cache/ckptio/profiles.json), its versions and its validation. Does not own: how the file is
+written (profile_file.py: whole, under a lock), measuring (tune.py) or deciding when a profile
+applies over explicit options (options/api). lookup() is called on every save and load, so it never raises: a missing
 or unreadable file is "no profile", a corrupt one is logged once and is "no profile" too; and
 it is cheap: the file is parsed again only when its identity (inode, size, times) changed, and
 the filesystem's key (the mount table) is worked out only when the file holds a filesystem's
-profile.
+profile. store() never replaces a file of a newer version, and keeps an unusable one aside.
 
 File format (version 1): {"version": 1, "profiles": {"<fs_type>:<st_dev>": {Profile fields},
-"s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile.
+"s3:<endpoint URL>": {S3Profile fields}}}. A key starting with "s3:" holds an S3Profile. A field
+a record lacks (a newer ckptio's) is warned about once and left out; store() writes the other
+entries back as they were.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptio.alignment import BLOCK, is_aligned
-from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MiB, Options
+from ckptio.errors import CkptError
+from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MAX_IO_DEPTH, MiB, Options
 from ckptio.storage.s3.settings import S3Settings
+from ckptio.tuning import profile_file
 
-__all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "filesystem_key",
+__all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "check_storable",
+           "filesystem_key",
            "io_fields", "lookup", "lookup_s3", "profile_path", "read_all", "store",
            "tuned_options", "tuned_s3_options"]
 
@@ -246,10 +250,16 @@ def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
     try:
         doc = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path} is not valid JSON: {exc}") from None
+        raise ProfileError(f"{path} is not valid JSON: {exc}; run `ckptio tune DIR` to "
+                           "rewrite it") from None
     profiles = doc.get("profiles") if isinstance(doc, dict) else None
+    newer = _newer_version(doc)
+    if newer is not None:
+        raise ProfileError(f"{path} is version {newer}, written by a newer ckptio (this one "
+                           f"reads version {VERSION}); its profiles are not used here")
     if not isinstance(profiles, dict) or doc.get("version") != VERSION:
-        raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file")
+        raise ProfileError(f"{path} is not a version {VERSION} ckptio profile file; run "
+                           "`ckptio tune DIR` to rewrite it")
     return {key: _from_dict(value, path, S3Profile if key.startswith(S3_KEY) else Profile)
             for key, value in profiles.items()}
 
@@ -257,9 +267,15 @@ def read_all(path: Path | None = None) -> dict[str, Profile | S3Profile]:
 def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Profile | S3Profile:
     fields = {f.name: f.type for f in dataclasses.fields(record)}
     optional = {f.name for f in dataclasses.fields(record) if f.default is not dataclasses.MISSING}
-    if not isinstance(value, dict) or not set(fields) - optional <= set(value) <= set(fields):
+    if not isinstance(value, dict) or not set(fields) - optional <= set(value):
         raise ProfileError(f"{path}: a profile must have the fields "
                            f"{sorted(set(fields) - optional)} and may have {sorted(optional)}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:  # a newer ckptio's added field (as io_depth and read_bytes once were), or a typo
+        _say_once(f"{path}:{unknown}", f"ckptio: the I/O profile file {path}: fields {unknown} "
+                  f"are unknown to this ckptio (a newer one's, or misspelt: the fields are "
+                  f"{sorted(fields)}); the rest of the profile is used")
+        value = {name: v for name, v in value.items() if name in fields}
     fields = {name: kind for name, kind in fields.items() if name in value}
     kinds: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
     for name, kind in fields.items():
@@ -275,9 +291,12 @@ def _from_dict(value: Any, path: Path, record: type[Profile | S3Profile]) -> Pro
 def _invalid(p: Profile | S3Profile) -> str | None:
     if isinstance(p, S3Profile):
         if (p.buffer_bytes < 5 * MiB or not is_aligned(p.buffer_bytes) or p.s3_concurrency < 1
-                or p.io_depth < 0 or p.read_bytes < 0 or not is_aligned(p.read_bytes)):
+                or p.io_depth < 0 or (p.io_depth or p.s3_concurrency) > MAX_IO_DEPTH
+                or p.read_bytes < 0
+                or not is_aligned(p.read_bytes)):
             return (f"buffer_bytes={p.buffer_bytes} (a multiple of {BLOCK}, >= 5 MiB), "
-                    f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} (>= 0) "
+                    f"s3_concurrency={p.s3_concurrency} (>= 1), io_depth={p.io_depth} "
+                    f"(0 to {MAX_IO_DEPTH}) "
                     f"or read_bytes={p.read_bytes} (a multiple of {BLOCK}, >= 0) "
                     "is invalid")
         return None
@@ -285,8 +304,9 @@ def _invalid(p: Profile | S3Profile) -> str | None:
         return f"direct_io={p.direct_io!r} is not auto, on or off"
     if p.buffer_bytes < MiB or not is_aligned(p.buffer_bytes):
         return f"buffer_bytes={p.buffer_bytes} is not a multiple of {BLOCK} of at least 1 MiB"
-    if p.io_depth < 1 or p.io_backend not in IO_BACKENDS:
-        return f"io_depth={p.io_depth} / io_backend={p.io_backend!r} is invalid"
+    if not 1 <= p.io_depth <= MAX_IO_DEPTH or p.io_backend not in IO_BACKENDS:
+        return (f"io_depth={p.io_depth} (1 to {MAX_IO_DEPTH}) / io_backend={p.io_backend!r} "
+                "is invalid")
     return None
 
 
@@ -297,37 +317,61 @@ def store(profile: Profile | S3Profile) -> str:
     if problem:
         raise ProfileError(problem)
     path = profile_path()
-    try:
-        profiles = read_all(path)
-    except FileNotFoundError:
-        profiles = {}
-    except ProfileError as exc:
-        log.warning("ckptio: replacing the unusable profile file (%s)", exc)
-        profiles = {}
-    profiles[profile.key] = profile
-    doc = {"version": VERSION, "profiles": {k: dataclasses.asdict(v) for k, v in sorted(profiles.items())}}
-    _atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
+    check_storable(path)
+    with profile_file.locked(path):  # two tunes at once: each keeps the other's profile
+        try:
+            read_all(path)  # usable: its entries are kept as they are, fields of newer ckptios too
+            profiles = json.loads(path.read_bytes())["profiles"]
+        except FileNotFoundError:
+            profiles = {}
+        except ProfileError as exc:  # kept aside: a hand edit gone wrong can be mended from it
+            kept = path.with_name(path.name + ".unusable")
+            os.replace(path, kept)
+            log.warning("ckptio: replacing the unusable profile file (%s); it is kept as %s",
+                        exc, kept)
+            profiles = {}
+        profiles[profile.key] = dataclasses.asdict(profile)
+        doc = {"version": VERSION, "profiles": dict(sorted(profiles.items()))}
+        profile_file.atomic_write(path, json.dumps(doc, indent=1).encode() + b"\n")
     return str(path)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def check_storable(path: Path | None = None) -> None:
+    """Raise CkptError, naming the file and the fix, where store() could not write the profile
+    file: one written by a newer ckptio (never replaced: its profiles would be lost), a
+    directory, or a folder this process cannot write. ``ckptio tune`` asks before measuring."""
+    path = profile_path() if path is None else path
+    fix = f"or set {PATH_ENV} to another file"
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        newer = _newer_version(json.loads(path.read_bytes()))
+    except (OSError, ValueError, UnicodeDecodeError):
+        newer = None  # none, or unusable: store() replaces it
+    if newer is not None:
+        raise CkptError(f"the profile file {path} is version {newer}, written by a newer ckptio "
+                        f"(this one writes version {VERSION}); tune with that ckptio, {fix}")
+    if path.is_dir():
+        raise CkptError(f"the profile file {path} is a directory; remove it, {fix}")
+    problem = profile_file.unwritable(path)
+    if problem:
+        raise CkptError(f"cannot write the profile file {path} ({problem}); make its folder "
+                        f"writable, {fix}")
+
+
+def _newer_version(doc: object) -> int | None:
+    """The version of a profile file's parsed ``doc`` where it is above VERSION, else None."""
+    version = doc.get("version") if isinstance(doc, dict) else None
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > VERSION
+    return version if newer else None
 
 
 def _warn_once(path: Path | str, exc: Exception) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        log.warning("ckptio: ignoring the I/O profile file: %s; run `ckptio tune DIR` to rewrite it", exc)
+    _say_once(str(path), f"ckptio: ignoring the I/O profile file: {exc}")
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
 
 
 IO_FIELDS = ("io_backend", "direct_io", "buffer_bytes", "io_depth")
@@ -346,8 +390,9 @@ def _defaulted(options: Options, fields: dict[str, object], names: tuple[str, ..
     defaults = Options()
     chosen: dict[str, Any] = {k: v for k, v in fields.items()
                               if k in names and getattr(options, k) == getattr(defaults, k)}
-    if 2 * int(chosen.get("buffer_bytes", 0)) > options.pool_bytes:
-        chosen.pop("buffer_bytes")  # the pool must hold two buffers: keep the explicit pool
+    tuned = int(chosen.get("buffer_bytes", 0))
+    if 2 * tuned > options.pool_bytes or tuned > options.max_file_bytes:
+        chosen.pop("buffer_bytes")  # the pool holds two buffers, a file one: keep those given
     return dataclasses.replace(options, **chosen)
 
 

@@ -17,8 +17,11 @@ io_depth x buffer_bytes <= Options().pool_bytes (each write in flight holds one 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -194,27 +197,74 @@ def show(target: str | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ckptio.tuning.io_study import parse_list, parse_nbytes
-
     if args.show:
         return show(args.dir)
     if args.dir is None:
         print("ckptio tune: a directory or s3:// location is required (or --show)", file=sys.stderr)
         return 2
-    if args.dir.startswith("s3://"):
-        return run_s3(args)
-    sizes = parse_list(args.sizes or SIZES, parse_nbytes)
-    if any(n < MiB or not is_aligned(n) for n in sizes):
-        print("ckptio tune: --sizes must be >= 1M and multiples of 4K", file=sys.stderr)
-        return 2
-    chosen, candidates = tune(Path(args.dir), parse_nbytes(args.total or "256M"), sizes,
-                              parse_list(args.pool_depths), parse_list(args.uring_depths), args.reps)
+    profile.check_storable()  # before minutes of measuring, not after
+    with _terminate_as_exit():
+        if args.dir.startswith("s3://"):
+            return run_s3(args)
+        return run_dir(args)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (``timeout``, a batch scheduler, ``kill``) ends the study as Ctrl-C does: by an
+    exception, so its scratch files (and an S3 study's objects) are removed on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def run_dir(args: argparse.Namespace) -> int:
+    sizes, total, pool_depths, uring_depths = _study_args(args)
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise CkptError(f"ckptio tune: {args.dir} is a file; give a directory on the filesystem "
+                        f"to tune (its folder: ckptio tune {Path(args.dir).parent})")
+    chosen, candidates = tune(Path(args.dir), total, sizes, pool_depths, uring_depths, args.reps)
     for c in sorted(candidates, key=lambda c: -c.score):
         print(f"  {c.engine:5s} d{c.io_depth:<3d} {c.buffer_bytes / MiB:5g} MiB {c.mode:8s} "
               f"write {c.write_gbps:5.2f} read {c.read_gbps:5.2f} score {c.score:5.2f} GB/s")
     where = profile.store(chosen)
     print(f"stored in {where}: {describe(chosen)}")
     return 0
+
+
+def _study_args(args: argparse.Namespace) -> tuple[tuple[int, ...], int, tuple[int, ...],
+                                                   tuple[int, ...]]:
+    """The write sizes, bytes per measurement and the two engines' depths of a directory's
+    study, checked: a CkptError names the option and an example before anything is measured."""
+    from ckptio.options import MAX_IO_DEPTH
+    from ckptio.tuning.io_study import parse_list, parse_nbytes
+
+    try:
+        sizes = parse_list(args.sizes or SIZES, parse_nbytes)
+        total = parse_nbytes(args.total or "256M")
+        depths = parse_list(args.pool_depths), parse_list(args.uring_depths)
+    except (ValueError, IndexError) as exc:
+        raise CkptError(f"ckptio tune: cannot read the sizes, total or depths ({exc}); write "
+                        "e.g. --sizes 1M,4M --total 64M --pool-depths 1,4 --uring-depths 4,16") from None
+    if not sizes or any(n < MiB or not is_aligned(n) for n in sizes):
+        raise CkptError(f"ckptio tune: --sizes {args.sizes}: write sizes >= 1M and multiples "
+                        "of 4K, e.g. --sizes 1M,4M,16M")
+    if args.reps < 1:
+        raise CkptError(f"ckptio tune: --reps {args.reps}: --reps >= 1 repetitions, e.g. --reps 2")
+    if total < max(sizes):
+        raise CkptError(f"ckptio tune: --total {args.total}: bytes per measurement must hold "
+                        f"the largest write size ({max(sizes)} bytes), e.g. --total 256M")
+    if not all(depths) or any(not 1 <= d <= MAX_IO_DEPTH for d in (*depths[0], *depths[1])):
+        raise CkptError(f"ckptio tune: --pool-depths/--uring-depths: 1 to {MAX_IO_DEPTH} "
+                        "writes in flight each, e.g. --pool-depths 1,2,4,8")
+    return sizes, total, *depths
 
 
 def run_s3(args: argparse.Namespace) -> int:
