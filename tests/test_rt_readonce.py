@@ -87,8 +87,8 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
     if fault == "kill" and rank == victim:
         delay = random.Random(os.getpid()).uniform(0.0, 0.15)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    if fault == "unreadable" and rank == victim:
-        _deny_reads(path)
+    if fault in ("unreadable", "die_reading") and rank == victim:
+        _deny_reads(path, fault == "die_reading")
     pg = None
     if group_ranks is not None:
         pg = torch.distributed.new_group(group_ranks, backend="gloo")
@@ -118,14 +118,17 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
     return {"error": error, "warnings": [str(w.message) for w in caught],
             "equal": _equal(into, want) if fault not in ("shape", "dtype", "cast", "keys1")
             else _equal(into["big"], want["big"]),
-            "took": time.time() - started}
+            "untouched": _equal(into, state(n_tiny, zeros=True)), "took": time.time() - started}
 
 
-def _deny_reads(path: str) -> None:
+def _deny_reads(path: str, die: bool = False) -> None:
+    """This rank cannot open the checkpoint's data files (``die``: it is killed as it does)."""
     real = os.open
 
     def denied(file: Any, flags: int, *a: Any, **k: Any) -> int:
         if str(file).startswith(path) and not str(file).endswith("manifest.json"):
+            if die:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise PermissionError(13, "Permission denied", str(file))
         return real(file, flags, *a, **k)
 
@@ -336,7 +339,7 @@ def test_a_frozen_sender_of_many_tensors_costs_one_timeout_not_one_per_message(
 def test_a_sender_killed_at_a_random_moment_never_leaves_wrong_bytes(tmp_path: Path) -> None:
     """SIGKILL of a rank at a random moment of its load, a few times: each survivor either
     loaded every byte (the kill came after the load) or raised RankFailedError naming the
-    killed rank, within a few rank timeouts."""
+    killed rank, within a few rank timeouts, its state untouched or said to be partly loaded."""
     path = _saved(tmp_path)
     for _ in range(3):
         got = run_ranks(3, load, path, "kill", 1, may_die=(1,), timeout_s=120)
@@ -347,7 +350,22 @@ def test_a_sender_killed_at_a_random_moment_never_leaves_wrong_bytes(tmp_path: P
                 assert g["equal"], g
             else:
                 assert g["error"][0] == "RankFailedError" and "rank 1" in g["error"][1], g
-                assert g["equal"] or "partly loaded" in g["error"][1], g
+                # failed before any read (its state as it was), or it says it may be partly
+                assert g["equal"] or g["untouched"] or "partly loaded" in g["error"][1], g
+
+
+def test_a_rank_killed_as_it_reads_leaves_the_others_told_their_state_is_partial(
+        tmp_path: Path) -> None:
+    """A rank killed as it opens a data file (the others read their share meanwhile): each
+    survivor's RankFailedError names it and, its tensors partly filled, says so and to load
+    again (before, the read step's error said only that the load failed on rank 1)."""
+    path = _saved(tmp_path)
+    got = run_ranks(3, load, path, "die_reading", 1, may_die=(1,), timeout_s=120)
+    for rank in (0, 2):
+        g = got[rank]
+        kind, message = g["error"]
+        assert kind == "RankFailedError" and "rank 1" in message and g["took"] < BOUND_S, g
+        assert g["untouched"] or "partly loaded: load again" in message, g
 
 
 def test_a_bit_flipped_in_a_stored_replicated_tensor_fails_every_rank(tmp_path: Path) -> None:
