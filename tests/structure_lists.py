@@ -146,6 +146,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.test_rt_cli": (_HELPER, frozenset({"test_cli_interop._one_line_error"})),
     "tests.test_rt_mem": (_WHITE + "the memory tier's slots, made behind a restore: waited "
                           "for before they are counted", frozenset({"mgr._levels"})),
+    "tests.test_rt_readonce": (_WHITE + "a shared read's send buffer (a send damaged)",
+                               frozenset({"sendreads._send_buffer"})),
     "tests.test_s3client": (_WHITE + "the client cache", frozenset({"s3client._clients"})),
     "tests.test_stage_copy_in": (_WHITE + "the staging pool and a tensor's version counter",
                                  frozenset({"pool._all", "whole._version"})),

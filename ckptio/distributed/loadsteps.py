@@ -3,7 +3,9 @@ final agreement.
 
 SharedManifest: the committed manifest read (and its data files checked) by the coordinator
 alone, its bytes broadcast to the others (Options.broadcast_replicated); where the coordinator
-could not read one (a foreign format, an error of its own), each rank reads for itself.
+could not read one (a foreign format, an error of its own) or a rank has the option off, that
+rank (the coordinator: each) reads for itself. The step runs whatever the option, so that
+ranks given different values still take the same steps.
 UnexpectedKeys: a checkpoint key that one rank's state lacks is unexpected only if no rank asks
 for it (carried by the read step where the load has one, readshare.py; else a step of its own).
 agree_loaded(): at the end of a load, a failure on any rank raises on every rank.
@@ -34,12 +36,13 @@ class SharedManifest:
     """The manifest step: every rank runs it exactly once, at the open of a load's committed
     manifest (``__call__``), at the open of a file (``skip``), or with the error it met before
     (``fail``). The coordinator goes on once every
-    rank has the bytes (the group's broadcast): the step is a barrier at the load's start."""
+    rank has the bytes (the group's broadcast): the step is a barrier at the load's start.
+    ``share`` (Options.broadcast_replicated) False: this rank reads its own manifest."""
 
-    def __init__(self, group: Group, path: str) -> None:
+    def __init__(self, group: Group, path: str, share: bool = True) -> None:
         # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike)
         self.path = compared(path)
-        self.group, self.pending = group, True
+        self.group, self.pending, self.share = group, True, share
 
     def __call__(self, produce: Callable[[], bytes]) -> bytes | None:
         """The manifest's bytes: ``produce()``'s on the coordinator (its error raised there
@@ -52,7 +55,13 @@ class SharedManifest:
                 got = self.group.broadcast(None)
             except RankFailedError:
                 return None
-            return self._same_path(got[1:]) if got[:1] == _SENT else None
+            if got[:1] != _SENT:
+                return None
+            raw = self._same_path(got[1:])
+            return raw if self.share else None
+        if not self.share:  # the option off here: each rank reads its own, the step still run
+            self._read_yourself()
+            return None
         try:
             raw = produce()
         except BaseException:

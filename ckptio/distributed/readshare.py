@@ -148,7 +148,7 @@ class SharedReads:
         self.pending = "blocks"
         owned = [i for i in parts.to]
         nbytes = read([Read.of(units[i].entry, units[i].dests[0]) for i in owned])
-        self._read_done(None)
+        self._read_done(None, loaded=False)  # blocks only: into tensors of their own
         self.pending = "read"
         known = _held(units, owned)
         coming = [units[i].entry for i, owner in enumerate(parts.owner) if owner != -1]
@@ -198,13 +198,19 @@ class SharedReads:
         elif self.pending in ("blocks", "read"):
             self._read_done(error)
 
-    def _read_done(self, error: BaseException | None) -> None:
+    def _read_done(self, error: BaseException | None, loaded: bool = True) -> None:
+        """The step after a read; ``loaded``: that read filled the state's tensors."""
         self.pending = None
         coordinate(self.group, None if error is not None else b"", error,
-                   lambda messages: [b""] * len(messages), self._failed)
+                   lambda messages: [b""] * len(messages),
+                   self._failed_loaded if loaded else self._failed)
 
     def _failed(self, failures: list[str]) -> str:
         return f"load of {self.path} failed on {listed(failures)}"
+
+    def _failed_loaded(self, failures: list[str]) -> str:
+        return (self._failed(failures) + "; this rank's state may be partly loaded: load again "
+                "once the cause is fixed")
 
     def _generation(self) -> int:
         known = _wires.get((self.members, self.timeout_s))

@@ -7,8 +7,9 @@ message is a slice of one unit's destination where it is a contiguous host tenso
 either side), else a buffer its pieces are packed into or copied out of. Each received unit is
 checked against the checksum the manifest records for it before it is copied on; a mismatch is
 a CorruptCheckpointError naming the key, the file and the sending rank. A peer that dies, or
-does not answer within the timeout, fails its messages only: ``exchange`` names it, and the
-caller reads that peer's units from storage.
+does not answer within the timeout, fails its messages only (its others are not waited for:
+one timeout per peer): ``exchange`` names it, and the caller reads that peer's units from
+storage.
 
 Owns: posting, waiting, landing the bytes, checking them. Does not own: who sends what
 (planning/shared_reads.py), the steps around it and the fallback (readshare.py).
@@ -133,7 +134,8 @@ def _send_buffer(sources: dict[int, torch.Tensor], pieces: list[Piece]) -> torch
 
 def _run(group: Any, posts: list[_Post], landings: dict[int, torch.Tensor]) -> dict[int, str]:
     """Post every message, wait for each (the group's timeout bounds each wait), and copy the
-    packed ones out. -> failed peers, with why."""
+    packed ones out. A peer whose message failed is not waited for again: a frozen peer costs
+    the exchange one timeout, whatever the number of its messages. -> failed peers, with why."""
     failed: dict[int, str] = {}
     if not posts:
         return failed
@@ -144,6 +146,8 @@ def _run(group: Any, posts: list[_Post], landings: dict[int, torch.Tensor]) -> d
     except RuntimeError as exc:  # a peer already gone: nothing was posted to anyone
         return {p.peer: _why(exc) for p in posts}
     for post, work in zip(posts, works):
+        if post.peer in failed:  # given up with its peer: one timeout per peer, not per message
+            continue
         try:
             _wait(work)
         except RuntimeError as exc:  # torch.distributed's errors: a peer died or timed out
