@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import logging
 import numbers
+import operator
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -290,13 +291,23 @@ class Options:
     def _check_types(self) -> None:
         """Each number and switch of the kind its field takes: a float byte count, a string
         "false" (always true) or a count given as text would otherwise fail deep inside a save,
-        or be obeyed wrongly."""
-        for each in dataclasses.fields(self):
-            value, kind = getattr(self, each.name), str(each.type)
-            wrong = None if value is None and kind.endswith(" | None") else (
-                _wrong_kind(value, kind.removesuffix(" | None")))
+        or be obeyed wrongly. One pass with no Python call per field (Options are made per
+        save: tests/test_save_call_counts.py): values checked once are remembered."""
+        values = _TYPED_VALUES(self)
+        values = (values, tuple(map(type, values)))  # 4.0 == 4: the types are part of it
+        if values in _CHECKED:
+            return
+        odd = [(name, kind) for name, kind, optional in _TYPED
+               if not (optional and getattr(self, name) is None)
+               and (isinstance(getattr(self, name), (str, bytes)) if kind == "bool" else
+                    isinstance(getattr(self, name), bool)
+                    or not isinstance(getattr(self, name), _KINDS[kind][0]))]
+        for name, kind in odd:
+            wrong = _wrong_kind(getattr(self, name), kind)
             if wrong:
-                raise CkptError(f"Options.{each.name}={value!r}: {wrong}")
+                raise CkptError(f"Options.{name}={getattr(self, name)!r}: {wrong}")
+        if len(_CHECKED) < _CHECKED_MAX:
+            _CHECKED.add(values)
 
     def _check_storage(self) -> None:
         if not isinstance(self.storage, Mapping):
@@ -392,6 +403,15 @@ def _parse(name: str, raw: str, annotation: object) -> object:
             return False
         raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected 1/0 or true/false")
     return raw
+
+
+# Options' fields checked by _check_types: (name, "int" / "float" / "bool", None allowed)
+_TYPED = tuple((f.name, str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None"))
+               for f in dataclasses.fields(Options)
+               if str(f.type).removesuffix(" | None") in ("int", "float", "bool"))
+_TYPED_VALUES = operator.attrgetter(*(name for name, _kind, _none in _TYPED))
+_CHECKED: set[tuple[object, ...]] = set()  # the typed fields' values found right
+_CHECKED_MAX = 256
 
 
 def _wrong_kind(value: object, kind: str) -> str | None:
