@@ -28,6 +28,7 @@ from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
 from ckptio.storage.s3 import timeouts
 from ckptio.testing.s3proxy import FaultProxy
 
+from object_store_cases import raises_within, random_state
 from azure_blob.conftest import through
 
 MiB = 1 << 20
@@ -53,20 +54,6 @@ def _options(connection: str, **changes: Any) -> ckptio.Options:
     return ckptio.Options(storage={"az": AzureSettings(**given)})
 
 
-def _state(seed: int, mib: int = 2) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(mib * MiB // 4, generator=g), "step": seed}
-
-
-def _raises_within(seconds: float, work: Any) -> str:
-    began = time.monotonic()
-    with pytest.raises(ckptio.StorageIOError) as info:
-        work()
-    took = time.monotonic() - began
-    assert took < seconds, f"failed after {took:.1f} s (bound {seconds} s): {info.value}"
-    return str(info.value)
-
-
 def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_deadline(
         az_env: str, az_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """The store silent from step 2 on: step 2 waits out its deadline; each later due save,
@@ -75,22 +62,22 @@ def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_
     run = f"{az_env}/run"
     options = _options(through(az_proxy), retry_deadline_s=10.0)
     manager = CheckpointManager(run, keep_last=2, options=options)
-    manager.save(1, _state(1), asynchronous=True)
+    manager.save(1, random_state(1), asynchronous=True)
     manager.wait()
     az_proxy.partition()
-    _raises_within(10.0 + 6, lambda: manager.save(2, _state(2), asynchronous=True))
+    raises_within(10.0 + 6, lambda: manager.save(2, random_state(2), asynchronous=True))
     time.sleep(1.0)
-    message = _raises_within(timeouts.FLOOR_S + 2.5,
-                             lambda: manager.save(3, _state(3), asynchronous=True))
+    message = raises_within(timeouts.FLOOR_S + 2.5,
+                             lambda: manager.save(3, random_state(3), asynchronous=True))
     assert "no request to it has succeeded since an earlier one gave up" in message, message
     assert f"{run}/step-3" in message, message
     az_proxy.clear()
     time.sleep(1.0)
-    manager.save(4, _state(4), asynchronous=True)
+    manager.save(4, random_state(4), asynchronous=True)
     manager.close()
-    target = _state(0)
+    target = random_state(0)
     assert CheckpointManager(run, keep_last=2, options=options).restore(target) == 4
-    assert torch.equal(target["w"], _state(4)["w"])
+    assert torch.equal(target["w"], random_state(4)["w"])
 
 
 def test_ctrl_c_while_a_save_waits_for_another_jobs_lock_lets_the_process_exit(
@@ -130,10 +117,10 @@ def test_a_data_blob_deleted_while_a_load_reads_it_names_the_cause_and_the_fix(
     fails naming the blob, why it is gone and what to do, not a bare '404 BlobNotFound'."""
     url = f"{az_env}/replaced"
     options = _options(through(az_proxy))
-    ckptio.Checkpointer(options).save(_state(1), url)
+    ckptio.Checkpointer(options).save(random_state(1), url)
     az_proxy.fail(404, "BlobNotFound", times=None, method="GET", key="/data-")
     with pytest.raises(ckptio.StorageIOError) as info:
-        ckptio.Checkpointer(options).load(url, _state(0))
+        ckptio.Checkpointer(options).load(url, random_state(0))
     message = str(info.value)
     assert "/data-" in message and "no longer exists" in message, message
     assert "another save replaced this checkpoint" in message and "load it again" in message
@@ -151,8 +138,8 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(through(az_proxy), retry_deadline_s=30.0)
-    message = _raises_within(az_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
-        options).save(_state(1, mib=1), f"{az_env}/proxied"))
+    message = raises_within(az_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
+        options).save(random_state(1, mib=1), f"{az_env}/proxied"))
     assert "proxy" in message and "HTTPS_PROXY" in message and dead in message, message
 
 
@@ -166,7 +153,7 @@ def test_an_account_url_that_cannot_be_reached_names_the_network_in_seconds(
         account_url="https://ckptiortnowhere.blob.core.windows.net?sv=x&sig=y")})
     began = time.monotonic()
     with pytest.raises(ckptio.CkptError) as info:
-        ckptio.Checkpointer(options).save(_state(1, mib=1), "az://ckpt/run/a")
+        ckptio.Checkpointer(options).save(random_state(1, mib=1), "az://ckpt/run/a")
     took = time.monotonic() - began
     message = str(info.value)
     assert took < az_client.UNREACHED_S + 6, f"{took:.1f} s: {message}"
@@ -233,7 +220,7 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
     run = f"{az_env}/many"
     options = _options(through(az_proxy))
     with CheckpointManager(run, keep_last=2, options=options) as manager:
-        manager.save(900, _state(900, mib=1))
+        manager.save(900, random_state(900, mib=1))
     box, name = run[len("az://"):].split("/", 1)
     service = BlobServiceClient.from_connection_string(os.environ[CONNECTION_ENV])
     keys = [f"{name}/step-{n}/data-x.bin" for n in range(1000, 1300)]
@@ -242,11 +229,11 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
         list(pool.map(lambda key: service.get_container_client(box).upload_blob(key, b"x"), keys))
     az_proxy.reset_counters()
     manager = CheckpointManager(run, keep_last=2, options=options)
-    target = _state(0, mib=1)
+    target = random_state(0, mib=1)
     began = time.monotonic()
     with pytest.warns(UserWarning, match="incomplete"):
         assert manager.restore(target) == 900
-    manager.save(901, _state(901, mib=1))
+    manager.save(901, random_state(901, mib=1))
     took = time.monotonic() - began
     lists = sum(1 for r in az_proxy.requests if r.query.get("comp") == "list")
     assert lists < 40, f"{lists} listings in {took:.1f} s"
@@ -273,11 +260,11 @@ def test_an_upload_reset_throttled_or_unanswered_part_way_is_retried_and_commits
     else:
         rules = [az_proxy.drop_response(method="PUT", query={"comp": "blocklist"}),
                  az_proxy.drop_response(method="PUT", key="manifest.json$")]
-    ckptio.Checkpointer(options).save(_state(3), url)
+    ckptio.Checkpointer(options).save(random_state(3), url)
     assert all(rule.fired for rule in rules), [rule.fired for rule in rules]
-    target = _state(0)
+    target = random_state(0)
     ckptio.Checkpointer(options).load(url, target)
-    assert torch.equal(target["w"], _state(3)["w"])
+    assert torch.equal(target["w"], random_state(3)["w"])
 
 
 def test_a_manager_restore_on_a_container_that_does_not_exist_says_nothing_was_loaded(
@@ -285,8 +272,8 @@ def test_a_manager_restore_on_a_container_that_does_not_exist_says_nothing_was_l
     """restore() of a manager on az://no-such-container/run fails listing its steps: the error
     names the container and the fix, and does not claim the state may be partly filled."""
     manager = CheckpointManager("az://no-such-box-rt/run")
-    target = _state(0, mib=1)
-    message = _raises_within(5.0, lambda: manager.restore(target))
+    target = random_state(0, mib=1)
+    message = raises_within(5.0, lambda: manager.restore(target))
     assert "container does not exist: create it" in message, message
     assert "may hold some" not in message, message
     manager.close()
@@ -304,11 +291,11 @@ def test_a_lease_renewal_left_unanswered_does_not_hold_up_the_save_that_finished
         method="PUT", query={"comp": "lease"})), method="PUT", query={"comp": "block"})
     az_proxy.delay(7.0, times=1, method="PUT", query={"comp": "block"})
     began = time.monotonic()
-    ckptio.Checkpointer(options).save(_state(5), url)
+    ckptio.Checkpointer(options).save(random_state(5), url)
     took = time.monotonic() - began
     assert swallowed and swallowed[0].fired, "no renewal was sent"
     assert took < 7.0 + 6, f"the save returned {took:.1f} s after it began"
     az_proxy.clear()
-    target = _state(0)
+    target = random_state(0)
     ckptio.Checkpointer(options).load(url, target)
-    assert torch.equal(target["w"], _state(5)["w"])
+    assert torch.equal(target["w"], random_state(5)["w"])

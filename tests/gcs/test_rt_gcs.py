@@ -28,6 +28,7 @@ from ckptio.storage.gcs.gcs_client import GcsPath
 from ckptio.storage.s3 import timeouts
 from ckptio.testing.s3proxy import FaultProxy
 
+from object_store_cases import raises_within, random_state
 from gcs.conftest import Emulator, settings_at
 
 MiB = 1 << 20
@@ -54,20 +55,6 @@ def _options(endpoint: str, **changes: Any) -> ckptio.Options:
     return ckptio.Options(storage={"gs": settings_at(endpoint, **changes)})
 
 
-def _state(seed: int, mib: int = 2) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(mib * MiB // 4, generator=g), "step": seed}
-
-
-def _raises_within(seconds: float, work: Any) -> str:
-    began = time.monotonic()
-    with pytest.raises(ckptio.StorageIOError) as info:
-        work()
-    took = time.monotonic() - began
-    assert took < seconds, f"failed after {took:.1f} s (bound {seconds} s): {info.value}"
-    return str(info.value)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_outages() -> Any:
     timeouts.reset()  # an outage an earlier test met does not carry over
@@ -92,13 +79,13 @@ def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_
     run = f"{gcs_url}/run"
     options = _options(gcs_proxy.endpoint, retry_deadline_s=10.0)
     manager = CheckpointManager(run, keep_last=2, options=options)
-    manager.save(1, _state(1), asynchronous=True)
+    manager.save(1, random_state(1), asynchronous=True)
     manager.wait()
     gcs_proxy.partition()
-    _raises_within(10.0 + 6, lambda: manager.save(2, _state(2), asynchronous=True))
+    raises_within(10.0 + 6, lambda: manager.save(2, random_state(2), asynchronous=True))
     time.sleep(1.0)
-    message = _raises_within(timeouts.FLOOR_S + 2.5,
-                             lambda: manager.save(3, _state(3), asynchronous=True))
+    message = raises_within(timeouts.FLOOR_S + 2.5,
+                             lambda: manager.save(3, random_state(3), asynchronous=True))
     assert "no request to it has succeeded since an earlier one gave up" in message, message
     assert f"{run}/step-3" in message, message
     gcs_proxy.clear()
@@ -110,11 +97,11 @@ def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_
         except ckptio.StorageIOError:
             assert time.monotonic() < healed, "the store never answered again"
             time.sleep(0.5)
-    manager.save(4, _state(4), asynchronous=True)
+    manager.save(4, random_state(4), asynchronous=True)
     manager.close()
-    target = _state(0)
+    target = random_state(0)
     assert CheckpointManager(run, keep_last=2, options=options).restore(target) == 4
-    assert torch.equal(target["w"], _state(4)["w"])
+    assert torch.equal(target["w"], random_state(4)["w"])
 
 
 def test_ctrl_c_while_a_save_waits_for_another_jobs_lock_lets_the_process_exit(
@@ -160,11 +147,11 @@ def test_a_data_object_deleted_while_a_load_reads_it_names_the_cause_and_the_fix
     404. The load fails naming the object, why it is gone and what to do."""
     url = f"{gcs_url}/replaced"
     options = _options(gcs_proxy.endpoint)
-    ckptio.Checkpointer(options).save(_state(1), url)
+    ckptio.Checkpointer(options).save(random_state(1), url)
     gcs_proxy.fail(404, "NoSuchKey", times=None, method="GET", key="data-",
                    query={"alt": "media"})
     with pytest.raises(ckptio.StorageIOError) as info:
-        ckptio.Checkpointer(options).load(url, _state(0))
+        ckptio.Checkpointer(options).load(url, random_state(0))
     message = str(info.value)
     assert "/data-" in message and "no longer exists" in message, message
     assert "another save replaced this checkpoint" in message and "load it again" in message
@@ -182,8 +169,8 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(gcs_proxy.endpoint, retry_deadline_s=30.0)
-    message = _raises_within(gcs_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
-        options).save(_state(1, mib=1), f"{gcs_url}/proxied"))
+    message = raises_within(gcs_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
+        options).save(random_state(1, mib=1), f"{gcs_url}/proxied"))
     assert "proxy" in message and "HTTPS_PROXY" in message and dead in message, message
 
 
@@ -195,8 +182,8 @@ def test_with_no_endpoint_set_and_google_unreachable_the_save_fails_in_seconds(
     for name in ("STORAGE_EMULATOR_HOST", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     options = ckptio.Options(storage={"gs": {"credentials": "anonymous"}})
-    message = _raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer(
-        options).save(_state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/a"))
+    message = raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer(
+        options).save(random_state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/a"))
     assert "Google Cloud Storage cannot be reached" in message, message
     assert "network" in message and "STORAGE_EMULATOR_HOST" in message, message
 
@@ -220,8 +207,8 @@ def test_with_default_credentials_and_google_unreachable_the_save_fails_in_secon
     for name in ("STORAGE_EMULATOR_HOST", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
-    message = _raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
-        _state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/b"))
+    message = raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
+        random_state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/b"))
     assert "network" in message and "gs://ckptio-rtgcs-nowhere/run/b" in message, message
 
 
@@ -287,7 +274,7 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
     run = f"{gcs_url}/many"
     options = _options(gcs_proxy.endpoint)
     with CheckpointManager(run, keep_last=2, options=options) as manager:
-        manager.save(900, _state(900, mib=1))
+        manager.save(900, random_state(900, mib=1))
     where = GcsPath.parse(run)
     bucket = _anonymous_client(gcs_server.endpoint).bucket(where.bucket)
     keys = [f"{where.dir_prefix}step-{n}/data-x.bin" for n in range(1000, 1300)]
@@ -297,11 +284,11 @@ def test_many_step_prefixes_are_told_apart_by_few_listings_not_one_each(
         bucket.blob(key).upload_from_string(b"x")
     gcs_proxy.reset_counters()
     manager = CheckpointManager(run, keep_last=2, options=options)
-    target = _state(0, mib=1)
+    target = random_state(0, mib=1)
     with pytest.warns(UserWarning, match="incomplete"):
         assert manager.restore(target) == 900
-    assert torch.equal(target["w"], _state(900, mib=1)["w"])
-    manager.save(901, _state(901, mib=1))
+    assert torch.equal(target["w"], random_state(900, mib=1)["w"])
+    manager.save(901, random_state(901, mib=1))
     lists = sum(1 for r in gcs_proxy.requests if r.method == "GET" and r.key.endswith("/o"))
     assert lists < 40, f"{lists} listings"
     assert manager.steps() == [900, 901]
@@ -321,11 +308,11 @@ def test_an_upload_reset_or_throttled_part_way_is_retried_and_the_save_commits(
     else:
         rules = [gcs_proxy.fail(503, "SlowDown", times=2, method="PUT"),
                  gcs_proxy.fail(429, "SlowDown", times=1, method="PUT")]
-    ckptio.Checkpointer(options).save(_state(3), url)
+    ckptio.Checkpointer(options).save(random_state(3), url)
     assert all(rule.fired for rule in rules), [rule.fired for rule in rules]
-    target = _state(0)
+    target = random_state(0)
     ckptio.Checkpointer(options).load(url, target)
-    assert torch.equal(target["w"], _state(3)["w"])
+    assert torch.equal(target["w"], random_state(3)["w"])
 
 
 def test_a_manager_on_a_bucket_that_does_not_exist_names_it_and_the_fix(
@@ -335,9 +322,9 @@ def test_a_manager_on_a_bucket_that_does_not_exist_names_it_and_the_fix(
     the state may be partly filled, as nothing was read."""
     options = _options(gcs_server.endpoint)
     manager = CheckpointManager("gs://ckptio-rt-no-such-bucket/run", options=options)
-    for work in (lambda: manager.save(1, _state(1, mib=1)), lambda: manager.steps(),
-                 lambda: manager.restore(_state(0, mib=1))):
-        message = _raises_within(5.0, work)
+    for work in (lambda: manager.save(1, random_state(1, mib=1)), lambda: manager.steps(),
+                 lambda: manager.restore(random_state(0, mib=1))):
+        message = raises_within(5.0, work)
         assert "bucket 'ckptio-rt-no-such-bucket' does not exist" in message, message
         assert "create it" in message and "may hold some" not in message, message
     manager.close()

@@ -5,6 +5,7 @@ commits nothing incomplete, and a later restore gets the last good step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -26,7 +27,10 @@ from ckptio.storage.object_common import MARKER
 from ckptio.storage.s3 import client, timeouts
 from ckptio.storage.s3.client import S3Path
 from ckptio.testing.s3proxy import FaultProxy
+from object_store_cases import raises_within, random_state
 from s3.test_silent_s3 import DEADLINE_S, _options
+
+_state = functools.partial(random_state, mib=6)  # these cases' states: 6 MiB
 
 MiB = 1 << 20
 # a save that waits for another save's lock (if_locked="wait"), reporting when its caller is
@@ -44,20 +48,6 @@ try:
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 """
-
-
-def _state(seed: int, mib: int = 6) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(mib * MiB // 4, generator=g), "step": seed}
-
-
-def _raises_within(seconds: float, work: Any) -> str:
-    began = time.monotonic()
-    with pytest.raises(ckptio.StorageIOError) as info:
-        work()
-    took = time.monotonic() - began
-    assert took < seconds, f"failed after {took:.1f} s (bound {seconds} s): {info.value}"
-    return str(info.value)
 
 
 @pytest.fixture
@@ -80,9 +70,9 @@ def test_a_store_silent_across_saves_blocks_each_later_async_save_briefly_not_a_
     manager.save(1, _state(1), asynchronous=True)
     manager.wait()
     s3_proxy.partition()
-    _raises_within(DEADLINE_S + 3, lambda: manager.save(2, _state(2), asynchronous=True))
+    raises_within(DEADLINE_S + 3, lambda: manager.save(2, _state(2), asynchronous=True))
     time.sleep(1.0)
-    message = _raises_within(timeouts.FLOOR_S + 1.5,
+    message = raises_within(timeouts.FLOOR_S + 1.5,
                              lambda: manager.save(3, _state(3), asynchronous=True))
     assert "no request to it has succeeded since an earlier one gave up" in message, message
     assert f"{run}/step-3" in message and s3_proxy.endpoint in message, message
@@ -200,7 +190,7 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(s3_proxy.endpoint, s3_retry_deadline_s=30.0)
-    message = _raises_within(client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(options).save(
+    message = raises_within(client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(options).save(
         _state(1, mib=1), f"{s3_env}/proxied"))
     assert "the proxy to" in message and "HTTPS_PROXY" in message and dead in message, message
 
@@ -214,7 +204,7 @@ def test_with_no_endpoint_set_and_aws_unreachable_the_save_fails_in_seconds_nami
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_REGION", "xx-nowhere-9")  # s3.xx-nowhere-9.amazonaws.com: no host
-    message = _raises_within(client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
+    message = raises_within(client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
         _state(1, mib=1), "s3://ckptio-rts3-nowhere/run/a"))
     assert "AWS S3 cannot be reached" in message and "AWS_REGION" in message, message
     assert "network" in message and "AWS_ENDPOINT_URL" in message, message

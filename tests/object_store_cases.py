@@ -1,0 +1,31 @@
+"""What the object stores' red-team tests share (tests/s3/test_rt_s3.py, tests/gcs/test_rt_gcs.py,
+tests/azure_blob/test_rt_azure.py): a seeded state of a given size, and a failure that must come
+within a bound."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import ckptio
+
+MiB = 1 << 20
+
+
+def random_state(seed: int, mib: int = 2) -> dict[str, Any]:
+    """A state of ``mib`` MiB of float32 drawn from ``seed``, and the seed as its step."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib * MiB // 4, generator=g), "step": seed}
+
+
+def raises_within(seconds: float, work: Any) -> str:
+    """``work()`` raises StorageIOError within ``seconds``; -> its message."""
+    began = time.monotonic()
+    with pytest.raises(ckptio.StorageIOError) as info:
+        work()
+    took = time.monotonic() - began
+    assert took < seconds, f"failed after {took:.1f} s (bound {seconds} s): {info.value}"
+    return str(info.value)
