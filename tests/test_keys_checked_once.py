@@ -60,6 +60,20 @@ def test_saves_of_one_layout_walk_the_keys_once(tmp_path: Path, walks: list[int]
     assert torch.equal(back["extra"], torch.ones(3)) and back["tags"] == ["a", "b"]
 
 
+def test_a_step_committed_before_the_manager_hears_of_it_is_not_read_back(
+        tmp_path: Path, walks: list[int]) -> None:
+    """A synchronous save after an async one: the async step's retention pass finds the new
+    step committed already; the manager made it, so its manifest is not read (it was, in
+    CI under load: an async save done quickly had the save call read its manifest back)."""
+    with ckptio.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+        handle = mgr.save(1, _state(1), asynchronous=True)
+        assert handle is not None
+        handle.wait()
+        mgr.save(2, _state(2))
+        assert len(walks) == 1
+        assert mgr.steps() == [1, 2]
+
+
 def test_a_bad_manifest_after_a_good_one_is_still_refused() -> None:
     m = manifest.Manifest(version=3, save_id="s", checksum_algorithm="xxh3_64", world_size=1,
                           files=(), tensors=(), objects=(ObjectEntry("a", ["int", 1]),),

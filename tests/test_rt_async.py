@@ -341,6 +341,48 @@ def test_a_forked_child_saves_and_loads_through_the_parents_checkpointer(tmp_pat
     assert ckptio.load(tmp_path / "parent")["a"].shape == (1 << 20,)
 
 
+FORK_UNMAP = r"""
+import ctypes, gc, os, sys, torch
+import ckptio
+ck = ckptio.Checkpointer()
+ck.save({"w": torch.ones(1024)}, sys.argv[1])
+old = ck.resources().pool  # the parent's pool, still referenced in the child after the fork
+view = old.whole_view()
+address, nbytes = torch.frombuffer(view, dtype=torch.uint8).data_ptr(), len(view)
+del view
+pid = os.fork()
+if pid == 0:  # the range is free here (MADV_DONTFORK): a mapping of the child's own takes it
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    MAP_FIXED_NOREPLACE = 0x100000
+    got = libc.mmap(address, nbytes, 3, 0x02 | 0x20 | MAP_FIXED_NOREPLACE, -1, 0)
+    if got != address:
+        os._exit(2)
+    del old, ck
+    gc.collect()  # the parent's objects freed in the child
+    mapped = any(int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)
+                 for line in open("/proc/self/maps"))
+    os._exit(0 if mapped else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_child_freeing_the_parents_pool_keeps_its_own_mappings(tmp_path) -> None:
+    """The parent's pool is not mapped in a forked child, but its Python objects are there:
+    freed in the child (the parent's Checkpointer forgotten, collected some time later), they
+    unmapped their range, which the child's own new pool had taken meanwhile; the child's next
+    save then died of SIGSEGV in its capture (seen in CI). A mapping of the child's own at
+    that range survives the parent's objects being freed now."""
+    done = subprocess.run([sys.executable, "-c", FORK_UNMAP, str(tmp_path / "ck")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0 and done.stdout.split() == ["child", "0"], (
+        done.stdout + done.stderr)
+
+
 FORK_STEPPER = r"""
 import multiprocessing, sys, threading, torch
 import ckptio

@@ -246,12 +246,30 @@ def _stop_faulting_at_exit() -> None:
 
 threading._register_atexit(_stop_faulting_at_exit)  # type: ignore[attr-defined]
 
+_mappings: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # every pool mapping of this process
+_inherited: list[mmap.mmap] = []  # in a forked child: the parent's, never freed here
+
+
+def _keep_parents_mappings_in_child() -> None:
+    """After a fork, in the child: the parent's pool mappings are not here (MADV_DONTFORK), but
+    their Python objects are, and freeing one (the parent's Checkpointers forgotten, collected
+    whenever) would unmap its range, where the child may have mapped a pool of its own by then:
+    that pool's next copy faulted the child. They are kept for the child's life instead; the
+    parent's pre-fault threads are not here either (nothing to stop at the child's exit)."""
+    _inherited.extend(_mappings)
+    _mappings.clear()
+    _faulting.clear()
+
+
+os.register_at_fork(after_in_child=_keep_parents_mappings_in_child)
+
 
 def _private_mapping(nbytes: int) -> mmap.mmap:
     """Anonymous memory of this process alone: private pages fault in faster than shared ones
     here (docs/BENCH_LOOP.md, "The first save"), and a child forked later (a DataLoader's
     workers) inherits none of it, so no write into the pool ever copies a page for a child."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _mappings.add(mapping)
     dontfork = getattr(mmap, "MADV_DONTFORK", None)
     if dontfork is not None and nbytes:
         mapping.madvise(dontfork)

@@ -191,6 +191,12 @@ class TierSteps:
         if bases is not None:
             self._chains.made(step, bases)
 
+    def saving(self, step: int, bases: tuple[int, ...]) -> None:
+        """A save of ``step`` against ``bases`` started here: a retention pass that finds it
+        committed before the manager hears of its commit (an async save done quickly) reads
+        no manifest for it (chains.py); saved() records it again at the commit."""
+        self._chains.made(step, bases)
+
     # ---------------------------------------------------------------- loading
 
     def try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:

@@ -208,6 +208,7 @@ class CheckpointManager(ManagerParts):
             first.choose_base, self.delta, step, self._long_every)
         if base is None:  # a full save: its retention reads no manifest; a delta's reads
             self._bases[step] = ()  # its manifest's bases (entries that all changed need none)
+            first.saving(step, ())
         else:  # not a failed full save's of this step, retried as a delta
             self._bases.pop(step, None)
         if self._ranks().rank != COORDINATOR:  # rank 0's are stored; checked on rank 0 above
