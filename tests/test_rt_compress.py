@@ -103,3 +103,38 @@ def test_running_manager_saves_full_once_its_base_lost_a_file(tmp_path: Path,
                              capture_output=True, text=True, timeout=60).stdout
     assert [line.split()[-1] for line in listing.splitlines() if line.split()[:1] == ["4"]] \
         == ["step-3"], listing
+
+
+def _flip_every(path: Path, stride: int) -> None:
+    with path.open("r+b") as f:
+        for offset in range(0, path.stat().st_size, stride):
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_delta_save_that_finds_its_base_damaged_makes_the_next_save_full(
+        tmp_path: Path, asynchronous: bool) -> None:
+    pytest.importorskip("zstandard")
+    root = tmp_path / "run"
+    failed: list[int] = []
+    with ckptio.CheckpointManager(root, keep_last=10, save_every=1, options=OPTS,
+                                  delta=DeltaPolicy(full_every=10),
+                                  compression="bytegroup+zstd") as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        _flip_every(_data_file(root / "step-1"), 4096)  # its bytes rot; its files stay whole
+        for step in (3, 4, 5, 6):
+            try:
+                mgr.save(step, _state(step), asynchronous=asynchronous)
+                mgr.wait() if not asynchronous else None
+            except CorruptCheckpointError as exc:
+                assert "step-1/" in str(exc)
+                failed.append(step)
+        mgr.wait()
+    assert len(failed) == 1, failed  # one save found the damage; the next was full
+    for step in range(max(failed) + 1, 7):
+        got = ckptio.load(root / f"step-{step}")
+        assert all(torch.equal(got[k], v) for k, v in _state(step).items())

@@ -178,6 +178,12 @@ class TierSteps:
             return False
         return True
 
+    def base_failed(self, base: int, exc: BaseException) -> None:
+        """A delta save against ``base`` failed with ``exc``: damage found in a file of the
+        base (its bytes, read to be XORed) marks it damaged, so the next save is full."""
+        if isinstance(exc, CorruptCheckpointError) and f"{self.path(base)}/" in str(exc):
+            self.mark_damaged(base)
+
     def _infos(self, committed: list[int]) -> tuple[list[StepInfo], ChainFacts]:
         """The StepInfo of ``committed``, reading through one ChainFacts (its unreadable)."""
         facts = ChainFacts(self._chains, self._damaged, self._meta.of)
