@@ -173,7 +173,8 @@ def settings_of(options: Options | None, checkpointer: Checkpointer | None,
         raise CkptError("CheckpointManager(options=..., checkpointer=...): give one of them; "
                         "a Checkpointer already has its options")
     settings = checkpointer.options if checkpointer else options or Options.from_env()
-    return with_compression(settings, compression, checkpointer is not None)
+    return with_compression(settings, compression, checkpointer is not None,
+                            options_given=options is not None)
 
 
 def _save_every(save_every: Any, save_interval_s: float | None, first: Tier | None,

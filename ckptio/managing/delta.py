@@ -37,9 +37,12 @@ def check_delta(delta: Any) -> DeltaBasePolicy | None:
     return check_base(delta, "CheckpointManager(delta")
 
 
-def with_compression(options: Options, compression: Any, checkpointer_given: bool) -> Options:
+def with_compression(options: Options, compression: Any, checkpointer_given: bool,
+                     options_given: bool = False) -> Options:
     """The manager's options with ``CheckpointManager(compression=...)`` in them (None: as
-    they are). "auto", "off" or a codec's name, checked by Options (Options.compression)."""
+    they are). "auto", "off" or a codec's name, checked by Options (Options.compression).
+    ``options_given``: ``options`` are the caller's own, whose compression other than the
+    default must not be contradicted (one of the two would be ignored)."""
     if compression is None:
         return options
     if not isinstance(compression, str) or not compression:
@@ -48,6 +51,10 @@ def with_compression(options: Options, compression: Any, checkpointer_given: boo
     if checkpointer_given:
         raise CkptError("CheckpointManager(checkpointer=..., compression=...): the "
                         "Checkpointer's options decide; make it with Options(compression=...)")
+    if options_given and options.compression not in ("off", compression):
+        raise CkptError(f"CheckpointManager(compression={compression!r}, options=Options("
+                        f"compression={options.compression!r})): two different compressions; "
+                        "give one of them")
     return dataclasses.replace(options, compression=compression)
 
 

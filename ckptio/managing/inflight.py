@@ -39,7 +39,8 @@ class _Pending:
 class InFlight:
     """The first tier's async save in flight, if any (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: TierSteps | None = None) -> None:
+        self._first = first  # told of a delta save that failed on its base (base_failed)
         self._pending: _Pending | None = None
         self._above: int | None = None  # no tier held an undamaged step above this one
 
@@ -105,7 +106,7 @@ class InFlight:
             self._above = step
         return newer
 
-    def save(self, ck: Checkpointer, step: int, path: str, state: Any,
+    def save(self, ck: Checkpointer, step: int, path: str, state: Any, base: int | None,
              kwargs: dict[str, Any]) -> tuple[SaveResult, list[int]]:
         """A synchronous save (it settles the save in flight first, raising its unseen error)
         -> its result, and the steps committed (the previous one's too, if it did)."""
@@ -114,6 +115,7 @@ class InFlight:
             result = ck.save(state, path, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
             said = _not_saved(exc, previous, step)
+            self._failed(previous.base if said is not exc and previous else base, exc)
             if said is exc:
                 raise
             raise said from exc.__cause__
@@ -130,6 +132,7 @@ class InFlight:
             handle = ck.async_save(state, path, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - raised again, with the step said
             said = _not_saved(exc, previous, step)
+            self._failed(previous.base if said is not exc and previous else base, exc)
             if said is exc:
                 raise
             raise said from exc.__cause__
@@ -149,6 +152,9 @@ class InFlight:
         except SaveTimeoutError as exc:
             self._pending = pending
             raise restated(exc, f"step {pending.step}: ") from None
+        except BaseException as exc:  # noqa: BLE001 - raised again
+            self._failed(pending.base, exc)
+            raise
 
     def settle(self, ck: Checkpointer) -> list[int]:
         """The save in flight finishes (as the Checkpointer's next save would wait for it, on
@@ -158,9 +164,18 @@ class InFlight:
             return []
         try:
             ck.settle()
+        except BaseException as exc:  # noqa: BLE001 - raised again
+            self._failed(pending.base, exc)
+            raise
         finally:
             self._pending = None
         return self._ok(pending)
+
+    def _failed(self, base: int | None, exc: BaseException) -> None:
+        """A save against ``base`` failed with ``exc``: the first tier is told (a base found
+        damaged is not chosen again: level.base_failed)."""
+        if base is not None and self._first is not None:
+            self._first.base_failed(base, exc)
 
     def _forget_done(self, previous: _Pending | None) -> None:
         if previous is not None and self._pending is previous and previous.handle.done():

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
-from ckptio.errors import CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
@@ -42,6 +42,7 @@ from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by,
 from ckptio.saving.mapped_regions import pin
 from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import MappedFile
+from ckptio.storage.steps import check_files
 from ckptio.storage.select import capped, root_for, store_for
 from ckptio.storage.steproot import Lease, LeasedRoot, Listing, StepRoot
 from ckptio.storage.store_contract import Store
@@ -162,7 +163,26 @@ class TierSteps:
         (divisible by ``long_every``: it then stands alone, so no old delta pins its base)."""
         if any(step % every == 0 for every in long_every):
             return None
-        return base_by(policy, step, self._infos(self.scan()["committed"])[0])
+        base = base_by(policy, step, self._infos(self.scan()["committed"])[0])
+        return base if base is None or self._whole(base, step) else None
+
+    def _whole(self, base: int, step: int) -> bool:
+        """Whether the chosen base still holds every data file its manifest names, whole; a
+        base damaged since it committed (a file removed or cut short by hand) is marked
+        damaged, said once, and ``step`` saved full (else every later save would fail on it)."""
+        try:
+            check_files(self.store(base), self.manifest(base))
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            self.mark_damaged(base)
+            warn(f"ckptio: step {step} is saved full, not as a delta of step {base}: {exc}")
+            return False
+        return True
+
+    def base_failed(self, base: int, exc: BaseException) -> None:
+        """A delta save against ``base`` failed with ``exc``: damage found in a file of the
+        base (its bytes, read to be XORed) marks it damaged, so the next save is full."""
+        if isinstance(exc, CorruptCheckpointError) and f"{self.path(base)}/" in str(exc):
+            self.mark_damaged(base)
 
     def _infos(self, committed: list[int]) -> tuple[list[StepInfo], ChainFacts]:
         """The StepInfo of ``committed``, reading through one ChainFacts (its unreadable)."""

@@ -219,7 +219,8 @@ class CheckpointManager(ManagerParts):
         result: SaveResult | SaveHandle
         self._saved_here = True
         if not (asynchronous or lazy):
-            result, committed = self._saves.save(self._ck, step, first.path(step), state, kwargs)
+            result, committed = self._saves.save(self._ck, step, first.path(step), state,
+                                                 base, kwargs)
         else:
             result, committed = self._saves.async_save(
                 self._ck, step, first.path(step), state, base,

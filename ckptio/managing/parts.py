@@ -118,7 +118,7 @@ class ManagerParts:
                                        if isinstance(p, KeepEvery) and p.steps)
                                  for keep in declared.keeps]
         self._long_every = tuple(n for every in self._tier_long_every for n in every)
-        self._saves = InFlight()
+        self._saves = InFlight(self._levels[0])
         # the first tier's local directory if it is a memory tier on this host (its budget is
         # checked before each save), else None
         local = checkpoint_path(self.directory)

@@ -31,6 +31,7 @@ from ckptio.format import codec, manifest
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import Chunk, Manifest, TensorEntry
 from ckptio.io.backend_contract import FileHandle
+from ckptio.storage import steps
 from ckptio.storage.files import StoreFiles
 from ckptio.storage.spans import SPAN, Range, Spans
 from ckptio.storage.store_contract import Store
@@ -101,6 +102,13 @@ class Bases:
         except CkptError as exc:
             raise CorruptCheckpointError(
                 f"{self.location} is a delta of base checkpoint {name}, which cannot be read "
+                f"({exc}); the base is needed to load it: restore the base or load another "
+                "checkpoint") from None
+        try:
+            steps.check_files(store, record)  # a data file removed or cut short: damage
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"{self.location} is a delta of base checkpoint {name}, which is damaged "
                 f"({exc}); the base is needed to load it: restore the base or load another "
                 "checkpoint") from None
         if record.bases:
