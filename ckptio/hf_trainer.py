@@ -65,6 +65,7 @@ CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 _STRICT_HINT = re.compile(r"\.? *(?:Fix the state, or pass|Pass|Otherwise pass) strict=False")
+_CAST_HINT = " (pass cast=True to convert)"  # the load's, for a dtype: no option through it
 _TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                          WEIGHTS_INDEX_NAME)
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
@@ -267,11 +268,12 @@ class CkptioTrainerMixin:
 
     def _ckptio_load(self, inner: str, objects: dict[str, Any]) -> None:
         """Load ``objects`` from the ckptio checkpoint ``inner``, strictly; a mismatch is said in
-        the Trainer's terms (the load's own hint, strict=False, is no option through it)."""
+        the Trainer's terms (the load's own hints, strict=False and cast=True, are no options
+        through it)."""
         try:
             load(inner, objects, keys=list(objects), options=self.ckptio_options)
         except StateMismatchError as exc:
-            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ")
+            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ").replace(_CAST_HINT, "")
             raise StateMismatchError(
                 f"cannot resume from {os.path.dirname(inner)}: this trainer's "
                 f"{' / '.join(sorted(objects))} differ from what the checkpoint saved ({what}). "

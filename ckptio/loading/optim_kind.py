@@ -1,0 +1,103 @@
+"""Find an optimizer whose checkpoint state another kind of optimizer saved (AdamW's into SGD).
+
+An optimizer's param groups name its hyperparameters (AdamW's ``betas``, ``eps``; SGD's
+``momentum``, ``dampening``). Where the saved groups hold names this optimizer's groups lack
+and lack names they hold, the state was saved by another optimizer: loading it would hand
+this one the other's learning rate and weight decay and moments it never reads, silently. A
+strict load refuses it (``refusal``: the names each side has alone, and the fixes); a
+``strict=False`` load leaves that optimizer as built and reports it (``left_out``). A name on
+one side only (a torch release adding a hyperparameter) is the load's ordinary key rule.
+
+Call order (matching.match, before the renamed optimizers): ``found`` (``differing``, then
+``refusal`` if strict), ``outside`` and ``left_out``. Owns: the comparison and its messages.
+Does not own: the key rules (matching.py), an optimizer whose parameters changed
+(param_check.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ckptio.errors import StateMismatchError
+from ckptio.format.flatten import FlatState
+from ckptio.format.param_names import KEY, TORCH_KEY, is_marker
+
+__all__ = ["OtherKind", "differing", "found", "left_out", "outside", "refusal"]
+
+_NOT_HYPER = frozenset(("params", KEY, TORCH_KEY))
+
+
+@dataclass(frozen=True)
+class OtherKind:
+    """The optimizer at ``prefix`` (its class ``name``) and the hyperparameter names only the
+    checkpoint's groups hold (``saved_only``) and only its own groups hold (``own_only``)."""
+
+    prefix: str
+    name: str
+    saved_only: tuple[str, ...]
+    own_only: tuple[str, ...]
+
+    def what(self) -> str:
+        """The difference, in words."""
+        return (f"the checkpoint's param groups hold {list(self.saved_only)}, which this "
+                f"{self.name}'s lack, and lack its {list(self.own_only)}: another kind of "
+                "optimizer saved them")
+
+
+def differing(flat: FlatState, keys: list[str], select: Callable[[str], bool]) -> list[OtherKind]:
+    """The optimizers of ``flat`` (among those ``select`` accepts) whose saved param groups
+    name other hyperparameters than their own, both ways; ``keys``: the checkpoint's."""
+    out = []
+    for prefix, obj, _inner in flat.statefuls:
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        base = f"{prefix}.param_groups.".lstrip(".")
+        saved = {k[len(base):].split(".")[1] for k in keys
+                 if k.startswith(base) and select(k) and not is_marker(k)
+                 and k[len(base):].count(".") >= 1}
+        own = {str(n) for group in obj.param_groups if isinstance(group, dict) for n in group}
+        saved_only, own_only = saved - own - _NOT_HYPER, own - saved - _NOT_HYPER
+        if saved and saved_only and own_only:
+            inner = getattr(obj, "optimizer", obj)  # a wrapper's (accelerate's): the one it wraps
+            out.append(OtherKind(prefix, type(inner).__name__, tuple(sorted(saved_only)),
+                                 tuple(sorted(own_only))))
+    return out
+
+
+def found(flat: FlatState, keys: list[str], select: Callable[[str], bool],
+          strict: bool) -> list[OtherKind]:
+    """``differing``, refused (StateMismatchError: ``refusal``) if ``strict``."""
+    kinds = differing(flat, keys, select)
+    if kinds and strict:
+        raise StateMismatchError(refusal(kinds[0], flat))
+    return kinds
+
+
+def refusal(kind: OtherKind, flat: FlatState) -> str:
+    """The strict load's error for ``kind``: what differs and the fixes."""
+    rest = sorted({k.split(".", 1)[0] for k in flat.leaves if kind.prefix
+                   and not k.startswith(f"{kind.prefix}.")})
+    leave_out = f"keys={rest!r}" if rest else "keys=..."
+    return (f"key {kind.prefix or '(the state)'!r}: {kind.what()}. Its state cannot be loaded "
+            "into this optimizer (it would take the other's learning rate, weight decay and "
+            "state): build the optimizer the saved run used. Otherwise pass strict=False (this "
+            f"optimizer is left as built, and a warning says so), or {leave_out} to leave it out")
+
+
+def outside(select: Callable[[str], bool], kinds: list[OtherKind]) -> Callable[[str], bool]:
+    """``select`` without the keys of the ``kinds`` optimizers (left as built)."""
+    if not kinds:
+        return select
+    starts = tuple(f"{k.prefix}." for k in kinds if k.prefix)
+    if len(starts) < len(kinds):  # the state's root is the optimizer: nothing else to load
+        return lambda _k: False
+    return lambda k: select(k) and not k.startswith(starts)
+
+
+def left_out(kind: OtherKind) -> str:
+    """The strict=False report line of ``kind``'s optimizer, left as built."""
+    return (f"{kind.prefix or '(the state)'}: {kind.what()}; this optimizer was left as built "
+            "(its hyperparameters and state as the new run made them)")

@@ -1,0 +1,149 @@
+"""Resuming after the user changed the model or its optimizer between runs (red team: plugins).
+
+A run trains a small model with AdamW and saves it through a CheckpointManager; the next run
+builds something else and restores:
+
+- another kind of optimizer (SGD where AdamW saved): a strict restore refuses, naming the
+  hyperparameters each side has alone and the fix (keys= the other top-level keys); a
+  strict=False load leaves the optimizer as built (its own learning rate, weight decay and no
+  state), loads the model and reports the optimizer in ``LoadReport.mismatched``, where it used
+  to hand SGD AdamW's learning rate, weight decay and moments without a word. Adam and AdamW
+  (the same hyperparameter names), and a group holding one hyperparameter more (a torch
+  release adding one), are not taken for another kind;
+- the model in bfloat16 where float32 was saved, strict=False without cast: the weights stay
+  as built and so does their optimizer state (it used to be the saved run's moments and step,
+  applied to weights that were not loaded); with cast=True both load;
+- the HF Trainer with a bfloat16 model: refused in the Trainer's terms, without offering
+  cast=True, which the Trainer cannot pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ckptio
+
+
+def _build(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(dtype)
+
+
+def _trained_run(where: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Three AdamW steps saved at step 3 of a manager in ``where`` (a path with a space)."""
+    model = _build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    manager = ckptio.CheckpointManager(where)
+    manager.save(3, {"model": model, "optim": opt}, force=True)
+    manager.close()
+    return model, opt
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    where = tmp_path / "my run"
+    return (where, *_trained_run(where))
+
+
+def test_another_kind_of_optimizer_is_refused_naming_what_differs_and_the_fix(run) -> None:
+    where, _, _ = run
+    model = _build()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = ckptio.CheckpointManager(where)
+    with pytest.raises(ckptio.StateMismatchError) as err:
+        manager.restore({"model": model, "optim": sgd})
+    manager.close()
+    text = str(err.value)
+    for said in ("'optim'", "SGD", "betas", "momentum", "another kind of optimizer",
+                 "keys=['model']", "strict=False"):
+        assert said in text, text
+    assert sgd.state_dict()["state"] == {}
+    assert sgd.param_groups[0]["lr"] == 0.1 and sgd.param_groups[0]["weight_decay"] == 0
+
+
+def test_strict_false_leaves_another_kind_of_optimizer_as_built_and_reports_it(run) -> None:
+    where, saved, _ = run
+    model = _build()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.warns(UserWarning, match="another kind of optimizer") as said:
+        report = ckptio.load(where / "step-3", {"model": model, "optim": sgd}, strict=False)
+    assert "SGD" in str(said[0].message)
+    group = sgd.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["momentum"]) == (0.1, 0, 0.9)
+    assert "betas" not in group and sgd.state_dict()["state"] == {}
+    assert [m.split(":")[0] for m in report.mismatched] == ["optim"]
+    assert not [k for k in report.loaded if k.startswith("optim")]
+    for mine, theirs in zip(model.parameters(), saved.parameters()):
+        assert torch.equal(mine, theirs)
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()  # SGD's own hyperparameters: it steps
+
+
+@pytest.mark.parametrize("kind", ["adam", "extra_hyperparameter"])
+def test_optimizers_with_the_same_hyperparameter_names_still_load(run, kind: str) -> None:
+    where, _, saved_opt = run
+    model = _build()
+    if kind == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        ckptio.load(where / "step-3", {"model": model, "optim": opt})
+    else:  # one name more on this side only: the ordinary key rule (missing), not another kind
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.param_groups[0]["added_by_a_newer_torch"] = 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            report = ckptio.load(where / "step-3", {"model": model, "optim": opt}, strict=False)
+        assert report.missing == ("optim.param_groups.0.added_by_a_newer_torch",)
+        assert report.mismatched == ()
+    for p, q in zip(model.parameters(), saved_opt.param_groups[0]["params"]):
+        assert torch.equal(opt.state[p]["exp_avg"], saved_opt.state[q]["exp_avg"])
+
+
+def test_weights_left_at_another_dtype_keep_no_saved_optimizer_state(run) -> None:
+    where, saved, saved_opt = run
+    model = _build(torch.bfloat16)
+    built = [p.clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match="cast=True"):
+        report = ckptio.load(where / "step-3", {"model": model, "optim": opt}, strict=False)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), built))
+    assert opt.state_dict()["state"] == {}, "the saved moments on weights that were not loaded"
+    stale = [m for m in report.mismatched if m.startswith("optim.state.")]
+    assert len(stale) == 12 and "left as it was" in stale[0], report.mismatched
+
+    cast = _build(torch.bfloat16)
+    opt = torch.optim.AdamW(cast.parameters(), lr=1e-3)
+    ckptio.load(where / "step-3", {"model": cast, "optim": opt}, strict=False, cast=True)
+    for p, q in zip(cast.parameters(), saved.parameters()):
+        assert torch.equal(p, q.to(torch.bfloat16))
+        assert torch.equal(opt.state[p]["exp_avg"],
+                           saved_opt.state[q]["exp_avg"].to(torch.bfloat16))
+
+
+def test_hf_trainer_with_a_bfloat16_model_is_refused_without_offering_cast(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ckptio.hf_trainer import CkptioTrainer
+
+    from tests.integrations.hf_trainer_run import TokenData, tiny_model, training_args
+
+    out = str(tmp_path / "hf run")
+    transformers.set_seed(0)
+    CkptioTrainer(model=tiny_model(), args=training_args(out, max_steps=1, save_steps=1),
+                  train_dataset=TokenData()).train()
+    trainer = CkptioTrainer(model=tiny_model().to(torch.bfloat16),
+                            args=training_args(out, max_steps=2, save_steps=1),
+                            train_dataset=TokenData())
+    with pytest.raises(ckptio.StateMismatchError) as err:
+        trainer.train(resume_from_checkpoint=True)
+    text = str(err.value)
+    assert "checkpoint-1" in text and "torch.bfloat16 in the state" in text, text
+    assert "cast=True" not in text and "strict=False is not available" in text, text
