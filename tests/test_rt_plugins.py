@@ -13,8 +13,17 @@ builds something else and restores:
 - the model in bfloat16 where float32 was saved, strict=False without cast: the weights stay
   as built and so does their optimizer state (it used to be the saved run's moments and step,
   applied to weights that were not loaded); with cast=True both load;
+- a layer added or every parameter renamed, ``restore(state, strict=False)``: the manager
+  returns only the step, so the keys left as built were said nowhere (the load's LoadReport
+  was dropped): a warning names them at the user's line and ``last_restore["report"]`` is the
+  LoadReport (also for ``restore(state, step=N)``); a state whose every key was renamed is
+  told so, not that an empty container is not filled;
 - the HF Trainer with a bfloat16 model: refused in the Trainer's terms, without offering
-  cast=True, which the Trainer cannot pass.
+  cast=True, which the Trainer cannot pass;
+- the HF Trainer with another layer frozen (the same number of trainable parameters): the
+  optimizer is loaded without the model, so ckptio could not check its parameters' names, and
+  torch loaded the state by index: parameters got their neighbours' moments, and the next
+  fused AdamW step died of SIGSEGV. Refused now, naming the parameters.
 """
 
 from __future__ import annotations
@@ -147,3 +156,66 @@ def test_hf_trainer_with_a_bfloat16_model_is_refused_without_offering_cast(tmp_p
     text = str(err.value)
     assert "checkpoint-1" in text and "torch.bfloat16 in the state" in text, text
     assert "cast=True" not in text and "strict=False is not available" in text, text
+
+
+@pytest.mark.parametrize("step", [None, 3])
+def test_a_partial_restore_says_which_keys_it_left_as_built(run, step: int | None) -> None:
+    where, saved, _ = run
+    model = nn.Sequential(*_build(), nn.Linear(2, 2))  # a layer added at the end
+    manager = ckptio.CheckpointManager(where)
+    with pytest.warns(UserWarning, match=r"restore\(strict=False\) of step 3 left 2 key") as said:
+        assert manager.restore({"model": model}, step=step, keys=["model"], strict=False) == 3
+    manager.close()
+    assert said[0].filename == __file__, said[0].filename  # the user's line
+    assert "['model.3.weight', 'model.3.bias']" in str(said[0].message)
+    report = manager.last_restore["report"]
+    assert report.missing == ("model.3.weight", "model.3.bias") and report.unexpected == ()
+    assert manager.last_restore["step"] == 3 and manager.last_restore["tier"] == 0
+    assert torch.equal(model[0].weight, saved[0].weight)
+
+
+def test_a_state_whose_every_key_was_renamed_is_told_so(run) -> None:
+    where, _, _ = run
+
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    manager = ckptio.CheckpointManager(where)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        manager.restore({"model": Renamed()}, keys=["model"], strict=False)
+    manager.close()
+    text = " | ".join(str(w.message) for w in said)
+    assert "model.first.weight" in text and "renamed since the save" in text, text
+    assert "empty container" not in text, text
+    assert manager.last_restore["report"].loaded == ()
+
+
+def test_hf_trainer_with_another_layer_frozen_is_refused_naming_the_parameters(
+        tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ckptio.hf_trainer import CkptioTrainer
+
+    from tests.integrations.hf_trainer_run import TokenData, tiny_model, training_args
+
+    def trainer(frozen: int, max_steps: int) -> CkptioTrainer:
+        transformers.set_seed(0)
+        model = tiny_model()
+        model.transformer.h[frozen].attn.c_proj.weight.requires_grad_(False)
+        return CkptioTrainer(model=model, train_dataset=TokenData(),
+                             args=training_args(str(tmp_path), max_steps=max_steps, save_steps=2))
+
+    trainer(0, 2).train()
+    resumed = trainer(1, 2)  # no step after the load: the old code returned, state misaligned
+    with pytest.raises(ckptio.StateMismatchError) as err:
+        resumed.train(resume_from_checkpoint=True)
+    text = str(err.value)
+    assert "checkpoint-2" in text and "transformer.h.1.attn.c_proj.weight" in text, text
+    assert "frozen" in text, text
+    for group in resumed.optimizer.param_groups:
+        for p in group["params"]:
+            moments = resumed.optimizer.state.get(p, {}).get("exp_avg")
+            assert moments is None or moments.shape == p.shape

@@ -379,11 +379,12 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
         m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
                            f"{hint}{wrapped}", 3))
     elif unexpected and not set(flat.leaves) - set(missing):
+        fix = (f"the state's keys (e.g. {_some_keys(missing[:3])}) were renamed since the save?"
+               if missing else "an empty container (a {} or defaultdict) is not filled in place:"
+               " for new values load with no state (ckptio.load(path)) or build the state first")
         m.warnings.append((
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "
-            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; an empty container "
-            "(a {} or defaultdict) is not filled in place: for new values load with no state "
-            "(ckptio.load(path)) or build the state first", 5))
+            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; {fix}", 5))
 
 
 def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:
