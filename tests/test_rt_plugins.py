@@ -7,9 +7,11 @@ builds something else and restores:
   hyperparameters each side has alone and the fix (keys= the other top-level keys); a
   strict=False load leaves the optimizer as built (its own learning rate, weight decay and no
   state), loads the model and reports the optimizer in ``LoadReport.mismatched``, where it used
-  to hand SGD AdamW's learning rate, weight decay and moments without a word. Adam and AdamW
+  to hand SGD AdamW's learning rate, weight decay and moments without a word; its learning-rate
+  scheduler is left out with it (its saved base learning rates are AdamW's). Adam and AdamW
   (the same hyperparameter names), and a group holding one hyperparameter more (a torch
-  release adding one), are not taken for another kind;
+  release adding one) with no scheduler's ``initial_lr`` beside it, are not taken for another
+  kind;
 - the model in bfloat16 where float32 was saved, strict=False without cast: the weights stay
   as built and so does their optimizer state (it used to be the saved run's moments and step,
   applied to weights that were not loaded); with cast=True both load;
@@ -44,15 +46,18 @@ def _build(dtype: torch.dtype = torch.float32) -> nn.Sequential:
 
 
 def _trained_run(where: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Three AdamW steps saved at step 3 of a manager in ``where`` (a path with a space)."""
+    """Three AdamW steps (and a schedule) saved at step 3 of a manager in ``where`` (a path
+    with a space)."""
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
     for _ in range(3):
         model(torch.randn(5, 4)).pow(2).sum().backward()
         opt.step()
+        sched.step()
         opt.zero_grad()
     manager = ckptio.CheckpointManager(where)
-    manager.save(3, {"model": model, "optim": opt}, force=True)
+    manager.save(3, {"model": model, "optim": opt, "sched": sched}, force=True)
     manager.close()
     return model, opt
 
@@ -67,9 +72,10 @@ def test_another_kind_of_optimizer_is_refused_naming_what_differs_and_the_fix(ru
     where, _, _ = run
     model = _build()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda epoch: 0.5 ** epoch)
     manager = ckptio.CheckpointManager(where)
     with pytest.raises(ckptio.StateMismatchError) as err:
-        manager.restore({"model": model, "optim": sgd})
+        manager.restore({"model": model, "optim": sgd, "sched": sched})
     manager.close()
     text = str(err.value)
     for said in ("'optim'", "SGD", "betas", "momentum", "another kind of optimizer",
@@ -83,14 +89,17 @@ def test_strict_false_leaves_another_kind_of_optimizer_as_built_and_reports_it(r
     where, saved, _ = run
     model = _build()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda epoch: 0.5 ** epoch)
     with pytest.warns(UserWarning, match="another kind of optimizer") as said:
-        report = ckptio.load(where / "step-3", {"model": model, "optim": sgd}, strict=False)
+        report = ckptio.load(where / "step-3", {"model": model, "optim": sgd, "sched": sched},
+                             strict=False)
     assert "SGD" in str(said[0].message)
+    assert sched.base_lrs == [0.1] and sched.last_epoch == 0
     group = sgd.param_groups[0]
     assert (group["lr"], group["weight_decay"], group["momentum"]) == (0.1, 0, 0.9)
     assert "betas" not in group and sgd.state_dict()["state"] == {}
-    assert [m.split(":")[0] for m in report.mismatched] == ["optim"]
-    assert not [k for k in report.loaded if k.startswith("optim")]
+    assert [m.split(":")[0] for m in report.mismatched] == ["optim", "sched"]
+    assert [k for k in report.loaded if not k.startswith("model.")] == []
     for mine, theirs in zip(model.parameters(), saved.parameters()):
         assert torch.equal(mine, theirs)
     model(torch.randn(2, 4)).sum().backward()
@@ -103,13 +112,14 @@ def test_optimizers_with_the_same_hyperparameter_names_still_load(run, kind: str
     model = _build()
     if kind == "adam":
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        ckptio.load(where / "step-3", {"model": model, "optim": opt})
+        ckptio.load(where / "step-3", {"model": model, "optim": opt}, keys=["model", "optim"])
     else:  # one name more on this side only: the ordinary key rule (missing), not another kind
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         opt.param_groups[0]["added_by_a_newer_torch"] = 1
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            report = ckptio.load(where / "step-3", {"model": model, "optim": opt}, strict=False)
+            report = ckptio.load(where / "step-3", {"model": model, "optim": opt},
+                                 keys=["model", "optim"], strict=False)
         assert report.missing == ("optim.param_groups.0.added_by_a_newer_torch",)
         assert report.mismatched == ()
     for p, q in zip(model.parameters(), saved_opt.param_groups[0]["params"]):
@@ -122,7 +132,8 @@ def test_weights_left_at_another_dtype_keep_no_saved_optimizer_state(run) -> Non
     built = [p.clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.warns(UserWarning, match="cast=True"):
-        report = ckptio.load(where / "step-3", {"model": model, "optim": opt}, strict=False)
+        report = ckptio.load(where / "step-3", {"model": model, "optim": opt},
+                             keys=["model", "optim"], strict=False)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), built))
     assert opt.state_dict()["state"] == {}, "the saved moments on weights that were not loaded"
     stale = [m for m in report.mismatched if m.startswith("optim.state.")]
@@ -130,7 +141,8 @@ def test_weights_left_at_another_dtype_keep_no_saved_optimizer_state(run) -> Non
 
     cast = _build(torch.bfloat16)
     opt = torch.optim.AdamW(cast.parameters(), lr=1e-3)
-    ckptio.load(where / "step-3", {"model": cast, "optim": opt}, strict=False, cast=True)
+    ckptio.load(where / "step-3", {"model": cast, "optim": opt}, keys=["model", "optim"],
+                strict=False, cast=True)
     for p, q in zip(cast.parameters(), saved.parameters()):
         assert torch.equal(p, q.to(torch.bfloat16))
         assert torch.equal(opt.state[p]["exp_avg"],

@@ -9,7 +9,8 @@ strict load refuses it (``refusal``: the names each side has alone, and the fixe
 one side only (a torch release adding a hyperparameter) is the load's ordinary key rule.
 
 Call order (matching.match, before the renamed optimizers): ``found`` (``differing``, then
-``refusal`` if strict), ``outside`` and ``left_out``. Owns: the comparison and its messages.
+``refusal`` if strict), ``outside`` and ``left_out``; the schedulers of such an optimizer are
+left out with it. Owns: the comparison and its messages.
 Does not own: the key rules (matching.py), an optimizer whose parameters changed
 (param_check.py).
 """
@@ -27,21 +28,29 @@ from ckptio.format.param_names import KEY, TORCH_KEY, is_marker
 
 __all__ = ["OtherKind", "differing", "found", "left_out", "outside", "refusal"]
 
-_NOT_HYPER = frozenset(("params", KEY, TORCH_KEY))
+# not the optimizer's own: its parameters, their names, a scheduler's (the first learning rate)
+_NOT_HYPER = frozenset(("params", KEY, TORCH_KEY, "initial_lr"))
 
 
 @dataclass(frozen=True)
 class OtherKind:
     """The optimizer at ``prefix`` (its class ``name``) and the hyperparameter names only the
-    checkpoint's groups hold (``saved_only``) and only its own groups hold (``own_only``)."""
+    checkpoint's groups hold (``saved_only``) and only its own groups hold (``own_only``); or
+    (``of``: that optimizer's prefix) a learning-rate scheduler of such an optimizer, whose
+    saved base learning rates are the other optimizer's."""
 
     prefix: str
     name: str
-    saved_only: tuple[str, ...]
-    own_only: tuple[str, ...]
+    saved_only: tuple[str, ...] = ()
+    own_only: tuple[str, ...] = ()
+    of: str | None = None
 
     def what(self) -> str:
         """The difference, in words."""
+        if self.of is not None:
+            return (f"this {self.name} schedules optimizer {self.of or '(the state)'!r}, whose "
+                    "saved state another kind of optimizer saved: its saved base learning "
+                    "rates are that optimizer's")
         return (f"the checkpoint's param groups hold {list(self.saved_only)}, which this "
                 f"{self.name}'s lack, and lack its {list(self.own_only)}: another kind of "
                 "optimizer saved them")
@@ -50,7 +59,8 @@ class OtherKind:
 def differing(flat: FlatState, keys: list[str], select: Callable[[str], bool]) -> list[OtherKind]:
     """The optimizers of ``flat`` (among those ``select`` accepts) whose saved param groups
     name other hyperparameters than their own, both ways; ``keys``: the checkpoint's."""
-    out = []
+    out: list[OtherKind] = []
+    optimizers: dict[int, str] = {}
     for prefix, obj, _inner in flat.statefuls:
         if not isinstance(obj, torch.optim.Optimizer):
             continue
@@ -64,6 +74,21 @@ def differing(flat: FlatState, keys: list[str], select: Callable[[str], bool]) -
             inner = getattr(obj, "optimizer", obj)  # a wrapper's (accelerate's): the one it wraps
             out.append(OtherKind(prefix, type(inner).__name__, tuple(sorted(saved_only)),
                                  tuple(sorted(own_only))))
+            optimizers.update({id(obj): prefix, id(inner): prefix})
+    return out + _schedulers(flat, optimizers)
+
+
+def _schedulers(flat: FlatState, optimizers: dict[int, str]) -> list[OtherKind]:
+    """The schedulers (``.optimizer``: torch's, accelerate's) of the ``optimizers`` (id ->
+    prefix), left out with them."""
+    out = []
+    for prefix, obj, _inner in flat.statefuls:
+        if isinstance(obj, torch.optim.Optimizer):
+            continue
+        of = id(getattr(obj, "optimizer", getattr(getattr(obj, "scheduler", None), "optimizer",
+                                                  None)))
+        if of in optimizers:
+            out.append(OtherKind(prefix, type(obj).__name__, of=optimizers[of]))
     return out
 
 
@@ -72,14 +97,16 @@ def found(flat: FlatState, keys: list[str], select: Callable[[str], bool],
     """``differing``, refused (StateMismatchError: ``refusal``) if ``strict``."""
     kinds = differing(flat, keys, select)
     if kinds and strict:
-        raise StateMismatchError(refusal(kinds[0], flat))
+        raise StateMismatchError(refusal(kinds, flat))
     return kinds
 
 
-def refusal(kind: OtherKind, flat: FlatState) -> str:
-    """The strict load's error for ``kind``: what differs and the fixes."""
+def refusal(kinds: list[OtherKind], flat: FlatState) -> str:
+    """The strict load's error for the first of ``kinds`` (an optimizer): what differs and the
+    fixes (the keys to load leave out its schedulers too)."""
+    kind, out = kinds[0], tuple(f"{k.prefix}." for k in kinds)
     rest = sorted({k.split(".", 1)[0] for k in flat.leaves if kind.prefix
-                   and not k.startswith(f"{kind.prefix}.")})
+                   and not k.startswith(out)})
     leave_out = f"keys={rest!r}" if rest else "keys=..."
     return (f"key {kind.prefix or '(the state)'!r}: {kind.what()}. Its state cannot be loaded "
             "into this optimizer (it would take the other's learning rate, weight decay and "
@@ -99,5 +126,5 @@ def outside(select: Callable[[str], bool], kinds: list[OtherKind]) -> Callable[[
 
 def left_out(kind: OtherKind) -> str:
     """The strict=False report line of ``kind``'s optimizer, left as built."""
-    return (f"{kind.prefix or '(the state)'}: {kind.what()}; this optimizer was left as built "
-            "(its hyperparameters and state as the new run made them)")
+    return (f"{kind.prefix or '(the state)'}: {kind.what()}; left as built (as the new run "
+            "made it)")
