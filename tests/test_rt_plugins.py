@@ -85,6 +85,22 @@ def test_another_kind_of_optimizer_is_refused_naming_what_differs_and_the_fix(ru
     assert sgd.param_groups[0]["lr"] == 0.1 and sgd.param_groups[0]["weight_decay"] == 0
 
 
+def test_another_kind_of_optimizer_by_name_is_refused_too(tmp_path: Path) -> None:
+    model = _build()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    adamw.step()
+    ckptio.save({"model": model, "optim": ckptio.OptimizerState(model, adamw)}, tmp_path / "c")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optim": ckptio.OptimizerState(model, sgd)}
+    with pytest.raises(ckptio.StateMismatchError, match=r"'optim'.*\['dampening', 'momentum'"):
+        ckptio.load(tmp_path / "c", state)
+    with pytest.warns(UserWarning, match="another kind of optimizer"):
+        report = ckptio.load(tmp_path / "c", state, strict=False)
+    assert sgd.state_dict()["state"] == {} and sgd.param_groups[0]["lr"] == 0.1
+    assert [m.split(":")[0] for m in report.mismatched] == ["optim"]
+
+
 def test_strict_false_leaves_another_kind_of_optimizer_as_built_and_reports_it(run) -> None:
     where, saved, _ = run
     model = _build()

@@ -1,16 +1,16 @@
 """Find an optimizer whose checkpoint state another kind of optimizer saved (AdamW's into SGD).
 
-An optimizer's param groups name its hyperparameters (AdamW's ``betas``, ``eps``; SGD's
-``momentum``, ``dampening``). Where the saved groups hold names this optimizer's groups lack
-and lack names they hold, the state was saved by another optimizer: loading it would hand
-this one the other's learning rate and weight decay and moments it never reads, silently. A
-strict load refuses it (``refusal``: the names each side has alone, and the fixes); a
-``strict=False`` load leaves that optimizer as built and reports it (``left_out``). A name on
-one side only (a torch release adding a hyperparameter) is the load's ordinary key rule.
+An optimizer's param groups (a ckptio.OptimizerState's: its optimizers') name its
+hyperparameters (AdamW's ``betas``, ``eps``; SGD's ``momentum``, ``dampening``). Where the
+saved groups hold names this optimizer's groups lack and lack names they hold, the state was
+saved by another optimizer: loading it would hand this one the other's learning rate and
+weight decay and moments it never reads, silently. A strict load refuses it (``refusal``: the
+names each side has alone, and the fixes); a ``strict=False`` load leaves that optimizer as
+built and reports it (``left_out``), with its schedulers. A name on one side only (a torch
+release adding a hyperparameter) is the load's ordinary key rule.
 
 Call order (matching.match, before the renamed optimizers): ``found`` (``differing``, then
-``refusal`` if strict), ``outside`` and ``left_out``; the schedulers of such an optimizer are
-left out with it. Owns: the comparison and its messages.
+``refusal`` if strict), ``outside`` and ``left_out``. Owns: the comparison and its messages.
 Does not own: the key rules (matching.py), an optimizer whose parameters changed
 (param_check.py).
 """
@@ -29,7 +29,7 @@ from ckptio.format.param_names import KEY, TORCH_KEY, is_marker
 __all__ = ["OtherKind", "differing", "found", "left_out", "outside", "refusal"]
 
 # not the optimizer's own: its parameters, their names, a scheduler's (the first learning rate)
-_NOT_HYPER = frozenset(("params", KEY, TORCH_KEY, "initial_lr"))
+_NOT_HYPER = frozenset(("params", KEY, TORCH_KEY, "initial_lr", ""))
 
 
 @dataclass(frozen=True)
@@ -62,20 +62,43 @@ def differing(flat: FlatState, keys: list[str], select: Callable[[str], bool]) -
     out: list[OtherKind] = []
     optimizers: dict[int, str] = {}
     for prefix, obj, _inner in flat.statefuls:
-        if not isinstance(obj, torch.optim.Optimizer):
+        held = _held(obj)
+        if not held:
             continue
         base = f"{prefix}.param_groups.".lstrip(".")
-        saved = {k[len(base):].split(".")[1] for k in keys
-                 if k.startswith(base) and select(k) and not is_marker(k)
-                 and k[len(base):].count(".") >= 1}
-        own = {str(n) for group in obj.param_groups if isinstance(group, dict) for n in group}
+        saved = {_hyper(k[len(base):]) for k in keys
+                 if k.startswith(base) and select(k) and not is_marker(k)}
+        own = {str(n) for o in held for group in o.param_groups if isinstance(group, dict)
+               for n in group}
         saved_only, own_only = saved - own - _NOT_HYPER, own - saved - _NOT_HYPER
         if saved and saved_only and own_only:
-            inner = getattr(obj, "optimizer", obj)  # a wrapper's (accelerate's): the one it wraps
-            out.append(OtherKind(prefix, type(inner).__name__, tuple(sorted(saved_only)),
+            names = "/".join(type(o).__name__ for o in held)
+            out.append(OtherKind(prefix, names, tuple(sorted(saved_only)),
                                  tuple(sorted(own_only))))
-            optimizers.update({id(obj): prefix, id(inner): prefix})
+            optimizers.update({id(x): prefix for x in (obj, *held)})
     return out + _schedulers(flat, optimizers)
+
+
+def _held(obj: object) -> list[torch.optim.Optimizer]:
+    """The optimizers a stateful is: itself (the one an accelerate wrapper wraps), or those a
+    ckptio.OptimizerState keys by name (``optimizers``); none for anything else."""
+    if isinstance(obj, torch.optim.Optimizer):
+        inner = getattr(obj, "optimizer", obj)
+        return [inner if isinstance(inner, torch.optim.Optimizer) else obj]
+    found = getattr(obj, "optimizers", None)
+    if isinstance(found, list) and found and all(
+            isinstance(o, torch.optim.Optimizer) for o in found):
+        return found
+    return []
+
+
+def _hyper(rest: str) -> str:
+    """The hyperparameter a param-group key names: after the group (an index, or a parameter's
+    name in an OptimizerState), before a tuple's item index ("0.betas.1": betas)."""
+    parts = rest.split(".")
+    while len(parts) > 1 and parts[-1].isdigit():
+        parts.pop()
+    return parts[-1] if len(parts) > 1 else ""
 
 
 def _schedulers(flat: FlatState, optimizers: dict[int, str]) -> list[OtherKind]:
@@ -83,7 +106,7 @@ def _schedulers(flat: FlatState, optimizers: dict[int, str]) -> list[OtherKind]:
     prefix), left out with them."""
     out = []
     for prefix, obj, _inner in flat.statefuls:
-        if isinstance(obj, torch.optim.Optimizer):
+        if _held(obj):
             continue
         of = id(getattr(obj, "optimizer", getattr(getattr(obj, "scheduler", None), "optimizer",
                                                   None)))

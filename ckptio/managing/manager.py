@@ -294,7 +294,8 @@ class CheckpointManager(ManagerParts):
             ("left", report.missing, "of the state as built, not in the checkpoint"),
             ("did not load", report.unexpected, "of the checkpoint, not in the state")) if keys]
         warn(f"ckptio: restore(strict=False) of step {step} {'; '.join(said)} (a layer added, "
-             "removed or renamed?); last_restore['report'] lists them all", stacklevel=3)
+             "removed or renamed, or a part left out of the state?); last_restore['report'] "
+             "lists them all", stacklevel=3)
 
     def _staging(self, state: Any) -> tuple[list[int], bool]:
         """prepare(state) (None: only pin what has faulted in) -> Checkpointer.prepare's
