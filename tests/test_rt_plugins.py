@@ -14,7 +14,8 @@ builds something else and restores:
   kind;
 - the model in bfloat16 where float32 was saved, strict=False without cast: the weights stay
   as built and so does their optimizer state (it used to be the saved run's moments and step,
-  applied to weights that were not loaded); with cast=True both load;
+  applied to weights that were not loaded); with cast=True both load; the same where a layer
+  was also inserted (the optimizer mapped by parameter name);
 - a layer added or every parameter renamed, ``restore(state, strict=False)``: the manager
   returns only the step, so the keys left as built were said nowhere (the load's LoadReport
   was dropped): a warning names them at the user's line and ``last_restore["report"]`` is the
@@ -247,3 +248,26 @@ def test_hf_trainer_with_another_layer_frozen_is_refused_naming_the_parameters(
         for p in group["params"]:
             moments = resumed.optimizer.state.get(p, {}).get("exp_avg")
             assert moments is None or moments.shape == p.shape
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_a_layer_inserted_and_bfloat16_maps_no_state_onto_weights_left_as_built(
+        run, cast: bool) -> None:
+    where, saved, saved_opt = run
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    model = model.to(torch.bfloat16)  # "3" inserted: saved "2" (8, 8) is here, saved "4" is not
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ckptio.load(where / "step-3", {"model": model, "optim": opt}, keys=["model", "optim"],
+                    strict=False, cast=cast)
+    text = " | ".join(str(w.message) for w in said)
+    assert "loaded by parameter name" in text, text
+    assert torch.equal(model[0].weight, saved[0].weight.to(torch.bfloat16)) == cast
+    assert (model[0].weight in opt.state) == cast, text
+    if cast:
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"],
+                           saved_opt.state[saved[0].weight]["exp_avg"].to(torch.bfloat16))
+    else:
+        assert "left at another dtype ['0.bias', '0.weight'" in text, text

@@ -114,7 +114,7 @@ def match(record: Manifest, flat: FlatState, rules: Rules) -> Match:
     unknown = named_nothing(rules.keys, sources.keys(), flat.leaves)
     kinds = optim_kind.found(flat, sources.keys(), chosen, rules.strict)
     chosen = optim_kind.outside(chosen, kinds)  # another optimizer's state: left as built
-    m = Match(sources, _renamed(flat, sources, chosen, rules.strict))
+    m = Match(sources, _renamed(flat, sources, chosen, rules))
     m.problems.update((k.prefix, optim_kind.left_out(k)) for k in kinds)
     if unknown:
         _named_nothing(m, unknown, rules.strict)
@@ -153,10 +153,10 @@ def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
 
 
 def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
-             strict: bool) -> list[Renamed]:
+             rules: Rules) -> list[Renamed]:
     """The optimizers whose parameters changed since the save: refused if strict (first)."""
-    renamed = param_check.differing(flat, sources, chosen)
-    if renamed and strict:
+    renamed = param_check.differing(flat, sources, chosen, rules.cast)
+    if renamed and rules.strict:
         raise StateMismatchError(param_check.refusal(renamed[0], sources))
     return renamed
 
