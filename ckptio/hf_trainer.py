@@ -65,6 +65,7 @@ CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 _STRICT_HINT = re.compile(r"\.? *(?:Fix the state, or pass|Pass|Otherwise pass) strict=False")
+_CAST_HINT = " (pass cast=True to convert)"  # the load's, for a dtype: no option through it
 _TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
                          WEIGHTS_INDEX_NAME)
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
@@ -261,17 +262,21 @@ class CkptioTrainerMixin:
                 "they are now, so it does not continue the saved run bitwise; resume from a "
                 "checkpoint saved without save_only_model for that", stacklevel=3)
         objects = {k: v for k, v in have.items() if k in wanted and k in held}
-        if objects:
-            self._ckptio_load(inner, objects)
+        if objects:  # the model beside them, not loaded: it names the optimizer's parameters
+            self._ckptio_load(inner, objects, beside={"model": have["model"]})
         return False
 
-    def _ckptio_load(self, inner: str, objects: dict[str, Any]) -> None:
-        """Load ``objects`` from the ckptio checkpoint ``inner``, strictly; a mismatch is said in
-        the Trainer's terms (the load's own hint, strict=False, is no option through it)."""
+    def _ckptio_load(self, inner: str, objects: dict[str, Any],
+                     beside: dict[str, Any] | None = None) -> None:
+        """Load ``objects`` from the ckptio checkpoint ``inner``, strictly (``beside``: in the
+        state, not loaded: the model, whose names let the load check that the optimizer's
+        parameters are those it saved, param_check.py); a mismatch is said in the Trainer's
+        terms (the load's own hints, strict=False and cast=True, are no options through it)."""
         try:
-            load(inner, objects, keys=list(objects), options=self.ckptio_options)
+            load(inner, {**(beside or {}), **objects}, keys=list(objects),
+                 options=self.ckptio_options)
         except StateMismatchError as exc:
-            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ")
+            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ").replace(_CAST_HINT, "")
             raise StateMismatchError(
                 f"cannot resume from {os.path.dirname(inner)}: this trainer's "
                 f"{' / '.join(sorted(objects))} differ from what the checkpoint saved ({what}). "

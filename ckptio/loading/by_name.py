@@ -52,6 +52,7 @@ class Renamed:
     reshaped: dict[str, tuple[Shape, Shape]] = field(default_factory=dict)
     model: str | None = None
     in_model: frozenset[str] = frozenset()  # the names of the state's modules' parameters
+    retyped: frozenset[str] = frozenset()  # model tensor saved at another dtype, left (no cast)
 
     @property
     def added(self) -> list[str]:
@@ -68,7 +69,8 @@ class Renamed:
     def kept(self) -> dict[str, int]:
         """Name -> saved index of the parameters whose saved state loads (same name and shape)."""
         now = {n for group in self.wanted for n in group}
-        return {n: i for n, i in self.saved_index.items() if n in now and n not in self.reshaped}
+        left = {*self.reshaped, *self.retyped}
+        return {n: i for n, i in self.saved_index.items() if n in now and n not in left}
 
     def changes(self) -> str:
         """"added [...]; removed [...]; reshaped [...]" (the non-empty ones)."""
@@ -105,6 +107,9 @@ class Renamed:
         if self.reshaped:
             parts.append(f"that of the reshaped parameters {_some(list(self.reshaped))} was "
                          "left out")
+        if self.retyped:
+            parts.append(f"that of the parameters left at another dtype {_some(sorted(self.retyped))}"
+                         " was left out (cast=True loads both)")
         return "; ".join(parts)
 
 

@@ -1,15 +1,16 @@
 """Stage one of an in-place load: the state's keys matched with the checkpoint's, one record out.
 
 Every key rule of an in-place load is applied here, one function each. ``match``, in this
-order: renamed optimizers (param_check.py: refused if strict, else mapped by name), lists
-replaced whole (state_keys.py), dense tensors only, which keys both hold, which the state
-ties, which are missing, created inside a Stateful (state_keys.py) or unexpected on this rank,
-each leaf's destination with its type, shape, meta and dtype rules (``_leaf``: no inference
-or expanded tensor is written), keys the state ties that the checkpoint holds apart, a resized parameter's
-optimizer state. ``check_agreed``, once the unexpected keys are agreed (with peers:
-those no rank asks for, inside the read step, before any read): the strict key rule, the
-per-rank rules and the strict mismatch rule. The outcome is a ``Match``, which fill_plan.py
-turns into reads.
+order: another kind of optimizer's state (optim_kind.py: refused if strict, else left out),
+renamed optimizers (param_check.py: refused if strict, else mapped by name), lists replaced
+whole (state_keys.py), dense tensors only, which keys both hold, which the state ties, which
+are missing, created inside a Stateful (state_keys.py) or unexpected on this rank, each leaf's
+destination with its type, shape, meta and dtype rules (``_leaf``: no inference or expanded
+tensor is written), keys the state ties that the checkpoint holds apart, the optimizer state
+of a parameter left as it was (resized, or another dtype). ``check_agreed``, once the
+unexpected keys are agreed (with peers: those no rank asks for, inside the read step, before
+any read): the strict key rule, the per-rank rules and the strict mismatch rule. The outcome
+is a ``Match``, which fill_plan.py turns into reads.
 
 Owns: the rules, their errors and their warnings (kept in the record: the caller emits them,
 so they point at the user's line). Does not own: the stored side (stored.py), reads
@@ -29,7 +30,7 @@ from ckptio.format.flatten import FlatState
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json, Manifest, ObjectEntry
 from ckptio.io.buffers import torch_dtype
-from ckptio.loading import param_check, state_keys
+from ckptio.loading import optim_kind, param_check, state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
@@ -72,7 +73,7 @@ class Leaf:
 @dataclass(frozen=True)
 class _Mismatch:
     why: str
-    resized: bool = False  # the saved shape differs
+    resized: bool = False  # the saved shape or dtype differs: its optimizer state is stale
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Match:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     problems: dict[str, str] = field(default_factory=dict)
-    resized: list[str] = field(default_factory=list)  # keys whose saved shape differs
+    resized: list[str] = field(default_factory=list)  # keys whose saved shape or dtype differs
     warnings: list[tuple[str, int]] = field(default_factory=list)
     checked: bool = False
 
@@ -111,7 +112,10 @@ def match(record: Manifest, flat: FlatState, rules: Rules) -> Match:
     chosen = selector(rules.keys)
     sources = Sources(record, rules.rank, rules.world_size, rules.per_rank_from)
     unknown = named_nothing(rules.keys, sources.keys(), flat.leaves)
-    m = Match(sources, _renamed(flat, sources, chosen, rules.strict))
+    kinds = optim_kind.found(flat, sources.keys(), chosen, rules.strict)
+    chosen = optim_kind.outside(chosen, kinds)  # another optimizer's state: left as built
+    m = Match(sources, _renamed(flat, sources, chosen, rules))
+    m.problems.update((k.prefix, optim_kind.left_out(k)) for k in kinds)
     if unknown:
         _named_nothing(m, unknown, rules.strict)
     select = param_check.outside(chosen, m.renamed)  # those are loaded by name (by_name.py)
@@ -149,10 +153,10 @@ def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
 
 
 def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
-             strict: bool) -> list[Renamed]:
+             rules: Rules) -> list[Renamed]:
     """The optimizers whose parameters changed since the save: refused if strict (first)."""
-    renamed = param_check.differing(flat, sources, chosen)
-    if renamed and strict:
+    renamed = param_check.differing(flat, sources, chosen, rules.cast)
+    if renamed and rules.strict:
         raise StateMismatchError(param_check.refusal(renamed[0], sources))
     return renamed
 
@@ -271,7 +275,7 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
     if dest.dtype == dtype or cast:
         return Leaf(key, source, region, cast=dest.dtype != dtype)
     return _Mismatch(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint (pass "
-                     "cast=True to convert)")
+                     "cast=True to convert)", resized=True)
 
 
 def _numpy_dest(value: object) -> torch.Tensor | None:
@@ -293,11 +297,12 @@ def _created(m: Match, created: list[str]) -> None:
 
 
 def _drop_resized(m: Match, flat: FlatState, created: list[str]) -> None:
-    """strict=False: a resized parameter's optimizer state has the old shape: left out too."""
+    """strict=False: the optimizer state of a parameter left as it was (its saved shape or dtype
+    differs) belongs to the saved values: left out too."""
     stale = param_check.resized_state(flat, m.resized)
     dropped = [k for k in (*m.common, *created) if stale(k)]
     for key in dropped:
-        m.problems[key] = f"{key}: optimizer state of a resized parameter (left out)"
+        m.problems[key] = f"{key}: optimizer state of a parameter left as it was (left out)"
     m.leaves = [leaf for leaf in m.leaves if leaf.key not in dropped]
     m.created = [leaf for leaf in m.created if leaf.key not in dropped]
 
@@ -332,7 +337,8 @@ def _mismatched(m: Match, strict: bool) -> None:
     if m.problems:
         m.warnings.append((
             f"strict=False: {len(m.problems)} key(s) left as they were, their dtype or shape "
-            "differs (or they hold a resized parameter's optimizer state): "
+            "differs (or they hold a resized parameter's optimizer state, or another kind of "
+            "optimizer's): "
             f"{'; '.join(list(m.problems.values())[:3])} (LoadReport.mismatched lists them all)",
             5))
 
@@ -373,11 +379,12 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
         m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
                            f"{hint}{wrapped}", 3))
     elif unexpected and not set(flat.leaves) - set(missing):
+        fix = (f"the state's keys (e.g. {_some_keys(missing[:3])}) were renamed since the save?"
+               if missing else "an empty container (a {} or defaultdict) is not filled in place:"
+               " for new values load with no state (ckptio.load(path)) or build the state first")
         m.warnings.append((
             f"strict=False: the state holds none of the checkpoint's {len(unexpected)} keys "
-            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; an empty container "
-            "(a {} or defaultdict) is not filled in place: for new values load with no state "
-            "(ckptio.load(path)) or build the state first", 5))
+            f"(e.g. {_some_keys(unexpected[:3])}), so nothing was loaded; {fix}", 5))
 
 
 def _optimizer_hint(flat: FlatState, unexpected: tuple[str, ...]) -> str:

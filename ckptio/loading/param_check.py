@@ -28,6 +28,7 @@ import torch
 from ckptio.errors import ManifestError
 from ckptio.format import param_names, values
 from ckptio.format.flatten import FlatState
+from ckptio.io.buffers import torch_dtype
 from ckptio.loading import state_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.stored import Sources
@@ -35,7 +36,8 @@ from ckptio.loading.stored import Sources
 __all__ = ["differing", "outside", "refusal", "resized_state"]
 
 
-def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool]) -> list[Renamed]:
+def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool],
+              cast: bool = False) -> list[Renamed]:
     """The index-keyed optimizers of ``flat`` whose parameters' names differ from those saved
     for this rank, among those with a key ``select`` accepts (a load leaving an optimizer out
     never looks at it)."""
@@ -53,7 +55,8 @@ def differing(flat: FlatState, sources: Sources, select: Callable[[str], bool]) 
         while (got := _saved(sources, f"{base}.{len(saved)}.{param_names.KEY}")) is not None:
             saved.append([str(n) for n in got])
         if saved and saved != wanted:
-            out.append(_renamed(flat, sources, prefix, obj, saved, wanted, frozenset(names.values())))
+            out.append(_renamed(flat, sources, prefix, obj, saved, wanted,
+                                frozenset(names.values()), cast))
     return out
 
 
@@ -75,9 +78,10 @@ def _selected(sources: Sources, prefix: str, select: Callable[[str], bool]) -> b
 
 
 def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Optimizer,
-             saved: list[list[str]], wanted: list[list[str]], in_model: frozenset[str]) -> Renamed:
+             saved: list[list[str]], wanted: list[list[str]], in_model: frozenset[str],
+             cast: bool) -> Renamed:
     """What changed: each saved name's index, and the parameters whose model tensor (found in
-    the state by storage) was saved with another shape."""
+    the state by storage) was saved with another shape (or, without ``cast``, dtype)."""
     index: dict[str, int] = {}
     for g, group in enumerate(saved):
         numbers = _saved(sources, f"{prefix}.param_groups.{g}.params".lstrip("."))
@@ -87,6 +91,7 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
     key_of = {ptr: k for k, value in flat.leaves.items() if (ptr := _storage(value))}
     params = {n: p for g, group in enumerate(opt.param_groups) for n, p in zip(wanted[g], group["params"])}
     reshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    retyped: set[str] = set()
     model = None
     for name, param in params.items():
         key = key_of.get(ptr) if (ptr := _storage(param)) is not None else None
@@ -96,7 +101,11 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
         source = sources.tensors.get(sources.aliases.get(key, key))
         if name in index and source is not None and tuple(source.head.shape) != tuple(param.shape):
             reshaped[name] = (tuple(param.shape), tuple(source.head.shape))
-    return Renamed(prefix, opt, saved, wanted, index, reshaped, model, in_model)
+        elif name in index and source is not None and not cast and \
+                torch_dtype(source.head.dtype) != param.dtype:
+            retyped.add(name)
+    return Renamed(prefix, opt, saved, wanted, index, reshaped, model, in_model,
+                   frozenset(retyped))
 
 
 def refusal(renamed: Renamed, sources: Sources) -> str:

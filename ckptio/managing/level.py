@@ -77,6 +77,7 @@ class TierSteps:
         self._meta = StepMeta(self.read_metadata, self.directory)
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
+        self.last_report: Any = None  # the LoadReport of this tier's last load that succeeded
         self._removal: threading.Thread | None = None
         self._behind_lock = threading.Lock()  # the training and drain threads both use it
         if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
@@ -227,7 +228,8 @@ class TierSteps:
     def try_load_at(self, path: str, state: Any, load_kwargs: dict[str, Any]) -> str | None:
         """try_load of the checkpoint at ``path`` (one this tier holds beside its steps)."""
         try:
-            self._ck.load(path, state, process_group=self._process_group, **load_kwargs)
+            self.last_report = self._ck.load(path, state, process_group=self._process_group,
+                                             **load_kwargs)
         except Exception as exc:  # noqa: BLE001 - damage is returned, the rest raised below
             damaged, why = self._ranks.verdict(exc)
             if not damaged:
@@ -237,7 +239,8 @@ class TierSteps:
 
     def load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> None:
         """Collective: load ``step`` into ``state``; its error is raised as it is."""
-        self._ck.load(self.path(step), state, process_group=self._process_group, **load_kwargs)
+        self.last_report = self._ck.load(self.path(step), state,
+                                         process_group=self._process_group, **load_kwargs)
 
     def verify(self, step: int) -> int:
         """Rank 0: read back and check every byte of ``step`` -> bytes read."""

@@ -42,6 +42,7 @@ from ckptio.errors import (
     restated,
     seconds_to_wait,
 )
+from ckptio.managing import warn
 from ckptio.managing.agreed import restore_guarded
 from ckptio.managing.declare import check_step
 from ckptio.managing.parts import ManagerParts
@@ -241,7 +242,9 @@ class CheckpointManager(ManagerParts):
                 prepare: bool = True, **load_kwargs: Any) -> int | None:
         """Load the newest loadable step (or ``step``) into ``state`` in place (ckptio.load
         semantics; ``load_kwargs`` such as strict, keys, cast, per_rank_from go to it) -> the
-        step restored; ``last_restore`` says from which tier and how long it took. Newest
+        step restored; ``last_restore`` says from which tier and how long it took, and holds
+        the load's LoadReport (``"report"``; strict=False also warns naming the keys it left
+        out). Newest
         step first, fastest tier first, falling back on damage with one warning
         (managing/restoring.py). None if nothing was ever committed (a log line says so;
         ``required=True``: CheckpointNotFoundError instead); ``step=N`` with one tier: exactly
@@ -271,6 +274,7 @@ class CheckpointManager(ManagerParts):
                                 "previous values elsewhere: restore again before using it: "
                            ) from None
         if restored is not None:
+            self._report(restored, load_kwargs)
             if sizing:  # a pool that faulted in during the load is pinned now
                 self._staging(None)
                 planned = self._loaded_files(state, planned)
@@ -278,6 +282,22 @@ class CheckpointManager(ManagerParts):
             started_fresh(self._levels, required, self._ranks().rank == COORDINATOR)
         self._slots_ahead(planned)  # after the load, which they would slow down
         return restored
+
+    def _report(self, step: int, load_kwargs: dict[str, Any]) -> None:
+        """``last_restore["report"]``: the load's LoadReport (restore returns the step); with
+        strict=False, a warning naming the keys it left out (the load warns about the rest)."""
+        record = self.last_restore if self.last_restore is not None else {}
+        report = self._levels[int(record.get("tier", 0))].last_report
+        self.last_restore = {**record, "step": step, "report": report}
+        if load_kwargs.get("strict", True) or report is None or not (
+                report.missing or report.unexpected):
+            return
+        said = [f"{what} {len(keys)} key(s) {where}: {list(keys[:8])}" for what, keys, where in (
+            ("left", report.missing, "of the state as built, not in the checkpoint"),
+            ("did not load", report.unexpected, "of the checkpoint, not in the state")) if keys]
+        warn(f"ckptio: restore(strict=False) of step {step} {'; '.join(said)} (a layer added, "
+             "removed or renamed, or a part left out of the state?); last_restore['report'] "
+             "lists them all", stacklevel=3)
 
     def _staging(self, state: Any) -> tuple[list[int], bool]:
         """prepare(state) (None: only pin what has faulted in) -> Checkpointer.prepare's
@@ -326,8 +346,11 @@ class CheckpointManager(ManagerParts):
             self.last_restore = record
             return int(record["step"])
         if step is not None and len(self._levels) == 1:
+            started = time.perf_counter()
             self._levels[0].load(step, state, load_kwargs)
             self._levels[0].succeeded(step)
+            self.last_restore = {"step": step, "tier": 0, "location": self._levels[0].location,
+                                 "seconds": time.perf_counter() - started}
             return step
         if listings is None:
             listings = self._agreed(self._listings)

@@ -126,7 +126,7 @@ class ManagerParts:
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
-        self.last_restore: dict[str, Any] | None = None  # which tier, step and seconds
+        self.last_restore: dict[str, Any] | None = None  # tier, step, seconds, report
         self._leases: dict[int, Lease] = {}  # tier -> its lease (one job per run)
         self._take_over, self._first_leased = take_over, False
         self._saved_here = False  # a save started: the staging is the one the saves sized
