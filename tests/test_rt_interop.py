@@ -351,3 +351,56 @@ def test_an_export_onto_a_read_only_file_system_names_the_path(tmp_path: Path) -
             with pytest.raises(ckptio.StorageIOError) as err:
                 call()
             assert where in str(err.value) and "ead-only" in str(err.value), str(err.value)
+
+
+def test_a_ckptio_save_into_a_dcp_checkpoint_is_refused_and_the_dcp_one_kept(
+        tmp_path: Path) -> None:
+    """ckptio.save (overwrite or not), async_save and dcp.save through DcpWriter into a
+    directory holding a DCP checkpoint: refused naming it, nothing written, DCP's own reader
+    still reads it; they wrote a manifest beside it, so dcp.load read the old values and
+    ckptio.load the new ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = str(tmp_path / "dcp")
+    dcp.save({"a": torch.zeros(3)}, checkpoint_id=path, no_dist=True)
+    before = sorted(os.listdir(path))
+    for save in (lambda: ckptio.save({"a": torch.ones(3)}, path),
+                 lambda: _save_overwriting(path),
+                 lambda: ckptio.async_save({"a": torch.ones(3)}, path).wait()):
+        with pytest.raises(ckptio.CkptError) as err:
+            save()
+        assert path in str(err.value) and ".metadata" in str(err.value), str(err.value)
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointException) as failed:
+            dcp.save({"a": torch.ones(3)}, no_dist=True,
+                     storage_writer=ckptio.DcpWriter(path, overwrite=overwrite))
+        (cause, _trace), = failed.value.failures.values()
+        assert isinstance(cause, ckptio.CkptError) and ".metadata" in str(cause), cause
+        assert ("Checkpoint already exists" in str(cause)) is not overwrite
+    assert sorted(os.listdir(path)) == before
+    into = {"a": torch.full((3,), 7.0)}
+    dcp.load(into, checkpoint_id=path, no_dist=True)
+    assert torch.equal(into["a"], torch.zeros(3))
+
+
+def _save_overwriting(path: str) -> None:
+    with ckptio.Checkpointer() as checkpointer:
+        checkpointer.save({"a": torch.ones(3)}, path, overwrite=True)
+
+
+def test_a_dcp_save_over_a_ckptio_checkpoint_is_not_loaded_as_the_old_one(
+        tmp_path: Path) -> None:
+    """dcp.save (FileSystemWriter) into a ckptio checkpoint leaves both; ckptio.load refused
+    naming both files and what to move, where it loaded the old ckptio values silently."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ck")
+    ckptio.save({"a": torch.zeros(3)}, path)
+    dcp.save({"a": torch.ones(3)}, checkpoint_id=path, no_dist=True)
+    for call in (lambda: ckptio.load(path), lambda: ckptio.load(path, {"a": torch.zeros(3)}),
+                 lambda: ckptio.verify(path)):
+        with pytest.raises(ckptio.CkptError) as err:
+            call()
+        said = str(err.value)
+        assert path in said and "manifest.json" in said and ".metadata" in said, said

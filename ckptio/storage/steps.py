@@ -5,7 +5,8 @@
 - remove_unreferenced(): after a commit, delete the files a ckptio save created that neither
   the new manifest nor the manifest committed at that moment names. Where the claim of
   exclusive() is not honoured, another save may have committed meanwhile: its files are kept.
-- check_files(): every data file a committed manifest names is there, and long enough.
+- check_files(): every data file a committed manifest names is there, and long enough, and
+  no DCP checkpoint beside it (``dcp_there``: a ckptio save there is refused, a load too).
 - is_committed(): whether a manifest is committed at a location (without reading it).
 
 Owns: those steps' rules and messages. Does not own: how a store does each operation (local/,
@@ -29,6 +30,7 @@ __all__ = [
     "attempt",
     "check_files",
     "committed_or_none",
+    "dcp_there",
     "is_committed",
     "named",
     "remove_quietly",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckptio")
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: another checkpoint in one place
 _NAMED = re.compile(rb'"(data-[^"\\]*)"')  # file names in manifest.json (and any such string)
 
 
@@ -142,8 +145,16 @@ def remove_unreferenced(store: Store, keep: set[str],
 
 
 def check_files(store: Store, record: Manifest) -> None:
-    """CorruptCheckpointError if a data file ``record`` names is missing or shorter than it says."""
-    sizes = store.sizes(info.name for info in record.files)
+    """CorruptCheckpointError if a data file ``record`` names is missing or shorter than it says;
+    CkptError if a DCP checkpoint shares the location (which of the two is current is unknown)."""
+    sizes = store.sizes([*(info.name for info in record.files), DCP_METADATA])
+    if DCP_METADATA in sizes:
+        raise CkptError(
+            f"{store.location} holds two checkpoints: a ckptio one ({MANIFEST_NAME}) and a "
+            f"torch.distributed.checkpoint (DCP) one ({DCP_METADATA}): one was saved over the "
+            "other (dcp.save into a ckptio checkpoint), and which is current cannot be told. Move "
+            f"the stale one's files away (DCP's: {DCP_METADATA} and __<rank>_<i>.distcp; "
+            f"ckptio's: {MANIFEST_NAME} and data-*), then load")
     for info in record.files:
         file = store.path_of(info.name)
         size = sizes.get(info.name)
@@ -155,3 +166,16 @@ def check_files(store: Store, record: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
                 "damaged: load an earlier one")
+
+
+def dcp_there(store: Store, writer: str) -> None:
+    """CkptError if ``store`` holds a DCP checkpoint (its ``.metadata``): ``writer`` (a ckptio
+    save, with or without overwrite) would leave both, and dcp.load, torchtitan's scan or any
+    DCP reader would go on reading the old one."""
+    if DCP_METADATA in store.sizes([DCP_METADATA]):
+        raise CkptError(
+            f"{store.location} holds a torch.distributed.checkpoint (DCP) checkpoint "
+            f"({DCP_METADATA} and __<rank>_<i>.distcp files): {writer} there would leave both, "
+            "and DCP's readers would go on reading the old one; nothing was written. Save to "
+            "another path, or move the DCP checkpoint away first (ckptio.load reads it; "
+            "ckptio convert copies it into a ckptio checkpoint)")
