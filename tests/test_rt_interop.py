@@ -404,3 +404,22 @@ def test_a_dcp_save_over_a_ckptio_checkpoint_is_not_loaded_as_the_old_one(
             call()
         said = str(err.value)
         assert path in said and "manifest.json" in said and ".metadata" in said, said
+
+
+def test_a_folder_with_a_single_file_its_index_does_not_name_is_refused(tmp_path: Path) -> None:
+    """model.safetensors beside an index naming other shards (two exports in one folder):
+    from_pretrained loads the single file, ckptio loaded the index's; now refused naming both
+    and the fix, while each still loads by name."""
+    st = pytest.importorskip("safetensors.torch")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    st.save_file({"x": torch.ones(2)}, str(folder / "model.safetensors"))
+    st.save_file({"x": torch.zeros(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"x": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ckptio.CorruptCheckpointError) as err:
+        ckptio.load(str(folder))
+    assert "model.safetensors.index.json" in str(err.value) and "stale" in str(err.value)
+    assert torch.equal(ckptio.load(str(folder / "model.safetensors"))["x"], torch.ones(2))
+    index = str(folder / "model.safetensors.index.json")
+    assert torch.equal(ckptio.load(index)["x"], torch.zeros(2))
