@@ -423,3 +423,15 @@ def test_a_folder_with_a_single_file_its_index_does_not_name_is_refused(tmp_path
     assert torch.equal(ckptio.load(str(folder / "model.safetensors"))["x"], torch.ones(2))
     index = str(folder / "model.safetensors.index.json")
     assert torch.equal(ckptio.load(index)["x"], torch.zeros(2))
+
+
+def test_a_torch_layout_value_in_a_torch_save_file_is_refused_not_read_as_a_str(
+        tmp_path: Path) -> None:
+    """torch.save({"x": torch.strided}): ckptio.load returned the str 'strided' in its place
+    (the stand-in DTensor rebuilds use); now refused naming the key and the fix."""
+    path = str(tmp_path / "layout.pt")
+    torch.save({"x": torch.strided, "t": torch.ones(2)}, path)
+    with pytest.raises(ckptio.CkptError) as err:
+        ckptio.load(path)
+    assert "'x'" in str(err.value) and "torch.load" in str(err.value), str(err.value)
+    assert ckptio.load(path, allow_pickle=True)["x"] is torch.strided
