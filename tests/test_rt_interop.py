@@ -435,3 +435,21 @@ def test_a_torch_layout_value_in_a_torch_save_file_is_refused_not_read_as_a_str(
         ckptio.load(path)
     assert "'x'" in str(err.value) and "torch.load" in str(err.value), str(err.value)
     assert ckptio.load(path, allow_pickle=True)["x"] is torch.strided
+
+
+def test_a_ckptio_save_into_a_hugging_face_folder_is_refused_and_its_weights_kept(
+        tmp_path: Path) -> None:
+    """ckptio.save into a folder holding model.safetensors (or an index): refused naming it,
+    the folder as it was; it wrote a manifest beside the weights, which from_pretrained went
+    on reading while ckptio.load read the new state."""
+    src = str(tmp_path / "ck")
+    ckptio.save({"model": {"w": torch.ones(3)}}, src)
+    for shard in (None, 8):
+        folder = str(tmp_path / f"hf{shard}")
+        ckptio.export_hf(src, folder, **({} if shard is None else {"max_shard_bytes": shard}))
+        before = sorted(os.listdir(folder))
+        with pytest.raises(ckptio.CkptError) as err:
+            ckptio.save({"w": torch.zeros(3)}, folder)
+        assert folder in str(err.value) and "from_pretrained" in str(err.value), str(err.value)
+        assert sorted(os.listdir(folder)) == before
+        assert torch.equal(ckptio.load(folder)["w"], torch.ones(3))

@@ -138,7 +138,7 @@ class DcpWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         store = store_for(self.path, self._options())  # a bad path fails every rank here
         try:
-            steps.dcp_there(store, "dcp.save through ckptio.DcpWriter")
+            steps.foreign_there(store, "dcp.save through ckptio.DcpWriter")
         except CkptError as exc:  # overwrite=False: in DCP's words, as FileSystemWriter's
             raise exc if self.overwrite else restated(
                 exc, "Checkpoint already exists and self.overwrite=False: ") from None

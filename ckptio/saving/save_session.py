@@ -223,7 +223,7 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
             if held is not None:
-                steps.dcp_there(ctx.store, "a ckptio save")
+                steps.foreign_there(ctx.store, "a ckptio save")
             replacing = held is not None and steps.is_committed(ctx.store)
             if replacing and ctx.overwrite is False:
                 raise _committed_there(ctx.store.location)

@@ -6,7 +6,8 @@
   the new manifest nor the manifest committed at that moment names. Where the claim of
   exclusive() is not honoured, another save may have committed meanwhile: its files are kept.
 - check_files(): every data file a committed manifest names is there, and long enough, and
-  no DCP checkpoint beside it (``dcp_there``: a ckptio save there is refused, a load too).
+  no DCP checkpoint beside it; foreign_there(): no DCP checkpoint or Hugging Face weights
+  where a ckptio save would write (it would leave both).
 - is_committed(): whether a manifest is committed at a location (without reading it).
 
 Owns: those steps' rules and messages. Does not own: how a store does each operation (local/,
@@ -30,7 +31,7 @@ __all__ = [
     "attempt",
     "check_files",
     "committed_or_none",
-    "dcp_there",
+    "foreign_there",
     "is_committed",
     "named",
     "remove_quietly",
@@ -168,14 +169,24 @@ def check_files(store: Store, record: Manifest) -> None:
                 "damaged: load an earlier one")
 
 
-def dcp_there(store: Store, writer: str) -> None:
-    """CkptError if ``store`` holds a DCP checkpoint (its ``.metadata``): ``writer`` (a ckptio
-    save, with or without overwrite) would leave both, and dcp.load, torchtitan's scan or any
-    DCP reader would go on reading the old one."""
-    if DCP_METADATA in store.sizes([DCP_METADATA]):
-        raise CkptError(
-            f"{store.location} holds a torch.distributed.checkpoint (DCP) checkpoint "
-            f"({DCP_METADATA} and __<rank>_<i>.distcp files): {writer} there would leave both, "
-            "and DCP's readers would go on reading the old one; nothing was written. Save to "
-            "another path, or move the DCP checkpoint away first (ckptio.load reads it; "
-            "ckptio convert copies it into a ckptio checkpoint)")
+def foreign_there(store: Store, writer: str) -> None:
+    """CkptError if ``store`` holds a DCP checkpoint (its ``.metadata``) or a Hugging Face
+    folder's weights: ``writer`` (a ckptio save, with or without overwrite) would leave both,
+    and dcp.load, torchtitan's scan or from_pretrained would go on reading the old one."""
+    found = store.sizes(_FOREIGN)
+    for name, (what, reader) in _FOREIGN.items():
+        if name in found:
+            raise CkptError(
+                f"{store.location} holds {what}: {writer} there would leave both, and {reader} "
+                "would go on reading the old one; nothing was written. Save to another path, or "
+                "move that checkpoint away first (ckptio.load reads it; ckptio convert copies it "
+                "into a ckptio checkpoint)")
+
+
+_FOREIGN = {  # another library's checkpoint a ckptio save must not be written beside
+    DCP_METADATA: ("a torch.distributed.checkpoint (DCP) checkpoint (.metadata and "
+                   "__<rank>_<i>.distcp files)", "DCP's readers"),
+    "model.safetensors": ("a Hugging Face folder's weights (model.safetensors)", "from_pretrained"),
+    "model.safetensors.index.json": ("a Hugging Face folder's weights (an index and its shards)",
+                                     "from_pretrained"),
+}
