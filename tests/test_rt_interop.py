@@ -317,6 +317,23 @@ def test_an_export_over_the_users_files_keeps_them(tmp_path: Path) -> None:
     assert sorted(os.listdir(dst)) == ["README.md", "model.safetensors", "sub"]
 
 
+def test_an_export_with_overwrite_removes_only_an_exports_own_weight_files(
+        tmp_path: Path) -> None:
+    """overwrite=True into a PEFT-style folder: the old export's shards go, the user's other
+    safetensors files (adapter_model.safetensors) stay; every top-level .safetensors file was
+    deleted."""
+    src, dst = str(tmp_path / "ck"), tmp_path / "hf"
+    ckptio.save({"model": {"w": torch.randn(4, 4)}}, src)
+    dst.mkdir()
+    mine = ("adapter_model.safetensors", "ema.safetensors", "model-final.safetensors",
+            "pytorch_model.bin")
+    for name in (*mine, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (dst / name).write_bytes(b"the user's")
+    ckptio.export_hf(src, str(dst), overwrite=True)
+    assert sorted(os.listdir(dst)) == sorted((*mine, "model.safetensors"))
+    assert all((dst / name).read_bytes() == b"the user's" for name in mine)
+
+
 @contextmanager
 def _read_only_mount(where: Path) -> Iterator[None]:
     """``where`` an empty read-only tmpfs (root and mount(8)); skips where it cannot be."""
