@@ -350,7 +350,7 @@ def _publish(plan: ExportPlan, out: str, token: str, copy_from: str | os.PathLik
         for name in names:
             os.replace(_tmp(out, name, token), os.path.join(out, name))
         for name in os.listdir(out):
-            if overwrite and name.endswith(".safetensors") and name not in names:
+            if overwrite and st.is_shard_name(name) and name not in names:
                 os.unlink(os.path.join(out, name))
         if len(plan.files) > 1:
             tmp = _tmp(out, st.INDEX_NAME, token)

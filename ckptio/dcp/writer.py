@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptio.dcp import writeplan
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, restated
 from ckptio.format import manifest
 from ckptio.format.types import WriteItem
 from ckptio.options import Options
@@ -137,6 +137,11 @@ class DcpWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         store = store_for(self.path, self._options())  # a bad path fails every rank here
+        try:
+            steps.foreign_there(store, "dcp.save through ckptio.DcpWriter")
+        except CkptError as exc:  # overwrite=False: in DCP's words, as FileSystemWriter's
+            raise exc if self.overwrite else restated(
+                exc, "Checkpoint already exists and self.overwrite=False: ") from None
         if not self.overwrite and steps.is_committed(store):
             raise CkptError(f"Checkpoint already exists and self.overwrite=False: dcp.save into "
                             f"{self.path}: a checkpoint is committed there and the DcpWriter was "

@@ -164,10 +164,15 @@ def _from_type(func: Any, new_type: Any, args: Any, state: Any) -> DTensorRef:
                       tuple(coordinate), placements)
 
 
-def _layout_name(*args: Any) -> str:
+class TorchLayout:
+    """torch.strided as a DTensor's rebuild passes it (and ignored there): no plain value, so
+    a layout stored as a value elsewhere is refused rather than read as the str 'strided'."""
+
+
+def _layout_name(*args: Any) -> TorchLayout:
     if args != ("torch.strided",):
         raise TypeError("a DTensor's layout is not torch.strided")
-    return "strided"
+    return TorchLayout()
 
 
 GLOBALS: dict[tuple[str, str], Any] = {

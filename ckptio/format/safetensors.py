@@ -18,6 +18,7 @@ Does not own: reading or writing bytes (loading/safetensors_manifest.py, ckptio/
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ckptio.format.types import DTYPE_ITEMSIZE, Json, show
 
 __all__ = ["DTYPES", "FROM_SAFETENSORS", "INDEX_NAME", "MAX_HEADER_NBYTES", "MAX_INDEX_NBYTES",
            "PREFIX_NBYTES", "SINGLE_NAME", "STensor", "decode_header", "decode_index",
-           "encode_header", "encode_index", "header_nbytes", "shard_name"]
+           "encode_header", "encode_index", "header_nbytes", "is_shard_name", "shard_name"]
 
 # ckptio dtype name -> safetensors dtype name (complex128 and complex32 have none)
 DTYPES: dict[str, str] = {
@@ -68,6 +69,15 @@ def shard_name(index: int, count: int) -> str:
     if count == 1:
         return SINGLE_NAME
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is one that ``shard_name`` gives (a file of an export, not the user's
+    own, such as a PEFT ``adapter_model.safetensors``)."""
+    return name == SINGLE_NAME or _SHARD_NAME.fullmatch(name) is not None
+
+
+_SHARD_NAME = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
 
 
 def encode_header(tensors: Sequence[STensor], metadata: Mapping[str, str] | None,

@@ -35,7 +35,7 @@ from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
                                    named_nothing, selector)
-from ckptio.planning.sharding import Held, check_dense, held
+from ckptio.planning.sharding import Held, check_dense, held, is_dtensor, local_tensor
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
 
@@ -144,9 +144,11 @@ def _named_nothing(m: Match, unknown: list[str], strict: bool) -> None:
     """``keys=`` names that select no key of the checkpoint or the state: refused if strict
     (a typo would load nothing and say nothing), else a warning."""
     tops = sorted({k.split(".", 1)[0] for k in m.sources.keys() if not is_marker(k)})
+    dotted = [w for w in unknown if w.endswith(".")]  # export_hf's keys= is a prefix, load's a name
     message = (f"keys=: {unknown} select(s) no key of the checkpoint or the state (the "
                f"checkpoint's top-level keys: {tops[:10]}{' ...' if len(tops) > 10 else ''}); "
-               "check the spelling")
+               "check the spelling" + (f"; keys= names entries, with no '.' after the name: "
+                                       f"keys={[w.rstrip('.') for w in dotted]}" if dotted else ""))
     if strict:
         raise StateMismatchError(message)
     m.warnings.append((f"strict=False: {message}", 5))
@@ -352,13 +354,20 @@ def _tied(flat: FlatState, absent: list[str], common: list[str]) -> tuple[str, .
 
 
 def _view(leaf: object) -> tuple[object, ...] | None:
-    """What makes two plain tensors one (their elements at the same place), or None."""
-    if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+    """What makes two tensors one (their elements at the same place), or None; a DTensor's:
+    its local shard's, with its placements (FSDP2 and tensor parallel tie one parameter under
+    two keys; a rank's empty shard still has its storage)."""
+    dt = is_dtensor(leaf)
+    t = local_tensor(leaf) if dt else leaf
+    if not (dt or type(t) in (torch.Tensor, torch.nn.Parameter)):
         return None
-    t = cast(torch.Tensor, leaf)
-    if not t.numel() or t.is_meta:  # every meta tensor's data_ptr is 0
-        return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    t = cast(torch.Tensor, t)
+    if t.is_meta or not (t.untyped_storage().data_ptr() if dt else t.numel()):
+        return None  # every meta tensor's data_ptr is 0
+    place = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    if not dt:
+        return place
+    return (*place, tuple(leaf.shape), tuple(leaf.placements))  # type: ignore[attr-defined]
 
 
 def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
@@ -366,7 +375,8 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
     cause is likely a mistake (a fresh optimizer's state, an empty container)."""
     missing, unexpected = m.missing, m.unexpected
     hint = _optimizer_hint(flat, unexpected)
-    wrapped = "" if hint else state_keys.wrapper_hint(missing, unexpected)  # no fix by strict=False
+    wrapped = "" if hint else (state_keys.wrapper_hint(missing, unexpected)  # no fix by
+               or state_keys.prefix_hint(missing, unexpected))  # strict=False
     lists_hint = m.lists.hint()
     if strict and (missing or unexpected):
         differ = "; ".join(f"{what} {_some_keys(keys)}" for what, keys in (

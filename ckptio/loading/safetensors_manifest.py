@@ -11,7 +11,8 @@ algorithm is ``none`` and block checks are empty: a resharding load (DTensor, FS
 TensorShard) reads only the byte ranges of its own rows or boxes (BLOCK-aligned).
 
 An index must agree with the files: every name it maps is in its file, every tensor of those
-files is in the map, no name is in two files.
+files is in the map, no name is in two files. A folder holding a ``model.safetensors`` that its
+index does not name (two exports) is refused: from_pretrained would load the single file.
 
 Owns: detecting the layout, the header reads, the synthesized Manifest. Does not own: header
 parsing (format/safetensors.py), reading data (read.py), matching keys (matching.py).
@@ -89,13 +90,21 @@ def _files(store: Store, read: ReadFn, file: str | None) -> tuple[list[str], dic
     """The safetensors files to open, and the index's weight map (None: no index)."""
     if file is not None and file != st.INDEX_NAME:
         return [file], None
-    size = store.sizes([st.INDEX_NAME]).get(st.INDEX_NAME)
+    found = store.sizes([st.INDEX_NAME, st.SINGLE_NAME])
+    size = found.get(st.INDEX_NAME)
     if size is None:
         return [st.SINGLE_NAME], None
     where = store.path_of(st.INDEX_NAME)
     raw = read_small(read, st.INDEX_NAME, size, st.MAX_INDEX_NBYTES, where, "; it is not an index")
     weight_map = st.decode_index(raw, where)
-    return sorted(set(weight_map.values())), weight_map
+    names = sorted(set(weight_map.values()))
+    if file is None and st.SINGLE_NAME in found and st.SINGLE_NAME not in names:
+        raise CorruptCheckpointError(
+            f"{store.location} holds both {st.SINGLE_NAME} and {st.INDEX_NAME}, which names "
+            f"other files: two exports in one folder (from_pretrained loads {st.SINGLE_NAME}), "
+            "and which is current cannot be told. Move the stale one away, or load one by "
+            f"name: ckptio.load('{store.path_of(st.SINGLE_NAME)}') or the index's path")
+    return names, weight_map
 
 
 def _check_names(tensors: list[TensorEntry], weight_map: dict[str, str] | None,

@@ -7,11 +7,13 @@ where it falls inside a Stateful other than a module (``creatable``: a fresh opt
 per-parameter state), as far as the Stateful's ``ckptio_creates`` accepts.
 
 ``wrapper_hint``: keys that differ only by a wrapper's name (torch.compile's ``_orig_mod``,
-DDP's ``module``), for the messages of the strict key rule and param_check.refusal.
+DDP's ``module``), for the messages of the strict key rule and param_check.refusal;
+``prefix_hint``: keys that differ by one top-level name (a Hugging Face export or a model's own
+state_dict file loaded into ``{"model": model}``, or the reverse), for the strict key rule.
 
 Call order: matching.py (the match stage) and resolve_regular.py (which chunks to read) ask
 these before any read; merge.put_back fills the lists and inserts the created keys after.
-Owns: these two rules and that hint. Does not own: the other key rules (matching.py), putting back (merge.py).
+Owns: these two rules and those hints. Does not own: the other key rules (matching.py), putting back (merge.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ckptio.format.types import Json
 from ckptio.loading.tree_nodes import children, join, leaf_keys, unwrap
 from ckptio.planning.sharding import FlatShard, TensorShard
 
-__all__ = ["Lists", "creatable", "under", "whole_lists", "wrapper_hint"]
+__all__ = ["Lists", "creatable", "prefix_hint", "under", "whole_lists", "wrapper_hint"]
 
 _WRAPPERS = ("_orig_mod", "module")  # torch.compile's OptimizedModule, DDP / DataParallel
 
@@ -152,3 +154,23 @@ def wrapper_hint(ours: Iterable[str], theirs: Iterable[str]) -> str:
             f"state has {sorted(now) or 'none'}: torch.compile adds '_orig_mod', DDP "
             "'module'): load into the model wrapped as it was when saved (or unwrap it on both "
             "sides: model._orig_mod, model.module); strict=False would load none of them.")
+
+
+def prefix_hint(ours: Iterable[str], theirs: Iterable[str]) -> str:
+    """A sentence for keys ``ours`` (the state's, missing from the checkpoint) and ``theirs``
+    (the checkpoint's, not in the state) that are one another under one top-level name;
+    else ''."""
+    ours, theirs = list(ours), list(theirs)
+    if not ours or not theirs:
+        return ""
+    top = ours[0].split(".", 1)[0] + "."
+    if all(k.startswith(top) for k in ours) and {top + k for k in theirs} <= set(ours):
+        return (f" The state holds the checkpoint's keys under {top[:-1]!r} (a Hugging Face "
+                f"export or a model's own state_dict file holds them without it): load into "
+                f"that entry itself, e.g. ckptio.load(path, model) for {{{top[:-1]!r}: model}}.")
+    top = theirs[0].split(".", 1)[0] + "."
+    if {top + k for k in ours} <= {k for k in theirs if k.startswith(top)}:
+        return (f" The checkpoint holds the state's keys under {top[:-1]!r}: load them into "
+                f"the state under that name, e.g. ckptio.load(path, {{{top[:-1]!r}: model}}, "
+                f"keys=[{top[:-1]!r}]).")
+    return ""

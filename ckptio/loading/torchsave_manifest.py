@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UnsupportedStateError
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           PickleRefusedError, UnsupportedStateError)
 from ckptio.format import dtensorpickle, keyrules, torchzip, validate, values
 from ckptio.format import torchsave as fmt
 from ckptio.format.checksum import crc32, crc32_of_part
@@ -224,8 +225,10 @@ class Walk:
         try:
             self.objects.append(ObjectEntry(key, values.encode(_real(value)), self.rank))
         except values.NotEncodable:
-            raise CkptError(f"{self.where}: key {key!r} holds a {type(value).__name__}, which "
-                            "ckptio does not load from torch.save files") from None
+            raise PickleRefusedError(  # allow_pickle: torch.load's result (load_session.py)
+                f"{self.where}: key {key!r} holds a {type(value).__name__}, which "
+                "ckptio does not load from torch.save files: load the file with torch.load, "
+                "or ckptio.load(path, allow_pickle=True) if you trust it") from None
         return {"k": key}
 
     def _dtensor(self, ref: dtensorpickle.DTensorRef, key: str) -> None:

@@ -222,6 +222,8 @@ def _run(ctx: SaveContext, part: RankPart, control: HandleControl) -> None:
             # The previous save's cleanup must have listed its directory before this save
             # creates files there; its deleting may go on.
             ctx.cleanup.wait_listed()
+            if held is not None:
+                steps.foreign_there(ctx.store, "a ckptio save")
             replacing = held is not None and steps.is_committed(ctx.store)
             if replacing and ctx.overwrite is False:
                 raise _committed_there(ctx.store.location)

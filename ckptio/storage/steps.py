@@ -5,7 +5,9 @@
 - remove_unreferenced(): after a commit, delete the files a ckptio save created that neither
   the new manifest nor the manifest committed at that moment names. Where the claim of
   exclusive() is not honoured, another save may have committed meanwhile: its files are kept.
-- check_files(): every data file a committed manifest names is there, and long enough.
+- check_files(): every data file a committed manifest names is there, and long enough, and
+  no DCP checkpoint beside it; foreign_there(): no DCP checkpoint or Hugging Face weights
+  where a ckptio save would write (it would leave both).
 - is_committed(): whether a manifest is committed at a location (without reading it).
 
 Owns: those steps' rules and messages. Does not own: how a store does each operation (local/,
@@ -29,6 +31,7 @@ __all__ = [
     "attempt",
     "check_files",
     "committed_or_none",
+    "foreign_there",
     "is_committed",
     "named",
     "remove_quietly",
@@ -36,6 +39,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckptio")
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: another checkpoint in one place
 _NAMED = re.compile(rb'"(data-[^"\\]*)"')  # file names in manifest.json (and any such string)
 
 
@@ -142,8 +146,16 @@ def remove_unreferenced(store: Store, keep: set[str],
 
 
 def check_files(store: Store, record: Manifest) -> None:
-    """CorruptCheckpointError if a data file ``record`` names is missing or shorter than it says."""
-    sizes = store.sizes(info.name for info in record.files)
+    """CorruptCheckpointError if a data file ``record`` names is missing or shorter than it says;
+    CkptError if a DCP checkpoint shares the location (which of the two is current is unknown)."""
+    sizes = store.sizes([*(info.name for info in record.files), DCP_METADATA])
+    if DCP_METADATA in sizes:
+        raise CkptError(
+            f"{store.location} holds two checkpoints: a ckptio one ({MANIFEST_NAME}) and a "
+            f"torch.distributed.checkpoint (DCP) one ({DCP_METADATA}): one was saved over the "
+            "other (dcp.save into a ckptio checkpoint), and which is current cannot be told. Move "
+            f"the stale one's files away (DCP's: {DCP_METADATA} and __<rank>_<i>.distcp; "
+            f"ckptio's: {MANIFEST_NAME} and data-*), then load")
     for info in record.files:
         file = store.path_of(info.name)
         size = sizes.get(info.name)
@@ -155,3 +167,26 @@ def check_files(store: Store, record: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
                 "damaged: load an earlier one")
+
+
+def foreign_there(store: Store, writer: str) -> None:
+    """CkptError if ``store`` holds a DCP checkpoint (its ``.metadata``) or a Hugging Face
+    folder's weights: ``writer`` (a ckptio save, with or without overwrite) would leave both,
+    and dcp.load, torchtitan's scan or from_pretrained would go on reading the old one."""
+    found = store.sizes(_FOREIGN)
+    for name, (what, reader) in _FOREIGN.items():
+        if name in found:
+            raise CkptError(
+                f"{store.location} holds {what}: {writer} there would leave both, and {reader} "
+                "would go on reading the old one; nothing was written. Save to another path, or "
+                "move that checkpoint away first (ckptio.load reads it; ckptio convert copies it "
+                "into a ckptio checkpoint)")
+
+
+_FOREIGN = {  # another library's checkpoint a ckptio save must not be written beside
+    DCP_METADATA: ("a torch.distributed.checkpoint (DCP) checkpoint (.metadata and "
+                   "__<rank>_<i>.distcp files)", "DCP's readers"),
+    "model.safetensors": ("a Hugging Face folder's weights (model.safetensors)", "from_pretrained"),
+    "model.safetensors.index.json": ("a Hugging Face folder's weights (an index and its shards)",
+                                     "from_pretrained"),
+}
