@@ -28,7 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ckptio import stepmeta
 from ckptio.api import Checkpointer
-from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           StorageIOError, restated)
 from ckptio.format.manifest import MANIFEST_NAME, decode
 from ckptio.format.types import Manifest
 from ckptio.managing import warn
@@ -177,6 +178,10 @@ class TierSteps:
             self.mark_damaged(base)
             warn(f"ckptio: step {step} is saved full, not as a delta of step {base}: {exc}")
             return False
+        except StorageIOError as exc:  # not damage: the storage may read again
+            name = self.path(base).rstrip("/").rsplit("/", 1)[-1]
+            raise restated(exc, f"step {step} was not saved: its base checkpoint {name} cannot "
+                                "be read now: ") from None
         return True
 
     def base_failed(self, base: int, exc: BaseException) -> None:

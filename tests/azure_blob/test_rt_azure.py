@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -176,6 +177,27 @@ except KeyboardInterrupt:
 """
 
 
+def _until(done: Any, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, f"not within {within_s} s"
+        time.sleep(0.05)
+
+
+def _stderr_until(child: subprocess.Popen[str], words: tuple[str, ...], within_s: float) -> str:
+    """The child's stderr up to where one of ``words`` shows (or its end), read from its file
+    descriptor unbuffered (communicate() reads the rest)."""
+    assert child.stderr is not None
+    fd, said, deadline = child.stderr.fileno(), b"", time.monotonic() + within_s
+    while time.monotonic() < deadline and not any(w.encode() in said for w in words):
+        if select.select([fd], [], [], 0.2)[0]:
+            got = os.read(fd, 65536)
+            if not got:
+                break
+            said += got
+    return said.decode(errors="replace")
+
+
 def test_ctrl_c_twice_during_an_upload_exits_within_seconds_and_commits_nothing(
         az_env: str, az_proxy: FaultProxy) -> None:
     """Ctrl-C while a save's blocks go up slowly (each staged block delayed): the save raises
@@ -183,21 +205,21 @@ def test_ctrl_c_twice_during_an_upload_exits_within_seconds_and_commits_nothing(
     Ctrl-C exits now; a second one does, within seconds, nothing committed, and the next save
     there takes the dead process's lock at once (not after its lease)."""
     url = f"{az_env}/interrupted"
-    az_proxy.delay(5.0, times=None, method="PUT", query={"comp": "block"})
+    held = az_proxy.delay(5.0, times=None, method="PUT", query={"comp": "block"})
     child = subprocess.Popen([sys.executable, "-c", UPLOADER, url, through(az_proxy)],
                              env=os.environ.copy(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saving"
-        time.sleep(1.5)  # blocks in flight
+        _until(lambda: held.fired > 0, 60)  # blocks in flight (a loaded machine: not a sleep)
         child.send_signal(signal.SIGINT)
         assert child.stdout.readline().strip() == "interrupted"
-        time.sleep(2.5)  # the exit's wait
+        said = _stderr_until(child, ("a second", "Ctrl-C"), 30)  # the exit's wait, said
         began = time.monotonic()
         child.send_signal(signal.SIGINT)
         _, err = child.communicate(timeout=15)
         took = time.monotonic() - began
-        assert "a second" in err or "Ctrl-C" in err, err
+        assert "a second" in said or "Ctrl-C" in said, said + err
         assert took < 5, f"exited {took:.1f} s after the second Ctrl-C"
     finally:
         if child.poll() is None:
