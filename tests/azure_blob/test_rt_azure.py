@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
 from ckptio.storage.s3 import timeouts
 from ckptio.testing.s3proxy import FaultProxy
 
-from object_store_cases import raises_within, random_state
+from object_store_cases import raises_within, random_state, stderr_until, until
 from azure_blob.conftest import through
 
 MiB = 1 << 20
@@ -177,27 +176,6 @@ except KeyboardInterrupt:
 """
 
 
-def _until(done: Any, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not done():
-        assert time.monotonic() < deadline, f"not within {within_s} s"
-        time.sleep(0.05)
-
-
-def _stderr_until(child: subprocess.Popen[str], words: tuple[str, ...], within_s: float) -> str:
-    """The child's stderr up to where one of ``words`` shows (or its end), read from its file
-    descriptor unbuffered (communicate() reads the rest)."""
-    assert child.stderr is not None
-    fd, said, deadline = child.stderr.fileno(), b"", time.monotonic() + within_s
-    while time.monotonic() < deadline and not any(w.encode() in said for w in words):
-        if select.select([fd], [], [], 0.2)[0]:
-            got = os.read(fd, 65536)
-            if not got:
-                break
-            said += got
-    return said.decode(errors="replace")
-
-
 def test_ctrl_c_twice_during_an_upload_exits_within_seconds_and_commits_nothing(
         az_env: str, az_proxy: FaultProxy) -> None:
     """Ctrl-C while a save's blocks go up slowly (each staged block delayed): the save raises
@@ -211,10 +189,10 @@ def test_ctrl_c_twice_during_an_upload_exits_within_seconds_and_commits_nothing(
                              stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saving"
-        _until(lambda: held.fired > 0, 60)  # blocks in flight (a loaded machine: not a sleep)
+        until(lambda: held.fired > 0, 60)  # blocks in flight (a loaded machine: not a sleep)
         child.send_signal(signal.SIGINT)
         assert child.stdout.readline().strip() == "interrupted"
-        said = _stderr_until(child, ("a second", "Ctrl-C"), 30)  # the exit's wait, said
+        said = stderr_until(child, ("a second", "Ctrl-C"), 30)  # the exit's wait, said
         began = time.monotonic()
         child.send_signal(signal.SIGINT)
         _, err = child.communicate(timeout=15)

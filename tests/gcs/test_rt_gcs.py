@@ -28,7 +28,7 @@ from ckptio.storage.gcs.gcs_client import GcsPath
 from ckptio.storage.s3 import timeouts
 from ckptio.testing.s3proxy import FaultProxy
 
-from object_store_cases import raises_within, random_state
+from object_store_cases import raises_within, random_state, stderr_until, until
 from gcs.conftest import Emulator, settings_at
 
 MiB = 1 << 20
@@ -236,21 +236,21 @@ def test_ctrl_c_twice_during_an_upload_exits_within_seconds_and_commits_nothing(
     a second one does, within seconds, nothing committed, and the next save there takes the
     dead process's lock at once."""
     url = f"{gcs_url}/interrupted"
-    gcs_proxy.delay(3.0, times=None, method="PUT")
+    held = gcs_proxy.delay(3.0, times=None, method="PUT")
     child = subprocess.Popen([sys.executable, "-c", UPLOADER, url, gcs_proxy.endpoint],
                              env=os.environ.copy(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "saving"
-        time.sleep(1.5)  # chunks in flight
+        until(lambda: held.fired > 0, 60)  # chunks in flight (a loaded machine: not a sleep)
         child.send_signal(signal.SIGINT)
         assert child.stdout.readline().strip() == "interrupted"
-        time.sleep(2.5)  # the exit's wait
+        said = stderr_until(child, ("Ctrl-C",), 30)  # the exit's wait, said
         began = time.monotonic()
         child.send_signal(signal.SIGINT)
         _, err = child.communicate(timeout=15)
         took = time.monotonic() - began
-        assert "Ctrl-C" in err, err
+        assert "Ctrl-C" in said, said + err
         assert took < 5, f"exited {took:.1f} s after the second Ctrl-C"
     finally:
         if child.poll() is None:
