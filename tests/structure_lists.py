@@ -83,6 +83,8 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
     "tests.s3.test_fixed_cost_s3": (_WHITE + "the client factory, counted",
                                     frozenset({"s3client._make_client"})),
     "tests.s3.test_manager_s3": (_HELPER, frozenset({"cases._manager_state"})),
+    "tests.s3.test_rt_known_s3": (_WHITE + "the client factory: small listing pages",
+                                  frozenset({"s3client._make_client"})),
     "tests.s3.test_rt_s3": (_HELPER, frozenset({"s3.test_silent_s3._options"})),
     "tests.s3.test_server_and_proxy": ("botocore's signer credentials, checked against the "
                                        "fixture's", frozenset({
@@ -153,6 +155,9 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                                  frozenset({"pool._all", "whole._version"})),
     "tests.test_staging": (_WHITE + "staging's views and page population",
                            frozenset({"buffer._views", "ckptio.io.stage._populate"})),
+    "tests.test_rt_known": (_WHITE + "the drain's and the manager's backends, faults there",
+                            frozenset({"mgr._drain", "mgr._drain._resources",
+                                       "saver._ck"})),
     "tests.test_storegroup": (_WHITE + "the store group's wait", frozenset({"group._wait"})),
     "tests.test_strided_shard": ("FSDP2+TP's placement and torch's fake process group",
                                  frozenset({"torch.distributed.tensor.placement_types"

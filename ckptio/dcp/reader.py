@@ -47,7 +47,7 @@ from ckptio.dcp import readmeta
 from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError
 from ckptio.format import values
 from ckptio.format.flatten import unflatten
-from ckptio.format.types import Chunk, Manifest, Read
+from ckptio.format.types import PICKLED_KINDS, Chunk, Manifest, Read
 from ckptio.io.buffers import torch_dtype
 from ckptio.loading.stored import RankPolicy, stored_value
 from ckptio.loading.foreign_common import torch_load_value
@@ -236,7 +236,7 @@ class _Batch:
 
     def refuse_pickles(self) -> None:
         pickled = sorted(k for _i, v, _m in self.values for k, es in v.tensors
-                         if es[0].kind == "pickle")
+                         if es[0].kind in PICKLED_KINDS)
         if pickled and not self.allow_pickle:
             raise PickleRefusedError(
                 f"{self.path}: keys {pickled[:10]} were saved pickled; unpickling runs "

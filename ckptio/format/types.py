@@ -23,6 +23,7 @@ __all__ = [
     "KINDS",
     "MAX_TREE_DEPTH",
     "NUMPY_DTYPES",
+    "PICKLED_KINDS",
     "Chunk",
     "Delta",
     "FileInfo",
@@ -60,10 +61,13 @@ MAX_TREE_DEPTH = 256
 # How a stored byte range is turned back into a Python value on load. "torch_save": the bytes of
 # torch.save(value) (a DCP BYTE_IO item, kept verbatim), decoded by torch.load(weights_only=True).
 # "bytesio": the content of an io.BytesIO (loaded as a new BytesIO at position 0).
+# "torch_pickle": such bytes that need torch.load(weights_only=False) (an object the allow-list
+# refuses or ckptio cannot hold inline; in-memory manifests only), loaded only with allow_pickle.
 KINDS = ("tensor", "numpy", "numpy_scalar", "bytes", "bytearray", "bytesio", "pickle",
-         "torch_save")
+         "torch_save", "torch_pickle")
 # The kinds whose entries are 1-D uint8 bytes.
-BYTE_KINDS = ("bytes", "bytearray", "bytesio", "pickle", "torch_save")
+BYTE_KINDS = ("bytes", "bytearray", "bytesio", "pickle", "torch_save", "torch_pickle")
+PICKLED_KINDS = ("pickle", "torch_pickle")  # loaded only with allow_pickle
 
 # The dtypes a "numpy" / "numpy_scalar" entry may have: those numpy itself has (not bfloat16,
 # float8 or complex32, which Tensor.numpy() refuses).

@@ -38,12 +38,13 @@ from ckptio.loading.foreign_common import (
     BLOCK_NBYTES,
     ReadFn,
     decode_value,
-    expand_value,
     item_name,
+    kept_pickled,
     nest,
     raw_read,
     read_bytes,
     read_small,
+    value_node,
 )
 from ckptio.planning.reshard import FlatRange, flat_boxes, intersect
 from ckptio.storage.store_contract import Store
@@ -69,7 +70,9 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False,
     it names must be there and long enough for its items; every value item (BYTE_IO: optimizer
     hyper-parameters, Python numbers and containers) is read whole, decoded by foreign_common.py
     (``torch.load(weights_only=True)``, ``weights_only=False`` only with ``allow_pickle``) and
-    expanded by ckptio's flatten rules.
+    expanded by ckptio's flatten rules; one that loads only by unpickling (an object either
+    refuses) stays a ``torch_pickle`` entry over its bytes, which a load asking for its key
+    refuses without ``allow_pickle`` (naming it), so that the other keys still load.
 
     Each tensor item becomes an entry: key, dtype, shape, chunk and file from the metadata;
     where its ``data/0`` record's bytes start, the CRC-32 that follows them (checksum algorithm
@@ -104,13 +107,18 @@ def open_dcp(store: Store, read: ReadFn, *, allow_pickle: bool = False,
     opened = opening.entries(store, read)
     objects: list[ObjectEntry] = []
     nodes: dict[str, Json] = {t.fqn: {"k": t.fqn} for t in meta.tensors}
+    kept: list[TensorEntry] = []  # values that load only by unpickling: left to the load
     for item, got in zip(meta.values, whole):
-        value = decode_value(store, item, read_bytes(got), allow_pickle)
-        nodes[item.fqn] = expand_value(value, item.fqn, objects, 0)
+        raw = read_bytes(got)
+        node = value_node(lambda: decode_value(store, item, raw, allow_pickle), item.fqn, objects,
+                          allow_pickle)
+        if node is None:
+            kept.append(kept_pickled(item.fqn, item.file, item.offset, raw))
+        nodes[item.fqn] = {"k": item.fqn} if node is None else node
     manifest = Manifest(
         version=2, save_id="dcp", checksum_algorithm="crc32",
         world_size=1 + max((f.rank for f in files), default=0), files=files,
-        tensors=tuple(opened.get(id(e), e) for e in pending), objects=tuple(objects),
+        tensors=(*(opened.get(id(e), e) for e in pending), *kept), objects=tuple(objects),
         aliases=(), tree=nest(nodes, meta.paths, where), meta={"dcp": {"version": meta.version}},
         block_nbytes=BLOCK_NBYTES)
     keyrules.check_keys(manifest, where)

@@ -27,6 +27,7 @@ import pickle
 import re
 import threading
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,10 +45,12 @@ from ckptio.format.types import (
 )
 from ckptio.storage.store_contract import Store
 
-__all__ = ["BLOCK_NBYTES", "ReadFn", "decode_value", "expand_value", "holds_dcp", "item_name",
-           "nest", "raw_read", "read_bytes", "read_small", "torch_load_value", "unpicklable"]
+__all__ = ["BLOCK_NBYTES", "TORCH_PICKLE", "NotInline", "ReadFn", "decode_value", "expand_value",
+           "holds_dcp", "item_name", "kept_pickled", "nest", "raw_read", "read_bytes",
+           "read_small", "torch_load_value", "unpicklable", "value_node"]
 
 ReadFn = Callable[[list[Read]], int]  # raw reads through the store's backend, unverified
+TORCH_PICKLE = "torch_pickle"  # a value's torch.save bytes, loaded only with allow_pickle
 BLOCK_NBYTES = 1 << 61  # DCP items have no block checksums: a partial read widens to the item
 _RANK_METADATA = "__0.metadata"
 _CANONICAL_INT = re.compile(r"0|[1-9][0-9]{0,17}")
@@ -113,8 +116,7 @@ def decode_value(store: Store, item: dcpmeta.DcpItem, raw: bytes, allow_pickle: 
     if bad is not None:
         raise CorruptCheckpointError(f"{where}: record {bad!r} fails its CRC-32; the DCP data "
                                      "file is damaged: load an earlier checkpoint")
-    return torch_load_value(raw, where, allow_pickle, note=(
-        " (keys=... cannot leave it out: values are decoded when the checkpoint is opened)"))
+    return torch_load_value(raw, where, allow_pickle)
 
 
 def torch_load_value(raw: bytes, where: str, allow_pickle: bool, note: str = "") -> Any:
@@ -176,6 +178,38 @@ def _weights_only_load(raw: bytes) -> Any:
             return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
 
 
+def value_node(decoded: Callable[[], Any], key: str, objects: list[ObjectEntry],
+               allow_pickle: bool) -> Json | None:
+    """The tree node of the value ``decoded()`` returns, its inline entries added to
+    ``objects``; None where it loads only by unpickling (weights_only refuses it; with
+    ``allow_pickle``, also one that holds an object ckptio cannot hold inline): the caller
+    keeps its bytes as a ``torch_pickle`` entry, which a load asking for the key refuses
+    without allow_pickle, naming it, and the other keys load."""
+    mine: list[ObjectEntry] = []
+    try:
+        node = expand_value(decoded(), key, mine, 0)
+    except PickleRefusedError:
+        return None
+    except NotInline:
+        if not allow_pickle:
+            raise
+        return None
+    objects.extend(mine)
+    return node
+
+
+def kept_pickled(key: str, file: str, offset: int, raw: bytes) -> TensorEntry:
+    """The ``torch_pickle`` entry of a DCP value item (``raw``: its bytes) that value_node
+    left to the load, checked by its CRC-32 as it is read."""
+    return TensorEntry(key=key, kind=TORCH_PICKLE, dtype="uint8", shape=(len(raw),),
+                       chunk=Chunk.whole((len(raw),)), file=file, offset=offset,
+                       nbytes=len(raw), checksum=f"{zlib.crc32(raw):08x}")
+
+
+class NotInline(CkptError):
+    """A decoded value holds an object ckptio cannot hold as an inline value."""
+
+
 def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -> Json:
     """``value`` as ckptio's flatten would hold it under ``key``: containers as tree nodes,
     every other value an inline object entry."""
@@ -197,7 +231,7 @@ def expand_value(value: Any, key: str, objects: list[ObjectEntry], depth: int) -
     try:
         objects.append(ObjectEntry(key, values.encode(value)))
     except values.NotEncodable:
-        raise CkptError(
+        raise NotInline(
             f"key {key!r}: a DCP value holds a {type(value).__name__}, which ckptio does not "
             "load from DCP checkpoints yet (only None, bool, int, float, complex, str, bytes, "
             "io.BytesIO, torch.Size, dtype, device and containers of them); load it with "

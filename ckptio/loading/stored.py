@@ -22,8 +22,8 @@ import torch
 
 from ckptio.errors import CkptError, ManifestError, PickleRefusedError, StateMismatchError
 from ckptio.format import values
-from ckptio.format.types import Manifest, ObjectEntry, TensorEntry
-from ckptio.loading.foreign_common import unpicklable
+from ckptio.format.types import PICKLED_KINDS, Manifest, ObjectEntry, TensorEntry
+from ckptio.loading.foreign_common import TORCH_PICKLE, torch_load_value, unpicklable
 
 __all__ = ["KeyFilter", "RankPolicy", "Sources", "TensorSource", "decode_object", "named_nothing",
            "refuse_pickles", "selector", "source_rank", "stored_value"]
@@ -156,7 +156,7 @@ def source_rank(policy: RankPolicy, rank: int, world_size: int, saved_world: int
 
 
 def refuse_pickles(entries: Iterable[TensorEntry], allow_pickle: bool) -> None:
-    pickled = sorted(e.key for e in entries if e.kind == "pickle")
+    pickled = sorted({e.key for e in entries if e.kind in PICKLED_KINDS})
     if pickled and not allow_pickle:
         raise PickleRefusedError(
             f"keys {pickled[:10]} were saved pickled; unpickling runs arbitrary code, so it needs "
@@ -183,6 +183,8 @@ def stored_value(entry: TensorEntry, tensor: torch.Tensor) -> Any:
         return io.BytesIO(raw)
     if entry.kind == "bytearray":
         return bytearray(raw)
+    if entry.kind == TORCH_PICKLE:  # refuse_pickles let it through: allow_pickle
+        return torch_load_value(raw, f"key {entry.key!r}", allow_pickle=True)
     if entry.kind != "pickle":
         return raw
     try:

@@ -8,7 +8,9 @@ caller's verified reads, decodes it with ``torch.load(weights_only=True)`` (``we
 only with ``allow_pickle=True``), and expands it by ckptio's flatten rules
 (``foreign_common.expand_value``): a DCP ``optim.param_groups.0.betas`` tuple becomes the keys
 ``...betas.0`` and ``...betas.1`` a caller's state flattens to. The result is a Manifest with
-those values inline and the tree nodes replaced, so fill.py loads it unchanged.
+those values inline and the tree nodes replaced, so fill.py loads it unchanged. A value that
+loads only by unpickling stays an entry (kind ``torch_pickle``), refused without allow_pickle
+by the load that asks for its key, naming it: the other keys load.
 
 Owns: the decoding and the rewrite of the manifest. Does not own: reading and checking bytes
 (read.py, through ``read``), the expansion rules (foreign_common.py), matching keys (matching.py).
@@ -23,8 +25,8 @@ import torch
 
 from ckptio.errors import ManifestError
 from ckptio.format import keyrules, validate
-from ckptio.format.types import Json, Manifest, ObjectEntry, Read
-from ckptio.loading.foreign_common import expand_value, torch_load_value
+from ckptio.format.types import Json, Manifest, ObjectEntry, Read, TensorEntry
+from ckptio.loading.foreign_common import TORCH_PICKLE, torch_load_value, value_node
 
 __all__ = ["TORCH_SAVE", "expand_torch_save", "replace_nodes"]
 
@@ -49,12 +51,19 @@ def expand_torch_save(record: Manifest, read: ReadFn, *, where: str,
     read(reads)
     objects: list[ObjectEntry] = list(record.objects)
     nodes: dict[str, Json] = {}
+    kept: dict[str, TensorEntry] = {}  # values that load only by unpickling: left to the load
     for entry, done in zip(stored, reads):
         what = f"{where}: key {entry.key!r} (torch.save bytes in {entry.file})"
-        value = torch_load_value(done.dest.numpy().tobytes(), what, allow_pickle)
-        nodes[entry.key] = expand_value(value, entry.key, objects, 0)
+        raw = done.dest.numpy().tobytes()
+        node = value_node(lambda: torch_load_value(raw, what, allow_pickle), entry.key, objects,
+                          allow_pickle)
+        if node is None:
+            kept[entry.key] = dataclasses.replace(entry, kind=TORCH_PICKLE)
+        else:
+            nodes[entry.key] = node
     expanded = dataclasses.replace(
-        record, tensors=tuple(e for e in record.tensors if e.kind != TORCH_SAVE),
+        record, tensors=tuple(kept.get(e.key, e) for e in record.tensors
+                              if e.kind != TORCH_SAVE or e.key in kept),
         objects=tuple(objects), tree=replace_nodes(record.tree, nodes))
     keyrules.check_keys(expanded, where)
     validate.check_values(expanded, where)

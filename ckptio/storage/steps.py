@@ -1,7 +1,8 @@
 """The save's and load's steps over any Store: what is built from the contract's few operations.
 
 - attempt(): prepare the location; if the save fails, remove its files, unless a manifest that
-  names them was committed before the failure (a failed directory fsync after the rename).
+  names them was committed before the failure (a failed directory fsync after the rename), and
+  the location itself where this attempt created it and it is left empty (a directory).
 - remove_unreferenced(): after a commit, delete the files a ckptio save created that neither
   the new manifest nor the manifest committed at that moment names. Where the claim of
   exclusive() is not honoured, another save may have committed meanwhile: its files are kept.
@@ -21,6 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
 from ckptio.errors import CkptError, CorruptCheckpointError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
@@ -64,16 +66,30 @@ def is_committed(store: Store) -> bool:
 
 @contextlib.contextmanager
 def attempt(store: Store, names: list[str]) -> Iterator[None]:
-    """Prepare the location; if the body fails, remove the save's files ``names``. Nothing else
-    is touched. A failure of that removal is logged and noted on the error, never raised in
-    its place."""
-    store.prepare()
+    """Prepare the location; if the body fails, remove the save's files ``names``, and the
+    location if this call created it and nothing is left in it (an empty directory would list
+    as an incomplete step). Nothing else is touched. A failure of that removal is logged and
+    noted on the error, never raised in its place."""
+    made = isinstance(store, Made) and store.make()
+    if not isinstance(store, Made):
+        store.prepare()
     try:
         yield
     except BaseException as exc:
         if not _maybe_committed(store, names, exc):  # else keep its files
             remove_quietly(store, names, exc)
+            if made and isinstance(store, Made):
+                store.remove_if_empty()
         raise
+
+
+@runtime_checkable
+class Made(Protocol):
+    """A store whose location is a directory: prepare() that tells whether it created it."""
+
+    def make(self) -> bool: ...
+
+    def remove_if_empty(self) -> None: ...
 
 
 def _maybe_committed(store: Store, names: Iterable[str], cause: BaseException) -> bool:

@@ -16,7 +16,8 @@ retrying cannot fix fails at once, naming the cause and the fix: no credentials,
 handshake that cannot succeed, an endpoint (or the proxy to it) that never answered this
 process (retried for UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
-Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure.
+Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure, the markers
+that page a listing of open uploads on (next_uploads_page).
 Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), what
 is written or read.
 """
@@ -40,7 +41,8 @@ from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.settings import AWS_DEFAULT, S3Settings
 
 __all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "call", "client", "code",
-           "connections", "describe", "failed", "is_s3", "not_s3", "status"]
+           "connections", "describe", "failed", "is_s3", "next_uploads_page", "not_s3",
+           "status"]
 
 log = logging.getLogger("ckptio")
 SCHEME = "s3://"
@@ -184,6 +186,22 @@ def status(exc: BaseException) -> int | None:
         return None
     value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return value if isinstance(value, int) else None
+
+
+def next_uploads_page(page: dict[str, Any], asked: dict[str, str],
+                      url: str) -> dict[str, str] | None:
+    """The markers that ask for the page after ``page`` of ListMultipartUploads (``asked``: the
+    markers it was asked with), None after the last; StorageIOError where a truncated page
+    names no next marker or the ones just asked for (asking again would loop for ever)."""
+    if not page.get("IsTruncated"):
+        return None
+    marker = {"KeyMarker": page.get("NextKeyMarker") or "",
+              "UploadIdMarker": page.get("NextUploadIdMarker") or ""}
+    if not any(marker.values()) or marker == asked:
+        raise StorageIOError(f"listing the open uploads under {url}: the store answers a page "
+                             "\"truncated\" whose next marker does not advance; an S3 server "
+                             "that lists uploads this way cannot hold checkpoints: use another")
+    return marker
 
 
 def code(exc: BaseException) -> str:

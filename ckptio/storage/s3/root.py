@@ -34,7 +34,8 @@ from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
 from ckptio.storage.s3 import lock as s3lock
-from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
+from ckptio.storage.s3.client import (S3Path, call, client, code, failed, next_uploads_page,
+                                      status)
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steproot import (
     Listing,
@@ -206,10 +207,10 @@ class S3Root:
                                                  Key=key, UploadId=upload_id))
                 except CkptError as exc:
                     problems.append(str(exc))
-            if not page.get("IsTruncated"):
+            following = next_uploads_page(page, marker, url)
+            if following is None:
                 return problems
-            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
-                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+            marker = following
 
     # -- what is here instead ---------------------------------------------------------------
 

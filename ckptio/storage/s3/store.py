@@ -40,7 +40,8 @@ from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import S3Path, call, client, failed, not_s3, status
+from ckptio.storage.s3.client import (S3Path, call, client, failed, next_uploads_page, not_s3,
+                                      status)
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.store_contract import is_ours, new_save_id, plain_name
 
@@ -170,10 +171,10 @@ class S3Bucket:
                              lambda: c.list_multipart_uploads(Bucket=self.name, Prefix=prefix,
                                                               **marker))
             out += [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
-            if not page.get("IsTruncated"):
+            following = next_uploads_page(page, marker, self.url(prefix.rstrip("/")))
+            if following is None:
                 return out
-            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
-                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+            marker = following
 
     def abort(self, key: str, upload_id: str) -> None:
         c = self.client
