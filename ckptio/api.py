@@ -373,7 +373,8 @@ class Checkpointer:
         rank, world_size = (0, 1) if torch_group is None else (
             torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
         many = state is not None and torch_group is not None and group.size > 1
-        manifest_step = (loadsteps.SharedManifest(group, path, self.options.broadcast_replicated)
+        manifest_step = (loadsteps.SharedManifest(group, path, self.options.broadcast_replicated,
+                                                   keys)
                          if many else None)
         key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
         read_step = None if not many else (

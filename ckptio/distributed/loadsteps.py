@@ -39,9 +39,10 @@ class SharedManifest:
     rank has the bytes (the group's broadcast): the step is a barrier at the load's start.
     ``share`` (Options.broadcast_replicated) False: this rank reads its own manifest."""
 
-    def __init__(self, group: Group, path: str, share: bool = True) -> None:
-        # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike)
-        self.path = compared(path)
+    def __init__(self, group: Group, path: str, share: bool = True, keys: object = None) -> None:
+        # compared between ranks: a local path as an absolute one ("ck", "./ck/" alike), and
+        # the keys= selection where it is a key or a collection of keys (a callable is not)
+        self.path, self.keys = compared(path), _selection(keys)
         self.group, self.pending, self.share = group, True, share
 
     def __call__(self, produce: Callable[[], bytes]) -> bytes | None:
@@ -67,19 +68,25 @@ class SharedManifest:
         except BaseException:
             self._read_yourself()
             raise
-        self.group.broadcast(_SENT + wire.with_location(self.path, raw))
+        self.group.broadcast(_SENT + wire.with_location(json.dumps([self.path, self.keys]), raw))
         return raw
 
     def _same_path(self, sent: bytes) -> bytes:
         """The coordinator's manifest, if it read the checkpoint this rank loads; else
         CkptError (its manifest names files of another checkpoint)."""
-        theirs, raw = wire.split_location(sent)
+        location, raw = wire.split_location(sent)
+        theirs, keys = json.loads(location)
         if theirs != self.path:
             raise CkptError(
                 f"ranks disagree on the checkpoint: rank {self.group.rank} loads {self.path}, "
                 f"rank 0 loads {theirs}. A collective load is of one checkpoint: pass the same "
                 "path on every rank (with CheckpointManager.restore, the same step), or a "
                 "process_group= of the ranks that share each path")
+        if keys is not None and self.keys is not None and keys != self.keys:
+            raise CkptError(
+                f"ranks disagree on keys= loading {self.path}: rank {self.group.rank} selects "
+                f"{self.keys}, rank 0 selects {keys}. A tensor sharded over ranks would be "
+                "loaded on some of them only: pass the same keys= on every rank")
         return raw
 
     def skip(self) -> None:
@@ -101,6 +108,16 @@ class SharedManifest:
     def _read_yourself(self) -> None:
         with contextlib.suppress(RankFailedError):  # this rank's own error is what it raises
             self.group.broadcast(_READ_YOURSELF)
+
+
+def _selection(keys: object) -> list[str] | None:
+    """``keys=`` as compared between ranks: its keys, sorted; None (not compared) for a
+    callable or another iterable (reading a generator would use it up)."""
+    if isinstance(keys, str):
+        return [keys]
+    if isinstance(keys, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in keys):
+        return sorted(keys)
+    return None
 
 
 def agree_loaded(group: Group, error: BaseException | None, path: str) -> None:

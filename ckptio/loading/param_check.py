@@ -11,7 +11,9 @@ strict=False, keys=, ``ckptio.OptimizerState``); a ``strict=False`` load maps th
 the state names) is loaded as before; the names themselves are never loaded (``is_marker``).
 
 ``resized_state``: where the names agree, a strict=False load leaves a resized parameter (its
-saved shape differs) as it was, and the optimizer state saved for it too (old shapes).
+saved shape differs) as it was, and the optimizer state saved for it too (old shapes): an
+index-keyed optimizer's found by storage, a name-keyed state dict's (get_optimizer_state_dict)
+by the name whose tensors are resized, ``step`` included.
 
 Call order (matching.match, the first rule): ``differing`` before its reads (``refusal`` if strict);
 ``resized_state`` once the plan knows the resized keys. Owns: the comparison and its messages.
@@ -153,8 +155,22 @@ def resized_state(flat: FlatState, resized: Iterable[str]) -> Callable[[str], bo
             params = [p for group in obj.param_groups for p in group["params"]]
             prefixes += [f"{prefix}.state.{i}.".lstrip(".") for i, p in enumerate(params)
                          if _storage(p) in ptrs]
-    starts = tuple(prefixes)
+    starts = tuple(prefixes + _named_state(flat, resized))
     return lambda key: bool(starts) and key.startswith(starts)
+
+
+def _named_state(flat: FlatState, resized: Iterable[str]) -> list[str]:
+    """The per-parameter prefixes (``optim.state.<name>.``) of a name-keyed optimizer state
+    dict (``get_optimizer_state_dict``: ``state`` beside ``param_groups``) one of whose tensors
+    is ``resized``: its other entries (``step``) belong to the saved values too."""
+    owners = {k.split("param_groups.", 1)[0] for k in flat.leaves if "param_groups." in k}
+    found: list[str] = []
+    for key in resized:
+        param = key.rsplit(".", 1)[0] + "."  # optim.state.<name>.
+        if any(param.startswith(f"{owner}state.") and len(param) > len(owner) + len("state.")
+               for owner in owners if owner == "" or owner.endswith(".")):
+            found.append(param)
+    return found
 
 
 def _storage(value: Any) -> int | None:
