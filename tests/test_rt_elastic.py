@@ -119,7 +119,7 @@ def load_diverging(rank: int, world: int, path: str, dims: tuple[int, ...], how:
 
 
 def manager_cycle(rank: int, world: int, root: str, dims: tuple[int, ...], steps: list[int],
-                  restore: bool) -> Any:
+                  restore: bool, rng: bool = False, kwargs: dict | None = None) -> Any:
     """Save ``steps`` through a manager (or restore the newest step) on ``world`` ranks."""
     import ckptio
 
@@ -127,13 +127,18 @@ def manager_cycle(rank: int, world: int, root: str, dims: tuple[int, ...], steps
     train(model, opt, dims, 1)
     mgr = ckptio.CheckpointManager(root, keep_last=5, save_every=1)
     try:
-        state = {**states(model, opt)}
+        torch.manual_seed(100 + rank)
+        extra = {"rng": torch.get_rng_state()} if rng else {}
+        state = {**states(model, opt), **extra}
         if restore:
-            got = mgr.restore(state)
-            return {"step": got, "whole": whole(states(model, opt))}
+            try:
+                got = mgr.restore(state, **(kwargs or {}))
+            except ckptio.CkptError as e:
+                return {"error": type(e).__name__, "msg": str(e)}
+            return {"step": got, "whole": whole(states(model, opt)), "rng": state.get("rng")}
         for s in steps:
             train(model, opt, dims, 1)
-            state = {**states(model, opt)}
+            state = {**states(model, opt), **extra}
             mgr.save(s, state)
         return {"whole": whole(states(model, opt))}
     finally:
@@ -281,13 +286,21 @@ def test_ranks_disagreeing_fail_on_every_rank_in_bounded_time(saved, how: str) -
 
 
 def test_manager_restores_newest_step_on_new_world_sizes(tmp_path: Path) -> None:
+    """The newest step, bitwise, on 3 ranks and 1; the per-rank RNG refused on 3 ranks (never
+    a fall back to an older step), then taken from the saved rank per_rank_from names."""
     root = str(tmp_path / "run")
-    ref = run_ranks(2, manager_cycle, root, DIMS, [1, 2, 3], False, timeout_s=TIMEOUT_S)
+    ref = run_ranks(2, manager_cycle, root, DIMS, [1, 2, 3], False, True, timeout_s=TIMEOUT_S)
+    for got in run_ranks(3, manager_cycle, root, DIMS, [], True, True, timeout_s=TIMEOUT_S):
+        assert got["error"] == "StateMismatchError" and "step-3" in got["msg"], got
+        assert "per_rank_from" in got["msg"]
+    torch.manual_seed(101)  # saved rank 1's
+    rank1 = torch.get_rng_state()
     for world in (3, 1):
-        for got in run_ranks(world, manager_cycle, root, DIMS, [], True,
-                             timeout_s=TIMEOUT_S):
+        for got in run_ranks(world, manager_cycle, root, DIMS, [], True, True,
+                             {"per_rank_from": 1}, timeout_s=TIMEOUT_S):
             assert got["step"] == 3
             _same(got["whole"], ref[0]["whole"])
+            assert torch.equal(got["rng"], rank1)
 
 
 @pytest.mark.parametrize(("world", "mesh"), [(3, (3, 1)), (1, (1, 1))])
