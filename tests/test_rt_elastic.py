@@ -95,7 +95,8 @@ def load_fsdp(rank: int, world: int, path: str, dims: tuple[int, ...], kwargs: d
             "extra": {k: v for k, v in state.items() if k not in ("model", "optim", "rng")}}
 
 
-def load_diverging(rank: int, world: int, path: str, dims: tuple[int, ...], how: str) -> Any:
+def load_diverging(rank: int, world: int, path: str, dims: tuple[int, ...], how: str,
+                   share: bool = True) -> Any:
     """Load with each rank naming another checkpoint (``paths``) or other ``keys``."""
     import time
 
@@ -111,7 +112,8 @@ def load_diverging(rank: int, world: int, path: str, dims: tuple[int, ...], how:
         kwargs["keys"] = "model" if rank == 0 else "optim"
     t = time.monotonic()
     try:
-        ckptio.load(where, state, **kwargs)
+        options = ckptio.Options(broadcast_replicated=share)
+        ckptio.Checkpointer(options).load(where, state, **kwargs)
     except Exception as e:  # noqa: BLE001 - the test looks at it
         return {"error": type(e).__name__, "msg": str(e), "ckpt": isinstance(e, ckptio.CkptError),
                 "s": time.monotonic() - t}
@@ -270,14 +272,16 @@ def test_resized_layer_leaves_all_its_optimizer_state(saved) -> None:
         assert float(state["1.bias"]["step"]) == 2.0  # an unchanged parameter: loaded
 
 
+@pytest.mark.parametrize("share", [True, False])  # Options.broadcast_replicated
 @pytest.mark.parametrize("how", ["paths", "keys"])
-def test_ranks_disagreeing_fail_on_every_rank_in_bounded_time(saved, how: str) -> None:
+def test_ranks_disagreeing_fail_on_every_rank_in_bounded_time(saved, how: str,
+                                                               share: bool) -> None:
     path, _ = saved
     other = path + "-other"
     if how == "paths" and not Path(other).exists():
         run_ranks(2, save_fsdp, other, DIMS, {}, timeout_s=TIMEOUT_S)
     started = time.monotonic()
-    out = run_ranks(3, load_diverging, path, DIMS, how, timeout_s=60)
+    out = run_ranks(3, load_diverging, path, DIMS, how, share, timeout_s=60)
     assert time.monotonic() - started < 60
     for got in out:
         assert got.get("ckpt"), got

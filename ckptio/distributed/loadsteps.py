@@ -57,19 +57,26 @@ class SharedManifest:
             except RankFailedError:
                 return None
             if got[:1] != _SENT:
+                if len(got) > 1:  # the coordinator's option is off: its path still compared
+                    self._same_path(got[1:])
                 return None
             raw = self._same_path(got[1:])
             return raw if self.share else None
         if not self.share:  # the option off here: each rank reads its own, the step still run
-            self._read_yourself()
+            with contextlib.suppress(RankFailedError):  # a lost rank: the load's later steps
+                self.group.broadcast(_READ_YOURSELF + self._located(b""))
             return None
         try:
             raw = produce()
         except BaseException:
             self._read_yourself()
             raise
-        self.group.broadcast(_SENT + wire.with_location(json.dumps([self.path, self.keys]), raw))
+        self.group.broadcast(_SENT + self._located(raw))
         return raw
+
+    def _located(self, body: bytes) -> bytes:
+        """``body`` led by what the ranks compare: the path and the keys= selection."""
+        return wire.with_location(json.dumps([self.path, self.keys]), body)
 
     def _same_path(self, sent: bytes) -> bytes:
         """The coordinator's manifest, if it read the checkpoint this rank loads; else
