@@ -244,8 +244,7 @@ class CheckpointManager(ManagerParts):
         semantics; ``load_kwargs`` such as strict, keys, cast, per_rank_from go to it) -> the
         step restored; ``last_restore`` says from which tier and how long it took, and holds
         the load's LoadReport (``"report"``; strict=False also warns naming the keys it left
-        out). Newest
-        step first, fastest tier first, falling back on damage with one warning
+        out). Newest step first, fastest tier first, falling back on damage with one warning
         (managing/restoring.py). None if nothing was ever committed (a log line says so;
         ``required=True``: CheckpointNotFoundError instead); ``step=N`` with one tier: exactly
         that step. Whether or not it restores, it prepares the staging of async saves of
