@@ -79,6 +79,7 @@ class TierSteps:
         self._damaged: set[int] = set()  # committed steps a load found damaged
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self.last_report: Any = None  # the LoadReport of this tier's last load that succeeded
+        self._base_read: tuple[int, Manifest] | None = None  # the last delta base's manifest
         self._removal: threading.Thread | None = None
         self._behind_lock = threading.Lock()  # the training and drain threads both use it
         if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
@@ -173,7 +174,9 @@ class TierSteps:
         base damaged since it committed (a file removed or cut short by hand) is marked
         damaged, said once, and ``step`` saved full (else every later save would fail on it)."""
         try:
-            check_files(self.store(base), self.manifest(base))
+            if self._base_read is None or self._base_read[0] != base:  # a committed manifest
+                self._base_read = (base, self.manifest(base))  # never changes: read once
+            check_files(self.store(base), self._base_read[1])
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             self.mark_damaged(base)
             warn(f"ckptio: step {step} is saved full, not as a delta of step {base}: {exc}")
@@ -214,6 +217,8 @@ class TierSteps:
         self._damaged.discard(step)
         self._meta.forget(step)
         self._chains.forget(step)
+        if self._base_read is not None and self._base_read[0] == step:  # saved anew
+            self._base_read = None
         if bases is not None:
             self._chains.made(step, bases)
 
