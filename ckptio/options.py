@@ -358,9 +358,23 @@ class Options:
             if raw is None or each.name == "storage":  # objects: not spelt in the environment
                 continue
             env[each.name] = _parse(each.name, raw, each.type)
+        spelt = [n for n in env if overrides.get(n) is None]
         env.update({k: v for k, v in overrides.items() if v is not None})
         _warn_misspelt(cls)
-        return cls(**env)  # type: ignore[arg-type]
+        try:
+            return cls(**env)  # type: ignore[arg-type]
+        except CkptError as exc:
+            raise _from_environment(exc, spelt) from None
+
+
+def _from_environment(exc: CkptError, spelt: list[str]) -> CkptError:
+    """``exc`` (an invalid option) restated naming the CKPTIO_* variable that set it: the one
+    its message names, else every variable that was set."""
+    named = [n for n in spelt if str(exc).startswith(f"Options.{n}=")] or spelt
+    if not named:
+        return exc
+    given = ", ".join(f"CKPTIO_{n.upper()}={os.environ['CKPTIO_' + n.upper()]!r}" for n in named)
+    return CkptError(f"{exc} (set by the environment: {given}; change or unset it)")
 
 
 _seen: set[str] = set()  # the CKPTIO_* variables already looked at for a misspelling

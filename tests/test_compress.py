@@ -200,6 +200,16 @@ def test_unknown_compression_option_is_refused():
         ckptio.Options(compress_threads=0)
 
 
+def test_an_invalid_option_from_the_environment_names_its_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTIO_COMPRESSION", "lz4")
+    with pytest.raises(CkptError, match="set by the environment: CKPTIO_COMPRESSION='lz4'"):
+        ckptio.save({"w": torch.zeros(3)}, str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
+    # an explicit field overrides the variable: nothing to blame on it
+    ckptio.save({"w": torch.zeros(3)}, str(tmp_path / "ck"),
+                options=ckptio.Options.from_env(compression="off"))
+
+
 # ------------------------------------------------------------------------------------------------
 # the validator
 
