@@ -1,8 +1,8 @@
-"""Every tunable of ckptio in one frozen dataclass, and the only reader of environment variables.
+"""Every tunable of ckptio in one frozen dataclass: defaults, CKPTIO_* variables, the caller's.
 
-Owns: defaults, validation of option values, CKPTIO_* environment overrides, and the constants
-every layer shares: the byte units (KiB, MiB, GiB), the I/O backend names (IO_BACKENDS;
-ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
+Owns: defaults, validation of option values (ckptio/environment.py reads the variables), and
+the constants every layer shares: the byte units (KiB, MiB, GiB), the I/O backend names
+(IO_BACKENDS; ckptio.io builds them) and the direct_io modes (DIRECT_IO_MODES).
 Also owns Options.storage, each scheme's settings object by scheme name (what a scheme's
 registry entry reads: storage/select.settings_for), and the ``s3_*`` fields, the older spelling
 that builds the S3 scheme's settings (storage/s3/settings.S3Settings.of).
@@ -13,15 +13,13 @@ Does not own: what the options do (stage, io, layout and restore read them), the
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import logging
 import numbers
 import operator
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
+from ckptio import environment
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
 
@@ -48,7 +46,6 @@ DIRECT_IO_MODES: tuple[str, ...] = get_args(DirectIO)
 IfLocked = Literal["wait", "raise"]
 S3Conditional = Literal["require", "off"]
 T = TypeVar("T")
-log = logging.getLogger("ckptio")
 # The fields that spell the S3 scheme's settings in Options (S3Settings' fields, ``s3_`` first)
 _S3_FIELDS = ("s3_endpoint_url", "s3_region", "s3_profile", "s3_concurrency", "s3_read_bytes",
              "s3_retry_deadline_s", "s3_lock_lease_s", "s3_conditional")
@@ -352,71 +349,15 @@ class Options:
     @classmethod
     def from_env(cls, **overrides: object) -> Options:
         """Defaults, then CKPTIO_* environment variables, then explicit ``overrides``."""
-        env: dict[str, object] = {}
-        for each in dataclasses.fields(cls):
-            raw = os.environ.get("CKPTIO_" + each.name.upper())
-            if raw is None or each.name == "storage":  # objects: not spelt in the environment
-                continue
-            env[each.name] = _parse(each.name, raw, each.type)
+        fields = {each.name: each.type for each in dataclasses.fields(cls) if each.name != "storage"}
+        env = environment.read(fields)  # storage: objects, not spelt in the environment
         spelt = [n for n in env if overrides.get(n) is None]
         env.update({k: v for k, v in overrides.items() if v is not None})
-        _warn_misspelt(cls)
+        environment.warn_misspelt(fields)
         try:
             return cls(**env)  # type: ignore[arg-type]
         except CkptError as exc:
-            raise _from_environment(exc, spelt) from None
-
-
-def _from_environment(exc: CkptError, spelt: list[str]) -> CkptError:
-    """``exc`` (an invalid option) restated naming the CKPTIO_* variable that set it: the one
-    its message names, else every variable that was set."""
-    named = [n for n in spelt if str(exc).startswith(f"Options.{n}=")] or spelt
-    if not named:
-        return exc
-    given = ", ".join(f"CKPTIO_{n.upper()}={os.environ['CKPTIO_' + n.upper()]!r}" for n in named)
-    return CkptError(f"{exc} (set by the environment: {given}; change or unset it)")
-
-
-_seen: set[str] = set()  # the CKPTIO_* variables already looked at for a misspelling
-
-
-def _warn_misspelt(cls: type[Options]) -> None:
-    """Warn, once per variable, of a CKPTIO_* variable that names no option but nearly spells
-    one (CKPTIO_IO_DEPHT): it is ignored, which would otherwise go unnoticed."""
-    names = {"CKPTIO_" + each.name.upper() for each in dataclasses.fields(cls)}
-    for var in os.environ:
-        if not var.startswith("CKPTIO_") or var in names or var in _seen:
-            continue
-        _seen.add(var)
-        near = difflib.get_close_matches(var, names, n=1, cutoff=0.85)
-        if near:
-            log.warning("ckptio: the environment variable %s names no option and is ignored; "
-                        "did you mean %s?", var, near[0])
-
-
-def _parse(name: str, raw: str, annotation: object) -> object:
-    kind = str(annotation)
-    if kind == "int | None":
-        if raw.lower() in ("", "none", "auto"):
-            return None
-        kind = "int"
-    if kind == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected an integer") from None
-    if kind == "float":
-        try:
-            return float(raw)
-        except ValueError:
-            raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected a number") from None
-    if kind == "bool":
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise CkptError(f"environment CKPTIO_{name.upper()}={raw!r}: expected 1/0 or true/false")
-    return raw
+            raise environment.restated(exc, spelt) from None
 
 
 # Options' fields checked by _check_types: (name, "int" / "float" / "bool", None allowed)

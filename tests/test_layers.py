@@ -62,7 +62,8 @@ def _parsed_once() -> Iterator[None]:
 
 # The layers below the drivers, bottom to top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ckptio.alignment", "ckptio.errors", "ckptio.options", "ckptio.version"),
+    ("ckptio.alignment", "ckptio.environment", "ckptio.errors", "ckptio.options",
+     "ckptio.version"),
     ("ckptio.format",),
     ("ckptio.planning", "ckptio.io"),
     ("ckptio.storage",),
