@@ -1,7 +1,7 @@
 """Tuned I/O profiles, one per filesystem and one per object-store endpoint, in a small JSON file.
 
-Owns: the Profile record (a filesystem), the S3Profile record (an S3 endpoint), the filesystem
-key (st_dev + type from /proc/self/mountinfo), the file they live in ($CKPTIO_PROFILE_PATH or
+Owns: the Profile record (a filesystem, by its key: tuning/mounts.py), the S3Profile record
+(an S3 endpoint), the file they live in ($CKPTIO_PROFILE_PATH or
 ~/.cache/ckptio/profiles.json), its versions and its validation. Does not own: how the file is
 written (profile_file.py: whole, under a lock), measuring (tune.py) or deciding when a profile
 applies over explicit options (options/api). lookup() is called on every save and load, so it never raises: a missing
@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from ckptio.errors import CkptError
 from ckptio.options import DIRECT_IO_MODES, IO_BACKENDS, MAX_IO_DEPTH, MiB, Options
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.tuning import profile_file
+from ckptio.tuning.mounts import filesystem_key
 
 __all__ = ["PATH_ENV", "S3_KEY", "Profile", "ProfileError", "S3Profile", "check_storable",
            "filesystem_key",
@@ -44,7 +44,6 @@ log = logging.getLogger("ckptio")
 VERSION = 1
 S3_KEY = "s3:"  # the key of an endpoint's profile: "s3:" + the endpoint as S3Settings names it
 PATH_ENV = "CKPTIO_PROFILE_PATH"
-MOUNTINFO = "/proc/self/mountinfo"
 # Paths already warned about, so a corrupt file is logged once per process, not on every save.
 _warned: set[str] = set()
 
@@ -125,58 +124,6 @@ def _profile_file() -> str:
     if found is None:
         found = _paths[override, home] = str(profile_path())
     return found
-
-
-# ---------------------------------------------------------------- filesystem key
-
-
-def filesystem_key(directory: str | os.PathLike[str]) -> tuple[int, str]:
-    """(st_dev, filesystem type) of ``directory``, or of its nearest existing parent: a
-    checkpoint path usually does not exist yet when its profile is looked up."""
-    path = _existing(Path(directory).absolute())
-    device = os.stat(path).st_dev
-    return device, fs_type(path, device)
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def fs_type(path: Path, device: int) -> str:
-    """The type of the mount holding ``path``: the longest mount point above it, preferring
-    mounts of the same device (bind mounts and btrfs subvolumes make st_dev ambiguous)."""
-    try:
-        lines = Path(MOUNTINFO).read_text().splitlines()
-    except OSError:
-        return "unknown"
-    real = os.path.realpath(path)
-    best: tuple[bool, int, str] = (False, -1, "unknown")
-    for line in lines:
-        mount = _parse_mount(line)
-        if mount is None or not _is_under(real, mount[1]):
-            continue
-        rank = (mount[0] == device, len(mount[1]), mount[2])
-        best = max(best, rank)
-    return best[2]
-
-
-def _parse_mount(line: str) -> tuple[int, str, str] | None:
-    """(device, mount point, fs type) of one mountinfo line (see proc(5))."""
-    left, sep, right = line.partition(" - ")
-    fields, tail = left.split(), right.split()
-    if not sep or len(fields) < 5 or not tail:
-        return None
-    major, _, minor = fields[2].partition(":")
-    if not (major.isdigit() and minor.isdigit()):
-        return None
-    mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: space
-    return os.makedev(int(major), int(minor)), mount_point, tail[0]
-
-
-def _is_under(path: str, mount_point: str) -> bool:
-    return mount_point == "/" or path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
 
 
 # ---------------------------------------------------------------- reading and writing
