@@ -124,3 +124,19 @@ def test_a_damaged_file_is_named(run, tmp_path, damage: str) -> None:
                            b"" if damage == "emptied" else data))
     with pytest.raises(ckptio.CkptError, match="optim_0.pt"):
         ckptio.load(where, _build(1))
+
+
+def test_a_manager_save_into_its_step_is_refused_and_retention_leaves_it(run, tmp_path) -> None:
+    """Before: the save wrote beside its model_0.pt..., committed, and keep_last=1 then deleted
+    the step with the user's torch_checkpointing files in it."""
+    shutil.copytree(run["root"], tmp_path / "run")
+    state = _build(1)
+    with ckptio.CheckpointManager(tmp_path / "run", keep_last=1) as mgr:
+        with pytest.raises(ckptio.CkptError, match=r"step-200 holds a torch_checkpointing"):
+            mgr.save(200, state)
+        for step in (201, 202):
+            mgr.save(step, state)
+        assert mgr.steps() == [202]
+    for step in (100, 200):
+        assert sorted(os.listdir(tmp_path / "run" / f"step-{step}")) == [
+            "model_0.pt", "optim_0.pt", "sched_0.pt"]
