@@ -13,7 +13,9 @@ writes them (tests/test_tc_checkpoints.py has the bitwise loads on 1, 2 and 4 ra
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +142,34 @@ def test_a_manager_save_into_its_step_is_refused_and_retention_leaves_it(run, tm
     for step in (100, 200):
         assert sorted(os.listdir(tmp_path / "run" / f"step-{step}")) == [
             "model_0.pt", "optim_0.pt", "sched_0.pt"]
+
+
+class _Runs:
+    """Unpickled, it would run ``exec`` writing a file."""
+
+    def __init__(self, flag: Path) -> None:
+        self.flag = flag
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.flag)!r}, 'w').close()",))
+
+
+def test_a_file_that_would_run_code_is_refused_with_a_fix_that_applies(run, tmp_path) -> None:
+    """Before: the refusal said 'pass allow_pickle=True', which refuses the same way here."""
+    where, flag = tmp_path / "step-200", tmp_path / "ran"
+    shutil.copytree(run["root"] / "step-200", where)
+    rewritten = tmp_path / "sched_0.pt"
+    with zipfile.ZipFile(where / "sched_0.pt") as src, \
+            zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as out:
+        for info in src.infolist():
+            data = src.read(info)
+            out.writestr(info, pickle.dumps({"x": _Runs(flag)}, protocol=2)
+                         if info.filename.endswith("data.pkl") else data)
+    shutil.move(rewritten, where / "sched_0.pt")
+    for kwargs in ({}, {"allow_pickle": True}):
+        with pytest.raises(ckptio.PickleRefusedError) as caught:
+            ckptio.load(where, **kwargs)
+        said = str(caught.value)
+        assert "sched_0.pt" in said and "CheckpointManager.load" in said, said
+        assert "pass allow_pickle=True" not in said, said
+    assert not flag.exists()

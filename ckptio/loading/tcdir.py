@@ -34,7 +34,7 @@ from ckptio.format import keyrules, validate
 from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
-from ckptio.loading.torchsave_manifest import Walk, read_archive
+from ckptio.loading.torchsave_manifest import Archive, Walk, read_archive
 from ckptio.storage.store_contract import Store, TreeStore
 
 __all__ = ["METADATA_NAME", "holds_tc", "open_tc", "rank_files"]
@@ -81,7 +81,7 @@ def open_tc(store: Store, read: ReadFn) -> Manifest:
         item_objects: list[ObjectEntry] = []
         item_tensors: list[TensorEntry] = []
         for rank in range(world):
-            archive = read_archive(store, files[item][rank], read)
+            archive = _archive(store, files[item][rank], read)
             walk = Walk(archive, rank=None if world == 1 else rank, sharded=world > 1)
             trees.append(walk.expand(archive.obj, item, 1))
             walk.settle(read)
@@ -106,6 +106,20 @@ def open_tc(store: Store, read: ReadFn) -> Manifest:
     keyrules.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
+
+
+def _archive(store: Store, name: str, read: ReadFn) -> Archive:
+    """Rank file ``name`` opened; a refused pickle global said with the fix that applies here:
+    allow_pickle does not reach the files of a torch_checkpointing directory."""
+    try:
+        return read_archive(store, name, read)
+    except PickleRefusedError as exc:
+        said = str(exc).split(" For a file you trust", 1)[0]
+        raise PickleRefusedError(
+            f"{said} ckptio decodes every file of a torch_checkpointing checkpoint with the "
+            "allow-list (allow_pickle=True does not change that); for files you trust, load "
+            "it with torch_checkpointing's CheckpointManager.load, or a file with "
+            f"torch.load({store.path_of(name)!r}, weights_only=False)") from None
 
 
 def _check_committed(where: str) -> None:
