@@ -172,4 +172,7 @@ def test_a_file_that_would_run_code_is_refused_with_a_fix_that_applies(run, tmp_
         said = str(caught.value)
         assert "sched_0.pt" in said and "CheckpointManager.load" in said, said
         assert "pass allow_pickle=True" not in said, said
+    done = run_cli("ls", str(where), env=ENV, timeout=120)  # and ls says no other fix
+    assert done.returncode != 0 and "CheckpointManager.load" in done.stderr, done.stderr
+    assert "allow_pickle=True)" not in done.stderr, done.stderr
     assert not flag.exists()

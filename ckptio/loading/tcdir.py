@@ -37,9 +37,10 @@ from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
 from ckptio.loading.torchsave_manifest import Archive, Walk, read_archive
 from ckptio.storage.store_contract import Store, TreeStore
 
-__all__ = ["METADATA_NAME", "holds_tc", "open_tc", "rank_files"]
+__all__ = ["METADATA_NAME", "NO_ALLOW_PICKLE", "holds_tc", "open_tc", "rank_files"]
 
 METADATA_NAME = "metadata.pkl"
+NO_ALLOW_PICKLE = "allow_pickle=True does not change that"  # its refusals say their own fix
 TEMP_PREFIX = "tmp_"  # its CheckpointWriterConfig.temp_dir_prefix, by default
 _MAX_METADATA_NBYTES = 1 << 28
 _RANK_FILE = re.compile(r"(?P<item>.+)_(?P<rank>0|[1-9][0-9]{0,5})\.pt")
@@ -117,7 +118,7 @@ def _archive(store: Store, name: str, read: ReadFn) -> Archive:
         said = str(exc).split(" For a file you trust", 1)[0]
         raise PickleRefusedError(
             f"{said} ckptio decodes every file of a torch_checkpointing checkpoint with the "
-            "allow-list (allow_pickle=True does not change that); for files you trust, load "
+            f"allow-list ({NO_ALLOW_PICKLE}); for files you trust, load "
             "it with torch_checkpointing's CheckpointManager.load, or a file with "
             f"torch.load({store.path_of(name)!r}, weights_only=False)") from None
 
