@@ -44,6 +44,7 @@ class InFlight:
         self._first = first  # told of a delta save that failed on its base (base_failed)
         self._pending: _Pending | None = None
         self._above: int | None = None  # no tier held an undamaged step above this one
+        self._foreign: set[int] | None = None  # steps holding a torch_checkpointing checkpoint
 
     def base_in_flight(self) -> set[int]:
         """The base of the delta save in flight: retention keeps it."""
@@ -66,7 +67,9 @@ class InFlight:
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
         level.finish_removal(step)
         taken = level.is_committed(step) and not level.is_damaged(step)
-        if not taken and holds_tc(level, step):
+        if self._foreign is None:  # listed once, at the manager's first save (run leased)
+            self._foreign = {s for s in level.scan()["incomplete"] if holds_tc(level, s)}
+        if not taken and step in self._foreign:
             return (f"step {step} was not saved: {path} holds a torch_checkpointing "
                     "checkpoint, and a save there would put ckptio's files beside its files, "
                     "which the retention would then delete with the step; move it out of the "
