@@ -22,6 +22,7 @@ from ckptio import stepmeta
 from ckptio.api import Checkpointer
 from ckptio.errors import CkptError, SaveTimeoutError, restated
 from ckptio.managing.level import TierSteps
+from ckptio.managing.restoring import holds_tc
 from ckptio.saving.handle import SaveHandle, SaveResult
 
 __all__ = ["InFlight"]
@@ -43,6 +44,7 @@ class InFlight:
         self._first = first  # told of a delta save that failed on its base (base_failed)
         self._pending: _Pending | None = None
         self._above: int | None = None  # no tier held an undamaged step above this one
+        self._foreign: set[int] | None = None  # steps holding a torch_checkpointing checkpoint
 
     def base_in_flight(self) -> set[int]:
         """The base of the delta save in flight: retention keeps it."""
@@ -56,7 +58,8 @@ class InFlight:
         tiers) now, or None; a CkptError for bad metrics or metadata. Finishes a removal of
         ``step`` still pending there first. A committed step is never saved over, except one a
         load found damaged (the atomic commit replaces it safely), nor a step older than an
-        undamaged committed one of any tier (a rollback)."""
+        undamaged committed one of any tier (a rollback), nor into a step's directory holding
+        a torch_checkpointing checkpoint (its files would go with the step)."""
         stepmeta.encode(metrics, metadata)
         level = levels[0]
         path, pending = level.path(step), self._pending
@@ -64,6 +67,14 @@ class InFlight:
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
         level.finish_removal(step)
         taken = level.is_committed(step) and not level.is_damaged(step)
+        if self._foreign is None:  # listed once, at the manager's first save (run leased)
+            self._foreign = {s for s in level.scan()["incomplete"] if holds_tc(level, s)}
+        if not taken and step in self._foreign:
+            return (f"step {step} was not saved: {path} holds a torch_checkpointing "
+                    "checkpoint, and a save there would put ckptio's files beside its files, "
+                    "which the retention would then delete with the step; move it out of the "
+                    "run directory first (ckptio.load reads it where it is; python -m ckptio "
+                    "convert copies it into another run directory) or save another step")
         newer = self._newer(levels, step)
         if taken and not newer:
             return (f"step {step} already has a committed checkpoint at {path}; steps are never "

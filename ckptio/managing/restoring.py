@@ -11,7 +11,8 @@ a step across ranks first and calls ``restore_first`` for that one step.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   any other error is raised at once (a StateMismatchError is the caller's bug).
 - Nothing committed anywhere: None when every tier was listed and holds nothing else (a warning
-  names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise.
+  names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise (a
+  torch_checkpointing checkpoint in a step's directory among them: its load or convert named).
 - Every copy damaged: CorruptCheckpointError naming each and why.
 
 Owns: that order and its messages. Does not own: listing (storage/steproot.py), loading (level.py).
@@ -29,13 +30,14 @@ from typing import Any
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.loading import tcdir
 from ckptio.managing import warn
 from ckptio.managing.level import TierSteps
 from ckptio.storage import missing_manifest
 from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
 
-__all__ = ["Restored", "candidates", "emptiness", "incomplete", "neighbours", "nothing_to_restore",
+__all__ = ["Restored", "candidates", "emptiness", "holds_tc", "incomplete", "neighbours", "nothing_to_restore",
            "restore_first", "started_fresh", "where"]
 
 Listing = dict[str, list[Any]]
@@ -119,12 +121,37 @@ def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str |
         if listing.get("unreachable"):
             whys.append(f"{level.location} cannot be listed: {listing['unreachable'][0]}")
             continue
-        why = level.nothing_here()
+        why = _foreign(level, listing) or level.nothing_here()
         if not is_empty(why):
             whys.append(str(why))
     if not whys:
         return None
     return whys[0] if len(levels) == 1 else f"{_nothing(levels, listings, None)}: {'; '.join(whys)}"
+
+
+def holds_tc(level: TierSteps, step: int) -> bool:
+    """Whether ``step``'s directory in ``level`` holds a torch_checkpointing checkpoint (False
+    where it cannot be listed: the save or load then says why)."""
+    try:
+        return tcdir.holds_tc(level.store(step))
+    except CkptError:
+        return False
+
+
+def _foreign(level: TierSteps, listing: Listing) -> str | None:
+    """The newest incomplete step of ``level`` holding a torch_checkpointing checkpoint (its
+    ``<item>_<rank>.pt`` files, no ckptio manifest), said as why there is nothing to restore:
+    a run moving to ckptio points its manager at that run's directory, where starting fresh
+    would silently drop the steps it trained."""
+    for step in sorted(listing.get("incomplete", []), reverse=True):
+        if holds_tc(level, step):
+            path = level.path(step)
+            return (f"{path} holds a torch_checkpointing checkpoint, not a ckptio save (no "
+                    f"{MANIFEST_NAME}), so this manager counts step {step} as an incomplete "
+                    f"save and has no step to restore; load it with ckptio.load({path!r}, "
+                    "state), or convert it once into a new run directory (python -m ckptio "
+                    f"convert {path} NEWRUN/{os.path.basename(path)}) and restore from there")
+    return None
 
 
 def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
