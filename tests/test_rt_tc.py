@@ -8,12 +8,15 @@ writes them (tests/test_tc_checkpoints.py has the bitwise loads on 1, 2 and 4 ra
   hold some ranks' or items' files only: ckptio.load and ``ckptio verify`` refuse it, naming the
   final name, while the committed one loads bitwise.
 - Damage (a truncated or emptied file, a flipped byte in a record) is a CkptError naming the file.
+- The same on an S3 prefix (SeaweedFS, skipped without it): its steps are told apart by the
+  listing the manager makes anyway, never a listing per step (a run of many interrupted steps).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import uuid
 import shutil
 import zipfile
 from pathlib import Path
@@ -26,6 +29,8 @@ pytest.importorskip("torch_checkpointing", reason="torch-checkpointing is not in
 
 import ckptio  # noqa: E402
 from ckptio.testing.cli_process import run_cli  # noqa: E402
+from ckptio.testing.s3proxy import FaultProxy  # noqa: E402
+from ckptio.testing.s3server import SeaweedServer, ServerError, make_client, weed_binary  # noqa: E402
 from ckptio.testing.tc_peer import manager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,3 +181,70 @@ def test_a_file_that_would_run_code_is_refused_with_a_fix_that_applies(run, tmp_
     assert done.returncode != 0 and "CheckpointManager.load" in done.stderr, done.stderr
     assert "allow_pickle=True)" not in done.stderr, done.stderr
     assert not flag.exists()
+
+
+def test_a_slower_tier_over_its_run_keeps_its_steps_and_refuses_a_save_into_them(
+        run, tmp_path) -> None:
+    """Its run directory as the disk tier behind a memory tier. Before: the manager's start took
+    its step-N folders for copies a killed drain cut short and deleted them (and restore then
+    started fresh); a drain of a step of the same number would have saved beside its files."""
+    shutil.copytree(run["root"], tmp_path / "run")
+    tiers = [ckptio.Tier(f"mem://rttc-{tmp_path.name}", keep_last=2),
+             ckptio.Tier(str(tmp_path / "run"), every=1, keep_last=1)]
+    state = _build(1)
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        with pytest.raises(ckptio.CkptError, match=r"step-200 holds a torch_checkpointing.*"
+                           r"ckptio convert"):
+            mgr.restore(state)
+        with pytest.raises(ckptio.CkptError, match=r"run/step-100 holds a torch_checkpointing"):
+            mgr.save(100, state)
+        for step in (201, 202):
+            mgr.save(step, state)
+        assert mgr.drained(timeout=60)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-100", "step-200", "step-202"]
+    for step in (100, 200):
+        assert sorted(os.listdir(tmp_path / "run" / f"step-{step}")) == [
+            "model_0.pt", "optim_0.pt", "sched_0.pt"]
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    try:
+        import boto3  # noqa: F401
+        weed_binary()
+    except (ImportError, ServerError) as exc:
+        pytest.skip(f"needs boto3 and SeaweedFS: {exc}")
+    with SeaweedServer(tmp_path_factory.mktemp("weed")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("others", [0, 40])  # few steps: looked up each; many: one listing
+def test_on_s3_its_steps_are_named_refused_and_kept_with_no_listing_per_step(
+        run, weed, monkeypatch, others: int) -> None:
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    s3 = make_client(weed)
+    prefix = f"tc-{uuid.uuid4().hex}"
+    url = f"s3://{weed.bucket}/{prefix}"
+    files = {f"{prefix}/{step}/{f.name}": f.read_bytes()
+             for step in ("step-100", "step-200") for f in (run["root"] / step).iterdir()}
+    files.update({f"{prefix}/step-{n}/data-x.bin": b"x" for n in range(10, 10 + others)})
+    for key, body in files.items():
+        s3.put_object(Bucket=weed.bucket, Key=key, Body=body)
+    state = _build(1)
+    ckptio.load(f"{url}/step-200", state)  # its checkpoint itself loads from s3://
+    assert torch.equal(state["model"].weight, run["state"]["model"].weight)
+    with FaultProxy(weed.host, weed.port) as proxy:
+        options = ckptio.Options(s3_endpoint_url=proxy.endpoint)
+        with ckptio.CheckpointManager(url, keep_last=1, options=options) as mgr:
+            with pytest.raises(ckptio.CkptError, match=rf"{url}/step-200 holds a "
+                               r"torch_checkpointing.*ckptio convert"):
+                mgr.restore(_build(1))
+            with pytest.raises(ckptio.CkptError, match=r"step-100 holds a torch_checkpointing"):
+                mgr.save(100, state)
+            for step in (201, 202):
+                mgr.save(step, state)
+            assert mgr.steps() == [202]
+        assert proxy.counts["ListObjectsV2"] < 25, dict(proxy.counts)  # not one per step
+    for key, body in files.items():
+        assert s3.get_object(Bucket=weed.bucket, Key=key)["Body"].read() == body, key

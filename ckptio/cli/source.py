@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from ckptio.errors import CheckpointNotFoundError, PickleRefusedError
 from ckptio.format import manifest, regular_section, values
+from ckptio.format.allowlist import NO_ALLOW_PICKLE
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
-from ckptio.loading.tcdir import NO_ALLOW_PICKLE
 from ckptio.options import Options
 from ckptio.storage.s3.client import is_s3
 from ckptio.storage.select import checkpoint_path, store_for

@@ -31,16 +31,15 @@ from typing import Any, TypeVar
 from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
                            PickleRefusedError, UnsupportedStateError)
 from ckptio.format import keyrules, validate
-from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler
+from ckptio.format.allowlist import NO_ALLOW_PICKLE, PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
 from ckptio.loading.torchsave_manifest import Archive, Walk, read_archive
 from ckptio.storage.store_contract import Store, TreeStore
 
-__all__ = ["METADATA_NAME", "NO_ALLOW_PICKLE", "holds_tc", "open_tc", "rank_files"]
+__all__ = ["METADATA_NAME", "holds_tc", "open_tc", "rank_files"]
 
 METADATA_NAME = "metadata.pkl"
-NO_ALLOW_PICKLE = "allow_pickle=True does not change that"  # its refusals say their own fix
 TEMP_PREFIX = "tmp_"  # its CheckpointWriterConfig.temp_dir_prefix, by default
 _MAX_METADATA_NBYTES = 1 << 28
 _RANK_FILE = re.compile(r"(?P<item>.+)_(?P<rank>0|[1-9][0-9]{0,5})\.pt")

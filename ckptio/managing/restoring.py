@@ -30,14 +30,13 @@ from typing import Any
 
 from ckptio.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.loading import tcdir
 from ckptio.managing import warn
 from ckptio.managing.level import TierSteps
 from ckptio.storage import missing_manifest
 from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
 
-__all__ = ["Restored", "candidates", "emptiness", "holds_tc", "incomplete", "neighbours", "nothing_to_restore",
+__all__ = ["Restored", "candidates", "emptiness", "incomplete", "neighbours", "nothing_to_restore",
            "restore_first", "started_fresh", "where"]
 
 Listing = dict[str, list[Any]]
@@ -129,29 +128,20 @@ def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str |
     return whys[0] if len(levels) == 1 else f"{_nothing(levels, listings, None)}: {'; '.join(whys)}"
 
 
-def holds_tc(level: TierSteps, step: int) -> bool:
-    """Whether ``step``'s directory in ``level`` holds a torch_checkpointing checkpoint (False
-    where it cannot be listed: the save or load then says why)."""
-    try:
-        return tcdir.holds_tc(level.store(step))
-    except CkptError:
-        return False
-
-
 def _foreign(level: TierSteps, listing: Listing) -> str | None:
     """The newest incomplete step of ``level`` holding a torch_checkpointing checkpoint (its
     ``<item>_<rank>.pt`` files, no ckptio manifest), said as why there is nothing to restore:
     a run moving to ckptio points its manager at that run's directory, where starting fresh
     would silently drop the steps it trained."""
-    for step in sorted(listing.get("incomplete", []), reverse=True):
-        if holds_tc(level, step):
-            path = level.path(step)
-            return (f"{path} holds a torch_checkpointing checkpoint, not a ckptio save (no "
-                    f"{MANIFEST_NAME}), so this manager counts step {step} as an incomplete "
-                    f"save and has no step to restore; load it with ckptio.load({path!r}, "
-                    "state), or convert it once into a new run directory (python -m ckptio "
-                    f"convert {path} NEWRUN/{os.path.basename(path)}) and restore from there")
-    return None
+    newest = level.foreign(listing.get("incomplete", []), listed=True)[-1:]
+    if not newest:
+        return None
+    step, path = newest[0], level.path(newest[0])
+    return (f"{path} holds a torch_checkpointing checkpoint, not a ckptio save (no "
+            f"{MANIFEST_NAME}), so this manager counts step {step} as an incomplete save and "
+            f"has no step to restore; load it with ckptio.load({path!r}, state), or convert it "
+            f"once into a new run directory (python -m ckptio convert {path} "
+            f"NEWRUN/{os.path.basename(path)}) and restore from there")
 
 
 def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],
