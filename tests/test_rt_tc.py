@@ -29,6 +29,7 @@ pytest.importorskip("torch_checkpointing", reason="torch-checkpointing is not in
 
 import ckptio  # noqa: E402
 from ckptio.testing.cli_process import run_cli  # noqa: E402
+from ckptio.testing.rank_processes import run_ranks  # noqa: E402
 from ckptio.testing.s3proxy import FaultProxy  # noqa: E402
 from ckptio.testing.s3server import SeaweedServer, ServerError, make_client, weed_binary  # noqa: E402
 from ckptio.testing.tc_peer import manager  # noqa: E402
@@ -248,3 +249,41 @@ def test_on_s3_its_steps_are_named_refused_and_kept_with_no_listing_per_step(
         assert proxy.counts["ListObjectsV2"] < 25, dict(proxy.counts)  # not one per step
     for key, body in files.items():
         assert s3.get_object(Bucket=weed.bucket, Key=key)["Body"].read() == body, key
+
+
+def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Each rank: its CheckpointManager's save of two steps (each rank's own model), then
+    ckptio's manager over that directory and a load of its newest step."""
+    run = Path(tmp) / "run"
+    model = _build(rank)["model"]
+    tc = manager()
+    for step in (100, 200):
+        tc.save(str(run / f"step-{step}"), {"model": model.state_dict()})
+    tc.close()
+    out: dict[str, Any] = {}
+    with ckptio.CheckpointManager(run, keep_last=1) as mgr:
+        for what, call in (("restore", lambda: mgr.restore({"model": model})),
+                           ("save", lambda: mgr.save(200, {"model": model}))):
+            try:
+                call()
+            except ckptio.CkptError as exc:
+                out[what] = str(exc)
+        mgr.save(201, {"model": model})
+        mgr.save(202, {"model": model})
+        out["steps"] = mgr.steps()
+    torch.distributed.barrier()
+    out["files"] = sorted(os.listdir(run / "step-200"))
+    loaded = {"model": _build(9)["model"]}
+    ckptio.load(run / "step-200", loaded)
+    out["own"] = torch.equal(loaded["model"].weight, model.weight)
+    return out
+
+
+def test_two_ranks_agree_on_the_refusals_and_each_loads_its_own(tmp_path) -> None:
+    """gloo, 2 ranks: restore and the save into its step are refused on both ranks alike (no
+    rank goes on to a collective the other left), and each rank loads its own model."""
+    for got in run_ranks(2, _two_ranks, str(tmp_path), timeout_s=120):
+        assert "step-200 holds a torch_checkpointing" in got.get("restore", ""), got
+        assert "step 200 was not saved" in got.get("save", ""), got
+        assert got["steps"] == [202] and got["own"], got
+        assert got["files"] == ["model_0.pt", "model_1.pt"], got

@@ -70,8 +70,7 @@ class InFlight:
         listed = None
         if self._foreign is None:  # listed once, at the manager's first save (run leased)
             listed = self._scan(levels, step)
-        held = [levels[i].path(step) for i, steps in (self._foreign or {}).items()
-                if step in steps and (i == 0 or step % levels[i].every == 0)]
+        held = self._held(levels, step) if self._foreign else []  # mostly none: no call
         if held and not taken:
             return (f"step {step} was not saved: {held[0]} holds a torch_checkpointing "
                     "checkpoint, and a save there would put ckptio's files beside its files, "
@@ -95,6 +94,12 @@ class InFlight:
                 "first (they belong to the run rolled back from), or save under step numbers "
                 f"above {last}")
 
+    def _held(self, levels: Sequence[TierSteps], step: int) -> list[str]:
+        """The directories of ``step`` in the tiers it goes to that hold a torch_checkpointing
+        checkpoint (as the first save listed them)."""
+        return [levels[i].path(step) for i, steps in (self._foreign or {}).items()
+                if step in steps and (i == 0 or step % levels[i].every == 0)]
+
     def _scan(self, levels: Sequence[TierSteps], step: int) -> dict[int, list[int]]:
         """Each tier's committed steps (by index; a tier other than the first that cannot be
         listed left out, logged: its drains report it), and, kept, the incomplete steps of
@@ -111,7 +116,9 @@ class InFlight:
                             "which could not be listed: %s", step, level.directory, exc)
                 continue
             committed[index] = listing["committed"]
-            self._foreign[index] = set(level.foreign(listing["incomplete"]))
+            foreign = level.foreign(listing["incomplete"])
+            if foreign:
+                self._foreign[index] = set(foreign)
         return committed
 
     def _newer(self, levels: Sequence[TierSteps], step: int,
