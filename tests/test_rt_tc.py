@@ -287,3 +287,46 @@ def test_two_ranks_agree_on_the_refusals_and_each_loads_its_own(tmp_path) -> Non
         assert "step 200 was not saved" in got.get("save", ""), got
         assert got["steps"] == [202] and got["own"], got
         assert got["files"] == ["model_0.pt", "model_1.pt"], got
+
+
+def test_on_s3_a_commit_through_ckptio_storage_cut_short_is_refused_not_loaded_in_part(
+        weed, monkeypatch) -> None:
+    """Its CheckpointManager over ckptio.tc_storage on S3: the commit copies each object of
+    tmp_step-5 to step-5 (S3 has no rename); the connection dies after the first. Before:
+    ckptio.load(step-5) returned the model alone, as a whole checkpoint (strict=False, or no
+    state, resumed without the optimizer, silently)."""
+    from torch_checkpointing import CheckpointManager
+
+    from ckptio.storage.s3.store import S3Bucket
+    from ckptio.tc_storage import CkptioStorageConfig
+
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    root = f"s3://{weed.bucket}/cut-{uuid.uuid4().hex}"
+    state = _build(0)
+    _train(state, 1)
+    copied, copy = [], S3Bucket.copy
+
+    def cut(self: Any, key: str, to: Any, dest_key: str) -> None:
+        if key.endswith("optim_0.pt"):
+            raise ckptio.StorageIOError(f"copying {key}: the connection was reset")
+        copied.append(key)
+        copy(self, key, to, dest_key)
+
+    monkeypatch.setattr(S3Bucket, "copy", cut)
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = CkptioStorageConfig(root)
+    tc = config.build()
+    try:
+        with pytest.raises(Exception, match="connection was reset"):
+            tc.save("step-5", {k: v.state_dict() for k, v in state.items()})
+    finally:
+        tc.close()
+    monkeypatch.setattr(S3Bucket, "copy", copy)
+    assert any(k.endswith("model_0.pt") for k in copied), copied  # step-5 holds the model
+    for kwargs in ({}, {"strict": False}):
+        with pytest.raises(ckptio.CheckpointNotFoundError, match=r"step-5: its commit .* did "
+                           r"not finish.*load an earlier checkpoint"):
+            ckptio.load(f"{root}/step-5", _build(1), **kwargs)
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="did not finish"):
+        ckptio.load(f"{root}/step-5")
