@@ -75,16 +75,22 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_manager_restore_over_its_steps_names_them_not_a_fresh_start(run, tmp_path) -> None:
     shutil.copytree(run["root"], tmp_path / "run")
     mgr = ckptio.CheckpointManager(tmp_path / "run")
+    state = _build(1)
     try:
         with pytest.raises(ckptio.CkptError) as caught:
-            mgr.restore(_build(1))
+            mgr.restore(state)
+        said = str(caught.value)
+        assert "step-200" in said and "torch_checkpointing" in said, said
+        assert "ckptio.load(" in said and "ckptio convert" in said, said
+        assert "restore(state, step=200)" in said, said  # the third fix it names works
+        assert mgr.restore(state, step=200) == 200
+        assert torch.equal(state["model"].weight, run["state"]["model"].weight)
+        mgr.save(201, state)
     finally:
         mgr.close()
-    said = str(caught.value)
-    assert "step-200" in said and "torch_checkpointing" in said, said
-    assert "ckptio.load(" in said and "ckptio convert" in said, said
-    assert sorted(os.listdir(tmp_path / "run" / "step-200")) == [
-        "model_0.pt", "optim_0.pt", "sched_0.pt"]  # its files left as they were
+    for step in (100, 200):  # its files left as they were
+        assert sorted(os.listdir(tmp_path / "run" / f"step-{step}")) == [
+            "model_0.pt", "optim_0.pt", "sched_0.pt"]
 
 
 def test_its_steps_convert_into_a_run_the_manager_restores_bitwise(run, tmp_path) -> None:
