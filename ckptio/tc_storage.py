@@ -11,7 +11,8 @@ Meta's ``torch_checkpointing`` keeps its API (the ``[torch-checkpointing]`` extr
 The paths torch_checkpointing passes are names under the root (a leading "/" dropped; ".."
 refused). Its commit, a directory renamed from its temporary name, follows its rename table
 (Storage.rename): onto an absent or empty directory with the store's move (one rename on a
-file system; on S3 each object copied server-side then the source removed), onto a populated
+file system; on S3 each object copied server-side then the source removed, the copy marked
+unfinished until whole: loading/tcdir.py MOVING_NAME), onto a populated
 directory or a file OSError. Files are written whole (a reader sees the old bytes or the new);
 a missing one is FileNotFoundError, another failure the store's CkptError (an OSError too,
 where torch_checkpointing catches those). Written by hand (why): torch_checkpointing ships only
@@ -31,6 +32,7 @@ from typing import Any
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from ckptio.errors import CkptError
+from ckptio.loading.tcdir import MOVING_BODY, MOVING_NAME
 from ckptio.options import Options
 from ckptio.storage.select import store_for
 from ckptio.storage.store_contract import TreeStore
@@ -168,13 +170,26 @@ class CkptioStorage(Storage):
             if self._size(dst_path) is not None or (self.isdir(dst_path) and self.ls(dst_path)):
                 raise OSError(f"renaming {self.remap_path(src_path)} onto "
                               f"{self.remap_path(dst_path)}: the destination is occupied")
-            self._dir(src_path).move_to(self._dir(dst_path))
+            self._move(self._dir(src_path), self._dir(dst_path))
             return
         if self.isdir(dst_path):
             raise OSError(f"renaming file {self.remap_path(src_path)} onto directory "
                           f"{self.remap_path(dst_path)}")
         self.write(dst_path, self._read(src_path))
         self.delete(src_path)
+
+
+    def _move(self, src: TreeStore, dst: TreeStore) -> None:
+        """``src`` moved onto ``dst``; where that copies object by object (an object store), a
+        checkpoint copied part way is marked so (tcdir.MOVING_NAME, copied first, removed
+        last): ckptio.load refuses it rather than load the items that were copied."""
+        marked = not src.capabilities.rename
+        if marked:
+            src.write_file(MOVING_NAME, MOVING_BODY)
+        src.move_to(dst)
+        problems = dst.remove([MOVING_NAME]) if marked else []
+        if problems:
+            raise OSError(f"removing {dst.path_of(MOVING_NAME)} after the commit: {problems[0]}")
 
 
 def _holds_objects(store: TreeStore) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ckptio.errors import CheckpointNotFoundError, PickleRefusedError
 from ckptio.format import manifest, regular_section, values
+from ckptio.format.allowlist import NO_ALLOW_PICKLE
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
 from ckptio.options import Options
 from ckptio.storage.s3.client import is_s3
@@ -97,14 +98,17 @@ def open_manifest(path: str) -> Opened:
 
 def manifest_of(checkpointer: Checkpointer, text: str) -> Manifest:
     """``checkpointer.manifest(text)``; a checkpoint that opens only by unpickling (a DCP value
-    item) is refused with the commands' own fix, not the load's (allow_pickle)."""
+    item) is refused with the commands' own fix, not the load's (allow_pickle); a
+    torch_checkpointing file's refusal says its own (loading/tcdir.py)."""
     try:
         return checkpointer.manifest(text)
     except PickleRefusedError as exc:
+        fix = "" if NO_ALLOW_PICKLE in str(exc) else (
+            ". Open it in Python, only if you trust it: ckptio.load(..., allow_pickle=True), "
+            "or torch.distributed.checkpoint.load")
         raise PickleRefusedError(
             f"{text} cannot be opened without unpickling, which ckptio's ls, diff and verify "
-            f"never do: {exc}. Open it in Python, only if you trust it: ckptio.load(..., "
-            "allow_pickle=True), or torch.distributed.checkpoint.load") from None
+            f"never do: {exc}{fix}") from None
 
 
 def rows(record: Manifest) -> dict[str, Row]:

@@ -10,7 +10,9 @@ Call order: a reader (dcpmeta.py, torchzip.py, torchsave.py, loading/tcdir.py) b
 allow-list, subclasses or calls ``AllowListUnpickler`` and catches ``PICKLE_ERRORS``, what a
 hostile pickle can make it raise; its callers check the stand-ins it returns.
 
-Owns: that refusal, the errors a broken pickle raises, and ``DType``. Pure: never imports
+Owns: that refusal, the errors a broken pickle raises, ``NO_ALLOW_PICKLE`` (the words of a
+refusal that allow_pickle does not lift, which says its own fix: tcdir.py's; the CLI then adds
+none), and ``DType``. Pure: never imports
 torch (a test checks it). Does not own: which globals a reader allows, nor checking what
 the stand-ins hold (each reader).
 """
@@ -26,7 +28,9 @@ from typing import Any
 from ckptio.errors import PickleRefusedError
 from ckptio.format.types import show
 
-__all__ = ["PICKLE_ERRORS", "AllowListUnpickler", "DType"]
+__all__ = ["NO_ALLOW_PICKLE", "PICKLE_ERRORS", "AllowListUnpickler", "DType"]
+
+NO_ALLOW_PICKLE = "allow_pickle=True does not change that"  # a refusal saying its own fix
 
 # What a hostile pickle can make pickle.Unpickler raise besides our own CkptErrors.
 PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,

@@ -14,8 +14,10 @@ keeps no checksum file: each record's CRC-32 is what a read checks.
 
 Call order: ``holds_tc`` (opening.py's dispatch) -> ``open_tc`` -> the load path reads the
 entries like any checkpoint's (read.py, fill.py). Refused, with a CkptError naming the file:
-a rank's file missing, ranks whose keys differ, a ``metadata.pkl`` naming any Python global
-(it never does) or a custom layout, and whatever torchsave_manifest.py refuses.
+a directory still under its save's temporary name (``tmp_NAME``: not committed) or holding
+``MOVING_NAME`` (a commit through ckptio/tc_storage.py cut short on an object store), a rank's
+file missing, ranks whose keys differ, a ``metadata.pkl`` naming any Python global (it never
+does) or a custom layout, and whatever torchsave_manifest.py refuses.
 
 Owns: detecting the directory, its metadata check and the merged Manifest. Does not own: the
 zip and pickle parsing (format/), reading bytes (read.py), matching keys (matching.py).
@@ -27,17 +29,25 @@ import re
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from ckptio.errors import CkptError, CorruptCheckpointError, PickleRefusedError, UnsupportedStateError
+from ckptio.errors import (CheckpointNotFoundError, CkptError, CorruptCheckpointError,
+                           PickleRefusedError, UnsupportedStateError)
 from ckptio.format import keyrules, validate
-from ckptio.format.allowlist import PICKLE_ERRORS, AllowListUnpickler
+from ckptio.format.allowlist import NO_ALLOW_PICKLE, PICKLE_ERRORS, AllowListUnpickler
 from ckptio.format.types import FileInfo, Json, Manifest, ObjectEntry, TensorEntry, show
 from ckptio.loading.foreign_common import BLOCK_NBYTES, ReadFn, read_small
-from ckptio.loading.torchsave_manifest import Walk, read_archive
+from ckptio.loading.torchsave_manifest import Archive, Walk, read_archive
 from ckptio.storage.store_contract import Store, TreeStore
 
-__all__ = ["METADATA_NAME", "holds_tc", "open_tc", "rank_files"]
+__all__ = ["METADATA_NAME", "MOVING_BODY", "MOVING_NAME", "holds_tc", "open_tc", "rank_files"]
 
 METADATA_NAME = "metadata.pkl"
+TEMP_PREFIX = "tmp_"  # its CheckpointWriterConfig.temp_dir_prefix, by default
+# Where a commit copies object by object (tc_storage.py on an object store): written into the
+# temporary directory first, so copied first (its name sorts before any item's), removed from
+# the final one once every object is there.
+MOVING_NAME = ".ckptio-moving"
+MOVING_BODY = (b"ckptio: a torch_checkpointing commit copying this checkpoint object by object; "
+               b"removed once every object is copied\n")
 _MAX_METADATA_NBYTES = 1 << 28
 _RANK_FILE = re.compile(r"(?P<item>.+)_(?P<rank>0|[1-9][0-9]{0,5})\.pt")
 
@@ -65,6 +75,8 @@ def holds_tc(store: Store) -> bool:
 def open_tc(store: Store, read: ReadFn) -> Manifest:
     """The Manifest of the torch_checkpointing checkpoint in ``store``."""
     where = store.location
+    _check_committed(where)
+    _check_copied(store)
     files = rank_files(store)
     world = _world(store, read, files, where)
     tensors: list[TensorEntry] = []
@@ -77,7 +89,7 @@ def open_tc(store: Store, read: ReadFn) -> Manifest:
         item_objects: list[ObjectEntry] = []
         item_tensors: list[TensorEntry] = []
         for rank in range(world):
-            archive = read_archive(store, files[item][rank], read)
+            archive = _archive(store, files[item][rank], read)
             walk = Walk(archive, rank=None if world == 1 else rank, sharded=world > 1)
             trees.append(walk.expand(archive.obj, item, 1))
             walk.settle(read)
@@ -102,6 +114,49 @@ def open_tc(store: Store, read: ReadFn) -> Manifest:
     keyrules.check_keys(manifest, where)
     validate.check_values(manifest, where)
     return manifest
+
+
+def _archive(store: Store, name: str, read: ReadFn) -> Archive:
+    """Rank file ``name`` opened; a refused pickle global said with the fix that applies here:
+    allow_pickle does not reach the files of a torch_checkpointing directory."""
+    try:
+        return read_archive(store, name, read)
+    except PickleRefusedError as exc:
+        said = str(exc).split(" For a file you trust", 1)[0]
+        raise PickleRefusedError(
+            f"{said} ckptio decodes every file of a torch_checkpointing checkpoint with the "
+            f"allow-list ({NO_ALLOW_PICKLE}); for files you trust, load "
+            "it with torch_checkpointing's CheckpointManager.load, or a file with "
+            f"torch.load({store.path_of(name)!r}, weights_only=False)") from None
+
+
+def _check_committed(where: str) -> None:
+    """Refuse a directory named as torch_checkpointing's save names its checkpoint until every
+    rank has written it (``tmp_NAME``, renamed to NAME at its commit): its files may be some
+    ranks' or some items' only, and nothing in them says so."""
+    name = where.rstrip("/").rsplit("/", 1)[-1]
+    if name.startswith(TEMP_PREFIX) and len(name) > len(TEMP_PREFIX):
+        final = name[len(TEMP_PREFIX):]
+        raise CheckpointNotFoundError(
+            f"{where}: a torch_checkpointing save writes its checkpoint under {name} and "
+            f"renames it to {final} once every rank has written it, so this one is a save in "
+            f"progress or one that died (it may lack a rank's or an item's files); load {final} "
+            "once the save commits, or an earlier checkpoint; if you know every rank finished, "
+            f"rename it to {final} first")
+
+
+def _check_copied(store: Store) -> None:
+    """Refuse a checkpoint whose commit copied it object by object and did not finish (its
+    MOVING_NAME still there): it may lack any item's files, and nothing else says so."""
+    if MOVING_NAME in store.sizes([MOVING_NAME]):
+        where = store.location
+        name = where.rstrip("/").rsplit("/", 1)[-1]
+        raise CheckpointNotFoundError(
+            f"{where}: its commit (ckptio.tc_storage on an object store copies each object of "
+            f"{TEMP_PREFIX}{name} to {name}, then removes {MOVING_NAME}) did not finish, so it "
+            "may lack an item's or a rank's files; load an earlier checkpoint, or save this "
+            f"step again; if {TEMP_PREFIX}{name} is gone and you know every file was copied, "
+            f"remove {store.path_of(MOVING_NAME)} first")
 
 
 E = TypeVar("E", ObjectEntry, TensorEntry)

@@ -43,6 +43,8 @@ class InFlight:
         self._first = first  # told of a delta save that failed on its base (base_failed)
         self._pending: _Pending | None = None
         self._above: int | None = None  # no tier held an undamaged step above this one
+        self._foreign: dict[int, set[int]] | None = None  # tier -> steps holding a
+        # torch_checkpointing checkpoint (their incomplete steps, listed at the first save)
 
     def base_in_flight(self) -> set[int]:
         """The base of the delta save in flight: retention keeps it."""
@@ -56,7 +58,8 @@ class InFlight:
         tiers) now, or None; a CkptError for bad metrics or metadata. Finishes a removal of
         ``step`` still pending there first. A committed step is never saved over, except one a
         load found damaged (the atomic commit replaces it safely), nor a step older than an
-        undamaged committed one of any tier (a rollback)."""
+        undamaged committed one of any tier (a rollback), nor into a step's directory holding
+        a torch_checkpointing checkpoint (its files would go with the step)."""
         stepmeta.encode(metrics, metadata)
         level = levels[0]
         path, pending = level.path(step), self._pending
@@ -64,7 +67,17 @@ class InFlight:
             return f"step {step} is being saved already ({path}): wait() for it, or save another"
         level.finish_removal(step)
         taken = level.is_committed(step) and not level.is_damaged(step)
-        newer = self._newer(levels, step)
+        listed = None
+        if self._foreign is None:  # listed once, at the manager's first save (run leased)
+            listed = self._scan(levels, step)
+        held = self._held(levels, step) if self._foreign else []  # mostly none: no call
+        if held and not taken:
+            return (f"step {step} was not saved: {held[0]} holds a torch_checkpointing "
+                    "checkpoint, and a save there would put ckptio's files beside its files, "
+                    "which the retention would then delete with the step; move it out of the "
+                    "run directory first (ckptio.load reads it where it is; python -m ckptio "
+                    "convert copies it into another run directory) or save another step")
+        newer = self._newer(levels, step, listed)
         if taken and not newer:
             return (f"step {step} already has a committed checkpoint at {path}; steps are never "
                     f"saved over: save under another step number, or remove {path} first to "
@@ -81,24 +94,47 @@ class InFlight:
                 "first (they belong to the run rolled back from), or save under step numbers "
                 f"above {last}")
 
-    def _newer(self, levels: Sequence[TierSteps], step: int) -> dict[str, list[int]]:
-        """Each tier's undamaged committed steps above ``step``, ascending (tiers with none
-        left out): listed at a manager's first save and for a step not above the last one
-        checked (after that, only this manager commits there: the run's lease). A tier other
-        than the first that cannot be listed is passed over, logged (its drains report it)."""
-        if self._above is not None and step > self._above:
-            self._above = step
-            return {}
-        newer: dict[str, list[int]] = {}
+    def _held(self, levels: Sequence[TierSteps], step: int) -> list[str]:
+        """The directories of ``step`` in the tiers it goes to that hold a torch_checkpointing
+        checkpoint (as the first save listed them)."""
+        return [levels[i].path(step) for i, steps in (self._foreign or {}).items()
+                if step in steps and (i == 0 or step % levels[i].every == 0)]
+
+    def _scan(self, levels: Sequence[TierSteps], step: int) -> dict[int, list[int]]:
+        """Each tier's committed steps (by index; a tier other than the first that cannot be
+        listed left out, logged: its drains report it), and, kept, the incomplete steps of
+        each that hold a torch_checkpointing checkpoint, from the same listing."""
+        committed: dict[int, list[int]] = {}
+        self._foreign = {}
         for index, level in enumerate(levels):
             try:
-                committed = level.scan()["committed"]
+                listing = level.scan()
             except CkptError as exc:
                 if index == 0:
                     raise
                 log.warning("ckptio: the check for steps newer than %d passed over tier %s, "
                             "which could not be listed: %s", step, level.directory, exc)
                 continue
+            committed[index] = listing["committed"]
+            foreign = level.foreign(listing["incomplete"])
+            if foreign:
+                self._foreign[index] = set(foreign)
+        return committed
+
+    def _newer(self, levels: Sequence[TierSteps], step: int,
+               listed: dict[int, list[int]] | None) -> dict[str, list[int]]:
+        """Each tier's undamaged committed steps above ``step``, ascending (tiers with none
+        left out): listed at a manager's first save (``listed``: _scan(), just now) and for a
+        step not above the last one checked (after that, only this manager commits there: the
+        run's lease)."""
+        if self._above is not None and step > self._above:
+            self._above = step
+            return {}
+        if listed is None:
+            listed = self._scan(levels, step)
+        newer: dict[str, list[int]] = {}
+        for index, committed in listed.items():
+            level = levels[index]
             above = [s for s in committed if s > step and not level.is_damaged(s)]
             if above:
                 newer[level.directory] = above

@@ -45,7 +45,7 @@ from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.steps import check_files
 from ckptio.storage.select import capped, root_for, store_for
-from ckptio.storage.steproot import Lease, LeasedRoot, Listing, StepRoot
+from ckptio.storage.steproot import ForeignRoot, Lease, LeasedRoot, Listing, StepRoot
 from ckptio.storage.store_contract import Store
 
 __all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
@@ -106,6 +106,13 @@ class TierSteps:
         """scan() through the lister (a restore's or status's view); raises a CkptError when
         the tier cannot be listed."""
         return self._lister.scan()
+
+    def foreign(self, incomplete: list[int], *, listed: bool = False) -> list[int]:
+        """Those of ``incomplete`` (the last scan()'s, or listing()'s where ``listed``) that
+        hold a torch_checkpointing checkpoint (steproot.ForeignRoot; a root that cannot tell
+        says none)."""
+        root = self._lister if listed else self._root
+        return root.foreign(incomplete) if isinstance(root, ForeignRoot) else []
 
     def lease(self, take_over: bool, *, create: bool) -> Lease | None:
         """Rank 0: this tier's run lease, where its root keeps one live job per run (a local
@@ -277,9 +284,12 @@ class TierSteps:
         """Rank 0, at a manager's start, for a slower tier whose run lease it holds (only its
         drain writes there, and no other job runs there): hide and remove its incomplete
         steps, copies a killed drain cut short, which no later copy completes once the faster
-        tiers move on. -> the steps hidden."""
+        tiers move on; never a step holding a torch_checkpointing checkpoint (no drain wrote
+        it: the user's files). -> the steps hidden."""
         self.join_removal()
-        hidden = self._remove(self.scan()["incomplete"])
+        incomplete = self.scan()["incomplete"]
+        foreign = set(self.foreign(incomplete))
+        hidden = self._remove([step for step in incomplete if step not in foreign])
         if hidden:
             log.warning("ckptio: %s held the incomplete copies of steps %s, left by a drain "
                         "cut short (a process killed while copying): removed", self.directory,

@@ -11,7 +11,8 @@ a step across ranks first and calls ``restore_first`` for that one step.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   any other error is raised at once (a StateMismatchError is the caller's bug).
 - Nothing committed anywhere: None when every tier was listed and holds nothing else (a warning
-  names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise.
+  names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise (a
+  torch_checkpointing checkpoint in a step's directory among them: its load or convert named).
 - Every copy damaged: CorruptCheckpointError naming each and why.
 
 Owns: that order and its messages. Does not own: listing (storage/steproot.py), loading (level.py).
@@ -119,12 +120,31 @@ def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str |
         if listing.get("unreachable"):
             whys.append(f"{level.location} cannot be listed: {listing['unreachable'][0]}")
             continue
-        why = level.nothing_here()
+        why = _foreign(level, listing, alone=len(levels) == 1) or level.nothing_here()
         if not is_empty(why):
             whys.append(str(why))
     if not whys:
         return None
     return whys[0] if len(levels) == 1 else f"{_nothing(levels, listings, None)}: {'; '.join(whys)}"
+
+
+def _foreign(level: TierSteps, listing: Listing, *, alone: bool) -> str | None:
+    """The newest incomplete step of ``level`` holding a torch_checkpointing checkpoint (its
+    ``<item>_<rank>.pt`` files, no ckptio manifest), said as why there is nothing to restore:
+    a run moving to ckptio points its manager at that run's directory, where starting fresh
+    would silently drop the steps it trained. ``alone``: the manager's only tier, where
+    restore(state, step=N) loads it in place."""
+    newest = level.foreign(listing.get("incomplete", []), listed=True)[-1:]
+    if not newest:
+        return None
+    step, path = newest[0], level.path(newest[0])
+    return (f"{path} holds a torch_checkpointing checkpoint, not a ckptio save (no "
+            f"{MANIFEST_NAME}), so this manager counts step {step} as an incomplete save and "
+            f"has no step to restore; load it with ckptio.load({path!r}, state), or convert it "
+            f"once into a new run directory (python -m ckptio convert {path} "
+            f"NEWRUN/{os.path.basename(path)}) and restore from there"
+            + (f"; or resume from it here with restore(state, step={step}) (the saves after it "
+               "go to new steps beside it)" if alone else ""))
 
 
 def nothing_to_restore(levels: Sequence[TierSteps], listings: Sequence[Listing],

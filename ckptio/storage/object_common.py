@@ -1,7 +1,7 @@
 """What the object-store schemes (s3://, gs://, az://) share: their backends' table of open
 handles, the errors of a commit another writer won, of a prefix without a manifest, of an
 object deleted while it was read and of an endpoint that never answered, and their step roots'
-pending removals of hidden steps.
+pending removals of hidden steps and the rule telling a step's state from its names.
 
 Each scheme's folder (storage/s3/, gcs/, azure/) talks to its own service; these are the parts
 whose rules are the same whatever the service, kept once so that a fix reaches all three (and
@@ -11,7 +11,8 @@ holds: ``LockWait``, which gives up once the save is abandoned: storage/abandon.
 Call order: a backend's open_* -> ``OpenHandles.add``, its writes and reads -> ``get``, its
 close -> ``pop``. A store's conditional commit that loses -> ``lost_commit``; its
 read_manifest with no manifest -> ``no_checkpoint``. A root's scan() -> ``MarkedSteps.add``,
-its hide() -> ``MarkedSteps.hide``, its removal() -> ``MarkedSteps.removal``.
+its hide() -> ``MarkedSteps.hide``, its removal() -> ``MarkedSteps.removal``; a step's state from
+the names its listing gave -> ``held_state`` (of names ``kept_name`` reduced).
 
 Owns: the handle numbering, those messages (which proxy the environment names for an
 endpoint: ``proxy_for``), the removal's two modes (quiet in the background,
@@ -40,15 +41,37 @@ from ckptio.errors import (
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.io.backend_contract import FileHandle
 from ckptio.storage import abandon, missing_manifest
-from ckptio.storage.steproot import Removal, warn
+from ckptio.storage.steproot import Removal, is_tc_file, warn
 
-__all__ = ["MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedSteps", "OpenHandles",
-           "deleted_while_read", "lost_commit", "no_checkpoint", "proxy_for", "unreached"]
+__all__ = ["FOREIGN", "MARKER", "MARKER_BODY", "LockClaim", "LockWait", "MarkedSteps",
+           "OpenHandles", "deleted_while_read", "held_state", "kept_name", "lost_commit",
+           "no_checkpoint", "proxy_for", "unreached"]
 
 log = logging.getLogger("ckptio")
 T = TypeVar("T")
 MARKER = ".deleting"  # a step being removed: out of the listing, its removal pending
 MARKER_BODY = b"ckptio: this step is being removed by a CheckpointManager retention\n"
+FOREIGN = "foreign"  # a step's state: incomplete, holding a torch_checkpointing checkpoint
+
+
+def kept_name(name: str) -> str:
+    """What of a name under a step tells its state (held_state): the marker, the manifest, a
+    torch_checkpointing file (FOREIGN), else "" (any other object)."""
+    if name in (MARKER, MANIFEST_NAME):
+        return name
+    return FOREIGN if is_tc_file(name) else ""
+
+
+def held_state(kept: Iterable[str]) -> str:
+    """A step's state from the names under it, each reduced by kept_name: "marked",
+    "committed", FOREIGN (incomplete, holding a torch_checkpointing checkpoint:
+    steproot.ForeignRoot), "incomplete" (other objects only) or "empty" (none)."""
+    found = set(kept)
+    if MARKER in found:
+        return "marked"
+    if MANIFEST_NAME in found:
+        return "committed"
+    return FOREIGN if FOREIGN in found else "incomplete" if found else "empty"
 
 
 class _Lock(Protocol):

@@ -15,13 +15,14 @@ prefix (s3/root.py: ``s3://bucket/run/step-<N>/``), or the root a user registers
 - ``nothing_here()``: why the root holds no step (a Nothing whose ``empty`` says it holds
   nothing a restore could mean: restore() then returns None instead of raising).
 
-Optional: ``lease(take_over, create=)``, the manager's Lease on the run (LeasedRoot: local
-directories, S3 prefixes); for ``ckptio ls RUN`` (ListedRoot) ``being_deleted()``, the steps
-hidden and not yet removed, and ``usage(where)``, a step's bytes, files and newest time.
+Optional: ``lease(take_over, create=)`` (LeasedRoot), ``being_deleted()`` and ``usage(where)``
+for ``ckptio ls RUN`` (ListedRoot), ``foreign(incomplete)`` (ForeignRoot: the incomplete steps
+holding a torch_checkpointing checkpoint, ``is_tc_file``, from the names scan() listed).
 
-Owns: the protocol, which names are steps (``step-N`` exactly), the hidden names a rename-based
-root gives a dropped step, the wording of nothing_here() and the roots' warning channel. Does
-not own: which steps to keep or restore (the manager), one checkpoint's files (the Stores).
+Owns: the protocol, which names are steps (``step-N`` exactly) or a torch_checkpointing
+checkpoint's, the hidden names a rename-based root gives a dropped step, the wording of
+nothing_here() and the roots' warning channel. Does not own: which steps to keep or restore
+(the manager), one checkpoint's files (the Stores).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "TORCH_FILES",
     "Lease",
     "LeasedRoot",
+    "ForeignRoot",
     "ListedRoot",
     "Listing",
     "Nothing",
@@ -46,6 +48,7 @@ __all__ = [
     "hidden_name",
     "is_empty",
     "is_hidden",
+    "is_tc_file",
     "nothing_message",
     "step_name",
     "step_of",
@@ -60,6 +63,8 @@ TORCH_FILES = (".pt", ".pth", ".ckpt", ".bin")
 _STEP = re.compile(r"step-(0|[1-9][0-9]*)\Z", re.ASCII)
 HIDDEN_PREFIX = ".deleting-step-"
 _HIDDEN = re.compile(r"\.deleting-step-\d+-[0-9a-f]+$", re.ASCII)
+TC_METADATA = "metadata.pkl"  # torch_checkpointing's, beside its <item>_<rank>.pt files
+_TC_RANK0 = re.compile(r"[^/]+_0\.pt\Z", re.DOTALL)  # its rank 0 file of an item
 
 
 @runtime_checkable
@@ -90,6 +95,16 @@ class ListedRoot(Protocol):
     def being_deleted(self) -> list[tuple[int, str]]: ...
 
     def usage(self, where: str) -> Usage: ...
+
+
+@runtime_checkable
+class ForeignRoot(Protocol):
+    """What a manager asks a root beyond a StepRoot: ``foreign(incomplete)`` -> those of
+    ``incomplete`` (steps its last scan() listed as incomplete) that hold a torch_checkpointing
+    checkpoint (is_tc_file), ascending: a save there would leave its files beside ckptio's and
+    a retention would remove both; no request per step where listing costs requests."""
+
+    def foreign(self, incomplete: list[int]) -> list[int]: ...
 
 
 class Lease(Protocol):
@@ -147,6 +162,13 @@ def step_of(name: str) -> int | None:
     """N for a name ``step-N`` exactly (no leading zeros), else None."""
     match = _STEP.match(name)
     return None if match is None else int(match.group(1))
+
+
+def is_tc_file(name: str) -> bool:
+    """Whether ``name``, directly in a step, says the step holds a torch_checkpointing
+    checkpoint: its ``metadata.pkl`` or an item's rank 0 file ``<item>_0.pt`` (every
+    checkpoint of it has one; no ckptio save writes either)."""
+    return name == TC_METADATA or _TC_RANK0.match(name) is not None
 
 
 def hidden_name(step: int) -> str:

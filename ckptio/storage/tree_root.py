@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from ckptio.errors import CkptError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
+from ckptio.storage.object_common import (FOREIGN, MARKER, MARKER_BODY, MarkedSteps, held_state,
+                                          kept_name)
 from ckptio.storage.steproot import (
     Listing,
     Nothing,
@@ -39,6 +40,7 @@ __all__ = ["MarkedTreeRoot"]
 
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
 _MANY_STEPS = 16  # scan(): more steps than this are told apart by one listing of the root
+_KINDS = {"committed": ("committed",), "incomplete": ("incomplete", FOREIGN)}
 
 
 class MarkedTreeRoot:
@@ -53,6 +55,7 @@ class MarkedTreeRoot:
         self._marked = MarkedSteps(  # marked steps seen, not yet handed to a removal
             self.path, self._finish, lambda step: MARKER in self._step(step).sizes([MARKER]),
             lambda: access)
+        self._foreign: set[int] = set()  # the last scan's steps holding torch_checkpointing's
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
@@ -75,17 +78,18 @@ class MarkedTreeRoot:
         else:
             states = {step: self._state(step) for step in steps}
         self._marked.add(s for s, state in states.items() if state == "marked")
-        return {kind: [s for s in steps if states[s] == kind]
+        self._foreign = {s for s, state in states.items() if state == FOREIGN}
+        return {kind: [s for s in steps if states[s] in _KINDS[kind]]
                 for kind in ("committed", "incomplete")}
 
+    def foreign(self, incomplete: list[int]) -> list[int]:
+        """ForeignRoot: those of ``incomplete`` the last scan() found holding a
+        torch_checkpointing checkpoint, from the names it listed (no request here)."""
+        return sorted(self._foreign.intersection(incomplete))
+
     def _state(self, step: int) -> str:
-        """"marked", "committed", "incomplete" or "empty" (an object named step-N, no step)."""
-        held = self._step(step).entries()
-        if MARKER in held:
-            return "marked"
-        if MANIFEST_NAME in held:
-            return "committed"
-        return "incomplete" if held else "empty"
+        """object_common.held_state of the step's names (an object named step-N: "empty")."""
+        return held_state(map(kept_name, self._step(step).entries()))
 
     def _listed_states(self, steps: list[int]) -> dict[int, str]:
         """_state() of every one of ``steps`` from one listing of every object under the root
@@ -95,9 +99,8 @@ class MarkedTreeRoot:
             first, inside, rest = name.partition("/")
             step = step_of(first)
             if inside and step in seen:
-                seen[step].add(rest if rest in (MARKER, MANIFEST_NAME) else "")
-        return {step: "marked" if MARKER in names else "committed" if MANIFEST_NAME in names
-                else "incomplete" if names else "empty" for step, names in seen.items()}
+                seen[step].add(kept_name(rest))
+        return {step: held_state(names) for step, names in seen.items()}
 
     def is_committed(self, step: int) -> bool:
         return MANIFEST_NAME in self._step(step).sizes([MANIFEST_NAME])

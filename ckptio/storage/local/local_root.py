@@ -44,6 +44,7 @@ from ckptio.storage.steproot import (
     Usage,
     hidden_name,
     is_hidden,
+    is_tc_file,
     nothing_message,
     step_name,
     step_of,
@@ -95,6 +96,12 @@ class LocalRoot:
 
     def is_committed(self, step: int) -> bool:
         return is_committed(self.path(step))
+
+    def foreign(self, incomplete: list[int]) -> list[int]:
+        """ForeignRoot: those of ``incomplete`` holding a torch_checkpointing checkpoint (a
+        listing of each: no request to spare on a local directory)."""
+        return [step for step in sorted(incomplete)
+                if any(is_tc_file(e.name) for e in _step_entries(self.path(step)))]
 
     def hide(self, step: int) -> bool:
         """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
@@ -196,6 +203,16 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
     except OSError as exc:
         raise StorageIOError(f"cannot list checkpoint directory {directory}: "
                              f"{exc.strerror or exc}") from None
+
+
+def _step_entries(path: str) -> list[os.DirEntry[str]]:
+    """A step directory's entries; none where it cannot be listed (a save or load there then
+    says why)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 def is_committed(path: str) -> bool:

@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.storage.object_common import MARKER, MARKER_BODY, MarkedSteps
+from ckptio.storage.object_common import (FOREIGN, MARKER, MARKER_BODY, MarkedSteps, held_state,
+                                          kept_name)
 from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3.client import (S3Path, call, client, code, failed, next_uploads_page,
                                       status)
@@ -54,6 +55,8 @@ T = TypeVar("T")
 _BATCH = 1000  # DeleteObjects' limit
 _NAMES_PROBED = 20  # nothing_here(): prefixes checked for a manifest
 _STEPS_PER_PAGE = 32  # scan(): steps a page of the listing of every key must tell apart
+_PAGE_KEYS = 1000  # a step's first page of keys: what tells its state apart, in one request
+_KINDS = {"committed": ("committed",), "incomplete": ("incomplete", FOREIGN)}
 
 
 class S3Root:
@@ -68,6 +71,7 @@ class S3Root:
             self.path, self._finish, lambda step: self._exists(self._base(step) + MARKER),
             lambda: f"the bucket at {self.settings.endpoint()} (DeleteObject, ListBucket, "
                     "AbortMultipartUpload)")
+        self._foreign: set[int] = set()  # the last scan's steps holding torch_checkpointing's
 
     def __repr__(self) -> str:
         return f"S3Root({self.location!r})"
@@ -94,17 +98,24 @@ class S3Root:
         if states is None:
             states = dict(zip(steps, self._each(self._state, steps)))
         self._marked.add(s for s, state in states.items() if state == "marked")
-        return {kind: [s for s in steps if states[s] == kind]
+        self._foreign = {s for s, state in states.items() if state == FOREIGN}
+        return {kind: [s for s in steps if states[s] in _KINDS[kind]]
                 for kind in ("committed", "incomplete")}
 
+    def foreign(self, incomplete: list[int]) -> list[int]:
+        """ForeignRoot: those of ``incomplete`` the last scan() found holding a
+        torch_checkpointing checkpoint, from the names it listed (no request here)."""
+        return sorted(self._foreign.intersection(incomplete))
+
     def _state(self, step: int) -> str:
-        """"marked", "committed", "incomplete" or "empty" (a prefix left listed, no step)."""
+        """"marked", "committed", "incomplete", FOREIGN or "empty" (a prefix left listed, no
+        step); the listing that tells the last three apart is one request (a page of keys)."""
         base = self._base(step)
         if self._exists(base + MARKER):
             return "marked"
         if self._exists(base + MANIFEST_NAME):
             return "committed"
-        return "incomplete" if next(self._keys(base, limit=1), None) is not None else "empty"
+        return held_state(kept_name(k[len(base):]) for k in self._keys(base, limit=_PAGE_KEYS))
 
     def _listed_states(self, steps: list[int]) -> dict[int, str] | None:
         """_state() of every one of ``steps`` from one listing of every key under the root,
@@ -117,11 +128,10 @@ class S3Root:
                 name, inside, rest = obj["Key"][cut:].partition("/")
                 step = step_of(name)
                 if inside and step in seen:
-                    seen[step].add(rest if rest in (MARKER, MANIFEST_NAME) else "")
+                    seen[step].add(kept_name(rest))
             if page.get("IsTruncated") and number >= len(steps) // _STEPS_PER_PAGE:
                 return None
-        return {step: "marked" if MARKER in names else "committed" if MANIFEST_NAME in names
-                else "incomplete" if names else "empty" for step, names in seen.items()}
+        return {step: held_state(names) for step, names in seen.items()}
 
     def is_committed(self, step: int) -> bool:
         return self._exists(self._base(step) + MANIFEST_NAME)
