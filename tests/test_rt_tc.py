@@ -14,6 +14,7 @@ writes them (tests/test_tc_checkpoints.py has the bitwise loads on 1, 2 and 4 ra
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import uuid
@@ -91,6 +92,22 @@ def test_manager_restore_over_its_steps_names_them_not_a_fresh_start(run, tmp_pa
     for step in (100, 200):  # its files left as they were
         assert sorted(os.listdir(tmp_path / "run" / f"step-{step}")) == [
             "model_0.pt", "optim_0.pt", "sched_0.pt"]
+
+
+def test_ls_and_status_name_its_steps_not_interrupted_saves(run, tmp_path) -> None:
+    shutil.copytree(run["root"], tmp_path / "run")
+    os.makedirs(tmp_path / "run" / "step-300")  # an interrupted save beside them
+    listed = run_cli("ls", str(tmp_path / "run"), env=ENV, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    head, *rows = listed.stdout.splitlines()
+    assert "1 incomplete" in head and "2 holding a torch_checkpointing checkpoint" in head, head
+    states = {line.split()[0]: line.split()[1] for line in rows[1:]}
+    assert states == {"100": "torch_checkpointing", "200": "torch_checkpointing",
+                      "300": "incomplete"}, listed.stdout
+    status = run_cli("status", str(tmp_path / "run"), "--json", env=ENV, timeout=120)
+    assert status.returncode == 0, status.stderr
+    tier = json.loads(status.stdout)["tiers"][0]
+    assert tier["incomplete"] == [300] and tier["torch_checkpointing"] == [100, 200], tier
 
 
 def test_its_steps_convert_into_a_run_the_manager_restores_bitwise(run, tmp_path) -> None:

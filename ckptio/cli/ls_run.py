@@ -40,14 +40,14 @@ from ckptio.options import Options
 from ckptio.redundancy import marks
 from ckptio.storage import steps as storage_steps
 from ckptio.storage.select import checkpoint_path, root_for, scheme_for, scheme_of, store_for
-from ckptio.storage.steproot import ListedRoot
+from ckptio.storage.steproot import ForeignRoot, ListedRoot
 
 __all__ = ["RANKS_SCHEMA", "SCHEMA", "Step", "list_ranks", "list_run", "protected", "run",
            "run_ranks"]
 
 SCHEMA = "ckptio.run/1"
 RANKS_SCHEMA = "ckptio.ranks/1"
-STATES = ("committed", "incomplete", "being deleted")
+STATES = ("committed", "incomplete", "being deleted", "torch_checkpointing")
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,9 @@ def list_run(location: str) -> list[Step] | None:
         return None
     listing = root.scan()
     found = [(s, "committed", root.path(s)) for s in listing["committed"]]
-    found += [(s, "incomplete", root.path(s)) for s in listing["incomplete"]]
+    foreign = set(root.foreign(listing["incomplete"])) if isinstance(root, ForeignRoot) else set()
+    found += [(s, "torch_checkpointing" if s in foreign else "incomplete", root.path(s))
+              for s in listing["incomplete"]]
     found += [(s, "being deleted", where) for s, where in root.being_deleted()]
     if not found:
         return None
@@ -105,17 +107,20 @@ def _when(mtime: float | None) -> str:
 def text_lines(location: str, steps: list[Step], exact: bool) -> list[str]:
     """The header line, then a line per step (``exact``: sizes in bytes)."""
     count = {state: sum(s.state == state for s in steps) for state in STATES}
-    listed = count["committed"] + count["incomplete"]
+    listed = count["committed"] + count["incomplete"] + count["torch_checkpointing"]
     total = sum(s.nbytes for s in steps)
     size = (lambda n: str(n)) if exact else human_size
     head = (f"{location}: {listed} step(s): {count['committed']} committed, "
             f"{count['incomplete']} incomplete"
             + (f"; {count['being deleted']} being deleted" if count["being deleted"] else "")
+            + (f"; {count['torch_checkpointing']} holding a torch_checkpointing checkpoint"
+               if count["torch_checkpointing"] else "")
             + f"; {size(total)} in all")
     width = max([len(str(s.step)) for s in steps] + [4])
-    lines = [head, (f"  {'STEP':<{width}s}  {'STATE':13s}  {'SIZE':>12s}  {'LOGICAL':>12s}  "
+    wide = max([len(s.state) for s in steps] + [13])
+    lines = [head, (f"  {'STEP':<{width}s}  {'STATE':{wide}s}  {'SIZE':>12s}  {'LOGICAL':>12s}  "
                     f"{'FILES':>5s}  {'TIME':19s}  BASE")]
-    lines += [f"  {s.step:<{width}d}  {s.state:13s}  {size(s.nbytes):>12s}  "
+    lines += [f"  {s.step:<{width}d}  {s.state:{wide}s}  {size(s.nbytes):>12s}  "
               f"{'-' if s.logical_nbytes is None else size(s.logical_nbytes):>12s}  "
               f"{s.files:>5d}  {_when(s.mtime):19s}  "
               f"{', '.join(s.bases) if s.bases else ('full' if s.state == 'committed' else '')}"

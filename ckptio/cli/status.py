@@ -39,6 +39,7 @@ from ckptio.redundancy import marks
 from ckptio.storage import missing_manifest
 from ckptio.storage.local import dirlock
 from ckptio.storage.select import checkpoint_path, root_for, scheme_of, store_for
+from ckptio.storage.steproot import ForeignRoot
 
 __all__ = ["run", "tiers_status"]
 
@@ -95,9 +96,14 @@ def _listing(k: int, location: str, options: Options,
             copying[step] = source
     bases = {str(s): list(b) for s in listing["committed"]
              if (b := _bases(root.path(s), options))}
-    return {"tier": k, "location": location, "committed": listing["committed"], "bases": bases,
-            "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
-            "incomplete": [s for s in listing["incomplete"] if s not in copying]}
+    foreign = root.foreign(listing["incomplete"]) if isinstance(root, ForeignRoot) else []
+    row = {"tier": k, "location": location, "committed": listing["committed"], "bases": bases,
+           "copying": [{"step": s, "from_tier": t} for s, t in sorted(copying.items())],
+           "incomplete": [s for s in listing["incomplete"]
+                          if s not in copying and s not in foreign]}
+    if foreign:  # a run moving from torch_checkpointing: its steps, not interrupted saves
+        row["torch_checkpointing"] = foreign
+    return row
 
 
 class _NotARun(CkptError):
@@ -150,6 +156,8 @@ def run(locations: list[str], *, as_json: bool) -> int:
         parts += [f"copying {c['step']} (committed in tier {c['from_tier']})" for c in t["copying"]]
         if t["incomplete"]:
             parts.append(f"incomplete {' '.join(map(str, t['incomplete']))}")
+        if t.get("torch_checkpointing"):
+            parts.append(f"torch_checkpointing {' '.join(map(str, t['torch_checkpointing']))}")
         if "protected" in t and t["tier"] == 0:
             parts.append("protected " + (" ".join(f"{p['step']} ({p['how']})"
                                                   for p in t["protected"]) or "-"))
