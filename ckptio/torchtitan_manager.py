@@ -25,6 +25,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -39,7 +40,7 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.errors import CheckpointNotFoundError, CkptError, StateMismatchError
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
@@ -200,6 +201,15 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         return self._flattened({k: v for k, v in self.states.items()
                                 if k not in self.config.exclude_from_loading})
 
+    def _not_excluded(self) -> Callable[[str], bool] | None:
+        """The checkpoint's keys to load: all but those of the states in exclude_from_loading
+        (the checkpoint still holds them; TorchTitan's own manager leaves them unread too)."""
+        excluded = set(self.config.exclude_from_loading)
+        if not excluded:
+            return None
+        model_keys = set(self.states[MODEL].state_dict()) if MODEL in excluded else set()
+        return lambda key: key not in model_keys and key.split(".", 1)[0] not in excluded
+
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """The newest committed step (or ``step``) of the folder; else the initial load."""
@@ -214,16 +224,28 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
             ahead = self.config.async_mode != "disabled" and not self.config.load_only
-            if newest == 0 or kind == "model":  # a seed or a final model-only step
-                states = self._states_to_load(model_only=True)
-                self.manager.restore(states, step=newest, cast=True,  # export_dtype back
-                                     prepare=ahead)
-            else:
-                states = self._states_to_load(model_only=False)
-                self.manager.restore(states, step=None if step == -1 else step, prepare=ahead)
+            try:
+                states = self._restored(newest, None if step == -1 else step, kind, ahead)
+            except StateMismatchError as exc:
+                raise StateMismatchError(
+                    f"{exc} (through TorchTitan: this job's model or optimizer differs from the "
+                    "one that saved it; build it as saved, leave states out with "
+                    "--checkpoint.exclude_from_loading, or start in a new --checkpoint.folder)"
+                ) from exc
             self.states[MODEL].load_state_dict(states)
             return True
         return self._initial_load()
+
+    def _restored(self, newest: int, step: int | None, kind: str, ahead: bool) -> dict[str, Any]:
+        """The states restored from step ``newest`` (``step`` None: the newest loadable)."""
+        if newest == 0 or kind == "model":  # a seed or a final model-only step
+            states = self._states_to_load(model_only=True)
+            self.manager.restore(states, step=newest, cast=True,  # export_dtype back
+                                 prepare=ahead)
+        else:
+            states = self._states_to_load(model_only=False)
+            self.manager.restore(states, step=step, prepare=ahead, keys=self._not_excluded())
+        return states
 
     def _initial_load(self) -> bool:
         """An empty folder: TorchTitan's initial_load_path (a ckptio, DCP or safetensors

@@ -1,0 +1,235 @@
+"""A demanding user against ckptio's large-framework integrations: DeepSpeed's engine
+(ckptio.deepspeed_engine, real DeepSpeed engines on gloo ranks, its CPU accelerator) and the
+TorchTitan checkpoint manager (ckptio.torchtitan_manager, driven as tests/test_torchtitan.py
+drives it). Each test is a defect found and fixed:
+
+* a DeepSpeed tag saved again under the same name and cut short mixes two saves' files, and
+  ``latest`` names it: refused at load naming both files, not resumed from silently;
+* a tag with no files (named, or an empty or stale ``latest``): a CkptError naming the folder
+  and the tags there, not DeepSpeed's empty AssertionError;
+* a ZeRO-3 checkpoint on another number of ranks: the same refusal on every rank, naming both
+  sizes (one rank raised an empty AssertionError);
+* a model changed since the save, under ZeRO: a StateMismatchError naming the parameter, not a
+  tensor size RuntimeError from inside DeepSpeed (ZeRO-3) or torch's (ZeRO 1);
+* TorchTitan's ``exclude_from_loading`` loads the other states, leaving those untouched;
+* TorchTitan resuming into a changed model: the message names the TorchTitan options.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+LIMIT_S = 300
+
+
+# ------------------------------------------------------------------ DeepSpeed, on the rank
+
+
+def _said(call: Any) -> str:
+    """What ``call()`` raised, as ``module.Type: message``, or 'loaded'."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads which error it was
+        return f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def _engine(stage: int, widths: tuple[int, ...] = (8, 32, 32, 4)) -> Any:
+    """A DeepSpeed engine (ZeRO ``stage``, deepspeed_cases' configuration) on a model of
+    Linear layers of ``widths``."""
+    import importlib
+
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # as cases do
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    return engine
+
+
+def _fresh(stage: int, widths: tuple[int, ...] = (8, 32, 32, 4)) -> Any:
+    import ckptio.deepspeed_engine
+
+    engine = _engine(stage, widths)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+    return engine
+
+
+def deepspeed_scenarios(rank: int, world_size: int, root: str) -> dict[str, str]:
+    """Each scenario on one rank -> what the load said."""
+    import deepspeed_cases as cases
+
+    out: dict[str, str] = {}
+    ckpts = os.path.join(root, "same")
+    engine = _fresh(1)
+    cases.train(engine, 3)
+    engine.save_checkpoint(ckpts, tag="x")
+    cases.train(engine, 2)
+    ours = engine.checkpoint_engine
+    calls, save = [0], ours.save
+
+    def dies_at_second(state_dict: Any, path: str) -> None:  # a kill between two files
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt("killed")
+        save(state_dict, path)
+
+    ours.save = dies_at_second
+    try:
+        engine.save_checkpoint(ckpts, tag="x")
+    except KeyboardInterrupt:
+        pass
+    out["same_tag"] = _said(lambda: _fresh(1).load_checkpoint(ckpts))
+    ours.save = save
+    engine.save_checkpoint(ckpts, tag="x")  # saved whole again: loads
+    out["same_tag_whole"] = _said(lambda: _fresh(1).load_checkpoint(ckpts))
+
+    for stage in (1, 3):
+        ckpts = os.path.join(root, f"zero{stage}")
+        engine = _fresh(stage)
+        cases.train(engine, 2)
+        engine.save_checkpoint(ckpts)
+        engine.destroy()
+        out[f"resized{stage}"] = _said(
+            lambda: _fresh(stage, (8, 32, 48, 4)).load_checkpoint(ckpts))
+        out[f"added{stage}"] = _said(
+            lambda: _fresh(stage, (8, 32, 32, 4, 4)).load_checkpoint(ckpts))
+    ckpts = os.path.join(root, "zero1")
+    out["no_such_tag"] = _said(lambda: _fresh(1).load_checkpoint(ckpts, tag="global_step9"))
+    Path(ckpts, "latest").write_text("")
+    out["empty_latest"] = _said(lambda: _fresh(1).load_checkpoint(ckpts))
+    Path(ckpts, "latest").write_text("global_step7")
+    out["stale_latest"] = _said(lambda: _fresh(1).load_checkpoint(ckpts))
+    return out
+
+
+def zero3_on_more_ranks(rank: int, world_size: int, root: str) -> str:
+    """The 1-rank ZeRO-3 checkpoint of deepspeed_scenarios loaded on ``world_size`` ranks."""
+    return _said(lambda: _fresh(3).load_checkpoint(os.path.join(root, "zero3")))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_said(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from ckptio.testing.rank_processes import run_ranks
+
+    root = tmp_path_factory.mktemp("rt-deepspeed")
+    said = dict(run_ranks(1, deepspeed_scenarios, str(root), timeout_s=LIMIT_S)[0])
+    more = run_ranks(2, zero3_on_more_ranks, str(root), timeout_s=LIMIT_S)
+    return {**said, **{f"zero3_rank{r}": s for r, s in enumerate(more)}}
+
+
+def test_deepspeed_same_tag_cut_short_is_refused_naming_both_files(
+        deepspeed_said: dict[str, str]) -> None:
+    """save_checkpoint(tag="x") at step 3, again at step 5 killed between its two files:
+    ``latest`` names x, whose model file is step 5's and optimizer file step 3's. The load is
+    refused naming both files and the fix, not resumed from a mix; saved whole again, it loads."""
+    said = deepspeed_said["same_tag"]
+    assert said.startswith("ckptio.errors.IncompleteCheckpointError"), said
+    assert "mp_rank_00_model_states.pt" in said and "optim_states.pt" in said, said
+    assert "global_steps=3" in said and "global_steps=5" in said, said
+    assert "tag=" in said, said
+    assert deepspeed_said["same_tag_whole"] == "loaded"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_changed_model_names_the_parameter(deepspeed_said: dict[str, str],
+                                                     stage: int) -> None:
+    """A layer resized or added since the save: a StateMismatchError naming the parameter and
+    the saved file (ZeRO-3 failed inside DeepSpeed with a bare tensor size RuntimeError)."""
+    resized, added = deepspeed_said[f"resized{stage}"], deepspeed_said[f"added{stage}"]
+    assert resized.startswith("ckptio.errors.StateMismatchError"), resized
+    assert "1.weight: shape [48, 32] in the model, [32, 32] saved" in resized, resized
+    assert "model_states.pt" in resized and "build the model as it was saved" in resized
+    assert added.startswith("ckptio.errors.StateMismatchError"), added
+    assert "3.weight: in the model, not saved" in added, added
+
+
+@pytest.mark.parametrize("case", ["no_such_tag", "empty_latest", "stale_latest"])
+def test_deepspeed_tag_without_files_names_the_tags_there(deepspeed_said: dict[str, str],
+                                                          case: str) -> None:
+    """A tag that does not exist, or ``latest`` empty (killed while DeepSpeed wrote it) or
+    naming a tag that is gone: CheckpointNotFoundError naming the folder and the tags that
+    exist, not DeepSpeed's empty AssertionError."""
+    said = deepspeed_said[case]
+    assert said.startswith("ckptio.errors.CheckpointNotFoundError"), said
+    assert "['global_step2']" in said and "tag=" in said, said
+    if case == "empty_latest":
+        assert "latest is empty" in said, said
+    else:
+        assert f"global_step{9 if case == 'no_such_tag' else 7}" in said, said
+
+
+# ------------------------------------------------------------------ TorchTitan
+
+
+@pytest.fixture()
+def titan(monkeypatch: pytest.MonkeyPatch) -> Any:
+    pytest.importorskip("torchtitan.components.checkpointer.base")
+    import test_torchtitan
+
+    return test_torchtitan
+
+
+def test_torchtitan_exclude_from_loading_leaves_that_state(titan: Any, tmp_path: Path) -> None:
+    """--checkpoint.exclude_from_loading lr_scheduler: the model, optimizer and train state
+    load, the scheduler keeps its own state (was a StateMismatchError: the checkpoint's
+    lr_scheduler keys were 'not in the state')."""
+    job = titan.Job(tmp_path)
+    for _ in range(4):
+        job.step()
+    job.checkpointer.close()
+    again = titan.Job(tmp_path, exclude_from_loading=["lr_scheduler"])
+    again.schedulers.schedulers[0].last_epoch = 99
+    assert again.checkpointer.load() is True
+    assert again.state.step == 4 and again.schedulers.schedulers[0].last_epoch == 99
+    for key, value in job.model.state_dict().items():
+        assert torch.equal(value, again.model.state_dict()[key]), key
+    again.checkpointer.close()
+
+
+def test_torchtitan_changed_model_names_the_key_and_torchtitans_fix(
+        titan: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer added since the save: the message names the key and the TorchTitan options
+    that help (exclude_from_loading, a new folder), not only load()'s strict=False."""
+    import ckptio
+
+    job = titan.Job(tmp_path)
+    for _ in range(2):
+        job.step()
+    job.checkpointer.close()
+    monkeypatch.setattr(titan, "DIMS", (12, 30, 17, 5, 5))
+    again = titan.Job(tmp_path)
+    with pytest.raises(ckptio.StateMismatchError) as caught:
+        again.checkpointer.load()
+    said = str(caught.value)
+    assert "step-2" in said and "6.weight" in said, said
+    assert "--checkpoint.exclude_from_loading" in said and "--checkpoint.folder" in said, said
+    again.checkpointer.close()
+
+
+def test_deepspeed_zero3_on_another_rank_count_says_so_on_every_rank(
+        deepspeed_said: dict[str, str]) -> None:
+    """A ZeRO-3 checkpoint of 1 rank loaded on 2: every rank refuses naming both sizes and the
+    way (rank 1, which has no model file of its own, raised DeepSpeed's empty AssertionError)."""
+    for rank in (0, 1):
+        said = deepspeed_said[f"zero3_rank{rank}"]
+        assert said.startswith("ckptio.errors.UnsupportedStateError"), said
+        assert "saved by 1 data-parallel ranks" in said and "this job has 2" in said, said
+        assert "ds_to_universal" in said, said
