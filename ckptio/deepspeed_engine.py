@@ -52,6 +52,7 @@ __all__ = ["CkptioCheckpointEngine", "commit_now", "to_torch_save", "use"]
 
 ENGINE_NAME = "CkptioCheckpointEngine"
 STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
+OVER = "deepspeed_over_tag"  # the metadata key: the save's tag folder existed before it
 
 
 class CkptioCheckpointEngine(CheckpointEngine):
@@ -86,17 +87,20 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._info: CheckpointCommitInfo | None = None
         self._handles: list[SaveHandle] = []
         self._stands: str | None = None
+        self._over = False  # the save's tag folder existed before it (a save over that tag)
         self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
+        self._scanned: set[str] = set()  # tag folders whose files were all compared
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
         self._settle()
         self._info = info
         self._stands = self.training()
+        self._over = os.path.isdir(os.path.join(info.save_dir, str(info.tag)))
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone)."""
-        meta = {STANDS: self._stands} if self._stands is not None else None
+        meta = None if self._stands is None else {STANDS: self._stands, OVER: self._over}
         try:
             if self.decoupled:
                 self._handles.append(self.checkpointer.async_save(
@@ -156,15 +160,20 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def _check_one_save(self, path: str) -> None:
         """Refuse a tag whose files two saves wrote: a save_checkpoint of an existing tag cut
         short replaces some of its files and leaves the others as the earlier save wrote them,
-        and DeepSpeed's ``latest`` names that tag all along."""
-        stands = _stands_of(path)
+        and DeepSpeed's ``latest`` names that tag all along. The files this rank reads are
+        compared; a file of a save over an existing tag has every file of the tag compared
+        (once per folder), as a rank may read only files of one of the two saves."""
+        stands, over = _recorded(path)
         if stands is None:
             return
         folder = os.path.dirname(os.path.abspath(path))
         first, before = self._seen.get(folder, (path, stands))
         if before != stands and first != path:
-            before = _stands_of(first) or stands  # saved again since it was read: the new one
+            before = _recorded(first)[0] or stands  # saved again since it was read: the new one
         self._seen[folder] = (first, before) if before != stands else (path, stands)
+        if before == stands and over and folder not in self._scanned:
+            self._scanned.add(folder)
+            first, before = _other_save(folder, stands) or (first, before)
         if before != stands:
             raise IncompleteCheckpointError(
                 f"DeepSpeed tag {folder} holds files of two saves: {first} from the one at "
@@ -174,12 +183,23 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 "of its own (DeepSpeed's default, global_step<N>)")
 
 
-def _stands_of(path: str) -> str | None:
-    """Where training stood when the ckptio file ``path`` was saved (None: not recorded)."""
+def _recorded(path: str) -> tuple[str | None, bool]:
+    """Where training stood when the ckptio file ``path`` was saved (None: not recorded), and
+    whether that save was over an existing tag."""
     if not is_committed(path):
-        return None  # a torch.save file DeepSpeed's own engine wrote
-    value = read_metadata(path).get("metadata", {}).get(STANDS)
-    return value if isinstance(value, str) else None
+        return None, False  # a torch.save file DeepSpeed's own engine wrote
+    meta = read_metadata(path).get("metadata", {})
+    value = meta.get(STANDS)
+    return (value if isinstance(value, str) else None), meta.get(OVER) is True
+
+
+def _other_save(folder: str, stands: str) -> tuple[str, str] | None:
+    """A file of ``folder`` saved where training stood elsewhere than ``stands``, and where."""
+    for name in sorted(os.listdir(folder)):
+        other = _recorded(os.path.join(folder, name))[0]
+        if other is not None and other != stands:
+            return os.path.join(folder, name), other
+    return None
 
 
 def _training(engine: Any) -> Callable[[], str | None]:

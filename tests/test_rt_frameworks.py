@@ -233,3 +233,30 @@ def test_deepspeed_zero3_on_another_rank_count_says_so_on_every_rank(
         assert said.startswith("ckptio.errors.UnsupportedStateError"), said
         assert "saved by 1 data-parallel ranks" in said and "this job has 2" in said, said
         assert "ds_to_universal" in said, said
+
+
+def test_deepspeed_rank_reading_only_the_new_files_still_refuses_the_mixed_tag(
+        tmp_path: Path) -> None:
+    """The save over tag t was cut short after this rank's file: its own files are all of the
+    new save, another rank's file of the old one. This rank refuses too (it compares every file
+    of a tag saved over), rather than resuming while the other rank fails."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    import ckptio
+    from ckptio.deepspeed_engine import CkptioCheckpointEngine
+
+    mine, theirs = str(tmp_path / "t" / "rank1.pt"), str(tmp_path / "t" / "rank0.pt")
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=True)
+    for step, paths in ((3, (theirs, mine)), (5, (mine,))):
+        engine = CkptioCheckpointEngine()
+        engine.training = lambda step=step: f"global_steps={step}"  # as use() sets it
+        engine.create(info)
+        for path in paths:
+            engine.save({"w": torch.full((2,), float(step))}, path)
+        engine.commit(info)
+        engine.cleanup()
+    reader = CkptioCheckpointEngine()
+    with pytest.raises(ckptio.IncompleteCheckpointError, match=r"rank0\.pt.*global_steps=3"):
+        reader.load(mine)
+    reader.cleanup()
