@@ -104,6 +104,13 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         if config.last_save_in_hf and sd_adapter is None:
             raise CkptError("checkpoint.last_save_in_hf needs the model's state-dict adapter "
                             "(sd_adapter), and this job has none: set last_save_in_hf=False")
+        if config.last_save_in_hf and config.last_save_model_only and filesystem.is_remote(
+                self.folder):
+            raise CkptError(  # refused before training, not at its last step
+                f"checkpoint.last_save_in_hf with the folder {self.folder}: the Hugging Face "
+                "export (ckptio.export_hf) writes a local directory, so the last step would not "
+                "be saved; set last_save_in_hf=False (the last step is then a ckptio step, "
+                "exported later with ckptio.export_hf to a local folder), or use a local folder")
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None

@@ -12,7 +12,9 @@ drives it). Each test is a defect found and fixed:
 * a model changed since the save, under ZeRO: a StateMismatchError naming the parameter, not a
   tensor size RuntimeError from inside DeepSpeed (ZeRO-3) or torch's (ZeRO 1);
 * TorchTitan's ``exclude_from_loading`` loads the other states, leaving those untouched;
-* TorchTitan resuming into a changed model: the message names the TorchTitan options.
+* TorchTitan resuming into a changed model: the message names the TorchTitan options;
+* TorchTitan's last step in Hugging Face format with an s3:// folder: refused when built, not
+  failing at the end of training with the final model saved nowhere.
 """
 
 from __future__ import annotations
@@ -260,3 +262,21 @@ def test_deepspeed_rank_reading_only_the_new_files_still_refuses_the_mixed_tag(
     with pytest.raises(ckptio.IncompleteCheckpointError, match=r"rank0\.pt.*global_steps=3"):
         reader.load(mine)
     reader.cleanup()
+
+
+def test_torchtitan_hf_last_save_to_an_s3_folder_is_refused_before_training(
+        titan: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """folder s3://... with last_save_model_only and last_save_in_hf: ckptio.export_hf writes
+    a local directory, so the job's last step failed at its end (UnsupportedPathError, masked
+    by fsspec's 'Install s3fs' ImportError while removing the scratch copy, which stayed on
+    S3) and the final model was saved nowhere. Refused when the manager is built, naming the
+    options; nothing is sent to S3 (the endpoint here is a closed port)."""
+    import ckptio
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    with pytest.raises(ckptio.CkptError, match=r"last_save_in_hf with the folder s3://b/run"
+                                               r"[\s\S]*set last_save_in_hf=False"):
+        titan.Job("s3://b/run", last_save_model_only=True, last_save_in_hf=True,
+                  sd_adapter=titan.RenamingAdapter())
