@@ -148,9 +148,12 @@ class CkptioCheckpointEngine(CheckpointEngine):
         return False
 
     def cleanup(self) -> None:
-        """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy())."""
-        self._settle()
-        self.checkpointer.close()
+        """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy()); a
+        failed background write is raised after the pool and threads are freed."""
+        try:
+            self._settle()
+        finally:
+            self.checkpointer.close()
 
     def _settle(self) -> None:
         handles, self._handles = self._handles, []

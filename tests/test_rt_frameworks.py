@@ -11,6 +11,7 @@ drives it). Each test is a defect found and fixed:
   sizes (one rank raised an empty AssertionError);
 * a model changed since the save, under ZeRO: a StateMismatchError naming the parameter, not a
   tensor size RuntimeError from inside DeepSpeed (ZeRO-3) or torch's (ZeRO 1);
+* DeepSpeed's destroy() after a failed background write frees the staging pool and threads;
 * TorchTitan's ``exclude_from_loading`` loads the other states, leaving those untouched;
 * TorchTitan resuming into a changed model: the message names the TorchTitan options;
 * TorchTitan's last step in Hugging Face format with an s3:// folder: refused when built, not
@@ -280,3 +281,33 @@ def test_torchtitan_hf_last_save_to_an_s3_folder_is_refused_before_training(
                                                r"[\s\S]*set last_save_in_hf=False"):
         titan.Job("s3://b/run", last_save_model_only=True, last_save_in_hf=True,
                   sd_adapter=titan.RenamingAdapter())
+
+
+def test_deepspeed_destroy_after_a_failed_background_write_frees_the_pool(
+        tmp_path: Path) -> None:
+    """A decoupled save whose background write fails (EIO), then DeepSpeed's destroy(): the
+    error is raised, and the staging pool and ckptio's I/O threads are freed all the same
+    (they stayed: 32 MiB and three threads for the rest of the process)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    import threading
+
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    import ckptio
+    from ckptio.deepspeed_engine import CkptioCheckpointEngine
+    from ckptio.testing.faults import inject
+
+    engine = CkptioCheckpointEngine(decoupled=True)
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=True)
+    engine.create(info)
+    engine.save({"w": torch.ones(1 << 16)}, str(tmp_path / "t" / "a.pt"))
+    engine.commit(info)
+    faulty = inject(engine.checkpointer, fail_write=1)
+    engine.create(info)
+    engine.save({"w": torch.ones(1 << 16)}, str(tmp_path / "t" / "b.pt"))
+    with pytest.raises(ckptio.StorageIOError, match=r"b\.pt"):
+        engine.cleanup()
+    assert faulty.injected
+    assert engine.checkpointer.staging_nbytes == 0
+    names = {t.name for t in threading.enumerate()}
+    assert not names & {"ckptio-save", "ckptio-hash", "ckptio-cleanup"}, names
