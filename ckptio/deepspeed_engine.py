@@ -32,8 +32,14 @@ import torch
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert import convert
 from ckptio.deepspeed_guard import guarded_load
-from ckptio.distributed.dist import rank_alone_group
-from ckptio.errors import CkptError, IncompleteCheckpointError, UnsupportedStateError
+from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
+from ckptio.errors import (
+    CkptError,
+    IncompleteCheckpointError,
+    RankFailedError,
+    UnsupportedStateError,
+    restated,
+)
 from ckptio.options import Options
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
@@ -90,6 +96,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._over = False  # the save's tag folder existed before it (a save over that tag)
         self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
         self._scanned: set[str] = set()  # tag folders whose files were all compared
+        self._ranks: Group | None = None  # every rank, through the job's store (first save)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
@@ -97,6 +104,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._info = info
         self._stands = self.training()
         self._over = os.path.isdir(os.path.join(info.save_dir, str(info.tag)))
+        group = current_group()
+        if self._ranks is None and info.save_latest and group is not None:
+            self._ranks = over_torch(group, self.options)  # every rank beats from now on
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone)."""
@@ -131,7 +141,12 @@ class CkptioCheckpointEngine(CheckpointEngine):
         a failed background write is raised here (then DeepSpeed writes no ``latest``)."""
         if info is None:
             return False
-        self._settle()
+        try:
+            self._settle()
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
+            self._all_committed(info, exc)
+            raise
+        self._all_committed(info, None)
         self._info = None
         return True
 
@@ -154,6 +169,26 @@ class CkptioCheckpointEngine(CheckpointEngine):
             self._settle()
         finally:
             self.checkpointer.close()
+
+    def _all_committed(self, info: CheckpointCommitInfo, error: BaseException | None) -> None:
+        """Before DeepSpeed's rank 0 writes ``latest``: every rank's files of the tag are
+        committed, else a RankFailedError on every rank naming the ranks (one killed while it
+        wrote is found dead by its stopped heartbeat), and ``latest`` keeps the tag before."""
+        if self._ranks is None or not info.save_latest:
+            return
+        try:
+            said = self._ranks.all_gather(b"" if error is None else
+                                          f"{type(error).__name__}: {error}".encode()[:2000])
+        except RankFailedError as exc:  # a rank died: say which tag 'latest' does not name
+            raise restated(exc, f"DeepSpeed tag {info.tag!r} in {info.save_dir} is not whole, "
+                                "and 'latest' still names the tag before, which a resume "
+                                "loads: ") from exc
+        failed = [(rank, text.decode(errors="replace")) for rank, text in enumerate(said) if text]
+        if failed and error is None:
+            raise RankFailedError(
+                f"DeepSpeed tag {info.tag!r} in {info.save_dir}: rank(s) {[r for r, _ in failed]} "
+                f"did not commit their files (rank {failed[0][0]}: {failed[0][1]}); 'latest' "
+                "still names the tag before, which a resume loads", tuple(r for r, _ in failed))
 
     def _settle(self) -> None:
         handles, self._handles = self._handles, []

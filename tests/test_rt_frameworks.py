@@ -3,6 +3,8 @@
 TorchTitan checkpoint manager (ckptio.torchtitan_manager, driven as tests/test_torchtitan.py
 drives it). Each test is a defect found and fixed:
 
+* a DeepSpeed rank killed while it saves: ``latest`` stays on the whole tag before (rank 0
+  moved it to the tag missing that rank's file), every live rank raising a RankFailedError;
 * a DeepSpeed tag saved again under the same name and cut short mixes two saves' files, and
   ``latest`` names it: refused at load naming both files, not resumed from silently;
 * a tag with no files (named, or an empty or stale ``latest``): a CkptError naming the folder
@@ -120,6 +122,27 @@ def deepspeed_scenarios(rank: int, world_size: int, root: str) -> dict[str, str]
     Path(ckpts, "latest").write_text("global_step7")
     out["stale_latest"] = _said(lambda: _fresh(1).load_checkpoint(ckpts))
     return out
+
+
+def rank_killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """ZeRO-1, 2 ranks: tag global_step2 saved; at global_step4 rank 1 is killed (SIGKILL) in
+    its first file -> what rank 0's save_checkpoint said and what ``latest`` names then."""
+    import signal
+
+    import deepspeed_cases as cases
+
+    import ckptio.deepspeed_engine
+
+    engine = _engine(1)
+    ours = ckptio.deepspeed_engine.use(
+        engine, allow_pickle=True, options=ckptio.Options(rank_timeout_s=2.0))
+    cases.train(engine, 2)
+    engine.save_checkpoint(root)
+    cases.train(engine, 2)
+    if rank == 1:
+        ours.save = lambda state_dict, path: os.kill(os.getpid(), signal.SIGKILL)
+    said = _said(lambda: engine.save_checkpoint(root))
+    return {"said": said, "latest": Path(root, "latest").read_text()}
 
 
 def zero3_on_more_ranks(rank: int, world_size: int, root: str) -> str:
@@ -311,3 +334,18 @@ def test_deepspeed_destroy_after_a_failed_background_write_frees_the_pool(
     assert engine.checkpointer.staging_nbytes == 0
     names = {t.name for t in threading.enumerate()}
     assert not names & {"ckptio-save", "ckptio-hash", "ckptio-cleanup"}, names
+
+
+def test_deepspeed_rank_killed_mid_save_leaves_latest_on_the_tag_before(tmp_path: Path) -> None:
+    """A rank killed while it writes its file of a tag: rank 0 wrote ``latest`` naming that
+    tag (its own files were committed), so a restart loaded a tag missing a file. Now every
+    rank's files are committed before ``latest`` moves: rank 0 raises a RankFailedError naming
+    rank 1, and ``latest`` still names the complete tag before."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from ckptio.testing.rank_processes import run_ranks
+
+    got = run_ranks(2, rank_killed_mid_save, str(tmp_path), may_die=[1], agent_store=True,
+                    timeout_s=LIMIT_S)[0]
+    assert got["latest"] == "global_step2", got
+    assert got["said"].startswith("ckptio.errors.RankFailedError"), got["said"]
+    assert "rank 1" in got["said"] and "global_step4" in got["said"], got["said"]
