@@ -40,7 +40,12 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from ckptio.errors import CheckpointNotFoundError, CkptError, StateMismatchError
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
@@ -211,11 +216,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
     def _not_excluded(self) -> Callable[[str], bool] | None:
         """The checkpoint's keys to load: all but those of the states in exclude_from_loading
         (the checkpoint still holds them; TorchTitan's own manager leaves them unread too)."""
-        excluded = set(self.config.exclude_from_loading)
-        if not excluded:
-            return None
-        model_keys = set(self.states[MODEL].state_dict()) if MODEL in excluded else set()
-        return lambda key: key not in model_keys and key.split(".", 1)[0] not in excluded
+        excluded = set(self.config.exclude_from_loading)  # never the model (TorchTitan's rule)
+        return (lambda key: key.split(".", 1)[0] not in excluded) if excluded else None
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
@@ -227,7 +229,7 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"(committed: {steps or 'none'})")
         if steps:
             newest = steps[-1] if step == -1 else step
-            kind = self.manager.metadata(newest).get("metadata", {}).get(KIND, "full")
+            kind = self._kind(newest)
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
             ahead = self.config.async_mode != "disabled" and not self.config.load_only
@@ -242,6 +244,13 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             self.states[MODEL].load_state_dict(states)
             return True
         return self._initial_load()
+
+    def _kind(self, step: int) -> str:
+        """What step ``step`` holds: "full", or "model" (a final model-only save)."""
+        try:
+            return str(self.manager.metadata(step).get("metadata", {}).get(KIND, "full"))
+        except CorruptCheckpointError:  # its manifest is damaged: restore() passes over it
+            return "full"  # to the step before (saying so), or names the damage if asked for it
 
     def _restored(self, newest: int, step: int | None, kind: str, ahead: bool) -> dict[str, Any]:
         """The states restored from step ``newest`` (``step`` None: the newest loadable)."""

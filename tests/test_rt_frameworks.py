@@ -14,6 +14,8 @@ drives it). Each test is a defect found and fixed:
 * a model changed since the save, under ZeRO: a StateMismatchError naming the parameter, not a
   tensor size RuntimeError from inside DeepSpeed (ZeRO-3) or torch's (ZeRO 1);
 * DeepSpeed's destroy() after a failed background write frees the staging pool and threads;
+* TorchTitan with the newest step's manifest damaged: resumed from the step before, as the
+  guide says (a ManifestError before);
 * TorchTitan's ``exclude_from_loading`` loads the other states, leaving those untouched;
 * TorchTitan resuming into a changed model: the message names the TorchTitan options;
 * TorchTitan's last step in Hugging Face format with an s3:// folder: refused when built, not
@@ -349,3 +351,22 @@ def test_deepspeed_rank_killed_mid_save_leaves_latest_on_the_tag_before(tmp_path
     assert got["latest"] == "global_step2", got
     assert got["said"].startswith("ckptio.errors.RankFailedError"), got["said"]
     assert "rank 1" in got["said"] and "global_step4" in got["said"], got["said"]
+
+
+def test_torchtitan_damaged_newest_manifest_falls_back_to_the_step_before(
+        titan: Any, tmp_path: Path) -> None:
+    """The newest step's manifest damaged (cut in half): load() resumes from the step before
+    with a warning naming the damage, as the guide says (it raised ManifestError reading the
+    step's kind before ckptio's restore could fall back)."""
+    job = titan.Job(tmp_path)
+    for _ in range(4):
+        job.step()
+    job.checkpointer.close()
+    manifest = tmp_path / "checkpoint" / "step-4" / "manifest.json"
+    body = manifest.read_bytes()
+    manifest.write_bytes(body[:len(body) // 2])
+    again = titan.Job(tmp_path)
+    with pytest.warns(UserWarning, match=r"restored step 2[\s\S]*step-4[\s\S]*manifest"):
+        assert again.checkpointer.load() is True
+    assert again.state.step == 2
+    again.checkpointer.close()
