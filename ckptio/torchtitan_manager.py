@@ -50,6 +50,8 @@ from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
 from ckptio.shared import load, save
+from ckptio.storage.select import store_for
+from ckptio.storage.steps import foreign
 
 __all__ = ["CkptioCheckpointManager"]
 
@@ -243,7 +245,24 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 ) from exc
             self.states[MODEL].load_state_dict(states)
             return True
+        if self.config.initial_load_path is None:
+            self._refuse_foreign_steps()
         return self._initial_load()
+
+    def _refuse_foreign_steps(self) -> None:
+        """No ckptio step, but steps of another manager (TorchTitan's own, DCP): a fresh start
+        would train from step 0 silently, and its first save fail beside them."""
+        found = [(n, what) for n in self.manager.incomplete()
+                 if (what := foreign(store_for(self.manager.path(n)))) is not None]
+        if found:
+            step, what = found[-1]
+            raise CkptError(
+                f"{self.folder} holds no ckptio step but steps {[n for n, _ in found]} of "
+                f"another manager ({self.manager.path(step)} holds {what}), which "
+                "CkptioCheckpointManager does not resume from: it would train from step 0. "
+                "Resume this run with TorchTitan's own CheckpointManager, or load its newest "
+                f"step into a new --checkpoint.folder: --checkpoint.initial_load_path "
+                f"{self.manager.path(step)} --checkpoint.initial_load_model_only false")
 
     def _kind(self, step: int) -> str:
         """What step ``step`` holds: "full", or "model" (a final model-only save)."""

@@ -16,6 +16,8 @@ drives it). Each test is a defect found and fixed:
 * DeepSpeed's destroy() after a failed background write frees the staging pool and threads;
 * TorchTitan with the newest step's manifest damaged: resumed from the step before, as the
   guide says (a ManifestError before);
+* TorchTitan relaunched with ckptio on a folder of TorchTitan's own DCP steps: refused naming
+  them and initial_load_path, not a silent start from step 0;
 * TorchTitan's ``exclude_from_loading`` loads the other states, leaving those untouched;
 * TorchTitan resuming into a changed model: the message names the TorchTitan options;
 * TorchTitan's last step in Hugging Face format with an s3:// folder: refused when built, not
@@ -370,3 +372,28 @@ def test_torchtitan_damaged_newest_manifest_falls_back_to_the_step_before(
         assert again.checkpointer.load() is True
     assert again.state.step == 2
     again.checkpointer.close()
+
+
+def test_torchtitan_folder_of_torchtitans_own_steps_is_not_a_silent_fresh_start(
+        titan: Any, tmp_path: Path) -> None:
+    """A run saved by TorchTitan's own (DCP) manager, relaunched with CkptioCheckpointManager on
+    the same folder: load() returned False and the job trained from step 0, failing only at its
+    first save (step-2 holds DCP's files). Now load() refuses naming the steps and the options
+    that resume them; with initial_load_path set the whole state loads from that step."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    import ckptio
+
+    own = titan.Job(tmp_path, manager=CheckpointManager)
+    for _ in range(4):
+        own.step()
+    own.checkpointer.close()
+    job = titan.Job(tmp_path)
+    with pytest.raises(ckptio.CkptError, match=r"steps \[2, 4\] of another manager[\s\S]*"
+                                               r"initial_load_path \S*step-4"):
+        job.checkpointer.load()
+    job.checkpointer.close()
+    moved = titan.Job(tmp_path / "new", initial_load_model_only=False,
+                      initial_load_path=str(tmp_path / "checkpoint" / "step-4"))
+    assert moved.checkpointer.load() is True and moved.state.step == 4
+    moved.checkpointer.close()
