@@ -265,9 +265,10 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     if previous is None or not hasattr(engine, "save_checkpoint"):
         raise CkptError(f"ckptio.deepspeed_engine.use() takes the engine deepspeed.initialize "
                         f"returned, not a {type(engine).__name__}")
-    if previous.is_decoupled():  # DeepSpeed's own decoupled engine: its pending tag first
+    if previous.is_decoupled():  # a decoupled engine (DeepSpeed's, ours): its pending tag first
         engine._commit_decoupled_checkpoint()
-        previous.cleanup()
+    if previous.is_decoupled() or isinstance(previous, CkptioCheckpointEngine):
+        previous.cleanup()  # ours: its staging pool and I/O threads, not left to the process
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
     ours.training = _training(engine)

@@ -112,8 +112,9 @@ def _check_parameters(engine: Any, folder: str) -> None:
             f"load_checkpoint: this model's parameters differ from those saved in {saved_in}: "
             f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}. ZeRO's optimizer state "
             "holds flat partitions of exactly the saved parameters: build the model as it was "
-            "saved (under ZeRO 1 and 2 its weights alone load with load_module_only=True, "
-            "load_optimizer_states=False, load_lr_scheduler_states=False)")
+            "saved (under ZeRO 1 and 2, a layer added or removed, the weights alone load with "
+            "load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states="
+            "False, load_module_strict=False)")
 
 
 def _shapes(groups: Any) -> list[tuple[str, tuple[int, ...]]]:

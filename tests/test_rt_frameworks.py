@@ -14,6 +14,7 @@ drives it). Each test is a defect found and fixed:
 * a model changed since the save, under ZeRO: a StateMismatchError naming the parameter, not a
   tensor size RuntimeError from inside DeepSpeed (ZeRO-3) or torch's (ZeRO 1);
 * DeepSpeed's destroy() after a failed background write frees the staging pool and threads;
+* ``use(engine)`` again frees the ckptio engine it replaces;
 * TorchTitan with the newest step's manifest damaged: resumed from the step before, as the
   guide says (a ManifestError before);
 * TorchTitan relaunched with ckptio on a folder of TorchTitan's own DCP steps: refused naming
@@ -147,6 +148,28 @@ def rank_killed_mid_save(rank: int, world_size: int, root: str) -> dict[str, Any
         ours.save = lambda state_dict, path: os.kill(os.getpid(), signal.SIGKILL)
     said = _said(lambda: engine.save_checkpoint(root))
     return {"said": said, "latest": Path(root, "latest").read_text()}
+
+
+def used_twice(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """use(engine) once (sync), a save, use(engine, decoupled=True) again, a save -> the first
+    engine's staging pool and the ckptio threads left."""
+    import threading
+
+    import deepspeed_cases as cases
+
+    import ckptio.deepspeed_engine
+
+    engine = _engine(1)
+    first = ckptio.deepspeed_engine.use(engine, allow_pickle=True)
+    cases.train(engine, 1)
+    engine.save_checkpoint(root)
+    ckptio.deepspeed_engine.use(engine, allow_pickle=True, decoupled=True)
+    cases.train(engine, 1)
+    engine.save_checkpoint(root)
+    ckptio.deepspeed_engine.commit_now(engine)
+    engine.destroy()
+    return {"pool": first.checkpointer.staging_nbytes, "latest": Path(root, "latest").read_text(),
+            "threads": sorted(t.name for t in threading.enumerate() if t.name != "MainThread")}
 
 
 def zero3_on_more_ranks(rank: int, world_size: int, root: str) -> str:
@@ -397,3 +420,14 @@ def test_torchtitan_folder_of_torchtitans_own_steps_is_not_a_silent_fresh_start(
                       initial_load_path=str(tmp_path / "checkpoint" / "step-4"))
     assert moved.checkpointer.load() is True and moved.state.step == 4
     moved.checkpointer.close()
+
+
+def test_deepspeed_use_again_frees_the_engine_it_replaces(tmp_path: Path) -> None:
+    """use(engine) again (here to switch to decoupled saves): the replaced ckptio engine's
+    staging pool and I/O threads are freed (they stayed: 32 MiB and four threads each time)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from ckptio.testing.rank_processes import run_ranks
+
+    got = run_ranks(1, used_twice, str(tmp_path), timeout_s=LIMIT_S)[0]
+    assert got["pool"] == 0 and got["latest"] == "global_step2", got
+    assert not {"ckptio-save", "ckptio-hash", "ckptio-cleanup"} & set(got["threads"]), got
