@@ -103,7 +103,10 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._settle()
         self._info = info
         self._stands = self.training()
-        self._over = os.path.isdir(os.path.join(info.save_dir, str(info.tag)))
+        folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
+        self._over = os.path.isdir(folder)
+        self._seen.pop(folder, None)  # what loads of it saw is no longer there
+        self._scanned.discard(folder)
         group = current_group()
         if self._ranks is None and info.save_latest and group is not None:
             self._ranks = over_torch(group, self.options)  # every rank beats from now on
@@ -206,7 +209,9 @@ class CkptioCheckpointEngine(CheckpointEngine):
             return
         folder = os.path.dirname(os.path.abspath(path))
         first, before = self._seen.get(folder, (path, stands))
-        if before != stands and first != path:
+        if first == path:
+            before = stands  # read again: what it holds now
+        elif before != stands:
             before = _recorded(first)[0] or stands  # saved again since it was read: the new one
         self._seen[folder] = (first, before) if before != stands else (path, stands)
         if before == stands and over and folder not in self._scanned:

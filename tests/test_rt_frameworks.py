@@ -431,3 +431,25 @@ def test_deepspeed_use_again_frees_the_engine_it_replaces(tmp_path: Path) -> Non
     got = run_ranks(1, used_twice, str(tmp_path), timeout_s=LIMIT_S)[0]
     assert got["pool"] == 0 and got["latest"] == "global_step2", got
     assert not {"ckptio-save", "ckptio-hash", "ckptio-cleanup"} & set(got["threads"]), got
+
+
+def test_deepspeed_tag_saved_again_whole_loads_in_the_same_engine(tmp_path: Path) -> None:
+    """The check above has no false alarm: one engine saves tag t, loads it, saves t again
+    whole (another step), loads it again: both loads succeed, with the new values."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+
+    from ckptio.deepspeed_engine import CkptioCheckpointEngine
+
+    engine = CkptioCheckpointEngine()
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=True)
+    files = [str(tmp_path / "t" / n) for n in ("model.pt", "optim.pt")]
+    for step in (3, 5):
+        engine.training = lambda step=step: f"global_steps={step}"  # as use() sets it
+        engine.create(info)
+        for path in files:
+            engine.save({"w": torch.full((2,), float(step))}, path)
+        engine.commit(info)
+        for path in files:
+            assert torch.equal(engine.load(path)["w"], torch.full((2,), float(step)))
+    engine.cleanup()
