@@ -12,27 +12,36 @@ at ``destroy()``. ``load_checkpoint`` calls ``load(path)`` per file. docs/guides
 
 Owns: the engine (each DeepSpeed file becomes a ckptio checkpoint, a directory at the file's
 path, written by this rank alone; tensors are never pickled), when a save is durable (sync: on
-return; decoupled: once committed), and ``use`` which installs it on a DeepSpeed engine.
-Does not own: which files and tags DeepSpeed writes, its ``latest`` file, nor the format (the
-Checkpointer). DeepSpeed has no configuration key for a third-party engine.
+return; decoupled: once committed), that a tag's files loaded are of one save (each file
+records the step it was saved at), and ``use`` which installs it on a DeepSpeed engine.
+Does not own: which files and tags DeepSpeed writes, its ``latest`` file, the checks made
+before a load (ckptio.deepspeed_guard), nor the format (the Checkpointer). DeepSpeed has no
+configuration key for a third-party engine.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckptio.api import Checkpointer, SaveHandle
 from ckptio.convert import convert
-from ckptio.distributed.dist import rank_alone_group
-from ckptio.errors import CkptError, UnsupportedStateError
+from ckptio.deepspeed_guard import guarded_load
+from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
+from ckptio.errors import (
+    CkptError,
+    IncompleteCheckpointError,
+    RankFailedError,
+    UnsupportedStateError,
+    restated,
+)
 from ckptio.options import Options
+from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
 try:
@@ -48,6 +57,8 @@ except ImportError as exc:  # pragma: no cover - the message is what a user with
 __all__ = ["CkptioCheckpointEngine", "commit_now", "to_torch_save", "use"]
 
 ENGINE_NAME = "CkptioCheckpointEngine"
+STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
+OVER = "deepspeed_over_tag"  # the metadata key: the save's tag folder existed before it
 
 
 class CkptioCheckpointEngine(CheckpointEngine):
@@ -76,24 +87,41 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
+        self.training: Callable[[], str | None] = lambda: None
+        """Where training stands (``use`` sets it from the DeepSpeed engine): stored with each
+        file, so that a tag whose files come from two saves is refused at load."""
         self._info: CheckpointCommitInfo | None = None
         self._handles: list[SaveHandle] = []
+        self._stands: str | None = None
+        self._over = False  # the save's tag folder existed before it (a save over that tag)
+        self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
+        self._scanned: set[str] = set()  # tag folders whose files were all compared
+        self._ranks: Group | None = None  # every rank, through the job's store (first save)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
         self._settle()
         self._info = info
+        self._stands = self.training()
+        folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
+        self._over = os.path.isdir(folder)
+        self._seen.pop(folder, None)  # what loads of it saw is no longer there
+        self._scanned.discard(folder)
+        group = current_group()
+        if self._ranks is None and info.save_latest and group is not None:
+            self._ranks = over_torch(group, self.options)  # every rank beats from now on
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone)."""
+        meta = None if self._stands is None else {STANDS: self._stands, OVER: self._over}
         try:
             if self.decoupled:
                 self._handles.append(self.checkpointer.async_save(
                     state_dict, path, allow_pickle=self.allow_pickle,
-                    process_group=rank_alone_group()))
+                    process_group=rank_alone_group(), metadata=meta))
             else:
                 self.checkpointer.save(state_dict, path, allow_pickle=self.allow_pickle,
-                                       process_group=rank_alone_group())
+                                       process_group=rank_alone_group(), metadata=meta)
         except UnsupportedStateError as exc:
             raise UnsupportedStateError(
                 f"{exc} (through DeepSpeed: ckptio.deepspeed_engine.use(engine, "
@@ -107,6 +135,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._settle()
         loaded = self.checkpointer.load(path, verify=self.verify, allow_pickle=self.allow_pickle,
                                         process_group=rank_alone_group())
+        self._check_one_save(os.fspath(path))
         device = _device(map_location)
         return loaded if device is None else _to_device(loaded, device)
 
@@ -115,7 +144,12 @@ class CkptioCheckpointEngine(CheckpointEngine):
         a failed background write is raised here (then DeepSpeed writes no ``latest``)."""
         if info is None:
             return False
-        self._settle()
+        try:
+            self._settle()
+        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then raised
+            self._all_committed(info, exc)
+            raise
+        self._all_committed(info, None)
         self._info = None
         return True
 
@@ -132,14 +166,96 @@ class CkptioCheckpointEngine(CheckpointEngine):
         return False
 
     def cleanup(self) -> None:
-        """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy())."""
-        self._settle()
-        self.checkpointer.close()
+        """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy()); a
+        failed background write is raised after the pool and threads are freed."""
+        try:
+            self._settle()
+        finally:
+            self.checkpointer.close()
+
+    def _all_committed(self, info: CheckpointCommitInfo, error: BaseException | None) -> None:
+        """Before DeepSpeed's rank 0 writes ``latest``: every rank's files of the tag are
+        committed, else a RankFailedError on every rank naming the ranks (one killed while it
+        wrote is found dead by its stopped heartbeat), and ``latest`` keeps the tag before."""
+        if self._ranks is None or not info.save_latest:
+            return
+        try:
+            said = self._ranks.all_gather(b"" if error is None else
+                                          f"{type(error).__name__}: {error}".encode()[:2000])
+        except RankFailedError as exc:  # a rank died: say which tag 'latest' does not name
+            raise restated(exc, f"DeepSpeed tag {info.tag!r} in {info.save_dir} is not whole, "
+                                "and 'latest' still names the tag before, which a resume "
+                                "loads: ") from exc
+        failed = [(rank, text.decode(errors="replace")) for rank, text in enumerate(said) if text]
+        if failed and error is None:
+            raise RankFailedError(
+                f"DeepSpeed tag {info.tag!r} in {info.save_dir}: rank(s) {[r for r, _ in failed]} "
+                f"did not commit their files (rank {failed[0][0]}: {failed[0][1]}); 'latest' "
+                "still names the tag before, which a resume loads", tuple(r for r, _ in failed))
 
     def _settle(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.wait()
+
+    def _check_one_save(self, path: str) -> None:
+        """Refuse a tag whose files two saves wrote: a save_checkpoint of an existing tag cut
+        short replaces some of its files and leaves the others as the earlier save wrote them,
+        and DeepSpeed's ``latest`` names that tag all along. The files this rank reads are
+        compared; a file of a save over an existing tag has every file of the tag compared
+        (once per folder), as a rank may read only files of one of the two saves."""
+        stands, over = _recorded(path)
+        if stands is None:
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        first, before = self._seen.get(folder, (path, stands))
+        if first == path:
+            before = stands  # read again: what it holds now
+        elif before != stands:
+            before = _recorded(first)[0] or stands  # saved again since it was read: the new one
+        self._seen[folder] = (first, before) if before != stands else (path, stands)
+        if before == stands and over and folder not in self._scanned:
+            self._scanned.add(folder)
+            first, before = _other_save(folder, stands) or (first, before)
+        if before != stands:
+            raise IncompleteCheckpointError(
+                f"DeepSpeed tag {folder} holds files of two saves: {first} from the one at "
+                f"{before}, {path} from the one at {stands} (a save_checkpoint of this tag cut "
+                "short left the rest of the earlier save), so they are not one training state; "
+                "load another tag (load_checkpoint(load_dir, tag=...)) and give each save a tag "
+                "of its own (DeepSpeed's default, global_step<N>)")
+
+
+def _recorded(path: str) -> tuple[str | None, bool]:
+    """Where training stood when the ckptio file ``path`` was saved (None: not recorded), and
+    whether that save was over an existing tag."""
+    if not is_committed(path):
+        return None, False  # a torch.save file DeepSpeed's own engine wrote
+    meta = read_metadata(path).get("metadata", {})
+    value = meta.get(STANDS)
+    return (value if isinstance(value, str) else None), meta.get(OVER) is True
+
+
+def _other_save(folder: str, stands: str) -> tuple[str, str] | None:
+    """A file of ``folder`` saved where training stood elsewhere than ``stands``, and where."""
+    for name in sorted(os.listdir(folder)):
+        other = _recorded(os.path.join(folder, name))[0]
+        if other is not None and other != stands:
+            return os.path.join(folder, name), other
+    return None
+
+
+def _training(engine: Any) -> Callable[[], str | None]:
+    ref = weakref.ref(engine)
+
+    def stands() -> str | None:
+        alive = ref()
+        if alive is None:
+            return None
+        return (f"global_steps={getattr(alive, 'global_steps', '?')} "
+                f"global_samples={getattr(alive, 'global_samples', '?')}")
+
+    return stands
 
 
 _GUARDED: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose load_checkpoint use() wrapped
@@ -154,54 +270,18 @@ def use(engine: Any, *, options: Options | None = None, decoupled: bool = False,
     if previous is None or not hasattr(engine, "save_checkpoint"):
         raise CkptError(f"ckptio.deepspeed_engine.use() takes the engine deepspeed.initialize "
                         f"returned, not a {type(engine).__name__}")
-    if previous.is_decoupled():  # DeepSpeed's own decoupled engine: its pending tag first
+    if previous.is_decoupled():  # a decoupled engine (DeepSpeed's, ours): its pending tag first
         engine._commit_decoupled_checkpoint()
-        previous.cleanup()
+    if previous.is_decoupled() or isinstance(previous, CkptioCheckpointEngine):
+        previous.cleanup()  # ours: its staging pool and I/O threads, not left to the process
     ours = CkptioCheckpointEngine(getattr(engine, "_config", None), options=options,
                                   decoupled=decoupled, allow_pickle=allow_pickle, verify=verify)
+    ours.training = _training(engine)
     engine.checkpoint_engine = ours
     if engine not in _GUARDED:
-        engine.load_checkpoint = _guarded_load(engine.load_checkpoint, engine)
+        engine.load_checkpoint = guarded_load(engine.load_checkpoint, engine)
         _GUARDED.add(engine)
     return ours
-
-
-def _guarded_load(load_checkpoint: Any, engine: Any) -> Any:
-    """``engine.load_checkpoint`` refusing, as a CkptError, the one load DeepSpeed routes past
-    the checkpoint engine: ZeRO-3 weights without optimizer states go through its zero_to_fp32,
-    which calls torch.load itself (IsADirectoryError on a ckptio file)."""
-    signature = inspect.signature(load_checkpoint)
-
-    @functools.wraps(load_checkpoint)
-    def load(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        if (not bound.arguments.get("load_optimizer_states", True)
-                and engine.zero_optimization_partition_weights()
-                and not getattr(engine, "has_moe_layers", False)):
-            _refuse_zero3_weights_only(os.fspath(bound.arguments["load_dir"]),
-                                       bound.arguments.get("tag"))
-        return load_checkpoint(*args, **kwargs)
-
-    return load
-
-
-def _refuse_zero3_weights_only(load_dir: str, tag: Any) -> None:
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return  # nothing to load: DeepSpeed says so itself
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-    folder = os.path.join(load_dir, str(tag))
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    if any(os.path.isdir(os.path.join(folder, n)) for n in names if n.endswith(".pt")):
-        raise UnsupportedStateError(
-            f"load_checkpoint({load_dir!r}, load_optimizer_states=False) under ZeRO-3: DeepSpeed "
-            f"reads {folder}'s weights alone through its zero_to_fp32, which calls torch.load "
-            "itself and cannot read ckptio's files; load the whole training state "
-            "(load_optimizer_states=True), or the weights alone from a torch.save copy made by "
-            "ckptio.deepspeed_engine.to_torch_save(load_dir, out_dir)")
 
 
 def commit_now(engine: Any) -> None:

@@ -25,6 +25,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -39,11 +40,18 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
-from ckptio.errors import CheckpointNotFoundError, CkptError
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
 from ckptio.shared import load, save
+from ckptio.storage.select import store_for
+from ckptio.storage.steps import foreign
 
 __all__ = ["CkptioCheckpointManager"]
 
@@ -103,6 +111,13 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         if config.last_save_in_hf and sd_adapter is None:
             raise CkptError("checkpoint.last_save_in_hf needs the model's state-dict adapter "
                             "(sd_adapter), and this job has none: set last_save_in_hf=False")
+        if config.last_save_in_hf and config.last_save_model_only and filesystem.is_remote(
+                self.folder):
+            raise CkptError(  # refused before training, not at its last step
+                f"checkpoint.last_save_in_hf with the folder {self.folder}: the Hugging Face "
+                "export (ckptio.export_hf) writes a local directory, so the last step would not "
+                "be saved; set last_save_in_hf=False (the last step is then a ckptio step, "
+                "exported later with ckptio.export_hf to a local folder), or use a local folder")
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._inner_optimizers = list(getattr(optimizers, "optimizers", None) or [optimizers])
         self._staging: SaveHandle | None = None
@@ -200,6 +215,12 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         return self._flattened({k: v for k, v in self.states.items()
                                 if k not in self.config.exclude_from_loading})
 
+    def _not_excluded(self) -> Callable[[str], bool] | None:
+        """The checkpoint's keys to load: all but those of the states in exclude_from_loading
+        (the checkpoint still holds them; TorchTitan's own manager leaves them unread too)."""
+        excluded = set(self.config.exclude_from_loading)  # never the model (TorchTitan's rule)
+        return (lambda key: key.split(".", 1)[0] not in excluded) if excluded else None
+
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
         """The newest committed step (or ``step``) of the folder; else the initial load."""
@@ -210,20 +231,56 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"(committed: {steps or 'none'})")
         if steps:
             newest = steps[-1] if step == -1 else step
-            kind = self.manager.metadata(newest).get("metadata", {}).get(KIND, "full")
+            kind = self._kind(newest)
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
             ahead = self.config.async_mode != "disabled" and not self.config.load_only
-            if newest == 0 or kind == "model":  # a seed or a final model-only step
-                states = self._states_to_load(model_only=True)
-                self.manager.restore(states, step=newest, cast=True,  # export_dtype back
-                                     prepare=ahead)
-            else:
-                states = self._states_to_load(model_only=False)
-                self.manager.restore(states, step=None if step == -1 else step, prepare=ahead)
+            try:
+                states = self._restored(newest, None if step == -1 else step, kind, ahead)
+            except StateMismatchError as exc:
+                raise StateMismatchError(
+                    f"{exc} (through TorchTitan: this job's model or optimizer differs from the "
+                    "one that saved it; build it as saved, leave states out with "
+                    "--checkpoint.exclude_from_loading, or start in a new --checkpoint.folder)"
+                ) from exc
             self.states[MODEL].load_state_dict(states)
             return True
+        if self.config.initial_load_path is None:
+            self._refuse_foreign_steps()
         return self._initial_load()
+
+    def _refuse_foreign_steps(self) -> None:
+        """No ckptio step, but steps of another manager (TorchTitan's own, DCP): a fresh start
+        would train from step 0 silently, and its first save fail beside them."""
+        found = [(n, what) for n in self.manager.incomplete()
+                 if (what := foreign(store_for(self.manager.path(n)))) is not None]
+        if found:
+            step, what = found[-1]
+            raise CkptError(
+                f"{self.folder} holds no ckptio step but steps {[n for n, _ in found]} of "
+                f"another manager ({self.manager.path(step)} holds {what}), which "
+                "CkptioCheckpointManager does not resume from: it would train from step 0. "
+                "Resume this run with TorchTitan's own CheckpointManager, or load its newest "
+                f"step into a new --checkpoint.folder: --checkpoint.initial_load_path "
+                f"{self.manager.path(step)} --checkpoint.initial_load_model_only false")
+
+    def _kind(self, step: int) -> str:
+        """What step ``step`` holds: "full", or "model" (a final model-only save)."""
+        try:
+            return str(self.manager.metadata(step).get("metadata", {}).get(KIND, "full"))
+        except CorruptCheckpointError:  # its manifest is damaged: restore() passes over it
+            return "full"  # to the step before (saying so), or names the damage if asked for it
+
+    def _restored(self, newest: int, step: int | None, kind: str, ahead: bool) -> dict[str, Any]:
+        """The states restored from step ``newest`` (``step`` None: the newest loadable)."""
+        if newest == 0 or kind == "model":  # a seed or a final model-only step
+            states = self._states_to_load(model_only=True)
+            self.manager.restore(states, step=newest, cast=True,  # export_dtype back
+                                 prepare=ahead)
+        else:
+            states = self._states_to_load(model_only=False)
+            self.manager.restore(states, step=step, prepare=ahead, keys=self._not_excluded())
+        return states
 
     def _initial_load(self) -> bool:
         """An empty folder: TorchTitan's initial_load_path (a ckptio, DCP or safetensors

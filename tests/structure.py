@@ -66,6 +66,11 @@ THIRD_PARTY: dict[str, str] = {
         "DeepSpeed 0.19's only way to commit a decoupled engine's pending tag (and write its "
         "'latest') outside step(): ckptio.deepspeed_engine's use() before it replaces such an "
         "engine, and commit_now() for a save after the last step",
+    "engine._get_zero_param_shapes":
+        "DeepSpeed 0.19's names and shapes of the parameters its ZeRO optimizer flattens, in "
+        "their order (what it stores as param_shapes): ckptio.deepspeed_engine's load guard "
+        "compares them with the saved ones to name a changed parameter before DeepSpeed copies "
+        "flat partitions of another size",
     "made._http":
         "google-cloud-storage's requests session, to mount a connection pool as large as the "
         "requests in flight (the library sets no pool size; requests' default keeps 10)",

@@ -33,6 +33,7 @@ __all__ = [
     "attempt",
     "check_files",
     "committed_or_none",
+    "foreign",
     "foreign_there",
     "is_committed",
     "named",
@@ -183,6 +184,13 @@ def check_files(store: Store, record: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"data file {file} is truncated: {size} of {info.nbytes} bytes; the checkpoint is "
                 "damaged: load an earlier one")
+
+
+def foreign(store: Store) -> str | None:
+    """What another library's checkpoint ``store`` holds (DCP's, a Hugging Face folder's
+    weights), in words, or None."""
+    found = store.sizes(_FOREIGN)
+    return next((what for name, (what, _) in _FOREIGN.items() if name in found), None)
 
 
 def foreign_there(store: Store, writer: str) -> None:

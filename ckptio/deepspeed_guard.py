@@ -1,0 +1,162 @@
+"""The guard ckptio.deepspeed_engine.use() puts around a DeepSpeed engine's
+``load_checkpoint``: what DeepSpeed 0.19 fails on with an empty AssertionError, a tensor size
+error from inside ZeRO, or a torch.load of its own, refused first as a CkptError naming the
+file, the keys or ranks, and the fix (docs/guides/deepspeed.md).
+
+Owns: those checks, made before DeepSpeed reads anything: the tag folder a load reads (named,
+or from ``latest``), the saved ZeRO parameter shapes against the model's, the number of ZeRO-3
+ranks, and ZeRO-3 weights without optimizer states.
+Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+from ckptio.api import Checkpointer
+from ckptio.distributed.dist import rank_alone_group
+from ckptio.errors import (
+    CheckpointNotFoundError,
+    PickleRefusedError,
+    StateMismatchError,
+    UnsupportedStateError,
+)
+from ckptio.storage.local.local_root import is_committed
+
+__all__ = ["guarded_load"]
+
+
+def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
+    """``engine.load_checkpoint`` refusing, as CkptErrors naming the file and the fix, what
+    DeepSpeed fails on with an empty AssertionError or a tensor size error, or routes past the
+    checkpoint engine: a tag with no files (named, or read from an empty or stale ``latest``);
+    under ZeRO, a model whose parameters differ from the saved ones; ZeRO-3 weights without
+    optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load."""
+    signature = inspect.signature(load_checkpoint)
+
+    @functools.wraps(load_checkpoint)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
+        folder = None if universal else _tag_folder(os.fspath(given["load_dir"]), given.get("tag"))
+        if folder is None:
+            return load_checkpoint(*args, **kwargs)
+        optimizer = given.get("load_optimizer_states", True)
+        if engine.zero_optimization_partition_weights():
+            _check_zero3_ranks(engine, folder)
+            if not optimizer and not getattr(engine, "has_moe_layers", False):
+                _refuse_zero3_weights_only(os.fspath(given["load_dir"]), folder)
+        if optimizer and not given.get("load_module_only", False) and engine.zero_optimization():
+            _check_parameters(engine, folder)
+        return load_checkpoint(*args, **kwargs)
+
+    return load
+
+
+def _tag_folder(load_dir: str, tag: Any) -> str | None:
+    """The folder of the tag a load reads (``tag``, else the one ``latest`` names; None when
+    there is no ``latest``: DeepSpeed loads nothing and says so), refused when it holds no
+    model states file (DeepSpeed's own check is an empty AssertionError)."""
+    latest = os.path.join(load_dir, "latest")
+    said = f" (named by {latest})" if tag is None else ""
+    if tag is None:
+        if not os.path.isfile(latest):
+            return None
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        if not tag:
+            raise CheckpointNotFoundError(
+                f"{latest} is empty (a job killed while DeepSpeed wrote it); load a tag by name, "
+                f"load_checkpoint({load_dir!r}, tag=...): the tags there are {_tags(load_dir)}")
+    folder = os.path.join(load_dir, str(tag))
+    if not _model_files(folder):
+        raise CheckpointNotFoundError(
+            f"DeepSpeed tag {str(tag)!r}{said}: {folder} holds no model states file "
+            f"({'no such folder' if not os.path.isdir(folder) else 'none saved'}); the tags "
+            f"in {load_dir} are {_tags(load_dir)}: pass one as load_checkpoint(load_dir, tag=...)")
+    return folder
+
+
+def _model_files(folder: str) -> list[str]:
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in names if n.endswith("model_states.pt")]
+
+
+def _tags(load_dir: str) -> list[str]:
+    names = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
+    return [n for n in names if _model_files(os.path.join(load_dir, n))]
+
+
+def _check_parameters(engine: Any, folder: str) -> None:
+    """ZeRO's optimizer state is flat partitions of exactly the parameters saved: a model
+    changed since (a layer added, removed or resized) is refused naming them."""
+    ours = getattr(engine, "checkpoint_engine", None)
+    checkpointer = getattr(ours, "checkpointer", None)
+    saved_in = next((f for f in _model_files(folder) if is_committed(f)), None)
+    if not isinstance(checkpointer, Checkpointer) or saved_in is None:
+        return  # not ckptio's engine (use() was undone), or DeepSpeed's own files
+    try:
+        saved = checkpointer.load(saved_in, keys=["param_shapes"],
+                                  allow_pickle=bool(getattr(ours, "allow_pickle", False)),
+                                  process_group=rank_alone_group())["param_shapes"]
+    except (StateMismatchError, PickleRefusedError):
+        return  # not saved under ZeRO, or no opt-in: DeepSpeed's load says what it says
+    differ = _differences(_shapes(saved), _shapes(engine._get_zero_param_shapes()))
+    if differ:
+        raise StateMismatchError(
+            f"load_checkpoint: this model's parameters differ from those saved in {saved_in}: "
+            f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}. ZeRO's optimizer state "
+            "holds flat partitions of exactly the saved parameters: build the model as it was "
+            "saved (under ZeRO 1 and 2, a layer added or removed, the weights alone load with "
+            "load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states="
+            "False, load_module_strict=False)")
+
+
+def _shapes(groups: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSpeed's param_shapes (a list of name -> shape per parameter group), in order."""
+    groups = groups if isinstance(groups, (list, tuple)) else [groups]
+    return [(str(k), tuple(int(d) for d in v)) for g in groups for k, v in dict(g).items()]
+
+
+def _differences(saved: list[tuple[str, tuple[int, ...]]],
+                 now: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+    was, new = dict(saved), dict(now)
+    out = [f"{k}: shape {list(new[k])} in the model, {list(v)} saved" for k, v in saved
+           if k in new and new[k] != v]
+    out += [f"{k}: saved, not in the model" for k in was if k not in new]
+    out += [f"{k}: in the model, not saved" for k in new if k not in was]
+    if not out and [k for k, _ in saved] != [k for k, _ in now]:
+        out.append("the same parameters in another order (another optimizer parameter grouping)")
+    return out
+
+
+def _refuse_zero3_weights_only(load_dir: str, folder: str) -> None:
+    if any(os.path.isdir(f) for f in _model_files(folder)):
+        raise UnsupportedStateError(
+            f"load_checkpoint({load_dir!r}, load_optimizer_states=False) under ZeRO-3: DeepSpeed "
+            f"reads {folder}'s weights alone through its zero_to_fp32, which calls torch.load "
+            "itself and cannot read ckptio's files; load the whole training state "
+            "(load_optimizer_states=True), or the weights alone from a torch.save copy made by "
+            "ckptio.deepspeed_engine.to_torch_save(load_dir, out_dir)")
+
+
+def _check_zero3_ranks(engine: Any, folder: str) -> None:
+    """ZeRO-3 keeps a model file per data-parallel rank: on another number of ranks DeepSpeed
+    fails on some ranks with an empty AssertionError (no file of theirs), on the others with
+    its own refusal; here every rank says the same."""
+    saved = len([f for f in _model_files(folder)
+                 if os.path.basename(f).startswith("zero_pp_rank_")
+                 and os.path.basename(f).endswith("_mp_rank_00_model_states.pt")])
+    now = getattr(engine, "dp_world_size", saved)
+    if saved and saved != now:
+        raise UnsupportedStateError(
+            f"{folder} was saved by {saved} data-parallel ranks under ZeRO-3 (a model file "
+            f"each) and this job has {now}: DeepSpeed loads ZeRO's partitioned state only on "
+            f"the data-parallel size that saved it; run on {saved} ranks, or convert it with "
+            "DeepSpeed's ds_to_universal.py (on a ckptio.deepspeed_engine.to_torch_save copy) "
+            "and load that as a universal checkpoint")
