@@ -216,6 +216,13 @@ class Guard:
             if self.protector is not None:
                 self.protector.close()
 
+    def release(self) -> None:
+        """The gloo groups made here destroyed (each one's sockets, pipes and threads), on this
+        rank alone: once the manager is closed nothing runs over them. Groups the job tore down
+        already (destroy_process_group) are passed over."""
+        for group in (self.group, self.control, self.listing, self.single):
+            _destroy(group)
+
     def status(self) -> dict[int, dict[str, Any]]:
         """{0: how the memory tier's steps are protected across hosts}."""
         assert self.protector is not None  # internal
@@ -255,6 +262,16 @@ def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
             "manager, with the same tiers, at the same point of the script (a collective): "
             "check that rank for an error or a branch that skips it, or raise peer_timeout_s",
             (int(found.group(1)),) if found else ()) from exc
+
+
+def _destroy(group: Any) -> None:
+    """``group`` destroyed here if torch still holds it (not torn down with the job's)."""
+    if not dist.is_initialized():  # the job's group torn down, ours with it
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # torch holds it no more (destroyed already)
+        pass
 
 
 def fallback_step(recovery: Recovery, requested: int | None) -> int | None:

@@ -366,12 +366,14 @@ class TierSteps:
         self._behind(threading.Thread(target=self._root.prepare_slots, args=(sizes, on_mapped),
                                       name="ckptio-slots"))
 
-    def drop_slots(self) -> None:
+    def drop_slots(self, *, at_exit: bool = False) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
-        one on tmpfs, storage/local/local_root.py) removes them."""
+        one on tmpfs, storage/local/local_root.py) removes them (``at_exit``: the files alone,
+        unmapped by the process's exit, no wait for a removal running)."""
         if isinstance(self._root, _KeepsSlots):
-            self.join_removal()  # slots being made ahead are removed too
-            self._root.drop_slots()
+            if not at_exit:
+                self.join_removal()  # slots being made ahead are removed too
+            self._root.drop_slots(unmap=not at_exit)
 
 
 @runtime_checkable
@@ -381,7 +383,7 @@ class _KeepsSlots(Protocol):
     def prepare_slots(self, sizes: Sequence[int],
                       on_mapped: Callable[[MappedFile], object] | None = None) -> None: ...
 
-    def drop_slots(self) -> None: ...
+    def drop_slots(self, *, unmap: bool = True) -> None: ...
 
 
 def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:

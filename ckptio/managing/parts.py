@@ -294,6 +294,8 @@ class ManagerParts:
                     self._ck.close()
             finally:
                 self._let_go_leases()
+                if self._guard is not None:
+                    self._guard.release()
 
     def _committed(self, step: int) -> None:
         """Collective, after a save of ours committed in the first tier: its retention runs
@@ -361,14 +363,19 @@ class ManagerParts:
         return all(lease.lost is None for lease in self._leases.values())
 
     def at_exit(self) -> None:
-        """At interpreter exit, unclosed after a save (_say_unclosed): say so, let go of the
+        """At interpreter exit, unclosed after a save (_say_unclosed): say so, remove the
+        memory tier's slots (host memory no step holds, no later save takes), let go of the
         run leases."""
         log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
                     "in flight were waited for, but its last retention pass, drain and "
                     "protection did not run (more steps than keep_last may remain); call "
                     "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
                     self.directory)
-        self._let_go_leases()
+        try:
+            for level in self._levels:
+                level.drop_slots(at_exit=True)
+        finally:
+            self._let_go_leases()
 
     def _let_go_leases(self) -> None:
         for lease in self._leases.values():
