@@ -5,6 +5,10 @@ real processes (gloo ranks each playing a host: tests/redundancy_cases.py; SIGKI
   tenth step for good (keep_every) and that step still only in memory: the next start copies
   it before the newest step due (before: only the newest was copied, the memory tier's
   retention then dropped the kept-for-good step, lost for good without a word).
+- A memory tier's max_bytes sized as its refusal advises (keep_last steps plus the one being
+  saved): after a restart restores from memory, the restored step (kept beyond keep_last until
+  a newer one is verified) gives way to the third save, with a warning (before: that save was
+  refused, and again 3 saves after every restart).
 - Managers with redundancy made and closed one after another in one job (an EMA's manager, a
   manager per phase): each close destroys the gloo groups its manager made (before: four
   process groups, with their sockets, pipes and threads, stayed per manager, for good).
@@ -13,6 +17,9 @@ real processes (gloo ranks each playing a host: tests/redundancy_cases.py; SIGKI
   step's worth of host memory stayed in /dev/shm, hidden from every listing, for good).
 - A rank SIGKILLed while it sends its part of a lost rank's rebuild: every other rank's
   RankFailedError names it and its host (before: "a rank of the job died", which one unsaid).
+- A peer frozen (SIGSTOP) while the others call latest(): their RankFailedError names it and
+  its host (before: "a rank died, is frozen, or does not call steps()/latest()"); a peer lost
+  during a collective of the protection is named the same way.
 - Found sound (kept as checks): a byte flipped in a surviving rank's own memory step while
   another host is lost is caught by its checksum and never restored: the step comes from a
   partner, from parity, or the whole job falls back to an older step, bitwise.
@@ -35,7 +42,8 @@ import ckptio
 from ckptio.testing.rank_processes import run_ranks
 from tests.fetch_cases import restore as restore_fetch
 from tests.fetch_cases import save as save_fetch
-from tests.redundancy_cases import OPTS, host_dir, restore, train, wipe_host
+from tests.redundancy_cases import (OPTS, host_dir, restore, steps_past_a_frozen_peer, train,
+                                    wipe_host)
 
 TIMEOUT = 240
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,6 +188,32 @@ def test_an_exit_without_close_leaves_no_slot_in_host_memory(shm, tmp_path):
     assert sorted(os.listdir(root)) == ["step-4", "step-5"]
 
 
+def test_a_restart_keeps_saving_within_a_max_bytes_sized_for_keep_last_plus_one(shm, caplog):
+    """A memory tier of keep_last=2 and max_bytes for 3.2 steps (its own refusal's advice:
+    keep_last steps plus the one being saved): steps 1-5, then a restart restores step 5 from
+    memory and saves steps 6-9, each within the budget; the restored step, kept beyond
+    keep_last, gives way with a warning naming it (before: the save of step 8 was refused, and
+    every restart after it again 3 saves later: a job that could not run)."""
+    tiers = [ckptio.Tier("shm://run", keep_last=2, max_bytes=int(3.2 * N * 4))]
+    state = {"w": torch.zeros(N)}
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        for step in range(1, 6):
+            state["w"].copy_(_weights(step))
+            mgr.save(step, state)
+    state["w"].zero_()
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        assert mgr.restore(state) == 5 and torch.equal(state["w"], _weights(5))
+        for step in range(6, 10):
+            state["w"].copy_(_weights(step))
+            mgr.save(step, state)
+        assert mgr.steps() == [8, 9]
+    assert any("step 5 (restored last, kept beyond keep_last=2) removed" in r.getMessage()
+               for r in caplog.records)
+    state["w"].zero_()
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        assert mgr.restore(state) == 9 and torch.equal(state["w"], _weights(9))
+
+
 def managers_made_and_closed(rank: int, world: int, base: str, disk: str,
                              rounds: int) -> list[int]:
     """One rank per host, Partners(1): ``rounds`` managers one after the other, each restoring,
@@ -229,3 +263,17 @@ def test_a_holder_killed_during_a_rebuild_is_named_by_every_other_rank(base, tmp
         assert ("restoring from the memory of other hosts failed: rank 2 on host 2 (host2, "
                 "rank 2) (one it exchanges") in error, (rank, error)
         assert "restart the job" in error and seconds < 30, (rank, seconds)
+
+
+def test_a_frozen_peer_during_latest_is_named_by_every_other_rank(base, tmp_path):
+    """Partners(1) on 3 hosts, rank 2 frozen (SIGSTOP) while the others call latest(): their
+    RankFailedError names rank 2 and its host, within peer_timeout_s and a few beats (before:
+    "a rank died, is frozen, or ...", which one unsaid)."""
+    got = run_ranks(3, steps_past_a_frozen_peer, base, str(tmp_path / "disk"), "partners-1",
+                    3.0, timeout_s=TIMEOUT, may_die=[2])
+    for rank in (0, 1):
+        kind, _, message = got[rank]["error"].partition("|")
+        assert kind == "RankFailedError", (rank, got[rank]["error"])
+        assert "within peer_timeout_s=3 s: rank 2 on host 2 (host2, rank 2) died, is frozen" \
+            in message, message
+        assert got[rank]["seconds"] < 3.0 + 10, got[rank]

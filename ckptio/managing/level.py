@@ -319,6 +319,15 @@ class TierSteps:
         sound = [s for s in committed if s not in self._damaged]
         return {s for s in committed if s in self._damaged and (not sound or s > sound[-1])}
 
+    def unpin_verified(self, committed: list[int]) -> int | None:
+        """Let go of the step restored or verified last where nothing else keeps it (a memory
+        tier's max_bytes needs its room) -> that step, or None (no such pin)."""
+        step = self.verified
+        if step is None or step not in committed or step in self._own(committed):
+            return None
+        self.verified = None
+        return step
+
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
         own = self._own(committed)

@@ -124,9 +124,8 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
                              if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
         _rounds(ctx, invs, result, only)
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
-        gone = silent_ranks([r for h in ctx.topology.hosts for r in h if r != ctx.rank], ctx.group)
-        who = ", ".join(f"rank {r} on {ctx.topology.describe(ctx.topology.host_of(r))}"
-                        for r in gone) or "a rank of the job"
+        gone = silent_ranks(ctx.topology.others(ctx.rank), ctx.group)
+        who = ctx.topology.name_ranks(gone) or "a rank of the job"
         raise RankFailedError(
             f"rank {ctx.rank}: restoring from the memory of other hosts failed: {who} (one it "
             "exchanges its inventory, copies, parity or pieces of a rebuild with) died, does "
