@@ -20,6 +20,9 @@ real processes (gloo ranks each playing a host: tests/redundancy_cases.py; SIGKI
 - A peer frozen (SIGSTOP) while the others call latest(): their RankFailedError names it and
   its host (before: "a rank died, is frozen, or does not call steps()/latest()"); a peer lost
   during a collective of the protection is named the same way.
+- A parity block's record (JSON) damaged on a holder, a host lost: the restore falls back to
+  the disk's step bitwise, and what it passed over names the file (before: a bare
+  JSONDecodeError).
 - Found sound (kept as checks): a byte flipped in a surviving rank's own memory step while
   another host is lost is caught by its checksum and never restored: the step comes from a
   partner, from parity, or the whole job falls back to an older step, bitwise.
@@ -277,3 +280,20 @@ def test_a_frozen_peer_during_latest_is_named_by_every_other_rank(base, tmp_path
         assert "within peer_timeout_s=3 s: rank 2 on host 2 (host2, rank 2) died, is frozen" \
             in message, message
         assert got[rank]["seconds"] < 3.0 + 10, got[rank]
+
+
+def test_a_damaged_parity_record_is_named_by_its_file_and_the_disk_step_restored(base, tmp_path):
+    """Parity(k=3) on 4 hosts, step 3 protected (the disk holds step 2); host 0 lost and host
+    1's record of its parity block cut to "{": every rank restores step 2 bitwise, and what it
+    passed over names that file (before: a bare JSONDecodeError, no file)."""
+    args = (base, str(tmp_path / "disk"), 1, "parity-3")
+    trained = run_ranks(4, train, *args, 3, timeout_s=TIMEOUT)
+    wipe_host(base, 0)
+    record = os.path.join(host_dir(base, 1), "run/.redundancy/step-3/parity-g0-l0.json")
+    with open(record, "w", encoding="utf-8") as f:
+        f.write("{")
+    restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
+    for rank, (t, r) in enumerate(zip(trained, restored)):
+        assert r["step"] == 2 and r["state_step"] == 2, (rank, r["how"])
+        _same(r["got"], t["saved"][2], f"rank {rank}")
+        assert any(record in s and "damaged" in s for s in r["how"]["skipped"]), r["how"]
