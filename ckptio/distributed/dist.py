@@ -18,6 +18,7 @@ Owns: choosing the group, and which one-rank groups save pieces. Does not own: m
 
 from __future__ import annotations
 
+import json
 import weakref
 import zlib
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from ckptio.distributed.storegroup import COORDINATOR, Deadlines, StoreGroup
 from ckptio.options import Options
 
 __all__ = ["COORDINATOR", "Group", "Solo", "current_group", "mark_piece", "over_torch", "piece_of",
-           "rank_alone_group"]
+           "rank_alone_group", "silent_ranks"]
 
 # id(group) -> (the group, weakly: destroy_process_group frees it before exit, and the entry
 # goes with it; job rank, job world size)
@@ -194,3 +195,23 @@ def rank_alone_group() -> Any | None:
         mine = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         _alone[:] = [weakref.ref(world), weakref.ref(mine)]
     return mine
+
+
+def silent_ranks(global_ranks: list[int], group: Any) -> list[int]:
+    """Those of ``global_ranks`` that stopped beating in the job's store (liveness.silent:
+    died or frozen; waits a few beats) once a transfer over torch process group ``group``
+    failed. The first rank to find them records them in the store under the group's name, and
+    a rank whose transfer failed later (the ones first found have exited since) takes that
+    record. [] without torch.distributed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return []
+    store = c10d._get_default_store()
+    key = f"ckptio/silent/{group.group_name}"
+    try:
+        if not store.check([key]):
+            store.compare_set(key, "", json.dumps(liveness.silent(store, global_ranks)))
+        return [int(r) for r in json.loads(store.get(key))]
+    except RuntimeError:  # the store is gone (its host exited): nothing can tell
+        return []

@@ -21,8 +21,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Watch", "beat", "key_of"]
+__all__ = ["SILENT_BEATS", "Watch", "beat", "key_of", "silent"]
 
+SILENT_BEATS = 3  # silent(): a rank whose counter does not move for this many beats is gone
 _lock = threading.Lock()
 _beating: dict[int, _Beat] = {}  # id(store) -> its thread (the store object is kept by it)
 
@@ -71,6 +72,25 @@ def _stop_at_exit() -> None:
 
 
 threading._register_atexit(_stop_at_exit)  # type: ignore[attr-defined]
+
+
+def silent(store: Any, global_ranks: Iterable[int]) -> list[int]:
+    """Those of ``global_ranks`` (each beating in ``store`` before) whose counter does not move
+    for SILENT_BEATS of this process's beats there: after a transfer with them failed, which
+    ones died or froze. Waits that long; [] when this process does not beat in ``store`` or
+    the store does not answer (its host gone: nothing can tell)."""
+    with _lock:
+        running = _beating.get(id(store))
+    if running is None:
+        return []
+    ranks = list(global_ranks)
+    try:
+        before = {rank: int(store.add(key_of(rank), 0)) for rank in ranks}
+        time.sleep(SILENT_BEATS * running.interval_s)
+        return [rank for rank in ranks
+                if before[rank] and int(store.add(key_of(rank), 0)) == before[rank]]
+    except RuntimeError:  # the store is gone (its host exited)
+        return []
 
 
 class Watch:

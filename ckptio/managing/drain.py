@@ -142,6 +142,10 @@ class Drain:
         """Copy ``step`` to ``tier`` (a drain resumed at start)."""
         self._submit(step, [tier])
 
+    def kept_for_good(self, step: int, tier: int) -> bool:
+        """Whether ``tier`` keeps ``step`` for good (divisible by one of its keep_every)."""
+        return any(step % n == 0 for n in self._lanes[tier].long_every)
+
     def _submit(self, step: int, tiers: list[int], *, final: bool = False) -> None:
         """``final``: the job's last step; every older one due is skipped, even those kept
         for good (the grace period is for the last step)."""

@@ -18,6 +18,7 @@ recovery (rebuild.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptio.distributed.dist import mark_piece
+from ckptio.distributed.dist import mark_piece, silent_ranks
 from ckptio.errors import CkptError, RankFailedError
 from ckptio.storage.select import checkpoint_path
 from ckptio.redundancy import elastic, marks, peers
@@ -38,6 +39,8 @@ from ckptio.redundancy.redundancy import Partners
 from ckptio.managing.tier import Tier
 
 __all__ = ["Guard", "fallback_step", "rank_tiers"]
+
+log = logging.getLogger("ckptio")
 
 
 def rank_tiers(tiers: Sequence[Tier], rank: int) -> list[Tier]:
@@ -160,11 +163,13 @@ class Guard:
         try:
             parts = peers.all_gather_json(self.listing, steps)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+            gone = silent_ranks(self.topology.others(self.rank), self.listing)
             raise RankFailedError(
                 f"rank {self.rank}: listing the steps every rank holds (steps(), latest()) got "
-                f"no answer from every rank within peer_timeout_s={self.peer_timeout_s:g} s: a "
-                "rank died, is frozen, or does not call steps()/latest() at this point of the "
-                f"program ({type(exc).__name__}: {exc}); restart the job") from exc
+                f"no answer from every rank within peer_timeout_s={self.peer_timeout_s:g} s: "
+                f"{self.topology.name_ranks(gone) or 'a rank'} died, is frozen, or does not "
+                "call steps()/latest() at this point of the program "
+                f"({type(exc).__name__}: {exc}); restart the job", tuple(gone)) from exc
         return sorted({s for part in parts for s in part})
 
     def outcomes(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
@@ -216,6 +221,13 @@ class Guard:
             if self.protector is not None:
                 self.protector.close()
 
+    def release(self) -> None:
+        """The gloo groups made here destroyed (each one's sockets, pipes and threads), on this
+        rank alone: once the manager is closed nothing runs over them. Groups the job tore down
+        already (destroy_process_group) are passed over."""
+        for group in (self.group, self.control, self.listing, self.single):
+            _destroy(group)
+
     def status(self) -> dict[int, dict[str, Any]]:
         """{0: how the memory tier's steps are protected across hosts}."""
         assert self.protector is not None  # internal
@@ -255,6 +267,18 @@ def _job_group(timeout_s: float, peer_timeout_s: float) -> Any:
             "manager, with the same tiers, at the same point of the script (a collective): "
             "check that rank for an error or a branch that skips it, or raise peer_timeout_s",
             (int(found.group(1)),) if found else ()) from exc
+
+
+def _destroy(group: Any) -> None:
+    """``group`` destroyed here if torch still holds it (not torn down with the job's)."""
+    if not dist.is_initialized():  # the job's group torn down, ours with it
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # torch holds it no more (destroyed already)
+        pass
+    except RuntimeError as exc:  # torch.distributed's errors: a broken group, its peer gone
+        log.debug("ckptio: destroying a redundancy group failed: %s", exc)
 
 
 def fallback_step(recovery: Recovery, requested: int | None) -> int | None:

@@ -329,6 +329,15 @@ class TierSteps:
         sound = [s for s in committed if s not in self._damaged]
         return {s for s in committed if s in self._damaged and (not sound or s > sound[-1])}
 
+    def unpin_verified(self, committed: list[int]) -> int | None:
+        """Let go of the step restored or verified last where nothing else keeps it (a memory
+        tier's max_bytes needs its room) -> that step, or None (no such pin)."""
+        step = self.verified
+        if step is None or step not in committed or step in self._own(committed):
+            return None
+        self.verified = None
+        return step
+
     def pins(self, committed: list[int]) -> dict[int, str]:
         """The committed steps kept beyond the retention's own rules, and why (status())."""
         own = self._own(committed)
@@ -376,12 +385,14 @@ class TierSteps:
         self._behind(threading.Thread(target=self._root.prepare_slots, args=(sizes, on_mapped),
                                       name="ckptio-slots"))
 
-    def drop_slots(self) -> None:
+    def drop_slots(self, *, at_exit: bool = False) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
-        one on tmpfs, storage/local/local_root.py) removes them."""
+        one on tmpfs, storage/local/local_root.py) removes them (``at_exit``: the files alone,
+        unmapped by the process's exit, no wait for a removal running)."""
         if isinstance(self._root, _KeepsSlots):
-            self.join_removal()  # slots being made ahead are removed too
-            self._root.drop_slots()
+            if not at_exit:
+                self.join_removal()  # slots being made ahead are removed too
+            self._root.drop_slots(unmap=not at_exit)
 
 
 @runtime_checkable
@@ -391,7 +402,7 @@ class _KeepsSlots(Protocol):
     def prepare_slots(self, sizes: Sequence[int],
                       on_mapped: Callable[[MappedFile], object] | None = None) -> None: ...
 
-    def drop_slots(self) -> None: ...
+    def drop_slots(self, *, unmap: bool = True) -> None: ...
 
 
 def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:

@@ -26,7 +26,8 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import CheckpointLockedError, SaveTimeoutError, StorageIOError, seconds_to_wait
+from ckptio.errors import (CheckpointLockedError, CkptError, SaveTimeoutError, StorageIOError,
+                           seconds_to_wait)
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -192,7 +193,23 @@ class ManagerParts:
             sizes = newest_size(first.path(s) for s in reversed(committed))
         else:
             sizes = step_sizes(first.path(s) for s in committed)
-        check_budget(tier, directory, sizes, functools.partial(self._job_nbytes, state), others)
+        estimate = functools.partial(self._job_nbytes, state)
+        try:
+            check_budget(tier, directory, sizes, estimate, others)
+        except CkptError:
+            # the step a restore loaded, kept beyond keep_last until a newer one is verified,
+            # gives way to the save (the budget sized for keep_last + 1 steps holds after a
+            # restart too); the save is refused only if it still does not fit
+            pinned = first.unpin_verified(committed) if tier.max_bytes is not None else None
+            if pinned is None:
+                raise
+            first.retain(self._kept_in_first())
+            log.warning("ckptio: memory tier %s: step %d (restored last, kept beyond "
+                        "keep_last=%s) removed to keep the save within max_bytes",
+                        tier.location, pinned, tier.keep_last)
+            kept = first.scan()["committed"]
+            check_budget(tier, directory, step_sizes(first.path(s) for s in kept), estimate,
+                         others)
 
     def _job_nbytes(self, state: Any) -> int:
         """The bytes of ``state`` on every rank (each rank's taken to be as large as this one's)."""
@@ -294,6 +311,8 @@ class ManagerParts:
                     self._ck.close()
             finally:
                 self._let_go_leases()
+                if self._guard is not None:
+                    self._guard.release()
 
     def _committed(self, step: int) -> None:
         """Collective, after a save of ours committed in the first tier: its retention runs
@@ -307,12 +326,15 @@ class ManagerParts:
     def _retain(self, k: int) -> list[int]:
         """Collective: tier ``k``'s retention pass (rank 0), keeping what the save in flight
         and the followers need in the first tier."""
-        also: set[int] = set()
-        if k == 0:
-            also = set(self._saves.base_in_flight())
-            for follower in self._followers:
-                also |= follower.pinned()
+        also = self._kept_in_first() if k == 0 else set()
         return list(self._agreed(self._levels[k].retain, also))
+
+    def _kept_in_first(self) -> set[int]:
+        """What the save in flight and the followers need kept in the first tier."""
+        also = set(self._saves.base_in_flight())
+        for follower in self._followers:
+            also |= follower.pinned()
+        return also
 
     # ---------------------------------------------------------------- rank 0's decisions
 
@@ -361,14 +383,19 @@ class ManagerParts:
         return all(lease.lost is None for lease in self._leases.values())
 
     def at_exit(self) -> None:
-        """At interpreter exit, unclosed after a save (_say_unclosed): say so, let go of the
+        """At interpreter exit, unclosed after a save (_say_unclosed): say so, remove the
+        memory tier's slots (host memory no step holds, no later save takes), let go of the
         run leases."""
         log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
                     "in flight were waited for, but its last retention pass, drain and "
                     "protection did not run (more steps than keep_last may remain); call "
                     "mgr.close(), or use it as `with CheckpointManager(...) as mgr:`",
                     self.directory)
-        self._let_go_leases()
+        try:
+            for level in self._levels:
+                level.drop_slots(at_exit=True)
+        finally:
+            self._let_go_leases()
 
     def _let_go_leases(self) -> None:
         for lease in self._leases.values():

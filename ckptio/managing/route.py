@@ -78,9 +78,10 @@ def resume(levels: Sequence[TierSteps], drain: Any, leased: Collection[int] = ()
     """Rank 0, at start with several tiers: every tier must be listable now (a wrong endpoint
     or missing credentials fails here, not at the first drain hours later); ``drain`` (None on
     the other ranks: then only the probe) gets each slower tier's newest due step a faster tier
-    holds and it does not (a drain cut short, or never run), once the incomplete copies a drain
-    cut short left in the slower tiers this manager holds the run lease of (``leased``: tier
-    indices) are removed (TierSteps.drop_incomplete)."""
+    holds and it does not (a drain cut short, or never run), after each older one in the
+    first tier that tier keeps for good (its keep_every: never skipped, as Drain.submit), once
+    the incomplete copies a drain cut short left in the slower tiers this manager holds the
+    run lease of (``leased``: tier indices) are removed (TierSteps.drop_incomplete)."""
     listings = []
     for level in levels:
         try:
@@ -96,8 +97,12 @@ def resume(levels: Sequence[TierSteps], drain: Any, leased: Collection[int] = ()
         if k in leased and listings[k]["incomplete"]:
             levels[k].drop_incomplete()
         faster = {s for x in listings[:k] for s in x["committed"]}
-        due = [s for s in faster if s % levels[k].every == 0]
         held = listings[k]["committed"]
-        if due and (not held or max(due) > held[-1]):
-            log.info("ckptio: the drain resumes: step %d to %s", max(due), levels[k].location)
-            drain.submit_to(max(due), k)
+        due = sorted(s for s in faster if s % levels[k].every == 0 and (not held or s > held[-1]))
+        # the newest step due, after each older one the tier keeps for good that the first
+        # tier holds (a drain cut short by a kill left it there only: its retention would
+        # drop it once skipped, lost for good)
+        first = set(listings[0]["committed"])
+        for step in [s for s in due[:-1] if s in first and drain.kept_for_good(s, k)] + due[-1:]:
+            log.info("ckptio: the drain resumes: step %d to %s", step, levels[k].location)
+            drain.submit_to(step, k)

@@ -128,9 +128,16 @@ def _mapped(store: TreeStore, name: str, nbytes: int) -> torch.Tensor | None:
 def read_block(held: TreeStore, name: str) -> tuple[dict[str, Any], torch.Tensor]:
     """A parity block ``name`` (``.json`` and ``.bin``) of ``held`` -> (its JSON, its bytes:
     mapped where local), checked against the xxh3 recorded when it was encoded;
-    CorruptCheckpointError if it does not match, CkptError / ValueError if it cannot be read."""
-    info = json.loads(held.read_file(f"{name}.json"))
-    block = _mapped(held, f"{name}.bin", int(info["nbytes"]))
+    CorruptCheckpointError if it does not match or its record is damaged (naming the file),
+    CkptError if it cannot be read."""
+    try:
+        info = json.loads(held.read_file(f"{name}.json"))
+        nbytes = int(info["nbytes"])
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a block's record
+        raise CorruptCheckpointError(
+            f"{held.path_of(name + '.json')}, the record of a parity block, is damaged "
+            f"({type(exc).__name__}: {exc})") from None
+    block = _mapped(held, f"{name}.bin", nbytes)
     if block is None:
         data = bytearray(held.read_file(f"{name}.bin"))
         block = torch.frombuffer(data or bytearray(1), dtype=torch.uint8)[:len(data)]

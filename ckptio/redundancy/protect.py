@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, RankFailedError
 from ckptio.io.worker import Worker
 from ckptio.redundancy import erasure, marks, peers
@@ -359,8 +360,10 @@ class Protector:
         except (RuntimeError, ValueError) as exc:  # torch.distributed's errors: a peer gone
             # (DistBackendError included) or, ValueError, the group destroyed in this process
             gone = isinstance(exc, RuntimeError)
-            who = ("one of the job's ranks" if peer is None else
-                   f"rank {peer} on {self.topology.describe(self.topology.host_of(peer))}")
+            silent = (silent_ranks(self.topology.others(self.rank), self.group)
+                      if gone and peer is None else [])  # a collective's: who stopped beating
+            who = (self.topology.name_ranks(silent) or "one of the job's ranks" if peer is None
+                   else self.topology.name_ranks([peer]))
             why = (f"it died or gave no answer within peer_timeout_s={self.timeout_s:g} s" if gone
                    else "this process destroyed the process group (destroy_process_group) "
                    "while the protection was in flight")
@@ -369,7 +372,7 @@ class Protector:
                 f"{why} ({type(exc).__name__}: {exc}). Step {step} is not protected (the "
                 "previous protected step is kept); the protection stops: restart the job (a "
                 "restore brings lost hosts' ranks back)",
-                (peer,) if gone and peer is not None else ())
+                (peer,) if gone and peer is not None else tuple(silent))
             self._broken = error
             raise error from exc
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ckptio.distributed.dist import silent_ranks
 from ckptio.errors import CkptError, CorruptCheckpointError, RankFailedError
 from ckptio.redundancy import copy_fetch, marks, peers, stripes
 from ckptio.redundancy.landing import Landing, StreamCheck, now
@@ -105,7 +106,8 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
            and settles them before the tier is used again). A delta step rebuilt so needs its
            base: the base is brought back first, the same way (the protection keeps a
            protected delta's base's: protect.py). A rank gone during the transfers:
-           RankFailedError on the others (torch.distributed's error, named).
+           RankFailedError on the others naming
+           the ranks that stopped beating (distributed/dist.py silent_ranks) and torch's error.
     4. Any failure (a copy or block that fails verification, a source that cannot read) is named,
            the item marked bad, and the plan made again: another partner, parity, an older step.
            When no step can be obtained in memory on every rank, the result says which hosts are
@@ -122,13 +124,15 @@ def recover(ctx: Context, own: list[int], anywhere: list[int], only: int | None 
                              if all(not invs[r]["own"] and not invs[r]["held"] for r in ranks)]
         _rounds(ctx, invs, result, only)
     except RuntimeError as exc:  # torch.distributed's errors (DistBackendError included)
+        gone = silent_ranks(ctx.topology.others(ctx.rank), ctx.group)
+        who = ctx.topology.name_ranks(gone) or "a rank of the job"
         raise RankFailedError(
-            f"rank {ctx.rank}: restoring from the memory of other hosts failed: a rank of the "
-            f"job (one it exchanges its inventory, copies, parity or pieces of a rebuild with) "
-            f"died, does not call restore() at this point, or gave no answer within "
-            f"step_timeout_s ({type(exc).__name__}: {exc}); nothing was loaded and every step "
-            "in memory is kept: restart the job (the restore is made again with the ranks "
-            "alive then)") from exc
+            f"rank {ctx.rank}: restoring from the memory of other hosts failed: {who} (one it "
+            "exchanges its inventory, copies, parity or pieces of a rebuild with) died, does "
+            "not call restore() at this point, or gave no answer within step_timeout_s "
+            f"({type(exc).__name__}: {exc}); nothing was loaded and every step in memory is "
+            "kept: restart the job (the restore is made again with the ranks alive then)",
+            tuple(gone)) from exc
     finally:
         _drop_placed(ctx)
     result.received, result.pending = ctx.received, ctx.landings

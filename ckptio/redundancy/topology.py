@@ -107,6 +107,14 @@ class Topology:
         domain = f", domain {self.domains[host]}" if self.domains else ""
         return f"host {host} ({self.ids[host]}, {span}{domain})"
 
+    def others(self, rank: int) -> list[int]:
+        """Every rank of the job but ``rank``, ascending."""
+        return sorted(r for ranks in self.hosts for r in ranks if r != rank)
+
+    def name_ranks(self, ranks: Sequence[int]) -> str:
+        """``rank 2 on host 2 (id, rank 2), ...`` for messages ("" for none)."""
+        return ", ".join(f"rank {r} on {self.describe(self.host_of(r))}" for r in ranks)
+
     def check_domains(self, groups: Sequence[Sequence[int]], what: str) -> None:
         """CkptError if two hosts of one group (host indices) share a failure domain."""
         for group in groups if self.domains else ():

@@ -146,12 +146,14 @@ class LocalRoot:
             log.info("ckptio: no slots made ahead in %s (%s)", self.location, exc)
         warm_slots(self.location, self.mappings, on_mapped)
 
-    def drop_slots(self) -> None:
+    def drop_slots(self, *, unmap: bool = True) -> None:
         """The manager lets go: the dropped steps' data files kept for its saves are removed,
-        and the idle mappings of its steps' files go."""
+        and (``unmap``) the idle mappings of its steps' files go; without ``unmap`` (at
+        interpreter exit) the files alone."""
         if self.slots:
-            drop_slots(self.location, self.mappings)
-            self.mappings.forget()
+            drop_slots(self.location, self.mappings if unmap else None)
+            if unmap:
+                self.mappings.forget()
 
     def being_deleted(self) -> list[tuple[int, str]]:
         """The hidden step directories not yet removed (ListedRoot)."""

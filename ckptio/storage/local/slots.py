@@ -222,8 +222,11 @@ def slot_nbytes(root: str) -> int:
         return 0
 
 
-def drop_slots(root: str, mappings: Mappings) -> None:
+def drop_slots(root: str, mappings: Mappings | None) -> None:
     """Remove ``root``'s slots (no later save of this manager takes them) and unmap the
-    mappings (the root's) of files removed: their pages go back to the host."""
+    mappings (the root's) of files removed: their pages go back to the host. ``mappings``
+    None (at interpreter exit, a thread may still hold one): the files alone, their pages
+    going back once the process has unmapped them."""
     shutil.rmtree(os.path.join(root, SLOTS_DIR), ignore_errors=True)
-    mappings.prune()
+    if mappings is not None:
+        mappings.prune()
