@@ -347,6 +347,8 @@ def test_deepspeed_destroy_after_a_failed_background_write_frees_the_pool(
     from ckptio.deepspeed_engine import CkptioCheckpointEngine
     from ckptio.testing.faults import inject
 
+    ours = {"ckptio-save", "ckptio-hash", "ckptio-cleanup"}
+    before = {t for t in threading.enumerate() if t.name in ours}  # other tests' Checkpointers
     engine = CkptioCheckpointEngine(decoupled=True)
     info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=True)
     engine.create(info)
@@ -359,8 +361,8 @@ def test_deepspeed_destroy_after_a_failed_background_write_frees_the_pool(
         engine.cleanup()
     assert faulty.injected
     assert engine.checkpointer.staging_nbytes == 0
-    names = {t.name for t in threading.enumerate()}
-    assert not names & {"ckptio-save", "ckptio-hash", "ckptio-cleanup"}, names
+    left = {t for t in threading.enumerate() if t.name in ours} - before
+    assert not left, left
 
 
 def test_deepspeed_rank_killed_mid_save_leaves_latest_on_the_tag_before(tmp_path: Path) -> None:
