@@ -158,6 +158,7 @@ class DcpSession(Session):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=writer, no_dist=True)
+        os.sync()  # .metadata's rename and the directory: sync_files fsyncs only the files
         return path
 
     def load(self, path: str, dest: Any) -> None:
@@ -191,7 +192,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
            BaseSession),
     Engine("ckptio_delta", (LOCAL, S3), "CheckpointManager(delta=True) on a Checkpointer with "
            "Options(compression=CODEC): its policy picks full bases and deltas", ManagerSession),
-    Engine("dcp", (LOCAL,), "dcp.save, FileSystemWriter(thread_count=2, sync_files=True)",
+    Engine("dcp", (LOCAL,), "dcp.save, FileSystemWriter(thread_count=2, sync_files=True), then os.sync()",
            lambda _c: DcpSession(False), ckptio=False),
     Engine("dcp_zstd", (LOCAL,), "as dcp, with _extensions=[ZStandard()] (zstandard, level 3 "
            "default, one stream per file)", lambda _c: DcpSession(True), ckptio=False),

@@ -97,6 +97,7 @@ def _dcp_save(threads: int) -> SaveFn:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=writer, no_dist=True)
+        os.sync()  # .metadata's rename and the directory: sync_files fsyncs only the files
 
     return save
 
@@ -174,7 +175,8 @@ ENGINES: dict[str, Engine] = {
                          "load = torch.load(mmap=False, weights_only=True) + copy_ into place"),
     **{f"dcp_t{k}": Engine(f"dcp_t{k}", _dcp_save(k), _dcp_load,
                            f"DCP save, FileSystemWriter(thread_count={k}, sync_files=True), "
-                           "no process group; load = dcp.load in place",
+                           "then os.sync() inside the clock (its directory entries), no "
+                           "process group; load = dcp.load in place",
                            ("torch.distributed.checkpoint",))
        for k in (1, 2, 4)},
     "torchsnapshot": Engine("torchsnapshot", _snapshot_save, _snapshot_load,

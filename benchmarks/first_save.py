@@ -135,7 +135,7 @@ def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dic
     sync_files=True): ``dcp_async`` with its default stager (the call copies the state);
     ``dcp_async_staged`` with DefaultStager(use_async_staging=True) (no pinned or shared
     memory on CPU), the stall being the call plus the wait for its staging, as a loop's next
-    step must wait. The durable time is the upload's completion."""
+    step must wait. The durable time is the upload's completion, then os.sync()."""
     import warnings
 
     import torch.distributed as dist
@@ -157,7 +157,12 @@ def dcp(args: argparse.Namespace, src: Any, nbytes: int, memcpy_s: float) -> dic
         staged = getattr(response, "staging_completion", None)
         if staged is not None:
             staged.result()
-        return getattr(response, "upload_completion", response).result
+        upload = getattr(response, "upload_completion", response)
+
+        def wait_durable() -> None:
+            upload.result()
+            os.sync()  # .metadata's rename and the directory: sync_files fsyncs only the files
+        return wait_durable
 
     seconds, durable, peak_mib = timed_saves(args.dir / "d", start)
     if stager is not None:
