@@ -112,7 +112,8 @@ class Lease(Protocol):
     ``lost`` (why another job took it over since: None while kept), ``release()`` (never
     raises)."""
 
-    lost: str | None
+    @property
+    def lost(self) -> str | None: ...
 
     @property
     def held(self) -> bool: ...
