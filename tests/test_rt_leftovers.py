@@ -76,6 +76,26 @@ def test_a_job_taken_over_is_told_at_its_next_save_wait_or_close(tmp_path: Path,
     assert ckptio.CheckpointManager("run").steps()[-2:] == [11, 12]
 
 
+def test_a_reader_made_with_take_over_that_never_saves_leaves_the_trainer_saving(
+        tmp_path: Path) -> None:
+    """(1) The documented reader of a live run (docs/MANAGER.md: take_over=True, never saves):
+    it takes nothing from the training job, whose saves go on."""
+    os.chdir(tmp_path)
+    script = tmp_path / "reader.py"
+    script.write_text(textwrap.dedent("""
+        import torch, ckptio
+        state = {"w": torch.zeros(64)}
+        with ckptio.CheckpointManager("run", take_over=True) as mgr:
+            print("READ", mgr.restore(state), flush=True)
+    """))
+    with CheckpointManager("run", save_every=1, keep_last=2) as mgr:
+        mgr.save(1, {"w": torch.ones(64)})
+        done = run_script(str(script), cwd=str(tmp_path), timeout=DEADLINE_S)
+        assert done.stdout.strip() == "READ 1", done
+        mgr.save(2, {"w": torch.ones(64)})
+        assert mgr.steps() == [1, 2]
+
+
 def _flip(step_dir: Path) -> None:
     data = min(step_dir.glob("data-*"))
     with open(data, "r+b") as f:

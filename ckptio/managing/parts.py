@@ -60,7 +60,7 @@ from ckptio.policies import (
 )
 from ckptio.saving.handle import SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.storage.steproot import Lease
+from ckptio.storage.steproot import Claimable, Lease
 
 __all__ = ["ManagerParts"]
 
@@ -365,12 +365,16 @@ class ManagerParts:
         return self._ranking.group()
 
     def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
-        """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
+        """Rank 0: these local tiers' run leases (those not held yet; at the first save, one taken
+        over is claimed: Claimable), or the refusal naming the
         job holding one (storage/local/runlease.py). A slower tier that cannot be made or
         locked at the first save (``create``) is logged and passed over: the first tier keeps
         saving, and the drain's copies there raise why."""
         for k in tiers:
-            if k not in self._leases:
+            taken = self._leases.get(k)
+            if create and isinstance(taken, Claimable):  # this manager saves: tell the holder
+                taken.claim()
+            if taken is None:
                 try:
                     lease = self._levels[k].lease(self._take_over, create=create)
                 except StorageIOError as exc:

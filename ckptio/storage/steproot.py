@@ -36,6 +36,7 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
+    "Claimable",
     "Lease",
     "LeasedRoot",
     "ForeignRoot",
@@ -119,6 +120,14 @@ class Lease(Protocol):
     def held(self) -> bool: ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class Claimable(Protocol):
+    """A Lease taken over that tells its holder only once this manager saves: ``claim()``
+    (never raises)."""
+
+    def claim(self) -> None: ...
 
 
 @runtime_checkable

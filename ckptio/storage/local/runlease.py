@@ -7,9 +7,11 @@ file for the manager's life (the kernel lets go when the process dies, however i
 the holder's record (storage/holder.py: host, boot, pid, start time) written into it for the
 message the next job sees. A second manager on that directory is refused at once naming the
 holder, unless ``take_over=True`` (a restarted job whose old processes, e.g. DataLoader workers
-that inherited the open file, may linger): then it warns, writes its own record into the file
-and goes on without the lock. The holder compares the file with the record it wrote at each of
-its manager's saves (``lost``): rewritten by another job, its lease was taken over.
+that inherited the open file, may linger): then it warns and goes on without the lock; at its
+first save (``create``, or ``claim()``) it writes its own record into the file. The holder
+compares the file with the record it wrote at each of its manager's saves (``lost``):
+rewritten by another job, its lease was taken over. A manager made with ``take_over=True``
+that never saves (a reader of a live run) takes nothing from the job that trains there.
 
 Call order: ``take(directory, take_over)`` -> the manager runs -> ``release()`` (close():
 the file is removed).
@@ -44,10 +46,28 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 class RunLease:
     """A run directory's lease as this process holds it (``fd`` None: not enforced)."""
 
-    def __init__(self, directory: str, fd: int | None, mine: bytes = b"") -> None:
+    def __init__(self, directory: str, fd: int | None, mine: bytes = b"",
+                 taken: bool = False) -> None:
         self.directory, self.fd = directory, fd
         self._mine = mine  # the record written
         self._lost: str | None = None  # the taker, once seen
+        self._taken = taken  # taken over, not claimed yet (claim())
+
+    def claim(self) -> None:
+        """A lease taken over, at this manager's first save: this process's record written
+        into the holder's file, so that its manager stops saving (never raises)."""
+        taken, self._taken = self._taken, False
+        if not taken:
+            return
+        try:
+            fd = os.open(os.path.join(self.directory, LEASE_NAME), os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:  # the holder let go meanwhile: nothing to claim
+            log.debug("ckptio: no run lease to claim in %s: %s", self.directory, exc)
+            return
+        try:
+            _claim(fd, self.directory)
+        finally:
+            os.close(fd)
 
     @property
     def lost(self) -> str | None:
@@ -100,7 +120,7 @@ def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _held(fd, directory, path, take_over)
+            return _held(fd, directory, path, take_over, create)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in _NO_LOCKS:
@@ -142,24 +162,27 @@ def not_a_run_directory(directory: str) -> StorageIOError:
                           "move that file away")
 
 
-def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
+def _held(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
     try:
-        return _refuse(fd, directory, path, take_over)
+        return _refuse(fd, directory, path, take_over, create)
     finally:
         os.close(fd)
 
 
-def _refuse(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
-    """The lease ``fd`` another process locked: refused, or taken over (module docstring)."""
+def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
+    """The lease ``fd`` another process locked: refused, or taken over (module docstring;
+    claimed at once at a first save: ``create``)."""
     record = _record_of(fd)
     if holders.is_me(record):  # a second manager of this process (its own code decides)
         return RunLease(directory, None)
     who = _describe(record)
     if take_over:
         log.warning("ckptio: taking over the run directory %s from %s (take_over=True); if that "
-                    "job is still running, its next save is refused", directory, who)
-        _claim(fd, directory)
-        return RunLease(directory, None)
+                    "job is still running, its next save after this manager's first save is "
+                    "refused", directory, who)
+        if create:
+            _claim(fd, directory)
+        return RunLease(directory, None, taken=not create)
     raise CheckpointLockedError(
         f"the run directory {directory} is in use by another job ({who}); two jobs on one run "
         "would mix their steps, so this CheckpointManager was not made and nothing there was "
