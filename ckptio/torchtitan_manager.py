@@ -295,11 +295,20 @@ class CkptioCheckpointManager(BaseCheckpointManager):
         if path is None:
             return False
         states = self._states_to_load(model_only=config.initial_load_model_only)
-        if config.initial_load_in_hf:
-            hf_state = self.sd_adapter.to_hf(states)
-            load(os.fspath(path), hf_state)
-            states = self.sd_adapter.from_hf(hf_state)
-        else:
-            load(os.fspath(path), states)
+        try:
+            if config.initial_load_in_hf:
+                hf_state = self.sd_adapter.to_hf(states)
+                load(os.fspath(path), hf_state)
+                states = self.sd_adapter.from_hf(hf_state)
+            else:
+                load(os.fspath(path), states)
+        except StateMismatchError as exc:
+            only = ("" if config.initial_load_model_only else ", load the model alone "
+                    "(--checkpoint.initial_load_model_only true) if only the optimizer or "
+                    "schedule changed")
+            raise StateMismatchError(
+                f"{exc} (through TorchTitan's --checkpoint.initial_load_path {path}: this "
+                f"job's states differ from that checkpoint's; build the model as saved{only}, "
+                "or leave --checkpoint.initial_load_path out to start from scratch)") from exc
         self.states[MODEL].load_state_dict(states)
         return True

@@ -60,7 +60,7 @@ from ckptio.policies import (
 )
 from ckptio.saving.handle import SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.storage.steproot import Lease
+from ckptio.storage.steproot import Claimable, Lease
 
 __all__ = ["ManagerParts"]
 
@@ -132,6 +132,7 @@ class ManagerParts:
         self._take_over, self._first_leased = take_over, False
         self._saved_here = False  # a save started: the staging is the one the saves sized
         self._closed = False  # close() ran: its leases, handlers and followers are let go
+        self._told_lost = False  # rank 0: a lease taken over was said (_lost_untold)
         try:
             self._agreed(self._take_leases, range(len(self._levels)), create=False)
             self._start(self._policy.wants_preemption, drain_rate)
@@ -288,20 +289,13 @@ class ManagerParts:
         _unclosed.discard(self)
         self._closed = True
         self._policy.triggers.preemption.uninstall()
+        failed: CkptError | None = None  # a follower's error, raised after the retention
         try:
             for follower in self._followers:
-                follower.close()
-            if self._ranking.gone():  # the job tore its process group down (a rank lost):
-                return  # nothing to agree on; the next manager's first save runs retention
-            if not self._agreed(self._leases_kept):  # the steps there are another job's now
-                return
-            # what the drain's pins kept past our last commit; a manager that never saved
-            # (a reader of a live run) drops nothing: the steps are another job's
-            if len(self._levels) > 1 and self._saved_here:
-                self._retain(0)
-            for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
-                if self._agreed(self._deferred, k):
-                    self._retain(k)
+                failed = _closed(follower, failed)
+            self._last_retention()
+            if failed is not None:
+                raise failed
         finally:
             try:
                 for level in self._levels:
@@ -314,20 +308,44 @@ class ManagerParts:
                 if self._guard is not None:
                     self._guard.release()
 
+    def _last_retention(self) -> None:
+        """close()'s retention passes, once the followers closed (their pins let go)."""
+        if self._ranking.gone():  # the job tore its process group down (a rank lost):
+            return  # nothing to agree on; the next manager's first save runs retention
+        if self._taken_over() is not None:  # the steps there are another job's now
+            return
+        # what the drain's pins kept past our last commit; a manager that never saved
+        # (a reader of a live run) drops nothing: the steps are another job's
+        if len(self._levels) > 1 and self._saved_here:
+            self._retain(0)
+        for k in range(len(self._levels)):  # bases kept back one pass (chains.py)
+            if self._agreed(self._deferred, k):
+                self._retain(k)
+
     def _committed(self, step: int) -> None:
         """Collective, after a save of ours committed in the first tier: its retention runs
         (rank 0 hides the steps it drops), then each follower takes the step."""
         self._levels[0].saved(step, self._bases.pop(step, None))
         self._bases = {s: b for s, b in self._bases.items() if s > step}  # failed saves' too
-        self._retain(0)
+        if self._retain(0) is None:  # another job took the run over: its steps stay
+            self._taken_over()
+            return
         for follower in self._followers:
             follower.submit(step)
 
-    def _retain(self, k: int) -> list[int]:
+    def _retain(self, k: int) -> list[int] | None:
         """Collective: tier ``k``'s retention pass (rank 0), keeping what the save in flight
-        and the followers need in the first tier."""
+        and the followers need in the first tier -> the steps dropped; None: not run, a run
+        lease was taken over by another job (its steps are not this job's to drop)."""
         also = self._kept_in_first() if k == 0 else set()
-        return list(self._agreed(self._levels[k].retain, also))
+        dropped = self._agreed(self._retain_kept, k, also)
+        return None if dropped is None else list(dropped)
+
+    def _retain_kept(self, k: int, also: set[int]) -> list[int] | None:
+        """Rank 0: tier ``k``'s retention, unless a run lease was taken over (None)."""
+        if self._lost_lease() is not None:
+            return None
+        return list(self._levels[k].retain(also))
 
     def _kept_in_first(self) -> set[int]:
         """What the save in flight and the followers need kept in the first tier."""
@@ -347,12 +365,16 @@ class ManagerParts:
         return self._ranking.group()
 
     def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
-        """Rank 0: these local tiers' run leases (those not held yet), or the refusal naming the
+        """Rank 0: these local tiers' run leases (those not held yet; at the first save, one taken
+        over is claimed: Claimable), or the refusal naming the
         job holding one (storage/local/runlease.py). A slower tier that cannot be made or
         locked at the first save (``create``) is logged and passed over: the first tier keeps
         saving, and the drain's copies there raise why."""
         for k in tiers:
-            if k not in self._leases:
+            taken = self._leases.get(k)
+            if create and isinstance(taken, Claimable):  # this manager saves: tell the holder
+                taken.claim()
+            if taken is None:
                 try:
                     lease = self._levels[k].lease(self._take_over, create=create)
                 except StorageIOError as exc:
@@ -368,19 +390,38 @@ class ManagerParts:
                  metadata: Mapping[str, Any] | None) -> str | None:
         """Rank 0: why ``step`` may not be saved now (InFlight.refusal), or the refusal
         naming a run lease another job took over since it was taken."""
-        for k, lease in self._leases.items():
-            if lease.lost is not None:
-                raise CheckpointLockedError(
-                    f"step {step} was not saved: this job's lease on the run "
-                    f"{self.tiers[k].location} was taken over by another job ({lease.lost}); "
-                    "two jobs on one run would drop each other's steps, so this manager saves "
-                    "and drops nothing there any more: stop one of the jobs (a job restarted "
-                    "with take_over=True took it on purpose), or save to another location")
+        lost = self._lost_lease()
+        if lost is not None:
+            self._told_lost = True  # rank 0's: it decides whether close() says it again
+            raise CheckpointLockedError(f"step {step} was not saved: {lost}")
         return self._saves.refusal(self._levels, step, metrics, metadata)
 
-    def _leases_kept(self) -> bool:
-        """Rank 0: whether no run lease this manager took was taken over by another job."""
-        return all(lease.lost is None for lease in self._leases.values())
+    def _lost_lease(self) -> str | None:
+        """Rank 0: why a run lease this manager took is another job's now (None: all kept)."""
+        for k, lease in self._leases.items():
+            if lease.lost is not None:
+                return (f"this job's lease on the run {self.tiers[k].location} was taken over "
+                        f"by another job ({lease.lost}); the steps this job saved there are not "
+                        "kept (that job's retention drops them), so this manager saves and "
+                        "drops nothing there any more: stop one of the jobs (a job restarted "
+                        "with take_over=True took it on purpose), or save to another location")
+        return None
+
+    def _lost_untold(self) -> str | None:
+        """Rank 0: as _lost_lease, but "" once said (a refused save, wait(), close())."""
+        lost = self._lost_lease()
+        if lost is None or self._told_lost:
+            return lost and ""
+        self._told_lost = True
+        return lost
+
+    def _taken_over(self) -> str | None:
+        """Collective: None while every run lease is kept; else the steps there are another
+        job's: CheckpointLockedError the first time that is said, else ""."""
+        lost = self._agreed(self._lost_untold)
+        if lost:
+            raise CheckpointLockedError(f"CheckpointManager({self.directory}): {lost}")
+        return lost
 
     def at_exit(self) -> None:
         """At interpreter exit, unclosed after a save (_say_unclosed): say so, remove the
@@ -411,6 +452,18 @@ class ManagerParts:
         (managing/agreement.py); the arguments are made on every rank, so they are plain
         values the decision reads, never work of its own."""
         return self._ranking.agreed(functools.partial(decide, *args, **kwargs))
+
+
+def _closed(follower: Follower, failed: CkptError | None) -> CkptError | None:
+    """Close ``follower`` -> the first error of the followers closed so far (its own, unless
+    an earlier one failed: that one is raised, this one logged)."""
+    try:
+        follower.close()
+    except CkptError as exc:
+        if failed is None:
+            return exc
+        log.warning("ckptio: closing %s also failed: %s", type(follower).__name__, exc)
+    return failed
 
 
 def _with_preemption(save: SavePolicy) -> SavePolicy:

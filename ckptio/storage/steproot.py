@@ -36,6 +36,7 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "HIDDEN_PREFIX",
     "TORCH_FILES",
+    "Claimable",
     "Lease",
     "LeasedRoot",
     "ForeignRoot",
@@ -112,12 +113,21 @@ class Lease(Protocol):
     ``lost`` (why another job took it over since: None while kept), ``release()`` (never
     raises)."""
 
-    lost: str | None
+    @property
+    def lost(self) -> str | None: ...
 
     @property
     def held(self) -> bool: ...
 
     def release(self) -> None: ...
+
+
+@runtime_checkable
+class Claimable(Protocol):
+    """A Lease taken over that tells its holder only once this manager saves: ``claim()``
+    (never raises)."""
+
+    def claim(self) -> None: ...
 
 
 @runtime_checkable

@@ -52,9 +52,11 @@ __all__ = [
 T = TypeVar("T")
 IF_LOCKED = ("wait", "raise")
 TMP_PREFIX = ".manifest-"  # a manifest being committed (stores that commit by rename)
-# exactly the names a ckptio save creates (layout.data_file_name, the manifest's temporary
-# name): a cleanup never touches anything else, e.g. a dataset's "data-00000-of-00001.arrow"
-_OURS = re.compile(r"(data-[0-9a-f]{19,}-r\d{5}-\d{4}\.bin|\.manifest-[0-9a-f]{19,}\.tmp)", re.ASCII)
+# exactly the names a ckptio save creates (layout.data_file_name, a rank's index file of its
+# regular shards: regular_section.index_name, the manifest's temporary name): a cleanup never
+# touches anything else, e.g. a dataset's "data-00000-of-00001.arrow"
+_OURS = re.compile(r"(data-[0-9a-f]{19,}-r\d{5}-(\d{4}|index)\.bin|\.manifest-[0-9a-f]{19,}\.tmp)",
+                   re.ASCII)
 _PLAIN = re.compile(r"[^/\\\x00]{1,255}")
 
 

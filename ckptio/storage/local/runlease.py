@@ -7,7 +7,11 @@ file for the manager's life (the kernel lets go when the process dies, however i
 the holder's record (storage/holder.py: host, boot, pid, start time) written into it for the
 message the next job sees. A second manager on that directory is refused at once naming the
 holder, unless ``take_over=True`` (a restarted job whose old processes, e.g. DataLoader workers
-that inherited the open file, may linger): then it warns and goes on without the lock.
+that inherited the open file, may linger): then it warns and goes on without the lock; at its
+first save (``create``, or ``claim()``) it writes its own record into the file. The holder
+compares the file with the record it wrote at each of its manager's saves (``lost``):
+rewritten by another job, its lease was taken over. A manager made with ``take_over=True``
+that never saves (a reader of a live run) takes nothing from the job that trains there.
 
 Call order: ``take(directory, take_over)`` -> the manager runs -> ``release()`` (close():
 the file is removed).
@@ -42,10 +46,41 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 class RunLease:
     """A run directory's lease as this process holds it (``fd`` None: not enforced)."""
 
-    lost: str | None = None  # a lock held by the kernel is never lost while the process lives
-
-    def __init__(self, directory: str, fd: int | None) -> None:
+    def __init__(self, directory: str, fd: int | None, mine: bytes = b"",
+                 taken: bool = False) -> None:
         self.directory, self.fd = directory, fd
+        self._mine = mine  # the record written
+        self._lost: str | None = None  # the taker, once seen
+        self._taken = taken  # taken over, not claimed yet (claim())
+
+    def claim(self) -> None:
+        """A lease taken over, at this manager's first save: this process's record written
+        into the holder's file, so that its manager stops saving (never raises)."""
+        taken, self._taken = self._taken, False
+        if not taken:
+            return
+        try:
+            fd = os.open(os.path.join(self.directory, LEASE_NAME), os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:  # the holder let go meanwhile: nothing to claim
+            log.debug("ckptio: no run lease to claim in %s: %s", self.directory, exc)
+            return
+        try:
+            _claim(fd, self.directory)
+        finally:
+            os.close(fd)
+
+    @property
+    def lost(self) -> str | None:
+        """Who took the run over (host and pid, as the file records it), once a job started
+        with ``take_over=True`` rewrote the file this process locked; None while kept."""
+        if self._lost is None and self.fd is not None and self._mine:
+            try:
+                now = os.pread(self.fd, len(self._mine) + 1, 0)
+            except OSError:  # unreadable: nothing says another job wrote it
+                return None
+            if now != self._mine:
+                self._lost = _taker(self.fd)
+        return self._lost
 
     @property
     def held(self) -> bool:
@@ -85,7 +120,7 @@ def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _held(fd, directory, path, take_over)
+            return _held(fd, directory, path, take_over, create)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in _NO_LOCKS:
@@ -96,8 +131,7 @@ def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
                         exc.strerror or exc)
             return RunLease(directory, None)
         if still_linked(fd, path):
-            _record(fd)
-            return RunLease(directory, fd)
+            return RunLease(directory, fd, _record(fd))
         os.close(fd)  # its holder let go and removed it meanwhile: lock the one there now
 
 
@@ -128,16 +162,27 @@ def not_a_run_directory(directory: str) -> StorageIOError:
                           "move that file away")
 
 
-def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
+def _held(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
+    try:
+        return _refuse(fd, directory, path, take_over, create)
+    finally:
+        os.close(fd)
+
+
+def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
+    """The lease ``fd`` another process locked: refused, or taken over (module docstring;
+    claimed at once at a first save: ``create``)."""
     record = _record_of(fd)
-    os.close(fd)
     if holders.is_me(record):  # a second manager of this process (its own code decides)
         return RunLease(directory, None)
     who = _describe(record)
     if take_over:
         log.warning("ckptio: taking over the run directory %s from %s (take_over=True); if that "
-                    "job is still running, the two write into one run", directory, who)
-        return RunLease(directory, None)
+                    "job is still running, its next save after this manager's first save is "
+                    "refused", directory, who)
+        if create:
+            _claim(fd, directory)
+        return RunLease(directory, None, taken=not create)
     raise CheckpointLockedError(
         f"the run directory {directory} is in use by another job ({who}); two jobs on one run "
         "would mix their steps, so this CheckpointManager was not made and nothing there was "
@@ -146,12 +191,36 @@ def _held(fd: int, directory: str, path: str, take_over: bool) -> RunLease:
         f"pass CheckpointManager(..., take_over=True) (the lease file is {path})")
 
 
-def _record(fd: int) -> None:
+def _record(fd: int) -> bytes:
+    """Write this process's record into the lease -> the bytes written (empty: not written,
+    then a take-over goes unseen)."""
+    data = json.dumps(holders.me()).encode()
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holders.me()).encode(), 0)
+        os.pwrite(fd, data, 0)
     except OSError as exc:  # only the next job's message loses the holder's name
         log.debug("ckptio: could not record the run lease's holder: %s", exc)
+        return b""
+    return data
+
+
+def _claim(fd: int, directory: str) -> None:
+    """A take-over: this process's record written over the holder's, in one write padded to
+    its length (the holder reads a whole record), so that the holder's manager sees it."""
+    data = json.dumps({**holders.me(), "took_over": True}).encode()
+    try:
+        os.pwrite(fd, data.ljust(os.fstat(fd).st_size), 0)
+    except OSError as exc:  # the holder's manager goes on unaware
+        log.warning("ckptio: could not record the take-over of %s: %s", directory,
+                    exc.strerror or exc)
+
+
+def _taker(fd: int) -> str:
+    """The job that rewrote the lease, as its record names it."""
+    record = _record_of(fd)
+    if record is None:
+        return "holder unknown"
+    return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('since')}"
 
 
 def _record_of(fd: int) -> dict[str, object] | None:
