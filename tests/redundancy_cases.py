@@ -50,6 +50,23 @@ def restore_deltas(rank: int, world: int, base: str, disk: str, per_host: int,
     return restore(rank, world, base, disk, per_host, spec, delta=True)
 
 
+
+def same_bits(got: Any, want: Any, where: str) -> None:
+    """Assert ``got`` holds ``want`` bit for bit (tensors by their bytes, containers walked),
+    naming the first place that differs."""
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got.reshape(-1).view(torch.uint8),
+                           want.reshape(-1).view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert sorted(map(str, got)) == sorted(map(str, want)), where
+        for k in want:
+            same_bits(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_bits(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
 def host_dir(base: str, host: int) -> str:
     return os.path.join(base, f"host{host}")
 

@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -45,8 +44,8 @@ import ckptio
 from ckptio.testing.rank_processes import run_ranks
 from tests.fetch_cases import restore as restore_fetch
 from tests.fetch_cases import save as save_fetch
-from tests.redundancy_cases import (OPTS, host_dir, restore, steps_past_a_frozen_peer, train,
-                                    wipe_host)
+from tests.redundancy_cases import (OPTS, host_dir, restore, same_bits, steps_past_a_frozen_peer,
+                                    train, wipe_host)
 
 TIMEOUT = 240
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,20 +93,6 @@ def base(hosts_base: str) -> str:
     return hosts_base
 
 
-def _same(got: Any, want: Any, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got.reshape(-1).view(torch.uint8),
-                           want.reshape(-1).view(torch.uint8)), where
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), where
-        for k in want:
-            _same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        for i, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
 
 def _flip(step_dir: str, at: int = 64) -> str:
     data = min(glob.glob(os.path.join(step_dir, "data-*")))
@@ -135,7 +120,7 @@ def test_a_flipped_byte_in_a_survivors_own_step_is_never_restored(
     want = 2 if spec == "parity-3" else 3  # two erasures in a group of Parity(k=3): too many
     for rank, (t, r) in enumerate(zip(trained, restored)):
         assert r["step"] == want and r["state_step"] == want, (rank, r["how"])
-        _same(r["got"], t["saved"][want], f"rank {rank}")
+        same_bits(r["got"], t["saved"][want], f"rank {rank}")
         assert any(damaged in s and "checksum" in s for s in r["how"]["skipped"]), r["how"]
 
 
@@ -295,5 +280,5 @@ def test_a_damaged_parity_record_is_named_by_its_file_and_the_disk_step_restored
     restored = run_ranks(4, restore, *args, timeout_s=TIMEOUT)
     for rank, (t, r) in enumerate(zip(trained, restored)):
         assert r["step"] == 2 and r["state_step"] == 2, (rank, r["how"])
-        _same(r["got"], t["saved"][2], f"rank {rank}")
+        same_bits(r["got"], t["saved"][2], f"rank {rank}")
         assert any(record in s and "damaged" in s for s in r["how"]["skipped"]), r["how"]

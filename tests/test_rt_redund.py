@@ -38,7 +38,7 @@ import pytest
 
 import ckptio
 from ckptio.testing.rank_processes import RanksFailed, run_ranks
-from tests.redundancy_cases import OPTS, host_dir, restore, train, wipe_host
+from tests.redundancy_cases import OPTS, host_dir, restore, same_bits, train, wipe_host
 
 TIMEOUT = 240
 
@@ -47,22 +47,6 @@ TIMEOUT = 240
 def base(hosts_base: str) -> str:
     return hosts_base
 
-
-def _same(got: Any, want: Any, where: str) -> None:
-    import torch
-
-    if isinstance(want, torch.Tensor):
-        assert torch.equal(got.reshape(-1).view(torch.uint8),
-                           want.reshape(-1).view(torch.uint8)), where
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), where
-        for k in want:
-            _same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        for i, (g, w) in enumerate(zip(got, want)):
-            _same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
 
 
 def _cut_data(step_dir: str) -> str:
@@ -92,7 +76,7 @@ def test_a_damaged_own_memory_copy_is_rebuilt_from_its_redundancy_bitwise(
     restored = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
     for rank, (t, r) in enumerate(zip(trained, restored)):
         assert r["step"] == 3 and r["state_step"] == 3, (rank, r["how"])
-        _same(r["got"], t["saved"][3], f"rank {rank}")
+        same_bits(r["got"], t["saved"][3], f"rank {rank}")
     assert [r["how"]["source"] for r in restored] == [source] + ["own"] * (hosts - 1)
     for r in restored:
         assert any("step 3 in memory" in s and damaged in s for s in r["how"]["skipped"]), \
@@ -100,7 +84,7 @@ def test_a_damaged_own_memory_copy_is_rebuilt_from_its_redundancy_bitwise(
     # the copy rebuilt replaced the damaged one: the next job loads it from its own memory
     again = run_ranks(hosts, restore, *args, timeout_s=TIMEOUT)
     assert [r["how"]["source"] for r in again] == ["own"] * hosts
-    _same(again[0]["got"], trained[0]["saved"][3], "rank 0, next job")
+    same_bits(again[0]["got"], trained[0]["saved"][3], "rank 0, next job")
 
 
 def never_makes_its_manager(rank: int, world: int, base: str, disk: str, absent: int,
@@ -173,7 +157,7 @@ def test_ranks_restarted_on_other_hosts_restore_the_newest_step_bitwise(base, tm
                          timeout_s=TIMEOUT)
     for rank, (t, r) in enumerate(zip(trained, restored)):
         assert r["step"] == 3 and r["state_step"] == 3, (rank, r["how"])
-        _same(r["got"], t["saved"][3], f"rank {rank}")
+        same_bits(r["got"], t["saved"][3], f"rank {rank}")
         assert r["how"]["tier"] == 0, r["how"]
 
 
@@ -252,7 +236,7 @@ def test_a_damaged_protection_marker_is_named_and_the_disk_step_restored(base, t
     restored = run_ranks(4, restore_logged, base, disk, "parity-3", timeout_s=TIMEOUT)
     for rank, (t, r) in enumerate(zip(trained, restored)):
         assert r["step"] == 2 and r["state_step"] == 2, (rank, r["how"])
-        _same(r["got"], t["saved"][2], f"rank {rank}")
+        same_bits(r["got"], t["saved"][2], f"rank {rank}")
     assert [r["how"]["source"] for r in restored] == ["own", "disk", "own", "own"]
     assert any(marker in m and "unreadable" in m and "step 3" in m
                for m in restored[3]["said"]), restored[3]["said"]
