@@ -195,7 +195,7 @@ class CheckpointManager(ManagerParts):
         self._room_for(state)
         if not self._first_leased:  # the run directory this save makes, and the slower
             # tiers' its drain will make: their incomplete steps are its drain's copies
-            self._agreed(self._take_leases, range(len(self._levels)), create=True)
+            self._agreed(self._leases.take, range(len(self._levels)), create=True)
             self._first_leased = True
         refusal = self._agreed(self._refusal, step, metrics, metadata)
         if refusal is not None:

@@ -6,8 +6,9 @@ close(), and the rank-0 decisions every rank agrees on (managing/agreement.py).
 
 Call order: constructed by CheckpointManager(...) on every rank together; the verbs in
 manager.py call _room_for, _committed and _retain around each save; close() last.
-Owns: the tiers at run time, the followers, the save in flight, the run leases, the preemption
-handler, the agreement across ranks, the exit-time line for a manager never closed. Does not
+Owns: the tiers at run time, the followers, the save in flight, when the run leases are taken
+(leases.py holds them), the preemption handler, the agreement across ranks, the exit-time line
+for a manager never closed. Does not
 own: the public verbs (manager.py), the policies (policies/), one checkpoint's save and load
 (api.py).
 """
@@ -26,8 +27,7 @@ from typing import Any
 
 from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
-from ckptio.errors import (CheckpointLockedError, CkptError, SaveTimeoutError, StorageIOError,
-                           seconds_to_wait)
+from ckptio.errors import CheckpointLockedError, CkptError, SaveTimeoutError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
@@ -35,6 +35,7 @@ from ckptio.managing.drain import Drain
 from ckptio.managing.follower import Follower
 from ckptio.managing.guard import Guard
 from ckptio.managing.inflight import InFlight
+from ckptio.managing.leases import RunLeases
 from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.tier import (
@@ -60,7 +61,6 @@ from ckptio.policies import (
 )
 from ckptio.saving.handle import SaveResult
 from ckptio.storage.select import checkpoint_path, scheme_of
-from ckptio.storage.steproot import Claimable, Lease
 
 __all__ = ["ManagerParts"]
 
@@ -128,16 +128,15 @@ class ManagerParts:
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
         self.last_restore: dict[str, Any] | None = None  # tier, step, seconds, report
-        self._leases: dict[int, Lease] = {}  # tier -> its lease (one job per run)
-        self._take_over, self._first_leased = take_over, False
+        self._leases = RunLeases(self._levels, take_over)  # rank 0's (one job per run)
+        self._first_leased = False
         self._saved_here = False  # a save started: the staging is the one the saves sized
         self._closed = False  # close() ran: its leases, handlers and followers are let go
-        self._told_lost = False  # rank 0: a lease taken over was said (_lost_untold)
         try:
-            self._agreed(self._take_leases, range(len(self._levels)), create=False)
+            self._agreed(self._leases.take, range(len(self._levels)), create=False)
             self._start(self._policy.wants_preemption, drain_rate)
         except BaseException:
-            self._let_go_leases()
+            self._leases.release()
             self._policy.triggers.preemption.uninstall()
             if self._owns_checkpointer:
                 self._ck.close()
@@ -158,8 +157,7 @@ class ManagerParts:
                                     long_every=self._tier_long_every)
                 self._ck.resources().commits.listen()
                 self._followers.append(self._drain)
-            held = {k for k, lease in self._leases.items() if lease.held}
-            self._agreed(resume, self._levels, self._drain, held)
+            self._agreed(resume, self._levels, self._drain, self._leases.held())
 
     def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM,)) -> None:
         """Record ``signals`` (default SIGTERM) instead of dying of them, until close()
@@ -304,7 +302,7 @@ class ManagerParts:
                 if self._owns_checkpointer:
                     self._ck.close()
             finally:
-                self._let_go_leases()
+                self._leases.release()
                 if self._guard is not None:
                     self._guard.release()
 
@@ -343,7 +341,7 @@ class ManagerParts:
 
     def _retain_kept(self, k: int, also: set[int]) -> list[int] | None:
         """Rank 0: tier ``k``'s retention, unless a run lease was taken over (None)."""
-        if self._lost_lease() is not None:
+        if self._leases.lost() is not None:
             return None
         return list(self._levels[k].retain(also))
 
@@ -364,61 +362,20 @@ class ManagerParts:
     def _ranks(self) -> Group:
         return self._ranking.group()
 
-    def _take_leases(self, tiers: Sequence[int], *, create: bool) -> None:
-        """Rank 0: these local tiers' run leases (those not held yet; at the first save, one taken
-        over is claimed: Claimable), or the refusal naming the
-        job holding one (storage/local/runlease.py). A slower tier that cannot be made or
-        locked at the first save (``create``) is logged and passed over: the first tier keeps
-        saving, and the drain's copies there raise why."""
-        for k in tiers:
-            taken = self._leases.get(k)
-            if create and isinstance(taken, Claimable):  # this manager saves: tell the holder
-                taken.claim()
-            if taken is None:
-                try:
-                    lease = self._levels[k].lease(self._take_over, create=create)
-                except StorageIOError as exc:
-                    if k == 0 or not create:
-                        raise
-                    log.warning("ckptio: no run lease taken in tier %s: %s", self.tiers[k].location,
-                                exc)
-                    continue
-                if lease is not None:
-                    self._leases[k] = lease
-
     def _refusal(self, step: int, metrics: Mapping[str, Any] | None,
                  metadata: Mapping[str, Any] | None) -> str | None:
         """Rank 0: why ``step`` may not be saved now (InFlight.refusal), or the refusal
         naming a run lease another job took over since it was taken."""
-        lost = self._lost_lease()
+        lost = self._leases.lost()
         if lost is not None:
-            self._told_lost = True  # rank 0's: it decides whether close() says it again
+            self._leases.said()  # rank 0's: it decides whether close() says it again
             raise CheckpointLockedError(f"step {step} was not saved: {lost}")
         return self._saves.refusal(self._levels, step, metrics, metadata)
-
-    def _lost_lease(self) -> str | None:
-        """Rank 0: why a run lease this manager took is another job's now (None: all kept)."""
-        for k, lease in self._leases.items():
-            if lease.lost is not None:
-                return (f"this job's lease on the run {self.tiers[k].location} was taken over "
-                        f"by another job ({lease.lost}); the steps this job saved there are not "
-                        "kept (that job's retention drops them), so this manager saves and "
-                        "drops nothing there any more: stop one of the jobs (a job restarted "
-                        "with take_over=True took it on purpose), or save to another location")
-        return None
-
-    def _lost_untold(self) -> str | None:
-        """Rank 0: as _lost_lease, but "" once said (a refused save, wait(), close())."""
-        lost = self._lost_lease()
-        if lost is None or self._told_lost:
-            return lost and ""
-        self._told_lost = True
-        return lost
 
     def _taken_over(self) -> str | None:
         """Collective: None while every run lease is kept; else the steps there are another
         job's: CheckpointLockedError the first time that is said, else ""."""
-        lost = self._agreed(self._lost_untold)
+        lost = self._agreed(self._leases.lost_untold)
         if lost:
             raise CheckpointLockedError(f"CheckpointManager({self.directory}): {lost}")
         return lost
@@ -436,12 +393,7 @@ class ManagerParts:
             for level in self._levels:
                 level.drop_slots(at_exit=True)
         finally:
-            self._let_go_leases()
-
-    def _let_go_leases(self) -> None:
-        for lease in self._leases.values():
-            lease.release()
-        self._leases.clear()
+            self._leases.release()
 
     def _deferred(self, k: int) -> bool:
         """Rank 0: whether tier ``k`` kept bases back one retention pass (chains.py)."""
