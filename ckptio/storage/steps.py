@@ -189,22 +189,28 @@ def check_files(store: Store, record: Manifest) -> None:
 def foreign(store: Store) -> str | None:
     """What another library's checkpoint ``store`` holds (DCP's, a Hugging Face folder's
     weights), in words, or None."""
-    found = store.sizes(_FOREIGN)
-    return next((what for name, (what, _) in _FOREIGN.items() if name in found), None)
+    found = _foreign_found(store)
+    return None if found is None else found[0]
 
 
 def foreign_there(store: Store, writer: str) -> None:
     """CkptError if ``store`` holds a DCP checkpoint (its ``.metadata``) or a Hugging Face
     folder's weights: ``writer`` (a ckptio save, with or without overwrite) would leave both,
     and dcp.load, torchtitan's scan or from_pretrained would go on reading the old one."""
+    found = _foreign_found(store)
+    if found is not None:
+        what, reader = found
+        raise CkptError(
+            f"{store.location} holds {what}: {writer} there would leave both, and {reader} "
+            "would go on reading the old one; nothing was written. Save to another path, or "
+            "move that checkpoint away first (ckptio.load reads it; ckptio convert copies it "
+            "into a ckptio checkpoint)")
+
+
+def _foreign_found(store: Store) -> tuple[str, str] | None:
+    """(what, its reader) of the first of _FOREIGN's files ``store`` holds, or None."""
     found = store.sizes(_FOREIGN)
-    for name, (what, reader) in _FOREIGN.items():
-        if name in found:
-            raise CkptError(
-                f"{store.location} holds {what}: {writer} there would leave both, and {reader} "
-                "would go on reading the old one; nothing was written. Save to another path, or "
-                "move that checkpoint away first (ckptio.load reads it; ckptio convert copies it "
-                "into a ckptio checkpoint)")
+    return next((kind for name, kind in _FOREIGN.items() if name in found), None)
 
 
 _FOREIGN = {  # another library's checkpoint a ckptio save must not be written beside
