@@ -707,9 +707,17 @@ def test_cleanup_removes_only_files_a_ckptio_save_creates(tmp_path):
     (path / "data-notes.txt").write_text("mine")
     ckptio.save({"a": torch.ones(2)}, path)
     ckptio.save({"a": torch.zeros(2)}, path)  # the second save's cleanup removes the first's
-    names = sorted(p.name for p in path.iterdir())
+    # The removal runs in the background once listed (saving/cleanup.py): under load it may
+    # still be deleting when save() returns, so wait for it (bounded).
+    deadline = time.monotonic() + 30
+    while True:
+        names = sorted(p.name for p in path.iterdir())
+        bins = [n for n in names if n.endswith(".bin")]
+        if len(bins) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert "data-00000-of-00001.arrow" in names and "data-notes.txt" in names
-    assert len([n for n in names if n.endswith(".bin")]) == 1
+    assert len(bins) == 1, bins
 
 
 def test_a_save_over_a_committed_checkpoint_says_it_replaced_it(tmp_path, caplog):
