@@ -6,8 +6,9 @@ module maps each ShardedTensor (its main replica only: ``replica_id`` 0) to a
 own region; each ShardedObject (its main replica) to a ckptio value under its unique key (JSON,
 tensors, bytes; a pickle only with ``allow_pickle=True``, on save and on load alike). The
 common state (Megatron's ``common_state`` object) goes to ``common.pt`` by ``torch.save``, which
-Megatron's own ``load_common_state_dict`` reads (``torch.load``, weights only); its digest is in
-ckptio's manifest and a load refuses a ``common.pt`` of another save. ckptio's files live in
+Megatron's own ``load_common_state_dict`` reads (``torch.load``, weights only); before 0.19
+Megatron writes that file itself, first. Its digest is in ckptio's manifest either way, and a
+load refuses a ``common.pt`` of another save. ckptio's files live in
 ``<checkpoint_dir>/ckptio`` and commit atomically.
 
 Owns: the two strategy classes and the mapping. Does not own: Megatron's preprocessing
@@ -180,15 +181,21 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         self.allow_pickle = allow_pickle
         self.options = options
 
-    def _prepare(self, sharded_state_dict: Any) -> tuple[dict[str, Any], bytes | None]:
+    def _prepare(self, sharded_state_dict: Any, checkpoint_dir: Any
+                 ) -> tuple[dict[str, Any], bytes | None, dict[str, Any] | None]:
+        """-> (ckptio state, the common state's bytes to write after the commit, the manifest's
+        metadata: the digest of the ``common.pt`` this checkpoint goes with)."""
         state, common, has_common = _save_state(sharded_state_dict)
-        return state, _common_bytes(common) if has_common else None
+        if has_common:
+            data = _common_bytes(common)
+            return state, data, _meta(_digest(data))
+        return state, None, _meta(_written_common(os.fspath(checkpoint_dir)))
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Every rank: durable and committed when it returns."""
-        state, common = self._prepare(sharded_state_dict)
+        state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
         checkpointer(self.options).save(state, data_path(checkpoint_dir),
-                                        allow_pickle=self.allow_pickle, metadata=_meta(common))
+                                        allow_pickle=self.allow_pickle, metadata=meta)
         _finish(os.fspath(checkpoint_dir), common)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any,
@@ -196,10 +203,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         """Every rank: returns once the tensors are staged (ckptio writes them in its own
         threads, not in a process of Megatron's); the request's finalize step waits for the
         commit, then writes ``common.pt``. ``async_strategy`` is not used."""
-        state, common = self._prepare(sharded_state_dict)
+        state, common, meta = self._prepare(sharded_state_dict, checkpoint_dir)
         handle = checkpointer(self.options).async_save(
-            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle,
-            metadata=_meta(common))
+            state, data_path(checkpoint_dir), allow_pickle=self.allow_pickle, metadata=meta)
         target = os.fspath(checkpoint_dir)
 
         def finalize() -> None:
@@ -209,8 +215,25 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         return AsyncRequest(None, (), [finalize])
 
 
-def _meta(common: bytes | None) -> dict[str, Any] | None:
-    return None if common is None else {_DIGEST: xxhash.xxh3_64_hexdigest(common)}
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def _meta(digest: str | None) -> dict[str, Any] | None:
+    return None if digest is None else {_DIGEST: digest}
+
+
+def _written_common(checkpoint_dir: str) -> str | None:
+    """Rank 0, where Megatron wrote ``common.pt`` itself before calling the strategy (before
+    0.19 its ``save`` does; the strategy sees no common state): that file's digest, so a load
+    refuses it beside tensors of another save (a save killed while ckptio wrote)."""
+    if _rank() != 0:
+        return None
+    try:
+        with open(os.path.join(checkpoint_dir, _COMMON), "rb") as f:
+            return _digest(f.read())
+    except FileNotFoundError:
+        return None
 
 
 def _finish(checkpoint_dir: str, common: bytes | None) -> None:
@@ -335,7 +358,8 @@ def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch
 
 def _check_common(checkpoint_dir: str) -> None:
     """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
-    killed between ckptio's commit and ``common.pt``'s replacement)."""
+    killed between ckptio's commit and ``common.pt``'s replacement or, where Megatron writes
+    ``common.pt`` first, before ckptio's commit)."""
     meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
     want = meta.get(_DIGEST)
     if want is None:
@@ -343,10 +367,11 @@ def _check_common(checkpoint_dir: str) -> None:
     path = os.path.join(checkpoint_dir, _COMMON)
     try:
         with open(path, "rb") as f:
-            have = xxhash.xxh3_64_hexdigest(f.read())
+            have = _digest(f.read())
     except FileNotFoundError:
         have = None
     if have != want:
         raise CorruptCheckpointError(
             f"{path}: not the common state saved with {data_path(checkpoint_dir)} (a save "
-            "stopped before writing it); load an earlier checkpoint or save this one again")
+            "into this directory stopped part way, so the two are of different saves); load "
+            "an earlier checkpoint or save this one again")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run tests/test_megatron.py (ckptio's Megatron-Core dist_checkpointing strategies) in a Python
-# 3.12 venv that has megatron-core; CI's venv is Python 3.11, where megatron-core 0.19 does not
-# install and the file is skipped (docs/guides/megatron.md).
+# 3.12 venv that has megatron-core 0.19.2; CI's venv is Python 3.11, where megatron-core 0.19
+# does not install and the test extra gives it 0.16.1 (docs/guides/megatron.md).
 #
 #     dev/megatron_tests.sh                      # the tests
 #     dev/megatron_tests.sh -k kill              # pytest's arguments pass through
