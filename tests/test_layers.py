@@ -83,7 +83,8 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
      "ckptio.convert_writers", "ckptio.hf_trainer", "ckptio.tc_storage",
      "ckptio.torchtitan_manager", "ckptio.lightning_rng"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
-    ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard", "ckptio.demo",
+    ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
+     "ckptio.deepspeed_tags", "ckptio.demo",
      "ckptio.megatron_strategy"),  # users of ``import ckptio``
     ("ckptio.cli", "ckptio.__main__"),  # the command line
 )

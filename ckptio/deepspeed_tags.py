@@ -1,0 +1,137 @@
+"""A DeepSpeed tag folder whose files ckptio wrote: where training stood at each file's save,
+whether the folder's files are of one save and of every rank, and ``to_torch_save``, which
+copies a DeepSpeed checkpoint directory with each ckptio file made a torch.save file again.
+
+Owns: the metadata keys a file's save records (``STANDS``, ``OVER``) and the checks of a tag
+folder as one whole save, which both a load (CkptioCheckpointEngine) and ``to_torch_save``
+make. Does not own: the checkpoint engine (ckptio.deepspeed_engine), the checks before
+DeepSpeed's load (ckptio.deepspeed_guard), the conversion (ckptio.convert). Needs no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from ckptio.convert import convert
+from ckptio.errors import CkptError, IncompleteCheckpointError
+from ckptio.shared import load
+from ckptio.stepmeta import read_metadata
+from ckptio.storage.local.local_root import is_committed
+
+__all__ = ["OVER", "STANDS", "other_save", "recorded", "to_torch_save"]
+
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_(mp_rank_\d+_\w+\.pt)$")  # per rank, per kind
+STANDS = "deepspeed_training"  # the metadata key: global_steps and global_samples at the save
+OVER = "deepspeed_over_tag"  # the metadata key: the save's tag folder existed before it
+
+
+def recorded(path: str) -> tuple[str | None, bool]:
+    """Where training stood when the ckptio file ``path`` was saved (None: not recorded), and
+    whether that save was over an existing tag."""
+    if not is_committed(path):
+        return None, False  # a torch.save file DeepSpeed's own engine wrote
+    meta = read_metadata(path).get("metadata", {})
+    value = meta.get(STANDS)
+    return (value if isinstance(value, str) else None), meta.get(OVER) is True
+
+
+def other_save(folder: str, stands: str) -> tuple[str, str] | None:
+    """A file of ``folder`` saved where training stood elsewhere than ``stands``, and where."""
+    for name in sorted(os.listdir(folder)):
+        other = recorded(os.path.join(folder, name))[0]
+        if other is not None and other != stands:
+            return os.path.join(folder, name), other
+    return None
+
+
+def to_torch_save(save_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> str:
+    """A copy of DeepSpeed checkpoint directory ``save_dir`` (its tags, ``latest``, scripts)
+    in which every ckptio checkpoint is a torch.save file again, for DeepSpeed's offline tools
+    that call torch.load themselves (zero_to_fp32.py, ds_to_universal.py). -> out_dir."""
+    src, dst = os.fspath(save_dir), os.fspath(out_dir)
+    if os.path.exists(dst):
+        raise CkptError(f"{dst} exists: to_torch_save writes a new directory (name another)")
+    for here, dirs, _ in os.walk(src):  # checked whole before anything is written
+        dirs[:] = [d for d in dirs if not _whole_file(os.path.join(here, d))]
+        _one_save(here)
+    for here, dirs, files in os.walk(src):
+        rel = os.path.relpath(here, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in files:
+            shutil.copy2(os.path.join(here, name), os.path.join(dst, rel, name))
+        for name in list(dirs):
+            if is_committed(os.path.join(here, name)):
+                dirs.remove(name)
+                convert(os.path.join(here, name), os.path.join(dst, rel, name), to="torch.save",
+                        allow_pickle=True)
+    return dst
+
+
+def _whole_file(path: str) -> bool:
+    """Whether ``path`` (a directory) is a committed ckptio file of a tag; refused where it is
+    a file of a save cut short (a ``.pt`` directory never committed): its bytes are not a
+    checkpoint, which a load refuses too."""
+    if is_committed(path):
+        return True
+    if path.endswith(".pt"):
+        raise IncompleteCheckpointError(
+            f"{path} was never committed (a save_checkpoint of its tag cut short), so the tag "
+            f"{os.path.dirname(path)} is not whole: a load refuses it, and to_torch_save does "
+            "not copy it; remove that tag folder (its 'latest' names the tag before it, which "
+            "a resume loads) and convert again")
+    return False
+
+
+def _one_save(folder: str) -> None:
+    """Refuse ``folder`` if its ckptio files are of two saves (as a load does: see
+    CkptioCheckpointEngine._check_one_save)."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".pt"))
+    _every_rank(folder, names)
+    stands = next((s for n in names if (s := recorded(os.path.join(folder, n))[0])), None)
+    other = None if stands is None else other_save(folder, stands)
+    if other is not None:
+        first = next(os.path.join(folder, n) for n in names
+                     if recorded(os.path.join(folder, n))[0] == stands)
+        raise IncompleteCheckpointError(
+            f"DeepSpeed tag {folder} holds files of two saves: {first} from the one at "
+            f"{stands}, {other[0]} from the one at {other[1]} (a save_checkpoint of this tag "
+            "cut short left the rest of the earlier save), so they are not one training state: "
+            "a load refuses it, and to_torch_save does not copy it; remove that tag folder and "
+            "convert again")
+
+
+def _every_rank(folder: str, names: list[str]) -> None:
+    """Refuse ``folder`` if a kind of per-rank file (ZeRO's ``zero_pp_rank_<r>_...``) is
+    missing for a rank of the save (the data-parallel ranks its model states file records, or
+    a rank another kind has): a save cut short before that rank wrote it, which a load on
+    that rank refuses (the file is not there)."""
+    kinds: dict[str, set[int]] = {}
+    for name in names:
+        match = _RANK_FILE.match(name)
+        if match is not None:
+            kinds.setdefault(match.group(2), set()).add(int(match.group(1)))
+    ranks = set().union(*kinds.values()) | set(range(_dp_ranks(folder, names)))
+    for kind, have in sorted(kinds.items()):
+        missing = sorted(ranks - have)
+        if missing:
+            path = os.path.join(folder, f"zero_pp_rank_{missing[0]}_{kind}")
+            raise IncompleteCheckpointError(
+                f"DeepSpeed tag {folder} is not whole: {path} is missing (rank(s) {missing} "
+                "wrote no such file; a save_checkpoint cut short), so a load on that rank "
+                "refuses it and to_torch_save does not copy it; remove that tag folder and "
+                "convert again")
+
+
+def _dp_ranks(folder: str, names: list[str]) -> int:
+    """The data-parallel ranks the save's ``mp_rank_00_model_states.pt`` records (0: none
+    recorded, or no such committed ckptio file)."""
+    path = os.path.join(folder, "mp_rank_00_model_states.pt")
+    if "mp_rank_00_model_states.pt" not in names or not is_committed(path):
+        return 0
+    try:
+        size = load(path, keys="dp_world_size", strict=False).get("dp_world_size")
+    except CkptError:  # unreadable here: its conversion below names the damage
+        return 0
+    return size if isinstance(size, int) else 0
