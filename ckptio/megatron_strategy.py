@@ -279,8 +279,9 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 f"{path}: rank {_rank()} cannot load ShardedTensors {named[:5]} (missing or "
                 "mismatched); load with strict=False in dist_checkpointing.load to skip "
                 "missing ones")
-        for region, piece, box in copies:
-            piece.copy_(box[region])
+        with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
+            for region, piece, box in copies:
+                piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
         objects = self._objects(path, wanted)
 
