@@ -110,6 +110,17 @@ def test_ls_and_status_name_its_steps_not_interrupted_saves(run, tmp_path) -> No
     assert tier["incomplete"] == [300] and tier["torch_checkpointing"] == [100, 200], tier
 
 
+def test_loading_the_run_directory_names_its_steps_and_the_ways_to_load_them(run) -> None:
+    """ckptio.load(RUN) of a run of its steps said "holds no ckptio checkpoint" and listed the
+    names; now it says they are torch_checkpointing checkpoints and how to load them."""
+    with pytest.raises(ckptio.CheckpointNotFoundError) as caught:
+        ckptio.load(run["root"])
+    message = str(caught.value)
+    assert "holds 2 torch_checkpointing checkpoints (step-100, step-200)" in message
+    assert "e.g. .../step-200; ckptio.load reads its files" in message
+    assert "ckptio.CheckpointManager" in message
+
+
 def test_its_steps_convert_into_a_run_the_manager_restores_bitwise(run, tmp_path) -> None:
     done = run_cli("convert", str(run["root"] / "step-200"), str(tmp_path / "new" / "step-200"),
                    env=ENV, timeout=120)

@@ -57,11 +57,13 @@ def spelled_alike(name: str, siblings: list[str]) -> list[str]:
 
 
 def no_manifest(location: str, names: list[str],
-                is_checkpoint: Callable[[str], bool] = lambda name: False) -> CkptError:
+                is_checkpoint: Callable[[str], bool] = lambda name: False,
+                is_tc: Callable[[str], bool] = lambda name: False) -> CkptError:
     """The error for ``location`` holding ``names`` (every entry, sorted) and no committed
     manifest: IncompleteCheckpointError for a ckptio save's leftovers, else
     CheckpointNotFoundError saying what it is. ``is_checkpoint(name)``: whether the entry
-    ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints)."""
+    ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints); ``is_tc(name)``:
+    whether the step ``name`` holds a torch_checkpointing checkpoint (a run of its steps)."""
     partial = [n for n in names if is_ours(n) or n == LOCK_NAME]
     if partial:
         return IncompleteCheckpointError(
@@ -69,26 +71,38 @@ def no_manifest(location: str, names: list[str],
             f"partial file(s) of a ckptio save that was interrupted before its commit, or is "
             f"still running ({_some(partial)}): no committed checkpoint exists here. Load an "
             "earlier checkpoint; saving into this path again replaces the leftovers")
-    return CheckpointNotFoundError(f"{location} {_what_it_holds(names, is_checkpoint)}")
+    return CheckpointNotFoundError(f"{location} {_what_it_holds(names, is_checkpoint, is_tc)}")
+
+
+def _counted(checkpoints: list[str], kind: str) -> str:
+    """"3 ckptio checkpoints (a, b, c)", "5 ... (a ... e)"."""
+    shown = (", ".join(checkpoints) if len(checkpoints) <= 3
+             else f"{checkpoints[0]} ... {checkpoints[-1]}")
+    plural = "s" if len(checkpoints) > 1 else ""
+    return f"{len(checkpoints)} {kind} checkpoint{plural} ({shown})"
 
 
 def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _what_it_holds(names: list[str], is_checkpoint: Callable[[str], bool]) -> str:
+def _what_it_holds(names: list[str], is_checkpoint: Callable[[str], bool],
+                   is_tc: Callable[[str], bool]) -> str:
     other = _other_library(names)
     if other:
         return other
     checkpoints = _natural([n for n in names if is_checkpoint(n)])
     if checkpoints:
-        shown = (", ".join(checkpoints) if len(checkpoints) <= 3
-                 else f"{checkpoints[0]} ... {checkpoints[-1]}")
-        plural = "s" if len(checkpoints) > 1 else ""
-        return (f"holds {len(checkpoints)} ckptio checkpoint{plural} ({shown}) but is not one "
-                f"itself: pass one of them (e.g. .../{checkpoints[-1]})"
+        return (f"holds {_counted(checkpoints, 'ckptio')} but is not one itself: pass one of "
+                f"them (e.g. .../{checkpoints[-1]})"
                 + (", or use ckptio.CheckpointManager" if any(n.startswith("step-")
                                                                for n in checkpoints) else ""))
+    tc = _natural([n for n in names if _STEP.match(n) and is_tc(n)])
+    if tc:
+        return (f"holds {_counted(tc, 'torch_checkpointing')} (a run of its steps) but is not "
+                f"one itself: pass one of them (e.g. .../{tc[-1]}; ckptio.load reads its "
+                "files), or point a ckptio.CheckpointManager at this directory, whose restore() "
+                "names the newest and how to resume from it")
     trainer = [n for n in names  # ckptio.hf_trainer's checkpoint-N/ckptio
                if n.startswith("checkpoint-") and is_checkpoint(f"{n}/ckptio")]
     if trainer:

@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Callable, Sequence
 
 from ckptio.errors import StorageIOError
-from ckptio.storage.local.local_store import LocalStore, committed_at
+from ckptio.storage.local.local_store import LocalStore, committed_at, holds_tc
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.local import runlease
 from ckptio.storage.local.runlease import RunLease, not_a_run_directory
@@ -44,7 +44,6 @@ from ckptio.storage.steproot import (
     Usage,
     hidden_name,
     is_hidden,
-    is_tc_file,
     nothing_message,
     step_name,
     step_of,
@@ -101,7 +100,7 @@ class LocalRoot:
         """ForeignRoot: those of ``incomplete`` holding a torch_checkpointing checkpoint (a
         listing of each: no request to spare on a local directory)."""
         return [step for step in sorted(incomplete)
-                if any(is_tc_file(e.name) for e in _step_entries(self.path(step)))]
+                if holds_tc(self.path(step))]
 
     def hide(self, step: int) -> bool:
         """Rename the step out of the listing (atomic); False (and a warning) if that failed."""
@@ -205,16 +204,6 @@ def _entries(directory: str) -> list[os.DirEntry[str]]:
     except OSError as exc:
         raise StorageIOError(f"cannot list checkpoint directory {directory}: "
                              f"{exc.strerror or exc}") from None
-
-
-def _step_entries(path: str) -> list[os.DirEntry[str]]:
-    """A step directory's entries; none where it cannot be listed (a save or load there then
-    says why)."""
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
 
 
 def is_committed(path: str) -> bool:

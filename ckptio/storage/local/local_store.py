@@ -47,6 +47,7 @@ from ckptio.storage.files import Capabilities
 from ckptio.storage.local import dirlock
 from ckptio.storage.local.durable import fsync_path, write_durably
 from ckptio.storage.local.mapped import Mappings
+from ckptio.storage.steproot import is_tc_file
 from ckptio.storage.store_contract import (
     TMP_PREFIX,
     Exclusive,
@@ -58,7 +59,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["LocalClaim", "LocalStore", "committed_at"]
+__all__ = ["LocalClaim", "LocalStore", "committed_at", "holds_tc"]
 
 
 @dataclass
@@ -254,8 +255,10 @@ class LocalStore:
             names = sorted(os.listdir(self.directory))
         except OSError as exc:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
-        return missing_manifest.no_manifest(self.location, names, lambda name: os.path.isfile(
-            os.path.join(self.directory, name, MANIFEST_NAME)))
+        return missing_manifest.no_manifest(
+            self.location, names,
+            lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),
+            lambda name: holds_tc(os.path.join(self.directory, name)))
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -397,3 +400,13 @@ def committed_at(directory: str) -> bool:
     except OSError as exc:
         raise StorageIOError(f"cannot stat {file}: {exc.strerror or exc}") from None
     return stat.S_ISREG(info.st_mode)
+
+
+def holds_tc(path: str) -> bool:
+    """Whether directory ``path`` holds a torch_checkpointing checkpoint's files
+    (steproot.is_tc_file); False where it cannot be listed (a load there says why)."""
+    try:
+        with os.scandir(path) as it:
+            return any(is_tc_file(e.name) for e in it)
+    except OSError:
+        return False
