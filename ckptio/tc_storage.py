@@ -181,8 +181,9 @@ class CkptioStorage(Storage):
 
     def _move(self, src: TreeStore, dst: TreeStore) -> None:
         """``src`` moved onto ``dst``; where that copies object by object (an object store), a
-        checkpoint copied part way is marked so (tcdir.MOVING_NAME, copied first, removed
-        last): ckptio.load refuses it rather than load the items that were copied."""
+        checkpoint copied part way is marked so (tcdir.MOVING_NAME, copied first as its name
+        begins with "." (TreeStore.move_to), removed last): ckptio.load refuses it rather than
+        load the items that were copied."""
         marked = not src.capabilities.rename
         if marked:
             src.write_file(MOVING_NAME, MOVING_BODY)

@@ -364,3 +364,39 @@ def test_on_s3_a_commit_through_ckptio_storage_cut_short_is_refused_not_loaded_i
             ckptio.load(f"{root}/step-5", _build(1), **kwargs)
     with pytest.raises(ckptio.CheckpointNotFoundError, match="did not finish"):
         ckptio.load(f"{root}/step-5")
+
+
+def test_on_s3_the_unfinished_marker_is_copied_before_any_item(weed, monkeypatch) -> None:
+    """The commit's marker (tcdir.MOVING_NAME) went over in the listing's order, so an item
+    whose name sorts before it ("-head") was copied first: a connection dying on the second
+    copy left step-5 holding "-head" alone, which ckptio.load returned as a whole checkpoint.
+    Now names beginning with "." go first (object_tree.keys)."""
+    from torch_checkpointing import CheckpointManager
+
+    from ckptio.storage.s3.store import S3Bucket
+    from ckptio.tc_storage import CkptioStorageConfig
+
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    root = f"s3://{weed.bucket}/order-{uuid.uuid4().hex}"
+    copied, copy = [], S3Bucket.copy
+
+    def cut(self: Any, key: str, to: Any, dest_key: str) -> None:
+        if len(copied) == 1:
+            raise ckptio.StorageIOError(f"copying {key}: the connection was reset")
+        copied.append(key)
+        copy(self, key, to, dest_key)
+
+    monkeypatch.setattr(S3Bucket, "copy", cut)
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = CkptioStorageConfig(root)
+    tc = config.build()
+    try:
+        with pytest.raises(Exception, match="connection was reset"):
+            tc.save("step-5", {"-head": {"w": torch.ones(3)}, "model": {"w": torch.zeros(3)}})
+    finally:
+        tc.close()
+    monkeypatch.setattr(S3Bucket, "copy", copy)
+    with pytest.raises(ckptio.CkptError):
+        ckptio.load(f"{root}/step-5")
+    assert copied[0].endswith("/.ckptio-moving"), copied

@@ -246,9 +246,10 @@ class ObjectTreeStore:
         return sorted(n for n in names if n)
 
     def keys(self) -> list[str]:
-        """Every object's key under the prefix, at any depth, manifests last."""
+        """Every object's key under the prefix, at any depth: markers (names beginning with
+        ".") first, manifests last, so a copy in this order cut short is marked or uncommitted."""
         found, _ = self.bucket.listing(self.where.dir_prefix, False)
-        return sorted(found, key=lambda k: (k.rsplit("/", 1)[-1] == MANIFEST_NAME, k))
+        return sorted(found, key=_copy_order)
 
     def names_below(self) -> list[str]:
         """Every object's name under the prefix, at any depth, relative to it (one listing,
@@ -285,6 +286,11 @@ class ObjectTreeStore:
         if problems:
             raise StorageIOError(f"moving {self.location} to {target.location}: "
                                  f"{'; '.join(problems)}")
+
+
+def _copy_order(key: str) -> tuple[bool, bool, str]:
+    name = key.rsplit("/", 1)[-1]
+    return name == MANIFEST_NAME, not name.startswith("."), key
 
 
 def _a(noun: str) -> str:

@@ -237,6 +237,7 @@ class TreeStore(Store, Protocol):
     def move_to(self, target: TreeStore) -> None:
         """Move everything at this location to ``target`` (a store of this kind), replacing
         what it held; this location is empty after. One rename where capabilities.rename;
-        elsewhere copied then removed, target's manifests last (a checkpoint there is
-        committed only once whole). StorageIOError if it cannot."""
+        elsewhere copied then removed, names beginning with "." (markers) first and target's
+        manifests last (a checkpoint there is committed only once whole). StorageIOError if it
+        cannot."""
         ...
