@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ckptio.api import Checkpointer, SaveHandle
+from ckptio.convert_writers import write_torch_save
 from ckptio.deepspeed_guard import guarded_load
 from ckptio.deepspeed_tags import OVER, STANDS, other_save, recorded, to_torch_save
 from ckptio.distributed.dist import Group, current_group, over_torch, rank_alone_group
@@ -107,7 +108,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
             self._ranks = over_torch(group, self.options)  # every rank beats from now on
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone)."""
+        """Write ``state_dict`` as the ckptio checkpoint ``path`` (this rank alone); a file
+        outside the tag's folder (``save_16bit_model``'s ``pytorch_model.bin``, an export for
+        torch.load and from_pretrained) as the torch.save file DeepSpeed's own engine writes."""
+        if not self._in_tag(path):
+            self._settle()
+            write_torch_save(state_dict, os.fspath(path))
+            return
         meta = None if self._stands is None else {STANDS: self._stands, OVER: self._over}
         try:
             if self.decoupled:
@@ -122,6 +129,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 f"{exc} (through DeepSpeed: ckptio.deepspeed_engine.use(engine, "
                 "allow_pickle=True) stores ZeRO's loss scaler and param_slice_mappings pickled; "
                 "loading them then unpickles, so only for checkpoints you trust)") from exc
+
+    def _in_tag(self, path: str) -> bool:
+        info = self._info
+        if info is None:
+            return True
+        folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
+        return os.path.abspath(os.fspath(path)).startswith(folder + os.sep)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state saved at ``path``: CPU tensors (moved to ``map_location`` when that names

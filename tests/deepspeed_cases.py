@@ -250,3 +250,17 @@ def zero3_weights_only(rank: int, world_size: int, root: str) -> dict[str, Any]:
     engine.load_checkpoint(copy, load_optimizer_states=False)
     out["from_copy"] = all(torch.equal(a, b) for a, b in zip(params(engine), saved))
     return out
+
+
+def save_16bit(rank: int, world_size: int, root: str, decoupled: bool) -> bool:
+    """A trained step, then ``save_16bit_model(root)`` through ckptio's engine -> whether
+    ``root/pytorch_model.bin`` is a torch.save file holding the module's weights."""
+    from ckptio.deepspeed_engine import use
+
+    engine = engine_for(1, world_size)
+    use(engine, decoupled=decoupled)
+    train(engine, 1)
+    engine.save_16bit_model(root)
+    saved = torch.load(os.path.join(root, "pytorch_model.bin"), weights_only=True)
+    want = engine.module.state_dict()
+    return saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)

@@ -225,3 +225,13 @@ def test_zero3_weights_without_optimizer_states_is_a_ckpt_error_naming_the_ways(
     assert "load_optimizer_states=True" in got["straight"], got["straight"]
     assert "to_torch_save" in got["straight"], got["straight"]
     assert got["from_copy"] is True, got
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["sync", "decoupled"])
+def test_save_16bit_model_writes_the_torch_save_file_its_readers_expect(
+        tmp_path: Path, decoupled: bool) -> None:
+    """``engine.save_16bit_model(dir)`` (an export for torch.load and from_pretrained, outside
+    any tag folder): ``dir/pytorch_model.bin`` is a torch.save file of the module's weights, as
+    DeepSpeed's own engine writes it; it was a ckptio directory, which they cannot read."""
+    assert run_ranks(1, cases.save_16bit, str(tmp_path / "export"), decoupled,
+                     timeout_s=LIMIT_S) == [True]
