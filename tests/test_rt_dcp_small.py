@@ -8,8 +8,9 @@ at the store's backend (every byte a load asks storage for), through ``ckptio.Ch
 shared reads, each read at most 1.3 times the directory's bytes in all, and every tensor bitwise
 what ``dcp.load`` gives. A directory of large items reads as before (about once). A store
 that says it is remote (an object store, where a request costs more than the bytes through a
-gap) still opens the directory in a few wide requests, not one per item. A torch.save file of
-small tensors is read about once too (its records' headers are probed the same way)."""
+gap), or says nothing of itself, still opens the directory in a few wide requests, not one per
+item, as before. A torch.save file of small tensors is read about once too (its records'
+headers are probed the same way)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,15 @@ class _RemoteLike(LocalStore):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(remote=True)
+        return Capabilities(direct_io=True, remote=True)
+
+
+class _Plain(LocalStore):
+    """A local directory that says nothing of itself, as a user's store may (no O_DIRECT)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
 
 
 def _state(shape: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -135,7 +144,7 @@ def test_two_ranks_read_a_dcp_directory_of_small_items_about_once(tmp_path: Path
                                  f"bytes ({[r['nbytes'] for r in results]} per rank)")
 
 
-@pytest.mark.parametrize("store", [LocalStore, _RemoteLike], ids=["local", "remote"])
+@pytest.mark.parametrize("store", [LocalStore, _RemoteLike, _Plain], ids=["local", "remote", "plain"])
 def test_the_open_reads_item_framing_alone_locally_and_few_wide_requests_remotely(
         tmp_path: Path, store: type[LocalStore]) -> None:
     path = _saved(tmp_path / "ckpt", SMALL)

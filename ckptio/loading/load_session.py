@@ -97,7 +97,7 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
     reads; a foreign checkpoint's "block" is its whole entry). The DCP items of ``record``
     that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads).
     ``probe``: the reads open a foreign format (its metadata, a DCP item's head and tail), and
-    read through no gap on local storage (layout.read_gap)."""
+    read through no gap on a local file system (layout.read_gap)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
     if record is None:  # reading a foreign format's own metadata
         block_nbytes = foreign_common.BLOCK_NBYTES
@@ -107,7 +107,8 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
     bases = _bases(resources, store, record)
     opens = record is not None and dcpdir.has_pending(record)
     items = read_fn(resources, store, probe=True) if opens else None
-    gap = read_gap(remote=store.capabilities.remote, probe=probe)
+    can = store.capabilities
+    gap = read_gap(probe=probe, direct_io=can.direct_io, remote=can.remote)
 
     def read(reads: list[Read], known: Known | None = None) -> int:
         if items is not None:

@@ -25,16 +25,17 @@ MAX_GAP = 512 << 10  # a load reads through gaps up to this size rather than iss
 PROBE_GAP = 0  # a probe of local files: the blocks it asks for, neighbours joined, no gap read
 
 
-def read_gap(*, remote: bool, probe: bool) -> int:
+def read_gap(*, probe: bool, direct_io: bool, remote: bool) -> int:
     """How far the reads of one pass read through a gap between the extents they want.
 
     A data pass: ``MAX_GAP``. A probe (a foreign format's framing read before its data: a DCP
-    item's head and tail, a torch.save record's header) on local storage: ``PROBE_GAP``, as the
-    bytes between (the items' data) are read again by the data pass, not from the page cache
-    with O_DIRECT, so reading through them read a directory of small items twice; a local
-    request costs less than those bytes. On an object store (``remote``) a request costs more
-    than the bytes through a gap: ``MAX_GAP`` there too."""
-    return PROBE_GAP if probe and not remote else MAX_GAP
+    item's head and tail, a torch.save record's header) of a store read with O_DIRECT
+    (``direct_io``) and not across a network: ``PROBE_GAP``. There the bytes between (the
+    items' data) are read again by the data pass, not from the page cache, so reading through
+    them read a directory of small items twice, and a request costs less than those bytes. On
+    an object store (``remote``) a request costs more than the bytes through a gap: ``MAX_GAP``
+    there, and on any other store (the memory tier, a user's store), as before."""
+    return PROBE_GAP if probe and direct_io and not remote else MAX_GAP
 
 
 def data_file_name(save_id: str, rank: int, index: int) -> str:
