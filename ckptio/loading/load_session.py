@@ -42,6 +42,7 @@ from ckptio.loading.matching import AgreeFn, Rules
 from ckptio.loading.opening import ReadFn
 from ckptio.loading.stored import KeyFilter, RankPolicy, selector
 from ckptio.loading.torchvalues import expand_torch_save
+from ckptio.planning.layout import read_gap
 from ckptio.storage.entry_reader import Bases, EntryReader
 from ckptio.storage.files import IOResources, StoreFiles, in_memory
 from ckptio.storage.select import store_for
@@ -90,11 +91,13 @@ class LoadRequest:
 
 
 def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
-            verify: bool = False) -> ReadWith:
+            verify: bool = False, probe: bool = False) -> ReadWith:
     """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
     reads; a foreign checkpoint's "block" is its whole entry). The DCP items of ``record``
-    that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads)."""
+    that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads).
+    ``probe``: the reads open a foreign format (its metadata, a DCP item's head and tail), and
+    read through no gap on a local file system (layout.read_gap)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
     if record is None:  # reading a foreign format's own metadata
         block_nbytes = foreign_common.BLOCK_NBYTES
@@ -102,7 +105,10 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
         block_nbytes = record.block_nbytes if algorithm else BLOCK
 
     bases = _bases(resources, store, record)
-    items = read_fn(resources, store) if record is not None and dcpdir.has_pending(record) else None
+    opens = record is not None and dcpdir.has_pending(record)
+    items = read_fn(resources, store, probe=True) if opens else None
+    can = store.capabilities
+    gap = read_gap(probe=probe, direct_io=can.direct_io, remote=can.remote)
 
     def read(reads: list[Read], known: Known | None = None) -> int:
         if items is not None:
@@ -115,7 +121,7 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
-                                            coded=coded, known=known)
+                                            coded=coded, known=known, max_gap=gap)
 
     return read
 
@@ -151,7 +157,7 @@ def _open_items(resources: IOResources, store: Store, record: Manifest,
     reads of anything else as they are."""
     if not dcpdir.has_pending(record):
         return list(reads)
-    return dcpdir.resolve_reads(store, read_fn(resources, store), reads)
+    return dcpdir.resolve_reads(store, read_fn(resources, store, probe=True), reads)
 
 
 def open_checkpoint(resources: IOResources, store: Store, file: str | None, *, allow_pickle: bool,
@@ -166,7 +172,8 @@ def open_checkpoint(resources: IOResources, store: Store, file: str | None, *, a
     if shared is not None and file is not None:
         shared.skip()
         shared = None
-    record = opening.open_manifest(store, file, plain, allow_pickle=allow_pickle,
+    probe = read_fn(resources, store, probe=True)  # a foreign format's framing
+    record = opening.open_manifest(store, file, probe, allow_pickle=allow_pickle,
                                    every_item=every_item, shared=shared)
     return Opened(store, file, resolve_regular.expand_all(record, plain) if every_chunk else record)
 

@@ -5,11 +5,12 @@ hold it, a destination. Each becomes spans of stored entries, the unit one check
 
 Call order: ``read_regions`` (version 4 entries through loading/coded_reads.py) ->
 ``plan_spans`` (span_plan.py: whole entries as one span, other regions as pieces widened to whole
-checksum blocks) -> one coalescing (layout.coalesce_reads: neighbours within MAX_GAP share one
-aligned read of up to a pool buffer) -> one read-ahead loop over the staging pool (``_run``:
-what is checked where, and in what order) -> bytes checked, then copied into the
-destinations. Partly wanted checksum blocks go through the page cache, or come from memory
-where the load holds them (``known``: received from another rank; shared_blocks.py).
+checksum blocks) -> one coalescing (layout.coalesce_reads: neighbours within the caller's gap,
+MAX_GAP or layout.read_gap's for a probe, share one aligned read of up to a pool buffer) -> one
+read-ahead loop over the staging pool (``_run``: what is checked where, and in what order) ->
+bytes checked, then copied into the destinations. Partly wanted checksum blocks go through
+the page cache, or come from memory where the load holds them (``known``: received from
+another rank; shared_blocks.py).
 
 Owns: the read-ahead loop, truncation checks, copying into destinations. Does not own: Reads ->
 spans (span_plan.py), the checksum comparisons (checks.py), which regions are wanted (matching.py,
@@ -55,13 +56,14 @@ __all__ = ["read_regions"]
 def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                  algorithm: str | None, block_nbytes: int, depth: int,
                  check_blocks: bool = False, coded: EntryReader | None = None,
-                 known: Known | None = None) -> int:
+                 known: Known | None = None, max_gap: int = MAX_GAP) -> int:
     """Fill every read's destination from the data files of ``source``. ``algorithm`` None
     skips verification; ``block_nbytes``: the manifest's; ``check_blocks`` (verify): whole
     entries' block checksums are checked too. Reads of version 4 entries (compressed,
     references, XOR deltas) go through ``coded`` (loading/coded_reads.py). ``known``: stored
-    bytes the load holds already (checksum blocks another rank sent), not read again. -> bytes
-    read from storage."""
+    bytes the load holds already (checksum blocks another rank sent), not read again;
+    ``max_gap``: how far a read reads through a gap (layout.read_gap). -> bytes read from
+    storage."""
     nbytes = 0
     if any(is_coded(r) for r in reads):
         if coded is None:
@@ -73,12 +75,12 @@ def read_regions(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool
         reads = [r for r in reads if not is_coded(r)]
     return nbytes + _read_plain(source, reads, pool=pool, algorithm=algorithm,
                                 block_nbytes=block_nbytes, depth=depth,
-                                check_blocks=check_blocks, known=known)
+                                check_blocks=check_blocks, known=known, max_gap=max_gap)
 
 
 def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
                 algorithm: str | None, block_nbytes: int, depth: int,
-                check_blocks: bool, known: Known | None) -> int:
+                check_blocks: bool, known: Known | None, max_gap: int) -> int:
     reads, permuted = _in_stored_order(reads)
     spans = plan_spans(reads, block_nbytes, pool.buffer_bytes)
     checker = Checker(source, algorithm, block_nbytes, check_blocks)
@@ -90,7 +92,7 @@ def _read_plain(source: StoreFiles, reads: Sequence[Read], *, pool: StagingPool,
     if direct:
         with pool.held_back():  # its pre-fault (for later saves) waits: these reads need no pool
             nbytes = direct_reads.read(source, direct, checker)
-    ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=MAX_GAP,
+    ranges = coalesce_reads(spans, max_read=pool.buffer_bytes, max_gap=max_gap,
                             in_one_read=in_one_read)
     nbytes += _run(ranges, pool, source, depth, checker, known)
     with torch.no_grad():

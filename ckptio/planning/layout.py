@@ -2,7 +2,8 @@
 byte extents a load needs into a few large aligned reads.
 
 Owns: the file-splitting rule, data file names and read coalescing (the one loop every load's
-reads go through, and how far it reads through a gap: ``MAX_GAP``).
+reads go through, and how far it reads through a gap: ``MAX_GAP``, or ``read_gap`` for a
+probe of a format's framing).
 Does not own: the block size and alignment rule (ckptio/alignment.py), which extents a load
 needs or how they are verified (loading/read.py).
 Pure: dataclasses in, dataclasses out; no I/O, no torch.
@@ -17,9 +18,24 @@ from typing import Generic, Protocol, TypeVar
 from ckptio.alignment import align_down, align_up, item_alignment
 from ckptio.format.types import FileLayout, Placement, ReadRange, WriteItem
 
-__all__ = ["Extent", "MAX_GAP", "coalesce_reads", "data_file_name", "plan_files"]
+__all__ = ["Extent", "MAX_GAP", "PROBE_GAP", "coalesce_reads", "data_file_name", "plan_files",
+           "read_gap"]
 
 MAX_GAP = 512 << 10  # a load reads through gaps up to this size rather than issue another request
+PROBE_GAP = 0  # a probe of local files: the blocks it asks for, neighbours joined, no gap read
+
+
+def read_gap(*, probe: bool, direct_io: bool, remote: bool) -> int:
+    """How far the reads of one pass read through a gap between the extents they want.
+
+    A data pass: ``MAX_GAP``. A probe (a foreign format's framing read before its data: a DCP
+    item's head and tail, a torch.save record's header) of a store read with O_DIRECT
+    (``direct_io``) and not across a network: ``PROBE_GAP``. There the bytes between (the
+    items' data) are read again by the data pass, not from the page cache, so reading through
+    them read a directory of small items twice, and a request costs less than those bytes. On
+    an object store (``remote``) a request costs more than the bytes through a gap: ``MAX_GAP``
+    there, and on any other store (the memory tier, a user's store), as before."""
+    return PROBE_GAP if probe and direct_io and not remote else MAX_GAP
 
 
 def data_file_name(save_id: str, rank: int, index: int) -> str:
