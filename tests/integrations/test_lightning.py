@@ -218,8 +218,8 @@ def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> N
     io.remove_checkpoint(tmp_path / "last.ckpt")
     io.remove_checkpoint(tmp_path / "gone.ckpt")  # nothing there: nothing to do
     assert os.listdir(tmp_path) == ["epoch=0.ckpt"]
-    with pytest.raises(ckptio.UnsupportedPathError, match="s3://b/epoch=0.ckpt"):
-        io.remove_checkpoint("s3://b/epoch=0.ckpt")
+    with pytest.raises(ckptio.UnsupportedPathError, match="nope://b/epoch=0.ckpt"):
+        io.remove_checkpoint("nope://b/epoch=0.ckpt")  # s3:// ones: tests/s3/test_rt_plugins_s3
 
 
 class _Gate:
