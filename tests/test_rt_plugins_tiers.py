@@ -59,19 +59,20 @@ def _hf() -> Any:
     return hf_trainer_run
 
 
-def test_hf_output_dir_in_host_memory_is_refused_before_anything_is_written(
-        tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("url", ["shm://my-run", "s3://bucket/my-run", "file:///tmp/my-run"])
+def test_hf_output_dir_a_url_is_refused_before_anything_is_written(
+        tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
     run = _hf()
     from ckptio.hf_trainer import CkptioTrainer
 
     monkeypatch.chdir(tmp_path)
     trainer = CkptioTrainer(model=run.tiny_model(),
-                            args=run.training_args("shm://my-run", max_steps=2, save_steps=1),
+                            args=run.training_args(url, max_steps=2, save_steps=1),
                             train_dataset=run.TokenData())
     with pytest.raises(ckptio.UnsupportedPathError) as err:
         trainer.train()
     text = str(err.value)
-    assert "output_dir='shm://my-run'" in text and "local or mounted directory" in text, text
+    assert f"output_dir={url!r}" in text and "local or mounted directory" in text, text
     assert trainer.state.global_step == 0
     assert not list(shm_root.iterdir())
     assert not list(tmp_path.glob("**/checkpoint-*"))  # transformers' folder "shm:" stays empty

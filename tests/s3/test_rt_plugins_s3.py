@@ -85,8 +85,10 @@ def test_the_async_plugin_removes_an_s3_path_only_once_its_save_is_over(
         s3_env: str, s3_client: Any, tmp_path: Path) -> None:
     url = f"{s3_env}/run/last.ckpt"
     plugin = ckptio.lightning.AsyncCheckpointIO(SMALL)
+    plugin.save_checkpoint({"w": torch.ones(3), "global_step": 2}, f"{url}2")  # a name beside
     plugin.save_checkpoint({"w": torch.randn(1 << 20), "global_step": 3}, url)
     plugin.remove_checkpoint(url)  # waits for the save in flight, then removes every object
     assert plugin.in_flight() is None
     assert _keys(s3_client, url) == []
+    assert plugin.load_checkpoint(f"{url}2")["global_step"] == 2  # not under the removed one
     plugin.teardown()
