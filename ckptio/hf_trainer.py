@@ -224,7 +224,7 @@ class CkptioTrainerMixin:
                 raise UnsupportedStateError(
                     f"CkptioTrainer saves one process's or DDP's training; {what} is not "
                     "supported yet: use transformers.Trainer for this run")
-        output_dir = os.fspath(t.args.output_dir)
+        output_dir = os.fspath(t.args.output_dir or "")
         if "://" in output_dir:
             raise UnsupportedPathError(
                 f"CkptioTrainer: output_dir={output_dir!r} is a URL, but transformers writes "
