@@ -58,6 +58,7 @@ from ckptio.errors import (
 )
 from ckptio.options import Options
 from ckptio.rng import RNGState
+from ckptio.storage.local import runlease
 from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
@@ -184,24 +185,43 @@ class CkptioTrainerMixin:
         self.ckptio_allow_pickle = allow_pickle
         self._ckptio_in_checkpoint = False
         self._ckptio: Checkpointer | None = None
+        self._ckptio_lease: runlease.RunLease | None = None
         super().__init__(*args, **kwargs)
 
     # -- resume ---------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
-        t: Any = self
         self._ckptio_refuse_unsupported()
+        self._ckptio_take_run()
+        try:
+            return self._ckptio_train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._ckptio_close()
+
+    def _ckptio_train(self, resume_from_checkpoint: str | bool | None, *args: Any,
+                      **kwargs: Any) -> Any:
+        t: Any = self
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_checkpoint(t.args.output_dir,
                                                      allow_pickle=self.ckptio_allow_pickle)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._ckptio_close()
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _ckptio_take_run(self) -> None:
+        """The run lease of output_dir (storage/local/runlease.py), on the process that writes
+        trainer_state.json: a second job started there is refused before it trains, naming
+        the one that holds it (two jobs would write the same checkpoint-N)."""
+        t: Any = self
+        if not t.args.should_save:
+            return
+        output_dir = os.fspath(t.args.output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        self._ckptio_lease = runlease.take(output_dir, False, create=True, refusal=(
+            "this CkptioTrainer did not train",
+            "remove that lease file once no process of that job is left"))
 
     def _ckptio_checkpointer(self) -> Checkpointer:
         """This trainer's Checkpointer, made on first use in a ``train()``: its staging pool
@@ -213,8 +233,13 @@ class CkptioTrainerMixin:
 
     def _ckptio_close(self) -> None:
         checkpointer, self._ckptio = self._ckptio, None
-        if checkpointer is not None:
-            checkpointer.close()
+        lease, self._ckptio_lease = self._ckptio_lease, None
+        try:
+            if checkpointer is not None:
+                checkpointer.close()
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _ckptio_refuse_unsupported(self) -> None:
         t: Any = self

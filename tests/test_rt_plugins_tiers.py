@@ -17,6 +17,11 @@ faster or remote storage (red team: plugins with tiers, URLs and resources).
   checkpoint (one killed at step 7 with saves every 2 steps resumed from step 2, not 4).
   Removals of other checkpoints now wait until the save in flight commits, and are dropped
   (the older checkpoint kept) if it fails.
+- Two CkptioTrainer jobs started on one output_dir both trained, each replacing the other's
+  ``checkpoint-N/ckptio`` and trainer_state.json (a checkpoint could hold one job's weights
+  and the other's step and metrics). The trainer takes the run lease a CheckpointManager
+  takes (storage/local/runlease.py) for ``train()``: the second job is refused before it
+  trains, naming the holder's pid and the output_dir; the lease goes when ``train()`` ends.
 - The Lightning plugin saved and loaded ``shm://`` checkpoints (``trainer.save_checkpoint``,
   ``fit(ckpt_path=...)``) but refused to remove one as not local; it removes them now (their
   directory, crash-safely, as a local one).
@@ -25,6 +30,8 @@ faster or remote storage (red team: plugins with tiers, URLs and resources).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -195,3 +202,40 @@ def test_async_removal_waiting_for_a_save_that_fails_keeps_the_older_checkpoint(
     assert io.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 2
     io.remove_checkpoint(tmp_path / "a.ckpt")  # nothing in flight: removed at once
     assert not (tmp_path / "a.ckpt").exists()
+
+
+HOLDER = """
+import sys
+from ckptio.storage.local import runlease
+lease = runlease.take(sys.argv[1], False, create=True)
+print("held", flush=True)
+sys.stdin.read()
+lease.release()
+"""
+
+
+def test_hf_a_second_job_on_one_output_dir_is_refused_before_it_trains(tmp_path: Path) -> None:
+    run = _hf()
+    from ckptio.hf_trainer import CkptioTrainer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        trainer = CkptioTrainer(model=run.tiny_model(),
+                                args=run.training_args(str(out), max_steps=2, save_steps=1),
+                                train_dataset=run.TokenData())
+        with pytest.raises(ckptio.CheckpointLockedError) as err:
+            trainer.train()
+        text = str(err.value)
+        assert str(out) in text and f"pid {other.pid}" in text, text
+        assert "this CkptioTrainer did not train" in text and "CheckpointManager" not in text
+        assert trainer.state.global_step == 0 and not list(out.glob("checkpoint-*"))
+    finally:
+        other.communicate("", timeout=30)
+    trainer.train()  # the other job is gone: this one trains, and lets go when train() ends
+    assert (out / "checkpoint-2" / "ckptio" / "manifest.json").exists()
+    assert not (out / ".ckptio-run.lease").exists()
