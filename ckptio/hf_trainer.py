@@ -211,11 +211,12 @@ class CkptioTrainerMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _ckptio_take_run(self) -> None:
-        """The run lease of output_dir (storage/local/runlease.py), on the process that writes
-        trainer_state.json: a second job started there is refused before it trains, naming
-        the one that holds it (two jobs would write the same checkpoint-N)."""
+        """The run lease of output_dir (storage/local/runlease.py), on the job's first process
+        (with save_on_each_node, not every node's: their output_dir may be one shared folder):
+        a second job started there is refused before it trains, naming the one that holds it
+        (two jobs would write the same checkpoint-N)."""
         t: Any = self
-        if not t.args.should_save:
+        if not t.is_world_process_zero():
             return
         output_dir = os.fspath(t.args.output_dir)
         os.makedirs(output_dir, exist_ok=True)
