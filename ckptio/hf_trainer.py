@@ -17,10 +17,11 @@ checkpoint-N layout, when one is complete and what is refused: docs/BEHAVIOUR.md
 
 Owns: where a Trainer checkpoint's training state goes (one ckptio checkpoint inside
 ``checkpoint-N``), reading it back at the moments transformers reads its own files, and which
-``checkpoint-N`` ``resume_from_checkpoint=True`` picks. Does not own: the checkpoint format, its
-commit or its checks (``ckptio.save``/``ckptio.load``), the generators' capture (ckptio.rng),
-when transformers saves, trainer_state.json, or the rotation ``save_total_limit`` does (all
-transformers' own, unchanged).
+``checkpoint-N`` ``resume_from_checkpoint=True`` picks, and the trainer's Checkpointer (its
+staging pool and I/O threads, freed when ``train()`` ends). Does not own: the checkpoint
+format, its commit or its checks (``Checkpointer.save``/``load``), the generators' capture
+(ckptio.rng), when transformers saves, trainer_state.json, or the rotation
+``save_total_limit`` does (all transformers' own, unchanged).
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ except ImportError as exc:  # an optional integration: say which extra brings it
                       "pip install transformers accelerate (the hf-trainer extra: "
                       "pip install -e '.[hf-trainer]' in a checkout)") from exc
 
+from ckptio.api import Checkpointer
 from ckptio.errors import (
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
+    UnsupportedPathError,
     UnsupportedStateError,
 )
 from ckptio.options import Options
 from ckptio.rng import RNGState
-from ckptio.shared import load, save
+from ckptio.storage.local import runlease
 from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
@@ -181,14 +184,24 @@ class CkptioTrainerMixin:
         self.ckptio_options = ckptio_options
         self.ckptio_allow_pickle = allow_pickle
         self._ckptio_in_checkpoint = False
+        self._ckptio: Checkpointer | None = None
+        self._ckptio_lease: runlease.RunLease | None = None
         super().__init__(*args, **kwargs)
 
     # -- resume ---------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
-        t: Any = self
         self._ckptio_refuse_unsupported()
+        self._ckptio_take_run()
+        try:
+            return self._ckptio_train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._ckptio_close()
+
+    def _ckptio_train(self, resume_from_checkpoint: str | bool | None, *args: Any,
+                      **kwargs: Any) -> Any:
+        t: Any = self
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_checkpoint(t.args.output_dir,
                                                      allow_pickle=self.ckptio_allow_pickle)
@@ -196,6 +209,38 @@ class CkptioTrainerMixin:
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _ckptio_take_run(self) -> None:
+        """The run lease of output_dir (storage/local/runlease.py), on the job's first process
+        (with save_on_each_node, not every node's: their output_dir may be one shared folder):
+        a second job started there is refused before it trains, naming the one that holds it
+        (two jobs would write the same checkpoint-N)."""
+        t: Any = self
+        if not t.is_world_process_zero():
+            return
+        output_dir = os.fspath(t.args.output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        self._ckptio_lease = runlease.take(output_dir, False, create=True, refusal=(
+            "this CkptioTrainer did not train",
+            "remove that lease file once no process of that job is left"))
+
+    def _ckptio_checkpointer(self) -> Checkpointer:
+        """This trainer's Checkpointer, made on first use in a ``train()``: its staging pool
+        and I/O threads are freed when ``train()`` returns (or raises)."""
+        if self._ckptio is None:
+            options = self.ckptio_options
+            self._ckptio = Checkpointer(options if options is not None else Options.from_env())
+        return self._ckptio
+
+    def _ckptio_close(self) -> None:
+        checkpointer, self._ckptio = self._ckptio, None
+        lease, self._ckptio_lease = self._ckptio_lease, None
+        try:
+            if checkpointer is not None:
+                checkpointer.close()
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _ckptio_refuse_unsupported(self) -> None:
         t: Any = self
@@ -205,6 +250,15 @@ class CkptioTrainerMixin:
                 raise UnsupportedStateError(
                     f"CkptioTrainer saves one process's or DDP's training; {what} is not "
                     "supported yet: use transformers.Trainer for this run")
+        output_dir = os.fspath(t.args.output_dir or "")
+        if "://" in output_dir:
+            raise UnsupportedPathError(
+                f"CkptioTrainer: output_dir={output_dir!r} is a URL, but transformers writes "
+                "trainer_state.json, rotates checkpoint-N (save_total_limit) and finds the last "
+                "one with local file calls: they would go to a local folder named "
+                f"{output_dir.split('://')[0]}: while the ckptio checkpoints went elsewhere, and "
+                "the run could not resume. Use a local or mounted directory (for host memory, "
+                "a folder under /dev/shm)")
         strategy = HubStrategy(t.args.hub_strategy)
         if t.args.push_to_hub and strategy != HubStrategy.END:
             raise UnsupportedStateError(
@@ -252,7 +306,7 @@ class CkptioTrainerMixin:
         inner = _checked(checkpoint, self.ckptio_allow_pickle)
         if inner is None:
             return True
-        held = load(inner, keys=["parts"], options=self.ckptio_options)["parts"]
+        held = self._ckptio_checkpointer().load(inner, keys=["parts"])["parts"]
         have = self._ckptio_objects()
         absent = sorted(k for k in have if k not in held and k != "model")
         if absent and "optimizer" in wanted:  # said once, at the first of the three loads
@@ -273,8 +327,8 @@ class CkptioTrainerMixin:
         parameters are those it saved, param_check.py); a mismatch is said in the Trainer's
         terms (the load's own hints, strict=False and cast=True, are no options through it)."""
         try:
-            load(inner, {**(beside or {}), **objects}, keys=list(objects),
-                 options=self.ckptio_options)
+            self._ckptio_checkpointer().load(inner, {**(beside or {}), **objects},
+                                             keys=list(objects))
         except StateMismatchError as exc:
             what = _STRICT_HINT.split(str(exc))[0].rstrip(". ").replace(_CAST_HINT, "")
             raise StateMismatchError(
@@ -323,7 +377,7 @@ class CkptioTrainerMixin:
         os.makedirs(output_dir, exist_ok=True)
         # with DDP every process saves, together: the replicated model and optimizer are
         # stored once, each process's generators as its own (per-rank values)
-        save(state, os.path.join(output_dir, CKPTIO_DIR), options=self.ckptio_options)
+        self._ckptio_checkpointer().save(state, os.path.join(output_dir, CKPTIO_DIR))
         if not t.args.should_save:  # the files below: the main process's, as transformers'
             return
         unwrapped = t.accelerator.unwrap_model(t.model, keep_torch_compile=False)

@@ -46,7 +46,6 @@ from ckptio import (
     SaveHandle,
     SaveResult,
     StorageIOError,
-    UnsupportedPathError,
     UnsupportedStateError,
 )
 from ckptio.distributed.dist import rank_alone_group
@@ -54,6 +53,8 @@ from ckptio.lightning_rng import RNGStateCallback
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_root import is_committed
 from ckptio.storage.local.durable import fsync_path
+from ckptio.storage.select import checkpoint_path, compared, scheme_of, store_for
+from ckptio.storage.store_contract import TreeStore
 
 __all__ = ["AsyncCheckpointIO", "CheckpointIO", "RNGStateCallback", "load_from_checkpoint"]
 
@@ -116,7 +117,7 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
             loaded = self.checkpointer.load(os.fspath(path), verify=self.verify,
                                             allow_pickle=allow)
         except IncompleteCheckpointError:
-            other = _committed_instead_of_last(os.fspath(path))
+            other = _committed_instead_of_last(_location(path))
             if other is None:
                 raise
             loaded = self.checkpointer.load(other, verify=self.verify, allow_pickle=allow)
@@ -130,8 +131,12 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path`` crash-safely (docs/BEHAVIOUR.md, "ckptio.lightning");
-        none there: no-op."""
-        target = _local(path)
+        none there: no-op. At an object-store URL its manifest goes first (it is no checkpoint
+        from then on), then its other objects."""
+        target = _location(path)
+        if scheme_of(target) is not None:
+            _remove_remote(target, self.options)
+            return
         try:
             if os.path.islink(target) or os.path.isfile(target):
                 os.remove(target)
@@ -174,20 +179,25 @@ class AsyncCheckpointIO(CheckpointIO):
     A save waits for the previous one (one in flight). A failed background save is raised
     once: by the next save, by ``wait()``, or at teardown (Lightning's end of fit/validate/
     test), which also waits for the save in flight. Removing the path being saved waits for
-    that save first; a load waits for it too. Arguments as CheckpointIO's.
+    that save first; a load waits for it too. Removing another checkpoint while a save is in
+    flight (ModelCheckpoint dropping the one the new save replaces) is done once that save
+    has committed, so a kill meanwhile leaves the older one; if that save fails, the older one
+    is kept. Arguments as CheckpointIO's.
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
                  verify: bool | None = None) -> None:
         super().__init__(options, allow_pickle=allow_pickle, verify=verify)
         self._handle: SaveHandle | None = None
+        self._removals: list[str | os.PathLike[str]] = []  # once the save in flight commits
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         """Start saving ``checkpoint`` to ``path``; a previous save's unreported error is
         raised here (and this save is not started)."""
         target = self._prepare_save(path, storage_options)
-        self._handle = None  # the previous save is settled (its error raised) by async_save
+        self._removals = [p for p in self._removals if not _same(p, target)]
+        self.wait()
         with _pickle_hint(self.allow_pickle):
             self._handle = self.checkpointer.async_save(checkpoint, target,
                                                         allow_pickle=self.allow_pickle,
@@ -200,21 +210,32 @@ class AsyncCheckpointIO(CheckpointIO):
         return None if handle is None or handle.done() else handle.path
 
     def wait(self) -> SaveResult | None:
-        """Wait for the save in flight (None if none); its error, if any, is raised here once."""
+        """Wait for the save in flight (None if none); its error, if any, is raised here once
+        (the removals waiting for it are then not done). Then the removals that waited."""
         handle, self._handle = self._handle, None
-        return None if handle is None else handle.wait()
+        removals, self._removals = self._removals, []
+        result = None if handle is None else handle.wait()
+        for path in removals:
+            super().remove_checkpoint(path)
+        return result
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove ``path`` now, or once the save in flight commits (class docstring)."""
         handle = self._handle
-        if handle is not None and os.path.abspath(handle.path) == os.path.abspath(_local(path)):
+        if handle is not None and _same(handle.path, path):
             self.wait()
+        elif handle is not None:
+            self._removals.append(path)
+            return
         super().remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Wait for the save in flight and free the staging pool; a background error nobody
-        has seen is raised here."""
-        self._handle = None
-        super().teardown()
+        """Wait for the save in flight (then do the removals that waited for it) and free the
+        staging pool; a background error nobody has seen is raised here."""
+        try:
+            self.wait()
+        finally:
+            super().teardown()
 
 
 for _other in _OTHERS:  # the other package's Trainer accepts the plugins too
@@ -301,15 +322,27 @@ def _pickle_hint(allowed: bool) -> Iterator[None]:
             "stores such values pickled, and loads them back)") from exc
 
 
-def _local(path: str | os.PathLike[str]) -> str:
-    """``path`` as a local path (``file://`` stripped); other URLs: UnsupportedPathError."""
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        return text[len("file://"):]
-    if "://" in text:
-        raise UnsupportedPathError(f"ckptio.lightning removes checkpoints on local paths only, "
-                                   f"not {text}: use a local or mounted directory")
-    return text
+def _location(path: str | os.PathLike[str]) -> str:
+    """``path`` as ckptio saves it: a local path (``file://`` and ``shm://`` URLs become their
+    directory), or the URL of another scheme ckptio serves (``s3://``); another scheme:
+    UnsupportedPathError naming the ones served."""
+    return checkpoint_path(os.fspath(path))
+
+
+def _same(one: str | os.PathLike[str], other: str | os.PathLike[str]) -> bool:
+    return compared(_location(one)) == compared(_location(other))
+
+
+def _remove_remote(url: str, options: Options) -> None:
+    """Remove the checkpoint at the object-store ``url``: its manifest first, then the rest."""
+    store = store_for(url, options)
+    problems = store.remove([MANIFEST_NAME])
+    if not problems:
+        problems = (store.remove_tree() if isinstance(store, TreeStore)
+                    else store.remove(store.names()))
+    if problems:
+        raise StorageIOError(f"cannot remove checkpoint {url}: {problems[0]}; check the "
+                             "credentials' delete permission, then remove it by hand")
 
 
 def _remove_directory(path: str) -> None:

@@ -1,4 +1,5 @@
-"""One live job per run directory: the lease a CheckpointManager takes on a local root.
+"""One live job per run directory: the lease a CheckpointManager takes on a local root (and
+a CkptioTrainer on its output_dir for ``train()``, ckptio/hf_trainer.py).
 
 Two jobs started on one run directory would interleave their steps. The manager's coordinator
 takes ``<run>/.ckptio-run.lease`` when it is made (each tier's directory that exists then) or at
@@ -38,6 +39,8 @@ __all__ = ["LEASE_NAME", "RunLease", "not_a_run_directory", "take"]
 
 log = logging.getLogger("ckptio")
 LEASE_NAME = ".ckptio-run.lease"
+MANAGER_REFUSAL = ("this CheckpointManager was not made",
+                   "pass CheckpointManager(..., take_over=True)")  # take(refusal=)
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -107,9 +110,12 @@ class RunLease:
             os.close(fd)
 
 
-def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
+def take(directory: str, take_over: bool, *, create: bool,
+         refusal: tuple[str, str] = MANAGER_REFUSAL) -> RunLease | None:
     """The lease of ``directory``, or CheckpointLockedError naming the live job that holds it
-    (module docstring); None if the directory does not exist and ``create`` is False."""
+    (module docstring); None if the directory does not exist and ``create`` is False.
+    ``refusal``: what was not done and the way past a lingering holder, in the taker's terms
+    (a CheckpointManager's by default; ckptio.hf_trainer's for a Trainer's output_dir)."""
     path = os.path.join(directory, LEASE_NAME)
     if not create and not os.path.isdir(directory):
         return None
@@ -120,7 +126,7 @@ def take(directory: str, take_over: bool, *, create: bool) -> RunLease | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _held(fd, directory, path, take_over, create)
+            return _held(fd, directory, path, take_over, create, refusal)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in _NO_LOCKS:
@@ -162,14 +168,16 @@ def not_a_run_directory(directory: str) -> StorageIOError:
                           "move that file away")
 
 
-def _held(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
+def _held(fd: int, directory: str, path: str, take_over: bool, create: bool,
+          refusal: tuple[str, str]) -> RunLease:
     try:
-        return _refuse(fd, directory, path, take_over, create)
+        return _refuse(fd, directory, path, take_over, create, refusal)
     finally:
         os.close(fd)
 
 
-def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool) -> RunLease:
+def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool,
+            refusal: tuple[str, str]) -> RunLease:
     """The lease ``fd`` another process locked: refused, or taken over (module docstring;
     claimed at once at a first save: ``create``)."""
     record = _record_of(fd)
@@ -183,12 +191,13 @@ def _refuse(fd: int, directory: str, path: str, take_over: bool, create: bool) -
         if create:
             _claim(fd, directory)
         return RunLease(directory, None, taken=not create)
+    undone, past = refusal
     raise CheckpointLockedError(
         f"the run directory {directory} is in use by another job ({who}); two jobs on one run "
-        "would mix their steps, so this CheckpointManager was not made and nothing there was "
-        "touched: give this job its own directory or stop the other one; if it is this job's "
-        "earlier run whose processes linger (e.g. DataLoader workers), wait for them to exit or "
-        f"pass CheckpointManager(..., take_over=True) (the lease file is {path})")
+        f"would mix their steps, so {undone} and nothing there was touched: give this job its "
+        "own directory or stop the other one; if it is this job's earlier run whose processes "
+        f"linger (e.g. DataLoader workers), wait for them to exit or {past} (the lease file is "
+        f"{path})")
 
 
 def _record(fd: int) -> bytes:
