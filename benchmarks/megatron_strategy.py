@@ -2,7 +2,8 @@
 strategies (ckptio/megatron_strategy.py) and through Megatron's ``torch_dist``, in the same
 2 gloo processes, alternating, each timed from the call to its return (save: durable and
 ``metadata.json`` written; load: every tensor filled); the median of the repeats. Needs
-megatron-core (Python >= 3.12): ``BENCH=1 dev/megatron_tests.sh`` runs it.
+megatron-core (the test extra: 0.16.1 on Python 3.11; ``BENCH=1 dev/megatron_tests.sh`` runs
+it with 0.19.2 on Python 3.12).
 
     python benchmarks/megatron_strategy.py [--mib 256] [--repeats 3] [--dir /tmp/mcore-bench]
 
