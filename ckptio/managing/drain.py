@@ -76,6 +76,7 @@ class _Lane:
     long_every: tuple[int, ...] = ()  # the tier keeps a step divisible by one for good
     wanted: tuple[int, float] | None = None  # the newest step due and when it was submitted
     held: list[tuple[int, float]] = field(default_factory=list)  # kept-for-good steps passed
+    failed: list[tuple[int, float]] = field(default_factory=list)  # kept for good, copy failed
     busy: int | None = None
     ending: bool = False  # the copy of ``busy`` has ended: finish() comes next
     skipped: list[int] = field(default_factory=list)
@@ -155,6 +156,7 @@ class Drain:
             self._worker.wake()  # first: refused after close(); runs once the lock is let go
             for k in tiers:
                 lane = self._lanes[k]
+                lane.held, lane.failed = [*lane.failed, *lane.held], []  # tried again first
                 for held, _since in lane.held if final else ():
                     lane.skipped.append(held)
                     left.add(held)
@@ -183,7 +185,8 @@ class Drain:
                 self._lanes[ending].ending = True
             for lane in self._lanes.values():
                 steps -= {lane.wanted[0] if lane.wanted else None,
-                          None if lane.ending else lane.busy, *(s for s, _ in lane.held)}
+                          None if lane.ending else lane.busy,
+                          *(s for s, _ in (*lane.held, *lane.failed))}
         for step in sorted(steps):
             self._route.done(step)
 
@@ -204,7 +207,7 @@ class Drain:
         with self._lock:
             return {s for lane in self._lanes.values()
                     for s in (lane.busy, lane.wanted[0] if lane.wanted else None,
-                              *(s for s, _ in lane.held))
+                              *(s for s, _ in (*lane.held, *lane.failed)))
                     if s is not None}
 
     def status(self) -> dict[int, dict[str, Any]]:
@@ -276,11 +279,23 @@ class Drain:
         staging and never decodes, and each base moves once however many deltas follow. A
         kill between the two copies leaves the base committed and the delta incomplete:
         restore never picks the delta, and retention removes the lone base later. Once no
-        other lane wants ``step``, the route is told (``done``), whatever the outcome."""
+        other lane wants ``step``, the route is told (``done``), whatever the outcome. A
+        failed copy of a step its tier keeps for good is tried again when the next step is due
+        there (tier 0's retention keeps it meanwhile): dropped, it would be lost for good."""
         try:
             self._run(job)
+        except BaseException:
+            self._retry_later(job)
+            raise
         finally:
             self._let_go({job.step}, ending=job.tier)
+
+    def _retry_later(self, job: _Copy) -> None:
+        """``job`` failed: keep its step to try again at the next submit to its tier, where
+        that tier keeps it for good and the job was not preempted (final() lets it go)."""
+        with self._lock:
+            if self.kept_for_good(job.step, job.tier) and self._final is None:
+                self._lanes[job.tier].failed.append((job.step, job.since))
 
     def _run(self, job: _Copy) -> None:
         k, step = job.tier, job.step
