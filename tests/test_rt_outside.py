@@ -69,7 +69,8 @@ def test_a_failed_drain_of_a_step_kept_for_good_is_retried_not_dropped_from_memo
     2's copy fails once with EIO. The error is raised once naming step 2's directory; the loop
     saves on. Before: the drain never tried step 2 again and the memory tier's retention dropped
     it, so the step the user asked to keep for good was nowhere. Now it is retried with the
-    next step due, kept in memory until then, and lands on the disk bit for bit."""
+    next step due, kept in memory until then (``status()`` says so), and lands on the disk bit
+    for bit."""
     run = fs.mountpoint / "run"
     started = time.monotonic()
     mgr = ckptio.CheckpointManager(tiers=[Tier("shm://r", keep_last=2),
@@ -81,6 +82,7 @@ def test_a_failed_drain_of_a_step_kept_for_good_is_retried_not_dropped_from_memo
     with pytest.raises(ckptio.StorageIOError, match=r"/run/step-2.*Input/output error"):
         mgr.drained(timeout=BOUND_S)
     assert 2 not in _steps_in(run)
+    assert mgr.status()[1]["retrying"] == [2]  # said, and kept in memory for it
     for step in range(3, 7):
         mgr.save(step, _state(float(step)))
         assert mgr.drained(timeout=BOUND_S)
@@ -205,3 +207,47 @@ def test_verify_of_a_run_names_the_step_whose_file_cannot_be_read(fs):
     with ckptio.CheckpointManager(run) as mgr:
         assert mgr.restore(state, step=2) == 2
     _assert_state(state, 2.0)
+
+
+# ----------------------------------------------------------- a save cut short by a full disk
+
+
+@pytest.mark.parametrize(("op", "pattern"), [("open", r"data-"), ("write", r"data-"),
+                                              ("fsync", r"data-"), ("write", r"\.manifest-"),
+                                              ("rename", r"manifest\.json$")])
+def test_a_save_cut_short_by_a_full_disk_leaves_nothing_a_later_save_misreads(fs, op, pattern):
+    """ENOSPC on one call of step 3's save (an async one, as a loop makes): wait() raises a
+    StorageIOError naming step 3's file or directory and the fix (free space) within seconds
+    (before: the manifest's rename named no fix); step 3 is listed neither
+    committed nor incomplete and nothing of it stays (no data file, no manifest being
+    committed); the next saves and their retention go on, and the user's own files in the run
+    directory, one of them named like a step, are untouched."""
+    run, backing = fs.mountpoint / "run", fs.backing / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    (run / "step-notes").mkdir()
+    mgr = ckptio.CheckpointManager(run, keep_last=2)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    fs.fail(op, rf"^/run/step-3/{pattern}", error="enospc")
+    started = time.monotonic()
+    mgr.save(3, _state(3.0), asynchronous=True)
+    with pytest.raises(ckptio.StorageIOError, match=r"/run/step-3.*No space left on device.*"
+                                                    r"the disk is full: free space"):
+        mgr.wait()
+    assert time.monotonic() - started < BOUND_S
+    assert [f[0] for f in fs.fired()] == [op]
+    assert mgr.steps() == [1, 2] and mgr.incomplete() == []
+    assert sorted(n for n in os.listdir(backing) if not n.startswith(".")) == [
+        "notes.txt", "step-1", "step-2", "step-notes"]
+    _assert_state(_load_step(run, 2), 2.0)
+    for step in (3, 4):
+        mgr.save(step, _state(float(step)))
+    mgr.close()
+    assert sorted(n for n in os.listdir(backing) if not n.startswith(".")) == [
+        "notes.txt", "step-3", "step-4", "step-notes"]
+    assert (run / "notes.txt").read_text() == "mine" and os.listdir(run / "step-notes") == []
+    state = _zeros()
+    with ckptio.CheckpointManager(run) as again:
+        assert again.restore(state) == 4
+    _assert_state(state, 4.0)

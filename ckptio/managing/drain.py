@@ -212,10 +212,13 @@ class Drain:
 
     def status(self) -> dict[int, dict[str, Any]]:
         """Per slower tier: the step being copied, the one queued, the steps skipped, the last
-        copies (step, bytes, seconds from commit in tier 0 to durable here), the last error."""
+        copies (step, bytes, seconds from commit in tier 0 to durable here), the last error,
+        the steps it keeps for good whose copy failed, tried again with the next step due
+        (``retrying``: tier 0 keeps them meanwhile)."""
         with self._lock:
             return {k: {"draining": lane.busy,
                         "queued": lane.wanted[0] if lane.wanted else None,
+                        "retrying": [s for s, _ in lane.failed],
                         "skipped": list(lane.skipped), "copied": list(lane.copied),
                         "error": lane.error}
                     for k, lane in self._lanes.items()}
