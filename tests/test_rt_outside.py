@@ -93,6 +93,39 @@ def test_a_failed_drain_of_a_step_kept_for_good_is_retried_not_dropped_from_memo
     _assert_state(_load_step(run, 6), 6.0)
 
 
+
+def test_steps_kept_for_good_whose_copies_keep_failing_give_way_to_the_next_save(shm, fs,
+                                                                                  caplog):
+    """The disk tier keeps every 2nd step for good and every commit there fails (EIO): the
+    memory tier, its budget three steps, keeps steps 2, 4 and 6 for the drain's next tries,
+    then needs their room. The save goes on, each step given up named in a warning (before
+    the give-way: every later save was refused for want of room); the memory tier keeps
+    the two newest steps, the newest restorable bit for bit."""
+    caplog.set_level("WARNING", logger="ckptio")
+    fs.fail("rename", r"^/run/step-\d+/manifest\.json$", times=1000)
+    state, nbytes = _state(0.0), 4096 * 4 + 16 * 4
+    mgr = ckptio.CheckpointManager(tiers=[
+        Tier("shm://r", keep_last=2, max_bytes=5 * nbytes + 4096 * 8),
+        Tier(str(fs.mountpoint / "run"), keep_last=1, keep_every=2)])
+    started = time.monotonic()
+    for step in range(1, 10):
+        mgr.save(step, _state(float(step)))
+        with pytest.raises(ckptio.StorageIOError, match=r"/run/step-\d+"):
+            mgr.drained(timeout=BOUND_S)
+    given = [r.getMessage() for r in caplog.records if "is given up" in r.getMessage()]
+    assert all(re.search(r"step \d+, kept for good in tier 1, whose copy there failed, is "
+                         r"given up to make room in the first tier", m) for m in given), given
+    steps = [int(re.findall(r"step (\d+),", m)[0]) for m in given]
+    assert steps[:2] == [2, 4] and all(s % 2 == 0 for s in steps), steps
+    assert mgr.status()[1]["retrying"] in ([], [8])
+    mgr.close()
+    assert time.monotonic() - started < BOUND_S
+    assert _steps_in(os.path.join(shm, "r"))[-2:] == [8, 9]
+    state = _zeros()
+    with ckptio.CheckpointManager("shm://r") as again:
+        assert again.restore(state) == 9
+    _assert_state(state, 9.0)
+
 KILLED_CHILD = r"""
 import sys, time, torch, ckptio
 from ckptio import Tier

@@ -210,6 +210,22 @@ class Drain:
                               *(s for s, _ in (*lane.held, *lane.failed)))
                     if s is not None}
 
+    def give_up(self) -> list[int]:
+        """Stop trying again the failed copies (``status()[tier]["retrying"]``): tier 0's
+        retention may drop those steps now (a save into memory needs their room), each
+        named in a warning as lost for that tier -> the steps let go."""
+        with self._lock:
+            lost = [(k, s) for k, lane in self._lanes.items() for s, _ in lane.failed]
+            for lane in self._lanes.values():
+                lane.skipped += [s for s, _ in lane.failed]
+                lane.failed = []
+        for k, step in lost:
+            log.warning("ckptio: step %d, kept for good in tier %d, whose copy there failed, "
+                        "is given up to make room in the first tier: tier %d will not hold it",
+                        step, k, k)
+        self._let_go({s for _, s in lost})
+        return sorted({s for _, s in lost})
+
     def status(self) -> dict[int, dict[str, Any]]:
         """Per slower tier: the step being copied, the one queued, the steps skipped, the last
         copies (step, bytes, seconds from commit in tier 0 to durable here), the last error,
