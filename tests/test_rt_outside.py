@@ -24,6 +24,7 @@ import torch
 import ckptio
 from ckptio import Tier
 from ckptio.testing.faultfs import FaultFS, fuse_unusable
+from ckptio.testing.rank_processes import run_ranks
 
 pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
 
@@ -219,6 +220,37 @@ def test_an_unreadable_newest_copy_is_restored_from_the_next_tier_holding_that_s
         with pytest.raises(ckptio.StorageIOError, match=r"restore again.*/run/step-3/data-"):
             alone.restore(_zeros())
     assert time.monotonic() - started < BOUND_S
+
+
+def ranks_save(rank: int, world: int, run: str, slow: str) -> list[int]:
+    """Each of two ranks saves its own tensor at steps 1 and 2 into both tiers."""
+    tiers = [Tier(run, keep_last=3), Tier(slow, keep_last=3)]
+    with ckptio.CheckpointManager(tiers=tiers) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"mine": torch.full((4096,), float(10 * step + rank))})
+            assert mgr.drained(timeout=BOUND_S)
+        return mgr.steps()
+
+
+def ranks_restore(rank: int, world: int, run: str, slow: str) -> dict[str, object]:
+    state = {"mine": torch.zeros(4096)}
+    with ckptio.CheckpointManager(tiers=[Tier(run, keep_last=3), Tier(slow, keep_last=3)]) as mgr:
+        step = mgr.restore(state)
+        return {"step": step, "tier": mgr.last_restore["tier"],
+                "same": torch.equal(state["mine"], torch.full((4096,), float(10 * 2 + rank)))}
+
+
+def test_two_ranks_one_of_whose_files_cannot_be_read_restore_that_step_from_the_next_tier(
+        tmp_path, fs):
+    """Two gloo ranks; rank 1's data file of step 2 in the first tier cannot be read (EIO):
+    both ranks restore step 2 from the second tier together, each its own tensor bit for bit
+    (rank 0, whose own read succeeded, follows: the ranks agree on the fallback)."""
+    run, slow = str(fs.mountpoint / "run"), str(tmp_path / "slow")
+    assert run_ranks(2, ranks_save, run, slow, timeout_s=120) == [[1, 2], [1, 2]]
+    fs.fail("read", r"^/run/step-2/data-.*-r00001-", times=1000)
+    out = run_ranks(2, ranks_restore, run, slow, timeout_s=120)
+    assert out == [{"step": 2, "tier": 1, "same": True}] * 2, out
+    assert fs.fired() and all("-r00001-" in path for _, path, _ in fs.fired())
 
 
 def test_verify_of_a_run_names_the_step_whose_file_cannot_be_read(fs):
