@@ -1,6 +1,7 @@
 """Faults from outside the process on a tiered CheckpointManager's object-store tier: the fault
 proxy (ckptio.testing.s3proxy) between the manager and a real SeaweedFS server black-holes,
-resets or throttles the drain's uploads, then black-holes a fresh process's restore. What each
+resets or throttles the drain's uploads (or hangs one, and the job is killed), then
+black-holes a fresh process's restore. What each
 test checks: the time bound (the options' retry deadline and a slack), the error's class and
 what it names (the bucket and key, the endpoint, the fix), and that what the tiers hold
 afterwards agrees with it (the failed step not committed on S3, the others loadable bit for
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -124,3 +127,60 @@ def test_a_fresh_restore_from_s3_with_its_reads_black_holed_fails_in_time_naming
         s3_proxy.clear()
         assert again.restore(state) == 3 and again.last_restore["location"] == url
     _assert_state(state, 3.0)
+
+
+KILLED = r"""
+import sys, time, torch, ckptio
+from ckptio import Tier
+url, endpoint = sys.argv[1], sys.argv[2]
+options = ckptio.Options(buffer_bytes=5 << 20, pool_bytes=20 << 20, s3_endpoint_url=endpoint,
+                         s3_retry_deadline_s=30.0)
+mgr = ckptio.CheckpointManager(tiers=[Tier("shm://r", keep_last=2), Tier(url, keep_last=2)],
+                               options=options)
+def state(v):
+    return {"w": torch.full((3 << 20,), v), "b": torch.arange(16.0) + v}
+mgr.save(1, state(1.0))
+mgr.drained(timeout=60)
+mgr.save(2, state(2.0))
+print("saved 2", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_kill_during_a_black_holed_drain_upload_is_resumed_by_the_restart(
+        shm: str, s3_env: str, s3_proxy: FaultProxy, s3_client: Any) -> None:
+    """A job whose drain's upload of step 2 to S3 hangs (part 2 black-holed) is killed
+    (SIGKILL): S3 holds step 1 committed, step 2 incomplete and its multipart upload open.
+    The restart restores step 2 from memory bit for bit, its drain copies step 2 to S3, and
+    once it saved on no upload is left open and S3 holds only committed steps."""
+    url = f"{s3_env}/run"
+    hole = s3_proxy.black_hole(op="UploadPart", part_number=2, key=r"/step-2/", times=None)
+    started = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-c", KILLED, url, s3_proxy.endpoint],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "saved 2\n"
+        while not hole.fired:  # the upload hangs now
+            assert time.monotonic() - started < 30, dict(s3_proxy.counts)
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    s3_proxy.clear()
+    options = _options(s3_proxy.endpoint)
+    with ckptio.CheckpointManager(url, options=options) as alone:
+        assert alone.steps() == [1] and alone.incomplete() == [2]
+    state = _zeros()
+    with ckptio.CheckpointManager(tiers=[Tier("shm://r", keep_last=2), Tier(url, keep_last=2)],
+                                  options=options) as mgr:
+        assert mgr.restore(state) == 2 and mgr.last_restore["tier"] == 0
+        assert mgr.drained(timeout=60)
+        assert mgr.status()[1]["committed"] == [1, 2]
+        for step in (3, 4):
+            mgr.save(step, _state(float(step)))
+            assert mgr.drained(timeout=60)
+    _assert_state(state, 2.0)
+    assert _uploads(s3_client, url) == []
+    with ckptio.CheckpointManager(url, options=options) as alone:
+        assert alone.steps() == [3, 4] and alone.incomplete() == []
+    assert time.monotonic() - started < 60
