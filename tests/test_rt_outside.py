@@ -217,7 +217,10 @@ def test_an_unreadable_newest_copy_is_restored_from_the_next_tier_holding_that_s
         assert mgr.last_restore["tier"] == 1
     _assert_state(state, 3.0)
     with ckptio.CheckpointManager(run) as alone:  # no other copy: loud, never an older step
-        with pytest.raises(ckptio.StorageIOError, match=r"restore again.*/run/step-3/data-"):
+        with pytest.raises(ckptio.StorageIOError, match=r"restore again before using it \(once "
+                                                        r"the storage reads, or restore\(state, "
+                                                        r"step=N\) for an older step\): reading "
+                                                        r".*/run/step-3/data-"):
             alone.restore(_zeros())
     assert time.monotonic() - started < BOUND_S
 
