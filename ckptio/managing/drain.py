@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.io.worker import NICE, Worker
 from ckptio.managing.copy import Known, copy_checkpoint
 from ckptio.options import GiB, Options
@@ -303,17 +303,19 @@ class Drain:
         there (tier 0's retention keeps it meanwhile): dropped, it would be lost for good."""
         try:
             self._run(job)
-        except BaseException:
-            self._retry_later(job)
+        except BaseException as exc:
+            self._retry_later(job, exc)
             raise
         finally:
             self._let_go({job.step}, ending=job.tier)
 
-    def _retry_later(self, job: _Copy) -> None:
+    def _retry_later(self, job: _Copy, error: BaseException) -> None:
         """``job`` failed: keep its step to try again at the next submit to its tier, where
-        that tier keeps it for good and the job was not preempted (final() lets it go)."""
+        that tier keeps it for good, the job was not preempted (final() lets it go) and the
+        source is not damaged (a damaged copy is never drained: trying again cannot help)."""
         with self._lock:
-            if self.kept_for_good(job.step, job.tier) and self._final is None:
+            if (self.kept_for_good(job.step, job.tier) and self._final is None
+                    and not isinstance(error, CorruptCheckpointError)):
                 self._lanes[job.tier].failed.append((job.step, job.since))
 
     def _run(self, job: _Copy) -> None:
