@@ -20,7 +20,7 @@ from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, Filled
 
 # _error (an OSError as the StorageIOError every backend raises) is shared with uring.py.
-__all__ = ["PosixBackend", "_error"]
+__all__ = ["PosixBackend", "_error", "os_hint"]
 
 log = logging.getLogger("ckptio")
 READ_CHUNK = 1 << 20  # bytes per system call of submit_reads: hashed while still in cache
@@ -185,7 +185,14 @@ def _pread_each(fh: FileHandle, reads: Sequence[tuple[int, memoryview]], each: F
 
 
 def _error(what: str, path: str, offset: int, exc: OSError) -> StorageIOError:
-    hint = {
+    return StorageIOError(f"{what} {path} at byte {offset} failed: {exc.strerror or exc}; "
+                          f"{os_hint(exc)}")
+
+
+def os_hint(exc: OSError) -> str:
+    """What to do about ``exc`` (a full disk: free space; a read-only file system...), for
+    the message of a failed file call."""
+    return {
         errno.ENOSPC: "the disk is full: free space or save elsewhere",
         errno.EDQUOT: "the disk quota is exhausted",
         errno.EACCES: "permission denied: check the directory's owner and mode",
@@ -193,4 +200,3 @@ def _error(what: str, path: str, offset: int, exc: OSError) -> StorageIOError:
         errno.EEXIST: "a file of that name already exists (another save running?)",
         errno.ENOENT: "the file is missing (removed or never written)",
     }.get(exc.errno or 0, "see the OS error")
-    return StorageIOError(f"{what} {path} at byte {offset} failed: {exc.strerror or exc}; {hint}")

@@ -5,7 +5,8 @@
   may be using), with the Checkpointer's deadlines. If it raises, rank 0 raises that and the
   others a RankFailedError quoting it.
 - ``verdict(error)``: after a load that failed on every rank, all-gather why, and fall back
-  together only if some rank found damage and none failed otherwise.
+  together only if some rank found damage and none failed otherwise (``unreadable=True``: a
+  storage error, an unreadable copy, counts as damage: another copy of the step is at hand).
 
 Owns: those two exchanges. Does not own: what is decided (managing/manager.py, managing/level.py).
 """
@@ -18,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
-from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, RankFailedError
+from ckptio.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+                           IncompleteCheckpointError, RankFailedError, StorageIOError)
 from ckptio.options import Options
 
 __all__ = ["DAMAGE", "Ranks"]
@@ -81,10 +83,11 @@ class Ranks:
         group.broadcast(data)
         return json.loads(data)["value"]  # exactly what the other ranks got
 
-    def verdict(self, error: Exception) -> tuple[bool, str]:
+    def verdict(self, error: Exception, *, unreadable: bool = False) -> tuple[bool, str]:
         """Collective after a failed load (which raised on every rank): -> (fall back, every
-        damaged rank's reason)."""
-        kind = ("damaged" if isinstance(error, DAMAGE) else
+        damaged rank's reason). ``unreadable``: a StorageIOError counts as damage."""
+        kind = ("damaged" if isinstance(error, DAMAGE)
+                or (unreadable and isinstance(error, StorageIOError)) else
                 "peer" if isinstance(error, RankFailedError) else "other")
         mine = [kind, f"{type(error).__name__}: {error}"]
         group = self.group()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, CorruptCheckpointError
 from ckptio.io.worker import NICE, Worker
 from ckptio.managing.copy import Known, copy_checkpoint
 from ckptio.options import GiB, Options
@@ -76,6 +76,7 @@ class _Lane:
     long_every: tuple[int, ...] = ()  # the tier keeps a step divisible by one for good
     wanted: tuple[int, float] | None = None  # the newest step due and when it was submitted
     held: list[tuple[int, float]] = field(default_factory=list)  # kept-for-good steps passed
+    failed: list[tuple[int, float]] = field(default_factory=list)  # kept for good, copy failed
     busy: int | None = None
     ending: bool = False  # the copy of ``busy`` has ended: finish() comes next
     skipped: list[int] = field(default_factory=list)
@@ -155,6 +156,7 @@ class Drain:
             self._worker.wake()  # first: refused after close(); runs once the lock is let go
             for k in tiers:
                 lane = self._lanes[k]
+                lane.held, lane.failed = [*lane.failed, *lane.held], []  # tried again first
                 for held, _since in lane.held if final else ():
                     lane.skipped.append(held)
                     left.add(held)
@@ -183,7 +185,8 @@ class Drain:
                 self._lanes[ending].ending = True
             for lane in self._lanes.values():
                 steps -= {lane.wanted[0] if lane.wanted else None,
-                          None if lane.ending else lane.busy, *(s for s, _ in lane.held)}
+                          None if lane.ending else lane.busy,
+                          *(s for s, _ in (*lane.held, *lane.failed))}
         for step in sorted(steps):
             self._route.done(step)
 
@@ -204,15 +207,34 @@ class Drain:
         with self._lock:
             return {s for lane in self._lanes.values()
                     for s in (lane.busy, lane.wanted[0] if lane.wanted else None,
-                              *(s for s, _ in lane.held))
+                              *(s for s, _ in (*lane.held, *lane.failed)))
                     if s is not None}
+
+    def give_up(self) -> list[int]:
+        """Stop trying again the failed copies (``status()[tier]["retrying"]``): tier 0's
+        retention may drop those steps now (a save into memory needs their room), each
+        named in a warning as lost for that tier -> the steps let go."""
+        with self._lock:
+            lost = [(k, s) for k, lane in self._lanes.items() for s, _ in lane.failed]
+            for lane in self._lanes.values():
+                lane.skipped += [s for s, _ in lane.failed]
+                lane.failed = []
+        for k, step in lost:
+            log.warning("ckptio: step %d, kept for good in tier %d, whose copy there failed, "
+                        "is given up to make room in the first tier: tier %d will not hold it",
+                        step, k, k)
+        self._let_go({s for _, s in lost})
+        return sorted({s for _, s in lost})
 
     def status(self) -> dict[int, dict[str, Any]]:
         """Per slower tier: the step being copied, the one queued, the steps skipped, the last
-        copies (step, bytes, seconds from commit in tier 0 to durable here), the last error."""
+        copies (step, bytes, seconds from commit in tier 0 to durable here), the last error,
+        the steps it keeps for good whose copy failed, tried again with the next step due
+        (``retrying``: tier 0 keeps them meanwhile)."""
         with self._lock:
             return {k: {"draining": lane.busy,
                         "queued": lane.wanted[0] if lane.wanted else None,
+                        "retrying": [s for s, _ in lane.failed],
                         "skipped": list(lane.skipped), "copied": list(lane.copied),
                         "error": lane.error}
                     for k, lane in self._lanes.items()}
@@ -276,11 +298,25 @@ class Drain:
         staging and never decodes, and each base moves once however many deltas follow. A
         kill between the two copies leaves the base committed and the delta incomplete:
         restore never picks the delta, and retention removes the lone base later. Once no
-        other lane wants ``step``, the route is told (``done``), whatever the outcome."""
+        other lane wants ``step``, the route is told (``done``), whatever the outcome. A
+        failed copy of a step its tier keeps for good is tried again when the next step is due
+        there (tier 0's retention keeps it meanwhile): dropped, it would be lost for good."""
         try:
             self._run(job)
+        except BaseException as exc:
+            self._retry_later(job, exc)
+            raise
         finally:
             self._let_go({job.step}, ending=job.tier)
+
+    def _retry_later(self, job: _Copy, error: BaseException) -> None:
+        """``job`` failed: keep its step to try again at the next submit to its tier, where
+        that tier keeps it for good, the job was not preempted (final() lets it go) and the
+        source is not damaged (a damaged copy is never drained: trying again cannot help)."""
+        with self._lock:
+            if (self.kept_for_good(job.step, job.tier) and self._final is None
+                    and not isinstance(error, CorruptCheckpointError)):
+                self._lanes[job.tier].failed.append((job.step, job.since))
 
     def _run(self, job: _Copy) -> None:
         k, step = job.tier, job.step

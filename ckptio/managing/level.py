@@ -237,18 +237,21 @@ class TierSteps:
 
     # ---------------------------------------------------------------- loading
 
-    def try_load(self, step: int, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+    def try_load(self, step: int, state: Any, load_kwargs: dict[str, Any], *,
+                 unreadable: bool = False) -> str | None:
         """Collective: load ``step`` into ``state`` -> None, or why it is damaged (the same on
-        every rank). Other errors are raised (on every rank: the load is a collective)."""
-        return self.try_load_at(self.path(step), state, load_kwargs)
+        every rank). Other errors are raised (on every rank: the load is a collective);
+        ``unreadable``: a storage error is returned as damage is (another copy is at hand)."""
+        return self.try_load_at(self.path(step), state, load_kwargs, unreadable=unreadable)
 
-    def try_load_at(self, path: str, state: Any, load_kwargs: dict[str, Any]) -> str | None:
+    def try_load_at(self, path: str, state: Any, load_kwargs: dict[str, Any], *,
+                    unreadable: bool = False) -> str | None:
         """try_load of the checkpoint at ``path`` (one this tier holds beside its steps)."""
         try:
             self.last_report = self._ck.load(path, state, process_group=self._process_group,
                                              **load_kwargs)
         except Exception as exc:  # noqa: BLE001 - damage is returned, the rest raised below
-            damaged, why = self._ranks.verdict(exc)
+            damaged, why = self._ranks.verdict(exc, unreadable=unreadable)
             if not damaged:
                 raise
             return why

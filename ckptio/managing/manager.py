@@ -270,8 +270,9 @@ class CheckpointManager(ManagerParts):
         except StorageIOError as exc:  # not damage: no older step is tried in its place
             raise restated(exc, "restore() stopped on a storage error; the state it fills in "
                                 "place may hold some of that step's tensors and keep its "
-                                "previous values elsewhere: restore again before using it: "
-                           ) from None
+                                "previous values elsewhere: restore again before using it "
+                                "(once the storage reads, or restore(state, step=N) for an "
+                                "older step): ") from None
         if restored is not None:
             self._report(restored, load_kwargs)
             if sizing:  # a pool that faulted in during the load is pinned now

@@ -199,13 +199,16 @@ class ManagerParts:
             # the step a restore loaded, kept beyond keep_last until a newer one is verified,
             # gives way to the save (the budget sized for keep_last + 1 steps holds after a
             # restart too); the save is refused only if it still does not fit
+            # so do the steps kept only for the drain to try their failed copies again
             pinned = first.unpin_verified(committed) if tier.max_bytes is not None else None
-            if pinned is None:
+            given_up = [] if self._drain is None else self._drain.give_up()
+            if pinned is None and not given_up:
                 raise
             first.retain(self._kept_in_first())
-            log.warning("ckptio: memory tier %s: step %d (restored last, kept beyond "
-                        "keep_last=%s) removed to keep the save within max_bytes",
-                        tier.location, pinned, tier.keep_last)
+            if pinned is not None:
+                log.warning("ckptio: memory tier %s: step %d (restored last, kept beyond "
+                            "keep_last=%s) removed to keep the save within max_bytes",
+                            tier.location, pinned, tier.keep_last)
             kept = first.scan()["committed"]
             check_budget(tier, directory, step_sizes(first.path(s) for s in kept), estimate,
                          others)

@@ -9,7 +9,9 @@ a step across ranks first and calls ``restore_first`` for that one step.
   it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
   and newer than the one restored is named in the warning.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
-  any other error is raised at once (a StateMismatchError is the caller's bug).
+  so does a storage error where a slower tier holds the same step (that copy is unreadable, the
+  other is at hand); any other error is raised at once (a StateMismatchError is the caller's
+  bug; a storage error on the last copy of a step: not damage, so no older step is tried).
 - Nothing committed anywhere: None when every tier was listed and holds nothing else (a warning
   names incomplete steps); CheckpointNotFoundError saying what a location holds otherwise (a
   torch_checkpointing checkpoint in a step's directory among them: its load or convert named).
@@ -95,7 +97,8 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
         newer = [s for s in newer if s < candidate]
         for k in holders:
             level, started = levels[k], time.perf_counter()
-            why = level.try_load(candidate, state, load_kwargs)
+            # a copy that cannot be read (a storage error): the same step from the next tier
+            why = level.try_load(candidate, state, load_kwargs, unreadable=k != holders[-1])
             if why is None:
                 level.succeeded(candidate)
                 if passed:

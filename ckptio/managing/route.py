@@ -102,7 +102,9 @@ def resume(levels: Sequence[TierSteps], drain: Any, leased: Collection[int] = ()
         # the newest step due, after each older one the tier keeps for good that the first
         # tier holds (a drain cut short by a kill left it there only: its retention would
         # drop it once skipped, lost for good)
-        first = set(listings[0]["committed"])
-        for step in [s for s in due[:-1] if s in first and drain.kept_for_good(s, k)] + due[-1:]:
+        # (or a copy that failed: any age, not only those newer than the tier's newest)
+        kept = [s for s in listings[0]["committed"] if s % levels[k].every == 0
+                and s not in held and s not in due[-1:] and drain.kept_for_good(s, k)]
+        for step in kept + due[-1:]:
             log.info("ckptio: the drain resumes: step %d to %s", step, levels[k].location)
             drain.submit_to(step, k)

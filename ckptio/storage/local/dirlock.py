@@ -37,6 +37,8 @@ __all__ = ["LOCK_NAME", "DirLock", "broken_link", "lock", "make_dir", "still_lin
 
 log = logging.getLogger("ckptio")
 LOCK_NAME = ".ckptio.lock"
+SILLY_NAMES = (".nfs", ".fuse_hidden")  # a file removed while open, until it is closed
+SILLY_WAIT_S = 1.0  # how long unlock() waits for them to go (they go within milliseconds)
 # flock() errors that mean "this filesystem has no locks" (NFS without lockd, Lustre mounted
 # without -o flock, some FUSE filesystems), not "the lock is taken"
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
@@ -97,8 +99,27 @@ def unlock(held: DirLock, *, failed: bool = False) -> None:
         _let_go(held.path, held.fd)
         held.fd = None
     if failed and held.created:
-        with contextlib.suppress(OSError):  # not empty: it holds other files and stays
-            os.rmdir(held.path)
+        _remove_if_empty(held.path)
+
+
+def _remove_if_empty(path: str) -> None:
+    """rmdir ``path``, which stays if it holds other files. On NFS or FUSE the lock file,
+    removed while open, lingers renamed (.nfsXXXX, .fuse_hiddenXXXX) until the file system
+    sees it closed, a moment after close(): waited for briefly, else the directory would
+    stay behind empty, listed as an incomplete step."""
+    deadline = time.monotonic() + SILLY_WAIT_S
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                left = os.listdir(path)
+                if (left and all(n.startswith(SILLY_NAMES) for n in left)
+                        and time.monotonic() < deadline):
+                    time.sleep(0.01)
+                    continue
+            return
 
 
 def _acquire(path: str, if_locked: str) -> int | None:

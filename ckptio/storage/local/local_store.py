@@ -41,6 +41,7 @@ from ckptio.errors import (
     StorageIOError,
 )
 from ckptio.format.manifest import MANIFEST_NAME
+from ckptio.io.posix import os_hint
 from ckptio.options import Options
 from ckptio.storage import missing_manifest, steps
 from ckptio.storage.files import Capabilities
@@ -159,7 +160,7 @@ class LocalStore:
         except OSError as exc:
             error = StorageIOError(f"committing the manifest of {self.location} failed: "
                                    f"{exc.strerror or exc}; the previous checkpoint there, if "
-                                   "any, is untouched")
+                                   f"any, is untouched; {os_hint(exc)}")
             steps.remove_quietly(self, [tmp_name], error)
             raise error from None
         except CheckpointLockedError as exc:

@@ -106,8 +106,11 @@ class RunLease:
         except OSError as exc:
             log.warning("ckptio: letting go of the run lease in %s failed: %s", self.directory,
                         exc.strerror or exc)
-        finally:
-            os.close(fd)
+        try:
+            os.close(fd)  # freed even when it fails: never closed twice
+        except OSError as exc:  # the file system gone (a dead NFS server or FUSE mount)
+            log.warning("ckptio: closing the run lease in %s failed: %s", self.directory,
+                        exc.strerror or exc)
 
 
 def take(directory: str, take_over: bool, *, create: bool,
