@@ -80,6 +80,22 @@ def tensor_bytes(t):
     return dense.reshape(-1).view(torch.uint8)
 
 
+class CountingReads:
+    """A backend wrapper (Resources.wrap_backend) that adds up the bytes and the requests of
+    every read it is asked for, then does it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.nbytes, self.requests = inner, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def submit_read(self, fh: Any, offset: int, into: memoryview) -> Any:
+        self.nbytes += len(into)
+        self.requests += 1
+        return self.inner.submit_read(fh, offset, into)
+
+
 def assert_same(got, want, where: str = "state") -> None:
     """Exact equality: same structure, same Python types, same bits (NaN and -0.0 included)."""
     import numpy as np

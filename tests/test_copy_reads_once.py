@@ -19,21 +19,7 @@ from ckptio.options import MiB
 from ckptio.resources import ReusedIOResources
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.managing.copy import copy_checkpoint
-from tests.conftest import assert_same
-
-
-class _CountingReads:
-    """A backend that adds up the bytes of every read (then does it)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.nbytes = inner, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def submit_read(self, fh: Any, offset: int, into: memoryview) -> Any:
-        self.nbytes += len(into)
-        return self.inner.submit_read(fh, offset, into)
+from tests.conftest import CountingReads, assert_same
 
 
 def _state() -> dict[str, Any]:
@@ -58,7 +44,7 @@ def test_the_copy_reads_its_source_once_and_commits_the_same_bytes(tmp_path: Pat
     ckptio.save(state, tmp_path / "src")
     resources = _resources()
     try:
-        counting = resources.wrap_backend(LocalStore(tmp_path / "src"), _CountingReads)
+        counting = resources.wrap_backend(LocalStore(tmp_path / "src"), CountingReads)
         copied = copy_checkpoint(resources, LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst"))
     finally:
         resources.release()

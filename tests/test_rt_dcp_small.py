@@ -27,26 +27,10 @@ from ckptio.loading import load_session
 from ckptio.storage.local.local_store import LocalStore
 from ckptio.storage.store_contract import Capabilities
 from ckptio.testing.rank_processes import run_ranks
+from tests.conftest import CountingReads
 
 SMALL = (100, 50_000)  # tensors, float32 elements each: items of 200 KB, a 20 MB directory
 LARGE = (4, 1_100_000)  # items of 4.4 MB
-
-
-class _CountingReads:
-    """A backend that adds up the bytes of every read it is asked for (then does it)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.nbytes = inner, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def submit_read(self, fh: Any, offset: int, into: memoryview) -> Any:
-        self.nbytes += len(into)
-        self.requests += 1
-        return self.inner.submit_read(fh, offset, into)
-
-    requests = 0
 
 
 class _RemoteLike(LocalStore):
@@ -83,7 +67,7 @@ def _counted_load(path: str, shape: tuple[int, int]) -> tuple[int, dict[str, tor
     the state)."""
     ck = ckptio.Checkpointer()
     try:
-        counting = ck.resources().wrap_backend(LocalStore(path), _CountingReads)
+        counting = ck.resources().wrap_backend(LocalStore(path), CountingReads)
         state = _zeroed(shape)
         report = ck.load(path, state)
         assert not report.missing and not report.unexpected, report
@@ -150,7 +134,7 @@ def test_the_open_reads_item_framing_alone_locally_and_few_wide_requests_remotel
     path = _saved(tmp_path / "ckpt", SMALL)
     ck = ckptio.Checkpointer()
     try:
-        counting = ck.resources().wrap_backend(store(path), _CountingReads)
+        counting = ck.resources().wrap_backend(store(path), CountingReads)
         opened = load_session.open_checkpoint(ck.resources(), store(path), None,
                                               allow_pickle=False)
     finally:
@@ -169,7 +153,7 @@ def test_a_torch_save_file_of_small_tensors_is_read_about_once(tmp_path: Path) -
     torch.save(_state(SMALL), tmp_path / "model.pt")
     ck = ckptio.Checkpointer()
     try:
-        counting = ck.resources().wrap_backend(LocalStore(tmp_path), _CountingReads)
+        counting = ck.resources().wrap_backend(LocalStore(tmp_path), CountingReads)
         state = _zeroed(SMALL)
         ck.load(tmp_path / "model.pt", state)
     finally:

@@ -20,6 +20,7 @@ import pickle
 import uuid
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -323,26 +324,24 @@ def test_two_ranks_agree_on_the_refusals_and_each_loads_its_own(tmp_path) -> Non
         assert got["files"] == ["model_0.pt", "model_1.pt"], got
 
 
-def test_on_s3_a_commit_through_ckptio_storage_cut_short_is_refused_not_loaded_in_part(
-        weed, monkeypatch) -> None:
-    """Its CheckpointManager over ckptio.tc_storage on S3: the commit copies each object of
-    tmp_step-5 to step-5 (S3 has no rename); the connection dies after the first. Before:
-    ckptio.load(step-5) returned the model alone, as a whole checkpoint (strict=False, or no
-    state, resumed without the optimizer, silently)."""
+def _s3_commit_cut(weed: Any, monkeypatch: pytest.MonkeyPatch, name: str, items: dict[str, Any],
+                   dies: Callable[[str, list[str]], bool]) -> tuple[str, list[str]]:
+    """Its CheckpointManager over ckptio.tc_storage on S3 saves ``items`` as step-5; the commit
+    copies each object of tmp_step-5 to step-5 (S3 has no rename) and the connection dies on
+    the copy where ``dies(key, copied so far)`` -> (the run's URL, the keys copied)."""
     from torch_checkpointing import CheckpointManager
 
     from ckptio.storage.s3.store import S3Bucket
     from ckptio.tc_storage import CkptioStorageConfig
 
-    for name, value in weed.env().items():
-        monkeypatch.setenv(name, value)
-    root = f"s3://{weed.bucket}/cut-{uuid.uuid4().hex}"
-    state = _build(0)
-    _train(state, 1)
-    copied, copy = [], S3Bucket.copy
+    for env, value in weed.env().items():
+        monkeypatch.setenv(env, value)
+    root = f"s3://{weed.bucket}/{name}-{uuid.uuid4().hex}"
+    copied: list[str] = []
+    copy = S3Bucket.copy
 
     def cut(self: Any, key: str, to: Any, dest_key: str) -> None:
-        if key.endswith("optim_0.pt"):
+        if dies(key, copied):
             raise ckptio.StorageIOError(f"copying {key}: the connection was reset")
         copied.append(key)
         copy(self, key, to, dest_key)
@@ -353,10 +352,23 @@ def test_on_s3_a_commit_through_ckptio_storage_cut_short_is_refused_not_loaded_i
     tc = config.build()
     try:
         with pytest.raises(Exception, match="connection was reset"):
-            tc.save("step-5", {k: v.state_dict() for k, v in state.items()})
+            tc.save("step-5", items)
     finally:
         tc.close()
     monkeypatch.setattr(S3Bucket, "copy", copy)
+    return root, copied
+
+
+def test_on_s3_a_commit_through_ckptio_storage_cut_short_is_refused_not_loaded_in_part(
+        weed, monkeypatch) -> None:
+    """The commit's copy dies on the optimizer's file. Before: ckptio.load(step-5) returned the
+    model alone, as a whole checkpoint (strict=False, or no state, resumed without the
+    optimizer, silently)."""
+    state = _build(0)
+    _train(state, 1)
+    root, copied = _s3_commit_cut(weed, monkeypatch, "cut",
+                                  {k: v.state_dict() for k, v in state.items()},
+                                  lambda key, _copied: key.endswith("optim_0.pt"))
     assert any(k.endswith("model_0.pt") for k in copied), copied  # step-5 holds the model
     for kwargs in ({}, {"strict": False}):
         with pytest.raises(ckptio.CheckpointNotFoundError, match=r"step-5: its commit .* did "
@@ -371,32 +383,9 @@ def test_on_s3_the_unfinished_marker_is_copied_before_any_item(weed, monkeypatch
     whose name sorts before it ("-head") was copied first: a connection dying on the second
     copy left step-5 holding "-head" alone, which ckptio.load returned as a whole checkpoint.
     Now names beginning with "." go first (object_tree.keys)."""
-    from torch_checkpointing import CheckpointManager
-
-    from ckptio.storage.s3.store import S3Bucket
-    from ckptio.tc_storage import CkptioStorageConfig
-
-    for name, value in weed.env().items():
-        monkeypatch.setenv(name, value)
-    root = f"s3://{weed.bucket}/order-{uuid.uuid4().hex}"
-    copied, copy = [], S3Bucket.copy
-
-    def cut(self: Any, key: str, to: Any, dest_key: str) -> None:
-        if len(copied) == 1:
-            raise ckptio.StorageIOError(f"copying {key}: the connection was reset")
-        copied.append(key)
-        copy(self, key, to, dest_key)
-
-    monkeypatch.setattr(S3Bucket, "copy", cut)
-    config = CheckpointManager.Config.with_sync_save()
-    config.storage_config = CkptioStorageConfig(root)
-    tc = config.build()
-    try:
-        with pytest.raises(Exception, match="connection was reset"):
-            tc.save("step-5", {"-head": {"w": torch.ones(3)}, "model": {"w": torch.zeros(3)}})
-    finally:
-        tc.close()
-    monkeypatch.setattr(S3Bucket, "copy", copy)
+    root, copied = _s3_commit_cut(weed, monkeypatch, "order",
+                                  {"-head": {"w": torch.ones(3)}, "model": {"w": torch.zeros(3)}},
+                                  lambda _key, copied: len(copied) == 1)
     with pytest.raises(ckptio.CkptError):
         ckptio.load(f"{root}/step-5")
     assert copied[0].endswith("/.ckptio-moving"), copied
