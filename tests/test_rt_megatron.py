@@ -1,0 +1,329 @@
+"""A demanding Megatron user against ckptio's ``dist_checkpointing`` strategies with real
+GPTModels on the CPU (gloo ranks): TP 2 -> TP 1 / DP 2 -> TP 2, pipeline stages (PP 2) loaded
+as PP 1 and back, replicas written once, a changed model (hidden size, layers, vocabulary)
+refused before anything loads, another backend's directory refused naming it, a rank's
+mismatch, strict modes, plain-tensor and metadata reads, an async save killed before its
+finalize, an RNG-state ShardedObject refused without ``allow_pickle``, and no thread or fd
+growth over many saves. Scenarios are batched into two run_ranks calls (each rank process
+imports Megatron once).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.dist_checkpointing",
+                    reason="megatron-core is not installed (the test extra has it)")
+from megatron.core import dist_checkpointing as mdc  # noqa: E402
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
+
+import ckptio  # noqa: E402
+from ckptio.megatron_strategy import (  # noqa: E402
+    CkptioLoadShardedStrategy,
+    CkptioSaveShardedStrategy,
+    MissingInCheckpointError,
+)
+from ckptio.testing.rank_processes import run_ranks  # noqa: E402
+
+SAVE, LOAD = CkptioSaveShardedStrategy, CkptioLoadShardedStrategy
+
+
+def _gpt(tp: int, seed: int, pp: int = 1, layers: int = 2, hidden: int = 64,
+         vocab: int = 128) -> torch.nn.Module:
+    """Megatron's GPTModel on the CPU (local layer spec) at TP ``tp`` / PP ``pp`` (this rank's
+    stage only)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp)
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                               use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp,
+                               pipeline_dtype=torch.float32 if pp > 1 else None)
+    torch.manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=vocab, max_sequence_length=32,
+                    pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage())
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _load(model: torch.nn.Module, where: Path) -> dict[str, torch.Tensor]:
+    model.load_state_dict(mdc.load(model.sharded_state_dict(), str(where), sharded_strategy=LOAD()))
+    return _tensors(model)
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+def _changed_model(world: int, where: Path) -> list[tuple[str, str, int]]:
+    """Models built differently from the TP ``world`` save: -> (change, error, tensors that
+    changed in place) each."""
+    out = []
+    for change in ({"hidden": 128}, {"layers": 3}, {"vocab": 256}):
+        model = _gpt(world, 1, **change)  # type: ignore[arg-type]
+        before = _tensors(model)
+        try:
+            _load(model, where)
+            error = "loaded"
+        except MissingInCheckpointError as exc:
+            error = f"{isinstance(exc, CheckpointingException)} {exc}"
+        out.append((str(change), error, len(_differ(before, _tensors(model)))))
+    return out
+
+
+def _one_rank_mismatch(rank: int, root: Path) -> str:
+    """Only rank 0's state differs (one key's shape): every rank raises a ckptio error."""
+    def state(n: int) -> dict[str, Any]:
+        return {"a": ShardedTensor.from_rank_offsets("A", torch.arange(n) * 1.0, (0, rank, 2))}
+
+    mdc.save(state(4), str(root), sharded_strategy=SAVE())
+    try:
+        mdc.load(state(5 if rank == 0 else 4), str(root), sharded_strategy=LOAD(),
+                 validate_access_integrity=False)
+    except ckptio.CkptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def _written_once(where: Path) -> bool:
+    """Every element of every saved tensor is stored exactly once (no replica's copy)."""
+    record = ckptio.Checkpointer().manifest(where / "ckptio")
+    shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+    stored: dict[str, int] = {}
+    for e in record.tensors:
+        if e.key.startswith("tensors."):
+            size = torch.empty((), dtype=getattr(torch, e.dtype.removeprefix("torch."))).itemsize
+            shapes[e.key] = (e.shape, size)
+            stored[e.key] = stored.get(e.key, 0) + e.nbytes
+    return all(stored[k] == int(torch.Size(s).numel()) * n for k, (s, n) in shapes.items())
+
+
+def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
+    base = Path(root)
+    out: dict[str, Any] = {}
+    mdc.save(_gpt(2, 0).sharded_state_dict(), str(base / "tp2"), sharded_strategy=SAVE()) \
+        if (base / "tp2").mkdir(exist_ok=True) is None else None
+    full = _tensors(_gpt(1, 0))  # TP 1 / DP 2: every rank the whole model
+    tp1 = _gpt(1, 1)
+    out["tp2->tp1"] = _differ(full, _load(tp1, base / "tp2"))
+    (base / "tp1").mkdir(exist_ok=True)
+    mdc.save(tp1.sharded_state_dict(), str(base / "tp1"), sharded_strategy=SAVE())
+    out["tp1 once"] = _written_once(base / "tp1")
+    out["tp1->tp2"] = _differ(_tensors(_gpt(2, 0)), _load(_gpt(2, 2), base / "tp1"))
+    out["changed"] = _changed_model(2, base / "tp2")
+    stage = _gpt(1, 0, pp=2)  # PP 2: each rank its stage's layer
+    out["stage"] = _tensors(stage)
+    (base / "pp2").mkdir(exist_ok=True)
+    mdc.save(stage.sharded_state_dict(), str(base / "pp2"), sharded_strategy=SAVE())
+    whole = _gpt(1, 1)
+    out["pp1"] = _load(whole, base / "pp2")
+    (base / "pp1").mkdir(exist_ok=True)
+    mdc.save(whole.sharded_state_dict(), str(base / "pp1"), sharded_strategy=SAVE())
+    out["back"] = _differ(out["stage"], _load(_gpt(1, 2, pp=2), base / "pp1"))
+    (base / "one").mkdir(exist_ok=True)
+    out["one rank"] = _one_rank_mismatch(rank, base / "one")
+    return out
+
+
+def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path) -> None:
+    """TP 2 -> TP 1 / DP 2 -> TP 2 and PP 2 -> PP 1 -> PP 2 bit for bit; DP replicas stored
+    once; a model built with another hidden size / layer count / vocabulary is refused on
+    every rank naming the key and both shapes, with no tensor of the model changed (the
+    matching ones loaded in place before, then the error came)."""
+    results = run_ranks(2, _layouts, str(tmp_path), timeout_s=240)
+    for rank, got in enumerate(results):
+        assert got["tp2->tp1"] == [] and got["tp1->tp2"] == [], rank
+        assert got["tp1 once"], rank
+        assert got["back"] == [], rank
+        for change, error, changed in got["changed"]:
+            assert error.startswith("True "), (change, error)  # a CheckpointingException too
+            assert "in the state" in error and "in the checkpoint" in error, error
+            assert "nothing was loaded" in error
+            assert changed == 0, (rank, change, error)
+        hidden = got["changed"][0][1]
+        assert "embedding.word_embeddings.weight" in hidden and "(128, 64)" in hidden
+        assert "decoder.layers.self_attention.linear_proj.weight" in got["changed"][1][1]
+        assert "output_layer.weight: shape (256, 64)" in got["changed"][2][1]
+    first, last = results[0], results[1]
+    pp1 = first["pp1"]
+    assert _differ(pp1, results[1]["pp1"]) == []  # DP 2 of PP 1: both the whole model
+    for key, value in first["stage"].items():  # stage 0: layer 0 and the embedding
+        assert torch.equal(pp1[key], value), key
+    for key, value in last["stage"].items():  # stage 1: its layer 0 is layer 1
+        assert torch.equal(pp1[key.replace("layers.0.", "layers.1.")], value), key
+    assert results[0]["one rank"].startswith("MissingInCheckpointError: ")
+    assert "tensors.A: shape (10,) in the state, (8,) in the checkpoint" in results[0]["one rank"]
+    assert results[1]["one rank"].startswith("RankFailedError: ")
+    assert "rank 0" in results[1]["one rank"] and "tensors.A" in results[1]["one rank"]
+
+
+def _small(v: float, extra: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {"a": ShardedTensor.from_rank_offsets("A", torch.arange(4.0) + v),
+                             "b": ShardedTensor.from_rank_offsets("B", torch.ones(3) * v),
+                             "iteration": int(v)}
+    if extra:
+        state["x"] = ShardedTensor.from_rank_offsets("X", torch.ones(2))
+    return state
+
+
+def _outcome(call: Any) -> str:
+    try:
+        return f"ok {call()!r}"
+    except (ckptio.CkptError, CheckpointingException) as exc:
+        return f"{type(exc).__name__} {isinstance(exc, CheckpointingException)}: {exc}"
+
+
+def _no_cuda() -> None:
+    """torch_dist's saver and writer call CUDA; its writer starts a Manager (not daemonic)."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    mp.current_process().daemon = False
+
+
+def _kill_async(root: str) -> None:
+    """In a process of its own: a save, then an async save into the same directory killed
+    (SIGKILL) while ckptio writes, before the request's finalize."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{root}.pg", rank=0,
+                                         world_size=1)
+    mdc.save(_small(1), root, sharded_strategy=SAVE(), validate_access_integrity=False)
+    from ckptio.saving import persist
+
+    def die(*_args: Any, **_kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    persist.SaveJob.finish = die  # type: ignore[method-assign]
+    request = mdc.save(_small(2), root, sharded_strategy=SAVE(), async_sharded_save=True,
+                       validate_access_integrity=False)
+    request.execute_sync()
+
+
+def _rng_state() -> dict[str, Any]:
+    """What Megatron's training loop puts in its ``rng_state`` ShardedObject."""
+    import numpy as np
+
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+
+
+def _rng_round(where: Path) -> str:
+    """Megatron's RNG-state ShardedObject (tuples, a NumPy state, a tensor, an empty dict)
+    saved without pickle, loaded (an empty dict under it vanished before: Megatron's resume
+    reads ``rng_tracker_states``), then used; and the load of empty ShardedObjects under a
+    strict mode that reads the checkpoint's metadata (they were "unexpected" and dropped)."""
+    import numpy as np
+
+    def state(value: Any, empty: Any = None) -> dict[str, Any]:
+        return {"rng_state": ShardedObject("rng_state", value, (1,), (0,), replica_id=0),
+                "empty": ShardedObject("empty", empty, (1,), (0,), replica_id=0)}
+
+    where.mkdir()
+    mdc.save(state([_rng_state()], {}), str(where), sharded_strategy=SAVE())
+    loaded, missing, unexpected = mdc.load(state(None), str(where), sharded_strategy=LOAD(),
+                                           strict=StrictHandling.RETURN_ALL)
+    (got,) = loaded["rng_state"]
+    random.setstate(got["random_rng_state"])
+    np.random.set_state(got["np_rng_state"])
+    torch.set_rng_state(got["torch_rng_state"])
+    return (f"{sorted(got)} {got['rng_tracker_states']!r} {loaded.get('empty')!r} "
+            f"{missing} {unexpected}")
+
+
+def _one_process(rank: int, world: int, root: str) -> dict[str, str]:
+    base, out = Path(root), {}
+    tests = str(Path(__file__).resolve().parent)
+    (base / "async").mkdir()
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_rt_megatron; "
+            f"test_rt_megatron._kill_async({str(base / 'async')!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    out["killed"] = str(done.returncode)
+    out["after kill"] = _outcome(lambda: mdc.load(_small(0), str(base / "async"),
+                                                  sharded_strategy=LOAD()))
+    out["rng"] = _rng_round(base / "rng")
+    ck, td = base / "ck", base / "td"
+    ck.mkdir()
+    td.mkdir()
+    mdc.save(_small(2), str(ck), sharded_strategy=SAVE())
+    mdc.save(_small(3), str(ck), sharded_strategy=SAVE())  # a second save into one directory
+    out["second"] = _outcome(lambda: mdc.load(_small(0), str(ck), sharded_strategy=LOAD())["b"])
+    out["default load"] = _outcome(lambda: mdc.load(_small(0), str(ck))["a"])
+    out["plain"] = _outcome(lambda: sorted(mdc.load_plain_tensors(str(ck)).items()))
+    for strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.RETURN_ALL):
+        state = _small(0, extra=True)
+        del state["b"]
+        out[strict.name] = _outcome(lambda: mdc.load(state, str(ck), sharded_strategy=LOAD(),
+                                                     strict=strict))
+    _no_cuda()
+    mdc.save(_small(4), str(td))  # torch_dist
+    out["td by ckptio"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD()))
+    out["td metadata"] = _outcome(lambda: mdc.load_tensors_metadata(str(td), LOAD()))
+    mdc.save(_small(5), str(td), sharded_strategy=SAVE())  # ckptio's over torch_dist's
+    out["over td"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD())["a"])
+    threads = fds = 0
+    for i in range(14):  # after a first sync and async save: their threads are made
+        if i == 2:
+            threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+        request = mdc.save(_small(i), str(ck), sharded_strategy=SAVE(),
+                           async_sharded_save=i % 2 == 1)
+        if request is not None:
+            request.execute_sync()
+    out["growth"] = f"{threading.active_count() - threads} {len(os.listdir('/proc/self/fd')) - fds}"
+    return out
+
+
+def test_one_process_kill_pickle_backends_strict_and_leaks(tmp_path: Path) -> None:
+    """An async save killed before its finalize: the load refuses the mixed directory; an RNG
+    state refused without allow_pickle naming the key; a second save wins; the ckptio
+    checkpoint loads without naming the strategy (Megatron's registry), and as plain tensors;
+    strict modes; a torch_dist directory refused naming its backend (it raised "no checkpoint
+    at .../ckptio" before); no thread or fd growth over many saves."""
+    (out,) = run_ranks(1, _one_process, str(tmp_path), timeout_s=240)
+    assert out["killed"] == str(-signal.SIGKILL)
+    assert out["after kill"].startswith("CorruptCheckpointError False: "), out["after kill"]
+    assert "common.pt" in out["after kill"] and "different saves" in out["after kill"]
+    assert out["rng"] == ("['np_rng_state', 'random_rng_state', 'rng_tracker_states', "
+                          "'torch_rng_state'] {} {} set() set()"), out["rng"]
+    assert out["second"] == "ok tensor([3., 3., 3.])"
+    assert out["default load"] == "ok tensor([3., 4., 5., 6.])"
+    assert "('A', tensor([3., 4., 5., 6.])), ('B', tensor([3., 3., 3.]))" in out["plain"]
+    assumed = out["ASSUME_OK_UNEXPECTED"]
+    assert assumed.startswith("MissingInCheckpointError True: ") and "tensors.X" in assumed
+    assert out["RETURN_ALL"].endswith(", {'B'}, {'X'})")
+    for key in ("td by ckptio", "td metadata"):
+        assert out[key].startswith("NotCkptioCheckpointError True: "), out[key]
+        assert "'torch_dist' checkpoint" in out[key] and "without sharded_strategy=" in out[key]
+    assert out["over td"] == "ok tensor([5., 6., 7., 8.])"
+    assert out["growth"] == "0 0", out["growth"]
+
+
+def test_a_load_of_some_keys_keeps_their_empty_containers(tmp_path: Path) -> None:
+    """``keys=`` selecting a value that holds empty containers returns them (they were pruned
+    with the containers the selection left empty); unselected empty ones stay out."""
+    state = {"objects": {"rng/shard_0_1": [{"a": 1, "trackers": {}, "l": [], "t": ()}],
+                         "other": {}}, "tensors": {}}
+    ckptio.save(state, tmp_path / "c")
+    got = ckptio.load(tmp_path / "c", keys=["objects.rng/shard_0_1"])
+    assert got == {"objects": {"rng/shard_0_1": [{"a": 1, "trackers": {}, "l": [], "t": ()}]}}
+    assert ckptio.load(tmp_path / "c", keys="objects") == {"objects": state["objects"]}
