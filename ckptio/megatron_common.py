@@ -1,7 +1,7 @@
 """The common state of a Megatron checkpoint the ckptio strategies write: ``common.pt`` (what
 Megatron's ``load_common_state_dict`` reads) and its digest in ckptio's manifest, so a load
 refuses a ``common.pt`` of another save; and where ckptio's checkpoint lies in Megatron's
-directory.
+directory, and the error for a directory that holds none.
 
 Owns: ``common.pt``'s bytes, its atomic replacement and its digest check. Does not own: the
 strategies (megatron_strategy.py) or what the common state holds (Megatron's).
@@ -9,22 +9,33 @@ strategies (megatron_strategy.py) or what the common state holds (Megatron's).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import xxhash
 
 import ckptio
-from ckptio.errors import CorruptCheckpointError
+from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 
-__all__ = ["check_common", "common_bytes", "data_path", "digest_meta", "write_common",
-           "written_common_meta"]
+from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+__all__ = ["BACKEND", "NotCkptioCheckpointError", "check_common", "ckptio_dir", "common_bytes",
+           "data_path", "digest_meta", "write_common", "written_common_meta"]
+
+BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
 
 _DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
 _COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _DIGEST = "megatron_common_xxh3"
+
+
+class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
+    """The directory holds no ckptio checkpoint (another backend's, or none): a
+    ckptio.CheckpointNotFoundError that is also Megatron's CheckpointingException."""
 
 
 def data_path(checkpoint_dir: str | os.PathLike[str]) -> str:
@@ -89,3 +100,22 @@ def check_common(checkpoint_dir: str) -> None:
             f"{path}: not the common state saved with {data_path(checkpoint_dir)} (a save "
             "into this directory stopped part way, so the two are of different saves); load "
             "an earlier checkpoint or save this one again")
+
+
+@contextlib.contextmanager
+def ckptio_dir(checkpoint_dir: Any) -> Iterator[None]:
+    """A missing ckptio checkpoint raised as NotCkptioCheckpointError naming the backend that
+    ``metadata.json`` names (torch_dist's: load without the ckptio strategy)."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        config = maybe_load_config(os.fspath(checkpoint_dir))
+        backend = None if config is None else config.sharded_backend
+        if backend in (None, BACKEND):
+            raise NotCkptioCheckpointError(f"{exc} (no ckptio checkpoint in {checkpoint_dir}: "
+                                           "was its save finished?)") from exc
+        raise NotCkptioCheckpointError(
+            f"{checkpoint_dir} holds a {backend!r} checkpoint (its metadata.json), not one the "
+            "ckptio strategy wrote; load it without sharded_strategy= (Megatron's own "
+            "strategy for that backend), or convert it by saving it again with "
+            "CkptioSaveShardedStrategy") from exc

@@ -21,7 +21,6 @@ strategy as the default for ckptio's backend.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -43,14 +42,13 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import ckptio
-from ckptio.errors import (
-    CheckpointNotFoundError,
-    StateMismatchError,
-    UnsupportedStateError,
-)
+from ckptio.errors import StateMismatchError, UnsupportedStateError
 from ckptio.io.buffers import torch_dtype
 from ckptio.megatron_common import (
+    BACKEND,
+    NotCkptioCheckpointError,
     check_common,
+    ckptio_dir,
     common_bytes,
     data_path,
     digest_meta,
@@ -62,7 +60,6 @@ from ckptio.shared import checkpointer
 __all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
            "MissingInCheckpointError", "NotCkptioCheckpointError", "data_path"]
 
-BACKEND = "ckptio"  # metadata.json's backend for checkpoints these strategies write
 _COMMON_KEY = "common_state"
 _TENSORS, _OBJECTS = "tensors", "objects"
 
@@ -70,11 +67,6 @@ _TENSORS, _OBJECTS = "tensors", "objects"
 class MissingInCheckpointError(StateMismatchError, CheckpointingException):
     """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
     CheckpointingException Megatron's callers catch."""
-
-
-class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
-    """The directory holds no ckptio checkpoint (another backend's, or none): a
-    ckptio.CheckpointNotFoundError that is also Megatron's CheckpointingException."""
 
 
 def _rank() -> int:
@@ -232,7 +224,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         """Every rank together -> the state dict with tensors and objects in place of their
         ShardedTensors / ShardedObjects (tensors loaded into the ShardedTensors' own data)."""
         path = data_path(checkpoint_dir)
-        with _ckptio_dir(checkpoint_dir):
+        with ckptio_dir(checkpoint_dir):
             check_common(os.fspath(checkpoint_dir))
         items = list(_items(sharded_state_dict))
         dests = _destinations(items)
@@ -245,8 +237,13 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         for key, held in shards.items():
             boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
+        padded = _padded(boxes, {sh.key for sh in items if isinstance(sh, ShardedTensor)
+                                 and sh.allow_shape_mismatch}, self.options, path)
         _load_tensors(checkpointer(self.options), path, boxes)
         with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
+            for where, part in padded:
+                where.zero_()
+                where[tuple(slice(0, n) for n in part.shape)].copy_(part)
             for region, piece, box in copies:
                 piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
@@ -274,7 +271,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
         """Each saved ShardedTensor key -> a ShardedTensor without data (global shape, dtype)."""
-        with _ckptio_dir(checkpoint_dir):
+        with ckptio_dir(checkpoint_dir):
             record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
         out: dict[str, Any] = {}
         prefix = _TENSORS + "."
@@ -318,23 +315,29 @@ def _load_tensors(loader: ckptio.Checkpointer, path: str,
             "lacks]") from exc
 
 
-@contextlib.contextmanager
-def _ckptio_dir(checkpoint_dir: Any) -> Iterator[None]:
-    """A missing ckptio checkpoint raised as NotCkptioCheckpointError naming the backend that
-    ``metadata.json`` names (torch_dist's: load without the ckptio strategy)."""
-    try:
-        yield
-    except CheckpointNotFoundError as exc:
-        config = maybe_load_config(os.fspath(checkpoint_dir))
-        backend = None if config is None else config.sharded_backend
-        if backend in (None, BACKEND):
-            raise NotCkptioCheckpointError(f"{exc} (no ckptio checkpoint in {checkpoint_dir}: "
-                                           "was its save finished?)") from exc
-        raise NotCkptioCheckpointError(
-            f"{checkpoint_dir} holds a {backend!r} checkpoint (its metadata.json), not one the "
-            "ckptio strategy wrote; load it without sharded_strategy= (Megatron's own "
-            "strategy for that backend), or convert it by saving it again with "
-            "CkptioSaveShardedStrategy") from exc
+def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
+            options: ckptio.Options | None, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys whose ShardedTensors allow a shape mismatch (Megatron's padded vocabulary, whose
+    padding follows the TP size) saved with another global shape: each box loads only its
+    overlap with the saved tensor (replaced in ``boxes``, or left out where none), the rest
+    zeros, as torch_dist does; -> (box, its overlap as read) pairs, for after the read."""
+    if not flexible:
+        return []
+    saved = {e.key.removeprefix(f"{_TENSORS}."): e.shape
+             for e in checkpointer(options).manifest(path).tensors}
+    out = []
+    for key in [k for k in flexible if k in saved and saved[k] != boxes[k].global_shape]:
+        box = boxes[key]
+        if len(saved[key]) != len(box.global_shape):
+            continue  # another number of axes: the load refuses it, naming both shapes
+        size = [max(0, min(o + n, g) - o)
+                for o, n, g in zip(box.offsets, box.local.shape, saved[key])]
+        del boxes[key]
+        part = torch.empty(size, dtype=box.local.dtype)
+        if part.numel():
+            boxes[key] = ckptio.TensorShard(part, tuple(saved[key]), box.offsets)
+        out.append((box.local, part))
+    return out
 
 
 def _object_keys(tree: Any) -> list[str]:

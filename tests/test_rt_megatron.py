@@ -1,11 +1,11 @@
 """A demanding Megatron user against ckptio's ``dist_checkpointing`` strategies with real
 GPTModels on the CPU (gloo ranks): TP 2 -> TP 1 / DP 2 -> TP 2, pipeline stages (PP 2) loaded
-as PP 1 and back, replicas written once, a changed model (hidden size, layers, vocabulary)
-refused before anything loads, another backend's directory refused naming it, a rank's
-mismatch, strict modes, plain-tensor and metadata reads, an async save killed before its
-finalize, an RNG-state ShardedObject refused without ``allow_pickle``, and no thread or fd
-growth over many saves. Scenarios are batched into two run_ranks calls (each rank process
-imports Megatron once).
+as PP 1 and back, replicas written once, a changed model (hidden size, layers, sequence
+length) refused before anything loads, a padded vocabulary of another size loaded, another
+backend's directory refused naming it, a rank's mismatch, strict modes, plain-tensor and
+metadata reads, an async save killed before its finalize, Megatron's RNG-state ShardedObject
+(with its empty dict) round trip without pickle, and no thread or fd growth over many saves.
+Scenarios are batched into two run_ranks calls (each rank process imports Megatron once).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SAVE, LOAD = CkptioSaveShardedStrategy, CkptioLoadShardedStrategy
 
 
 def _gpt(tp: int, seed: int, pp: int = 1, layers: int = 2, hidden: int = 64,
-         vocab: int = 128) -> torch.nn.Module:
+         vocab: int = 128, max_sequence_length: int = 32) -> torch.nn.Module:
     """Megatron's GPTModel on the CPU (local layer spec) at TP ``tp`` / PP ``pp`` (this rank's
     stage only)."""
     from megatron.core import parallel_state as ps
@@ -58,7 +58,7 @@ def _gpt(tp: int, seed: int, pp: int = 1, layers: int = 2, hidden: int = 64,
                                pipeline_dtype=torch.float32 if pp > 1 else None)
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=vocab, max_sequence_length=32,
+                    vocab_size=vocab, max_sequence_length=max_sequence_length,
                     pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage())
 
@@ -80,7 +80,7 @@ def _changed_model(world: int, where: Path) -> list[tuple[str, str, int]]:
     """Models built differently from the TP ``world`` save: -> (change, error, tensors that
     changed in place) each."""
     out = []
-    for change in ({"hidden": 128}, {"layers": 3}, {"vocab": 256}):
+    for change in ({"hidden": 128}, {"layers": 3}, {"max_sequence_length": 64}):
         model = _gpt(world, 1, **change)  # type: ignore[arg-type]
         before = _tensors(model)
         try:
@@ -90,6 +90,26 @@ def _changed_model(world: int, where: Path) -> list[tuple[str, str, int]]:
             error = f"{isinstance(exc, CheckpointingException)} {exc}"
         out.append((str(change), error, len(_differ(before, _tensors(model)))))
     return out
+
+
+def _vocab(rank: int, where: Path, full: dict[str, torch.Tensor]) -> list[str]:
+    """Another (padded) vocabulary size, as a TP change makes in Megatron: its embedding and
+    output layer allow a shape mismatch; each rank's rows load from the saved ones where
+    there are some, zeros beyond (as torch_dist does; refused before) -> what differs."""
+    wrong = []
+    for vocab in (256, 64):
+        got = _load(_gpt(2, 1, vocab=vocab), where)
+        rows = vocab // 2
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            want = torch.zeros(rows, 64)
+            saved = full[key][rank * rows:(rank + 1) * rows]
+            want[:len(saved)] = saved
+            if not torch.equal(got[key], want):
+                wrong.append(f"{vocab} {key}")
+        got.pop("embedding.word_embeddings.weight")
+        got.pop("output_layer.weight")
+        wrong += [f"{vocab} {k}" for k in _differ(got, _tensors(_gpt(2, 0)))]
+    return wrong
 
 
 def _one_rank_mismatch(rank: int, root: Path) -> str:
@@ -132,6 +152,7 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
     out["tp1 once"] = _written_once(base / "tp1")
     out["tp1->tp2"] = _differ(_tensors(_gpt(2, 0)), _load(_gpt(2, 2), base / "tp1"))
     out["changed"] = _changed_model(2, base / "tp2")
+    out["vocab"] = _vocab(rank, base / "tp2", full)
     stage = _gpt(1, 0, pp=2)  # PP 2: each rank its stage's layer
     out["stage"] = _tensors(stage)
     (base / "pp2").mkdir(exist_ok=True)
@@ -148,9 +169,10 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path) -> None:
     """TP 2 -> TP 1 / DP 2 -> TP 2 and PP 2 -> PP 1 -> PP 2 bit for bit; DP replicas stored
-    once; a model built with another hidden size / layer count / vocabulary is refused on
-    every rank naming the key and both shapes, with no tensor of the model changed (the
-    matching ones loaded in place before, then the error came)."""
+    once; a model built with another hidden size / layer count / sequence length is refused
+    on every rank naming the key and both shapes, with no tensor of the model changed (the
+    matching ones loaded in place before, then the error came); another vocabulary size
+    loads as torch_dist loads it."""
     results = run_ranks(2, _layouts, str(tmp_path), timeout_s=240)
     for rank, got in enumerate(results):
         assert got["tp2->tp1"] == [] and got["tp1->tp2"] == [], rank
@@ -162,9 +184,11 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
             assert "nothing was loaded" in error
             assert changed == 0, (rank, change, error)
         hidden = got["changed"][0][1]
-        assert "embedding.word_embeddings.weight" in hidden and "(128, 64)" in hidden
+        assert "embedding.position_embeddings.weight: shape (32, 128) in the state, (32, 64)" \
+            in hidden
         assert "decoder.layers.self_attention.linear_proj.weight" in got["changed"][1][1]
-        assert "output_layer.weight: shape (256, 64)" in got["changed"][2][1]
+        assert "embedding.position_embeddings.weight: shape (64, 64)" in got["changed"][2][1]
+        assert got["vocab"] == [], (rank, got["vocab"])
     first, last = results[0], results[1]
     pp1 = first["pp1"]
     assert _differ(pp1, results[1]["pp1"]) == []  # DP 2 of PP 1: both the whole model
