@@ -112,6 +112,47 @@ def _vocab(rank: int, where: Path, full: dict[str, torch.Tensor]) -> list[str]:
     return wrong
 
 
+def _adam(model: torch.nn.Module, grads: bool) -> tuple[torch.optim.Adam, dict[str, Any]]:
+    """A stepped Adam and the model's and its sharded state (Megatron's mapping of each
+    per-parameter state to its parameter's ShardedTensor; ``step`` stays out of it)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    torch.manual_seed(7)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) if grads else torch.zeros_like(p)
+    opt.step()
+    sharded = model.sharded_state_dict()
+    state = opt.state_dict()
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(
+        sharded, [p for g in opt.param_groups for p in g["params"]]), exclude_keys=("step",))
+    return opt, {"model": sharded, "optimizer": state}
+
+
+def _optimizer(rank: int, where: Path) -> list[str]:
+    """Adam's state saved at TP 2, loaded at TP 2 and TP 1 / DP 2 -> what differs."""
+    opt, state = _adam(_gpt(2, 0), True)
+    mdc.save(state, str(where), sharded_strategy=SAVE())
+    saved = [opt.state[p] for g in opt.param_groups for p in g["params"]]
+    wrong = []
+    for tp in (2, 1):
+        model = _gpt(tp, 1)
+        _fresh, empty = _adam(model, False)
+        got = mdc.load(empty, str(where), sharded_strategy=LOAD())["optimizer"]
+        for i in range(len(saved)):
+            for name in ("exp_avg", "exp_avg_sq"):
+                want = saved[i][name]
+                have = got["state"][i][name]
+                if tp == 1 and have.shape != want.shape:  # the embedding, split by TP 2 rows
+                    have = have[rank * want.shape[0]:(rank + 1) * want.shape[0]]
+                if (tp == 2 or i == 0) and not torch.equal(have, want):  # TP 1: the embedding
+                    wrong.append(f"{tp} {i} {name}")
+    return wrong
+
+
 def _one_rank_mismatch(rank: int, root: Path) -> str:
     """Only rank 0's state differs (one key's shape): every rank raises a ckptio error."""
     def state(n: int) -> dict[str, Any]:
@@ -162,6 +203,8 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
     (base / "pp1").mkdir(exist_ok=True)
     mdc.save(whole.sharded_state_dict(), str(base / "pp1"), sharded_strategy=SAVE())
     out["back"] = _differ(out["stage"], _load(_gpt(1, 2, pp=2), base / "pp1"))
+    (base / "adam").mkdir(exist_ok=True)
+    out["adam"] = _optimizer(rank, base / "adam")
     (base / "one").mkdir(exist_ok=True)
     out["one rank"] = _one_rank_mismatch(rank, base / "one")
     return out
@@ -172,7 +215,7 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
     once; a model built with another hidden size / layer count / sequence length is refused
     on every rank naming the key and both shapes, with no tensor of the model changed (the
     matching ones loaded in place before, then the error came); another vocabulary size
-    loads as torch_dist loads it."""
+    loads as torch_dist loads it; Adam's state mapped by Megatron loads at TP 2 and TP 1."""
     results = run_ranks(2, _layouts, str(tmp_path), timeout_s=240)
     for rank, got in enumerate(results):
         assert got["tp2->tp1"] == [] and got["tp1->tp2"] == [], rank
@@ -189,6 +232,7 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
         assert "decoder.layers.self_attention.linear_proj.weight" in got["changed"][1][1]
         assert "embedding.position_embeddings.weight: shape (64, 64)" in got["changed"][2][1]
         assert got["vocab"] == [], (rank, got["vocab"])
+        assert got["adam"] == [], (rank, got["adam"])
     first, last = results[0], results[1]
     pp1 = first["pp1"]
     assert _differ(pp1, results[1]["pp1"]) == []  # DP 2 of PP 1: both the whole model
