@@ -211,13 +211,15 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     ``dist_checkpointing.load(..., sharded_strategy=CkptioLoadShardedStrategy())``. Each rank
     reads only the regions its ShardedTensors hold, whatever layout saved them.
     ``allow_pickle``: unpickle ShardedObjects saved pickled (only for trusted checkpoints).
-    ``options``: as the save strategy's."""
+    ``options``: as the save strategy's. ``cast``: convert a tensor saved in another dtype
+    (a bf16 model from an fp32 checkpoint; torch_dist converts silently), else refused."""
 
-    def __init__(self, *, allow_pickle: bool = False,
-                 options: ckptio.Options | None = None) -> None:
+    def __init__(self, *, allow_pickle: bool = False, options: ckptio.Options | None = None,
+                 cast: bool = False) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
         self.options = options
+        self.cast = cast
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any,
              async_strategy: str = "mcore") -> Any:
@@ -239,7 +241,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
         padded = _padded(boxes, {sh.key for sh in items if isinstance(sh, ShardedTensor)
                                  and sh.allow_shape_mismatch}, self.options, path)
-        _load_tensors(checkpointer(self.options), path, boxes)
+        _load_tensors(checkpointer(self.options), path, boxes, self.cast)
         with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
             for where, part in padded:
                 where.zero_()
@@ -300,19 +302,20 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
 
 def _load_tensors(loader: ckptio.Checkpointer, path: str,
-                  boxes: dict[str, ckptio.TensorShard]) -> None:
+                  boxes: dict[str, ckptio.TensorShard], cast: bool) -> None:
     """Every rank together: read each box, checked against the checkpoint before any read (a
     changed model loads nothing); keys no rank asks for are Megatron's to judge."""
     wanted = {f"{_TENSORS}.{key}" for key in boxes}
     try:
-        loader.load(path, {_TENSORS: boxes}, keys=lambda k: k in wanted, strict=True)
+        loader.load(path, {_TENSORS: boxes}, keys=lambda k: k in wanted, strict=True, cast=cast)
     except StateMismatchError as exc:
         raise MissingInCheckpointError(
             f"rank {_rank()}: the sharded state dict does not match the checkpoint, nothing "
             f"was loaded on this rank: {exc} [keys under '{_TENSORS}.' are ShardedTensor keys; "
             "through Megatron: build the model as it was saved, or pass a strict= "
             "StrictHandling to dist_checkpointing.load to leave out keys the checkpoint "
-            "lacks]") from exc
+            "lacks; CkptioLoadShardedStrategy(cast=True) converts a dtype, as torch_dist "
+            "does]") from exc
 
 
 def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],

@@ -348,6 +348,10 @@ def _one_process(rank: int, world: int, root: str) -> dict[str, str]:
     out["td by ckptio"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD()))
     out["td metadata"] = _outcome(lambda: mdc.load_tensors_metadata(str(td), LOAD()))
     mdc.save(_small(5), str(td), sharded_strategy=SAVE())  # ckptio's over torch_dist's
+    bf16 = _small(0)
+    bf16["a"] = ShardedTensor.from_rank_offsets("A", torch.zeros(4, dtype=torch.bfloat16))
+    out["bf16"] = _outcome(lambda: mdc.load(bf16, str(ck), sharded_strategy=LOAD()))
+    out["bf16 cast"] = _outcome(lambda: mdc.load(bf16, str(ck), sharded_strategy=LOAD(cast=True))["a"])
     out["over td"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD())["a"])
     threads = fds = 0
     for i in range(14):  # after a first sync and async save: their threads are made
@@ -365,7 +369,8 @@ def test_one_process_kill_pickle_backends_strict_and_leaks(tmp_path: Path) -> No
     """An async save killed before its finalize: the load refuses the mixed directory; an RNG
     state refused without allow_pickle naming the key; a second save wins; the ckptio
     checkpoint loads without naming the strategy (Megatron's registry), and as plain tensors;
-    strict modes; a torch_dist directory refused naming its backend (it raised "no checkpoint
+    strict modes; a bf16 state from fp32 refused naming cast=True, converted with it; a
+    torch_dist directory refused naming its backend (it raised "no checkpoint
     at .../ckptio" before); no thread or fd growth over many saves."""
     (out,) = run_ranks(1, _one_process, str(tmp_path), timeout_s=240)
     assert out["killed"] == str(-signal.SIGKILL)
@@ -382,6 +387,9 @@ def test_one_process_kill_pickle_backends_strict_and_leaks(tmp_path: Path) -> No
     for key in ("td by ckptio", "td metadata"):
         assert out[key].startswith("NotCkptioCheckpointError True: "), out[key]
         assert "'torch_dist' checkpoint" in out[key] and "without sharded_strategy=" in out[key]
+    assert "dtype torch.bfloat16 in the state, torch.float32 in the checkpoint" in out["bf16"]
+    assert "CkptioLoadShardedStrategy(cast=True)" in out["bf16"]
+    assert out["bf16 cast"] == "ok tensor([3., 4., 5., 6.], dtype=torch.bfloat16)"
     assert out["over td"] == "ok tensor([5., 6., 7., 8.])"
     assert out["growth"] == "0 0", out["growth"]
 
