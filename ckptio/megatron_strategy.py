@@ -221,6 +221,17 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         self.options = options
         self.cast = cast
 
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Megatron's check of ``metadata.json``'s backend (torch_dist's checks nothing): a
+        ``torch_dist`` save over a directory of an older ckptio save left ckptio's files of
+        that save there."""
+        if loaded_backend != BACKEND:
+            raise NotCkptioCheckpointError(
+                f"the checkpoint's metadata.json names backend {loaded_backend!r}, not "
+                f"{BACKEND!r}: its last save was not the ckptio strategy's (any ckptio files "
+                "there are of an older save); load it without sharded_strategy= (Megatron's "
+                "own strategy for that backend)")
+
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any,
              async_strategy: str = "mcore") -> Any:
         """Every rank together -> the state dict with tensors and objects in place of their

@@ -353,6 +353,8 @@ def _one_process(rank: int, world: int, root: str) -> dict[str, str]:
     out["bf16"] = _outcome(lambda: mdc.load(bf16, str(ck), sharded_strategy=LOAD()))
     out["bf16 cast"] = _outcome(lambda: mdc.load(bf16, str(ck), sharded_strategy=LOAD(cast=True))["a"])
     out["over td"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD())["a"])
+    mdc.save(_small(6), str(td))  # torch_dist's over ckptio's: ckptio's files stay, older
+    out["td over"] = _outcome(lambda: mdc.load(_small(0), str(td), sharded_strategy=LOAD()))
     threads = fds = 0
     for i in range(14):  # after a first sync and async save: their threads are made
         if i == 2:
@@ -370,7 +372,8 @@ def test_one_process_kill_pickle_backends_strict_and_leaks(tmp_path: Path) -> No
     state refused without allow_pickle naming the key; a second save wins; the ckptio
     checkpoint loads without naming the strategy (Megatron's registry), and as plain tensors;
     strict modes; a bf16 state from fp32 refused naming cast=True, converted with it; a
-    torch_dist directory refused naming its backend (it raised "no checkpoint
+    torch_dist directory refused naming its backend, also where an older ckptio save's files
+    are left in it (it raised "no checkpoint
     at .../ckptio" before); no thread or fd growth over many saves."""
     (out,) = run_ranks(1, _one_process, str(tmp_path), timeout_s=240)
     assert out["killed"] == str(-signal.SIGKILL)
@@ -384,9 +387,10 @@ def test_one_process_kill_pickle_backends_strict_and_leaks(tmp_path: Path) -> No
     assumed = out["ASSUME_OK_UNEXPECTED"]
     assert assumed.startswith("MissingInCheckpointError True: ") and "tensors.X" in assumed
     assert out["RETURN_ALL"].endswith(", {'B'}, {'X'})")
-    for key in ("td by ckptio", "td metadata"):
+    for key in ("td by ckptio", "td metadata", "td over"):
         assert out[key].startswith("NotCkptioCheckpointError True: "), out[key]
-        assert "'torch_dist' checkpoint" in out[key] and "without sharded_strategy=" in out[key]
+        assert "'torch_dist'" in out[key] and "without sharded_strategy=" in out[key]
+    assert "metadata.json names backend 'torch_dist'" in out["td over"]
     assert "dtype torch.bfloat16 in the state, torch.float32 in the checkpoint" in out["bf16"]
     assert "CkptioLoadShardedStrategy(cast=True)" in out["bf16"]
     assert out["bf16 cast"] == "ok tensor([3., 4., 5., 6.], dtype=torch.bfloat16)"
