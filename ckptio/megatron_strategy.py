@@ -337,8 +337,9 @@ def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
     zeros, as torch_dist does; -> (box, its overlap as read) pairs, for after the read."""
     if not flexible:
         return []
-    saved = {e.key.removeprefix(f"{_TENSORS}."): e.shape
-             for e in checkpointer(options).manifest(path).tensors}
+    prefix = f"{_TENSORS}."
+    saved = {e.key.removeprefix(prefix): e.shape
+             for e in checkpointer(options).manifest(path).tensors if e.key.startswith(prefix)}
     out = []
     for key in [k for k in flexible if k in saved and saved[k] != boxes[k].global_shape]:
         box = boxes[key]

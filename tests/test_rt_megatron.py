@@ -192,6 +192,9 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
     mdc.save(tp1.sharded_state_dict(), str(base / "tp1"), sharded_strategy=SAVE())
     out["tp1 once"] = _written_once(base / "tp1")
     out["tp1->tp2"] = _differ(_tensors(_gpt(2, 0)), _load(_gpt(2, 2), base / "tp1"))
+    plain = mdc.load_plain_tensors(str(base / "tp2"))  # no strategy named: the registry's
+    out["plain"] = [k for k, v in full.items() if k in plain and not torch.equal(plain[k], v)]
+    out["stacked"] = tuple(plain["decoder.layers.self_attention.linear_qkv.weight"].shape)
     out["changed"] = _changed_model(2, base / "tp2")
     out["vocab"] = _vocab(rank, base / "tp2", full)
     stage = _gpt(1, 0, pp=2)  # PP 2: each rank its stage's layer
@@ -233,6 +236,7 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
         assert "embedding.position_embeddings.weight: shape (64, 64)" in got["changed"][2][1]
         assert got["vocab"] == [], (rank, got["vocab"])
         assert got["adam"] == [], (rank, got["adam"])
+        assert got["plain"] == [] and got["stacked"] == (2, 192, 64), rank
     first, last = results[0], results[1]
     pp1 = first["pp1"]
     assert _differ(pp1, results[1]["pp1"]) == []  # DP 2 of PP 1: both the whole model
