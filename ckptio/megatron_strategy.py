@@ -107,8 +107,9 @@ def _box(key: str, shards: list[ShardedTensor],
     if sum(t.numel() for t in full) != math.prod(size) or _overlap(regions):
         raise UnsupportedStateError(
             f"ShardedTensor {key!r}: rank {_rank()} holds {len(shards)} pieces that do not form "
-            "one box (an interleaved pipeline schedule's layers?); the ckptio strategy stores "
-            "one box of a key per rank")
+            "one box (a gated MLP's linear_fc1 at TP > 1, whose two halves Megatron shards "
+            "apart, or an interleaved pipeline schedule's layers); the ckptio strategy stores "
+            "one box of a key per rank: save this model with Megatron's torch_dist")
     box = torch.empty(size, dtype=full[0].dtype, device=full[0].device)
     return ckptio.TensorShard(box, shape, tuple(lo)), list(zip(regions, full))
 

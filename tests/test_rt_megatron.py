@@ -42,9 +42,9 @@ SAVE, LOAD = CkptioSaveShardedStrategy, CkptioLoadShardedStrategy
 
 
 def _gpt(tp: int, seed: int, pp: int = 1, layers: int = 2, hidden: int = 64,
-         vocab: int = 128, max_sequence_length: int = 32) -> torch.nn.Module:
+         vocab: int = 128, max_sequence_length: int = 32, gated: bool = False) -> torch.nn.Module:
     """Megatron's GPTModel on the CPU (local layer spec) at TP ``tp`` / PP ``pp`` (this rank's
-    stage only)."""
+    stage only); ``gated``: a gated MLP (SwiGLU-style ``linear_fc1``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -55,7 +55,8 @@ def _gpt(tp: int, seed: int, pp: int = 1, layers: int = 2, hidden: int = 64,
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
                                use_cpu_initialization=True, tensor_model_parallel_size=tp,
                                pipeline_model_parallel_size=pp,
-                               pipeline_dtype=torch.float32 if pp > 1 else None)
+                               pipeline_dtype=torch.float32 if pp > 1 else None,
+                               gated_linear_unit=gated)
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=vocab, max_sequence_length=max_sequence_length,
@@ -153,6 +154,23 @@ def _optimizer(rank: int, where: Path) -> list[str]:
     return wrong
 
 
+def _gated(base: Path) -> list[str]:
+    """A gated MLP: at TP 2 refused on every rank before anything is written (its fc1 halves
+    are apart: a known limit), at TP 1 / DP 2 saved and loaded -> [refusal, what differs]."""
+    (base / "gated2").mkdir(exist_ok=True)
+    try:
+        mdc.save(_gpt(2, 0, gated=True).sharded_state_dict(), str(base / "gated2"),
+                 sharded_strategy=SAVE())
+        refusal = "saved"
+    except ckptio.UnsupportedStateError as exc:
+        refusal = str(exc)
+    (base / "gated1").mkdir(exist_ok=True)
+    mdc.save(_gpt(1, 0, gated=True).sharded_state_dict(), str(base / "gated1"),
+             sharded_strategy=SAVE())
+    want = _tensors(_gpt(1, 0, gated=True))
+    return [refusal, *_differ(want, _load(_gpt(1, 1, gated=True), base / "gated1"))]
+
+
 def _one_rank_mismatch(rank: int, root: Path) -> str:
     """Only rank 0's state differs (one key's shape): every rank raises a ckptio error."""
     def state(n: int) -> dict[str, Any]:
@@ -208,6 +226,7 @@ def _layouts(rank: int, world: int, root: str) -> dict[str, Any]:
     out["back"] = _differ(out["stage"], _load(_gpt(1, 2, pp=2), base / "pp1"))
     (base / "adam").mkdir(exist_ok=True)
     out["adam"] = _optimizer(rank, base / "adam")
+    out["gated"] = _gated(base)
     (base / "one").mkdir(exist_ok=True)
     out["one rank"] = _one_rank_mismatch(rank, base / "one")
     return out
@@ -218,7 +237,9 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
     once; a model built with another hidden size / layer count / sequence length is refused
     on every rank naming the key and both shapes, with no tensor of the model changed (the
     matching ones loaded in place before, then the error came); another vocabulary size
-    loads as torch_dist loads it; Adam's state mapped by Megatron loads at TP 2 and TP 1."""
+    loads as torch_dist loads it; Adam's state mapped by Megatron loads at TP 2 and TP 1; a
+    gated MLP at TP 2 refused on every rank naming its key (a known limit), at TP 1 round
+    trips."""
     results = run_ranks(2, _layouts, str(tmp_path), timeout_s=240)
     for rank, got in enumerate(results):
         assert got["tp2->tp1"] == [] and got["tp1->tp2"] == [], rank
@@ -237,6 +258,10 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
         assert got["vocab"] == [], (rank, got["vocab"])
         assert got["adam"] == [], (rank, got["adam"])
         assert got["plain"] == [] and got["stacked"] == (2, 192, 64), rank
+        refusal, *gated_differ = got["gated"]
+        assert "'decoder.layers.mlp.linear_fc1.weight'" in refusal, refusal
+        assert "gated MLP" in refusal and "torch_dist" in refusal
+        assert gated_differ == [], gated_differ
     first, last = results[0], results[1]
     pp1 = first["pp1"]
     assert _differ(pp1, results[1]["pp1"]) == []  # DP 2 of PP 1: both the whole model
