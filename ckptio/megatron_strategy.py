@@ -109,7 +109,9 @@ def _box(key: str, shards: list[ShardedTensor],
             f"ShardedTensor {key!r}: rank {_rank()} holds {len(shards)} pieces that do not form "
             "one box (a gated MLP's linear_fc1 at TP > 1, whose two halves Megatron shards "
             "apart, or an interleaved pipeline schedule's layers); the ckptio strategy stores "
-            "one box of a key per rank: save this model with Megatron's torch_dist")
+            "one box of a key per rank: build the state with model.sharded_state_dict("
+            "metadata={'singleton_local_shards': True}) to save and load (each layer and "
+            "each half its own key), or save with Megatron's torch_dist")
     box = torch.empty(size, dtype=full[0].dtype, device=full[0].device)
     return ckptio.TensorShard(box, shape, tuple(lo)), list(zip(regions, full))
 

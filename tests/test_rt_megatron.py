@@ -155,20 +155,26 @@ def _optimizer(rank: int, where: Path) -> list[str]:
 
 
 def _gated(base: Path) -> list[str]:
-    """A gated MLP: at TP 2 refused on every rank before anything is written (its fc1 halves
-    are apart: a known limit), at TP 1 / DP 2 saved and loaded -> [refusal, what differs]."""
-    (base / "gated2").mkdir(exist_ok=True)
+    """A gated MLP at TP 2: refused on every rank before ckptio writes (its fc1 halves are
+    apart: a known limit); with the state the refusal names (Megatron's singleton local
+    shards) saved, then loaded at TP 1 / DP 2 -> [refusal, what differs]."""
+    where = base / "gated"
+    where.mkdir(exist_ok=True)
     try:
-        mdc.save(_gpt(2, 0, gated=True).sharded_state_dict(), str(base / "gated2"),
-                 sharded_strategy=SAVE())
+        mdc.save(_gpt(2, 0, gated=True).sharded_state_dict(), str(where), sharded_strategy=SAVE())
         refusal = "saved"
     except ckptio.UnsupportedStateError as exc:
         refusal = str(exc)
-    (base / "gated1").mkdir(exist_ok=True)
-    mdc.save(_gpt(1, 0, gated=True).sharded_state_dict(), str(base / "gated1"),
+    def singleton() -> dict[str, Any]:  # Megatron adds its DP group to the dict given
+        return {"singleton_local_shards": True}
+
+    mdc.save(_gpt(2, 0, gated=True).sharded_state_dict(metadata=singleton()), str(where),
              sharded_strategy=SAVE())
     want = _tensors(_gpt(1, 0, gated=True))
-    return [refusal, *_differ(want, _load(_gpt(1, 1, gated=True), base / "gated1"))]
+    model = _gpt(1, 1, gated=True)
+    model.load_state_dict(mdc.load(model.sharded_state_dict(metadata=singleton()), str(where),
+                                   sharded_strategy=LOAD()))
+    return [refusal, *_differ(want, _tensors(model))]
 
 
 def _one_rank_mismatch(rank: int, root: Path) -> str:
@@ -238,8 +244,8 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
     on every rank naming the key and both shapes, with no tensor of the model changed (the
     matching ones loaded in place before, then the error came); another vocabulary size
     loads as torch_dist loads it; Adam's state mapped by Megatron loads at TP 2 and TP 1; a
-    gated MLP at TP 2 refused on every rank naming its key (a known limit), at TP 1 round
-    trips."""
+    gated MLP at TP 2 refused on every rank naming its key and the way round (a known
+    limit), which then loads at TP 1."""
     results = run_ranks(2, _layouts, str(tmp_path), timeout_s=240)
     for rank, got in enumerate(results):
         assert got["tp2->tp1"] == [] and got["tp1->tp2"] == [], rank
@@ -260,7 +266,7 @@ def test_gpt_layouts_round_trip_and_a_changed_model_loads_nothing(tmp_path: Path
         assert got["plain"] == [] and got["stacked"] == (2, 192, 64), rank
         refusal, *gated_differ = got["gated"]
         assert "'decoder.layers.mlp.linear_fc1.weight'" in refusal, refusal
-        assert "gated MLP" in refusal and "torch_dist" in refusal
+        assert "gated MLP" in refusal and "'singleton_local_shards': True" in refusal
         assert gated_differ == [], gated_differ
     first, last = results[0], results[1]
     pp1 = first["pp1"]
