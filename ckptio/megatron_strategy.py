@@ -12,9 +12,11 @@ load refuses a ``common.pt`` of another save. ckptio's files live in
 ``<checkpoint_dir>/ckptio`` and commit atomically.
 
 Owns: the two strategy classes and the mapping. Does not own: Megatron's preprocessing
-(factories, validation, ``metadata.json``: its ``serialization.save/load``) or the format.
-Megatron-Core 0.19.2 has no strategy registry: ``save`` keeps a strategy only if it subclasses
-``TorchDistSaveShardedStrategy``, which is why these subclass Megatron's.
+(factories, validation, ``metadata.json``: its ``serialization.save/load``), the format, or
+``common.pt`` (megatron_common.py). Megatron-Core 0.19.2 has no strategy registry: ``save``
+keeps a strategy only if it subclasses ``TorchDistSaveShardedStrategy``, which is why these
+subclass Megatron's; where there is one (0.16), importing this module registers the load
+strategy as the default for ckptio's backend.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import (
@@ -41,29 +42,31 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import ckptio
-from ckptio.errors import CorruptCheckpointError, StateMismatchError, UnsupportedStateError
+from ckptio.errors import StateMismatchError, UnsupportedStateError
 from ckptio.io.buffers import torch_dtype
+from ckptio.megatron_common import (
+    BACKEND,
+    NotCkptioCheckpointError,
+    check_common,
+    ckptio_dir,
+    common_bytes,
+    data_path,
+    digest_meta,
+    write_common,
+    written_common_meta,
+)
 from ckptio.shared import checkpointer
 
 __all__ = ["BACKEND", "CkptioLoadShardedStrategy", "CkptioSaveShardedStrategy",
-           "MissingInCheckpointError", "data_path"]
+           "MissingInCheckpointError", "NotCkptioCheckpointError", "data_path"]
 
-BACKEND = "ckptio"  # metadata.json's backend for checkpoints these strategies write
-_DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
-_COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
 _COMMON_KEY = "common_state"
 _TENSORS, _OBJECTS = "tensors", "objects"
-_DIGEST = "megatron_common_xxh3"
 
 
 class MissingInCheckpointError(StateMismatchError, CheckpointingException):
     """A load asks for keys the checkpoint lacks: a ckptio.StateMismatchError that is also the
     CheckpointingException Megatron's callers catch."""
-
-
-def data_path(checkpoint_dir: str | os.PathLike[str]) -> str:
-    """Where ckptio's checkpoint lies inside Megatron's ``checkpoint_dir``."""
-    return os.path.join(os.fspath(checkpoint_dir), _DIR)
 
 
 def _rank() -> int:
@@ -104,8 +107,11 @@ def _box(key: str, shards: list[ShardedTensor],
     if sum(t.numel() for t in full) != math.prod(size) or _overlap(regions):
         raise UnsupportedStateError(
             f"ShardedTensor {key!r}: rank {_rank()} holds {len(shards)} pieces that do not form "
-            "one box (an interleaved pipeline schedule's layers?); the ckptio strategy stores "
-            "one box of a key per rank")
+            "one box (a gated MLP's linear_fc1 at TP > 1, whose two halves Megatron shards "
+            "apart, or an interleaved pipeline schedule's layers); the ckptio strategy stores "
+            "one box of a key per rank: build the state with model.sharded_state_dict("
+            "metadata={'singleton_local_shards': True}) to save and load (each layer and "
+            "each half its own key), or save with Megatron's torch_dist")
     box = torch.empty(size, dtype=full[0].dtype, device=full[0].device)
     return ckptio.TensorShard(box, shape, tuple(lo)), list(zip(regions, full))
 
@@ -148,25 +154,6 @@ def _save_state(sharded_state_dict: Any) -> tuple[dict[str, Any], Any, bool]:
     return {_TENSORS: tensors, _OBJECTS: objects}, common, has_common
 
 
-def _common_bytes(common: Any) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(common, buffer)
-    return buffer.getvalue()
-
-
-def _write_common(checkpoint_dir: str, data: bytes) -> None:
-    """``common.pt`` replaced atomically (written beside it, synced, renamed)."""
-    target = os.path.join(checkpoint_dir, _COMMON)
-    partial = f"{target}.partial-{os.getpid()}"
-    with open(partial, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, target)
-
-
 class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
     """Megatron's save strategy interface, written by ckptio. Pass it as
     ``dist_checkpointing.save(..., sharded_strategy=CkptioSaveShardedStrategy())`` (or as a
@@ -187,9 +174,11 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         metadata: the digest of the ``common.pt`` this checkpoint goes with)."""
         state, common, has_common = _save_state(sharded_state_dict)
         if has_common:
-            data = _common_bytes(common)
-            return state, data, _meta(_digest(data))
-        return state, None, _meta(_written_common(os.fspath(checkpoint_dir)))
+            data = common_bytes(common)
+            return state, data, digest_meta(data)
+        if _rank() != 0:
+            return state, None, None
+        return state, None, written_common_meta(os.fspath(checkpoint_dir))
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         """Every rank: durable and committed when it returns."""
@@ -215,30 +204,9 @@ class CkptioSaveShardedStrategy(TorchDistSaveShardedStrategy):
         return AsyncRequest(None, (), [finalize])
 
 
-def _digest(data: bytes) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def _meta(digest: str | None) -> dict[str, Any] | None:
-    return None if digest is None else {_DIGEST: digest}
-
-
-def _written_common(checkpoint_dir: str) -> str | None:
-    """Rank 0, where Megatron wrote ``common.pt`` itself before calling the strategy (before
-    0.19 its ``save`` does; the strategy sees no common state): that file's digest, so a load
-    refuses it beside tensors of another save (a save killed while ckptio wrote)."""
-    if _rank() != 0:
-        return None
-    try:
-        with open(os.path.join(checkpoint_dir, _COMMON), "rb") as f:
-            return _digest(f.read())
-    except FileNotFoundError:
-        return None
-
-
 def _finish(checkpoint_dir: str, common: bytes | None) -> None:
     if common is not None:
-        _write_common(checkpoint_dir, common)
+        write_common(checkpoint_dir, common)
 
 
 class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
@@ -246,20 +214,34 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
     ``dist_checkpointing.load(..., sharded_strategy=CkptioLoadShardedStrategy())``. Each rank
     reads only the regions its ShardedTensors hold, whatever layout saved them.
     ``allow_pickle``: unpickle ShardedObjects saved pickled (only for trusted checkpoints).
-    ``options``: as the save strategy's."""
+    ``options``: as the save strategy's. ``cast``: convert a tensor saved in another dtype
+    (a bf16 model from an fp32 checkpoint; torch_dist converts silently), else refused."""
 
-    def __init__(self, *, allow_pickle: bool = False,
-                 options: ckptio.Options | None = None) -> None:
+    def __init__(self, *, allow_pickle: bool = False, options: ckptio.Options | None = None,
+                 cast: bool = False) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
         self.options = options
+        self.cast = cast
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Megatron's check of ``metadata.json``'s backend (torch_dist's checks nothing): a
+        ``torch_dist`` save over a directory of an older ckptio save left ckptio's files of
+        that save there."""
+        if loaded_backend != BACKEND:
+            raise NotCkptioCheckpointError(
+                f"the checkpoint's metadata.json names backend {loaded_backend!r}, not "
+                f"{BACKEND!r}: its last save was not the ckptio strategy's (any ckptio files "
+                "there are of an older save); load it without sharded_strategy= (Megatron's "
+                "own strategy for that backend)")
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any,
              async_strategy: str = "mcore") -> Any:
         """Every rank together -> the state dict with tensors and objects in place of their
         ShardedTensors / ShardedObjects (tensors loaded into the ShardedTensors' own data)."""
         path = data_path(checkpoint_dir)
-        _check_common(os.fspath(checkpoint_dir))
+        with ckptio_dir(checkpoint_dir):
+            check_common(os.fspath(checkpoint_dir))
         items = list(_items(sharded_state_dict))
         dests = _destinations(items)
         shards: dict[str, list[ShardedTensor]] = {}
@@ -271,15 +253,13 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         for key, held in shards.items():
             boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
-        report = checkpointer(self.options).load(path, {_TENSORS: boxes}, keys=_TENSORS,
-                                                 strict=False)
-        if report.missing or report.mismatched:  # keys no rank asks for are Megatron's to judge
-            named = [k.removeprefix(_TENSORS + ".") for k in (*report.missing, *report.mismatched)]
-            raise MissingInCheckpointError(
-                f"{path}: rank {_rank()} cannot load ShardedTensors {named[:5]} (missing or "
-                "mismatched); load with strict=False in dist_checkpointing.load to skip "
-                "missing ones")
+        padded = _padded(boxes, {sh.key for sh in items if isinstance(sh, ShardedTensor)
+                                 and sh.allow_shape_mismatch}, self.options, path)
+        _load_tensors(checkpointer(self.options), path, boxes, self.cast)
         with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
+            for where, part in padded:
+                where.zero_()
+                where[tuple(slice(0, n) for n in part.shape)].copy_(part)
             for region, piece, box in copies:
                 piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
@@ -307,7 +287,8 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
         """Each saved ShardedTensor key -> a ShardedTensor without data (global shape, dtype)."""
-        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
+        with ckptio_dir(checkpoint_dir):
+            record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
         out: dict[str, Any] = {}
         prefix = _TENSORS + "."
         for entry in record.tensors:
@@ -322,12 +303,8 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
         """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
         out = self.load_tensors_metadata(checkpoint_dir)
         record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
-        prefix = _OBJECTS + "."
-        keys = [e.key for e in record.tensors if e.key.startswith(prefix)]
-        keys += [e.key for e in record.objects if e.key.startswith(prefix)]
-        for key in keys:
-            unique = _unique_key(key.removeprefix(prefix))
-            if unique is not None and unique not in out:
+        for unique in _object_keys(record.tree):  # one saved with an empty value has no entry
+            if unique not in out:
                 out[unique] = ShardedObject.empty_from_unique_key(unique)
         return out
 
@@ -338,13 +315,54 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             "load the keys you keep and save them to a new checkpoint")
 
 
-def _unique_key(flat: str) -> str | None:
-    """A ShardedObject's unique key (``key/shard_<offset>_<shape>``) from a flattened key."""
-    at = flat.rfind("/shard_")
-    if at < 0:
-        return None
-    end = flat.find(".", at)
-    return flat if end < 0 else flat[:end]
+def _load_tensors(loader: ckptio.Checkpointer, path: str,
+                  boxes: dict[str, ckptio.TensorShard], cast: bool) -> None:
+    """Every rank together: read each box, checked against the checkpoint before any read (a
+    changed model loads nothing); keys no rank asks for are Megatron's to judge."""
+    wanted = {f"{_TENSORS}.{key}" for key in boxes}
+    try:
+        loader.load(path, {_TENSORS: boxes}, keys=lambda k: k in wanted, strict=True, cast=cast)
+    except StateMismatchError as exc:
+        raise MissingInCheckpointError(
+            f"rank {_rank()}: the sharded state dict does not match the checkpoint, nothing "
+            f"was loaded on this rank: {exc} [keys under '{_TENSORS}.' are ShardedTensor keys; "
+            "through Megatron: build the model as it was saved, or pass a strict= "
+            "StrictHandling to dist_checkpointing.load to leave out keys the checkpoint "
+            "lacks; CkptioLoadShardedStrategy(cast=True) converts a dtype, as torch_dist "
+            "does]") from exc
+
+
+def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
+            options: ckptio.Options | None, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys whose ShardedTensors allow a shape mismatch (Megatron's padded vocabulary, whose
+    padding follows the TP size) saved with another global shape: each box loads only its
+    overlap with the saved tensor (replaced in ``boxes``, or left out where none), the rest
+    zeros, as torch_dist does; -> (box, its overlap as read) pairs, for after the read."""
+    if not flexible:
+        return []
+    prefix = f"{_TENSORS}."
+    saved = {e.key.removeprefix(prefix): e.shape
+             for e in checkpointer(options).manifest(path).tensors if e.key.startswith(prefix)}
+    out = []
+    for key in [k for k in flexible if k in saved and saved[k] != boxes[k].global_shape]:
+        box = boxes[key]
+        if len(saved[key]) != len(box.global_shape):
+            continue  # another number of axes: the load refuses it, naming both shapes
+        size = [max(0, min(o + n, g) - o)
+                for o, n, g in zip(box.offsets, box.local.shape, saved[key])]
+        del boxes[key]
+        part = torch.empty(size, dtype=box.local.dtype)
+        if part.numel():
+            boxes[key] = ckptio.TensorShard(part, tuple(saved[key]), box.offsets)
+        out.append((box.local, part))
+    return out
+
+
+def _object_keys(tree: Any) -> list[str]:
+    """The saved ShardedObjects' unique keys: the keys of the manifest tree's objects dict."""
+    top = dict(tree.get("d", [])) if isinstance(tree, dict) else {}
+    objects = top.get(_OBJECTS)
+    return [str(k) for k, _node in objects.get("d", [])] if isinstance(objects, dict) else []
 
 
 def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch.Tensor]:
@@ -357,22 +375,15 @@ def _destinations(items: list[ShardedTensor | ShardedObject]) -> dict[int, torch
     return out
 
 
-def _check_common(checkpoint_dir: str) -> None:
-    """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
-    killed between ckptio's commit and ``common.pt``'s replacement or, where Megatron writes
-    ``common.pt`` first, before ckptio's commit)."""
-    meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
-    want = meta.get(_DIGEST)
-    if want is None:
-        return
-    path = os.path.join(checkpoint_dir, _COMMON)
-    try:
-        with open(path, "rb") as f:
-            have = _digest(f.read())
-    except FileNotFoundError:
-        have = None
-    if have != want:
-        raise CorruptCheckpointError(
-            f"{path}: not the common state saved with {data_path(checkpoint_dir)} (a save "
-            "into this directory stopped part way, so the two are of different saves); load "
-            "an earlier checkpoint or save this one again")
+def _register_default() -> None:
+    """Where Megatron keeps a registry of default load strategies (0.16 does): a checkpoint
+    whose ``metadata.json`` names ckptio loads without ``sharded_strategy=`` once this module
+    is imported (``dist_checkpointing.load``, ``load_plain_tensors``), never unpickling."""
+    from megatron.core.dist_checkpointing.strategies import base
+
+    register = getattr(base, "register_default_strategy", None)
+    if register is not None:
+        register(base.StrategyAction.LOAD_SHARDED, BACKEND, 1, CkptioLoadShardedStrategy())
+
+
+_register_default()

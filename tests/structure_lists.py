@@ -136,8 +136,6 @@ TEST_REACHES: dict[str, tuple[str, frozenset[str]]] = {
                           frozenset({"cli._checkout"})),
     "tests.test_manifest": (_WHITE + "the manifest's tensor validation", frozenset({
         "validate._plain_tensor", "validate._tensor"})),
-    "tests.test_megatron": (_WHITE + "the strategy's common-state write", frozenset({
-        "megatron_strategy._write_common"})),
     "tests.test_memory": (_WHITE + "the cleanup after a commit", frozenset({
         "ck._finish_cleanup"})),
     "tests.test_read": (_WHITE + "the read path's steps and a tensor's version counter",

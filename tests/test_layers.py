@@ -85,7 +85,7 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
      "ckptio.deepspeed_tags", "ckptio.demo",
-     "ckptio.megatron_strategy"),  # users of ``import ckptio``
+     "ckptio.megatron_common", "ckptio.megatron_strategy"),  # users of ``import ckptio``
     ("ckptio.cli", "ckptio.__main__"),  # the command line
 )
 APART = (("ckptio.saving", "ckptio.loading"), ("ckptio.planning", "ckptio.io"))

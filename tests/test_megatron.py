@@ -271,7 +271,7 @@ def _kill_mid_save(root: str, phase: str) -> None:
     if phase == "write":
         persist.SaveJob.finish = die  # type: ignore[method-assign]
     else:
-        megatron_strategy._write_common = die  # type: ignore[attr-defined]
+        megatron_strategy.write_common = die  # type: ignore[assignment]
     mdc.save(newer, root, sharded_strategy=CkptioSaveShardedStrategy(),
              validate_access_integrity=False)
 

@@ -10,7 +10,7 @@ stored as (plan.py) or how a leaf is filled on load (loading/).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -246,11 +246,13 @@ def _leaf(value: Any, key: str, flat: FlatState) -> Json:
     return {"k": key}
 
 
-def unflatten(tree: Json, values: dict[str, Any], *, prune: bool = False) -> Any:
+def unflatten(tree: Json, values: dict[str, Any], *, prune: bool = False,
+              selected: Callable[[str], bool] | None = None) -> Any:
     """Rebuild the nested state from a manifest tree; keys absent from ``values`` are dropped.
     ``prune`` (a load of some keys): a container left with none of its leaves is dropped too
-    (the top stays, empty)."""
-    built = _build(tree, values, prune)
+    (the top stays, empty), unless it was saved empty and ``selected`` accepts its dotted key
+    (an empty dict under a key asked for is part of that key's value)."""
+    built = _build(tree, values, prune, selected, "")
     if built is _MISSING:  # pruned to nothing: an empty top of the saved kind
         tag = next(iter(tree)) if isinstance(tree, dict) and len(tree) == 1 else "d"
         return [] if tag == "l" else () if tag == "t" else {}
@@ -258,30 +260,51 @@ def unflatten(tree: Json, values: dict[str, Any], *, prune: bool = False) -> Any
 
 
 _MISSING = object()
+Selected = Callable[[str], bool] | None
 
 
-def _build(node: Json, values: dict[str, Any], prune: bool) -> Any:
+def _build(node: Json, values: dict[str, Any], prune: bool, selected: Selected,
+           key: str) -> Any:
     if not isinstance(node, dict) or len(node) != 1:
         raise ManifestError(f"manifest tree node is malformed: {node!r:.120}")
     (tag, body), = node.items()
     if tag == "k":
         return values.get(body, _MISSING)
     if tag == "s":
-        return _build(body, values, prune)
+        return _build(body, values, prune, selected, key)
     if tag == "c":
-        inner = _build(body[1], values, prune)
+        inner = _build(body[1], values, prune, selected, key)
         return _MISSING if inner is _MISSING else containers.rebuild(body[0], inner)
     if tag == "d":
         out = {}
         for k, child in body:
-            v = _build(child, values, prune)
+            v = _build(child, values, prune, selected, _join(key, k))
             if v is not _MISSING:
                 out[k] = v
-        return _MISSING if prune and not out else out
+        return _MISSING if prune and not out and not _kept_empty(node, selected, key) else out
     if tag in ("l", "t"):
-        built = [_build(child, values, prune) for child in body]
+        built = [_build(child, values, prune, selected, _join(key, i))
+                 for i, child in enumerate(body)]
         kept = [v for v in built if v is not _MISSING]
-        if prune and not kept:
+        if prune and not kept and not _kept_empty(node, selected, key):
             return _MISSING
         return kept if tag == "l" else tuple(kept)
     raise ManifestError(f"manifest tree has an unknown node tag {tag!r}")
+
+
+def _kept_empty(node: Json, selected: Selected, key: str) -> bool:
+    """A pruned load keeps a container saved with no leaf at all when its key is selected."""
+    return selected is not None and bool(key) and selected(key) and _hollow(node)
+
+
+def _hollow(node: Json) -> bool:
+    """No leaf anywhere under ``node`` (an empty dict, list or tuple, or ones of those)."""
+    (tag, body), = node.items()
+    if tag == "k":
+        return False
+    if tag == "s":
+        return _hollow(body)
+    if tag == "c":
+        return _hollow(body[1])
+    children = [child for _k, child in body] if tag == "d" else body
+    return all(_hollow(child) for child in children)

@@ -73,7 +73,7 @@ def fill_fresh(record: Manifest, read: ReadFn, *, keys: KeyFilter, allow_pickle:
             out[key] = stored_value(source.head, made[id(source.head)])
     named = any(is_marker(k) for k in sources.keys())
     return unflatten(without_names(record.tree) if named else record.tree, out,
-                     prune=keys is not None)
+                     prune=keys is not None, selected=select)
 
 
 def fill_in_place(record: Manifest, flat: FlatState, read: ReadFn, rules: Rules, *,

@@ -1,0 +1,121 @@
+"""The common state of a Megatron checkpoint the ckptio strategies write: ``common.pt`` (what
+Megatron's ``load_common_state_dict`` reads) and its digest in ckptio's manifest, so a load
+refuses a ``common.pt`` of another save; and where ckptio's checkpoint lies in Megatron's
+directory, and the error for a directory that holds none.
+
+Owns: ``common.pt``'s bytes, its atomic replacement and its digest check. Does not own: the
+strategies (megatron_strategy.py) or what the common state holds (Megatron's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import xxhash
+
+import ckptio
+from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
+
+from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+__all__ = ["BACKEND", "NotCkptioCheckpointError", "check_common", "ckptio_dir", "common_bytes",
+           "data_path", "digest_meta", "write_common", "written_common_meta"]
+
+BACKEND = "ckptio"  # metadata.json's backend for checkpoints the ckptio strategies write
+
+_DIR = "ckptio"  # ckptio's checkpoint inside Megatron's checkpoint directory
+_COMMON = "common.pt"  # the file Megatron's load_common_state_dict reads
+_DIGEST = "megatron_common_xxh3"
+
+
+class NotCkptioCheckpointError(CheckpointNotFoundError, CheckpointingException):
+    """The directory holds no ckptio checkpoint (another backend's, or none): a
+    ckptio.CheckpointNotFoundError that is also Megatron's CheckpointingException."""
+
+
+def data_path(checkpoint_dir: str | os.PathLike[str]) -> str:
+    """Where ckptio's checkpoint lies inside Megatron's ``checkpoint_dir``."""
+    return os.path.join(os.fspath(checkpoint_dir), _DIR)
+
+
+def common_bytes(common: Any) -> bytes:
+    """The common state as ``torch.save`` writes it (what ``common.pt`` holds)."""
+    buffer = io.BytesIO()
+    torch.save(common, buffer)
+    return buffer.getvalue()
+
+
+def write_common(checkpoint_dir: str, data: bytes) -> None:
+    """``common.pt`` replaced atomically (written beside it, synced, renamed)."""
+    target = os.path.join(checkpoint_dir, _COMMON)
+    partial = f"{target}.partial-{os.getpid()}"
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def digest_meta(data: bytes | None) -> dict[str, Any] | None:
+    """The manifest's metadata recording the digest of the common state ``data``."""
+    return None if data is None else {_DIGEST: _digest(data)}
+
+
+def written_common_meta(checkpoint_dir: str) -> dict[str, Any] | None:
+    """Where Megatron wrote ``common.pt`` itself before calling the strategy (before 0.19 its
+    ``save`` does, on rank 0; the strategy sees no common state): as digest_meta of that file,
+    so a load refuses it beside tensors of another save (a save killed while ckptio wrote)."""
+    try:
+        with open(os.path.join(checkpoint_dir, _COMMON), "rb") as f:
+            return digest_meta(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def check_common(checkpoint_dir: str) -> None:
+    """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
+    killed between ckptio's commit and ``common.pt``'s replacement or, where Megatron writes
+    ``common.pt`` first, before ckptio's commit)."""
+    meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
+    want = meta.get(_DIGEST)
+    if want is None:
+        return
+    path = os.path.join(checkpoint_dir, _COMMON)
+    try:
+        with open(path, "rb") as f:
+            have = _digest(f.read())
+    except FileNotFoundError:
+        have = None
+    if have != want:
+        raise CorruptCheckpointError(
+            f"{path}: not the common state saved with {data_path(checkpoint_dir)} (a save "
+            "into this directory stopped part way, so the two are of different saves); load "
+            "an earlier checkpoint or save this one again")
+
+
+@contextlib.contextmanager
+def ckptio_dir(checkpoint_dir: Any) -> Iterator[None]:
+    """A missing ckptio checkpoint raised as NotCkptioCheckpointError naming the backend that
+    ``metadata.json`` names (torch_dist's: load without the ckptio strategy)."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        config = maybe_load_config(os.fspath(checkpoint_dir))
+        backend = None if config is None else config.sharded_backend
+        if backend in (None, BACKEND):
+            raise NotCkptioCheckpointError(f"{exc} (no ckptio checkpoint in {checkpoint_dir}: "
+                                           "was its save finished?)") from exc
+        raise NotCkptioCheckpointError(
+            f"{checkpoint_dir} holds a {backend!r} checkpoint (its metadata.json), not one the "
+            "ckptio strategy wrote; load it without sharded_strategy= (Megatron's own "
+            "strategy for that backend), or convert it by saving it again with "
+            "CkptioSaveShardedStrategy") from exc
