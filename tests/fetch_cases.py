@@ -171,9 +171,9 @@ def restore_counted(rank: int, world: int, base: str, disk: str, spec: str,
 
     load, write = TierSteps.try_load_at, peers.write_checkpoint
 
-    def loaded(*args: Any) -> Any:
+    def loaded(*args: Any, **kwargs: Any) -> Any:
         try:
-            return load(*args)
+            return load(*args, **kwargs)
         finally:
             counts["loaded"] = True
 

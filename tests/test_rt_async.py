@@ -117,9 +117,14 @@ def test_lazy_save_change_unseen_by_wait_is_raised_once_by_the_next_save(tmp_pat
     except CkptError as raised:
         assert "'model.weight'" in str(raised)
         made = ["c"]
-    else:  # a busy machine: the pool grew and the capture ran before the change; its values
+    else:  # a busy machine: the pool grew and the capture ran before the change; its values,
+        # or (the change racing the copy itself, which the version counter cannot see until
+        # copy_ ends: docs/guides/async.md) each weight its value at the call or the new zero
         ck.settle()
-        _holds(ck, tmp_path / "a", at_call)
+        loaded = ck.load(tmp_path / "a")["model"]
+        assert torch.equal(loaded["bias"], at_call["bias"])
+        weight = loaded["weight"]
+        assert bool(((weight == at_call["weight"]) | (weight == 0)).all())
         made = ["a", "b", "c"]
     ck.async_save(state, tmp_path / "c", lazy=True, optimizers=[opt]).wait()
     assert torch.equal(ck.load(tmp_path / "c")["model"]["weight"], model.weight)
