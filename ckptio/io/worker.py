@@ -142,6 +142,8 @@ class Worker(Generic[J]):
                 self.lock.notify_all()
             if self._thread is not None:
                 self._thread.join()
+            with self.lock:  # the owner holds this worker: no cycle left to the collector
+                self._jobs = _ENDED
 
     def status(self) -> dict[str, Any]:
         """The thread's name, whether it runs, and the kept error not raised yet (its text)."""
@@ -163,6 +165,8 @@ class Worker(Generic[J]):
                     job = self._next()
                 if job is None:
                     self._ended = True
+                    if self._closed:
+                        self._jobs = _ENDED  # no cycle with the owner left to the collector
                     self.lock.notify_all()  # a wait() at exit: nothing runs any more
                     return
             error: Exception | None = None
@@ -213,6 +217,25 @@ def set_io_priority(tid: int, value: int) -> bool:
     return int(libc.syscall(ctypes.c_long(numbers[0]), ctypes.c_long(1), ctypes.c_long(tid),
                             ctypes.c_long(value))) == 0  # 1: IOPRIO_WHO_PROCESS (a thread id)
 
+
+class _Ended:
+    """The jobs of a closed worker whose thread ended: none. It replaces the owner's queue, so
+    that the owner (which holds the worker) and the worker are freed without the collector."""
+
+    def take(self) -> None:
+        return None
+
+    def pending(self) -> bool:
+        return False
+
+    def run(self, job: Any) -> None:  # pragma: no cover - take() gives no job
+        return None
+
+    def finish(self, job: Any, error: Exception | None) -> None:  # pragma: no cover
+        return None
+
+
+_ENDED: Any = _Ended()
 
 _Call = list[Any]  # [its Future, the function, its arguments], emptied as it runs
 
