@@ -3,8 +3,8 @@ bytes verbatim, with the proxy's faults acted on as they fire: a request delayed
 failed with an S3 error, swallowed or cut off with a reset; an answer dropped or cut off.
 
 Call order: the proxy's accept thread makes a Relay per client connection and runs ``serve``
-on a thread of its own; ``serve`` connects to the server, reads requests on that thread and
-relays answers on a second; ``close`` (its own end, or the proxy's stop) closes both sockets
+on a thread of its own; ``serve`` reads requests on that thread, connects to the server at the
+first request to forward and relays answers on a second; ``close`` (its own end, or the proxy's stop) closes both sockets
 and tells the proxy (``forget``).
 
 Owns: a connection's sockets, the requests awaiting an answer, acting on a rule. Does not own:
@@ -69,17 +69,29 @@ class Relay:
         self.closed = False
 
     def serve(self) -> None:
+        self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._guard(self._requests)
+
+    def _server(self) -> socket.socket:
+        """The server connection, made at the first request to forward: a connection whose
+        requests the proxy answers itself holds none, since a server serving one connection at
+        a time (the GCS emulator) would wait on it and leave every other client unanswered."""
+        if self.upstream is not None:
+            return self.upstream
         try:
-            self.upstream = socket.create_connection(self.proxy.target, timeout=5)
+            upstream = socket.create_connection(self.proxy.target, timeout=5)
         except OSError:  # the server is down: the client sees its connection reset
-            self.close(rst=True)
-            return
-        self.upstream.settimeout(None)
-        for sock in (self.client, self.upstream):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raise _Reset from None
+        upstream.settimeout(None)
+        upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.lock:
+            if self.closed:  # the proxy stopped meanwhile
+                upstream.close()
+                raise OSError("the relay closed")
+            self.upstream = upstream
         threading.Thread(target=self._guard, args=(self._answers,), daemon=True,
                          name="s3proxy-answers").start()
-        self._guard(self._requests)
+        return upstream
 
     def _guard(self, work: Callable[[], None]) -> None:
         try:
@@ -114,17 +126,17 @@ class Relay:
                     return
                 continue
             left = rule.after_bytes if rule is not None and rule.kind == "reset" else None
+            upstream = self._server()
             with self.lock:
                 answer_rule = rule if rule is not None and rule.kind.endswith("_response") else None
                 self.pending.append((req, answer_rule))
-            assert self.upstream is not None
             for piece in self._chain(head, reader.body(req.headers, length)):
                 if left is not None and len(piece) >= left:
-                    self.upstream.sendall(piece[:left])
+                    upstream.sendall(piece[:left])
                     raise _Reset
                 if left is not None:
                     left -= len(piece)
-                self.upstream.sendall(piece)
+                upstream.sendall(piece)
             if left is not None:
                 raise _Reset
 

@@ -424,3 +424,39 @@ def test_a_fresh_prefix_per_test(s3_env: str):
     assert s3_env.startswith("s3://ckpt/t-") and len(s3_env) == len("s3://ckpt/t-") + 32
     assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
     uuid.UUID(s3_env[-32:])
+
+
+def test_a_connection_the_proxy_answers_itself_holds_no_server_connection():
+    """A server serving one connection at a time (the GCS emulator is one) is not left waiting
+    on the proxy's idle server connection: a client whose request the proxy failed keeps its
+    connection open, and another client is still answered."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)  # one connection at a time
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with FaultProxy("127.0.0.1", server.server_address[1]) as proxy:
+            proxy.fail(403, "AccessDenied", times=None, key="refused")
+            idle = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+            idle.request("GET", "/b/refused")
+            answer = idle.getresponse()
+            assert answer.status == 403 and b"AccessDenied" in answer.read()
+            other = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+            other.request("GET", "/b/other")  # timed out here when every relay connected first
+            assert other.getresponse().read() == b"ok"
+            other.close()
+            idle.close()
+    finally:
+        server.shutdown()
+        server.server_close()
