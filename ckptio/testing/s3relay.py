@@ -4,8 +4,8 @@ failed with an S3 error, swallowed or cut off with a reset; an answer dropped or
 
 Call order: the proxy's accept thread makes a Relay per client connection and runs ``serve``
 on a thread of its own; ``serve`` reads requests on that thread, connects to the server at the
-first request to forward and relays answers on a second; ``close`` (its own end, or the proxy's stop) closes both sockets
-and tells the proxy (``forget``).
+first request to forward and relays answers on a second; ``close`` (its own end, or the
+proxy's stop) closes both sockets and tells the proxy (``forget``).
 
 Owns: a connection's sockets, the requests awaiting an answer, acting on a rule. Does not own:
 which rules fire (the proxy's ``rules_for``, RelayOwner), the counters, HTTP parsing
