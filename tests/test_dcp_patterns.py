@@ -378,6 +378,7 @@ def _containers() -> dict[str, Any]:
             "nested": [{"p": Pair(first=Pair(1, 2), second=None)}],
             "counts": collections.defaultdict(int, {"a": 1, 7: torch.ones(1)}),
             "lists": collections.defaultdict(list, {"x": [1, 2]}),
+            "milestones": collections.Counter({30: 1, 80: 2}),
             "plain": (1, 2), "d": {"k": 1}}
 
 
@@ -392,6 +393,9 @@ def test_namedtuples_and_defaultdicts_come_back_as_they_were(tmp_path: Path) -> 
     assert type(counts) is collections.defaultdict and counts.default_factory is int
     assert counts["a"] == 1 and torch.equal(counts[7], torch.ones(1)) and counts["new"] == 0
     assert got["lists"].default_factory is list and got["lists"]["x"] == [1, 2]
+    assert type(got["milestones"]) is collections.Counter  # MultiStepLR's milestones
+    assert got["milestones"] == collections.Counter({30: 1, 80: 2})
+    assert got["milestones"]["absent"] == 0
     assert type(got["plain"]) is tuple and type(got["d"]) is dict
     state = _containers()  # in place: the caller's containers, values replaced
     state["pair"] = Pair(torch.zeros(3), 0)
@@ -401,6 +405,23 @@ def test_namedtuples_and_defaultdicts_come_back_as_they_were(tmp_path: Path) -> 
                              capture_output=True, text=True, check=True)
     types = {n["name"]: n["type"] for n in json.loads(listing.stdout)["tree"]["children"]}
     assert types["pair"] == "namedtuple" and types["counts"] == "defaultdict"
+    assert types["milestones"] == "Counter"
+
+
+def test_a_multisteplr_loaded_fresh_steps_by_epoch_as_the_saved_one(tmp_path: Path) -> None:
+    """A fresh load's scheduler state gives MultiStepLR its Counter back: ``step(epoch)``
+    (the closed form, which calls ``milestones.elements()``) works after load_state_dict."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)
+    ckptio.save({"sched": sched.state_dict()}, tmp_path / "c")
+    fresh_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    fresh = torch.optim.lr_scheduler.MultiStepLR(fresh_opt, milestones=[1])
+    fresh.load_state_dict(ckptio.load(tmp_path / "c")["sched"])
+    assert fresh.milestones == collections.Counter({2: 1, 4: 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates step(epoch) but keeps it
+        fresh.step(5)
+    assert fresh.get_last_lr() == [0.125]
 
 
 def containers_case(rank: int, world_size: int, tmp: str) -> None:

@@ -1,10 +1,12 @@
-"""The type of a saved container beyond dict, list and tuple: namedtuples and defaultdicts.
+"""The type of a saved container beyond dict, list and tuple: namedtuples, defaultdicts and
+Counters.
 
-A namedtuple or a defaultdict is saved as the tuple or dict it is, wrapped in a tree node
+A namedtuple, a defaultdict or a Counter is saved as the tuple or dict it is, wrapped in a tree node
 ``{"c": [info, node]}`` (docs/FORMAT.md "Tree") whose ``info`` says what it was:
 
     ["namedtuple", module, qualname, [field, ...]]     node: {"t": [...]}, one child per field
     ["defaultdict", factory]                           node: {"d": [...]}; factory in FACTORIES
+    ["Counter"]                                        node: {"d": [...]}
 
 A fresh load rebuilds it without importing or running anything a manifest could choose: the
 namedtuple class is looked up (never imported) in the modules already imported, by its
@@ -13,6 +15,7 @@ the saved fields; the value is then made by ``tuple.__new__`` (what the class's 
 does). When no such class is loaded, a namedtuple class of the same name and fields stands in
 (made once per process and type). A defaultdict's factory is one of the builtins of FACTORIES;
 a defaultdict with any other factory (a lambda, a class) is refused on save, naming the key.
+A Counter (a scheduler's ``MultiStepLR.milestones``) comes back a Counter, not a dict.
 
 Owns: ``info_of`` (save), ``problem`` (the check of a manifest's info, which is hostile) and
 ``rebuild`` (fresh load). Does not own: the tree walk (flatten.py, keyrules.py). Torch-free.
@@ -38,8 +41,8 @@ FACTORIES: dict[str, Any] = {
 
 
 def info_of(value: Any, key: str, refuse: bool = True) -> Json | None:
-    """The ``info`` of a namedtuple or defaultdict ``value`` (None for any other container:
-    a plain dict, list or tuple, or another subclass, saved as its base type).
+    """The ``info`` of a namedtuple, defaultdict or Counter ``value`` (None for any other
+    container: a plain dict, list or tuple, or another subclass, saved as its base type).
     UnsupportedStateError naming ``key`` for a defaultdict whose factory is not in FACTORIES
     (with ``refuse`` False: None, a plain dict)."""
     kind = type(value)
@@ -51,6 +54,8 @@ def info_of(value: Any, key: str, refuse: bool = True) -> Json | None:
                 and all(isinstance(f, str) for f in fields)):
             return ["namedtuple", kind.__module__, kind.__qualname__, list(fields)]
         return None
+    if kind is collections.Counter:
+        return ["Counter"]
     if isinstance(value, collections.defaultdict):
         factory = value.default_factory
         name = next((n for n, f in FACTORIES.items() if f is factory), None)
@@ -92,6 +97,9 @@ def problem(info: Any, node: Any) -> str | None:
         if tag != "d":
             return "a defaultdict does not wrap a dict"
         return None
+    if info[0] == "Counter":
+        return None if len(info) == 1 and tag == "d" else (
+            f"Counter info {show(info)} is not [\"Counter\"] wrapping a dict")
     return f"container type {show(info[0])} is unknown"
 
 
@@ -100,6 +108,8 @@ def rebuild(info: Json, value: Any) -> Any:
     is when a partial load (``keys=...``) left out some of a namedtuple's fields."""
     if info[0] == "defaultdict":
         return collections.defaultdict(FACTORIES[info[1]], value)
+    if info[0] == "Counter":
+        return collections.Counter(value)
     fields = tuple(info[3])
     if len(value) != len(fields):
         return value
