@@ -13,7 +13,7 @@ import copy
 __all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
-           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "restated",
+           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "restated",
            "seconds_to_wait"]
 
 
@@ -30,7 +30,11 @@ class IncompleteCheckpointError(CkptError):
 
 
 class CorruptCheckpointError(CkptError):
-    """Bytes on storage disagree with the manifest: checksum, size or structure."""
+    """Bytes on storage disagree with the manifest: checksum, size or structure. ``base``: the
+    step name of a delta save's base checkpoint whose bytes the save found damaged (in_base);
+    None for any other damage."""
+
+    base: str | None = None
 
 
 class ManifestError(CorruptCheckpointError):
@@ -92,6 +96,13 @@ def restated(error: BaseException, prefix: str) -> BaseException:
         return wrapped
     again = copy.copy(error)
     again.args = (f"{prefix}{error}", *error.args[1:])
+    return again
+
+
+def in_base(error: CorruptCheckpointError, name: str) -> CorruptCheckpointError:
+    """A copy of ``error`` saying the damage is in base checkpoint ``name`` (its ``base``)."""
+    again = copy.copy(error)
+    again.base = name
     return again
 
 

@@ -197,7 +197,8 @@ class TierSteps:
     def base_failed(self, base: int, exc: BaseException) -> None:
         """A delta save against ``base`` failed with ``exc``: damage found in a file of the
         base (its bytes, read to be XORed) marks it damaged, so the next save is full."""
-        if isinstance(exc, CorruptCheckpointError) and f"{self.path(base)}/" in str(exc):
+        name = self.path(base).rstrip("/").rsplit("/", 1)[-1]
+        if isinstance(exc, CorruptCheckpointError) and exc.base == name:
             self.mark_damaged(base)
 
     def _infos(self, committed: list[int]) -> tuple[list[StepInfo], ChainFacts]:

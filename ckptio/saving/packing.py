@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptio.alignment import BLOCK, SMALL_ALIGN, align_up, item_alignment
-from ckptio.errors import CkptError
+from ckptio.errors import CkptError, CorruptCheckpointError, in_base
 from ckptio.format import codec
 from ckptio.format.checksum import new_hasher
 from ckptio.format.types import DTYPE_ITEMSIZE, Delta, FileInfo, Placement, Stored, TensorEntry
@@ -258,7 +258,11 @@ class Packer:
             return self._zero_frame(name, len(frame))
         assert self.base is not None and entry.base is not None  # internal: xor has a base
         xored = bytearray(frame)
-        codec.xor_into(memoryview(xored), self.base.reader.frames(entry.base, index, index + 1))
+        try:
+            stored = self.base.reader.frames(entry.base, index, index + 1)
+        except CorruptCheckpointError as exc:  # the base's bytes: the manager saves full next
+            raise in_base(exc, self.base.base.name) from None
+        codec.xor_into(memoryview(xored), stored)
         return bytes(codec.encode_frame(name, xored))
 
     def _zero_frame(self, name: str, nbytes: int) -> bytes:
