@@ -5,9 +5,10 @@ declaration, the memory budget), level.py (TierSteps: one tier at run time), fol
 Follower protocol of what follows a commit in the first tier), route.py and drain.py (the
 drain's route through the tiers and its background thread, copy.py a verified copy of one
 step between stores), guard.py (with redundancy: the rank-local setup, its follower),
-inflight.py (the save in flight), restoring.py (the one restore loop), agreed.py (with
-redundancy: the step every rank agrees on first). The policies are objects (ckptio/policies/,
-public); here they run: triggers.py (Saving: the save policy, agreed across ranks), level.py
+inflight.py (the save in flight), headroom.py (what gives way to it in a memory first tier),
+unclosed.py (the exit-time line of a manager never closed), restoring.py (the one restore
+loop), agreed.py (with redundancy: the step every rank agrees on first). The policies are
+objects (ckptio/policies/, public); here they run: triggers.py (Saving: the save policy, agreed across ranks), level.py
 (the retention and delta-base policies, asked with each step's StepInfo), with retention.py
 and delta.py (the keyword sugar), chains.py (each step's bases) and agreement.py (rank 0's
 decisions agreed). warn() below is the one channel a manager's warnings take.
