@@ -27,6 +27,7 @@ from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointLockedError, CkptError, SaveTimeoutError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
+from ckptio.managing.all_tiers import list_tiers, make_levels
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
 from ckptio.managing.drain import Drain
@@ -35,7 +36,6 @@ from ckptio.managing.guard import Guard
 from ckptio.managing.headroom import FirstTierRoom
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.leases import RunLeases
-from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.route import TierRoute, resume
 from ckptio.managing.tier import Tier, one_host, state_nbytes
 from ckptio.managing import unclosed
@@ -323,7 +323,7 @@ class ManagerParts:
     # ---------------------------------------------------------------- rank 0's decisions
 
     def _listings(self) -> list[dict[str, list[Any]]]:
-        """Rank 0: every tier's steps (level.list_tiers: a slower tier that cannot be listed
+        """Rank 0: every tier's steps (all_tiers.list_tiers: a slower tier that cannot be listed
         counts as holding nothing, with a warning)."""
         return list_tiers(self._levels, stacklevel=4)
 
