@@ -63,7 +63,7 @@ def _parsed_once() -> Iterator[None]:
 # The layers below the drivers, bottom to top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.alignment", "ckptio.environment", "ckptio.errors", "ckptio.options",
-     "ckptio.version"),
+     "ckptio.scheme_settings", "ckptio.version"),
     ("ckptio.format",),
     ("ckptio.planning", "ckptio.io"),
     ("ckptio.storage",),
