@@ -80,7 +80,7 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild
     ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
     ("ckptio.dcp", "ckptio.export", "ckptio.export_fill", "ckptio.convert",
-     "ckptio.convert_writers", "ckptio.hf_trainer", "ckptio.tc_storage",
+     "ckptio.convert_writers", "ckptio.hf_checkpoints", "ckptio.hf_trainer", "ckptio.tc_storage",
      "ckptio.torchtitan_manager", "ckptio.lightning_rng"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
