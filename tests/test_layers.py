@@ -75,7 +75,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim",
      "ckptio.packed", "ckptio.policies", "ckptio.destination"),  # base helpers
-    ("ckptio.api",),  # the Checkpointer
+    ("ckptio.api", "ckptio.load_ranks"),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
     ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild
     ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
