@@ -1,9 +1,10 @@
 """save / load as a handful of named steps, and the Checkpointer that owns reusable resources.
 
 Owns: the public methods and their arguments, the save in flight and the agreement of a load's
-ranks. A save's steps are saving/save_session.py's, a load's loading/load_session.py's; the staging pool
-and backends they borrow are ckptio/resources.py's; the ranks of a call and the plans of their last
-save are distributed/rankgroups.py's.
+ranks. A save's steps are saving/save_session.py's, a load's loading/load_session.py's; the steps
+a load's ranks share and how they end are load_ranks.py's; the staging pool and backends they
+borrow are ckptio/resources.py's; the ranks of a call and the plans of their last save are
+distributed/rankgroups.py's.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any
 import torch
 
 from ckptio import packed, stepmeta
-from ckptio.distributed import loadsteps, readshare
 from ckptio.distributed.dist import Solo, current_group, piece_of
 from ckptio.distributed.rankgroups import RankGroups
 from ckptio.errors import CkptError, SaveTimeoutError, restated, seconds_to_wait
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import LoadReport
+from ckptio.load_ranks import LoadRanks
 from ckptio.loading.stored import KeyFilter, RankPolicy
 from ckptio.options import Options
 from ckptio.planning.plan import PlanCache
@@ -369,36 +370,21 @@ class Checkpointer:
         started = time.perf_counter()
         path = checkpoint_path(path)
         group = self._ranks.group(process_group, self.options) if state is not None else Solo()
-        torch_group = current_group(process_group)
-        rank, world_size = (0, 1) if torch_group is None else (
-            torch.distributed.get_rank(torch_group), torch.distributed.get_world_size(torch_group))
-        many = state is not None and torch_group is not None and group.size > 1
-        manifest_step = (loadsteps.SharedManifest(group, path, self.options.broadcast_replicated,
-                                                   keys)
-                         if many else None)
-        key_step = loadsteps.UnexpectedKeys(group, path, rides=many)  # on the read step
-        read_step = None if not many else (
-            readshare.SharedReads(group, torch_group, self.options.broadcast_replicated,
-                                  self.options.rank_timeout_s, path, key_step))
+        ranks = LoadRanks.of(group, current_group(process_group), path, self.options, keys,
+                             in_place=state is not None)
         request = loading.LoadRequest(
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,
-            per_rank_from=per_rank_from, rank=rank, world_size=world_size,
-            agree_unexpected=key_step, shared_reads=read_step, shared_manifest=manifest_step)
+            per_rank_from=per_rank_from, rank=ranks.rank, world_size=ranks.world_size,
+            agree_unexpected=ranks.keys, shared_reads=ranks.reads, shared_manifest=ranks.manifest)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = self._resources.located(path)
             result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
-            if manifest_step is not None:
-                manifest_step.fail(exc)
-            if state is not None:
-                key_step.fail(exc)
-            if read_step is not None:
-                read_step.fail(exc)
-            loadsteps.agree_loaded(group, exc, path)
+            ranks.failed(exc)
             raise
-        loadsteps.agree_loaded(group, None, path)
+        ranks.done()
         if state is None:
             return result
         return dataclasses.replace(result, seconds=time.perf_counter() - started)

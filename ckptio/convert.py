@@ -39,7 +39,7 @@ from ckptio.destination import RUN, held_at
 from ckptio.loading.opening import committed
 from ckptio.options import Options
 from ckptio.storage import steps
-from ckptio.storage.s3.client import is_s3
+from ckptio.storage.s3.s3path import is_s3
 from ckptio.storage.select import checkpoint_path, local_path, store_for
 
 __all__ = ["TARGETS", "Converted", "convert"]

@@ -13,7 +13,7 @@ import os
 
 from ckptio.loading import foreign_common, safetensors_manifest, tcdir
 from ckptio.storage import steps
-from ckptio.storage.s3.client import is_s3
+from ckptio.storage.s3.s3path import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 from ckptio.storage.steproot import step_of
 

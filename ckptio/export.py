@@ -58,7 +58,7 @@ from ckptio.planning.export_plan import (
 from ckptio.saving.stream import write_windows
 from ckptio.storage.folder import check_parents, files_under, make_parents
 from ckptio.storage.local.durable import fsync_path, write_durably
-from ckptio.storage.s3.client import is_s3
+from ckptio.storage.s3.s3path import is_s3
 from ckptio.storage.select import compared, local_path, store_for
 
 __all__ = ["HFExport", "export_hf"]

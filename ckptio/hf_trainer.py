@@ -16,9 +16,10 @@ checkpoint-N layout, when one is complete and what is refused: docs/BEHAVIOUR.md
 "ckptio.hf_trainer".
 
 Owns: where a Trainer checkpoint's training state goes (one ckptio checkpoint inside
-``checkpoint-N``), reading it back at the moments transformers reads its own files, and which
-``checkpoint-N`` ``resume_from_checkpoint=True`` picks, and the trainer's Checkpointer (its
-staging pool and I/O threads, freed when ``train()`` ends). Does not own: the checkpoint
+``checkpoint-N``), reading it back at the moments transformers reads its own files, and the
+trainer's Checkpointer (its staging pool and I/O threads, freed when ``train()`` ends). Does not
+own: which ``checkpoint-N`` can be resumed and which one ``resume_from_checkpoint=True`` picks
+(hf_checkpoints.py; checkpoint_problem and last_checkpoint are importable here), the checkpoint
 format, its commit or its checks (``Checkpointer.save``/``load``), the generators' capture
 (ckptio.rng), when transformers saves, trainer_state.json, or the rotation
 ``save_total_limit`` does (all transformers' own, unchanged).
@@ -26,7 +27,6 @@ format, its commit or its checks (``Checkpointer.save``/``load``), the generator
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -34,43 +34,24 @@ from typing import Any
 
 try:
     import transformers
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
-    from transformers.utils import (
-        SAFE_WEIGHTS_INDEX_NAME,
-        SAFE_WEIGHTS_NAME,
-        WEIGHTS_INDEX_NAME,
-        WEIGHTS_NAME,
-    )
+    from transformers.trainer_utils import HubStrategy
 except ImportError as exc:  # an optional integration: say which extra brings it
     raise ImportError("ckptio.hf_trainer needs transformers and accelerate: "
                       "pip install transformers accelerate (the hf-trainer extra: "
                       "pip install -e '.[hf-trainer]' in a checkout)") from exc
 
 from ckptio.api import Checkpointer
-from ckptio.errors import (
-    CheckpointNotFoundError,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    StateMismatchError,
-    UnsupportedPathError,
-    UnsupportedStateError,
-)
+from ckptio.errors import CkptError, StateMismatchError, UnsupportedPathError, UnsupportedStateError
+from ckptio.hf_checkpoints import CKPTIO_DIR, checked, checkpoint_problem, last_checkpoint
 from ckptio.options import Options
 from ckptio.rng import RNGState
 from ckptio.storage.local import runlease
-from ckptio.storage.local.local_root import is_committed
 
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
            "last_checkpoint"]
 
-CKPTIO_DIR = "ckptio"  # the ckptio checkpoint's directory inside checkpoint-N
-TRAINER_STATE = "trainer_state.json"
-_STEP_DIR = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 _STRICT_HINT = re.compile(r"\.? *(?:Fix the state, or pass|Pass|Otherwise pass) strict=False")
 _CAST_HINT = " (pass cast=True to convert)"  # the load's, for a dtype: no option through it
-_TRANSFORMERS_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
-                         WEIGHTS_INDEX_NAME)
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
           "_save_scaler", "_save_rng_state", "_load_from_checkpoint",
           "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state", "_load_best_model")
@@ -79,94 +60,6 @@ if _MISSING:
     raise ImportError(f"ckptio.hf_trainer overrides transformers.Trainer's {', '.join(_MISSING)}, "
                       f"which transformers {transformers.__version__} does not have: install "
                       "a transformers 5 release this ckptio was tested with (5.23)")
-
-
-def checkpoint_problem(path: str, *, allow_pickle: bool = False) -> str | None:
-    """Why the Trainer checkpoint directory ``path`` cannot be resumed, or None when it can:
-    its ckptio checkpoint committed (or, with ``allow_pickle``, transformers' own files there)
-    and its trainer_state.json readable, naming its step."""
-    found = _problem(path, allow_pickle)
-    return None if found is None else found[1]
-
-
-def _problem(path: str, allow_pickle: bool) -> tuple[type[CkptError], str] | None:
-    """checkpoint_problem, with the CkptError subclass that says it."""
-    inner = os.path.join(path, CKPTIO_DIR)
-    if not os.path.isdir(path):
-        return CheckpointNotFoundError, "is not a directory"
-    if os.path.isdir(inner):
-        if not is_committed(inner):
-            return IncompleteCheckpointError, (
-                f"has a ckptio checkpoint ({CKPTIO_DIR}/) that never committed: a save cut short")
-    elif not (allow_pickle and _has_transformers_weights(path)):
-        return CheckpointNotFoundError, (
-            f"holds no ckptio checkpoint ({CKPTIO_DIR}/): not written by a CkptioTrainer "
-            "(allow_pickle=True resumes one that transformers' own Trainer wrote, reading its "
-            "torch.save files)")
-    state_file = os.path.join(path, TRAINER_STATE)
-    try:
-        with open(state_file, encoding="utf-8") as f:
-            step = json.load(f).get("global_step")
-    except FileNotFoundError:
-        return CorruptCheckpointError, (
-            f"has no {TRAINER_STATE}: the save stopped before transformers wrote it")
-    except (OSError, ValueError, AttributeError) as exc:
-        return (CorruptCheckpointError,
-                f"has a {TRAINER_STATE} that cannot be read ({type(exc).__name__}: {exc})")
-    named = _step_of(os.path.basename(os.path.normpath(path)))
-    if named >= 0 and step != named:
-        return CorruptCheckpointError, f"has a {TRAINER_STATE} naming step {step}, not {named}"
-    return None
-
-
-def _has_transformers_weights(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, name)) for name in _TRANSFORMERS_WEIGHTS)
-
-
-def _step_of(name: str) -> int:
-    found = _STEP_DIR.match(name)
-    return -1 if found is None else int(found.group(1))
-
-
-def last_checkpoint(output_dir: str, *, allow_pickle: bool = False) -> str:
-    """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed (checkpoint_problem),
-    warning once for each newer one passed over and why. CheckpointNotFoundError when there is
-    none at all, IncompleteCheckpointError when none of those there can be resumed."""
-    try:
-        names = [n for n in os.listdir(output_dir) if _STEP_DIR.match(n)]
-    except OSError as exc:
-        raise CheckpointNotFoundError(
-            f"cannot list {output_dir} for resume_from_checkpoint=True ({exc.strerror or exc}); "
-            "check args.output_dir, or start without resume_from_checkpoint") from None
-    steps = sorted(names, key=_step_of, reverse=True)
-    passed: list[str] = []
-    for name in steps:
-        path = os.path.join(output_dir, name)
-        problem = checkpoint_problem(path, allow_pickle=allow_pickle)
-        if problem is None:
-            return path
-        warnings.warn(f"ckptio: resume_from_checkpoint=True passes over {path}: it {problem}",
-                      stacklevel=3)
-        passed.append(f"{name}: {problem}")
-    if not passed:
-        raise CheckpointNotFoundError(
-            f"resume_from_checkpoint=True: {output_dir} holds no {PREFIX_CHECKPOINT_DIR}-N "
-            "directory; start without resume_from_checkpoint, or point args.output_dir at the run")
-    raise IncompleteCheckpointError(
-        f"resume_from_checkpoint=True: no checkpoint in {output_dir} can be resumed ("
-        + "; ".join(passed) + "); pass one explicitly or start without resume_from_checkpoint")
-
-
-def _checked(path: str, allow_pickle: bool) -> str | None:
-    """``path``'s ckptio checkpoint (None: transformers' own files, allowed by ``allow_pickle``),
-    or the CkptError saying why it cannot be resumed."""
-    found = _problem(path, allow_pickle)
-    if found is not None:
-        error, problem = found
-        raise error(f"cannot resume from {path}: it {problem}; pick another checkpoint-N "
-                    "(resume_from_checkpoint=True takes the newest complete one)")
-    inner = os.path.join(path, CKPTIO_DIR)
-    return inner if os.path.isdir(inner) else None
 
 
 class CkptioTrainerMixin:
@@ -207,7 +100,7 @@ class CkptioTrainerMixin:
                                                      allow_pickle=self.ckptio_allow_pickle)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
-            _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
+            checked(resume_from_checkpoint, self.ckptio_allow_pickle)
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _ckptio_take_run(self) -> None:
@@ -269,7 +162,7 @@ class CkptioTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         t: Any = self
-        inner = _checked(resume_from_checkpoint, self.ckptio_allow_pickle)
+        inner = checked(resume_from_checkpoint, self.ckptio_allow_pickle)
         if inner is None:  # transformers' own files (allow_pickle)
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
@@ -293,7 +186,7 @@ class CkptioTrainerMixin:
         if not os.path.isdir(os.path.join(best, CKPTIO_DIR)):
             super()._load_best_model()  # type: ignore[misc]
             return
-        where = _checked(best, False)
+        where = checked(best, False)
         assert where is not None  # internal: best holds a ckptio checkpoint (checked above)
         self._ckptio_load(where, {"model": t.model})
 
@@ -303,7 +196,7 @@ class CkptioTrainerMixin:
         -> whether ``checkpoint`` is in transformers' own format (allow_pickle), for it to read."""
         if checkpoint is None:
             return False
-        inner = _checked(checkpoint, self.ckptio_allow_pickle)
+        inner = checked(checkpoint, self.ckptio_allow_pickle)
         if inner is None:
             return True
         held = self._ckptio_checkpointer().load(inner, keys=["parts"])["parts"]

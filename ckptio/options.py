@@ -7,7 +7,8 @@ Also owns Options.storage, each scheme's settings object by scheme name (what a 
 registry entry reads: storage/select.settings_for), and the ``s3_*`` fields, the older spelling
 that builds the S3 scheme's settings (storage/s3/settings.S3Settings.of).
 Does not own: what the options do (stage, io, layout and restore read them), the block size
-(ckptio/alignment.py), what a scheme's settings hold (its own folder).
+(ckptio/alignment.py), what a scheme's settings hold (its own folder), the read-only mapping
+Options.storage is made into (scheme_settings.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 from ckptio import environment
 from ckptio.alignment import BLOCK, is_aligned
 from ckptio.errors import CkptError
+from ckptio.scheme_settings import SchemeSettings
 
 __all__ = ["CODECS", "COMPRESSION_MODES", "DIRECT_IO_MODES", "IO_BACKENDS",
            "MAX_IO_DEPTH", "MEMORY_MAPPED_MODES", "SAVE_CHECKSUMS", "GiB", "KiB", "MiB", "Options",
@@ -54,28 +56,6 @@ _SUGAR = {"s3": _S3_FIELDS}  # a scheme -> the Options fields that also spell it
 # (a switch given as text is refused: "false" is true)
 _KINDS: dict[str, tuple[type, str]] = {"int": (numbers.Integral, "an int"),
                                         "float": (numbers.Real, "a number")}
-
-
-class _Settings(Mapping[str, Any]):
-    """Options.storage once made: read-only and hashable (by its schemes), as Options is."""
-
-    def __init__(self, given: Mapping[str, Any]) -> None:
-        self._items = {str(k).lower(): v for k, v in given.items()}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._items)))
-
-    def __repr__(self) -> str:
-        return repr(self._items)
 
 
 @dataclass(frozen=True)
@@ -310,7 +290,7 @@ class Options:
         if not isinstance(self.storage, Mapping):
             raise CkptError(f"Options.storage={self.storage!r}: a mapping of scheme name to its "
                             "settings, e.g. {'s3': ckptio.S3Settings(endpoint_url=...)}")
-        object.__setattr__(self, "storage", _Settings(self.storage))
+        object.__setattr__(self, "storage", SchemeSettings(self.storage))
         defaults = Options.__dataclass_fields__
         for scheme, names in _SUGAR.items():
             set_too = [n for n in names if getattr(self, n) != defaults[n].default]

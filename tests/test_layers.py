@@ -63,7 +63,7 @@ def _parsed_once() -> Iterator[None]:
 # The layers below the drivers, bottom to top.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.alignment", "ckptio.environment", "ckptio.errors", "ckptio.options",
-     "ckptio.version"),
+     "ckptio.scheme_settings", "ckptio.version"),
     ("ckptio.format",),
     ("ckptio.planning", "ckptio.io"),
     ("ckptio.storage",),
@@ -75,12 +75,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.resources", "ckptio.stepmeta", "ckptio.rng", "ckptio.optim",
      "ckptio.packed", "ckptio.policies", "ckptio.destination"),  # base helpers
-    ("ckptio.api",),  # the Checkpointer
+    ("ckptio.api", "ckptio.load_ranks"),  # the Checkpointer
     ("ckptio.shared",),  # ckptio.save / load, on a shared Checkpointer
     ("ckptio.redundancy",),  # a memory tier's copies across hosts: protection, rebuild
     ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
     ("ckptio.dcp", "ckptio.export", "ckptio.export_fill", "ckptio.convert",
-     "ckptio.convert_writers", "ckptio.hf_trainer", "ckptio.tc_storage",
+     "ckptio.convert_writers", "ckptio.hf_checkpoints", "ckptio.hf_trainer", "ckptio.tc_storage",
      "ckptio.torchtitan_manager", "ckptio.lightning_rng"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",

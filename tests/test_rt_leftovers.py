@@ -210,7 +210,7 @@ def test_s3_a_step_saved_over_a_killed_attempt_holds_only_its_own_objects(
     committed there. The index file stayed for good: the naming rule the cleanup lists by
     (store_contract.is_ours) did not cover it. The committed step holds only its own objects
     (a stray one costs storage for good and counts in `ckptio ls` sizes)."""
-    from ckptio.storage.s3.client import S3Path
+    from ckptio.storage.s3.s3path import S3Path
 
     url = f"{s3_env}/run"
     strays = ["data-0000000000000000001-r00000-0000.bin", "data-0000000000000000001-r00001-index.bin"]

@@ -10,7 +10,8 @@ import pytest
 import ckptio
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3 import client as s3client
-from ckptio.storage.s3.client import S3Path, call
+from ckptio.storage.s3.client import call
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 
 botocore = pytest.importorskip("botocore")

@@ -18,7 +18,7 @@ from ckptio.format import manifest, regular_section, values
 from ckptio.format.allowlist import NO_ALLOW_PICKLE
 from ckptio.format.types import Json, Manifest, ObjectEntry, TensorEntry
 from ckptio.options import Options
-from ckptio.storage.s3.client import is_s3
+from ckptio.storage.s3.s3path import is_s3
 from ckptio.storage.select import checkpoint_path, store_for
 
 if TYPE_CHECKING:  # imports torch: the commands that need it import it when they run

@@ -1,27 +1,27 @@
 """Stage one of an in-place load: the state's keys matched with the checkpoint's, one record out.
 
-Every key rule of an in-place load is applied here, one function each. ``match``, in this
-order: another kind of optimizer's state (optim_kind.py: refused if strict, else left out),
-renamed optimizers (param_check.py: refused if strict, else mapped by name), lists replaced
-whole (state_keys.py), dense tensors only, which keys both hold, which the state ties, which
-are missing, created inside a Stateful (state_keys.py) or unexpected on this rank, each leaf's
-destination with its type, shape, meta and dtype rules (``_leaf``: no inference or expanded
-tensor is written), keys the state ties that the checkpoint holds apart, the optimizer state
-of a parameter left as it was (resized, or another dtype). ``check_agreed``, once the
-unexpected keys are agreed (with peers: those no rank asks for, inside the read step, before
-any read): the strict key rule, the per-rank rules and the strict mismatch rule. The outcome
-is a ``Match``, which fill_plan.py turns into reads.
+Every key rule of an in-place load is applied here, one function each. ``match``, in this order:
+another kind of optimizer's state (optim_kind.py: refused if strict, else left out), renamed
+optimizers (param_check.py: refused if strict, else mapped by name), lists replaced whole
+(state_keys.py), dense tensors only, which keys both hold, which the state ties (tied_keys.py),
+which are missing, created inside a Stateful (state_keys.py) or unexpected on this rank, each
+leaf's destination with its type, shape, meta and dtype rules (``_leaf``: no inference or
+expanded tensor is written), keys the state ties that the checkpoint holds apart (tied_keys.py),
+the optimizer state of a parameter left as it was (resized, or another dtype). ``check_agreed``,
+once the unexpected keys are agreed (with peers: those no rank asks for, inside the read step,
+before any read): the strict key rule, the per-rank rules and the strict mismatch rule. The
+outcome is a ``Match``, which fill_plan.py turns into reads.
 
 Owns: the rules, their errors and their warnings (kept in the record: the caller emits them,
 so they point at the user's line). Does not own: the stored side (stored.py), reads
-(fill_plan.py, read.py), putting values back (merge.py, by_name.py).
+(fill_plan.py, read.py), putting values back (merge.py, by_name.py), which keys are one tensor
+(tied_keys.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 
@@ -30,12 +30,12 @@ from ckptio.format.flatten import FlatState
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json, Manifest, ObjectEntry
 from ckptio.io.buffers import torch_dtype
-from ckptio.loading import optim_kind, param_check, state_keys
+from ckptio.loading import optim_kind, param_check, state_keys, tied_keys
 from ckptio.loading.by_name import Renamed
 from ckptio.loading.resolve_regular import held_leaf
 from ckptio.loading.stored import (KeyFilter, RankPolicy, Sources, TensorSource,
                                    named_nothing, selector)
-from ckptio.planning.sharding import Held, check_dense, held, is_dtensor, local_tensor
+from ckptio.planning.sharding import Held, check_dense, held
 
 __all__ = ["AgreeFn", "Leaf", "Match", "Rules", "check_agreed", "match"]
 
@@ -179,7 +179,7 @@ def _match_keys(m: Match, flat: FlatState, tree: Json,
     saved_set = set(saved)
     m.common = [k for k in present if k in saved_set]
     absent = [k for k in present if k not in saved_set]
-    m.tied = _tied(flat, absent, m.common)
+    m.tied = tied_keys.tied(flat, absent, m.common)
     m.missing = tuple(k for k in absent if k not in m.tied)
     extra = [k for k in saved if k not in flat.leaves or in_lists(k)]
     may_create = state_keys.creatable(flat)
@@ -205,33 +205,11 @@ def _leaves(m: Match, flat: FlatState, cast: bool) -> None:
 
 
 def _tied_apart(m: Match, flat: FlatState) -> None:
-    """Keys the state ties (one tensor under two keys) that the checkpoint holds as two tensors
-    of different values (saved untied): loading both would leave the first key holding the
-    second's values, so neither is loaded (strict: refused)."""
-    first: dict[tuple[object, ...], Leaf] = {}
-    apart: set[str] = set()
-    for leaf in m.leaves:
-        v = _view(flat.leaves[leaf.key]) if isinstance(leaf.source, TensorSource) else None
-        if v is None:
-            continue
-        other = first.setdefault(v, leaf)
-        if other is leaf or _same_values(other.source, leaf.source):
-            continue
-        apart |= {leaf.key, other.key}
-        m.problems[leaf.key] = (
-            f"{leaf.key}: the state ties it to {other.key} (one tensor), while the checkpoint "
-            "holds different values for them (saved untied): loading both would leave one "
-            "holding the other's values; untie them in the state (or load one with keys=...)")
+    """Keys the state ties that the checkpoint holds apart (saved untied): neither is loaded
+    (tied_keys.held_apart; strict: refused)."""
+    apart, why = tied_keys.held_apart(flat, [(leaf.key, leaf.source) for leaf in m.leaves])
+    m.problems.update(why)
     m.leaves = [leaf for leaf in m.leaves if leaf.key not in apart]
-
-
-def _same_values(a: TensorSource | ObjectEntry, b: TensorSource | ObjectEntry) -> bool:
-    """Whether two stored tensors hold the same values (the same entry, or equal checksums)."""
-    if a is b or not isinstance(a, TensorSource) or not isinstance(b, TensorSource):
-        return a is b
-    def sums(s: TensorSource) -> list[tuple[str, ...]]:
-        return sorted((repr(e.chunk), e.dtype, e.checksum, repr(e.order)) for e in s.entries)
-    return sums(a) == sums(b)
 
 
 def _leaf(key: str, flat: FlatState, source: TensorSource | ObjectEntry,
@@ -343,31 +321,6 @@ def _mismatched(m: Match, strict: bool) -> None:
             "optimizer's): "
             f"{'; '.join(list(m.problems.values())[:3])} (LoadReport.mismatched lists them all)",
             5))
-
-
-def _tied(flat: FlatState, absent: list[str], common: list[str]) -> tuple[str, ...]:
-    """Keys absent from the checkpoint whose destination is the very tensor of a key that is
-    loaded (tied weights: a Hugging Face export leaves out lm_head.weight, which the model ties
-    to the embedding): the load fills them, so they are not missing."""
-    loaded = {v for k in common if (v := _view(flat.leaves[k])) is not None}
-    return tuple(k for k in absent if (v := _view(flat.leaves[k])) is not None and v in loaded)
-
-
-def _view(leaf: object) -> tuple[object, ...] | None:
-    """What makes two tensors one (their elements at the same place), or None; a DTensor's:
-    its local shard's, with its placements (FSDP2 and tensor parallel tie one parameter under
-    two keys; a rank's empty shard still has its storage)."""
-    dt = is_dtensor(leaf)
-    t = local_tensor(leaf) if dt else leaf
-    if not (dt or type(t) in (torch.Tensor, torch.nn.Parameter)):
-        return None
-    t = cast(torch.Tensor, t)
-    if t.is_meta or not (t.untyped_storage().data_ptr() if dt else t.numel()):
-        return None  # every meta tensor's data_ptr is 0
-    place = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
-    if not dt:
-        return place
-    return (*place, tuple(leaf.shape), tuple(leaf.placements))  # type: ignore[attr-defined]
 
 
 def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:

@@ -12,14 +12,15 @@ lets go.
 Decisions here run on the coordinating rank (the manager agrees on them across ranks through
 its one Ranks object, managing/agreement.py); try_load() is a collective (the load is).
 
-Owns: that tier's caches (links, metrics, damaged and verified steps) and its removal thread.
-Does not own: the retention rules (retention.py), the chains' rules (chains.py), listing and
-hiding (storage/steproot.py), when to save or which tier to load from (managing/manager.py, restoring.py).
+Owns: that tier's caches (links, metrics, damaged and verified steps) and what its background
+thread runs. Does not own: the retention rules (retention.py), the chains' rules (chains.py),
+listing and hiding (storage/steproot.py), when to save or which tier to load from
+(managing/manager.py, restoring.py), making every tier's TierSteps and listing them all
+(all_tiers.py), running its background threads one at a time (tier_thread.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -37,21 +38,20 @@ from ckptio.managing.agreement import Ranks
 from ckptio.managing.chains import Chains, Link
 from ckptio.managing.delta import ChainFacts
 from ckptio.managing.retention import StepMeta
-from ckptio.managing.tier import Tier
+from ckptio.managing.tier_thread import TierThread
 from ckptio.options import Options
 from ckptio.policies import DeltaBasePolicy, RetentionPolicy, StepInfo, base_by, kept_by
 from ckptio.saving.mapped_regions import pin
 from ckptio.storage.local.local_root import LocalRoot
 from ckptio.storage.local.mapped import MappedFile
 from ckptio.storage.steps import check_files
-from ckptio.storage.select import capped, root_for, store_for
+from ckptio.storage.select import store_for
 from ckptio.storage.steproot import ForeignRoot, Lease, LeasedRoot, Listing, StepRoot
 from ckptio.storage.store_contract import Store
 
-__all__ = ["PROBE_DEADLINE_S", "TierSteps", "list_tiers", "make_levels"]
+__all__ = ["TierSteps"]
 
 log = logging.getLogger("ckptio")
-PROBE_DEADLINE_S = 10.0  # a slower tier unreachable this long: refused at start, passed over later
 
 
 class TierSteps:
@@ -80,8 +80,7 @@ class TierSteps:
         self.verified: int | None = None  # newest step a load or verify succeeded on
         self.last_report: Any = None  # the LoadReport of this tier's last load that succeeded
         self._base_read: tuple[int, Manifest] | None = None  # the last delta base's manifest
-        self._removal: threading.Thread | None = None
-        self._behind_lock = threading.Lock()  # the training and drain threads both use it
+        self._behind = TierThread()  # its removals and slots made ahead, one at a time
         if isinstance(root, LocalRoot):  # its steps' stores are the root's (its mappings)
             checkpointer.resources().serve(root)
 
@@ -307,7 +306,7 @@ class TierSteps:
         removal = self._root.removal()  # None until the hiding is durable
         if removal is not None:
             # not a daemon: a removal running at exit is finished
-            self._behind(threading.Thread(target=removal, name="ckptio-retention"))
+            self._behind.run(threading.Thread(target=removal, name="ckptio-retention"))
         return hidden
 
     def _doomed(self, committed: list[int], also: set[int]) -> list[int]:
@@ -363,21 +362,9 @@ class TierSteps:
             finish()
 
     def join_removal(self) -> None:
-        with self._behind_lock:
-            if self._removal is not None:
-                self._removal.join()
-                self._removal = None
-
-    def _behind(self, thread: threading.Thread) -> None:
-        """Run ``thread`` as this tier's background thread, once the one before it ended. A
-        slower tier's is started by the training thread (prepare_slots) and by the drain's
-        (retain): it is published started, under a lock, so that a join from the other thread
-        never meets a thread not started yet (a RuntimeError that failed the drain's copy)."""
-        with self._behind_lock:
-            if self._removal is not None:
-                self._removal.join()
-            self._removal = thread
-            thread.start()
+        """Until this tier's background thread (a removal, slots made ahead) has ended
+        (managing/tier_thread.py)."""
+        self._behind.join()
 
     def prepare_slots(self, sizes: Sequence[int], cuda: bool) -> None:
         """The manager knows the state: a root keeping slots (a memory tier) makes and maps
@@ -386,8 +373,8 @@ class TierSteps:
         if not isinstance(self._root, _KeepsSlots):
             return
         on_mapped = pin if cuda else None
-        self._behind(threading.Thread(target=self._root.prepare_slots, args=(sizes, on_mapped),
-                                      name="ckptio-slots"))
+        self._behind.run(threading.Thread(target=self._root.prepare_slots,
+                                          args=(sizes, on_mapped), name="ckptio-slots"))
 
     def drop_slots(self, *, at_exit: bool = False) -> None:
         """The manager lets go: a root keeping dropped steps' files for later saves (a local
@@ -407,35 +394,3 @@ class _KeepsSlots(Protocol):
                       on_mapped: Callable[[MappedFile], object] | None = None) -> None: ...
 
     def drop_slots(self, *, unmap: bool = True) -> None: ...
-
-
-def list_tiers(levels: Sequence[TierSteps], stacklevel: int = 3) -> list[dict[str, list[Any]]]:
-    """Rank 0: every tier's steps, fastest first. The first tier's listing error is raised; a
-    slower tier that cannot be listed now (an object store gone away for the lister's
-    deadline) counts as holding nothing, with a warning naming it and why."""
-    out: list[dict[str, list[Any]]] = [dict(levels[0].listing())]
-    for level in levels[1:]:
-        try:
-            out.append(dict(level.listing()))
-        except CkptError as exc:
-            warn(f"ckptio: tier {level.location} cannot be listed, so its steps are passed "
-                 f"over: {type(exc).__name__}: {exc}", stacklevel=stacklevel)
-            out.append({"committed": [], "incomplete": [], "unreachable": [str(exc)]})
-    return out
-
-
-def make_levels(tiers: Sequence[Tier], keeps: Sequence[RetentionPolicy], ck: Checkpointer,
-                ranks: Ranks, process_group: Any) -> list[TierSteps]:
-    """One TierSteps per tier; a slower tier's listing gives up after PROBE_DEADLINE_S (a
-    restore then goes on without it)."""
-    levels = []
-    # only the first tier's saves copy into mapped files: a slower tier on tmpfs (/tmp, say)
-    # keeping slots would hold pages no drain copy takes
-    slower = dataclasses.replace(ck.options, memory_mapped="off")
-    for k, (tier, keep) in enumerate(zip(tiers, keeps)):
-        root = root_for(tier.location, ck.options if k == 0 else slower)
-        lister = root if k == 0 else root_for(
-            tier.location, capped(tier.location, slower, PROBE_DEADLINE_S))
-        levels.append(TierSteps(tier.location, tier.every, root, lister, keep, ck, ranks,
-                                process_group, k))
-    return levels

@@ -190,7 +190,7 @@ class CheckpointManager(ManagerParts):
                             "the run's lease again)")
         if not force and not self.should_save(step):
             return None
-        self._said_at_exit()  # until close(): an exit after a save is said (_say_unclosed)
+        self._said_at_exit()  # until close(): an exit after a save is said (unclosed.py)
         first = self._levels[0]
         self._room_for(state)
         if not self._first_leased:  # the run directory this save makes, and the slower

@@ -7,21 +7,19 @@ close(), and the rank-0 decisions every rank agrees on (managing/agreement.py).
 Call order: constructed by CheckpointManager(...) on every rank together; the verbs in
 manager.py call _room_for, _committed and _retain around each save; close() last.
 Owns: the tiers at run time, the followers, the save in flight, when the run leases are taken
-(leases.py holds them), the preemption handler, the agreement across ranks, the exit-time line
-for a manager never closed. Does not
-own: the public verbs (manager.py), the policies (policies/), one checkpoint's save and load
-(api.py).
+(leases.py holds them), the preemption handler, the agreement across ranks, what a manager never
+closed does at exit. Does not own: the public verbs (manager.py), the policies (policies/), one
+checkpoint's save and load (api.py), what gives way in a memory first tier before a save is
+refused (headroom.py), the set of managers not closed and its exit hook (unclosed.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import signal
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,24 +27,18 @@ from ckptio.api import Checkpointer
 from ckptio.distributed.dist import COORDINATOR, Group
 from ckptio.errors import CheckpointLockedError, CkptError, SaveTimeoutError, seconds_to_wait
 from ckptio.managing.agreement import Ranks
+from ckptio.managing.all_tiers import list_tiers, make_levels
 from ckptio.managing.declare import UNSET, declare, settings_of
 from ckptio.managing.delta import check_delta
 from ckptio.managing.drain import Drain
 from ckptio.managing.follower import Follower
 from ckptio.managing.guard import Guard
+from ckptio.managing.headroom import FirstTierRoom
 from ckptio.managing.inflight import InFlight
 from ckptio.managing.leases import RunLeases
-from ckptio.managing.level import list_tiers, make_levels
 from ckptio.managing.route import TierRoute, resume
-from ckptio.managing.tier import (
-    Tier,
-    check_budget,
-    is_memory,
-    newest_size,
-    one_host,
-    state_nbytes,
-    step_sizes,
-)
+from ckptio.managing.tier import Tier, one_host, state_nbytes
+from ckptio.managing import unclosed
 from ckptio.managing.triggers import Preemption, Saving, Triggers
 from ckptio.options import Options
 from ckptio.policies import (
@@ -60,7 +52,7 @@ from ckptio.policies import (
     leaves,
 )
 from ckptio.saving.handle import SaveResult
-from ckptio.storage.select import checkpoint_path, scheme_of
+from ckptio.storage.select import checkpoint_path
 
 __all__ = ["ManagerParts"]
 
@@ -120,10 +112,8 @@ class ManagerParts:
                                  for keep in declared.keeps]
         self._long_every = tuple(n for every in self._tier_long_every for n in every)
         self._saves = InFlight(self._levels[0])
-        # the first tier's local directory if it is a memory tier on this host (its budget is
-        # checked before each save), else None
-        local = checkpoint_path(self.directory)
-        self._budget_dir = local if is_memory(self.tiers[0]) and scheme_of(local) is None else None
+        # the first tier's room, checked before each save if it is host memory on this host
+        self._room = FirstTierRoom.of(self._levels[0], self.tiers[0])
         self._bases: dict[int, tuple[int, ...]] = {}  # per save made: its bases (chains.py)
         self._drain: Drain | None = None
         self._followers: list[Follower] = []
@@ -170,48 +160,23 @@ class ManagerParts:
 
     def _said_at_exit(self) -> None:
         """A save started: until close(), an exit says this manager was not closed."""
-        _unclosed.add(self)
+        unclosed.track(self)
 
     def _room_for(self, state: Any) -> None:
         """Collective, before a save into a memory tier on this host: rank 0 refuses a save the
-        tier cannot hold (managing/tier.py check_budget; sized from ``state`` before a first
-        step)."""
-        if self._budget_dir is not None:
+        tier cannot hold (managing/headroom.py; sized from ``state`` before a first step)."""
+        if self._room is not None:
             others = None if self._guard is None else self._guard.for_others
-            self._agreed(self._check_budget, state, others)
+            self._agreed(self._make_room, state, others)
 
-    def _check_budget(self, state: Any,
-                      others: Callable[[int], tuple[int, int]] | None) -> None:
-        """Rank 0: refuse a save the first (memory) tier cannot hold, its committed steps'
-        sizes listed here (``state``'s own sized only before a first step)."""
-        first, tier = self._levels[0], self.tiers[0]
-        directory = self._budget_dir
-        assert directory is not None  # internal: _room_for calls it only for a budgeted tier
-        committed = first.scan()["committed"]
-        if tier.max_bytes is None:  # only the newest step's size counts (check_budget)
-            sizes = newest_size(first.path(s) for s in reversed(committed))
-        else:
-            sizes = step_sizes(first.path(s) for s in committed)
-        estimate = functools.partial(self._job_nbytes, state)
-        try:
-            check_budget(tier, directory, sizes, estimate, others)
-        except CkptError:
-            # the step a restore loaded, kept beyond keep_last until a newer one is verified,
-            # gives way to the save (the budget sized for keep_last + 1 steps holds after a
-            # restart too); the save is refused only if it still does not fit
-            # so do the steps kept only for the drain to try their failed copies again
-            pinned = first.unpin_verified(committed) if tier.max_bytes is not None else None
-            given_up = [] if self._drain is None else self._drain.give_up()
-            if pinned is None and not given_up:
-                raise
-            first.retain(self._kept_in_first())
-            if pinned is not None:
-                log.warning("ckptio: memory tier %s: step %d (restored last, kept beyond "
-                            "keep_last=%s) removed to keep the save within max_bytes",
-                            tier.location, pinned, tier.keep_last)
-            kept = first.scan()["committed"]
-            check_budget(tier, directory, step_sizes(first.path(s) for s in kept), estimate,
-                         others)
+    def _make_room(self, state: Any,
+                   others: Callable[[int], tuple[int, int]] | None) -> None:
+        """Rank 0: the first tier's room for the save of ``state`` (FirstTierRoom.make), the
+        drain's retries and the retention's keeps told to it."""
+        assert self._room is not None  # internal: _room_for calls it only for a memory tier
+        give_up = None if self._drain is None else self._drain.give_up
+        self._room.make(functools.partial(self._job_nbytes, state), others, give_up,
+                        self._kept_in_first)
 
     def _job_nbytes(self, state: Any) -> int:
         """The bytes of ``state`` on every rank (each rank's taken to be as large as this one's)."""
@@ -287,7 +252,7 @@ class ManagerParts:
 
     def _close(self) -> None:
         """close() after its wait(): the followers, the last retention, the removals."""
-        _unclosed.discard(self)
+        unclosed.forget(self)
         self._closed = True
         self._policy.triggers.preemption.uninstall()
         failed: CkptError | None = None  # a follower's error, raised after the retention
@@ -358,7 +323,7 @@ class ManagerParts:
     # ---------------------------------------------------------------- rank 0's decisions
 
     def _listings(self) -> list[dict[str, list[Any]]]:
-        """Rank 0: every tier's steps (level.list_tiers: a slower tier that cannot be listed
+        """Rank 0: every tier's steps (all_tiers.list_tiers: a slower tier that cannot be listed
         counts as holding nothing, with a warning)."""
         return list_tiers(self._levels, stacklevel=4)
 
@@ -384,7 +349,7 @@ class ManagerParts:
         return lost
 
     def at_exit(self) -> None:
-        """At interpreter exit, unclosed after a save (_say_unclosed): say so, remove the
+        """At interpreter exit, unclosed after a save (managing/unclosed.py): say so, remove the
         memory tier's slots (host memory no step holds, no later save takes), let go of the
         run leases."""
         log.warning("ckptio: CheckpointManager(%s) was not closed before exit: its saves "
@@ -427,19 +392,3 @@ def _with_preemption(save: SavePolicy) -> SavePolicy:
         return save
     members = save.policies if isinstance(save, AnyOf) else (save,)
     return AnyOf(*members, SaveOnPreemption())
-
-
-_unclosed: weakref.WeakSet[ManagerParts] = weakref.WeakSet()
-
-
-def _say_unclosed() -> None:
-    """At interpreter exit: each manager that saved and was never closed, named (its saves in
-    flight finish, by api.py's own exit hook, but close()'s last retention pass and its
-    followers' do not), and its run leases let go (an object store's would otherwise hold the
-    run for a lease after the exit)."""
-    for mgr in list(_unclosed):
-        mgr.at_exit()
-
-
-atexit.register(_say_unclosed)
-

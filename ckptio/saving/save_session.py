@@ -20,9 +20,9 @@ Everything the save needs is fixed in one SaveContext (save_context.py) when it 
 failure on any rank reaches every rank (a collective step) and is raised by wait().
 
 Owns: the order of those steps. Does not own: planning (planning/), the collective steps
-(distributed/collective.py), the bytes (persist.py), the commit (the Store, storage/), the
-handle and its hand-over (handle.py, handover.py): the session drives the caller's SaveHandle
-only through the HandleControl it makes for each save.
+(distributed/collective.py), the bytes (persist.py, a rank's index file: rank_index.py), the
+commit (the Store, storage/), the handle and its hand-over (handle.py, handover.py): the
+session drives the caller's SaveHandle only through the HandleControl it makes for each save.
 """
 
 from __future__ import annotations
@@ -38,23 +38,12 @@ from typing import Any
 
 import torch
 
-from ckptio.alignment import align_up
 from ckptio.distributed import collective, rankplan, savelock
 from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.format import regular_section
 from ckptio.format.flatten import flatten
 from ckptio.format.manifest import MANIFEST_NAME
-from ckptio.format.types import (
-    Chunk,
-    FileInfo,
-    FileLayout,
-    IndexFile,
-    Manifest,
-    Placement,
-    TensorEntry,
-    WriteItem,
-    Written,
-)
+from ckptio.format.types import FileLayout, Manifest, Written
 from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
 from ckptio.saving import copy_streams, persist, stall
@@ -66,6 +55,7 @@ from ckptio.saving.handle import (
     lazy_versions,
 )
 from ckptio.saving.packing import DeltaBase, Packer
+from ckptio.saving.rank_index import write_index
 from ckptio.saving.save_context import PACKED_FILE, RankPart, SaveContext
 from ckptio.storage import steps
 from ckptio.storage.entry_reader import EntryReader
@@ -302,8 +292,8 @@ def _write(ctx: SaveContext, part: RankPart, control: HandleControl, mapped: boo
         index = None
         if part.index_file is not None:  # the regular items' rows go to the index file
             rows = [e for e in entries if e.key in part.regular]
-            index, info = _write_index(ctx, part.index_file, part.agreement.save_id, rows,
-                                       control.activity)
+            index, info = write_index(ctx, part.index_file, part.agreement.save_id, rows,
+                                      control.activity)
             entries, infos = [e for e in entries if e.key not in part.regular], [*infos, info]
         return Written({part.index_of[e.key]: e for e in entries}, tuple(infos), index), None
     except BaseException as exc:  # noqa: BLE001 - returned: every rank must hear of it
@@ -336,29 +326,6 @@ def _packer(ctx: SaveContext, part: RankPart, target: StoreFiles) -> Packer | No
                   rank=ctx.group.rank, compression=packing.compression, base=delta,
                   block_nbytes=ctx.block_nbytes, algorithm=ctx.options.checksum,
                   segment_nbytes=min(SEGMENT_NBYTES, ctx.options.max_file_bytes))
-
-
-def _write_index(ctx: SaveContext, name: str, save_id: str, rows: list[TensorEntry],
-                 activity: stall.Activity) -> tuple[IndexFile, FileInfo]:
-    """Write this rank's index file of its regular chunks ``rows`` (format/regular_section.py) through
-    the same pool, backend and checksums as its data, durably."""
-    data = regular_section.encode_index(save_id, ctx.group.rank, [
-        regular_section.IndexRow(e.key, e.file, e.offset, e.checksum, e.blocks) for e in rows])
-    item = WriteItem("index", "bytes", "uint8", (len(data),), Chunk.whole((len(data),)), len(data))
-    layout = FileLayout(name, align_up(len(data)), (Placement(item, 0),))
-    pool, target = ctx.resources.files(ctx.store, len(data))  # a small pool will do
-    job = persist.SaveJob(target, [layout],
-                          {"index": torch.frombuffer(bytearray(data), dtype=torch.uint8)},
-                          pool=pool, algorithm=ctx.options.checksum, rank=ctx.group.rank,
-                          block_nbytes=ctx.block_nbytes, activity=activity,
-                          hashing=ctx.workers.calls("ckptio-hash"))
-    try:
-        job.capture()
-        (entry,), (info,) = job.finish()
-    except BaseException:
-        job.abandon()
-        raise
-    return IndexFile(ctx.group.rank, name, len(data), entry.checksum), info
 
 
 def _conclude(ctx: SaveContext, agreement: collective.Agreement,

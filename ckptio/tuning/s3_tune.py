@@ -28,7 +28,8 @@ from ckptio.alignment import is_aligned
 from ckptio.errors import CkptError
 from ckptio.options import MiB, Options
 from ckptio.storage.s3.backend import MIN_PART, S3Backend
-from ckptio.storage.s3.client import S3Path, call, client, failed
+from ckptio.storage.s3.client import call, client, failed
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings, gets_in_flight
 from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile

@@ -162,7 +162,7 @@ def describe(p: profile.Profile | profile.S3Profile) -> str:
 def _key(target: str) -> tuple[str, str]:
     """The profile key of a directory or s3:// location, and how messages name it."""
     from ckptio.options import Options
-    from ckptio.storage.s3.client import S3Path, is_s3
+    from ckptio.storage.s3.s3path import S3Path, is_s3
     from ckptio.storage.s3.settings import S3Settings
 
     if is_s3(target):

@@ -14,7 +14,7 @@ import torch
 
 import ckptio
 from ckptio.storage.select import store_for
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.testing.rank_processes import run_ranks
 
 import dist_cases as cases

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 
 
 def test_a_dcp_checkpoint_on_s3_loads_and_verifies(s3_env: str, s3_client: object,

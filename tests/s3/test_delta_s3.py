@@ -21,7 +21,7 @@ import torch
 import ckptio
 from ckptio import DeltaPolicy, Tier
 from ckptio.format.manifest import MANIFEST_NAME, bases_of, decode
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.select import store_for
 
 from s3.s3_models import build, train

@@ -20,7 +20,7 @@ import torch
 
 import ckptio
 from ckptio.storage.select import store_for
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steps import named as names_in
 from ckptio.storage.s3.store import S3Store

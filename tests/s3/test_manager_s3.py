@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.managing.manager import CheckpointManager
 from ckptio.testing.rank_processes import run_ranks
 

@@ -23,7 +23,7 @@ import torch
 
 import ckptio
 from ckptio import Tier
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.testing.s3proxy import FaultProxy
 
 from s3.test_silent_s3 import DEADLINE_S, SLACK_S

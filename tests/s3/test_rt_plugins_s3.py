@@ -23,7 +23,7 @@ import lightning as L  # noqa: E402 - only once it is there
 
 import ckptio  # noqa: E402
 import ckptio.lightning  # noqa: E402
-from ckptio.storage.s3.client import S3Path  # noqa: E402
+from ckptio.storage.s3.s3path import S3Path  # noqa: E402
 
 QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False,
          "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0,

@@ -25,7 +25,7 @@ from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import MARKER
 from ckptio.storage.s3 import client, timeouts
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.testing.s3proxy import FaultProxy
 from object_store_cases import raises_within, random_state
 from s3.test_silent_s3 import DEADLINE_S, _options

@@ -21,7 +21,7 @@ import ckptio
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.managing.manager import CheckpointManager
 from ckptio.storage.local.dirlock import LOCK_NAME
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.s3.store import S3Store
 from ckptio.storage.select import store_for

@@ -12,7 +12,7 @@ import pytest
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3.backend import MAX_PARTS, MIN_PART, S3Backend, part_nbytes_for
-from ckptio.storage.s3.client import S3Path
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.io.stage import StagingPool
 from ckptio.alignment import BLOCK

@@ -20,6 +20,7 @@ import torch
 import ckptio
 from ckptio import Checkpointer, Options
 from ckptio.storage.s3 import client as s3client
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.s3.store import S3Store
 from ckptio.tuning import profile
@@ -46,7 +47,7 @@ def _tune(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 
 def _keys(s3_client, url: str) -> list[str]:
-    where = s3client.S3Path.parse(url)
+    where = S3Path.parse(url)
     listed = s3_client.list_objects_v2(Bucket=where.bucket, Prefix=where.dir_prefix)
     return [o["Key"] for o in listed.get("Contents", [])]
 
@@ -67,7 +68,7 @@ def test_tune_stores_the_endpoint_profile_saves_use_it_and_nothing_is_left(s3_en
     assert (found.buffer_bytes, found.s3_concurrency) in {(5 * MiB, 1), (5 * MiB, 2),
                                                           (10 * MiB, 1), (10 * MiB, 2)}
     assert found.write_gbps > 0 and found.read_gbps > 0 and done.stdout.count(" in flight ") == 4
-    assert _keys(s3_client, s3_env) == [s3client.S3Path.parse(s3_env).child("keep").key]
+    assert _keys(s3_client, s3_env) == [S3Path.parse(s3_env).child("keep").key]
     shown = _tune("--show", s3_env)
     assert f"S3 {endpoint}: s3_concurrency={found.s3_concurrency}" in shown.stdout, shown.stdout
 
@@ -145,7 +146,7 @@ def test_a_study_that_fails_half_way_removes_what_it_wrote(s3_env, s3_proxy, s3_
     cells' objects are gone; an object of the caller's under the prefix stays."""
     from ckptio.tuning import s3_tune
 
-    where = s3client.S3Path.parse(s3_env)
+    where = S3Path.parse(s3_env)
     s3_client.put_object(Bucket=where.bucket, Key=where.child("keep").key, Body=b"mine")
     refused = s3_proxy.fail(403, "AccessDenied", times=None, op="GetObject", key=r"-c2-")
     settings = S3Settings(endpoint_url=s3_proxy.endpoint)

@@ -17,21 +17,20 @@ between another save's check and its rename. An object store needs the same rule
 conditional write of the manifest (If-Match on its ETag, If-None-Match: * when there is none).
 
 Owns: the directory's layout (path_of), the atomic commit, reading the committed manifest,
-listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), a file
-written and fsynced by path (durable.py), the messages about what a directory holds instead
-(missing_manifest.py), the order of a save (steps.py, saving/save_session.py), data bytes (the
-IOBackend, saving/persist.py).
+listing, sizes and removal of files there. Does not own: the lock itself (dirlock.py), the
+claim that makes the commit conditional (local_claim.py), a file written and fsynced by path
+(durable.py), the messages about what a directory holds instead (missing_manifest.py), the
+order of a save (steps.py, saving/save_session.py), data bytes (the IOBackend,
+saving/persist.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import stat
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from ckptio import io
 from ckptio.errors import (
@@ -47,6 +46,7 @@ from ckptio.storage import missing_manifest, steps
 from ckptio.storage.files import Capabilities
 from ckptio.storage.local import dirlock
 from ckptio.storage.local.durable import fsync_path, write_durably
+from ckptio.storage.local.local_claim import LocalClaim, digest_of
 from ckptio.storage.local.mapped import Mappings
 from ckptio.storage.steproot import is_tc_file
 from ckptio.storage.store_contract import (
@@ -60,22 +60,7 @@ from ckptio.storage.store_contract import (
     plain_name,
 )
 
-__all__ = ["LocalClaim", "LocalStore", "committed_at", "holds_tc"]
-
-
-@dataclass
-class LocalClaim:
-    """LocalStore.exclusive()'s claim: the directory lock, and the manifest seen under it."""
-
-    lock: dirlock.DirLock
-    seen: bytes | None  # digest of the manifest committed when the lock was taken; None: none
-
-    @property
-    def location(self) -> str:
-        return os.path.abspath(self.lock.path)
-
-    def release(self, *, failed: bool = False) -> None:
-        dirlock.unlock(self.lock, failed=failed)
+__all__ = ["LocalStore", "committed_at", "holds_tc"]
 
 
 class LocalStore:
@@ -155,7 +140,7 @@ class LocalStore:
             write_durably(tmp, manifest)
             previous = self._committed_bytes()
             if claim is not None:
-                self._check_unchanged(claim, previous)
+                claim.check_unchanged(previous, self.location)
             os.rename(tmp, os.path.join(self.directory, MANIFEST_NAME))
         except OSError as exc:
             error = StorageIOError(f"committing the manifest of {self.location} failed: "
@@ -214,20 +199,8 @@ class LocalStore:
         except OSError:
             return None
 
-    def _check_unchanged(self, claim: LocalClaim, now: bytes | None) -> None:
-        """Refuse if another save has committed here since the lock was taken (``now``: the
-        manifest there now), which only a save that does not honour the lock can have done."""
-        if _digest_of(now) != claim.seen:
-            raise CheckpointLockedError(
-                f"another save committed {self.location} while this one was writing, so the "
-                f"lock {os.path.join(self.directory, dirlock.LOCK_NAME)} is not honoured there "
-                "(a filesystem whose locks are local to one machine, e.g. NFS mounted with "
-                "local_lock, or a writer that is not ckptio); this save was not committed and "
-                "the checkpoint there is kept: give each job its own path, or make them save "
-                "one at a time")
-
     def _digest(self) -> bytes | None:
-        return _digest_of(self._committed_bytes())
+        return digest_of(self._committed_bytes())
 
     # -- reading --------------------------------------------------------------------------
 
@@ -368,11 +341,6 @@ class LocalStore:
         except OSError as exc:
             raise StorageIOError(f"moving {self.location} to {target.location} failed: "
                                  f"{exc.strerror or exc}") from None
-
-
-def _digest_of(manifest: bytes | None) -> bytes | None:
-    """A manifest's digest (None for none: any manifest committed later differs from it)."""
-    return None if manifest is None else hashlib.blake2b(manifest, digest_size=16).digest()
 
 
 def _nearby(path: str) -> str:

@@ -4,7 +4,8 @@ Its registry entry (storage/select.py) names the three parts, each importing the
 
     timeouts.py  how long one request may wait: its deadline, each attempt's timeout, outages
     settings.py  S3Settings, the scheme's settings (Options.storage["s3"] or Options.s3_*)
-    client.py    URLs (S3Path), the boto3 client, the retry loop, what an error means
+    s3path.py    URLs (S3Path): a bucket and a key
+    client.py    the boto3 client, the retry loop, what an error means
     objects.py   what a store's look-up saw of an object, handed to the backend's reads
     body.py      a GET's body read into the caller's buffer, from the socket where it can be
     backend.py   S3Backend, the IOBackend: multipart uploads and ranged GETs (I/O contract:
@@ -24,5 +25,5 @@ storage/store_contract.py, storage/steproot.py), the order of a save (saving/).
 
 from __future__ import annotations
 
-__all__ = ["backend", "body", "client", "lock", "objects", "root", "settings", "store",
-           "timeouts"]
+__all__ = ["backend", "body", "client", "lock", "objects", "root", "s3path", "settings",
+           "store", "timeouts"]

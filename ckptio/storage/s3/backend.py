@@ -33,7 +33,8 @@ from ckptio.storage.object_common import OpenHandles
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.body import read_body
-from ckptio.storage.s3.client import S3Path, call, client, code, failed, status
+from ckptio.storage.s3.client import call, client, code, failed, status
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["MAX_PARTS", "MIN_PART", "S3Backend", "part_nbytes_for"]

@@ -1,6 +1,6 @@
-"""Talking to an S3-compatible store: URLs, the client, retries and what an error means.
+"""Talking to an S3-compatible store: the client, retries and what an error means.
 
-``s3://bucket/prefix`` locations are parsed here (S3Path); the boto3 client is made here,
+The boto3 client is made here (its ``s3://bucket/prefix`` locations are parsed in s3path.py),
 imported lazily (without it an s3:// path raises CkptError naming ``pip install
 boto3``), one per process and settings, shared by threads. Endpoint, region and
 credentials come the way every AWS tool takes them (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE,
@@ -16,10 +16,10 @@ retrying cannot fix fails at once, naming the cause and the fix: no credentials,
 handshake that cannot succeed, an endpoint (or the proxy to it) that never answered this
 process (retried for UNREACHED_S only). Giving up raises StorageIOError naming the object, attempts and last cause.
 
-Owns: S3Path, client(), call() (the retry loop), status()/code() of a failure, the markers
+Owns: client(), call() (the retry loop), status()/code() of a failure, the markers
 that page a listing of open uploads on (next_uploads_page).
-Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), what
-is written or read.
+Does not own: each attempt's timeout, outages (timeouts.py), the settings (settings.py), the
+URLs (s3path.py), what is written or read.
 """
 
 from __future__ import annotations
@@ -29,69 +29,26 @@ import logging
 import math
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.settings import AWS_DEFAULT, S3Settings
 
-__all__ = ["RETRY_WARN_S", "SCHEME", "UNREACHED_S", "S3Path", "call", "client", "code",
-           "connections", "describe", "failed", "is_s3", "next_uploads_page", "not_s3",
-           "status"]
+__all__ = ["RETRY_WARN_S", "UNREACHED_S", "call", "client", "code", "connections", "describe",
+           "failed", "next_uploads_page", "not_s3", "status"]
 
 log = logging.getLogger("ckptio")
-SCHEME = "s3://"
 UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
 RETRY_WARN_S = 3.0  # a request retrying this long logs a warning
 CONNECT_TIMEOUT_S = 5.0  # one attempt's wait for its TCP connection (its answer: timeouts.py)
 T = TypeVar("T")
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,254}")
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                 "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
                 "ConditionalRequestConflict", "OperationAborted", "RequestLimitExceeded"}
-
-
-def is_s3(path: str) -> bool:
-    return path.startswith(SCHEME)
-
-
-@dataclass(frozen=True)
-class S3Path:
-    """``s3://bucket/key``: a location (key = its prefix, no trailing '/') or an object."""
-
-    bucket: str
-    key: str
-
-    @classmethod
-    def parse(cls, url: str) -> S3Path:
-        if not is_s3(url):
-            raise CkptError(f"{url!r} is not an s3:// URL")
-        bucket, _, key = url[len(SCHEME):].partition("/")
-        if not _BUCKET.fullmatch(bucket):
-            raise CkptError(f"{url}: {bucket!r} is not an S3 bucket name; write "
-                            "s3://BUCKET/PREFIX, e.g. s3://my-bucket/run-7/step-100")
-        key = key.rstrip("/")
-        if "//" in key or any(part in (".", "..") for part in key.split("/")):
-            raise CkptError(f"{url}: the key prefix {key!r} has an empty, '.' or '..' part; "
-                            "write s3://BUCKET/PREFIX with plain parts")
-        return cls(bucket, key)
-
-    @property
-    def url(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
-
-    def child(self, name: str) -> S3Path:
-        return S3Path(self.bucket, f"{self.key}/{name}" if self.key else name)
-
-    @property
-    def dir_prefix(self) -> str:
-        """The prefix that lists what is inside this location ("" for a whole bucket)."""
-        return f"{self.key}/" if self.key else ""
 
 
 # (endpoint, region, profile, pid, environment) -> (its connection pool's size, the client)

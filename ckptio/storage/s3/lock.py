@@ -39,7 +39,8 @@ from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
 from ckptio.storage.object_lease import LEASE_NAME, RunWatch, lease_of
 from ckptio.storage.s3 import timeouts
-from ckptio.storage.s3.client import S3Path, call, client, describe, failed, status
+from ckptio.storage.s3.client import call, client, describe, failed, status
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 
 __all__ = ["LEASE_NAME", "LOCK_NAME", "S3Lock", "take", "take_run"]

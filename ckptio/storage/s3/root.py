@@ -35,8 +35,8 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.object_common import (FOREIGN, MARKER, MARKER_BODY, MarkedSteps, held_state,
                                           kept_name)
 from ckptio.storage.s3 import lock as s3lock
-from ckptio.storage.s3.client import (S3Path, call, client, code, failed, next_uploads_page,
-                                      status)
+from ckptio.storage.s3.client import call, client, code, failed, next_uploads_page, status
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.steproot import (
     Listing,

@@ -40,8 +40,8 @@ from ckptio.storage.s3 import lock as s3lock
 from ckptio.storage.s3 import objects as s3objects
 from ckptio.storage.s3 import timeouts
 from ckptio.storage.s3.backend import S3Backend
-from ckptio.storage.s3.client import (S3Path, call, client, failed, next_uploads_page, not_s3,
-                                      status)
+from ckptio.storage.s3.client import call, client, failed, next_uploads_page, not_s3, status
+from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 from ckptio.storage.store_contract import is_ours, new_save_id, plain_name
 
