@@ -15,7 +15,8 @@
   replacing the other's ``last.ckpt``). ``RunLeases`` takes the run lease a
   CheckpointManager takes (storage/local/runlease.py) on each local directory the plugin saves
   into, at the first save there, and holds it until the plugin's teardown: a second job's first
-  save there is refused, naming the holder, before it writes anything.
+  save there is refused, naming the holder, before it writes anything; a job started with
+  ``take_over=True`` goes on, and the holder's next save there is refused, naming it.
 
 Call order: ``refuse_in_fsspec()`` once, at ``import ckptio.lightning``; a plugin's saves call
 ``check_path(path)`` and ``RunLeases.take(path)``, its teardown ``RunLeases.release()``.
@@ -31,7 +32,7 @@ import os
 import re
 from typing import Any
 
-from ckptio.errors import CkptError
+from ckptio.errors import CheckpointLockedError, CkptError
 from ckptio.storage.local import runlease
 from ckptio.storage.select import checkpoint_path, registered_schemes, scheme_of
 
@@ -121,12 +122,20 @@ class RunLeases:
 
     def take(self, path: str) -> None:
         """The lease of the directory holding checkpoint ``path`` (local paths, ``shm://``),
-        at this plugin's first save there; CheckpointLockedError naming the job holding it."""
+        at this plugin's first save there; CheckpointLockedError naming the job holding it, or,
+        at a later save, the job that took it over since."""
         location = checkpoint_path(path)
         if scheme_of(location) is not None:  # an object store's: not leased here
             return
         directory = os.path.dirname(os.path.abspath(location))
-        if directory in self._held:
+        held = self._held.get(directory)
+        if held is not None:
+            taker = held.lost
+            if taker is not None:
+                raise CheckpointLockedError(
+                    f"the run directory {directory} was taken over by another job ({taker}, "
+                    f"started with take_over=True): this Lightning job did not save {path}, "
+                    "and saves no more there; that job saves there now")
             return
         lease = runlease.take(directory, self.take_over, create=True, refusal=(
             f"this Lightning job did not save {path}",

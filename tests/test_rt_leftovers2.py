@@ -8,7 +8,8 @@
   ``epoch=0-step=2-v1.ckpt`` and ``last.ckpt`` over the first's. The plugin takes the run lease a
   CheckpointManager takes on the directory it saves into, at its first save there, and holds it
   until teardown: the second job's first save is refused, naming the first job's pid, before it
-  writes anything.
+  writes anything; a job started with ``take_over=True`` goes on, and the first job's next
+  save is refused, naming it.
 - ``ModelCheckpoint(dirpath="file:///data/run")``: Lightning makes a file:// dirpath absolute
   with os.path.realpath, so the checkpoints went to ``<cwd>/file:/data/run`` and a resume from
   /data/run found none. The plugin refuses such a path at the first save, naming the dirpath
@@ -109,14 +110,15 @@ print("DONE", trainer.global_step, flush=True)
 """
 
 
-def _lightning_fit(dirpath: Path | str) -> Any:
+def _lightning_fit(dirpath: Path | str, take_over: bool = False) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import ckptio.lightning
     from tests.integrations.lightning_job import OPTIONS, Tiny, data
 
-    trainer = L.Trainer(max_epochs=1, plugins=[ckptio.lightning.CheckpointIO(OPTIONS)],
+    plugin = ckptio.lightning.CheckpointIO(OPTIONS, take_over=take_over)
+    trainer = L.Trainer(max_epochs=1, plugins=[plugin],
                         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2,
                                                    save_top_k=-1, save_last=True)], **QUIET)
     trainer.fit(Tiny(), data(16, 2))
@@ -154,6 +156,29 @@ def test_lightning_a_second_job_on_one_dirpath_is_refused_at_its_first_save(
     assert first.returncode == 0 and "DONE 4" in out
     assert ".ckptio-run.lease" not in os.listdir(dirpath)  # let go at the first job's teardown
     assert _lightning_fit(dirpath).global_step == 4  # the next job, once it ended, saves there
+
+
+def test_lightning_a_job_taking_a_dirpath_over_stops_the_first_jobs_saves(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    dirpath, flag = tmp_path / "ckpts", tmp_path / "go"
+    with open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen([sys.executable, "-c", _FIRST_JOB, str(dirpath), str(flag)],
+                                 cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert _read_line(first, 120).strip() == "SAVED"
+        assert _lightning_fit(dirpath, take_over=True).global_step == 4  # warned, went on
+        taken = _checkpoints(dirpath)
+    finally:
+        flag.touch()
+        out, _ = first.communicate(timeout=120)
+    said = (tmp_path / "first.err").read_text()
+    assert first.returncode != 0 and "DONE" not in out
+    assert "was taken over by another job" in said and f"pid {os.getpid()}" in said, said[-2000:]
+    assert _checkpoints(dirpath) == taken  # the first job saved nothing more there
+
+
+def _checkpoints(dirpath: Path) -> list[str]:
+    return sorted(n for n in os.listdir(dirpath) if n.endswith(".ckpt"))
 
 
 _LOAD = """
