@@ -91,7 +91,7 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     if not found:
         raise CheckpointNotFoundError(_nothing(levels, listings, step))
     newer = incomplete(listings)
-    foreign = _foreign_paths(levels, listings)
+    foreign = _foreign_paths(levels, listings) if newer else {}
     passed: list[str] = []
     for candidate, holders in found:
         passed += [_passed_over(s, foreign.get(s)) for s in reversed(newer) if s > candidate]
