@@ -17,7 +17,8 @@
 - ``ckptio.load(DIR)`` from another process while the first save into DIR (eager or lazy
   ``async_save``) is still running said the save "was interrupted before its commit, or is still
   running" and to "load an earlier checkpoint". It names the running save (host, pid) and what to
-  wait for now; a DIR with a committed checkpoint from an earlier save still loads that one.
+  wait for now (one whose process has exited is still named as interrupted); a DIR with a
+  committed checkpoint from an earlier save still loads that one.
 - torch_checkpointing steps written into a ``mem://`` tier (through ckptio.tc_storage) were not
   told apart from interrupted saves: a manager over that tier warned about "incomplete steps
   (interrupted saves)" and started fresh, and one holding an older ckptio step restored it
@@ -242,12 +243,44 @@ def test_load_from_another_process_during_an_async_save_names_the_save_to_wait_f
     said, older_said = loaded.stdout.splitlines()
     assert said.startswith("REFUSED IncompleteCheckpointError"), loaded.stdout + loaded.stderr
     assert str(tmp_path / "first") in said and f"pid {os.getpid()}" in said, said
-    assert "has not committed" in said and "SaveHandle.wait()" in said, said
+    assert "is still running" in said and "SaveHandle.wait()" in said, said
     assert older_said == "LOADED 1"  # the committed checkpoint of the earlier save
     assert ckptio.load(tmp_path / "first")["step"] == 2  # and the save, once finished
     after = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "first")], cwd=ROOT,
                             env=ENV, timeout=120, capture_output=True, text=True)
     assert after.stdout.strip() == "LOADED 2", after.stdout + after.stderr
+
+
+_KILLED_SAVE = """
+import os, sys, threading, time
+import torch
+import ckptio
+from ckptio.testing.faults import inject
+
+checkpointer = ckptio.Checkpointer(ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20))
+backend = inject(checkpointer)
+backend.submit_write = lambda *args, **kwargs: threading.Event().wait()  # never written
+checkpointer.async_save({"w": torch.ones(4096), "step": 2}, sys.argv[1])
+while not os.path.exists(os.path.join(sys.argv[1], ".ckptio.lock")):
+    time.sleep(0.01)
+print("SAVING", flush=True)
+time.sleep(120)
+"""
+
+
+def test_load_after_a_save_killed_before_its_commit_says_interrupted_not_running(
+        tmp_path: Path) -> None:
+    saver = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / "ck")], cwd=ROOT,
+                             env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert _read_line(saver, 120).strip() == "SAVING"
+    finally:
+        saver.kill()
+        saver.wait(60)
+    with pytest.raises(ckptio.IncompleteCheckpointError) as caught:
+        ckptio.load(tmp_path / "ck")
+    said = str(caught.value)
+    assert "interrupted before its commit" in said and "still running;" not in said, said
 
 
 def _tc_save(root: str, name: str, seed: int) -> dict[str, torch.Tensor]:

@@ -65,12 +65,12 @@ def no_manifest(location: str, names: list[str],
     CheckpointNotFoundError saying what it is. ``is_checkpoint(name)``: whether the entry
     ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints); ``is_tc(name)``:
     whether the step ``name`` holds a torch_checkpointing checkpoint (a run of its steps);
-    ``saving``: who holds the location's save lock, a save that has not committed yet."""
+    ``saving``: who holds the location's save lock, a save still running."""
     partial = [n for n in names if is_ours(n) or n == LOCK_NAME]
     if partial and saving is not None:
         return IncompleteCheckpointError(
-            f"{location} holds no committed checkpoint yet: a save into it ({saving}) has not "
-            "committed; wait for that save to finish (its SaveHandle.wait(), or the saving "
+            f"{location} holds no committed checkpoint yet: a save into it ({saving}) is still "
+            "running; wait for that save to finish (its SaveHandle.wait(), or the saving "
             "job's CheckpointManager.close()) and load again, or load an earlier checkpoint")
     if partial:
         return IncompleteCheckpointError(

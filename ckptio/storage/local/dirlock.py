@@ -104,16 +104,18 @@ def unlock(held: DirLock, *, failed: bool = False) -> None:
 
 
 def saving_now(path: str) -> str | None:
-    """Who holds the lock of ``path`` for a save not committed yet, as the lock file's record
-    names them ("host h, pid p, since s"), or None: no lock file or record, or its holder has
-    provably exited (a save killed before its commit). Only reads the file: the lock is never
-    taken, so no save waits for a reader."""
+    """Who holds the lock of ``path`` for a save still running, as the lock file's record names
+    them ("host h, pid p, since s"), or None: no lock file or record, its holder has exited (a
+    save killed before its commit), or it ran on another host or boot (alive or not: it cannot
+    be told from here). Only reads the file: the lock is never taken, so no save waits for a
+    reader."""
     try:
         with open(os.path.join(path, LOCK_NAME), "rb") as f:
             record = json.loads(f.read(holders.RECORD_MAX_NBYTES))
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or holders.dead(record) is not None:
+    if (not isinstance(record, dict) or record.get("host") != socket.gethostname()
+            or record.get("boot") != holders.boot_id() or holders.dead(record) is not None):
         return None
     this = " (this process)" if holders.is_me(record) else ""
     return (f"host {record.get('host')}, pid {record.get('pid')}{this}, since "
