@@ -18,7 +18,8 @@
   ``async_save``) is still running said the save "was interrupted before its commit, or is still
   running" and to "load an earlier checkpoint". It names the running save (host, pid) and what to
   wait for now (one whose process has exited is still named as interrupted); a DIR with a
-  committed checkpoint from an earlier save still loads that one.
+  committed checkpoint from an earlier save still loads that one. The same at an ``s3://``
+  prefix (a SeaweedFS server; skipped without one), from its lock object's holder.
 - torch_checkpointing steps written into a ``mem://`` tier (through ckptio.tc_storage) were not
   told apart from interrupted saves: a manager over that tier warned about "incomplete steps
   (interrupted saves)" and started fresh, and one holding an older ckptio step restored it
@@ -249,6 +250,41 @@ def test_load_from_another_process_during_an_async_save_names_the_save_to_wait_f
     after = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "first")], cwd=ROOT,
                             env=ENV, timeout=120, capture_output=True, text=True)
     assert after.stdout.strip() == "LOADED 2", after.stdout + after.stderr
+
+
+def test_on_s3_a_load_from_another_process_during_a_first_save_names_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("boto3")
+    from ckptio.storage.select import store_for
+    from ckptio.testing.faults import inject
+    from ckptio.testing.s3server import SeaweedServer, ServerError, weed_binary
+
+    try:
+        weed_binary()
+    except ServerError as exc:
+        pytest.skip(f"needs a local SeaweedFS server: {exc}")
+    with SeaweedServer(tmp_path / "weed") as server:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        url = "s3://ckpt/leftovers2/first"
+        checkpointer, opened = ckptio.Checkpointer(), threading.Event()
+        backend = inject(checkpointer, store_for(url))
+        passing = backend.submit_write
+        backend.submit_write = lambda *a, **k: opened.wait(60) and passing(*a, **k)
+        try:
+            handle = checkpointer.async_save({"w": torch.ones(4096), "step": 2}, url)
+            loaded = subprocess.run([sys.executable, "-c", _LOAD, url], cwd=ROOT,
+                                    env={**ENV, **server.env()}, timeout=120,
+                                    capture_output=True, text=True)
+            opened.set()
+            handle.wait()
+        finally:
+            opened.set()
+            checkpointer.close()
+        said = loaded.stdout.strip()
+        assert said.startswith("REFUSED IncompleteCheckpointError"), said + loaded.stderr
+        assert url in said and f"pid {os.getpid()}" in said and "is still running" in said, said
+        assert ckptio.load(url)["step"] == 2
 
 
 _KILLED_SAVE = """

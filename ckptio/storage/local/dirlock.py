@@ -114,12 +114,7 @@ def saving_now(path: str) -> str | None:
             record = json.loads(f.read(holders.RECORD_MAX_NBYTES))
     except (OSError, ValueError):
         return None
-    if (not isinstance(record, dict) or record.get("host") != socket.gethostname()
-            or record.get("boot") != holders.boot_id() or holders.dead(record) is not None):
-        return None
-    this = " (this process)" if holders.is_me(record) else ""
-    return (f"host {record.get('host')}, pid {record.get('pid')}{this}, since "
-            f"{record.get('since')}")
+    return holders.running_here(record)
 
 
 def _remove_if_empty(path: str) -> None:
