@@ -49,6 +49,7 @@ from ckptio import (
     UnsupportedStateError,
 )
 from ckptio.distributed.dist import rank_alone_group
+from ckptio.lightning_paths import RunLeases, check_path, refuse_in_fsspec
 from ckptio.lightning_rng import RNGStateCallback
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.local.local_root import is_committed
@@ -77,6 +78,7 @@ def _lightning_bases() -> list[type]:
 
 
 _BASE, *_OTHERS = _lightning_bases()
+refuse_in_fsspec()  # a dirpath of ckptio's own schemes: a CkptError saying what to pass
 
 
 class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
@@ -85,17 +87,21 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
     options: ckptio.Options of the saves and loads (staging pool, I/O; default: the defaults
         and CKPTIO_* environment). allow_pickle: store (and load back) values that are neither
         tensors nor plain Python values, pickled; only for checkpoints you trust. verify: check
-        checksums on load (default Options.verify, on).
+        checksums on load (default Options.verify, on). take_over: save into a directory whose
+        run lease another job holds (its processes linger after it ended), with a warning; by
+        default a second job saving into one directory is refused at its first save, naming
+        the first (ckptio/lightning_paths.py).
     ``checkpointer``: the ckptio.Checkpointer behind it (its staging pool is freed at teardown).
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None) -> None:
+                 verify: bool | None = None, take_over: bool = False) -> None:
         super().__init__()
         self.options = options if options is not None else Options.from_env()
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.checkpointer = Checkpointer(self.options)
+        self._leases = RunLeases(take_over)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -147,8 +153,12 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
                                  "check the directory's permissions") from None
 
     def teardown(self) -> None:
-        """Free the staging pool (the plugin stays usable: a later fit makes it again)."""
-        self.checkpointer.close()
+        """Free the staging pool and let go of the run leases (the plugin stays usable: a
+        later fit makes them again)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self._leases.release()
 
     def _prepare_save(self, path: str | os.PathLike[str], storage_options: Any) -> str:
         """The path to save into, once the save is known to be possible: no storage_options,
@@ -157,6 +167,8 @@ class CheckpointIO(_BASE):  # type: ignore[misc,valid-type]
         if storage_options is not None:
             raise CkptError(f"saving {target}: ckptio.lightning takes no storage_options; pass "
                             "ckptio.Options to the plugin (CheckpointIO(options=...)) instead")
+        check_path(target)
+        self._leases.take(target)
         if os.path.islink(target):
             try:
                 os.remove(target)
@@ -186,8 +198,8 @@ class AsyncCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, options: Options | None = None, *, allow_pickle: bool = False,
-                 verify: bool | None = None) -> None:
-        super().__init__(options, allow_pickle=allow_pickle, verify=verify)
+                 verify: bool | None = None, take_over: bool = False) -> None:
+        super().__init__(options, allow_pickle=allow_pickle, verify=verify, take_over=take_over)
         self._handle: SaveHandle | None = None
         self._removals: list[str | os.PathLike[str]] = []  # once the save in flight commits
 

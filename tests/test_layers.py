@@ -81,7 +81,8 @@ DRIVERS: tuple[tuple[str, ...], ...] = (
     ("ckptio.managing",),  # the CheckpointManager and its parts: tiers, drain, restore loop
     ("ckptio.dcp", "ckptio.export", "ckptio.export_fill", "ckptio.convert",
      "ckptio.convert_writers", "ckptio.hf_checkpoints", "ckptio.hf_trainer", "ckptio.tc_storage",
-     "ckptio.torchtitan_manager", "ckptio.lightning_rng"),  # interop drivers
+     "ckptio.torchtitan_manager", "ckptio.lightning_rng",
+     "ckptio.lightning_paths"),  # interop drivers
     ("ckptio",),  # the public surface (its __init__)
     ("ckptio.lightning", "ckptio.deepspeed_engine", "ckptio.deepspeed_guard",
      "ckptio.deepspeed_tags", "ckptio.demo",

@@ -7,7 +7,8 @@ a step across ranks first and calls ``restore_first`` for that one step.
 
 - Candidates: every step committed in some tier, newest first; each tried in the tiers holding
   it, fastest first. A step held only incomplete (an interrupted save or copy, or one running)
-  and newer than the one restored is named in the warning.
+  and newer than the one restored is named in the warning; one holding a torch_checkpointing
+  checkpoint is named as that, with its load or convert.
 - A load that finds damage (agreement.DAMAGE, on any rank) marks that copy damaged and passes on;
   so does a storage error where a slower tier holds the same step (that copy is unreadable, the
   other is at hand); any other error is raised at once (a StateMismatchError is the caller's
@@ -90,10 +91,10 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     if not found:
         raise CheckpointNotFoundError(_nothing(levels, listings, step))
     newer = incomplete(listings)
+    foreign = _foreign_paths(levels, listings) if newer else {}
     passed: list[str] = []
     for candidate, holders in found:
-        passed += [f"step {s}: incomplete: no committed {MANIFEST_NAME} (an interrupted save or "
-                   "copy, or one running)" for s in reversed(newer) if s > candidate]
+        passed += [_passed_over(s, foreign.get(s)) for s in reversed(newer) if s > candidate]
         newer = [s for s in newer if s < candidate]
         for k in holders:
             level, started = levels[k], time.perf_counter()
@@ -129,6 +130,28 @@ def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str |
     if not whys:
         return None
     return whys[0] if len(levels) == 1 else f"{_nothing(levels, listings, None)}: {'; '.join(whys)}"
+
+
+def _foreign_paths(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> dict[int, str]:
+    """The incomplete steps holding a torch_checkpointing checkpoint -> its path (the fastest
+    tier's)."""
+    found: dict[int, str] = {}
+    for level, listing in reversed(list(zip(levels, listings))):
+        for step in level.foreign(listing.get("incomplete", []), listed=True):
+            found[step] = level.path(step)
+    return found
+
+
+def _passed_over(step: int, tc_path: str | None) -> str:
+    """Why the newer incomplete ``step`` was not restored (``tc_path``: where it holds a
+    torch_checkpointing checkpoint)."""
+    if tc_path is None:
+        return (f"step {step}: incomplete: no committed {MANIFEST_NAME} (an interrupted save or "
+                "copy, or one running)")
+    return (f"step {step}: {tc_path} holds a torch_checkpointing checkpoint, not a ckptio save "
+            f"(no {MANIFEST_NAME}), which a manager does not restore; to resume from it, load "
+            f"it with ckptio.load({tc_path!r}, state), or convert it once (python -m ckptio "
+            f"convert {tc_path} NEWRUN/{os.path.basename(tc_path)}) and restore from there")
 
 
 def _foreign(level: TierSteps, listing: Listing, *, alone: bool) -> str | None:

@@ -8,6 +8,7 @@ here: the same host and the same boot, and no process with that pid (or one star
 time). A holder on another host, from before a reboot of this one with no boot id, or whose
 record lacks a field, is never called dead: the lock's lease decides (storage/s3/lock.py).
 
+``running_here(holder)``: the holder named, when it is provably alive (this host and boot).
 Also this process's host id (``host_id``: what tells the ranks of one host from another's).
 
 Owns: the holder record and the proof of death, the host id. Does not own: the locks (local/dirlock.py, s3/lock.py).
@@ -21,7 +22,7 @@ import time
 from typing import Any
 
 __all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "alive", "boot_id", "dead", "host_id", "is_me",
-           "me", "started"]
+           "me", "running_here", "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 HOST_ID_ENV = "CKPTIO_HOST_ID"
@@ -114,3 +115,14 @@ def dead(holder: dict[str, Any] | None) -> str | None:
     if isinstance(start, int) and now is not None and now != start:
         return f"{where} has exited (its pid now belongs to another process)"
     return None
+
+
+def running_here(holder: Any) -> str | None:
+    """``holder`` (a record me() made, read back) as "host h, pid p, since s" when it is a
+    process alive on this host and boot (this one included), else None: gone, or on another
+    host or boot, where whether it runs cannot be told from here."""
+    if (not isinstance(holder, dict) or holder.get("host") != socket.gethostname()
+            or holder.get("boot") != boot_id() or dead(holder) is not None):
+        return None
+    this = " (this process)" if is_me(holder) else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{this}, since {holder.get('since')}"

@@ -197,11 +197,13 @@ def unreached(what: str, endpoint: str, tried: str, *, cloud: str | None,
 
 
 def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable[[str], bool],
-                  child: Callable[[str], str], endpoint: str, noun: str) -> CkptError:
+                  child: Callable[[str], str], endpoint: str, noun: str,
+                  saving: str | None = None) -> CkptError:
     """Why ``location`` (object name ``name`` under its bucket or container) holds no manifest:
     an ``noun`` (object, blob) rather than a prefix, nothing under it, or ``entries`` (the
     names directly under it) that look like a run's steps or something else. ``exists(name)``
-    asks the service; ``child(rel)`` is the object name of ``rel`` under the prefix."""
+    asks the service; ``child(rel)`` is the object name of ``rel`` under the prefix;
+    ``saving``: the holder of its lock, a save still running (missing_manifest.no_manifest)."""
     if not entries:
         if name and exists(name):
             return CheckpointNotFoundError(
@@ -210,7 +212,8 @@ def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable
         return CheckpointNotFoundError(f"no checkpoint at {location}: nothing is stored under "
                                        f"that prefix at {endpoint}")
     return missing_manifest.no_manifest(location, entries,
-                                        lambda step: exists(child(f"{step}/{MANIFEST_NAME}")))
+                                        lambda step: exists(child(f"{step}/{MANIFEST_NAME}")),
+                                        saving=saving)
 
 
 class MarkedSteps:

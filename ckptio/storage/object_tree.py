@@ -17,12 +17,15 @@ and URLs (each scheme's client), the data path (each scheme's backend), the lock
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.storage.files import Capabilities
+from ckptio.storage.holder import RECORD_MAX_NBYTES, running_here
+from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockClaim, lost_commit, no_checkpoint
 from ckptio.storage.store_contract import (
     Exclusive,
@@ -170,10 +173,20 @@ class ObjectTreeStore:
         manifest = self._manifest_or_none()
         if manifest is not None:
             return manifest
-        raise no_checkpoint(self.location, self.entries(), self.where.key,
+        entries = self.entries()
+        raise no_checkpoint(self.location, entries, self.where.key,
                             lambda key: self.bucket.head(key) is not None,
                             lambda rel: self.where.child(rel).key, self._endpoint(),
-                            self.bucket.noun)
+                            self.bucket.noun, self._saving() if LOCK_NAME in entries else None)
+
+    def _saving(self) -> str | None:
+        """The holder its lock object names, when a save by a process alive on this host
+        (holder.running_here); None otherwise or when it cannot be read."""
+        try:
+            body = self.bucket.get(self.where.child(LOCK_NAME).key, 0, RECORD_MAX_NBYTES)
+            return running_here(json.loads(body or b"null"))
+        except (CkptError, ValueError):
+            return None
 
     def _endpoint(self) -> str:
         return str(self.settings.endpoint())

@@ -218,6 +218,7 @@ def test_save_at_a_symlink_replaces_the_link_not_its_target(tmp_path: Path) -> N
     io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / ".deleting-epoch=9.ckpt-0123abcd")
     io.remove_checkpoint(tmp_path / "last.ckpt")
     io.remove_checkpoint(tmp_path / "gone.ckpt")  # nothing there: nothing to do
+    io.teardown()  # lets go of the run lease of tmp_path, taken at the first save
     assert os.listdir(tmp_path) == ["epoch=0.ckpt"]
     with pytest.raises(ckptio.UnsupportedPathError, match="nope://b/epoch=0.ckpt"):
         io.remove_checkpoint("nope://b/epoch=0.ckpt")  # s3:// ones: tests/s3/test_rt_plugins_s3
@@ -277,8 +278,8 @@ def test_async_removing_the_path_in_flight_waits_for_its_save(tmp_path: Path) ->
     threading.Timer(0.3, gate.opened.set).start()
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert gate.opened.is_set() and io.in_flight() is None
-    assert os.listdir(tmp_path) == []  # removed, nothing hidden left behind
     io.teardown()  # the save committed before its removal: no error to raise
+    assert os.listdir(tmp_path) == []  # removed, nothing hidden left behind (nor the lease)
 
 def test_async_failed_save_is_raised_once_by_the_next_save_and_at_teardown(
         tmp_path: Path) -> None:

@@ -232,7 +232,8 @@ class LocalStore:
         return missing_manifest.no_manifest(
             self.location, names,
             lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),
-            lambda name: holds_tc(os.path.join(self.directory, name)))
+            lambda name: holds_tc(os.path.join(self.directory, name)),
+            dirlock.saving_now(self.directory))
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}
