@@ -148,12 +148,17 @@ class Options:
         (warned). The committed manifest, likewise, is read (and its data files checked) by
         one rank and sent to the others. False: every rank reads all it needs. Give every rank
         the same value.
-    io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit) makes no progress
+    io_stall_warn_s: a save whose local I/O (a write, an fsync, the commit), or a load or
+        restore whose reads (the manifest's, an open, a data file's read) make no progress
         for this many seconds is said: a warning on the ``ckptio`` logger naming the rank, the
-        file and the seconds waited, repeated every io_stall_warn_s while it lasts (a hung NFS
-        or Lustre server, a dying disk: the call is in the kernel and cannot be cancelled).
+        file and the seconds waited, repeated every io_stall_warn_s while it lasts, and one
+        line when it goes on (a hung NFS or Lustre server, a FUSE file system that stopped
+        answering, a dying disk: the call is in the kernel and cannot be cancelled).
         The save keeps waiting: ``wait(timeout=...)`` and ``close(timeout=...)`` stop waiting
-        for it. 0: never warned.
+        for it. A load keeps waiting too, and fills the state once the read returns: it has
+        no give-up (a read blocked in the kernel would write into its buffer later). An
+        object store's load is bounded by s3_retry_deadline_s instead (a CkptError naming
+        the object). 0: never warned.
     For ``s3://bucket/prefix`` paths (``pip install boto3``); left at None, each comes
     the way AWS tools take it (AWS_ENDPOINT_URL(_S3), AWS_REGION, AWS_PROFILE, ~/.aws/config,
     the standard credential chain):

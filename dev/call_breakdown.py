@@ -30,7 +30,7 @@ PARTS = [
     ("    lazy_order", "saving/handle.py", "lazy_order"),
     ("    plan_files", "planning/layout.py", "plan_files"),
     ("    ready_events", "saving/persist.py", "ready_events"),
-    ("  stall.watched", "saving/stall.py", "watched"),
+    ("  stall.watched", "io/stall.py", "watched"),
     ("  thread start (Thread.start)", "threading.py", "start"),
     ("  queued on the save thread (Calls.submit)", "io/worker.py", "submit"),
     ("  SaveJob.__init__ (caller side)", "saving/persist.py", "__init__"),

@@ -1,6 +1,6 @@
 """One background thread that runs an owner's jobs one at a time: what the drain
 (managing/drain.py), the protection (redundancy/protect.py), the saves' stall watch
-(saving/stall.py) and a Checkpointer's save threads (``Calls``, saving/workers.py) are built on.
+(io/stall.py) and a Checkpointer's save threads (``Calls``, saving/workers.py) are built on.
 
 Call order: the owner makes ``Worker(name, jobs)``; ``wake()`` after it queued work (under
 ``lock`` or not), which starts the thread on first use; the thread asks ``jobs.take()`` (under

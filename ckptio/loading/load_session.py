@@ -10,7 +10,9 @@
               state (fill.py), each region read in one coalesced, checksummed pass (read.py)
 
 Every byte goes through the store's files (storage/files.StoreFiles) and the staging pool the
-driver lends (storage/files.IOResources), under its lock.
+driver lends (storage/files.IOResources), under its lock. One Activity (io/stall.py) watches a
+load's manifest read, opens and reads from start to end: a read storage does not answer for
+Options.io_stall_warn_s is warned about on the ``ckptio`` logger, naming the rank and the file.
 
 Owns: the order of one load's steps, the read functions over the borrowed staging (verified
 or not), verify's pass over every byte. Does not own: the pool's lifetime (ckptio/resources.py),
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
+from ckptio.io import stall
 from ckptio.loading import dcpdir, foreign_common, opening, resolve_regular
 from ckptio.loading import read as reading
 from ckptio.loading.fill import fill_fresh, fill_in_place
@@ -91,13 +94,15 @@ class LoadRequest:
 
 
 def read_fn(resources: IOResources, store: Store, record: Manifest | None = None, *,
-            verify: bool = False, probe: bool = False) -> ReadWith:
+            verify: bool = False, probe: bool = False,
+            activity: stall.Activity | None = None) -> ReadWith:
     """Fill Reads through ``staging``'s pool and ``store``'s files, under its lock: checked
     against ``record``'s checksums when ``verify``, else plain (the caller checks what it
     reads; a foreign checkpoint's "block" is its whole entry). The DCP items of ``record``
     that the reads need and that are not opened yet are opened first (dcpdir.resolve_reads).
     ``probe``: the reads open a foreign format (its metadata, a DCP item's head and tail), and
-    read through no gap on a local file system (layout.read_gap)."""
+    read through no gap on a local file system (layout.read_gap). ``activity``: the load's,
+    watching every open and read (None: each call watched on its own)."""
     algorithm = stored_algorithm(record.checksum_algorithm) if verify and record else None
     if record is None:  # reading a foreign format's own metadata
         block_nbytes = foreign_common.BLOCK_NBYTES
@@ -106,24 +111,46 @@ def read_fn(resources: IOResources, store: Store, record: Manifest | None = None
 
     bases = _bases(resources, store, record)
     opens = record is not None and dcpdir.has_pending(record)
-    items = read_fn(resources, store, probe=True) if opens else None
+    items = read_fn(resources, store, probe=True, activity=activity) if opens else None
     can = store.capabilities
     gap = read_gap(probe=probe, direct_io=can.direct_io, remote=can.remote)
 
     def read(reads: list[Read], known: Known | None = None) -> int:
         if items is not None:
             reads = dcpdir.resolve_reads(store, items, reads)
-        with resources.lock:
+        with resources.lock, watching(resources, store, activity) as watch:
             # a pool made now is not pre-faulted: a buffer's pages fault in as the backend pins
             # it at its first read (resources.files), or by that read (docs/BENCH_RESTART.md)
             pool, files = resources.files(store, _staged_nbytes(reads), copy_faults=True,
                                           reading=True)
+            files = files.watched(watch)
             with _entry_reader(files, record, algorithm, bases, resources) as coded:
                 return reading.read_regions(files, reads, pool=pool, algorithm=algorithm,
                                             block_nbytes=block_nbytes, depth=resources.io_depth,
                                             coded=coded, known=known, max_gap=gap)
 
     return read
+
+
+@contextlib.contextmanager
+def watching(resources: IOResources, store: Store, activity: stall.Activity | None = None,
+             rank: int | None = None) -> Iterator[stall.Activity]:
+    """``activity``, or a load's own Activity on ``store`` watched until the block ends
+    (``rank``: the one its warnings name; None: this process's rank, or 0 without peers)."""
+    if activity is not None:
+        yield activity
+        return
+    own = stall.watched(store.location, _rank() if rank is None else rank,
+                        resources.options.io_stall_warn_s, load=True)
+    try:
+        yield own
+    finally:
+        own.finish()
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _staged_nbytes(reads: list[Read]) -> int:
@@ -152,73 +179,82 @@ def _entry_reader(files: StoreFiles, record: Manifest | None, algorithm: str | N
 
 
 def _open_items(resources: IOResources, store: Store, record: Manifest,
-                reads: Sequence[Read]) -> list[Read]:
+                reads: Sequence[Read], activity: stall.Activity | None = None) -> list[Read]:
     """``reads`` with the DCP items of ``record`` they need opened now (dcpdir.resolve_reads);
     reads of anything else as they are."""
     if not dcpdir.has_pending(record):
         return list(reads)
-    return dcpdir.resolve_reads(store, read_fn(resources, store, probe=True), reads)
+    probe = read_fn(resources, store, probe=True, activity=activity)
+    return dcpdir.resolve_reads(store, probe, reads)
 
 
 def open_checkpoint(resources: IOResources, store: Store, file: str | None, *, allow_pickle: bool,
                     every_chunk: bool = True, every_item: bool = True,
-                    shared: SharedManifest | None = None) -> Opened:
+                    shared: SharedManifest | None = None,
+                    activity: stall.Activity | None = None) -> Opened:
     """The manifest of the checkpoint in ``store`` (or of its ``file``), whatever its format.
     ``every_chunk``: a row for every chunk of its regular tensors too (their index files
     read); else a load resolves the ones it needs. ``every_item``: a DCP directory's tensor
     items opened (heads read and checked); else each read opens those it needs (dcpdir.py).
-    ``shared``: with peers, a committed manifest read by one rank (skipped for a ``file``)."""
-    plain = read_fn(resources, store)
-    if shared is not None and file is not None:
-        shared.skip()
-        shared = None
-    probe = read_fn(resources, store, probe=True)  # a foreign format's framing
-    record = opening.open_manifest(store, file, probe, allow_pickle=allow_pickle,
-                                   every_item=every_item, shared=shared)
-    return Opened(store, file, resolve_regular.expand_all(record, plain) if every_chunk else record)
+    ``shared``: with peers, a committed manifest read by one rank (skipped for a ``file``).
+    ``activity``: the load's (read_fn), watching the manifest's read too."""
+    with watching(resources, store, activity) as watch:
+        plain = read_fn(resources, store, activity=watch)
+        if shared is not None and file is not None:
+            shared.skip()
+            shared = None
+        probe = read_fn(resources, store, probe=True, activity=watch)  # a foreign format's framing
+        record = opening.open_manifest(store, file, probe, allow_pickle=allow_pickle,
+                                       every_item=every_item, shared=shared, activity=watch)
+        if every_chunk:
+            record = resolve_regular.expand_all(record, plain)
+    return Opened(store, file, record)
 
 
 def load(resources: IOResources, store: Store, file: str | None, state: Any,
          request: LoadRequest) -> Any:
-    """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None)."""
-    try:
-        # one rank opens a DCP directory's items at the open (a 1-rank load needs them all, and
-        # opening them later was slower: docs/BENCH_INTEROP.md, "each rank opens only the
-        # items it needs"); a rank of
-        # many opens those its reads need (dcpdir.py)
-        opened = open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
-                                 every_chunk=False, every_item=request.world_size == 1,
-                                 shared=request.shared_manifest)
-    except PickleRefusedError:
-        if file is None or not request.allow_pickle:
-            raise
-        return _trusted_torch_load(store, file, state)
-    record, plain = opened.record, read_fn(resources, store)
-    _check_piece(record, store.location)
-    _stage_early(resources, store, record, request)
-    read = read_fn(resources, store, record, verify=request.verify)
-    record = expand_torch_save(record, read, where=store.location,
-                               allow_pickle=request.allow_pickle)
-    select = selector(request.keys)
-    if state is None:  # whole tensors: every chunk of the regular keys asked for
-        record = resolve_regular.expand(record, {r.key: None for r in record.regular
-                                                 if select(r.key)}, plain)
-        return fill_fresh(record, read, keys=request.keys, allow_pickle=request.allow_pickle,
-                          rank=request.rank, world_size=request.world_size,
-                          per_rank_from=request.per_rank_from)
-    flat = flatten(state)
-    if record.regular:  # only the chunks this state's regions need, and their index files
-        record = resolve_regular.expand(
-            record, resolve_regular.wanted_in_place(record, flat, select), plain)
-    try:
-        return fill_in_place(record, flat, _shared(read, resources, store, record, request),
-                             request.rules(), allow_pickle=request.allow_pickle)
-    except StateMismatchError as exc:  # which checkpoint (a manager's restore names no path)
-        raise StateMismatchError(f"{store.location}: {exc}") from None
+    """Load the checkpoint into ``state`` in place (-> LoadReport), or a fresh state (None);
+    its I/O watched from start to end (io/stall.py). (One frame from fill_in_place to the
+    caller: its warnings' stacklevel counts them.)"""
+    with watching(resources, store, rank=request.rank) as activity:
+        try:
+            # one rank opens a DCP directory's items at the open (a 1-rank load needs them
+            # all, and opening them later was slower: docs/BENCH_INTEROP.md, "each rank opens
+            # only the items it needs"); a rank of many opens those its reads need (dcpdir.py)
+            opened = open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
+                                     every_chunk=False, every_item=request.world_size == 1,
+                                     shared=request.shared_manifest, activity=activity)
+        except PickleRefusedError:
+            if file is None or not request.allow_pickle:
+                raise
+            return _trusted_torch_load(store, file, state)
+        record, plain = opened.record, read_fn(resources, store, activity=activity)
+        _check_piece(record, store.location)
+        _stage_early(resources, store, record, request)
+        read = read_fn(resources, store, record, verify=request.verify, activity=activity)
+        record = expand_torch_save(record, read, where=store.location,
+                                   allow_pickle=request.allow_pickle)
+        select = selector(request.keys)
+        if state is None:  # whole tensors: every chunk of the regular keys asked for
+            record = resolve_regular.expand(record, {r.key: None for r in record.regular
+                                                     if select(r.key)}, plain)
+            return fill_fresh(record, read, keys=request.keys,
+                              allow_pickle=request.allow_pickle, rank=request.rank,
+                              world_size=request.world_size, per_rank_from=request.per_rank_from)
+        flat = flatten(state)
+        if record.regular:  # only the chunks this state's regions need, and their index files
+            record = resolve_regular.expand(
+                record, resolve_regular.wanted_in_place(record, flat, select), plain)
+        try:
+            return fill_in_place(record, flat,
+                                 _shared(read, resources, store, record, request, activity),
+                                 request.rules(), allow_pickle=request.allow_pickle)
+        except StateMismatchError as exc:  # which checkpoint (a restore names no path)
+            raise StateMismatchError(f"{store.location}: {exc}") from None
 
 
 def _shared(read: ReadWith, resources: IOResources, store: Store, record: Manifest,
-            request: LoadRequest) -> ReadFn:
+            request: LoadRequest, activity: stall.Activity) -> ReadFn:
     """``read``, or with peers the read step that shares replicated entries between ranks (a
     DCP directory's items opened first: what is shared is named by where its data lies and
     checked against its CRC-32)."""
@@ -227,7 +263,7 @@ def _shared(read: ReadWith, resources: IOResources, store: Store, record: Manife
         return read
     place = ReadPlace(store.location, record.checksum_algorithm, record.block_nbytes,
                       request.verify, in_memory(store), store.path_of)
-    return lambda reads: step(_open_items(resources, store, record, reads), read, place)
+    return lambda reads: step(_open_items(resources, store, record, reads, activity), read, place)
 
 
 def _check_piece(record: Manifest, where: str) -> None:
@@ -302,8 +338,9 @@ def verify(resources: IOResources, opened: Opened,
     algorithm = stored_algorithm(record.checksum_algorithm)
     bases = _bases(resources, opened.store, record)
     nbytes = 0
-    with resources.lock:
+    with resources.lock, watching(resources, opened.store) as activity:
         pool, files = resources.files(opened.store)
+        files = files.watched(activity)
         with _entry_reader(files, record, algorithm, bases, resources) as coded:
             for batch in _batches(reads, VERIFY_BATCH_NBYTES) if progress else [reads]:
                 done = reading.read_regions(files, batch, pool=pool, algorithm=algorithm,

@@ -13,11 +13,13 @@ the store's files), decoding any format (format/, loading/), or loading into a s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from ckptio.errors import CheckpointNotFoundError
 from ckptio.format import manifest
 from ckptio.format.types import Manifest, Read
+from ckptio.io.stall import Activity
 from ckptio.loading import dcpdir, foreign_common, safetensors_manifest, tcdir, torchsave_manifest
 from ckptio.storage import steps
 from ckptio.storage.store_contract import Store
@@ -32,18 +34,20 @@ ShareManifest = Callable[[Callable[[], bytes]], bytes | None]
 
 def open_manifest(store: Store, file: str | None, read: ReadFn, *,
                   allow_pickle: bool, every_item: bool = True,
-                  shared: ShareManifest | None = None) -> Manifest:
+                  shared: ShareManifest | None = None,
+                  activity: Activity | None = None) -> Manifest:
     """The committed manifest of ``store``; for a DCP checkpoint (a ``.metadata``, no
     manifest) the Manifest loading/dcpdir.py makes of it (``every_item`` False: its tensor
     items left to be opened where a read needs them), for a torch.save ``file`` in it the
     one loading/torchsave_manifest.py makes, for a torch_checkpointing directory
     loading/tcdir.py's, and for a safetensors file or a Hugging Face folder (an
     index or model.safetensors) loading/safetensors_manifest.py's. ``read`` fills unverified Reads.
-    ``shared``: the committed manifest as one rank read it (``committed``)."""
+    ``shared``: the committed manifest as one rank read it (``committed``). ``activity``: the
+    load's (io/stall.py), watching the committed manifest's read."""
     hf = file is not None and safetensors_manifest.is_safetensors_name(file)
     if file is None:
         try:
-            return committed(store, shared)
+            return committed(store, shared, activity)
         except CheckpointNotFoundError:
             hf = not foreign_common.holds_dcp(store)
             if hf and tcdir.holds_tc(store):
@@ -59,18 +63,20 @@ def open_manifest(store: Store, file: str | None, read: ReadFn, *,
     return record
 
 
-def committed(store: Store, shared: ShareManifest | None = None) -> Manifest:
+def committed(store: Store, shared: ShareManifest | None = None,
+              activity: Activity | None = None) -> Manifest:
     """The committed manifest of ``store``, decoded, its inline values checked, and every
     data file it names there and long enough (what every read relies on). ``shared``: read
     and its files checked by the rank that produces it; the others decode its bytes (one
-    rank's reads of the manifest and of its data files' sizes, not every rank's)."""
+    rank's reads of the manifest and of its data files' sizes, not every rank's).
+    ``activity``: where those reads are watched (io/stall.py)."""
     where = store.path_of(manifest.MANIFEST_NAME)
     if shared is None:
-        return _checked(store, where)[1]
+        return _checked(store, where, activity)[1]
     mine: list[Manifest] = []
 
     def produce() -> bytes:
-        raw, record = _checked(store, where)
+        raw, record = _checked(store, where, activity)
         mine.append(record)
         return raw
 
@@ -78,15 +84,22 @@ def committed(store: Store, shared: ShareManifest | None = None) -> Manifest:
     if mine:
         return mine[0]
     if raw is None:
-        return _checked(store, where)[1]
+        return _checked(store, where, activity)[1]
     record = manifest.decode(raw, where)
     manifest.check_values(record, where)
     return record
 
 
-def _checked(store: Store, where: str) -> tuple[bytes, Manifest]:
-    raw = store.read_manifest()
+def _checked(store: Store, where: str, activity: Activity | None) -> tuple[bytes, Manifest]:
+    with _call(activity, "read", where):
+        raw = store.read_manifest()
     record = manifest.decode(raw, where)
     manifest.check_values(record, where)
-    steps.check_files(store, record)
+    with _call(activity, "size check", f"the data files of {store.location}"):
+        steps.check_files(store, record)
     return raw, record
+
+
+def _call(activity: Activity | None, what: str,
+          file: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if activity is None else activity.call(what, file)

@@ -36,7 +36,7 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import Manifest, TensorEntry
 from ckptio.loading import dcpdir, load_session
 from ckptio.loading.checks import Checker
-from ckptio.saving import stall
+from ckptio.io import stall
 from ckptio.storage import steps
 from ckptio.storage.files import IOResources, StoreFiles
 from ckptio.storage.store_contract import Store, new_save_id
@@ -77,8 +77,9 @@ def copy_checkpoint(resources: IOResources, source: Store, target: Store,
 def _copy_files(resources: IOResources, source: Store, target: Store, record: Manifest,
                 files: dict[str, int], manifest: bytes, pace: Pace | None,
                 activity: stall.Activity) -> None:
-    """copy_checkpoint's files and commit, their writes, fsyncs and commit watched (a copy
-    hung in the target's storage is warned about as a save's is: saving/stall.py)."""
+    """copy_checkpoint's files and commit, their reads, writes, fsyncs and commit watched (a
+    copy hung in the source's or the target's storage is warned about as a save's is:
+    io/stall.py)."""
     names = list(files)
     with steps.attempt(target, names):
         held = target.exclusive("raise")
@@ -90,6 +91,7 @@ def _copy_files(resources: IOResources, source: Store, target: Store, record: Ma
                                      f"interrupted copy left: {', '.join(leftovers)}")
             with resources.lock:
                 _pool, reader = resources.files(source)
+                reader = reader.watched(activity)  # a hung read of the source is said too
                 pool, writer = resources.files(target)
                 if pool is not _pool:  # a staging that remakes its pool per store cannot copy
                     raise CkptError("copy_checkpoint: the staging made another pool for "

@@ -32,7 +32,7 @@ from ckptio.format.types import WriteItem
 from ckptio.planning.sharding import local_tensor
 from ckptio.saving.handover import Handover
 from ckptio.saving.persist import Progress
-from ckptio.saving.stall import Activity
+from ckptio.io.stall import Activity
 
 __all__ = ["HandleControl", "SaveHandle", "SaveResult", "after_step_tensors", "check_unchanged",
            "lazy_order", "lazy_versions", "skipped_handle"]

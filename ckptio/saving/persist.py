@@ -39,7 +39,7 @@ from ckptio.saving.capture_window import Piece, Window
 from ckptio.saving.copy_streams import on_streams, ready_events, record_events, side_streams
 from ckptio.saving.mapped_regions import MappedTarget
 from ckptio.saving.packing import Packer, Where
-from ckptio.saving.stall import Activity
+from ckptio.io.stall import Activity
 from ckptio.storage.files import StoreFiles
 
 __all__ = ["Progress", "SaveJob"]

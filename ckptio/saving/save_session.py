@@ -46,7 +46,8 @@ from ckptio.format.manifest import MANIFEST_NAME
 from ckptio.format.types import FileLayout, Manifest, Written
 from ckptio.planning.layout import plan_files
 from ckptio.planning.plan import PlanCache, SavePlan, build_plan
-from ckptio.saving import copy_streams, persist, stall
+from ckptio.io import stall
+from ckptio.saving import copy_streams, persist
 from ckptio.saving.handle import (
     HandleControl,
     SaveHandle,

@@ -191,7 +191,7 @@ class EntryReader:
         with self._lock:
             files = self._base_files.get(base.name)
             if files is None:
-                files = self._base_files[base.name] = StoreFiles(base.store, self.files.backend)
+                files = self._base_files[base.name] = self.files.beside(base.store)
         label = f"base checkpoint {base.name}"
         return files, base.entry_for(entry, self.files.location), label
 

@@ -16,12 +16,17 @@ whether it lies across a network (tuning/profile.py).
 A driver may hold several backends at once (one per ``Store.backend_kind``): a drain reads one
 store and writes another with the same pool.
 
-Owns: the binding, the IOResources protocol. Does not own: what a backend
+A load's StoreFiles is ``watched`` by its Activity (io/stall.py): each open and each read is a
+call in flight from its submission to its completion, so a read that storage never answers is
+warned about as a save's write is.
+
+Owns: the binding, the IOResources protocol, which reads and opens a watched one reports. Does not own: what a backend
 does (io/), the names a store holds (store_contract.py), the pool (io/stage.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import BatchReads, FileHandle, Filled, IOBackend, all_of
+from ckptio.io.stall import Activity
 from ckptio.storage.local import slots
 from ckptio.storage.local.mapped import MappedFile, Mappings, on_tmpfs
 from ckptio.storage.store_contract import Capabilities, Store
@@ -41,10 +47,20 @@ __all__ = ["Capabilities", "IOResources", "StoreFiles", "in_memory", "mappable",
 
 
 class StoreFiles:
-    """One store's files through one backend (the caller owns the backend's lifetime)."""
+    """One store's files through one backend (the caller owns the backend's lifetime);
+    ``activity``: where its opens and reads are watched (io/stall.py), or None."""
 
-    def __init__(self, store: Store, backend: IOBackend) -> None:
-        self.store, self.backend = store, backend
+    def __init__(self, store: Store, backend: IOBackend, activity: Activity | None = None) -> None:
+        self.store, self.backend, self.activity = store, backend, activity
+
+    def watched(self, activity: Activity) -> StoreFiles:
+        """These files, their opens and reads watched by ``activity`` (a load's)."""
+        return StoreFiles(self.store, self.backend, activity)
+
+    def beside(self, store: Store) -> StoreFiles:
+        """``store``'s files through the same backend, watched by the same activity (a delta's
+        base checkpoint, read by the load of the delta)."""
+        return StoreFiles(store, self.backend, self.activity)
 
     @property
     def location(self) -> str:
@@ -62,7 +78,29 @@ class StoreFiles:
         """Open file ``name`` for reading; ``cached``: through the page cache (IOBackend;
         passed only when asked, so a backend written before it existed still opens reads)."""
         path = self.store.path_of(name)
-        return self.backend.open_read(path, cached=True) if cached else self.backend.open_read(path)
+        with self._call("open", path):
+            if cached:
+                return self.backend.open_read(path, cached=True)
+            return self.backend.open_read(path)
+
+    def _call(self, what: str, path: str) -> contextlib.AbstractContextManager[None]:
+        if self.activity is None:
+            return contextlib.nullcontext()
+        return self.activity.call(what, path)
+
+    def _watched(self, fh: FileHandle, submit: Callable[[], Future[int]]) -> Future[int]:
+        """``submit()``'s read, in flight in the activity until its future is done."""
+        activity = self.activity
+        if activity is None:
+            return submit()
+        token = activity.begin("read", fh.path)
+        try:
+            future = submit()
+        except BaseException:
+            activity.end(token)
+            raise
+        future.add_done_callback(lambda _f: activity.end(token))
+        return future
 
     def in_memory(self) -> bool:
         """Whether the store's files are pages of host memory (``in_memory``)."""
@@ -96,17 +134,18 @@ class StoreFiles:
         return self.backend.submit_write(fh, offset, data)
 
     def submit_read(self, fh: FileHandle, offset: int, into: memoryview) -> Future[int]:
-        return self.backend.submit_read(fh, offset, into)
+        return self._watched(fh, lambda: self.backend.submit_read(fh, offset, into))
 
     def submit_reads(self, fh: FileHandle, reads: Sequence[tuple[int, memoryview]],
                      each: Filled) -> Future[int]:
         """backend_contract.BatchReads.submit_reads through the backend where it has it, else
         one submit_read per read, ``each`` called once per read as it completes."""
-        if isinstance(self.backend, BatchReads):
-            return self.backend.submit_reads(fh, reads, each)
+        backend = self.backend
+        if isinstance(backend, BatchReads):
+            return self._watched(fh, lambda: backend.submit_reads(fh, reads, each))
         futures = []
         for i, (offset, into) in enumerate(reads):
-            future = self.backend.submit_read(fh, offset, into)
+            future = self.submit_read(fh, offset, into)
             futures.append(_then(future, _last_call(each, i)))
         return all_of(futures)
 

@@ -1,0 +1,270 @@
+"""A load or restore whose storage stops answering, faults from outside the process: a FUSE file
+system (ckptio.testing.faultfs) whose read (or the manifest's) blocks in the kernel under
+ckptio.load and CheckpointManager.restore, and a fault proxy (ckptio.testing.s3proxy) that
+black-holes the data GETs of a load or restore from S3.
+
+What each test checks: a stalled read is warned about on the ``ckptio`` logger as a save's
+write is (the rank, the file, the seconds; repeated while it lasts, one line when it goes on)
+within a bounded time of Options.io_stall_warn_s, and the load then completes bit for bit; a
+black-holed GET ends in a CkptError within the retry deadline and a slack, naming the object
+and the setting to raise, with no older step restored in its place.
+
+The FUSE tests are skipped only where /dev/fuse is unusable, the S3 ones where boto3 or the
+``weed`` binary is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.testing.faultfs import FaultFS, fuse_unusable
+from ckptio.testing.s3proxy import FaultProxy
+
+from s3.conftest import s3_env, s3_live, s3_proxy, s3_server  # noqa: F401 - the S3 fixtures
+from s3.test_silent_s3 import DEADLINE_S, SLACK_S
+
+fuse = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
+
+WARN_S = 0.2  # Options.io_stall_warn_s of these loads
+BOUND_S = 10.0  # a warning, or a load once released, that takes longer is a bug
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[FaultFS]:
+    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
+        yield mounted
+
+
+def _state(value: float, n: int = 4096) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(float(n)) + value, "b": torch.full((16,), value)}
+
+
+def _zeros(n: int = 4096) -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(n), "b": torch.zeros(16)}
+
+
+def _assert_state(got: dict[str, torch.Tensor], value: float, n: int = 4096) -> None:
+    want = _state(value, n)
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def _said(caplog: pytest.LogCaptureFixture, words: str, count: int = 1) -> list[str]:
+    """The ``ckptio`` warnings holding ``words``, once there are ``count`` (or BOUND_S passed)."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        said = [r.getMessage() for r in caplog.records
+                if r.name == "ckptio" and words in r.getMessage()]
+        if len(said) >= count or time.monotonic() > deadline:
+            return said
+        time.sleep(0.02)
+
+
+class _Behind:
+    """``call()`` on a thread of its own: its result or error, once it returns."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self.result = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test, which raises it
+            self.error = exc
+
+    def joined(self) -> Any:
+        self.thread.join(BOUND_S)
+        assert not self.thread.is_alive(), "the load did not finish once its read was released"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _stalled_then_released(fs: FaultFS, caplog: pytest.LogCaptureFixture, behind: _Behind,
+                           file: str, location: str) -> None:
+    """While ``behind``'s load waits on the stalled read of ``file``: warned about within a
+    bounded time, naming the rank, the load's location, the file and the seconds, again while
+    it lasts; then released, one line says the load goes on."""
+    try:
+        assert fs.wait_stalled(BOUND_S).endswith(file)
+        began = time.monotonic()
+        said = _said(caplog, "has made no progress", count=2)
+        assert len(said) >= 2, f"no repeated stall warning within {BOUND_S} s: {said}"
+        assert time.monotonic() - began < BOUND_S
+        first = said[0]
+        assert first.startswith(f"ckptio: rank 0: the load from {location} has made no "
+                                "progress for "), first
+        assert f"the read of {location}/{file} has not returned" in first, first
+        assert f"Options.io_stall_warn_s={WARN_S:g}" in first, first
+        assert behind.thread.is_alive()  # it waits: nothing is given up, nothing half-filled
+    finally:  # (a failed check lets the load go on too: the test fails, it does not hang)
+        fs.release()
+    went_on = _said(caplog, "goes on")
+    assert went_on and went_on[0].startswith(f"ckptio: rank 0: the load from {location} goes "
+                                             "on (its I/O had made no progress for "), went_on
+
+
+# ------------------------------------------------------------------------------ ckptio.load
+
+
+@fuse
+@pytest.mark.parametrize("file", ["data", "manifest"])
+def test_a_load_whose_read_hangs_is_warned_about_naming_the_file_then_completes_bitwise(
+        fs: FaultFS, caplog: pytest.LogCaptureFixture, file: str) -> None:
+    """ckptio.load from the mount, its data file's read (or the manifest's) blocked in the
+    kernel: a warning within a bounded time naming rank 0, the checkpoint, the file and the
+    seconds, repeated while it lasts (before: nothing said, however long); released, the load
+    completes bit for bit and one line says it went on."""
+    caplog.set_level("WARNING", logger="ckptio")
+    path = fs.mountpoint / "ck"
+    ckptio.save(_state(1.0), path)
+    name = "manifest.json" if file == "manifest" else next(
+        p.name for p in path.iterdir() if p.name.startswith("data-"))
+    fs.stall("read", f"^/ck/{name}$")
+    state = _zeros()
+    options = ckptio.Options(io_stall_warn_s=WARN_S)
+    behind = _Behind(lambda: ckptio.load(path, state, options=options))
+    _stalled_then_released(fs, caplog, behind, name, str(path))
+    assert set(behind.joined().loaded) == {"w", "b"}
+    _assert_state(state, 1.0)
+
+
+@fuse
+def test_a_load_with_no_stall_and_warnings_off_says_nothing(
+        fs: FaultFS, caplog: pytest.LogCaptureFixture) -> None:
+    """A load that is not stalled says nothing; io_stall_warn_s=0 keeps a stalled one quiet."""
+    caplog.set_level("WARNING", logger="ckptio")
+    path = fs.mountpoint / "ck"
+    ckptio.save(_state(2.0), path)
+    state = _zeros()
+    ckptio.load(path, state, options=ckptio.Options(io_stall_warn_s=WARN_S))
+    _assert_state(state, 2.0)
+    fs.stall("read", r"^/ck/data-")
+    state = _zeros()
+    behind = _Behind(lambda: ckptio.load(path, state, options=ckptio.Options(io_stall_warn_s=0)))
+    fs.wait_stalled(BOUND_S)
+    time.sleep(4 * WARN_S)
+    fs.release()
+    behind.joined()
+    _assert_state(state, 2.0)
+    assert not [r for r in caplog.records if r.name == "ckptio"], caplog.text
+
+
+# ------------------------------------------------------------------ CheckpointManager.restore
+
+
+@fuse
+def test_a_manager_restore_whose_read_hangs_is_warned_about_then_restores_the_newest_step(
+        fs: FaultFS, caplog: pytest.LogCaptureFixture) -> None:
+    """A run on the mount with steps 1 and 2; a new manager's restore, step 2's data read
+    blocked: warned about naming step 2's data file (before: silence); released, it restores
+    step 2 bit for bit (not step 1)."""
+    caplog.set_level("WARNING", logger="ckptio")
+    run = fs.mountpoint / "run"
+    options = ckptio.Options(io_stall_warn_s=WARN_S)
+    with ckptio.CheckpointManager(run, options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step)))
+    name = next(p.name for p in (run / "step-2").iterdir() if p.name.startswith("data-"))
+    fs.stall("read", f"^/run/step-2/{name}$")
+    state = _zeros()
+    with ckptio.CheckpointManager(run, options=options) as again:
+        behind = _Behind(lambda: again.restore(state))
+        _stalled_then_released(fs, caplog, behind, name, str(run / "step-2"))
+        assert behind.joined() == 2
+    _assert_state(state, 2.0)
+
+
+# --------------------------------------------------------------------- S3: a black-holed GET
+
+
+def _s3_options(endpoint: str) -> ckptio.Options:
+    return ckptio.Options(buffer_bytes=5 * MiB, pool_bytes=20 * MiB, s3_endpoint_url=endpoint,
+                          s3_retry_deadline_s=DEADLINE_S, s3_lock_lease_s=2.0)
+
+
+def _in_time(began: float) -> None:
+    took = time.monotonic() - began
+    assert took < DEADLINE_S + SLACK_S, f"took {took:.1f} s"
+
+
+def _assert_names_the_data_get(said: str, where: str, proxy: FaultProxy) -> None:
+    assert f"{where}/data-" in said and proxy.endpoint in said, said
+    assert "s3_retry_deadline_s" in said, said
+
+
+def test_a_load_from_s3_whose_data_get_is_black_holed_fails_in_time_naming_the_key(
+        s3_env: str, s3_proxy: FaultProxy) -> None:  # noqa: F811 - the S3 fixtures
+    """ckptio.load from S3, the manifest read but every GET of a data file black-holed: a
+    CkptError within the retry deadline and a slack, naming the data object, the endpoint and
+    the setting to raise; healed, the same call loads bit for bit."""
+    url, options, n = f"{s3_env}/ck", _s3_options(s3_proxy.endpoint), 3 * MiB
+    ckptio.save(_state(3.0, n), url, options=options)
+    s3_proxy.black_hole(op="GetObject", key=r"/data-", times=None)
+    state, began = _zeros(n), time.monotonic()
+    with pytest.raises(ckptio.CkptError) as caught:
+        ckptio.load(url, state, options=options)
+    _in_time(began)
+    _assert_names_the_data_get(str(caught.value), url, s3_proxy)
+    s3_proxy.clear()
+    ckptio.load(url, state, options=options)
+    _assert_state(state, 3.0, n)
+
+
+def test_a_restore_from_an_s3_tier_whose_data_get_is_black_holed_fails_in_time_not_older(
+        s3_env: str, s3_proxy: FaultProxy) -> None:  # noqa: F811 - the S3 fixtures
+    """A run on S3 with steps 1 and 2; a new manager restores while step 2's data GETs are
+    black-holed: a CkptError within the retry deadline and a slack naming step 2's data object
+    and the setting to raise; step 1 is not restored in its place (an unreachable object is
+    not a damaged step). Healed, step 2 is restored bit for bit."""
+    url, options, n = f"{s3_env}/run", _s3_options(s3_proxy.endpoint), 3 * MiB
+    with ckptio.CheckpointManager(url, options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(float(step), n))
+    s3_proxy.black_hole(op="GetObject", key=r"/step-2/data-", times=None)
+    state, began = _zeros(n), time.monotonic()
+    with ckptio.CheckpointManager(url, options=options) as again:
+        with pytest.raises(ckptio.CkptError) as caught:
+            again.restore(state)
+        _in_time(began)
+        _assert_names_the_data_get(str(caught.value), f"{url}/step-2", s3_proxy)
+        s3_proxy.clear()
+        assert again.restore(state) == 2
+    _assert_state(state, 2.0, n)
+
+
+@fuse
+def test_a_drain_whose_read_of_the_first_tier_hangs_is_warned_about_naming_the_file(
+        fs: FaultFS, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """A first tier on the mount, a second on a plain directory: the drain's read of step 1's
+    data file in the first tier blocks. Warned about, naming that file, as the drain's writes
+    are (before: only its writes, fsyncs and commit were watched); released, the second tier
+    holds step 1, bit for bit."""
+    caplog.set_level("WARNING", logger="ckptio")
+    first, second = fs.mountpoint / "run", tmp_path / "second"
+    options = ckptio.Options(io_stall_warn_s=WARN_S)
+    fs.stall("read", r"^/run/step-1/data-")
+    with ckptio.CheckpointManager(tiers=[ckptio.Tier(str(first)), ckptio.Tier(str(second))],
+                                  options=options) as mgr:
+        mgr.save(1, _state(1.0))
+        try:
+            assert "/run/step-1/data-" in fs.wait_stalled(BOUND_S)
+            said = _said(caplog, "has made no progress")
+            assert said and f"the read of {first}/step-1/data-" in said[0], said
+        finally:
+            fs.release()
+        assert mgr.drained(timeout=BOUND_S)
+    state = _zeros()
+    ckptio.load(second / "step-1", state)
+    _assert_state(state, 1.0)
