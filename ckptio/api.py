@@ -22,7 +22,7 @@ import torch
 from ckptio import packed, stepmeta
 from ckptio.distributed.dist import Solo, current_group, piece_of
 from ckptio.distributed.rankgroups import RankGroups
-from ckptio.errors import CkptError, SaveTimeoutError, restated, seconds_to_wait
+from ckptio.errors import CkptError, SaveTimeoutError, StorageIOError, restated, seconds_to_wait
 from ckptio.format.types import Manifest, Read
 from ckptio.loading import load_session as loading
 from ckptio.loading.fill import LoadReport
@@ -42,11 +42,16 @@ from ckptio.saving.handle import (
 from ckptio.storage.select import checkpoint_path, store_for
 
 AsyncSaveResult = SaveResult  # the result of an async save's handle.wait(): a save's fields
+# what an in-place load's StorageIOError begins with (a manager's restore says its own instead)
+PARTLY_FILLED = ("load() stopped on a storage error; the state it fills in place may hold some "
+                 "of the checkpoint's tensors and keep its previous values elsewhere: load "
+                 "again before using it, once the storage reads: ")
 
 __all__ = [
     "AsyncSaveResult",
     "Checkpointer",
     "LoadReport",
+    "PARTLY_FILLED",
     "SaveHandle",
     "SaveResult",
 ]
@@ -383,6 +388,8 @@ class Checkpointer:
             result = loading.load(self._resources, store, file, state, request)
         except BaseException as exc:
             ranks.failed(exc)
+            if state is not None and isinstance(exc, StorageIOError):  # reads may have begun
+                raise restated(exc, PARTLY_FILLED) from exc.__cause__
             raise
         ranks.done()
         if state is None:

@@ -84,10 +84,11 @@ class SaveTimeoutError(CkptError, TimeoutError):
     or kill the process (a normal exit waits for the save); nothing partial is committed."""
 
 
-def restated(error: BaseException, prefix: str) -> BaseException:
-    """A copy of ``error`` (same type, same attributes) whose message begins with ``prefix``; a
-    CkptError caused by it where it is not one (an OSError's message is not its args[0]); an
-    interrupt (KeyboardInterrupt, SystemExit) itself, unchanged."""
+def restated(error: BaseException, prefix: str, *, replacing: str = "") -> BaseException:
+    """A copy of ``error`` (same type, same attributes) whose message begins with ``prefix``
+    (in place of ``replacing``, where its message begins with that: a caller's own restatement
+    of it); a CkptError caused by it where it is not one (an OSError's message is not its
+    args[0]); an interrupt (KeyboardInterrupt, SystemExit) itself, unchanged."""
     if not isinstance(error, Exception):
         return error
     if not isinstance(error, CkptError):
@@ -95,7 +96,9 @@ def restated(error: BaseException, prefix: str) -> BaseException:
         wrapped.__cause__ = error
         return wrapped
     again = copy.copy(error)
-    again.args = (f"{prefix}{error}", *error.args[1:])
+    said = str(error)
+    again.args = (f"{prefix}{said.removeprefix(replacing) if replacing else said}",
+                  *error.args[1:])
     return again
 
 

@@ -208,7 +208,8 @@ def test_a_load_from_s3_whose_data_get_is_black_holed_fails_in_time_naming_the_k
         s3_env: str, s3_proxy: FaultProxy) -> None:  # noqa: F811 - the S3 fixtures
     """ckptio.load from S3, the manifest read but every GET of a data file black-holed: a
     CkptError within the retry deadline and a slack, naming the data object, the endpoint and
-    the setting to raise; healed, the same call loads bit for bit."""
+    the setting to raise, and saying the state may be partly filled; healed, the same call
+    loads bit for bit."""
     url, options, n = f"{s3_env}/ck", _s3_options(s3_proxy.endpoint), 3 * MiB
     ckptio.save(_state(3.0, n), url, options=options)
     s3_proxy.black_hole(op="GetObject", key=r"/data-", times=None)
@@ -217,6 +218,8 @@ def test_a_load_from_s3_whose_data_get_is_black_holed_fails_in_time_naming_the_k
         ckptio.load(url, state, options=options)
     _in_time(began)
     _assert_names_the_data_get(str(caught.value), url, s3_proxy)
+    assert str(caught.value).startswith("load() stopped on a storage error; the state it fills "
+                                        "in place may hold some"), caught.value
     s3_proxy.clear()
     ckptio.load(url, state, options=options)
     _assert_state(state, 3.0, n)
@@ -239,6 +242,9 @@ def test_a_restore_from_an_s3_tier_whose_data_get_is_black_holed_fails_in_time_n
             again.restore(state)
         _in_time(began)
         _assert_names_the_data_get(str(caught.value), f"{url}/step-2", s3_proxy)
+        assert str(caught.value).startswith("restore() stopped on a storage error; the state "
+                                            "it fills in place may hold some"), caught.value
+        assert "load() stopped" not in str(caught.value), caught.value
         s3_proxy.clear()
         assert again.restore(state) == 2
     _assert_state(state, 2.0, n)
@@ -268,3 +274,36 @@ def test_a_drain_whose_read_of_the_first_tier_hangs_is_warned_about_naming_the_f
     state = _zeros()
     ckptio.load(second / "step-1", state)
     _assert_state(state, 1.0)
+
+
+@fuse
+def test_a_load_in_place_stopped_by_an_io_error_says_the_state_is_partly_filled(
+        fs: FaultFS) -> None:
+    """ckptio.load in place whose third data file's read fails (EIO) after two were loaded:
+    the StorageIOError names the file and says the state may hold some of the checkpoint's
+    tensors (before: only the failed read, as if nothing had changed, as a manager's restore
+    said until it said so too); loaded again once the storage reads, the state is the
+    checkpoint's, bit for bit. A manager's restore says its own words, not both."""
+    path = fs.mountpoint / "ck"
+    small = ckptio.Options(max_file_bytes=1 << 20, buffer_bytes=1 << 20, pool_bytes=4 << 20)
+    saved = {f"k{i}": torch.full((1 << 18,), float(i + 1)) for i in range(8)}  # a file each
+    ckptio.save(saved, path, options=small)
+    fs.fail("read", r"^/ck/data-", nth=3, times=100)
+    state = {k: torch.zeros_like(v) for k, v in saved.items()}
+    with pytest.raises(ckptio.StorageIOError, match=r"(?s)^load\(\) stopped on a storage error; "
+                       r"the state it fills in place may hold some of the checkpoint's tensors"
+                       r".*load again before using it.*/ck/data-.*Input/output") as caught:
+        ckptio.load(path, state, options=small)
+    assert "restore()" not in str(caught.value)
+    assert any(state[k].abs().sum() > 0 for k in state)  # what the message warns of
+    fs.clear()
+    ckptio.load(path, state, options=small)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+    fresh = fs.mountpoint / "run"
+    with ckptio.CheckpointManager(fresh, options=small) as mgr:
+        mgr.save(1, saved)
+    fs.fail("read", r"^/run/step-1/data-", nth=3, times=100)
+    with ckptio.CheckpointManager(fresh, options=small) as mgr:
+        with pytest.raises(ckptio.StorageIOError, match=r"^restore\(\) stopped") as caught:
+            mgr.restore(state)
+    assert "load() stopped" not in str(caught.value), caught.value

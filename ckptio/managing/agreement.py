@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ckptio.api import PARTLY_FILLED
 from ckptio.distributed.dist import COORDINATOR, Group, Solo, current_group, over_torch
 from ckptio.errors import (CheckpointNotFoundError, CorruptCheckpointError,
                            IncompleteCheckpointError, RankFailedError, StorageIOError)
@@ -89,7 +90,8 @@ class Ranks:
         kind = ("damaged" if isinstance(error, DAMAGE)
                 or (unreadable and isinstance(error, StorageIOError)) else
                 "peer" if isinstance(error, RankFailedError) else "other")
-        mine = [kind, f"{type(error).__name__}: {error}"]
+        # (a load's word on the state it filled left out: the caller falls back or says its own)
+        mine = [kind, f"{type(error).__name__}: {str(error).removeprefix(PARTLY_FILLED)}"]
         group = self.group()
         if group.size == 1:
             return kind == "damaged", mine[1]

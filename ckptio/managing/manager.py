@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ckptio.api import PARTLY_FILLED
 from ckptio.distributed.dist import COORDINATOR
 from ckptio.errors import (
     CheckpointNotFoundError,
@@ -272,7 +273,7 @@ class CheckpointManager(ManagerParts):
                                 "place may hold some of that step's tensors and keep its "
                                 "previous values elsewhere: restore again before using it "
                                 "(once the storage reads, or restore(state, step=N) for an "
-                                "older step): ") from None
+                                "older step): ", replacing=PARTLY_FILLED) from None
         if restored is not None:
             self._report(restored, load_kwargs)
             if sizing:  # a pool that faulted in during the load is pinned now
