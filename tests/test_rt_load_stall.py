@@ -15,6 +15,7 @@ The FUSE tests are skipped only where /dev/fuse is unusable, the S3 ones where b
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ import torch
 
 import ckptio
 from ckptio.testing.faultfs import FaultFS, fuse_unusable
+from ckptio.testing.rank_processes import run_ranks
 from ckptio.testing.s3proxy import FaultProxy
 
 from s3.conftest import s3_env, s3_live, s3_proxy, s3_server  # noqa: F401 - the S3 fixtures
@@ -159,6 +161,45 @@ def test_a_load_with_no_stall_and_warnings_off_says_nothing(
     behind.joined()
     _assert_state(state, 2.0)
     assert not [r for r in caplog.records if r.name == "ckptio"], caplog.text
+
+
+def ranks_save(rank: int, world: int, path: str) -> None:
+    ckptio.save({"mine": torch.full((4096,), float(rank + 1))}, path)
+
+
+def ranks_load(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Load this rank's tensor, the ``ckptio`` warnings said meanwhile kept."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptio").addHandler(handler)
+    state = {"mine": torch.zeros(4096)}
+    ckptio.load(path, state, options=ckptio.Options(io_stall_warn_s=WARN_S))
+    return {"same": torch.equal(state["mine"], torch.full((4096,), float(rank + 1))),
+            "said": said}
+
+
+@fuse
+def test_two_ranks_one_of_whose_reads_hangs_name_that_rank_and_its_file(fs: FaultFS) -> None:
+    """Two gloo ranks load together; rank 1's data file read blocks for a while. Rank 1 warns,
+    naming rank 1 and its file (rank 0, waiting for rank 1 in the load's collective, has no
+    I/O in flight and says nothing of its own I/O); released, both load bit for bit."""
+    path = str(fs.mountpoint / "ck")
+    run_ranks(2, ranks_save, path, timeout_s=120)
+    fs.stall("read", r"^/ck/data-.*-r00001-")
+    releaser = threading.Thread(target=lambda: (fs.wait_stalled(60), time.sleep(8 * WARN_S),
+                                                fs.release()), daemon=True)
+    releaser.start()
+    try:
+        out = run_ranks(2, ranks_load, path, timeout_s=120)
+    finally:
+        fs.release()
+    assert [o["same"] for o in out] == [True, True], out
+    assert not [m for m in out[0]["said"] if "made no progress" in m], out[0]["said"]
+    stalls = [m for m in out[1]["said"] if "made no progress" in m]
+    assert stalls and stalls[0].startswith(f"ckptio: rank 1: the load from {path} has made no "
+                                           "progress"), out[1]["said"]
+    assert f"the read of {path}/data-" in stalls[0] and "-r00001-" in stalls[0], stalls[0]
 
 
 # ------------------------------------------------------------------ CheckpointManager.restore
