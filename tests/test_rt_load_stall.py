@@ -16,6 +16,8 @@ The FUSE tests are skipped only where /dev/fuse is unusable, the S3 ones where b
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -348,3 +350,37 @@ def test_a_load_in_place_stopped_by_an_io_error_says_the_state_is_partly_filled(
         with pytest.raises(ckptio.StorageIOError, match=r"^restore\(\) stopped") as caught:
             mgr.restore(state)
     assert "load() stopped" not in str(caught.value), caught.value
+
+
+EXITS = r"""
+import sys, threading, time, torch, ckptio
+state = {"w": torch.zeros(4096), "b": torch.zeros(16)}
+options = ckptio.Options(io_stall_warn_s=0.1)
+threading.Thread(target=ckptio.load, args=(sys.argv[1], state), kwargs={"options": options},
+                 daemon=True).start()
+time.sleep(1.0)
+print("main ends", flush=True)
+"""
+
+
+@fuse
+def test_a_process_whose_load_on_a_daemon_thread_hangs_still_exits(fs: FaultFS) -> None:
+    """A script loads on a daemon thread; the read hangs; the main thread ends. The process
+    exits at once, as it did before loads were watched (the watch of its I/O does not hold the
+    interpreter's exit for a load, as it does for a save in flight)."""
+    path = fs.mountpoint / "ck"
+    ckptio.save(_state(1.0), path)
+    fs.stall("read", r"^/ck/data-")
+    child = subprocess.Popen([sys.executable, "-c", EXITS, str(path)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        fs.wait_stalled(BOUND_S)
+        out, err = child.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail("the process did not exit while its load's read hung")
+    finally:
+        fs.release()
+    assert child.returncode == 0 and out == "main ends\n", (child.returncode, out, err)
+    assert "has made no progress" in err, err  # warned about, then not waited for

@@ -153,7 +153,8 @@ class _Watch:
         while True:
             with self.worker.lock:
                 saves = list(self.saves)
-                self.saves = [a for a in saves if not a.over]
+                exiting = self.worker.exiting  # a load is not waited for at exit (a save is)
+                self.saves = [a for a in saves if not a.over and not (exiting and a.load)]
                 if not saves:
                     return
                 periods = [a.warn_s for a in self.saves if a.warn_s] or [MAX_TICK_S]

@@ -108,6 +108,12 @@ class Worker(Generic[J]):
                 self._thread.start()
             self.lock.notify_all()
 
+    @property
+    def exiting(self) -> bool:
+        """Whether the interpreter exits (``stop_for_exit``): a running job that would go on
+        by itself ends now (read under ``lock``)."""
+        return self._exiting
+
     def wait(self, timeout: float | None = None) -> bool:
         """Until nothing is pending (-> True) or ``timeout`` seconds passed, or the interpreter
         exits and no job runs any more (-> False); the first job error not raised yet is raised
