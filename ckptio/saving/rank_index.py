@@ -20,7 +20,8 @@ from ckptio.alignment import align_up
 from ckptio.format import regular_section
 from ckptio.format.types import (Chunk, FileInfo, FileLayout, IndexFile, Placement, TensorEntry,
                                  WriteItem)
-from ckptio.saving import persist, stall
+from ckptio.io import stall
+from ckptio.saving import persist
 from ckptio.saving.save_context import SaveContext
 
 __all__ = ["write_index"]
