@@ -5,6 +5,9 @@ DeepSpeed: the guide's loop with ``use(engine, decoupled=True)`` saves at its la
 calls ``engine.destroy()``: the tag's files are written, but DeepSpeed commits a decoupled tag
 only at the next ``step()`` (or ``commit_now``), so ``latest`` still names the tag before and a
 resume silently loads it. The engine's cleanup now says so, naming the tag and the fix.
+A mistyped ``load_checkpoint`` directory (``ckpst`` beside ``ckpts``) trained from step 0 with
+DeepSpeed's generic "Unable to find latest file"; the guard now names the run spelled alike,
+as CheckpointManager.restore does.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
 from ckptio.deepspeed_engine import CkptioCheckpointEngine  # noqa: E402
+from ckptio.deepspeed_guard import guarded_load  # noqa: E402
 
 
 def _saved(tmp_path: Path, decoupled: bool, latest: bool = True) -> tuple[
@@ -52,3 +56,31 @@ def test_destroy_after_a_commit_or_a_sync_save_is_silent(tmp_path: Path, case: s
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.cleanup()
+
+
+class _Engine:
+    """What the guard asks of a DeepSpeed engine, for a load that finds no ``latest``."""
+
+    def load_universal_checkpoint(self) -> bool:
+        return False
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_optimizer_states: bool = True) -> tuple[None, None]:
+        return None, None  # DeepSpeed: "Unable to find latest file", a fresh start
+
+
+@pytest.mark.parametrize("given", ["ckpst", "ckpts2"])
+def test_a_mistyped_load_dir_names_the_run_spelled_alike(tmp_path: Path, given: str) -> None:
+    for run in ("ckpts", "ckpts1"):
+        (tmp_path / run / "global_step6").mkdir(parents=True)
+        (tmp_path / run / "latest").write_text("global_step6")
+    engine = _Engine()
+    load = guarded_load(engine.load_checkpoint, engine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load(str(tmp_path / given)) == (None, None)  # still DeepSpeed's fresh start
+    text = " ".join(str(w.message) for w in caught)
+    if given == "ckpst":  # a typo: the run beside it is named, with its latest tag
+        assert str(tmp_path / "ckpts") in text and "global_step6" in text, text
+    else:  # a numbered series (ckpts2 beside ckpts1): a new run, not a typo
+        assert not caught, text
