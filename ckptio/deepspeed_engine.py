@@ -96,11 +96,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
         self._scanned: set[str] = set()  # tag folders whose files were all compared
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
+        self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
         self._settle()
         self._info = info
+        self._written = False
         self._stands = self.training()
         folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         self._over = os.path.isdir(folder)
@@ -124,6 +126,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 self._handles.append(self.checkpointer.async_save(
                     state_dict, path, allow_pickle=self.allow_pickle,
                     process_group=rank_alone_group(), metadata=meta))
+                self._written = True
             else:
                 self.checkpointer.save(state_dict, path, allow_pickle=self.allow_pickle,
                                        process_group=rank_alone_group(), metadata=meta)
@@ -187,7 +190,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
         finally:
             self.checkpointer.close()
         info, self._info = self._info, None
-        if self.decoupled and info is not None and info.save_latest:
+        if self.decoupled and info is not None and info.save_latest and self._written:
             warnings.warn(
                 f"ckptio: DeepSpeed tag {info.tag!r} in {info.save_dir} is written but was not "
                 "committed, so 'latest' does not name it and load_checkpoint resumes from the "

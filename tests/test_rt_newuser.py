@@ -53,11 +53,16 @@ def test_destroy_with_a_decoupled_tag_not_committed_says_latest_does_not_name_it
     assert torch.equal(loaded["module"]["w"], torch.arange(8.0))
 
 
-@pytest.mark.parametrize("case", ["committed", "sync", "no_latest"])
+@pytest.mark.parametrize("case", ["committed", "sync", "no_latest", "refused"])
 def test_destroy_after_a_commit_or_a_sync_save_is_silent(tmp_path: Path, case: str) -> None:
     engine, info, _path = _saved(tmp_path, decoupled=case != "sync", latest=case != "no_latest")
     if case == "committed":
         assert engine.commit(info) is True  # DeepSpeed's next step(), or commit_now
+    if case == "refused":  # a save refused (no pickle opt-in) wrote nothing: nothing to commit
+        assert engine.commit(info) is True
+        engine.create(info)
+        with pytest.raises(ckptio.CkptError, match="allow_pickle"):
+            engine.save({"scaler": object()}, str(tmp_path / "global_step6" / "optim.pt"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.cleanup()
