@@ -7,8 +7,9 @@
 
 Call order (DeepSpeed 0.19's): ``save_checkpoint`` calls ``create(info)``, ``save(state, path)``
 once per file this rank writes, then ``commit(info)`` and writes ``latest`` itself; a decoupled
-engine is committed at the next ``step()`` instead (before the optimizer changes anything) and
-at ``destroy()``. ``load_checkpoint`` calls ``load(path)`` per file. docs/guides/deepspeed.md.
+engine is committed at the next ``step()`` instead (before the optimizer changes anything) or by
+``commit_now``; ``destroy()`` waits for its files but writes no ``latest`` (warned of).
+``load_checkpoint`` calls ``load(path)`` per file. docs/guides/deepspeed.md.
 
 Owns: the engine (each DeepSpeed file becomes a ckptio checkpoint, a directory at the file's
 path, written by this rank alone; tensors are never pickled), when a save is durable (sync: on
@@ -22,6 +23,7 @@ configuration key for a third-party engine.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +65,8 @@ class CkptioCheckpointEngine(CheckpointEngine):
     decoupled=False: ``save`` returns once the file is durable and committed (as DeepSpeed's
     torch engine, whose ``latest`` is written right after). decoupled=True: ``save`` returns
     once the tensors are copied into ckptio's staging pool; DeepSpeed commits the tag (waits
-    for every file of this rank, then writes ``latest``) at the next ``step()`` or ``destroy()``;
+    for every file of this rank, then writes ``latest``) at the next ``step()`` (or
+    ``commit_now``; ``destroy()`` writes no ``latest``, and cleanup warns of that tag);
     a second file of the same tag waits for the first one's write.
     options: ckptio.Options (default: the defaults and CKPTIO_* environment). allow_pickle
     (the caller's opt-in, off by default): values that are neither tensors nor plain Python
@@ -93,11 +96,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._seen: dict[str, tuple[str, str]] = {}  # tag folder -> (a file loaded, its stand)
         self._scanned: set[str] = set()  # tag folders whose files were all compared
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
+        self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
         self._settle()
         self._info = info
+        self._written = False
         self._stands = self.training()
         folder = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
         self._over = os.path.isdir(folder)
@@ -121,6 +126,7 @@ class CkptioCheckpointEngine(CheckpointEngine):
                 self._handles.append(self.checkpointer.async_save(
                     state_dict, path, allow_pickle=self.allow_pickle,
                     process_group=rank_alone_group(), metadata=meta))
+                self._written = True
             else:
                 self.checkpointer.save(state_dict, path, allow_pickle=self.allow_pickle,
                                        process_group=rank_alone_group(), metadata=meta)
@@ -176,11 +182,21 @@ class CkptioCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         """Wait for the saves in flight and free the staging pool (DeepSpeed's destroy()); a
-        failed background write is raised after the pool and threads are freed."""
+        failed background write is raised after the pool and threads are freed. A decoupled tag
+        left uncommitted (a save after the last step, no ``commit_now``) is warned of: DeepSpeed
+        writes no ``latest`` here, so a resume would load the tag before it."""
         try:
             self._settle()
         finally:
             self.checkpointer.close()
+        info, self._info = self._info, None
+        if self.decoupled and info is not None and info.save_latest and self._written:
+            warnings.warn(
+                f"ckptio: DeepSpeed tag {info.tag!r} in {info.save_dir} is written but was not "
+                "committed, so 'latest' does not name it and load_checkpoint resumes from the "
+                "tag before; load it with load_checkpoint(load_dir, tag=...), and call "
+                "ckptio.deepspeed_engine.commit_now(engine) before engine.destroy() after a "
+                "decoupled save at the last step", UserWarning, stacklevel=2)
 
     def _all_committed(self, info: CheckpointCommitInfo, error: BaseException | None) -> None:
         """Before DeepSpeed's rank 0 writes ``latest``: every rank's files of the tag are

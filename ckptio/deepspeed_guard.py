@@ -5,7 +5,8 @@ file, the keys or ranks, and the fix (docs/guides/deepspeed.md).
 
 Owns: those checks, made before DeepSpeed reads anything: the tag folder a load reads (named,
 or from ``latest``), the saved ZeRO parameter shapes against the model's, the number of ZeRO-3
-ranks, and ZeRO-3 weights without optimizer states.
+ranks, and ZeRO-3 weights without optimizer states; and, where a load finds no ``latest`` (a
+fresh start), the warning naming a run spelled alike beside it (a mistyped directory).
 Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepSpeed's load.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
+import warnings
 from typing import Any
 
 from ckptio.api import Checkpointer
@@ -25,6 +28,7 @@ from ckptio.errors import (
     UnsupportedStateError,
 )
 from ckptio.storage.local.local_root import is_committed
+from ckptio.storage.missing_manifest import spelled_alike
 
 __all__ = ["guarded_load"]
 
@@ -66,6 +70,7 @@ def _tag_folder(load_dir: str, tag: Any) -> str | None:
     said = f" (named by {latest})" if tag is None else ""
     if tag is None:
         if not os.path.isfile(latest):
+            _warn_spelled_alike(load_dir)
             return None
         with open(latest, encoding="utf-8") as f:
             tag = f.read().strip()
@@ -80,6 +85,29 @@ def _tag_folder(load_dir: str, tag: Any) -> str | None:
             f"({'no such folder' if not os.path.isdir(folder) else 'none saved'}); the tags "
             f"in {load_dir} are {_tags(load_dir)}: pass one as load_checkpoint(load_dir, tag=...)")
     return folder
+
+
+def _warn_spelled_alike(load_dir: str) -> None:
+    """No ``latest`` in ``load_dir``: DeepSpeed starts from scratch, saying only that it found
+    none; a directory beside it spelled alike that has one (a mistyped path; not another run
+    of a numbered series, run2 beside run1 or run) is named, with the tag it would resume."""
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(load_dir)))
+    try:
+        siblings = [n for n in os.listdir(parent) if n != name and _digitless(n) != _digitless(name)
+                    and os.path.isfile(os.path.join(parent, n, "latest"))]
+    except OSError:
+        return
+    for sibling in spelled_alike(name, siblings):
+        path = os.path.join(parent, sibling)
+        with open(os.path.join(path, "latest"), encoding="utf-8") as f:
+            tag = f.read().strip()
+        warnings.warn(f"ckptio: {load_dir} holds no DeepSpeed 'latest', so load_checkpoint "
+                      f"loads nothing and training starts from scratch; did you mean {path}? "
+                      f"Its 'latest' names {tag!r}", UserWarning, stacklevel=4)
+
+
+def _digitless(name: str) -> str:
+    return re.sub(r"\d+", "", name)
 
 
 def _model_files(folder: str) -> list[str]:

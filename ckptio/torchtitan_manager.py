@@ -45,6 +45,7 @@ from ckptio.errors import (
     CkptError,
     CorruptCheckpointError,
     StateMismatchError,
+    restated,
 )
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
@@ -223,7 +224,8 @@ class CkptioCheckpointManager(BaseCheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """The newest committed step (or ``step``) of the folder; else the initial load."""
+        """The newest committed step (or ``step``) of the folder; else the initial load; else
+        a fresh start, said as CheckpointManager.restore says it (a typo's "did you mean")."""
         steps = self.manager.steps()
         if step != -1 and step not in steps:
             raise CheckpointNotFoundError(
@@ -247,7 +249,17 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             return True
         if self.config.initial_load_path is None:
             self._refuse_foreign_steps()
-        return self._initial_load()
+        if self._initial_load():
+            return True
+        # a fresh start: the manager's restore logs it, and names a folder spelled alike that
+        # holds committed steps (a mistyped --checkpoint.folder), or incomplete steps here
+        try:
+            self.manager.restore({}, prepare=False)
+        except CheckpointNotFoundError as exc:  # it holds something else (torch.save files)
+            raise restated(exc, "CkptioCheckpointManager found no step to resume and would "
+                                "train from step 0 beside what its --checkpoint.folder holds "
+                                "(give the job a new folder): ") from None
+        return False
 
     def _refuse_foreign_steps(self) -> None:
         """No ckptio step, but steps of another manager (TorchTitan's own, DCP): a fresh start
