@@ -495,3 +495,25 @@ def test_cleanup_never_removes_files_the_committed_manifest_names(tmp_path):
     assert removed == [stray]
     assert set(os.listdir(path)) == set(result.files) | {"manifest.json"}
     assert_same(ckptio.load(path), state(1))
+
+
+def test_a_failed_saves_directory_goes_when_the_lingering_lock_file_goes_after_the_rmdir(
+        tmp_path, monkeypatch):
+    """On FUSE or NFS the lock file, removed while open, lingers renamed (.fuse_hiddenXXXX) and
+    the failed save's rmdir fails; when it is gone by the time the directory is listed (an
+    empty listing), the rmdir is tried again. Before, an empty listing ended the wait: the
+    empty directory stayed, listed as an incomplete step for good (a FUSE test failed 2 in 5
+    runs on it)."""
+    path = tmp_path / "step-3"
+    held = dirlock.lock(str(path), "raise")
+    real_rmdir, calls = os.rmdir, []
+
+    def rmdir_once_too_early(where: str) -> None:
+        calls.append(where)
+        if len(calls) == 1:  # the lingering file was there at the rmdir, gone at the listing
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", where)
+        real_rmdir(where)
+
+    monkeypatch.setattr(dirlock.os, "rmdir", rmdir_once_too_early)
+    dirlock.unlock(held, failed=True)
+    assert not path.exists() and len(calls) == 2

@@ -129,9 +129,8 @@ def _remove_if_empty(path: str) -> None:
             return
         except OSError:
             with contextlib.suppress(OSError):
-                left = os.listdir(path)
-                if (left and all(n.startswith(SILLY_NAMES) for n in left)
-                        and time.monotonic() < deadline):
+                left = os.listdir(path)  # empty: the lingering file went after the rmdir
+                if all(n.startswith(SILLY_NAMES) for n in left) and time.monotonic() < deadline:
                     time.sleep(0.01)
                     continue
             return
