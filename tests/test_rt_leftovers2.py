@@ -40,6 +40,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.testing.faults import HeldWrites
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
@@ -194,23 +195,6 @@ for path in sys.argv[1:]:
 """
 
 
-class _HeldWrites:
-    """Holds every write of a Checkpointer's saves until ``opened`` is set (at most 60 s)."""
-
-    def __init__(self, checkpointer: ckptio.Checkpointer) -> None:
-        from ckptio.testing.faults import inject
-
-        self.opened = threading.Event()
-        backend = inject(checkpointer)
-        passing = backend.submit_write
-
-        def held(*args: Any, **kwargs: Any) -> Any:
-            self.opened.wait(60)
-            return passing(*args, **kwargs)
-
-        backend.submit_write = held
-
-
 def _start(checkpointer: ckptio.Checkpointer, path: Path, lazy: bool) -> ckptio.SaveHandle:
     param = torch.nn.Parameter(torch.ones(256))
     opt = torch.optim.SGD([param], lr=0.1)
@@ -226,7 +210,7 @@ def test_load_from_another_process_during_an_async_save_names_the_save_to_wait_f
     ckptio.save({"w": torch.zeros(4096), "step": 1}, tmp_path / "older")
     options = ckptio.Options(buffer_bytes=1 << 20, pool_bytes=4 << 20)
     first, older = ckptio.Checkpointer(options), ckptio.Checkpointer(options)
-    holds = [_HeldWrites(first), _HeldWrites(older)]
+    holds = [HeldWrites(first), HeldWrites(older)]
     try:
         handles = [_start(first, tmp_path / "first", lazy), _start(older, tmp_path / "older", lazy)]
         loaded = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "first"),

@@ -40,6 +40,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.testing.faults import HeldWrites
 import ckptio.shared
 
 IO_THREADS = ("ckptio-save", "ckptio-hash", "ckptio-io", "ckptio-uring", "ckptio-cleanup")
@@ -135,23 +136,6 @@ def test_lightning_saves_resumes_and_removes_a_checkpoint_in_host_memory(
     assert os.listdir(shm_root / "run") == []
 
 
-class _HeldWrites:
-    """Holds every write of a Checkpointer's saves until ``opened`` is set (at most 60 s)."""
-
-    def __init__(self, checkpointer: ckptio.Checkpointer) -> None:
-        from ckptio.testing.faults import inject
-
-        self.opened = threading.Event()
-        backend = inject(checkpointer)
-        passing = backend.submit_write
-
-        def held(*args: Any, **kwargs: Any) -> Any:
-            self.opened.wait(60)
-            return passing(*args, **kwargs)
-
-        backend.submit_write = held
-
-
 def test_async_top_k_removal_waits_for_the_save_that_replaces_it(tmp_path: Path) -> None:
     """What a SIGKILL at the start of step 5 would find on disk: step 4's save still in flight
     (its writes held), and the committed step 2 it replaces still there."""
@@ -162,13 +146,13 @@ def test_async_top_k_removal_waits_for_the_save_that_replaces_it(tmp_path: Path)
 
     io = ckptio.lightning.AsyncCheckpointIO(OPTIONS)
     found: list[list[str]] = []
-    gate: list[_HeldWrites] = []
+    gate: list[HeldWrites] = []
 
     class AtStep(L.Callback):  # type: ignore[misc,name-defined]
         def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
             if trainer.global_step == 3:  # the next save (step 4's) is held in flight
                 io.wait()
-                gate.append(_HeldWrites(io.checkpointer))
+                gate.append(HeldWrites(io.checkpointer))
             if trainer.global_step == 4:
                 found.append(sorted(p.name for p in (tmp_path / "ck").iterdir()
                                     if (p / "manifest.json").exists()))

@@ -31,7 +31,7 @@ from typing import Any
 from ckptio.errors import StorageIOError
 from ckptio.io.backend_contract import FileHandle, IOBackend
 
-__all__ = ["FaultyBackend", "FsyncGate", "inject"]
+__all__ = ["FaultyBackend", "FsyncGate", "HeldWrites", "inject"]
 
 ErrorSpec = str | int | Callable[[str, str, int], BaseException]
 
@@ -198,3 +198,19 @@ def inject(checkpointer: Any, store: Any = None, **faults: Any) -> FaultyBackend
         LocalStore(".") if store is None else store,
         lambda backend: FaultyBackend(backend, **faults))
     return wrapped
+
+
+class HeldWrites:
+    """Holds every write of ``checkpointer``'s saves (through ``inject``) until ``opened`` is
+    set (at most ``timeout_s``): a save kept in flight while a test looks at it."""
+
+    def __init__(self, checkpointer: Any, timeout_s: float = 60.0) -> None:
+        self.opened = threading.Event()
+        backend = inject(checkpointer)
+        passing = backend.submit_write
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            self.opened.wait(timeout_s)
+            return passing(*args, **kwargs)
+
+        backend.submit_write = held  # type: ignore[method-assign]
