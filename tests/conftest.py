@@ -10,6 +10,7 @@ import sys
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,6 +155,15 @@ def hosts_base() -> Any:
     root = os.path.join("/dev/shm", f"ckptio-test-hosts-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``shm://`` locations in a folder of this test (CKPTIO_SHM_DIR), not the host's."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setenv("CKPTIO_SHM_DIR", str(root))
+    return root
 
 
 @pytest.fixture

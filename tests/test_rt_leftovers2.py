@@ -48,15 +48,6 @@ QUIET = {"enable_progress_bar": False, "logger": False, "enable_model_summary": 
          "accelerator": "cpu", "devices": 1, "num_sanity_val_steps": 0}
 
 
-@pytest.fixture
-def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """``shm://`` locations in a folder of this test (CKPTIO_SHM_DIR), not the host's."""
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("CKPTIO_SHM_DIR", str(root))
-    return root
-
-
 @pytest.mark.parametrize("url", ["shm://run", "mem://run"])
 def test_lightning_dirpath_of_a_ckptio_url_is_refused_naming_the_directory_to_pass(
         shm_root: Path, url: str) -> None:

@@ -50,15 +50,6 @@ def _io_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.is_alive() and t.name.startswith(IO_THREADS)}
 
 
-@pytest.fixture
-def shm_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """``shm://`` locations in a folder of this test (CKPTIO_SHM_DIR), not the host's."""
-    root = tmp_path / "shm"
-    root.mkdir()
-    monkeypatch.setenv("CKPTIO_SHM_DIR", str(root))
-    return root
-
-
 def _hf() -> Any:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
