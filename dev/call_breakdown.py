@@ -7,6 +7,12 @@ shares, not the sums), eager and lazy, 1,000 tensors, the plan reused.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python dev/NAME.py` from the checkout: its benchmarks/ and ckptio/ first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import argparse
 import cProfile
 import pstats

@@ -7,6 +7,12 @@ setup of benchmarks/call_overhead.py; medians of the calls after the first two.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python dev/NAME.py` from the checkout: its benchmarks/ and ckptio/ first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import argparse
 import shutil
 import statistics

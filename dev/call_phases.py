@@ -15,6 +15,12 @@ set-up. Prints each phase's median over the calls after the first two, per proce
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python dev/NAME.py` from the checkout: its benchmarks/ and ckptio/ first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import argparse
 import contextlib
 import functools

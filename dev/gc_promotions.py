@@ -12,6 +12,12 @@ collection, the objects that moved to generation 2, by type. A probe: its walks 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python dev/NAME.py` from the checkout: its benchmarks/ and ckptio/ first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import gc
 import os
 import sys

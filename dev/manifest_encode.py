@@ -11,6 +11,12 @@ longest hold of the GIL it saw (the machine's other load adds to it). Prints med
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as `python dev/NAME.py` from the checkout: its benchmarks/ and ckptio/ first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import argparse
 import gc
 import statistics

@@ -9,6 +9,7 @@ is pinned, so a new one fails here until it is run (CASES) or classified.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -54,8 +55,9 @@ NOT_RUN: list[tuple[str, str]] = [
 # tier's pages, one (its A/B command is the chains'); BENCH_LOOP section 21's dev/call_counts.py
 # probes, three (its first is section 20's); section 21's call timing (benchmarks.call_overhead
 # with --reps 3 --json), one; BENCH_RESTART round eight's 2- and 4-rank reruns, two;
-# BENCH_LOOP's call phases timed inside the call: dev/call_phases.py and dev/call_parts.py, two)
-NOT_RUN_COUNT = 112
+# BENCH_LOOP's call phases timed inside the call: dev/call_phases.py and dev/call_parts.py, two;
+# BENCH_LOOP section 22's load probe, dev/load_calls.py, one)
+NOT_RUN_COUNT = 113
 
 
 def _not_run(command: str) -> str | None:
@@ -134,6 +136,38 @@ def test_every_documented_command_is_run_or_classified() -> None:
     assert len(not_run) == NOT_RUN_COUNT, (
         f"{len(not_run)} documented commands are not run (NOT_RUN_COUNT {NOT_RUN_COUNT}): "
         "a new one must be run in CASES or classified; update the count and say why")
+
+
+# A documented probe run as typed (`python dev/NAME.py` from the checkout) has only dev/ on its
+# path, not the checkout: run each one's module level that way and import what it names.
+_PROBE_IMPORTS = r"""
+import importlib, re, runpy, sys
+from pathlib import Path
+base = [p for p in sys.path[1:] if p not in ("", ".")]
+for script in sys.argv[1:]:
+    sys.path[:] = [str(Path(script).resolve().parent), *base]
+    for name in [m for m in sys.modules if m == "benchmarks" or m.startswith("benchmarks.")]:
+        del sys.modules[name]
+    runpy.run_path(script, run_name="documented_probe")
+    for name in re.findall(r"^\s*(?:from|import) (benchmarks[.\w]*)", Path(script).read_text(), re.M):
+        importlib.import_module(name)
+    print("ok", script)
+"""
+
+
+def test_the_documented_probes_find_what_they_import_when_run_as_typed() -> None:
+    typed = sorted({m.group(1) for c in documented()
+                    for m in [re.match(r"^python (dev/\w+\.py)", c)] if m})
+    assert len(typed) >= 5, typed
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run([sys.executable, "-c", _PROBE_IMPORTS, *typed], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.count("ok ") == len(typed), ran.stdout
+    modules = sorted({m.group(1) for c in documented()
+                      for m in [re.search(r"-m (benchmarks\.\w+)", c)] if m})
+    missing = [m for m in modules if not (ROOT / (m.replace(".", "/") + ".py")).exists()]
+    assert not missing, f"documented benchmark modules that do not exist: {missing}"
 
 
 def test_the_first_check_needs_the_test_extra() -> None:
