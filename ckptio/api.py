@@ -350,6 +350,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         per_rank_from: RankPolicy = None,
         process_group: Any = None,
+        record: Manifest | None = None,
     ) -> Any:
         """Load into ``state`` in place (returns a LoadReport), or, with no state, return a new one.
 
@@ -371,6 +372,8 @@ class Checkpointer:
         per_rank_from: which saved rank's value a per-rank key (saved differently by each rank,
         e.g. RNG state) gets on this rank: by default the same rank, which needs the same
         number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
+        record: what ``manifest(path)`` gave for this load, when the caller has it (not read
+        again: the caller opened the checkpoint it names just before).
         """
         started = time.perf_counter()
         path = checkpoint_path(path)
@@ -381,7 +384,8 @@ class Checkpointer:
             strict=strict, keys=keys, cast=cast,
             verify=self.options.verify if verify is None else verify, allow_pickle=allow_pickle,
             per_rank_from=per_rank_from, rank=ranks.rank, world_size=ranks.world_size,
-            agree_unexpected=ranks.keys, shared_reads=ranks.reads, shared_manifest=ranks.manifest)
+            agree_unexpected=ranks.keys, shared_reads=ranks.reads, shared_manifest=ranks.manifest,
+            record=record)
         try:
             self._settle()  # a save of ours in flight finishes first (and uses the same group)
             store, file = self._resources.located(path)

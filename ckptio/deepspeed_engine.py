@@ -22,10 +22,11 @@ configuration key for a third-party engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ from ckptio.errors import (
     UnsupportedStateError,
     restated,
 )
+from ckptio.format.types import Manifest
 from ckptio.options import Options
+from ckptio.storage.local.local_root import is_committed
 
 try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -97,6 +100,10 @@ class CkptioCheckpointEngine(CheckpointEngine):
         self._scanned: set[str] = set()  # tag folders whose files were all compared
         self._ranks: Group | None = None  # every rank, through the job's store (first save)
         self._written = False  # a file of the tag in hand was saved (a decoupled tag to commit)
+        # within one load_checkpoint (loading()): each file's manifest, and a file loaded once
+        # (until DeepSpeed loads it again); None outside
+        self._opened: dict[str, Manifest | None] | None = None
+        self._loaded: dict[str, Any] | None = None
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag starts: the previous tag's saves in flight are waited for first."""
@@ -146,13 +153,45 @@ class CkptioCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state saved at ``path``: CPU tensors (moved to ``map_location`` when that names
         a device) and Python values. A file DeepSpeed's torch engine wrote (its default zip
-        format) loads too, so a job can switch engines between two tags."""
+        format) loads too, so a job can switch engines between two tags. Its manifest is read
+        once; within one load_checkpoint a file loaded again (DeepSpeed loads the model file
+        to check it, then to load it) is not read again: its first load's values are handed
+        out again, in a new top-level dict."""
         self._settle()
-        loaded = self.checkpointer.load(path, verify=self.verify, allow_pickle=self.allow_pickle,
-                                        process_group=rank_alone_group())
-        self._check_one_save(os.fspath(path))
+        where = os.path.abspath(os.fspath(path))
+        if self._loaded is not None and where in self._loaded:
+            loaded = self._loaded.pop(where)
+        else:
+            record = self.manifest(where)
+            loaded = self.checkpointer.load(path, verify=self.verify,
+                                            allow_pickle=self.allow_pickle,
+                                            process_group=rank_alone_group(), record=record)
+            self._check_one_save(where, record)
+            if self._loaded is not None:
+                self._loaded[where] = dict(loaded) if isinstance(loaded, dict) else loaded
         device = _device(map_location)
         return loaded if device is None else _to_device(loaded, device)
+
+    def manifest(self, path: str) -> Manifest | None:
+        """The ckptio manifest of DeepSpeed file ``path`` (None: a torch.save file, as
+        DeepSpeed's own engine writes), read once per load_checkpoint."""
+        where = os.path.abspath(os.fspath(path))
+        if self._opened is not None and where in self._opened:
+            return self._opened[where]
+        record = self.checkpointer.manifest(where) if is_committed(where) else None
+        if self._opened is not None:
+            self._opened[where] = record
+        return record
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """One ``load_checkpoint`` (deepspeed_guard opens it): what ``manifest`` and ``load``
+        keep for it is let go when it ends (a later load reads a newer save afresh)."""
+        self._opened, self._loaded = {}, {}
+        try:
+            yield
+        finally:
+            self._opened, self._loaded = None, None
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """The tag's files of this rank are durable and committed when this returns (True);
@@ -223,13 +262,13 @@ class CkptioCheckpointEngine(CheckpointEngine):
         for handle in handles:
             handle.wait()
 
-    def _check_one_save(self, path: str) -> None:
+    def _check_one_save(self, path: str, record: Manifest | None) -> None:
         """Refuse a tag whose files two saves wrote: a save_checkpoint of an existing tag cut
         short replaces some of its files and leaves the others as the earlier save wrote them,
         and DeepSpeed's ``latest`` names that tag all along. The files this rank reads are
         compared; a file of a save over an existing tag has every file of the tag compared
         (once per folder), as a rank may read only files of one of the two saves."""
-        stands, over = recorded(path)
+        stands, over = recorded(path, record)
         if stands is None:
             return
         folder = os.path.dirname(os.path.abspath(path))

@@ -12,6 +12,7 @@ Does not own: the checkpoint engine and ``use`` (ckptio.deepspeed_engine), DeepS
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -38,11 +39,17 @@ def guarded_load(load_checkpoint: Any, engine: Any) -> Any:
     DeepSpeed fails on with an empty AssertionError or a tensor size error, or routes past the
     checkpoint engine: a tag with no files (named, or read from an empty or stale ``latest``);
     under ZeRO, a model whose parameters differ from the saved ones; ZeRO-3 weights without
-    optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load."""
+    optimizer states, which DeepSpeed reads through its zero_to_fp32's own torch.load. The
+    whole call is one ``loading()`` of ckptio's engine: each file's manifest read once in it."""
     signature = inspect.signature(load_checkpoint)
 
     @functools.wraps(load_checkpoint)
     def load(*args: Any, **kwargs: Any) -> Any:
+        scope = getattr(getattr(engine, "checkpoint_engine", None), "loading", None)
+        with scope() if callable(scope) else contextlib.nullcontext():  # once per file
+            return checked(*args, **kwargs)
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
@@ -128,10 +135,13 @@ def _check_parameters(engine: Any, folder: str) -> None:
     saved_in = next((f for f in _model_files(folder) if is_committed(f)), None)
     if not isinstance(checkpointer, Checkpointer) or saved_in is None:
         return  # not ckptio's engine (use() was undone), or DeepSpeed's own files
+    opened = getattr(ours, "manifest", None)  # read once in the load_checkpoint
     try:
         saved = checkpointer.load(saved_in, keys=["param_shapes"],
                                   allow_pickle=bool(getattr(ours, "allow_pickle", False)),
-                                  process_group=rank_alone_group())["param_shapes"]
+                                  process_group=rank_alone_group(),
+                                  record=opened(saved_in) if callable(opened) else None
+                                  )["param_shapes"]
     except (StateMismatchError, PickleRefusedError):
         return  # not saved under ZeRO, or no opt-in: DeepSpeed's load says what it says
     differ = _differences(_shapes(saved), _shapes(engine._get_zero_param_shapes()))

@@ -17,6 +17,7 @@ import shutil
 from ckptio.convert import convert
 from ckptio.errors import CkptError, IncompleteCheckpointError
 from ckptio.shared import load
+from ckptio.format.types import Manifest
 from ckptio.stepmeta import read_metadata
 from ckptio.storage.local.local_root import is_committed
 
@@ -27,12 +28,17 @@ STANDS = "deepspeed_training"  # the metadata key: global_steps and global_sampl
 OVER = "deepspeed_over_tag"  # the metadata key: the save's tag folder existed before it
 
 
-def recorded(path: str) -> tuple[str | None, bool]:
-    """Where training stood when the ckptio file ``path`` was saved (None: not recorded), and
-    whether that save was over an existing tag."""
-    if not is_committed(path):
+def recorded(path: str, record: Manifest | None = None) -> tuple[str | None, bool]:
+    """Where training stood when the ckptio file ``path`` (its manifest ``record``, where the
+    caller read it) was saved (None: not recorded), and whether that save was over an
+    existing tag."""
+    if record is not None:
+        meta = record.meta.get("metadata")
+        meta = meta if isinstance(meta, dict) else {}
+    elif not is_committed(path):
         return None, False  # a torch.save file DeepSpeed's own engine wrote
-    meta = read_metadata(path).get("metadata", {})
+    else:
+        meta = read_metadata(path).get("metadata", {})
     value = meta.get(STANDS)
     return (value if isinstance(value, str) else None), meta.get(OVER) is True
 

@@ -42,6 +42,7 @@ except ImportError as exc:  # an optional integration: say which extra brings it
 
 from ckptio.api import Checkpointer
 from ckptio.errors import CkptError, StateMismatchError, UnsupportedPathError, UnsupportedStateError
+from ckptio.format.types import Manifest
 from ckptio.hf_checkpoints import CKPTIO_DIR, checked, checkpoint_problem, last_checkpoint
 from ckptio.options import Options
 from ckptio.rng import RNGState
@@ -79,6 +80,9 @@ class CkptioTrainerMixin:
         self._ckptio_in_checkpoint = False
         self._ckptio: Checkpointer | None = None
         self._ckptio_lease: runlease.RunLease | None = None
+        # the manifest of the ckptio checkpoint a resume reads (its path, the record): read
+        # once by its first hook, used by the others; let go by a save and when train() ends
+        self._ckptio_opened: tuple[str, Manifest] | None = None
         super().__init__(*args, **kwargs)
 
     # -- resume ---------------------------------------------------------------------------------
@@ -126,6 +130,7 @@ class CkptioTrainerMixin:
         return self._ckptio
 
     def _ckptio_close(self) -> None:
+        self._ckptio_opened = None
         checkpointer, self._ckptio = self._ckptio, None
         lease, self._ckptio_lease = self._ckptio_lease, None
         try:
@@ -166,6 +171,7 @@ class CkptioTrainerMixin:
         if inner is None:  # transformers' own files (allow_pickle)
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
+        self._ckptio_opened = None  # a resume's first hook: its manifest read afresh
         self._ckptio_load(inner, {"model": t.model if model is None else model})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -188,6 +194,7 @@ class CkptioTrainerMixin:
             return
         where = checked(best, False)
         assert where is not None  # internal: best holds a ckptio checkpoint (checked above)
+        self._ckptio_opened = None
         self._ckptio_load(where, {"model": t.model})
 
     def _ckptio_load_parts(self, checkpoint: str | None, wanted: tuple[str, ...]) -> bool:
@@ -199,7 +206,8 @@ class CkptioTrainerMixin:
         inner = checked(checkpoint, self.ckptio_allow_pickle)
         if inner is None:
             return True
-        held = self._ckptio_checkpointer().load(inner, keys=["parts"])["parts"]
+        held = self._ckptio_checkpointer().load(inner, keys=["parts"],
+                                                record=self._ckptio_record(inner))["parts"]
         have = self._ckptio_objects()
         absent = sorted(k for k in have if k not in held and k != "model")
         if absent and "optimizer" in wanted:  # said once, at the first of the three loads
@@ -221,7 +229,7 @@ class CkptioTrainerMixin:
         terms (the load's own hints, strict=False and cast=True, are no options through it)."""
         try:
             self._ckptio_checkpointer().load(inner, {**(beside or {}), **objects},
-                                             keys=list(objects))
+                                             keys=list(objects), record=self._ckptio_record(inner))
         except StateMismatchError as exc:
             what = _STRICT_HINT.split(str(exc))[0].rstrip(". ").replace(_CAST_HINT, "")
             raise StateMismatchError(
@@ -231,6 +239,12 @@ class CkptioTrainerMixin:
                 "lr_scheduler_type, ...) that saved it: restore those, or start this "
                 "configuration as a new run (another output_dir, no resume_from_checkpoint); "
                 "strict=False is not available through the Trainer") from exc
+
+    def _ckptio_record(self, inner: str) -> Manifest:
+        """The manifest of ``inner``, read once for a resume's hooks (each loads a part)."""
+        if self._ckptio_opened is None or self._ckptio_opened[0] != inner:
+            self._ckptio_opened = (inner, self._ckptio_checkpointer().manifest(inner))
+        return self._ckptio_opened[1]
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -263,6 +277,7 @@ class CkptioTrainerMixin:
         hold (the optimizer, scaler and RNG hooks that follow have nothing left to write), then
         transformers' config and tokenizer files and the arguments as JSON."""
         t: Any = self
+        self._ckptio_opened = None  # a resume's manifest no longer stands for what is there
         objects = self._ckptio_objects()
         if t.args.save_only_model:
             objects = {"model": objects["model"]}

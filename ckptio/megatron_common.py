@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import xxhash
 
-import ckptio
 from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 
 from ckptio.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptio.format.types import Manifest
 
 __all__ = ["BACKEND", "NotCkptioCheckpointError", "check_common", "ckptio_dir", "common_bytes",
            "data_path", "digest_meta", "write_common", "written_common_meta"]
@@ -81,12 +81,13 @@ def written_common_meta(checkpoint_dir: str) -> dict[str, Any] | None:
         return None
 
 
-def check_common(checkpoint_dir: str) -> None:
-    """Refuse a ``common.pt`` that is not the one this ckptio checkpoint was saved with (a save
-    killed between ckptio's commit and ``common.pt``'s replacement or, where Megatron writes
-    ``common.pt`` first, before ckptio's commit)."""
-    meta = ckptio.read_metadata(data_path(checkpoint_dir)).get("metadata") or {}
-    want = meta.get(_DIGEST)
+def check_common(checkpoint_dir: str, record: Manifest) -> None:
+    """Refuse a ``common.pt`` that is not the one this ckptio checkpoint (its manifest
+    ``record``, as the load read it) was saved with (a save killed between ckptio's commit and
+    ``common.pt``'s replacement or, where Megatron writes ``common.pt`` first, before ckptio's
+    commit)."""
+    meta = record.meta.get("metadata")
+    want = meta.get(_DIGEST) if isinstance(meta, dict) else None
     if want is None:
         return
     path = os.path.join(checkpoint_dir, _COMMON)

@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 import ckptio
 from ckptio.errors import StateMismatchError, UnsupportedStateError
+from ckptio.format.types import Manifest
 from ckptio.io.buffers import torch_dtype
 from ckptio.megatron_common import (
     BACKEND,
@@ -239,9 +240,8 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
              async_strategy: str = "mcore") -> Any:
         """Every rank together -> the state dict with tensors and objects in place of their
         ShardedTensors / ShardedObjects (tensors loaded into the ShardedTensors' own data)."""
-        path = data_path(checkpoint_dir)
-        with ckptio_dir(checkpoint_dir):
-            check_common(os.fspath(checkpoint_dir))
+        path, record = data_path(checkpoint_dir), self._manifest(checkpoint_dir)
+        check_common(os.fspath(checkpoint_dir), record)
         items = list(_items(sharded_state_dict))
         dests = _destinations(items)
         shards: dict[str, list[ShardedTensor]] = {}
@@ -254,8 +254,8 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             boxes[key], pieces = _box(key, held, [dests[id(sh)] for sh in held])
             copies += [(region, piece, boxes[key].local) for region, piece in pieces]
         padded = _padded(boxes, {sh.key for sh in items if isinstance(sh, ShardedTensor)
-                                 and sh.allow_shape_mismatch}, self.options, path)
-        _load_tensors(checkpointer(self.options), path, boxes, self.cast)
+                                 and sh.allow_shape_mismatch}, record)
+        _load_tensors(checkpointer(self.options), path, record, boxes, self.cast)
         with torch.no_grad():  # a piece may be a model's Parameter (a leaf needing grad)
             for where, part in padded:
                 where.zero_()
@@ -263,7 +263,7 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             for region, piece, box in copies:
                 piece.copy_(box[region])
         wanted = sorted({o.unique_key for o in items if isinstance(o, ShardedObject)})
-        objects = self._objects(path, wanted)
+        objects = self._objects(path, record, wanted)
 
         def value(item: Any) -> Any:
             if isinstance(item, ShardedTensor):
@@ -272,11 +272,11 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
         return dict_list_map_outplace(value, sharded_state_dict)
 
-    def _objects(self, path: str, wanted: list[str]) -> dict[str, Any]:
+    def _objects(self, path: str, record: Manifest, wanted: list[str]) -> dict[str, Any]:
         if not wanted:
             return {}
         got = checkpointer(self.options).load(path, keys=[f"{_OBJECTS}.{k}" for k in wanted],
-                                     allow_pickle=self.allow_pickle)
+                                              allow_pickle=self.allow_pickle, record=record)
         found = got.get(_OBJECTS, {}) if isinstance(got, dict) else {}
         missing = [k for k in wanted if k not in found]
         if missing:
@@ -287,26 +287,22 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Any = None) -> dict[str, Any]:
         """Each saved ShardedTensor key -> a ShardedTensor without data (global shape, dtype)."""
-        with ckptio_dir(checkpoint_dir):
-            record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
-        out: dict[str, Any] = {}
-        prefix = _TENSORS + "."
-        for entry in record.tensors:
-            key = entry.key.removeprefix(prefix)
-            if entry.key.startswith(prefix) and key not in out:
-                dtype = torch_dtype(entry.dtype.removeprefix("torch."))
-                meta = torch.empty(entry.shape, dtype=dtype, device="meta")
-                out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
-        return out
+        return _tensors_metadata(self._manifest(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> dict[str, Any]:
         """Tensors as load_tensors_metadata, and each saved ShardedObject (empty)."""
-        out = self.load_tensors_metadata(checkpoint_dir)
-        record = checkpointer(self.options).manifest(data_path(checkpoint_dir))
+        record = self._manifest(checkpoint_dir)
+        out = _tensors_metadata(record)
         for unique in _object_keys(record.tree):  # one saved with an empty value has no entry
             if unique not in out:
                 out[unique] = ShardedObject.empty_from_unique_key(unique)
         return out
+
+    def _manifest(self, checkpoint_dir: Any) -> Manifest:
+        """The committed manifest, read once per call of Megatron's: each step of that call
+        uses it (none reads it again, and no later call sees it: a newer save's is read)."""
+        with ckptio_dir(checkpoint_dir):
+            return checkpointer(self.options).manifest(data_path(checkpoint_dir))
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Not supported: a ckptio checkpoint is rewritten, not edited in place."""
@@ -315,13 +311,28 @@ class CkptioLoadShardedStrategy(TorchDistLoadShardedStrategy):
             "load the keys you keep and save them to a new checkpoint")
 
 
-def _load_tensors(loader: ckptio.Checkpointer, path: str,
+def _tensors_metadata(record: Manifest) -> dict[str, Any]:
+    """Each ShardedTensor key of ``record`` -> a ShardedTensor without data."""
+    out: dict[str, Any] = {}
+    prefix = _TENSORS + "."
+    for entry in record.tensors:
+        key = entry.key.removeprefix(prefix)
+        if entry.key.startswith(prefix) and key not in out:
+            dtype = torch_dtype(entry.dtype.removeprefix("torch."))
+            meta = torch.empty(entry.shape, dtype=dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+    return out
+
+
+def _load_tensors(loader: ckptio.Checkpointer, path: str, record: Manifest,
                   boxes: dict[str, ckptio.TensorShard], cast: bool) -> None:
-    """Every rank together: read each box, checked against the checkpoint before any read (a
-    changed model loads nothing); keys no rank asks for are Megatron's to judge."""
+    """Every rank together: read each box, checked against the checkpoint (its manifest
+    ``record``) before any read (a changed model loads nothing); keys no rank asks for are
+    Megatron's to judge."""
     wanted = {f"{_TENSORS}.{key}" for key in boxes}
     try:
-        loader.load(path, {_TENSORS: boxes}, keys=lambda k: k in wanted, strict=True, cast=cast)
+        loader.load(path, {_TENSORS: boxes}, keys=lambda k: k in wanted, strict=True, cast=cast,
+                    record=record)
     except StateMismatchError as exc:
         raise MissingInCheckpointError(
             f"rank {_rank()}: the sharded state dict does not match the checkpoint, nothing "
@@ -333,7 +344,7 @@ def _load_tensors(loader: ckptio.Checkpointer, path: str,
 
 
 def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
-            options: ckptio.Options | None, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            record: Manifest) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys whose ShardedTensors allow a shape mismatch (Megatron's padded vocabulary, whose
     padding follows the TP size) saved with another global shape: each box loads only its
     overlap with the saved tensor (replaced in ``boxes``, or left out where none), the rest
@@ -342,7 +353,7 @@ def _padded(boxes: dict[str, ckptio.TensorShard], flexible: set[str],
         return []
     prefix = f"{_TENSORS}."
     saved = {e.key.removeprefix(prefix): e.shape
-             for e in checkpointer(options).manifest(path).tensors if e.key.startswith(prefix)}
+             for e in record.tensors if e.key.startswith(prefix)}
     out = []
     for key in [k for k in flexible if k in saved and saved[k] != boxes[k].global_shape]:
         box = boxes[key]

@@ -96,6 +96,12 @@ class SharedManifest:
                 "loaded on some of them only: pass the same keys= on every rank")
         return raw
 
+    def held(self) -> None:
+        """This rank has the committed manifest already (the caller read it for this load): it
+        takes its part reading nothing, and its path is still compared with the coordinator's."""
+        self.share = False
+        self(lambda: b"")
+
     def skip(self) -> None:
         """This rank's load opens no committed manifest (a file): it still takes its part, so
         a rank whose path names something else never leaves the others waiting."""

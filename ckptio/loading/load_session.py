@@ -86,6 +86,8 @@ class LoadRequest:
     shared_reads: SharedReadFn | None = None
     # many ranks: the manifest read by one rank, handed to the others (loadsteps.py)
     shared_manifest: SharedManifest | None = None
+    # the checkpoint's manifest as the caller opened it for this load (not read again)
+    record: Manifest | None = None
 
     def rules(self) -> Rules:
         """The key rules of an in-place load (matching.py)."""
@@ -221,9 +223,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
             # one rank opens a DCP directory's items at the open (a 1-rank load needs them
             # all, and opening them later was slower: docs/BENCH_INTEROP.md, "each rank opens
             # only the items it needs"); a rank of many opens those its reads need (dcpdir.py)
-            opened = open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
-                                     every_chunk=False, every_item=request.world_size == 1,
-                                     shared=request.shared_manifest, activity=activity)
+            opened = _opened(resources, store, file, request, activity)
         except PickleRefusedError:
             if file is None or not request.allow_pickle:
                 raise
@@ -251,6 +251,19 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
                                  request.rules(), allow_pickle=request.allow_pickle)
         except StateMismatchError as exc:  # which checkpoint (a restore names no path)
             raise StateMismatchError(f"{store.location}: {exc}") from None
+
+
+def _opened(resources: IOResources, store: Store, file: str | None, request: LoadRequest,
+            activity: stall.Activity) -> Opened:
+    """The checkpoint as ``request`` has it (its manifest not read again: with peers, this
+    rank still takes its part in the manifest step), else as ``open_checkpoint`` opens it."""
+    if request.record is None:
+        return open_checkpoint(resources, store, file, allow_pickle=request.allow_pickle,
+                               every_chunk=False, every_item=request.world_size == 1,
+                               shared=request.shared_manifest, activity=activity)
+    if request.shared_manifest is not None:
+        request.shared_manifest.held()
+    return Opened(store, file, request.record)
 
 
 def _shared(read: ReadWith, resources: IOResources, store: Store, record: Manifest,
