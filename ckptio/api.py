@@ -372,8 +372,7 @@ class Checkpointer:
         per_rank_from: which saved rank's value a per-rank key (saved differently by each rank,
         e.g. RNG state) gets on this rank: by default the same rank, which needs the same
         number of ranks; or a saved rank, a mapping or a function new rank -> saved rank.
-        record: what ``manifest(path)`` gave for this load, when the caller has it (not read
-        again: the caller opened the checkpoint it names just before).
+        record: what ``manifest(path)`` returned just before, if the caller has it (not reread).
         """
         started = time.perf_counter()
         path = checkpoint_path(path)
