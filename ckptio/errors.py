@@ -14,8 +14,7 @@ __all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
            "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "refixed",
-           "restated",
-           "seconds_to_wait"]
+           "restated", "seconds_to_wait"]
 
 
 class CkptError(Exception):

@@ -9,7 +9,10 @@
   read said nothing).
 * a load finding a save in flight in an S3 prefix (its lock object): a fresh lease says the
   save is still running on host H, pid P, since when, and to wait; an expired one, or a holder
-  provably dead, says the save was interrupted (both said "interrupted ... or still running").
+  provably dead, says the save was interrupted (both said "interrupted ... or still running");
+  a local save killed before its commit likewise.
+* a rank never seen alive (killed before its first ckptio call) is named alone, as never seen,
+  when the step times out: not with the ranks that did their part as "alive, but stuck".
 """
 
 from __future__ import annotations
@@ -326,3 +329,49 @@ def test_local_save_killed_before_its_commit_says_interrupted(tmp_path: Path) ->
     said = str(err.value)
     assert "interrupted" in said and "still running" not in said, said
     assert "has exited" in said and "pid " in said, said
+
+
+# ------------------------------------------------------------------ item 4: who is to blame
+
+
+def test_a_rank_never_seen_is_named_alone_not_the_ranks_that_read_the_broadcast() -> None:
+    """Three ranks; rank 1 was killed before its first ckptio call (it never beat). Rank 0
+    broadcasts (rank 2 reads it), then all-gathers: each fails naming rank 1 as never seen alive,
+    not rank 2 (which had read it) as "alive, but stuck" too, and rank 2 is not given up on."""
+    import torch.distributed as dist
+
+    from ckptio.distributed.liveness import key_of
+    from ckptio.distributed.storegroup import Deadlines, StoreGroup
+
+    store, deadlines = dist.HashStore(), Deadlines(rank_s=5.0, step_s=1.0)
+    stop, out = threading.Event(), {}
+
+    def beat() -> None:  # ranks 0 and 2 beat; rank 1 never did
+        while not stop.wait(deadlines.beat_s):
+            for r in (0, 2):
+                store.add(key_of(r), 1)
+
+    def run(rank: int) -> None:
+        group = StoreGroup(store, store, (0, 1, 2), rank, "ckptio/t/0", deadlines)
+        try:
+            group.broadcast(b"plan" if rank == 0 else None)
+            group.all_gather(b"x")
+        except ckptio.RankFailedError as exc:
+            out[rank] = exc
+
+    for r in (0, 2):
+        store.add(key_of(r), 1)
+    threads = [threading.Thread(target=beat)] + [threading.Thread(target=run, args=(r,))
+                                                 for r in (0, 2)]
+    for t in threads[1:]:
+        t.start()
+    threads[0].start()
+    for t in threads[1:]:
+        t.join(timeout=30)
+    stop.set()
+    threads[0].join()
+    for rank in (0, 2):
+        said = str(out[rank])
+        assert out[rank].ranks == (1,), (rank, said)
+        assert "rank 1" in said and "never seen alive" in said, said
+        assert "rank 2" not in said and "alive, but stuck" not in said, said
