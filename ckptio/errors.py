@@ -13,8 +13,8 @@ import copy
 __all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
-           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "restated",
-           "seconds_to_wait"]
+           "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "refixed",
+           "restated", "seconds_to_wait"]
 
 
 class CkptError(Exception):
@@ -46,7 +46,20 @@ class UnsupportedStateError(CkptError):
 
 
 class StateMismatchError(CkptError):
-    """The destination state does not match the checkpoint (keys, dtypes, shapes)."""
+    """The destination state does not match the checkpoint (keys, dtypes, shapes). ``fix``:
+    the end of the message that names ckptio.load's own arguments (strict=, keys=) as the fix,
+    which an integration whose user cannot pass them replaces with its own (refixed)."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message + fix)
+        self.fix = fix
+
+    @property
+    def problem(self) -> str:
+        """The message without its ``fix``: what does not match, with no fix of load's."""
+        said = str(self)
+        return (said[:-len(self.fix)] if self.fix and said.endswith(self.fix) else said).rstrip(
+            " .")
 
 
 class PickleRefusedError(CkptError):
@@ -99,6 +112,15 @@ def restated(error: BaseException, prefix: str, *, replacing: str = "") -> BaseE
     said = str(error)
     again.args = (f"{prefix}{said.removeprefix(replacing) if replacing else said}",
                   *error.args[1:])
+    return again
+
+
+def refixed(error: StateMismatchError, fix: str) -> StateMismatchError:
+    """A copy of ``error`` (same type, same attributes) whose message ends with ``fix`` (a
+    caller's own, in its user's terms) in place of its own fix in ckptio.load's arguments."""
+    again = copy.copy(error)
+    again.fix = f". {fix}"
+    again.args = (f"{error.problem}{again.fix}", *error.args[1:])
     return again
 
 

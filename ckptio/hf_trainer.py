@@ -28,7 +28,6 @@ format, its commit or its checks (``Checkpointer.save``/``load``), the generator
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from typing import Any
 
@@ -51,7 +50,6 @@ from ckptio.storage.local import runlease
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
            "last_checkpoint"]
 
-_STRICT_HINT = re.compile(r"\.? *(?:Fix the state, or pass|Pass|Otherwise pass) strict=False")
 _CAST_HINT = " (pass cast=True to convert)"  # the load's, for a dtype: no option through it
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
           "_save_scaler", "_save_rng_state", "_load_from_checkpoint",
@@ -231,7 +229,7 @@ class CkptioTrainerMixin:
             self._ckptio_checkpointer().load(inner, {**(beside or {}), **objects},
                                              keys=list(objects), record=self._ckptio_record(inner))
         except StateMismatchError as exc:
-            what = _STRICT_HINT.split(str(exc))[0].rstrip(". ").replace(_CAST_HINT, "")
+            what = exc.problem.replace(_CAST_HINT, "")
             raise StateMismatchError(
                 f"cannot resume from {os.path.dirname(inner)}: this trainer's "
                 f"{' / '.join(sorted(objects))} differ from what the checkpoint saved ({what}). "

@@ -336,7 +336,7 @@ def _load_tensors(loader: ckptio.Checkpointer, path: str, record: Manifest,
     except StateMismatchError as exc:
         raise MissingInCheckpointError(
             f"rank {_rank()}: the sharded state dict does not match the checkpoint, nothing "
-            f"was loaded on this rank: {exc} [keys under '{_TENSORS}.' are ShardedTensor keys; "
+            f"was loaded on this rank: {exc.problem} [keys under '{_TENSORS}.' are ShardedTensor keys; "
             "through Megatron: build the model as it was saved, or pass a strict= "
             "StrictHandling to dist_checkpointing.load to leave out keys the checkpoint "
             "lacks; CkptioLoadShardedStrategy(cast=True) converts a dtype, as torch_dist "

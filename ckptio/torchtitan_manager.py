@@ -45,6 +45,7 @@ from ckptio.errors import (
     CkptError,
     CorruptCheckpointError,
     StateMismatchError,
+    refixed,
     restated,
 )
 from ckptio.export import export_hf
@@ -240,11 +241,10 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             try:
                 states = self._restored(newest, None if step == -1 else step, kind, ahead)
             except StateMismatchError as exc:
-                raise StateMismatchError(
-                    f"{exc} (through TorchTitan: this job's model or optimizer differs from the "
-                    "one that saved it; build it as saved, leave states out with "
-                    "--checkpoint.exclude_from_loading, or start in a new --checkpoint.folder)"
-                ) from exc
+                raise refixed(exc, "Through TorchTitan: this job's model or optimizer differs "
+                              "from the one that saved it; build it as saved, leave states out "
+                              "with --checkpoint.exclude_from_loading, or start in a new "
+                              "--checkpoint.folder") from exc
             self.states[MODEL].load_state_dict(states)
             return True
         if self.config.initial_load_path is None:
@@ -318,9 +318,9 @@ class CkptioCheckpointManager(BaseCheckpointManager):
             only = ("" if config.initial_load_model_only else ", load the model alone "
                     "(--checkpoint.initial_load_model_only true) if only the optimizer or "
                     "schedule changed")
-            raise StateMismatchError(
-                f"{exc} (through TorchTitan's --checkpoint.initial_load_path {path}: this "
-                f"job's states differ from that checkpoint's; build the model as saved{only}, "
-                "or leave --checkpoint.initial_load_path out to start from scratch)") from exc
+            raise refixed(exc, f"Through TorchTitan's --checkpoint.initial_load_path {path}: "
+                          f"this job's states differ from that checkpoint's; build the model as "
+                          f"saved{only}, or leave --checkpoint.initial_load_path out to start "
+                          "from scratch") from exc
         self.states[MODEL].load_state_dict(states)
         return True

@@ -86,7 +86,7 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
     _changed(rank, into, fault, victim)
     if fault == "kill" and rank == victim:
         delay = random.Random(os.getpid()).uniform(0.0, 0.15)
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        threading.Thread(target=_killed_once_seen, args=(delay,), daemon=True).start()
     if fault in ("unreadable", "die_reading") and rank == victim:
         _deny_reads(path, fault == "die_reading")
     pg = None
@@ -119,6 +119,16 @@ def load(rank: int, world: int, path: str, fault: str = "", victim: int = 1,
             "equal": _equal(into, want) if fault not in ("shape", "dtype", "cast", "keys1")
             else _equal(into["big"], want["big"]),
             "untouched": _equal(into, state(n_tiny, zeros=True)), "took": time.time() - started}
+
+
+def _killed_once_seen(delay: float) -> None:
+    """SIGKILL this rank ``delay`` s after ckptio's heartbeat began in it (its load has begun:
+    the others have seen it alive). A kill before that, which a loaded machine made of a fixed
+    delay, is a rank never seen alive, waited for step_timeout_s, not rank_timeout_s."""
+    while not any(t.name == "ckptio-alive" for t in threading.enumerate()):
+        time.sleep(0.001)
+    time.sleep(delay)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _deny_reads(path: str, die: bool = False) -> None:

@@ -274,12 +274,15 @@ class StoreGroup:
             return dead, self._why[dead[0]]
         limit_s = patience * self.deadlines.step_s
         if missing and waited_s > limit_s:
+            # a rank never seen has not reached this step; the others named may have (a wait on
+            # a count, as for its answers to be read, names every rank): only it is to blame
             unseen = [r for r in missing if watch.seen.get(self.members[r], (0, 0.0))[0] == 0]
             why = ("never seen alive by ckptio: it may have failed before its first save or load"
-                   if len(unseen) == len(missing) else
+                   if unseen else
                    "alive, but stuck? (or not calling this save or load: every rank calls each)")
-            return missing, (f"did not send {what} within {limit_s:g} s ({patience:g} x "
-                             f"Options.step_timeout_s) while rank {self.rank} waited; {why}")
+            return unseen or missing, (f"did not send {what} within {limit_s:g} s ({patience:g} "
+                                       f"x Options.step_timeout_s) while rank {self.rank} "
+                                       f"waited; {why}")
         return None
 
     def _fail(self, ranks: list[int], why: str, *, record: bool = True) -> None:

@@ -33,7 +33,7 @@ import torch
 from ckptio.alignment import BLOCK
 from ckptio.distributed.loadsteps import SharedManifest
 from ckptio.distributed.readshare import Known, ReadPlace, ReadWith
-from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError
+from ckptio.errors import CkptError, PickleRefusedError, StateMismatchError, restated
 from ckptio.format.checksum import stored_algorithm
 from ckptio.format.flatten import flatten
 from ckptio.format.types import Manifest, Read
@@ -227,7 +227,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
         except PickleRefusedError:
             if file is None or not request.allow_pickle:
                 raise
-            return _trusted_torch_load(store, file, state)
+            return _trusted_torch_load(store, file, state, activity)
         record, plain = opened.record, read_fn(resources, store, activity=activity)
         _check_piece(record, store.location)
         _stage_early(resources, store, record, request)
@@ -250,7 +250,7 @@ def load(resources: IOResources, store: Store, file: str | None, state: Any,
                                  _shared(read, resources, store, record, request, activity),
                                  request.rules(), allow_pickle=request.allow_pickle)
         except StateMismatchError as exc:  # which checkpoint (a restore names no path)
-            raise StateMismatchError(f"{store.location}: {exc}") from None
+            raise restated(exc, f"{store.location}: ") from None
 
 
 def _opened(resources: IOResources, store: Store, file: str | None, request: LoadRequest,
@@ -329,16 +329,19 @@ def _stage_early(resources: IOResources, store: Store, record: Manifest, request
             resources.files(store, nbytes, reading=True)
 
 
-def _trusted_torch_load(store: Store, file: str, state: Any) -> Any:
+def _trusted_torch_load(store: Store, file: str, state: Any, activity: stall.Activity) -> Any:
     """A torch.save file holding objects beyond training state, with allow_pickle and no
-    state: what torch.load returns (its pickle runs: the caller trusts the file)."""
+    state: what torch.load returns (its pickle runs: the caller trusts the file), its read
+    watched by the load's ``activity``."""
     if state is not None:
         raise CkptError(
             f"{store.path_of(file)}: a torch.save file holding Python objects beyond plain "
             "training state loads only fresh with allow_pickle=True (ckptio.load(path, "
             "allow_pickle=True) returns torch.load(path, weights_only=False)), not in place"
         ) from None
-    return torch.load(io.BytesIO(store.read_file(file)), weights_only=False, map_location="cpu")
+    with activity.call("read", store.path_of(file)):
+        raw = store.read_file(file)
+    return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
 
 
 def verify(resources: IOResources, opened: Opened,

@@ -159,7 +159,7 @@ def _renamed(flat: FlatState, sources: Sources, chosen: Callable[[str], bool],
     """The optimizers whose parameters changed since the save: refused if strict (first)."""
     renamed = param_check.differing(flat, sources, chosen, rules.cast)
     if renamed and rules.strict:
-        raise StateMismatchError(param_check.refusal(renamed[0], sources))
+        raise StateMismatchError(*param_check.refusal(renamed[0], sources))
     return renamed
 
 
@@ -302,7 +302,7 @@ def _absent(m: Match, strict: bool) -> None:
     if absent and strict:
         raise StateMismatchError(
             f"keys {sorted(absent)[:10]} hold each saved rank's own value, and saved rank "
-            f"{m.sources.source_rank} did not save them; choose another rank with "
+            f"{m.sources.source_rank} did not save them", fix="; choose another rank with "
             "per_rank_from=..., or pass strict=False (or keys=...) to leave them out")
     m.missing = (*m.missing, *absent)
 
@@ -312,8 +312,8 @@ def _mismatched(m: Match, strict: bool) -> None:
     if m.problems and strict:
         raise StateMismatchError(
             f"{len(m.problems)} key(s) do not match the checkpoint: "
-            + "; ".join(list(m.problems.values())[:10])
-            + ". Fix the state, or pass strict=False to load the rest and skip these")
+            + "; ".join(list(m.problems.values())[:10]),
+            fix=". Fix the state, or pass strict=False to load the rest and skip these")
     if m.problems:
         m.warnings.append((
             f"strict=False: {len(m.problems)} key(s) left as they were, their dtype or shape "
@@ -337,7 +337,7 @@ def _check_keys(m: Match, flat: FlatState, strict: bool) -> None:
         rest = "" if wrapped else (" Otherwise pass" if hint or lists_hint else " Pass") + (
             " strict=False to load the keys both have, or keys=... to choose which to load")
         raise StateMismatchError(f"state and checkpoint keys differ: {differ}.{hint}{wrapped}"
-                                 f"{lists_hint}{rest}")
+                                 f"{lists_hint}", fix=rest)
     if hint or wrapped:
         m.warnings.append((f"strict=False: {len(unexpected)} checkpoint keys not loaded."
                            f"{hint}{wrapped}", 3))

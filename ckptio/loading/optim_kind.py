@@ -120,21 +120,22 @@ def found(flat: FlatState, keys: list[str], select: Callable[[str], bool],
     """``differing``, refused (StateMismatchError: ``refusal``) if ``strict``."""
     kinds = differing(flat, keys, select)
     if kinds and strict:
-        raise StateMismatchError(refusal(kinds, flat))
+        raise StateMismatchError(*refusal(kinds, flat))
     return kinds
 
 
-def refusal(kinds: list[OtherKind], flat: FlatState) -> str:
-    """The strict load's error for the first of ``kinds`` (an optimizer): what differs and the
-    fixes (the keys to load leave out its schedulers too)."""
+def refusal(kinds: list[OtherKind], flat: FlatState) -> tuple[str, str]:
+    """The strict load's error for the first of ``kinds`` (an optimizer): what differs, and
+    the fixes in load's arguments (the keys to load leave out its schedulers too)."""
     kind, out = kinds[0], tuple(f"{k.prefix}." for k in kinds)
     rest = sorted({k.split(".", 1)[0] for k in flat.leaves if kind.prefix
                    and not k.startswith(out)})
     leave_out = f"keys={rest!r}" if rest else "keys=..."
     return (f"key {kind.prefix or '(the state)'!r}: {kind.what()}. Its state cannot be loaded "
             "into this optimizer (it would take the other's learning rate, weight decay and "
-            "state): build the optimizer the saved run used. Otherwise pass strict=False (this "
-            f"optimizer is left as built, and a warning says so), or {leave_out} to leave it out")
+            "state): build the optimizer the saved run used.", " Otherwise pass strict=False ("
+            f"this optimizer is left as built, and a warning says so), or {leave_out} to leave "
+            "it out")
 
 
 def outside(select: Callable[[str], bool], kinds: list[OtherKind]) -> Callable[[str], bool]:

@@ -110,8 +110,9 @@ def _renamed(flat: FlatState, sources: Sources, prefix: str, opt: torch.optim.Op
                    frozenset(retyped))
 
 
-def refusal(renamed: Renamed, sources: Sources) -> str:
-    """The strict load's error for ``renamed``: what changed and the fixes."""
+def refusal(renamed: Renamed, sources: Sources) -> tuple[str, str]:
+    """The strict load's error for ``renamed``: what changed, and the fixes in load's
+    arguments."""
     prefix = renamed.prefix
     split = (sources.saved_world > 1 and not renamed.reshaped and renamed.added
              and all(_in_checkpoint(renamed, sources, n) for n in renamed.added))
@@ -122,8 +123,9 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
              "as well where the model's own keys changed)")
     if split:
         g = next((g for g, (a, b) in enumerate(zip(renamed.saved, renamed.wanted)) if a != b), 0)
-        return _message(prefix, g, renamed.saved[g], renamed.wanted[g], sources) + (
-            f"; if the model changed instead ({renamed.changes()}): {fixes[0].lower()}{fixes[1:]}")
+        return (_message(prefix, g, renamed.saved[g], renamed.wanted[g], sources)
+                + f"; if the model changed instead ({renamed.changes()})",
+                f": {fixes[0].lower()}{fixes[1:]}")
     changes = renamed.changes()
     sizes = [[len(g) for g in groups] for groups in (renamed.saved, renamed.wanted)]
     what = (f"the model's parameters changed since the save ({changes})" if changes else
@@ -135,7 +137,7 @@ def refusal(renamed: Renamed, sources: Sources) -> str:
     wrapped = state_keys.wrapper_hint(renamed.added, renamed.removed)
     return (f"key {prefix or '(the state)'!r}: {what}, and this optimizer keys its state by "
             "parameter index: loaded by index, parameters would get other parameters' state."
-            + (wrapped or " " + fixes))
+            + wrapped, "" if wrapped else " " + fixes)
 
 
 def _in_checkpoint(renamed: Renamed, sources: Sources, name: str) -> bool:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import datetime
 from typing import Any
 
-__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "alive", "boot_id", "dead", "host_id", "is_me",
-           "me", "running_here", "started"]
+__all__ = ["HOST_ID_ENV", "RECORD_MAX_NBYTES", "ago", "alive", "boot_id", "dead", "host_id",
+           "is_me", "me", "running_here", "started"]
 
 RECORD_MAX_NBYTES = 4096  # a holder record's JSON is read as up to this many bytes
 HOST_ID_ENV = "CKPTIO_HOST_ID"
@@ -71,6 +72,17 @@ def me() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "boot": boot_id(), "pid": pid, "start": started(pid),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def ago(record: dict[str, Any]) -> str:
+    """When the holder ``record`` started: "N s ago" by this host's clock (its "since"), or
+    its "since" as written where that cannot be read."""
+    since = record.get("since")
+    try:
+        began = datetime.strptime(str(since), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return f"at {since}"
+    return f"{max(0.0, time.time() - began):.0f} s ago"
 
 
 def is_me(record: dict[str, Any] | None) -> bool:

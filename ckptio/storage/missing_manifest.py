@@ -59,19 +59,26 @@ def spelled_alike(name: str, siblings: list[str]) -> list[str]:
 def no_manifest(location: str, names: list[str],
                 is_checkpoint: Callable[[str], bool] = lambda name: False,
                 is_tc: Callable[[str], bool] = lambda name: False,
-                saving: str | None = None) -> CkptError:
+                saving: str | None = None, ended: str | None = None) -> CkptError:
     """The error for ``location`` holding ``names`` (every entry, sorted) and no committed
     manifest: IncompleteCheckpointError for a ckptio save's leftovers, else
     CheckpointNotFoundError saying what it is. ``is_checkpoint(name)``: whether the entry
     ``name`` is itself a committed ckptio checkpoint (a parent of checkpoints); ``is_tc(name)``:
     whether the step ``name`` holds a torch_checkpointing checkpoint (a run of its steps);
-    ``saving``: who holds the location's save lock, a save still running."""
+    ``saving``: who holds the location's save lock, a save still running; ``ended``: why its
+    save is known to have ended without a commit (its holder gone, its lease expired)."""
     partial = [n for n in names if is_ours(n) or n == LOCK_NAME]
     if partial and saving is not None:
         return IncompleteCheckpointError(
             f"{location} holds no committed checkpoint yet: a save into it ({saving}) is still "
             "running; wait for that save to finish (its SaveHandle.wait(), or the saving "
             "job's CheckpointManager.close()) and load again, or load an earlier checkpoint")
+    if partial and ended is not None:
+        return IncompleteCheckpointError(
+            f"{location} holds no committed manifest ({MANIFEST_NAME}), only {len(partial)} "
+            f"partial file(s) of a ckptio save that was interrupted before its commit ({ended}; "
+            f"{_some(partial)}): no committed checkpoint exists here. Load an earlier "
+            "checkpoint; saving into this path again replaces the leftovers")
     if partial:
         return IncompleteCheckpointError(
             f"{location} holds no committed manifest ({MANIFEST_NAME}), only {len(partial)} "

@@ -198,12 +198,13 @@ def unreached(what: str, endpoint: str, tried: str, *, cloud: str | None,
 
 def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable[[str], bool],
                   child: Callable[[str], str], endpoint: str, noun: str,
-                  saving: str | None = None) -> CkptError:
+                  saving: str | None = None, ended: str | None = None) -> CkptError:
     """Why ``location`` (object name ``name`` under its bucket or container) holds no manifest:
     an ``noun`` (object, blob) rather than a prefix, nothing under it, or ``entries`` (the
     names directly under it) that look like a run's steps or something else. ``exists(name)``
     asks the service; ``child(rel)`` is the object name of ``rel`` under the prefix;
-    ``saving``: the holder of its lock, a save still running (missing_manifest.no_manifest)."""
+    ``saving``, ``ended``: a save still running, or known to have ended without a commit
+    (missing_manifest.no_manifest)."""
     if not entries:
         if name and exists(name):
             return CheckpointNotFoundError(
@@ -213,7 +214,7 @@ def no_checkpoint(location: str, entries: list[str], name: str, exists: Callable
                                        f"that prefix at {endpoint}")
     return missing_manifest.no_manifest(location, entries,
                                         lambda step: exists(child(f"{step}/{MANIFEST_NAME}")),
-                                        saving=saving)
+                                        saving=saving, ended=ended)
 
 
 class MarkedSteps:

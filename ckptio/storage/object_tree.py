@@ -174,19 +174,21 @@ class ObjectTreeStore:
         if manifest is not None:
             return manifest
         entries = self.entries()
+        saving, ended = self._in_flight() if LOCK_NAME in entries else (None, None)
         raise no_checkpoint(self.location, entries, self.where.key,
                             lambda key: self.bucket.head(key) is not None,
                             lambda rel: self.where.child(rel).key, self._endpoint(),
-                            self.bucket.noun, self._saving() if LOCK_NAME in entries else None)
+                            self.bucket.noun, saving, ended)
 
-    def _saving(self) -> str | None:
-        """The holder its lock object names, when a save by a process alive on this host
-        (holder.running_here); None otherwise or when it cannot be read."""
+    def _in_flight(self) -> tuple[str | None, str | None]:
+        """The save its lock object names: (its holder, while it runs; None) or (None, why it
+        is known to have ended); this default knows only a process alive on this host
+        (holder.running_here); (None, None) when it cannot tell or read it."""
         try:
             body = self.bucket.get(self.where.child(LOCK_NAME).key, 0, RECORD_MAX_NBYTES)
-            return running_here(json.loads(body or b"null"))
+            return running_here(json.loads(body or b"null")), None
         except (CkptError, ValueError):
-            return None
+            return None, None
 
     def _endpoint(self) -> str:
         return str(self.settings.endpoint())

@@ -33,7 +33,7 @@ from ckptio.storage import abandon
 from ckptio.storage import holder as holders
 from ckptio.storage.store_contract import check_if_locked
 
-__all__ = ["LOCK_NAME", "DirLock", "broken_link", "lock", "make_dir", "saving_now", "still_linked",
+__all__ = ["LOCK_NAME", "DirLock", "broken_link", "in_flight", "lock", "make_dir", "still_linked",
            "unlock"]
 
 log = logging.getLogger("ckptio")
@@ -103,18 +103,19 @@ def unlock(held: DirLock, *, failed: bool = False) -> None:
         _remove_if_empty(held.path)
 
 
-def saving_now(path: str) -> str | None:
-    """Who holds the lock of ``path`` for a save still running, as the lock file's record names
-    them ("host h, pid p, since s"), or None: no lock file or record, its holder has exited (a
-    save killed before its commit), or it ran on another host or boot (alive or not: it cannot
-    be told from here). Only reads the file: the lock is never taken, so no save waits for a
-    reader."""
+def in_flight(path: str) -> tuple[str | None, str | None]:
+    """The save the lock file of ``path`` records, for a load that finds no manifest there:
+    (who holds it, "host h, pid p, since s", None) for a process alive on this host, (None, why
+    it is known to have ended: its holder provably gone), or (None, None): no lock file or
+    record, or a holder on another host or boot (alive or not: it cannot be told from here).
+    Only reads the file: the lock is never taken, so no save waits for a reader."""
     try:
         with open(os.path.join(path, LOCK_NAME), "rb") as f:
             record = json.loads(f.read(holders.RECORD_MAX_NBYTES))
     except (OSError, ValueError):
-        return None
-    return holders.running_here(record)
+        return None, None
+    gone = holders.dead(record) if isinstance(record, dict) else None
+    return holders.running_here(record), None if gone is None else f"its holder, {gone}"
 
 
 def _remove_if_empty(path: str) -> None:

@@ -229,11 +229,11 @@ class LocalStore:
             names = sorted(os.listdir(self.directory))
         except OSError as exc:
             return StorageIOError(f"cannot list {self.location}: {exc.strerror or exc}")
+        saving, ended = dirlock.in_flight(self.directory)
         return missing_manifest.no_manifest(
             self.location, names,
             lambda name: os.path.isfile(os.path.join(self.directory, name, MANIFEST_NAME)),
-            lambda name: holds_tc(os.path.join(self.directory, name)),
-            dirlock.saving_now(self.directory))
+            lambda name: holds_tc(os.path.join(self.directory, name)), saving, ended)
 
     def sizes(self, names: Iterable[str]) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from ckptio.errors import CkptError
 from ckptio.storage import holder as holders
 from ckptio.storage.local.dirlock import LOCK_NAME
 from ckptio.storage.object_common import LockWait
@@ -43,7 +44,7 @@ from ckptio.storage.s3.client import call, client, describe, failed, status
 from ckptio.storage.s3.s3path import S3Path
 from ckptio.storage.s3.settings import S3Settings
 
-__all__ = ["LEASE_NAME", "LOCK_NAME", "S3Lock", "take", "take_run"]
+__all__ = ["LEASE_NAME", "LOCK_NAME", "S3Lock", "in_flight", "take", "take_run"]
 
 log = logging.getLogger("ckptio")
 
@@ -167,6 +168,30 @@ def take_run(root: S3Path, settings: S3Settings, take_over: bool) -> S3Lock | No
             lease.start_renewing()
             return lease
         time.sleep(watch.pause(other))
+
+
+def in_flight(location: S3Path, settings: S3Settings) -> tuple[str | None, str | None]:
+    """The save whose lock object is under ``location`` (a load found no manifest there):
+    (who holds it and since when, None) while its lease is fresh, or (None, why it is known to
+    have ended: its holder provably dead, or its lease expired); (None, None) where there is
+    no lock, or it cannot be read."""
+    where = location.child(LOCK_NAME)
+    try:
+        head = _head(where, settings)
+    except CkptError:
+        return None, None
+    other, _etag = _holder(where, settings) if head is not None else (None, None)
+    if head is None or other is None:
+        return None, None
+    gone, age = holders.dead(other), _age_s(head)
+    if gone is not None:
+        return None, f"its holder, {gone}"
+    who = f"host {other.get('host')}, pid {other.get('pid')}"
+    lease = lease_of(other, settings.lock_lease_s)
+    if age > lease:
+        return None, (f"its holder, {who}, stopped renewing its lock {age:.0f} s ago, past "
+                      f"its lease of {lease:.0f} s")
+    return f"on {who}, started {holders.ago(other)}, its lock renewed {age:.0f} s ago", None
 
 
 def _replace(where: S3Path, settings: S3Settings, holder: dict[str, Any], etag: str

@@ -255,6 +255,10 @@ class S3Store(ObjectTreeStore):
     def _lock(self, if_locked: str, save: str) -> Any:
         return s3lock.take(self.where, self.settings, if_locked, save=save)
 
+    def _in_flight(self) -> tuple[str | None, str | None]:
+        """Told by its lock's lease (s3/lock.py in_flight)."""
+        return s3lock.in_flight(self.where, self.settings)
+
     def prepare(self) -> None:
         super().prepare()
         if self.capabilities.conditional_commit:
