@@ -3,10 +3,10 @@ URL, the one form that s3:// (s3/s3path.py), gs:// (gcs/gcs_client.py) and az://
 (azure/az_client.py) share.
 
 Call order: each scheme's URL class subclasses BucketUrl, naming in a UrlForm its scheme, the
-bucket names its service accepts and the words of its messages; its store, root, backend and lock parse a
-URL with ``parse`` before any client is made: a location that cannot name an object (no bucket,
-a bucket name the service refuses, an empty, '.' or '..' part in the key) is refused at once,
-with the form to write.
+bucket names its service accepts and the words of its messages; its store, root, backend and
+lock parse a URL with ``parse`` before any client is made: a location that cannot name an object (no bucket,
+a bucket name the service refuses, an empty, '.' or '..' part or a control character in the
+key) is refused at once, with the form to write.
 
 Owns: the URL's form, its parsing, a location's child and listing prefix (object_tree.Place).
 Does not own: which bucket names a service accepts and the words naming them (each scheme's
@@ -25,6 +25,10 @@ from ckptio.errors import CkptError
 __all__ = ["BucketUrl", "UrlForm"]
 
 U = TypeVar("U", bound="BucketUrl")
+# No key holds one as meant (a run name read from a file unstripped: "run-7\n"); GCS refuses CR
+# and LF, S3 answers a NUL with a bare 400, Azurite others with server errors retried as an
+# outage.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class BucketUrl:
             raise CkptError(f"{url}: {bucket!r} is not {form.bucket}; write {form.write}, "
                             f"e.g. {form.example}")
         key = key.rstrip("/")
+        if _CONTROL.search(key):
+            raise CkptError(f"{url!r}: {form.key} {key!r} has a control character; write "
+                            f"{form.write} with printable parts")
         if "//" in key or any(part in (".", "..") for part in key.split("/")):
             raise CkptError(f"{url}: {form.key} {key!r} has an empty, '.' or '..' part; "
                             f"write {form.write} with plain parts")

@@ -1,0 +1,114 @@
+"""Object-store URLs (ckptio/storage/bucket_url.py): s3://, gs:// and az:// share one form,
+parsing and messages, each scheme naming its own bucket rule and words (S3Path, GcsPath,
+AzPath), and a user's odd key is either kept as written or refused at once, naming the URL and
+the form to write. No server is needed: every refusal here comes before any client is made.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ckptio
+from ckptio import CkptError
+from ckptio.storage.azure.az_client import AzPath
+from ckptio.storage.bucket_url import BucketUrl
+from ckptio.storage.gcs.gcs_client import GcsPath
+from ckptio.storage.s3.s3path import S3Path
+
+SCHEMES = [(S3Path, "s3://"), (GcsPath, "gs://"), (AzPath, "az://")]
+BOUND_S = 5.0  # a refused URL is refused before any request: anything slower tried a service
+
+
+@pytest.mark.parametrize(("cls", "scheme"), SCHEMES)
+def test_each_scheme_parses_joins_and_lists_the_same_way(cls: type[BucketUrl], scheme: str) -> None:
+    where = cls.parse(f"{scheme}box-1/run 7/ü%+/")
+    assert (where.bucket, where.key) == ("box-1", "run 7/ü%+")
+    assert where == cls("box-1", "run 7/ü%+") and type(where) is cls
+    assert where.url == f"{scheme}box-1/run 7/ü%+"
+    assert where.child("step-3").url == f"{scheme}box-1/run 7/ü%+/step-3"
+    assert where.dir_prefix == "run 7/ü%+/"
+    whole = cls.parse(f"{scheme}box-1")
+    assert (whole.url, whole.dir_prefix, whole.child("x").url) == (f"{scheme}box-1", "",
+                                                                    f"{scheme}box-1/x")
+
+
+def test_azure_keeps_its_own_names() -> None:
+    where = AzPath.parse("az://box-1/run/step-3")
+    assert (where.container, where.name, where.key) == ("box-1", "run/step-3", "run/step-3")
+    assert repr(where) == "AzPath(container='box-1', name='run/step-3')"
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("gs://b/x", "'gs://b/x' is not an s3:// URL"),
+    ("s3://My-Bucket/x", "s3://My-Bucket/x: 'My-Bucket' is not an S3 bucket name; write "
+     "s3://BUCKET/PREFIX, e.g. s3://my-bucket/run-7/step-100"),
+    ("s3://bkt/a/../b", "s3://bkt/a/../b: the key prefix 'a/../b' has an empty, '.' or '..' "
+     "part; write s3://BUCKET/PREFIX with plain parts"),
+])
+def test_s3_messages_word_for_word(url: str, message: str) -> None:
+    with pytest.raises(CkptError) as got:
+        S3Path.parse(url)
+    assert str(got.value) == message
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("s3://b/x", "'s3://b/x' is not a gs:// URL"),
+    ("gs://UP/x", "gs://UP/x: 'UP' is not a GCS bucket name; write gs://BUCKET/PREFIX, e.g. "
+     "gs://my-bucket/run-7/step-100"),
+    ("gs://bkt/a//b", "gs://bkt/a//b: the object prefix 'a//b' has an empty, '.' or '..' part; "
+     "write gs://BUCKET/PREFIX with plain parts"),
+])
+def test_gcs_messages_word_for_word(url: str, message: str) -> None:
+    with pytest.raises(CkptError) as got:
+        GcsPath.parse(url)
+    assert str(got.value) == message
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("s3://b/x", "'s3://b/x' is not an az:// URL"),
+    ("az://UP/x", "az://UP/x: 'UP' is not an Azure container name (3-63 lower-case letters, "
+     "digits and single hyphens); write az://CONTAINER/PREFIX, e.g. az://checkpoints/run-7"),
+    ("az://box/./b", "az://box/./b: the prefix './b' has an empty, '.' or '..' part; write "
+     "az://CONTAINER/PREFIX with plain parts"),
+])
+def test_azure_messages_word_for_word(url: str, message: str) -> None:
+    with pytest.raises(CkptError) as got:
+        AzPath.parse(url)
+    assert str(got.value) == message
+
+
+@pytest.mark.parametrize(("cls", "scheme"), SCHEMES)
+@pytest.mark.parametrize("odd", ["run-7\n", "run\x00x", "run\x01x/step-3", "tab\there", "del\x7f"])
+def test_a_key_with_a_control_character_is_refused_naming_the_url_and_the_form(
+        cls: type[BucketUrl], scheme: str, odd: str) -> None:
+    """A run name read from a file and not stripped (``run-7\\n``), or a stray control
+    character. Before: s3:// and gs:// wrote under that key, so the same URL written plainly
+    found nothing; az:// on Azurite retried server errors for the whole retry deadline and
+    blamed the service; a NUL on s3:// got ``400 400 (Bad Request)``. Now the URL is refused at
+    once, shown with the character escaped, naming the form to write."""
+    url = f"{scheme}bucket-1/{odd}"
+    with pytest.raises(CkptError) as got:
+        cls.parse(url)
+    message = str(got.value)
+    assert message.startswith(repr(url)), message
+    assert "control character" in message and "with printable parts" in message, message
+
+
+@pytest.mark.parametrize("scheme", ["s3://", "gs://", "az://"])
+def test_save_and_manager_refuse_a_control_character_before_any_request(
+        scheme: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ckptio.save, ckptio.load and a CheckpointManager, the way a training loop writes
+    it: a CkptError naming the URL at once, with no endpoint configured (nothing is sent)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on port 9
+    url = f"{scheme}bucket-1/run-7\n"
+    for call in (lambda: ckptio.save({"w": torch.ones(4)}, url),
+                 lambda: ckptio.load(url),
+                 lambda: ckptio.CheckpointManager(url, keep_last=2)):
+        started = time.monotonic()
+        with pytest.raises(CkptError, match="control character") as got:
+            call()
+        assert repr(url) in str(got.value)
+        assert time.monotonic() - started < BOUND_S
