@@ -7,6 +7,8 @@ the form to write. No server is needed: every refusal here comes before any clie
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -112,3 +114,39 @@ def test_save_and_manager_refuse_a_control_character_before_any_request(
             call()
         assert repr(url) in str(got.value)
         assert time.monotonic() - started < BOUND_S
+
+
+# ------------------------------------------------------- a bucket name the S3 service refuses
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A SeaweedFS S3 server of this module (bucket ``ckpt``); skipped where weed is missing."""
+    pytest.importorskip("boto3")
+    from ckptio.testing.s3server import SeaweedServer, ServerError, weed_binary
+    try:
+        weed_binary()
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    with SeaweedServer(tmp_path_factory.mktemp("weed")) as server:
+        yield server
+
+
+def test_a_manager_on_a_bucket_name_s3_refuses_names_the_bucket_fix(
+        weed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s3://ckpt_under/run``: the form takes '_' (old buckets have it), the service refuses
+    the name. Before: ckptio.save said the bucket does not exist (create it, or fix the name),
+    but a CheckpointManager's first request said only ``400 InvalidBucketName``, with no fix.
+    Now both name the URL and say to fix the bucket's name."""
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    url = "s3://ckpt_under/run-7"
+    with pytest.raises(CkptError) as got:
+        mgr = ckptio.CheckpointManager(url, keep_last=2)
+        try:
+            mgr.save(1, {"w": torch.ones(4)})
+            mgr.wait()
+        finally:
+            mgr.close()
+    message = str(got.value)
+    assert url in message and "fix the bucket name" in message, message
