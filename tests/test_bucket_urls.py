@@ -43,42 +43,27 @@ def test_azure_keeps_its_own_names() -> None:
     assert repr(where) == "AzPath(container='box-1', name='run/step-3')"
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("gs://b/x", "'gs://b/x' is not an s3:// URL"),
-    ("s3://My-Bucket/x", "s3://My-Bucket/x: 'My-Bucket' is not an S3 bucket name; write "
+@pytest.mark.parametrize(("cls", "url", "message"), [
+    (S3Path, "gs://b/x", "'gs://b/x' is not an s3:// URL"),
+    (S3Path, "s3://My-Bucket/x", "s3://My-Bucket/x: 'My-Bucket' is not an S3 bucket name; write "
      "s3://BUCKET/PREFIX, e.g. s3://my-bucket/run-7/step-100"),
-    ("s3://bkt/a/../b", "s3://bkt/a/../b: the key prefix 'a/../b' has an empty, '.' or '..' "
-     "part; write s3://BUCKET/PREFIX with plain parts"),
+    (S3Path, "s3://bkt/a/../b", "s3://bkt/a/../b: the key prefix 'a/../b' has an empty, '.' or "
+     "'..' part; write s3://BUCKET/PREFIX with plain parts"),
+    (GcsPath, "s3://b/x", "'s3://b/x' is not a gs:// URL"),
+    (GcsPath, "gs://UP/x", "gs://UP/x: 'UP' is not a GCS bucket name; write gs://BUCKET/PREFIX, "
+     "e.g. gs://my-bucket/run-7/step-100"),
+    (GcsPath, "gs://bkt/a//b", "gs://bkt/a//b: the object prefix 'a//b' has an empty, '.' or "
+     "'..' part; write gs://BUCKET/PREFIX with plain parts"),
+    (AzPath, "s3://b/x", "'s3://b/x' is not an az:// URL"),
+    (AzPath, "az://UP/x", "az://UP/x: 'UP' is not an Azure container name (3-63 lower-case "
+     "letters, digits and single hyphens); write az://CONTAINER/PREFIX, e.g. "
+     "az://checkpoints/run-7"),
+    (AzPath, "az://box/./b", "az://box/./b: the prefix './b' has an empty, '.' or '..' part; "
+     "write az://CONTAINER/PREFIX with plain parts"),
 ])
-def test_s3_messages_word_for_word(url: str, message: str) -> None:
+def test_each_schemes_messages_word_for_word(cls: type[BucketUrl], url: str, message: str) -> None:
     with pytest.raises(CkptError) as got:
-        S3Path.parse(url)
-    assert str(got.value) == message
-
-
-@pytest.mark.parametrize(("url", "message"), [
-    ("s3://b/x", "'s3://b/x' is not a gs:// URL"),
-    ("gs://UP/x", "gs://UP/x: 'UP' is not a GCS bucket name; write gs://BUCKET/PREFIX, e.g. "
-     "gs://my-bucket/run-7/step-100"),
-    ("gs://bkt/a//b", "gs://bkt/a//b: the object prefix 'a//b' has an empty, '.' or '..' part; "
-     "write gs://BUCKET/PREFIX with plain parts"),
-])
-def test_gcs_messages_word_for_word(url: str, message: str) -> None:
-    with pytest.raises(CkptError) as got:
-        GcsPath.parse(url)
-    assert str(got.value) == message
-
-
-@pytest.mark.parametrize(("url", "message"), [
-    ("s3://b/x", "'s3://b/x' is not an az:// URL"),
-    ("az://UP/x", "az://UP/x: 'UP' is not an Azure container name (3-63 lower-case letters, "
-     "digits and single hyphens); write az://CONTAINER/PREFIX, e.g. az://checkpoints/run-7"),
-    ("az://box/./b", "az://box/./b: the prefix './b' has an empty, '.' or '..' part; write "
-     "az://CONTAINER/PREFIX with plain parts"),
-])
-def test_azure_messages_word_for_word(url: str, message: str) -> None:
-    with pytest.raises(CkptError) as got:
-        AzPath.parse(url)
+        cls.parse(url)
     assert str(got.value) == message
 
 
