@@ -135,3 +135,17 @@ def test_a_manager_on_a_bucket_name_s3_refuses_names_the_bucket_fix(
             mgr.close()
     message = str(got.value)
     assert url in message and "fix the bucket name" in message, message
+
+
+def test_a_key_longer_than_s3_allows_says_to_shorten_the_prefix(
+        weed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix past S3's key length (a run name made of a long config string). Before: ``400
+    KeyTooLongError (Your key is too long.)`` about a probe object the user never named, no
+    fix. Now the message names the URL and says to write a shorter prefix."""
+    for name, value in weed.env().items():
+        monkeypatch.setenv(name, value)
+    url = f"s3://{weed.bucket}/{'k' * 1100}"
+    with pytest.raises(CkptError) as got:
+        ckptio.save({"w": torch.ones(4)}, url)
+    message = str(got.value)
+    assert url in message and "shorter s3:// prefix" in message, message
