@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,3 +150,33 @@ def test_a_key_longer_than_s3_allows_says_to_shorten_the_prefix(
         ckptio.save({"w": torch.ones(4)}, url)
     message = str(got.value)
     assert url in message and "shorter s3:// prefix" in message, message
+
+
+# ------------------------------------------------------- a URL with a slash missing
+
+
+@pytest.mark.parametrize("typo", ["s3:/bucket-1/run", "gs:/bucket-1/run", "az:/bucket-1/run",
+                                  "S3:/bucket-1/run", "s3:bucket-1/run"])
+def test_a_url_missing_a_slash_is_refused_not_written_to_a_local_folder(
+        typo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s3:/bucket/run`` (one slash): before, ckptio.save wrote the checkpoint into a local
+    folder ``./s3:/bucket/run`` and the job went on, its checkpoints on the node's disk, not in
+    the bucket. Now save, load and a manager refuse it naming the path, the scheme to write and
+    the way to mean a local folder; nothing is made."""
+    monkeypatch.chdir(tmp_path)
+    scheme = typo.split(":")[0].lower()
+    for call in (lambda: ckptio.save({"w": torch.ones(4)}, typo),
+                 lambda: ckptio.load(typo),
+                 lambda: ckptio.CheckpointManager(typo, keep_last=2)):
+        with pytest.raises(CkptError) as got:
+            call()
+        message = str(got.value)
+        assert message.startswith(typo) and f"{scheme}://" in message and "./" in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_local_folder_named_like_a_scheme_is_still_served_with_dot_slash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ckptio.save({"w": torch.arange(4.0)}, "./s3:/run")
+    assert torch.equal(ckptio.load("./s3:/run")["w"], torch.arange(4.0))
