@@ -10,6 +10,7 @@ import sys
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.testing.faultfs import FaultFS
 
 # Tests never pick up a tuned profile of the machine they run on (`ckptio tune` writes one to
 # ~/.cache/ckptio): each run starts with an empty profile file of its own. Subprocesses inherit it.
@@ -175,3 +177,12 @@ def shm(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("CKPTIO_SHM_DIR", root)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[FaultFS]:
+    """A fault file system (ckptio.testing.faultfs): ``fs.mountpoint`` shows
+    ``tmp_path/backing``; unmounted afterwards. A test module using it skips itself where
+    /dev/fuse is unusable (``fuse_unusable``)."""
+    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
+        yield mounted

@@ -18,16 +18,9 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.testing.faultfs import FaultFS, fuse_unusable
+from ckptio.testing.faultfs import fuse_unusable
 
 pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
-
-
-@pytest.fixture
-def fs(tmp_path: Path):
-    """A fault file system: ``fs.mountpoint`` shows ``tmp_path/backing``."""
-    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
-        yield mounted
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

@@ -13,8 +13,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +25,6 @@ pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unu
 
 RELEASE_S = 6.0  # a hung call is let go after this long: a wait still blocked then is a bug
 GIVE_UP_S = 0.5  # the timeout the tests give wait / drained / close
-
-
-@pytest.fixture
-def fs(tmp_path: Path) -> Iterator[FaultFS]:
-    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
-        yield mounted
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,6 @@ fuse = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable(
 WARN_S = 0.2  # Options.io_stall_warn_s of these loads
 BOUND_S = 10.0  # a warning, or a load once released, that takes longer is a bug
 MiB = 1 << 20
-
-
-@pytest.fixture
-def fs(tmp_path: Path) -> Iterator[FaultFS]:
-    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
-        yield mounted
 
 
 def _state(value: float, n: int = 4096) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,18 +24,12 @@ import torch
 
 import ckptio
 from ckptio import Tier
-from ckptio.testing.faultfs import FaultFS, fuse_unusable
+from ckptio.testing.faultfs import fuse_unusable
 from ckptio.testing.rank_processes import run_ranks
 
 pytestmark = pytest.mark.skipif(fuse_unusable() is not None, reason=str(fuse_unusable()))
 
 BOUND_S = 20.0  # every scenario here takes well under a second or two; a hang is a bug
-
-
-@pytest.fixture
-def fs(tmp_path: Path) -> Iterator[FaultFS]:
-    with FaultFS(tmp_path / "backing", tmp_path / "mnt") as mounted:
-        yield mounted
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

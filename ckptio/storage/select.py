@@ -14,8 +14,8 @@ A scheme's settings come as ``Options(storage={"myfs": MySettings(...)})``; sett
 resolves them for a location (defaults where none given): no module outside its folder reads them.
 
 Call order: checkpoint_path() turns a user's path into the location (refusing an unregistered
-scheme rather than taking ``hdfs:`` for a folder); store_for() makes the Store of one checkpoint
-(storage/store_contract.py's contract); root_for() the StepRoot of a manager's directory (steproot.py).
+scheme, or one missing a slash, rather than taking ``hdfs:`` or ``s3:`` for a folder); store_for()
+makes one checkpoint's Store (store_contract.py); root_for() a manager's StepRoot (steproot.py).
 Built-in factories import their modules on first use, so the torch-free ``ckptio`` command
 pays only for the schemes it reads.
 
@@ -67,6 +67,7 @@ SettingsOf = Callable[[Options], Any]  # options -> the scheme's settings object
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+_SLASH_MISSING = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")  # "s3:/bucket", "gs:bucket"
 _lock = threading.Lock()
 
 
@@ -265,9 +266,23 @@ def checkpoint_path(path: str | os.PathLike[str]) -> str:
     ones."""
     text = _text(path)
     if scheme_of(text) is None:
+        _refuse_slash_missing(text)
         return text
     entry = scheme_for(text)
     return text if entry.local is None else entry.local(text)
+
+
+def _refuse_slash_missing(text: str) -> None:
+    """A relative path whose first part is a served scheme and a colon is that scheme's URL
+    with a slash missing: refused rather than made a local folder ``s3:`` on the node's disk."""
+    match = _SLASH_MISSING.match(text)
+    with _lock:
+        served = match is not None and match.group(1).lower() in _SCHEMES
+    if match is not None and served:
+        url = f"{match.group(1).lower()}://{text[match.end():].lstrip('/')}"
+        raise UnsupportedPathError(
+            f"{text}: a slash is missing after {match.group(0)!r} (ckptio would write a local "
+            f"folder {match.group(0)!r}); write {url}, or ./{text} for a local folder so named")
 
 
 def scheme_for(location: str) -> Scheme:

@@ -1,9 +1,9 @@
 """Talking to Azure Blob Storage: az:// URLs, the client, retries and what an error means.
 
-``az://container/prefix`` locations are parsed here (AzPath); the container clients of
-azure-storage-blob are made here, imported lazily (without the package an az:// path raises
-CkptError naming ``pip install 'ckptio[azure]'``), one service client per process and
-settings, shared by threads.
+``az://container/prefix`` locations are AzPath (storage/bucket_url.py's form and parsing, with
+Azure's container names); the container clients of azure-storage-blob are made here, imported
+lazily (without the package an az:// path raises CkptError naming ``pip install
+'ckptio[azure]'``), one service client per process and settings, shared by threads.
 
 Retries are ours, not the SDK's (``retry_total=0``), as in storage/s3/client.py and sharing its
 deadline and outage record (storage/s3/timeouts.py): throttling, 5xx, timeouts and resets are
@@ -14,15 +14,15 @@ UNREACHED_S; a malformed account fails at once. Giving up raises StorageIOError 
 blob, the endpoint and the fix; an error answer is raised as the SDK's HttpResponseError for
 the caller to read (404, 409, 412) or map with failed().
 
-Owns: AzPath, container(), call(), status()/code()/failed(). Does not own: the deadline and
-outage bookkeeping (s3/timeouts.py), the settings (az_settings.py), what is written or read,
-the wording of an endpoint never reached (object_common.py).
+Owns: AzPath (Azure's container names), container(), call(), status()/code()/failed(). Does
+not own: the URL's form and parsing (bucket_url.py), the deadline and outage bookkeeping
+(s3/timeouts.py), the settings (az_settings.py), what is written or read, the wording of an
+endpoint never reached (object_common.py).
 """
 
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 import urllib.parse
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
 from ckptio.options import MiB
+from ckptio.storage.bucket_url import BucketUrl, UrlForm
 from ckptio.storage.azure.az_settings import CONNECTION_ENV, AzureSettings
 from ckptio.storage.object_common import unreached
 from ckptio.storage.s3 import timeouts
@@ -45,51 +46,33 @@ CONNECT_S = 5.0  # one attempt's wait for its TCP connection
 SINGLE_BYTES = 256 * MiB  # one GET or PUT at most (no chunking by the SDK below this)
 T = TypeVar("T")
 Timeouts = dict[str, Any]  # the per-request keyword arguments of one attempt (seconds)
-_CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}")
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _clients: dict[tuple[AzureSettings, str | None], Any] = {}
 _clients_lock = threading.Lock()
 _reached: set[str] = set()  # endpoints that answered this process
 
 
-@dataclass(frozen=True)
-class AzPath:
+@dataclass(frozen=True, repr=False)
+class AzPath(BucketUrl):
     """``az://container/name``: a location (name = its prefix, no trailing '/') or a blob."""
 
-    container: str
-    name: str
-
-    @classmethod
-    def parse(cls, url: str) -> AzPath:
-        if not url.startswith(SCHEME):
-            raise CkptError(f"{url!r} is not an az:// URL")
-        box, _, name = url[len(SCHEME):].partition("/")
-        if not _CONTAINER.fullmatch(box):
-            raise CkptError(f"{url}: {box!r} is not an Azure container name (3-63 lower-case "
-                            "letters, digits and single hyphens); write az://CONTAINER/PREFIX, "
-                            "e.g. az://checkpoints/run-7")
-        name = name.rstrip("/")
-        if "//" in name or any(part in (".", "..") for part in name.split("/")):
-            raise CkptError(f"{url}: the prefix {name!r} has an empty, '.' or '..' part; write "
-                            "az://CONTAINER/PREFIX with plain parts")
-        return cls(box, name)
+    FORM = UrlForm(SCHEME, r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}", a_url="an az:// URL",
+                   bucket="an Azure container name (3-63 lower-case letters, digits and single "
+                   "hyphens)", write="az://CONTAINER/PREFIX", example="az://checkpoints/run-7",
+                   key="the prefix")
 
     @property
-    def url(self) -> str:
-        return f"{SCHEME}{self.container}/{self.name}" if self.name else SCHEME + self.container
-
-    def child(self, name: str) -> AzPath:
-        return AzPath(self.container, f"{self.name}/{name}" if self.name else name)
+    def container(self) -> str:
+        """The container (BucketUrl's bucket)."""
+        return self.bucket
 
     @property
-    def key(self) -> str:
-        """The blob name (object_tree.Place's key)."""
-        return self.name
+    def name(self) -> str:
+        """The blob name (BucketUrl's key)."""
+        return self.key
 
-    @property
-    def dir_prefix(self) -> str:
-        """The prefix that lists what is inside this location ("" for a whole container)."""
-        return f"{self.name}/" if self.name else ""
+    def __repr__(self) -> str:
+        return f"AzPath(container={self.container!r}, name={self.name!r})"
 
 
 def container(settings: AzureSettings, name: str) -> Any:

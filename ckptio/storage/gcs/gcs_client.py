@@ -1,8 +1,9 @@
 """Talking to Google Cloud Storage: URLs, the client, retries and what an error means.
 
-``gs://bucket/prefix`` locations are parsed here (GcsPath); the google-cloud-storage client is
-made here, imported lazily (without it a gs:// path raises CkptError naming the ``[gcs]``
-extra), one per process and settings, shared by threads.
+``gs://bucket/prefix`` locations are GcsPath (storage/bucket_url.py's form and parsing, with
+GCS's bucket names); the google-cloud-storage client is made here, imported lazily (without
+it a gs:// path raises CkptError naming the ``[gcs]`` extra), one per process and settings,
+shared by threads.
 
 Retries are ours, not the library's (every request is sent with ``retry=None``): 408, 429,
 5xx, resets and timeouts are retried with full-jitter backoff until
@@ -14,10 +15,11 @@ endpoint (or the proxy to it, or Google's token service) that never answered thi
 (retried for UNREACHED_S only). Only the library's own exception types are caught (``errors()``), each
 mapped to StorageIOError naming the object and the fix.
 
-Owns: GcsPath, client(), call() (the retry loop), status() of a failure, failed(),
-no_bucket().
-Does not own: the settings (gcs_settings.py), what is written or read, the deadline and outage
-bookkeeping (s3/timeouts.py), the wording of an endpoint never reached (object_common.py).
+Owns: GcsPath (GCS's bucket names), client(), call() (the retry loop), status() of a failure,
+failed(), no_bucket().
+Does not own: the URL's form and parsing (bucket_url.py), the settings (gcs_settings.py), what
+is written or read, the deadline and outage bookkeeping (s3/timeouts.py), the wording of an
+endpoint never reached (object_common.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import http.client
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ckptio.errors import CkptError, StorageIOError
+from ckptio.storage.bucket_url import BucketUrl, UrlForm
 from ckptio.storage.gcs.gcs_settings import GcsSettings
 from ckptio.storage.object_common import unreached
 from ckptio.storage.s3 import timeouts
@@ -46,42 +48,16 @@ SCHEME = "gs://"
 UNREACHED_S = 3.0  # an endpoint that never answered is retried this long (a server starting)
 T = TypeVar("T")
 Timeout = tuple[float, float]  # (connect, read) seconds of one attempt
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 _RETRIED = (408, 429, 500, 502, 503, 504)
 
 
 @dataclass(frozen=True)
-class GcsPath:
+class GcsPath(BucketUrl):
     """``gs://bucket/key``: a location (key = its prefix, no trailing '/') or an object."""
 
-    bucket: str
-    key: str
-
-    @classmethod
-    def parse(cls, url: str) -> GcsPath:
-        if not url.startswith(SCHEME):
-            raise CkptError(f"{url!r} is not a gs:// URL")
-        bucket, _, key = url[len(SCHEME):].partition("/")
-        if not _BUCKET.fullmatch(bucket):
-            raise CkptError(f"{url}: {bucket!r} is not a GCS bucket name; write "
-                            "gs://BUCKET/PREFIX, e.g. gs://my-bucket/run-7/step-100")
-        key = key.rstrip("/")
-        if "//" in key or any(part in (".", "..") for part in key.split("/")):
-            raise CkptError(f"{url}: the object prefix {key!r} has an empty, '.' or '..' part; "
-                            "write gs://BUCKET/PREFIX with plain parts")
-        return cls(bucket, key)
-
-    @property
-    def url(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}" if self.key else f"{SCHEME}{self.bucket}"
-
-    def child(self, name: str) -> GcsPath:
-        return GcsPath(self.bucket, f"{self.key}/{name}" if self.key else name)
-
-    @property
-    def dir_prefix(self) -> str:
-        """The prefix that lists what is inside this location ("" for a whole bucket)."""
-        return f"{self.key}/" if self.key else ""
+    FORM = UrlForm(SCHEME, r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]", a_url="a gs:// URL",
+                   bucket="a GCS bucket name", write="gs://BUCKET/PREFIX",
+                   example="gs://my-bucket/run-7/step-100", key="the object prefix")
 
 
 _clients: dict[tuple[Any, ...], Any] = {}

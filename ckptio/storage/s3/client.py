@@ -197,6 +197,13 @@ def failed(what: str, exc: BaseException) -> CkptError:
         return StorageIOError(f"{what} failed: {describe(exc)}: the bucket does not exist: "
                               "create it, or fix the bucket name in the s3:// location or the "
                               "endpoint (AWS_ENDPOINT_URL)")
+    if code(exc) == "InvalidBucketName":  # '_' or upper case: only old buckets had them
+        return StorageIOError(f"{what} failed: {describe(exc)}: the service refuses the bucket's "
+                              "name: fix the bucket name in the s3:// location (lower-case "
+                              "letters, digits, '-' and '.')")
+    if code(exc) == "KeyTooLongError":  # the prefix leaves no room for a checkpoint's names
+        return StorageIOError(f"{what} failed: {describe(exc)}: a key under this location is "
+                              "longer than S3 allows (1024 bytes): write a shorter s3:// prefix")
     if status(exc) == 403:  # a wrong secret (SignatureDoesNotMatch) or a missing permission
         return StorageIOError(f"{what} failed: {describe(exc)}: access denied: check the "
                               "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
