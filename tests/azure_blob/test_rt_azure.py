@@ -138,7 +138,7 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(through(az_proxy), retry_deadline_s=30.0)
-    message = raises_within(az_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
+    message = raises_within(az_client.UNREACHED_S + 8, lambda: ckptio.Checkpointer(
         options).save(random_state(1, mib=1), f"{az_env}/proxied"))
     assert "proxy" in message and "HTTPS_PROXY" in message and dead in message, message
 
@@ -156,7 +156,7 @@ def test_an_account_url_that_cannot_be_reached_names_the_network_in_seconds(
         ckptio.Checkpointer(options).save(random_state(1, mib=1), "az://ckpt/run/a")
     took = time.monotonic() - began
     message = str(info.value)
-    assert took < az_client.UNREACHED_S + 6, f"{took:.1f} s: {message}"
+    assert took < az_client.UNREACHED_S + 10, f"{took:.1f} s: {message}"
     assert "network" in message and "az://ckpt/run/a" in message, message
 
 

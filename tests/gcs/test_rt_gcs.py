@@ -169,7 +169,7 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(gcs_proxy.endpoint, retry_deadline_s=30.0)
-    message = raises_within(gcs_client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(
+    message = raises_within(gcs_client.UNREACHED_S + 8, lambda: ckptio.Checkpointer(
         options).save(random_state(1, mib=1), f"{gcs_url}/proxied"))
     assert "proxy" in message and "HTTPS_PROXY" in message and dead in message, message
 
@@ -182,7 +182,7 @@ def test_with_no_endpoint_set_and_google_unreachable_the_save_fails_in_seconds(
     for name in ("STORAGE_EMULATOR_HOST", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     options = ckptio.Options(storage={"gs": {"credentials": "anonymous"}})
-    message = raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer(
+    message = raises_within(gcs_client.UNREACHED_S + 10, lambda: ckptio.Checkpointer(
         options).save(random_state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/a"))
     assert "Google Cloud Storage cannot be reached" in message, message
     assert "network" in message and "STORAGE_EMULATOR_HOST" in message, message
@@ -207,7 +207,7 @@ def test_with_default_credentials_and_google_unreachable_the_save_fails_in_secon
     for name in ("STORAGE_EMULATOR_HOST", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
-    message = raises_within(gcs_client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
+    message = raises_within(gcs_client.UNREACHED_S + 10, lambda: ckptio.Checkpointer().save(
         random_state(1, mib=1), "gs://ckptio-rtgcs-nowhere/run/b"))
     assert "network" in message and "gs://ckptio-rtgcs-nowhere/run/b" in message, message
 

@@ -190,7 +190,7 @@ def test_a_proxy_that_does_not_answer_fails_within_seconds_naming_the_proxy(
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, dead)
     options = _options(s3_proxy.endpoint, s3_retry_deadline_s=30.0)
-    message = raises_within(client.UNREACHED_S + 4, lambda: ckptio.Checkpointer(options).save(
+    message = raises_within(client.UNREACHED_S + 8, lambda: ckptio.Checkpointer(options).save(
         _state(1, mib=1), f"{s3_env}/proxied"))
     assert "the proxy to" in message and "HTTPS_PROXY" in message and dead in message, message
 
@@ -204,7 +204,7 @@ def test_with_no_endpoint_set_and_aws_unreachable_the_save_fails_in_seconds_nami
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_REGION", "xx-nowhere-9")  # s3.xx-nowhere-9.amazonaws.com: no host
-    message = raises_within(client.UNREACHED_S + 6, lambda: ckptio.Checkpointer().save(
+    message = raises_within(client.UNREACHED_S + 10, lambda: ckptio.Checkpointer().save(
         _state(1, mib=1), "s3://ckptio-rts3-nowhere/run/a"))
     assert "AWS S3 cannot be reached" in message and "AWS_REGION" in message, message
     assert "network" in message and "AWS_ENDPOINT_URL" in message, message
