@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 
-__all__ = ["CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
+__all__ = ["CAST_HINT", "CheckpointLockedError", "CheckpointNotFoundError", "CkptError",
            "CorruptCheckpointError", "IncompleteCheckpointError", "ManifestError",
            "PickleRefusedError", "RankFailedError", "SaveTimeoutError", "StateMismatchError",
            "StorageIOError", "UnsupportedPathError", "UnsupportedStateError", "in_base", "refixed",
@@ -45,10 +45,14 @@ class UnsupportedStateError(CkptError):
     """The state to save holds something ckptio will not store (as asked)."""
 
 
+CAST_HINT = " (pass cast=True to convert)"  # a dtype's line: load's own argument, as ``fix``
+
+
 class StateMismatchError(CkptError):
     """The destination state does not match the checkpoint (keys, dtypes, shapes). ``fix``:
     the end of the message that names ckptio.load's own arguments (strict=, keys=) as the fix,
-    which an integration whose user cannot pass them replaces with its own (refixed)."""
+    which an integration whose user cannot pass them replaces with its own (refixed); a
+    dtype's line names cast= (CAST_HINT), which ``problem`` leaves out too."""
 
     def __init__(self, message: str, fix: str = "") -> None:
         super().__init__(message + fix)
@@ -58,8 +62,8 @@ class StateMismatchError(CkptError):
     def problem(self) -> str:
         """The message without its ``fix``: what does not match, with no fix of load's."""
         said = str(self)
-        return (said[:-len(self.fix)] if self.fix and said.endswith(self.fix) else said).rstrip(
-            " .")
+        said = said[:-len(self.fix)] if self.fix and said.endswith(self.fix) else said
+        return said.replace(CAST_HINT, "").rstrip(" .")
 
 
 class PickleRefusedError(CkptError):

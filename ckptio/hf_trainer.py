@@ -50,7 +50,6 @@ from ckptio.storage.local import runlease
 __all__ = ["CKPTIO_DIR", "CkptioTrainer", "CkptioTrainerMixin", "checkpoint_problem",
            "last_checkpoint"]
 
-_CAST_HINT = " (pass cast=True to convert)"  # the load's, for a dtype: no option through it
 _HOOKS = ("train", "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler",
           "_save_scaler", "_save_rng_state", "_load_from_checkpoint",
           "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state", "_load_best_model")
@@ -229,7 +228,7 @@ class CkptioTrainerMixin:
             self._ckptio_checkpointer().load(inner, {**(beside or {}), **objects},
                                              keys=list(objects), record=self._ckptio_record(inner))
         except StateMismatchError as exc:
-            what = exc.problem.replace(_CAST_HINT, "")
+            what = exc.problem  # without load's own strict= and cast= hints
             raise StateMismatchError(
                 f"cannot resume from {os.path.dirname(inner)}: this trainer's "
                 f"{' / '.join(sorted(objects))} differ from what the checkpoint saved ({what}). "

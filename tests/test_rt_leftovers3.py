@@ -79,6 +79,26 @@ def test_torchtitan_resized_layer_says_torchtitans_fix_only(
     _no_load_arguments(said)
 
 
+def test_torchtitan_model_of_another_dtype_says_no_load_argument(
+        titan: Any, tmp_path: Path) -> None:
+    """The model built in float64 since a float32 save: the refusal names the key and both
+    dtypes, TorchTitan's fix, and neither cast=True nor strict=False (no such options there)."""
+    job = titan.Job(tmp_path)
+    for _ in range(2):
+        job.step()
+    job.checkpointer.close()
+    again = titan.Job(tmp_path)
+    again.model.to(torch.float64)
+    with pytest.raises(ckptio.StateMismatchError) as caught:
+        again.checkpointer.load()
+    again.checkpointer.close()
+    said = str(caught.value)
+    assert "weight.exp_avg: dtype torch.float64 in the state, torch.float32 in the checkpoint" \
+        in said, said
+    assert "--checkpoint" in said and "cast=True" not in said, said
+    _no_load_arguments(said)
+
+
 def test_torchtitan_initial_load_of_a_resized_layer_says_torchtitans_fix_only(
         titan: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--checkpoint.initial_load_path to a checkpoint of a model since resized: TorchTitan's

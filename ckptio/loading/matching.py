@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptio.errors import StateMismatchError
+from ckptio.errors import CAST_HINT, StateMismatchError
 from ckptio.format.flatten import FlatState
 from ckptio.format.param_names import is_marker
 from ckptio.format.types import Json, Manifest, ObjectEntry
@@ -254,8 +254,8 @@ def _into(key: str, value: object, region: Held | None, source: TensorSource,
                          "t.clone() in the state instead")
     if dest.dtype == dtype or cast:
         return Leaf(key, source, region, cast=dest.dtype != dtype)
-    return _Mismatch(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint (pass "
-                     "cast=True to convert)", resized=True)
+    return _Mismatch(f"{key}: dtype {dest.dtype} in the state, {dtype} in the checkpoint"
+                     f"{CAST_HINT}", resized=True)
 
 
 def _numpy_dest(value: object) -> torch.Tensor | None:
