@@ -52,6 +52,16 @@ def test_plain_load_of_a_resized_layer_still_says_strict_false(tmp_path: Path) -
     assert str(tmp_path / "c") in said, said
 
 
+def test_plain_load_of_another_dtype_still_says_cast_true(tmp_path: Path) -> None:
+    """ckptio.load's own dtype refusal keeps naming its argument (cast=True)."""
+    ckptio.save({"w": torch.zeros(3)}, tmp_path / "c")
+    with pytest.raises(ckptio.StateMismatchError) as err:
+        ckptio.load(tmp_path / "c", {"w": torch.zeros(3, dtype=torch.float64)})
+    said = str(err.value)
+    assert "w: dtype torch.float64 in the state, torch.float32 in the checkpoint (pass " \
+        "cast=True to convert)" in said, said
+
+
 @pytest.fixture()
 def titan(monkeypatch: pytest.MonkeyPatch) -> Any:
     pytest.importorskip("torchtitan.components.checkpointer.base")
