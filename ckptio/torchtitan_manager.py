@@ -43,7 +43,6 @@ from torchtitan.tools import filesystem
 from ckptio.errors import (
     CheckpointNotFoundError,
     CkptError,
-    CorruptCheckpointError,
     StateMismatchError,
     refixed,
     restated,
@@ -51,7 +50,8 @@ from ckptio.errors import (
 from ckptio.export import export_hf
 from ckptio.managing.manager import CheckpointManager
 from ckptio.saving.handle import SaveHandle
-from ckptio.shared import load, save
+from ckptio.format.manifest import Manifest
+from ckptio.shared import checkpointer, load, save
 from ckptio.storage.select import store_for
 from ckptio.storage.steps import foreign
 
@@ -234,12 +234,12 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"(committed: {steps or 'none'})")
         if steps:
             newest = steps[-1] if step == -1 else step
-            kind = self._kind(newest)
+            record = self._manifest(newest)  # read once: the restore loads with it
             # async saves: their staging sized and faulted in behind the load (the first save
             # returns at copy speed); synchronous ones fault in what they stage themselves
             ahead = self.config.async_mode != "disabled" and not self.config.load_only
             try:
-                states = self._restored(newest, None if step == -1 else step, kind, ahead)
+                states = self._restored(newest, None if step == -1 else step, record, ahead)
             except StateMismatchError as exc:
                 raise refixed(exc, "Through TorchTitan: this job's model or optimizer differs "
                               "from the one that saved it; build it as saved, leave states out "
@@ -276,22 +276,40 @@ class CkptioCheckpointManager(BaseCheckpointManager):
                 f"step into a new --checkpoint.folder: --checkpoint.initial_load_path "
                 f"{self.manager.path(step)} --checkpoint.initial_load_model_only false")
 
-    def _kind(self, step: int) -> str:
-        """What step ``step`` holds: "full", or "model" (a final model-only save)."""
-        try:
-            return str(self.manager.metadata(step).get("metadata", {}).get(KIND, "full"))
-        except CorruptCheckpointError:  # its manifest is damaged: restore() passes over it
-            return "full"  # to the step before (saying so), or names the damage if asked for it
+    def _manifest(self, step: int) -> Manifest | None:
+        """Step ``step``'s manifest, read by rank 0 and sent to the others; None where it
+        cannot be read (damaged, gone): the restore then reads it, passing over a damaged step
+        to the one before (saying so), or naming the damage if asked for it."""
+        got: list[Manifest | None] = [None]
+        many = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        if not many or torch.distributed.get_rank() == 0:
+            try:
+                got[0] = checkpointer().manifest(self.manager.path(step))
+            except Exception:  # noqa: BLE001 - any failure: the restore's own read says it
+                got[0] = None
+        if many:
+            torch.distributed.broadcast_object_list(got, src=0)
+        return got[0]
 
-    def _restored(self, newest: int, step: int | None, kind: str, ahead: bool) -> dict[str, Any]:
-        """The states restored from step ``newest`` (``step`` None: the newest loadable)."""
-        if newest == 0 or kind == "model":  # a seed or a final model-only step
+    @staticmethod
+    def _kind(record: Manifest | None) -> str:
+        """What a step holds, by its manifest: "full", or "model" (a final model-only save)."""
+        metadata = record.meta.get("metadata") if record is not None else None
+        return str(metadata.get(KIND, "full")) if isinstance(metadata, dict) else "full"
+
+    def _restored(self, newest: int, step: int | None, record: Manifest | None,
+                  ahead: bool) -> dict[str, Any]:
+        """The states restored from step ``newest`` (``step`` None: the newest loadable) with
+        its manifest ``record`` (None: the restore reads it)."""
+        given: dict[str, Any] = {} if record is None else {"record": record}
+        if newest == 0 or self._kind(record) == "model":  # a seed or a final model-only step
             states = self._states_to_load(model_only=True)
             self.manager.restore(states, step=newest, cast=True,  # export_dtype back
-                                 prepare=ahead)
+                                 prepare=ahead, **given)
         else:
             states = self._states_to_load(model_only=False)
-            self.manager.restore(states, step=step, prepare=ahead, keys=self._not_excluded())
+            self.manager.restore(states, step=step, prepare=ahead, keys=self._not_excluded(),
+                                 **given)
         return states
 
     def _initial_load(self) -> bool:

@@ -50,6 +50,7 @@ from ckptio.managing.parts import ManagerParts
 from ckptio.managing.restoring import (
     candidates,
     emptiness,
+    first_only,
     incomplete,
     nothing_to_restore,
     restore_first,
@@ -253,7 +254,8 @@ class CheckpointManager(ManagerParts):
         the staging stays as its saves sized it, and the restore pays for no pool dropped,
         made or faulted in). ``prepare=False``: this job's saves are synchronous, so nothing is
         prepared ahead: the load reads through a pool of its own size, faulted by its reads
-        only, and a save's copies fault in what it stages. docs/MANAGER.md says the rest."""
+        only, and a save's copies fault in what it stages. ``record``: the manifest of the newest
+        (or ``step``) in tier 0, read just before: not read again. docs/MANAGER.md says the rest."""
         if state is None:
             raise CkptError("CheckpointManager.restore(state) loads in place: pass the state to "
                             "fill (for fresh tensors use ckptio.load(mgr.path(step)))")
@@ -341,7 +343,7 @@ class CheckpointManager(ManagerParts):
         ``listings`` (the tiers', agreed: _lists_first())."""
         if self._guard is not None:
             record = restore_guarded(self._guard, self._levels, self._listings,
-                                     self._ck.verify, state, step, load_kwargs)
+                                     self._ck.verify, state, step, first_only(load_kwargs, False))
             if record is None:
                 return None
             self.last_restore = record

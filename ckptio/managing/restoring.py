@@ -39,8 +39,8 @@ from ckptio.storage import missing_manifest
 from ckptio.storage.select import root_for
 from ckptio.storage.steproot import is_empty
 
-__all__ = ["Restored", "candidates", "emptiness", "incomplete", "neighbours", "nothing_to_restore",
-           "restore_first", "started_fresh", "where"]
+__all__ = ["Restored", "candidates", "emptiness", "first_only", "incomplete", "neighbours",
+           "nothing_to_restore", "restore_first", "started_fresh", "where"]
 
 Listing = dict[str, list[Any]]
 log = logging.getLogger("ckptio")
@@ -98,8 +98,9 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
         newer = [s for s in newer if s < candidate]
         for k in holders:
             level, started = levels[k], time.perf_counter()
+            kwargs = first_only(load_kwargs, (candidate, k) == (found[0][0], 0))
             # a copy that cannot be read (a storage error): the same step from the next tier
-            why = level.try_load(candidate, state, load_kwargs, unreadable=k != holders[-1])
+            why = level.try_load(candidate, state, kwargs, unreadable=k != holders[-1])
             if why is None:
                 level.succeeded(candidate)
                 if passed:
@@ -114,6 +115,15 @@ def restore_first(levels: Sequence[TierSteps], listings: Sequence[Listing], stat
     raise CorruptCheckpointError(
         f"no {what} in {where(levels)} could be restored: {'; '.join(passed)}. The copies are "
         "left as they are; restore(state, step=N) loads one step")
+
+
+def first_only(load_kwargs: dict[str, Any], first: bool) -> dict[str, Any]:
+    """``load_kwargs`` for one copy: a ``record`` (the manifest of the first tier's copy of the
+    step tried first, read by the caller just before) only for that copy, which is then not
+    read again; any other copy, a fallback, reads its own."""
+    if first or "record" not in load_kwargs:
+        return load_kwargs
+    return {key: value for key, value in load_kwargs.items() if key != "record"}
 
 
 def emptiness(levels: Sequence[TierSteps], listings: Sequence[Listing]) -> str | None:

@@ -31,6 +31,13 @@ U = TypeVar("U", bound="BucketUrl")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def _lower_case(url: str, scheme: str) -> str:
+    """The fix for a URL whose scheme is spelled in capitals ("S3://"), or ""."""
+    if not url.lower().startswith(scheme):
+        return ""
+    return f"; write the scheme in lower case: {scheme}{url[len(scheme):]}"
+
+
 @dataclass(frozen=True)
 class UrlForm:
     """One scheme's URL rules and the words of its messages."""
@@ -58,7 +65,7 @@ class BucketUrl:
     def parse(cls: type[U], url: str) -> U:
         form = cls.FORM
         if not url.startswith(form.scheme):
-            raise CkptError(f"{url!r} is not {form.a_url}")
+            raise CkptError(f"{url!r} is not {form.a_url}{_lower_case(url, form.scheme)}")
         bucket, _, key = url[len(form.scheme):].partition("/")
         if not re.fullmatch(form.bucket_pattern, bucket):
             raise CkptError(f"{url}: {bucket!r} is not {form.bucket}; write {form.write}, "

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ckptio.alignment import is_aligned
 from ckptio.errors import CkptError
 from ckptio.options import MiB
+from ckptio.storage.select import scheme_of
 from ckptio.tuning import profile
 from ckptio.tuning.choice import TIE, Candidate, best_of
 
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     profile.check_storable()  # before minutes of measuring, not after
     with _terminate_as_exit():
-        if args.dir.startswith("s3://"):
+        if scheme_of(args.dir) == "s3":  # "S3://" too: its store says to write s3://
             return run_s3(args)
         return run_dir(args)
 
